@@ -1,0 +1,79 @@
+"""The codec catalog: codecs and simulated workers discovered through entry points.
+
+Built-in formats register in this project's own ``pyproject.toml`` exactly as an external
+distribution would (``streamproc.codecs`` and ``streamproc.workers`` groups), so discovery is
+exercised by every run rather than special-cased.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib.metadata import EntryPoint, entry_points
+
+from .codec import Codec, CodecOptions
+from .correlator import UnknownFormat
+from .simulation import SimulatedWorker
+
+CODECS_GROUP = "streamproc.codecs"
+WORKERS_GROUP = "streamproc.workers"
+
+
+@lru_cache(maxsize=None)
+def _entries(group: str) -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def refresh() -> None:
+    """Forget cached discovery (after installing a codec distribution at run time)."""
+    _entries.cache_clear()
+
+
+def codec_names() -> list[str]:
+    return sorted(_entries(CODECS_GROUP))
+
+
+def codec_class(name: str) -> type[Codec]:
+    entries = _entries(CODECS_GROUP)
+    ep = entries.get(name)
+    if ep is None:
+        raise UnknownFormat(name, sorted(entries))
+    cls = ep.load()
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"entry point {name!r} ({ep.value}) is not a streamproc Codec subclass")
+    return cls
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(name, distribution, description) for every installed codec."""
+    rows = []
+    for name, ep in sorted(_entries(CODECS_GROUP).items()):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        try:
+            description = codec_class(name).description
+        except Exception as exc:  # a broken plugin is reported, not fatal to the listing
+            description = f"(failed to load: {exc})"
+        rows.append((name, dist, description))
+    return rows
+
+
+class Catalog:
+    """Codec instances for one processor, created once per name with the processor's limits."""
+
+    def __init__(self, options: CodecOptions | None = None) -> None:
+        self.options = options or CodecOptions()
+        self._codecs: dict[str, Codec] = {}
+
+    def __call__(self, name: str) -> Codec:
+        codec = self._codecs.get(name)
+        if codec is None:
+            codec = codec_class(name)(self.options)
+            self._codecs[name] = codec
+        return codec
+
+
+def worker_for(name: str) -> SimulatedWorker:
+    entries = _entries(WORKERS_GROUP)
+    ep = entries.get(name)
+    if ep is None:
+        raise LookupError(f"no simulated worker for format {name!r}; available: {', '.join(sorted(entries))}")
+    return ep.load()()

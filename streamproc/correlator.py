@@ -1,0 +1,426 @@
+"""The correlator: a sans-I/O state machine that turns worker chunks into ordered results.
+
+Chunks and the current time go in; decisions come out (:class:`~streamproc.wire.Result` to
+publish, :class:`Settle` for input that contributes to nothing, :class:`Notice` for logs).
+It never reads a clock, never blocks and never raises on bad input, which is what lets the
+property tests drive it with arbitrary interleavings at thousands of cases per second.
+
+Per request it keeps a reorder buffer for the output leg (``agg`` or ``decode``) and the
+prefill leg's chunks. Results leave strictly in seq order. A decode chunk the codec says needs
+prefill data waits for the prefill leg, at most ``prefill_timeout``; then the codec applies its
+omission policy. Every bound (in-flight requests, buffered chunks, remembered finished ids)
+is explicit in :class:`CorrelatorConfig`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+import msgspec
+
+from .codec import Codec, ErrorKind, JoinSession
+from .wire import Chunk, Result, Role, Verdict
+
+
+class CorrelatorConfig(msgspec.Struct, frozen=True):
+    prefill_timeout: float = 30.0
+    request_timeout: float = 300.0
+    finished_grace: float = 60.0
+    max_inflight: int = 10_000
+    max_buffered_chunks: int = 4096
+    max_finished: int = 200_000
+
+
+class Settle(msgspec.Struct, frozen=True):
+    """Input tokens that contribute to no result (duplicates, late chunks): ack them now."""
+
+    tokens: tuple
+
+
+class Notice(msgspec.Struct, frozen=True):
+    """Something an operator may want in the log, always with the request id."""
+
+    request_id: str
+    event: str
+    detail: str = ""
+
+
+Decision = Result | Settle | Notice
+
+
+class Stats(msgspec.Struct):
+    chunks: int = 0
+    results: int = 0
+    passthrough: int = 0
+    joined: int = 0
+    omitted: int = 0
+    errors: int = 0
+    duplicates: int = 0
+    late: int = 0
+    rejected: int = 0
+    timeouts: int = 0
+    prefill_timeouts: int = 0
+    overloaded: int = 0
+
+
+class UnknownFormat(LookupError):
+    def __init__(self, name: str, available: list[str]) -> None:
+        super().__init__(f"unknown format {name!r}; installed codecs: {', '.join(available) or 'none'}")
+        self.name = name
+        self.available = available
+
+
+CodecResolver = Callable[[str], Codec]
+
+
+class _Request:
+    """Mutable per-request state; slots keep the hot path allocation-light."""
+
+    __slots__ = (
+        "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
+        "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent",
+    )
+
+    def __init__(self, request_id: str, codec: Codec, format: str) -> None:
+        self.request_id = request_id
+        self.codec = codec
+        self.format = format
+        self.session: JoinSession | None = None
+        self.kind: Role | None = None  # AGG or DECODE: which leg carries the results
+        self.next_seq = 0
+        self.pending: dict[int, Chunk] = {}
+        self.final_seq: int | None = None
+        self.prefill: dict[int, Chunk] = {}
+        self.prefill_final: int | None = None
+        self.prefill_state = _PREFILL_OPEN
+        self.waiting_since: float | None = None
+        self.held: list = []  # tokens of chunks whose results are not stored yet (prefill leg)
+        self.traceparent: str | None = None
+
+
+_PREFILL_OPEN, _PREFILL_DONE = 0, 1
+
+
+class Correlator:
+    def __init__(
+        self,
+        resolve: CodecResolver,
+        default_format: str,
+        config: CorrelatorConfig | None = None,
+    ) -> None:
+        self._resolve = resolve
+        self.default_format = default_format
+        self._default_codec = resolve(default_format)
+        self.config = config or CorrelatorConfig()
+        self.stats = Stats()
+        # Insertion order == deadline order because each timeout is one constant duration.
+        self._active: OrderedDict[str, tuple[_Request, float]] = OrderedDict()
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        self._finished: OrderedDict[str, float] = OrderedDict()
+
+    # ------------------------------------------------------------------ inputs
+
+    def receive(self, chunk: Chunk, now: float) -> list[Decision]:
+        self.stats.chunks += 1
+        rid = chunk.request_id
+        entry = self._active.get(rid)
+        if entry is None:
+            if rid in self._finished:
+                return self._late(chunk)
+            if chunk.attempt != 0:
+                return self._reject_new(chunk, "migration attempts are not supported yet", now)
+            if chunk.role is Role.AGG and chunk.final and chunk.seq == 0:
+                # Unary aggregated response: the common case gets no per-request state at all.
+                return [self._finish_unary(chunk, now)]
+            if len(self._active) >= self.config.max_inflight:
+                return self._overloaded(chunk, now)
+            try:
+                codec = self._codec_for(chunk.format)
+            except UnknownFormat as exc:
+                return self._reject_new(chunk, str(exc), now, ErrorKind.UNKNOWN_FORMAT)
+            req = _Request(rid, codec, chunk.format or self.default_format)
+            req.traceparent = chunk.traceparent
+        else:
+            req = entry[0]
+            self._active.move_to_end(rid)
+        self._active[rid] = (req, now)
+
+        if chunk.attempt != 0:
+            return self._fail(req, ErrorKind.INVALID_CHUNK, "migration attempts are not supported yet", now,
+                              extra=(chunk.token,))
+        if chunk.format is not None and chunk.format != req.format:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"chunk format {chunk.format!r} differs from the request's {req.format!r}",
+                              now, extra=(chunk.token,))
+        if chunk.role is Role.PREFILL:
+            return self._receive_prefill(req, chunk, now)
+        return self._receive_output(req, chunk, now)
+
+    def reject(self, request_id: str, reason: str, now: float, token: object = None) -> list[Decision]:
+        """A message for ``request_id`` broke the contract before it became a Chunk: end the request."""
+        self.stats.rejected += 1
+        tokens = (token,) if token is not None else ()
+        if request_id in self._finished:
+            self.stats.late += 1
+            return [Settle(tokens), Notice(request_id, "rejected_after_finish", reason)]
+        entry = self._active.get(request_id)
+        if entry is None:
+            req = _Request(request_id, self._default_codec, self.default_format)
+            self._active[request_id] = (req, now)
+        else:
+            req = entry[0]
+        return self._fail(req, ErrorKind.INVALID_CHUNK, reason, now, extra=tokens)
+
+    def tick(self, now: float) -> list[Decision]:
+        """Fire every timeout due at ``now``."""
+        out: list[Decision] = []
+        cfg = self.config
+        while self._waiting:
+            rid, req = next(iter(self._waiting.items()))
+            if req.waiting_since is None or req.waiting_since + cfg.prefill_timeout > now:
+                break
+            del self._waiting[rid]
+            self.stats.prefill_timeouts += 1
+            out.append(Notice(rid, "prefill_timeout", f"no complete prefill leg after {cfg.prefill_timeout}s"))
+            try:
+                self._prefill_done(req, None, "prefill_timeout")
+            except Exception as exc:
+                out.extend(self._codec_failed(req, exc, now))
+                continue
+            out.extend(self._drain(req, now))
+        while self._active:
+            rid, (req, last) = next(iter(self._active.items()))
+            if last + cfg.request_timeout > now:
+                break
+            self.stats.timeouts += 1
+            out.extend(self._fail(req, ErrorKind.TIMEOUT, f"no progress for {cfg.request_timeout}s", now))
+        while self._finished:
+            rid, expiry = next(iter(self._finished.items()))
+            if expiry > now and len(self._finished) <= cfg.max_finished:
+                break
+            del self._finished[rid]
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which :meth:`tick` has something to do."""
+        cfg = self.config
+        times = []
+        if self._waiting:
+            req = next(iter(self._waiting.values()))
+            if req.waiting_since is not None:
+                times.append(req.waiting_since + cfg.prefill_timeout)
+        if self._active:
+            times.append(next(iter(self._active.values()))[1] + cfg.request_timeout)
+        if self._finished:
+            times.append(next(iter(self._finished.values())))
+        return min(times) if times else None
+
+    # ------------------------------------------------------------- inspection
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    def is_finished(self, request_id: str) -> bool:
+        return request_id in self._finished
+
+    def unsettled(self) -> Iterator[object]:
+        """Tokens of every input chunk still held (for extending ack deadlines)."""
+        for req, _ in self._active.values():
+            yield from req.held
+            for c in req.pending.values():
+                if c.token is not None:
+                    yield c.token
+
+    # --------------------------------------------------------------- internals
+
+    def _codec_for(self, name: str | None) -> Codec:
+        if name is None or name == self.default_format:
+            return self._default_codec
+        return self._resolve(name)
+
+    def _late(self, chunk: Chunk) -> list[Decision]:
+        self.stats.late += 1
+        return [Settle((chunk.token,)), Notice(chunk.request_id, "late_chunk",
+                                                f"{chunk.role.value} seq {chunk.seq} after the request finished")]
+
+    def _finish_unary(self, chunk: Chunk, now: float) -> Result:
+        # Aggregated bodies never reach a codec, so even an unknown Streamproc-Format passes through.
+        self._remember_finished(chunk.request_id, now)
+        self.stats.results += 1
+        self.stats.passthrough += 1
+        return Result(chunk.request_id, 0, chunk.body, True, Verdict.PASSTHROUGH,
+                      traceparent=chunk.traceparent, settles=(chunk.token,))
+
+    def _overloaded(self, chunk: Chunk, now: float) -> list[Decision]:
+        self.stats.overloaded += 1
+        self.stats.errors += 1
+        self.stats.results += 1
+        self._remember_finished(chunk.request_id, now)
+        body = self._default_codec.error_body(
+            f"processor overloaded: {self.config.max_inflight} requests in flight", ErrorKind.OVERLOADED)
+        return [Result(chunk.request_id, 0, body, True, error=ErrorKind.OVERLOADED.value,
+                       traceparent=chunk.traceparent, settles=(chunk.token,)),
+                Notice(chunk.request_id, "overloaded", f"max_inflight={self.config.max_inflight}")]
+
+    def _reject_new(self, chunk: Chunk, reason: str, now: float,
+                    kind: ErrorKind = ErrorKind.INVALID_CHUNK) -> list[Decision]:
+        self.stats.rejected += 1
+        req = _Request(chunk.request_id, self._default_codec, self.default_format)
+        req.traceparent = chunk.traceparent
+        self._active[chunk.request_id] = (req, now)
+        return self._fail(req, kind, reason, now, extra=(chunk.token,))
+
+    def _receive_prefill(self, req: _Request, chunk: Chunk, now: float) -> list[Decision]:
+        if req.kind is Role.AGG:
+            return self._fail(req, ErrorKind.INVALID_CHUNK, "prefill chunk for an aggregated request", now,
+                              extra=(chunk.token,))
+        req.kind = Role.DECODE
+        if req.prefill_state is _PREFILL_DONE or chunk.seq in req.prefill:
+            self.stats.duplicates += 1
+            return [Settle((chunk.token,))]
+        if req.prefill_final is not None and chunk.seq > req.prefill_final:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"prefill seq {chunk.seq} after final seq {req.prefill_final}", now,
+                              extra=(chunk.token,))
+        if chunk.final:
+            if any(s > chunk.seq for s in req.prefill):
+                return self._fail(req, ErrorKind.INVALID_CHUNK,
+                                  f"prefill final seq {chunk.seq} below an earlier seq", now, extra=(chunk.token,))
+            req.prefill_final = chunk.seq
+        if len(req.prefill) + len(req.pending) >= self.config.max_buffered_chunks:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
+                              extra=(chunk.token,))
+        req.prefill[chunk.seq] = chunk
+        if chunk.token is not None:
+            req.held.append(chunk.token)
+        if req.prefill_final is None or len(req.prefill) != req.prefill_final + 1:
+            return []
+        bodies = [req.prefill[s].body for s in range(req.prefill_final + 1)]
+        self._waiting.pop(req.request_id, None)
+        try:
+            self._prefill_done(req, bodies, "")
+        except Exception as exc:  # a codec bug must cost one request, not the processor
+            return self._codec_failed(req, exc, now)
+        return self._drain(req, now)
+
+    def _prefill_done(self, req: _Request, bodies: list[bytes] | None, reason: str) -> None:
+        req.prefill_state = _PREFILL_DONE
+        req.prefill.clear()  # bodies now live (parsed) in the session only
+        session = self._session(req)
+        if bodies is None:
+            session.prefill_unavailable(reason)
+        else:
+            session.absorb_prefill(bodies)
+
+    def _session(self, req: _Request) -> JoinSession:
+        if req.session is None:
+            req.session = req.codec.open_session()
+        return req.session
+
+    def _receive_output(self, req: _Request, chunk: Chunk, now: float) -> list[Decision]:
+        role = chunk.role
+        if req.kind is None:
+            req.kind = role
+        elif req.kind is not role:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"{role.value} chunk for a request whose results come from {req.kind.value}",
+                              now, extra=(chunk.token,))
+        seq = chunk.seq
+        if seq < req.next_seq or seq in req.pending:
+            self.stats.duplicates += 1
+            return [Settle((chunk.token,))]
+        if req.final_seq is not None and (seq > req.final_seq or chunk.final):
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"{role.value} seq {seq} conflicts with final seq {req.final_seq}", now,
+                              extra=(chunk.token,))
+        if chunk.final:
+            if req.pending and max(req.pending) > seq:
+                return self._fail(req, ErrorKind.INVALID_CHUNK,
+                                  f"final seq {seq} below an earlier seq", now, extra=(chunk.token,))
+            req.final_seq = seq
+        if len(req.pending) + len(req.prefill) >= self.config.max_buffered_chunks:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
+                              extra=(chunk.token,))
+        req.pending[seq] = chunk
+        if seq != req.next_seq or req.waiting_since is not None:
+            return []
+        return self._drain(req, now)
+
+    def _drain(self, req: _Request, now: float) -> list[Decision]:
+        """Publish every chunk that is next in order and ready."""
+        out: list[Decision] = []
+        pending = req.pending
+        stats = self.stats
+        while req.next_seq in pending:
+            chunk = pending[req.next_seq]
+            if req.kind is Role.AGG:
+                body, verdict = chunk.body, Verdict.PASSTHROUGH
+            else:
+                try:
+                    session = self._session(req)
+                    if req.prefill_state is _PREFILL_OPEN and session.needs_prefill(chunk.body, chunk.final):
+                        if req.waiting_since is None:
+                            req.waiting_since = now
+                            self._waiting[req.request_id] = req
+                        return out
+                    body, verdict = session.join(chunk.body, chunk.final)
+                except Exception as exc:
+                    out.extend(self._codec_failed(req, exc, now))
+                    return out
+            del pending[req.next_seq]
+            req.waiting_since = None
+            final = chunk.final
+            settles: tuple = (chunk.token,)
+            if final:
+                settles = settles + tuple(req.held)
+                req.held.clear()
+            out.append(Result(req.request_id, req.next_seq, body, final, verdict,
+                              traceparent=chunk.traceparent, settles=settles))
+            stats.results += 1
+            if verdict is Verdict.PASSTHROUGH:
+                stats.passthrough += 1
+            elif verdict is Verdict.JOINED:
+                stats.joined += 1
+            else:
+                stats.omitted += 1
+            req.next_seq += 1
+            if final:
+                self._forget(req, now)
+                return out
+        return out
+
+    def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
+        detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
+        return self._fail(req, ErrorKind.INTERNAL, detail, now)
+
+    def _fail(self, req: _Request, kind: ErrorKind, message: str, now: float, extra: tuple = ()) -> list[Decision]:
+        """End a request with a final error result at the next seq; release everything it held."""
+        tokens = list(req.held)
+        tokens.extend(c.token for c in req.pending.values())
+        tokens.extend(t for t in extra if t is not None)
+        body = req.codec.error_body(message, kind)
+        result = Result(req.request_id, req.next_seq, body, True, error=kind.value,
+                        traceparent=req.traceparent, settles=tuple(t for t in tokens if t is not None))
+        self.stats.errors += 1
+        self.stats.results += 1
+        self._forget(req, now)
+        return [result, Notice(req.request_id, f"error:{kind.value}", message)]
+
+    def _forget(self, req: _Request, now: float) -> None:
+        rid = req.request_id
+        self._active.pop(rid, None)
+        self._waiting.pop(rid, None)
+        req.pending.clear()
+        req.prefill.clear()
+        req.held.clear()
+        self._remember_finished(rid, now)
+
+    def _remember_finished(self, rid: str, now: float) -> None:
+        self._finished[rid] = now + self.config.finished_grace
+        self._finished.move_to_end(rid)
+        if len(self._finished) > self.config.max_finished:
+            self._finished.popitem(last=False)

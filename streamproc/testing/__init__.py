@@ -1,0 +1,1 @@
+"""Public testkit: property laws every codec inherits, and a pure pipeline harness."""
