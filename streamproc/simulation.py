@@ -41,6 +41,7 @@ class Truth(msgspec.Struct, frozen=True):
     finish: str = "length"  # "length" or "stop"
     stale: str = "garbage"  # decode's stale prompt rows: "garbage" or "zeros"
     decode_omits_one_token_experts: bool = False  # SGLang #39146: one-token decode may drop the field
+    decode_coverage: str = "full"  # vLLM decode rows: "full" (stale prompt prefix) or "suffix" (post-prompt only)
 
     @property
     def prompt_len(self) -> int:
