@@ -1,0 +1,336 @@
+"""The correlator on its own, driven with a toy codec so every rule is visible in the bytes.
+
+Toy format: a decode body starting with ``need:`` needs the prefill leg; the join appends
+``|<prefill bodies>`` or ``|omitted:<reason>``. Anything else passes through.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamproc.codec import Codec, ErrorKind, JoinSession
+from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle, UnknownFormat
+from streamproc.testing.harness import Run, leg, shuffle_with_duplicates
+from streamproc.wire import Chunk, Result, Role, Verdict
+
+
+class ToySession(JoinSession):
+    def __init__(self) -> None:
+        self.prefill: bytes | None = None
+        self.reason = ""
+
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        if body == b"explode":
+            raise RuntimeError("toy codec bug")
+        return body.startswith(b"need:")
+
+    def absorb_prefill(self, bodies):
+        self.prefill = b"+".join(bodies)
+
+    def prefill_unavailable(self, reason: str) -> None:
+        self.reason = reason
+
+    def join(self, body: bytes, final: bool):
+        if not body.startswith(b"need:"):
+            return body, Verdict.PASSTHROUGH
+        if self.prefill is None:
+            return body + b"|omitted:" + self.reason.encode(), Verdict.OMITTED
+        return body + b"|" + self.prefill, Verdict.JOINED
+
+
+class ToyCodec(Codec):
+    name = "toy"
+
+    def open_session(self) -> JoinSession:
+        return ToySession()
+
+    def fold(self, bodies):
+        return b"".join(bodies)
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return f"ERR[{kind.value}]{message}".encode()
+
+
+class OtherToy(ToyCodec):
+    name = "other"
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return b"OTHER-ERR"
+
+
+CODECS = {"toy": ToyCodec(), "other": OtherToy()}
+
+
+def resolve(name: str) -> Codec:
+    if name not in CODECS:
+        raise UnknownFormat(name, sorted(CODECS))
+    return CODECS[name]
+
+
+def make(**config) -> tuple[Correlator, Run]:
+    c = Correlator(resolve, "toy", CorrelatorConfig(**config))
+    return c, Run(c)
+
+
+def feed(run: Run, chunks, now: float = 0.0) -> Run:
+    for ch in chunks:
+        run.absorb(run.correlator.receive(ch, now))
+    return run
+
+
+def bodies(results: list[Result]) -> list[bytes]:
+    return [r.body for r in results]
+
+
+def test_unary_aggregated_chunk_is_published_at_once_and_leaves_no_state():
+    c, run = make()
+    feed(run, leg("a", Role.AGG, [b"\x00opaque\xff"]))
+    [r] = run.results
+    assert (r.seq, r.final, r.verdict, r.body) == (0, True, Verdict.PASSTHROUGH, b"\x00opaque\xff")
+    assert r.settles == (("a", "agg", 0, 0),)
+    assert c.inflight == 0 and c.is_finished("a")
+
+
+def test_streamed_chunks_are_published_in_seq_order_whatever_the_arrival_order():
+    c, run = make()
+    chunks = leg("s", Role.AGG, [b"0", b"1", b"2", b"3"])
+    feed(run, [chunks[2], chunks[0], chunks[3], chunks[1]])
+    assert bodies(run.results) == [b"0", b"1", b"2", b"3"]
+    assert [r.final for r in run.results] == [False, False, False, True]
+    assert c.inflight == 0
+
+
+def test_repeated_chunks_are_dropped_and_settled_immediately():
+    c, run = make()
+    chunks = leg("d", Role.AGG, [b"0", b"1"])
+    feed(run, [chunks[0], chunks[0]])
+    assert bodies(run.results) == [b"0"]
+    assert c.stats.duplicates == 1
+    feed(run, [chunks[1], chunks[1]])
+    assert bodies(run.results) == [b"0", b"1"]
+    assert c.stats.late == 1  # after the final it is a late chunk, still settled
+    assert run.settled.count(("d", "agg", 0, 1)) == 2
+
+
+def test_decode_chunk_needing_prefill_waits_for_the_complete_prefill_leg():
+    c, run = make()
+    feed(run, leg("p", Role.DECODE, [b"free", b"need:x"]))
+    assert bodies(run.results) == [b"free"]  # needs nothing: published at once
+    pre = leg("p", Role.PREFILL, [b"P0", b"P1"])
+    feed(run, [pre[1]])
+    assert len(run.results) == 1  # prefill incomplete: still waiting
+    feed(run, [pre[0]])
+    assert bodies(run.results) == [b"free", b"need:x|P0+P1"]
+    assert run.results[-1].verdict is Verdict.JOINED
+
+
+def test_prefill_tokens_are_settled_with_the_final_result_only():
+    c, run = make()
+    feed(run, leg("t", Role.PREFILL, [b"P"]))
+    feed(run, leg("t", Role.DECODE, [b"need:0", b"need:1"]))
+    first, last = run.results
+    assert first.settles == (("t", "decode", 0, 0),)
+    assert set(last.settles) == {("t", "decode", 0, 1), ("t", "prefill", 0, 0)}
+
+
+def test_later_chunks_queue_behind_a_chunk_waiting_for_prefill():
+    c, run = make()
+    feed(run, leg("q", Role.DECODE, [b"need:0", b"free1", b"free2"]))
+    assert run.results == []
+    assert set(c.unsettled()) == {("q", "decode", 0, i) for i in range(3)}
+    feed(run, leg("q", Role.PREFILL, [b"P"]))
+    assert bodies(run.results) == [b"need:0|P", b"free1", b"free2"]
+
+
+def test_prefill_timeout_applies_the_omission_policy_and_unblocks_the_stream():
+    c, run = make(prefill_timeout=5.0)
+    feed(run, leg("o", Role.DECODE, [b"need:0", b"free"]), now=100.0)
+    assert c.next_deadline() == 105.0
+    run.absorb(c.tick(104.9))
+    assert run.results == []
+    run.absorb(c.tick(105.0))
+    assert bodies(run.results) == [b"need:0|omitted:prefill_timeout", b"free"]
+    assert run.results[0].verdict is Verdict.OMITTED
+    assert c.stats.prefill_timeouts == 1
+    # The prefill leg arriving now is late: dropped, settled, never joined.
+    feed(run, leg("o", Role.PREFILL, [b"P"]), now=106.0)
+    assert len(run.results) == 2 and c.stats.late == 1
+
+
+def test_prefill_arriving_after_timeout_but_before_final_is_ignored():
+    c, run = make(prefill_timeout=1.0)
+    feed(run, leg("w", Role.DECODE, [b"need:0", b"need:1", b"need:2"])[:1], now=0.0)
+    run.absorb(c.tick(1.0))
+    feed(run, leg("w", Role.PREFILL, [b"P"]), now=1.5)
+    feed(run, leg("w", Role.DECODE, [b"need:0", b"need:1", b"need:2"])[1:], now=2.0)
+    assert bodies(run.results) == [b"need:0|omitted:prefill_timeout", b"need:1|omitted:prefill_timeout",
+                                   b"need:2|omitted:prefill_timeout"]
+    assert c.stats.duplicates == 1  # the prefill chunk, counted and settled
+
+
+def test_request_without_progress_gets_a_final_error_result_and_is_freed():
+    c, run = make(request_timeout=10.0)
+    feed(run, leg("slow", Role.AGG, [b"0", b"1", b"2"])[:1], now=0.0)
+    run.absorb(c.tick(9.9))
+    assert c.inflight == 1
+    run.absorb(c.tick(10.0))
+    assert c.inflight == 0
+    err = run.results[-1]
+    assert (err.seq, err.final, err.error) == (1, True, "timeout")
+    assert err.body.startswith(b"ERR[timeout]")
+    assert any(isinstance(n, Notice) and n.request_id == "slow" for n in run.notices)
+
+
+def test_progress_postpones_the_request_timeout():
+    c, run = make(request_timeout=10.0)
+    chunks = leg("live", Role.AGG, [b"0", b"1", b"2"])
+    feed(run, chunks[:1], now=0.0)
+    feed(run, chunks[1:2], now=8.0)
+    run.absorb(c.tick(12.0))
+    assert c.inflight == 1
+    feed(run, chunks[2:], now=12.0)
+    assert bodies(run.results) == [b"0", b"1", b"2"]
+
+
+def test_finished_requests_are_forgotten_after_the_grace_period():
+    c, run = make(finished_grace=5.0)
+    feed(run, leg("g", Role.AGG, [b"x"]), now=0.0)
+    run.absorb(c.tick(4.0))
+    assert c.is_finished("g")
+    run.absorb(c.tick(5.0))
+    assert not c.is_finished("g")
+
+
+def test_finished_set_is_bounded():
+    c, run = make(max_finished=3)
+    for i in range(10):
+        feed(run, leg(f"f{i}", Role.AGG, [b"x"]))
+    assert [c.is_finished(f"f{i}") for i in range(10)] == [False] * 7 + [True] * 3
+
+
+def test_new_requests_past_max_inflight_get_an_overloaded_error():
+    c, run = make(max_inflight=2)
+    feed(run, leg("a", Role.AGG, [b"0", b"1"])[:1])
+    feed(run, leg("b", Role.AGG, [b"0", b"1"])[:1])
+    feed(run, leg("c", Role.AGG, [b"0", b"1"])[:1])
+    err = run.of("c")
+    assert len(err) == 1 and err[0].error == "overloaded" and err[0].final
+    assert c.inflight == 2 and c.stats.overloaded == 1
+    # Unary aggregated requests need no state and still pass while saturated.
+    feed(run, leg("u", Role.AGG, [b"unary"]))
+    assert bodies(run.of("u")) == [b"unary"]
+
+
+def test_reorder_buffer_is_bounded_per_request():
+    c, run = make(max_buffered_chunks=4)
+    chunks = leg("big", Role.AGG, [str(i).encode() for i in range(10)])
+    feed(run, chunks[1:6])
+    [err] = run.of("big")
+    assert err.error == "invalid_chunk" and err.seq == 0
+    assert set(err.settles) == {ch.token for ch in chunks[1:6]}
+    assert c.inflight == 0
+
+
+@pytest.mark.parametrize(
+    "chunks, reason",
+    [
+        ([Chunk("m", Role.AGG, 0, b"a"), Chunk("m", Role.DECODE, 1, b"b")], "decode chunk for a request"),
+        ([Chunk("m", Role.AGG, 0, b"a"), Chunk("m", Role.PREFILL, 0, b"p")], "prefill chunk for an aggregated"),
+        ([Chunk("m", Role.AGG, 1, b"a", final=True), Chunk("m", Role.AGG, 2, b"b")], "conflicts with final"),
+        ([Chunk("m", Role.AGG, 1, b"a", final=True), Chunk("m", Role.AGG, 0, b"b", final=True)], "conflicts"),
+        ([Chunk("m", Role.AGG, 3, b"a"), Chunk("m", Role.AGG, 1, b"b", final=True)], "below an earlier seq"),
+        ([Chunk("m", Role.AGG, 0, b"a"), Chunk("m", Role.AGG, 1, b"b", format="other")], "differs"),
+        ([Chunk("m", Role.AGG, 0, b"a", format="nope")], "unknown format 'nope'"),
+        ([Chunk("m", Role.AGG, 0, b"a", attempt=1)], "migration"),
+    ],
+)
+def test_contract_violations_end_the_request_with_an_error_result(chunks, reason):
+    c, run = make()
+    feed(run, chunks)
+    err = run.results[-1]
+    assert err.final and err.error in ("invalid_chunk", "unknown_format")
+    assert reason in err.body.decode()
+    assert c.inflight == 0
+    assert [r.seq for r in run.results] == list(range(len(run.results)))
+
+
+def test_reject_from_the_shell_ends_an_active_request_at_the_next_seq():
+    c, run = make()
+    feed(run, leg("r", Role.AGG, [b"0", b"1"])[:1])
+    run.absorb(c.reject("r", "missing required header Streamproc-Seq", 0.0, token="bad"))
+    assert [(r.seq, r.final, r.error) for r in run.results] == [(0, False, None), (1, True, "invalid_chunk")]
+    assert "bad" in run.results[-1].settles
+
+
+def test_reject_for_an_unknown_request_publishes_a_single_error_result():
+    c, run = make()
+    run.absorb(c.reject("new", "unknown role 'x'", 0.0))
+    [err] = run.results
+    assert (err.seq, err.final, err.error) == (0, True, "invalid_chunk")
+    assert c.stats.rejected == 1
+
+
+def test_per_request_format_selects_that_codecs_error_envelope():
+    c, run = make()
+    feed(run, [Chunk("f", Role.AGG, 0, b"a", format="other"), Chunk("f", Role.AGG, 0, b"a", attempt=1)])
+    assert run.results[-1].body == b"OTHER-ERR"
+
+
+def test_an_unknown_format_on_a_unary_aggregated_chunk_still_passes_through():
+    c, run = make()
+    feed(run, [Chunk("u", Role.AGG, 0, b"body", final=True, format="nope")])
+    assert bodies(run.results) == [b"body"]
+
+
+def test_a_codec_exception_fails_only_its_own_request():
+    c, run = make()
+    feed(run, leg("bad", Role.DECODE, [b"explode"]))
+    feed(run, leg("good", Role.AGG, [b"fine"]))
+    assert run.of("bad")[0].error == "internal" and b"toy codec bug" in run.of("bad")[0].body
+    assert bodies(run.of("good")) == [b"fine"]
+
+
+def test_traceparent_is_carried_to_results():
+    c, run = make()
+    feed(run, [Chunk("tp", Role.AGG, 0, b"x", final=True, traceparent="00-abc-def-01")])
+    assert run.results[0].traceparent == "00-abc-def-01"
+
+
+def test_next_deadline_is_none_when_idle():
+    c, _ = make()
+    assert c.next_deadline() is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.sampled_from(["agg", "pd"]), st.integers(1, 5), st.integers(1, 3), st.booleans()),
+        min_size=1, max_size=5,
+    ),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_arrival_order_with_duplicates_gives_the_in_order_results(requests, seed):
+    chunks = []
+    for i, (mode, n, p, needy) in enumerate(requests):
+        rid = f"r{i}"
+        out = [(b"need:" if needy and k % 2 == 0 else b"") + f"{rid}-{k}".encode() for k in range(n)]
+        if mode == "agg":
+            chunks += leg(rid, Role.AGG, out)
+        else:
+            chunks += leg(rid, Role.PREFILL, [f"P{rid}{k}".encode() for k in range(p)])
+            chunks += leg(rid, Role.DECODE, out)
+    _, ordered = make()
+    feed(ordered, chunks)
+    _, shuffled = make()
+    feed(shuffled, shuffle_with_duplicates(chunks, random.Random(seed), dup_rate=0.5))
+    for i in range(len(requests)):
+        want = [(r.seq, r.final, r.body, r.verdict) for r in ordered.of(f"r{i}")]
+        assert [(r.seq, r.final, r.body, r.verdict) for r in shuffled.of(f"r{i}")] == want
+        assert want[-1][1] and all(b"omitted" not in w[2] for w in want)
+    assert shuffled.correlator.inflight == 0
+    assert set(shuffled.settled) == {c.token for c in chunks}
+    assert not [d for d in shuffled.results if isinstance(d, Settle)]
