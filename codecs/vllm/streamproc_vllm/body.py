@@ -1,0 +1,117 @@
+"""The vLLM ``/inference/v1/generate`` body as plain JSON objects: parsing, field names, token labels.
+
+Bodies stay ``dict``s rather than typed structs on purpose: the join must republish every key a
+worker sent, including ones this codec has never heard of, and only touch the fields it owns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import msgspec
+
+ROUTED_EXPERTS = "routed_experts"
+PROMPT_LOGPROBS = "prompt_logprobs"
+UNAVAILABLE_SUFFIX = "_unavailable_reason"
+TOKEN_LABEL_PREFIX = "token_id:"
+CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob
+
+_decoder = msgspec.json.Decoder()
+
+
+def unavailable_key(field: str) -> str:
+    return field + UNAVAILABLE_SUFFIX
+
+
+def token_label(token_id: int) -> str:
+    """vLLM's TITO placeholder for a token that was not detokenised."""
+    return f"{TOKEN_LABEL_PREFIX}{token_id}"
+
+
+def parse(body: bytes) -> Any:
+    """Strict JSON first; Python-style ``NaN``/``Infinity`` as a fallback.
+
+    Python workers that serialise with the stdlib emit non-finite logprobs as bare ``NaN`` or
+    ``-Infinity``; vLLM's rule is to clamp those, which needs the body parsed first.
+    Raises ``ValueError`` when the body is not JSON at all.
+    """
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"body is not JSON: {exc}") from None
+
+
+def parse_object(body: bytes) -> dict | None:
+    """The body as a JSON object, or None when it is anything else."""
+    try:
+        obj = parse(body)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def dump(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def choices_of(obj: dict) -> list[dict]:
+    choices = obj.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [c for c in choices if isinstance(c, dict)]
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def usage_count(obj: dict | None, key: str) -> int | None:
+    if obj is None:
+        return None
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    value = usage.get(key)
+    return value if is_int(value) else None
+
+
+def logprob_entries(choice: dict) -> list | None:
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    return content if isinstance(content, list) else None
+
+
+def label_and_clamp(choice: dict) -> bool:
+    """Give each sampled-token logprob entry its ``token_id:<id>`` label and a finite logprob.
+
+    P/D decode workers leave the label out (§7 "native token labels"); the id is the choice's
+    token at the same position. Returns whether anything changed.
+    """
+    entries = logprob_entries(choice)
+    if not entries:
+        return False
+    token_ids = choice.get("token_ids")
+    token_ids = token_ids if isinstance(token_ids, list) else []
+    changed = False
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            continue
+        new = entry
+        if "token" not in entry and i < len(token_ids) and is_int(token_ids[i]):
+            new = {"token": token_label(token_ids[i]), **entry}
+        logprob = new.get("logprob")
+        if isinstance(logprob, float) and not math.isfinite(logprob):
+            new = dict(new) if new is entry else new
+            new["logprob"] = CLAMPED_LOGPROB
+        if new is not entry:
+            entries[i] = new
+            changed = True
+    return changed

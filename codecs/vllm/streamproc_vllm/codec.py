@@ -1,0 +1,54 @@
+"""The built-in ``vllm`` codec: vLLM's native ``/inference/v1/generate`` response format.
+
+Field rules are documented in ``docs/formats-vllm.md``. Sequence fields are looked up in the
+``sequence_codecs`` registry, so a derived format that ships ``routed_experts`` differently only
+replaces that one entry and inherits the join, fold and error envelope.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Mapping, Sequence
+
+from streamproc.codec import Codec, CodecOptions, ErrorKind, JoinSession, SequenceCodec
+
+from .body import ROUTED_EXPERTS, dump, parse
+from .fold import fold_objects
+from .join import VLLMJoinSession
+from .sequence import Base64Npy
+
+# vLLM's OpenAI-style error types and the HTTP status each goes with (§7 "Errors").
+ERROR_TYPES: Mapping[ErrorKind, tuple[str, int]] = {
+    ErrorKind.TIMEOUT: ("service_unavailable", 503),
+    ErrorKind.OVERLOADED: ("overloaded", 503),
+    ErrorKind.INVALID_CHUNK: ("invalid_request_error", 400),
+    ErrorKind.UNKNOWN_FORMAT: ("invalid_request_error", 400),
+    ErrorKind.INTERNAL: ("internal_error", 500),
+}
+
+
+class VLLMCodec(Codec):
+    name = "vllm"
+    description = "vLLM native generate: routed_experts as Base64 .npy, prompt logprobs from prefill"
+    sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {ROUTED_EXPERTS: Base64Npy}
+
+    def __init__(self, options: CodecOptions | None = None) -> None:
+        super().__init__(options)
+        self.sequences: dict[str, SequenceCodec] = {
+            field: cls(self.options) for field, cls in self.sequence_codecs.items()
+        }
+
+    def open_session(self) -> JoinSession:
+        return VLLMJoinSession(self)
+
+    def fold(self, bodies: Sequence[bytes]) -> bytes:
+        chunks = []
+        for seq, body in enumerate(bodies):
+            obj = parse(body)
+            if not isinstance(obj, dict):
+                raise ValueError(f"chunk {seq} is not a JSON object")
+            chunks.append(obj)
+        return dump(fold_objects(chunks))
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        error_type, code = ERROR_TYPES.get(kind, ERROR_TYPES[ErrorKind.INTERNAL])
+        return dump({"error": {"message": message, "type": error_type, "code": code}})

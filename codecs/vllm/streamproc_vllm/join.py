@@ -1,0 +1,250 @@
+"""The vLLM P/D join: prompt logprobs and prompt expert rows from prefill, token labels filled.
+
+A P/D decode worker only receives KV, so it cannot score the prompt (no ``prompt_logprobs``) and
+either returns garbage for the prompt's expert rows ("full" coverage) or leaves them out ("suffix"
+coverage, vLLM's capturer with ``start_tokens = num_prompt_tokens``). Which one happened is read
+from the row counts, never assumed. Anything that cannot be joined exactly is omitted with a
+``<field>_unavailable_reason`` marker: a client never sees a stale or partial array.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from streamproc.codec import CorruptPayload, JoinSession
+from streamproc.wire import Verdict
+
+from .body import (
+    PROMPT_LOGPROBS,
+    ROUTED_EXPERTS,
+    choices_of,
+    dump,
+    is_int,
+    label_and_clamp,
+    parse_object,
+    unavailable_key,
+    usage_count,
+)
+from .fold import fold_objects
+from .sequence import TOO_LARGE
+
+if TYPE_CHECKING:
+    from .codec import VLLMCodec
+
+PREFILL_MISSING = "prefill_missing"
+PREFILL_CORRUPT = "prefill_corrupt"
+DECODE_MISSING = "decode_missing"
+DECODE_CORRUPT = "decode_corrupt"
+LENGTH_MISMATCH = "length_mismatch"
+SHAPE_MISMATCH = "shape_mismatch"
+INCONSISTENT_LEGS = "inconsistent_legs"
+EXPERT_RANK = 3  # (rows, num_layers, top_k)
+
+
+class _Edit:
+    """What a join did to one body, so the verdict and the bytes follow from it."""
+
+    __slots__ = ("changed", "omitted")
+
+    def __init__(self) -> None:
+        self.changed = False
+        self.omitted = False
+
+    def put(self, target: dict, key: str, value: object) -> None:
+        if key not in target or target[key] != value:
+            target[key] = value
+            self.changed = True
+
+    def drop(self, target: dict, key: str) -> None:
+        if key in target:
+            del target[key]
+            self.changed = True
+
+    def provide(self, target: dict, field: str, value: object) -> None:
+        self.put(target, field, value)
+        self.drop(target, unavailable_key(field))
+
+    def omit(self, target: dict, field: str, reason: str) -> None:
+        self.put(target, field, None)
+        self.put(target, unavailable_key(field), reason)
+        self.omitted = True
+
+
+def _choice_index(choice: dict, position: int) -> int:
+    index = choice.get("index", position)
+    return index if is_int(index) else position
+
+
+class VLLMJoinSession(JoinSession):
+    def __init__(self, codec: VLLMCodec) -> None:
+        self._experts = codec.sequences[ROUTED_EXPERTS]
+        self._max_bytes = codec.options.max_decompressed_bytes
+        self._prefill_known = False
+        self._leg_reason: str | None = None  # the whole prefill leg is unusable, and why
+        self._prefill: dict | None = None  # the prefill leg folded into one object
+        self._prefill_rows: dict[int, np.ndarray | str] = {}  # choice index -> rows or omission reason
+        self._joined = 0
+        self._tokens_seen: dict[int, int] = {}
+        self._parsed: tuple[bytes, dict | None] | None = None
+
+    # ------------------------------------------------------------- prefill leg
+
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        # The first chunk carries prompt_logprobs and the final one routed_experts. A middle chunk
+        # only waits if it unexpectedly carries expert rows, which could be stale.
+        if final or self._joined == 0:
+            return True
+        obj = self._parse(body)
+        return obj is not None and any(c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj))
+
+    def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
+        self._prefill_known = True
+        objects = [parse_object(b) for b in bodies]
+        if not objects or any(o is None for o in objects):
+            self._leg_reason = PREFILL_CORRUPT
+            return
+        self._prefill = fold_objects(objects)  # type: ignore[arg-type]
+        for position, choice in enumerate(choices_of(self._prefill)):
+            self._prefill_rows[_choice_index(choice, position)] = self._prefill_choice_rows(choice)
+
+    def prefill_unavailable(self, reason: str) -> None:
+        self._prefill_known = True
+        self._leg_reason = reason
+
+    def _prefill_choice_rows(self, choice: dict) -> np.ndarray | str:
+        value = choice.get(ROUTED_EXPERTS)
+        if value is None:
+            return PREFILL_MISSING
+        try:
+            rows = self._experts.decode(value)
+        except CorruptPayload as exc:
+            return TOO_LARGE if exc.reason == TOO_LARGE else PREFILL_CORRUPT
+        return rows if rows.ndim == EXPERT_RANK else PREFILL_CORRUPT
+
+    def _prefill_slot(self, index: int) -> np.ndarray | str:
+        if self._leg_reason is not None:
+            return self._leg_reason
+        if not self._prefill_known:
+            return PREFILL_MISSING
+        return self._prefill_rows.get(index, PREFILL_MISSING)
+
+    # ------------------------------------------------------------ decode chunks
+
+    def _parse(self, body: bytes) -> dict | None:
+        cached = self._parsed
+        if cached is not None and cached[0] is body:
+            return cached[1]
+        obj = parse_object(body)
+        self._parsed = (body, obj)
+        return obj
+
+    def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
+        obj = self._parse(body)
+        self._parsed = None
+        first = self._joined == 0
+        self._joined += 1
+        if obj is None:
+            return body, Verdict.PASSTHROUGH  # not a vLLM object: nothing in it can be joined
+        edit = _Edit()
+        choices = choices_of(obj)
+        for position, choice in enumerate(choices):
+            index = _choice_index(choice, position)
+            token_ids = choice.get("token_ids")
+            if isinstance(token_ids, list):
+                self._tokens_seen[index] = self._tokens_seen.get(index, 0) + len(token_ids)
+            if label_and_clamp(choice):
+                edit.changed = True
+        if first:
+            self._join_prompt_logprobs(obj, choices, edit)
+        for position, choice in enumerate(choices):
+            if final or choice.get(ROUTED_EXPERTS) is not None:
+                self._join_experts(obj, choice, _choice_index(choice, position), edit)
+        if edit.omitted:
+            return (dump(obj) if edit.changed else body), Verdict.OMITTED
+        if edit.changed:
+            return dump(obj), Verdict.JOINED
+        return body, Verdict.PASSTHROUGH
+
+    def _prompt_tokens(self, obj: dict) -> int | None:
+        """Prompt length per the decode chunk's usage, else the prefill's (None if neither says)."""
+        own = usage_count(obj, "prompt_tokens")
+        return own if own is not None else usage_count(self._prefill, "prompt_tokens")
+
+    def _join_prompt_logprobs(self, obj: dict, choices: list[dict], edit: _Edit) -> None:
+        from_prefill = self._prefill.get(PROMPT_LOGPROBS) if self._prefill is not None else None
+        from_decode = obj.get(PROMPT_LOGPROBS)
+        if from_prefill is not None:
+            if from_decode is not None and from_decode != from_prefill:
+                edit.omit(obj, PROMPT_LOGPROBS, INCONSISTENT_LEGS)
+            else:
+                edit.provide(obj, PROMPT_LOGPROBS, from_prefill)
+            return
+        if from_decode is not None:
+            return  # decode scored the prompt itself; nothing to join
+        if not any(c.get("logprobs") is not None for c in choices):
+            return  # no logprobs were asked for: an absent list is the native answer
+        prompt_tokens = usage_count(self._prefill, "prompt_tokens")
+        if prompt_tokens is None:
+            prompt_tokens = usage_count(obj, "prompt_tokens")
+        if prompt_tokens == 1:
+            # A one-token prompt has no scored position; vLLM V2 omits the payload for it (§7).
+            edit.provide(obj, PROMPT_LOGPROBS, [None])
+        else:
+            edit.omit(obj, PROMPT_LOGPROBS, self._leg_reason or PREFILL_MISSING)
+
+    def _completion_tokens(self, obj: dict, index: int) -> int:
+        own = usage_count(obj, "completion_tokens")
+        if own is not None and len(self._tokens_seen) <= 1:
+            return own  # with n > 1 usage counts every choice together, so count this one's tokens
+        return self._tokens_seen.get(index, 0)
+
+    def _join_experts(self, obj: dict, choice: dict, index: int, edit: _Edit) -> None:
+        value = choice.get(ROUTED_EXPERTS)
+        slot = self._prefill_slot(index)
+        # Did prefill send expert data at all (even data that turned out bad)?
+        prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == PREFILL_MISSING)
+        if value is None and ROUTED_EXPERTS in choice and not prefill_sent:
+            return  # an explicit null on both legs: expert capture is off, nothing can be stale
+        if isinstance(slot, str):
+            edit.omit(choice, ROUTED_EXPERTS, slot)
+            return
+        prefill_rows = slot
+        prompt_len = prefill_rows.shape[0]
+        prompt_tokens = self._prompt_tokens(obj)
+        if prompt_tokens is None or prompt_tokens != prompt_len:
+            edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+            return
+        total = prompt_tokens + self._completion_tokens(obj, index) - 1  # the last token is never forwarded
+        if total < prompt_len:
+            edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+            return
+        if value is None:
+            if total != prompt_len:
+                edit.omit(choice, ROUTED_EXPERTS, DECODE_MISSING)
+                return
+            joined = prefill_rows  # one-token completion: every decode row would be a prompt row
+        else:
+            try:
+                decode_rows = self._experts.decode(value)
+            except CorruptPayload as exc:
+                edit.omit(choice, ROUTED_EXPERTS, TOO_LARGE if exc.reason == TOO_LARGE else DECODE_CORRUPT)
+                return
+            if decode_rows.ndim != EXPERT_RANK:
+                edit.omit(choice, ROUTED_EXPERTS, DECODE_CORRUPT)
+                return
+            if decode_rows.dtype != prefill_rows.dtype or decode_rows.shape[1:] != prefill_rows.shape[1:]:
+                edit.omit(choice, ROUTED_EXPERTS, SHAPE_MISMATCH)
+                return
+            if decode_rows.shape[0] == total:  # full coverage: replace decode's stale prompt rows
+                joined = np.concatenate([prefill_rows, decode_rows[prompt_len:]])
+            elif prompt_len + decode_rows.shape[0] == total:  # suffix coverage: decode sent post-prompt rows
+                joined = np.concatenate([prefill_rows, decode_rows])
+            else:
+                edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+                return
+        if joined.nbytes > self._max_bytes:
+            edit.omit(choice, ROUTED_EXPERTS, TOO_LARGE)
+            return
+        edit.provide(choice, ROUTED_EXPERTS, self._experts.encode(joined))
