@@ -42,7 +42,8 @@ PREFILL_TIMEOUT = 30.0
 law_settings = settings(
     max_examples=LAW_EXAMPLES,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    # Every CodecLaws subclass shares these test functions, which hypothesis would otherwise flag.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
     derandomize=os.environ.get("CI") == "true",
 )
 
@@ -148,7 +149,12 @@ class CodecLaws:
                 assert rows == truth.experts, "published rows differ from the ground truth"
                 assert reason is None
         rows, reason = w.expert_view(results[-1].body)
-        if truth.return_experts and rows is None:
+        # When neither leg carries the field at all, the request is indistinguishable from one that
+        # never asked for it (law 3 then demands no marker), so only absence is required.
+        prefill_lacks = target == "no_prefill_leg" or (target in ("prefill", "both") and damage is Damage.DROP)
+        decode_lacks = (target in ("decode", "both") and damage is Damage.DROP) or (
+            truth.output_len == 1 and truth.decode_omits_one_token_experts)
+        if truth.return_experts and rows is None and not (prefill_lacks and decode_lacks):
             assert isinstance(reason, str) and reason, "omitted without a reason"
             assert results[-1].verdict is Verdict.OMITTED
 

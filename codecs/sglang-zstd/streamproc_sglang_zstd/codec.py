@@ -1,0 +1,24 @@
+"""The ``sglang-zstd`` codec: everything from ``sglang`` except the ``routed_experts`` encoding.
+
+Aggregated bodies never reach a codec, so the worker's compressed value passes through byte for
+byte; only a P/D join decompresses both legs, splices the rows and recompresses the result.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Mapping
+
+from streamproc.codec import SequenceCodec
+from streamproc_sglang import SGLangCodec
+from streamproc_sglang.native import ROUTED_EXPERTS
+
+from .sequence import Base64ZstdRows
+
+
+class SGLangZstdCodec(SGLangCodec):
+    name = "sglang-zstd"
+    description = "SGLang native /generate; meta_info.routed_experts = Base64(zstd(raw int32 rows))"
+    sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {
+        **SGLangCodec.sequence_codecs,
+        ROUTED_EXPERTS: Base64ZstdRows,
+    }

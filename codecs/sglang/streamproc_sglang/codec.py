@@ -1,0 +1,54 @@
+"""The ``sglang`` codec: SGLang's native ``/generate`` bodies.
+
+Subclasses change one field's wire encoding by overriding one entry of :attr:`SGLangCodec.sequence_codecs`
+and inherit the join, folding and error envelope unchanged (``sglang-zstd`` is the worked example).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Mapping, Sequence
+
+from streamproc.codec import Codec, CodecOptions, ErrorKind, JoinSession, SequenceCodec
+
+from . import native
+from .join import SGLangJoinSession
+from .sequence import Base64Int32Rows
+
+# SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
+ERROR_TYPES: Mapping[ErrorKind, str] = {
+    ErrorKind.TIMEOUT: "timeout",
+    ErrorKind.OVERLOADED: "overloaded",
+    ErrorKind.INVALID_CHUNK: "invalid_request_error",
+    ErrorKind.UNKNOWN_FORMAT: "invalid_request_error",
+    ErrorKind.INTERNAL: "internal_error",
+}
+
+
+class SGLangCodec(Codec):
+    name = "sglang"
+    description = "SGLang native /generate; meta_info.routed_experts = Base64(raw int32 rows)"
+
+    # Wire encoding per sequence field. The instances built from it are shared by every session of
+    # this codec instance (one processor thread), so stateful encoders are created per instance.
+    sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {native.ROUTED_EXPERTS: Base64Int32Rows}
+
+    def __init__(self, options: CodecOptions | None = None) -> None:
+        super().__init__(options)
+        self.sequences: dict[str, SequenceCodec] = {
+            field: cls(self.options) for field, cls in self.sequence_codecs.items()
+        }
+
+    def open_session(self) -> JoinSession:
+        return SGLangJoinSession(self.sequences)
+
+    def fold(self, bodies: Sequence[bytes]) -> bytes:
+        docs = []
+        for index, body in enumerate(bodies):
+            doc = native.parse(body)
+            if doc is None:
+                raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
+            docs.append(doc)
+        return native.encode(native.fold(docs))
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})

@@ -1,0 +1,22 @@
+"""SGLang's ``routed_experts`` wire encoding: Base64 of raw little-endian int32 rows, no header.
+
+The shape is not on the wire (reference notes §3.1); the join derives the row size from the
+prefill leg's ``prompt_tokens``. Rows stay ``bytes`` so a join is two slices and one concatenation.
+"""
+
+from __future__ import annotations
+
+from streamproc.codec import CorruptPayload, SequenceCodec
+from streamproc.decompress import CORRUPT, decode_base64, encode_base64
+
+
+class Base64Int32Rows(SequenceCodec[bytes]):
+    """``routed_experts`` as strict Base64 text; the decoded size is bounded before decoding."""
+
+    def decode(self, value: object) -> bytes:
+        if not isinstance(value, str):
+            raise CorruptPayload(CORRUPT, f"expected a base64 string, got {type(value).__name__}")
+        return decode_base64(value, self.options.max_decompressed_bytes)
+
+    def encode(self, rows: bytes | bytearray | memoryview) -> str:
+        return encode_base64(rows)

@@ -1,0 +1,178 @@
+"""Bounded decoding helpers: strict Base64 and one zstd frame, both limited before allocating."""
+
+from __future__ import annotations
+
+import os
+import time
+import tracemalloc
+
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamproc.codec import CorruptPayload
+from streamproc.decompress import (
+    CORRUPT,
+    TOO_LARGE,
+    base64_decoded_bound,
+    decode_base64,
+    decompress_zstd,
+    encode_base64,
+    zstd_decompressor,
+    zstd_frame_bound,
+)
+
+MIB = 1 << 20
+
+
+def reason_of(call) -> str:
+    with pytest.raises(CorruptPayload) as info:
+        call()
+    return info.value.reason
+
+
+def one_shot(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=3, write_checksum=True, write_content_size=True).compress(data)
+
+
+def streamed(data: bytes) -> bytes:
+    """A frame as a streaming compressor writes it: no content size in the header."""
+    cobj = zstandard.ZstdCompressor(level=3, write_content_size=False).compressobj()
+    return cobj.compress(data) + cobj.flush()
+
+
+def zero_stream_frame(size: int, *, declare: bool) -> bytes:
+    """``size`` zero bytes compressed piecewise, so building a big bomb never holds it in memory."""
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=declare)
+    cobj = cctx.compressobj(size=size if declare else -1)
+    piece = bytes(MIB)
+    parts = []
+    for _ in range(size // MIB):
+        parts.append(cobj.compress(piece))
+    parts.append(cobj.compress(bytes(size % MIB)))
+    parts.append(cobj.flush())
+    return b"".join(parts)
+
+
+# ------------------------------------------------------------------------ base64
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=64), limit=st.integers(0, 80))
+def test_base64_round_trips_within_the_limit_and_is_too_large_beyond_it(data, limit):
+    text = encode_base64(data)
+    if len(data) <= limit:
+        assert decode_base64(text, limit) == data
+    else:
+        assert reason_of(lambda: decode_base64(text, limit)) == TOO_LARGE
+
+
+def test_base64_longer_than_the_bound_is_rejected_before_decoding():
+    # Invalid characters would be CORRUPT if the text were decoded: TOO_LARGE proves it was not.
+    limit = 3000
+    text = "!" * (base64_decoded_bound(limit) + 1)
+    assert reason_of(lambda: decode_base64(text, limit)) == TOO_LARGE
+
+
+def test_base64_at_the_bound_is_decoded_then_judged_by_its_real_size():
+    assert base64_decoded_bound(2) == 4
+    assert reason_of(lambda: decode_base64("AAAA", 2)) == TOO_LARGE  # 3 bytes > 2
+    assert decode_base64("AA==", 2) == b"\x00"
+
+
+@pytest.mark.parametrize("text", ["QQ", "QQ==\n", "Q Q==", "QQ==QQ==", "é", "!!not base64!!", "QUJD\x00"])
+def test_base64_is_strict(text):
+    assert reason_of(lambda: decode_base64(text, 1000)) == CORRUPT
+
+
+# -------------------------------------------------------------------------- zstd
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(max_size=4096), declare=st.booleans())
+def test_zstd_round_trips_with_and_without_a_declared_size(data, declare):
+    frame = one_shot(data) if declare else streamed(data)
+    assert decompress_zstd(frame, 4096, zstd_decompressor(4096)) == data
+
+
+@pytest.mark.parametrize("declare", [True, False])
+def test_zstd_output_of_exactly_the_limit_passes_and_one_byte_more_is_too_large(declare):
+    limit = 10_000
+    make = one_shot if declare else streamed
+    dctx = zstd_decompressor(limit)
+    assert decompress_zstd(make(bytes(limit)), limit, dctx) == bytes(limit)
+    assert reason_of(lambda: decompress_zstd(make(bytes(limit + 1)), limit, dctx)) == TOO_LARGE
+
+
+def test_zstd_bomb_declaring_its_size_is_rejected_from_the_header_alone():
+    frame = zero_stream_frame(64 * MIB, declare=True)
+    assert zstandard.frame_content_size(frame) == 64 * MIB
+    tracemalloc.start()
+    try:
+        started = time.perf_counter()
+        assert reason_of(lambda: decompress_zstd(frame, MIB, zstd_decompressor(MIB))) == TOO_LARGE
+        elapsed = time.perf_counter() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024
+    assert elapsed < 0.05
+
+
+def test_zstd_bomb_without_a_declared_size_is_stopped_past_the_limit_with_bounded_memory():
+    frame = zero_stream_frame(64 * MIB, declare=False)
+    assert zstandard.frame_content_size(frame) == -1
+    limit = 4 * MIB
+    tracemalloc.start()
+    try:
+        assert reason_of(lambda: decompress_zstd(frame, limit, zstd_decompressor(limit))) == TOO_LARGE
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MIB  # 1 MiB measuring steps, never the whole output
+
+
+@pytest.mark.parametrize("declare", [True, False])
+def test_zstd_truncated_frame_is_corrupt(declare):
+    frame = (one_shot if declare else streamed)(os.urandom(5000))
+    assert reason_of(lambda: decompress_zstd(frame[:-7], 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+@pytest.mark.parametrize("declare", [True, False])
+def test_zstd_trailing_data_after_the_frame_is_corrupt(declare):
+    frame = (one_shot if declare else streamed)(b"rows" * 100)
+    assert reason_of(lambda: decompress_zstd(frame + b"extra", 10_000, zstd_decompressor(10_000))) == CORRUPT
+    assert reason_of(lambda: decompress_zstd(frame + frame, 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+def test_zstd_checksum_mismatch_is_corrupt():
+    frame = bytearray(one_shot(bytes(range(256)) * 8))
+    frame[-1] ^= 0xFF  # the last four bytes are the content checksum
+    assert reason_of(lambda: decompress_zstd(bytes(frame), 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+@pytest.mark.parametrize("data", [b"", b"x", b"not a zstd frame at all", b"\x28\xb5\x2f\xfd"])
+def test_zstd_non_frames_are_corrupt(data):
+    assert reason_of(lambda: decompress_zstd(data, 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+def test_zstd_frame_asking_for_a_huge_window_is_refused():
+    # Window_Descriptor 0x80: 2**26 bytes, beyond the 8 MiB a 1 MiB limit allows; no content size.
+    last_rle_block_of_10 = (1 | 1 << 1 | 10 << 3).to_bytes(3, "little") + b"\x00"
+    frame = b"\x28\xb5\x2f\xfd" + b"\x00" + bytes([(26 - 10) << 3]) + last_rle_block_of_10
+    assert reason_of(lambda: decompress_zstd(frame, MIB, zstd_decompressor(MIB))) == CORRUPT
+    assert decompress_zstd(frame, MIB, zstd_decompressor(128 * MIB)) == bytes(10)
+
+
+def test_zstd_accepts_a_memoryview():
+    frame = one_shot(b"abc" * 50)
+    assert decompress_zstd(memoryview(frame), 1000, zstd_decompressor(1000)) == b"abc" * 50
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(0, 300_000), seed=st.integers(0, 2**32 - 1))
+def test_zstd_frame_bound_covers_incompressible_input(size, seed):
+    data = os.urandom(size) if seed % 2 else bytes(size)
+    assert len(one_shot(data)) <= zstd_frame_bound(size)
+    assert len(streamed(data)) <= zstd_frame_bound(size)
