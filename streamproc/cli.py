@@ -1,0 +1,221 @@
+"""``streamproc`` command line: run, codecs, simulate, demo.
+
+User errors (bad settings, unknown format, unreachable NATS, missing nats-server) print one
+clear line on stderr and exit non-zero, without a traceback.
+Exit codes: 0 success, 1 failure (verification failed, start-up failed), 2 bad usage or settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+import anyio
+
+from . import __version__, catalog, config
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UserError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def _settings(args: argparse.Namespace) -> config.Settings:
+    try:
+        return config.from_arguments(args, os.environ)
+    except config.ConfigError as exc:
+        raise UserError(str(exc), EXIT_USAGE) from None
+
+
+# ------------------------------------------------------------------------- commands
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .processor import Processor, StartupError
+
+    settings = _settings(args)
+    if args.print_config:
+        sys.stdout.write(settings.to_json().decode() + "\n")
+        return EXIT_OK
+    _setup_logging(settings.log_level)
+    try:
+        processor = Processor(settings)
+        anyio.run(processor.run)
+    except StartupError as exc:
+        raise UserError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_codecs(args: argparse.Namespace) -> int:
+    rows = catalog.describe()
+    if not rows:
+        print("no codecs installed (entry-point group streamproc.codecs is empty)")
+        return EXIT_FAILURE
+    headers = ("NAME", "DISTRIBUTION", "DESCRIPTION")
+    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(2)]
+    print(f"{headers[0]:<{widths[0]}}  {headers[1]:<{widths[1]}}  {headers[2]}")
+    for name, dist, description in rows:
+        print(f"{name:<{widths[0]}}  {dist:<{widths[1]}}  {description}")
+    return EXIT_OK
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from . import traffic
+    from .demo import print_report
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level)
+    try:
+        worker = catalog.worker_for(settings.format)
+    except LookupError as exc:
+        raise UserError(str(exc), EXIT_USAGE) from None
+    if args.requests < 1:
+        raise UserError("--requests must be at least 1", EXIT_USAGE)
+    if not 0 <= args.duplicates <= 1:
+        raise UserError("--duplicates must be between 0 and 1", EXIT_USAGE)
+    plans = traffic.plan(settings.format, requests=args.requests, mode=args.mode, stream=args.stream,
+                         seed=args.seed, worker=worker)
+    messages = traffic.schedule(plans, seed=args.seed, shuffle=args.shuffle, duplicates=args.duplicates)
+
+    async def main() -> int:
+        import nats
+
+        from .demo import DemoReport, summarize
+        from .results import ResultCollector
+
+        errors: list[Exception] = []
+
+        async def remember(exc: Exception) -> None:  # instead of nats-py's default traceback logging
+            errors.append(exc)
+
+        try:
+            with anyio.fail_after(settings.connect_timeout or None):
+                nc = await nats.connect(settings.nats_url, allow_reconnect=False, error_cb=remember,
+                                        max_reconnect_attempts=1, reconnect_time_wait=0.2,
+                                        connect_timeout=max(1, int(settings.connect_timeout)))
+        except Exception as exc:
+            cause = errors[-1] if errors else exc
+            raise UserError(f"cannot connect to NATS at {settings.nats_url}: "
+                            f"{type(cause).__name__}: {cause}") from None
+        try:
+            if not args.verify:
+                await traffic.publish(nc, settings.subjects, messages, format=settings.format)
+                print(f"published {len(messages)} chunks for {len(plans)} requests "
+                      f"({args.mode}, format {settings.format}) on {settings.subjects.prefix}.chunks.>")
+                return EXIT_OK
+            started = time.perf_counter()
+            async with ResultCollector(nc, settings.subjects) as collector:
+                await traffic.publish(nc, settings.subjects, messages, format=settings.format)
+                timed_out = None
+                try:
+                    await collector.wait_for([p.request_id for p in plans], timeout=args.timeout)
+                except TimeoutError as exc:
+                    timed_out = str(exc)
+            rows, problems = summarize(plans, collector.results, worker)
+            report = DemoReport(settings.format, settings.nats_url, len(messages), time.perf_counter() - started,
+                                rows, problems, None, timed_out, title="streamproc simulate")
+            print_report(report)
+            return EXIT_OK if report.ok else EXIT_FAILURE
+        finally:
+            await nc.close()
+
+    return anyio.run(main)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import default_format, print_report, run_demo
+    from .embedded import EmbeddedNatsError
+    from .processor import StartupError
+
+    _setup_logging("WARNING")
+    if args.requests < 1:
+        raise UserError("--requests must be at least 1", EXIT_USAGE)
+    format = args.format or default_format()
+    try:
+        catalog.worker_for(format)
+    except LookupError as exc:
+        raise UserError(str(exc), EXIT_USAGE) from None
+    try:
+        report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
+                                            timeout=args.timeout))
+    except (EmbeddedNatsError, StartupError) as exc:
+        raise UserError(str(exc)) from None
+    print_report(report)
+    return EXIT_OK if report.ok else EXIT_FAILURE
+
+
+# --------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamproc",
+        description="NATS stream processor: joins prefill/decode LLM responses, passes aggregated ones through.",
+    )
+    parser.add_argument("--version", action="version", version=f"streamproc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the processor against a NATS server",
+                         description="Run the processor until SIGTERM/SIGINT.")
+    config.add_arguments(run)
+    run.add_argument("--print-config", action="store_true", help="print the effective configuration as JSON and exit")
+    run.set_defaults(func=cmd_run)
+
+    codecs = sub.add_parser("codecs", help="list installed codecs (entry-point group streamproc.codecs)")
+    codecs.set_defaults(func=cmd_codecs)
+
+    sim = sub.add_parser("simulate", help="publish simulated worker traffic (optionally verify the results)",
+                         description="Publish simulated worker chunks (each with a Streamproc-Format header) "
+                                     "and, with --verify, check the results of a running processor.")
+    config.add_arguments(sim, ["nats_url", "prefix", "format", "connect_timeout", "log_level"])
+    sim.add_argument("--requests", type=int, default=10, help="number of requests (default 10)")
+    sim.add_argument("--mode", choices=["agg", "pd", "mixed"], default="mixed",
+                     help="aggregated, prefill/decode or both alternating (default mixed)")
+    shape = sim.add_mutually_exclusive_group()
+    shape.add_argument("--stream", dest="stream", action="store_const", const=True, default=None,
+                       help="streaming responses only")
+    shape.add_argument("--unary", dest="stream", action="store_const", const=False,
+                       help="unary responses only (default: alternate)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--shuffle", action="store_true", help="shuffle every chunk, not just interleave legs")
+    sim.add_argument("--duplicates", type=float, default=0.0, help="fraction of chunks published twice")
+    sim.add_argument("--verify", action="store_true",
+                     help="wait for the results of a running processor and verify them")
+    sim.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for results with --verify")
+    sim.set_defaults(func=cmd_simulate)
+
+    demo = sub.add_parser("demo", help="embedded NATS + processor + simulated SGLang workers, verified",
+                          description="Start an embedded nats-server, run the processor in-process, publish "
+                                      "simulated aggregated and P/D traffic and verify every result.")
+    demo.add_argument("--requests", type=int, default=200, help="number of requests (default 200)")
+    demo.add_argument("--format", default=None,
+                      help="codec/worker format (default sglang-zstd if installed, else sglang)")
+    demo.add_argument("--seed", type=int, default=1)
+    demo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all results")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"streamproc {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Processor settings: one typed record, filled from defaults < environment < command-line flags.
+
+Every setting has one name used three ways: the field ``prefill_timeout`` is the environment
+variable ``STREAMPROC_PREFILL_TIMEOUT`` and the flag ``--prefill-timeout``. Ranges are declared
+on the field (msgspec ``Meta``), so an out-of-range value fails at start-up, naming where it came
+from, instead of misbehaving hours later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import typing
+from typing import Annotated, Any, Literal, Mapping
+
+import msgspec
+
+from .codec import DEFAULT_MAX_DECOMPRESSED_BYTES
+from .correlator import CorrelatorConfig
+from .wire import DEFAULT_PREFIX, Subjects
+
+ENV_PREFIX = "STREAMPROC_"
+
+Mode = Literal["core"]  # "durable" (JetStream) is added beside "core" by the durable-input issue
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def _doc(text: str, **constraints: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **constraints)
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Effective configuration of one processor."""
+
+    nats_url: Annotated[str, _doc("NATS server URL(s), comma-separated for a cluster", min_length=1)] = (
+        "nats://127.0.0.1:4222"
+    )
+    prefix: Annotated[str, _doc("subject prefix P: input on P.chunks.>, output on P.results.<request_id>")] = (
+        DEFAULT_PREFIX
+    )
+    format: Annotated[str, _doc("default codec for requests without a Streamproc-Format header "
+                                "(see `streamproc codecs`)", min_length=1)] = "sglang"
+    mode: Annotated[Mode, _doc("input mode; core = plain NATS subscription, at-most-once")] = "core"
+    prefill_timeout: Annotated[float, _doc("seconds a decode chunk waits for the prefill leg before the "
+                                           "omission policy applies", gt=0, le=86_400)] = 30.0
+    request_timeout: Annotated[float, _doc("seconds without progress before a request is ended with a "
+                                           "timeout error result", gt=0, le=7 * 86_400)] = 300.0
+    finished_grace: Annotated[float, _doc("seconds a finished request id is remembered, so late chunks are "
+                                          "dropped instead of starting a new request", gt=0, le=7 * 86_400)] = 60.0
+    max_inflight: Annotated[int, _doc("requests in flight before new ones get an overloaded error result",
+                                      ge=1, le=10_000_000)] = 10_000
+    max_buffered_chunks: Annotated[int, _doc("chunks buffered per request (reorder + prefill) before it is "
+                                             "ended with an error", ge=1, le=10_000_000)] = 4096
+    max_finished: Annotated[int, _doc("finished request ids remembered at most (bounds the grace table)",
+                                      ge=1, le=100_000_000)] = 200_000
+    max_decompressed_bytes: Annotated[int, _doc("largest decoded sequence payload a codec accepts, per "
+                                                "payload", ge=1024, le=2**40)] = DEFAULT_MAX_DECOMPRESSED_BYTES
+    pending_msgs_limit: Annotated[int, _doc("client-side queue of undelivered input messages before nats-py "
+                                            "drops (slow consumer)", ge=1, le=2**31)] = 4 * 1024 * 1024
+    pending_bytes_limit: Annotated[int, _doc("client-side bytes of undelivered input messages before nats-py "
+                                             "drops (slow consumer)", ge=1024, le=2**45)] = 1024 * 1024 * 1024
+    connect_timeout: Annotated[float, _doc("seconds to wait for the first NATS connection at start-up; 0 waits "
+                                           "forever (later disconnects are always retried)", ge=0, le=86_400)] = 30.0
+    drain_timeout: Annotated[float, _doc("seconds a graceful stop may spend draining", gt=0, le=3600)] = 10.0
+    log_level: Annotated[LogLevel, _doc("logging threshold")] = "INFO"
+    stats_interval: Annotated[float, _doc("seconds between statistics log lines; 0 turns them off",
+                                          ge=0, le=86_400)] = 0.0
+
+    def __post_init__(self) -> None:
+        try:
+            Subjects(self.prefix)
+        except ValueError as exc:
+            raise ValueError(f"prefix: {exc}") from None
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.prefix)
+
+    def correlator_config(self) -> CorrelatorConfig:
+        return CorrelatorConfig(
+            prefill_timeout=self.prefill_timeout,
+            request_timeout=self.request_timeout,
+            finished_grace=self.finished_grace,
+            max_inflight=self.max_inflight,
+            max_buffered_chunks=self.max_buffered_chunks,
+            max_finished=self.max_finished,
+        )
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the flag or variable it came from."""
+
+
+class Field(msgspec.Struct, frozen=True):
+    name: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def fields() -> list[Field]:
+    """Every setting with its default, help text and allowed values (drives the CLI and the docs)."""
+    hints = typing.get_type_hints(Settings, include_extras=True)
+    out = []
+    for name, default in zip(Settings.__struct_fields__, Settings.__struct_defaults__):
+        hint = hints[name]
+        base, *extras = typing.get_args(hint) or (hint,)
+        text = next((m.description for m in extras if isinstance(m, msgspec.Meta) and m.description), "")
+        literal = typing.get_args(base) if typing.get_origin(base) is Literal else None
+        out.append(Field(name, default, text, tuple(literal) if literal else None))
+    return out
+
+
+_PATH = re.compile(r"at `\$\.(\w+)`")
+
+
+def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Merge defaults < ``STREAMPROC_*`` environment < ``overrides`` (parsed flags) and validate."""
+    environ = environ if environ is not None else {}
+    sources: dict[str, str] = {}
+    merged: dict[str, Any] = {}
+    for f in fields():
+        if f.env in environ:
+            merged[f.name] = environ[f.env]
+            sources[f.name] = f"environment variable {f.env}={environ[f.env]!r}"
+        if overrides and overrides.get(f.name) is not None:
+            merged[f.name] = overrides[f.name]
+            sources[f.name] = f"flag {f.flag}={overrides[f.name]!r}"
+    if isinstance(merged.get("log_level"), str):
+        merged["log_level"] = merged["log_level"].upper()
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH.search(message)
+        if match and match.group(1) in sources:
+            name = match.group(1)
+            reason = message[:match.start()].rstrip(" -")
+            choices = next((f.choices for f in fields() if f.name == name), None)
+            if choices:
+                reason += f" (allowed: {', '.join(choices)})"
+            raise ConfigError(f"invalid {sources[name]}: {reason}") from None
+        raise ConfigError(f"invalid configuration: {message}") from None
+
+
+_DEST = "setting_"  # keeps setting flags apart from a command's own arguments (simulate has its own --mode)
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
+    """Add ``--kebab-name`` flags for the given settings (all by default). Unset flags stay None."""
+    wanted = set(names) if names is not None else None
+    group = parser.add_argument_group("settings (flag > STREAMPROC_<NAME> environment > default)")
+    for f in fields():
+        if wanted is not None and f.name not in wanted:
+            continue
+        # Levels are accepted in any case, so argparse must not check them; the Struct does.
+        choices = f.choices if f.name != "log_level" else None
+        group.add_argument(
+            f.flag, dest=_DEST + f.name, default=None, metavar=None if choices else f.name.upper(),
+            choices=choices, help=f"{f.help} [env {f.env}, default {f.default!r}]",
+        )
+
+
+def from_arguments(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from flags added by :func:`add_arguments` (other arguments are ignored)."""
+    return load(environ, {f.name: getattr(args, _DEST + f.name, None) for f in fields()})

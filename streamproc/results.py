@@ -1,0 +1,212 @@
+"""The edge side of the wire contract: read a request's results back, in order, exactly once.
+
+The processor publishes each request's results in seq order on a core subject, so in practice
+they arrive in order; the helpers still reorder and drop repeats, because an edge must not
+depend on that (a JetStream-backed edge may see redeliveries).
+
+Subscribe before the request's chunks are published, or early results are missed::
+
+    async with follow(nc, subjects, request_id, timeout=30) as results:
+        await publisher.publish_leg(request_id, "agg", bodies)
+        async for result in results:
+            ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Iterable
+
+import anyio
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from .wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+
+
+class MalformedResult(ValueError):
+    """A message on a results subject that does not follow the contract."""
+
+
+class _Reorder:
+    """One request's results: buffer out-of-order seqs, drop repeats, stop after the final one."""
+
+    __slots__ = ("next_seq", "buffer", "done", "dropped")
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.buffer: dict[int, ResultInfo] = {}
+        self.done = False
+        self.dropped = 0
+
+    def push(self, result: ResultInfo) -> list[ResultInfo]:
+        if self.done or result.seq < self.next_seq or result.seq in self.buffer:
+            self.dropped += 1
+            return []
+        self.buffer[result.seq] = result
+        ready = []
+        while self.next_seq in self.buffer:
+            item = self.buffer.pop(self.next_seq)
+            ready.append(item)
+            self.next_seq += 1
+            if item.final:
+                self.done = True
+                self.buffer.clear()
+                break
+        return ready
+
+
+def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
+    try:
+        return result_from_message(subjects, msg.subject, msg.headers, msg.data)
+    except (ContractError, ValueError) as exc:
+        raise MalformedResult(f"malformed result on {msg.subject!r}: {exc}") from None
+
+
+class ResultStream:
+    """Results of one request as an async iterator; ``timeout`` bounds the wait for the final one."""
+
+    def __init__(self, nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.request_id = check_request_id(request_id)
+        self.timeout = timeout
+        self._order = _Reorder()
+        self._ready: deque[ResultInfo] = deque()
+        self._error: MalformedResult | None = None
+        self._arrived = anyio.Event()
+        self._sub: Subscription | None = None
+        self._deadline = math.inf
+
+    async def subscribe(self) -> None:
+        """Register interest on the server (returns once the server has it)."""
+        if self._sub is not None:
+            return
+        self._sub = await self.nc.subscribe(self.subjects.result(self.request_id), cb=self._on_msg)
+        await self.nc.flush()
+        if self.timeout is not None:
+            self._deadline = anyio.current_time() + self.timeout
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.nc.is_closed:
+            await sub.unsubscribe()
+
+    async def __aenter__(self) -> ResultStream:
+        await self.subscribe()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            result = _parse(self.subjects, msg)
+        except MalformedResult as exc:
+            self._error = exc
+        else:
+            self._ready.extend(self._order.push(result))
+        self._arrived.set()
+
+    def __aiter__(self) -> ResultStream:
+        return self
+
+    async def __anext__(self) -> ResultInfo:
+        await self.subscribe()
+        while True:
+            if self._error is not None:
+                await self.close()
+                raise self._error
+            if self._ready:
+                return self._ready.popleft()
+            if self._order.done:
+                await self.close()
+                raise StopAsyncIteration
+            self._arrived = anyio.Event()
+            with anyio.move_on_after(self._deadline - anyio.current_time()):
+                await self._arrived.wait()
+            if not self._arrived.is_set():
+                await self.close()
+                raise TimeoutError(f"no final result for request {self.request_id!r} within {self.timeout}s "
+                                   f"({self._order.next_seq} results received)")
+
+    async def collect(self) -> list[ResultInfo]:
+        return [result async for result in self]
+
+
+def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None) -> ResultStream:
+    """``async for r in follow(...)`` yields one request's results in seq order until the final one."""
+    return ResultStream(nc, subjects, request_id, timeout=timeout)
+
+
+async def collect(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None
+                  ) -> list[ResultInfo]:
+    """Every result of one request, in order. Subscribes now: only results published later are seen."""
+    return await follow(nc, subjects, request_id, timeout=timeout).collect()
+
+
+class ResultCollector:
+    """Results of many requests through one wildcard subscription (demo, simulator, tests)."""
+
+    def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.results: dict[str, list[ResultInfo]] = {}
+        self.malformed: list[str] = []
+        self._orders: dict[str, _Reorder] = {}
+        self._missing: set[str] = set()  # finals the current wait_for still needs
+        self._all_done = anyio.Event()
+        self._sub: Subscription | None = None
+
+    async def __aenter__(self) -> ResultCollector:
+        self._sub = await self.nc.subscribe(self.subjects.all_results, cb=self._on_msg,
+                                            pending_msgs_limit=-1, pending_bytes_limit=-1)
+        await self.nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.nc.is_closed:
+            await sub.unsubscribe()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            result = _parse(self.subjects, msg)
+        except MalformedResult as exc:
+            self.malformed.append(str(exc))
+            return
+        rid = result.request_id
+        order = self._orders.get(rid)
+        if order is None:
+            order = self._orders[rid] = _Reorder()
+            self.results[rid] = []
+        self.results[rid].extend(order.push(result))
+        if order.done and rid in self._missing:
+            self._missing.discard(rid)
+            if not self._missing:
+                self._all_done.set()
+
+    def finished(self, request_id: str) -> bool:
+        order = self._orders.get(request_id)
+        return order is not None and order.done
+
+    def duplicates(self, request_id: str) -> int:
+        """Results for ``request_id`` that repeated a seq or came after its final one."""
+        order = self._orders.get(request_id)
+        return order.dropped if order is not None else 0
+
+    async def wait_for(self, request_ids: Iterable[str], *, timeout: float) -> dict[str, list[ResultInfo]]:
+        """Wait until every request has its final result; raise TimeoutError naming the missing ones."""
+        wanted = list(request_ids)
+        self._missing = {rid for rid in wanted if not self.finished(rid)}
+        self._all_done = anyio.Event()
+        if self._missing:
+            with anyio.move_on_after(timeout):
+                await self._all_done.wait()
+        missing, self._missing = sorted(self._missing), set()
+        if missing:
+            raise TimeoutError(f"{len(missing)} of {len(wanted)} requests had no final result within {timeout}s "
+                               f"(first: {missing[:5]})")
+        return {rid: self.results[rid] for rid in wanted}

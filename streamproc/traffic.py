@@ -1,0 +1,201 @@
+"""Simulated worker traffic: plan requests from ground truths, publish them, check what came back.
+
+Used by ``streamproc simulate``, the demo and the integration tests. Each planned request keeps
+its :class:`~streamproc.simulation.Truth` and the exact bodies that were published, so results
+can be verified without trusting the processor: aggregated results must be the published bytes,
+P/D results must carry the truth's expert rows (and never stale ones).
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+from typing import Literal
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+
+from .catalog import worker_for
+from .publisher import ChunkPublisher
+from .simulation import SimulatedWorker, Truth, make_truth
+from .wire import ResultInfo, Role, Subjects, Verdict
+
+TrafficMode = Literal["agg", "pd", "mixed"]
+
+
+class PlannedRequest(msgspec.Struct):
+    """One simulated request: its truth and every body its legs publish."""
+
+    request_id: str
+    kind: Literal["agg", "pd"]
+    stream: bool
+    truth: Truth
+    agg: list[bytes] = []
+    prefill: list[bytes] = []
+    decode: list[bytes] = []
+
+    @property
+    def output(self) -> list[bytes]:
+        """The leg whose chunks become results."""
+        return self.agg if self.kind == "agg" else self.decode
+
+
+class Message(msgspec.Struct, frozen=True):
+    request_id: str
+    role: Role
+    seq: int
+    body: bytes
+    final: bool
+
+
+def plan(
+    format: str,
+    *,
+    requests: int,
+    mode: TrafficMode = "mixed",
+    stream: bool | None = None,
+    seed: int = 0,
+    id_prefix: str | None = None,
+    worker: SimulatedWorker | None = None,
+) -> list[PlannedRequest]:
+    """``requests`` requests; ``mode`` mixed alternates agg and P/D, ``stream`` None alternates too."""
+    worker = worker or worker_for(format)
+    id_prefix = id_prefix or f"sim-{secrets.token_hex(3)}"
+    plans = []
+    for i in range(requests):
+        kind = mode if mode != "mixed" else ("agg" if i % 2 == 0 else "pd")
+        is_stream = stream if stream is not None else (i // 2) % 2 == 0
+        rid = f"{id_prefix}-{i}"
+        truth = make_truth(seed * 1_000_003 + i, request_id=rid)
+        if kind == "agg":
+            plans.append(PlannedRequest(rid, "agg", is_stream, truth, agg=worker.agg(truth, stream=is_stream)))
+        else:
+            plans.append(PlannedRequest(rid, "pd", is_stream, truth,
+                                        prefill=worker.prefill(truth, stream=is_stream),
+                                        decode=worker.decode(truth, stream=is_stream)))
+    return plans
+
+
+def _legs(p: PlannedRequest) -> list[list[Message]]:
+    def leg(role: Role, bodies: list[bytes]) -> list[Message]:
+        last = len(bodies) - 1
+        return [Message(p.request_id, role, i, b, i == last) for i, b in enumerate(bodies)]
+
+    if p.kind == "agg":
+        return [leg(Role.AGG, p.agg)]
+    return [leg(Role.PREFILL, p.prefill), leg(Role.DECODE, p.decode)]
+
+
+def schedule(plans: list[PlannedRequest], *, seed: int = 0, shuffle: bool = False,
+             duplicates: float = 0.0) -> list[Message]:
+    """Interleave every leg of every request.
+
+    Without ``shuffle`` each leg stays in seq order (legs and requests still interleave, so a
+    decode chunk may come before its prefill leg); with it the whole sequence is shuffled.
+    ``duplicates`` is the fraction of messages published a second time.
+    """
+    rng = random.Random(seed)
+    queues = [leg for p in plans for leg in _legs(p)]
+    out: list[Message] = []
+    if shuffle:
+        out = [m for leg in queues for m in leg]
+        rng.shuffle(out)
+    else:
+        cursors = [0] * len(queues)
+        live = list(range(len(queues)))
+        while live:
+            k = rng.randrange(len(live))
+            q = live[k]
+            out.append(queues[q][cursors[q]])
+            cursors[q] += 1
+            if cursors[q] == len(queues[q]):
+                live[k] = live[-1]
+                live.pop()
+    if duplicates > 0:
+        extra = [m for m in out if rng.random() < duplicates]
+        for m in extra:
+            out.insert(rng.randrange(len(out) + 1), m)
+    return out
+
+
+async def publish(nc: NatsClient, subjects: Subjects, messages: list[Message], *,
+                  format: str | None = None) -> int:
+    """Publish the scheduled messages (``format`` goes in every chunk's Streamproc-Format header)."""
+    publisher = ChunkPublisher(nc, subjects)
+    for m in messages:
+        await publisher.publish(m.request_id, m.role, m.seq, m.body, final=m.final, format=format)
+    await nc.flush()
+    return len(messages)
+
+
+def verify(p: PlannedRequest, results: list[ResultInfo], worker: SimulatedWorker) -> list[str]:
+    """Everything wrong with one request's results (empty when they are right)."""
+    problems: list[str] = []
+    expected = p.output
+    if [r.seq for r in results] != list(range(len(results))):
+        problems.append(f"seqs not contiguous from 0: {[r.seq for r in results]}")
+    errors = [f"{r.error}: {r.body[:200]!r}" for r in results if r.error]
+    if errors:
+        return problems + [f"error result {e}" for e in errors]
+    if len(results) != len(expected):
+        problems.append(f"{len(results)} results for {len(expected)} {p.kind} chunks")
+    if results and not results[-1].final:
+        problems.append("last result is not final")
+    if any(r.final for r in results[:-1]):
+        problems.append("a result before the last is final")
+    if p.kind == "agg":
+        for r, body in zip(results, expected):
+            if r.verdict is not Verdict.PASSTHROUGH:
+                problems.append(f"seq {r.seq}: verdict {r.verdict} for an aggregated chunk")
+            if r.body != body:
+                problems.append(f"seq {r.seq}: body differs from the worker's bytes")
+        return problems
+    views = []
+    for r in results:
+        try:
+            rows, reason = worker.expert_view(r.body)
+        except ValueError as exc:
+            problems.append(f"seq {r.seq}: unreadable body ({exc})")
+            return problems
+        views.append((rows, reason))
+        if rows is not None and rows != p.truth.experts:
+            problems.append(f"seq {r.seq}: expert rows differ from the truth (stale or mis-joined)")
+    if views and p.truth.return_experts and views[-1][0] is None:
+        problems.append(f"final result has no expert rows (reason {views[-1][1]!r}, verdict {results[-1].verdict})")
+    return problems
+
+
+class Tally(msgspec.Struct):
+    """Counts for the demo's summary table."""
+
+    requests: int = 0
+    agg: int = 0
+    pd: int = 0
+    results: int = 0
+    passthrough: int = 0
+    joined: int = 0
+    omitted: int = 0
+    errors: int = 0
+    verified: int = 0
+    failed: int = 0
+
+    def add(self, p: PlannedRequest, results: list[ResultInfo], problems: list[str]) -> None:
+        self.requests += 1
+        if p.kind == "agg":
+            self.agg += 1
+        else:
+            self.pd += 1
+        self.results += len(results)
+        for r in results:
+            if r.error:
+                self.errors += 1
+            elif r.verdict is Verdict.PASSTHROUGH:
+                self.passthrough += 1
+            elif r.verdict is Verdict.JOINED:
+                self.joined += 1
+            elif r.verdict is Verdict.OMITTED:
+                self.omitted += 1
+        if problems:
+            self.failed += 1
+        else:
+            self.verified += 1

