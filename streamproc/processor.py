@@ -30,7 +30,7 @@ from .catalog import Catalog
 from .codec import CodecOptions
 from .config import Settings
 from .correlator import CodecResolver, Correlator, Decision, Notice, Settle, Stats, UnknownFormat
-from .wire import ContractError, Result, chunk_from_message, result_headers
+from .wire import ChunkParser, ContractError, Result, result_headers
 
 log = logging.getLogger("streamproc.processor")
 
@@ -136,6 +136,8 @@ class Processor:
         # Plain flags instead of an asyncio.Lock: an uncontended lock costs ~0.4 us per message.
         self._dispatching = False
         self._timer_gate: anyio.Event | None = None
+        self._parse = ChunkParser(self.subjects)
+        self._receive = self.correlator.receive
         self._results_head = self.subjects.result("")  # + request id, without a call per message
 
     @property
@@ -145,6 +147,7 @@ class Processor:
     def snapshot(self) -> dict[str, Any]:
         """All counters plus gauges, for logs and tests."""
         out = msgspec.structs.asdict(self.stats)
+        out["results"] = self.stats.results  # derived, not stored
         out.update(msgspec.structs.asdict(self.io))
         out["inflight"] = self.correlator.inflight
         return out
@@ -168,6 +171,8 @@ class Processor:
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tasks.cancel_scope.cancel)  # runs before the task group exits
             self._input = INPUTS[settings.mode](self.nc, self.subjects.all_chunks, self._on_message, settings)
+            self._publish = self.nc.publish
+            self._settle = self._input.settle
             await self._input.start()
             self._tasks.start_soon(self._timer)
             if settings.stats_interval > 0:
@@ -269,18 +274,17 @@ class Processor:
         self._dispatching = True
         try:
             try:
-                chunk = chunk_from_message(self.subjects, msg.subject, msg.headers, msg.data, msg)
+                chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
             except ContractError as exc:
                 decisions = self._contract_error(exc, msg)
             else:
-                decisions = self.correlator.receive(chunk, self._clock())
+                decisions = self._receive(chunk, self._clock())
             # _dispatch inlined: one coroutine less per message is measurable against a bare relay.
-            publish = self.nc.publish
-            settle = self._input.settle
+            settle = self._settle
             for d in decisions:
                 if d.__class__ is Result:
                     try:
-                        await publish(self._results_head + d.request_id, d.body, headers=result_headers(d))
+                        await self._publish(self._results_head + d.request_id, d.body, headers=result_headers(d))
                     except Exception as exc:
                         self._publish_failed(d, exc)
                         continue

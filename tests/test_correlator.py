@@ -334,3 +334,29 @@ def test_any_arrival_order_with_duplicates_gives_the_in_order_results(requests, 
     assert shuffled.correlator.inflight == 0
     assert set(shuffled.settled) == {c.token for c in chunks}
     assert not [d for d in shuffled.results if isinstance(d, Settle)]
+
+
+def test_resume_skips_results_another_instance_already_stored():
+    c, run = make()
+    c.resume("x", 2, False, 0.0)
+    chunks = leg("x", Role.AGG, [b"0", b"1", b"2", b"3"])
+    feed(run, [chunks[3], chunks[1], chunks[2]])
+    assert [(r.seq, r.body) for r in run.results] == [(2, b"2"), (3, b"3")]
+    assert ("x", "agg", 0, 1) in run.settled and c.stats.duplicates == 1
+
+
+def test_resume_of_a_finished_request_makes_its_chunks_late():
+    c, run = make()
+    c.resume("done", 3, True, 0.0)
+    feed(run, leg("done", Role.AGG, [b"0", b"1", b"2"]))
+    assert run.results == [] and c.stats.late == 3
+
+
+def test_resume_never_rewinds_a_request_this_instance_is_serving():
+    c, run = make()
+    feed(run, leg("live", Role.AGG, [b"0", b"1"])[:1])
+    c.resume("live", 0, False, 0.0)
+    c.resume("live", 5, False, 0.0)
+    feed(run, leg("live", Role.AGG, [b"0", b"1"])[1:])
+    assert bodies(run.results) == [b"0", b"1"]
+    assert c.knows("live")

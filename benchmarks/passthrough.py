@@ -1,0 +1,158 @@
+"""Passthrough throughput: ``streamproc run`` beside a bare nats-py relay, same load, same run.
+
+Both contenders run as subprocesses against one embedded nats-server. The load is aggregated
+SGLang traffic from the simulated worker (streamed requests of several chunks, and unary ones),
+published as fast as possible; a sink counts results. Rounds alternate between contenders so
+drift on a noisy machine hits both alike. Throughput = messages / (first publish .. last result).
+
+Usage: python benchmarks/passthrough.py [--messages 60000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+
+from streamproc.catalog import worker_for
+from streamproc.embedded import EmbeddedNats
+from streamproc.simulation import make_truth
+from streamproc.wire import Role, Subjects, chunk_headers
+
+HERE = Path(__file__).resolve().parent
+
+
+def build_load(messages: int, stream: bool, prefix: str) -> list[tuple[str, bytes, dict[str, str]]]:
+    subjects = Subjects(prefix)
+    worker = worker_for("sglang")
+    load: list[tuple[str, bytes, dict[str, str]]] = []
+    i = 0
+    while len(load) < messages:
+        truth = make_truth(i, request_id=f"b{i}", prompt_len=16, output_len=8, num_layers=2, top_k=2)
+        bodies = worker.agg(truth, stream=stream)
+        for seq, body in enumerate(bodies):
+            headers = chunk_headers(truth.request_id, Role.AGG, seq, final=seq == len(bodies) - 1)
+            load.append((subjects.chunk(truth.request_id, Role.AGG), body, headers))
+        i += 1
+    return load[:messages] if not stream else load
+
+
+def contender_cmd(name: str, url: str, prefix: str) -> list[str]:
+    if name == "relay":
+        return [sys.executable, str(HERE / "relay.py"), "--nats-url", url, "--prefix", prefix]
+    return [str(Path(sys.executable).parent / "streamproc"), "run", "--nats-url", url, "--prefix", prefix,
+            "--format", "sglang", "--log-level", "WARNING"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time of a process (Linux): steadier than wall-clock rates on a shared box."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(url: str, prefix: str, load, name: str) -> tuple[float, float]:
+    """(messages per second, contender CPU microseconds per message)."""
+    proc = subprocess.Popen(contender_cmd(name, url, prefix), stdout=subprocess.DEVNULL)
+    nc = await nats.connect(url)
+    try:
+        expected = len(load)
+        got = 0
+        done = asyncio.Event()
+        warm = asyncio.Event()
+
+        async def sink(msg) -> None:
+            nonlocal got
+            if msg.subject.endswith(".warmup"):
+                warm.set()
+                return
+            got += 1
+            if got == expected:
+                done.set()
+
+        await nc.subscribe(f"{prefix}.results.>", cb=sink, pending_msgs_limit=4 * 1024 * 1024,
+                           pending_bytes_limit=1 << 30)
+        await nc.flush()
+        # Wait until the contender is subscribed: a probe goes round the loop.
+        probe_headers = chunk_headers("warmup", Role.AGG, 0, final=True)
+        deadline = time.monotonic() + 30
+        while not warm.is_set():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start")
+            await nc.publish(f"{prefix}.chunks.warmup.agg", b"{}", headers=probe_headers)
+            try:
+                await asyncio.wait_for(warm.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.sleep(0.2)  # late probe replies drain before timing starts
+
+        publish = nc.publish
+        cpu0 = cpu_seconds(proc.pid)
+        t0 = time.perf_counter()
+        for n, (subject, body, headers) in enumerate(load):
+            await publish(subject, body, headers=headers)
+            if n % 2000 == 1999:
+                await nc.flush()
+        await nc.flush()
+        await asyncio.wait_for(done.wait(), 300)
+        elapsed = time.perf_counter() - t0
+        return expected / elapsed, (cpu_seconds(proc.pid) - cpu0) / expected * 1e6
+    finally:
+        await nc.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def run(args) -> None:
+    with EmbeddedNats(jetstream=False) as server:
+        print(f"nats-server {server.url}; {os.cpu_count()} cores; {args.messages} messages per run, "
+              f"{args.rounds} rounds alternating")
+        print(f"{'load':10}{'relay msg/s':>14}{'streamproc msg/s':>18}{'ratio':>8}"
+              f"{'relay cpu us/msg':>19}{'streamproc cpu us/msg':>23}{'cpu ratio':>11}")
+        for stream in (True, False):
+            load = build_load(args.messages, stream, "bench")
+            rates: dict[str, list[float]] = {"relay": [], "streamproc": []}
+            cpus: dict[str, list[float]] = {"relay": [], "streamproc": []}
+            for r in range(args.rounds):
+                order = ("relay", "streamproc") if r % 2 == 0 else ("streamproc", "relay")
+                for name in order:
+                    rate, cpu = await measure(server.url, f"bench{r}{name[0]}", load_for(load, r, name), name)
+                    rates[name].append(rate)
+                    cpus[name].append(cpu)
+            relay, ours = statistics.median(rates["relay"]), statistics.median(rates["streamproc"])
+            relay_cpu, ours_cpu = statistics.median(cpus["relay"]), statistics.median(cpus["streamproc"])
+            label = "streamed" if stream else "unary"
+            print(f"{label:10}{relay:14,.0f}{ours:18,.0f}{ours / relay:8.2f}"
+                  f"{relay_cpu:19.1f}{ours_cpu:23.1f}{relay_cpu / ours_cpu:11.2f}")
+            print(f"{'':10}"
+                  f"   (runs relay {', '.join(f'{x:,.0f}' for x in rates['relay'])};"
+                  f" streamproc {', '.join(f'{x:,.0f}' for x in rates['streamproc'])})")
+        print("target: streamproc >= 0.9 x relay (throughput ratio; cpu ratio = relay cpu / streamproc cpu)")
+
+
+def load_for(load, r: int, name: str):
+    """The same messages under a per-run prefix, so a slow straggler never counts in the next run."""
+    prefix = f"bench{r}{name[0]}"
+    return [(prefix + s[len("bench"):], b, h) for s, b, h in load]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=60_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

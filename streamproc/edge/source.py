@@ -1,0 +1,285 @@
+"""Where the edge reads results: one NATS connection, one subscription per HTTP stream.
+
+A request's results are read from the JetStream stream that captures ``P.results.<id>`` when
+there is one (an ordered consumer replays the subject from its start, then follows it live, so a
+client that attaches late loses nothing), otherwise from a core NATS subscription, which only
+sees results published after it was made. Either way :class:`SeqOrder` hands them out in seq
+order, each once, and never mixes requests: a feed reads exactly one request's subject.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Literal
+
+import anyio
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from ..streams import ensure_results_stream, find_results_stream
+from ..wire import ContractError, ResultInfo, Subjects, result_from_message
+from .metrics import EdgeMetrics
+from .settings import EdgeSettings
+
+log = logging.getLogger("streamproc.edge")
+
+FeedMode = Literal["jetstream", "core"]
+MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per stream before it is failed
+
+
+class Ended(msgspec.Struct, frozen=True):
+    """The request's final result was at or before the client's Last-Event-ID: nothing is left."""
+
+
+class Gap(msgspec.Struct, frozen=True):
+    """``missing`` never arrived while later seqs did: the stream cannot go on without splicing."""
+
+    missing: int
+    waiting: int
+
+
+class SeqOrder:
+    """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
+
+    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "duplicates", "max_pending")
+
+    def __init__(self, after: int | None = None, *, max_pending: int = MAX_PENDING_RESULTS) -> None:
+        self.next_seq = 0 if after is None else after + 1
+        self.pending: dict[int, ResultInfo] = {}
+        self.done = False
+        self.ended_before_resume = False
+        self.duplicates = 0
+        self.max_pending = max_pending
+
+    def push(self, result: ResultInfo) -> list[ResultInfo]:
+        """Results that can be handed out now, in order. Raises OverflowError past ``max_pending``."""
+        if self.done:
+            self.duplicates += 1
+            return []
+        if result.seq < self.next_seq:
+            if result.final:  # replayed final at or before the resume point: the client has it all
+                self.done = self.ended_before_resume = True
+                self.pending.clear()
+            else:
+                self.duplicates += 1
+            return []
+        if result.seq in self.pending:
+            self.duplicates += 1
+            return []
+        if len(self.pending) >= self.max_pending:
+            raise OverflowError(f"{self.max_pending} results wait for seq {self.next_seq}")
+        self.pending[result.seq] = result
+        ready = []
+        while self.next_seq in self.pending:
+            item = self.pending.pop(self.next_seq)
+            ready.append(item)
+            self.next_seq += 1
+            if item.final or item.error is not None:
+                self.done = True
+                self.pending.clear()
+                break
+        return ready
+
+
+class Lost(msgspec.Struct, frozen=True):
+    """The subscription died under the feed (connection closed, server dropped it)."""
+
+    reason: str
+
+
+FeedItem = ResultInfo | Ended | Gap | Lost
+
+
+class ResultFeed:
+    """The results of one request for one HTTP client. ``close`` frees the subscription at once."""
+
+    def __init__(self, source: ResultSource, request_id: str, sub, mode: FeedMode, order: SeqOrder) -> None:
+        self.source = source
+        self.request_id = request_id
+        self.mode = mode
+        self.order = order
+        self._sub = sub
+        self._ready: collections.deque[ResultInfo] = collections.deque()
+        self._gap_since: float | None = None
+
+    async def next(self, timeout: float) -> FeedItem | None:
+        """The next item, or None when ``timeout`` seconds pass without one."""
+        deadline = time.monotonic() + timeout
+        gap_timeout = self.source.settings.gap_timeout
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            if self.order.done:
+                return Ended()
+            now = time.monotonic()
+            if self.order.pending:
+                if self._gap_since is None:
+                    self._gap_since = now
+                if now - self._gap_since >= gap_timeout:
+                    return Gap(self.order.next_seq, len(self.order.pending))
+                wait = min(deadline, self._gap_since + gap_timeout) - now
+            else:
+                self._gap_since = None
+                wait = deadline - now
+            if wait <= 0:
+                return None
+            try:
+                msg = await self._sub.next_msg(timeout=wait)
+            except nats.errors.TimeoutError:
+                continue
+            except nats.errors.Error as exc:
+                return Lost(str(exc) or type(exc).__name__)
+            self._accept(msg)
+
+    def _accept(self, msg: Msg) -> None:
+        metrics = self.source.metrics
+        try:
+            result = result_from_message(self.source.subjects, msg.subject, msg.headers, msg.data)
+        except (ContractError, ValueError) as exc:
+            metrics.malformed_results += 1
+            log.warning("malformed result request_id=%s: %s", self.request_id, exc)
+            return
+        if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
+            metrics.malformed_results += 1
+            return
+        before = self.order.duplicates
+        self._ready.extend(self.order.push(result))
+        metrics.duplicates_dropped += self.order.duplicates - before
+
+    async def close(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is None or self.source.nc is None or self.source.nc.is_closed:
+            return
+        try:
+            await sub.unsubscribe()
+        except (nats.errors.Error, OSError) as exc:  # connection gone: the server forgot it anyway
+            log.debug("unsubscribe failed request_id=%s: %s", self.request_id, exc)
+
+
+class RecentEntry(msgspec.Struct):
+    request_id: str
+    results: int = 0
+    final: bool = False
+    error: str | None = None
+    verdicts: dict[str, int] = {}
+    last_seen: float = 0.0
+
+
+class RecentRequests:
+    """The last ``size`` request ids seen on ``P.results.>`` (for the page's request list)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: collections.OrderedDict[str, RecentEntry] = collections.OrderedDict()
+
+    def note(self, result: ResultInfo, now: float) -> None:
+        entry = self._entries.pop(result.request_id, None) or RecentEntry(result.request_id, verdicts={})
+        entry.results += 1
+        entry.final = entry.final or result.final
+        entry.error = result.error or entry.error
+        if result.verdict is not None:
+            entry.verdicts[result.verdict.value] = entry.verdicts.get(result.verdict.value, 0) + 1
+        entry.last_seen = now
+        self._entries[result.request_id] = entry
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def newest_first(self) -> list[RecentEntry]:
+        return list(reversed(self._entries.values()))
+
+
+class ResultSource:
+    """The edge's NATS side: connection, health, the recent-requests ring, and per-request feeds."""
+
+    def __init__(self, settings: EdgeSettings, metrics: EdgeMetrics) -> None:
+        self.settings = settings
+        self.subjects: Subjects = settings.subjects
+        self.metrics = metrics
+        self.recent = RecentRequests(settings.recent)
+        self.nc: NatsClient | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    async def start(self, *, retry_every: float = 0.5) -> None:
+        """Connect (retrying until NATS answers), check the results stream, start the recent ring."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.nc = await nats.connect(
+                    servers=self.settings.nats_url.split(","),
+                    name="streamproc-edge",
+                    connect_timeout=2,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=1,
+                    allow_reconnect=True,
+                    error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
+                break
+            except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
+                log.warning("waiting for NATS at %s (attempt %d): %s", self.settings.nats_url, attempt, exc)
+                await anyio.sleep(retry_every)
+        self.metrics.nats_connected = 1
+        log.info("connected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+        if self.settings.ensure_results_stream:
+            info = await ensure_results_stream(
+                self.nc.jetstream(), self.subjects, max_age=self.settings.results_max_age
+            )
+            log.info("results stream %s captures %s", info.config.name, self.subjects.all_results)
+        if self.settings.recent > 0:
+            await self.nc.subscribe(self.subjects.all_results, cb=self._on_any_result)
+            await self.nc.flush()
+
+    async def stop(self) -> None:
+        nc, self.nc = self.nc, None
+        self.metrics.nats_connected = 0
+        if nc is not None and not nc.is_closed:
+            await nc.close()
+
+    async def open(self, request_id: str, *, after: int | None = None) -> ResultFeed:
+        """Subscribe to one request's results; on return the subscription is live on the server."""
+        assert self.nc is not None
+        subject = self.subjects.result(request_id)
+        js = self.nc.jetstream()
+        stream = await find_results_stream(js, subject)
+        order = SeqOrder(after)
+        if stream is not None:
+            sub = await js.subscribe(
+                subject, stream=stream, ordered_consumer=True, pending_msgs_limit=MAX_PENDING_RESULTS * 4
+            )
+            self.metrics.jetstream_replays += 1
+            mode: FeedMode = "jetstream"
+        else:
+            sub = await self.nc.subscribe(subject, pending_msgs_limit=MAX_PENDING_RESULTS * 4)
+            await self.nc.flush()
+            self.metrics.core_subscriptions += 1
+            mode = "core"
+        return ResultFeed(self, request_id, sub, mode, order)
+
+    async def _on_any_result(self, msg: Msg) -> None:
+        try:
+            result = result_from_message(self.subjects, msg.subject, msg.headers, msg.data)
+        except (ContractError, ValueError):
+            return
+        self.recent.note(result, time.time())
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("NATS error: %s", exc)
+
+    async def _on_disconnected(self) -> None:
+        self.metrics.nats_connected = 0
+        self.metrics.nats_disconnects += 1
+        log.warning("disconnected from NATS")
+
+    async def _on_reconnected(self) -> None:
+        self.metrics.nats_connected = 1
+        log.info("reconnected to NATS")

@@ -1,0 +1,51 @@
+"""Server-sent event framing, as the SGLang server and Dynamo's frontend frame native routes.
+
+Each result body becomes one event whose ``data`` is the body's bytes, inserted verbatim; the
+stream ends with ``data: [DONE]``. SSE cannot carry a line terminator inside a field, so a body
+with CR/LF bytes is split into several ``data:`` lines, which a conforming client joins back with
+``\\n`` (CRLF and lone CR inside a body therefore arrive as LF). Worker bodies are compact JSON,
+which escapes newlines inside strings, so in practice every body is exactly one ``data:`` line.
+Bytes are not decoded here: clients decode the stream as UTF-8, as the SSE standard requires.
+"""
+
+from __future__ import annotations
+
+import re
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+MEDIA_TYPE = "text/event-stream"
+
+_LINE_BREAK = re.compile(rb"\r\n|\r|\n")
+
+
+def event(data: bytes, *, id: int | None = None, event: str | None = None) -> bytes:
+    """One event. ``id`` sets the client's Last-Event-ID; ``event`` names a non-``message`` type."""
+    head = b""
+    if event is not None:
+        head += b"event: " + _field(event) + b"\n"
+    if id is not None:
+        head += b"id: " + str(id).encode() + b"\n"
+    lines = _LINE_BREAK.split(data)
+    return head + b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"
+
+
+def comment(text: str) -> bytes:
+    return b": " + _field(text) + b"\n\n"
+
+
+def _field(text: str) -> bytes:
+    raw = text.encode()
+    if _LINE_BREAK.search(raw):
+        raise ValueError(f"SSE field value must be one line: {text!r}")
+    return raw
+
+
+def parse_last_event_id(value: str | None) -> int | None:
+    """The seq a reconnecting client saw last, or None. Raises ValueError on anything but a seq."""
+    if value is None or value.strip() == "":
+        return None
+    value = value.strip()
+    if not value.isdigit() or len(value) > 18:
+        raise ValueError(f"Last-Event-ID must be a result seq (a non-negative integer), got {value!r}")
+    return int(value)

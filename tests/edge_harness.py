@@ -1,0 +1,188 @@
+"""Helpers for the edge tests: the edge as a real subprocess, results published straight to NATS.
+
+Not a test module (no ``test_`` prefix); the edge test modules import from it. Edge-only tests
+publish results on ``P.results.<id>`` with the headers a processor would set, so every framing
+rule can be pinned without depending on the processor; ``test_edge_processor.py`` adds the
+processor in front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+from nats.aio.client import Client as NatsClient
+
+from streamproc.wire import Result, Subjects, Verdict, result_headers
+
+EDGE = [sys.executable, "-m", "streamproc.edge"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test's environment without STREAMPROC_* variables (they would leak into the edge)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMPROC_")}
+    env.update(extra or {})
+    return env
+
+
+class EdgeProcess:
+    """``python -m streamproc.edge`` on a free port; ``url`` once ``/healthz`` answers 200."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        command: list[str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [*(command or EDGE), *args]
+        if command is None:
+            self.argv += ["--nats-url", nats_url, "--port", str(self.port)]
+        self.env = clean_env(env)
+        self._dir = tempfile.TemporaryDirectory(prefix="streamproc-edge-")
+        self.log_path = Path(self._dir.name) / "edge.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def start(self, ready_timeout: float = 20.0) -> EdgeProcess:
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=self.env
+            )
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"edge exited with {self.proc.returncode}:\n{self.log()}")
+            if http_status(f"{self.url}/healthz") == 200:
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"edge not healthy after {ready_timeout}s:\n{self.log()}")
+            time.sleep(0.05)
+
+    def stop(self) -> int | None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
+
+    def close(self) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+
+@contextlib.contextmanager
+def running_edge(nats_url: str, *args: str, **kwargs: object) -> Iterator[EdgeProcess]:
+    edge = EdgeProcess(nats_url, *args, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield edge.start()
+    finally:
+        edge.close()
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def subscribed_subjects(monitor_url: str) -> list[str]:
+    """Every subject the NATS server holds a subscription for (its /subsz monitoring endpoint)."""
+    with urllib.request.urlopen(f"{monitor_url}/subsz?subs=1&limit=100000", timeout=5) as response:
+        listing = json.loads(response.read())
+    return [s["subject"] for s in listing.get("subscriptions_list", [])]
+
+
+async def publish_result(
+    nc: NatsClient,
+    subjects: Subjects,
+    request_id: str,
+    seq: int,
+    body: bytes,
+    *,
+    final: bool = False,
+    verdict: Verdict | None = Verdict.PASSTHROUGH,
+    error: str | None = None,
+) -> None:
+    """One result exactly as a processor publishes it."""
+    result = Result(request_id, seq, body, final, verdict=verdict, error=error)
+    await nc.publish(subjects.result(request_id), body, headers=result_headers(result))
+
+
+async def publish_results(
+    nc: NatsClient,
+    subjects: Subjects,
+    request_id: str,
+    bodies: list[bytes],
+    *,
+    verdict: Verdict | None = Verdict.PASSTHROUGH,
+) -> None:
+    for seq, body in enumerate(bodies):
+        await publish_result(
+            nc, subjects, request_id, seq, body, final=seq == len(bodies) - 1, verdict=verdict
+        )
+    await nc.flush()
+
+
+def expected_sse(bodies: list[bytes], *, start: int = 0) -> bytes:
+    """The exact bytes the edge must send: ``id:`` + ``data:`` per result, then ``[DONE]``.
+
+    A body holding CR or LF bytes (possible in opaque, non-JSON bodies) takes one ``data:`` line per
+    line, as the SSE standard requires; every other body is one ``data:`` line of its exact bytes.
+    """
+
+    def frame(seq: int, body: bytes) -> bytes:
+        lines = re.split(rb"\r\n|\r|\n", body)
+        return b"id: %d\n" % seq + b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"
+
+    return b"".join(frame(start + i, body) for i, body in enumerate(bodies)) + b"data: [DONE]\n\n"
+
+
+def sse_view(body: bytes) -> str:
+    """What any conforming SSE client (a browser's EventSource included) sees as an event's data:
+    the body decoded as UTF-8 (invalid bytes become U+FFFD), line breaks as LF. For a JSON body,
+    which is UTF-8 and escapes line breaks inside strings, this is exactly the body."""
+    return re.sub(r"\r\n|\r", "\n", body.decode("utf-8", errors="replace"))

@@ -1,0 +1,126 @@
+"""The JetStream results stream (streamproc.streams) and the edge's settings."""
+
+from __future__ import annotations
+
+import nats
+import pytest
+from nats.js.api import StorageType, StreamConfig
+
+from streamproc.edge.settings import EdgeConfigError, load
+from streamproc.embedded import EmbeddedNats
+from streamproc.streams import (
+    RESULTS_STREAM,
+    ResultsStreamMismatch,
+    covers,
+    ensure_results_stream,
+    find_results_stream,
+)
+from streamproc.wire import Subjects
+
+
+@pytest.fixture
+async def js():
+    with EmbeddedNats() as srv:
+        nc = await nats.connect(srv.url)
+        try:
+            yield nc.jetstream()
+        finally:
+            await nc.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_ensure_results_stream_creates_it_once_and_then_only_checks(js):
+    subjects = Subjects("p")
+    created = await ensure_results_stream(
+        js, subjects, max_age=60, duplicate_window=5, storage=StorageType.MEMORY
+    )
+    again = await ensure_results_stream(
+        js, subjects, max_age=60, duplicate_window=5, storage=StorageType.MEMORY
+    )
+
+    assert created.config.name == again.config.name == RESULTS_STREAM
+    assert created.config.subjects == ["p.results.>"]
+    assert (again.config.max_age, again.config.duplicate_window) == (60, 5)
+    assert await find_results_stream(js, subjects.result("some-id")) == RESULTS_STREAM
+    assert await find_results_stream(js, Subjects("other").result("some-id")) is None
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_a_differing_stream_is_reported_and_left_unchanged(js):
+    subjects = Subjects("p")
+    await ensure_results_stream(js, subjects, max_age=600)
+
+    with pytest.raises(ResultsStreamMismatch) as raised:
+        await ensure_results_stream(js, subjects, max_age=60, storage=StorageType.MEMORY)
+
+    assert any("max_age" in d for d in raised.value.differences)
+    assert any("storage" in d for d in raised.value.differences)
+    info = await js.stream_info(RESULTS_STREAM)
+    assert info.config.max_age == 600 and info.config.storage == StorageType.FILE
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_another_stream_already_capturing_results_is_reported(js):
+    await js.add_stream(StreamConfig(name="THEIRS", subjects=["p.>"]))
+
+    with pytest.raises(ResultsStreamMismatch, match="THEIRS"):
+        await ensure_results_stream(js, Subjects("p"))
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_find_results_stream_is_none_without_jetstream():
+    with EmbeddedNats(jetstream=False) as srv:
+        nc = await nats.connect(srv.url)
+        try:
+            assert await find_results_stream(nc.jetstream(), "p.results.x") is None
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "expected"),
+    [
+        ("p.results.>", "p.results.>", True),
+        ("p.>", "p.results.>", True),
+        ("p.*.>", "p.results.>", True),
+        ("p.results.*", "p.results.>", False),
+        ("p.results.>", "p.results", False),
+        ("q.results.>", "p.results.>", False),
+        ("p.results.abc", "p.results.abc", True),
+        (">", "p.results.>", True),
+    ],
+)
+def test_covers_is_wildcard_subset(pattern, subject, expected):
+    assert covers(pattern, subject) is expected
+
+
+def test_settings_come_from_flags_over_environment_over_defaults():
+    env = {
+        "STREAMPROC_NATS_URL": "nats://env:4222",
+        "STREAMPROC_EDGE_PORT": "9000",
+        "STREAMPROC_EDGE_ENSURE_RESULTS_STREAM": "true",
+        "STREAMPROC_EDGE_MAX_STREAMS": "7",
+    }
+    settings = load(env, {"port": "9100"})
+    assert settings.nats_url == "nats://env:4222"
+    assert settings.port == 9100
+    assert settings.max_streams == 7
+    assert settings.ensure_results_stream is True
+    assert load({}).port == 8080 and load({}).ensure_results_stream is False
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"STREAMPROC_EDGE_MAX_STREAMS": "0"}, "STREAMPROC_EDGE_MAX_STREAMS"),
+        ({"STREAMPROC_EDGE_ENSURE_RESULTS_STREAM": "perhaps"}, "STREAMPROC_EDGE_ENSURE_RESULTS_STREAM"),
+        ({"STREAMPROC_PREFIX": "a..b"}, "prefix"),
+    ],
+)
+def test_bad_settings_fail_naming_their_source(env, names):
+    with pytest.raises((EdgeConfigError, ValueError), match=names):
+        load(env)

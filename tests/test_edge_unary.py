@@ -1,0 +1,176 @@
+"""Unary mode of `streamproc edge`: one JSON body per request instead of an event stream.
+
+``Accept: application/json`` (or ``?stream=false``) waits for the final result and answers with the
+single result of a unary request, or the codec's fold of a streamed one; an error result becomes
+its native body with an HTTP error status.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import anyio
+import httpx
+import nats
+import pytest
+from edge_harness import publish_result, publish_results, running_edge, subscribed_subjects
+
+from streamproc.catalog import Catalog, worker_for
+from streamproc.codec import ErrorKind
+from streamproc.embedded import EmbeddedNats
+from streamproc.simulation import make_truth
+from streamproc.wire import Subjects, Verdict
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+DURABLE = Subjects("streamproc")
+CORE = Subjects("core")
+JSON = {"Accept": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def edge(server):
+    with running_edge(server.url, "--ensure-results-stream") as running:
+        yield running
+
+
+@pytest.fixture
+async def nc(server):
+    conn = await nats.connect(server.url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def rid(name: str) -> str:
+    return f"{name}-{random.randrange(1 << 30):x}"
+
+
+async def get(edge, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:
+        return await client.get(path, headers=headers)
+
+
+async def test_a_unary_request_gets_its_single_result_verbatim(edge, nc):
+    request_id = rid("unary")
+    [body] = worker_for("sglang").agg(make_truth(3, request_id=request_id), stream=False)
+    await publish_results(nc, DURABLE, request_id, [body])
+
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    assert response.content == body
+    assert response.headers["streamproc-join"] == "passthrough"
+
+
+async def test_a_streamed_request_is_folded_by_the_codec_into_the_unary_response(edge, nc):
+    request_id = rid("folded")
+    worker = worker_for("sglang")
+    truth = make_truth(4, request_id=request_id, output_len=9)
+    bodies = worker.agg(truth, stream=True)
+    assert len(bodies) > 1
+    await publish_results(nc, DURABLE, request_id, bodies, verdict=Verdict.JOINED)
+
+    response = await get(edge, f"/v1/results/{request_id}?stream=false")
+
+    assert response.status_code == 200
+    assert response.content == Catalog()("sglang").fold(bodies)
+    [unary] = worker.agg(truth, stream=False)
+    assert worker.canonical(response.content) == worker.canonical(unary)
+    assert response.headers["streamproc-join"] == "joined"
+    assert response.headers["streamproc-results"] == str(len(bodies))
+
+
+async def test_unary_mode_waits_for_results_published_after_the_request(server):
+    with running_edge(server.url, "--prefix", CORE.prefix) as core_edge:
+        request_id = rid("wait")
+        bodies = [
+            b'{"text":"a","output_ids":[1],"meta_info":{}}',
+            b'{"text":"b","output_ids":[2],"meta_info":{}}',
+        ]
+        async with await nats.connect(server.url) as nc:
+            async with anyio.create_task_group() as tg:
+                responses = []
+
+                async def ask():
+                    responses.append(await get(core_edge, f"/v1/results/{request_id}", JSON))
+
+                tg.start_soon(ask)
+                with anyio.fail_after(5):  # core mode: results published before the subscription are lost
+                    while CORE.result(request_id) not in subscribed_subjects(server.monitor_url):
+                        await anyio.sleep(0.02)
+                await publish_results(nc, CORE, request_id, bodies)
+
+    assert responses[0].status_code == 200
+    assert responses[0].content == Catalog()("sglang").fold(bodies)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        ("timeout", 504),
+        ("overloaded", 503),
+        ("invalid_request", 400),
+        ("internal", 500),
+        ("invalid_chunk", 502),
+        ("unknown_format", 502),
+        ("something_new", 500),
+    ],
+)
+async def test_an_error_result_becomes_its_native_body_with_an_http_error_status(edge, nc, error, status):
+    request_id = rid("failed")
+    error_body = json.dumps({"error": {"message": f"{error} happened", "type": error}}).encode()
+    await publish_result(nc, DURABLE, request_id, 0, b'{"text":"partial"}')
+    await publish_result(nc, DURABLE, request_id, 1, error_body, final=True, verdict=None, error=error)
+    await nc.flush()
+
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+
+    assert response.status_code == status
+    assert response.content == error_body
+    assert response.headers["streamproc-error"] == error
+
+
+async def test_no_final_result_within_result_timeout_is_a_504_with_the_native_error(server):
+    with running_edge(server.url, "--result-timeout", "1") as short:
+        with anyio.fail_after(5):
+            response = await get(short, f"/v1/results/{rid('never')}?stream=false")
+    assert response.status_code == 504
+    error = response.json()["error"]
+    assert (
+        error["type"] == json.loads(Catalog()("sglang").error_body("x", ErrorKind.TIMEOUT))["error"]["type"]
+    )
+
+
+async def test_a_unary_client_that_gives_up_frees_its_stream_at_once(edge):
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(base_url=edge.url, timeout=0.5) as client:
+            await client.get(f"/v1/results/{rid('abandoned')}", headers=JSON)
+    with anyio.fail_after(2):
+        while edge.metrics()["streamproc_edge_streams_active"] != 0:
+            await anyio.sleep(0.02)
+
+
+async def test_accept_header_chooses_between_event_stream_and_json(edge, nc):
+    request_id = rid("accept")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"only"}'])
+
+    as_events = await get(edge, f"/v1/results/{request_id}", {"Accept": "text/event-stream"})
+    both = await get(edge, f"/v1/results/{request_id}", {"Accept": "application/json, text/event-stream"})
+    default = await get(edge, f"/v1/results/{request_id}")
+    forced = await get(edge, f"/v1/results/{request_id}?stream=true", JSON)
+    as_json = await get(edge, f"/v1/results/{request_id}", JSON)
+
+    for response in (as_events, both, default, forced):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.content == b'id: 0\ndata: {"text":"only"}\n\ndata: [DONE]\n\n'
+    assert as_json.content == b'{"text":"only"}'

@@ -1,0 +1,223 @@
+"""The live page in a real browser: headless Chromium (Debian ``chromium`` + ``chromium-driver``)
+driven by Selenium. The page follows a request with the browser's own ``EventSource``; the test
+reads what the browser's SSE parser delivered (``window.streamprocPage.received``) and compares it
+with the bytes the worker published. A screenshot goes to ``artifacts/`` (gitignored).
+
+Needs ``apt-get install -y chromium chromium-driver`` (``.ci/run`` installs them).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import anyio
+import nats
+import pytest
+from edge_harness import publish_result, publish_results, running_edge, sse_view
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from streamproc.catalog import Catalog, worker_for
+from streamproc.embedded import EmbeddedNats
+from streamproc.simulation import make_truth
+from streamproc.wire import Subjects, Verdict
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+SUBJECTS = Subjects("streamproc")
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+]
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.fail(
+        f"none of {names} on PATH: install the browser with "
+        "`apt-get update && apt-get install -y chromium chromium-driver` (.ci/run does this)"
+    )
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = _binary("chromium", "chromium-browser", "google-chrome")
+    driver_path = _binary("chromedriver")
+    with tempfile.TemporaryDirectory(prefix="streamproc-chromium-") as profile:
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
+            options.add_argument(flag)
+        driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+        driver.set_script_timeout(10)
+        try:
+            yield driver
+        finally:
+            driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def edge(server):
+    with running_edge(server.url, "--ensure-results-stream") as running:
+        yield running
+
+
+def page_state(driver) -> dict:
+    return driver.execute_script(
+        "const p = window.streamprocPage;"
+        "return {state: p.state, received: p.received, meta: p.meta, verdict: p.verdict,"
+        " requestId: p.requestId};"
+    )
+
+
+async def wait_for(driver, predicate, timeout: float = 10.0) -> dict:
+    with anyio.fail_after(timeout):
+        while True:
+            state = page_state(driver)
+            if predicate(state):
+                return state
+            await anyio.sleep(0.05)
+
+
+def is_json(body: bytes) -> bool:
+    try:
+        json.loads(body)
+    except ValueError:
+        return False
+    return True
+
+
+def rid(name: str) -> str:
+    return f"{name}-{random.randrange(1 << 30):x}"
+
+
+def screenshot(driver, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    driver.save_screenshot(str(path))
+    return path
+
+
+async def test_the_pages_eventsource_sees_exactly_the_bytes_the_worker_published(browser, edge, server):
+    request_id = rid("page-agg")
+    worker = worker_for("sglang")
+    truth = make_truth(31, request_id=request_id, output_len=12)
+    bodies = (
+        worker.agg(truth, stream=True)
+        + worker.opaque_agg(truth, stream=True, rng=random.Random(2))[:3]
+        + [
+            '{"text":" naïve ☃ \u2028 😀","meta_info":{"routed_experts":"%%%"}}'.encode(),
+            b' {"text":" data: [DONE]","note":"leading space, framing words inside"}',
+        ]
+    )
+    browser.get(f"{edge.url}/?id={request_id}")
+    await wait_for(browser, lambda s: s["state"] == "open")
+
+    async with await nats.connect(server.url) as nc:
+        for seq, body in enumerate(bodies):  # live, one at a time, as a worker streams
+            await publish_result(nc, SUBJECTS, request_id, seq, body, final=seq == len(bodies) - 1)
+            await nc.flush()
+            await anyio.sleep(0.02)
+
+    state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    json_bodies = [b for b in bodies if is_json(b)]
+    assert len(json_bodies) >= len(bodies) - 3  # the worker's opaque bodies may include raw binary ones
+    for seen, body in zip(state["received"], bodies):
+        if is_json(body):
+            assert seen == body.decode()  # exactly the worker's bytes
+        else:
+            assert seen == sse_view(body)  # what the SSE standard makes of non-UTF-8 bytes
+    assert state["received"][len(bodies) :] == ["[DONE]"]
+    assert state["state"] == "done"
+    assert [m["seq"] for m in state["meta"]] == list(range(len(bodies)))
+    assert browser.find_element(By.ID, "verdict").text == "passthrough"
+    shown = browser.find_element(By.ID, "tokens").get_attribute("textContent")
+    assert shown.startswith(json.loads(Catalog()("sglang").fold(worker.agg(truth, stream=True)))["text"])
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#chunks tr")) == len(bodies)
+    assert screenshot(browser, "edge-page-aggregated.png").stat().st_size > 0
+
+
+async def test_the_page_shows_join_verdicts_and_omission_reasons(browser, edge, server):
+    request_id = rid("page-pd")
+    worker = worker_for("sglang")
+    truth = make_truth(32, request_id=request_id, output_len=8)
+    bodies = worker.decode(truth, stream=True)
+    last = json.loads(bodies[-1])
+    last["meta_info"].pop("routed_experts", None)
+    last["meta_info"]["routed_experts_unavailable_reason"] = "prefill_timeout"
+    bodies[-1] = json.dumps(last, separators=(",", ":")).encode()
+    browser.get(f"{edge.url}/?id={request_id}")
+    await wait_for(browser, lambda s: s["state"] == "open")
+
+    async with await nats.connect(server.url) as nc:
+        for seq, body in enumerate(bodies):
+            final = seq == len(bodies) - 1
+            await publish_result(
+                nc,
+                SUBJECTS,
+                request_id,
+                seq,
+                body,
+                final=final,
+                verdict=Verdict.OMITTED if final else Verdict.JOINED,
+            )
+        await nc.flush()
+
+    state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    assert state["received"] == [body.decode() for body in bodies] + ["[DONE]"]
+    assert [m["verdict"] for m in state["meta"]] == ["joined"] * (len(bodies) - 1) + ["omitted"]
+    assert browser.find_element(By.ID, "verdict").text == "omitted"
+    assert "routed_experts: prefill_timeout" in browser.find_element(By.ID, "reasons").text
+    screenshot(browser, "edge-page-omitted.png")
+
+
+async def test_a_recent_request_can_be_picked_from_the_list_or_typed_in(browser, edge, server):
+    picked, typed = rid("page-recent"), rid("page-typed")
+    async with await nats.connect(server.url) as nc:
+        await publish_results(nc, SUBJECTS, picked, [b'{"text":" one"}', b'{"text":" two"}'])
+        await publish_results(nc, SUBJECTS, typed, [b'{"text":" typed"}'], verdict=Verdict.JOINED)
+    browser.get(f"{edge.url}/")
+
+    button = None
+    with anyio.fail_after(10):  # the list refreshes every 2 s from GET /v1/recent
+        while button is None:
+            found = browser.find_elements(By.CSS_SELECTOR, f'#recent button[data-request-id="{picked}"]')
+            button = found[0] if found else None
+            await anyio.sleep(0.1)
+    button.click()
+    state = await wait_for(browser, lambda s: s["requestId"] == picked and s["received"][-1:] == ["[DONE]"])
+    assert state["received"] == ['{"text":" one"}', '{"text":" two"}', "[DONE]"]
+    assert browser.find_element(By.ID, "tokens").get_attribute("textContent") == " one two"
+
+    field = browser.find_element(By.ID, "request-id")
+    field.clear()
+    field.send_keys(typed)
+    browser.find_element(By.ID, "follow").click()
+    state = await wait_for(browser, lambda s: s["requestId"] == typed and s["received"][-1:] == ["[DONE]"])
+    assert state["received"] == ['{"text":" typed"}', "[DONE]"]
+    assert state["verdict"] == "joined"
+    assert browser.current_url.endswith(f"?id={typed}")
+    screenshot(browser, "edge-page-recent.png")
