@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import ClassVar, Generic, Sequence, TypeVar
+from typing import Any, ClassVar, Generic, Sequence, TypeVar
 
 import msgspec
 
@@ -37,6 +37,7 @@ class ErrorKind(enum.StrEnum):
     INVALID_CHUNK = "invalid_chunk"  # a chunk broke the wire contract
     UNKNOWN_FORMAT = "unknown_format"  # Streamproc-Format names no installed codec
     INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
+    MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
 
 
 class CorruptPayload(ValueError):
@@ -92,6 +93,47 @@ class JoinSession(ABC):
         """The client-visible body for one decode chunk and what was done to it."""
 
 
+class MigrationRefused(Exception):
+    """This request cannot continue on another worker (n > 1, guided decoding, unreadable output...)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Emitted(msgspec.Struct, frozen=True):
+    """What the client has been sent of one request, in the terms a resumed request needs."""
+
+    token_ids: list[int]
+    state: dict[str, Any] = {}  # format-specific facts (e.g. the original prompt length), JSON-able
+
+
+class MigrationSession(ABC):
+    """Per-request migration state, owned by the codec and driven by the correlator.
+
+    The correlator keeps references to the bodies it published for the current attempt and hands
+    them to :meth:`absorb` only when needed (a migrate, or its retention bound), so a request that
+    never migrates costs no parsing. Call order: ``absorb`` any number of times, then ``seal`` at
+    a migration; ``stitch`` on every body of a resumed attempt before it is published (its result
+    is published, and later absorbed, instead). All methods are pure.
+    """
+
+    @abstractmethod
+    def absorb(self, bodies: Sequence[bytes]) -> None:
+        """Published bodies, in result order. Raises :class:`MigrationRefused` if they show the
+        request cannot move (the refusal is final for the request)."""
+
+    @abstractmethod
+    def seal(self) -> Emitted:
+        """The current attempt ends: what the client has seen so far, over every attempt."""
+
+    @abstractmethod
+    def stitch(self, body: bytes, final: bool) -> tuple[bytes, Verdict] | None:
+        """A resumed attempt's (already joined) body, rewritten so the stream reads as one request,
+        with ``Verdict.STITCHED`` (or ``OMITTED`` if a field had to be removed); None when nothing
+        needs to change."""
+
+
 class Codec(ABC):
     """One response format. Registered under ``name`` in the ``streamproc.codecs`` entry-point group."""
 
@@ -112,3 +154,19 @@ class Codec(ABC):
     @abstractmethod
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         """The format's native error envelope."""
+
+    # Migration hooks. The defaults refuse, so a codec without migration support stays valid.
+
+    def open_migration(self) -> MigrationSession:
+        """Fresh migration state for one request (created lazily by the correlator)."""
+        raise MigrationRefused(f"format {self.name!r} does not support migration")
+
+    def check_migratable(self, request: bytes) -> None:
+        """Raise :class:`MigrationRefused` if the native request cannot be resumed elsewhere
+        (used by the serving layer's helper before it seals anything)."""
+        raise MigrationRefused(f"format {self.name!r} does not support migration")
+
+    def resume_request(self, request: bytes, emitted: Emitted) -> bytes:
+        """The native request that continues ``request`` after ``emitted`` (prompt + emitted tokens,
+        a smaller budget). Raises :class:`MigrationRefused`."""
+        raise MigrationRefused(f"format {self.name!r} does not support migration")

@@ -21,7 +21,8 @@ from .wire import DEFAULT_PREFIX, Subjects
 
 ENV_PREFIX = "STREAMPROC_"
 
-Mode = Literal["core"]  # "durable" (JetStream) is added beside "core" by the durable-input issue
+Mode = Literal["auto", "core", "durable"]
+Storage = Literal["file", "memory"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
@@ -40,7 +41,30 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     )
     format: Annotated[str, _doc("default codec for requests without a Streamproc-Format header "
                                 "(see `streamproc codecs`)", min_length=1)] = "sglang"
-    mode: Annotated[Mode, _doc("input mode; core = plain NATS subscription, at-most-once")] = "core"
+    mode: Annotated[Mode, _doc("input mode; durable = JetStream consumers with acks (effectively-once "
+                               "results, survives restarts), core = plain NATS subscription (at-most-once), "
+                               "auto = durable when the server has JetStream, else core")] = "auto"
+    partitions: Annotated[int, _doc("durable: partitions of the chunk stream (one durable consumer each); "
+                                    "fixed when the stream is created", ge=1, le=1024)] = 8
+    ack_wait: Annotated[float, _doc("durable: seconds before an unacknowledged chunk is redelivered; held "
+                                    "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = 10.0
+    max_ack_pending: Annotated[int, _doc("durable: unacknowledged chunks per partition before the server "
+                                         "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
+    fetch_batch: Annotated[int, _doc("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
+    lease_ttl: Annotated[float, _doc("durable: seconds a partition lease lives without renewal (failover "
+                                     "time of a dead instance's partitions)", ge=1, le=600)] = 6.0
+    stream_storage: Annotated[Storage, _doc("durable: storage of the chunk and results streams and the lease "
+                                            "bucket")] = "file"
+    stream_replicas: Annotated[int, _doc("durable: replicas of the chunk and results streams and the lease "
+                                         "bucket (3 on a cluster)", ge=1, le=5)] = 1
+    chunks_max_age: Annotated[float, _doc("durable: seconds an unprocessed chunk is kept", gt=0,
+                                          le=365 * 86_400)] = 3600.0
+    chunks_max_bytes: Annotated[int, _doc("durable: bytes of unprocessed chunks kept (-1 unlimited); when "
+                                          "full, new chunks are refused", ge=-1)] = -1
+    results_max_age: Annotated[float, _doc("durable: seconds the results stream keeps a result (late attach, "
+                                           "recovery)", gt=0, le=365 * 86_400)] = 3600.0
+    duplicate_window: Annotated[float, _doc("durable: seconds in which a repeated Nats-Msg-Id is dropped by "
+                                            "the chunk and results streams", ge=0.1, le=86_400)] = 120.0
     prefill_timeout: Annotated[float, _doc("seconds a decode chunk waits for the prefill leg before the "
                                            "omission policy applies", gt=0, le=86_400)] = 30.0
     request_timeout: Annotated[float, _doc("seconds without progress before a request is ended with a "
@@ -55,6 +79,11 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                                       ge=1, le=100_000_000)] = 200_000
     max_decompressed_bytes: Annotated[int, _doc("largest decoded sequence payload a codec accepts, per "
                                                 "payload", ge=1024, le=2**40)] = DEFAULT_MAX_DECOMPRESSED_BYTES
+    max_retained_bytes: Annotated[int, _doc("bytes of published bodies kept by reference per request for a "
+                                            "possible migration; past it the codec folds them into a compact "
+                                            "progress state (0 folds every body at once)", ge=0, le=2**40)] = (
+        256 * 1024
+    )
     pending_msgs_limit: Annotated[int, _doc("client-side queue of undelivered input messages before nats-py "
                                             "drops (slow consumer)", ge=1, le=2**31)] = 4 * 1024 * 1024
     pending_bytes_limit: Annotated[int, _doc("client-side bytes of undelivered input messages before nats-py "
@@ -71,6 +100,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             Subjects(self.prefix)
         except ValueError as exc:
             raise ValueError(f"prefix: {exc}") from None
+        if self.duplicate_window > min(self.chunks_max_age, self.results_max_age):
+            raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
 
     @property
     def subjects(self) -> Subjects:
@@ -84,6 +115,7 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             max_inflight=self.max_inflight,
             max_buffered_chunks=self.max_buffered_chunks,
             max_finished=self.max_finished,
+            max_retained_bytes=self.max_retained_bytes,
         )
 
     def to_json(self) -> bytes:

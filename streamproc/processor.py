@@ -5,10 +5,11 @@ between NATS and it, reads the clock, fires timeouts and logs. The per-message p
 lean because aggregated passthrough is benchmarked against a bare nats-py relay: no logging,
 no extra coroutines, no awaits other than ``nc.publish``.
 
-Inputs are pluggable by ``mode``: ``core`` is a plain subscription (at-most-once, nothing to
-acknowledge). A durable JetStream input is meant to sit beside :class:`CoreInput` in ``INPUTS``,
-feed the same message callback and implement ``settle`` to ack the tokens that results carry
-(every chunk's token is its NATS message).
+Inputs are chosen by ``mode``: ``core`` is a plain subscription (at-most-once, nothing to
+acknowledge) served by :meth:`Processor._on_message`; ``durable`` is
+:class:`streamproc.durable.DurableInput`, JetStream pull consumers whose chunks are acknowledged
+only once the results they contributed to are stored. ``auto`` picks durable when the server has
+JetStream. The core hot path is untouched by the durable one.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import contextlib
 import logging
 import math
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 import anyio
 import msgspec
@@ -29,12 +30,15 @@ from nats.aio.subscription import Subscription
 from .catalog import Catalog
 from .codec import CodecOptions
 from .config import Settings
+from .control import ControlPlane
 from .correlator import CodecResolver, Correlator, Decision, Notice, Settle, Stats, UnknownFormat
+from .streams import StreamMismatch, jetstream_available
 from .wire import ChunkParser, ContractError, Result, result_headers
 
 log = logging.getLogger("streamproc.processor")
 
 Clock = Callable[[], float]
+T = TypeVar("T")
 MessageHandler = Callable[[Msg], Awaitable[None]]
 
 
@@ -104,6 +108,21 @@ class CoreInput:
         if scope.cancelled_caught:
             log.warning(kv(event="drain_timeout", timeout=timeout))
 
+    async def caught_up(self) -> None:
+        """Return once every message this subscription had received at the call has been handled.
+
+        A control request (migrate) runs on its own subscription; this keeps it from overtaking
+        chunks the server delivered before it. Reads nats-py's queue counters (best effort: without
+        them it returns at once); messages dropped as a slow consumer count as handled.
+        """
+        sub = self._sub
+        queue = getattr(sub, "_pending_queue", None)
+        if sub is None or not hasattr(queue, "_unfinished_tasks"):
+            return
+        target = sub.delivered
+        while sub.delivered - queue._unfinished_tasks < target and self._sub is sub:  # type: ignore[union-attr]
+            await anyio.sleep(0.0005)
+
 
 INPUTS: dict[str, Callable[[NatsClient, str, MessageHandler, Settings], Input]] = {"core": CoreInput}
 
@@ -127,6 +146,8 @@ class Processor:
         self.io = IOStats()
         self.nc: NatsClient | None = None
         self._input: Input | None = None
+        self.mode = settings.mode  # "auto" is resolved at start()
+        self._control: ControlPlane | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._last_error: BaseException | None = None
@@ -144,12 +165,20 @@ class Processor:
     def stats(self) -> Stats:
         return self.correlator.stats
 
+    @property
+    def input(self) -> Input | None:
+        """The running chunk input (core subscription or durable pull consumers)."""
+        return self._input
+
     def snapshot(self) -> dict[str, Any]:
         """All counters plus gauges, for logs and tests."""
         out = msgspec.structs.asdict(self.stats)
         out["results"] = self.stats.results  # derived, not stored
         out.update(msgspec.structs.asdict(self.io))
         out["inflight"] = self.correlator.inflight
+        durable = getattr(self._input, "stats", None)
+        if durable is not None:
+            out.update(msgspec.structs.asdict(durable))
         return out
 
     # ---------------------------------------------------------------- lifecycle
@@ -170,10 +199,25 @@ class Processor:
             stack.push_async_callback(self._close_connection)
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tasks.cancel_scope.cancel)  # runs before the task group exits
-            self._input = INPUTS[settings.mode](self.nc, self.subjects.all_chunks, self._on_message, settings)
+            self.mode = await self._choose_mode()
+            if self.mode == "durable":
+                from .durable import DurableInput  # imported when used: core start-up stays lean
+
+                self._input = DurableInput(self.nc, settings, self.correlator, clock=self._clock,
+                                           notify=self._log_notice, contract_error=self._contract_error)
+                self._dispatch = self._input.dispatch  # timer results also wait for their PubAck
+            else:
+                self._input = INPUTS["core"](self.nc, self.subjects.all_chunks, self._on_message, settings)
             self._publish = self.nc.publish
             self._settle = self._input.settle
-            await self._input.start()
+            try:
+                await self._input.start()
+            except StreamMismatch as exc:
+                raise StartupError(str(exc)) from None
+            except nats.errors.Error as exc:  # JetStream unavailable or too slow while creating streams
+                raise StartupError(f"cannot set up the {self.mode} input: {type(exc).__name__}: {exc}") from None
+            self._control = ControlPlane(self)  # P.control.*.migrate (seal-then-resume)
+            await self._control.start()
             self._tasks.start_soon(self._timer)
             if settings.stats_interval > 0:
                 self._tasks.start_soon(self._report_stats)
@@ -182,7 +226,7 @@ class Processor:
             raise
         self._stack = stack
         log.info(kv(event="started", nats_url=settings.nats_url, subject=self.subjects.all_chunks,
-                    format=settings.format, mode=settings.mode))
+                    format=settings.format, mode=self.mode))
 
     async def stop(self) -> None:
         """Graceful stop: drain the input (handle what was received), publish what is due, close."""
@@ -190,6 +234,8 @@ class Processor:
         if stack is None:
             return
         try:
+            if self._control is not None:
+                await self._control.stop(self.settings.drain_timeout)
             if self._input is not None:
                 await self._input.stop(self.settings.drain_timeout)
         finally:
@@ -231,6 +277,22 @@ class Processor:
         except Exception as exc:
             raise StartupError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from None
 
+    async def _choose_mode(self) -> str:
+        """``auto`` becomes durable when the account has JetStream; ``durable`` without it is a start-up error."""
+        wanted = self.settings.mode
+        if wanted == "core":
+            return "core"
+        assert self.nc is not None
+        available = await jetstream_available(self.nc)
+        if wanted == "durable" and not available:
+            raise StartupError(f"--mode durable needs JetStream, which the NATS server at {self.settings.nats_url} "
+                               "does not offer to this account (start nats-server with -js, or use --mode core)")
+        chosen = "durable" if available else "core"
+        if wanted == "auto":
+            log.info(kv(event="mode_selected", mode=chosen,
+                        reason="the server has JetStream" if available else "the server has no JetStream"))
+        return chosen
+
     async def _close_connection(self) -> None:
         nc = self.nc
         if nc is None or nc.is_closed:
@@ -247,6 +309,9 @@ class Processor:
         self._last_error = exc
         if isinstance(exc, nats.errors.SlowConsumerError):
             self.io.slow_consumer += 1  # counted always; logged sparsely (it comes in bursts)
+            dropped = getattr(self._input, "dropped", None)
+            if dropped is not None:  # durable: the dropped delivery used up pull credit
+                dropped(exc.sub, exc.reply)
             if self.io.slow_consumer & (self.io.slow_consumer - 1) == 0:
                 log.error(kv(event="slow_consumer", dropped_total=self.io.slow_consumer, subject=exc.subject))
             return
@@ -354,8 +419,31 @@ class Processor:
             await anyio.sleep(max(0.0, wake - now))
             await self._fire()
 
+    async def caught_up(self) -> None:
+        """Every chunk received so far has been handled (see ``CoreInput.caught_up``); inputs without
+        that method give no such guarantee."""
+        barrier = getattr(self._input, "caught_up", None)
+        if barrier is not None:
+            await barrier()
+
+    async def exclusive(self, decide: Callable[[float], tuple[T, list[Decision]]]) -> T:
+        """Run one correlator call off the message path (a control request) and dispatch its decisions
+        as the timer does: never while a message's or the timer's results are mid-publish."""
+        while self._dispatching or self._timer_gate is not None:
+            await anyio.sleep(0.001)
+        value, decisions = decide(self._clock())
+        if decisions:
+            gate = self._timer_gate = anyio.Event()
+            try:
+                await self._dispatch(decisions)
+            finally:
+                self._timer_gate = None
+                gate.set()
+        return value
+
     async def _fire(self) -> None:
-        while self._dispatching:  # a message's results are mid-publish (back-pressure): let them finish
+        # A message's (or a control request's) results are mid-publish (back-pressure): let them finish.
+        while self._dispatching or self._timer_gate is not None:
             await anyio.sleep(0.001)
         decisions = self.correlator.tick(self._clock())
         self.io.timer_runs += 1
@@ -374,5 +462,5 @@ class Processor:
             log.info(kv(event="stats", **self.snapshot()))
 
 
-_QUIET_EVENTS = frozenset({"late_chunk", "rejected_after_finish"})
+_QUIET_EVENTS = frozenset({"late_chunk", "rejected_after_finish", "sealed_chunk"})
 

@@ -10,6 +10,11 @@ Subscribe before the request's chunks are published, or early results are missed
         await publisher.publish_leg(request_id, "agg", bodies)
         async for result in results:
             ...
+
+With ``replay=True`` the results come from the JetStream stream that stores them (durable mode
+creates it): an ordered consumer replays the request's subject from its first result, then
+follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
+are dropped by the same seq check.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from .streams import find_stream
 from .wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 
 
@@ -68,11 +74,13 @@ def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
 class ResultStream:
     """Results of one request as an async iterator; ``timeout`` bounds the wait for the final one."""
 
-    def __init__(self, nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None) -> None:
+    def __init__(self, nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
+                 replay: bool = False) -> None:
         self.nc = nc
         self.subjects = subjects
         self.request_id = check_request_id(request_id)
         self.timeout = timeout
+        self.replay = replay
         self._order = _Reorder()
         self._ready: deque[ResultInfo] = deque()
         self._error: MalformedResult | None = None
@@ -84,8 +92,16 @@ class ResultStream:
         """Register interest on the server (returns once the server has it)."""
         if self._sub is not None:
             return
-        self._sub = await self.nc.subscribe(self.subjects.result(self.request_id), cb=self._on_msg)
-        await self.nc.flush()
+        subject = self.subjects.result(self.request_id)
+        if self.replay:
+            js = self.nc.jetstream()
+            stream = await find_stream(js, subject)
+            if stream is None:
+                raise LookupError(f"no JetStream stream stores {subject!r}: nothing to replay")
+            self._sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, cb=self._on_msg)
+        else:
+            self._sub = await self.nc.subscribe(subject, cb=self._on_msg)
+            await self.nc.flush()
         if self.timeout is not None:
             self._deadline = anyio.current_time() + self.timeout
 
@@ -136,9 +152,13 @@ class ResultStream:
         return [result async for result in self]
 
 
-def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None) -> ResultStream:
-    """``async for r in follow(...)`` yields one request's results in seq order until the final one."""
-    return ResultStream(nc, subjects, request_id, timeout=timeout)
+def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
+           replay: bool = False) -> ResultStream:
+    """``async for r in follow(...)`` yields one request's results in seq order until the final one.
+
+    ``replay`` reads them from the results stream, from the first one on (late attach).
+    """
+    return ResultStream(nc, subjects, request_id, timeout=timeout, replay=replay)
 
 
 async def collect(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None

@@ -74,6 +74,27 @@ class Truth(msgspec.Struct, frozen=True):
             start += size
         return spans
 
+    def resumed(self, emitted: int) -> Truth:
+        """What the model produces for the request a migration sends after ``emitted`` output tokens.
+
+        Its prompt is the original prompt plus those tokens and its output the rest; expert rows index
+        absolute positions, so they are the same bytes. The replayed tokens' prompt logprobs are their
+        sampling logprobs (same prefix, same token). A chunk that straddles ``emitted`` is split.
+        """
+        if not 0 <= emitted < self.output_len:
+            raise ValueError(f"emitted must be in [0, {self.output_len}), got {emitted}")
+        if emitted == 0:
+            return self
+        sizes = [end - max(start, emitted) for start, end in self.chunk_spans() if end > emitted]
+        return msgspec.structs.replace(
+            self,
+            prompt_ids=self.prompt_ids + self.output_ids[:emitted],
+            output_ids=self.output_ids[emitted:],
+            chunk_sizes=sizes,
+            prompt_logprobs=self.prompt_logprobs + self.output_logprobs[:emitted],
+            output_logprobs=self.output_logprobs[emitted:],
+        )
+
 
 def make_truth(
     seed: int,
@@ -145,6 +166,25 @@ class SimulatedWorker(ABC):
     @abstractmethod
     def decode(self, truth: Truth, *, stream: bool, damage: Damage | None = None) -> list[bytes]:
         """The decode leg, with stale prompt rows and without prompt logprobs."""
+
+    # A resumed request (after a migration at ``emitted`` tokens) is, to the engine that serves it, a
+    # fresh request for the extended prompt: every leg is the plain leg of ``truth.resumed(emitted)``,
+    # artefacts included (a P/D decode's stale rows now cover the extended prompt). A format whose
+    # engine renders resumed requests differently overrides these.
+
+    def agg_resumed(self, truth: Truth, emitted: int, *, stream: bool) -> list[bytes]:
+        """The aggregated response to the request that resumes ``truth`` after ``emitted`` tokens."""
+        return self.agg(truth.resumed(emitted), stream=stream)
+
+    def prefill_resumed(self, truth: Truth, emitted: int, *, stream: bool,
+                        damage: Damage | None = None) -> list[bytes]:
+        """The prefill leg of the resumed request (its prompt covers the emitted tokens)."""
+        return self.prefill(truth.resumed(emitted), stream=stream, damage=damage)
+
+    def decode_resumed(self, truth: Truth, emitted: int, *, stream: bool,
+                       damage: Damage | None = None) -> list[bytes]:
+        """The decode leg of the resumed request."""
+        return self.decode(truth.resumed(emitted), stream=stream, damage=damage)
 
     @abstractmethod
     def opaque_agg(self, truth: Truth, *, stream: bool, rng: random.Random) -> list[bytes]:

@@ -1,40 +1,70 @@
-"""The JetStream stream that keeps results, so an edge can attach late and a client can resume.
+"""The JetStream streams: results (late attach, de-duplication) and chunks (durable input).
 
-Results are published on core subjects (``P.results.<request_id>``); a stream capturing
-``P.results.>`` stores them with their ``Nats-Msg-Id`` (``<request_id>.<seq>``), so a processor
-that republishes after a restart is de-duplicated inside ``duplicate_window``. The edge replays a
-request's subject from this stream, then follows it live.
+Results are published on ``P.results.<request_id>``; a stream capturing ``P.results.>`` stores them
+with their ``Nats-Msg-Id`` (``<request_id>.<seq>``), so a processor that republishes after a restart
+is de-duplicated inside ``duplicate_window``. The edge replays a request's subject from this stream,
+then follows it live.
 
-:func:`ensure_results_stream` creates the stream or checks an existing one; it never changes a
-stream that exists, because a silently shortened ``max_age`` would lose other people's results.
+In durable mode a second stream captures every chunk subject ``P.chunks.<request_id>.<role>``
+(work-queue retention: a chunk is deleted once acknowledged) and stores it partitioned by request id
+(see :mod:`streamproc.partitions`); each partition is read by one durable pull consumer.
+
+The ``ensure_*`` functions create a stream or check an existing one; they never change a stream
+that exists, because a silently shortened ``max_age`` would lose other people's data.
 """
 
 from __future__ import annotations
 
 import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    ConsumerInfo,
+    DeliverPolicy,
+    DiscardPolicy,
+    ReplayPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+    SubjectTransform,
+)
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from .partitions import PartitionScheme
 from .wire import Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
+CHUNKS_STREAM = "STREAMPROC_CHUNKS"
 DEFAULT_MAX_AGE = 3600.0  # seconds a result can still be replayed
 DEFAULT_DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
 
 
-class ResultsStreamMismatch(RuntimeError):
+class StreamMismatch(RuntimeError):
     """A stream exists but differs from what was asked for; nothing was changed."""
+
+    what = "stream"
 
     def __init__(self, name: str, differences: list[str]) -> None:
         super().__init__(
-            f"JetStream stream {name!r} does not match the requested results stream: "
+            f"JetStream stream {name!r} does not match the requested {self.what}: "
             + "; ".join(differences)
             + " (change or delete it deliberately; streamproc never edits it)"
         )
         self.name = name
         self.differences = differences
+
+
+class ResultsStreamMismatch(StreamMismatch):
+    what = "results stream"
+
+
+class ChunkStreamMismatch(StreamMismatch):
+    what = "chunk stream"
 
 
 class ResultsStreamSpec(msgspec.Struct, frozen=True):
@@ -45,6 +75,7 @@ class ResultsStreamSpec(msgspec.Struct, frozen=True):
     max_age: float
     duplicate_window: float
     storage: StorageType
+    replicas: int = 1
 
     def config(self) -> StreamConfig:
         return StreamConfig(
@@ -56,6 +87,7 @@ class ResultsStreamSpec(msgspec.Struct, frozen=True):
             max_age=self.max_age,
             duplicate_window=self.duplicate_window,
             storage=self.storage,
+            num_replicas=self.replicas,
             allow_direct=True,
         )
 
@@ -73,6 +105,8 @@ class ResultsStreamSpec(msgspec.Struct, frozen=True):
             found.append(f"duplicate_window is {actual.duplicate_window}s, not {self.duplicate_window}s")
         if _value(actual.storage) != _value(self.storage):
             found.append(f"storage is {_value(actual.storage)!r}, not {_value(self.storage)!r}")
+        if (actual.num_replicas or 1) != self.replicas:
+            found.append(f"replicas is {actual.num_replicas or 1}, not {self.replicas}")
         return found
 
 
@@ -109,13 +143,14 @@ async def ensure_results_stream(
     max_age: float = DEFAULT_MAX_AGE,
     duplicate_window: float = DEFAULT_DUPLICATE_WINDOW,
     storage: StorageType = StorageType.FILE,
+    replicas: int = 1,
 ) -> StreamInfo:
     """Create the stream capturing ``subjects.all_results``, or check that the existing one fits.
 
     Raises :class:`ResultsStreamMismatch` when a stream of that name differs, or when another
     stream already captures the results subjects (JetStream forbids overlapping streams).
     """
-    spec = ResultsStreamSpec(name, subjects.all_results, max_age, duplicate_window, storage)
+    spec = ResultsStreamSpec(name, subjects.all_results, max_age, duplicate_window, storage, replicas)
     try:
         info = await js.stream_info(name)
     except NotFoundError:
@@ -131,9 +166,154 @@ async def ensure_results_stream(
     return info
 
 
-async def find_results_stream(js: JetStreamContext, subject: str) -> str | None:
+async def find_stream(js: JetStreamContext, subject: str) -> str | None:
     """The stream that stores ``subject``, or None (also when the server has no JetStream)."""
     try:
         return await js.find_stream_name_by_subject(subject)
     except (NotFoundError, ServiceUnavailableError, NoRespondersError):
         return None
+
+
+find_results_stream = find_stream  # the edge's name for it
+
+
+# ----------------------------------------------------------------------------- chunk stream
+
+class ChunkStreamSpec(msgspec.Struct, frozen=True):
+    """What the durable input's chunk stream must look like.
+
+    Work-queue retention: a chunk leaves the stream once acknowledged, so storage holds the backlog,
+    not the history. ``discard`` is ``new``: when ``max_bytes`` is reached, new chunks are refused
+    (JetStream publishers see the error) instead of silently dropping stored input.
+
+    The stream captures ``P.chunks.*.*`` rather than ``P.chunks.>``: a subject of another shape
+    has no request id to partition on, would be stored untransformed and read by nobody (and a
+    consumer filtering on it keeps work-queue messages from being deleted). A JetStream publish to
+    such a subject fails with "no responders"; in core mode it is logged as unreadable.
+    """
+
+    name: str
+    scheme: PartitionScheme
+    max_age: float
+    duplicate_window: float
+    storage: StorageType
+    replicas: int = 1
+    max_bytes: int = -1
+
+    @property
+    def subject(self) -> str:
+        return self.scheme.source
+
+    def config(self) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            description=f"streamproc chunks, {self.scheme.count} partitions by request id",
+            subjects=[self.subject],
+            retention=RetentionPolicy.WORK_QUEUE,
+            discard=DiscardPolicy.NEW,
+            max_age=self.max_age,
+            max_bytes=self.max_bytes,
+            duplicate_window=self.duplicate_window,
+            storage=self.storage,
+            num_replicas=self.replicas,
+            subject_transform=SubjectTransform(src=self.scheme.source, dest=self.scheme.destination),
+        )
+
+    def differences(self, actual: StreamConfig) -> list[str]:
+        found = []
+        if list(actual.subjects or []) != [self.subject]:
+            found.append(f"subjects are {actual.subjects}, not [{self.subject!r}]")
+        if actual.retention not in (RetentionPolicy.WORK_QUEUE, RetentionPolicy.WORK_QUEUE.value):
+            found.append(f"retention is {_value(actual.retention)!r}, not 'workqueue'")
+        transform = actual.subject_transform
+        wanted = (self.scheme.source, self.scheme.destination)
+        if transform is None or (transform.src, transform.dest) != wanted:
+            got = None if transform is None else f"{transform.src} -> {transform.dest}"
+            found.append(f"subject transform is {got!r}, not {wanted[0]} -> {wanted[1]} "
+                         f"(a different partition count needs a drained, recreated stream)")
+        if not _close(actual.max_age, self.max_age):
+            found.append(f"max_age is {actual.max_age}s, not {self.max_age}s")
+        if not _close(actual.duplicate_window, self.duplicate_window):
+            found.append(f"duplicate_window is {actual.duplicate_window}s, not {self.duplicate_window}s")
+        if _value(actual.storage) != _value(self.storage):
+            found.append(f"storage is {_value(actual.storage)!r}, not {_value(self.storage)!r}")
+        if (actual.num_replicas or 1) != self.replicas:
+            found.append(f"replicas is {actual.num_replicas or 1}, not {self.replicas}")
+        if (actual.max_bytes if actual.max_bytes is not None else -1) != self.max_bytes:
+            found.append(f"max_bytes is {actual.max_bytes}, not {self.max_bytes}")
+        return found
+
+
+async def ensure_chunk_stream(js: JetStreamContext, spec: ChunkStreamSpec) -> StreamInfo:
+    """Create the chunk stream, or check that the existing one (by name) fits ``spec``."""
+    try:
+        info = await js.stream_info(spec.name)
+    except NotFoundError:
+        other = await find_stream(js, spec.subject)
+        if other is not None and other != spec.name:
+            raise ChunkStreamMismatch(spec.name,
+                                      [f"stream {other!r} already captures {spec.subject!r}"]) from None
+        return await js.add_stream(spec.config())
+    differences = spec.differences(info.config)
+    if differences:
+        raise ChunkStreamMismatch(spec.name, differences)
+    return info
+
+
+def partition_consumer_name(n: int) -> str:
+    return f"streamproc-p{n}"
+
+
+def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float,
+                              max_ack_pending: int) -> ConsumerConfig:
+    """A durable pull consumer for one partition: explicit acks, never gives up on a chunk.
+
+    ``max_deliver`` is unlimited because a chunk is only ever left unacknowledged while its
+    result is not stored; dropping it after N deliveries would lose a result.
+    """
+    return ConsumerConfig(
+        name=name,
+        durable_name=name,
+        description="streamproc partition reader",
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ack_wait,
+        max_deliver=-1,
+        max_ack_pending=max_ack_pending,
+        filter_subject=filter_subject,
+        replay_policy=ReplayPolicy.INSTANT,
+        max_waiting=512,
+    )
+
+
+async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> ConsumerInfo:
+    """Create the durable consumer, or bring its tuning (ack wait, max ack pending) in line.
+
+    Consumers are streamproc's own, so unlike streams they are updated to the current settings.
+    """
+    assert config.durable_name is not None
+    try:
+        info = await js.consumer_info(stream, config.durable_name)
+    except NotFoundError:
+        return await js.add_consumer(stream, config)
+    current = info.config
+    if current.filter_subject != config.filter_subject:
+        raise ChunkStreamMismatch(stream, [f"consumer {config.durable_name!r} filters "
+                                           f"{current.filter_subject!r}, not {config.filter_subject!r}"])
+    retuned = current.max_ack_pending != config.max_ack_pending
+    if retuned or not _close(current.ack_wait, config.ack_wait or 0.0):
+        return await js.add_consumer(stream, config)  # same durable name: an update of its tuning
+    return info
+
+
+async def jetstream_available(nc: NatsClient, timeout: float = 5.0) -> bool:
+    """Whether the connected account can use JetStream (decides ``--mode auto``)."""
+    try:
+        await nc.jetstream(timeout=timeout).account_info()
+    except (ServiceUnavailableError, NoRespondersError, nats.errors.TimeoutError, NotFoundError):
+        return False
+    except APIError as exc:  # e.g. 10039 "jetstream not enabled for account"
+        if exc.code in (503, 404) or exc.err_code == 10039:
+            return False
+        raise
+    return True

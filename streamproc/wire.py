@@ -43,6 +43,7 @@ class Verdict(enum.StrEnum):
     PASSTHROUGH = "passthrough"  # body is the input chunk's bytes, untouched
     JOINED = "joined"  # the codec merged prefill data into the decode chunk
     OMITTED = "omitted"  # a joined field was unavailable and was removed, with a reason marker
+    STITCHED = "stitched"  # a resumed attempt's body, rewritten to continue the earlier attempts' stream
 
 
 class ContractError(ValueError):
@@ -125,6 +126,19 @@ class Subjects(msgspec.Struct, frozen=True):
 
     def migrate(self, request_id: str) -> str:
         return f"{self.prefix}.control.{request_id}.migrate"
+
+    @property
+    def all_migrate(self) -> str:
+        return f"{self.prefix}.control.*.migrate"
+
+    def request_id_of_migrate(self, subject: str) -> str:
+        head = f"{self.prefix}.control."
+        if not (subject.startswith(head) and subject.endswith(".migrate")):
+            raise ContractError(f"subject {subject!r} is not {head}<request_id>.migrate")
+        request_id = subject[len(head):-len(".migrate")]
+        if not request_id or "." in request_id:
+            raise ContractError(f"subject {subject!r} is not {head}<request_id>.migrate")
+        return request_id
 
     def parse_chunk_subject(self, subject: str) -> tuple[str, Role]:
         head = f"{self.prefix}.chunks."
@@ -276,3 +290,63 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
         body=body,
         traceparent=h.get(TRACEPARENT),
     )
+
+
+# ------------------------------------------------------------------ migration control (request/reply)
+
+class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of a NATS request on ``P.control.<request_id>.migrate``; an empty body means all defaults."""
+
+    # Seal only if this is still the current attempt: two migrators racing cannot both win.
+    expected_attempt: int | None = None
+    # The caller already knows the request cannot move (e.g. guided decoding): end it with a
+    # ``migration_refused`` error result instead of leaving the client waiting for request_timeout.
+    refuse: str | None = None
+    reason: str = ""  # free text for the processor's log (e.g. which worker was lost)
+
+
+class MigrateErrorCode(enum.StrEnum):
+    UNKNOWN_REQUEST = "unknown_request"  # no chunk of it reached this processor (or it was forgotten)
+    FINISHED = "finished"  # its final result is already published: nothing to resume
+    ATTEMPT_MISMATCH = "attempt_mismatch"  # expected_attempt is not the current attempt
+    REFUSED = "refused"  # state cannot transfer; the request was ended with an error result
+    BAD_REQUEST = "bad_request"  # the control message itself is malformed
+
+
+class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
+    """Success: the previous attempt is sealed and ``attempt`` is granted to the resumed request."""
+
+    request_id: str
+    attempt: int  # what every chunk of the resumed request carries in Streamproc-Attempt
+    emitted_tokens: int  # output tokens the client has been sent, over all earlier attempts
+    emitted_token_ids: list[int]
+    result_seq: int  # the result seq the resumed attempt's chunk seq 0 becomes
+    format: str
+    state: dict[str, Any] = {}  # format-specific facts the format's resume hook may check
+
+
+class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status"):
+    request_id: str
+    code: MigrateErrorCode
+    message: str
+    attempt: int | None = None  # the current attempt, when the request is known
+
+
+MigrateReply = Sealed | MigrateError
+
+_control_encoder = msgspec.json.Encoder()
+_migrate_request = msgspec.json.Decoder(MigrateRequest)
+_migrate_reply = msgspec.json.Decoder(MigrateReply)
+
+
+def encode_control(message: MigrateRequest | MigrateReply) -> bytes:
+    return _control_encoder.encode(message)
+
+
+def decode_migrate_request(body: bytes) -> MigrateRequest:
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) for a malformed body."""
+    return _migrate_request.decode(body) if body.strip() else MigrateRequest()
+
+
+def decode_migrate_reply(body: bytes) -> MigrateReply:
+    return _migrate_reply.decode(body)

@@ -65,7 +65,9 @@ def test_print_config_merges_defaults_environment_and_flags(run_cli):
     (["--max-inflight", "lots"], {}, "--max-inflight"),
     ([], {"STREAMPROC_REQUEST_TIMEOUT": "0"}, "STREAMPROC_REQUEST_TIMEOUT"),
     (["--log-level", "loud"], {}, "DEBUG, INFO"),
-    (["--mode", "durable"], {}, "--mode"),
+    (["--mode", "exactly-once"], {}, "--mode"),
+    (["--partitions", "0"], {}, "--partitions"),
+    ([], {"STREAMPROC_DUPLICATE_WINDOW": "7200"}, "duplicate_window"),
     (["--prefix", "a..b"], {}, "prefix"),
 ])
 def test_invalid_settings_exit_2_naming_where_the_value_came_from(run_cli, args, env, named):

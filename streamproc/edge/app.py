@@ -51,9 +51,10 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_chunk": 502,  # a worker broke the wire contract: an upstream failure
     "unknown_format": 502,  # a worker named a codec the processor does not have
     "overloaded": 503,
+    "migration_refused": 503,  # the worker was lost and the request could not move to another
     "timeout": 504,
 }
-_VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.OMITTED: 2}
+_VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2, Verdict.OMITTED: 3}
 
 
 def error_response(message: str, kind: str, status: int) -> JSONResponse:

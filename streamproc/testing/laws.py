@@ -16,6 +16,8 @@ they cover ordering, duplicates, timeouts and omission end to end, not just the 
 4. Dropping or corrupting either leg's sequence payload never yields stale rows: the field is the
    ground truth or absent with a reason.
 5. Any reordering or duplication of input chunks yields the same results.
+6. Interrupting any leg after any chunk, once or several times, and resuming (seal-then-resume)
+   yields the uninterrupted run's result stream, for aggregated and P/D attempts in any mix.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from hypothesis import strategies as st
 
 from ..catalog import Catalog, worker_for
 from ..codec import CodecOptions
-from ..correlator import CorrelatorConfig
+from ..correlator import Correlator, CorrelatorConfig
 from ..simulation import Damage, SimulatedWorker, Truth
-from ..wire import Result, Role, Verdict
-from .harness import leg, run_pipeline, shuffle_with_duplicates
+from ..wire import Chunk, MigrateError, MigrateErrorCode, Result, Role, Sealed, Verdict
+from .harness import Run, leg, run_pipeline, shuffle_with_duplicates
 from .strategies import truths
 
 LAW_EXAMPLES = int(os.environ.get("STREAMPROC_LAW_EXAMPLES", "512"))
@@ -187,3 +189,80 @@ class CodecLaws:
             assert view(shuffled, rid) == view(in_order, rid)
         # Every input chunk (duplicates included) is settled exactly by the end: nothing leaks.
         assert sorted(map(repr, set(shuffled.settled))) == sorted(map(repr, {c.token for c in chunks}))
+
+    def _attempt_legs(self, truth: Truth, emitted: int, attempt: int, pd: bool, stream: bool) -> list[list[Chunk]]:
+        """The legs a worker (pair) publishes for the request resumed after ``emitted`` tokens."""
+        w, rid = self._worker(), truth.request_id
+        if not pd:
+            return [leg(rid, Role.AGG, w.agg_resumed(truth, emitted, stream=stream), attempt=attempt)]
+        return [leg(rid, Role.PREFILL, w.prefill_resumed(truth, emitted, stream=stream), attempt=attempt),
+                leg(rid, Role.DECODE, w.decode_resumed(truth, emitted, stream=stream), attempt=attempt)]
+
+    @law_settings
+    @given(truth=truths(), stream=st.booleans(), data=st.data())
+    def test_law6_interrupted_and_resumed_requests_give_the_uninterrupted_stream(self, truth, stream, data):
+        w, rid = self._worker(), truth.request_id
+        expected = w.agg(truth, stream=stream)
+        spans = truth.chunk_spans() if stream else [(0, truth.output_len)]
+        correlator = Correlator(Catalog(self.options), self.codec_name,
+                                CorrelatorConfig(prefill_timeout=PREFILL_TIMEOUT))
+        run = Run(correlator)
+        rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+        interruptions = data.draw(st.integers(1, 3), label="interruptions")
+        late: list[Chunk] = []  # chunks of sealed attempts, still in flight
+        sent: list[Chunk] = []
+        attempt = emitted = 0
+
+        def deliver(chunks: list[Chunk]) -> None:
+            stragglers = [late.pop(rng.randrange(len(late))) for _ in range(rng.randint(0, len(late)))]
+            batch = shuffle_with_duplicates(chunks, rng, dup_rate=0.2) + stragglers
+            rng.shuffle(batch)
+            for chunk in batch:
+                sent.append(chunk)
+                run.absorb(correlator.receive(chunk, 0.0))
+
+        for interrupted in range(interruptions + 1):
+            pd = data.draw(st.booleans(), label="pd")
+            legs = self._attempt_legs(truth, emitted, attempt, pd, stream)
+            if interrupted == interruptions:  # the last attempt completes
+                deliver([c for chunks in legs for c in chunks])
+                break
+            cuts = [data.draw(st.integers(0, len(chunks)), label="cut") for chunks in legs]
+            broken = data.draw(st.integers(0, len(legs) - 1), label="leg")
+            cuts[broken] = min(cuts[broken], len(legs[broken]) - 1)  # that worker dies before its final chunk
+            if attempt == 0 and not any(cuts) and not data.draw(st.booleans(), label="lost before any chunk"):
+                other = (broken + 1) % len(legs)  # let the processor hear of the request first
+                top = len(legs[other]) - (other == broken)
+                if top:
+                    cuts[other] = data.draw(st.integers(1, top), label="cut")
+            deliver([c for chunks, cut in zip(legs, cuts) for c in chunks[:cut]])
+            reply, decisions = correlator.migrate(rid, 0.0)
+            run.absorb(decisions)
+            published = run.of(rid)
+            if isinstance(reply, MigrateError):
+                # Only a request the processor never heard of: nothing was sent, the same attempt is reissued.
+                assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST and attempt == 0 and not sent, reply
+                continue
+            assert isinstance(reply, Sealed)
+            assert reply.attempt == attempt + 1 and reply.result_seq == len(published)
+            # Exactly what the client was sent: the tokens of the results published so far.
+            assert reply.emitted_tokens == (spans[len(published) - 1][1] if published else 0) >= emitted
+            assert reply.emitted_token_ids == truth.output_ids[:reply.emitted_tokens]
+            late.extend(c for chunks, cut in zip(legs, cuts) for c in chunks[cut:])
+            attempt, emitted = reply.attempt, reply.emitted_tokens
+        deliver(late[:])  # whatever of the dead attempts is still in flight arrives after all
+        if data.draw(st.booleans(), label="migrate after the end"):
+            reply, decisions = correlator.migrate(rid, 0.0)
+            assert isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.FINISHED and not decisions
+
+        results = run.of(rid)
+        self._assert_complete(results, len(expected))
+        for result, agg_body in zip(results, expected):
+            assert w.canonical(result.body) == w.canonical(agg_body)
+            assert result.verdict in (Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.STITCHED)
+        rows, reason = w.expert_view(results[-1].body)
+        if truth.return_experts:
+            assert rows == truth.experts and reason is None
+        assert correlator.inflight == 0
+        # Every chunk is settled, sealed and duplicate ones included.
+        assert set(map(repr, run.settled)) == {repr(c.token) for c in sent}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import Codec, CodecOptions, ErrorKind, JoinSession, SequenceCodec
+from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
-from . import native
+from . import migration, native
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
 
@@ -21,6 +21,7 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
     ErrorKind.INVALID_CHUNK: "invalid_request_error",
     ErrorKind.UNKNOWN_FORMAT: "invalid_request_error",
     ErrorKind.INTERNAL: "internal_error",
+    ErrorKind.MIGRATION_REFUSED: "service_unavailable",
 }
 
 
@@ -52,3 +53,14 @@ class SGLangCodec(Codec):
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
+
+    # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
+
+    def open_migration(self) -> MigrationSession:
+        return migration.SGLangMigrationSession(self.sequences)
+
+    def check_migratable(self, request: bytes) -> None:
+        migration.check_request(request)
+
+    def resume_request(self, request: bytes, emitted: Emitted) -> bytes:
+        return migration.resume_request(request, emitted)

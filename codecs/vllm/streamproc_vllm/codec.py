@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import Codec, CodecOptions, ErrorKind, JoinSession, SequenceCodec
+from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
+from . import migration
 from .body import ROUTED_EXPERTS, dump, parse
 from .fold import fold_objects
 from .join import VLLMJoinSession
@@ -23,6 +24,7 @@ ERROR_TYPES: Mapping[ErrorKind, tuple[str, int]] = {
     ErrorKind.INVALID_CHUNK: ("invalid_request_error", 400),
     ErrorKind.UNKNOWN_FORMAT: ("invalid_request_error", 400),
     ErrorKind.INTERNAL: ("internal_error", 500),
+    ErrorKind.MIGRATION_REFUSED: ("service_unavailable", 503),
 }
 
 
@@ -52,3 +54,14 @@ class VLLMCodec(Codec):
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         error_type, code = ERROR_TYPES.get(kind, ERROR_TYPES[ErrorKind.INTERNAL])
         return dump({"error": {"message": message, "type": error_type, "code": code}})
+
+    # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
+
+    def open_migration(self) -> MigrationSession:
+        return migration.VLLMMigrationSession(self)
+
+    def check_migratable(self, request: bytes) -> None:
+        migration.check_request(request)
+
+    def resume_request(self, request: bytes, emitted: Emitted) -> bytes:
+        return migration.resume_request(request, emitted)

@@ -6,7 +6,7 @@
 const page = (window.streamprocPage = {
   requestId: null, state: "idle", received: [], meta: [], verdict: null, source: null,
 });
-const RANK = { passthrough: 0, joined: 1, omitted: 2 };
+const RANK = { passthrough: 0, joined: 1, stitched: 2, omitted: 3 };
 const $ = (id) => document.getElementById(id);
 
 function setState(state) {

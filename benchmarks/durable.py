@@ -1,0 +1,225 @@
+"""Durable-mode throughput and latency: `streamproc run --mode durable` beside a plain nats-py
+JetStream fetch-ack-republish loop (``jsrelay.py``), same stream, same load, same run.
+
+Both contenders are subprocesses. Each measurement gets a fresh nats-server (file storage) whose
+chunk and results streams are created by streamproc's own code with the processor's defaults, so
+both contenders read the same stream configuration and store their results the same way
+(``Nats-Msg-Id``, PubAck before the input is acknowledged). Rounds alternate between contenders.
+
+- Peak: the chunk stream is filled with the load first, then the contender starts; throughput is
+  chunks / (first result .. last result) at a core subscriber, CPU is the contender's own.
+- Latency: at half of streamproc's peak rate, chunks are published live (paced); latency is a
+  result's arrival at a core subscriber minus its chunk's publish time, for both contenders.
+
+Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+from nats.js.api import AckPolicy, ConsumerConfig, StorageType
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from passthrough import build_load, cpu_seconds  # noqa: E402
+
+from streamproc import config  # noqa: E402
+from streamproc.embedded import EmbeddedNats  # noqa: E402
+from streamproc.partitions import PartitionScheme  # noqa: E402
+from streamproc.streams import (  # noqa: E402
+    CHUNKS_STREAM,
+    ChunkStreamSpec,
+    ensure_chunk_stream,
+    ensure_results_stream,
+)
+
+NAMES = ("jsrelay", "streamproc")
+
+
+def contender_cmd(name: str, url: str, settings: config.Settings) -> list[str]:
+    if name == "jsrelay":
+        return [sys.executable, str(HERE / "jsrelay.py"), "--nats-url", url, "--stream", CHUNKS_STREAM,
+                "--consumer", "jsrelay", "--batch", str(settings.fetch_batch)]
+    return [str(Path(sys.executable).parent / "streamproc"), "run", "--nats-url", url, "--mode", "durable",
+            "--format", "sglang", "--log-level", "WARNING"]
+
+
+async def prepare(nc, settings: config.Settings, name: str) -> None:
+    """The streams exactly as the processor creates them; the relay's consumer reads all partitions."""
+    js = nc.jetstream(timeout=10)
+    storage = StorageType(settings.stream_storage)
+    await ensure_results_stream(js, settings.subjects, max_age=settings.results_max_age,
+                                duplicate_window=settings.duplicate_window, storage=storage)
+    await ensure_chunk_stream(js, ChunkStreamSpec(
+        CHUNKS_STREAM, PartitionScheme(settings.subjects, settings.partitions), settings.chunks_max_age,
+        settings.duplicate_window, storage))
+    if name == "jsrelay":
+        await js.add_consumer(CHUNKS_STREAM, ConsumerConfig(
+            durable_name="jsrelay", ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.ack_wait, max_deliver=-1,
+            max_ack_pending=settings.max_ack_pending * settings.partitions,
+            filter_subject=f"{settings.prefix}.partition.>"))
+
+
+def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
+    return subprocess.Popen(contender_cmd(name, url, settings), stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def peak(name: str, load) -> tuple[float, float]:
+    """(chunks per second, contender CPU microseconds per chunk) draining a pre-filled stream."""
+    with EmbeddedNats() as server:
+        settings = config.load({}, {"nats_url": server.url, "mode": "durable"})
+        nc = await nats.connect(server.url)
+        proc = None
+        try:
+            await prepare(nc, settings, name)
+            for n, (subject, body, headers) in enumerate(load):
+                await nc.publish(subject, body, headers=headers)
+                if n % 2000 == 1999:
+                    await nc.flush()
+            await nc.flush()
+            js = nc.jetstream()
+            while (await js.stream_info(CHUNKS_STREAM)).state.messages < len(load):
+                await asyncio.sleep(0.05)
+
+            expected, got = len(load), 0
+            first = last = 0.0
+            cpu0 = 0.0
+            done = asyncio.Event()
+
+            async def sink(msg) -> None:
+                nonlocal got, first, last, cpu0
+                got += 1
+                if got == 1:
+                    first = time.perf_counter()
+                    cpu0 = cpu_seconds(proc.pid)
+                if got == expected:
+                    last = time.perf_counter()
+                    done.set()
+
+            await nc.subscribe(f"{settings.prefix}.results.>", cb=sink, pending_msgs_limit=-1, pending_bytes_limit=-1)
+            await nc.flush()
+            proc = start(name, server.url, settings)
+            await asyncio.wait_for(done.wait(), 300)
+            cpu = cpu_seconds(proc.pid) - cpu0
+            return (expected - 1) / (last - first), cpu / (expected - 1) * 1e6
+        finally:
+            await nc.close()
+            if proc is not None:
+                finish(proc)
+
+
+async def latency(name: str, load, rate: float, seconds: float) -> tuple[float, float, int]:
+    """(p50 ms, p99 ms, chunks) publishing live at ``rate`` chunks/s for ``seconds``."""
+    with EmbeddedNats() as server:
+        settings = config.load({}, {"nats_url": server.url, "mode": "durable"})
+        nc = await nats.connect(server.url)
+        proc = None
+        try:
+            await prepare(nc, settings, name)
+            count = min(len(load), int(rate * seconds))
+            load = load[:count]
+            sent: dict[tuple[str, str], float] = {}
+            lat: list[float] = []
+            warm = asyncio.Event()
+            done = asyncio.Event()
+            cut = len(f"{settings.prefix}.results.")
+
+            async def sink(msg) -> None:
+                now = time.perf_counter()
+                rid = msg.subject[cut:]
+                if rid == "warmup":
+                    warm.set()
+                    return
+                t0 = sent.pop((rid, msg.headers["Streamproc-Seq"]), None)
+                if t0 is not None:
+                    lat.append(now - t0)
+                    if len(lat) == count:
+                        done.set()
+
+            await nc.subscribe(f"{settings.prefix}.results.>", cb=sink, pending_msgs_limit=-1, pending_bytes_limit=-1)
+            await nc.flush()
+            proc = start(name, server.url, settings)
+            probe = {"Streamproc-Seq": "0", "Streamproc-Final": "true", "Nats-Msg-Id": "warmup.agg.0.0"}
+            await nc.publish(f"{settings.prefix}.chunks.warmup.agg", b"{}", headers=probe)
+            await asyncio.wait_for(warm.wait(), 60)
+            await asyncio.sleep(0.5)
+
+            tick = 0.002
+            started = time.perf_counter()
+            for n, (subject, body, headers) in enumerate(load):
+                due = started + n / rate
+                now = time.perf_counter()
+                if due > now + tick:
+                    await nc.flush()
+                    await asyncio.sleep(due - now)
+                parts = subject.rsplit(".", 2)
+                sent[(parts[-2], headers["Streamproc-Seq"])] = time.perf_counter()
+                await nc.publish(subject, body, headers=headers)
+            await nc.flush()
+            await asyncio.wait_for(done.wait(), 120)
+            lat.sort()
+            return lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3, len(lat)
+        finally:
+            await nc.close()
+            if proc is not None:
+                finish(proc)
+
+
+async def run(args) -> None:
+    load = build_load(args.chunks, True, "streamproc")
+    print(f"{os.cpu_count()} cores; {len(load)} aggregated streamed chunks per run (file storage, "
+          f"{config.Settings().partitions} partitions, results stored with Msg-Id); {args.rounds} rounds alternating")
+    rates: dict[str, list[float]] = {n: [] for n in NAMES}
+    cpus: dict[str, list[float]] = {n: [] for n in NAMES}
+    for r in range(args.rounds):
+        for name in (NAMES if r % 2 == 0 else NAMES[::-1]):
+            rate, cpu = await peak(name, load)
+            rates[name].append(rate)
+            cpus[name].append(cpu)
+    relay, ours = statistics.median(rates["jsrelay"]), statistics.median(rates["streamproc"])
+    relay_cpu, ours_cpu = statistics.median(cpus["jsrelay"]), statistics.median(cpus["streamproc"])
+    print(f"{'peak':10}{'jsrelay chunks/s':>18}{'streamproc chunks/s':>21}{'ratio':>8}"
+          f"{'jsrelay cpu us/chunk':>22}{'streamproc cpu us/chunk':>25}")
+    print(f"{'streamed':10}{relay:18,.0f}{ours:21,.0f}{ours / relay:8.2f}{relay_cpu:22.1f}{ours_cpu:25.1f}")
+    print(f"{'':10}   (runs jsrelay {', '.join(f'{x:,.0f}' for x in rates['jsrelay'])};"
+          f" streamproc {', '.join(f'{x:,.0f}' for x in rates['streamproc'])})")
+    offered = ours / 2
+    live = build_load(int(offered * args.latency_seconds) + 16, True, "streamproc")
+    print(f"latency at half of streamproc's peak: {offered:,.0f} chunks/s offered for {args.latency_seconds:g} s, "
+          "chunk publish -> result at a core subscriber")
+    for name in NAMES:
+        p50, p99, n = await latency(name, live, offered, args.latency_seconds)
+        print(f"{name:12} p50 {p50:7.2f} ms   p99 {p99:7.2f} ms   ({n} chunks)")
+    print("target: streamproc >= 1.0 x jsrelay (peak chunks/s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=30_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency-seconds", type=float, default=5.0)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""SGLang request migration: read what the client has seen, rebuild the request, stitch the stream.
+
+Reference notes §6.2. After a worker is lost at ``k`` emitted tokens, the resumed request is the
+original one with ``input_ids = prompt + emitted`` and ``max_new_tokens - k``; SGLang then reports
+that attempt in its own terms (``prompt_tokens = prompt + k``, counts from 0, input logprobs over
+the extended prompt). :class:`SGLangMigrationSession.stitch` turns each of its bodies back into the
+original request's terms so the client reads one uninterrupted stream:
+
+=================================  ===========================================================
+field                              stitched value
+=================================  ===========================================================
+``text``, ``output_ids``           unchanged (deltas; nothing is replayed)
+``meta_info.id``                   the id the client saw first
+``prompt_tokens``                  the original prompt's (attempt's value − k)
+``completion_tokens``,             + k (cumulative counts continue)
+``output_token_logprobs_length``
+``reasoning_tokens``               + the last value the client saw
+``cached_tokens``                  the final attempt's, at most the original prompt length
+``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
+``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
+                                   list without its last k entries (the replayed output tokens)
+``routed_experts``                 the attempt's array covers every position (its prompt is the
+                                   original prompt plus the emitted tokens); rows an earlier
+                                   attempt already published replace its leading rows
+=================================  ===========================================================
+
+P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
+then stitched. What the processor can check from bodies alone: every published body is a JSON
+object with integer ``output_ids`` (else the emitted tokens are unknown), is not a batch (a JSON
+array: ``n > 1``), and carries no ``hidden_states``. Guided decoding and ``n > 1`` are visible in
+the request only: :func:`check_request` refuses them for the serving layer's helper.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Mapping, Sequence
+
+import msgspec
+
+from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
+from streamproc.wire import Verdict
+
+from . import native
+from .native import (
+    COMPLETION_TOKENS,
+    FINISH_REASON,
+    INPUT_LOGPROB_FIELDS,
+    OUTPUT_IDS,
+    OUTPUT_TOKEN_LOGPROBS_LENGTH,
+    PROMPT_TOKENS,
+    ROUTED_EXPERTS,
+    ROUTED_EXPERTS_UNAVAILABLE,
+)
+
+INPUT_IDS = "input_ids"
+SAMPLING_PARAMS = "sampling_params"
+MAX_NEW_TOKENS = "max_new_tokens"
+MIN_NEW_TOKENS = "min_new_tokens"
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request gives none
+REASONING_TOKENS = "reasoning_tokens"
+CACHED_TOKENS = "cached_tokens"
+HIDDEN_STATES = "hidden_states"
+# Grammar-constrained decoding: the grammar state is not transferable (replaying the emitted tokens
+# as prompt restarts the FSM at the schema root), so such requests are never migrated.
+GUIDED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# The dead P/D pair's KV-transfer rendezvous; the serving layer assigns the new pair's.
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+STATE_PROMPT_TOKENS = "prompt_tokens"
+
+STITCH_LENGTH_MISMATCH = "length_mismatch"
+STITCH_CORRUPT = "stitch_corrupt"
+
+_INT32 = 4
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int
+
+
+class _Base(msgspec.Struct):
+    """What the stitch adds back, frozen when an attempt is sealed."""
+
+    emitted: int = 0
+    reasoning: int = 0
+    rid: Any = None
+    input_logprobs: dict[str, Any] = {}
+    rows: Any = None  # encoded routed_experts an earlier attempt published
+
+
+class SGLangMigrationSession(MigrationSession):
+    def __init__(self, sequences: Mapping[str, SequenceCodec]) -> None:
+        self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
+        self._ids = array("q")  # 8 bytes a token: the compact progress state
+        self._rid: Any = None
+        self._prompt_tokens: int | None = None
+        self._reasoning = 0
+        self._input_logprobs: dict[str, Any] = {}
+        self._rows: Any = None
+        self._base = _Base()
+
+    # ------------------------------------------------------------ what was sent
+
+    def absorb(self, bodies: Sequence[bytes]) -> None:
+        for body in bodies:
+            doc = native.parse(body)
+            if doc is None:
+                if body.lstrip()[:1] == b"[":
+                    raise MigrationRefused("a batched response (n > 1 or several prompts) cannot be resumed")
+                raise MigrationRefused("a published body is not a JSON object, so the emitted tokens are unknown")
+            ids = doc.get(OUTPUT_IDS)
+            if not isinstance(ids, list) or not all(_is_count(t) for t in ids):
+                raise MigrationRefused("a published body has no integer output_ids, so the emitted tokens "
+                                       "are unknown")
+            meta = native.meta_of(doc)
+            if meta is not None:
+                self._absorb_meta(meta)
+            self._ids.extend(ids)
+
+    def _absorb_meta(self, meta: dict[str, Any]) -> None:
+        if meta.get(HIDDEN_STATES) is not None:
+            raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
+        if self._rid is None and meta.get("id") is not None:
+            self._rid = meta["id"]
+        prompt_tokens = meta.get(PROMPT_TOKENS)
+        if _is_count(prompt_tokens):
+            self._prompt_tokens = prompt_tokens  # published bodies are already in the original terms
+        reasoning = meta.get(REASONING_TOKENS)
+        if _is_count(reasoning):
+            self._reasoning = reasoning
+        for field in INPUT_LOGPROB_FIELDS:
+            value = meta.get(field)
+            if isinstance(value, list) and value:
+                self._input_logprobs[field] = value
+        if meta.get(ROUTED_EXPERTS) is not None:
+            self._rows = meta[ROUTED_EXPERTS]
+
+    def seal(self) -> Emitted:
+        self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows)
+        state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
+        return Emitted(self._ids.tolist(), state)
+
+    # ---------------------------------------------------------------- stitching
+
+    def stitch(self, body: bytes, final: bool) -> tuple[bytes, Verdict] | None:
+        base = self._base
+        doc = native.parse(body)
+        meta = native.meta_of(doc) if doc is not None else None
+        if meta is None:
+            return None  # not SGLang-shaped: nothing in it can be restated
+        before = dict(meta)
+        k = base.emitted
+        if base.rid is not None and meta.get("id") is not None:
+            meta["id"] = base.rid
+        prompt = meta.get(PROMPT_TOKENS)
+        original_prompt = prompt - k if _is_count(prompt) else None
+        if original_prompt is not None:
+            meta[PROMPT_TOKENS] = original_prompt
+        for field in (COMPLETION_TOKENS, OUTPUT_TOKEN_LOGPROBS_LENGTH):
+            if _is_count(meta.get(field)):
+                meta[field] += k
+        if _is_count(meta.get(REASONING_TOKENS)):
+            meta[REASONING_TOKENS] += base.reasoning
+        cached = meta.get(CACHED_TOKENS)
+        if _is_count(cached) and original_prompt is not None and cached > original_prompt:
+            meta[CACHED_TOKENS] = original_prompt  # emitted tokens replayed as prompt are not prompt cache hits
+        finish = meta.get(FINISH_REASON)
+        if isinstance(finish, dict) and finish.get("type") == "length" and _is_count(finish.get("length")):
+            meta[FINISH_REASON] = {**finish, "length": finish["length"] + k}
+        for field in INPUT_LOGPROB_FIELDS:
+            value = meta.get(field)
+            if isinstance(value, list):
+                original = base.input_logprobs.get(field)
+                meta[field] = original if original is not None else value[:max(0, len(value) - k)]
+        verdict = Verdict.STITCHED
+        if base.rows is not None and meta.get(ROUTED_EXPERTS) is not None:
+            verdict = self._stitch_rows(meta, base.rows)
+        if meta == before:
+            return None
+        return native.encode(doc), verdict
+
+    def _stitch_rows(self, meta: dict[str, Any], earlier_value: Any) -> Verdict:
+        """Rows an earlier attempt published were computed by the passes that sampled those tokens:
+        they win over the resumed attempt's recomputation of the same positions."""
+        try:
+            earlier = self._experts.decode(earlier_value)
+            current = self._experts.decode(meta[ROUTED_EXPERTS])
+        except CorruptPayload:
+            return _omit(meta, STITCH_CORRUPT)
+        if len(earlier) % _INT32 or len(current) % _INT32 or len(current) < len(earlier):
+            return _omit(meta, STITCH_LENGTH_MISMATCH)
+        if current[:len(earlier)] != earlier:
+            meta[ROUTED_EXPERTS] = self._experts.encode(b"".join((earlier, memoryview(current)[len(earlier):])))
+        return Verdict.STITCHED
+
+
+def _omit(meta: dict[str, Any], reason: str) -> Verdict:
+    meta.pop(ROUTED_EXPERTS, None)
+    meta[ROUTED_EXPERTS_UNAVAILABLE] = reason
+    return Verdict.OMITTED
+
+
+# --------------------------------------------------------------------- requests
+
+def _request(body: bytes) -> dict[str, Any]:
+    doc = native.parse(body)
+    if doc is None:
+        raise MigrationRefused("the request is not a JSON object")
+    return doc
+
+
+def check_request(body: bytes) -> dict[str, Any]:
+    """The parsed request, or :class:`MigrationRefused` if it cannot be resumed on another worker."""
+    doc = _request(body)
+    ids = doc.get(INPUT_IDS)
+    if not isinstance(ids, list) or not ids:
+        if doc.get("text") is not None:
+            raise MigrationRefused("a text prompt cannot be extended with token ids (send input_ids)")
+        raise MigrationRefused("the request has no input_ids")
+    if not all(_is_count(t) for t in ids):
+        raise MigrationRefused("a batched request (several prompts) cannot be resumed")
+    params = doc.get(SAMPLING_PARAMS)
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
+    n = params.get("n", 1)
+    if n not in (None, 1):
+        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+    for field in GUIDED_FIELDS:
+        if params.get(field) is not None:
+            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    if doc.get("return_hidden_states"):
+        raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
+    return doc
+
+
+def resume_request(body: bytes, emitted: Emitted) -> bytes:
+    """The request that continues ``body`` after ``emitted``: prompt + emitted tokens, budget − k.
+
+    ``logprob_start_len`` and ``routed_experts_start_len`` are absolute positions, so they stay.
+    """
+    doc = check_request(body)
+    ids = doc[INPUT_IDS]
+    seen = emitted.state.get(STATE_PROMPT_TOKENS)
+    if _is_count(seen) and seen != len(ids):
+        raise MigrationRefused(f"the request's prompt has {len(ids)} tokens but the client was sent results "
+                               f"for a {seen}-token prompt: not the request being resumed")
+    k = len(emitted.token_ids)
+    params = dict(doc.get(SAMPLING_PARAMS) or {})
+    budget = params.get(MAX_NEW_TOKENS)
+    budget = DEFAULT_MAX_NEW_TOKENS if budget is None else budget
+    if not _is_count(budget) or budget - k < 1:
+        raise MigrationRefused(f"no token budget left (max_new_tokens {budget}, {k} emitted)")
+    params[MAX_NEW_TOKENS] = budget - k
+    if _is_count(params.get(MIN_NEW_TOKENS)):
+        params[MIN_NEW_TOKENS] = max(0, params[MIN_NEW_TOKENS] - k)
+    doc[INPUT_IDS] = ids + list(emitted.token_ids)
+    doc[SAMPLING_PARAMS] = params
+    for field in BOOTSTRAP_FIELDS:
+        doc.pop(field, None)
+    return native.encode(doc)

@@ -1,0 +1,213 @@
+"""vLLM request migration: read what the client has seen, rebuild the request, stitch the stream.
+
+Reference notes §6.2 and §7. The resumed request is the original with ``token_ids = prompt +
+emitted`` and ``max_tokens - k``; vLLM reports it in its own terms, which
+:class:`VLLMMigrationSession.stitch` restates in the original request's:
+
+===============================  ================================================================
+field                            stitched value
+===============================  ================================================================
+``choices[0].token_ids``,        unchanged (deltas; nothing is replayed)
+``logprobs``
+``request_id``                   the id the client saw first
+``usage.prompt_tokens``          the original prompt's (attempt's value − k)
+``usage.completion_tokens``      + k; ``total_tokens`` is then unchanged
+``prompt_logprobs``              sent once, on the stream's first result: removed from a resumed
+                                 attempt once the client has results; otherwise the attempt's
+                                 list without its last k entries
+``choices[0].routed_experts``    the attempt's array covers every position; rows an earlier
+                                 attempt already published replace its leading rows
+``finish_reason``                the final attempt's
+===============================  ================================================================
+
+P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
+refuses: a body that is not a JSON object, a choice other than index 0 (``n > 1``), and
+non-integer ``token_ids``. Guided decoding (``structured_outputs``) and ``n > 1`` are refused from
+the request by :func:`check_request`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import TYPE_CHECKING, Any, Sequence
+
+import msgspec
+import numpy as np
+
+from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession
+from streamproc.wire import Verdict
+
+from .body import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
+
+if TYPE_CHECKING:
+    from .codec import VLLMCodec
+
+TOKEN_IDS = "token_ids"
+SAMPLING_PARAMS = "sampling_params"
+MAX_TOKENS = "max_tokens"
+MIN_TOKENS = "min_tokens"
+# Grammar-constrained decoding (and its older spellings): the grammar state is not transferable.
+GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "guided_decoding")
+STATE_PROMPT_TOKENS = "prompt_tokens"
+STITCH_LENGTH_MISMATCH = "length_mismatch"
+STITCH_CORRUPT = "stitch_corrupt"
+
+
+class _Base(msgspec.Struct):
+    """What the stitch adds back, frozen when an attempt is sealed."""
+
+    emitted: int = 0
+    published: int = 0
+    request_id: Any = None
+    rows: Any = None  # encoded routed_experts an earlier attempt published
+
+
+class VLLMMigrationSession(MigrationSession):
+    def __init__(self, codec: VLLMCodec) -> None:
+        self._experts = codec.sequences[ROUTED_EXPERTS]
+        self._ids = array("q")
+        self._published = 0
+        self._request_id: Any = None
+        self._prompt_tokens: int | None = None
+        self._rows: Any = None
+        self._base = _Base()
+
+    def absorb(self, bodies: Sequence[bytes]) -> None:
+        for body in bodies:
+            obj = parse_object(body)
+            if obj is None:
+                raise MigrationRefused("a published body is not a JSON object, so the emitted tokens are unknown")
+            choices = obj.get("choices")
+            if not isinstance(choices, list):
+                raise MigrationRefused("a published body has no choices, so the emitted tokens are unknown")
+            if len(choices) > 1 or any(not isinstance(c, dict) or c.get("index", 0) != 0 for c in choices):
+                raise MigrationRefused("several choices (n > 1) cannot be resumed as one request")
+            for choice in choices:
+                ids = choice.get(TOKEN_IDS)
+                if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+                    raise MigrationRefused("a published choice has no integer token_ids, so the emitted "
+                                           "tokens are unknown")
+                self._ids.extend(ids)
+                if choice.get(ROUTED_EXPERTS) is not None:
+                    self._rows = choice[ROUTED_EXPERTS]
+            if self._request_id is None and obj.get("request_id") is not None:
+                self._request_id = obj["request_id"]
+            usage = obj.get("usage")
+            if isinstance(usage, dict) and is_int(usage.get("prompt_tokens")):
+                self._prompt_tokens = usage["prompt_tokens"]
+            self._published += 1
+
+    def seal(self) -> Emitted:
+        self._base = _Base(len(self._ids), self._published, self._request_id, self._rows)
+        state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
+        return Emitted(self._ids.tolist(), state)
+
+    def stitch(self, body: bytes, final: bool) -> tuple[bytes, Verdict] | None:
+        base = self._base
+        obj = parse_object(body)
+        if obj is None:
+            return None  # not vLLM-shaped: nothing in it can be restated
+        changed = False
+        verdict = Verdict.STITCHED
+        k = base.emitted
+        if base.request_id is not None and obj.get("request_id") not in (None, base.request_id):
+            obj["request_id"] = base.request_id
+            changed = True
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and k:
+            if is_int(usage.get("prompt_tokens")):
+                usage["prompt_tokens"] -= k
+                changed = True
+            if is_int(usage.get("completion_tokens")):
+                usage["completion_tokens"] += k
+                changed = True
+        if base.published:
+            for key in (PROMPT_LOGPROBS, unavailable_key(PROMPT_LOGPROBS)):
+                if key in obj:
+                    del obj[key]
+                    changed = True
+        elif k and isinstance(obj.get(PROMPT_LOGPROBS), list):
+            obj[PROMPT_LOGPROBS] = obj[PROMPT_LOGPROBS][:max(0, len(obj[PROMPT_LOGPROBS]) - k)]
+            changed = True
+        choices = obj.get("choices")
+        if base.rows is not None and isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict) and choice.get(ROUTED_EXPERTS) is not None:
+                    outcome = self._stitch_rows(choice, base.rows)
+                    if outcome is not None:
+                        verdict = outcome
+                        changed = True
+        return (dump(obj), verdict) if changed else None
+
+    def _stitch_rows(self, choice: dict, earlier_value: Any) -> Verdict | None:
+        """Rows an earlier attempt published come from the passes that sampled those tokens: they win."""
+        try:
+            earlier = self._experts.decode(earlier_value)
+            current = self._experts.decode(choice[ROUTED_EXPERTS])
+        except CorruptPayload:
+            return _omit(choice, STITCH_CORRUPT)
+        if (earlier.dtype != current.dtype or earlier.shape[1:] != current.shape[1:]
+                or current.shape[0] < earlier.shape[0]):
+            return _omit(choice, STITCH_LENGTH_MISMATCH)
+        if np.array_equal(current[:earlier.shape[0]], earlier):
+            return None
+        choice[ROUTED_EXPERTS] = self._experts.encode(np.concatenate([earlier, current[earlier.shape[0]:]]))
+        return Verdict.STITCHED
+
+
+def _omit(choice: dict, reason: str) -> Verdict:
+    choice[ROUTED_EXPERTS] = None
+    choice[unavailable_key(ROUTED_EXPERTS)] = reason
+    return Verdict.OMITTED
+
+
+# --------------------------------------------------------------------- requests
+
+def check_request(body: bytes) -> dict:
+    """The parsed request, or :class:`MigrationRefused` if it cannot be resumed on another worker."""
+    obj = parse_object(body)
+    if obj is None:
+        raise MigrationRefused("the request is not a JSON object")
+    ids = obj.get(TOKEN_IDS)
+    if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
+        raise MigrationRefused("the request has no token_ids to extend")
+    params = obj.get(SAMPLING_PARAMS)
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise MigrationRefused("sampling_params is not an object")
+    n = params.get("n")
+    if n not in (None, 1):
+        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+    for field in GUIDED_FIELDS:
+        if params.get(field) is not None:
+            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    return obj
+
+
+def resume_request(body: bytes, emitted: Emitted) -> bytes:
+    """The request that continues ``body`` after ``emitted``: prompt + emitted tokens, budget − k.
+
+    ``routed_experts_prompt_start`` is an absolute position and stays; ``kv_transfer_params`` belonged
+    to the lost P/D pair and is dropped (the serving layer sets the new pair's).
+    """
+    obj = check_request(body)
+    ids = obj[TOKEN_IDS]
+    seen = emitted.state.get(STATE_PROMPT_TOKENS)
+    if is_int(seen) and seen != len(ids):
+        raise MigrationRefused(f"the request's prompt has {len(ids)} tokens but the client was sent results "
+                               f"for a {seen}-token prompt: not the request being resumed")
+    k = len(emitted.token_ids)
+    params = dict(obj.get(SAMPLING_PARAMS) or {})
+    budget = params.get(MAX_TOKENS)
+    if budget is not None:  # None: bounded by the model's context only, which the longer prompt accounts for
+        if not is_int(budget) or budget - k < 1:
+            raise MigrationRefused(f"no token budget left (max_tokens {budget}, {k} emitted)")
+        params[MAX_TOKENS] = budget - k
+    if is_int(params.get(MIN_TOKENS)):
+        params[MIN_TOKENS] = max(0, params[MIN_TOKENS] - k)
+    obj[TOKEN_IDS] = ids + list(emitted.token_ids)
+    obj[SAMPLING_PARAMS] = params
+    obj.pop("kv_transfer_params", None)
+    return dump(obj)

@@ -1,0 +1,216 @@
+"""Partition leases: which processor instance reads which partition, agreed through a JetStream KV bucket.
+
+The server's pinned-client priority groups (ADR-42) would do this, but nats-py 2.16 cannot use
+them: its ``ConsumerConfig`` has no priority fields and its pull requests carry no group or
+``Nats-Pin-Id``. So ownership is a lease per partition in a KV bucket whose entries expire ``ttl``
+seconds after their last write (the bucket's max age):
+
+- ``p.<n>`` holds the owner's instance id. It is taken with a create (compare-and-set on "absent"),
+  renewed with an update on the owner's last revision and given back with a delete on that
+  revision. Every write is a compare-and-set decided by the stream leader, so two instances never
+  both hold a lease.
+- ``m.<instance>`` is each live instance's heartbeat; everybody derives the same fair share,
+  ``ceil(partitions / live instances)``, from the number of such keys.
+
+:meth:`LeaseTable.step` runs every ``ttl / 3``: renew, count members, report surplus partitions
+(above the share; the caller hands them over and calls :meth:`release`) and take free ones (below
+it). An instance that cannot renew must stop serving a partition at :meth:`expired`, i.e. ``ttl``
+minus a margin after it sent the last successful write, before the server lets anybody else in.
+
+Failover: a killed instance's leases expire at most ``ttl`` after its last renewal, and a survivor
+takes them at its next step, so partitions move within ``ttl * 4/3`` (plus the server's expiry
+timer granularity).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from .partitions import fnv1a32
+from .streams import StreamMismatch, _close
+
+log = logging.getLogger("streamproc.leases")
+
+MARGIN = 0.1  # fraction of ttl a lease is given up before the server could expire it
+
+
+class LeaseBucketMismatch(StreamMismatch):
+    what = "lease bucket"
+
+
+class Lease(msgspec.Struct):
+    partition: int
+    revision: int
+    valid_until: float  # local clock: after this the lease may have expired on the server
+
+
+class LeaseChange(msgspec.Struct, frozen=True):
+    acquired: tuple[int, ...] = ()
+    surplus: tuple[int, ...] = ()  # still held, above the fair share: hand over, then release()
+    lost: tuple[int, ...] = ()  # taken by another instance or not renewed in time: already gone
+
+
+class LeaseTable:
+    """This instance's view of the partition leases in one KV bucket."""
+
+    def __init__(self, nc: NatsClient, bucket: str, partitions: int, instance: str, ttl: float, *,
+                 replicas: int = 1, storage: StorageType = StorageType.FILE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # Creating a replicated bucket may take a while; a renewal must not wait longer than a
+        # fraction of the ttl (right after a server restart, JetStream requests go unanswered
+        # until it has recovered, and a step stuck on them would let every lease run out).
+        self.js = nc.jetstream(timeout=10)
+        self._fast = nc.jetstream(timeout=max(0.5, ttl / 4))
+        self.bucket = bucket
+        self.partitions = partitions
+        self.instance = instance
+        self.ttl = ttl
+        self.replicas = replicas
+        self.storage = storage
+        self._clock = clock
+        self._value = instance.encode()
+        self._kv: KeyValue | None = None
+        self.owned: dict[int, Lease] = {}
+        self.members = 1
+        # Instances start their search at different partitions, so simultaneous starters spread out.
+        self._offset = fnv1a32(self._value) % partitions
+
+    @property
+    def share(self) -> int:
+        return math.ceil(self.partitions / max(1, self.members))
+
+    @staticmethod
+    def key(partition: int) -> str:
+        return f"p.{partition}"
+
+    @property
+    def member_key(self) -> str:
+        return f"m.{self.instance}"
+
+    async def open(self) -> None:
+        """Bind to the bucket, creating it if needed; an existing bucket must have the same ttl."""
+        try:
+            await self.js.key_value(self.bucket)
+        except BucketNotFoundError:
+            await self.js.create_key_value(KeyValueConfig(
+                bucket=self.bucket, description="streamproc partition leases", history=1, ttl=self.ttl,
+                replicas=self.replicas, storage=self.storage))
+            self._kv = await self._fast.key_value(self.bucket)
+            return
+        self._kv = await self._fast.key_value(self.bucket)
+        info = await self.js.stream_info(f"KV_{self.bucket}")
+        differences = []
+        if not _close(info.config.max_age, self.ttl):
+            differences.append(f"ttl is {info.config.max_age}s, not {self.ttl}s")
+        if (info.config.num_replicas or 1) != self.replicas:
+            differences.append(f"replicas is {info.config.num_replicas or 1}, not {self.replicas}")
+        if differences:
+            raise LeaseBucketMismatch(f"KV_{self.bucket}", differences)
+
+    def expired(self, now: float) -> list[int]:
+        """Partitions whose lease may have run out on the server: stop serving them now."""
+        gone = [n for n, lease in self.owned.items() if now >= lease.valid_until]
+        for n in gone:
+            del self.owned[n]
+        return gone
+
+    async def step(self) -> LeaseChange:
+        """Renew, recount members, take free partitions up to the fair share, report the surplus."""
+        assert self._kv is not None
+        kv = self._kv
+        lost = self.expired(self._clock())
+        try:
+            await kv.put(self.member_key, self._value)
+        except _UNREACHABLE as exc:
+            log.debug("member heartbeat failed: %s", exc)
+        for n, lease in list(self.owned.items()):
+            sent = self._clock()
+            try:
+                lease.revision = await kv.update(self.key(n), self._value, last=lease.revision)
+            except KeyWrongLastSequenceError:  # expired and taken over, or deleted by an operator
+                del self.owned[n]
+                lost.append(n)
+                continue
+            except _UNREACHABLE as exc:
+                log.debug("lease renewal of partition %d failed: %s", n, exc)
+                continue  # still ours until valid_until; expired() gives it up in time
+            lease.valid_until = sent + self.ttl * (1 - MARGIN)
+        try:
+            self.members = max(1, await self._count_members())
+        except _UNREACHABLE as exc:
+            log.debug("member count failed: %s", exc)
+        share = self.share
+        surplus = tuple(sorted(self.owned)[share:]) if len(self.owned) > share else ()
+        acquired: list[int] = []
+        for i in range(self.partitions):
+            if len(self.owned) >= share:
+                break
+            n = (self._offset + i) % self.partitions
+            if n in self.owned:
+                continue
+            sent = self._clock()
+            try:
+                revision = await kv.create(self.key(n), self._value)
+            except KeyWrongLastSequenceError:
+                continue  # somebody holds it
+            except _UNREACHABLE as exc:
+                log.debug("lease create of partition %d failed: %s", n, exc)
+                break
+            self.owned[n] = Lease(n, revision, sent + self.ttl * (1 - MARGIN))
+            acquired.append(n)
+        return LeaseChange(tuple(acquired), surplus, tuple(lost))
+
+    async def release(self, partition: int) -> None:
+        """Give a lease back (after the partition was handed over) so a peer can take it at once."""
+        lease = self.owned.pop(partition, None)
+        if lease is None or self._kv is None:
+            return
+        try:
+            await self._kv.delete(self.key(partition), last=lease.revision)
+        except (KeyWrongLastSequenceError, *_UNREACHABLE) as exc:
+            log.debug("lease release of partition %d failed (it expires anyway): %s", partition, exc)
+
+    async def leave(self) -> None:
+        """Release every lease and remove this member, so peers rebalance without waiting for expiry."""
+        for n in list(self.owned):
+            await self.release(n)
+        if self._kv is None:
+            return
+        try:
+            # A purge marker that itself expires after a second: the member key disappears from
+            # the subject count almost at once (a plain delete would linger as a marker for ttl).
+            await self._kv.purge(self.member_key, msg_ttl=1)
+        except _UNREACHABLE as exc:
+            log.debug("member removal failed (it expires anyway): %s", exc)
+
+    async def _count_members(self) -> int:
+        info = await self._fast.stream_info(f"KV_{self.bucket}", subjects_filter=f"$KV.{self.bucket}.m.>")
+        return len(info.state.subjects or {})
+
+    async def holders(self) -> dict[int, str]:
+        """Who holds which partition right now (for operators and tests; reads may lag on followers)."""
+        assert self._kv is not None
+        out = {}
+        for n in range(self.partitions):
+            try:
+                entry = await self._kv.get(self.key(n))
+            except NotFoundError:
+                continue
+            if entry.value:
+                out[n] = entry.value.decode()
+        return out
+
+
+# Any failure of one KV operation (timeout, no responders, a stream electing a leader, a closed or
+# buffering connection) means "not now": the step goes on, and expiry decides what is still held.
+_UNREACHABLE = (nats.errors.Error, TimeoutError, OSError)

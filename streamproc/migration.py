@@ -1,0 +1,122 @@
+"""The serving layer's side of migration: seal the lost attempt, rebuild the request, send it on.
+
+When a worker dies mid-stream, the serving layer calls :meth:`Migrator.migrate` with the request
+id and the original native request body::
+
+    migrator = Migrator(nc, format="sglang")
+    resumed = await migrator.migrate(request_id, request_body, send=publish_request(nc, "workers.generate"))
+
+1. The format's :meth:`~streamproc.codec.Codec.check_migratable` looks at the request (``n > 1``,
+   guided decoding, ...). A refusal ends the request at the processor with a ``migration_refused``
+   error result, so the client's stream ends at once, and raises :class:`MigrationRefused`.
+2. A NATS request on ``P.control.<request_id>.migrate`` seals the current attempt. The processor
+   replies with the next attempt number and what the client has been sent; an error reply raises
+   :class:`MigrationError` (``unknown_request``, ``finished``, ``attempt_mismatch``, ``refused``).
+3. The format's :meth:`~streamproc.codec.Codec.resume_request` builds the resumed native request
+   (prompt + emitted tokens, a smaller budget), and ``send`` hands it to a worker, which must put
+   ``Streamproc-Attempt: <attempt>`` on every chunk it publishes for it.
+
+NATS failures (no processor listening, no reply in ``timeout``) propagate as nats-py exceptions.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client as NatsClient
+
+from .catalog import codec_class
+from .codec import Codec, Emitted, MigrationRefused
+from .wire import (
+    ATTEMPT,
+    MSG_ID,
+    MigrateError,
+    MigrateReply,
+    MigrateRequest,
+    Sealed,
+    Subjects,
+    check_request_id,
+    decode_migrate_reply,
+    encode_control,
+)
+
+__all__ = ["MigrationError", "MigrationRefused", "Migrator", "Resumed", "publish_request"]
+
+
+class MigrationError(Exception):
+    """The processor answered the migrate with an error; ``code`` says which (see ``MigrateErrorCode``)."""
+
+    def __init__(self, reply: MigrateError) -> None:
+        super().__init__(f"{reply.code.value}: {reply.message}")
+        self.reply = reply
+        self.code = reply.code
+
+
+class Resumed(msgspec.Struct, frozen=True):
+    """A resumed request, ready for a worker."""
+
+    request_id: str
+    attempt: int  # Streamproc-Attempt of every chunk the worker publishes for it
+    emitted_tokens: int
+    result_seq: int
+    body: bytes  # the native request body
+
+
+Send = Callable[[Resumed], Awaitable[None]]
+
+
+def publish_request(nc: NatsClient, subject: str) -> Send:
+    """A ``send`` that publishes the resumed request on ``subject`` with its attempt in a header."""
+
+    async def send(resumed: Resumed) -> None:
+        headers = {ATTEMPT: str(resumed.attempt), MSG_ID: f"{resumed.request_id}.resume.{resumed.attempt}"}
+        await nc.publish(subject, resumed.body, headers=headers)
+
+    return send
+
+
+class Migrator:
+    def __init__(self, nc: NatsClient, subjects: Subjects | None = None, *, format: str,
+                 timeout: float = 5.0, codec: Codec | None = None) -> None:
+        """``format`` names the codec whose hooks rebuild requests (the processor's ``--format``)."""
+        self.nc = nc
+        self.subjects = subjects or Subjects()
+        self.codec = codec or codec_class(format)()
+        self.timeout = timeout
+
+    async def migrate(self, request_id: str, request: bytes, send: Send | None = None, *,
+                      expected_attempt: int | None = None, reason: str = "") -> Resumed:
+        """Seal, rebuild, send. ``expected_attempt`` guards against two migrators racing."""
+        check_request_id(request_id)
+        try:
+            self.codec.check_migratable(request)
+        except MigrationRefused as exc:
+            await self.refuse(request_id, exc.reason)
+            raise
+        sealed = await self.seal(request_id, expected_attempt=expected_attempt, reason=reason)
+        try:
+            body = self.codec.resume_request(request, Emitted(sealed.emitted_token_ids, sealed.state))
+        except MigrationRefused as exc:
+            await self.refuse(request_id, exc.reason)
+            raise
+        resumed = Resumed(request_id, sealed.attempt, sealed.emitted_tokens, sealed.result_seq, body)
+        if send is not None:
+            await send(resumed)
+        return resumed
+
+    async def seal(self, request_id: str, *, expected_attempt: int | None = None, reason: str = "") -> Sealed:
+        """Only the seal: the processor's view of what the client has been sent, and the next attempt."""
+        reply = await self._request(request_id, MigrateRequest(expected_attempt=expected_attempt, reason=reason))
+        if isinstance(reply, MigrateError):
+            raise MigrationError(reply)
+        return reply
+
+    async def refuse(self, request_id: str, reason: str) -> MigrateReply:
+        """End the request with a ``migration_refused`` error result (its stream cannot continue)."""
+        return await self._request(request_id, MigrateRequest(refuse=reason))
+
+    async def _request(self, request_id: str, message: MigrateRequest) -> MigrateReply:
+        msg = await self.nc.request(self.subjects.migrate(request_id), encode_control(message),
+                                    timeout=self.timeout)
+        return decode_migrate_reply(msg.data)

@@ -1,0 +1,155 @@
+"""Shared helpers of the durable-mode tests: settings, polling, and reading what the streams hold."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import anyio
+import nats
+from nats.js import JetStreamContext
+
+from streamproc import config
+from streamproc.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
+from streamproc.wire import ResultInfo, Subjects, result_from_message
+
+FORMAT = "sglang"
+
+
+def durable_settings(nats_url: str, **overrides: object) -> config.Settings:
+    """Durable mode tuned for tests: few partitions, short ack wait and lease, so failover is quick."""
+    values: dict[str, object] = {"nats_url": nats_url, "format": FORMAT, "mode": "durable", "partitions": 4,
+                                 "ack_wait": 2.0, "lease_ttl": 1.5}
+    values.update(overrides)
+    return config.load({}, values)
+
+
+def durable_flags(**overrides: object) -> list[str]:
+    """The same as command-line flags of `streamproc run`."""
+    values: dict[str, object] = {"format": FORMAT, "mode": "durable", "partitions": 4, "ack_wait": 2.0,
+                                 "lease_ttl": 1.5}
+    values.update(overrides)
+    return [arg for name, value in values.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+
+
+async def wait_until(check: Callable[[], Awaitable[bool] | bool], timeout: float, what: str,
+                     every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if not isinstance(value, bool):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await anyio.sleep(every)
+
+
+async def stored_results(js: JetStreamContext, subjects: Subjects, stream: str = RESULTS_STREAM,
+                         timeout: float = 20.0) -> dict[str, list[ResultInfo]]:
+    """Every message of the results stream, grouped by request id, in stream order (duplicates kept)."""
+    info = await js.stream_info(stream)
+    total = info.state.messages
+    out: dict[str, list[ResultInfo]] = {}
+    if total == 0:
+        return out
+    sub = await js.subscribe(subjects.all_results, stream=stream, ordered_consumer=True,
+                             pending_msgs_limit=-1, pending_bytes_limit=-1)
+    try:
+        seen = 0
+        with anyio.fail_after(timeout):
+            while seen < total:
+                msg = await sub.next_msg(timeout=timeout)
+                seen += 1
+                result = result_from_message(subjects, msg.subject, msg.headers, msg.data)
+                out.setdefault(result.request_id, []).append(result)
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def chunk_stream_messages(js: JetStreamContext, stream: str = CHUNKS_STREAM) -> int:
+    return (await js.stream_info(stream)).state.messages
+
+
+async def ack_pending(js: JetStreamContext, partitions: int, stream: str = CHUNKS_STREAM) -> list[int]:
+    """Unacknowledged deliveries per partition consumer."""
+    out = []
+    for n in range(partitions):
+        info = await js.consumer_info(stream, partition_consumer_name(n))
+        out.append(info.num_ack_pending)
+    return out
+
+
+async def connect(url: str) -> nats.aio.client.Client:
+    """A driver/verifier connection that outlives server restarts and does not log their errors."""
+
+    async def quiet(exc: Exception) -> None:
+        pass
+
+    return await nats.connect(url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet)
+
+
+class Instance:
+    """One `streamproc run` subprocess that a test can SIGKILL and start again (a new process each time)."""
+
+    def __init__(self, nats_url: str, flags: list[str], log_path: Path) -> None:
+        self.nats_url = nats_url
+        self.flags = flags
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        self.kills = 0
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
+        with open(self.log_path, "ab") as log:
+            log.write(f"----- start {self.starts}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "streamproc.cli", "run", "--nats-url", self.nats_url, *self.flags],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+        self.starts += 1
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    async def started(self, timeout: float = 30.0) -> None:
+        """Wait for this process's `event=started` line."""
+        marker = f"----- start {self.starts - 1}\n"
+        deadline = time.monotonic() + timeout
+        while "event=started" not in self.log().rsplit(marker, 1)[-1]:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"streamproc run exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"streamproc run not started after {timeout}s:\n{self.log()[-4000:]}")
+            await anyio.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+            self.kills += 1
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if not self.running:
+            return None if self.proc is None else self.proc.returncode
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return None

@@ -1,0 +1,343 @@
+"""Durable mode in-process over a real nats-server: partitions, streams, acks, recovery, hand-over, bounds.
+
+Fault tests with real process kills and server restarts are in ``test_durable_faults.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import anyio
+import pytest
+from nats.js.api import StorageType
+
+from streamproc import config, traffic
+from streamproc.catalog import worker_for
+from streamproc.embedded import EmbeddedNats
+from streamproc.partitions import PartitionScheme, fnv1a32, partition_of
+from streamproc.processor import Processor, StartupError
+from streamproc.publisher import ChunkPublisher
+from streamproc.results import ResultCollector, follow
+from streamproc.streams import (
+    CHUNKS_STREAM,
+    RESULTS_STREAM,
+    ChunkStreamMismatch,
+    ChunkStreamSpec,
+    ensure_chunk_stream,
+    ensure_results_stream,
+    partition_consumer_name,
+)
+from streamproc.wire import Result, Verdict, result_headers
+
+from durable_helpers import (
+    FORMAT,
+    ack_pending,
+    chunk_stream_messages,
+    durable_settings,
+    stored_results,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+
+# ------------------------------------------------------------------------------ partitions
+
+def test_fnv1a32_matches_the_published_test_vectors():
+    assert fnv1a32(b"") == 0x811C9DC5
+    assert fnv1a32(b"a") == 0xE40C292C
+    assert fnv1a32(b"foobar") == 0xBF9CF968
+
+
+@pytest.mark.parametrize("partitions", [8, 3])
+async def test_partition_of_matches_where_the_server_stores_each_request(client, partitions):
+    subjects = config.load({}, {"prefix": f"pm{partitions}"}).subjects
+    js = client.jetstream()
+    scheme = PartitionScheme(subjects, partitions)
+    await ensure_chunk_stream(js, ChunkStreamSpec(f"PM{partitions}", scheme, 600, 60, StorageType.MEMORY))
+    rng = random.Random(partitions)
+    ids = [f"{rng.getrandbits(64):x}-{i}" for i in range(1000)] + ["a", "request-1", "Ω-unicode"]
+    for rid in ids:
+        for role in ("prefill", "decode"):
+            await client.publish(subjects.chunk(rid, role), b"")
+    await client.flush()
+
+    async def all_stored() -> bool:
+        return await chunk_stream_messages(js, f"PM{partitions}") == 2 * len(ids)
+
+    await wait_until(all_stored, 10, "every chunk stored")
+    info = await js.stream_info(f"PM{partitions}", subjects_filter=">")
+    stored = info.state.subjects or {}
+    assert sum(stored.values()) == 2 * len(ids)
+    where: dict[str, set[int]] = {}
+    for subject in stored:
+        _, _, n, rid, _ = subject.split(".")
+        where.setdefault(rid, set()).add(int(n))
+    assert {rid: parts for rid, parts in where.items() if parts != {partition_of(rid, partitions)}} == {}
+    assert len(where) == len(ids)  # both legs of each request in one partition, computed identically
+
+
+# ---------------------------------------------------------------------------------- modes
+
+async def test_auto_mode_is_durable_with_jetstream_and_core_without(nats_url, caplog):
+    caplog.set_level(logging.INFO, logger="streamproc")
+    async with Processor(config.load({}, {"nats_url": nats_url})) as p:
+        assert p.mode == "durable"
+    with EmbeddedNats(jetstream=False) as plain:
+        async with Processor(config.load({}, {"nats_url": plain.url})) as p:
+            assert p.mode == "core"
+    assert "event=mode_selected mode=durable" in caplog.text
+    assert "event=mode_selected mode=core" in caplog.text
+
+
+async def test_durable_mode_without_jetstream_is_a_start_up_error():
+    with EmbeddedNats(jetstream=False) as plain:
+        with pytest.raises(StartupError, match="needs JetStream"):
+            async with Processor(config.load({}, {"nats_url": plain.url, "mode": "durable"})):
+                pass
+
+
+async def test_streams_get_the_configured_limits_and_a_differing_stream_is_refused_unchanged(client, nats_url):
+    settings = durable_settings(nats_url, partitions=5, chunks_max_age=900, results_max_age=1800,
+                                duplicate_window=30, stream_storage="memory")
+    async with Processor(settings):
+        js = client.jetstream()
+        chunks = (await js.stream_info(CHUNKS_STREAM)).config
+        results = (await js.stream_info(RESULTS_STREAM)).config
+    assert chunks.subjects == ["streamproc.chunks.*.*"]
+    assert chunks.subject_transform.dest == "streamproc.partition.{{partition(5,1)}}.{{wildcard(1)}}.{{wildcard(2)}}"
+    assert (chunks.max_age, chunks.duplicate_window, chunks.storage) == (900, 30, StorageType.MEMORY)
+    assert (results.max_age, results.duplicate_window, results.storage) == (1800, 30, StorageType.MEMORY)
+
+    with pytest.raises(StartupError, match="partition") as info:
+        async with Processor(durable_settings(nats_url, partitions=6, chunks_max_age=900, results_max_age=1800,
+                                              duplicate_window=30, stream_storage="memory")):
+            pass
+    assert "never edits" in str(info.value)
+    assert "partition(5,1)" in (await js.stream_info(CHUNKS_STREAM)).config.subject_transform.dest
+    with pytest.raises(ChunkStreamMismatch, match="max_age"):
+        await ensure_chunk_stream(js, ChunkStreamSpec(CHUNKS_STREAM, PartitionScheme(settings.subjects, 5),
+                                                      60, 30, StorageType.MEMORY))
+
+
+# --------------------------------------------------------------------------- settlement
+
+async def test_a_chunk_is_acknowledged_only_after_its_result_is_stored(client, nats_url):
+    settings = durable_settings(nats_url)
+    js = client.jetstream()
+    async with Processor(settings) as p:
+        await js.delete_stream(RESULTS_STREAM)  # results cannot be stored for now
+        publisher = ChunkPublisher(client, settings.subjects)
+        for i in range(6):
+            await publisher.publish(f"held-{i}", "agg", 0, f"body-{i}".encode(), final=True)
+        await wait_until(lambda: p.snapshot()["chunks"] == 6 and p.snapshot()["publish_errors"] > 0, 10,
+                         "results tried and refused")
+        await anyio.sleep(0.5)
+        assert sum(await ack_pending(js, settings.partitions)) == 6
+        assert await chunk_stream_messages(js) == 6  # nothing acknowledged, nothing lost
+        assert p.snapshot()["acks"] == 0
+
+        await ensure_results_stream(js, settings.subjects, duplicate_window=settings.duplicate_window)
+        await wait_until(_empty(js), 15, "every chunk acknowledged once its retried result was stored")
+        stored = await stored_results(js, settings.subjects)
+    assert {rid: [(s.seq, s.body) for s in got] for rid, got in stored.items()} == {
+        f"held-{i}": [(0, f"body-{i}".encode())] for i in range(6)}
+    assert p.snapshot()["publish_retries"] > 0
+
+
+def _empty(js):
+    async def check() -> bool:
+        return await chunk_stream_messages(js) == 0
+    return check
+
+
+def _stored(js, n: int):
+    async def check() -> bool:
+        return (await js.stream_info(RESULTS_STREAM)).state.messages >= n
+    return check
+
+
+async def test_a_waiting_prefill_chunk_is_kept_alive_and_acknowledged_with_the_final_result(client, nats_url):
+    settings = durable_settings(nats_url, ack_wait=1.0)
+    js = client.jetstream()
+    worker = worker_for(FORMAT)
+    truth = traffic.make_truth(5, request_id="pd-held", prompt_len=9, output_len=4)
+    consumer = partition_consumer_name(partition_of("pd-held", settings.partitions))
+    async with Processor(settings) as p:
+        publisher = ChunkPublisher(client, settings.subjects)
+        await publisher.publish_leg("pd-held", "prefill", worker.prefill(truth, stream=False))
+        await anyio.sleep(3.5)  # three and a half ack waits
+        info = await js.consumer_info(CHUNKS_STREAM, consumer)
+        assert (info.num_ack_pending, info.num_redelivered) == (1, 0)
+        assert p.snapshot()["in_progress"] >= 3
+        async with follow(client, settings.subjects, "pd-held", timeout=10) as results:
+            await publisher.publish_leg("pd-held", "decode", worker.decode(truth, stream=False))
+            (final,) = await results.collect()
+        assert final.verdict is Verdict.JOINED and worker.expert_view(final.body)[0] == truth.experts
+        await wait_until(_empty(js), 5, "prefill acknowledged with the final result")
+
+
+async def test_a_request_started_elsewhere_resumes_after_its_stored_results(client, nats_url):
+    settings = durable_settings(nats_url)
+    js = client.jetstream()
+    bodies = [f'{{"text": "{i}"}}'.encode() for i in range(5)]
+    async with Processor(settings) as p:
+        for seq in (0, 1):  # what a crashed instance stored before it died
+            result = Result("moved", seq, bodies[seq], False, Verdict.PASSTHROUGH)
+            await js.publish(settings.subjects.result("moved"), result.body, headers=result_headers(result))
+            # ... and one of a request whose chunks name another codec than the processor's default.
+            await js.publish(settings.subjects.result("moved-vllm"), result.body, headers=result_headers(
+                Result("moved-vllm", seq, bodies[seq], False, Verdict.PASSTHROUGH)))
+        publisher = ChunkPublisher(client, settings.subjects)
+        for seq in (2, 3, 4):
+            await publisher.publish("moved", "agg", seq, bodies[seq], final=seq == 4)
+            await publisher.publish("moved-vllm", "agg", seq, bodies[seq], final=seq == 4, format="vllm")
+        await publisher.publish("moved", "agg", 1, bodies[1], attempt=0)  # a redelivered, already-stored one
+        await wait_until(_stored(js, 10), 10, "the missing results stored")
+        await wait_until(_empty(js), 10, "all chunks acknowledged")
+        stored = await stored_results(js, settings.subjects)
+        assert p.snapshot()["resumed"] == 2
+    for rid in ("moved", "moved-vllm"):
+        assert [(s.seq, s.body, s.final, s.error) for s in stored[rid]] == [
+            (i, bodies[i], i == 4, None) for i in range(5)], rid
+
+
+# ------------------------------------------------------------------------------ hand-over
+
+async def test_graceful_stop_leaves_the_backlog_to_the_next_instance_exactly_once(client, nats_url):
+    settings = durable_settings(nats_url)
+    js = client.jetstream()
+    n = 3000
+    async with Processor(settings):
+        pass  # creates the streams, so chunks published now are kept
+    publisher = ChunkPublisher(client, settings.subjects)
+    for i in range(n):
+        await publisher.publish(f"bl-{i}", "agg", 0, b"x" * 32, final=True)
+    await client.flush()
+    async with Processor(settings) as first:
+        await anyio.sleep(0.05)
+    handled_first = first.stats.chunks
+    assert handled_first < n  # it really left a backlog
+    async with Processor(settings) as second:
+        await wait_until(_stored(js, n), 30, "backlog handled by the second instance")
+        await wait_until(_empty(js), 10, "and acknowledged")
+    stored = await stored_results(js, settings.subjects)
+    assert len(stored) == n and all(len(v) == 1 and v[0].body == b"x" * 32 for v in stored.values())
+    assert handled_first + second.stats.chunks >= n
+
+
+async def test_instances_share_partitions_and_take_over_a_leaving_ones(client, nats_url):
+    settings = durable_settings(nats_url, lease_ttl=1.0)
+    worker = worker_for(FORMAT)
+    async with Processor(settings) as a:
+        leases_a = a._input.leases
+        assert len(leases_a.owned) == 4
+        async with Processor(settings) as b:
+            leases_b = b._input.leases
+            await wait_until(lambda: len(leases_a.owned) == 2 and len(leases_b.owned) == 2, 10,
+                             "two instances hold two partitions each")
+            assert set(leases_a.owned).isdisjoint(leases_b.owned)
+            plans = traffic.plan(FORMAT, requests=40, mode="mixed", seed=11, id_prefix="share", worker=worker)
+            async with ResultCollector(client, settings.subjects) as collector:
+                await traffic.publish(client, settings.subjects, traffic.schedule(plans, seed=11), format=FORMAT)
+                results = await collector.wait_for([pl.request_id for pl in plans], timeout=20)
+            assert a.stats.chunks > 0 and b.stats.chunks > 0
+        await wait_until(lambda: len(leases_a.owned) == 4, 5, "the survivor took the leaver's partitions")
+        more = traffic.plan(FORMAT, requests=20, mode="mixed", seed=12, id_prefix="after", worker=worker)
+        async with ResultCollector(client, settings.subjects) as collector:
+            await traffic.publish(client, settings.subjects, traffic.schedule(more, seed=12), format=FORMAT)
+            results.update(await collector.wait_for([pl.request_id for pl in more], timeout=20))
+    problems = {pl.request_id: traffic.verify(pl, results[pl.request_id], worker) for pl in plans + more}
+    assert {rid: found for rid, found in problems.items() if found} == {}
+
+
+async def test_the_results_helper_replays_a_finished_request_for_a_late_reader(client, nats_url):
+    settings = durable_settings(nats_url)
+    bodies = [b'{"text": "late"}', b'{"text": " attach"}', b'{"text": "!"}']
+    async with Processor(settings):
+        async with follow(client, settings.subjects, "late", timeout=10) as live:
+            await ChunkPublisher(client, settings.subjects).publish_leg("late", "agg", bodies)
+            assert [r.body for r in await live.collect()] == bodies
+        # The request is over; a reader attaching now still gets every result, in order, once.
+        async with follow(client, settings.subjects, "late", timeout=10, replay=True) as replayed:
+            got = await replayed.collect()
+    assert [(r.seq, r.body, r.final) for r in got] == [(0, bodies[0], False), (1, bodies[1], False),
+                                                       (2, bodies[2], True)]
+
+
+# -------------------------------------------------------------------------- back-pressure
+
+async def test_in_flight_chunks_stay_bounded_while_results_cannot_be_stored_and_none_is_dropped(
+        client, nats_url):
+    settings = durable_settings(nats_url, partitions=2, max_ack_pending=20, fetch_batch=10)
+    js = client.jetstream()
+    n = 600
+    async with Processor(settings) as p:
+        await js.delete_stream(RESULTS_STREAM)  # a stalled results side: nothing can be stored
+        publisher = ChunkPublisher(client, settings.subjects)
+        for i in range(n):
+            await publisher.publish(f"bp-{i}", "agg", 0, b"y" * 100, final=True)
+        await client.flush()
+        await anyio.sleep(2.0)
+        pending = await ack_pending(js, settings.partitions)
+        assert all(0 < x <= 20 for x in pending), pending
+        assert p.stats.chunks <= 2 * 20  # the processor holds at most max_ack_pending per partition
+        assert p._input.publisher.pending <= 2 * 20
+        assert await chunk_stream_messages(js) == n  # the rest waits in the stream
+
+        await ensure_results_stream(js, settings.subjects, duplicate_window=settings.duplicate_window)
+        await wait_until(_stored(js, n), 60, "all chunks handled once results can be stored again")
+        await wait_until(_empty(js), 10, "and acknowledged")
+    stored = await stored_results(js, settings.subjects)
+    assert len(stored) == n and all(len(v) == 1 for v in stored.values())
+
+
+async def test_a_slow_processor_reads_no_faster_than_it_works_and_the_backlog_waits_in_the_stream(
+        client, nats_url):
+    settings = durable_settings(nats_url, partitions=2, fetch_batch=20, max_ack_pending=30)
+    js = client.jetstream()
+    n = 1500
+    processor = Processor(settings)
+    receive = processor.correlator.receive
+
+    def slow_receive(chunk, now):  # 2 ms of "work" per chunk, blocking like a CPU-bound codec would
+        time.sleep(0.002)
+        return receive(chunk, now)
+
+    processor.correlator.receive = slow_receive  # type: ignore[method-assign]
+    async with processor:
+        publisher = ChunkPublisher(client, settings.subjects)
+        for i in range(n):
+            await publisher.publish(f"slow-{i}", "agg", 0, b"w" * 100, final=True)
+        await client.flush()
+        peak_pending = 0
+        for _ in range(10):
+            await anyio.sleep(0.1)
+            pending = await ack_pending(js, settings.partitions)
+            peak_pending = max(peak_pending, *pending)
+            held = processor.stats.chunks - processor.snapshot()["acks"]
+            assert held <= 2 * 30, held  # never more than max_ack_pending per partition in hand
+        assert 0 < peak_pending <= 30  # the rest of the backlog waits in the stream, not in memory
+        await wait_until(_stored(js, n), 30, "the slow processor got through the backlog")
+        await wait_until(_empty(js), 10, "and acknowledged it")
+    stored = await stored_results(js, settings.subjects)
+    assert len(stored) == n and all(len(v) == 1 for v in stored.values())
+
+
+async def test_client_side_slow_consumer_drops_are_redelivered_and_every_request_completes(client, nats_url):
+    # Credit is kept under the message limit, so only the byte limit can make nats-py drop.
+    settings = durable_settings(nats_url, partitions=1, fetch_batch=100, pending_bytes_limit=4096, ack_wait=1.0)
+    js = client.jetstream()
+    n = 400
+    async with Processor(settings) as p:
+        publisher = ChunkPublisher(client, settings.subjects)
+        for i in range(n):
+            await publisher.publish(f"sc-{i}", "agg", 0, b"z" * 64, final=True)
+        await client.flush()
+        await wait_until(_stored(js, n), 45, "every dropped delivery came back and was handled")
+        await wait_until(_empty(js), 10, "and acknowledged")
+        assert p.snapshot()["slow_consumer"] > 0  # nats-py really dropped deliveries
+    stored = await stored_results(js, settings.subjects)
+    assert len(stored) == n and all(len(v) == 1 for v in stored.values())

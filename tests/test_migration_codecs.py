@@ -1,0 +1,258 @@
+"""Format-owned migration hooks: rebuilding the native request, refusals, and stitching a resumed stream.
+
+The end-to-end property (law 6) runs with every codec in the laws; these tests pin the individual
+rules, including the ones the simulated workers never exercise (rows published by a sealed attempt,
+foreign ids, budgets).
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+
+from streamproc.catalog import Catalog, codec_names, worker_for
+from streamproc.codec import Emitted, MigrationRefused
+from streamproc.simulation import make_truth
+from streamproc.wire import Verdict
+
+SGLANG_FORMATS = [name for name in ("sglang", "sglang-zstd") if name in codec_names()]
+
+
+def loads(body: bytes) -> dict:
+    return msgspec.json.decode(body)
+
+
+def dumps(obj: object) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def sealed_session(codec, bodies: list[bytes]):
+    session = codec.open_migration()
+    session.absorb(bodies)
+    return session, session.seal()
+
+
+# --------------------------------------------------------------------- Truth.resumed
+
+def test_a_resumed_truth_extends_the_prompt_and_splits_the_chunk_that_straddles_k():
+    truth = make_truth(1, prompt_len=3, output_len=7, chunk_sizes=[3, 2, 2])
+    resumed = truth.resumed(4)
+    assert resumed.prompt_ids == truth.prompt_ids + truth.output_ids[:4]
+    assert resumed.output_ids == truth.output_ids[4:]
+    assert resumed.chunk_sizes == [1, 2]
+    assert resumed.prompt_logprobs == truth.prompt_logprobs + truth.output_logprobs[:4]
+    assert resumed.experts == truth.experts and resumed.rows == truth.rows
+    assert truth.resumed(0) is truth
+    with pytest.raises(ValueError):
+        truth.resumed(7)
+
+
+# --------------------------------------------------------------------------- SGLang
+
+def sglang_request(truth, **params) -> bytes:
+    return dumps({"rid": truth.request_id, "input_ids": truth.prompt_ids, "stream": True, "return_logprob": True,
+                  "logprob_start_len": 0, "sampling_params": {"max_new_tokens": truth.output_len, **params},
+                  "bootstrap_host": "10.0.0.7", "bootstrap_room": 42})
+
+
+@pytest.mark.parametrize("name", SGLANG_FORMATS)
+def test_sglang_resumed_request_is_the_prompt_plus_emitted_tokens_with_the_remaining_budget(name):
+    codec = Catalog()(name)
+    truth = make_truth(2, prompt_len=5, output_len=9)
+    k = 4
+    body = codec.resume_request(sglang_request(truth, min_new_tokens=6, temperature=0.5),
+                                Emitted(truth.output_ids[:k], {"prompt_tokens": 5}))
+    doc = loads(body)
+    resumed = truth.resumed(k)  # what the simulated engine then produces
+    assert doc["input_ids"] == resumed.prompt_ids
+    assert doc["sampling_params"] == {"max_new_tokens": resumed.output_len, "min_new_tokens": 2, "temperature": 0.5}
+    assert doc["logprob_start_len"] == 0 and doc["rid"] == truth.request_id  # absolute positions, same rid
+    assert "bootstrap_host" not in doc and "bootstrap_room" not in doc  # the lost P/D pair's rendezvous
+
+
+def test_sglang_budget_defaults_to_128_and_an_exhausted_budget_is_refused():
+    codec = Catalog()("sglang")
+    doc = loads(codec.resume_request(dumps({"input_ids": [1, 2]}), Emitted([7, 8, 9])))
+    assert doc["sampling_params"]["max_new_tokens"] == 125
+    with pytest.raises(MigrationRefused, match="no token budget left"):
+        codec.resume_request(dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": 3}}), Emitted([4, 5, 6]))
+
+
+def test_sglang_resume_refuses_a_request_whose_prompt_is_not_the_one_the_client_was_served():
+    codec = Catalog()("sglang")
+    with pytest.raises(MigrationRefused, match="not the request being resumed"):
+        codec.resume_request(dumps({"input_ids": [1, 2, 3]}), Emitted([9], {"prompt_tokens": 4}))
+
+
+@pytest.mark.parametrize("request_doc, reason", [
+    ({"input_ids": [1], "sampling_params": {"n": 2}}, "n = 2"),
+    ({"input_ids": [1], "sampling_params": {"json_schema": "{}"}}, "guided decoding (json_schema)"),
+    ({"input_ids": [1], "sampling_params": {"regex": "a+"}}, "guided decoding (regex)"),
+    ({"input_ids": [1], "sampling_params": {"ebnf": "r ::= 'a'"}}, "guided decoding (ebnf)"),
+    ({"input_ids": [1], "sampling_params": {"structural_tag": "{}"}}, "guided decoding (structural_tag)"),
+    ({"input_ids": [1], "return_hidden_states": True}, "hidden states"),
+    ({"text": "hello"}, "text prompt"),
+    ({"input_ids": [[1, 2], [3]]}, "batched request"),
+    ({"input_ids": [1], "sampling_params": [{"max_new_tokens": 2}]}, "batched request"),
+])
+def test_sglang_requests_that_cannot_move_are_refused_before_anything_is_sealed(request_doc, reason):
+    with pytest.raises(MigrationRefused, match=re.escape(reason)):
+        Catalog()("sglang").check_migratable(dumps(request_doc))
+
+
+@pytest.mark.parametrize("body, reason", [
+    (b"\xff not json", "not a JSON object"),
+    (b'[{"text": "a", "output_ids": [1]}, {"text": "b", "output_ids": [2]}]', "n > 1"),
+    (b'{"text": "a", "meta_info": {}}', "no integer output_ids"),
+    (b'{"text": "a", "output_ids": [1], "meta_info": {"hidden_states": [[0.1]]}}', "hidden states"),
+])
+def test_sglang_published_bodies_that_hide_the_emitted_tokens_refuse_migration(body, reason):
+    session = Catalog()("sglang").open_migration()
+    with pytest.raises(MigrationRefused, match=reason):
+        session.absorb([body])
+
+
+def test_sglang_stitch_restates_counts_ids_finish_and_input_logprobs_in_the_original_terms():
+    codec = Catalog()("sglang")
+    first = {"text": " a b", "output_ids": [11, 12], "meta_info": {
+        "id": "client-rid", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 1,
+        "reasoning_tokens": 2, "input_token_logprobs": [[None, 1, None], [-0.5, 2, None], [-0.7, 3, None]],
+        "output_token_logprobs": [[-0.1, 11, None], [-0.2, 12, None]], "output_token_logprobs_length": 2}}
+    session, emitted = sealed_session(codec, [dumps(first)])
+    assert emitted == Emitted([11, 12], {"prompt_tokens": 3})
+    # The resumed attempt, as its engine reports it: a 5-token prompt, counting from 0, a fresh rid.
+    retry = {"text": " c", "output_ids": [13], "meta_info": {
+        "id": "worker-b-rid", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 5,
+        "completion_tokens": 1, "cached_tokens": 5, "reasoning_tokens": 1,
+        "input_token_logprobs": [[None, 1, None], [-0.5, 2, None], [-0.7, 3, None], [-0.1, 11, None],
+                                 [-0.2, 12, None]],
+        "output_token_logprobs": [[-0.3, 13, None]], "output_token_logprobs_length": 1}}
+    body, verdict = session.stitch(dumps(retry), True)
+    meta = loads(body)["meta_info"]
+    assert verdict is Verdict.STITCHED
+    assert meta["id"] == "client-rid"
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["output_token_logprobs_length"]) == (3, 3, 3)
+    assert meta["reasoning_tokens"] == 3 and meta["cached_tokens"] == 3  # cache hits cap at the real prompt
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert meta["input_token_logprobs"] == first["meta_info"]["input_token_logprobs"]
+    assert meta["output_token_logprobs"] == [[-0.3, 13, None]]  # deltas are never touched
+
+
+def test_sglang_stitch_drops_the_replayed_tokens_input_logprobs_when_the_client_saw_none():
+    codec = Catalog()("sglang")
+    session, _ = sealed_session(codec, [dumps({"text": " a", "output_ids": [11], "meta_info": {"id": "r"}})])
+    retry = dumps({"text": " b", "output_ids": [12], "meta_info": {
+        "id": "r", "input_token_logprobs": [[None, 1, None], [-0.5, 2, None], [-0.1, 11, None]]}})
+    body, _ = session.stitch(retry, False)
+    assert loads(body)["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None]]
+
+
+def test_sglang_stitch_changes_nothing_when_nothing_was_emitted():
+    codec = Catalog()("sglang")
+    session, emitted = sealed_session(codec, [])
+    assert emitted.token_ids == []
+    body = dumps({"text": " a", "output_ids": [5], "meta_info": {"prompt_tokens": 3, "completion_tokens": 1}})
+    assert session.stitch(body, True) is None
+    assert session.stitch(b"\x00 opaque", True) is None
+
+
+@pytest.mark.parametrize("name", SGLANG_FORMATS)
+def test_sglang_rows_an_earlier_attempt_published_win_over_the_resumed_attempts_recomputation(name):
+    codec = Catalog()(name)
+    encode = codec.sequences["routed_experts"].encode
+    row = lambda *values: struct.pack("<2i", *values)  # noqa: E731 - one row: 1 layer, top-2
+    sampled = row(1, 2) + row(3, 4)  # rows of positions 0-1, from the passes that sampled the tokens
+    recomputed = row(9, 9) + row(8, 8) + row(5, 6) + row(7, 0)  # the retry's prefill recomputed 0-1 differently
+    first = {"text": " a", "output_ids": [11], "meta_info": {"id": "r", "routed_experts": encode(sampled)}}
+    session, _ = sealed_session(codec, [dumps(first)])
+    retry = {"text": " b", "output_ids": [12], "meta_info": {"id": "r", "routed_experts": encode(recomputed)}}
+    body, verdict = session.stitch(dumps(retry), True)
+    rows = codec.sequences["routed_experts"].decode(loads(body)["meta_info"]["routed_experts"])
+    assert rows == sampled + row(5, 6) + row(7, 0) and verdict is Verdict.STITCHED
+    short = {"text": " b", "output_ids": [12], "meta_info": {"id": "r", "routed_experts": encode(row(1, 2))}}
+    body, verdict = session.stitch(dumps(short), True)
+    meta = loads(body)["meta_info"]
+    assert verdict is Verdict.OMITTED and "routed_experts" not in meta
+    assert meta["routed_experts_unavailable_reason"] == "length_mismatch"
+
+
+def test_sglang_zstd_inherits_every_migration_hook():
+    if "sglang-zstd" not in codec_names():
+        pytest.skip("sglang-zstd is not installed")
+    sglang, zstd = Catalog()("sglang"), Catalog()("sglang-zstd")
+    for hook in ("open_migration", "check_migratable", "resume_request"):
+        assert getattr(type(zstd), hook) is getattr(type(sglang), hook)
+    w = worker_for("sglang-zstd")
+    assert type(w).agg_resumed is type(worker_for("sglang")).agg_resumed
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+def vllm_request(truth, **params) -> bytes:
+    return dumps({"request_id": truth.request_id, "token_ids": truth.prompt_ids, "stream": True,
+                  "sampling_params": {"max_tokens": truth.output_len, "prompt_logprobs": 0, **params},
+                  "kv_transfer_params": {"do_remote_decode": True}})
+
+
+def test_vllm_resumed_request_is_the_prompt_plus_emitted_tokens_with_the_remaining_budget():
+    codec = Catalog()("vllm")
+    truth = make_truth(3, prompt_len=4, output_len=8)
+    doc = loads(codec.resume_request(vllm_request(truth, min_tokens=5), Emitted(truth.output_ids[:3])))
+    assert doc["token_ids"] == truth.resumed(3).prompt_ids
+    assert doc["sampling_params"] == {"max_tokens": 5, "prompt_logprobs": 0, "min_tokens": 2}
+    assert "kv_transfer_params" not in doc and doc["request_id"] == truth.request_id
+    unbounded = loads(codec.resume_request(dumps({"token_ids": [1], "sampling_params": {"max_tokens": None}}),
+                                           Emitted([2])))
+    assert unbounded["sampling_params"]["max_tokens"] is None
+
+
+@pytest.mark.parametrize("request_doc, reason", [
+    ({"token_ids": [1], "sampling_params": {"n": 3}}, "n = 3"),
+    ({"token_ids": [1], "sampling_params": {"structured_outputs": {"json": {}}}}, "structured_outputs"),
+    ({"token_ids": [1], "sampling_params": {"guided_regex": "a"}}, "guided_regex"),
+    ({"prompt": "hi"}, "no token_ids"),
+])
+def test_vllm_requests_that_cannot_move_are_refused(request_doc, reason):
+    with pytest.raises(MigrationRefused, match=reason):
+        Catalog()("vllm").check_migratable(dumps(request_doc))
+
+
+def test_vllm_several_choices_in_a_published_body_refuse_migration():
+    body = dumps({"request_id": "r", "choices": [{"index": 0, "token_ids": [1]}, {"index": 1, "token_ids": [2]}]})
+    with pytest.raises(MigrationRefused, match="n > 1"):
+        Catalog()("vllm").open_migration().absorb([body])
+
+
+def test_vllm_stitch_restates_usage_and_sends_prompt_logprobs_only_once():
+    codec = Catalog()("vllm")
+    first = {"request_id": "client", "choices": [{"index": 0, "token_ids": [11, 12]}],
+             "prompt_logprobs": [None, {"2": {"logprob": -1.0}}]}
+    session, emitted = sealed_session(codec, [dumps(first)])
+    assert emitted.token_ids == [11, 12]
+    retry = {"request_id": "worker-b", "choices": [{"index": 0, "token_ids": [13], "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+             "prompt_logprobs": [None, {"2": {"logprob": -1.0}}, {"11": {"logprob": -0.1}}, {"12": {"logprob": -0.2}}]}
+    body, verdict = session.stitch(dumps(retry), True)
+    obj = loads(body)
+    assert verdict is Verdict.STITCHED and obj["request_id"] == "client"
+    assert obj["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert "prompt_logprobs" not in obj  # the client got them with the first result
+    assert obj["choices"] == retry["choices"]
+
+
+def test_vllm_rows_an_earlier_attempt_published_win_over_the_recomputation():
+    codec = Catalog()("vllm")
+    encode = codec.sequences["routed_experts"].encode
+    sampled = np.array([[[1, 2]], [[3, 4]]], dtype=np.uint8)
+    recomputed = np.array([[[9, 9]], [[8, 8]], [[5, 6]]], dtype=np.uint8)
+    session, _ = sealed_session(codec, [dumps({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": [11], "routed_experts": encode(sampled)}]})])
+    body, verdict = session.stitch(dumps({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": [12], "routed_experts": encode(recomputed)}]}), True)
+    rows = codec.sequences["routed_experts"].decode(loads(body)["choices"][0]["routed_experts"])
+    assert verdict is Verdict.STITCHED
+    assert rows.tolist() == [[[1, 2]], [[3, 4]], [[5, 6]]] and rows.dtype == np.uint8

@@ -1,0 +1,331 @@
+"""The correlator's migration rules (seal-then-resume), driven with a toy codec so every rule shows in bytes.
+
+Toy format: a body lists token ids (``b"1 2"``); ``need:`` in front means the decode chunk needs the
+prefill leg, and the join appends ``|<prefill>``. A body starting with ``!`` makes the toy refuse
+migration. The stitch appends ``|+<k>`` (k = tokens emitted before the attempt) so a stitched body
+is recognisable.
+"""
+
+from __future__ import annotations
+
+from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
+from streamproc.correlator import Correlator, CorrelatorConfig
+from streamproc.testing.harness import Run, leg
+from streamproc.wire import Chunk, MigrateError, MigrateErrorCode, Role, Sealed, Verdict
+
+
+class ToyJoin(JoinSession):
+    def __init__(self) -> None:
+        self.prefill: bytes | None = None
+
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        return body.startswith(b"need:")
+
+    def absorb_prefill(self, bodies):
+        self.prefill = b"+".join(bodies)
+
+    def prefill_unavailable(self, reason: str) -> None:
+        self.prefill = b"omitted"
+
+    def join(self, body: bytes, final: bool):
+        if not body.startswith(b"need:"):
+            return body, Verdict.PASSTHROUGH
+        return body + b"|" + (self.prefill or b""), Verdict.JOINED
+
+
+class ToyMigration(MigrationSession):
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.absorbed: list[list[bytes]] = []  # each absorb call's bodies, as handed over
+        self.k = 0
+
+    def absorb(self, bodies):
+        self.absorbed.append(list(bodies))
+        for body in bodies:
+            if body.startswith(b"!"):
+                raise MigrationRefused("toy: this body cannot move")
+            text = body.split(b"|")[0].removeprefix(b"need:")
+            self.ids.extend(int(t) for t in text.split())
+
+    def seal(self) -> Emitted:
+        self.k = len(self.ids)
+        return Emitted(list(self.ids), {"bodies": sum(map(len, self.absorbed))})
+
+    def stitch(self, body: bytes, final: bool):
+        return (body + b"|+" + str(self.k).encode(), Verdict.STITCHED) if self.k else None
+
+
+class ToyCodec(Codec):
+    name = "toy"
+
+    def __init__(self, options=None) -> None:
+        super().__init__(options)
+        self.sessions: list[ToyMigration] = []
+
+    def open_session(self) -> JoinSession:
+        return ToyJoin()
+
+    def open_migration(self) -> MigrationSession:
+        self.sessions.append(ToyMigration())
+        return self.sessions[-1]
+
+    def fold(self, bodies):
+        return b"".join(bodies)
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return f"ERR[{kind.value}]{message}".encode()
+
+
+class NoMigration(ToyCodec):
+    name = "plain"
+
+    def open_migration(self) -> MigrationSession:
+        return Codec.open_migration(self)
+
+
+def make(codec: Codec | None = None, **config) -> tuple[Correlator, Run, Codec]:
+    codec = codec or ToyCodec()
+    c = Correlator(lambda name: codec, codec.name, CorrelatorConfig(**config))
+    return c, Run(c), codec
+
+
+def feed(run: Run, chunks, now: float = 0.0) -> Run:
+    for chunk in chunks:
+        run.absorb(run.correlator.receive(chunk, now))
+    return run
+
+
+def migrate(run: Run, rid: str, now: float = 0.0, **kwargs):
+    reply, decisions = run.correlator.migrate(rid, now, **kwargs)
+    run.absorb(decisions)
+    return reply
+
+
+def view(run: Run, rid: str) -> list[tuple[int, bytes, bool, Verdict | None]]:
+    return [(r.seq, r.body, r.final, r.verdict) for r in run.of(rid)]
+
+
+# ------------------------------------------------------------------------ sealing
+
+def test_migrate_replies_with_exactly_the_tokens_of_the_published_results():
+    c, run, _ = make()
+    chunks = leg("m", Role.AGG, [b"1 2", b"3", b"4 5", b"6"])
+    feed(run, [chunks[0], chunks[1], chunks[3]])  # seq 3 waits in the reorder buffer: not sent
+    reply = migrate(run, "m")
+    assert reply == Sealed("m", attempt=1, emitted_tokens=3, emitted_token_ids=[1, 2, 3], result_seq=2,
+                           format="toy", state={"bodies": 2})
+    assert chunks[3].token in run.settled  # dropped with the seal, settled at once
+    assert [n.event for n in run.notices] == ["migrated"]
+    assert c.stats.migrations == 1 and c.inflight == 1
+
+
+def test_resumed_attempt_continues_the_result_seqs_with_stitched_bodies():
+    c, run, _ = make()
+    feed(run, leg("m", Role.AGG, [b"1 2", b"3", b"4 5"])[:2])
+    migrate(run, "m")
+    feed(run, leg("m", Role.AGG, [b"4 5", b"6"], attempt=1))
+    assert view(run, "m") == [
+        (0, b"1 2", False, Verdict.PASSTHROUGH),
+        (1, b"3", False, Verdict.PASSTHROUGH),
+        (2, b"4 5|+3", False, Verdict.STITCHED),
+        (3, b"6|+3", True, Verdict.STITCHED),
+    ]
+    assert c.inflight == 0 and c.stats.stitched == 2
+
+
+def test_resumed_attempt_chunks_out_of_order_and_duplicated_still_give_contiguous_seqs():
+    c, run, _ = make()
+    feed(run, leg("m", Role.AGG, [b"1", b"2", b"3"])[:1])
+    migrate(run, "m")
+    resumed = leg("m", Role.AGG, [b"2", b"3", b"4"], attempt=1)
+    feed(run, [resumed[2], resumed[1], resumed[2], resumed[0], resumed[1]])
+    assert [(s, b) for s, b, _, _ in view(run, "m")] == [(0, b"1"), (1, b"2|+1"), (2, b"3|+1"), (3, b"4|+1")]
+    assert (c.stats.duplicates, c.stats.late) == (1, 1)  # the last repeat comes after the final
+
+
+def test_chunks_of_a_sealed_attempt_are_dropped_counted_and_settled():
+    c, run, _ = make()
+    old = leg("m", Role.AGG, [b"1", b"2", b"3"])
+    feed(run, old[:1])
+    migrate(run, "m")
+    feed(run, old[1:])  # the "dead" worker was only slow
+    assert view(run, "m") == [(0, b"1", False, Verdict.PASSTHROUGH)]
+    assert c.stats.sealed == 2 and {old[1].token, old[2].token} <= set(run.settled)
+    assert [n.event for n in run.notices].count("sealed_chunk") == 2
+    feed(run, leg("m", Role.AGG, [b"2", b"3"], attempt=1))
+    assert [b for _, b, _, _ in view(run, "m")] == [b"1", b"2|+1", b"3|+1"]
+
+
+def test_late_chunks_of_a_sealed_attempt_after_the_request_finished_are_late():
+    c, run, _ = make()
+    old = leg("m", Role.AGG, [b"1", b"2"])
+    feed(run, old[:1])
+    migrate(run, "m")
+    feed(run, leg("m", Role.AGG, [b"2"], attempt=1))
+    feed(run, old[1:])
+    assert c.stats.late == 1 and old[1].token in run.settled
+
+
+def test_a_chunk_of_an_attempt_never_granted_ends_the_request():
+    c, run, _ = make()
+    feed(run, leg("m", Role.AGG, [b"1", b"2"])[:1])
+    feed(run, [Chunk("m", Role.AGG, 0, b"2", attempt=1, token="bad")])
+    err = run.of("m")[-1]
+    assert (err.seq, err.final, err.error) == (1, True, "invalid_chunk")
+    assert b"attempt 1 was never granted" in err.body and "bad" in err.settles
+
+
+def test_an_attempt_above_zero_for_an_unknown_request_is_rejected():
+    c, run, _ = make()
+    feed(run, [Chunk("x", Role.AGG, 0, b"1", final=True, attempt=2)])
+    [err] = run.of("x")
+    assert err.error == "invalid_chunk" and b"only follow a migration" in err.body
+
+
+# ------------------------------------------------------------------------- errors
+
+def test_migrate_for_an_unknown_request_gets_an_error_reply_and_changes_nothing():
+    c, run, _ = make()
+    reply = migrate(run, "nobody")
+    assert isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNKNOWN_REQUEST
+    assert run.results == [] and run.notices == [] and c.inflight == 0
+
+
+def test_migrate_for_a_finished_request_gets_an_error_reply():
+    c, run, _ = make()
+    feed(run, leg("u", Role.AGG, [b"1 2"]))  # unary aggregated: no state kept, only the finished id
+    feed(run, leg("s", Role.AGG, [b"1", b"2"]))
+    for rid in ("u", "s"):
+        reply = migrate(run, rid)
+        assert isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.FINISHED
+    assert len(run.results) == 3
+
+
+def test_a_stale_expected_attempt_leaves_the_request_untouched():
+    c, run, _ = make()
+    feed(run, leg("m", Role.AGG, [b"1", b"2"])[:1])
+    assert isinstance(migrate(run, "m", expected_attempt=0), Sealed)
+    reply = migrate(run, "m", expected_attempt=0)  # a second migrator, racing with the first
+    assert (reply.code, reply.attempt) == (MigrateErrorCode.ATTEMPT_MISMATCH, 1)
+    feed(run, leg("m", Role.AGG, [b"2"], attempt=1))
+    assert [b for _, b, _, _ in view(run, "m")] == [b"1", b"2|+1"]
+
+
+def test_a_body_the_codec_cannot_read_refuses_the_migration_and_ends_the_request():
+    c, run, _ = make()
+    feed(run, leg("r", Role.AGG, [b"!opaque", b"2", b"3"])[:2])
+    reply = migrate(run, "r")
+    assert isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.REFUSED
+    assert reply.message == "toy: this body cannot move" and reply.attempt == 0
+    err = run.of("r")[-1]
+    assert (err.seq, err.final, err.error) == (2, True, "migration_refused")
+    assert c.inflight == 0 and c.stats.migrations_refused == 1
+
+
+def test_a_refusal_from_the_caller_ends_the_request_with_an_error_result():
+    c, run, _ = make()
+    feed(run, leg("g", Role.AGG, [b"1", b"2"])[:1])
+    reply = migrate(run, "g", refuse="guided decoding (json_schema)")
+    assert reply.code is MigrateErrorCode.REFUSED
+    err = run.of("g")[-1]
+    assert err.error == "migration_refused" and b"guided decoding" in err.body and err.final
+
+
+def test_a_format_without_migration_support_is_refused():
+    c, run, _ = make(NoMigration())
+    feed(run, leg("n", Role.AGG, [b"1", b"2"])[:1])
+    reply = migrate(run, "n")
+    assert reply.code is MigrateErrorCode.REFUSED and "does not support migration" in reply.message
+
+
+def test_a_request_adopted_from_another_instance_cannot_migrate():
+    c, run, _ = make()
+    c.resume("adopted", 3, False, 0.0)  # results 0..2 were published by a dead instance: tokens unknown
+    reply = migrate(run, "adopted")
+    assert reply.code is MigrateErrorCode.REFUSED and "another processor instance" in reply.message
+    assert run.of("adopted")[-1].seq == 3
+
+
+# ---------------------------------------------------------------------- P/D and mixes
+
+def test_decode_chunks_waiting_for_prefill_are_dropped_and_the_next_attempt_has_its_own_prefill():
+    c, run, _ = make()
+    feed(run, leg("p", Role.DECODE, [b"need:1", b"2"]))  # prefill never comes: nothing is sent
+    assert run.of("p") == []
+    reply = migrate(run, "p")
+    assert (reply.emitted_tokens, reply.result_seq) == (0, 0)
+    assert list(c.unsettled()) == []  # the waiting decode chunks were settled with the seal
+    feed(run, leg("p", Role.PREFILL, [b"P0"]))  # the old prefill turns up after the seal
+    feed(run, leg("p", Role.PREFILL, [b"P1"], attempt=1) + leg("p", Role.DECODE, [b"need:1", b"2"], attempt=1))
+    assert [b for _, b, _, _ in view(run, "p")] == [b"need:1|P1", b"2"]  # k = 0: nothing to stitch
+    assert c.stats.sealed == 1
+
+
+def test_a_pd_request_can_resume_aggregated_and_the_other_way_round():
+    c, run, _ = make()
+    feed(run, leg("x", Role.PREFILL, [b"P"]) + leg("x", Role.DECODE, [b"need:1", b"2", b"3"])[:2])
+    migrate(run, "x")
+    feed(run, leg("x", Role.AGG, [b"3", b"4", b"5"], attempt=1)[:1])
+    migrate(run, "x")
+    feed(run, leg("x", Role.PREFILL, [b"Q"], attempt=2) + leg("x", Role.DECODE, [b"need:4", b"5"], attempt=2))
+    assert [b for _, b, _, _ in view(run, "x")] == [b"need:1|P", b"2", b"3|+2", b"need:4|Q|+3", b"5|+3"]
+    assert [v for *_, v in view(run, "x")][2:] == [Verdict.STITCHED] * 3
+
+
+def test_two_migrations_in_a_row_grant_two_attempts_with_the_same_progress():
+    c, run, _ = make()
+    feed(run, leg("t", Role.AGG, [b"1", b"2"])[:1])
+    first, second = migrate(run, "t"), migrate(run, "t")
+    assert (first.attempt, second.attempt) == (1, 2)
+    assert first.emitted_token_ids == second.emitted_token_ids == [1]
+    assert first.result_seq == second.result_seq == 1
+    feed(run, leg("t", Role.AGG, [b"2"], attempt=1))  # the attempt that was skipped is sealed too
+    assert c.stats.sealed == 1
+    feed(run, leg("t", Role.AGG, [b"2"], attempt=2))
+    assert [b for _, b, _, _ in view(run, "t")] == [b"1", b"2|+1"]
+
+
+# ------------------------------------------------------------------ retention, timeouts
+
+def test_the_codec_receives_the_published_bodies_themselves_and_only_at_migrate():
+    c, run, codec = make()
+    chunks = leg("r", Role.AGG, [b"1", b"2", b"3"])
+    feed(run, chunks[:2])
+    assert codec.sessions == []  # nothing parsed on the hot path
+    migrate(run, "r")
+    [absorbed] = codec.sessions[0].absorbed
+    assert [id(b) for b in absorbed] == [id(chunks[0].body), id(chunks[1].body)]  # references, no copies
+
+
+def test_past_the_retention_bound_bodies_are_folded_as_they_are_published():
+    c, run, codec = make(max_retained_bytes=3)
+    feed(run, leg("r", Role.AGG, [b"1 2", b"3 4", b"5", b"6"])[:3])
+    assert codec.sessions[0].absorbed == [[b"1 2", b"3 4"]]  # 7 bytes > 3: folded, then released
+    assert migrate(run, "r").emitted_token_ids == [1, 2, 3, 4, 5]
+
+
+def test_a_refusal_found_while_folding_is_the_answer_to_a_later_migrate():
+    c, run, _ = make(max_retained_bytes=0)
+    feed(run, leg("r", Role.AGG, [b"!x", b"2", b"3"])[:2])
+    assert migrate(run, "r").message == "toy: this body cannot move"
+
+
+def test_a_migrate_counts_as_progress_for_the_request_timeout():
+    c, run, _ = make(request_timeout=10.0)
+    feed(run, leg("slow", Role.AGG, [b"1", b"2"])[:1], now=0.0)
+    migrate(run, "slow", now=8.0)
+    run.absorb(c.tick(12.0))
+    assert c.inflight == 1
+    run.absorb(c.tick(18.0))
+    assert run.of("slow")[-1].error == "timeout"
+
+
+def test_every_chunk_is_settled_across_attempts():
+    c, run, _ = make()
+    a0 = leg("s", Role.PREFILL, [b"P"]) + leg("s", Role.DECODE, [b"need:1", b"2", b"3"])
+    a1 = leg("s", Role.AGG, [b"2", b"3"], attempt=1)
+    feed(run, [a0[0], a0[1], a0[3]])  # decode seq 2 buffered (seq 1 missing)
+    migrate(run, "s")
+    feed(run, [a0[2]] + a1)
+    assert set(run.settled) == {ch.token for ch in a0 + a1}
+    assert c.inflight == 0

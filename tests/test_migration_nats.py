@@ -1,0 +1,323 @@
+"""Migration over a real nats-server: simulated workers die at chunk k and the request continues elsewhere.
+
+The serving layer's part is played by :class:`streamproc.migration.Migrator`; its ``send`` hands
+the rebuilt native request to a fresh simulated worker, which derives what to produce from that
+request alone (how many tokens were appended to the prompt), so the test also proves the request
+is right. Every scenario ends with the client-visible stream compared, result by result, with the
+uninterrupted aggregated run of the same ground truth.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import msgspec
+import pytest
+
+from streamproc.catalog import codec_names, worker_for
+from streamproc.migration import MigrationError, MigrationRefused, Migrator, Resumed, publish_request
+from streamproc.publisher import ChunkPublisher
+from streamproc.results import ResultInfo, follow
+from streamproc.simulation import Truth, make_truth
+from streamproc.wire import (
+    ATTEMPT,
+    MigrateErrorCode,
+    MigrateRequest,
+    Verdict,
+    decode_migrate_reply,
+    encode_control,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(30)]
+
+FORMATS = [f for f in ("sglang", "sglang-zstd", "vllm") if f in codec_names()]
+# Migration is specified for the core input; the durable (JetStream) input has its own delivery order.
+MODE = "core"
+
+
+def native_request(fmt: str, truth: Truth, **extra: object) -> bytes:
+    """The original request the serving layer sent (SGLang ``/generate`` or vLLM generate shape)."""
+    if fmt.startswith("sglang"):
+        body = {"rid": truth.request_id, "input_ids": truth.prompt_ids, "stream": True,
+                "return_logprob": truth.return_logprob, "sampling_params": {"max_new_tokens": truth.output_len}}
+    else:
+        body = {"request_id": truth.request_id, "token_ids": truth.prompt_ids, "stream": True,
+                "sampling_params": {"max_tokens": truth.output_len}}
+    body.update(extra)
+    return msgspec.json.encode(body)
+
+
+def emitted_in(truth: Truth, request: bytes) -> int:
+    """How many output tokens a rebuilt request says were already sent (and that it says it right)."""
+    doc = msgspec.json.decode(request)
+    ids = doc.get("input_ids", doc.get("token_ids"))
+    k = len(ids) - truth.prompt_len
+    assert ids == truth.prompt_ids + truth.output_ids[:k]
+    params = doc["sampling_params"]
+    assert params.get("max_new_tokens", params.get("max_tokens")) == truth.output_len - k
+    return k
+
+
+class SimulatedPool:
+    """Simulated workers publishing one request's legs for a given attempt, optionally dying early."""
+
+    def __init__(self, publisher: ChunkPublisher, fmt: str, truth: Truth, *, pd: bool) -> None:
+        self.publisher = publisher
+        self.worker = worker_for(fmt)
+        self.truth = truth
+        self.pd = pd
+
+    def legs(self, emitted: int) -> list[tuple[str, list[bytes]]]:
+        w, t = self.worker, self.truth
+        if self.pd:
+            return [("prefill", w.prefill_resumed(t, emitted, stream=True)),
+                    ("decode", w.decode_resumed(t, emitted, stream=True))]
+        return [("agg", w.agg_resumed(t, emitted, stream=True))]
+
+    async def publish(self, role: str, bodies: list[bytes], attempt: int, start: int = 0,
+                      stop: int | None = None) -> None:
+        last = len(bodies) - 1
+        for seq in range(start, len(bodies) if stop is None else stop):
+            await self.publisher.publish(self.truth.request_id, role, seq, bodies[seq], final=seq == last,
+                                         attempt=attempt)
+
+    async def serve(self, resumed: Resumed) -> None:
+        """``send`` for the Migrator: a fresh worker (pair) serves the rebuilt request to the end."""
+        assert resumed.emitted_tokens == emitted_in(self.truth, resumed.body)
+        for role, bodies in self.legs(resumed.emitted_tokens):
+            await self.publish(role, bodies, resumed.attempt)
+
+
+def assert_uninterrupted(fmt: str, truth: Truth, results: list[ResultInfo]) -> None:
+    w = worker_for(fmt)
+    expected = w.agg(truth, stream=True)
+    assert [r.seq for r in results] == list(range(len(expected)))
+    assert [r.final for r in results] == [False] * (len(expected) - 1) + [True]
+    assert all(r.error is None for r in results), [r.body for r in results if r.error]
+    assert [w.canonical(r.body) for r in results] == [w.canonical(b) for b in expected]
+    assert w.expert_view(results[-1].body) == (truth.experts, None)
+
+
+def truth_for(rid: str, seed: int, **overrides: object) -> Truth:
+    return make_truth(seed, request_id=rid, prompt_len=6, output_len=12, chunk_sizes=[2] * 6, **overrides)
+
+
+# ------------------------------------------------------------------------ scenarios
+
+@pytest.mark.parametrize("kind", ["in-process", "subprocess"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("pd", [False, True], ids=["agg", "pd"])
+async def test_a_worker_dying_at_chunk_k_resumes_elsewhere_and_the_client_sees_one_stream(
+        kind, fmt, pd, client, start_processor):
+    truth = truth_for(f"die-{fmt}-{pd}", 10)
+    async with start_processor(kind, format=fmt, mode=MODE) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=pd)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            for role, bodies in pool.legs(0):
+                await pool.publish(role, bodies, 0, stop=None if role == "prefill" else 2)  # dies after chunk 2
+            seen = [await stream.__anext__() for _ in range(2)]
+            resumed = await Migrator(client, rp.subjects, format=fmt).migrate(
+                truth.request_id, native_request(fmt, truth), send=pool.serve, reason="worker lost")
+            results = seen + await stream.collect()
+    assert (resumed.attempt, resumed.emitted_tokens, resumed.result_seq) == (1, 4, 2)
+    assert_uninterrupted(fmt, truth, results)
+    # The resumed attempt's final body reports the original prompt and the continued counts.
+    assert results[-1].verdict is Verdict.STITCHED
+    assert {r.verdict for r in results} <= {Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.STITCHED}
+
+
+async def test_the_resumed_request_reaches_a_worker_over_nats_with_its_attempt(client, start_processor):
+    fmt = "vllm"
+    truth = truth_for("served", 16)
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=True)
+        received = []
+
+        async def worker_service(msg) -> None:  # a worker taking requests from the serving layer
+            attempt = int(msg.headers[ATTEMPT])
+            received.append(attempt)
+            for role, bodies in pool.legs(emitted_in(truth, msg.data)):
+                await pool.publish(role, bodies, attempt)
+
+        sub = await client.subscribe("test.generate", cb=worker_service)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            (_, prefill), (_, decode) = pool.legs(0)
+            await pool.publish("prefill", prefill, 0)
+            await pool.publish("decode", decode, 0, stop=3)
+            seen = [await stream.__anext__() for _ in range(3)]
+            await Migrator(client, rp.subjects, format=fmt).migrate(
+                truth.request_id, native_request(fmt, truth), send=publish_request(client, "test.generate"))
+            results = seen + await stream.collect()
+        await sub.unsubscribe()
+    assert received == [1]
+    assert_uninterrupted(fmt, truth, results)
+
+
+async def test_late_chunks_of_the_dead_attempt_after_the_seal_are_dropped(client, start_processor):
+    fmt = "sglang"
+    truth = truth_for("late", 11)
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
+        [(role, bodies)] = pool.legs(0)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            await pool.publish(role, bodies, 0, stop=3)
+            seen = [await stream.__anext__() for _ in range(3)]
+            migrator = Migrator(client, rp.subjects, format=fmt)
+            resumed = await migrator.migrate(truth.request_id, native_request(fmt, truth))
+            await pool.publish(role, bodies, 0, start=3)  # the "dead" worker was only partitioned
+            await pool.serve(resumed)
+            results = seen + await stream.collect()
+        stats = rp.processor.stats
+    assert_uninterrupted(fmt, truth, results)
+    assert stats.sealed == len(bodies) - 3 and stats.migrations == 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_a_migrate_racing_with_the_final_chunk_never_repeats_or_loses_a_result(fmt, client, start_processor):
+    outcomes = []
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        for i in range(8):
+            truth = truth_for(f"race-{fmt}-{i}", 20 + i)
+            pool = SimulatedPool(publisher, fmt, truth, pd=i % 2 == 1)
+            async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+                legs = pool.legs(0)
+                for role, bodies in legs:  # everything but the output leg's final chunk
+                    await pool.publish(role, bodies, 0, stop=len(bodies) - (role != "prefill"))
+                role, bodies = legs[-1]
+
+                rng = random.Random(i)
+
+                async def final_chunk() -> None:
+                    await anyio.sleep(rng.random() * 0.006)
+                    await pool.publish(role, bodies, 0, len(bodies) - 1)
+
+                async def migrate() -> None:
+                    await anyio.sleep(rng.random() * 0.002)
+                    try:
+                        await migrator.migrate(truth.request_id, native_request(fmt, truth), send=pool.serve)
+                        outcomes.append("resumed")
+                    except MigrationError as exc:
+                        assert exc.code is MigrateErrorCode.FINISHED  # the final result won the race
+                        outcomes.append("finished")
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(migrate)
+                    tg.start_soon(final_chunk)
+                results = await stream.collect()
+            assert_uninterrupted(fmt, truth, results)
+    assert len(outcomes) == 8  # (which side wins varies with timing; both outcomes must be seamless)
+
+
+async def test_a_migrate_does_not_overtake_chunks_the_processor_received_before_it(client, start_processor):
+    fmt = "sglang"
+    truths = [make_truth(30 + i, request_id=f"burst-{i}", prompt_len=4, output_len=40, chunk_sizes=[1] * 40)
+              for i in range(5)]
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        publish = rp.processor._publish
+
+        async def congested_publish(*args, **kwargs):  # back-pressure: every result publish yields
+            await anyio.sleep(0.0005)
+            await publish(*args, **kwargs)
+
+        rp.processor._publish = congested_publish
+        publisher = ChunkPublisher(client, rp.subjects)
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        for truth in truths:  # a burst, then at once the migrate: the seal must cover all of it
+            pool = SimulatedPool(publisher, fmt, truth, pd=False)
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=30)
+            resumed = await migrator.migrate(truth.request_id, native_request(fmt, truth))
+            assert (resumed.emitted_tokens, resumed.result_seq) == (30, 30)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_migrating_a_request_whose_prefill_is_still_pending(fmt, client, start_processor):
+    truth = truth_for(f"pending-{fmt}", 12, return_logprob=True)
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=True)
+        (_, prefill), (_, decode) = pool.legs(0)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            await pool.publish("decode", decode, 0, stop=3)  # decode runs; the prefill worker is lost
+            resumed = await Migrator(client, rp.subjects, format=fmt).migrate(
+                truth.request_id, native_request(fmt, truth))
+            await pool.publish("prefill", prefill, 0)  # the lost prefill shows up after the seal
+            await pool.serve(resumed)
+            results = await stream.collect()
+        stats = rp.processor.stats
+    # Every decode chunk waited for the prefill leg, so nothing had reached the client.
+    assert (resumed.emitted_tokens, resumed.result_seq) == (0, 0)
+    assert stats.sealed == len(prefill)
+    assert_uninterrupted(fmt, truth, results)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+async def test_two_migrations_in_a_row(fmt, client, start_processor):
+    truth = truth_for(f"twice-{fmt}", 13)
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        request = native_request(fmt, truth)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            first = SimulatedPool(publisher, fmt, truth, pd=False)
+            [(role, bodies)] = first.legs(0)
+            await first.publish(role, bodies, 0, stop=1)
+            seen = [await stream.__anext__()]
+            one = await migrator.migrate(truth.request_id, request, expected_attempt=0)
+            second = SimulatedPool(publisher, fmt, truth, pd=True)  # the second home is a P/D pair
+            (_, prefill), (_, decode) = second.legs(one.emitted_tokens)
+            await second.publish("prefill", prefill, one.attempt)
+            await second.publish("decode", decode, one.attempt, stop=2)
+            seen += [await stream.__anext__() for _ in range(2)]
+            two = await migrator.migrate(truth.request_id, request, expected_attempt=one.attempt)
+            with pytest.raises(MigrationError) as stale:  # a migrator that missed the second migration
+                await migrator.migrate(truth.request_id, request, expected_attempt=one.attempt)
+            await first.serve(two)
+            results = seen + await stream.collect()
+    assert (one.attempt, one.emitted_tokens, two.attempt, two.emitted_tokens) == (1, 2, 2, 6)
+    assert stale.value.code is MigrateErrorCode.ATTEMPT_MISMATCH and stale.value.reply.attempt == 2
+    assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_migrate_for_a_finished_or_unknown_request_gets_a_clear_error(client, start_processor):
+    fmt = "sglang"
+    truth = truth_for("done", 14)
+    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            await pool.serve(Resumed(truth.request_id, 0, 0, 0, native_request(fmt, truth)))
+            results = await stream.collect()
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        with pytest.raises(MigrationError) as finished:
+            await migrator.migrate(truth.request_id, native_request(fmt, truth))
+        with pytest.raises(MigrationError) as unknown:
+            await migrator.migrate("never-seen", native_request(fmt, truth))
+        malformed = decode_migrate_reply((await client.request(rp.subjects.migrate("done"), b"{nope",
+                                                               timeout=5)).data)
+    assert_uninterrupted(fmt, truth, results)
+    assert finished.value.code is MigrateErrorCode.FINISHED
+    assert unknown.value.code is MigrateErrorCode.UNKNOWN_REQUEST
+    assert malformed.code is MigrateErrorCode.BAD_REQUEST
+
+
+@pytest.mark.parametrize("kind", ["in-process", "subprocess"])
+async def test_a_request_that_cannot_migrate_ends_at_once_with_a_migration_refused_error(
+        kind, client, start_processor):
+    fmt = "sglang"
+    truth = truth_for("guided", 15)
+    guided = native_request(fmt, truth, sampling_params={"max_new_tokens": 12, "json_schema": "{}"})
+    async with start_processor(kind, format=fmt, mode=MODE) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
+        [(role, bodies)] = pool.legs(0)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            await pool.publish(role, bodies, 0, stop=2)
+            with pytest.raises(MigrationRefused, match="guided decoding"):
+                await Migrator(client, rp.subjects, format=fmt).migrate(truth.request_id, guided)
+            results = await stream.collect()
+        assert await client.request(rp.subjects.migrate(truth.request_id),
+                                    encode_control(MigrateRequest()), timeout=5)  # still answering
+    assert [r.seq for r in results] == [0, 1, 2]
+    assert results[-1].final and results[-1].error == "migration_refused"
+    assert b"guided decoding" in results[-1].body
