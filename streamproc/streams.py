@@ -99,14 +99,7 @@ class ResultsStreamSpec(msgspec.Struct, frozen=True):
             found.append(
                 f"retention is {_value(actual.retention)!r}, not 'limits' (results must stay readable)"
             )
-        if not _close(actual.max_age, self.max_age):
-            found.append(f"max_age is {actual.max_age}s, not {self.max_age}s")
-        if not _close(actual.duplicate_window, self.duplicate_window):
-            found.append(f"duplicate_window is {actual.duplicate_window}s, not {self.duplicate_window}s")
-        if _value(actual.storage) != _value(self.storage):
-            found.append(f"storage is {_value(actual.storage)!r}, not {_value(self.storage)!r}")
-        if (actual.num_replicas or 1) != self.replicas:
-            found.append(f"replicas is {actual.num_replicas or 1}, not {self.replicas}")
+        found.extend(_limit_differences(actual, self))
         return found
 
 
@@ -231,14 +224,7 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
             got = None if transform is None else f"{transform.src} -> {transform.dest}"
             found.append(f"subject transform is {got!r}, not {wanted[0]} -> {wanted[1]} "
                          f"(a different partition count needs a drained, recreated stream)")
-        if not _close(actual.max_age, self.max_age):
-            found.append(f"max_age is {actual.max_age}s, not {self.max_age}s")
-        if not _close(actual.duplicate_window, self.duplicate_window):
-            found.append(f"duplicate_window is {actual.duplicate_window}s, not {self.duplicate_window}s")
-        if _value(actual.storage) != _value(self.storage):
-            found.append(f"storage is {_value(actual.storage)!r}, not {_value(self.storage)!r}")
-        if (actual.num_replicas or 1) != self.replicas:
-            found.append(f"replicas is {actual.num_replicas or 1}, not {self.replicas}")
+        found.extend(_limit_differences(actual, self))
         if (actual.max_bytes if actual.max_bytes is not None else -1) != self.max_bytes:
             found.append(f"max_bytes is {actual.max_bytes}, not {self.max_bytes}")
         return found
@@ -317,3 +303,17 @@ async def jetstream_available(nc: NatsClient, timeout: float = 5.0) -> bool:
             return False
         raise
     return True
+
+
+def _limit_differences(actual: StreamConfig, spec: ResultsStreamSpec | ChunkStreamSpec) -> list[str]:
+    """The limits both streams are validated on (never silently changed: a mismatch is reported)."""
+    found = []
+    if not _close(actual.max_age, spec.max_age):
+        found.append(f"max_age is {actual.max_age}s, not {spec.max_age}s")
+    if not _close(actual.duplicate_window, spec.duplicate_window):
+        found.append(f"duplicate_window is {actual.duplicate_window}s, not {spec.duplicate_window}s")
+    if _value(actual.storage) != _value(spec.storage):
+        found.append(f"storage is {_value(actual.storage)!r}, not {_value(spec.storage)!r}")
+    if (actual.num_replicas or 1) != spec.replicas:
+        found.append(f"replicas is {actual.num_replicas or 1}, not {spec.replicas}")
+    return found
