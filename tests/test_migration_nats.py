@@ -281,10 +281,12 @@ async def test_two_migrations_in_a_row(fmt, client, start_processor):
     assert_uninterrupted(fmt, truth, results)
 
 
-async def test_a_migrate_for_a_finished_or_unknown_request_gets_a_clear_error(client, start_processor):
+# Durable: with one instance it holds every partition's lease, so it alone answers each migrate.
+@pytest.mark.parametrize("mode", [MODE, "durable"])
+async def test_a_migrate_for_a_finished_or_unknown_request_gets_a_clear_error(mode, client, start_processor):
     fmt = "sglang"
     truth = truth_for("done", 14)
-    async with start_processor("in-process", format=fmt, mode=MODE) as rp:
+    async with start_processor("in-process", format=fmt, mode=mode) as rp:
         pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
         async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
             await pool.serve(Resumed(truth.request_id, 0, 0, 0, native_request(fmt, truth)))
