@@ -21,9 +21,12 @@ NATS failures (no processor listening, no reply in ``timeout``) propagate as nat
 
 from __future__ import annotations
 
+import time
 from typing import Awaitable, Callable
 
+import anyio
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from .catalog import codec_class
@@ -117,6 +120,23 @@ class Migrator:
         return await self._request(request_id, MigrateRequest(refuse=reason))
 
     async def _request(self, request_id: str, message: MigrateRequest) -> MigrateReply:
-        msg = await self.nc.request(self.subjects.migrate(request_id), encode_control(message),
-                                    timeout=self.timeout)
-        return decode_migrate_reply(msg.data)
+        """One control request; "no responders" is retried until ``timeout``.
+
+        Nobody may be listening for a moment (a processor restarting, a durable partition changing
+        hands); waiting for one within the timeout is what a caller wants, and a seal is
+        idempotent on the processor's side only through ``expected_attempt``, which a retry keeps.
+        """
+        deadline = time.monotonic() + self.timeout
+        delay = 0.01
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                msg = await self.nc.request(self.subjects.migrate(request_id), encode_control(message),
+                                            timeout=max(remaining, 0.001))
+            except nats.errors.NoRespondersError:
+                if remaining <= delay:
+                    raise
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.25)
+                continue
+            return decode_migrate_reply(msg.data)

@@ -13,6 +13,7 @@ import random
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 
 from streamproc.catalog import codec_names, worker_for
@@ -323,3 +324,31 @@ async def test_a_request_that_cannot_migrate_ends_at_once_with_a_migration_refus
     assert [r.seq for r in results] == [0, 1, 2]
     assert results[-1].final and results[-1].error == "migration_refused"
     assert b"guided decoding" in results[-1].body
+
+
+async def test_the_migrator_waits_for_a_processor_that_is_not_listening_yet(client, nats_url):
+    """No responders is retried within the timeout: a processor restarting is not a failure."""
+    from streamproc import config
+    from streamproc.processor import Processor
+
+    settings = config.load({}, {"nats_url": nats_url, "mode": MODE})
+    migrator = Migrator(client, settings.subjects, format="sglang", timeout=5)
+
+    async def start_late():
+        await anyio.sleep(0.5)
+        async with Processor(settings):
+            await anyio.sleep(2)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(start_late)
+        with pytest.raises(MigrationError) as unknown:
+            await migrator.seal("nobody-yet")
+    assert unknown.value.code is MigrateErrorCode.UNKNOWN_REQUEST
+
+
+async def test_the_migrator_gives_up_on_no_responders_at_its_timeout(client, nats_url):
+    from streamproc.wire import Subjects
+
+    migrator = Migrator(client, Subjects(), format="sglang", timeout=0.3)
+    with pytest.raises(nats.errors.NoRespondersError):
+        await migrator.seal("nobody")
