@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(HERE))
 from passthrough import build_load, cpu_seconds  # noqa: E402
 
 from streamproc import config  # noqa: E402
-from streamproc.embedded import EmbeddedNats  # noqa: E402
+from streamproc.embedded import EmbeddedNats, stop_process  # noqa: E402
 from streamproc.partitions import PartitionScheme  # noqa: E402
 from streamproc.streams import (  # noqa: E402
     CHUNKS_STREAM,
@@ -76,12 +75,7 @@ def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, 15)
 
 
 async def peak(name: str, load) -> tuple[float, float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import nats
 
 from streamproc.catalog import worker_for
-from streamproc.embedded import EmbeddedNats
+from streamproc.embedded import EmbeddedNats, stop_process
 from streamproc.simulation import make_truth
 from streamproc.wire import Role, Subjects, chunk_headers
 
@@ -107,11 +106,7 @@ async def measure(url: str, prefix: str, load, name: str) -> tuple[float, float]
         return expected / elapsed, (cpu_seconds(proc.pid) - cpu0) / expected * 1e6
     finally:
         await nc.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 10)
 
 
 async def run(args) -> None:

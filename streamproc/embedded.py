@@ -30,6 +30,23 @@ import anyio
 BINARY = "nats-server"
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> int | None:
+    """SIGTERM, then SIGKILL after ``timeout``. The exit code if it stopped by itself, else None.
+
+    Shared by everything that runs a child process it must not leak (servers, processors under
+    test, benchmark contenders).
+    """
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
 class EmbeddedNatsError(RuntimeError):
     """The server binary is missing, or the server did not come up."""
 
@@ -162,13 +179,8 @@ class EmbeddedNats:
     def terminate(self, timeout: float = 5.0) -> None:
         """Graceful shutdown (SIGTERM; SIGKILL after ``timeout``), keeping storage for :meth:`start`."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc, timeout)
 
     def kill(self) -> None:
         """SIGKILL (a crash: nothing is flushed beyond what the server already wrote), keeping storage."""

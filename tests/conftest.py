@@ -22,7 +22,7 @@ import nats
 import pytest
 
 from streamproc import config
-from streamproc.embedded import EmbeddedNats
+from streamproc.embedded import EmbeddedNats, stop_process
 from streamproc.processor import Processor
 from streamproc.wire import Subjects
 
@@ -54,6 +54,32 @@ async def client(nats_url: str) -> AsyncIterator[nats.aio.client.Client]:
         yield nc
     finally:
         await nc.close()
+
+
+# Edge tests share one server (and edge) per module: starting an edge subprocess per test would
+# dominate their run time, and each test uses its own request ids.
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def edge(server: EmbeddedNats):
+    """``streamproc edge`` as a subprocess on the module's server, with the JetStream results stream."""
+    from edge_harness import running_edge
+
+    with running_edge(server.url, "--ensure-results-stream") as running:
+        yield running
+
+
+@pytest.fixture
+async def nc(server: EmbeddedNats) -> AsyncIterator[nats.aio.client.Client]:
+    conn = await nats.connect(server.url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 def _cli_env(extra: dict[str, str] | None) -> dict[str, str]:
@@ -110,13 +136,7 @@ def processor_subprocess(nats_url: str, *extra: str, ready_timeout: float = 20.0
                 time.sleep(0.02)
             yield proc, log_path
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_process(proc, 10)
 
 
 @contextlib.asynccontextmanager

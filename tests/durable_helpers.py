@@ -15,6 +15,7 @@ import nats
 from nats.js import JetStreamContext
 
 from streamproc import config
+from streamproc.embedded import stop_process
 from streamproc.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
 from streamproc.wire import ResultInfo, Subjects, result_from_message
 
@@ -146,10 +147,4 @@ class Instance:
         if not self.running:
             return None if self.proc is None else self.proc.returncode
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
+        return stop_process(self.proc, timeout)

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Iterator
 
 from nats.aio.client import Client as NatsClient
 
+from streamproc.embedded import stop_process
 from streamproc.wire import Result, Subjects, Verdict, result_headers
 
 EDGE = [sys.executable, "-m", "streamproc.edge"]
@@ -87,13 +87,7 @@ class EdgeProcess:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 10)
         return proc.returncode
 
     def metrics(self) -> dict[str, float]:

@@ -12,7 +12,6 @@ import random
 
 import anyio
 import httpx
-import nats
 import pytest
 from edge_harness import (
     expected_sse,
@@ -46,12 +45,6 @@ OPAQUE_BODIES = [
 
 
 @pytest.fixture(scope="module")
-def server():
-    with EmbeddedNats() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def core_edge(server):
     with running_edge(
         server.url, "--prefix", CORE.prefix, "--keepalive", "0.3", "--gap-timeout", "1"
@@ -63,15 +56,6 @@ def core_edge(server):
 def durable_edge(server):
     with running_edge(server.url, "--prefix", DURABLE.prefix, "--ensure-results-stream") as edge:
         yield edge
-
-
-@pytest.fixture
-async def nc(server):
-    conn = await nats.connect(server.url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def native_error_type(kind: ErrorKind) -> str:

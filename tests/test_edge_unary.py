@@ -18,7 +18,6 @@ from edge_harness import publish_result, publish_results, running_edge, subscrib
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.codec import ErrorKind
-from streamproc.embedded import EmbeddedNats
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects, Verdict
 
@@ -27,27 +26,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 DURABLE = Subjects("streamproc")
 CORE = Subjects("core")
 JSON = {"Accept": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with EmbeddedNats() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def edge(server):
-    with running_edge(server.url, "--ensure-results-stream") as running:
-        yield running
-
-
-@pytest.fixture
-async def nc(server):
-    conn = await nats.connect(server.url)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 def rid(name: str) -> str:

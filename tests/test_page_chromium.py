@@ -17,13 +17,12 @@ from pathlib import Path
 import anyio
 import nats
 import pytest
-from edge_harness import publish_result, publish_results, running_edge, sse_view
+from edge_harness import publish_result, publish_results, sse_view
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from streamproc.catalog import Catalog, worker_for
-from streamproc.embedded import EmbeddedNats
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects, Verdict
 
@@ -71,18 +70,6 @@ def browser():
             yield driver
         finally:
             driver.quit()
-
-
-@pytest.fixture(scope="module")
-def server():
-    with EmbeddedNats() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def edge(server):
-    with running_edge(server.url, "--ensure-results-stream") as running:
-        yield running
 
 
 def page_state(driver) -> dict:
