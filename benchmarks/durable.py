@@ -34,9 +34,9 @@ sys.path.insert(0, str(HERE))
 from passthrough import build_load, cpu_seconds  # noqa: E402
 
 from streamproc import config  # noqa: E402
-from streamproc.embedded import EmbeddedNats, stop_process  # noqa: E402
-from streamproc.partitions import PartitionScheme  # noqa: E402
-from streamproc.streams import (  # noqa: E402
+from streamproc.sim.embedded import EmbeddedNats, stop_process  # noqa: E402
+from streamproc.core.partitions import PartitionScheme  # noqa: E402
+from streamproc.nats.streams import (  # noqa: E402
     CHUNKS_STREAM,
     ChunkStreamSpec,
     ensure_chunk_stream,

@@ -22,7 +22,7 @@ from pathlib import Path
 import nats
 
 from streamproc.catalog import worker_for
-from streamproc.embedded import EmbeddedNats, stop_process
+from streamproc.sim.embedded import EmbeddedNats, stop_process
 from streamproc.simulation import make_truth
 from streamproc.wire import Role, Subjects, chunk_headers
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from functools import lru_cache
 from importlib.metadata import EntryPoint, entry_points
 
-from .codec import Codec, CodecOptions
-from .correlator import UnknownFormat
-from .simulation import SimulatedWorker
+from .core.codec import Codec, CodecOptions
+from .core.correlator import UnknownFormat
+from .sim.simulation import SimulatedWorker
 
 CODECS_GROUP = "streamproc.codecs"
 WORKERS_GROUP = "streamproc.workers"

@@ -17,7 +17,11 @@ from typing import Sequence
 
 import anyio
 
-from . import __version__, catalog, config
+from . import __version__
+
+from . import catalog
+
+from . import config
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -43,7 +47,7 @@ def _settings(args: argparse.Namespace) -> config.Settings:
 # ------------------------------------------------------------------------- commands
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .processor import Processor, StartupError
+    from .nats.processor import Processor, StartupError
 
     settings = _settings(args)
     if args.print_config:
@@ -79,8 +83,8 @@ def cmd_codecs(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from . import traffic
-    from .demo import print_report
+    from .sim import traffic
+    from .sim.demo import print_report
 
     settings = _settings(args)
     _setup_logging(settings.log_level)
@@ -99,8 +103,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     async def main() -> int:
         import nats
 
-        from .demo import DemoReport, summarize
-        from .results import ResultCollector
+        from .sim.demo import DemoReport, summarize
+        from .client.results import ResultCollector
 
         errors: list[Exception] = []
 
@@ -142,9 +146,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import default_format, print_report, run_demo
-    from .embedded import EmbeddedNatsError
-    from .processor import StartupError
+    from .sim.demo import default_format, print_report, run_demo
+    from .sim.embedded import EmbeddedNatsError
+    from .nats.processor import StartupError
 
     _setup_logging("WARNING")
     if args.requests < 1:

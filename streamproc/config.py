@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
-from .codec import DEFAULT_MAX_DECOMPRESSED_BYTES
-from .correlator import CorrelatorConfig
-from .wire import DEFAULT_PREFIX, Subjects
+from .core.codec import DEFAULT_MAX_DECOMPRESSED_BYTES
+from .core.correlator import CorrelatorConfig
+from .core.wire import DEFAULT_PREFIX, Subjects
 
 ENV_PREFIX = "STREAMPROC_"
 

@@ -22,8 +22,8 @@ import nats
 import pytest
 
 from streamproc import config
-from streamproc.embedded import EmbeddedNats, stop_process
-from streamproc.processor import Processor
+from streamproc.sim.embedded import EmbeddedNats, stop_process
+from streamproc.nats.processor import Processor
 from streamproc.wire import Subjects
 
 CLI = [sys.executable, "-m", "streamproc.cli"]

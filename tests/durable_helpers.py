@@ -15,8 +15,8 @@ import nats
 from nats.js import JetStreamContext
 
 from streamproc import config
-from streamproc.embedded import stop_process
-from streamproc.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
+from streamproc.sim.embedded import stop_process
+from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
 from streamproc.wire import ResultInfo, Subjects, result_from_message
 
 FORMAT = "sglang"

@@ -24,7 +24,7 @@ from typing import Iterator
 
 from nats.aio.client import Client as NatsClient
 
-from streamproc.embedded import stop_process
+from streamproc.sim.embedded import stop_process
 from streamproc.wire import Result, Subjects, Verdict, result_headers
 
 EDGE = [sys.executable, "-m", "streamproc.edge"]

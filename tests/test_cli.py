@@ -13,7 +13,8 @@ import anyio
 import nats
 import pytest
 
-from streamproc import config, traffic
+from streamproc import config
+from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.wire import ResultInfo, Verdict
 

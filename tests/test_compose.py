@@ -33,7 +33,7 @@ from httpx_sse import connect_sse
 
 from streamproc import config
 from streamproc.edge import settings as edge_settings
-from streamproc.embedded import find_binary
+from streamproc.sim.embedded import find_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

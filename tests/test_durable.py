@@ -13,14 +13,15 @@ import anyio
 import pytest
 from nats.js.api import StorageType
 
-from streamproc import config, traffic
+from streamproc import config
+from streamproc.sim import traffic
 from streamproc.catalog import worker_for
-from streamproc.embedded import EmbeddedNats
-from streamproc.partitions import PartitionScheme, fnv1a32, partition_of
-from streamproc.processor import Processor, StartupError
-from streamproc.publisher import ChunkPublisher
-from streamproc.results import ResultCollector, follow
-from streamproc.streams import (
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.core.partitions import PartitionScheme, fnv1a32, partition_of
+from streamproc.nats.processor import Processor, StartupError
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import ResultCollector, follow
+from streamproc.nats.streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
     ChunkStreamMismatch,

@@ -17,12 +17,12 @@ import anyio
 import nats.errors
 import pytest
 
-from streamproc import traffic
+from streamproc.sim import traffic
 from streamproc.catalog import worker_for
-from streamproc.embedded import EmbeddedNats, EmbeddedNatsCluster
-from streamproc.processor import Processor
-from streamproc.results import _Reorder
-from streamproc.streams import RESULTS_STREAM
+from streamproc.sim.embedded import EmbeddedNats, EmbeddedNatsCluster
+from streamproc.nats.processor import Processor
+from streamproc.client.results import _Reorder
+from streamproc.nats.streams import RESULTS_STREAM
 from streamproc.wire import MSG_ID, Subjects, chunk_headers
 
 from durable_helpers import (

@@ -16,7 +16,7 @@ import pytest
 from edge_harness import expected_sse, running_edge
 from httpx_sse import aconnect_sse
 
-from streamproc import traffic
+from streamproc.sim import traffic
 from streamproc.catalog import Catalog, worker_for
 from streamproc.wire import ResultInfo, Subjects, Verdict
 

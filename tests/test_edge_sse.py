@@ -26,7 +26,7 @@ from httpx_sse import aconnect_sse
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.codec import ErrorKind
-from streamproc.embedded import EmbeddedNats
+from streamproc.sim.embedded import EmbeddedNats
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects, Verdict
 

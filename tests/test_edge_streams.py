@@ -7,8 +7,8 @@ import pytest
 from nats.js.api import StorageType, StreamConfig
 
 from streamproc.edge.settings import EdgeConfigError, load
-from streamproc.embedded import EmbeddedNats
-from streamproc.streams import (
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.nats.streams import (
     RESULTS_STREAM,
     ResultsStreamMismatch,
     covers,

@@ -11,8 +11,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from streamproc import embedded
-from streamproc.embedded import EmbeddedNats, EmbeddedNatsError
+from streamproc.sim import embedded
+from streamproc.sim.embedded import EmbeddedNats, EmbeddedNatsError
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(30)]
 

@@ -17,9 +17,9 @@ import nats.errors
 import pytest
 
 from streamproc.catalog import codec_names, worker_for
-from streamproc.migration import MigrationError, MigrationRefused, Migrator, Resumed, publish_request
-from streamproc.publisher import ChunkPublisher
-from streamproc.results import ResultInfo, follow
+from streamproc.client.migration import MigrationError, MigrationRefused, Migrator, Resumed, publish_request
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import ResultInfo, follow
 from streamproc.simulation import Truth, make_truth
 from streamproc.wire import (
     ATTEMPT,
@@ -329,7 +329,7 @@ async def test_a_request_that_cannot_migrate_ends_at_once_with_a_migration_refus
 async def test_the_migrator_waits_for_a_processor_that_is_not_listening_yet(client, nats_url):
     """No responders is retried within the timeout: a processor restarting is not a failure."""
     from streamproc import config
-    from streamproc.processor import Processor
+    from streamproc.nats.processor import Processor
 
     settings = config.load({}, {"nats_url": nats_url, "mode": MODE})
     migrator = Migrator(client, settings.subjects, format="sglang", timeout=5)

@@ -19,12 +19,12 @@ import anyio
 import msgspec
 import pytest
 
-from streamproc import traffic
+from streamproc.sim import traffic
 from streamproc.catalog import codec_names, worker_for
 from streamproc.config import load
-from streamproc.processor import Processor, StartupError
-from streamproc.publisher import ChunkPublisher
-from streamproc.results import ResultCollector, follow
+from streamproc.nats.processor import Processor, StartupError
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import ResultCollector, follow
 from streamproc.wire import ERROR, FINAL, JOIN, MSG_ID, SEQ, TRACEPARENT, Result, Verdict, result_headers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(30)]

@@ -32,9 +32,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
-from ..codec import Codec, ErrorKind
-from ..streams import ResultsStreamMismatch
-from ..wire import ResultInfo, Verdict, check_request_id
+from ..core.codec import Codec, ErrorKind
+from ..nats.streams import ResultsStreamMismatch
+from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from .metrics import EdgeMetrics, render
 from .settings import EdgeSettings

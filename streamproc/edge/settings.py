@@ -13,7 +13,7 @@ from typing import Annotated
 import msgspec
 
 from ..config import ENV_PREFIX, ConfigError, LogLevel, SettingsSchema, documented
-from ..wire import DEFAULT_PREFIX, Subjects
+from ..core.wire import DEFAULT_PREFIX, Subjects
 
 SHARED = frozenset({"nats_url", "prefix", "format", "log_level"})
 

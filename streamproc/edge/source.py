@@ -21,8 +21,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from ..streams import ensure_results_stream, find_results_stream
-from ..wire import ContractError, ResultInfo, Subjects, result_from_message
+from ..nats.streams import ensure_results_stream, find_results_stream
+from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
 

@@ -10,9 +10,9 @@ import random
 from typing import Iterable, Sequence
 
 from ..catalog import Catalog
-from ..codec import CodecOptions
-from ..correlator import Correlator, CorrelatorConfig, Notice, Settle
-from ..wire import Chunk, Result, Role
+from ..core.codec import CodecOptions
+from ..core.correlator import Correlator, CorrelatorConfig, Notice, Settle
+from ..core.wire import Chunk, Result, Role
 
 
 def leg(request_id: str, role: Role | str, bodies: Sequence[bytes], *, attempt: int = 0,

@@ -31,10 +31,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..catalog import Catalog, worker_for
-from ..codec import CodecOptions
-from ..correlator import Correlator, CorrelatorConfig
-from ..simulation import Damage, SimulatedWorker, Truth
-from ..wire import Chunk, MigrateError, MigrateErrorCode, Result, Role, Sealed, Verdict
+from ..core.codec import CodecOptions
+from ..core.correlator import Correlator, CorrelatorConfig
+from ..sim.simulation import Damage, SimulatedWorker, Truth
+from ..core.wire import Chunk, MigrateError, MigrateErrorCode, Result, Role, Sealed, Verdict
 from .harness import Run, leg, run_pipeline, shuffle_with_duplicates
 from .strategies import truths
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from ..simulation import Truth, make_truth
+from ..sim.simulation import Truth, make_truth
 
 
 @st.composite

@@ -28,8 +28,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .streams import find_stream
-from .wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..nats.streams import find_stream
+from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 
 
 class MalformedResult(ValueError):

@@ -10,7 +10,7 @@ from typing import Iterable
 
 from nats.aio.client import Client as NatsClient
 
-from .wire import Role, Subjects, check_request_id, chunk_headers
+from ..core.wire import Role, Subjects, check_request_id, chunk_headers
 
 
 class ChunkPublisher:

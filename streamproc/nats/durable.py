@@ -43,10 +43,10 @@ from nats.aio.subscription import Subscription
 from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
-from .config import Settings
-from .correlator import Correlator, Decision, Notice
+from ..config import Settings
+from ..core.correlator import Correlator, Decision, Notice
 from .leases import LeaseChange, LeaseTable
-from .partitions import PartitionScheme
+from ..core.partitions import PartitionScheme
 from .streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
@@ -58,7 +58,7 @@ from .streams import (
     partition_consumer_config,
     partition_consumer_name,
 )
-from .wire import FINAL, SEQ, ChunkParser, ContractError, Result, Role, result_headers
+from ..core.wire import FINAL, SEQ, ChunkParser, ContractError, Result, Role, result_headers
 
 log = logging.getLogger("streamproc.durable")
 

@@ -36,7 +36,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from .partitions import fnv1a32
+from ..core.partitions import fnv1a32
 from .streams import StreamMismatch, _close
 
 log = logging.getLogger("streamproc.leases")

@@ -15,10 +15,10 @@ from typing import Literal
 import msgspec
 from nats.aio.client import Client as NatsClient
 
-from .catalog import worker_for
-from .publisher import ChunkPublisher
+from ..catalog import worker_for
+from ..client.publisher import ChunkPublisher
 from .simulation import SimulatedWorker, Truth, make_truth
-from .wire import ResultInfo, Role, Subjects, Verdict
+from ..core.wire import ResultInfo, Role, Subjects, Verdict
 
 TrafficMode = Literal["agg", "pd", "mixed"]
 

@@ -27,13 +27,13 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .catalog import Catalog
-from .codec import CodecOptions
-from .config import Settings
+from ..catalog import Catalog
+from ..core.codec import CodecOptions
+from ..config import Settings
 from .control import ControlPlane
-from .correlator import CodecResolver, Correlator, Decision, Notice, Settle, Stats, UnknownFormat
+from ..core.correlator import CodecResolver, Correlator, Decision, Notice, Settle, Stats, UnknownFormat
 from .streams import StreamMismatch, jetstream_available
-from .wire import ChunkParser, ContractError, Result, result_headers
+from ..core.wire import ChunkParser, ContractError, Result, result_headers
 
 log = logging.getLogger("streamproc.processor")
 

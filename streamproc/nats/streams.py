@@ -35,8 +35,8 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from .partitions import PartitionScheme
-from .wire import Subjects
+from ..core.partitions import PartitionScheme
+from ..core.wire import Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
 CHUNKS_STREAM = "STREAMPROC_CHUNKS"

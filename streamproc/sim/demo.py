@@ -13,12 +13,14 @@ from typing import TextIO
 import msgspec
 import nats
 
-from . import catalog, config, traffic
+from .. import catalog, config
+
+from . import traffic
 from .embedded import EmbeddedNats
-from .processor import Processor
-from .results import ResultCollector
+from ..nats.processor import Processor
+from ..client.results import ResultCollector
 from .simulation import SimulatedWorker
-from .wire import ResultInfo
+from ..core.wire import ResultInfo
 
 PREFERRED_FORMATS = ("sglang-zstd", "sglang")
 

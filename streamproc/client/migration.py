@@ -29,9 +29,9 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from .catalog import codec_class
-from .codec import Codec, Emitted, MigrationRefused
-from .wire import (
+from ..catalog import codec_class
+from ..core.codec import Codec, Emitted, MigrationRefused
+from ..core.wire import (
     ATTEMPT,
     MSG_ID,
     MigrateError,

@@ -18,7 +18,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from .wire import (
+from ..core.wire import (
     ContractError,
     MigrateError,
     MigrateErrorCode,

@@ -1,0 +1,172 @@
+"""The codec interface: everything the correlator needs to know about a response format.
+
+A codec is a pure, synchronous object (no I/O, no clock). The core never looks inside a body;
+it asks the codec. Modelled on a client codec: which decode chunks need prefill data, how to join
+a decode chunk with the prefill leg, how to fold a stream into a unary response, and how to build
+the format's native error envelope.
+
+Sequence fields (values indexed by token position, such as routed expert rows) are handled by
+small :class:`SequenceCodec` objects, so a format can override one field's encoding and inherit
+everything else (``sglang-zstd`` does exactly that).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Generic, Sequence, TypeVar
+
+import msgspec
+
+from .wire import Verdict
+
+DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+
+
+class CodecOptions(msgspec.Struct, frozen=True):
+    """Limits every codec must honour (set from the processor's configuration)."""
+
+    max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+
+
+class ErrorKind(enum.StrEnum):
+    """Why the processor ended a request itself. Codecs map these to their native error types."""
+
+    TIMEOUT = "timeout"  # no progress for --request-timeout
+    OVERLOADED = "overloaded"  # --max-inflight reached
+    INVALID_CHUNK = "invalid_chunk"  # a chunk broke the wire contract
+    UNKNOWN_FORMAT = "unknown_format"  # Streamproc-Format names no installed codec
+    INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
+    MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
+
+
+class CorruptPayload(ValueError):
+    """A sequence payload that cannot be decoded safely. ``reason`` becomes the omission marker."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+R = TypeVar("R")
+
+
+class SequenceCodec(ABC, Generic[R]):
+    """Wire encoding of one sequence field: JSON value <-> rows that can be sliced and joined.
+
+    ``decode`` must be bounded (``CodecOptions.max_decompressed_bytes``) and must raise
+    :class:`CorruptPayload`, never anything else, on bad input.
+    """
+
+    def __init__(self, options: CodecOptions) -> None:
+        self.options = options
+
+    @abstractmethod
+    def decode(self, value: object) -> R: ...
+
+    @abstractmethod
+    def encode(self, rows: R) -> object: ...
+
+
+class JoinSession(ABC):
+    """Per-request P/D join state, owned by the codec and driven by the correlator.
+
+    Call order: any number of ``needs_prefill``/``join`` calls on decode chunks in seq order;
+    ``join`` is only called on a chunk that needs prefill after exactly one of
+    ``absorb_prefill`` or ``prefill_unavailable``.
+    """
+
+    @abstractmethod
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        """Whether this decode chunk can only be published after the prefill leg is known."""
+
+    @abstractmethod
+    def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
+        """The complete prefill leg, in seq order. Bad payloads are remembered, not raised."""
+
+    @abstractmethod
+    def prefill_unavailable(self, reason: str) -> None:
+        """The prefill leg will never be complete (e.g. ``prefill_timeout``)."""
+
+    @abstractmethod
+    def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
+        """The client-visible body for one decode chunk and what was done to it."""
+
+
+class MigrationRefused(Exception):
+    """This request cannot continue on another worker (n > 1, guided decoding, unreadable output...)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Emitted(msgspec.Struct, frozen=True):
+    """What the client has been sent of one request, in the terms a resumed request needs."""
+
+    token_ids: list[int]
+    state: dict[str, Any] = {}  # format-specific facts (e.g. the original prompt length), JSON-able
+
+
+class MigrationSession(ABC):
+    """Per-request migration state, owned by the codec and driven by the correlator.
+
+    The correlator keeps references to the bodies it published for the current attempt and hands
+    them to :meth:`absorb` only when needed (a migrate, or its retention bound), so a request that
+    never migrates costs no parsing. Call order: ``absorb`` any number of times, then ``seal`` at
+    a migration; ``stitch`` on every body of a resumed attempt before it is published (its result
+    is published, and later absorbed, instead). All methods are pure.
+    """
+
+    @abstractmethod
+    def absorb(self, bodies: Sequence[bytes]) -> None:
+        """Published bodies, in result order. Raises :class:`MigrationRefused` if they show the
+        request cannot move (the refusal is final for the request)."""
+
+    @abstractmethod
+    def seal(self) -> Emitted:
+        """The current attempt ends: what the client has seen so far, over every attempt."""
+
+    @abstractmethod
+    def stitch(self, body: bytes, final: bool) -> tuple[bytes, Verdict] | None:
+        """A resumed attempt's (already joined) body, rewritten so the stream reads as one request,
+        with ``Verdict.STITCHED`` (or ``OMITTED`` if a field had to be removed); None when nothing
+        needs to change."""
+
+
+class Codec(ABC):
+    """One response format. Registered under ``name`` in the ``streamproc.codecs`` entry-point group."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+
+    def __init__(self, options: CodecOptions | None = None) -> None:
+        self.options = options or CodecOptions()
+
+    @abstractmethod
+    def open_session(self) -> JoinSession:
+        """Fresh join state for one P/D request."""
+
+    @abstractmethod
+    def fold(self, bodies: Sequence[bytes]) -> bytes:
+        """Fold a stream of (joined) chunks into the equivalent unary response."""
+
+    @abstractmethod
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        """The format's native error envelope."""
+
+    # Migration hooks. The defaults refuse, so a codec without migration support stays valid.
+
+    def open_migration(self) -> MigrationSession:
+        """Fresh migration state for one request (created lazily by the correlator)."""
+        raise MigrationRefused(f"format {self.name!r} does not support migration")
+
+    def check_migratable(self, request: bytes) -> None:
+        """Raise :class:`MigrationRefused` if the native request cannot be resumed elsewhere
+        (used by the serving layer's helper before it seals anything)."""
+        raise MigrationRefused(f"format {self.name!r} does not support migration")
+
+    def resume_request(self, request: bytes, emitted: Emitted) -> bytes:
+        """The native request that continues ``request`` after ``emitted`` (prompt + emitted tokens,
+        a smaller budget). Raises :class:`MigrationRefused`."""
+        raise MigrationRefused(f"format {self.name!r} does not support migration")

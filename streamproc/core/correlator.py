@@ -1,0 +1,654 @@
+"""The correlator: a sans-I/O state machine that turns worker chunks into ordered results.
+
+Chunks and the current time go in; decisions come out (:class:`~streamproc.wire.Result` to
+publish, :class:`Settle` for input that contributes to nothing, :class:`Notice` for logs).
+It never reads a clock, never blocks and never raises on bad input, which is what lets the
+property tests drive it with arbitrary interleavings at thousands of cases per second.
+
+Per request it keeps a reorder buffer for the output leg (``agg`` or ``decode``) and the
+prefill leg's chunks. Results leave strictly in seq order. A decode chunk the codec says needs
+prefill data waits for the prefill leg, at most ``prefill_timeout``; then the codec applies its
+omission policy. Every bound (in-flight requests, buffered chunks, remembered finished ids)
+is explicit in :class:`CorrelatorConfig`.
+
+:meth:`Correlator.migrate` seals a request's current attempt (seal-then-resume): the next attempt's
+chunks continue the result seqs, and the codec's migration session stitches their bodies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Iterable, Iterator
+
+import msgspec
+
+from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
+from .wire import Chunk, MigrateError, MigrateErrorCode, MigrateReply, Result, Role, Sealed, Verdict
+
+
+# Enum member lookups cost ~70 ns each on CPython 3.11; the hot path uses module constants.
+_AGG, _PREFILL, _DECODE = Role.AGG, Role.PREFILL, Role.DECODE
+_PASSTHROUGH, _JOINED, _OMITTED = Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.OMITTED
+_STITCHED = Verdict.STITCHED
+
+
+class CorrelatorConfig(msgspec.Struct, frozen=True):
+    prefill_timeout: float = 30.0
+    request_timeout: float = 300.0
+    finished_grace: float = 60.0
+    max_inflight: int = 10_000
+    max_buffered_chunks: int = 4096
+    max_finished: int = 200_000
+    # Published bodies kept (by reference) per request for a possible migration; past this the
+    # codec folds them into its compact progress state and they are released.
+    max_retained_bytes: int = 256 * 1024
+
+
+class Settle(msgspec.Struct, frozen=True):
+    """Input tokens that contribute to no result (duplicates, late chunks): ack them now."""
+
+    tokens: tuple
+
+
+class Notice(msgspec.Struct, frozen=True):
+    """Something an operator may want in the log, always with the request id."""
+
+    request_id: str
+    event: str
+    detail: str = ""
+
+
+Decision = Result | Settle | Notice
+
+
+class Stats(msgspec.Struct, gc=False):
+    chunks: int = 0
+    passthrough: int = 0
+    joined: int = 0
+    omitted: int = 0
+    errors: int = 0
+    duplicates: int = 0
+    late: int = 0
+    rejected: int = 0
+    timeouts: int = 0
+    prefill_timeouts: int = 0
+    overloaded: int = 0
+    stitched: int = 0
+    migrations: int = 0
+    migrations_refused: int = 0
+    sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
+
+    @property
+    def results(self) -> int:
+        return self.passthrough + self.joined + self.omitted + self.stitched + self.errors
+
+
+class UnknownFormat(LookupError):
+    def __init__(self, name: str, available: list[str]) -> None:
+        super().__init__(f"unknown format {name!r}; installed codecs: {', '.join(available) or 'none'}")
+        self.name = name
+        self.available = available
+
+
+CodecResolver = Callable[[str], Codec]
+
+
+class _Request:
+    """Mutable per-request state; slots keep the hot path allocation-light."""
+
+    __slots__ = (
+        "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
+        "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
+        "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
+    )
+
+    def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
+        self.request_id = request_id
+        self.codec = codec
+        self.format = format
+        self.session: JoinSession | None = None
+        self.kind: Role | None = None  # AGG or DECODE: which leg carries the results
+        self.next_seq = 0
+        self.pending: dict[int, Chunk] = {}
+        self.final_seq: int | None = None
+        self.prefill: dict[int, Chunk] = {}
+        self.prefill_final: int | None = None
+        self.prefill_state = _PREFILL_OPEN
+        self.waiting_since: float | None = None
+        self.held: list = []  # tokens of chunks whose results are not stored yet (prefill leg)
+        self.traceparent: str | None = None
+        self.last = 0.0  # time of the last accepted chunk (request timeout)
+        self.attempt = 0  # chunks of earlier attempts are sealed; later ones were never granted
+        self.offset = 0  # result seq of the current attempt's chunk seq 0
+        self.retained: list[bytes] = []  # bodies published in this attempt, not yet absorbed
+        self.retain = retain  # max_retained_bytes
+        self.budget = retain  # bytes that may still be retained before the codec folds them
+        self.migration: MigrationSession | None = None
+        self.refusal: str | None = None  # why this request can never migrate, once known
+
+
+_PREFILL_OPEN, _PREFILL_DONE = 0, 1
+
+
+class Correlator:
+    def __init__(
+        self,
+        resolve: CodecResolver,
+        default_format: str,
+        config: CorrelatorConfig | None = None,
+    ) -> None:
+        self._resolve = resolve
+        self.default_format = default_format
+        self._default_codec = resolve(default_format)
+        self.config = config or CorrelatorConfig()
+        self.stats = Stats()
+        # Insertion order == deadline order because each timeout is one constant duration.
+        self._active: OrderedDict[str, _Request] = OrderedDict()
+        self._waiting: OrderedDict[str, _Request] = OrderedDict()
+        self._finished: OrderedDict[str, float] = OrderedDict()
+        self._grace = self.config.finished_grace
+        self._max_finished = self.config.max_finished
+        self._max_retained = self.config.max_retained_bytes
+
+    # ------------------------------------------------------------------ inputs
+
+    def receive(self, chunk: Chunk, now: float) -> list[Decision]:
+        stats = self.stats
+        stats.chunks += 1
+        rid = chunk.request_id
+        active = self._active
+        req = active.get(rid)
+        if req is None:
+            finished = self._finished
+            if rid in finished:
+                return self._late(chunk)
+            if chunk.attempt != 0:
+                return self._reject_new(chunk, f"attempt {chunk.attempt} of a request this processor has no "
+                                               "state for (attempts above 0 only follow a migration)", now)
+            if chunk.role is _AGG and chunk.final and chunk.seq == 0:
+                # Unary aggregated response: the common case gets no per-request state at all.
+                # (Aggregated bodies never reach a codec, so even an unknown format passes through.)
+                finished[rid] = now + self._grace
+                if len(finished) > self._max_finished:
+                    finished.popitem(last=False)
+                stats.passthrough += 1
+                return [Result(rid, 0, chunk.body, True, _PASSTHROUGH, None, chunk.traceparent,
+                               (chunk.token,))]
+            if len(active) >= self.config.max_inflight:
+                return self._overloaded(chunk, now)
+            try:
+                codec = self._codec_for(chunk.format)
+            except UnknownFormat as exc:
+                return self._reject_new(chunk, str(exc), now, ErrorKind.UNKNOWN_FORMAT)
+            req = _Request(rid, codec, chunk.format or self.default_format, self._max_retained)
+            req.traceparent = chunk.traceparent
+            active[rid] = req
+        else:
+            if chunk.attempt != req.attempt:
+                return self._other_attempt(req, chunk, now)
+            active.move_to_end(rid)
+        req.last = now
+
+        if chunk.format is not None and chunk.format != req.format:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"chunk format {chunk.format!r} differs from the request's {req.format!r}",
+                              now, extra=(chunk.token,))
+        if chunk.role is _PREFILL:
+            return self._receive_prefill(req, chunk, now)
+        return self._receive_output(req, chunk, now)
+
+    def reject(self, request_id: str, reason: str, now: float, token: object = None) -> list[Decision]:
+        """A message for ``request_id`` broke the contract before it became a Chunk: end the request."""
+        self.stats.rejected += 1
+        tokens = (token,) if token is not None else ()
+        if request_id in self._finished:
+            self.stats.late += 1
+            return [Settle(tokens), Notice(request_id, "rejected_after_finish", reason)]
+        req = self._active.get(request_id)
+        if req is None:
+            req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
+            self._active[request_id] = req
+        return self._fail(req, ErrorKind.INVALID_CHUNK, reason, now, extra=tokens)
+
+    def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
+                refuse: str | None = None) -> tuple[MigrateReply, list[Decision]]:
+        """Seal the request's current attempt and grant the next one (seal-then-resume).
+
+        The reply says exactly what the client has been sent: the results already published, never
+        chunks still buffered or waiting for prefill (those are dropped and settled; the resumed
+        attempt produces them again). Later chunks of the sealed attempt are dropped as ``sealed``.
+        A request whose state cannot move (``refuse``, or the codec's verdict on its bodies) is
+        ended with a final ``migration_refused`` error result, so the client is not left waiting.
+        """
+        req = self._active.get(request_id)
+        if req is None:
+            if request_id in self._finished:
+                return MigrateError(request_id, MigrateErrorCode.FINISHED,
+                                    "the request's final result is already published; nothing to resume"), []
+            return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST,
+                                "no chunk of this request has reached this processor, so nothing was sent to "
+                                "the client (or it finished longer than finished_grace ago)"), []
+        if expected_attempt is not None and expected_attempt != req.attempt:
+            return MigrateError(request_id, MigrateErrorCode.ATTEMPT_MISMATCH,
+                                f"expected attempt {expected_attempt}, but the current attempt is {req.attempt}",
+                                req.attempt), []
+        try:
+            if refuse is not None:
+                raise MigrationRefused(refuse)
+            emitted = self._progress(req).seal()
+        except MigrationRefused as exc:
+            reason = exc.reason
+        except Exception as exc:  # a codec bug costs this request, not the processor
+            reason = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
+        else:
+            return self._seal(req, emitted, now)
+        self.stats.migrations_refused += 1
+        attempt = req.attempt
+        decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
+        return MigrateError(request_id, MigrateErrorCode.REFUSED, reason, attempt), decisions
+
+    def resume(self, request_id: str, next_seq: int, final: bool, now: float,
+               format: str | None = None) -> None:
+        """Adopt a request whose results ``[0, next_seq)`` are already stored (durable-mode recovery).
+
+        The shell calls this, before feeding a chunk, for a request this correlator does not know
+        but another (dead) instance may have served: results already published are never
+        published again, and their input chunks become duplicates to settle. ``final`` says the
+        stored results already end the request. ``format`` is the chunk's ``Streamproc-Format``
+        (the request's codec), so the chunk is not taken for one of another format.
+        """
+        if request_id in self._active or request_id in self._finished:
+            return
+        if final:
+            self._remember_finished(request_id, now)
+            return
+        if next_seq <= 0:
+            return
+        codec, name = self._default_codec, self.default_format
+        if format is not None and format != name:
+            try:
+                codec, name = self._resolve(format), format
+            except Exception:  # unknown or broken: receive() ends the request over the chunk itself
+                pass
+        req = _Request(request_id, codec, name, self._max_retained)
+        req.next_seq = next_seq
+        req.last = now
+        req.refusal = "its earlier results were published by another processor instance"
+        self._active[request_id] = req
+
+    def knows(self, request_id: str) -> bool:
+        """Whether the request is active or recently finished here (no recovery lookup needed)."""
+        return request_id in self._active or request_id in self._finished
+
+    def abandon(self, belongs: Callable[[str], bool], unstored: Iterable[str] = ()) -> list[object]:
+        """Forget, without any result, the active requests ``belongs`` selects; return their input tokens.
+
+        Durable mode calls this when a partition moves to another instance, which recovers those
+        requests from the stored results and the redelivered chunks: nothing may be published for
+        them here any more (a timeout here would end a request that lives on over there).
+        ``unstored`` names finished requests whose final result the shell gave up before it was
+        stored: they are forgotten too, so their redelivered chunks are recovered, not taken as late.
+        """
+        tokens: list[object] = []
+        for rid in [rid for rid in self._active if belongs(rid)]:
+            req = self._active.pop(rid)
+            self._waiting.pop(rid, None)
+            tokens.extend(req.held)  # the prefill leg's tokens are held from the moment it arrives
+            tokens.extend(c.token for c in req.pending.values())
+        for rid in unstored:
+            self._finished.pop(rid, None)
+        return [t for t in tokens if t is not None]
+
+    def tick(self, now: float) -> list[Decision]:
+        """Fire every timeout due at ``now``."""
+        out: list[Decision] = []
+        cfg = self.config
+        while self._waiting:
+            rid, req = next(iter(self._waiting.items()))
+            if req.waiting_since is None or req.waiting_since + cfg.prefill_timeout > now:
+                break
+            del self._waiting[rid]
+            self.stats.prefill_timeouts += 1
+            out.append(Notice(rid, "prefill_timeout", f"no complete prefill leg after {cfg.prefill_timeout}s"))
+            try:
+                self._prefill_done(req, None, "prefill_timeout")
+            except Exception as exc:
+                out.extend(self._codec_failed(req, exc, now))
+                continue
+            out.extend(self._drain(req, now))
+        while self._active:
+            req = next(iter(self._active.values()))
+            if req.last + cfg.request_timeout > now:
+                break
+            self.stats.timeouts += 1
+            out.extend(self._fail(req, ErrorKind.TIMEOUT, f"no progress for {cfg.request_timeout}s", now))
+        while self._finished:
+            rid, expiry = next(iter(self._finished.items()))
+            if expiry > now and len(self._finished) <= cfg.max_finished:
+                break
+            del self._finished[rid]
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which :meth:`tick` has something to do."""
+        cfg = self.config
+        times = []
+        if self._waiting:
+            req = next(iter(self._waiting.values()))
+            if req.waiting_since is not None:
+                times.append(req.waiting_since + cfg.prefill_timeout)
+        if self._active:
+            times.append(next(iter(self._active.values())).last + cfg.request_timeout)
+        if self._finished:
+            times.append(next(iter(self._finished.values())))
+        return min(times) if times else None
+
+    # ------------------------------------------------------------- inspection
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    def is_finished(self, request_id: str) -> bool:
+        return request_id in self._finished
+
+    def unsettled(self) -> Iterator[object]:
+        """Tokens of every input chunk still held (for extending ack deadlines)."""
+        for req in self._active.values():
+            yield from req.held
+            for c in req.pending.values():
+                if c.token is not None:
+                    yield c.token
+
+    # --------------------------------------------------------------- internals
+
+    def _codec_for(self, name: str | None) -> Codec:
+        if name is None or name == self.default_format:
+            return self._default_codec
+        return self._resolve(name)
+
+    def _late(self, chunk: Chunk) -> list[Decision]:
+        self.stats.late += 1
+        return [Settle((chunk.token,)), Notice(chunk.request_id, "late_chunk",
+                                                f"{chunk.role.value} seq {chunk.seq} after the request finished")]
+
+    def _overloaded(self, chunk: Chunk, now: float) -> list[Decision]:
+        self.stats.overloaded += 1
+        self.stats.errors += 1
+        self._remember_finished(chunk.request_id, now)
+        body = self._default_codec.error_body(
+            f"processor overloaded: {self.config.max_inflight} requests in flight", ErrorKind.OVERLOADED)
+        return [Result(chunk.request_id, 0, body, True, error=ErrorKind.OVERLOADED.value,
+                       traceparent=chunk.traceparent, settles=(chunk.token,)),
+                Notice(chunk.request_id, "overloaded", f"max_inflight={self.config.max_inflight}")]
+
+    def _reject_new(self, chunk: Chunk, reason: str, now: float,
+                    kind: ErrorKind = ErrorKind.INVALID_CHUNK) -> list[Decision]:
+        self.stats.rejected += 1
+        req = _Request(chunk.request_id, self._default_codec, self.default_format, self._max_retained)
+        req.traceparent = chunk.traceparent
+        req.last = now
+        self._active[chunk.request_id] = req
+        return self._fail(req, kind, reason, now, extra=(chunk.token,))
+
+    def _receive_prefill(self, req: _Request, chunk: Chunk, now: float) -> list[Decision]:
+        if req.kind is _AGG:
+            return self._fail(req, ErrorKind.INVALID_CHUNK, "prefill chunk for an aggregated request", now,
+                              extra=(chunk.token,))
+        req.kind = _DECODE
+        if req.prefill_state is _PREFILL_DONE or chunk.seq in req.prefill:
+            self.stats.duplicates += 1
+            if req.held and chunk.token is not None:
+                # Maybe a redelivery of a chunk still held (same stored message): settle them together.
+                req.held.append(chunk.token)
+                return []
+            return [Settle((chunk.token,))]
+        if req.prefill_final is not None and chunk.seq > req.prefill_final:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"prefill seq {chunk.seq} after final seq {req.prefill_final}", now,
+                              extra=(chunk.token,))
+        if chunk.final:
+            if any(s > chunk.seq for s in req.prefill):
+                return self._fail(req, ErrorKind.INVALID_CHUNK,
+                                  f"prefill final seq {chunk.seq} below an earlier seq", now, extra=(chunk.token,))
+            req.prefill_final = chunk.seq
+        if len(req.prefill) + len(req.pending) >= self.config.max_buffered_chunks:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
+                              extra=(chunk.token,))
+        req.prefill[chunk.seq] = chunk
+        if chunk.token is not None:
+            req.held.append(chunk.token)
+        if req.prefill_final is None or len(req.prefill) != req.prefill_final + 1:
+            return []
+        bodies = [req.prefill[s].body for s in range(req.prefill_final + 1)]
+        self._waiting.pop(req.request_id, None)
+        try:
+            self._prefill_done(req, bodies, "")
+        except Exception as exc:  # a codec bug must cost one request, not the processor
+            return self._codec_failed(req, exc, now)
+        return self._drain(req, now)
+
+    def _prefill_done(self, req: _Request, bodies: list[bytes] | None, reason: str) -> None:
+        req.prefill_state = _PREFILL_DONE
+        req.prefill.clear()  # bodies now live (parsed) in the session only
+        session = self._session(req)
+        if bodies is None:
+            session.prefill_unavailable(reason)
+        else:
+            session.absorb_prefill(bodies)
+
+    def _session(self, req: _Request) -> JoinSession:
+        if req.session is None:
+            req.session = req.codec.open_session()
+        return req.session
+
+    def _receive_output(self, req: _Request, chunk: Chunk, now: float) -> list[Decision]:
+        role = chunk.role
+        if req.kind is None:
+            req.kind = role
+        elif req.kind is not role:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"{role.value} chunk for a request whose results come from {req.kind.value}",
+                              now, extra=(chunk.token,))
+        seq = chunk.seq
+        if role is _AGG and seq == req.next_seq and not req.pending and req.final_seq is None and not req.attempt:
+            # In-order aggregated chunk (the common streaming case): it cannot be a duplicate or
+            # conflict with a final seq, so no buffering, no bound checks, no drain loop.
+            req.next_seq = seq + 1
+            self.stats.passthrough += 1
+            body = chunk.body
+            settles = (chunk.token,)
+            if chunk.final:
+                if req.held:  # repeats of chunks that were buffered, held until the request ends
+                    settles = (chunk.token, *req.held)
+                self._forget(req, now)
+            else:  # keep a reference only; the codec reads it if the request ever migrates
+                req.retained.append(body)
+                req.budget -= len(body)
+                if req.budget < 0:
+                    self._compact(req)
+            return [Result(req.request_id, seq, body, chunk.final, _PASSTHROUGH, None,
+                           chunk.traceparent, settles)]
+        seq += req.offset  # result seq: an attempt continues where the previous one was sealed
+        if seq < req.next_seq or seq in req.pending:
+            self.stats.duplicates += 1
+            if seq >= req.next_seq and chunk.token is not None:
+                # Maybe a redelivery of the buffered chunk (same stored message): acking it now
+                # would release the original before its result is stored.
+                req.held.append(chunk.token)
+                return []
+            return [Settle((chunk.token,))]
+        if req.final_seq is not None and (seq > req.final_seq or chunk.final):
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"{role.value} seq {seq} conflicts with final seq {req.final_seq}", now,
+                              extra=(chunk.token,))
+        if chunk.final:
+            if req.pending and max(req.pending) > seq:
+                return self._fail(req, ErrorKind.INVALID_CHUNK,
+                                  f"final seq {seq} below an earlier seq", now, extra=(chunk.token,))
+            req.final_seq = seq
+        if len(req.pending) + len(req.prefill) >= self.config.max_buffered_chunks:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
+                              extra=(chunk.token,))
+        req.pending[seq] = chunk
+        if seq != req.next_seq or req.waiting_since is not None:
+            return []
+        return self._drain(req, now)
+
+    def _drain(self, req: _Request, now: float) -> list[Decision]:
+        """Publish every chunk that is next in order and ready."""
+        out: list[Decision] = []
+        pending = req.pending
+        stats = self.stats
+        while req.next_seq in pending:
+            chunk = pending[req.next_seq]
+            final = chunk.final
+            try:
+                if req.kind is _AGG:
+                    body, verdict = chunk.body, _PASSTHROUGH
+                else:
+                    session = self._session(req)
+                    if req.prefill_state is _PREFILL_OPEN and session.needs_prefill(chunk.body, final):
+                        if req.waiting_since is None:
+                            req.waiting_since = now
+                            self._waiting[req.request_id] = req
+                        return out
+                    body, verdict = session.join(chunk.body, final)
+                if req.attempt:  # a resumed attempt: the codec makes it continue the earlier ones
+                    stitched = req.migration.stitch(body, final)  # type: ignore[union-attr]
+                    if stitched is not None:
+                        body = stitched[0]
+                        verdict = _OMITTED if verdict is _OMITTED else stitched[1]
+            except Exception as exc:
+                out.extend(self._codec_failed(req, exc, now))
+                return out
+            del pending[req.next_seq]
+            req.waiting_since = None
+            settles: tuple = (chunk.token,)
+            if final:
+                settles = settles + tuple(req.held)
+                req.held.clear()
+            out.append(Result(req.request_id, req.next_seq, body, final, verdict, None, chunk.traceparent, settles))
+            if verdict is _PASSTHROUGH:
+                stats.passthrough += 1
+            elif verdict is _JOINED:
+                stats.joined += 1
+            elif verdict is _STITCHED:
+                stats.stitched += 1
+            else:
+                stats.omitted += 1
+            req.next_seq += 1
+            if final:
+                self._forget(req, now)
+                return out
+            req.retained.append(body)
+            req.budget -= len(body)
+            if req.budget < 0:
+                self._compact(req)
+        return out
+
+    # ---------------------------------------------------------------- migration
+
+    def _other_attempt(self, req: _Request, chunk: Chunk, now: float) -> list[Decision]:
+        if chunk.attempt < req.attempt:
+            self.stats.sealed += 1
+            return [Settle((chunk.token,)), Notice(
+                req.request_id, "sealed_chunk",
+                f"{chunk.role.value} seq {chunk.seq} of sealed attempt {chunk.attempt} (now {req.attempt})")]
+        return self._fail(req, ErrorKind.INVALID_CHUNK,
+                          f"attempt {chunk.attempt} was never granted (current attempt {req.attempt}); "
+                          "a new attempt starts with a migrate", now, extra=(chunk.token,))
+
+    def _progress(self, req: _Request) -> MigrationSession:
+        """The request's migration session with every retained body absorbed. Raises MigrationRefused."""
+        if req.refusal is not None:
+            raise MigrationRefused(req.refusal)
+        try:
+            if req.migration is None:
+                req.migration = req.codec.open_migration()
+            if req.retained:
+                bodies, req.retained, req.budget = req.retained, [], req.retain
+                req.migration.absorb(bodies)
+        except MigrationRefused as exc:
+            req.refusal = exc.reason
+            raise
+        except Exception as exc:
+            req.refusal = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
+            raise MigrationRefused(req.refusal) from None
+        return req.migration
+
+    def _compact(self, req: _Request) -> None:
+        """Retention bound reached: fold the retained bodies into the codec's progress state."""
+        if req.refusal is None:
+            try:
+                self._progress(req)
+                return
+            except MigrationRefused:
+                pass  # remembered in req.refusal; a migrate will be refused with it
+        req.retained = []
+        req.budget = req.retain
+
+    def _seal(self, req: _Request, emitted: Emitted, now: float) -> tuple[MigrateReply, list[Decision]]:
+        rid = req.request_id
+        tokens = [*req.held, *(c.token for c in req.pending.values())]
+        dropped = len(req.pending) + len(req.prefill)
+        req.pending.clear()
+        req.prefill.clear()
+        req.held.clear()
+        self._waiting.pop(rid, None)
+        req.prefill_final = None
+        req.prefill_state = _PREFILL_OPEN
+        req.waiting_since = None
+        req.session = None  # the next attempt has its own prefill leg (for the extended prompt)
+        req.kind = None  # ... and may be aggregated where the last one was P/D, or the reverse
+        req.final_seq = None
+        req.attempt += 1
+        req.offset = req.next_seq
+        req.last = now
+        self._active.move_to_end(rid)
+        self.stats.migrations += 1
+        reply = Sealed(rid, req.attempt, len(emitted.token_ids), list(emitted.token_ids), req.next_seq,
+                       req.format, dict(emitted.state))
+        decisions: list[Decision] = [Notice(
+            rid, "migrated", f"attempt {req.attempt} granted after {reply.emitted_tokens} emitted tokens; "
+                             f"results continue at seq {req.next_seq}; {dropped} unpublished chunks dropped")]
+        settle = tuple(t for t in tokens if t is not None)
+        if settle:
+            decisions.insert(0, Settle(settle))
+        return reply, decisions
+
+    def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
+        detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
+        return self._fail(req, ErrorKind.INTERNAL, detail, now)
+
+    def _fail(self, req: _Request, kind: ErrorKind, message: str, now: float, extra: tuple = ()) -> list[Decision]:
+        """End a request with a final error result at the next seq; release everything it held."""
+        tokens = list(req.held)
+        tokens.extend(c.token for c in req.pending.values())
+        tokens.extend(t for t in extra if t is not None)
+        body = req.codec.error_body(message, kind)
+        result = Result(req.request_id, req.next_seq, body, True, error=kind.value,
+                        traceparent=req.traceparent, settles=tuple(t for t in tokens if t is not None))
+        self.stats.errors += 1
+        self._forget(req, now)
+        return [result, Notice(req.request_id, f"error:{kind.value}", message)]
+
+    def _forget(self, req: _Request, now: float) -> None:
+        rid = req.request_id
+        self._active.pop(rid, None)
+        self._waiting.pop(rid, None)
+        req.pending.clear()
+        req.prefill.clear()
+        req.held.clear()
+        req.retained = []
+        req.migration = None
+        self._remember_finished(rid, now)
+
+    def _remember_finished(self, rid: str, now: float) -> None:
+        finished = self._finished
+        finished[rid] = now + self._grace
+        finished.move_to_end(rid)
+        if len(finished) > self._max_finished:
+            finished.popitem(last=False)

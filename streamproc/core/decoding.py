@@ -1,0 +1,119 @@
+"""Bounded decoding of untrusted payload encodings (strict Base64, one zstd frame).
+
+A worker's sequence payload is attacker-shaped input: a few kilobytes of zstd can claim gigabytes,
+and a Base64 string's decoded size is only known after decoding it. Every helper here checks the
+size it is about to produce against a byte ``limit`` *before* allocating it, so a bomb costs at most
+``limit`` bytes of memory and never an exception other than :class:`~streamproc.codec.CorruptPayload`.
+
+The helpers know no field names; a codec picks the omission reason for its leg from ``reason``
+(:data:`TOO_LARGE` or :data:`CORRUPT`).
+"""
+
+from __future__ import annotations
+
+import binascii
+
+import zstandard
+
+from .codec import CorruptPayload
+
+TOO_LARGE = "too_large"
+CORRUPT = "corrupt"
+
+# Output read per step while measuring a frame that does not declare its size: small enough to keep
+# the measuring pass's memory flat, large enough that legitimate payloads need few steps.
+_MEASURE_STEP = 1 << 20
+# Streaming frames declare a window; allow at least what a default zstd compressor uses at any level
+# up to 19 (8 MiB) so ordinary payloads decode even under a small limit.
+_MIN_WINDOW = 8 << 20
+_MAX_WINDOW = 1 << 27  # zstd's own default ceiling (ZSTD_WINDOWLOG_LIMIT_DEFAULT)
+
+
+def base64_decoded_bound(limit: int) -> int:
+    """The longest Base64 text (with padding) whose decoded size can still be within ``limit``."""
+    return 4 * -(-limit // 3)
+
+
+def decode_base64(text: str | bytes, limit: int) -> bytes:
+    """Strict Base64 (RFC 4648 alphabet, padding required, no whitespace), at most ``limit`` bytes out.
+
+    The length is judged before decoding, so an oversized string is rejected without allocating.
+    """
+    if len(text) > base64_decoded_bound(limit):
+        raise CorruptPayload(TOO_LARGE, f"{len(text)} base64 characters decode past the {limit}-byte limit")
+    try:
+        out = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError, TypeError) as exc:  # ValueError: non-ASCII str
+        raise CorruptPayload(CORRUPT, f"invalid base64: {exc}") from None
+    if len(out) > limit:
+        raise CorruptPayload(TOO_LARGE, f"base64 decodes to {len(out)} bytes, limit {limit}")
+    return out
+
+
+def encode_base64(data: bytes | bytearray | memoryview) -> str:
+    """Standard padded Base64 text, the form :func:`decode_base64` accepts."""
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
+
+
+def zstd_frame_bound(size: int) -> int:
+    """Largest single zstd frame a conforming compressor emits for ``size`` input bytes.
+
+    ``ZSTD_COMPRESSBOUND`` plus room for the frame header and checksum: a "compressed" payload
+    larger than this for the decompression limit cannot be a legitimate frame within the limit.
+    """
+    small_input_margin = ((128 << 10) - size) >> 11 if size < (128 << 10) else 0
+    return size + (size >> 8) + small_input_margin + 32
+
+
+def zstd_decompressor(limit: int) -> zstandard.ZstdDecompressor:
+    """A decompressor whose window is bounded too (a frame may ask for a window larger than its output).
+
+    zstd contexts are not thread safe: create one per codec instance, not per module.
+    """
+    window = _MIN_WINDOW
+    while window < limit and window < _MAX_WINDOW:
+        window <<= 1
+    return zstandard.ZstdDecompressor(max_window_size=window)
+
+
+def decompress_zstd(frame: bytes | memoryview, limit: int, dctx: zstandard.ZstdDecompressor) -> bytes:
+    """Exactly one zstd frame, decompressed to at most ``limit`` bytes.
+
+    A frame that declares its content size is judged by the header alone. A frame that does not
+    (streaming compressors) is first measured by streaming through it in 1 MiB steps, discarding the
+    output and stopping at ``limit + 1`` bytes, then decompressed into a buffer of exactly that size.
+    Trailing data after the frame, a truncated frame and a checksum mismatch are all :data:`CORRUPT`.
+    """
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptPayload(CORRUPT, f"not a zstd frame: {exc}") from None
+    if declared > limit:
+        raise CorruptPayload(TOO_LARGE, f"zstd frame declares {declared} bytes, limit {limit}")
+    try:
+        if declared >= 0:
+            return dctx.decompress(frame, allow_extra_data=False)
+        size = _measure(frame, limit, dctx)
+        # One spare byte: with an exactly full buffer zstd stops before it would notice trailing
+        # frames (and max_output_size=0 would mean "unbounded").
+        out = dctx.decompress(frame, max_output_size=size + 1, allow_extra_data=False)
+        if len(out) != size:
+            raise CorruptPayload(CORRUPT, f"zstd frame decoded to {len(out)} bytes, measured {size}")
+        return out
+    except zstandard.ZstdError as exc:
+        raise CorruptPayload(CORRUPT, f"zstd: {exc}") from None
+    except MemoryError:
+        raise CorruptPayload(TOO_LARGE, "zstd frame needs more memory than is available") from None
+
+
+def _measure(frame: bytes | memoryview, limit: int, dctx: zstandard.ZstdDecompressor) -> int:
+    total = 0
+    reader = dctx.stream_reader(frame, read_across_frames=False)
+    with reader:
+        while True:
+            step = reader.read(min(_MEASURE_STEP, limit + 1 - total))
+            if not step:
+                return total
+            total += len(step)
+            if total > limit:
+                raise CorruptPayload(TOO_LARGE, f"zstd frame decompresses past the {limit}-byte limit")

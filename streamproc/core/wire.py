@@ -1,0 +1,352 @@
+"""Wire contract v1: subjects, headers and the typed chunk/result records that cross NATS.
+
+Everything that a worker, an edge or another processor must agree on lives here and in
+``docs/protocol.md``; the rest of the code only sees :class:`Chunk` and :class:`Result`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Mapping
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "streamproc"
+
+# Header names (case matters on the wire: NATS headers are case-sensitive in nats-py).
+SEQ = "Streamproc-Seq"
+FINAL = "Streamproc-Final"
+ATTEMPT = "Streamproc-Attempt"
+FORMAT = "Streamproc-Format"
+JOIN = "Streamproc-Join"
+ERROR = "Streamproc-Error"
+MSG_ID = "Nats-Msg-Id"
+TRACEPARENT = "traceparent"
+
+_FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
+MAX_REQUEST_ID_LEN = 256
+
+
+class Role(enum.StrEnum):
+    AGG = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+_ROLES = {r.value: r for r in Role}
+
+
+class Verdict(enum.StrEnum):
+    """What the processor did to a result body (the ``Streamproc-Join`` header)."""
+
+    PASSTHROUGH = "passthrough"  # body is the input chunk's bytes, untouched
+    JOINED = "joined"  # the codec merged prefill data into the decode chunk
+    OMITTED = "omitted"  # a joined field was unavailable and was removed, with a reason marker
+    STITCHED = "stitched"  # a resumed attempt's body, rewritten to continue the earlier attempts' stream
+
+
+class ContractError(ValueError):
+    """A message that breaks the wire contract. ``request_id`` is None when even that is unreadable."""
+
+    def __init__(self, reason: str, request_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.request_id = request_id
+
+
+class Chunk(msgspec.Struct, frozen=True):
+    """One worker response chunk as the correlator sees it. ``token`` is the shell's ack handle."""
+
+    request_id: str
+    role: Role
+    seq: int
+    body: bytes
+    final: bool = False
+    attempt: int = 0
+    format: str | None = None
+    traceparent: str | None = None
+    token: Any = None
+
+
+class Result(msgspec.Struct, gc=False):
+    """One result to publish on ``P.results.<request_id>``.
+
+    ``settles`` lists the input tokens that may be acknowledged once this result is stored.
+    """
+
+    request_id: str
+    seq: int
+    body: bytes
+    final: bool
+    verdict: Verdict | None = None
+    error: str | None = None
+    traceparent: str | None = None
+    settles: tuple = ()
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.request_id}.{self.seq}"
+
+
+def check_request_id(request_id: str) -> str:
+    """Request ids become one NATS subject token, so they cannot hold separators or wildcards."""
+    if not request_id:
+        raise ValueError("request id must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request id longer than {MAX_REQUEST_ID_LEN} characters")
+    bad = _FORBIDDEN_TOKEN_CHARS.intersection(request_id)
+    if bad:
+        raise ValueError(f"request id {request_id!r} contains forbidden characters {sorted(bad)!r}")
+    return request_id
+
+
+class Subjects(msgspec.Struct, frozen=True):
+    """Subject names under one prefix (``--prefix`` / ``STREAMPROC_PREFIX``)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(not t or set(t) & _FORBIDDEN_TOKEN_CHARS for t in self.prefix.split(".")):
+            raise ValueError(f"invalid subject prefix {self.prefix!r}")
+
+    @property
+    def all_chunks(self) -> str:
+        return f"{self.prefix}.chunks.>"
+
+    @property
+    def all_results(self) -> str:
+        return f"{self.prefix}.results.>"
+
+    def chunk(self, request_id: str, role: Role | str) -> str:
+        return f"{self.prefix}.chunks.{request_id}.{Role(role).value}"
+
+    def result(self, request_id: str) -> str:
+        return f"{self.prefix}.results.{request_id}"
+
+    def migrate(self, request_id: str) -> str:
+        return f"{self.prefix}.control.{request_id}.migrate"
+
+    @property
+    def all_migrate(self) -> str:
+        return f"{self.prefix}.control.*.migrate"
+
+    def request_id_of_migrate(self, subject: str) -> str:
+        head = f"{self.prefix}.control."
+        if not (subject.startswith(head) and subject.endswith(".migrate")):
+            raise ContractError(f"subject {subject!r} is not {head}<request_id>.migrate")
+        request_id = subject[len(head):-len(".migrate")]
+        if not request_id or "." in request_id:
+            raise ContractError(f"subject {subject!r} is not {head}<request_id>.migrate")
+        return request_id
+
+    def parse_chunk_subject(self, subject: str) -> tuple[str, Role]:
+        head = f"{self.prefix}.chunks."
+        if not subject.startswith(head):
+            raise ContractError(f"subject {subject!r} is not under {head!r}")
+        rest = subject[len(head):]
+        request_id, dot, role = rest.rpartition(".")
+        if not dot or not request_id or "." in request_id:
+            raise ContractError(f"subject {subject!r} is not {head}<request_id>.<role>")
+        found = _ROLES.get(role)
+        if found is None:
+            raise ContractError(f"unknown role {role!r} (expected agg, prefill or decode)", request_id)
+        return request_id, found
+
+    def request_id_of_result(self, subject: str) -> str:
+        return subject[len(self.prefix) + len(".results."):]
+
+
+def _parse_flag(value: str | None, name: str, request_id: str) -> bool:
+    if value is None or value == "false":
+        return False
+    if value == "true":
+        return True
+    raise ContractError(f"header {name} must be 'true' or 'false', got {value!r}", request_id)
+
+
+def _parse_index(value: str | None, name: str, request_id: str, *, required: bool) -> int:
+    if value is None:
+        if required:
+            raise ContractError(f"missing required header {name}", request_id)
+        return 0
+    if not value.isdigit() or len(value) > 18:
+        raise ContractError(f"header {name} must be a non-negative integer, got {value!r}", request_id)
+    return int(value)
+
+
+def chunk_from_message(
+    subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes, token: Any = None
+) -> Chunk:
+    """Validate one incoming NATS message against the contract. Raises :class:`ContractError`."""
+    request_id, role = subjects.parse_chunk_subject(subject)
+    h = headers or {}
+    return Chunk(
+        request_id=request_id,
+        role=role,
+        seq=_parse_index(h.get(SEQ), SEQ, request_id, required=True),
+        body=body,
+        final=_parse_flag(h.get(FINAL), FINAL, request_id),
+        attempt=_parse_index(h.get(ATTEMPT), ATTEMPT, request_id, required=False),
+        format=h.get(FORMAT) or None,
+        traceparent=h.get(TRACEPARENT),
+        token=token,
+    )
+
+
+class ChunkParser:
+    """:func:`chunk_from_message` specialised to one prefix for the per-message hot path.
+
+    Well-formed messages take a straight line of C-level string and dict operations; anything
+    unusual falls back to :func:`chunk_from_message`, which raises the precise ContractError.
+    """
+
+    __slots__ = ("subjects", "_head", "_cut")
+
+    def __init__(self, subjects: Subjects) -> None:
+        self.subjects = subjects
+        self._head = f"{subjects.prefix}.chunks."
+        self._cut = len(self._head)
+
+    def __call__(self, subject: str, headers: Mapping[str, str] | None, body: bytes, token: Any = None) -> Chunk:
+        if headers is not None and subject.startswith(self._head):
+            request_id, _, role = subject[self._cut:].rpartition(".")
+            found = _ROLES.get(role)
+            seq = headers.get(SEQ)
+            final = headers.get(FINAL)
+            attempt = headers.get(ATTEMPT)
+            if (found is not None and request_id and "." not in request_id
+                    and seq is not None and seq.isdigit() and len(seq) <= 18
+                    and (final is None or final == "true" or final == "false")
+                    and (attempt is None or attempt == "0")):
+                return Chunk(request_id, found, int(seq), body, final == "true", 0,
+                             headers.get(FORMAT) or None, headers.get(TRACEPARENT), token)
+        return chunk_from_message(self.subjects, subject, headers, body, token)
+
+
+def chunk_headers(
+    request_id: str,
+    role: Role | str,
+    seq: int,
+    *,
+    final: bool = False,
+    attempt: int = 0,
+    format: str | None = None,
+    traceparent: str | None = None,
+) -> dict[str, str]:
+    """Headers a worker sends with one chunk (used by the publisher helper and the simulators)."""
+    role = Role(role)
+    headers = {
+        SEQ: str(seq),
+        ATTEMPT: str(attempt),
+        MSG_ID: f"{request_id}.{role.value}.{attempt}.{seq}",
+    }
+    if final:
+        headers[FINAL] = "true"
+    if format:
+        headers[FORMAT] = format
+    if traceparent:
+        headers[TRACEPARENT] = traceparent
+    return headers
+
+
+def result_headers(result: Result) -> dict[str, str]:
+    seq = str(result.seq)
+    headers = {SEQ: seq, MSG_ID: result.request_id + "." + seq}
+    if result.final:
+        headers[FINAL] = "true"
+    verdict = result.verdict
+    if verdict is not None:
+        headers[JOIN] = verdict._value_  # plain attribute: Enum.value is a slower descriptor
+    if result.error is not None:
+        headers[ERROR] = result.error
+    if result.traceparent:
+        headers[TRACEPARENT] = result.traceparent
+    return headers
+
+
+class ResultInfo(msgspec.Struct, frozen=True):
+    """A result as an edge reads it back from NATS."""
+
+    request_id: str
+    seq: int
+    final: bool
+    verdict: Verdict | None
+    error: str | None
+    body: bytes
+    traceparent: str | None = None
+
+
+def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes) -> ResultInfo:
+    request_id = subjects.request_id_of_result(subject)
+    h = headers or {}
+    verdict = h.get(JOIN)
+    return ResultInfo(
+        request_id=request_id,
+        seq=_parse_index(h.get(SEQ), SEQ, request_id, required=True),
+        final=_parse_flag(h.get(FINAL), FINAL, request_id),
+        verdict=Verdict(verdict) if verdict else None,
+        error=h.get(ERROR),
+        body=body,
+        traceparent=h.get(TRACEPARENT),
+    )
+
+
+# ------------------------------------------------------------------ migration control (request/reply)
+
+class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of a NATS request on ``P.control.<request_id>.migrate``; an empty body means all defaults."""
+
+    # Seal only if this is still the current attempt: two migrators racing cannot both win.
+    expected_attempt: int | None = None
+    # The caller already knows the request cannot move (e.g. guided decoding): end it with a
+    # ``migration_refused`` error result instead of leaving the client waiting for request_timeout.
+    refuse: str | None = None
+    reason: str = ""  # free text for the processor's log (e.g. which worker was lost)
+
+
+class MigrateErrorCode(enum.StrEnum):
+    UNKNOWN_REQUEST = "unknown_request"  # no chunk of it reached this processor (or it was forgotten)
+    FINISHED = "finished"  # its final result is already published: nothing to resume
+    ATTEMPT_MISMATCH = "attempt_mismatch"  # expected_attempt is not the current attempt
+    REFUSED = "refused"  # state cannot transfer; the request was ended with an error result
+    BAD_REQUEST = "bad_request"  # the control message itself is malformed
+
+
+class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
+    """Success: the previous attempt is sealed and ``attempt`` is granted to the resumed request."""
+
+    request_id: str
+    attempt: int  # what every chunk of the resumed request carries in Streamproc-Attempt
+    emitted_tokens: int  # output tokens the client has been sent, over all earlier attempts
+    emitted_token_ids: list[int]
+    result_seq: int  # the result seq the resumed attempt's chunk seq 0 becomes
+    format: str
+    state: dict[str, Any] = {}  # format-specific facts the format's resume hook may check
+
+
+class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status"):
+    request_id: str
+    code: MigrateErrorCode
+    message: str
+    attempt: int | None = None  # the current attempt, when the request is known
+
+
+MigrateReply = Sealed | MigrateError
+
+_control_encoder = msgspec.json.Encoder()
+_migrate_request = msgspec.json.Decoder(MigrateRequest)
+_migrate_reply = msgspec.json.Decoder(MigrateReply)
+
+
+def encode_control(message: MigrateRequest | MigrateReply) -> bytes:
+    return _control_encoder.encode(message)
+
+
+def decode_migrate_request(body: bytes) -> MigrateRequest:
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) for a malformed body."""
+    return _migrate_request.decode(body) if body.strip() else MigrateRequest()
+
+
+def decode_migrate_reply(body: bytes) -> MigrateReply:
+    return _migrate_reply.decode(body)
