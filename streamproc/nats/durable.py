@@ -44,8 +44,10 @@ from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
 from ..config import Settings
-from ..core.correlator import Correlator, Decision, Notice
+from ..core.correlator import Decision, Notice
+from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
+from .subscription import handled_all
 from ..core.partitions import PartitionScheme
 from .streams import (
     CHUNKS_STREAM,
@@ -58,7 +60,7 @@ from .streams import (
     partition_consumer_config,
     partition_consumer_name,
 )
-from ..core.wire import FINAL, SEQ, ChunkParser, ContractError, Result, Role, result_headers
+from ..core.wire import FINAL, SEQ, ContractError, Result, Role, result_headers
 
 log = logging.getLogger("streamproc.durable")
 
@@ -78,7 +80,6 @@ _WPI = b"+WPI"
 _PREFILL = Role.PREFILL
 
 Notify = Callable[[Notice], None]
-ContractErrorHandler = Callable[[ContractError, Msg], list]
 
 
 class DurableStats(msgspec.Struct):
@@ -372,18 +373,18 @@ def delivery_count(reply: str) -> int:
 class DurableInput:
     """The durable input of :class:`~streamproc.processor.Processor` (``--mode durable``)."""
 
-    def __init__(self, nc: NatsClient, settings: Settings, correlator: Correlator, *,
-                 clock: Callable[[], float], notify: Notify, contract_error: ContractErrorHandler,
+    def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, *,
                  instance: str | None = None) -> None:
         self.nc = nc
         self.settings = settings
-        self.correlator = correlator
+        self.pipeline = pipeline
+        self.correlator = correlator = pipeline.correlator
+        clock, notify = pipeline.clock, pipeline.notify
         self.instance = instance or new_instance_id()
         self.stats = DurableStats()
         self.scheme = PartitionScheme(settings.subjects, settings.partitions)
         self._clock = clock
         self._notify = notify
-        self._contract_error = contract_error
         self._jsm = nc.jsm(timeout=LOOKUP_TIMEOUT)
         self._storage = StorageType(settings.stream_storage)
         self.chunks_stream = ""
@@ -391,7 +392,7 @@ class DurableInput:
         self.leases: LeaseTable | None = None
         self.publisher = ResultPublisher(nc, settings.subjects.result(""), self.stats, notify, clock)
         self._partitions: dict[int, _Partition] = {}
-        self._parse = ChunkParser(settings.subjects)
+        self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
         # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
         # the client drop deliveries (bytes can still overflow: the dropped() hook accounts for that).
@@ -476,21 +477,12 @@ class DurableInput:
         self.publisher.take(decisions, None)
         await self.publisher.pump()
 
-    def settle(self, tokens: tuple) -> None:
-        """Acknowledge input that contributes to nothing (the processor's unreadable messages)."""
-        self.publisher.ack(tokens)
-
     async def caught_up(self) -> None:
         """Return once every chunk delivered to any owned partition at the call has been handled
-        (a control request must not overtake them; same best-effort queue reading as core mode)."""
+        (a control request must not overtake them)."""
         for part in list(self._partitions.values()):
             sub = part.sub
-            queue = getattr(sub, "_pending_queue", None)
-            if sub is None or not hasattr(queue, "_unfinished_tasks"):
-                continue
-            target = sub.delivered
-            while sub.delivered - queue._unfinished_tasks < target and part.sub is sub:  # type: ignore
-                await anyio.sleep(0.0005)
+            await handled_all(sub, lambda: part.sub is sub)
 
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         """nats-py dropped a delivered message (slow consumer): it used up pull credit, and comes back
@@ -730,7 +722,7 @@ class DurableInput:
             try:
                 chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
             except ContractError as exc:
-                take(self._contract_error(exc, msg), exc.request_id)
+                take(self.pipeline.contract_error(exc, msg, acknowledged=True), exc.request_id)
                 await pump()
                 return
             rid = chunk.request_id
