@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Mapping
 import msgspec
 
 from .core.codec import DEFAULT_MAX_DECOMPRESSED_BYTES
+from .core.errors import ConfigError
 from .core.correlator import CorrelatorConfig
 from .core.wire import DEFAULT_PREFIX, Subjects
 
@@ -121,10 +122,6 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
     def to_json(self) -> bytes:
         return msgspec.json.format(msgspec.json.encode(self), indent=2)
-
-
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the flag or variable it came from."""
 
 
 class Field(msgspec.Struct, frozen=True):

@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Generic, Sequence, TypeVar
 
 import msgspec
 
-from .wire import Verdict
+from .errors import CorruptPayload, MigrationRefused
+from .events import Verdict
 
 DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
 
@@ -39,13 +40,49 @@ class ErrorKind(enum.StrEnum):
     INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
     MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
 
+    @property
+    def http_status(self) -> int:
+        """The HTTP status an edge answers with, and the ``code`` a codec writes into its error body:
+        one table, so a client sees the same number in the status line and in the envelope."""
+        return ERROR_STATUS[self]
 
-class CorruptPayload(ValueError):
-    """A sequence payload that cannot be decoded safely. ``reason`` becomes the omission marker."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+# An upstream (worker or processor) failure is a 5xx: the client's request itself was fine.
+ERROR_STATUS: dict[str, int] = {
+    ErrorKind.TIMEOUT: 504,  # the workers stopped answering: a gateway timeout
+    ErrorKind.OVERLOADED: 503,
+    ErrorKind.INVALID_CHUNK: 502,  # a worker broke the wire contract: a bad upstream answer
+    ErrorKind.UNKNOWN_FORMAT: 502,  # a worker named a codec the processor does not have
+    ErrorKind.INTERNAL: 500,
+    ErrorKind.MIGRATION_REFUSED: 503,  # the worker was lost and the request could not move
+}
+
+
+class OmissionReason(enum.StrEnum):
+    """Why a joined field was left out: the value of ``<field>_unavailable_reason`` (every codec).
+
+    The omission policy (docs/architecture.md) publishes a P/D field only when it can be rebuilt
+    completely and correctly; otherwise the field is removed and one of these names the cause.
+    """
+
+    PREFILL_TIMEOUT = "prefill_timeout"  # no complete prefill leg within --prefill-timeout
+    PREFILL_MISSING = "prefill_missing"  # the prefill leg did not carry the field
+    PREFILL_CORRUPT = "prefill_corrupt"  # the prefill leg's value does not decode or is implausible
+    PREFILL_ERROR = "prefill_error"  # the prefill worker answered with an error
+    DECODE_MISSING = "decode_missing"
+    DECODE_CORRUPT = "decode_corrupt"
+    LENGTH_MISMATCH = "length_mismatch"  # the legs' sizes disagree with the token counts
+    SHAPE_MISMATCH = "shape_mismatch"  # the legs' row shapes (layers x top-k, dtype) disagree
+    TOO_LARGE = "too_large"  # decoding would exceed the byte budget
+    STITCH_CORRUPT = "stitch_corrupt"  # a resumed attempt's value cannot be stitched to the earlier ones
+
+    @classmethod
+    def of_leg(cls, exc: CorruptPayload, leg: str) -> OmissionReason:
+        """The reason for a payload of ``leg`` (``"prefill"`` or ``"decode"``) that failed to decode:
+        ``too_large`` when the budget refused it, else ``<leg>_corrupt``."""
+        if exc.reason == cls.TOO_LARGE:
+            return cls.TOO_LARGE
+        return cls(f"{leg}_corrupt")
 
 
 R = TypeVar("R")
@@ -91,14 +128,6 @@ class JoinSession(ABC):
     @abstractmethod
     def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         """The client-visible body for one decode chunk and what was done to it."""
-
-
-class MigrationRefused(Exception):
-    """This request cannot continue on another worker (n > 1, guided decoding, unreadable output...)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class Emitted(msgspec.Struct, frozen=True):

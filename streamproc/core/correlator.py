@@ -22,8 +22,21 @@ from typing import Callable, Iterable, Iterator
 
 import msgspec
 
-from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
-from .wire import Chunk, MigrateError, MigrateErrorCode, MigrateReply, Result, Role, Sealed, Verdict
+from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
+from .errors import MigrationRefused, UnknownFormat
+from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
+    Chunk,
+    Decision,
+    MigrateError,
+    MigrateErrorCode,
+    MigrateReply,
+    Notice,
+    Result,
+    Role,
+    Sealed,
+    Settle,
+    Verdict,
+)
 
 
 # Enum member lookups cost ~70 ns each on CPython 3.11; the hot path uses module constants.
@@ -42,23 +55,6 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     # Published bodies kept (by reference) per request for a possible migration; past this the
     # codec folds them into its compact progress state and they are released.
     max_retained_bytes: int = 256 * 1024
-
-
-class Settle(msgspec.Struct, frozen=True):
-    """Input tokens that contribute to no result (duplicates, late chunks): ack them now."""
-
-    tokens: tuple
-
-
-class Notice(msgspec.Struct, frozen=True):
-    """Something an operator may want in the log, always with the request id."""
-
-    request_id: str
-    event: str
-    detail: str = ""
-
-
-Decision = Result | Settle | Notice
 
 
 class Stats(msgspec.Struct, gc=False):
@@ -81,13 +77,6 @@ class Stats(msgspec.Struct, gc=False):
     @property
     def results(self) -> int:
         return self.passthrough + self.joined + self.omitted + self.stitched + self.errors
-
-
-class UnknownFormat(LookupError):
-    def __init__(self, name: str, available: list[str]) -> None:
-        super().__init__(f"unknown format {name!r}; installed codecs: {', '.join(available) or 'none'}")
-        self.name = name
-        self.available = available
 
 
 CodecResolver = Callable[[str], Codec]
@@ -309,9 +298,9 @@ class Correlator:
                 break
             del self._waiting[rid]
             self.stats.prefill_timeouts += 1
-            out.append(Notice(rid, "prefill_timeout", f"no complete prefill leg after {cfg.prefill_timeout}s"))
+            out.append(Notice(rid, OmissionReason.PREFILL_TIMEOUT, f"no complete prefill leg after {cfg.prefill_timeout}s"))
             try:
-                self._prefill_done(req, None, "prefill_timeout")
+                self._prefill_done(req, None, OmissionReason.PREFILL_TIMEOUT)
             except Exception as exc:
                 out.extend(self._codec_failed(req, exc, now))
                 continue

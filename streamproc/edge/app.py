@@ -32,8 +32,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
+from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
-from ..nats.streams import ResultsStreamMismatch
+from ..core.errors import ResultsStreamMismatch
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from .metrics import EdgeMetrics, render
@@ -44,16 +45,9 @@ log = logging.getLogger("streamproc.edge")
 
 PAGE_DIR = Path(__file__).parent / "page"
 
-# HTTP status of a unary answer whose final result is an error (the Streamproc-Error header).
-ERROR_STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "internal": 500,
-    "invalid_chunk": 502,  # a worker broke the wire contract: an upstream failure
-    "unknown_format": 502,  # a worker named a codec the processor does not have
-    "overloaded": 503,
-    "migration_refused": 503,  # the worker was lost and the request could not move to another
-    "timeout": 504,
-}
+# HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
+# kinds the edge adds itself (a client's bad request) beside the processor's ErrorKind table.
+ERROR_STATUS: dict[str, int] = {"invalid_request": 400, **CORE_ERROR_STATUS}
 _VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2, Verdict.OMITTED: 3}
 
 

@@ -95,8 +95,7 @@ class EdgeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return Subjects(self.prefix)
 
 
-class EdgeConfigError(ConfigError):
-    """A setting that cannot be used; the message names the flag or variable it came from."""
+EdgeConfigError = ConfigError  # the edge's settings fail exactly like the processor's
 
 
 def _env_name(name: str) -> str:

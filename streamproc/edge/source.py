@@ -22,6 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from ..nats.streams import ensure_results_stream, find_results_stream
+from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -29,7 +30,6 @@ from .settings import EdgeSettings
 log = logging.getLogger("streamproc.edge")
 
 FeedMode = Literal["jetstream", "core"]
-MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per stream before it is failed
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -41,49 +41,6 @@ class Gap(msgspec.Struct, frozen=True):
 
     missing: int
     waiting: int
-
-
-class SeqOrder:
-    """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
-
-    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "duplicates", "max_pending")
-
-    def __init__(self, after: int | None = None, *, max_pending: int = MAX_PENDING_RESULTS) -> None:
-        self.next_seq = 0 if after is None else after + 1
-        self.pending: dict[int, ResultInfo] = {}
-        self.done = False
-        self.ended_before_resume = False
-        self.duplicates = 0
-        self.max_pending = max_pending
-
-    def push(self, result: ResultInfo) -> list[ResultInfo]:
-        """Results that can be handed out now, in order. Raises OverflowError past ``max_pending``."""
-        if self.done:
-            self.duplicates += 1
-            return []
-        if result.seq < self.next_seq:
-            if result.final:  # replayed final at or before the resume point: the client has it all
-                self.done = self.ended_before_resume = True
-                self.pending.clear()
-            else:
-                self.duplicates += 1
-            return []
-        if result.seq in self.pending:
-            self.duplicates += 1
-            return []
-        if len(self.pending) >= self.max_pending:
-            raise OverflowError(f"{self.max_pending} results wait for seq {self.next_seq}")
-        self.pending[result.seq] = result
-        ready = []
-        while self.next_seq in self.pending:
-            item = self.pending.pop(self.next_seq)
-            ready.append(item)
-            self.next_seq += 1
-            if item.final or item.error is not None:
-                self.done = True
-                self.pending.clear()
-                break
-        return ready
 
 
 class Lost(msgspec.Struct, frozen=True):

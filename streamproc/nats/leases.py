@@ -37,15 +37,12 @@ from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFo
 from nats.js.kv import KeyValue
 
 from ..core.partitions import fnv1a32
-from .streams import StreamMismatch, _close
+from ..core.errors import LeaseBucketMismatch
+from .streams import _close
 
 log = logging.getLogger("streamproc.leases")
 
 MARGIN = 0.1  # fraction of ttl a lease is given up before the server could expire it
-
-
-class LeaseBucketMismatch(StreamMismatch):
-    what = "lease bucket"
 
 
 class Lease(msgspec.Struct):

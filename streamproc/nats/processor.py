@@ -27,7 +27,8 @@ from nats.aio.client import Client as NatsClient
 from ..catalog import Catalog
 from ..config import Settings
 from ..core.codec import CodecOptions
-from ..core.correlator import CodecResolver, Correlator, Decision, Stats, UnknownFormat
+from ..core.correlator import CodecResolver, Correlator, Decision, Stats
+from ..core.errors import StartupError, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, kv, log_event
 from .control import ControlPlane
@@ -39,10 +40,6 @@ from .streams import StreamMismatch, jetstream_available
 log = logging.getLogger("streamproc.processor")
 
 T = TypeVar("T")
-
-
-class StartupError(RuntimeError):
-    """The processor cannot start (unknown format, broken codec, NATS unreachable). A user error."""
 
 
 class Processor:

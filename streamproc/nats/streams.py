@@ -35,6 +35,7 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from ..core.errors import ChunkStreamMismatch, ResultsStreamMismatch, StreamMismatch
 from ..core.partitions import PartitionScheme
 from ..core.wire import Subjects
 
@@ -42,29 +43,6 @@ RESULTS_STREAM = "STREAMPROC_RESULTS"
 CHUNKS_STREAM = "STREAMPROC_CHUNKS"
 DEFAULT_MAX_AGE = 3600.0  # seconds a result can still be replayed
 DEFAULT_DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
-
-
-class StreamMismatch(RuntimeError):
-    """A stream exists but differs from what was asked for; nothing was changed."""
-
-    what = "stream"
-
-    def __init__(self, name: str, differences: list[str]) -> None:
-        super().__init__(
-            f"JetStream stream {name!r} does not match the requested {self.what}: "
-            + "; ".join(differences)
-            + " (change or delete it deliberately; streamproc never edits it)"
-        )
-        self.name = name
-        self.differences = differences
-
-
-class ResultsStreamMismatch(StreamMismatch):
-    what = "results stream"
-
-
-class ChunkStreamMismatch(StreamMismatch):
-    what = "chunk stream"
 
 
 class ResultsStreamSpec(msgspec.Struct, frozen=True):

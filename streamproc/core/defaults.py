@@ -1,0 +1,31 @@
+"""Every default that more than one component reads, declared once.
+
+The correlator's bounds, the codecs' byte budget, the streams' retention and the readers'
+reorder bound are read from here by :mod:`streamproc.config` (processor and edge settings), the
+correlator's and codecs' own option records, and :mod:`streamproc.nats.streams`, so a default can
+never differ between the component that applies it and the one that validates against it.
+"""
+
+NATS_URL = "nats://127.0.0.1:4222"
+PREFIX = "streamproc"  # subject prefix P
+FORMAT = "sglang"
+
+# Correlation (seconds, counts)
+PREFILL_TIMEOUT = 30.0
+REQUEST_TIMEOUT = 300.0
+FINISHED_GRACE = 60.0
+MAX_INFLIGHT = 10_000
+MAX_BUFFERED_CHUNKS = 4096
+MAX_FINISHED = 200_000
+MAX_RETAINED_BYTES = 256 * 1024
+
+# Codecs
+MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+
+# Streams (JetStream)
+RESULTS_MAX_AGE = 3600.0  # seconds a result can still be replayed
+CHUNKS_MAX_AGE = 3600.0
+DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
+
+# Readers (client helpers and the edge)
+MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it
