@@ -18,10 +18,11 @@ from typing import Any, ClassVar, Generic, Sequence, TypeVar
 
 import msgspec
 
+from . import defaults
 from .errors import CorruptPayload, MigrationRefused
 from .events import Verdict
 
-DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_DECOMPRESSED_BYTES = defaults.MAX_DECOMPRESSED_BYTES  # the name codecs import
 
 
 class CodecOptions(msgspec.Struct, frozen=True):

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Iterator
 
 import msgspec
 
+from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import MigrationRefused, UnknownFormat
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
@@ -46,15 +47,17 @@ _STITCHED = Verdict.STITCHED
 
 
 class CorrelatorConfig(msgspec.Struct, frozen=True):
-    prefill_timeout: float = 30.0
-    request_timeout: float = 300.0
-    finished_grace: float = 60.0
-    max_inflight: int = 10_000
-    max_buffered_chunks: int = 4096
-    max_finished: int = 200_000
+    """The correlator's timeouts (seconds) and bounds; ``streamproc.config.Settings`` documents each."""
+
+    prefill_timeout: float = defaults.PREFILL_TIMEOUT
+    request_timeout: float = defaults.REQUEST_TIMEOUT
+    finished_grace: float = defaults.FINISHED_GRACE
+    max_inflight: int = defaults.MAX_INFLIGHT
+    max_buffered_chunks: int = defaults.MAX_BUFFERED_CHUNKS
+    max_finished: int = defaults.MAX_FINISHED
     # Published bodies kept (by reference) per request for a possible migration; past this the
     # codec folds them into its compact progress state and they are released.
-    max_retained_bytes: int = 256 * 1024
+    max_retained_bytes: int = defaults.MAX_RETAINED_BYTES
 
 
 class Stats(msgspec.Struct, gc=False):

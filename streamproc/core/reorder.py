@@ -9,9 +9,10 @@ point (an SSE client's ``Last-Event-ID``). Used by the client helpers
 
 from __future__ import annotations
 
+from . import defaults
 from .events import ResultInfo
 
-MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it
+MAX_PENDING_RESULTS = defaults.MAX_PENDING_RESULTS
 
 
 class SeqOrder:

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import msgspec
 
+from . import defaults
 from .errors import ContractError
 from .events import (  # noqa: F401  (re-exported: the wire contract's records, under their old path)
     Chunk,
@@ -26,7 +27,7 @@ from .events import (  # noqa: F401  (re-exported: the wire contract's records, 
 )
 
 PROTOCOL_VERSION = 1
-DEFAULT_PREFIX = "streamproc"
+DEFAULT_PREFIX = defaults.PREFIX
 
 # Header names (case matters on the wire: NATS headers are case-sensitive in nats-py).
 SEQ = "Streamproc-Seq"

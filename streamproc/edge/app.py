@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
-from ..core.errors import ResultsStreamMismatch
+from ..core.errors import StartupError
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from .metrics import EdgeMetrics, render
@@ -310,7 +310,7 @@ def create_app(settings: EdgeSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             await edge.source.start()
-        except ResultsStreamMismatch as exc:
+        except StartupError as exc:  # NATS unreachable within --connect-timeout, a mismatched stream
             log.error("%s", exc)
             await edge.source.stop()
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Literal
 
@@ -20,7 +21,9 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js.api import StorageType
 
+from ..core.errors import StartupError
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
@@ -165,31 +168,43 @@ class ResultSource:
         return self.nc is not None and self.nc.is_connected
 
     async def start(self, *, retry_every: float = 0.5) -> None:
-        """Connect (retrying until NATS answers), check the results stream, start the recent ring."""
+        """Connect (retrying until NATS answers, at most ``connect_timeout``), check the results
+        stream, start the recent ring."""
         attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self.nc = await nats.connect(
-                    servers=self.settings.nats_url.split(","),
-                    name="streamproc-edge",
-                    connect_timeout=2,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=1,
-                    allow_reconnect=True,
-                    error_cb=self._on_error,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                )
-                break
-            except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
-                log.warning("waiting for NATS at %s (attempt %d): %s", self.settings.nats_url, attempt, exc)
-                await anyio.sleep(retry_every)
+        limit = self.settings.connect_timeout if self.settings.connect_timeout > 0 else math.inf
+        last: Exception | None = None
+        with anyio.move_on_after(limit):
+            while True:
+                attempt += 1
+                try:
+                    self.nc = await nats.connect(
+                        servers=self.settings.nats_url.split(","),
+                        name="streamproc-edge",
+                        connect_timeout=2,
+                        max_reconnect_attempts=-1,
+                        reconnect_time_wait=1,
+                        allow_reconnect=True,
+                        error_cb=self._on_error,
+                        disconnected_cb=self._on_disconnected,
+                        reconnected_cb=self._on_reconnected,
+                    )
+                    break
+                except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
+                    last = exc
+                    log.warning("waiting for NATS at %s (attempt %d): %s", self.settings.nats_url, attempt, exc)
+                    await anyio.sleep(retry_every)
+        if self.nc is None:
+            detail = f": {last}" if last is not None else ""
+            raise StartupError(f"cannot connect to NATS at {self.settings.nats_url} within "
+                               f"{self.settings.connect_timeout}s{detail}")
         self.metrics.nats_connected = 1
         log.info("connected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
         if self.settings.ensure_results_stream:
+            s = self.settings
             info = await ensure_results_stream(
-                self.nc.jetstream(), self.subjects, max_age=self.settings.results_max_age
+                self.nc.jetstream(), self.subjects, max_age=s.results_max_age,
+                duplicate_window=s.duplicate_window, storage=StorageType(s.stream_storage),
+                replicas=s.stream_replicas,
             )
             log.info("results stream %s captures %s", info.config.name, self.subjects.all_results)
         if self.settings.recent > 0:

@@ -35,14 +35,13 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from ..core import defaults
 from ..core.errors import ChunkStreamMismatch, ResultsStreamMismatch, StreamMismatch
 from ..core.partitions import PartitionScheme
 from ..core.wire import Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
 CHUNKS_STREAM = "STREAMPROC_CHUNKS"
-DEFAULT_MAX_AGE = 3600.0  # seconds a result can still be replayed
-DEFAULT_DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
 
 
 class ResultsStreamSpec(msgspec.Struct, frozen=True):
@@ -111,8 +110,8 @@ async def ensure_results_stream(
     subjects: Subjects,
     *,
     name: str = RESULTS_STREAM,
-    max_age: float = DEFAULT_MAX_AGE,
-    duplicate_window: float = DEFAULT_DUPLICATE_WINDOW,
+    max_age: float = defaults.RESULTS_MAX_AGE,
+    duplicate_window: float = defaults.DUPLICATE_WINDOW,
     storage: StorageType = StorageType.FILE,
     replicas: int = 1,
 ) -> StreamInfo:
