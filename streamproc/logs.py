@@ -22,10 +22,11 @@ def kv(**fields: object) -> str:
     return " ".join(parts)
 
 
-def log_event(logger: logging.Logger, level: int, event: str, **fields: object) -> None:
-    """Log ``event=<event>`` and the fields at ``level``; costs one level check when disabled."""
+def log_event(logger: logging.Logger, level: int, event: str, *, exc_info: bool = False, **fields: object) -> None:
+    """Log ``event=<event>`` and the fields at ``level``; costs one level check when disabled.
+    ``exc_info`` appends the traceback of the exception being handled (for bugs, not for input)."""
     if logger.isEnabledFor(level):
-        logger.log(level, kv(event=event, **fields))
+        logger.log(level, kv(event=event, **fields), exc_info=exc_info)
 
 
 def error_text(exc: BaseException) -> str:

@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.js.api import StorageType
 
 from ..core.errors import StartupError
+from ..logs import error_text, log_event
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
@@ -102,7 +103,7 @@ class ResultFeed:
             result = result_from_message(self.source.subjects, msg.subject, msg.headers, msg.data)
         except (ContractError, ValueError) as exc:
             metrics.malformed_results += 1
-            log.warning("malformed result request_id=%s: %s", self.request_id, exc)
+            log_event(log, logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
             return
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
@@ -118,7 +119,7 @@ class ResultFeed:
         try:
             await sub.unsubscribe()
         except (nats.errors.Error, OSError) as exc:  # connection gone: the server forgot it anyway
-            log.debug("unsubscribe failed request_id=%s: %s", self.request_id, exc)
+            log_event(log, logging.DEBUG, "unsubscribe_failed", request_id=self.request_id, error=error_text(exc))
 
 
 class RecentEntry(msgspec.Struct):
@@ -191,14 +192,16 @@ class ResultSource:
                     break
                 except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
                     last = exc
-                    log.warning("waiting for NATS at %s (attempt %d): %s", self.settings.nats_url, attempt, exc)
+                    log_event(log, logging.WARNING, "waiting_for_nats", attempt=attempt, error=error_text(exc))
                     await anyio.sleep(retry_every)
         if self.nc is None:
             detail = f": {last}" if last is not None else ""
             raise StartupError(f"cannot connect to NATS at {self.settings.nats_url} within "
                                f"{self.settings.connect_timeout}s{detail}")
         self.metrics.nats_connected = 1
-        log.info("connected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+        url = self.nc.connected_url
+        # host and port only: the URL's user part may hold a password or token
+        log_event(log, logging.INFO, "connected", server=f"{url.hostname}:{url.port}" if url else "?")
         if self.settings.ensure_results_stream:
             s = self.settings
             info = await ensure_results_stream(
@@ -206,7 +209,7 @@ class ResultSource:
                 duplicate_window=s.duplicate_window, storage=StorageType(s.stream_storage),
                 replicas=s.stream_replicas,
             )
-            log.info("results stream %s captures %s", info.config.name, self.subjects.all_results)
+            log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
         if self.settings.recent > 0:
             await self.nc.subscribe(self.subjects.all_results, cb=self._on_any_result)
             await self.nc.flush()
@@ -245,13 +248,13 @@ class ResultSource:
         self.recent.note(result, time.time())
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("NATS error: %s", exc)
+        log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0
         self.metrics.nats_disconnects += 1
-        log.warning("disconnected from NATS")
+        log_event(log, logging.WARNING, "disconnected")
 
     async def _on_reconnected(self) -> None:
         self.metrics.nats_connected = 1
-        log.info("reconnected to NATS")
+        log_event(log, logging.INFO, "reconnected")

@@ -30,7 +30,7 @@ from ..core.codec import CodecOptions
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
-from ..logs import error_text, kv, log_event
+from ..logs import error_text, log_event
 from .control import ControlPlane
 from .core_input import CoreInput
 from .gate import DispatchGate
@@ -279,4 +279,4 @@ class Processor:
     async def _report_stats(self) -> None:
         while True:
             await anyio.sleep(self.settings.stats_interval)
-            log.info(kv(event="stats", **self.snapshot()))
+            log_event(log, logging.INFO, "stats", **self.snapshot())
