@@ -86,25 +86,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     messages = traffic.schedule(plans, seed=args.seed, shuffle=args.shuffle, duplicates=args.duplicates)
 
     async def main() -> int:
-        import nats
-
         from .sim.demo import DemoReport, summarize
         from .client.results import ResultCollector
 
-        errors: list[Exception] = []
+        from .nats import connection
 
-        async def remember(exc: Exception) -> None:  # instead of nats-py's default traceback logging
-            errors.append(exc)
-
-        try:
-            with anyio.fail_after(settings.connect_timeout or None):
-                nc = await nats.connect(settings.nats_url, allow_reconnect=False, error_cb=remember,
-                                        max_reconnect_attempts=1, reconnect_time_wait=0.2,
-                                        connect_timeout=max(1, int(settings.connect_timeout)))
-        except Exception as exc:
-            cause = errors[-1] if errors else exc
-            raise StartupError(f"cannot connect to NATS at {settings.nats_url}: "
-                            f"{type(cause).__name__}: {cause}") from None
+        nc = await connection.connect(settings, name="streamproc-simulate", reconnect=False)
         try:
             if not args.verify:
                 await traffic.publish(nc, settings.subjects, messages, format=settings.format)
@@ -120,7 +107,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 except TimeoutError as exc:
                     timed_out = str(exc)
             rows, problems = summarize(plans, collector.results, worker)
-            report = DemoReport(settings.format, settings.nats_url, len(messages), time.perf_counter() - started,
+            report = DemoReport(settings.format, config.redact_url(settings.nats_url), len(messages), time.perf_counter() - started,
                                 rows, problems, None, timed_out, title="streamproc simulate")
             print_report(report)
             return EXIT_OK if report.ok else EXIT_FAILURE
@@ -169,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="publish simulated worker traffic (optionally verify the results)",
                          description="Publish simulated worker chunks (each with a Streamproc-Format header) "
                                      "and, with --verify, check the results of a running processor.")
-    config.add_arguments(sim, ["nats_url", "prefix", "format", "connect_timeout", "log_level"])
+    config.add_arguments(sim, [*config.NATS_CONNECTION, "prefix", "format", "log_level"])
     sim.add_argument("--requests", type=int, default=10, help="number of requests (default 10)")
     sim.add_argument("--mode", choices=["agg", "pd", "mixed"], default="mixed",
                      help="aggregated, prefill/decode or both alternating (default mixed)")

@@ -27,9 +27,38 @@ Storage = Literal["file", "memory"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
-def documented(text: str, **constraints: Any) -> msgspec.Meta:
-    """A setting's help text and range, declared once on the field (used by the edge's settings too)."""
-    return msgspec.Meta(description=text, **constraints)
+def documented(text: str, *, secret: bool = False, **constraints: Any) -> msgspec.Meta:
+    """A setting's help text and range, declared once on the field (used by the edge's settings too).
+
+    ``secret`` settings are read from the environment only (a command line is visible to every
+    user of the machine in ``ps``), and are never printed: ``--print-config``, logs and error
+    messages show ``<redacted>``."""
+    return msgspec.Meta(description=text, extra={"secret": True} if secret else None, **constraints)
+
+
+REDACTED = "<redacted>"
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^@/,\s]*)@")
+
+
+def redact_url(url: str) -> str:
+    """``nats://user:pass@host`` -> ``nats://user:<redacted>@host``; ``nats://token@host`` ->
+    ``nats://<redacted>@host``. Works on comma-separated lists; text without credentials is unchanged."""
+
+    def one(match: re.Match[str]) -> str:
+        user, colon, _ = match["userinfo"].partition(":")
+        shown = f"{user}:{REDACTED}" if colon else REDACTED
+        return f"{match['scheme']}{shown}@"
+
+    return _USERINFO.sub(one, url)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The passwords and tokens embedded in a (comma-separated) NATS URL, for scrubbing text."""
+    out = []
+    for match in _USERINFO.finditer(url):
+        user, colon, password = match["userinfo"].partition(":")
+        out.append(password if colon else user)
+    return [s for s in out if s]
 
 
 class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -55,6 +84,25 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                                            "recovery)", gt=0, le=365 * 86_400)] = defaults.RESULTS_MAX_AGE
     duplicate_window: Annotated[float, documented("seconds in which a repeated Nats-Msg-Id is dropped by "
                                             "the chunk and results streams", ge=0.1, le=86_400)] = defaults.DUPLICATE_WINDOW
+    # NATS authentication and TLS (docs/security.md). At most one of password, token, nkey seed and
+    # creds file; secret values come from a file or an environment variable, never from a flag.
+    nats_user: Annotated[str, documented("NATS user name (with STREAMPROC_NATS_PASSWORD or "
+                                         "--nats-password-file)")] = ""
+    nats_password: Annotated[str, documented("NATS password (environment only; or --nats-password-file)",
+                                             secret=True)] = ""
+    nats_password_file: Annotated[str, documented("file holding the NATS password")] = ""
+    nats_token: Annotated[str, documented("NATS authentication token (environment only; or --nats-token-file)",
+                                          secret=True)] = ""
+    nats_token_file: Annotated[str, documented("file holding the NATS authentication token")] = ""
+    nats_nkey_seed_file: Annotated[str, documented("file holding an nkey user seed (SU...) to sign the "
+                                                   "server's nonce with")] = ""
+    nats_creds_file: Annotated[str, documented("NATS .creds file (user JWT and nkey seed, decentralized "
+                                               "auth)")] = ""
+    nats_tls_ca_file: Annotated[str, documented("PEM file of the CA(s) that signed the NATS server's "
+                                                "certificate (turns TLS on)")] = ""
+    nats_tls_cert_file: Annotated[str, documented("PEM client certificate for mutual TLS (with "
+                                                  "--nats-tls-key-file)")] = ""
+    nats_tls_key_file: Annotated[str, documented("PEM private key of the client certificate")] = ""
 
     def __post_init__(self) -> None:
         try:
@@ -63,13 +111,58 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError(f"prefix: {exc}") from None
         if self.duplicate_window > self.results_max_age:
             raise ValueError("duplicate_window must not exceed results_max_age")
+        if self.nats_password and self.nats_password_file:
+            raise ValueError("set STREAMPROC_NATS_PASSWORD or nats_password_file, not both")
+        if self.nats_token and self.nats_token_file:
+            raise ValueError("set STREAMPROC_NATS_TOKEN or nats_token_file, not both")
+        mechanisms = [name for name, on in (
+            ("password", bool(self.nats_password or self.nats_password_file)),
+            ("token", bool(self.nats_token or self.nats_token_file)),
+            ("nkey seed", bool(self.nats_nkey_seed_file)),
+            ("creds file", bool(self.nats_creds_file))) if on]
+        if len(mechanisms) > 1:
+            raise ValueError(f"choose one NATS authentication mechanism, not {' and '.join(mechanisms)}")
+        if mechanisms == ["password"] and not self.nats_user:
+            raise ValueError("a NATS password needs nats_user")
+        if self.nats_user and mechanisms != ["password"]:
+            raise ValueError("nats_user needs a password (STREAMPROC_NATS_PASSWORD or nats_password_file)")
+        if bool(self.nats_tls_cert_file) != bool(self.nats_tls_key_file):
+            raise ValueError("nats_tls_cert_file and nats_tls_key_file go together")
+
+    def secret_values(self) -> list[str]:
+        """Every secret this configuration holds in memory (for scrubbing text before it is shown)."""
+        fields = _secret_fields(type(self))
+        return [v for v in (getattr(self, n) for n in fields) if v] + url_secrets(self.nats_url)
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict, with secret values and URL credentials replaced by ``<redacted>``."""
+        out = msgspec.to_builtins(self)
+        for name in _secret_fields(type(self)):
+            if out.get(name):
+                out[name] = REDACTED
+        out["nats_url"] = redact_url(self.nats_url)
+        return out
 
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
 
     def to_json(self) -> bytes:
-        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+        """JSON for ``--print-config``: secrets redacted."""
+        return msgspec.json.format(msgspec.json.encode(self.redacted()), indent=2)
+
+
+def _secret_fields(struct: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(struct, include_extras=True)
+    return tuple(name for name in struct.__struct_fields__
+                 if any(isinstance(m, msgspec.Meta) and (m.extra or {}).get("secret")
+                        for m in typing.get_args(hints[name])[1:]))
+
+
+# The settings every command that connects to NATS accepts (simulate takes only these and a few more).
+NATS_CONNECTION = ("nats_url", "connect_timeout", "nats_user", "nats_password", "nats_password_file",
+                   "nats_token", "nats_token_file", "nats_nkey_seed_file", "nats_creds_file",
+                   "nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file")
 
 
 class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -140,6 +233,7 @@ class Field(msgspec.Struct, frozen=True):
     choices: tuple[str, ...] | None
     env: str
     kind: Any = None  # the field's base type (bool settings get --x/--no-x flags and yes/no parsing)
+    secret: bool = False  # environment only, never printed
 
     @property
     def flag(self) -> str:
@@ -151,6 +245,15 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
 S = typing.TypeVar("S", bound=msgspec.Struct)
+
+
+class _RefuseSecret(argparse.Action):
+    """A secret on the command line is visible to every user in ``ps``: refuse it, naming the way in."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        env = ENV_PREFIX + self.dest.removeprefix("setting_").upper()
+        parser.error(f"{option_string} is not accepted on the command line (visible in ps): "
+                     f"set {env} or {option_string}-file")
 
 
 class SettingsSchema(typing.Generic[S]):
@@ -180,9 +283,10 @@ class SettingsSchema(typing.Generic[S]):
                 hint = hints[name]
                 base, *extras = typing.get_args(hint) or (hint,)
                 text = next((m.description for m in extras if isinstance(m, msgspec.Meta) and m.description), "")
+                secret = any(isinstance(m, msgspec.Meta) and (m.extra or {}).get("secret") for m in extras)
                 literal = typing.get_args(base) if typing.get_origin(base) is Literal else None
                 out.append(Field(name, default, text, tuple(literal) if literal else None,
-                                 self._env_name(name), base))
+                                 self._env_name(name), base, secret))
             self._fields = out
         return self._fields
 
@@ -194,10 +298,12 @@ class SettingsSchema(typing.Generic[S]):
         for f in self.fields():
             if f.env in environ:
                 merged[f.name] = environ[f.env]
-                sources[f.name] = f"environment variable {f.env}={environ[f.env]!r}"
+                shown = REDACTED if f.secret else redact_url(environ[f.env])
+                sources[f.name] = f"environment variable {f.env}={shown!r}"
             if overrides and overrides.get(f.name) is not None:
                 merged[f.name] = overrides[f.name]
-                sources[f.name] = f"flag {f.flag}={overrides[f.name]!r}"
+                shown = REDACTED if f.secret else redact_url(str(overrides[f.name]))
+                sources[f.name] = f"flag {f.flag}={shown!r}"
             value = merged.get(f.name)
             if f.kind is bool and isinstance(value, str):
                 if value.lower() not in _TRUE | _FALSE:
@@ -217,6 +323,10 @@ class SettingsSchema(typing.Generic[S]):
                 if choices:
                     reason += f" (allowed: {', '.join(choices)})"
                 raise self.error(f"invalid {sources[name]}: {reason}") from None
+            for secret in [merged.get(f.name) for f in self.fields() if f.secret] + \
+                    url_secrets(str(merged.get("nats_url", ""))):
+                if secret:
+                    message = message.replace(str(secret), REDACTED)
             raise self.error(f"invalid configuration: {message}") from None
 
     def add_arguments(self, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
@@ -225,6 +335,10 @@ class SettingsSchema(typing.Generic[S]):
         group = parser.add_argument_group(self._title)
         for f in self.fields():
             if wanted is not None and f.name not in wanted:
+                continue
+            if f.secret:  # environment only (or the *_file setting); the flag exists only to say so
+                group.add_argument(f.flag, dest=self._dest + f.name, default=None, action=_RefuseSecret,
+                                   help=f"not accepted: set {f.env} or {f.flag}-file instead")
                 continue
             help_text = f"{f.help} [env {f.env}, default {f.default!r}]"
             if f.kind is bool:

@@ -119,13 +119,14 @@ class RunningProcessor(msgspec.Struct):
 
 
 @contextlib.contextmanager
-def processor_subprocess(nats_url: str, *extra: str, ready_timeout: float = 20.0) -> Iterator[tuple]:
+def processor_subprocess(nats_url: str, *extra: str, ready_timeout: float = 20.0,
+                         env: dict[str, str] | None = None) -> Iterator[tuple]:
     """``streamproc run`` as a subprocess; yields once it logged ``event=started``; SIGTERM on exit."""
     with tempfile.TemporaryDirectory(prefix="streamproc-run-") as tmp:
         log_path = Path(tmp) / "stderr.log"
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen([*CLI, "run", "--nats-url", nats_url, *extra], stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=log_file, env=_cli_env(None))
+                                    stdout=log_file, stderr=log_file, env=_cli_env(env))
         try:
             deadline = time.monotonic() + ready_timeout
             while "event=started" not in log_path.read_text(errors="replace"):

@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
-from ..core.errors import StartupError
+from ..core.errors import StreamprocError
 from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
@@ -309,12 +309,13 @@ def create_app(settings: EdgeSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        try:
-            await edge.source.start()
-        except StartupError as exc:  # NATS unreachable within --connect-timeout, a mismatched stream
-            log_event(log, logging.ERROR, "startup_failed", error=str(exc))
-            await edge.source.stop()
-            raise
+        if edge.source.nc is None:  # `streamproc edge` connects before serving; other ASGI servers here
+            try:
+                await edge.source.start()
+            except StreamprocError as exc:  # NATS unreachable or refusing us, a mismatched stream
+                log_event(log, logging.ERROR, "startup_failed", error=str(exc))
+                await edge.source.stop()
+                raise
         try:
             yield
         finally:
@@ -338,4 +339,5 @@ def create_app(settings: EdgeSettings) -> Starlette:
         lifespan=lifespan,
     )
     app.state.edge = edge
+    app.state.startup_error = None
     return app

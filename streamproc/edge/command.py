@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Mapping
 
@@ -37,11 +38,15 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     """Run the edge until SIGINT/SIGTERM. Exit codes: 0 stopped, 1 failed to start, 2 bad configuration."""
     import uvicorn
 
-    from ..core.errors import UnknownFormat
+    import anyio
+
+    from ..core.errors import StreamprocError, UnknownFormat
+    from ..nats.connection import connect_options
     from .app import create_app
 
     try:
         settings = from_arguments(args, os.environ if environ is None else environ)
+        connect_options(settings)  # unreadable credential or certificate files: exit 2 before serving
         app = create_app(settings)
     except (EdgeConfigError, UnknownFormat) as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
@@ -59,8 +64,37 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         timeout_graceful_shutdown=3,
     )
     server = uvicorn.Server(config)
-    server.run()
-    return EXIT_OK if server.started else EXIT_FAILURE
+    source = app.state.edge.source
+
+    async def serve() -> int:
+        # Connect first, with our own signal handling: Uvicorn only watches SIGTERM/SIGINT once it
+        # serves, and a connect that waits for NATS must stop on them too.
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with anyio.create_task_group() as tasks:
+
+                async def stop_on_signal() -> None:
+                    async for _ in signals:
+                        tasks.cancel_scope.cancel()
+                        return
+
+                tasks.start_soon(stop_on_signal)
+                failure: StreamprocError | None = None
+                try:
+                    await source.start()
+                except StreamprocError as exc:
+                    failure = exc
+                tasks.cancel_scope.cancel()
+            if failure is not None:
+                await source.stop()
+                print(f"streamproc edge: error: {failure}", file=sys.stderr)
+                return EXIT_FAILURE
+            if source.nc is None or not source.connected:  # a signal while connecting
+                await source.stop()
+                return EXIT_OK
+        await server.serve()
+        return EXIT_OK if server.started else EXIT_FAILURE
+
+    return anyio.run(serve)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from nats.js.api import StorageType
 
 from ..core.errors import StartupError
 from ..logs import error_text, log_event
+from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
@@ -171,33 +172,14 @@ class ResultSource:
     async def start(self, *, retry_every: float = 0.5) -> None:
         """Connect (retrying until NATS answers, at most ``connect_timeout``), check the results
         stream, start the recent ring."""
-        attempt = 0
-        limit = self.settings.connect_timeout if self.settings.connect_timeout > 0 else math.inf
-        last: Exception | None = None
-        with anyio.move_on_after(limit):
-            while True:
-                attempt += 1
-                try:
-                    self.nc = await nats.connect(
-                        servers=self.settings.nats_url.split(","),
-                        name="streamproc-edge",
-                        connect_timeout=2,
-                        max_reconnect_attempts=-1,
-                        reconnect_time_wait=1,
-                        allow_reconnect=True,
-                        error_cb=self._on_error,
-                        disconnected_cb=self._on_disconnected,
-                        reconnected_cb=self._on_reconnected,
-                    )
-                    break
-                except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
-                    last = exc
-                    log_event(log, logging.WARNING, "waiting_for_nats", attempt=attempt, error=error_text(exc))
-                    await anyio.sleep(retry_every)
-        if self.nc is None:
-            detail = f": {last}" if last is not None else ""
-            raise StartupError(f"cannot connect to NATS at {self.settings.nats_url} within "
-                               f"{self.settings.connect_timeout}s{detail}")
+        self.nc = await connection.connect(
+            self.settings,
+            name="streamproc-edge",
+            reconnect=True,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+        )
         self.metrics.nats_connected = 1
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token

@@ -25,12 +25,13 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from ..catalog import Catalog
-from ..config import Settings
+from ..config import Settings, redact_url
 from ..core.codec import CodecOptions
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
+from . import connection
 from .control import ControlPlane
 from .core_input import CoreInput
 from .gate import DispatchGate
@@ -118,7 +119,7 @@ class Processor:
             await stack.__aexit__(None, None, None)
             raise
         self._stack = stack
-        log_event(log, logging.INFO, "started", nats_url=settings.nats_url, subject=self.subjects.all_chunks,
+        log_event(log, logging.INFO, "started", nats_url=redact_url(settings.nats_url), subject=self.subjects.all_chunks,
                   format=settings.format, mode=self.mode)
 
     def _make_input(self, mode: str) -> Input:
@@ -154,27 +155,16 @@ class Processor:
                     return
 
     async def _connect(self) -> NatsClient:
-        settings = self.settings
-        servers = [s.strip() for s in settings.nats_url.split(",") if s.strip()]
-        try:
-            with anyio.fail_after(settings.connect_timeout if settings.connect_timeout > 0 else math.inf):
-                return await nats.connect(
-                    servers=servers,
-                    name="streamproc",
-                    max_reconnect_attempts=-1,  # a stream processor outlives NATS restarts
-                    reconnect_time_wait=1,
-                    error_cb=self._on_error,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                    closed_cb=self._on_closed,
-                    drain_timeout=int(math.ceil(settings.drain_timeout)),
-                )
-        except TimeoutError:
-            detail = f": {self._last_error}" if self._last_error else ""
-            raise StartupError(f"cannot connect to NATS at {settings.nats_url} within "
-                               f"{settings.connect_timeout}s{detail}") from None
-        except Exception as exc:
-            raise StartupError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from None
+        return await connection.connect(
+            self.settings,
+            name="streamproc",
+            reconnect=True,  # a stream processor outlives NATS restarts
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnected,
+            reconnected_cb=self._on_reconnected,
+            closed_cb=self._on_closed,
+            drain_timeout=int(math.ceil(self.settings.drain_timeout)),
+        )
 
     async def _choose_mode(self) -> str:
         """``auto`` becomes durable when the account has JetStream; ``durable`` without it is a start-up error."""
@@ -184,7 +174,7 @@ class Processor:
         assert self.nc is not None
         available = await jetstream_available(self.nc)
         if wanted == "durable" and not available:
-            raise StartupError(f"--mode durable needs JetStream, which the NATS server at {self.settings.nats_url} "
+            raise StartupError(f"--mode durable needs JetStream, which the NATS server at {redact_url(self.settings.nats_url)} "
                                "does not offer to this account (start nats-server with -js, or use --mode core)")
         chosen = "durable" if available else "core"
         if wanted == "auto":
@@ -224,7 +214,7 @@ class Processor:
 
     async def _on_reconnected(self) -> None:
         self.io.reconnects += 1
-        url = self.nc.connected_url.geturl() if self.nc and self.nc.connected_url else "?"
+        url = redact_url(self.nc.connected_url.geturl()) if self.nc and self.nc.connected_url else "?"
         log_event(log, logging.INFO, "reconnected", server=url)
 
     async def _on_closed(self) -> None:

@@ -68,8 +68,10 @@ class EmbeddedNats:
 
     def __init__(self, *, jetstream: bool = True, startup_timeout: float = 15.0, binary: Path | None = None,
                  server_name: str | None = None, cluster_name: str | None = None,
-                 cluster_port: int | None = None, routes: list[str] | None = None) -> None:
+                 cluster_port: int | None = None, routes: list[str] | None = None,
+                 config: str | None = None) -> None:
         self.jetstream = jetstream
+        self.config = config  # nats-server configuration text (authorization, tls, accounts...)
         self.startup_timeout = startup_timeout
         self.binary = binary
         self.server_name = server_name
@@ -103,6 +105,9 @@ class EmbeddedNats:
             self._dir = Path(tempfile.mkdtemp(prefix="streamproc-nats-"))
         port, monitor = ("-1", "-1") if not restart else (str(self.port), self.monitor_url.rsplit(":", 1)[1])
         cmd = [str(binary), "-a", "127.0.0.1", "-p", port, "-m", monitor, "--ports_file_dir", str(self._dir)]
+        if self.config is not None:
+            (self._dir / "server.conf").write_text(self.config)
+            cmd += ["-c", str(self._dir / "server.conf")]
         if self.jetstream:
             cmd += ["-js", "-sd", str(self._dir / "jetstream")]
         if self.server_name:

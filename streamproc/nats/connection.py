@@ -1,0 +1,194 @@
+"""The one way streamproc connects to NATS: authentication, TLS, a bounded first connect.
+
+Every command that connects out (``run``, ``edge``, ``simulate``) calls :func:`connect` with its
+settings, so each supports the same mechanisms (user and password, token, nkey seed, ``.creds``
+file, TLS with a CA file, client certificate) under the same ``STREAMPROC_NATS_*`` names.
+
+A refused credential or a certificate that does not verify will not get better by retrying, so the
+first connect stops at the first such error with one line naming the cause, instead of retrying
+until ``--connect-timeout``. Later disconnects are retried as before. No text this module produces
+contains a secret: URLs are redacted and every known secret is scrubbed from error messages.
+"""
+
+from __future__ import annotations
+
+import math
+import ssl
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import anyio
+import nats.errors
+from nats.aio.client import Client as NatsClient
+
+from ..config import REDACTED, CommonSettings, redact_url
+from ..core.errors import ConfigError, StartupError
+from ..logs import error_text
+
+ErrorCallback = Callable[[Exception], Awaitable[None]]
+
+
+def _read_secret(path: str, setting: str) -> str:
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {setting} {path}: {exc.strerror or exc}") from None
+    if not value:
+        raise ConfigError(f"{setting} {path} is empty")
+    return value
+
+
+def _check_readable(path: str, setting: str) -> None:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {setting} {path}: {exc.strerror or exc}") from None
+
+
+def servers(settings: CommonSettings) -> list[str]:
+    return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
+
+
+def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
+    """A verifying client context with the configured CA and client certificate, or None (nats-py
+    then uses the system's CAs when a ``tls://`` URL or the server asks for TLS)."""
+    if not (settings.nats_tls_ca_file or settings.nats_tls_cert_file):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    try:
+        if settings.nats_tls_ca_file:
+            context.load_verify_locations(cafile=settings.nats_tls_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load nats_tls_ca_file {settings.nats_tls_ca_file}: {exc}") from None
+    if settings.nats_tls_cert_file:
+        try:
+            context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load the client certificate {settings.nats_tls_cert_file} with key "
+                              f"{settings.nats_tls_key_file}: {exc}") from None
+    return context
+
+
+def connect_options(settings: CommonSettings) -> dict[str, Any]:
+    """The authentication and TLS keyword arguments of ``nats.connect`` for these settings.
+
+    Reads secret files now, so a missing or unreadable file is a configuration error at start-up
+    (exit 2), not a connect failure later.
+    """
+    options: dict[str, Any] = {}
+    if settings.nats_user:
+        options["user"] = settings.nats_user
+        options["password"] = settings.nats_password or _read_secret(settings.nats_password_file,
+                                                                     "nats_password_file")
+    if settings.nats_token or settings.nats_token_file:
+        options["token"] = settings.nats_token or _read_secret(settings.nats_token_file, "nats_token_file")
+    if settings.nats_nkey_seed_file:
+        seed = _read_secret(settings.nats_nkey_seed_file, "nats_nkey_seed_file")
+        if not seed.startswith("SU"):
+            raise ConfigError(f"nats_nkey_seed_file {settings.nats_nkey_seed_file} holds no user nkey seed "
+                              "(a line starting with SU)")
+        options["nkeys_seed_str"] = seed
+    if settings.nats_creds_file:
+        _check_readable(settings.nats_creds_file, "nats_creds_file")
+        options["user_credentials"] = settings.nats_creds_file
+    context = tls_context(settings)
+    if context is not None:
+        options["tls"] = context
+    return options
+
+
+def secrets_of(settings: CommonSettings, options: dict[str, Any] | None = None) -> list[str]:
+    """Every secret string to keep out of output: settings, URL credentials, secrets read from files."""
+    found = list(settings.secret_values())
+    for key in ("password", "token", "nkeys_seed_str"):
+        if options and options.get(key):
+            found.append(str(options[key]))
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    """``text`` with every secret replaced by ``<redacted>`` (and URL credentials redacted)."""
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return redact_url(text)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Errors a retry cannot fix: refused credentials, a certificate that does not verify."""
+    if isinstance(exc, (nats.errors.AuthorizationError, ssl.SSLError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, nats.errors.Error) and ("authorization" in text or "authentication" in text
+                                                   or "permissions violation" in text and "connect" in text)
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming the cause, with a hint for the common ones."""
+    text = error_text(exc)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{text} (is nats_tls_ca_file the CA that signed the server's certificate?)"
+    if isinstance(exc, ssl.SSLError) and "certificate required" in str(exc).lower():
+        return f"{text} (the server requires a client certificate: nats_tls_cert_file and nats_tls_key_file)"
+    if is_fatal(exc) and not isinstance(exc, ssl.SSLError):
+        return f"{text} (the server refused the credentials)"
+    return text
+
+
+async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True,
+                  error_cb: ErrorCallback | None = None, **callbacks: Any) -> NatsClient:
+    """Connect with the settings' credentials and TLS; raise :class:`StartupError` (one line, no
+    secret) when the server refuses them, or nothing answers within ``connect_timeout``.
+
+    ``reconnect``: retry the first connect and every later disconnect forever (the processor, the
+    edge), or fail at the first error (``simulate``). ``callbacks`` go to ``nats.connect``.
+    """
+    options = connect_options(settings)
+    hidden = secrets_of(settings, options)
+    where = redact_url(settings.nats_url)
+    errors: list[Exception] = []
+    fatal: list[Exception] = []
+    nc = NatsClient()
+    connecting = True
+
+    async def on_error(exc: Exception) -> None:
+        if connecting:
+            errors.append(exc)
+        if connecting and not fatal and is_fatal(exc):
+            fatal.append(exc)
+            scope.cancel()  # first connect: stop retrying a credential the server refused
+        if error_cb is not None:
+            await error_cb(exc)
+
+    limit = settings.connect_timeout if settings.connect_timeout > 0 else math.inf
+    failure: BaseException | None = None
+    with anyio.move_on_after(limit) as scope:
+        try:
+            await nc.connect(
+                servers=servers(settings),
+                name=name,
+                allow_reconnect=reconnect,
+                max_reconnect_attempts=-1 if reconnect else 0,
+                reconnect_time_wait=1 if reconnect else 0.2,
+                connect_timeout=max(1, min(5, int(limit))) if limit != math.inf else 5,
+                error_cb=on_error,
+                **options,
+                **callbacks,
+            )
+        except Exception as exc:  # noqa: BLE001 - reported below as one line
+            failure = exc
+    connecting = False
+    if nc.is_connected:
+        return nc
+    # A client whose TLS handshake failed can wait forever in close() (nats-py 2.16): bound it.
+    with anyio.move_on_after(1):
+        try:
+            await nc.close()
+        except Exception:  # noqa: BLE001 - a half-open client; nothing left to release
+            pass
+    cause = fatal[0] if fatal else (errors[-1] if errors else failure)
+    if fatal or (failure is not None and not scope.cancelled_caught):
+        raise StartupError(scrub(f"cannot connect to NATS at {where}: {describe(cause)}", hidden))
+    detail = f": {describe(cause)}" if cause is not None else ""
+    raise StartupError(scrub(f"cannot connect to NATS at {where} within {settings.connect_timeout}s{detail}",
+                             hidden))
