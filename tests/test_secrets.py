@@ -1,0 +1,103 @@
+"""Secrets never reach stdout or stderr: not in --print-config, logs (DEBUG included) or errors.
+
+Every command runs with real secrets (a password in the environment, a token file, credentials in
+the URL) against a real nats-server that requires them, succeeding and failing; the secret strings
+must appear nowhere in what the command printed.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CLI, _cli_env, run_cli_process
+from edge_harness import EdgeProcess
+from streamproc.sim.embedded import EmbeddedNats, stop_process
+
+pytestmark = pytest.mark.nats
+
+PASSWORD = "pw-S3cr3t-4f9a"
+URL_PASSWORD = "urlpw-8c1e-hidden"
+TOKEN = "tok-77b2-hidden"
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = (f'authorization {{ users = [ {{ user: app, password: "{PASSWORD}" }},'
+              f' {{ user: url, password: "{URL_PASSWORD}" }} ] }}\n')
+    with EmbeddedNats(jetstream=False, config=config) as srv:
+        yield srv
+
+
+def assert_hidden(text: str, *secrets: str) -> None:
+    for secret in secrets:
+        assert secret not in text, f"secret {secret!r} printed:\n{text}"
+
+
+def url_with_password(server: EmbeddedNats, password: str = URL_PASSWORD) -> str:
+    return server.url.replace("nats://", f"nats://url:{password}@")
+
+
+def test_print_config_redacts_the_password_the_token_and_url_credentials(server, tmp_path):
+    proc = run_cli_process("run", "--print-config", "--nats-url", url_with_password(server),
+                           env={"STREAMPROC_NATS_PASSWORD": PASSWORD, "STREAMPROC_NATS_USER": "app"})
+    assert proc.returncode == 0, proc.stderr
+    assert '"nats_password": "<redacted>"' in proc.stdout and "url:<redacted>@" in proc.stdout
+    assert_hidden(proc.stdout + proc.stderr, PASSWORD, URL_PASSWORD)
+    proc = run_cli_process("run", "--print-config", env={"STREAMPROC_NATS_TOKEN": TOKEN})
+    assert '"nats_token": "<redacted>"' in proc.stdout
+    assert_hidden(proc.stdout + proc.stderr, TOKEN)
+
+
+def test_a_bad_setting_next_to_a_secret_does_not_print_the_secret():
+    proc = run_cli_process("run", "--prefill-timeout", "-1", "--nats-url", f"nats://u:{URL_PASSWORD}@127.0.0.1:1",
+                           env={"STREAMPROC_NATS_TOKEN": TOKEN})
+    assert proc.returncode == 2
+    assert_hidden(proc.stdout + proc.stderr, TOKEN, URL_PASSWORD)
+    proc = run_cli_process("run", "--print-config", env={"STREAMPROC_NATS_URL": f"nats://u:{URL_PASSWORD}@h:1",
+                                                         "STREAMPROC_NATS_PASSWORD": PASSWORD})
+    assert proc.returncode == 2  # a password without a user, and one in the URL
+    assert_hidden(proc.stdout + proc.stderr, PASSWORD, URL_PASSWORD)
+
+
+@pytest.mark.parametrize("password", [PASSWORD, "wrong-pw-1d3f"])
+def test_run_logs_at_debug_and_its_errors_hold_no_secret(server, password):
+    env = {"STREAMPROC_NATS_PASSWORD": password, "STREAMPROC_NATS_USER": "app"}
+    proc = subprocess.Popen([*CLI, "run", "--nats-url", server.url, "--log-level", "DEBUG", "--connect-timeout",
+                             "10"], env=_cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    if password == PASSWORD:
+        time.sleep(2.5)
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    text = out.decode()
+    assert ("event=started" in text) == (password == PASSWORD), text
+    assert_hidden(text, password)
+    # The URL form: user and password in --nats-url, wrong and right.
+    for pw in (URL_PASSWORD, "wrong-url-pw-55aa"):
+        result = run_cli_process("run", "--nats-url", url_with_password(server, pw), "--log-level", "DEBUG",
+                                 "--connect-timeout", "3", "--format", "nonexistent-format")
+        assert_hidden(result.stdout + result.stderr, pw)
+        result = run_cli_process("simulate", "--nats-url", url_with_password(server, pw), "--log-level", "DEBUG",
+                                 "--requests", "2")
+        assert_hidden(result.stdout + result.stderr, pw)
+        assert ("published" in result.stdout) == (pw == URL_PASSWORD), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("url_password", [URL_PASSWORD, "wrong-edge-pw-9e0c"])
+def test_the_edge_prints_no_secret_running_or_refused(server, url_password, tmp_path):
+    edge = EdgeProcess(url_with_password(server, url_password), "--log-level", "DEBUG")
+    if url_password == URL_PASSWORD:
+        edge.start()
+        assert edge.metrics()["streamproc_edge_nats_connected"] == 1
+        edge.stop()
+    else:
+        with open(edge.log_path, "wb") as log_file:
+            code = subprocess.run(edge.argv, env=edge.env, stdout=log_file, stderr=log_file, timeout=30).returncode
+        assert code == 1
+    assert_hidden(edge.log(), url_password)
+    edge.close()
