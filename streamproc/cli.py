@@ -11,6 +11,7 @@ import argparse
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Sequence
@@ -114,7 +115,30 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         finally:
             await nc.close()
 
-    return anyio.run(main)
+    async def until_signal() -> int:
+        """``main``, stopped at once by SIGTERM/SIGINT in any state (connecting, publishing, verifying)."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            outcome: list[int] = []
+            failure: list[BaseException] = []
+            async with anyio.create_task_group() as tasks:
+
+                async def stop_on_signal() -> None:
+                    async for signum in signals:
+                        outcome.append(128 + signum)
+                        tasks.cancel_scope.cancel()
+                        return
+
+                tasks.start_soon(stop_on_signal)
+                try:
+                    outcome.append(await main())
+                except Exception as exc:  # re-raised outside the task group (no ExceptionGroup)
+                    failure.append(exc)
+                tasks.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        return outcome[0]
+
+    return anyio.run(until_signal)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

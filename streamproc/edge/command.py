@@ -61,7 +61,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         lifespan="on",
         access_log=False,
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
     )
     server = uvicorn.Server(config)
     source = app.state.edge.source

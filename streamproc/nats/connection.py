@@ -177,18 +177,27 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
             )
         except Exception as exc:  # noqa: BLE001 - reported below as one line
             failure = exc
+        except BaseException:  # cancelled from outside (a signal): release the half-open client
+            with anyio.move_on_after(1, shield=True):
+                await _close_quietly(nc)
+            raise
     connecting = False
     if nc.is_connected:
         return nc
-    # A client whose TLS handshake failed can wait forever in close() (nats-py 2.16): bound it.
     with anyio.move_on_after(1):
-        try:
-            await nc.close()
-        except Exception:  # noqa: BLE001 - a half-open client; nothing left to release
-            pass
+        await _close_quietly(nc)
     cause = fatal[0] if fatal else (errors[-1] if errors else failure)
     if fatal or (failure is not None and not scope.cancelled_caught):
         raise StartupError(scrub(f"cannot connect to NATS at {where}: {describe(cause)}", hidden))
     detail = f": {describe(cause)}" if cause is not None else ""
     raise StartupError(scrub(f"cannot connect to NATS at {where} within {settings.connect_timeout}s{detail}",
                              hidden))
+
+
+async def _close_quietly(nc: NatsClient) -> None:
+    """Close a client that never connected. Callers bound the wait: a client whose TLS handshake
+    failed can wait forever in close() (nats-py 2.16)."""
+    try:
+        await nc.close()
+    except Exception:  # noqa: BLE001 - a half-open client; nothing left to release
+        pass

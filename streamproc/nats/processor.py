@@ -43,6 +43,10 @@ log = logging.getLogger("streamproc.processor")
 T = TypeVar("T")
 
 
+class _Interrupted(Exception):
+    """A signal arrived while the processor was still connecting."""
+
+
 class Processor:
     """``async with Processor(settings) as p:`` runs until the block exits; ``run()`` until a signal."""
 
@@ -69,6 +73,8 @@ class Processor:
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._last_error: BaseException | None = None
+        self._start_scope: anyio.CancelScope | None = None
+        self._stop_requested = False
         self._closing = False
 
     @property
@@ -98,11 +104,18 @@ class Processor:
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
         try:
-            self.nc = await self._connect()
-            stack.push_async_callback(self._close_connection)
+            # Waiting for NATS is the one open-ended step: run() cancels it on a signal.
+            self._start_scope = anyio.CancelScope()
+            if self._stop_requested:
+                self._start_scope.cancel()
+            with self._start_scope:
+                self.nc = await self._connect()
+                stack.push_async_callback(self._close_connection)
+                self.mode = await self._choose_mode()
+            if self._start_scope.cancelled_caught:
+                raise _Interrupted
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tasks.cancel_scope.cancel)  # runs before the task group exits
-            self.mode = await self._choose_mode()
             self._input = self._make_input(self.mode)
             try:
                 await self._input.start()
@@ -116,7 +129,10 @@ class Processor:
             if settings.stats_interval > 0:
                 self._tasks.start_soon(self._report_stats)
         except BaseException:
-            await stack.__aexit__(None, None, None)
+            # Shielded (a signal may have cancelled the start) and bounded (a half-open connection
+            # may not close cleanly): release what was set up, then re-raise.
+            with anyio.move_on_after(2, shield=True):
+                await stack.__aexit__(None, None, None)
             raise
         self._stack = stack
         log_event(log, logging.INFO, "started", nats_url=redact_url(settings.nats_url), subject=self.subjects.all_chunks,
@@ -147,12 +163,37 @@ class Processor:
         log_event(log, logging.INFO, "stopped", **{k: v for k, v in self.snapshot().items() if v})
 
     async def run(self) -> None:
-        """Serve until SIGTERM or SIGINT, then stop gracefully."""
+        """Serve until SIGTERM or SIGINT, then stop gracefully. A signal while connecting stops at
+        once: there is nothing to drain yet."""
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with self:
-                async for signum in signals:
-                    log_event(log, logging.INFO, "signal", signal=signal.Signals(signum).name)
-                    return
+            stop = anyio.Event()
+            failure: Exception | None = None
+            async with anyio.create_task_group() as watcher:
+
+                async def watch() -> None:
+                    async for signum in signals:
+                        log_event(log, logging.INFO, "signal", signal=signal.Signals(signum).name)
+                        self._stop_requested = True
+                        if self._start_scope is not None:
+                            self._start_scope.cancel()
+                        stop.set()
+                        return
+
+                watcher.start_soon(watch)
+                try:
+                    await self.start()
+                except _Interrupted:
+                    pass
+                except Exception as exc:  # raised below, outside the task group (no ExceptionGroup)
+                    failure = exc
+                else:
+                    try:
+                        await stop.wait()
+                    finally:
+                        await self.stop()
+                watcher.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
 
     async def _connect(self) -> NatsClient:
         return await connection.connect(
