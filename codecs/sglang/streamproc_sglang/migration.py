@@ -209,11 +209,7 @@ class SGLangMigrationSession(MigrationSession):
         """In a cumulative stream, put what the client already saw in front of the attempt's output."""
         self._restated = False
         ids = doc.get(OUTPUT_IDS)
-        if not isinstance(ids, list) or not base.emitted:
-            return
-        if native.restates(doc, self._attempt_ids):
-            self._attempt_ids.extend(ids)
-        if not base.cumulative:
+        if not isinstance(ids, list) or not base.emitted or not base.cumulative:
             return
         doc[OUTPUT_IDS] = base.ids + ids
         if isinstance(doc.get(TEXT), str):
