@@ -17,14 +17,16 @@ from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
 
-# vLLM's OpenAI-style error types and the HTTP status each goes with (§7 "Errors").
+# vLLM's ``ErrorResponse`` type names (``OpenAIServing.create_error_response`` defaults to
+# ``BadRequestError``/400; engine failures are ``InternalServerError``/500) and the HTTP status each
+# goes with.
 ERROR_TYPES: Mapping[ErrorKind, tuple[str, int]] = {
-    ErrorKind.TIMEOUT: ("service_unavailable", 503),
-    ErrorKind.OVERLOADED: ("overloaded", 503),
-    ErrorKind.INVALID_CHUNK: ("invalid_request_error", 400),
-    ErrorKind.UNKNOWN_FORMAT: ("invalid_request_error", 400),
-    ErrorKind.INTERNAL: ("internal_error", 500),
-    ErrorKind.MIGRATION_REFUSED: ("service_unavailable", 503),
+    ErrorKind.TIMEOUT: ("ServiceUnavailableError", 503),
+    ErrorKind.OVERLOADED: ("ServiceUnavailableError", 503),
+    ErrorKind.INVALID_CHUNK: ("InternalServerError", 500),
+    ErrorKind.UNKNOWN_FORMAT: ("BadRequestError", 400),
+    ErrorKind.INTERNAL: ("InternalServerError", 500),
+    ErrorKind.MIGRATION_REFUSED: ("ServiceUnavailableError", 503),
 }
 
 
@@ -53,7 +55,8 @@ class VLLMCodec(Codec):
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         error_type, code = ERROR_TYPES.get(kind, ERROR_TYPES[ErrorKind.INTERNAL])
-        return dump({"error": {"message": message, "type": error_type, "code": code}})
+        # ErrorResponse{error: ErrorInfo{message, type, param, code}}
+        return dump({"error": {"message": message, "type": error_type, "param": None, "code": code}})
 
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 
