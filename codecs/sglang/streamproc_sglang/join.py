@@ -114,8 +114,8 @@ def _layout(prefill: _PrefillRows, decode_bytes: int, completion: int,
     bytes of decode's own (stale) copy of the prompt rows. Rows cover ``[start, seqlen - 1)``
     (``io_struct.GenerateReqInput.routed_experts_start_len``); decode covers the same start
     ("full") or only the generated suffix, as frameworks that set ``start = prompt`` on decode do.
-    An unstated start is 0 when that fits, else inferred from the byte counts when only one
-    reading fits them."""
+    An unstated start is SGLang's default 0 when that fits the byte counts; otherwise it is inferred
+    from them, and only used when every reading that fits publishes the same rows."""
     b_p, prompt, generated = len(prefill.rows), prefill.prompt_tokens, completion - 1
     if generated == 0:  # decode's rows, if any, are its stale copy of prefill's
         return (None, decode_bytes) if decode_bytes in (0, b_p) else LENGTH_MISMATCH
@@ -126,7 +126,7 @@ def _layout(prefill: _PrefillRows, decode_bytes: int, completion: int,
             if row_bytes is not None:
                 readings.add((row_bytes, 0 if suffix else b_p))
         if readings:
-            break
+            break  # SGLang's default start 0 fits: take it
     skips = {skip for _, skip in readings}
     if len(skips) != 1:
         return LENGTH_MISMATCH  # no reading fits, or two that would publish different rows
