@@ -20,7 +20,10 @@ import msgspec
 
 from .wire import Verdict
 
-DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+# A ceiling, not the working bound: codecs decode at most what a body's token counts allow
+# (rows x row width). 512 MiB holds a 128k-token capture of the widest open MoE models at int32
+# (Qwen3-235B: 94 layers x top-8 = 394 MB; DeepSeek-V3/Kimi-K2: 61 x 8 = 256 MB).
+DEFAULT_MAX_DECOMPRESSED_BYTES = 512 * 1024 * 1024
 
 
 class CodecOptions(msgspec.Struct, frozen=True):
@@ -66,6 +69,17 @@ class SequenceCodec(ABC, Generic[R]):
 
     @abstractmethod
     def encode(self, rows: R) -> object: ...
+
+    def decode_within(self, value: object, limit: int) -> R:
+        """``decode``, refusing (:data:`~streamproc.decompress.TOO_LARGE`) past ``limit`` bytes, the size
+        the caller expects from the body's token counts. This default checks after decoding (still
+        bounded by ``max_decompressed_bytes``); encodings that inflate override it to stop earlier."""
+        rows = self.decode(value)
+        size = getattr(rows, "nbytes", None)
+        size = len(rows) if size is None else size  # type: ignore[arg-type]
+        if size > limit:
+            raise CorruptPayload("too_large", f"decoded {size} bytes, the body allows {limit}")
+        return rows
 
 
 class JoinSession(ABC):

@@ -7,6 +7,7 @@ follow upstream's code paths and are independent of the simulator the rest of th
 from __future__ import annotations
 
 import base64
+import tracemalloc
 
 import msgspec
 import numpy as np
@@ -14,13 +15,15 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from streamproc.codec import CodecOptions
+from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions
+from streamproc.decompress import encode_base64
 from streamproc.simulation import Truth, make_truth
 from streamproc.testing.strategies import truths
 from streamproc.wire import Verdict
 from streamproc_sglang import SGLangCodec
 from streamproc_sglang import upstream as sgl
 from streamproc_sglang.native import EXPERT_DTYPE_SIZES
+from streamproc_sglang_zstd import SGLangZstdCodec, zstd_bomb
 from streamproc_vllm import VLLMCodec
 from streamproc_vllm import upstream as vll
 
@@ -279,3 +282,53 @@ def test_vllm_duplicate_expert_ids_in_decode_rows_are_decode_corrupt():
     [(body, verdict)] = join(VLLM, [msgspec.json.encode(decode)], vll.prefill(truth, vll.Shape()))
     choice = msgspec.json.decode(body)["choices"][0]
     assert choice["routed_experts_unavailable_reason"] == "decode_corrupt" and verdict is Verdict.OMITTED
+
+
+# -------------------------------------------------------------------------------- size budget
+
+
+def test_default_ceiling_holds_a_128k_token_capture_of_the_widest_open_moe_models():
+    tokens = 128 * 1024
+    for layers, top_k in [(61, 8), (94, 8), (92, 8)]:  # DeepSeek-V3/Kimi-K2, Qwen3-235B, GLM-4.5
+        assert tokens * layers * top_k * 4 <= DEFAULT_MAX_DECOMPRESSED_BYTES
+
+
+@pytest.mark.parametrize("declare", [True, False])
+@pytest.mark.parametrize("size", [1 << 30, 256 << 20])  # past the ceiling, and below it
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+def test_zstd_bombs_are_refused_by_the_bodys_own_row_count_in_bounded_memory(declare, size, leg):
+    codec = SGLangZstdCodec(CodecOptions())  # the default ceiling
+    encode = codec.sequences["routed_experts"].encode
+    truth = make_truth(16, prompt_len=6, output_len=5)
+    shape = sgl.Shape()
+    prefill = sgl.prefill(truth, shape, encode=encode)
+    decode = sgl.decode(truth, shape, stream=False, encode=encode)
+    bomb = encode_base64(zstd_bomb(size, declare_size=declare))
+    if leg == "prefill":
+        doc = msgspec.json.decode(prefill[0])
+        doc["meta_info"]["routed_experts"] = bomb
+        prefill = [msgspec.json.encode(doc)]
+    else:
+        doc = msgspec.json.decode(decode[0])
+        doc["meta_info"]["routed_experts"] = bomb
+        decode = [msgspec.json.encode(doc)]
+    tracemalloc.start()
+    try:
+        [(body, verdict)] = join(codec, decode, prefill)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert meta(body)["routed_experts_unavailable_reason"] == "too_large" and verdict is Verdict.OMITTED
+    assert peak < 100 << 20
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint8"])
+def test_zstd_codec_joins_upstream_shapes_unchanged(dtype):
+    codec = SGLangZstdCodec(OPTIONS)
+    encode = codec.sequences["routed_experts"].encode
+    truth = make_truth(17, prompt_len=5, output_len=6, num_layers=27, top_k=6)
+    for shape in (sgl.Shape(dtype=dtype, advertise_dtype=True), sgl.Shape(start_len=2, echo_start_len=True)):
+        for stream in (False, True):
+            joined = join(codec, sgl.decode(truth, shape, stream=stream, encode=encode),
+                          sgl.prefill(truth, shape, encode=encode))
+            assert [b for b, _ in joined] == sgl.agg(truth, shape, stream=stream, encode=encode)

@@ -73,12 +73,29 @@ ROUTED_EXPERTS_PREDECESSORS = (
 STALE_ROW_VALUES = 16
 
 
+# The widest row a real model produces is far below this: 4096 int32 ids (128 layers x top-32).
+# Until prefill's rows give the real width it bounds what a payload may decode to per token, so a
+# compression bomb on a short request is refused long before the global ceiling.
+MAX_ROW_BYTES = 4096 * 4
+
+
 class _PrefillRows(NamedTuple):
     rows: bytes
     dtype: str
     itemsize: int
     prompt_tokens: int
     start: int | None  # routed_experts_start_len when the prefill body states it
+
+
+def _decode_bound(prefill: _PrefillRows, completion: int) -> int:
+    """The most decode's payload may hold: every position ``[0, prompt + completion - 1)`` at the row
+    width prefill's rows show (exact when the start is stated, else at most one prefill row's bytes)."""
+    b_p, prompt, start = len(prefill.rows), prefill.prompt_tokens, prefill.start
+    if start is not None and prompt > start:
+        row_bytes = b_p // (prompt - start)
+    else:
+        row_bytes = min(b_p, MAX_ROW_BYTES) if b_p else MAX_ROW_BYTES
+    return (prompt + completion - 1) * row_bytes
 
 
 def _dtype_of(meta: dict[str, Any]) -> str | None:
@@ -346,7 +363,7 @@ class SGLangJoinSession(JoinSession):
             # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
             return self._provide(meta, source_value)
         try:
-            decode_rows = self._experts.decode(value)
+            decode_rows = self._experts.decode_within(value, _decode_bound(prefill, completion))
         except CorruptPayload as exc:
             return self._omit(meta, _leg_reason(exc, "decode"))
         dtype = _dtype_of(meta)
@@ -395,15 +412,15 @@ class SGLangJoinSession(JoinSession):
         value = self._prefill.get(ROUTED_EXPERTS)
         if value is None:
             return PREFILL_MISSING
-        try:
-            rows = self._experts.decode(value)
-        except CorruptPayload as exc:
-            return _leg_reason(exc, "prefill")
         dtype = _dtype_of(self._prefill)
         start = _start_of(self._prefill)
         prompt_tokens = self._prefill.get(PROMPT_TOKENS)
         if dtype is None or start is False or not _is_count(prompt_tokens) or prompt_tokens <= 0:
             return PREFILL_CORRUPT
+        try:  # at most one row of the widest plausible model per prompt token
+            rows = self._experts.decode_within(value, prompt_tokens * MAX_ROW_BYTES)
+        except CorruptPayload as exc:
+            return _leg_reason(exc, "prefill")
         itemsize = EXPERT_DTYPE_SIZES[dtype]
         if len(rows) % itemsize:
             return PREFILL_CORRUPT
