@@ -27,9 +27,30 @@ DEFAULT_MAX_DECOMPRESSED_BYTES = 512 * 1024 * 1024
 
 
 class CodecOptions(msgspec.Struct, frozen=True):
-    """Limits every codec must honour (set from the processor's configuration)."""
+    """Limits every codec must honour and format-specific options (set from the processor's configuration)."""
 
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+    # ``--format-option KEY=VALUE``: facts about the workers a codec cannot read from the bodies
+    # (e.g. ``streaming=cumulative`` for SGLang). Each codec documents the keys it reads.
+    format_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str) -> str:
+        """The value of one format option, or ``default`` when it was not given."""
+        for name, value in reversed(self.format_options):
+            if name == key:
+                return value
+        return default
+
+
+def parse_format_options(text: str) -> tuple[tuple[str, str], ...]:
+    """``"k=v,k2=v2"`` as pairs; raises ``ValueError`` for an item without ``=`` or key."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"format option {item!r} is not KEY=VALUE")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 class ErrorKind(enum.StrEnum):

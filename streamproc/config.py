@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
-from .codec import DEFAULT_MAX_DECOMPRESSED_BYTES
+from .codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
 from .correlator import CorrelatorConfig
 from .wire import DEFAULT_PREFIX, Subjects
 
@@ -80,6 +80,8 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                                       ge=1, le=100_000_000)] = 200_000
     max_decompressed_bytes: Annotated[int, documented("largest decoded sequence payload a codec accepts, per "
                                                 "payload", ge=1024, le=2**40)] = DEFAULT_MAX_DECOMPRESSED_BYTES
+    format_option: Annotated[str, documented("codec options as KEY=VALUE, comma-separated (sglang: "
+                                             "streaming=cumulative|incremental, see docs/codecs.md)")] = ""
     max_retained_bytes: Annotated[int, documented("bytes of published bodies kept by reference per request for a "
                                             "possible migration; past it the codec folds them into a compact "
                                             "progress state (0 folds every body at once)", ge=0, le=2**40)] = (
@@ -101,12 +103,20 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             Subjects(self.prefix)
         except ValueError as exc:
             raise ValueError(f"prefix: {exc}") from None
+        try:
+            parse_format_options(self.format_option)
+        except ValueError as exc:
+            raise ValueError(f"format_option: {exc}") from None
         if self.duplicate_window > min(self.chunks_max_age, self.results_max_age):
             raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
 
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
+
+    def codec_options(self) -> CodecOptions:
+        return CodecOptions(max_decompressed_bytes=self.max_decompressed_bytes,
+                            format_options=parse_format_options(self.format_option))
 
     def correlator_config(self) -> CorrelatorConfig:
         return CorrelatorConfig(

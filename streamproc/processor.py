@@ -28,7 +28,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from .catalog import Catalog
-from .codec import CodecOptions
 from .config import Settings
 from .control import ControlPlane
 from .correlator import CodecResolver, Correlator, Decision, Notice, Settle, Stats, UnknownFormat
@@ -136,7 +135,7 @@ class Processor:
         self.settings = settings
         self.subjects = settings.subjects
         self._clock = clock
-        self.catalog = catalog or Catalog(CodecOptions(max_decompressed_bytes=settings.max_decompressed_bytes))
+        self.catalog = catalog or Catalog(settings.codec_options())
         try:
             self.correlator = Correlator(self.catalog, settings.format, settings.correlator_config())
         except UnknownFormat as exc:

@@ -26,9 +26,9 @@ field                              stitched value
                                    attempt already published replace its leading rows
 =================================  ===========================================================
 
-Cumulative streams (SGLang's default, see ``native.restates``) are recognised from the bodies; an
-attempt that published fewer than two token-carrying chunks shows no mode and is taken as
-incremental. P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
+Cumulative streams (SGLang's default, see ``native.restates``) are recognised from the bodies; until
+a second token-carrying chunk shows the mode, the codec option ``streaming`` (default incremental)
+decides. P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
 then stitched. What the processor can check from bodies alone: every published body is a JSON
 object with integer ``output_ids`` (else the emitted tokens are unknown), is not a batch (a JSON
 array: ``n > 1``), and carries no ``hidden_states``. Guided decoding and ``n > 1`` are visible in
@@ -48,6 +48,8 @@ from streamproc.wire import Verdict
 from . import native
 from .native import (
     COMPLETION_TOKENS,
+    DEFAULT_EXPERT_DTYPE,
+    EXPERT_DTYPE_SIZES,
     FINISH_REASON,
     INPUT_LOGPROB_FIELDS,
     OUTPUT_DELTA_FIELDS,
@@ -56,6 +58,7 @@ from .native import (
     TEXT,
     PROMPT_TOKENS,
     ROUTED_EXPERTS,
+    ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_UNAVAILABLE,
 )
 
@@ -77,8 +80,6 @@ STATE_PROMPT_TOKENS = "prompt_tokens"
 STITCH_LENGTH_MISMATCH = "length_mismatch"
 STITCH_CORRUPT = "stitch_corrupt"
 
-_INT32 = 4
-
 
 def _is_count(value: object) -> bool:
     return type(value) is int
@@ -99,7 +100,7 @@ class _Base(msgspec.Struct):
 
 
 class SGLangMigrationSession(MigrationSession):
-    def __init__(self, sequences: Mapping[str, SequenceCodec]) -> None:
+    def __init__(self, sequences: Mapping[str, SequenceCodec], *, assume_cumulative: bool = False) -> None:
         self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
@@ -108,6 +109,8 @@ class SGLangMigrationSession(MigrationSession):
         self._input_logprobs: dict[str, Any] = {}
         self._rows: Any = None
         self._cumulative = False
+        self._decided = False  # a chunk after a token-carrying one has shown the stream's mode
+        self._assume_cumulative = assume_cumulative
         self._text = ""
         self._output_logprobs: dict[str, Any] = {}
         self._base = _Base()
@@ -129,15 +132,17 @@ class SGLangMigrationSession(MigrationSession):
             meta = native.meta_of(doc)
             if meta is not None:
                 self._absorb_meta(meta)
-            if native.restates(doc, self._ids):
-                self._cumulative = True
+            if self._ids and not self._decided:
+                self._decided = True
+                self._cumulative = native.restates(doc, self._ids)
+            if self._cumulative and native.restates(doc, self._ids):
                 del self._ids[:]
             self._ids.extend(ids)
-            if self._cumulative:
-                text = doc.get(TEXT)
-                self._text = text if isinstance(text, str) else ""
-                if meta is not None:
-                    self._output_logprobs = {f: meta[f] for f in OUTPUT_DELTA_FIELDS if isinstance(meta.get(f), list)}
+            # The last body's text and output lists: everything so far when the stream is cumulative.
+            text = doc.get(TEXT)
+            self._text = text if isinstance(text, str) else ""
+            if meta is not None:
+                self._output_logprobs = {f: meta[f] for f in OUTPUT_DELTA_FIELDS if isinstance(meta.get(f), list)}
 
     def _absorb_meta(self, meta: dict[str, Any]) -> None:
         if meta.get(HIDDEN_STATES) is not None:
@@ -158,7 +163,7 @@ class SGLangMigrationSession(MigrationSession):
             self._rows = meta[ROUTED_EXPERTS]
 
     def seal(self) -> Emitted:
-        cumulative = self._cumulative
+        cumulative = self._cumulative if self._decided else self._assume_cumulative
         self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows,
                            cumulative, self._ids.tolist() if cumulative else [], self._text if cumulative else "",
                            dict(self._output_logprobs) if cumulative else {})
@@ -227,7 +232,8 @@ class SGLangMigrationSession(MigrationSession):
             current = self._experts.decode(meta[ROUTED_EXPERTS])
         except CorruptPayload:
             return _omit(meta, STITCH_CORRUPT)
-        if len(earlier) % _INT32 or len(current) % _INT32 or len(current) < len(earlier):
+        size = EXPERT_DTYPE_SIZES.get(meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE), 0)
+        if not size or len(earlier) % size or len(current) % size or len(current) < len(earlier):
             return _omit(meta, STITCH_LENGTH_MISMATCH)
         if current[:len(earlier)] != earlier:
             meta[ROUTED_EXPERTS] = self._experts.encode(b"".join((earlier, memoryview(current)[len(earlier):])))

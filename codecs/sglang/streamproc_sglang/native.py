@@ -31,6 +31,8 @@ ROUTED_EXPERTS_DTYPE = "routed_experts_dtype"
 # GenerateReqInput.routed_experts_start_len: rows cover [start, seqlen - 1). Read from meta_info when
 # a worker echoes it; otherwise the join infers it from the byte counts.
 ROUTED_EXPERTS_START_LEN = "routed_experts_start_len"
+CUMULATIVE = "cumulative"
+INCREMENTAL = "incremental"
 EXPERT_DTYPE_SIZES = {"int32": 4, "uint16": 2, "uint8": 1}
 DEFAULT_EXPERT_DTYPE = "int32"
 
