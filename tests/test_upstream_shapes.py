@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions
+from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
+from streamproc.config import ConfigError, load
 from streamproc.decompress import encode_base64
 from streamproc.simulation import Truth, make_truth
 from streamproc.testing.strategies import truths
@@ -332,3 +333,59 @@ def test_zstd_codec_joins_upstream_shapes_unchanged(dtype):
             joined = join(codec, sgl.decode(truth, shape, stream=stream, encode=encode),
                           sgl.prefill(truth, shape, encode=encode))
             assert [b for b, _ in joined] == sgl.agg(truth, shape, stream=stream, encode=encode)
+
+
+# ------------------------------------------------------------------------ streaming option
+
+
+def _resume_after(codec, truth, shape, published: int) -> list[dict]:
+    expected = sgl.agg(truth, shape, stream=True)
+    session = codec.open_migration()
+    session.absorb(expected[:published])
+    emitted = len(session.seal().token_ids)
+    resumed = sgl.agg(truth.resumed(emitted), shape, stream=True)
+    out = []
+    for i, body in enumerate(resumed):
+        stitched = session.stitch(body, i == len(resumed) - 1)
+        doc = msgspec.json.decode(body if stitched is None else stitched[0])
+        doc["meta_info"].pop("e2e_latency", None)
+        out.append(doc)
+    return out
+
+
+def _docs(bodies: list[bytes]) -> list[dict]:
+    docs = [msgspec.json.decode(b) for b in bodies]
+    for doc in docs:
+        doc["meta_info"].pop("e2e_latency", None)
+    return docs
+
+
+def test_sglang_migration_after_the_first_chunk_follows_the_streaming_option():
+    # One published chunk reads the same in both modes: only the operator's option can tell.
+    truth = make_truth(18, prompt_len=4, output_len=7, chunk_sizes=[3, 2, 2])
+    shape = sgl.Shape(streaming="cumulative")
+    told = SGLangCodec(CodecOptions(format_options=(("streaming", "cumulative"),)))
+    assert _resume_after(told, truth, shape, 1) == _docs(sgl.agg(truth, shape, stream=True)[1:])
+    assert _resume_after(SGLANG, truth, shape, 1) != _docs(sgl.agg(truth, shape, stream=True)[1:])
+    # Once two chunks were seen the stream's own counts decide, whatever the option says.
+    incremental = sgl.Shape(streaming="incremental")
+    assert _resume_after(told, truth, incremental, 2) == _docs(sgl.agg(truth, incremental, stream=True)[2:])
+
+
+def test_streaming_option_and_format_option_syntax_are_validated():
+    with pytest.raises(ValueError, match="streaming"):
+        SGLangCodec(CodecOptions(format_options=(("streaming", "sideways"),)))
+    assert parse_format_options(" streaming=cumulative , x=1") == (("streaming", "cumulative"), ("x", "1"))
+    with pytest.raises(ConfigError, match="format_option"):
+        load({}, {"format_option": "streaming"})
+    assert load({"STREAMPROC_FORMAT_OPTION": "streaming=cumulative"}).codec_options().option("streaming", "") \
+        == "cumulative"
+
+
+def test_vllm_migration_reads_emitted_tokens_from_upstream_stream_chunks():
+    truth = make_truth(19, prompt_len=3, output_len=6, chunk_sizes=[2, 2, 2])
+    bodies = vll.agg(truth, vll.Shape(include_usage=True), stream_=True)
+    for published, sent in [(1, 2), (3, 6), (4, 6)]:  # the usage-only chunk adds no token
+        session = VLLM.open_migration()
+        session.absorb(bodies[:published])
+        assert session.seal().token_ids == truth.output_ids[:sent]
