@@ -3,15 +3,17 @@
 What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
 
 - ``input_token_logprobs`` (and ``input_top_logprobs`` / ``input_token_ids_logprobs`` when the
-  prefill leg has them): only prefill computes them. Copied onto every decode chunk that carries
-  ``output_token_logprobs``, because the aggregated stream re-emits them cumulatively on each chunk.
+  prefill leg has them): only prefill computes them; decode sends ``[]``. Copied onto every decode
+  chunk that carries ``output_token_logprobs``, because the aggregated stream re-emits them on each
+  chunk. Prefill's ``[]`` (the default ``logprob_start_len = -1`` window) is a complete answer.
 - The first output token's logprob: P/D decode reports ``[null, out0, null]`` (SGLang PR #40298).
   Taken from prefill's ``output_token_logprobs[0]`` when it names the same token id.
-- ``routed_experts``: decode's rows ``[0, prompt_len)`` are stale KV-slot leftovers. Joined bytes are
-  ``P + D[len(P):]`` (prefill's prompt rows, then decode's own rows), validated against the token
-  counts. Rows must start at position 0 (``routed_experts_start_len == 0`` on both legs), which is
-  the SGLang default; a shifted start shows up as a ``length_mismatch``. Value-level corruption of a
-  correctly sized raw payload (a wrong but in-range expert id) cannot be detected here.
+- ``routed_experts``: rows cover ``[routed_experts_start_len, seqlen - 1)`` in the advertised wire
+  dtype. Decode's copy of the prompt rows is stale KV-slot leftovers (or absent, when it returns the
+  generated suffix only): the joined bytes are prefill's rows then decode's generated rows, the
+  layout read from the stated start or, failing that, from the byte counts (:func:`_layout`).
+  Rows no real capture produces (:func:`_stale`) are refused; a wrong but in-range expert id in a
+  correctly sized raw payload cannot be detected here.
 
 Omission policy: a field that cannot be rebuilt completely is removed and
 ``<field>_unavailable_reason`` says why; decode's stale rows are never published.
