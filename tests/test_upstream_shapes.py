@@ -202,6 +202,18 @@ def test_sglang_stale_zero_prefill_rows_are_prefill_corrupt(stream):
     assert joined[-1][1] is Verdict.OMITTED
 
 
+def test_sglang_decode_generated_rows_of_one_repeated_id_are_decode_corrupt():
+    truth = make_truth(20, prompt_len=3, output_len=4, num_layers=8, top_k=2)
+    shape = sgl.Shape()
+    decode = msgspec.json.decode(sgl.decode(truth, shape, stream=False)[0])
+    rows = bytearray(base64.b64decode(decode["meta_info"]["routed_experts"]))
+    row = truth.row_bytes
+    rows[-row:] = (7).to_bytes(4, "little") * (row // 4)  # the last generated row: expert 7 everywhere
+    decode["meta_info"]["routed_experts"] = base64.b64encode(bytes(rows)).decode()
+    [(body, verdict)] = join(SGLANG, [msgspec.json.encode(decode)], sgl.prefill(truth, shape))
+    assert meta(body)["routed_experts_unavailable_reason"] == "decode_corrupt" and verdict is Verdict.OMITTED
+
+
 def test_sglang_one_token_pd_answer_keeps_the_aggregated_key_order():
     truth = make_truth(10, prompt_len=5, output_len=1)
     shape = sgl.Shape()
