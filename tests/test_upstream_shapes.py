@@ -93,6 +93,8 @@ def test_sglang_pd_join_equals_the_aggregated_bodies_byte_for_byte(case, stream)
     # An unstated start > 0 with suffix coverage can mimic start 0 (see docs/codecs.md); workers
     # using both must state the start. Everything else is covered.
     assume(shape.echo_start_len or shape.start_len == 0 or shape.decode_coverage == "full")
+    # An unstated start at the prompt's end leaves prefill an empty payload, which is not trusted.
+    assume(shape.echo_start_len or shape.start_len < truth.prompt_len or not truth.return_experts)
     expected = sgl.agg(truth, shape, stream=stream)
     joined = join(SGLANG, sgl.decode(truth, shape, stream=stream), sgl.prefill(truth, shape))
     assert len(joined) == len(expected)
@@ -185,11 +187,15 @@ def test_sglang_unstated_start_that_two_readings_fit_is_a_length_mismatch():
         sgl.agg(truth, stated, stream=False)[0]
 
 
-def test_sglang_start_at_the_prompt_end_joins_the_generated_rows_only():
+def test_sglang_start_at_the_prompt_end_joins_the_generated_rows_only_when_stated():
     truth = make_truth(8, prompt_len=4, output_len=4)
-    shape = sgl.Shape(start_len=4)
-    joined = join(SGLANG, sgl.decode(truth, shape, stream=False), sgl.prefill(truth, shape))
-    assert joined[0][0] == sgl.agg(truth, shape, stream=False)[0]
+    stated = sgl.Shape(start_len=4, echo_start_len=True)
+    joined = join(SGLANG, sgl.decode(truth, stated, stream=False), sgl.prefill(truth, stated))
+    assert joined[0][0] == sgl.agg(truth, stated, stream=False)[0]
+    # Unstated, prefill's empty payload is indistinguishable from lost rows: omitted, not trusted.
+    unstated = sgl.Shape(start_len=4)
+    [(body, verdict)] = join(SGLANG, sgl.decode(truth, unstated, stream=False), sgl.prefill(truth, unstated))
+    assert meta(body)["routed_experts_unavailable_reason"] == "prefill_corrupt" and verdict is Verdict.OMITTED
 
 
 @pytest.mark.parametrize("stream", [False, True])

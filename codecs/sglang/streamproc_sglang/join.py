@@ -426,6 +426,10 @@ class SGLangJoinSession(JoinSession):
         itemsize = EXPERT_DTYPE_SIZES[dtype]
         if len(rows) % itemsize:
             return PREFILL_CORRUPT
+        if start is None and not rows:
+            # Only a start at the prompt's end leaves prefill no rows; unstated, an empty payload is
+            # far more likely lost rows than that, so it is not taken as an answer.
+            return PREFILL_CORRUPT
         if start is not None:
             if start > prompt_tokens or (start == prompt_tokens) != (len(rows) == 0):
                 return PREFILL_CORRUPT
