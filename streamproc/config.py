@@ -78,8 +78,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                                              "ended with an error", ge=1, le=10_000_000)] = 4096
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = 200_000
-    max_decompressed_bytes: Annotated[int, documented("largest decoded sequence payload a codec accepts, per "
-                                                "payload", ge=1024, le=2**40)] = DEFAULT_MAX_DECOMPRESSED_BYTES
+    max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
+                                                "decodes at most what the body's token counts allow",
+                                                ge=1024, le=2**40)] = DEFAULT_MAX_DECOMPRESSED_BYTES
     format_option: Annotated[str, documented("codec options as KEY=VALUE, comma-separated (sglang: "
                                              "streaming=cumulative|incremental, see docs/codecs.md)")] = ""
     max_retained_bytes: Annotated[int, documented("bytes of published bodies kept by reference per request for a "

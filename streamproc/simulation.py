@@ -114,7 +114,8 @@ def make_truth(
     rows = prompt_len + output_len - 1
     n = rows * num_layers * top_k
     # A router picks top_k distinct experts per (position, layer); codecs reject rows that repeat one.
-    experts = struct.pack(f"<{n}i", *(e for _ in range(rows * num_layers) for e in rng.sample(range(num_experts), top_k)))
+    ids = (e for _ in range(rows * num_layers) for e in rng.sample(range(num_experts), top_k))
+    experts = struct.pack(f"<{n}i", *ids)
     sizes: list[int] = []
     left = output_len
     while left:

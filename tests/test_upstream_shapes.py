@@ -286,7 +286,8 @@ def test_vllm_usage_only_final_chunk_keeps_routed_experts_on_the_finishing_choic
 @pytest.mark.parametrize("stream", [False, True])
 def test_vllm_stale_zero_prefill_rows_are_prefill_corrupt(stream):
     truth = make_truth(13, prompt_len=4, output_len=3, top_k=2)
-    joined = join(VLLM, vll.decode(truth, vll.Shape(), stream_=stream), vll.prefill(truth, vll.Shape(stale_prefill=True)))
+    stale = vll.prefill(truth, vll.Shape(stale_prefill=True))
+    joined = join(VLLM, vll.decode(truth, vll.Shape(), stream_=stream), stale)
     finishing = [msgspec.json.decode(b)["choices"] for b, _ in joined]
     choice = [c[0] for c in finishing if c and c[0]["finish_reason"] is not None][0]
     assert choice["routed_experts"] is None and choice["routed_experts_unavailable_reason"] == "prefill_corrupt"

@@ -65,7 +65,8 @@ class SGLangCodec(Codec):
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 
     def open_migration(self) -> MigrationSession:
-        return migration.SGLangMigrationSession(self.sequences, assume_cumulative=self.streaming == native.CUMULATIVE)
+        return migration.SGLangMigrationSession(self.sequences,
+                                                assume_cumulative=self.streaming == native.CUMULATIVE)
 
     def check_migratable(self, request: bytes) -> None:
         migration.check_request(request)

@@ -317,7 +317,8 @@ class SGLangJoinSession(JoinSession):
                 meta = _insert_before(meta, anchor, {field: value})
                 doc[native.META] = meta
                 self._changed = True
-        if meta.pop(INPUT_LOGPROBS_UNAVAILABLE, None) is not None:  # a decode worker's own marker is now wrong
+        # A decode worker's own marker is now wrong.
+        if meta.pop(INPUT_LOGPROBS_UNAVAILABLE, None) is not None:
             self._changed = True
         return meta
 
@@ -385,7 +386,7 @@ class SGLangJoinSession(JoinSession):
         if row_bytes is not None and _stale(prefill.rows, row_bytes, prefill.itemsize):
             return self._omit(meta, PREFILL_CORRUPT)
         if completion == 1:
-            joined = source_value  # every decode row is stale (or there are none): prefill's encoding is the answer
+            joined = source_value  # decode's rows are all stale (or none): prefill's encoding is the answer
         else:
             generated = memoryview(decode_rows)[skip:]
             if _stale(generated, row_bytes, prefill.itemsize):
@@ -435,7 +436,9 @@ class SGLangJoinSession(JoinSession):
                 return PREFILL_CORRUPT
             if start < prompt_tokens and len(rows) % ((prompt_tokens - start) * itemsize):
                 return PREFILL_CORRUPT
-        row_bytes = len(rows) // (prompt_tokens - start) if start is not None and start < prompt_tokens else None
+        row_bytes = None
+        if start is not None and start < prompt_tokens:
+            row_bytes = len(rows) // (prompt_tokens - start)
         if _stale(rows, row_bytes, itemsize):
             return PREFILL_CORRUPT
         return _PrefillRows(rows, dtype, itemsize, prompt_tokens, start)

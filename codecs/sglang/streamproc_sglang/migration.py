@@ -164,9 +164,9 @@ class SGLangMigrationSession(MigrationSession):
 
     def seal(self) -> Emitted:
         cumulative = self._cumulative if self._decided else self._assume_cumulative
+        restated = (self._ids.tolist(), self._text, dict(self._output_logprobs)) if cumulative else ([], "", {})
         self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows,
-                           cumulative, self._ids.tolist() if cumulative else [], self._text if cumulative else "",
-                           dict(self._output_logprobs) if cumulative else {})
+                           cumulative, *restated)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 

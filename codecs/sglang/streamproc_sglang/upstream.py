@@ -122,7 +122,8 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
         if last:
             meta["e2e_latency"] = round(0.001 * (truth.prompt_len + truth.output_len), 6)
         ids = truth.output_ids[lo:end]
-        doc = {native.TEXT: "".join(truth.token_text(t) for t in ids), native.OUTPUT_IDS: ids, native.META: meta}
+        text = "".join(truth.token_text(t) for t in ids)
+        doc = {native.TEXT: text, native.OUTPUT_IDS: ids, native.META: meta}
         bodies.append(native.encode(doc))
     return bodies
 

@@ -113,7 +113,8 @@ class SGLangWorker(SimulatedWorker):
                 out.append(body)
         return out
 
-    def _damage_last(self, bodies: list[bytes], damage: Damage | None, truth: Truth, role: str) -> list[bytes]:
+    def _damage_last(self, bodies: list[bytes], damage: Damage | None, truth: Truth,
+                     role: str) -> list[bytes]:
         """Upstream-shaped bodies with the final body's ``routed_experts`` damaged."""
         if damage is None or not truth.return_experts:
             return bodies  # nothing to damage in a field that was never requested

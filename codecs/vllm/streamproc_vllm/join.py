@@ -112,7 +112,8 @@ class VLLMJoinSession(JoinSession):
         if final or self._joined == 0:
             return True
         obj = self._parse(body)
-        return obj is not None and any(_finishes(c) or c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj))
+        return obj is not None and any(_finishes(c) or c.get(ROUTED_EXPERTS) is not None
+                                       for c in choices_of(obj))
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._prefill_known = True

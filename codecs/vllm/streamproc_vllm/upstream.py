@@ -1,4 +1,4 @@
-"""vLLM ``/inference/v1/generate`` bodies shaped the way upstream vLLM emits them, independent of the simulator.
+"""vLLM ``/inference/v1/generate`` bodies shaped as upstream vLLM emits them, independent of the simulator.
 
 One function per shape, each naming the upstream code it mirrors (``vllm/entrypoints/serve/disagg/``
 ``protocol.py`` and ``serving.py``). Unlike the simulator's defaults it renders what the codec must
