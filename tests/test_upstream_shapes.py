@@ -7,6 +7,8 @@ follow upstream's code paths and are independent of the simulator the rest of th
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
 import tracemalloc
 
 import msgspec
@@ -408,3 +410,42 @@ def test_vllm_migration_reads_emitted_tokens_from_upstream_stream_chunks():
         session = VLLM.open_migration()
         session.absorb(bodies[:published])
         assert session.seal().token_ids == truth.output_ids[:sent]
+
+
+_RSS_PROBE = r"""
+import resource, sys
+import msgspec
+from streamproc.codec import CodecOptions
+from streamproc.decompress import encode_base64
+from streamproc.simulation import make_truth
+from streamproc_sglang import upstream as sgl
+from streamproc_sglang_zstd import SGLangZstdCodec
+
+window_log = int(sys.argv[1])
+codec = SGLangZstdCodec(CodecOptions())  # the default 512 MiB ceiling
+encode = codec.sequences["routed_experts"].encode
+truth = make_truth(21, prompt_len=6, output_len=5)
+prefill = sgl.prefill(truth, sgl.Shape(), encode=encode)
+decode = msgspec.json.decode(sgl.decode(truth, sgl.Shape(), stream=False, encode=encode)[0])
+rle = lambda last: (last | 1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\x00"
+frame = b"\x28\xb5\x2f\xfd\x00" + bytes([(window_log - 10) << 3]) + rle(0) * 8191 + rle(1)  # 1 GiB
+decode["meta_info"]["routed_experts"] = encode_base64(frame)
+body = msgspec.json.encode(decode)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+session = codec.open_session()
+session.absorb_prefill(prefill)
+joined, _ = session.join(body, True)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(msgspec.json.decode(joined)["meta_info"]["routed_experts_unavailable_reason"], grown // 1024)
+"""
+
+
+@pytest.mark.parametrize("window_log", [17, 27])  # a 128 KiB window, and the largest zstd allows by default
+def test_a_1_gib_zstd_bomb_raises_peak_rss_by_less_than_100_mib_under_the_default_ceiling(window_log):
+    run = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(window_log)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    reason, grown_mib = run.stdout.split()
+    assert reason == "too_large"
+    # The requirement is < 100 MiB; bounded by the body's rows it stays near zero (decoding up to the
+    # ceiling instead costs ~100-130 MiB with a 128 MiB window, which this bound catches).
+    assert int(grown_mib) < 50
