@@ -26,9 +26,30 @@ DEFAULT_MAX_DECOMPRESSED_BYTES = defaults.MAX_DECOMPRESSED_BYTES  # the name cod
 
 
 class CodecOptions(msgspec.Struct, frozen=True):
-    """Limits every codec must honour (set from the processor's configuration)."""
+    """Limits every codec must honour and format-specific options (set from the processor's configuration)."""
 
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+    # ``--format-option KEY=VALUE``: facts about the workers a codec cannot read from the bodies
+    # (e.g. ``streaming=cumulative`` for SGLang). Each codec documents the keys it reads.
+    format_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str) -> str:
+        """The value of one format option, or ``default`` when it was not given."""
+        for name, value in reversed(self.format_options):
+            if name == key:
+                return value
+        return default
+
+
+def parse_format_options(text: str) -> tuple[tuple[str, str], ...]:
+    """``"k=v,k2=v2"`` as pairs; raises ``ValueError`` for an item without ``=`` or key."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"format option {item!r} is not KEY=VALUE")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 class ErrorKind(enum.StrEnum):
@@ -104,6 +125,17 @@ class SequenceCodec(ABC, Generic[R]):
 
     @abstractmethod
     def encode(self, rows: R) -> object: ...
+
+    def decode_within(self, value: object, limit: int) -> R:
+        """``decode``, refusing (``too_large``) past ``limit`` bytes, the size the caller expects
+        from the body's token counts. This default checks after decoding (still bounded by
+        ``max_decompressed_bytes``); encodings that inflate override it to stop earlier."""
+        rows = self.decode(value)
+        size = getattr(rows, "nbytes", None)
+        size = len(rows) if size is None else size  # type: ignore[arg-type]
+        if size > limit:
+            raise CorruptPayload(OmissionReason.TOO_LARGE, f"decoded {size} bytes, the body allows {limit}")
+        return rows
 
 
 class JoinSession(ABC):

@@ -26,7 +26,6 @@ from nats.aio.client import Client as NatsClient
 
 from ..catalog import Catalog
 from ..config import Settings
-from ..core.codec import CodecOptions
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
@@ -51,7 +50,7 @@ class Processor:
         self.settings = settings
         self.subjects = settings.subjects
         self._clock = clock
-        self.catalog = catalog or Catalog(CodecOptions(max_decompressed_bytes=settings.max_decompressed_bytes))
+        self.catalog = catalog or Catalog(settings.codec_options())
         try:
             self.correlator = Correlator(self.catalog, settings.format, settings.correlator_config())
         except UnknownFormat as exc:

@@ -14,6 +14,8 @@ from . import migration, native
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
 
+STREAMING_OPTION = "streaming"  # --format-option streaming=cumulative|incremental
+
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
     ErrorKind.TIMEOUT: "timeout",
@@ -35,6 +37,12 @@ class SGLangCodec(Codec):
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         super().__init__(options)
+        # How the workers stream when a request shows no mode yet (one token-carrying chunk):
+        # SGLang's default is cumulative, ``--incremental-streaming-output`` makes it incremental.
+        self.streaming = self.options.option(STREAMING_OPTION, native.INCREMENTAL)
+        if self.streaming not in (native.INCREMENTAL, native.CUMULATIVE):
+            raise ValueError(f"format option {STREAMING_OPTION}={self.streaming!r}: expected "
+                             f"{native.INCREMENTAL} or {native.CUMULATIVE}")
         self.sequences: dict[str, SequenceCodec] = {
             field: cls(self.options) for field, cls in self.sequence_codecs.items()
         }
@@ -57,7 +65,8 @@ class SGLangCodec(Codec):
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 
     def open_migration(self) -> MigrationSession:
-        return migration.SGLangMigrationSession(self.sequences)
+        return migration.SGLangMigrationSession(self.sequences,
+                                                assume_cumulative=self.streaming == native.CUMULATIVE)
 
     def check_migratable(self, request: bytes) -> None:
         migration.check_request(request)

@@ -9,7 +9,9 @@ original request's terms so the client reads one uninterrupted stream:
 =================================  ===========================================================
 field                              stitched value
 =================================  ===========================================================
-``text``, ``output_ids``           unchanged (deltas; nothing is replayed)
+``text``, ``output_ids``           incremental streams: unchanged (deltas; nothing is replayed);
+                                   cumulative streams: what the client saw, then the attempt's
+``output_*logprobs``               cumulative streams: the client's lists, then the attempt's
 ``meta_info.id``                   the id the client saw first
 ``prompt_tokens``                  the original prompt's (attempt's value − k)
 ``completion_tokens``,             + k (cumulative counts continue)
@@ -24,7 +26,9 @@ field                              stitched value
                                    attempt already published replace its leading rows
 =================================  ===========================================================
 
-P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
+Cumulative streams (SGLang's default, see ``native.restates``) are recognised from the bodies; until
+a second token-carrying chunk shows the mode, the codec option ``streaming`` (default incremental)
+decides. P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
 then stitched. What the processor can check from bodies alone: every published body is a JSON
 object with integer ``output_ids`` (else the emitted tokens are unknown), is not a batch (a JSON
 array: ``n > 1``), and carries no ``hidden_states``. Guided decoding and ``n > 1`` are visible in
@@ -44,12 +48,17 @@ from streamproc.wire import Verdict
 from . import native
 from .native import (
     COMPLETION_TOKENS,
+    DEFAULT_EXPERT_DTYPE,
+    EXPERT_DTYPE_SIZES,
     FINISH_REASON,
     INPUT_LOGPROB_FIELDS,
+    OUTPUT_DELTA_FIELDS,
     OUTPUT_IDS,
     OUTPUT_TOKEN_LOGPROBS_LENGTH,
+    TEXT,
     PROMPT_TOKENS,
     ROUTED_EXPERTS,
+    ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_UNAVAILABLE,
 )
 
@@ -71,8 +80,6 @@ STATE_PROMPT_TOKENS = "prompt_tokens"
 STITCH_LENGTH_MISMATCH = "length_mismatch"
 STITCH_CORRUPT = "stitch_corrupt"
 
-_INT32 = 4
-
 
 def _is_count(value: object) -> bool:
     return type(value) is int
@@ -86,10 +93,14 @@ class _Base(msgspec.Struct):
     rid: Any = None
     input_logprobs: dict[str, Any] = {}
     rows: Any = None  # encoded routed_experts an earlier attempt published
+    cumulative: bool = False  # the stream restates its output on every chunk
+    ids: list[int] = []  # cumulative streams: what the client saw, restated before the attempt's
+    text: str = ""
+    output_logprobs: dict[str, Any] = {}
 
 
 class SGLangMigrationSession(MigrationSession):
-    def __init__(self, sequences: Mapping[str, SequenceCodec]) -> None:
+    def __init__(self, sequences: Mapping[str, SequenceCodec], *, assume_cumulative: bool = False) -> None:
         self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
@@ -97,7 +108,13 @@ class SGLangMigrationSession(MigrationSession):
         self._reasoning = 0
         self._input_logprobs: dict[str, Any] = {}
         self._rows: Any = None
+        self._cumulative = False
+        self._decided = False  # a chunk after a token-carrying one has shown the stream's mode
+        self._assume_cumulative = assume_cumulative
+        self._text = ""
+        self._output_logprobs: dict[str, Any] = {}
         self._base = _Base()
+        self._restated = False
 
     # ------------------------------------------------------------ what was sent
 
@@ -115,7 +132,17 @@ class SGLangMigrationSession(MigrationSession):
             meta = native.meta_of(doc)
             if meta is not None:
                 self._absorb_meta(meta)
+            if self._ids and not self._decided:
+                self._decided = True
+                self._cumulative = native.restates(doc, self._ids)
+            if self._cumulative and native.restates(doc, self._ids):
+                del self._ids[:]
             self._ids.extend(ids)
+            # The last body's text and output lists: everything so far when the stream is cumulative.
+            text = doc.get(TEXT)
+            self._text = text if isinstance(text, str) else ""
+            if meta is not None:
+                self._output_logprobs = {f: meta[f] for f in OUTPUT_DELTA_FIELDS if isinstance(meta.get(f), list)}
 
     def _absorb_meta(self, meta: dict[str, Any]) -> None:
         if meta.get(HIDDEN_STATES) is not None:
@@ -136,7 +163,10 @@ class SGLangMigrationSession(MigrationSession):
             self._rows = meta[ROUTED_EXPERTS]
 
     def seal(self) -> Emitted:
-        self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows)
+        cumulative = self._cumulative if self._decided else self._assume_cumulative
+        restated = (self._ids.tolist(), self._text, dict(self._output_logprobs)) if cumulative else ([], "", {})
+        self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows,
+                           cumulative, *restated)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 
@@ -150,6 +180,7 @@ class SGLangMigrationSession(MigrationSession):
             return None  # not SGLang-shaped: nothing in it can be restated
         before = dict(meta)
         k = base.emitted
+        self._restate(doc, meta, base)
         if base.rid is not None and meta.get("id") is not None:
             meta["id"] = base.rid
         prompt = meta.get(PROMPT_TOKENS)
@@ -175,9 +206,23 @@ class SGLangMigrationSession(MigrationSession):
         verdict = Verdict.STITCHED
         if base.rows is not None and meta.get(ROUTED_EXPERTS) is not None:
             verdict = self._stitch_rows(meta, base.rows)
-        if meta == before:
+        if meta == before and not self._restated:
             return None
         return native.encode(doc), verdict
+
+    def _restate(self, doc: dict[str, Any], meta: dict[str, Any], base: _Base) -> None:
+        """In a cumulative stream, put what the client already saw in front of the attempt's output."""
+        self._restated = False
+        ids = doc.get(OUTPUT_IDS)
+        if not isinstance(ids, list) or not base.emitted or not base.cumulative:
+            return
+        doc[OUTPUT_IDS] = base.ids + ids
+        if isinstance(doc.get(TEXT), str):
+            doc[TEXT] = base.text + doc[TEXT]
+        for field in OUTPUT_DELTA_FIELDS:
+            if isinstance(meta.get(field), list):
+                meta[field] = list(base.output_logprobs.get(field, [])) + meta[field]
+        self._restated = True
 
     def _stitch_rows(self, meta: dict[str, Any], earlier_value: Any) -> Verdict:
         """Rows an earlier attempt published were computed by the passes that sampled those tokens:
@@ -187,7 +232,8 @@ class SGLangMigrationSession(MigrationSession):
             current = self._experts.decode(meta[ROUTED_EXPERTS])
         except CorruptPayload:
             return _omit(meta, STITCH_CORRUPT)
-        if len(earlier) % _INT32 or len(current) % _INT32 or len(current) < len(earlier):
+        size = EXPERT_DTYPE_SIZES.get(meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE), 0)
+        if not size or len(earlier) % size or len(current) % size or len(current) < len(earlier):
             return _omit(meta, STITCH_LENGTH_MISMATCH)
         if current[:len(earlier)] != earlier:
             meta[ROUTED_EXPERTS] = self._experts.encode(b"".join((earlier, memoryview(current)[len(earlier):])))

@@ -72,6 +72,20 @@ class _Edit:
         self.omitted = True
 
 
+def duplicate_ids(rows: np.ndarray) -> bool:
+    """Whether some (position, layer) names one expert twice among its top-k: no real capture does
+    (a router picks k distinct experts), a stale all-zero capture with k >= 2 always does."""
+    if rows.ndim != EXPERT_RANK or rows.shape[2] < 2 or rows.shape[0] == 0:
+        return False
+    ordered = np.sort(rows, axis=2)
+    return bool((ordered[:, :, 1:] == ordered[:, :, :-1]).any())
+
+
+def _finishes(choice: dict) -> bool:
+    """A choice's last chunk: vLLM puts ``routed_experts`` on it (a usage-only chunk may follow)."""
+    return choice.get("finish_reason") is not None
+
+
 def _choice_index(choice: dict, position: int) -> int:
     index = choice.get("index", position)
     return index if is_int(index) else position
@@ -92,12 +106,14 @@ class VLLMJoinSession(JoinSession):
     # ------------------------------------------------------------- prefill leg
 
     def needs_prefill(self, body: bytes, final: bool) -> bool:
-        # The first chunk carries prompt_logprobs and the final one routed_experts. A middle chunk
-        # only waits if it unexpectedly carries expert rows, which could be stale.
+        # The first chunk may carry prompt_logprobs (unary bodies), and a choice's finishing chunk
+        # routed_experts. A middle chunk only waits if it unexpectedly carries expert rows, which
+        # could be stale.
         if final or self._joined == 0:
             return True
         obj = self._parse(body)
-        return obj is not None and any(c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj))
+        return obj is not None and any(_finishes(c) or c.get(ROUTED_EXPERTS) is not None
+                                       for c in choices_of(obj))
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._prefill_known = True
@@ -121,7 +137,7 @@ class VLLMJoinSession(JoinSession):
             rows = self._experts.decode(value)
         except CorruptPayload as exc:
             return TOO_LARGE if exc.reason == TOO_LARGE else PREFILL_CORRUPT
-        return rows if rows.ndim == EXPERT_RANK else PREFILL_CORRUPT
+        return rows if rows.ndim == EXPERT_RANK and not duplicate_ids(rows) else PREFILL_CORRUPT
 
     def _prefill_slot(self, index: int) -> np.ndarray | str:
         if self._leg_reason is not None:
@@ -159,7 +175,7 @@ class VLLMJoinSession(JoinSession):
         if first:
             self._join_prompt_logprobs(obj, choices, edit)
         for position, choice in enumerate(choices):
-            if final or choice.get(ROUTED_EXPERTS) is not None:
+            if final or _finishes(choice) or choice.get(ROUTED_EXPERTS) is not None:
                 self._join_experts(obj, choice, _choice_index(choice, position), edit)
         if edit.omitted:
             return (dump(obj) if edit.changed else body), Verdict.OMITTED
@@ -173,6 +189,12 @@ class VLLMJoinSession(JoinSession):
         return own if own is not None else usage_count(self._prefill, "prompt_tokens")
 
     def _join_prompt_logprobs(self, obj: dict, choices: list[dict], edit: _Edit) -> None:
+        """``prompt_logprobs`` is its own sampling parameter, independent of ``logprobs``, and only
+        unary bodies carry the key (``GenerateResponse``; stream chunks have none). So a body without
+        the key gets none, and a ``null`` stays ``null`` when prefill, which scored the prompt if
+        asked to, has none either."""
+        if PROMPT_LOGPROBS not in obj:
+            return
         from_prefill = self._prefill.get(PROMPT_LOGPROBS) if self._prefill is not None else None
         from_decode = obj.get(PROMPT_LOGPROBS)
         if from_prefill is not None:
@@ -181,18 +203,10 @@ class VLLMJoinSession(JoinSession):
             else:
                 edit.provide(obj, PROMPT_LOGPROBS, from_prefill)
             return
-        if from_decode is not None:
-            return  # decode scored the prompt itself; nothing to join
-        if not any(c.get("logprobs") is not None for c in choices):
-            return  # no logprobs were asked for: an absent list is the native answer
-        prompt_tokens = usage_count(self._prefill, "prompt_tokens")
-        if prompt_tokens is None:
-            prompt_tokens = usage_count(obj, "prompt_tokens")
-        if prompt_tokens == 1:
-            # A one-token prompt has no scored position; vLLM V2 omits the payload for it (§7).
-            edit.provide(obj, PROMPT_LOGPROBS, [None])
-        else:
-            edit.omit(obj, PROMPT_LOGPROBS, self._leg_reason or PREFILL_MISSING)
+        if from_decode is not None or self._leg_reason is None:
+            return  # decode scored the prompt itself, or prefill says none were asked for
+        # Without a prefill leg nothing tells whether prompt logprobs were requested.
+        edit.omit(obj, PROMPT_LOGPROBS, self._leg_reason)
 
     def _completion_tokens(self, obj: dict, index: int) -> int:
         own = usage_count(obj, "completion_tokens")
@@ -236,6 +250,9 @@ class VLLMJoinSession(JoinSession):
                 return
             if decode_rows.dtype != prefill_rows.dtype or decode_rows.shape[1:] != prefill_rows.shape[1:]:
                 edit.omit(choice, ROUTED_EXPERTS, SHAPE_MISMATCH)
+                return
+            if duplicate_ids(decode_rows[decode_rows.shape[0] - (total - prompt_len):]):
+                edit.omit(choice, ROUTED_EXPERTS, DECODE_CORRUPT)  # its own rows are not a real capture
                 return
             if decode_rows.shape[0] == total:  # full coverage: replace decode's stale prompt rows
                 joined = np.concatenate([prefill_rows, decode_rows[prompt_len:]])
