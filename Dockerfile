@@ -7,6 +7,7 @@
 # a PEM bundle pip trusts instead of its own, for networks that intercept TLS; an empty one is ignored.
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
+LABEL org.opencontainers.image.title=streamproc
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 
 # `${NAME:-default}`: the only interpolation form the compose file uses, so that a plain
-# `docker compose up` needs no variable set (docs/compose.md lists them).
+# `docker compose up` needs no variable set (docs/compose.md lists them). `$$` is a literal `$`.
 VARIABLE = re.compile(r"\$\{([A-Z][A-Z0-9_]*):-([^}]*)\}")
 
 
@@ -35,11 +35,16 @@ def load_compose(overrides: dict[str, str] | None = None) -> dict:
     """The compose file after interpolation, as Compose resolves it with ``overrides`` set."""
     values = overrides or {}
     text = VARIABLE.sub(lambda m: values.get(m.group(1)) or m.group(2), COMPOSE.read_text())
-    return yaml.safe_load(text)
+    return yaml.safe_load(text.replace("$$", "$"))
 
 
-def wait_for_results(edge: str, logs: Callable[[], str], timeout: float = 20.0) -> list[dict]:
-    """Recent requests from the edge until both aggregated and joined P/D ones have finished."""
+def wait_for_results(
+    edge: str, logs: Callable[[], str], timeout: float = 20.0, since: float | None = None
+) -> list[dict]:
+    """Recent requests from the edge until both aggregated and joined P/D ones have finished.
+
+    ``since`` (a wall-clock time): only requests the edge last heard of after it count.
+    """
     deadline = time.monotonic() + timeout
     entries: list[dict] = []
     while True:
@@ -47,7 +52,7 @@ def wait_for_results(edge: str, logs: Callable[[], str], timeout: float = 20.0) 
             entries = httpx.get(f"{edge}/v1/recent", timeout=5).json()
         except httpx.HTTPError:
             entries = []
-        finished = [e for e in entries if e["final"]]
+        finished = [e for e in entries if e["final"] and (since is None or e["last_seen"] > since)]
         kinds = {k for e in finished for k in e["verdicts"]}
         if {"passthrough", "joined"} <= kinds and len(finished) >= 6:
             assert not [e for e in finished if e["error"]], entries
@@ -68,7 +73,9 @@ def check_one_of_each(edge: str, finished: list[dict], logs: Callable[[], str]) 
             metas = [json.loads(e.data) for e in events if e.event == "meta"]
             data = [e.data for e in events if e.event == "message"]
             assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
-            assert len(data) - 1 == len(metas) == entry["results"]
+            seqs = [m["seq"] for m in metas]
+            assert seqs == list(range(len(metas))), (entry, seqs)
+            assert len(data) - 1 == len(metas) == entry["results"], (entry, seqs, logs())
             assert {m["verdict"] for m in metas} == {verdict}, (entry, metas, logs())
             assert all(isinstance(json.loads(d), dict) for d in data[:-1])
             unary = client.get(f"/v1/results/{entry['request_id']}", headers={"Accept": "application/json"})

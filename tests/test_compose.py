@@ -128,7 +128,8 @@ def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
         "EDGE_HOST_PORT": "8080",
         "BUILD_CA_BUNDLE": "/dev/null",
     }
-    assert "$" not in VARIABLE.sub("", COMPOSE.read_text()), "only ${NAME:-default} interpolation is used"
+    bare = VARIABLE.sub("", COMPOSE.read_text()).replace("$$", "")
+    assert "$" not in bare, "only ${NAME:-default} interpolation (and $$ for a literal $) is used"
     moved = load_compose({"EDGE_HOST_PORT": "127.0.0.1:18080", "NATS_IMAGE": "streamproc-standin/nats:2.11"})
     assert moved["services"]["edge"]["ports"] == ["127.0.0.1:18080:8080"]
     assert moved["services"]["nats"]["image"] == "streamproc-standin/nats:2.11"
