@@ -97,8 +97,22 @@ class Steps:
         self.say(f"  {sum(t for _, t in self.done):7.1f}s  total")
 
 
+def with_sbin(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: ours) with /usr/sbin and /sbin on PATH: dockerd finds iptables there, and
+    debootstrap and chroot live there, whatever PATH the test was started with."""
+    env = dict(os.environ if env is None else env)
+    parts = env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep)
+    env["PATH"] = os.pathsep.join(parts + [p for p in ("/usr/local/sbin", "/usr/sbin", "/sbin") if p not in parts])
+    return env
+
+
+def which(program: str) -> str | None:
+    return shutil.which(program, path=with_sbin()["PATH"])
+
+
 def run(argv: list[str], *, timeout: float, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """A command with a bound; a failure or a timeout fails the test with the command's output."""
+    kwargs["env"] = with_sbin(kwargs.get("env"))
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                               **kwargs)
@@ -138,7 +152,7 @@ def engine_answers(docker: str) -> bool:
 @contextlib.contextmanager
 def docker_engine(steps: Steps) -> Iterator[str]:
     """The ``docker`` client of a running engine; starts ``dockerd`` (and later stops it) if none runs."""
-    docker = shutil.which("docker")
+    docker = which("docker")
     if docker is None:
         pytest.fail("no `docker` client: install Debian's docker.io (`.ci/run` does)")
     with steps.step("engine: find or start dockerd"):
@@ -158,9 +172,7 @@ def docker_engine(steps: Steps) -> Iterator[str]:
 
 
 def start_dockerd(docker: str, timeout: float = 90.0) -> tuple[subprocess.Popen, object]:
-    dockerd = shutil.which("dockerd") or next(
-        (p for p in ("/usr/sbin/dockerd", "/usr/bin/dockerd") if os.access(p, os.X_OK)), None
-    )
+    dockerd = which("dockerd")
     if dockerd is None:
         pytest.fail("no Docker engine runs and there is no `dockerd`: install Debian's docker.io")
     if os.geteuid() != 0:
@@ -168,7 +180,7 @@ def start_dockerd(docker: str, timeout: float = 90.0) -> tuple[subprocess.Popen,
     log = tempfile.NamedTemporaryFile(prefix="streamproc-dockerd-", suffix=".log", delete=False)
     # Its own session: the engine outlives nothing of ours, and stopping it stops its containerd.
     proc = subprocess.Popen([dockerd], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            env=with_sbin(), start_new_session=True)
     deadline = time.monotonic() + timeout
     while not engine_answers(docker):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -266,7 +278,7 @@ def unmount_under(root: Path) -> None:
     prefix = str(root.resolve()) + "/"
     mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
     for point in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True, timeout=60)
+        subprocess.run([which("umount") or "umount", "-l", point], capture_output=True, timeout=60)
     still = [m for m in Path("/proc/mounts").read_text().splitlines() if m.split()[1].startswith(prefix)]
     assert not still, f"cannot unmount under {root}: {still}"
 
@@ -276,8 +288,7 @@ def build_python_standin(docker: str) -> None:
 
     busybox-static rides along: its ``wget`` is the nats stand-in's health check, as in the alpine image.
     """
-    debootstrap = shutil.which("debootstrap") or ("/usr/sbin/debootstrap" if os.access("/usr/sbin/debootstrap",
-                                                                                        os.X_OK) else None)
+    debootstrap = which("debootstrap")
     if debootstrap is None:
         pytest.fail("no official python image and no `debootstrap` to build a stand-in: "
                     "install Debian's debootstrap (`.ci/run` does)")
@@ -288,7 +299,7 @@ def build_python_standin(docker: str) -> None:
         run([debootstrap, "--variant=minbase", "--include=python3,python3-venv,ca-certificates,busybox-static",
              "bookworm", str(rootfs), mirror], timeout=1200)
         unmount_under(rootfs)
-        run(["chroot", str(rootfs), "/usr/bin/python3", "-m", "venv", PYTHON_VENV], timeout=300)
+        run([which("chroot") or "chroot", str(rootfs), "/usr/bin/python3", "-m", "venv", PYTHON_VENV], timeout=300)
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for item in (rootfs / cache).glob("*"):
                 if item.is_file():
