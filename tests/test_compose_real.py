@@ -205,7 +205,8 @@ def start_dockerd(docker: str, timeout: float = 90.0) -> tuple[subprocess.Popen,
             text = Path(log.name).read_text(errors="replace")[-4000:]
             pytest.fail(
                 f"the Docker engine could not start here (exit {proc.returncode}; it needs root, "
-                f"overlayfs or vfs storage, and iptables for its bridge network). dockerd log {log.name}:\n{text}"
+                f"overlayfs or vfs storage, and iptables for its bridge network). "
+                f"dockerd log {log.name}:\n{text}"
             )
         time.sleep(0.5)
     return proc, log
@@ -402,7 +403,7 @@ def build_nats_standin(docker: str) -> None:
                 "ENV PATH=/usr/local/bin:/bin",
                 'ENTRYPOINT ["/usr/local/bin/nats-server"]',
                 "EXPOSE 4222 8222",
-                f'LABEL org.opencontainers.image.description="offline stand-in for nats:2.11-alpine ({version})"',
+                f'LABEL org.opencontainers.image.description="stand-in for nats:2.11-alpine ({version})"',
             ],
         )
     run([docker, "run", "--rm", "--entrypoint", "wget", STANDIN_NATS, "--help"], timeout=120)
@@ -425,12 +426,44 @@ def ca_bundle() -> str | None:
     return None
 
 
+PROJECT_PREFIX = "streamproc-test-"
+
+
+def remove_stale_projects(docker: str, compose: list[str], steps: Steps) -> None:
+    """Stacks of earlier runs whose test process is gone (killed mid-run): their containers restart
+    with the engine (``restart: unless-stopped``) and would take CPU from this run. A project whose
+    test process still lives (a parallel run) is left alone."""
+    listed = run(
+        [
+            docker,
+            "ps",
+            "--all",
+            "--filter",
+            "label=com.docker.compose.project",
+            "--format",
+            '{{.Label "com.docker.compose.project"}}',
+        ],
+        timeout=60,
+    ).stdout.split()
+    for name in sorted(set(listed)):
+        pid = name.removeprefix(PROJECT_PREFIX).split("-")[0]
+        if not name.startswith(PROJECT_PREFIX) or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        steps.say(f"removing the stale project {name} (its test process {pid} is gone)")
+        run(
+            [*compose, "--project-name", name, "down", "--volumes", "--timeout", "5"],
+            timeout=300,
+            check=False,
+        )
+        run([docker, "image", "rm", f"{name}:local"], timeout=120, check=False)
+
+
 class Stack:
     """One compose project: unique name, image tag and loopback ports."""
 
     def __init__(self, docker: str, compose: list[str], python_image: str, nats_image: str) -> None:
         self.docker = docker
-        self.project = f"streamproc-test-{os.getpid()}-{secrets.token_hex(3)}"
+        self.project = f"{PROJECT_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self.edge_port, self.nats_port, self.monitor_port = free_port(), free_port(), free_port()
         self.image = f"{self.project}:local"
         self.edge = f"http://127.0.0.1:{self.edge_port}"
@@ -528,6 +561,7 @@ def stack(steps: Steps) -> Iterator[Stack]:
                 f"compose: {' '.join(compose)} "
                 f"{run([*compose, 'version', '--short'], timeout=30).stdout.strip()}"
             )
+        remove_stale_projects(docker, compose, steps)
         python_image, nats_image = base_images(docker, steps)
         steps.say(f"base images: {python_image}, {nats_image}")
         project = Stack(docker, compose, python_image, nats_image)
