@@ -16,7 +16,7 @@ Steps, each timed and printed:
    ports, with the machine's CA bundle as the build's ``ca_bundle`` secret;
 5. every service healthy (or running, for the workers, which have no health check);
 6. through the edge's published port: aggregated and joined results, SSE and unary;
-7. the processor killed and started again while verified traffic flows: nothing lost;
+7. the processor killed while chunks are in flight, started again: every verified result arrives;
 8. ``docker compose down -v``.
 
 Every wait is bounded; an engine that cannot start fails with its log, it never hangs.
@@ -596,17 +596,22 @@ def test_joined_and_aggregated_results_reach_the_published_edge_over_sse_and_una
         check_one_of_each(stack.edge, finished, stack.logs)
 
 
-def durable_chunk_consumers(monitor: str) -> int:
-    """Consumers on the processor's JetStream chunk stream, from NATS monitoring (published port)."""
+def chunk_streams(monitor: str) -> list[dict]:
+    """The processor's JetStream chunk stream(s), from NATS monitoring (the published port)."""
     url = f"{monitor}/jsz?streams=1&consumers=1&config=1"
     with urllib.request.urlopen(url, timeout=5) as response:
         info = json.load(response)
-    return sum(
-        len(stream.get("consumer_detail") or [])
+    return [
+        stream
         for account in info.get("account_details") or []
         for stream in account.get("stream_detail") or []
         if "streamproc.chunks.*.*" in (stream.get("config") or {}).get("subjects", [])
-    )
+    ]
+
+
+def unacknowledged_chunks(monitor: str) -> int:
+    """Chunks stored and not yet acknowledged (work-queue retention deletes a chunk on its ack)."""
+    return sum((stream.get("state") or {}).get("messages", 0) for stream in chunk_streams(monitor))
 
 
 ROUNDS = 8
@@ -618,10 +623,13 @@ def test_a_processor_killed_mid_traffic_loses_no_result(stack: Stack, steps: Ste
 
     Rounds of ``streamproc simulate --verify`` (ground truth compared result by result) run inside
     the workers container, beside the workers' own loop; the processor is killed with SIGKILL after
-    the second round and started again while the rest are in flight.
+    the second round, at a moment when chunks are stored and not yet acknowledged, and started
+    again 2 s later while the remaining rounds publish.
     """
     stack.wait_healthy()
-    assert durable_chunk_consumers(stack.monitor) >= 1, "the processor must run in durable mode here"
+    assert sum(len(s.get("consumer_detail") or []) for s in chunk_streams(stack.monitor)) >= 1, (
+        "the processor must run in durable mode here"
+    )
     before = stack.started_at("processor")
     script = (
         f"for i in $(seq 1 {ROUNDS}); do "
@@ -641,12 +649,18 @@ def test_a_processor_killed_mid_traffic_loses_no_result(stack: Stack, steps: Ste
                 stderr=subprocess.STDOUT,
             )
         try:
+            # Kill once two rounds are verified and chunks are in flight (stored, not yet acked).
             deadline = time.monotonic() + 180
-            while "round 2 verified" not in log_path.read_text():
+            while "round 2 verified" not in log_path.read_text() or not (
+                in_flight := unacknowledged_chunks(stack.monitor)
+            ):
                 if rounds.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"verified traffic did not start:\n{log_path.read_text()}\n{stack.logs()}")
-                time.sleep(0.1)
+                    pytest.fail(
+                        f"no moment with verified traffic in flight:\n{log_path.read_text()}\n{stack.logs()}"
+                    )
+                time.sleep(0.02)
             stack("kill", "--signal", "SIGKILL", "processor", timeout=60)
+            steps.say(f"processor killed with {in_flight} chunks stored and not acknowledged")
             killed_during = log_path.read_text().count("verified")
             time.sleep(2)  # a gap with no processor at all: chunks must wait in the stream
             stack("start", "processor", timeout=120)
