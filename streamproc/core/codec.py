@@ -170,6 +170,32 @@ class Emitted(msgspec.Struct, frozen=True):
     state: dict[str, Any] = {}  # format-specific facts (e.g. the original prompt length), JSON-able
 
 
+def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -> None:
+    """Refuse to resume a request whose prompt is not the one the client was sent results for
+    (``emitted.state[state_key]``, recorded by the format's migration session, when known)."""
+    seen = emitted.state.get(state_key)
+    if type(seen) is int and seen != prompt_tokens:
+        raise MigrationRefused(f"the request's prompt has {prompt_tokens} tokens but the client was sent results "
+                               f"for a {seen}-token prompt: not the request being resumed")
+
+
+def resumed_budget(params: dict[str, Any], emitted: int, *, max_key: str, min_key: str,
+                   default: int | None) -> dict[str, Any]:
+    """Sampling parameters of the resumed request: the token budget ``max_key`` (``default`` when
+    absent; None means unbounded) and the minimum ``min_key`` shrink by the ``emitted`` tokens.
+    Raises :class:`MigrationRefused` when no budget is left. The input is not changed."""
+    out = dict(params)
+    budget = out.get(max_key)
+    budget = default if budget is None else budget
+    if budget is not None:
+        if type(budget) is not int or budget - emitted < 1:
+            raise MigrationRefused(f"no token budget left ({max_key} {budget}, {emitted} emitted)")
+        out[max_key] = budget - emitted
+    if type(out.get(min_key)) is int:
+        out[min_key] = max(0, out[min_key] - emitted)
+    return out
+
+
 class MigrationSession(ABC):
     """Per-request migration state, owned by the codec and driven by the correlator.
 

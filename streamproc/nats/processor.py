@@ -27,14 +27,14 @@ from nats.aio.client import Client as NatsClient
 from ..catalog import Catalog
 from ..config import Settings
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
-from ..core.errors import StartupError, UnknownFormat
+from ..core.errors import StartupError, StreamMismatch, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
 from .control import ControlPlane
 from .core_input import CoreInput
 from .gate import DispatchGate
 from .input import Clock, Input, IOStats, Pipeline, snapshot
-from .streams import StreamMismatch, jetstream_available
+from .streams import jetstream_available
 
 log = logging.getLogger("streamproc.processor")
 

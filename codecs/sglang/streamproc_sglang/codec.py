@@ -11,6 +11,7 @@ from typing import ClassVar, Mapping, Sequence
 from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
 from . import migration, native
+from .fold import fold
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
 
@@ -48,7 +49,7 @@ class SGLangCodec(Codec):
         }
 
     def open_session(self) -> JoinSession:
-        return SGLangJoinSession(self.sequences)
+        return SGLangJoinSession(self)
 
     def fold(self, bodies: Sequence[bytes]) -> bytes:
         docs = []
@@ -57,7 +58,7 @@ class SGLangCodec(Codec):
             if doc is None:
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
-        return native.encode(native.fold(docs))
+        return native.encode(fold(docs))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
@@ -65,8 +66,7 @@ class SGLangCodec(Codec):
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 
     def open_migration(self) -> MigrationSession:
-        return migration.SGLangMigrationSession(self.sequences,
-                                                assume_cumulative=self.streaming == native.CUMULATIVE)
+        return migration.SGLangMigrationSession(self)
 
     def check_migratable(self, request: bytes) -> None:
         migration.check_request(request)

@@ -21,14 +21,15 @@ Omission policy: a field that cannot be rebuilt completely is removed and
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 from streamproc.codec import CorruptPayload, JoinSession, SequenceCodec
-from streamproc.decompress import TOO_LARGE
+from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
 from . import native
+from .fold import fold
 from .native import (
     COMPLETION_TOKENS,
     DEFAULT_EXPERT_DTYPE,
@@ -45,13 +46,9 @@ from .native import (
     ROUTED_EXPERTS_UNAVAILABLE,
 )
 
-PREFILL_MISSING = "prefill_missing"
-PREFILL_CORRUPT = "prefill_corrupt"
-PREFILL_ERROR = "prefill_error"
-DECODE_MISSING = "decode_missing"
-DECODE_CORRUPT = "decode_corrupt"
-LENGTH_MISMATCH = "length_mismatch"
-SHAPE_MISMATCH = "shape_mismatch"
+if TYPE_CHECKING:
+    from .codec import SGLangCodec
+
 
 # Where the aggregated body has each prompt-side list: just before its output counterpart
 # (``tokenizer_manager.add_logprob_to_meta_info`` writes them in pairs).
@@ -137,7 +134,7 @@ def _layout(prefill: _PrefillRows, decode_bytes: int, completion: int,
     from them, and only used when every reading that fits publishes the same rows."""
     b_p, prompt, generated = len(prefill.rows), prefill.prompt_tokens, completion - 1
     if generated == 0:  # decode's rows, if any, are its stale copy of prefill's
-        return (None, decode_bytes) if decode_bytes in (0, b_p) else LENGTH_MISMATCH
+        return (None, decode_bytes) if decode_bytes in (0, b_p) else Omit.LENGTH_MISMATCH
     readings: set[tuple[int, int]] = set()
     for candidate in ([start] if start is not None else [0, None]):
         for suffix in (False, True):
@@ -148,7 +145,7 @@ def _layout(prefill: _PrefillRows, decode_bytes: int, completion: int,
             break  # SGLang's default start 0 fits: take it
     skips = {skip for _, skip in readings}
     if len(skips) != 1:
-        return LENGTH_MISMATCH  # no reading fits, or two that would publish different rows
+        return Omit.LENGTH_MISMATCH  # no reading fits, or two that would publish different rows
     widths = {row_bytes for row_bytes, _ in readings}
     return (widths.pop() if len(widths) == 1 else None), skips.pop()
 
@@ -191,10 +188,6 @@ def _is_count(value: object) -> bool:
     return type(value) is int
 
 
-def _leg_reason(exc: CorruptPayload, leg: str) -> str:
-    return TOO_LARGE if exc.reason == TOO_LARGE else f"{leg}_corrupt"
-
-
 def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> dict[str, Any]:
     """``meta`` with ``items`` placed where the aggregated body has them: just before ``anchor``."""
     out: dict[str, Any] = {}
@@ -209,8 +202,8 @@ def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> 
 class SGLangJoinSession(JoinSession):
     """Join state for one P/D request. The prefill leg is parsed once and its rows decoded once."""
 
-    def __init__(self, sequences: Mapping[str, SequenceCodec]) -> None:
-        self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
+    def __init__(self, codec: SGLangCodec) -> None:
+        self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
         self._unavailable: str | None = None  # why there is no usable prefill leg
@@ -233,24 +226,24 @@ class SGLangJoinSession(JoinSession):
         self._known = True
         docs = [native.parse(body) for body in bodies]
         if not docs:
-            self._unavailable = PREFILL_MISSING
+            self._unavailable = Omit.PREFILL_MISSING
             return
         if any(doc is None for doc in docs):
-            self._unavailable = PREFILL_CORRUPT
+            self._unavailable = Omit.PREFILL_CORRUPT
             return
-        doc = docs[0] if len(docs) == 1 else native.fold(docs)  # type: ignore[arg-type]
+        doc = docs[0] if len(docs) == 1 else fold(docs)  # type: ignore[arg-type]
         meta = native.meta_of(doc)  # type: ignore[arg-type]
         if native.failed(doc):  # type: ignore[arg-type]
-            self._unavailable = PREFILL_ERROR
+            self._unavailable = Omit.PREFILL_ERROR
         elif meta is None:
-            self._unavailable = PREFILL_CORRUPT
+            self._unavailable = Omit.PREFILL_CORRUPT
         else:
             self._prefill = meta
 
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
         self._prefill = None
-        self._unavailable = reason or PREFILL_MISSING
+        self._unavailable = reason or Omit.PREFILL_MISSING
 
     def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         doc = self._parse(body)
@@ -298,11 +291,11 @@ class SGLangJoinSession(JoinSession):
         if source is not None:
             logprobs = source.get(INPUT_TOKEN_LOGPROBS)
             if logprobs is None:
-                reason = PREFILL_MISSING
+                reason = Omit.PREFILL_MISSING
             elif not isinstance(logprobs, list):
-                reason = PREFILL_CORRUPT
+                reason = Omit.PREFILL_CORRUPT
         if reason is not None or source is None:
-            meta[INPUT_LOGPROBS_UNAVAILABLE] = reason or PREFILL_MISSING
+            meta[INPUT_LOGPROBS_UNAVAILABLE] = reason or Omit.PREFILL_MISSING
             self._omitted = True
             return meta
         for field, anchor in INPUT_LOGPROB_ANCHORS.items():
@@ -358,39 +351,39 @@ class SGLangJoinSession(JoinSession):
             return self._omit(meta, prefill)
         completion = meta.get(COMPLETION_TOKENS)
         if not _is_count(completion) or completion < 1:
-            return self._omit(meta, DECODE_CORRUPT)
+            return self._omit(meta, Omit.DECODE_CORRUPT)
         value = meta.get(ROUTED_EXPERTS)
         if value is None:
             if present or completion != 1:
-                return self._omit(meta, DECODE_MISSING)
+                return self._omit(meta, Omit.DECODE_MISSING)
             # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
             return self._provide(meta, source_value)
         try:
             decode_rows = self._experts.decode_within(value, _decode_bound(prefill, completion))
         except CorruptPayload as exc:
-            return self._omit(meta, _leg_reason(exc, "decode"))
+            return self._omit(meta, Omit.of_leg(exc, "decode"))
         dtype = _dtype_of(meta)
         if dtype is None or len(decode_rows) % EXPERT_DTYPE_SIZES[dtype]:
-            return self._omit(meta, DECODE_CORRUPT)
+            return self._omit(meta, Omit.DECODE_CORRUPT)
         if dtype != prefill.dtype:
-            return self._omit(meta, SHAPE_MISMATCH)
+            return self._omit(meta, Omit.SHAPE_MISMATCH)
         if meta.get(PROMPT_TOKENS, prefill.prompt_tokens) != prefill.prompt_tokens:
-            return self._omit(meta, LENGTH_MISMATCH)  # the legs disagree about the prompt
+            return self._omit(meta, Omit.LENGTH_MISMATCH)  # the legs disagree about the prompt
         start = _start_of(meta)
         if start is False or (start is not None and prefill.start is not None and start != prefill.start):
-            return self._omit(meta, LENGTH_MISMATCH)
+            return self._omit(meta, Omit.LENGTH_MISMATCH)
         layout = _layout(prefill, len(decode_rows), completion, start if start is not None else prefill.start)
         if isinstance(layout, str):
             return self._omit(meta, layout)
         row_bytes, skip = layout
         if row_bytes is not None and _stale(prefill.rows, row_bytes, prefill.itemsize):
-            return self._omit(meta, PREFILL_CORRUPT)
+            return self._omit(meta, Omit.PREFILL_CORRUPT)
         if completion == 1:
             joined = source_value  # decode's rows are all stale (or none): prefill's encoding is the answer
         else:
             generated = memoryview(decode_rows)[skip:]
             if _stale(generated, row_bytes, prefill.itemsize):
-                return self._omit(meta, DECODE_CORRUPT)
+                return self._omit(meta, Omit.DECODE_CORRUPT)
             joined = self._experts.encode(b"".join((prefill.rows, generated)))
         self._provide(meta, joined)
 
@@ -414,33 +407,33 @@ class SGLangJoinSession(JoinSession):
         assert self._prefill is not None
         value = self._prefill.get(ROUTED_EXPERTS)
         if value is None:
-            return PREFILL_MISSING
+            return Omit.PREFILL_MISSING
         dtype = _dtype_of(self._prefill)
         start = _start_of(self._prefill)
         prompt_tokens = self._prefill.get(PROMPT_TOKENS)
         if dtype is None or start is False or not _is_count(prompt_tokens) or prompt_tokens <= 0:
-            return PREFILL_CORRUPT
+            return Omit.PREFILL_CORRUPT
         try:  # at most one row of the widest plausible model per prompt token
             rows = self._experts.decode_within(value, prompt_tokens * MAX_ROW_BYTES)
         except CorruptPayload as exc:
-            return _leg_reason(exc, "prefill")
+            return Omit.of_leg(exc, "prefill")
         itemsize = EXPERT_DTYPE_SIZES[dtype]
         if len(rows) % itemsize:
-            return PREFILL_CORRUPT
+            return Omit.PREFILL_CORRUPT
         if start is None and not rows:
             # Only a start at the prompt's end leaves prefill no rows; unstated, an empty payload is
             # far more likely lost rows than that, so it is not taken as an answer.
-            return PREFILL_CORRUPT
+            return Omit.PREFILL_CORRUPT
         if start is not None:
             if start > prompt_tokens or (start == prompt_tokens) != (len(rows) == 0):
-                return PREFILL_CORRUPT
+                return Omit.PREFILL_CORRUPT
             if start < prompt_tokens and len(rows) % ((prompt_tokens - start) * itemsize):
-                return PREFILL_CORRUPT
+                return Omit.PREFILL_CORRUPT
         row_bytes = None
         if start is not None and start < prompt_tokens:
             row_bytes = len(rows) // (prompt_tokens - start)
         if _stale(rows, row_bytes, itemsize):
-            return PREFILL_CORRUPT
+            return Omit.PREFILL_CORRUPT
         return _PrefillRows(rows, dtype, itemsize, prompt_tokens, start)
 
     def _omit(self, meta: dict[str, Any], reason: str) -> None:

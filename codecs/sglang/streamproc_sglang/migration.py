@@ -38,15 +38,18 @@ the request only: :func:`check_request` refuses them for the serving layer's hel
 from __future__ import annotations
 
 from array import array
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
+from streamproc.codec import OmissionReason as Omit
+from streamproc.codec import check_resumed_prompt, resumed_budget
 from streamproc.wire import Verdict
 
 from . import native
 from .native import (
+    CUMULATIVE,
     COMPLETION_TOKENS,
     DEFAULT_EXPERT_DTYPE,
     EXPERT_DTYPE_SIZES,
@@ -61,6 +64,9 @@ from .native import (
     ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_UNAVAILABLE,
 )
+
+if TYPE_CHECKING:
+    from .codec import SGLangCodec
 
 INPUT_IDS = "input_ids"
 SAMPLING_PARAMS = "sampling_params"
@@ -77,8 +83,6 @@ GUIDED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 STATE_PROMPT_TOKENS = "prompt_tokens"
 
-STITCH_LENGTH_MISMATCH = "length_mismatch"
-STITCH_CORRUPT = "stitch_corrupt"
 
 
 def _is_count(value: object) -> bool:
@@ -100,8 +104,8 @@ class _Base(msgspec.Struct):
 
 
 class SGLangMigrationSession(MigrationSession):
-    def __init__(self, sequences: Mapping[str, SequenceCodec], *, assume_cumulative: bool = False) -> None:
-        self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
+    def __init__(self, codec: SGLangCodec) -> None:
+        self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
         self._prompt_tokens: int | None = None
@@ -110,7 +114,8 @@ class SGLangMigrationSession(MigrationSession):
         self._rows: Any = None
         self._cumulative = False
         self._decided = False  # a chunk after a token-carrying one has shown the stream's mode
-        self._assume_cumulative = assume_cumulative
+        # How the workers stream when a request shows no mode yet (``--format-option streaming=``).
+        self._assume_cumulative = codec.streaming == CUMULATIVE
         self._text = ""
         self._output_logprobs: dict[str, Any] = {}
         self._base = _Base()
@@ -231,10 +236,10 @@ class SGLangMigrationSession(MigrationSession):
             earlier = self._experts.decode(earlier_value)
             current = self._experts.decode(meta[ROUTED_EXPERTS])
         except CorruptPayload:
-            return _omit(meta, STITCH_CORRUPT)
+            return _omit(meta, Omit.STITCH_CORRUPT)
         size = EXPERT_DTYPE_SIZES.get(meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE), 0)
         if not size or len(earlier) % size or len(current) % size or len(current) < len(earlier):
-            return _omit(meta, STITCH_LENGTH_MISMATCH)
+            return _omit(meta, Omit.LENGTH_MISMATCH)
         if current[:len(earlier)] != earlier:
             meta[ROUTED_EXPERTS] = self._experts.encode(b"".join((earlier, memoryview(current)[len(earlier):])))
         return Verdict.STITCHED
@@ -288,21 +293,11 @@ def resume_request(body: bytes, emitted: Emitted) -> bytes:
     """
     doc = check_request(body)
     ids = doc[INPUT_IDS]
-    seen = emitted.state.get(STATE_PROMPT_TOKENS)
-    if _is_count(seen) and seen != len(ids):
-        raise MigrationRefused(f"the request's prompt has {len(ids)} tokens but the client was sent results "
-                               f"for a {seen}-token prompt: not the request being resumed")
-    k = len(emitted.token_ids)
-    params = dict(doc.get(SAMPLING_PARAMS) or {})
-    budget = params.get(MAX_NEW_TOKENS)
-    budget = DEFAULT_MAX_NEW_TOKENS if budget is None else budget
-    if not _is_count(budget) or budget - k < 1:
-        raise MigrationRefused(f"no token budget left (max_new_tokens {budget}, {k} emitted)")
-    params[MAX_NEW_TOKENS] = budget - k
-    if _is_count(params.get(MIN_NEW_TOKENS)):
-        params[MIN_NEW_TOKENS] = max(0, params[MIN_NEW_TOKENS] - k)
+    check_resumed_prompt(len(ids), emitted, STATE_PROMPT_TOKENS)
+    doc[SAMPLING_PARAMS] = resumed_budget(doc.get(SAMPLING_PARAMS) or {}, len(emitted.token_ids),
+                                          max_key=MAX_NEW_TOKENS, min_key=MIN_NEW_TOKENS,
+                                          default=DEFAULT_MAX_NEW_TOKENS)
     doc[INPUT_IDS] = ids + list(emitted.token_ids)
-    doc[SAMPLING_PARAMS] = params
     for field in BOOTSTRAP_FIELDS:
         doc.pop(field, None)
     return native.encode(doc)

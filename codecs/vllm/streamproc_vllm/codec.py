@@ -12,7 +12,7 @@ from typing import ClassVar, Mapping, Sequence
 from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
 from . import migration
-from .body import ROUTED_EXPERTS, dump, parse
+from .native import ROUTED_EXPERTS, dump, parse
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from streamproc.codec import CorruptPayload, JoinSession
+from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
-from .body import (
+from .native import (
     PROMPT_LOGPROBS,
     ROUTED_EXPERTS,
     choices_of,
@@ -28,17 +29,10 @@ from .body import (
     usage_count,
 )
 from .fold import fold_objects
-from .sequence import TOO_LARGE
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
 
-PREFILL_MISSING = "prefill_missing"
-PREFILL_CORRUPT = "prefill_corrupt"
-DECODE_MISSING = "decode_missing"
-DECODE_CORRUPT = "decode_corrupt"
-LENGTH_MISMATCH = "length_mismatch"
-SHAPE_MISMATCH = "shape_mismatch"
 INCONSISTENT_LEGS = "inconsistent_legs"
 EXPERT_RANK = 3  # (rows, num_layers, top_k)
 
@@ -119,7 +113,7 @@ class VLLMJoinSession(JoinSession):
         self._prefill_known = True
         objects = [parse_object(b) for b in bodies]
         if not objects or any(o is None for o in objects):
-            self._leg_reason = PREFILL_CORRUPT
+            self._leg_reason = Omit.PREFILL_CORRUPT
             return
         self._prefill = fold_objects(objects)  # type: ignore[arg-type]
         for position, choice in enumerate(choices_of(self._prefill)):
@@ -132,19 +126,19 @@ class VLLMJoinSession(JoinSession):
     def _prefill_choice_rows(self, choice: dict) -> np.ndarray | str:
         value = choice.get(ROUTED_EXPERTS)
         if value is None:
-            return PREFILL_MISSING
+            return Omit.PREFILL_MISSING
         try:
             rows = self._experts.decode(value)
         except CorruptPayload as exc:
-            return TOO_LARGE if exc.reason == TOO_LARGE else PREFILL_CORRUPT
-        return rows if rows.ndim == EXPERT_RANK and not duplicate_ids(rows) else PREFILL_CORRUPT
+            return Omit.of_leg(exc, "prefill")
+        return rows if rows.ndim == EXPERT_RANK and not duplicate_ids(rows) else Omit.PREFILL_CORRUPT
 
     def _prefill_slot(self, index: int) -> np.ndarray | str:
         if self._leg_reason is not None:
             return self._leg_reason
         if not self._prefill_known:
-            return PREFILL_MISSING
-        return self._prefill_rows.get(index, PREFILL_MISSING)
+            return Omit.PREFILL_MISSING
+        return self._prefill_rows.get(index, Omit.PREFILL_MISSING)
 
     # ------------------------------------------------------------ decode chunks
 
@@ -218,7 +212,7 @@ class VLLMJoinSession(JoinSession):
         value = choice.get(ROUTED_EXPERTS)
         slot = self._prefill_slot(index)
         # Did prefill send expert data at all (even data that turned out bad)?
-        prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == PREFILL_MISSING)
+        prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == Omit.PREFILL_MISSING)
         if value is None and ROUTED_EXPERTS in choice and not prefill_sent:
             return  # an explicit null on both legs: expert capture is off, nothing can be stale
         if isinstance(slot, str):
@@ -228,40 +222,40 @@ class VLLMJoinSession(JoinSession):
         prompt_len = prefill_rows.shape[0]
         prompt_tokens = self._prompt_tokens(obj)
         if prompt_tokens is None or prompt_tokens != prompt_len:
-            edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
             return
         total = prompt_tokens + self._completion_tokens(obj, index) - 1  # the last token is never forwarded
         if total < prompt_len:
-            edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
             return
         if value is None:
             if total != prompt_len:
-                edit.omit(choice, ROUTED_EXPERTS, DECODE_MISSING)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_MISSING)
                 return
             joined = prefill_rows  # one-token completion: every decode row would be a prompt row
         else:
             try:
                 decode_rows = self._experts.decode(value)
             except CorruptPayload as exc:
-                edit.omit(choice, ROUTED_EXPERTS, TOO_LARGE if exc.reason == TOO_LARGE else DECODE_CORRUPT)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.of_leg(exc, "decode"))
                 return
             if decode_rows.ndim != EXPERT_RANK:
-                edit.omit(choice, ROUTED_EXPERTS, DECODE_CORRUPT)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_CORRUPT)
                 return
             if decode_rows.dtype != prefill_rows.dtype or decode_rows.shape[1:] != prefill_rows.shape[1:]:
-                edit.omit(choice, ROUTED_EXPERTS, SHAPE_MISMATCH)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.SHAPE_MISMATCH)
                 return
             if duplicate_ids(decode_rows[decode_rows.shape[0] - (total - prompt_len):]):
-                edit.omit(choice, ROUTED_EXPERTS, DECODE_CORRUPT)  # its own rows are not a real capture
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_CORRUPT)  # its own rows are not a real capture
                 return
             if decode_rows.shape[0] == total:  # full coverage: replace decode's stale prompt rows
                 joined = np.concatenate([prefill_rows, decode_rows[prompt_len:]])
             elif prompt_len + decode_rows.shape[0] == total:  # suffix coverage: decode sent post-prompt rows
                 joined = np.concatenate([prefill_rows, decode_rows])
             else:
-                edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
                 return
         if joined.nbytes > self._max_bytes:
-            edit.omit(choice, ROUTED_EXPERTS, TOO_LARGE)
+            edit.omit(choice, ROUTED_EXPERTS, Omit.TOO_LARGE)
             return
         edit.provide(choice, ROUTED_EXPERTS, self._experts.encode(joined))

@@ -17,7 +17,7 @@ import numpy as np
 
 from streamproc.simulation import Truth
 
-from .body import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, token_label
+from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, token_label
 from .sequence import npy_bytes
 
 MODEL = "upstream-model"

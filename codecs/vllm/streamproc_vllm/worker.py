@@ -23,7 +23,7 @@ from numpy.lib import format as npy_format
 from streamproc.codec import CodecOptions, CorruptPayload
 from streamproc.simulation import Damage, SimulatedWorker, Truth
 
-from .body import (
+from .native import (
     PROMPT_LOGPROBS,
     ROUTED_EXPERTS,
     choices_of,
