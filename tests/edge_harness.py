@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,25 +20,13 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from helpers import clean_env, free_port
 from nats.aio.client import Client as NatsClient
 
 from streamproc.sim.embedded import stop_process
 from streamproc.wire import Result, Subjects, Verdict, result_headers
 
 EDGE = [sys.executable, "-m", "streamproc.edge"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without STREAMPROC_* variables (they would leak into the edge)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMPROC_")}
-    env.update(extra or {})
-    return env
 
 
 class EdgeProcess:

@@ -35,7 +35,7 @@ from compose_checks import (
     load_compose,
     wait_for_results,
 )
-from edge_harness import clean_env, free_port
+from helpers import clean_env, free_port
 
 from streamproc import config
 from streamproc.edge import settings as edge_settings
