@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without STREAMPROC_* variables (they would leak into a subprocess's settings)."""
+    """The test's environment without STREAMPROC_* variables (they would leak into a subprocess)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
     env.update(extra or {})
     return env

@@ -1,4 +1,4 @@
-"""The correlator on its own, driven with the toy codec (tests/toy_codec.py) so every rule is visible in the bytes."""
+"""The correlator on its own, driven with the toy codec (tests/toy_codec.py): each rule shows in bytes."""
 
 from __future__ import annotations
 
