@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
@@ -19,7 +18,7 @@ import anyio
 import msgspec
 import nats
 import pytest
-from helpers import clean_env, connection
+from helpers import clean_env, connection, wait_ready
 
 from streamproc import config
 from streamproc.sim.embedded import EmbeddedNats, stop_process
@@ -114,14 +113,12 @@ def processor_subprocess(nats_url: str, *extra: str, ready_timeout: float = 20.0
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen([*CLI, "run", "--nats-url", nats_url, *extra], stdin=subprocess.DEVNULL,
                                     stdout=log_file, stderr=log_file, env=clean_env())
+
+        def log() -> str:
+            return log_path.read_text(errors="replace")
+
         try:
-            deadline = time.monotonic() + ready_timeout
-            while "event=started" not in log_path.read_text(errors="replace"):
-                if proc.poll() is not None:
-                    pytest.fail(f"streamproc run exited with {proc.returncode}:\n{log_path.read_text()}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"streamproc run not ready after {ready_timeout}s:\n{log_path.read_text()}")
-                time.sleep(0.02)
+            wait_ready(lambda: "event=started" in log(), proc, "streamproc run", ready_timeout, log, every=0.02)
             yield proc, log_path
         finally:
             stop_process(proc, 10)

@@ -14,13 +14,12 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from helpers import clean_env, free_port
+from helpers import clean_env, free_port, wait_ready
 from nats.aio.client import Client as NatsClient
 
 from streamproc.sim.embedded import stop_process
@@ -58,16 +57,12 @@ class EdgeProcess:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=self.env
             )
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"edge exited with {self.proc.returncode}:\n{self.log()}")
-            if http_status(f"{self.url}/healthz") == 200:
-                return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"edge not healthy after {ready_timeout}s:\n{self.log()}")
-            time.sleep(0.05)
+        try:
+            wait_ready(lambda: http_status(f"{self.url}/healthz") == 200, self.proc, "edge", ready_timeout, self.log)
+        except AssertionError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> int | None:
         proc, self.proc = self.proc, None

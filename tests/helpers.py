@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import socket
+import subprocess
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -46,6 +47,18 @@ async def connection(url: str) -> AsyncIterator[nats.aio.client.Client]:
         yield nc
     finally:
         await nc.close()
+
+
+def wait_ready(ready: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float,
+               log: Callable[[], str] = str, every: float = 0.05) -> None:
+    """Poll ``ready`` while ``proc`` runs; AssertionError with ``log()`` if it exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"{what} exited with {proc.returncode}:\n{log()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not ready after {timeout}s:\n{log()}")
+        time.sleep(every)
 
 
 async def wait_until(check: Callable[[], Awaitable[bool] | bool], timeout: float, what: str,
