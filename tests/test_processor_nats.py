@@ -25,7 +25,18 @@ from streamproc.config import load
 from streamproc.nats.processor import Processor, StartupError
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector, follow
-from streamproc.wire import ATTEMPT, ERROR, FINAL, JOIN, MSG_ID, SEQ, TRACEPARENT, Result, Verdict, result_headers
+from streamproc.wire import (
+    ATTEMPT,
+    ERROR,
+    FINAL,
+    JOIN,
+    MSG_ID,
+    SEQ,
+    TRACEPARENT,
+    Result,
+    Verdict,
+    result_headers,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(30)]
 
