@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI, _cli_env, run_cli_process
+from conftest import CLI, run_cli_process
+from helpers import clean_env
 from edge_harness import EdgeProcess
 from streamproc.sim.embedded import EmbeddedNats, stop_process
 
@@ -68,7 +69,7 @@ def test_a_bad_setting_next_to_a_secret_does_not_print_the_secret():
 def test_run_logs_at_debug_and_its_errors_hold_no_secret(server, password):
     env = {"STREAMPROC_NATS_PASSWORD": password, "STREAMPROC_NATS_USER": "app"}
     proc = subprocess.Popen([*CLI, "run", "--nats-url", server.url, "--log-level", "DEBUG", "--connect-timeout",
-                             "10"], env=_cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "10"], env=clean_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
     if password == PASSWORD:
         time.sleep(2.5)

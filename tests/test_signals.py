@@ -18,7 +18,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from conftest import CLI, _cli_env
+from conftest import CLI
+from helpers import clean_env
 from edge_harness import free_port, http_status
 from streamproc.sim.embedded import EmbeddedNats
 
@@ -73,7 +74,7 @@ def started(proc: subprocess.Popen, settle: float = 2.5) -> None:
 def test_a_signal_stops_a_command_that_is_still_connecting(name, target, signum):
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(silent_server()) if target == "silent-server" else closed_url()
-        proc = subprocess.Popen(command(name, url, free_port()), env=_cli_env(None), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(command(name, url, free_port()), env=clean_env(None), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             started(proc)
@@ -91,7 +92,7 @@ def test_a_signal_stops_a_command_that_is_still_connecting(name, target, signum)
 def test_a_signal_stops_a_running_command(name, signum):
     port = free_port()
     with EmbeddedNats(jetstream=False) as server:
-        proc = subprocess.Popen(command(name, server.url, port), env=_cli_env(None), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(command(name, server.url, port), env=clean_env(None), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             started(proc)

@@ -123,9 +123,24 @@ def is_fatal(exc: BaseException) -> bool:
                                                    or "permissions violation" in text and "connect" in text)
 
 
-def describe(exc: BaseException) -> str:
+# With TLS 1.3 the server checks a client certificate after the client's handshake has finished,
+# so a rejected certificate often surfaces as a connection closed right after set-up, not as an
+# SSL alert. A few in a row, over TLS, while connecting for the first time, are treated as refusal.
+TLS_RESETS_ARE_REFUSAL = 3
+TLS_RESET_HINT = ("the server closed the connection during TLS set-up: does it require a client "
+                  "certificate, or reject this one (nats_tls_cert_file, nats_tls_key_file)?")
+
+
+def _is_reset(exc: BaseException) -> bool:
+    return isinstance(exc, (ConnectionResetError, BrokenPipeError)) or (
+        isinstance(exc, nats.errors.UnexpectedEOF))
+
+
+def describe(exc: BaseException, *, tls: bool = False) -> str:
     """One line naming the cause, with a hint for the common ones."""
     text = error_text(exc)
+    if tls and _is_reset(exc):
+        return f"{text} ({TLS_RESET_HINT})"
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"{text} (is nats_tls_ca_file the CA that signed the server's certificate?)"
     if isinstance(exc, ssl.SSLError) and "certificate required" in str(exc).lower():
@@ -151,10 +166,17 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
     nc = NatsClient()
     connecting = True
 
+    tls = "tls" in options or any(u.startswith("tls://") for u in servers(settings))
+
     async def on_error(exc: Exception) -> None:
         if connecting:
             errors.append(exc)
-        if connecting and not fatal and is_fatal(exc):
+        resets = 0
+        for earlier in reversed(errors):
+            if not _is_reset(earlier):
+                break
+            resets += 1
+        if connecting and not fatal and (is_fatal(exc) or (tls and resets >= TLS_RESETS_ARE_REFUSAL)):
             fatal.append(exc)
             scope.cancel()  # first connect: stop retrying a credential the server refused
         if error_cb is not None:
@@ -188,8 +210,8 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
         await _close_quietly(nc)
     cause = fatal[0] if fatal else (errors[-1] if errors else failure)
     if fatal or (failure is not None and not scope.cancelled_caught):
-        raise StartupError(scrub(f"cannot connect to NATS at {where}: {describe(cause)}", hidden))
-    detail = f": {describe(cause)}" if cause is not None else ""
+        raise StartupError(scrub(f"cannot connect to NATS at {where}: {describe(cause, tls=tls)}", hidden))
+    detail = f": {describe(cause, tls=tls)}" if cause is not None else ""
     raise StartupError(scrub(f"cannot connect to NATS at {where} within {settings.connect_timeout}s{detail}",
                              hidden))
 
