@@ -19,7 +19,7 @@ from typing import Sequence
 import anyio
 
 from . import __version__, catalog, config
-from .core.errors import ConfigError, StartupError, StreamprocError
+from .core.errors import ConfigError, StreamprocError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -173,10 +173,9 @@ def imports_nats_py(source: str) -> list[int]:
     return sorted(lines)
 
 
-# Known violation, reported to the lead (issue 8): `streamproc simulate` connects with nats-py inside
-# cli.py instead of through streamproc.sim / streamproc.client. Strict: once fixed the XPASS fails,
-# and this entry must go.
-KNOWN_NATS_PY_IMPORTERS = {"streamproc.cli": "cli.py's simulate command imports nats-py itself"}
+# Known violations (module -> reason), each a strict xfail: once fixed the XPASS fails and the entry
+# must go. Empty since `streamproc simulate` connects through streamproc.nats.connection (issue 11).
+KNOWN_NATS_PY_IMPORTERS: dict[str, str] = {}
 OUTSIDE_NATS_HOMES = [
     pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=KNOWN_NATS_PY_IMPORTERS[m]))
     if m in KNOWN_NATS_PY_IMPORTERS else m

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import time
 from typing import Literal
 
-import anyio
 import msgspec
-import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import StorageType
 
-from ..core.errors import StartupError
 from ..logs import error_text, log_event
 from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
@@ -169,9 +165,9 @@ class ResultSource:
     def connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
 
-    async def start(self, *, retry_every: float = 0.5) -> None:
-        """Connect (retrying until NATS answers, at most ``connect_timeout``), check the results
-        stream, start the recent ring."""
+    async def start(self) -> None:
+        """Connect (retrying until NATS answers, at most ``connect_timeout``; a refused credential
+        at once), check the results stream, start the recent ring."""
         self.nc = await connection.connect(
             self.settings,
             name="streamproc-edge",

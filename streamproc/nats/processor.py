@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 from ..catalog import Catalog
 from ..config import Settings, redact_url
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
-from ..core.errors import StartupError, StreamMismatch, UnknownFormat
+from ..core.errors import Interrupted, StartupError, StreamMismatch, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
 from . import connection
@@ -40,10 +40,6 @@ from .streams import jetstream_available
 log = logging.getLogger("streamproc.processor")
 
 T = TypeVar("T")
-
-
-class _Interrupted(Exception):
-    """A signal arrived while the processor was still connecting."""
 
 
 class Processor:
@@ -112,7 +108,7 @@ class Processor:
                 stack.push_async_callback(self._close_connection)
                 self.mode = await self._choose_mode()
             if self._start_scope.cancelled_caught:
-                raise _Interrupted
+                raise Interrupted
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tasks.cancel_scope.cancel)  # runs before the task group exits
             self._input = self._make_input(self.mode)
@@ -128,10 +124,7 @@ class Processor:
             if settings.stats_interval > 0:
                 self._tasks.start_soon(self._report_stats)
         except BaseException:
-            # Shielded (a signal may have cancelled the start) and bounded (a half-open connection
-            # may not close cleanly): release what was set up, then re-raise.
-            with anyio.move_on_after(2, shield=True):
-                await stack.__aexit__(None, None, None)
+            await stack.__aexit__(None, None, None)
             raise
         self._stack = stack
         log_event(log, logging.INFO, "started", nats_url=redact_url(settings.nats_url), subject=self.subjects.all_chunks,
@@ -181,7 +174,7 @@ class Processor:
                 watcher.start_soon(watch)
                 try:
                     await self.start()
-                except _Interrupted:
+                except Interrupted:
                     pass
                 except Exception as exc:  # raised below, outside the task group (no ExceptionGroup)
                     failure = exc
@@ -214,7 +207,8 @@ class Processor:
         assert self.nc is not None
         available = await jetstream_available(self.nc)
         if wanted == "durable" and not available:
-            raise StartupError(f"--mode durable needs JetStream, which the NATS server at {redact_url(self.settings.nats_url)} "
+            where = redact_url(self.settings.nats_url)
+            raise StartupError(f"--mode durable needs JetStream, which the NATS server at {where} "
                                "does not offer to this account (start nats-server with -js, or use --mode core)")
         chosen = "durable" if available else "core"
         if wanted == "auto":
