@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(BIN)/streamproc demo
 
 test: $(STAMP)
+	scripts/install-system-deps
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
