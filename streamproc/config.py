@@ -115,6 +115,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     drain_timeout: Annotated[float, documented("seconds a graceful stop may spend draining", gt=0, le=3600)] = 10.0
     stats_interval: Annotated[float, documented("seconds between statistics log lines; 0 turns them off",
                                           ge=0, le=86_400)] = 0.0
+    http_port: Annotated[int, documented("port of the status server (/metrics, /healthz, /readyz); 0 turns "
+                                         "it off", ge=0, le=65535)] = 0
+    http_host: Annotated[str, documented("address the status server listens on", min_length=1)] = "0.0.0.0"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -257,4 +257,5 @@ class ResultSource:
 
     async def _on_reconnected(self) -> None:
         self.metrics.nats_connected = 1
+        self.metrics.nats_reconnects += 1
         log_event(log, logging.INFO, "reconnected")
