@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import sys
 import time
@@ -17,15 +16,14 @@ from typing import Sequence
 
 import anyio
 
-from . import __version__, catalog, config
+from . import __version__, catalog, config, logs
 from .core.errors import ConfigError, StartupError, StreamprocError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def _setup_logging(level: str, fmt: str = "logfmt") -> None:
+    logs.configure(level, fmt)  # type: ignore[arg-type]
 
 
 def _settings(args: argparse.Namespace) -> config.Settings:
@@ -41,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(settings.to_json().decode() + "\n")
         return EXIT_OK
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     processor = Processor(settings)
     # Per message the processor allocates a handful of short-lived container objects; with
     # CPython's default gen-0 threshold (700) that is a collection every ~150 messages, each
@@ -72,7 +70,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.demo import print_report
 
     settings = _settings(args)
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     try:
         worker = catalog.worker_for(settings.format)
     except LookupError as exc:
@@ -169,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="publish simulated worker traffic (optionally verify the results)",
                          description="Publish simulated worker chunks (each with a Streamproc-Format header) "
                                      "and, with --verify, check the results of a running processor.")
-    config.add_arguments(sim, ["nats_url", "prefix", "format", "connect_timeout", "log_level"])
+    config.add_arguments(sim, ["nats_url", "prefix", "format", "connect_timeout", "log_level", "log_format"])
     sim.add_argument("--requests", type=int, default=10, help="number of requests (default 10)")
     sim.add_argument("--mode", choices=["agg", "pd", "mixed"], default="mixed",
                      help="aggregated, prefill/decode or both alternating (default mixed)")

@@ -25,6 +25,7 @@ ENV_PREFIX = "STREAMPROC_"
 Mode = Literal["auto", "core", "durable"]
 Storage = Literal["file", "memory"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["logfmt", "json"]
 
 
 def documented(text: str, **constraints: Any) -> msgspec.Meta:
@@ -47,6 +48,8 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     connect_timeout: Annotated[float, documented("seconds to wait for the first NATS connection at start-up; 0 waits "
                                            "forever (later disconnects are always retried)", ge=0, le=86_400)] = 30.0
     log_level: Annotated[LogLevel, documented("logging threshold")] = "INFO"
+    log_format: Annotated[LogFormat, documented("log line format: logfmt (event=<name> key=value) or json, "
+                                                "one object per line")] = "logfmt"
     stream_storage: Annotated[Storage, documented("storage of the chunk and results streams and the lease "
                                             "bucket")] = "file"
     stream_replicas: Annotated[int, documented("replicas of the chunk and results streams and the lease "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import contextlib
 import os
+import signal
 import sys
 from typing import Mapping
 
@@ -33,11 +34,31 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (exit 143 or 130); for the edge,
+        as for ``streamproc run``, a signal is the normal way to stop: exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
 def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     """Run the edge until SIGINT/SIGTERM. Exit codes: 0 stopped, 1 failed to start, 2 bad configuration."""
     import uvicorn
 
     from ..core.errors import UnknownFormat
+    from ..logs import configure as configure_logging
     from .app import create_app
 
     try:
@@ -46,19 +67,18 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     except (EdgeConfigError, UnknownFormat) as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         lifespan="on",
-        access_log=False,
+        access_log=True,  # through the one log format: event=http_request (streamproc.logs)
+        log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=3,
     )
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     server.run()
     return EXIT_OK if server.started else EXIT_FAILURE
 
