@@ -26,8 +26,30 @@ def _setup_logging(level: str, fmt: str = "logfmt") -> None:
     logs.configure(level, fmt)  # type: ignore[arg-type]
 
 
+def warn_unknown_environment(command: str) -> None:
+    for line in config.unknown_environment_warnings(os.environ):
+        print(f"streamproc {command}: warning: {line}", file=sys.stderr)
+
+
 def _settings(args: argparse.Namespace) -> config.Settings:
-    return config.from_arguments(args, os.environ)
+    settings, origin = config.PROCESSOR.explain_arguments(args, os.environ)
+    warn_unknown_environment(args.command)
+    check_format(settings.format, origin["format"])
+    if getattr(args, "print_config", False):
+        print(config.print_config(settings, origin))
+        raise SystemExit(EXIT_OK)
+    return settings
+
+
+def check_format(name: str, origin: str) -> None:
+    """An unknown --format is bad configuration (exit 2) for every command, found before connecting."""
+    from .core.codec import CodecOptions
+    from .core.errors import UnknownFormat
+
+    try:
+        catalog.Catalog(CodecOptions())(name)
+    except UnknownFormat as exc:
+        raise ConfigError(f"invalid {origin}={name!r}: {exc}") from None
 
 
 # ------------------------------------------------------------------------- commands
@@ -36,9 +58,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .nats.processor import Processor
 
     settings = _settings(args)
-    if args.print_config:
-        sys.stdout.write(settings.to_json().decode() + "\n")
-        return EXIT_OK
     _setup_logging(settings.log_level, settings.log_format)
     processor = Processor(settings)
     # Per message the processor allocates a handful of short-lived container objects; with
@@ -147,6 +166,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--print-config", action="store_true",
+                        help="validate the settings as start-up would, print each value with its source "
+                             "(default, env, flag) as JSON, and exit")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamproc",
@@ -158,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the processor against a NATS server",
                          description="Run the processor until SIGTERM/SIGINT.")
     config.add_arguments(run)
-    run.add_argument("--print-config", action="store_true", help="print the effective configuration as JSON and exit")
+    add_print_config(run)
     run.set_defaults(func=cmd_run)
 
     codecs = sub.add_parser("codecs", help="list installed codecs (entry-point group streamproc.codecs)")
@@ -182,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--verify", action="store_true",
                      help="wait for the results of a running processor and verify them")
     sim.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for results with --verify")
+    add_print_config(sim)
     sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="embedded NATS + processor + simulated SGLang workers, verified",

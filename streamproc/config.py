@@ -9,9 +9,10 @@ from, instead of misbehaving hours later.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import typing
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Iterable, Literal, Mapping
 
 import msgspec
 
@@ -31,6 +32,29 @@ LogFormat = Literal["logfmt", "json"]
 def documented(text: str, **constraints: Any) -> msgspec.Meta:
     """A setting's help text and range, declared once on the field (used by the edge's settings too)."""
     return msgspec.Meta(description=text, **constraints)
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?$")
+
+
+def check_nats_url(value: str) -> None:
+    """Each comma-separated server must be ``nats|tls|ws|wss://[user[:pass]@]host[:port]`` or
+    ``host[:port]``: an ``http://`` URL or free text would otherwise be retried forever as a DNS name."""
+    for server in (part.strip() for part in value.split(",")):
+        if not server:
+            raise ValueError("nats_url: empty server in the list")
+        scheme, sep, rest = server.partition("://")
+        if not sep:
+            scheme, rest = "nats", server
+        if scheme.lower() not in NATS_SCHEMES:
+            raise ValueError(f"nats_url: unsupported scheme {scheme + '://'!r} in {server!r} "
+                             f"(use {', '.join(s + '://' for s in NATS_SCHEMES)})")
+        hostport = rest.rsplit("@", 1)[-1].split("/", 1)[0]
+        if not _HOST_PORT.match(hostport) or (":" in hostport and not hostport.endswith("]")
+                                              and not 0 < int(hostport.rsplit(":", 1)[1]) < 65536):
+            raise ValueError(f"nats_url: {server!r} is not a server address (expected host:port or "
+                             "nats://host:port)")
 
 
 class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -64,6 +88,7 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             Subjects(self.prefix)
         except ValueError as exc:
             raise ValueError(f"prefix: {exc}") from None
+        check_nats_url(self.nats_url)
         if self.duplicate_window > self.results_max_age:
             raise ValueError("duplicate_window must not exceed results_max_age")
 
@@ -194,16 +219,25 @@ class SettingsSchema(typing.Generic[S]):
 
     def load(self, environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> S:
         """Merge defaults < environment < ``overrides`` (parsed flags) and validate."""
+        return self.explain(environ, overrides)[0]
+
+    def explain(self, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> tuple[S, dict[str, str]]:
+        """:meth:`load`, plus where each value came from: ``default``, ``env STREAMPROC_X`` or ``flag --x``."""
         environ = environ if environ is not None else {}
         sources: dict[str, str] = {}
+        origin: dict[str, str] = {}
         merged: dict[str, Any] = {}
         for f in self.fields():
+            origin[f.name] = "default"
             if f.env in environ:
                 merged[f.name] = environ[f.env]
                 sources[f.name] = f"environment variable {f.env}={environ[f.env]!r}"
+                origin[f.name] = f"env {f.env}"
             if overrides and overrides.get(f.name) is not None:
                 merged[f.name] = overrides[f.name]
                 sources[f.name] = f"flag {f.flag}={overrides[f.name]!r}"
+                origin[f.name] = f"flag {f.flag}"
             value = merged.get(f.name)
             if f.kind is bool and isinstance(value, str):
                 if value.lower() not in _TRUE | _FALSE:
@@ -212,7 +246,7 @@ class SettingsSchema(typing.Generic[S]):
         if isinstance(merged.get("log_level"), str):
             merged["log_level"] = merged["log_level"].upper()
         try:
-            return msgspec.convert(merged, self.struct, strict=False)
+            return msgspec.convert(merged, self.struct, strict=False), origin
         except msgspec.ValidationError as exc:
             message = str(exc)
             match = _PATH.search(message)
@@ -223,7 +257,31 @@ class SettingsSchema(typing.Generic[S]):
                 if choices:
                     reason += f" (allowed: {', '.join(choices)})"
                 raise self.error(f"invalid {sources[name]}: {reason}") from None
-            raise self.error(f"invalid configuration: {message}") from None
+            raise self.error(f"invalid configuration: {self._name_sources(message, sources)}") from None
+
+    def _name_sources(self, message: str, sources: Mapping[str, str]) -> str:
+        """A cross-field error names settings by field (``a_b must not exceed c_d``, ``prefix: ...``);
+        say which flag and value each one is. Quoted values and plain words are left alone."""
+        by_name = {f.name: f for f in self.fields()}
+
+        def named(name: str) -> str:
+            f = by_name[name]
+            return f"{f.flag} ({sources.get(name, f'default {f.default!r}')})"
+
+        head, sep, rest = message.partition(": ")
+        if sep and head in by_name:  # "prefix: <reason>"
+            return f"{named(head)}: {rest}"
+        words = re.compile(r"'[^']*'|\b(" + "|".join(re.escape(n) for n in by_name if "_" in n) + r")\b")
+        return words.sub(lambda m: named(m.group(1)) if m.group(1) else m.group(0), message)
+
+    def unknown_environment(self, environ: Mapping[str, str], known: Iterable[str] = ()) -> list[str]:
+        """``STREAMPROC_*`` variables no setting reads, each with a suggestion when one is close."""
+        names = {f.env for f in self.fields()} | set(known)
+        out = []
+        for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in names):
+            close = difflib.get_close_matches(var, names, n=1)
+            out.append(var + (f" (did you mean {close[0]}?)" if close else ""))
+        return out
 
     def add_arguments(self, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
         """Add ``--kebab-name`` flags for the given settings (all by default). Unset flags stay None."""
@@ -244,7 +302,11 @@ class SettingsSchema(typing.Generic[S]):
 
     def from_arguments(self, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> S:
         """Settings from flags added by :meth:`add_arguments` (other arguments are ignored)."""
-        return self.load(environ, {f.name: getattr(args, self._dest + f.name, None) for f in self.fields()})
+        return self.explain_arguments(args, environ)[0]
+
+    def explain_arguments(self, args: argparse.Namespace,
+                          environ: Mapping[str, str] | None = None) -> tuple[S, dict[str, str]]:
+        return self.explain(environ, {f.name: getattr(args, self._dest + f.name, None) for f in self.fields()})
 
 
 # The processor's settings. The flag destination prefix keeps them apart from a command's own
@@ -252,5 +314,27 @@ class SettingsSchema(typing.Generic[S]):
 PROCESSOR = SettingsSchema(Settings, lambda name: ENV_PREFIX + name.upper(), dest_prefix="setting_")
 fields = PROCESSOR.fields
 load = PROCESSOR.load
+explain = PROCESSOR.explain
 add_arguments = PROCESSOR.add_arguments
 from_arguments = PROCESSOR.from_arguments
+
+
+def print_config(settings: msgspec.Struct, origin: Mapping[str, str]) -> str:
+    """``--print-config``: every setting's effective value and where it came from, as JSON."""
+    values = msgspec.to_builtins(settings)
+    return msgspec.json.format(msgspec.json.encode(
+        {name: {"value": values[name], "source": origin[name]} for name in settings.__struct_fields__}),
+        indent=2).decode()
+
+
+def known_environment() -> set[str]:
+    """Every ``STREAMPROC_*`` variable some command reads (processor and edge settings)."""
+    from .edge.settings import env_names as edge_env_names  # the edge's settings build on this module
+
+    return {f.env for f in PROCESSOR.fields()} | edge_env_names()
+
+
+def unknown_environment_warnings(environ: Mapping[str, str]) -> list[str]:
+    """One line per misspelt or unused ``STREAMPROC_*`` variable (they would be ignored silently)."""
+    return [f"unknown environment variable {v}, ignored"
+            for v in PROCESSOR.unknown_environment(environ, known_environment())]

@@ -52,7 +52,11 @@ def test_print_config_merges_defaults_environment_and_flags(run_cli):
                    env={"STREAMPROC_PREFILL_TIMEOUT": "2.5", "STREAMPROC_PREFIX": "from-env",
                         "STREAMPROC_LOG_LEVEL": "debug"})
     assert proc.returncode == 0, proc.stderr
-    effective = json.loads(proc.stdout)
+    explained = json.loads(proc.stdout)
+    effective = {name: entry["value"] for name, entry in explained.items()}
+    assert explained["prefill_timeout"]["source"] == "env STREAMPROC_PREFILL_TIMEOUT"
+    assert explained["prefix"]["source"] == "flag --prefix"
+    assert explained["request_timeout"]["source"] == "default"
     assert effective["prefill_timeout"] == 2.5  # environment over default
     assert effective["prefix"] == "flagged"  # flag over environment
     assert effective["max_inflight"] == 7
@@ -68,7 +72,8 @@ def test_print_config_merges_defaults_environment_and_flags(run_cli):
     (["--log-level", "loud"], {}, "DEBUG, INFO"),
     (["--mode", "exactly-once"], {}, "--mode"),
     (["--partitions", "0"], {}, "--partitions"),
-    ([], {"STREAMPROC_DUPLICATE_WINDOW": "7200"}, "duplicate_window"),
+    ([], {"STREAMPROC_DUPLICATE_WINDOW": "7200"}, "--duplicate-window (environment variable "
+                                                   "STREAMPROC_DUPLICATE_WINDOW='7200')"),
     (["--prefix", "a..b"], {}, "prefix"),
 ])
 def test_invalid_settings_exit_2_naming_where_the_value_came_from(run_cli, args, env, named):
@@ -87,12 +92,12 @@ def test_settings_precedence_is_defaults_then_environment_then_flags():
 
 # ------------------------------------------------------------------ run failures
 
-def test_run_with_unknown_format_fails_at_start_up_listing_installed_codecs(run_cli):
+def test_run_with_unknown_format_exits_2_before_connecting_listing_installed_codecs(run_cli):
     started = time.monotonic()
     # A NATS url that would hang for connect_timeout proves the format is checked first.
     proc = run_cli("run", "--format", "no-such-codec", "--nats-url", f"nats://127.0.0.1:{closed_port()}",
                    "--connect-timeout", "60")
-    assert_clean_failure(proc, 1)
+    assert_clean_failure(proc, 2)  # bad configuration, like every command
     assert time.monotonic() - started < 15
     assert "unknown format 'no-such-codec'" in proc.stderr
     assert re.search(r"installed codecs: .*sglang.*vllm", proc.stderr), proc.stderr

@@ -314,7 +314,7 @@ def create_app(settings: EdgeSettings) -> Starlette:
         try:
             await edge.source.start()
         except StartupError as exc:  # NATS unreachable within --connect-timeout, a mismatched stream
-            log_event(log, logging.ERROR, "startup_failed", error=str(exc))
+            app.state.startup_error = exc  # `streamproc edge` reports it in one line and exits 1
             await edge.source.stop()
             raise
         try:
