@@ -164,6 +164,37 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
         )
 
 
+# ``--help`` groups, in order, and the settings in each. A setting added elsewhere (another
+# component's connection options, say) lands in "connection" by its name, else in "other".
+HELP_GROUPS: dict[str, str] = {
+    "connection": "where NATS is and how to reach it",
+    "correlation": "how chunks become results",
+    "limits": "bounds on memory and queues",
+    "durable": "JetStream streams, consumers and leases (--mode durable; the edge's results stream)",
+    "edge": "the HTTP edge",
+    "logging": "logs, metrics and health",
+}
+OTHER_GROUP = "other"
+_GROUP_OF = {
+    **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
+    **dict.fromkeys(["format", "mode", "prefill_timeout", "request_timeout", "finished_grace"], "correlation"),
+    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_finished", "max_decompressed_bytes",
+                     "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
+    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "lease_ttl", "chunks_max_age",
+                     "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
+                     "duplicate_window", "ensure_results_stream"], "durable"),
+    **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent"], "edge"),
+    **dict.fromkeys(["log_level", "log_format", "stats_interval", "http_port", "http_host"], "logging"),
+}
+_CONNECTION_WORDS = ("nats", "tls", "creds", "token", "user", "password", "nkey", "jwt", "cert", "ca_")
+
+
+def help_group(name: str) -> str:
+    if name in _GROUP_OF:
+        return _GROUP_OF[name]
+    return "connection" if any(word in name for word in _CONNECTION_WORDS) else OTHER_GROUP
+
+
 class Field(msgspec.Struct, frozen=True):
     name: str
     default: Any
@@ -284,13 +315,19 @@ class SettingsSchema(typing.Generic[S]):
         return out
 
     def add_arguments(self, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
-        """Add ``--kebab-name`` flags for the given settings (all by default). Unset flags stay None."""
+        """Add ``--kebab-name`` flags for the given settings (all by default), grouped by topic
+        (:data:`HELP_GROUPS`) in ``--help``. Unset flags stay None."""
         wanted = set(names) if names is not None else None
-        group = parser.add_argument_group(self._title)
-        for f in self.fields():
-            if wanted is not None and f.name not in wanted:
-                continue
-            help_text = f"{f.help} [env {f.env}, default {f.default!r}]"
+        chosen = [f for f in self.fields() if wanted is None or f.name in wanted]
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for title in [*HELP_GROUPS, OTHER_GROUP]:
+            if any(help_group(f.name) == title for f in chosen):
+                groups[title] = parser.add_argument_group(
+                    f"{title} settings", HELP_GROUPS.get(title, "") + " (flag > STREAMPROC_* environment > default)")
+        for f in chosen:
+            group = groups[help_group(f.name)]
+            allowed = f" (one of: {', '.join(f.choices)})" if f.choices else ""
+            help_text = f"{f.help}{allowed} [env {f.env}, default {f.default!r}]"
             if f.kind is bool:
                 group.add_argument(f.flag, dest=self._dest + f.name, default=None,
                                    action=argparse.BooleanOptionalAction, help=help_text)

@@ -111,3 +111,39 @@ def test_exit_codes_are_documented_once_for_every_command():
     section = doc.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\d)` \| (.+) \|$", section, re.M)
     assert [code for code, _ in rows] == ["0", "1", "2"]
+
+
+def _help_sections(text: str) -> dict[str, str]:
+    """``--help`` split at its group headings (lines ending in ':' at column 0)."""
+    sections, current = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            current = line[:-1]
+            sections[current] = ""
+        elif current:
+            sections[current] += line + "\n"
+    return sections
+
+
+@pytest.mark.parametrize("command, groups", [
+    ("run", ["connection", "correlation", "limits", "durable", "logging"]),
+    ("edge", ["connection", "correlation", "durable", "edge", "logging"]),
+])
+def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
+    proc = run_cli_process(command, "--help")
+    assert proc.returncode == 0
+    sections = _help_sections(proc.stdout)
+    titles = [t for t in sections if t.endswith(" settings")]
+    assert titles == [f"{g} settings" for g in groups]
+    expect = {"connection": "--nats-url", "correlation": "--format", "logging": "--log-format",
+              "durable": "--results-max-age", "limits": "--max-inflight", "edge": "--max-streams"}
+    for group in groups:
+        assert expect[group] in sections[f"{group} settings"]
+    logging_help = " ".join(sections["logging settings"].split())
+    assert "(one of: DEBUG, INFO, WARNING, ERROR, CRITICAL)" in logging_help
+    assert "(one of: logfmt, json)" in logging_help
+    if command == "run":
+        assert "--mode {auto,core,durable}" in sections["correlation settings"]
+        assert "--prefill-timeout" in sections["correlation settings"]
+        assert "--partitions" in sections["durable settings"]
+        assert "--http-port" in sections["logging settings"]
