@@ -17,6 +17,7 @@ from typing import Annotated, Any, Iterable, Literal, Mapping
 import msgspec
 
 from .core import defaults
+from .core.codec import CodecOptions, parse_format_options
 from .core.correlator import CorrelatorConfig
 from .core.errors import ConfigError
 from .core.wire import Subjects
@@ -131,8 +132,11 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                              "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
-    max_decompressed_bytes: Annotated[int, documented("largest decoded sequence payload a codec accepts, per "
-                                                "payload", ge=1024, le=2**40)] = defaults.MAX_DECOMPRESSED_BYTES
+    max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
+                                                "decodes at most what the body's token counts allow",
+                                                ge=1024, le=2**40)] = defaults.MAX_DECOMPRESSED_BYTES
+    format_option: Annotated[str, documented("codec options as KEY=VALUE, comma-separated (sglang: "
+                                             "streaming=cumulative|incremental, see docs/codecs.md)")] = ""
     max_retained_bytes: Annotated[int, documented("bytes of published bodies kept by reference per request for a "
                                             "possible migration; past it the codec folds them into a compact "
                                             "progress state (0 folds every body at once)", ge=0, le=2**40)] = defaults.MAX_RETAINED_BYTES
@@ -149,8 +153,16 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        try:
+            parse_format_options(self.format_option)
+        except ValueError as exc:
+            raise ValueError(f"format_option: {exc}") from None
         if self.duplicate_window > self.chunks_max_age:
             raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
+
+    def codec_options(self) -> CodecOptions:
+        return CodecOptions(max_decompressed_bytes=self.max_decompressed_bytes,
+                            format_options=parse_format_options(self.format_option))
 
     def correlator_config(self) -> CorrelatorConfig:
         return CorrelatorConfig(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Sequence, TypeVar
+from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import msgspec
 
@@ -26,9 +26,30 @@ DEFAULT_MAX_DECOMPRESSED_BYTES = defaults.MAX_DECOMPRESSED_BYTES  # the name cod
 
 
 class CodecOptions(msgspec.Struct, frozen=True):
-    """Limits every codec must honour (set from the processor's configuration)."""
+    """Limits every codec must honour and format-specific options (set from the processor's configuration)."""
 
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+    # ``--format-option KEY=VALUE``: facts about the workers a codec cannot read from the bodies
+    # (e.g. ``streaming=cumulative`` for SGLang). Each codec documents the keys it reads.
+    format_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str) -> str:
+        """The value of one format option, or ``default`` when it was not given."""
+        for name, value in reversed(self.format_options):
+            if name == key:
+                return value
+        return default
+
+
+def parse_format_options(text: str) -> tuple[tuple[str, str], ...]:
+    """``"k=v,k2=v2"`` as pairs; raises ``ValueError`` for an item without ``=`` or key."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"format option {item!r} is not KEY=VALUE")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 class ErrorKind(enum.StrEnum):
@@ -105,6 +126,17 @@ class SequenceCodec(ABC, Generic[R]):
     @abstractmethod
     def encode(self, rows: R) -> object: ...
 
+    def decode_within(self, value: object, limit: int) -> R:
+        """``decode``, refusing (``too_large``) past ``limit`` bytes, the size the caller expects
+        from the body's token counts. This default checks after decoding (still bounded by
+        ``max_decompressed_bytes``); encodings that inflate override it to stop earlier."""
+        rows = self.decode(value)
+        size = getattr(rows, "nbytes", None)
+        size = len(rows) if size is None else size  # type: ignore[arg-type]
+        if size > limit:
+            raise CorruptPayload(OmissionReason.TOO_LARGE, f"decoded {size} bytes, the body allows {limit}")
+        return rows
+
 
 class JoinSession(ABC):
     """Per-request P/D join state, owned by the codec and driven by the correlator.
@@ -138,6 +170,49 @@ class Emitted(msgspec.Struct, frozen=True):
     state: dict[str, Any] = {}  # format-specific facts (e.g. the original prompt length), JSON-able
 
 
+def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -> None:
+    """Refuse to resume a request whose prompt is not the one the client was sent results for
+    (``emitted.state[state_key]``, recorded by the format's migration session, when known)."""
+    seen = emitted.state.get(state_key)
+    if type(seen) is int and seen != prompt_tokens:
+        raise MigrationRefused(f"the request's prompt has {prompt_tokens} tokens but the client was sent results "
+                               f"for a {seen}-token prompt: not the request being resumed")
+
+
+def check_sampling_params(params: object, *, guided: Sequence[str]) -> dict[str, Any]:
+    """A request's sampling parameters if one request with them can be resumed elsewhere: a single
+    object (not a batch), one sample (``n`` absent or 1), no guided decoding (``guided`` fields)
+    whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
+    n = params.get("n")
+    if n not in (None, 1):
+        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+    for field in guided:
+        if params.get(field) is not None:
+            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    return params
+
+
+def resumed_budget(params: dict[str, Any], emitted: int, *, max_key: str, min_key: str,
+                   default: int | None) -> dict[str, Any]:
+    """Sampling parameters of the resumed request: the token budget ``max_key`` (``default`` when
+    absent; None means unbounded) and the minimum ``min_key`` shrink by the ``emitted`` tokens.
+    Raises :class:`MigrationRefused` when no budget is left. The input is not changed."""
+    out = dict(params)
+    budget = out.get(max_key)
+    budget = default if budget is None else budget
+    if budget is not None:
+        if type(budget) is not int or budget - emitted < 1:
+            raise MigrationRefused(f"no token budget left ({max_key} {budget}, {emitted} emitted)")
+        out[max_key] = budget - emitted
+    if type(out.get(min_key)) is int:
+        out[min_key] = max(0, out[min_key] - emitted)
+    return out
+
+
 class MigrationSession(ABC):
     """Per-request migration state, owned by the codec and driven by the correlator.
 
@@ -169,9 +244,16 @@ class Codec(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    # Wire encoding per sequence field; a derived format overrides one entry and inherits the rest
+    # (``sglang-zstd``). The instances in ``self.sequences`` are shared by every session of this
+    # codec instance (one processor thread), so stateful encoders are created per instance.
+    sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {}
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()
+        self.sequences: dict[str, SequenceCodec] = {
+            field: cls(self.options) for field, cls in self.sequence_codecs.items()
+        }
 
     @abstractmethod
     def open_session(self) -> JoinSession:

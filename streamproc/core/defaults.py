@@ -20,7 +20,10 @@ MAX_FINISHED = 200_000
 MAX_RETAINED_BYTES = 256 * 1024
 
 # Codecs
-MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+# A ceiling, not the working bound: codecs decode at most what a body's token counts allow
+# (rows x row width). 512 MiB holds a 128k-token capture of the widest open MoE models at int32
+# (Qwen3-235B: 94 layers x top-8 = 394 MB; DeepSeek-V3/Kimi-K2: 61 x 8 = 256 MB).
+MAX_DECOMPRESSED_BYTES = 512 * 1024 * 1024
 
 # Streams (JetStream)
 RESULTS_MAX_AGE = 3600.0  # seconds a result can still be replayed

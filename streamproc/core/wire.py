@@ -6,7 +6,6 @@ Everything that a worker, an edge or another processor must agree on lives here 
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Mapping
 
 import msgspec

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import msgspec
 
 from ..config import ENV_PREFIX, CommonSettings, ConfigError, SettingsSchema, documented
 

@@ -378,7 +378,7 @@ class DurableInput:
         self.nc = nc
         self.settings = settings
         self.pipeline = pipeline
-        self.correlator = correlator = pipeline.correlator
+        self.correlator = pipeline.correlator
         clock, notify = pipeline.clock, pipeline.notify
         self.instance = instance or new_instance_id()
         self.stats = DurableStats()

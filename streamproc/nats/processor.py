@@ -26,16 +26,15 @@ from nats.aio.client import Client as NatsClient
 
 from ..catalog import Catalog
 from ..config import Settings
-from ..core.codec import CodecOptions
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
-from ..core.errors import StartupError, UnknownFormat
+from ..core.errors import StartupError, StreamMismatch, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
 from .control import ControlPlane
 from .core_input import CoreInput
 from .gate import DispatchGate
 from .input import Clock, Input, IOStats, Pipeline, snapshot
-from .streams import StreamMismatch, jetstream_available
+from .streams import jetstream_available
 
 log = logging.getLogger("streamproc.processor")
 
@@ -51,7 +50,7 @@ class Processor:
         self.settings = settings
         self.subjects = settings.subjects
         self._clock = clock
-        self.catalog = catalog or Catalog(CodecOptions(max_decompressed_bytes=settings.max_decompressed_bytes))
+        self.catalog = catalog or Catalog(settings.codec_options())
         try:
             self.correlator = Correlator(self.catalog, settings.format, settings.correlator_config())
         except UnknownFormat as exc:

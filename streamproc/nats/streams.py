@@ -36,7 +36,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ..core import defaults
-from ..core.errors import ChunkStreamMismatch, ResultsStreamMismatch, StreamMismatch
+from ..core.errors import ChunkStreamMismatch, ResultsStreamMismatch
 from ..core.partitions import PartitionScheme
 from ..core.wire import Subjects
 
