@@ -189,7 +189,8 @@ HELP_GROUPS: dict[str, str] = {
 OTHER_GROUP = "other"
 _GROUP_OF = {
     **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
-    **dict.fromkeys(["format", "mode", "prefill_timeout", "request_timeout", "finished_grace"], "correlation"),
+    **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
+                    "correlation"),
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_finished", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "lease_ttl", "chunks_max_age",
