@@ -150,7 +150,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .sim.demo import default_format, print_report, run_demo
 
-    _setup_logging("WARNING")
+    _setup_logging("ERROR")  # the demo's planned faults log warnings by design; its summary reports them
     if args.requests < 1:
         raise ConfigError("--requests must be at least 1")
     format = args.format or default_format()
@@ -159,7 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except LookupError as exc:
         raise ConfigError(str(exc)) from None
     report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
-                                        timeout=args.timeout))
+                                        timeout=args.timeout, progress=sys.stderr))
     print_report(report)
     return EXIT_OK if report.ok else EXIT_FAILURE
 

@@ -166,6 +166,14 @@ def test_demo_exits_zero_with_a_verified_summary(run_cli):
         assert re.search(rf"^{re.escape(row)}\s+\d+", out, re.M), out
     assert re.search(r"^total\s+200\s+\d+", out, re.M), out
     assert "verified OK: all 200 requests" in out
+    # the planned faults are visible: omissions (corrupt and missing prefill legs) and errors
+    header, total = next(line for line in out.splitlines() if "passthrough" in line), \
+        next(line for line in out.splitlines() if line.startswith("total"))
+    columns = dict(zip(header.split(), map(int, total.split()[1:])))
+    assert columns["omitted"] > 0 and columns["errors"] > 0, out
+    assert "prefill_timeouts=10" in out
+    assert re.search(r"^progress: \d+/200 requests finished", proc.stderr, re.M), proc.stderr
+    assert "warning" not in proc.stderr
 
 
 def test_demo_with_an_unknown_format_is_a_usage_error(run_cli):
@@ -193,6 +201,26 @@ def test_verify_flags_changed_bytes_missing_results_and_stale_rows():
     # Decode's own bodies carry stale prompt rows: publishing them unjoined must be caught.
     assert any("expert rows" in p for p in traffic.verify(pd, _as_results(pd.request_id, pd.decode,
                                                                           Verdict.PASSTHROUGH), worker))
+
+
+def test_verify_demands_omissions_for_broken_prefill_and_an_error_for_a_contract_violation():
+    worker = worker_for("sglang")
+    plans = traffic.plan("sglang", requests=80, mode="mixed", seed=3, worker=worker, faults=True)
+    by_fault = {}
+    for p in plans:
+        by_fault.setdefault(p.fault, p)
+    assert {"corrupt_prefill", "missing_prefill", "contract"} <= set(by_fault)
+    missing = by_fault["missing_prefill"]
+    assert missing.prefill == [] and missing.truth.return_experts
+    # Claiming a clean join (or publishing decode's own stale rows) for a broken prefill leg is caught.
+    for fault in ("corrupt_prefill", "missing_prefill"):
+        p = by_fault[fault]
+        assert traffic.verify(p, _as_results(p.request_id, p.decode, Verdict.JOINED), worker)
+    contract = by_fault["contract"]
+    assert traffic.verify(contract, _as_results(contract.request_id, contract.agg, Verdict.PASSTHROUGH), worker)
+    error = ResultInfo(contract.request_id, 0, True, None, "invalid_chunk", b"{}")
+    assert traffic.verify(contract, [error], worker) == []
+    assert all(m.final is False for m in traffic.schedule([contract]) if m.role == "agg")
 
 
 def test_configuration_doc_lists_every_setting_with_its_flag_and_variable():

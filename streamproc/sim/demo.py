@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TextIO
 
+import anyio
 import msgspec
 import nats
 
@@ -81,26 +82,35 @@ def summarize(plans: list[traffic.PlannedRequest], results: dict[str, list[Resul
     return dict(sorted(rows.items())), problems
 
 
+# Short enough that the demo's missing prefill legs end in omissions within seconds.
+DEMO_PREFILL_TIMEOUT = 1.0
+
+
 async def run_demo(*, requests: int = 200, format: str | None = None, seed: int = 1,
-                   timeout: float = 60.0) -> DemoReport:
+                   timeout: float = 60.0, progress: TextIO | None = None) -> DemoReport:
+    """``progress`` (e.g. stderr) gets a line about every second while results come in."""
     format = format or default_format()
     worker = catalog.worker_for(format)
     started = time.perf_counter()
     async with EmbeddedNats() as server:
-        settings = config.load({}, {"nats_url": server.url, "format": format, "log_level": "WARNING"})
+        settings = config.load({}, {"nats_url": server.url, "format": format, "log_level": "WARNING",
+                                    "prefill_timeout": DEMO_PREFILL_TIMEOUT})
         async with Processor(settings) as processor:
             nc = await nats.connect(server.url)
             try:
                 plans = traffic.plan(format, requests=requests, mode="mixed", seed=seed, id_prefix="demo",
-                                     worker=worker)
+                                     worker=worker, faults=True)
                 messages = traffic.schedule(plans, seed=seed)
                 timed_out = None
-                async with ResultCollector(nc, settings.subjects) as collector:
+                async with ResultCollector(nc, settings.subjects) as collector, anyio.create_task_group() as tg:
+                    if progress is not None:
+                        tg.start_soon(_report_progress, progress, collector, plans, processor)
                     await traffic.publish(nc, settings.subjects, messages, format=format)
                     try:
                         await collector.wait_for([p.request_id for p in plans], timeout=timeout)
                     except TimeoutError as exc:
                         timed_out = str(exc)
+                    tg.cancel_scope.cancel()
                     results = dict(collector.results)
             finally:
                 await nc.close()
@@ -108,6 +118,17 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
             stats = processor.snapshot()
     return DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems, stats,
                       timed_out)
+
+
+async def _report_progress(out: TextIO, collector: ResultCollector, plans: list[traffic.PlannedRequest],
+                           processor: Processor) -> None:
+    while True:
+        await anyio.sleep(1.0)
+        done = sum(1 for p in plans if collector.finished(p.request_id))
+        stats = processor.stats
+        print(f"progress: {done}/{len(plans)} requests finished, {stats.results} results "
+              f"(joined {stats.joined}, omitted {stats.omitted}, errors {stats.errors}), "
+              f"{processor.correlator.inflight} in flight", file=out, flush=True)
 
 
 COLUMNS = ("requests", "results", "passthrough", "joined", "omitted", "errors", "verified")
