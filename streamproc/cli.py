@@ -158,9 +158,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         catalog.worker_for(format)
     except LookupError as exc:
         raise ConfigError(str(exc)) from None
+    if args.serve is not None and not 0 <= args.serve <= 65535:
+        raise ConfigError(f"--serve {args.serve}: a port is 0..65535")
     report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
-                                        timeout=args.timeout, progress=sys.stderr))
-    print_report(report)
+                                        timeout=args.timeout, progress=sys.stderr, serve_port=args.serve))
+    if args.serve is None:
+        print_report(report)
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
@@ -218,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="codec/worker format (default sglang-zstd if installed, else sglang)")
     demo.add_argument("--seed", type=int, default=1)
     demo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all results")
+    demo.add_argument("--serve", type=int, nargs="?", const=8080, default=None, metavar="PORT",
+                      help="after the summary keep NATS, the processor and the edge up on PORT (default "
+                           "8080, 0: any free port) and print the live page's URL; Ctrl-C stops")
     demo.set_defaults(func=cmd_demo)
 
     from .edge.command import add_cli as add_edge_cli  # imports no web stack until `edge` runs

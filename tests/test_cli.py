@@ -227,3 +227,35 @@ def test_configuration_doc_lists_every_setting_with_its_flag_and_variable():
     doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     missing = [f.name for f in config.fields() if f"`{f.flag}` | `{f.env}`" not in doc]
     assert missing == []
+
+
+def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
+    import subprocess
+    import urllib.request
+
+    from conftest import CLI
+    from helpers import clean_env
+
+    proc = subprocess.Popen([*CLI, "demo", "--requests", "40", "--serve", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while not lines or not lines[-1].startswith("live page: "):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        assert "verified OK: all 40 requests" in "".join(lines)
+        page = lines[-1].split()[2]
+        base, example = page.split("/?id=")
+        with urllib.request.urlopen(page, timeout=5) as response:
+            assert response.status == 200 and b"<html" in response.read().lower()
+        # the example is a request whose prefill leg was corrupt: replayed from the results stream
+        request = urllib.request.Request(f"{base}/v1/results/{example}?stream=false")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+            assert response.headers["Streamproc-Join"] == "omitted"
+            json.loads(response.read())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(15)
+    assert code == 0, proc.stderr.read()

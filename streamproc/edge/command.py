@@ -43,7 +43,7 @@ def add_print_config(parser: argparse.ArgumentParser) -> None:
                              "(default, env, flag) as JSON, and exit")
 
 
-def _server_class():
+def server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -96,7 +96,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=3,
     )
-    server = _server_class()(config)
+    server = server_class()(config)
     quiet = _StartupFailureFilter(app)
     logging.getLogger("uvicorn.error").addFilter(quiet)
     failed_exit = False
