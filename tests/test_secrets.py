@@ -7,6 +7,7 @@ must appear nowhere in what the command printed.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -47,11 +48,15 @@ def test_print_config_redacts_the_password_the_token_and_url_credentials(server,
     proc = run_cli_process("run", "--print-config", "--nats-url", url_with_password(server),
                            env={"STREAMPROC_NATS_PASSWORD": PASSWORD, "STREAMPROC_NATS_USER": "app"})
     assert proc.returncode == 0, proc.stderr
-    assert '"nats_password": "<redacted>"' in proc.stdout and "url:<redacted>@" in proc.stdout
+    printed = json.loads(proc.stdout)
+    assert printed["nats_password"] == {"value": "<redacted>", "source": "env STREAMPROC_NATS_PASSWORD"}
+    assert "url:<redacted>@" in printed["nats_url"]["value"]
     assert_hidden(proc.stdout + proc.stderr, PASSWORD, URL_PASSWORD)
-    proc = run_cli_process("run", "--print-config", env={"STREAMPROC_NATS_TOKEN": TOKEN})
-    assert '"nats_token": "<redacted>"' in proc.stdout
-    assert_hidden(proc.stdout + proc.stderr, TOKEN)
+    for command in ("run", "edge", "simulate"):
+        proc = run_cli_process(command, "--print-config", env={"STREAMPROC_NATS_TOKEN": TOKEN})
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["nats_token"]["value"] == "<redacted>"
+        assert_hidden(proc.stdout + proc.stderr, TOKEN)
 
 
 def test_a_bad_setting_next_to_a_secret_does_not_print_the_secret():

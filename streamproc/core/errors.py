@@ -76,11 +76,6 @@ class StartupError(StreamprocError, RuntimeError):
     """A component cannot start (unknown format, broken codec, NATS unreachable). A user error."""
 
 
-class Interrupted(StreamprocError):
-    """SIGTERM or SIGINT arrived while a component was still starting (waiting for NATS): it stops
-    at once, with nothing to drain."""
-
-
 class EmbeddedNatsError(StartupError):
     """The embedded server's binary is missing, or the server did not come up."""
 

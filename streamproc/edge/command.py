@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 from typing import Mapping
 
-from .settings import EdgeConfigError, add_arguments, from_arguments
+from ..config import print_config, unknown_environment_warnings
+from .settings import SCHEMA, EdgeConfigError, add_arguments
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -30,8 +32,34 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
+    add_print_config(parser)
     parser.set_defaults(func=main_edge)
     return parser
+
+
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--print-config", action="store_true",
+                        help="validate the settings as start-up would, print each value with its source "
+                             "(default, env, flag) as JSON, and exit")
+
+
+def server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (exit 143 or 130); for the edge,
+        as for ``streamproc run``, a signal is the normal way to stop: exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -41,29 +69,40 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     import anyio
 
     from ..core.errors import StreamprocError, UnknownFormat
+    from ..logs import configure as configure_logging
     from ..nats.connection import connect_options
     from .app import create_app
 
+    environ = os.environ if environ is None else environ
     try:
-        settings = from_arguments(args, os.environ if environ is None else environ)
+        settings, origin = SCHEMA.explain_arguments(args, environ)
+        for line in unknown_environment_warnings(environ):
+            print(f"streamproc edge: warning: {line}", file=sys.stderr)
+        try:
+            app = create_app(settings)
+        except UnknownFormat as exc:
+            raise EdgeConfigError(f"invalid {origin['format']}={settings.format!r}: {exc}") from None
         connect_options(settings)  # unreadable credential or certificate files: exit 2 before serving
-        app = create_app(settings)
-    except (EdgeConfigError, UnknownFormat) as exc:
+    except EdgeConfigError as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    if getattr(args, "print_config", False):
+        print(print_config(settings, origin))
+        return EXIT_OK
+    configure_logging(settings.log_level, settings.log_format)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         lifespan="on",
-        access_log=False,
+        access_log=True,  # through the one log format: event=http_request (streamproc.logs)
+        log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
     )
-    server = uvicorn.Server(config)
+    server = server_class()(config)
+    quiet = _StartupFailureFilter(app)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     source = app.state.edge.source
 
     async def serve() -> int:
@@ -86,7 +125,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
                 tasks.cancel_scope.cancel()
             if failure is not None:
                 await source.stop()
-                print(f"streamproc edge: error: {failure}", file=sys.stderr)
+                app.state.startup_error = failure
                 return EXIT_FAILURE
             if source.nc is None or not source.connected:  # a signal while connecting
                 await source.stop()
@@ -94,7 +133,32 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         await server.serve()
         return EXIT_OK if server.started else EXIT_FAILURE
 
-    return anyio.run(serve)
+    failed_exit = False
+    code = EXIT_FAILURE
+    try:
+        code = anyio.run(serve)
+    except SystemExit as exc:  # Uvicorn's sys.exit(1) for a busy port
+        failed_exit = exc.code not in (None, 0)
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    failure = getattr(app.state, "startup_error", None)
+    if failure is not None:  # NATS unreachable or refusing us, a mismatched results stream: one line
+        print(f"streamproc edge: error: {failure}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_FAILURE if failed_exit else code
+
+
+class _StartupFailureFilter(logging.Filter):
+    """Once the app recorded a start-up error it reports itself, drop Uvicorn's traceback of it."""
+
+    def __init__(self, app) -> None:
+        super().__init__()
+        self._app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(self._app.state, "startup_error", None) is None or record.levelno < logging.ERROR:
+            return True
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,4 +167,5 @@ def main(argv: list[str] | None = None) -> int:
         prog="streamproc edge", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
+    add_print_config(parser)
     return main_edge(parser.parse_args(argv))

@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..core.correlator import Correlator, Decision, Notice, Settle
+from ..core.latency import LatencyHistogram
 from ..core.wire import ChunkParser, ContractError, Subjects
 from ..logs import log_event
 
@@ -50,6 +51,9 @@ class Pipeline:
         self.clock = clock
         self.parse = ChunkParser(subjects)
         self.io = IOStats()
+        # Receipt of a chunk -> the results it made ready handed to NATS (core mode; results a
+        # timer or control request releases are not counted: no chunk arrived for them).
+        self.result_latency = LatencyHistogram()
 
     def contract_error(self, exc: ContractError, msg: Msg, acknowledged: bool) -> list[Decision]:
         """Decisions for a message that broke the wire contract.
