@@ -76,6 +76,7 @@ class Stats(msgspec.Struct, gc=False):
     migrations: int = 0
     migrations_refused: int = 0
     sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
+    internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
 
     @property
     def results(self) -> int:
@@ -189,9 +190,14 @@ class Correlator:
             return self._receive_prefill(req, chunk, now)
         return self._receive_output(req, chunk, now)
 
-    def reject(self, request_id: str, reason: str, now: float, token: object = None) -> list[Decision]:
-        """A message for ``request_id`` broke the contract before it became a Chunk: end the request."""
-        self.stats.rejected += 1
+    def reject(self, request_id: str, reason: str, now: float, token: object = None,
+               kind: ErrorKind = ErrorKind.INVALID_CHUNK) -> list[Decision]:
+        """A message for ``request_id`` broke the contract before it became a Chunk (or, ``kind``
+        ``internal``, handling it raised): end the request with a final error result."""
+        if kind is ErrorKind.INVALID_CHUNK:
+            self.stats.rejected += 1
+        else:
+            self.stats.internal_errors += 1
         tokens = (token,) if token is not None else ()
         if request_id in self._finished:
             self.stats.late += 1
@@ -200,7 +206,7 @@ class Correlator:
         if req is None:
             req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
             self._active[request_id] = req
-        return self._fail(req, ErrorKind.INVALID_CHUNK, reason, now, extra=tokens)
+        return self._fail(req, kind, reason, now, extra=tokens)
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
                 refuse: str | None = None) -> tuple[MigrateReply, list[Decision]]:

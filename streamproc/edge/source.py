@@ -25,6 +25,7 @@ from nats.js.api import StorageType
 
 from ..core.errors import StartupError
 from ..logs import error_text, log_event
+from ..nats import robust
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
@@ -178,7 +179,7 @@ class ResultSource:
             while True:
                 attempt += 1
                 try:
-                    self.nc = await nats.connect(
+                    self.nc = await robust.connect(  # survives subjects nats-py cannot parse
                         servers=self.settings.nats_url.split(","),
                         name="streamproc-edge",
                         connect_timeout=2,

@@ -89,12 +89,15 @@ class CoreInput:
             await gate.wait_turn()
         gate.busy = True
         try:
-            try:
-                chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
-            except ContractError as exc:
-                decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
-            else:
-                decisions = self._receive(chunk, self._clock())
+            try:  # every message ends in a decision, whatever raises while it is handled
+                try:
+                    chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
+                except ContractError as exc:
+                    decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
+                else:
+                    decisions = self._receive(chunk, self._clock())
+            except Exception as exc:
+                decisions = self._pipeline.failed(exc, msg, acknowledged=False)
             # dispatch() inlined: one coroutine less per message is measurable against a bare relay.
             for d in decisions:
                 if d.__class__ is Result:

@@ -30,6 +30,7 @@ from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, StreamMismatch, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
+from . import robust
 from .control import ControlPlane
 from .core_input import CoreInput
 from .gate import DispatchGate
@@ -157,7 +158,7 @@ class Processor:
         servers = [s.strip() for s in settings.nats_url.split(",") if s.strip()]
         try:
             with anyio.fail_after(settings.connect_timeout if settings.connect_timeout > 0 else math.inf):
-                return await nats.connect(
+                return await robust.connect(  # survives subjects and headers nats-py cannot parse
                     servers=servers,
                     name="streamproc",
                     max_reconnect_attempts=-1,  # a stream processor outlives NATS restarts
@@ -248,6 +249,7 @@ class Processor:
             await anyio.sleep(max(0.0, wake - now))
             self.io.timer_runs += 1
             await self.exclusive(lambda now: (None, self.correlator.tick(now)))
+            self.pipeline.limited.flush()  # suppressed-line counts are reported even when a flood stops
 
     # ------------------------------------------------------------ control plane
 

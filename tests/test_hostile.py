@@ -1,0 +1,144 @@
+"""Attacks against a real nats-server and a `streamproc run` subprocess (core mode).
+
+Each test mixes one attack into legitimate traffic and asserts two things: every legitimate request
+is answered in full (every seq, the final one included, byte for byte), and the processor's peak
+RSS (``VmHWM`` in /proc/<pid>/status) stays under a stated bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
+
+import anyio
+import nats
+import pytest
+
+from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+MiB = 1 << 20
+
+
+def peak_rss(pid: int) -> int:
+    """Peak resident set size of a live process, in bytes (VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM line")
+
+
+class Results:
+    """Every result on P.results.>, by request id: {seq: (body, headers)}."""
+
+    def __init__(self) -> None:
+        self.by_request: dict[str, dict[int, tuple[bytes, dict[str, str]]]] = {}
+        self.changed = anyio.Event()
+
+    async def on_message(self, msg) -> None:
+        rid = SUBJECTS.request_id_of_result(msg.subject)
+        headers = msg.headers or {}
+        self.by_request.setdefault(rid, {})[int(headers[SEQ])] = (msg.data, headers)
+        self.changed.set()
+
+    def complete(self, rid: str, chunks: int) -> bool:
+        got = self.by_request.get(rid, {})
+        return len(got) == chunks and got.get(chunks - 1, (b"", {}))[1].get(FINAL) == "true"
+
+    def final(self, rid: str) -> dict[str, str] | None:
+        for _, headers in self.by_request.get(rid, {}).values():
+            if headers.get(FINAL) == "true":
+                return headers
+        return None
+
+    async def wait_for(self, done: Callable[[], bool], timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            while not done():
+                self.changed = anyio.Event()
+                await self.changed.wait()
+
+
+@contextlib.asynccontextmanager
+async def worker_and_reader(url: str) -> AsyncIterator[tuple[nats.aio.client.Client, Results]]:
+    """A plain nats-py connection (the legitimate worker and reader) subscribed to every result."""
+    nc = await nats.connect(url)
+    results = Results()
+    try:
+        await nc.subscribe(SUBJECTS.all_results, cb=results.on_message, pending_msgs_limit=1_000_000)
+        await nc.flush()
+        yield nc, results
+    finally:
+        await nc.close()
+
+
+def legit_body(rid: str, seq: int) -> bytes:
+    return f'{{"text":"{rid}:{seq}","meta_info":{{"id":"{rid}"}}}}'.encode()
+
+
+async def publish_legit(nc, rid: str, chunks: int) -> None:
+    for seq in range(chunks):
+        await nc.publish(SUBJECTS.chunk(rid, "agg"), legit_body(rid, seq),
+                         headers=chunk_headers(rid, "agg", seq, final=seq == chunks - 1))
+
+
+async def run_mixed(url: str, pid: int, attack: Callable[[object, int], Awaitable[None]], *, requests: int,
+                    chunks: int = 3, every: int = 50, timeout: float = 30) -> Results:
+    """``requests`` legitimate streamed requests, ``attack(nc, i)`` before every ``every``-th; all must finish."""
+    async with worker_and_reader(url) as (nc, results):
+        for i in range(requests):
+            if i % every == 0:
+                await attack(nc, i)
+            await publish_legit(nc, f"ok-{i}", chunks)
+        await nc.flush()
+        legit = [f"ok-{i}" for i in range(requests)]
+        await results.wait_for(lambda: all(results.complete(r, chunks) for r in legit), timeout)
+        missing = [r for r in legit if not results.complete(r, chunks)]
+        assert not missing, f"{len(missing)} of {requests} legitimate requests not answered in full: {missing[:5]}"
+        for rid in legit[:: max(1, requests // 50)]:
+            assert [results.by_request[rid][s][0] for s in range(chunks)] == [legit_body(rid, s) for s in range(chunks)]
+        assert all(ERROR not in h for r in legit for _, h in results.by_request[r].values())
+        return results
+
+
+async def test_poison_seqs_end_their_request_with_invalid_chunk_and_legitimate_traffic_is_answered(
+        nats_url, streamproc_run):
+    poison = ["²", "٠", "１", "-1", "1e3", "0x1"]
+
+    async def attack(nc, i: int) -> None:
+        rid = f"bad-{i}"
+        headers = chunk_headers(rid, "agg", 0)
+        headers[SEQ] = poison[(i // 50) % len(poison)]
+        await nc.publish(SUBJECTS.chunk(rid, "agg"), b"{}", headers=headers)
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000)
+        await results.wait_for(lambda: all(results.final(f"bad-{i}") for i in range(0, 1000, 50)), 10)
+        for i in range(0, 1000, 50):
+            final = results.final(f"bad-{i}")
+            assert final is not None and final[ERROR] == "invalid_chunk", (i, final)
+        assert peak_rss(proc.pid) < 150 * MiB
+        assert proc.poll() is None
+        assert "event=nats_error" not in log_path.read_text()
+
+
+@pytest.mark.parametrize("separator", ["\x0b", "\x0c"])
+async def test_ids_with_bytes_nats_py_splits_on_never_cost_other_requests_their_results(
+        nats_url, streamproc_run, separator):
+    """nats-server delivers a subject token holding VT/FF; stock nats-py drops its connection on it."""
+
+    async def attack(nc, i: int) -> None:
+        rid = f"evil{separator}{i}"
+        # Published raw: the helper (ChunkPublisher) refuses such ids.
+        await nc.publish(f"{SUBJECTS.chunk('', 'agg')[:-len('.agg')]}{rid}.agg", b"{}",
+                         headers=chunk_headers("x", "agg", 0, final=True))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=2000)
+        assert not any(rid.startswith("evil") for rid in results.by_request)  # never answered
+        text = log_path.read_text()
+        assert "event=disconnected" not in text and "ProtocolError" not in text, text[-2000:]
+        assert "event=unreadable_message" in text
+        assert peak_rss(proc.pid) < 150 * MiB
