@@ -102,6 +102,13 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                       ge=1, le=10_000_000)] = defaults.MAX_INFLIGHT
     max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
                                              "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
+    max_buffered_bytes: Annotated[int, documented("bytes of chunk bodies buffered per request (reorder + prefill) "
+                                            "before it is ended with an invalid_chunk error",
+                                            ge=1024, le=2**40)] = defaults.MAX_BUFFERED_BYTES
+    max_total_bytes: Annotated[int, documented("bytes of buffered chunk bodies plus decoded payloads kept for joins, "
+                                         "across all requests; a request that would pass it is ended with an "
+                                         "overloaded error (raise it for very large expert captures)",
+                                         ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
@@ -142,6 +149,8 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_buffered_chunks=self.max_buffered_chunks,
             max_finished=self.max_finished,
             max_retained_bytes=self.max_retained_bytes,
+            max_buffered_bytes=self.max_buffered_bytes,
+            max_total_bytes=self.max_total_bytes,
         )
 
 

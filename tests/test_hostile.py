@@ -27,6 +27,7 @@ def peak_rss(pid: int) -> int:
     """Peak resident set size of a live process, in bytes (VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
+            print(f"peak RSS of {pid}: {line.split()[1]} kB")  # the figure, for `pytest -s`
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM line")
 
@@ -142,3 +143,46 @@ async def test_ids_with_bytes_nats_py_splits_on_never_cost_other_requests_their_
         assert "event=disconnected" not in text and "ProtocolError" not in text, text[-2000:]
         assert "event=unreadable_message" in text
         assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_reorder_backlog_behind_a_withheld_seq_is_cut_at_the_per_request_byte_cap(
+        nats_url, streamproc_run):
+    """300 chunks of ~1 MB behind a withheld seq 0 held 333 MiB until --request-timeout; now the request
+    ends at --max-buffered-bytes (32 MiB) with invalid_chunk, and the rest are late chunks."""
+    payload = bytes(1_000_000)
+
+    async def attack(nc, i: int) -> None:
+        if i:
+            return
+        for seq in range(1, 301):
+            await nc.publish(SUBJECTS.chunk("hoarder", "agg"), payload, headers=chunk_headers("hoarder", "agg", seq))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60)
+        await results.wait_for(lambda: results.final("hoarder") is not None, 10)
+        final = results.final("hoarder")
+        assert final is not None and final[ERROR] == "invalid_chunk"
+        assert list(results.by_request["hoarder"]) == [0]  # nothing of the backlog was published
+        assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        assert proc.poll() is None
+
+
+async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_global_budget(
+        nats_url, streamproc_run):
+    """20 requests x 20 MB of backlog (400 MB in all, each under the 32 MiB cap): the ones past the 96 MiB
+    global budget end as overloaded at once; legitimate traffic beside them is answered in full."""
+    payload = bytes(1_000_000)
+
+    async def attack(nc, i: int) -> None:
+        rid = f"hog{i // 50}"
+        for seq in range(1, 21):
+            await nc.publish(SUBJECTS.chunk(rid, "agg"), payload, headers=chunk_headers(rid, "agg", seq))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60)
+        hogs = [f"hog{k}" for k in range(20)]
+        await results.wait_for(lambda: sum(results.final(h) is not None for h in hogs) >= 15, 10)
+        ended = {h: results.final(h)[ERROR] for h in hogs if results.final(h) is not None}
+        # 5 x 20 MB fit in 96 MiB; every later hog is refused as soon as it would pass the budget.
+        assert ended == {f"hog{k}": "overloaded" for k in range(5, 20)}, ended
+        assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB

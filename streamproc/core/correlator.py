@@ -58,6 +58,10 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     # Published bodies kept (by reference) per request for a possible migration; past this the
     # codec folds them into its compact progress state and they are released.
     max_retained_bytes: int = defaults.MAX_RETAINED_BYTES
+    # Bytes of chunk bodies one request may buffer (reorder buffer + prefill leg), and bytes of
+    # buffered bodies plus decoded payloads kept by join sessions across all requests.
+    max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
+    max_total_bytes: int = defaults.MAX_TOTAL_BYTES
 
 
 class Stats(msgspec.Struct, gc=False):
@@ -76,6 +80,7 @@ class Stats(msgspec.Struct, gc=False):
     migrations: int = 0
     migrations_refused: int = 0
     sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
+    over_budget: int = 0  # requests ended because they passed max_buffered_bytes or max_total_bytes
     internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
 
     @property
@@ -93,6 +98,7 @@ class _Request:
         "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
+        "buffered", "absorbed", "decoded",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -118,6 +124,11 @@ class _Request:
         self.budget = retain  # bytes that may still be retained before the codec folds them
         self.migration: MigrationSession | None = None
         self.refusal: str | None = None  # why this request can never migrate, once known
+        # Bytes charged to the global budget: bodies in pending/prefill, the absorbed prefill leg
+        # (its parsed form lives in the session), decoded payloads the session keeps.
+        self.buffered = 0
+        self.absorbed = 0
+        self.decoded = 0
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -142,6 +153,7 @@ class Correlator:
         self._grace = self.config.finished_grace
         self._max_finished = self.config.max_finished
         self._max_retained = self.config.max_retained_bytes
+        self.charged_bytes = 0  # sum of every active request's buffered + absorbed + decoded bytes
 
     # ------------------------------------------------------------------ inputs
 
@@ -175,12 +187,12 @@ class Correlator:
                 return self._reject_new(chunk, str(exc), now, ErrorKind.UNKNOWN_FORMAT)
             req = _Request(rid, codec, chunk.format or self.default_format, self._max_retained)
             req.traceparent = chunk.traceparent
+            req.last = now
             active[rid] = req
-        else:
-            if chunk.attempt != req.attempt:
-                return self._other_attempt(req, chunk, now)
-            active.move_to_end(rid)
-        req.last = now
+        elif chunk.attempt != req.attempt:
+            return self._other_attempt(req, chunk, now)
+        # req.last (the request timeout) moves only for a chunk that is accepted: a duplicate or a
+        # replay is no progress, so re-sending one cannot hold a request open forever.
 
         if chunk.format is not None and chunk.format != req.format:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
@@ -291,6 +303,7 @@ class Correlator:
         for rid in [rid for rid in self._active if belongs(rid)]:
             req = self._active.pop(rid)
             self._waiting.pop(rid, None)
+            self._release(req)
             tokens.extend(req.held)  # the prefill leg's tokens are held from the moment it arrives
             tokens.extend(c.token for c in req.pending.values())
         for rid in unstored:
@@ -414,6 +427,10 @@ class Correlator:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
                               f"more than {self.config.max_buffered_chunks} buffered chunks", now,
                               extra=(chunk.token,))
+        over = self._charge(req, chunk, now)
+        if over is not None:
+            return over
+        self._touch(req, now)
         req.prefill[chunk.seq] = chunk
         if chunk.token is not None:
             req.held.append(chunk.token)
@@ -425,15 +442,22 @@ class Correlator:
             self._prefill_done(req, bodies, "")
         except Exception as exc:  # a codec bug must cost one request, not the processor
             return self._codec_failed(req, exc, now)
+        over = self._check_decoded(req, now)
+        if over is not None:
+            return over
         return self._drain(req, now)
 
     def _prefill_done(self, req: _Request, bodies: list[bytes] | None, reason: str) -> None:
         req.prefill_state = _PREFILL_DONE
+        prefill_bytes = sum(len(c.body) for c in req.prefill.values())
+        req.buffered -= prefill_bytes
         req.prefill.clear()  # bodies now live (parsed) in the session only
         session = self._session(req)
         if bodies is None:
+            self.charged_bytes -= prefill_bytes
             session.prefill_unavailable(reason)
         else:
+            req.absorbed = prefill_bytes  # still charged: the session holds their parsed form
             session.absorb_prefill(bodies)
 
     def _session(self, req: _Request) -> JoinSession:
@@ -453,6 +477,8 @@ class Correlator:
         if role is _AGG and seq == req.next_seq and not req.pending and req.final_seq is None and not req.attempt:
             # In-order aggregated chunk (the common streaming case): it cannot be a duplicate or
             # conflict with a final seq, so no buffering, no bound checks, no drain loop.
+            req.last = now
+            self._active.move_to_end(req.request_id)
             req.next_seq = seq + 1
             self.stats.passthrough += 1
             body = chunk.body
@@ -490,6 +516,10 @@ class Correlator:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
                               f"more than {self.config.max_buffered_chunks} buffered chunks", now,
                               extra=(chunk.token,))
+        over = self._charge(req, chunk, now)
+        if over is not None:
+            return over
+        self._touch(req, now)
         req.pending[seq] = chunk
         if seq != req.next_seq or req.waiting_since is not None:
             return []
@@ -514,6 +544,11 @@ class Correlator:
                             self._waiting[req.request_id] = req
                         return out
                     body, verdict = session.join(chunk.body, final)
+                    if req.decoded or session.retained_bytes():
+                        over = self._check_decoded(req, now)
+                        if over is not None:
+                            out.extend(over)
+                            return out
                 if req.attempt:  # a resumed attempt: the codec makes it continue the earlier ones
                     stitched = req.migration.stitch(body, final)  # type: ignore[union-attr]
                     if stitched is not None:
@@ -523,6 +558,8 @@ class Correlator:
                 out.extend(self._codec_failed(req, exc, now))
                 return out
             del pending[req.next_seq]
+            req.buffered -= len(chunk.body)
+            self.charged_bytes -= len(chunk.body)
             req.waiting_since = None
             settles: tuple = (chunk.token,)
             if final:
@@ -592,6 +629,7 @@ class Correlator:
         rid = req.request_id
         tokens = [*req.held, *(c.token for c in req.pending.values())]
         dropped = len(req.pending) + len(req.prefill)
+        self._release(req)
         req.pending.clear()
         req.prefill.clear()
         req.held.clear()
@@ -617,6 +655,47 @@ class Correlator:
             decisions.insert(0, Settle(settle))
         return reply, decisions
 
+    def _touch(self, req: _Request, now: float) -> None:
+        """The request made progress: its request timeout starts again."""
+        req.last = now
+        self._active.move_to_end(req.request_id)
+
+    def _charge(self, req: _Request, chunk: Chunk, now: float) -> list[Decision] | None:
+        """Charge a chunk about to be buffered; past a byte budget, end the request instead."""
+        size = len(chunk.body)
+        cfg = self.config
+        if req.buffered + size > cfg.max_buffered_bytes:
+            self.stats.over_budget += 1
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {cfg.max_buffered_bytes} bytes of buffered chunks", now,
+                              extra=(chunk.token,))
+        if self.charged_bytes + size > cfg.max_total_bytes:
+            self.stats.over_budget += 1
+            return self._fail(req, ErrorKind.OVERLOADED,
+                              f"processor byte budget exhausted: {self.charged_bytes} of {cfg.max_total_bytes} "
+                              "bytes held by requests in flight", now, extra=(chunk.token,))
+        req.buffered += size
+        self.charged_bytes += size
+        return None
+
+    def _check_decoded(self, req: _Request, now: float) -> list[Decision] | None:
+        """Charge what the session keeps decoded; past the global budget, end this request."""
+        session = req.session
+        decoded = session.retained_bytes() if session is not None else 0
+        self.charged_bytes += decoded - req.decoded
+        req.decoded = decoded
+        if self.charged_bytes <= self.config.max_total_bytes:
+            return None
+        self.stats.over_budget += 1
+        held = self.charged_bytes
+        return self._fail(req, ErrorKind.OVERLOADED,
+                          f"processor byte budget exhausted: decoded payloads would hold {held} of "
+                          f"{self.config.max_total_bytes} bytes", now)
+
+    def _release(self, req: _Request) -> None:
+        self.charged_bytes -= req.buffered + req.absorbed + req.decoded
+        req.buffered = req.absorbed = req.decoded = 0
+
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
         detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         return self._fail(req, ErrorKind.INTERNAL, detail, now)
@@ -635,6 +714,7 @@ class Correlator:
 
     def _forget(self, req: _Request, now: float) -> None:
         rid = req.request_id
+        self._release(req)
         self._active.pop(rid, None)
         self._waiting.pop(rid, None)
         req.pending.clear()

@@ -240,6 +240,10 @@ class SGLangJoinSession(JoinSession):
         else:
             self._prefill = meta
 
+    def retained_bytes(self) -> int:
+        rows = self._rows
+        return len(rows.rows) if isinstance(rows, _PrefillRows) else 0
+
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
         self._prefill = None
