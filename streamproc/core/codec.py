@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Sequence, TypeVar
+from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import msgspec
 
@@ -187,6 +187,23 @@ def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -
                                f"for a {seen}-token prompt: not the request being resumed")
 
 
+def check_sampling_params(params: object, *, guided: Sequence[str]) -> dict[str, Any]:
+    """A request's sampling parameters if one request with them can be resumed elsewhere: a single
+    object (not a batch), one sample (``n`` absent or 1), no guided decoding (``guided`` fields)
+    whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
+    n = params.get("n")
+    if n not in (None, 1):
+        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+    for field in guided:
+        if params.get(field) is not None:
+            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    return params
+
+
 def resumed_budget(params: dict[str, Any], emitted: int, *, max_key: str, min_key: str,
                    default: int | None) -> dict[str, Any]:
     """Sampling parameters of the resumed request: the token budget ``max_key`` (``default`` when
@@ -235,9 +252,16 @@ class Codec(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    # Wire encoding per sequence field; a derived format overrides one entry and inherits the rest
+    # (``sglang-zstd``). The instances in ``self.sequences`` are shared by every session of this
+    # codec instance (one processor thread), so stateful encoders are created per instance.
+    sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {}
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()
+        self.sequences: dict[str, SequenceCodec] = {
+            field: cls(self.options) for field, cls in self.sequence_codecs.items()
+        }
 
     @abstractmethod
     def open_session(self) -> JoinSession:

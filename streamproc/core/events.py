@@ -14,7 +14,10 @@ from typing import Any
 
 import msgspec
 
+
 class Role(enum.StrEnum):
+    """Which worker leg a chunk comes from (the last token of its subject)."""
+
     AGG = "agg"
     PREFILL = "prefill"
     DECODE = "decode"
@@ -90,7 +93,6 @@ class ResultInfo(msgspec.Struct, frozen=True):
     error: str | None
     body: bytes
     traceparent: str | None = None
-
 
 
 # ------------------------------------------------------------------ migration control (request/reply)

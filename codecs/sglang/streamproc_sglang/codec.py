@@ -32,8 +32,6 @@ class SGLangCodec(Codec):
     name = "sglang"
     description = "SGLang native /generate; meta_info.routed_experts = Base64(raw int32 rows)"
 
-    # Wire encoding per sequence field. The instances built from it are shared by every session of
-    # this codec instance (one processor thread), so stateful encoders are created per instance.
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {native.ROUTED_EXPERTS: Base64Int32Rows}
 
     def __init__(self, options: CodecOptions | None = None) -> None:
@@ -44,9 +42,6 @@ class SGLangCodec(Codec):
         if self.streaming not in (native.INCREMENTAL, native.CUMULATIVE):
             raise ValueError(f"format option {STREAMING_OPTION}={self.streaming!r}: expected "
                              f"{native.INCREMENTAL} or {native.CUMULATIVE}")
-        self.sequences: dict[str, SequenceCodec] = {
-            field: cls(self.options) for field, cls in self.sequence_codecs.items()
-        }
 
     def open_session(self) -> JoinSession:
         return SGLangJoinSession(self)

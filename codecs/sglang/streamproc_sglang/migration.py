@@ -44,7 +44,7 @@ import msgspec
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
 from streamproc.codec import OmissionReason as Omit
-from streamproc.codec import check_resumed_prompt, resumed_budget
+from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
 from streamproc.wire import Verdict
 
 from . import native
@@ -270,17 +270,7 @@ def check_request(body: bytes) -> dict[str, Any]:
         raise MigrationRefused("the request has no input_ids")
     if not all(_is_count(t) for t in ids):
         raise MigrationRefused("a batched request (several prompts) cannot be resumed")
-    params = doc.get(SAMPLING_PARAMS)
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
-    n = params.get("n", 1)
-    if n not in (None, 1):
-        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
-    for field in GUIDED_FIELDS:
-        if params.get(field) is not None:
-            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    check_sampling_params(doc.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS)
     if doc.get("return_hidden_states"):
         raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
     return doc

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
+from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
 from . import migration
 from .native import ROUTED_EXPERTS, dump, parse
@@ -35,12 +35,6 @@ class VLLMCodec(Codec):
     name = "vllm"
     description = "vLLM native generate: routed_experts as Base64 .npy, prompt logprobs from prefill"
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {ROUTED_EXPERTS: Base64Npy}
-
-    def __init__(self, options: CodecOptions | None = None) -> None:
-        super().__init__(options)
-        self.sequences: dict[str, SequenceCodec] = {
-            field: cls(self.options) for field, cls in self.sequence_codecs.items()
-        }
 
     def open_session(self) -> JoinSession:
         return VLLMJoinSession(self)

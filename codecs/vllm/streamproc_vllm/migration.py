@@ -36,7 +36,7 @@ import numpy as np
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession
 from streamproc.codec import OmissionReason as Omit
-from streamproc.codec import check_resumed_prompt, resumed_budget
+from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
 from streamproc.wire import Verdict
 
 from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
@@ -172,17 +172,7 @@ def check_request(body: bytes) -> dict:
     ids = obj.get(TOKEN_IDS)
     if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
         raise MigrationRefused("the request has no token_ids to extend")
-    params = obj.get(SAMPLING_PARAMS)
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise MigrationRefused("sampling_params is not an object")
-    n = params.get("n")
-    if n not in (None, 1):
-        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
-    for field in GUIDED_FIELDS:
-        if params.get(field) is not None:
-            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS)
     return obj
 
 
