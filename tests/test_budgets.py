@@ -110,3 +110,28 @@ def test_an_accepted_chunk_is_progress():
     c.receive(chunk("slow", "agg", 1, b"b"), 8.0)
     assert errors(c.tick(11.0)) == []
     assert errors(c.tick(18.5)) == [("slow", ErrorKind.TIMEOUT.value)]
+
+
+def test_sessions_are_told_what_the_global_budget_still_allows_before_they_decode():
+    seen: list[int | None] = []
+
+    class Recording(InflatingSession):
+        def absorb_prefill(self, bodies):
+            seen.append(self.decode_budget)
+            super().absorb_prefill(bodies)
+
+        def join(self, body: bytes, final: bool):
+            seen.append(self.decode_budget)
+            return super().join(body, final)
+
+    class RecordingCodec(InflatingCodec):
+        def open_session(self) -> JoinSession:
+            return Recording()
+
+    c = Correlator(lambda name: RecordingCodec(), "inflating", CorrelatorConfig(max_total_bytes=100 * MiB))
+    c.receive(chunk("other", "agg", 1, bytes(MiB)), 0.0)  # 1 MiB buffered elsewhere
+    prefill = b"inflate:%d" % (10 * MiB)
+    c.receive(chunk("r", "prefill", 0, prefill, final=True), 0.0)
+    c.receive(chunk("r", "decode", 0, b"d"), 0.0)
+    # absorb: everything but the other request's 1 MiB and this leg; join: its own rows count as its own
+    assert seen == [100 * MiB - MiB - len(prefill), 100 * MiB - MiB - len(prefill) - 1]

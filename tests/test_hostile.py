@@ -156,6 +156,10 @@ async def test_a_reorder_backlog_behind_a_withheld_seq_is_cut_at_the_per_request
             return
         for seq in range(1, 301):
             await nc.publish(SUBJECTS.chunk("hoarder", "agg"), payload, headers=chunk_headers("hoarder", "agg", seq))
+            if seq % 10 == 0:
+                # Paced by round trips so nats-server's own slow-consumer cut-off (64 MB pending per
+                # connection) is not what this tests, on a loaded 2-core machine.
+                await nc.flush()
 
     with streamproc_run("--mode", "core") as (proc, log_path):
         results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60)
@@ -177,6 +181,8 @@ async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_g
         rid = f"hog{i // 50}"
         for seq in range(1, 21):
             await nc.publish(SUBJECTS.chunk(rid, "agg"), payload, headers=chunk_headers(rid, "agg", seq))
+            if seq % 10 == 0:
+                await nc.flush()  # paced, as above
 
     with streamproc_run("--mode", "core") as (proc, log_path):
         results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60)
@@ -185,4 +191,48 @@ async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_g
         ended = {h: results.final(h)[ERROR] for h in hogs if results.final(h) is not None}
         # 5 x 20 MB fit in 96 MiB; every later hog is refused as soon as it would pass the budget.
         assert ended == {f"hog{k}": "overloaded" for k in range(5, 20)}, ended
+        assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+
+
+def inflating_pd_legs() -> tuple[bytes, bytes]:
+    """A real sglang-zstd P/D request whose 4,096-token prompt carries 64 MiB of expert rows (512 layers x
+    top-8), compressible to a few KB: prefill's one body, and decode's body that carries rows."""
+    import msgspec
+    import numpy as np
+
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    small = make_truth(0, prompt_len=4096, output_len=2, num_layers=1, top_k=1)
+    rows = np.tile(np.arange(8, dtype="<i4"), small.rows * 512).tobytes()  # 8 distinct experts per layer
+    truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
+    worker = worker_for("sglang-zstd")
+    return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
+
+
+async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_budget(nats_url, streamproc_run):
+    """16 P/D requests whose prefill rows inflate to 64 MiB each, held open by a decode chunk that
+    carries rows but is not final: 1,066 MiB before; now the ones past --max-total-bytes are overloaded."""
+    prefill, decode = inflating_pd_legs()
+
+    async def attack(nc, i: int) -> None:
+        rid = f"inflate{i // 50}"
+        await nc.publish(SUBJECTS.chunk(rid, "prefill"), prefill,
+                         headers=chunk_headers(rid, "prefill", 0, final=True, format="sglang-zstd"))
+        await nc.publish(SUBJECTS.chunk(rid, "decode"), decode,
+                         headers=chunk_headers(rid, "decode", 0, format="sglang-zstd"))  # never final
+
+    with streamproc_run("--mode", "core", "--format", "sglang-zstd") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=800, timeout=90)
+        attackers = [f"inflate{k}" for k in range(16)]
+        await results.wait_for(lambda: all(0 in results.by_request.get(r, {}) for r in attackers), 30)
+        outcomes = []
+        for rid in attackers:
+            body, headers = results.by_request[rid][0]
+            outcomes.append(headers.get(ERROR) or headers.get("Streamproc-Join"))
+            if headers.get("Streamproc-Join") == "omitted":
+                assert b'"routed_experts_unavailable_reason":"too_large"' in body
+        # Every decode past the budget is refused before it allocates: omitted, never joined from 64 MiB.
+        print("attack outcomes:", outcomes)
+        assert set(outcomes) <= {"omitted", "overloaded"} and "joined" not in outcomes, outcomes
         assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB

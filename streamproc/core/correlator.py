@@ -458,6 +458,7 @@ class Correlator:
             session.prefill_unavailable(reason)
         else:
             req.absorbed = prefill_bytes  # still charged: the session holds their parsed form
+            session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
             session.absorb_prefill(bodies)
 
     def _session(self, req: _Request) -> JoinSession:
@@ -543,6 +544,7 @@ class Correlator:
                             req.waiting_since = now
                             self._waiting[req.request_id] = req
                         return out
+                    session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
                     body, verdict = session.join(chunk.body, final)
                     if req.decoded or session.retained_bytes():
                         over = self._check_decoded(req, now)
