@@ -85,19 +85,34 @@ async def publish_legit(nc, rid: str, chunks: int) -> None:
                          headers=chunk_headers(rid, "agg", seq, final=seq == chunks - 1))
 
 
-async def run_mixed(url: str, pid: int, attack: Callable[[object, int], Awaitable[None]], *, requests: int,
-                    chunks: int = 3, every: int = 50, timeout: float = 30) -> Results:
+async def run_mixed(url: str, pid: int, attack: Callable[..., Awaitable[None]], *, requests: int,
+                    chunks: int = 3, every: int = 50, timeout: float = 30, log_path: Path | None = None) -> Results:
     """``requests`` legitimate streamed requests, ``attack(nc, i)`` before every ``every``-th; all must finish."""
     async with worker_and_reader(url) as (nc, results):
+        pings = 0
+
+        async def ping() -> None:
+            """One unary request through the processor and back: paces a bulk attack so it measures the
+            processor's budgets, not nats-server's slow-consumer cut-off (64 MB pending per connection)
+            on a loaded 2-core machine."""
+            nonlocal pings
+            rid = f"ping-{pings}"
+            pings += 1
+            await publish_legit(nc, rid, 1)
+            await results.wait_for(lambda: results.complete(rid, 1), 30)
+            assert results.complete(rid, 1), f"{rid} unanswered\n" + (log_path.read_text()[-3000:] if log_path else "")
+
         for i in range(requests):
             if i % every == 0:
-                await attack(nc, i)
+                await attack(nc, i, ping)
             await publish_legit(nc, f"ok-{i}", chunks)
         await nc.flush()
         legit = [f"ok-{i}" for i in range(requests)]
         await results.wait_for(lambda: all(results.complete(r, chunks) for r in legit), timeout)
         missing = [r for r in legit if not results.complete(r, chunks)]
-        assert not missing, f"{len(missing)} of {requests} legitimate requests not answered in full: {missing[:5]}"
+        log_tail = log_path.read_text(errors="replace")[-3000:] if log_path else ""
+        assert not missing, (f"{len(missing)} of {requests} legitimate requests not answered in full: {missing[:5]}"
+                             f"\n{log_tail}")
         for rid in legit[:: max(1, requests // 50)]:
             assert [results.by_request[rid][s][0] for s in range(chunks)] == [legit_body(rid, s) for s in range(chunks)]
         assert all(ERROR not in h for r in legit for _, h in results.by_request[r].values())
@@ -108,14 +123,14 @@ async def test_poison_seqs_end_their_request_with_invalid_chunk_and_legitimate_t
         nats_url, streamproc_run):
     poison = ["²", "٠", "１", "-1", "1e3", "0x1"]
 
-    async def attack(nc, i: int) -> None:
+    async def attack(nc, i: int, ping) -> None:
         rid = f"bad-{i}"
         headers = chunk_headers(rid, "agg", 0)
         headers[SEQ] = poison[(i // 50) % len(poison)]
         await nc.publish(SUBJECTS.chunk(rid, "agg"), b"{}", headers=headers)
 
     with streamproc_run("--mode", "core") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=1000)
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, log_path=log_path)
         await results.wait_for(lambda: all(results.final(f"bad-{i}") for i in range(0, 1000, 50)), 10)
         for i in range(0, 1000, 50):
             final = results.final(f"bad-{i}")
@@ -130,14 +145,14 @@ async def test_ids_with_bytes_nats_py_splits_on_never_cost_other_requests_their_
         nats_url, streamproc_run, separator):
     """nats-server delivers a subject token holding VT/FF; stock nats-py drops its connection on it."""
 
-    async def attack(nc, i: int) -> None:
+    async def attack(nc, i: int, ping) -> None:
         rid = f"evil{separator}{i}"
         # Published raw: the helper (ChunkPublisher) refuses such ids.
         await nc.publish(f"{SUBJECTS.chunk('', 'agg')[:-len('.agg')]}{rid}.agg", b"{}",
                          headers=chunk_headers("x", "agg", 0, final=True))
 
     with streamproc_run("--mode", "core") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=2000)
+        results = await run_mixed(nats_url, proc.pid, attack, requests=2000, log_path=log_path)
         assert not any(rid.startswith("evil") for rid in results.by_request)  # never answered
         text = log_path.read_text()
         assert "event=disconnected" not in text and "ProtocolError" not in text, text[-2000:]
@@ -151,18 +166,16 @@ async def test_a_reorder_backlog_behind_a_withheld_seq_is_cut_at_the_per_request
     ends at --max-buffered-bytes (32 MiB) with invalid_chunk, and the rest are late chunks."""
     payload = bytes(1_000_000)
 
-    async def attack(nc, i: int) -> None:
+    async def attack(nc, i: int, ping) -> None:
         if i:
             return
         for seq in range(1, 301):
             await nc.publish(SUBJECTS.chunk("hoarder", "agg"), payload, headers=chunk_headers("hoarder", "agg", seq))
             if seq % 10 == 0:
-                # Paced by round trips so nats-server's own slow-consumer cut-off (64 MB pending per
-                # connection) is not what this tests, on a loaded 2-core machine.
-                await nc.flush()
+                await ping()
 
     with streamproc_run("--mode", "core") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60)
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60, log_path=log_path)
         await results.wait_for(lambda: results.final("hoarder") is not None, 10)
         final = results.final("hoarder")
         assert final is not None and final[ERROR] == "invalid_chunk"
@@ -177,15 +190,15 @@ async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_g
     global budget end as overloaded at once; legitimate traffic beside them is answered in full."""
     payload = bytes(1_000_000)
 
-    async def attack(nc, i: int) -> None:
+    async def attack(nc, i: int, ping) -> None:
         rid = f"hog{i // 50}"
         for seq in range(1, 21):
             await nc.publish(SUBJECTS.chunk(rid, "agg"), payload, headers=chunk_headers(rid, "agg", seq))
             if seq % 10 == 0:
-                await nc.flush()  # paced, as above
+                await ping()
 
     with streamproc_run("--mode", "core") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60)
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60, log_path=log_path)
         hogs = [f"hog{k}" for k in range(20)]
         await results.wait_for(lambda: sum(results.final(h) is not None for h in hogs) >= 15, 10)
         ended = {h: results.final(h)[ERROR] for h in hogs if results.final(h) is not None}
@@ -215,7 +228,7 @@ async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_b
     carries rows but is not final: 1,066 MiB before; now the ones past --max-total-bytes are overloaded."""
     prefill, decode = inflating_pd_legs()
 
-    async def attack(nc, i: int) -> None:
+    async def attack(nc, i: int, ping) -> None:
         rid = f"inflate{i // 50}"
         await nc.publish(SUBJECTS.chunk(rid, "prefill"), prefill,
                          headers=chunk_headers(rid, "prefill", 0, final=True, format="sglang-zstd"))
@@ -223,7 +236,7 @@ async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_b
                          headers=chunk_headers(rid, "decode", 0, format="sglang-zstd"))  # never final
 
     with streamproc_run("--mode", "core", "--format", "sglang-zstd") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=800, timeout=90)
+        results = await run_mixed(nats_url, proc.pid, attack, requests=800, timeout=90, log_path=log_path)
         attackers = [f"inflate{k}" for k in range(16)]
         await results.wait_for(lambda: all(0 in results.by_request.get(r, {}) for r in attackers), 30)
         outcomes = []
