@@ -17,6 +17,7 @@ chunks continue the result seqs, and the codec's migration session stitches thei
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator
 
@@ -44,6 +45,29 @@ from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported 
 _AGG, _PREFILL, _DECODE = Role.AGG, Role.PREFILL, Role.DECODE
 _PASSTHROUGH, _JOINED, _OMITTED = Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.OMITTED
 _STITCHED = Verdict.STITCHED
+
+
+class Work:
+    """A decision: run :meth:`run` off the event loop (a worker thread), then hand this object to
+    :meth:`Correlator.finish`. The join of a P/D chunk that carries sequence data (decompression,
+    row splicing) is the one piece of per-message work whose cost a client controls; the request
+    waits meanwhile (its later chunks queue), every other request goes on. The correlator stays
+    pure: it never starts a thread, it only says which call may run elsewhere and takes the outcome
+    back in order."""
+
+    __slots__ = ("request_id", "_job", "outcome")
+
+    def __init__(self, request_id: str, job: Callable[[], tuple[bytes, Verdict]]) -> None:
+        self.request_id = request_id
+        self._job = job
+        self.outcome: tuple[bytes, Verdict] | Exception | None = None
+
+    def run(self) -> None:
+        """Called once, in any thread; never raises (the outcome carries the exception)."""
+        try:
+            self.outcome = self._job()
+        except Exception as exc:  # noqa: BLE001  (a codec failure ends this request as internal)
+            self.outcome = exc
 
 
 class CorrelatorConfig(msgspec.Struct, frozen=True):
@@ -98,7 +122,7 @@ class _Request:
         "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
-        "buffered", "absorbed", "decoded",
+        "buffered", "absorbed", "decoded", "work", "outcome",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -129,6 +153,8 @@ class _Request:
         self.buffered = 0
         self.absorbed = 0
         self.decoded = 0
+        self.work: Work | None = None  # a join running off the loop for the chunk at next_seq
+        self.outcome: tuple[bytes, Verdict] | Exception | None = None  # its result, not yet applied
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -154,6 +180,14 @@ class Correlator:
         self._max_finished = self.config.max_finished
         self._max_retained = self.config.max_retained_bytes
         self.charged_bytes = 0  # sum of every active request's buffered + absorbed + decoded bytes
+        # When set (core mode), joins of chunks that need the prefill leg are returned as Work
+        # decisions instead of running inline. Off by default: an input must understand Work.
+        self.offload_joins = False
+        # One Work outstanding at a time: its decode budget is then exact (the previous join's
+        # decoded rows are charged before the next is handed a budget). Requests whose join would
+        # be next wait here, in order.
+        self._working: Work | None = None
+        self._queued: OrderedDict[str, _Request] = OrderedDict()
 
     # ------------------------------------------------------------------ inputs
 
@@ -285,6 +319,22 @@ class Correlator:
         req.last = now
         req.refusal = "its earlier results were published by another processor instance"
         self._active[request_id] = req
+
+    def finish(self, work: Work, now: float) -> list[Decision]:
+        """Apply the outcome of a :class:`Work` decision and go on with its request."""
+        if self._working is work:
+            self._working = None
+        out: list[Decision] = []
+        req = self._active.get(work.request_id)
+        if req is not None and req.work is work:  # else it ended or was sealed meanwhile: stale outcome
+            req.work = None
+            req.outcome = work.outcome
+            out.extend(self._drain(req, now))
+        while self._working is None and self._queued:
+            _, waiting = self._queued.popitem(last=False)
+            if self._active.get(waiting.request_id) is waiting:
+                out.extend(self._drain(waiting, now))
+        return out
 
     def knows(self, request_id: str) -> bool:
         """Whether the request is active or recently finished here (no recovery lookup needed)."""
@@ -529,6 +579,8 @@ class Correlator:
     def _drain(self, req: _Request, now: float) -> list[Decision]:
         """Publish every chunk that is next in order and ready."""
         out: list[Decision] = []
+        if req.work is not None:
+            return out  # finish() goes on once the join running elsewhere is done
         pending = req.pending
         stats = self.stats
         while req.next_seq in pending:
@@ -539,13 +591,28 @@ class Correlator:
                     body, verdict = chunk.body, _PASSTHROUGH
                 else:
                     session = self._session(req)
-                    if req.prefill_state is _PREFILL_OPEN and session.needs_prefill(chunk.body, final):
-                        if req.waiting_since is None:
-                            req.waiting_since = now
-                            self._waiting[req.request_id] = req
-                        return out
-                    session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
-                    body, verdict = session.join(chunk.body, final)
+                    outcome, req.outcome = req.outcome, None
+                    if outcome is not None:  # the join of this chunk ran elsewhere (finish)
+                        if isinstance(outcome, Exception):
+                            raise outcome
+                        body, verdict = outcome
+                    else:
+                        needs = session.needs_prefill(chunk.body, final)
+                        if needs and req.prefill_state is _PREFILL_OPEN:
+                            if req.waiting_since is None:
+                                req.waiting_since = now
+                                self._waiting[req.request_id] = req
+                            return out
+                        session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
+                        if needs and self.offload_joins:
+                            if self._working is not None:
+                                self._queued[req.request_id] = req
+                                return out
+                            req.work = self._working = Work(
+                                req.request_id, functools.partial(session.join, chunk.body, final))
+                            out.append(req.work)
+                            return out
+                        body, verdict = session.join(chunk.body, final)
                     if req.decoded or session.retained_bytes():
                         over = self._check_decoded(req, now)
                         if over is not None:
@@ -632,6 +699,7 @@ class Correlator:
         tokens = [*req.held, *(c.token for c in req.pending.values())]
         dropped = len(req.pending) + len(req.prefill)
         self._release(req)
+        req.work = req.outcome = None
         req.pending.clear()
         req.prefill.clear()
         req.held.clear()
@@ -717,6 +785,7 @@ class Correlator:
     def _forget(self, req: _Request, now: float) -> None:
         rid = req.request_id
         self._release(req)
+        req.work = req.outcome = None
         self._active.pop(rid, None)
         self._waiting.pop(rid, None)
         req.pending.clear()

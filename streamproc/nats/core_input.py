@@ -6,6 +6,7 @@ coroutines, no awaits other than ``nc.publish`` per result.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import anyio
@@ -14,7 +15,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..config import Settings
-from ..core.correlator import Decision, Notice
+from ..core.correlator import Decision, Notice, Work
 from ..core.wire import ContractError, Result, result_headers
 from ..logs import error_text, log_event
 from .gate import DispatchGate
@@ -41,6 +42,11 @@ class CoreInput:
         self._parse = pipeline.parse
         self._receive = pipeline.correlator.receive
         self._clock = pipeline.clock
+        # Joins that decode sequence data run in one worker thread (codec instances share their
+        # decompression contexts, which are not thread safe); the loop keeps passing others through.
+        pipeline.correlator.offload_joins = True
+        self._limiter = anyio.CapacityLimiter(1)
+        self._works: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -57,6 +63,8 @@ class CoreInput:
         with anyio.move_on_after(timeout) as scope:
             # Unsubscribes, then waits until every message already received has been handled.
             await sub.drain()
+            while self._works:  # ... and every join it started elsewhere has been published
+                await asyncio.wait(set(self._works))
         if scope.cancelled_caught:
             log_event(log, logging.WARNING, "drain_timeout", timeout=timeout)
 
@@ -81,7 +89,24 @@ class CoreInput:
                     self._publish_failed(d, exc)
             elif d.__class__ is Notice:
                 self._pipeline.notify(d)
+            elif d.__class__ is Work:
+                self._start(d)
             # Settle: nothing to acknowledge in core mode
+
+    def _start(self, work: Work) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(work))
+        self._works.add(task)
+        task.add_done_callback(self._works.discard)
+
+    async def _run(self, work: Work) -> None:
+        """Run a join off the loop, then apply it exclusively of the message path (result order)."""
+        await anyio.to_thread.run_sync(work.run, limiter=self._limiter)
+        pipeline = self._pipeline
+
+        async def finish() -> None:
+            await self.dispatch(pipeline.correlator.finish(work, pipeline.clock()))
+
+        await self._gate.exclusive(finish)
 
     async def _on_message(self, msg: Msg) -> None:
         gate = self._gate
@@ -108,6 +133,8 @@ class CoreInput:
                         self._publish_failed(d, exc)
                 elif d.__class__ is Notice:
                     self._pipeline.notify(d)
+                elif d.__class__ is Work:
+                    self._start(d)
         finally:
             gate.busy = False
 
