@@ -22,10 +22,12 @@ from edge_harness import (
     sse_view,
     subscribed_subjects,
 )
+from helpers import rid
 from httpx_sse import aconnect_sse
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.codec import ErrorKind
+from streamproc.metrics import parse as parse_metrics
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects, Verdict
@@ -61,10 +63,6 @@ def durable_edge(server):
 def native_error_type(kind: ErrorKind) -> str:
     """The ``type`` the edge's format (sglang, the default) gives an error of this kind."""
     return json.loads(Catalog()("sglang").error_body("x", kind))["error"]["type"]
-
-
-def rid(name: str) -> str:
-    return f"{name}-{random.randrange(1 << 30):x}"
 
 
 async def stream_bytes(edge, path: str, publish, headers: dict[str, str] | None = None) -> bytes:
@@ -460,7 +458,7 @@ async def test_metrics_are_prometheus_text(core_edge):
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert "# TYPE streamproc_edge_streams_opened_total counter" in response.text
-    assert "streamproc_edge_nats_connected 1" in response.text.splitlines()
+    assert parse_metrics(response.text)["streamproc_edge_nats_connected"] == 1
 
 
 async def test_recent_lists_request_ids_seen_on_result_subjects(core_edge, nc):

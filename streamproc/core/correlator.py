@@ -26,6 +26,7 @@ import msgspec
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import MigrationRefused, UnknownFormat
+from .latency import LatencyHistogram
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
     Decision,
@@ -172,6 +173,10 @@ class Correlator:
         self._default_codec = resolve(default_format)
         self.config = config or CorrelatorConfig()
         self.stats = Stats()
+        # For metrics, read at scrape time: error results by kind, and how long decode results
+        # waited for their prefill leg (0 when it was already there).
+        self.error_kinds: dict[str, int] = {}
+        self.join_wait = LatencyHistogram()
         # Insertion order == deadline order because each timeout is one constant duration.
         self._active: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -410,6 +415,15 @@ class Correlator:
     def inflight(self) -> int:
         return len(self._active)
 
+    def buffered_bytes(self) -> int:
+        """Bytes of chunk bodies held in reorder and prefill buffers (O(buffered chunks): for scrapes)."""
+        return sum(len(c.body) for req in self._active.values()
+                   for buf in (req.pending, req.prefill) for c in buf.values())
+
+    def retained_bytes(self) -> int:
+        """Bytes of published bodies kept by reference for a possible migration (for scrapes)."""
+        return sum(len(b) for req in self._active.values() for b in req.retained)
+
     def is_finished(self, request_id: str) -> bool:
         return request_id in self._finished
 
@@ -436,6 +450,7 @@ class Correlator:
     def _overloaded(self, chunk: Chunk, now: float) -> list[Decision]:
         self.stats.overloaded += 1
         self.stats.errors += 1
+        self._count_error(ErrorKind.OVERLOADED)
         self._remember_finished(chunk.request_id, now)
         body = self._default_codec.error_body(
             f"processor overloaded: {self.config.max_inflight} requests in flight", ErrorKind.OVERLOADED)
@@ -629,6 +644,9 @@ class Correlator:
             del pending[req.next_seq]
             req.buffered -= len(chunk.body)
             self.charged_bytes -= len(chunk.body)
+            if req.kind is not _AGG:  # a P/D result: how long it waited for the prefill leg
+                waited = req.waiting_since
+                self.join_wait.observe(0.0 if waited is None else now - waited)
             req.waiting_since = None
             settles: tuple = (chunk.token,)
             if final:
@@ -779,8 +797,12 @@ class Correlator:
         result = Result(req.request_id, req.next_seq, body, True, error=kind.value,
                         traceparent=req.traceparent, settles=tuple(t for t in tokens if t is not None))
         self.stats.errors += 1
+        self._count_error(kind)
         self._forget(req, now)
         return [result, Notice(req.request_id, f"error:{kind.value}", message)]
+
+    def _count_error(self, kind: ErrorKind) -> None:
+        self.error_kinds[kind.value] = self.error_kinds.get(kind.value, 0) + 1
 
     def _forget(self, req: _Request, now: float) -> None:
         rid = req.request_id

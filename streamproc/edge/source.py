@@ -164,6 +164,7 @@ class ResultSource:
         self.metrics = metrics
         self.recent = RecentRequests(settings.recent)
         self.nc: NatsClient | None = None
+        self._closing = False
 
     @property
     def connected(self) -> bool:
@@ -217,6 +218,7 @@ class ResultSource:
 
     async def stop(self) -> None:
         nc, self.nc = self.nc, None
+        self._closing = True  # the disconnect that closing causes is not news
         self.metrics.nats_connected = 0
         if nc is not None and not nc.is_closed:
             await nc.close()
@@ -253,9 +255,12 @@ class ResultSource:
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0
+        if self._closing:
+            return
         self.metrics.nats_disconnects += 1
         log_event(log, logging.WARNING, "disconnected")
 
     async def _on_reconnected(self) -> None:
         self.metrics.nats_connected = 1
+        self.metrics.nats_reconnects += 1
         log_event(log, logging.INFO, "reconnected")

@@ -47,6 +47,7 @@ class CoreInput:
         pipeline.correlator.offload_joins = True
         self._limiter = anyio.CapacityLimiter(1)
         self._works: set[asyncio.Task] = set()
+        self._observe = pipeline.result_latency.observe
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -114,27 +115,32 @@ class CoreInput:
             await gate.wait_turn()
         gate.busy = True
         try:
+            now = self._clock()
             try:  # every message ends in a decision, whatever raises while it is handled
                 try:
                     chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
                 except ContractError as exc:
                     decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
                 else:
-                    decisions = self._receive(chunk, self._clock())
+                    decisions = self._receive(chunk, now)
             except Exception as exc:
                 decisions = self._pipeline.failed(exc, msg, acknowledged=False)
             # dispatch() inlined: one coroutine less per message is measurable against a bare relay.
+            published = False
             for d in decisions:
                 if d.__class__ is Result:
                     try:
                         await self._publish(self._results_head + d.request_id, d.body,
                                             headers=result_headers(d))
+                        published = True
                     except Exception as exc:
                         self._publish_failed(d, exc)
                 elif d.__class__ is Notice:
                     self._pipeline.notify(d)
                 elif d.__class__ is Work:
                     self._start(d)
+            if published:  # message received -> its results handed to the NATS client
+                self._observe(self._clock() - now)
         finally:
             gate.busy = False
 

@@ -18,6 +18,7 @@ from nats.aio.subscription import Subscription
 
 from ..core.codec import ErrorKind
 from ..core.correlator import Correlator, Decision, Notice, Settle
+from ..core.latency import LatencyHistogram
 from ..core.wire import ChunkParser, ContractError, Subjects
 from ..logs import LogLimiter, error_text, log_event
 
@@ -53,6 +54,9 @@ class Pipeline:
         self.io = IOStats()
         # Lines any publisher can cause at will are rate limited per event name.
         self.limited = LogLimiter(log)
+        # Receipt of a chunk -> the results it made ready handed to NATS (core mode; results a
+        # timer or control request releases are not counted: no chunk arrived for them).
+        self.result_latency = LatencyHistogram()
 
     def contract_error(self, exc: ContractError, msg: Msg, acknowledged: bool) -> list[Decision]:
         """Decisions for a message that broke the wire contract.
