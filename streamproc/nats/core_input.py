@@ -91,21 +91,26 @@ class CoreInput:
             elif d.__class__ is Notice:
                 self._pipeline.notify(d)
             elif d.__class__ is Work:
-                self._start(d)
+                self._start(d, None)
             # Settle: nothing to acknowledge in core mode
 
-    def _start(self, work: Work) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(work))
+    def _start(self, work: Work, received: float | None) -> None:
+        """``received``: when the chunk whose result this work makes arrived (None: a timer or control
+        decision), for the result-latency histogram."""
+        task = asyncio.get_running_loop().create_task(self._run(work, received))
         self._works.add(task)
         task.add_done_callback(self._works.discard)
 
-    async def _run(self, work: Work) -> None:
+    async def _run(self, work: Work, received: float | None) -> None:
         """Run a join off the loop, then apply it exclusively of the message path (result order)."""
         await anyio.to_thread.run_sync(work.run, limiter=self._limiter)
         pipeline = self._pipeline
 
         async def finish() -> None:
-            await self.dispatch(pipeline.correlator.finish(work, pipeline.clock()))
+            decisions = pipeline.correlator.finish(work, pipeline.clock())
+            await self.dispatch(decisions)
+            if received is not None and any(d.__class__ is Result for d in decisions):
+                self._observe(self._clock() - received)  # receipt -> its results handed to NATS
 
         await self._gate.exclusive(finish)
 
@@ -138,7 +143,7 @@ class CoreInput:
                 elif d.__class__ is Notice:
                     self._pipeline.notify(d)
                 elif d.__class__ is Work:
-                    self._start(d)
+                    self._start(d, now)
             if published:  # message received -> its results handed to the NATS client
                 self._observe(self._clock() - now)
         finally:
