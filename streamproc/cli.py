@@ -110,14 +110,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         nc = await connection.connect(settings, name="streamproc-simulate", reconnect=False)
         try:
+            # Against a JetStream chunk stream, publish durably: a chunk the stream refuses is an error
+            # here, not a silent loss (a core publish to a full stream vanishes without a word).
+            from .nats.streams import find_stream
+            durable = await find_stream(nc.jetstream(timeout=2), settings.subjects.chunk("probe", "agg")) is not None
             if not args.verify:
-                await traffic.publish(nc, settings.subjects, messages, format=settings.format)
+                await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
                 print(f"published {len(messages)} chunks for {len(plans)} requests "
                       f"({args.mode}, format {settings.format}) on {settings.subjects.prefix}.chunks.>")
                 return EXIT_OK
             started = time.perf_counter()
             async with ResultCollector(nc, settings.subjects) as collector:
-                await traffic.publish(nc, settings.subjects, messages, format=settings.format)
+                await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
                 timed_out = None
                 try:
                     await collector.wait_for([p.request_id for p in plans], timeout=args.timeout)

@@ -223,6 +223,13 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                       ge=1, le=10_000_000)] = defaults.MAX_INFLIGHT
     max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
                                              "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
+    max_buffered_bytes: Annotated[int, documented("bytes of chunk bodies buffered per request (reorder + prefill) "
+                                            "before it is ended with an invalid_chunk error",
+                                            ge=1024, le=2**40)] = defaults.MAX_BUFFERED_BYTES
+    max_total_bytes: Annotated[int, documented("bytes of buffered chunk bodies plus decoded payloads kept for joins, "
+                                         "across all requests; a request that would pass it is ended with an "
+                                         "overloaded error (raise it for very large expert captures)",
+                                         ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
@@ -266,6 +273,8 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_buffered_chunks=self.max_buffered_chunks,
             max_finished=self.max_finished,
             max_retained_bytes=self.max_retained_bytes,
+            max_buffered_bytes=self.max_buffered_bytes,
+            max_total_bytes=self.max_total_bytes,
         )
 
 
@@ -284,7 +293,8 @@ _GROUP_OF = {
     **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
-    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_finished", "max_decompressed_bytes",
+    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes",
+                     "max_finished", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "lease_ttl", "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",

@@ -306,6 +306,7 @@ class Processor:
             await anyio.sleep(max(0.0, wake - now))
             self.io.timer_runs += 1
             await self.exclusive(lambda now: (None, self.correlator.tick(now)))
+            self.pipeline.limited.flush()  # suppressed-line counts are reported even when a flood stops
 
     # ------------------------------------------------------------ control plane
 

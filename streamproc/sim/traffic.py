@@ -138,9 +138,10 @@ def schedule(plans: list[PlannedRequest], *, seed: int = 0, shuffle: bool = Fals
 
 
 async def publish(nc: NatsClient, subjects: Subjects, messages: list[Message], *,
-                  format: str | None = None) -> int:
-    """Publish the scheduled messages (``format`` goes in every chunk's Streamproc-Format header)."""
-    publisher = ChunkPublisher(nc, subjects)
+                  format: str | None = None, durable: bool = False) -> int:
+    """Publish the scheduled messages (``format`` goes in every chunk's Streamproc-Format header);
+    ``durable`` waits for each chunk's PubAck and raises ``PublishRefused`` when the stream refuses."""
+    publisher = ChunkPublisher(nc, subjects, durable=durable)
     for m in messages:
         await publisher.publish(m.request_id, m.role, m.seq, m.body, final=m.final, format=format)
     await nc.flush()
