@@ -91,13 +91,15 @@ async def test_a_worker_can_publish_chunks_and_cannot_publish_a_result(server):
 
 
 @pytest.mark.anyio
-async def test_a_worker_cannot_read_anything(server):
+async def test_a_worker_cannot_read_results_or_chunks(server):
     nc, errors = await connect(server, "worker")
     await nc.subscribe("streamproc.results.>")
+    await nc.subscribe("streamproc.chunks.>")
     await nc.flush()
     await anyio.sleep(0.2)
     await nc.close()
-    assert any("permissions violation for subscription" in e.lower() for e in errors), errors
+    for subject in ("streamproc.results.>", "streamproc.chunks.>"):
+        assert any("permissions violation for subscription" in e.lower() and subject in e for e in errors), errors
 
 
 @pytest.mark.anyio
