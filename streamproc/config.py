@@ -52,6 +52,9 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
                                          "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
     fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
+    max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
+                                             "is given up (logged, counted; its inputs are NAKed for redelivery)",
+                                             ge=1, le=1_000_000)] = 100
     lease_ttl: Annotated[float, documented("durable: seconds a partition lease lives without renewal (failover "
                                      "time of a dead instance's partitions)", ge=1, le=600)] = 6.0
     stream_storage: Annotated[Storage, documented("durable: storage of the chunk and results streams and the lease "

@@ -153,6 +153,11 @@ class Outbox:
         """Whether a result of a request ``belongs`` selects is not stored yet."""
         return any(belongs(rid) for rid in self._queues)
 
+    def in_flight(self, ticket: str) -> Result | None:
+        """The result published under ``ticket`` and not stored yet (for the shell's log lines)."""
+        o = self._inflight.get(ticket)
+        return o.result if o is not None else None
+
     def tokens(self) -> Iterator[object]:
         """Input tokens waiting for a PubAck."""
         for queue in self._queues.values():

@@ -7,7 +7,7 @@ no extra coroutines, no awaits other than ``nc.publish``.
 
 Inputs are chosen by ``mode``: ``core`` is a plain subscription (at-most-once, nothing to
 acknowledge) served by :meth:`Processor._on_message`; ``durable`` is
-:class:`streamproc.durable.DurableInput`, JetStream pull consumers whose chunks are acknowledged
+:class:`streamproc.nats.durable_input.DurableInput`, JetStream pull consumers whose chunks are acknowledged
 only once the results they contributed to are stored. ``auto`` picks durable when the server has
 JetStream. The core hot path is untouched by the durable one.
 """
@@ -201,7 +201,7 @@ class Processor:
             stack.callback(self._tasks.cancel_scope.cancel)  # runs before the task group exits
             self.mode = await self._choose_mode()
             if self.mode == "durable":
-                from .durable import DurableInput  # imported when used: core start-up stays lean
+                from .durable_input import DurableInput  # imported when used: core start-up stays lean
 
                 self._input = DurableInput(self.nc, settings, self.correlator, clock=self._clock,
                                            notify=self._log_notice, contract_error=self._contract_error)

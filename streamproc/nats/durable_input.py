@@ -18,21 +18,24 @@ The guarantees (``docs/operations.md`` has the full argument):
   the request after it. In steady state that happens once per P/D request whose prefill arrives
   first and for out-of-order first chunks; after a failover, for the requests that moved.
 
-Partitions (:mod:`streamproc.partitions`) are shared between instances through leases
-(:mod:`streamproc.leases`). Each owned partition has its own inbox subscription and a credit-based
-pull loop: a pull asks for ``fetch_batch`` messages, a new pull goes out when half are consumed,
-and a watchdog re-issues pulls that the server forgot (server restart: nats-io/nats.py#504),
-detected by missing idle heartbeats, by a reconnect, or by the pull's expiry.
+The rules behind these guarantees are pure and tested without a server: result queues, PubAck
+handling, retries, settle order and the recovery decisions in :mod:`streamproc.core.outbox`, pull
+credit in :mod:`streamproc.core.credit`. This module is their I/O: partitions, pull loops, the
+recovery lookup, hand-over; :mod:`streamproc.nats.outbox_pump` moves results and acks.
+
+Partitions (:mod:`streamproc.core.partitions`) are shared between instances through leases
+(:mod:`streamproc.nats.leases`). Each owned partition has its own inbox subscription and a
+credit-based pull loop; a watchdog re-issues pulls that the server forgot, resends overdue
+results and extends the ack deadline of held chunks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 import secrets
 import socket
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -45,8 +48,11 @@ from nats.js.errors import NotFoundError
 
 from ..config import Settings
 from ..core.correlator import Correlator, Decision, Notice
-from .leases import LeaseChange, LeaseTable
+from ..core.credit import PullCredit
+from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
+from .leases import LeaseChange, LeaseTable
+from .outbox_pump import OutboxPump
 from .streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
@@ -58,7 +64,7 @@ from .streams import (
     partition_consumer_config,
     partition_consumer_name,
 )
-from ..core.wire import FINAL, SEQ, ChunkParser, ContractError, Result, Role, result_headers
+from ..core.wire import ChunkParser, ContractError
 
 log = logging.getLogger("streamproc.durable")
 
@@ -66,38 +72,25 @@ PULL_EXPIRES = 10.0  # seconds a pull request lives on the server
 HEARTBEAT = 1.0  # idle heartbeat the server sends for a waiting pull request
 LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: the server forgot our pulls
 WATCHDOG_EVERY = 0.25
-PUBLISH_TIMEOUT = 2.0  # first PubAck wait before a result is sent again (then doubling, up to the max)
-MAX_PUBLISH_TIMEOUT = 10.0
-RETRY_AFTER_ERROR = 0.5  # seconds before a result the server refused is sent again
+RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
-
-_ACK = b""  # an empty reply is a JetStream ack
-_NAK = b"-NAK"
-_WPI = b"+WPI"
-_PREFILL = Role.PREFILL
 
 Notify = Callable[[Notice], None]
 ContractErrorHandler = Callable[[ContractError, Msg], list]
 
 
-class DurableStats(msgspec.Struct):
-    """Counters of the durable input (merged into ``Processor.snapshot()``)."""
+class DurableStats(OutboxStats):
+    """Counters of the durable input (merged into ``Processor.snapshot()``); the outbox's are inherited."""
 
     partitions: int = 0  # gauge: partitions this instance serves now
     members: int = 0  # gauge: live instances sharing the partitions
     pulls: int = 0
     lost_pulls: int = 0  # pulls re-issued because the server stopped answering them
     consumer_repairs: int = 0
-    acks: int = 0
-    naks: int = 0
-    in_progress: int = 0  # +WPI sent for chunks held past a third of ack_wait
     redelivered: int = 0  # messages delivered more than once
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
-    duplicate_results: int = 0  # PubAcks saying the result was already stored
-    publish_retries: int = 0
-    publish_errors: int = 0
     leases_acquired: int = 0
     leases_released: int = 0
     leases_lost: int = 0
@@ -108,265 +101,23 @@ def new_instance_id() -> str:
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-# --------------------------------------------------------------------------------- publisher
-
-class _Outgoing:
-    """One result on its way to the results stream, with the input tokens its PubAck releases."""
-
-    __slots__ = ("request_id", "subject", "body", "headers", "reply", "settles", "sent_at", "timeout",
-                 "abandoned")
-
-    def __init__(self, request_id: str, subject: str, body: bytes, headers: dict, reply: str,
-                 settles: list) -> None:
-        self.request_id = request_id
-        self.subject = subject
-        self.body = body
-        self.headers = headers
-        self.reply = reply
-        self.settles = settles
-        self.sent_at = 0.0
-        self.timeout = PUBLISH_TIMEOUT
-        self.abandoned = False
-
-
-class ResultPublisher:
-    """Stores results through JetStream and acknowledges their inputs once they are stored.
-
-    ``take`` is synchronous, so the order of decisions is the order of each request's queue no
-    matter which task (message handler or timer) produced them; ``pump`` does the I/O.
-    """
-
-    def __init__(self, nc: NatsClient, results_head: str, stats: DurableStats, notify: Notify,
-                 clock: Callable[[], float]) -> None:
-        self._nc = nc
-        self._head = results_head
-        self._stats = stats
-        self._notify = notify
-        self._clock = clock
-        self._queues: dict[str, list[_Outgoing]] = {}  # per request; [0] is in flight
-        self._inflight: dict[str, _Outgoing] = {}  # by reply token
-        self._send: deque[_Outgoing] = deque()
-        self._control: list[tuple[str, bytes]] = []  # acks, naks, in-progress: (reply subject, payload)
-        self._reply_prefix = ""
-        self._cut = 0
-        self._next = 0
-        self._sub: Subscription | None = None
-        self.closed = False
-        self._idle = anyio.Event()
-        self._idle.set()
-
-    async def start(self) -> None:
-        self._reply_prefix = self._nc.new_inbox() + "."
-        self._cut = len(self._reply_prefix)
-        self._sub = await self._nc.subscribe(self._reply_prefix + "*", cb=self._on_reply,
-                                             pending_msgs_limit=-1, pending_bytes_limit=-1)
-
-    async def stop(self) -> None:
-        self.closed = True
-        sub, self._sub = self._sub, None
-        if sub is not None and not self._nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-
-    @property
-    def pending(self) -> int:
-        """Results not stored yet."""
-        return sum(len(q) for q in self._queues.values())
-
-    def tokens(self):
-        """Input tokens waiting for a PubAck (for in-progress acks)."""
-        for queue in self._queues.values():
-            for o in queue:
-                yield from o.settles
-
-    # ------------------------------------------------------------------ decisions in
-
-    def take(self, decisions: list[Decision], request_id: str | None) -> None:
-        """Queue results, release or attach settled tokens, log notices. ``request_id`` owns the Settles."""
-        queues = self._queues
-        for d in decisions:
-            cls = d.__class__
-            if cls is Result:
-                rid = d.request_id
-                self._next += 1
-                o = _Outgoing(rid, self._head + rid, d.body, result_headers(d),
-                              self._reply_prefix + str(self._next), [t for t in d.settles if t is not None])
-                queue = queues.get(rid)
-                if queue is None:
-                    queues[rid] = [o]
-                    self._send.append(o)
-                    self._idle = anyio.Event() if self._idle.is_set() else self._idle
-                else:
-                    queue.append(o)
-            elif cls is Notice:
-                self._notify(d)
-            else:  # Settle: contributes to nothing, but must not overtake a result still in flight
-                queue = queues.get(request_id) if request_id is not None else None
-                if queue:
-                    queue[-1].settles.extend(t for t in d.tokens if t is not None)
-                else:
-                    self.ack(d.tokens)
-
-    def ack(self, tokens) -> None:
-        control = self._control
-        for t in tokens:
-            if t is not None:
-                control.append((t.reply, _ACK))
-                self._stats.acks += 1
-
-    def nak(self, tokens, delay: float = 0.0) -> None:
-        payload = _NAK if delay <= 0 else _NAK + b' {"delay": %d}' % int(delay * 1e9)
-        for t in tokens:
-            if t is not None and t.reply:
-                self._control.append((t.reply, payload))
-                self._stats.naks += 1
-
-    def in_progress(self, tokens) -> None:
-        for t in tokens:
-            self._control.append((t.reply, _WPI))
-            self._stats.in_progress += 1
-
-    def abandon(self, belongs: Callable[[str], bool]) -> tuple[list, list[str]]:
-        """Drop the queued results of matching requests; return every token they would have acked,
-        and the ids of those requests (their results may not be stored).
-
-        Used when a partition moves to another instance: its tokens are NAKed so the new owner gets
-        them at once and recovers from what is stored. A result already sent may still be stored
-        (the new owner then collapses its own copy through the Msg-Id); it acks nothing any more.
-        """
-        tokens: list = []
-        dropped = [rid for rid in self._queues if belongs(rid)]
-        for rid in dropped:
-            for o in self._queues.pop(rid):
-                tokens.extend(o.settles)
-                o.settles = []
-                o.abandoned = True
-        self._send = deque(o for o in self._send if not o.abandoned)
-        if not self._queues:
-            self._idle.set()
-        return tokens, dropped
-
-    async def wait_idle(self, timeout: float, belongs: Callable[[str], bool] | None = None) -> bool:
-        """Wait until every queued result (of matching requests) is stored; False on timeout."""
-        with anyio.move_on_after(timeout):
-            while True:
-                if belongs is None:
-                    if not self._queues:
-                        return True
-                    await self._idle.wait()
-                elif not any(belongs(rid) for rid in self._queues):
-                    return True
-                else:
-                    await anyio.sleep(0.01)
-        return False
-
-    # ------------------------------------------------------------------------------ I/O
-
-    async def pump(self) -> None:
-        """Send what is ready: results first (their order per request is already fixed), then acks."""
-        publish = self._nc.publish
-        send = self._send
-        if send:
-            inflight = self._inflight
-            now = self._clock()
-            while send:
-                o = send.popleft()
-                o.sent_at = now
-                inflight[o.reply[self._cut:]] = o
-                try:
-                    await publish(o.subject, o.body, o.reply, o.headers)
-                except Exception as exc:  # disconnected with a full buffer, closed: the sweep resends
-                    o.sent_at = -1e18
-                    self._failed(o, exc)
-        control = self._control
-        while control:
-            subject, payload = control.pop()
-            try:
-                await publish(subject, payload)
-            except Exception as exc:  # a lost ack means a redelivery, which is safe
-                log.debug("control publish failed: %s", exc)
-
-    async def _on_reply(self, msg: Msg) -> None:
-        o = self._inflight.pop(msg.subject[self._cut:], None)
-        if o is None or o.abandoned:
-            return
-        data = msg.data
-        if not data or b'"error":' in data:  # 503 no responders (stream unavailable) or an API error
-            self._stats.publish_errors += 1
-            if self._stats.publish_errors & (self._stats.publish_errors - 1) == 0:
-                status = (msg.headers or {}).get("Status", "")
-                log.warning("event=result_not_stored request_id=%s status=%s detail=%s retry_in=%.1fs "
-                            "errors_total=%d", o.request_id, status, data[:200].decode(errors="replace"),
-                            RETRY_AFTER_ERROR, self._stats.publish_errors)
-            o.sent_at = self._clock() + RETRY_AFTER_ERROR - o.timeout  # the sweep resends it then
-            self._inflight[o.reply[self._cut:]] = o
-            return
-        if b'"duplicate":true' in data:
-            self._stats.duplicate_results += 1
-        queue = self._queues.get(o.request_id)
-        if o.settles:
-            self.ack(o.settles)
-        if queue:
-            del queue[0]
-            if queue:
-                self._send.append(queue[0])
-            else:
-                del self._queues[o.request_id]
-                if not self._queues:
-                    self._idle.set()
-        await self.pump()
-
-    def _failed(self, o: _Outgoing, exc: Exception) -> None:
-        self._stats.publish_errors += 1
-        if self._stats.publish_errors & (self._stats.publish_errors - 1) == 0:
-            log.warning("event=result_publish_failed request_id=%s error=%s errors_total=%d", o.request_id,
-                        f"{type(exc).__name__}: {exc}", self._stats.publish_errors)
-
-    def sweep(self, now: float, reconnected: bool) -> None:
-        """Send again every result whose PubAck is overdue (or all in flight after a reconnect)."""
-        again = [o for o in self._inflight.values() if reconnected or now - o.sent_at > o.timeout]
-        for o in again:
-            del self._inflight[o.reply[self._cut:]]
-            if o.abandoned:
-                continue
-            o.timeout = min(o.timeout * 2, MAX_PUBLISH_TIMEOUT)
-            self._stats.publish_retries += 1
-            self._send.append(o)
-
-
 # ---------------------------------------------------------------------------------- partitions
 
 class _Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
-    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "requested", "expires_at", "last_seen",
-                 "retry_at", "misses", "active", "pull_subject")
+    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject")
 
-    def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str) -> None:
+    def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit) -> None:
         self.n = n
         self.consumer = consumer
         self.filter = filter_subject
         self.cut = cut  # stored subject -> chunk subject: drop this many leading characters
         self.inbox = ""
         self.sub: Subscription | None = None
-        self.requested = 0  # messages asked for and not delivered yet
-        self.expires_at = 0.0
-        self.last_seen = 0.0
-        self.retry_at = 0.0
-        self.misses = 0
+        self.credit = credit
         self.active = False
         self.pull_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-
-
-def delivery_count(reply: str) -> int:
-    """How often JetStream delivered this message (from its ack subject, v1 or v2 format)."""
-    tokens = reply.split(".")
-    try:
-        return int(tokens[4] if len(tokens) == 9 else tokens[6])
-    except (IndexError, ValueError):
-        return 1
 
 
 class DurableInput:
@@ -389,20 +140,20 @@ class DurableInput:
         self.chunks_stream = ""
         self.results_stream = ""
         self.leases: LeaseTable | None = None
-        self.publisher = ResultPublisher(nc, settings.subjects.result(""), self.stats, notify, clock)
+        self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
+                                          progress_every=settings.ack_wait / 4), self.stats)
+        self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
+                                    give_up=self._given_up)
         self._partitions: dict[int, _Partition] = {}
         self._parse = ChunkParser(settings.subjects)
         self._chunks_head = f"{settings.prefix}.chunks."
         # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
         # the client drop deliveries (bytes can still overflow: the dropped() hook accounts for that).
         self._batch = max(1, min(settings.fetch_batch, settings.pending_msgs_limit * 2 // 3))
-        self._low = self._batch // 2
         self._pull_body = msgspec.json.encode({
             "batch": self._batch, "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
-        self._progress_seen: set[int] = set()
-        self._next_progress = 0.0
         self._lease_lock = anyio.Lock()
 
     def owns(self, request_id: str) -> bool:
@@ -478,7 +229,7 @@ class DurableInput:
 
     def settle(self, tokens: tuple) -> None:
         """Acknowledge input that contributes to nothing (the processor's unreadable messages)."""
-        self.publisher.ack(tokens)
+        self.outbox.ack(tokens)
 
     async def caught_up(self) -> None:
         """Return once every chunk delivered to any owned partition at the call has been handled
@@ -499,7 +250,7 @@ class DurableInput:
             return  # a status message: no credit
         for part in self._partitions.values():
             if part.sub is sub:
-                part.requested = max(0, part.requested - 1)
+                part.credit.dropped()
                 return
 
     # -------------------------------------------------------------------------- partitions
@@ -543,15 +294,16 @@ class DurableInput:
                 log.warning("event=lease_step_failed error=%s", f"{type(exc).__name__}: {exc}")
 
     async def _open(self, n: int) -> None:
+        credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
+                            retry_after=RETRY_AFTER_ERROR, now=self._clock())
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream)
+                          self.chunks_stream, credit)
         await self._ensure_consumer(part)
         part.inbox = self.nc.new_inbox()
         part.sub = await self.nc.subscribe(part.inbox, cb=self._handler(part),
                                            pending_msgs_limit=self.settings.pending_msgs_limit,
                                            pending_bytes_limit=self.settings.pending_bytes_limit)
         part.active = True
-        part.last_seen = self._clock()
         self._partitions[n] = part
         await self._pull(part)
 
@@ -593,43 +345,37 @@ class DurableInput:
         # Requests whose results were given up before they were stored must be forgotten even when
         # the correlator holds them as finished: else, should the partition come back here, their
         # redelivered chunks would count as late (and be acked) instead of being recovered.
-        tokens, unstored = self.publisher.abandon(belongs)
+        tokens, unstored = self.outbox.abandon(belongs)
         tokens.extend(self.correlator.abandon(belongs, unstored))
-        self.publisher.nak(tokens)
+        self.outbox.nak(tokens)
+
+    def _given_up(self, g: GiveUp) -> None:
+        """The outbox gave a result up and NAKed its request's queued tokens: forget the request here
+        too (NAKing what the correlator held), so its redelivered chunks are recovered from what is stored."""
+        rid = g.request_id
+        self.outbox.nak(self.correlator.abandon(lambda r: r == rid, (rid,)))
 
     # ------------------------------------------------------------------------------- pulls
 
     async def _pull(self, part: _Partition) -> None:
-        part.requested += self._batch
-        part.expires_at = self._clock() + PULL_EXPIRES
+        credit = part.credit
+        credit.pulled(self._clock())
         self.stats.pulls += 1
         try:
             await self.nc.publish(part.pull_subject, self._pull_body, part.inbox)
         except Exception as exc:
-            part.requested -= self._batch
-            part.retry_at = self._clock() + RETRY_AFTER_ERROR
+            credit.pull_failed(self._clock())
             log.debug("pull for partition %d failed: %s", part.n, exc)
 
-    def _on_status(self, part: _Partition, msg: Msg) -> None:
+    def _on_status(self, part: _Partition, msg: Msg) -> bool:
+        """A status message on a pull inbox; True when a pull should go out now."""
         headers = msg.headers or {}
         code = headers.get("Status", "")
-        part.last_seen = self._clock()
-        if code == "100":  # idle heartbeat
-            return
-        pending = headers.get("Nats-Pending-Messages")
         description = headers.get("Description", "")
-        if code in ("408", "409") and pending is not None and pending.isdigit():
-            part.requested = max(0, part.requested - int(pending))  # a pull ended unfilled
-            if code == "408":
-                return
-        else:
-            part.requested = 0
-            part.retry_at = part.last_seen + RETRY_AFTER_ERROR
-        lowered = description.lower()
-        if "consumer deleted" in lowered or code == "503" or "no responders" in lowered:
-            part.misses += 1  # the watchdog repairs the consumer
-        if code not in ("408", "404"):
+        pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
+        if code not in ("100", "408", "404"):
             log.info("event=pull_status partition=%d status=%s description=%s", part.n, code, description)
+        return pull
 
     async def _watchdog(self) -> None:
         """Keep every partition's pulls alive; resend overdue results; extend held chunks' ack deadlines.
@@ -638,15 +384,14 @@ class DurableInput:
         within ``2 * (ack_wait / 4 + interval) <= 3/4 * ack_wait`` of delivery: before redelivery.
         """
         interval = min(WATCHDOG_EVERY, self.settings.ack_wait / 8)
-        progress_every = self.settings.ack_wait / 4
         while True:
             await anyio.sleep(interval)
             try:
-                await self._watch(progress_every)
+                await self._watch()
             except Exception as exc:
                 log.warning("event=watchdog_failed error=%s", f"{type(exc).__name__}: {exc}")
 
-    async def _watch(self, progress_every: float) -> None:
+    async def _watch(self) -> None:
         if not self.nc.is_connected:
             return  # nothing can be sent; a reconnect is noticed on the first round after it
         now = self._clock()
@@ -661,40 +406,23 @@ class DurableInput:
         for part in list(self._partitions.values()):
             if not part.active:
                 continue
-            lost = part.requested > 0 and now - part.last_seen > LOST_PULL_AFTER
-            if reconnected or lost or now >= part.expires_at:
-                if lost:
-                    self.stats.lost_pulls += 1
-                    part.misses += 1
-                    log.info("event=pull_lost partition=%d silent_for=%.1fs", part.n, now - part.last_seen)
-                part.requested = 0
-                part.last_seen = now
-            if part.misses >= 2:
-                part.misses = 0
+            credit = part.credit
+            silent_for = now - credit.last_seen
+            watch = credit.watch(now, reconnected)
+            if watch.lost:
+                self.stats.lost_pulls += 1
+                log.info("event=pull_lost partition=%d silent_for=%.1fs", part.n, silent_for)
+            if watch.repair:
                 self.stats.consumer_repairs += 1
                 try:
                     await self._ensure_consumer(part)
                 except Exception as exc:
                     log.warning("event=consumer_repair_failed partition=%d error=%s", part.n, exc)
                     continue
-            if part.requested <= self._low and now >= part.retry_at:
+            if watch.pull:
                 await self._pull(part)
-        self.publisher.sweep(now, reconnected)
-        if now >= self._next_progress:
-            self._next_progress = now + progress_every
-            self._extend_held()
+        self.publisher.tick(now, reconnected, self.correlator.unsettled)
         await self.publisher.pump()
-
-    def _extend_held(self) -> None:
-        """+WPI for every chunk that was already held at the previous round (a third of ack_wait ago)."""
-        current: dict[int, Any] = {}
-        for t in self.correlator.unsettled():
-            current[id(t)] = t
-        for t in self.publisher.tokens():
-            current[id(t)] = t
-        seen = self._progress_seen
-        self.publisher.in_progress([t for key, t in current.items() if key in seen and t.reply])
-        self._progress_seen = set(current)
 
     # ----------------------------------------------------------------------------- hot path
 
@@ -709,23 +437,21 @@ class DurableInput:
         publisher = self.publisher
         take = publisher.take
         pump = publisher.pump
-        low = self._low
+        outbox = self.outbox
+        delivered = part.credit.delivered
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
             if not reply:
-                self._on_status(part, msg)
-                if part.active and part.requested <= low and part.last_seen >= part.retry_at:
+                if self._on_status(part, msg) and part.active:
                     await self._pull(part)
                 return
             if not part.active:  # partition handed over: the next owner gets it at once
-                publisher.nak((msg,))
+                outbox.nak((msg,))
                 await pump()
                 return
             now = clock()
-            part.last_seen = now
-            part.requested -= 1
-            if part.requested <= low:
+            if delivered(now):
                 await self._pull(part)
             try:
                 chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
@@ -734,7 +460,7 @@ class DurableInput:
                 await pump()
                 return
             rid = chunk.request_id
-            if not knows(rid) and (chunk.seq or chunk.role is _PREFILL or delivery_count(reply) > 1):
+            if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
                 if not await self._recover(rid, chunk.format, msg, now):
                     await pump()
                     return
@@ -755,15 +481,13 @@ class DurableInput:
         except Exception as exc:
             log.warning("event=recovery_lookup_failed request_id=%s error=%s retry_in=1s", rid,
                         f"{type(exc).__name__}: {exc}")
-            self.publisher.nak((msg,), delay=1.0)
+            self.outbox.nak((msg,), delay=1.0)
             return False
-        headers = stored.headers or {}
-        seq = headers.get(SEQ, "")
-        if not seq.isdigit():
+        point = resume_point(stored.headers)
+        if point is None:
             return True
-        final = headers.get(FINAL) == "true"
-        self.correlator.resume(rid, int(seq) + 1, final, now, format)
+        next_seq, final = point
+        self.correlator.resume(rid, next_seq, final, now, format)
         self.stats.resumed += 1
-        log.info("event=request_resumed request_id=%s next_seq=%d final=%s", rid, int(seq) + 1, final)
+        log.info("event=request_resumed request_id=%s next_seq=%d final=%s", rid, next_seq, final)
         return True
-
