@@ -10,7 +10,7 @@ retries, settle order, give-up) lives in the outbox; nothing here decides.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterable
 
 import anyio
 import nats.errors
@@ -93,8 +93,9 @@ class OutboxPump:
             return True
         return False
 
-    def tick(self, now: float, reconnected: bool, held: Callable[[], object] | None) -> None:
-        for g in self.outbox.tick(now, reconnected, held):  # type: ignore[arg-type]
+    def tick(self, now: float, reconnected: bool, held: Callable[[], Iterable[object]] | None) -> None:
+        """Feed the time in: overdue results are queued again, a progress round runs when due."""
+        for g in self.outbox.tick(now, reconnected, held):
             self._given_up(g)
 
     async def pump(self) -> None:
