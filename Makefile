@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test laws bench clean
+.PHONY: install demo test test-compose laws bench clean
 
 $(STAMP): pyproject.toml codecs/sglang-zstd/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# `docker compose up --build` for real (tests/test_compose_real.py): starts dockerd if none runs,
+# builds offline stand-in base images if the official ones cannot be pulled. Needs root and
+# Debian's docker.io and debootstrap (.ci/run installs them); see docs/compose.md.
+$(VENV)/.compose: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[compose]'
+	touch $@
+
+test-compose: $(STAMP) $(VENV)/.compose
+	$(BIN)/python -m pytest -m docker tests/test_compose_real.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

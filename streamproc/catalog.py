@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
 from .core.codec import Codec, CodecOptions
-from .core.correlator import UnknownFormat
-from .sim.simulation import SimulatedWorker
+from .core.errors import UnknownFormat
+
+if TYPE_CHECKING:  # the runtime path never imports the simulation
+    from .sim.simulation import SimulatedWorker
 
 CODECS_GROUP = "streamproc.codecs"
 WORKERS_GROUP = "streamproc.workers"

@@ -17,19 +17,10 @@ from typing import Sequence
 
 import anyio
 
-from . import __version__
-
-from . import catalog
-
-from . import config
+from . import __version__, catalog, config
+from .core.errors import ConfigError, StartupError, StreamprocError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
-
-
-class UserError(Exception):
-    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _setup_logging(level: str) -> None:
@@ -38,34 +29,28 @@ def _setup_logging(level: str) -> None:
 
 
 def _settings(args: argparse.Namespace) -> config.Settings:
-    try:
-        return config.from_arguments(args, os.environ)
-    except config.ConfigError as exc:
-        raise UserError(str(exc), EXIT_USAGE) from None
+    return config.from_arguments(args, os.environ)
 
 
 # ------------------------------------------------------------------------- commands
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .nats.processor import Processor, StartupError
+    from .nats.processor import Processor
 
     settings = _settings(args)
     if args.print_config:
         sys.stdout.write(settings.to_json().decode() + "\n")
         return EXIT_OK
     _setup_logging(settings.log_level)
-    try:
-        processor = Processor(settings)
-        # Per message the processor allocates a handful of short-lived container objects; with
-        # CPython's default gen-0 threshold (700) that is a collection every ~150 messages, each
-        # walking every long-lived object. Freezing start-up objects and raising the threshold keeps
-        # collections rare and cheap (measured in benchmarks/passthrough.py); memory stays bounded
-        # because nothing on the hot path forms reference cycles.
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 100)
-        anyio.run(processor.run)
-    except StartupError as exc:
-        raise UserError(str(exc)) from None
+    processor = Processor(settings)
+    # Per message the processor allocates a handful of short-lived container objects; with
+    # CPython's default gen-0 threshold (700) that is a collection every ~150 messages, each
+    # walking every long-lived object. Freezing start-up objects and raising the threshold keeps
+    # collections rare and cheap (measured in benchmarks/passthrough.py); memory stays bounded
+    # because nothing on the hot path forms reference cycles.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+    anyio.run(processor.run)
     return EXIT_OK
 
 
@@ -91,11 +76,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     try:
         worker = catalog.worker_for(settings.format)
     except LookupError as exc:
-        raise UserError(str(exc), EXIT_USAGE) from None
+        raise ConfigError(str(exc)) from None
     if args.requests < 1:
-        raise UserError("--requests must be at least 1", EXIT_USAGE)
+        raise ConfigError("--requests must be at least 1")
     if not 0 <= args.duplicates <= 1:
-        raise UserError("--duplicates must be between 0 and 1", EXIT_USAGE)
+        raise ConfigError("--duplicates must be between 0 and 1")
     plans = traffic.plan(settings.format, requests=args.requests, mode=args.mode, stream=args.stream,
                          seed=args.seed, worker=worker)
     messages = traffic.schedule(plans, seed=args.seed, shuffle=args.shuffle, duplicates=args.duplicates)
@@ -118,7 +103,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                         connect_timeout=max(1, int(settings.connect_timeout)))
         except Exception as exc:
             cause = errors[-1] if errors else exc
-            raise UserError(f"cannot connect to NATS at {settings.nats_url}: "
+            raise StartupError(f"cannot connect to NATS at {settings.nats_url}: "
                             f"{type(cause).__name__}: {cause}") from None
         try:
             if not args.verify:
@@ -147,22 +132,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .sim.demo import default_format, print_report, run_demo
-    from .sim.embedded import EmbeddedNatsError
-    from .nats.processor import StartupError
 
     _setup_logging("WARNING")
     if args.requests < 1:
-        raise UserError("--requests must be at least 1", EXIT_USAGE)
+        raise ConfigError("--requests must be at least 1")
     format = args.format or default_format()
     try:
         catalog.worker_for(format)
     except LookupError as exc:
-        raise UserError(str(exc), EXIT_USAGE) from None
-    try:
-        report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
-                                            timeout=args.timeout))
-    except (EmbeddedNatsError, StartupError) as exc:
-        raise UserError(str(exc)) from None
+        raise ConfigError(str(exc)) from None
+    report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
+                                        timeout=args.timeout))
     print_report(report)
     return EXIT_OK if report.ok else EXIT_FAILURE
 
@@ -226,9 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except UserError as exc:
+    except ConfigError as exc:
         print(f"streamproc {args.command}: error: {exc}", file=sys.stderr)
-        return exc.code
+        return EXIT_USAGE
+    except StreamprocError as exc:  # start-up failures: NATS unreachable, a stream that does not match...
+        print(f"streamproc {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
 

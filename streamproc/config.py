@@ -15,9 +15,11 @@ from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 
-from .core.codec import DEFAULT_MAX_DECOMPRESSED_BYTES
+from .core import defaults
+from .core.codec import CodecOptions, parse_format_options
 from .core.correlator import CorrelatorConfig
-from .core.wire import DEFAULT_PREFIX, Subjects
+from .core.errors import ConfigError
+from .core.wire import Subjects
 
 ENV_PREFIX = "STREAMPROC_"
 
@@ -31,85 +33,108 @@ def documented(text: str, **constraints: Any) -> msgspec.Meta:
     return msgspec.Meta(description=text, **constraints)
 
 
-class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Effective configuration of one processor."""
+class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Settings the processor and the edge share: the same names, variables and defaults, and the one
+    definition of the results stream (both may create it, so they must never disagree on it)."""
 
     nats_url: Annotated[str, documented("NATS server URL(s), comma-separated for a cluster", min_length=1)] = (
-        "nats://127.0.0.1:4222"
+        defaults.NATS_URL
     )
-    prefix: Annotated[str, documented("subject prefix P: input on P.chunks.>, output on P.results.<request_id>")] = (
-        DEFAULT_PREFIX
-    )
-    format: Annotated[str, documented("default codec for requests without a Streamproc-Format header "
-                                "(see `streamproc codecs`)", min_length=1)] = "sglang"
-    mode: Annotated[Mode, documented("input mode; durable = JetStream consumers with acks (effectively-once "
-                               "results, survives restarts), core = plain NATS subscription (at-most-once), "
-                               "auto = durable when the server has JetStream, else core")] = "auto"
-    partitions: Annotated[int, documented("durable: partitions of the chunk stream (one durable consumer each); "
-                                    "fixed when the stream is created", ge=1, le=1024)] = 8
-    ack_wait: Annotated[float, documented("durable: seconds before an unacknowledged chunk is redelivered; held "
-                                    "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = 10.0
-    max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
-                                         "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
-    fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
-    max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
-                                             "is given up (logged, counted; its inputs are NAKed for redelivery)",
-                                             ge=1, le=1_000_000)] = 100
-    lease_ttl: Annotated[float, documented("durable: seconds a partition lease lives without renewal (failover "
-                                     "time of a dead instance's partitions)", ge=1, le=600)] = 6.0
-    stream_storage: Annotated[Storage, documented("durable: storage of the chunk and results streams and the lease "
-                                            "bucket")] = "file"
-    stream_replicas: Annotated[int, documented("durable: replicas of the chunk and results streams and the lease "
-                                         "bucket (3 on a cluster)", ge=1, le=5)] = 1
-    chunks_max_age: Annotated[float, documented("durable: seconds an unprocessed chunk is kept", gt=0,
-                                          le=365 * 86_400)] = 3600.0
-    chunks_max_bytes: Annotated[int, documented("durable: bytes of unprocessed chunks kept (-1 unlimited); when "
-                                          "full, new chunks are refused", ge=-1)] = -1
-    results_max_age: Annotated[float, documented("durable: seconds the results stream keeps a result (late attach, "
-                                           "recovery)", gt=0, le=365 * 86_400)] = 3600.0
-    duplicate_window: Annotated[float, documented("durable: seconds in which a repeated Nats-Msg-Id is dropped by "
-                                            "the chunk and results streams", ge=0.1, le=86_400)] = 120.0
-    prefill_timeout: Annotated[float, documented("seconds a decode chunk waits for the prefill leg before the "
-                                           "omission policy applies", gt=0, le=86_400)] = 30.0
-    request_timeout: Annotated[float, documented("seconds without progress before a request is ended with a "
-                                           "timeout error result", gt=0, le=7 * 86_400)] = 300.0
-    finished_grace: Annotated[float, documented("seconds a finished request id is remembered, so late chunks are "
-                                          "dropped instead of starting a new request", gt=0, le=7 * 86_400)] = 60.0
-    max_inflight: Annotated[int, documented("requests in flight before new ones get an overloaded error result",
-                                      ge=1, le=10_000_000)] = 10_000
-    max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
-                                             "ended with an error", ge=1, le=10_000_000)] = 4096
-    max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
-                                      ge=1, le=100_000_000)] = 200_000
-    max_decompressed_bytes: Annotated[int, documented("largest decoded sequence payload a codec accepts, per "
-                                                "payload", ge=1024, le=2**40)] = DEFAULT_MAX_DECOMPRESSED_BYTES
-    max_retained_bytes: Annotated[int, documented("bytes of published bodies kept by reference per request for a "
-                                            "possible migration; past it the codec folds them into a compact "
-                                            "progress state (0 folds every body at once)", ge=0, le=2**40)] = (
-        256 * 1024
-    )
-    pending_msgs_limit: Annotated[int, documented("client-side queue of undelivered input messages before nats-py "
-                                            "drops (slow consumer)", ge=1, le=2**31)] = 4 * 1024 * 1024
-    pending_bytes_limit: Annotated[int, documented("client-side bytes of undelivered input messages before nats-py "
-                                             "drops (slow consumer)", ge=1024, le=2**45)] = 1024 * 1024 * 1024
+    prefix: Annotated[str, documented("subject prefix P: chunks on P.chunks.>, results on "
+                                      "P.results.<request_id>")] = defaults.PREFIX
+    format: Annotated[str, documented("default codec (see `streamproc codecs`): the processor's for requests "
+                                      "without a Streamproc-Format header, the edge's for folding unary answers "
+                                      "and its own error bodies", min_length=1)] = defaults.FORMAT
     connect_timeout: Annotated[float, documented("seconds to wait for the first NATS connection at start-up; 0 waits "
                                            "forever (later disconnects are always retried)", ge=0, le=86_400)] = 30.0
-    drain_timeout: Annotated[float, documented("seconds a graceful stop may spend draining", gt=0, le=3600)] = 10.0
     log_level: Annotated[LogLevel, documented("logging threshold")] = "INFO"
-    stats_interval: Annotated[float, documented("seconds between statistics log lines; 0 turns them off",
-                                          ge=0, le=86_400)] = 0.0
+    stream_storage: Annotated[Storage, documented("storage of the chunk and results streams and the lease "
+                                            "bucket")] = "file"
+    stream_replicas: Annotated[int, documented("replicas of the chunk and results streams and the lease "
+                                         "bucket (3 on a cluster)", ge=1, le=5)] = 1
+    results_max_age: Annotated[float, documented("seconds the results stream keeps a result (late attach, "
+                                           "recovery)", gt=0, le=365 * 86_400)] = defaults.RESULTS_MAX_AGE
+    duplicate_window: Annotated[float, documented("seconds in which a repeated Nats-Msg-Id is dropped by "
+                                            "the chunk and results streams", ge=0.1, le=86_400)] = defaults.DUPLICATE_WINDOW
 
     def __post_init__(self) -> None:
         try:
             Subjects(self.prefix)
         except ValueError as exc:
             raise ValueError(f"prefix: {exc}") from None
-        if self.duplicate_window > min(self.chunks_max_age, self.results_max_age):
-            raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
+        if self.duplicate_window > self.results_max_age:
+            raise ValueError("duplicate_window must not exceed results_max_age")
 
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.prefix)
+
+    def to_json(self) -> bytes:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2)
+
+
+class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Effective configuration of one processor."""
+
+    mode: Annotated[Mode, documented("input mode; durable = JetStream consumers with acks (effectively-once "
+                               "results, survives restarts), core = plain NATS subscription (at-most-once), "
+                               "auto = durable when the server has JetStream, else core")] = "auto"
+    partitions: Annotated[int, documented("durable: partitions of the chunk stream (one durable consumer each); "
+                                    "fixed when the stream is created", ge=1, le=1024)] = 8
+    ack_wait: Annotated[float, documented("durable: seconds before an unacknowledged chunk is redelivered; held "
+                                    "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = defaults.ACK_WAIT
+    max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
+                                         "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
+    fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
+    max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
+                                             "is given up (logged, counted; its inputs are NAKed for redelivery)",
+                                             ge=1, le=1_000_000)] = defaults.MAX_RESULT_ATTEMPTS
+    lease_ttl: Annotated[float, documented("durable: seconds a partition lease lives without renewal (failover "
+                                     "time of a dead instance's partitions)", ge=1, le=600)] = 6.0
+    chunks_max_age: Annotated[float, documented("durable: seconds an unprocessed chunk is kept", gt=0,
+                                          le=365 * 86_400)] = defaults.CHUNKS_MAX_AGE
+    chunks_max_bytes: Annotated[int, documented("durable: bytes of unprocessed chunks kept (-1 unlimited); when "
+                                          "full, new chunks are refused", ge=-1)] = -1
+    prefill_timeout: Annotated[float, documented("seconds a decode chunk waits for the prefill leg before the "
+                                           "omission policy applies", gt=0, le=86_400)] = defaults.PREFILL_TIMEOUT
+    request_timeout: Annotated[float, documented("seconds without progress before a request is ended with a "
+                                           "timeout error result", gt=0, le=7 * 86_400)] = defaults.REQUEST_TIMEOUT
+    finished_grace: Annotated[float, documented("seconds a finished request id is remembered, so late chunks are "
+                                          "dropped instead of starting a new request", gt=0, le=7 * 86_400)] = defaults.FINISHED_GRACE
+    max_inflight: Annotated[int, documented("requests in flight before new ones get an overloaded error result",
+                                      ge=1, le=10_000_000)] = defaults.MAX_INFLIGHT
+    max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
+                                             "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
+    max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
+                                      ge=1, le=100_000_000)] = defaults.MAX_FINISHED
+    max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
+                                                "decodes at most what the body's token counts allow",
+                                                ge=1024, le=2**40)] = defaults.MAX_DECOMPRESSED_BYTES
+    format_option: Annotated[str, documented("codec options as KEY=VALUE, comma-separated (sglang: "
+                                             "streaming=cumulative|incremental, see docs/codecs.md)")] = ""
+    max_retained_bytes: Annotated[int, documented("bytes of published bodies kept by reference per request for a "
+                                            "possible migration; past it the codec folds them into a compact "
+                                            "progress state (0 folds every body at once)", ge=0, le=2**40)] = defaults.MAX_RETAINED_BYTES
+    pending_msgs_limit: Annotated[int, documented("client-side queue of undelivered input messages before nats-py "
+                                            "drops (slow consumer)", ge=1, le=2**31)] = 4 * 1024 * 1024
+    pending_bytes_limit: Annotated[int, documented("client-side bytes of undelivered input messages before nats-py "
+                                             "drops (slow consumer)", ge=1024, le=2**45)] = 1024 * 1024 * 1024
+    drain_timeout: Annotated[float, documented("seconds a graceful stop may spend draining", gt=0, le=3600)] = 10.0
+    stats_interval: Annotated[float, documented("seconds between statistics log lines; 0 turns them off",
+                                          ge=0, le=86_400)] = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            parse_format_options(self.format_option)
+        except ValueError as exc:
+            raise ValueError(f"format_option: {exc}") from None
+        if self.duplicate_window > self.chunks_max_age:
+            raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
+
+    def codec_options(self) -> CodecOptions:
+        return CodecOptions(max_decompressed_bytes=self.max_decompressed_bytes,
+                            format_options=parse_format_options(self.format_option))
 
     def correlator_config(self) -> CorrelatorConfig:
         return CorrelatorConfig(
@@ -121,13 +146,6 @@ class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             max_finished=self.max_finished,
             max_retained_bytes=self.max_retained_bytes,
         )
-
-    def to_json(self) -> bytes:
-        return msgspec.json.format(msgspec.json.encode(self), indent=2)
-
-
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the flag or variable it came from."""
 
 
 class Field(msgspec.Struct, frozen=True):

@@ -24,25 +24,25 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
-import yaml
+from compose_checks import (
+    COMPOSE,
+    ROOT,
+    VARIABLE,
+    check_one_of_each,
+    compose_variables,
+    load_compose,
+    wait_for_results,
+)
 from edge_harness import clean_env, free_port
-from httpx_sse import connect_sse
 
 from streamproc import config
 from streamproc.edge import settings as edge_settings
 from streamproc.sim.embedded import find_binary
 
-ROOT = Path(__file__).resolve().parents[1]
-COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 STREAMPROC_SERVICES = ("processor", "edge", "workers")
-
-
-def load_compose() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
 
 
 def compose_schema() -> dict:
@@ -95,7 +95,10 @@ def test_services_are_wired_as_the_readme_says():
 
     for name in STREAMPROC_SERVICES:
         service = services[name]
-        assert service["build"] == "." and (ROOT / service["build"] / "Dockerfile").is_file()
+        build = service["build"]
+        assert build["context"] == "." and (ROOT / build["context"] / "Dockerfile").is_file()
+        assert build["args"] == {"BASE_IMAGE": "python:3.11-slim"} and build["secrets"] == ["ca_bundle"]
+        assert service["image"] == "streamproc:local"
         assert service["environment"]["STREAMPROC_NATS_URL"] == "nats://nats:4222"
         assert service["environment"]["STREAMPROC_FORMAT"] == "sglang-zstd"
         for dependency, rule in service["depends_on"].items():
@@ -112,6 +115,26 @@ def test_services_are_wired_as_the_readme_says():
     assert services["processor"]["command"] == ["streamproc", "run"]
     assert "streamproc simulate" in services["workers"]["command"][-1]
     assert "--mode mixed" in services["workers"]["command"][-1]
+
+
+def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
+    """A plain `docker compose up` needs no variable; the real test moves images, ports and the tag."""
+    assert compose_variables() == {
+        "NATS_IMAGE": "nats:2.11-alpine",
+        "PYTHON_IMAGE": "python:3.11-slim",
+        "LOCAL_IMAGE": "streamproc:local",
+        "NATS_HOST_PORT": "4222",
+        "NATS_MONITOR_HOST_PORT": "8222",
+        "EDGE_HOST_PORT": "8080",
+        "BUILD_CA_BUNDLE": "/dev/null",
+    }
+    bare = VARIABLE.sub("", COMPOSE.read_text()).replace("$$", "")
+    assert "$" not in bare, "only ${NAME:-default} interpolation (and $$ for a literal $) is used"
+    moved = load_compose({"EDGE_HOST_PORT": "127.0.0.1:18080", "NATS_IMAGE": "streamproc-standin/nats:2.11"})
+    assert moved["services"]["edge"]["ports"] == ["127.0.0.1:18080:8080"]
+    assert moved["services"]["nats"]["image"] == "streamproc-standin/nats:2.11"
+    assert moved["secrets"]["ca_bundle"] == {"file": "/dev/null"}
+    assert schema_errors(moved) == []
 
 
 def test_every_streamproc_variable_is_a_setting_its_command_reads():
@@ -132,12 +155,15 @@ def test_every_streamproc_variable_is_a_setting_its_command_reads():
 def test_dockerfile_builds_every_service_from_python_slim_with_the_external_codec():
     lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
     instructions = [line for line in lines if line and not line.startswith("#")]
-    assert instructions[0] == "FROM python:3.11-slim"
+    assert instructions[:2] == ["ARG BASE_IMAGE=python:3.11-slim", "FROM ${BASE_IMAGE}"]
     copied = [part for line in instructions if line.startswith("COPY ") for part in line.split()[1:-1]]
     for source in copied:
         assert (ROOT / source).exists(), f"Dockerfile copies {source}, which is not in the repository"
     run = " ".join(instructions[instructions.index(next(i for i in instructions if i.startswith("RUN "))) :])
     assert "pip install . ./codecs/sglang-zstd" in run
+    # The optional CA bundle is a BuildKit secret (never stored in a layer), used only when non-empty.
+    assert run.startswith("RUN --mount=type=secret,id=ca_bundle ")
+    assert "if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi" in run
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "artifacts"} <= set(ignored)
 
@@ -273,41 +299,30 @@ def test_every_service_runs_natively_and_results_reach_the_edge():
                 if "healthcheck" in stack.services[name]:
                     stack.wait_healthy(name)
             edge = f"http://127.0.0.1:{stack.edge_port}"
-            finished = wait_for_results(edge, stack)
-            check_one_of_each(edge, finished, stack)
+            finished = wait_for_results(edge, stack.logs)
+            check_one_of_each(edge, finished, stack.logs)
             assert stack.processes["workers"].poll() is None, "the workers loop must keep running"
         finally:
             stack.stop()
 
 
-def wait_for_results(edge: str, stack: NativeCompose, timeout: float = 20.0) -> list[dict]:
-    """Recent requests from the edge until both aggregated and joined P/D ones have finished."""
-    deadline = time.monotonic() + timeout
-    while True:
-        entries = httpx.get(f"{edge}/v1/recent", timeout=5).json()
-        finished = [e for e in entries if e["final"]]
-        kinds = {k for e in finished for k in e["verdicts"]}
-        if {"passthrough", "joined"} <= kinds and len(finished) >= 6:
-            assert not [e for e in finished if e["error"]], entries
-            return finished
-        if time.monotonic() > deadline:
-            pytest.fail(f"results did not reach the edge in {timeout}s: {entries}\n{stack.logs()}")
-        time.sleep(0.3)
+def test_the_docker_test_is_left_out_of_make_test_and_run_by_make_test_compose_and_ci():
+    """`make test` must not need an engine; `make test-compose` and CI must still run the real test."""
 
+    def collected(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+        return done.stdout
 
-def check_one_of_each(edge: str, finished: list[dict], stack: NativeCompose) -> None:
-    """Late attach through the results stream: every result, framed, with the expected verdicts."""
-    aggregated = next(e for e in finished if set(e["verdicts"]) == {"passthrough"})
-    joined = next(e for e in finished if "joined" in e["verdicts"])
-    with httpx.Client(base_url=edge, timeout=10) as client:
-        for entry, verdict in ((aggregated, "passthrough"), (joined, "joined")):
-            with connect_sse(client, "GET", f"/v1/results/{entry['request_id']}?verdicts=1") as source:
-                events = list(source.iter_sse())
-            metas = [json.loads(e.data) for e in events if e.event == "meta"]
-            data = [e.data for e in events if e.event == "message"]
-            assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
-            assert len(data) - 1 == len(metas) == entry["results"]
-            assert {m["verdict"] for m in metas} == {verdict}, (entry, metas, stack.logs())
-            assert all(isinstance(json.loads(d), dict) for d in data[:-1])
-            unary = client.get(f"/v1/results/{entry['request_id']}", headers={"Accept": "application/json"})
-            assert unary.status_code == 200 and "text" in unary.json()
+    real = "tests/test_compose_real.py"
+    assert "3 deselected" in collected(real)  # pyproject's addopts: -m 'not docker'
+    assert "3 tests collected" in collected("-m", "docker", real)
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"$(BIN)/python -m pytest -m docker {real}" in makefile
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci.index("make test") < ci.index("make test-compose")

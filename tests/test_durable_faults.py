@@ -21,7 +21,7 @@ from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.sim.embedded import EmbeddedNats, EmbeddedNatsCluster
 from streamproc.nats.processor import Processor
-from streamproc.client.results import _Reorder
+from streamproc.core.reorder import SeqOrder
 from streamproc.nats.streams import RESULTS_STREAM
 from streamproc.wire import MSG_ID, Subjects, chunk_headers
 
@@ -117,7 +117,7 @@ def verify(plans: list[traffic.PlannedRequest], stored: dict, worker) -> None:
         seqs = [r.seq for r in got]
         if seqs != list(range(len(got))):
             raw_problems[p.request_id] = seqs
-        order = _Reorder()
+        order = SeqOrder()
         read = [item for r in got for item in order.push(r)]
         found = traffic.verify(p, read, worker)
         if found:

@@ -124,3 +124,30 @@ def test_settings_come_from_flags_over_environment_over_defaults():
 def test_bad_settings_fail_naming_their_source(env, names):
     with pytest.raises((EdgeConfigError, ValueError), match=names):
         load(env)
+
+
+def test_the_edge_and_the_processor_read_shared_settings_from_the_same_variables():
+    from streamproc import config
+
+    env = {"STREAMPROC_RESULTS_MAX_AGE": "1800", "STREAMPROC_DUPLICATE_WINDOW": "30",
+           "STREAMPROC_STREAM_STORAGE": "memory", "STREAMPROC_STREAM_REPLICAS": "3",
+           "STREAMPROC_PREFIX": "tenant1", "STREAMPROC_CONNECT_TIMEOUT": "4"}
+    edge, processor = load(env), config.load(env)
+    for name in config.CommonSettings.__struct_fields__:
+        assert getattr(edge, name) == getattr(processor, name), name
+    assert (edge.results_max_age, edge.stream_storage, edge.stream_replicas) == (1800.0, "memory", 3)
+
+
+def test_the_edge_gives_up_on_an_unreachable_nats_after_connect_timeout():
+    import subprocess
+    import sys
+    import time
+
+    from edge_harness import free_port
+
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "streamproc.edge", "--nats-url", f"nats://127.0.0.1:{free_port()}",
+                           "--connect-timeout", "1", "--port", "0"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert "cannot connect to NATS" in proc.stderr
+    assert time.monotonic() - started < 15

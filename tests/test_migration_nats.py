@@ -217,13 +217,13 @@ async def test_a_migrate_does_not_overtake_chunks_the_processor_received_before_
     truths = [make_truth(30 + i, request_id=f"burst-{i}", prompt_len=4, output_len=40, chunk_sizes=[1] * 40)
               for i in range(5)]
     async with start_processor("in-process", format=fmt, mode=MODE) as rp:
-        publish = rp.processor._publish
+        publish = rp.processor.input._publish
 
         async def congested_publish(*args, **kwargs):  # back-pressure: every result publish yields
             await anyio.sleep(0.0005)
             await publish(*args, **kwargs)
 
-        rp.processor._publish = congested_publish
+        rp.processor.input._publish = congested_publish
         publisher = ChunkPublisher(client, rp.subjects)
         migrator = Migrator(client, rp.subjects, format=fmt)
         for truth in truths:  # a burst, then at once the migrate: the seal must cover all of it

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamproc.core.correlator import Notice, Settle
+from streamproc.core.events import Notice, Result, Role, Settle
 from streamproc.core.outbox import (
     ACK,
     DUPLICATE,
@@ -38,7 +38,7 @@ from streamproc.core.outbox import (
     needs_lookup,
     resume_point,
 )
-from streamproc.core.wire import FINAL, SEQ, Result, Role
+from streamproc.core.wire import FINAL, SEQ
 from streamproc.testing.laws import LAW_EXAMPLES
 
 outbox_settings = settings(

@@ -324,12 +324,22 @@ def test_decode_rows_inconsistent_with_the_token_count_are_a_length_mismatch():
     assert worker.expert_view(body) == (None, "length_mismatch")
 
 
-def test_prefill_rows_not_divisible_into_prompt_rows_are_corrupt():
+def test_legs_disagreeing_about_the_prompt_length_are_a_length_mismatch():
     truth = truth_of()
     prefill = worker.prefill(truth, stream=False)[0]
     wrong = edit(prefill, prompt_tokens=truth.prompt_len + 1)
     (body, _), = join_leg(worker.decode(truth, stream=False), [wrong])
-    assert worker.expert_view(body) == (None, "prefill_corrupt")
+    assert worker.expert_view(body) == (None, "length_mismatch")
+
+
+def test_prefill_rows_that_fit_no_row_layout_are_corrupt():
+    truth = truth_of()
+    prefill = worker.prefill(truth, stream=False)[0]
+    rows = base64.b64decode(meta(prefill)["routed_experts"])
+    for wrong in (rows[:-2], b""):  # not whole ids; no rows for a prompt that starts at 0
+        bad = edit(prefill, routed_experts=base64.b64encode(wrong).decode(), routed_experts_start_len=0)
+        (body, _), = join_leg(worker.decode(truth, stream=False), [bad])
+        assert worker.expert_view(body) == (None, "prefill_corrupt")
 
 
 @pytest.mark.parametrize("finish", [{"type": "abort", "message": "cancelled"}, {"type": "error"}])

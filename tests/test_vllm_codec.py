@@ -41,9 +41,17 @@ def with_choice(body: bytes, **fields: object) -> bytes:
     return msgspec.json.encode(obj)
 
 
+_DROP = object()  # with_top(..., key=_DROP) removes the key
+PROMPT_LOGPROBS_KEY = "prompt_logprobs"
+
+
 def with_top(body: bytes, **fields: object) -> bytes:
     obj = loads(body)
-    obj.update(fields)
+    for key, value in fields.items():
+        if value is _DROP:
+            obj.pop(key, None)
+        else:
+            obj[key] = value
     return msgspec.json.encode(obj)
 
 
@@ -234,17 +242,25 @@ def test_prompt_logprobs_come_from_prefill() -> None:
     assert loads(body)["prompt_logprobs"] == loads(WORKER.agg(truth, stream=False)[0])["prompt_logprobs"]
 
 
-@pytest.mark.parametrize("prefill_state", ["without_list", "timeout"])
-def test_one_token_prompt_without_prefill_logprobs_gives_null_list(prefill_state: str) -> None:
-    truth = make_truth(16, prompt_len=1, output_len=3)
+@pytest.mark.parametrize("prompt_len", [1, 4])
+def test_prompt_logprobs_stay_null_when_prefill_has_none_even_with_sampled_logprobs(prompt_len: int) -> None:
+    # prompt_logprobs and logprobs are independent sampling parameters: sampled logprobs alone say
+    # nothing about the prompt, and nothing is invented for a one-token prompt.
+    truth = make_truth(16, prompt_len=prompt_len, output_len=3)
     prefill = [with_top(WORKER.prefill(truth, stream=False)[0], prompt_logprobs=None)]
-    [(body, verdict)] = join_leg(WORKER.decode(truth, stream=False),
-                                 prefill if prefill_state == "without_list" else None)
+    [(body, verdict)] = join_leg(WORKER.decode(truth, stream=False), prefill)
     obj = loads(body)
-    assert obj["prompt_logprobs"] == [None]
-    assert PL_REASON not in obj
-    if prefill_state == "without_list":
-        assert verdict is Verdict.JOINED
+    assert obj["choices"][0]["logprobs"] is not None
+    assert obj["prompt_logprobs"] is None and PL_REASON not in obj
+    assert verdict is not Verdict.OMITTED
+
+
+def test_prompt_logprobs_without_a_prefill_leg_are_unknown_and_omitted() -> None:
+    truth = make_truth(16, prompt_len=1, output_len=3, return_logprob=False)
+    [(body, verdict)] = join_leg(WORKER.decode(truth, stream=False), None)
+    obj = loads(body)
+    assert obj["prompt_logprobs"] is None and obj[PL_REASON] == "prefill_timeout"
+    assert verdict is Verdict.OMITTED
 
 
 def test_one_token_prompt_with_prefill_list_keeps_it() -> None:
@@ -261,13 +277,15 @@ def test_first_stream_chunk_before_usage_treats_the_prompt_as_multi_token() -> N
     assert first["prompt_logprobs"] is None and first[PL_REASON] == "prefill_timeout"
 
 
-def test_multi_token_prompt_without_prefill_logprobs_is_omitted_with_reason() -> None:
-    truth = make_truth(19, prompt_len=4, output_len=2)
-    prefill = [with_top(WORKER.prefill(truth, stream=False)[0], prompt_logprobs=None)]
-    [(body, verdict)] = join_leg(WORKER.decode(truth, stream=False), prefill)
-    assert verdict is Verdict.OMITTED
-    obj = loads(body)
-    assert obj["prompt_logprobs"] is None and obj[PL_REASON] == "prefill_missing"
+def test_stream_chunks_never_gain_prompt_logprobs() -> None:
+    # GenerateStreamResponse has no prompt_logprobs key; a chunk without it gets none.
+    truth = make_truth(19, prompt_len=4, output_len=4, chunk_sizes=[2, 2])
+    decode = [with_top(body, prompt_logprobs=_DROP) for body in WORKER.decode(truth, stream=True)]
+    for body, _ in join_leg(decode, WORKER.prefill(truth, stream=True)):
+        obj = loads(body)
+        assert PROMPT_LOGPROBS_KEY not in obj and PL_REASON not in obj
+    for body, _ in join_leg(decode, None):
+        assert PL_REASON not in loads(body)
 
 
 def test_inconsistent_prompt_logprobs_are_omitted() -> None:
@@ -477,15 +495,19 @@ def test_fold_rejects_non_json_chunks() -> None:
 
 
 @pytest.mark.parametrize("kind,error_type,code", [
-    (ErrorKind.TIMEOUT, "service_unavailable", 503),
-    (ErrorKind.OVERLOADED, "overloaded", 503),
-    (ErrorKind.INVALID_CHUNK, "invalid_request_error", 400),
-    (ErrorKind.UNKNOWN_FORMAT, "invalid_request_error", 400),
-    (ErrorKind.INTERNAL, "internal_error", 500),
+    (ErrorKind.TIMEOUT, "GatewayTimeout", 504),
+    (ErrorKind.OVERLOADED, "ServiceUnavailableError", 503),
+    (ErrorKind.INVALID_CHUNK, "BadGateway", 502),
+    (ErrorKind.UNKNOWN_FORMAT, "BadGateway", 502),
+    (ErrorKind.INTERNAL, "InternalServerError", 500),
+    (ErrorKind.MIGRATION_REFUSED, "ServiceUnavailableError", 503),
 ])
-def test_error_envelope_is_vllm_native(kind: ErrorKind, error_type: str, code: int) -> None:
-    body = loads(CODEC.error_body("it broke", kind))
-    assert body == {"error": {"message": "it broke", "type": error_type, "code": code}}
+def test_error_envelope_is_vllms_error_response(kind: ErrorKind, error_type: str, code: int) -> None:
+    assert code == kind.http_status  # the envelope's code is the status the edge answers with
+    body = CODEC.error_body("it broke", kind)
+    # ErrorResponse{error: ErrorInfo{message, type, param, code}}, in that key order.
+    assert body == msgspec.json.encode(
+        {"error": {"message": "it broke", "type": error_type, "param": None, "code": code}})
 
 
 # ------------------------------------------------------------- sequence codec registry

@@ -30,7 +30,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from ..catalog import codec_class
-from ..core.codec import Codec, Emitted, MigrationRefused
+from ..core.codec import Codec, Emitted
+from ..core.errors import MigrationError, MigrationRefused
 from ..core.wire import (
     ATTEMPT,
     MSG_ID,
@@ -45,15 +46,6 @@ from ..core.wire import (
 )
 
 __all__ = ["MigrationError", "MigrationRefused", "Migrator", "Resumed", "publish_request"]
-
-
-class MigrationError(Exception):
-    """The processor answered the migrate with an error; ``code`` says which (see ``MigrateErrorCode``)."""
-
-    def __init__(self, reply: MigrateError) -> None:
-        super().__init__(f"{reply.code.value}: {reply.message}")
-        self.reply = reply
-        self.code = reply.code
 
 
 class Resumed(msgspec.Struct, frozen=True):

@@ -28,40 +28,10 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ..core.errors import MalformedResult
+from ..core.reorder import SeqOrder
 from ..nats.streams import find_stream
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
-
-
-class MalformedResult(ValueError):
-    """A message on a results subject that does not follow the contract."""
-
-
-class _Reorder:
-    """One request's results: buffer out-of-order seqs, drop repeats, stop after the final one."""
-
-    __slots__ = ("next_seq", "buffer", "done", "dropped")
-
-    def __init__(self) -> None:
-        self.next_seq = 0
-        self.buffer: dict[int, ResultInfo] = {}
-        self.done = False
-        self.dropped = 0
-
-    def push(self, result: ResultInfo) -> list[ResultInfo]:
-        if self.done or result.seq < self.next_seq or result.seq in self.buffer:
-            self.dropped += 1
-            return []
-        self.buffer[result.seq] = result
-        ready = []
-        while self.next_seq in self.buffer:
-            item = self.buffer.pop(self.next_seq)
-            ready.append(item)
-            self.next_seq += 1
-            if item.final:
-                self.done = True
-                self.buffer.clear()
-                break
-        return ready
 
 
 def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
@@ -81,7 +51,7 @@ class ResultStream:
         self.request_id = check_request_id(request_id)
         self.timeout = timeout
         self.replay = replay
-        self._order = _Reorder()
+        self._order = SeqOrder()
         self._ready: deque[ResultInfo] = deque()
         self._error: MalformedResult | None = None
         self._arrived = anyio.Event()
@@ -119,11 +89,11 @@ class ResultStream:
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
-            result = _parse(self.subjects, msg)
+            self._ready.extend(self._order.push(_parse(self.subjects, msg)))
         except MalformedResult as exc:
             self._error = exc
-        else:
-            self._ready.extend(self._order.push(result))
+        except OverflowError as exc:  # a gap that never closes: fail the stream, bounded
+            self._error = MalformedResult(f"results of {self.request_id!r}: {exc}")
         self._arrived.set()
 
     def __aiter__(self) -> ResultStream:
@@ -175,7 +145,7 @@ class ResultCollector:
         self.subjects = subjects
         self.results: dict[str, list[ResultInfo]] = {}
         self.malformed: list[str] = []
-        self._orders: dict[str, _Reorder] = {}
+        self._orders: dict[str, SeqOrder] = {}
         self._missing: set[str] = set()  # finals the current wait_for still needs
         self._all_done = anyio.Event()
         self._sub: Subscription | None = None
@@ -200,9 +170,13 @@ class ResultCollector:
         rid = result.request_id
         order = self._orders.get(rid)
         if order is None:
-            order = self._orders[rid] = _Reorder()
+            order = self._orders[rid] = SeqOrder()
             self.results[rid] = []
-        self.results[rid].extend(order.push(result))
+        try:
+            self.results[rid].extend(order.push(result))
+        except OverflowError as exc:
+            self.malformed.append(f"results of {rid!r}: {exc}")
+            return
         if order.done and rid in self._missing:
             self._missing.discard(rid)
             if not self._missing:

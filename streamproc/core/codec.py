@@ -14,19 +14,42 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Sequence, TypeVar
+from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import msgspec
 
-from .wire import Verdict
+from . import defaults
+from .errors import CorruptPayload, MigrationRefused
+from .events import Verdict
 
-DEFAULT_MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_DECOMPRESSED_BYTES = defaults.MAX_DECOMPRESSED_BYTES  # the name codecs import
 
 
 class CodecOptions(msgspec.Struct, frozen=True):
-    """Limits every codec must honour (set from the processor's configuration)."""
+    """Limits every codec must honour and format-specific options (set from the processor's configuration)."""
 
     max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED_BYTES
+    # ``--format-option KEY=VALUE``: facts about the workers a codec cannot read from the bodies
+    # (e.g. ``streaming=cumulative`` for SGLang). Each codec documents the keys it reads.
+    format_options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str) -> str:
+        """The value of one format option, or ``default`` when it was not given."""
+        for name, value in reversed(self.format_options):
+            if name == key:
+                return value
+        return default
+
+
+def parse_format_options(text: str) -> tuple[tuple[str, str], ...]:
+    """``"k=v,k2=v2"`` as pairs; raises ``ValueError`` for an item without ``=`` or key."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"format option {item!r} is not KEY=VALUE")
+        pairs.append((key.strip(), value.strip()))
+    return tuple(pairs)
 
 
 class ErrorKind(enum.StrEnum):
@@ -39,13 +62,49 @@ class ErrorKind(enum.StrEnum):
     INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
     MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
 
+    @property
+    def http_status(self) -> int:
+        """The HTTP status an edge answers with, and the ``code`` a codec writes into its error body:
+        one table, so a client sees the same number in the status line and in the envelope."""
+        return ERROR_STATUS[self]
 
-class CorruptPayload(ValueError):
-    """A sequence payload that cannot be decoded safely. ``reason`` becomes the omission marker."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+# An upstream (worker or processor) failure is a 5xx: the client's request itself was fine.
+ERROR_STATUS: dict[str, int] = {
+    ErrorKind.TIMEOUT: 504,  # the workers stopped answering: a gateway timeout
+    ErrorKind.OVERLOADED: 503,
+    ErrorKind.INVALID_CHUNK: 502,  # a worker broke the wire contract: a bad upstream answer
+    ErrorKind.UNKNOWN_FORMAT: 502,  # a worker named a codec the processor does not have
+    ErrorKind.INTERNAL: 500,
+    ErrorKind.MIGRATION_REFUSED: 503,  # the worker was lost and the request could not move
+}
+
+
+class OmissionReason(enum.StrEnum):
+    """Why a joined field was left out: the value of ``<field>_unavailable_reason`` (every codec).
+
+    The omission policy (docs/architecture.md) publishes a P/D field only when it can be rebuilt
+    completely and correctly; otherwise the field is removed and one of these names the cause.
+    """
+
+    PREFILL_TIMEOUT = "prefill_timeout"  # no complete prefill leg within --prefill-timeout
+    PREFILL_MISSING = "prefill_missing"  # the prefill leg did not carry the field
+    PREFILL_CORRUPT = "prefill_corrupt"  # the prefill leg's value does not decode or is implausible
+    PREFILL_ERROR = "prefill_error"  # the prefill worker answered with an error
+    DECODE_MISSING = "decode_missing"
+    DECODE_CORRUPT = "decode_corrupt"
+    LENGTH_MISMATCH = "length_mismatch"  # the legs' sizes disagree with the token counts
+    SHAPE_MISMATCH = "shape_mismatch"  # the legs' row shapes (layers x top-k, dtype) disagree
+    TOO_LARGE = "too_large"  # decoding would exceed the byte budget
+    STITCH_CORRUPT = "stitch_corrupt"  # a resumed attempt's value cannot be stitched to the earlier ones
+
+    @classmethod
+    def of_leg(cls, exc: CorruptPayload, leg: str) -> OmissionReason:
+        """The reason for a payload of ``leg`` (``"prefill"`` or ``"decode"``) that failed to decode:
+        ``too_large`` when the budget refused it, else ``<leg>_corrupt``."""
+        if exc.reason == cls.TOO_LARGE:
+            return cls.TOO_LARGE
+        return cls(f"{leg}_corrupt")
 
 
 R = TypeVar("R")
@@ -66,6 +125,17 @@ class SequenceCodec(ABC, Generic[R]):
 
     @abstractmethod
     def encode(self, rows: R) -> object: ...
+
+    def decode_within(self, value: object, limit: int) -> R:
+        """``decode``, refusing (``too_large``) past ``limit`` bytes, the size the caller expects
+        from the body's token counts. This default checks after decoding (still bounded by
+        ``max_decompressed_bytes``); encodings that inflate override it to stop earlier."""
+        rows = self.decode(value)
+        size = getattr(rows, "nbytes", None)
+        size = len(rows) if size is None else size  # type: ignore[arg-type]
+        if size > limit:
+            raise CorruptPayload(OmissionReason.TOO_LARGE, f"decoded {size} bytes, the body allows {limit}")
+        return rows
 
 
 class JoinSession(ABC):
@@ -93,19 +163,54 @@ class JoinSession(ABC):
         """The client-visible body for one decode chunk and what was done to it."""
 
 
-class MigrationRefused(Exception):
-    """This request cannot continue on another worker (n > 1, guided decoding, unreadable output...)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 class Emitted(msgspec.Struct, frozen=True):
     """What the client has been sent of one request, in the terms a resumed request needs."""
 
     token_ids: list[int]
     state: dict[str, Any] = {}  # format-specific facts (e.g. the original prompt length), JSON-able
+
+
+def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -> None:
+    """Refuse to resume a request whose prompt is not the one the client was sent results for
+    (``emitted.state[state_key]``, recorded by the format's migration session, when known)."""
+    seen = emitted.state.get(state_key)
+    if type(seen) is int and seen != prompt_tokens:
+        raise MigrationRefused(f"the request's prompt has {prompt_tokens} tokens but the client was sent results "
+                               f"for a {seen}-token prompt: not the request being resumed")
+
+
+def check_sampling_params(params: object, *, guided: Sequence[str]) -> dict[str, Any]:
+    """A request's sampling parameters if one request with them can be resumed elsewhere: a single
+    object (not a batch), one sample (``n`` absent or 1), no guided decoding (``guided`` fields)
+    whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
+    n = params.get("n")
+    if n not in (None, 1):
+        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+    for field in guided:
+        if params.get(field) is not None:
+            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    return params
+
+
+def resumed_budget(params: dict[str, Any], emitted: int, *, max_key: str, min_key: str,
+                   default: int | None) -> dict[str, Any]:
+    """Sampling parameters of the resumed request: the token budget ``max_key`` (``default`` when
+    absent; None means unbounded) and the minimum ``min_key`` shrink by the ``emitted`` tokens.
+    Raises :class:`MigrationRefused` when no budget is left. The input is not changed."""
+    out = dict(params)
+    budget = out.get(max_key)
+    budget = default if budget is None else budget
+    if budget is not None:
+        if type(budget) is not int or budget - emitted < 1:
+            raise MigrationRefused(f"no token budget left ({max_key} {budget}, {emitted} emitted)")
+        out[max_key] = budget - emitted
+    if type(out.get(min_key)) is int:
+        out[min_key] = max(0, out[min_key] - emitted)
+    return out
 
 
 class MigrationSession(ABC):
@@ -139,9 +244,16 @@ class Codec(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    # Wire encoding per sequence field; a derived format overrides one entry and inherits the rest
+    # (``sglang-zstd``). The instances in ``self.sequences`` are shared by every session of this
+    # codec instance (one processor thread), so stateful encoders are created per instance.
+    sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {}
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()
+        self.sequences: dict[str, SequenceCodec] = {
+            field: cls(self.options) for field, cls in self.sequence_codecs.items()
+        }
 
     @abstractmethod
     def open_session(self) -> JoinSession:

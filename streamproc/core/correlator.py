@@ -22,8 +22,22 @@ from typing import Callable, Iterable, Iterator
 
 import msgspec
 
-from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
-from .wire import Chunk, MigrateError, MigrateErrorCode, MigrateReply, Result, Role, Sealed, Verdict
+from . import defaults
+from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
+from .errors import MigrationRefused, UnknownFormat
+from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
+    Chunk,
+    Decision,
+    MigrateError,
+    MigrateErrorCode,
+    MigrateReply,
+    Notice,
+    Result,
+    Role,
+    Sealed,
+    Settle,
+    Verdict,
+)
 
 
 # Enum member lookups cost ~70 ns each on CPython 3.11; the hot path uses module constants.
@@ -33,32 +47,17 @@ _STITCHED = Verdict.STITCHED
 
 
 class CorrelatorConfig(msgspec.Struct, frozen=True):
-    prefill_timeout: float = 30.0
-    request_timeout: float = 300.0
-    finished_grace: float = 60.0
-    max_inflight: int = 10_000
-    max_buffered_chunks: int = 4096
-    max_finished: int = 200_000
+    """The correlator's timeouts (seconds) and bounds; ``streamproc.config.Settings`` documents each."""
+
+    prefill_timeout: float = defaults.PREFILL_TIMEOUT
+    request_timeout: float = defaults.REQUEST_TIMEOUT
+    finished_grace: float = defaults.FINISHED_GRACE
+    max_inflight: int = defaults.MAX_INFLIGHT
+    max_buffered_chunks: int = defaults.MAX_BUFFERED_CHUNKS
+    max_finished: int = defaults.MAX_FINISHED
     # Published bodies kept (by reference) per request for a possible migration; past this the
     # codec folds them into its compact progress state and they are released.
-    max_retained_bytes: int = 256 * 1024
-
-
-class Settle(msgspec.Struct, frozen=True):
-    """Input tokens that contribute to no result (duplicates, late chunks): ack them now."""
-
-    tokens: tuple
-
-
-class Notice(msgspec.Struct, frozen=True):
-    """Something an operator may want in the log, always with the request id."""
-
-    request_id: str
-    event: str
-    detail: str = ""
-
-
-Decision = Result | Settle | Notice
+    max_retained_bytes: int = defaults.MAX_RETAINED_BYTES
 
 
 class Stats(msgspec.Struct, gc=False):
@@ -81,13 +80,6 @@ class Stats(msgspec.Struct, gc=False):
     @property
     def results(self) -> int:
         return self.passthrough + self.joined + self.omitted + self.stitched + self.errors
-
-
-class UnknownFormat(LookupError):
-    def __init__(self, name: str, available: list[str]) -> None:
-        super().__init__(f"unknown format {name!r}; installed codecs: {', '.join(available) or 'none'}")
-        self.name = name
-        self.available = available
 
 
 CodecResolver = Callable[[str], Codec]
@@ -309,9 +301,9 @@ class Correlator:
                 break
             del self._waiting[rid]
             self.stats.prefill_timeouts += 1
-            out.append(Notice(rid, "prefill_timeout", f"no complete prefill leg after {cfg.prefill_timeout}s"))
+            out.append(Notice(rid, OmissionReason.PREFILL_TIMEOUT, f"no complete prefill leg after {cfg.prefill_timeout}s"))
             try:
-                self._prefill_done(req, None, "prefill_timeout")
+                self._prefill_done(req, None, OmissionReason.PREFILL_TIMEOUT)
             except Exception as exc:
                 out.extend(self._codec_failed(req, exc, now))
                 continue

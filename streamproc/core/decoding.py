@@ -15,10 +15,10 @@ import binascii
 
 import zstandard
 
-from .codec import CorruptPayload
+from .codec import CorruptPayload, OmissionReason
 
-TOO_LARGE = "too_large"
-CORRUPT = "corrupt"
+TOO_LARGE = OmissionReason.TOO_LARGE.value
+CORRUPT = "corrupt"  # not an omission reason: the codec turns it into <leg>_corrupt
 
 # Output read per step while measuring a frame that does not declare its size: small enough to keep
 # the measuring pass's memory flat, large enough that legitimate payloads need few steps.

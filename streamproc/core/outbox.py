@@ -33,8 +33,9 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import msgspec
 
-from .correlator import Decision, Notice
-from .wire import FINAL, SEQ, Result, Role
+from . import defaults
+from .events import Decision, Notice, Result, Role
+from .wire import FINAL, SEQ
 
 __all__ = [
     "ACK", "NAK", "PROGRESS", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
@@ -49,8 +50,8 @@ class OutboxConfig(msgspec.Struct, frozen=True):
     first_wait: float = 2.0  # first PubAck wait before a result is sent again
     max_wait: float = 10.0  # the wait doubles per resend up to this
     retry_after_refusal: float = 0.5  # seconds before a refused result is sent again
-    max_attempts: int = 100  # refusals + overdue PubAcks of one result before it is given up
-    progress_every: float = 2.5  # seconds between in-progress rounds (a quarter of ack_wait)
+    max_attempts: int = defaults.MAX_RESULT_ATTEMPTS  # refusals + overdue PubAcks of one result, then give up
+    progress_every: float = defaults.ACK_WAIT / 4  # seconds between in-progress rounds
 
 
 class OutboxStats(msgspec.Struct):

@@ -6,13 +6,27 @@ Everything that a worker, an edge or another processor must agree on lives here 
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Mapping
 
 import msgspec
 
+from . import defaults
+from .errors import ContractError
+from .events import (  # noqa: F401  (re-exported: the wire contract's records, under their old path)
+    Chunk,
+    MigrateError,
+    MigrateErrorCode,
+    MigrateReply,
+    MigrateRequest,
+    Result,
+    ResultInfo,
+    Role,
+    Sealed,
+    Verdict,
+)
+
 PROTOCOL_VERSION = 1
-DEFAULT_PREFIX = "streamproc"
+DEFAULT_PREFIX = defaults.PREFIX
 
 # Header names (case matters on the wire: NATS headers are case-sensitive in nats-py).
 SEQ = "Streamproc-Seq"
@@ -24,69 +38,9 @@ ERROR = "Streamproc-Error"
 MSG_ID = "Nats-Msg-Id"
 TRACEPARENT = "traceparent"
 
+_ROLES = {r.value: r for r in Role}
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 MAX_REQUEST_ID_LEN = 256
-
-
-class Role(enum.StrEnum):
-    AGG = "agg"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-_ROLES = {r.value: r for r in Role}
-
-
-class Verdict(enum.StrEnum):
-    """What the processor did to a result body (the ``Streamproc-Join`` header)."""
-
-    PASSTHROUGH = "passthrough"  # body is the input chunk's bytes, untouched
-    JOINED = "joined"  # the codec merged prefill data into the decode chunk
-    OMITTED = "omitted"  # a joined field was unavailable and was removed, with a reason marker
-    STITCHED = "stitched"  # a resumed attempt's body, rewritten to continue the earlier attempts' stream
-
-
-class ContractError(ValueError):
-    """A message that breaks the wire contract. ``request_id`` is None when even that is unreadable."""
-
-    def __init__(self, reason: str, request_id: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.request_id = request_id
-
-
-class Chunk(msgspec.Struct, frozen=True):
-    """One worker response chunk as the correlator sees it. ``token`` is the shell's ack handle."""
-
-    request_id: str
-    role: Role
-    seq: int
-    body: bytes
-    final: bool = False
-    attempt: int = 0
-    format: str | None = None
-    traceparent: str | None = None
-    token: Any = None
-
-
-class Result(msgspec.Struct, gc=False):
-    """One result to publish on ``P.results.<request_id>``.
-
-    ``settles`` lists the input tokens that may be acknowledged once this result is stored.
-    """
-
-    request_id: str
-    seq: int
-    body: bytes
-    final: bool
-    verdict: Verdict | None = None
-    error: str | None = None
-    traceparent: str | None = None
-    settles: tuple = ()
-
-    @property
-    def msg_id(self) -> str:
-        return f"{self.request_id}.{self.seq}"
 
 
 def check_request_id(request_id: str) -> str:
@@ -265,18 +219,6 @@ def result_headers(result: Result) -> dict[str, str]:
     return headers
 
 
-class ResultInfo(msgspec.Struct, frozen=True):
-    """A result as an edge reads it back from NATS."""
-
-    request_id: str
-    seq: int
-    final: bool
-    verdict: Verdict | None
-    error: str | None
-    body: bytes
-    traceparent: str | None = None
-
-
 def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes) -> ResultInfo:
     request_id = subjects.request_id_of_result(subject)
     h = headers or {}
@@ -293,46 +235,6 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
 
 
 # ------------------------------------------------------------------ migration control (request/reply)
-
-class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Body of a NATS request on ``P.control.<request_id>.migrate``; an empty body means all defaults."""
-
-    # Seal only if this is still the current attempt: two migrators racing cannot both win.
-    expected_attempt: int | None = None
-    # The caller already knows the request cannot move (e.g. guided decoding): end it with a
-    # ``migration_refused`` error result instead of leaving the client waiting for request_timeout.
-    refuse: str | None = None
-    reason: str = ""  # free text for the processor's log (e.g. which worker was lost)
-
-
-class MigrateErrorCode(enum.StrEnum):
-    UNKNOWN_REQUEST = "unknown_request"  # no chunk of it reached this processor (or it was forgotten)
-    FINISHED = "finished"  # its final result is already published: nothing to resume
-    ATTEMPT_MISMATCH = "attempt_mismatch"  # expected_attempt is not the current attempt
-    REFUSED = "refused"  # state cannot transfer; the request was ended with an error result
-    BAD_REQUEST = "bad_request"  # the control message itself is malformed
-
-
-class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
-    """Success: the previous attempt is sealed and ``attempt`` is granted to the resumed request."""
-
-    request_id: str
-    attempt: int  # what every chunk of the resumed request carries in Streamproc-Attempt
-    emitted_tokens: int  # output tokens the client has been sent, over all earlier attempts
-    emitted_token_ids: list[int]
-    result_seq: int  # the result seq the resumed attempt's chunk seq 0 becomes
-    format: str
-    state: dict[str, Any] = {}  # format-specific facts the format's resume hook may check
-
-
-class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status"):
-    request_id: str
-    code: MigrateErrorCode
-    message: str
-    attempt: int | None = None  # the current attempt, when the request is known
-
-
-MigrateReply = Sealed | MigrateError
 
 _control_encoder = msgspec.json.Encoder()
 _migrate_request = msgspec.json.Decoder(MigrateRequest)

@@ -32,8 +32,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
+from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
-from ..nats.streams import ResultsStreamMismatch
+from ..core.errors import StartupError
+from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from .metrics import EdgeMetrics, render
@@ -44,16 +46,9 @@ log = logging.getLogger("streamproc.edge")
 
 PAGE_DIR = Path(__file__).parent / "page"
 
-# HTTP status of a unary answer whose final result is an error (the Streamproc-Error header).
-ERROR_STATUS: dict[str, int] = {
-    "invalid_request": 400,
-    "internal": 500,
-    "invalid_chunk": 502,  # a worker broke the wire contract: an upstream failure
-    "unknown_format": 502,  # a worker named a codec the processor does not have
-    "overloaded": 503,
-    "migration_refused": 503,  # the worker was lost and the request could not move to another
-    "timeout": 504,
-}
+# HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
+# kinds the edge adds itself (a client's bad request) beside the processor's ErrorKind table.
+ERROR_STATUS: dict[str, int] = {"invalid_request": 400, **CORE_ERROR_STATUS}
 _VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2, Verdict.OMITTED: 3}
 
 
@@ -130,7 +125,7 @@ class Edge:
             feed = await self.source.open(request_id, after=None if unary else after)
         except Exception as exc:  # noqa: BLE001 - NATS refused the subscription: a clean 503, not a 500 page
             self.metrics.streams_active -= 1
-            log.warning("cannot subscribe request_id=%s: %s", request_id, exc)
+            log_event(log, logging.WARNING, "subscribe_failed", request_id=request_id, error=error_text(exc))
             return error_response(f"cannot subscribe to results: {exc}", "unavailable", 503)
         if unary:
             self.metrics.unary_requests += 1
@@ -257,7 +252,7 @@ class Edge:
         try:
             body = await anyio.to_thread.run_sync(self.codec.fold, [r.body for r in results])
         except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
-            log.exception("fold failed request_id=%s", feed.request_id)
+            log_event(log, logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
             body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
             return Response(body, status_code=500, media_type="application/json")
         return Response(body, media_type="application/json", headers=headers)
@@ -316,8 +311,8 @@ def create_app(settings: EdgeSettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             await edge.source.start()
-        except ResultsStreamMismatch as exc:
-            log.error("%s", exc)
+        except StartupError as exc:  # NATS unreachable within --connect-timeout, a mismatched stream
+            log_event(log, logging.ERROR, "startup_failed", error=str(exc))
             await edge.source.stop()
             raise
         try:

@@ -37,7 +37,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     """Run the edge until SIGINT/SIGTERM. Exit codes: 0 stopped, 1 failed to start, 2 bad configuration."""
     import uvicorn
 
-    from ..core.correlator import UnknownFormat
+    from ..core.errors import UnknownFormat
     from .app import create_app
 
     try:

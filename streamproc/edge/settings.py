@@ -1,8 +1,10 @@
 """Edge settings: one typed record, filled from defaults < environment < command-line flags.
 
-Settings the edge shares with the processor keep the processor's names (``STREAMPROC_NATS_URL``,
-``STREAMPROC_PREFIX``, ``STREAMPROC_FORMAT``, ``STREAMPROC_LOG_LEVEL``), so one compose
-``environment`` block can serve both; settings only the edge has are ``STREAMPROC_EDGE_<NAME>``.
+The settings the edge shares with the processor are one base record,
+:class:`~streamproc.config.CommonSettings`, with the processor's names (``STREAMPROC_NATS_URL``,
+``STREAMPROC_RESULTS_MAX_AGE``...), so one compose ``environment`` block serves both and the two
+can never define the results stream differently; settings only the edge has are
+``STREAMPROC_EDGE_<NAME>``.
 The flag is always ``--kebab-name``.
 """
 
@@ -10,31 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import msgspec
 
-from ..config import ENV_PREFIX, ConfigError, LogLevel, SettingsSchema, documented
-from ..core.wire import DEFAULT_PREFIX, Subjects
+from ..config import ENV_PREFIX, CommonSettings, ConfigError, SettingsSchema, documented
 
-SHARED = frozenset({"nats_url", "prefix", "format", "log_level"})
+SHARED = frozenset(CommonSettings.__struct_fields__)
 
 
-class EdgeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Effective configuration of one edge."""
 
-    nats_url: Annotated[str, documented("NATS server URL(s), comma-separated for a cluster", min_length=1)] = (
-        "nats://127.0.0.1:4222"
-    )
-    prefix: Annotated[str, documented("subject prefix P: results are read from P.results.<request_id>")] = (
-        DEFAULT_PREFIX
-    )
-    format: Annotated[
-        str,
-        documented(
-            "codec that folds a stream for unary clients and builds the edge's own "
-            "error bodies (see `streamproc codecs`)",
-            min_length=1,
-        ),
-    ] = "sglang"
     host: Annotated[str, documented("address to listen on (0.0.0.0 in a container)", min_length=1)] = "127.0.0.1"
     port: Annotated[int, documented("HTTP port", ge=0, le=65535)] = 8080
     max_streams: Annotated[
@@ -74,29 +60,9 @@ class EdgeSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     ensure_results_stream: Annotated[
         bool, documented("create (or validate) the JetStream results stream at start, so clients can attach late")
     ] = False
-    results_max_age: Annotated[
-        float,
-        documented(
-            "seconds the results stream keeps a result (used with --ensure-results-stream)",
-            gt=0,
-            le=365 * 86_400,
-        ),
-    ] = 3600.0
-    log_level: Annotated[LogLevel, documented("logging threshold")] = "INFO"
-
-    def __post_init__(self) -> None:
-        try:
-            Subjects(self.prefix)
-        except ValueError as exc:
-            raise ValueError(f"prefix: {exc}") from None
-
-    @property
-    def subjects(self) -> Subjects:
-        return Subjects(self.prefix)
 
 
-class EdgeConfigError(ConfigError):
-    """A setting that cannot be used; the message names the flag or variable it came from."""
+EdgeConfigError = ConfigError  # the edge's settings fail exactly like the processor's
 
 
 def _env_name(name: str) -> str:

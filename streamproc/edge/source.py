@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from typing import Literal
 
@@ -20,8 +21,12 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.js.api import StorageType
 
+from ..core.errors import StartupError
+from ..logs import error_text, log_event
 from ..nats.streams import ensure_results_stream, find_results_stream
+from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -29,7 +34,6 @@ from .settings import EdgeSettings
 log = logging.getLogger("streamproc.edge")
 
 FeedMode = Literal["jetstream", "core"]
-MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per stream before it is failed
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -41,49 +45,6 @@ class Gap(msgspec.Struct, frozen=True):
 
     missing: int
     waiting: int
-
-
-class SeqOrder:
-    """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
-
-    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "duplicates", "max_pending")
-
-    def __init__(self, after: int | None = None, *, max_pending: int = MAX_PENDING_RESULTS) -> None:
-        self.next_seq = 0 if after is None else after + 1
-        self.pending: dict[int, ResultInfo] = {}
-        self.done = False
-        self.ended_before_resume = False
-        self.duplicates = 0
-        self.max_pending = max_pending
-
-    def push(self, result: ResultInfo) -> list[ResultInfo]:
-        """Results that can be handed out now, in order. Raises OverflowError past ``max_pending``."""
-        if self.done:
-            self.duplicates += 1
-            return []
-        if result.seq < self.next_seq:
-            if result.final:  # replayed final at or before the resume point: the client has it all
-                self.done = self.ended_before_resume = True
-                self.pending.clear()
-            else:
-                self.duplicates += 1
-            return []
-        if result.seq in self.pending:
-            self.duplicates += 1
-            return []
-        if len(self.pending) >= self.max_pending:
-            raise OverflowError(f"{self.max_pending} results wait for seq {self.next_seq}")
-        self.pending[result.seq] = result
-        ready = []
-        while self.next_seq in self.pending:
-            item = self.pending.pop(self.next_seq)
-            ready.append(item)
-            self.next_seq += 1
-            if item.final or item.error is not None:
-                self.done = True
-                self.pending.clear()
-                break
-        return ready
 
 
 class Lost(msgspec.Struct, frozen=True):
@@ -142,7 +103,7 @@ class ResultFeed:
             result = result_from_message(self.source.subjects, msg.subject, msg.headers, msg.data)
         except (ContractError, ValueError) as exc:
             metrics.malformed_results += 1
-            log.warning("malformed result request_id=%s: %s", self.request_id, exc)
+            log_event(log, logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
             return
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
@@ -158,7 +119,7 @@ class ResultFeed:
         try:
             await sub.unsubscribe()
         except (nats.errors.Error, OSError) as exc:  # connection gone: the server forgot it anyway
-            log.debug("unsubscribe failed request_id=%s: %s", self.request_id, exc)
+            log_event(log, logging.DEBUG, "unsubscribe_failed", request_id=self.request_id, error=error_text(exc))
 
 
 class RecentEntry(msgspec.Struct):
@@ -208,33 +169,47 @@ class ResultSource:
         return self.nc is not None and self.nc.is_connected
 
     async def start(self, *, retry_every: float = 0.5) -> None:
-        """Connect (retrying until NATS answers), check the results stream, start the recent ring."""
+        """Connect (retrying until NATS answers, at most ``connect_timeout``), check the results
+        stream, start the recent ring."""
         attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self.nc = await nats.connect(
-                    servers=self.settings.nats_url.split(","),
-                    name="streamproc-edge",
-                    connect_timeout=2,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=1,
-                    allow_reconnect=True,
-                    error_cb=self._on_error,
-                    disconnected_cb=self._on_disconnected,
-                    reconnected_cb=self._on_reconnected,
-                )
-                break
-            except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
-                log.warning("waiting for NATS at %s (attempt %d): %s", self.settings.nats_url, attempt, exc)
-                await anyio.sleep(retry_every)
+        limit = self.settings.connect_timeout if self.settings.connect_timeout > 0 else math.inf
+        last: Exception | None = None
+        with anyio.move_on_after(limit):
+            while True:
+                attempt += 1
+                try:
+                    self.nc = await nats.connect(
+                        servers=self.settings.nats_url.split(","),
+                        name="streamproc-edge",
+                        connect_timeout=2,
+                        max_reconnect_attempts=-1,
+                        reconnect_time_wait=1,
+                        allow_reconnect=True,
+                        error_cb=self._on_error,
+                        disconnected_cb=self._on_disconnected,
+                        reconnected_cb=self._on_reconnected,
+                    )
+                    break
+                except Exception as exc:  # noqa: BLE001 - any failure to reach NATS is retried, loudly
+                    last = exc
+                    log_event(log, logging.WARNING, "waiting_for_nats", attempt=attempt, error=error_text(exc))
+                    await anyio.sleep(retry_every)
+        if self.nc is None:
+            detail = f": {last}" if last is not None else ""
+            raise StartupError(f"cannot connect to NATS at {self.settings.nats_url} within "
+                               f"{self.settings.connect_timeout}s{detail}")
         self.metrics.nats_connected = 1
-        log.info("connected to NATS at %s", self.nc.connected_url.netloc if self.nc.connected_url else "?")
+        url = self.nc.connected_url
+        # host and port only: the URL's user part may hold a password or token
+        log_event(log, logging.INFO, "connected", server=f"{url.hostname}:{url.port}" if url else "?")
         if self.settings.ensure_results_stream:
+            s = self.settings
             info = await ensure_results_stream(
-                self.nc.jetstream(), self.subjects, max_age=self.settings.results_max_age
+                self.nc.jetstream(), self.subjects, max_age=s.results_max_age,
+                duplicate_window=s.duplicate_window, storage=StorageType(s.stream_storage),
+                replicas=s.stream_replicas,
             )
-            log.info("results stream %s captures %s", info.config.name, self.subjects.all_results)
+            log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
         if self.settings.recent > 0:
             await self.nc.subscribe(self.subjects.all_results, cb=self._on_any_result)
             await self.nc.flush()
@@ -273,13 +248,13 @@ class ResultSource:
         self.recent.note(result, time.time())
 
     async def _on_error(self, exc: Exception) -> None:
-        log.warning("NATS error: %s", exc)
+        log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0
         self.metrics.nats_disconnects += 1
-        log.warning("disconnected from NATS")
+        log_event(log, logging.WARNING, "disconnected")
 
     async def _on_reconnected(self) -> None:
         self.metrics.nats_connected = 1
-        log.info("reconnected to NATS")
+        log_event(log, logging.INFO, "reconnected")

@@ -47,12 +47,14 @@ from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
 from ..config import Settings
-from ..core.correlator import Correlator, Decision, Notice
+from ..core.correlator import Decision, Notice
 from ..core.credit import PullCredit
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
+from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
 from .outbox_pump import OutboxPump
+from .subscription import handled_all
 from .streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
@@ -64,7 +66,8 @@ from .streams import (
     partition_consumer_config,
     partition_consumer_name,
 )
-from ..core.wire import ChunkParser, ContractError
+from ..core.wire import ContractError
+from ..logs import error_text, log_event
 
 log = logging.getLogger("streamproc.durable")
 
@@ -77,7 +80,6 @@ LOOKUP_TIMEOUT = 2.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
 
 Notify = Callable[[Notice], None]
-ContractErrorHandler = Callable[[ContractError, Msg], list]
 
 
 class DurableStats(OutboxStats):
@@ -123,18 +125,18 @@ class _Partition:
 class DurableInput:
     """The durable input of :class:`~streamproc.processor.Processor` (``--mode durable``)."""
 
-    def __init__(self, nc: NatsClient, settings: Settings, correlator: Correlator, *,
-                 clock: Callable[[], float], notify: Notify, contract_error: ContractErrorHandler,
+    def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, *,
                  instance: str | None = None) -> None:
         self.nc = nc
         self.settings = settings
-        self.correlator = correlator
+        self.pipeline = pipeline
+        self.correlator = pipeline.correlator
+        clock, notify = pipeline.clock, pipeline.notify
         self.instance = instance or new_instance_id()
         self.stats = DurableStats()
         self.scheme = PartitionScheme(settings.subjects, settings.partitions)
         self._clock = clock
         self._notify = notify
-        self._contract_error = contract_error
         self._jsm = nc.jsm(timeout=LOOKUP_TIMEOUT)
         self._storage = StorageType(settings.stream_storage)
         self.chunks_stream = ""
@@ -145,7 +147,7 @@ class DurableInput:
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up)
         self._partitions: dict[int, _Partition] = {}
-        self._parse = ChunkParser(settings.subjects)
+        self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
         # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
         # the client drop deliveries (bytes can still overflow: the dropped() hook accounts for that).
@@ -175,8 +177,8 @@ class DurableInput:
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
             s.stream_replicas, s.chunks_max_bytes))
         if self._batch < s.fetch_batch:
-            log.warning("event=fetch_batch_reduced fetch_batch=%d used=%d detail=%s", s.fetch_batch,
-                        self._batch, "pending_msgs_limit is too small for the pull credit")
+            log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self._batch,
+                      detail="pending_msgs_limit is too small for the pull credit")
         await self.publisher.start()
         self.leases = LeaseTable(self.nc, f"{self.chunks_stream}_LEASES", s.partitions, self.instance,
                                  s.lease_ttl,
@@ -193,10 +195,9 @@ class DurableInput:
             self._tasks.cancel_scope.cancel()
             await self._tasks.__aexit__(None, None, None)
             raise
-        log.info("event=durable_started instance=%s chunks_stream=%s results_stream=%s partitions=%s "
-                 "owned=%s",
-                 self.instance, self.chunks_stream, self.results_stream, s.partitions,
-                 ",".join(map(str, sorted(self._partitions))) or "-")
+        log_event(log, logging.INFO, "durable_started", instance=self.instance, chunks_stream=self.chunks_stream,
+                  results_stream=self.results_stream, partitions=s.partitions,
+                  owned=",".join(map(str, sorted(self._partitions))) or "-")
 
     async def stop(self, timeout: float) -> None:
         """Hand everything over: stop reading, let results finish storing, NAK the rest, release leases."""
@@ -210,7 +211,7 @@ class DurableInput:
             for part in list(self._partitions.values()):
                 await self._close_partition(part)
             if not await self.publisher.wait_idle(timeout):
-                log.warning("event=stop_with_unstored_results results=%d", self.publisher.pending)
+                log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.publisher.pending)
         self._hand_over(lambda rid: True)
         await self.publisher.pump()
         with anyio.move_on_after(timeout):
@@ -227,21 +228,12 @@ class DurableInput:
         self.publisher.take(decisions, None)
         await self.publisher.pump()
 
-    def settle(self, tokens: tuple) -> None:
-        """Acknowledge input that contributes to nothing (the processor's unreadable messages)."""
-        self.outbox.ack(tokens)
-
     async def caught_up(self) -> None:
         """Return once every chunk delivered to any owned partition at the call has been handled
-        (a control request must not overtake them; same best-effort queue reading as core mode)."""
+        (a control request must not overtake them)."""
         for part in list(self._partitions.values()):
             sub = part.sub
-            queue = getattr(sub, "_pending_queue", None)
-            if sub is None or not hasattr(queue, "_unfinished_tasks"):
-                continue
-            target = sub.delivered
-            while sub.delivered - queue._unfinished_tasks < target and part.sub is sub:  # type: ignore
-                await anyio.sleep(0.0005)
+            await handled_all(sub, lambda: part.sub is sub)
 
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         """nats-py dropped a delivered message (slow consumer): it used up pull credit, and comes back
@@ -262,26 +254,25 @@ class DurableInput:
             self.stats.members = self.leases.members
             for n in change.lost:
                 self.stats.leases_lost += 1
-                log.warning("event=lease_lost partition=%d instance=%s", n, self.instance)
+                log_event(log, logging.WARNING, "lease_lost", partition=n, instance=self.instance)
                 await self._lose(n)
             for n in change.surplus:
                 self.stats.leases_released += 1
-                log.info("event=lease_released partition=%d instance=%s members=%d", n, self.instance,
-                         self.leases.members)
+                log_event(log, logging.INFO, "lease_released", partition=n, instance=self.instance,
+                          members=self.leases.members)
                 await self._lose(n, graceful=True)
                 await self.leases.release(n)
             for n in change.acquired:
                 try:
                     await self._open(n)
                 except Exception as exc:  # e.g. the consumer's stream is electing a leader: try again later
-                    log.warning("event=partition_open_failed partition=%d error=%s", n,
-                                f"{type(exc).__name__}: {exc}")
+                    log_event(log, logging.WARNING, "partition_open_failed", partition=n, error=error_text(exc))
                     await self._lose(n)
                     await self.leases.release(n)
                     continue
                 self.stats.leases_acquired += 1
-                log.info("event=lease_acquired partition=%d instance=%s members=%d", n, self.instance,
-                         self.leases.members)
+                log_event(log, logging.INFO, "lease_acquired", partition=n, instance=self.instance,
+                          members=self.leases.members)
             self.stats.partitions = len(self._partitions)
 
     async def _lease_loop(self) -> None:
@@ -291,7 +282,7 @@ class DurableInput:
             try:
                 await self._rebalance()
             except Exception as exc:  # never let lease trouble kill the processor; expiry is checked apart
-                log.warning("event=lease_step_failed error=%s", f"{type(exc).__name__}: {exc}")
+                log_event(log, logging.WARNING, "lease_step_failed", error=error_text(exc))
 
     async def _open(self, n: int) -> None:
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
@@ -365,7 +356,7 @@ class DurableInput:
             await self.nc.publish(part.pull_subject, self._pull_body, part.inbox)
         except Exception as exc:
             credit.pull_failed(self._clock())
-            log.debug("pull for partition %d failed: %s", part.n, exc)
+            log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
 
     def _on_status(self, part: _Partition, msg: Msg) -> bool:
         """A status message on a pull inbox; True when a pull should go out now."""
@@ -374,7 +365,7 @@ class DurableInput:
         description = headers.get("Description", "")
         pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
         if code not in ("100", "408", "404"):
-            log.info("event=pull_status partition=%d status=%s description=%s", part.n, code, description)
+            log_event(log, logging.INFO, "pull_status", partition=part.n, status=code, description=description)
         return pull
 
     async def _watchdog(self) -> None:
@@ -389,7 +380,7 @@ class DurableInput:
             try:
                 await self._watch()
             except Exception as exc:
-                log.warning("event=watchdog_failed error=%s", f"{type(exc).__name__}: {exc}")
+                log_event(log, logging.WARNING, "watchdog_failed", error=error_text(exc))
 
     async def _watch(self) -> None:
         if not self.nc.is_connected:
@@ -401,7 +392,7 @@ class DurableInput:
         if self.leases is not None:
             for n in self.leases.expired(now):
                 self.stats.leases_lost += 1
-                log.warning("event=lease_expired partition=%d instance=%s", n, self.instance)
+                log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance)
                 await self._lose(n)
         for part in list(self._partitions.values()):
             if not part.active:
@@ -411,13 +402,13 @@ class DurableInput:
             watch = credit.watch(now, reconnected)
             if watch.lost:
                 self.stats.lost_pulls += 1
-                log.info("event=pull_lost partition=%d silent_for=%.1fs", part.n, silent_for)
+                log_event(log, logging.INFO, "pull_lost", partition=part.n, silent_for=f"{silent_for:.1f}s")
             if watch.repair:
                 self.stats.consumer_repairs += 1
                 try:
                     await self._ensure_consumer(part)
                 except Exception as exc:
-                    log.warning("event=consumer_repair_failed partition=%d error=%s", part.n, exc)
+                    log_event(log, logging.WARNING, "consumer_repair_failed", partition=part.n, error=error_text(exc))
                     continue
             if watch.pull:
                 await self._pull(part)
@@ -456,7 +447,7 @@ class DurableInput:
             try:
                 chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
             except ContractError as exc:
-                take(self._contract_error(exc, msg), exc.request_id)
+                take(self.pipeline.contract_error(exc, msg, acknowledged=True), exc.request_id)
                 await pump()
                 return
             rid = chunk.request_id
@@ -479,8 +470,8 @@ class DurableInput:
         except NotFoundError:
             return True  # nothing stored: every chunk of it is still unacknowledged, start afresh
         except Exception as exc:
-            log.warning("event=recovery_lookup_failed request_id=%s error=%s retry_in=1s", rid,
-                        f"{type(exc).__name__}: {exc}")
+            log_event(log, logging.WARNING, "recovery_lookup_failed", request_id=rid, error=error_text(exc),
+                      retry_in="1s")
             self.outbox.nak((msg,), delay=1.0)
             return False
         point = resume_point(stored.headers)
@@ -489,5 +480,5 @@ class DurableInput:
         next_seq, final = point
         self.correlator.resume(rid, next_seq, final, now, format)
         self.stats.resumed += 1
-        log.info("event=request_resumed request_id=%s next_seq=%d final=%s", rid, next_seq, final)
+        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final)
         return True

@@ -37,15 +37,13 @@ from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFo
 from nats.js.kv import KeyValue
 
 from ..core.partitions import fnv1a32
-from .streams import StreamMismatch, _close
+from ..core.errors import LeaseBucketMismatch
+from ..logs import error_text, log_event
+from .streams import _close
 
 log = logging.getLogger("streamproc.leases")
 
 MARGIN = 0.1  # fraction of ttl a lease is given up before the server could expire it
-
-
-class LeaseBucketMismatch(StreamMismatch):
-    what = "lease bucket"
 
 
 class Lease(msgspec.Struct):
@@ -132,7 +130,7 @@ class LeaseTable:
         try:
             await kv.put(self.member_key, self._value)
         except _UNREACHABLE as exc:
-            log.debug("member heartbeat failed: %s", exc)
+            log_event(log, logging.DEBUG, "member_heartbeat_failed", error=error_text(exc))
         for n, lease in list(self.owned.items()):
             sent = self._clock()
             try:
@@ -142,13 +140,13 @@ class LeaseTable:
                 lost.append(n)
                 continue
             except _UNREACHABLE as exc:
-                log.debug("lease renewal of partition %d failed: %s", n, exc)
+                log_event(log, logging.DEBUG, "lease_renewal_failed", partition=n, error=error_text(exc))
                 continue  # still ours until valid_until; expired() gives it up in time
             lease.valid_until = sent + self.ttl * (1 - MARGIN)
         try:
             self.members = max(1, await self._count_members())
         except _UNREACHABLE as exc:
-            log.debug("member count failed: %s", exc)
+            log_event(log, logging.DEBUG, "member_count_failed", error=error_text(exc))
         share = self.share
         surplus = tuple(sorted(self.owned)[share:]) if len(self.owned) > share else ()
         acquired: list[int] = []
@@ -164,7 +162,7 @@ class LeaseTable:
             except KeyWrongLastSequenceError:
                 continue  # somebody holds it
             except _UNREACHABLE as exc:
-                log.debug("lease create of partition %d failed: %s", n, exc)
+                log_event(log, logging.DEBUG, "lease_create_failed", partition=n, error=error_text(exc))
                 break
             self.owned[n] = Lease(n, revision, sent + self.ttl * (1 - MARGIN))
             acquired.append(n)
@@ -178,7 +176,8 @@ class LeaseTable:
         try:
             await self._kv.delete(self.key(partition), last=lease.revision)
         except (KeyWrongLastSequenceError, *_UNREACHABLE) as exc:
-            log.debug("lease release of partition %d failed (it expires anyway): %s", partition, exc)
+            log_event(log, logging.DEBUG, "lease_release_failed", partition=partition, error=error_text(exc),
+                      detail="it expires anyway")
 
     async def leave(self) -> None:
         """Release every lease and remove this member, so peers rebalance without waiting for expiry."""
@@ -191,7 +190,7 @@ class LeaseTable:
             # the subject count almost at once (a plain delete would linger as a marker for ttl).
             await self._kv.purge(self.member_key, msg_ttl=1)
         except _UNREACHABLE as exc:
-            log.debug("member removal failed (it expires anyway): %s", exc)
+            log_event(log, logging.DEBUG, "member_removal_failed", error=error_text(exc), detail="it expires anyway")
 
     async def _count_members(self) -> int:
         info = await self._fast.stream_info(f"KV_{self.bucket}", subjects_filter=f"$KV.{self.bucket}.m.>")

@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 from ..core.correlator import Decision, Notice
 from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, GiveUp, Nak, Outbox
 from ..core.wire import result_headers
+from ..logs import error_text, log_event
 
 log = logging.getLogger("streamproc.durable")
 
@@ -124,7 +125,7 @@ class OutboxPump:
             try:
                 await publish(token.reply, payload)  # type: ignore[attr-defined]
             except Exception as exc:  # a lost ack means a redelivery, which is safe
-                log.debug("control publish failed: %s", exc)
+                log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
 
     async def _on_reply(self, msg: Msg) -> None:
         ticket = msg.subject[self._cut:]
@@ -141,17 +142,18 @@ class OutboxPump:
         if errors & (errors - 1) == 0:  # log at powers of two
             result = self.outbox.in_flight(ticket)
             status = (msg.headers or {}).get("Status", "")
-            log.warning("event=result_not_stored request_id=%s status=%s detail=%s retry_in=%.1fs errors_total=%d",
-                        result.request_id if result is not None else "-", status,
-                        msg.data[:200].decode(errors="replace"), self.outbox.config.retry_after_refusal, errors)
+            log_event(log, logging.WARNING, "result_not_stored",
+                      request_id=result.request_id if result is not None else "-", status=status,
+                      detail=msg.data[:200].decode(errors="replace"),
+                      retry_in=f"{self.outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
 
     def _failed(self, request_id: str, exc: Exception) -> None:
         errors = self.outbox.stats.publish_errors
         if errors & (errors - 1) == 0:
-            log.warning("event=result_publish_failed request_id=%s error=%s errors_total=%d", request_id,
-                        f"{type(exc).__name__}: {exc}", errors)
+            log_event(log, logging.WARNING, "result_publish_failed", request_id=request_id, error=error_text(exc),
+                      errors_total=errors)
 
     def _given_up(self, g: GiveUp) -> None:
-        log.error("event=result_given_up request_id=%s seq=%d attempts=%d reason=%s detail=%s", g.request_id, g.seq,
-                  g.attempts, g.reason, "inputs NAKed; the request is recovered from what is stored when redelivered")
+        log_event(log, logging.ERROR, "result_given_up", request_id=g.request_id, seq=g.seq, attempts=g.attempts,
+                  reason=g.reason, detail="inputs NAKed; recovered from what is stored when redelivered")
         self._give_up(g)

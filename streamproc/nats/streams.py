@@ -35,36 +35,13 @@ from nats.js.api import (
 )
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
+from ..core import defaults
+from ..core.errors import ChunkStreamMismatch, ResultsStreamMismatch
 from ..core.partitions import PartitionScheme
 from ..core.wire import Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
 CHUNKS_STREAM = "STREAMPROC_CHUNKS"
-DEFAULT_MAX_AGE = 3600.0  # seconds a result can still be replayed
-DEFAULT_DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
-
-
-class StreamMismatch(RuntimeError):
-    """A stream exists but differs from what was asked for; nothing was changed."""
-
-    what = "stream"
-
-    def __init__(self, name: str, differences: list[str]) -> None:
-        super().__init__(
-            f"JetStream stream {name!r} does not match the requested {self.what}: "
-            + "; ".join(differences)
-            + " (change or delete it deliberately; streamproc never edits it)"
-        )
-        self.name = name
-        self.differences = differences
-
-
-class ResultsStreamMismatch(StreamMismatch):
-    what = "results stream"
-
-
-class ChunkStreamMismatch(StreamMismatch):
-    what = "chunk stream"
 
 
 class ResultsStreamSpec(msgspec.Struct, frozen=True):
@@ -133,8 +110,8 @@ async def ensure_results_stream(
     subjects: Subjects,
     *,
     name: str = RESULTS_STREAM,
-    max_age: float = DEFAULT_MAX_AGE,
-    duplicate_window: float = DEFAULT_DUPLICATE_WINDOW,
+    max_age: float = defaults.RESULTS_MAX_AGE,
+    duplicate_window: float = defaults.DUPLICATE_WINDOW,
     storage: StorageType = StorageType.FILE,
     replicas: int = 1,
 ) -> StreamInfo:

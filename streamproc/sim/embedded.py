@@ -27,6 +27,8 @@ from types import TracebackType
 
 import anyio
 
+from ..core.errors import EmbeddedNatsError
+
 BINARY = "nats-server"
 
 
@@ -45,10 +47,6 @@ def stop_process(proc: subprocess.Popen, timeout: float) -> int | None:
         proc.kill()
         proc.wait()
         return None
-
-
-class EmbeddedNatsError(RuntimeError):
-    """The server binary is missing, or the server did not come up."""
 
 
 def find_binary() -> Path:

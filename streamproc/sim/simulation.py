@@ -113,7 +113,9 @@ def make_truth(
     output_len = output_len if output_len is not None else rng.randint(1, 24)
     rows = prompt_len + output_len - 1
     n = rows * num_layers * top_k
-    experts = struct.pack(f"<{n}i", *(rng.randrange(num_experts) for _ in range(n)))
+    # A router picks top_k distinct experts per (position, layer); codecs reject rows that repeat one.
+    ids = (e for _ in range(rows * num_layers) for e in rng.sample(range(num_experts), top_k))
+    experts = struct.pack(f"<{n}i", *ids)
     sizes: list[int] = []
     left = output_len
     while left:

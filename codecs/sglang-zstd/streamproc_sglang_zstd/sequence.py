@@ -47,5 +47,13 @@ class Base64ZstdRows(SequenceCodec[bytes]):
         frame = decode_base64(value, self._frame_limit)
         return decompress_zstd(frame, self._limit, self._dctx)
 
+    def decode_within(self, value: object, limit: int) -> bytes:
+        """The same, but the frame may inflate to at most ``limit`` (what the body's counts allow)."""
+        if not isinstance(value, str):
+            raise CorruptPayload(CORRUPT, f"expected a base64 string, got {type(value).__name__}")
+        limit = min(limit, self._limit)
+        frame = decode_base64(value, zstd_frame_bound(limit))
+        return decompress_zstd(frame, limit, self._dctx)
+
     def encode(self, rows: bytes | bytearray | memoryview) -> str:
         return encode_base64(self._cctx.compress(rows))

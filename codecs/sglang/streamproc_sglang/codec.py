@@ -11,8 +11,11 @@ from typing import ClassVar, Mapping, Sequence
 from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
 from . import migration, native
+from .fold import fold
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
+
+STREAMING_OPTION = "streaming"  # --format-option streaming=cumulative|incremental
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -29,18 +32,19 @@ class SGLangCodec(Codec):
     name = "sglang"
     description = "SGLang native /generate; meta_info.routed_experts = Base64(raw int32 rows)"
 
-    # Wire encoding per sequence field. The instances built from it are shared by every session of
-    # this codec instance (one processor thread), so stateful encoders are created per instance.
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {native.ROUTED_EXPERTS: Base64Int32Rows}
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         super().__init__(options)
-        self.sequences: dict[str, SequenceCodec] = {
-            field: cls(self.options) for field, cls in self.sequence_codecs.items()
-        }
+        # How the workers stream when a request shows no mode yet (one token-carrying chunk):
+        # SGLang's default is cumulative, ``--incremental-streaming-output`` makes it incremental.
+        self.streaming = self.options.option(STREAMING_OPTION, native.INCREMENTAL)
+        if self.streaming not in (native.INCREMENTAL, native.CUMULATIVE):
+            raise ValueError(f"format option {STREAMING_OPTION}={self.streaming!r}: expected "
+                             f"{native.INCREMENTAL} or {native.CUMULATIVE}")
 
     def open_session(self) -> JoinSession:
-        return SGLangJoinSession(self.sequences)
+        return SGLangJoinSession(self)
 
     def fold(self, bodies: Sequence[bytes]) -> bytes:
         docs = []
@@ -49,7 +53,7 @@ class SGLangCodec(Codec):
             if doc is None:
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
-        return native.encode(native.fold(docs))
+        return native.encode(fold(docs))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
@@ -57,7 +61,7 @@ class SGLangCodec(Codec):
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 
     def open_migration(self) -> MigrationSession:
-        return migration.SGLangMigrationSession(self.sequences)
+        return migration.SGLangMigrationSession(self)
 
     def check_migratable(self, request: bytes) -> None:
         migration.check_request(request)

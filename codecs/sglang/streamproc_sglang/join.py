@@ -3,15 +3,17 @@
 What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
 
 - ``input_token_logprobs`` (and ``input_top_logprobs`` / ``input_token_ids_logprobs`` when the
-  prefill leg has them): only prefill computes them. Copied onto every decode chunk that carries
-  ``output_token_logprobs``, because the aggregated stream re-emits them cumulatively on each chunk.
+  prefill leg has them): only prefill computes them; decode sends ``[]``. Copied onto every decode
+  chunk that carries ``output_token_logprobs``, because the aggregated stream re-emits them on each
+  chunk. Prefill's ``[]`` (the default ``logprob_start_len = -1`` window) is a complete answer.
 - The first output token's logprob: P/D decode reports ``[null, out0, null]`` (SGLang PR #40298).
   Taken from prefill's ``output_token_logprobs[0]`` when it names the same token id.
-- ``routed_experts``: decode's rows ``[0, prompt_len)`` are stale KV-slot leftovers. Joined bytes are
-  ``P + D[len(P):]`` (prefill's prompt rows, then decode's own rows), validated against the token
-  counts. Rows must start at position 0 (``routed_experts_start_len == 0`` on both legs), which is
-  the SGLang default; a shifted start shows up as a ``length_mismatch``. Value-level corruption of a
-  correctly sized raw payload (a wrong but in-range expert id) cannot be detected here.
+- ``routed_experts``: rows cover ``[routed_experts_start_len, seqlen - 1)`` in the advertised wire
+  dtype. Decode's copy of the prompt rows is stale KV-slot leftovers (or absent, when it returns the
+  generated suffix only): the joined bytes are prefill's rows then decode's generated rows, the
+  layout read from the stated start or, failing that, from the byte counts (:func:`_layout`).
+  Rows no real capture produces (:func:`_stale`) are refused; a wrong but in-range expert id in a
+  correctly sized raw payload cannot be detected here.
 
 Omission policy: a field that cannot be rebuilt completely is removed and
 ``<field>_unavailable_reason`` says why; decode's stale rows are never published.
@@ -19,16 +21,19 @@ Omission policy: a field that cannot be rebuilt completely is removed and
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
+import numpy as np
 from streamproc.codec import CorruptPayload, JoinSession, SequenceCodec
-from streamproc.decompress import TOO_LARGE
+from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
 from . import native
+from .fold import fold
 from .native import (
     COMPLETION_TOKENS,
-    INPUT_LOGPROB_FIELDS,
+    DEFAULT_EXPERT_DTYPE,
+    EXPERT_DTYPE_SIZES,
     INPUT_LOGPROBS_UNAVAILABLE,
     INPUT_TOKEN_LOGPROBS,
     OUTPUT_TOKEN_LOGPROBS,
@@ -36,25 +41,151 @@ from .native import (
     OUTPUT_TOP_LOGPROBS,
     PROMPT_TOKENS,
     ROUTED_EXPERTS,
+    ROUTED_EXPERTS_DTYPE,
+    ROUTED_EXPERTS_START_LEN,
     ROUTED_EXPERTS_UNAVAILABLE,
 )
 
-PREFILL_MISSING = "prefill_missing"
-PREFILL_CORRUPT = "prefill_corrupt"
-PREFILL_ERROR = "prefill_error"
-DECODE_MISSING = "decode_missing"
-DECODE_CORRUPT = "decode_corrupt"
-LENGTH_MISMATCH = "length_mismatch"
+if TYPE_CHECKING:
+    from .codec import SGLangCodec
 
-_INT32 = 4
+
+# Where the aggregated body has each prompt-side list: just before its output counterpart
+# (``tokenizer_manager.add_logprob_to_meta_info`` writes them in pairs).
+INPUT_LOGPROB_ANCHORS = {
+    INPUT_TOKEN_LOGPROBS: OUTPUT_TOKEN_LOGPROBS,
+    "input_top_logprobs": OUTPUT_TOP_LOGPROBS,
+    "input_token_ids_logprobs": "output_token_ids_logprobs",
+}
+# Keys ``tokenizer_manager._handle_batch_output`` writes before ``routed_experts``; everything after
+# it (customized info, ``dp_rank``, ``e2e_latency`` and the finish-time metrics) comes later.
+ROUTED_EXPERTS_PREDECESSORS = (
+    "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", "total_retractions",
+    INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS_LENGTH, "input_top_logprobs",
+    OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", "output_token_ids_logprobs", COMPLETION_TOKENS,
+    "cached_tokens", "cached_tokens_details", "hidden_states",
+)
+# A row of this many ids that are all equal (all-zero rows included) is no real capture: with
+# top-k >= 2 the ids of one layer are distinct, and a top-1 model routing 16 (layer) slots to one
+# expert is vanishingly unlikely. SGLang's raw payload carries no shape, so this is the strongest
+# check that needs no top_k; it catches the all-zero prompt rows of a stale prefill capture.
+STALE_ROW_VALUES = 16
+
+
+# The widest row a real model produces is far below this: 4096 int32 ids (128 layers x top-32).
+# Until prefill's rows give the real width it bounds what a payload may decode to per token, so a
+# compression bomb on a short request is refused long before the global ceiling.
+MAX_ROW_BYTES = 4096 * 4
+
+
+class _PrefillRows(NamedTuple):
+    rows: bytes
+    dtype: str
+    itemsize: int
+    prompt_tokens: int
+    start: int | None  # routed_experts_start_len when the prefill body states it
+
+
+def _decode_bound(prefill: _PrefillRows, completion: int) -> int:
+    """The most decode's payload may hold: every position ``[0, prompt + completion - 1)`` at the row
+    width prefill's rows show (exact when the start is stated, else at most one prefill row's bytes)."""
+    b_p, prompt, start = len(prefill.rows), prefill.prompt_tokens, prefill.start
+    if start is not None and prompt > start:
+        row_bytes = b_p // (prompt - start)
+    else:
+        row_bytes = min(b_p, MAX_ROW_BYTES) if b_p else MAX_ROW_BYTES
+    return (prompt + completion - 1) * row_bytes
+
+
+def _dtype_of(meta: dict[str, Any]) -> str | None:
+    """The body's wire dtype name (None when it names no dtype SGLang ships)."""
+    dtype = meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE)
+    return dtype if isinstance(dtype, str) and dtype in EXPERT_DTYPE_SIZES else None
+
+
+def _start_of(meta: dict[str, Any]) -> int | None | bool:
+    """The stated ``routed_experts_start_len``: None when absent, False when not a count."""
+    start = meta.get(ROUTED_EXPERTS_START_LEN)
+    if start is None:
+        return None
+    return start if _is_count(start) and start >= 0 else False
+
+
+def _stale(rows: bytes | memoryview, row_bytes: int | None, itemsize: int) -> bool:
+    """Rows no real capture produces: a row of >= STALE_ROW_VALUES equal ids, or an all-zero payload
+    of that many ids when the row width is not known."""
+    count = len(rows) // itemsize
+    if count < STALE_ROW_VALUES:
+        return False
+    values = np.frombuffer(rows, dtype=f"<u{itemsize}", count=count)
+    if row_bytes is None or row_bytes // itemsize < STALE_ROW_VALUES or row_bytes % itemsize:
+        return not values.any()
+    table = values.reshape(-1, row_bytes // itemsize)
+    return bool((table == table[:, :1]).all(axis=1).any())
+
+
+def _layout(prefill: _PrefillRows, decode_bytes: int, completion: int,
+            start: int | None) -> tuple[int | None, int] | str:
+    """``(row_bytes, skip)``: how decode's payload lines up with prefill's rows, ``skip`` being the
+    bytes of decode's own (stale) copy of the prompt rows. Rows cover ``[start, seqlen - 1)``
+    (``io_struct.GenerateReqInput.routed_experts_start_len``); decode covers the same start
+    ("full") or only the generated suffix, as frameworks that set ``start = prompt`` on decode do.
+    An unstated start is SGLang's default 0 when that fits the byte counts; otherwise it is inferred
+    from them, and only used when every reading that fits publishes the same rows."""
+    b_p, prompt, generated = len(prefill.rows), prefill.prompt_tokens, completion - 1
+    if generated == 0:  # decode's rows, if any, are its stale copy of prefill's
+        return (None, decode_bytes) if decode_bytes in (0, b_p) else Omit.LENGTH_MISMATCH
+    readings: set[tuple[int, int]] = set()
+    for candidate in ([start] if start is not None else [0, None]):
+        for suffix in (False, True):
+            row_bytes = _row_bytes(b_p, decode_bytes, prompt, generated, candidate, suffix, prefill.itemsize)
+            if row_bytes is not None:
+                readings.add((row_bytes, 0 if suffix else b_p))
+        if readings:
+            break  # SGLang's default start 0 fits: take it
+    skips = {skip for _, skip in readings}
+    if len(skips) != 1:
+        return Omit.LENGTH_MISMATCH  # no reading fits, or two that would publish different rows
+    widths = {row_bytes for row_bytes, _ in readings}
+    return (widths.pop() if len(widths) == 1 else None), skips.pop()
+
+
+def _row_bytes(b_p: int, b_d: int, prompt: int, generated: int, start: int | None, suffix: bool,
+               itemsize: int) -> int | None:
+    """The row width under one reading (a start, or None: infer it; full or suffix coverage)."""
+    decode_rows_bytes = b_d if suffix else b_d - b_p
+    if decode_rows_bytes < 0:
+        return None
+    if decode_rows_bytes % generated:
+        return None
+    row_bytes = decode_rows_bytes // generated
+    if row_bytes <= 0 or row_bytes % itemsize or b_p % row_bytes:
+        return None
+    prefill_rows = b_p // row_bytes
+    if start is None:
+        return row_bytes if prefill_rows <= prompt else None
+    return row_bytes if prefill_rows == prompt - start else None
+
+
+def _insert_after_last(meta: dict[str, Any], key: str, value: Any, predecessors: Sequence[str]) -> None:
+    """Add ``key`` where the aggregated body has it: after the last present predecessor."""
+    anchor = None
+    for name in meta:
+        if name in predecessors:
+            anchor = name
+    if anchor is None:
+        meta[key] = value
+        return
+    items = list(meta.items())
+    meta.clear()
+    for name, item in items:
+        meta[name] = item
+        if name == anchor:
+            meta[key] = value
 
 
 def _is_count(value: object) -> bool:
     return type(value) is int
-
-
-def _leg_reason(exc: CorruptPayload, leg: str) -> str:
-    return TOO_LARGE if exc.reason == TOO_LARGE else f"{leg}_corrupt"
 
 
 def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> dict[str, Any]:
@@ -71,12 +202,12 @@ def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> 
 class SGLangJoinSession(JoinSession):
     """Join state for one P/D request. The prefill leg is parsed once and its rows decoded once."""
 
-    def __init__(self, sequences: Mapping[str, SequenceCodec]) -> None:
-        self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
+    def __init__(self, codec: SGLangCodec) -> None:
+        self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
         self._unavailable: str | None = None  # why there is no usable prefill leg
-        self._rows: tuple[bytes, int] | str | None = None  # (prefill rows, row bytes) or a reason
+        self._rows: _PrefillRows | str | None = None  # prefill's decoded rows or why they are unusable
         self._last: tuple[bytes, dict[str, Any] | None] | None = None  # needs_prefill -> join parse cache
         self._changed = False
         self._omitted = False
@@ -95,24 +226,24 @@ class SGLangJoinSession(JoinSession):
         self._known = True
         docs = [native.parse(body) for body in bodies]
         if not docs:
-            self._unavailable = PREFILL_MISSING
+            self._unavailable = Omit.PREFILL_MISSING
             return
         if any(doc is None for doc in docs):
-            self._unavailable = PREFILL_CORRUPT
+            self._unavailable = Omit.PREFILL_CORRUPT
             return
-        doc = docs[0] if len(docs) == 1 else native.fold(docs)  # type: ignore[arg-type]
+        doc = docs[0] if len(docs) == 1 else fold(docs)  # type: ignore[arg-type]
         meta = native.meta_of(doc)  # type: ignore[arg-type]
         if native.failed(doc):  # type: ignore[arg-type]
-            self._unavailable = PREFILL_ERROR
+            self._unavailable = Omit.PREFILL_ERROR
         elif meta is None:
-            self._unavailable = PREFILL_CORRUPT
+            self._unavailable = Omit.PREFILL_CORRUPT
         else:
             self._prefill = meta
 
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
         self._prefill = None
-        self._unavailable = reason or PREFILL_MISSING
+        self._unavailable = reason or Omit.PREFILL_MISSING
 
     def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         doc = self._parse(body)
@@ -151,32 +282,37 @@ class SGLangJoinSession(JoinSession):
         return doc
 
     def _fill_input_logprobs(self, doc: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        """Prefill's prompt-side lists onto a decode chunk. An empty list is a complete answer: with
+        the default ``logprob_start_len = -1`` every leg, aggregated included, sends ``[]``."""
         if meta.get(INPUT_TOKEN_LOGPROBS):
             return meta  # this decode worker computed them itself
         source = self._prefill
         reason = self._unavailable
         if source is not None:
             logprobs = source.get(INPUT_TOKEN_LOGPROBS)
-            if logprobs is None or logprobs == []:
-                reason = PREFILL_MISSING
+            if logprobs is None:
+                reason = Omit.PREFILL_MISSING
             elif not isinstance(logprobs, list):
-                reason = PREFILL_CORRUPT
+                reason = Omit.PREFILL_CORRUPT
         if reason is not None or source is None:
-            meta[INPUT_LOGPROBS_UNAVAILABLE] = reason or PREFILL_MISSING
+            meta[INPUT_LOGPROBS_UNAVAILABLE] = reason or Omit.PREFILL_MISSING
             self._omitted = True
             return meta
-        fill = {f: source[f] for f in INPUT_LOGPROB_FIELDS if source.get(f) is not None and not meta.get(f)}
-        new = {}
-        for key, value in fill.items():
-            if key in meta:
-                meta[key] = value  # replace decode's empty list in place
+        for field, anchor in INPUT_LOGPROB_ANCHORS.items():
+            value = source.get(field)
+            if value is None or meta.get(field):
+                continue
+            if field in meta:
+                if meta[field] != value:
+                    meta[field] = value  # replace decode's empty list in place
+                    self._changed = True
             else:
-                new[key] = value
-        meta.pop(INPUT_LOGPROBS_UNAVAILABLE, None)  # a decode worker's own marker is now wrong
-        if new:
-            meta = _insert_before(meta, OUTPUT_TOKEN_LOGPROBS, new)
-            doc[native.META] = meta
-        self._changed = True
+                meta = _insert_before(meta, anchor, {field: value})
+                doc[native.META] = meta
+                self._changed = True
+        # A decode worker's own marker is now wrong.
+        if meta.pop(INPUT_LOGPROBS_UNAVAILABLE, None) is not None:
+            self._changed = True
         return meta
 
     def _fill_first_token(self, meta: dict[str, Any]) -> None:
@@ -210,64 +346,95 @@ class SGLangJoinSession(JoinSession):
         source_value = self._prefill.get(ROUTED_EXPERTS)
         if not present and source_value is None:
             return  # experts were not requested (indistinguishable from both legs dropping them)
-        rows = self._prefill_rows()
-        if isinstance(rows, str):
-            return self._omit(meta, rows)
-        prefill_rows, row_bytes = rows
+        prefill = self._prefill_rows()
+        if isinstance(prefill, str):
+            return self._omit(meta, prefill)
         completion = meta.get(COMPLETION_TOKENS)
-        one_token = _is_count(completion) and completion == 1
-        if not present:
-            if not one_token:
-                return self._omit(meta, DECODE_MISSING)
-            # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
-            meta[ROUTED_EXPERTS] = source_value
-            meta.pop(ROUTED_EXPERTS_UNAVAILABLE, None)
-            self._changed = True
-            return
-        value = meta[ROUTED_EXPERTS]
+        if not _is_count(completion) or completion < 1:
+            return self._omit(meta, Omit.DECODE_CORRUPT)
+        value = meta.get(ROUTED_EXPERTS)
         if value is None:
-            return self._omit(meta, DECODE_MISSING)
+            if present or completion != 1:
+                return self._omit(meta, Omit.DECODE_MISSING)
+            # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
+            return self._provide(meta, source_value)
         try:
-            decode_rows = self._experts.decode(value)
+            decode_rows = self._experts.decode_within(value, _decode_bound(prefill, completion))
         except CorruptPayload as exc:
-            return self._omit(meta, _leg_reason(exc, "decode"))
-        if not _is_count(completion) or completion < 1 or len(decode_rows) % _INT32:
-            return self._omit(meta, DECODE_CORRUPT)
-        if len(decode_rows) != len(prefill_rows) + (completion - 1) * row_bytes:
-            return self._omit(meta, LENGTH_MISMATCH)
-        if one_token:
-            joined = source_value  # every decode row is stale; prefill's own encoding is the answer
+            return self._omit(meta, Omit.of_leg(exc, "decode"))
+        dtype = _dtype_of(meta)
+        if dtype is None or len(decode_rows) % EXPERT_DTYPE_SIZES[dtype]:
+            return self._omit(meta, Omit.DECODE_CORRUPT)
+        if dtype != prefill.dtype:
+            return self._omit(meta, Omit.SHAPE_MISMATCH)
+        if meta.get(PROMPT_TOKENS, prefill.prompt_tokens) != prefill.prompt_tokens:
+            return self._omit(meta, Omit.LENGTH_MISMATCH)  # the legs disagree about the prompt
+        start = _start_of(meta)
+        if start is False or (start is not None and prefill.start is not None and start != prefill.start):
+            return self._omit(meta, Omit.LENGTH_MISMATCH)
+        layout = _layout(prefill, len(decode_rows), completion, start if start is not None else prefill.start)
+        if isinstance(layout, str):
+            return self._omit(meta, layout)
+        row_bytes, skip = layout
+        if row_bytes is not None and _stale(prefill.rows, row_bytes, prefill.itemsize):
+            return self._omit(meta, Omit.PREFILL_CORRUPT)
+        if completion == 1:
+            joined = source_value  # decode's rows are all stale (or none): prefill's encoding is the answer
         else:
-            joined = self._experts.encode(
-                b"".join((prefill_rows, memoryview(decode_rows)[len(prefill_rows):])))
-        if joined != value:
-            meta[ROUTED_EXPERTS] = joined
+            generated = memoryview(decode_rows)[skip:]
+            if _stale(generated, row_bytes, prefill.itemsize):
+                return self._omit(meta, Omit.DECODE_CORRUPT)
+            joined = self._experts.encode(b"".join((prefill.rows, generated)))
+        self._provide(meta, joined)
+
+    def _provide(self, meta: dict[str, Any], value: Any) -> None:
+        if meta.get(ROUTED_EXPERTS) != value or ROUTED_EXPERTS not in meta:
+            if ROUTED_EXPERTS in meta:
+                meta[ROUTED_EXPERTS] = value
+            else:
+                _insert_after_last(meta, ROUTED_EXPERTS, value, ROUTED_EXPERTS_PREDECESSORS)
             self._changed = True
         if meta.pop(ROUTED_EXPERTS_UNAVAILABLE, None) is not None:
             self._changed = True
 
-    def _prefill_rows(self) -> tuple[bytes, int] | str:
-        """Prefill's prompt rows and the row size, decoded and validated once per session."""
+    def _prefill_rows(self) -> _PrefillRows | str:
+        """Prefill's prompt rows, decoded and validated once per session."""
         if self._rows is None:
             self._rows = self._decode_prefill_rows()
         return self._rows
 
-    def _decode_prefill_rows(self) -> tuple[bytes, int] | str:
+    def _decode_prefill_rows(self) -> _PrefillRows | str:
         assert self._prefill is not None
         value = self._prefill.get(ROUTED_EXPERTS)
         if value is None:
-            return PREFILL_MISSING
-        try:
-            rows = self._experts.decode(value)
-        except CorruptPayload as exc:
-            return _leg_reason(exc, "prefill")
+            return Omit.PREFILL_MISSING
+        dtype = _dtype_of(self._prefill)
+        start = _start_of(self._prefill)
         prompt_tokens = self._prefill.get(PROMPT_TOKENS)
-        if not _is_count(prompt_tokens) or prompt_tokens <= 0 or len(rows) % prompt_tokens:
-            return PREFILL_CORRUPT
-        row_bytes = len(rows) // prompt_tokens
-        if row_bytes <= 0 or row_bytes % _INT32:
-            return PREFILL_CORRUPT
-        return rows, row_bytes
+        if dtype is None or start is False or not _is_count(prompt_tokens) or prompt_tokens <= 0:
+            return Omit.PREFILL_CORRUPT
+        try:  # at most one row of the widest plausible model per prompt token
+            rows = self._experts.decode_within(value, prompt_tokens * MAX_ROW_BYTES)
+        except CorruptPayload as exc:
+            return Omit.of_leg(exc, "prefill")
+        itemsize = EXPERT_DTYPE_SIZES[dtype]
+        if len(rows) % itemsize:
+            return Omit.PREFILL_CORRUPT
+        if start is None and not rows:
+            # Only a start at the prompt's end leaves prefill no rows; unstated, an empty payload is
+            # far more likely lost rows than that, so it is not taken as an answer.
+            return Omit.PREFILL_CORRUPT
+        if start is not None:
+            if start > prompt_tokens or (start == prompt_tokens) != (len(rows) == 0):
+                return Omit.PREFILL_CORRUPT
+            if start < prompt_tokens and len(rows) % ((prompt_tokens - start) * itemsize):
+                return Omit.PREFILL_CORRUPT
+        row_bytes = None
+        if start is not None and start < prompt_tokens:
+            row_bytes = len(rows) // (prompt_tokens - start)
+        if _stale(rows, row_bytes, itemsize):
+            return Omit.PREFILL_CORRUPT
+        return _PrefillRows(rows, dtype, itemsize, prompt_tokens, start)
 
     def _omit(self, meta: dict[str, Any], reason: str) -> None:
         meta.pop(ROUTED_EXPERTS, None)

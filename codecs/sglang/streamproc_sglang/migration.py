@@ -9,7 +9,9 @@ original request's terms so the client reads one uninterrupted stream:
 =================================  ===========================================================
 field                              stitched value
 =================================  ===========================================================
-``text``, ``output_ids``           unchanged (deltas; nothing is replayed)
+``text``, ``output_ids``           incremental streams: unchanged (deltas; nothing is replayed);
+                                   cumulative streams: what the client saw, then the attempt's
+``output_*logprobs``               cumulative streams: the client's lists, then the attempt's
 ``meta_info.id``                   the id the client saw first
 ``prompt_tokens``                  the original prompt's (attempt's value − k)
 ``completion_tokens``,             + k (cumulative counts continue)
@@ -24,7 +26,9 @@ field                              stitched value
                                    attempt already published replace its leading rows
 =================================  ===========================================================
 
-P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
+Cumulative streams (SGLang's default, see ``native.restates``) are recognised from the bodies; until
+a second token-carrying chunk shows the mode, the codec option ``streaming`` (default incremental)
+decides. P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
 then stitched. What the processor can check from bodies alone: every published body is a JSON
 object with integer ``output_ids`` (else the emitted tokens are unknown), is not a batch (a JSON
 array: ``n > 1``), and carries no ``hidden_states``. Guided decoding and ``n > 1`` are visible in
@@ -34,24 +38,35 @@ the request only: :func:`check_request` refuses them for the serving layer's hel
 from __future__ import annotations
 
 from array import array
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
+from streamproc.codec import OmissionReason as Omit
+from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
 from streamproc.wire import Verdict
 
 from . import native
 from .native import (
+    CUMULATIVE,
     COMPLETION_TOKENS,
+    DEFAULT_EXPERT_DTYPE,
+    EXPERT_DTYPE_SIZES,
     FINISH_REASON,
     INPUT_LOGPROB_FIELDS,
+    OUTPUT_DELTA_FIELDS,
     OUTPUT_IDS,
     OUTPUT_TOKEN_LOGPROBS_LENGTH,
+    TEXT,
     PROMPT_TOKENS,
     ROUTED_EXPERTS,
+    ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_UNAVAILABLE,
 )
+
+if TYPE_CHECKING:
+    from .codec import SGLangCodec
 
 INPUT_IDS = "input_ids"
 SAMPLING_PARAMS = "sampling_params"
@@ -68,10 +83,6 @@ GUIDED_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 STATE_PROMPT_TOKENS = "prompt_tokens"
 
-STITCH_LENGTH_MISMATCH = "length_mismatch"
-STITCH_CORRUPT = "stitch_corrupt"
-
-_INT32 = 4
 
 
 def _is_count(value: object) -> bool:
@@ -86,18 +97,29 @@ class _Base(msgspec.Struct):
     rid: Any = None
     input_logprobs: dict[str, Any] = {}
     rows: Any = None  # encoded routed_experts an earlier attempt published
+    cumulative: bool = False  # the stream restates its output on every chunk
+    ids: list[int] = []  # cumulative streams: what the client saw, restated before the attempt's
+    text: str = ""
+    output_logprobs: dict[str, Any] = {}
 
 
 class SGLangMigrationSession(MigrationSession):
-    def __init__(self, sequences: Mapping[str, SequenceCodec]) -> None:
-        self._experts: SequenceCodec = sequences[ROUTED_EXPERTS]
+    def __init__(self, codec: SGLangCodec) -> None:
+        self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
         self._prompt_tokens: int | None = None
         self._reasoning = 0
         self._input_logprobs: dict[str, Any] = {}
         self._rows: Any = None
+        self._cumulative = False
+        self._decided = False  # a chunk after a token-carrying one has shown the stream's mode
+        # How the workers stream when a request shows no mode yet (``--format-option streaming=``).
+        self._assume_cumulative = codec.streaming == CUMULATIVE
+        self._text = ""
+        self._output_logprobs: dict[str, Any] = {}
         self._base = _Base()
+        self._restated = False
 
     # ------------------------------------------------------------ what was sent
 
@@ -115,7 +137,17 @@ class SGLangMigrationSession(MigrationSession):
             meta = native.meta_of(doc)
             if meta is not None:
                 self._absorb_meta(meta)
+            if self._ids and not self._decided:
+                self._decided = True
+                self._cumulative = native.restates(doc, self._ids)
+            if self._cumulative and native.restates(doc, self._ids):
+                del self._ids[:]
             self._ids.extend(ids)
+            # The last body's text and output lists: everything so far when the stream is cumulative.
+            text = doc.get(TEXT)
+            self._text = text if isinstance(text, str) else ""
+            if meta is not None:
+                self._output_logprobs = {f: meta[f] for f in OUTPUT_DELTA_FIELDS if isinstance(meta.get(f), list)}
 
     def _absorb_meta(self, meta: dict[str, Any]) -> None:
         if meta.get(HIDDEN_STATES) is not None:
@@ -136,7 +168,10 @@ class SGLangMigrationSession(MigrationSession):
             self._rows = meta[ROUTED_EXPERTS]
 
     def seal(self) -> Emitted:
-        self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows)
+        cumulative = self._cumulative if self._decided else self._assume_cumulative
+        restated = (self._ids.tolist(), self._text, dict(self._output_logprobs)) if cumulative else ([], "", {})
+        self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows,
+                           cumulative, *restated)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 
@@ -150,6 +185,7 @@ class SGLangMigrationSession(MigrationSession):
             return None  # not SGLang-shaped: nothing in it can be restated
         before = dict(meta)
         k = base.emitted
+        self._restate(doc, meta, base)
         if base.rid is not None and meta.get("id") is not None:
             meta["id"] = base.rid
         prompt = meta.get(PROMPT_TOKENS)
@@ -175,9 +211,23 @@ class SGLangMigrationSession(MigrationSession):
         verdict = Verdict.STITCHED
         if base.rows is not None and meta.get(ROUTED_EXPERTS) is not None:
             verdict = self._stitch_rows(meta, base.rows)
-        if meta == before:
+        if meta == before and not self._restated:
             return None
         return native.encode(doc), verdict
+
+    def _restate(self, doc: dict[str, Any], meta: dict[str, Any], base: _Base) -> None:
+        """In a cumulative stream, put what the client already saw in front of the attempt's output."""
+        self._restated = False
+        ids = doc.get(OUTPUT_IDS)
+        if not isinstance(ids, list) or not base.emitted or not base.cumulative:
+            return
+        doc[OUTPUT_IDS] = base.ids + ids
+        if isinstance(doc.get(TEXT), str):
+            doc[TEXT] = base.text + doc[TEXT]
+        for field in OUTPUT_DELTA_FIELDS:
+            if isinstance(meta.get(field), list):
+                meta[field] = list(base.output_logprobs.get(field, [])) + meta[field]
+        self._restated = True
 
     def _stitch_rows(self, meta: dict[str, Any], earlier_value: Any) -> Verdict:
         """Rows an earlier attempt published were computed by the passes that sampled those tokens:
@@ -186,9 +236,10 @@ class SGLangMigrationSession(MigrationSession):
             earlier = self._experts.decode(earlier_value)
             current = self._experts.decode(meta[ROUTED_EXPERTS])
         except CorruptPayload:
-            return _omit(meta, STITCH_CORRUPT)
-        if len(earlier) % _INT32 or len(current) % _INT32 or len(current) < len(earlier):
-            return _omit(meta, STITCH_LENGTH_MISMATCH)
+            return _omit(meta, Omit.STITCH_CORRUPT)
+        size = EXPERT_DTYPE_SIZES.get(meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE), 0)
+        if not size or len(earlier) % size or len(current) % size or len(current) < len(earlier):
+            return _omit(meta, Omit.LENGTH_MISMATCH)
         if current[:len(earlier)] != earlier:
             meta[ROUTED_EXPERTS] = self._experts.encode(b"".join((earlier, memoryview(current)[len(earlier):])))
         return Verdict.STITCHED
@@ -219,17 +270,7 @@ def check_request(body: bytes) -> dict[str, Any]:
         raise MigrationRefused("the request has no input_ids")
     if not all(_is_count(t) for t in ids):
         raise MigrationRefused("a batched request (several prompts) cannot be resumed")
-    params = doc.get(SAMPLING_PARAMS)
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
-    n = params.get("n", 1)
-    if n not in (None, 1):
-        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
-    for field in GUIDED_FIELDS:
-        if params.get(field) is not None:
-            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    check_sampling_params(doc.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS)
     if doc.get("return_hidden_states"):
         raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
     return doc
@@ -242,21 +283,11 @@ def resume_request(body: bytes, emitted: Emitted) -> bytes:
     """
     doc = check_request(body)
     ids = doc[INPUT_IDS]
-    seen = emitted.state.get(STATE_PROMPT_TOKENS)
-    if _is_count(seen) and seen != len(ids):
-        raise MigrationRefused(f"the request's prompt has {len(ids)} tokens but the client was sent results "
-                               f"for a {seen}-token prompt: not the request being resumed")
-    k = len(emitted.token_ids)
-    params = dict(doc.get(SAMPLING_PARAMS) or {})
-    budget = params.get(MAX_NEW_TOKENS)
-    budget = DEFAULT_MAX_NEW_TOKENS if budget is None else budget
-    if not _is_count(budget) or budget - k < 1:
-        raise MigrationRefused(f"no token budget left (max_new_tokens {budget}, {k} emitted)")
-    params[MAX_NEW_TOKENS] = budget - k
-    if _is_count(params.get(MIN_NEW_TOKENS)):
-        params[MIN_NEW_TOKENS] = max(0, params[MIN_NEW_TOKENS] - k)
+    check_resumed_prompt(len(ids), emitted, STATE_PROMPT_TOKENS)
+    doc[SAMPLING_PARAMS] = resumed_budget(doc.get(SAMPLING_PARAMS) or {}, len(emitted.token_ids),
+                                          max_key=MAX_NEW_TOKENS, min_key=MIN_NEW_TOKENS,
+                                          default=DEFAULT_MAX_NEW_TOKENS)
     doc[INPUT_IDS] = ids + list(emitted.token_ids)
-    doc[SAMPLING_PARAMS] = params
     for field in BOOTSTRAP_FIELDS:
         doc.pop(field, None)
     return native.encode(doc)

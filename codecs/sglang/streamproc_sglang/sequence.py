@@ -1,4 +1,7 @@
-"""SGLang's ``routed_experts`` wire encoding: Base64 of raw little-endian int32 rows, no header.
+"""SGLang's ``routed_experts`` wire encoding: Base64 of raw little-endian rows, no header.
+
+The id size is the worker's ``SGLANG_ROUTED_EXPERTS_DTYPE`` (int32 by default, uint16 or uint8),
+which the join reads from ``meta_info.routed_experts_dtype``; this codec only moves bytes.
 
 The shape is not on the wire (reference notes §3.1); the join derives the row size from the
 prefill leg's ``prompt_tokens``. Rows stay ``bytes`` so a join is two slices and one concatenation.

@@ -12,6 +12,11 @@ It reproduces what real disaggregated SGLang serving emits, artefacts included:
   were filled by transfer, not by a forward pass); a one-token decode may omit the field (#39146).
 
 Subclasses change only :meth:`SGLangWorker.encode_experts` (and the matching :meth:`SGLangWorker.bomb`).
+
+``SGLangWorker(shape=upstream.Shape(...))`` renders every leg with the upstream-shaped builder
+instead (cumulative or incremental streaming, uint8/uint16/int32 rows, ``routed_experts_start_len``,
+empty logprob windows, suffix decode coverage, stale prefill rows), so the processor can be driven
+end to end with what real SGLang deployments emit.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from streamproc.codec import CodecOptions, CorruptPayload, SequenceCodec
 from streamproc.decompress import encode_base64
 from streamproc.simulation import Damage, SimulatedWorker, Truth
 
-from . import native
+from . import native, upstream
 from .codec import SGLangCodec
 
 _ABSENT: Any = object()
@@ -42,9 +47,11 @@ class SGLangWorker(SimulatedWorker):
     format: ClassVar[str] = "sglang"
     codec_class: ClassVar[type[SGLangCodec]] = SGLangCodec
 
-    def __init__(self, options: CodecOptions | None = None) -> None:
-        """``options`` must match the processor's: ``Damage.BOMB`` is sized from its limit."""
+    def __init__(self, options: CodecOptions | None = None, *, shape: upstream.Shape | None = None) -> None:
+        """``options`` must match the processor's: ``Damage.BOMB`` is sized from its limit. ``shape``
+        switches to upstream-shaped bodies (``upstream.py``)."""
         self.options = options or CodecOptions()
+        self.shape = shape
         view = CodecOptions(max_decompressed_bytes=max(self.options.max_decompressed_bytes, _VIEW_LIMIT))
         self._view: SequenceCodec = self.codec_class(view).sequences[native.ROUTED_EXPERTS]
 
@@ -66,16 +73,24 @@ class SGLangWorker(SimulatedWorker):
     # ------------------------------------------------------------------- legs
 
     def agg(self, truth: Truth, *, stream: bool) -> list[bytes]:
+        if self.shape is not None:
+            return upstream.agg(truth, self.shape, stream=stream, encode=self.encode_experts)
         experts = self.encode_experts(truth.experts) if truth.return_experts else _ABSENT
         return self._render(truth, self._spans(truth, stream), experts=experts)
 
     def prefill(self, truth: Truth, *, stream: bool, damage: Damage | None = None) -> list[bytes]:
+        if self.shape is not None:
+            return self._damage_last(upstream.prefill(truth, self.shape, encode=self.encode_experts), damage,
+                                     truth, "prefill")
         experts = _ABSENT
         if truth.return_experts:
             experts = self._damaged(truth.expert_rows(0, truth.prompt_len), damage, truth, "prefill")
         return self._render(truth, [(0, 1)], experts=experts, finish={"type": "length", "length": 1})
 
     def decode(self, truth: Truth, *, stream: bool, damage: Damage | None = None) -> list[bytes]:
+        if self.shape is not None:
+            bodies = upstream.decode(truth, self.shape, stream=stream, encode=self.encode_experts)
+            return self._damage_last(bodies, damage, truth, "decode")
         experts = _ABSENT
         omitted = truth.output_len == 1 and truth.decode_omits_one_token_experts
         if truth.return_experts and not omitted:
@@ -98,6 +113,19 @@ class SGLangWorker(SimulatedWorker):
                 out.append(body)
         return out
 
+    def _damage_last(self, bodies: list[bytes], damage: Damage | None, truth: Truth,
+                     role: str) -> list[bytes]:
+        """Upstream-shaped bodies with the final body's ``routed_experts`` damaged."""
+        if damage is None or not truth.return_experts:
+            return bodies  # nothing to damage in a field that was never requested
+        doc = msgspec.json.decode(bodies[-1])
+        meta = doc[native.META]
+        raw = self._view.decode(meta.pop(native.ROUTED_EXPERTS))
+        value = self._damaged(raw, damage, truth, role)
+        if value is not _ABSENT:
+            meta[native.ROUTED_EXPERTS] = value
+        return bodies[:-1] + [native.encode(doc)]
+
     # ------------------------------------------------------------------ views
 
     def expert_view(self, body: bytes) -> tuple[bytes | None, str | None]:
@@ -109,7 +137,7 @@ class SGLangWorker(SimulatedWorker):
         reason = meta.get(native.ROUTED_EXPERTS_UNAVAILABLE)
         if native.ROUTED_EXPERTS not in meta:
             return None, reason
-        return self._view.decode(meta[native.ROUTED_EXPERTS]), reason
+        return as_int32(self._view.decode(meta[native.ROUTED_EXPERTS]), meta), reason
 
     def canonical(self, body: bytes) -> object:
         try:
@@ -119,7 +147,7 @@ class SGLangWorker(SimulatedWorker):
         meta = doc.get(native.META) if isinstance(doc, dict) else None
         if isinstance(meta, dict) and native.ROUTED_EXPERTS in meta:
             try:
-                meta[native.ROUTED_EXPERTS] = self._view.decode(meta[native.ROUTED_EXPERTS])
+                meta[native.ROUTED_EXPERTS] = as_int32(self._view.decode(meta[native.ROUTED_EXPERTS]), meta)
             except CorruptPayload:
                 pass  # opaque stays opaque; it then only equals itself
         return doc
@@ -197,6 +225,16 @@ class SGLangWorker(SimulatedWorker):
         if self.options.max_decompressed_bytes <= 1 << 20:  # only then is a bomb cheap to build
             values.append(lambda: self.bomb(truth, "agg"))
         return values
+
+
+def as_int32(rows: bytes, meta: dict[str, Any]) -> bytes:
+    """Rows in the advertised wire dtype as int32 LE, the form the truth holds (views only)."""
+    dtype = meta.get(native.ROUTED_EXPERTS_DTYPE, native.DEFAULT_EXPERT_DTYPE)
+    if dtype == native.DEFAULT_EXPERT_DTYPE or dtype not in native.EXPERT_DTYPE_SIZES:
+        return rows
+    if len(rows) % native.EXPERT_DTYPE_SIZES[dtype]:
+        raise CorruptPayload("corrupt", f"{len(rows)} bytes are not whole {dtype} ids")
+    return np.frombuffer(rows, dtype=np.dtype(dtype).newbyteorder("<")).astype("<i4").tobytes()
 
 
 def final_finish_reason(truth: Truth) -> dict[str, Any]:

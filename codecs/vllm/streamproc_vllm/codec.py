@@ -9,22 +9,25 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
+from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
 
 from . import migration
-from .body import ROUTED_EXPERTS, dump, parse
+from .native import ROUTED_EXPERTS, dump, parse
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
 
-# vLLM's OpenAI-style error types and the HTTP status each goes with (§7 "Errors").
-ERROR_TYPES: Mapping[ErrorKind, tuple[str, int]] = {
-    ErrorKind.TIMEOUT: ("service_unavailable", 503),
-    ErrorKind.OVERLOADED: ("overloaded", 503),
-    ErrorKind.INVALID_CHUNK: ("invalid_request_error", 400),
-    ErrorKind.UNKNOWN_FORMAT: ("invalid_request_error", 400),
-    ErrorKind.INTERNAL: ("internal_error", 500),
-    ErrorKind.MIGRATION_REFUSED: ("service_unavailable", 503),
+# ``ErrorResponse.error.type`` for each HTTP status (``ErrorKind.http_status``, the one table the
+# edge answers with, so the envelope's ``code`` always equals the status line). vLLM's
+# ``OpenAIServing.create_error_response`` names 400/500/503 ``BadRequestError``,
+# ``InternalServerError`` and ``ServiceUnavailableError``; for 502/504 the names are those KServe's
+# OpenAI proxy uses over the same ErrorResponse model (``BadGateway``, ``GatewayTimeout``).
+ERROR_TYPES: Mapping[int, str] = {
+    400: "BadRequestError",
+    500: "InternalServerError",
+    502: "BadGateway",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeout",
 }
 
 
@@ -32,12 +35,6 @@ class VLLMCodec(Codec):
     name = "vllm"
     description = "vLLM native generate: routed_experts as Base64 .npy, prompt logprobs from prefill"
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {ROUTED_EXPERTS: Base64Npy}
-
-    def __init__(self, options: CodecOptions | None = None) -> None:
-        super().__init__(options)
-        self.sequences: dict[str, SequenceCodec] = {
-            field: cls(self.options) for field, cls in self.sequence_codecs.items()
-        }
 
     def open_session(self) -> JoinSession:
         return VLLMJoinSession(self)
@@ -52,8 +49,10 @@ class VLLMCodec(Codec):
         return dump(fold_objects(chunks))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
-        error_type, code = ERROR_TYPES.get(kind, ERROR_TYPES[ErrorKind.INTERNAL])
-        return dump({"error": {"message": message, "type": error_type, "code": code}})
+        code = ErrorKind(kind).http_status
+        error_type = ERROR_TYPES.get(code, "InternalServerError")
+        # ErrorResponse{error: ErrorInfo{message, type, param, code}}
+        return dump({"error": {"message": message, "type": error_type, "param": None, "code": code}})
 
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 

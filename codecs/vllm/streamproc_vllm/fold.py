@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .body import PROMPT_LOGPROBS, ROUTED_EXPERTS, choices_of, is_int, unavailable_key
+from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, choices_of, is_int, unavailable_key
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS)

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from streamproc.codec import CorruptPayload, JoinSession
+from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
-from .body import (
+from .native import (
     PROMPT_LOGPROBS,
     ROUTED_EXPERTS,
     choices_of,
@@ -28,17 +29,10 @@ from .body import (
     usage_count,
 )
 from .fold import fold_objects
-from .sequence import TOO_LARGE
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
 
-PREFILL_MISSING = "prefill_missing"
-PREFILL_CORRUPT = "prefill_corrupt"
-DECODE_MISSING = "decode_missing"
-DECODE_CORRUPT = "decode_corrupt"
-LENGTH_MISMATCH = "length_mismatch"
-SHAPE_MISMATCH = "shape_mismatch"
 INCONSISTENT_LEGS = "inconsistent_legs"
 EXPERT_RANK = 3  # (rows, num_layers, top_k)
 
@@ -72,6 +66,20 @@ class _Edit:
         self.omitted = True
 
 
+def duplicate_ids(rows: np.ndarray) -> bool:
+    """Whether some (position, layer) names one expert twice among its top-k: no real capture does
+    (a router picks k distinct experts), a stale all-zero capture with k >= 2 always does."""
+    if rows.ndim != EXPERT_RANK or rows.shape[2] < 2 or rows.shape[0] == 0:
+        return False
+    ordered = np.sort(rows, axis=2)
+    return bool((ordered[:, :, 1:] == ordered[:, :, :-1]).any())
+
+
+def _finishes(choice: dict) -> bool:
+    """A choice's last chunk: vLLM puts ``routed_experts`` on it (a usage-only chunk may follow)."""
+    return choice.get("finish_reason") is not None
+
+
 def _choice_index(choice: dict, position: int) -> int:
     index = choice.get("index", position)
     return index if is_int(index) else position
@@ -92,18 +100,20 @@ class VLLMJoinSession(JoinSession):
     # ------------------------------------------------------------- prefill leg
 
     def needs_prefill(self, body: bytes, final: bool) -> bool:
-        # The first chunk carries prompt_logprobs and the final one routed_experts. A middle chunk
-        # only waits if it unexpectedly carries expert rows, which could be stale.
+        # The first chunk may carry prompt_logprobs (unary bodies), and a choice's finishing chunk
+        # routed_experts. A middle chunk only waits if it unexpectedly carries expert rows, which
+        # could be stale.
         if final or self._joined == 0:
             return True
         obj = self._parse(body)
-        return obj is not None and any(c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj))
+        return obj is not None and any(_finishes(c) or c.get(ROUTED_EXPERTS) is not None
+                                       for c in choices_of(obj))
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._prefill_known = True
         objects = [parse_object(b) for b in bodies]
         if not objects or any(o is None for o in objects):
-            self._leg_reason = PREFILL_CORRUPT
+            self._leg_reason = Omit.PREFILL_CORRUPT
             return
         self._prefill = fold_objects(objects)  # type: ignore[arg-type]
         for position, choice in enumerate(choices_of(self._prefill)):
@@ -116,19 +126,19 @@ class VLLMJoinSession(JoinSession):
     def _prefill_choice_rows(self, choice: dict) -> np.ndarray | str:
         value = choice.get(ROUTED_EXPERTS)
         if value is None:
-            return PREFILL_MISSING
+            return Omit.PREFILL_MISSING
         try:
             rows = self._experts.decode(value)
         except CorruptPayload as exc:
-            return TOO_LARGE if exc.reason == TOO_LARGE else PREFILL_CORRUPT
-        return rows if rows.ndim == EXPERT_RANK else PREFILL_CORRUPT
+            return Omit.of_leg(exc, "prefill")
+        return rows if rows.ndim == EXPERT_RANK and not duplicate_ids(rows) else Omit.PREFILL_CORRUPT
 
     def _prefill_slot(self, index: int) -> np.ndarray | str:
         if self._leg_reason is not None:
             return self._leg_reason
         if not self._prefill_known:
-            return PREFILL_MISSING
-        return self._prefill_rows.get(index, PREFILL_MISSING)
+            return Omit.PREFILL_MISSING
+        return self._prefill_rows.get(index, Omit.PREFILL_MISSING)
 
     # ------------------------------------------------------------ decode chunks
 
@@ -159,7 +169,7 @@ class VLLMJoinSession(JoinSession):
         if first:
             self._join_prompt_logprobs(obj, choices, edit)
         for position, choice in enumerate(choices):
-            if final or choice.get(ROUTED_EXPERTS) is not None:
+            if final or _finishes(choice) or choice.get(ROUTED_EXPERTS) is not None:
                 self._join_experts(obj, choice, _choice_index(choice, position), edit)
         if edit.omitted:
             return (dump(obj) if edit.changed else body), Verdict.OMITTED
@@ -173,6 +183,12 @@ class VLLMJoinSession(JoinSession):
         return own if own is not None else usage_count(self._prefill, "prompt_tokens")
 
     def _join_prompt_logprobs(self, obj: dict, choices: list[dict], edit: _Edit) -> None:
+        """``prompt_logprobs`` is its own sampling parameter, independent of ``logprobs``, and only
+        unary bodies carry the key (``GenerateResponse``; stream chunks have none). So a body without
+        the key gets none, and a ``null`` stays ``null`` when prefill, which scored the prompt if
+        asked to, has none either."""
+        if PROMPT_LOGPROBS not in obj:
+            return
         from_prefill = self._prefill.get(PROMPT_LOGPROBS) if self._prefill is not None else None
         from_decode = obj.get(PROMPT_LOGPROBS)
         if from_prefill is not None:
@@ -181,18 +197,10 @@ class VLLMJoinSession(JoinSession):
             else:
                 edit.provide(obj, PROMPT_LOGPROBS, from_prefill)
             return
-        if from_decode is not None:
-            return  # decode scored the prompt itself; nothing to join
-        if not any(c.get("logprobs") is not None for c in choices):
-            return  # no logprobs were asked for: an absent list is the native answer
-        prompt_tokens = usage_count(self._prefill, "prompt_tokens")
-        if prompt_tokens is None:
-            prompt_tokens = usage_count(obj, "prompt_tokens")
-        if prompt_tokens == 1:
-            # A one-token prompt has no scored position; vLLM V2 omits the payload for it (§7).
-            edit.provide(obj, PROMPT_LOGPROBS, [None])
-        else:
-            edit.omit(obj, PROMPT_LOGPROBS, self._leg_reason or PREFILL_MISSING)
+        if from_decode is not None or self._leg_reason is None:
+            return  # decode scored the prompt itself, or prefill says none were asked for
+        # Without a prefill leg nothing tells whether prompt logprobs were requested.
+        edit.omit(obj, PROMPT_LOGPROBS, self._leg_reason)
 
     def _completion_tokens(self, obj: dict, index: int) -> int:
         own = usage_count(obj, "completion_tokens")
@@ -204,7 +212,7 @@ class VLLMJoinSession(JoinSession):
         value = choice.get(ROUTED_EXPERTS)
         slot = self._prefill_slot(index)
         # Did prefill send expert data at all (even data that turned out bad)?
-        prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == PREFILL_MISSING)
+        prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == Omit.PREFILL_MISSING)
         if value is None and ROUTED_EXPERTS in choice and not prefill_sent:
             return  # an explicit null on both legs: expert capture is off, nothing can be stale
         if isinstance(slot, str):
@@ -214,37 +222,40 @@ class VLLMJoinSession(JoinSession):
         prompt_len = prefill_rows.shape[0]
         prompt_tokens = self._prompt_tokens(obj)
         if prompt_tokens is None or prompt_tokens != prompt_len:
-            edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
             return
         total = prompt_tokens + self._completion_tokens(obj, index) - 1  # the last token is never forwarded
         if total < prompt_len:
-            edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
             return
         if value is None:
             if total != prompt_len:
-                edit.omit(choice, ROUTED_EXPERTS, DECODE_MISSING)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_MISSING)
                 return
             joined = prefill_rows  # one-token completion: every decode row would be a prompt row
         else:
             try:
                 decode_rows = self._experts.decode(value)
             except CorruptPayload as exc:
-                edit.omit(choice, ROUTED_EXPERTS, TOO_LARGE if exc.reason == TOO_LARGE else DECODE_CORRUPT)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.of_leg(exc, "decode"))
                 return
             if decode_rows.ndim != EXPERT_RANK:
-                edit.omit(choice, ROUTED_EXPERTS, DECODE_CORRUPT)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_CORRUPT)
                 return
             if decode_rows.dtype != prefill_rows.dtype or decode_rows.shape[1:] != prefill_rows.shape[1:]:
-                edit.omit(choice, ROUTED_EXPERTS, SHAPE_MISMATCH)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.SHAPE_MISMATCH)
+                return
+            if duplicate_ids(decode_rows[decode_rows.shape[0] - (total - prompt_len):]):
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_CORRUPT)  # its own rows are not a real capture
                 return
             if decode_rows.shape[0] == total:  # full coverage: replace decode's stale prompt rows
                 joined = np.concatenate([prefill_rows, decode_rows[prompt_len:]])
             elif prompt_len + decode_rows.shape[0] == total:  # suffix coverage: decode sent post-prompt rows
                 joined = np.concatenate([prefill_rows, decode_rows])
             else:
-                edit.omit(choice, ROUTED_EXPERTS, LENGTH_MISMATCH)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
                 return
         if joined.nbytes > self._max_bytes:
-            edit.omit(choice, ROUTED_EXPERTS, TOO_LARGE)
+            edit.omit(choice, ROUTED_EXPERTS, Omit.TOO_LARGE)
             return
         edit.provide(choice, ROUTED_EXPERTS, self._experts.encode(joined))

@@ -35,9 +35,11 @@ import msgspec
 import numpy as np
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession
+from streamproc.codec import OmissionReason as Omit
+from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
 from streamproc.wire import Verdict
 
-from .body import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
+from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -50,8 +52,6 @@ MIN_TOKENS = "min_tokens"
 GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "guided_decoding")
 STATE_PROMPT_TOKENS = "prompt_tokens"
-STITCH_LENGTH_MISMATCH = "length_mismatch"
-STITCH_CORRUPT = "stitch_corrupt"
 
 
 class _Base(msgspec.Struct):
@@ -146,10 +146,10 @@ class VLLMMigrationSession(MigrationSession):
             earlier = self._experts.decode(earlier_value)
             current = self._experts.decode(choice[ROUTED_EXPERTS])
         except CorruptPayload:
-            return _omit(choice, STITCH_CORRUPT)
+            return _omit(choice, Omit.STITCH_CORRUPT)
         if (earlier.dtype != current.dtype or earlier.shape[1:] != current.shape[1:]
                 or current.shape[0] < earlier.shape[0]):
-            return _omit(choice, STITCH_LENGTH_MISMATCH)
+            return _omit(choice, Omit.LENGTH_MISMATCH)
         if np.array_equal(current[:earlier.shape[0]], earlier):
             return None
         choice[ROUTED_EXPERTS] = self._experts.encode(np.concatenate([earlier, current[earlier.shape[0]:]]))
@@ -172,17 +172,7 @@ def check_request(body: bytes) -> dict:
     ids = obj.get(TOKEN_IDS)
     if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
         raise MigrationRefused("the request has no token_ids to extend")
-    params = obj.get(SAMPLING_PARAMS)
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise MigrationRefused("sampling_params is not an object")
-    n = params.get("n")
-    if n not in (None, 1):
-        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
-    for field in GUIDED_FIELDS:
-        if params.get(field) is not None:
-            raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
+    check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS)
     return obj
 
 
@@ -194,20 +184,10 @@ def resume_request(body: bytes, emitted: Emitted) -> bytes:
     """
     obj = check_request(body)
     ids = obj[TOKEN_IDS]
-    seen = emitted.state.get(STATE_PROMPT_TOKENS)
-    if is_int(seen) and seen != len(ids):
-        raise MigrationRefused(f"the request's prompt has {len(ids)} tokens but the client was sent results "
-                               f"for a {seen}-token prompt: not the request being resumed")
-    k = len(emitted.token_ids)
-    params = dict(obj.get(SAMPLING_PARAMS) or {})
-    budget = params.get(MAX_TOKENS)
-    if budget is not None:  # None: bounded by the model's context only, which the longer prompt accounts for
-        if not is_int(budget) or budget - k < 1:
-            raise MigrationRefused(f"no token budget left (max_tokens {budget}, {k} emitted)")
-        params[MAX_TOKENS] = budget - k
-    if is_int(params.get(MIN_TOKENS)):
-        params[MIN_TOKENS] = max(0, params[MIN_TOKENS] - k)
+    check_resumed_prompt(len(ids), emitted, STATE_PROMPT_TOKENS)
+    # max_tokens None: bounded by the model's context only, which the longer prompt accounts for
+    obj[SAMPLING_PARAMS] = resumed_budget(obj.get(SAMPLING_PARAMS) or {}, len(emitted.token_ids),
+                                          max_key=MAX_TOKENS, min_key=MIN_TOKENS, default=None)
     obj[TOKEN_IDS] = ids + list(emitted.token_ids)
-    obj[SAMPLING_PARAMS] = params
     obj.pop("kv_transfer_params", None)
     return dump(obj)

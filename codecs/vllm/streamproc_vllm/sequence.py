@@ -8,8 +8,6 @@ from the header *before* touching the data.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import math
 import warnings
@@ -18,9 +16,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from streamproc.codec import CorruptPayload, SequenceCodec
-
-TOO_LARGE = "too_large"
-CORRUPT = "corrupt"
+from streamproc.decompress import CORRUPT, TOO_LARGE, decode_base64, encode_base64
 
 MAX_RANK = 8
 # Room for the .npy preamble on top of the data limit. numpy itself refuses headers over
@@ -79,14 +75,8 @@ class Base64Npy(SequenceCodec[np.ndarray]):
         if not isinstance(value, str):
             raise CorruptPayload(CORRUPT, f"expected a base64 string, got {type(value).__name__}")
         limit = self.options.max_decompressed_bytes
-        # Check the size the text would decode to before decoding it.
-        if (len(value) + 3) // 4 * 3 > limit + HEADER_ALLOWANCE:
-            raise CorruptPayload(TOO_LARGE, f"{len(value)} base64 characters exceed the {limit}-byte limit")
-        try:
-            data = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise CorruptPayload(CORRUPT, f"invalid base64: {exc}") from None
-        return read_npy(data, limit)
+        # The shared strict decoder judges the decoded size before decoding.
+        return read_npy(decode_base64(value, limit + HEADER_ALLOWANCE), limit)
 
     def encode(self, rows: np.ndarray) -> object:
-        return base64.b64encode(npy_bytes(np.ascontiguousarray(rows))).decode("ascii")
+        return encode_base64(npy_bytes(np.ascontiguousarray(rows)))

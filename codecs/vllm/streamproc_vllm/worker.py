@@ -4,6 +4,10 @@ It reproduces what the join has to repair in real disaggregated vLLM serving: th
 has no prompt logprobs, leaves the ``token`` label out of its logprob entries, and returns its
 expert rows either full-length with a stale prompt prefix or as the post-prompt suffix only
 (``Truth.decode_coverage``). The prefill leg is one unary body for the first sampled token.
+
+``VLLMWorker(shape=upstream.Shape(...))`` renders every leg with the upstream-shaped builder instead:
+``prompt_logprobs`` requested independently of ``logprobs``, stream chunks without ``model`` or
+``prompt_logprobs`` and an optional usage-only final chunk (``choices: []``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from numpy.lib import format as npy_format
 from streamproc.codec import CodecOptions, CorruptPayload
 from streamproc.simulation import Damage, SimulatedWorker, Truth
 
-from .body import (
+from .native import (
     PROMPT_LOGPROBS,
     ROUTED_EXPERTS,
     choices_of,
@@ -30,6 +34,7 @@ from .body import (
     token_label,
     unavailable_key,
 )
+from . import upstream
 from .sequence import Base64Npy, npy_bytes
 
 MODEL = "simulated"
@@ -121,14 +126,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class VLLMWorker(SimulatedWorker):
     format = "vllm"
 
+    def __init__(self, *, shape: upstream.Shape | None = None) -> None:
+        self.shape = shape
+
     # ---------------------------------------------------------------- legs
 
     def agg(self, truth: Truth, *, stream: bool) -> list[bytes]:
+        if self.shape is not None:
+            return upstream.agg(truth, self.shape, stream_=stream)
         experts = experts_value(truth, truth_rows(truth, 0, truth.rows), None)
         pl = prompt_logprobs(truth) if truth.return_logprob else None
         return self._render(truth, stream=stream, experts=experts, prompt_logprobs=pl, labels=True)
 
     def prefill(self, truth: Truth, *, stream: bool, damage: Damage | None = None) -> list[bytes]:
+        if self.shape is not None:
+            return self._damage_finishing(truth, upstream.prefill(truth, self.shape), damage, 0, truth.prompt_len)
         first_logprob = {"content": logprob_content(truth, 0, 1, labels=True)}
         choice: dict = {
             "index": 0,
@@ -150,6 +162,10 @@ class VLLMWorker(SimulatedWorker):
         return [dump(body)]
 
     def decode(self, truth: Truth, *, stream: bool, damage: Damage | None = None) -> list[bytes]:
+        if self.shape is not None:
+            start = truth.prompt_len if self.shape.decode_coverage == "suffix" else 0
+            return self._damage_finishing(truth, upstream.decode(truth, self.shape, stream_=stream), damage,
+                                          start, truth.rows)
         prompt_len, total = truth.prompt_len, truth.rows
         if truth.decode_coverage == "suffix":
             rows = truth_rows(truth, prompt_len, total)
@@ -203,6 +219,25 @@ class VLLMWorker(SimulatedWorker):
                 chunk[PROMPT_LOGPROBS] = prompt_logprobs
             bodies.append(dump(chunk))
         return bodies
+
+    def _damage_finishing(self, truth: Truth, bodies: list[bytes], damage: Damage | None, start: int,
+                          end: int) -> list[bytes]:
+        """Upstream-shaped bodies with the finishing choice's ``routed_experts`` damaged."""
+        if damage is None or not truth.return_experts:
+            return bodies  # nothing to damage in a field that was never requested
+        out = list(bodies)
+        for i in range(len(out) - 1, -1, -1):
+            obj = parse(out[i])
+            choices = choices_of(obj)
+            if choices and choices[0].get("finish_reason") is not None:
+                value = experts_value(truth, truth_rows(truth, start, end), damage)
+                if value is _ABSENT:
+                    choices[0].pop(ROUTED_EXPERTS, None)
+                else:
+                    choices[0][ROUTED_EXPERTS] = value
+                out[i] = dump(obj)
+                break
+        return out
 
     def opaque_agg(self, truth: Truth, *, stream: bool, rng: random.Random) -> list[bytes]:
         bodies = []

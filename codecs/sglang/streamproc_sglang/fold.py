@@ -1,0 +1,70 @@
+"""Folding an SGLang stream into the unary body the same request returns (``Codec.fold``).
+
+Either streaming mode is read from the chunks themselves (:func:`~.native.restates`): a cumulative
+chunk replaces the accumulated text, ids and output logprob lists; an incremental one extends them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .native import META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, restates
+
+
+def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Merge stream chunks (either mode, see :func:`restates`) into the equivalent unary body.
+
+    Incremental chunks: ``text`` and ``output_ids`` concatenate, ``meta_info`` merges with
+    ``dict.update`` semantics except the per-chunk ``output_*logprobs`` slices, which concatenate.
+    A cumulative chunk replaces all of those. Inputs are not mutated.
+    """
+    out: dict[str, Any] = {}
+    text: list[str] = []
+    ids: list[Any] = []
+    meta: dict[str, Any] = {}
+    deltas: dict[str, list[Any]] = {}
+    for doc in docs:
+        if restates(doc, ids):
+            text.clear()
+            ids.clear()
+            deltas.clear()
+            _reset_deltas(meta)
+        for key, value in doc.items():
+            if key == TEXT and isinstance(value, str):
+                out.setdefault(key, None)
+                text.append(value)
+            elif key == OUTPUT_IDS and isinstance(value, list):
+                out.setdefault(key, None)
+                ids.extend(value)
+            elif key == META and isinstance(value, dict):
+                out.setdefault(key, None)
+                _merge_meta(meta, deltas, value)
+            else:
+                out[key] = value
+    if TEXT in out and out[TEXT] is None:
+        out[TEXT] = "".join(text)
+    if OUTPUT_IDS in out and out[OUTPUT_IDS] is None:
+        out[OUTPUT_IDS] = ids
+    if META in out and out[META] is None:
+        out[META] = meta
+    return out
+
+
+def _reset_deltas(meta: dict[str, Any]) -> None:
+    """A cumulative chunk restates the output logprob lists: forget the accumulated copies (the key
+    stays, so the folded body keeps the position where the lists first appeared)."""
+    for key in OUTPUT_DELTA_FIELDS:
+        if isinstance(meta.get(key), list):
+            meta[key] = []
+
+
+def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[str, Any]) -> None:
+    for key, value in chunk.items():
+        if key in OUTPUT_DELTA_FIELDS and isinstance(value, list):
+            acc = deltas.get(key)
+            if acc is None or meta.get(key) is not acc:
+                acc = deltas[key] = list(meta[key]) if isinstance(meta.get(key), list) else []
+                meta[key] = acc
+            acc.extend(value)
+        else:
+            meta[key] = value

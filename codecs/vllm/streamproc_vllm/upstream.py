@@ -1,0 +1,145 @@
+"""vLLM ``/inference/v1/generate`` bodies shaped as upstream vLLM emits them, independent of the simulator.
+
+One function per shape, each naming the upstream code it mirrors (``vllm/entrypoints/serve/disagg/``
+``protocol.py`` and ``serving.py``). Unlike the simulator's defaults it renders what the codec must
+not assume: ``prompt_logprobs`` requested or not independently of ``logprobs``, stream chunks
+without ``model`` or ``prompt_logprobs``, a usage-only final chunk with ``choices: []``, and P/D
+decode legs whose rows cover the full sequence (stale prompt rows) or the generated suffix only.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from streamproc.simulation import Truth
+
+from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, token_label
+from .sequence import npy_bytes
+
+MODEL = "upstream-model"
+
+
+class Shape(msgspec.Struct, frozen=True, kw_only=True):
+    """The request fields that decide what vLLM's bodies look like."""
+
+    prompt_logprobs: bool = False  # SamplingParams.prompt_logprobs (independent of ``logprobs``)
+    include_usage: bool = True  # stream_options.include_usage: a final usage-only chunk
+    decode_coverage: Literal["full", "suffix"] = "full"
+    stale_prefill: bool = False  # prefill's prompt rows all zero (no working capture)
+
+
+def expert_dtype(truth: Truth) -> np.dtype:
+    """``GenerateResponseChoice.routed_experts``: uint8 when ids fit a byte, else uint16."""
+    return np.dtype(np.uint8 if truth.num_experts <= 256 else np.uint16)
+
+
+def _rows(truth: Truth, start: int, end: int) -> np.ndarray:
+    ids = np.frombuffer(truth.expert_rows(start, end), dtype="<i4")
+    return ids.reshape(end - start, truth.num_layers, truth.top_k).astype(expert_dtype(truth))
+
+
+def encode_rows(rows: np.ndarray) -> str:
+    """Base64 of ``np.save`` bytes, shape ``(num_tokens - 1, num_layers, num_experts_per_tok)``."""
+    return base64.b64encode(npy_bytes(rows)).decode("ascii")
+
+
+def _logprobs(truth: Truth, start: int, end: int, *, labels: bool) -> dict[str, Any] | None:
+    """``ServingTokens._create_tokens_logprobs``: one entry per sampled token, labelled
+    ``token_id:<id>`` (a P/D decode worker leaves the label out)."""
+    if not truth.return_logprob:
+        return None
+    content = []
+    for token_id, logprob in zip(truth.output_ids[start:end], truth.output_logprobs[start:end]):
+        entry: dict[str, Any] = {"token": token_label(token_id)} if labels else {}
+        entry.update(logprob=logprob, bytes=None, top_logprobs=[])
+        content.append(entry)
+    return {"content": content}
+
+
+def _prompt_logprobs(truth: Truth) -> list:
+    """``clamp_prompt_logprobs(final_res.prompt_logprobs)``: aligned to the prompt, position 0 ``None``."""
+    return [None, *({str(t): {"logprob": lp, "rank": 1, "decoded_token": token_label(t)}}
+                    for t, lp in zip(truth.prompt_ids[1:], truth.prompt_logprobs[1:]))]
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def unary(truth: Truth, shape: Shape, *, rows: np.ndarray | None, output: tuple[int, int] | None = None,
+          prompt_logprobs: bool | None = None, labels: bool = True, finish: str | None = None) -> bytes:
+    """``ServingTokens.serve_tokens_full_generator`` -> ``GenerateResponse``: ``prompt_logprobs`` is
+    always a key (``null`` unless requested), as are ``usage`` and ``kv_transfer_params``."""
+    start, end = output or (0, truth.output_len)
+    want_prompt = shape.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": _logprobs(truth, start, end, labels=labels),
+        "finish_reason": finish or truth.finish,
+        "token_ids": truth.output_ids[start:end],
+        ROUTED_EXPERTS: encode_rows(rows) if rows is not None else None,
+    }
+    return dump({
+        "request_id": truth.request_id,
+        "model": MODEL,
+        "choices": [choice],
+        "usage": _usage(truth.prompt_len, end - start),
+        PROMPT_LOGPROBS: _prompt_logprobs(truth) if want_prompt else None,
+        "kv_transfer_params": None,
+    })
+
+
+def stream(truth: Truth, shape: Shape, *, rows: np.ndarray | None, labels: bool = True) -> list[bytes]:
+    """The streaming generator -> ``GenerateStreamResponse`` chunks: ``{request_id, choices, usage}``
+    with no ``model`` and no ``prompt_logprobs``; ``routed_experts`` on the finishing choice; with
+    ``include_usage`` a last chunk that has ``choices: []`` and the usage."""
+    spans = truth.chunk_spans()
+    bodies = []
+    for index, (start, end) in enumerate(spans):
+        last = index == len(spans) - 1
+        choice = {
+            "index": 0,
+            "logprobs": _logprobs(truth, start, end, labels=labels),
+            "finish_reason": truth.finish if last else None,
+            "token_ids": truth.output_ids[start:end],
+            ROUTED_EXPERTS: encode_rows(rows) if last and rows is not None else None,
+        }
+        bodies.append(dump({"request_id": truth.request_id, "choices": [choice], "usage": None}))
+    if shape.include_usage:
+        bodies.append(dump({"request_id": truth.request_id, "choices": [],
+                            "usage": _usage(truth.prompt_len, truth.output_len)}))
+    return bodies
+
+
+def agg(truth: Truth, shape: Shape, *, stream_: bool) -> list[bytes]:
+    """An aggregated worker: rows for every forwarded position, ``[0, prompt + output - 1)``."""
+    rows = _rows(truth, 0, truth.rows) if truth.return_experts else None
+    return stream(truth, shape, rows=rows) if stream_ else [unary(truth, shape, rows=rows)]
+
+
+def prefill(truth: Truth, shape: Shape) -> list[bytes]:
+    """A P/D prefill worker runs the request with ``max_tokens=1``: one unary body with the first
+    token, the prompt logprobs if requested and the prompt rows."""
+    rows = None
+    if truth.return_experts:
+        rows = _rows(truth, 0, truth.prompt_len)
+        if shape.stale_prefill:
+            rows = np.zeros_like(rows)
+    return [unary(truth, shape, rows=rows, output=(0, 1), finish="length")]
+
+
+def decode(truth: Truth, shape: Shape, *, stream_: bool) -> list[bytes]:
+    """A P/D decode worker: no prompt scoring (``prompt_logprobs`` null on unary bodies), unlabelled
+    logprob entries, and rows that are stale (zero) for the prompt or cover the suffix only."""
+    rows = None
+    if truth.return_experts:
+        rows = _rows(truth, truth.prompt_len, truth.rows)
+        if shape.decode_coverage == "full":
+            rows = np.concatenate([np.zeros_like(_rows(truth, 0, truth.prompt_len)), rows])
+    if stream_:
+        return stream(truth, shape, rows=rows, labels=False)
+    return [unary(truth, shape, rows=rows, prompt_logprobs=False, labels=False)]

@@ -1,0 +1,38 @@
+"""Every default that more than one component reads, declared once.
+
+The correlator's bounds, the codecs' byte budget, the streams' retention and the readers'
+reorder bound are read from here by :mod:`streamproc.config` (processor and edge settings), the
+correlator's and codecs' own option records, and :mod:`streamproc.nats.streams`, so a default can
+never differ between the component that applies it and the one that validates against it.
+"""
+
+NATS_URL = "nats://127.0.0.1:4222"
+PREFIX = "streamproc"  # subject prefix P
+FORMAT = "sglang"
+
+# Correlation (seconds, counts)
+PREFILL_TIMEOUT = 30.0
+REQUEST_TIMEOUT = 300.0
+FINISHED_GRACE = 60.0
+MAX_INFLIGHT = 10_000
+MAX_BUFFERED_CHUNKS = 4096
+MAX_FINISHED = 200_000
+MAX_RETAINED_BYTES = 256 * 1024
+
+# Codecs
+# A ceiling, not the working bound: codecs decode at most what a body's token counts allow
+# (rows x row width). 512 MiB holds a 128k-token capture of the widest open MoE models at int32
+# (Qwen3-235B: 94 layers x top-8 = 394 MB; DeepSeek-V3/Kimi-K2: 61 x 8 = 256 MB).
+MAX_DECOMPRESSED_BYTES = 512 * 1024 * 1024
+
+# Streams (JetStream)
+RESULTS_MAX_AGE = 3600.0  # seconds a result can still be replayed
+CHUNKS_MAX_AGE = 3600.0
+DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
+
+# Durable outbox (settings and the outbox's own config)
+MAX_RESULT_ATTEMPTS = 100  # refusals + unanswered sends of one result before it is given up
+ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
+
+# Readers (client helpers and the edge)
+MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it

@@ -1,0 +1,107 @@
+"""Every exception streamproc raises on purpose, under one base class.
+
+``except StreamprocError`` catches all of them; the subclasses keep the builtin bases they had
+(``ValueError``, ``LookupError``, ``RuntimeError``) so existing ``except`` clauses keep working.
+Pure: nothing here imports an I/O library, so the core, the shell and the codecs share it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .wire import MigrateError
+
+
+class StreamprocError(Exception):
+    """Base of every error streamproc raises on purpose."""
+
+
+# ------------------------------------------------------------------ input and formats
+
+class ContractError(StreamprocError, ValueError):
+    """A message that breaks the wire contract. ``request_id`` is None when even that is unreadable."""
+
+    def __init__(self, reason: str, request_id: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.request_id = request_id
+
+
+class CorruptPayload(StreamprocError, ValueError):
+    """A sequence payload that cannot be decoded safely. ``reason`` becomes the omission marker."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class UnknownFormat(StreamprocError, LookupError):
+    """A format name no installed codec registers."""
+
+    def __init__(self, name: str, available: list[str]) -> None:
+        super().__init__(f"unknown format {name!r}; installed codecs: {', '.join(available) or 'none'}")
+        self.name = name
+        self.available = available
+
+
+class MigrationRefused(StreamprocError):
+    """This request cannot continue on another worker (n > 1, guided decoding, unreadable output...)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class MalformedResult(StreamprocError, ValueError):
+    """A message on a results subject that does not follow the contract."""
+
+
+class MigrationError(StreamprocError):
+    """The processor answered a migrate with an error; ``code`` says which (``MigrateErrorCode``)."""
+
+    def __init__(self, reply: MigrateError) -> None:
+        super().__init__(f"{reply.code.value}: {reply.message}")
+        self.reply = reply
+        self.code = reply.code
+
+
+# ------------------------------------------------------------------- configuration and start-up
+
+class ConfigError(StreamprocError, ValueError):
+    """A setting that cannot be used; the message names the flag or variable it came from."""
+
+
+class StartupError(StreamprocError, RuntimeError):
+    """A component cannot start (unknown format, broken codec, NATS unreachable). A user error."""
+
+
+class EmbeddedNatsError(StartupError):
+    """The embedded server's binary is missing, or the server did not come up."""
+
+
+class StreamMismatch(StartupError):
+    """A JetStream stream exists but differs from what was asked for; nothing was changed."""
+
+    what = "stream"
+
+    def __init__(self, name: str, differences: list[str]) -> None:
+        super().__init__(
+            f"JetStream stream {name!r} does not match the requested {self.what}: "
+            + "; ".join(differences)
+            + " (change or delete it deliberately; streamproc never edits it)"
+        )
+        self.name = name
+        self.differences = differences
+
+
+class ResultsStreamMismatch(StreamMismatch):
+    what = "results stream"
+
+
+class ChunkStreamMismatch(StreamMismatch):
+    what = "chunk stream"
+
+
+class LeaseBucketMismatch(StreamMismatch):
+    what = "lease bucket"

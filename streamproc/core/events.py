@@ -1,0 +1,138 @@
+"""The records that flow through the core: chunks in, decisions out, migrate messages.
+
+Every other module speaks in these terms: the correlator turns :class:`Chunk` into
+:class:`Decision` values (:class:`Result` to publish, :class:`Settle` for input that contributes
+to nothing, :class:`Notice` for the log); the control plane exchanges :class:`MigrateRequest` and
+:data:`MigrateReply`; readers of results see :class:`ResultInfo`. How they look on the wire
+(subjects, headers) is :mod:`streamproc.core.wire`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class Role(enum.StrEnum):
+    """Which worker leg a chunk comes from (the last token of its subject)."""
+
+    AGG = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Verdict(enum.StrEnum):
+    """What the processor did to a result body (the ``Streamproc-Join`` header)."""
+
+    PASSTHROUGH = "passthrough"  # body is the input chunk's bytes, untouched
+    JOINED = "joined"  # the codec merged prefill data into the decode chunk
+    OMITTED = "omitted"  # a joined field was unavailable and was removed, with a reason marker
+    STITCHED = "stitched"  # a resumed attempt's body, rewritten to continue the earlier attempts' stream
+
+
+class Chunk(msgspec.Struct, frozen=True):
+    """One worker response chunk as the correlator sees it. ``token`` is the shell's ack handle."""
+
+    request_id: str
+    role: Role
+    seq: int
+    body: bytes
+    final: bool = False
+    attempt: int = 0
+    format: str | None = None
+    traceparent: str | None = None
+    token: Any = None
+
+
+class Result(msgspec.Struct, gc=False):
+    """One result to publish on ``P.results.<request_id>``.
+
+    ``settles`` lists the input tokens that may be acknowledged once this result is stored.
+    """
+
+    request_id: str
+    seq: int
+    body: bytes
+    final: bool
+    verdict: Verdict | None = None
+    error: str | None = None
+    traceparent: str | None = None
+    settles: tuple = ()
+
+    @property
+    def msg_id(self) -> str:
+        return f"{self.request_id}.{self.seq}"
+
+
+class Settle(msgspec.Struct, frozen=True):
+    """Input tokens that contribute to no result (duplicates, late chunks): ack them now."""
+
+    tokens: tuple
+
+
+class Notice(msgspec.Struct, frozen=True):
+    """Something an operator may want in the log, always with the request id."""
+
+    request_id: str
+    event: str
+    detail: str = ""
+
+
+Decision = Result | Settle | Notice
+
+
+class ResultInfo(msgspec.Struct, frozen=True):
+    """A result as an edge reads it back from NATS."""
+
+    request_id: str
+    seq: int
+    final: bool
+    verdict: Verdict | None
+    error: str | None
+    body: bytes
+    traceparent: str | None = None
+
+
+# ------------------------------------------------------------------ migration control (request/reply)
+
+class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Body of a NATS request on ``P.control.<request_id>.migrate``; an empty body means all defaults."""
+
+    # Seal only if this is still the current attempt: two migrators racing cannot both win.
+    expected_attempt: int | None = None
+    # The caller already knows the request cannot move (e.g. guided decoding): end it with a
+    # ``migration_refused`` error result instead of leaving the client waiting for request_timeout.
+    refuse: str | None = None
+    reason: str = ""  # free text for the processor's log (e.g. which worker was lost)
+
+
+class MigrateErrorCode(enum.StrEnum):
+    UNKNOWN_REQUEST = "unknown_request"  # no chunk of it reached this processor (or it was forgotten)
+    FINISHED = "finished"  # its final result is already published: nothing to resume
+    ATTEMPT_MISMATCH = "attempt_mismatch"  # expected_attempt is not the current attempt
+    REFUSED = "refused"  # state cannot transfer; the request was ended with an error result
+    BAD_REQUEST = "bad_request"  # the control message itself is malformed
+
+
+class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
+    """Success: the previous attempt is sealed and ``attempt`` is granted to the resumed request."""
+
+    request_id: str
+    attempt: int  # what every chunk of the resumed request carries in Streamproc-Attempt
+    emitted_tokens: int  # output tokens the client has been sent, over all earlier attempts
+    emitted_token_ids: list[int]
+    result_seq: int  # the result seq the resumed attempt's chunk seq 0 becomes
+    format: str
+    state: dict[str, Any] = {}  # format-specific facts the format's resume hook may check
+
+
+class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status"):
+    request_id: str
+    code: MigrateErrorCode
+    message: str
+    attempt: int | None = None  # the current attempt, when the request is known
+
+
+MigrateReply = Sealed | MigrateError

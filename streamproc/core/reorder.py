@@ -1,0 +1,63 @@
+"""Reading one request's results back in order: the reorder buffer of every reader.
+
+Results can reach a reader out of order or twice (a JetStream replay overlapping a live
+subscription, a processor that republished after a crash). :class:`SeqOrder` hands them out in
+seq order, each once, up to and including the final (or error) result, after an optional resume
+point (an SSE client's ``Last-Event-ID``). Used by the client helpers
+(:mod:`streamproc.client.results`) and the edge (:mod:`streamproc.edge.source`). Pure.
+"""
+
+from __future__ import annotations
+
+from . import defaults
+from .events import ResultInfo
+
+MAX_PENDING_RESULTS = defaults.MAX_PENDING_RESULTS
+
+
+class SeqOrder:
+    """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
+
+    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "duplicates", "max_pending")
+
+    def __init__(self, after: int | None = None, *, max_pending: int = MAX_PENDING_RESULTS) -> None:
+        self.next_seq = 0 if after is None else after + 1
+        self.pending: dict[int, ResultInfo] = {}
+        self.done = False
+        self.ended_before_resume = False
+        self.duplicates = 0
+        self.max_pending = max_pending
+
+    def push(self, result: ResultInfo) -> list[ResultInfo]:
+        """Results that can be handed out now, in order. Raises OverflowError past ``max_pending``."""
+        if self.done:
+            self.duplicates += 1
+            return []
+        if result.seq < self.next_seq:
+            if result.final:  # replayed final at or before the resume point: the client has it all
+                self.done = self.ended_before_resume = True
+                self.pending.clear()
+            else:
+                self.duplicates += 1
+            return []
+        if result.seq in self.pending:
+            self.duplicates += 1
+            return []
+        if len(self.pending) >= self.max_pending:
+            raise OverflowError(f"{self.max_pending} results wait for seq {self.next_seq}")
+        self.pending[result.seq] = result
+        ready = []
+        while self.next_seq in self.pending:
+            item = self.pending.pop(self.next_seq)
+            ready.append(item)
+            self.next_seq += 1
+            if item.final or item.error is not None:
+                self.done = True
+                self.pending.clear()
+                break
+        return ready
+
+    @property
+    def dropped(self) -> int:
+        """Results that repeated a seq or came after the final one (the client reader's name)."""
+        return self.duplicates

@@ -1,0 +1,117 @@
+"""``--mode core``: a plain subscription on ``P.chunks.>``, results published at most once.
+
+This is the passthrough hot path, benchmarked against a bare nats-py relay: no logging, no extra
+coroutines, no awaits other than ``nc.publish`` per result.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from ..config import Settings
+from ..core.correlator import Decision, Notice
+from ..core.wire import ContractError, Result, result_headers
+from ..logs import error_text, log_event
+from .gate import DispatchGate
+from .input import Pipeline
+from .subscription import handled_all
+
+log = logging.getLogger("streamproc.processor")
+
+
+class CoreInput:
+    """At-most-once input: nothing to acknowledge, so settled tokens are simply dropped."""
+
+    stats = None
+
+    def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, gate: DispatchGate) -> None:
+        self._nc = nc
+        self._settings = settings
+        self._pipeline = pipeline
+        self._gate = gate
+        self._sub: Subscription | None = None
+        self._publish = nc.publish
+        self._results_head = pipeline.subjects.result("")  # + request id, without a call per message
+        # Bound once: the hot path pays no attribute chain per message.
+        self._parse = pipeline.parse
+        self._receive = pipeline.correlator.receive
+        self._clock = pipeline.clock
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(
+            self._pipeline.subjects.all_chunks, cb=self._on_message,
+            pending_msgs_limit=self._settings.pending_msgs_limit,
+            pending_bytes_limit=self._settings.pending_bytes_limit,
+        )
+        await self._nc.flush()  # the server knows the interest before start() returns
+
+    async def stop(self, timeout: float) -> None:
+        sub, self._sub = self._sub, None
+        if sub is None or self._nc.is_closed:
+            return
+        with anyio.move_on_after(timeout) as scope:
+            # Unsubscribes, then waits until every message already received has been handled.
+            await sub.drain()
+        if scope.cancelled_caught:
+            log_event(log, logging.WARNING, "drain_timeout", timeout=timeout)
+
+    async def caught_up(self) -> None:
+        sub = self._sub
+        await handled_all(sub, lambda: self._sub is sub)
+
+    def owns(self, request_id: str) -> bool:
+        return True  # one core instance sees every chunk
+
+    def dropped(self, sub: Subscription | None, reply: str | None) -> None:
+        pass  # nothing was promised for a dropped core message
+
+    async def dispatch(self, decisions: list[Decision]) -> None:
+        publish = self._publish
+        head = self._results_head
+        for d in decisions:
+            if d.__class__ is Result:
+                try:
+                    await publish(head + d.request_id, d.body, headers=result_headers(d))
+                except Exception as exc:
+                    self._publish_failed(d, exc)
+            elif d.__class__ is Notice:
+                self._pipeline.notify(d)
+            # Settle: nothing to acknowledge in core mode
+
+    async def _on_message(self, msg: Msg) -> None:
+        gate = self._gate
+        if gate.held is not None:  # the timer or a control request is publishing: keep per-request order
+            await gate.wait_turn()
+        gate.busy = True
+        try:
+            try:
+                chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
+            except ContractError as exc:
+                decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
+            else:
+                decisions = self._receive(chunk, self._clock())
+            # dispatch() inlined: one coroutine less per message is measurable against a bare relay.
+            for d in decisions:
+                if d.__class__ is Result:
+                    try:
+                        await self._publish(self._results_head + d.request_id, d.body,
+                                            headers=result_headers(d))
+                    except Exception as exc:
+                        self._publish_failed(d, exc)
+                elif d.__class__ is Notice:
+                    self._pipeline.notify(d)
+        finally:
+            gate.busy = False
+
+    def _publish_failed(self, result: Result, exc: Exception) -> None:
+        io = self._pipeline.io
+        io.publish_failures += 1
+        if io.publish_failures & (io.publish_failures - 1):  # log 1st, 2nd, 4th, 8th...: outages flood
+            return
+        log_event(log, logging.ERROR, "publish_failed", request_id=result.request_id, seq=result.seq,
+                  failures_total=io.publish_failures, error=error_text(exc))

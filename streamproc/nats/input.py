@@ -1,0 +1,104 @@
+"""The seam between the processor and where chunks come from.
+
+An :class:`Input` reads chunks from NATS, feeds them to the correlator and carries out its
+decisions; the :class:`~streamproc.nats.processor.Processor` only chooses one, starts it, fires
+the correlator's timers through :meth:`Input.dispatch` and answers control requests. Both inputs
+(:class:`~streamproc.nats.core_input.CoreInput`, :class:`~streamproc.nats.durable_input.DurableInput`)
+implement every member, so the processor never probes for one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Protocol
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from ..core.correlator import Correlator, Decision, Notice, Settle
+from ..core.wire import ChunkParser, ContractError, Subjects
+from ..logs import log_event
+
+log = logging.getLogger("streamproc.processor")
+
+Clock = Callable[[], float]
+
+
+class IOStats(msgspec.Struct):
+    """Shell-side counters; the correlator's own are in ``Correlator.stats``."""
+
+    unreadable: int = 0  # messages whose subject does not even name a request: nothing to answer
+    publish_failures: int = 0  # results lost because NATS refused the publish (core mode)
+    slow_consumer: int = 0  # input messages nats-py dropped because its pending queue was full
+    disconnects: int = 0
+    reconnects: int = 0
+    timer_runs: int = 0
+
+
+# Per-request events that are expected in normal operation (redeliveries, races at a seal).
+QUIET_EVENTS = frozenset({"late_chunk", "rejected_after_finish", "sealed_chunk"})
+
+
+class Pipeline:
+    """What every input shares: the correlator, the clock, the chunk parser, counters and the
+    two ways a message ends without a codec (a contract error, a notice for the log)."""
+
+    def __init__(self, correlator: Correlator, subjects: Subjects, clock: Clock) -> None:
+        self.correlator = correlator
+        self.subjects = subjects
+        self.clock = clock
+        self.parse = ChunkParser(subjects)
+        self.io = IOStats()
+
+    def contract_error(self, exc: ContractError, msg: Msg, acknowledged: bool) -> list[Decision]:
+        """Decisions for a message that broke the wire contract.
+
+        With a request id, the request ends with an ``invalid_chunk`` error result; without one
+        there is nobody to answer, so the message is only counted, logged and (``acknowledged``
+        inputs) settled so it is not redelivered.
+        """
+        if exc.request_id is None:
+            self.io.unreadable += 1
+            log_event(log, logging.WARNING, "unreadable_message", subject=msg.subject, reason=exc.reason)
+            return [Settle((msg,))] if acknowledged else []
+        return self.correlator.reject(exc.request_id, exc.reason, self.clock(), msg)
+
+    def notify(self, notice: Notice) -> None:
+        level = logging.DEBUG if notice.event in QUIET_EVENTS else logging.WARNING
+        log_event(log, level, notice.event, request_id=notice.request_id, detail=notice.detail)
+
+
+class Input(Protocol):
+    """Where chunks come from, and how the decisions they lead to reach NATS."""
+
+    stats: msgspec.Struct | None  # the input's own counters, merged into the processor's snapshot
+
+    async def start(self) -> None:
+        """Subscribe (and, durable, create or check streams); return once chunks can arrive."""
+
+    async def stop(self, timeout: float) -> None:
+        """Stop reading, finish what was received within ``timeout``, release what is held."""
+
+    async def dispatch(self, decisions: list[Decision]) -> None:
+        """Carry out decisions made off the message path (timer, control requests)."""
+
+    async def caught_up(self) -> None:
+        """Return once every chunk received before the call has been handled."""
+
+    def owns(self, request_id: str) -> bool:
+        """Whether this instance answers for the request (durable: holds its partition's lease)."""
+
+    def dropped(self, sub: Subscription | None, reply: str | None) -> None:
+        """nats-py dropped a delivered message of ``sub`` as a slow consumer."""
+
+
+def snapshot(correlator: Correlator, io: IOStats, extra: msgspec.Struct | None) -> dict[str, Any]:
+    """All counters plus gauges, for logs and tests."""
+    out = msgspec.structs.asdict(correlator.stats)
+    out["results"] = correlator.stats.results  # derived, not stored
+    out.update(msgspec.structs.asdict(io))
+    out["inflight"] = correlator.inflight
+    if extra is not None:
+        out.update(msgspec.structs.asdict(extra))
+    return out
