@@ -206,13 +206,18 @@ class World:
         self.emitted[rid].append(self.mid(rid, s))
         self.take([result(rid, s, final, settles), Notice(rid, "emitted")], rid)
 
-    def duplicate(self, rid: str) -> None:
-        """A repeat of a chunk already turned into a result: settled, but behind what is queued."""
+    def duplicate(self, rid: str, off_path: bool = False) -> None:
+        """A repeat of a chunk already turned into a result: settled, but behind what is queued.
+        ``off_path``: released by a decision off the message path (a seal), which names the request
+        only in its Notice."""
         if not self.emitted[rid]:
             return
         mid = self.emitted[rid][-1]
         t = self.token(rid, mid.rsplit(".", 1)[1], set(self.emitted[rid]))
-        self.take([Settle((t,))], rid)
+        if off_path:
+            self.take([Settle((t,)), Notice(rid, "migrated")], None)
+        else:
+            self.take([Settle((t,))], rid)
 
     def send(self, fail: list[bool]) -> None:
         for i, o in enumerate(self.outbox.sending(self.now)):
@@ -302,7 +307,7 @@ def test_random_faults_never_lose_reorder_or_duplicate_a_result_nor_ack_before_s
         if step == "emit":
             w.emit(data.draw(st.sampled_from(rids)))
         elif step == "duplicate":
-            w.duplicate(data.draw(st.sampled_from(rids)))
+            w.duplicate(data.draw(st.sampled_from(rids)), off_path=data.draw(st.booleans()))
         elif step == "send":
             w.send(data.draw(st.lists(st.booleans(), max_size=3)))
         elif step == "arrive" and w.wire:
@@ -406,6 +411,21 @@ def test_a_settle_with_nothing_queued_for_its_request_is_acked_at_once():
     box.take([Settle((a,))], "a")
     box.take([Settle((b,))], None)  # the processor's unreadable messages name no request
     assert acked(box.control()) == [a, b]
+
+
+def test_a_settle_dispatched_off_the_message_path_waits_behind_the_one_request_its_batch_names():
+    """A seal (control request) releases held tokens with a Notice naming its request and no
+    request id from a message: they still must not overtake that request's queued result."""
+    box = Outbox()
+    held, other = Token("a", "prefill", 1), Token("b", "0", 1)
+    box.take([result("a", 0)], "a")
+    box.take([result("b", 0)], "b")
+    box.take([Settle((held,)), Notice("a", "migrated")], None)
+    box.take([Settle((other,)), Notice("a", "x"), Notice("b", "y")], None)  # two requests: no owner
+    assert acked(box.control()) == [other]
+    sent = {o.result.request_id: o for o in box.sending(0.0)}
+    box.on_puback(sent["a"].ticket, STORED_ACK, 0.1)
+    assert acked(box.control()) == [held]
 
 
 def test_take_returns_the_notices_for_the_log():

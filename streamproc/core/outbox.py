@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import msgspec
 
 from . import defaults
-from .events import Decision, Notice, Result, Role
+from .events import Decision, Notice, Result, Role, Settle
 from .wire import FINAL, SEQ
 
 __all__ = [
@@ -170,7 +170,9 @@ class Outbox:
     def take(self, decisions: list[Decision], request_id: str | None = None) -> list[Notice]:
         """Queue results and place settled tokens; return the notices (for the shell's log).
 
-        ``request_id`` owns the Settles: they wait behind that request's last queued result.
+        ``request_id`` owns the Settles: they wait behind that request's last queued result. Off the
+        message path (a seal, the timer) it is None; the Settles then belong to the one request the
+        other decisions name, if they name exactly one, else nothing is queued ahead of them.
         """
         queues = self._queues
         notices: list[Notice] = []
@@ -189,6 +191,8 @@ class Outbox:
             elif cls is Notice:
                 notices.append(d)
             else:  # Settle
+                if request_id is None:
+                    request_id = _sole_request(decisions)
                 queue = queues.get(request_id) if request_id is not None else None
                 if queue:
                     queue[-1].settles.extend(t for t in d.tokens if t is not None)
@@ -347,6 +351,12 @@ class Outbox:
                 control.append((t, PROGRESS))
                 self.stats.in_progress += 1
         self._progress_seen = set(current)
+
+
+def _sole_request(decisions: list[Decision]) -> str | None:
+    """The request every Result and Notice of ``decisions`` names, if there is exactly one."""
+    named = {d.request_id for d in decisions if d.__class__ is not Settle}
+    return named.pop() if len(named) == 1 else None
 
 
 # ------------------------------------------------------------------------- recovery decisions
