@@ -7,12 +7,10 @@ Integration tests use no mocks: the server is the ``nats-server`` binary from th
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
@@ -20,6 +18,7 @@ import anyio
 import msgspec
 import nats
 import pytest
+from helpers import clean_env, connection, wait_ready
 
 from streamproc import config
 from streamproc.sim.embedded import EmbeddedNats, stop_process
@@ -49,11 +48,8 @@ def nats_url(nats_server: EmbeddedNats) -> str:
 @pytest.fixture
 async def client(nats_url: str) -> AsyncIterator[nats.aio.client.Client]:
     """A plain nats-py connection playing worker and edge."""
-    nc = await nats.connect(nats_url)
-    try:
+    async with connection(nats_url) as nc:
         yield nc
-    finally:
-        await nc.close()
 
 
 # Edge tests share one server (and edge) per module: starting an edge subprocess per test would
@@ -75,24 +71,15 @@ def edge(server: EmbeddedNats):
 
 @pytest.fixture
 async def nc(server: EmbeddedNats) -> AsyncIterator[nats.aio.client.Client]:
-    conn = await nats.connect(server.url)
-    try:
+    async with connection(server.url) as conn:
         yield conn
-    finally:
-        await conn.close()
-
-
-def _cli_env(extra: dict[str, str] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
-    env.update(extra or {})
-    return env
 
 
 def run_cli_process(*args: str, env: dict[str, str] | None = None, timeout: float = 30,
                     script: bool = False) -> subprocess.CompletedProcess[str]:
     """Run one CLI command to completion as a real subprocess (``script`` uses the installed entry point)."""
     cmd = [str(SCRIPT)] if script else CLI
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=_cli_env(env),
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=clean_env(env),
                           stdin=subprocess.DEVNULL)
 
 
@@ -125,15 +112,13 @@ def processor_subprocess(nats_url: str, *extra: str, ready_timeout: float = 20.0
         log_path = Path(tmp) / "stderr.log"
         with open(log_path, "wb") as log_file:
             proc = subprocess.Popen([*CLI, "run", "--nats-url", nats_url, *extra], stdin=subprocess.DEVNULL,
-                                    stdout=log_file, stderr=log_file, env=_cli_env(None))
+                                    stdout=log_file, stderr=log_file, env=clean_env())
+
+        def log() -> str:
+            return log_path.read_text(errors="replace")
+
         try:
-            deadline = time.monotonic() + ready_timeout
-            while "event=started" not in log_path.read_text(errors="replace"):
-                if proc.poll() is not None:
-                    pytest.fail(f"streamproc run exited with {proc.returncode}:\n{log_path.read_text()}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"streamproc run not ready after {ready_timeout}s:\n{log_path.read_text()}")
-                time.sleep(0.02)
+            wait_ready(lambda: "event=started" in log(), proc, "streamproc run", ready_timeout, log, every=0.02)
             yield proc, log_path
         finally:
             stop_process(proc, 10)

@@ -1,17 +1,16 @@
-"""Shared helpers of the durable-mode tests: settings, polling, and reading what the streams hold."""
+"""Shared helpers of the durable-mode tests: settings, processes, and reading what the streams hold."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import anyio
 import nats
+from helpers import clean_env
 from nats.js import JetStreamContext
 
 from streamproc import config
@@ -36,20 +35,6 @@ def durable_flags(**overrides: object) -> list[str]:
                                  "lease_ttl": 1.5}
     values.update(overrides)
     return [arg for name, value in values.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
-
-
-async def wait_until(check: Callable[[], Awaitable[bool] | bool], timeout: float, what: str,
-                     every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if not isinstance(value, bool):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await anyio.sleep(every)
 
 
 async def stored_results(js: JetStreamContext, subjects: Subjects, stream: str = RESULTS_STREAM,
@@ -109,7 +94,7 @@ class Instance:
         self.kills = 0
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(config.ENV_PREFIX)}
+        env = clean_env()
         with open(self.log_path, "ab") as log:
             log.write(f"----- start {self.starts}\n".encode())
             log.flush()

@@ -10,37 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from helpers import clean_env, free_port, wait_ready
 from nats.aio.client import Client as NatsClient
 
 from streamproc.sim.embedded import stop_process
 from streamproc.wire import Result, Subjects, Verdict, result_headers
 
 EDGE = [sys.executable, "-m", "streamproc.edge"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without STREAMPROC_* variables (they would leak into the edge)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMPROC_")}
-    env.update(extra or {})
-    return env
 
 
 class EdgeProcess:
@@ -72,16 +57,12 @@ class EdgeProcess:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=self.env
             )
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"edge exited with {self.proc.returncode}:\n{self.log()}")
-            if http_status(f"{self.url}/healthz") == 200:
-                return self
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"edge not healthy after {ready_timeout}s:\n{self.log()}")
-            time.sleep(0.05)
+        try:
+            wait_ready(lambda: http_status(f"{self.url}/healthz") == 200, self.proc, "edge", ready_timeout, self.log)
+        except AssertionError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> int | None:
         proc, self.proc = self.proc, None

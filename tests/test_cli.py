@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
 import anyio
 import nats
 import pytest
+from helpers import free_port
 
 from streamproc import config
 from streamproc.sim import traffic
@@ -24,12 +24,6 @@ pytestmark = [pytest.mark.nats, pytest.mark.timeout(30)]
 def assert_clean_failure(proc, code: int) -> None:
     assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -------------------------------------------------------------------------- codecs
@@ -90,7 +84,7 @@ def test_settings_precedence_is_defaults_then_environment_then_flags():
 def test_run_with_unknown_format_fails_at_start_up_listing_installed_codecs(run_cli):
     started = time.monotonic()
     # A NATS url that would hang for connect_timeout proves the format is checked first.
-    proc = run_cli("run", "--format", "no-such-codec", "--nats-url", f"nats://127.0.0.1:{closed_port()}",
+    proc = run_cli("run", "--format", "no-such-codec", "--nats-url", f"nats://127.0.0.1:{free_port()}",
                    "--connect-timeout", "60")
     assert_clean_failure(proc, 1)
     assert time.monotonic() - started < 15
@@ -100,7 +94,7 @@ def test_run_with_unknown_format_fails_at_start_up_listing_installed_codecs(run_
 
 def test_run_fails_cleanly_when_nats_is_unreachable(run_cli):
     started = time.monotonic()
-    proc = run_cli("run", "--nats-url", f"nats://127.0.0.1:{closed_port()}", "--connect-timeout", "1")
+    proc = run_cli("run", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1")
     assert_clean_failure(proc, 1)
     assert "cannot connect to NATS" in proc.stderr
     assert time.monotonic() - started < 15
@@ -152,7 +146,7 @@ def test_simulate_publishes_the_announced_number_of_chunks(nats_url, run_cli):
 
 
 def test_simulate_without_a_server_fails_cleanly(run_cli):
-    proc = run_cli("simulate", "--nats-url", f"nats://127.0.0.1:{closed_port()}", "--connect-timeout", "2")
+    proc = run_cli("simulate", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "2")
     assert_clean_failure(proc, 1)
     assert "cannot connect to NATS" in proc.stderr
 

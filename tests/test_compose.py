@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -35,7 +34,7 @@ from compose_checks import (
     load_compose,
     wait_for_results,
 )
-from edge_harness import clean_env, free_port
+from helpers import clean_env, free_port, wait_ready
 
 from streamproc import config
 from streamproc.edge import settings as edge_settings
@@ -269,13 +268,7 @@ class NativeCompose:
         return done.returncode == 0
 
     def wait_healthy(self, name: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.healthy(name):
-            if self.processes[name].poll() is not None:
-                pytest.fail(f"{name} exited with {self.processes[name].returncode}\n{self.logs()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{name} not healthy after {timeout}s\n{self.logs()}")
-            time.sleep(0.2)
+        wait_ready(lambda: self.healthy(name), self.processes[name], name, timeout, self.logs, every=0.2)
 
     def stop(self) -> None:
         for name in reversed(list(self.processes)):

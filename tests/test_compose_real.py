@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 from compose_checks import COMPOSE, ROOT, check_one_of_each, wait_for_results
-from edge_harness import clean_env, free_port
+from helpers import clean_env, free_port
 
 from streamproc.sim.embedded import find_binary, stop_process
 

@@ -1,8 +1,4 @@
-"""The correlator on its own, driven with a toy codec so every rule is visible in the bytes.
-
-Toy format: a decode body starting with ``need:`` needs the prefill leg; the join appends
-``|<prefill bodies>`` or ``|omitted:<reason>``. Anything else passes through.
-"""
+"""The correlator on its own, driven with the toy codec (tests/toy_codec.py): each rule shows in bytes."""
 
 from __future__ import annotations
 
@@ -11,48 +7,12 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from toy_codec import ToyCodec, bodies, feed
 
-from streamproc.codec import Codec, ErrorKind, JoinSession
+from streamproc.codec import Codec, ErrorKind
 from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle, UnknownFormat
 from streamproc.testing.harness import Run, leg, shuffle_with_duplicates
-from streamproc.wire import Chunk, Result, Role, Verdict
-
-
-class ToySession(JoinSession):
-    def __init__(self) -> None:
-        self.prefill: bytes | None = None
-        self.reason = ""
-
-    def needs_prefill(self, body: bytes, final: bool) -> bool:
-        if body == b"explode":
-            raise RuntimeError("toy codec bug")
-        return body.startswith(b"need:")
-
-    def absorb_prefill(self, bodies):
-        self.prefill = b"+".join(bodies)
-
-    def prefill_unavailable(self, reason: str) -> None:
-        self.reason = reason
-
-    def join(self, body: bytes, final: bool):
-        if not body.startswith(b"need:"):
-            return body, Verdict.PASSTHROUGH
-        if self.prefill is None:
-            return body + b"|omitted:" + self.reason.encode(), Verdict.OMITTED
-        return body + b"|" + self.prefill, Verdict.JOINED
-
-
-class ToyCodec(Codec):
-    name = "toy"
-
-    def open_session(self) -> JoinSession:
-        return ToySession()
-
-    def fold(self, bodies):
-        return b"".join(bodies)
-
-    def error_body(self, message: str, kind: ErrorKind) -> bytes:
-        return f"ERR[{kind.value}]{message}".encode()
+from streamproc.wire import Chunk, Role, Verdict
 
 
 class OtherToy(ToyCodec):
@@ -74,16 +34,6 @@ def resolve(name: str) -> Codec:
 def make(**config) -> tuple[Correlator, Run]:
     c = Correlator(resolve, "toy", CorrelatorConfig(**config))
     return c, Run(c)
-
-
-def feed(run: Run, chunks, now: float = 0.0) -> Run:
-    for ch in chunks:
-        run.absorb(run.correlator.receive(ch, now))
-    return run
-
-
-def bodies(results: list[Result]) -> list[bytes]:
-    return [r.body for r in results]
 
 
 def test_unary_aggregated_chunk_is_published_at_once_and_leaves_no_state():

@@ -38,8 +38,8 @@ from durable_helpers import (
     chunk_stream_messages,
     durable_settings,
     stored_results,
-    wait_until,
 )
+from helpers import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 

@@ -32,8 +32,8 @@ from durable_helpers import (
     durable_flags,
     durable_settings,
     stored_results,
-    wait_until,
 )
+from helpers import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 

@@ -22,6 +22,7 @@ from edge_harness import (
     sse_view,
     subscribed_subjects,
 )
+from helpers import rid
 from httpx_sse import aconnect_sse
 
 from streamproc.catalog import Catalog, worker_for
@@ -61,10 +62,6 @@ def durable_edge(server):
 def native_error_type(kind: ErrorKind) -> str:
     """The ``type`` the edge's format (sglang, the default) gives an error of this kind."""
     return json.loads(Catalog()("sglang").error_body("x", kind))["error"]["type"]
-
-
-def rid(name: str) -> str:
-    return f"{name}-{random.randrange(1 << 30):x}"
 
 
 async def stream_bytes(edge, path: str, publish, headers: dict[str, str] | None = None) -> bytes:

@@ -143,7 +143,7 @@ def test_the_edge_gives_up_on_an_unreachable_nats_after_connect_timeout():
     import sys
     import time
 
-    from edge_harness import free_port
+    from helpers import free_port
 
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "streamproc.edge", "--nats-url", f"nats://127.0.0.1:{free_port()}",

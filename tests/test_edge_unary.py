@@ -8,13 +8,13 @@ its native body with an HTTP error status.
 from __future__ import annotations
 
 import json
-import random
 
 import anyio
 import httpx
 import nats
 import pytest
 from edge_harness import publish_result, publish_results, running_edge, subscribed_subjects
+from helpers import rid
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.codec import ErrorKind
@@ -26,10 +26,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 DURABLE = Subjects("streamproc")
 CORE = Subjects("core")
 JSON = {"Accept": "application/json"}
-
-
-def rid(name: str) -> str:
-    return f"{name}-{random.randrange(1 << 30):x}"
 
 
 async def get(edge, path: str, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -1,98 +1,26 @@
-"""The correlator's migration rules (seal-then-resume), driven with a toy codec so every rule shows in bytes.
-
-Toy format: a body lists token ids (``b"1 2"``); ``need:`` in front means the decode chunk needs the
-prefill leg, and the join appends ``|<prefill>``. A body starting with ``!`` makes the toy refuse
-migration. The stitch appends ``|+<k>`` (k = tokens emitted before the attempt) so a stitched body
-is recognisable.
-"""
+"""The correlator's migration rules (seal-then-resume), driven with the migrating toy codec
+(tests/toy_codec.py) so every rule shows in bytes."""
 
 from __future__ import annotations
 
-from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
+from toy_codec import MigratingToyCodec, ToyCodec, feed
+
+from streamproc.codec import Codec
 from streamproc.correlator import Correlator, CorrelatorConfig
 from streamproc.testing.harness import Run, leg
 from streamproc.wire import Chunk, MigrateError, MigrateErrorCode, Role, Sealed, Verdict
 
 
-class ToyJoin(JoinSession):
-    def __init__(self) -> None:
-        self.prefill: bytes | None = None
-
-    def needs_prefill(self, body: bytes, final: bool) -> bool:
-        return body.startswith(b"need:")
-
-    def absorb_prefill(self, bodies):
-        self.prefill = b"+".join(bodies)
-
-    def prefill_unavailable(self, reason: str) -> None:
-        self.prefill = b"omitted"
-
-    def join(self, body: bytes, final: bool):
-        if not body.startswith(b"need:"):
-            return body, Verdict.PASSTHROUGH
-        return body + b"|" + (self.prefill or b""), Verdict.JOINED
-
-
-class ToyMigration(MigrationSession):
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.absorbed: list[list[bytes]] = []  # each absorb call's bodies, as handed over
-        self.k = 0
-
-    def absorb(self, bodies):
-        self.absorbed.append(list(bodies))
-        for body in bodies:
-            if body.startswith(b"!"):
-                raise MigrationRefused("toy: this body cannot move")
-            text = body.split(b"|")[0].removeprefix(b"need:")
-            self.ids.extend(int(t) for t in text.split())
-
-    def seal(self) -> Emitted:
-        self.k = len(self.ids)
-        return Emitted(list(self.ids), {"bodies": sum(map(len, self.absorbed))})
-
-    def stitch(self, body: bytes, final: bool):
-        return (body + b"|+" + str(self.k).encode(), Verdict.STITCHED) if self.k else None
-
-
-class ToyCodec(Codec):
-    name = "toy"
-
-    def __init__(self, options=None) -> None:
-        super().__init__(options)
-        self.sessions: list[ToyMigration] = []
-
-    def open_session(self) -> JoinSession:
-        return ToyJoin()
-
-    def open_migration(self) -> MigrationSession:
-        self.sessions.append(ToyMigration())
-        return self.sessions[-1]
-
-    def fold(self, bodies):
-        return b"".join(bodies)
-
-    def error_body(self, message: str, kind: ErrorKind) -> bytes:
-        return f"ERR[{kind.value}]{message}".encode()
-
-
 class NoMigration(ToyCodec):
-    name = "plain"
+    """The toy join under another name, without migration support."""
 
-    def open_migration(self) -> MigrationSession:
-        return Codec.open_migration(self)
+    name = "plain"
 
 
 def make(codec: Codec | None = None, **config) -> tuple[Correlator, Run, Codec]:
-    codec = codec or ToyCodec()
+    codec = codec or MigratingToyCodec()
     c = Correlator(lambda name: codec, codec.name, CorrelatorConfig(**config))
     return c, Run(c), codec
-
-
-def feed(run: Run, chunks, now: float = 0.0) -> Run:
-    for chunk in chunks:
-        run.absorb(run.correlator.receive(chunk, now))
-    return run
 
 
 def migrate(run: Run, rid: str, now: float = 0.0, **kwargs):

@@ -18,6 +18,7 @@ import anyio
 import nats
 import pytest
 from edge_harness import publish_result, publish_results, sse_view
+from helpers import rid
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -95,10 +96,6 @@ def is_json(body: bytes) -> bool:
     except ValueError:
         return False
     return True
-
-
-def rid(name: str) -> str:
-    return f"{name}-{random.randrange(1 << 30):x}"
 
 
 def screenshot(driver, name: str) -> Path:

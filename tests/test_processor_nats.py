@@ -25,7 +25,18 @@ from streamproc.config import load
 from streamproc.nats.processor import Processor, StartupError
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector, follow
-from streamproc.wire import ERROR, FINAL, JOIN, MSG_ID, SEQ, TRACEPARENT, Result, Verdict, result_headers
+from streamproc.wire import (
+    ATTEMPT,
+    ERROR,
+    FINAL,
+    JOIN,
+    MSG_ID,
+    SEQ,
+    TRACEPARENT,
+    Result,
+    Verdict,
+    result_headers,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(30)]
 
@@ -237,6 +248,10 @@ async def test_contract_violations_end_the_request_with_a_final_error_result(kin
                 ("no-seq", subjects.chunk("no-seq", "agg"), None, 0, "missing"),
                 ("bad-seq", subjects.chunk("bad-seq", "agg"), {SEQ: "abc"}, 0, "non-negative integer"),
                 ("neg-seq", subjects.chunk("neg-seq", "agg"), {SEQ: "-1"}, 0, "non-negative integer"),
+                # str.isdigit() is true for these, int() fails on them (tests/test_wire.py)
+                ("super-seq", subjects.chunk("super-seq", "agg"), {SEQ: "²"}, 0, "non-negative integer"),
+                ("circled-attempt", subjects.chunk("circled-attempt", "agg"), {SEQ: "0", ATTEMPT: "①"}, 0,
+                 "non-negative integer"),
                 ("bad-final", subjects.chunk("bad-final", "agg"), {SEQ: "0", FINAL: "yes"}, 0, FINAL),
                 ("bad-role", f"{subjects.prefix}.chunks.bad-role.summary", {SEQ: "0", FINAL: "true"}, 0, "role"),
                 ("mid-stream", subjects.chunk("mid-stream", "agg"), {SEQ: "x"}, 1, "non-negative integer"),

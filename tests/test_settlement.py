@@ -7,7 +7,8 @@ partition's requests to another instance without publishing anything for them an
 
 from __future__ import annotations
 
-from test_correlator import bodies, feed, make
+from test_correlator import make
+from toy_codec import bodies, feed
 
 from streamproc.testing.harness import leg
 from streamproc.wire import Chunk, Role

@@ -124,7 +124,8 @@ def _parse_index(value: str | None, name: str, request_id: str, *, required: boo
         if required:
             raise ContractError(f"missing required header {name}", request_id)
         return 0
-    if not value.isdigit() or len(value) > 18:
+    # isdecimal, not isdigit: isdigit also accepts '²' or '①', on which int() raises a bare ValueError.
+    if not value.isdecimal() or len(value) > 18:
         raise ContractError(f"header {name} must be a non-negative integer, got {value!r}", request_id)
     return int(value)
 
@@ -170,7 +171,7 @@ class ChunkParser:
             final = headers.get(FINAL)
             attempt = headers.get(ATTEMPT)
             if (found is not None and request_id and "." not in request_id
-                    and seq is not None and seq.isdigit() and len(seq) <= 18
+                    and seq is not None and seq.isdecimal() and len(seq) <= 18
                     and (final is None or final == "true" or final == "false")
                     and (attempt is None or attempt == "0")):
                 return Chunk(request_id, found, int(seq), body, final == "true", 0,

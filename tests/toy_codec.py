@@ -1,0 +1,102 @@
+"""The toy format that drives the pure correlator in tests, so every rule shows in the bytes.
+
+Join: a decode body starting with ``need:`` needs the prefill leg; the join appends
+``|<prefill bodies joined by +>``, or ``|omitted:<reason>`` when the prefill leg is unavailable.
+Anything else passes through. A decode body ``explode`` makes the codec raise (a codec bug).
+
+Migration (:class:`MigratingToyCodec` only): a body lists token ids (``b"1 2"``, ``need:`` and the
+``|...`` join suffix ignored); a body starting with ``!`` cannot move. The stitch appends ``|+<k>``
+(k = tokens emitted before the attempt) so a stitched body is recognisable.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
+from streamproc.core.events import Chunk, Result, Verdict
+from streamproc.testing.harness import Run
+
+
+class ToySession(JoinSession):
+    def __init__(self) -> None:
+        self.prefill: bytes | None = None
+        self.reason = ""
+
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        if body == b"explode":
+            raise RuntimeError("toy codec bug")
+        return body.startswith(b"need:")
+
+    def absorb_prefill(self, bodies):
+        self.prefill = b"+".join(bodies)
+
+    def prefill_unavailable(self, reason: str) -> None:
+        self.reason = reason
+
+    def join(self, body: bytes, final: bool):
+        if not body.startswith(b"need:"):
+            return body, Verdict.PASSTHROUGH
+        if self.prefill is None:
+            return body + b"|omitted:" + self.reason.encode(), Verdict.OMITTED
+        return body + b"|" + self.prefill, Verdict.JOINED
+
+
+class ToyMigration(MigrationSession):
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.absorbed: list[list[bytes]] = []  # each absorb call's bodies, as handed over
+        self.k = 0
+
+    def absorb(self, bodies):
+        self.absorbed.append(list(bodies))
+        for body in bodies:
+            if body.startswith(b"!"):
+                raise MigrationRefused("toy: this body cannot move")
+            text = body.split(b"|")[0].removeprefix(b"need:")
+            self.ids.extend(int(t) for t in text.split())
+
+    def seal(self) -> Emitted:
+        self.k = len(self.ids)
+        return Emitted(list(self.ids), {"bodies": sum(map(len, self.absorbed))})
+
+    def stitch(self, body: bytes, final: bool):
+        return (body + b"|+" + str(self.k).encode(), Verdict.STITCHED) if self.k else None
+
+
+class ToyCodec(Codec):
+    """The toy join; migration refused (the :class:`Codec` default)."""
+
+    name = "toy"
+
+    def open_session(self) -> JoinSession:
+        return ToySession()
+
+    def fold(self, bodies):
+        return b"".join(bodies)
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return f"ERR[{kind.value}]{message}".encode()
+
+
+class MigratingToyCodec(ToyCodec):
+    """The toy join plus migration; ``sessions`` keeps every migration session it opened."""
+
+    def __init__(self, options=None) -> None:
+        super().__init__(options)
+        self.sessions: list[ToyMigration] = []
+
+    def open_migration(self) -> MigrationSession:
+        self.sessions.append(ToyMigration())
+        return self.sessions[-1]
+
+
+def feed(run: Run, chunks: Iterable[Chunk], now: float = 0.0) -> Run:
+    """Hand ``chunks`` to the run's correlator one by one at time ``now``, collecting its decisions."""
+    for chunk in chunks:
+        run.absorb(run.correlator.receive(chunk, now))
+    return run
+
+
+def bodies(results: list[Result]) -> list[bytes]:
+    return [r.body for r in results]
