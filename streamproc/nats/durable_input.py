@@ -47,10 +47,12 @@ from nats.js.api import StorageType
 from nats.js.errors import NotFoundError
 
 from ..config import Settings
-from ..core.correlator import Decision, Notice
 from ..core.credit import PullCredit
+from ..core.events import Decision
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
+from ..core.wire import ContractError
+from ..logs import error_text, log_event
 from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
 from .outbox_pump import OutboxPump
@@ -66,8 +68,6 @@ from .streams import (
     partition_consumer_config,
     partition_consumer_name,
 )
-from ..core.wire import ContractError
-from ..logs import error_text, log_event
 
 log = logging.getLogger("streamproc.durable")
 
@@ -78,9 +78,6 @@ WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
-
-Notify = Callable[[Notice], None]
-
 
 class DurableStats(OutboxStats):
     """Counters of the durable input (merged into ``Processor.snapshot()``); the outbox's are inherited."""
@@ -123,7 +120,9 @@ class _Partition:
 
 
 class DurableInput:
-    """The durable input of :class:`~streamproc.processor.Processor` (``--mode durable``)."""
+    """The durable input of :class:`~streamproc.nats.processor.Processor` (``--mode durable``): an
+    :class:`~streamproc.nats.input.Input`. It needs no dispatch gate: decisions from any task enter
+    the outbox's per-request queues synchronously, so a request's results keep their order."""
 
     def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, *,
                  instance: str | None = None) -> None:

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from ..core.correlator import Decision, Notice
+from ..core.events import Decision, Notice
 from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, GiveUp, Nak, Outbox
 from ..core.wire import result_headers
 from ..logs import error_text, log_event
