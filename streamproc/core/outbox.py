@@ -132,7 +132,8 @@ class Outbox:
         self.stats = stats if stats is not None else OutboxStats()
         self._queues: dict[str, list[Outgoing]] = {}  # per request; [0] is in flight or about to be
         self._inflight: dict[str, Outgoing] = {}  # by ticket
-        self._send: deque[Outgoing] = deque()
+        self.ready: deque[Outgoing] = deque()  # to publish; the shell reads its length, sending() drains it
+        self._first_wait = config.first_wait
         self._control: list[tuple[object, Action]] = []
         self._given_up: list[GiveUp] = []
         self._next = 0
@@ -175,21 +176,24 @@ class Outbox:
         other decisions name, if they name exactly one, else nothing is queued ahead of them.
         """
         queues = self._queues
-        notices: list[Notice] = []
+        notices: list[Notice] | None = None
         for d in decisions:
             cls = d.__class__
             if cls is Result:
                 rid = d.request_id
                 self._next += 1
-                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self.config.first_wait)
+                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait)
                 queue = queues.get(rid)
                 if queue is None:
                     queues[rid] = [o]
-                    self._send.append(o)
+                    self.ready.append(o)
                 else:
                     queue.append(o)
             elif cls is Notice:
-                notices.append(d)
+                if notices is None:
+                    notices = [d]
+                else:
+                    notices.append(d)
             else:  # Settle
                 if request_id is None:
                     request_id = _sole_request(decisions)
@@ -198,7 +202,7 @@ class Outbox:
                     queue[-1].settles.extend(t for t in d.tokens if t is not None)
                 else:
                     self.ack(d.tokens)
-        return notices
+        return notices if notices is not None else _NO_NOTICES
 
     def ack(self, tokens: Iterable[object]) -> None:
         control = self._control
@@ -235,13 +239,17 @@ class Outbox:
         if b'"duplicate":true' in data:
             self.stats.duplicate_results += 1
             outcome = DUPLICATE
-        if o.settles:
-            self.ack(o.settles)
+        settles = o.settles  # None already filtered out
+        if settles:
+            control = self._control
+            for t in settles:
+                control.append((t, ACK))
+            self.stats.acks += len(settles)
         rid = o.result.request_id
         queue = self._queues[rid]  # a ticket in flight is always its request's head
         del queue[0]
         if queue:
-            self._send.append(queue[0])
+            self.ready.append(queue[0])
         else:
             del self._queues[rid]
         return outcome
@@ -270,7 +278,7 @@ class Outbox:
                     continue
             o.wait = min(o.wait * 2, config.max_wait)
             self.stats.publish_retries += 1
-            self._send.append(o)
+            self.ready.append(o)
         if held is not None and now >= self._next_progress:
             self._next_progress = now + config.progress_every
             self._progress(held())
@@ -292,14 +300,16 @@ class Outbox:
                 o.settles = []
                 self._inflight.pop(o.ticket, None)
         if dropped:
-            self._send = deque(o for o in self._send if o.result.request_id in self._queues)
+            keep = [o for o in self.ready if o.result.request_id in self._queues]
+            self.ready.clear()  # in place: the shell may hold a reference
+            self.ready.extend(keep)
         return tokens, dropped
 
     # ---------------------------------------------------------------------- out
 
     def sending(self, now: float) -> list[Outgoing]:
         """Results to publish now (with reply subject from their ticket); each waits for its PubAck."""
-        send = self._send
+        send = self.ready
         if not send:
             return []
         out = list(send)
@@ -351,6 +361,9 @@ class Outbox:
                 control.append((t, PROGRESS))
                 self.stats.in_progress += 1
         self._progress_seen = set(current)
+
+
+_NO_NOTICES: list[Notice] = []  # returned by take() when there are none; never appended to
 
 
 def _sole_request(decisions: list[Decision]) -> str | None:

@@ -103,8 +103,8 @@ class OutboxPump:
         """Send what is ready: results first (their order per request is already fixed), then acks."""
         outbox = self.outbox
         publish = self._nc.publish
-        sending = outbox.sending(self._clock())
-        if sending:
+        if outbox.ready:
+            sending = outbox.sending(self._clock())
             head = self._head
             prefix = self._reply_prefix
             for o in sending:
