@@ -428,6 +428,8 @@ class DurableInput:
         take = publisher.take
         pump = publisher.pump
         outbox = self.outbox
+        queue = outbox.take  # the outbox itself on the common path: one call less per message
+        notify = self.pipeline.notify
         delivered = part.credit.delivered
 
         async def on_message(msg: Msg) -> None:
@@ -454,7 +456,10 @@ class DurableInput:
                 if not await self._recover(rid, chunk.format, msg, now):
                     await pump()
                     return
-            take(receive(chunk, now), rid)
+            notices = queue(receive(chunk, now), rid)
+            if notices:
+                for n in notices:
+                    notify(n)
             await pump()
 
         return on_message
