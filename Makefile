@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(BIN)/streamproc demo
 
 test: $(STAMP)
+	scripts/install-system-deps
 	$(BIN)/python -m pytest
 
 # `docker compose up --build` for real (tests/test_compose_real.py): starts dockerd if none runs,

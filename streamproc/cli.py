@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import sys
 import time
@@ -17,19 +16,40 @@ from typing import Sequence
 
 import anyio
 
-from . import __version__, catalog, config
+from . import __version__, catalog, config, logs
 from .core.errors import ConfigError, StartupError, StreamprocError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+def _setup_logging(level: str, fmt: str = "logfmt") -> None:
+    logs.configure(level, fmt)  # type: ignore[arg-type]
+
+
+def warn_unknown_environment(command: str) -> None:
+    for line in config.unknown_environment_warnings(os.environ):
+        print(f"streamproc {command}: warning: {line}", file=sys.stderr)
 
 
 def _settings(args: argparse.Namespace) -> config.Settings:
-    return config.from_arguments(args, os.environ)
+    settings, origin = config.PROCESSOR.explain_arguments(args, os.environ)
+    warn_unknown_environment(args.command)
+    check_format(settings.format, origin["format"])
+    if getattr(args, "print_config", False):
+        print(config.print_config(settings, origin))
+        raise SystemExit(EXIT_OK)
+    return settings
+
+
+def check_format(name: str, origin: str) -> None:
+    """An unknown --format is bad configuration (exit 2) for every command, found before connecting."""
+    from .core.codec import CodecOptions
+    from .core.errors import UnknownFormat
+
+    try:
+        catalog.Catalog(CodecOptions())(name)
+    except UnknownFormat as exc:
+        raise ConfigError(f"invalid {origin}={name!r}: {exc}") from None
 
 
 # ------------------------------------------------------------------------- commands
@@ -38,10 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .nats.processor import Processor
 
     settings = _settings(args)
-    if args.print_config:
-        sys.stdout.write(settings.to_json().decode() + "\n")
-        return EXIT_OK
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     processor = Processor(settings)
     # Per message the processor allocates a handful of short-lived container objects; with
     # CPython's default gen-0 threshold (700) that is a collection every ~150 messages, each
@@ -72,7 +89,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .sim.demo import print_report
 
     settings = _settings(args)
-    _setup_logging(settings.log_level)
+    _setup_logging(settings.log_level, settings.log_format)
     try:
         worker = catalog.worker_for(settings.format)
     except LookupError as exc:
@@ -106,14 +123,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise StartupError(f"cannot connect to NATS at {settings.nats_url}: "
                             f"{type(cause).__name__}: {cause}") from None
         try:
+            # Against a JetStream chunk stream, publish durably: a chunk the stream refuses is an error
+            # here, not a silent loss (a core publish to a full stream vanishes without a word).
+            from .nats.streams import find_stream
+            durable = await find_stream(nc.jetstream(timeout=2), settings.subjects.chunk("probe", "agg")) is not None
             if not args.verify:
-                await traffic.publish(nc, settings.subjects, messages, format=settings.format)
+                await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
                 print(f"published {len(messages)} chunks for {len(plans)} requests "
                       f"({args.mode}, format {settings.format}) on {settings.subjects.prefix}.chunks.>")
                 return EXIT_OK
             started = time.perf_counter()
             async with ResultCollector(nc, settings.subjects) as collector:
-                await traffic.publish(nc, settings.subjects, messages, format=settings.format)
+                await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
                 timed_out = None
                 try:
                     await collector.wait_for([p.request_id for p in plans], timeout=args.timeout)
@@ -133,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .sim.demo import default_format, print_report, run_demo
 
-    _setup_logging("WARNING")
+    _setup_logging("ERROR")  # the demo's planned faults log warnings by design; its summary reports them
     if args.requests < 1:
         raise ConfigError("--requests must be at least 1")
     format = args.format or default_format()
@@ -141,13 +162,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         catalog.worker_for(format)
     except LookupError as exc:
         raise ConfigError(str(exc)) from None
+    if args.serve is not None and not 0 <= args.serve <= 65535:
+        raise ConfigError(f"--serve {args.serve}: a port is 0..65535")
     report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
-                                        timeout=args.timeout))
-    print_report(report)
+                                        timeout=args.timeout, progress=sys.stderr, serve_port=args.serve))
+    if args.serve is None:
+        print_report(report)
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
 # --------------------------------------------------------------------------- parser
+
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--print-config", action="store_true",
+                        help="validate the settings as start-up would, print each value with its source "
+                             "(default, env, flag) as JSON, and exit")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -160,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the processor against a NATS server",
                          description="Run the processor until SIGTERM/SIGINT.")
     config.add_arguments(run)
-    run.add_argument("--print-config", action="store_true", help="print the effective configuration as JSON and exit")
+    add_print_config(run)
     run.set_defaults(func=cmd_run)
 
     codecs = sub.add_parser("codecs", help="list installed codecs (entry-point group streamproc.codecs)")
@@ -169,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="publish simulated worker traffic (optionally verify the results)",
                          description="Publish simulated worker chunks (each with a Streamproc-Format header) "
                                      "and, with --verify, check the results of a running processor.")
-    config.add_arguments(sim, ["nats_url", "prefix", "format", "connect_timeout", "log_level"])
+    config.add_arguments(sim, ["nats_url", "prefix", "format", "connect_timeout", "log_level", "log_format"])
     sim.add_argument("--requests", type=int, default=10, help="number of requests (default 10)")
     sim.add_argument("--mode", choices=["agg", "pd", "mixed"], default="mixed",
                      help="aggregated, prefill/decode or both alternating (default mixed)")
@@ -184,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--verify", action="store_true",
                      help="wait for the results of a running processor and verify them")
     sim.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for results with --verify")
+    add_print_config(sim)
     sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="embedded NATS + processor + simulated SGLang workers, verified",
@@ -194,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="codec/worker format (default sglang-zstd if installed, else sglang)")
     demo.add_argument("--seed", type=int, default=1)
     demo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all results")
+    demo.add_argument("--serve", type=int, nargs="?", const=8080, default=None, metavar="PORT",
+                      help="after the summary keep NATS, the processor and the edge up on PORT (default "
+                           "8080, 0: any free port) and print the live page's URL; Ctrl-C stops")
     demo.set_defaults(func=cmd_demo)
 
     from .edge.command import add_cli as add_edge_cli  # imports no web stack until `edge` runs

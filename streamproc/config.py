@@ -9,9 +9,10 @@ from, instead of misbehaving hours later.
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import typing
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Iterable, Literal, Mapping
 
 import msgspec
 
@@ -26,11 +27,35 @@ ENV_PREFIX = "STREAMPROC_"
 Mode = Literal["auto", "core", "durable"]
 Storage = Literal["file", "memory"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["logfmt", "json"]
 
 
 def documented(text: str, **constraints: Any) -> msgspec.Meta:
     """A setting's help text and range, declared once on the field (used by the edge's settings too)."""
     return msgspec.Meta(description=text, **constraints)
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?$")
+
+
+def check_nats_url(value: str) -> None:
+    """Each comma-separated server must be ``nats|tls|ws|wss://[user[:pass]@]host[:port]`` or
+    ``host[:port]``: an ``http://`` URL or free text would otherwise be retried forever as a DNS name."""
+    for server in (part.strip() for part in value.split(",")):
+        if not server:
+            raise ValueError("nats_url: empty server in the list")
+        scheme, sep, rest = server.partition("://")
+        if not sep:
+            scheme, rest = "nats", server
+        if scheme.lower() not in NATS_SCHEMES:
+            raise ValueError(f"nats_url: unsupported scheme {scheme + '://'!r} in {server!r} "
+                             f"(use {', '.join(s + '://' for s in NATS_SCHEMES)})")
+        hostport = rest.rsplit("@", 1)[-1].split("/", 1)[0]
+        if not _HOST_PORT.match(hostport) or (":" in hostport and not hostport.endswith("]")
+                                              and not 0 < int(hostport.rsplit(":", 1)[1]) < 65536):
+            raise ValueError(f"nats_url: {server!r} is not a server address (expected host:port or "
+                             "nats://host:port)")
 
 
 class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -48,6 +73,8 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     connect_timeout: Annotated[float, documented("seconds to wait for the first NATS connection at start-up; 0 waits "
                                            "forever (later disconnects are always retried)", ge=0, le=86_400)] = 30.0
     log_level: Annotated[LogLevel, documented("logging threshold")] = "INFO"
+    log_format: Annotated[LogFormat, documented("log line format: logfmt (event=<name> key=value) or json, "
+                                                "one object per line")] = "logfmt"
     stream_storage: Annotated[Storage, documented("storage of the chunk and results streams and the lease "
                                             "bucket")] = "file"
     stream_replicas: Annotated[int, documented("replicas of the chunk and results streams and the lease "
@@ -62,6 +89,7 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             Subjects(self.prefix)
         except ValueError as exc:
             raise ValueError(f"prefix: {exc}") from None
+        check_nats_url(self.nats_url)
         if self.duplicate_window > self.results_max_age:
             raise ValueError("duplicate_window must not exceed results_max_age")
 
@@ -105,6 +133,13 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                       ge=1, le=10_000_000)] = defaults.MAX_INFLIGHT
     max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
                                              "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
+    max_buffered_bytes: Annotated[int, documented("bytes of chunk bodies buffered per request (reorder + prefill) "
+                                            "before it is ended with an invalid_chunk error",
+                                            ge=1024, le=2**40)] = defaults.MAX_BUFFERED_BYTES
+    max_total_bytes: Annotated[int, documented("bytes of buffered chunk bodies plus decoded payloads kept for joins, "
+                                         "across all requests; a request that would pass it is ended with an "
+                                         "overloaded error (raise it for very large expert captures)",
+                                         ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
@@ -122,6 +157,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     drain_timeout: Annotated[float, documented("seconds a graceful stop may spend draining", gt=0, le=3600)] = 10.0
     stats_interval: Annotated[float, documented("seconds between statistics log lines; 0 turns them off",
                                           ge=0, le=86_400)] = 0.0
+    http_port: Annotated[int, documented("port of the status server (/metrics, /healthz, /readyz); 0 turns "
+                                         "it off", ge=0, le=65535)] = 0
+    http_host: Annotated[str, documented("address the status server listens on", min_length=1)] = "0.0.0.0"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,7 +183,42 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_buffered_chunks=self.max_buffered_chunks,
             max_finished=self.max_finished,
             max_retained_bytes=self.max_retained_bytes,
+            max_buffered_bytes=self.max_buffered_bytes,
+            max_total_bytes=self.max_total_bytes,
         )
+
+
+# ``--help`` groups, in order, and the settings in each. A setting added elsewhere (another
+# component's connection options, say) lands in "connection" by its name, else in "other".
+HELP_GROUPS: dict[str, str] = {
+    "connection": "where NATS is and how to reach it",
+    "correlation": "how chunks become results",
+    "limits": "bounds on memory and queues",
+    "durable": "JetStream streams, consumers and leases (--mode durable; the edge's results stream)",
+    "edge": "the HTTP edge",
+    "logging": "logs, metrics and health",
+}
+OTHER_GROUP = "other"
+_GROUP_OF = {
+    **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
+    **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
+                    "correlation"),
+    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes",
+                     "max_finished", "max_decompressed_bytes",
+                     "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
+    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "lease_ttl", "chunks_max_age",
+                     "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
+                     "duplicate_window", "ensure_results_stream"], "durable"),
+    **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent"], "edge"),
+    **dict.fromkeys(["log_level", "log_format", "stats_interval", "http_port", "http_host"], "logging"),
+}
+_CONNECTION_WORDS = ("nats", "tls", "creds", "token", "user", "password", "nkey", "jwt", "cert", "ca_")
+
+
+def help_group(name: str) -> str:
+    if name in _GROUP_OF:
+        return _GROUP_OF[name]
+    return "connection" if any(word in name for word in _CONNECTION_WORDS) else OTHER_GROUP
 
 
 class Field(msgspec.Struct, frozen=True):
@@ -203,16 +276,25 @@ class SettingsSchema(typing.Generic[S]):
 
     def load(self, environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> S:
         """Merge defaults < environment < ``overrides`` (parsed flags) and validate."""
+        return self.explain(environ, overrides)[0]
+
+    def explain(self, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> tuple[S, dict[str, str]]:
+        """:meth:`load`, plus where each value came from: ``default``, ``env STREAMPROC_X`` or ``flag --x``."""
         environ = environ if environ is not None else {}
         sources: dict[str, str] = {}
+        origin: dict[str, str] = {}
         merged: dict[str, Any] = {}
         for f in self.fields():
+            origin[f.name] = "default"
             if f.env in environ:
                 merged[f.name] = environ[f.env]
                 sources[f.name] = f"environment variable {f.env}={environ[f.env]!r}"
+                origin[f.name] = f"env {f.env}"
             if overrides and overrides.get(f.name) is not None:
                 merged[f.name] = overrides[f.name]
                 sources[f.name] = f"flag {f.flag}={overrides[f.name]!r}"
+                origin[f.name] = f"flag {f.flag}"
             value = merged.get(f.name)
             if f.kind is bool and isinstance(value, str):
                 if value.lower() not in _TRUE | _FALSE:
@@ -221,7 +303,7 @@ class SettingsSchema(typing.Generic[S]):
         if isinstance(merged.get("log_level"), str):
             merged["log_level"] = merged["log_level"].upper()
         try:
-            return msgspec.convert(merged, self.struct, strict=False)
+            return msgspec.convert(merged, self.struct, strict=False), origin
         except msgspec.ValidationError as exc:
             message = str(exc)
             match = _PATH.search(message)
@@ -232,16 +314,46 @@ class SettingsSchema(typing.Generic[S]):
                 if choices:
                     reason += f" (allowed: {', '.join(choices)})"
                 raise self.error(f"invalid {sources[name]}: {reason}") from None
-            raise self.error(f"invalid configuration: {message}") from None
+            raise self.error(f"invalid configuration: {self._name_sources(message, sources)}") from None
+
+    def _name_sources(self, message: str, sources: Mapping[str, str]) -> str:
+        """A cross-field error names settings by field (``a_b must not exceed c_d``, ``prefix: ...``);
+        say which flag and value each one is. Quoted values and plain words are left alone."""
+        by_name = {f.name: f for f in self.fields()}
+
+        def named(name: str) -> str:
+            f = by_name[name]
+            return f"{f.flag} ({sources.get(name, f'default {f.default!r}')})"
+
+        head, sep, rest = message.partition(": ")
+        if sep and head in by_name:  # "prefix: <reason>"
+            return f"{named(head)}: {rest}"
+        words = re.compile(r"'[^']*'|\b(" + "|".join(re.escape(n) for n in by_name if "_" in n) + r")\b")
+        return words.sub(lambda m: named(m.group(1)) if m.group(1) else m.group(0), message)
+
+    def unknown_environment(self, environ: Mapping[str, str], known: Iterable[str] = ()) -> list[str]:
+        """``STREAMPROC_*`` variables no setting reads, each with a suggestion when one is close."""
+        names = {f.env for f in self.fields()} | set(known)
+        out = []
+        for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in names):
+            close = difflib.get_close_matches(var, names, n=1)
+            out.append(var + (f" (did you mean {close[0]}?)" if close else ""))
+        return out
 
     def add_arguments(self, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
-        """Add ``--kebab-name`` flags for the given settings (all by default). Unset flags stay None."""
+        """Add ``--kebab-name`` flags for the given settings (all by default), grouped by topic
+        (:data:`HELP_GROUPS`) in ``--help``. Unset flags stay None."""
         wanted = set(names) if names is not None else None
-        group = parser.add_argument_group(self._title)
-        for f in self.fields():
-            if wanted is not None and f.name not in wanted:
-                continue
-            help_text = f"{f.help} [env {f.env}, default {f.default!r}]"
+        chosen = [f for f in self.fields() if wanted is None or f.name in wanted]
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for title in [*HELP_GROUPS, OTHER_GROUP]:
+            if any(help_group(f.name) == title for f in chosen):
+                groups[title] = parser.add_argument_group(
+                    f"{title} settings", HELP_GROUPS.get(title, "") + " (flag > STREAMPROC_* environment > default)")
+        for f in chosen:
+            group = groups[help_group(f.name)]
+            allowed = f" (one of: {', '.join(f.choices)})" if f.choices else ""
+            help_text = f"{f.help}{allowed} [env {f.env}, default {f.default!r}]"
             if f.kind is bool:
                 group.add_argument(f.flag, dest=self._dest + f.name, default=None,
                                    action=argparse.BooleanOptionalAction, help=help_text)
@@ -253,7 +365,11 @@ class SettingsSchema(typing.Generic[S]):
 
     def from_arguments(self, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> S:
         """Settings from flags added by :meth:`add_arguments` (other arguments are ignored)."""
-        return self.load(environ, {f.name: getattr(args, self._dest + f.name, None) for f in self.fields()})
+        return self.explain_arguments(args, environ)[0]
+
+    def explain_arguments(self, args: argparse.Namespace,
+                          environ: Mapping[str, str] | None = None) -> tuple[S, dict[str, str]]:
+        return self.explain(environ, {f.name: getattr(args, self._dest + f.name, None) for f in self.fields()})
 
 
 # The processor's settings. The flag destination prefix keeps them apart from a command's own
@@ -261,5 +377,27 @@ class SettingsSchema(typing.Generic[S]):
 PROCESSOR = SettingsSchema(Settings, lambda name: ENV_PREFIX + name.upper(), dest_prefix="setting_")
 fields = PROCESSOR.fields
 load = PROCESSOR.load
+explain = PROCESSOR.explain
 add_arguments = PROCESSOR.add_arguments
 from_arguments = PROCESSOR.from_arguments
+
+
+def print_config(settings: msgspec.Struct, origin: Mapping[str, str]) -> str:
+    """``--print-config``: every setting's effective value and where it came from, as JSON."""
+    values = msgspec.to_builtins(settings)
+    return msgspec.json.format(msgspec.json.encode(
+        {name: {"value": values[name], "source": origin[name]} for name in settings.__struct_fields__}),
+        indent=2).decode()
+
+
+def known_environment() -> set[str]:
+    """Every ``STREAMPROC_*`` variable some command reads (processor and edge settings)."""
+    from .edge.settings import env_names as edge_env_names  # the edge's settings build on this module
+
+    return {f.env for f in PROCESSOR.fields()} | edge_env_names()
+
+
+def unknown_environment_warnings(environ: Mapping[str, str]) -> list[str]:
+    """One line per misspelt or unused ``STREAMPROC_*`` variable (they would be ignored silently)."""
+    return [f"unknown environment variable {v}, ignored"
+            for v in PROCESSOR.unknown_environment(environ, known_environment())]

@@ -1,14 +1,25 @@
-"""One log style for every component: ``event=<name> key=value ...`` (logfmt).
+"""One log style for every component: ``event=<name> key=value ...`` (logfmt), or JSON.
 
 Every line the processor, the durable input, the control plane and the edge write goes through
-:func:`log_event`, so a line is always machine-parseable and always starts with its event name.
+:func:`log_event`, so a line is always machine-parseable and always names its event.
+:func:`configure` installs the one formatter on the root logger, so lines from libraries
+(Uvicorn's error and access logs, nats-py) come out in the same format: ``event=log msg=...``,
+and ``event=http_request`` for Uvicorn's access log.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import math
+import sys
+import time
+from typing import Any, Callable, Literal, TextIO
 
 import msgspec
+
+LogFormat = Literal["logfmt", "json"]
+_FIELDS = "streamproc_fields"  # the LogRecord attribute that carries log_event's fields
 
 
 def kv(**fields: object) -> str:
@@ -16,7 +27,7 @@ def kv(**fields: object) -> str:
     parts = []
     for key, value in fields.items():
         text = str(value)
-        if not text or any(c in text for c in ' "=\n\t'):
+        if not text or any(c in text for c in ' "=\n\t\\'):
             text = msgspec.json.encode(text).decode()
         parts.append(f"{key}={text}")
     return " ".join(parts)
@@ -26,9 +37,106 @@ def log_event(logger: logging.Logger, level: int, event: str, *, exc_info: bool 
     """Log ``event=<event>`` and the fields at ``level``; costs one level check when disabled.
     ``exc_info`` appends the traceback of the exception being handled (for bugs, not for input)."""
     if logger.isEnabledFor(level):
-        logger.log(level, kv(event=event, **fields), exc_info=exc_info)
+        record_fields = {"event": event, **fields}
+        logger.log(level, kv(**record_fields), exc_info=exc_info, extra={_FIELDS: record_fields})
 
 
 def error_text(exc: BaseException) -> str:
     """``Type: message``, the form every ``error=`` field uses."""
     return f"{type(exc).__name__}: {exc}"
+
+
+class LogLimiter:
+    """Per-event rate limit for lines one client can cause (per-request warnings, contract errors).
+
+    Within each ``interval`` the first ``burst`` lines of an event name are written; the rest are
+    counted and reported as one ``event=log_suppressed suppressed_event=<name> count=<n>`` line when
+    the interval is over (at the next line of any limited event, or :meth:`flush`). 40,000
+    ``overloaded`` results thus cost a handful of lines per interval, not 40,000.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0, burst: int = 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger = logger
+        self.interval = interval
+        self.burst = burst
+        self._clock = clock
+        self._windows: dict[str, list] = {}  # event -> [window start, lines, suppressed, level]
+        self._next_flush = math.inf
+
+    def log(self, level: int, event: str, **fields: object) -> None:
+        if not self.logger.isEnabledFor(level):
+            return
+        now = self._clock()
+        if now >= self._next_flush:
+            self.flush(now)
+        window = self._windows.get(event)
+        if window is None:
+            window = self._windows[event] = [now, 0, 0, level]
+        window[1] += 1
+        if window[1] <= self.burst:
+            log_event(self.logger, level, event, **fields)
+            return
+        if not window[2]:
+            self._next_flush = min(self._next_flush, window[0] + self.interval)
+        window[2] += 1
+        window[3] = max(window[3], level)
+
+    def flush(self, now: float | None = None) -> None:
+        """Report suppressed counts of every interval that is over, and start new intervals."""
+        now = self._clock() if now is None else now
+        self._next_flush = math.inf
+        for event, window in list(self._windows.items()):
+            start, _, suppressed, level = window
+            if now - start < self.interval:
+                if suppressed:
+                    self._next_flush = min(self._next_flush, start + self.interval)
+                continue
+            del self._windows[event]
+            if suppressed:
+                log_event(self.logger, level, "log_suppressed", suppressed_event=event, count=suppressed,
+                          interval=self.interval)
+def record_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The structured fields of any record: log_event's own, or ones made from a library's message."""
+    fields = getattr(record, _FIELDS, None)
+    if fields is not None:
+        return dict(fields)
+    if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+        client, method, path, version, status = record.args
+        return {"event": "http_request", "client": client, "method": method, "path": path,
+                "http_version": version, "status": status}
+    return {"event": "log", "msg": record.getMessage()}
+
+
+class StructuredFormatter(logging.Formatter):
+    """``ts=... level=... logger=... event=... k=v`` (logfmt) or one JSON object per line."""
+
+    def __init__(self, fmt: LogFormat = "logfmt") -> None:
+        super().__init__()
+        self.format_name = fmt
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        head = {"ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                "level": record.levelname.lower(), "logger": record.name}
+        fields = record_fields(record)
+        if record.exc_info:
+            fields["traceback"] = self.formatException(record.exc_info)
+        if self.format_name == "json":
+            return msgspec.json.encode({**head, **fields}, enc_hook=str).decode()
+        return kv(**head, **fields)
+
+
+def configure(level: str = "INFO", fmt: LogFormat = "logfmt", stream: TextIO | None = None) -> None:
+    """Route every logger through one handler with the one format (replaces earlier handlers)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(StructuredFormatter(fmt))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # no handlers of their own: propagate
+        library = logging.getLogger(name)
+        library.handlers.clear()
+        library.propagate = True

@@ -158,3 +158,14 @@ def streamproc_run(nats_url: str) -> Callable[..., contextlib.AbstractContextMan
         return processor_subprocess(nats_url, *flags)
 
     return start
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Repeat a skipped browser test loudly at the very end: a green run without it tested less."""
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        if "BROWSER TEST SKIPPED" in reason:
+            terminalreporter.section("browser test skipped", sep="!", yellow=True, bold=True)
+            terminalreporter.line(reason.removeprefix("Skipped: "), yellow=True, bold=True)
+            return

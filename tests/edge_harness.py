@@ -22,6 +22,7 @@ from typing import Iterator
 from helpers import clean_env, free_port, wait_ready
 from nats.aio.client import Client as NatsClient
 
+from streamproc.metrics import parse as parse_metrics
 from streamproc.sim.embedded import stop_process
 from streamproc.wire import Result, Subjects, Verdict, result_headers
 
@@ -73,12 +74,7 @@ class EdgeProcess:
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        return {
-            line.split()[0]: float(line.split()[1])
-            for line in text.splitlines()
-            if line and not line.startswith("#")
-        }
+            return parse_metrics(response.read().decode())
 
     def close(self) -> None:
         self.stop()

@@ -46,7 +46,11 @@ def test_print_config_merges_defaults_environment_and_flags(run_cli):
                    env={"STREAMPROC_PREFILL_TIMEOUT": "2.5", "STREAMPROC_PREFIX": "from-env",
                         "STREAMPROC_LOG_LEVEL": "debug"})
     assert proc.returncode == 0, proc.stderr
-    effective = json.loads(proc.stdout)
+    explained = json.loads(proc.stdout)
+    effective = {name: entry["value"] for name, entry in explained.items()}
+    assert explained["prefill_timeout"]["source"] == "env STREAMPROC_PREFILL_TIMEOUT"
+    assert explained["prefix"]["source"] == "flag --prefix"
+    assert explained["request_timeout"]["source"] == "default"
     assert effective["prefill_timeout"] == 2.5  # environment over default
     assert effective["prefix"] == "flagged"  # flag over environment
     assert effective["max_inflight"] == 7
@@ -62,7 +66,8 @@ def test_print_config_merges_defaults_environment_and_flags(run_cli):
     (["--log-level", "loud"], {}, "DEBUG, INFO"),
     (["--mode", "exactly-once"], {}, "--mode"),
     (["--partitions", "0"], {}, "--partitions"),
-    ([], {"STREAMPROC_DUPLICATE_WINDOW": "7200"}, "duplicate_window"),
+    ([], {"STREAMPROC_DUPLICATE_WINDOW": "7200"}, "--duplicate-window (environment variable "
+                                                   "STREAMPROC_DUPLICATE_WINDOW='7200')"),
     (["--prefix", "a..b"], {}, "prefix"),
 ])
 def test_invalid_settings_exit_2_naming_where_the_value_came_from(run_cli, args, env, named):
@@ -81,12 +86,12 @@ def test_settings_precedence_is_defaults_then_environment_then_flags():
 
 # ------------------------------------------------------------------ run failures
 
-def test_run_with_unknown_format_fails_at_start_up_listing_installed_codecs(run_cli):
+def test_run_with_unknown_format_exits_2_before_connecting_listing_installed_codecs(run_cli):
     started = time.monotonic()
     # A NATS url that would hang for connect_timeout proves the format is checked first.
     proc = run_cli("run", "--format", "no-such-codec", "--nats-url", f"nats://127.0.0.1:{free_port()}",
                    "--connect-timeout", "60")
-    assert_clean_failure(proc, 1)
+    assert_clean_failure(proc, 2)  # bad configuration, like every command
     assert time.monotonic() - started < 15
     assert "unknown format 'no-such-codec'" in proc.stderr
     assert re.search(r"installed codecs: .*sglang.*vllm", proc.stderr), proc.stderr
@@ -161,6 +166,14 @@ def test_demo_exits_zero_with_a_verified_summary(run_cli):
         assert re.search(rf"^{re.escape(row)}\s+\d+", out, re.M), out
     assert re.search(r"^total\s+200\s+\d+", out, re.M), out
     assert "verified OK: all 200 requests" in out
+    # the planned faults are visible: omissions (corrupt and missing prefill legs) and errors
+    header, total = next(line for line in out.splitlines() if "passthrough" in line), \
+        next(line for line in out.splitlines() if line.startswith("total"))
+    columns = dict(zip(header.split(), map(int, total.split()[1:])))
+    assert columns["omitted"] > 0 and columns["errors"] > 0, out
+    assert "prefill_timeouts=10" in out
+    assert re.search(r"^progress: \d+/200 requests finished", proc.stderr, re.M), proc.stderr
+    assert "warning" not in proc.stderr
 
 
 def test_demo_with_an_unknown_format_is_a_usage_error(run_cli):
@@ -190,7 +203,59 @@ def test_verify_flags_changed_bytes_missing_results_and_stale_rows():
                                                                           Verdict.PASSTHROUGH), worker))
 
 
+def test_verify_demands_omissions_for_broken_prefill_and_an_error_for_a_contract_violation():
+    worker = worker_for("sglang")
+    plans = traffic.plan("sglang", requests=80, mode="mixed", seed=3, worker=worker, faults=True)
+    by_fault = {}
+    for p in plans:
+        by_fault.setdefault(p.fault, p)
+    assert {"corrupt_prefill", "missing_prefill", "contract"} <= set(by_fault)
+    missing = by_fault["missing_prefill"]
+    assert missing.prefill == [] and missing.truth.return_experts
+    # Claiming a clean join (or publishing decode's own stale rows) for a broken prefill leg is caught.
+    for fault in ("corrupt_prefill", "missing_prefill"):
+        p = by_fault[fault]
+        assert traffic.verify(p, _as_results(p.request_id, p.decode, Verdict.JOINED), worker)
+    contract = by_fault["contract"]
+    assert traffic.verify(contract, _as_results(contract.request_id, contract.agg, Verdict.PASSTHROUGH), worker)
+    error = ResultInfo(contract.request_id, 0, True, None, "invalid_chunk", b"{}")
+    assert traffic.verify(contract, [error], worker) == []
+    assert all(m.final is False for m in traffic.schedule([contract]) if m.role == "agg")
+
+
 def test_configuration_doc_lists_every_setting_with_its_flag_and_variable():
     doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     missing = [f.name for f in config.fields() if f"`{f.flag}` | `{f.env}`" not in doc]
     assert missing == []
+
+
+def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
+    import subprocess
+    import urllib.request
+
+    from conftest import CLI
+    from helpers import clean_env
+
+    proc = subprocess.Popen([*CLI, "demo", "--requests", "40", "--serve", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while not lines or not lines[-1].startswith("live page: "):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        assert "verified OK: all 40 requests" in "".join(lines)
+        page = lines[-1].split()[2]
+        base, example = page.split("/?id=")
+        with urllib.request.urlopen(page, timeout=5) as response:
+            assert response.status == 200 and b"<html" in response.read().lower()
+        # the example is a request whose prefill leg was corrupt: replayed from the results stream
+        request = urllib.request.Request(f"{base}/v1/results/{example}?stream=false")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+            assert response.headers["Streamproc-Join"] == "omitted"
+            json.loads(response.read())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(15)
+    assert code == 0, proc.stderr.read()

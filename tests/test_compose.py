@@ -171,10 +171,14 @@ def test_the_image_gets_the_edge_package_and_its_page():
     """``pip install .`` (the Dockerfile) ships only what pyproject lists; editable installs get it all."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "streamproc.edge" in setuptools["packages"]
-    shipped = setuptools.get("package-data", {}).get("streamproc.edge", [])
-    page = ROOT / "streamproc" / "edge"
-    for asset in (page / "page").iterdir():
-        assert any(asset.relative_to(page).match(pattern) for pattern in shipped), (
+    data = setuptools.get("package-data", {})
+    edge = ROOT / "streamproc" / "edge"
+    # declared either as data of streamproc.edge ("page/*.html") or as the package streamproc.edge.page
+    shipped = [*data.get("streamproc.edge", []),
+               *(f"page/{p}" for p in data.get("streamproc.edge.page", [])
+                 if "streamproc.edge.page" in setuptools["packages"])]
+    for asset in (edge / "page").iterdir():
+        assert any(asset.relative_to(edge).match(pattern) for pattern in shipped), (
             f"{asset.name} is not shipped"
         )
 

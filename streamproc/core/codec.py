@@ -162,6 +162,20 @@ class JoinSession(ABC):
     def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         """The client-visible body for one decode chunk and what was done to it."""
 
+    # Set by the correlator before each call: bytes the session may still decode within the
+    # processor's global budget (``max_total_bytes``); None means no budget. A codec whose payloads
+    # inflate bounds its decoding by it, so a bomb inside ``max_decompressed_bytes`` ends as a
+    # ``too_large`` omission instead of an allocation.
+    decode_budget: int | None = None
+
+    def retained_bytes(self) -> int:
+        """Bytes of decoded payloads the session keeps between calls (e.g. prefill's rows).
+
+        The correlator charges them to the processor's global byte budget (``max_total_bytes``), so
+        a small payload that inflates cannot hold memory outside every bound. 0 by default.
+        """
+        return 0
+
 
 class Emitted(msgspec.Struct, frozen=True):
     """What the client has been sent of one request, in the terms a resumed request needs."""

@@ -17,6 +17,7 @@ chunks continue the result seqs, and the codec's migration session stitches thei
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator
 
@@ -25,6 +26,7 @@ import msgspec
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import MigrationRefused, UnknownFormat
+from .latency import LatencyHistogram
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
     Decision,
@@ -46,6 +48,29 @@ _PASSTHROUGH, _JOINED, _OMITTED = Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.O
 _STITCHED = Verdict.STITCHED
 
 
+class Work:
+    """A decision: run :meth:`run` off the event loop (a worker thread), then hand this object to
+    :meth:`Correlator.finish`. The join of a P/D chunk that carries sequence data (decompression,
+    row splicing) is the one piece of per-message work whose cost a client controls; the request
+    waits meanwhile (its later chunks queue), every other request goes on. The correlator stays
+    pure: it never starts a thread, it only says which call may run elsewhere and takes the outcome
+    back in order."""
+
+    __slots__ = ("request_id", "_job", "outcome")
+
+    def __init__(self, request_id: str, job: Callable[[], tuple[bytes, Verdict]]) -> None:
+        self.request_id = request_id
+        self._job = job
+        self.outcome: tuple[bytes, Verdict] | Exception | None = None
+
+    def run(self) -> None:
+        """Called once, in any thread; never raises (the outcome carries the exception)."""
+        try:
+            self.outcome = self._job()
+        except Exception as exc:  # noqa: BLE001  (a codec failure ends this request as internal)
+            self.outcome = exc
+
+
 class CorrelatorConfig(msgspec.Struct, frozen=True):
     """The correlator's timeouts (seconds) and bounds; ``streamproc.config.Settings`` documents each."""
 
@@ -58,6 +83,10 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     # Published bodies kept (by reference) per request for a possible migration; past this the
     # codec folds them into its compact progress state and they are released.
     max_retained_bytes: int = defaults.MAX_RETAINED_BYTES
+    # Bytes of chunk bodies one request may buffer (reorder buffer + prefill leg), and bytes of
+    # buffered bodies plus decoded payloads kept by join sessions across all requests.
+    max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
+    max_total_bytes: int = defaults.MAX_TOTAL_BYTES
 
 
 class Stats(msgspec.Struct, gc=False):
@@ -76,6 +105,8 @@ class Stats(msgspec.Struct, gc=False):
     migrations: int = 0
     migrations_refused: int = 0
     sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
+    over_budget: int = 0  # requests ended because they passed max_buffered_bytes or max_total_bytes
+    internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
 
     @property
     def results(self) -> int:
@@ -92,6 +123,7 @@ class _Request:
         "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
+        "buffered", "absorbed", "decoded", "work", "outcome",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -117,6 +149,13 @@ class _Request:
         self.budget = retain  # bytes that may still be retained before the codec folds them
         self.migration: MigrationSession | None = None
         self.refusal: str | None = None  # why this request can never migrate, once known
+        # Bytes charged to the global budget: bodies in pending/prefill, the absorbed prefill leg
+        # (its parsed form lives in the session), decoded payloads the session keeps.
+        self.buffered = 0
+        self.absorbed = 0
+        self.decoded = 0
+        self.work: Work | None = None  # a join running off the loop for the chunk at next_seq
+        self.outcome: tuple[bytes, Verdict] | Exception | None = None  # its result, not yet applied
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -134,6 +173,10 @@ class Correlator:
         self._default_codec = resolve(default_format)
         self.config = config or CorrelatorConfig()
         self.stats = Stats()
+        # For metrics, read at scrape time: error results by kind, and how long decode results
+        # waited for their prefill leg (0 when it was already there).
+        self.error_kinds: dict[str, int] = {}
+        self.join_wait = LatencyHistogram()
         # Insertion order == deadline order because each timeout is one constant duration.
         self._active: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -141,6 +184,15 @@ class Correlator:
         self._grace = self.config.finished_grace
         self._max_finished = self.config.max_finished
         self._max_retained = self.config.max_retained_bytes
+        self.charged_bytes = 0  # sum of every active request's buffered + absorbed + decoded bytes
+        # When set (core mode), joins of chunks that need the prefill leg are returned as Work
+        # decisions instead of running inline. Off by default: an input must understand Work.
+        self.offload_joins = False
+        # One Work outstanding at a time: its decode budget is then exact (the previous join's
+        # decoded rows are charged before the next is handed a budget). Requests whose join would
+        # be next wait here, in order.
+        self._working: Work | None = None
+        self._queued: OrderedDict[str, _Request] = OrderedDict()
 
     # ------------------------------------------------------------------ inputs
 
@@ -174,12 +226,12 @@ class Correlator:
                 return self._reject_new(chunk, str(exc), now, ErrorKind.UNKNOWN_FORMAT)
             req = _Request(rid, codec, chunk.format or self.default_format, self._max_retained)
             req.traceparent = chunk.traceparent
+            req.last = now
             active[rid] = req
-        else:
-            if chunk.attempt != req.attempt:
-                return self._other_attempt(req, chunk, now)
-            active.move_to_end(rid)
-        req.last = now
+        elif chunk.attempt != req.attempt:
+            return self._other_attempt(req, chunk, now)
+        # req.last (the request timeout) moves only for a chunk that is accepted: a duplicate or a
+        # replay is no progress, so re-sending one cannot hold a request open forever.
 
         if chunk.format is not None and chunk.format != req.format:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
@@ -189,9 +241,14 @@ class Correlator:
             return self._receive_prefill(req, chunk, now)
         return self._receive_output(req, chunk, now)
 
-    def reject(self, request_id: str, reason: str, now: float, token: object = None) -> list[Decision]:
-        """A message for ``request_id`` broke the contract before it became a Chunk: end the request."""
-        self.stats.rejected += 1
+    def reject(self, request_id: str, reason: str, now: float, token: object = None,
+               kind: ErrorKind = ErrorKind.INVALID_CHUNK) -> list[Decision]:
+        """A message for ``request_id`` broke the contract before it became a Chunk (or, ``kind``
+        ``internal``, handling it raised): end the request with a final error result."""
+        if kind is ErrorKind.INVALID_CHUNK:
+            self.stats.rejected += 1
+        else:
+            self.stats.internal_errors += 1
         tokens = (token,) if token is not None else ()
         if request_id in self._finished:
             self.stats.late += 1
@@ -200,7 +257,7 @@ class Correlator:
         if req is None:
             req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
             self._active[request_id] = req
-        return self._fail(req, ErrorKind.INVALID_CHUNK, reason, now, extra=tokens)
+        return self._fail(req, kind, reason, now, extra=tokens)
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
                 refuse: str | None = None) -> tuple[MigrateReply, list[Decision]]:
@@ -268,6 +325,22 @@ class Correlator:
         req.refusal = "its earlier results were published by another processor instance"
         self._active[request_id] = req
 
+    def finish(self, work: Work, now: float) -> list[Decision]:
+        """Apply the outcome of a :class:`Work` decision and go on with its request."""
+        if self._working is work:
+            self._working = None
+        out: list[Decision] = []
+        req = self._active.get(work.request_id)
+        if req is not None and req.work is work:  # else it ended or was sealed meanwhile: stale outcome
+            req.work = None
+            req.outcome = work.outcome
+            out.extend(self._drain(req, now))
+        while self._working is None and self._queued:
+            _, waiting = self._queued.popitem(last=False)
+            if self._active.get(waiting.request_id) is waiting:
+                out.extend(self._drain(waiting, now))
+        return out
+
     def knows(self, request_id: str) -> bool:
         """Whether the request is active or recently finished here (no recovery lookup needed)."""
         return request_id in self._active or request_id in self._finished
@@ -285,6 +358,7 @@ class Correlator:
         for rid in [rid for rid in self._active if belongs(rid)]:
             req = self._active.pop(rid)
             self._waiting.pop(rid, None)
+            self._release(req)
             tokens.extend(req.held)  # the prefill leg's tokens are held from the moment it arrives
             tokens.extend(c.token for c in req.pending.values())
         for rid in unstored:
@@ -341,6 +415,15 @@ class Correlator:
     def inflight(self) -> int:
         return len(self._active)
 
+    def buffered_bytes(self) -> int:
+        """Bytes of chunk bodies held in reorder and prefill buffers (O(buffered chunks): for scrapes)."""
+        return sum(len(c.body) for req in self._active.values()
+                   for buf in (req.pending, req.prefill) for c in buf.values())
+
+    def retained_bytes(self) -> int:
+        """Bytes of published bodies kept by reference for a possible migration (for scrapes)."""
+        return sum(len(b) for req in self._active.values() for b in req.retained)
+
     def is_finished(self, request_id: str) -> bool:
         return request_id in self._finished
 
@@ -367,6 +450,7 @@ class Correlator:
     def _overloaded(self, chunk: Chunk, now: float) -> list[Decision]:
         self.stats.overloaded += 1
         self.stats.errors += 1
+        self._count_error(ErrorKind.OVERLOADED)
         self._remember_finished(chunk.request_id, now)
         body = self._default_codec.error_body(
             f"processor overloaded: {self.config.max_inflight} requests in flight", ErrorKind.OVERLOADED)
@@ -408,6 +492,10 @@ class Correlator:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
                               f"more than {self.config.max_buffered_chunks} buffered chunks", now,
                               extra=(chunk.token,))
+        over = self._charge(req, chunk, now)
+        if over is not None:
+            return over
+        self._touch(req, now)
         req.prefill[chunk.seq] = chunk
         if chunk.token is not None:
             req.held.append(chunk.token)
@@ -419,15 +507,23 @@ class Correlator:
             self._prefill_done(req, bodies, "")
         except Exception as exc:  # a codec bug must cost one request, not the processor
             return self._codec_failed(req, exc, now)
+        over = self._check_decoded(req, now)
+        if over is not None:
+            return over
         return self._drain(req, now)
 
     def _prefill_done(self, req: _Request, bodies: list[bytes] | None, reason: str) -> None:
         req.prefill_state = _PREFILL_DONE
+        prefill_bytes = sum(len(c.body) for c in req.prefill.values())
+        req.buffered -= prefill_bytes
         req.prefill.clear()  # bodies now live (parsed) in the session only
         session = self._session(req)
         if bodies is None:
+            self.charged_bytes -= prefill_bytes
             session.prefill_unavailable(reason)
         else:
+            req.absorbed = prefill_bytes  # still charged: the session holds their parsed form
+            session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
             session.absorb_prefill(bodies)
 
     def _session(self, req: _Request) -> JoinSession:
@@ -447,6 +543,8 @@ class Correlator:
         if role is _AGG and seq == req.next_seq and not req.pending and req.final_seq is None and not req.attempt:
             # In-order aggregated chunk (the common streaming case): it cannot be a duplicate or
             # conflict with a final seq, so no buffering, no bound checks, no drain loop.
+            req.last = now
+            self._active.move_to_end(req.request_id)
             req.next_seq = seq + 1
             self.stats.passthrough += 1
             body = chunk.body
@@ -484,6 +582,10 @@ class Correlator:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
                               f"more than {self.config.max_buffered_chunks} buffered chunks", now,
                               extra=(chunk.token,))
+        over = self._charge(req, chunk, now)
+        if over is not None:
+            return over
+        self._touch(req, now)
         req.pending[seq] = chunk
         if seq != req.next_seq or req.waiting_since is not None:
             return []
@@ -492,6 +594,8 @@ class Correlator:
     def _drain(self, req: _Request, now: float) -> list[Decision]:
         """Publish every chunk that is next in order and ready."""
         out: list[Decision] = []
+        if req.work is not None:
+            return out  # finish() goes on once the join running elsewhere is done
         pending = req.pending
         stats = self.stats
         while req.next_seq in pending:
@@ -502,12 +606,33 @@ class Correlator:
                     body, verdict = chunk.body, _PASSTHROUGH
                 else:
                     session = self._session(req)
-                    if req.prefill_state is _PREFILL_OPEN and session.needs_prefill(chunk.body, final):
-                        if req.waiting_since is None:
-                            req.waiting_since = now
-                            self._waiting[req.request_id] = req
-                        return out
-                    body, verdict = session.join(chunk.body, final)
+                    outcome, req.outcome = req.outcome, None
+                    if outcome is not None:  # the join of this chunk ran elsewhere (finish)
+                        if isinstance(outcome, Exception):
+                            raise outcome
+                        body, verdict = outcome
+                    else:
+                        needs = session.needs_prefill(chunk.body, final)
+                        if needs and req.prefill_state is _PREFILL_OPEN:
+                            if req.waiting_since is None:
+                                req.waiting_since = now
+                                self._waiting[req.request_id] = req
+                            return out
+                        session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
+                        if needs and self.offload_joins:
+                            if self._working is not None:
+                                self._queued[req.request_id] = req
+                                return out
+                            req.work = self._working = Work(
+                                req.request_id, functools.partial(session.join, chunk.body, final))
+                            out.append(req.work)
+                            return out
+                        body, verdict = session.join(chunk.body, final)
+                    if req.decoded or session.retained_bytes():
+                        over = self._check_decoded(req, now)
+                        if over is not None:
+                            out.extend(over)
+                            return out
                 if req.attempt:  # a resumed attempt: the codec makes it continue the earlier ones
                     stitched = req.migration.stitch(body, final)  # type: ignore[union-attr]
                     if stitched is not None:
@@ -517,6 +642,11 @@ class Correlator:
                 out.extend(self._codec_failed(req, exc, now))
                 return out
             del pending[req.next_seq]
+            req.buffered -= len(chunk.body)
+            self.charged_bytes -= len(chunk.body)
+            if req.kind is not _AGG:  # a P/D result: how long it waited for the prefill leg
+                waited = req.waiting_since
+                self.join_wait.observe(0.0 if waited is None else now - waited)
             req.waiting_since = None
             settles: tuple = (chunk.token,)
             if final:
@@ -586,6 +716,8 @@ class Correlator:
         rid = req.request_id
         tokens = [*req.held, *(c.token for c in req.pending.values())]
         dropped = len(req.pending) + len(req.prefill)
+        self._release(req)
+        req.work = req.outcome = None
         req.pending.clear()
         req.prefill.clear()
         req.held.clear()
@@ -611,6 +743,47 @@ class Correlator:
             decisions.insert(0, Settle(settle))
         return reply, decisions
 
+    def _touch(self, req: _Request, now: float) -> None:
+        """The request made progress: its request timeout starts again."""
+        req.last = now
+        self._active.move_to_end(req.request_id)
+
+    def _charge(self, req: _Request, chunk: Chunk, now: float) -> list[Decision] | None:
+        """Charge a chunk about to be buffered; past a byte budget, end the request instead."""
+        size = len(chunk.body)
+        cfg = self.config
+        if req.buffered + size > cfg.max_buffered_bytes:
+            self.stats.over_budget += 1
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {cfg.max_buffered_bytes} bytes of buffered chunks", now,
+                              extra=(chunk.token,))
+        if self.charged_bytes + size > cfg.max_total_bytes:
+            self.stats.over_budget += 1
+            return self._fail(req, ErrorKind.OVERLOADED,
+                              f"processor byte budget exhausted: {self.charged_bytes} of {cfg.max_total_bytes} "
+                              "bytes held by requests in flight", now, extra=(chunk.token,))
+        req.buffered += size
+        self.charged_bytes += size
+        return None
+
+    def _check_decoded(self, req: _Request, now: float) -> list[Decision] | None:
+        """Charge what the session keeps decoded; past the global budget, end this request."""
+        session = req.session
+        decoded = session.retained_bytes() if session is not None else 0
+        self.charged_bytes += decoded - req.decoded
+        req.decoded = decoded
+        if self.charged_bytes <= self.config.max_total_bytes:
+            return None
+        self.stats.over_budget += 1
+        held = self.charged_bytes
+        return self._fail(req, ErrorKind.OVERLOADED,
+                          f"processor byte budget exhausted: decoded payloads would hold {held} of "
+                          f"{self.config.max_total_bytes} bytes", now)
+
+    def _release(self, req: _Request) -> None:
+        self.charged_bytes -= req.buffered + req.absorbed + req.decoded
+        req.buffered = req.absorbed = req.decoded = 0
+
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
         detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         return self._fail(req, ErrorKind.INTERNAL, detail, now)
@@ -624,11 +797,17 @@ class Correlator:
         result = Result(req.request_id, req.next_seq, body, True, error=kind.value,
                         traceparent=req.traceparent, settles=tuple(t for t in tokens if t is not None))
         self.stats.errors += 1
+        self._count_error(kind)
         self._forget(req, now)
         return [result, Notice(req.request_id, f"error:{kind.value}", message)]
 
+    def _count_error(self, kind: ErrorKind) -> None:
+        self.error_kinds[kind.value] = self.error_kinds.get(kind.value, 0) + 1
+
     def _forget(self, req: _Request, now: float) -> None:
         rid = req.request_id
+        self._release(req)
+        req.work = req.outcome = None
         self._active.pop(rid, None)
         self._waiting.pop(rid, None)
         req.pending.clear()

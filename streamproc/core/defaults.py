@@ -18,6 +18,11 @@ MAX_INFLIGHT = 10_000
 MAX_BUFFERED_CHUNKS = 4096
 MAX_FINISHED = 200_000
 MAX_RETAINED_BYTES = 256 * 1024
+# Memory budgets that hold under attack (docs/operations.md, "limits and abuse"): bytes of buffered
+# chunk bodies per request, and buffered bodies + decoded payloads kept by join sessions across all
+# requests. Sized so a processor stays under ~200 MiB RSS whatever its clients send.
+MAX_BUFFERED_BYTES = 32 * 1024 * 1024
+MAX_TOTAL_BYTES = 96 * 1024 * 1024
 
 # Codecs
 # A ceiling, not the working bound: codecs decode at most what a body's token counts allow

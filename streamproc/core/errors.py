@@ -53,6 +53,17 @@ class MigrationRefused(StreamprocError):
         self.reason = reason
 
 
+class PublishRefused(StreamprocError, RuntimeError):
+    """A durable publish was not stored: the stream refused it (limits, storage full) or no PubAck came
+    after the bounded retries. The worker must know: the chunk is not in the stream."""
+
+    def __init__(self, subject: str, reason: str, *, retryable: bool) -> None:
+        super().__init__(f"chunk on {subject!r} not stored: {reason}")
+        self.subject = subject
+        self.reason = reason
+        self.retryable = retryable  # True: no answer in time (may work later); False: the stream said no
+
+
 class MalformedResult(StreamprocError, ValueError):
     """A message on a results subject that does not follow the contract."""
 

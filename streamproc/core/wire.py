@@ -37,21 +37,31 @@ JOIN = "Streamproc-Join"
 ERROR = "Streamproc-Error"
 MSG_ID = "Nats-Msg-Id"
 TRACEPARENT = "traceparent"
+# Not on the wire: the NATS shell puts this in place of a header block it could not decode.
+UNREADABLE_HEADERS = "Streamproc-Unreadable-Headers"
 
 _ROLES = {r.value: r for r in Role}
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 MAX_REQUEST_ID_LEN = 256
+REQUEST_ID_RULE = (f"1 to {MAX_REQUEST_ID_LEN} printable ASCII characters (0x21-0x7e) other than '.', '*' and "
+                   "'>': no whitespace, no control characters")
+
+
+def valid_request_id(request_id: str) -> bool:
+    """The one definition of a valid request id (processor, publisher, edge, docs/protocol.md).
+
+    An id becomes one NATS subject token, read by every client library: printable ASCII only, so no
+    client splits it (nats-py takes VT and FF for separators) and no wildcard or separator is in it.
+    """
+    return (0 < len(request_id) <= MAX_REQUEST_ID_LEN and request_id.isascii() and request_id.isprintable()
+            and " " not in request_id and "." not in request_id and "*" not in request_id
+            and ">" not in request_id)
 
 
 def check_request_id(request_id: str) -> str:
-    """Request ids become one NATS subject token, so they cannot hold separators or wildcards."""
-    if not request_id:
-        raise ValueError("request id must not be empty")
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise ValueError(f"request id longer than {MAX_REQUEST_ID_LEN} characters")
-    bad = _FORBIDDEN_TOKEN_CHARS.intersection(request_id)
-    if bad:
-        raise ValueError(f"request id {request_id!r} contains forbidden characters {sorted(bad)!r}")
+    """Raise ``ValueError`` naming the rule unless ``request_id`` is valid (see :func:`valid_request_id`)."""
+    if not isinstance(request_id, str) or not valid_request_id(request_id):
+        raise ValueError(f"invalid request id {request_id!r}: a request id is {REQUEST_ID_RULE}")
     return request_id
 
 
@@ -90,7 +100,7 @@ class Subjects(msgspec.Struct, frozen=True):
         if not (subject.startswith(head) and subject.endswith(".migrate")):
             raise ContractError(f"subject {subject!r} is not {head}<request_id>.migrate")
         request_id = subject[len(head):-len(".migrate")]
-        if not request_id or "." in request_id:
+        if not valid_request_id(request_id):
             raise ContractError(f"subject {subject!r} is not {head}<request_id>.migrate")
         return request_id
 
@@ -102,6 +112,9 @@ class Subjects(msgspec.Struct, frozen=True):
         request_id, dot, role = rest.rpartition(".")
         if not dot or not request_id or "." in request_id:
             raise ContractError(f"subject {subject!r} is not {head}<request_id>.<role>")
+        if not valid_request_id(request_id):
+            # Nobody can be answered on a subject built from it: counted and logged, never answered.
+            raise ContractError(f"subject {subject!r}: the request id is not {REQUEST_ID_RULE}")
         found = _ROLES.get(role)
         if found is None:
             raise ContractError(f"unknown role {role!r} (expected agg, prefill or decode)", request_id)
@@ -124,8 +137,7 @@ def _parse_index(value: str | None, name: str, request_id: str, *, required: boo
         if required:
             raise ContractError(f"missing required header {name}", request_id)
         return 0
-    # isdecimal, not isdigit: isdigit also accepts '²' or '①', on which int() raises a bare ValueError.
-    if not value.isdecimal() or len(value) > 18:
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:  # '²'.isdigit(), '٠'.isdigit()
         raise ContractError(f"header {name} must be a non-negative integer, got {value!r}", request_id)
     return int(value)
 
@@ -136,6 +148,8 @@ def chunk_from_message(
     """Validate one incoming NATS message against the contract. Raises :class:`ContractError`."""
     request_id, role = subjects.parse_chunk_subject(subject)
     h = headers or {}
+    if UNREADABLE_HEADERS in h:
+        raise ContractError(f"unreadable header block ({h[UNREADABLE_HEADERS]})", request_id)
     return Chunk(
         request_id=request_id,
         role=role,
@@ -170,8 +184,10 @@ class ChunkParser:
             seq = headers.get(SEQ)
             final = headers.get(FINAL)
             attempt = headers.get(ATTEMPT)
-            if (found is not None and request_id and "." not in request_id
-                    and seq is not None and seq.isdecimal() and len(seq) <= 18
+            if (found is not None and len(request_id) <= MAX_REQUEST_ID_LEN and request_id.isascii()
+                    and request_id.isprintable() and " " not in request_id and "." not in request_id
+                    and "*" not in request_id and ">" not in request_id and request_id
+                    and seq is not None and seq.isascii() and seq.isdigit() and len(seq) <= 18
                     and (final is None or final == "true" or final == "false")
                     and (attempt is None or attempt == "0")):
                 return Chunk(request_id, found, int(seq), body, final == "true", 0,

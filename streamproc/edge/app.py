@@ -27,7 +27,7 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -38,7 +38,8 @@ from ..core.errors import StartupError
 from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
-from .metrics import EdgeMetrics, render
+from ..metrics import CONTENT_TYPE, exposition, registry_for
+from .metrics import EdgeCollector, EdgeMetrics
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, ResultFeed, ResultSource
 
@@ -97,6 +98,7 @@ class Edge:
     def __init__(self, settings: EdgeSettings) -> None:
         self.settings = settings
         self.metrics = EdgeMetrics()
+        self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
         self.codec: Codec = Catalog()(settings.format)  # an unknown format fails here, at start-up
 
@@ -154,7 +156,7 @@ class Edge:
         return JSONResponse({"status": "unavailable", "nats": "disconnected"}, status_code=503)
 
     async def metrics_text(self, request: Request) -> Response:
-        return PlainTextResponse(render(self.metrics), media_type="text/plain; version=0.0.4")
+        return Response(exposition(self.registry), headers={"Content-Type": CONTENT_TYPE})
 
     # --------------------------------------------------------------- streaming
 
@@ -186,7 +188,7 @@ class Edge:
             idle_since = time.monotonic()
             frame = meta_frame(item) if verdicts else b""
             frame += sse.event(item.body, id=item.seq)
-            metrics.results_sent += 1
+            metrics.sent(item)
             if item.final or item.error is not None:
                 yield frame + sse.DONE
                 return
@@ -230,7 +232,7 @@ class Edge:
             if isinstance(item, Ended):  # not reachable without a resume point; answer honestly anyway
                 break
             idle_since = time.monotonic()
-            self.metrics.results_sent += 1
+            self.metrics.sent(item)
             if item.error is not None:
                 return Response(
                     item.body,
@@ -312,7 +314,7 @@ def create_app(settings: EdgeSettings) -> Starlette:
         try:
             await edge.source.start()
         except StartupError as exc:  # NATS unreachable within --connect-timeout, a mismatched stream
-            log_event(log, logging.ERROR, "startup_failed", error=str(exc))
+            app.state.startup_error = exc  # `streamproc edge` reports it in one line and exits 1
             await edge.source.stop()
             raise
         try:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import Mapping
 
-from .settings import EdgeConfigError, add_arguments, from_arguments
+from ..config import print_config, unknown_environment_warnings
+from .settings import SCHEMA, EdgeConfigError, add_arguments
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -29,8 +32,34 @@ def add_cli(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
+    add_print_config(parser)
     parser.set_defaults(func=main_edge)
     return parser
+
+
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--print-config", action="store_true",
+                        help="validate the settings as start-up would, print each value with its source "
+                             "(default, env, flag) as JSON, and exit")
+
+
+def server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (exit 143 or 130); for the edge,
+        as for ``streamproc run``, a signal is the normal way to stop: exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
@@ -38,29 +67,63 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     import uvicorn
 
     from ..core.errors import UnknownFormat
+    from ..logs import configure as configure_logging
     from .app import create_app
 
+    environ = os.environ if environ is None else environ
     try:
-        settings = from_arguments(args, os.environ if environ is None else environ)
-        app = create_app(settings)
-    except (EdgeConfigError, UnknownFormat) as exc:
+        settings, origin = SCHEMA.explain_arguments(args, environ)
+        for line in unknown_environment_warnings(environ):
+            print(f"streamproc edge: warning: {line}", file=sys.stderr)
+        try:
+            app = create_app(settings)
+        except UnknownFormat as exc:
+            raise EdgeConfigError(f"invalid {origin['format']}={settings.format!r}: {exc}") from None
+    except EdgeConfigError as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    if getattr(args, "print_config", False):
+        print(print_config(settings, origin))
+        return EXIT_OK
+    configure_logging(settings.log_level, settings.log_format)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         lifespan="on",
-        access_log=False,
+        access_log=True,  # through the one log format: event=http_request (streamproc.logs)
+        log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=3,
     )
-    server = uvicorn.Server(config)
-    server.run()
-    return EXIT_OK if server.started else EXIT_FAILURE
+    server = server_class()(config)
+    quiet = _StartupFailureFilter(app)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    failed_exit = False
+    try:
+        server.run()
+    except SystemExit as exc:  # Uvicorn's sys.exit(3) after a failed lifespan start, 1 for a busy port
+        failed_exit = exc.code not in (None, 0)
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    failure = getattr(app.state, "startup_error", None)
+    if failure is not None:  # NATS unreachable, a mismatched results stream: one line, no traceback
+        print(f"streamproc edge: error: {failure}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_OK if server.started and not failed_exit else EXIT_FAILURE
+
+
+class _StartupFailureFilter(logging.Filter):
+    """Once the app recorded a start-up error it reports itself, drop Uvicorn's traceback of it."""
+
+    def __init__(self, app) -> None:
+        super().__init__()
+        self._app = app
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(self._app.state, "startup_error", None) is None or record.levelno < logging.ERROR:
+            return True
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,4 +132,5 @@ def main(argv: list[str] | None = None) -> int:
         prog="streamproc edge", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
+    add_print_config(parser)
     return main_edge(parser.parse_args(argv))

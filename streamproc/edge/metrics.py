@@ -1,12 +1,19 @@
-"""Edge counters, rendered in the Prometheus text exposition format for ``GET /metrics``.
+"""Edge counters for ``GET /metrics``, exposed through ``prometheus-client`` at scrape time.
 
-A handful of plain integers is all the edge needs; they live in one process, so the
-``prometheus-client`` registry (and its multiprocess caveats) would add a dependency for nothing.
+The request path bumps plain integers in :class:`EdgeMetrics`; :class:`EdgeCollector` turns them
+into metric families only when scraped (see :mod:`streamproc.metrics`).
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import msgspec
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..core.events import ResultInfo
+from ..metrics import struct_families
 
 _NAMESPACE = "streamproc_edge"
 
@@ -30,9 +37,20 @@ class EdgeMetrics(msgspec.Struct):
     core_subscriptions: int = 0
     nats_connected: int = 0
     nats_disconnects: int = 0
+    nats_reconnects: int = 0
+    by_verdict: dict[str, int] = {}  # results sent, by verdict ("error" for error results)
+    by_error_kind: dict[str, int] = {}
+
+    def sent(self, result: ResultInfo) -> None:
+        """One result body went to a client."""
+        self.results_sent += 1
+        verdict = "error" if result.error is not None else (result.verdict or "unknown")
+        self.by_verdict[verdict] = self.by_verdict.get(verdict, 0) + 1
+        if result.error is not None:
+            self.by_error_kind[result.error] = self.by_error_kind.get(result.error, 0) + 1
 
 
-_HELP = {
+_HELP: dict[str, tuple[str, str]] = {
     "streams_opened": ("counter", "result streams opened (SSE and unary)"),
     "streams_rejected": ("counter", "requests refused with 503 because --max-streams streams were open"),
     "streams_active": ("gauge", "result streams open now"),
@@ -49,13 +67,27 @@ _HELP = {
     "core_subscriptions": ("counter", "streams read from a core NATS subscription (live only)"),
     "nats_connected": ("gauge", "1 while the NATS connection is up"),
     "nats_disconnects": ("counter", "NATS disconnections"),
+    "nats_reconnects": ("counter", "NATS reconnections"),
 }
 
 
-def render(metrics: EdgeMetrics) -> str:
-    lines = []
-    for name in metrics.__struct_fields__:
-        kind, text = _HELP[name]
-        full = f"{_NAMESPACE}_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# HELP {full} {text}", f"# TYPE {full} {kind}", f"{full} {getattr(metrics, name)}"]
-    return "\n".join(lines) + "\n"
+class EdgeCollector(Collector):
+    """Reads one edge's :class:`EdgeMetrics` at scrape time."""
+
+    def __init__(self, metrics: EdgeMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        yield from struct_families("streamproc_edge", m, {k: text for k, (_, text) in _HELP.items()},
+                                   skip=("by_verdict", "by_error_kind"))
+        verdicts = CounterMetricFamily("streamproc_edge_results_by_verdict", "result bodies sent to clients, "
+                                       "by verdict", labels=["verdict"])
+        for verdict, n in sorted(m.by_verdict.items()):
+            verdicts.add_metric([verdict], n)
+        yield verdicts
+        kinds = CounterMetricFamily("streamproc_edge_error_results", "error results sent to clients, by kind",
+                                    labels=["kind"])
+        for kind, n in sorted(m.by_error_kind.items()):
+            kinds.add_metric([kind], n)
+        yield kinds

@@ -25,6 +25,7 @@ from nats.js.api import StorageType
 
 from ..core.errors import StartupError
 from ..logs import error_text, log_event
+from ..nats import robust
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
@@ -163,6 +164,7 @@ class ResultSource:
         self.metrics = metrics
         self.recent = RecentRequests(settings.recent)
         self.nc: NatsClient | None = None
+        self._closing = False
 
     @property
     def connected(self) -> bool:
@@ -178,7 +180,7 @@ class ResultSource:
             while True:
                 attempt += 1
                 try:
-                    self.nc = await nats.connect(
+                    self.nc = await robust.connect(  # survives subjects nats-py cannot parse
                         servers=self.settings.nats_url.split(","),
                         name="streamproc-edge",
                         connect_timeout=2,
@@ -216,6 +218,7 @@ class ResultSource:
 
     async def stop(self) -> None:
         nc, self.nc = self.nc, None
+        self._closing = True  # the disconnect that closing causes is not news
         self.metrics.nats_connected = 0
         if nc is not None and not nc.is_closed:
             await nc.close()
@@ -252,9 +255,12 @@ class ResultSource:
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0
+        if self._closing:
+            return
         self.metrics.nats_disconnects += 1
         log_event(log, logging.WARNING, "disconnected")
 
     async def _on_reconnected(self) -> None:
         self.metrics.nats_connected = 1
+        self.metrics.nats_reconnects += 1
         log_event(log, logging.INFO, "reconnected")

@@ -6,6 +6,7 @@ coroutines, no awaits other than ``nc.publish`` per result.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import anyio
@@ -14,7 +15,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..config import Settings
-from ..core.correlator import Decision, Notice
+from ..core.correlator import Decision, Notice, Work
 from ..core.wire import ContractError, Result, result_headers
 from ..logs import error_text, log_event
 from .gate import DispatchGate
@@ -41,6 +42,12 @@ class CoreInput:
         self._parse = pipeline.parse
         self._receive = pipeline.correlator.receive
         self._clock = pipeline.clock
+        # Joins that decode sequence data run in one worker thread (codec instances share their
+        # decompression contexts, which are not thread safe); the loop keeps passing others through.
+        pipeline.correlator.offload_joins = True
+        self._limiter = anyio.CapacityLimiter(1)
+        self._works: set[asyncio.Task] = set()
+        self._observe = pipeline.result_latency.observe
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -57,6 +64,8 @@ class CoreInput:
         with anyio.move_on_after(timeout) as scope:
             # Unsubscribes, then waits until every message already received has been handled.
             await sub.drain()
+            while self._works:  # ... and every join it started elsewhere has been published
+                await asyncio.wait(set(self._works))
         if scope.cancelled_caught:
             log_event(log, logging.WARNING, "drain_timeout", timeout=timeout)
 
@@ -81,7 +90,29 @@ class CoreInput:
                     self._publish_failed(d, exc)
             elif d.__class__ is Notice:
                 self._pipeline.notify(d)
+            elif d.__class__ is Work:
+                self._start(d, None)
             # Settle: nothing to acknowledge in core mode
+
+    def _start(self, work: Work, received: float | None) -> None:
+        """``received``: when the chunk whose result this work makes arrived (None: a timer or control
+        decision), for the result-latency histogram."""
+        task = asyncio.get_running_loop().create_task(self._run(work, received))
+        self._works.add(task)
+        task.add_done_callback(self._works.discard)
+
+    async def _run(self, work: Work, received: float | None) -> None:
+        """Run a join off the loop, then apply it exclusively of the message path (result order)."""
+        await anyio.to_thread.run_sync(work.run, limiter=self._limiter)
+        pipeline = self._pipeline
+
+        async def finish() -> None:
+            decisions = pipeline.correlator.finish(work, pipeline.clock())
+            await self.dispatch(decisions)
+            if received is not None and any(d.__class__ is Result for d in decisions):
+                self._observe(self._clock() - received)  # receipt -> its results handed to NATS
+
+        await self._gate.exclusive(finish)
 
     async def _on_message(self, msg: Msg) -> None:
         gate = self._gate
@@ -89,22 +120,32 @@ class CoreInput:
             await gate.wait_turn()
         gate.busy = True
         try:
-            try:
-                chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
-            except ContractError as exc:
-                decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
-            else:
-                decisions = self._receive(chunk, self._clock())
+            now = self._clock()
+            try:  # every message ends in a decision, whatever raises while it is handled
+                try:
+                    chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
+                except ContractError as exc:
+                    decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
+                else:
+                    decisions = self._receive(chunk, now)
+            except Exception as exc:
+                decisions = self._pipeline.failed(exc, msg, acknowledged=False)
             # dispatch() inlined: one coroutine less per message is measurable against a bare relay.
+            published = False
             for d in decisions:
                 if d.__class__ is Result:
                     try:
                         await self._publish(self._results_head + d.request_id, d.body,
                                             headers=result_headers(d))
+                        published = True
                     except Exception as exc:
                         self._publish_failed(d, exc)
                 elif d.__class__ is Notice:
                     self._pipeline.notify(d)
+                elif d.__class__ is Work:
+                    self._start(d, now)
+            if published:  # message received -> its results handed to the NATS client
+                self._observe(self._clock() - now)
         finally:
             gate.busy = False
 

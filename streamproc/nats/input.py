@@ -16,9 +16,11 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ..core.codec import ErrorKind
 from ..core.correlator import Correlator, Decision, Notice, Settle
+from ..core.latency import LatencyHistogram
 from ..core.wire import ChunkParser, ContractError, Subjects
-from ..logs import log_event
+from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.processor")
 
@@ -50,6 +52,11 @@ class Pipeline:
         self.clock = clock
         self.parse = ChunkParser(subjects)
         self.io = IOStats()
+        # Lines any publisher can cause at will are rate limited per event name.
+        self.limited = LogLimiter(log)
+        # Receipt of a chunk -> the results it made ready handed to NATS (core mode; results a
+        # timer or control request releases are not counted: no chunk arrived for them).
+        self.result_latency = LatencyHistogram()
 
     def contract_error(self, exc: ContractError, msg: Msg, acknowledged: bool) -> list[Decision]:
         """Decisions for a message that broke the wire contract.
@@ -60,13 +67,33 @@ class Pipeline:
         """
         if exc.request_id is None:
             self.io.unreadable += 1
-            log_event(log, logging.WARNING, "unreadable_message", subject=msg.subject, reason=exc.reason)
+            self.limited.log(logging.WARNING, "unreadable_message", subject=msg.subject, reason=exc.reason)
             return [Settle((msg,))] if acknowledged else []
         return self.correlator.reject(exc.request_id, exc.reason, self.clock(), msg)
 
+    def failed(self, exc: Exception, msg: Msg, acknowledged: bool) -> list[Decision]:
+        """Decisions for a message whose handling raised (a bug, never bad input alone): its request
+        ends with an ``internal`` error result and the processor moves on; every message ends in a
+        decision. Without a readable request id it is settled (``acknowledged``) and counted."""
+        self.limited.log(logging.ERROR, "message_failed", subject=msg.subject, error=error_text(exc))
+        try:
+            request_id, _ = self.subjects.parse_chunk_subject(msg.subject)
+        except ContractError as bad:
+            return self.contract_error(bad, msg, acknowledged)
+        try:
+            return self.correlator.reject(request_id, f"internal error: {error_text(exc)}", self.clock(), msg,
+                                          kind=ErrorKind.INTERNAL)
+        except Exception as again:  # noqa: BLE001  (the correlator itself is broken for this request)
+            log_event(log, logging.ERROR, "message_failed_twice", request_id=request_id, error=error_text(again),
+                      exc_info=True)
+            self.io.unreadable += 1
+            return [Settle((msg,))] if acknowledged else []
+
     def notify(self, notice: Notice) -> None:
-        level = logging.DEBUG if notice.event in QUIET_EVENTS else logging.WARNING
-        log_event(log, level, notice.event, request_id=notice.request_id, detail=notice.detail)
+        if notice.event in QUIET_EVENTS:
+            log_event(log, logging.DEBUG, notice.event, request_id=notice.request_id, detail=notice.detail)
+        else:
+            self.limited.log(logging.WARNING, notice.event, request_id=notice.request_id, detail=notice.detail)
 
 
 class Input(Protocol):

@@ -30,6 +30,7 @@ from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, StreamMismatch, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
+from . import robust
 from .control import ControlPlane
 from .core_input import CoreInput
 from .gate import DispatchGate
@@ -68,6 +69,8 @@ class Processor:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._last_error: BaseException | None = None
         self._closing = False
+        self._serving = False  # between a finished start() and the beginning of stop()
+        self.http_port: int | None = None  # bound port of the status server (--http-port), once listening
 
     @property
     def stats(self) -> Stats:
@@ -77,6 +80,19 @@ class Processor:
     def input(self) -> Input | None:
         """The running chunk input (core subscription or durable pull consumers)."""
         return self._input
+
+    @property
+    def connected(self) -> bool:
+        """``/healthz``: the NATS connection is up."""
+        return self.nc is not None and self.nc.is_connected
+
+    @property
+    def ready(self) -> bool:
+        """``/readyz``: connected and reading chunks (core: subscribed; durable: owning partitions)."""
+        if not (self._serving and self.connected and self._input is not None):
+            return False
+        stats = self._input.stats
+        return stats is None or getattr(stats, "partitions", 1) > 0
 
     def snapshot(self) -> dict[str, Any]:
         """All counters plus gauges, for logs and tests."""
@@ -96,6 +112,9 @@ class Processor:
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
         try:
+            if settings.http_port:
+                # First, so /healthz answers (503) while NATS is still being reached.
+                await self._start_status_server(stack)
             self.nc = await self._connect()
             stack.push_async_callback(self._close_connection)
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
@@ -117,8 +136,31 @@ class Processor:
             await stack.__aexit__(None, None, None)
             raise
         self._stack = stack
+        self._serving = True
         log_event(log, logging.INFO, "started", nats_url=settings.nats_url, subject=self.subjects.all_chunks,
                   format=settings.format, mode=self.mode)
+
+    async def _start_status_server(self, stack: contextlib.AsyncExitStack) -> None:
+        from ..metrics import CONTENT_TYPE, ProcessorCollector, exposition, registry_for
+        from ..status_server import StatusServer
+
+        registry = registry_for(ProcessorCollector(self))
+
+        def probe(ok: bool, what: str) -> tuple[int, bytes, str]:
+            return (200, b"ok\n", "text/plain") if ok else (503, f"not {what}\n".encode(), "text/plain")
+
+        server = StatusServer(self.settings.http_host, self.settings.http_port, {
+            "/metrics": lambda: (200, exposition(registry), CONTENT_TYPE),
+            "/healthz": lambda: probe(self.connected, "connected to NATS"),
+            "/readyz": lambda: probe(self.ready, "ready"),
+        })
+        tasks = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tasks.cancel_scope.cancel)
+        try:
+            self.http_port = await tasks.start(server.serve)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on --http-host {self.settings.http_host} --http-port "
+                               f"{self.settings.http_port}: {exc.strerror or exc}") from None
 
     def _make_input(self, mode: str) -> Input:
         assert self.nc is not None
@@ -133,6 +175,7 @@ class Processor:
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        self._serving = False
         try:
             if self._control is not None:
                 await self._control.stop(self.settings.drain_timeout)
@@ -147,17 +190,40 @@ class Processor:
     async def run(self) -> None:
         """Serve until SIGTERM or SIGINT, then stop gracefully."""
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with self:
+            signalled = anyio.Event()
+            started = False
+
+            async def watch(tasks: anyio.abc.TaskGroup) -> None:
                 async for signum in signals:
                     log_event(log, logging.INFO, "signal", signal=signal.Signals(signum).name)
+                    signalled.set()
+                    if not started:  # still reaching NATS: stop waiting (start() cleans up)
+                        tasks.cancel_scope.cancel()
                     return
+
+            failed: StartupError | None = None
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(watch, tasks)
+                try:
+                    await self.start()
+                except StartupError as exc:  # re-raised below, not wrapped in an exception group
+                    failed = exc
+                    tasks.cancel_scope.cancel()
+                else:
+                    started = True
+                    try:
+                        await signalled.wait()
+                    finally:
+                        await self.stop()
+            if failed is not None:
+                raise failed
 
     async def _connect(self) -> NatsClient:
         settings = self.settings
         servers = [s.strip() for s in settings.nats_url.split(",") if s.strip()]
         try:
             with anyio.fail_after(settings.connect_timeout if settings.connect_timeout > 0 else math.inf):
-                return await nats.connect(
+                return await robust.connect(  # survives subjects and headers nats-py cannot parse
                     servers=servers,
                     name="streamproc",
                     max_reconnect_attempts=-1,  # a stream processor outlives NATS restarts
@@ -248,6 +314,7 @@ class Processor:
             await anyio.sleep(max(0.0, wake - now))
             self.io.timer_runs += 1
             await self.exclusive(lambda now: (None, self.correlator.tick(now)))
+            self.pipeline.limited.flush()  # suppressed-line counts are reported even when a flood stops
 
     # ------------------------------------------------------------ control plane
 

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TextIO
 
+import anyio
 import msgspec
 import nats
 
@@ -81,33 +82,95 @@ def summarize(plans: list[traffic.PlannedRequest], results: dict[str, list[Resul
     return dict(sorted(rows.items())), problems
 
 
+# Short enough that the demo's missing prefill legs end in omissions within seconds.
+DEMO_PREFILL_TIMEOUT = 1.0
+
+
 async def run_demo(*, requests: int = 200, format: str | None = None, seed: int = 1,
-                   timeout: float = 60.0) -> DemoReport:
+                   timeout: float = 60.0, progress: TextIO | None = None,
+                   serve_port: int | None = None, out: TextIO = sys.stdout) -> DemoReport:
+    """``progress`` (e.g. stderr) gets a line about every second while results come in.
+
+    With ``serve_port`` the summary is printed to ``out``, then NATS and the processor stay up
+    behind a live edge on that port (0: any free one) until SIGINT or SIGTERM."""
     format = format or default_format()
     worker = catalog.worker_for(format)
     started = time.perf_counter()
     async with EmbeddedNats() as server:
-        settings = config.load({}, {"nats_url": server.url, "format": format, "log_level": "WARNING"})
+        settings = config.load({}, {"nats_url": server.url, "format": format, "log_level": "WARNING",
+                                    "prefill_timeout": DEMO_PREFILL_TIMEOUT})
         async with Processor(settings) as processor:
             nc = await nats.connect(server.url)
             try:
                 plans = traffic.plan(format, requests=requests, mode="mixed", seed=seed, id_prefix="demo",
-                                     worker=worker)
+                                     worker=worker, faults=True)
                 messages = traffic.schedule(plans, seed=seed)
                 timed_out = None
-                async with ResultCollector(nc, settings.subjects) as collector:
+                async with ResultCollector(nc, settings.subjects) as collector, anyio.create_task_group() as tg:
+                    if progress is not None:
+                        tg.start_soon(_report_progress, progress, collector, plans, processor)
                     await traffic.publish(nc, settings.subjects, messages, format=format)
                     try:
                         await collector.wait_for([p.request_id for p in plans], timeout=timeout)
                     except TimeoutError as exc:
                         timed_out = str(exc)
+                    tg.cancel_scope.cancel()
                     results = dict(collector.results)
             finally:
                 await nc.close()
             rows, problems = summarize(plans, results, worker)
             stats = processor.snapshot()
-    return DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems, stats,
-                      timed_out)
+            report = DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems,
+                                stats, timed_out)
+            if serve_port is not None:
+                print_report(report, out)
+                faulted = next((p.request_id for p in plans if p.fault == "corrupt_prefill"), plans[0].request_id)
+                await serve_edge(server.url, format, serve_port, faulted, out)
+    return report
+
+
+async def serve_edge(nats_url: str, format: str, port: int, example: str, out: TextIO) -> None:
+    """The reference edge on the demo's NATS until SIGINT/SIGTERM; prints the live page's URL."""
+    import uvicorn
+
+    from ..core.errors import StartupError
+    from ..edge.app import create_app
+    from ..edge.command import server_class
+    from ..edge.settings import load as load_edge_settings
+
+    settings = load_edge_settings({}, {"nats_url": nats_url, "format": format, "host": "127.0.0.1",
+                                       "port": port, "log_level": "ERROR"})
+    server = server_class()(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                                           lifespan="on", log_config=None, access_log=False,
+                                           log_level="error", timeout_graceful_shutdown=1))
+    failed: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            await server.serve()
+        except SystemExit as exc:  # Uvicorn's way of saying it could not start (a busy port)
+            failed.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        while not server.started and not failed:
+            await anyio.sleep(0.05)
+        if failed:
+            raise StartupError(f"cannot serve the live page on 127.0.0.1:{port}")
+        bound = server.servers[0].sockets[0].getsockname()[1]
+        print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
+              f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
+
+
+async def _report_progress(out: TextIO, collector: ResultCollector, plans: list[traffic.PlannedRequest],
+                           processor: Processor) -> None:
+    while True:
+        await anyio.sleep(1.0)
+        done = sum(1 for p in plans if collector.finished(p.request_id))
+        stats = processor.stats
+        print(f"progress: {done}/{len(plans)} requests finished, {stats.results} results "
+              f"(joined {stats.joined}, omitted {stats.omitted}, errors {stats.errors}), "
+              f"{processor.correlator.inflight} in flight", file=out, flush=True)
 
 
 COLUMNS = ("requests", "results", "passthrough", "joined", "omitted", "errors", "verified")

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NatsClient
 
 from ..catalog import worker_for
 from ..client.publisher import ChunkPublisher
-from .simulation import SimulatedWorker, Truth, make_truth
+from .simulation import Damage, SimulatedWorker, Truth, make_truth
 from ..core.wire import ResultInfo, Role, Subjects, Verdict
 
 TrafficMode = Literal["agg", "pd", "mixed"]
@@ -33,6 +33,11 @@ class PlannedRequest(msgspec.Struct):
     agg: list[bytes] = []
     prefill: list[bytes] = []
     decode: list[bytes] = []
+    # A planned fault and what it must lead to: "corrupt_prefill" (the prefill leg's sequence
+    # payload is garbage) and "missing_prefill" (no prefill leg: the prefill timeout) end in
+    # omitted results with a reason, never spliced rows; "contract" (a prefill chunk on an
+    # aggregated request) ends in an invalid_chunk error result.
+    fault: str | None = None
 
     @property
     def output(self) -> list[bytes]:
@@ -57,8 +62,11 @@ def plan(
     seed: int = 0,
     id_prefix: str | None = None,
     worker: SimulatedWorker | None = None,
+    faults: bool = False,
 ) -> list[PlannedRequest]:
-    """``requests`` requests; ``mode`` mixed alternates agg and P/D, ``stream`` None alternates too."""
+    """``requests`` requests; ``mode`` mixed alternates agg and P/D, ``stream`` None alternates too.
+    ``faults`` plans two corrupt and two missing prefill legs in every 20 P/D requests and a contract
+    violation in every 20 aggregated ones (see :attr:`PlannedRequest.fault`)."""
     worker = worker or worker_for(format)
     id_prefix = id_prefix or f"sim-{secrets.token_hex(3)}"
     plans = []
@@ -68,22 +76,33 @@ def plan(
         rid = f"{id_prefix}-{i}"
         truth = make_truth(seed * 1_000_003 + i, request_id=rid)
         if kind == "agg":
-            plans.append(PlannedRequest(rid, "agg", is_stream, truth, agg=worker.agg(truth, stream=is_stream)))
+            planned = PlannedRequest(rid, "agg", is_stream, truth, agg=worker.agg(truth, stream=is_stream))
+            if faults and i % 40 == 20:
+                planned.fault = "contract"
+                planned.prefill = worker.prefill(truth, stream=False)
         else:
-            plans.append(PlannedRequest(rid, "pd", is_stream, truth,
-                                        prefill=worker.prefill(truth, stream=is_stream),
-                                        decode=worker.decode(truth, stream=is_stream)))
+            fault = None
+            if faults:
+                fault = {2: "corrupt_prefill", 3: "corrupt_prefill", 6: "missing_prefill",
+                         7: "missing_prefill"}.get((i // 2) % 20)  # streamed and unary alike
+            prefill = [] if fault == "missing_prefill" else worker.prefill(
+                truth, stream=is_stream, damage=Damage.GARBAGE if fault == "corrupt_prefill" else None)
+            planned = PlannedRequest(rid, "pd", is_stream, truth, prefill=prefill,
+                                     decode=worker.decode(truth, stream=is_stream), fault=fault)
+        plans.append(planned)
     return plans
 
 
 def _legs(p: PlannedRequest) -> list[list[Message]]:
-    def leg(role: Role, bodies: list[bytes]) -> list[Message]:
-        last = len(bodies) - 1
+    def leg(role: Role, bodies: list[bytes], final: bool = True) -> list[Message]:
+        last = len(bodies) - 1 if final else -1
         return [Message(p.request_id, role, i, b, i == last) for i, b in enumerate(bodies)]
 
     if p.kind == "agg":
+        if p.fault == "contract":  # the request stays open, so the stray prefill chunk always meets it
+            return [leg(Role.AGG, p.agg, final=False), leg(Role.PREFILL, p.prefill)]
         return [leg(Role.AGG, p.agg)]
-    return [leg(Role.PREFILL, p.prefill), leg(Role.DECODE, p.decode)]
+    return [leg(Role.PREFILL, p.prefill)] * bool(p.prefill) + [leg(Role.DECODE, p.decode)]
 
 
 def schedule(plans: list[PlannedRequest], *, seed: int = 0, shuffle: bool = False,
@@ -119,9 +138,10 @@ def schedule(plans: list[PlannedRequest], *, seed: int = 0, shuffle: bool = Fals
 
 
 async def publish(nc: NatsClient, subjects: Subjects, messages: list[Message], *,
-                  format: str | None = None) -> int:
-    """Publish the scheduled messages (``format`` goes in every chunk's Streamproc-Format header)."""
-    publisher = ChunkPublisher(nc, subjects)
+                  format: str | None = None, durable: bool = False) -> int:
+    """Publish the scheduled messages (``format`` goes in every chunk's Streamproc-Format header);
+    ``durable`` waits for each chunk's PubAck and raises ``PublishRefused`` when the stream refuses."""
+    publisher = ChunkPublisher(nc, subjects, durable=durable)
     for m in messages:
         await publisher.publish(m.request_id, m.role, m.seq, m.body, final=m.final, format=format)
     await nc.flush()
@@ -134,6 +154,11 @@ def verify(p: PlannedRequest, results: list[ResultInfo], worker: SimulatedWorker
     expected = p.output
     if [r.seq for r in results] != list(range(len(results))):
         problems.append(f"seqs not contiguous from 0: {[r.seq for r in results]}")
+    if p.fault == "contract":
+        if not results or results[-1].error != "invalid_chunk" or not results[-1].final:
+            problems.append(f"a contract violation must end in a final invalid_chunk error, got "
+                            f"{[(r.verdict, r.error) for r in results]}")
+        return problems
     errors = [f"{r.error}: {r.body[:200]!r}" for r in results if r.error]
     if errors:
         return problems + [f"error result {e}" for e in errors]
@@ -160,6 +185,12 @@ def verify(p: PlannedRequest, results: list[ResultInfo], worker: SimulatedWorker
         views.append((rows, reason))
         if rows is not None and rows != p.truth.experts:
             problems.append(f"seq {r.seq}: expert rows differ from the truth (stale or mis-joined)")
+    if p.fault is not None:  # the prefill rows cannot be had: omitted with a reason, never spliced
+        if p.truth.return_experts and (not results or results[-1].verdict is not Verdict.OMITTED
+                                       or views[-1][0] is not None or not views[-1][1]):
+            problems.append(f"{p.fault}: final result must be omitted with a reason, got verdict "
+                            f"{results[-1].verdict if results else None} reason {views[-1][1] if views else None!r}")
+        return problems
     if views and p.truth.return_experts and views[-1][0] is None:
         problems.append(f"final result has no expert rows (reason {views[-1][1]!r}, verdict {results[-1].verdict})")
     return problems

@@ -240,6 +240,10 @@ class SGLangJoinSession(JoinSession):
         else:
             self._prefill = meta
 
+    def retained_bytes(self) -> int:
+        rows = self._rows
+        return len(rows.rows) if isinstance(rows, _PrefillRows) else 0
+
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
         self._prefill = None
@@ -359,7 +363,7 @@ class SGLangJoinSession(JoinSession):
             # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
             return self._provide(meta, source_value)
         try:
-            decode_rows = self._experts.decode_within(value, _decode_bound(prefill, completion))
+            decode_rows = self._experts.decode_within(value, self._within(_decode_bound(prefill, completion)))
         except CorruptPayload as exc:
             return self._omit(meta, Omit.of_leg(exc, "decode"))
         dtype = _dtype_of(meta)
@@ -414,7 +418,7 @@ class SGLangJoinSession(JoinSession):
         if dtype is None or start is False or not _is_count(prompt_tokens) or prompt_tokens <= 0:
             return Omit.PREFILL_CORRUPT
         try:  # at most one row of the widest plausible model per prompt token
-            rows = self._experts.decode_within(value, prompt_tokens * MAX_ROW_BYTES)
+            rows = self._experts.decode_within(value, self._within(prompt_tokens * MAX_ROW_BYTES))
         except CorruptPayload as exc:
             return Omit.of_leg(exc, "prefill")
         itemsize = EXPERT_DTYPE_SIZES[dtype]
@@ -435,6 +439,16 @@ class SGLangJoinSession(JoinSession):
         if _stale(rows, row_bytes, itemsize):
             return Omit.PREFILL_CORRUPT
         return _PrefillRows(rows, dtype, itemsize, prompt_tokens, start)
+
+    def _within(self, limit: int) -> int:
+        """``limit``, lowered to what the processor's byte budget still allows. The budget counts
+        what this session keeps, so prefill's decoded rows are subtracted from it."""
+        budget = self.decode_budget
+        if budget is None:
+            return limit
+        if isinstance(self._rows, _PrefillRows):
+            budget -= len(self._rows.rows)
+        return max(0, min(limit, budget))
 
     def _omit(self, meta: dict[str, Any], reason: str) -> None:
         meta.pop(ROUTED_EXPERTS, None)

@@ -119,6 +119,9 @@ class VLLMJoinSession(JoinSession):
         for position, choice in enumerate(choices_of(self._prefill)):
             self._prefill_rows[_choice_index(choice, position)] = self._prefill_choice_rows(choice)
 
+    def retained_bytes(self) -> int:
+        return sum(rows.nbytes for rows in self._prefill_rows.values() if isinstance(rows, np.ndarray))
+
     def prefill_unavailable(self, reason: str) -> None:
         self._prefill_known = True
         self._leg_reason = reason

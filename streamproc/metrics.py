@@ -1,0 +1,114 @@
+"""Prometheus metrics of the processor and the edge, built with ``prometheus-client``.
+
+Nothing here runs per message: the hot paths keep bumping plain integers in their stats structs
+(``Stats``, ``IOStats``, ``DurableStats``, ``EdgeMetrics``) and filling the core's
+:class:`~streamproc.core.latency.LatencyHistogram`; a custom collector turns them into metric
+families when ``/metrics`` is scraped. Each component gets its own registry, so several
+processors or edges in one process (tests, the demo) never share counters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .core.latency import LatencyHistogram
+
+if TYPE_CHECKING:
+    from .nats.processor import Processor
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Correlator counters that are results by verdict; the rest become ``streamproc_<name>_total``.
+_VERDICT_FIELDS = {"passthrough": "passthrough", "joined": "joined", "omitted": "omitted",
+                   "stitched": "stitched", "errors": "error"}
+# Struct fields that are gauges (a level now), not counters.
+GAUGES = frozenset({"partitions", "members", "streams_active", "nats_connected"})
+
+
+def histogram(name: str, text: str, hist: LatencyHistogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, text, buckets=hist.cumulative(), sum_value=hist.total)
+
+
+def struct_families(namespace: str, stats: msgspec.Struct, texts: Mapping[str, str] | None = None,
+                    skip: Iterable[str] = ()) -> Iterator[Metric]:
+    """One counter (or gauge, see ``GAUGES``) per integer field of a stats struct."""
+    texts = texts or {}
+    skipped = set(skip)
+    for field in stats.__struct_fields__:
+        if field in skipped:
+            continue
+        value = getattr(stats, field)
+        text = texts.get(field, field.replace("_", " "))
+        if field in GAUGES:
+            yield GaugeMetricFamily(f"{namespace}_{field}", text, value=value)
+        else:
+            yield CounterMetricFamily(f"{namespace}_{field}", text, value=value)
+
+
+class ProcessorCollector(Collector):
+    """Reads one processor's counters at scrape time."""
+
+    def __init__(self, processor: Processor) -> None:
+        self._p = processor
+
+    def collect(self) -> Iterator[Metric]:
+        p = self._p
+        correlator = p.correlator
+        stats = correlator.stats
+        results = CounterMetricFamily("streamproc_results", "results published, by verdict", labels=["verdict"])
+        for field, verdict in _VERDICT_FIELDS.items():
+            results.add_metric([verdict], getattr(stats, field))
+        yield results
+        errors = CounterMetricFamily("streamproc_error_results", "error results, by error kind", labels=["kind"])
+        for kind, n in sorted(correlator.error_kinds.items()):
+            errors.add_metric([kind], n)
+        yield errors
+        yield from struct_families("streamproc", stats, skip=_VERDICT_FIELDS)
+        yield from struct_families("streamproc", p.io)
+        durable = p.input.stats if p.input is not None else None
+        if durable is not None:
+            yield from struct_families("streamproc_durable", durable)
+        yield histogram("streamproc_join_wait_seconds",
+                        "time a P/D result waited for its prefill leg (0 when it was already there)",
+                        correlator.join_wait)
+        yield histogram("streamproc_result_latency_seconds",
+                        "chunk received -> the results it made ready handed to NATS", p.pipeline.result_latency)
+        yield GaugeMetricFamily("streamproc_inflight_requests", "requests with state in the correlator",
+                                value=correlator.inflight)
+        yield GaugeMetricFamily("streamproc_buffered_bytes", "chunk bodies held in reorder and prefill buffers",
+                                value=correlator.buffered_bytes())
+        yield GaugeMetricFamily("streamproc_retained_bytes",
+                                "published bodies kept by reference for a possible migration",
+                                value=correlator.retained_bytes())
+        yield GaugeMetricFamily("streamproc_nats_connected", "1 while the NATS connection is up",
+                                value=1 if p.connected else 0)
+        yield GaugeMetricFamily("streamproc_ready", "1 while subscribed (core) or owning partitions (durable)",
+                                value=1 if p.ready else 0)
+
+
+def registry_for(*collectors: Collector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
+    return registry
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)
+
+
+def parse(text: str) -> dict[str, Any]:
+    """``{'name{label="v"}': value}`` from an exposition, for tests and the demo."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out

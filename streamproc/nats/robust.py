@@ -1,0 +1,94 @@
+"""A nats-py client that survives messages nats-py itself cannot read.
+
+Three inputs any publisher can send make nats-py 2.x lose or kill its connection, and with it every
+other request's in-flight chunks:
+
+1. **VT or FF in a subject token.** nats-server splits protocol arguments on space and tab only
+   (``splitArg`` in server/parser.go), so ``a\\x0bb`` is one token and is delivered. nats-py's
+   ``MSG_RE``/``HMSG_RE`` (``nats/protocol/parser.py``) separate arguments with the regex class ``\\s``,
+   which also matches VT and FF: the subject splits, ``int(sid)`` fails, ``ProtocolError`` drops the
+   connection, and the reconnect meets the next poison message.
+2. **A subject that is not UTF-8.** ``Client._build_message`` decodes it strictly; the
+   ``UnicodeDecodeError`` escapes the read loop, which then stops reading for good.
+3. **A header block that does not decode** (e.g. a forged inline status line with non-UTF-8 text):
+   ``Client._process_headers`` raises, with the same effect as 2.
+
+The fix, in order of preference: 1 is a module-level regex in nats-py, so :func:`install_parser_fix`
+replaces the two patterns with ones that split on space/tab like the server (only if they are the
+exact patterns this was written against; otherwise it leaves them alone and says so). 2 and 3 are
+methods, overridden in :class:`RobustClient`: the subject is decoded with ``surrogateescape`` (the
+request-id rule rejects it later, as a contract error) and unreadable headers become one
+``Streamproc-Unreadable-Headers`` pseudo-header that the chunk parser rejects.
+The upstream bug report text is in docs/operations.md ("limits and abuse").
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from nats.aio.client import Client
+from nats.protocol import parser as _parser
+
+from ..core.wire import UNREADABLE_HEADERS
+from ..logs import log_event
+
+log = logging.getLogger("streamproc.nats")
+
+# The patterns nats-py 2.x ships (nats/protocol/parser.py), and the same grammar with the separators
+# the server uses. Tokens exclude only space, tab, CR and LF.
+_UPSTREAM_MSG = b"\\AMSG\\s+([^\\s]+)\\s+([^\\s]+)\\s+(([^\\s]+)[^\\S\r\n]+)?(\\d+)\r\n"
+_UPSTREAM_HMSG = b"\\AHMSG\\s+([^\\s]+)\\s+([^\\s]+)\\s+(([^\\s]+)[^\\S\r\n]+)?([\\d]+)\\s+(\\d+)\r\n"
+_MSG = rb"\AMSG[ \t]+([^ \t\r\n]+)[ \t]+([^ \t\r\n]+)[ \t]+(([^ \t\r\n]+)[ \t]+)?(\d+)\r\n"
+_HMSG = rb"\AHMSG[ \t]+([^ \t\r\n]+)[ \t]+([^ \t\r\n]+)[ \t]+(([^ \t\r\n]+)[ \t]+)?(\d+)[ \t]+(\d+)\r\n"
+
+_installed: bool | None = None
+
+
+def install_parser_fix() -> bool:
+    """Make nats-py split MSG/HMSG arguments on space and tab only. Idempotent; True when in effect."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    msg_re, hmsg_re = getattr(_parser, "MSG_RE", None), getattr(_parser, "HMSG_RE", None)
+    if msg_re is not None and msg_re.pattern == _MSG and hmsg_re is not None and hmsg_re.pattern == _HMSG:
+        _installed = True
+    elif msg_re is not None and msg_re.pattern == _UPSTREAM_MSG and hmsg_re is not None \
+            and hmsg_re.pattern == _UPSTREAM_HMSG:
+        _parser.MSG_RE = re.compile(_MSG)
+        _parser.HMSG_RE = re.compile(_HMSG)
+        _installed = True
+    else:  # a nats-py release with another parser: maybe fixed, maybe not; never patch blind
+        _installed = False
+        log_event(log, logging.WARNING, "nats_parser_fix_skipped",
+                  reason="nats-py's MSG_RE/HMSG_RE differ from the patterns the fix was written for")
+    return _installed
+
+
+class RobustClient(Client):
+    """nats-py's client, minus the ways one hostile message ends its read loop (see the module doc)."""
+
+    def __init__(self) -> None:
+        install_parser_fix()
+        super().__init__()
+
+    def _build_message(self, sid: int, subject: bytes, reply: bytes, data: bytes,
+                       headers: dict[str, str] | None) -> Any:
+        # Upstream decodes strictly; surrogateescape keeps every byte and never raises.
+        return self.msg_class(subject=subject.decode("utf-8", "surrogateescape"),
+                              reply=reply.decode("utf-8", "surrogateescape"),
+                              data=data, headers=headers, _client=self, _sid=sid)
+
+    async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
+        try:
+            return await super()._process_headers(headers)
+        except Exception as exc:  # noqa: BLE001  (any failure here would end the read loop)
+            return {UNREADABLE_HEADERS: f"{type(exc).__name__}: {exc}"[:200]}
+
+
+async def connect(**options: Any) -> RobustClient:
+    """``nats.connect`` with a :class:`RobustClient`."""
+    nc = RobustClient()
+    await nc.connect(**options)
+    return nc

@@ -1,0 +1,137 @@
+"""The correlator's byte budgets, and why duplicates are no progress (pure; a toy codec that inflates)."""
+
+from __future__ import annotations
+
+from streamproc.codec import Codec, ErrorKind, JoinSession
+from streamproc.correlator import Correlator, CorrelatorConfig
+from streamproc.wire import Chunk, Result, Role, Verdict
+
+MiB = 1 << 20
+
+
+class InflatingSession(JoinSession):
+    """Absorbing a prefill leg ``inflate:<n>`` keeps n decoded bytes (like an expert-row payload)."""
+
+    def __init__(self) -> None:
+        self.rows = b""
+
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        return True
+
+    def absorb_prefill(self, bodies):
+        text = b"".join(bodies)
+        if text.startswith(b"inflate:"):
+            self.rows = bytes(int(text[len(b"inflate:"):]))
+
+    def prefill_unavailable(self, reason: str) -> None:
+        pass
+
+    def join(self, body: bytes, final: bool):
+        return body + b"|%d" % len(self.rows), Verdict.JOINED
+
+    def retained_bytes(self) -> int:
+        return len(self.rows)
+
+
+class InflatingCodec(Codec):
+    name = "inflating"
+
+    def open_session(self) -> JoinSession:
+        return InflatingSession()
+
+    def fold(self, bodies):
+        return b"".join(bodies)
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return f"ERR[{kind.value}]{message}".encode()
+
+
+def correlator(**config: object) -> Correlator:
+    return Correlator(lambda name: InflatingCodec(), "inflating", CorrelatorConfig(**config))
+
+
+def chunk(rid: str, role: str, seq: int, body: bytes, final: bool = False) -> Chunk:
+    return Chunk(rid, Role(role), seq, body, final)
+
+
+def errors(decisions) -> list[tuple[str, str]]:
+    return [(d.request_id, d.error) for d in decisions if isinstance(d, Result) and d.error]
+
+
+def test_a_withheld_seq_0_backlog_ends_its_request_at_the_per_request_byte_cap_and_frees_it():
+    c = correlator(max_buffered_bytes=4 * MiB, max_total_bytes=64 * MiB)
+    out = []
+    for seq in range(1, 6):
+        out += c.receive(chunk("attacker", "agg", seq, bytes(MiB)), 0.0)
+    assert errors(out) == [("attacker", ErrorKind.INVALID_CHUNK.value)]
+    assert c.charged_bytes == 0 and c.inflight == 0
+    assert [d.seq for d in c.receive(chunk("ok", "agg", 0, b"x", final=True), 0.0)] == [0]
+
+
+def test_the_request_that_would_pass_the_global_budget_is_overloaded_and_the_others_are_untouched():
+    c = correlator(max_buffered_bytes=8 * MiB, max_total_bytes=10 * MiB)
+    for rid in ("a", "b"):
+        assert c.receive(chunk(rid, "agg", 1, bytes(4 * MiB)), 0.0) == []
+    out = c.receive(chunk("c", "agg", 1, bytes(4 * MiB)), 0.0)
+    assert errors(out) == [("c", ErrorKind.OVERLOADED.value)]
+    assert c.charged_bytes == 8 * MiB
+    for rid in ("a", "b"):  # their seq 0 arrives: both complete in full
+        results = c.receive(chunk(rid, "agg", 0, b"first"), 0.0)
+        assert [r.seq for r in results if isinstance(r, Result)] == [0, 1]
+    assert c.charged_bytes == 0
+
+
+def test_decoded_prefill_payloads_are_charged_and_the_request_that_inflates_past_the_budget_is_overloaded():
+    c = correlator(max_total_bytes=100 * MiB)
+    out = []
+    for i in range(3):  # a 12-byte prefill leg that keeps 40 MiB decoded, three times
+        rid = f"bomb{i}"
+        out += c.receive(chunk(rid, "prefill", 0, b"inflate:%d" % (40 * MiB), final=True), 0.0)
+    assert errors(out) == [("bomb2", ErrorKind.OVERLOADED.value)]
+    assert c.charged_bytes == 80 * MiB + 2 * len(b"inflate:%d" % (40 * MiB))
+    joined = c.receive(chunk("bomb0", "decode", 0, b"d", final=True), 0.0)
+    assert [(r.seq, r.body) for r in joined if isinstance(r, Result)] == [(0, b"d|%d" % (40 * MiB))]
+    c.receive(chunk("bomb1", "decode", 0, b"d", final=True), 0.0)
+    assert c.charged_bytes == 0 and c.inflight == 0
+
+
+def test_duplicates_and_replays_are_no_progress_for_the_request_timeout():
+    c = correlator(request_timeout=10.0)
+    c.receive(chunk("held", "agg", 1, b"later"), 0.0)  # seq 0 withheld
+    for t in range(1, 12):  # the same chunk again every second
+        c.receive(chunk("held", "agg", 1, b"later"), float(t))
+    out = c.tick(11.0)
+    assert errors(out) == [("held", ErrorKind.TIMEOUT.value)]
+
+
+def test_an_accepted_chunk_is_progress():
+    c = correlator(request_timeout=10.0)
+    c.receive(chunk("slow", "agg", 2, b"c"), 0.0)
+    c.receive(chunk("slow", "agg", 1, b"b"), 8.0)
+    assert errors(c.tick(11.0)) == []
+    assert errors(c.tick(18.5)) == [("slow", ErrorKind.TIMEOUT.value)]
+
+
+def test_sessions_are_told_what_the_global_budget_still_allows_before_they_decode():
+    seen: list[int | None] = []
+
+    class Recording(InflatingSession):
+        def absorb_prefill(self, bodies):
+            seen.append(self.decode_budget)
+            super().absorb_prefill(bodies)
+
+        def join(self, body: bytes, final: bool):
+            seen.append(self.decode_budget)
+            return super().join(body, final)
+
+    class RecordingCodec(InflatingCodec):
+        def open_session(self) -> JoinSession:
+            return Recording()
+
+    c = Correlator(lambda name: RecordingCodec(), "inflating", CorrelatorConfig(max_total_bytes=100 * MiB))
+    c.receive(chunk("other", "agg", 1, bytes(MiB)), 0.0)  # 1 MiB buffered elsewhere
+    prefill = b"inflate:%d" % (10 * MiB)
+    c.receive(chunk("r", "prefill", 0, prefill, final=True), 0.0)
+    c.receive(chunk("r", "decode", 0, b"d"), 0.0)
+    # absorb: everything but the other request's 1 MiB and this leg; join: its own rows count as its own
+    assert seen == [100 * MiB - MiB - len(prefill), 100 * MiB - MiB - len(prefill) - 1]

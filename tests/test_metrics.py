@@ -1,0 +1,187 @@
+"""The processor's status server, scraped from real `streamproc run` processes: /metrics (read
+from the stats structs at scrape time), /healthz (connected to NATS) and /readyz (subscribed, or
+owning partitions in durable mode)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import anyio
+import pytest
+from conftest import CLI
+from edge_harness import free_port
+
+from streamproc.catalog import worker_for
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import ResultCollector, follow
+from streamproc.metrics import parse as parse_metrics
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.simulation import make_truth
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+SUBJECTS = Subjects("streamproc")
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def scrape(port: int) -> dict[str, float]:
+    status, text = get(f"http://127.0.0.1:{port}/metrics")
+    assert status == 200
+    return parse_metrics(text)
+
+
+async def wait_for(check, timeout: float = 10.0):
+    with anyio.fail_after(timeout):
+        while not (value := check()):
+            await anyio.sleep(0.05)
+    return value
+
+
+async def test_core_processor_metrics_count_verdicts_error_kinds_latency_and_buffers(client, streamproc_run):
+    port = free_port()
+    worker = worker_for("sglang")
+    publisher = ChunkPublisher(client, SUBJECTS)
+    with streamproc_run("--mode", "core", "--format", "sglang", "--http-port", str(port),
+                        "--http-host", "127.0.0.1"):
+        assert get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+        assert get(f"http://127.0.0.1:{port}/readyz") == (200, "ok\n")
+        before = scrape(port)
+        assert before['streamproc_results_total{verdict="passthrough"}'] == 0
+
+        async with ResultCollector(client, SUBJECTS) as collector:
+            # aggregated, unary: passthrough
+            await publisher.publish_leg("m-agg", "agg", worker.agg(make_truth(1), stream=False))
+            # aggregated, streaming, not finished: its published body is retained for a migration
+            open_body = worker.agg(make_truth(2), stream=True)[0]
+            await publisher.publish("m-open", "agg", 0, open_body)
+            # an invalid chunk: an error result of kind invalid_chunk
+            await client.publish(SUBJECTS.chunk("m-bad", "agg"), b"x", headers={"Streamproc-Seq": "nope"})
+            # P/D with the decode leg first: it waits for the prefill leg
+            truth = make_truth(3)
+            decode = worker.decode(truth, stream=False)
+            await publisher.publish_leg("m-pd", "decode", decode)
+            await collector.wait_for(["m-agg", "m-bad"], timeout=10)
+            waiting = await wait_for(lambda: (m := scrape(port))["streamproc_buffered_bytes"] > 0 and m)
+            assert waiting["streamproc_buffered_bytes"] == sum(map(len, decode))
+            assert waiting["streamproc_retained_bytes"] == len(open_body)
+            assert waiting["streamproc_inflight_requests"] == 2  # m-open and m-pd
+            await anyio.sleep(0.3)
+            await publisher.publish_leg("m-pd", "prefill", worker.prefill(truth, stream=False))
+            await collector.wait_for(["m-pd"], timeout=10)
+
+        after = await wait_for(lambda: (m := scrape(port))['streamproc_results_total{verdict="joined"}'] == 1 and m)
+        assert after['streamproc_results_total{verdict="passthrough"}'] == 2
+        assert after['streamproc_results_total{verdict="error"}'] == 1
+        assert after['streamproc_error_results_total{kind="invalid_chunk"}'] == 1
+        assert after["streamproc_buffered_bytes"] == 0
+        assert after["streamproc_inflight_requests"] == 1  # m-open is still streaming
+        # the P/D result waited >= 0.3 s for its prefill leg
+        assert after["streamproc_join_wait_seconds_count"] == 1
+        assert after['streamproc_join_wait_seconds_bucket{le="0.25"}'] == 0
+        assert after["streamproc_join_wait_seconds_sum"] >= 0.3
+        # three messages made results ready (agg, open, bad chunk's error, prefill) -> four observations
+        assert after["streamproc_result_latency_seconds_count"] == 4
+        assert after['streamproc_result_latency_seconds_bucket{le="+Inf"}'] == 4
+        assert after["streamproc_chunks_total"] >= 4
+        assert after["streamproc_nats_connected"] == 1 and after["streamproc_ready"] == 1
+
+
+async def test_durable_processor_is_ready_once_it_owns_partitions(client, streamproc_run):
+    port = free_port()
+    with streamproc_run("--mode", "durable", "--partitions", "2", "--http-port", str(port),
+                        "--http-host", "127.0.0.1"):
+        metrics = await wait_for(lambda: (m := scrape(port))["streamproc_durable_partitions"] == 2 and m)
+        assert get(f"http://127.0.0.1:{port}/readyz") == (200, "ok\n")
+        assert metrics["streamproc_ready"] == 1
+        assert "streamproc_durable_redelivered_total" in metrics
+        assert "streamproc_reconnects_total" in metrics
+
+
+def test_status_server_answers_unhealthy_while_nats_is_unreachable(tmp_path):
+    port, dead = free_port(), free_port()
+    proc = subprocess.Popen(
+        [*CLI, "run", "--nats-url", f"nats://127.0.0.1:{dead}", "--http-port", str(port),
+         "--http-host", "127.0.0.1", "--connect-timeout", "30"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                status = get(f"http://127.0.0.1:{port}/healthz")
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        assert status == (503, "not connected to NATS\n")
+        assert get(f"http://127.0.0.1:{port}/readyz") == (503, "not ready\n")
+        assert scrape(port)["streamproc_nats_connected"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_health_turns_503_when_nats_goes_away():
+    port = free_port()
+    with EmbeddedNats(jetstream=False) as server:
+        proc = subprocess.Popen(
+            [*CLI, "run", "--nats-url", server.url, "--mode", "core", "--http-port", str(port),
+             "--http-host", "127.0.0.1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        )
+        try:
+            await wait_for(lambda: _status(port, "/readyz") == 200, timeout=15)
+            server.stop()
+            await wait_for(lambda: _status(port, "/healthz") == 503)
+            assert _status(port, "/readyz") == 503
+            assert scrape(port)["streamproc_disconnects_total"] == 1
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _status(port: int, path: str) -> int | None:
+    try:
+        return get(f"http://127.0.0.1:{port}{path}")[0]
+    except urllib.error.URLError:
+        return None
+
+
+async def test_status_server_refuses_unknown_paths_methods_and_oversized_heads(streamproc_run):
+    port = free_port()
+    with streamproc_run("--mode", "core", "--http-port", str(port), "--http-host", "127.0.0.1"):
+        assert get(f"http://127.0.0.1:{port}/nope")[0] == 404
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=5)
+        assert refused.value.code == 405
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n" + b"X-Junk: " + b"a" * 20_000)
+            assert sock.recv(100).startswith(b"HTTP/1.1 400 ")
+        # a client that sends nothing is dropped; the server still answers others meanwhile
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+
+
+def test_latency_histogram_buckets_are_upper_bounds_inclusive_and_cumulative():
+    from streamproc.core.latency import LatencyHistogram
+
+    hist = LatencyHistogram((0.1, 1.0))
+    for seconds in (0.0, 0.1, 0.10001, 1.0, 7.0):
+        hist.observe(seconds)
+    assert hist.cumulative() == [("0.1", 2), ("1.0", 4), ("+Inf", 5)]
+    assert hist.count == 5 and hist.total == pytest.approx(8.20001)
+    with pytest.raises(ValueError):
+        LatencyHistogram((1.0, 0.1))

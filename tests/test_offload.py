@@ -1,0 +1,66 @@
+"""Joins as Work decisions (core mode): the correlator names the call that may run elsewhere and takes
+the outcome back in order; it never starts a thread itself."""
+
+from __future__ import annotations
+
+from streamproc.core.correlator import Work
+from streamproc.wire import Result
+
+from test_budgets import MiB, chunk, correlator, errors
+
+
+def split(decisions):
+    works = [d for d in decisions if isinstance(d, Work)]
+    results = [(d.request_id, d.seq) for d in decisions if isinstance(d, Result)]
+    return works, results
+
+
+def test_a_join_becomes_work_its_request_waits_and_other_requests_pass_meanwhile():
+    c = correlator()
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"inflate:10", final=True), 0.0)
+    works, results = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
+    assert len(works) == 1 and results == []
+    assert split(c.receive(chunk("pd", "decode", 1, b"b", final=True), 0.0)) == ([], [])  # queued behind
+    assert split(c.receive(chunk("agg", "agg", 0, b"x", final=True), 0.0))[1] == [("agg", 0)]
+    works[0].run()
+    more, results = split(c.finish(works[0], 0.0))
+    assert results == [("pd", 0)] and len(more) == 1  # seq 1 is the next join
+    more[0].run()
+    assert split(c.finish(more[0], 0.0))[1] == [("pd", 1)]
+    assert c.inflight == 0 and c.charged_bytes == 0
+
+
+def test_one_work_is_outstanding_at_a_time_and_the_next_starts_when_it_finishes():
+    c = correlator(max_total_bytes=100 * MiB)
+    c.offload_joins = True
+    works, out = [], []
+    for i in range(3):
+        out += c.receive(chunk(f"r{i}", "prefill", 0, b"inflate:%d" % (40 * MiB), final=True), 0.0)
+        decisions = c.receive(chunk(f"r{i}", "decode", 0, b"d"), 0.0)
+        works += split(decisions)[0]
+    assert [w.request_id for w in works] == ["r0"]  # r1 waits its turn
+    assert errors(out) == [("r2", "overloaded")]  # the toy codec decodes at absorb: r2 passed the budget
+    works[0].run()
+    nxt, results = split(c.finish(works[0], 0.0))
+    assert results == [("r0", 0)] and [w.request_id for w in nxt] == ["r1"]
+
+
+def test_the_outcome_of_work_for_a_request_that_ended_meanwhile_is_dropped():
+    c = correlator(request_timeout=5.0)
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
+    (work,), _ = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
+    assert errors(c.tick(6.0)) == [("pd", "timeout")]
+    work.run()
+    assert c.finish(work, 6.0) == []
+
+
+def test_a_codec_failure_in_work_ends_only_its_request_as_internal():
+    c = correlator()
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
+    (work,), _ = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
+    work._job = lambda: (_ for _ in ()).throw(RecursionError("deep"))
+    work.run()
+    assert errors(c.finish(work, 0.0)) == [("pd", "internal")]
