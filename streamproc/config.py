@@ -203,10 +203,13 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     partitions: Annotated[int, documented("durable: partitions of the chunk stream (one durable consumer each); "
                                     "fixed when the stream is created", ge=1, le=1024)] = 8
     ack_wait: Annotated[float, documented("durable: seconds before an unacknowledged chunk is redelivered; held "
-                                    "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = 10.0
+                                    "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = defaults.ACK_WAIT
     max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
                                          "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
     fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
+    max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
+                                             "is given up (logged, counted; its inputs are NAKed for redelivery)",
+                                             ge=1, le=1_000_000)] = defaults.MAX_RESULT_ATTEMPTS
     lease_ttl: Annotated[float, documented("durable: seconds a partition lease lives without renewal (failover "
                                      "time of a dead instance's partitions)", ge=1, le=600)] = 6.0
     chunks_max_age: Annotated[float, documented("durable: seconds an unprocessed chunk is kept", gt=0,
@@ -296,7 +299,8 @@ _GROUP_OF = {
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes",
                      "max_finished", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
-    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "lease_ttl", "chunks_max_age",
+    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "max_result_attempts", "lease_ttl",
+                     "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),
     **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent"], "edge"),

@@ -148,6 +148,32 @@ async def test_a_chunk_is_acknowledged_only_after_its_result_is_stored(client, n
     assert p.snapshot()["publish_retries"] > 0
 
 
+async def test_a_result_the_stream_keeps_refusing_is_given_up_its_input_redelivered_and_stored_later(
+        client, nats_url, caplog):
+    caplog.set_level(logging.INFO, logger="streamproc")
+    settings = durable_settings(nats_url, max_result_attempts=2)
+    js = client.jetstream()
+    small, big = b'{"text": "0"}', b'{"text": "' + b"x" * 400 + b'"}'
+    async with Processor(settings) as p:
+        results = (await js.stream_info(RESULTS_STREAM)).config
+        results.max_msg_size = 200  # seq 1 cannot be stored: every publish of it is refused
+        await js.update_stream(results)
+        publisher = ChunkPublisher(client, settings.subjects)
+        await publisher.publish("refused", "agg", 0, small)
+        await publisher.publish("refused", "agg", 1, big, final=True)
+        await wait_until(lambda: p.snapshot()["results_given_up"] >= 2, 15,
+                         "given up, NAKed, redelivered, recovered and given up again")
+        assert await chunk_stream_messages(js) == 1  # seq 0 acknowledged; seq 1 never, nor lost
+        assert "event=result_given_up request_id=refused seq=1 attempts=2 reason=refused" in caplog.text
+
+        results.max_msg_size = -1
+        await js.update_stream(results)
+        await wait_until(_empty(js), 15, "the redelivered chunk stored and acknowledged at last")
+        stored = await stored_results(js, settings.subjects)
+    assert [(s.seq, s.body) for s in stored["refused"]] == [(0, small), (1, big)]
+    assert p.snapshot()["resumed"] >= 2  # each redelivery resumed after the stored seq 0
+
+
 def _empty(js):
     async def check() -> bool:
         return await chunk_stream_messages(js) == 0

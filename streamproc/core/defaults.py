@@ -35,5 +35,9 @@ RESULTS_MAX_AGE = 3600.0  # seconds a result can still be replayed
 CHUNKS_MAX_AGE = 3600.0
 DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dropped
 
+# Durable outbox (settings and the outbox's own config)
+MAX_RESULT_ATTEMPTS = 100  # refusals + unanswered sends of one result before it is given up
+ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
+
 # Readers (client helpers and the edge)
 MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it

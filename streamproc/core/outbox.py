@@ -1,0 +1,407 @@
+"""The durable outbox: results out to a stream that acknowledges storage, input acks only after.
+
+A pure synchronous state machine in the h11 manner: the I/O shell feeds it decisions, PubAck
+bodies and the time, and drains what to do (results to publish, acks, NAKs, in-progress acks).
+It never touches a socket, so every guarantee below is checked by property tests
+(``tests/test_outbox.py``) as well as against a live server.
+
+- **One result per request in flight.** A request's results leave in seq order; the next one
+  leaves when the previous one's PubAck is in. So a request's stored results are always ``0..k``
+  with no gap, whatever is lost in between, and results of different requests pipeline freely.
+- **Same id until stored.** A result is published again, under its ``Nats-Msg-Id``, when its
+  PubAck is overdue (first after ``first_wait``, doubling up to ``max_wait``), ``retry_after_refusal``
+  after the stream refused it, and at once after a reconnect; the stream's duplicate window
+  collapses copies that were stored after all.
+- **Acks follow storage.** An input token is acknowledged when the PubAck of the result that
+  settles it is in. A :class:`~streamproc.core.correlator.Settle` (a token that contributes to
+  nothing) waits behind the last queued result of its request: a redelivered copy of a chunk is the
+  same stored message, and acking it early would release the original before its result is stored.
+- **Bounded.** After ``max_attempts`` refusals or overdue PubAcks a result is given up: its request's
+  queued results are dropped, their tokens NAKed (JetStream redelivers them, and the next owner
+  recovers from what is stored) and a :class:`GiveUp` tells the shell to forget the request, log
+  and count it. Nothing retries for ever inside one instance.
+
+Tokens are opaque (the shell's ack handles); tickets are strings the shell turns into reply
+subjects. :func:`delivery_count`, :func:`needs_lookup` and :func:`resume_point` are the pure
+recovery decisions for a chunk of a request this instance does not know.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterable, Iterator, Mapping
+
+import msgspec
+
+from . import defaults
+from .events import Decision, Notice, Result, Role, Settle
+from .wire import FINAL, SEQ
+
+__all__ = [
+    "ACK", "NAK", "PROGRESS", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
+    "STORED", "DUPLICATE", "REFUSED", "GIVEN_UP", "UNMATCHED",
+    "classify", "delivery_count", "needs_lookup", "resume_point",
+]
+
+
+class OutboxConfig(msgspec.Struct, frozen=True):
+    """Retry timing and bounds (the shell's defaults; tests shrink them)."""
+
+    first_wait: float = 2.0  # first PubAck wait before a result is sent again
+    max_wait: float = 10.0  # the wait doubles per resend up to this
+    retry_after_refusal: float = 0.5  # seconds before a refused result is sent again
+    max_attempts: int = defaults.MAX_RESULT_ATTEMPTS  # refusals + overdue PubAcks of one result, then give up
+    progress_every: float = defaults.ACK_WAIT / 4  # seconds between in-progress rounds
+
+
+class OutboxStats(msgspec.Struct):
+    """Counters of the outbox (merged into the durable input's statistics)."""
+
+    acks: int = 0
+    naks: int = 0
+    in_progress: int = 0  # +WPI sent for tokens held at two consecutive progress rounds
+    duplicate_results: int = 0  # PubAcks saying the result was already stored
+    publish_retries: int = 0
+    publish_errors: int = 0  # refusals and publishes that did not leave
+    results_given_up: int = 0  # results dropped after max_attempts (their inputs NAKed)
+
+
+class Nak(msgspec.Struct, frozen=True):
+    """Negative acknowledgement: redeliver after ``delay`` seconds (0: at once)."""
+
+    delay: float = 0.0
+
+
+ACK = "ack"
+PROGRESS = "progress"  # still working on it: reset the redelivery timer
+NAK = Nak()
+Action = str | Nak
+
+# PubAck outcomes (what on_puback did), for the shell's logs and counters.
+STORED = "stored"
+DUPLICATE = "duplicate"
+REFUSED = "refused"  # will be sent again
+GIVEN_UP = "given_up"  # see given_up()
+UNMATCHED = "unmatched"  # not a ticket in flight (a late copy, an abandoned request)
+
+
+class GiveUp(msgspec.Struct, frozen=True):
+    """A result that could not be stored within ``max_attempts``; its request was dropped."""
+
+    request_id: str
+    seq: int
+    attempts: int
+    reason: str  # "refused" or "timeout"
+
+
+class Outgoing:
+    """One result on its way to the stream, with the input tokens its PubAck releases."""
+
+    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused")
+
+    def __init__(self, result: Result, ticket: str, settles: list, wait: float) -> None:
+        self.result = result
+        self.ticket = ticket
+        self.settles = settles
+        self.due = 0.0  # when the PubAck is overdue (or, after a refusal, when to send again)
+        self.wait = wait
+        self.failures = 0
+        self.refused = False  # due is a retry time after a refusal, not a PubAck deadline
+
+
+def classify(data: bytes) -> str:
+    """What a PubAck body says. An empty body is a status reply (503 no responders: no stream)."""
+    if not data or b'"error":' in data:
+        return REFUSED
+    if b'"duplicate":true' in data:
+        return DUPLICATE
+    return STORED
+
+
+class Outbox:
+    """Per-request result queues between the correlator and the results stream.
+
+    Feed it :meth:`take` (decisions), :meth:`on_puback` (replies by ticket), :meth:`send_failed`
+    and :meth:`tick` (time); drain :meth:`sending` (results to publish now) and :meth:`control`
+    (``(token, action)`` pairs). Synchronous, so the order of decisions is the order of each
+    request's queue whichever task produced them.
+    """
+
+    def __init__(self, config: OutboxConfig = OutboxConfig(), stats: OutboxStats | None = None) -> None:
+        self.config = config
+        self.stats = stats if stats is not None else OutboxStats()
+        self._queues: dict[str, list[Outgoing]] = {}  # per request; [0] is in flight or about to be
+        self._inflight: dict[str, Outgoing] = {}  # by ticket
+        self.ready: deque[Outgoing] = deque()  # to publish; the shell reads its length, sending() drains it
+        self._first_wait = config.first_wait
+        self._control: list[tuple[object, Action]] = []
+        self._given_up: list[GiveUp] = []
+        self._next = 0
+        self._progress_seen: set[int] = set()
+        self._next_progress = 0.0
+
+    # ---------------------------------------------------------------------- state
+
+    @property
+    def pending(self) -> int:
+        """Results not stored yet."""
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def idle(self) -> bool:
+        return not self._queues
+
+    def busy(self, belongs: Callable[[str], bool]) -> bool:
+        """Whether a result of a request ``belongs`` selects is not stored yet."""
+        return any(belongs(rid) for rid in self._queues)
+
+    def in_flight(self, ticket: str) -> Result | None:
+        """The result published under ``ticket`` and not stored yet (for the shell's log lines)."""
+        o = self._inflight.get(ticket)
+        return o.result if o is not None else None
+
+    def tokens(self) -> Iterator[object]:
+        """Input tokens waiting for a PubAck."""
+        for queue in self._queues.values():
+            for o in queue:
+                yield from o.settles
+
+    # ---------------------------------------------------------------------- in
+
+    def take(self, decisions: list[Decision], request_id: str | None = None) -> list[Notice]:
+        """Queue results and place settled tokens; return the notices (for the shell's log).
+
+        ``request_id`` owns the Settles: they wait behind that request's last queued result. Off the
+        message path (a seal, the timer) it is None; the Settles then belong to the one request the
+        other decisions name, if they name exactly one, else nothing is queued ahead of them.
+        """
+        queues = self._queues
+        notices: list[Notice] | None = None
+        for d in decisions:
+            cls = d.__class__
+            if cls is Result:
+                rid = d.request_id
+                self._next += 1
+                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait)
+                queue = queues.get(rid)
+                if queue is None:
+                    queues[rid] = [o]
+                    self.ready.append(o)
+                else:
+                    queue.append(o)
+            elif cls is Notice:
+                if notices is None:
+                    notices = [d]
+                else:
+                    notices.append(d)
+            else:  # Settle
+                if request_id is None:
+                    request_id = _sole_request(decisions)
+                queue = queues.get(request_id) if request_id is not None else None
+                if queue:
+                    queue[-1].settles.extend(t for t in d.tokens if t is not None)
+                else:
+                    self.ack(d.tokens)
+        return notices if notices is not None else _NO_NOTICES
+
+    def ack(self, tokens: Iterable[object]) -> None:
+        control = self._control
+        n = 0
+        for t in tokens:
+            if t is not None:
+                control.append((t, ACK))
+                n += 1
+        self.stats.acks += n
+
+    def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
+        action = NAK if delay <= 0 else Nak(delay)
+        for t in tokens:
+            if t is not None:
+                self._control.append((t, action))
+                self.stats.naks += 1
+
+    def on_puback(self, ticket: str, data: bytes, now: float) -> str:
+        """A reply to the result published under ``ticket``; returns what it meant."""
+        o = self._inflight.pop(ticket, None)
+        if o is None:
+            return UNMATCHED
+        if not data or b'"error":' in data:  # see classify(); inlined on the hot path
+            self.stats.publish_errors += 1
+            o.failures += 1
+            if o.failures >= self.config.max_attempts:
+                self._give_up(o, "refused")
+                return GIVEN_UP
+            o.due = now + self.config.retry_after_refusal
+            o.refused = True
+            self._inflight[ticket] = o  # a late PubAck of an earlier copy still counts
+            return REFUSED
+        outcome = STORED
+        if b'"duplicate":true' in data:
+            self.stats.duplicate_results += 1
+            outcome = DUPLICATE
+        settles = o.settles  # None already filtered out
+        if settles:
+            control = self._control
+            for t in settles:
+                control.append((t, ACK))
+            self.stats.acks += len(settles)
+        rid = o.result.request_id
+        queue = self._queues[rid]  # a ticket in flight is always its request's head
+        del queue[0]
+        if queue:
+            self.ready.append(queue[0])
+        else:
+            del self._queues[rid]
+        return outcome
+
+    def send_failed(self, o: Outgoing) -> None:
+        """The publish of ``o`` did not leave (disconnected, closed): send it again at the next tick."""
+        self.stats.publish_errors += 1
+        o.due = float("-inf")
+
+    def tick(self, now: float, reconnected: bool = False,
+             held: Callable[[], Iterable[object]] | None = None) -> list[GiveUp]:
+        """Send overdue results again (every one in flight after a reconnect); run a progress round
+        when one is due (``held`` yields the other tokens still held, the correlator's). Returns the
+        results given up now (also in :meth:`given_up`)."""
+        config = self.config
+        inflight = self._inflight
+        again = [o for o in inflight.values() if reconnected or now >= o.due]
+        for o in again:
+            del inflight[o.ticket]
+            if o.refused:
+                o.refused = False  # counted when it was refused
+            elif now >= o.due:
+                o.failures += 1
+                if o.failures >= config.max_attempts:
+                    self._give_up(o, "timeout")
+                    continue
+            o.wait = min(o.wait * 2, config.max_wait)
+            self.stats.publish_retries += 1
+            self.ready.append(o)
+        if held is not None and now >= self._next_progress:
+            self._next_progress = now + config.progress_every
+            self._progress(held())
+        return self.given_up()
+
+    def abandon(self, belongs: Callable[[str], bool]) -> tuple[list[object], list[str]]:
+        """Drop the queued results of the requests ``belongs`` selects (their partition moves).
+
+        Returns every token they would have acked (the shell NAKs them, so the next owner gets them
+        at once and recovers from what is stored) and those request ids: their results may not be
+        stored, so the correlator must forget them even when it holds them as finished. A result
+        already sent may still be stored; it acks nothing any more.
+        """
+        tokens: list[object] = []
+        dropped = [rid for rid in self._queues if belongs(rid)]
+        for rid in dropped:
+            for o in self._queues.pop(rid):
+                tokens.extend(o.settles)
+                o.settles = []
+                self._inflight.pop(o.ticket, None)
+        if dropped:
+            keep = [o for o in self.ready if o.result.request_id in self._queues]
+            self.ready.clear()  # in place: the shell may hold a reference
+            self.ready.extend(keep)
+        return tokens, dropped
+
+    # ---------------------------------------------------------------------- out
+
+    def sending(self, now: float) -> list[Outgoing]:
+        """Results to publish now (with reply subject from their ticket); each waits for its PubAck."""
+        send = self.ready
+        if not send:
+            return []
+        out = list(send)
+        send.clear()
+        inflight = self._inflight
+        due = now + 0.0
+        for o in out:
+            o.due = due + o.wait
+            inflight[o.ticket] = o
+        return out
+
+    def control(self) -> list[tuple[object, Action]]:
+        """Acks, NAKs and in-progress acks to send, as ``(token, action)``."""
+        out = self._control
+        if out:
+            self._control = []
+        return out
+
+    def given_up(self) -> list[GiveUp]:
+        out = self._given_up
+        if out:
+            self._given_up = []
+        return out
+
+    # ---------------------------------------------------------------------- inside
+
+    def _give_up(self, o: Outgoing, reason: str) -> None:
+        rid = o.result.request_id
+        tokens, _ = self.abandon(lambda r: r == rid)
+        self.nak(tokens)
+        self.stats.results_given_up += 1
+        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason))
+
+    def _progress(self, held: Iterable[object]) -> None:
+        """+WPI for every token that was already held at the previous round.
+
+        The shell runs rounds every quarter of ``ack_wait``, so a token gets its first in-progress
+        ack within two rounds (plus the tick interval) of being held: before it is redelivered.
+        """
+        current: dict[int, object] = {}
+        for t in held:
+            current[id(t)] = t
+        for t in self.tokens():
+            current[id(t)] = t
+        seen = self._progress_seen
+        control = self._control
+        for key, t in current.items():
+            if key in seen and t is not None:
+                control.append((t, PROGRESS))
+                self.stats.in_progress += 1
+        self._progress_seen = set(current)
+
+
+_NO_NOTICES: list[Notice] = []  # returned by take() when there are none; never appended to
+
+
+def _sole_request(decisions: list[Decision]) -> str | None:
+    """The request every Result and Notice of ``decisions`` names, if there is exactly one."""
+    named = {d.request_id for d in decisions if d.__class__ is not Settle}
+    return named.pop() if len(named) == 1 else None
+
+
+# ------------------------------------------------------------------------- recovery decisions
+
+def delivery_count(reply: str) -> int:
+    """How often JetStream delivered a message, from its ack subject.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>...`` (9 tokens, v1) or
+    ``$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>...`` (v2), as nats-py's
+    nats-py's ``Msg.Metadata._from_reply`` reads it (``nats/aio/msg.py``: ``tokens[4]`` for v1,
+    ``Msg.Ack.NumDelivered`` = 6 for v2).
+    """
+    tokens = reply.split(".")
+    try:
+        return int(tokens[4] if len(tokens) == 9 else tokens[6])
+    except (IndexError, ValueError):
+        return 1
+
+
+def needs_lookup(seq: int, role: Role, reply: str) -> bool:
+    """Whether a chunk of a request this instance does not know might continue one served elsewhere.
+
+    Only the first delivery of a request's first output chunk surely starts it; anything else
+    (a later seq, a prefill leg, a redelivery) needs the last stored result read first.
+    """
+    return bool(seq) or role is Role.PREFILL or delivery_count(reply) > 1
+
+
+def resume_point(headers: Mapping[str, str] | None) -> tuple[int, bool] | None:
+    """``(next seq, final)`` after a stored result's headers; None when they name no seq."""
+    h = headers or {}
+    seq = h.get(SEQ, "")
+    if not seq.isdigit():
+        return None
+    return int(seq) + 1, h.get(FINAL) == "true"

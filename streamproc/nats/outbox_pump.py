@@ -1,0 +1,159 @@
+"""The I/O pump around the pure durable outbox (:mod:`streamproc.core.outbox`).
+
+It publishes what the outbox says to publish, with a reply subject of its own per result
+(``<inbox>.<ticket>``: a plain ``publish`` with a reply inbox, since ``publish()`` per message is
+RTT-bound and ``publish_async`` futures per message are costly), feeds the PubAcks and the time
+back, and sends the acks, NAKs and in-progress acks the outbox decides. Every rule (ordering,
+retries, settle order, give-up) lives in the outbox; nothing here decides.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+import anyio
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from ..core.events import Decision, Notice
+from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, GiveUp, Nak, Outbox
+from ..core.wire import result_headers
+from ..logs import error_text, log_event
+
+log = logging.getLogger("streamproc.durable")
+
+_ACK = b""  # an empty reply is a JetStream ack
+_NAK = b"-NAK"
+_WPI = b"+WPI"
+
+Notify = Callable[[Notice], None]
+GiveUpHandler = Callable[[GiveUp], None]
+
+
+def _payload(action: object) -> bytes:
+    if action is ACK:
+        return _ACK
+    if action is PROGRESS:
+        return _WPI
+    assert isinstance(action, Nak)
+    return _NAK if action.delay <= 0 else _NAK + b' {"delay": %d}' % int(action.delay * 1e9)
+
+
+class OutboxPump:
+    """Moves the outbox's results to the results stream and its acks to the chunk stream."""
+
+    def __init__(self, nc: NatsClient, results_head: str, outbox: Outbox, *, clock: Callable[[], float],
+                 notify: Notify, give_up: GiveUpHandler) -> None:
+        self._nc = nc
+        self._head = results_head
+        self.outbox = outbox
+        self._clock = clock
+        self._notify = notify
+        self._give_up = give_up
+        self._reply_prefix = ""
+        self._cut = 0
+        self._sub: Subscription | None = None
+        self.closed = False
+
+    async def start(self) -> None:
+        self._reply_prefix = self._nc.new_inbox() + "."
+        self._cut = len(self._reply_prefix)
+        self._sub = await self._nc.subscribe(self._reply_prefix + "*", cb=self._on_reply,
+                                             pending_msgs_limit=-1, pending_bytes_limit=-1)
+
+    async def stop(self) -> None:
+        self.closed = True
+        sub, self._sub = self._sub, None
+        if sub is not None and not self._nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    @property
+    def pending(self) -> int:
+        """Results not stored yet."""
+        return self.outbox.pending
+
+    def take(self, decisions: list[Decision], request_id: str | None) -> None:
+        """Hand decisions to the outbox; ``request_id`` owns their Settles. Notices go to the log."""
+        notices = self.outbox.take(decisions, request_id)
+        if notices:
+            for n in notices:
+                self._notify(n)
+
+    async def wait_idle(self, timeout: float, belongs: Callable[[str], bool] | None = None) -> bool:
+        """Wait until every queued result (of the requests ``belongs`` selects) is stored; False on timeout."""
+        outbox = self.outbox
+        with anyio.move_on_after(timeout):
+            while not outbox.idle if belongs is None else outbox.busy(belongs):
+                await anyio.sleep(0.005)
+            return True
+        return False
+
+    def tick(self, now: float, reconnected: bool, held: Callable[[], Iterable[object]] | None) -> None:
+        """Feed the time in: overdue results are queued again, a progress round runs when due."""
+        for g in self.outbox.tick(now, reconnected, held):
+            self._given_up(g)
+
+    async def pump(self) -> None:
+        """Send what is ready: results first (their order per request is already fixed), then acks."""
+        outbox = self.outbox
+        publish = self._nc.publish
+        if outbox.ready:
+            sending = outbox.sending(self._clock())
+            head = self._head
+            prefix = self._reply_prefix
+            for o in sending:
+                r = o.result
+                try:
+                    await publish(head + r.request_id, r.body, prefix + o.ticket, result_headers(r))
+                except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
+                    outbox.send_failed(o)
+                    self._failed(r.request_id, exc)
+        control = outbox.control()
+        for token, action in control:
+            if action is ACK:
+                payload = _ACK
+            else:
+                if not token.reply:  # type: ignore[attr-defined]
+                    continue
+                payload = _payload(action)
+            try:
+                await publish(token.reply, payload)  # type: ignore[attr-defined]
+            except Exception as exc:  # a lost ack means a redelivery, which is safe
+                log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
+
+    async def _on_reply(self, msg: Msg) -> None:
+        ticket = msg.subject[self._cut:]
+        outcome = self.outbox.on_puback(ticket, msg.data, self._clock())
+        if outcome is REFUSED:
+            self._refused(msg, ticket)
+        elif outcome is GIVEN_UP:
+            for g in self.outbox.given_up():
+                self._given_up(g)
+        await self.pump()
+
+    def _refused(self, msg: Msg, ticket: str) -> None:
+        errors = self.outbox.stats.publish_errors
+        if errors & (errors - 1) == 0:  # log at powers of two
+            result = self.outbox.in_flight(ticket)
+            status = (msg.headers or {}).get("Status", "")
+            log_event(log, logging.WARNING, "result_not_stored",
+                      request_id=result.request_id if result is not None else "-", status=status,
+                      detail=msg.data[:200].decode(errors="replace"),
+                      retry_in=f"{self.outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
+
+    def _failed(self, request_id: str, exc: Exception) -> None:
+        errors = self.outbox.stats.publish_errors
+        if errors & (errors - 1) == 0:
+            log_event(log, logging.WARNING, "result_publish_failed", request_id=request_id, error=error_text(exc),
+                      errors_total=errors)
+
+    def _given_up(self, g: GiveUp) -> None:
+        log_event(log, logging.ERROR, "result_given_up", request_id=g.request_id, seq=g.seq, attempts=g.attempts,
+                  reason=g.reason, detail="inputs NAKed; recovered from what is stored when redelivered")
+        self._give_up(g)

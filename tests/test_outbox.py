@@ -1,0 +1,598 @@
+"""The durable outbox (:mod:`streamproc.core.outbox`), pure: the guarantees of durable mode without a server.
+
+The property drives one outbox (rebuilt after every crash) through random interleavings of
+results of many requests, duplicate deliveries, publishes that are stored, refused, lost or fail
+to leave, PubAcks that arrive, get lost or arrive after a crash, time, reconnects, abandons and
+crashes, against a model of the results stream (a dict keyed by ``Nats-Msg-Id``; its duplicate
+window is taken as longer than a run) and of JetStream redelivery. Checked at every step: a
+request's results are stored in seq order with no gap, each msg-id once with its own body; no
+token is acked before every result it waits for is stored, none is acked twice or acked and
+NAKed. Checked after a fault-free tail: every request is stored completely, every input was
+acknowledged, nothing of the live instance is left held, and it got there in bounded rounds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from streamproc.core.events import Notice, Result, Role, Settle
+from streamproc.core.outbox import (
+    ACK,
+    DUPLICATE,
+    GIVEN_UP,
+    NAK,
+    PROGRESS,
+    REFUSED,
+    STORED,
+    UNMATCHED,
+    GiveUp,
+    Nak,
+    Outbox,
+    OutboxConfig,
+    classify,
+    delivery_count,
+    needs_lookup,
+    resume_point,
+)
+from streamproc.core.wire import FINAL, SEQ
+from streamproc.testing.laws import LAW_EXAMPLES
+
+outbox_settings = settings(
+    max_examples=max(500, LAW_EXAMPLES),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=os.environ.get("CI") == "true",
+)
+
+STORED_ACK = b'{"stream":"R","seq":7}'
+DUPLICATE_ACK = b'{"stream":"R","seq":7,"duplicate":true}'
+REFUSED_ACK = b'{"error":{"code":503,"description":"stream unavailable"}}'
+NO_RESPONDERS = b""  # a 503 status reply has an empty body
+
+
+class Token:
+    """An ack handle: one delivery of one input (identity matters, as for nats-py's Msg)."""
+
+    __slots__ = ("rid", "name", "copy")
+
+    def __init__(self, rid: str, name: str, copy: int) -> None:
+        self.rid, self.name, self.copy = rid, name, copy
+
+    def __repr__(self) -> str:
+        return f"Token({self.rid}/{self.name}#{self.copy})"
+
+
+def result(rid: str, seq: int, final: bool = False, settles: tuple = ()) -> Result:
+    return Result(rid, seq, f"{rid}:{seq}".encode(), final, settles=settles)
+
+
+def acked(actions) -> list:
+    return [t for t, a in actions if a == ACK]
+
+
+# ------------------------------------------------------------------------------ the model
+
+class ResultsStream:
+    """The results stream: a msg-id is stored once; PubAcks as the server words them."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, bytes] = {}
+        self.last: dict[str, Result] = {}
+
+    def store(self, r: Result) -> bytes:
+        mid = r.msg_id
+        if mid in self.stored:
+            assert self.stored[mid] == r.body, f"{mid} stored with another body"
+            return DUPLICATE_ACK
+        assert r.seq == 0 or f"{r.request_id}.{r.seq - 1}" in self.stored, f"{mid} stored after a gap"
+        self.stored[mid] = r.body
+        self.last[r.request_id] = r
+        return STORED_ACK
+
+    def last_headers(self, rid: str) -> dict[str, str] | None:
+        r = self.last.get(rid)
+        if r is None:
+            return None
+        return {SEQ: str(r.seq), **({FINAL: "true"} if r.final else {})}
+
+
+class World:
+    """One processor instance at a time over a shared stream; the correlator reduced to its contract."""
+
+    def __init__(self, sizes: list[int], pd: list[bool], config: OutboxConfig) -> None:
+        self.config = config
+        self.sizes = {f"r{i}": n for i, n in enumerate(sizes)}
+        self.pd = {f"r{i}": p for i, p in enumerate(pd)}
+        self.stream = ResultsStream()
+        self.now = 0.0
+        self.instance = 0
+        self.outbox = Outbox(config)
+        self.wire: list[tuple[int, str, Result]] = []  # publishes on their way to the stream
+        self.replies: list[tuple[int, str, bytes]] = []  # PubAcks on their way back
+        self.next_seq: dict[str, int] = {}
+        self.emitted: dict[str, list[str]] = {}  # msg-ids queued by this instance since the request was (re)started
+        self.held: dict[str, Token] = {}  # prefill tokens the correlator holds
+        self.issued: set[Token] = set()  # tokens of the live instance
+        self.required: dict[Token, set[str]] = {}
+        self.acked: set[Token] = set()
+        self.naked: set[Token] = set()
+        self.inputs_acked: set[tuple[str, str]] = set()
+        self.copies = 0
+        self.given_up = 0
+        for rid in self.sizes:
+            self.restart(rid)
+
+    # ------------------------------------------------------------------ helpers
+
+    def token(self, rid: str, name: str, required: set[str]) -> Token:
+        self.copies += 1
+        t = Token(rid, name, self.copies)
+        self.issued.add(t)
+        self.required[t] = required
+        return t
+
+    def mid(self, rid: str, seq: int) -> str:
+        return f"{rid}.{seq}"
+
+    def restart(self, rid: str) -> None:
+        """The request is (re)delivered to this instance: recover from the last stored result."""
+        point = resume_point(self.stream.last_headers(rid))
+        nxt, final = point if point is not None else (0, False)
+        self.next_seq[rid] = nxt
+        self.emitted[rid] = []
+        self.held.pop(rid, None)
+        n = self.sizes[rid]
+        late = [str(s) for s in range(nxt) if (rid, str(s)) not in self.inputs_acked]
+        if self.pd[rid]:
+            if final:
+                if (rid, "prefill") not in self.inputs_acked:
+                    late.append("prefill")
+            else:
+                self.held[rid] = self.token(rid, "prefill", {self.mid(rid, s) for s in range(n)})
+        for name in late:  # chunks whose results are stored: late now, settled at once
+            required = {self.mid(rid, s) for s in range(n)} if name == "prefill" else {self.mid(rid, int(name))}
+            self.take([Settle((self.token(rid, name, required),))], rid)
+
+    def take(self, decisions: list, rid: str | None) -> None:
+        notices = self.outbox.take(decisions, rid)
+        assert notices == [d for d in decisions if isinstance(d, Notice)]
+
+    def drain(self) -> None:
+        for t, action in self.outbox.control():
+            assert t in self.issued, f"{t} belongs to no live delivery"
+            assert t not in self.acked and t not in self.naked, f"{t} answered twice ({action})"
+            if action == ACK:
+                missing = self.required[t] - self.stream.stored.keys()
+                assert not missing, f"{t} acked before {sorted(missing)} stored"
+                self.acked.add(t)
+                self.inputs_acked.add((t.rid, t.name))
+            elif action == PROGRESS:
+                pass  # still held (checked above): extends its ack deadline
+            else:
+                assert isinstance(action, Nak)
+                self.naked.add(t)
+
+    def forget(self, rid: str) -> None:
+        """The correlator forgets a request (abandon, give-up): its held tokens are NAKed, and the
+        NAKed inputs come back, to this instance in the model."""
+        held = self.held.pop(rid, None)
+        self.outbox.nak([held] if held is not None else [])
+        self.restart(rid)
+
+    def gave_up(self, records: list[GiveUp]) -> None:
+        for g in records:
+            self.given_up += 1
+            assert g.attempts >= self.config.max_attempts
+            self.forget(g.request_id)
+
+    def done(self, rid: str) -> bool:
+        return self.next_seq[rid] >= self.sizes[rid]
+
+    # ------------------------------------------------------------------ steps
+
+    def emit(self, rid: str) -> None:
+        if self.done(rid):
+            return
+        s = self.next_seq[rid]
+        final = s == self.sizes[rid] - 1
+        settles = (self.token(rid, str(s), {self.mid(rid, s)}),)
+        if final and rid in self.held:
+            settles += (self.held.pop(rid),)
+        self.next_seq[rid] = s + 1
+        self.emitted[rid].append(self.mid(rid, s))
+        self.take([result(rid, s, final, settles), Notice(rid, "emitted")], rid)
+
+    def duplicate(self, rid: str, off_path: bool = False) -> None:
+        """A repeat of a chunk already turned into a result: settled, but behind what is queued.
+        ``off_path``: released by a decision off the message path (a seal), which names the request
+        only in its Notice."""
+        if not self.emitted[rid]:
+            return
+        mid = self.emitted[rid][-1]
+        t = self.token(rid, mid.rsplit(".", 1)[1], set(self.emitted[rid]))
+        if off_path:
+            self.take([Settle((t,)), Notice(rid, "migrated")], None)
+        else:
+            self.take([Settle((t,))], rid)
+
+    def send(self, fail: list[bool]) -> None:
+        for i, o in enumerate(self.outbox.sending(self.now)):
+            if i < len(fail) and fail[i]:
+                self.outbox.send_failed(o)
+            else:
+                self.wire.append((self.instance, o.ticket, o.result))
+
+    def arrive(self, i: int, fate: str) -> None:
+        instance, ticket, r = self.wire.pop(i)
+        if fate == "stored":
+            self.replies.append((instance, ticket, self.stream.store(r)))
+        elif fate == "refused":
+            self.replies.append((instance, ticket, REFUSED_ACK))
+        elif fate == "no_responders":
+            self.replies.append((instance, ticket, NO_RESPONDERS))
+        elif fate == "stored_ack_lost":
+            self.stream.store(r)
+        # "lost": neither stored nor answered
+
+    def reply(self, j: int, lost: bool) -> None:
+        instance, ticket, data = self.replies.pop(j)
+        if lost or instance != self.instance:
+            return  # a crashed instance's inbox is gone
+        outcome = self.outbox.on_puback(ticket, data, self.now)
+        assert outcome == GIVEN_UP or outcome == UNMATCHED or outcome == classify(data)
+        if outcome == GIVEN_UP:
+            self.gave_up(self.outbox.given_up())
+
+    def tick(self, dt: float, reconnected: bool = False) -> None:
+        self.now += dt
+        self.gave_up(self.outbox.tick(self.now, reconnected, held=lambda: list(self.held.values())))
+
+    def abandon(self, rid: str) -> None:
+        tokens, dropped = self.outbox.abandon(lambda r: r == rid)
+        assert set(dropped) <= {rid}
+        self.outbox.nak(tokens)
+        self.forget(rid)
+
+    def crash(self) -> None:
+        """Drop the instance; JetStream redelivers every unacknowledged input to the next one."""
+        self.instance += 1
+        self.outbox = Outbox(self.config)
+        self.issued = set()
+        self.acked, self.naked = set(), set()
+        for rid in self.sizes:
+            self.restart(rid)
+
+    # ------------------------------------------------------------------ end
+
+    def settle_everything(self) -> int:
+        """No more faults: run until every request is stored and nothing is held; return the rounds."""
+        for rounds in range(1, 200):
+            for rid in self.sizes:
+                while not self.done(rid):
+                    self.emit(rid)
+            self.drain()
+            self.send([])
+            while self.wire:
+                self.arrive(0, "stored")
+            while self.replies:
+                self.reply(0, lost=False)
+                self.drain()
+            if self.outbox.idle and not self.wire and all(self.done(r) for r in self.sizes):
+                return rounds
+            self.tick(self.config.max_wait + 1.0)
+            self.drain()
+        raise AssertionError("the outbox did not settle in 200 fault-free rounds")
+
+
+STEPS = ("emit", "emit", "emit", "duplicate", "send", "send", "arrive", "arrive", "arrive", "reply", "reply",
+         "reply", "time", "reconnect", "abandon", "crash")
+FATES = ("stored", "stored", "stored", "refused", "no_responders", "lost", "stored_ack_lost")
+
+
+@outbox_settings
+@given(data=st.data(), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+       max_attempts=st.sampled_from([1, 2, 3, 100]))
+def test_random_faults_never_lose_reorder_or_duplicate_a_result_nor_ack_before_storage(data, sizes, max_attempts):
+    pd = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    config = OutboxConfig(first_wait=2.0, max_wait=10.0, retry_after_refusal=0.5, max_attempts=max_attempts,
+                          progress_every=2.5)
+    w = World(sizes, pd, config)
+    rids = sorted(w.sizes)
+    for _ in range(data.draw(st.integers(0, 80))):
+        step = data.draw(st.sampled_from(STEPS))
+        if step == "emit":
+            w.emit(data.draw(st.sampled_from(rids)))
+        elif step == "duplicate":
+            w.duplicate(data.draw(st.sampled_from(rids)), off_path=data.draw(st.booleans()))
+        elif step == "send":
+            w.send(data.draw(st.lists(st.booleans(), max_size=3)))
+        elif step == "arrive" and w.wire:
+            w.arrive(data.draw(st.integers(0, len(w.wire) - 1)), data.draw(st.sampled_from(FATES)))
+        elif step == "reply" and w.replies:
+            w.reply(data.draw(st.integers(0, len(w.replies) - 1)), lost=data.draw(st.integers(0, 5)) == 0)
+        elif step == "time":
+            w.tick(data.draw(st.sampled_from([0.1, 0.5, 1.0, 2.5, 11.0])))
+        elif step == "reconnect":
+            w.tick(0.0, reconnected=True)
+        elif step == "abandon":
+            w.abandon(data.draw(st.sampled_from(rids)))
+        elif step == "crash" and data.draw(st.integers(0, 3)) == 0:
+            w.crash()
+        w.drain()
+
+    w.settle_everything()
+    for rid, n in w.sizes.items():
+        assert {m for m in w.stream.stored if m.startswith(rid + ".")} == {f"{rid}.{s}" for s in range(n)}
+        for s in range(n):
+            assert w.stream.stored[f"{rid}.{s}"] == f"{rid}:{s}".encode()
+        inputs = {str(s) for s in range(n)} | ({"prefill"} if w.pd[rid] else set())
+        assert {(rid, name) for name in inputs} <= w.inputs_acked, f"an input of {rid} was never acknowledged"
+    assert w.outbox.pending == 0 and not w.held
+    assert w.issued == w.acked | w.naked, "a token of the live instance was left unanswered"
+    if max_attempts >= 100:
+        assert w.given_up == 0
+
+
+@outbox_settings
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5), max_attempts=st.integers(1, 6),
+       refusal=st.sampled_from(["refused", "no_responders", "lost"]))
+def test_a_stream_that_never_stores_ends_every_request_in_bounded_rounds_with_every_token_nakd(
+        sizes, max_attempts, refusal):
+    config = OutboxConfig(max_attempts=max_attempts)
+    w = World(sizes, [False] * len(sizes), config)
+    for rid in w.sizes:
+        w.emit(rid)
+    w.drain()
+    first_tokens = set(w.issued)
+    for _ in range(max_attempts * 2 + 2):
+        w.send([])
+        while w.wire:
+            w.arrive(0, refusal)
+        while w.replies:
+            w.reply(0, lost=False)
+        w.tick(config.max_wait + 1.0)
+        w.drain()
+        if first_tokens <= w.naked:
+            break
+    assert first_tokens <= w.naked and not first_tokens & w.acked
+    assert w.given_up >= len(sizes) and not w.stream.stored
+    assert w.outbox.stats.results_given_up == w.given_up
+
+
+# ---------------------------------------------------------------------------- behaviour
+
+def test_the_next_result_of_a_request_leaves_only_after_the_previous_ones_puback():
+    box = Outbox()
+    box.take([result("a", 0), result("a", 1), result("a", 2, final=True)], "a")
+    first = box.sending(0.0)
+    assert [o.result.seq for o in first] == [0] and box.sending(0.0) == []
+    assert box.on_puback(first[0].ticket, STORED_ACK, 0.1) == STORED
+    assert [o.result.seq for o in box.sending(0.1)] == [1]
+
+
+def test_results_of_different_requests_are_in_flight_together():
+    box = Outbox()
+    box.take([result("a", 0)], "a")
+    box.take([result("b", 0)], "b")
+    assert sorted(o.result.request_id for o in box.sending(0.0)) == ["a", "b"]
+
+
+def test_a_results_tokens_are_acked_when_its_puback_is_in_not_before():
+    box = Outbox()
+    t = Token("a", "0", 1)
+    box.take([result("a", 0, settles=(t, None))], "a")
+    (o,) = box.sending(0.0)
+    assert box.control() == []
+    box.on_puback(o.ticket, STORED_ACK, 0.1)
+    assert box.control() == [(t, ACK)] and box.stats.acks == 1
+
+
+def test_a_settle_waits_behind_the_last_queued_result_of_its_request():
+    box = Outbox()
+    dup = Token("a", "0", 2)
+    box.take([result("a", 0), result("a", 1)], "a")
+    box.take([Settle((dup,))], "a")
+    (o0,) = box.sending(0.0)
+    box.on_puback(o0.ticket, STORED_ACK, 0.1)
+    assert box.control() == []  # seq 1 is not stored yet
+    (o1,) = box.sending(0.1)
+    box.on_puback(o1.ticket, STORED_ACK, 0.2)
+    assert acked(box.control()) == [dup]
+
+
+def test_a_settle_with_nothing_queued_for_its_request_is_acked_at_once():
+    box = Outbox()
+    box.take([result("other", 0)], "other")
+    a, b = Token("a", "0", 1), Token("x", "?", 1)
+    box.take([Settle((a,))], "a")
+    box.take([Settle((b,))], None)  # the processor's unreadable messages name no request
+    assert acked(box.control()) == [a, b]
+
+
+def test_a_settle_dispatched_off_the_message_path_waits_behind_the_one_request_its_batch_names():
+    """A seal (control request) releases held tokens with a Notice naming its request and no
+    request id from a message: they still must not overtake that request's queued result."""
+    box = Outbox()
+    held, other = Token("a", "prefill", 1), Token("b", "0", 1)
+    box.take([result("a", 0)], "a")
+    box.take([result("b", 0)], "b")
+    box.take([Settle((held,)), Notice("a", "migrated")], None)
+    box.take([Settle((other,)), Notice("a", "x"), Notice("b", "y")], None)  # two requests: no owner
+    assert acked(box.control()) == [other]
+    sent = {o.result.request_id: o for o in box.sending(0.0)}
+    box.on_puback(sent["a"].ticket, STORED_ACK, 0.1)
+    assert acked(box.control()) == [held]
+
+
+def test_take_returns_the_notices_for_the_log():
+    box = Outbox()
+    n = Notice("a", "late_chunk", "seq 3")
+    assert box.take([Settle(()), n], "a") == [n]
+
+
+def test_an_overdue_puback_sends_the_result_again_with_a_doubling_wait_up_to_the_max():
+    box = Outbox(OutboxConfig(first_wait=2.0, max_wait=10.0))
+    box.take([result("a", 0)], "a")
+    now, waits = 0.0, []
+    for _ in range(5):
+        (o,) = box.sending(now)
+        waits.append(o.due - now)
+        assert box.tick(now + o.wait - 0.01) == [] and box.sending(now) == []  # not overdue yet
+        now += o.wait
+        box.tick(now)
+    assert waits == [2.0, 4.0, 8.0, 10.0, 10.0]
+    assert box.stats.publish_retries == 5
+
+
+def test_a_refused_result_is_sent_again_half_a_second_later():
+    box = Outbox()
+    box.take([result("a", 0)], "a")
+    (o,) = box.sending(0.0)
+    assert box.on_puback(o.ticket, REFUSED_ACK, 1.0) == REFUSED
+    box.tick(1.4)
+    assert box.sending(1.4) == []
+    box.tick(1.5)
+    assert [x.result.seq for x in box.sending(1.5)] == [0]
+    assert box.stats.publish_errors == 1 and box.stats.publish_retries == 1
+
+
+def test_a_reconnect_sends_everything_in_flight_again_at_once():
+    box = Outbox()
+    box.take([result("a", 0)], "a")
+    box.take([result("b", 0)], "b")
+    box.sending(0.0)
+    box.tick(0.1, reconnected=True)
+    assert sorted(o.result.request_id for o in box.sending(0.1)) == ["a", "b"]
+    assert all(o.failures == 0 for o in box._inflight.values())  # a reconnect is not the result's failure
+
+
+def test_a_late_puback_of_an_earlier_copy_counts_as_stored():
+    box = Outbox()
+    t = Token("a", "0", 1)
+    box.take([result("a", 0, settles=(t,))], "a")
+    (o,) = box.sending(0.0)
+    box.tick(2.0)
+    (again,) = box.sending(2.0)
+    assert again.ticket == o.ticket  # same reply subject for every copy
+    assert box.on_puback(o.ticket, STORED_ACK, 2.1) == STORED
+    assert acked(box.control()) == [t]
+    assert box.on_puback(o.ticket, DUPLICATE_ACK, 2.2) == UNMATCHED  # the second copy's PubAck
+
+
+def test_a_duplicate_puback_counts_as_stored():
+    box = Outbox()
+    box.take([result("a", 0, settles=(Token("a", "0", 1),))], "a")
+    (o,) = box.sending(0.0)
+    assert box.on_puback(o.ticket, DUPLICATE_ACK, 0.1) == DUPLICATE
+    assert box.stats.duplicate_results == 1 and box.idle
+
+
+def test_a_publish_that_did_not_leave_is_sent_again_at_the_next_tick():
+    box = Outbox()
+    box.take([result("a", 0)], "a")
+    (o,) = box.sending(0.0)
+    box.send_failed(o)
+    box.tick(0.01)
+    assert box.sending(0.01) == [o] and box.stats.publish_errors == 1
+
+
+def test_a_result_refused_max_attempts_times_is_given_up_its_tokens_nakd_and_its_request_dropped():
+    box = Outbox(OutboxConfig(max_attempts=2))
+    t0, t1, dup = Token("a", "0", 1), Token("a", "1", 1), Token("a", "1", 2)
+    box.take([result("a", 0, settles=(t0,)), result("a", 1, settles=(t1,))], "a")
+    box.take([Settle((dup,))], "a")
+    (o,) = box.sending(0.0)
+    assert box.on_puback(o.ticket, REFUSED_ACK, 0.1) == REFUSED
+    box.tick(0.6)
+    (o,) = box.sending(0.6)
+    assert box.on_puback(o.ticket, NO_RESPONDERS, 0.7) == GIVEN_UP
+    assert box.given_up() == [GiveUp("a", 0, 2, "refused")]
+    assert box.control() == [(t0, NAK), (t1, NAK), (dup, NAK)]
+    assert box.idle and box.stats.results_given_up == 1 and box.sending(1.0) == []
+
+
+def test_a_result_whose_puback_never_comes_is_given_up_after_max_attempts_timeouts():
+    box = Outbox(OutboxConfig(first_wait=1.0, max_wait=1.0, max_attempts=3))
+    box.take([result("a", 0, settles=(Token("a", "0", 1),))], "a")
+    gave_up = []
+    for step in range(10):
+        box.sending(float(step))
+        gave_up += box.tick(step + 1.0)
+    assert gave_up == [GiveUp("a", 0, 3, "timeout")] and box.idle
+
+
+def test_abandon_returns_tokens_and_request_ids_and_a_late_puback_acks_nothing():
+    box = Outbox()
+    ta, tb = Token("a", "0", 1), Token("b", "0", 1)
+    box.take([result("a", 0, settles=(ta,)), result("a", 1)], "a")
+    box.take([result("b", 0, settles=(tb,))], "b")
+    sent = {o.result.request_id: o for o in box.sending(0.0)}
+    tokens, dropped = box.abandon(lambda rid: rid == "a")
+    assert tokens == [ta] and dropped == ["a"]
+    assert box.on_puback(sent["a"].ticket, STORED_ACK, 0.1) == UNMATCHED
+    assert box.control() == [] and box.pending == 1
+
+
+def test_abandon_keeps_other_requests_results_waiting_to_be_sent():
+    box = Outbox()
+    box.take([result("a", 0)], "a")
+    box.take([result("b", 0)], "b")
+    box.abandon(lambda rid: rid == "a")
+    assert [o.result.request_id for o in box.sending(0.0)] == ["b"]
+
+
+def test_a_token_held_at_two_consecutive_progress_rounds_gets_in_progress():
+    box = Outbox(OutboxConfig(progress_every=2.5))
+    prefill, queued = Token("a", "prefill", 1), Token("b", "0", 1)
+    box.take([result("b", 0, settles=(queued,))], "b")
+    box.tick(0.0, held=lambda: [prefill])
+    assert box.control() == []  # first seen
+    box.tick(1.0, held=lambda: [prefill])
+    assert box.control() == []  # not a round yet
+    box.tick(2.5, held=lambda: [prefill])
+    assert sorted(box.control(), key=repr) == sorted([(prefill, PROGRESS), (queued, PROGRESS)], key=repr)
+    assert box.stats.in_progress == 2
+    box.tick(5.0, held=lambda: [])
+    assert box.control() == [(queued, PROGRESS)]  # the prefill token was released in between
+
+
+@pytest.mark.parametrize("data, meaning", [
+    (STORED_ACK, STORED), (DUPLICATE_ACK, DUPLICATE), (REFUSED_ACK, REFUSED), (NO_RESPONDERS, REFUSED),
+    (b'{"error":{"code":500,"err_code":10077,"description":"message size exceeds maximum allowed"}}', REFUSED),
+])
+def test_a_puback_body_is_classified_as_stored_duplicate_or_refused(data, meaning):
+    assert classify(data) == meaning
+
+
+@pytest.mark.parametrize("reply, count", [
+    ("$JS.ACK.STREAMPROC_CHUNKS.streamproc-p0.3.17.12.1700000000000000000.0", 3),  # v1: 9 tokens
+    ("$JS.ACK.hub.ACCHASH.STREAMPROC_CHUNKS.streamproc-p0.5.17.12.1700000000000000000.0.rnd", 5),  # v2
+    ("_INBOX.abc", 1),
+    ("", 1),
+])
+def test_delivery_count_reads_the_ack_subject(reply, count):
+    assert delivery_count(reply) == count
+
+
+V1 = "$JS.ACK.S.c.{}.1.1.1700000000000000000.0"
+
+
+@pytest.mark.parametrize("seq, role, deliveries, lookup", [
+    (0, Role.AGG, 1, False),  # the first delivery of a first output chunk starts a request
+    (0, Role.DECODE, 1, False),
+    (1, Role.AGG, 1, True),  # a later chunk may continue one served elsewhere
+    (0, Role.PREFILL, 1, True),  # a prefill leg may belong to a request whose decode leg is stored
+    (0, Role.AGG, 2, True),  # a redelivery: an earlier copy may have been turned into results
+])
+def test_a_chunk_of_an_unknown_request_needs_a_lookup_unless_it_surely_starts_it(seq, role, deliveries, lookup):
+    assert needs_lookup(seq, role, V1.format(deliveries)) is lookup
+
+
+def test_the_resume_point_follows_the_last_stored_result():
+    assert resume_point({SEQ: "4"}) == (5, False)
+    assert resume_point({SEQ: "4", FINAL: "true"}) == (5, True)
+    assert resume_point({SEQ: "x"}) is None and resume_point(None) is None and resume_point({}) is None
