@@ -488,14 +488,9 @@ class Correlator:
                 return self._fail(req, ErrorKind.INVALID_CHUNK,
                                   f"prefill final seq {chunk.seq} below an earlier seq", now, extra=(chunk.token,))
             req.prefill_final = chunk.seq
-        if len(req.prefill) + len(req.pending) >= self.config.max_buffered_chunks:
-            return self._fail(req, ErrorKind.INVALID_CHUNK,
-                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
-                              extra=(chunk.token,))
-        over = self._charge(req, chunk, now)
-        if over is not None:
-            return over
-        self._touch(req, now)
+        refused = self._admit(req, chunk, now)
+        if refused is not None:
+            return refused
         req.prefill[chunk.seq] = chunk
         if chunk.token is not None:
             req.held.append(chunk.token)
@@ -578,14 +573,9 @@ class Correlator:
                 return self._fail(req, ErrorKind.INVALID_CHUNK,
                                   f"final seq {seq} below an earlier seq", now, extra=(chunk.token,))
             req.final_seq = seq
-        if len(req.pending) + len(req.prefill) >= self.config.max_buffered_chunks:
-            return self._fail(req, ErrorKind.INVALID_CHUNK,
-                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
-                              extra=(chunk.token,))
-        over = self._charge(req, chunk, now)
-        if over is not None:
-            return over
-        self._touch(req, now)
+        refused = self._admit(req, chunk, now)
+        if refused is not None:
+            return refused
         req.pending[seq] = chunk
         if seq != req.next_seq or req.waiting_since is not None:
             return []
@@ -747,6 +737,19 @@ class Correlator:
         """The request made progress: its request timeout starts again."""
         req.last = now
         self._active.move_to_end(req.request_id)
+
+    def _admit(self, req: _Request, chunk: Chunk, now: float) -> list[Decision] | None:
+        """The bounds every buffered chunk passes (count, then bytes); None when it may be buffered,
+        which counts as the request's progress."""
+        if len(req.pending) + len(req.prefill) >= self.config.max_buffered_chunks:
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"more than {self.config.max_buffered_chunks} buffered chunks", now,
+                              extra=(chunk.token,))
+        over = self._charge(req, chunk, now)
+        if over is not None:
+            return over
+        self._touch(req, now)
+        return None
 
     def _charge(self, req: _Request, chunk: Chunk, now: float) -> list[Decision] | None:
         """Charge a chunk about to be buffered; past a byte budget, end the request instead."""
