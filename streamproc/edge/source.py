@@ -121,6 +121,9 @@ class ResultFeed:
 
 class RecentEntry(msgspec.Struct):
     request_id: str
+    # Results up to the highest seq seen: derived from the seq, so a repeated result (a processor
+    # republishing after a crash) is not counted twice, and an id that fell out of the ring while
+    # still running is not counted again from zero when it comes back.
     results: int = 0
     final: bool = False
     error: str | None = None
@@ -137,10 +140,11 @@ class RecentRequests:
 
     def note(self, result: ResultInfo, now: float) -> None:
         entry = self._entries.pop(result.request_id, None) or RecentEntry(result.request_id, verdicts={})
-        entry.results += 1
+        new = result.seq >= entry.results
+        entry.results = max(entry.results, result.seq + 1)
         entry.final = entry.final or result.final
         entry.error = result.error or entry.error
-        if result.verdict is not None:
+        if new and result.verdict is not None:  # verdicts of the results the ring saw, each once
             entry.verdicts[result.verdict.value] = entry.verdicts.get(result.verdict.value, 0) + 1
         entry.last_seen = now
         self._entries[result.request_id] = entry
