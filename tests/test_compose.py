@@ -387,8 +387,8 @@ def test_the_docker_test_is_left_out_of_make_test_and_run_by_make_test_compose_a
         return done.stdout
 
     real = "tests/test_compose_real.py"
-    assert "3 deselected" in collected(real)  # pyproject's addopts: -m 'not docker'
-    assert "3 tests collected" in collected("-m", "docker", real)
+    assert "4 deselected" in collected(real)  # pyproject's addopts: -m 'not docker'
+    assert "4 tests collected" in collected("-m", "docker", real)
     makefile = (ROOT / "Makefile").read_text()
     assert f"$(BIN)/python -m pytest -m docker {real}" in makefile
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
