@@ -135,11 +135,13 @@ def test_nats_is_authenticated_and_only_the_edge_is_published():
     config = (ROOT / "deploy" / "nats-server.conf").read_text()
     assert "\nhttp: 127.0.0.1:8222\n" in config  # monitoring on the container's loopback
     script = services["nats"]["command"][0]
+    assert "read -r password < /run/secrets/nats_$user;" in script
+    assert 'export "STREAMPROC_${pair#*:}_PASSWORD=\\"$password\\""' in script
     users = {"worker": "workers", "processor": "processor", "edge": "edge"}
     for user in (*users, "frontend"):
         secret = f"nats_{user}"
         assert f"password: $STREAMPROC_{user.upper()}_PASSWORD" in config
-        assert f"read -r STREAMPROC_{user.upper()}_PASSWORD < /run/secrets/{secret};" in script
+        assert f" {user}:{user.upper()}" in script  # read from /run/secrets/nats_<user> into STREAMPROC_<USER>_PASSWORD
         assert secret in services["nats"]["secrets"]
         assert compose["secrets"][secret] == {"file": f"./deploy/dev-secrets/{user}"}
         assert (ROOT / "deploy" / "dev-secrets" / user).read_text().strip()
@@ -250,9 +252,12 @@ class NativeCompose:
             "/etc/nats/nats-server.conf": str(self.nats_config()),
             "exec nats-server ": f"exec {find_binary()} ",
         }
-        # compose file secrets appear in a container as /run/secrets/<name>; here they are read in place
+        # compose file secrets appear in a container as /run/secrets/<name>: here, links to the files
+        mounted = workdir / "run-secrets"
+        mounted.mkdir()
         for secret, spec in compose["secrets"].items():
-            self.local[f"/run/secrets/{secret}"] = str((ROOT / spec["file"]).resolve())
+            (mounted / secret).symlink_to((ROOT / spec["file"]).resolve())
+        self.local["/run/secrets/"] = f"{mounted}/"
         self.processes: dict[str, subprocess.Popen] = {}
 
     def nats_config(self) -> Path:
@@ -351,10 +356,24 @@ class NativeCompose:
                     proc.wait()
 
 
+# Passwords nats-server would not read as strings from its environment unquoted (a number, a
+# boolean, a leading dash, a space: conf/parse.go parses a variable's value as a config value).
+AWKWARD_PASSWORDS = {"worker": "-starts-with-a-dash", "processor": "1234567890", "edge": "true",
+                     "frontend": "two words $HOME 'x'"}
+
+
+def write_secrets(folder: Path, passwords: dict[str, str]) -> Path:
+    folder.mkdir()
+    for user, password in passwords.items():
+        (folder / user).write_text(password + "\n")
+    return folder
+
+
 @pytest.mark.nats
 def test_every_service_runs_natively_with_authenticated_nats_and_results_reach_the_edge():
     with tempfile.TemporaryDirectory(prefix="streamproc-compose-") as tmp:
-        stack = NativeCompose(load_compose(), Path(tmp))
+        secrets = write_secrets(Path(tmp) / "secrets", AWKWARD_PASSWORDS)
+        stack = NativeCompose(load_compose({"NATS_SECRETS_DIR": str(secrets)}), Path(tmp))
         try:
             for name in stack.order():
                 stack.start(name)
@@ -371,6 +390,20 @@ def test_every_service_runs_natively_with_authenticated_nats_and_results_reach_t
             check_forgery_refused(done.stdout, edge, forged, stack.logs)
         finally:
             stack.stop()
+
+
+@pytest.mark.parametrize("password", ['has"quote', "back\\slash", ""])
+def test_nats_refuses_to_start_on_a_password_it_could_not_read_back(password):
+    """A double quote or a backslash would break the quoting that makes every other password a string;
+    an empty or missing file is a mistake. One clear line, exit code 2, no server started."""
+    with tempfile.TemporaryDirectory(prefix="streamproc-compose-") as tmp:
+        secrets = write_secrets(Path(tmp) / "secrets", {**AWKWARD_PASSWORDS, "edge": password})
+        stack = NativeCompose(load_compose({"NATS_SECRETS_DIR": str(secrets)}), Path(tmp))
+        done = subprocess.run(stack.command("nats"), capture_output=True, text=True, timeout=30,
+                              env=stack.environment("nats"))
+    assert done.returncode == 2, done
+    assert f"{tmp}/run-secrets/nats_edge is missing or empty, or its password has a double quote or a backslash" \
+        in done.stderr.splitlines()[-1], done.stderr
 
 
 def test_the_docker_test_is_left_out_of_make_test_and_run_by_make_test_compose_and_ci():

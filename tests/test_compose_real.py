@@ -510,8 +510,12 @@ class Stack:
         # NATS_SECRETS_DIR holds. Readable by the image's user (uid 10001): compose bind-mounts them.
         self.secrets = Path(tempfile.mkdtemp(prefix="streamproc-secrets-"))
         self.secrets.chmod(0o755)
-        for user in ("worker", "processor", "edge", "frontend"):
-            (self.secrets / user).write_text(secrets.token_urlsafe(18) + "\n")
+        # Random, and shaped like what nats-server would not read back as a string unquoted (a
+        # leading dash, only digits): the nats service's quoting is exercised in the real image.
+        passwords = {"worker": "-" + secrets.token_urlsafe(18), "processor": str(secrets.randbits(96)),
+                     "edge": secrets.token_urlsafe(18), "frontend": secrets.token_urlsafe(18)}
+        for user, password in passwords.items():
+            (self.secrets / user).write_text(password + "\n")
             (self.secrets / user).chmod(0o644)
         self.loadtest_password = secrets.token_urlsafe(18)
         variables = {
