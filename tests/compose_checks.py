@@ -80,3 +80,53 @@ def check_one_of_each(edge: str, finished: list[dict], logs: Callable[[], str]) 
             assert all(isinstance(json.loads(d), dict) for d in data[:-1])
             unary = client.get(f"/v1/results/{entry['request_id']}", headers={"Accept": "application/json"})
             assert unary.status_code == 200 and "text" in unary.json()
+
+
+# Run inside the workers' environment (natively, or with `docker compose exec workers python -c`):
+# with NO credentials the server refuses the connection; with the worker's own (the service's
+# STREAMPROC_NATS_* variables and secret file) a forged result and a subscription to results are
+# refused by the server's permissions (issue 11: anyone could forge `P.results.<id>`). Prints JSON.
+FORGERY_SCRIPT = r"""
+import asyncio, json, os
+import nats
+
+async def main():
+    url = os.environ["STREAMPROC_NATS_URL"]
+    out = {}
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, connect_timeout=3, max_reconnect_attempts=0)
+        out["anonymous"] = "connected"
+        await nc.close()
+    except Exception as exc:
+        out["anonymous"] = f"refused: {type(exc).__name__}: {exc}"
+    errors = []
+    async def on_error(exc):
+        errors.append(str(exc))
+    with open(os.environ["STREAMPROC_NATS_PASSWORD_FILE"]) as f:
+        password = f.read().strip()
+    nc = await nats.connect(url, user=os.environ["STREAMPROC_NATS_USER"], password=password,
+                            error_cb=on_error, allow_reconnect=False)
+    rid = os.environ["FORGED_ID"]
+    await nc.subscribe("streamproc.results.>")
+    await nc.publish(f"streamproc.results.{rid}", b'{"text": "forged"}',
+                     headers={"Nats-Msg-Id": f"{rid}.0", "Streamproc-Seq": "0", "Streamproc-Final": "1"})
+    await nc.flush()
+    await asyncio.sleep(0.5)
+    await nc.close()
+    out["worker_errors"] = errors
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def check_forgery_refused(output: str, edge: str, forged_id: str, logs: Callable[[], str]) -> None:
+    """What FORGERY_SCRIPT printed, and the edge never heard of the forged request."""
+    seen = json.loads(output.strip().splitlines()[-1])
+    assert seen["anonymous"].startswith("refused") and "authorization" in seen["anonymous"].lower(), seen
+    errors = " | ".join(seen["worker_errors"]).lower()
+    assert f'permissions violation for publish to "streamproc.results.{forged_id}"' in errors, seen
+    assert 'permissions violation for subscription to "streamproc.results.>"' in errors, seen
+    time.sleep(0.5)
+    recent = httpx.get(f"{edge}/v1/recent", timeout=5).json()
+    assert forged_id not in {e["request_id"] for e in recent}, (recent, logs())

@@ -9,12 +9,15 @@ import time
 from pathlib import Path
 
 import anyio
+import msgspec
 import nats
 import pytest
 from helpers import free_port
 
 from streamproc import config
+from streamproc.client.migration import Resumed
 from streamproc.sim import traffic
+from streamproc.sim.migration import DIE_AFTER, plan_migrations, verify_migration
 from streamproc.catalog import worker_for
 from streamproc.wire import ResultInfo, Verdict
 
@@ -171,6 +174,14 @@ def test_demo_exits_zero_with_a_verified_summary(run_cli):
         next(line for line in out.splitlines() if line.startswith("total"))
     columns = dict(zip(header.split(), map(int, total.split()[1:])))
     assert columns["omitted"] > 0 and columns["errors"] > 0, out
+    # a worker dies mid-decode in one aggregated and one P/D request: each migrates, and its client
+    # sees one verified stream whose resumed part is stitched
+    for row in ("aggregated stream, migrated", "P/D stream, migrated"):
+        line = next(line for line in out.splitlines() if line.startswith(row))
+        migrated = dict(zip(header.split(), map(int, line[len(row):].split())))
+        assert migrated["requests"] == migrated["verified"] == 1 and migrated["stitched"] > 0, out
+        assert migrated["results"] > migrated["stitched"], out  # results before the migration, too
+    assert columns["stitched"] > 0, out
     assert "prefill_timeouts=10" in out
     assert re.search(r"^progress: \d+/200 requests finished", proc.stderr, re.M), proc.stderr
     assert "warning" not in proc.stderr
@@ -201,6 +212,31 @@ def test_verify_flags_changed_bytes_missing_results_and_stale_rows():
     # Decode's own bodies carry stale prompt rows: publishing them unjoined must be caught.
     assert any("expert rows" in p for p in traffic.verify(pd, _as_results(pd.request_id, pd.decode,
                                                                           Verdict.PASSTHROUGH), worker))
+
+
+def test_verify_migration_demands_one_uninterrupted_stream_stitched_after_the_seal():
+    worker = worker_for("sglang")
+    agg, pd = plan_migrations(seed=3, id_prefix="t")
+    expected = worker.agg(agg.truth, stream=True)
+    sent = DIE_AFTER * 2
+    resumed_body = msgspec.json.encode({"input_ids": agg.truth.prompt_ids + agg.truth.output_ids[:sent],
+                                        "sampling_params": {"max_new_tokens": agg.truth.output_len - sent}})
+    agg.resumed = Resumed(agg.request_id, 1, sent, DIE_AFTER, resumed_body)
+    good = [ResultInfo(agg.request_id, i, i == len(expected) - 1,
+                       Verdict.PASSTHROUGH if i < DIE_AFTER else Verdict.STITCHED, None, b)
+            for i, b in enumerate(expected)]
+    assert verify_migration(agg, good, worker) == []
+    assert verify_migration(agg, good[:-1], worker)  # the final result missing
+    unstitched = [msgspec.structs.replace(r, verdict=Verdict.PASSTHROUGH) for r in good]
+    assert any("stitched" in p for p in verify_migration(agg, unstitched, worker))
+    restarted = good[:DIE_AFTER] + [msgspec.structs.replace(r, body=expected[0]) for r in good[DIE_AFTER:]]
+    assert any("bodies" in p for p in verify_migration(agg, restarted, worker))
+    wrong_budget = msgspec.json.encode({"input_ids": agg.truth.prompt_ids + agg.truth.output_ids[:sent],
+                                        "sampling_params": {"max_new_tokens": agg.truth.output_len}})
+    agg.resumed = Resumed(agg.request_id, 1, sent, DIE_AFTER, wrong_budget)
+    assert any("rebuilt request" in p for p in verify_migration(agg, good, worker))
+    pd.error = "MigrationError: unknown_request"
+    assert verify_migration(pd, good, worker) == ["the migration failed: MigrationError: unknown_request"]
 
 
 def test_verify_demands_omissions_for_broken_prefill_and_an_error_for_a_contract_violation():

@@ -27,8 +27,10 @@ import jsonschema
 import pytest
 from compose_checks import (
     COMPOSE,
+    FORGERY_SCRIPT,
     ROOT,
     VARIABLE,
+    check_forgery_refused,
     check_one_of_each,
     compose_variables,
     load_compose,
@@ -89,7 +91,9 @@ def test_services_are_wired_as_the_readme_says():
     assert nats["image"].startswith("nats:2.") and nats["image"].endswith(
         "-alpine"
     )  # wget for the healthcheck
-    assert "-js" in nats["command"] and nats["command"][nats["command"].index("-m") + 1] == "8222"
+    assert nats["entrypoint"] == ["/bin/sh", "-c"]
+    assert nats["command"][0].endswith("exec nats-server --config /etc/nats/nats-server.conf")
+    assert "./deploy/nats-server.conf:/etc/nats/nats-server.conf:ro" in nats["volumes"]
     assert "http://127.0.0.1:8222/healthz?js-enabled-only=true" in nats["healthcheck"]["test"]
 
     for name in STREAMPROC_SERVICES:
@@ -110,10 +114,46 @@ def test_services_are_wired_as_the_readme_says():
     assert edge["command"] == ["streamproc", "edge"]
     assert "8080:8080" in edge["ports"] and edge["environment"]["STREAMPROC_EDGE_PORT"] == "8080"
     assert edge["environment"]["STREAMPROC_EDGE_HOST"] == "0.0.0.0"
-    assert edge["environment"]["STREAMPROC_EDGE_ENSURE_RESULTS_STREAM"] == "true"
-    assert services["processor"]["command"] == ["streamproc", "run"]
+    assert edge["environment"]["STREAMPROC_EDGE_INSECURE_DEMO"] == "true"
+    assert "http://127.0.0.1:8080/healthz" in edge["healthcheck"]["test"][-1]
+    processor = services["processor"]
+    assert processor["command"] == ["streamproc", "run"]
+    assert processor["environment"]["STREAMPROC_HTTP_PORT"] == "9090"
+    assert "http://127.0.0.1:9090/readyz" in processor["healthcheck"]["test"][-1]
     assert "streamproc simulate" in services["workers"]["command"][-1]
     assert "--mode mixed" in services["workers"]["command"][-1]
+
+
+def test_nats_is_authenticated_and_only_the_edge_is_published():
+    """Issue 11: no unauthenticated NATS port and no monitoring port on the host; one NATS user per
+    service, its password a compose secret (never in the file), the users those of the trust model."""
+    compose = load_compose()
+    services = compose["services"]
+    published = {name: service.get("ports") for name, service in services.items() if service.get("ports")}
+    assert list(published) == ["edge"] and published["edge"] == ["8080:8080"]
+    assert "expose" not in services["nats"]
+    config = (ROOT / "deploy" / "nats-server.conf").read_text()
+    assert "\nhttp: 127.0.0.1:8222\n" in config  # monitoring on the container's loopback
+    script = services["nats"]["command"][0]
+    assert "read -r password < /run/secrets/nats_$user;" in script
+    assert 'export "STREAMPROC_${pair#*:}_PASSWORD=\\"$password\\""' in script
+    users = {"worker": "workers", "processor": "processor", "edge": "edge"}
+    for user in (*users, "frontend"):
+        secret = f"nats_{user}"
+        assert f"password: $STREAMPROC_{user.upper()}_PASSWORD" in config
+        assert f" {user}:{user.upper()}" in script  # read from /run/secrets/nats_<user> into STREAMPROC_<USER>_PASSWORD
+        assert secret in services["nats"]["secrets"]
+        assert compose["secrets"][secret] == {"file": f"./deploy/dev-secrets/{user}"}
+        assert (ROOT / "deploy" / "dev-secrets" / user).read_text().strip()
+    for user, name in users.items():
+        env = services[name]["environment"]
+        assert env["STREAMPROC_NATS_USER"] == user
+        assert env["STREAMPROC_NATS_PASSWORD_FILE"] == f"/run/secrets/nats_{user}"
+        assert services[name]["secrets"] == [f"nats_{user}"], "each service gets only its own password"
+        assert "STREAMPROC_NATS_PASSWORD" not in env and "@" not in env["STREAMPROC_NATS_URL"]
+    # the edge may not create the results stream (its NATS user may only read it): the processor does
+    assert "STREAMPROC_EDGE_ENSURE_RESULTS_STREAM" not in services["edge"]["environment"]
+    assert services["edge"]["depends_on"] == {"processor": {"condition": "service_healthy"}}
 
 
 def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
@@ -122,10 +162,10 @@ def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
         "NATS_IMAGE": "nats:2.11-alpine",
         "PYTHON_IMAGE": "python:3.11-slim",
         "LOCAL_IMAGE": "streamproc:local",
-        "NATS_HOST_PORT": "4222",
-        "NATS_MONITOR_HOST_PORT": "8222",
+        "NATS_CONFIG": "./deploy/nats-server.conf",
         "EDGE_HOST_PORT": "8080",
         "BUILD_CA_BUNDLE": "/dev/null",
+        "NATS_SECRETS_DIR": "./deploy/dev-secrets",
     }
     bare = VARIABLE.sub("", COMPOSE.read_text()).replace("$$", "")
     assert "$" not in bare, "only ${NAME:-default} interpolation (and $$ for a literal $) is used"
@@ -133,11 +173,20 @@ def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
     assert moved["services"]["edge"]["ports"] == ["127.0.0.1:18080:8080"]
     assert moved["services"]["nats"]["image"] == "streamproc-standin/nats:2.11"
     assert moved["secrets"]["ca_bundle"] == {"file": "/dev/null"}
+    moved = load_compose({"NATS_SECRETS_DIR": "/srv/secrets", "NATS_CONFIG": "/srv/nats.conf"})
+    assert moved["secrets"]["nats_edge"] == {"file": "/srv/secrets/edge"}
+    assert moved["services"]["nats"]["volumes"][0] == "/srv/nats.conf:/etc/nats/nats-server.conf:ro"
     assert schema_errors(moved) == []
 
 
+# Settings another branch adds (sec-edge: the edge refuses to start without client credentials
+# unless --insecure-demo). Until it is merged the edge only warns about the variable; once it is a
+# setting this allowance is not used, and the test below says so.
+PENDING_SETTINGS = {"edge": {"STREAMPROC_EDGE_INSECURE_DEMO"}}
+
+
 def test_every_streamproc_variable_is_a_setting_its_command_reads():
-    """An unknown STREAMPROC_* variable is silently ignored at run time; catch typos here."""
+    """An unknown STREAMPROC_* variable only warns at run time; catch typos here."""
     known = {
         "edge": edge_settings.env_names(),
         "run": {f.env for f in config.fields()},
@@ -148,6 +197,7 @@ def test_every_streamproc_variable_is_a_setting_its_command_reads():
         command = " ".join(service["command"])
         sub = next(c for c in known if f"streamproc {c}" in command)
         unknown = {k for k in service["environment"] if k.startswith("STREAMPROC_")} - known[sub]
+        unknown -= PENDING_SETTINGS.get(sub, set()) - known[sub]
         assert not unknown, f"{name}: `streamproc {sub}` reads no {sorted(unknown)}"
 
 
@@ -187,23 +237,45 @@ def test_the_image_gets_the_edge_package_and_its_page():
 
 
 class NativeCompose:
-    """Runs compose services as local processes, mapping container addresses to local ports."""
+    """Runs compose services as local processes, mapping container addresses, ports, secrets and the
+    mounted nats-server configuration to local ones."""
 
     def __init__(self, compose: dict, workdir: Path) -> None:
         self.services = compose["services"]
         self.workdir = workdir
-        self.nats_port, self.monitor_port, self.edge_port = free_port(), free_port(), free_port()
-        self.addresses = {
+        self.nats_port, self.monitor_port, self.edge_port, self.http_port = (free_port() for _ in range(4))
+        self.local = {
             "nats://nats:4222": f"nats://127.0.0.1:{self.nats_port}",
-            "http://nats:8222": f"http://127.0.0.1:{self.monitor_port}",
+            "http://127.0.0.1:8222": f"http://127.0.0.1:{self.monitor_port}",  # inside the nats container
+            "http://127.0.0.1:8080": f"http://127.0.0.1:{self.edge_port}",  # inside the edge container
+            "http://127.0.0.1:9090": f"http://127.0.0.1:{self.http_port}",  # inside the processor container
+            "/etc/nats/nats-server.conf": str(self.nats_config()),
+            "exec nats-server ": f"exec {find_binary()} ",
         }
+        # compose file secrets appear in a container as /run/secrets/<name>: here, links to the files
+        mounted = workdir / "run-secrets"
+        mounted.mkdir()
+        for secret, spec in compose["secrets"].items():
+            (mounted / secret).symlink_to((ROOT / spec["file"]).resolve())
+        self.local["/run/secrets/"] = f"{mounted}/"
         self.processes: dict[str, subprocess.Popen] = {}
 
+    def nats_config(self) -> Path:
+        """The mounted deploy/nats-server.conf with this machine's ports and storage."""
+        mount = next(v for v in self.services["nats"]["volumes"] if v.endswith(":/etc/nats/nats-server.conf:ro"))
+        text = (ROOT / mount.split(":")[0]).read_text()
+        for line, local in (("port: 4222", f"port: {self.nats_port}\nhost: 127.0.0.1"),
+                            ("http: 127.0.0.1:8222", f"http: 127.0.0.1:{self.monitor_port}"),
+                            ("jetstream { store_dir: /data/jetstream }",
+                             f"jetstream {{ store_dir: {json.dumps(str(self.workdir / 'jetstream'))} }}")):
+            assert f"\n{line}\n" in text, f"deploy/nats-server.conf no longer has `{line}`"
+            text = text.replace(f"\n{line}\n", f"\n{local}\n")
+        path = self.workdir / "nats-server.conf"
+        path.write_text(text)
+        return path
+
     def native(self, text: str, service: str) -> str:
-        local = dict(self.addresses)
-        local["http://127.0.0.1:8222"] = f"http://127.0.0.1:{self.monitor_port}"
-        local["http://127.0.0.1:8080"] = f"http://127.0.0.1:{self.edge_port}"
-        for container, here in local.items():
+        for container, here in self.local.items():
             text = text.replace(container, here)
         return text
 
@@ -213,6 +285,8 @@ class NativeCompose:
         }
         if "STREAMPROC_EDGE_PORT" in env:
             env["STREAMPROC_EDGE_PORT"] = str(self.edge_port)
+        if env.get("STREAMPROC_HTTP_PORT") == "9090":
+            env["STREAMPROC_HTTP_PORT"] = str(self.http_port)
         if env.get("STREAMPROC_EDGE_HOST") == "0.0.0.0":
             env["STREAMPROC_EDGE_HOST"] = "127.0.0.1"  # same code path; no listening beyond loopback here
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -220,12 +294,8 @@ class NativeCompose:
 
     def command(self, name: str) -> list[str]:
         service = self.services[name]
-        if name == "nats":  # the official image's entrypoint is nats-server; -sd and ports become local
-            args = list(service["command"])
-            args[args.index("-sd") + 1] = str(self.workdir / "jetstream")
-            args[args.index("-m") + 1] = str(self.monitor_port)
-            return [str(find_binary()), *args, "-a", "127.0.0.1", "-p", str(self.nats_port)]
-        return [self.native(part, name) for part in service["command"]]
+        entrypoint = service.get("entrypoint") or []
+        return [self.native(part, name) for part in [*entrypoint, *service["command"]]]
 
     def order(self) -> list[str]:
         done: list[str] = []
@@ -286,10 +356,24 @@ class NativeCompose:
                     proc.wait()
 
 
+# Passwords nats-server would not read as strings from its environment unquoted (a number, a
+# boolean, a leading dash, a space: conf/parse.go parses a variable's value as a config value).
+AWKWARD_PASSWORDS = {"worker": "-starts-with-a-dash", "processor": "1234567890", "edge": "true",
+                     "frontend": "two words $HOME 'x'"}
+
+
+def write_secrets(folder: Path, passwords: dict[str, str]) -> Path:
+    folder.mkdir()
+    for user, password in passwords.items():
+        (folder / user).write_text(password + "\n")
+    return folder
+
+
 @pytest.mark.nats
-def test_every_service_runs_natively_and_results_reach_the_edge():
+def test_every_service_runs_natively_with_authenticated_nats_and_results_reach_the_edge():
     with tempfile.TemporaryDirectory(prefix="streamproc-compose-") as tmp:
-        stack = NativeCompose(load_compose(), Path(tmp))
+        secrets = write_secrets(Path(tmp) / "secrets", AWKWARD_PASSWORDS)
+        stack = NativeCompose(load_compose({"NATS_SECRETS_DIR": str(secrets)}), Path(tmp))
         try:
             for name in stack.order():
                 stack.start(name)
@@ -299,8 +383,27 @@ def test_every_service_runs_natively_and_results_reach_the_edge():
             finished = wait_for_results(edge, stack.logs)
             check_one_of_each(edge, finished, stack.logs)
             assert stack.processes["workers"].poll() is None, "the workers loop must keep running"
+            forged = f"forged-{os.getpid()}"
+            done = subprocess.run([sys.executable, "-c", FORGERY_SCRIPT], capture_output=True, text=True,
+                                  timeout=30, env={**stack.environment("workers"), "FORGED_ID": forged})
+            assert done.returncode == 0, done.stderr
+            check_forgery_refused(done.stdout, edge, forged, stack.logs)
         finally:
             stack.stop()
+
+
+@pytest.mark.parametrize("password", ['has"quote', "back\\slash", ""])
+def test_nats_refuses_to_start_on_a_password_it_could_not_read_back(password):
+    """A double quote or a backslash would break the quoting that makes every other password a string;
+    an empty or missing file is a mistake. One clear line, exit code 2, no server started."""
+    with tempfile.TemporaryDirectory(prefix="streamproc-compose-") as tmp:
+        secrets = write_secrets(Path(tmp) / "secrets", {**AWKWARD_PASSWORDS, "edge": password})
+        stack = NativeCompose(load_compose({"NATS_SECRETS_DIR": str(secrets)}), Path(tmp))
+        done = subprocess.run(stack.command("nats"), capture_output=True, text=True, timeout=30,
+                              env=stack.environment("nats"))
+    assert done.returncode == 2, done
+    assert f"{tmp}/run-secrets/nats_edge is missing or empty, or its password has a double quote or a backslash" \
+        in done.stderr.splitlines()[-1], done.stderr
 
 
 def test_the_docker_test_is_left_out_of_make_test_and_run_by_make_test_compose_and_ci():
@@ -317,8 +420,8 @@ def test_the_docker_test_is_left_out_of_make_test_and_run_by_make_test_compose_a
         return done.stdout
 
     real = "tests/test_compose_real.py"
-    assert "3 deselected" in collected(real)  # pyproject's addopts: -m 'not docker'
-    assert "3 tests collected" in collected("-m", "docker", real)
+    assert "4 deselected" in collected(real)  # pyproject's addopts: -m 'not docker'
+    assert "4 tests collected" in collected("-m", "docker", real)
     makefile = (ROOT / "Makefile").read_text()
     assert f"$(BIN)/python -m pytest -m docker {real}" in makefile
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]

@@ -18,6 +18,7 @@ from .. import catalog, config
 
 from . import traffic
 from .embedded import EmbeddedNats
+from .migration import MigratingRequest, plan_migrations, run_migration, verify_migration
 from ..nats.processor import Processor
 from ..client.results import ResultCollector
 from .simulation import SimulatedWorker
@@ -76,7 +77,7 @@ def summarize(plans: list[traffic.PlannedRequest], results: dict[str, list[Resul
     for p in plans:
         got = results.get(p.request_id, [])
         found = traffic.verify(p, got, worker)
-        rows.setdefault(row_name(p), traffic.Tally()).add(p, got, found)
+        rows.setdefault(row_name(p), traffic.Tally()).add(p.kind, got, found)
         if found:
             problems[p.request_id] = found
     return dict(sorted(rows.items())), problems
@@ -84,6 +85,21 @@ def summarize(plans: list[traffic.PlannedRequest], results: dict[str, list[Resul
 
 # Short enough that the demo's missing prefill legs end in omissions within seconds.
 DEMO_PREFILL_TIMEOUT = 1.0
+# From this many requests on, two of them (one aggregated, one P/D) migrate mid-decode.
+MIGRATIONS_FROM = 10
+
+
+def summarize_migrations(migrations: list[MigratingRequest], results: dict[str, list[ResultInfo]],
+                         worker: SimulatedWorker, rows: dict[str, traffic.Tally],
+                         problems: dict[str, list[str]]) -> None:
+    """Verify every migrated request into its own summary row (e.g. ``P/D stream, migrated``)."""
+    for m in migrations:
+        got = results.get(m.request_id, [])
+        found = verify_migration(m, got, worker)
+        name = f"{'aggregated' if m.kind == 'agg' else 'P/D'} stream, migrated"
+        rows.setdefault(name, traffic.Tally()).add(m.kind, got, found)
+        if found:
+            problems[m.request_id] = found
 
 
 async def run_demo(*, requests: int = 200, format: str | None = None, seed: int = 1,
@@ -102,23 +118,32 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
         async with Processor(settings) as processor:
             nc = await nats.connect(server.url)
             try:
-                plans = traffic.plan(format, requests=requests, mode="mixed", seed=seed, id_prefix="demo",
-                                     worker=worker, faults=True)
+                migrations = plan_migrations(seed=seed, id_prefix="demo") if requests >= MIGRATIONS_FROM else []
+                plans = traffic.plan(format, requests=requests - len(migrations), mode="mixed", seed=seed,
+                                     id_prefix="demo", worker=worker, faults=True)
                 messages = traffic.schedule(plans, seed=seed)
                 timed_out = None
                 async with ResultCollector(nc, settings.subjects) as collector, anyio.create_task_group() as tg:
                     if progress is not None:
-                        tg.start_soon(_report_progress, progress, collector, plans, processor)
+                        ids = [*(p.request_id for p in plans), *(m.request_id for m in migrations)]
+                        tg.start_soon(_report_progress, progress, collector, ids, processor)
                     await traffic.publish(nc, settings.subjects, messages, format=format)
                     try:
-                        await collector.wait_for([p.request_id for p in plans], timeout=timeout)
+                        with anyio.fail_after(timeout):
+                            # While the traffic flows: a worker dies mid-decode, its request migrates.
+                            for m in migrations:
+                                await run_migration(nc, settings.subjects, m, format=format, worker=worker,
+                                                    collector=collector, timeout=timeout)
+                        await collector.wait_for([*(p.request_id for p in plans),
+                                                  *(m.request_id for m in migrations)], timeout=timeout)
                     except TimeoutError as exc:
-                        timed_out = str(exc)
+                        timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
                     tg.cancel_scope.cancel()
                     results = dict(collector.results)
             finally:
                 await nc.close()
             rows, problems = summarize(plans, results, worker)
+            summarize_migrations(migrations, results, worker, rows, problems)
             stats = processor.snapshot()
             report = DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems,
                                 stats, timed_out)
@@ -162,18 +187,18 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
               f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
 
 
-async def _report_progress(out: TextIO, collector: ResultCollector, plans: list[traffic.PlannedRequest],
+async def _report_progress(out: TextIO, collector: ResultCollector, request_ids: list[str],
                            processor: Processor) -> None:
     while True:
         await anyio.sleep(1.0)
-        done = sum(1 for p in plans if collector.finished(p.request_id))
+        done = sum(1 for rid in request_ids if collector.finished(rid))
         stats = processor.stats
-        print(f"progress: {done}/{len(plans)} requests finished, {stats.results} results "
+        print(f"progress: {done}/{len(request_ids)} requests finished, {stats.results} results "
               f"(joined {stats.joined}, omitted {stats.omitted}, errors {stats.errors}), "
               f"{processor.correlator.inflight} in flight", file=out, flush=True)
 
 
-COLUMNS = ("requests", "results", "passthrough", "joined", "omitted", "errors", "verified")
+COLUMNS = ("requests", "results", "passthrough", "joined", "stitched", "omitted", "errors", "verified")
 
 
 def print_report(report: DemoReport, out: TextIO = sys.stdout) -> None:

@@ -205,14 +205,15 @@ class Tally(msgspec.Struct):
     results: int = 0
     passthrough: int = 0
     joined: int = 0
+    stitched: int = 0  # results of a migrated request's resumed attempt
     omitted: int = 0
     errors: int = 0
     verified: int = 0
     failed: int = 0
 
-    def add(self, p: PlannedRequest, results: list[ResultInfo], problems: list[str]) -> None:
+    def add(self, kind: Literal["agg", "pd"], results: list[ResultInfo], problems: list[str]) -> None:
         self.requests += 1
-        if p.kind == "agg":
+        if kind == "agg":
             self.agg += 1
         else:
             self.pd += 1
@@ -224,6 +225,8 @@ class Tally(msgspec.Struct):
                 self.passthrough += 1
             elif r.verdict is Verdict.JOINED:
                 self.joined += 1
+            elif r.verdict is Verdict.STITCHED:
+                self.stitched += 1
             elif r.verdict is Verdict.OMITTED:
                 self.omitted += 1
         if problems:
