@@ -193,9 +193,10 @@ async def test_processor_reconnects_after_a_nats_server_restart_and_finishes_eve
             nc = await connect(server.url)
             try:
                 await drive(nc, settings.subjects, messages[:half], seconds=1.0, seed=21, acked=True)
+                # Counted before the restart: the re-issue can happen before the wait below sees it.
+                pulls_before = p.snapshot()["pulls"]
                 await anyio.to_thread.run_sync(lambda: server.restart(kill=kill))
                 await wait_until(lambda: nc.is_connected and p.nc.is_connected, 20, "both clients reconnected")
-                pulls_before = p.snapshot()["pulls"]
                 # Acknowledged publishes: right after a restart JetStream may still be recovering,
                 # and a plain publish it cannot store is not captured (a worker must use PubAcks).
                 await drive(nc, settings.subjects, messages[half:], seconds=1.0, seed=22, acked=True)
