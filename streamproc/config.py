@@ -207,6 +207,10 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
                                          "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
     fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
+    max_deliver: Annotated[int, documented("durable: deliveries of one chunk before it is poison: its request ends "
+                                     "with an internal error result, the chunk is terminated (+TERM) and "
+                                     "counted; the consumer's max_deliver, so nothing is redelivered for ever",
+                                     ge=2, le=1_000_000)] = defaults.MAX_DELIVER
     max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
                                              "is given up (logged, counted; its inputs are NAKed for redelivery)",
                                              ge=1, le=1_000_000)] = defaults.MAX_RESULT_ATTEMPTS
@@ -299,7 +303,8 @@ _GROUP_OF = {
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes",
                      "max_finished", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
-    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "max_result_attempts", "lease_ttl",
+    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "max_deliver", "max_result_attempts",
+                     "lease_ttl",
                      "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),

@@ -38,6 +38,9 @@ DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dr
 # Durable outbox (settings and the outbox's own config)
 MAX_RESULT_ATTEMPTS = 100  # refusals + unanswered sends of one result before it is given up
 ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
+# Deliveries of one chunk before it is poison: its request ends with an error result and the chunk
+# is terminated. Legitimate redeliveries (hand-overs, crashes, results given up) stay far below it.
+MAX_DELIVER = 20
 
 # Readers (client helpers and the edge)
 MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it

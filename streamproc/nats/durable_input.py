@@ -48,7 +48,8 @@ from nats.js.errors import NotFoundError
 
 from ..config import Settings
 from ..core.credit import PullCredit
-from ..core.events import Decision
+from ..core.codec import ErrorKind
+from ..core.events import Chunk, Decision
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
@@ -88,6 +89,7 @@ class DurableStats(OutboxStats):
     lost_pulls: int = 0  # pulls re-issued because the server stopped answering them
     consumer_repairs: int = 0
     redelivered: int = 0  # messages delivered more than once
+    poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
     leases_acquired: int = 0
@@ -300,7 +302,7 @@ class DurableInput:
     async def _ensure_consumer(self, part: _Partition) -> None:
         s = self.settings
         config = partition_consumer_config(part.consumer, part.filter, ack_wait=s.ack_wait,
-                                           max_ack_pending=s.max_ack_pending)
+                                           max_ack_pending=s.max_ack_pending, max_deliver=s.max_deliver)
         await ensure_consumer(self.nc.jetstream(timeout=10), self.chunks_stream, config)
 
     async def _lose(self, n: int, graceful: bool = False) -> None:
@@ -431,6 +433,7 @@ class DurableInput:
         queue = outbox.take  # the outbox itself on the common path: one call less per message
         notify = self.pipeline.notify
         delivered = part.credit.delivered
+        max_deliver = self.settings.max_deliver
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
@@ -445,18 +448,25 @@ class DurableInput:
             now = clock()
             if delivered(now):
                 await self._pull(part)
-            try:
-                chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
-            except ContractError as exc:
-                take(self.pipeline.contract_error(exc, msg, acknowledged=True), exc.request_id)
-                await pump()
-                return
-            rid = chunk.request_id
-            if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
-                if not await self._recover(rid, chunk.format, msg, now):
+            rid = None
+            try:  # every message ends in a decision, whatever raises while it is handled
+                try:
+                    chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                except ContractError as exc:
+                    take(self.pipeline.contract_error(exc, msg, acknowledged=True), exc.request_id)
                     await pump()
                     return
-            notices = queue(receive(chunk, now), rid)
+                rid = chunk.request_id
+                deliveries = delivery_count(reply)
+                poison = deliveries >= max_deliver
+                if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
+                    if not await self._recover(rid, chunk.format, msg, now, retry=not poison):
+                        await pump()
+                        return
+                decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
+            except Exception as exc:
+                decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+            notices = queue(decisions, rid)
             if notices:
                 for n in notices:
                     notify(n)
@@ -464,8 +474,22 @@ class DurableInput:
 
         return on_message
 
-    async def _recover(self, rid: str, format: str | None, msg: Msg, now: float) -> bool:
-        """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read."""
+    def _poisoned(self, chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
+        """A chunk on its ``max_deliver``-th delivery: whatever kept it from being settled before
+        (a crash while handling it, results that cannot be stored), its request ends with an error
+        result now and the chunk is terminated once that result is stored."""
+        self.stats.poisoned += 1
+        self.pipeline.limited.log(logging.ERROR, "chunk_poisoned", request_id=chunk.request_id,
+                                  role=chunk.role.value, seq=chunk.seq, deliveries=deliveries)
+        self.outbox.terminate(msg)
+        return self.correlator.reject(
+            chunk.request_id, f"{chunk.role.value} chunk seq {chunk.seq} was delivered {deliveries} times without "
+            f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison", now, msg,
+            kind=ErrorKind.INTERNAL)
+
+    async def _recover(self, rid: str, format: str | None, msg: Msg, now: float, retry: bool = True) -> bool:
+        """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read
+        (``retry`` False: go on without it, for a chunk that must be decided now)."""
         self.stats.recoveries += 1
         if delivery_count(msg.reply) > 1:
             self.stats.redelivered += 1
@@ -475,7 +499,9 @@ class DurableInput:
             return True  # nothing stored: every chunk of it is still unacknowledged, start afresh
         except Exception as exc:
             log_event(log, logging.WARNING, "recovery_lookup_failed", request_id=rid, error=error_text(exc),
-                      retry_in="1s")
+                      retry_in="1s" if retry else "-")
+            if not retry:
+                return True
             self.outbox.nak((msg,), delay=1.0)
             return False
         point = resume_point(stored.headers)

@@ -228,11 +228,14 @@ def partition_consumer_name(n: int) -> str:
 
 
 def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float,
-                              max_ack_pending: int) -> ConsumerConfig:
-    """A durable pull consumer for one partition: explicit acks, never gives up on a chunk.
+                              max_ack_pending: int, max_deliver: int = defaults.MAX_DELIVER) -> ConsumerConfig:
+    """A durable pull consumer for one partition: explicit acks, bounded redelivery.
 
-    ``max_deliver`` is unlimited because a chunk is only ever left unacknowledged while its
-    result is not stored; dropping it after N deliveries would lose a result.
+    A chunk is only left unacknowledged while its result is not stored, so redeliveries are rare
+    (hand-overs, crashes). The processor itself settles a chunk on its ``max_deliver``-th delivery
+    (it ends the request with an error result, then terminates the chunk); the consumer's own
+    ``max_deliver`` is the backstop should that delivery be lost too (a crash on it): nothing is
+    redelivered for ever.
     """
     return ConsumerConfig(
         name=name,
@@ -241,7 +244,7 @@ def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait,
-        max_deliver=-1,
+        max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
         filter_subject=filter_subject,
         replay_policy=ReplayPolicy.INSTANT,
@@ -250,7 +253,7 @@ def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float
 
 
 async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> ConsumerInfo:
-    """Create the durable consumer, or bring its tuning (ack wait, max ack pending) in line.
+    """Create the durable consumer, or bring its tuning (ack wait, max ack pending, max deliver) in line.
 
     Consumers are streamproc's own, so unlike streams they are updated to the current settings.
     """
@@ -263,7 +266,7 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCon
     if current.filter_subject != config.filter_subject:
         raise ChunkStreamMismatch(stream, [f"consumer {config.durable_name!r} filters "
                                            f"{current.filter_subject!r}, not {config.filter_subject!r}"])
-    retuned = current.max_ack_pending != config.max_ack_pending
+    retuned = current.max_ack_pending != config.max_ack_pending or current.max_deliver != config.max_deliver
     if retuned or not _close(current.ack_wait, config.ack_wait or 0.0):
         return await js.add_consumer(stream, config)  # same durable name: an update of its tuning
     return info

@@ -1,0 +1,179 @@
+"""Attacks and bugs against a real nats-server and `streamproc run --mode durable` subprocesses.
+
+Durable mode adds what core mode does not have: a chunk that is not settled comes back. Each test
+pins that whatever happens to one message, its request ends with a clear error result, the chunk is
+settled (never redelivered without bound) and the other requests of the same partition are answered.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+from conftest import processor_subprocess
+from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
+from helpers import free_port, rid, wait_until
+from test_metrics import scrape
+
+from streamproc.core.wire import Subjects, chunk_headers
+from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+
+
+def legit_body(request_id: str, seq: int) -> bytes:
+    return f'{{"text":"{request_id}:{seq}","meta_info":{{"id":"{request_id}"}}}}'.encode()
+
+
+async def publish_agg(js, request_id: str, chunks: int, **header_overrides: str) -> None:
+    """A streamed aggregated request, published durably (PubAck per chunk)."""
+    for seq in range(chunks):
+        headers = chunk_headers(request_id, "agg", seq, final=seq == chunks - 1)
+        headers.update(header_overrides)
+        await js.publish(SUBJECTS.chunk(request_id, "agg"), legit_body(request_id, seq), headers=headers)
+
+
+async def answered_in_full(js, legit: list[str], chunks: int, timeout: float = 30.0) -> dict:
+    """Wait until every legitimate request's results 0..chunks-1 are stored, final last; return them all."""
+    stored: dict = {}
+
+    async def done() -> bool:
+        nonlocal stored
+        stored = await stored_results(js, SUBJECTS)
+        return all(len(stored.get(r, [])) == chunks for r in legit)
+
+    await wait_until(done, timeout, "every legitimate request answered", every=0.3)
+    for r in legit:
+        results = stored[r]
+        assert [x.seq for x in results] == list(range(chunks)) and results[-1].final
+        assert [x.body for x in results] == [legit_body(r, s) for s in range(chunks)]
+        assert all(x.error is None for x in results)
+    return stored
+
+
+async def test_a_chunk_on_its_max_deliver_th_delivery_is_terminated_and_its_request_ends_with_an_error(
+        nats_url, tmp_path):
+    """Two deliveries lost (as if two processors crashed on the chunk), then the third, with
+    --max-deliver 3: the request ends with an internal error naming the cause, the chunk is
+    terminated (gone from the work queue, never delivered again), counted, and the requests beside it
+    in the same partition are answered."""
+    flags = durable_flags(partitions=1, max_deliver=3)
+    with processor_subprocess(nats_url, *flags):
+        pass  # creates the streams and the partition's consumer
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+        assert info.config.max_deliver == 3  # the server's backstop is the same bound
+        poison = rid("poison")
+        await publish_agg(js, poison, 1)
+        crashed = await js.pull_subscribe_bind(durable=partition_consumer_name(0), stream=CHUNKS_STREAM)
+        for delivery in (1, 2):
+            [msg] = await crashed.fetch(1, timeout=5)
+            assert msg.metadata.num_delivered == delivery
+            await msg.nak()  # a processor that dies on the chunk: it comes back
+        await crashed.unsubscribe()
+
+        port = free_port()
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+            legit = [rid("ok") for _ in range(20)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            stored = await answered_in_full(js, legit, 3)
+            stored = await stored_results(js, SUBJECTS)
+            [error] = stored[poison]
+            assert error.final and error.error == "internal", error
+            assert b"delivered 3 times without being settled (max_deliver 3): dropped as poison" in error.body
+            await wait_until(lambda: scrape(port).get("streamproc_durable_terminated_total") == 1, 10,
+                             "the poison chunk terminated")
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_poisoned_total"] == 1
+            assert metrics['streamproc_error_results_total{kind="internal"}'] == 1
+            assert await chunk_stream_messages(js) == 0  # nothing left to redeliver
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            text = log_path.read_text()
+            assert text.count("event=chunk_poisoned") == 1 and "deliveries=3" in text
+            assert proc.poll() is None
+    finally:
+        await nc.close()
+
+
+BROKEN_CODEC = '''
+from streamproc.codec import Codec
+
+
+class BrokenCodec(Codec):
+    """A codec distribution with a bug: constructing it raises."""
+
+    name = "broken"
+
+    def __init__(self, options=None):
+        raise RuntimeError("broken codec: cannot start")
+
+    def error_body(self, message, kind):
+        raise NotImplementedError
+
+    def fold(self, bodies):
+        raise NotImplementedError
+
+    def open_session(self):
+        raise NotImplementedError
+'''
+
+
+def broken_codec_site(root: Path) -> str:
+    """A directory holding an installed-looking distribution that registers the codec ``broken``."""
+    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
+    info = root / "broken_codec-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
+    return str(root)
+
+
+async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_not_redelivered(
+        nats_url, tmp_path):
+    """A chunk naming a codec whose constructor raises made the durable handler raise: the chunk
+    was never acknowledged and came back every ack wait, for ever. Now the request ends with an
+    internal error result, the chunk is acknowledged once that is stored, and the other requests
+    of the partition are answered."""
+    site = broken_codec_site(tmp_path)
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port),
+                              env=env) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            victim = rid("victim")
+            legit = [rid("ok") for _ in range(20)]
+            for i, r in enumerate(legit):
+                if i == 10:
+                    await publish_agg(js, victim, 2, **{"Streamproc-Format": "broken"})
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+            stored = await stored_results(js, SUBJECTS)
+            assert victim in stored, log_path.read_text()[-3000:]
+            [error] = stored[victim]
+            assert error.seq == 0 and error.final and error.error == "internal", error
+            assert b"broken codec: cannot start" in error.body
+            # Its second chunk arrives after the request ended: settled as late, nothing more published.
+            await wait_until(lambda: scrape(port).get("streamproc_late_total", 0) >= 1, 10, "the late chunk")
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            assert await chunk_stream_messages(js) == 0
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            metrics = scrape(port)
+            assert metrics["streamproc_internal_errors_total"] == 1
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert len((await stored_results(js, SUBJECTS))[victim]) == 1
+            text = log_path.read_text()
+            assert "event=message_failed" in text and proc.poll() is None
+        finally:
+            await nc.close()
