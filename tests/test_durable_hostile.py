@@ -177,3 +177,86 @@ async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_n
             assert "event=message_failed" in text and proc.poll() is None
         finally:
             await nc.close()
+
+
+def peak_rss(pid: int) -> int:
+    from test_hostile import peak_rss as rss
+
+    return rss(pid)
+
+
+async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_are_shed(nats_url):
+    """2,100 prefill legs whose decode leg never comes, into one partition at the default
+    max_ack_pending (2,048): they used to fill it, and nothing else in the partition moved until
+    --request-timeout (300 s). Now the partition sheds its longest-idle holders (overloaded) past 3/4
+    of max_ack_pending, and requests published after the attack are answered at once."""
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    [prefill_body] = worker_for("sglang").prefill(make_truth(0, prompt_len=8, output_len=2), stream=False)
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            held = [rid("held") for _ in range(2100)]
+            for r in held:
+                await js.publish(SUBJECTS.chunk(r, "prefill"), prefill_body,
+                                 headers=chunk_headers(r, "prefill", 0, final=True))
+            legit = [rid("ok") for _ in range(20)]
+            started = anyio.current_time()
+            for r in legit:
+                await publish_agg(js, r, 3)
+            stored = await answered_in_full(js, legit, 3, timeout=60)
+            took = anyio.current_time() - started
+            print(f"20 legitimate requests answered {took:.1f}s after the attack")
+            assert took < 30, took  # --request-timeout is 300 s: nothing waited for it
+            # Shedding keeps the partition at most 3/4 full: at least 2,100 - 1,536 legs end, whatever the timing.
+            await wait_until(lambda: scrape(port).get("streamproc_shed_total", 0) >= 2100 - 2048 * 3 // 4, 20,
+                             "the partition back under 3/4 of max_ack_pending")
+            shed: list[str] = []
+
+            async def every_shed_request_answered() -> bool:
+                nonlocal stored, shed
+                stored = await stored_results(js, SUBJECTS)
+                shed = [r for r in held if r in stored]
+                return len(shed) == scrape(port)["streamproc_shed_total"]
+
+            await wait_until(every_shed_request_answered, 20, "an error result for every shed request", every=0.3)
+            assert len(shed) >= 2100 - 2048 * 3 // 4
+            for r in shed:
+                [error] = stored[r]
+                assert error.seq == 0 and error.final and error.error == "overloaded", error
+            assert b"unacknowledged chunks (more than 3/4 of max_ack_pending 2048)" in stored[shed[0]][0].body
+            assert "event=partition_shed" in log_path.read_text()
+            assert peak_rss(proc.pid) < 200 * 1024 * 1024
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("limits, problem", [
+    ({"discard": "new", "max_msgs": 1000}, "discard is 'new' with max_msgs 1000: once reached, every result is refused"),
+    ({"discard": "new", "max_bytes": 1 << 20}, "discard is 'new' with max_bytes 1048576"),
+    ({"max_msg_size": 1024}, "max_msg_size is 1024 bytes, below the server's max_payload 1048576"),
+])
+async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up(nats_url, run_cli, limits, problem):
+    from nats.js.api import DiscardPolicy, StreamConfig
+
+    from streamproc.core.defaults import DUPLICATE_WINDOW, RESULTS_MAX_AGE
+    from streamproc.nats.streams import RESULTS_STREAM
+
+    if "discard" in limits:
+        limits = {**limits, "discard": DiscardPolicy(limits["discard"])}
+    nc = await connect(nats_url)
+    try:
+        await nc.jetstream().add_stream(StreamConfig(
+            name=RESULTS_STREAM, subjects=[SUBJECTS.all_results], max_age=RESULTS_MAX_AGE,
+            duplicate_window=DUPLICATE_WINDOW, allow_direct=True, **limits))
+    finally:
+        await nc.close()
+    proc = await anyio.to_thread.run_sync(lambda: run_cli("run", "--nats-url", nats_url, *durable_flags()))
+    assert proc.returncode == 2, proc.stderr
+    assert f"streamproc run: error: JetStream stream '{RESULTS_STREAM}' cannot store every result: {problem}" \
+        in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -107,6 +107,7 @@ class Stats(msgspec.Struct, gc=False):
     sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
     over_budget: int = 0  # requests ended because they passed max_buffered_bytes or max_total_bytes
     internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
+    shed: int = 0  # requests ended (overloaded) because their partition held too many unacknowledged chunks
 
     @property
     def results(self) -> int:
@@ -364,6 +365,38 @@ class Correlator:
         for rid in unstored:
             self._finished.pop(rid, None)
         return [t for t in tokens if t is not None]
+
+    def held_tokens(self, group: Callable[[str], int]) -> dict[int, int]:
+        """Input tokens held (prefill legs, buffered chunks, held duplicates) per ``group`` of request
+        ids: a durable shell's partitions, whose unacknowledged deliveries the server bounds. Only
+        requests that hold something are grouped, so a shell can call this on a timer."""
+        out: dict[int, int] = {}
+        for rid, req in self._active.items():
+            n = len(req.held) + len(req.pending)
+            if n:
+                g = group(rid)
+                out[g] = out.get(g, 0) + n
+        return out
+
+    def shed(self, belongs: Callable[[str], bool], release: int, now: float, reason: str) -> list[Decision]:
+        """End the least recently progressing requests ``belongs`` selects that hold input tokens,
+        until at least ``release`` tokens are freed; each gets a final ``overloaded`` error result
+        (whose storage settles its tokens). Held legs must never stall the rest of their partition:
+        a request that keeps progressing moves to the back of the line, so the idle ones go first."""
+        victims: list[_Request] = []
+        freed = 0
+        for rid, req in self._active.items():  # least recent progress first
+            if freed >= release:
+                break
+            n = len(req.held) + len(req.pending)
+            if n and belongs(rid):
+                victims.append(req)
+                freed += n
+        out: list[Decision] = []
+        for req in victims:
+            self.stats.shed += 1
+            out.extend(self._fail(req, ErrorKind.OVERLOADED, reason, now))
+        return out
 
     def tick(self, now: float) -> list[Decision]:
         """Fire every timeout due at ``now``."""

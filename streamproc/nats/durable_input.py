@@ -49,7 +49,7 @@ from nats.js.errors import NotFoundError
 from ..config import Settings
 from ..core.credit import PullCredit
 from ..core.codec import ErrorKind
-from ..core.events import Chunk, Decision
+from ..core.events import Chunk, Decision, Result
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
@@ -155,6 +155,10 @@ class DurableInput:
         self._batch = max(1, min(settings.fetch_batch, settings.pending_msgs_limit * 2 // 3))
         self._pull_body = msgspec.json.encode({
             "batch": self._batch, "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
+        # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
+        # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
+        self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
+        self._held_target = settings.max_ack_pending // 2
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
@@ -172,7 +176,7 @@ class DurableInput:
         self.results_stream = await find_stream(js, subjects.all_results) or RESULTS_STREAM
         await ensure_results_stream(js, subjects, name=self.results_stream, max_age=s.results_max_age,
                                     duplicate_window=s.duplicate_window, storage=self._storage,
-                                    replicas=s.stream_replicas)
+                                    replicas=s.stream_replicas, max_payload=self.nc.max_payload)
         self.chunks_stream = await find_stream(js, self.scheme.source) or CHUNKS_STREAM
         await ensure_chunk_stream(js, ChunkStreamSpec(
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
@@ -413,8 +417,26 @@ class DurableInput:
                     continue
             if watch.pull:
                 await self._pull(part)
+        self._shed_held(now)
         self.publisher.tick(now, reconnected, self.correlator.unsettled)
         await self.publisher.pump()
+
+    def _shed_held(self, now: float) -> None:
+        """Held prefill legs (and reorder backlogs) never stall a partition: the server delivers
+        nothing more to a partition once ``max_ack_pending`` chunks are unacknowledged, so past 3/4
+        of it the requests holding chunks longest without progress are ended (``overloaded``) until
+        the partition holds 1/2; their chunks are acknowledged when the error results are stored."""
+        cap = self._held_cap
+        scheme = self.scheme
+        for n, held in self.correlator.held_tokens(scheme.of).items():
+            if held <= cap or n not in self._partitions:
+                continue
+            reason = (f"processor overloaded: partition {n} holds {held} unacknowledged chunks (more than 3/4 of "
+                      f"max_ack_pending {self.settings.max_ack_pending}); the requests waiting longest were ended")
+            decisions = self.correlator.shed(lambda rid: scheme.of(rid) == n, held - self._held_target, now, reason)
+            log_event(log, logging.WARNING, "partition_shed", partition=n, held=held,
+                      requests=sum(1 for d in decisions if isinstance(d, Result)))
+            self.publisher.take(decisions, None)
 
     # ----------------------------------------------------------------------------- hot path
 
