@@ -260,3 +260,46 @@ async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up
     assert f"streamproc run: error: JetStream stream '{RESULTS_STREAM}' cannot store every result: {problem}" \
         in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_after_bounded_retries(nats_url):
+    """The results stream's max_msg_size lowered after start-up: one result can never be stored. It
+    is given up after --max-result-attempts, its chunk redelivered and given up again, and on the
+    chunk's --max-deliver-th delivery the request ends with an error result (small enough to store)
+    naming why; the chunk is terminated. Nothing retries for ever, and the partition goes on."""
+    from streamproc.nats.streams import RESULTS_STREAM
+
+    big = rid("big")
+    port = free_port()
+    flags = durable_flags(partitions=1, max_result_attempts=2, max_deliver=3)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            results = (await js.stream_info(RESULTS_STREAM)).config
+            results.max_msg_size = 1024
+            await js.update_stream(results)
+            await js.publish(SUBJECTS.chunk(big, "agg"), b'{"text":"' + b"x" * 2000 + b'"}',
+                             headers=chunk_headers(big, "agg", 0, final=True))
+            legit = [rid("ok") for _ in range(10)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def ended() -> bool:
+                return big in await stored_results(js, SUBJECTS)
+
+            await wait_until(ended, 60, "the request ended with an error result", every=0.3)
+            [error] = (await stored_results(js, SUBJECTS))[big]
+            assert error.seq == 0 and error.final and error.error == "internal", error
+            assert (b"delivered 3 times without being settled (max_deliver 3): dropped as poison; "
+                    b"result seq 0 was not stored after 2 attempts (refused)") in error.body, error.body
+            await wait_until(lambda: scrape(port).get("streamproc_durable_terminated_total") == 1, 10,
+                             "the chunk terminated")
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_results_given_up_total"] == 2  # deliveries 1 and 2
+            assert metrics["streamproc_durable_poisoned_total"] == 1
+            assert await chunk_stream_messages(js) == 0
+            assert proc.poll() is None
+        finally:
+            await nc.close()

@@ -159,6 +159,7 @@ class DurableInput:
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
         self._held_target = settings.max_ack_pending // 2
+        self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
@@ -350,6 +351,12 @@ class DurableInput:
         too (NAKing what the correlator held), so its redelivered chunks are recovered from what is stored."""
         rid = g.request_id
         self.outbox.nak(self.correlator.abandon(lambda r: r == rid, (rid,)))
+        # Why its chunks come back, for the error result should they come back max_deliver times.
+        unstored = self._unstored
+        unstored.pop(rid, None)
+        unstored[rid] = f"result seq {g.seq} was not stored after {g.attempts} attempts ({g.reason})"
+        if len(unstored) > self.settings.max_finished:
+            del unstored[next(iter(unstored))]
 
     # ------------------------------------------------------------------------------- pulls
 
@@ -504,10 +511,11 @@ class DurableInput:
         self.pipeline.limited.log(logging.ERROR, "chunk_poisoned", request_id=chunk.request_id,
                                   role=chunk.role.value, seq=chunk.seq, deliveries=deliveries)
         self.outbox.terminate(msg)
+        cause = self._unstored.pop(chunk.request_id, None)
         return self.correlator.reject(
             chunk.request_id, f"{chunk.role.value} chunk seq {chunk.seq} was delivered {deliveries} times without "
-            f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison", now, msg,
-            kind=ErrorKind.INTERNAL)
+            f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison"
+            + (f"; {cause}" if cause else ""), now, msg, kind=ErrorKind.INTERNAL)
 
     async def _recover(self, rid: str, format: str | None, msg: Msg, now: float, retry: bool = True) -> bool:
         """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read
