@@ -303,3 +303,60 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
             assert proc.poll() is None
         finally:
             await nc.close()
+
+
+async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nats_url):
+    """The core-mode attack of tests/test_hostile.py against a durable processor: 20 P/D requests whose
+    joins each decode 2 x 32 MiB of expert rows. Passthrough round trips (publish with PubAck ->
+    result stored and received) measured while they run stay close to idle ones, and every heavy
+    request is joined."""
+    import time
+
+    from test_hostile import inflating_pd_legs
+
+    prefill, decode = inflating_pd_legs(prompt=2048)
+    flags = durable_flags(partitions=1, format="sglang-zstd")
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            arrived: dict[str, anyio.Event] = {}
+            finals: dict[str, dict[str, str]] = {}
+
+            async def on_result(msg) -> None:
+                request_id = SUBJECTS.request_id_of_result(msg.subject)
+                finals[request_id] = dict(msg.headers or {})
+                arrived.setdefault(request_id, anyio.Event()).set()
+
+            await nc.subscribe(SUBJECTS.all_results, cb=on_result)
+
+            async def round_trips(tag: str, n: int) -> list[float]:
+                out = []
+                for k in range(n):
+                    r = rid(f"{tag}{k}")
+                    arrived[r] = anyio.Event()
+                    start = time.perf_counter()
+                    await publish_agg(js, r, 1)
+                    with anyio.fail_after(10):
+                        await arrived[r].wait()
+                    out.append(time.perf_counter() - start)
+                    await anyio.sleep(0.005)
+                return sorted(out)
+
+            idle = await round_trips("idle", 40)
+            heavy = [rid("heavy") for _ in range(20)]
+            for r in heavy:
+                await js.publish(SUBJECTS.chunk(r, "prefill"), prefill,
+                                 headers=chunk_headers(r, "prefill", 0, final=True, format="sglang-zstd"))
+                await js.publish(SUBJECTS.chunk(r, "decode"), decode,
+                                 headers=chunk_headers(r, "decode", 0, final=True, format="sglang-zstd"))
+            busy = await round_trips("busy", 40)
+            await wait_until(lambda: all(r in finals for r in heavy), 60, "every heavy request answered")
+            print(f"durable passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms max {idle[-1] * 1e3:.1f} ms; "
+                  f"during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms max {busy[-1] * 1e3:.1f} ms")
+            assert {finals[r].get("Streamproc-Join") for r in heavy} == {"joined"}
+            # Inline, a round trip waited for every join queued before it (about 1.6 s of event-loop time).
+            assert busy[-1] < 0.300 and busy[20] < idle[20] + 0.015, (idle, busy)
+            assert peak_rss(proc.pid) < 300 * 1024 * 1024
+        finally:
+            await nc.close()

@@ -49,6 +49,7 @@ from nats.js.errors import NotFoundError
 from ..config import Settings
 from ..core.credit import PullCredit
 from ..core.codec import ErrorKind
+from ..core.correlator import Work
 from ..core.events import Chunk, Decision, Result
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
@@ -160,6 +161,10 @@ class DurableInput:
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
         self._held_target = settings.max_ack_pending // 2
         self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
+        # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
+        # share decompression contexts, which are not thread safe); the loop keeps serving the rest.
+        pipeline.correlator.offload_joins = True
+        self._limiter = anyio.CapacityLimiter(1)
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
@@ -231,7 +236,40 @@ class DurableInput:
         """Results decided by the timer (timeouts) take the same acknowledged path."""
         if self.publisher.closed:
             return
-        self.publisher.take(decisions, None)
+        self.publisher.take(self._offload(decisions), None)
+        await self.publisher.pump()
+
+    def _offload(self, decisions: list[Decision]) -> list[Decision]:
+        """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox."""
+        for d in decisions:
+            if d.__class__ is Work:
+                break
+        else:
+            return decisions
+        tasks = self._tasks
+        rest = []
+        for d in decisions:
+            if d.__class__ is not Work:
+                rest.append(d)
+            elif tasks is not None:
+                tasks.start_soon(self._run, d)
+            # else: stopping; the request's chunks are handed over (NAKed) with it
+        return rest
+
+    async def _run(self, work: Work) -> None:
+        """Run a join in the worker thread, then apply it. No gate is needed: the outcome enters the
+        outbox's per-request queue synchronously, behind the request's earlier results."""
+        await anyio.to_thread.run_sync(work.run, limiter=self._limiter)
+        if self.publisher.closed:
+            return
+        now = self._clock()
+        try:
+            decisions = self.correlator.finish(work, now)
+        except Exception as exc:  # a bug must cost this request, not the input's task group
+            log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
+            decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
+                                               kind=ErrorKind.INTERNAL)
+        self.publisher.take(self._offload(decisions), None)
         await self.publisher.pump()
 
     async def caught_up(self) -> None:
@@ -463,6 +501,7 @@ class DurableInput:
         notify = self.pipeline.notify
         delivered = part.credit.delivered
         max_deliver = self.settings.max_deliver
+        offload = self._offload
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
@@ -495,7 +534,7 @@ class DurableInput:
                 decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
             except Exception as exc:
                 decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
-            notices = queue(decisions, rid)
+            notices = queue(offload(decisions), rid)
             if notices:
                 for n in notices:
                     notify(n)
