@@ -360,3 +360,38 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
             assert peak_rss(proc.pid) < 300 * 1024 * 1024
         finally:
             await nc.close()
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_not_internal(nats_url, leg):
+    """100k-deep nested JSON made the codec's parser raise RecursionError, reported as `internal`."""
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    worker = worker_for("sglang")
+    truth = make_truth(0, prompt_len=8, output_len=2)
+    bodies = {"prefill": worker.prefill(truth, stream=False)[0], "decode": worker.decode(truth, stream=False)[-1]}
+    bodies[leg] = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+    with processor_subprocess(nats_url, *durable_flags(partitions=1)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            deep = rid("deep")
+            for role in ("prefill", "decode"):
+                await js.publish(SUBJECTS.chunk(deep, role), bodies[role],
+                                 headers=chunk_headers(deep, role, 0, final=True))
+            legit = [rid("ok") for _ in range(5)]
+            for r in legit:
+                await publish_agg(js, r, 2)
+            await answered_in_full(js, legit, 2)
+
+            async def ended() -> bool:
+                return deep in await stored_results(js, SUBJECTS)
+
+            await wait_until(ended, 20, "the deep request ended", every=0.3)
+            [error] = (await stored_results(js, SUBJECTS))[deep]
+            assert error.final and error.error == "invalid_chunk", error
+            assert b"nested too deeply to parse" in error.body, error.body
+            assert await chunk_stream_messages(js) == 0 and proc.poll() is None
+        finally:
+            await nc.close()

@@ -821,6 +821,11 @@ class Correlator:
         req.buffered = req.absorbed = req.decoded = 0
 
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
+        if isinstance(exc, RecursionError):
+            # Parsers recurse per nesting level (msgspec, json): 100k-deep JSON from a worker is bad
+            # input, not a processor bug, so the client is told it was the chunk.
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"a chunk body is nested too deeply to parse (codec {req.codec.name!r}: {exc})", now)
         detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         return self._fail(req, ErrorKind.INTERNAL, detail, now)
 
