@@ -61,6 +61,16 @@ def test_a_codec_failure_in_work_ends_only_its_request_as_internal():
     c.offload_joins = True
     c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
     (work,), _ = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
-    work._job = lambda: (_ for _ in ()).throw(RecursionError("deep"))
+    work._job = lambda: (_ for _ in ()).throw(RuntimeError("codec bug"))
     work.run()
     assert errors(c.finish(work, 0.0)) == [("pd", "internal")]
+
+
+def test_a_recursion_error_in_work_is_the_bodys_nesting_and_ends_the_request_as_invalid_chunk():
+    c = correlator()
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
+    (work,), _ = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
+    work._job = lambda: (_ for _ in ()).throw(RecursionError("maximum recursion depth exceeded"))
+    work.run()
+    assert errors(c.finish(work, 0.0)) == [("pd", "invalid_chunk")]
