@@ -237,6 +237,10 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                          "across all requests; a request that would pass it is ended with an "
                                          "overloaded error (raise it for very large expert captures)",
                                          ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
+    max_decode_cpu: Annotated[float, documented("CPU seconds the joins of one request may take (joins that decode "
+                                          "sequence data, measured in the join thread); past it the request "
+                                          "is ended with an overloaded error; 0 turns the budget off",
+                                          ge=0, le=86_400)] = defaults.MAX_DECODE_CPU
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
@@ -282,6 +286,7 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_retained_bytes=self.max_retained_bytes,
             max_buffered_bytes=self.max_buffered_bytes,
             max_total_bytes=self.max_total_bytes,
+            max_decode_cpu=self.max_decode_cpu,
         )
 
 
@@ -300,7 +305,7 @@ _GROUP_OF = {
     **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
-    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes",
+    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",
                      "max_finished", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "max_deliver", "max_result_attempts",

@@ -395,3 +395,46 @@ async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_not_internal
             assert await chunk_stream_messages(js) == 0 and proc.poll() is None
         finally:
             await nc.close()
+
+
+async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded_others_are_answered(nats_url):
+    """CPU amplification: a streamed P/D request whose 20 decode chunks each inflate 2 x 32 MiB of rows
+    (~60 ms of CPU per join). With --max-decode-cpu 0.2 it is ended after a few joins, overloaded,
+    instead of costing 1.2 s of CPU; the requests beside it are answered."""
+    from test_hostile import inflating_pd_legs
+
+    prefill, decode = inflating_pd_legs(prompt=2048)
+    port = free_port()
+    flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.2)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            heavy = rid("heavy")
+            await js.publish(SUBJECTS.chunk(heavy, "prefill"), prefill,
+                             headers=chunk_headers(heavy, "prefill", 0, final=True, format="sglang-zstd"))
+            for seq in range(20):
+                await js.publish(SUBJECTS.chunk(heavy, "decode"), decode,
+                                 headers=chunk_headers(heavy, "decode", seq, final=seq == 19, format="sglang-zstd"))
+            legit = [rid("ok") for _ in range(10)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def ended() -> bool:
+                got = (await stored_results(js, SUBJECTS)).get(heavy, [])
+                return bool(got) and got[-1].final
+
+            await wait_until(ended, 30, "the heavy request ended", every=0.3)
+            got = (await stored_results(js, SUBJECTS))[heavy]
+            *joined, error = got
+            print(f"{len(joined)} joins published before the budget ended the request")
+            assert 1 <= len(joined) < 19, [(x.seq, x.verdict, x.error) for x in got]
+            assert [x.seq for x in got] == list(range(len(got)))
+            assert all(x.verdict is not None and x.verdict.value == "joined" for x in joined)
+            assert error.final and error.error == "overloaded", error
+            assert b"decode time budget exhausted" in error.body and b"max_decode_cpu 0.2 s" in error.body
+            assert scrape(port)["streamproc_over_cpu_total"] == 1
+            assert proc.poll() is None
+        finally:
+            await nc.close()

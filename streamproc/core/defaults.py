@@ -23,6 +23,9 @@ MAX_RETAINED_BYTES = 256 * 1024
 # requests. Sized so a processor stays under ~200 MiB RSS whatever its clients send.
 MAX_BUFFERED_BYTES = 32 * 1024 * 1024
 MAX_TOTAL_BYTES = 96 * 1024 * 1024
+# CPU seconds the joins of one request may take: bounds what a payload that inflates can cost (a
+# 32 MiB row splice takes ~0.1 s; a legitimate request's joins take milliseconds per chunk).
+MAX_DECODE_CPU = 30.0
 
 # Codecs
 # A ceiling, not the working bound: codecs decode at most what a body's token counts allow

@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from typing import Awaitable, Callable
 
 import anyio
@@ -259,7 +260,7 @@ class DurableInput:
     async def _run(self, work: Work) -> None:
         """Run a join in the worker thread, then apply it. No gate is needed: the outcome enters the
         outbox's per-request queue synchronously, behind the request's earlier results."""
-        await anyio.to_thread.run_sync(work.run, limiter=self._limiter)
+        await anyio.to_thread.run_sync(work.run, time.thread_time, limiter=self._limiter)
         if self.publisher.closed:
             return
         now = self._clock()
