@@ -438,3 +438,26 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
             assert proc.poll() is None
         finally:
             await nc.close()
+
+
+async def test_existing_partition_consumers_get_the_current_max_deliver(nats_url):
+    """Consumers made by an earlier version (max_deliver unlimited) or with another --max-deliver are
+    updated at start-up, like ack_wait and max_ack_pending."""
+    from nats.js.api import ConsumerConfig
+
+    with processor_subprocess(nats_url, *durable_flags(partitions=1)):
+        pass
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        name = partition_consumer_name(0)
+        info = await js.consumer_info(CHUNKS_STREAM, name)
+        assert info.config.max_deliver == 20  # the default
+        old = ConsumerConfig.from_response(info.config.as_dict())
+        old.max_deliver = -1  # as the previous version made it
+        await js.add_consumer(CHUNKS_STREAM, old)
+        assert (await js.consumer_info(CHUNKS_STREAM, name)).config.max_deliver == -1
+        with processor_subprocess(nats_url, *durable_flags(partitions=1, max_deliver=7)):
+            assert (await js.consumer_info(CHUNKS_STREAM, name)).config.max_deliver == 7
+    finally:
+        await nc.close()

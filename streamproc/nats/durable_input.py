@@ -81,6 +81,7 @@ WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
+MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
 
 class DurableStats(OutboxStats):
     """Counters of the durable input (merged into ``Processor.snapshot()``); the outbox's are inherited."""
@@ -394,7 +395,7 @@ class DurableInput:
         unstored = self._unstored
         unstored.pop(rid, None)
         unstored[rid] = f"result seq {g.seq} was not stored after {g.attempts} attempts ({g.reason})"
-        if len(unstored) > self.settings.max_finished:
+        if len(unstored) > MAX_UNSTORED_CAUSES:
             del unstored[next(iter(unstored))]
 
     # ------------------------------------------------------------------------------- pulls
