@@ -16,6 +16,7 @@ import pytest
 from conftest import processor_subprocess
 from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
 from helpers import free_port, rid, wait_until
+from test_hostile import peak_rss
 from test_metrics import scrape
 
 from streamproc.core.wire import Subjects, chunk_headers
@@ -24,6 +25,7 @@ from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
 SUBJECTS = Subjects()
+MiB = 1 << 20
 
 
 def legit_body(request_id: str, seq: int) -> bytes:
@@ -99,7 +101,7 @@ async def test_a_chunk_on_its_max_deliver_th_delivery_is_terminated_and_its_requ
             assert info.num_ack_pending == 0 and info.num_redelivered == 0
             text = log_path.read_text()
             assert text.count("event=chunk_poisoned") == 1 and "deliveries=3" in text
-            assert proc.poll() is None
+            assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
     finally:
         await nc.close()
 
@@ -175,14 +177,9 @@ async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_n
             assert len((await stored_results(js, SUBJECTS))[victim]) == 1
             text = log_path.read_text()
             assert "event=message_failed" in text and proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB
         finally:
             await nc.close()
-
-
-def peak_rss(pid: int) -> int:
-    from test_hostile import peak_rss as rss
-
-    return rss(pid)
 
 
 async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_are_shed(nats_url):
@@ -229,7 +226,7 @@ async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_ar
                 assert error.seq == 0 and error.final and error.error == "overloaded", error
             assert b"unacknowledged chunks (more than 3/4 of max_ack_pending 2048)" in stored[shed[0]][0].body
             assert "event=partition_shed" in log_path.read_text()
-            assert peak_rss(proc.pid) < 200 * 1024 * 1024
+            assert peak_rss(proc.pid) < 200 * MiB
             assert proc.poll() is None
         finally:
             await nc.close()
@@ -300,7 +297,7 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
             assert metrics["streamproc_durable_results_given_up_total"] == 2  # deliveries 1 and 2
             assert metrics["streamproc_durable_poisoned_total"] == 1
             assert await chunk_stream_messages(js) == 0
-            assert proc.poll() is None
+            assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
         finally:
             await nc.close()
 
@@ -357,7 +354,7 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
             assert {finals[r].get("Streamproc-Join") for r in heavy} == {"joined"}
             # Inline, a round trip waited for every join queued before it (about 1.6 s of event-loop time).
             assert busy[-1] < 0.300 and busy[20] < idle[20] + 0.015, (idle, busy)
-            assert peak_rss(proc.pid) < 300 * 1024 * 1024
+            assert peak_rss(proc.pid) < 300 * MiB
         finally:
             await nc.close()
 
@@ -393,6 +390,7 @@ async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_not_internal
             assert error.final and error.error == "invalid_chunk", error
             assert b"nested too deeply to parse" in error.body, error.body
             assert await chunk_stream_messages(js) == 0 and proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB
         finally:
             await nc.close()
 
@@ -435,7 +433,7 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
             assert error.final and error.error == "overloaded", error
             assert b"decode time budget exhausted" in error.body and b"max_decode_cpu 0.2 s" in error.body
             assert scrape(port)["streamproc_over_cpu_total"] == 1
-            assert proc.poll() is None
+            assert proc.poll() is None and peak_rss(proc.pid) < 300 * MiB  # as the core-mode join test
         finally:
             await nc.close()
 
