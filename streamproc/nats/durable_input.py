@@ -504,6 +504,10 @@ class DurableInput:
         delivered = part.credit.delivered
         max_deliver = self.settings.max_deliver
         offload = self._offload
+        # A first delivery read without splitting the ack subject (v1 form, our stream and consumer;
+        # anything else goes through delivery_count).
+        ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
+        first_at = len(ack_head)
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
@@ -527,7 +531,10 @@ class DurableInput:
                     await pump()
                     return
                 rid = chunk.request_id
-                deliveries = delivery_count(reply)
+                if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                    deliveries = 1
+                else:
+                    deliveries = delivery_count(reply)
                 poison = deliveries >= max_deliver
                 if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
                     if not await self._recover(rid, chunk.format, msg, now, retry=not poison):
