@@ -352,8 +352,10 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
             print(f"durable passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms max {idle[-1] * 1e3:.1f} ms; "
                   f"during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms max {busy[-1] * 1e3:.1f} ms")
             assert {finals[r].get("Streamproc-Join") for r in heavy} == {"joined"}
-            # Inline, a round trip waited for every join queued before it (about 1.6 s of event-loop time).
-            assert busy[-1] < 0.300 and busy[20] < idle[20] + 0.015, (idle, busy)
+            # Inline, the round trip that arrives behind the joins waits for all of them: max 1.6 s measured
+            # with offload_joins off in this test (p50 and p90 unchanged, so the max is what tells). Off the
+            # loop the max was 16-63 ms; 0.5 s leaves room for a shared, loaded 2-core machine.
+            assert busy[-1] < 0.500 and busy[20] < idle[20] + 0.050, (idle, busy)
             assert peak_rss(proc.pid) < 300 * MiB
         finally:
             await nc.close()
