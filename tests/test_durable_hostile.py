@@ -269,7 +269,7 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
     big = rid("big")
     port = free_port()
     flags = durable_flags(partitions=1, max_result_attempts=2, max_deliver=3)
-    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _log):
         nc = await connect(nats_url)
         try:
             js = nc.jetstream()
@@ -313,7 +313,7 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
 
     prefill, decode = inflating_pd_legs(prompt=2048)
     flags = durable_flags(partitions=1, format="sglang-zstd")
-    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+    with processor_subprocess(nats_url, *flags) as (proc, _log):
         nc = await connect(nats_url)
         try:
             js = nc.jetstream()
@@ -371,7 +371,7 @@ async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_not_internal
     truth = make_truth(0, prompt_len=8, output_len=2)
     bodies = {"prefill": worker.prefill(truth, stream=False)[0], "decode": worker.decode(truth, stream=False)[-1]}
     bodies[leg] = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
-    with processor_subprocess(nats_url, *durable_flags(partitions=1)) as (proc, log_path):
+    with processor_subprocess(nats_url, *durable_flags(partitions=1)) as (proc, _log):
         nc = await connect(nats_url)
         try:
             js = nc.jetstream()
@@ -406,7 +406,7 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
     prefill, decode = inflating_pd_legs(prompt=2048)
     port = free_port()
     flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.2)
-    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _log):
         nc = await connect(nats_url)
         try:
             js = nc.jetstream()

@@ -81,7 +81,7 @@ def test_a_request_whose_joins_pass_the_decode_time_budget_is_ended_and_others_g
     c.offload_joins = True
     c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
     ticks = iter([0.0, 0.1, 1.0, 1.1, 2.0, 2.1])  # each join takes 0.1 s of (thread) CPU
-    clock = lambda: next(ticks)  # noqa: E731
+    clock = ticks.__next__
     published = []
     for seq in range(3):
         (work,), _ = split(c.receive(chunk("pd", "decode", seq, b"d", final=seq == 2), 0.0))

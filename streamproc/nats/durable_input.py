@@ -267,7 +267,7 @@ class DurableInput:
         now = self._clock()
         try:
             decisions = self.correlator.finish(work, now)
-        except Exception as exc:  # a bug must cost this request, not the input's task group
+        except Exception as exc:  # noqa: BLE001  (a bug must cost this request, not the input's task group)
             log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
             decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
                                                kind=ErrorKind.INTERNAL)
@@ -480,7 +480,8 @@ class DurableInput:
                 continue
             reason = (f"processor overloaded: partition {n} holds {held} unacknowledged chunks (more than 3/4 of "
                       f"max_ack_pending {self.settings.max_ack_pending}); the requests waiting longest were ended")
-            decisions = self.correlator.shed(lambda rid: scheme.of(rid) == n, held - self._held_target, now, reason)
+            decisions = self.correlator.shed(lambda rid, n=n: scheme.of(rid) == n, held - self._held_target, now,
+                                             reason)
             log_event(log, logging.WARNING, "partition_shed", partition=n, held=held,
                       requests=sum(1 for d in decisions if isinstance(d, Result)))
             self.publisher.take(decisions, None)
@@ -496,7 +497,6 @@ class DurableInput:
         receive = correlator.receive
         knows = correlator.knows
         publisher = self.publisher
-        take = publisher.take
         pump = publisher.pump
         outbox = self.outbox
         queue = outbox.take  # the outbox itself on the common path: one call less per message
@@ -523,30 +523,30 @@ class DurableInput:
             if delivered(now):
                 await self._pull(part)
             rid = None
+            decisions: list[Decision] | None = None  # None: NAKed for a later retry (recovery lookup failed)
             try:  # every message ends in a decision, whatever raises while it is handled
                 try:
                     chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
                 except ContractError as exc:
-                    take(self.pipeline.contract_error(exc, msg, acknowledged=True), exc.request_id)
-                    await pump()
-                    return
-                rid = chunk.request_id
-                if reply.startswith("1.", first_at) and reply.startswith(ack_head):
-                    deliveries = 1
+                    rid = exc.request_id
+                    decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
                 else:
-                    deliveries = delivery_count(reply)
-                poison = deliveries >= max_deliver
-                if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
-                    if not await self._recover(rid, chunk.format, msg, now, retry=not poison):
-                        await pump()
-                        return
-                decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
-            except Exception as exc:
+                    rid = chunk.request_id
+                    if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                        deliveries = 1
+                    else:
+                        deliveries = delivery_count(reply)
+                    poison = deliveries >= max_deliver
+                    if (knows(rid) or not needs_lookup(chunk.seq, chunk.role, reply)
+                            or await self._recover(rid, chunk.format, msg, now, retry=not poison)):
+                        decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
+            except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
                 decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
-            notices = queue(offload(decisions), rid)
-            if notices:
-                for n in notices:
-                    notify(n)
+            if decisions:
+                notices = queue(offload(decisions), rid)
+                if notices:
+                    for n in notices:
+                        notify(n)
             await pump()
 
         return on_message
