@@ -207,6 +207,10 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
                                          "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
     fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
+    max_deliver: Annotated[int, documented("durable: deliveries of one chunk before it is poison: its request ends "
+                                     "with an internal error result, the chunk is terminated (+TERM) and "
+                                     "counted; the consumer's max_deliver, so nothing is redelivered for ever",
+                                     ge=2, le=1_000_000)] = defaults.MAX_DELIVER
     max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
                                              "is given up (logged, counted; its inputs are NAKed for redelivery)",
                                              ge=1, le=1_000_000)] = defaults.MAX_RESULT_ATTEMPTS
@@ -233,6 +237,10 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                          "across all requests; a request that would pass it is ended with an "
                                          "overloaded error (raise it for very large expert captures)",
                                          ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
+    max_decode_cpu: Annotated[float, documented("CPU seconds the joins of one request may take (joins that decode "
+                                          "sequence data, measured in the join thread); past it the request "
+                                          "is ended with an overloaded error; 0 turns the budget off",
+                                          ge=0, le=86_400)] = defaults.MAX_DECODE_CPU
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
@@ -278,6 +286,7 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_retained_bytes=self.max_retained_bytes,
             max_buffered_bytes=self.max_buffered_bytes,
             max_total_bytes=self.max_total_bytes,
+            max_decode_cpu=self.max_decode_cpu,
         )
 
 
@@ -296,10 +305,11 @@ _GROUP_OF = {
     **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
-    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes",
+    **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",
                      "max_finished", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
-    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "max_result_attempts", "lease_ttl",
+    **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "max_deliver", "max_result_attempts",
+                     "lease_ttl",
                      "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),

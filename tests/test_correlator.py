@@ -310,3 +310,18 @@ def test_resume_never_rewinds_a_request_this_instance_is_serving():
     feed(run, leg("live", Role.AGG, [b"0", b"1"])[1:])
     assert bodies(run.results) == [b"0", b"1"]
     assert c.knows("live")
+
+
+def test_shed_ends_the_longest_idle_requests_holding_tokens_of_the_selected_group_first():
+    c = Correlator(resolve, "toy", CorrelatorConfig())
+    for t, r in enumerate(["a", "b", "x", "c"]):  # prefill legs held, waiting for a decode leg
+        c.receive(Chunk(r, Role.PREFILL, 0, b"p", final=True, token=f"{r}-p"), float(t))
+    c.receive(Chunk("a", Role.DECODE, 1, b"d", token="a-d1"), 10.0)  # a progressed: back of the line
+    c.receive(Chunk("s", Role.AGG, 0, b"s"), 10.0)  # streams in order: holds nothing
+    assert c.held_tokens(lambda rid: 1 if rid == "x" else 0) == {0: 4, 1: 1}
+    out = c.shed(lambda rid: rid != "x", 2, 11.0, "partition full")
+    results = [d for d in out if d.__class__.__name__ == "Result"]
+    assert [(r.request_id, r.error, r.settles) for r in results] == [
+        ("b", "overloaded", ("b-p",)), ("c", "overloaded", ("c-p",))]
+    assert results[0].body == b"ERR[overloaded]partition full" and c.stats.shed == 2
+    assert c.held_tokens(lambda rid: 0) == {0: 3}  # a (prefill + buffered decode), x

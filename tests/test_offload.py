@@ -61,6 +61,36 @@ def test_a_codec_failure_in_work_ends_only_its_request_as_internal():
     c.offload_joins = True
     c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
     (work,), _ = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
-    work._job = lambda: (_ for _ in ()).throw(RecursionError("deep"))
+    work._job = lambda: (_ for _ in ()).throw(RuntimeError("codec bug"))
     work.run()
     assert errors(c.finish(work, 0.0)) == [("pd", "internal")]
+
+
+def test_a_recursion_error_in_work_is_the_bodys_nesting_and_ends_the_request_as_invalid_chunk():
+    c = correlator()
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
+    (work,), _ = split(c.receive(chunk("pd", "decode", 0, b"a"), 0.0))
+    work._job = lambda: (_ for _ in ()).throw(RecursionError("maximum recursion depth exceeded"))
+    work.run()
+    assert errors(c.finish(work, 0.0)) == [("pd", "invalid_chunk")]
+
+
+def test_a_request_whose_joins_pass_the_decode_time_budget_is_ended_and_others_go_on():
+    c = correlator(max_decode_cpu=0.25)
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
+    ticks = iter([0.0, 0.1, 1.0, 1.1, 2.0, 2.1])  # each join takes 0.1 s of (thread) CPU
+    clock = ticks.__next__
+    published = []
+    for seq in range(3):
+        (work,), _ = split(c.receive(chunk("pd", "decode", seq, b"d", final=seq == 2), 0.0))
+        work.run(clock)
+        assert abs(work.cpu - 0.1) < 1e-9
+        out = c.finish(work, 0.0)
+        published += [(d.seq, d.error) for d in out if isinstance(d, Result)]
+    # 0.1 and 0.2 s are within the budget; the third join would make 0.3 s: its result is dropped
+    # and the request ends at that seq, overloaded.
+    assert published == [(0, None), (1, None), (2, "overloaded")]
+    assert c.stats.over_cpu == 1 and c.inflight == 0
+    assert split(c.receive(chunk("agg", "agg", 0, b"x", final=True), 0.0))[1] == [("agg", 0)]

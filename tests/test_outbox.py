@@ -28,6 +28,7 @@ from streamproc.core.outbox import (
     PROGRESS,
     REFUSED,
     STORED,
+    TERM,
     UNMATCHED,
     GiveUp,
     Nak,
@@ -389,6 +390,27 @@ def test_a_results_tokens_are_acked_when_its_puback_is_in_not_before():
     assert box.control() == []
     box.on_puback(o.ticket, STORED_ACK, 0.1)
     assert box.control() == [(t, ACK)] and box.stats.acks == 1
+
+
+def test_a_token_marked_for_termination_is_terminated_when_its_result_is_stored_and_others_acked():
+    box = Outbox()
+    poison, other = Token("a", "0", 3), Token("a", "p", 1)
+    box.terminate(poison)
+    box.take([result("a", 0, final=True, settles=(other, poison))], "a")
+    (o,) = box.sending(0.0)
+    assert box.control() == []  # not before the error result is stored
+    box.on_puback(o.ticket, STORED_ACK, 0.1)
+    assert box.control() == [(other, ACK), (poison, TERM)]
+    assert box.stats.acks == 1 and box.stats.terminated == 1
+
+
+def test_a_token_marked_for_termination_but_nakd_is_not_terminated_later():
+    box = Outbox()
+    poison = Token("a", "0", 3)
+    box.terminate(poison)
+    box.nak([poison])
+    box.take([Settle((poison,))], None)  # the same handle settled again later: an ack, the mark is gone
+    assert box.control() == [(poison, NAK), (poison, ACK)] and box.stats.terminated == 0
 
 
 def test_a_settle_waits_behind_the_last_queued_result_of_its_request():

@@ -56,19 +56,25 @@ class Work:
     pure: it never starts a thread, it only says which call may run elsewhere and takes the outcome
     back in order."""
 
-    __slots__ = ("request_id", "_job", "outcome")
+    __slots__ = ("request_id", "_job", "outcome", "cpu")
 
     def __init__(self, request_id: str, job: Callable[[], tuple[bytes, Verdict]]) -> None:
         self.request_id = request_id
         self._job = job
         self.outcome: tuple[bytes, Verdict] | Exception | None = None
+        self.cpu = 0.0  # seconds of CPU the job took, when run() was given a clock
 
-    def run(self) -> None:
-        """Called once, in any thread; never raises (the outcome carries the exception)."""
+    def run(self, cpu_clock: Callable[[], float] | None = None) -> None:
+        """Called once, in any thread; never raises (the outcome carries the exception).
+        ``cpu_clock``: the shell's per-thread CPU clock (``time.thread_time``), charged to the
+        request's decode-time budget by :meth:`Correlator.finish`."""
+        start = cpu_clock() if cpu_clock is not None else 0.0
         try:
             self.outcome = self._job()
         except Exception as exc:  # noqa: BLE001  (a codec failure ends this request as internal)
             self.outcome = exc
+        if cpu_clock is not None:
+            self.cpu = cpu_clock() - start
 
 
 class CorrelatorConfig(msgspec.Struct, frozen=True):
@@ -87,6 +93,9 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     # buffered bodies plus decoded payloads kept by join sessions across all requests.
     max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
     max_total_bytes: int = defaults.MAX_TOTAL_BYTES
+    # CPU seconds the joins of one request may take (measured around offloaded joins); past it the
+    # request is ended, so payloads that inflate cannot buy unbounded decode time. 0: no budget.
+    max_decode_cpu: float = defaults.MAX_DECODE_CPU
 
 
 class Stats(msgspec.Struct, gc=False):
@@ -107,6 +116,8 @@ class Stats(msgspec.Struct, gc=False):
     sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
     over_budget: int = 0  # requests ended because they passed max_buffered_bytes or max_total_bytes
     internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
+    shed: int = 0  # requests ended (overloaded) because their partition held too many unacknowledged chunks
+    over_cpu: int = 0  # requests ended because their joins used more than max_decode_cpu seconds of CPU
 
     @property
     def results(self) -> int:
@@ -123,7 +134,7 @@ class _Request:
         "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
-        "buffered", "absorbed", "decoded", "work", "outcome",
+        "buffered", "absorbed", "decoded", "work", "outcome", "cpu",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -156,6 +167,7 @@ class _Request:
         self.decoded = 0
         self.work: Work | None = None  # a join running off the loop for the chunk at next_seq
         self.outcome: tuple[bytes, Verdict] | Exception | None = None  # its result, not yet applied
+        self.cpu = 0.0  # CPU seconds its offloaded joins took (max_decode_cpu)
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -333,8 +345,16 @@ class Correlator:
         req = self._active.get(work.request_id)
         if req is not None and req.work is work:  # else it ended or was sealed meanwhile: stale outcome
             req.work = None
-            req.outcome = work.outcome
-            out.extend(self._drain(req, now))
+            req.cpu += work.cpu
+            budget = self.config.max_decode_cpu
+            if budget and req.cpu > budget:
+                self.stats.over_cpu += 1
+                out.extend(self._fail(req, ErrorKind.OVERLOADED,
+                                      f"decode time budget exhausted: the request's joins took {req.cpu:.2f} s of "
+                                      f"CPU (max_decode_cpu {budget:g} s)", now))
+            else:
+                req.outcome = work.outcome
+                out.extend(self._drain(req, now))
         while self._working is None and self._queued:
             _, waiting = self._queued.popitem(last=False)
             if self._active.get(waiting.request_id) is waiting:
@@ -364,6 +384,38 @@ class Correlator:
         for rid in unstored:
             self._finished.pop(rid, None)
         return [t for t in tokens if t is not None]
+
+    def held_tokens(self, group: Callable[[str], int]) -> dict[int, int]:
+        """Input tokens held (prefill legs, buffered chunks, held duplicates) per ``group`` of request
+        ids: a durable shell's partitions, whose unacknowledged deliveries the server bounds. Only
+        requests that hold something are grouped, so a shell can call this on a timer."""
+        out: dict[int, int] = {}
+        for rid, req in self._active.items():
+            n = len(req.held) + len(req.pending)
+            if n:
+                g = group(rid)
+                out[g] = out.get(g, 0) + n
+        return out
+
+    def shed(self, belongs: Callable[[str], bool], release: int, now: float, reason: str) -> list[Decision]:
+        """End the least recently progressing requests ``belongs`` selects that hold input tokens,
+        until at least ``release`` tokens are freed; each gets a final ``overloaded`` error result
+        (whose storage settles its tokens). Held legs must never stall the rest of their partition:
+        a request that keeps progressing moves to the back of the line, so the idle ones go first."""
+        victims: list[_Request] = []
+        freed = 0
+        for rid, req in self._active.items():  # least recent progress first
+            if freed >= release:
+                break
+            n = len(req.held) + len(req.pending)
+            if n and belongs(rid):
+                victims.append(req)
+                freed += n
+        out: list[Decision] = []
+        for req in victims:
+            self.stats.shed += 1
+            out.extend(self._fail(req, ErrorKind.OVERLOADED, reason, now))
+        return out
 
     def tick(self, now: float) -> list[Decision]:
         """Fire every timeout due at ``now``."""
@@ -788,6 +840,11 @@ class Correlator:
         req.buffered = req.absorbed = req.decoded = 0
 
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
+        if isinstance(exc, RecursionError):
+            # Parsers recurse per nesting level (msgspec, json): 100k-deep JSON from a worker is bad
+            # input, not a processor bug, so the client is told it was the chunk.
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"a chunk body is nested too deeply to parse (codec {req.codec.name!r}: {exc})", now)
         detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         return self._fail(req, ErrorKind.INTERNAL, detail, now)
 

@@ -23,6 +23,9 @@ MAX_RETAINED_BYTES = 256 * 1024
 # requests. Sized so a processor stays under ~200 MiB RSS whatever its clients send.
 MAX_BUFFERED_BYTES = 32 * 1024 * 1024
 MAX_TOTAL_BYTES = 96 * 1024 * 1024
+# CPU seconds the joins of one request may take: bounds what a payload that inflates can cost (a
+# 32 MiB row splice takes ~0.1 s; a legitimate request's joins take milliseconds per chunk).
+MAX_DECODE_CPU = 30.0
 
 # Codecs
 # A ceiling, not the working bound: codecs decode at most what a body's token counts allow
@@ -38,6 +41,9 @@ DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dr
 # Durable outbox (settings and the outbox's own config)
 MAX_RESULT_ATTEMPTS = 100  # refusals + unanswered sends of one result before it is given up
 ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
+# Deliveries of one chunk before it is poison: its request ends with an error result and the chunk
+# is terminated. Legitimate redeliveries (hand-overs, crashes, results given up) stay far below it.
+MAX_DELIVER = 20
 
 # Readers (client helpers and the edge)
 MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it

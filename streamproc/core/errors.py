@@ -110,6 +110,20 @@ class ResultsStreamMismatch(StreamMismatch):
     what = "results stream"
 
 
+class ResultsStreamCannotStore(ConfigError):
+    """The results stream's limits would refuse results (discard new at a limit, a message size
+    below what a result may be): refused at start-up, a configuration error, rather than results
+    retried and given up one by one in production."""
+
+    def __init__(self, name: str, problems: list[str]) -> None:
+        super().__init__(
+            f"JetStream stream {name!r} cannot store every result: " + "; ".join(problems)
+            + " (use discard 'old' or no such limit, and a max_msg_size of at least the server's max_payload; "
+            "streamproc never edits the stream)")
+        self.name = name
+        self.problems = problems
+
+
 class ChunkStreamMismatch(StreamMismatch):
     what = "chunk stream"
 

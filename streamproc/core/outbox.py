@@ -38,7 +38,7 @@ from .events import Decision, Notice, Result, Role, Settle
 from .wire import FINAL, SEQ
 
 __all__ = [
-    "ACK", "NAK", "PROGRESS", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
+    "ACK", "NAK", "PROGRESS", "TERM", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
     "STORED", "DUPLICATE", "REFUSED", "GIVEN_UP", "UNMATCHED",
     "classify", "delivery_count", "needs_lookup", "resume_point",
 ]
@@ -64,6 +64,7 @@ class OutboxStats(msgspec.Struct):
     publish_retries: int = 0
     publish_errors: int = 0  # refusals and publishes that did not leave
     results_given_up: int = 0  # results dropped after max_attempts (their inputs NAKed)
+    terminated: int = 0  # inputs settled with +TERM (poison messages past max_deliver), not counted in acks
 
 
 class Nak(msgspec.Struct, frozen=True):
@@ -74,6 +75,7 @@ class Nak(msgspec.Struct, frozen=True):
 
 ACK = "ack"
 PROGRESS = "progress"  # still working on it: reset the redelivery timer
+TERM = "term"  # settled for good, but never redeliver (a poison message past max_deliver)
 NAK = Nak()
 Action = str | Nak
 
@@ -139,6 +141,8 @@ class Outbox:
         self._next = 0
         self._progress_seen: set[int] = set()
         self._next_progress = 0.0
+        # Tokens to terminate instead of acknowledging, by id (kept alive here until settled).
+        self._terminate: dict[int, object] = {}
 
     # ---------------------------------------------------------------------- state
 
@@ -212,13 +216,25 @@ class Outbox:
                 control.append((t, ACK))
                 n += 1
         self.stats.acks += n
+        if self._terminate:
+            self._to_term()
+
+    def terminate(self, token: object) -> None:
+        """Settle ``token`` with a terminate (``+TERM``) rather than an ack, whenever it is settled:
+        a poison message past ``max_deliver`` ends in its request's error result and is never
+        redelivered (an ack would do the same on a work queue, but the server's advisory and the
+        consumer's counters then say what happened)."""
+        self._terminate[id(token)] = token
 
     def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
         action = NAK if delay <= 0 else Nak(delay)
+        terminate = self._terminate
         for t in tokens:
             if t is not None:
                 self._control.append((t, action))
                 self.stats.naks += 1
+                if terminate:
+                    terminate.pop(id(t), None)
 
     def on_puback(self, ticket: str, data: bytes, now: float) -> str:
         """A reply to the result published under ``ticket``; returns what it meant."""
@@ -245,6 +261,8 @@ class Outbox:
             for t in settles:
                 control.append((t, ACK))
             self.stats.acks += len(settles)
+            if self._terminate:
+                self._to_term()
         rid = o.result.request_id
         queue = self._queues[rid]  # a ticket in flight is always its request's head
         del queue[0]
@@ -335,6 +353,17 @@ class Outbox:
         return out
 
     # ---------------------------------------------------------------------- inside
+
+    def _to_term(self) -> None:
+        """Turn the queued acks of tokens marked by :meth:`terminate` into terminates."""
+        terminate = self._terminate
+        control = self._control
+        for i, (t, action) in enumerate(control):
+            if action is ACK and id(t) in terminate:
+                del terminate[id(t)]
+                control[i] = (t, TERM)
+                self.stats.acks -= 1
+                self.stats.terminated += 1
 
     def _give_up(self, o: Outgoing, reason: str) -> None:
         rid = o.result.request_id

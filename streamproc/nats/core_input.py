@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import anyio
 from nats.aio.client import Client as NatsClient
@@ -103,7 +104,7 @@ class CoreInput:
 
     async def _run(self, work: Work, received: float | None) -> None:
         """Run a join off the loop, then apply it exclusively of the message path (result order)."""
-        await anyio.to_thread.run_sync(work.run, limiter=self._limiter)
+        await anyio.to_thread.run_sync(work.run, time.thread_time, limiter=self._limiter)
         pipeline = self._pipeline
 
         async def finish() -> None:

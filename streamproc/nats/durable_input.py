@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from typing import Awaitable, Callable
 
 import anyio
@@ -48,7 +49,9 @@ from nats.js.errors import NotFoundError
 
 from ..config import Settings
 from ..core.credit import PullCredit
-from ..core.events import Decision
+from ..core.codec import ErrorKind
+from ..core.correlator import Work
+from ..core.events import Chunk, Decision, Result
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
@@ -78,6 +81,7 @@ WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
+MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
 
 class DurableStats(OutboxStats):
     """Counters of the durable input (merged into ``Processor.snapshot()``); the outbox's are inherited."""
@@ -88,6 +92,7 @@ class DurableStats(OutboxStats):
     lost_pulls: int = 0  # pulls re-issued because the server stopped answering them
     consumer_repairs: int = 0
     redelivered: int = 0  # messages delivered more than once
+    poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
     leases_acquired: int = 0
@@ -153,6 +158,15 @@ class DurableInput:
         self._batch = max(1, min(settings.fetch_batch, settings.pending_msgs_limit * 2 // 3))
         self._pull_body = msgspec.json.encode({
             "batch": self._batch, "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
+        # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
+        # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
+        self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
+        self._held_target = settings.max_ack_pending // 2
+        self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
+        # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
+        # share decompression contexts, which are not thread safe); the loop keeps serving the rest.
+        pipeline.correlator.offload_joins = True
+        self._limiter = anyio.CapacityLimiter(1)
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
@@ -170,7 +184,7 @@ class DurableInput:
         self.results_stream = await find_stream(js, subjects.all_results) or RESULTS_STREAM
         await ensure_results_stream(js, subjects, name=self.results_stream, max_age=s.results_max_age,
                                     duplicate_window=s.duplicate_window, storage=self._storage,
-                                    replicas=s.stream_replicas)
+                                    replicas=s.stream_replicas, max_payload=self.nc.max_payload)
         self.chunks_stream = await find_stream(js, self.scheme.source) or CHUNKS_STREAM
         await ensure_chunk_stream(js, ChunkStreamSpec(
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
@@ -224,7 +238,40 @@ class DurableInput:
         """Results decided by the timer (timeouts) take the same acknowledged path."""
         if self.publisher.closed:
             return
-        self.publisher.take(decisions, None)
+        self.publisher.take(self._offload(decisions), None)
+        await self.publisher.pump()
+
+    def _offload(self, decisions: list[Decision]) -> list[Decision]:
+        """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox."""
+        for d in decisions:
+            if d.__class__ is Work:
+                break
+        else:
+            return decisions
+        tasks = self._tasks
+        rest = []
+        for d in decisions:
+            if d.__class__ is not Work:
+                rest.append(d)
+            elif tasks is not None:
+                tasks.start_soon(self._run, d)
+            # else: stopping; the request's chunks are handed over (NAKed) with it
+        return rest
+
+    async def _run(self, work: Work) -> None:
+        """Run a join in the worker thread, then apply it. No gate is needed: the outcome enters the
+        outbox's per-request queue synchronously, behind the request's earlier results."""
+        await anyio.to_thread.run_sync(work.run, time.thread_time, limiter=self._limiter)
+        if self.publisher.closed:
+            return
+        now = self._clock()
+        try:
+            decisions = self.correlator.finish(work, now)
+        except Exception as exc:  # noqa: BLE001  (a bug must cost this request, not the input's task group)
+            log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
+            decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
+                                               kind=ErrorKind.INTERNAL)
+        self.publisher.take(self._offload(decisions), None)
         await self.publisher.pump()
 
     async def caught_up(self) -> None:
@@ -300,7 +347,7 @@ class DurableInput:
     async def _ensure_consumer(self, part: _Partition) -> None:
         s = self.settings
         config = partition_consumer_config(part.consumer, part.filter, ack_wait=s.ack_wait,
-                                           max_ack_pending=s.max_ack_pending)
+                                           max_ack_pending=s.max_ack_pending, max_deliver=s.max_deliver)
         await ensure_consumer(self.nc.jetstream(timeout=10), self.chunks_stream, config)
 
     async def _lose(self, n: int, graceful: bool = False) -> None:
@@ -344,6 +391,12 @@ class DurableInput:
         too (NAKing what the correlator held), so its redelivered chunks are recovered from what is stored."""
         rid = g.request_id
         self.outbox.nak(self.correlator.abandon(lambda r: r == rid, (rid,)))
+        # Why its chunks come back, for the error result should they come back max_deliver times.
+        unstored = self._unstored
+        unstored.pop(rid, None)
+        unstored[rid] = f"result seq {g.seq} was not stored after {g.attempts} attempts ({g.reason})"
+        if len(unstored) > MAX_UNSTORED_CAUSES:
+            del unstored[next(iter(unstored))]
 
     # ------------------------------------------------------------------------------- pulls
 
@@ -411,8 +464,27 @@ class DurableInput:
                     continue
             if watch.pull:
                 await self._pull(part)
+        self._shed_held(now)
         self.publisher.tick(now, reconnected, self.correlator.unsettled)
         await self.publisher.pump()
+
+    def _shed_held(self, now: float) -> None:
+        """Held prefill legs (and reorder backlogs) never stall a partition: the server delivers
+        nothing more to a partition once ``max_ack_pending`` chunks are unacknowledged, so past 3/4
+        of it the requests holding chunks longest without progress are ended (``overloaded``) until
+        the partition holds 1/2; their chunks are acknowledged when the error results are stored."""
+        cap = self._held_cap
+        scheme = self.scheme
+        for n, held in self.correlator.held_tokens(scheme.of).items():
+            if held <= cap or n not in self._partitions:
+                continue
+            reason = (f"processor overloaded: partition {n} holds {held} unacknowledged chunks (more than 3/4 of "
+                      f"max_ack_pending {self.settings.max_ack_pending}); the requests waiting longest were ended")
+            decisions = self.correlator.shed(lambda rid, n=n: scheme.of(rid) == n, held - self._held_target, now,
+                                             reason)
+            log_event(log, logging.WARNING, "partition_shed", partition=n, held=held,
+                      requests=sum(1 for d in decisions if isinstance(d, Result)))
+            self.publisher.take(decisions, None)
 
     # ----------------------------------------------------------------------------- hot path
 
@@ -425,12 +497,17 @@ class DurableInput:
         receive = correlator.receive
         knows = correlator.knows
         publisher = self.publisher
-        take = publisher.take
         pump = publisher.pump
         outbox = self.outbox
         queue = outbox.take  # the outbox itself on the common path: one call less per message
         notify = self.pipeline.notify
         delivered = part.credit.delivered
+        max_deliver = self.settings.max_deliver
+        offload = self._offload
+        # A first delivery read without splitting the ack subject (v1 form, our stream and consumer;
+        # anything else goes through delivery_count).
+        ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
+        first_at = len(ack_head)
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
@@ -445,27 +522,52 @@ class DurableInput:
             now = clock()
             if delivered(now):
                 await self._pull(part)
-            try:
-                chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
-            except ContractError as exc:
-                take(self.pipeline.contract_error(exc, msg, acknowledged=True), exc.request_id)
-                await pump()
-                return
-            rid = chunk.request_id
-            if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
-                if not await self._recover(rid, chunk.format, msg, now):
-                    await pump()
-                    return
-            notices = queue(receive(chunk, now), rid)
-            if notices:
-                for n in notices:
-                    notify(n)
+            rid = None
+            decisions: list[Decision] | None = None  # None: NAKed for a later retry (recovery lookup failed)
+            try:  # every message ends in a decision, whatever raises while it is handled
+                try:
+                    chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                except ContractError as exc:
+                    rid = exc.request_id
+                    decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
+                else:
+                    rid = chunk.request_id
+                    if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                        deliveries = 1
+                    else:
+                        deliveries = delivery_count(reply)
+                    poison = deliveries >= max_deliver
+                    if (knows(rid) or not needs_lookup(chunk.seq, chunk.role, reply)
+                            or await self._recover(rid, chunk.format, msg, now, retry=not poison)):
+                        decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
+            except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
+                decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+            if decisions:
+                notices = queue(offload(decisions), rid)
+                if notices:
+                    for n in notices:
+                        notify(n)
             await pump()
 
         return on_message
 
-    async def _recover(self, rid: str, format: str | None, msg: Msg, now: float) -> bool:
-        """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read."""
+    def _poisoned(self, chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
+        """A chunk on its ``max_deliver``-th delivery: whatever kept it from being settled before
+        (a crash while handling it, results that cannot be stored), its request ends with an error
+        result now and the chunk is terminated once that result is stored."""
+        self.stats.poisoned += 1
+        self.pipeline.limited.log(logging.ERROR, "chunk_poisoned", request_id=chunk.request_id,
+                                  role=chunk.role.value, seq=chunk.seq, deliveries=deliveries)
+        self.outbox.terminate(msg)
+        cause = self._unstored.pop(chunk.request_id, None)
+        return self.correlator.reject(
+            chunk.request_id, f"{chunk.role.value} chunk seq {chunk.seq} was delivered {deliveries} times without "
+            f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison"
+            + (f"; {cause}" if cause else ""), now, msg, kind=ErrorKind.INTERNAL)
+
+    async def _recover(self, rid: str, format: str | None, msg: Msg, now: float, retry: bool = True) -> bool:
+        """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read
+        (``retry`` False: go on without it, for a chunk that must be decided now)."""
         self.stats.recoveries += 1
         if delivery_count(msg.reply) > 1:
             self.stats.redelivered += 1
@@ -475,7 +577,9 @@ class DurableInput:
             return True  # nothing stored: every chunk of it is still unacknowledged, start afresh
         except Exception as exc:
             log_event(log, logging.WARNING, "recovery_lookup_failed", request_id=rid, error=error_text(exc),
-                      retry_in="1s")
+                      retry_in="1s" if retry else "-")
+            if not retry:
+                return True
             self.outbox.nak((msg,), delay=1.0)
             return False
         point = resume_point(stored.headers)

@@ -71,13 +71,16 @@ class Pipeline:
             return [Settle((msg,))] if acknowledged else []
         return self.correlator.reject(exc.request_id, exc.reason, self.clock(), msg)
 
-    def failed(self, exc: Exception, msg: Msg, acknowledged: bool) -> list[Decision]:
+    def failed(self, exc: Exception, msg: Msg, acknowledged: bool, subject: str | None = None) -> list[Decision]:
         """Decisions for a message whose handling raised (a bug, never bad input alone): its request
         ends with an ``internal`` error result and the processor moves on; every message ends in a
-        decision. Without a readable request id it is settled (``acknowledged``) and counted."""
-        self.limited.log(logging.ERROR, "message_failed", subject=msg.subject, error=error_text(exc))
+        decision. Without a readable request id it is settled (``acknowledged``) and counted.
+        ``subject``: the chunk subject when the message's own is another (durable: the stored,
+        partitioned subject)."""
+        subject = subject or msg.subject
+        self.limited.log(logging.ERROR, "message_failed", subject=subject, error=error_text(exc))
         try:
-            request_id, _ = self.subjects.parse_chunk_subject(msg.subject)
+            request_id, _ = self.subjects.parse_chunk_subject(subject)
         except ContractError as bad:
             return self.contract_error(bad, msg, acknowledged)
         try:

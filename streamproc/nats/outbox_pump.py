@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..core.events import Decision, Notice
-from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, GiveUp, Nak, Outbox
+from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox
 from ..core.wire import result_headers
 from ..logs import error_text, log_event
 
@@ -28,6 +28,7 @@ log = logging.getLogger("streamproc.durable")
 _ACK = b""  # an empty reply is a JetStream ack
 _NAK = b"-NAK"
 _WPI = b"+WPI"
+_TERM = b"+TERM"
 
 Notify = Callable[[Notice], None]
 GiveUpHandler = Callable[[GiveUp], None]
@@ -38,6 +39,8 @@ def _payload(action: object) -> bytes:
         return _ACK
     if action is PROGRESS:
         return _WPI
+    if action is TERM:
+        return _TERM
     assert isinstance(action, Nak)
     return _NAK if action.delay <= 0 else _NAK + b' {"delay": %d}' % int(action.delay * 1e9)
 

@@ -36,7 +36,7 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ..core import defaults
-from ..core.errors import ChunkStreamMismatch, ResultsStreamMismatch
+from ..core.errors import ChunkStreamMismatch, ResultsStreamCannotStore, ResultsStreamMismatch
 from ..core.partitions import PartitionScheme
 from ..core.wire import Subjects
 
@@ -114,11 +114,14 @@ async def ensure_results_stream(
     duplicate_window: float = defaults.DUPLICATE_WINDOW,
     storage: StorageType = StorageType.FILE,
     replicas: int = 1,
+    max_payload: int = 0,
 ) -> StreamInfo:
     """Create the stream capturing ``subjects.all_results``, or check that the existing one fits.
 
     Raises :class:`ResultsStreamMismatch` when a stream of that name differs, or when another
-    stream already captures the results subjects (JetStream forbids overlapping streams).
+    stream already captures the results subjects (JetStream forbids overlapping streams), and
+    :class:`ResultsStreamCannotStore` when its limits would refuse results (:func:`storage_problems`;
+    ``max_payload``: the server's, 0 skips the size check).
     """
     spec = ResultsStreamSpec(name, subjects.all_results, max_age, duplicate_window, storage, replicas)
     try:
@@ -133,7 +136,34 @@ async def ensure_results_stream(
     differences = spec.differences(info.config)
     if differences:
         raise ResultsStreamMismatch(name, differences)
+    problems = storage_problems(info.config, max_payload)
+    if problems:
+        raise ResultsStreamCannotStore(name, problems)
     return info
+
+
+def storage_problems(actual: StreamConfig, max_payload: int = 0) -> list[str]:
+    """Why a results stream would refuse results it is sent, beyond a full disk.
+
+    With discard ``new`` a stream at ``max_msgs`` / ``max_bytes`` (or, with
+    ``discard_new_per_subject``, ``max_msgs_per_subject``) refuses every new message: each result
+    would be retried and given up, and its request never finish (``discard old`` drops the oldest
+    results instead, which readers have long read). A ``max_msg_size`` below the server's
+    ``max_payload`` refuses results that the chunk stream accepted.
+    """
+    found = []
+    if _value(actual.discard) == DiscardPolicy.NEW.value:
+        limits = [f"{name} {value}" for name, value in (("max_msgs", actual.max_msgs), ("max_bytes", actual.max_bytes))
+                  if value is not None and value > 0]
+        if actual.discard_new_per_subject and (actual.max_msgs_per_subject or 0) > 0:
+            limits.append(f"max_msgs_per_subject {actual.max_msgs_per_subject}")
+        if limits:
+            found.append(f"discard is 'new' with {' and '.join(limits)}: once reached, every result is refused")
+    size = actual.max_msg_size
+    if size is not None and size > 0 and max_payload and size < max_payload:
+        found.append(f"max_msg_size is {size} bytes, below the server's max_payload {max_payload}: larger results "
+                     "are refused")
+    return found
 
 
 async def find_stream(js: JetStreamContext, subject: str) -> str | None:
@@ -228,11 +258,14 @@ def partition_consumer_name(n: int) -> str:
 
 
 def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float,
-                              max_ack_pending: int) -> ConsumerConfig:
-    """A durable pull consumer for one partition: explicit acks, never gives up on a chunk.
+                              max_ack_pending: int, max_deliver: int = defaults.MAX_DELIVER) -> ConsumerConfig:
+    """A durable pull consumer for one partition: explicit acks, bounded redelivery.
 
-    ``max_deliver`` is unlimited because a chunk is only ever left unacknowledged while its
-    result is not stored; dropping it after N deliveries would lose a result.
+    A chunk is only left unacknowledged while its result is not stored, so redeliveries are rare
+    (hand-overs, crashes). The processor itself settles a chunk on its ``max_deliver``-th delivery
+    (it ends the request with an error result, then terminates the chunk); the consumer's own
+    ``max_deliver`` is the backstop should that delivery be lost too (a crash on it): nothing is
+    redelivered for ever.
     """
     return ConsumerConfig(
         name=name,
@@ -241,7 +274,7 @@ def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait,
-        max_deliver=-1,
+        max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
         filter_subject=filter_subject,
         replay_policy=ReplayPolicy.INSTANT,
@@ -250,7 +283,7 @@ def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float
 
 
 async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> ConsumerInfo:
-    """Create the durable consumer, or bring its tuning (ack wait, max ack pending) in line.
+    """Create the durable consumer, or bring its tuning (ack wait, max ack pending, max deliver) in line.
 
     Consumers are streamproc's own, so unlike streams they are updated to the current settings.
     """
@@ -263,7 +296,7 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCon
     if current.filter_subject != config.filter_subject:
         raise ChunkStreamMismatch(stream, [f"consumer {config.durable_name!r} filters "
                                            f"{current.filter_subject!r}, not {config.filter_subject!r}"])
-    retuned = current.max_ack_pending != config.max_ack_pending
+    retuned = current.max_ack_pending != config.max_ack_pending or current.max_deliver != config.max_deliver
     if retuned or not _close(current.ack_wait, config.ack_wait or 0.0):
         return await js.add_consumer(stream, config)  # same durable name: an update of its tuning
     return info

@@ -1,0 +1,463 @@
+"""Attacks and bugs against a real nats-server and `streamproc run --mode durable` subprocesses.
+
+Durable mode adds what core mode does not have: a chunk that is not settled comes back. Each test
+pins that whatever happens to one message, its request ends with a clear error result, the chunk is
+settled (never redelivered without bound) and the other requests of the same partition are answered.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+from conftest import processor_subprocess
+from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
+from helpers import free_port, rid, wait_until
+from test_hostile import peak_rss
+from test_metrics import scrape
+
+from streamproc.core.wire import Subjects, chunk_headers
+from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+MiB = 1 << 20
+
+
+def legit_body(request_id: str, seq: int) -> bytes:
+    return f'{{"text":"{request_id}:{seq}","meta_info":{{"id":"{request_id}"}}}}'.encode()
+
+
+async def publish_agg(js, request_id: str, chunks: int, **header_overrides: str) -> None:
+    """A streamed aggregated request, published durably (PubAck per chunk)."""
+    for seq in range(chunks):
+        headers = chunk_headers(request_id, "agg", seq, final=seq == chunks - 1)
+        headers.update(header_overrides)
+        await js.publish(SUBJECTS.chunk(request_id, "agg"), legit_body(request_id, seq), headers=headers)
+
+
+async def answered_in_full(js, legit: list[str], chunks: int, timeout: float = 30.0) -> dict:
+    """Wait until every legitimate request's results 0..chunks-1 are stored, final last; return them all."""
+    stored: dict = {}
+
+    async def done() -> bool:
+        nonlocal stored
+        stored = await stored_results(js, SUBJECTS)
+        return all(len(stored.get(r, [])) == chunks for r in legit)
+
+    await wait_until(done, timeout, "every legitimate request answered", every=0.3)
+    for r in legit:
+        results = stored[r]
+        assert [x.seq for x in results] == list(range(chunks)) and results[-1].final
+        assert [x.body for x in results] == [legit_body(r, s) for s in range(chunks)]
+        assert all(x.error is None for x in results)
+    return stored
+
+
+async def test_a_chunk_on_its_max_deliver_th_delivery_is_terminated_and_its_request_ends_with_an_error(
+        nats_url, tmp_path):
+    """Two deliveries lost (as if two processors crashed on the chunk), then the third, with
+    --max-deliver 3: the request ends with an internal error naming the cause, the chunk is
+    terminated (gone from the work queue, never delivered again), counted, and the requests beside it
+    in the same partition are answered."""
+    flags = durable_flags(partitions=1, max_deliver=3)
+    with processor_subprocess(nats_url, *flags):
+        pass  # creates the streams and the partition's consumer
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+        assert info.config.max_deliver == 3  # the server's backstop is the same bound
+        poison = rid("poison")
+        await publish_agg(js, poison, 1)
+        crashed = await js.pull_subscribe_bind(durable=partition_consumer_name(0), stream=CHUNKS_STREAM)
+        for delivery in (1, 2):
+            [msg] = await crashed.fetch(1, timeout=5)
+            assert msg.metadata.num_delivered == delivery
+            await msg.nak()  # a processor that dies on the chunk: it comes back
+        await crashed.unsubscribe()
+
+        port = free_port()
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+            legit = [rid("ok") for _ in range(20)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            stored = await answered_in_full(js, legit, 3)
+            stored = await stored_results(js, SUBJECTS)
+            [error] = stored[poison]
+            assert error.final and error.error == "internal", error
+            assert b"delivered 3 times without being settled (max_deliver 3): dropped as poison" in error.body
+            await wait_until(lambda: scrape(port).get("streamproc_durable_terminated_total") == 1, 10,
+                             "the poison chunk terminated")
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_poisoned_total"] == 1
+            assert metrics['streamproc_error_results_total{kind="internal"}'] == 1
+            assert await chunk_stream_messages(js) == 0  # nothing left to redeliver
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            text = log_path.read_text()
+            assert text.count("event=chunk_poisoned") == 1 and "deliveries=3" in text
+            assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
+    finally:
+        await nc.close()
+
+
+BROKEN_CODEC = '''
+from streamproc.codec import Codec
+
+
+class BrokenCodec(Codec):
+    """A codec distribution with a bug: constructing it raises."""
+
+    name = "broken"
+
+    def __init__(self, options=None):
+        raise RuntimeError("broken codec: cannot start")
+
+    def error_body(self, message, kind):
+        raise NotImplementedError
+
+    def fold(self, bodies):
+        raise NotImplementedError
+
+    def open_session(self):
+        raise NotImplementedError
+'''
+
+
+def broken_codec_site(root: Path) -> str:
+    """A directory holding an installed-looking distribution that registers the codec ``broken``."""
+    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
+    info = root / "broken_codec-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
+    return str(root)
+
+
+async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_not_redelivered(
+        nats_url, tmp_path):
+    """A chunk naming a codec whose constructor raises made the durable handler raise: the chunk
+    was never acknowledged and came back every ack wait, for ever. Now the request ends with an
+    internal error result, the chunk is acknowledged once that is stored, and the other requests
+    of the partition are answered."""
+    site = broken_codec_site(tmp_path)
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port),
+                              env=env) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            victim = rid("victim")
+            legit = [rid("ok") for _ in range(20)]
+            for i, r in enumerate(legit):
+                if i == 10:
+                    await publish_agg(js, victim, 2, **{"Streamproc-Format": "broken"})
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+            stored = await stored_results(js, SUBJECTS)
+            assert victim in stored, log_path.read_text()[-3000:]
+            [error] = stored[victim]
+            assert error.seq == 0 and error.final and error.error == "internal", error
+            assert b"broken codec: cannot start" in error.body
+            # Its second chunk arrives after the request ended: settled as late, nothing more published.
+            await wait_until(lambda: scrape(port).get("streamproc_late_total", 0) >= 1, 10, "the late chunk")
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            assert await chunk_stream_messages(js) == 0
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            metrics = scrape(port)
+            assert metrics["streamproc_internal_errors_total"] == 1
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert len((await stored_results(js, SUBJECTS))[victim]) == 1
+            text = log_path.read_text()
+            assert "event=message_failed" in text and proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_are_shed(nats_url):
+    """2,100 prefill legs whose decode leg never comes, into one partition at the default
+    max_ack_pending (2,048): they used to fill it, and nothing else in the partition moved until
+    --request-timeout (300 s). Now the partition sheds its longest-idle holders (overloaded) past 3/4
+    of max_ack_pending, and requests published after the attack are answered at once."""
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    [prefill_body] = worker_for("sglang").prefill(make_truth(0, prompt_len=8, output_len=2), stream=False)
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            held = [rid("held") for _ in range(2100)]
+            for r in held:
+                await js.publish(SUBJECTS.chunk(r, "prefill"), prefill_body,
+                                 headers=chunk_headers(r, "prefill", 0, final=True))
+            legit = [rid("ok") for _ in range(20)]
+            started = anyio.current_time()
+            for r in legit:
+                await publish_agg(js, r, 3)
+            stored = await answered_in_full(js, legit, 3, timeout=60)
+            took = anyio.current_time() - started
+            print(f"20 legitimate requests answered {took:.1f}s after the attack")
+            assert took < 30, took  # --request-timeout is 300 s: nothing waited for it
+            # Shedding keeps the partition at most 3/4 full: at least 2,100 - 1,536 legs end, whatever the timing.
+            await wait_until(lambda: scrape(port).get("streamproc_shed_total", 0) >= 2100 - 2048 * 3 // 4, 20,
+                             "the partition back under 3/4 of max_ack_pending")
+            shed: list[str] = []
+
+            async def every_shed_request_answered() -> bool:
+                nonlocal stored, shed
+                stored = await stored_results(js, SUBJECTS)
+                shed = [r for r in held if r in stored]
+                return len(shed) == scrape(port)["streamproc_shed_total"]
+
+            await wait_until(every_shed_request_answered, 20, "an error result for every shed request", every=0.3)
+            assert len(shed) >= 2100 - 2048 * 3 // 4
+            for r in shed:
+                [error] = stored[r]
+                assert error.seq == 0 and error.final and error.error == "overloaded", error
+            assert b"unacknowledged chunks (more than 3/4 of max_ack_pending 2048)" in stored[shed[0]][0].body
+            assert "event=partition_shed" in log_path.read_text()
+            assert peak_rss(proc.pid) < 200 * MiB
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("limits, problem", [
+    ({"discard": "new", "max_msgs": 1000}, "discard is 'new' with max_msgs 1000: once reached, every result is refused"),
+    ({"discard": "new", "max_bytes": 1 << 20}, "discard is 'new' with max_bytes 1048576"),
+    ({"max_msg_size": 1024}, "max_msg_size is 1024 bytes, below the server's max_payload 1048576"),
+])
+async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up(nats_url, run_cli, limits, problem):
+    from nats.js.api import DiscardPolicy, StreamConfig
+
+    from streamproc.core.defaults import DUPLICATE_WINDOW, RESULTS_MAX_AGE
+    from streamproc.nats.streams import RESULTS_STREAM
+
+    if "discard" in limits:
+        limits = {**limits, "discard": DiscardPolicy(limits["discard"])}
+    nc = await connect(nats_url)
+    try:
+        await nc.jetstream().add_stream(StreamConfig(
+            name=RESULTS_STREAM, subjects=[SUBJECTS.all_results], max_age=RESULTS_MAX_AGE,
+            duplicate_window=DUPLICATE_WINDOW, allow_direct=True, **limits))
+    finally:
+        await nc.close()
+    proc = await anyio.to_thread.run_sync(lambda: run_cli("run", "--nats-url", nats_url, *durable_flags()))
+    assert proc.returncode == 2, proc.stderr
+    assert f"streamproc run: error: JetStream stream '{RESULTS_STREAM}' cannot store every result: {problem}" \
+        in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_after_bounded_retries(nats_url):
+    """The results stream's max_msg_size lowered after start-up: one result can never be stored. It
+    is given up after --max-result-attempts, its chunk redelivered and given up again, and on the
+    chunk's --max-deliver-th delivery the request ends with an error result (small enough to store)
+    naming why; the chunk is terminated. Nothing retries for ever, and the partition goes on."""
+    from streamproc.nats.streams import RESULTS_STREAM
+
+    big = rid("big")
+    port = free_port()
+    flags = durable_flags(partitions=1, max_result_attempts=2, max_deliver=3)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            results = (await js.stream_info(RESULTS_STREAM)).config
+            results.max_msg_size = 1024
+            await js.update_stream(results)
+            await js.publish(SUBJECTS.chunk(big, "agg"), b'{"text":"' + b"x" * 2000 + b'"}',
+                             headers=chunk_headers(big, "agg", 0, final=True))
+            legit = [rid("ok") for _ in range(10)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def ended() -> bool:
+                return big in await stored_results(js, SUBJECTS)
+
+            await wait_until(ended, 60, "the request ended with an error result", every=0.3)
+            [error] = (await stored_results(js, SUBJECTS))[big]
+            assert error.seq == 0 and error.final and error.error == "internal", error
+            assert (b"delivered 3 times without being settled (max_deliver 3): dropped as poison; "
+                    b"result seq 0 was not stored after 2 attempts (refused)") in error.body, error.body
+            await wait_until(lambda: scrape(port).get("streamproc_durable_terminated_total") == 1, 10,
+                             "the chunk terminated")
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_results_given_up_total"] == 2  # deliveries 1 and 2
+            assert metrics["streamproc_durable_poisoned_total"] == 1
+            assert await chunk_stream_messages(js) == 0
+            assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nats_url):
+    """The core-mode attack of tests/test_hostile.py against a durable processor: 20 P/D requests whose
+    joins each decode 2 x 32 MiB of expert rows. Passthrough round trips (publish with PubAck ->
+    result stored and received) measured while they run stay close to idle ones, and every heavy
+    request is joined."""
+    import time
+
+    from test_hostile import inflating_pd_legs
+
+    prefill, decode = inflating_pd_legs(prompt=2048)
+    flags = durable_flags(partitions=1, format="sglang-zstd")
+    with processor_subprocess(nats_url, *flags) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            arrived: dict[str, anyio.Event] = {}
+            finals: dict[str, dict[str, str]] = {}
+
+            async def on_result(msg) -> None:
+                request_id = SUBJECTS.request_id_of_result(msg.subject)
+                finals[request_id] = dict(msg.headers or {})
+                arrived.setdefault(request_id, anyio.Event()).set()
+
+            await nc.subscribe(SUBJECTS.all_results, cb=on_result)
+
+            async def round_trips(tag: str, n: int) -> list[float]:
+                out = []
+                for k in range(n):
+                    r = rid(f"{tag}{k}")
+                    arrived[r] = anyio.Event()
+                    start = time.perf_counter()
+                    await publish_agg(js, r, 1)
+                    with anyio.fail_after(10):
+                        await arrived[r].wait()
+                    out.append(time.perf_counter() - start)
+                    await anyio.sleep(0.005)
+                return sorted(out)
+
+            idle = await round_trips("idle", 40)
+            heavy = [rid("heavy") for _ in range(20)]
+            for r in heavy:
+                await js.publish(SUBJECTS.chunk(r, "prefill"), prefill,
+                                 headers=chunk_headers(r, "prefill", 0, final=True, format="sglang-zstd"))
+                await js.publish(SUBJECTS.chunk(r, "decode"), decode,
+                                 headers=chunk_headers(r, "decode", 0, final=True, format="sglang-zstd"))
+            busy = await round_trips("busy", 40)
+            await wait_until(lambda: all(r in finals for r in heavy), 60, "every heavy request answered")
+            print(f"durable passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms max {idle[-1] * 1e3:.1f} ms; "
+                  f"during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms max {busy[-1] * 1e3:.1f} ms")
+            assert {finals[r].get("Streamproc-Join") for r in heavy} == {"joined"}
+            # Inline, the round trip that arrives behind the joins waits for all of them: max 1.6 s measured
+            # with offload_joins off in this test (p50 and p90 unchanged, so the max is what tells). Off the
+            # loop the max was 16-63 ms; 0.5 s leaves room for a shared, loaded 2-core machine.
+            assert busy[-1] < 0.500 and busy[20] < idle[20] + 0.050, (idle, busy)
+            assert peak_rss(proc.pid) < 300 * MiB
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_not_internal(nats_url, leg):
+    """100k-deep nested JSON made the codec's parser raise RecursionError, reported as `internal`."""
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    worker = worker_for("sglang")
+    truth = make_truth(0, prompt_len=8, output_len=2)
+    bodies = {"prefill": worker.prefill(truth, stream=False)[0], "decode": worker.decode(truth, stream=False)[-1]}
+    bodies[leg] = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+    with processor_subprocess(nats_url, *durable_flags(partitions=1)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            deep = rid("deep")
+            for role in ("prefill", "decode"):
+                await js.publish(SUBJECTS.chunk(deep, role), bodies[role],
+                                 headers=chunk_headers(deep, role, 0, final=True))
+            legit = [rid("ok") for _ in range(5)]
+            for r in legit:
+                await publish_agg(js, r, 2)
+            await answered_in_full(js, legit, 2)
+
+            async def ended() -> bool:
+                return deep in await stored_results(js, SUBJECTS)
+
+            await wait_until(ended, 20, "the deep request ended", every=0.3)
+            [error] = (await stored_results(js, SUBJECTS))[deep]
+            assert error.final and error.error == "invalid_chunk", error
+            assert b"nested too deeply to parse" in error.body, error.body
+            assert await chunk_stream_messages(js) == 0 and proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded_others_are_answered(nats_url):
+    """CPU amplification: a streamed P/D request whose 20 decode chunks each inflate 2 x 32 MiB of rows
+    (~60 ms of CPU per join). With --max-decode-cpu 0.2 it is ended after a few joins, overloaded,
+    instead of costing 1.2 s of CPU; the requests beside it are answered."""
+    from test_hostile import inflating_pd_legs
+
+    prefill, decode = inflating_pd_legs(prompt=2048)
+    port = free_port()
+    flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.2)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            heavy = rid("heavy")
+            await js.publish(SUBJECTS.chunk(heavy, "prefill"), prefill,
+                             headers=chunk_headers(heavy, "prefill", 0, final=True, format="sglang-zstd"))
+            for seq in range(20):
+                await js.publish(SUBJECTS.chunk(heavy, "decode"), decode,
+                                 headers=chunk_headers(heavy, "decode", seq, final=seq == 19, format="sglang-zstd"))
+            legit = [rid("ok") for _ in range(10)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def ended() -> bool:
+                got = (await stored_results(js, SUBJECTS)).get(heavy, [])
+                return bool(got) and got[-1].final
+
+            await wait_until(ended, 30, "the heavy request ended", every=0.3)
+            got = (await stored_results(js, SUBJECTS))[heavy]
+            *joined, error = got
+            print(f"{len(joined)} joins published before the budget ended the request")
+            assert 1 <= len(joined) < 19, [(x.seq, x.verdict, x.error) for x in got]
+            assert [x.seq for x in got] == list(range(len(got)))
+            assert all(x.verdict is not None and x.verdict.value == "joined" for x in joined)
+            assert error.final and error.error == "overloaded", error
+            assert b"decode time budget exhausted" in error.body and b"max_decode_cpu 0.2 s" in error.body
+            assert scrape(port)["streamproc_over_cpu_total"] == 1
+            assert proc.poll() is None and peak_rss(proc.pid) < 300 * MiB  # as the core-mode join test
+        finally:
+            await nc.close()
+
+
+async def test_existing_partition_consumers_get_the_current_max_deliver(nats_url):
+    """Consumers made by an earlier version (max_deliver unlimited) or with another --max-deliver are
+    updated at start-up, like ack_wait and max_ack_pending."""
+    from nats.js.api import ConsumerConfig
+
+    with processor_subprocess(nats_url, *durable_flags(partitions=1)):
+        pass
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        name = partition_consumer_name(0)
+        info = await js.consumer_info(CHUNKS_STREAM, name)
+        assert info.config.max_deliver == 20  # the default
+        old = ConsumerConfig.from_response(info.config.as_dict())
+        old.max_deliver = -1  # as the previous version made it
+        await js.add_consumer(CHUNKS_STREAM, old)
+        assert (await js.consumer_info(CHUNKS_STREAM, name)).config.max_deliver == -1
+        with processor_subprocess(nats_url, *durable_flags(partitions=1, max_deliver=7)):
+            assert (await js.consumer_info(CHUNKS_STREAM, name)).config.max_deliver == 7
+    finally:
+        await nc.close()
