@@ -44,17 +44,18 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import StorageType
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
 from ..core.credit import PullCredit
-from ..core.events import Decision
+from ..core.events import Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
 from ..logs import error_text, log_event
 from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
+from .migrations import UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 from .subscription import handled_all
 from .streams import (
@@ -141,6 +142,7 @@ class DurableInput:
         self.chunks_stream = ""
         self.results_stream = ""
         self.leases: LeaseTable | None = None
+        self.ledger: MigrationLedger | None = None
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
                                           progress_every=settings.ack_wait / 4), self.stats)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
@@ -183,6 +185,10 @@ class DurableInput:
                                  s.lease_ttl,
                                  replicas=s.stream_replicas, storage=self._storage, clock=self._clock)
         await self.leases.open()
+        self.ledger = MigrationLedger(self.nc, f"{self.chunks_stream}_MIGRATIONS", self.results_stream,
+                                      s.subjects.result(""), ttl=s.results_max_age, replicas=s.stream_replicas,
+                                      storage=self._storage)
+        await self.ledger.open()
         self._reconnects = self.nc.stats["reconnects"]
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
@@ -452,7 +458,7 @@ class DurableInput:
                 await pump()
                 return
             rid = chunk.request_id
-            if not knows(rid) and needs_lookup(chunk.seq, chunk.role, reply):
+            if not knows(rid) and (chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply)):
                 if not await self._recover(rid, chunk.format, msg, now):
                     await pump()
                     return
@@ -470,19 +476,102 @@ class DurableInput:
         if delivery_count(msg.reply) > 1:
             self.stats.redelivered += 1
         try:
-            stored = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
-        except NotFoundError:
-            return True  # nothing stored: every chunk of it is still unacknowledged, start afresh
+            await self._adopt(rid, format, now)
         except Exception as exc:
             log_event(log, logging.WARNING, "recovery_lookup_failed", request_id=rid, error=error_text(exc),
                       retry_in="1s")
             self.outbox.nak((msg,), delay=1.0)
             return False
-        point = resume_point(stored.headers)
-        if point is None:
-            return True
-        next_seq, final = point
-        self.correlator.resume(rid, next_seq, final, now, format)
-        self.stats.resumed += 1
-        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final)
         return True
+
+    async def _adopt(self, rid: str, format: str | None, now: float, *, record: SealRecord | None = None,
+                     read_record: bool = True) -> None:
+        """Adopt ``rid`` from the stores: its last stored result (a leader read, never a possibly stale
+        follower) and its seal record; a migrated request also gets its stored bodies, from which
+        the correlator rebuilds the migration session. Raises when a store cannot be read."""
+        assert self.ledger is not None
+        try:
+            stored = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
+        except NotFoundError:
+            stored = None
+        if read_record:
+            record, _ = await self.ledger.read(rid)
+        point = resume_point(stored.headers) if stored is not None else None
+        next_seq, final = point if point is not None else (0, False)
+        if record is None or final:
+            if point is None:
+                return  # nothing stored: every chunk of it is still unacknowledged, start afresh
+            self.correlator.resume(rid, next_seq, final, now, format)
+        else:
+            history = await self.ledger.history(rid, next_seq)
+            self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
+        self.stats.resumed += 1
+        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
+                  attempt=record.attempt if record is not None else 0)
+
+    # ---------------------------------------------------------------------------- migration
+
+    async def migrate(self, rid: str, request: MigrateRequest,
+                      seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
+        """A migrate in durable mode: the seal outlives this instance (:mod:`streamproc.nats.migrations`).
+
+        Read the seal record (a retry of the migrate that wrote it gets the same reply); adopt the
+        request from the stores if this instance does not hold it (it moved here); read back the
+        stored bodies it lacks; ``seal`` locally; wait until the results it published are stored;
+        record the seal with compare-and-set; only then reply. Any store failure answers
+        ``unavailable`` after forgetting the request here, so the retry starts from the stores."""
+        assert self.ledger is not None
+        correlator = self.correlator
+        try:
+            record, revision = await self.ledger.read(rid)
+        except UNREACHABLE as exc:
+            return self._unavailable(rid, f"the seal records cannot be read: {error_text(exc)}")
+        if record is not None and request.id is not None and record.id == request.id:
+            return record.sealed  # the reply of a seal that was recorded but (maybe) never received
+        await self.caught_up()
+        recorded = record.attempt if record is not None else 0
+        local = correlator.attempt_of(rid)
+        if local is not None and local != recorded:  # sealed elsewhere since it was adopted here
+            self._forget(rid)
+        if not correlator.knows(rid):
+            try:
+                await self._adopt(rid, None, self._clock(), record=record, read_record=False)
+            except Exception as exc:
+                return self._unavailable(rid, f"the request cannot be adopted: {error_text(exc)}")
+        missing = correlator.missing(rid)
+        if missing:
+            await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
+            try:
+                history = await self.ledger.history(rid, missing)
+            except UNREACHABLE as exc:
+                return self._unavailable(rid, f"its stored results cannot be read: {error_text(exc)}")
+            if not correlator.restore(rid, history):
+                return self._unavailable(rid, "its stored results changed while they were read")
+        reply = await seal()
+        if not isinstance(reply, Sealed):
+            return reply
+        if not await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid):
+            return self._unavailable(rid, "its published results were not stored in time", forget=True)
+        seals = [*(record.seals if record is not None else ()), reply.result_seq]
+        if len(seals) != reply.attempt:
+            return self._unavailable(rid, f"attempt {reply.attempt} does not follow the recorded {recorded}",
+                                     forget=True)
+        try:
+            await self.ledger.write(rid, SealRecord(seals, reply, request.id), revision)
+        except KeyWrongLastSequenceError:
+            self._forget(rid)
+            return MigrateError(rid, MigrateErrorCode.ATTEMPT_MISMATCH,
+                                "another processor instance sealed this attempt first", None)
+        except UNREACHABLE as exc:
+            return self._unavailable(rid, f"the seal cannot be recorded: {error_text(exc)}", forget=True)
+        return reply
+
+    def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:
+        if forget:  # sealed here but not recorded: the stores still say the previous attempt
+            self._forget(rid)
+        log_event(log, logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
+        return MigrateError(rid, MigrateErrorCode.UNAVAILABLE, f"{why}; nothing moved, retry")
+
+    def _forget(self, rid: str) -> None:
+        """Drop the request here without results; its chunks and a migrate recover it from the stores."""
+        self._hand_over(lambda r: r == rid)
