@@ -16,8 +16,12 @@ import random
 import re
 
 import anyio
+import httpx
 import pytest
+from edge_harness import running_edge
+from httpx_sse import aconnect_sse
 
+from streamproc.catalog import worker_for
 from streamproc.client.migration import Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import partition_of
@@ -159,7 +163,7 @@ async def run_scenario(seed: int, fmt: str, requests: int, tmp_path) -> tuple[li
 
 
 @pytest.mark.timeout(300 if SOAK else 90)
-@pytest.mark.parametrize("seed,fmt", [(3, "sglang"), (11, "vllm")])
+@pytest.mark.parametrize("seed,fmt", [(3, "sglang"), (11, "vllm"), (19, "sglang-zstd")])
 async def test_requests_migrating_while_their_processor_is_killed_keep_one_seamless_stream(seed, fmt, tmp_path):
     truths, stored, cluster = await run_scenario(seed, fmt, 30 if SOAK else 8, tmp_path)
     logs = cluster.log()
@@ -172,3 +176,50 @@ async def test_requests_migrating_while_their_processor_is_killed_keep_one_seaml
     assert sum(cluster.kills.values()) >= 3, cluster.kills
     # Killed owners' migrated requests were adopted by another instance from the stores.
     assert re.search(r"event=request_resumed .*attempt=[12]", logs), logs[-3000:]
+
+
+# ----------------------------------------------------------------------------- through the edge
+
+async def test_an_sse_client_follows_a_request_across_a_migration_and_a_processor_kill(tmp_path):
+    """The client attaches first; the worker dies after two chunks, the processor owning the
+    request is SIGKILLed, the Migrator seals through the failover, a new worker finishes: the
+    client reads one stream, seqs 0..n-1, the uninterrupted run's bodies, then ``[DONE]`` once."""
+    fmt = "sglang"
+    rng = random.Random(5)
+    truth = make_truth(77, request_id="edge-crash", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    with EmbeddedNats() as server:
+        cluster = Cluster(server.url, fmt, tmp_path, rng)
+        nc = await connect(server.url)
+        try:
+            await cluster.start(nc)
+            with running_edge(server.url, "--format", fmt) as edge:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+                    events = []
+
+                    async def follow_sse() -> None:
+                        async with aconnect_sse(client, "GET", f"/v1/results/{truth.request_id}") as source:
+                            async for event in source.aiter_sse():
+                                events.append(event)
+
+                    publisher = ChunkPublisher(nc, Subjects(), durable=True)
+                    pool = SimulatedPool(publisher, fmt, truth, pd=False)
+                    with anyio.fail_after(60):
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(follow_sse)
+                            [(role, bodies)] = pool.legs(0)
+                            await pool.publish(role, bodies, 0, stop=2)  # the worker dies after chunk 1
+                            while len(events) < 2:
+                                await anyio.sleep(0.05)
+                            assert await cluster.crash_owner(truth.request_id, "before_migrate", tg)
+                            migrator = Migrator(nc, Subjects(), format=fmt, timeout=30)
+                            await migrator.migrate(truth.request_id, native_request(fmt, truth), send=pool.serve)
+        finally:
+            await nc.close()
+            cluster.stop()
+    assert events[-1].data == "[DONE]" and [e.data for e in events].count("[DONE]") == 1
+    data = [e for e in events if e.event == "message"][:-1]
+    w = worker_for(fmt)
+    expected = w.agg(truth, stream=True)
+    assert [int(e.id) for e in data] == list(range(len(expected)))
+    assert [w.canonical(e.data.encode()) for e in data] == [w.canonical(b) for b in expected]
+    assert cluster.kills == {"before_migrate": 1}
