@@ -28,7 +28,9 @@ from streamproc.core.partitions import partition_of
 from streamproc.nats.streams import CHUNKS_STREAM
 from streamproc.simulation import make_truth
 from streamproc.sim.embedded import EmbeddedNats
-from streamproc.wire import Subjects
+from streamproc.client.results import follow
+from streamproc.codec import Emitted
+from streamproc.wire import MigrateErrorCode, MigrateRequest, Sealed, Subjects, decode_migrate_reply, encode_control
 
 from durable_helpers import Instance, connect, durable_flags, stored_results
 from test_durable_faults import wait_for_finals
@@ -223,3 +225,37 @@ async def test_an_sse_client_follows_a_request_across_a_migration_and_a_processo
     assert [int(e.id) for e in data] == list(range(len(expected)))
     assert [w.canonical(e.data.encode()) for e in data] == [w.canonical(b) for b in expected]
     assert cluster.kills == {"before_migrate": 1}
+
+
+# ------------------------------------------------------------------------------ the seal record
+
+async def test_a_seal_whose_reply_was_lost_is_answered_again_by_the_next_instance(client, start_processor):
+    """The instance that recorded the seal is gone before its reply arrived: a retry of the same
+    migrate (same id) gets the same seal from the next instance, a different one attempt_mismatch."""
+    fmt = "sglang"
+    truth = make_truth(78, request_id="lost-reply", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    first = MigrateRequest(expected_attempt=0, id="seal-1")
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        async with follow(client, rp.subjects, truth.request_id, timeout=15, replay=True) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=3)
+            [await stream.__anext__() for _ in range(3)]
+        sealed = decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id),
+                                                            encode_control(first), timeout=5)).data)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        again = decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id),
+                                                           encode_control(first), timeout=5)).data)
+        other = decode_migrate_reply((await client.request(
+            rp.subjects.migrate(truth.request_id), encode_control(MigrateRequest(expected_attempt=0, id="seal-2")),
+            timeout=5)).data)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15, replay=True) as stream:
+            await pool.serve(Resumed(truth.request_id, sealed.attempt, sealed.emitted_tokens, sealed.result_seq,
+                                     Migrator(client, format=fmt).codec.resume_request(
+                                         native_request(fmt, truth),
+                                         Emitted(sealed.emitted_token_ids, sealed.state))))
+            results = await stream.collect()
+    assert isinstance(sealed, Sealed) and (sealed.attempt, sealed.emitted_tokens, sealed.result_seq) == (1, 6, 3)
+    assert again == sealed
+    assert other.code is MigrateErrorCode.ATTEMPT_MISMATCH and other.attempt == 1
+    assert_uninterrupted(fmt, truth, results)
