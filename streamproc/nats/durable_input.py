@@ -490,13 +490,27 @@ class DurableInput:
         follower) and its seal record; a migrated request also gets its stored bodies, from which
         the correlator rebuilds the migration session. Raises when a store cannot be read."""
         assert self.ledger is not None
-        try:
-            stored = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
-        except NotFoundError:
-            stored = None
-        if read_record:
-            record, _ = await self.ledger.read(rid)
-        point = resume_point(stored.headers) if stored is not None else None
+        ledger = self.ledger
+        found: dict[str, object] = {}
+
+        async def last_result() -> None:
+            try:
+                found["stored"] = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
+            except NotFoundError:
+                pass
+
+        async def seal_record() -> None:
+            found["record"] = (await ledger.read(rid))[0]
+
+        if read_record:  # both reads at once: a recovery costs one round trip, not two
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(last_result)
+                tg.start_soon(seal_record)
+            record = found.get("record")  # type: ignore[assignment]
+        else:
+            await last_result()
+        stored = found.get("stored")
+        point = resume_point(stored.headers) if stored is not None else None  # type: ignore[attr-defined]
         next_seq, final = point if point is not None else (0, False)
         if record is None or final:
             if point is None:
