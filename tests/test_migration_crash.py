@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import re
+from types import SimpleNamespace
 
 import anyio
 import httpx
@@ -156,7 +157,7 @@ async def run_scenario(seed: int, fmt: str, requests: int, tmp_path) -> tuple[li
 
                 for n in range(requests):
                     tg.start_soon(one, n)
-            plans = [type("Plan", (), {"request_id": t.request_id}) for t in truths]
+            plans = [SimpleNamespace(request_id=t.request_id) for t in truths]
             stored = await wait_for_finals(nc.jetstream(), Subjects(), plans, timeout=60)
         finally:
             await nc.close()

@@ -552,7 +552,7 @@ class DurableInput:
                 await self._adopt(rid, None, self._clock(), record=record, read_record=False)
             except Exception as exc:
                 return self._unavailable(rid, f"the request cannot be adopted: {error_text(exc)}")
-        missing = correlator.missing(rid)
+        missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
         if missing:
             await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
             try:

@@ -28,7 +28,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from ..core.errors import MissingResults, UnreadableRecord
@@ -36,7 +36,7 @@ from ..core.events import SealRecord
 from ..core.outbox import resume_point
 from ..core.wire import decode_seal_record, encode_seal_record
 
-HISTORY_TIMEOUT = 2.0  # one stored-result read
+HISTORY_TIMEOUT = 2.0  # longest wait for the next stored result while reading them back
 
 
 def record_key(request_id: str) -> str:
@@ -50,7 +50,6 @@ class MigrationLedger:
     def __init__(self, nc: NatsClient, bucket: str, results_stream: str, results_head: str, *,
                  ttl: float, replicas: int = 1, storage: StorageType = StorageType.FILE) -> None:
         self.js = nc.jetstream(timeout=10)
-        self._jsm = nc.jsm(timeout=HISTORY_TIMEOUT)
         self.bucket = bucket
         self.results_stream = results_stream
         self._results_head = results_head  # "P.results."
@@ -96,21 +95,28 @@ class MigrationLedger:
     async def history(self, request_id: str, count: int) -> list[bytes]:
         """The stored bodies of results ``[0, count)`` of ``request_id``, in seq order.
 
-        Walks the request's subject with next-by-subject message gets (the server's per-subject
-        index: ``$JS.API.STREAM.MSG.GET`` with ``next_by_subj``), skipping copies of a seq that
-        were stored again after the duplicate window. Raises ``MissingResults`` on a gap."""
-        subject = self._results_head + request_id
+        One ordered push consumer filtered on the request's subject (nats-py
+        ``JetStreamContext.subscribe(ordered_consumer=True)``; the server walks its per-subject
+        index) streams them in stream order, instead of a round trip per result. Copies of a seq
+        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap."""
+        if count <= 0:
+            return []
         bodies: dict[int, bytes] = {}
-        seq = 1
-        while len(bodies) < count:
-            try:
-                msg = await self._jsm.get_msg(self.results_stream, seq=seq, subject=subject, next=True)
-            except NotFoundError:
-                break
-            point = resume_point(msg.headers)
-            if point is not None and point[0] - 1 < count:
-                bodies.setdefault(point[0] - 1, msg.data or b"")
-            seq = (msg.seq or seq) + 1
+        sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
+                                      ordered_consumer=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        try:
+            while len(bodies) < count:
+                try:
+                    msg = await sub.next_msg(timeout=HISTORY_TIMEOUT)
+                except nats.errors.TimeoutError:
+                    break
+                point = resume_point(msg.headers)
+                if point is not None and point[0] - 1 < count:
+                    bodies.setdefault(point[0] - 1, msg.data)
+                if not msg.metadata.num_pending:
+                    break
+        finally:
+            await sub.unsubscribe()
         if len(bodies) < count:
             raise MissingResults(request_id, count, sorted(set(range(count)) - set(bodies))[:5])
         return [bodies[i] for i in range(count)]
