@@ -33,7 +33,8 @@ from streamproc.client.results import follow
 from streamproc.codec import Emitted
 from streamproc.wire import MigrateErrorCode, MigrateRequest, Sealed, Subjects, decode_migrate_reply, encode_control
 
-from durable_helpers import Instance, connect, durable_flags, stored_results
+from durable_helpers import Instance, connect, durable_flags
+from helpers import wait_until
 from test_durable_faults import wait_for_finals
 from test_migration_nats import SimulatedPool, assert_uninterrupted, emitted_in, native_request
 
@@ -245,6 +246,9 @@ async def test_a_seal_whose_reply_was_lost_is_answered_again_by_the_next_instanc
         sealed = decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id),
                                                             encode_control(first), timeout=5)).data)
     async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        # The first instance's member key lingers for a moment: until it is gone this one takes
+        # only its share of the partitions, and a migrate for the others goes unanswered.
+        await wait_until(lambda: rp.processor.input.owns(truth.request_id), 15, "the request's partition owned")
         again = decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id),
                                                            encode_control(first), timeout=5)).data)
         other = decode_migrate_reply((await client.request(

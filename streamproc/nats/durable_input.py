@@ -458,7 +458,15 @@ class DurableInput:
                 await pump()
                 return
             rid = chunk.request_id
-            if not knows(rid) and (chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply)):
+            if not knows(rid):
+                if (chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply)) \
+                        and not await self._recover(rid, chunk.format, msg, now):
+                    await pump()
+                    return
+            elif chunk.attempt and chunk.attempt > (self.correlator.attempt_of(rid) or chunk.attempt):
+                # Granted by a seal this instance did not make (another one held the partition for a
+                # moment): take the request again from the stores, which know that seal.
+                self._forget(rid)
                 if not await self._recover(rid, chunk.format, msg, now):
                     await pump()
                     return
