@@ -260,6 +260,8 @@ async def test_a_seal_whose_reply_was_lost_is_answered_again_by_the_next_instanc
                                          native_request(fmt, truth),
                                          Emitted(sealed.emitted_token_ids, sealed.state))))
             results = await stream.collect()
+        stats = rp.processor.input.stats
+    assert (stats.migrated_adopted, stats.seals_recorded) == (1, 0)  # adopted with its record; sealed nothing
     assert isinstance(sealed, Sealed) and (sealed.attempt, sealed.emitted_tokens, sealed.result_seq) == (1, 6, 3)
     assert again == sealed
     assert other.code is MigrateErrorCode.ATTEMPT_MISMATCH and other.attempt == 1

@@ -91,6 +91,10 @@ class DurableStats(OutboxStats):
     redelivered: int = 0  # messages delivered more than once
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
+    migrated_adopted: int = 0  # of those, requests with a seal record: session rebuilt from stored bodies
+    seals_recorded: int = 0  # seals written to the migrations bucket
+    seal_conflicts: int = 0  # seals another instance recorded first (compare-and-set lost)
+    seals_unavailable: int = 0  # migrates answered `unavailable` (a store could not be read or written)
     leases_acquired: int = 0
     leases_released: int = 0
     leases_lost: int = 0
@@ -527,6 +531,7 @@ class DurableInput:
         else:
             history = await self.ledger.history(rid, next_seq)
             self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
+            self.stats.migrated_adopted += 1
         self.stats.resumed += 1
         log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
                   attempt=record.attempt if record is not None else 0)
@@ -581,14 +586,17 @@ class DurableInput:
         try:
             await self.ledger.write(rid, SealRecord(seals, reply, request.id), revision)
         except KeyWrongLastSequenceError:
+            self.stats.seal_conflicts += 1
             self._forget(rid)
             return MigrateError(rid, MigrateErrorCode.ATTEMPT_MISMATCH,
                                 "another processor instance sealed this attempt first", None)
         except UNREACHABLE as exc:
             return self._unavailable(rid, f"the seal cannot be recorded: {error_text(exc)}", forget=True)
+        self.stats.seals_recorded += 1
         return reply
 
     def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:
+        self.stats.seals_unavailable += 1
         if forget:  # sealed here but not recorded: the stores still say the previous attempt
             self._forget(rid)
         log_event(log, logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
