@@ -31,7 +31,15 @@ from streamproc.simulation import make_truth
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.client.results import follow
 from streamproc.codec import Emitted
-from streamproc.wire import MigrateErrorCode, MigrateRequest, Sealed, Subjects, decode_migrate_reply, encode_control
+from streamproc.wire import (
+    MigrateErrorCode,
+    MigrateRequest,
+    Sealed,
+    SealRecord,
+    Subjects,
+    decode_migrate_reply,
+    encode_control,
+)
 
 from durable_helpers import Instance, connect, durable_flags
 from helpers import wait_until
@@ -265,4 +273,27 @@ async def test_a_seal_whose_reply_was_lost_is_answered_again_by_the_next_instanc
     assert isinstance(sealed, Sealed) and (sealed.attempt, sealed.emitted_tokens, sealed.result_seq) == (1, 6, 3)
     assert again == sealed
     assert other.code is MigrateErrorCode.ATTEMPT_MISMATCH and other.attempt == 1
+    assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_seal_recorded_by_another_instance_is_followed_by_one_that_still_holds_the_request(
+        client, start_processor):
+    """Two instances served the request for a moment (a lease overlap): the other one sealed and
+    recorded attempt 1. This one still holds attempt 0; the first chunk of attempt 1 makes it take
+    the request again from the stores and stitch the attempt as the sealing instance would have."""
+    fmt = "sglang"
+    truth = make_truth(79, request_id="overlap", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        async with follow(client, rp.subjects, truth.request_id, timeout=15, replay=True) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=2)
+            seen = [await stream.__anext__() for _ in range(2)]
+            elsewhere = Sealed(truth.request_id, 1, 4, truth.output_ids[:4], 2, fmt, {"prompt_tokens": 6})
+            durable = rp.processor.input
+            await durable.ledger.write(truth.request_id, SealRecord([2], elsewhere, "other-instance"), None)
+            await pool.serve(Resumed(truth.request_id, 1, 4, 2, Migrator(client, format=fmt).codec.resume_request(
+                native_request(fmt, truth), Emitted(elsewhere.emitted_token_ids, elsewhere.state))))
+            results = seen + await stream.collect()
+        assert durable.stats.migrated_adopted == 1
     assert_uninterrupted(fmt, truth, results)

@@ -467,7 +467,8 @@ class DurableInput:
                         and not await self._recover(rid, chunk.format, msg, now):
                     await pump()
                     return
-            elif chunk.attempt and chunk.attempt > (self.correlator.attempt_of(rid) or chunk.attempt):
+            elif chunk.attempt and chunk.attempt > (self.correlator.attempt_of(rid) or 0) \
+                    and not self.correlator.is_finished(rid):
                 # Granted by a seal this instance did not make (another one held the partition for a
                 # moment): take the request again from the stores, which know that seal.
                 self._forget(rid)
