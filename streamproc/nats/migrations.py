@@ -10,8 +10,10 @@ migrate for a request another (dead) instance served, and stitch its resumed att
   later attempts start and the last seal's reply. Every write is a compare-and-set on the key's
   revision (``KeyValue.create`` for the first seal, ``KeyValue.update(last=...)`` after it),
   decided by the bucket's stream leader, so of two instances sealing the same attempt exactly one
-  wins (nats-server ``processJetStreamMsg``: a ``Nats-Expected-Last-Subject-Sequence`` mismatch
-  is refused with ``JSStreamWrongLastSequenceError``).
+  wins (nats-py's KV sends ``Nats-Expected-Last-Subject-Sequence``; nats-server ``stream.go``
+  checks it against ``store.LoadLastMsg(subject)`` in ``processJetStreamMsg``, or before
+  proposing when clustered, and refuses a mismatch with ``NewJSStreamWrongLastSequenceError``,
+  which nats-py raises as ``KeyWrongLastSequenceError``).
 
 An instance seals locally first (later chunks of the sealed attempt are dropped from then on), waits
 until the request's results are stored, and only then records the seal; the reply goes out after
