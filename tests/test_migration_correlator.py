@@ -166,12 +166,63 @@ def test_a_format_without_migration_support_is_refused():
     assert reply.code is MigrateErrorCode.REFUSED and "does not support migration" in reply.message
 
 
-def test_a_request_adopted_from_another_instance_cannot_migrate():
+def test_a_request_adopted_from_another_instance_migrates_once_its_published_bodies_are_read_back():
     c, run, _ = make()
-    c.resume("adopted", 3, False, 0.0)  # results 0..2 were published by a dead instance: tokens unknown
+    c.resume("adopted", 2, False, 0.0)  # results 0..1 were published by a dead instance
+    assert c.missing("adopted") == 2
+    unread = migrate(run, "adopted")
+    assert unread.code is MigrateErrorCode.UNAVAILABLE and run.of("adopted") == []  # nothing moved
+    feed(run, leg("adopted", Role.AGG, [b"1", b"2 3", b"4", b"5"])[2:3])  # seq 2 published here
+    assert not c.restore("adopted", [b"1"])  # not what it misses: refused, nothing changes
+    assert c.restore("adopted", [b"1", b"2 3"]) and c.missing("adopted") == 0
     reply = migrate(run, "adopted")
-    assert reply.code is MigrateErrorCode.REFUSED and "another processor instance" in reply.message
-    assert run.of("adopted")[-1].seq == 3
+    assert (reply.emitted_token_ids, reply.result_seq, reply.attempt) == ([1, 2, 3, 4], 3, 1)
+
+
+def test_a_request_adopted_mid_resumed_attempt_is_stitched_as_its_first_instance_would_have():
+    bodies = [b"1 2", b"3", b"4", b"5 6", b"7"]
+    whole, run, _ = make()  # one instance throughout: two migrations, at result 2 and 3
+    feed(run, leg("w", Role.AGG, bodies)[:2])
+    migrate(run, "w")
+    feed(run, leg("w", Role.AGG, [b"4", b"5 6"], attempt=1)[:1])
+    migrate(run, "w")
+    feed(run, leg("w", Role.AGG, [b"5 6", b"7"], attempt=2)[:1])
+    published = [r.body for r in run.of("w")]
+    # A second instance adopts it from the stored bodies and the seal points, then sees the rest.
+    c, other, _ = make()
+    c.resume("w", len(published), False, 0.0, seals=[2, 3], history=published)
+    feed(other, leg("w", Role.AGG, [b"5 6", b"7"], attempt=2))
+    feed(run, leg("w", Role.AGG, [b"5 6", b"7"], attempt=2)[1:])
+    assert [r.body for r in other.of("w")] == [r.body for r in run.of("w")][len(published):] == [b"7|+4"]
+    assert c.stats.duplicates == 1  # attempt 2's seq 0 was already published by the dead instance
+
+
+def test_an_adopted_migrated_request_seals_again_with_the_same_emitted_tokens():
+    c, run, _ = make()
+    c.resume("twice", 3, False, 0.0, seals=[2], history=[b"1 2", b"3", b"4|+3"])
+    reply = migrate(run, "twice", expected_attempt=1)
+    assert (reply.attempt, reply.emitted_token_ids, reply.result_seq) == (2, [1, 2, 3, 4], 3)
+    feed(run, leg("twice", Role.AGG, [b"1"], attempt=1))
+    assert c.stats.sealed == 1 and run.of("twice") == []  # the previous attempt's chunks are sealed
+
+
+def test_a_request_sealed_before_any_result_resumes_at_its_attempt_with_nothing_published():
+    c, run, _ = make()
+    c.resume("early", 0, False, 0.0, seals=[0], history=[])
+    feed(run, leg("early", Role.AGG, [b"1"]))  # attempt 0: sealed
+    feed(run, leg("early", Role.AGG, [b"1", b"2"], attempt=1))
+    assert [(r.seq, r.body) for r in run.of("early")] == [(0, b"1"), (1, b"2")]
+    assert c.stats.sealed == 1
+
+
+def test_a_retried_seal_with_the_same_id_gets_the_same_reply_and_seals_nothing_more():
+    c, run, _ = make()
+    feed(run, leg("again", Role.AGG, [b"1", b"2", b"3"])[:2])
+    first = migrate(run, "again", expected_attempt=0, id="m-1")
+    retry = migrate(run, "again", expected_attempt=0, id="m-1")
+    other = migrate(run, "again", expected_attempt=0, id="m-2")
+    assert retry == first and first.attempt == 1 and c.stats.migrations == 1
+    assert other.code is MigrateErrorCode.ATTEMPT_MISMATCH
 
 
 # ---------------------------------------------------------------------- P/D and mixes

@@ -16,11 +16,14 @@ id and the original native request body::
    (prompt + emitted tokens, a smaller budget), and ``send`` hands it to a worker, which must put
    ``Streamproc-Attempt: <attempt>`` on every chunk it publishes for it.
 
-NATS failures (no processor listening, no reply in ``timeout``) propagate as nats-py exceptions.
+No processor listening, no reply, or ``unavailable`` (durable mode: the owner could not record the
+seal) are retried within ``timeout``, so a processor failover is absorbed; after it, NATS failures
+propagate as nats-py exceptions.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Awaitable, Callable
 
@@ -36,6 +39,7 @@ from ..core.wire import (
     ATTEMPT,
     MSG_ID,
     MigrateError,
+    MigrateErrorCode,
     MigrateReply,
     MigrateRequest,
     Sealed,
@@ -73,9 +77,11 @@ def publish_request(nc: NatsClient, subject: str) -> Send:
 
 class Migrator:
     def __init__(self, nc: NatsClient, subjects: Subjects | None = None, *, format: str,
-                 timeout: float = 5.0, codec: Codec | None = None) -> None:
-        """``format`` names the codec whose hooks rebuild requests (the processor's ``--format``)."""
+                 timeout: float = 5.0, codec: Codec | None = None, attempt_timeout: float = 1.0) -> None:
+        """``format`` names the codec whose hooks rebuild requests (the processor's ``--format``);
+        ``timeout`` bounds a whole call with its retries, ``attempt_timeout`` one try."""
         self.nc = nc
+        self.attempt_timeout = attempt_timeout
         self.subjects = subjects or Subjects()
         self.codec = codec or codec_class(format)()
         self.timeout = timeout
@@ -102,21 +108,28 @@ class Migrator:
 
     async def seal(self, request_id: str, *, expected_attempt: int | None = None, reason: str = "") -> Sealed:
         """Only the seal: the processor's view of what the client has been sent, and the next attempt."""
-        reply = await self._request(request_id, MigrateRequest(expected_attempt=expected_attempt, reason=reason))
+        # One id for every retry of this seal: if the processor recorded it and died before its reply
+        # arrived, the next owner answers the retry with the same seal, not attempt_mismatch.
+        message = MigrateRequest(expected_attempt=expected_attempt, reason=reason, id=secrets.token_hex(8))
+        reply = await self._request(request_id, message)
         if isinstance(reply, MigrateError):
             raise MigrationError(reply)
         return reply
 
     async def refuse(self, request_id: str, reason: str) -> MigrateReply:
         """End the request with a ``migration_refused`` error result (its stream cannot continue)."""
-        return await self._request(request_id, MigrateRequest(refuse=reason))
+        return await self._request(request_id, MigrateRequest(refuse=reason, id=secrets.token_hex(8)))
 
     async def _request(self, request_id: str, message: MigrateRequest) -> MigrateReply:
-        """One control request; "no responders" is retried until ``timeout``.
+        """One control request, retried until ``timeout`` while no processor answers for the request.
 
-        Nobody may be listening for a moment (a processor restarting, a durable partition changing
-        hands); waiting for one within the timeout is what a caller wants, and a seal is
-        idempotent on the processor's side only through ``expected_attempt``, which a retry keeps.
+        Nobody may be listening for a moment (a processor restarting), or nobody answers (durable
+        mode: the instance owning the request's partition was killed and its lease has not moved
+        yet; the others stay silent), or the owner could not record the seal (``unavailable``).
+        Each try waits at most ``attempt_timeout``. A retry sends the same message, so
+        ``expected_attempt`` means the same and a seal recorded before a lost reply is answered
+        again (``MigrateRequest.id``). The last failure is raised (nats-py's exception, or the
+        ``unavailable`` reply) when ``timeout`` runs out.
         """
         deadline = time.monotonic() + self.timeout
         delay = 0.01
@@ -124,11 +137,14 @@ class Migrator:
             remaining = deadline - time.monotonic()
             try:
                 msg = await self.nc.request(self.subjects.migrate(request_id), encode_control(message),
-                                            timeout=max(remaining, 0.001))
-            except nats.errors.NoRespondersError:
-                if remaining <= delay:
+                                            timeout=max(min(remaining, self.attempt_timeout), 0.001))
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                if deadline - time.monotonic() <= delay:
                     raise
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 0.25)
-                continue
-            return decode_migrate_reply(msg.data)
+            else:
+                reply = decode_migrate_reply(msg.data)
+                unavailable = isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE
+                if not unavailable or deadline - time.monotonic() <= delay:
+                    return reply
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.25)

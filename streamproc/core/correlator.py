@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import msgspec
 
@@ -134,7 +134,8 @@ class _Request:
         "request_id", "codec", "format", "session", "kind", "next_seq", "pending", "final_seq",
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
-        "buffered", "absorbed", "decoded", "work", "outcome", "cpu",
+        "buffered", "absorbed", "decoded", "work", "outcome", "cpu", "missing",
+        "last_seal",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -168,6 +169,10 @@ class _Request:
         self.work: Work | None = None  # a join running off the loop for the chunk at next_seq
         self.outcome: tuple[bytes, Verdict] | Exception | None = None  # its result, not yet applied
         self.cpu = 0.0  # CPU seconds its offloaded joins took (max_decode_cpu)
+        # Leading results whose bodies are not retained here (published by another instance, or
+        # released at the retention bound before they were read back): a migrate needs them first.
+        self.missing = 0
+        self.last_seal: tuple[str, Sealed] | None = None  # (MigrateRequest.id, reply) of the last seal
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -272,7 +277,7 @@ class Correlator:
         return self._fail(req, kind, reason, now, extra=tokens)
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
-                refuse: str | None = None) -> tuple[MigrateReply, list[Decision]]:
+                refuse: str | None = None, id: str | None = None) -> tuple[MigrateReply, list[Decision]]:
         """Seal the request's current attempt and grant the next one (seal-then-resume).
 
         The reply says exactly what the client has been sent: the results already published, never
@@ -280,8 +285,11 @@ class Correlator:
         attempt produces them again). Later chunks of the sealed attempt are dropped as ``sealed``.
         A request whose state cannot move (``refuse``, or the codec's verdict on its bodies) is
         ended with a final ``migration_refused`` error result, so the client is not left waiting.
+        A retry of the last seal (same ``id``, its reply lost) gets that seal's reply again.
         """
         req = self._active.get(request_id)
+        if req is not None and id is not None and req.last_seal is not None and req.last_seal[0] == id:
+            return req.last_seal[1], []
         if req is None:
             if request_id in self._finished:
                 return MigrateError(request_id, MigrateErrorCode.FINISHED,
@@ -293,6 +301,10 @@ class Correlator:
             return MigrateError(request_id, MigrateErrorCode.ATTEMPT_MISMATCH,
                                 f"expected attempt {expected_attempt}, but the current attempt is {req.attempt}",
                                 req.attempt), []
+        if req.missing and refuse is None:
+            return MigrateError(request_id, MigrateErrorCode.UNAVAILABLE,
+                                f"the bodies of results 0..{req.missing - 1} were published by another instance "
+                                "and are not read back yet", req.attempt), []
         try:
             if refuse is not None:
                 raise MigrationRefused(refuse)
@@ -302,14 +314,18 @@ class Correlator:
         except Exception as exc:  # a codec bug costs this request, not the processor
             reason = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         else:
-            return self._seal(req, emitted, now)
+            reply, decisions = self._seal(req, emitted, now)
+            if id is not None:
+                req.last_seal = (id, reply)
+            return reply, decisions
         self.stats.migrations_refused += 1
         attempt = req.attempt
         decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
         return MigrateError(request_id, MigrateErrorCode.REFUSED, reason, attempt), decisions
 
     def resume(self, request_id: str, next_seq: int, final: bool, now: float,
-               format: str | None = None) -> None:
+               format: str | None = None, *, seals: Sequence[int] = (),
+               history: Sequence[bytes] | None = None) -> None:
         """Adopt a request whose results ``[0, next_seq)`` are already stored (durable-mode recovery).
 
         The shell calls this, before feeding a chunk, for a request this correlator does not know
@@ -317,13 +333,21 @@ class Correlator:
         published again, and their input chunks become duplicates to settle. ``final`` says the
         stored results already end the request. ``format`` is the chunk's ``Streamproc-Format``
         (the request's codec), so the chunk is not taken for one of another format.
+
+        ``seals`` are the result seqs where the request's later attempts start (its seal record),
+        so the current attempt is ``len(seals)``. ``history`` is the stored result bodies
+        ``[0, next_seq)``, required when there are seals: replaying them through the format's
+        migration session, sealing at each seal point, rebuilds exactly the session the dead
+        instance had (``absorb`` and ``seal`` depend on the published bodies alone), so the current
+        attempt is stitched as it would have been. Without ``history`` the bodies are read back
+        before a migrate (:meth:`missing`, :meth:`restore`).
         """
         if request_id in self._active or request_id in self._finished:
             return
         if final:
             self._remember_finished(request_id, now)
             return
-        if next_seq <= 0:
+        if next_seq <= 0 and not seals:
             return
         codec, name = self._default_codec, self.default_format
         if format is not None and format != name:
@@ -334,8 +358,60 @@ class Correlator:
         req = _Request(request_id, codec, name, self._max_retained)
         req.next_seq = next_seq
         req.last = now
-        req.refusal = "its earlier results were published by another processor instance"
         self._active[request_id] = req
+        if seals:
+            if history is None or len(history) != next_seq or any(not 0 <= s <= next_seq for s in seals):
+                raise ValueError("resuming a migrated request needs its stored bodies [0, next_seq) and seals within them")
+            req.attempt = len(seals)
+            req.offset = seals[-1]
+            try:
+                session = req.migration = codec.open_migration()
+                start = 0
+                for point in seals:
+                    session.absorb(history[start:point])
+                    session.seal()
+                    start = point
+            except MigrationRefused as exc:  # cannot happen for bodies a seal accepted, unless the codec changed
+                req.refusal = exc.reason
+                req.migration = None
+                return
+            except Exception as exc:
+                req.refusal = f"codec {codec.name!r} failed: {type(exc).__name__}: {exc}"
+                req.migration = None
+                return
+            self._retain(req, history[start:])
+        elif history is not None:
+            self._retain(req, history)
+        else:
+            req.missing = next_seq
+
+    def missing(self, request_id: str) -> int:
+        """How many leading result bodies of an active request must be read back before a migrate."""
+        req = self._active.get(request_id)
+        return req.missing if req is not None else 0
+
+    def attempt_of(self, request_id: str) -> int | None:
+        """The current attempt of an active request (None when it is not active here)."""
+        req = self._active.get(request_id)
+        return req.attempt if req is not None else None
+
+    def restore(self, request_id: str, history: Sequence[bytes]) -> bool:
+        """Hand back the stored bodies of results ``[0, missing)``; False (nothing changes) when the
+        request no longer misses exactly these (it ended, or more bodies were released meanwhile)."""
+        req = self._active.get(request_id)
+        if req is None or not req.missing or len(history) != req.missing:
+            return False
+        later, req.retained, req.budget = req.retained, [], req.retain
+        req.missing = 0
+        self._retain(req, [*history, *later])
+        return True
+
+    def _retain(self, req: _Request, bodies: Iterable[bytes]) -> None:
+        for body in bodies:
+            req.retained.append(body)
+            req.budget -= len(body)
+        if req.budget < 0:
+            self._compact(req)
 
     def finish(self, work: Work, now: float) -> list[Decision]:
         """Apply the outcome of a :class:`Work` decision and go on with its request."""
@@ -745,7 +821,9 @@ class Correlator:
 
     def _compact(self, req: _Request) -> None:
         """Retention bound reached: fold the retained bodies into the codec's progress state."""
-        if req.refusal is None:
+        if req.missing:  # the session cannot absorb them before the bodies it misses: read back later
+            req.missing = req.next_seq
+        elif req.refusal is None:
             try:
                 self._progress(req)
                 return

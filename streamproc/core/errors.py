@@ -130,3 +130,17 @@ class ChunkStreamMismatch(StreamMismatch):
 
 class LeaseBucketMismatch(StreamMismatch):
     what = "lease bucket"
+
+
+class UnreadableRecord(StreamprocError, ValueError):
+    """A value in the migrations bucket is not a seal record (something else wrote it)."""
+
+    def __init__(self, request_id: str, detail: str) -> None:
+        super().__init__(f"seal record of {request_id!r} is unreadable: {detail}")
+
+
+class MissingResults(StreamprocError, LookupError):
+    """Stored results a seal record relies on are gone (expired, or the results stream was purged)."""
+
+    def __init__(self, request_id: str, count: int, missing: list[int]) -> None:
+        super().__init__(f"results of {request_id!r} below seq {count} are not stored (first missing: {missing})")

@@ -106,6 +106,9 @@ class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     # ``migration_refused`` error result instead of leaving the client waiting for request_timeout.
     refuse: str | None = None
     reason: str = ""  # free text for the processor's log (e.g. which worker was lost)
+    # Names this migrate so a retry after a lost reply (a processor killed between recording the
+    # seal and answering) gets the seal it caused again instead of ``attempt_mismatch``.
+    id: str | None = None
 
 
 class MigrateErrorCode(enum.StrEnum):
@@ -114,6 +117,7 @@ class MigrateErrorCode(enum.StrEnum):
     ATTEMPT_MISMATCH = "attempt_mismatch"  # expected_attempt is not the current attempt
     REFUSED = "refused"  # state cannot transfer; the request was ended with an error result
     BAD_REQUEST = "bad_request"  # the control message itself is malformed
+    UNAVAILABLE = "unavailable"  # durable mode: the seal could not be recorded; nothing moved, retry
 
 
 class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
@@ -136,3 +140,21 @@ class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status")
 
 
 MigrateReply = Sealed | MigrateError
+
+
+class SealRecord(msgspec.Struct, frozen=True):
+    """Durable mode: a request's migrations as the migrations bucket keeps them (one key per request,
+    written with compare-and-set on its revision, so exactly one seal of an attempt wins).
+
+    With the results stream (what the client was sent) this is everything another instance needs
+    to continue the request: the current attempt is ``len(seals)``, and replaying the stored result
+    bodies through the format's migration session, sealing at each of ``seals``, rebuilds the
+    session exactly (``Correlator.resume``)."""
+
+    seals: list[int]  # seals[i]: the result seq where attempt i + 1 starts
+    sealed: Sealed  # the reply of the last seal, sent again to a retry of the same migrate
+    id: str | None = None  # MigrateRequest.id of the last seal
+
+    @property
+    def attempt(self) -> int:
+        return len(self.seals)

@@ -22,6 +22,7 @@ from .events import (  # noqa: F401  (re-exported: the wire contract's records, 
     ResultInfo,
     Role,
     Sealed,
+    SealRecord,
     Verdict,
 )
 
@@ -269,3 +270,15 @@ def decode_migrate_request(body: bytes) -> MigrateRequest:
 
 def decode_migrate_reply(body: bytes) -> MigrateReply:
     return _migrate_reply.decode(body)
+
+
+_seal_record = msgspec.json.Decoder(SealRecord)
+
+
+def encode_seal_record(record: SealRecord) -> bytes:
+    return _control_encoder.encode(record)
+
+
+def decode_seal_record(body: bytes) -> SealRecord:
+    """Raises ``msgspec.DecodeError`` / ``ValidationError`` for a value that is not a seal record."""
+    return _seal_record.decode(body)

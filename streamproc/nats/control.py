@@ -71,8 +71,9 @@ class ControlPlane:
             return
         if not self._target.owns(request_id):
             # Durable mode: every instance hears the control subject, but only the owner of the
-            # request's partition has its state; the others stay silent so the owner's answer is
-            # the one the requester gets (with no owner, e.g. mid-failover, the request times out).
+            # request's partition answers for it; the others stay silent so the owner's answer is
+            # the one the requester gets (with no owner, e.g. mid-failover, the request times out
+            # and the Migrator tries again: the next owner reads the state from JetStream).
             return
         reply: MigrateReply
         try:

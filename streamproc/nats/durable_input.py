@@ -45,19 +45,22 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import StorageType
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
 from ..core.credit import PullCredit
 from ..core.codec import ErrorKind
 from ..core.correlator import Work
-from ..core.events import Chunk, Decision, Result
+from ..core.events import (
+    Chunk, Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Result, Sealed, SealRecord,
+)
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
 from ..logs import error_text, log_event
 from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
+from .migrations import UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 from .subscription import handled_all
 from .streams import (
@@ -95,6 +98,10 @@ class DurableStats(OutboxStats):
     poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
+    migrated_adopted: int = 0  # of those, requests with a seal record: session rebuilt from stored bodies
+    seals_recorded: int = 0  # seals written to the migrations bucket
+    seal_conflicts: int = 0  # seals another instance recorded first (compare-and-set lost)
+    seals_unavailable: int = 0  # migrates answered `unavailable` (a store could not be read or written)
     leases_acquired: int = 0
     leases_released: int = 0
     leases_lost: int = 0
@@ -146,6 +153,7 @@ class DurableInput:
         self.chunks_stream = ""
         self.results_stream = ""
         self.leases: LeaseTable | None = None
+        self.ledger: MigrationLedger | None = None
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
                                           progress_every=settings.ack_wait / 4), self.stats)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
@@ -197,6 +205,10 @@ class DurableInput:
                                  s.lease_ttl,
                                  replicas=s.stream_replicas, storage=self._storage, clock=self._clock)
         await self.leases.open()
+        self.ledger = MigrationLedger(self.nc, f"{self.chunks_stream}_MIGRATIONS", self.results_stream,
+                                      s.subjects.result(""), ttl=s.results_max_age, replicas=s.stream_replicas,
+                                      storage=self._storage)
+        await self.ledger.open()
         self._reconnects = self.nc.stats["reconnects"]
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
@@ -537,8 +549,17 @@ class DurableInput:
                     else:
                         deliveries = delivery_count(reply)
                     poison = deliveries >= max_deliver
-                    if (knows(rid) or not needs_lookup(chunk.seq, chunk.role, reply)
-                            or await self._recover(rid, chunk.format, msg, now, retry=not poison)):
+                    ready = True
+                    if not knows(rid):
+                        if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply):
+                            ready = await self._recover(rid, chunk.format, msg, now, retry=not poison)
+                    elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
+                            and not correlator.is_finished(rid):
+                        # Granted by a seal this instance did not make (another one held the partition
+                        # for a moment): take the request again from the stores, which know that seal.
+                        self._forget(rid)
+                        ready = await self._recover(rid, chunk.format, msg, now, retry=not poison)
+                    if ready:
                         decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
                 decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
@@ -572,9 +593,7 @@ class DurableInput:
         if delivery_count(msg.reply) > 1:
             self.stats.redelivered += 1
         try:
-            stored = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
-        except NotFoundError:
-            return True  # nothing stored: every chunk of it is still unacknowledged, start afresh
+            await self._adopt(rid, format, now)
         except Exception as exc:
             log_event(log, logging.WARNING, "recovery_lookup_failed", request_id=rid, error=error_text(exc),
                       retry_in="1s" if retry else "-")
@@ -582,11 +601,114 @@ class DurableInput:
                 return True
             self.outbox.nak((msg,), delay=1.0)
             return False
-        point = resume_point(stored.headers)
-        if point is None:
-            return True
-        next_seq, final = point
-        self.correlator.resume(rid, next_seq, final, now, format)
-        self.stats.resumed += 1
-        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final)
         return True
+
+    async def _adopt(self, rid: str, format: str | None, now: float, *, record: SealRecord | None = None,
+                     read_record: bool = True) -> None:
+        """Adopt ``rid`` from the stores: its last stored result (a leader read, never a possibly stale
+        follower) and its seal record; a migrated request also gets its stored bodies, from which
+        the correlator rebuilds the migration session. Raises when a store cannot be read."""
+        assert self.ledger is not None
+        ledger = self.ledger
+        found: dict[str, object] = {}
+
+        async def last_result() -> None:
+            try:
+                found["stored"] = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
+            except NotFoundError:
+                pass
+
+        async def seal_record() -> None:
+            found["record"] = (await ledger.read(rid))[0]
+
+        if read_record:  # both reads at once: a recovery costs one round trip, not two
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(last_result)
+                tg.start_soon(seal_record)
+            record = found.get("record")  # type: ignore[assignment]
+        else:
+            await last_result()
+        stored = found.get("stored")
+        point = resume_point(stored.headers) if stored is not None else None  # type: ignore[attr-defined]
+        next_seq, final = point if point is not None else (0, False)
+        if record is None or final:
+            if point is None:
+                return  # nothing stored: every chunk of it is still unacknowledged, start afresh
+            self.correlator.resume(rid, next_seq, final, now, format)
+        else:
+            history = await self.ledger.history(rid, next_seq)
+            self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
+            self.stats.migrated_adopted += 1
+        self.stats.resumed += 1
+        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
+                  attempt=record.attempt if record is not None else 0)
+
+    # ---------------------------------------------------------------------------- migration
+
+    async def migrate(self, rid: str, request: MigrateRequest,
+                      seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
+        """A migrate in durable mode: the seal outlives this instance (:mod:`streamproc.nats.migrations`).
+
+        Read the seal record (a retry of the migrate that wrote it gets the same reply); adopt the
+        request from the stores if this instance does not hold it (it moved here); read back the
+        stored bodies it lacks; ``seal`` locally; wait until the results it published are stored;
+        record the seal with compare-and-set; only then reply. Any store failure answers
+        ``unavailable`` after forgetting the request here, so the retry starts from the stores."""
+        assert self.ledger is not None
+        correlator = self.correlator
+        try:
+            record, revision = await self.ledger.read(rid)
+        except UNREACHABLE as exc:
+            return self._unavailable(rid, f"the seal records cannot be read: {error_text(exc)}")
+        if record is not None and request.id is not None and record.id == request.id:
+            return record.sealed  # the reply of a seal that was recorded but (maybe) never received
+        await self.caught_up()
+        recorded = record.attempt if record is not None else 0
+        local = correlator.attempt_of(rid)
+        if local is not None and local != recorded:  # sealed elsewhere since it was adopted here
+            self._forget(rid)
+        if not correlator.knows(rid):
+            try:
+                await self._adopt(rid, None, self._clock(), record=record, read_record=False)
+            except Exception as exc:
+                return self._unavailable(rid, f"the request cannot be adopted: {error_text(exc)}")
+        missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
+        if missing:
+            await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
+            try:
+                history = await self.ledger.history(rid, missing)
+            except UNREACHABLE as exc:
+                return self._unavailable(rid, f"its stored results cannot be read: {error_text(exc)}")
+            if not correlator.restore(rid, history):
+                return self._unavailable(rid, "its stored results changed while they were read")
+        reply = await seal()
+        if not isinstance(reply, Sealed):
+            return reply
+        if not await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid):
+            return self._unavailable(rid, "its published results were not stored in time", forget=True)
+        seals = [*(record.seals if record is not None else ()), reply.result_seq]
+        if len(seals) != reply.attempt:
+            return self._unavailable(rid, f"attempt {reply.attempt} does not follow the recorded {recorded}",
+                                     forget=True)
+        try:
+            await self.ledger.write(rid, SealRecord(seals, reply, request.id), revision)
+        except KeyWrongLastSequenceError:
+            self.stats.seal_conflicts += 1
+            self._forget(rid)
+            return MigrateError(rid, MigrateErrorCode.ATTEMPT_MISMATCH,
+                                "another processor instance sealed this attempt first", None)
+        except UNREACHABLE as exc:
+            return self._unavailable(rid, f"the seal cannot be recorded: {error_text(exc)}", forget=True)
+        self.stats.seals_recorded += 1
+        return reply
+
+    def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:
+        self.stats.seals_unavailable += 1
+        if forget:  # sealed here but not recorded: the stores still say the previous attempt
+            self._forget(rid)
+        log_event(log, logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
+        return MigrateError(rid, MigrateErrorCode.UNAVAILABLE, f"{why}; nothing moved, retry")
+
+    def _forget(self, rid: str) -> None:
+        """Drop the request here without results; its chunks and a migrate recover it from the stores."""
+        self._hand_over(lambda r: r == rid)

@@ -317,10 +317,17 @@ class Processor:
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateReply:
         """Seal the request's current attempt (see ``Correlator.migrate``), after every chunk the
         server delivered before the control request has been handled."""
+        async def seal() -> MigrateReply:
+            return await self.exclusive(lambda now: self.correlator.migrate(
+                request_id, now, expected_attempt=request.expected_attempt, refuse=request.refuse,
+                id=request.id))
+
+        durable = getattr(self._input, "migrate", None)
+        if durable is not None:  # the seal must outlive this instance: recorded in JetStream first
+            return await durable(request_id, request, seal)
         if self._input is not None:
             await self._input.caught_up()
-        return await self.exclusive(lambda now: self.correlator.migrate(
-            request_id, now, expected_attempt=request.expected_attempt, refuse=request.refuse))
+        return await seal()
 
     async def exclusive(self, decide: Callable[[float], tuple[T, list[Decision]]]) -> T:
         """Run one correlator call off the message path and dispatch its decisions through the

@@ -1,0 +1,128 @@
+"""Durable mode: migration state that outlives the processor instance that sealed it.
+
+Two JetStream stores together are a request's whole migration state, so any instance can answer a
+migrate for a request another (dead) instance served, and stitch its resumed attempt:
+
+- the **results stream** is already the durable record of what the client was sent: the stored
+  result bodies of ``P.results.<request_id>``, in seq order;
+- the **migrations bucket** (a KV bucket, ``<chunk stream>_MIGRATIONS``) keeps one
+  :class:`~streamproc.core.events.SealRecord` per migrated request: the result seqs where its
+  later attempts start and the last seal's reply. Every write is a compare-and-set on the key's
+  revision (``KeyValue.create`` for the first seal, ``KeyValue.update(last=...)`` after it),
+  decided by the bucket's stream leader, so of two instances sealing the same attempt exactly one
+  wins (nats-py's KV sends ``Nats-Expected-Last-Subject-Sequence``; nats-server ``stream.go``
+  checks it against ``store.LoadLastMsg(subject)`` in ``processJetStreamMsg``, or before
+  proposing when clustered, and refuses a mismatch with ``NewJSStreamWrongLastSequenceError``,
+  which nats-py raises as ``KeyWrongLastSequenceError``).
+
+An instance seals locally first (later chunks of the sealed attempt are dropped from then on), waits
+until the request's results are stored, and only then records the seal; the reply goes out after
+the record. So a record never names results that are not stored, and "emitted tokens" is always
+a function of stored bodies: a new owner replays them through the format's migration session,
+sealing at each recorded point, and gets the session the dead instance had
+(:meth:`~streamproc.core.correlator.Correlator.resume`).
+"""
+
+from __future__ import annotations
+
+import base64
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from ..core.errors import MissingResults, UnreadableRecord
+from ..core.events import SealRecord
+from ..core.outbox import resume_point
+from ..core.wire import decode_seal_record, encode_seal_record
+
+HISTORY_TIMEOUT = 2.0  # longest wait for the next stored result while reading them back
+
+
+def record_key(request_id: str) -> str:
+    """KV keys allow ``[-/_=.a-zA-Z0-9]`` only; request ids are any printable ASCII: base64url them."""
+    return "r." + base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
+
+
+class MigrationLedger:
+    """Seal records in the migrations bucket, and stored result bodies read back from the results stream."""
+
+    def __init__(self, nc: NatsClient, bucket: str, results_stream: str, results_head: str, *,
+                 ttl: float, replicas: int = 1, storage: StorageType = StorageType.FILE) -> None:
+        self.js = nc.jetstream(timeout=10)
+        self.bucket = bucket
+        self.results_stream = results_stream
+        self._results_head = results_head  # "P.results."
+        self.ttl = ttl
+        self.replicas = replicas
+        self.storage = storage
+        self._kv: KeyValue | None = None
+
+    async def open(self) -> None:
+        """Bind to the bucket, creating it if needed. Records expire with the results they describe."""
+        try:
+            self._kv = await self.js.key_value(self.bucket)
+        except BucketNotFoundError:
+            await self.js.create_key_value(KeyValueConfig(
+                bucket=self.bucket, description="streamproc seal records of migrated requests", history=1,
+                ttl=self.ttl, replicas=self.replicas, storage=self.storage))
+            self._kv = await self.js.key_value(self.bucket)
+
+    async def read(self, request_id: str) -> tuple[SealRecord | None, int | None]:
+        """The request's seal record and its revision, ``(None, None)`` when it never migrated.
+        A read of the leader (nats-py's ``KeyValue.get`` without direct get): never a stale follower."""
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(record_key(request_id))
+        except KeyNotFoundError:
+            return None, None
+        if not entry.value:
+            return None, entry.revision  # a delete marker: create() on it fails, update() on its revision works
+        try:
+            return decode_seal_record(entry.value), entry.revision
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise UnreadableRecord(request_id, str(exc)) from None
+
+    async def write(self, request_id: str, record: SealRecord, revision: int | None) -> int:
+        """Compare-and-set: create when there was no record, else update on ``revision``.
+        Raises ``KeyWrongLastSequenceError`` when another seal was recorded first."""
+        assert self._kv is not None
+        key, value = record_key(request_id), encode_seal_record(record)
+        if revision is None:
+            return await self._kv.create(key, value)
+        return await self._kv.update(key, value, last=revision)
+
+    async def history(self, request_id: str, count: int) -> list[bytes]:
+        """The stored bodies of results ``[0, count)`` of ``request_id``, in seq order.
+
+        One ordered push consumer filtered on the request's subject (nats-py
+        ``JetStreamContext.subscribe(ordered_consumer=True)``; the server walks its per-subject
+        index) streams them in stream order, instead of a round trip per result. Copies of a seq
+        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap."""
+        if count <= 0:
+            return []
+        bodies: dict[int, bytes] = {}
+        sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
+                                      ordered_consumer=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        try:
+            while len(bodies) < count:
+                try:
+                    msg = await sub.next_msg(timeout=HISTORY_TIMEOUT)
+                except nats.errors.TimeoutError:
+                    break
+                point = resume_point(msg.headers)
+                if point is not None and point[0] - 1 < count:
+                    bodies.setdefault(point[0] - 1, msg.data)
+                if not msg.metadata.num_pending:
+                    break
+        finally:
+            await sub.unsubscribe()
+        if len(bodies) < count:
+            raise MissingResults(request_id, count, sorted(set(range(count)) - set(bodies))[:5])
+        return [bodies[i] for i in range(count)]
+
+
+# Any failure of a store operation means "not now": the caller answers ``unavailable`` or retries.
+UNREACHABLE = (nats.errors.Error, TimeoutError, OSError, UnreadableRecord, MissingResults)

@@ -1,0 +1,299 @@
+"""Migration through processor crashes: three durable `streamproc run` instances, workers lost
+mid-stream (one or two migrations per request), and the instance owning the request SIGKILLed at
+seeded random points: before the migrate, between the seal and the resumed attempt's first
+chunk, and in the middle of the resumed attempt.
+
+The verifier reads the results stream: every request ends with one final result, its stored
+seqs are 0..n-1 with no gap or repeat, and the client's stream equals, result by result, the
+uninterrupted aggregated run of the same ground truth (tokens, text, counts, prompt fields,
+routed experts). ``STREAMPROC_SOAK=1`` runs more requests and kills.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from types import SimpleNamespace
+
+import anyio
+import httpx
+import pytest
+from edge_harness import running_edge
+from httpx_sse import aconnect_sse
+
+from streamproc.catalog import worker_for
+from streamproc.client.migration import Migrator, Resumed
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.core.partitions import partition_of
+from streamproc.nats.streams import CHUNKS_STREAM
+from streamproc.simulation import make_truth
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.client.results import follow
+from streamproc.codec import Emitted
+from streamproc.wire import (
+    MigrateErrorCode,
+    MigrateRequest,
+    Sealed,
+    SealRecord,
+    Subjects,
+    decode_migrate_reply,
+    encode_control,
+)
+
+from durable_helpers import Instance, connect, durable_flags
+from helpers import wait_until
+from test_durable_faults import wait_for_finals
+from test_migration_nats import SimulatedPool, assert_uninterrupted, emitted_in, native_request
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+SOAK = os.environ.get("STREAMPROC_SOAK") == "1"
+PARTITIONS = 6
+CRASHES = ("none", "before_migrate", "after_seal", "mid_resume")
+
+
+class Cluster:
+    """Three `streamproc run` instances; kills the one that owns a request, restarts it later."""
+
+    def __init__(self, url: str, fmt: str, tmp_path, rng: random.Random) -> None:
+        flags = durable_flags(format=fmt, partitions=PARTITIONS, ack_wait=1.0, lease_ttl=1.5,
+                              prefill_timeout=120, request_timeout=600, log_level="INFO")
+        self.instances = [Instance(url, flags, tmp_path / f"instance-{k}.log") for k in range(3)]
+        self.rng = rng
+        self.kills: dict[str, int] = {}
+        self._restarting: set[int] = set()
+        self.leases = None
+
+    async def start(self, nc) -> None:
+        for i in self.instances:
+            i.start()
+        for i in self.instances:
+            await i.started()
+        self.leases = await nc.jetstream().key_value(f"{CHUNKS_STREAM}_LEASES")
+
+    async def owner(self, rid: str) -> Instance | None:
+        try:
+            entry = await self.leases.get(f"p.{partition_of(rid, PARTITIONS)}")
+        except Exception:  # no holder right now (mid failover)
+            return None
+        holder = (entry.value or b"").decode()
+        for i in self.instances:
+            if i.running and f"-{i.proc.pid}-" in holder:
+                return i
+        return None
+
+    async def crash_owner(self, rid: str, point: str, tg) -> bool:
+        victim = await self.owner(rid)
+        if victim is None:
+            return False
+        victim.kill()
+        self.kills[point] = self.kills.get(point, 0) + 1
+        tg.start_soon(self._restart, victim)
+        return True
+
+    async def _restart(self, victim: Instance) -> None:
+        await anyio.sleep(self.rng.uniform(0.3, 1.5))
+        victim.start()
+        await victim.started()
+
+    def log(self) -> str:
+        return "\n".join(i.log() for i in self.instances)
+
+    def stop(self) -> None:
+        for i in self.instances:
+            i.stop()
+
+
+async def serve_request(n: int, seed: int, fmt: str, publisher: ChunkPublisher, migrator: Migrator,
+                        cluster: Cluster, rng: random.Random, tg):
+    """One request's life: attempt 0 lost after some chunks, 1 or 2 migrations, and for each
+    migration a crash point of the owning processor drawn from ``CRASHES``."""
+    truth = make_truth(seed * 1000 + n, request_id=f"mc{seed}-{n}", prompt_len=6, output_len=12,
+                       chunk_sizes=[2] * 6)
+    request = native_request(fmt, truth)
+    rid = truth.request_id
+    crashes = [rng.choice(CRASHES) for _ in range(rng.choice([1, 2]))]  # crashes[m - 1]: of migration m
+    attempt, emitted = 0, 0
+    while True:
+        pool = SimulatedPool(publisher, fmt, truth, pd=rng.random() < 0.5)
+        legs = pool.legs(emitted)
+        outputs = len(legs[-1][1])
+        last = attempt == len(crashes) or outputs < 2
+        stop = outputs if last else rng.randint(1, outputs - 1)  # the worker dies after `stop` output chunks
+        crash = crashes[attempt - 1] if attempt else "none"
+        for role, bodies in legs:
+            if role == "prefill":
+                await pool.publish(role, bodies, attempt)
+                continue
+            if crash == "after_seal":  # sealed and recorded; the resumed attempt has sent nothing yet
+                await cluster.crash_owner(rid, crash, tg)
+            cut = rng.randint(1, stop) if crash == "mid_resume" else stop
+            await pool.publish(role, bodies, attempt, stop=cut)
+            if cut < stop or crash == "mid_resume":
+                await anyio.sleep(rng.uniform(0.0, 0.3))
+                await cluster.crash_owner(rid, crash, tg)
+                await pool.publish(role, bodies, attempt, start=cut, stop=stop)
+        if last:
+            return truth
+        if crashes[attempt] == "before_migrate":  # the worker and then its processor are lost
+            await anyio.sleep(rng.uniform(0.0, 0.3))
+            await cluster.crash_owner(rid, "before_migrate", tg)
+        resumed: Resumed = await migrator.migrate(rid, request, expected_attempt=attempt, reason="worker lost")
+        assert resumed.attempt == attempt + 1 and resumed.emitted_tokens >= emitted
+        attempt, emitted = resumed.attempt, resumed.emitted_tokens
+        # The rebuilt request says what the client was sent: the prompt plus exactly those tokens.
+        assert emitted_in(truth, resumed.body) == emitted
+
+
+async def run_scenario(seed: int, fmt: str, requests: int, tmp_path) -> tuple[list, dict, Cluster]:
+    rng = random.Random(seed)
+    with EmbeddedNats() as server:
+        cluster = Cluster(server.url, fmt, tmp_path, rng)
+        nc = await connect(server.url)
+        truths = []
+        try:
+            await cluster.start(nc)
+            publisher = ChunkPublisher(nc, Subjects(), durable=True)
+            migrator = Migrator(nc, Subjects(), format=fmt, timeout=30, attempt_timeout=1.0)
+            limit = anyio.Semaphore(3)
+            async with anyio.create_task_group() as tg:
+                async def one(n: int) -> None:
+                    r = random.Random(seed * 7919 + n)
+                    async with limit:
+                        await anyio.sleep(r.uniform(0, 0.5))
+                        truths.append(await serve_request(n, seed, fmt, publisher, migrator, cluster, r, tg))
+
+                for n in range(requests):
+                    tg.start_soon(one, n)
+            plans = [SimpleNamespace(request_id=t.request_id) for t in truths]
+            stored = await wait_for_finals(nc.jetstream(), Subjects(), plans, timeout=60)
+        finally:
+            await nc.close()
+            cluster.stop()
+    return truths, stored, cluster
+
+
+@pytest.mark.timeout(300 if SOAK else 90)
+@pytest.mark.parametrize("seed,fmt", [(3, "sglang"), (11, "vllm"), (19, "sglang-zstd")])
+async def test_requests_migrating_while_their_processor_is_killed_keep_one_seamless_stream(seed, fmt, tmp_path):
+    truths, stored, cluster = await run_scenario(seed, fmt, 30 if SOAK else 8, tmp_path)
+    logs = cluster.log()
+    assert "Traceback" not in logs
+    for truth in truths:
+        got = stored[truth.request_id]
+        assert [r.seq for r in got] == list(range(len(got))), truth.request_id  # stored once each, no gap
+        assert sum(r.final for r in got) == 1
+        assert_uninterrupted(fmt, truth, got)
+    assert sum(cluster.kills.values()) >= 3, cluster.kills
+    # Killed owners' migrated requests were adopted by another instance from the stores.
+    assert re.search(r"event=request_resumed .*attempt=[12]", logs), logs[-3000:]
+
+
+# ----------------------------------------------------------------------------- through the edge
+
+async def test_an_sse_client_follows_a_request_across_a_migration_and_a_processor_kill(tmp_path):
+    """The client attaches first; the worker dies after two chunks, the processor owning the
+    request is SIGKILLed, the Migrator seals through the failover, a new worker finishes: the
+    client reads one stream, seqs 0..n-1, the uninterrupted run's bodies, then ``[DONE]`` once."""
+    fmt = "sglang"
+    rng = random.Random(5)
+    truth = make_truth(77, request_id="edge-crash", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    with EmbeddedNats() as server:
+        cluster = Cluster(server.url, fmt, tmp_path, rng)
+        nc = await connect(server.url)
+        try:
+            await cluster.start(nc)
+            with running_edge(server.url, "--format", fmt) as edge:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+                    events = []
+
+                    async def follow_sse() -> None:
+                        async with aconnect_sse(client, "GET", f"/v1/results/{truth.request_id}") as source:
+                            async for event in source.aiter_sse():
+                                events.append(event)
+
+                    publisher = ChunkPublisher(nc, Subjects(), durable=True)
+                    pool = SimulatedPool(publisher, fmt, truth, pd=False)
+                    with anyio.fail_after(60):
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(follow_sse)
+                            [(role, bodies)] = pool.legs(0)
+                            await pool.publish(role, bodies, 0, stop=2)  # the worker dies after chunk 1
+                            while len(events) < 2:
+                                await anyio.sleep(0.05)
+                            assert await cluster.crash_owner(truth.request_id, "before_migrate", tg)
+                            migrator = Migrator(nc, Subjects(), format=fmt, timeout=30)
+                            await migrator.migrate(truth.request_id, native_request(fmt, truth), send=pool.serve)
+        finally:
+            await nc.close()
+            cluster.stop()
+    assert events[-1].data == "[DONE]" and [e.data for e in events].count("[DONE]") == 1
+    data = [e for e in events if e.event == "message"][:-1]
+    w = worker_for(fmt)
+    expected = w.agg(truth, stream=True)
+    assert [int(e.id) for e in data] == list(range(len(expected)))
+    assert [w.canonical(e.data.encode()) for e in data] == [w.canonical(b) for b in expected]
+    assert cluster.kills == {"before_migrate": 1}
+
+
+# ------------------------------------------------------------------------------ the seal record
+
+async def test_a_seal_whose_reply_was_lost_is_answered_again_by_the_next_instance(client, start_processor):
+    """The instance that recorded the seal is gone before its reply arrived: a retry of the same
+    migrate (same id) gets the same seal from the next instance, a different one attempt_mismatch."""
+    fmt = "sglang"
+    truth = make_truth(78, request_id="lost-reply", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    first = MigrateRequest(expected_attempt=0, id="seal-1")
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        async with follow(client, rp.subjects, truth.request_id, timeout=15, replay=True) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=3)
+            [await stream.__anext__() for _ in range(3)]
+        sealed = decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id),
+                                                            encode_control(first), timeout=5)).data)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        # The first instance's member key lingers for a moment: until it is gone this one takes
+        # only its share of the partitions, and a migrate for the others goes unanswered.
+        await wait_until(lambda: rp.processor.input.owns(truth.request_id), 15, "the request's partition owned")
+        again = decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id),
+                                                           encode_control(first), timeout=5)).data)
+        other = decode_migrate_reply((await client.request(
+            rp.subjects.migrate(truth.request_id), encode_control(MigrateRequest(expected_attempt=0, id="seal-2")),
+            timeout=5)).data)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15, replay=True) as stream:
+            await pool.serve(Resumed(truth.request_id, sealed.attempt, sealed.emitted_tokens, sealed.result_seq,
+                                     Migrator(client, format=fmt).codec.resume_request(
+                                         native_request(fmt, truth),
+                                         Emitted(sealed.emitted_token_ids, sealed.state))))
+            results = await stream.collect()
+        stats = rp.processor.input.stats
+    assert (stats.migrated_adopted, stats.seals_recorded) == (1, 0)  # adopted with its record; sealed nothing
+    assert isinstance(sealed, Sealed) and (sealed.attempt, sealed.emitted_tokens, sealed.result_seq) == (1, 6, 3)
+    assert again == sealed
+    assert other.code is MigrateErrorCode.ATTEMPT_MISMATCH and other.attempt == 1
+    assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_seal_recorded_by_another_instance_is_followed_by_one_that_still_holds_the_request(
+        client, start_processor):
+    """Two instances served the request for a moment (a lease overlap): the other one sealed and
+    recorded attempt 1. This one still holds attempt 0; the first chunk of attempt 1 makes it take
+    the request again from the stores and stitch the attempt as the sealing instance would have."""
+    fmt = "sglang"
+    truth = make_truth(79, request_id="overlap", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        async with follow(client, rp.subjects, truth.request_id, timeout=15, replay=True) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=2)
+            seen = [await stream.__anext__() for _ in range(2)]
+            elsewhere = Sealed(truth.request_id, 1, 4, truth.output_ids[:4], 2, fmt, {"prompt_tokens": 6})
+            durable = rp.processor.input
+            await durable.ledger.write(truth.request_id, SealRecord([2], elsewhere, "other-instance"), None)
+            await pool.serve(Resumed(truth.request_id, 1, 4, 2, Migrator(client, format=fmt).codec.resume_request(
+                native_request(fmt, truth), Emitted(elsewhere.emitted_token_ids, elsewhere.state))))
+            results = seen + await stream.collect()
+        assert durable.stats.migrated_adopted == 1
+    assert_uninterrupted(fmt, truth, results)
