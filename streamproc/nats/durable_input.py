@@ -144,7 +144,7 @@ class DurableInput:
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
                                           progress_every=settings.ack_wait / 4), self.stats)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
-                                    give_up=self._given_up)
+                                    give_up=self._given_up, publish=pipeline.publisher(nc.publish))
         self._partitions: dict[int, _Partition] = {}
         self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
@@ -422,7 +422,7 @@ class DurableInput:
         head = self._chunks_head
         cut = part.cut
         correlator = self.correlator
-        receive = correlator.receive
+        receive = self.pipeline.receive
         knows = correlator.knows
         publisher = self.publisher
         take = publisher.take

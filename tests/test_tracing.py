@@ -1,0 +1,231 @@
+"""OpenTelemetry (the ``otel`` extra): one request's spans form one trace from chunk to SSE frame.
+
+The processor and the edge run in-process against a real nats-server with the SDK's in-memory
+exporter; a client reads the SSE response over real HTTP (Uvicorn). Tests that need the SDK skip
+with a reason where the extra is not installed; the ones that pin "off costs nothing, and a missing
+extra breaks nothing" run either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import textwrap
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+import httpx
+import nats
+import pytest
+from edge_harness import expected_sse, running_edge
+from helpers import free_port
+
+from streamproc import config, tracing
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.core.wire import Subjects
+from streamproc.nats.processor import Processor
+from streamproc.sim import traffic
+
+pytestmark = [pytest.mark.anyio]
+
+FORMAT = "sglang"
+needs_otel = pytest.mark.skipif(not tracing.available(), reason="the otel extra is not installed "
+                                f"({tracing.EXTRA_HINT}); CI installs it with the test extra")
+
+
+def in_memory() -> tuple[Any, Any]:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@contextlib.asynccontextmanager
+async def edge_in_process(nats_url: str, tracer: tracing.Tracing) -> AsyncIterator[str]:
+    """The edge app under Uvicorn in this process; yields its base URL."""
+    import uvicorn
+
+    from streamproc.edge import settings as edge_settings
+    from streamproc.edge.app import create_app
+
+    port = free_port()
+    settings = edge_settings.load({}, {"nats_url": nats_url, "port": port, "format": FORMAT,
+                                       "ensure_results_stream": True})
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, tracing=tracer), host="127.0.0.1", port=port,
+                                           lifespan="on", log_config=None, timeout_graceful_shutdown=1))
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(server.serve)
+        with anyio.fail_after(20):
+            while not server.started:
+                await anyio.sleep(0.02)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+
+
+def chain(span: Any, by_id: dict[int, Any]) -> list[str]:
+    """Span names from ``span`` up to its root, following parent links."""
+    names = []
+    while span is not None:
+        names.append(span.name)
+        span = by_id.get(span.parent.span_id) if span.parent is not None else None
+    return names
+
+
+@needs_otel
+@pytest.mark.nats
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_url, mode):
+    provider, exporter = in_memory()
+    tracer = provider.get_tracer("worker")
+    request = tracer.start_span("router.request")  # the trace a router would start
+    ctx = tracing.Tracing(provider)
+    root = ctx._child(request)
+    prefill_span = tracer.start_span("worker.prefill", root)
+    decode_span = tracer.start_span("worker.decode", root)
+    [plan] = traffic.plan(FORMAT, requests=1, mode="pd", stream=True, seed=2, id_prefix=f"traced-{mode}")
+    assert len(plan.decode) > 1
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": mode})
+    async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
+        async with Processor(settings, tracing=tracing.Tracing(provider)):
+            async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+                async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                    async with await nats.connect(nats_url) as nc:
+                        publisher = ChunkPublisher(nc, Subjects(), durable=mode == "durable")
+                        # Decode first: its chunks wait for the prefill leg, whose arrival releases them.
+                        await publisher.publish_leg(plan.request_id, "decode", plan.decode, format=FORMAT,
+                                                    traceparent=ctx.traceparent(decode_span))
+                        await publisher.publish_leg(plan.request_id, "prefill", plan.prefill, format=FORMAT,
+                                                    traceparent=ctx.traceparent(prefill_span))
+                    with anyio.fail_after(20):
+                        raw = await response.aread()
+    for span in (decode_span, prefill_span, request):
+        span.end()
+
+    assert response.status_code == 200
+    frames = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert len(frames) == len(plan.decode) + 1 and frames[-1] == b"data: [DONE]"
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    assert {s.context.trace_id for s in spans} == {request.get_span_context().trace_id}, "one trace"
+    names = [s.name for s in spans]
+    # One correlate span per chunk, one join span per P/D result, a publish span per result
+    # (durable: per publish attempt; each is a child of the same join span).
+    assert names.count("streamproc.correlate") == len(plan.decode) + len(plan.prefill)
+    assert names.count("streamproc.join") == len(plan.decode)
+    assert names.count("streamproc.publish") >= len(plan.decode)
+    frame_spans = sorted((s for s in spans if s.name == "streamproc.edge.frame"),
+                         key=lambda s: s.attributes["streamproc.seq"])
+    assert [s.attributes["streamproc.seq"] for s in frame_spans] == list(range(len(plan.decode)))
+    for frame in frame_spans:
+        assert chain(frame, by_id)[:4] == ["streamproc.edge.frame", "streamproc.publish", "streamproc.join",
+                                           "streamproc.correlate"], chain(frame, by_id)
+        worker = chain(frame, by_id)[4:]
+        assert worker in (["worker.prefill", "router.request"], ["worker.decode", "router.request"]), worker
+        publish = by_id[frame.parent.span_id]
+        join = by_id[publish.parent.span_id]
+        assert publish.attributes["streamproc.seq"] == frame.attributes["streamproc.seq"]
+        assert join.attributes["streamproc.verdict"] == frame.attributes["streamproc.verdict"] == "joined"
+        assert join.attributes["streamproc.request_id"] == plan.request_id
+    correlates = [s for s in spans if s.name == "streamproc.correlate"]
+    assert {s.attributes["streamproc.role"] for s in correlates} == {"prefill", "decode"}
+    assert all(s.attributes["streamproc.request_id"] == plan.request_id for s in correlates)
+    [stream] = [s for s in spans if s.name == "streamproc.edge.stream"]
+    assert stream.attributes["streamproc.edge.frames"] == len(plan.decode)
+    assert stream.attributes["streamproc.edge.outcome"] == "completed"
+    assert all(link.context.span_id == stream.context.span_id for f in frame_spans for link in f.links)
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_results_of_a_chunk_without_traceparent_start_a_trace_the_edge_continues(nats_url):
+    provider, exporter = in_memory()
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=False, seed=4, id_prefix="untraced")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
+        async with Processor(settings, tracing=tracing.Tracing(provider)):
+            async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+                async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                    async with await nats.connect(nats_url) as nc:
+                        await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT)
+                    with anyio.fail_after(20):
+                        raw = await response.aread()
+    assert raw == expected_sse(plan.agg)  # the body is untouched by tracing
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    [frame] = [s for s in spans if s.name == "streamproc.edge.frame"]
+    assert chain(frame, by_id) == ["streamproc.edge.frame", "streamproc.publish", "streamproc.correlate"]
+    assert len({s.context.trace_id for s in spans}) == 1
+    assert by_id[frame.parent.span_id].attributes["streamproc.verdict"] == "passthrough"
+
+
+def test_tracing_is_off_without_otel_variables_and_the_hot_path_binds_the_correlators_own_methods():
+    settings = config.load({}, {"nats_url": "nats://127.0.0.1:1", "format": FORMAT})
+    assert tracing.exporter_names({}) == []
+    assert tracing.exporter_names({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_EXPORTER": "none"}) == []
+    assert tracing.exporter_names({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}) == ["otlp"]
+    assert tracing.exporter_names({"OTEL_TRACES_EXPORTER": "otlp,console"}) == ["otlp", "console"]
+    assert tracing.exporter_names({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}) == []
+    p = Processor(settings, tracing=None)
+    pipeline = p.pipeline
+    assert pipeline.receive == p.correlator.receive and pipeline.finish == p.correlator.finish
+
+    async def publish(*args: object) -> None:
+        pass
+
+    assert pipeline.publisher(publish) is publish
+
+
+@needs_otel
+def test_otel_variables_that_name_no_installed_exporter_are_a_startup_error():
+    from streamproc.core.errors import StartupError
+
+    settings = config.load({}, {"nats_url": "nats://127.0.0.1:1", "format": FORMAT})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OTEL_TRACES_EXPORTER", "no-such-exporter")
+        with pytest.raises(StartupError, match="no-such-exporter"):
+            Processor(settings)
+        mp.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
+        with pytest.raises(StartupError, match="carrier-pigeon"):
+            Processor(settings)
+
+
+def shadow_opentelemetry(tmp: Path) -> str:
+    """A PYTHONPATH entry on which ``import opentelemetry`` fails, as without the extra."""
+    package = tmp / "opentelemetry"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent("""\
+        raise ImportError("opentelemetry is not installed (shadowed by the test)")
+    """))
+    return str(tmp)
+
+
+@pytest.mark.nats
+async def test_without_the_extra_otel_variables_only_warn_and_results_still_flow(nats_url, tmp_path):
+    import os
+
+    shadow = shadow_opentelemetry(tmp_path)
+    env = {"PYTHONPATH": shadow + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=True, seed=6, id_prefix="no-extra")
+    from conftest import processor_subprocess
+
+    with processor_subprocess(nats_url, "--format", FORMAT, "--mode", "core", env=env) as (proc, log_path):
+        with running_edge(nats_url, "--format", FORMAT, env=env) as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
+                async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                    async with await nats.connect(nats_url) as nc:
+                        await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT)
+                    with anyio.fail_after(20):
+                        raw = await response.aread()
+            edge_log = edge.log()
+        processor_log = log_path.read_text()
+    assert raw == expected_sse(plan.agg)
+    for log in (processor_log, edge_log):
+        assert "tracing_unavailable" in log and "streamproc[otel]" in log, log
