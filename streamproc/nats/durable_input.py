@@ -431,6 +431,7 @@ class DurableInput:
         queue = outbox.take  # the outbox itself on the common path: one call less per message
         notify = self.pipeline.notify
         delivered = part.credit.delivered
+        stats = self.stats
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
@@ -445,6 +446,8 @@ class DurableInput:
             now = clock()
             if delivered(now):
                 await self._pull(part)
+            if delivery_count(reply) > 1:  # every redelivery, of known requests too (a metric)
+                stats.redelivered += 1
             try:
                 chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
             except ContractError as exc:
@@ -456,7 +459,7 @@ class DurableInput:
                 if not await self._recover(rid, chunk.format, msg, now):
                     await pump()
                     return
-            notices = queue(receive(chunk, now), rid)
+            notices = queue(receive(chunk, now), rid, now)
             if notices:
                 for n in notices:
                     notify(n)
@@ -467,8 +470,6 @@ class DurableInput:
     async def _recover(self, rid: str, format: str | None, msg: Msg, now: float) -> bool:
         """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read."""
         self.stats.recoveries += 1
-        if delivery_count(msg.reply) > 1:
-            self.stats.redelivered += 1
         try:
             stored = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
         except NotFoundError:
