@@ -211,8 +211,10 @@ class Tracing:
             for d in decisions:
                 if d.__class__ is Work and d.request_id == rid:
                     self._works[d] = (parent, time.time_ns())
-            # Works of other (queued) requests stay unrecorded: their joins take their own worker context.
-            self._annotate([d for d in decisions if d is not first and d.__class__ is not Work], parent, None, None)
+            rest = [d for d in decisions if d.__class__ is Result and d is not first]
+            self._annotate([d for d in rest if d.request_id == rid], parent, None, None)
+            # Other (queued) requests' results: their joins take their own worker context.
+            self._annotate([d for d in rest if d.request_id != rid], None, None, None)
             return decisions
 
         return finish
