@@ -175,15 +175,17 @@ class Tracing:
         consumer = self._kinds.CONSUMER
 
         def receive(chunk: Any, now: float) -> list:
+            start = time.time_ns()  # kept here: an unsampled (non-recording) span has no start_time
             span = tracer.start_span("streamproc.correlate", self.context(chunk.traceparent), consumer, {
-                REQUEST_ID: chunk.request_id, ROLE: chunk.role.value, SEQ: chunk.seq, BYTES: len(chunk.body)})
+                REQUEST_ID: chunk.request_id, ROLE: chunk.role.value, SEQ: chunk.seq, BYTES: len(chunk.body)},
+                start_time=start)
             try:
                 decisions = inner(chunk, now)
             except BaseException as exc:
                 span.record_exception(exc)
                 span.end()
                 raise
-            self._annotate(decisions, self._child(span), self.traceparent(span), span.start_time)
+            self._annotate(decisions, self._child(span), self.traceparent(span), start)
             span.end()
             return decisions
 

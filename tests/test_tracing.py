@@ -164,6 +164,30 @@ async def test_results_of_a_chunk_without_traceparent_start_a_trace_the_edge_con
     assert by_id[frame.parent.span_id].attributes["streamproc.verdict"] == "passthrough"
 
 
+@needs_otel
+@pytest.mark.nats
+async def test_a_worker_trace_that_is_not_sampled_stays_unsampled_and_results_still_flow(nats_url):
+    provider, exporter = in_memory()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    unsampled = f"00-{trace_id}-00f067aa0ba902b7-00"  # flags 00: the worker decided not to sample
+    [plan] = traffic.plan(FORMAT, requests=1, mode="pd", stream=True, seed=2, id_prefix="unsampled")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with Processor(settings, tracing=tracing.Tracing(provider)) as p:
+        async with await nats.connect(nats_url) as nc:
+            sub = await nc.subscribe(p.subjects.result(plan.request_id))
+            publisher = ChunkPublisher(nc)
+            await publisher.publish_leg(plan.request_id, "decode", plan.decode, format=FORMAT, traceparent=unsampled)
+            await publisher.publish_leg(plan.request_id, "prefill", plan.prefill, format=FORMAT,
+                                        traceparent=unsampled)
+            with anyio.fail_after(20):
+                results = [await sub.next_msg(timeout=20) for _ in plan.decode]
+    assert [r.headers["Streamproc-Join"] for r in results] == ["joined"] * len(plan.decode)
+    for r in results:  # the same trace, still unsampled, and a span id of the processor's own
+        version, tid, span_id, flags = r.headers["traceparent"].split("-")
+        assert (version, tid, flags) == ("00", trace_id, "00") and span_id != "00f067aa0ba902b7"
+    assert exporter.get_finished_spans() == ()
+
+
 def test_tracing_is_off_without_otel_variables_and_the_hot_path_binds_the_correlators_own_methods():
     settings = config.load({}, {"nats_url": "nats://127.0.0.1:1", "format": FORMAT})
     assert tracing.exporter_names({}) == []
