@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
+from .core import defaults
 from .core.correlator import Work
 from .core.events import Result, ResultInfo, Verdict
 from .core.wire import ERROR, JOIN, MSG_ID, TRACEPARENT
@@ -45,6 +46,8 @@ VERDICT = "streamproc.verdict"
 ERROR_KIND = "streamproc.error"
 BYTES = "messaging.message.body.size"
 OFFLOADED = "streamproc.join.offloaded"
+
+MAX_REMEMBERED = defaults.MAX_INFLIGHT  # requests whose latest correlate span context is kept (the oldest go first)
 
 _JOIN_VERDICTS = frozenset({Verdict.JOINED, Verdict.OMITTED, Verdict.STITCHED})
 
@@ -146,6 +149,7 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         self._kinds = trace.SpanKind
         self._works: dict[Work, tuple[Any, int]] = {}  # an offloaded join -> (correlate context, decided ns)
+        self._last: dict[str, Any] = {}  # request id -> its latest chunk's correlate SpanContext (_remember)
 
     def shutdown(self) -> None:
         if self._owned:
@@ -185,38 +189,51 @@ class Tracing:
                 span.record_exception(exc)
                 span.end()
                 raise
-            self._annotate(decisions, self._child(span), self.traceparent(span), start)
+            parent = self._child(span)
+            self._remember(chunk.request_id, span)
+            self._annotate(decisions, parent, self.traceparent(span), start)
             span.end()
             return decisions
 
         return receive
 
+    def _remember(self, request_id: str, span: Any) -> None:
+        """The correlate span of a request's latest chunk: the parent of a join that the
+        correlator queues now and decides later, inside another request's ``finish``. Only its
+        ``SpanContext`` is kept (two integers and flags), not the span."""
+        last = self._last
+        last.pop(request_id, None)  # re-inserted last: the oldest entry is the first to go
+        last[request_id] = span.get_span_context()
+        if len(last) > MAX_REMEMBERED:
+            del last[next(iter(last))]
+
     def finish(self, inner: Callable[[Work, float], list]) -> Callable[[Work, float], list]:
-        """``Correlator.finish``: an offloaded join's span runs from its Work decision to here. Joins
-        the same call releases for that request (its next chunks) stay under the same correlate span."""
+        """``Correlator.finish``: an offloaded join's span runs from its Work decision to here. What
+        the same call releases for other requests (queued joins) goes under their latest chunk's
+        correlate span."""
 
         def finish(work: Work, now: float) -> list:
             started = self._works.pop(work, None)
             decisions = inner(work, now)
-            if started is None:
-                self._annotate(decisions, None, None, None)
-                return decisions
-            parent, decided = started
             rid = work.request_id
-            first = next((d for d in decisions if d.__class__ is Result and d.request_id == rid), None)
-            if first is not None:
-                span = self._tracer.start_span("streamproc.join", parent, links=self._links(first),
-                                               start_time=decided, attributes={REQUEST_ID: rid, OFFLOADED: True})
-                self._label(span, first)
-                span.end()
-                first.traceparent = self.traceparent(span)
+            first = None
+            if started is not None:
+                parent, decided = started
+                first = next((d for d in decisions if d.__class__ is Result and d.request_id == rid), None)
+                if first is not None:
+                    span = self._tracer.start_span("streamproc.join", parent, links=self._links(first),
+                                                   start_time=decided, attributes={REQUEST_ID: rid, OFFLOADED: True})
+                    self._label(span, first)
+                    span.end()
+                    first.traceparent = self.traceparent(span)
             for d in decisions:
-                if d.__class__ is Work and d.request_id == rid:
-                    self._works[d] = (parent, time.time_ns())
-            rest = [d for d in decisions if d.__class__ is Result and d is not first]
-            self._annotate([d for d in rest if d.request_id == rid], parent, None, None)
-            # Other (queued) requests' results: their joins take their own worker context.
-            self._annotate([d for d in rest if d.request_id != rid], None, None, None)
+                if d is not first and (d.__class__ is Result or d.__class__ is Work):
+                    if started is not None and d.request_id == rid:
+                        parent = started[0]
+                    else:
+                        remembered = self._last.get(d.request_id)
+                        parent = None if remembered is None else self._child(self._trace.NonRecordingSpan(remembered))
+                    self._annotate((d,), parent, None, None)
             return decisions
 
         return finish
@@ -227,13 +244,14 @@ class Tracing:
             return ()
         return (self._trace.Link(self._trace.get_current_span(self.context(result.traceparent)).get_span_context()),)
 
-    def _annotate(self, decisions: list, parent: Any, traceparent: str | None, start: int | None) -> None:
+    def _annotate(self, decisions: Iterable[Any], parent: Any, traceparent: str | None, start: int | None) -> None:
         """Give each result its processor parent: a ``streamproc.join`` span for a P/D result (a
-        child of ``parent``, the correlate span's context, or off the message path of the result's
-        own worker context), else the correlate span's ``traceparent``. An inline join runs inside
-        the correlator call, which the pure core does not time apart, so its span covers that call;
-        an offloaded one is timed by ``finish``. The decode chunk that carried the result's body is
-        linked (another chunk, e.g. the prefill leg, may have released it)."""
+        child of ``parent``, a correlate span's context, or failing that of the result's own
+        worker context), else the correlate span's ``traceparent``. An inline join runs inside the
+        correlator call, which the pure core does not time apart, so its span covers that call; an
+        offloaded one is timed by ``finish``. The decode chunk that carried the result's body is
+        linked (another chunk, e.g. the prefill leg, may have released it). A final result ends
+        the request: its remembered context is dropped."""
         for d in decisions:
             cls = d.__class__
             if cls is Work:
@@ -242,6 +260,8 @@ class Tracing:
                 continue
             if cls is not Result:
                 continue
+            if d.final:
+                self._last.pop(d.request_id, None)
             if d.verdict in _JOIN_VERDICTS:
                 span = self._tracer.start_span(
                     "streamproc.join", parent if parent is not None else self.context(d.traceparent),

@@ -77,68 +77,95 @@ def chain(span: Any, by_id: dict[int, Any]) -> list[str]:
     return names
 
 
+class Traced:
+    """One simulated P/D request under a router span of its own, with a worker span per leg."""
+
+    def __init__(self, provider: Any, plan: traffic.PlannedRequest) -> None:
+        tracer = provider.get_tracer("worker")
+        self.plan = plan
+        self.root = tracer.start_span("router.request")
+        ctx = tracing.Tracing(provider)._child(self.root)
+        self.prefill = tracer.start_span("worker.prefill", ctx)
+        self.decode = tracer.start_span("worker.decode", ctx)
+
+    def end(self) -> None:
+        for span in (self.decode, self.prefill, self.root):
+            span.end()
+
+
 @needs_otel
 @pytest.mark.nats
 @pytest.mark.parametrize("mode", ["core", "durable"])
 async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_url, mode):
     provider, exporter = in_memory()
-    tracer = provider.get_tracer("worker")
-    request = tracer.start_span("router.request")  # the trace a router would start
-    ctx = tracing.Tracing(provider)
-    root = ctx._child(request)
-    prefill_span = tracer.start_span("worker.prefill", root)
-    decode_span = tracer.start_span("worker.decode", root)
-    [plan] = traffic.plan(FORMAT, requests=1, mode="pd", stream=True, seed=2, id_prefix=f"traced-{mode}")
-    assert len(plan.decode) > 1
+    fmt = tracing.Tracing(provider)
+    # Two requests at once: in core mode joins run off the loop one at a time, so the second
+    # request's join is queued behind the first's and decided inside its finish.
+    requests = [Traced(provider, p) for p in traffic.plan(FORMAT, requests=2, mode="pd", stream=True, seed=2,
+                                                            id_prefix=f"traced-{mode}")]
+    assert all(len(r.plan.decode) > 1 for r in requests)
     settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": mode})
+    raws: dict[str, bytes] = {}
     async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
         async with Processor(settings, tracing=tracing.Tracing(provider)):
-            async with httpx.AsyncClient(base_url=url, timeout=20) as client:
-                async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
-                    async with await nats.connect(nats_url) as nc:
-                        publisher = ChunkPublisher(nc, Subjects(), durable=mode == "durable")
-                        # Decode first: its chunks wait for the prefill leg, whose arrival releases them.
-                        await publisher.publish_leg(plan.request_id, "decode", plan.decode, format=FORMAT,
-                                                    traceparent=ctx.traceparent(decode_span))
-                        await publisher.publish_leg(plan.request_id, "prefill", plan.prefill, format=FORMAT,
-                                                    traceparent=ctx.traceparent(prefill_span))
-                    with anyio.fail_after(20):
-                        raw = await response.aread()
-    for span in (decode_span, prefill_span, request):
-        span.end()
+            async with httpx.AsyncClient(base_url=url, timeout=20) as client, contextlib.AsyncExitStack() as stack:
+                responses = [await stack.enter_async_context(client.stream("GET", f"/v1/results/{r.plan.request_id}"))
+                             for r in requests]
+                async with await nats.connect(nats_url) as nc:
+                    publisher = ChunkPublisher(nc, Subjects(), durable=mode == "durable")
+                    # Decode legs first: their chunks wait for the prefill legs, whose arrival releases them.
+                    for r in requests:
+                        await publisher.publish_leg(r.plan.request_id, "decode", r.plan.decode, format=FORMAT,
+                                                    traceparent=fmt.traceparent(r.decode))
+                    for r in requests:
+                        await publisher.publish_leg(r.plan.request_id, "prefill", r.plan.prefill, format=FORMAT,
+                                                    traceparent=fmt.traceparent(r.prefill))
+                with anyio.fail_after(20):
+                    for r, response in zip(requests, responses):
+                        assert response.status_code == 200
+                        raws[r.plan.request_id] = await response.aread()
+    for r in requests:
+        r.end()
 
-    assert response.status_code == 200
-    frames = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
-    assert len(frames) == len(plan.decode) + 1 and frames[-1] == b"data: [DONE]"
     spans = exporter.get_finished_spans()
     by_id = {s.context.span_id: s for s in spans}
-    assert {s.context.trace_id for s in spans} == {request.get_span_context().trace_id}, "one trace"
-    names = [s.name for s in spans]
-    # One correlate span per chunk, one join span per P/D result, a publish span per result
-    # (durable: per publish attempt; each is a child of the same join span).
-    assert names.count("streamproc.correlate") == len(plan.decode) + len(plan.prefill)
-    assert names.count("streamproc.join") == len(plan.decode)
-    assert names.count("streamproc.publish") >= len(plan.decode)
-    frame_spans = sorted((s for s in spans if s.name == "streamproc.edge.frame"),
-                         key=lambda s: s.attributes["streamproc.seq"])
-    assert [s.attributes["streamproc.seq"] for s in frame_spans] == list(range(len(plan.decode)))
-    for frame in frame_spans:
-        assert chain(frame, by_id)[:4] == ["streamproc.edge.frame", "streamproc.publish", "streamproc.join",
-                                           "streamproc.correlate"], chain(frame, by_id)
-        worker = chain(frame, by_id)[4:]
-        assert worker in (["worker.prefill", "router.request"], ["worker.decode", "router.request"]), worker
-        publish = by_id[frame.parent.span_id]
-        join = by_id[publish.parent.span_id]
-        assert publish.attributes["streamproc.seq"] == frame.attributes["streamproc.seq"]
-        assert join.attributes["streamproc.verdict"] == frame.attributes["streamproc.verdict"] == "joined"
-        assert join.attributes["streamproc.request_id"] == plan.request_id
-    correlates = [s for s in spans if s.name == "streamproc.correlate"]
-    assert {s.attributes["streamproc.role"] for s in correlates} == {"prefill", "decode"}
-    assert all(s.attributes["streamproc.request_id"] == plan.request_id for s in correlates)
-    [stream] = [s for s in spans if s.name == "streamproc.edge.stream"]
-    assert stream.attributes["streamproc.edge.frames"] == len(plan.decode)
-    assert stream.attributes["streamproc.edge.outcome"] == "completed"
-    assert all(link.context.span_id == stream.context.span_id for f in frame_spans for link in f.links)
+    for r in requests:
+        plan = r.plan
+        frames = [line for line in raws[plan.request_id].split(b"\n") if line.startswith(b"data: ")]
+        assert len(frames) == len(plan.decode) + 1 and frames[-1] == b"data: [DONE]"
+        trace_id = r.root.get_span_context().trace_id
+        mine = [s for s in spans if s.context.trace_id == trace_id]
+        assert {s.attributes.get("streamproc.request_id", plan.request_id) for s in mine} == {plan.request_id}
+        names = [s.name for s in mine]
+        # One correlate span per chunk, one join span per P/D result, a publish span per result
+        # (durable: per publish attempt; each is a child of the same join span).
+        assert names.count("streamproc.correlate") == len(plan.decode) + len(plan.prefill)
+        assert names.count("streamproc.join") == len(plan.decode)
+        assert names.count("streamproc.publish") >= len(plan.decode)
+        frame_spans = sorted((s for s in mine if s.name == "streamproc.edge.frame"),
+                             key=lambda s: s.attributes["streamproc.seq"])
+        assert [s.attributes["streamproc.seq"] for s in frame_spans] == list(range(len(plan.decode)))
+        for frame in frame_spans:
+            path = chain(frame, by_id)
+            assert path[:4] == ["streamproc.edge.frame", "streamproc.publish", "streamproc.join",
+                                "streamproc.correlate"], path
+            assert path[4:] in (["worker.prefill", "router.request"], ["worker.decode", "router.request"]), path
+            publish = by_id[frame.parent.span_id]
+            join = by_id[publish.parent.span_id]
+            assert publish.attributes["streamproc.seq"] == frame.attributes["streamproc.seq"]
+            assert join.attributes["streamproc.verdict"] == frame.attributes["streamproc.verdict"] == "joined"
+            # the join links to the decode chunk that carried the body, when another chunk released it
+            correlate = by_id[join.parent.span_id]
+            if correlate.attributes["streamproc.role"] == "prefill":
+                assert [link.context.span_id for link in join.links] == [r.decode.get_span_context().span_id]
+        correlates = [s for s in mine if s.name == "streamproc.correlate"]
+        assert {s.attributes["streamproc.role"] for s in correlates} == {"prefill", "decode"}
+        [stream] = [s for s in mine if s.name == "streamproc.edge.stream"]
+        assert stream.attributes["streamproc.edge.frames"] == len(plan.decode)
+        assert stream.attributes["streamproc.edge.outcome"] == "completed"
+        assert all(link.context.span_id == stream.context.span_id for f in frame_spans for link in f.links)
+    assert len(spans) == sum(len([s for s in spans if s.context.trace_id == r.root.get_span_context().trace_id])
+                             for r in requests), "every span is in one of the two requests' traces"
 
 
 @needs_otel
