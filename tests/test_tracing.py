@@ -280,3 +280,88 @@ async def test_without_the_extra_otel_variables_only_warn_and_results_still_flow
     assert raw == expected_sse(plan.agg)
     for log in (processor_log, edge_log):
         assert "tracing_unavailable" in log and "streamproc[otel]" in log, log
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace receiver (``POST /v1/traces``, protobuf) on a free port."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.bodies: list[bytes] = []
+        received = self.bodies
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/traces":
+                    received.append(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def spans(self) -> list[tuple[str, Any]]:
+        """``(service.name, span)`` for every span received so far."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        out = []
+        for body in self.bodies:
+            request = ExportTraceServiceRequest.FromString(body)
+            for rs in request.resource_spans:
+                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                out.extend((service, span) for scope in rs.scope_spans for span in scope.spans)
+        return out
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_processor_and_edge_export_over_otlp_as_the_standard_variables_say(nats_url):
+    """`streamproc run` and `streamproc edge` as subprocesses, configured only by OTEL_* variables,
+    export their spans of one request over OTLP/HTTP; flushed on a graceful stop."""
+    from conftest import processor_subprocess
+
+    receiver = OtlpReceiver()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    worker = f"00-{trace_id}-b7ad6b7169203331-01"
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=True, seed=6, id_prefix="otlp")
+    try:
+        with processor_subprocess(nats_url, "--format", FORMAT, "--mode", "core", env=env) as (proc, log_path):
+            with running_edge(nats_url, "--format", FORMAT, env=env) as edge:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
+                    async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                        async with await nats.connect(nats_url) as nc:
+                            await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT,
+                                                                 traceparent=worker)
+                        with anyio.fail_after(20):
+                            raw = await response.aread()
+                assert edge.stop() == 0
+            processor_log = log_path.read_text()
+        assert raw == expected_sse(plan.agg)
+        assert "event=tracing_enabled" in processor_log and "exporters=otlp" in processor_log
+        spans = receiver.spans()
+    finally:
+        receiver.close()
+    assert {span.trace_id.hex() for _, span in spans} == {trace_id}
+    by_service: dict[str, list[str]] = {}
+    for service, span in spans:
+        by_service.setdefault(service, []).append(span.name)
+    n = len(plan.agg)
+    assert sorted(by_service["streamproc"]) == sorted(["streamproc.correlate"] * n + ["streamproc.publish"] * n)
+    assert sorted(by_service["streamproc-edge"]) == sorted(["streamproc.edge.frame"] * n + ["streamproc.edge.stream"])
+    worker_span_id = worker.split("-")[2]
+    assert all(s.parent_span_id.hex() == worker_span_id for _, s in spans if s.name == "streamproc.correlate")
