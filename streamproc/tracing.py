@@ -150,6 +150,24 @@ class Tracing:
         self._kinds = trace.SpanKind
         self._works: dict[Work, tuple[Any, int]] = {}  # an offloaded join -> (correlate context, decided ns)
         self._last: dict[str, Any] = {}  # request id -> its latest chunk's correlate SpanContext (_remember)
+        self.skips_unsampled = self._drops_unsampled_parents()
+
+    def _drops_unsampled_parents(self) -> bool:
+        """Whether the sampler drops every span whose remote parent is not sampled (parent-based,
+        the default): then a chunk with such a ``traceparent`` skips the spans altogether and its
+        results carry the worker's ``traceparent`` on unchanged, which is all a non-recording span
+        would have left behind, at the cost of one string check instead of the SDK's span set-up.
+        Asked of the sampler through its public ``should_sample``, for a few trace ids."""
+        from opentelemetry.sdk.trace.sampling import Decision
+
+        sampler = getattr(self.provider, "sampler", None)
+        if sampler is None:
+            return False
+        for trace_id in (1, 1 << 64, (1 << 128) - 1):
+            parent = self.context(f"00-{trace_id:032x}-{1:016x}-00")
+            if sampler.should_sample(parent, trace_id, "streamproc.correlate").decision is not Decision.DROP:
+                return False
+        return True
 
     def shutdown(self) -> None:
         if self._owned:
@@ -178,7 +196,13 @@ class Tracing:
         tracer = self._tracer
         consumer = self._kinds.CONSUMER
 
+        skip = self.skips_unsampled
+
         def receive(chunk: Any, now: float) -> list:
+            if skip:
+                traceparent = chunk.traceparent
+                if traceparent is not None and traceparent.endswith("-00"):  # the worker did not sample it
+                    return inner(chunk, now)
             start = time.time_ns()  # kept here: an unsampled (non-recording) span has no start_time
             span = tracer.start_span("streamproc.correlate", self.context(chunk.traceparent), consumer, {
                 REQUEST_ID: chunk.request_id, ROLE: chunk.role.value, SEQ: chunk.seq, BYTES: len(chunk.body)},
@@ -262,6 +286,8 @@ class Tracing:
                 continue
             if d.final:
                 self._last.pop(d.request_id, None)
+            if parent is None and self.skips_unsampled and d.traceparent and d.traceparent.endswith("-00"):
+                continue  # off the message path, of an unsampled worker trace: nothing would be recorded
             if d.verdict in _JOIN_VERDICTS:
                 span = self._tracer.start_span(
                     "streamproc.join", parent if parent is not None else self.context(d.traceparent),
@@ -286,10 +312,11 @@ class Tracing:
         (no headers) go straight through."""
         tracer = self._tracer
         producer = self._kinds.PRODUCER
+        skip = self.skips_unsampled
 
         async def publish(subject: str, payload: bytes = b"", reply: str = "",
                           headers: dict[str, str] | None = None) -> None:
-            if headers is None:
+            if headers is None or skip and headers.get(TRACEPARENT, "").endswith("-00"):
                 return await inner(subject, payload, reply, headers)
             msg_id = headers.get(MSG_ID, "")
             rid, _, seq = msg_id.rpartition(".")
@@ -356,6 +383,8 @@ class StreamTrace:
         t = self._t
         parent = t.context(result.traceparent)
         stream = self._open(parent)
+        if t.skips_unsampled and result.traceparent is not None and result.traceparent.endswith("-00"):
+            return  # unsampled: a non-recording span would leave nothing behind
         attributes: dict[str, Any] = {REQUEST_ID: self._request_id, SEQ: result.seq, BYTES: size}
         if result.verdict is not None:
             attributes[VERDICT] = result.verdict.value

@@ -209,10 +209,37 @@ async def test_a_worker_trace_that_is_not_sampled_stays_unsampled_and_results_st
             with anyio.fail_after(20):
                 results = [await sub.next_msg(timeout=20) for _ in plan.decode]
     assert [r.headers["Streamproc-Join"] for r in results] == ["joined"] * len(plan.decode)
-    for r in results:  # the same trace, still unsampled, and a span id of the processor's own
-        version, tid, span_id, flags = r.headers["traceparent"].split("-")
-        assert (version, tid, flags) == ("00", trace_id, "00") and span_id != "00f067aa0ba902b7"
+    # The default sampler is parent-based: the processor records nothing and passes the worker's
+    # traceparent on as it came (the same trace, still unsampled).
+    assert [r.headers["traceparent"] for r in results] == [unsampled] * len(plan.decode)
     assert exporter.get_finished_spans() == ()
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processors_spans(nats_url):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traced = tracing.Tracing(provider)
+    assert not traced.skips_unsampled
+    unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=False, seed=7, id_prefix="recorded")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with Processor(settings, tracing=traced) as p:
+        async with await nats.connect(nats_url) as nc:
+            sub = await nc.subscribe(p.subjects.result(plan.request_id))
+            await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT,
+                                                 traceparent=unsampled)
+            result = await sub.next_msg(timeout=20)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"streamproc.correlate", "streamproc.publish"}
+    assert result.headers["traceparent"] == tracing.Tracing(provider).traceparent(spans["streamproc.publish"])
 
 
 def test_tracing_is_off_without_otel_variables_and_the_hot_path_binds_the_correlators_own_methods():
