@@ -43,7 +43,7 @@ def traced(load, prefix: str, flags: str):
         request_id = subject.split(".")[2]
         trace_id = int.from_bytes(request_id.encode()[:16].ljust(16, b"\0"), "big") or 1
         headers = {**headers, "traceparent": f"00-{trace_id:032x}-{7:016x}-{flags}"}
-        out.append((prefix + subject[len("bench"):], body, headers))
+        out.append((prefix + subject[len("bench") :], body, headers))
     return out
 
 
@@ -51,11 +51,13 @@ async def run(args) -> None:
     names = list(SETTINGS)
     cpus: dict[str, list[float]] = {n: [] for n in names}
     with EmbeddedNats(jetstream=False) as server:
-        print(f"nats-server {server.url}; {os.cpu_count()} cores; {args.messages} messages per run, "
-              f"{args.rounds} rounds, order rotated per round")
+        print(
+            f"nats-server {server.url}; {os.cpu_count()} cores; {args.messages} messages per run, "
+            f"{args.rounds} rounds, order rotated per round"
+        )
         load = build_load(args.messages, True, "bench")
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 env, flags = SETTINGS[name]
                 saved = {k: os.environ.get(k) for k in env}
@@ -78,7 +80,9 @@ async def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
     asyncio.run(run(parser.parse_args()))

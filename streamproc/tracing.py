@@ -47,7 +47,9 @@ ERROR_KIND = "streamproc.error"
 BYTES = "messaging.message.body.size"
 OFFLOADED = "streamproc.join.offloaded"
 
-MAX_REMEMBERED = defaults.MAX_INFLIGHT  # requests whose latest correlate span context is kept (the oldest go first)
+MAX_REMEMBERED = (
+    defaults.MAX_INFLIGHT
+)  # requests whose latest correlate span context is kept (the oldest go first)
 
 _JOIN_VERDICTS = frozenset({Verdict.JOINED, Verdict.OMITTED, Verdict.STITCHED})
 
@@ -76,7 +78,9 @@ def exporter_names(environ: Mapping[str, str]) -> list[str]:
         return []
     names = environ.get("OTEL_TRACES_EXPORTER")
     if names is None:
-        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
         return ["otlp"] if endpoint else []
     out = [n.strip() for n in names.split(",") if n.strip()]
     return [] if out == ["none"] else [n for n in out if n != "none"]
@@ -87,8 +91,11 @@ def _entry_point_name(name: str, environ: Mapping[str, str]) -> str:
     as ``opentelemetry.sdk._configuration._get_exporter_entry_point`` maps it."""
     if name != "otlp":
         return name
-    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc").strip()
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    ).strip()
     by_protocol = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
     if protocol not in by_protocol:
         raise ValueError(f"unsupported OTLP protocol {protocol!r} (grpc or http/protobuf)")
@@ -108,8 +115,13 @@ def from_environment(service: str, environ: Mapping[str, str] | None = None) -> 
     if not names:
         return None
     if not available():
-        log_event(log, logging.WARNING, "tracing_unavailable", exporters=",".join(names),
-                  detail=f"OTEL_* variables ask for traces but the otel extra is not installed: {EXTRA_HINT}")
+        log_event(
+            log,
+            logging.WARNING,
+            "tracing_unavailable",
+            exporters=",".join(names),
+            detail=f"OTEL_* variables ask for traces but the otel extra is not installed: {EXTRA_HINT}",
+        )
         return None
     from importlib.metadata import entry_points
 
@@ -182,7 +194,8 @@ class Tracing:
         return self._propagator.extract({TRACEPARENT: traceparent}, context=self._root)
 
     def traceparent(self, span: Any) -> str:
-        """W3C ``traceparent`` of ``span`` (version 00), as ``TraceContextTextMapPropagator.inject`` writes it."""
+        """W3C ``traceparent`` of ``span`` (version 00), as ``TraceContextTextMapPropagator.inject``
+        writes it."""
         c = span.get_span_context()
         return f"00-{c.trace_id:032x}-{c.span_id:016x}-{c.trace_flags:02x}"
 
@@ -204,9 +217,18 @@ class Tracing:
                 if traceparent is not None and traceparent.endswith("-00"):  # the worker did not sample it
                     return inner(chunk, now)
             start = time.time_ns()  # kept here: an unsampled (non-recording) span has no start_time
-            span = tracer.start_span("streamproc.correlate", self.context(chunk.traceparent), consumer, {
-                REQUEST_ID: chunk.request_id, ROLE: chunk.role.value, SEQ: chunk.seq, BYTES: len(chunk.body)},
-                start_time=start)
+            span = tracer.start_span(
+                "streamproc.correlate",
+                self.context(chunk.traceparent),
+                consumer,
+                {
+                    REQUEST_ID: chunk.request_id,
+                    ROLE: chunk.role.value,
+                    SEQ: chunk.seq,
+                    BYTES: len(chunk.body),
+                },
+                start_time=start,
+            )
             try:
                 decisions = inner(chunk, now)
             except BaseException as exc:
@@ -245,8 +267,13 @@ class Tracing:
                 parent, decided = started
                 first = next((d for d in decisions if d.__class__ is Result and d.request_id == rid), None)
                 if first is not None:
-                    span = self._tracer.start_span("streamproc.join", parent, links=self._links(first),
-                                                   start_time=decided, attributes={REQUEST_ID: rid, OFFLOADED: True})
+                    span = self._tracer.start_span(
+                        "streamproc.join",
+                        parent,
+                        links=self._links(first),
+                        start_time=decided,
+                        attributes={REQUEST_ID: rid, OFFLOADED: True},
+                    )
                     self._label(span, first)
                     span.end()
                     first.traceparent = self.traceparent(span)
@@ -256,7 +283,11 @@ class Tracing:
                         parent = started[0]
                     else:
                         remembered = self._last.get(d.request_id)
-                        parent = None if remembered is None else self._child(self._trace.NonRecordingSpan(remembered))
+                        parent = (
+                            None
+                            if remembered is None
+                            else self._child(self._trace.NonRecordingSpan(remembered))
+                        )
                     self._annotate((d,), parent, None, None)
             return decisions
 
@@ -266,9 +297,15 @@ class Tracing:
         """A link to the worker span of the chunk that carried the result's body."""
         if not result.traceparent:
             return ()
-        return (self._trace.Link(self._trace.get_current_span(self.context(result.traceparent)).get_span_context()),)
+        return (
+            self._trace.Link(
+                self._trace.get_current_span(self.context(result.traceparent)).get_span_context()
+            ),
+        )
 
-    def _annotate(self, decisions: Iterable[Any], parent: Any, traceparent: str | None, start: int | None) -> None:
+    def _annotate(
+        self, decisions: Iterable[Any], parent: Any, traceparent: str | None, start: int | None
+    ) -> None:
         """Give each result its processor parent: a ``streamproc.join`` span for a P/D result (a
         child of ``parent``, a correlate span's context, or failing that of the result's own
         worker context), else the correlate span's ``traceparent``. An inline join runs inside the
@@ -290,9 +327,12 @@ class Tracing:
                 continue  # off the message path, of an unsampled worker trace: nothing would be recorded
             if d.verdict in _JOIN_VERDICTS:
                 span = self._tracer.start_span(
-                    "streamproc.join", parent if parent is not None else self.context(d.traceparent),
-                    links=self._links(d) if parent is not None else (), start_time=start,
-                    attributes={REQUEST_ID: d.request_id, OFFLOADED: False})
+                    "streamproc.join",
+                    parent if parent is not None else self.context(d.traceparent),
+                    links=self._links(d) if parent is not None else (),
+                    start_time=start,
+                    attributes={REQUEST_ID: d.request_id, OFFLOADED: False},
+                )
                 self._label(span, d)
                 span.end()
                 d.traceparent = self.traceparent(span)
@@ -314,14 +354,19 @@ class Tracing:
         producer = self._kinds.PRODUCER
         skip = self.skips_unsampled
 
-        async def publish(subject: str, payload: bytes = b"", reply: str = "",
-                          headers: dict[str, str] | None = None) -> None:
+        async def publish(
+            subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None
+        ) -> None:
             if headers is None or skip and headers.get(TRACEPARENT, "").endswith("-00"):
                 return await inner(subject, payload, reply, headers)
             msg_id = headers.get(MSG_ID, "")
             rid, _, seq = msg_id.rpartition(".")
-            attributes: dict[str, Any] = {"messaging.system": "nats", "messaging.destination.name": subject,
-                                          REQUEST_ID: rid, BYTES: len(payload)}
+            attributes: dict[str, Any] = {
+                "messaging.system": "nats",
+                "messaging.destination.name": subject,
+                REQUEST_ID: rid,
+                BYTES: len(payload),
+            }
             if seq.isdigit():
                 attributes[SEQ] = int(seq)
             verdict = headers.get(JOIN)
@@ -329,8 +374,9 @@ class Tracing:
                 attributes[VERDICT] = verdict
             if ERROR in headers:
                 attributes[ERROR_KIND] = headers[ERROR]
-            span = tracer.start_span("streamproc.publish", self.context(headers.get(TRACEPARENT)), producer,
-                                     attributes)
+            span = tracer.start_span(
+                "streamproc.publish", self.context(headers.get(TRACEPARENT)), producer, attributes
+            )
             headers[TRACEPARENT] = self.traceparent(span)
             try:
                 await inner(subject, payload, reply, headers)
@@ -374,8 +420,12 @@ class StreamTrace:
     def _open(self, parent: Any) -> Any:
         if self._stream is None:
             self._stream = self._t._tracer.start_span(
-                "streamproc.edge.stream", parent, self._t._kinds.SERVER, {REQUEST_ID: self._request_id},
-                start_time=self._started)
+                "streamproc.edge.stream",
+                parent,
+                self._t._kinds.SERVER,
+                {REQUEST_ID: self._request_id},
+                start_time=self._started,
+            )
         return self._stream
 
     def frame(self, result: ResultInfo, size: int) -> None:
@@ -390,8 +440,13 @@ class StreamTrace:
             attributes[VERDICT] = result.verdict.value
         if result.error is not None:
             attributes[ERROR_KIND] = result.error
-        self._frame = t._tracer.start_span("streamproc.edge.frame", parent, t._kinds.CONSUMER, attributes,
-                                           links=(t._trace.Link(stream.get_span_context()),))
+        self._frame = t._tracer.start_span(
+            "streamproc.edge.frame",
+            parent,
+            t._kinds.CONSUMER,
+            attributes,
+            links=(t._trace.Link(stream.get_span_context()),),
+        )
 
     def sent(self) -> None:
         """The frame left (the ASGI server's ``send`` returned)."""

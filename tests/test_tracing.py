@@ -29,8 +29,10 @@ from streamproc.sim import traffic
 pytestmark = [pytest.mark.anyio]
 
 FORMAT = "sglang"
-needs_otel = pytest.mark.skipif(not tracing.available(), reason="the otel extra is not installed "
-                                f"({tracing.EXTRA_HINT}); CI installs it with the test extra")
+needs_otel = pytest.mark.skipif(
+    not tracing.available(),
+    reason=f"the otel extra is not installed ({tracing.EXTRA_HINT}); CI installs it with the test extra",
+)
 
 
 def in_memory() -> tuple[Any, Any]:
@@ -53,10 +55,19 @@ async def edge_in_process(nats_url: str, tracer: tracing.Tracing) -> AsyncIterat
     from streamproc.edge.app import create_app
 
     port = free_port()
-    settings = edge_settings.load({}, {"nats_url": nats_url, "port": port, "format": FORMAT,
-                                       "ensure_results_stream": True})
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, tracing=tracer), host="127.0.0.1", port=port,
-                                           lifespan="on", log_config=None, timeout_graceful_shutdown=1))
+    settings = edge_settings.load(
+        {}, {"nats_url": nats_url, "port": port, "format": FORMAT, "ensure_results_stream": True}
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, tracing=tracer),
+            host="127.0.0.1",
+            port=port,
+            lifespan="on",
+            log_config=None,
+            timeout_graceful_shutdown=1,
+        )
+    )
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(server.serve)
         with anyio.fail_after(20):
@@ -101,25 +112,42 @@ async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_u
     fmt = tracing.Tracing(provider)
     # Two requests at once: in core mode joins run off the loop one at a time, so the second
     # request's join is queued behind the first's and decided inside its finish.
-    requests = [Traced(provider, p) for p in traffic.plan(FORMAT, requests=2, mode="pd", stream=True, seed=2,
-                                                            id_prefix=f"traced-{mode}")]
+    requests = [
+        Traced(provider, p)
+        for p in traffic.plan(FORMAT, requests=2, mode="pd", stream=True, seed=2, id_prefix=f"traced-{mode}")
+    ]
     assert all(len(r.plan.decode) > 1 for r in requests)
     settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": mode})
     raws: dict[str, bytes] = {}
     async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
         async with Processor(settings, tracing=tracing.Tracing(provider)):
-            async with httpx.AsyncClient(base_url=url, timeout=20) as client, contextlib.AsyncExitStack() as stack:
-                responses = [await stack.enter_async_context(client.stream("GET", f"/v1/results/{r.plan.request_id}"))
-                             for r in requests]
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=20) as client,
+                contextlib.AsyncExitStack() as stack,
+            ):
+                responses = [
+                    await stack.enter_async_context(client.stream("GET", f"/v1/results/{r.plan.request_id}"))
+                    for r in requests
+                ]
                 async with await nats.connect(nats_url) as nc:
                     publisher = ChunkPublisher(nc, Subjects(), durable=mode == "durable")
                     # Decode legs first: their chunks wait for the prefill legs, whose arrival releases them.
                     for r in requests:
-                        await publisher.publish_leg(r.plan.request_id, "decode", r.plan.decode, format=FORMAT,
-                                                    traceparent=fmt.traceparent(r.decode))
+                        await publisher.publish_leg(
+                            r.plan.request_id,
+                            "decode",
+                            r.plan.decode,
+                            format=FORMAT,
+                            traceparent=fmt.traceparent(r.decode),
+                        )
                     for r in requests:
-                        await publisher.publish_leg(r.plan.request_id, "prefill", r.plan.prefill, format=FORMAT,
-                                                    traceparent=fmt.traceparent(r.prefill))
+                        await publisher.publish_leg(
+                            r.plan.request_id,
+                            "prefill",
+                            r.plan.prefill,
+                            format=FORMAT,
+                            traceparent=fmt.traceparent(r.prefill),
+                        )
                 with anyio.fail_after(20):
                     for r, response in zip(requests, responses):
                         assert response.status_code == 200
@@ -142,14 +170,22 @@ async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_u
         assert names.count("streamproc.correlate") == len(plan.decode) + len(plan.prefill)
         assert names.count("streamproc.join") == len(plan.decode)
         assert names.count("streamproc.publish") >= len(plan.decode)
-        frame_spans = sorted((s for s in mine if s.name == "streamproc.edge.frame"),
-                             key=lambda s: s.attributes["streamproc.seq"])
+        frame_spans = sorted(
+            (s for s in mine if s.name == "streamproc.edge.frame"),
+            key=lambda s: s.attributes["streamproc.seq"],
+        )
         assert [s.attributes["streamproc.seq"] for s in frame_spans] == list(range(len(plan.decode)))
         for frame in frame_spans:
             path = chain(frame, by_id)
-            assert path[:4] == ["streamproc.edge.frame", "streamproc.publish", "streamproc.join",
-                                "streamproc.correlate"], path
-            assert path[4:] in (["worker.prefill", "router.request"], ["worker.decode", "router.request"]), path
+            assert path[:4] == [
+                "streamproc.edge.frame",
+                "streamproc.publish",
+                "streamproc.join",
+                "streamproc.correlate",
+            ], path
+            assert path[4:] in (["worker.prefill", "router.request"], ["worker.decode", "router.request"]), (
+                path
+            )
             publish = by_id[frame.parent.span_id]
             join = by_id[publish.parent.span_id]
             assert publish.attributes["streamproc.seq"] == frame.attributes["streamproc.seq"]
@@ -164,8 +200,9 @@ async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_u
         assert stream.attributes["streamproc.edge.frames"] == len(plan.decode)
         assert stream.attributes["streamproc.edge.outcome"] == "completed"
         assert all(link.context.span_id == stream.context.span_id for f in frame_spans for link in f.links)
-    assert len(spans) == sum(len([s for s in spans if s.context.trace_id == r.root.get_span_context().trace_id])
-                             for r in requests), "every span is in one of the two requests' traces"
+    assert len(spans) == sum(
+        len([s for s in spans if s.context.trace_id == r.root.get_span_context().trace_id]) for r in requests
+    ), "every span is in one of the two requests' traces"
 
 
 @needs_otel
@@ -203,9 +240,12 @@ async def test_a_worker_trace_that_is_not_sampled_stays_unsampled_and_results_st
         async with await nats.connect(nats_url) as nc:
             sub = await nc.subscribe(p.subjects.result(plan.request_id))
             publisher = ChunkPublisher(nc)
-            await publisher.publish_leg(plan.request_id, "decode", plan.decode, format=FORMAT, traceparent=unsampled)
-            await publisher.publish_leg(plan.request_id, "prefill", plan.prefill, format=FORMAT,
-                                        traceparent=unsampled)
+            await publisher.publish_leg(
+                plan.request_id, "decode", plan.decode, format=FORMAT, traceparent=unsampled
+            )
+            await publisher.publish_leg(
+                plan.request_id, "prefill", plan.prefill, format=FORMAT, traceparent=unsampled
+            )
             with anyio.fail_after(20):
                 results = [await sub.next_msg(timeout=20) for _ in plan.decode]
     assert [r.headers["Streamproc-Join"] for r in results] == ["joined"] * len(plan.decode)
@@ -234,8 +274,9 @@ async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processor
     async with Processor(settings, tracing=traced) as p:
         async with await nats.connect(nats_url) as nc:
             sub = await nc.subscribe(p.subjects.result(plan.request_id))
-            await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT,
-                                                 traceparent=unsampled)
+            await ChunkPublisher(nc).publish_leg(
+                plan.request_id, "agg", plan.agg, format=FORMAT, traceparent=unsampled
+            )
             result = await sub.next_msg(timeout=20)
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {"streamproc.correlate", "streamproc.publish"}
@@ -278,9 +319,11 @@ def shadow_opentelemetry(tmp: Path) -> str:
     """A PYTHONPATH entry on which ``import opentelemetry`` fails, as without the extra."""
     package = tmp / "opentelemetry"
     package.mkdir()
-    (package / "__init__.py").write_text(textwrap.dedent("""\
+    (package / "__init__.py").write_text(
+        textwrap.dedent("""\
         raise ImportError("opentelemetry is not installed (shadowed by the test)")
-    """))
+    """)
+    )
     return str(tmp)
 
 
@@ -289,8 +332,11 @@ async def test_without_the_extra_otel_variables_only_warn_and_results_still_flow
     import os
 
     shadow = shadow_opentelemetry(tmp_path)
-    env = {"PYTHONPATH": shadow + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+    env = {
+        "PYTHONPATH": shadow + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+    }
     [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=True, seed=6, id_prefix="no-extra")
     from conftest import processor_subprocess
 
@@ -344,7 +390,9 @@ class OtlpReceiver:
         for body in self.bodies:
             request = ExportTraceServiceRequest.FromString(body)
             for rs in request.resource_spans:
-                service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
+                service = next(
+                    a.value.string_value for a in rs.resource.attributes if a.key == "service.name"
+                )
                 out.extend((service, span) for scope in rs.scope_spans for span in scope.spans)
         return out
 
@@ -361,19 +409,26 @@ async def test_processor_and_edge_export_over_otlp_as_the_standard_variables_say
     from conftest import processor_subprocess
 
     receiver = OtlpReceiver()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     worker = f"00-{trace_id}-b7ad6b7169203331-01"
     [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=True, seed=6, id_prefix="otlp")
     try:
-        with processor_subprocess(nats_url, "--format", FORMAT, "--mode", "core", env=env) as (proc, log_path):
+        with processor_subprocess(nats_url, "--format", FORMAT, "--mode", "core", env=env) as (
+            proc,
+            log_path,
+        ):
             with running_edge(nats_url, "--format", FORMAT, env=env) as edge:
                 async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
                     async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
                         async with await nats.connect(nats_url) as nc:
-                            await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT,
-                                                                 traceparent=worker)
+                            await ChunkPublisher(nc).publish_leg(
+                                plan.request_id, "agg", plan.agg, format=FORMAT, traceparent=worker
+                            )
                         with anyio.fail_after(20):
                             raw = await response.aread()
                 assert edge.stop() == 0
@@ -388,7 +443,11 @@ async def test_processor_and_edge_export_over_otlp_as_the_standard_variables_say
     for service, span in spans:
         by_service.setdefault(service, []).append(span.name)
     n = len(plan.agg)
-    assert sorted(by_service["streamproc"]) == sorted(["streamproc.correlate"] * n + ["streamproc.publish"] * n)
-    assert sorted(by_service["streamproc-edge"]) == sorted(["streamproc.edge.frame"] * n + ["streamproc.edge.stream"])
+    assert sorted(by_service["streamproc"]) == sorted(
+        ["streamproc.correlate"] * n + ["streamproc.publish"] * n
+    )
+    assert sorted(by_service["streamproc-edge"]) == sorted(
+        ["streamproc.edge.frame"] * n + ["streamproc.edge.stream"]
+    )
     worker_span_id = worker.split("-")[2]
     assert all(s.parent_span_id.hex() == worker_span_id for _, s in spans if s.name == "streamproc.correlate")

@@ -193,7 +193,8 @@ class Outbox:
             if cls is Result:
                 rid = d.request_id
                 self._next += 1
-                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait, received)
+                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait,
+                             received)
                 queue = queues.get(rid)
                 if queue is None:
                     queues[rid] = [o]
