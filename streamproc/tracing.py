@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from .core import defaults
 from .core.correlator import Work
+from .core.errors import ConfigError
 from .core.events import Result, ResultInfo, Verdict
 from .core.wire import ERROR, JOIN, MSG_ID, TRACEPARENT
 from .logs import log_event
@@ -91,19 +92,18 @@ def _entry_point_name(name: str, environ: Mapping[str, str]) -> str:
     as ``opentelemetry.sdk._configuration._get_exporter_entry_point`` maps it."""
     if name != "otlp":
         return name
-    protocol = (
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "grpc"
-    ).strip()
+    variable = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+                     if environ.get(v)), None)
+    protocol = environ[variable].strip() if variable else "grpc"
     by_protocol = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
     if protocol not in by_protocol:
-        raise ValueError(f"unsupported OTLP protocol {protocol!r} (grpc or http/protobuf)")
+        raise ConfigError(f"{variable}={protocol!r}: unsupported OTLP protocol (grpc or http/protobuf)")
     return by_protocol[protocol]
 
 
 def from_environment(service: str, environ: Mapping[str, str] | None = None) -> Tracing | None:
     """A :class:`Tracing` with the exporters ``OTEL_*`` configures, or None (tracing off).
+    Raises :class:`ConfigError` (exit 2) for a variable naming no installed exporter or protocol.
 
     ``service`` is the ``service.name`` unless ``OTEL_SERVICE_NAME`` or ``OTEL_RESOURCE_ATTRIBUTES``
     names one. The sampler is the SDK's (``OTEL_TRACES_SAMPLER``, default parent-based always-on,
@@ -135,7 +135,7 @@ def from_environment(service: str, environ: Mapping[str, str] | None = None) -> 
         point = _entry_point_name(name, environ)
         found = entry_points(group="opentelemetry_traces_exporter", name=point)
         if not found:
-            raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: no installed trace exporter {point!r}")
+            raise ConfigError(f"OTEL_TRACES_EXPORTER={name!r}: no installed trace exporter {point!r}")
         provider.add_span_processor(BatchSpanProcessor(next(iter(found)).load()()))
     log_event(log, logging.INFO, "tracing_enabled", service=service, exporters=",".join(names))
     return Tracing(provider, owned=True)

@@ -301,18 +301,23 @@ def test_tracing_is_off_without_otel_variables_and_the_hot_path_binds_the_correl
 
 
 @needs_otel
-def test_otel_variables_that_name_no_installed_exporter_are_a_startup_error():
-    from streamproc.core.errors import StartupError
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "no-such-exporter"}, "OTEL_TRACES_EXPORTER='no-such-exporter'"),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"},
+         "OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"),
+    ],
+)
+def test_otel_variables_that_name_nothing_installed_are_bad_configuration_for_every_command(variables, named):
+    from conftest import run_cli_process
 
-    settings = config.load({}, {"nats_url": "nats://127.0.0.1:1", "format": FORMAT})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OTEL_TRACES_EXPORTER", "no-such-exporter")
-        with pytest.raises(StartupError, match="no-such-exporter"):
-            Processor(settings)
-        mp.setenv("OTEL_TRACES_EXPORTER", "otlp")
-        mp.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
-        with pytest.raises(StartupError, match="carrier-pigeon"):
-            Processor(settings)
+    dead = f"nats://127.0.0.1:{free_port()}"
+    for command in (["run", "--mode", "core"], ["edge"]):
+        proc = run_cli_process(*command, "--nats-url", dead, env=variables)
+        assert proc.returncode == 2, proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"streamproc {command[0]}: error: {named}"), line
 
 
 def shadow_opentelemetry(tmp: Path) -> str:

@@ -323,7 +323,7 @@ def wants_unary(request: Request) -> bool:
 
 
 def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRONMENT) -> Starlette:
-    """The ASGI app. Raises :class:`UnknownFormat` for an unknown ``--format``, ``ValueError`` for
+    """The ASGI app. Raises :class:`UnknownFormat` for an unknown ``--format``, ``ConfigError`` for
     ``OTEL_*`` variables that name no installed exporter. ``tracing`` None turns tracing off."""
     if tracing is FROM_ENVIRONMENT:
         from ..tracing import from_environment

@@ -67,10 +67,7 @@ class Processor:
         if tracing is FROM_ENVIRONMENT:
             from ..tracing import from_environment
 
-            try:
-                tracing = from_environment("streamproc")
-            except ValueError as exc:  # an OTEL_* value names no installed exporter or protocol
-                raise StartupError(f"tracing: {exc}") from None
+            tracing = from_environment("streamproc")  # ConfigError for OTEL_* naming nothing installed
         self.tracing = tracing
         self.pipeline = Pipeline(self.correlator, self.subjects, clock, tracing)
         self.io: IOStats = self.pipeline.io
