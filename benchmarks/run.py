@@ -8,6 +8,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-for script in ("join.py", "passthrough.py", "durable.py"):
+for script in ("join.py", "passthrough.py", "durable.py", "tracing.py"):
     print(f"== {script}", flush=True)
     subprocess.run([sys.executable, str(HERE / script)], check=True)

@@ -28,6 +28,10 @@ _VERDICT_FIELDS = {"passthrough": "passthrough", "joined": "joined", "omitted": 
                    "stitched": "stitched", "errors": "error"}
 # Struct fields that are gauges (a level now), not counters.
 GAUGES = frozenset({"partitions", "members", "streams_active", "nats_connected"})
+_IO_HELP = {"disconnects": "NATS disconnections (not counting a shutdown)", "reconnects": "NATS reconnections",
+            "slow_consumer": "input messages nats-py dropped because its pending queue was full"}
+_DURABLE_HELP = {"redelivered": "chunks JetStream delivered more than once (delivery count > 1)",
+                 "partitions": "partitions this instance owns now"}
 
 
 def histogram(name: str, text: str, hist: LatencyHistogram) -> HistogramMetricFamily:
@@ -69,10 +73,18 @@ class ProcessorCollector(Collector):
             errors.add_metric([kind], n)
         yield errors
         yield from struct_families("streamproc", stats, skip=_VERDICT_FIELDS)
-        yield from struct_families("streamproc", p.io)
+        yield from struct_families("streamproc", p.io, _IO_HELP)
         durable = p.input.stats if p.input is not None else None
         if durable is not None:
-            yield from struct_families("streamproc_durable", durable)
+            yield from struct_families("streamproc_durable", durable, _DURABLE_HELP)
+        outbox = getattr(p.input, "outbox", None)  # durable mode: results leave through the outbox
+        if outbox is not None:
+            yield histogram("streamproc_durable_puback_latency_seconds",
+                            "a result's last publish -> its PubAck (stored in the results stream)",
+                            outbox.puback_latency)
+            yield histogram("streamproc_durable_result_latency_seconds",
+                            "chunk received -> the results it made ready stored (PubAck), end to end",
+                            outbox.result_latency)
         yield histogram("streamproc_join_wait_seconds",
                         "time a P/D result waited for its prefill leg (0 when it was already there)",
                         correlator.join_wait)

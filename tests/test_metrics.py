@@ -4,6 +4,7 @@ owning partitions in durable mode)."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -107,6 +108,63 @@ async def test_durable_processor_is_ready_once_it_owns_partitions(client, stream
         assert metrics["streamproc_ready"] == 1
         assert "streamproc_durable_redelivered_total" in metrics
         assert "streamproc_reconnects_total" in metrics
+
+
+async def test_durable_metrics_pubacks_end_to_end_latency_and_every_redelivery(client, streamproc_run):
+    """PubAck and chunk -> stored-result latency histograms count each stored result; a chunk
+    JetStream delivers twice is counted as redelivered also when its request is known (no lookup)."""
+    port = free_port()
+    worker = worker_for("sglang")
+    publisher = ChunkPublisher(client, SUBJECTS, durable=True)
+    with streamproc_run("--mode", "durable", "--partitions", "1", "--ack-wait", "1", "--format", "sglang",
+                        "--http-port", str(port), "--http-host", "127.0.0.1") as (proc, _):
+        await wait_for(lambda: scrape(port)["streamproc_durable_partitions"] == 1)
+        async with ResultCollector(client, SUBJECTS) as collector:
+            ids = [f"d-{i}" for i in range(3)]
+            for i, rid in enumerate(ids):
+                await publisher.publish_leg(rid, "agg", worker.agg(make_truth(10 + i), stream=False))
+            await collector.wait_for(ids, timeout=10)
+        stored = await wait_for(lambda: (m := scrape(port))["streamproc_durable_result_latency_seconds_count"] == 3
+                                and m)
+        assert stored["streamproc_durable_puback_latency_seconds_count"] == 3
+        assert 0 < stored["streamproc_durable_puback_latency_seconds_sum"] <= stored[
+            "streamproc_durable_result_latency_seconds_sum"]
+        assert stored['streamproc_durable_result_latency_seconds_bucket{le="+Inf"}'] == 3
+        assert stored["streamproc_durable_redelivered_total"] == 0
+        recoveries = stored["streamproc_durable_recoveries_total"]
+
+        # Frozen past --ack-wait, the processor gets the same chunk twice (delivery 1, then 2) when it
+        # wakes: the second copy's request is known (finished) by then, so no recovery lookup runs.
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await publisher.publish_leg("d-late", "agg", worker.agg(make_truth(20), stream=False))
+            await anyio.sleep(2.5)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        after = await wait_for(lambda: (m := scrape(port))["streamproc_durable_redelivered_total"] >= 1
+                               and m["streamproc_durable_result_latency_seconds_count"] == 4 and m)
+        assert after["streamproc_durable_recoveries_total"] == recoveries
+
+
+async def test_reconnects_are_counted_when_nats_comes_back():
+    port = free_port()
+    with EmbeddedNats(jetstream=False) as server:
+        proc = subprocess.Popen(
+            [*CLI, "run", "--nats-url", server.url, "--mode", "core", "--http-port", str(port),
+             "--http-host", "127.0.0.1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        )
+        try:
+            await wait_for(lambda: _status(port, "/readyz") == 200, timeout=15)
+            assert scrape(port)["streamproc_reconnects_total"] == 0
+            server.restart()
+            metrics = await wait_for(lambda: (m := scrape(port))["streamproc_reconnects_total"] == 1 and m,
+                                     timeout=15)
+            assert metrics["streamproc_disconnects_total"] == 1
+            assert metrics["streamproc_nats_connected"] == 1
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 def test_status_server_answers_unhealthy_while_nats_is_unreachable(tmp_path):

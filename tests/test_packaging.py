@@ -42,6 +42,10 @@ def test_streamproc_builds_without_warnings_and_ships_the_page(tmp_path):
         metadata = zf.read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert {"streamproc/edge/page/index.html", "streamproc/edge/page/edge.js"} <= names
     assert "License-Expression: Apache-2.0" in metadata
+    # `pip install 'streamproc[otel]'` (docs/operations.md#tracing)
+    assert "Provides-Extra: otel" in metadata
+    for package in ("opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp"):
+        assert f'Requires-Dist: {package}>=1.30; extra == "otel"' in metadata
 
 
 @pytest.mark.timeout(180)

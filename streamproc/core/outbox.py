@@ -35,6 +35,7 @@ import msgspec
 
 from . import defaults
 from .events import Decision, Notice, Result, Role, Settle
+from .latency import LatencyHistogram
 from .wire import FINAL, SEQ
 
 __all__ = [
@@ -99,13 +100,16 @@ class GiveUp(msgspec.Struct, frozen=True):
 class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
-    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused")
+    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received")
 
-    def __init__(self, result: Result, ticket: str, settles: list, wait: float) -> None:
+    def __init__(self, result: Result, ticket: str, settles: list, wait: float,
+                 received: float | None = None) -> None:
         self.result = result
         self.ticket = ticket
         self.settles = settles
         self.due = 0.0  # when the PubAck is overdue (or, after a refusal, when to send again)
+        self.sent = 0.0  # when it was last handed to NATS (sending())
+        self.received = received  # when the chunk that made it ready arrived (None: a timer or control call)
         self.wait = wait
         self.failures = 0
         self.refused = False  # due is a retry time after a refusal, not a PubAck deadline
@@ -143,6 +147,9 @@ class Outbox:
         self._next_progress = 0.0
         # Tokens to terminate instead of acknowledging, by id (kept alive here until settled).
         self._terminate: dict[int, object] = {}
+        # Filled on every stored PubAck; the shell reads the buckets at scrape time (metrics).
+        self.puback_latency = LatencyHistogram()  # last publish of a result -> its PubAck
+        self.result_latency = LatencyHistogram()  # its chunk received -> the result stored (end to end)
 
     # ---------------------------------------------------------------------- state
 
@@ -172,8 +179,12 @@ class Outbox:
 
     # ---------------------------------------------------------------------- in
 
-    def take(self, decisions: list[Decision], request_id: str | None = None) -> list[Notice]:
+    def take(self, decisions: list[Decision], request_id: str | None = None,
+             received: float | None = None) -> list[Notice]:
         """Queue results and place settled tokens; return the notices (for the shell's log).
+
+        ``received``: when the chunk whose handling made these decisions arrived (the shell's
+        clock), for the end-to-end latency observed when each result is stored.
 
         ``request_id`` owns the Settles: they wait behind that request's last queued result. Off the
         message path (a seal, the timer) it is None; the Settles then belong to the one request the
@@ -186,7 +197,8 @@ class Outbox:
             if cls is Result:
                 rid = d.request_id
                 self._next += 1
-                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait)
+                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait,
+                             received)
                 queue = queues.get(rid)
                 if queue is None:
                     queues[rid] = [o]
@@ -255,6 +267,10 @@ class Outbox:
         if b'"duplicate":true' in data:
             self.stats.duplicate_results += 1
             outcome = DUPLICATE
+        if not o.refused:  # else a late PubAck of a copy sent before the refusal: no send time to match
+            self.puback_latency.observe(now - o.sent)
+        if o.received is not None:
+            self.result_latency.observe(now - o.received)
         settles = o.settles  # None already filtered out
         if settles:
             control = self._control
@@ -336,6 +352,7 @@ class Outbox:
         due = now + 0.0
         for o in out:
             o.due = due + o.wait
+            o.sent = now
             inflight[o.ticket] = o
         return out
 

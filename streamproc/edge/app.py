@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import anyio
 import msgspec
@@ -43,7 +43,12 @@ from .metrics import EdgeCollector, EdgeMetrics
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, ResultFeed, ResultSource
 
+if TYPE_CHECKING:
+    from ..tracing import StreamTrace, Tracing
+
 log = logging.getLogger("streamproc.edge")
+
+FROM_ENVIRONMENT: Any = object()  # create_app(tracing=...): configured by the OTEL_* variables
 
 PAGE_DIR = Path(__file__).parent / "page"
 
@@ -95,8 +100,9 @@ class EventStreamResponse(StreamingResponse):
 class Edge:
     """What the routes share: settings, counters, the NATS source and the folding codec."""
 
-    def __init__(self, settings: EdgeSettings) -> None:
+    def __init__(self, settings: EdgeSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing  # None: off (streamproc.tracing)
         self.metrics = EdgeMetrics()
         self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
@@ -137,15 +143,18 @@ class Edge:
                 with anyio.CancelScope(shield=True):
                     await self.release(feed)
         verdicts = request.query_params.get("verdicts", "") in ("1", "true", "yes")
+        trace = self.tracing.stream(request_id) if self.tracing is not None else None
 
         async def on_close(completed: bool) -> None:
             if completed:
                 self.metrics.streams_completed += 1
             else:
                 self.metrics.client_disconnects += 1
+            if trace is not None:
+                trace.close("completed" if completed else "disconnected")
             await self.release(feed)
 
-        return EventStreamResponse(self.frames(feed, verdicts=verdicts), on_close)
+        return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace), on_close)
 
     async def recent(self, request: Request) -> Response:
         return Response(msgspec.json.encode(self.source.recent.newest_first()), media_type="application/json")
@@ -160,8 +169,10 @@ class Edge:
 
     # --------------------------------------------------------------- streaming
 
-    async def frames(self, feed: ResultFeed, *, verdicts: bool) -> AsyncIterator[bytes]:
-        """SSE frames for one request: results in seq order, then ``[DONE]``; keep-alives meanwhile."""
+    async def frames(self, feed: ResultFeed, *, verdicts: bool,
+                     trace: StreamTrace | None = None) -> AsyncIterator[bytes]:
+        """SSE frames for one request: results in seq order, then ``[DONE]``; keep-alives meanwhile.
+        ``trace`` (tracing on) gets a span per result frame, ended once the frame was sent."""
         settings, metrics = self.settings, self.metrics
         idle_since = time.monotonic()
         while True:
@@ -189,10 +200,16 @@ class Edge:
             frame = meta_frame(item) if verdicts else b""
             frame += sse.event(item.body, id=item.seq)
             metrics.sent(item)
+            if trace is not None:
+                trace.frame(item, len(frame))
             if item.final or item.error is not None:
                 yield frame + sse.DONE
+                if trace is not None:
+                    trace.sent()
                 return
             yield frame
+            if trace is not None:
+                trace.sent()
 
     async def unary_until_disconnect(self, request: Request, feed: ResultFeed) -> Response:
         """The unary answer, unless the client leaves first: then its stream slot is freed at once."""
@@ -305,9 +322,14 @@ def wants_unary(request: Request) -> bool:
     return "application/json" in accept and sse.MEDIA_TYPE not in accept
 
 
-def create_app(settings: EdgeSettings) -> Starlette:
-    """The ASGI app. Raises :class:`UnknownFormat` for an unknown ``--format``."""
-    edge = Edge(settings)
+def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRONMENT) -> Starlette:
+    """The ASGI app. Raises :class:`UnknownFormat` for an unknown ``--format``, ``ConfigError`` for
+    ``OTEL_*`` variables that name no installed exporter. ``tracing`` None turns tracing off."""
+    if tracing is FROM_ENVIRONMENT:
+        from ..tracing import from_environment
+
+        tracing = from_environment("streamproc-edge")
+    edge = Edge(settings, tracing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -322,6 +344,8 @@ def create_app(settings: EdgeSettings) -> Starlette:
             yield
         finally:
             await edge.source.stop()
+            if edge.tracing is not None:
+                edge.tracing.shutdown()  # flush batched spans
 
     async def page(request: Request) -> Response:
         return FileResponse(PAGE_DIR / "index.html", media_type="text/html")

@@ -82,6 +82,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
             app = create_app(settings)
         except UnknownFormat as exc:
             raise EdgeConfigError(f"invalid {origin['format']}={settings.format!r}: {exc}") from None
+        except ValueError as exc:  # OTEL_* variables naming no installed exporter (streamproc.tracing)
+            raise EdgeConfigError(str(exc)) from None
         connect_options(settings)  # unreadable credential or certificate files: exit 2 before serving
     except EdgeConfigError as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)

@@ -37,11 +37,11 @@ class CoreInput:
         self._pipeline = pipeline
         self._gate = gate
         self._sub: Subscription | None = None
-        self._publish = nc.publish
+        self._publish = pipeline.publisher(nc.publish)
         self._results_head = pipeline.subjects.result("")  # + request id, without a call per message
         # Bound once: the hot path pays no attribute chain per message.
         self._parse = pipeline.parse
-        self._receive = pipeline.correlator.receive
+        self._receive = pipeline.receive
         self._clock = pipeline.clock
         # Joins that decode sequence data run in one worker thread (codec instances share their
         # decompression contexts, which are not thread safe); the loop keeps passing others through.
@@ -108,7 +108,7 @@ class CoreInput:
         pipeline = self._pipeline
 
         async def finish() -> None:
-            decisions = pipeline.correlator.finish(work, pipeline.clock())
+            decisions = pipeline.finish(work, pipeline.clock())
             await self.dispatch(decisions)
             if received is not None and any(d.__class__ is Result for d in decisions):
                 self._observe(self._clock() - received)  # receipt -> its results handed to NATS

@@ -157,7 +157,7 @@ class DurableInput:
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
                                           progress_every=settings.ack_wait / 4), self.stats)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
-                                    give_up=self._given_up)
+                                    give_up=self._given_up, publish=pipeline.publisher(nc.publish))
         self._partitions: dict[int, _Partition] = {}
         self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
@@ -278,7 +278,7 @@ class DurableInput:
             return
         now = self._clock()
         try:
-            decisions = self.correlator.finish(work, now)
+            decisions = self.pipeline.finish(work, now)
         except Exception as exc:  # noqa: BLE001  (a bug must cost this request, not the input's task group)
             log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
             decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
@@ -506,7 +506,7 @@ class DurableInput:
         head = self._chunks_head
         cut = part.cut
         correlator = self.correlator
-        receive = correlator.receive
+        receive = self.pipeline.receive
         knows = correlator.knows
         publisher = self.publisher
         pump = publisher.pump
@@ -516,6 +516,7 @@ class DurableInput:
         delivered = part.credit.delivered
         max_deliver = self.settings.max_deliver
         offload = self._offload
+        stats = self.stats
         # A first delivery read without splitting the ack subject (v1 form, our stream and consumer;
         # anything else goes through delivery_count).
         ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
@@ -536,6 +537,12 @@ class DurableInput:
                 await self._pull(part)
             rid = None
             decisions: list[Decision] | None = None  # None: NAKed for a later retry (recovery lookup failed)
+            if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                deliveries = 1
+            else:
+                deliveries = delivery_count(reply)
+                if deliveries > 1:  # every redelivery, of known requests too (a metric)
+                    stats.redelivered += 1
             try:  # every message ends in a decision, whatever raises while it is handled
                 try:
                     chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
@@ -544,10 +551,6 @@ class DurableInput:
                     decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
                 else:
                     rid = chunk.request_id
-                    if reply.startswith("1.", first_at) and reply.startswith(ack_head):
-                        deliveries = 1
-                    else:
-                        deliveries = delivery_count(reply)
                     poison = deliveries >= max_deliver
                     ready = True
                     if not knows(rid):
@@ -564,7 +567,7 @@ class DurableInput:
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
                 decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
             if decisions:
-                notices = queue(offload(decisions), rid)
+                notices = queue(offload(decisions), rid, now)
                 if notices:
                     for n in notices:
                         notify(n)
@@ -590,8 +593,6 @@ class DurableInput:
         """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read
         (``retry`` False: go on without it, for a chunk that must be decided now)."""
         self.stats.recoveries += 1
-        if delivery_count(msg.reply) > 1:
-            self.stats.redelivered += 1
         try:
             await self._adopt(rid, format, now)
         except Exception as exc:

@@ -10,7 +10,7 @@ implement every member, so the processor never probes for one.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import msgspec
 from nats.aio.msg import Msg
@@ -21,6 +21,9 @@ from ..core.correlator import Correlator, Decision, Notice, Settle
 from ..core.latency import LatencyHistogram
 from ..core.wire import ChunkParser, ContractError, Subjects
 from ..logs import LogLimiter, error_text, log_event
+
+if TYPE_CHECKING:
+    from ..tracing import Tracing
 
 log = logging.getLogger("streamproc.processor")
 
@@ -46,7 +49,8 @@ class Pipeline:
     """What every input shares: the correlator, the clock, the chunk parser, counters and the
     two ways a message ends without a codec (a contract error, a notice for the log)."""
 
-    def __init__(self, correlator: Correlator, subjects: Subjects, clock: Clock) -> None:
+    def __init__(self, correlator: Correlator, subjects: Subjects, clock: Clock,
+                 tracing: Tracing | None = None) -> None:
         self.correlator = correlator
         self.subjects = subjects
         self.clock = clock
@@ -57,6 +61,15 @@ class Pipeline:
         # Receipt of a chunk -> the results it made ready handed to NATS (core mode; results a
         # timer or control request releases are not counted: no chunk arrived for them).
         self.result_latency = LatencyHistogram()
+        # The inputs call these; with tracing off they are the correlator's own bound methods, so
+        # the message path is the same as without tracing (streamproc.tracing).
+        self.tracing = tracing
+        self.receive = correlator.receive if tracing is None else tracing.receive(correlator.receive)
+        self.finish = correlator.finish if tracing is None else tracing.finish(correlator.finish)
+
+    def publisher(self, publish: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+        """``nc.publish`` itself, or with tracing on, wrapped in a publish span per result."""
+        return publish if self.tracing is None else self.tracing.publisher(publish)
 
     def contract_error(self, exc: ContractError, msg: Msg, acknowledged: bool) -> list[Decision]:
         """Decisions for a message that broke the wire contract.

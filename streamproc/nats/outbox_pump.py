@@ -10,7 +10,7 @@ retries, settle order, give-up) lives in the outbox; nothing here decides.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import anyio
 import nats.errors
@@ -49,8 +49,11 @@ class OutboxPump:
     """Moves the outbox's results to the results stream and its acks to the chunk stream."""
 
     def __init__(self, nc: NatsClient, results_head: str, outbox: Outbox, *, clock: Callable[[], float],
-                 notify: Notify, give_up: GiveUpHandler) -> None:
+                 notify: Notify, give_up: GiveUpHandler,
+                 publish: Callable[..., Awaitable[None]] | None = None) -> None:
+        """``publish``: ``nc.publish`` unless tracing wraps it (``Pipeline.publisher``)."""
         self._nc = nc
+        self._publish = publish or nc.publish
         self._head = results_head
         self.outbox = outbox
         self._clock = clock
@@ -105,7 +108,7 @@ class OutboxPump:
     async def pump(self) -> None:
         """Send what is ready: results first (their order per request is already fixed), then acks."""
         outbox = self.outbox
-        publish = self._nc.publish
+        publish = self._publish
         if outbox.ready:
             sending = outbox.sending(self._clock())
             head = self._head

@@ -18,7 +18,7 @@ import logging
 import math
 import signal
 import time
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import anyio
 import nats
@@ -37,17 +37,23 @@ from .gate import DispatchGate
 from .input import Clock, Input, IOStats, Pipeline, snapshot
 from .streams import jetstream_available
 
+if TYPE_CHECKING:
+    from ..tracing import Tracing
+
 log = logging.getLogger("streamproc.processor")
 
 T = TypeVar("T")
+
+FROM_ENVIRONMENT: Any = object()  # Processor(tracing=...): configured by the OTEL_* variables
 
 
 class Processor:
     """``async with Processor(settings) as p:`` runs until the block exits; ``run()`` until a signal."""
 
     def __init__(self, settings: Settings, *, clock: Clock = time.monotonic,
-                 catalog: CodecResolver | None = None) -> None:
-        """``clock`` must be monotonic seconds (the timer sleeps real time); ``catalog`` resolves format names."""
+                 catalog: CodecResolver | None = None, tracing: Tracing | None = FROM_ENVIRONMENT) -> None:
+        """``clock`` must be monotonic seconds (the timer sleeps real time); ``catalog`` resolves format names;
+        ``tracing`` (None: off) defaults to what the ``OTEL_*`` variables configure (streamproc.tracing)."""
         self.settings = settings
         self.subjects = settings.subjects
         self._clock = clock
@@ -58,7 +64,12 @@ class Processor:
             raise StartupError(str(exc)) from None
         except Exception as exc:  # a codec plugin that fails to import or construct
             raise StartupError(f"codec {settings.format!r} failed to load: {error_text(exc)}") from None
-        self.pipeline = Pipeline(self.correlator, self.subjects, clock)
+        if tracing is FROM_ENVIRONMENT:
+            from ..tracing import from_environment
+
+            tracing = from_environment("streamproc")  # ConfigError for OTEL_* naming nothing installed
+        self.tracing = tracing
+        self.pipeline = Pipeline(self.correlator, self.subjects, clock, tracing)
         self.io: IOStats = self.pipeline.io
         self.gate = DispatchGate()
         self.nc: NatsClient | None = None
@@ -184,6 +195,8 @@ class Processor:
                 await self._input.stop(self.settings.drain_timeout)
         finally:
             await stack.__aexit__(None, None, None)
+            if self.tracing is not None:
+                self.tracing.shutdown()  # flush spans still batched (a provider handed in is left alone)
         if self.correlator.inflight:
             log_event(log, logging.WARNING, "stopped_with_inflight", requests=self.correlator.inflight)
         log_event(log, logging.INFO, "stopped", **{k: v for k, v in self.snapshot().items() if v})

@@ -1,0 +1,458 @@
+"""OpenTelemetry (the ``otel`` extra): one request's spans form one trace from chunk to SSE frame.
+
+The processor and the edge run in-process against a real nats-server with the SDK's in-memory
+exporter; a client reads the SSE response over real HTTP (Uvicorn). Tests that need the SDK skip
+with a reason where the extra is not installed; the ones that pin "off costs nothing, and a missing
+extra breaks nothing" run either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import textwrap
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import anyio
+import httpx
+import nats
+import pytest
+from edge_harness import expected_sse, running_edge
+from helpers import free_port
+
+from streamproc import config, tracing
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.core.wire import Subjects
+from streamproc.nats.processor import Processor
+from streamproc.sim import traffic
+
+pytestmark = [pytest.mark.anyio]
+
+FORMAT = "sglang"
+needs_otel = pytest.mark.skipif(
+    not tracing.available(),
+    reason=f"the otel extra is not installed ({tracing.EXTRA_HINT}); CI installs it with the test extra",
+)
+
+
+def in_memory() -> tuple[Any, Any]:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+@contextlib.asynccontextmanager
+async def edge_in_process(nats_url: str, tracer: tracing.Tracing) -> AsyncIterator[str]:
+    """The edge app under Uvicorn in this process; yields its base URL."""
+    import uvicorn
+
+    from streamproc.edge import settings as edge_settings
+    from streamproc.edge.app import create_app
+
+    port = free_port()
+    settings = edge_settings.load(
+        {}, {"nats_url": nats_url, "port": port, "format": FORMAT, "ensure_results_stream": True}
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings, tracing=tracer),
+            host="127.0.0.1",
+            port=port,
+            lifespan="on",
+            log_config=None,
+            timeout_graceful_shutdown=1,
+        )
+    )
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(server.serve)
+        with anyio.fail_after(20):
+            while not server.started:
+                await anyio.sleep(0.02)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+
+
+def chain(span: Any, by_id: dict[int, Any]) -> list[str]:
+    """Span names from ``span`` up to its root, following parent links."""
+    names = []
+    while span is not None:
+        names.append(span.name)
+        span = by_id.get(span.parent.span_id) if span.parent is not None else None
+    return names
+
+
+class Traced:
+    """One simulated P/D request under a router span of its own, with a worker span per leg."""
+
+    def __init__(self, provider: Any, plan: traffic.PlannedRequest) -> None:
+        tracer = provider.get_tracer("worker")
+        self.plan = plan
+        self.root = tracer.start_span("router.request")
+        ctx = tracing.Tracing(provider)._child(self.root)
+        self.prefill = tracer.start_span("worker.prefill", ctx)
+        self.decode = tracer.start_span("worker.decode", ctx)
+
+    def end(self) -> None:
+        for span in (self.decode, self.prefill, self.root):
+            span.end()
+
+
+@needs_otel
+@pytest.mark.nats
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_url, mode):
+    provider, exporter = in_memory()
+    fmt = tracing.Tracing(provider)
+    # Two requests at once: in core mode joins run off the loop one at a time, so the second
+    # request's join is queued behind the first's and decided inside its finish.
+    requests = [
+        Traced(provider, p)
+        for p in traffic.plan(FORMAT, requests=2, mode="pd", stream=True, seed=2, id_prefix=f"traced-{mode}")
+    ]
+    assert all(len(r.plan.decode) > 1 for r in requests)
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": mode})
+    raws: dict[str, bytes] = {}
+    async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
+        async with Processor(settings, tracing=tracing.Tracing(provider)):
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=20) as client,
+                contextlib.AsyncExitStack() as stack,
+            ):
+                responses = [
+                    await stack.enter_async_context(client.stream("GET", f"/v1/results/{r.plan.request_id}"))
+                    for r in requests
+                ]
+                async with await nats.connect(nats_url) as nc:
+                    publisher = ChunkPublisher(nc, Subjects(), durable=mode == "durable")
+                    # Decode legs first: their chunks wait for the prefill legs, whose arrival releases them.
+                    for r in requests:
+                        await publisher.publish_leg(
+                            r.plan.request_id,
+                            "decode",
+                            r.plan.decode,
+                            format=FORMAT,
+                            traceparent=fmt.traceparent(r.decode),
+                        )
+                    for r in requests:
+                        await publisher.publish_leg(
+                            r.plan.request_id,
+                            "prefill",
+                            r.plan.prefill,
+                            format=FORMAT,
+                            traceparent=fmt.traceparent(r.prefill),
+                        )
+                with anyio.fail_after(20):
+                    for r, response in zip(requests, responses):
+                        assert response.status_code == 200
+                        raws[r.plan.request_id] = await response.aread()
+    for r in requests:
+        r.end()
+
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    for r in requests:
+        plan = r.plan
+        frames = [line for line in raws[plan.request_id].split(b"\n") if line.startswith(b"data: ")]
+        assert len(frames) == len(plan.decode) + 1 and frames[-1] == b"data: [DONE]"
+        trace_id = r.root.get_span_context().trace_id
+        mine = [s for s in spans if s.context.trace_id == trace_id]
+        assert {s.attributes.get("streamproc.request_id", plan.request_id) for s in mine} == {plan.request_id}
+        names = [s.name for s in mine]
+        # One correlate span per chunk, one join span per P/D result, a publish span per result
+        # (durable: per publish attempt; each is a child of the same join span).
+        assert names.count("streamproc.correlate") == len(plan.decode) + len(plan.prefill)
+        assert names.count("streamproc.join") == len(plan.decode)
+        assert names.count("streamproc.publish") >= len(plan.decode)
+        frame_spans = sorted(
+            (s for s in mine if s.name == "streamproc.edge.frame"),
+            key=lambda s: s.attributes["streamproc.seq"],
+        )
+        assert [s.attributes["streamproc.seq"] for s in frame_spans] == list(range(len(plan.decode)))
+        for frame in frame_spans:
+            path = chain(frame, by_id)
+            assert path[:4] == [
+                "streamproc.edge.frame",
+                "streamproc.publish",
+                "streamproc.join",
+                "streamproc.correlate",
+            ], path
+            assert path[4:] in (["worker.prefill", "router.request"], ["worker.decode", "router.request"]), (
+                path
+            )
+            publish = by_id[frame.parent.span_id]
+            join = by_id[publish.parent.span_id]
+            assert publish.attributes["streamproc.seq"] == frame.attributes["streamproc.seq"]
+            assert join.attributes["streamproc.verdict"] == frame.attributes["streamproc.verdict"] == "joined"
+            # the join links to the decode chunk that carried the body, when another chunk released it
+            correlate = by_id[join.parent.span_id]
+            if correlate.attributes["streamproc.role"] == "prefill":
+                assert [link.context.span_id for link in join.links] == [r.decode.get_span_context().span_id]
+        correlates = [s for s in mine if s.name == "streamproc.correlate"]
+        assert {s.attributes["streamproc.role"] for s in correlates} == {"prefill", "decode"}
+        [stream] = [s for s in mine if s.name == "streamproc.edge.stream"]
+        assert stream.attributes["streamproc.edge.frames"] == len(plan.decode)
+        assert stream.attributes["streamproc.edge.outcome"] == "completed"
+        assert all(link.context.span_id == stream.context.span_id for f in frame_spans for link in f.links)
+    assert len(spans) == sum(
+        len([s for s in spans if s.context.trace_id == r.root.get_span_context().trace_id]) for r in requests
+    ), "every span is in one of the two requests' traces"
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_results_of_a_chunk_without_traceparent_start_a_trace_the_edge_continues(nats_url):
+    provider, exporter = in_memory()
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=False, seed=4, id_prefix="untraced")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
+        async with Processor(settings, tracing=tracing.Tracing(provider)):
+            async with httpx.AsyncClient(base_url=url, timeout=20) as client:
+                async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                    async with await nats.connect(nats_url) as nc:
+                        await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT)
+                    with anyio.fail_after(20):
+                        raw = await response.aread()
+    assert raw == expected_sse(plan.agg)  # the body is untouched by tracing
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+    [frame] = [s for s in spans if s.name == "streamproc.edge.frame"]
+    assert chain(frame, by_id) == ["streamproc.edge.frame", "streamproc.publish", "streamproc.correlate"]
+    assert len({s.context.trace_id for s in spans}) == 1
+    assert by_id[frame.parent.span_id].attributes["streamproc.verdict"] == "passthrough"
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_a_worker_trace_that_is_not_sampled_stays_unsampled_and_results_still_flow(nats_url):
+    provider, exporter = in_memory()
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    unsampled = f"00-{trace_id}-00f067aa0ba902b7-00"  # flags 00: the worker decided not to sample
+    [plan] = traffic.plan(FORMAT, requests=1, mode="pd", stream=True, seed=2, id_prefix="unsampled")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with Processor(settings, tracing=tracing.Tracing(provider)) as p:
+        async with await nats.connect(nats_url) as nc:
+            sub = await nc.subscribe(p.subjects.result(plan.request_id))
+            publisher = ChunkPublisher(nc)
+            await publisher.publish_leg(
+                plan.request_id, "decode", plan.decode, format=FORMAT, traceparent=unsampled
+            )
+            await publisher.publish_leg(
+                plan.request_id, "prefill", plan.prefill, format=FORMAT, traceparent=unsampled
+            )
+            with anyio.fail_after(20):
+                results = [await sub.next_msg(timeout=20) for _ in plan.decode]
+    assert [r.headers["Streamproc-Join"] for r in results] == ["joined"] * len(plan.decode)
+    # The default sampler is parent-based: the processor records nothing and passes the worker's
+    # traceparent on as it came (the same trace, still unsampled).
+    assert [r.headers["traceparent"] for r in results] == [unsampled] * len(plan.decode)
+    assert exporter.get_finished_spans() == ()
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processors_spans(nats_url):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ParentBased(ALWAYS_ON, remote_parent_not_sampled=ALWAYS_ON))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traced = tracing.Tracing(provider)
+    assert not traced.skips_unsampled
+    unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=False, seed=7, id_prefix="recorded")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with Processor(settings, tracing=traced) as p:
+        async with await nats.connect(nats_url) as nc:
+            sub = await nc.subscribe(p.subjects.result(plan.request_id))
+            await ChunkPublisher(nc).publish_leg(
+                plan.request_id, "agg", plan.agg, format=FORMAT, traceparent=unsampled
+            )
+            result = await sub.next_msg(timeout=20)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"streamproc.correlate", "streamproc.publish"}
+    assert result.headers["traceparent"] == tracing.Tracing(provider).traceparent(spans["streamproc.publish"])
+
+
+def test_tracing_is_off_without_otel_variables_and_the_hot_path_binds_the_correlators_own_methods():
+    settings = config.load({}, {"nats_url": "nats://127.0.0.1:1", "format": FORMAT})
+    assert tracing.exporter_names({}) == []
+    assert tracing.exporter_names({"OTEL_SERVICE_NAME": "x", "OTEL_TRACES_EXPORTER": "none"}) == []
+    assert tracing.exporter_names({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}) == ["otlp"]
+    assert tracing.exporter_names({"OTEL_TRACES_EXPORTER": "otlp,console"}) == ["otlp", "console"]
+    assert tracing.exporter_names({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}) == []
+    p = Processor(settings, tracing=None)
+    pipeline = p.pipeline
+    assert pipeline.receive == p.correlator.receive and pipeline.finish == p.correlator.finish
+
+    async def publish(*args: object) -> None:
+        pass
+
+    assert pipeline.publisher(publish) is publish
+
+
+@needs_otel
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "no-such-exporter"}, "OTEL_TRACES_EXPORTER='no-such-exporter'"),
+        ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "carrier-pigeon"},
+         "OTEL_EXPORTER_OTLP_PROTOCOL='carrier-pigeon'"),
+    ],
+)
+def test_otel_variables_that_name_nothing_installed_are_bad_configuration_for_every_command(variables, named):
+    from conftest import run_cli_process
+
+    dead = f"nats://127.0.0.1:{free_port()}"
+    for command in (["run", "--mode", "core"], ["edge"]):
+        proc = run_cli_process(*command, "--nats-url", dead, env=variables)
+        assert proc.returncode == 2, proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"streamproc {command[0]}: error: {named}"), line
+
+
+def shadow_opentelemetry(tmp: Path) -> str:
+    """A PYTHONPATH entry on which ``import opentelemetry`` fails, as without the extra."""
+    package = tmp / "opentelemetry"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        textwrap.dedent("""\
+        raise ImportError("opentelemetry is not installed (shadowed by the test)")
+    """)
+    )
+    return str(tmp)
+
+
+@pytest.mark.nats
+async def test_without_the_extra_otel_variables_only_warn_and_results_still_flow(nats_url, tmp_path):
+    import os
+
+    shadow = shadow_opentelemetry(tmp_path)
+    env = {
+        "PYTHONPATH": shadow + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+    }
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=True, seed=6, id_prefix="no-extra")
+    from conftest import processor_subprocess
+
+    with processor_subprocess(nats_url, "--format", FORMAT, "--mode", "core", env=env) as (proc, log_path):
+        with running_edge(nats_url, "--format", FORMAT, env=env) as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
+                async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                    async with await nats.connect(nats_url) as nc:
+                        await ChunkPublisher(nc).publish_leg(plan.request_id, "agg", plan.agg, format=FORMAT)
+                    with anyio.fail_after(20):
+                        raw = await response.aread()
+            edge_log = edge.log()
+        processor_log = log_path.read_text()
+    assert raw == expected_sse(plan.agg)
+    for log in (processor_log, edge_log):
+        assert "tracing_unavailable" in log and "streamproc[otel]" in log, log
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace receiver (``POST /v1/traces``, protobuf) on a free port."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.bodies: list[bytes] = []
+        received = self.bodies
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/traces":
+                    received.append(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def spans(self) -> list[tuple[str, Any]]:
+        """``(service.name, span)`` for every span received so far."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        out = []
+        for body in self.bodies:
+            request = ExportTraceServiceRequest.FromString(body)
+            for rs in request.resource_spans:
+                service = next(
+                    a.value.string_value for a in rs.resource.attributes if a.key == "service.name"
+                )
+                out.extend((service, span) for scope in rs.scope_spans for span in scope.spans)
+        return out
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_processor_and_edge_export_over_otlp_as_the_standard_variables_say(nats_url):
+    """`streamproc run` and `streamproc edge` as subprocesses, configured only by OTEL_* variables,
+    export their spans of one request over OTLP/HTTP; flushed on a graceful stop."""
+    from conftest import processor_subprocess
+
+    receiver = OtlpReceiver()
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    worker = f"00-{trace_id}-b7ad6b7169203331-01"
+    [plan] = traffic.plan(FORMAT, requests=1, mode="agg", stream=True, seed=6, id_prefix="otlp")
+    try:
+        with processor_subprocess(nats_url, "--format", FORMAT, "--mode", "core", env=env) as (
+            proc,
+            log_path,
+        ):
+            with running_edge(nats_url, "--format", FORMAT, env=env) as edge:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
+                    async with client.stream("GET", f"/v1/results/{plan.request_id}") as response:
+                        async with await nats.connect(nats_url) as nc:
+                            await ChunkPublisher(nc).publish_leg(
+                                plan.request_id, "agg", plan.agg, format=FORMAT, traceparent=worker
+                            )
+                        with anyio.fail_after(20):
+                            raw = await response.aread()
+                assert edge.stop() == 0
+            processor_log = log_path.read_text()
+        assert raw == expected_sse(plan.agg)
+        assert "event=tracing_enabled" in processor_log and "exporters=otlp" in processor_log
+        spans = receiver.spans()
+    finally:
+        receiver.close()
+    assert {span.trace_id.hex() for _, span in spans} == {trace_id}
+    by_service: dict[str, list[str]] = {}
+    for service, span in spans:
+        by_service.setdefault(service, []).append(span.name)
+    n = len(plan.agg)
+    assert sorted(by_service["streamproc"]) == sorted(
+        ["streamproc.correlate"] * n + ["streamproc.publish"] * n
+    )
+    assert sorted(by_service["streamproc-edge"]) == sorted(
+        ["streamproc.edge.frame"] * n + ["streamproc.edge.stream"]
+    )
+    worker_span_id = worker.split("-")[2]
+    assert all(s.parent_span_id.hex() == worker_span_id for _, s in spans if s.name == "streamproc.correlate")
