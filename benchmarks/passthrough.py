@@ -4,8 +4,11 @@ Both contenders run as subprocesses against one embedded nats-server. The load i
 SGLang traffic from the simulated worker (streamed requests of several chunks, and unary ones),
 published as fast as possible; a sink counts results. Rounds alternate between contenders so
 drift on a noisy machine hits both alike. Throughput = messages / (first publish .. last result).
+Ratios are paired: streamproc over the relay within each round, then the median over rounds (the
+range over rounds is printed as the noise seen). The CPU ratio is streamproc's µs/msg over the
+relay's: below 1 is cheaper.
 
-Usage: python benchmarks/passthrough.py [--messages 60000] [--rounds 3]
+Usage: python benchmarks/passthrough.py [--messages 150000] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(url: str, prefix: str, load, name: str) -> tuple[float, float]:
-    """(messages per second, contender CPU microseconds per message)."""
+async def measure(url: str, prefix: str, load, name: str) -> tuple[float, float, float]:
+    """(messages per second, contender CPU microseconds per message, seconds measured)."""
     proc = subprocess.Popen(contender_cmd(name, url, prefix), stdout=subprocess.DEVNULL)
     nc = await nats.connect(url)
     try:
@@ -103,7 +106,7 @@ async def measure(url: str, prefix: str, load, name: str) -> tuple[float, float]
         await nc.flush()
         await asyncio.wait_for(done.wait(), 300)
         elapsed = time.perf_counter() - t0
-        return expected / elapsed, (cpu_seconds(proc.pid) - cpu0) / expected * 1e6
+        return expected / elapsed, (cpu_seconds(proc.pid) - cpu0) / expected * 1e6, elapsed
     finally:
         await nc.close()
         stop_process(proc, 10)
@@ -113,27 +116,35 @@ async def run(args) -> None:
     with EmbeddedNats(jetstream=False) as server:
         print(f"nats-server {server.url}; {os.cpu_count()} cores; {args.messages} messages per run, "
               f"{args.rounds} rounds alternating")
-        print(f"{'load':10}{'relay msg/s':>14}{'streamproc msg/s':>18}{'ratio':>8}"
-              f"{'relay cpu us/msg':>19}{'streamproc cpu us/msg':>23}{'cpu ratio':>11}")
+        print(f"{'load':10}{'relay msg/s':>13}{'ours msg/s':>12}{'ratio':>7}{'(range)':>13}"
+              f"{'relay cpu us/msg':>18}{'ours cpu us/msg':>17}{'cpu ratio':>10}{'(range)':>13}")
         for stream in (True, False):
             load = build_load(args.messages, stream, "bench")
             rates: dict[str, list[float]] = {"relay": [], "streamproc": []}
             cpus: dict[str, list[float]] = {"relay": [], "streamproc": []}
+            seconds: list[float] = []
             for r in range(args.rounds):
                 order = ("relay", "streamproc") if r % 2 == 0 else ("streamproc", "relay")
                 for name in order:
-                    rate, cpu = await measure(server.url, f"bench{r}{name[0]}", load_for(load, r, name), name)
+                    rate, cpu, elapsed = await measure(server.url, f"bench{r}{name[0]}", load_for(load, r, name), name)
                     rates[name].append(rate)
                     cpus[name].append(cpu)
-            relay, ours = statistics.median(rates["relay"]), statistics.median(rates["streamproc"])
-            relay_cpu, ours_cpu = statistics.median(cpus["relay"]), statistics.median(cpus["streamproc"])
+                    seconds.append(elapsed)
+            ratios = [o / r for o, r in zip(rates["streamproc"], rates["relay"])]
+            cpu_ratios = [o / r for o, r in zip(cpus["streamproc"], cpus["relay"])]
+            med = statistics.median
             label = "streamed" if stream else "unary"
-            print(f"{label:10}{relay:14,.0f}{ours:18,.0f}{ours / relay:8.2f}"
-                  f"{relay_cpu:19.1f}{ours_cpu:23.1f}{relay_cpu / ours_cpu:11.2f}")
-            print(f"{'':10}"
-                  f"   (runs relay {', '.join(f'{x:,.0f}' for x in rates['relay'])};"
-                  f" streamproc {', '.join(f'{x:,.0f}' for x in rates['streamproc'])})")
-        print("target: streamproc >= 0.9 x relay (throughput ratio; cpu ratio = relay cpu / streamproc cpu)")
+            print(f"{label:10}{med(rates['relay']):13,.0f}{med(rates['streamproc']):12,.0f}{med(ratios):7.2f}"
+                  f"{f'({min(ratios):.2f}-{max(ratios):.2f})':>13}"
+                  f"{med(cpus['relay']):18.1f}{med(cpus['streamproc']):17.1f}{med(cpu_ratios):10.2f}"
+                  f"{f'({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})':>13}")
+            print(f"{'':10}   ({len(load)} messages per run, {min(seconds):.1f}-{max(seconds):.1f} s; runs relay "
+                  f"{', '.join(f'{x:,.0f}' for x in rates['relay'])}; streamproc "
+                  f"{', '.join(f'{x:,.0f}' for x in rates['streamproc'])})")
+            print(f"{'':10}   (cpu us/msg relay {', '.join(f'{x:.1f}' for x in cpus['relay'])}; streamproc "
+                  f"{', '.join(f'{x:.1f}' for x in cpus['streamproc'])})")
+        print("target: ratio >= 1.15 (throughput, streamproc / relay) and cpu ratio <= 0.8 (streamproc / relay), "
+              "paired medians")
 
 
 def load_for(load, r: int, name: str):
@@ -144,8 +155,8 @@ def load_for(load, r: int, name: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--messages", type=int, default=60_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=150_000)
+    parser.add_argument("--rounds", type=int, default=7)
     asyncio.run(run(parser.parse_args()))
 
 
