@@ -73,7 +73,7 @@ def main() -> None:
 
     def receive_agg() -> None:
         req_f.next_seq = 1
-        c_fused.receive_agg("r1", 1, False, body, 0.0)
+        c_fused.receive_agg("r1", 1, False, body, None, 0.0)
 
     def fused_path() -> None:
         req_f.next_seq = 1

@@ -26,7 +26,7 @@ SUBJECTS = Subjects("p")
 
 
 def _pipeline() -> Pipeline:
-    config = CorrelatorConfig(max_inflight=3, max_retained_bytes=40, max_finished=3)
+    config = CorrelatorConfig(max_inflight=2, max_retained_bytes=40, max_finished=3)
     return Pipeline(Correlator(Catalog(), "sglang", config), SUBJECTS, clock=lambda: 0.0)
 
 
@@ -58,7 +58,8 @@ _MESSAGES = st.lists(st.tuples(
 def _state(pipeline: Pipeline) -> object:
     c = pipeline.correlator
     return (msgspec.structs.asdict(c.stats), c.inflight, list(c._finished.items()),
-            [(rid, r.next_seq, r.final_seq, len(r.retained), r.budget, r.last) for rid, r in c._active.items()])
+            [(rid, r.next_seq, r.final_seq, len(r.retained), r.budget, r.last, r.kind, r.traceparent, r.format,
+              type(r.codec), len(r.pending)) for rid, r in c._active.items()])
 
 
 @settings(max_examples=400, deadline=None)
@@ -87,8 +88,9 @@ def test_in_order_and_unary_aggregated_chunks_take_the_fused_path():
     pipeline = _pipeline()
     fused = PassthroughPath(SUBJECTS, pipeline.correlator)
     assert fused("p.chunks.u.agg", {SEQ: "0", FINAL: "true", ATTEMPT: "0"}, b"x", 0.0) is not None
-    # a new streamed request needs per-request state (codec, bounds): the general path creates it
-    assert fused("p.chunks.s.agg", {SEQ: "0"}, b"a", 0.0) is None
-    assert _general(pipeline, "p.chunks.s.agg", {SEQ: "0"}, b"a", 0.0)
+    assert fused("p.chunks.s.agg", {SEQ: "0"}, b"a", 0.0) is not None  # opens the streamed request
     assert fused("p.chunks.s.agg", {SEQ: "1"}, b"b", 0.0) is not None
     assert fused("p.chunks.s.agg", {SEQ: "3"}, b"d", 0.0) is None  # a gap: buffering is the general path's
+    assert fused("p.chunks.t.agg", {SEQ: "1"}, b"b", 0.0) is None  # a stream starting out of order, too
+    assert fused("p.chunks.s.agg", {SEQ: "2", FORMAT: "sglang"}, b"c", 0.0) is None  # format: compared there
+    assert pipeline.correlator.stats.passthrough == 3

@@ -241,34 +241,44 @@ class Correlator:
             return self._receive_prefill(req, chunk, now)
         return self._receive_output(req, chunk, now)
 
-    def receive_agg(self, rid: str, seq: int, final: bool, body: bytes, now: float) -> bool:
-        """:meth:`receive` of an attempt-0 aggregated chunk without a format, for its two common
-        cases only, with no Chunk, Result or list built (the fused passthrough path,
+    def receive_agg(self, rid: str, seq: int, final: bool, body: bytes, traceparent: str | None,
+                    now: float) -> bool:
+        """:meth:`receive` of an attempt-0 aggregated chunk without a format, for its common cases
+        only, with no Chunk, Result or list built (the fused passthrough path,
         :mod:`streamproc.core.passthrough`).
 
         True: handled exactly as ``receive`` would, and its one decision is the passthrough result
-        ``(rid, seq, body, final)`` (core mode settles nothing, so no tokens are kept). False: nothing
-        was changed; call ``receive`` with the Chunk.
+        ``(rid, seq, body, final, traceparent)`` (core mode settles nothing, so no tokens are kept).
+        False: nothing was changed; call ``receive`` with the Chunk.
         """
-        req = self._active.get(rid)
+        active = self._active
+        req = active.get(rid)
         stats = self.stats
-        if req is None:  # unary: receive()'s branch for a new final seq-0 aggregated chunk
+        if req is None:
             finished = self._finished
-            if not final or seq != 0 or rid in finished:
+            if seq != 0 or rid in finished:
                 return False
-            finished[rid] = now + self._grace
-            if len(finished) > self._max_finished:
-                finished.popitem(last=False)
-            stats.chunks += 1
-            stats.passthrough += 1
-            return True
+            if final:  # unary: receive()'s branch for a new final seq-0 aggregated chunk
+                finished[rid] = now + self._grace
+                if len(finished) > self._max_finished:
+                    finished.popitem(last=False)
+                stats.chunks += 1
+                stats.passthrough += 1
+                return True
+            if len(active) >= self.config.max_inflight:
+                return False
+            # the first chunk of a streamed response: receive()'s new-request branch, then in order
+            req = _Request(rid, self._default_codec, self.default_format, self._max_retained)
+            req.traceparent = traceparent
+            req.kind = _AGG
+            active[rid] = req
         # _receive_output()'s in-order branch (held tokens only exist in durable mode; leave them to it)
-        if (req.kind is not _AGG or req.attempt or seq != req.next_seq or req.pending
+        elif (req.kind is not _AGG or req.attempt or seq != req.next_seq or req.pending
                 or req.final_seq is not None or req.held):
             return False
         stats.chunks += 1
         req.last = now
-        self._active.move_to_end(rid)
+        active.move_to_end(rid)
         req.next_seq = seq + 1
         stats.passthrough += 1
         if final:

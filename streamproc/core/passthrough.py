@@ -6,7 +6,8 @@ The general path of an aggregated chunk builds a 9-field :class:`~streamproc.cor
 the NATS client encodes again: about 4-5 µs per message in a profile (issue 14). For the two cases
 that are nearly all aggregated traffic (a unary response; the next chunk of a streamed one, attempt
 0, no format header, plain traceparent), :class:`PassthroughPath` validates the same contract
-inline, updates the correlator through :meth:`Correlator.receive_agg` and formats the result header
+inline, updates the correlator through :meth:`Correlator.receive_agg` (which also opens a streamed
+request at its seq 0) and formats the result header
 block directly. Anything else returns None and takes the general path, which then decides exactly
 as before (nothing was changed). tests/test_passthrough_path.py pins that both paths give the same
 results, stats and headers; benchmarks/passthrough_steps.py measures each step.
@@ -63,6 +64,6 @@ class PassthroughPath:
             return None
         n = int(seq)
         last = final == "true"
-        if not self._receive(rid, n, last, body, now):
+        if not self._receive(rid, n, last, body, traceparent, now):
             return None
         return self._results + rid, result_header_block(rid, n, last, traceparent)
