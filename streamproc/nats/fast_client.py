@@ -28,12 +28,14 @@ upstream-ready description is in docs/benchmarks.md ("nats-py header fast path")
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 import nats.aio.client as _client
 from nats import errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import log_event
@@ -47,6 +49,7 @@ SUPPORTED_NATS_PY = ((2, 16), (2, 17))
 _CRLF = b"\r\n"
 _HDR_LINE = b"NATS/1.0"
 _TRANSLATE = str.maketrans({"\r": " ", "\n": " "})
+_MSG_FIELDS = ["_client", "subject", "reply", "data", "headers", "_metadata", "_ackd", "_sid"]
 _KEY_PATTERN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _MAX_CACHED = 1024  # header names / keys remembered; beyond, each new one is checked every time
 _MAX_CACHED_LEN = 64  # longer names are checked every time (a hostile sender cannot grow the cache much)
@@ -80,6 +83,7 @@ def fast_path_support(version: str | None = None) -> tuple[bool, str]:
         "NATS_HDR_LINE": getattr(_client, "NATS_HDR_LINE", None) == _HDR_LINE,
         "Client._parse_header_lines": callable(getattr(Client, "_parse_header_lines", None)),
         "HPUB_OP": getattr(_command, "HPUB_OP", None) == "HPUB",
+        "Msg fields": dataclasses.is_dataclass(Msg) and [f.name for f in dataclasses.fields(Msg)] == _MSG_FIELDS,
     }
     wrong = [name for name, ok in checks.items() if not ok]
     if wrong:
@@ -197,9 +201,13 @@ class FastClient(RobustClient):
             hdr = parse_header_block(headers)
         else:  # inline status line, or too short to hold a header: nats-py's own parser
             hdr = await self._process_headers(headers)
-        msg = self._build_message(sid, subject, reply, data, hdr)
-        if not msg:
-            return
+        if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
+            msg = Msg(self, subject.decode("utf-8", "surrogateescape"), reply.decode("utf-8", "surrogateescape"),
+                      data, hdr, None, False, sid)
+        else:
+            msg = self._build_message(sid, subject, reply, data, hdr)
+            if not msg:
+                return
         try:
             sub._pending_size += payload_size
             if sub._pending_bytes_limit > 0 and sub._pending_size >= sub._pending_bytes_limit:
@@ -220,8 +228,18 @@ class FastClient(RobustClient):
 
     async def publish_header_block(self, subject: str, payload: bytes, header_block: bytes) -> None:
         """Publish with a header block the caller formatted exactly as :func:`encode_header_block`
-        would (``NATS/1.0\\r\\n``, ``Key: value\\r\\n`` lines, a blank line)."""
-        self._preflight(subject, "", payload)
+        would (``NATS/1.0\\r\\n``, ``Key: value\\r\\n`` lines, a blank line), on a subject the
+        caller knows to be valid (non-empty, no whitespace): it is not checked again."""
+        if self.is_closed:
+            raise errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise errors.ConnectionDrainingError
+        payload_size = len(payload)
+        if not self.is_connected:
+            if self._max_pending_size <= 0 or payload_size + self._pending_data_size > self._max_pending_size:
+                raise errors.OutboundBufferLimitError
+        if payload_size > self._max_payload:
+            raise errors.MaxPayloadError
         await self._send(subject, "", payload, header_block)
 
     def _preflight(self, subject: str, reply: str, payload: bytes) -> None:
