@@ -257,7 +257,10 @@ async def test_a_worker_trace_that_is_not_sampled_stays_unsampled_and_results_st
 
 @needs_otel
 @pytest.mark.nats
-async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processors_spans(nats_url):
+@pytest.mark.parametrize("format_header", [FORMAT, None], ids=["format-header", "fused-path-shape"])
+async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processors_spans(nats_url, format_header):
+    """Without a format header, a unary aggregated chunk has the shape of the fused passthrough path
+    (core/passthrough.py), which records no span: with tracing on every chunk takes the general path."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -275,7 +278,7 @@ async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processor
         async with await nats.connect(nats_url) as nc:
             sub = await nc.subscribe(p.subjects.result(plan.request_id))
             await ChunkPublisher(nc).publish_leg(
-                plan.request_id, "agg", plan.agg, format=FORMAT, traceparent=unsampled
+                plan.request_id, "agg", plan.agg, format=format_header, traceparent=unsampled
             )
             result = await sub.next_msg(timeout=20)
     spans = {s.name: s for s in exporter.get_finished_spans()}

@@ -258,6 +258,55 @@ class Correlator:
             return self._receive_prefill(req, chunk, now)
         return self._receive_output(req, chunk, now)
 
+    def receive_agg(self, rid: str, seq: int, final: bool, body: bytes, traceparent: str | None,
+                    now: float) -> bool:
+        """:meth:`receive` of an attempt-0 aggregated chunk without a format, for its common cases
+        only, with no Chunk, Result or list built (the fused passthrough path,
+        :mod:`streamproc.core.passthrough`).
+
+        True: handled exactly as ``receive`` would, and its one decision is the passthrough result
+        ``(rid, seq, body, final, traceparent)`` (core mode settles nothing, so no tokens are kept).
+        False: nothing was changed; call ``receive`` with the Chunk.
+        """
+        active = self._active
+        req = active.get(rid)
+        stats = self.stats
+        if req is None:
+            finished = self._finished
+            if seq != 0 or rid in finished:
+                return False
+            if final:  # unary: receive()'s branch for a new final seq-0 aggregated chunk
+                finished[rid] = now + self._grace
+                if len(finished) > self._max_finished:
+                    finished.popitem(last=False)
+                stats.chunks += 1
+                stats.passthrough += 1
+                return True
+            if len(active) >= self.config.max_inflight:
+                return False
+            # the first chunk of a streamed response: receive()'s new-request branch, then in order
+            req = _Request(rid, self._default_codec, self.default_format, self._max_retained)
+            req.traceparent = traceparent
+            req.kind = _AGG
+            active[rid] = req
+        # _receive_output()'s in-order branch (held tokens only exist in durable mode; leave them to it)
+        elif (req.kind is not _AGG or req.attempt or seq != req.next_seq or req.pending
+                or req.final_seq is not None or req.held):
+            return False
+        stats.chunks += 1
+        req.last = now
+        active.move_to_end(rid)
+        req.next_seq = seq + 1
+        stats.passthrough += 1
+        if final:
+            self._forget(req, now)
+        else:
+            req.retained.append(body)
+            req.budget -= len(body)
+            if req.budget < 0:
+                self._compact(req)
+        return True
+
     def reject(self, request_id: str, reason: str, now: float, token: object = None,
                kind: ErrorKind = ErrorKind.INVALID_CHUNK) -> list[Decision]:
         """A message for ``request_id`` broke the contract before it became a Chunk (or, ``kind``

@@ -237,6 +237,32 @@ def result_headers(result: Result) -> dict[str, str]:
     return headers
 
 
+def plain_header_value(value: str) -> bool:
+    """True when a NATS client sends ``value`` unchanged (nats-py strips it and turns CR/LF into
+    spaces): printable ASCII, no space at either end. Such a value can go in a pre-formatted block."""
+    return value.isascii() and value.isprintable() and value == value.strip()
+
+
+def result_header_block(request_id: str, seq: int, final: bool, traceparent: str | None) -> bytes:
+    """The NATS header block of a passthrough result, formatted directly: the bytes nats-py's
+    ``publish`` would send for ``result_headers(Result(request_id, seq, body, final,
+    Verdict.PASSTHROUGH, None, traceparent))`` (same keys, same order; nats-py 2.16
+    ``Client._send_publish``). ``request_id`` is valid (:func:`valid_request_id`) and a truthy
+    ``traceparent`` is plain (:func:`plain_header_value`): callers check, tests pin the equality."""
+    seq_text = str(seq)
+    text = f"NATS/1.0\r\n{SEQ}: {seq_text}\r\n{MSG_ID}: {request_id}.{seq_text}\r\n"
+    if final:
+        text += _FINAL_LINE
+    text += _JOIN_PASSTHROUGH_LINE
+    if traceparent:
+        text += f"{TRACEPARENT}: {traceparent}\r\n"
+    return (text + "\r\n").encode()
+
+
+_FINAL_LINE = f"{FINAL}: true\r\n"
+_JOIN_PASSTHROUGH_LINE = f"{JOIN}: {Verdict.PASSTHROUGH._value_}\r\n"
+
+
 def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes) -> ResultInfo:
     request_id = subjects.request_id_of_result(subject)
     h = headers or {}

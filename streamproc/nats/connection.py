@@ -3,7 +3,7 @@
 Every command that connects out (``run``, ``edge``, ``simulate``) calls :func:`connect` with its
 settings, so each supports the same mechanisms (user and password, token, nkey seed, ``.creds``
 file, TLS with a CA file, client certificate) under the same ``STREAMPROC_NATS_*`` names, with
-the same hardened client (:class:`~streamproc.nats.robust.RobustClient`).
+the same hardened client (:func:`~streamproc.nats.fast_client.new_client`).
 
 A refused credential or a certificate that does not verify will not get better by retrying, so the
 first connect stops at the first such error with one line naming the cause, instead of retrying
@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from ..config import REDACTED, CommonSettings, redact_url
 from ..core.errors import ConfigError, StartupError
 from ..logs import error_text
-from .robust import RobustClient
+from .fast_client import new_client
 
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
@@ -165,7 +165,7 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
     where = redact_url(settings.nats_url)
     errors: list[Exception] = []
     fatal: list[Exception] = []
-    nc = RobustClient()  # survives subjects and headers nats-py cannot parse (robust.py)
+    nc = new_client()  # survives what nats-py cannot parse (robust.py), header work fast (fast_client.py)
     connecting = True
 
     tls = "tls" in options or any(u.startswith("tls://") for u in servers(settings))

@@ -1,0 +1,293 @@
+"""nats-py's per-message header work in C-level string operations (issue 14, passthrough target).
+
+Issue 14's py-spy profile of both the processor and a bare nats-py relay put ~10 µs of every message in
+pure-Python header work inside nats-py 2.16: ``any(c.isspace() for c in key)`` per received header
+name (``Client._parse_header_lines``), a regex ``fullmatch`` per published key and
+``str.translate`` with a dict table per published value (``Client._send_publish``), one coroutine
+per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`` ->
+``_process_headers``). :class:`FastClient` does the same work with the same results:
+
+- **Receive**: ``_process_msg`` for a plain subscription (no JetStream state, no old-style request
+  future; anything else goes to nats-py's own method) parses the header block inline. Header names
+  are cached (bounded) after the first time they are seen, so a known name costs one dict lookup;
+  an unknown one runs nats-py's exact checks (strip, ASCII decode, whitespace). Inline status lines
+  (``NATS/1.0 503``) and blocks of 10 bytes or less go to the stock ``_process_headers``. The
+  ``Msg`` is built positionally, as ``RobustClient._build_message`` builds it (field order checked).
+- **Publish**: ``publish`` does nats-py's checks in nats-py's order, then builds the header block as
+  one ``str`` (validated key prefixes cached, values translated only when they hold CR or LF) and
+  encodes it once. On any exception the stock encoder runs instead, so every error is nats-py's own.
+  :meth:`FastClient.publish_header_block` sends a block the caller pre-formatted (the processor's
+  passthrough results, :func:`streamproc.core.wire.result_header_block`).
+
+The wire bytes and errors are pinned against stock nats-py on random headers
+(tests/test_fast_client.py). The fast path is used only for nats-py versions in
+:data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`);
+otherwise :func:`new_client` returns the stock-path :class:`RobustClient` and logs why. The
+upstream-ready description is in docs/benchmarks.md ("nats-py header fast path").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+import nats.aio.client as _client
+from nats import errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.protocol import command as _command
+
+from ..logs import log_event
+from .robust import RobustClient
+
+log = logging.getLogger("streamproc.nats")
+
+# [first, end) of the nats-py releases whose header code this mirrors (nats/aio/client.py).
+SUPPORTED_NATS_PY = ((2, 16), (2, 17))
+
+_CRLF = b"\r\n"
+_HDR_LINE = b"NATS/1.0"
+_TRANSLATE = str.maketrans({"\r": " ", "\n": " "})
+_MSG_FIELDS = ["_client", "subject", "reply", "data", "headers", "_metadata", "_ackd", "_sid"]
+_KEY_PATTERN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_MAX_CACHED = 1024  # header names / keys remembered; beyond, each new one is checked every time
+_MAX_CACHED_LEN = 64  # longer names are checked every time (a hostile sender cannot grow the cache much)
+
+# Received name bytes (before strip) -> decoded key, or _SKIP when nats-py drops the line.
+_SKIP = object()
+_NAMES: dict[bytes, Any] = {}
+# Published key (exact str) -> "Key: " prefix, or "" when nats-py skips the empty key.
+_KEYS: dict[str, str] = {}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def fast_path_support(version: str | None = None) -> tuple[bool, str]:
+    """(usable, reason): the installed nats-py is in range and its internals are the ones mirrored."""
+    version = _client.__version__ if version is None else version
+    low, high = SUPPORTED_NATS_PY
+    if not low <= _version(version) < high:
+        return False, (f"nats-py {version} is outside the supported range "
+                       f"{'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}")
+    checks = {
+        "parse_email is None (no fast_mail_parser)": getattr(_client, "parse_email", 0) is None,
+        "_HEADER_KEY_RE": getattr(getattr(_client, "_HEADER_KEY_RE", None), "pattern", None) == _KEY_PATTERN,
+        "_HEADER_VALUE_NEWLINES": getattr(_client, "_HEADER_VALUE_NEWLINES", None) == _TRANSLATE,
+        "NATS_HDR_LINE": getattr(_client, "NATS_HDR_LINE", None) == _HDR_LINE,
+        "Client._parse_header_lines": callable(getattr(Client, "_parse_header_lines", None)),
+        "HPUB_OP": getattr(_command, "HPUB_OP", None) == "HPUB",
+        "Msg fields": dataclasses.is_dataclass(Msg) and [f.name for f in dataclasses.fields(Msg)] == _MSG_FIELDS,
+    }
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:
+        return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
+    return True, f"nats-py {version}"
+
+
+def _name(name: bytes) -> Any:
+    """nats-py's per-name rule (``Client._parse_header_lines``): the key, or _SKIP."""
+    try:
+        key = name.strip().decode("ascii")
+    except UnicodeDecodeError:
+        return _SKIP
+    if " " in key or (not key.isprintable() and any(c.isspace() for c in key)):
+        return _SKIP
+    return key
+
+
+def parse_header_block(headers: bytes) -> dict[str, str] | None:
+    """``Client._process_headers`` for a block without an inline status (len > 10, byte 8 not a
+    space: callers check); same dict, same ``None`` for an empty one."""
+    out: dict[str, str] = {}
+    names = _NAMES
+    for line in headers[10:].split(_CRLF):
+        if not line:
+            continue
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        key = names.get(name)
+        if key is None:
+            key = _name(name)
+            if len(names) < _MAX_CACHED and len(name) <= _MAX_CACHED_LEN:
+                names[name] = key
+        if key is _SKIP:
+            continue
+        out[key] = value.strip().decode("utf-8", "replace")
+    return out or None
+
+
+def _stock_header_block(headers: dict[str, Any]) -> bytes:
+    """``Client._send_publish``'s header encoding, verbatim (nats-py 2.16): the fallback that
+    raises nats-py's own errors."""
+    hdr = bytearray()
+    hdr.extend(_HDR_LINE)
+    hdr.extend(_CRLF)
+    for k, v in headers.items():
+        key = k.strip()
+        if not key:
+            continue
+        if not _client._HEADER_KEY_RE.fullmatch(key):
+            raise errors.BadHeaderError(key)
+        hdr.extend(key.encode())
+        hdr.extend(b": ")
+        value = v.strip().translate(_client._HEADER_VALUE_NEWLINES)
+        hdr.extend(value.encode())
+        hdr.extend(_CRLF)
+    hdr.extend(_CRLF)
+    return bytes(hdr)
+
+
+def _key(k: str) -> str:
+    key = k.strip()
+    if not key:
+        prefix = ""
+    elif _client._HEADER_KEY_RE.fullmatch(key):
+        prefix = key + ": "
+    else:
+        raise errors.BadHeaderError(key)
+    if type(k) is str and len(_KEYS) < _MAX_CACHED and len(k) <= _MAX_CACHED_LEN:
+        _KEYS[k] = prefix
+    return prefix
+
+
+def encode_header_block(headers: dict[str, Any]) -> bytes:
+    """The header block nats-py's ``publish`` sends for ``headers``, byte for byte; its errors too."""
+    try:
+        text = "NATS/1.0\r\n"
+        keys = _KEYS
+        for k, v in headers.items():
+            prefix = keys.get(k)
+            if prefix is None:
+                prefix = _key(k)
+            if not prefix:
+                continue
+            value = v.strip()
+            if "\r" in value or "\n" in value:
+                value = value.translate(_TRANSLATE)
+            text += prefix + value + "\r\n"
+        return (text + "\r\n").encode()
+    except Exception:  # noqa: BLE001  (nats-py's own code decides what is raised, and how)
+        return _stock_header_block(headers)
+
+
+class FastClient(RobustClient):
+    """:class:`RobustClient` with nats-py's header work done fast (see the module doc)."""
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,
+                           headers: bytes | None) -> None:
+        # nats-py 2.16 Client._process_msg, for a plain subscription: stats, max_msgs, headers,
+        # message, pending limits, queue. JetStream, old-style requests and unknown sids: upstream.
+        sub = self._subs.get(sid)
+        if sub is None or sub._jsi is not None or sub._future is not None:
+            return await super()._process_msg(sid, subject, reply, data, headers)
+        payload_size = len(data)
+        stats = self.stats
+        stats["in_msgs"] += 1
+        stats["in_bytes"] += payload_size
+        sub._received += 1
+        if sub._max_msgs > 0 and sub._received >= sub._max_msgs:
+            self._subs.pop(sid, None)
+        if not headers:
+            hdr = None
+        elif len(headers) > 10 and headers[8] != 32:
+            hdr = parse_header_block(headers)
+        else:  # inline status line, or too short to hold a header: nats-py's own parser
+            hdr = await self._process_headers(headers)
+        if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
+            msg = Msg(self, subject.decode("utf-8", "surrogateescape"), reply.decode("utf-8", "surrogateescape"),
+                      data, hdr, None, False, sid)
+        else:
+            msg = self._build_message(sid, subject, reply, data, hdr)
+            if not msg:
+                return
+        try:
+            sub._pending_size += payload_size
+            if sub._pending_bytes_limit > 0 and sub._pending_size >= sub._pending_bytes_limit:
+                sub._pending_size -= payload_size
+                await self._error_cb(
+                    errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
+                return
+            sub._pending_queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            sub._pending_size -= len(msg.data)
+            await self._error_cb(errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
+
+    async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
+                      headers: dict[str, str] | None = None) -> None:
+        """nats-py 2.16 ``Client.publish`` + ``_send_publish`` + ``_send_command`` in one coroutine."""
+        self._preflight(subject, reply, payload)
+        await self._send(subject, reply, payload, None if headers is None else encode_header_block(headers))
+
+    async def publish_header_block(self, subject: str, payload: bytes, header_block: bytes) -> None:
+        """Publish with a header block the caller formatted exactly as :func:`encode_header_block`
+        would (``NATS/1.0\\r\\n``, ``Key: value\\r\\n`` lines, a blank line), on a subject the
+        caller knows to be valid (non-empty, no whitespace): it is not checked again."""
+        if self.is_closed:
+            raise errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise errors.ConnectionDrainingError
+        payload_size = len(payload)
+        if not self.is_connected:
+            if self._max_pending_size <= 0 or payload_size + self._pending_data_size > self._max_pending_size:
+                raise errors.OutboundBufferLimitError
+        if payload_size > self._max_payload:
+            raise errors.MaxPayloadError
+        await self._send(subject, "", payload, header_block)
+
+    def _preflight(self, subject: str, reply: str, payload: bytes) -> None:
+        """``Client.publish``'s checks, in its order (returns None; raises nats-py's errors)."""
+        if not self._skip_subject_validation:
+            _client._validate_subject(subject)
+            if reply:
+                _client._validate_subject(reply)
+        if self.is_closed:
+            raise errors.ConnectionClosedError
+        if self.is_draining_pubs:
+            raise errors.ConnectionDrainingError
+        payload_size = len(payload)
+        if not self.is_connected:
+            if self._max_pending_size <= 0 or payload_size + self._pending_data_size > self._max_pending_size:
+                raise errors.OutboundBufferLimitError
+        if payload_size > self._max_payload:
+            raise errors.MaxPayloadError
+        if subject == "":
+            raise errors.BadSubjectError
+
+    async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
+        if hdr is None:
+            cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
+        else:
+            hdr_len = len(hdr)
+            cmd = f"HPUB {subject} {reply} {hdr_len} {len(payload) + hdr_len}\r\n".encode() + hdr + payload + _CRLF
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += len(payload)
+        self._pending.append(cmd)
+        self._pending_data_size += len(cmd)
+        if self._max_pending_size > 0 and self._pending_data_size > self._max_pending_size:
+            await self._flush_pending(force_flush=True)
+        if self._flush_queue is not None and self._flush_queue.empty():
+            await self._flush_pending()
+
+
+_support: tuple[bool, str] | None = None
+
+
+def new_client() -> RobustClient:
+    """A :class:`FastClient` when the installed nats-py is supported, else the stock-path
+    :class:`RobustClient` (logged once per process)."""
+    global _support
+    if _support is None:
+        _support = fast_path_support()
+        if not _support[0]:
+            log_event(log, logging.WARNING, "nats_fast_path_disabled", reason=_support[1])
+    return FastClient() if _support[0] else RobustClient()

@@ -1,0 +1,193 @@
+"""FastClient (streamproc/nats/fast_client.py) is nats-py's behaviour, only faster.
+
+Parse side: the same header dict (or the same robust pseudo-header) as the stock path for random
+header blocks, through ``_process_msg``. Publish side: the same wire bytes, or the same exception
+(type and text), as stock nats-py's ``publish`` for random subjects and headers. Outside the
+supported nats-py range the stock path is used, and the processor still passes chunks through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import follow
+from streamproc.core.wire import result_header_block, result_headers, Result, Verdict
+from streamproc.nats import fast_client
+from streamproc.nats.fast_client import FastClient, encode_header_block, fast_path_support, new_client
+from streamproc.nats.robust import RobustClient
+
+# ------------------------------------------------------------------------------ parse side
+
+_NAME_BYTES = st.binary(max_size=12) | st.sampled_from(
+    [b"Streamproc-Seq", b" Nats-Msg-Id ", b"a b", b"x\x1cy", b"\x0bk", b"caf\xc3\xa9", b"", b"k\tv", b"\x00"])
+_VALUE_BYTES = st.binary(max_size=16) | st.sampled_from([b" 12 ", b"\xff\xfe", b"a\rb", b"c\nd", b"\x85x\xa0"])
+_LINE = st.one_of(
+    st.tuples(_NAME_BYTES, st.sampled_from([b":", b": ", b":\t", b""]), _VALUE_BYTES).map(b"".join),
+    st.binary(max_size=20),
+)
+_STATUS = st.sampled_from([b"\r\n", b" 503\r\n", b" 100 Idle Heartbeat\r\n", b" 404 No Messages\r\n",
+                           b" \xff\xfe\r\n", b"\r", b"", b"X\r\n", b" 12"])
+_BLOCKS = st.one_of(
+    st.tuples(st.just(b"NATS/1.0"), _STATUS, st.lists(_LINE, max_size=6).map(b"\r\n".join),
+              st.sampled_from([b"\r\n\r\n", b"\r\n", b""])).map(b"".join),
+    st.binary(max_size=40),
+)
+
+
+def _deliver(client: Client, headers: bytes | None) -> object:
+    """Run ``client._process_msg`` for one message on a plain subscription; the message's headers,
+    or the exception the stock path let escape."""
+
+    async def run():
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        client._error_cb = on_error
+        sub = Subscription(client, 1, "s")
+        client._subs[1] = sub
+        await client._process_msg(1, b"s.x", b"", b"body", headers)
+        msg = sub._pending_queue.get_nowait()
+        assert msg.data == b"body" and msg.subject == "s.x" and not errors
+        return msg.headers
+
+    try:
+        return asyncio.run(run())
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc), str(exc))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_BLOCKS)
+def test_received_headers_are_the_stock_paths_on_random_header_blocks(block):
+    fast = _deliver(FastClient(), block)
+    robust = _deliver(RobustClient(), block)  # nats-py's own parse, with the robust wrapper
+    assert fast == robust
+    stock = _deliver(Client(), block)
+    if not (isinstance(stock, tuple) and stock[:1] == ("raised",)):
+        assert fast == stock
+
+
+def test_a_status_line_message_goes_to_nats_pys_own_parser():
+    assert _deliver(FastClient(), b"NATS/1.0 503\r\n\r\n") == {"Status": "503"}
+
+
+# ---------------------------------------------------------------------------- publish side
+
+_TEXT = st.text(alphabet=st.sampled_from(list("aZ9-_.!~ \t\r\n:é\x1c\u2028\x85") + ["\ud800"]), max_size=10)
+_KEYS = _TEXT | st.sampled_from(["Streamproc-Seq", "Nats-Msg-Id", " traceparent ", "", "  ", "a b", "k:"])
+_VALUES = _TEXT | st.sampled_from(["0", " 12 ", "a\r\nb", "\n"]) | st.sampled_from([3, b"raw", None])
+_SUBJECTS = st.sampled_from(["s.results.r1", "s.a b", "", "s.\r\n", "s.ok"])
+
+
+def _connected(cls: type[Client]) -> Client:
+    nc = cls()
+    nc._status = Client.CONNECTED  # commands pile up in _pending; no flusher
+    nc._flush_queue = None
+    return nc
+
+
+def _publish(cls: type[Client], subject: str, payload: bytes, headers) -> object:
+    nc = _connected(cls)
+    try:
+        asyncio.run(nc.publish(subject, payload, headers=headers))
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc), str(exc), exc.args)
+    assert nc.stats["out_msgs"] == 1 and nc.stats["out_bytes"] == len(payload)
+    return b"".join(nc._pending), nc._pending_data_size
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_SUBJECTS, st.binary(max_size=8), st.none() | st.dictionaries(_KEYS, _VALUES, max_size=5))
+def test_published_wire_bytes_and_errors_are_stock_nats_pys_on_random_headers(subject, payload, headers):
+    assert _publish(FastClient, subject, payload, headers) == _publish(Client, subject, payload, headers)
+
+
+def test_header_keys_cached_as_valid_still_reject_the_invalid_ones():
+    assert encode_header_block({"Streamproc-Seq": "1"}) == b"NATS/1.0\r\nStreamproc-Seq: 1\r\n\r\n"
+    for bad in ({"Streamproc Seq": "1"}, {"Streamproc-Seq\r\nPUB x 1": "1"}):
+        assert _publish(FastClient, "s", b"", bad) == _publish(Client, "s", b"", bad)
+        assert _publish(FastClient, "s", b"", bad)[1].__name__ == "BadHeaderError"
+
+
+_PLAIN = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7e), min_size=1, max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PLAIN.filter(lambda s: not set(s) & set(".*>")), st.integers(0, 10**17), st.booleans(),
+       st.none() | st.just("") | _PLAIN | _PLAIN.map(lambda s: f"0 {s} x"))
+def test_a_preformatted_result_block_is_what_nats_py_sends_for_result_headers(rid, seq, final, traceparent):
+    result = Result(rid, seq, b"", final, Verdict.PASSTHROUGH, None, traceparent, ())
+    expected = _publish(Client, "s", b"b", result_headers(result))
+
+    async def send() -> bytes:
+        nc = _connected(FastClient)
+        await nc.publish_header_block("s", b"b", result_header_block(rid, seq, final, traceparent))
+        return b"".join(nc._pending), nc._pending_data_size
+
+    assert asyncio.run(send()) == expected
+
+
+# ------------------------------------------------------------------------- version range
+
+def test_the_fast_path_is_used_only_inside_the_supported_nats_py_range():
+    assert fast_path_support("2.16.0")[0] and fast_path_support("2.16.7")[0]
+    for version in ("2.15.3", "2.17.0", "3.0.0", "0.0.0"):
+        usable, reason = fast_path_support(version)
+        assert not usable and version in reason and "supported range" in reason
+    assert fast_path_support()[0], "the installed nats-py is the one the fast path was written for"
+    assert type(new_client()) is FastClient
+
+
+@pytest.fixture
+def unsupported_nats_py(monkeypatch):
+    monkeypatch.setattr(fast_client._client, "__version__", "2.99.0")
+    monkeypatch.setattr(fast_client, "_support", None)
+    yield
+    fast_client._support = None
+
+
+def test_an_unsupported_nats_py_gets_the_stock_path_and_a_warning(unsupported_nats_py, caplog):
+    with caplog.at_level(logging.WARNING, logger="streamproc.nats"):
+        nc = new_client()
+    assert type(nc) is RobustClient and not hasattr(nc, "publish_header_block")
+    assert "nats_fast_path_disabled" in caplog.text and "2.99.0" in caplog.text
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_the_processor_on_the_stock_path_still_passes_chunks_through(unsupported_nats_py, client,
+                                                                             start_processor):
+    bodies = [b"one", b"two", b"\xffthree"]
+    async with start_processor("in-process", format="sglang", mode="core") as rp:
+        assert type(rp.processor.nc) is RobustClient and rp.processor.input._fused is None
+        async with follow(client, rp.subjects, "stock", timeout=10) as results:
+            await ChunkPublisher(client, rp.subjects).publish_leg("stock", "agg", bodies)
+            got = await results.collect()
+    assert [r.body for r in got] == bodies and [r.seq for r in got] == [0, 1, 2]
+    assert all(r.verdict is Verdict.PASSTHROUGH for r in got) and got[-1].final
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_the_processor_on_the_fast_path_passes_chunks_through(client, start_processor):
+    bodies = [b"one", b"two", b"\xffthree"]
+    async with start_processor("in-process", format="sglang", mode="core") as rp:
+        assert type(rp.processor.nc) is FastClient and rp.processor.input._fused is not None
+        async with follow(client, rp.subjects, "fast", timeout=10) as results:
+            await ChunkPublisher(client, rp.subjects).publish_leg("fast", "agg", bodies)
+            got = await results.collect()
+        assert rp.processor.stats.passthrough == 3
+    assert [r.body for r in got] == bodies and [r.seq for r in got] == [0, 1, 2]
+    assert all(r.verdict is Verdict.PASSTHROUGH for r in got) and got[-1].final
