@@ -6,8 +6,8 @@ and whether the target is met. Figures go to artifacts/bench/ (JSON, and each sc
 plots to docs/img/ (throughput/time ratios against their targets; latency CDFs per hop), which
 docs/benchmarks.md shows.
 
-Repetitions are long enough to be stable on a shared 2-core machine by default (about 15-20 min);
-``BENCH_QUICK=1`` runs each for a few seconds (about 3-4 min), to check that everything works.
+Repetitions are long enough to be stable on a shared 2-core machine by default (8 min there at load
+average 7-9); ``BENCH_QUICK=1`` runs each for a few seconds, to check that everything works.
 ``BENCH_ONLY=join,latency`` runs a subset (the table then marks the others "not run").
 
 Usage: python benchmarks/run.py   (or make bench / BENCH_QUICK=1 make bench)
