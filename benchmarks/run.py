@@ -7,7 +7,8 @@ plots to docs/img/ (throughput/time ratios against their targets; latency CDFs p
 docs/benchmarks.md shows.
 
 Repetitions are long enough to be stable on a shared 2-core machine by default (8 min there at load
-average 7-9); ``BENCH_QUICK=1`` runs each for a few seconds, to check that everything works.
+average 7-9); ``BENCH_QUICK=1`` runs each for a few seconds, to check that everything works (its
+plots stay in artifacts/bench/).
 ``BENCH_ONLY=join,latency`` runs a subset (the table then marks the others "not run").
 
 Usage: python benchmarks/run.py   (or make bench / BENCH_QUICK=1 make bench)
@@ -27,8 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ART = ROOT / "artifacts" / "bench"
-IMG = ROOT / "docs" / "img"
 QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
+IMG = ART if QUICK else ROOT / "docs" / "img"  # a quick run never replaces the documented plots
 
 ARGS = {  # (full, quick)
     "passthrough": (["--rounds", "7", "--messages", "150000"], ["--rounds", "2", "--messages", "20000"]),
