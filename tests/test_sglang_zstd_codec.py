@@ -221,6 +221,15 @@ def test_the_level_option_changes_the_joined_frame_and_threads_default_to_the_co
     assert compression_threads(1) == 0 and compression_threads(2) == 2 and compression_threads(64) == 8
 
 
+def test_job_size_gives_each_thread_two_jobs_when_it_can():
+    from streamproc_sglang_zstd.sequence import job_size
+    typical, large = (1000 + 256 - 1) * 58 * 8 * 4, 5000 * 58 * 8 * 4
+    assert job_size(typical, 2) == 1 << 20  # 2 MiB jobs would leave one thread 0.3 MiB
+    assert job_size(large, 2) == 2 << 20
+    assert job_size(large, 4) == 1 << 20
+    assert job_size(100, 2) == 1 << 20
+
+
 @pytest.mark.parametrize("option", [("zstd_level", "0"), ("zstd_level", "fast"), ("zstd_level", "23"),
                                     ("zstd_threads", "-1"), ("zstd_threads", "many")])
 def test_a_bad_zstd_format_option_is_refused_when_the_codec_is_built(option):

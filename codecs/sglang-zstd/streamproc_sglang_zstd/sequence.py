@@ -24,11 +24,14 @@ from streamproc.decompress import (
 LEVEL = 3  # the engine-side default and the codec's unless ``--format-option zstd_level=N``
 LEVEL_OPTION = "zstd_level"
 THREADS_OPTION = "zstd_threads"  # ``auto`` (default): one per usable core; ``0``: single-threaded
-# zstd cuts a multi-threaded frame into jobs compressed in parallel. Measured on the join benchmark
-# (2 cores, level 3, 9.28 MB of rows): 512 KiB jobs lose 0.3% of ratio and gain nothing, 1 MiB
-# jobs are 0.05% larger, 2 MiB jobs are within 0.03% of single-threaded size and the fastest.
-# zstd itself refuses jobs under 512 KiB and stays single-threaded for inputs below that.
-JOB_SIZE = 2 << 20
+# zstd cuts a multi-threaded frame into jobs compressed in parallel; the job size is picked per
+# payload: the larger size when it still gives every thread two jobs, else the smaller. Measured at
+# level 3 on skewed routed-expert rows, 2 cores, paired rounds against single-threaded: 9.28 MB
+# (5,000 rows) 0.90x with 2 MiB jobs (+0.03% size), 0.93x with 1 MiB; 2.33 MB (a 1,000 + 256
+# token request) 0.81x with 1 MiB jobs (+0.12% size) but 1.03x with 2 MiB (one 2 MiB job and a
+# 0.3 MiB one). 512 KiB jobs lose 0.3% of ratio for nothing. zstd itself refuses jobs under
+# 512 KiB and stays single-threaded for inputs below that.
+JOB_SIZES = (1 << 20, 2 << 20)
 MAX_THREADS = 8  # a join is one request; more workers than this only add thread start-up
 
 
@@ -40,18 +43,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def job_size(size: int, threads: int) -> int:
+    """The job size for a ``size``-byte input on ``threads`` workers (see :data:`JOB_SIZES`)."""
+    fitting = [job for job in JOB_SIZES if size >= 2 * threads * job]
+    return fitting[-1] if fitting else JOB_SIZES[0]
+
+
 def compression_threads(cores: int) -> int:
     """zstd worker threads for ``cores``: none on one core (a worker thread there only adds
     hand-offs), else one per core up to :data:`MAX_THREADS`."""
     return 0 if cores < 2 else min(cores, MAX_THREADS)
 
 
-def zstd_compressor(level: int = LEVEL, threads: int = 0) -> zstandard.ZstdCompressor:
+def zstd_compressor(level: int = LEVEL, threads: int = 0,
+                    job: int = JOB_SIZES[-1]) -> zstandard.ZstdCompressor:
     """Content size in the header (cheap bounds) and a content checksum (detects value-level
-    corruption that a size check cannot). ``threads`` > 0 makes one frame in :data:`JOB_SIZE` jobs
+    corruption that a size check cannot). ``threads`` > 0 makes one frame in ``job``-byte jobs
     compressed in parallel: the same format, any zstd decoder reads it."""
     params = zstandard.ZstdCompressionParameters.from_level(
-        level, threads=threads, job_size=JOB_SIZE if threads else 0, write_checksum=1, write_content_size=1)
+        level, threads=threads, job_size=job if threads else 0, write_checksum=1, write_content_size=1)
     return zstandard.ZstdCompressor(compression_params=params)
 
 
@@ -92,7 +102,8 @@ class Base64ZstdRows(SequenceCodec[bytes]):
         # the size/speed trade-off per level on skewed routed-expert data).
         self.level = _level_option(options)
         self.threads = _threads_option(options)
-        self._cctx = zstd_compressor(self.level, self.threads)
+        self._cctx = zstd_compressor(self.level, self.threads)  # single-threaded or the largest jobs
+        self._cctx_by_job: dict[int, zstandard.ZstdCompressor] = {JOB_SIZES[-1]: self._cctx}
         self._dctx = zstd_decompressor(self._limit)
 
     def decode(self, value: object) -> bytes:
@@ -110,4 +121,13 @@ class Base64ZstdRows(SequenceCodec[bytes]):
         return decompress_zstd(frame, limit, self._dctx)
 
     def encode(self, rows: bytes | bytearray | memoryview) -> str:
-        return encode_base64(self._cctx.compress(rows))
+        return encode_base64(self._compressor(len(rows)).compress(rows))
+
+    def _compressor(self, size: int) -> zstandard.ZstdCompressor:
+        if not self.threads:
+            return self._cctx
+        job = job_size(size, self.threads)
+        cctx = self._cctx_by_job.get(job)
+        if cctx is None:  # at most len(JOB_SIZES) contexts, each with its own worker pool
+            cctx = self._cctx_by_job[job] = zstd_compressor(self.level, self.threads, job)
+        return cctx
