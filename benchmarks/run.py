@@ -9,7 +9,7 @@ docs/benchmarks.md shows.
 Repetitions are long enough to be stable on a shared 2-core machine by default (8 min there at load
 average 7-9); ``BENCH_QUICK=1`` runs each for a few seconds, to check that everything works (its
 plots stay in artifacts/bench/).
-``BENCH_ONLY=join,latency`` runs a subset (the table then marks the others "not run").
+``BENCH_ONLY=join,latency`` runs a subset (the others' rows show "n/a").
 
 Usage: python benchmarks/run.py   (or make bench / BENCH_QUICK=1 make bench)
 """
@@ -231,7 +231,9 @@ def main() -> None:
     rows = summarize(results)
     table = print_table(rows)
     load1 = os.getloadavg()
-    header = (f"streamproc benchmarks {stamp}; {os.cpu_count()} cores; load average at start "
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    header = (f"streamproc benchmarks {stamp} at {commit}; {os.cpu_count()} cores; load average at start "
               f"{load0[0]:.1f}, at end {load1[0]:.1f} (other work on the machine shows up as noise)")
     print(f"\n{header}\n{table}")
     (ART / "summary.txt").write_text(f"{header}\n{table}\n")
