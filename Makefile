@@ -31,7 +31,13 @@ $(VENV)/.compose: $(STAMP)
 test-compose: $(STAMP) $(VENV)/.compose
 	$(BIN)/python -m pytest -m docker tests/test_compose_real.py
 
-bench: $(STAMP)
+# Every benchmark, one summary table against issue 14's targets, plots into docs/img/ (~8 min;
+# BENCH_QUICK=1 for a few minutes, BENCH_ONLY=join,latency for a subset). See docs/benchmarks.md.
+$(VENV)/.bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	touch $@
+
+bench: $(STAMP) $(VENV)/.bench
 	$(BIN)/python benchmarks/run.py
 
 clean:

@@ -8,6 +8,7 @@ import time
 import tracemalloc
 
 import msgspec
+import numpy as np
 import pytest
 import zstandard
 
@@ -179,3 +180,58 @@ def test_canonical_views_of_zstd_and_plain_bodies_compare_equal():
     plain = SGLangWorker(OPTIONS)
     packed_view = worker.canonical(worker.agg(truth, stream=False)[0])
     assert packed_view == plain.canonical(plain.agg(truth, stream=False)[0])
+
+
+# ------------------------------------------------------ level and threads (issue 14, target 3)
+
+def big_join(format_options):
+    """A P/D join whose rows (~2.3 MB) are past zstd's 512 KiB single-thread cut-off."""
+    options = CodecOptions(max_decompressed_bytes=64 << 20, format_options=format_options)
+    truth = make_truth(11, prompt_len=1000, output_len=257, num_layers=1, top_k=1, num_experts=256)
+    experts = np.random.default_rng(11).integers(0, 256, size=(1000 + 257 - 1, 58, 2), dtype="<i4").tobytes()
+    truth = msgspec.structs.replace(truth, num_layers=58, top_k=2, experts=experts, return_logprob=False,
+                                    chunk_sizes=[257])
+    zworker = SGLangZstdWorker(options)
+    session = SGLangZstdCodec(options).open_session()
+    session.absorb_prefill(zworker.prefill(truth, stream=False))
+    body, verdict = session.join(zworker.decode(truth, stream=False)[0], True)
+    return truth, frame_of(meta(body)["routed_experts"]), verdict
+
+
+@pytest.mark.parametrize("format_options", [(), (("zstd_threads", "0"),), (("zstd_threads", "2"),),
+                                            (("zstd_level", "1"), ("zstd_threads", "2")),
+                                            (("zstd_level", "9"),)])
+def test_a_joined_frame_at_any_level_and_thread_count_decodes_to_the_true_rows(format_options):
+    truth, frame, verdict = big_join(format_options)
+    assert verdict is Verdict.JOINED
+    params = zstandard.get_frame_parameters(frame)
+    assert params.content_size == len(truth.experts) and params.has_checksum
+    assert zstandard.ZstdDecompressor().decompress(frame) == truth.experts
+    # And through the codec's own bounded decoder, the one a downstream join would use.
+    assert Base64ZstdRows(CodecOptions(max_decompressed_bytes=64 << 20)).decode(
+        encode_base64(frame)) == truth.experts
+
+
+def test_the_level_option_changes_the_joined_frame_and_threads_default_to_the_cores():
+    _, fast, _ = big_join((("zstd_level", "1"),))
+    _, strong, _ = big_join((("zstd_level", "19"), ("zstd_threads", "0")))
+    assert len(strong) < len(fast)
+    from streamproc_sglang_zstd.sequence import compression_threads, usable_cores
+    assert Base64ZstdRows(OPTIONS).threads == compression_threads(usable_cores())
+    assert compression_threads(1) == 0 and compression_threads(2) == 2 and compression_threads(64) == 8
+
+
+def test_job_size_gives_each_thread_two_jobs_when_it_can():
+    from streamproc_sglang_zstd.sequence import job_size
+    typical, large = (1000 + 256 - 1) * 58 * 8 * 4, 5000 * 58 * 8 * 4
+    assert job_size(typical, 2) == 1 << 20  # 2 MiB jobs would leave one thread 0.3 MiB
+    assert job_size(large, 2) == 2 << 20
+    assert job_size(large, 4) == 1 << 20
+    assert job_size(100, 2) == 1 << 20
+
+
+@pytest.mark.parametrize("option", [("zstd_level", "0"), ("zstd_level", "fast"), ("zstd_level", "23"),
+                                    ("zstd_threads", "-1"), ("zstd_threads", "many")])
+def test_a_bad_zstd_format_option_is_refused_when_the_codec_is_built(option):
+    with pytest.raises(ValueError, match=option[0]):
+        SGLangZstdCodec(CodecOptions(format_options=(option,)))

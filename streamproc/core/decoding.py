@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import binascii
 
+import pybase64
 import zstandard
 
 from .codec import CorruptPayload, OmissionReason
@@ -38,21 +39,35 @@ def decode_base64(text: str | bytes, limit: int) -> bytes:
     """Strict Base64 (RFC 4648 alphabet, padding required, no whitespace), at most ``limit`` bytes out.
 
     The length is judged before decoding, so an oversized string is rejected without allocating.
+    The contract is ``binascii.a2b_base64(text, strict_mode=True)``; pybase64's SIMD decoder
+    (``validate=True``) decodes ~50x faster (stdlib decoding was a fifth of a large join) and accepts
+    a subset of it with the same bytes out. What pybase64 refuses is judged again by binascii, which
+    also accepts a few odd paddings (``"0000="`` on CPython 3.11), so the accepted set is exactly
+    stdlib's; tests/test_base64_strict.py pins both directions. Only invalid input pays twice.
     """
     if len(text) > base64_decoded_bound(limit):
         raise CorruptPayload(TOO_LARGE, f"{len(text)} base64 characters decode past the {limit}-byte limit")
     try:
-        out = binascii.a2b_base64(text, strict_mode=True)
-    except (binascii.Error, ValueError, TypeError) as exc:  # ValueError: non-ASCII str
-        raise CorruptPayload(CORRUPT, f"invalid base64: {exc}") from None
+        out = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        out = _decode_base64_stdlib(text)
     if len(out) > limit:
         raise CorruptPayload(TOO_LARGE, f"base64 decodes to {len(out)} bytes, limit {limit}")
     return out
 
 
+def _decode_base64_stdlib(text: str | bytes) -> bytes:
+    """The authoritative strict decoder, for what the fast one refused."""
+    try:
+        return binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError, TypeError) as exc:  # ValueError: non-ASCII str
+        raise CorruptPayload(CORRUPT, f"invalid base64: {exc}") from None
+
+
 def encode_base64(data: bytes | bytearray | memoryview) -> str:
-    """Standard padded Base64 text, the form :func:`decode_base64` accepts."""
-    return binascii.b2a_base64(data, newline=False).decode("ascii")
+    """Standard padded Base64 text, the form :func:`decode_base64` accepts (pybase64: the same bytes
+    as ``binascii.b2a_base64(newline=False)``, built straight into a ``str`` without a bytes copy)."""
+    return pybase64.b64encode_as_string(data)
 
 
 def zstd_frame_bound(size: int) -> int:

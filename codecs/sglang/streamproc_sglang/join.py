@@ -121,7 +121,10 @@ def _stale(rows: bytes | memoryview, row_bytes: int | None, itemsize: int) -> bo
     if row_bytes is None or row_bytes // itemsize < STALE_ROW_VALUES or row_bytes % itemsize:
         return not values.any()
     table = values.reshape(-1, row_bytes // itemsize)
-    return bool((table == table[:, :1]).all(axis=1).any())
+    # Only rows whose first two ids match can be stale: compare two columns over every row, then
+    # whole rows only for those candidates (a full-table comparison cost ~1.5 ms per 9 MB join).
+    candidates = table[table[:, 1] == table[:, 0]]
+    return bool(len(candidates)) and bool((candidates == candidates[:, :1]).all(axis=1).any())
 
 
 def _layout(prefill: _PrefillRows, decode_bytes: int, completion: int,

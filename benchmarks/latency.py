@@ -1,0 +1,373 @@
+"""End-to-end latency: worker publish -> SSE client, beside publish -> result subscriber and the floor,
+publish -> chunk subscriber, in core and durable mode (issue 14, target 5).
+
+Everything is real and separate: one nats-server (JetStream on), ``streamproc run`` and
+``streamproc edge`` subprocesses, and an SSE client process (this script with ``--sse-client``)
+holding the HTTP streams. The load generator (this process) publishes aggregated streamed SGLang
+chunks (one token each) and also subscribes, as plain NATS clients, to ``P.chunks.>`` (the floor:
+what any NATS consumer of the worker's chunk sees) and ``P.results.>`` (the processor's output).
+Every arrival is stamped with ``time.perf_counter()`` (CLOCK_MONOTONIC, one clock for every process
+on the machine) and matched to its chunk's publish stamp by (request id, seq).
+
+Requests come in waves of ``--streams`` concurrent SSE streams (50 by default) of ``--chunks``
+chunks each. The SSE client opens wave n+1 while wave n is published, so no chunk is published to a
+stream that is not open yet (in core mode the edge sees only results published after the open),
+and it reports each open's time to response headers. The SSE client is a few lines of raw asyncio
+HTTP/1.1 (chunked transfer) rather than httpx: a client slower than the edge would measure itself.
+
+Per mode: first the pipeline's peak (several waves opened, then published as fast as possible;
+SSE events delivered / time from first publish to last event), then paced runs at 2,000 chunks/s
+and at half of that peak, printing p50/p99/p99.9 per hop and the added latency over the floor.
+
+Usage: python benchmarks/latency.py [--seconds 8] [--streams 50] [--chunks 40] [--modes core,durable]
+                                    [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+RATE = 2000.0
+TARGETS_CORE = {"p50": 2.0, "p99": 10.0}  # added ms over the floor, core mode (issue 14, target 5)
+
+
+# ----------------------------------------------------------------------------- the SSE client process
+
+async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: list) -> None:
+    """One ``GET /v1/results/<rid>``: each event's (rid, seq, arrival) until ``data: [DONE]``."""
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET /v1/results/{rid} HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n"
+                 "Connection: close\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    opened.append(time.perf_counter() - t0)
+    if status != 200:
+        body = await reader.read(2000)
+        raise RuntimeError(f"{rid}: HTTP {status} {body[:200]!r}")
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    buf = b""
+    try:
+        while True:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    return
+                data = (await reader.readexactly(size + 2))[:-2]
+            else:
+                data = await reader.read(1 << 16)
+                if not data:
+                    return
+            now = time.perf_counter()
+            buf += data
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                seq = None
+                for line in event.split(b"\n"):
+                    if line.startswith(b"id: "):
+                        seq = int(line[4:])
+                    elif line == b"data: [DONE]":
+                        return
+                if seq is not None:
+                    arrivals.append((rid, seq, now))
+    finally:
+        writer.close()
+
+
+async def sse_client(url: str, out: Path) -> None:
+    """Reads ``open <wave> <rid> ...`` lines; answers ``opened <wave>`` once every stream has its
+    headers; on ``quit`` waits for open streams to end and writes arrivals and open times as JSON."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    arrivals: list = []
+    opened: list[float] = []
+    tasks: list[asyncio.Task] = []
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    errors: list[str] = []
+
+    async def open_wave(wave: str, rids: list[str]) -> None:
+        before = len(opened)
+        for rid in rids:
+            task = asyncio.create_task(sse_stream(host, int(port), rid, arrivals, opened))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
+                                   or errors.append(repr(t.exception())))
+            tasks.append(task)
+        while len(opened) - before < len(rids) and not errors:
+            await asyncio.sleep(0.002)
+        print(f"opened {wave}" if not errors else f"error {errors[0]}", flush=True)
+
+    while True:
+        line = (await reader.readline()).decode().split()
+        if not line or line[0] == "quit":
+            break
+        if line[0] == "open":
+            asyncio.create_task(open_wave(line[1], line[2:]))
+    done, pending = await asyncio.wait(tasks, timeout=60) if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    out.write_text(json.dumps({"arrivals": arrivals, "opened": opened, "errors": errors,
+                               "unfinished": len(pending)}))
+
+
+# ----------------------------------------------------------------------------- the load generator
+
+CDF_QUANTILES = [i / 100 for i in range(100)] + [0.995, 0.999, 1.0]
+
+
+def percentiles(values: list[float], *, cdf: bool = False) -> dict:
+    """p50/p99/p99.9 (and the quantiles a CDF plot needs) of ``values``."""
+    if not values:
+        return {"p50": float("nan"), "p99": float("nan"), "p99.9": float("nan"), "n": 0}
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    out = {"p50": pick(0.5), "p99": pick(0.99), "p99.9": pick(0.999), "n": len(v)}
+    if cdf:
+        out["cdf"] = [[q, pick(q)] for q in CDF_QUANTILES]
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU seconds of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def edge_flags() -> list[str]:
+    """``--insecure-demo`` only if this edge has the flag (the edge is getting auth in parallel)."""
+    text = subprocess.run([str(BIN / "streamproc"), "edge", "--help"], capture_output=True, text=True).stdout
+    return ["--insecure-demo"] if "--insecure-demo" in text else []
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout} s")
+
+
+class Mode:
+    """One mode's processor and edge on a shared nats-server, with its own subject prefix."""
+
+    def __init__(self, nats_url: str, mode: str, logdir: Path) -> None:
+        from streamproc.sim.embedded import free_port
+        self.mode, self.nats_url, self.prefix = mode, nats_url, f"lat{mode}"
+        self.port = free_port()
+        self.edge_url = f"http://127.0.0.1:{self.port}"
+        common = ["--nats-url", nats_url, "--prefix", self.prefix, "--log-level", "WARNING"]
+        run = [str(BIN / "streamproc"), "run", *common, "--format", "sglang", "--mode", mode]
+        edge = [str(BIN / "streamproc"), "edge", *common, "--port", str(self.port), *edge_flags()]
+        self.logs = [open(logdir / f"{mode}-run.log", "wb"), open(logdir / f"{mode}-edge.log", "wb")]
+        self.procs = [subprocess.Popen(run, stdout=self.logs[0], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL),
+                      subprocess.Popen(edge, stdout=self.logs[1], stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL)]
+        wait_http(f"{self.edge_url}/healthz", self.procs[1])
+
+    def close(self) -> None:
+        from streamproc.sim.embedded import stop_process
+        for proc in self.procs:
+            stop_process(proc, 15)
+        for log in self.logs:
+            log.close()
+
+
+def build_wave(tag: str, streams: int, chunks: int):
+    """``streams`` requests of ``chunks`` one-token chunks, interleaved request by request."""
+    from streamproc.catalog import worker_for
+    from streamproc.simulation import make_truth
+    from streamproc.wire import Role, chunk_headers
+    worker = worker_for("sglang")
+    per_request = []
+    for i in range(streams):
+        rid = f"{tag}-{i}"
+        truth = make_truth(i, request_id=rid, prompt_len=16, output_len=chunks, num_layers=2, top_k=2,
+                           chunk_sizes=[1] * chunks, return_logprob=False)
+        bodies = worker.agg(truth, stream=True)
+        per_request.append([(rid, seq, body, chunk_headers(rid, Role.AGG, seq, final=seq == len(bodies) - 1))
+                            for seq, body in enumerate(bodies)])
+    rids = [r[0][0] for r in per_request]
+    return rids, [msg for step in zip(*per_request) for msg in step]
+
+
+async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int, rate: float | None,
+                  tmp: Path) -> dict:
+    """Publish ``waves`` waves at ``rate`` chunks/s (None: as fast as possible, all waves opened
+    first); returns per-hop latencies and the SSE delivery rate."""
+    import nats
+    out = tmp / f"{mode.mode}-{label}.json"
+    client = await asyncio.create_subprocess_exec(
+        sys.executable, str(Path(__file__).resolve()), "--sse-client", mode.edge_url, "--out", str(out),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    nc = await nats.connect(mode.nats_url)
+    published: dict[tuple[str, int], float] = {}
+    floor: dict[tuple[str, int], float] = {}
+    result: dict[tuple[str, int], float] = {}
+    ccut, rcut = len(f"{mode.prefix}.chunks."), len(f"{mode.prefix}.results.")
+
+    async def on_chunk(msg) -> None:
+        floor[(msg.subject[ccut:].rsplit(".", 1)[0], int(msg.headers["Streamproc-Seq"]))] = time.perf_counter()
+
+    async def on_result(msg) -> None:
+        result[(msg.subject[rcut:], int(msg.headers["Streamproc-Seq"]))] = time.perf_counter()
+
+    await nc.subscribe(f"{mode.prefix}.chunks.>", cb=on_chunk, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    await nc.subscribe(f"{mode.prefix}.results.>", cb=on_result, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    await nc.flush()
+    built = [build_wave(f"{label}{w}", streams, chunks) for w in range(waves)]
+
+    async def request_open(w: int) -> None:
+        client.stdin.write(f"open {w} {' '.join(built[w][0])}\n".encode())
+        await client.stdin.drain()
+
+    async def wait_opened(w: int) -> None:
+        line = (await asyncio.wait_for(client.stdout.readline(), 120)).decode().strip()
+        if line != f"opened {w}":
+            raise RuntimeError(f"SSE client: {line!r}")
+
+    try:
+        ahead = waves if rate is None else 1
+        for w in range(ahead):
+            await request_open(w)
+        for w in range(ahead):
+            await wait_opened(w)
+        await nc.flush()
+        await asyncio.sleep(0.05)
+        subject = f"{mode.prefix}.chunks.%s.agg"
+        cpu0 = [cpu_seconds(p.pid) for p in mode.procs]
+        started = time.perf_counter()
+        n = 0
+        for w in range(waves):
+            if rate is not None and w + 1 < waves:
+                await request_open(w + 1)  # opened while this wave is published
+            for rid, seq, body, headers in built[w][1]:
+                if rate is not None:
+                    due = started + n / rate
+                    now = time.perf_counter()
+                    if due > now + 0.001:
+                        await nc.flush()
+                        await asyncio.sleep(due - now)
+                published[(rid, seq)] = time.perf_counter()
+                await nc.publish(subject % rid, body, headers=headers)
+                n += 1
+            await nc.flush()
+            if rate is not None and w + 1 < waves:
+                await wait_opened(w + 1)
+        client.stdin.write(b"quit\n")
+        await client.stdin.drain()
+        await asyncio.wait_for(client.wait(), 180)
+        cpu = [cpu_seconds(p.pid) - c for p, c in zip(mode.procs, cpu0)]
+        data = json.loads(out.read_text())
+    finally:
+        await nc.close()
+        if client.returncode is None:
+            client.kill()
+    if data["errors"]:
+        raise RuntimeError(f"SSE client errors: {data['errors'][:3]}")
+    sse = {(rid, seq): t for rid, seq, t in data["arrivals"]}
+    hops = {}
+    for name, seen in (("floor", floor), ("result", result), ("sse", sse)):
+        hops[name] = percentiles([(seen[k] - t) * 1e3 for k, t in published.items() if k in seen], cdf=True)
+    last = max(sse.values()) if sse else started
+    return {"label": label, "rate": rate, "offered": n / (time.perf_counter() - started) if rate is None else rate,
+            "published": n, "sse_rate": len(sse) / max(1e-9, last - started), "hops": hops,
+            "missing_sse": n - len(sse), "open_ms": percentiles([x * 1e3 for x in data["opened"]]),
+            # CPU per chunk over the run (stream opens and their teardown included)
+            "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6}
+
+
+def show(mode: str, run: dict) -> None:
+    h = run["hops"]
+    label = "peak" if run["rate"] is None else f"{run['rate']:,.0f}/s"
+    for name in ("floor", "result", "sse"):
+        p = h[name]
+        print(f"{mode:8}{label:>10}  {name:7}{p['p50']:9.2f}{p['p99']:9.2f}{p['p99.9']:9.2f}{p['n']:8}", end="")
+        if name == "sse":
+            print(f"   +{p['p50'] - h['floor']['p50']:.2f} / +{p['p99'] - h['floor']['p99']:.2f} ms over floor; "
+                  f"open p50 {run['open_ms']['p50']:.1f} ms; SSE {run['sse_rate']:,.0f} ev/s; cpu us/chunk "
+                  f"processor {run['processor_cpu_us']:.0f} edge {run['edge_cpu_us']:.0f}"
+                  + (f"; {run['missing_sse']} missing" if run["missing_sse"] else ""))
+        else:
+            print()
+
+
+async def run(args) -> dict:
+    from streamproc.sim.embedded import EmbeddedNats
+    report: dict = {"modes": {}, "streams": args.streams, "chunks": args.chunks, "seconds": args.seconds}
+    per_wave = args.streams * args.chunks
+    with EmbeddedNats() as server, tempfile.TemporaryDirectory(prefix="streamproc-latency-") as tmp:
+        tmp_path = Path(tmp)
+        print(f"{os.cpu_count()} cores; {args.streams} concurrent SSE streams x {args.chunks} one-token chunks "
+              f"per wave; paced runs of ~{args.seconds:g} s; latencies in ms from the worker's publish")
+        print(f"{'mode':8}{'load':>10}  {'hop':7}{'p50':>9}{'p99':>9}{'p99.9':>9}{'n':>8}")
+        for mode_name in args.modes.split(","):
+            mode = Mode(server.url, mode_name, tmp_path)
+            runs = []
+            try:
+                await one_run(mode, "warm", 1, args.streams, args.chunks, 500.0, tmp_path)
+                peak = await one_run(mode, "peak", args.peak_waves, args.streams, args.chunks, None, tmp_path)
+                show(mode_name, peak)
+                runs.append(peak)
+                for rate in (RATE, peak["sse_rate"] / 2):
+                    waves = max(1, round(rate * args.seconds / per_wave))
+                    r = await one_run(mode, f"r{int(rate)}", waves, args.streams, args.chunks, rate, tmp_path)
+                    show(mode_name, r)
+                    runs.append(r)
+            except Exception:
+                for log in sorted(tmp_path.glob(f"{mode_name}-*.log")):
+                    print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+                raise
+            finally:
+                mode.close()
+            report["modes"][mode_name] = runs
+    core = [r for r in report["modes"].get("core", []) if r["rate"] == RATE]
+    if core:
+        h = core[0]["hops"]
+        added = {q: h["sse"][q] - h["floor"][q] for q in ("p50", "p99")}
+        report["core_added_ms"] = added
+        print(f"target (core, {RATE:,.0f} chunks/s): added p50 {added['p50']:.2f} ms (<= {TARGETS_CORE['p50']}), "
+              f"p99 {added['p99']:.2f} ms (<= {TARGETS_CORE['p99']})")
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of each paced run")
+    parser.add_argument("--streams", type=int, default=50)
+    parser.add_argument("--chunks", type=int, default=40, help="chunks per request")
+    parser.add_argument("--peak-waves", type=int, default=4)
+    parser.add_argument("--modes", default="core,durable")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sse_client:
+        asyncio.run(sse_client(args.sse_client, args.out))
+        return
+    report = asyncio.run(run(args))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
