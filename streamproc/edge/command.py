@@ -83,6 +83,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         except UnknownFormat as exc:
             raise EdgeConfigError(f"invalid {origin['format']}={settings.format!r}: {exc}") from None
         connect_options(settings)  # unreadable credential or certificate files: exit 2 before serving
+        check_tls(settings)
     except EdgeConfigError as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -99,6 +100,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
+        ssl_certfile=settings.tls_cert_file or None,  # HTTPS: uvicorn.Config.load builds the SSLContext
+        ssl_keyfile=settings.tls_key_file or None,
     )
     server = server_class()(config)
     quiet = _StartupFailureFilter(app)
@@ -146,6 +149,23 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         print(f"streamproc edge: error: {failure}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_FAILURE if failed_exit else code
+
+
+def check_tls(settings) -> None:
+    """An unreadable or mismatched certificate/key pair fails as bad configuration (exit 2), in one
+    line, instead of as Uvicorn's traceback once NATS is connected."""
+    if not settings.tls_cert_file:
+        return
+    import ssl
+
+    from .settings import EdgeConfigError
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            settings.tls_cert_file, settings.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise EdgeConfigError(f"cannot use --tls-cert-file {settings.tls_cert_file!r} with --tls-key-file "
+                              f"{settings.tls_key_file!r}: {exc}") from None
 
 
 class _StartupFailureFilter(logging.Filter):
