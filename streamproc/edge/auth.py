@@ -19,10 +19,9 @@ from pathlib import Path
 import jwt
 import msgspec
 
+from ..core.defaults import EDGE_AUDIENCE as AUDIENCE
+from ..core.defaults import OPERATOR_SCOPE as OPERATOR
 from ..core.errors import ConfigError, InvalidCapability
-
-AUDIENCE = "streamproc-edge"
-OPERATOR = "operator"
 MAX_TOKEN_CHARS = 8192  # a JWT naming a few hundred ids; anything longer is not parsed at all
 MIN_HMAC_KEY_BYTES = 32  # RFC 7518 section 3.2: a key at least as long as the hash output
 
