@@ -47,6 +47,7 @@ from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from ..metrics import CONTENT_TYPE, exposition, registry_for
 from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
+from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
@@ -101,7 +102,7 @@ class EventStreamResponse(StreamingResponse):
         self.write_timeout = write_timeout
         self.completed = False
 
-    async def stream_response(self, send: Send) -> None:
+    async def stream_response(self, send: Send) -> bool:
         """Starlette's loop, with each write bounded: Uvicorn's ``send`` waits while the socket's
         buffer is full (flow control), so a client that stopped reading would hold the stream, its
         slot and its subscription forever. After ``write_timeout`` the stream is dropped instead."""
@@ -111,8 +112,9 @@ class EventStreamResponse(StreamingResponse):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if scope.cancelled_caught:
                 self.on_stall()
-                return
+                return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -120,8 +122,7 @@ class EventStreamResponse(StreamingResponse):
 
                 async def stream() -> None:
                     with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                        self.completed = True
+                        self.completed = await self.stream_response(send)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
@@ -145,6 +146,7 @@ class Edge:
                                   settings.auth_algorithm, settings.auth_leeway)
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
+        self.heap = HeapTrimmer()
 
     # ------------------------------------------------------------------ access
 
@@ -424,6 +426,7 @@ class Edge:
 
     async def release(self, feed: ResultFeed) -> None:
         self.metrics.streams_active -= 1
+        self.heap.released()
         await feed.close()
 
 
@@ -459,7 +462,10 @@ def create_app(settings: EdgeSettings) -> Starlette:
                 await edge.source.stop()
                 raise
         try:
-            yield
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(edge.heap.run)
+                yield
+                tasks.cancel_scope.cancel()
         finally:
             await edge.source.stop()
 
@@ -467,12 +473,13 @@ def create_app(settings: EdgeSettings) -> Starlette:
         return FileResponse(PAGE_DIR / "index.html", media_type="text/html")
 
     async def script(request: Request) -> Response:
-        return FileResponse(PAGE_DIR / "edge.js", media_type="text/javascript")
+        return FileResponse(PAGE_DIR / request.url.path.lstrip("/"), media_type="text/javascript")
 
     app = Starlette(
         routes=[
             Route("/", page),
             Route("/edge.js", script),
+            Route("/access.js", script),
             Route("/v1/results/{request_id}", edge.results),
             Route("/v1/recent", edge.recent),
             Route("/v1/info", edge.info),

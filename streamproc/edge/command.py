@@ -72,6 +72,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from ..logs import configure as configure_logging
     from ..nats.connection import connect_options
     from .app import create_app
+    from .heap import tune_allocator
 
     environ = os.environ if environ is None else environ
     try:
@@ -91,6 +92,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         print(print_config(settings, origin))
         return EXIT_OK
     configure_logging(settings.log_level, settings.log_format)
+    tune_allocator()  # this process serves results only: freed bodies go back to the system (heap.py)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -168,14 +170,21 @@ def check_tls(settings) -> None:
                               f"{settings.tls_key_file!r}: {exc}") from None
 
 
+# uvicorn.protocols.http.h11_impl (and httptools_impl) RequestResponseCycle.run_asgi, when the app returns mid-body
+STALLED_STREAM_MESSAGE = "ASGI callable returned without completing response."
+
+
 class _StartupFailureFilter(logging.Filter):
-    """Once the app recorded a start-up error it reports itself, drop Uvicorn's traceback of it."""
+    """Once the app recorded a start-up error it reports itself, drop Uvicorn's traceback of it;
+    drop Uvicorn's error line for a stream the edge closed because its client stopped reading."""
 
     def __init__(self, app) -> None:
         super().__init__()
         self._app = app
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == STALLED_STREAM_MESSAGE:  # a stream dropped after --write-timeout: counted and logged
+            return False  # as event=stream_stalled; an error line per slow client would be log spam
         if getattr(self._app.state, "startup_error", None) is None or record.levelno < logging.ERROR:
             return True
         return False

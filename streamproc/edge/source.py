@@ -19,6 +19,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import StorageType
+from nats.js.client import JetStreamContext
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
@@ -129,6 +130,12 @@ class ResultFeed:
             await sub.unsubscribe()
         except (nats.errors.Error, OSError) as exc:  # connection gone: the server forgot it anyway
             log_event(log, logging.DEBUG, "unsubscribe_failed", request_id=self.request_id, error=error_text(exc))
+
+
+def core_subscription(sub):
+    """The nats-py Subscription a SlowConsumerError names: a JetStream PushSubscription wraps one
+    (nats.js.client.JetStreamContext.PushSubscription.__init__ keeps it as ``_sub``)."""
+    return sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
 
 
 class RecentEntry(msgspec.Struct):
@@ -245,13 +252,13 @@ class ResultSource:
             self.metrics.core_subscriptions += 1
             mode = "core"
         feed = ResultFeed(self, request_id, sub, mode, order)
-        self._feeds[id(getattr(sub, "_sub", sub))] = feed  # a JetStream PushSubscription wraps the core one
+        self._feeds[id(core_subscription(sub))] = feed
         return feed
 
     def forget(self, feed: ResultFeed) -> None:
         sub = feed._sub
         if sub is not None:
-            self._feeds.pop(id(getattr(sub, "_sub", sub)), None)
+            self._feeds.pop(id(core_subscription(sub)), None)
 
     async def _on_any_result(self, msg: Msg) -> None:
         try:
