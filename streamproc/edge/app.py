@@ -402,8 +402,9 @@ class Edge:
 
     def overrun_body(self, feed: ResultFeed, overrun: Overrun) -> bytes:
         return self.codec.error_body(
-            f"the client fell more than {overrun.limit} bytes behind the results of request {feed.request_id} "
-            "(--stream-buffer-bytes); reconnect with Last-Event-ID to resume",
+            f"more than {overrun.limit} bytes of results of request {feed.request_id} waited in the edge "
+            "(--stream-buffer-bytes): the client fell behind, or a seq never arrived while later ones did; "
+            "reconnect with Last-Event-ID to resume",
             ErrorKind.OVERLOADED,
         )
 

@@ -53,8 +53,10 @@ class Lost(msgspec.Struct, frozen=True):
 
 
 class Overrun(msgspec.Struct, frozen=True):
-    """The client fell behind by more than ``--stream-buffer-bytes``: nats-py dropped a result, so the
-    stream cannot go on complete. Ending it is what keeps the edge's memory bounded per stream."""
+    """More than ``--stream-buffer-bytes`` of one stream's results waited in the edge: its client fell
+    behind (nats-py dropped a result past its pending limit), or later seqs piled up in the reorder
+    buffer behind a missing one. The stream cannot go on complete; ending it is what keeps the
+    edge's memory bounded per stream."""
 
     limit: int
 
@@ -74,6 +76,7 @@ class ResultFeed:
         self._ready: collections.deque[ResultInfo] = collections.deque()
         self._gap_since: float | None = None
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
+        self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
     async def next(self, timeout: float) -> FeedItem | None:
         """The next item, or None when ``timeout`` seconds pass without one."""
@@ -117,9 +120,30 @@ class ResultFeed:
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
             return
-        before = self.order.duplicates
-        self._ready.extend(self.order.push(result))
+        before, waiting = self.order.duplicates, len(self.order.pending)
+        try:
+            ready = self.order.push(result)
+        except OverflowError:  # more results than SeqOrder keeps wait for a missing seq
+            self._overrun()
+            return
         metrics.duplicates_dropped += self.order.duplicates - before
+        if self.order.done:
+            self._held_bytes = 0
+        else:
+            if len(self.order.pending) - waiting + len(ready):  # stored, not a duplicate
+                self._held_bytes += len(result.body)
+            self._held_bytes -= sum(len(r.body) for r in ready)
+        self._ready.extend(ready)
+        if self._held_bytes > self.source.settings.stream_buffer_bytes:
+            self._overrun()
+
+    def _overrun(self) -> None:
+        """Give the held results back at once; :meth:`next` reports :class:`Overrun`."""
+        self.order.pending.clear()
+        self._held_bytes = 0
+        if not self.overrun:
+            self.overrun = True
+            self.source.metrics.streams_overrun += 1
 
     async def close(self) -> None:
         self.source.forget(self)
