@@ -252,3 +252,34 @@ async def test_the_edge_serves_https_with_its_certificate_and_key(server, nc, tm
     proc = subprocess.run(bad.argv, capture_output=True, text=True, timeout=30, env=bad.env)
     bad.close()
     assert proc.returncode == 2 and "--tls-cert-file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_many_idle_anonymous_connections_do_not_lock_out_another_client(server, nc):
+    """The issue's attack on an --insecure-demo edge: one address opens 200 streams for ids nobody
+    answers. It gets --max-streams-per-client of them (429 for the rest), they end after
+    --idle-stream-timeout, and a client from another address is answered meanwhile."""
+    from test_edge_memory import slow_reader, status_kib
+
+    with running_edge(server.url, "--insecure-demo", "--ensure-results-stream", "--max-streams", "100",
+                      "--max-streams-per-client", "32", "--idle-stream-timeout", "3") as edge:
+        baseline = status_kib(edge.proc.pid, "VmRSS")
+        idle = [slow_reader(edge.url, rid("idle")) for _ in range(200)]
+        try:
+            with anyio.fail_after(20):
+                while edge.metrics()["streamproc_edge_streams_rejected_client_total"] < 200 - 32:
+                    await anyio.sleep(0.1)
+            assert edge.metrics()["streamproc_edge_streams_active"] == 32
+            request_id = rid("other-address")
+            await publish_results(nc, DURABLE, request_id, [b'{"text":"hi"}'])
+            transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")  # another client address
+            async with httpx.AsyncClient(base_url=edge.url, timeout=15, transport=transport) as client:
+                answer = await client.get(f"/v1/results/{request_id}?stream=false")
+            assert answer.status_code == 200 and answer.content == b'{"text":"hi"}'
+            with anyio.fail_after(15):  # the idle streams are ended by --idle-stream-timeout
+                while edge.metrics()["streamproc_edge_streams_active"] > 0:
+                    await anyio.sleep(0.2)
+            peak = status_kib(edge.proc.pid, "VmHWM")
+            assert peak - baseline < 30 * 1024, (baseline, peak)  # stated bound: 30 MiB for 200 connections
+        finally:
+            for sock in idle:
+                sock.close()
