@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import anyio
@@ -182,6 +183,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+def cmd_token(args: argparse.Namespace) -> int:
+    """Print an edge capability (a JWT) on stdout; the key comes from a file, never the command line."""
+    from .client.capability import mint_capability
+
+    if not (args.rid or args.rid_prefix or args.operator):
+        raise ConfigError("name what the token grants: --rid ID (repeatable), --rid-prefix P or --operator")
+    try:
+        key = Path(args.key_file).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --key-file {args.key_file!r}: {exc.strerror or exc}") from None
+    if args.algorithm.startswith("HS"):
+        key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
+    if args.ttl <= 0:
+        raise ConfigError(f"--ttl {args.ttl}: must be positive")
+    try:
+        token = mint_capability(key, rids=args.rid, rid_prefix=args.rid_prefix or "", operator=args.operator,
+                                ttl=args.ttl, algorithm=args.algorithm, subject=args.subject or "")
+    except (ValueError, TypeError) as exc:  # a PEM that is no private key for the algorithm
+        raise ConfigError(f"cannot sign with --key-file {args.key_file!r} as {args.algorithm}: {exc}") from None
+    print(token)
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- parser
 
 def add_print_config(parser: argparse.ArgumentParser) -> None:
@@ -240,6 +264,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="after the summary keep NATS, the processor and the edge up on PORT (default "
                            "8080, 0: any free port) and print the live page's URL; Ctrl-C stops")
     demo.set_defaults(func=cmd_demo)
+
+    token = sub.add_parser(
+        "token", help="mint an edge capability (JWT) for request ids, a tenant prefix or an operator",
+        description="Print a signed capability for `streamproc edge` on stdout. The key is read from "
+                    "--key-file (the HMAC secret, or the PEM private key whose public half the edge has); "
+                    "use it as 'Authorization: Bearer <token>' or ?access_token=<token>, or open the "
+                    "live page at http://edge/#access_token=<operator token>.")
+    token.add_argument("--key-file", required=True, help="file holding the signing key")
+    token.add_argument("--algorithm", default="HS256", help="JWT algorithm, as the edge's --auth-algorithm "
+                                                            "(default HS256)")
+    token.add_argument("--rid", action="append", default=[], metavar="ID",
+                       help="a request id the token grants (repeatable)")
+    token.add_argument("--rid-prefix", default=None, metavar="P", help="grant every request id starting with P")
+    token.add_argument("--operator", action="store_true",
+                       help="grant every request, /v1/recent and the live page")
+    token.add_argument("--ttl", type=float, default=600.0, help="seconds until the token expires (default 600)")
+    token.add_argument("--subject", default=None,
+                       help="the client the edge counts streams for (sub; default: a fresh id per token)")
+    token.set_defaults(func=cmd_token)
 
     from .edge.command import add_cli as add_edge_cli  # imports no web stack until `edge` runs
 

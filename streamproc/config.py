@@ -313,7 +313,10 @@ _GROUP_OF = {
                      "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),
-    **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent"], "edge"),
+    **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent",
+                     "auth_key_file", "auth_algorithm", "auth_leeway", "insecure_demo", "max_streams_per_client",
+                     "idle_stream_timeout", "write_timeout", "stream_buffer_bytes", "max_unary_bytes",
+                     "tls_cert_file", "tls_key_file"], "edge"),
     **dict.fromkeys(["log_level", "log_format", "stats_interval", "http_port", "http_host"], "logging"),
 }
 _CONNECTION_WORDS = ("nats", "tls", "creds", "token", "user", "password", "nkey", "jwt", "cert", "ca_")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import re
 import sys
 import time
 from typing import Any, Callable, Literal, TextIO
@@ -96,6 +97,9 @@ class LogLimiter:
             if suppressed:
                 log_event(self.logger, level, "log_suppressed", suppressed_event=event, count=suppressed,
                           interval=self.interval)
+_ACCESS_TOKEN = re.compile(r"([?&]access_token=)[^&#\s]*")
+
+
 def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     """The structured fields of any record: log_event's own, or ones made from a library's message."""
     fields = getattr(record, _FIELDS, None)
@@ -103,6 +107,8 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
         return dict(fields)
     if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
         client, method, path, version, status = record.args
+        if isinstance(path, str) and "access_token=" in path:  # an edge capability (RFC 6750 2.3): never logged
+            path = _ACCESS_TOKEN.sub(r"\1<redacted>", path)
         return {"event": "http_request", "client": client, "method": method, "path": path,
                 "http_version": version, "status": status}
     return {"event": "log", "msg": record.getMessage()}

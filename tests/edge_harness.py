@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -29,8 +30,19 @@ from streamproc.wire import Result, Subjects, Verdict, result_headers
 EDGE = [sys.executable, "-m", "streamproc.edge"]
 
 
+def demo_flag(command: str) -> list[str]:
+    """``edge`` refuses to start without ``--auth-key-file`` unless told ``--insecure-demo``; CLI tests
+    that are not about edge authentication (test_edge_auth.py is) pass it for the edge."""
+    return ["--insecure-demo"] if command == "edge" else []
+
+
 class EdgeProcess:
-    """``python -m streamproc.edge`` on a free port; ``url`` once ``/healthz`` answers 200."""
+    """``python -m streamproc.edge`` on a free port; ``url`` once ``/healthz`` answers 200.
+
+    Without an ``--auth-key-file`` among ``args`` (or in ``env``) the edge runs with
+    ``--insecure-demo``: the tests of framing and limits are not about authentication
+    (test_edge_auth.py is). With ``--tls-cert-file`` the URL is ``https://`` and ``ca_file``
+    verifies it."""
 
     def __init__(
         self,
@@ -39,12 +51,16 @@ class EdgeProcess:
         env: dict[str, str] | None = None,
         command: list[str] | None = None,
         port: int | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ssl = ssl.create_default_context(cafile=ca_file) if "--tls-cert-file" in args else None
+        self.url = f"{'https' if self.ssl else 'http'}://127.0.0.1:{self.port}"
         self.argv = [*(command or EDGE), *args]
         if command is None:
             self.argv += ["--nats-url", nats_url, "--port", str(self.port)]
+            if "--auth-key-file" not in args and "STREAMPROC_EDGE_AUTH_KEY_FILE" not in (env or {}):
+                self.argv.append("--insecure-demo")
         self.env = clean_env(env)
         self._dir = tempfile.TemporaryDirectory(prefix="streamproc-edge-")
         self.log_path = Path(self._dir.name) / "edge.log"
@@ -59,7 +75,8 @@ class EdgeProcess:
                 self.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=self.env
             )
         try:
-            wait_ready(lambda: http_status(f"{self.url}/healthz") == 200, self.proc, "edge", ready_timeout, self.log)
+            wait_ready(lambda: http_status(f"{self.url}/healthz", self.ssl) == 200, self.proc, "edge", ready_timeout,
+                       self.log)
         except AssertionError:
             self.stop()
             raise
@@ -73,7 +90,7 @@ class EdgeProcess:
         return proc.returncode
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5, context=self.ssl) as response:
             return parse_metrics(response.read().decode())
 
     def close(self) -> None:
@@ -90,9 +107,9 @@ def running_edge(nats_url: str, *args: str, **kwargs: object) -> Iterator[EdgePr
         edge.close()
 
 
-def http_status(url: str) -> int | None:
+def http_status(url: str, context: ssl.SSLContext | None = None) -> int | None:
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code

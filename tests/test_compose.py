@@ -179,12 +179,6 @@ def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
     assert schema_errors(moved) == []
 
 
-# Settings another branch adds (sec-edge: the edge refuses to start without client credentials
-# unless --insecure-demo). Until it is merged the edge only warns about the variable; once it is a
-# setting this allowance is not used, and the test below says so.
-PENDING_SETTINGS = {"edge": {"STREAMPROC_EDGE_INSECURE_DEMO"}}
-
-
 def test_every_streamproc_variable_is_a_setting_its_command_reads():
     """An unknown STREAMPROC_* variable only warns at run time; catch typos here."""
     known = {
@@ -197,7 +191,6 @@ def test_every_streamproc_variable_is_a_setting_its_command_reads():
         command = " ".join(service["command"])
         sub = next(c for c in known if f"streamproc {c}" in command)
         unknown = {k for k in service["environment"] if k.startswith("STREAMPROC_")} - known[sub]
-        unknown -= PENDING_SETTINGS.get(sub, set()) - known[sub]
         assert not unknown, f"{name}: `streamproc {sub}` reads no {sorted(unknown)}"
 
 

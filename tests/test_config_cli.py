@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli_process
-from edge_harness import free_port
+from edge_harness import demo_flag, free_port
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -30,7 +30,7 @@ def one_clean_error(proc, code: int, command: str) -> str:
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_print_config_names_the_source_of_every_value(command):
-    proc = run_cli_process(command, "--print-config", "--prefix", "flagged",
+    proc = run_cli_process(command, "--print-config", "--prefix", "flagged", *demo_flag(command),
                            env={"STREAMPROC_LOG_LEVEL": "debug", "STREAMPROC_CONNECT_TIMEOUT": "4"})
     assert proc.returncode == 0, proc.stderr
     explained = json.loads(proc.stdout)
@@ -45,7 +45,7 @@ def test_print_config_names_the_source_of_every_value(command):
 def test_unknown_format_exits_2_naming_the_flag_and_value(command, print_config):
     extra = ["--print-config"] if print_config else []
     proc = run_cli_process(command, "--format", "no-such-codec", "--nats-url", "nats://127.0.0.1:1",
-                           "--connect-timeout", "30", *extra)
+                           "--connect-timeout", "30", *extra, *demo_flag(command))
     line = one_clean_error(proc, 2, command)
     assert "--format='no-such-codec'" in line and "installed codecs:" in line
     assert proc.stdout == ""
@@ -79,7 +79,7 @@ def test_cross_field_errors_name_both_flags_and_values(command):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command):
-    proc = run_cli_process(command, "--print-config",
+    proc = run_cli_process(command, "--print-config", *demo_flag(command),
                            env={"STREAMPROC_PREFIL_TIMEOUT": "3", "STREAMPROC_EDGE_MAX_STREAMS": "5"})
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
@@ -89,7 +89,7 @@ def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command):
 
 def test_edge_start_up_failure_exits_1_in_one_line_without_a_traceback():
     proc = run_cli_process("edge", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1",
-                           "--port", str(free_port()))
+                           "--port", str(free_port()), "--insecure-demo")
     line = one_clean_error(proc, 1, "edge")
     assert "cannot connect to NATS" in line
 
@@ -102,7 +102,7 @@ def test_edge_with_a_busy_port_exits_1():
         busy.listen()
         port = busy.getsockname()[1]
         proc = run_cli_process("edge", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1",
-                               "--port", str(port))
+                               "--port", str(port), "--insecure-demo")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
 
 

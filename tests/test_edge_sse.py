@@ -49,7 +49,8 @@ OPAQUE_BODIES = [
 @pytest.fixture(scope="module")
 def core_edge(server):
     with running_edge(
-        server.url, "--prefix", CORE.prefix, "--keepalive", "0.3", "--gap-timeout", "1"
+        server.url, "--prefix", CORE.prefix, "--keepalive", "0.3", "--gap-timeout", "1",
+        "--max-streams-per-client", "1000",  # 200 concurrent clients share 127.0.0.1
     ) as edge:
         yield edge
 

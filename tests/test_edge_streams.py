@@ -104,13 +104,15 @@ def test_settings_come_from_flags_over_environment_over_defaults():
         "STREAMPROC_EDGE_PORT": "9000",
         "STREAMPROC_EDGE_ENSURE_RESULTS_STREAM": "true",
         "STREAMPROC_EDGE_MAX_STREAMS": "7",
+        "STREAMPROC_EDGE_INSECURE_DEMO": "yes",
     }
     settings = load(env, {"port": "9100"})
     assert settings.nats_url == "nats://env:4222"
     assert settings.port == 9100
     assert settings.max_streams == 7
     assert settings.ensure_results_stream is True
-    assert load({}).port == 8080 and load({}).ensure_results_stream is False
+    demo = {"STREAMPROC_EDGE_INSECURE_DEMO": "1"}
+    assert load(demo).port == 8080 and load(demo).ensure_results_stream is False
 
 
 @pytest.mark.parametrize(
@@ -132,7 +134,7 @@ def test_the_edge_and_the_processor_read_shared_settings_from_the_same_variables
     env = {"STREAMPROC_RESULTS_MAX_AGE": "1800", "STREAMPROC_DUPLICATE_WINDOW": "30",
            "STREAMPROC_STREAM_STORAGE": "memory", "STREAMPROC_STREAM_REPLICAS": "3",
            "STREAMPROC_PREFIX": "tenant1", "STREAMPROC_CONNECT_TIMEOUT": "4"}
-    edge, processor = load(env), config.load(env)
+    edge, processor = load({**env, "STREAMPROC_EDGE_INSECURE_DEMO": "1"}), config.load(env)
     for name in config.CommonSettings.__struct_fields__:
         assert getattr(edge, name) == getattr(processor, name), name
     assert (edge.results_max_age, edge.stream_storage, edge.stream_replicas) == (1800.0, "memory", 3)
@@ -147,7 +149,7 @@ def test_the_edge_gives_up_on_an_unreachable_nats_after_connect_timeout():
 
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "streamproc.edge", "--nats-url", f"nats://127.0.0.1:{free_port()}",
-                           "--connect-timeout", "1", "--port", "0"], capture_output=True, text=True, timeout=30)
+                           "--connect-timeout", "1", "--port", "0", "--insecure-demo"], capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0
     assert "cannot connect to NATS" in proc.stderr
     assert time.monotonic() - started < 15

@@ -17,7 +17,7 @@ import nkeys
 import pytest
 
 from conftest import processor_subprocess, run_cli_process
-from edge_harness import running_edge
+from edge_harness import demo_flag, running_edge
 from nats_auth import Certificates, Operator, new_keypair
 from streamproc.sim.embedded import EmbeddedNats
 
@@ -122,7 +122,7 @@ def test_a_wrong_credential_fails_at_once_with_one_line_and_exit_1(case, command
     started = time.monotonic()
     args = [command, "--nats-url", server.url, "--connect-timeout", "60", *case.bad]
     if command == "edge":
-        args += ["--port", "0"]
+        args += ["--port", "0", "--insecure-demo"]
     proc = run_cli_process(*args, env=case.bad_env, timeout=30)
     elapsed = time.monotonic() - started
     assert proc.returncode == 1, proc.stderr
@@ -138,6 +138,7 @@ def test_a_wrong_credential_fails_at_once_with_one_line_and_exit_1(case, command
 def test_an_unreadable_credential_file_is_a_configuration_error(tmp_path, command, flag):
     extra = ["--nats-user", "app"] if flag == "--nats-password-file" else []
     proc = run_cli_process(command, "--nats-url", "nats://127.0.0.1:1", *extra, flag, str(tmp_path / "missing"),
+                           *demo_flag(command),
                            timeout=30)
     assert proc.returncode == 2, proc.stderr
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -214,3 +214,42 @@ async def test_a_recent_request_can_be_picked_from_the_list_or_typed_in(browser,
     assert state["verdict"] == "joined"
     assert browser.current_url.endswith(f"?id={typed}")
     screenshot(browser, "edge-page-recent.png")
+
+
+async def test_the_insecure_demo_page_says_so_on_screen(browser, edge):
+    browser.get(f"{edge.url}/")
+    with anyio.fail_after(10):
+        while not browser.find_element(By.ID, "auth-banner").is_displayed():
+            await anyio.sleep(0.05)
+    assert "Insecure demo" in browser.find_element(By.ID, "auth-banner").text
+
+
+async def test_with_an_operator_token_in_the_fragment_the_page_follows_a_request_on_an_authenticated_edge(
+        browser, server, tmp_path):
+    from edge_harness import running_edge
+
+    from streamproc.client.capability import mint_capability
+
+    secret = b"page-test-secret-0123456789abcdef-0123"
+    (tmp_path / "edge.key").write_bytes(secret)
+    request_id = rid("page-auth")
+    bodies = [b'{"text":"a"}', b'{"text":"ab"}']
+    with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.key"), "--ensure-results-stream") as edge:
+        async with await nats.connect(server.url) as nc:
+            await publish_results(nc, SUBJECTS, request_id, bodies)  # the page attaches late: JetStream replays
+        browser.get(f"{edge.url}/?id={request_id}")  # no token: the page asks for one, the API refuses
+        with anyio.fail_after(10):
+            while not browser.find_element(By.ID, "auth-banner").is_displayed():
+                await anyio.sleep(0.05)
+        assert "operator capability" in browser.find_element(By.ID, "auth-banner").text
+        token = mint_capability(secret, operator=True, ttl=120)
+        browser.get(f"{edge.url}/?id={request_id}#access_token={token}")
+        browser.refresh()  # only the fragment changed: a same-document navigation, no reload
+        state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+        assert state["received"] == [b.decode() for b in bodies] + ["[DONE]"]
+        with anyio.fail_after(10):  # the recent list (operator data) loads too
+            while request_id not in browser.find_element(By.ID, "recent").text:
+                await anyio.sleep(0.1)
+        assert not browser.find_element(By.ID, "auth-banner").is_displayed()
+        assert token in browser.current_url  # the fragment survives the page's own URL updates
+        assert token not in edge.log()

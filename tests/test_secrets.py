@@ -17,7 +17,7 @@ import pytest
 
 from conftest import CLI, run_cli_process
 from helpers import clean_env
-from edge_harness import EdgeProcess
+from edge_harness import EdgeProcess, demo_flag
 from streamproc.sim.embedded import EmbeddedNats, stop_process
 
 pytestmark = pytest.mark.nats
@@ -53,7 +53,7 @@ def test_print_config_redacts_the_password_the_token_and_url_credentials(server,
     assert "url:<redacted>@" in printed["nats_url"]["value"]
     assert_hidden(proc.stdout + proc.stderr, PASSWORD, URL_PASSWORD)
     for command in ("run", "edge", "simulate"):
-        proc = run_cli_process(command, "--print-config", env={"STREAMPROC_NATS_TOKEN": TOKEN})
+        proc = run_cli_process(command, "--print-config", *demo_flag(command), env={"STREAMPROC_NATS_TOKEN": TOKEN})
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["nats_token"]["value"] == "<redacted>"
         assert_hidden(proc.stdout + proc.stderr, TOKEN)

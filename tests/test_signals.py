@@ -44,7 +44,7 @@ def closed_url() -> str:
 def command(name: str, url: str, port: int) -> list[str]:
     args = [*CLI, name, "--nats-url", url, "--connect-timeout", "60"]
     if name == "edge":
-        args += ["--port", str(port)]
+        args += ["--port", str(port), "--insecure-demo"]
     if name == "simulate":
         args += ["--verify", "--timeout", "60", "--requests", "2"]
     return args

@@ -17,7 +17,7 @@ import anyio
 import httpx
 import nats
 import pytest
-from edge_harness import expected_sse, running_edge
+from edge_harness import demo_flag, expected_sse, running_edge
 from helpers import free_port
 
 from streamproc import config, tracing
@@ -56,7 +56,8 @@ async def edge_in_process(nats_url: str, tracer: tracing.Tracing) -> AsyncIterat
 
     port = free_port()
     settings = edge_settings.load(
-        {}, {"nats_url": nats_url, "port": port, "format": FORMAT, "ensure_results_stream": True}
+        {}, {"nats_url": nats_url, "port": port, "format": FORMAT, "ensure_results_stream": True,
+             "insecure_demo": True}
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -317,7 +318,7 @@ def test_otel_variables_that_name_nothing_installed_are_bad_configuration_for_ev
 
     dead = f"nats://127.0.0.1:{free_port()}"
     for command in (["run", "--mode", "core"], ["edge"]):
-        proc = run_cli_process(*command, "--nats-url", dead, env=variables)
+        proc = run_cli_process(*command, "--nats-url", dead, *demo_flag(command[0]), env=variables)
         assert proc.returncode == 2, proc.stderr
         [line] = proc.stderr.strip().splitlines()
         assert line.startswith(f"streamproc {command[0]}: error: {named}"), line

@@ -47,3 +47,8 @@ MAX_DELIVER = 20
 
 # Readers (client helpers and the edge)
 MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it
+
+# Edge capabilities (streamproc.edge.auth verifies, streamproc.client.capability mints)
+EDGE_AUDIENCE = "streamproc-edge"  # the JWT ``aud`` the edge requires
+OPERATOR_SCOPE = "operator"  # ``scope`` of a capability for every request, /v1/recent and the page
+CAPABILITY_TTL = 600.0  # seconds a minted capability lives by default

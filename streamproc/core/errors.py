@@ -77,6 +77,11 @@ class MigrationError(StreamprocError):
         self.code = reply.code
 
 
+class InvalidCapability(StreamprocError, ValueError):
+    """A client's edge capability (JWT) that is missing, malformed, badly signed, expired or not for
+    the edge. The message is safe to show to the client: it never holds the token."""
+
+
 # ------------------------------------------------------------------- configuration and start-up
 
 class ConfigError(StreamprocError, ValueError):

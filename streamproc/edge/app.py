@@ -7,8 +7,15 @@ Routes:
   seq. ``Accept: application/json`` or ``?stream=false`` waits for the final result and answers
   with one JSON body instead. ``?verdicts=1`` adds ``event: meta`` frames (seq, join verdict,
   error) before each result; the ``data`` of ordinary frames stays exactly the worker's bytes.
-- ``GET /v1/recent``: request ids recently seen on ``P.results.>`` (for the page).
-- ``GET /``: the live page. ``GET /healthz``, ``GET /metrics``.
+- ``GET /v1/recent``: request ids recently seen on ``P.results.>`` (for the page; operators only).
+- ``GET /v1/info``: how the edge authenticates (``{"auth": "jwt"|"insecure-demo", ...}``), unauthenticated.
+- ``GET /``: the live page. ``GET /healthz``, ``GET /metrics`` (open: counters only, no request ids).
+
+Results need a capability for their request id (:mod:`streamproc.edge.auth`): 401 with
+``WWW-Authenticate: Bearer`` without a valid one, 403 for a valid one naming other ids. Each
+client (the capability's ``sub``; its address with ``--insecure-demo``) holds at most
+``--max-streams-per-client`` streams; a stream's buffer, a unary answer's size and one write's
+duration are bounded, so slow or greedy clients cannot exhaust the edge (docs/edge.md).
 
 Built on Starlette and served by Uvicorn; the stream response is the only custom piece, because
 a client that goes away must free its NATS subscription at once, whatever the ASGI server's
@@ -34,14 +41,16 @@ from starlette.types import Receive, Scope, Send
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
-from ..core.errors import StreamprocError
+from ..core.errors import InvalidCapability, StreamprocError
 from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from ..metrics import CONTENT_TYPE, exposition, registry_for
+from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
+from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
 from .settings import EdgeSettings
-from .source import Ended, Gap, Lost, ResultFeed, ResultSource
+from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
 
 if TYPE_CHECKING:
     from ..tracing import StreamTrace, Tracing
@@ -54,13 +63,29 @@ PAGE_DIR = Path(__file__).parent / "page"
 
 # HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
 # kinds the edge adds itself (a client's bad request) beside the processor's ErrorKind table.
-ERROR_STATUS: dict[str, int] = {"invalid_request": 400, **CORE_ERROR_STATUS}
+ERROR_STATUS: dict[str, int] = {
+    "invalid_request": 400,
+    "unauthorized": 401,  # no capability, or one that is invalid or expired
+    "forbidden": 403,  # a valid capability that does not name this request id
+    "too_many_streams": 429,  # this client holds --max-streams-per-client streams
+    "too_large": 413,  # a unary answer past --max-unary-bytes (read it as a stream instead)
+    **CORE_ERROR_STATUS,
+}
 _VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2, Verdict.OMITTED: 3}
 
 
-def error_response(message: str, kind: str, status: int) -> JSONResponse:
+def error_response(message: str, kind: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
     """The edge's own refusals (bad id, too many streams, NATS down), before any result is read."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def unauthorized(message: str) -> JSONResponse:
+    """401 with the challenge RFC 6750 section 3 asks for (``error="invalid_token"`` when one was sent)."""
+    challenge = f'Bearer realm="{AUDIENCE}"'
+    if not message.startswith("no capability"):
+        challenge += ', error="invalid_token"'
+    return error_response(message, "unauthorized", 401, {"WWW-Authenticate": challenge})
 
 
 class EventStreamResponse(StreamingResponse):
@@ -70,14 +95,31 @@ class EventStreamResponse(StreamingResponse):
     subscription is always released, also when the client vanished mid-wait.
     """
 
-    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]],
+                 write_timeout: float, on_stall: Callable[[], None]) -> None:
         super().__init__(
             frames,
             media_type=sse.MEDIA_TYPE,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self.on_close = on_close
+        self.on_stall = on_stall
+        self.write_timeout = write_timeout
         self.completed = False
+
+    async def stream_response(self, send: Send) -> bool:
+        """Starlette's loop, with each write bounded: Uvicorn's ``send`` waits while the socket's
+        buffer is full (flow control), so a client that stopped reading would hold the stream, its
+        slot and its subscription forever. After ``write_timeout`` the stream is dropped instead."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            with anyio.move_on_after(self.write_timeout) as scope:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if scope.cancelled_caught:
+                self.on_stall()
+                return False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -85,8 +127,7 @@ class EventStreamResponse(StreamingResponse):
 
                 async def stream() -> None:
                     with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                        self.completed = True
+                        self.completed = await self.stream_response(send)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
@@ -107,6 +148,40 @@ class Edge:
         self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
         self.codec: Codec = Catalog()(settings.format)  # an unknown format fails here, at start-up
+        self.verifier = (Verifier(load_key(settings.auth_key_file, settings.auth_algorithm),
+                                  settings.auth_algorithm, settings.auth_leeway)
+                         if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
+        self.client_streams: dict[str, int] = {}
+        self.heap = HeapTrimmer()
+
+    # ------------------------------------------------------------------ access
+
+    def authenticate(self, request: Request) -> tuple[str, Capability | None] | Response:
+        """The client's identity and capability, or the 401 to answer. With ``--insecure-demo`` the
+        client is its address and has no capability (everything is allowed)."""
+        if self.verifier is None:
+            return f"addr:{request.client.host if request.client else '?'}", None
+        try:
+            token = presented_token(request.headers.get("authorization"),
+                                    request.query_params.getlist("access_token"))
+            if token is None:
+                raise InvalidCapability("no capability: send 'Authorization: Bearer <token>' or ?access_token=")
+            capability = self.verifier.verify(token)
+        except InvalidCapability as exc:
+            self.metrics.unauthorized += 1
+            return unauthorized(str(exc))
+        return f"sub:{capability.sub}", capability
+
+    def authorize_operator(self, request: Request) -> Response | None:
+        """None when the request may see operator data (``/v1/recent``), else the 401/403."""
+        who = self.authenticate(request)
+        if isinstance(who, Response):
+            return who
+        capability = who[1]
+        if capability is not None and not capability.operator:
+            self.metrics.forbidden += 1
+            return error_response("this needs an operator capability (scope: operator)", "forbidden", 403)
+        return None
 
     # ------------------------------------------------------------------ routes
 
@@ -117,6 +192,13 @@ class Edge:
             after = sse.parse_last_event_id(request.headers.get("last-event-id"))
         except ValueError as exc:
             return error_response(str(exc), "invalid_request", 400)
+        who = self.authenticate(request)
+        if isinstance(who, Response):
+            return who
+        client, capability = who
+        if capability is not None and not capability.allows(request_id):
+            self.metrics.forbidden += 1
+            return error_response(f"this capability does not cover request {request_id}", "forbidden", 403)
         unary = wants_unary(request)
         if not self.source.connected:
             return error_response("the edge is not connected to NATS", "unavailable", 503)
@@ -127,12 +209,22 @@ class Edge:
                 "overloaded",
                 503,
             )
+        if self.client_streams.get(client, 0) >= self.settings.max_streams_per_client:
+            self.metrics.streams_rejected_client += 1
+            return error_response(
+                f"this client has {self.settings.max_streams_per_client} result streams open "
+                "(--max-streams-per-client); close one or retry later",
+                "too_many_streams",
+                429,
+            )
         self.metrics.streams_active += 1
         self.metrics.streams_opened += 1
+        self.client_streams[client] = self.client_streams.get(client, 0) + 1
         try:
             feed = await self.source.open(request_id, after=None if unary else after)
         except Exception as exc:  # noqa: BLE001 - NATS refused the subscription: a clean 503, not a 500 page
             self.metrics.streams_active -= 1
+            self.client_left(client)
             log_event(log, logging.WARNING, "subscribe_failed", request_id=request_id, error=error_text(exc))
             return error_response(f"cannot subscribe to results: {exc}", "unavailable", 503)
         if unary:
@@ -141,6 +233,7 @@ class Edge:
                 return await self.unary_until_disconnect(request, feed)
             finally:
                 with anyio.CancelScope(shield=True):
+                    self.client_left(client)
                     await self.release(feed)
         verdicts = request.query_params.get("verdicts", "") in ("1", "true", "yes")
         trace = self.tracing.stream(request_id) if self.tracing is not None else None
@@ -152,12 +245,40 @@ class Edge:
                 self.metrics.client_disconnects += 1
             if trace is not None:
                 trace.close("completed" if completed else "disconnected")
+            self.client_left(client)
             await self.release(feed)
 
-        return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace), on_close)
+        def on_stall() -> None:
+            self.metrics.streams_stalled += 1
+            log_event(log, logging.INFO, "stream_stalled", request_id=request_id,
+                      write_timeout=self.settings.write_timeout)
+
+        return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace), on_close,
+                                   self.settings.write_timeout, on_stall)
+
+    def client_left(self, client: str) -> None:
+        left = self.client_streams.get(client, 0) - 1
+        if left > 0:
+            self.client_streams[client] = left
+        else:
+            self.client_streams.pop(client, None)
 
     async def recent(self, request: Request) -> Response:
+        refused = self.authorize_operator(request)
+        if refused is not None:
+            return refused
         return Response(msgspec.json.encode(self.source.recent.newest_first()), media_type="application/json")
+
+    async def info(self, request: Request) -> Response:
+        """What the page needs before it has a token: whether it needs one, and must show a banner."""
+        s = self.settings
+        return JSONResponse({
+            "auth": "jwt" if self.verifier is not None else "insecure-demo",
+            "audience": AUDIENCE if self.verifier is not None else None,
+            "algorithm": s.auth_algorithm if self.verifier is not None else None,
+            "tls": bool(s.tls_cert_file),
+            "max_streams_per_client": s.max_streams_per_client,
+        })
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
@@ -175,13 +296,14 @@ class Edge:
         ``trace`` (tracing on) gets a span per result frame, ended once the frame was sent."""
         settings, metrics = self.settings, self.metrics
         idle_since = time.monotonic()
+        limit = min(settings.idle_stream_timeout, settings.result_timeout)  # until the first result
         while True:
-            left = settings.result_timeout - (time.monotonic() - idle_since)
+            left = limit - (time.monotonic() - idle_since)
             item = await feed.next(min(settings.keepalive, max(left, 0.0)))
             if item is None:
-                if time.monotonic() - idle_since >= settings.result_timeout:
+                if time.monotonic() - idle_since >= limit:
                     metrics.result_timeouts += 1
-                    yield sse.event(self.timeout_body(feed)) + sse.DONE
+                    yield sse.event(self.timeout_body(feed, limit)) + sse.DONE
                     return
                 metrics.keepalives_sent += 1
                 yield sse.KEEPALIVE
@@ -196,7 +318,11 @@ class Edge:
             if isinstance(item, Lost):
                 yield sse.event(self.lost_body(feed, item)) + sse.DONE
                 return
+            if isinstance(item, Overrun):
+                yield sse.event(self.overrun_body(feed, item)) + sse.DONE
+                return
             idle_since = time.monotonic()
+            limit = settings.result_timeout
             frame = meta_frame(item) if verdicts else b""
             frame += sse.event(item.body, id=item.seq)
             metrics.sent(item)
@@ -234,13 +360,17 @@ class Edge:
     async def unary(self, feed: ResultFeed) -> Response:
         """Wait for the final result; answer with the single result, or the codec's fold of the stream."""
         results: list[ResultInfo] = []
+        size = 0
         idle_since = time.monotonic()
+        limit = min(self.settings.idle_stream_timeout, self.settings.result_timeout)  # until the first result
         while True:
-            left = self.settings.result_timeout - (time.monotonic() - idle_since)
+            left = limit - (time.monotonic() - idle_since)
             item = await feed.next(max(left, 0.0)) if left > 0 else None
             if item is None:
                 self.metrics.result_timeouts += 1
-                return Response(self.timeout_body(feed), status_code=504, media_type="application/json")
+                return Response(self.timeout_body(feed, limit), status_code=504, media_type="application/json")
+            if isinstance(item, Overrun):  # not reachable while unary reads as fast as NATS delivers
+                return Response(self.overrun_body(feed, item), status_code=503, media_type="application/json")
             if isinstance(item, Gap):
                 self.metrics.gaps += 1
                 return Response(self.gap_body(feed, item), status_code=500, media_type="application/json")
@@ -257,7 +387,15 @@ class Edge:
                     media_type="application/json",
                     headers={"Streamproc-Error": item.error},
                 )
+            size += len(item.body)
+            if size > self.settings.max_unary_bytes:  # never hold a whole huge stream for one client
+                self.metrics.unary_too_large += 1
+                return error_response(
+                    f"the results of request {feed.request_id} exceed --max-unary-bytes "
+                    f"({self.settings.max_unary_bytes} bytes); read them as a stream (Accept: text/event-stream)",
+                    "too_large", 413)
             results.append(item)
+            limit = self.settings.result_timeout
             if item.final:
                 break
         verdict = max(
@@ -276,10 +414,15 @@ class Edge:
             return Response(body, status_code=500, media_type="application/json")
         return Response(body, media_type="application/json", headers=headers)
 
-    def timeout_body(self, feed: ResultFeed) -> bytes:
+    def timeout_body(self, feed: ResultFeed, limit: float) -> bytes:
+        return self.codec.error_body(f"no result for request {feed.request_id} within {limit}s", ErrorKind.TIMEOUT)
+
+    def overrun_body(self, feed: ResultFeed, overrun: Overrun) -> bytes:
         return self.codec.error_body(
-            f"no result for request {feed.request_id} within {self.settings.result_timeout}s",
-            ErrorKind.TIMEOUT,
+            f"more than {overrun.limit} bytes of results of request {feed.request_id} waited in the edge "
+            "(--stream-buffer-bytes): the client fell behind, or a seq never arrived while later ones did; "
+            "reconnect with Last-Event-ID to resume",
+            ErrorKind.OVERLOADED,
         )
 
     def gap_body(self, feed: ResultFeed, gap: Gap) -> bytes:
@@ -301,6 +444,7 @@ class Edge:
 
     async def release(self, feed: ResultFeed) -> None:
         self.metrics.streams_active -= 1
+        self.heap.released()
         await feed.close()
 
 
@@ -341,7 +485,10 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
                 await edge.source.stop()
                 raise
         try:
-            yield
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(edge.heap.run)
+                yield
+                tasks.cancel_scope.cancel()
         finally:
             await edge.source.stop()
             if edge.tracing is not None:
@@ -351,14 +498,16 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
         return FileResponse(PAGE_DIR / "index.html", media_type="text/html")
 
     async def script(request: Request) -> Response:
-        return FileResponse(PAGE_DIR / "edge.js", media_type="text/javascript")
+        return FileResponse(PAGE_DIR / request.url.path.lstrip("/"), media_type="text/javascript")
 
     app = Starlette(
         routes=[
             Route("/", page),
             Route("/edge.js", script),
+            Route("/access.js", script),
             Route("/v1/results/{request_id}", edge.results),
             Route("/v1/recent", edge.recent),
+            Route("/v1/info", edge.info),
             Route("/healthz", edge.healthz),
             Route("/metrics", edge.metrics_text),
         ],

@@ -72,6 +72,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from ..logs import configure as configure_logging
     from ..nats.connection import connect_options
     from .app import create_app
+    from .heap import tune_allocator
 
     environ = os.environ if environ is None else environ
     try:
@@ -85,6 +86,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         except ValueError as exc:  # OTEL_* variables naming no installed exporter (streamproc.tracing)
             raise EdgeConfigError(str(exc)) from None
         connect_options(settings)  # unreadable credential or certificate files: exit 2 before serving
+        check_tls(settings)
     except EdgeConfigError as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -92,6 +94,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         print(print_config(settings, origin))
         return EXIT_OK
     configure_logging(settings.log_level, settings.log_format)
+    tune_allocator()  # this process serves results only: freed bodies go back to the system (heap.py)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -101,6 +104,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
+        ssl_certfile=settings.tls_cert_file or None,  # HTTPS: uvicorn.Config.load builds the SSLContext
+        ssl_keyfile=settings.tls_key_file or None,
     )
     server = server_class()(config)
     quiet = _StartupFailureFilter(app)
@@ -150,14 +155,38 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     return EXIT_FAILURE if failed_exit else code
 
 
+def check_tls(settings) -> None:
+    """An unreadable or mismatched certificate/key pair fails as bad configuration (exit 2), in one
+    line, instead of as Uvicorn's traceback once NATS is connected."""
+    if not settings.tls_cert_file:
+        return
+    import ssl
+
+    from .settings import EdgeConfigError
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            settings.tls_cert_file, settings.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise EdgeConfigError(f"cannot use --tls-cert-file {settings.tls_cert_file!r} with --tls-key-file "
+                              f"{settings.tls_key_file!r}: {exc}") from None
+
+
+# uvicorn.protocols.http.h11_impl (and httptools_impl) RequestResponseCycle.run_asgi, when the app returns mid-body
+STALLED_STREAM_MESSAGE = "ASGI callable returned without completing response."
+
+
 class _StartupFailureFilter(logging.Filter):
-    """Once the app recorded a start-up error it reports itself, drop Uvicorn's traceback of it."""
+    """Once the app recorded a start-up error it reports itself, drop Uvicorn's traceback of it;
+    drop Uvicorn's error line for a stream the edge closed because its client stopped reading."""
 
     def __init__(self, app) -> None:
         super().__init__()
         self._app = app
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == STALLED_STREAM_MESSAGE:  # a stream dropped after --write-timeout: counted and logged
+            return False  # as event=stream_stalled; an error line per slow client would be log spam
         if getattr(self._app.state, "startup_error", None) is None or record.levelno < logging.ERROR:
             return True
         return False

@@ -23,6 +23,13 @@ class EdgeMetrics(msgspec.Struct):
 
     streams_opened: int = 0
     streams_rejected: int = 0
+    streams_rejected_client: int = 0
+    streams_overrun: int = 0
+    streams_stalled: int = 0
+    unauthorized: int = 0
+    forbidden: int = 0
+    unary_too_large: int = 0
+    recent_dropped: int = 0
     streams_active: int = 0
     streams_completed: int = 0
     client_disconnects: int = 0
@@ -53,6 +60,14 @@ class EdgeMetrics(msgspec.Struct):
 _HELP: dict[str, tuple[str, str]] = {
     "streams_opened": ("counter", "result streams opened (SSE and unary)"),
     "streams_rejected": ("counter", "requests refused with 503 because --max-streams streams were open"),
+    "streams_rejected_client": ("counter", "requests refused with 429 because their client had "
+                                           "--max-streams-per-client streams open"),
+    "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
+    "streams_stalled": ("counter", "streams closed because one write blocked for --write-timeout"),
+    "unauthorized": ("counter", "requests refused with 401 (no, invalid or expired capability)"),
+    "forbidden": ("counter", "requests refused with 403 (a valid capability for other request ids)"),
+    "unary_too_large": ("counter", "unary answers refused because the results passed --max-unary-bytes"),
+    "recent_dropped": ("counter", "results the /v1/recent ring missed because the edge was behind"),
     "streams_active": ("gauge", "result streams open now"),
     "streams_completed": ("counter", "SSE streams that ended with [DONE]"),
     "client_disconnects": ("counter", "SSE streams ended by the client before [DONE]"),

@@ -10,10 +10,14 @@ The flag is always ``--kebab-name``.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 
 from ..config import ENV_PREFIX, CommonSettings, ConfigError, SettingsSchema, documented
+
+# What PyJWT verifies (jwt.algorithms.get_default_algorithms); "none" is deliberately absent.
+AuthAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
+                        "ES256", "ES384", "ES512", "EdDSA"]
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
 
@@ -60,6 +64,48 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     ensure_results_stream: Annotated[
         bool, documented("create (or validate) the JetStream results stream at start, so clients can attach late")
     ] = False
+
+
+    # Edge authentication (docs/security.md "Edge capabilities"): a JWT per client, verified locally.
+    auth_key_file: Annotated[str, documented(
+        "file holding the key that verifies client capabilities (JWTs): the HMAC secret for HS*, or the "
+        "PEM public key for RS*/PS*/ES*/EdDSA; required unless --insecure-demo")] = ""
+    auth_algorithm: Annotated[AuthAlgorithm, documented("JWT signature algorithm capabilities must use")] = "HS256"
+    auth_leeway: Annotated[float, documented("seconds of clock skew tolerated on a capability's exp/nbf/iat",
+                                             ge=0, le=300)] = 30.0
+    insecure_demo: Annotated[bool, documented(
+        "serve without authentication (every result and /v1/recent to anyone; the page says so on screen); "
+        "for `make demo` and local trials only")] = False
+    max_streams_per_client: Annotated[int, documented(
+        "concurrent result streams of one client (its capability's sub, or its address with "
+        "--insecure-demo) before new ones get 429", ge=1, le=1_000_000)] = 32
+    idle_stream_timeout: Annotated[float, documented(
+        "seconds a result stream may wait for its first result before it is ended with a timeout error "
+        "(frees the slots of clients waiting on ids nobody answers; later results have --result-timeout)",
+        gt=0, le=7 * 86_400)] = 120.0
+    write_timeout: Annotated[float, documented(
+        "seconds one write to a client may block (a client that stopped reading) before its stream is "
+        "closed", gt=0, le=3600)] = 30.0
+    stream_buffer_bytes: Annotated[int, documented(
+        "bytes of results buffered for one stream while its client is behind; past it the stream is ended "
+        "with an error event (at least the NATS max_payload)", ge=64 * 1024, le=2**34)] = 8 * 1024 * 1024
+    max_unary_bytes: Annotated[int, documented(
+        "bytes of result bodies a unary (application/json) answer may collect; past it the request is "
+        "refused with a too_large error (read such results as a stream)", ge=1024, le=2**36)] = 16 * 1024 * 1024
+    tls_cert_file: Annotated[str, documented("PEM certificate (chain) the edge serves HTTPS with (with "
+                                             "--tls-key-file)")] = ""
+    tls_key_file: Annotated[str, documented("PEM private key of --tls-cert-file")] = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.auth_key_file and not self.insecure_demo:
+            raise ValueError("no auth_key_file: the edge serves results only to their owners, so it needs "
+                             "the key that verifies their capabilities (docs/security.md); --insecure-demo "
+                             "serves everyone instead")
+        if self.auth_key_file and self.insecure_demo:
+            raise ValueError("auth_key_file and insecure_demo exclude each other")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
 
 
 EdgeConfigError = ConfigError  # the edge's settings fail exactly like the processor's

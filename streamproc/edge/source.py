@@ -19,8 +19,9 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import StorageType
+from nats.js.client import JetStreamContext
 
-from ..logs import error_text, log_event
+from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
@@ -31,6 +32,7 @@ from .settings import EdgeSettings
 log = logging.getLogger("streamproc.edge")
 
 FeedMode = Literal["jetstream", "core"]
+RECENT_PENDING_MSGS = 65_536
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -50,7 +52,16 @@ class Lost(msgspec.Struct, frozen=True):
     reason: str
 
 
-FeedItem = ResultInfo | Ended | Gap | Lost
+class Overrun(msgspec.Struct, frozen=True):
+    """More than ``--stream-buffer-bytes`` of one stream's results waited in the edge: its client fell
+    behind (nats-py dropped a result past its pending limit), or later seqs piled up in the reorder
+    buffer behind a missing one. The stream cannot go on complete; ending it is what keeps the
+    edge's memory bounded per stream."""
+
+    limit: int
+
+
+FeedItem = ResultInfo | Ended | Gap | Lost | Overrun
 
 
 class ResultFeed:
@@ -64,12 +75,16 @@ class ResultFeed:
         self._sub = sub
         self._ready: collections.deque[ResultInfo] = collections.deque()
         self._gap_since: float | None = None
+        self.overrun = False  # set by the connection's error callback when nats-py dropped a result
+        self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
     async def next(self, timeout: float) -> FeedItem | None:
         """The next item, or None when ``timeout`` seconds pass without one."""
         deadline = time.monotonic() + timeout
         gap_timeout = self.source.settings.gap_timeout
         while True:
+            if self.overrun:
+                return Overrun(self.source.settings.stream_buffer_bytes)
             if self._ready:
                 return self._ready.popleft()
             if self.order.done:
@@ -105,11 +120,33 @@ class ResultFeed:
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
             return
-        before = self.order.duplicates
-        self._ready.extend(self.order.push(result))
+        before, waiting = self.order.duplicates, len(self.order.pending)
+        try:
+            ready = self.order.push(result)
+        except OverflowError:  # more results than SeqOrder keeps wait for a missing seq
+            self._overrun()
+            return
         metrics.duplicates_dropped += self.order.duplicates - before
+        if self.order.done:
+            self._held_bytes = 0
+        else:
+            if len(self.order.pending) - waiting + len(ready):  # stored, not a duplicate
+                self._held_bytes += len(result.body)
+            self._held_bytes -= sum(len(r.body) for r in ready)
+        self._ready.extend(ready)
+        if self._held_bytes > self.source.settings.stream_buffer_bytes:
+            self._overrun()
+
+    def _overrun(self) -> None:
+        """Give the held results back at once; :meth:`next` reports :class:`Overrun`."""
+        self.order.pending.clear()
+        self._held_bytes = 0
+        if not self.overrun:
+            self.overrun = True
+            self.source.metrics.streams_overrun += 1
 
     async def close(self) -> None:
+        self.source.forget(self)
         sub, self._sub = self._sub, None
         if sub is None or self.source.nc is None or self.source.nc.is_closed:
             return
@@ -117,6 +154,12 @@ class ResultFeed:
             await sub.unsubscribe()
         except (nats.errors.Error, OSError) as exc:  # connection gone: the server forgot it anyway
             log_event(log, logging.DEBUG, "unsubscribe_failed", request_id=self.request_id, error=error_text(exc))
+
+
+def core_subscription(sub):
+    """The nats-py Subscription a SlowConsumerError names: a JetStream PushSubscription wraps one
+    (nats.js.client.JetStreamContext.PushSubscription.__init__ keeps it as ``_sub``)."""
+    return sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
 
 
 class RecentEntry(msgspec.Struct):
@@ -165,6 +208,9 @@ class ResultSource:
         self.recent = RecentRequests(settings.recent)
         self.nc: NatsClient | None = None
         self._closing = False
+        # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
+        self._feeds: dict[int, ResultFeed] = {}
+        self._limited = LogLimiter(log)
 
     @property
     def connected(self) -> bool:
@@ -194,7 +240,11 @@ class ResultSource:
             )
             log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
         if self.settings.recent > 0:
-            await self.nc.subscribe(self.subjects.all_results, cb=self._on_any_result)
+            # The page's list may lose a result when the edge is starved; it must never buffer without bound.
+            self._recent_sub = await self.nc.subscribe(
+                self.subjects.all_results, cb=self._on_any_result,
+                pending_msgs_limit=RECENT_PENDING_MSGS, pending_bytes_limit=self.settings.stream_buffer_bytes,
+            )
             await self.nc.flush()
 
     async def stop(self) -> None:
@@ -211,18 +261,28 @@ class ResultSource:
         js = self.nc.jetstream()
         stream = await find_results_stream(js, subject)
         order = SeqOrder(after)
+        # Bounded per stream: nats-py's default would hold up to 128 MiB for a client that stopped
+        # reading (DEFAULT_SUB_PENDING_BYTES_LIMIT); past our bound it drops and reports a
+        # SlowConsumerError, which ends this feed (_on_error).
+        limits = {"pending_msgs_limit": MAX_PENDING_RESULTS * 4,
+                  "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if stream is not None:
-            sub = await js.subscribe(
-                subject, stream=stream, ordered_consumer=True, pending_msgs_limit=MAX_PENDING_RESULTS * 4
-            )
+            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, **limits)
             self.metrics.jetstream_replays += 1
             mode: FeedMode = "jetstream"
         else:
-            sub = await self.nc.subscribe(subject, pending_msgs_limit=MAX_PENDING_RESULTS * 4)
+            sub = await self.nc.subscribe(subject, **limits)
             await self.nc.flush()
             self.metrics.core_subscriptions += 1
             mode = "core"
-        return ResultFeed(self, request_id, sub, mode, order)
+        feed = ResultFeed(self, request_id, sub, mode, order)
+        self._feeds[id(core_subscription(sub))] = feed
+        return feed
+
+    def forget(self, feed: ResultFeed) -> None:
+        sub = feed._sub
+        if sub is not None:
+            self._feeds.pop(id(core_subscription(sub)), None)
 
     async def _on_any_result(self, msg: Msg) -> None:
         try:
@@ -232,6 +292,17 @@ class ResultSource:
         self.recent.note(result, time.time())
 
     async def _on_error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            feed = self._feeds.get(id(exc.sub))
+            if feed is not None:
+                if not feed.overrun:
+                    feed.overrun = True
+                    self.metrics.streams_overrun += 1
+                    self._limited.log(logging.WARNING, "stream_overrun", request_id=feed.request_id,
+                                      limit=self.settings.stream_buffer_bytes)
+            else:  # the recent ring's wildcard: the page misses a result, nobody's stream breaks
+                self.metrics.recent_dropped += 1
+            return
         log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
 
     async def _on_disconnected(self) -> None:

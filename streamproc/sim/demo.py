@@ -164,7 +164,8 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
     from ..edge.settings import load as load_edge_settings
 
     settings = load_edge_settings({}, {"nats_url": nats_url, "format": format, "host": "127.0.0.1",
-                                       "port": port, "log_level": "ERROR"})
+                                       "port": port, "log_level": "ERROR",
+                                       "insecure_demo": True})  # a local demo: the page says so on screen
     server = server_class()(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                                            lifespan="on", log_config=None, access_log=False,
                                            log_level="error", timeout_graceful_shutdown=1))

@@ -64,9 +64,9 @@ function follow(requestId) {
   $("count").textContent = "0 results";
   setVerdict(null);
   setState("connecting");
-  history.replaceState(null, "", "?id=" + encodeURIComponent(requestId));
+  history.replaceState(null, "", "?id=" + encodeURIComponent(requestId) + location.hash);  // keeps #access_token
 
-  const source = new EventSource("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1");
+  const source = new EventSource(edgeUrl("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1"));
   page.source = source;
   let lastMeta = null;
   source.onopen = () => setState("open");
@@ -108,7 +108,7 @@ function follow(requestId) {
 
 async function refreshRecent() {
   try {
-    const response = await fetch("/v1/recent");
+    const response = await fetch(edgeUrl("/v1/recent"));
     if (!response.ok) return;
     const entries = await response.json();
     const list = $("recent");

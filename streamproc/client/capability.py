@@ -1,0 +1,59 @@
+"""Minting edge capabilities: what the serving layer hands a client so the edge serves it its results.
+
+The frontend that accepted a request knows its id; it signs a short-lived JWT naming it and gives
+it to its client with the edge's URL. The edge verifies it alone (:mod:`streamproc.edge.auth`),
+so nothing in the request path calls back. Use an asymmetric key (ES256, EdDSA, RS256) in
+production: the frontend keeps the private key, the edge gets only the public one.
+
+    token = mint_capability(key, rids=[request_id], ttl=600)
+    # client: GET https://edge/v1/results/<request_id>  with  Authorization: Bearer <token>
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Iterable
+
+import jwt
+
+from ..core.defaults import CAPABILITY_TTL, EDGE_AUDIENCE, OPERATOR_SCOPE
+
+
+def mint_capability(
+    key: bytes | str,
+    *,
+    rids: Iterable[str] = (),
+    rid_prefix: str = "",
+    operator: bool = False,
+    ttl: float = CAPABILITY_TTL,
+    algorithm: str = "HS256",
+    subject: str = "",
+    now: float | None = None,
+) -> str:
+    """A signed capability for the edge.
+
+    ``rids`` names request ids, ``rid_prefix`` a tenant's ids (every id starting with it),
+    ``operator`` grants every request, ``/v1/recent`` and the live page. ``subject`` (``sub``) is
+    the client the edge counts streams per (``--max-streams-per-client``); by default each token
+    is its own client. ``key`` is the HMAC secret or the PEM private key for ``algorithm``.
+    """
+    rids = list(rids)
+    if not (rids or rid_prefix or operator):
+        raise ValueError("a capability must name request ids, a rid_prefix, or be an operator's")
+    if ttl <= 0:
+        raise ValueError("ttl must be positive")
+    issued = int(time.time() if now is None else now)
+    claims: dict[str, object] = {
+        "aud": EDGE_AUDIENCE,
+        "iat": issued,
+        "exp": issued + max(1, round(ttl)),
+        "sub": subject or f"anonymous-{uuid.uuid4().hex[:12]}",
+    }
+    if rids:
+        claims["rids"] = rids
+    if rid_prefix:
+        claims["rid_prefix"] = rid_prefix
+    if operator:
+        claims["scope"] = OPERATOR_SCOPE
+    return jwt.encode(claims, key, algorithm=algorithm)

@@ -1,0 +1,35 @@
+// Edge capability plumbing for the live page (docs/security.md, "Edge capabilities").
+// An operator opens the page as /#access_token=<token> (`streamproc token --operator`): the fragment
+// never reaches a server or its log. Every API and EventSource URL the page builds goes through
+// edgeUrl(), which appends access_token= (RFC 6750 2.3: EventSource cannot set an Authorization
+// header). GET /v1/info says whether the edge runs as an --insecure-demo, which the page states.
+"use strict";
+
+const edgeAccess = (() => {
+  const token = new URLSearchParams(location.hash.slice(1)).get("access_token") || "";
+
+  function edgeUrl(path) {
+    if (!token) return path;
+    return path + (path.includes("?") ? "&" : "?") + "access_token=" + encodeURIComponent(token);
+  }
+
+  function show(text, kind) {
+    const banner = document.getElementById("auth-banner");
+    if (!banner) return;
+    banner.textContent = text;
+    banner.className = "auth-banner " + kind;
+    banner.hidden = false;
+  }
+
+  fetch("/v1/info").then((r) => r.json()).then((info) => {
+    if (info.auth === "insecure-demo") {
+      show("Insecure demo: this edge serves every request's results to anyone (--insecure-demo).", "insecure");
+    } else if (!token) {
+      show("This edge needs an operator capability: open the page as /#access_token=<token> " +
+           "(streamproc token --operator).", "needs-token");
+    }
+  }).catch(() => {});
+
+  return { token, edgeUrl };
+})();
+const edgeUrl = edgeAccess.edgeUrl;

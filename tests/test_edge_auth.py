@@ -1,0 +1,285 @@
+"""Edge capabilities (issue 11, item 3): a client reads a request's results only with a JWT naming it.
+
+A real edge subprocess on a real nats-server; tokens are minted by the serving-layer helper
+(``streamproc.client.capability``) or by ``streamproc token``; clients are real HTTP clients.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import anyio
+import httpx
+import jwt
+import pytest
+from conftest import run_cli_process
+from edge_harness import EdgeProcess, expected_sse, publish_results, running_edge
+from helpers import rid
+from nats_auth import Certificates, openssl
+
+from streamproc.client.capability import mint_capability
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+DURABLE = Subjects("streamproc")
+SECRET = b"edge-test-secret-0123456789abcdef-0123456789"  # 45 bytes: HS256 wants >= 32
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("edge-key") / "edge.key"
+    path.write_bytes(SECRET + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def auth_edge(server, key_file):
+    with running_edge(server.url, "--ensure-results-stream", "--auth-key-file", str(key_file),
+                      "--max-streams-per-client", "3", "--max-streams", "40") as edge:
+        yield edge
+
+
+def token(**claims) -> str:
+    return mint_capability(SECRET, **claims)
+
+
+def bearer(tok: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {tok}"}
+
+
+async def get(edge, path: str, **kwargs) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:
+        return await client.get(path, **kwargs)
+
+
+def assert_refusal(response: httpx.Response, status: int, kind: str) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == kind and error["code"] == status
+    if status == 401:
+        assert response.headers["WWW-Authenticate"].startswith("Bearer "), response.headers
+    return error["message"]
+
+
+async def test_a_capability_for_the_request_id_reads_its_results_by_header_or_query(auth_edge, nc):
+    request_id = rid("auth-own")
+    bodies = [b'{"text":"a"}', b'{"text":"ab"}']
+    await publish_results(nc, DURABLE, request_id, bodies)
+    tok = token(rids=[request_id])
+    by_header = await get(auth_edge, f"/v1/results/{request_id}", headers=bearer(tok))
+    assert by_header.status_code == 200 and by_header.content == expected_sse(bodies)
+    by_query = await get(auth_edge, f"/v1/results/{request_id}", params={"access_token": tok})  # EventSource
+    assert by_query.status_code == 200 and by_query.content == expected_sse(bodies)
+    unary = await get(auth_edge, f"/v1/results/{request_id}?stream=false", headers=bearer(tok))
+    assert unary.status_code == 200 and unary.headers["Streamproc-Results"] == "2"
+
+
+async def test_no_or_a_bad_capability_is_401_and_another_requests_is_403(auth_edge, nc):
+    request_id, other = rid("auth-mine"), rid("auth-theirs")
+    await publish_results(nc, DURABLE, other, [b'{"text":"secret"}'])
+    path = f"/v1/results/{other}"
+    assert "no capability" in assert_refusal(await get(auth_edge, path), 401, "unauthorized")
+    mine = token(rids=[request_id])
+    message = assert_refusal(await get(auth_edge, path, headers=bearer(mine)), 403, "forbidden")
+    assert other in message
+    expired = token(rids=[other], now=time.time() - 3600, ttl=60)  # expired long past the 30 s leeway
+    assert "expired" in assert_refusal(await get(auth_edge, path, headers=bearer(expired)), 401, "unauthorized")
+    forged = mint_capability(b"another-key-0123456789abcdef-0123456789", rids=[other])
+    assert_refusal(await get(auth_edge, path, headers=bearer(forged)), 401, "unauthorized")
+    wrong_audience = jwt.encode({"aud": "someone-else", "exp": int(time.time()) + 60, "rids": [other]}, SECRET)
+    assert "aud" in assert_refusal(await get(auth_edge, path, headers=bearer(wrong_audience)), 401, "unauthorized")
+    no_expiry = jwt.encode({"aud": "streamproc-edge", "rids": [other]}, SECRET)
+    assert "exp" in assert_refusal(await get(auth_edge, path, headers=bearer(no_expiry)), 401, "unauthorized")
+    unsigned = jwt.encode({"aud": "streamproc-edge", "exp": int(time.time()) + 60, "rids": [other]}, None,
+                          algorithm="none")
+    assert_refusal(await get(auth_edge, path, headers=bearer(unsigned)), 401, "unauthorized")
+    assert_refusal(await get(auth_edge, path, headers={"Authorization": f"Basic {mine}"}), 401, "unauthorized")
+    both = await get(auth_edge, path, headers=bearer(mine), params={"access_token": mine})
+    assert_refusal(both, 401, "unauthorized")
+    metrics = auth_edge.metrics()
+    assert metrics["streamproc_edge_unauthorized_total"] >= 8 and metrics["streamproc_edge_forbidden_total"] >= 1
+
+
+async def test_a_tenant_prefix_covers_its_ids_and_nothing_else(auth_edge, nc):
+    tenant = rid("tenant-a") + "-"
+    own, foreign = tenant + "req1", rid("tenant-b") + "-req1"
+    await publish_results(nc, DURABLE, own, [b'{"text":"t"}'])
+    tok = token(rid_prefix=tenant)
+    response = await get(auth_edge, f"/v1/results/{own}?stream=false", headers=bearer(tok))
+    assert response.status_code == 200 and response.content == b'{"text":"t"}'
+    assert_refusal(await get(auth_edge, f"/v1/results/{foreign}", headers=bearer(tok)), 403, "forbidden")
+
+
+async def test_recent_needs_an_operator_capability_and_info_is_open(auth_edge, nc):
+    request_id = rid("auth-recent")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"r"}'])
+    assert_refusal(await get(auth_edge, "/v1/recent"), 401, "unauthorized")
+    assert_refusal(await get(auth_edge, "/v1/recent", headers=bearer(token(rids=[request_id]))), 403, "forbidden")
+    operator = await get(auth_edge, "/v1/recent", params={"access_token": token(operator=True)})  # the page
+    assert operator.status_code == 200
+    assert request_id in [entry["request_id"] for entry in operator.json()]
+    as_operator = await get(auth_edge, f"/v1/results/{request_id}?stream=false", headers=bearer(token(operator=True)))
+    assert as_operator.status_code == 200
+    info = await get(auth_edge, "/v1/info")
+    assert info.status_code == 200
+    assert info.json()["auth"] == "jwt" and info.json()["audience"] == "streamproc-edge"
+    for path in ("/", "/edge.js", "/healthz", "/metrics"):  # static page, health and counters stay open
+        assert (await get(auth_edge, path)).status_code == 200, path
+
+
+async def test_tokens_never_reach_the_log(auth_edge, nc):
+    request_id = rid("auth-log")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"l"}'])
+    tok = token(rids=[request_id])
+    assert (await get(auth_edge, f"/v1/results/{request_id}", params={"access_token": tok})).status_code == 200
+    assert (await get(auth_edge, "/v1/recent", params={"access_token": tok})).status_code == 403
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert "access_token=<redacted>" in log
+    assert tok not in log and tok.split(".")[2] not in log
+
+
+async def test_a_greedy_client_gets_429_past_its_stream_limit_while_others_are_answered(auth_edge, nc):
+    prefix = rid("greedy")
+    greedy = token(rid_prefix=prefix, subject="greedy")
+    ids = [f"{prefix}-{i}" for i in range(10)]
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        async with anyio.create_task_group() as tg:
+            statuses: list[int] = []
+            opened = anyio.Event()
+
+            async def hold(request_id: str) -> None:
+                async with client.stream("GET", f"/v1/results/{request_id}", headers=bearer(greedy)) as response:
+                    statuses.append(response.status_code)
+                    if len(statuses) == len(ids):
+                        opened.set()
+                    if response.status_code == 200:
+                        await anyio.sleep_forever()
+
+            for request_id in ids:
+                tg.start_soon(hold, request_id)
+            with anyio.fail_after(10):
+                await opened.wait()
+            assert sorted(statuses) == [200] * 3 + [429] * 7, statuses
+            # anonymous clients hold nothing at all: 401 at once
+            anonymous = await anyio.to_thread.run_sync(
+                lambda: [httpx.get(f"{auth_edge.url}/v1/results/{rid('anon')}", timeout=10).status_code
+                         for _ in range(50)])
+            assert set(anonymous) == {401}
+            legit_id = rid("legit")
+            await publish_results(nc, DURABLE, legit_id, [b'{"text":"ok"}'])
+            legit = await client.get(f"/v1/results/{legit_id}?stream=false",
+                                     headers=bearer(token(rids=[legit_id], subject="legit")))
+            assert legit.status_code == 200 and legit.content == b'{"text":"ok"}'
+            tg.cancel_scope.cancel()
+    assert auth_edge.metrics()["streamproc_edge_streams_rejected_client_total"] >= 7
+
+
+async def test_an_idle_stream_is_ended_with_a_timeout_error_event(server, key_file):
+    with running_edge(server.url, "--insecure-demo", "--idle-stream-timeout", "1", "--keepalive", "0.3") as edge:
+        started = time.monotonic()
+        response = await get(edge, f"/v1/results/{rid('nobody')}")
+        elapsed = time.monotonic() - started
+    assert response.status_code == 200 and 0.9 <= elapsed < 5, elapsed
+    data = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert "within 1.0s" in json.loads(data[-2])["error"]["message"]
+
+
+async def test_insecure_demo_serves_everyone_and_says_so(server):
+    with running_edge(server.url, "--insecure-demo") as edge:
+        info = (await get(edge, "/v1/info")).json()
+        assert info["auth"] == "insecure-demo"
+        assert (await get(edge, "/v1/recent")).status_code == 200
+
+
+def test_without_a_key_the_edge_refuses_to_start_unless_insecure_demo(tmp_path):
+    proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--port", "0")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--auth-key-file" in proc.stderr and "--insecure-demo" in proc.stderr
+    short = tmp_path / "short.key"
+    short.write_text("tooshort")
+    proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--auth-key-file", str(short))
+    assert proc.returncode == 2 and "at least 32 bytes" in proc.stderr and "tooshort" not in proc.stderr
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "p.pem", cwd=tmp_path)
+    proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--auth-algorithm", "ES256",
+                           "--auth-key-file", str(tmp_path / "p.pem"))
+    assert proc.returncode == 2 and "private key" in proc.stderr, proc.stderr
+    proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--auth-key-file", str(tmp_path / "none"))
+    assert proc.returncode == 2 and "cannot read --auth-key-file" in proc.stderr
+
+
+async def test_streamproc_token_mints_an_es256_capability_the_edge_verifies_with_the_public_key(server, nc,
+                                                                                                tmp_path):
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "frontend.pem",
+            cwd=tmp_path)
+    openssl("pkey", "-in", "frontend.pem", "-pubout", "-out", "edge.pub", cwd=tmp_path)
+    request_id = rid("es256")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"es"}'])
+    minted = run_cli_process("token", "--key-file", str(tmp_path / "frontend.pem"), "--algorithm", "ES256",
+                             "--rid", request_id, "--ttl", "60")
+    assert minted.returncode == 0, minted.stderr
+    tok = minted.stdout.strip()
+    assert jwt.get_unverified_header(tok)["alg"] == "ES256"
+    with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.pub"), "--auth-algorithm", "ES256",
+                      "--ensure-results-stream") as edge:
+        response = await get(edge, f"/v1/results/{request_id}?stream=false", headers=bearer(tok))
+        assert response.status_code == 200 and response.content == b'{"text":"es"}'
+        hs = token(rids=[request_id])  # an HMAC token cannot pass an edge that expects ES256
+        assert_refusal(await get(edge, f"/v1/results/{request_id}", headers=bearer(hs)), 401, "unauthorized")
+    refused = run_cli_process("token", "--key-file", str(tmp_path / "frontend.pem"), "--algorithm", "ES256")
+    assert refused.returncode == 2 and "--rid" in refused.stderr
+
+
+async def test_the_edge_serves_https_with_its_certificate_and_key(server, nc, tmp_path):
+    certs = Certificates(tmp_path)
+    request_id = rid("tls")
+    with running_edge(server.url, "--insecure-demo", "--ensure-results-stream",
+                      "--tls-cert-file", str(certs.server), "--tls-key-file", str(certs.server_key),
+                      ca_file=str(certs.ca)) as edge:
+        assert edge.url.startswith("https://")
+        await publish_results(nc, DURABLE, request_id, [b'{"text":"tls"}'])
+        async with httpx.AsyncClient(base_url=edge.url, timeout=15, verify=edge.ssl) as client:
+            response = await client.get(f"/v1/results/{request_id}")
+            assert response.status_code == 200 and response.content == expected_sse([b'{"text":"tls"}'])
+            assert response.http_version == "HTTP/1.1"
+        with pytest.raises(httpx.RemoteProtocolError):  # plain HTTP to the TLS port is not served
+            httpx.get(edge.url.replace("https://", "http://") + "/healthz", timeout=5)
+    bad = EdgeProcess(server.url, "--tls-cert-file", str(certs.server), "--tls-key-file", str(certs.client_key))
+    proc = subprocess.run(bad.argv, capture_output=True, text=True, timeout=30, env=bad.env)
+    bad.close()
+    assert proc.returncode == 2 and "--tls-cert-file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_many_idle_anonymous_connections_do_not_lock_out_another_client(server, nc):
+    """The issue's attack on an --insecure-demo edge: one address opens 200 streams for ids nobody
+    answers. It gets --max-streams-per-client of them (429 for the rest), they end after
+    --idle-stream-timeout, and a client from another address is answered meanwhile."""
+    from test_edge_memory import slow_reader, status_kib
+
+    with running_edge(server.url, "--insecure-demo", "--ensure-results-stream", "--max-streams", "100",
+                      "--max-streams-per-client", "32", "--idle-stream-timeout", "3") as edge:
+        baseline = status_kib(edge.proc.pid, "VmRSS")
+        idle = [slow_reader(edge.url, rid("idle")) for _ in range(200)]
+        try:
+            with anyio.fail_after(20):
+                while edge.metrics()["streamproc_edge_streams_rejected_client_total"] < 200 - 32:
+                    await anyio.sleep(0.1)
+            assert edge.metrics()["streamproc_edge_streams_active"] == 32
+            request_id = rid("other-address")
+            await publish_results(nc, DURABLE, request_id, [b'{"text":"hi"}'])
+            transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")  # another client address
+            async with httpx.AsyncClient(base_url=edge.url, timeout=15, transport=transport) as client:
+                answer = await client.get(f"/v1/results/{request_id}?stream=false")
+            assert answer.status_code == 200 and answer.content == b'{"text":"hi"}'
+            with anyio.fail_after(15):  # the idle streams are ended by --idle-stream-timeout
+                while edge.metrics()["streamproc_edge_streams_active"] > 0:
+                    await anyio.sleep(0.2)
+            peak = status_kib(edge.proc.pid, "VmHWM")
+            assert peak - baseline < 30 * 1024, (baseline, peak)  # stated bound: 30 MiB for 200 connections
+        finally:
+            for sock in idle:
+                sock.close()

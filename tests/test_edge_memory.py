@@ -1,0 +1,213 @@
+"""Bounded edge memory (issue 11, item 4): slow or greedy clients cannot make the edge hold results.
+
+Before: a reader that never reads made the edge buffer up to nats-py's 128 MiB pending limit per
+stream, and a unary request accumulated a whole stream. Now each stream holds at most
+``--stream-buffer-bytes`` (past it the stream is ended with an error event, and a write that blocks
+for ``--write-timeout`` closes it), a unary answer at most ``--max-unary-bytes``. Real edge
+subprocess, real nats-server, raw sockets that never read; RSS and VmHWM from /proc/<pid>/status.
+
+Not done (strict xfail below): RSS returning within 20 MiB of baseline after the readers leave.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import anyio
+import httpx
+import msgspec
+import pytest
+from edge_harness import publish_result, publish_results, running_edge
+from helpers import connection, rid
+
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.nats]
+
+MiB = 1024 * 1024
+BODY = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'  # 64 KiB results
+READERS = 16  # slow readers per round
+RESULTS_PER_READER = 64  # 4 MiB published per reader and round (4 x its buffer): 64 MiB per round
+BUFFER = 1 * MiB  # --stream-buffer-bytes under test
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+def slow_reader(url: str, request_id: str) -> socket.socket:
+    """An HTTP client that asks for a stream and then never reads a byte (tiny receive window)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+    return sock
+
+
+def subscriptions(edge) -> float:
+    m = edge.metrics()
+    return m["streamproc_edge_core_subscriptions_total"] + m["streamproc_edge_jetstream_replays_total"]
+
+
+async def wait_for(predicate, timeout: float, what: str) -> None:
+    with anyio.fail_after(timeout):
+        while not predicate():
+            await anyio.sleep(0.1)
+
+
+class Rounds(msgspec.Struct):
+    baseline: int  # KiB
+    after: int
+    peak: int
+    ended: float
+
+
+@pytest.fixture(scope="module")
+def slow_reader_rounds(server) -> Rounds:
+    """Three rounds of READERS clients that never read, in core mode, a legitimate client answered
+    before, during and after each round; RSS and VmHWM of the edge process."""
+    return anyio.run(_slow_reader_rounds, server)
+
+
+async def _slow_reader_rounds(server) -> Rounds:
+    prefix = "memcore"
+    subjects = Subjects(prefix)
+    args = ["--prefix", prefix, "--stream-buffer-bytes", str(BUFFER), "--write-timeout", "2",
+            "--max-streams-per-client", "1000"]
+    with running_edge(server.url, *args) as edge:
+        pid = edge.proc.pid
+        async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            async def legitimate(tag: str) -> None:
+                """A client that attaches first (core mode sees only later results), then is answered."""
+                request_id = rid(f"legit-{tag}")
+                subscribed = subscriptions(edge)
+
+                async def publish() -> None:
+                    await wait_for(lambda: subscriptions(edge) > subscribed, 15, "legitimate client subscribed")
+                    await anyio.sleep(0.05)  # counted just before the subscription reaches the server
+                    await publish_results(nc, subjects, request_id, [b'{"text":"a"}', b'{"text":"ab"}'])
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(publish)
+                    response = await client.get(f"/v1/results/{request_id}")
+                    tg.cancel_scope.cancel()
+                assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n"), (
+                    response.text, edge.log()[-3000:])
+
+            await legitimate("warm-up")
+            baseline = status_kib(pid, "VmRSS")
+            for round_ in range(3):
+                ids = [rid(f"slow{round_}") for _ in range(READERS)]
+                subscribed = subscriptions(edge)
+                readers = [slow_reader(edge.url, request_id) for request_id in ids]
+                await wait_for(lambda: subscriptions(edge) >= subscribed + READERS, 15, "slow readers subscribed")
+                await anyio.sleep(0.1)  # counted just before the last subscription reaches the server
+                for seq in range(RESULTS_PER_READER):
+                    for request_id in ids:
+                        await publish_result(nc, subjects, request_id, seq, BODY,
+                                             final=seq == RESULTS_PER_READER - 1)
+                    await nc.flush()  # paced by a round trip per 1 MiB: slow readers, not a NATS flood
+                await legitimate(f"during-{round_}")  # answered while the slow readers are stuck
+                # Each slow stream overran its buffer or stalled on a write: the edge closed it.
+                await wait_for(lambda: edge.metrics()["streamproc_edge_streams_active"] == 0, 30,
+                               "slow streams closed by the edge")
+                for sock in readers:
+                    sock.close()
+            await legitimate("after")
+            await anyio.sleep(3.0)  # the edge trims its heap every 2 s after streams closed (edge/heap.py)
+            after = status_kib(pid, "VmRSS")
+            peak = status_kib(pid, "VmHWM")
+            m = edge.metrics()
+    ended = m["streamproc_edge_streams_overrun_total"] + m["streamproc_edge_streams_stalled_total"]
+    published = 3 * READERS * RESULTS_PER_READER * len(BODY) // MiB
+    print(f"\ncore: RSS baseline {baseline / 1024:.1f} MiB, after 3 rounds {after / 1024:.1f} MiB, "
+          f"VmHWM {peak / 1024:.1f} MiB; {published} MiB published to {3 * READERS} readers that never read; "
+          f"overrun {m['streamproc_edge_streams_overrun_total']:.0f}, "
+          f"stalled {m['streamproc_edge_streams_stalled_total']:.0f}")
+    return Rounds(baseline, after, peak, ended)
+
+
+def test_slow_readers_are_ended_while_others_are_answered_and_peak_memory_is_bounded(slow_reader_rounds):
+    r = slow_reader_rounds
+    assert r.ended >= 3 * READERS  # every slow stream was ended (overrun or stalled write), none lingers
+    # Stated bound: 4 MiB per slow stream (its 1 MiB buffer, frames in flight, Uvicorn's 64 KiB
+    # write buffer) + 20 MiB. Measured ~+56 MiB for 16 streams. Before: nats-py's 128 MiB pending
+    # limit per stream and SeqOrder's 4096 results allowed every byte published to stay.
+    assert r.peak - r.baseline <= (READERS * 4 * MiB + 20 * MiB) // 1024, (r.baseline, r.peak)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "NOT DONE (issue 11.4): RSS stays ~50 MiB above baseline after the slow readers leave (measured "
+    "111 MiB vs 59 MiB, about the peak) even with malloc_trim and a fixed mmap threshold; the per-stream "
+    "buffers are bounded, what keeps the pages is not found yet"))
+def test_edge_rss_returns_within_20_mib_of_baseline_after_three_rounds(slow_reader_rounds):
+    r = slow_reader_rounds
+    assert r.after - r.baseline <= 20 * 1024, (r.baseline, r.after)
+
+
+@pytest.mark.anyio
+async def test_a_unary_answer_past_max_unary_bytes_is_refused_with_a_clear_error(server):
+    with running_edge(server.url, "--prefix", "memunary", "--max-unary-bytes", str(256 * 1024)) as edge:
+        subjects = Subjects("memunary")
+        request_id = rid("big-unary")
+        async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            async with anyio.create_task_group() as tg:
+                answer: list[httpx.Response] = []
+
+                async def ask() -> None:
+                    answer.append(await client.get(f"/v1/results/{request_id}?stream=false"))
+
+                tg.start_soon(ask)
+                await wait_for(lambda: edge.metrics()["streamproc_edge_streams_active"] == 1, 15, "subscribed")
+                await publish_results(nc, subjects, request_id, [BODY] * 8)  # 512 KiB in all
+        [response] = answer
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["type"] == "too_large" and "--max-unary-bytes" in error["message"]
+        assert "text/event-stream" in error["message"]
+        assert edge.metrics()["streamproc_edge_unary_too_large_total"] == 1
+        small = rid("small-unary")
+        async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: publish_later(nc, subjects, small))
+                ok = await client.get(f"/v1/results/{small}?stream=false")
+        assert ok.status_code == 200 and ok.content == BODY
+
+
+async def publish_later(nc, subjects: Subjects, request_id: str) -> None:
+    await anyio.sleep(0.5)
+    await publish_results(nc, subjects, request_id, [BODY])
+
+
+@pytest.mark.anyio
+async def test_results_piling_up_behind_a_missing_seq_end_the_stream_at_the_buffer_bound(server):
+    """Before, up to 4096 results (SeqOrder) waited for a missing seq until --gap-timeout: 256 MiB
+    of 64 KiB bodies per stream. Now past --stream-buffer-bytes the stream ends at once."""
+    subjects = Subjects("memgap")
+    with running_edge(server.url, "--prefix", "memgap", "--stream-buffer-bytes", str(256 * 1024),
+                      "--gap-timeout", "60") as edge:
+        request_id = rid("gap")
+        async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            subscribed = subscriptions(edge)
+
+            async def publish_without_seq_0() -> None:
+                await wait_for(lambda: subscriptions(edge) > subscribed, 15, "subscribed")
+                await anyio.sleep(0.05)
+                for seq in range(1, 9):  # 8 x 64 KiB waiting for seq 0
+                    await publish_result(nc, subjects, request_id, seq, BODY)
+                await nc.flush()
+
+            started = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(publish_without_seq_0)
+                response = await client.get(f"/v1/results/{request_id}")
+            elapsed = time.monotonic() - started
+        data = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and "--stream-buffer-bytes" in data[-2], response.text[-500:]
+        assert elapsed < 20, elapsed  # well before the 60 s gap timeout
+        assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 1
