@@ -303,7 +303,8 @@ _GROUP_OF = {
                      "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),
-    **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent"], "edge"),
+    **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent",
+                     "processor_metrics_url"], "edge"),
     **dict.fromkeys(["log_level", "log_format", "stats_interval", "http_port", "http_host"], "logging"),
 }
 _CONNECTION_WORDS = ("nats", "tls", "creds", "token", "user", "password", "nkey", "jwt", "cert", "ca_")

@@ -8,7 +8,9 @@ Routes:
   with one JSON body instead. ``?verdicts=1`` adds ``event: meta`` frames (seq, join verdict,
   error) before each result; the ``data`` of ordinary frames stays exactly the worker's bytes.
 - ``GET /v1/recent``: request ids recently seen on ``P.results.>`` (for the page).
-- ``GET /``: the live page. ``GET /healthz``, ``GET /metrics``.
+- ``POST /v1/experts``: the routed-experts matrix of one result body, decoded (``experts.py``).
+- ``GET /v1/stats``: results seen and the processors' join latency, for the page's charts (``stats.py``).
+- ``GET /``: the live page (its scripts: ``PAGE_SCRIPTS``). ``GET /healthz``, ``GET /metrics``.
 
 Built on Starlette and served by Uvicorn; the stream response is the only custom piece, because
 a client that goes away must free its NATS subscription at once, whatever the ASGI server's
@@ -40,12 +42,15 @@ from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from ..metrics import CONTENT_TYPE, exposition, registry_for
 from .metrics import EdgeCollector, EdgeMetrics
+from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, ResultFeed, ResultSource
+from .stats import StatsSource
 
 log = logging.getLogger("streamproc.edge")
 
 PAGE_DIR = Path(__file__).parent / "page"
+PAGE_SCRIPTS = ("edge.js", "experts.js", "charts.js")
 
 # HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
 # kinds the edge adds itself (a client's bad request) beside the processor's ErrorKind table.
@@ -101,6 +106,9 @@ class Edge:
         self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
         self.codec: Codec = Catalog()(settings.format)  # an unknown format fails here, at start-up
+        self.stats = StatsSource(self.metrics, settings.processor_metrics_urls())
+        # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
+        self.view_limiter = anyio.CapacityLimiter(1)
 
     # ------------------------------------------------------------------ routes
 
@@ -149,6 +157,35 @@ class Edge:
 
     async def recent(self, request: Request) -> Response:
         return Response(msgspec.json.encode(self.source.recent.newest_first()), media_type="application/json")
+
+    async def experts(self, request: Request) -> Response:
+        """The routed-experts view of the result body in the request (the page posts what it received)."""
+        try:
+            offset = int(request.query_params.get("offset", "0"))
+            rows = request.query_params.get("rows")
+            rows_wanted = int(rows) if rows is not None else None
+        except ValueError:
+            return error_response("offset and rows must be integers", "invalid_request", 400)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        try:
+            view = await anyio.to_thread.run_sync(
+                lambda: build_view(self.codec, body, offset=offset, rows=rows_wanted), limiter=self.view_limiter
+            )
+        except ValueError as exc:  # msgspec.DecodeError is a ValueError too
+            return error_response(f"not a result body: {exc}", "invalid_request", 400)
+        return Response(msgspec.json.encode(view), media_type="application/json")
+
+    async def stats_json(self, request: Request) -> Response:
+        return Response(msgspec.json.encode(await self.stats.snapshot()), media_type="application/json")
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
@@ -327,14 +364,19 @@ def create_app(settings: EdgeSettings) -> Starlette:
         return FileResponse(PAGE_DIR / "index.html", media_type="text/html")
 
     async def script(request: Request) -> Response:
-        return FileResponse(PAGE_DIR / "edge.js", media_type="text/javascript")
+        name = request.path_params["name"] + ".js"
+        if name not in PAGE_SCRIPTS:
+            return Response("not found\n", status_code=404, media_type="text/plain")
+        return FileResponse(PAGE_DIR / name, media_type="text/javascript")
 
     app = Starlette(
         routes=[
             Route("/", page),
-            Route("/edge.js", script),
+            Route("/{name}.js", script),
             Route("/v1/results/{request_id}", edge.results),
             Route("/v1/recent", edge.recent),
+            Route("/v1/experts", edge.experts, methods=["POST"]),
+            Route("/v1/stats", edge.stats_json),
             Route("/healthz", edge.healthz),
             Route("/metrics", edge.metrics_text),
         ],

@@ -60,6 +60,22 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     ensure_results_stream: Annotated[
         bool, documented("create (or validate) the JetStream results stream at start, so clients can attach late")
     ] = False
+    processor_metrics_url: Annotated[
+        str,
+        documented(
+            "the processors' /metrics URLs (comma-separated) whose join-latency histograms the live "
+            "page charts (GET /v1/stats); empty: the page charts results/s only"
+        ),
+    ] = ""
+
+    def processor_metrics_urls(self) -> list[str]:
+        return [url.strip() for url in self.processor_metrics_url.split(",") if url.strip()]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for url in self.processor_metrics_urls():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"processor_metrics_url: {url!r} is not an http:// or https:// URL")
 
 
 EdgeConfigError = ConfigError  # the edge's settings fail exactly like the processor's
