@@ -6,7 +6,7 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
-  const KEEP = 60, EVERY = 1000;
+  const KEEP = 30, EVERY = 1000;
   const charts = (window.streamprocCharts = { samples: 0, rates: [], joins: [], note: "" });
   let previous = null;
 
@@ -29,7 +29,7 @@
     const w = canvas.width, h = canvas.height;
     ctx.clearRect(0, 0, w, h);
     const values = series.flat().filter((v) => v !== null && Number.isFinite(v));
-    const max = Math.max(1e-9, ...values) * 1.15;
+    const max = Math.max(1, ...values) * 1.15;  // a flat zero line sits at the bottom of a 0..1 scale
     ctx.strokeStyle = "#eef0f4";
     ctx.beginPath(); ctx.moveTo(0, h - 0.5); ctx.lineTo(w, h - 0.5); ctx.stroke();
     series.forEach((points, i) => {
@@ -43,6 +43,8 @@
         const y = h - 2 - (v / max) * (h - 6);
         if (pen) ctx.lineTo(x, y); else ctx.moveTo(x, y);
         pen = true;
+        ctx.fillStyle = colours[i];
+        ctx.fillRect(x - 1.5, y - 1.5, 3, 3);  // a lone interval (one P/D burst) is still seen
       });
       ctx.stroke();
     });

@@ -102,7 +102,9 @@ function follow(requestId) {
   setVerdict(null);
   setState("connecting", "");
   if (window.streamprocExperts) window.streamprocExperts.reset();
-  history.replaceState(null, "", "?id=" + encodeURIComponent(requestId));
+  const params = new URLSearchParams(location.search);  // keeps the page's other settings (topk)
+  params.set("id", requestId);
+  history.replaceState(null, "", "?" + params);
 
   const source = new EventSource(apiUrl("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1"));
   page.source = source;
@@ -143,7 +145,6 @@ function follow(requestId) {
       setState("failed", (page.error.from === "edge" ? "the edge ended the stream (" : "error result (") +
         kind + "): " + message);
       setVerdict("error");
-      $("reasons").textContent = kind + ": " + message;
     } else if (meta && meta.verdict && (page.verdict === null || RANK[meta.verdict] > RANK[page.verdict])) {
       setVerdict(meta.verdict);
     }

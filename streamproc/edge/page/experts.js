@@ -59,6 +59,7 @@
     $("experts-panel").hidden = true;
     for (const id of ["experts-summary", "experts-omitted", "experts-legend", "experts-pager"]) $(id).textContent = "";
     $("experts-hover").innerHTML = "&nbsp;";
+    $("experts-scroll").hidden = true;
     const canvas = $("experts-map");
     canvas.width = canvas.height = 10;
   }
@@ -85,8 +86,8 @@
     listOmitted(omitted);
     if (index < 0) {
       experts.state = "omitted";
-      $("experts-summary").textContent = "no " + FIELD + " in this request's results" +
-        (omitted[FIELD] ? "" : " (not requested, or dropped by both legs)");
+      $("experts-summary").textContent = "no " + FIELD + " in this request's results: " +
+        (omitted[FIELD] ? "omitted, see why below; no heat map" : "not requested, or dropped by both legs");
       return;
     }
     experts.state = "loading";
@@ -189,7 +190,9 @@
       legend.append(swatch, text);
     }
     // Geometry: x = position, y = layer (top-k slots stacked inside each layer).
-    const cw = Math.max(1, Math.min(14, Math.floor(900 / Math.max(1, view.rows))));
+    $("experts-scroll").hidden = false;  // shown before it is measured
+    const room = Math.max(200, $("experts-scroll").clientWidth - LEFT - 6);  // fit the panel when we can
+    const cw = Math.max(1, Math.min(14, Math.floor(room / Math.max(1, view.rows))));
     const sh = Math.max(1, Math.min(6, Math.floor(420 / Math.max(1, view.row_ids))));
     const gap = sh >= 3 && topK > 1 ? 1 : 0;  // a white line between layers
     const lh = topK * sh + gap;
