@@ -132,25 +132,25 @@ def build_view(codec: Codec, body: bytes, *, offset: int = 0, rows: int | None =
     per_answer = max(1, MAX_VIEW_IDS // max(1, view.row_ids))
     view.offset = min(max(0, offset), view.positions)
     view.rows = min(per_answer if rows is None else max(0, min(rows, per_answer)), view.positions - view.offset)
-    view.ids = matrix[view.offset:view.offset + view.rows].ravel().tolist()
+    view.ids = matrix[view.offset:view.offset + view.rows].ravel().tolist()  # only the window becomes ints
     return view
 
 
 def _matrix(decoded: Any, holder: dict[str, Any], view: ExpertsView) -> np.ndarray | None:
-    """(positions, row ids) int64 matrix, or None with ``view.problem`` set."""
+    """(positions, row ids) integer matrix, or None with ``view.problem`` set."""
     if isinstance(decoded, np.ndarray):  # .npy: the shape is on the wire
         view.dtype = decoded.dtype.name
         if decoded.ndim == 3:
             view.layers, view.top_k = int(decoded.shape[1]), int(decoded.shape[2])
         if decoded.ndim == 1:
-            return decoded.reshape(-1, 1).astype(np.int64)
-        return decoded.reshape(decoded.shape[0], -1).astype(np.int64)
+            return decoded.reshape(-1, 1)
+        return decoded.reshape(decoded.shape[0], -1)
     dtype = holder.get("routed_experts_dtype", "int32")
     if dtype not in DTYPES:
         view.problem = f"unknown routed_experts_dtype {dtype!r}"
         return None
     view.dtype = dtype
-    ids = np.frombuffer(bytes(decoded), dtype=np.dtype(DTYPES[dtype]).newbyteorder("<"),
+    ids = np.frombuffer(decoded, dtype=np.dtype(DTYPES[dtype]).newbyteorder("<"),
                         count=len(decoded) // np.dtype(DTYPES[dtype]).itemsize)
     if len(decoded) % ids.itemsize:
         view.problem = f"{len(decoded)} bytes are not whole {dtype} ids"
@@ -165,4 +165,4 @@ def _matrix(decoded: Any, holder: dict[str, Any], view: ExpertsView) -> np.ndarr
         view.problem = (f"{ids.size} ids do not divide into {positions} positions "
                         f"[{start}, {view.prompt_tokens} + {view.completion_tokens} - 1)")
         return None
-    return ids.reshape(positions, ids.size // positions).astype(np.int64)
+    return ids.reshape(positions, ids.size // positions)  # a view of the decoded bytes, no copy

@@ -81,9 +81,10 @@
       const rate = charts.rates[charts.rates.length - 1];
       $("rate-value").textContent = rate.toFixed(rate >= 10 ? 0 : 1) + "/s";
       plot("rate-chart", [charts.rates], ["#3d5afe"]);
-      const [mean, p95] = charts.joins[charts.joins.length - 1];
-      $("join-value").textContent = mean === null ? "–" :
-        mean.toFixed(mean >= 10 ? 0 : 2) + " · " + (p95 === null ? "–" : "≤" + p95);
+      // The latest interval in which P/D results were published (quiet intervals have no wait).
+      const latest = [...charts.joins].reverse().find((j) => j[0] !== null);
+      $("join-value").textContent = !latest ? "–" :
+        latest[0].toFixed(latest[0] >= 10 ? 0 : 2) + " · " + (latest[1] === null ? "–" : "≤" + latest[1]);
       plot("join-chart", [charts.joins.map((j) => j[0]), charts.joins.map((j) => j[1])], ["#2e7d32", "#ff9100"]);
     }
     const failing = (now.processors || []).filter((p) => !p.ok);
