@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 import anyio
+import httpx
 import nats
 import pytest
 from edge_harness import publish_result, publish_results, running_edge, sse_view
@@ -421,3 +422,19 @@ async def test_the_edges_own_timeout_is_shown_as_an_error(browser, nats_server):
     assert state["state"] == "failed"
     assert browser.find_element(By.ID, "notice").text.startswith(
         f"the edge ended the stream (timeout): no result for request {request_id} within 1.0s")
+
+
+async def test_a_stream_the_edge_refuses_with_503_is_shown_as_refused(browser, nats_server):
+    held, refused = rid("page-held"), rid("page-refused")
+    with running_edge(nats_server.url, "--max-streams", "1") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
+            async with client.stream("GET", f"/v1/results/{held}") as holding:  # the one slot
+                assert holding.status_code == 200
+                browser.get(f"{edge.url}/?id={refused}")
+                await wait_for(browser, lambda s: s["state"] == "refused")
+                refusal = browser.execute_script("return window.streamprocPage.refusal")
+                notice = browser.find_element(By.ID, "notice").text
+                screenshot(browser, "edge-page-refused.png")
+    assert refusal["status"] == 503
+    assert notice == "the edge refused the stream (HTTP 503): " + refusal["message"]
+    assert "too many concurrent result streams (limit 1)" in refusal["message"]
