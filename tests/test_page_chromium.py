@@ -28,6 +28,7 @@ from edge_harness import publish_result, publish_results, running_edge, sse_view
 from helpers import free_port, rid
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 
 from streamproc.catalog import Catalog, worker_for
@@ -309,6 +310,15 @@ async def test_the_heat_map_shows_a_joined_requests_expert_ids_with_the_splice_m
                                                                                           [255, 255, 255, 255])
 
         browser.execute_script("document.getElementById('experts-panel').scrollIntoView()")
+        # Hovering a cell names it: position 45 (a decode row), layer 3, slot 1.
+        canvas = browser.find_element(By.ID, "experts-map")
+        size = canvas.size
+        x = LEFT + 45 * cw + cw // 2 - size["width"] // 2
+        y = layout["top"] + 3 * layout["lh"] + layout["sh"] + layout["sh"] // 2 - size["height"] // 2
+        ActionChains(browser).move_to_element_with_offset(canvas, x, y).perform()
+        expert = memoryview(truth.experts).cast("i")[45 * 24 + 3 * 2 + 1]
+        assert browser.find_element(By.ID, "experts-hover").text == \
+            f"position 45 (decode) · layer 3 · slot 1 · expert {expert}"
         screenshot(browser, "edge-page-experts-joined.png")
 
         # The final body is long; a click shows all of it, wrapped, nothing hidden.
@@ -438,3 +448,35 @@ async def test_a_stream_the_edge_refuses_with_503_is_shown_as_refused(browser, n
     assert refusal["status"] == 503
     assert notice == "the edge refused the stream (HTTP 503): " + refusal["message"]
     assert "too many concurrent result streams (limit 1)" in refusal["message"]
+
+
+async def test_a_capture_larger_than_one_answer_is_paged(browser, edge, server):
+    """1024 ids a row (64 layers x top-16): 256 rows an answer, so 400 positions take two pages.
+    The worker sends uint8 ids (``SGLANG_ROUTED_EXPERTS_DTYPE``), which keeps the body under NATS'
+    1 MiB payload limit and exercises the advertised dtype."""
+    from streamproc_sglang import SGLangWorker
+    from streamproc_sglang.upstream import Shape
+
+    request_id = rid("page-paged")
+    worker = SGLangWorker(shape=Shape(dtype="uint8", advertise_dtype=True))
+    truth = make_truth(75, request_id=request_id, prompt_len=250, output_len=151, num_layers=64, top_k=16,
+                       num_experts=256)
+    bodies = worker.agg(truth, stream=False)
+    async with await nats.connect(server.url) as nc:
+        await publish_results(nc, SUBJECTS, request_id, bodies)
+    browser.get(f"{edge.url}/?id={request_id}&topk=16")
+    first = await wait_js(browser, experts_state, lambda s: s["state"] == "shown")
+    ids = list(memoryview(truth.experts).cast("i"))
+    assert (first["view"]["positions"], first["view"]["offset"], first["view"]["rows"]) == (400, 0, 256)
+    assert first["view"]["ids"] == ids[:256 * 1024]
+    assert (first["layout"]["layers"], first["layout"]["topK"], first["view"]["dtype"]) == (64, 16, "uint8")
+    pager = browser.find_element(By.ID, "experts-pager")
+    assert "rows 0–255 of 400" in pager.text
+    previous, following = pager.find_elements(By.TAG_NAME, "button")
+    assert not previous.is_enabled() and following.is_enabled()
+    following.click()
+    second = await wait_js(browser, experts_state, lambda s: s["view"]["offset"] == 256)
+    assert second["view"]["rows"] == 144 and second["view"]["ids"] == ids[256 * 1024:]
+    assert "rows 256–399 of 400" in browser.find_element(By.ID, "experts-pager").text
+    browser.execute_script("document.getElementById('experts-panel').scrollIntoView()")
+    screenshot(browser, "edge-page-experts-paged.png")
