@@ -82,6 +82,7 @@ def browser():
         options.binary_location = chromium
         for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
             options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # for js_errors()
         driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
         driver.set_script_timeout(10)
         try:
@@ -113,6 +114,12 @@ def is_json(body: bytes) -> bool:
     except ValueError:
         return False
     return True
+
+
+def js_errors(driver) -> list[str]:
+    """Script errors logged since the last call (refused HTTP requests are logged too; left out)."""
+    return [entry["message"] for entry in driver.get_log("browser")
+            if entry["level"] == "SEVERE" and "Failed to load resource" not in entry["message"]]
 
 
 def screenshot(driver, name: str) -> Path:
@@ -368,6 +375,7 @@ async def test_the_heat_map_shows_a_joined_requests_expert_ids_with_the_splice_m
         assert aggregated["view"]["ids"] == list(memoryview(agg.experts).cast("i"))
         assert "aggregated: every row from one worker, no splice" in browser.find_element(By.ID, "experts-summary").text
         assert pixel(browser, "experts-map", LEFT + 1, HEAD + 2) == AGG
+        assert js_errors(browser) == []
 
 
 async def test_the_page_says_it_is_waiting_for_a_request_that_has_not_started(browser, edge, server):
@@ -480,3 +488,4 @@ async def test_a_capture_larger_than_one_answer_is_paged(browser, edge, server):
     assert "rows 256–399 of 400" in browser.find_element(By.ID, "experts-pager").text
     browser.execute_script("document.getElementById('experts-panel').scrollIntoView()")
     screenshot(browser, "edge-page-experts-paged.png")
+    assert js_errors(browser) == []
