@@ -152,12 +152,14 @@ async def test_stats_count_every_result_seen_and_name_the_missing_processor_metr
 
 
 async def test_stats_report_a_processor_that_does_not_answer(server):
-    with running_edge(server.url, "--processor-metrics-url", "http://127.0.0.1:9/metrics") as edge:
+    """And with --recent 0 (no wildcard subscription) results seen are unknown, not zero."""
+    with running_edge(server.url, "--processor-metrics-url", "http://127.0.0.1:9/metrics", "--recent", "0") as edge:
         async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
             stats = (await client.get("/v1/stats")).json()
     assert [(p["url"], p["ok"]) for p in stats["processors"]] == [("http://127.0.0.1:9/metrics", False)]
     assert stats["processors"][0]["error"]
     assert stats["join_wait"] is None
+    assert stats["results_seen"] is None and stats["results_sent"] == 0
 
 
 def test_a_processor_metrics_url_that_is_not_http_is_refused_at_start(run_cli):

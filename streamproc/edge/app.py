@@ -106,7 +106,7 @@ class Edge:
         self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
         self.codec: Codec = Catalog()(settings.format)  # an unknown format fails here, at start-up
-        self.stats = StatsSource(self.metrics, settings.processor_metrics_urls())
+        self.stats = StatsSource(self.metrics, settings.processor_metrics_urls(), sees_all_results=settings.recent > 0)
         # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
         self.view_limiter = anyio.CapacityLimiter(1)
 

@@ -46,7 +46,7 @@ class Scrape(msgspec.Struct):
 
 class Stats(msgspec.Struct):
     time: float
-    results_seen: int  # results on P.results.> (the recent-requests subscription; 0 with --recent 0)
+    results_seen: int | None  # results on P.results.> (the recent-requests subscription; None with --recent 0)
     results_sent: int  # result bodies sent to this edge's clients
     streams_active: int
     processors: list[Scrape] = []
@@ -87,8 +87,9 @@ def _add(text: str, hists: dict[str, Histogram], totals: list[float]) -> None:
 class StatsSource:
     """Builds :class:`Stats`; the processors' histograms are scraped at most once per second."""
 
-    def __init__(self, metrics: EdgeMetrics, processor_urls: list[str]) -> None:
+    def __init__(self, metrics: EdgeMetrics, processor_urls: list[str], *, sees_all_results: bool) -> None:
         self.metrics = metrics
+        self.sees_all_results = sees_all_results
         self.urls = processor_urls
         self._cached: tuple[float, list[Scrape], dict[str, Histogram], float | None] | None = None
         self._lock = anyio.Lock()
@@ -96,7 +97,8 @@ class StatsSource:
     async def snapshot(self) -> Stats:
         m = self.metrics
         scrapes, hists, results = await self._processors()
-        return Stats(time.time(), m.results_seen, m.results_sent, m.streams_active, scrapes, results,
+        seen = m.results_seen if self.sees_all_results else None
+        return Stats(time.time(), seen, m.results_sent, m.streams_active, scrapes, results,
                      hists.get("join_wait"), hists.get("result_latency"))
 
     async def _processors(self) -> tuple[list[Scrape], dict[str, Histogram], float | None]:

@@ -68,7 +68,11 @@
     charts.samples += 1;
     if (previous) {
       const dt = Math.max(1e-3, now.time - previous.time);
-      push(charts.rates, Math.max(0, (now.results_seen - previous.results_seen) / dt));
+      // --recent 0: the edge does not watch every result; chart what it sent to clients instead.
+      const key = now.results_seen === null ? "results_sent" : "results_seen";
+      charts.ratesOf = key === "results_seen" ? "all requests" : "sent by this edge (--recent 0)";
+      push(charts.rates, Math.max(0, (now[key] - previous[key]) / dt));
+      $("rate-label").textContent = "results/s (" + charts.ratesOf + ")";
       const before = previous.join_wait, after = now.join_wait;
       if (after) {
         const n = after.count - (before ? before.count : 0);
