@@ -395,6 +395,23 @@ async def test_the_page_says_it_is_waiting_for_a_request_that_has_not_started(br
     assert not browser.find_element(By.ID, "notice").is_displayed()
 
 
+async def test_a_finished_request_an_edge_without_results_stream_cannot_replay_is_named(browser, nats_server):
+    request_id = rid("page-gone")
+    with running_edge(nats_server.url) as edge:  # no --ensure-results-stream: core NATS, live results only
+        async with await nats.connect(nats_server.url) as nc:
+            await publish_results(nc, SUBJECTS, request_id, [b'{"text":" a"}', b'{"text":" b"}'])
+        async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            with anyio.fail_after(10):
+                while not any(e["request_id"] == request_id for e in (await client.get("/v1/recent")).json()):
+                    await anyio.sleep(0.05)
+        browser.get(f"{edge.url}/?id={request_id}")
+        await wait_for(browser, lambda s: s["state"] == "waiting")
+        notice = await wait_js(browser, lambda d: d.find_element(By.ID, "notice").text,
+                               lambda text: "already finished" in text)
+    assert notice == (f"request {request_id} already finished (2 results), but this edge cannot replay it: it has "
+                      "no JetStream results stream (start it with --ensure-results-stream)")
+
+
 @pytest.mark.parametrize("bad_id", ["has.dot", "x" * 257])
 async def test_an_invalid_id_shows_the_edges_400(browser, edge, bad_id):
     browser.get(f"{edge.url}/?id={bad_id}")

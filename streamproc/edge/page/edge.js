@@ -25,6 +25,18 @@ function setState(state, notice) {
   if (notice !== undefined) showNotice(state, notice);
 }
 
+// Why nothing arrives. A finished request the edge saw on P.results.> would have been replayed at
+// once from a JetStream results stream; if it was not, the edge reads core NATS (live results only).
+function waitingNotice() {
+  const entry = (page.recent || []).find((e) => e.request_id === page.requestId);
+  if (entry && entry.final) {
+    return "request " + page.requestId + " already finished (" + entry.results + " results), but this edge " +
+      "cannot replay it: it has no JetStream results stream (start it with --ensure-results-stream)";
+  }
+  return "waiting for request " + page.requestId + ": no result yet. It has not started, or its first chunk is " +
+    "still on its way; results appear here as the processor publishes them.";
+}
+
 // The one-line explanation under the summary: why the page waits, or what went wrong.
 function showNotice(kind, text) {
   const el = $("notice");
@@ -114,8 +126,7 @@ function follow(requestId) {
     setState("open");
     waiting = setTimeout(() => {
       if (page.source === source && page.state === "open" && !page.received.length) {
-        setState("waiting", "waiting for request " + requestId + ": no result yet. It has not started, or its " +
-          "first chunk is still on its way; results appear here as the processor publishes them.");
+        setState("waiting", waitingNotice());
       }
     }, WAITING_AFTER * 1000);
   };
@@ -171,6 +182,8 @@ async function refreshRecent() {
     const response = await fetch(apiUrl("/v1/recent"));
     if (!response.ok) return;
     const entries = await response.json();
+    page.recent = entries;
+    if (page.state === "waiting") showNotice("waiting", waitingNotice());
     const list = $("recent");
     list.textContent = "";
     if (!entries.length) { list.innerHTML = '<li class="muted">none seen yet</li>'; return; }
