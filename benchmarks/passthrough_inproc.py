@@ -19,7 +19,6 @@ import statistics
 import time
 
 import nats
-from nats.aio.client import Client
 
 from streamproc.config import load
 from streamproc.nats.processor import Processor

@@ -74,3 +74,18 @@ async def wait_until(check: Callable[[], Awaitable[bool] | bool], timeout: float
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout}s: {what}")
         await anyio.sleep(every)
+
+
+def status_kib(pid: int, field: str) -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``), for memory bounds under attack."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+def peak_rss(pid: int) -> int:
+    """Peak resident set size of a live process, in bytes (``VmHWM``)."""
+    kib = status_kib(pid, "VmHWM")
+    print(f"peak RSS of {pid}: {kib} kB")  # the figure, for `pytest -s`
+    return kib * 1024

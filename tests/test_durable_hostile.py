@@ -15,8 +15,7 @@ import anyio
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import free_port, rid, wait_until
-from test_hostile import peak_rss
+from helpers import free_port, peak_rss, rid, wait_until
 from test_metrics import scrape
 
 from streamproc.core.wire import Subjects, chunk_headers

@@ -126,8 +126,24 @@ async def test_recent_needs_an_operator_capability_and_info_is_open(auth_edge, n
     info = await get(auth_edge, "/v1/info")
     assert info.status_code == 200
     assert info.json()["auth"] == "jwt" and info.json()["audience"] == "streamproc-edge"
-    for path in ("/", "/edge.js", "/healthz", "/metrics"):  # static page, health and counters stay open
+    for path in ("/", "/edge.js", "/access.js", "/experts.js", "/charts.js", "/healthz", "/metrics"):  # static page, health and counters stay open
         assert (await get(auth_edge, path)).status_code == 200, path
+
+
+async def test_stats_need_an_operator_and_the_experts_view_any_valid_capability(auth_edge):
+    """/v1/stats is operator data like /v1/recent; /v1/experts decodes only the body the client
+    sends, but decoding costs CPU, so an anonymous client gets 401 before anything is read."""
+    assert_refusal(await get(auth_edge, "/v1/stats"), 401, "unauthorized")
+    assert_refusal(await get(auth_edge, "/v1/stats", headers=bearer(token(rids=["x"]))), 403, "forbidden")
+    stats = await get(auth_edge, "/v1/stats", headers=bearer(token(operator=True)))
+    assert stats.status_code == 200 and "results_sent" in stats.json()
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        anonymous = await client.post("/v1/experts", content=b"{}")
+        assert_refusal(anonymous, 401, "unauthorized")
+        forged = await client.post("/v1/experts", content=b"{}", headers=bearer(token(rids=["x"]) + "x"))
+        assert_refusal(forged, 401, "unauthorized")
+        owner = await client.post("/v1/experts", content=b"not json", headers=bearer(token(rids=["x"])))
+        assert_refusal(owner, 400, "invalid_request")  # past authentication: the body itself is judged
 
 
 async def test_tokens_never_reach_the_log(auth_edge, nc):
@@ -258,7 +274,8 @@ async def test_many_idle_anonymous_connections_do_not_lock_out_another_client(se
     """The issue's attack on an --insecure-demo edge: one address opens 200 streams for ids nobody
     answers. It gets --max-streams-per-client of them (429 for the rest), they end after
     --idle-stream-timeout, and a client from another address is answered meanwhile."""
-    from test_edge_memory import slow_reader, status_kib
+    from helpers import status_kib
+    from test_edge_memory import slow_reader
 
     with running_edge(server.url, "--insecure-demo", "--ensure-results-stream", "--max-streams", "100",
                       "--max-streams-per-client", "32", "--idle-stream-timeout", "3") as edge:

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import pytest
 from edge_harness import publish_result, publish_results, running_edge
-from helpers import connection, rid
+from helpers import connection, rid, status_kib
 
 from streamproc.wire import Subjects
 
@@ -30,13 +30,6 @@ BODY = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'  # 64 KiB results
 READERS = 16  # slow readers per round
 RESULTS_PER_READER = 64  # 4 MiB published per reader and round (4 x its buffer): 64 MiB per round
 BUFFER = 1 * MiB  # --stream-buffer-bytes under test
-
-
-def status_kib(pid: int, field: str) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
 
 
 def slow_reader(url: str, request_id: str) -> socket.socket:

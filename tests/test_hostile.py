@@ -14,6 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import anyio
 import nats
 import pytest
+from helpers import peak_rss
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
 
@@ -21,15 +22,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
 SUBJECTS = Subjects()
 MiB = 1 << 20
-
-
-def peak_rss(pid: int) -> int:
-    """Peak resident set size of a live process, in bytes (VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            print(f"peak RSS of {pid}: {line.split()[1]} kB")  # the figure, for `pytest -s`
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM line")
 
 
 class Results:

@@ -18,7 +18,7 @@ from edge_harness import free_port
 
 from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
-from streamproc.client.results import ResultCollector, follow
+from streamproc.client.results import ResultCollector
 from streamproc.metrics import parse as parse_metrics
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.simulation import make_truth

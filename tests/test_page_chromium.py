@@ -1,7 +1,11 @@
 """The live page in a real browser: headless Chromium (Debian ``chromium`` + ``chromium-driver``)
 driven by Selenium. The page follows a request with the browser's own ``EventSource``; the test
 reads what the browser's SSE parser delivered (``window.streamprocPage.received``) and compares it
-with the bytes the worker published. A screenshot goes to ``artifacts/`` (gitignored).
+with the bytes the worker published. Screenshots go to ``artifacts/`` (gitignored).
+
+The routed-experts view, the charts and the error states are tested against a real processor
+(``sglang-zstd``, joined P/D traffic from ``streamproc.sim``): the heat map's ids must be the
+simulation's ground truth, decoded by the edge from the body the browser received.
 
 Needs ``apt-get install -y chromium chromium-driver``: ``scripts/install-system-deps`` (run by
 ``make test`` and ``.ci/run``) installs them where it can; without them the module is skipped with
@@ -17,15 +21,19 @@ import tempfile
 from pathlib import Path
 
 import anyio
+import httpx
 import nats
 import pytest
-from edge_harness import publish_result, publish_results, sse_view
-from helpers import rid
+from edge_harness import publish_result, publish_results, running_edge, sse_view
+from helpers import free_port, rid
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 
 from streamproc.catalog import Catalog, worker_for
+from streamproc.codec import ErrorKind
+from streamproc.sim import traffic
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects, Verdict
 
@@ -74,6 +82,7 @@ def browser():
         options.binary_location = chromium
         for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
             options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # for js_errors()
         driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
         driver.set_script_timeout(10)
         try:
@@ -105,6 +114,12 @@ def is_json(body: bytes) -> bool:
     except ValueError:
         return False
     return True
+
+
+def js_errors(driver) -> list[str]:
+    """Script errors logged since the last call (refused HTTP requests are logged too; left out)."""
+    return [entry["message"] for entry in driver.get_log("browser")
+            if entry["level"] == "SEVERE" and "Failed to load resource" not in entry["message"]]
 
 
 def screenshot(driver, name: str) -> Path:
@@ -253,3 +268,280 @@ async def test_with_an_operator_token_in_the_fragment_the_page_follows_a_request
         assert not browser.find_element(By.ID, "auth-banner").is_displayed()
         assert token in browser.current_url  # the fragment survives the page's own URL updates
         assert token not in edge.log()
+
+
+# ---------------------------------------------------------------- experts view, charts, states
+
+def experts_state(driver) -> dict:
+    return driver.execute_script(
+        "const e = window.streamprocExperts, p = window.streamprocPage;"
+        "return {state: e.state, view: e.view, layout: e.layout, pd: e.pd, page: p.state,"
+        " done: p.received[p.received.length - 1] === '[DONE]', notice: document.getElementById('notice').textContent};"
+    )
+
+
+async def wait_js(driver, read, predicate, timeout: float = 15.0) -> dict:
+    with anyio.fail_after(timeout):
+        while True:
+            state = read(driver)
+            if predicate(state):
+                return state
+            await anyio.sleep(0.05)
+
+
+def pixel(driver, canvas_id: str, x: int, y: int) -> list[int]:
+    return driver.execute_script(
+        "const c = document.getElementById(arguments[0]);"
+        "return Array.from(c.getContext('2d').getImageData(arguments[1], arguments[2], 1, 1).data);",
+        canvas_id, x, y,
+    )
+
+
+def rgb(hex_colour: str) -> list[int]:
+    return [int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)] + [255]
+
+
+PREFILL, DECODE, SPLICE, AGG = rgb("#3d5afe"), rgb("#ff9100"), rgb("#d50000"), rgb("#90a4ae")
+LEFT, HEAD = 34, 14  # experts.js geometry: cells start LEFT px from the left, the leg band HEAD px down
+
+
+@pytest.fixture
+def zstd_pipeline(nats_server):
+    """An edge (sglang-zstd, results stream, reading the processor's /metrics) on a fresh server;
+    the processor is started by the test on ``http_port``."""
+    http_port = free_port()
+    with running_edge(nats_server.url, "--format", "sglang-zstd", "--ensure-results-stream",
+                      "--processor-metrics-url", f"http://127.0.0.1:{http_port}/metrics") as edge:
+        yield edge, http_port
+
+
+async def test_the_heat_map_shows_a_joined_requests_expert_ids_with_the_splice_marked(
+    browser, zstd_pipeline, nats_server, start_processor
+):
+    edge, http_port = zstd_pipeline
+    worker = worker_for("sglang-zstd")
+    base = rid("page-experts")
+    # 40 prompt rows from prefill, 29 generated rows from decode; 12 layers x top-2.
+    truth = make_truth(71, request_id=f"{base}-pd", prompt_len=40, output_len=30, num_layers=12, top_k=2)
+    missing = make_truth(72, request_id=f"{base}-missing", prompt_len=12, output_len=5, num_layers=12, top_k=2)
+    agg = make_truth(73, request_id=f"{base}-agg", prompt_len=9, output_len=7, num_layers=12, top_k=2)
+    plans = [
+        traffic.PlannedRequest(truth.request_id, "pd", True, truth, prefill=worker.prefill(truth, stream=True),
+                               decode=worker.decode(truth, stream=True)),
+        traffic.PlannedRequest(missing.request_id, "pd", True, missing, decode=worker.decode(missing, stream=True),
+                               fault="missing_prefill"),
+        traffic.PlannedRequest(agg.request_id, "agg", True, agg, agg=worker.agg(agg, stream=True)),
+    ]
+    async with start_processor("in-process", format="sglang-zstd", prefill_timeout=1, http_port=http_port):
+        browser.get(f"{edge.url}/?id={truth.request_id}&topk=2")  # before the traffic: the charts see it
+        await wait_for(browser, lambda s: s["state"] in ("open", "waiting"))
+        async with await nats.connect(nats_server.url) as nc:
+            await traffic.publish(nc, SUBJECTS, traffic.schedule(plans, seed=3))
+        shown = await wait_js(browser, experts_state, lambda s: s["state"] == "shown")
+
+        view, layout = shown["view"], shown["layout"]
+        assert shown["pd"] and shown["page"] == "done"
+        assert (view["positions"], view["row_ids"], view["splice"]) == (truth.rows, 24, 40)
+        assert (view["prompt_tokens"], view["completion_tokens"], view["dtype"]) == (40, 30, "int32")
+        assert view["ids"] == list(memoryview(truth.experts).cast("i"))  # the ground truth, not stale rows
+        assert (layout["layers"], layout["topK"], layout["splice"]) == (12, 2, 40)
+        summary = browser.find_element(By.ID, "experts-summary").text
+        assert "69 positions [0, 69) × 12 layers × top-2" in summary
+        assert "0–39 from prefill, 40–68 from decode; splice at position 40" in summary
+        cw, band_y = layout["cw"], HEAD + 2
+        assert pixel(browser, "experts-map", LEFT + 39 * cw + cw // 2, band_y) == PREFILL
+        assert pixel(browser, "experts-map", LEFT + 41 * cw + cw // 2, band_y) == DECODE
+        assert pixel(browser, "experts-map", LEFT + 40 * cw, layout["top"] + 3) == SPLICE
+        assert pixel(browser, "experts-map", LEFT + 5 * cw + 1, layout["top"] + 1) not in (PREFILL, DECODE, SPLICE,
+                                                                                          [255, 255, 255, 255])
+
+        browser.execute_script("document.getElementById('experts-panel').scrollIntoView()")
+        # Hovering a cell names it: position 45 (a decode row), layer 3, slot 1.
+        canvas = browser.find_element(By.ID, "experts-map")
+        size = canvas.size
+        x = LEFT + 45 * cw + cw // 2 - size["width"] // 2
+        y = layout["top"] + 3 * layout["lh"] + layout["sh"] + layout["sh"] // 2 - size["height"] // 2
+        ActionChains(browser).move_to_element_with_offset(canvas, x, y).perform()
+        expert = memoryview(truth.experts).cast("i")[45 * 24 + 3 * 2 + 1]
+        assert browser.find_element(By.ID, "experts-hover").text == \
+            f"position 45 (decode) · layer 3 · slot 1 · expert {expert}"
+        screenshot(browser, "edge-page-experts-joined.png")
+
+        # The final body is long; a click shows all of it, wrapped, nothing hidden.
+        rows = browser.find_elements(By.CSS_SELECTOR, "#chunks tr td.body")
+        final_cell = rows[-1]
+        final_body = browser.execute_script("return window.streamprocPage.received.at(-2)")
+        assert len(final_body) > 2000 and final_cell.get_attribute("textContent") == final_body
+        assert browser.execute_script("return arguments[0].scrollWidth > arguments[0].clientWidth", final_cell)
+        final_cell.click()
+        assert "expanded" in final_cell.get_attribute("class")
+        assert browser.execute_script(
+            "const c = arguments[0]; return getComputedStyle(c).whiteSpace === 'pre-wrap'"
+            " && c.scrollWidth <= c.clientWidth && c.getBoundingClientRect().height > 100", final_cell)
+        browser.execute_script("arguments[0].scrollIntoView()", final_cell)
+        screenshot(browser, "edge-page-full-body.png")
+        final_cell.click()
+
+        # Charts: results/s from the edge's subscription, join wait from the processor's histogram
+        # (the missing prefill leg waited its 1 s prefill timeout).
+        charts = await wait_js(
+            browser, lambda d: d.execute_script("return window.streamprocCharts"),
+            # one result waited ~1000 ms among at most ~20 in its interval
+            lambda c: any(r > 0 for r in c["rates"]) and any(j[0] is not None and j[0] >= 50 for j in c["joins"])
+            and c["samples"] >= 6,
+        )
+        assert charts["note"] == "from 1 processor(s)"
+        assert browser.find_element(By.ID, "rate-value").text.endswith("/s")
+        browser.execute_script("window.scrollTo(0, 0)")
+        screenshot(browser, "edge-page-charts.png")
+
+        # The request whose prefill never came: routed experts omitted, and why.
+        browser.get(f"{edge.url}/?id={missing.request_id}")
+        omitted = await wait_js(browser, experts_state, lambda s: s["state"] == "omitted")
+        assert omitted["page"] == "done"
+        assert browser.find_element(By.ID, "verdict").text == "omitted"
+        reasons = browser.find_element(By.ID, "experts-omitted").text
+        assert "omitted routed_experts: prefill_timeout (the prefill leg did not complete within --prefill-timeout)" \
+            in reasons
+        assert "omitted input_logprobs: prefill_timeout" in reasons
+        assert not browser.find_element(By.ID, "experts-map").is_displayed()  # no heat map without rows
+        screenshot(browser, "edge-page-experts-omitted.png")
+
+        # An aggregated request: one worker's rows, no splice.
+        browser.get(f"{edge.url}/?id={agg.request_id}&topk=2")
+        aggregated = await wait_js(browser, experts_state, lambda s: s["state"] == "shown")
+        assert not aggregated["pd"] and aggregated["layout"]["splice"] is None
+        assert aggregated["view"]["ids"] == list(memoryview(agg.experts).cast("i"))
+        assert "aggregated: every row from one worker, no splice" in browser.find_element(By.ID, "experts-summary").text
+        assert pixel(browser, "experts-map", LEFT + 1, HEAD + 2) == AGG
+        assert js_errors(browser) == []
+
+
+async def test_the_page_says_it_is_waiting_for_a_request_that_has_not_started(browser, edge, server):
+    request_id = rid("page-waiting")
+    browser.get(f"{edge.url}/?id={request_id}")
+    state = await wait_for(browser, lambda s: s["state"] == "waiting")
+    notice = browser.find_element(By.ID, "notice")
+    assert notice.is_displayed()
+    assert notice.text.startswith(f"waiting for request {request_id}: no result yet. It has not started")
+    assert state["received"] == []
+    screenshot(browser, "edge-page-waiting.png")
+
+    async with await nats.connect(server.url) as nc:
+        await publish_results(nc, SUBJECTS, request_id, [b'{"text":" late"}'])
+    state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    assert state["state"] == "done"
+    assert not browser.find_element(By.ID, "notice").is_displayed()
+
+
+async def test_a_finished_request_an_edge_without_results_stream_cannot_replay_is_named(browser, nats_server):
+    request_id = rid("page-gone")
+    with running_edge(nats_server.url) as edge:  # no --ensure-results-stream: core NATS, live results only
+        async with await nats.connect(nats_server.url) as nc:
+            await publish_results(nc, SUBJECTS, request_id, [b'{"text":" a"}', b'{"text":" b"}'])
+        async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            with anyio.fail_after(10):
+                while not any(e["request_id"] == request_id for e in (await client.get("/v1/recent")).json()):
+                    await anyio.sleep(0.05)
+        browser.get(f"{edge.url}/?id={request_id}")
+        await wait_for(browser, lambda s: s["state"] == "waiting")
+        notice = await wait_js(browser, lambda d: d.find_element(By.ID, "notice").text,
+                               lambda text: "already finished" in text)
+    assert notice == (f"request {request_id} already finished (2 results), but this edge cannot replay it: it has "
+                      "no JetStream results stream (start it with --ensure-results-stream)")
+
+
+@pytest.mark.parametrize("bad_id", ["has.dot", "x" * 257])
+async def test_an_invalid_id_shows_the_edges_400(browser, edge, bad_id):
+    browser.get(f"{edge.url}/?id={bad_id}")
+    await wait_for(browser, lambda s: s["state"] == "invalid")
+    refusal = browser.execute_script("return window.streamprocPage.refusal")
+    assert refusal["status"] == 400
+    notice = browser.find_element(By.ID, "notice")
+    assert notice.is_displayed()
+    assert notice.text == "invalid request id (the edge answered 400): " + refusal["message"]
+    assert "request id" in refusal["message"]
+    assert browser.find_element(By.ID, "state").text == "invalid"
+    if "." in bad_id:
+        screenshot(browser, "edge-page-invalid-id.png")
+
+
+async def test_an_error_result_from_the_processor_is_shown_as_an_error(browser, nats_server, start_processor):
+    """A contract violation (a prefill chunk on an aggregated request) ends in an invalid_chunk
+    error result, published by a real processor."""
+    worker = worker_for("sglang-zstd")
+    truth = make_truth(74, request_id=rid("page-error"), prompt_len=6, output_len=8)
+    plan = traffic.PlannedRequest(truth.request_id, "agg", True, truth, agg=worker.agg(truth, stream=True),
+                                  prefill=worker.prefill(truth, stream=False), fault="contract")
+    with running_edge(nats_server.url, "--format", "sglang-zstd", "--ensure-results-stream") as edge:
+        async with start_processor("in-process", format="sglang-zstd"):
+            async with await nats.connect(nats_server.url) as nc:
+                await traffic.publish(nc, SUBJECTS, traffic.schedule([plan]))
+            browser.get(f"{edge.url}/?id={truth.request_id}")
+            state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    assert state["state"] == "failed" and state["verdict"] == "error"
+    assert state["meta"][-1]["error"] == ErrorKind.INVALID_CHUNK
+    error = json.loads(state["received"][-2])["error"]
+    notice = browser.find_element(By.ID, "notice")
+    assert notice.is_displayed()
+    assert notice.text == f"error result (invalid_chunk): {error['message']}"
+    screenshot(browser, "edge-page-error.png")
+
+
+async def test_the_edges_own_timeout_is_shown_as_an_error(browser, nats_server):
+    request_id = rid("page-timeout")
+    with running_edge(nats_server.url, "--result-timeout", "1") as edge:
+        browser.get(f"{edge.url}/?id={request_id}")
+        state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    assert state["state"] == "failed"
+    assert browser.find_element(By.ID, "notice").text.startswith(
+        f"the edge ended the stream (timeout): no result for request {request_id} within 1.0s")
+
+
+async def test_a_stream_the_edge_refuses_with_503_is_shown_as_refused(browser, nats_server):
+    held, refused = rid("page-held"), rid("page-refused")
+    with running_edge(nats_server.url, "--max-streams", "1") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=20) as client:
+            async with client.stream("GET", f"/v1/results/{held}") as holding:  # the one slot
+                assert holding.status_code == 200
+                browser.get(f"{edge.url}/?id={refused}")
+                await wait_for(browser, lambda s: s["state"] == "refused")
+                refusal = browser.execute_script("return window.streamprocPage.refusal")
+                notice = browser.find_element(By.ID, "notice").text
+                screenshot(browser, "edge-page-refused.png")
+    assert refusal["status"] == 503
+    assert notice == "the edge refused the stream (HTTP 503): " + refusal["message"]
+    assert "too many concurrent result streams (limit 1)" in refusal["message"]
+
+
+async def test_a_capture_larger_than_one_answer_is_paged(browser, edge, server):
+    """1024 ids a row (64 layers x top-16): 256 rows an answer, so 400 positions take two pages.
+    The worker sends uint8 ids (``SGLANG_ROUTED_EXPERTS_DTYPE``), which keeps the body under NATS'
+    1 MiB payload limit and exercises the advertised dtype."""
+    from streamproc_sglang import SGLangWorker
+    from streamproc_sglang.upstream import Shape
+
+    request_id = rid("page-paged")
+    worker = SGLangWorker(shape=Shape(dtype="uint8", advertise_dtype=True))
+    truth = make_truth(75, request_id=request_id, prompt_len=250, output_len=151, num_layers=64, top_k=16,
+                       num_experts=256)
+    bodies = worker.agg(truth, stream=False)
+    async with await nats.connect(server.url) as nc:
+        await publish_results(nc, SUBJECTS, request_id, bodies)
+    browser.get(f"{edge.url}/?id={request_id}&topk=16")
+    first = await wait_js(browser, experts_state, lambda s: s["state"] == "shown")
+    ids = list(memoryview(truth.experts).cast("i"))
+    assert (first["view"]["positions"], first["view"]["offset"], first["view"]["rows"]) == (400, 0, 256)
+    assert first["view"]["ids"] == ids[:256 * 1024]
+    assert (first["layout"]["layers"], first["layout"]["topK"], first["view"]["dtype"]) == (64, 16, "uint8")
+    pager = browser.find_element(By.ID, "experts-pager")
+    assert "rows 0–255 of 400" in pager.text
+    previous, following = pager.find_elements(By.TAG_NAME, "button")
+    assert not previous.is_enabled() and following.is_enabled()
+    following.click()
+    second = await wait_js(browser, experts_state, lambda s: s["view"]["offset"] == 256)
+    assert second["view"]["rows"] == 144 and second["view"]["ids"] == ids[256 * 1024:]
+    assert "rows 256–399 of 400" in browser.find_element(By.ID, "experts-pager").text
+    browser.execute_script("document.getElementById('experts-panel').scrollIntoView()")
+    screenshot(browser, "edge-page-experts-paged.png")
+    assert js_errors(browser) == []

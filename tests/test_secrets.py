@@ -11,14 +11,13 @@ import json
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import CLI, run_cli_process
 from helpers import clean_env
 from edge_harness import EdgeProcess, demo_flag
-from streamproc.sim.embedded import EmbeddedNats, stop_process
+from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.nats
 

@@ -12,7 +12,6 @@ import sys
 import tracemalloc
 
 import msgspec
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st

@@ -8,8 +8,12 @@ Routes:
   with one JSON body instead. ``?verdicts=1`` adds ``event: meta`` frames (seq, join verdict,
   error) before each result; the ``data`` of ordinary frames stays exactly the worker's bytes.
 - ``GET /v1/recent``: request ids recently seen on ``P.results.>`` (for the page; operators only).
+- ``POST /v1/experts``: the routed-experts matrix of one result body, decoded (``experts.py``);
+  any valid capability (it costs CPU), or ``--insecure-demo``.
+- ``GET /v1/stats``: results seen and the processors' join latency, for the page's charts
+  (``stats.py``; operators only).
 - ``GET /v1/info``: how the edge authenticates (``{"auth": "jwt"|"insecure-demo", ...}``), unauthenticated.
-- ``GET /``: the live page. ``GET /healthz``, ``GET /metrics`` (open: counters only, no request ids).
+- ``GET /``: the live page (its scripts: ``PAGE_SCRIPTS``). ``GET /healthz``, ``GET /metrics`` (open: counters only, no request ids).
 
 Results need a capability for their request id (:mod:`streamproc.edge.auth`): 401 with
 ``WWW-Authenticate: Bearer`` without a valid one, 403 for a valid one naming other ids. Each
@@ -49,8 +53,10 @@ from ..metrics import CONTENT_TYPE, exposition, registry_for
 from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
 from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
+from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
+from .stats import StatsSource
 
 if TYPE_CHECKING:
     from ..tracing import StreamTrace, Tracing
@@ -60,6 +66,7 @@ log = logging.getLogger("streamproc.edge")
 FROM_ENVIRONMENT: Any = object()  # create_app(tracing=...): configured by the OTEL_* variables
 
 PAGE_DIR = Path(__file__).parent / "page"
+PAGE_SCRIPTS = ("edge.js", "access.js", "experts.js", "charts.js")
 
 # HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
 # kinds the edge adds itself (a client's bad request) beside the processor's ErrorKind table.
@@ -153,6 +160,9 @@ class Edge:
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
         self.heap = HeapTrimmer()
+        self.stats = StatsSource(self.metrics, settings.processor_metrics_urls(), sees_all_results=settings.recent > 0)
+        # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
+        self.view_limiter = anyio.CapacityLimiter(1)
 
     # ------------------------------------------------------------------ access
 
@@ -279,6 +289,43 @@ class Edge:
             "tls": bool(s.tls_cert_file),
             "max_streams_per_client": s.max_streams_per_client,
         })
+
+    async def experts(self, request: Request) -> Response:
+        """The routed-experts view of the result body in the request (the page posts what it received).
+        It reveals nothing the client did not send, but decoding costs CPU: any valid capability."""
+        who = self.authenticate(request)
+        if isinstance(who, Response):
+            return who
+        try:
+            offset = int(request.query_params.get("offset", "0"))
+            rows = request.query_params.get("rows")
+            rows_wanted = int(rows) if rows is not None else None
+        except ValueError:
+            return error_response("offset and rows must be integers", "invalid_request", 400)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        try:
+            view = await anyio.to_thread.run_sync(
+                lambda: build_view(self.codec, body, offset=offset, rows=rows_wanted), limiter=self.view_limiter
+            )
+        except ValueError as exc:  # msgspec.DecodeError is a ValueError too
+            return error_response(f"not a result body: {exc}", "invalid_request", 400)
+        return Response(msgspec.json.encode(view), media_type="application/json")
+
+    async def stats_json(self, request: Request) -> Response:
+        """Results seen and the processors' join latency: operator data, like ``/v1/recent``."""
+        refused = self.authorize_operator(request)
+        if refused is not None:
+            return refused
+        return Response(msgspec.json.encode(await self.stats.snapshot()), media_type="application/json")
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
@@ -498,16 +545,20 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
         return FileResponse(PAGE_DIR / "index.html", media_type="text/html")
 
     async def script(request: Request) -> Response:
-        return FileResponse(PAGE_DIR / request.url.path.lstrip("/"), media_type="text/javascript")
+        name = request.path_params["name"] + ".js"
+        if name not in PAGE_SCRIPTS:
+            return Response("not found\n", status_code=404, media_type="text/plain")
+        return FileResponse(PAGE_DIR / name, media_type="text/javascript")
 
     app = Starlette(
         routes=[
             Route("/", page),
-            Route("/edge.js", script),
-            Route("/access.js", script),
+            Route("/{name}.js", script),
             Route("/v1/results/{request_id}", edge.results),
             Route("/v1/recent", edge.recent),
             Route("/v1/info", edge.info),
+            Route("/v1/experts", edge.experts, methods=["POST"]),
+            Route("/v1/stats", edge.stats_json),
             Route("/healthz", edge.healthz),
             Route("/metrics", edge.metrics_text),
         ],

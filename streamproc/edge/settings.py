@@ -64,6 +64,13 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     ensure_results_stream: Annotated[
         bool, documented("create (or validate) the JetStream results stream at start, so clients can attach late")
     ] = False
+    processor_metrics_url: Annotated[
+        str,
+        documented(
+            "the processors' /metrics URLs (comma-separated) whose join-latency histograms the live "
+            "page charts (GET /v1/stats); empty: the page charts results/s only"
+        ),
+    ] = ""
 
 
     # Edge authentication (docs/security.md "Edge capabilities"): a JWT per client, verified locally.
@@ -106,6 +113,12 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError("auth_key_file and insecure_demo exclude each other")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        for url in self.processor_metrics_urls():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"processor_metrics_url: {url!r} is not an http:// or https:// URL")
+
+    def processor_metrics_urls(self) -> list[str]:
+        return [url.strip() for url in self.processor_metrics_url.split(",") if url.strip()]
 
 
 EdgeConfigError = ConfigError  # the edge's settings fail exactly like the processor's

@@ -289,6 +289,7 @@ class ResultSource:
             result = result_from_message(self.subjects, msg.subject, msg.headers, msg.data)
         except (ContractError, ValueError):
             return
+        self.metrics.results_seen += 1
         self.recent.note(result, time.time())
 
     async def _on_error(self, exc: Exception) -> None:

@@ -8,12 +8,58 @@ const page = (window.streamprocPage = {
 });
 const RANK = { passthrough: 0, joined: 1, stitched: 2, omitted: 3 };
 const $ = (id) => document.getElementById(id);
+// Seconds the stream may stay open without a result before the page says it is waiting.
+const WAITING_AFTER = 1.0;
 
-function setState(state) {
+// Every URL the page fetches or streams from is built here (one place for a prefix or a credential):
+// access.js's edgeUrl() appends the operator's access_token when the page was opened with one.
+function apiUrl(path) {
+  return edgeUrl(path);
+}
+
+function setState(state, notice) {
   page.state = state;
   const el = $("state");
   el.textContent = state;
-  el.className = "badge " + ({ open: "joined", done: "passthrough", failed: "failed" }[state] || "none");
+  el.className = "badge " + ({ open: "joined", done: "passthrough", failed: "failed", waiting: "waiting",
+    invalid: "invalid", refused: "refused" }[state] || "none");
+  if (notice !== undefined) showNotice(state, notice);
+}
+
+// Why nothing arrives. A finished request the edge saw on P.results.> would have been replayed at
+// once from a JetStream results stream; if it was not, the edge reads core NATS (live results only).
+function waitingNotice() {
+  const entry = (page.recent || []).find((e) => e.request_id === page.requestId);
+  if (entry && entry.final) {
+    return "request " + page.requestId + " already finished (" + entry.results + " results), but this edge " +
+      "cannot replay it: it has no JetStream results stream (start it with --ensure-results-stream)";
+  }
+  return "waiting for request " + page.requestId + ": no result yet. It has not started, or its first chunk is " +
+    "still on its way; results appear here as the processor publishes them.";
+}
+
+// The one-line explanation under the summary: why the page waits, or what went wrong.
+function showNotice(kind, text) {
+  const el = $("notice");
+  el.className = text ? kind : "";
+  el.textContent = text || "";
+}
+
+// The stream closed without a result: ask the edge why with a plain request, which gets the same
+// refusal (400 for an invalid id, 503 when NATS is down or too many streams are open) as JSON.
+async function diagnose(requestId) {
+  const abort = new AbortController();
+  const timer = setTimeout(() => abort.abort(), 3000);
+  try {
+    const response = await fetch(apiUrl("/v1/results/" + encodeURIComponent(requestId) + "?stream=false"),
+      { signal: abort.signal, headers: { Accept: "application/json" } });
+    if (page.requestId !== requestId || response.status < 400) return;
+    let message = "HTTP " + response.status;
+    try { message = (await response.json()).error.message || message; } catch (_) { /* not JSON */ }
+    page.refusal = { status: response.status, message };
+    if (response.status === 400) setState("invalid", "invalid request id (the edge answered 400): " + message);
+    else setState("refused", "the edge refused the stream (HTTP " + response.status + "): " + message);
+  } catch (_) { /* no answer within 3 s: nothing better to say than "closed" */ } finally { clearTimeout(timer); }
 }
 
 function setVerdict(verdict) {
@@ -46,7 +92,11 @@ function addRow(seq, meta, data) {
   const verdict = meta ? meta.error ? "error" : meta.verdict || "–" : "–";
   for (const [text, cls] of [[seq, ""], [verdict, "badge " + verdict], [new Blob([data]).size, ""], [data, "body"]]) {
     const cell = document.createElement("td");
-    if (cls === "body") { cell.className = "body"; cell.title = data; cell.textContent = data; }
+    if (cls === "body") {  // one line until clicked, then all of it (nothing is ever cut from the text)
+      cell.className = "body";
+      cell.textContent = data;
+      cell.addEventListener("click", () => cell.classList.toggle("expanded"));
+    }
     else if (cls) { const badge = document.createElement("span"); badge.className = cls; badge.textContent = text; cell.append(badge); }
     else cell.textContent = text;
     row.append(cell);
@@ -56,38 +106,57 @@ function addRow(seq, meta, data) {
 
 function follow(requestId) {
   if (page.source) page.source.close();
-  Object.assign(page, { requestId, received: [], meta: [], verdict: null });
+  Object.assign(page, { requestId, received: [], meta: [], verdict: null, refusal: null, error: null });
   $("current").textContent = requestId;
   $("tokens").textContent = "";
   $("chunks").textContent = "";
   $("reasons").textContent = "";
   $("count").textContent = "0 results";
   setVerdict(null);
-  setState("connecting");
-  history.replaceState(null, "", "?id=" + encodeURIComponent(requestId) + location.hash);  // keeps #access_token
+  setState("connecting", "");
+  if (window.streamprocExperts) window.streamprocExperts.reset();
+  const params = new URLSearchParams(location.search);  // keeps the page's other settings (topk)
+  params.set("id", requestId);
+  history.replaceState(null, "", "?" + params + location.hash);  // keeps #access_token
 
-  const source = new EventSource(edgeUrl("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1"));
+  const source = new EventSource(apiUrl("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1"));
   page.source = source;
   let lastMeta = null;
-  source.onopen = () => setState("open");
+  let waiting = null;
+  source.onopen = () => {
+    setState("open");
+    waiting = setTimeout(() => {
+      if (page.source === source && page.state === "open" && !page.received.length) {
+        setState("waiting", waitingNotice());
+      }
+    }, WAITING_AFTER * 1000);
+  };
   source.addEventListener("meta", (event) => {
     lastMeta = JSON.parse(event.data);
     page.meta.push(lastMeta);
   });
   source.onmessage = (event) => {
     page.received.push(event.data);
+    clearTimeout(waiting);
     if (event.data === "[DONE]") {
       source.close();
       setState(page.state === "failed" ? "failed" : "done");
+      if (window.streamprocExperts) window.streamprocExperts.show(page);
       return;
     }
+    if (page.state === "waiting") setState("open", "");
     const meta = lastMeta && String(lastMeta.seq) === event.lastEventId ? lastMeta : null;
     let doc = null;
     try { doc = JSON.parse(event.data); } catch (_) { /* opaque bytes are shown as they are */ }
-    if (meta && meta.error) {
-      setState("failed");
+    // An error result (meta.error), or the edge's own error body (no id: a timeout or a gap).
+    const edgeError = !event.lastEventId && doc && doc.error ? "edge" : null;
+    if ((meta && meta.error) || edgeError) {
+      const kind = (meta && meta.error) || (doc.error.type || "error");
+      const message = (doc && doc.error && doc.error.message) || event.data;
+      page.error = { kind, message, from: meta && meta.error ? "processor" : "edge" };
+      setState("failed", (page.error.from === "edge" ? "the edge ended the stream (" : "error result (") +
+        kind + "): " + message);
       setVerdict("error");
-      $("reasons").textContent = meta.error + ": " + ((doc && doc.error && doc.error.message) || event.data);
     } else if (meta && meta.verdict && (page.verdict === null || RANK[meta.verdict] > RANK[page.verdict])) {
       setVerdict(meta.verdict);
     }
@@ -101,16 +170,21 @@ function follow(requestId) {
     $("count").textContent = n + (n === 1 ? " result" : " results");
   };
   source.onerror = () => {
-    if (page.state === "done") return;
-    setState(source.readyState === EventSource.CLOSED ? "closed" : "reconnecting");
+    if (page.state === "done" || page.state === "failed") return;
+    clearTimeout(waiting);
+    const closed = source.readyState === EventSource.CLOSED;
+    setState(closed ? "closed" : "reconnecting");
+    if (closed && !page.received.length) diagnose(requestId);
   };
 }
 
 async function refreshRecent() {
   try {
-    const response = await fetch(edgeUrl("/v1/recent"));
+    const response = await fetch(apiUrl("/v1/recent"));
     if (!response.ok) return;
     const entries = await response.json();
+    page.recent = entries;
+    if (page.state === "waiting") showNotice("waiting", waitingNotice());
     const list = $("recent");
     list.textContent = "";
     if (!entries.length) { list.innerHTML = '<li class="muted">none seen yet</li>'; return; }

@@ -1,0 +1,168 @@
+"""``POST /v1/experts`` and ``GET /v1/stats``, the live page's two data endpoints, over real HTTP
+against a real ``streamproc edge`` (``sglang-zstd``) on a real nats-server.
+
+The view must be the ground truth's rows for a body the real join produced, paged within its
+bound; hostile posts (a zstd bomb, an oversized body, not JSON) get a clear answer while the edge
+keeps serving everyone else within a stated memory bound.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import httpx
+import nats
+import pytest
+from edge_harness import expected_sse, publish_results, running_edge
+from helpers import peak_rss, rid
+
+from streamproc.catalog import worker_for
+from streamproc.edge.experts import MAX_BODY_BYTES, MAX_VIEW_IDS
+from streamproc.simulation import make_truth
+from streamproc.testing.harness import leg, run_pipeline
+from streamproc.wire import Subjects, Verdict
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+MiB = 1 << 20
+# How much the edge's resident peak may grow while it refuses a bomb, an oversized body and garbage:
+# the oversized body is read up to its 32 MiB bound before the 413; a bomb inflated to the 64 MiB
+# decode limit (or to its 2 GiB) would pass this.
+HOSTILE_GROWTH_BOUND = 48 * MiB
+
+
+@pytest.fixture(scope="module")
+def zstd_edge(server):
+    with running_edge(server.url, "--format", "sglang-zstd") as edge:
+        yield edge
+
+
+def joined_final_body(truth) -> bytes:
+    """The final result body the real sglang-zstd join makes of the truth's P/D legs."""
+    worker = worker_for("sglang-zstd")
+    rid_ = truth.request_id
+    run = run_pipeline([*leg(rid_, "prefill", worker.prefill(truth, stream=True)),
+                        *leg(rid_, "decode", worker.decode(truth, stream=True))], format="sglang-zstd")
+    final = run.of(rid_)[-1]
+    assert final.final and final.verdict is Verdict.JOINED
+    return final.body
+
+
+async def test_a_joined_body_is_decoded_to_the_truths_rows_with_the_splice_at_the_prompt(zstd_edge):
+    truth = make_truth(81, prompt_len=30, output_len=20, num_layers=6, top_k=4)
+    body = joined_final_body(truth)
+    async with httpx.AsyncClient(base_url=zstd_edge.url, timeout=10) as client:
+        answer = await client.post("/v1/experts", content=body)
+    assert answer.status_code == 200
+    view = answer.json()
+    assert (view["positions"], view["row_ids"], view["splice"], view["start"]) == (49, 24, 30, 0)
+    assert view["ids"] == list(struct.unpack(f"<{len(truth.experts) // 4}i", truth.experts))
+    assert view["max_id"] == max(view["ids"]) and view["problem"] is None and view["omitted"] == {}
+
+
+async def test_a_large_capture_is_paged_within_the_id_bound(zstd_edge):
+    # 4096 ids a row (64 layers x top-64 of 4096 experts): 64 rows per answer, 1200 positions.
+    truth = make_truth(82, prompt_len=700, output_len=501, num_layers=64, top_k=64, num_experts=4096)
+    body = joined_final_body(truth)
+    row = 64 * 64
+    async with httpx.AsyncClient(base_url=zstd_edge.url, timeout=30) as client:
+        first = (await client.post("/v1/experts", content=body)).json()
+        later = (await client.post("/v1/experts?offset=1190&rows=100", content=body)).json()
+    assert (first["positions"], first["offset"], first["rows"]) == (1200, 0, MAX_VIEW_IDS // row)
+    assert len(first["ids"]) == MAX_VIEW_IDS
+    truth_ids = struct.unpack(f"<{len(truth.experts) // 4}i", truth.experts)
+    assert first["ids"] == list(truth_ids[:MAX_VIEW_IDS])
+    assert (later["offset"], later["rows"]) == (1190, 10)  # clipped at the end
+    assert later["ids"] == list(truth_ids[1190 * row:])
+
+
+async def test_omission_markers_are_reported_without_a_matrix(zstd_edge):
+    body = json.dumps({"text": "x", "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
+                                                  "routed_experts_unavailable_reason": "prefill_timeout",
+                                                  "input_logprobs_unavailable_reason": "prefill_timeout"}})
+    async with httpx.AsyncClient(base_url=zstd_edge.url, timeout=10) as client:
+        view = (await client.post("/v1/experts", content=body)).json()
+    assert view["present"] is False and view["ids"] == []
+    assert view["omitted"] == {"routed_experts": "prefill_timeout", "input_logprobs": "prefill_timeout"}
+
+
+async def test_hostile_posts_get_a_clear_answer_and_the_edge_keeps_serving(server):
+    """A zstd bomb (a few KiB that inflate to 2 GiB), a body over the bound, and a body that is not
+    JSON: each poster gets a clear answer, a stream client is still served, the edge's peak stays bounded."""
+    from streamproc_sglang_zstd.worker import zstd_bomb
+    from streamproc.decompress import encode_base64
+
+    bomb = json.dumps({"meta_info": {"prompt_tokens": 10, "completion_tokens": 5,
+                                     "routed_experts": encode_base64(zstd_bomb(2 << 30, declare_size=False))}})
+    bystander = rid("experts-bystander")
+    with running_edge(server.url, "--format", "sglang-zstd") as edge:  # its own edge: its own peak
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            baseline = peak_rss(edge.proc.pid)
+            answers = await hostile_posts(client, bomb)
+            async with await nats.connect(server.url) as nc:
+                async with client.stream("GET", f"/v1/results/{bystander}") as r:  # headers once subscribed
+                    await publish_results(nc, Subjects(), bystander, [b'{"text":" still here"}'])
+                    answered = (r.status_code, await r.aread())
+        peak = peak_rss(edge.proc.pid)
+    bombed, declared, chunked, garbage = answers
+
+    assert bombed.status_code == 200
+    assert bombed.json()["problem"].startswith("cannot decode: too_large")
+    assert declared.status_code == 400  # a JSON string, not a result body object
+    assert chunked.status_code == 413 and f"body over {MAX_BODY_BYTES} bytes" in chunked.json()["error"]["message"]
+    assert garbage.status_code == 400 and garbage.json()["error"]["type"] == "invalid_request"
+    assert answered == (200, expected_sse([b'{"text":" still here"}']))
+    assert peak - baseline < HOSTILE_GROWTH_BOUND, (baseline, peak)
+
+
+async def hostile_posts(client: httpx.AsyncClient, bomb: str) -> list[httpx.Response]:
+    """The bomb; a bare JSON string; a chunked body past the bound; bytes that are not JSON."""
+    from streamproc_sglang_zstd.worker import zstd_bomb
+    from streamproc.decompress import encode_base64
+
+    async def oversized():
+        chunk = b"x" * MiB
+        for _ in range(MAX_BODY_BYTES // MiB + 2):
+            yield chunk
+
+    return [
+        await client.post("/v1/experts", content=bomb),
+        await client.post("/v1/experts", content=json.dumps(encode_base64(zstd_bomb(2 << 30, declare_size=True)))),
+        await client.post("/v1/experts", content=oversized()),  # no Content-Length: counted as it is read
+        await client.post("/v1/experts", content=b"\xff not json"),
+    ]
+
+
+async def test_stats_count_every_result_seen_and_name_the_missing_processor_metrics(zstd_edge, server):
+    request_id = rid("stats")
+    async with httpx.AsyncClient(base_url=zstd_edge.url, timeout=10) as client:
+        before = (await client.get("/v1/stats")).json()
+        async with await nats.connect(server.url) as nc:
+            await publish_results(nc, Subjects(), request_id, [b'{"text":"a"}', b'{"text":"b"}', b'{"text":"c"}'])
+            await nc.flush()
+        for _ in range(100):
+            after = (await client.get("/v1/stats")).json()
+            if after["results_seen"] >= before["results_seen"] + 3:
+                break
+    assert after["results_seen"] == before["results_seen"] + 3
+    assert after["time"] >= before["time"]
+    assert (after["processors"], after["join_wait"], after["processor_results"]) == ([], None, None)
+
+
+async def test_stats_report_a_processor_that_does_not_answer(server):
+    """And with --recent 0 (no wildcard subscription) results seen are unknown, not zero."""
+    with running_edge(server.url, "--processor-metrics-url", "http://127.0.0.1:9/metrics", "--recent", "0") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            stats = (await client.get("/v1/stats")).json()
+    assert [(p["url"], p["ok"]) for p in stats["processors"]] == [("http://127.0.0.1:9/metrics", False)]
+    assert stats["processors"][0]["error"]
+    assert stats["join_wait"] is None
+    assert stats["results_seen"] is None and stats["results_sent"] == 0
+
+
+def test_a_processor_metrics_url_that_is_not_http_is_refused_at_start(run_cli):
+    done = run_cli("edge", "--processor-metrics-url", "ftp://x/metrics", "--insecure-demo")
+    assert done.returncode == 2
+    assert "--processor-metrics-url" in done.stderr and "'ftp://x/metrics' is not an http:// or https:// URL" in done.stderr
+
