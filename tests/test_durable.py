@@ -327,13 +327,13 @@ async def test_a_slow_processor_reads_no_faster_than_it_works_and_the_backlog_wa
     js = client.jetstream()
     n = 1500
     processor = Processor(settings)
-    receive = processor.correlator.receive
+    receive = processor.pipeline.receive  # what the inputs call (the correlator's own, tracing off)
 
     def slow_receive(chunk, now):  # 2 ms of "work" per chunk, blocking like a CPU-bound codec would
         time.sleep(0.002)
         return receive(chunk, now)
 
-    processor.correlator.receive = slow_receive  # type: ignore[method-assign]
+    processor.pipeline.receive = slow_receive  # type: ignore[method-assign]
     async with processor:
         publisher = ChunkPublisher(client, settings.subjects)
         for i in range(n):
