@@ -293,6 +293,11 @@ def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
             assert response.status == 200
             assert response.headers["Streamproc-Join"] == "omitted"
             json.loads(response.read())
+        # the page's join-latency chart: the edge scrapes the demo processor's /metrics
+        with urllib.request.urlopen(f"{base}/v1/stats", timeout=10) as response:
+            stats = json.loads(response.read())
+        assert [p["ok"] for p in stats["processors"]] == [True], stats
+        assert stats["join_wait"] and stats["join_wait"]["count"] > 0, stats
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(15)

@@ -17,7 +17,7 @@ import nats
 from .. import catalog, config
 
 from . import traffic
-from .embedded import EmbeddedNats
+from .embedded import EmbeddedNats, free_port
 from .migration import MigratingRequest, plan_migrations, run_migration, verify_migration
 from ..nats.processor import Processor
 from ..client.results import ResultCollector
@@ -113,8 +113,11 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
     worker = catalog.worker_for(format)
     started = time.perf_counter()
     async with EmbeddedNats() as server:
-        settings = config.load({}, {"nats_url": server.url, "format": format, "log_level": "WARNING",
-                                    "prefill_timeout": DEMO_PREFILL_TIMEOUT})
+        overrides = {"nats_url": server.url, "format": format, "log_level": "WARNING",
+                     "prefill_timeout": DEMO_PREFILL_TIMEOUT}
+        if serve_port is not None:  # the page's join-latency chart reads the processor's /metrics
+            overrides |= {"http_host": "127.0.0.1", "http_port": free_port()}
+        settings = config.load({}, overrides)
         async with Processor(settings) as processor:
             nc = await nats.connect(server.url)
             try:
@@ -150,11 +153,13 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
             if serve_port is not None:
                 print_report(report, out)
                 faulted = next((p.request_id for p in plans if p.fault == "corrupt_prefill"), plans[0].request_id)
-                await serve_edge(server.url, format, serve_port, faulted, out)
+                await serve_edge(server.url, format, serve_port, faulted, out,
+                                 processor_metrics_url=f"http://127.0.0.1:{processor.http_port}/metrics")
     return report
 
 
-async def serve_edge(nats_url: str, format: str, port: int, example: str, out: TextIO) -> None:
+async def serve_edge(nats_url: str, format: str, port: int, example: str, out: TextIO, *,
+                     processor_metrics_url: str = "") -> None:
     """The reference edge on the demo's NATS until SIGINT/SIGTERM; prints the live page's URL."""
     import uvicorn
 
@@ -165,6 +170,7 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
 
     settings = load_edge_settings({}, {"nats_url": nats_url, "format": format, "host": "127.0.0.1",
                                        "port": port, "log_level": "ERROR",
+                                       "processor_metrics_url": processor_metrics_url,
                                        "insecure_demo": True})  # a local demo: the page says so on screen
     server = server_class()(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                                            lifespan="on", log_config=None, access_log=False,
