@@ -142,3 +142,36 @@ def test_the_pipeline_works_with_each_component_holding_only_its_own_rights(serv
             assert "nats_error" not in edge.log(), edge.log()
             assert "mode=durable" in processor_log.read_text()
             assert "nats_error" not in processor_log.read_text(), processor_log.read_text()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_a_migration_works_with_the_frontend_and_workers_holding_only_their_own_rights(server):
+    """The serving layer (frontend user) asks for the migrate and reads results; the workers (worker
+    user) publish both attempts; the durable processor seals in its migrations bucket and reads
+    stored results back, all within the shipped permissions."""
+    from streamproc.catalog import worker_for
+    from streamproc.client.results import ResultCollector
+    from streamproc.core.wire import Subjects
+    from streamproc.sim.migration import plan_migrations, run_migration, verify_migration
+
+    subjects, worker = Subjects("streamproc"), worker_for("sglang")
+    with processor_subprocess(url(server, "processor"), "--mode", "durable", "--format", "sglang",
+                              "--partitions", "2") as (_, processor_log):
+        workers = await nats.connect(url(server, "worker"))
+        frontend = await nats.connect(url(server, "frontend"))
+        try:
+            async with ResultCollector(frontend, subjects) as collector:
+                migrations = plan_migrations(seed=5, id_prefix="trust")
+                for m in migrations:
+                    await run_migration(workers, subjects, m, format="sglang", worker=worker, collector=collector,
+                                        timeout=20, control=frontend)
+                await collector.wait_for([m.request_id for m in migrations], timeout=20)
+                results = dict(collector.results)
+        finally:
+            await workers.close()
+            await frontend.close()
+        log = processor_log.read_text()
+    for m in migrations:
+        assert verify_migration(m, results[m.request_id], worker) == [], (m.request_id, log)
+    assert "Permissions Violation" not in log and "nats_error" not in log, log

@@ -94,9 +94,13 @@ async def _publish(publisher: ChunkPublisher, m: MigratingRequest, role: Role, b
 
 
 async def run_migration(nc: NatsClient, subjects: Subjects, m: MigratingRequest, *, format: str,
-                        worker: SimulatedWorker, collector: ResultCollector, timeout: float) -> None:
+                        worker: SimulatedWorker, collector: ResultCollector, timeout: float,
+                        control: NatsClient | None = None) -> None:
     """The first worker dies after ``die_after`` output chunks; once the client has their results the
-    request is migrated and a fresh worker serves the rest. Sets ``m.resumed``; raises TimeoutError."""
+    request is migrated and a fresh worker serves the rest. Sets ``m.resumed``; raises TimeoutError.
+
+    ``nc`` publishes the workers' chunks; ``control`` (default ``nc``) is the serving layer's
+    connection the migrate goes out on: under the shipped trust model they are different users."""
     publisher = ChunkPublisher(nc, subjects)
     for role, bodies in _legs(worker, m, 0):
         await _publish(publisher, m, role, bodies, attempt=0, format=format,
@@ -116,7 +120,7 @@ async def run_migration(nc: NatsClient, subjects: Subjects, m: MigratingRequest,
         await nc.flush()
 
     try:
-        m.resumed = await Migrator(nc, subjects, format=format, timeout=timeout).migrate(
+        m.resumed = await Migrator(control or nc, subjects, format=format, timeout=timeout).migrate(
             m.request_id, native_request(format, m.truth), send=serve, reason="demo: worker lost")
     except (MigrationError, MigrationRefused, nats.errors.Error) as exc:  # reported by verify_migration
         m.error = f"{type(exc).__name__}: {exc}"
