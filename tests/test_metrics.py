@@ -4,6 +4,7 @@ owning partitions in durable mode)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -41,6 +42,25 @@ def scrape(port: int) -> dict[str, float]:
     status, text = get(f"http://127.0.0.1:{port}/metrics")
     assert status == 200
     return parse_metrics(text)
+
+
+@contextlib.asynccontextmanager
+async def ready_core_processor():
+    """A core-mode ``streamproc run`` subprocess with its status server, on its own nats-server
+    (the tests stop and restart it); yields (server, status port) once ``/readyz`` answers 200."""
+    port = free_port()
+    with EmbeddedNats(jetstream=False) as server:
+        proc = subprocess.Popen(
+            [*CLI, "run", "--nats-url", server.url, "--mode", "core", "--http-port", str(port),
+             "--http-host", "127.0.0.1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+        )
+        try:
+            await wait_for(lambda: _status(port, "/readyz") == 200, timeout=15)
+            yield server, port
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 async def wait_for(check, timeout: float = 10.0):
@@ -147,24 +167,13 @@ async def test_durable_metrics_pubacks_end_to_end_latency_and_every_redelivery(c
 
 
 async def test_reconnects_are_counted_when_nats_comes_back():
-    port = free_port()
-    with EmbeddedNats(jetstream=False) as server:
-        proc = subprocess.Popen(
-            [*CLI, "run", "--nats-url", server.url, "--mode", "core", "--http-port", str(port),
-             "--http-host", "127.0.0.1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        )
-        try:
-            await wait_for(lambda: _status(port, "/readyz") == 200, timeout=15)
-            assert scrape(port)["streamproc_reconnects_total"] == 0
-            server.restart()
-            metrics = await wait_for(lambda: (m := scrape(port))["streamproc_reconnects_total"] == 1 and m,
-                                     timeout=15)
-            assert metrics["streamproc_disconnects_total"] == 1
-            assert metrics["streamproc_nats_connected"] == 1
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    async with ready_core_processor() as (server, port):
+        assert scrape(port)["streamproc_reconnects_total"] == 0
+        server.restart()
+        metrics = await wait_for(lambda: (m := scrape(port))["streamproc_reconnects_total"] == 1 and m,
+                                 timeout=15)
+        assert metrics["streamproc_disconnects_total"] == 1
+        assert metrics["streamproc_nats_connected"] == 1
 
 
 def test_status_server_answers_unhealthy_while_nats_is_unreachable(tmp_path):
@@ -192,22 +201,11 @@ def test_status_server_answers_unhealthy_while_nats_is_unreachable(tmp_path):
 
 
 async def test_health_turns_503_when_nats_goes_away():
-    port = free_port()
-    with EmbeddedNats(jetstream=False) as server:
-        proc = subprocess.Popen(
-            [*CLI, "run", "--nats-url", server.url, "--mode", "core", "--http-port", str(port),
-             "--http-host", "127.0.0.1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-        )
-        try:
-            await wait_for(lambda: _status(port, "/readyz") == 200, timeout=15)
-            server.stop()
-            await wait_for(lambda: _status(port, "/healthz") == 503)
-            assert _status(port, "/readyz") == 503
-            assert scrape(port)["streamproc_disconnects_total"] == 1
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    async with ready_core_processor() as (server, port):
+        server.stop()
+        await wait_for(lambda: _status(port, "/healthz") == 503)
+        assert _status(port, "/readyz") == 503
+        assert scrape(port)["streamproc_disconnects_total"] == 1
 
 
 def _status(port: int, path: str) -> int | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import anyio
-import msgspec
 import nats.errors
 import pytest
 
@@ -20,6 +19,8 @@ from streamproc.catalog import codec_names, worker_for
 from streamproc.client.migration import MigrationError, MigrationRefused, Migrator, Resumed, publish_request
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultInfo, follow
+from streamproc.sim.migration import emitted_in as sim_emitted_in
+from streamproc.sim.migration import native_request
 from streamproc.simulation import Truth, make_truth
 from streamproc.wire import (
     ATTEMPT,
@@ -37,26 +38,10 @@ FORMATS = [f for f in ("sglang", "sglang-zstd", "vllm") if f in codec_names()]
 MODE = "core"
 
 
-def native_request(fmt: str, truth: Truth, **extra: object) -> bytes:
-    """The original request the serving layer sent (SGLang ``/generate`` or vLLM generate shape)."""
-    if fmt.startswith("sglang"):
-        body = {"rid": truth.request_id, "input_ids": truth.prompt_ids, "stream": True,
-                "return_logprob": truth.return_logprob, "sampling_params": {"max_new_tokens": truth.output_len}}
-    else:
-        body = {"request_id": truth.request_id, "token_ids": truth.prompt_ids, "stream": True,
-                "sampling_params": {"max_tokens": truth.output_len}}
-    body.update(extra)
-    return msgspec.json.encode(body)
-
-
 def emitted_in(truth: Truth, request: bytes) -> int:
     """How many output tokens a rebuilt request says were already sent (and that it says it right)."""
-    doc = msgspec.json.decode(request)
-    ids = doc.get("input_ids", doc.get("token_ids"))
-    k = len(ids) - truth.prompt_len
-    assert ids == truth.prompt_ids + truth.output_ids[:k]
-    params = doc["sampling_params"]
-    assert params.get("max_new_tokens", params.get("max_tokens")) == truth.output_len - k
+    k = sim_emitted_in(truth, request)
+    assert k is not None, request
     return k
 
 

@@ -231,16 +231,7 @@ class FastClient(RobustClient):
         """Publish with a header block the caller formatted exactly as :func:`encode_header_block`
         would (``NATS/1.0\\r\\n``, ``Key: value\\r\\n`` lines, a blank line), on a subject the
         caller knows to be valid (non-empty, no whitespace): it is not checked again."""
-        if self.is_closed:
-            raise errors.ConnectionClosedError
-        if self.is_draining_pubs:
-            raise errors.ConnectionDrainingError
-        payload_size = len(payload)
-        if not self.is_connected:
-            if self._max_pending_size <= 0 or payload_size + self._pending_data_size > self._max_pending_size:
-                raise errors.OutboundBufferLimitError
-        if payload_size > self._max_payload:
-            raise errors.MaxPayloadError
+        self._check_sendable(payload)
         await self._send(subject, "", payload, header_block)
 
     def _preflight(self, subject: str, reply: str, payload: bytes) -> None:
@@ -249,6 +240,12 @@ class FastClient(RobustClient):
             _client._validate_subject(subject)
             if reply:
                 _client._validate_subject(reply)
+        self._check_sendable(payload)
+        if subject == "":
+            raise errors.BadSubjectError
+
+    def _check_sendable(self, payload: bytes) -> None:
+        """The connection-state and size checks of ``Client.publish``, in its order."""
         if self.is_closed:
             raise errors.ConnectionClosedError
         if self.is_draining_pubs:
@@ -259,8 +256,6 @@ class FastClient(RobustClient):
                 raise errors.OutboundBufferLimitError
         if payload_size > self._max_payload:
             raise errors.MaxPayloadError
-        if subject == "":
-            raise errors.BadSubjectError
 
     async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
         if hdr is None:

@@ -51,7 +51,7 @@ def plan_migrations(*, seed: int, id_prefix: str) -> list[MigratingRequest]:
     return plans
 
 
-def native_request(format: str, truth: Truth) -> bytes:
+def native_request(format: str, truth: Truth, **extra: object) -> bytes:
     """The original request the serving layer sent, in the engine's own shape.
 
     SGLang ``/generate`` (``GenerateReqInput``: ``rid``, ``input_ids``, ``sampling_params.max_new_tokens``)
@@ -63,6 +63,7 @@ def native_request(format: str, truth: Truth) -> bytes:
     else:
         body = {"request_id": truth.request_id, "token_ids": truth.prompt_ids, "stream": True,
                 "sampling_params": {"max_tokens": truth.output_len}}
+    body.update(extra)  # fields a test adds to see that migration keeps them
     return msgspec.json.encode(body)
 
 
