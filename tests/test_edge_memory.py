@@ -6,7 +6,9 @@ stream, and a unary request accumulated a whole stream. Now each stream holds at
 for ``--write-timeout`` closes it), a unary answer at most ``--max-unary-bytes``. Real edge
 subprocess, real nats-server, raw sockets that never read; RSS and VmHWM from /proc/<pid>/status.
 
-Not done (strict xfail below): RSS returning within 20 MiB of baseline after the readers leave.
+RSS returns within 20 MiB of its baseline after the readers leave: what kept it up was the
+results nats-py still queued for the unsubscribed slow streams, alive in reference cycles until a
+full GC (source.drop_pending frees them at unsubscribe).
 """
 
 from __future__ import annotations
@@ -134,10 +136,6 @@ def test_slow_readers_are_ended_while_others_are_answered_and_peak_memory_is_bou
     assert r.peak - r.baseline <= (READERS * 4 * MiB + 20 * MiB) // 1024, (r.baseline, r.peak)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "NOT DONE (issue 11.4): RSS stays ~50 MiB above baseline after the slow readers leave (measured "
-    "111 MiB vs 59 MiB, about the peak) even with malloc_trim and a fixed mmap threshold; the per-stream "
-    "buffers are bounded, what keeps the pages is not found yet"))
 def test_edge_rss_returns_within_20_mib_of_baseline_after_three_rounds(slow_reader_rounds):
     r = slow_reader_rounds
     assert r.after - r.baseline <= 20 * 1024, (r.baseline, r.after)
