@@ -60,20 +60,32 @@ class Rounds(msgspec.Struct):
     after: int
     peak: int
     ended: float
+    nats_disconnects: float
+    results_seen: float  # by the recent ring
 
 
 @pytest.fixture(scope="module")
 def slow_reader_rounds(server) -> Rounds:
     """Three rounds of READERS clients that never read, in core mode, a legitimate client answered
     before, during and after each round; RSS and VmHWM of the edge process."""
-    return anyio.run(_slow_reader_rounds, server)
+    return anyio.run(_slow_reader_rounds, server, "core")
 
 
-async def _slow_reader_rounds(server) -> Rounds:
-    prefix = "memcore"
+@pytest.fixture(scope="module")
+def jetstream_slow_reader_rounds(server) -> Rounds:
+    """The same rounds in JetStream mode: a results stream stores every result and each reader's
+    results come from an ordered consumer (flow-controlled push), the recent ring from a
+    headers-only one."""
+    return anyio.run(_slow_reader_rounds, server, "jetstream")
+
+
+async def _slow_reader_rounds(server, mode: str) -> Rounds:
+    prefix = "memcore" if mode == "core" else "memjs"
     subjects = Subjects(prefix)
     args = ["--prefix", prefix, "--stream-buffer-bytes", str(BUFFER), "--write-timeout", "2",
             "--max-streams-per-client", "1000"]
+    if mode == "jetstream":
+        args.append("--ensure-results-stream")
     with running_edge(server.url, *args) as edge:
         pid = edge.proc.pid
         async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
@@ -120,11 +132,14 @@ async def _slow_reader_rounds(server) -> Rounds:
             m = edge.metrics()
     ended = m["streamproc_edge_streams_overrun_total"] + m["streamproc_edge_streams_stalled_total"]
     published = 3 * READERS * RESULTS_PER_READER * len(BODY) // MiB
-    print(f"\ncore: RSS baseline {baseline / 1024:.1f} MiB, after 3 rounds {after / 1024:.1f} MiB, "
+    print(f"\n{mode}: RSS baseline {baseline / 1024:.1f} MiB, after 3 rounds {after / 1024:.1f} MiB, "
           f"VmHWM {peak / 1024:.1f} MiB; {published} MiB published to {3 * READERS} readers that never read; "
           f"overrun {m['streamproc_edge_streams_overrun_total']:.0f}, "
-          f"stalled {m['streamproc_edge_streams_stalled_total']:.0f}")
-    return Rounds(baseline, after, peak, ended)
+          f"stalled {m['streamproc_edge_streams_stalled_total']:.0f}, NATS disconnects "
+          f"{m['streamproc_edge_nats_disconnects_total']:.0f}, results seen by the recent ring "
+          f"{m['streamproc_edge_results_seen_total']:.0f}")
+    return Rounds(baseline, after, peak, ended, m["streamproc_edge_nats_disconnects_total"],
+                  m["streamproc_edge_results_seen_total"])
 
 
 def test_slow_readers_are_ended_while_others_are_answered_and_peak_memory_is_bounded(slow_reader_rounds):
@@ -138,6 +153,27 @@ def test_slow_readers_are_ended_while_others_are_answered_and_peak_memory_is_bou
 
 def test_edge_rss_returns_within_20_mib_of_baseline_after_three_rounds(slow_reader_rounds):
     r = slow_reader_rounds
+    assert r.after - r.baseline <= 20 * 1024, (r.baseline, r.after)
+
+
+def test_jetstream_slow_readers_are_ended_while_others_are_answered_and_peak_memory_is_bounded(
+        jetstream_slow_reader_rounds):
+    """JetStream mode: before, a dropped result made the reader's ordered consumer recreate itself
+    for every later message, and the recent ring read every body a second time, so under the same
+    rounds nats-server dropped the edge's connection as a slow consumer (64 MiB pending) and the
+    legitimate client got 503 (its consumer lookup timed out). The legitimate client being answered
+    in every round is asserted inside the fixture."""
+    r = jetstream_slow_reader_rounds
+    assert r.ended >= 3 * READERS
+    assert r.nats_disconnects == 0  # the edge kept up: nats-server never cut it off
+    # The headers-only ring still saw every result: 3 rounds x READERS x RESULTS_PER_READER + 5 legitimate x 2
+    assert r.results_seen == 3 * READERS * RESULTS_PER_READER + 5 * 2, r.results_seen
+    # Same stated bound as core mode: 4 MiB per slow stream + 20 MiB.
+    assert r.peak - r.baseline <= (READERS * 4 * MiB + 20 * MiB) // 1024, (r.baseline, r.peak)
+
+
+def test_jetstream_edge_rss_returns_within_20_mib_of_baseline_after_three_rounds(jetstream_slow_reader_rounds):
+    r = jetstream_slow_reader_rounds
     assert r.after - r.baseline <= 20 * 1024, (r.baseline, r.after)
 
 

@@ -18,7 +18,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import StorageType
+from nats.js.api import DeliverPolicy, StorageType
 from nats.js.client import JetStreamContext
 
 from ..logs import LogLimiter, error_text, log_event
@@ -231,6 +231,7 @@ class ResultSource:
         self.metrics = metrics
         self.recent = RecentRequests(settings.recent)
         self.nc: NatsClient | None = None
+        self.recent_mode: FeedMode | None = None  # how the recent ring reads (None: --recent 0)
         self._closing = False
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
         self._feeds: dict[int, ResultFeed] = {}
@@ -264,12 +265,29 @@ class ResultSource:
             )
             log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
         if self.settings.recent > 0:
-            # The page's list may lose a result when the edge is starved; it must never buffer without bound.
-            self._recent_sub = await self.nc.subscribe(
-                self.subjects.all_results, cb=self._on_any_result,
-                pending_msgs_limit=RECENT_PENDING_MSGS, pending_bytes_limit=self.settings.stream_buffer_bytes,
-            )
+            await self._subscribe_recent()
+
+    async def _subscribe_recent(self) -> None:
+        """The recent ring's subscription to every result. It needs headers only (seq, final, error,
+        verdict): when a JetStream stream stores the results, a headers-only ordered consumer of new
+        results (ConsumerConfig.headers_only: the server sends ``Nats-Msg-Size`` instead of the body)
+        spares the edge reading every body a second time. With a core subscription, under a burst
+        that doubling alone made nats-server drop the edge's connection as a slow consumer (64 MiB
+        pending); without a stream the core subscription is the only way."""
+        assert self.nc is not None
+        # The page's list may lose a result when the edge is starved; it must never buffer without bound.
+        limits = {"pending_msgs_limit": RECENT_PENDING_MSGS, "pending_bytes_limit": self.settings.stream_buffer_bytes}
+        js = self.nc.jetstream()
+        stream = await find_results_stream(js, self.subjects.all_results)
+        if stream is not None:
+            self._recent_sub = await js.subscribe(
+                self.subjects.all_results, stream=stream, cb=self._on_any_result, ordered_consumer=True,
+                deliver_policy=DeliverPolicy.NEW, headers_only=True, **limits)
+            self.recent_mode = "jetstream"
+        else:
+            self._recent_sub = await self.nc.subscribe(self.subjects.all_results, cb=self._on_any_result, **limits)
             await self.nc.flush()
+            self.recent_mode = "core"
 
     async def stop(self) -> None:
         nc, self.nc = self.nc, None
