@@ -5,6 +5,7 @@ stream, and a unary request accumulated a whole stream. Now each stream holds at
 ``--stream-buffer-bytes`` (past it the stream is ended with an error event, and a write that blocks
 for ``--write-timeout`` closes it), a unary answer at most ``--max-unary-bytes``. Real edge
 subprocess, real nats-server, raw sockets that never read; RSS and VmHWM from /proc/<pid>/status.
+The slow-reader rounds run in core mode and in JetStream mode (a results stream, ordered consumers).
 
 RSS returns within 20 MiB of its baseline after the readers leave: what kept it up was the
 results nats-py still queued for the unsubscribed slow streams, alive in reference cycles until a
