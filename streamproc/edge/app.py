@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 import anyio
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -513,6 +515,23 @@ def wants_unary(request: Request) -> bool:
     return "application/json" in accept and sse.MEDIA_TYPE not in accept
 
 
+def cors_middleware(settings: EdgeSettings) -> list[Middleware]:
+    """CORS for the ``--cors-origin`` pages only; none by default, so no ``Access-Control-*`` header is
+    sent and another origin's page cannot read results through a visitor's browser (docs/security.md).
+    Capabilities travel in ``Authorization`` (not cookies): credentials mode stays off."""
+    origins = settings.cors_origins()
+    if not origins:
+        return []
+    return [Middleware(
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Last-Event-ID", "Content-Type", "Accept"],
+        expose_headers=["Streamproc-Results", "Streamproc-Join", "Streamproc-Error", "WWW-Authenticate"],
+        max_age=600,
+    )]
+
+
 def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRONMENT) -> Starlette:
     """The ASGI app. Raises :class:`UnknownFormat` for an unknown ``--format``, ``ConfigError`` for
     ``OTEL_*`` variables that name no installed exporter. ``tracing`` None turns tracing off."""
@@ -551,6 +570,7 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
         return FileResponse(PAGE_DIR / name, media_type="text/javascript")
 
     app = Starlette(
+        middleware=cors_middleware(settings),
         routes=[
             Route("/", page),
             Route("/{name}.js", script),

@@ -10,6 +10,7 @@ The flag is always ``--kebab-name``.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 
@@ -20,6 +21,8 @@ AuthAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "P
                         "ES256", "ES384", "ES512", "EdDSA"]
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
+# An origin as browsers send it (RFC 6454 section 6.1): scheme, host, optional port, nothing else.
+CORS_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
 class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -102,6 +105,9 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     tls_cert_file: Annotated[str, documented("PEM certificate (chain) the edge serves HTTPS with (with "
                                              "--tls-key-file)")] = ""
     tls_key_file: Annotated[str, documented("PEM private key of --tls-cert-file")] = ""
+    cors_origin: Annotated[str, documented(
+        "origins (comma-separated, exact scheme://host[:port]) whose pages may read results through a "
+        "visitor's browser (CORS); empty: no Access-Control-* header, closed")] = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -116,6 +122,14 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         for url in self.processor_metrics_urls():
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"processor_metrics_url: {url!r} is not an http:// or https:// URL")
+
+        for origin in self.cors_origins():
+            if not CORS_ORIGIN.fullmatch(origin):
+                raise ValueError(f"cors_origin: {origin!r} is not an origin (scheme://host[:port], no path; "
+                                 "'*' is refused: name the pages that may read results)")
+
+    def cors_origins(self) -> list[str]:
+        return [origin.strip() for origin in self.cors_origin.split(",") if origin.strip()]
 
     def processor_metrics_urls(self) -> list[str]:
         return [url.strip() for url in self.processor_metrics_url.split(",") if url.strip()]
