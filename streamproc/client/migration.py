@@ -77,9 +77,11 @@ def publish_request(nc: NatsClient, subject: str) -> Send:
 
 class Migrator:
     def __init__(self, nc: NatsClient, subjects: Subjects | None = None, *, format: str,
-                 timeout: float = 5.0, codec: Codec | None = None, attempt_timeout: float = 1.0) -> None:
+                 timeout: float = 15.0, codec: Codec | None = None, attempt_timeout: float = 1.0) -> None:
         """``format`` names the codec whose hooks rebuild requests (the processor's ``--format``);
-        ``timeout`` bounds a whole call with its retries, ``attempt_timeout`` one try."""
+        ``timeout`` bounds a whole call with its retries, ``attempt_timeout`` one try. The default
+        outlasts a durable failover at the default lease (about 4/3 x ``lease_ttl`` 6 s = 8 s, plus
+        an ack wait), so a migrate sent while an instance dies is still answered."""
         self.nc = nc
         self.attempt_timeout = attempt_timeout
         self.subjects = subjects or Subjects()
