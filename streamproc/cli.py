@@ -20,6 +20,7 @@ import anyio
 
 from . import __version__, catalog, config, logs
 from .core.errors import ConfigError, StreamprocError
+from .core.wire import check_request_id
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -189,6 +190,12 @@ def cmd_token(args: argparse.Namespace) -> int:
 
     if not (args.rid or args.rid_prefix or args.operator):
         raise ConfigError("name what the token grants: --rid ID (repeatable), --rid-prefix P or --operator")
+    for flag, value in [*(("--rid", rid) for rid in args.rid), *((("--rid-prefix", args.rid_prefix),)
+                                                               if args.rid_prefix else ())]:
+        try:  # a token for an id no request can have would grant nothing, silently
+            check_request_id(value)
+        except ValueError as exc:
+            raise ConfigError(f"{flag} {value!r}: {exc}") from None
     try:
         key = Path(args.key_file).read_bytes()
     except OSError as exc:

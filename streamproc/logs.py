@@ -10,6 +10,7 @@ and ``event=http_request`` for Uvicorn's access log.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import re
@@ -24,12 +25,14 @@ _FIELDS = "streamproc_fields"  # the LogRecord attribute that carries log_event'
 
 
 def kv(**fields: object) -> str:
-    """``key=value`` text; values with spaces, quotes or ``=`` are JSON-quoted so lines stay parseable."""
+    """``key=value`` text; values with spaces, quotes, ``=`` or anything unprintable (a subject or id
+    an attacker chose: VT, ESC, DEL, U+2028) are quoted with every such character escaped, so lines
+    stay parseable and a terminal shows them inert."""
     parts = []
     for key, value in fields.items():
         text = str(value)
-        if not text or any(c in text for c in ' "=\n\t\\'):
-            text = msgspec.json.encode(text).decode()
+        if not text or not text.isprintable() or any(c in text for c in ' "=\\'):
+            text = json.dumps(text).replace("\x7f", "\\u007f")
         parts.append(f"{key}={text}")
     return " ".join(parts)
 

@@ -302,3 +302,17 @@ def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(15)
     assert code == 0, proc.stderr.read()
+
+
+def test_token_refuses_a_request_id_no_request_can_have(tmp_path):
+    from conftest import run_cli_process
+
+    key = tmp_path / "edge.key"
+    key.write_bytes(b"k" * 40)
+    for flag, value in (("--rid", "a b"), ("--rid", "has.dot"), ("--rid-prefix", "tenant>")):
+        proc = run_cli_process("token", "--key-file", str(key), flag, value)
+        assert proc.returncode == 2, proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"streamproc token: error: {flag} {value!r}: invalid request id"), line
+    ok = run_cli_process("token", "--key-file", str(key), "--rid", "good-id")
+    assert ok.returncode == 0 and ok.stdout.count(".") == 2, ok.stderr

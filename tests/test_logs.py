@@ -114,3 +114,12 @@ def test_json_format_carries_typed_fields():
     line = json.loads(StructuredFormatter("json").format(record))
     assert (line["event"], line["chunks"], line["ratio"], line["level"]) == ("stats", 3, 0.5, "info")
     assert kv(a="b c") == 'a="b c"'
+
+
+def test_unprintable_characters_from_attacker_chosen_values_are_escaped_in_logfmt():
+    """A subject or id a publisher chose may hold VT, ESC, DEL or U+2028: the line keeps them inert."""
+    from streamproc.logs import kv
+
+    line = kv(subject="a\x0bb\x1b[31m", rid="del\x7f", sep="\u2028", plain="ok", accent="é")
+    assert line == 'subject="a\\u000bb\\u001b[31m" rid="del\\u007f" sep="\\u2028" plain=ok accent=é'
+    assert line.isprintable()
