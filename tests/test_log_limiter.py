@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from streamproc.logs import LogLimiter
 
 
@@ -37,3 +39,25 @@ def test_flush_reports_suppressed_lines_once_the_interval_is_over_even_without_n
     assert [r.getMessage() for r in caplog.records][1] == "event=log_suppressed suppressed_event=e count=1 interval=5.0"
     assert caplog.records[1].levelno == logging.ERROR
     assert len(caplog.records) == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_a_flood_of_bad_control_subjects_logs_the_burst_not_every_message(caplog, nats_url):
+    """Anyone allowed on P.control.*.migrate can send ids the contract refuses, at will."""
+    import anyio
+    import nats
+
+    from streamproc import config
+    from streamproc.nats.processor import Processor
+
+    settings = config.load({}, {"nats_url": nats_url, "format": "sglang", "mode": "core"})
+    with caplog.at_level(logging.WARNING, "streamproc"):
+        async with Processor(settings) as p:
+            async with await nats.connect(nats_url) as nc:
+                for i in range(300):
+                    await nc.publish(f"{p.subjects.prefix}.control.\u00e9{i}.migrate", b"{}")
+                await nc.flush()
+                await anyio.sleep(0.5)
+    lines = [r.getMessage() for r in caplog.records if "bad_control_subject" in r.getMessage()]
+    assert 1 <= len(lines) <= 20, len(lines)

@@ -30,7 +30,7 @@ from ..core.wire import (
     decode_migrate_request,
     encode_control,
 )
-from ..logs import error_text, log_event
+from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.control")
 
@@ -51,6 +51,8 @@ class ControlPlane:
         self._subjects = subjects
         self._target = target
         self._sub: Subscription | None = None
+        # Anyone allowed to publish on the control subjects can send bad ones at will.
+        self._limited = LogLimiter(log)
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate)
@@ -67,7 +69,7 @@ class ControlPlane:
         try:
             request_id = self._subjects.request_id_of_migrate(msg.subject)
         except ContractError as exc:
-            log_event(log, logging.WARNING, "bad_control_subject", subject=msg.subject, reason=exc.reason)
+            self._limited.log(logging.WARNING, "bad_control_subject", subject=msg.subject, reason=exc.reason)
             return
         if not self._target.owns(request_id):
             # Durable mode: every instance hears the control subject, but only the owner of the
