@@ -32,7 +32,9 @@ def kv(**fields: object) -> str:
     for key, value in fields.items():
         text = str(value)
         if not text or not text.isprintable() or any(c in text for c in ' "=\\'):
-            text = json.dumps(text).replace("\x7f", "\\u007f")
+            text = json.dumps(text, ensure_ascii=False)  # readable text stays as it is
+            if not text.isprintable():
+                text = "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
         parts.append(f"{key}={text}")
     return " ".join(parts)
 
