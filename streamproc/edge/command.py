@@ -100,6 +100,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         host=settings.host,
         port=settings.port,
         lifespan="on",
+        http="httptools",  # llhttp in C; "auto" falls back to h11 (pure Python) when it is missing
         access_log=True,  # through the one log format: event=http_request (streamproc.logs)
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),

@@ -23,9 +23,11 @@ from nats.js.client import JetStreamContext
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
-from ..nats.streams import ensure_results_stream, find_results_stream
+from ..nats.streams import ensure_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
+from . import pending
+from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
 
@@ -99,12 +101,17 @@ class ResultFeed:
             else:
                 self._gap_since = None
                 wait = deadline - now
-            if wait <= 0:
-                return None
+            # What Subscription.next_msg(timeout) does, without its tasks per message (pending.py)
             try:
-                msg = await self._sub.next_msg(timeout=wait)
-            except nats.errors.TimeoutError:
-                continue
+                msg = pending.take(self._sub)
+                if msg is None:
+                    if wait <= 0:
+                        return None
+                    await pending.wait(self._sub, wait)
+                    continue
+                reply = pending.flow_control_due(self._sub)
+                if reply is not None:
+                    await self.source.nc.publish(reply)
             except nats.errors.Error as exc:
                 return Lost(str(exc) or type(exc).__name__)
             self._accept(msg)
@@ -211,6 +218,7 @@ class ResultSource:
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
         self._feeds: dict[int, ResultFeed] = {}
         self._limited = LogLimiter(log)
+        self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
 
     @property
     def connected(self) -> bool:
@@ -259,7 +267,7 @@ class ResultSource:
         assert self.nc is not None
         subject = self.subjects.result(request_id)
         js = self.nc.jetstream()
-        stream = await find_results_stream(js, subject)
+        stream = await self.streams.find(js, subject)
         order = SeqOrder(after)
         # Bounded per stream: nats-py's default would hold up to 128 MiB for a client that stopped
         # reading (DEFAULT_SUB_PENDING_BYTES_LIMIT); past our bound it drops and reports a
@@ -267,7 +275,11 @@ class ResultSource:
         limits = {"pending_msgs_limit": MAX_PENDING_RESULTS * 4,
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if stream is not None:
-            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, **limits)
+            try:
+                sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, **limits)
+            except Exception:
+                self.streams.forget()  # deleted or changed since it was looked up
+                raise
             self.metrics.jetstream_replays += 1
             mode: FeedMode = "jetstream"
         else:
