@@ -44,7 +44,7 @@ TARGETS_CORE = {"p50": 2.0, "p99": 10.0}  # added ms over the floor, core mode (
 
 # ----------------------------------------------------------------------------- the SSE client process
 
-async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: list) -> None:
+async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: list, wave: list) -> None:
     """One ``GET /v1/results/<rid>``: each event's (rid, seq, arrival) until ``data: [DONE]``."""
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
@@ -53,6 +53,7 @@ async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: lis
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     opened.append(time.perf_counter() - t0)
+    wave.append(rid)
     if status != 200:
         body = await reader.read(2000)
         raise RuntimeError(f"{rid}: HTTP {status} {body[:200]!r}")
@@ -98,13 +99,13 @@ async def sse_client(url: str, out: Path) -> None:
     errors: list[str] = []
 
     async def open_wave(wave: str, rids: list[str]) -> None:
-        before = len(opened)
+        wave_opened: list[str] = []  # per wave: waves opened together may finish in any order
         for rid in rids:
-            task = asyncio.create_task(sse_stream(host, int(port), rid, arrivals, opened))
+            task = asyncio.create_task(sse_stream(host, int(port), rid, arrivals, opened, wave_opened))
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                    or errors.append(repr(t.exception())))
             tasks.append(task)
-        while len(opened) - before < len(rids) and not errors:
+        while len(wave_opened) < len(rids) and not errors:
             await asyncio.sleep(0.002)
         print(f"opened {wave}" if not errors else f"error {errors[0]}", flush=True)
 

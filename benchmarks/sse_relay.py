@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 
 import nats
 import uvicorn
@@ -26,6 +27,7 @@ from starlette.routing import Route
 def build(nats_url: str, prefix: str) -> Starlette:
     state: dict = {}
 
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         state["nc"] = await nats.connect(nats_url)
         yield

@@ -9,6 +9,7 @@ order, each once, and never mixes requests: a feed reads exactly one request's s
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -35,6 +36,7 @@ log = logging.getLogger("streamproc.edge")
 
 FeedMode = Literal["jetstream", "core"]
 RECENT_PENDING_MSGS = 65_536
+RECENT_BATCH_SECONDS = 0.02
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -218,6 +220,7 @@ class ResultSource:
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
         self._feeds: dict[int, ResultFeed] = {}
         self._limited = LogLimiter(log)
+        self._recent_task: asyncio.Task | None = None
         self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
 
     @property
@@ -250,12 +253,16 @@ class ResultSource:
         if self.settings.recent > 0:
             # The page's list may lose a result when the edge is starved; it must never buffer without bound.
             self._recent_sub = await self.nc.subscribe(
-                self.subjects.all_results, cb=self._on_any_result,
+                self.subjects.all_results,
                 pending_msgs_limit=RECENT_PENDING_MSGS, pending_bytes_limit=self.settings.stream_buffer_bytes,
             )
             await self.nc.flush()
+            self._recent_task = asyncio.get_running_loop().create_task(self._drain_recent(self._recent_sub))
 
     async def stop(self) -> None:
+        if self._recent_task is not None:
+            self._recent_task.cancel()
+            self._recent_task = None
         nc, self.nc = self.nc, None
         self._closing = True  # the disconnect that closing causes is not news
         self.metrics.nats_connected = 0
@@ -296,13 +303,27 @@ class ResultSource:
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
 
-    async def _on_any_result(self, msg: Msg) -> None:
+    async def _drain_recent(self, sub) -> None:
+        """Feed the recent ring from its subscription in batches, ``RECENT_BATCH_SECONDS`` after the
+        first result of each: a callback per result woke a task per result (one event-loop pass
+        each, ~8% of the edge's CPU at 2,000 results/s); the page reads the ring once a second."""
+        try:
+            while True:
+                await pending.wait(sub, 3600.0)
+                await asyncio.sleep(RECENT_BATCH_SECONDS)
+                now = time.time()
+                while (msg := pending.take(sub)) is not None:
+                    self._on_any_result(msg, now)
+        except nats.errors.Error:  # the connection closed under it: nothing more will come
+            return
+
+    def _on_any_result(self, msg: Msg, now: float) -> None:
         try:
             result = result_from_message(self.subjects, msg.subject, msg.headers, msg.data)
         except (ContractError, ValueError):
             return
         self.metrics.results_seen += 1
-        self.recent.note(result, time.time())
+        self.recent.note(result, now)
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
