@@ -44,7 +44,7 @@ TARGETS_CORE = {"p50": 2.0, "p99": 10.0}  # added ms over the floor, core mode (
 
 # ----------------------------------------------------------------------------- the SSE client process
 
-async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: list) -> None:
+async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: list, wave: list) -> None:
     """One ``GET /v1/results/<rid>``: each event's (rid, seq, arrival) until ``data: [DONE]``."""
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
@@ -53,6 +53,7 @@ async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: lis
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     opened.append(time.perf_counter() - t0)
+    wave.append(rid)
     if status != 200:
         body = await reader.read(2000)
         raise RuntimeError(f"{rid}: HTTP {status} {body[:200]!r}")
@@ -98,13 +99,13 @@ async def sse_client(url: str, out: Path) -> None:
     errors: list[str] = []
 
     async def open_wave(wave: str, rids: list[str]) -> None:
-        before = len(opened)
+        wave_opened: list[str] = []  # per wave: waves opened together may finish in any order
         for rid in rids:
-            task = asyncio.create_task(sse_stream(host, int(port), rid, arrivals, opened))
+            task = asyncio.create_task(sse_stream(host, int(port), rid, arrivals, opened, wave_opened))
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                    or errors.append(repr(t.exception())))
             tasks.append(task)
-        while len(opened) - before < len(rids) and not errors:
+        while len(wave_opened) < len(rids) and not errors:
             await asyncio.sleep(0.002)
         print(f"opened {wave}" if not errors else f"error {errors[0]}", flush=True)
 
@@ -146,9 +147,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def edge_flags() -> list[str]:
-    """``--insecure-demo`` only if this edge has the flag (the edge is getting auth in parallel)."""
+    """``--insecure-demo`` (no capabilities: the SSE client is one address), and per-client stream
+    limits above the benchmark's open streams, or every wave past 32 streams would get 429."""
     text = subprocess.run([str(BIN / "streamproc"), "edge", "--help"], capture_output=True, text=True).stdout
-    return ["--insecure-demo"] if "--insecure-demo" in text else []
+    flags = ["--insecure-demo"] if "--insecure-demo" in text else []
+    if "--max-streams-per-client" in text:
+        flags += ["--max-streams-per-client", "100000"]
+    return flags
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
@@ -177,11 +182,19 @@ class Mode:
         common = ["--nats-url", nats_url, "--prefix", self.prefix, "--log-level", "WARNING"]
         run = [str(BIN / "streamproc"), "run", *common, "--format", "sglang", "--mode", mode]
         edge = [str(BIN / "streamproc"), "edge", *common, "--port", str(self.port), *edge_flags()]
-        self.logs = [open(logdir / f"{mode}-run.log", "wb"), open(logdir / f"{mode}-edge.log", "wb")]
-        self.procs = [subprocess.Popen(run, stdout=self.logs[0], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL),
-                      subprocess.Popen(edge, stdout=self.logs[1], stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)]
+        # The baseline of target 2: a bare Starlette SSE relay on the same results (sse_relay.py).
+        self.relay_port = free_port()
+        self.relay_url = f"http://127.0.0.1:{self.relay_port}"
+        relay = [sys.executable, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", self.prefix,
+                 "--port", str(self.relay_port)]
+        self.logs = [open(logdir / f"{mode}-{name}.log", "wb") for name in ("run", "edge", "relay")]
+        self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                      for argv, log in zip((run, edge, relay), self.logs)]
         wait_http(f"{self.edge_url}/healthz", self.procs[1])
+        wait_http(f"{self.relay_url}/healthz", self.procs[2])
+
+    def url(self, target: str) -> str:
+        return self.edge_url if target == "edge" else self.relay_url
 
     def close(self) -> None:
         from streamproc.sim.embedded import stop_process
@@ -210,13 +223,14 @@ def build_wave(tag: str, streams: int, chunks: int):
 
 
 async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int, rate: float | None,
-                  tmp: Path) -> dict:
+                  tmp: Path, target: str = "edge") -> dict:
     """Publish ``waves`` waves at ``rate`` chunks/s (None: as fast as possible, all waves opened
-    first); returns per-hop latencies and the SSE delivery rate."""
+    first) with the SSE client reading from ``target`` ("edge" or "relay", the bare Starlette
+    relay); returns per-hop latencies and the SSE delivery rate."""
     import nats
-    out = tmp / f"{mode.mode}-{label}.json"
+    out = tmp / f"{mode.mode}-{label}-{target}.json"
     client = await asyncio.create_subprocess_exec(
-        sys.executable, str(Path(__file__).resolve()), "--sse-client", mode.edge_url, "--out", str(out),
+        sys.executable, str(Path(__file__).resolve()), "--sse-client", mode.url(target), "--out", str(out),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     nc = await nats.connect(mode.nats_url)
     published: dict[tuple[str, int], float] = {}
@@ -288,11 +302,12 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
     for name, seen in (("floor", floor), ("result", result), ("sse", sse)):
         hops[name] = percentiles([(seen[k] - t) * 1e3 for k, t in published.items() if k in seen], cdf=True)
     last = max(sse.values()) if sse else started
-    return {"label": label, "rate": rate, "offered": n / (time.perf_counter() - started) if rate is None else rate,
+    return {"label": label, "rate": rate, "target": target, "offered": n / (time.perf_counter() - started) if rate is None else rate,
             "published": n, "sse_rate": len(sse) / max(1e-9, last - started), "hops": hops,
             "missing_sse": n - len(sse), "open_ms": percentiles([x * 1e3 for x in data["opened"]]),
             # CPU per chunk over the run (stream opens and their teardown included)
-            "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6}
+            "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6,
+            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[1 if target == "edge" else 2] / n * 1e6}
 
 
 def show(mode: str, run: dict) -> None:
@@ -310,9 +325,49 @@ def show(mode: str, run: dict) -> None:
             print()
 
 
+VERSUS = (  # (key, label, unit, higher is better) of the edge-vs-relay comparison
+    ("peak_rate", "peak SSE events/s", "ev/s", True),
+    ("cpu_us", "CPU us/event @2k/s", "us", False),
+    ("open_p50", "SSE open p50 @2k/s", "ms", False),
+    ("sse_p99", "SSE p99 @2k/s", "ms", False),
+)
+
+
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
+    """Target 2's baseline in the same run: interleaved rounds (edge first in even rounds, relay
+    first in odd ones) of a peak run and a 2,000 chunks/s run per contender; medians per contender
+    and the paired median of the per-round ratios (edge / relay)."""
+    per_wave = args.streams * args.chunks
+    waves = max(1, round(RATE * args.relay_seconds / per_wave))
+    rounds: list[dict] = []
+    for r in range(args.relay_rounds):
+        figures = {}
+        for target in (("edge", "relay") if r % 2 == 0 else ("relay", "edge")):
+            tag = f"v{r}{target[0]}"
+            peak = await one_run(mode, f"{tag}p", args.peak_waves, args.streams, args.chunks, None, tmp, target)
+            paced = await one_run(mode, f"{tag}r", waves, args.streams, args.chunks, RATE, tmp, target)
+            figures[target] = {"peak_rate": peak["sse_rate"], "cpu_us": paced["server_cpu_us"],
+                               "open_p50": paced["open_ms"]["p50"], "sse_p99": paced["hops"]["sse"]["p99"],
+                               "result_p99": paced["hops"]["result"]["p99"]}
+        rounds.append(figures)
+    out: dict = {"rounds": rounds, "median": {}}
+    for key, label, unit, _ in VERSUS + (("result_p99", "result p99 @2k/s", "ms", False),):
+        ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", "relay"))
+        ratio = median([f["edge"][key] / f["relay"][key] for f in rounds if f["relay"][key]])
+        out["median"][key] = {"edge": ours, "relay": base, "ratio": ratio}
+        print(f"{mode.mode:8}  vs relay  {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
+    return out
+
+
 async def run(args) -> dict:
     from streamproc.sim.embedded import EmbeddedNats
-    report: dict = {"modes": {}, "streams": args.streams, "chunks": args.chunks, "seconds": args.seconds}
+    report: dict = {"modes": {}, "relay": {}, "streams": args.streams, "chunks": args.chunks,
+                    "seconds": args.seconds}
     per_wave = args.streams * args.chunks
     with EmbeddedNats() as server, tempfile.TemporaryDirectory(prefix="streamproc-latency-") as tmp:
         tmp_path = Path(tmp)
@@ -332,6 +387,10 @@ async def run(args) -> dict:
                     r = await one_run(mode, f"r{int(rate)}", waves, args.streams, args.chunks, rate, tmp_path)
                     show(mode_name, r)
                     runs.append(r)
+                if args.relay_rounds:
+                    print(f"{mode_name:8}  edge against a bare Starlette SSE relay, {args.relay_rounds} interleaved "
+                          f"rounds (ours, relay, paired median ratio)")
+                    report["relay"][mode_name] = await versus_relay(mode, args, tmp_path)
             except Exception:
                 for log in sorted(tmp_path.glob(f"{mode_name}-*.log")):
                     print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
@@ -356,6 +415,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=40, help="chunks per request")
     parser.add_argument("--peak-waves", type=int, default=4)
     parser.add_argument("--modes", default="core,durable")
+    parser.add_argument("--relay-rounds", type=int, default=3,
+                        help="interleaved rounds against the bare Starlette SSE relay (0: none)")
+    parser.add_argument("--relay-seconds", type=float, default=4.0, help="length of each paced relay round")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)

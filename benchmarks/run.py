@@ -113,6 +113,15 @@ def summarize(results: dict) -> list[Row]:
             rows.append(Row("2 edge", f"{mode} edge CPU us/event @2k/s", at["edge_cpu_us"], None, "us", "<= 40us"))
         else:
             rows.append(Row("2 edge", f"{mode} (latency.py)", None, None, "", "<= 2.0x"))
+        versus = (lat or {}).get("relay", {}).get(mode)
+        if versus:  # the bare Starlette SSE relay, interleaved rounds, paired median ratios (sse_relay.py)
+            m = versus["median"]
+            rows.append(Row("2 edge", f"{mode} peak SSE ev/s vs Starlette relay", m["peak_rate"]["edge"],
+                            m["peak_rate"]["relay"], "ev/s", ">= 1.0x", m["peak_rate"]["ratio"]))
+            rows.append(Row("2 edge", f"{mode} CPU us/event @2k/s vs relay", m["cpu_us"]["edge"],
+                            m["cpu_us"]["relay"], "us", "", m["cpu_us"]["ratio"]))
+            rows.append(Row("2 edge", f"{mode} SSE open p50 @2k/s vs relay", m["open_p50"]["edge"],
+                            m["open_p50"]["relay"], "ms", "", m["open_p50"]["ratio"]))
     join = results.get("join", ("", None))[1]
     if join:
         j, t = join["requests"]["large"], join["requests"]["typical"]

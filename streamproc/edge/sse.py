@@ -26,6 +26,8 @@ def event(data: bytes, *, id: int | None = None, event: str | None = None) -> by
         head += b"event: " + _field(event) + b"\n"
     if id is not None:
         head += b"id: " + str(id).encode() + b"\n"
+    if b"\n" not in data and b"\r" not in data:  # every compact-JSON body: one data line
+        return head + b"data: " + data + b"\n\n"
     lines = _LINE_BREAK.split(data)
     return head + b"".join(b"data: " + line + b"\n" for line in lines) + b"\n"
 

@@ -1,0 +1,100 @@
+"""Reading a nats-py subscription's pending messages without a task per message.
+
+nats-py 2.16's ``Subscription.next_msg(timeout)`` creates a uuid4 task name, a task for
+``asyncio.wait_for(queue.get(), timeout)`` and, inside ``wait_for``, a second task and a timer, for
+every message; the profile of the edge at 2,000 events/s put that at ~15 µs per SSE event
+(docs/benchmarks.md). :func:`next_msg` does the same thing with one future and one timer, and only
+when the queue is empty; a queued message is taken at once. The subscription, its pending
+limits (the per-stream bound: past them nats-py reports a SlowConsumerError) and the JetStream
+flow-control reply stay nats-py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
+
+
+def take(sub) -> Msg | None:
+    """A queued message, or None; ``nats.errors.ConnectionClosedError`` once the connection is closed. The accounting of nats-py 2.16 ``Subscription.next_msg`` after its
+    ``get`` (``_pending_size``, ``task_done``), then ``JetStreamContext.PushSubscription.next_msg``'s
+    flow-control check, which needs an await only when a reply is due (:func:`flow_control_due`)."""
+    core = sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
+    if core._conn.is_closed:
+        raise nats.errors.ConnectionClosedError
+    queue = core._pending_queue
+    if queue.empty():
+        return None
+    msg = queue.get_nowait()
+    core._pending_size -= len(msg.data)
+    queue.task_done()
+    return msg
+
+
+def flow_control_due(sub) -> str | None:
+    """The JetStream flow-control reply to publish now, as ``PushSubscription.next_msg`` does after
+    each message it hands out (nats-py 2.16 nats/js/client.py): once every delivered message was read."""
+    if not isinstance(sub, JetStreamContext.PushSubscription):
+        return None
+    jsi = sub._sub._jsi
+    if jsi is None:
+        return None
+    jsi._active = True
+    if jsi.get_js_delivered() >= jsi._fciseq and jsi._fcr:
+        reply, jsi._fcr = jsi._fcr, None
+        return reply
+    return None
+
+
+async def wait(sub, timeout: float) -> bool:
+    """Wait until a message is queued (True) or ``timeout`` seconds pass (False). Raises
+    ``nats.errors.ConnectionClosedError`` when the connection is closed, like ``next_msg``.
+
+    The getter is registered as ``asyncio.Queue.get`` registers its own (CPython 3.8-3.13
+    ``Queue.get``: a future in ``_getters``, woken by ``put_nowait``'s ``_wakeup_next``)."""
+    core = sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
+    if core._conn.is_closed:
+        raise nats.errors.ConnectionClosedError
+    queue = core._pending_queue
+    if not queue.empty():
+        return True
+    loop = asyncio.get_running_loop()
+    getter = loop.create_future()
+    queue._getters.append(getter)
+    timer = loop.call_later(timeout, _expire, getter)
+    # Client._close cancels what a sync subscription has here, to unblock its next_msg calls.
+    calls = core._pending_next_msgs_calls
+    calls[id(getter)] = getter
+    try:
+        await getter
+    except BaseException as exc:
+        getter.cancel()
+        _forget(queue, getter)
+        if not queue.empty() and not getter.cancelled():  # Queue.get: pass a wake-up we took on
+            queue._wakeup_next(queue._getters)
+        if isinstance(exc, asyncio.CancelledError) and core._conn.is_closed:
+            raise nats.errors.ConnectionClosedError from None  # next_msg's answer when Client._close cancels it
+        raise
+    finally:
+        timer.cancel()
+        calls.pop(id(getter), None)
+    _forget(queue, getter)  # on a timeout it is still registered
+    if core._conn.is_closed:
+        raise nats.errors.ConnectionClosedError
+    return not queue.empty()
+
+
+def _expire(getter: asyncio.Future) -> None:
+    if not getter.done():
+        getter.set_result(None)
+
+
+def _forget(queue: asyncio.Queue, getter: asyncio.Future) -> None:
+    """Unregister a getter that timed out; a woken one was popped already. (Not ``remove`` in a
+    ``try``: Python 3.11's ValueError formats the future's repr, ~10 µs.)"""
+    getters = queue._getters
+    if getters and getter in getters:
+        getters.remove(getter)
