@@ -13,7 +13,8 @@ both contenders read the same stream configuration and store their results the s
 
 - Paced (``--paced 2000``): only the light-load figure: both contenders get the same paced rate,
   rounds alternate, and the CPU per chunk of the contender and of nats-server is printed beside
-  the jsrelay's (target 4: <= 60 us at 2,000 chunks/s), with latency.
+  the jsrelay's and beside streamproc with write coalescing off (``streamproc-0``: flush_interval
+  and ack_linger 0), target 4: <= 60 us at 2,000 chunks/s; with latency.
 
 Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5] [--paced 2000]
 """
@@ -75,8 +76,17 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
             filter_subject=f"{settings.prefix}.partition.>"))
 
 
+# The processor with write coalescing off (flush_interval, ack_linger 0): the before-figure of the paced mode.
+UNCOALESCED = "streamproc-0"
+
+
 def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
-    return subprocess.Popen(contender_cmd(name, url, settings), stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    env = None
+    if name == UNCOALESCED:
+        env = {**os.environ, "STREAMPROC_FLUSH_INTERVAL": "0", "STREAMPROC_ACK_LINGER": "0"}
+        name = "streamproc"
+    return subprocess.Popen(contender_cmd(name, url, settings), stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            env=env)
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -144,7 +154,7 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
         nc = await nats.connect(server.url)
         proc = None
         try:
-            await prepare(nc, settings, name)
+            await prepare(nc, settings, "streamproc" if name == UNCOALESCED else name)
             count = min(len(load), int(rate * seconds))
             load = load[:count]
             sent: dict[tuple[str, str], float] = {}
@@ -234,19 +244,23 @@ async def run_paced(args) -> None:
     print(f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; paced {args.paced:,.0f} chunks/s for "
           f"{args.latency_seconds:g} s per run, {args.rounds} rounds alternating; CPU from the first paced publish "
           "to the last result")
-    runs: dict[str, list[Paced]] = {n: [] for n in NAMES}
+    names = (*NAMES, UNCOALESCED)
+    runs: dict[str, list[Paced]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for name in (NAMES if r % 2 == 0 else NAMES[::-1]):
+        for name in (names if r % 2 == 0 else names[::-1]):
             runs[name].append(await latency(name, live, args.paced, args.latency_seconds))
     print(f"{'contender':12}{'cpu us/chunk':>14}{'nats-server us/chunk':>22}{'p50 ms':>9}{'p99 ms':>9}   per round cpu us/chunk")
-    for name in NAMES:
+    for name in names:
         rs = runs[name]
         print(f"{name:12}{statistics.median(r.cpu_us for r in rs):14.1f}"
               f"{statistics.median(r.server_cpu_us for r in rs):22.1f}{statistics.median(r.p50 for r in rs):9.2f}"
               f"{statistics.median(r.p99 for r in rs):9.2f}   {', '.join(f'{r.cpu_us:.1f}' for r in rs)}")
-    ratios = [o.cpu_us / j.cpu_us for o, j in zip(runs["streamproc"], runs["jsrelay"])]
-    print(f"streamproc / jsrelay cpu per chunk, paired median {statistics.median(ratios):.2f} "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f}); load average now {os.getloadavg()[0]:.2f}")
+    for other in ("jsrelay", UNCOALESCED):
+        ratios = [o.cpu_us / j.cpu_us for o, j in zip(runs["streamproc"], runs[other])]
+        print(f"streamproc / {other} cpu per chunk, paired median {statistics.median(ratios):.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"({UNCOALESCED}: streamproc with flush_interval and ack_linger 0); load average now "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"target: streamproc <= 60 us CPU per chunk at {args.paced:,.0f} chunks/s")
 
 
