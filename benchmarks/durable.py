@@ -11,7 +11,12 @@ both contenders read the same stream configuration and store their results the s
 - Latency: at half of streamproc's peak rate, chunks are published live (paced); latency is a
   result's arrival at a core subscriber minus its chunk's publish time, for both contenders.
 
-Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5]
+- Paced (``--paced 2000``): only the light-load figure: both contenders get the same paced rate,
+  rounds alternate, and the CPU per chunk of the contender and of nats-server is printed beside
+  the jsrelay's and beside streamproc with write coalescing off (``streamproc-0``: flush_interval
+  and ack_linger 0), target 4: <= 60 us at 2,000 chunks/s; with latency.
+
+Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5] [--paced 2000]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType
@@ -70,8 +76,17 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
             filter_subject=f"{settings.prefix}.partition.>"))
 
 
+# The processor with write coalescing off (flush_interval, ack_linger 0): the before-figure of the paced mode.
+UNCOALESCED = "streamproc-0"
+
+
 def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
-    return subprocess.Popen(contender_cmd(name, url, settings), stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    env = None
+    if name == UNCOALESCED:
+        env = {**os.environ, "STREAMPROC_FLUSH_INTERVAL": "0", "STREAMPROC_ACK_LINGER": "0"}
+        name = "streamproc"
+    return subprocess.Popen(contender_cmd(name, url, settings), stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            env=env)
 
 
 def finish(proc: subprocess.Popen) -> None:
@@ -122,14 +137,24 @@ async def peak(name: str, load) -> tuple[float, float]:
                 finish(proc)
 
 
-async def latency(name: str, load, rate: float, seconds: float) -> tuple[float, float, int]:
-    """(p50 ms, p99 ms, chunks) publishing live at ``rate`` chunks/s for ``seconds``."""
+class Paced(NamedTuple):
+    """One paced run of one contender."""
+
+    p50: float  # ms, chunk publish -> result at a core subscriber
+    p99: float
+    chunks: int
+    cpu_us: float  # contender CPU per chunk, from the first paced publish to the last result
+    server_cpu_us: float  # nats-server CPU per chunk over the same window
+
+
+async def latency(name: str, load, rate: float, seconds: float) -> Paced:
+    """Latency and CPU per chunk publishing live at ``rate`` chunks/s for ``seconds``."""
     with EmbeddedNats() as server:
         settings = config.load({}, {"nats_url": server.url, "mode": "durable"})
         nc = await nats.connect(server.url)
         proc = None
         try:
-            await prepare(nc, settings, name)
+            await prepare(nc, settings, "streamproc" if name == UNCOALESCED else name)
             count = min(len(load), int(rate * seconds))
             load = load[:count]
             sent: dict[tuple[str, str], float] = {}
@@ -159,6 +184,8 @@ async def latency(name: str, load, rate: float, seconds: float) -> tuple[float, 
             await asyncio.sleep(0.5)
 
             tick = 0.002
+            server_pid = server.pid
+            cpu0, server0 = cpu_seconds(proc.pid), cpu_seconds(server_pid)
             started = time.perf_counter()
             for n, (subject, body, headers) in enumerate(load):
                 due = started + n / rate
@@ -171,8 +198,10 @@ async def latency(name: str, load, rate: float, seconds: float) -> tuple[float, 
                 await nc.publish(subject, body, headers=headers)
             await nc.flush()
             await asyncio.wait_for(done.wait(), 120)
+            cpu, server_cpu = cpu_seconds(proc.pid) - cpu0, cpu_seconds(server_pid) - server0
             lat.sort()
-            return lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3, len(lat)
+            n = len(lat)
+            return Paced(lat[n // 2] * 1e3, lat[int(n * 0.99)] * 1e3, n, cpu / n * 1e6, server_cpu / n * 1e6)
         finally:
             await nc.close()
             if proc is not None:
@@ -202,9 +231,37 @@ async def run(args) -> None:
     print(f"latency at half of streamproc's peak: {offered:,.0f} chunks/s offered for {args.latency_seconds:g} s, "
           "chunk publish -> result at a core subscriber")
     for name in NAMES:
-        p50, p99, n = await latency(name, live, offered, args.latency_seconds)
-        print(f"{name:12} p50 {p50:7.2f} ms   p99 {p99:7.2f} ms   ({n} chunks)")
-    print("target: streamproc >= 1.0 x jsrelay (peak chunks/s)")
+        r = await latency(name, live, offered, args.latency_seconds)
+        print(f"{name:12} p50 {r.p50:7.2f} ms   p99 {r.p99:7.2f} ms   ({r.chunks} chunks; cpu us/chunk "
+              f"{r.cpu_us:.1f}, nats-server {r.server_cpu_us:.1f})")
+    print("target: streamproc >= 2.0 x jsrelay (peak chunks/s); p99 <= 20 ms at half of peak")
+
+
+async def run_paced(args) -> None:
+    """Only the paced light-load figure: CPU per chunk of each contender and of nats-server at
+    ``--paced`` chunks/s, rounds alternating, paired medians."""
+    live = build_load(int(args.paced * args.latency_seconds) + 16, True, "streamproc")
+    print(f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; paced {args.paced:,.0f} chunks/s for "
+          f"{args.latency_seconds:g} s per run, {args.rounds} rounds alternating; CPU from the first paced publish "
+          "to the last result")
+    names = (*NAMES, UNCOALESCED)
+    runs: dict[str, list[Paced]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            runs[name].append(await latency(name, live, args.paced, args.latency_seconds))
+    print(f"{'contender':12}{'cpu us/chunk':>14}{'nats-server us/chunk':>22}{'p50 ms':>9}{'p99 ms':>9}   per round cpu us/chunk")
+    for name in names:
+        rs = runs[name]
+        print(f"{name:12}{statistics.median(r.cpu_us for r in rs):14.1f}"
+              f"{statistics.median(r.server_cpu_us for r in rs):22.1f}{statistics.median(r.p50 for r in rs):9.2f}"
+              f"{statistics.median(r.p99 for r in rs):9.2f}   {', '.join(f'{r.cpu_us:.1f}' for r in rs)}")
+    for other in ("jsrelay", UNCOALESCED):
+        ratios = [o.cpu_us / j.cpu_us for o, j in zip(runs["streamproc"], runs[other])]
+        print(f"streamproc / {other} cpu per chunk, paired median {statistics.median(ratios):.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"({UNCOALESCED}: streamproc with flush_interval and ack_linger 0); load average now "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"target: streamproc <= 60 us CPU per chunk at {args.paced:,.0f} chunks/s")
 
 
 def main() -> None:
@@ -212,7 +269,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=30_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency-seconds", type=float, default=5.0)
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--paced", type=float, default=0.0,
+                        help="only the paced mode: offer this many chunks/s to each contender (e.g. 2000)")
+    args = parser.parse_args()
+    asyncio.run(run_paced(args) if args.paced else run(args))
 
 
 if __name__ == "__main__":

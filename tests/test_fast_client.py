@@ -191,3 +191,84 @@ async def test_the_processor_on_the_fast_path_passes_chunks_through(client, star
         assert rp.processor.stats.passthrough == 3
     assert [r.body for r in got] == bodies and [r.seq for r in got] == [0, 1, 2]
     assert all(r.verdict is Verdict.PASSTHROUGH for r in got) and got[-1].final
+
+
+# ------------------------------------------------------------------------------ coalesced writes
+
+async def _fast_client(url: str) -> FastClient:
+    nc = FastClient()
+    await nc.connect(servers=[url])
+    return nc
+
+
+async def _arrivals(client, subject: str) -> tuple[list[tuple[bytes, float]], asyncio.Event]:
+    got: list[tuple[bytes, float]] = []
+    event = asyncio.Event()
+
+    async def on(msg) -> None:
+        got.append((msg.data, asyncio.get_running_loop().time()))
+        event.set()
+
+    await client.subscribe(subject, cb=on)
+    await client.flush()
+    return got, event
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_a_deferred_publish_leaves_with_the_next_write_or_after_its_linger(client, nats_url):
+    got, _ = await _arrivals(client, "deferred")
+    nc = await _fast_client(nats_url)
+    try:
+        loop = asyncio.get_running_loop()
+        nc.defer_linger = 0.5
+        await nc.publish_deferred("deferred", b"a")
+        await asyncio.sleep(0.2)
+        assert got == []  # waiting for a write to ride on
+        sent = loop.time()
+        await nc.publish("deferred", b"b")  # a write: takes the deferred one along, first
+        while len(got) < 2:
+            await asyncio.sleep(0.01)
+        assert [d for d, _ in got] == [b"a", b"b"] and got[0][1] - sent < 0.25
+        await asyncio.sleep(0.5)  # a's deadline has passed (it may take a later one along, never later)
+        sent = loop.time()
+        await nc.publish_deferred("deferred", b"c")  # nothing else: leaves at its linger
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        assert 0.4 <= got[2][1] - sent < 3
+        nc.defer_linger = 0.0  # off: a plain publish
+        sent = loop.time()
+        await nc.publish_deferred("deferred", b"d")
+        while len(got) < 4:
+            await asyncio.sleep(0.01)
+        assert got[3][1] - sent < 0.25
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_publishes_within_the_flush_interval_of_a_write_leave_together_after_it(client, nats_url):
+    got, _ = await _arrivals(client, "interval")
+    nc = await _fast_client(nats_url)
+    try:
+        loop = asyncio.get_running_loop()
+        nc.flush_interval = 0.5
+        await asyncio.sleep(0.6)  # the connect's own writes are older than the interval
+        sent = loop.time()
+        await nc.publish("interval", b"x")  # quiet before: written at once
+        while not got:
+            await asyncio.sleep(0.005)
+        assert got[0][1] - sent < 0.25
+        await nc.publish("interval", b"y")  # within the interval of x's write: waits for the rest of it
+        await asyncio.sleep(0.1)
+        await nc.publish("interval", b"z")
+        while len(got) < 3:
+            await asyncio.sleep(0.005)
+        assert [d for d, _ in got] == [b"x", b"y", b"z"]
+        assert got[1][1] - got[0][1] >= 0.35  # not before the interval ran out
+        assert got[2][1] - got[1][1] < 0.05  # y and z in one write
+    finally:
+        await nc.close()

@@ -159,6 +159,7 @@ class DurableInput:
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish))
         self._partitions: dict[int, _Partition] = {}
+        self._publish_pull = getattr(nc, "publish_deferred", None) or nc.publish  # leaves with the next write
         self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
         # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
@@ -209,6 +210,9 @@ class DurableInput:
                                       s.subjects.result(""), ttl=s.results_max_age, replicas=s.stream_replicas,
                                       storage=self._storage)
         await self.ledger.open()
+        if hasattr(self.nc, "defer_linger"):  # FastClient only (fast_client.py): coalesce writes at light load
+            self.nc.flush_interval = s.flush_interval
+            self.nc.defer_linger = s.ack_linger
         self._reconnects = self.nc.stats["reconnects"]
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
@@ -417,7 +421,7 @@ class DurableInput:
         credit.pulled(self._clock())
         self.stats.pulls += 1
         try:
-            await self.nc.publish(part.pull_subject, self._pull_body, part.inbox)
+            await self._publish_pull(part.pull_subject, self._pull_body, part.inbox)
         except Exception as exc:
             credit.pull_failed(self._clock())
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))

@@ -54,6 +54,8 @@ class OutboxPump:
         """``publish``: ``nc.publish`` unless tracing wraps it (``Pipeline.publisher``)."""
         self._nc = nc
         self._publish = publish or nc.publish
+        # Acks, NAKs and in-progress acks wait for the next write (FastClient.publish_deferred).
+        self._control = getattr(nc, "publish_deferred", None) or nc.publish
         self._head = results_head
         self.outbox = outbox
         self._clock = clock
@@ -121,6 +123,7 @@ class OutboxPump:
                     outbox.send_failed(o)
                     self._failed(r.request_id, exc)
         control = outbox.control()
+        send = self._control
         for token, action in control:
             if action is ACK:
                 payload = _ACK
@@ -129,7 +132,7 @@ class OutboxPump:
                     continue
                 payload = _payload(action)
             try:
-                await publish(token.reply, payload)  # type: ignore[attr-defined]
+                await send(token.reply, payload)  # type: ignore[attr-defined]
             except Exception as exc:  # a lost ack means a redelivery, which is safe
                 log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
 

@@ -92,6 +92,12 @@ class EmbeddedNats:
         return self._dir / "nats-server.log" if self._dir else None
 
     @property
+    def pid(self) -> int:
+        """The server's process id (benchmarks read its CPU time from /proc)."""
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
