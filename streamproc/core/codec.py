@@ -107,6 +107,80 @@ class OmissionReason(enum.StrEnum):
         return cls(f"{leg}_corrupt")
 
 
+# Every codec marks a removed field ``<field>_unavailable_reason`` (Dynamo's convention); readers
+# such as the edge's experts view collect them without knowing the format's field names.
+UNAVAILABLE_SUFFIX = "_unavailable_reason"
+_MARKER_DEPTH = 4  # how deep a body's omission markers are searched (every format nests them shallowly)
+
+
+def omission_markers(value: Any, out: dict[str, str] | None = None, depth: int = 0) -> dict[str, str]:
+    """Every ``<field>_unavailable_reason`` in a parsed body, as field -> reason (depth-bounded)."""
+    out = {} if out is None else out
+    if depth > _MARKER_DEPTH:
+        return out
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        if isinstance(key, str) and key.endswith(UNAVAILABLE_SUFFIX) and isinstance(inner, str):
+            out[key.removesuffix(UNAVAILABLE_SUFFIX)] = inner
+        elif isinstance(inner, (dict, list)):
+            omission_markers(inner, out, depth + 1)
+    return out
+
+
+class RowSource(enum.StrEnum):
+    """Which worker computed a span of routed-expert rows."""
+
+    WORKER = "worker"  # an aggregated request: one worker computed every row
+    PREFILL = "prefill"
+    DECODE = "decode"
+    JOINED = "joined"  # a P/D join, but the body does not say where prefill's rows end
+
+
+class RowSpan(msgspec.Struct, frozen=True):
+    """Rows ``[start, stop)`` of a routed-experts matrix and the worker that computed them."""
+
+    source: RowSource
+    start: int
+    stop: int
+
+
+def row_spans(positions: int, prefill_rows: int | None, verdict: Verdict | None) -> list[RowSpan]:
+    """Where each row came from: one worker for a passthrough request; for a joined (omitted, stitched)
+    one, prefill's ``prefill_rows`` then decode's (unknown split: one ``joined`` span); ``[]`` when the
+    verdict is not known."""
+    if verdict is None:
+        return []
+    if verdict is Verdict.PASSTHROUGH:
+        return [RowSpan(RowSource.WORKER, 0, positions)]
+    if prefill_rows is None:
+        return [RowSpan(RowSource.JOINED, 0, positions)]
+    split = min(max(0, prefill_rows), positions)
+    spans = [RowSpan(RowSource.PREFILL, 0, split)] if split else []
+    return spans + ([RowSpan(RowSource.DECODE, split, positions)] if split < positions else [])
+
+
+class RoutedExperts(msgspec.Struct, kw_only=True):
+    """A format-neutral description of the routed experts in one result body (:meth:`Codec.routed_experts`).
+
+    ``matrix`` is a 2-D integer numpy array, one row per token position from ``start``, each row
+    ``layers x top_k`` ids (``layers``/``top_k`` known only when the wire states the shape).
+    """
+
+    field: str | None = None  # the format's own name for the value, for display only
+    present: bool = False  # the body carries a value (else see ``omitted``)
+    matrix: Any = None  # positions x row ids, or None (absent, or see ``problem``)
+    dtype: str | None = None
+    start: int = 0  # token position of row 0
+    layers: int | None = None
+    top_k: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    splice: int | None = None  # row index of the first row after the prompt, when inside the matrix
+    spans: list[RowSpan] = []  # which worker computed which rows (needs the request's verdict)
+    omitted: dict[str, str] = {}  # field -> reason, from every ``<field>_unavailable_reason`` marker
+    problem: str | None = None  # why a present value cannot be shown as a matrix
+
+
 R = TypeVar("R")
 
 
@@ -280,6 +354,18 @@ class Codec(ABC):
     @abstractmethod
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         """The format's native error envelope."""
+
+    # The format's name for its routed-experts value (a sequence field), None when it has none.
+    # Readers that must find the value in a body they hold (the live page) learn it from here.
+    experts_field: ClassVar[str | None] = None
+
+    def routed_experts(self, body: bytes, *, verdict: Verdict | None = None,
+                       limit: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> RoutedExperts:
+        """The routed experts of one result body, format-neutral, decoded within ``limit`` bytes;
+        ``verdict`` (the request's strongest) says whether rows were joined from two legs.
+        Raises ``ValueError`` when ``body`` is not a result body of this format. The default, for
+        a format without routed experts, does not look at the body."""
+        return RoutedExperts(problem=f"format {self.name} describes no routed experts")
 
     # Migration hooks. The defaults refuse, so a codec without migration support stays valid.
 
