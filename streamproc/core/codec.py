@@ -267,17 +267,17 @@ def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -
                                f"for a {seen}-token prompt: not the request being resumed")
 
 
-def check_sampling_params(params: object, *, guided: Sequence[str]) -> dict[str, Any]:
+def check_sampling_params(params: object, *, guided: Sequence[str], samples: str) -> dict[str, Any]:
     """A request's sampling parameters if one request with them can be resumed elsewhere: a single
-    object (not a batch), one sample (``n`` absent or 1), no guided decoding (``guided`` fields)
-    whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
+    object (not a batch), one sample (the format's ``samples`` field absent or 1), no guided decoding
+    (``guided`` fields) whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
     if params is None:
         return {}
     if not isinstance(params, dict):
-        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
-    n = params.get("n")
+        raise MigrationRefused("a batched request (a list of sampling parameters) cannot be resumed")
+    n = params.get(samples)
     if n not in (None, 1):
-        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+        raise MigrationRefused(f"{samples} = {n}: parallel samples cannot be resumed as one request")
     for field in guided:
         if params.get(field) is not None:
             raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
