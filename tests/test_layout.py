@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,3 +194,104 @@ def test_nats_py_imports_are_told_from_streamproc_nats():
 def test_only_the_shell_edge_client_and_simulation_import_nats_py(module: str):
     lines = imports_nats_py(SOURCES[module].read_text())
     assert lines == [], f"{SOURCES[module]} imports nats-py at line(s) {lines}"
+
+
+# ------------------------------------------------------------------------------ format knowledge
+# "Format code lives in codecs/<format>/; the core knows no SGLang or vLLM field names." The names a
+# format knows are gathered from the codecs themselves (every string a codec keys a body or request
+# with, or names in an UPPER_CASE constant); none of them may appear as a string in streamproc/.
+
+CODEC_SOURCES = sorted(PACKAGE_DIR.parent.glob("codecs/*/streamproc_*/*.py"))
+PAGE_SOURCES = sorted([*PACKAGE_DIR.rglob("*.js"), *PACKAGE_DIR.rglob("*.html")])
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# Words a codec uses that are also streamproc's own vocabulary, each with where streamproc uses it.
+OWN_VOCABULARY = {
+    "error": "the edge's error envelope and the result error header, ErrorKind",
+    "message": "the edge's error envelope",
+    "type": "the edge's error envelope",
+    "code": "the edge's error envelope",
+    "request_id": "streamproc's wire contract (subjects, Streamproc-Request-Id)",
+    "stream": "the edge's ?stream=false, the chunk stream",
+    "token": "capabilities (streamproc token), NATS auth tokens",
+    "id": "HTML element ids, SSE id:",
+    "length": "Truth.finish, the ground truth's finish reason (length or stop)",
+    "n": "slot and node names",
+    "s": "string formatting",
+}
+# Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
+KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",
+                       "input_token_logprobs", "routed_experts_dtype", "routed_experts_start_len"}
+
+
+def _literal_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.match(node.value):
+        return node.value
+    return None
+
+
+def keyed_names(source: str) -> set[str]:
+    """Strings a codec keys a body with: ``d["x"]``, ``d.get("x")``/``pop``/``setdefault``, ``{"x": ...}``,
+    ``"x" in d``, and every name-like string in an ``UPPER_CASE = ...`` constant."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets):
+            names.update(n for sub in ast.walk(node.value) if (n := _literal_name(sub)))
+        elif isinstance(node, ast.Subscript) and (n := _literal_name(node.slice)):
+            names.add(n)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+              and node.func.attr in ("get", "pop", "setdefault") and (n := _literal_name(node.args[0]))):
+            names.add(n)
+        elif isinstance(node, ast.Dict):
+            names.update(n for key in node.keys if key is not None and (n := _literal_name(key)))
+        elif (isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+              and (n := _literal_name(node.left))):
+            names.add(n)
+    return names
+
+
+def format_field_names() -> set[str]:
+    return set().union(*(keyed_names(p.read_text()) for p in CODEC_SOURCES)) - OWN_VOCABULARY.keys()
+
+
+def python_strings(source: str) -> list[tuple[int, str]]:
+    return [(node.lineno, node.value) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+
+
+def page_strings(source: str) -> list[tuple[int, str]]:
+    """Quoted strings of a script or page, comments removed (prose may name a format)."""
+    code = re.sub(r"/\*.*?\*/|<!--.*?-->", lambda m: "\n" * m.group().count("\n"), source, flags=re.S)
+    code = re.sub(r"(?m)(^|[^:\\])//.*$", r"\1", code)  # line comments, not the // of a URL
+    strings = re.finditer(r'"((?:[^"\\\n]|\\.)*)"|\'((?:[^\'\\\n]|\\.)*)\'|`((?:[^`\\]|\\.)*)`', code)
+    return [(code[:m.start()].count("\n") + 1, next(g for g in m.groups() if g is not None)) for m in strings]
+
+
+def format_names_in(path: Path, names: set[str]) -> list[str]:
+    strings = page_strings(path.read_text()) if path.suffix in (".js", ".html") else python_strings(path.read_text())
+    return [f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {text!r}" for line, text in strings if text in names]
+
+
+def test_the_format_field_names_are_gathered_from_every_codec_tree():
+    assert {p.parent.parent.name for p in CODEC_SOURCES} == {"sglang", "vllm", "sglang-zstd"}
+    assert KNOWN_FORMAT_FIELDS <= format_field_names()
+
+
+def test_the_check_sees_a_field_name_in_python_and_in_a_page_script_but_not_in_prose(tmp_path):
+    names = {"meta_info", "routed_experts"}
+    script = tmp_path / "x.js"
+    script.write_text('// routed_experts is "routed_experts"\nconst F = "routed_experts";\nfetch("http://a/b");\n')
+    module = tmp_path / "x.py"
+    module.write_text('"""Reads meta_info."""\ndef f(doc):\n    return doc.get("meta_info")\n')
+    global PACKAGE_DIR
+    home, PACKAGE_DIR = PACKAGE_DIR, tmp_path / "streamproc"
+    try:
+        assert format_names_in(script, names) == ["x.js:2: 'routed_experts'"]
+        assert format_names_in(module, names) == ["x.py:3: 'meta_info'"]
+    finally:
+        PACKAGE_DIR = home
+
+
+def test_streamproc_names_no_format_field():
+    names = format_field_names()
+    found = [hit for path in [*SOURCES.values(), *PAGE_SOURCES] for hit in format_names_in(path, names)]
+    assert found == [], "format field names outside codecs/ (move them into a codec hook):\n" + "\n".join(found)
