@@ -115,7 +115,8 @@ async def test_the_verdict_attributes_rows_to_legs_and_an_unknown_verdict_is_ref
     assert joined.json()["spans"] == [{"source": "prefill", "start": 0, "stop": 12},
                                       {"source": "decode", "start": 12, "stop": 17}]
     assert bad.status_code == 400 and "verdict must be one of" in bad.json()["error"]["message"]
-    assert info["experts_field"] == "routed_experts"  # the page finds the value to post by the codec's name
+    # The page names no format field: it finds the value to post, and the text it shows, by the codec's names.
+    assert (info["experts_field"], info["text_field"]) == ("routed_experts", "text")
 
 
 async def test_omission_markers_are_reported_without_a_matrix(zstd_edge):

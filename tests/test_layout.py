@@ -216,6 +216,8 @@ OWN_VOCABULARY = {
     "id": "HTML element ids, SSE id:",
     "length": "Truth.finish, the ground truth's finish reason (length or stop)",
     "n": "slot and node names",
+    "abort": "AbortController.abort() in the page",
+    "dtype": "the experts view's own field (ExpertsView.dtype), numpy's word",
     "s": "string formatting",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
@@ -259,11 +261,14 @@ def python_strings(source: str) -> list[tuple[int, str]]:
 
 
 def page_strings(source: str) -> list[tuple[int, str]]:
-    """Quoted strings of a script or page, comments removed (prose may name a format)."""
+    """Quoted strings and property names (``doc.meta_info``) of a script or page, comments removed
+    (prose may name a format)."""
     code = re.sub(r"/\*.*?\*/|<!--.*?-->", lambda m: "\n" * m.group().count("\n"), source, flags=re.S)
     code = re.sub(r"(?m)(^|[^:\\])//.*$", r"\1", code)  # line comments, not the // of a URL
     strings = re.finditer(r'"((?:[^"\\\n]|\\.)*)"|\'((?:[^\'\\\n]|\\.)*)\'|`((?:[^`\\]|\\.)*)`', code)
-    return [(code[:m.start()].count("\n") + 1, next(g for g in m.groups() if g is not None)) for m in strings]
+    found = [(code[:m.start()].count("\n") + 1, next(g for g in m.groups() if g is not None)) for m in strings]
+    properties = re.finditer(r"(?<![\w.])[A-Za-z_$][\w$]*\??\.([a-z][a-z0-9_]*)(?![\w$])", code)
+    return found + [(code[:m.start()].count("\n") + 1, m.group(1)) for m in properties]
 
 
 def format_names_in(path: Path, names: set[str]) -> list[str]:
@@ -279,13 +284,14 @@ def test_the_format_field_names_are_gathered_from_every_codec_tree():
 def test_the_check_sees_a_field_name_in_python_and_in_a_page_script_but_not_in_prose(tmp_path):
     names = {"meta_info", "routed_experts"}
     script = tmp_path / "x.js"
-    script.write_text('// routed_experts is "routed_experts"\nconst F = "routed_experts";\nfetch("http://a/b");\n')
+    script.write_text('// routed_experts is "routed_experts"\nconst F = "routed_experts";\nfetch("http://a/b");\n'
+                      "const m = doc.meta_info;\n")
     module = tmp_path / "x.py"
     module.write_text('"""Reads meta_info."""\ndef f(doc):\n    return doc.get("meta_info")\n')
     global PACKAGE_DIR
     home, PACKAGE_DIR = PACKAGE_DIR, tmp_path / "streamproc"
     try:
-        assert format_names_in(script, names) == ["x.js:2: 'routed_experts'"]
+        assert format_names_in(script, names) == ["x.js:2: 'routed_experts'", "x.js:4: 'meta_info'"]
         assert format_names_in(module, names) == ["x.py:3: 'meta_info'"]
     finally:
         PACKAGE_DIR = home

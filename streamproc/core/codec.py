@@ -355,6 +355,10 @@ class Codec(ABC):
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         """The format's native error envelope."""
 
+    # The format's name for the generated text in a body, None when its bodies carry none: the live
+    # page shows it (the edge passes it on in ``GET /v1/info``) without naming a format's field.
+    text_field: ClassVar[str | None] = None
+
     # The format's name for its routed-experts value (a sequence field), None when it has none.
     # Readers that must find the value in a body they hold (the live page) learn it from here.
     experts_field: ClassVar[str | None] = None

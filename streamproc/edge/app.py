@@ -339,7 +339,10 @@ class Edge:
             "algorithm": s.auth_algorithm if self.verifier is not None else None,
             "tls": bool(s.tls_cert_file),
             "max_streams_per_client": s.max_streams_per_client,
-            "experts_field": self.codec.experts_field,  # the page finds the value to post by this name
+            # The format's field names the page needs (it names none itself): generated text, and
+            # the routed-experts value it posts to /v1/experts.
+            "text_field": self.codec.text_field,
+            "experts_field": self.codec.experts_field,
         })
 
     async def experts(self, request: Request) -> Response:

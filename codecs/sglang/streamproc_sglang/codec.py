@@ -60,7 +60,9 @@ class SGLangCodec(Codec):
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
 
-    # The edge's routed-experts view (``experts.py``), decoded with this instance's sequence codecs.
+    # What the live page shows: the generated text, and the edge's routed-experts view
+    # (``experts.py``, decoded with this instance's sequence codecs).
+    text_field = native.TEXT
     experts_field = native.ROUTED_EXPERTS
 
     def routed_experts(self, body: bytes, *, verdict: Verdict | None = None,
