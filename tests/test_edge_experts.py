@@ -67,7 +67,23 @@ def test_every_format_describes_its_joined_rows_split_at_the_prompt_and_its_aggr
     aggregated = build_view(codec, worker_for(fmt).agg(truth, stream=False)[-1], verdict=Verdict.PASSTHROUGH)
     assert aggregated.ids == truth_ids(truth)
     assert [(s.source, s.start, s.stop) for s in aggregated.spans] == [("worker", 0, 49)]
-    assert build_view(codec, joined_final_body(truth, fmt)).spans == []  # no verdict: not attributed
+    body = joined_final_body(truth, fmt)
+    assert build_view(codec, body).spans == []  # no verdict: not attributed
+    stitched = build_view(codec, body, verdict=Verdict.STITCHED)  # migrated: attempts not told apart
+    assert [(s.source, s.start, s.stop) for s in stitched.spans] == [("resumed", 0, 49)]
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd", "vllm"])
+def test_every_format_reports_omitted_experts_with_the_reason_and_no_matrix(fmt):
+    truth = make_truth(85, prompt_len=8, output_len=4, num_layers=2, top_k=2)
+    codec = Catalog()(fmt)
+    session = codec.open_session()
+    session.prefill_unavailable("prefill_timeout")
+    body, verdict = session.join(worker_for(fmt).decode(truth, stream=False)[-1], True)
+    assert verdict is Verdict.OMITTED
+    view = build_view(codec, body, verdict=verdict)
+    assert (view.present, view.ids, view.spans, view.problem) == (False, [], [], None)
+    assert view.omitted["routed_experts"] == "prefill_timeout"
 
 
 def test_a_format_without_routed_experts_says_so_without_reading_the_body():

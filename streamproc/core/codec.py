@@ -134,6 +134,7 @@ class RowSource(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     JOINED = "joined"  # a P/D join, but the body does not say where prefill's rows end
+    RESUMED = "resumed"  # a migrated request: rows of more than one attempt, which is not in the body
 
 
 class RowSpan(msgspec.Struct, frozen=True):
@@ -145,13 +146,16 @@ class RowSpan(msgspec.Struct, frozen=True):
 
 
 def row_spans(positions: int, prefill_rows: int | None, verdict: Verdict | None) -> list[RowSpan]:
-    """Where each row came from: one worker for a passthrough request; for a joined (omitted, stitched)
-    one, prefill's ``prefill_rows`` then decode's (unknown split: one ``joined`` span); ``[]`` when the
-    verdict is not known."""
+    """Where each row came from, by the request's strongest verdict: one worker for a passthrough
+    request; for a joined (or omitted) one, prefill's ``prefill_rows`` then decode's (unknown split:
+    one ``joined`` span); one ``resumed`` span for a stitched one (aggregated or P/D, the attempts'
+    rows are not told apart in the body); ``[]`` when the verdict is not known."""
     if verdict is None:
         return []
     if verdict is Verdict.PASSTHROUGH:
         return [RowSpan(RowSource.WORKER, 0, positions)]
+    if verdict is Verdict.STITCHED:
+        return [RowSpan(RowSource.RESUMED, 0, positions)]
     if prefill_rows is None:
         return [RowSpan(RowSource.JOINED, 0, positions)]
     split = min(max(0, prefill_rows), positions)

@@ -22,10 +22,11 @@
     shape_mismatch: "the legs advertise different dtypes",
     too_large: "the value decodes past what the body allows",
   };
-  const PREFILL = "#3d5afe", DECODE = "#ff9100", AGG = "#90a4ae", JOINED = "#7e57c2", SPLICE = "#d50000";
-  // The edge's row spans (view.spans: worker | prefill | decode | joined) as band colours and labels.
+  const PREFILL = "#3d5afe", DECODE = "#ff9100", AGG = "#90a4ae", JOINED = "#7e57c2", RESUMED = "#00897b";
+  const SPLICE = "#d50000";
+  // The edge's row spans (view.spans: worker | prefill | decode | joined | resumed) as band colours and labels.
   const SOURCES = { worker: [AGG, "aggregated"], prefill: [PREFILL, "prefill"], decode: [DECODE, "decode"],
-    joined: [JOINED, "P/D, split unknown"] };
+    joined: [JOINED, "P/D, split unknown"], resumed: [RESUMED, "migrated, attempts not told apart"] };
   // Viridis, five stops: expert id 0 is dark blue, the largest id in the payload is yellow.
   const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const HEAD = 14, BAND = 8, LEFT = 34, BOTTOM = 16;  // pixels around the cells
@@ -170,6 +171,8 @@
       text += " · P/D join: every row from prefill (one-token decode)";
     } else if (sources.includes("joined")) {
       text += " · P/D join: this body does not say where prefill's rows end";
+    } else if (sources.includes("resumed")) {
+      text += " · migrated: rows of more than one attempt, not told apart in the body";
     } else {
       text += " · aggregated: every row from one worker, no splice";
     }
