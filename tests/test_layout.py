@@ -263,7 +263,7 @@ def python_strings(source: str) -> list[tuple[int, str]]:
 def page_strings(source: str) -> list[tuple[int, str]]:
     """Quoted strings and property names (``doc.meta_info``) of a script or page, comments removed
     (prose may name a format)."""
-    code = re.sub(r"/\*.*?\*/|<!--.*?-->", lambda m: "\n" * m.group().count("\n"), source, flags=re.S)
+    code = re.sub(r"/\*.*?\*/|<!--.*?-->", lambda m: "\n" * m.group().count("\n"), source, flags=re.DOTALL)
     code = re.sub(r"(?m)(^|[^:\\])//.*$", r"\1", code)  # line comments, not the // of a URL
     strings = re.finditer(r'"((?:[^"\\\n]|\\.)*)"|\'((?:[^\'\\\n]|\\.)*)\'|`((?:[^`\\]|\\.)*)`', code)
     found = [(code[:m.start()].count("\n") + 1, next(g for g in m.groups() if g is not None)) for m in strings]

@@ -17,11 +17,11 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from ..catalog import worker_for
 from ..client.migration import MigrationError, MigrationRefused, Migrator, Resumed
 from ..client.publisher import ChunkPublisher
 from ..client.results import ResultCollector
 from ..core.wire import ResultInfo, Role, Subjects, Verdict
-from ..catalog import worker_for
 from .simulation import SimulatedWorker, Truth, make_truth
 
 # Every output chunk holds two tokens, so dying after two chunks means four tokens were sent.

@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING
 from streamproc.codec import CorruptPayload, RoutedExperts, omission_markers, row_spans
 from streamproc.wire import Verdict
 
-from .native import (COMPLETION_TOKENS, PROMPT_LOGPROBS, PROMPT_TOKENS, ROUTED_EXPERTS, choices_of, parse_object,
-                     usage_count)
+from .native import (
+    COMPLETION_TOKENS,
+    PROMPT_LOGPROBS,
+    PROMPT_TOKENS,
+    ROUTED_EXPERTS,
+    choices_of,
+    parse_object,
+    usage_count,
+)
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
