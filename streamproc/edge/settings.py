@@ -66,8 +66,9 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     processor_metrics_url: Annotated[
         str,
         documented(
-            "the processors' /metrics URLs (comma-separated) whose join-latency histograms the live "
-            "page charts (GET /v1/stats); empty: the page charts results/s only"
+            "the processors' /metrics URLs (comma-separated) whose join-wait and result-latency "
+            "histograms GET /v1/stats reports and the live page charts (join wait); empty: the page "
+            "charts results/s only"
         ),
     ] = ""
 
