@@ -48,7 +48,10 @@ def _settings(args: argparse.Namespace) -> tuple[config.Settings, dict[str, str]
 
 
 def _options(schema: config.SettingsSchema, args: argparse.Namespace):
-    """A command's own settings (``simulate``, ``demo``, ``token``, ``codecs``: flags over defaults)."""
+    """A command's own settings (``simulate``, ``demo``, ``token``, ``codecs``: flags over defaults).
+    A misspelt ``STREAMPROC_*`` variable is reported by every command, as by ``run``."""
+    if args.command not in ("run", "simulate"):  # those warn while reading the processor's settings
+        warn_unknown_environment(args.command)
     return schema.explain_arguments(args, {})
 
 

@@ -193,9 +193,9 @@ def test_cross_field_errors_name_both_flags_and_values(command):
     assert "--duplicate-window (default 120.0) must not exceed --results-max-age (flag --results-max-age='60')" in line
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command):
-    proc = run_cli_process(command, "--print-config", *demo_flag(command),
+@pytest.mark.parametrize("command", EVERY_COMMAND)
+def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command, key_file):
+    proc = run_cli_process(command, "--print-config", *needed(command, key_file),
                            env={"STREAMPROC_PREFIL_TIMEOUT": "3", "STREAMPROC_EDGE_MAX_STREAMS": "5"})
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
