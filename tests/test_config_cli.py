@@ -111,8 +111,10 @@ def test_demo_token_and_simulate_print_their_own_options(key_file):
     ("token", ["--algorithm", "RS256"], "cannot sign with --key-file"),  # an HMAC secret is no RSA key
     ("token", ["--rid", "a b"], "--rid 'a b': invalid request id"),
     ("simulate", ["--requests", "0", *DEAD_NATS], "--requests='0'"),
-    ("simulate", ["--nats-token-file", "/nonexistent/token", *DEAD_NATS], "cannot read nats_token_file"),
-    ("run", ["--nats-creds-file", "/nonexistent/x.creds", *DEAD_NATS], "cannot read nats_creds_file"),
+    ("simulate", ["--nats-token-file", "/nonexistent/token", *DEAD_NATS],
+     "cannot read --nats-token-file (STREAMPROC_NATS_TOKEN_FILE) '/nonexistent/token'"),
+    ("run", ["--nats-creds-file", "/nonexistent/x.creds", *DEAD_NATS],
+     "cannot read --nats-creds-file (STREAMPROC_NATS_CREDS_FILE) '/nonexistent/x.creds'"),
 ])
 def test_print_config_refuses_what_start_up_refuses(command, args, named, key_file):
     for extra in ([], ["--print-config"]):
