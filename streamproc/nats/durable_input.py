@@ -155,7 +155,8 @@ class DurableInput:
         self.leases: LeaseTable | None = None
         self.ledger: MigrationLedger | None = None
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
-                                          progress_every=settings.ack_wait / 4), self.stats)
+                                          progress_every=settings.ack_wait / 4), self.stats,
+                             handed_latency=pipeline.result_latency)  # one chunk -> result metric, both modes
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish))
         self._partitions: dict[int, _Partition] = {}
@@ -257,8 +258,9 @@ class DurableInput:
         self.publisher.take(self._offload(decisions), None)
         await self.publisher.pump()
 
-    def _offload(self, decisions: list[Decision]) -> list[Decision]:
-        """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox."""
+    def _offload(self, decisions: list[Decision], received: float | None = None) -> list[Decision]:
+        """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox.
+        ``received``: when the chunk that made them arrived (None: the timer, a control request)."""
         for d in decisions:
             if d.__class__ is Work:
                 break
@@ -270,13 +272,15 @@ class DurableInput:
             if d.__class__ is not Work:
                 rest.append(d)
             elif tasks is not None:
-                tasks.start_soon(self._run, d)
+                tasks.start_soon(self._run, d, received)
             # else: stopping; the request's chunks are handed over (NAKed) with it
         return rest
 
-    async def _run(self, work: Work) -> None:
+    async def _run(self, work: Work, received: float | None = None) -> None:
         """Run a join in the worker thread, then apply it. No gate is needed: the outcome enters the
-        outbox's per-request queue synchronously, behind the request's earlier results."""
+        outbox's per-request queue synchronously, behind the request's earlier results. ``received``:
+        when the chunk whose result this work makes arrived (its latency counts the join, as in core
+        mode)."""
         await anyio.to_thread.run_sync(work.run, time.thread_time, limiter=self._limiter)
         if self.publisher.closed:
             return
@@ -287,7 +291,7 @@ class DurableInput:
             log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
             decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
                                                kind=ErrorKind.INTERNAL)
-        self.publisher.take(self._offload(decisions), None)
+        self.publisher.take(self._offload(decisions, received), None, received)
         await self.publisher.pump()
 
     async def caught_up(self) -> None:
@@ -571,7 +575,7 @@ class DurableInput:
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
                 decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
             if decisions:
-                notices = queue(offload(decisions), rid, now)
+                notices = queue(offload(decisions, now), rid, now)
                 if notices:
                     for n in notices:
                         notify(n)
