@@ -219,6 +219,7 @@ OWN_VOCABULARY = {
     "abort": "AbortController.abort() in the page",
     "dtype": "the experts view's own field (ExpertsView.dtype), numpy's word",
     "s": "string formatting",
+    "rid": "streamproc token --rid (the capability's request ids)",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
 KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",
