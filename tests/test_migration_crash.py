@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import random
 import re
-from types import SimpleNamespace
 
 import anyio
 import httpx
@@ -28,6 +27,7 @@ from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import partition_of
 from streamproc.nats.streams import CHUNKS_STREAM
 from streamproc.simulation import make_truth
+from streamproc.sim.migration import native_request
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.client.results import follow
 from streamproc.codec import Emitted
@@ -41,10 +41,9 @@ from streamproc.wire import (
     encode_control,
 )
 
-from durable_helpers import Instance, connect, durable_flags
+from durable_helpers import Instance, connect, durable_flags, wait_for_finals
 from helpers import wait_until
-from test_durable_faults import wait_for_finals
-from test_migration_nats import SimulatedPool, assert_uninterrupted, emitted_in, native_request
+from migration_helpers import SimulatedPool, assert_uninterrupted, emitted_in
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
@@ -166,8 +165,7 @@ async def run_scenario(seed: int, fmt: str, requests: int, tmp_path) -> tuple[li
 
                 for n in range(requests):
                     tg.start_soon(one, n)
-            plans = [SimpleNamespace(request_id=t.request_id) for t in truths]
-            stored = await wait_for_finals(nc.jetstream(), Subjects(), plans, timeout=60)
+            stored = await wait_for_finals(nc.jetstream(), Subjects(), [t.request_id for t in truths], timeout=60)
         finally:
             await nc.close()
             cluster.stop()
@@ -297,3 +295,4 @@ async def test_a_seal_recorded_by_another_instance_is_followed_by_one_that_still
             results = seen + await stream.collect()
         assert durable.stats.migrated_adopted == 1
     assert_uninterrupted(fmt, truth, results)
+
