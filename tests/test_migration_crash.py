@@ -17,6 +17,7 @@ import re
 
 import anyio
 import httpx
+import nats.js.errors
 import pytest
 from edge_harness import running_edge
 from httpx_sse import aconnect_sse
@@ -25,7 +26,7 @@ from streamproc.catalog import worker_for
 from streamproc.client.migration import Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import partition_of
-from streamproc.nats.streams import CHUNKS_STREAM
+from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth
 from streamproc.sim.migration import native_request
 from streamproc.sim.embedded import EmbeddedNats
@@ -296,3 +297,87 @@ async def test_a_seal_recorded_by_another_instance_is_followed_by_one_that_still
         assert durable.stats.migrated_adopted == 1
     assert_uninterrupted(fmt, truth, results)
 
+
+# ------------------------------------------------------------------ the first chunk of a sealed attempt
+
+async def drained(js, partition: int, timeout: float = 30.0) -> None:
+    """Wait until the partition's consumer has delivered every chunk and holds none unacknowledged."""
+    name = partition_consumer_name(partition)
+
+    async def settled() -> bool:
+        info = await js.consumer_info(CHUNKS_STREAM, name)
+        return info.num_pending == 0 and info.num_ack_pending == 0
+
+    with anyio.fail_after(timeout):
+        while not await settled():
+            await anyio.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_is_dropped(fmt, tmp_path):
+    """The seq-0 gap: a P/D request is sealed while only its prefill leg had reached a processor
+    (seal at result seq 0, nothing published), the sealing instance is SIGKILLed, and only then
+    does the lost decode worker's first output chunk (a first delivery) reach the new owner of the
+    partition. The new owner must know the seal (it read the migrations bucket when it took the
+    partition), drop the dead attempt's chunks, and stitch the resumed attempt: one final result,
+    seqs 0..n-1, the uninterrupted run's tokens."""
+    partitions = 2
+    truth = make_truth(80, request_id=f"gap-{fmt}", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    # A short prefill timeout: a decode chunk taken for a fresh request would not wait long for a
+    # prefill leg that was settled at the seal, and its result would be published.
+    flags = durable_flags(format=fmt, partitions=partitions, ack_wait=1.0, lease_ttl=1.5, prefill_timeout=0.5)
+    with EmbeddedNats() as server:
+        nc = await connect(server.url)
+        sealer = Instance(server.url, flags, tmp_path / "sealer.log")
+        heir = Instance(server.url, flags, tmp_path / "heir.log")
+        try:
+            sealer.start()
+            await sealer.started()
+            pool = SimulatedPool(ChunkPublisher(nc, Subjects(), durable=True), fmt, truth, pd=True)
+            [(_, prefill), (_, decode)] = pool.legs(0)
+            await pool.publish("prefill", prefill, 0)
+            seal = encode_control(MigrateRequest(expected_attempt=0, id="gap-seal"))
+            with anyio.fail_after(20):
+                while True:  # unknown_request until the prefill leg has reached the sealer
+                    reply = decode_migrate_reply((await nc.request(Subjects().migrate(rid), seal, timeout=5)).data)
+                    if isinstance(reply, Sealed):
+                        break
+                    assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST, reply
+                    await anyio.sleep(0.05)
+            assert (reply.attempt, reply.emitted_tokens, reply.result_seq) == (1, 0, 0)
+            sealer.kill()
+            heir.start()
+            await heir.started()
+            leases = await nc.jetstream().key_value(f"{CHUNKS_STREAM}_LEASES")
+            partition = partition_of(rid, partitions)
+
+            async def heir_owns() -> bool:
+                try:
+                    entry = await leases.get(f"p.{partition}")
+                except nats.js.errors.KeyNotFoundError:
+                    return False
+                return f"-{heir.proc.pid}-" in (entry.value or b"").decode()
+
+            with anyio.fail_after(20):
+                while not await heir_owns():
+                    await anyio.sleep(0.1)
+            # The lost decode worker was still publishing: its chunks' first delivery is at the heir.
+            await pool.publish("decode", decode, 0)
+            await drained(nc.jetstream(), partition)
+            resumed = Migrator(nc, format=fmt).codec.resume_request(native_request(fmt, truth),
+                                                                    Emitted(reply.emitted_token_ids, reply.state))
+            await pool.serve(Resumed(rid, reply.attempt, reply.emitted_tokens, reply.result_seq, resumed))
+            stored = await wait_for_finals(nc.jetstream(), Subjects(), [rid], timeout=30)
+        finally:
+            await nc.close()
+            sealer.stop()
+            heir.stop()
+    got = stored[rid]
+    assert [r.seq for r in got] == list(range(len(got))), [(r.seq, r.error) for r in got]
+    assert sum(r.final for r in got) == 1
+    assert_uninterrupted(fmt, truth, got)
+    log = heir.log()
+    assert "Traceback" not in log
+    assert re.search(rf"event=request_resumed request_id={rid} .*attempt=1", log), log[-3000:]
