@@ -322,25 +322,47 @@ async def drained(js, partition: int, timeout: float = 30.0) -> None:
             await anyio.sleep(0.1)
 
 
+# The heir may not create consumers on the migrations bucket's stream: it cannot list the seal
+# records, and must fall back to looking up every new request's first chunk.
+NO_LISTING = """authorization {
+  users = [
+    {user: sealer, password: sealer-pw}
+    {user: heir, password: heir-pw, permissions: {
+      publish: {allow: [">"], deny: ["$JS.API.CONSUMER.CREATE.KV_STREAMPROC_CHUNKS_MIGRATIONS",
+                                     "$JS.API.CONSUMER.CREATE.KV_STREAMPROC_CHUNKS_MIGRATIONS.>"]}
+      subscribe: {allow: [">"]}}}
+  ]
+}
+"""
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
-async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_is_dropped(fmt, tmp_path):
+@pytest.mark.parametrize("fmt,listing", [("sglang", "read"), ("vllm", "read"), ("sglang", "unreadable")])
+async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_is_dropped(fmt, listing, tmp_path):
     """The seq-0 gap: a P/D request is sealed while only its prefill leg had reached a processor
     (seal at result seq 0, nothing published), the sealing instance is SIGKILLed, and only then
     does the lost decode worker's first output chunk (a first delivery) reach the new owner of the
     partition. The new owner must know the seal (it read the migrations bucket when it took the
-    partition), drop the dead attempt's chunks, and stitch the resumed attempt: one final result,
-    seqs 0..n-1, the uninterrupted run's tokens."""
+    partition; ``unreadable``: it could not, so it looks every new request up), drop the dead
+    attempt's chunks, and stitch the resumed attempt: one final result, seqs 0..n-1, the
+    uninterrupted run's tokens."""
     partitions = 2
     truth = make_truth(80, request_id=f"gap-{fmt}", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
     rid = truth.request_id
     # A short prefill timeout: a decode chunk taken for a fresh request would not wait long for a
     # prefill leg that was settled at the seal, and its result would be published.
     flags = durable_flags(format=fmt, partitions=partitions, ack_wait=1.0, lease_ttl=1.5, prefill_timeout=0.5)
-    with EmbeddedNats() as server:
-        nc = await connect(server.url)
-        sealer = Instance(server.url, flags, tmp_path / "sealer.log")
-        heir = Instance(server.url, flags, tmp_path / "heir.log")
+    as_sealer = as_heir = []
+    if listing == "unreadable":
+        for user in ("sealer", "heir"):
+            (tmp_path / user).write_text(f"{user}-pw")
+        as_sealer = ["--nats-user", "sealer", "--nats-password-file", str(tmp_path / "sealer")]
+        as_heir = ["--nats-user", "heir", "--nats-password-file", str(tmp_path / "heir")]
+    with EmbeddedNats(config=NO_LISTING if listing == "unreadable" else None) as server:
+        url = server.url if listing == "read" else server.url.replace("nats://", "nats://sealer:sealer-pw@")
+        nc = await connect(url)
+        sealer = Instance(server.url, [*flags, *as_sealer], tmp_path / "sealer.log")
+        heir = Instance(server.url, [*flags, *as_heir], tmp_path / "heir.log")
         try:
             sealer.start()
             await sealer.started()
@@ -390,3 +412,4 @@ async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_i
     log = heir.log()
     assert "Traceback" not in log
     assert re.search(rf"event=request_resumed request_id={rid} .*attempt=1", log), log[-3000:]
+    assert ("event=seal_list_unreadable" in log) == (listing == "unreadable"), log[-3000:]

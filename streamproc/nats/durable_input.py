@@ -60,7 +60,7 @@ from ..core.wire import ContractError
 from ..logs import error_text, log_event
 from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
-from .migrations import UNREACHABLE, MigrationLedger
+from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 from .subscription import handled_all
 from .streams import (
@@ -383,7 +383,8 @@ class DurableInput:
         now, ttl = self._clock(), self.settings.results_max_age or float("inf")
         out: dict[int, dict[str, float]] = {}
         of = self.scheme.of
-        for rid, age in await self.ledger.sealed():
+        # Bounded well inside a lease period: the lease lock is held meanwhile, renewals wait for it.
+        for rid, age in await self.ledger.sealed(timeout=min(SCAN_TIMEOUT, self.settings.lease_ttl / 3)):
             out.setdefault(of(rid), {})[rid] = now + ttl - age
         return out
 

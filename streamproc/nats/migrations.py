@@ -43,7 +43,7 @@ from ..core.outbox import resume_point
 from ..core.wire import decode_seal_record, encode_seal_record
 
 HISTORY_TIMEOUT = 2.0  # longest wait for the next stored result while reading them back
-SCAN_TIMEOUT = 10.0  # longest read of the bucket's keys when a partition is taken
+SCAN_TIMEOUT = 10.0  # longest read of the bucket's keys when partitions are taken (at most)
 
 
 def record_key(request_id: str) -> str:
@@ -111,7 +111,7 @@ class MigrationLedger:
             return await self._kv.create(key, value)
         return await self._kv.update(key, value, last=revision)
 
-    async def sealed(self) -> list[tuple[str, float]]:
+    async def sealed(self, timeout: float = SCAN_TIMEOUT) -> list[tuple[str, float]]:
         """Every request with a seal record, and the record's age in seconds, oldest write first.
 
         What a new owner of a partition reads once before it pulls: a request sealed by the
@@ -120,12 +120,12 @@ class MigrationLedger:
         key, headers only (nats-py ``KeyValue.keys``' watcher, ``watchall(ignore_deletes=True,
         meta_only=True)``, kept here for each entry's timestamp); it ends at the marker nats-py
         queues when ``num_pending`` reaches 0. Raises (``TimeoutError`` included) when the bucket
-        cannot be read."""
+        cannot be read within ``timeout``."""
         assert self._kv is not None
         out: list[tuple[str, float]] = []
-        watcher = await self._kv.watchall(ignore_deletes=True, meta_only=True)
-        try:
-            with anyio.fail_after(SCAN_TIMEOUT):
+        with anyio.fail_after(timeout):
+            watcher = await self._kv.watchall(ignore_deletes=True, meta_only=True)
+            try:
                 now = time.time()
                 async for entry in watcher:
                     if entry is None:  # nats-py's end-of-initial-values marker
@@ -134,8 +134,9 @@ class MigrationLedger:
                     if rid is not None:
                         created = entry.created.timestamp() if entry.created is not None else now
                         out.append((rid, max(0.0, now - created)))
-        finally:
-            await watcher.stop()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await watcher.stop()
         return out
 
     async def history(self, request_id: str, count: int) -> list[bytes]:
