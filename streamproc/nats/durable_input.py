@@ -13,7 +13,8 @@ The guarantees (``docs/operations.md`` has the full argument):
   a failed publish is retried with the same id until it is stored. A replay after a crash is
   collapsed by the stream's duplicate window and, beyond it, by the readers' seq check.
 - **Recovery is exact.** An instance that sees a chunk of a request it does not know, when that
-  chunk is not the first delivery of the request's first output chunk, reads the last stored
+  chunk is not the first delivery of the request's first output chunk (or is, but the request has
+  a seal record: the partition's seal list, read when it was taken), reads the last stored
   result of ``P.results.<request_id>`` (a leader read, never a possibly stale follower) and resumes
   the request after it. In steady state that happens once per P/D request whose prefill arrives
   first and for out-of-order first chunks; after a failover, for the requests that moved.
