@@ -413,3 +413,34 @@ async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_i
     assert "Traceback" not in log
     assert re.search(rf"event=request_resumed request_id={rid} .*attempt=1", log), log[-3000:]
     assert ("event=seal_list_unreadable" in log) == (listing == "unreadable"), log[-3000:]
+
+
+async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(client, start_processor):
+    """The next owner lists the seal records when it takes the partition, so a seal may be recorded
+    only while its partition is owned: sealed here, then the partition handed over (gracefully:
+    the hand-over waits a bounded time for the migrate in progress), the migrate is answered
+    ``unavailable`` and nothing is recorded; the serving layer's retry goes to the next owner."""
+    fmt = "sglang"
+    truth = make_truth(81, request_id="handed-over", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        durable, processor = rp.processor.input, rp.processor
+        async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=2)
+            [await stream.__anext__() for _ in range(2)]
+
+        async def seal_then_hand_over():
+            reply = await processor.exclusive(lambda now: processor.correlator.migrate(
+                rid, now, expected_attempt=0, id="moving"))
+            assert isinstance(reply, Sealed) and reply.result_seq == 2
+            await durable._lose(durable.scheme.of(rid), graceful=True)  # what a surplus lease step does
+            return reply
+
+        reply = await durable.migrate(rid, MigrateRequest(expected_attempt=0, id="moving"), seal_then_hand_over)
+        record = await durable.ledger.read(rid)
+        stats = durable.stats
+    assert reply.code is MigrateErrorCode.UNAVAILABLE and "moved to another instance" in reply.message, reply
+    assert record == (None, None)
+    assert (stats.seals_recorded, stats.seals_unavailable) == (0, 1)
