@@ -115,6 +115,12 @@ def serve(stamps_file: Path, edge_argv: list[str]) -> int:
     around(Client, "subscribe", None, "subscribe")
     around(JetStreamContext, "subscribe", None, "subscribe")
     around(Client, "flush", None, "flush")
+    try:
+        from streamproc.edge.barrier import PongBarrier  # this branch: one PING per loop pass of opens
+    except ImportError:
+        pass
+    else:
+        around(PongBarrier, "wait", None, "flush")
     del source  # imported so that the wrappers are in place before the edge starts
     try:
         return edge_main(edge_argv)
@@ -245,7 +251,7 @@ async def main_async(args) -> dict:
                       if args.load else None)
             if loader:
                 await asyncio.sleep(1.0)
-            spy = (subprocess.Popen(["py-spy", "record", "-r", "200", "-f", "raw", "-o", str(args.py_spy),
+            spy = (subprocess.Popen(["py-spy", "record", "-r", "1000", "-f", "raw", "-o", str(args.py_spy),
                                      "-p", str(edge.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                    if args.py_spy else None)
             cpu0 = cpu_seconds(edge.pid), time.process_time()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from typing import Literal
@@ -28,6 +29,7 @@ from ..nats.streams import ensure_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
+from .barrier import PongBarrier
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -240,6 +242,7 @@ class ResultSource:
         self.metrics = metrics
         self.recent = RecentRequests(settings.recent)
         self.nc: NatsClient | None = None
+        self.barrier: PongBarrier | None = None  # set on connect
         self.recent_mode: FeedMode | None = None  # how the recent ring reads (None: --recent 0)
         self._closing = False
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
@@ -264,6 +267,7 @@ class ResultSource:
             reconnected_cb=self._on_reconnected,
         )
         self.metrics.nats_connected = 1
+        self.barrier = PongBarrier(self.nc)
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token
         log_event(log, logging.INFO, "connected", server=f"{url.hostname}:{url.port}" if url else "?")
@@ -333,7 +337,13 @@ class ResultSource:
             mode: FeedMode = "jetstream"
         else:
             sub = await self.nc.subscribe(subject, **limits)
-            await self.nc.flush()
+            try:
+                assert self.barrier is not None
+                await self.barrier.wait()  # one PING for the opens of this loop pass (barrier.py)
+            except BaseException:
+                with contextlib.suppress(nats.errors.Error, OSError):  # not left subscribed for nobody
+                    await sub.unsubscribe()
+                raise
             self.metrics.core_subscriptions += 1
             mode = "core"
         feed = ResultFeed(self, request_id, sub, mode, order)
