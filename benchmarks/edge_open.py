@@ -10,8 +10,9 @@ client and edge stamps on one clock (``time.perf_counter``: CLOCK_MONOTONIC, sha
   handler      edge: ``Edge.results`` entered (task start, Starlette routing)
   auth         edge: capability checked (``Edge.authenticate``)
   lookup       edge: results stream known (``StreamLookup.find``)
-  subscribe    edge: SUB written (core) or the ordered consumer created (JetStream: a round trip)
+  subscribe    edge: SUB queued (core); main's JetStream path: the ordered consumer created (a round trip)
   flush        edge: PING/PONG round trip done (core: the subscription is live on the server)
+  consumer     edge, this branch's JetStream path: the ordered consumer created, after the headers
   written      edge: response headers handed to the transport
   headers      client: response headers read
 
@@ -113,7 +114,7 @@ def serve(stamps_file: Path, edge_argv: list[str]) -> int:
     edge_app.Edge.authenticate = authenticate_wrapped
     around(lookup.StreamLookup, "find", None, "lookup")
     around(Client, "subscribe", None, "subscribe")
-    around(JetStreamContext, "subscribe", None, "subscribe")
+    around(JetStreamContext, "subscribe", None, "consumer")  # this branch: after the headers
     around(Client, "flush", None, "flush")
     try:
         from streamproc.edge.barrier import PongBarrier  # this branch: one PING per loop pass of opens
@@ -198,8 +199,9 @@ def summarize(runs: list[dict], stamps: dict, label: str) -> dict:
     rows = []
     for run in runs:
         s = {**stamps.get(run["rid"], {}), **{k: run[k] for k in ("start", "connect", "headers")}}
-        if "flush" not in s and "subscribe" in s:  # JetStream: the consumer create is the round trip
-            s["flush"] = s["subscribe"]
+        for prev, step in zip(STEPS, STEPS[1:]):  # a step the open did not take: no time
+            if step not in s and prev in s:  # (JetStream: no PING; the consumer is created after the headers)
+                s[step] = s[prev]
         if all(k in s for k in STEPS):
             rows.append(s)
     print(f"\n{label}: {len(rows)} opens (of {len(runs)} with every stamp); median ms")
@@ -212,6 +214,10 @@ def summarize(runs: list[dict], stamps: dict, label: str) -> dict:
         out[step] = {"step_ms": delta, "since_start_ms": since}
         print(f"{step:12}{delta:10.3f}{since:13.3f}")
         prev = step
+    consumer = [r["consumer"] - r["start"] for r in rows if "consumer" in r]
+    if consumer:
+        out["consumer_since_start_ms"] = statistics.median(consumer) * 1e3
+        print(f"{'consumer':12}{'':10}{out['consumer_since_start_ms']:13.3f}   (JetStream: ordered consumer created)")
     total = sorted((r["headers"] - r["start"]) * 1e3 for r in rows)
     out["open_ms"] = {"p50": total[len(total) // 2], "p90": total[int(len(total) * 0.9)], "n": len(total)}
     print(f"open: p50 {out['open_ms']['p50']:.3f} ms, p90 {out['open_ms']['p90']:.3f} ms")

@@ -253,10 +253,15 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
         client.stdin.write(f"open {w} {' '.join(built[w][0])}\n".encode())
         await client.stdin.drain()
 
+    opened_waves: set[str] = set()
+
     async def wait_opened(w: int) -> None:
-        line = (await asyncio.wait_for(client.stdout.readline(), 120)).decode().strip()
-        if line != f"opened {w}":
-            raise RuntimeError(f"SSE client: {line!r}")
+        # Waves opened together (the peak run opens them all first) may finish opening in any order.
+        while str(w) not in opened_waves:
+            line = (await asyncio.wait_for(client.stdout.readline(), 120)).decode().strip()
+            if not line.startswith("opened "):
+                raise RuntimeError(f"SSE client: {line!r}")
+            opened_waves.add(line.split()[1])
 
     try:
         ahead = waves if rate is None else 1
