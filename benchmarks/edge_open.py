@@ -59,7 +59,10 @@ def serve(stamps_file: Path, edge_argv: list[str]) -> int:
 
     def mark(rid: str | None, step: str) -> None:
         if rid is not None:
-            stamps.setdefault(rid, {}).setdefault(step, time.perf_counter())
+            seen = stamps.setdefault(rid, {})
+            if step in STEPS and "written" in seen:  # work after the headers (a consumer being created)
+                return
+            seen.setdefault(step, time.perf_counter())
 
     def rid_of(path: str) -> str | None:
         return path.rsplit("/", 1)[1] if path.startswith("/v1/results/") else None

@@ -182,3 +182,20 @@ async def test_a_feed_closed_while_its_consumer_is_created_leaves_nothing_subscr
 def client_subjects(server) -> list[str]:
     """Clients' subscriptions (an ordered consumer's is its deliver inbox), not the server's own."""
     return sorted(s for s in subscribed_subjects(server.monitor_url) if not s.startswith("$"))
+
+
+async def test_a_closed_feeds_consumer_is_gone_from_the_stream_within_seconds(nats_url, client):
+    """Not the server's 5 s default for an ephemeral consumer without interest (source.CONSUMER_LINGER)."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        feed = await source.open(rid("linger"))
+        await feed.attaching
+        stream = await source.streams.find(source.nc.jetstream(), STORED.result("x"))
+        jsm = client.jetstream()
+        assert (await jsm.stream_info(stream)).state.consumer_count == 1
+        await feed.close()
+        await source.nc.flush()
+        closed = time.monotonic()
+        while (await jsm.stream_info(stream)).state.consumer_count and time.monotonic() - closed < 10:
+            await asyncio.sleep(0.1)
+        assert (await jsm.stream_info(stream)).state.consumer_count == 0
+        assert time.monotonic() - closed < 4.0

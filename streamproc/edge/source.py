@@ -38,6 +38,14 @@ log = logging.getLogger("streamproc.edge")
 
 FeedMode = Literal["jetstream", "core"]
 RECENT_PENDING_MSGS = 65_536
+# Seconds a JetStream feed's ordered consumer outlives its subscription. nats-py's unsubscribe does
+# not delete it, and nats-server keeps an ephemeral consumer without interest for 5 s by default:
+# at 50 opens/s that was ~250 idle consumers on the results stream (each stored result matched
+# against every one's filter), and a burst of 1,000 opens within 5 s got "maximum consumers limit
+# reached" (benchmarks/edge_open.py --mode jetstream --burst 50). While the edge is connected its
+# subscription is the interest, so this only bounds how long a consumer outlives a reconnect; then
+# nats-py's ordered consumer creates a new one from the last sequence it delivered.
+CONSUMER_LINGER = 1.0
 RECENT_BATCH_SECONDS = 0.02
 
 
@@ -377,7 +385,8 @@ class ResultSource:
         """Create a JetStream feed's ordered consumer. A failure ends the feed with :class:`Lost`
         (its client has its headers already); a feed closed meanwhile gets it unsubscribed."""
         try:
-            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, **limits)
+            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
+                                     inactive_threshold=CONSUMER_LINGER, **limits)
         except Exception as exc:  # noqa: BLE001 - NATS refused the consumer: the stream ends with its reason
             self.streams.forget()  # deleted or changed since it was looked up
             feed.attach_failed = f"cannot subscribe to results: {error_text(exc)}"
