@@ -43,7 +43,6 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette._utils import get_route_path
 from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
@@ -693,7 +692,7 @@ class EdgeApp(Starlette):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.results_route is not None and scope["type"] == "http" and scope["method"] == "GET":
-            path = get_route_path(scope)
+            path = route_path(scope)
             if path.startswith(RESULTS_PREFIX):
                 request_id = path[len(RESULTS_PREFIX):]
                 if request_id and "/" not in request_id:  # Starlette's ``{request_id}``: ``[^/]+``
@@ -702,6 +701,16 @@ class EdgeApp(Starlette):
                     await self.results_route(scope, receive, send)
                     return
         await super().__call__(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: without ``root_path`` when it is a prefix of the path (what
+    Starlette 1.x's private ``starlette._utils.get_route_path`` does, kept here, not imported)."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
 
 
 def results_route(edge: Edge, settings: EdgeSettings) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
