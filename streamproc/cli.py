@@ -80,12 +80,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .nats.processor import Processor
 
     settings, origin = _settings(args)
+    # Logging first: building the Processor logs (tracing_enabled), and a line logged before the
+    # handler exists is lost.
+    _setup_logging(settings.log_level, settings.log_format)
     processor = Processor(settings)  # OTEL_* variables naming no installed exporter: exit 2 here too
     if printed_config(args, config.print_config(settings, origin)):
         if processor.tracing is not None:
             processor.tracing.shutdown()
         return EXIT_OK
-    _setup_logging(settings.log_level, settings.log_format)
     # Per message the processor allocates a handful of short-lived container objects; with
     # CPython's default gen-0 threshold (700) that is a collection every ~150 messages, each
     # walking every long-lived object. Freezing start-up objects and raising the threshold keeps
