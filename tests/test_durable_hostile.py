@@ -460,3 +460,63 @@ async def test_existing_partition_consumers_get_the_current_max_deliver(nats_url
             assert (await js.consumer_info(CHUNKS_STREAM, name)).config.max_deliver == 7
     finally:
         await nc.close()
+
+
+STRAY_SUBJECTS = ["streamproc.chunks.*.prefill", "streamproc.chunks.*.agg", "streamproc.chunks.>.decode",
+                  "streamproc.chunks.abc.*", "streamproc.chunks.abc.>", "streamproc.chunks.*.*"]
+
+
+async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_from_the_chunk_stream(nats_url):
+    """nats-server takes a JetStream publish to ``P.chunks.*.prefill`` or ``P.chunks.>.x`` (PubAck, not
+    "no responders") and stores it under that subject: the partition transform refuses a subject with
+    a wildcard token. No partition consumer reads it, so it stayed in the work queue until max_age,
+    counting against max_bytes. Now every instance sweeps them (terminated, counted, logged) and the
+    requests beside them are answered."""
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.nats.strays import STRAY_CONSUMER
+
+    flags = durable_flags(partitions=2)
+    with processor_subprocess(nats_url, *flags):
+        pass  # creates the streams
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        for bad in ("*", ">", "a*b"):  # the publisher helper never makes such a subject
+            with pytest.raises(ValueError, match="invalid request id"):
+                await ChunkPublisher(nc, durable=True).publish(bad, "agg", 0, b"{}", final=True)
+        for k, subject in enumerate(STRAY_SUBJECTS):
+            headers = chunk_headers(f"stray{k}", "agg", 0, final=True)
+            ack = await js.publish(subject, b'{"text":"stray"}', headers=headers)
+            assert ack.stream == CHUNKS_STREAM and not ack.duplicate
+        state = (await js.stream_info(CHUNKS_STREAM, subjects_filter=">")).state
+        assert state.subjects == {s: 1 for s in STRAY_SUBJECTS}  # stored as published, no partition
+
+        port = free_port()
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+            legit = [rid("ok") for _ in range(20)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+            await wait_until(lambda: scrape(port).get("streamproc_durable_strays_total") == len(STRAY_SUBJECTS),
+                             20, "every stray swept\n" + log_path.read_text()[-3000:])
+            assert scrape(port)["streamproc_unreadable_total"] == len(STRAY_SUBJECTS)
+            assert await chunk_stream_messages(js) == 0  # nothing left against the stream's limits
+            info = await js.consumer_info(CHUNKS_STREAM, STRAY_CONSUMER)
+            assert info.config.filter_subject == "streamproc.chunks.>"
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            assert set((await stored_results(js, SUBJECTS))) == set(legit)  # nothing answered for a stray
+            text = log_path.read_text()
+            assert text.count("event=unreadable_message") == len(STRAY_SUBJECTS)
+            assert "subject=streamproc.chunks.>.decode" in text and "stored it untransformed" in text
+            # A stray published while the processor runs goes the same way.
+            await js.publish("streamproc.chunks.*.agg", b"{}", headers=chunk_headers("late-stray", "agg", 0))
+            await wait_until(lambda: scrape(port).get("streamproc_durable_strays_total") == len(STRAY_SUBJECTS) + 1,
+                             20, "the later stray swept")
+
+            async def empty() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(empty, 5, "the later stray gone")
+            assert proc.poll() is None
+    finally:
+        await nc.close()

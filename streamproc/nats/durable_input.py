@@ -62,6 +62,7 @@ from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
 from .migrations import UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
+from .strays import StraySweeper, stray_consumer_config
 from .subscription import handled_all
 from .streams import (
     CHUNKS_STREAM,
@@ -96,6 +97,7 @@ class DurableStats(OutboxStats):
     consumer_repairs: int = 0
     redelivered: int = 0  # messages delivered more than once
     poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
+    strays: int = 0  # chunks stored untransformed (a '*' or '>' token in the subject): terminated
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
     migrated_adopted: int = 0  # of those, requests with a seal record: session rebuilt from stored bodies
@@ -180,6 +182,10 @@ class DurableInput:
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
 
+    def _stray(self) -> None:
+        self.stats.strays += 1
+        self.pipeline.io.unreadable += 1
+
     def owns(self, request_id: str) -> bool:
         """Whether this instance holds the lease of the request's partition (it alone answers for it)."""
         return self.scheme.of(request_id) in self._partitions
@@ -220,6 +226,10 @@ class DurableInput:
             await self._rebalance()
             self._tasks.start_soon(self._lease_loop)
             self._tasks.start_soon(self._watchdog)
+            self._tasks.start_soon(StraySweeper(
+                self.nc, self.chunks_stream,
+                stray_consumer_config(s.subjects.all_chunks, ack_wait=s.ack_wait, max_deliver=s.max_deliver),
+                self.pipeline.limited, self._stray).run)
         except BaseException:
             self._tasks.cancel_scope.cancel()
             await self._tasks.__aexit__(None, None, None)

@@ -187,9 +187,9 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
     (JetStream publishers see the error) instead of silently dropping stored input.
 
     The stream captures ``P.chunks.*.*`` rather than ``P.chunks.>``: a subject of another shape
-    has no request id to partition on, would be stored untransformed and read by nobody (and a
-    consumer filtering on it keeps work-queue messages from being deleted). A JetStream publish to
-    such a subject fails with "no responders"; in core mode it is logged as unreadable.
+    has no request id to partition on; a JetStream publish to it fails with "no responders", in
+    core mode it is logged as unreadable. One of the right shape with a literal ``*``/``>`` token is
+    captured but stored untransformed: :mod:`streamproc.nats.strays` removes those.
     """
 
     name: str
