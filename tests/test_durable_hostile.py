@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
@@ -518,5 +519,53 @@ async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_
 
             await wait_until(empty, 5, "the later stray gone")
             assert proc.poll() is None
+    finally:
+        await nc.close()
+
+
+async def test_a_chunk_stream_byte_limit_below_one_maximal_chunk_is_refused_at_start_up(nats_url, run_cli):
+    """--chunks-max-bytes 100 used to create a stream that refuses every chunk. Now start-up exits 2 in
+    one line naming the flag, the value and the least usable limit, before anything is created; and
+    that least limit is exact: one chunk of max_payload bytes (headers + body) under the longest
+    stored subject fits in it, and not in one byte less."""
+    from nats.js.api import StorageType
+    from nats.js.errors import APIError, NotFoundError
+
+    from streamproc.core.defaults import CHUNKS_MAX_AGE, DUPLICATE_WINDOW
+    from streamproc.core.partitions import PartitionScheme
+    from streamproc.core.wire import MAX_REQUEST_ID_LEN
+    from streamproc.nats.streams import ChunkStreamSpec, chunk_stream_minimum
+
+    max_payload = 1 << 20  # nats-server's default, as EmbeddedNats runs it
+    scheme = PartitionScheme(SUBJECTS, 4)
+    minimum = chunk_stream_minimum(scheme, max_payload)
+    proc = await anyio.to_thread.run_sync(
+        lambda: run_cli("run", "--nats-url", nats_url, *durable_flags(partitions=4, chunks_max_bytes=100)))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(
+        f"streamproc run: error: --chunks-max-bytes 100 cannot hold one chunk of the server's max_payload "
+        f"{max_payload}: use at least {minimum} "), proc.stderr
+    nc = await connect(nats_url)
+    try:
+        assert nc.max_payload == max_payload
+        js = nc.jetstream()
+        with pytest.raises(NotFoundError):
+            await js.stream_info(CHUNKS_STREAM)  # refused before anything was created
+
+        spec = ChunkStreamSpec(CHUNKS_STREAM, scheme, CHUNKS_MAX_AGE, DUPLICATE_WINDOW, StorageType.FILE, 1, minimum - 1)
+        await js.add_stream(spec.config())
+        longest = "r" * MAX_REQUEST_ID_LEN
+        headers = chunk_headers(longest, "prefill", 0, final=True)
+        header_block = len(b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n")
+        body = bytes(max_payload - header_block)  # the largest message the server takes
+        with pytest.raises(APIError, match="maximum bytes exceeded"):
+            await js.publish(SUBJECTS.chunk(longest, "prefill"), body, headers=headers)
+        spec = msgspec.structs.replace(spec, max_bytes=minimum)
+        await js.update_stream(spec.config())
+        ack = await js.publish(SUBJECTS.chunk(longest, "prefill"), body, headers=headers)
+        assert ack.seq == 1
+        with processor_subprocess(nats_url, *durable_flags(partitions=4, chunks_max_bytes=minimum)) as (p, _log):
+            assert p.poll() is None  # the least limit is accepted
     finally:
         await nc.close()

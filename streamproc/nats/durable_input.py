@@ -203,7 +203,7 @@ class DurableInput:
         self.chunks_stream = await find_stream(js, self.scheme.source) or CHUNKS_STREAM
         await ensure_chunk_stream(js, ChunkStreamSpec(
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
-            s.stream_replicas, s.chunks_max_bytes))
+            s.stream_replicas, s.chunks_max_bytes), max_payload=self.nc.max_payload)
         if self._batch < s.fetch_batch:
             log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self._batch,
                       detail="pending_msgs_limit is too small for the pull credit")

@@ -36,9 +36,10 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ..core import defaults
-from ..core.errors import ChunkStreamMismatch, ResultsStreamCannotStore, ResultsStreamMismatch
+from ..core.errors import ChunkStreamMismatch, ConfigError, ResultsStreamCannotStore, ResultsStreamMismatch
 from ..core.partitions import PartitionScheme
-from ..core.wire import Subjects
+from ..core.events import Role
+from ..core.wire import MAX_REQUEST_ID_LEN, Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
 CHUNKS_STREAM = "STREAMPROC_CHUNKS"
@@ -237,8 +238,26 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
         return found
 
 
-async def ensure_chunk_stream(js: JetStreamContext, spec: ChunkStreamSpec) -> StreamInfo:
-    """Create the chunk stream, or check that the existing one (by name) fits ``spec``."""
+def chunk_stream_minimum(scheme: PartitionScheme, max_payload: int) -> int:
+    """The least ``max_bytes`` a chunk stream needs to store one maximal chunk: the server's
+    ``max_payload`` of headers and body under the longest stored subject
+    (``P.partition.<n>.<256-character id>.prefill``), as nats-server counts a stored message
+    against ``max_bytes`` (``filestore.go`` ``fileStoreMsgSizeRaw``: ``22 + slen + 4 + hlen + mlen
+    + 8``; the memory store counts less, ``slen + hlen + mlen + 16``)."""
+    longest = len(scheme.head(scheme.count - 1)) + MAX_REQUEST_ID_LEN + 1 + max(len(r.value) for r in Role)
+    return 22 + longest + 4 + max_payload + 8
+
+
+async def ensure_chunk_stream(js: JetStreamContext, spec: ChunkStreamSpec, max_payload: int = 0) -> StreamInfo:
+    """Create the chunk stream, or check that the existing one (by name) fits ``spec``.
+
+    ``max_payload`` (the server's; 0 skips the check): a ``max_bytes`` that cannot hold one maximal
+    chunk is refused before anything is created."""
+    if max_payload and spec.max_bytes != -1 and spec.max_bytes < chunk_stream_minimum(spec.scheme, max_payload):
+        raise ConfigError(
+            f"--chunks-max-bytes {spec.max_bytes} cannot hold one chunk of the server's max_payload {max_payload}: "
+            f"use at least {chunk_stream_minimum(spec.scheme, max_payload)} (a maximal chunk as the stream stores "
+            "it) or -1 for no limit")
     try:
         info = await js.stream_info(spec.name)
     except NotFoundError:
