@@ -505,7 +505,7 @@ async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_
             info = await js.consumer_info(CHUNKS_STREAM, STRAY_CONSUMER)
             assert info.config.filter_subject == "streamproc.chunks.>"
             assert info.num_ack_pending == 0 and info.num_redelivered == 0
-            assert set((await stored_results(js, SUBJECTS))) == set(legit)  # nothing answered for a stray
+            assert set(await stored_results(js, SUBJECTS)) == set(legit)  # nothing answered for a stray
             text = log_path.read_text()
             assert text.count("event=unreadable_message") == len(STRAY_SUBJECTS)
             assert "subject=streamproc.chunks.>.decode" in text and "stored it untransformed" in text

@@ -25,8 +25,7 @@ removes it from the stream. There is no request to answer: the id is not a valid
 from __future__ import annotations
 
 import logging
-
-from typing import Callable
+from collections.abc import Callable
 
 import anyio
 import nats.errors
@@ -85,7 +84,7 @@ class StraySweeper:
                     msgs = await sub.fetch(STRAY_BATCH, timeout=STRAY_PULL_EXPIRES)
                 except nats.errors.TimeoutError:
                     continue  # nothing stray
-                except Exception as exc:  # the consumer deleted, the stream electing a leader: again later
+                except Exception as exc:  # noqa: BLE001  (consumer deleted, stream electing a leader: retry)
                     log_event(log, logging.INFO, "stray_sweep_failed", error=error_text(exc))
                     if sub is not None:
                         await _unsubscribe(sub)
@@ -97,7 +96,7 @@ class StraySweeper:
                     self.limited.log(logging.WARNING, "unreadable_message", subject=msg.subject, reason=REASON)
                     try:
                         await msg.term()
-                    except Exception as exc:  # comes back after ack_wait, to this or another instance
+                    except Exception as exc:  # noqa: BLE001  (it comes back after ack_wait, here or elsewhere)
                         log_event(log, logging.DEBUG, "stray_term_failed", error=error_text(exc))
         finally:
             if sub is not None:
@@ -108,5 +107,5 @@ class StraySweeper:
 async def _unsubscribe(sub) -> None:
     try:
         await sub.unsubscribe()
-    except Exception:  # noqa: BLE001  (closed connection: nothing to release)
+    except Exception:  # noqa: BLE001, S110  (closed connection: nothing to release)
         pass
