@@ -15,11 +15,10 @@ import anyio
 import msgspec
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import free_port, peak_rss, rid, wait_until
-from test_metrics import scrape
+from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
+from helpers import free_port, inflating_pd_legs, peak_rss, rid, scrape, wait_until
 
-from streamproc.core.wire import Subjects, chunk_headers
+from streamproc.core.wire import SEQ, Subjects, chunk_headers
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -309,8 +308,6 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
     request is joined."""
     import time
 
-    from test_hostile import inflating_pd_legs
-
     prefill, decode = inflating_pd_legs(prompt=2048)
     flags = durable_flags(partitions=1, format="sglang-zstd")
     with processor_subprocess(nats_url, *flags) as (proc, _log):
@@ -401,8 +398,6 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
     """CPU amplification: a streamed P/D request whose 20 decode chunks each inflate 2 x 32 MiB of rows
     (~60 ms of CPU per join). With --max-decode-cpu 0.2 it is ended after a few joins, overloaded,
     instead of costing 1.2 s of CPU; the requests beside it are answered."""
-    from test_hostile import inflating_pd_legs
-
     prefill, decode = inflating_pd_legs(prompt=2048)
     port = free_port()
     flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.2)
@@ -569,3 +564,167 @@ async def test_a_chunk_stream_byte_limit_below_one_maximal_chunk_is_refused_at_s
             assert p.poll() is None  # the least limit is accepted
     finally:
         await nc.close()
+
+
+# ------------------------------------------------------------- core-mode attacks, durable versions
+# tests/test_hostile.py runs each against a core-mode processor; here the chunks go through the chunk
+# stream with PubAcks, so what core mode loses (a dropped connection) durable mode would redeliver.
+
+POISON_SEQS = ["²", "٠", "１", "-1", "1e3", "0x1"]
+
+
+async def test_poison_seqs_are_settled_at_their_first_delivery_with_invalid_chunk(nats_url):
+    """A `Streamproc-Seq` of `²` passed str.isdigit() and int() raised: durable mode never acked the chunk
+    and redelivered it every ack wait (2,048 of them stalled a partition); `٠` was taken as 0. Each
+    now ends its request with one invalid_chunk result naming the header, and its chunk is settled at
+    its first delivery: nothing is redelivered, nothing reaches max_deliver, the partition goes on."""
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            legit = [rid("ok") for _ in range(30)]
+            poisoned = {}
+            for i, r in enumerate(legit):
+                if i % 5 == 0:
+                    bad = rid("bad")
+                    poisoned[bad] = POISON_SEQS[i // 5]
+                    await publish_agg(js, bad, 1, **{SEQ: poisoned[bad]})
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def all_ended() -> bool:
+                return set(poisoned) <= set(await stored_results(js, SUBJECTS))
+
+            await wait_until(all_ended, 20, "every poisoned request ended", every=0.3)
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            stored = await stored_results(js, SUBJECTS)
+            for bad, seq in poisoned.items():
+                [error] = stored[bad]  # one result, never a second one from a redelivery
+                assert error.seq == 0 and error.final and error.error == "invalid_chunk", (seq, error)
+                assert SEQ.encode() in error.body, (seq, error.body)
+            assert await chunk_stream_messages(js) == 0
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            metrics = scrape(port)
+            assert metrics['streamproc_error_results_total{kind="invalid_chunk"}'] == len(poisoned)
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert metrics["streamproc_durable_poisoned_total"] == 0  # settled long before max_deliver
+            text = log_path.read_text()
+            assert "event=nats_error" not in text and "event=message_failed" not in text
+            assert proc.poll() is None and peak_rss(proc.pid) < 150 * MiB  # the core-mode bound
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("separator", ["\x0b", "\x0c"])
+async def test_ids_with_bytes_nats_py_splits_on_are_settled_and_the_connection_survives(nats_url, separator):
+    """A request id holding VT/FF is one token to nats-server, and the chunk stream stores it; stock
+    nats-py's parser split the delivered subject and dropped the processor's connection, and in
+    durable mode the chunk came back every ack wait and dropped it again (3 of 2,000 legitimate
+    requests answered). Now the processor reads it, counts it unreadable and settles it; every
+    legitimate request is answered and the connection never drops."""
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=2), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            legit = [rid("ok") for _ in range(200)]
+            evil = 0
+            for i, r in enumerate(legit):
+                if i % 20 == 0:  # published raw: ChunkPublisher refuses such ids
+                    evil += 1
+                    await js.publish(f"streamproc.chunks.evil{separator}{i}.agg", b"{}",
+                                     headers=chunk_headers(f"evil{i}", "agg", 0, final=True))
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+            await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == evil, 10,
+                             "every evil chunk counted")
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            assert await chunk_stream_messages(js) == 0
+            assert await ack_pending(js, 2) == [0, 0]
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert metrics["streamproc_unreadable_total"] == evil
+            assert metrics["streamproc_durable_strays_total"] == 0  # stored partitioned: read by the partitions
+            assert not any(r.startswith("evil") for r in await stored_results(js, SUBJECTS))  # never answered
+            text = log_path.read_text()
+            assert "event=disconnected" not in text and "ProtocolError" not in text, text[-2000:]
+            assert "event=unreadable_message" in text
+            assert proc.poll() is None and peak_rss(proc.pid) < 150 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_a_reorder_backlog_is_cut_at_the_per_request_byte_cap_in_durable_mode(nats_url):
+    """300 chunks of ~1 MB behind a withheld seq 0, stored in the chunk stream: the request ends at
+    --max-buffered-bytes (32 MiB) with invalid_chunk, every chunk of it is settled (the rest as late),
+    the requests beside it are answered, and the processor's peak RSS stays under the core-mode bound
+    although up to 1.5 pull batches (384 MB) could be in flight to it."""
+    payload = bytes(1_000_000)
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            hoarder = rid("hoarder")
+            legit = [rid("ok") for _ in range(30)]
+            for seq in range(1, 301):
+                await js.publish(SUBJECTS.chunk(hoarder, "agg"), payload, headers=chunk_headers(hoarder, "agg", seq))
+                if seq % 10 == 0:
+                    await publish_agg(js, legit[seq // 10 - 1], 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+
+            async def ended() -> bool:
+                return hoarder in await stored_results(js, SUBJECTS)
+
+            await wait_until(ended, 30, "the hoarder ended", every=0.3)
+            [error] = (await stored_results(js, SUBJECTS))[hoarder]  # nothing of the backlog was published
+            assert error.seq == 0 and error.final and error.error == "invalid_chunk", error
+            assert b"max_buffered_bytes" in error.body or b"buffered" in error.body, error.body
+
+            async def drained() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(drained, 30, "every chunk of the hoarder settled", every=0.3)
+            assert scrape(port)["streamproc_durable_poisoned_total"] == 0
+            assert proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()
+
+
+async def test_many_requests_under_the_per_request_cap_are_stopped_by_the_global_budget_in_durable_mode(nats_url):
+    """20 requests x 20 MB of backlog (400 MB in all, each under the 32 MiB cap), stored in the chunk
+    stream of one partition: the ones past the 96 MiB global budget end as overloaded at once, in
+    stream order exactly as in core mode; the requests beside them are answered; peak RSS stays
+    under the core-mode bound."""
+    payload = bytes(1_000_000)
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            hogs = [rid(f"hog{k}") for k in range(20)]
+            legit = [rid("ok") for _ in range(20)]
+            for k, hog in enumerate(hogs):
+                for seq in range(1, 21):
+                    await js.publish(SUBJECTS.chunk(hog, "agg"), payload, headers=chunk_headers(hog, "agg", seq))
+                await publish_agg(js, legit[k], 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+            ended: dict[str, str] = {}
+
+            async def past_budget_ended() -> bool:
+                nonlocal ended
+                stored = await stored_results(js, SUBJECTS)
+                ended = {h: stored[h][-1].error for h in hogs if h in stored}
+                return len(ended) >= 15
+
+            await wait_until(past_budget_ended, 30, "the hogs past the budget ended", every=0.3)
+            # 5 x 20 MB fit in 96 MiB; every later hog is refused as soon as it would pass the budget.
+            assert ended == {h: "overloaded" for h in hogs[5:]}, ended
+            assert scrape(port)["streamproc_over_budget_total"] >= 15
+            assert proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import anyio
 import nats
 import pytest
-from helpers import peak_rss
+from helpers import inflating_pd_legs, peak_rss
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
 
@@ -202,22 +202,6 @@ async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_g
         # 5 x 20 MB fit in 96 MiB; every later hog is refused as soon as it would pass the budget.
         assert ended == {f"hog{k}": "overloaded" for k in range(5, 20)}, ended
         assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
-
-
-def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
-    """A real sglang-zstd P/D request whose 4,096-token prompt carries 64 MiB of expert rows (512 layers x
-    top-8), compressible to a few KB: prefill's one body, and decode's body that carries rows."""
-    import msgspec
-    import numpy as np
-
-    from streamproc.catalog import worker_for
-    from streamproc.sim.simulation import make_truth
-
-    small = make_truth(0, prompt_len=prompt, output_len=2, num_layers=1, top_k=1)
-    rows = np.tile(np.arange(8, dtype="<i4"), small.rows * 512).tobytes()  # 8 distinct experts per layer
-    truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
-    worker = worker_for("sglang-zstd")
-    return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
 
 
 async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_budget(nats_url, streamproc_run):
