@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,14 +12,24 @@ from pathlib import Path
 import anyio
 import nats
 from helpers import clean_env
+from hypothesis import HealthCheck, settings
 from nats.js import JetStreamContext
 
 from streamproc import config
 from streamproc.sim.embedded import stop_process
 from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
+from streamproc.testing.laws import LAW_EXAMPLES
 from streamproc.wire import ResultInfo, Subjects, result_from_message
 
 FORMAT = "sglang"
+
+# Hypothesis settings of the durable-mode state machines' properties (outbox, pull credit), pure.
+outbox_settings = settings(
+    max_examples=max(500, LAW_EXAMPLES),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=os.environ.get("CI") == "true",
+)
 
 
 def durable_settings(nats_url: str, **overrides: object) -> config.Settings:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import socket
 import ssl
 import subprocess
 import sys
@@ -174,3 +175,13 @@ def sse_view(body: bytes) -> str:
     the body decoded as UTF-8 (invalid bytes become U+FFFD), line breaks as LF. For a JSON body,
     which is UTF-8 and escapes line breaks inside strings, this is exactly the body."""
     return re.sub(r"\r\n|\r", "\n", body.decode("utf-8", errors="replace"))
+
+
+def slow_reader(url: str, request_id: str) -> socket.socket:
+    """An HTTP client that asks for a stream and then never reads a byte (tiny receive window)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+    return sock

@@ -2,60 +2,13 @@
 
 from __future__ import annotations
 
-from streamproc.codec import Codec, ErrorKind, JoinSession
+from toy_codec import InflatingCodec, InflatingSession, chunk, correlator, errors
+
+from streamproc.codec import ErrorKind, JoinSession
 from streamproc.correlator import Correlator, CorrelatorConfig
-from streamproc.wire import Chunk, Result, Role, Verdict
+from streamproc.wire import Result
 
 MiB = 1 << 20
-
-
-class InflatingSession(JoinSession):
-    """Absorbing a prefill leg ``inflate:<n>`` keeps n decoded bytes (like an expert-row payload)."""
-
-    def __init__(self) -> None:
-        self.rows = b""
-
-    def needs_prefill(self, body: bytes, final: bool) -> bool:
-        return True
-
-    def absorb_prefill(self, bodies):
-        text = b"".join(bodies)
-        if text.startswith(b"inflate:"):
-            self.rows = bytes(int(text[len(b"inflate:"):]))
-
-    def prefill_unavailable(self, reason: str) -> None:
-        pass
-
-    def join(self, body: bytes, final: bool):
-        return body + b"|%d" % len(self.rows), Verdict.JOINED
-
-    def retained_bytes(self) -> int:
-        return len(self.rows)
-
-
-class InflatingCodec(Codec):
-    name = "inflating"
-
-    def open_session(self) -> JoinSession:
-        return InflatingSession()
-
-    def fold(self, bodies):
-        return b"".join(bodies)
-
-    def error_body(self, message: str, kind: ErrorKind) -> bytes:
-        return f"ERR[{kind.value}]{message}".encode()
-
-
-def correlator(**config: object) -> Correlator:
-    return Correlator(lambda name: InflatingCodec(), "inflating", CorrelatorConfig(**config))
-
-
-def chunk(rid: str, role: str, seq: int, body: bytes, final: bool = False) -> Chunk:
-    return Chunk(rid, Role(role), seq, body, final)
-
-
-def errors(decisions) -> list[tuple[str, str]]:
-    return [(d.request_id, d.error) for d in decisions if isinstance(d, Result) and d.error]
 
 
 def test_a_withheld_seq_0_backlog_ends_its_request_at_the_per_request_byte_cap_and_frees_it():

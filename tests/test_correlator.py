@@ -7,33 +7,11 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy_codec import ToyCodec, bodies, feed
+from toy_codec import bodies, feed, make, resolve
 
-from streamproc.codec import Codec, ErrorKind
-from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle, UnknownFormat
-from streamproc.testing.harness import Run, leg, shuffle_with_duplicates
+from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle
+from streamproc.testing.harness import leg, shuffle_with_duplicates
 from streamproc.wire import Chunk, Role, Verdict
-
-
-class OtherToy(ToyCodec):
-    name = "other"
-
-    def error_body(self, message: str, kind: ErrorKind) -> bytes:
-        return b"OTHER-ERR"
-
-
-CODECS = {"toy": ToyCodec(), "other": OtherToy()}
-
-
-def resolve(name: str) -> Codec:
-    if name not in CODECS:
-        raise UnknownFormat(name, sorted(CODECS))
-    return CODECS[name]
-
-
-def make(**config) -> tuple[Correlator, Run]:
-    c = Correlator(resolve, "toy", CorrelatorConfig(**config))
-    return c, Run(c)
 
 
 def test_unary_aggregated_chunk_is_published_at_once_and_leaves_no_state():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from durable_helpers import outbox_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
 from streamproc.core.credit import PullCredit, Watch
-from test_outbox import outbox_settings
 
 
 def credit(batch: int = 10, now: float = 0.0) -> PullCredit:

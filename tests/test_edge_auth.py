@@ -274,8 +274,8 @@ async def test_many_idle_anonymous_connections_do_not_lock_out_another_client(se
     """The issue's attack on an --insecure-demo edge: one address opens 200 streams for ids nobody
     answers. It gets --max-streams-per-client of them (429 for the rest), they end after
     --idle-stream-timeout, and a client from another address is answered meanwhile."""
+    from edge_harness import slow_reader
     from helpers import status_kib
-    from test_edge_memory import slow_reader
 
     with running_edge(server.url, "--insecure-demo", "--ensure-results-stream", "--max-streams", "100",
                       "--max-streams-per-client", "32", "--idle-stream-timeout", "3") as edge:

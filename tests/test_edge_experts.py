@@ -17,8 +17,8 @@ import pytest
 from edge_harness import expected_sse, publish_results, running_edge
 from helpers import peak_rss, rid
 
-from streamproc.catalog import worker_for
-from streamproc.edge.experts import MAX_BODY_BYTES, MAX_VIEW_IDS
+from streamproc.catalog import Catalog, worker_for
+from streamproc.edge.experts import MAX_BODY_BYTES, MAX_VIEW_IDS, build_view
 from streamproc.simulation import make_truth
 from streamproc.testing.harness import leg, run_pipeline
 from streamproc.wire import Subjects, Verdict
@@ -38,15 +38,59 @@ def zstd_edge(server):
         yield edge
 
 
-def joined_final_body(truth) -> bytes:
-    """The final result body the real sglang-zstd join makes of the truth's P/D legs."""
-    worker = worker_for("sglang-zstd")
+def joined_final_body(truth, fmt: str = "sglang-zstd") -> bytes:
+    """The final result body the real join of ``fmt`` makes of the truth's P/D legs."""
+    worker = worker_for(fmt)
     rid_ = truth.request_id
     run = run_pipeline([*leg(rid_, "prefill", worker.prefill(truth, stream=True)),
-                        *leg(rid_, "decode", worker.decode(truth, stream=True))], format="sglang-zstd")
+                        *leg(rid_, "decode", worker.decode(truth, stream=True))], format=fmt)
     final = run.of(rid_)[-1]
     assert final.final and final.verdict is Verdict.JOINED
     return final.body
+
+
+def truth_ids(truth) -> list[int]:
+    return list(struct.unpack(f"<{len(truth.experts) // 4}i", truth.experts))
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd", "vllm"])
+def test_every_format_describes_its_joined_rows_split_at_the_prompt_and_its_aggregated_rows_as_one_workers(fmt):
+    """The codec hook (``Codec.routed_experts``) is the edge's only source: the truth's rows, the
+    prefill leg's up to the prompt and decode's after it, whatever the format's wire encoding."""
+    truth = make_truth(83, prompt_len=30, output_len=20, num_layers=6, top_k=4)
+    codec = Catalog()(fmt)
+    joined = build_view(codec, joined_final_body(truth, fmt), verdict=Verdict.JOINED)
+    assert (joined.present, joined.problem, joined.omitted) == (True, None, {})
+    assert (joined.positions, joined.row_ids, joined.splice) == (49, 24, 30)
+    assert joined.ids == truth_ids(truth)
+    assert [(s.source, s.start, s.stop) for s in joined.spans] == [("prefill", 0, 30), ("decode", 30, 49)]
+    aggregated = build_view(codec, worker_for(fmt).agg(truth, stream=False)[-1], verdict=Verdict.PASSTHROUGH)
+    assert aggregated.ids == truth_ids(truth)
+    assert [(s.source, s.start, s.stop) for s in aggregated.spans] == [("worker", 0, 49)]
+    body = joined_final_body(truth, fmt)
+    assert build_view(codec, body).spans == []  # no verdict: not attributed
+    stitched = build_view(codec, body, verdict=Verdict.STITCHED)  # migrated: attempts not told apart
+    assert [(s.source, s.start, s.stop) for s in stitched.spans] == [("resumed", 0, 49)]
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd", "vllm"])
+def test_every_format_reports_omitted_experts_with_the_reason_and_no_matrix(fmt):
+    truth = make_truth(85, prompt_len=8, output_len=4, num_layers=2, top_k=2)
+    codec = Catalog()(fmt)
+    session = codec.open_session()
+    session.prefill_unavailable("prefill_timeout")
+    body, verdict = session.join(worker_for(fmt).decode(truth, stream=False)[-1], True)
+    assert verdict is Verdict.OMITTED
+    view = build_view(codec, body, verdict=verdict)
+    assert (view.present, view.ids, view.spans, view.problem) == (False, [], [], None)
+    assert view.omitted["routed_experts"] == "prefill_timeout"
+
+
+def test_a_format_without_routed_experts_says_so_without_reading_the_body():
+    from toy_codec import ToyCodec
+
+    view = build_view(ToyCodec(), b"\xff anything")
+    assert (view.present, view.ids, view.problem) == (False, [], "format toy describes no routed experts")
 
 
 async def test_a_joined_body_is_decoded_to_the_truths_rows_with_the_splice_at_the_prompt(zstd_edge):
@@ -75,6 +119,20 @@ async def test_a_large_capture_is_paged_within_the_id_bound(zstd_edge):
     assert first["ids"] == list(truth_ids[:MAX_VIEW_IDS])
     assert (later["offset"], later["rows"]) == (1190, 10)  # clipped at the end
     assert later["ids"] == list(truth_ids[1190 * row:])
+
+
+async def test_the_verdict_attributes_rows_to_legs_and_an_unknown_verdict_is_refused(zstd_edge):
+    truth = make_truth(84, prompt_len=12, output_len=6, num_layers=2, top_k=4)
+    body = joined_final_body(truth)
+    async with httpx.AsyncClient(base_url=zstd_edge.url, timeout=10) as client:
+        joined = await client.post("/v1/experts?verdict=joined", content=body)
+        bad = await client.post("/v1/experts?verdict=spliced", content=body)
+        info = (await client.get("/v1/info")).json()
+    assert joined.json()["spans"] == [{"source": "prefill", "start": 0, "stop": 12},
+                                      {"source": "decode", "start": 12, "stop": 17}]
+    assert bad.status_code == 400 and "verdict must be one of" in bad.json()["error"]["message"]
+    # The page names no format field: it finds the value to post, and the text it shows, by the codec's names.
+    assert (info["experts_field"], info["text_field"]) == ("routed_experts", "text")
 
 
 async def test_omission_markers_are_reported_without_a_matrix(zstd_edge):

@@ -14,14 +14,13 @@ full GC (source.drop_pending frees them at unsubscribe).
 
 from __future__ import annotations
 
-import socket
 import time
 
 import anyio
 import httpx
 import msgspec
 import pytest
-from edge_harness import publish_result, publish_results, running_edge
+from edge_harness import publish_result, publish_results, running_edge, slow_reader
 from helpers import connection, rid, status_kib
 
 from streamproc.wire import Subjects
@@ -33,16 +32,6 @@ BODY = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'  # 64 KiB results
 READERS = 16  # slow readers per round
 RESULTS_PER_READER = 64  # 4 MiB published per reader and round (4 x its buffer): 64 MiB per round
 BUFFER = 1 * MiB  # --stream-buffer-bytes under test
-
-
-def slow_reader(url: str, request_id: str) -> socket.socket:
-    """An HTTP client that asks for a stream and then never reads a byte (tiny receive window)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.sendall(f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
-    return sock
 
 
 def subscriptions(edge) -> float:

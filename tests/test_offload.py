@@ -3,10 +3,12 @@ the outcome back in order; it never starts a thread itself."""
 
 from __future__ import annotations
 
+from toy_codec import chunk, correlator, errors
+
 from streamproc.core.correlator import Work
 from streamproc.wire import Result
 
-from test_budgets import MiB, chunk, correlator, errors
+MiB = 1 << 20
 
 
 def split(decisions):

@@ -13,10 +13,9 @@ acknowledged, nothing of the live instance is left held, and it got there in bou
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, given, settings
+from durable_helpers import outbox_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from streamproc.core.events import Notice, Result, Role, Settle
@@ -40,14 +39,6 @@ from streamproc.core.outbox import (
     resume_point,
 )
 from streamproc.core.wire import FINAL, SEQ
-from streamproc.testing.laws import LAW_EXAMPLES
-
-outbox_settings = settings(
-    max_examples=max(500, LAW_EXAMPLES),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=os.environ.get("CI") == "true",
-)
 
 STORED_ACK = b'{"stream":"R","seq":7}'
 DUPLICATE_ACK = b'{"stream":"R","seq":7,"duplicate":true}'

@@ -342,6 +342,8 @@ async def test_the_heat_map_shows_a_joined_requests_expert_ids_with_the_splice_m
         view, layout = shown["view"], shown["layout"]
         assert shown["pd"] and shown["page"] == "done"
         assert (view["positions"], view["row_ids"], view["splice"]) == (truth.rows, 24, 40)
+        assert view["spans"] == [{"source": "prefill", "start": 0, "stop": 40},  # the page posted the verdict
+                                 {"source": "decode", "start": 40, "stop": truth.rows}]
         assert (view["prompt_tokens"], view["completion_tokens"], view["dtype"]) == (40, 30, "int32")
         assert view["ids"] == list(memoryview(truth.experts).cast("i"))  # the ground truth, not stale rows
         assert (layout["layers"], layout["topK"], layout["splice"]) == (12, 2, 40)
@@ -411,6 +413,7 @@ async def test_the_heat_map_shows_a_joined_requests_expert_ids_with_the_splice_m
         browser.get(f"{edge.url}/?id={agg.request_id}&topk=2")
         aggregated = await wait_js(browser, experts_state, lambda s: s["state"] == "shown")
         assert not aggregated["pd"] and aggregated["layout"]["splice"] is None
+        assert aggregated["view"]["spans"] == [{"source": "worker", "start": 0, "stop": agg.rows}]
         assert aggregated["view"]["ids"] == list(memoryview(agg.experts).cast("i"))
         assert "aggregated: every row from one worker, no splice" in browser.find_element(By.ID, "experts-summary").text
         assert pixel(browser, "experts-map", LEFT + 1, HEAD + 2) == AGG

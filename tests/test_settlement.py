@@ -7,8 +7,7 @@ partition's requests to another instance without publishing anything for them an
 
 from __future__ import annotations
 
-from test_correlator import make
-from toy_codec import bodies, feed
+from toy_codec import bodies, feed, make
 
 from streamproc.testing.harness import leg
 from streamproc.wire import Chunk, Role

@@ -7,6 +7,10 @@ Anything else passes through. A decode body ``explode`` makes the codec raise (a
 Migration (:class:`MigratingToyCodec` only): a body lists token ids (``b"1 2"``, ``need:`` and the
 ``|...`` join suffix ignored); a body starting with ``!`` cannot move. The stitch appends ``|+<k>``
 (k = tokens emitted before the attempt) so a stitched body is recognisable.
+
+Correlators to drive: :func:`make` (the toy formats ``toy`` and ``other``, with a :class:`Run`) and
+:func:`correlator` (the ``inflating`` format, whose prefill leg ``inflate:<n>`` keeps n decoded
+bytes, for the byte budgets), with :func:`chunk` and :func:`errors` to feed and read it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationRefused, MigrationSession
-from streamproc.core.events import Chunk, Result, Verdict
+from streamproc.core.events import Chunk, Result, Role, Verdict
+from streamproc.correlator import Correlator, CorrelatorConfig, UnknownFormat
 from streamproc.testing.harness import Run
 
 
@@ -100,3 +105,77 @@ def feed(run: Run, chunks: Iterable[Chunk], now: float = 0.0) -> Run:
 
 def bodies(results: list[Result]) -> list[bytes]:
     return [r.body for r in results]
+
+
+# ------------------------------------------------------------ correlators over the toy formats
+
+class OtherToy(ToyCodec):
+    name = "other"
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return b"OTHER-ERR"
+
+
+CODECS = {"toy": ToyCodec(), "other": OtherToy()}
+
+
+def resolve(name: str) -> Codec:
+    if name not in CODECS:
+        raise UnknownFormat(name, sorted(CODECS))
+    return CODECS[name]
+
+
+def make(**config) -> tuple[Correlator, Run]:
+    c = Correlator(resolve, "toy", CorrelatorConfig(**config))
+    return c, Run(c)
+
+
+# ------------------------------------------------------------ the inflating format (byte budgets)
+
+class InflatingSession(JoinSession):
+    """Absorbing a prefill leg ``inflate:<n>`` keeps n decoded bytes (like an expert-row payload)."""
+
+    def __init__(self) -> None:
+        self.rows = b""
+
+    def needs_prefill(self, body: bytes, final: bool) -> bool:
+        return True
+
+    def absorb_prefill(self, bodies):
+        text = b"".join(bodies)
+        if text.startswith(b"inflate:"):
+            self.rows = bytes(int(text[len(b"inflate:"):]))
+
+    def prefill_unavailable(self, reason: str) -> None:
+        pass
+
+    def join(self, body: bytes, final: bool):
+        return body + b"|%d" % len(self.rows), Verdict.JOINED
+
+    def retained_bytes(self) -> int:
+        return len(self.rows)
+
+
+class InflatingCodec(Codec):
+    name = "inflating"
+
+    def open_session(self) -> JoinSession:
+        return InflatingSession()
+
+    def fold(self, bodies):
+        return b"".join(bodies)
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return f"ERR[{kind.value}]{message}".encode()
+
+
+def correlator(**config: object) -> Correlator:
+    return Correlator(lambda name: InflatingCodec(), "inflating", CorrelatorConfig(**config))
+
+
+def chunk(rid: str, role: str, seq: int, body: bytes, final: bool = False) -> Chunk:
+    return Chunk(rid, Role(role), seq, body, final)
+
+
+def errors(decisions) -> list[tuple[str, str]]:
+    return [(d.request_id, d.error) for d in decisions if isinstance(d, Result) and d.error]

@@ -107,6 +107,84 @@ class OmissionReason(enum.StrEnum):
         return cls(f"{leg}_corrupt")
 
 
+# Every codec marks a removed field ``<field>_unavailable_reason`` (Dynamo's convention); readers
+# such as the edge's experts view collect them without knowing the format's field names.
+UNAVAILABLE_SUFFIX = "_unavailable_reason"
+_MARKER_DEPTH = 4  # how deep a body's omission markers are searched (every format nests them shallowly)
+
+
+def omission_markers(value: Any, out: dict[str, str] | None = None, depth: int = 0) -> dict[str, str]:
+    """Every ``<field>_unavailable_reason`` in a parsed body, as field -> reason (depth-bounded)."""
+    out = {} if out is None else out
+    if depth > _MARKER_DEPTH:
+        return out
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        if isinstance(key, str) and key.endswith(UNAVAILABLE_SUFFIX) and isinstance(inner, str):
+            out[key.removesuffix(UNAVAILABLE_SUFFIX)] = inner
+        elif isinstance(inner, (dict, list)):
+            omission_markers(inner, out, depth + 1)
+    return out
+
+
+class RowSource(enum.StrEnum):
+    """Which worker computed a span of routed-expert rows."""
+
+    WORKER = "worker"  # an aggregated request: one worker computed every row
+    PREFILL = "prefill"
+    DECODE = "decode"
+    JOINED = "joined"  # a P/D join, but the body does not say where prefill's rows end
+    RESUMED = "resumed"  # a migrated request: rows of more than one attempt, which is not in the body
+
+
+class RowSpan(msgspec.Struct, frozen=True):
+    """Rows ``[start, stop)`` of a routed-experts matrix and the worker that computed them."""
+
+    source: RowSource
+    start: int
+    stop: int
+
+
+def row_spans(positions: int, prefill_rows: int | None, verdict: Verdict | None) -> list[RowSpan]:
+    """Where each row came from, by the request's strongest verdict: one worker for a passthrough
+    request; for a joined (or omitted) one, prefill's ``prefill_rows`` then decode's (unknown split:
+    one ``joined`` span); one ``resumed`` span for a stitched one (aggregated or P/D, the attempts'
+    rows are not told apart in the body); ``[]`` when the verdict is not known."""
+    if verdict is None:
+        return []
+    if verdict is Verdict.PASSTHROUGH:
+        return [RowSpan(RowSource.WORKER, 0, positions)]
+    if verdict is Verdict.STITCHED:
+        return [RowSpan(RowSource.RESUMED, 0, positions)]
+    if prefill_rows is None:
+        return [RowSpan(RowSource.JOINED, 0, positions)]
+    split = min(max(0, prefill_rows), positions)
+    spans = [RowSpan(RowSource.PREFILL, 0, split)] if split else []
+    return spans + ([RowSpan(RowSource.DECODE, split, positions)] if split < positions else [])
+
+
+class RoutedExperts(msgspec.Struct, kw_only=True):
+    """A format-neutral description of the routed experts in one result body (:meth:`Codec.routed_experts`).
+
+    ``matrix`` is a 2-D integer numpy array, one row per token position from ``start``, each row
+    ``layers x top_k`` ids (``layers``/``top_k`` known only when the wire states the shape).
+    """
+
+    field: str | None = None  # the format's own name for the value, for display only
+    present: bool = False  # the body carries a value (else see ``omitted``)
+    matrix: Any = None  # positions x row ids, or None (absent, or see ``problem``)
+    dtype: str | None = None
+    start: int = 0  # token position of row 0
+    layers: int | None = None
+    top_k: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    splice: int | None = None  # row index of the first row after the prompt, when inside the matrix
+    spans: list[RowSpan] = []  # which worker computed which rows (needs the request's verdict)
+    omitted: dict[str, str] = {}  # field -> reason, from every ``<field>_unavailable_reason`` marker
+    problem: str | None = None  # why a present value cannot be shown as a matrix
+
+
 R = TypeVar("R")
 
 
@@ -193,17 +271,17 @@ def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -
                                f"for a {seen}-token prompt: not the request being resumed")
 
 
-def check_sampling_params(params: object, *, guided: Sequence[str]) -> dict[str, Any]:
+def check_sampling_params(params: object, *, guided: Sequence[str], samples: str) -> dict[str, Any]:
     """A request's sampling parameters if one request with them can be resumed elsewhere: a single
-    object (not a batch), one sample (``n`` absent or 1), no guided decoding (``guided`` fields)
-    whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
+    object (not a batch), one sample (the format's ``samples`` field absent or 1), no guided decoding
+    (``guided`` fields) whose grammar state could not be carried over. Raises :class:`MigrationRefused`."""
     if params is None:
         return {}
     if not isinstance(params, dict):
-        raise MigrationRefused("a batched request (a list of sampling_params) cannot be resumed")
-    n = params.get("n")
+        raise MigrationRefused("a batched request (a list of sampling parameters) cannot be resumed")
+    n = params.get(samples)
     if n not in (None, 1):
-        raise MigrationRefused(f"n = {n}: parallel samples cannot be resumed as one request")
+        raise MigrationRefused(f"{samples} = {n}: parallel samples cannot be resumed as one request")
     for field in guided:
         if params.get(field) is not None:
             raise MigrationRefused(f"guided decoding ({field}): the grammar state cannot be carried over")
@@ -280,6 +358,22 @@ class Codec(ABC):
     @abstractmethod
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         """The format's native error envelope."""
+
+    # The format's name for the generated text in a body, None when its bodies carry none: the live
+    # page shows it (the edge passes it on in ``GET /v1/info``) without naming a format's field.
+    text_field: ClassVar[str | None] = None
+
+    # The format's name for its routed-experts value (a sequence field), None when it has none.
+    # Readers that must find the value in a body they hold (the live page) learn it from here.
+    experts_field: ClassVar[str | None] = None
+
+    def routed_experts(self, body: bytes, *, verdict: Verdict | None = None,
+                       limit: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> RoutedExperts:
+        """The routed experts of one result body, format-neutral, decoded within ``limit`` bytes;
+        ``verdict`` (the request's strongest) says whether rows were joined from two legs.
+        Raises ``ValueError`` when ``body`` is not a result body of this format. The default, for
+        a format without routed experts, does not look at the body."""
+        return RoutedExperts(problem=f"format {self.name} describes no routed experts")
 
     # Migration hooks. The defaults refuse, so a codec without migration support stays valid.
 

@@ -8,8 +8,9 @@ Routes:
   with one JSON body instead. ``?verdicts=1`` adds ``event: meta`` frames (seq, join verdict,
   error) before each result; the ``data`` of ordinary frames stays exactly the worker's bytes.
 - ``GET /v1/recent``: request ids recently seen on ``P.results.>`` (for the page; operators only).
-- ``POST /v1/experts``: the routed-experts matrix of one result body, decoded (``experts.py``);
-  any valid capability (it costs CPU), or ``--insecure-demo``.
+- ``POST /v1/experts``: the routed-experts matrix of one result body, decoded by the codec
+  (``experts.py``; ``?verdict=`` the request's strongest verdict, so the rows can be attributed to
+  legs); any valid capability (it costs CPU), or ``--insecure-demo``.
 - ``GET /v1/stats``: results seen and the processors' join latency, for the page's charts
   (``stats.py``; operators only).
 - ``GET /v1/info``: how the edge authenticates (``{"auth": "jwt"|"insecure-demo", ...}``), unauthenticated.
@@ -339,6 +340,10 @@ class Edge:
             "algorithm": s.auth_algorithm if self.verifier is not None else None,
             "tls": bool(s.tls_cert_file),
             "max_streams_per_client": s.max_streams_per_client,
+            # The format's field names the page needs (it names none itself): generated text, and
+            # the routed-experts value it posts to /v1/experts.
+            "text_field": self.codec.text_field,
+            "experts_field": self.codec.experts_field,
         })
 
     async def experts(self, request: Request) -> Response:
@@ -353,6 +358,10 @@ class Edge:
             rows_wanted = int(rows) if rows is not None else None
         except ValueError:
             return error_response("offset and rows must be integers", "invalid_request", 400)
+        verdict_text = request.query_params.get("verdict")  # the request's strongest: which legs made the rows
+        if verdict_text is not None and verdict_text not in {v.value for v in Verdict}:
+            return error_response(f"verdict must be one of {', '.join(Verdict)}", "invalid_request", 400)
+        verdict = Verdict(verdict_text) if verdict_text is not None else None
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
@@ -365,7 +374,8 @@ class Edge:
         body = b"".join(chunks)
         try:
             view = await anyio.to_thread.run_sync(
-                lambda: build_view(self.codec, body, offset=offset, rows=rows_wanted), limiter=self.view_limiter
+                lambda: build_view(self.codec, body, offset=offset, rows=rows_wanted, verdict=verdict),
+                limiter=self.view_limiter,
             )
         except ValueError as exc:  # msgspec.DecodeError is a ValueError too
             return error_response(f"not a result body: {exc}", "invalid_request", 400)

@@ -17,6 +17,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
+from ..catalog import worker_for
 from ..client.migration import MigrationError, MigrationRefused, Migrator, Resumed
 from ..client.publisher import ChunkPublisher
 from ..client.results import ResultCollector
@@ -52,31 +53,9 @@ def plan_migrations(*, seed: int, id_prefix: str) -> list[MigratingRequest]:
 
 
 def native_request(format: str, truth: Truth, **extra: object) -> bytes:
-    """The original request the serving layer sent, in the engine's own shape.
-
-    SGLang ``/generate`` (``GenerateReqInput``: ``rid``, ``input_ids``, ``sampling_params.max_new_tokens``)
-    for the sglang formats, vLLM's generate request (``token_ids``, ``sampling_params.max_tokens``) otherwise.
-    """
-    if format.startswith("sglang"):
-        body = {"rid": truth.request_id, "input_ids": truth.prompt_ids, "stream": True,
-                "return_logprob": truth.return_logprob, "sampling_params": {"max_new_tokens": truth.output_len}}
-    else:
-        body = {"request_id": truth.request_id, "token_ids": truth.prompt_ids, "stream": True,
-                "sampling_params": {"max_tokens": truth.output_len}}
-    body.update(extra)  # fields a test adds to see that migration keeps them
-    return msgspec.json.encode(body)
-
-
-def emitted_in(truth: Truth, request: bytes) -> int | None:
-    """How many output tokens a rebuilt request says were sent; None when it says it wrong."""
-    doc = msgspec.json.decode(request)
-    ids = doc.get("input_ids", doc.get("token_ids"))
-    k = len(ids) - truth.prompt_len
-    params = doc.get("sampling_params") or {}
-    budget = params.get("max_new_tokens", params.get("max_tokens"))
-    if k < 0 or ids != truth.prompt_ids + truth.output_ids[:k] or budget != truth.output_len - k:
-        return None
-    return k
+    """The original request the serving layer sent, in the engine's own shape (the format's
+    simulated worker renders it: ``SimulatedWorker.request``)."""
+    return worker_for(format).request(truth, **extra)
 
 
 def _legs(worker: SimulatedWorker, m: MigratingRequest, emitted: int) -> list[tuple[Role, list[bytes]]]:
@@ -113,7 +92,7 @@ async def run_migration(nc: NatsClient, subjects: Subjects, m: MigratingRequest,
 
     async def serve(resumed: Resumed) -> None:
         """``send`` for the Migrator: a fresh worker (pair) serves the rebuilt request to the end."""
-        emitted = emitted_in(m.truth, resumed.body)
+        emitted = worker.emitted_in(m.truth, resumed.body)
         if emitted is None:  # verify_migration reports it; serving a wrong request would prove nothing
             return
         for role, bodies in _legs(worker, m, emitted):
@@ -136,7 +115,7 @@ def verify_migration(m: MigratingRequest, results: list[ResultInfo], worker: Sim
     if (m.resumed.attempt, m.resumed.emitted_tokens, m.resumed.result_seq) != (1, sent, m.die_after):
         problems.append(f"sealed at attempt {m.resumed.attempt}, {m.resumed.emitted_tokens} tokens, result seq "
                         f"{m.resumed.result_seq}; expected 1, {sent}, {m.die_after}")
-    if emitted_in(m.truth, m.resumed.body) != sent:
+    if worker.emitted_in(m.truth, m.resumed.body) != sent:
         problems.append("the rebuilt request does not continue after the tokens already sent")
     expected = worker.agg(m.truth, stream=True)  # the uninterrupted run: one stream, as if nothing happened
     if [r.seq for r in results] != list(range(len(expected))):

@@ -188,6 +188,19 @@ class SimulatedWorker(ABC):
         """The decode leg of the resumed request."""
         return self.decode(truth.resumed(emitted), stream=stream, damage=damage)
 
+    # The serving layer's side (migration): the native request a truth answers, and reading a
+    # rebuilt one back. Optional; the formats that support migration implement both.
+
+    def request(self, truth: Truth, **extra: object) -> bytes:
+        """The original streaming request the serving layer sent for ``truth``, in the engine's own
+        shape; ``extra`` adds or replaces top-level fields (to see that migration keeps them)."""
+        raise NotImplementedError(f"format {self.format!r} renders no requests")
+
+    def emitted_in(self, truth: Truth, request: bytes) -> int | None:
+        """How many output tokens a rebuilt ``request`` says were already sent (its prompt is
+        ``truth``'s plus that many output tokens, its budget that much smaller); None when it says it wrong."""
+        raise NotImplementedError(f"format {self.format!r} renders no requests")
+
     @abstractmethod
     def opaque_agg(self, truth: Truth, *, stream: bool, rng: random.Random) -> list[bytes]:
         """Aggregated bodies whose sequence values are opaque: undecodable, odd types, raw bytes."""
@@ -199,3 +212,19 @@ class SimulatedWorker(ABC):
     @abstractmethod
     def canonical(self, body: bytes) -> object:
         """Parsed body with sequence fields decoded, for semantic equality between runs."""
+
+
+def emitted_in(truth: Truth, request: bytes, ids_key: str, params_key: str, budget_key: str) -> int | None:
+    """How many output tokens a rebuilt request says were sent, the format naming its prompt ids
+    (``ids_key``), sampling parameters (``params_key``) and token budget (``budget_key``): its prompt
+    must be ``truth``'s plus the first k output tokens and its budget k smaller. None otherwise."""
+    doc = msgspec.json.decode(request)
+    ids = doc.get(ids_key) if isinstance(doc, dict) else None
+    if not isinstance(ids, list):
+        return None
+    k = len(ids) - truth.prompt_len
+    params = doc.get(params_key) or {}
+    budget = params.get(budget_key) if isinstance(params, dict) else None
+    if k < 0 or ids != truth.prompt_ids + truth.output_ids[:k] or budget != truth.output_len - k:
+        return None
+    return k

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import Codec, CodecOptions, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
+from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
+                              MigrationSession, RoutedExperts, SequenceCodec)
+from streamproc.wire import Verdict
 
-from . import migration, native
+from . import experts, migration, native
 from .fold import fold
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
@@ -57,6 +59,15 @@ class SGLangCodec(Codec):
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
+
+    # What the live page shows: the generated text, and the edge's routed-experts view
+    # (``experts.py``, decoded with this instance's sequence codecs).
+    text_field = native.TEXT
+    experts_field = native.ROUTED_EXPERTS
+
+    def routed_experts(self, body: bytes, *, verdict: Verdict | None = None,
+                       limit: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> RoutedExperts:
+        return experts.routed_experts(self, body, verdict, limit)
 
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 

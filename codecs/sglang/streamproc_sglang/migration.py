@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 
 INPUT_IDS = "input_ids"
 SAMPLING_PARAMS = "sampling_params"
+SAMPLES = "n"  # parallel samples per request (SamplingParams.n)
 MAX_NEW_TOKENS = "max_new_tokens"
 MIN_NEW_TOKENS = "min_new_tokens"
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request gives none
@@ -270,7 +271,7 @@ def check_request(body: bytes) -> dict[str, Any]:
         raise MigrationRefused("the request has no input_ids")
     if not all(_is_count(t) for t in ids):
         raise MigrationRefused("a batched request (several prompts) cannot be resumed")
-    check_sampling_params(doc.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS)
+    check_sampling_params(doc.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
     if doc.get("return_hidden_states"):
         raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
     return doc

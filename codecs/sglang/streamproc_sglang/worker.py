@@ -31,9 +31,9 @@ import numpy as np
 
 from streamproc.codec import CodecOptions, CorruptPayload, SequenceCodec
 from streamproc.decompress import encode_base64
-from streamproc.simulation import Damage, SimulatedWorker, Truth
+from streamproc.simulation import Damage, SimulatedWorker, Truth, emitted_in
 
-from . import native, upstream
+from . import migration, native, upstream
 from .codec import SGLangCodec
 
 _ABSENT: Any = object()
@@ -127,6 +127,20 @@ class SGLangWorker(SimulatedWorker):
         return bodies[:-1] + [native.encode(doc)]
 
     # ------------------------------------------------------------------ views
+
+    # ------------------------------------------------------------ requests (migration)
+
+    def request(self, truth: Truth, **extra: object) -> bytes:
+        """``/generate`` as ``io_struct.GenerateReqInput``: ``rid``, ``input_ids``,
+        ``sampling_params.max_new_tokens``."""
+        doc: dict[str, Any] = {"rid": truth.request_id, migration.INPUT_IDS: truth.prompt_ids, "stream": True,
+                               "return_logprob": truth.return_logprob,
+                               migration.SAMPLING_PARAMS: {migration.MAX_NEW_TOKENS: truth.output_len}}
+        doc.update(extra)
+        return native.encode(doc)
+
+    def emitted_in(self, truth: Truth, request: bytes) -> int | None:
+        return emitted_in(truth, request, migration.INPUT_IDS, migration.SAMPLING_PARAMS, migration.MAX_NEW_TOKENS)
 
     def expert_view(self, body: bytes) -> tuple[bytes | None, str | None]:
         """Raises ``ValueError`` for a body that is not JSON or a present but undecodable value."""

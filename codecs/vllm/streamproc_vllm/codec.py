@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, SequenceCodec
+from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, Emitted, ErrorKind, JoinSession, MigrationSession,
+                              RoutedExperts, SequenceCodec)
+from streamproc.wire import Verdict
 
-from . import migration
+from . import experts, migration
 from .native import ROUTED_EXPERTS, dump, parse
 from .fold import fold_objects
 from .join import VLLMJoinSession
@@ -53,6 +55,13 @@ class VLLMCodec(Codec):
         error_type = ERROR_TYPES.get(code, "InternalServerError")
         # ErrorResponse{error: ErrorInfo{message, type, param, code}}
         return dump({"error": {"message": message, "type": error_type, "param": None, "code": code}})
+
+    # The edge's routed-experts view (``experts.py``), decoded with this instance's sequence codecs.
+    experts_field = ROUTED_EXPERTS
+
+    def routed_experts(self, body: bytes, *, verdict: Verdict | None = None,
+                       limit: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> RoutedExperts:
+        return experts.routed_experts(self, body, verdict, limit)
 
     # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
 

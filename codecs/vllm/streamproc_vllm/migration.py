@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 TOKEN_IDS = "token_ids"
 SAMPLING_PARAMS = "sampling_params"
+SAMPLES = "n"  # parallel samples per request (SamplingParams.n)
 MAX_TOKENS = "max_tokens"
 MIN_TOKENS = "min_tokens"
 # Grammar-constrained decoding (and its older spellings): the grammar state is not transferable.
@@ -172,7 +173,7 @@ def check_request(body: bytes) -> dict:
     ids = obj.get(TOKEN_IDS)
     if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
         raise MigrationRefused("the request has no token_ids to extend")
-    check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS)
+    check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
     return obj
 
 

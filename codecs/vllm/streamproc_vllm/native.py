@@ -14,6 +14,8 @@ import msgspec
 
 ROUTED_EXPERTS = "routed_experts"
 PROMPT_LOGPROBS = "prompt_logprobs"
+PROMPT_TOKENS = "prompt_tokens"  # usage counts
+COMPLETION_TOKENS = "completion_tokens"
 UNAVAILABLE_SUFFIX = "_unavailable_reason"
 TOKEN_LABEL_PREFIX = "token_id:"
 CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob

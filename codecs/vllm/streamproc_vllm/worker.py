@@ -21,7 +21,7 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from streamproc.codec import CodecOptions, CorruptPayload
-from streamproc.simulation import Damage, SimulatedWorker, Truth
+from streamproc.simulation import Damage, SimulatedWorker, Truth, emitted_in
 
 from .native import (
     PROMPT_LOGPROBS,
@@ -34,7 +34,7 @@ from .native import (
     token_label,
     unavailable_key,
 )
-from . import upstream
+from . import migration, upstream
 from .sequence import Base64Npy, npy_bytes
 
 MODEL = "simulated"
@@ -279,6 +279,19 @@ class VLLMWorker(SimulatedWorker):
         return base64.b64encode(rng.randbytes(rng.randint(1, 96))).decode("ascii")
 
     # ------------------------------------------------------------ inspection
+
+    # ---------------------------------------------------------------- requests (migration)
+
+    def request(self, truth: Truth, **extra: object) -> bytes:
+        """The disaggregated ``/inference/v1/generate`` request (``GenerateRequest``: ``request_id``,
+        ``token_ids``, ``sampling_params.max_tokens``)."""
+        doc: dict = {"request_id": truth.request_id, migration.TOKEN_IDS: truth.prompt_ids, "stream": True,
+                     migration.SAMPLING_PARAMS: {migration.MAX_TOKENS: truth.output_len}}
+        doc.update(extra)
+        return dump(doc)
+
+    def emitted_in(self, truth: Truth, request: bytes) -> int | None:
+        return emitted_in(truth, request, migration.TOKEN_IDS, migration.SAMPLING_PARAMS, migration.MAX_TOKENS)
 
     def expert_view(self, body: bytes) -> tuple[bytes | None, str | None]:
         obj = parse_object(body)

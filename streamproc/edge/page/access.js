@@ -2,7 +2,8 @@
 // An operator opens the page as /#access_token=<token> (`streamproc token --operator`): the fragment
 // never reaches a server or its log. Every API and EventSource URL the page builds goes through
 // edgeUrl(), which appends access_token= (RFC 6750 2.3: EventSource cannot set an Authorization
-// header). GET /v1/info says whether the edge runs as an --insecure-demo, which the page states.
+// header). GET /v1/info says whether the edge runs as an --insecure-demo, which the page states, and
+// names the format's routed-experts field (edgeAccess.info).
 "use strict";
 
 const edgeAccess = (() => {
@@ -21,7 +22,9 @@ const edgeAccess = (() => {
     banner.hidden = false;
   }
 
-  fetch("/v1/info").then((r) => r.json()).then((info) => {
+  // The edge's answer, shared: experts.js reads the format's routed-experts field name from it.
+  const info = fetch("/v1/info").then((r) => r.json());
+  info.then((info) => {
     if (info.auth === "insecure-demo") {
       show("Insecure demo: this edge serves every request's results to anyone (--insecure-demo).", "insecure");
     } else if (!token) {
@@ -30,6 +33,6 @@ const edgeAccess = (() => {
     }
   }).catch(() => {});
 
-  return { token, edgeUrl };
+  return { token, edgeUrl, info: info.catch(() => ({})) };
 })();
 const edgeUrl = edgeAccess.edgeUrl;

@@ -69,10 +69,21 @@ function setVerdict(verdict) {
   el.className = "badge " + (verdict || "none");
 }
 
-// The generated text of a body: the string values of `text` keys (top level or inside lists of objects).
+// The format's generated-text field (GET /v1/info, text_field; null: its bodies carry none). Until
+// the edge has answered, text is not shown; then what was received so far is rendered at once.
+let textField = null;
+edgeAccess.info.then((info) => {
+  textField = info.text_field || null;
+  $("tokens").textContent = page.received.map((data) => {
+    try { return textOf(JSON.parse(data)); } catch (_) { return ""; }
+  }).join("");
+});
+
+// The generated text of a body: the string values of the format's text field (top level or inside
+// lists of objects).
 function textOf(value, depth = 0) {
-  if (depth > 3 || value === null || typeof value !== "object") return "";
-  if (!Array.isArray(value) && typeof value.text === "string") return value.text;
+  if (textField === null || depth > 3 || value === null || typeof value !== "object") return "";
+  if (!Array.isArray(value) && typeof value[textField] === "string") return value[textField];
   const items = Array.isArray(value) ? value : Object.values(value).filter(Array.isArray);
   return items.map((item) => textOf(item, depth + 1)).join("");
 }

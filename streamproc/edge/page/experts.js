@@ -1,6 +1,7 @@
 // Routed-experts view of the followed request: a positions x layers heat map of expert ids.
-// The page posts the result body that carries routed_experts to the edge (POST /v1/experts), which
-// decodes it with its --format codec (Base64, zstd, .npy) and answers with the id matrix as JSON;
+// The page posts the result body that carries the format's routed-experts value (its name comes
+// from GET /v1/info, experts_field) to the edge (POST /v1/experts), whose --format codec decodes it
+// and answers with the id matrix as JSON, the rows attributed to legs by the request's verdict;
 // see streamproc/edge/experts.py for why the browser does not decode it. State for tests:
 // window.streamprocExperts.state ("none" | "loading" | "shown" | "omitted" | "problem" | "failed")
 // and .view (the edge's answer).
@@ -8,7 +9,7 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
-  const FIELD = "routed_experts";
+  let FIELD = null;  // the format's field name, from GET /v1/info (null: this format has none)
   // What each omission reason means (docs/codecs.md, "Anything else removes the field").
   const REASONS = {
     prefill_timeout: "the prefill leg did not complete within --prefill-timeout",
@@ -21,7 +22,11 @@
     shape_mismatch: "the legs advertise different dtypes",
     too_large: "the value decodes past what the body allows",
   };
-  const PREFILL = "#3d5afe", DECODE = "#ff9100", AGG = "#90a4ae", SPLICE = "#d50000";
+  const PREFILL = "#3d5afe", DECODE = "#ff9100", AGG = "#90a4ae", JOINED = "#7e57c2", RESUMED = "#00897b";
+  const SPLICE = "#d50000";
+  // The edge's row spans (view.spans: worker | prefill | decode | joined | resumed) as band colours and labels.
+  const SOURCES = { worker: [AGG, "aggregated"], prefill: [PREFILL, "prefill"], decode: [DECODE, "decode"],
+    joined: [JOINED, "P/D, split unknown"], resumed: [RESUMED, "migrated, attempts not told apart"] };
   // Viridis, five stops: expert id 0 is dark blue, the largest id in the payload is yellow.
   const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const HEAD = 14, BAND = 8, LEFT = 34, BOTTOM = 16;  // pixels around the cells
@@ -35,9 +40,9 @@
     return [0, 1, 2].map((k) => Math.round(a[k] + (b[k] - a[k]) * t));
   }
 
-  // The object that holds routed_experts (SGLang: meta_info), depth-bounded like the edge's search.
+  // The object that holds the field, wherever the format nests it (depth-bounded).
   function holder(value, depth = 0) {
-    if (depth > 4 || value === null || typeof value !== "object") return null;
+    if (FIELD === null || depth > 4 || value === null || typeof value !== "object") return null;
     if (!Array.isArray(value) && FIELD in value) return value;
     for (const inner of Array.isArray(value) ? value : Object.values(value)) {
       const found = holder(inner, depth + 1);
@@ -46,7 +51,7 @@
     return null;
   }
 
-  // Top-k is not on SGLang's wire: the URL's ?topk=, else the largest usual top-k dividing the row.
+  // Top-k when the wire does not state it: the URL's ?topk=, else the largest usual top-k dividing the row.
   function guessTopK(view) {
     if (view.top_k) return view.top_k;
     const asked = Number(new URLSearchParams(location.search).get("topk"));
@@ -77,6 +82,8 @@
   // After [DONE]: the last body that carries the field goes to the edge for decoding.
   async function show(page) {
     reset();
+    FIELD = (await edgeAccess.info).experts_field || null;
+    const label = FIELD || "routed experts";
     const docs = page.received.map((data) => { try { return JSON.parse(data); } catch (_) { return null; } });
     const omitted = {};
     docs.forEach((doc) => collectReasons(doc, omitted));
@@ -86,13 +93,16 @@
     listOmitted(omitted);
     if (index < 0) {
       experts.state = "omitted";
-      $("experts-summary").textContent = "no " + FIELD + " in this request's results: " +
-        (omitted[FIELD] ? "omitted, see why below; no heat map" : "not requested, or dropped by both legs");
+      $("experts-summary").textContent = "no " + label + " in this request's results: " +
+        (FIELD && omitted[FIELD] ? "omitted, see why below; no heat map" : "not requested, or dropped by both legs");
       return;
     }
     experts.state = "loading";
     experts.body = page.received[index];
-    experts.pd = page.meta.some((m) => m.verdict && m.verdict !== "passthrough");
+    // The strongest verdict the request's results had: the edge attributes the rows to legs by it.
+    experts.verdict = ["omitted", "stitched", "joined"].find((v) => page.meta.some((m) => m && m.verdict === v))
+      || "passthrough";
+    experts.pd = experts.verdict !== "passthrough";
     experts.requestId = page.requestId;
     await load(0);
   }
@@ -110,7 +120,8 @@
     const requestId = experts.requestId;
     let view;
     try {
-      const response = await fetch(apiUrl("/v1/experts?offset=" + offset), {
+      const query = "?offset=" + offset + "&verdict=" + encodeURIComponent(experts.verdict);
+      const response = await fetch(apiUrl("/v1/experts" + query), {
         method: "POST", body: experts.body, headers: { "Content-Type": "application/json" },
       });
       view = await response.json();
@@ -118,14 +129,14 @@
     } catch (error) {
       if (experts.requestId !== requestId) return;
       experts.state = "failed";
-      $("experts-summary").textContent = "the edge could not decode " + FIELD + ": " + error.message;
+      $("experts-summary").textContent = "the edge could not decode " + (FIELD || "routed experts") + ": " + error.message;
       return;
     }
     if (experts.requestId !== requestId) return;  // the user followed another request meanwhile
     experts.view = view;
     if (view.problem) {
       experts.state = "problem";
-      $("experts-summary").textContent = FIELD + " present but not shown: " + view.problem;
+      $("experts-summary").textContent = (FIELD || "routed experts") + " present but not shown: " + view.problem;
       return;
     }
     experts.topK = guessTopK(view);
@@ -133,16 +144,35 @@
     experts.state = "shown";
   }
 
+  // Which worker computed a row: the span the edge's codec put it in.
+  function sourceOf(row) {
+    const span = experts.view.spans.find((s) => row >= s.start && row < s.stop);
+    return span ? span.source : "worker";
+  }
+
+  // The row where decode's rows begin, when the body says so.
+  function spliceOf(view) {
+    const prefill = view.spans.find((s) => s.source === "prefill");
+    const decode = view.spans.find((s) => s.source === "decode");
+    return prefill && decode ? decode.start : null;
+  }
+
   function summary(view, layers, topK) {
-    const end = view.start + view.positions;
+    const end = view.start + view.positions, splice = spliceOf(view);
+    const sources = view.spans.map((s) => s.source);
     let text = view.positions + " positions [" + view.start + ", " + end + ") × " + layers + " layers × top-" +
       topK + " (" + view.row_ids + " " + view.dtype + " ids a row" + (view.top_k ? "" : "; top-k is not on the " +
       "wire, set it below") + ")";
-    if (experts.pd && view.splice !== null) {
-      text += " · P/D join: rows of positions " + view.start + "–" + (view.prompt_tokens - 1) + " from prefill, " +
-        view.prompt_tokens + "–" + (end - 1) + " from decode; splice at position " + view.prompt_tokens;
-    } else if (experts.pd) {
+    if (splice !== null) {
+      const at = view.start + splice;
+      text += " · P/D join: rows of positions " + view.start + "–" + (at - 1) + " from prefill, " +
+        at + "–" + (end - 1) + " from decode; splice at position " + at;
+    } else if (sources.includes("prefill")) {
       text += " · P/D join: every row from prefill (one-token decode)";
+    } else if (sources.includes("joined")) {
+      text += " · P/D join: this body does not say where prefill's rows end";
+    } else if (sources.includes("resumed")) {
+      text += " · migrated: rows of more than one attempt, not told apart in the body";
     } else {
       text += " · aggregated: every row from one worker, no splice";
     }
@@ -180,8 +210,9 @@
     }
     const legend = $("experts-legend");
     legend.innerHTML = "";
-    const swatches = experts.pd ? [[PREFILL, "prefill rows"], [DECODE, "decode rows"], [SPLICE, "splice boundary"]]
-      : [[AGG, "aggregated rows"]];
+    const shown = [...new Set(view.spans.map((s) => s.source))];
+    const swatches = (shown.length ? shown : ["worker"]).map((source) => [SOURCES[source][0], SOURCES[source][1] + " rows"]);
+    if (spliceOf(view) !== null) swatches.push([SPLICE, "splice boundary"]);
     for (const [fill, text] of [...swatches, ["linear-gradient(90deg,#440154,#21918c,#fde725)",
       "expert id 0 … " + view.max_id]]) {
       const swatch = document.createElement("span");
@@ -228,10 +259,9 @@
     }
     ctx.putImageData(image, LEFT, top);
     // Band above the cells: which leg each position's row came from.
-    const splice = experts.pd && view.splice !== null ? view.splice : null;
+    const splice = spliceOf(view);
     for (let r = 0; r < view.rows; r++) {
-      const row = view.offset + r;
-      ctx.fillStyle = !experts.pd ? AGG : splice === null || row < splice ? PREFILL : DECODE;
+      ctx.fillStyle = SOURCES[sourceOf(view.offset + r)][0];
       ctx.fillRect(LEFT + r * cw, HEAD, cw, BAND);
     }
     ctx.font = "10px system-ui, sans-serif";
@@ -247,20 +277,20 @@
       const x = LEFT + (splice - view.offset) * cw;
       ctx.fillStyle = SPLICE;
       ctx.fillRect(x - 1, HEAD - 2, 2, canvas.height - HEAD - BOTTOM + 2);
-      ctx.fillText("splice @ " + view.prompt_tokens, Math.max(LEFT, x - 30), 10);
+      ctx.fillText("splice @ " + (view.start + splice), Math.max(LEFT, x - 30), 10);
     }
     experts.layout = { cw, sh, lh, top, layers, topK, splice };
     canvas.onmousemove = (event) => hover(event, canvas);
   }
 
   function hover(event, canvas) {
-    const { cw, lh, sh, top, layers, topK, splice } = experts.layout, view = experts.view;
+    const { cw, lh, sh, top, layers, topK } = experts.layout, view = experts.view;
     const scale = canvas.width / canvas.getBoundingClientRect().width;
     const x = event.offsetX * scale - LEFT, y = event.offsetY * scale - top;
     const r = Math.floor(x / cw), layer = Math.floor(y / lh), slot = Math.floor((y % lh) / sh);
     if (x < 0 || y < 0 || r >= view.rows || layer >= layers || slot >= topK) return;
     const row = view.offset + r;
-    const leg = !experts.pd ? "aggregated" : splice === null || row < splice ? "prefill" : "decode";
+    const leg = SOURCES[sourceOf(row)][1];
     $("experts-hover").textContent = "position " + (view.start + row) + " (" + leg + ") · layer " + layer +
       " · slot " + slot + " · expert " + view.ids[r * view.row_ids + layer * topK + slot];
   }
