@@ -310,11 +310,10 @@ def test_streamproc_names_no_format_field():
 
 TESTS_DIR = Path(__file__).parent
 TEST_MODULES = sorted(p.stem for p in TESTS_DIR.glob("test_*.py"))
-# Being moved on other branches this round (migration-gap owns test_migration_crash, hostile-rest
-# test_durable_hostile): strict xfails, so the entry must go once their helpers are shared.
+# Being moved on other branches this round (migration-gap owns test_migration_crash): strict xfails,
+# so the entry must go once their helpers are shared.
 KNOWN_TEST_IMPORTERS: dict[str, str] = {
     "test_migration_crash": "imports test_durable_faults and test_migration_nats helpers (migration-gap branch)",
-    "test_durable_hostile": "imports test_metrics and test_hostile helpers (hostile-rest branch)",
 }
 
 
