@@ -504,6 +504,7 @@ async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_
             text = log_path.read_text()
             assert text.count("event=unreadable_message") == len(STRAY_SUBJECTS)
             assert "subject=streamproc.chunks.>.decode" in text and "stored it untransformed" in text
+            assert "stray_sweep_failed" not in text
             # A stray published while the processor runs goes the same way.
             await js.publish("streamproc.chunks.*.agg", b"{}", headers=chunk_headers("late-stray", "agg", 0))
             await wait_until(lambda: scrape(port).get("streamproc_durable_strays_total") == len(STRAY_SUBJECTS) + 1,

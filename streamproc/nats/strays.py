@@ -41,6 +41,7 @@ STRAY_CONSUMER = "streamproc-strays"
 STRAY_BATCH = 64
 STRAY_PULL_EXPIRES = 10.0  # seconds a pull waits on the server when there is nothing to sweep
 RETRY_AFTER_ERROR = 1.0
+MAX_RETRY = 60.0
 REASON = ("a '*' or '>' token in the chunk subject: nats-server stored it untransformed, no partition reads it "
           "(a request id is printable ASCII without '.', '*', '>')")
 
@@ -75,6 +76,7 @@ class StraySweeper:
     async def run(self) -> None:
         js = self.nc.jetstream(timeout=10)
         sub = None
+        retry = RETRY_AFTER_ERROR
         try:
             while True:
                 try:
@@ -83,14 +85,20 @@ class StraySweeper:
                         sub = await js.pull_subscribe_bind(durable=STRAY_CONSUMER, stream=self.stream)
                     msgs = await sub.fetch(STRAY_BATCH, timeout=STRAY_PULL_EXPIRES)
                 except nats.errors.TimeoutError:
+                    retry = RETRY_AFTER_ERROR
                     continue  # nothing stray
                 except Exception as exc:  # noqa: BLE001  (consumer deleted, stream electing a leader: retry)
-                    log_event(log, logging.INFO, "stray_sweep_failed", error=error_text(exc))
+                    # A lasting cause (the stream's max_consumers reached, a permission) is retried ever
+                    # more slowly and logged rate limited: it must not flood the log either.
+                    self.limited.log(logging.WARNING, "stray_sweep_failed", error=error_text(exc),
+                                     retry_in=f"{retry:g}s")
                     if sub is not None:
                         await _unsubscribe(sub)
                         sub = None
-                    await anyio.sleep(RETRY_AFTER_ERROR)
+                    await anyio.sleep(retry)
+                    retry = min(retry * 2, MAX_RETRY)
                     continue
+                retry = RETRY_AFTER_ERROR
                 for msg in msgs:
                     self._on_stray()
                     self.limited.log(logging.WARNING, "unreadable_message", subject=msg.subject, reason=REASON)
