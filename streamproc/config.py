@@ -280,9 +280,6 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             raise ValueError(f"format_option: {exc}") from None
         if self.duplicate_window > self.chunks_max_age:
             raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
-        if self.chunks_max_age > self.results_max_age:  # a chunk outliving its results cannot be recovered
-            raise ValueError("chunks_max_age must not exceed results_max_age: a chunk kept longer than the "
-                             "results it recovers from would start its request afresh")
         if self.chunks_max_bytes == 0:  # nats-server stores max_bytes 0 as -1 (stream.go checkStreamCfg)
             raise ValueError("chunks_max_bytes must be -1 (unlimited) or a byte count: nats-server takes 0 for "
                              "unlimited (it stores -1) and the next start-up would find a mismatch")

@@ -153,8 +153,6 @@ def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
     (["--chunks-max-bytes", "0"], ("--chunks-max-bytes (flag --chunks-max-bytes='0') must be -1 (unlimited) or a "
                                    "byte count: nats-server takes 0 for unlimited")),
     (["--max-ack-pending", "1"], "invalid flag --max-ack-pending='1': Expected `int` >= 2"),
-    (["--chunks-max-age", "7200"], ("--chunks-max-age (flag --chunks-max-age='7200') must not exceed "
-                                    "--results-max-age (default 3600.0)")),
 ])
 def test_nonsensical_durable_stream_limits_exit_2_naming_the_flag_and_value(flags, message):
     """Limits nats-server or the processor cannot honour are refused before connecting (the one that

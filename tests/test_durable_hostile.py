@@ -235,6 +235,9 @@ async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_ar
     ({"discard": "new", "max_msgs": 1000}, "discard is 'new' with max_msgs 1000: once reached, every result is refused"),
     ({"discard": "new", "max_bytes": 1 << 20}, "discard is 'new' with max_bytes 1048576"),
     ({"max_msg_size": 1024}, "max_msg_size is 1024 bytes, below the server's max_payload 1048576"),
+    # discard old: such a stream PubAcks a large result, then evicts it and every other at once
+    ({"max_bytes": 100_000}, "max_bytes is 100000, below one result of the server's max_payload 1048576 as "
+                             "stored (1048885 bytes): such a result is acknowledged, then evicted with every other"),
 ])
 async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up(nats_url, run_cli, limits, problem):
     from nats.js.api import DiscardPolicy, StreamConfig

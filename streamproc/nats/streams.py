@@ -137,20 +137,31 @@ async def ensure_results_stream(
     differences = spec.differences(info.config)
     if differences:
         raise ResultsStreamMismatch(name, differences)
-    problems = storage_problems(info.config, max_payload)
+    problems = storage_problems(info.config, max_payload, stored_record_size(subjects.result("x" * MAX_REQUEST_ID_LEN),
+                                                                              max_payload))
     if problems:
         raise ResultsStreamCannotStore(name, problems)
     return info
 
 
-def storage_problems(actual: StreamConfig, max_payload: int = 0) -> list[str]:
-    """Why a results stream would refuse results it is sent, beyond a full disk.
+def stored_record_size(subject: str, max_payload: int) -> int:
+    """What one message of ``max_payload`` bytes (headers and body) under ``subject`` counts against
+    a stream's ``max_bytes`` (``filestore.go`` ``fileStoreMsgSizeRaw``: ``22 + slen + 4 + hlen + mlen
+    + 8``; the memory store counts less, ``slen + hlen + mlen + 16``)."""
+    return 22 + len(subject) + 4 + max_payload + 8
+
+
+def storage_problems(actual: StreamConfig, max_payload: int = 0, largest: int = 0) -> list[str]:
+    """Why a results stream would refuse results it is sent, or lose them, beyond a full disk.
 
     With discard ``new`` a stream at ``max_msgs`` / ``max_bytes`` (or, with
     ``discard_new_per_subject``, ``max_msgs_per_subject``) refuses every new message: each result
     would be retried and given up, and its request never finish (``discard old`` drops the oldest
     results instead, which readers have long read). A ``max_msg_size`` below the server's
-    ``max_payload`` refuses results that the chunk stream accepted.
+    ``max_payload`` refuses results that the chunk stream accepted. A ``max_bytes`` below
+    ``largest`` (one maximal result as stored, :func:`stored_record_size`) loses results even with
+    discard ``old``: nats-server PubAcks such a result, then evicts it and every other at once
+    (tested against 2.15.1: a 5,000-byte message into ``max_bytes`` 1,000 left the stream empty).
     """
     found = []
     if _value(actual.discard) == DiscardPolicy.NEW.value:
@@ -164,6 +175,9 @@ def storage_problems(actual: StreamConfig, max_payload: int = 0) -> list[str]:
     if size is not None and size > 0 and max_payload and size < max_payload:
         found.append(f"max_msg_size is {size} bytes, below the server's max_payload {max_payload}: larger results "
                      "are refused")
+    if largest and actual.max_bytes is not None and 0 < actual.max_bytes < largest:
+        found.append(f"max_bytes is {actual.max_bytes}, below one result of the server's max_payload {max_payload} "
+                     f"as stored ({largest} bytes): such a result is acknowledged, then evicted with every other")
     return found
 
 
@@ -241,11 +255,9 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
 def chunk_stream_minimum(scheme: PartitionScheme, max_payload: int) -> int:
     """The least ``max_bytes`` a chunk stream needs to store one maximal chunk: the server's
     ``max_payload`` of headers and body under the longest stored subject
-    (``P.partition.<n>.<256-character id>.prefill``), as nats-server counts a stored message
-    against ``max_bytes`` (``filestore.go`` ``fileStoreMsgSizeRaw``: ``22 + slen + 4 + hlen + mlen
-    + 8``; the memory store counts less, ``slen + hlen + mlen + 16``)."""
+    (``P.partition.<n>.<256-character id>.prefill``), as :func:`stored_record_size` counts it."""
     longest = len(scheme.head(scheme.count - 1)) + MAX_REQUEST_ID_LEN + 1 + max(len(r.value) for r in Role)
-    return 22 + longest + 4 + max_payload + 8
+    return stored_record_size("x" * longest, max_payload)
 
 
 async def ensure_chunk_stream(js: JetStreamContext, spec: ChunkStreamSpec, max_payload: int = 0) -> StreamInfo:
