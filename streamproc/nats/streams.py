@@ -37,8 +37,8 @@ from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ..core import defaults
 from ..core.errors import ChunkStreamMismatch, ConfigError, ResultsStreamCannotStore, ResultsStreamMismatch
-from ..core.partitions import PartitionScheme
 from ..core.events import Role
+from ..core.partitions import PartitionScheme
 from ..core.wire import MAX_REQUEST_ID_LEN, Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
