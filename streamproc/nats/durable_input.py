@@ -80,6 +80,7 @@ log = logging.getLogger("streamproc.durable")
 
 PULL_EXPIRES = 10.0  # seconds a pull request lives on the server
 HEARTBEAT = 1.0  # idle heartbeat the server sends for a waiting pull request
+PULL_MAX_BYTES = 16 << 20  # least bytes one pull may bring (at least two maximal messages, see __init__)
 LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: the server forgot our pulls
 WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
@@ -167,8 +168,15 @@ class DurableInput:
         # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
         # the client drop deliveries (bytes can still overflow: the dropped() hook accounts for that).
         self._batch = max(1, min(settings.fetch_batch, settings.pending_msgs_limit * 2 // 3))
+        # A pull is bounded in bytes too (the server ends it with 409 "Message Size Exceeds MaxBytes"
+        # when the next message would pass it): with message credit alone, up to 1.5 batches of
+        # max_payload messages could wait in nats-py's queue while the handler is slow (a recovery
+        # lookup under load), 384 MB of 1 MB chunks. At least two maximal messages fit, so every
+        # message can be delivered.
+        max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
         self._pull_body = msgspec.json.encode({
-            "batch": self._batch, "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
+            "batch": self._batch, "max_bytes": max(PULL_MAX_BYTES, 2 * max_payload + 65536),
+            "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
@@ -442,7 +450,7 @@ class DurableInput:
         code = headers.get("Status", "")
         description = headers.get("Description", "")
         pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
-        if code not in ("100", "408", "404"):
+        if code not in ("100", "408", "404") and not (code == "409" and "MaxBytes" in description):
             log_event(log, logging.INFO, "pull_status", partition=part.n, status=code, description=description)
         return pull
 
