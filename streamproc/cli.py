@@ -1,4 +1,4 @@
-"""``streamproc`` command line: run, codecs, simulate, demo.
+"""``streamproc`` command line: run, codecs, simulate, demo, token (and edge, in streamproc.edge.command).
 
 User errors (bad settings, unknown format, unreachable NATS, missing nats-server) print one
 clear line on stderr and exit non-zero, without a traceback.
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 import anyio
+import msgspec
 
 from . import __version__, catalog, config, logs
 from .core.errors import ConfigError, StreamprocError
@@ -34,14 +35,32 @@ def warn_unknown_environment(command: str) -> None:
         print(f"streamproc {command}: warning: {line}", file=sys.stderr)
 
 
-def _settings(args: argparse.Namespace) -> config.Settings:
+def _settings(args: argparse.Namespace) -> tuple[config.Settings, dict[str, str]]:
+    """The processor settings of ``run`` or ``simulate``, validated as start-up would validate them
+    (credential and certificate files read), with the source of each value."""
+    from .nats.connection import connect_options
+
     settings, origin = config.PROCESSOR.explain_arguments(args, os.environ)
     warn_unknown_environment(args.command)
     check_format(settings.format, origin["format"])
+    connect_options(settings)  # unreadable credential or certificate files: exit 2 before connecting
+    return settings, origin
+
+
+def _options(schema: config.SettingsSchema, args: argparse.Namespace):
+    """A command's own settings (``simulate``, ``demo``, ``token``, ``codecs``: flags over defaults).
+    A misspelt ``STREAMPROC_*`` variable is reported by every command, as by ``run``."""
+    if args.command not in ("run", "simulate"):  # those warn while reading the processor's settings
+        warn_unknown_environment(args.command)
+    return schema.explain_arguments(args, {})
+
+
+def printed_config(args: argparse.Namespace, text: str) -> bool:
+    """``--print-config``: once every check start-up makes has passed, print and stop (exit 0)."""
     if getattr(args, "print_config", False):
-        print(config.print_config(settings, origin))
-        raise SystemExit(EXIT_OK)
-    return settings
+        print(text)
+        return True
+    return False
 
 
 def check_format(name: str, origin: str) -> None:
@@ -60,9 +79,13 @@ def check_format(name: str, origin: str) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from .nats.processor import Processor
 
-    settings = _settings(args)
+    settings, origin = _settings(args)
+    processor = Processor(settings)  # OTEL_* variables naming no installed exporter: exit 2 here too
+    if printed_config(args, config.print_config(settings, origin)):
+        if processor.tracing is not None:
+            processor.tracing.shutdown()
+        return EXIT_OK
     _setup_logging(settings.log_level, settings.log_format)
-    processor = Processor(settings)
     # Per message the processor allocates a handful of short-lived container objects; with
     # CPython's default gen-0 threshold (700) that is a collection every ~150 messages, each
     # walking every long-lived object. Freezing start-up objects and raising the threshold keeps
@@ -75,6 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_codecs(args: argparse.Namespace) -> int:
+    settings, origin = _options(config.CODECS, args)
+    if printed_config(args, config.print_config(settings, origin)):
+        return EXIT_OK  # no settings: an empty object, so every command answers --print-config alike
     rows = catalog.describe()
     if not rows:
         print("no codecs installed (entry-point group streamproc.codecs is empty)")
@@ -91,19 +117,19 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .sim import traffic
     from .sim.demo import print_report
 
-    settings = _settings(args)
-    _setup_logging(settings.log_level, settings.log_format)
+    settings, origin = _settings(args)
+    opts, opts_origin = _options(config.SIMULATE, args)
     try:
         worker = catalog.worker_for(settings.format)
     except LookupError as exc:
         raise ConfigError(str(exc)) from None
-    if args.requests < 1:
-        raise ConfigError("--requests must be at least 1")
-    if not 0 <= args.duplicates <= 1:
-        raise ConfigError("--duplicates must be between 0 and 1")
-    plans = traffic.plan(settings.format, requests=args.requests, mode=args.mode, stream=args.stream,
-                         seed=args.seed, worker=worker)
-    messages = traffic.schedule(plans, seed=args.seed, shuffle=args.shuffle, duplicates=args.duplicates)
+    if printed_config(args, config.print_config(settings, origin, config.SIMULATE_CONNECTION,
+                                                more=config.explained(opts, opts_origin))):
+        return EXIT_OK
+    _setup_logging(settings.log_level, settings.log_format)
+    plans = traffic.plan(settings.format, requests=opts.requests, mode=opts.mode, stream=opts.stream,
+                         seed=opts.seed, worker=worker)
+    messages = traffic.schedule(plans, seed=opts.seed, shuffle=opts.shuffle, duplicates=opts.duplicates)
 
     async def main() -> int:
         from .sim.demo import DemoReport, summarize
@@ -116,17 +142,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             # here, not a silent loss (a core publish to a full stream vanishes without a word).
             from .nats.streams import find_stream
             durable = await find_stream(nc.jetstream(timeout=2), settings.subjects.chunk("probe", "agg")) is not None
-            if not args.verify:
+            if not opts.verify:
                 await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
                 print(f"published {len(messages)} chunks for {len(plans)} requests "
-                      f"({args.mode}, format {settings.format}) on {settings.subjects.prefix}.chunks.>")
+                      f"({opts.mode}, format {settings.format}) on {settings.subjects.prefix}.chunks.>")
                 return EXIT_OK
             started = time.perf_counter()
             async with ResultCollector(nc, settings.subjects) as collector:
                 await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
                 timed_out = None
                 try:
-                    await collector.wait_for([p.request_id for p in plans], timeout=args.timeout)
+                    await collector.wait_for([p.request_id for p in plans], timeout=opts.timeout)
                 except TimeoutError as exc:
                     timed_out = str(exc)
             rows, problems = summarize(plans, collector.results, worker)
@@ -167,48 +193,54 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .sim.demo import default_format, print_report, run_demo
 
-    _setup_logging("ERROR")  # the demo's planned faults log warnings by design; its summary reports them
-    if args.requests < 1:
-        raise ConfigError("--requests must be at least 1")
-    format = args.format or default_format()
+    settings, origin = _options(config.DEMO, args)
+    if not settings.format:
+        settings = msgspec.structs.replace(settings, format=default_format())
     try:
-        catalog.worker_for(format)
+        catalog.worker_for(settings.format)
     except LookupError as exc:
-        raise ConfigError(str(exc)) from None
-    if args.serve is not None and not 0 <= args.serve <= 65535:
-        raise ConfigError(f"--serve {args.serve}: a port is 0..65535")
-    report = anyio.run(lambda: run_demo(requests=args.requests, format=format, seed=args.seed,
-                                        timeout=args.timeout, progress=sys.stderr, serve_port=args.serve))
-    if args.serve is None:
+        raise ConfigError(f"invalid {origin['format']}={settings.format!r}: {exc}") from None
+    if printed_config(args, config.print_config(settings, origin)):
+        return EXIT_OK
+    _setup_logging("ERROR")  # the demo's planned faults log warnings by design; its summary reports them
+    report = anyio.run(lambda: run_demo(requests=settings.requests, format=settings.format, seed=settings.seed,
+                                        timeout=settings.timeout, progress=sys.stderr, serve_port=settings.serve))
+    if settings.serve is None:
         print_report(report)
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    """Print an edge capability (a JWT) on stdout; the key comes from a file, never the command line."""
+    """Print an edge capability (a JWT) on stdout; the key comes from a file, never the command line
+    (and is never printed: --print-config shows the file's path)."""
+    from jwt.exceptions import PyJWTError
+
     from .client.capability import mint_capability
 
-    if not (args.rid or args.rid_prefix or args.operator):
+    settings, origin = _options(config.TOKEN, args)
+    if not (settings.rid or settings.rid_prefix or settings.operator):
         raise ConfigError("name what the token grants: --rid ID (repeatable), --rid-prefix P or --operator")
-    for flag, value in [*(("--rid", rid) for rid in args.rid), *((("--rid-prefix", args.rid_prefix),)
-                                                               if args.rid_prefix else ())]:
+    for flag, value in [*(("--rid", rid) for rid in settings.rid), *((("--rid-prefix", settings.rid_prefix),)
+                                                                    if settings.rid_prefix else ())]:
         try:  # a token for an id no request can have would grant nothing, silently
             check_request_id(value)
         except ValueError as exc:
             raise ConfigError(f"{flag} {value!r}: {exc}") from None
     try:
-        key = Path(args.key_file).read_bytes()
+        key = Path(settings.key_file).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read --key-file {args.key_file!r}: {exc.strerror or exc}") from None
-    if args.algorithm.startswith("HS"):
+        raise ConfigError(f"cannot read --key-file {settings.key_file!r}: {exc.strerror or exc}") from None
+    if settings.algorithm.startswith("HS"):
         key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
-    if args.ttl <= 0:
-        raise ConfigError(f"--ttl {args.ttl}: must be positive")
-    try:
-        token = mint_capability(key, rids=args.rid, rid_prefix=args.rid_prefix or "", operator=args.operator,
-                                ttl=args.ttl, algorithm=args.algorithm, subject=args.subject or "")
-    except (ValueError, TypeError) as exc:  # a PEM that is no private key for the algorithm
-        raise ConfigError(f"cannot sign with --key-file {args.key_file!r} as {args.algorithm}: {exc}") from None
+    try:  # signed with --print-config too: a key that cannot sign is found as start-up would find it
+        token = mint_capability(key, rids=list(settings.rid), rid_prefix=settings.rid_prefix,
+                                operator=settings.operator, ttl=settings.ttl, algorithm=settings.algorithm,
+                                subject=settings.subject)
+    except (ValueError, TypeError, PyJWTError) as exc:  # no private key for the algorithm (InvalidKeyError)
+        raise ConfigError(f"cannot sign with --key-file {settings.key_file!r} as {settings.algorithm}: "
+                          f"{exc}") from None
+    if printed_config(args, config.print_config(settings, origin)):
+        return EXIT_OK
     print(token)
     return EXIT_OK
 
@@ -236,40 +268,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     codecs = sub.add_parser("codecs", help="list installed codecs (entry-point group streamproc.codecs)")
+    add_print_config(codecs)
     codecs.set_defaults(func=cmd_codecs)
 
     sim = sub.add_parser("simulate", help="publish simulated worker traffic (optionally verify the results)",
                          description="Publish simulated worker chunks (each with a Streamproc-Format header) "
                                      "and, with --verify, check the results of a running processor.")
-    config.add_arguments(sim, [*config.NATS_CONNECTION, "prefix", "format", "log_level", "log_format"])
-    sim.add_argument("--requests", type=int, default=10, help="number of requests (default 10)")
-    sim.add_argument("--mode", choices=["agg", "pd", "mixed"], default="mixed",
-                     help="aggregated, prefill/decode or both alternating (default mixed)")
+    config.add_arguments(sim, list(config.SIMULATE_CONNECTION))
+    config.SIMULATE.add_arguments(sim, [f.name for f in config.SIMULATE.fields() if f.name != "stream"])
     shape = sim.add_mutually_exclusive_group()
-    shape.add_argument("--stream", dest="stream", action="store_const", const=True, default=None,
+    shape.add_argument("--stream", dest="simulate_stream", action="store_const", const=True, default=None,
                        help="streaming responses only")
-    shape.add_argument("--unary", dest="stream", action="store_const", const=False,
+    shape.add_argument("--unary", dest="simulate_stream", action="store_const", const=False,
                        help="unary responses only (default: alternate)")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--shuffle", action="store_true", help="shuffle every chunk, not just interleave legs")
-    sim.add_argument("--duplicates", type=float, default=0.0, help="fraction of chunks published twice")
-    sim.add_argument("--verify", action="store_true",
-                     help="wait for the results of a running processor and verify them")
-    sim.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for results with --verify")
     add_print_config(sim)
     sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="embedded NATS + processor + simulated SGLang workers, verified",
                           description="Start an embedded nats-server, run the processor in-process, publish "
                                       "simulated aggregated and P/D traffic and verify every result.")
-    demo.add_argument("--requests", type=int, default=200, help="number of requests (default 200)")
-    demo.add_argument("--format", default=None,
-                      help="codec/worker format (default sglang-zstd if installed, else sglang)")
-    demo.add_argument("--seed", type=int, default=1)
-    demo.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for all results")
-    demo.add_argument("--serve", type=int, nargs="?", const=8080, default=None, metavar="PORT",
-                      help="after the summary keep NATS, the processor and the edge up on PORT (default "
-                           "8080, 0: any free port) and print the live page's URL; Ctrl-C stops")
+    config.DEMO.add_arguments(demo, custom={"serve": {"nargs": "?", "const": 8080, "metavar": "PORT"}})
+    add_print_config(demo)
     demo.set_defaults(func=cmd_demo)
 
     token = sub.add_parser(
@@ -278,17 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "--key-file (the HMAC secret, or the PEM private key whose public half the edge has); "
                     "use it as 'Authorization: Bearer <token>' or ?access_token=<token>, or open the "
                     "live page at http://edge/#access_token=<operator token>.")
-    token.add_argument("--key-file", required=True, help="file holding the signing key")
-    token.add_argument("--algorithm", default="HS256", help="JWT algorithm, as the edge's --auth-algorithm "
-                                                            "(default HS256)")
-    token.add_argument("--rid", action="append", default=[], metavar="ID",
-                       help="a request id the token grants (repeatable)")
-    token.add_argument("--rid-prefix", default=None, metavar="P", help="grant every request id starting with P")
-    token.add_argument("--operator", action="store_true",
-                       help="grant every request, /v1/recent and the live page")
-    token.add_argument("--ttl", type=float, default=600.0, help="seconds until the token expires (default 600)")
-    token.add_argument("--subject", default=None,
-                       help="the client the edge counts streams for (sub; default: a fresh id per token)")
+    config.TOKEN.add_arguments(token, custom={"key_file": {"required": True, "metavar": "PATH"},
+                                              "rid": {"action": "append", "metavar": "ID"},
+                                              "rid_prefix": {"metavar": "P"},
+                                              "operator": {"action": "store_const", "const": True}})
+    add_print_config(token)
     token.set_defaults(func=cmd_token)
 
     from .edge.command import add_cli as add_edge_cli  # imports no web stack until `edge` runs
@@ -298,7 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse reports these as "streamproc: error:"; name the command, as every other error does
+        [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except ConfigError as exc:

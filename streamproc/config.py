@@ -165,10 +165,7 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict, with secret values and URL credentials replaced by ``<redacted>``."""
-        out = msgspec.to_builtins(self)
-        for name in _secret_fields(type(self)):
-            if out.get(name):
-                out[name] = REDACTED
+        out = redacted(self)
         out["nats_url"] = redact_url(self.nats_url)
         return out
 
@@ -179,6 +176,15 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     def to_json(self) -> bytes:
         """JSON for ``--print-config``: secrets redacted."""
         return msgspec.json.format(msgspec.json.encode(self.redacted()), indent=2)
+
+
+def redacted(settings: msgspec.Struct) -> dict[str, Any]:
+    """Any settings Struct as a dict, with the values of its ``secret`` fields as ``<redacted>``."""
+    out = msgspec.to_builtins(settings)
+    for name in _secret_fields(type(settings)):
+        if out.get(name):
+            out[name] = REDACTED
+    return out
 
 
 def _secret_fields(struct: type) -> tuple[str, ...]:
@@ -381,8 +387,10 @@ class SettingsSchema(typing.Generic[S]):
 
     def __init__(self, struct: type[S], env_name: typing.Callable[[str], str], *,
                  error: type[ConfigError] = ConfigError, dest_prefix: str = "",
-                 title: str = "settings (flag > STREAMPROC_<NAME> environment > default)") -> None:
+                 title: str = "settings (flag > STREAMPROC_<NAME> environment > default)",
+                 group: str = "") -> None:
         self.struct = struct
+        self._group = group  # one --help group for every setting (a command's own), else by topic
         self.error = error
         self._env_name = env_name
         self._dest = dest_prefix
@@ -478,20 +486,30 @@ class SettingsSchema(typing.Generic[S]):
             out.append(var + (f" (did you mean {close[0]}?)" if close else ""))
         return out
 
-    def add_arguments(self, parser: argparse.ArgumentParser, names: list[str] | None = None) -> None:
+    def add_arguments(self, parser: argparse.ArgumentParser, names: list[str] | None = None,
+                      custom: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         """Add ``--kebab-name`` flags for the given settings (all by default), grouped by topic
-        (:data:`HELP_GROUPS`) in ``--help``. Unset flags stay None."""
+        (:data:`HELP_GROUPS`) in ``--help``. Unset flags stay None. ``custom`` gives a setting's
+        flag its own ``add_argument`` keywords (``nargs``, ``const``...)."""
+        custom = custom or {}
         wanted = set(names) if names is not None else None
         chosen = [f for f in self.fields() if wanted is None or f.name in wanted]
         groups: dict[str, argparse._ArgumentGroup] = {}
-        for title in [*HELP_GROUPS, OTHER_GROUP]:
-            if any(help_group(f.name) == title for f in chosen):
-                groups[title] = parser.add_argument_group(
-                    f"{title} settings", HELP_GROUPS.get(title, "") + " (flag > STREAMPROC_* environment > default)")
+        group_of = (lambda name: self._group) if self._group else help_group
+        order = [self._group] if self._group else [*HELP_GROUPS, OTHER_GROUP]
+        sources = " (flag > STREAMPROC_* environment > default)" if any(f.env for f in chosen) else \
+            " (flag > default; no environment variables)"
+        for title in order:
+            if any(group_of(f.name) == title for f in chosen):
+                groups[title] = parser.add_argument_group(f"{title} settings", HELP_GROUPS.get(title, "") + sources)
         for f in chosen:
-            group = groups[help_group(f.name)]
+            group = groups[group_of(f.name)]
             allowed = f" (one of: {', '.join(f.choices)})" if f.choices else ""
-            help_text = f"{f.help}{allowed} [env {f.env}, default {f.default!r}]"
+            help_text = f"{f.help}{allowed} [{f'env {f.env}, ' if f.env else ''}default {f.default!r}]"
+            if f.name in custom:  # a flag shape of its own (an optional value, say); still this setting
+                group.add_argument(f.flag, dest=self._dest + f.name, default=None, help=help_text,
+                                   **custom[f.name])
+                continue
             if f.secret:  # environment only (or the *_file setting); the flag exists only to say so
                 group.add_argument(f.flag, dest=self._dest + f.name, default=None, action=_RefuseSecret,
                                    help=f"not accepted: set {f.env} or {f.flag}-file instead")
@@ -499,6 +517,10 @@ class SettingsSchema(typing.Generic[S]):
             if f.kind is bool:
                 group.add_argument(f.flag, dest=self._dest + f.name, default=None,
                                    action=argparse.BooleanOptionalAction, help=help_text)
+                continue
+            if typing.get_origin(f.kind) in (tuple, list):  # repeatable: --rid a --rid b
+                group.add_argument(f.flag, dest=self._dest + f.name, default=None, action="append",
+                                   metavar=f.name.upper(), help=help_text + " (repeatable)")
                 continue
             # Levels are accepted in any case, so argparse must not check them; the Struct does.
             choices = f.choices if f.name != "log_level" else None
@@ -524,13 +546,95 @@ add_arguments = PROCESSOR.add_arguments
 from_arguments = PROCESSOR.from_arguments
 
 
-def print_config(settings: msgspec.Struct, origin: Mapping[str, str]) -> str:
-    """``--print-config``: every setting's effective value and where it came from, as JSON
-    (secrets and URL credentials as ``<redacted>``)."""
-    values = settings.redacted() if isinstance(settings, CommonSettings) else msgspec.to_builtins(settings)
-    return msgspec.json.format(msgspec.json.encode(
-        {name: {"value": values[name], "source": origin[name]} for name in settings.__struct_fields__}),
-        indent=2).decode()
+# ------------------------------------------------------------ the other commands' settings
+# `simulate`, `demo`, `token` and `codecs` declare their own options the same way, so every command
+# validates, reports errors (naming flag and value, exit 2) and answers --print-config alike. They
+# read no environment variables: a value is a flag or the default.
+
+class SimulateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``streamproc simulate``'s own options (its NATS settings are the processor's)."""
+
+    requests: Annotated[int, documented("number of requests", ge=1, le=10_000_000)] = 10
+    mode: Annotated[Literal["agg", "pd", "mixed"], documented(
+        "aggregated, prefill/decode or both alternating")] = "mixed"
+    stream: Annotated[bool | None, documented(
+        "--stream: streaming responses only; --unary: unary only; neither: alternate")] = None
+    seed: Annotated[int, documented("seed of the planned traffic")] = 0
+    shuffle: Annotated[bool, documented("shuffle every chunk, not just interleave legs")] = False
+    duplicates: Annotated[float, documented("fraction of chunks published twice", ge=0, le=1)] = 0.0
+    verify: Annotated[bool, documented("wait for the results of a running processor and verify them")] = False
+    timeout: Annotated[float, documented("seconds to wait for results with --verify", gt=0, le=86_400)] = 60.0
+
+
+class DemoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``streamproc demo``: embedded NATS, processor and simulated workers need nothing else."""
+
+    requests: Annotated[int, documented("number of requests", ge=1, le=10_000_000)] = 200
+    format: Annotated[str, documented("codec/worker format; empty: sglang-zstd if installed, else "
+                                      "sglang")] = ""
+    seed: Annotated[int, documented("seed of the planned traffic and its faults")] = 1
+    timeout: Annotated[float, documented("seconds to wait for all results", gt=0, le=86_400)] = 60.0
+    serve: Annotated[int | None, documented(
+        "after the summary keep NATS, the processor and the edge up on PORT (--serve alone: 8080, 0: any "
+        "free port) and print the live page's URL; Ctrl-C stops")] = None
+
+    def __post_init__(self) -> None:
+        if self.serve is not None and not 0 <= self.serve <= 65535:
+            raise ValueError("serve: a port is 0..65535")
+
+
+# What PyJWT signs and verifies (jwt.algorithms.get_default_algorithms); "none" is deliberately absent.
+AuthAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
+                        "ES256", "ES384", "ES512", "EdDSA"]
+
+
+class TokenSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``streamproc token``. The signing key itself is read from ``key_file`` and never printed."""
+
+    key_file: Annotated[str, documented("file holding the signing key (the HMAC secret, or the PEM private "
+                                        "key whose public half the edge has)")] = ""
+    algorithm: Annotated[AuthAlgorithm, documented("JWT algorithm, as the edge's --auth-algorithm")] = "HS256"
+    rid: Annotated[tuple[str, ...], documented("a request id the token grants (repeatable)")] = ()
+    rid_prefix: Annotated[str, documented("grant every request id starting with this prefix")] = ""
+    operator: Annotated[bool, documented("grant every request, /v1/recent and the live page")] = False
+    ttl: Annotated[float, documented("seconds until the token expires", gt=0, le=366 * 86_400)] = 600.0
+    subject: Annotated[str, documented("the client the edge counts streams for (sub); empty: a fresh id per "
+                                       "token")] = ""
+
+
+class CodecsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """``streamproc codecs`` has no settings: it lists the entry points it finds."""
+
+
+def _no_environment(name: str) -> str:
+    return ""
+
+
+SIMULATE = SettingsSchema(SimulateOptions, _no_environment, dest_prefix="simulate_", group="simulate")
+DEMO = SettingsSchema(DemoSettings, _no_environment, dest_prefix="demo_", group="demo")
+TOKEN = SettingsSchema(TokenSettings, _no_environment, dest_prefix="token_", group="token")
+CODECS = SettingsSchema(CodecsSettings, _no_environment, group="codecs")
+
+# The processor settings `simulate` takes (it only publishes and reads).
+SIMULATE_CONNECTION = (*NATS_CONNECTION, "prefix", "format", "log_level", "log_format")
+
+
+def explained(settings: msgspec.Struct, origin: Mapping[str, str],
+              names: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Each setting's effective value and where it came from (secrets and URL credentials as
+    ``<redacted>``); only ``names`` when given."""
+    values = settings.redacted() if isinstance(settings, CommonSettings) else redacted(settings)
+    wanted = set(names) if names is not None else None
+    return {name: {"value": values[name], "source": origin[name]} for name in settings.__struct_fields__
+            if wanted is None or name in wanted}
+
+
+def print_config(settings: msgspec.Struct, origin: Mapping[str, str], names: Iterable[str] | None = None,
+                 *, more: Mapping[str, Any] | None = None) -> str:
+    """``--print-config``: every setting's effective value and where it came from, as JSON;
+    ``more``: another settings record's :func:`explained` entries (a command's own options)."""
+    return msgspec.json.format(msgspec.json.encode({**explained(settings, origin, names), **(more or {})}),
+                               indent=2).decode()
 
 
 def known_environment() -> set[str]:

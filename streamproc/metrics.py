@@ -87,10 +87,12 @@ class ProcessorCollector(Collector):
                             "chunk received -> the results it made ready stored (PubAck), end to end",
                             outbox.result_latency)
         yield histogram("streamproc_join_wait_seconds",
-                        "time a P/D result waited for its prefill leg (0 when it was already there)",
+                        "time a P/D result waited for its prefill leg (0 when it was already there; "
+                        "the join's own time is not in it)",
                         correlator.join_wait)
         yield histogram("streamproc_result_latency_seconds",
-                        "chunk received -> the results it made ready handed to NATS", p.pipeline.result_latency)
+                        "chunk received -> the results it made ready handed to NATS (core and durable mode)",
+                        p.pipeline.result_latency)
         yield GaugeMetricFamily("streamproc_inflight_requests", "requests with state in the correlator",
                                 value=correlator.inflight)
         yield GaugeMetricFamily("streamproc_buffered_bytes", "chunk bodies held in reorder and prefill buffers",

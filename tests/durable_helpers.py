@@ -11,6 +11,7 @@ from pathlib import Path
 
 import anyio
 import nats
+import nats.errors
 from helpers import clean_env
 from hypothesis import HealthCheck, settings
 from nats.js import JetStreamContext
@@ -69,6 +70,26 @@ async def stored_results(js: JetStreamContext, subjects: Subjects, stream: str =
     finally:
         await sub.unsubscribe()
     return out
+
+
+async def wait_for_finals(js: JetStreamContext, subjects: Subjects, request_ids: list[str],
+                          timeout: float) -> dict[str, list[ResultInfo]]:
+    """Poll the results stream until every request's final result is stored; returns what it holds."""
+    deadline = time.monotonic() + timeout
+    missing: list[str] = list(request_ids)
+    while True:
+        try:
+            stored = await stored_results(js, subjects)
+        except (nats.errors.Error, TimeoutError) as exc:  # a cluster electing leaders answers nothing for a while
+            stored, missing = None, [f"stream unreadable: {exc!r}"]
+        if stored is not None:
+            missing = [r for r in request_ids if not any(x.final for x in stored.get(r, []))]
+            if not missing:
+                return stored
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(missing)} of {len(request_ids)} requests have no final result after "
+                                 f"{timeout}s (first: {missing[:5]})")
+        await anyio.sleep(0.5)
 
 
 async def chunk_stream_messages(js: JetStreamContext, stream: str = CHUNKS_STREAM) -> int:

@@ -1,10 +1,11 @@
-"""Configuration behaves the same for every command (`run`, `edge`, `simulate`), checked on real
-subprocesses: --print-config shows each value's source and validates as start-up would, bad values
-exit 2 with one line naming the flag or variable and the value, misspelt STREAMPROC_* variables
-are reported, and start-up failures exit 1 without a traceback."""
+"""Configuration behaves the same for every command (`run`, `edge`, `simulate`, `demo`, `token`,
+`codecs`), checked on real subprocesses: --print-config shows each value's source and validates as
+start-up would, bad values exit 2 with one line naming the flag or variable and the value, misspelt
+STREAMPROC_* variables are reported, and start-up failures exit 1 without a traceback."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -14,10 +15,127 @@ import pytest
 from conftest import run_cli_process
 from edge_harness import demo_flag, free_port
 
+from streamproc.cli import build_parser
+
 pytestmark = [pytest.mark.timeout(60)]
 
 COMMANDS = ["run", "edge", "simulate"]
 EDGE_SCRIPT = [sys.executable, "-m", "streamproc.edge"]
+
+
+def every_command() -> list[str]:
+    """The sub-commands ``streamproc --help`` lists (a new one is covered by the tests below at once)."""
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sorted(sub.choices)
+
+
+EVERY_COMMAND = every_command()
+DEAD_NATS = ["--nats-url", "nats://127.0.0.1:1", "--connect-timeout", "30"]
+
+
+def needed(command: str, key_file: Path) -> list[str]:
+    """What a command cannot start without (the edge its auth choice, a token its key and grant)."""
+    return {"edge": ["--insecure-demo"], "token": ["--key-file", str(key_file), "--operator"]}.get(command, [])
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "edge.key"
+    path.write_text("hmac-secret-5a1f-not-for-printing-0123456789\n")
+    return path
+
+
+# A value each command refuses, and what the one error line must name.
+BAD_VALUE = {
+    "run": (["--prefill-timeout", "-1", *DEAD_NATS], "--prefill-timeout='-1'"),
+    "edge": (["--port", "70000", *DEAD_NATS], "--port='70000'"),
+    "simulate": (["--duplicates", "2", *DEAD_NATS], "--duplicates='2'"),
+    "demo": (["--requests", "0"], "--requests='0'"),
+    "token": (["--ttl", "0"], "--ttl='0'"),
+    "codecs": (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+}
+
+
+def test_every_command_has_a_bad_value_case():
+    assert sorted(BAD_VALUE) == EVERY_COMMAND
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND)
+@pytest.mark.parametrize("print_config", [False, True])
+def test_a_bad_value_exits_2_in_one_line_for_every_command(command, print_config, key_file):
+    args, named = BAD_VALUE[command]
+    extra = ["--print-config"] if print_config and command != "codecs" else []
+    proc = run_cli_process(command, *needed(command, key_file), *args, *extra)
+    line = one_clean_error(proc, 2, command)
+    assert named in line
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND)
+def test_every_command_prints_its_config_with_the_source_of_each_value(command, key_file):
+    proc = run_cli_process(command, "--print-config", *needed(command, key_file))
+    assert proc.returncode == 0, proc.stderr
+    explained = json.loads(proc.stdout)
+    assert isinstance(explained, dict)
+    for name, entry in explained.items():
+        assert set(entry) == {"value", "source"}, (name, entry)
+        assert re.fullmatch(r"default|env STREAMPROC_[A-Z_]+|flag --[a-z-]+", entry["source"]), (name, entry)
+    if command == "codecs":
+        assert explained == {}  # it has no settings
+    else:
+        assert explained, "a command with settings printed none"
+
+
+def test_demo_token_and_simulate_print_their_own_options(key_file):
+    demo = json.loads(run_cli_process("demo", "--print-config", "--requests", "5", "--serve").stdout)
+    assert demo["requests"] == {"value": 5, "source": "flag --requests"}
+    assert demo["serve"] == {"value": 8080, "source": "flag --serve"}  # --serve alone: 8080
+    assert demo["format"]["source"] == "default" and demo["format"]["value"] in ("sglang", "sglang-zstd")
+    token = json.loads(run_cli_process("token", "--print-config", "--key-file", str(key_file), "--rid", "a-1",
+                                       "--rid", "b-2", "--ttl", "60").stdout)
+    assert token["rid"] == {"value": ["a-1", "b-2"], "source": "flag --rid"}
+    assert token["ttl"] == {"value": 60.0, "source": "flag --ttl"}
+    assert token["operator"] == {"value": False, "source": "default"}
+    assert token["key_file"] == {"value": str(key_file), "source": "flag --key-file"}
+    sim = json.loads(run_cli_process("simulate", "--print-config", "--requests", "3", "--unary",
+                                     "--prefix", "p1").stdout)
+    assert sim["requests"] == {"value": 3, "source": "flag --requests"}
+    assert sim["stream"] == {"value": False, "source": "flag --stream"}
+    assert sim["prefix"] == {"value": "p1", "source": "flag --prefix"}
+    assert "partitions" not in sim  # only the processor settings simulate takes
+
+
+@pytest.mark.parametrize("command, args, named", [
+    ("demo", ["--serve", "70000"], "--serve (flag --serve='70000'): a port is 0..65535"),
+    ("demo", ["--format", "no-such-codec"], "no-such-codec"),
+    ("token", ["--algorithm", "RS256"], "cannot sign with --key-file"),  # an HMAC secret is no RSA key
+    ("token", ["--rid", "a b"], "--rid 'a b': invalid request id"),
+    ("simulate", ["--requests", "0", *DEAD_NATS], "--requests='0'"),
+    ("simulate", ["--nats-token-file", "/nonexistent/token", *DEAD_NATS],
+     "cannot read --nats-token-file (STREAMPROC_NATS_TOKEN_FILE) '/nonexistent/token'"),
+    ("run", ["--nats-creds-file", "/nonexistent/x.creds", *DEAD_NATS],
+     "cannot read --nats-creds-file (STREAMPROC_NATS_CREDS_FILE) '/nonexistent/x.creds'"),
+])
+def test_print_config_refuses_what_start_up_refuses(command, args, named, key_file):
+    for extra in ([], ["--print-config"]):
+        proc = run_cli_process(command, *needed(command, key_file), *args, *extra)
+        line = one_clean_error(proc, 2, command)
+        assert named in line and proc.stdout == ""
+
+
+def test_token_print_config_needs_a_readable_key_and_a_grant(key_file):
+    line = one_clean_error(run_cli_process("token", "--print-config", "--key-file", str(key_file)), 2, "token")
+    assert "name what the token grants" in line
+    missing = str(key_file.parent / "missing.key")
+    line = one_clean_error(run_cli_process("token", "--print-config", "--key-file", missing, "--operator"), 2,
+                           "token")
+    assert f"cannot read --key-file {missing!r}" in line
+
+
+def test_run_print_config_checks_the_otel_variables_as_start_up_does():
+    proc = run_cli_process("run", "--print-config", env={"OTEL_TRACES_EXPORTER": "no-such-exporter"})
+    line = one_clean_error(proc, 2, "run")
+    assert "OTEL_TRACES_EXPORTER='no-such-exporter'" in line
 
 
 def one_clean_error(proc, code: int, command: str) -> str:
@@ -77,9 +195,9 @@ def test_cross_field_errors_name_both_flags_and_values(command):
     assert "--duplicate-window (default 120.0) must not exceed --results-max-age (flag --results-max-age='60')" in line
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command):
-    proc = run_cli_process(command, "--print-config", *demo_flag(command),
+@pytest.mark.parametrize("command", EVERY_COMMAND)
+def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command, key_file):
+    proc = run_cli_process(command, "--print-config", *needed(command, key_file),
                            env={"STREAMPROC_PREFIL_TIMEOUT": "3", "STREAMPROC_EDGE_MAX_STREAMS": "5"})
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
@@ -111,6 +229,10 @@ def test_exit_codes_are_documented_once_for_every_command():
     section = doc.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(\d)` \| (.+) \|$", section, re.M)
     assert [code for code, _ in rows] == ["0", "1", "2"]
+    listed = re.search(r"The same for every command \(([^)]*)", section).group(1)
+    assert sorted(re.findall(r"`(\w+)`", listed)) == EVERY_COMMAND
+    per_command = re.findall(r"^\| `(\w+)` \| .+ \| .+ \|$", section, re.MULTILINE)
+    assert sorted(per_command) == EVERY_COMMAND
 
 
 def _help_sections(text: str) -> dict[str, str]:

@@ -31,7 +31,7 @@ from durable_helpers import (
     connect,
     durable_flags,
     durable_settings,
-    stored_results,
+    wait_for_finals,
 )
 from helpers import wait_until
 
@@ -88,23 +88,8 @@ async def publish_until_stored(js, subject: str, body: bytes, headers: dict, tim
             await anyio.sleep(0.2)
 
 
-async def wait_for_finals(js, subjects: Subjects, plans: list[traffic.PlannedRequest], timeout: float) -> dict:
-    """Poll the results stream until every request's final result is stored; returns what it holds."""
-    deadline = time.monotonic() + timeout
-    missing: list[str] = [p.request_id for p in plans]
-    while True:
-        try:
-            stored = await stored_results(js, subjects)
-        except (nats.errors.Error, TimeoutError) as exc:  # a cluster electing leaders answers nothing for a while
-            stored, missing = None, [f"stream unreadable: {exc!r}"]
-        if stored is not None:
-            missing = [p.request_id for p in plans if not any(r.final for r in stored.get(p.request_id, []))]
-            if not missing:
-                return stored
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{len(missing)} of {len(plans)} requests have no final result after {timeout}s "
-                                 f"(first: {missing[:5]})")
-        await anyio.sleep(0.5)
+def ids(plans: list[traffic.PlannedRequest]) -> list[str]:
+    return [p.request_id for p in plans]
 
 
 def verify(plans: list[traffic.PlannedRequest], stored: dict, worker) -> None:
@@ -166,7 +151,7 @@ async def test_killed_and_restarted_processors_lose_nothing_and_duplicate_nothin
             for instance in instances:
                 if not instance.running:
                     instance.start()
-            stored = await wait_for_finals(nc.jetstream(), subjects, plans, timeout=60)
+            stored = await wait_for_finals(nc.jetstream(), subjects, ids(plans), timeout=60)
             logs = "\n".join(i.log() for i in instances)
         finally:
             await nc.close()
@@ -200,7 +185,7 @@ async def test_processor_reconnects_after_a_nats_server_restart_and_finishes_eve
                 # Acknowledged publishes: right after a restart JetStream may still be recovering,
                 # and a plain publish it cannot store is not captured (a worker must use PubAcks).
                 await drive(nc, settings.subjects, messages[half:], seconds=1.0, seed=22, acked=True)
-                stored = await wait_for_finals(nc.jetstream(), settings.subjects, plans, timeout=45)
+                stored = await wait_for_finals(nc.jetstream(), settings.subjects, ids(plans), timeout=45)
             finally:
                 await nc.close()
             snapshot = p.snapshot()
@@ -229,7 +214,7 @@ async def test_a_three_node_cluster_with_r3_streams_loses_nothing_when_a_node_di
                 victim = next(node for node in cluster.nodes if node.port == connected)
                 await anyio.to_thread.run_sync(victim.kill)  # the node the processor talks to
                 await drive(nc, settings.subjects, messages[half:], seconds=1.5, seed=32, acked=True)
-                stored = await wait_for_finals(nc.jetstream(), settings.subjects, plans, timeout=60)
+                stored = await wait_for_finals(nc.jetstream(), settings.subjects, ids(plans), timeout=60)
             finally:
                 await nc.close()
             snapshot = p.snapshot()

@@ -219,6 +219,7 @@ OWN_VOCABULARY = {
     "abort": "AbortController.abort() in the page",
     "dtype": "the experts view's own field (ExpertsView.dtype), numpy's word",
     "s": "string formatting",
+    "rid": "streamproc token --rid (the capability's request ids)",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
 KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",
@@ -310,10 +311,9 @@ def test_streamproc_names_no_format_field():
 
 TESTS_DIR = Path(__file__).parent
 TEST_MODULES = sorted(p.stem for p in TESTS_DIR.glob("test_*.py"))
-# Being moved on other branches this round (migration-gap owns test_migration_crash): strict xfails,
-# so the entry must go once their helpers are shared.
+# Helpers being moved on other branches: strict xfails, so an entry must go once they are shared
+# (none left: hostile-rest moved test_durable_hostile's, migration-gap test_migration_crash's).
 KNOWN_TEST_IMPORTERS: dict[str, str] = {
-    "test_migration_crash": "imports test_durable_faults and test_migration_nats helpers (migration-gap branch)",
 }
 
 

@@ -5,6 +5,7 @@ owning partitions in durable mode)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import urllib.request
 import anyio
 import pytest
 from conftest import CLI
-from edge_harness import free_port
+from edge_harness import free_port, running_edge
 from helpers import scrape
 
 from streamproc.catalog import worker_for
@@ -158,6 +159,47 @@ async def test_durable_metrics_pubacks_end_to_end_latency_and_every_redelivery(c
         after = await wait_for(lambda: (m := scrape(port))["streamproc_durable_redelivered_total"] >= 1
                                and m["streamproc_durable_result_latency_seconds_count"] == 4 and m)
         assert after["streamproc_durable_recoveries_total"] == recoveries
+
+
+async def test_durable_processor_records_join_wait_and_result_latency_as_core_mode_does(client, nats_url,
+                                                                                       streamproc_run):
+    """The same P/D traffic as the core-mode test: the join wait and the chunk -> results handed to
+    NATS latency (one observation per chunk that made results) are counted in durable mode too, and
+    the edge's /v1/stats, which the live page charts, reads them from the processor's /metrics."""
+    port = free_port()
+    worker = worker_for("sglang")
+    publisher = ChunkPublisher(client, SUBJECTS, durable=True)
+    with streamproc_run("--mode", "durable", "--partitions", "1", "--format", "sglang",
+                        "--http-port", str(port), "--http-host", "127.0.0.1"):
+        await wait_for(lambda: scrape(port)["streamproc_durable_partitions"] == 1)
+        async with ResultCollector(client, SUBJECTS) as collector:
+            await publisher.publish_leg("dl-agg", "agg", worker.agg(make_truth(31), stream=False))
+            truth = make_truth(32)
+            await publisher.publish_leg("dl-pd", "decode", worker.decode(truth, stream=False))
+            await wait_for(lambda: scrape(port)["streamproc_buffered_bytes"] > 0)  # the decode leg waits
+            await anyio.sleep(0.3)
+            await publisher.publish_leg("dl-pd", "prefill", worker.prefill(truth, stream=False))
+            await collector.wait_for(["dl-agg", "dl-pd"], timeout=10)
+        assert [r.verdict.value for r in collector.results["dl-pd"]] == ["joined"]
+        stored = await wait_for(lambda: (m := scrape(port))["streamproc_durable_result_latency_seconds_count"] == 2
+                                and m)
+        assert stored["streamproc_join_wait_seconds_count"] == 1
+        assert stored['streamproc_join_wait_seconds_bucket{le="0.25"}'] == 0
+        assert stored["streamproc_join_wait_seconds_sum"] >= 0.3
+        # two chunks made results (the aggregated one, the prefill leg that released the join)
+        assert stored["streamproc_result_latency_seconds_count"] == 2
+        assert stored['streamproc_result_latency_seconds_bucket{le="+Inf"}'] == 2
+        assert 0 < stored["streamproc_result_latency_seconds_sum"] <= stored[
+            "streamproc_durable_result_latency_seconds_sum"]  # handed to NATS before stored
+
+        with running_edge(nats_url, "--processor-metrics-url", f"http://127.0.0.1:{port}/metrics") as edge:
+            status, text = get(f"{edge.url}/v1/stats")
+        assert status == 200, text
+        stats = json.loads(text)
+        assert stats["processors"] == [{"url": f"http://127.0.0.1:{port}/metrics", "ok": True, "error": None}]
+        assert stats["join_wait"]["count"] == 1 and stats["join_wait"]["sum"] >= 0.3
+        assert stats["result_latency"]["count"] == 2
+        assert stats["processor_results"] == 2
 
 
 async def test_reconnects_are_counted_when_nats_comes_back():

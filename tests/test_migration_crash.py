@@ -1,7 +1,9 @@
 """Migration through processor crashes: three durable `streamproc run` instances, workers lost
 mid-stream (one or two migrations per request), and the instance owning the request SIGKILLed at
 seeded random points: before the migrate, between the seal and the resumed attempt's first
-chunk, and in the middle of the resumed attempt.
+chunk, and in the middle of the resumed attempt. Every seed hits each of the three at least once
+(the first three requests' first migrations are assigned one each, and a drawn crash waits for
+an owner to kill rather than skipping the kill mid-failover).
 
 The verifier reads the results stream: every request ends with one final result, its stored
 seqs are 0..n-1 with no gap or repeat, and the client's stream equals, result by result, the
@@ -14,10 +16,10 @@ from __future__ import annotations
 import os
 import random
 import re
-from types import SimpleNamespace
 
 import anyio
 import httpx
+import nats.js.errors
 import pytest
 from edge_harness import running_edge
 from httpx_sse import aconnect_sse
@@ -26,8 +28,9 @@ from streamproc.catalog import worker_for
 from streamproc.client.migration import Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import partition_of
-from streamproc.nats.streams import CHUNKS_STREAM
+from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth
+from streamproc.sim.migration import native_request
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.client.results import follow
 from streamproc.codec import Emitted
@@ -41,16 +44,18 @@ from streamproc.wire import (
     encode_control,
 )
 
-from durable_helpers import Instance, connect, durable_flags
+from durable_helpers import Instance, connect, durable_flags, wait_for_finals
 from helpers import wait_until
-from test_durable_faults import wait_for_finals
-from test_migration_nats import SimulatedPool, assert_uninterrupted, emitted_in, native_request
+from migration_helpers import SimulatedPool, assert_uninterrupted, emitted_in
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
 SOAK = os.environ.get("STREAMPROC_SOAK") == "1"
 PARTITIONS = 6
-CRASHES = ("none", "before_migrate", "after_seal", "mid_resume")
+# The crash points issue 13 names: before the migrate, between the seal and the resumed attempt's
+# first chunk, in the middle of the resumed attempt.
+CRASH_POINTS = ("before_migrate", "after_seal", "mid_resume")
+CRASHES = ("none", *CRASH_POINTS)
 
 
 class Cluster:
@@ -84,9 +89,11 @@ class Cluster:
         return None
 
     async def crash_owner(self, rid: str, point: str, tg) -> bool:
-        victim = await self.owner(rid)
-        if victim is None:
-            return False
+        """SIGKILL the instance owning ``rid``'s partition; mid-failover, wait for the next owner
+        first, so every crash point drawn is a kill."""
+        with anyio.fail_after(30):
+            while (victim := await self.owner(rid)) is None:
+                await anyio.sleep(0.05)
         victim.kill()
         self.kills[point] = self.kills.get(point, 0) + 1
         tg.start_soon(self._restart, victim)
@@ -95,7 +102,13 @@ class Cluster:
     async def _restart(self, victim: Instance) -> None:
         await anyio.sleep(self.rng.uniform(0.3, 1.5))
         victim.start()
-        await victim.started()
+        kills = victim.kills
+        try:
+            await victim.started()
+        except AssertionError:
+            if victim.kills == kills:  # it exited on its own: a real failure
+                raise
+            # SIGKILLed again while starting (it already held a lease): that kill restarts it again
 
     def log(self) -> str:
         return "\n".join(i.log() for i in self.instances)
@@ -114,6 +127,8 @@ async def serve_request(n: int, seed: int, fmt: str, publisher: ChunkPublisher, 
     request = native_request(fmt, truth)
     rid = truth.request_id
     crashes = [rng.choice(CRASHES) for _ in range(rng.choice([1, 2]))]  # crashes[m - 1]: of migration m
+    if n < len(CRASH_POINTS):  # the first requests' first migration covers every crash point, whatever the seed
+        crashes[0] = CRASH_POINTS[n]
     attempt, emitted = 0, 0
     while True:
         pool = SimulatedPool(publisher, fmt, truth, pd=rng.random() < 0.5)
@@ -166,8 +181,7 @@ async def run_scenario(seed: int, fmt: str, requests: int, tmp_path) -> tuple[li
 
                 for n in range(requests):
                     tg.start_soon(one, n)
-            plans = [SimpleNamespace(request_id=t.request_id) for t in truths]
-            stored = await wait_for_finals(nc.jetstream(), Subjects(), plans, timeout=60)
+            stored = await wait_for_finals(nc.jetstream(), Subjects(), [t.request_id for t in truths], timeout=60)
         finally:
             await nc.close()
             cluster.stop()
@@ -185,7 +199,7 @@ async def test_requests_migrating_while_their_processor_is_killed_keep_one_seaml
         assert [r.seq for r in got] == list(range(len(got))), truth.request_id  # stored once each, no gap
         assert sum(r.final for r in got) == 1
         assert_uninterrupted(fmt, truth, got)
-    assert sum(cluster.kills.values()) >= 3, cluster.kills
+    assert all(cluster.kills.get(point, 0) >= 1 for point in CRASH_POINTS), cluster.kills
     # Killed owners' migrated requests were adopted by another instance from the stores.
     assert re.search(r"event=request_resumed .*attempt=[12]", logs), logs[-3000:]
 
@@ -297,3 +311,142 @@ async def test_a_seal_recorded_by_another_instance_is_followed_by_one_that_still
             results = seen + await stream.collect()
         assert durable.stats.migrated_adopted == 1
     assert_uninterrupted(fmt, truth, results)
+
+
+# ------------------------------------------------------------------ the first chunk of a sealed attempt
+
+async def drained(js, partition: int, timeout: float = 30.0) -> None:
+    """Wait until the partition's consumer has delivered every chunk and holds none unacknowledged."""
+    name = partition_consumer_name(partition)
+
+    async def settled() -> bool:
+        info = await js.consumer_info(CHUNKS_STREAM, name)
+        return info.num_pending == 0 and info.num_ack_pending == 0
+
+    with anyio.fail_after(timeout):
+        while not await settled():
+            await anyio.sleep(0.1)
+
+
+# The heir may not create consumers on the migrations bucket's stream: it cannot list the seal
+# records, and must fall back to looking up every new request's first chunk.
+NO_LISTING = """authorization {
+  users = [
+    {user: sealer, password: sealer-pw}
+    {user: heir, password: heir-pw, permissions: {
+      publish: {allow: [">"], deny: ["$JS.API.CONSUMER.CREATE.KV_STREAMPROC_CHUNKS_MIGRATIONS",
+                                     "$JS.API.CONSUMER.CREATE.KV_STREAMPROC_CHUNKS_MIGRATIONS.>"]}
+      subscribe: {allow: [">"]}}}
+  ]
+}
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("fmt,listing", [("sglang", "read"), ("vllm", "read"), ("sglang", "unreadable")])
+async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_is_dropped(fmt, listing, tmp_path):
+    """The seq-0 gap: a P/D request is sealed while only its prefill leg had reached a processor
+    (seal at result seq 0, nothing published), the sealing instance is SIGKILLed, and only then
+    does the lost decode worker's first output chunk (a first delivery) reach the new owner of the
+    partition. The new owner must know the seal (it read the migrations bucket when it took the
+    partition; ``unreadable``: it could not, so it looks every new request up), drop the dead
+    attempt's chunks, and stitch the resumed attempt: one final result, seqs 0..n-1, the
+    uninterrupted run's tokens."""
+    partitions = 2
+    truth = make_truth(80, request_id=f"gap-{fmt}", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    # A short prefill timeout: a decode chunk taken for a fresh request would not wait long for a
+    # prefill leg that was settled at the seal, and its result would be published.
+    flags = durable_flags(format=fmt, partitions=partitions, ack_wait=1.0, lease_ttl=1.5, prefill_timeout=0.5)
+    as_sealer = as_heir = []
+    if listing == "unreadable":
+        for user in ("sealer", "heir"):
+            (tmp_path / user).write_text(f"{user}-pw")
+        as_sealer = ["--nats-user", "sealer", "--nats-password-file", str(tmp_path / "sealer")]
+        as_heir = ["--nats-user", "heir", "--nats-password-file", str(tmp_path / "heir")]
+    with EmbeddedNats(config=NO_LISTING if listing == "unreadable" else None) as server:
+        url = server.url if listing == "read" else server.url.replace("nats://", "nats://sealer:sealer-pw@")
+        nc = await connect(url)
+        sealer = Instance(server.url, [*flags, *as_sealer], tmp_path / "sealer.log")
+        heir = Instance(server.url, [*flags, *as_heir], tmp_path / "heir.log")
+        try:
+            sealer.start()
+            await sealer.started()
+            pool = SimulatedPool(ChunkPublisher(nc, Subjects(), durable=True), fmt, truth, pd=True)
+            [(_, prefill), (_, decode)] = pool.legs(0)
+            await pool.publish("prefill", prefill, 0)
+            seal = encode_control(MigrateRequest(expected_attempt=0, id="gap-seal"))
+            with anyio.fail_after(20):
+                while True:  # unknown_request until the prefill leg has reached the sealer
+                    reply = decode_migrate_reply((await nc.request(Subjects().migrate(rid), seal, timeout=5)).data)
+                    if isinstance(reply, Sealed):
+                        break
+                    assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST, reply
+                    await anyio.sleep(0.05)
+            assert (reply.attempt, reply.emitted_tokens, reply.result_seq) == (1, 0, 0)
+            sealer.kill()
+            heir.start()
+            await heir.started()
+            leases = await nc.jetstream().key_value(f"{CHUNKS_STREAM}_LEASES")
+            partition = partition_of(rid, partitions)
+
+            async def heir_owns() -> bool:
+                try:
+                    entry = await leases.get(f"p.{partition}")
+                except nats.js.errors.KeyNotFoundError:
+                    return False
+                return f"-{heir.proc.pid}-" in (entry.value or b"").decode()
+
+            with anyio.fail_after(20):
+                while not await heir_owns():
+                    await anyio.sleep(0.1)
+            # The lost decode worker was still publishing: its chunks' first delivery is at the heir.
+            await pool.publish("decode", decode, 0)
+            await drained(nc.jetstream(), partition)
+            resumed = Migrator(nc, format=fmt).codec.resume_request(native_request(fmt, truth),
+                                                                    Emitted(reply.emitted_token_ids, reply.state))
+            await pool.serve(Resumed(rid, reply.attempt, reply.emitted_tokens, reply.result_seq, resumed))
+            stored = await wait_for_finals(nc.jetstream(), Subjects(), [rid], timeout=30)
+        finally:
+            await nc.close()
+            sealer.stop()
+            heir.stop()
+    got = stored[rid]
+    assert [r.seq for r in got] == list(range(len(got))), [(r.seq, r.error) for r in got]
+    assert sum(r.final for r in got) == 1
+    assert_uninterrupted(fmt, truth, got)
+    log = heir.log()
+    assert "Traceback" not in log
+    assert re.search(rf"event=request_resumed request_id={rid} .*attempt=1", log), log[-3000:]
+    assert ("event=seal_list_unreadable" in log) == (listing == "unreadable"), log[-3000:]
+
+
+async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(client, start_processor):
+    """The next owner lists the seal records when it takes the partition, so a seal may be recorded
+    only while its partition is owned: sealed here, then the partition handed over (gracefully:
+    the hand-over waits a bounded time for the migrate in progress), the migrate is answered
+    ``unavailable`` and nothing is recorded; the serving layer's retry goes to the next owner."""
+    fmt = "sglang"
+    truth = make_truth(81, request_id="handed-over", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=2) as rp:
+        durable, processor = rp.processor.input, rp.processor
+        async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=2)
+            [await stream.__anext__() for _ in range(2)]
+
+        async def seal_then_hand_over():
+            reply = await processor.exclusive(lambda now: processor.correlator.migrate(
+                rid, now, expected_attempt=0, id="moving"))
+            assert isinstance(reply, Sealed) and reply.result_seq == 2
+            await durable._lose(durable.scheme.of(rid), graceful=True)  # what a surplus lease step does
+            return reply
+
+        reply = await durable.migrate(rid, MigrateRequest(expected_attempt=0, id="moving"), seal_then_hand_over)
+        record = await durable.ledger.read(rid)
+        stats = durable.stats
+    assert reply.code is MigrateErrorCode.UNAVAILABLE and "moved to another instance" in reply.message, reply
+    assert record == (None, None)
+    assert (stats.seals_recorded, stats.seals_unavailable) == (0, 1)

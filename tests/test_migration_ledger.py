@@ -7,7 +7,7 @@ import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
 from streamproc.core.errors import MissingResults
-from streamproc.nats.migrations import MigrationLedger, record_key
+from streamproc.nats.migrations import MigrationLedger, record_key, request_id_of
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.wire import MSG_ID, Result, Sealed, SealRecord, Subjects, Verdict, result_headers
 
@@ -63,3 +63,21 @@ async def test_stored_bodies_come_back_in_seq_order_once_each_and_a_gap_is_an_er
     await store("gap", 2, b"c")
     with pytest.raises(MissingResults, match=r"first missing: \[1\]"):
         await ledger.history("gap", 3)
+
+
+async def test_a_new_owner_lists_every_sealed_request_once_with_its_age(client):
+    """What a new owner reads before its first pull: each request with a seal record, once however
+    often it was sealed, named exactly (any printable ASCII id); an empty bucket lists nothing."""
+    subjects = Subjects()
+    await ensure_results_stream(client.jetstream(), subjects)
+    ledger = MigrationLedger(client, "TEST_SEALED_LIST", RESULTS_STREAM, subjects.result(""), ttl=60)
+    await ledger.open()
+    assert await ledger.sealed() == []
+    ids = ["plain", "odd/id=with~chars!and'quotes", "a.b*c>d", "x" * 200]
+    revisions = {rid: await ledger.write(rid, record(rid, [1], "first"), None) for rid in ids}
+    await ledger.write(ids[0], record(ids[0], [1, 3], "again"), revisions[ids[0]])
+    listed = await ledger.sealed()
+    assert sorted(rid for rid, _ in listed) == sorted(ids)
+    assert all(0 <= age < 30 for _, age in listed), listed
+    assert [request_id_of(record_key(rid)) for rid in ids] == ids
+    assert request_id_of("p.3") is None and request_id_of("r.!!") is None

@@ -15,10 +15,10 @@ import anyio
 import nats.errors
 import pytest
 
-from streamproc.catalog import codec_names, worker_for
+from streamproc.catalog import codec_names
 from streamproc.client.migration import MigrationError, MigrationRefused, Migrator, Resumed, publish_request
 from streamproc.client.publisher import ChunkPublisher
-from streamproc.client.results import ResultInfo, follow
+from streamproc.client.results import follow
 from streamproc.sim.migration import native_request
 from streamproc.simulation import Truth, make_truth
 from streamproc.wire import (
@@ -30,60 +30,13 @@ from streamproc.wire import (
     encode_control,
 )
 
+from migration_helpers import SimulatedPool, assert_uninterrupted, emitted_in
+
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(30)]
 
 FORMATS = [f for f in ("sglang", "sglang-zstd", "vllm") if f in codec_names()]
 # Migration is specified for the core input; the durable (JetStream) input has its own delivery order.
 MODE = "core"
-
-
-def emitted_in(truth: Truth, request: bytes) -> int:
-    """How many output tokens a rebuilt request says were already sent (and that it says it right),
-    read by the worker of the one format whose request shape it has."""
-    readings = {fmt: worker_for(fmt).emitted_in(truth, request) for fmt in FORMATS}
-    read = {k for k in readings.values() if k is not None}  # sglang and sglang-zstd share a request shape
-    assert len(read) == 1, (request, readings)
-    return read.pop()
-
-
-class SimulatedPool:
-    """Simulated workers publishing one request's legs for a given attempt, optionally dying early."""
-
-    def __init__(self, publisher: ChunkPublisher, fmt: str, truth: Truth, *, pd: bool) -> None:
-        self.publisher = publisher
-        self.worker = worker_for(fmt)
-        self.truth = truth
-        self.pd = pd
-
-    def legs(self, emitted: int) -> list[tuple[str, list[bytes]]]:
-        w, t = self.worker, self.truth
-        if self.pd:
-            return [("prefill", w.prefill_resumed(t, emitted, stream=True)),
-                    ("decode", w.decode_resumed(t, emitted, stream=True))]
-        return [("agg", w.agg_resumed(t, emitted, stream=True))]
-
-    async def publish(self, role: str, bodies: list[bytes], attempt: int, start: int = 0,
-                      stop: int | None = None) -> None:
-        last = len(bodies) - 1
-        for seq in range(start, len(bodies) if stop is None else stop):
-            await self.publisher.publish(self.truth.request_id, role, seq, bodies[seq], final=seq == last,
-                                         attempt=attempt)
-
-    async def serve(self, resumed: Resumed) -> None:
-        """``send`` for the Migrator: a fresh worker (pair) serves the rebuilt request to the end."""
-        assert resumed.emitted_tokens == emitted_in(self.truth, resumed.body)
-        for role, bodies in self.legs(resumed.emitted_tokens):
-            await self.publish(role, bodies, resumed.attempt)
-
-
-def assert_uninterrupted(fmt: str, truth: Truth, results: list[ResultInfo]) -> None:
-    w = worker_for(fmt)
-    expected = w.agg(truth, stream=True)
-    assert [r.seq for r in results] == list(range(len(expected)))
-    assert [r.final for r in results] == [False] * (len(expected) - 1) + [True]
-    assert all(r.error is None for r in results), [r.body for r in results if r.error]
-    assert [w.canonical(r.body) for r in results] == [w.canonical(b) for b in expected]
-    assert w.expert_view(results[-1].body) == (truth.experts, None)
 
 
 def truth_for(rid: str, seed: int, **overrides: object) -> Truth:

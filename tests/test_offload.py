@@ -122,3 +122,21 @@ def test_waiting_joins_take_turns_so_one_requests_buffered_joins_never_starve_an
     assert order == ["heavy", "light", "heavy", "heavy"]
     assert published == [("heavy", 0), ("light", 0), ("heavy", 1), ("heavy", 2)]
     assert c.inflight == 0 and c.charged_bytes == 0
+
+
+def test_join_wait_is_the_wait_for_the_prefill_leg_alone_once_per_result():
+    """Observed when the prefill leg completes (0 when it was there), not when a join that ran off
+    the loop, or waited for the join thread, is finished: the join's own time is not a wait."""
+    c = correlator(max_total_bytes=100 * MiB)
+    c.offload_joins = True
+    c.receive(chunk("a", "prefill", 0, b"inflate:10", final=True), 0.0)
+    (work_a,), _ = split(c.receive(chunk("a", "decode", 0, b"a"), 1.0))  # the leg was there: wait 0
+    assert split(c.receive(chunk("b", "decode", 0, b"b", final=True), 1.0)) == ([], [])  # waits for its leg
+    assert split(c.receive(chunk("b", "prefill", 0, b"inflate:10", final=True), 3.0)) == ([], [])  # queued
+    assert (c.join_wait.count, c.join_wait.total) == (2, 2.0)  # 0 for a, 2 s for b, when its leg came
+    work_a.run()
+    (work_b,), results = split(c.finish(work_a, 9.0))  # a's join took 8 s; b's starts now
+    assert results == [("a", 0)]
+    work_b.run()
+    assert split(c.finish(work_b, 20.0))[1] == [("b", 0)]
+    assert (c.join_wait.count, c.join_wait.total) == (2, 2.0)

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamproc.core.events import Notice, Result, Role, Settle
+from streamproc.core.latency import LatencyHistogram
 from streamproc.core.outbox import (
     ACK,
     DUPLICATE,
@@ -364,6 +365,29 @@ def test_the_next_result_of_a_request_leaves_only_after_the_previous_ones_puback
     assert [o.result.seq for o in first] == [0] and box.sending(0.0) == []
     assert box.on_puback(first[0].ticket, STORED_ACK, 0.1) == STORED
     assert [o.result.seq for o in box.sending(0.1)] == [1]
+
+
+def test_a_chunks_results_are_timed_once_when_the_last_is_first_handed_to_nats():
+    """``handed_latency`` is core mode's result latency: chunk received -> the results it made ready
+    handed to NATS, one observation per chunk; a resend and results with no chunk are not counted."""
+    handed = LatencyHistogram()
+    box = Outbox(OutboxConfig(first_wait=1.0), handed_latency=handed)
+    assert box.handed_latency is handed
+    box.take([result("a", 0), result("a", 1)], "a", received=10.0)  # one chunk released two results
+    box.take([result("t", 0, final=True)], None)  # the timer's: no chunk arrived for it
+    first = box.sending(10.5)
+    assert sorted((o.result.request_id, o.result.seq) for o in first) == [("a", 0), ("t", 0)]
+    assert handed.count == 0  # a-1 waits behind a-0's PubAck
+    box.tick(12.0)  # a-0's PubAck is overdue: sent again, not timed again
+    again = box.sending(12.0)
+    assert handed.count == 0 and {o.result.request_id for o in again} == {"a", "t"}
+    (a0,) = [o for o in again if o.result.request_id == "a"]
+    box.on_puback(a0.ticket, STORED_ACK, 12.25)
+    box.sending(12.5)  # a-1: every result of the chunk is handed to NATS now
+    assert (handed.count, handed.total) == (1, 2.5)
+    box.tick(20.0)
+    box.sending(20.0)  # a-1 sent again
+    assert handed.count == 1
 
 
 def test_results_of_different_requests_are_in_flight_together():

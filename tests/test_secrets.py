@@ -58,6 +58,24 @@ def test_print_config_redacts_the_password_the_token_and_url_credentials(server,
         assert_hidden(proc.stdout + proc.stderr, TOKEN)
 
 
+def test_token_print_config_shows_the_key_file_never_the_key(tmp_path):
+    """`streamproc token --print-config` reads the key and signs with it as a real run would, but
+    prints only the file's path, and no error about the key prints the key."""
+    signing_key = "hmac-7d41-never-printed-" + "k" * 24
+    key_file = tmp_path / "edge.key"
+    key_file.write_text(signing_key + "\n")
+    proc = run_cli_process("token", "--print-config", "--key-file", str(key_file), "--operator")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["key_file"] == {"value": str(key_file), "source": "flag --key-file"}
+    assert "eyJ" not in proc.stdout  # the configuration, not a token (a JWT starts with base64 of '{"')
+    assert_hidden(proc.stdout + proc.stderr, signing_key)
+    for algorithm in ("RS256", "ES256", "EdDSA"):  # the secret is no PEM key: refused without echoing it
+        proc = run_cli_process("token", "--print-config", "--key-file", str(key_file), "--operator",
+                               "--algorithm", algorithm)
+        assert proc.returncode == 2 and "cannot sign with --key-file" in proc.stderr, proc.stderr
+        assert_hidden(proc.stdout + proc.stderr, signing_key)
+
+
 def test_a_bad_setting_next_to_a_secret_does_not_print_the_secret():
     proc = run_cli_process("run", "--prefill-timeout", "-1", "--nats-url", f"nats://u:{URL_PASSWORD}@127.0.0.1:1",
                            env={"STREAMPROC_NATS_TOKEN": TOKEN})

@@ -140,7 +140,7 @@ class _Request:
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
         "buffered", "absorbed", "decoded", "work", "outcome", "cpu", "missing",
-        "last_seal",
+        "last_seal", "join_timed",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -156,6 +156,7 @@ class _Request:
         self.prefill_final: int | None = None
         self.prefill_state = _PREFILL_OPEN
         self.waiting_since: float | None = None
+        self.join_timed = False  # the next result's prefill wait is observed (join_wait)
         self.held: list = []  # tokens of chunks whose results are not stored yet (prefill leg)
         self.traceparent: str | None = None
         self.last = 0.0  # time of the last accepted chunk (request timeout)
@@ -196,7 +197,7 @@ class Correlator:
         self.config = config or CorrelatorConfig()
         self.stats = Stats()
         # For metrics, read at scrape time: error results by kind, and how long decode results
-        # waited for their prefill leg (0 when it was already there).
+        # waited for their prefill leg (0 when it was already there; observed when the wait ends).
         self.error_kinds: dict[str, int] = {}
         self.join_wait = LatencyHistogram()
         # Insertion order == deadline order because each timeout is one constant duration.
@@ -798,6 +799,14 @@ class Correlator:
                                 req.waiting_since = now
                                 self._waiting[req.request_id] = req
                             return out
+                        if not req.join_timed:
+                            # The wait for the prefill leg (if any) ends here, before the join runs
+                            # (inline, off the loop, or queued for the join thread): join_wait is the
+                            # wait alone, once per result, 0 when the leg was there.
+                            waited = req.waiting_since
+                            self.join_wait.observe(0.0 if waited is None else now - waited)
+                            req.waiting_since = None
+                            req.join_timed = True
                         session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
                         if needs and self.offload_joins:
                             if self._working is not None:
@@ -824,10 +833,8 @@ class Correlator:
             del pending[req.next_seq]
             req.buffered -= len(chunk.body)
             self.charged_bytes -= len(chunk.body)
-            if req.kind is not _AGG:  # a P/D result: how long it waited for the prefill leg
-                waited = req.waiting_since
-                self.join_wait.observe(0.0 if waited is None else now - waited)
             req.waiting_since = None
+            req.join_timed = False
             settles: tuple = (chunk.token,)
             if final:
                 settles = settles + tuple(req.held)
@@ -907,6 +914,7 @@ class Correlator:
         req.prefill_final = None
         req.prefill_state = _PREFILL_OPEN
         req.waiting_since = None
+        req.join_timed = False
         req.session = None  # the next attempt has its own prefill leg (for the extended prompt)
         req.kind = None  # ... and may be aggregated where the last one was P/D, or the reverse
         req.final_seq = None

@@ -100,7 +100,7 @@ class GiveUp(msgspec.Struct, frozen=True):
 class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
-    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received")
+    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed")
 
     def __init__(self, result: Result, ticket: str, settles: list, wait: float,
                  received: float | None = None) -> None:
@@ -110,6 +110,9 @@ class Outgoing:
         self.due = 0.0  # when the PubAck is overdue (or, after a refusal, when to send again)
         self.sent = 0.0  # when it was last handed to NATS (sending())
         self.received = received  # when the chunk that made it ready arrived (None: a timer or control call)
+        # The last result its chunk made ready: its first send is when that chunk's results are all
+        # handed to NATS (observed once, into the outbox's handed_latency).
+        self.timed = False
         self.wait = wait
         self.failures = 0
         self.refused = False  # due is a retry time after a refusal, not a PubAck deadline
@@ -133,7 +136,8 @@ class Outbox:
     request's queue whichever task produced them.
     """
 
-    def __init__(self, config: OutboxConfig = OutboxConfig(), stats: OutboxStats | None = None) -> None:
+    def __init__(self, config: OutboxConfig = OutboxConfig(), stats: OutboxStats | None = None,
+                 handed_latency: LatencyHistogram | None = None) -> None:
         self.config = config
         self.stats = stats if stats is not None else OutboxStats()
         self._queues: dict[str, list[Outgoing]] = {}  # per request; [0] is in flight or about to be
@@ -150,6 +154,11 @@ class Outbox:
         # Filled on every stored PubAck; the shell reads the buckets at scrape time (metrics).
         self.puback_latency = LatencyHistogram()  # last publish of a result -> its PubAck
         self.result_latency = LatencyHistogram()  # its chunk received -> the result stored (end to end)
+        # A chunk received -> the results it made ready handed to NATS (the last one's first send),
+        # once per chunk: the definition core mode records (Pipeline.result_latency,
+        # streamproc_result_latency_seconds); the shell passes that histogram in, so both modes fill
+        # the same metric with the same meaning.
+        self.handed_latency = handed_latency if handed_latency is not None else LatencyHistogram()
 
     # ---------------------------------------------------------------------- state
 
@@ -184,7 +193,8 @@ class Outbox:
         """Queue results and place settled tokens; return the notices (for the shell's log).
 
         ``received``: when the chunk whose handling made these decisions arrived (the shell's
-        clock), for the end-to-end latency observed when each result is stored.
+        clock), for the end-to-end latency observed when each result is stored, and once, when the
+        last of them is first handed to NATS (``handed_latency``).
 
         ``request_id`` owns the Settles: they wait behind that request's last queued result. Off the
         message path (a seal, the timer) it is None; the Settles then belong to the one request the
@@ -192,6 +202,7 @@ class Outbox:
         """
         queues = self._queues
         notices: list[Notice] | None = None
+        o = None
         for d in decisions:
             cls = d.__class__
             if cls is Result:
@@ -218,6 +229,8 @@ class Outbox:
                     queue[-1].settles.extend(t for t in d.tokens if t is not None)
                 else:
                     self.ack(d.tokens)
+        if o is not None and received is not None:
+            o.timed = True  # the last queued: a chunk's results are its request's, sent in order, so it leaves last
         return notices if notices is not None else _NO_NOTICES
 
     def ack(self, tokens: Iterable[object]) -> None:
@@ -350,10 +363,14 @@ class Outbox:
         send.clear()
         inflight = self._inflight
         due = now + 0.0
+        observe = self.handed_latency.observe
         for o in out:
             o.due = due + o.wait
             o.sent = now
             inflight[o.ticket] = o
+            if o.timed:
+                o.timed = False
+                observe(now - o.received)  # type: ignore[operator]  (timed only with a receipt time)
         return out
 
     def control(self) -> list[tuple[object, Action]]:

@@ -11,7 +11,7 @@ Routes:
 - ``POST /v1/experts``: the routed-experts matrix of one result body, decoded by the codec
   (``experts.py``; ``?verdict=`` the request's strongest verdict, so the rows can be attributed to
   legs); any valid capability (it costs CPU), or ``--insecure-demo``.
-- ``GET /v1/stats``: results seen and the processors' join latency, for the page's charts
+- ``GET /v1/stats``: results seen and the processors' join wait and result latency, for the page's charts
   (``stats.py``; operators only).
 - ``GET /v1/info``: how the edge authenticates (``{"auth": "jwt"|"insecure-demo", ...}``), unauthenticated.
 - ``GET /``: the live page (its scripts: ``PAGE_SCRIPTS``). ``GET /healthz``, ``GET /metrics`` (open: counters only, no request ids).
@@ -382,7 +382,7 @@ class Edge:
         return Response(msgspec.json.encode(view), media_type="application/json")
 
     async def stats_json(self, request: Request) -> Response:
-        """Results seen and the processors' join latency: operator data, like ``/v1/recent``."""
+        """Results seen and the processors' join wait and result latency: operator data, like ``/v1/recent``."""
         refused = self.authorize_operator(request)
         if refused is not None:
             return refused

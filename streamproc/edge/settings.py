@@ -11,14 +11,10 @@ The flag is always ``--kebab-name``.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated
 
 
-from ..config import ENV_PREFIX, CommonSettings, ConfigError, SettingsSchema, documented
-
-# What PyJWT verifies (jwt.algorithms.get_default_algorithms); "none" is deliberately absent.
-AuthAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
-                        "ES256", "ES384", "ES512", "EdDSA"]
+from ..config import ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
 # An origin as browsers send it (RFC 6454 section 6.1): scheme, host, optional port, nothing else.
@@ -70,8 +66,9 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     processor_metrics_url: Annotated[
         str,
         documented(
-            "the processors' /metrics URLs (comma-separated) whose join-latency histograms the live "
-            "page charts (GET /v1/stats); empty: the page charts results/s only"
+            "the processors' /metrics URLs (comma-separated) whose join-wait and result-latency "
+            "histograms GET /v1/stats reports and the live page charts (join wait); empty: the page "
+            "charts results/s only"
         ),
     ] = ""
 

@@ -2,10 +2,11 @@
 
 Results per second come from the edge itself: every result on ``P.results.>`` that its
 recent-requests subscription sees (all requests, not only the ones a client follows), and the
-results it sent to clients. Join latency is measured where the join happens, in the processor
-(``streamproc_join_wait_seconds``: how long a P/D result waited for its prefill leg;
-``streamproc_result_latency_seconds``: chunk received -> result handed to NATS); results carry no
-timing headers, so the edge reads those histograms from the processors' ``/metrics``
+results it sent to clients. Latencies are measured where the join happens, in the processor, the
+same way in core and durable mode (``streamproc_join_wait_seconds``: how long a P/D result waited
+for its prefill leg, the join's own time not included; the page charts it as "join wait";
+``streamproc_result_latency_seconds``: chunk received -> the results it made ready handed to
+NATS); results carry no timing headers, so the edge reads those histograms from the processors' ``/metrics``
 (``--processor-metrics-url``, comma-separated, one per processor) and sums them. Scrapes are
 cached for ``CACHE_SECONDS`` so any number of open pages costs one scrape per processor per second.
 The page turns cumulative buckets into per-interval means and quantiles itself.

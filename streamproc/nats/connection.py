@@ -22,7 +22,7 @@ import anyio
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from ..config import REDACTED, CommonSettings, redact_url
+from ..config import ENV_PREFIX, REDACTED, CommonSettings, redact_url
 from ..core.errors import ConfigError, StartupError
 from ..logs import error_text
 from .fast_client import new_client
@@ -30,13 +30,19 @@ from .fast_client import new_client
 ErrorCallback = Callable[[Exception], Awaitable[None]]
 
 
+def _named(setting: str, path: str) -> str:
+    """A file setting as an error names it: flag, variable and value (``--nats-creds-file
+    (STREAMPROC_NATS_CREDS_FILE) '/etc/x.creds'``), wherever the value came from."""
+    return f"--{setting.replace('_', '-')} ({ENV_PREFIX}{setting.upper()}) {path!r}"
+
+
 def _read_secret(path: str, setting: str) -> str:
     try:
         value = Path(path).read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read {setting} {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read {_named(setting, path)}: {exc.strerror or exc}") from None
     if not value:
-        raise ConfigError(f"{setting} {path} is empty")
+        raise ConfigError(f"{_named(setting, path)} is empty")
     return value
 
 
@@ -45,7 +51,7 @@ def _check_readable(path: str, setting: str) -> None:
         with open(path, "rb") as f:
             f.read(1)
     except OSError as exc:
-        raise ConfigError(f"cannot read {setting} {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read {_named(setting, path)}: {exc.strerror or exc}") from None
 
 
 def servers(settings: CommonSettings) -> list[str]:
@@ -62,13 +68,14 @@ def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
         if settings.nats_tls_ca_file:
             context.load_verify_locations(cafile=settings.nats_tls_ca_file)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cannot load nats_tls_ca_file {settings.nats_tls_ca_file}: {exc}") from None
+        raise ConfigError(f"cannot load {_named('nats_tls_ca_file', settings.nats_tls_ca_file)}: {exc}") from None
     if settings.nats_tls_cert_file:
         try:
             context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file)
         except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"cannot load the client certificate {settings.nats_tls_cert_file} with key "
-                              f"{settings.nats_tls_key_file}: {exc}") from None
+            cert = _named("nats_tls_cert_file", settings.nats_tls_cert_file)
+            key = _named("nats_tls_key_file", settings.nats_tls_key_file)
+            raise ConfigError(f"cannot load the client certificate {cert} with key {key}: {exc}") from None
     return context
 
 
@@ -88,8 +95,8 @@ def connect_options(settings: CommonSettings) -> dict[str, Any]:
     if settings.nats_nkey_seed_file:
         seed = _read_secret(settings.nats_nkey_seed_file, "nats_nkey_seed_file")
         if not seed.startswith("SU"):
-            raise ConfigError(f"nats_nkey_seed_file {settings.nats_nkey_seed_file} holds no user nkey seed "
-                              "(a line starting with SU)")
+            raise ConfigError(f"{_named('nats_nkey_seed_file', settings.nats_nkey_seed_file)} holds no user nkey "
+                              "seed (a line starting with SU)")
         options["nkeys_seed_str"] = seed
     if settings.nats_creds_file:
         _check_readable(settings.nats_creds_file, "nats_creds_file")

@@ -13,7 +13,8 @@ The guarantees (``docs/operations.md`` has the full argument):
   a failed publish is retried with the same id until it is stored. A replay after a crash is
   collapsed by the stream's duplicate window and, beyond it, by the readers' seq check.
 - **Recovery is exact.** An instance that sees a chunk of a request it does not know, when that
-  chunk is not the first delivery of the request's first output chunk, reads the last stored
+  chunk is not the first delivery of the request's first output chunk (or is, but the request has
+  a seal record: the partition's seal list, read when it was taken), reads the last stored
   result of ``P.results.<request_id>`` (a leader read, never a possibly stale follower) and resumes
   the request after it. In steady state that happens once per P/D request whose prefill arrives
   first and for out-of-order first chunks; after a failover, for the requests that moved.
@@ -60,7 +61,7 @@ from ..core.wire import ContractError
 from ..logs import error_text, log_event
 from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
-from .migrations import UNREACHABLE, MigrationLedger
+from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 from .strays import StraySweeper, stray_consumer_config
 from .subscription import handled_all
@@ -117,12 +118,27 @@ def new_instance_id() -> str:
 
 # ---------------------------------------------------------------------------------- partitions
 
+class _AllSealed:
+    """The seal list of a partition taken while the migrations bucket's keys could not be read:
+    every request is on it, so each first chunk of a new request is looked up (exact, one round
+    trip per request instead of none)."""
+
+    __slots__ = ()
+
+    def __contains__(self, request_id: object) -> bool:
+        return True
+
+
+ALL_SEALED = _AllSealed()
+
+
 class _Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
-    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject")
+    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed")
 
-    def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit) -> None:
+    def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit,
+                 sealed: dict[str, float] | _AllSealed) -> None:
         self.n = n
         self.consumer = consumer
         self.filter = filter_subject
@@ -132,6 +148,9 @@ class _Partition:
         self.credit = credit
         self.active = False
         self.pull_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        # Request ids of this partition with a seal record -> when the record expires (our clock),
+        # in expiry order: read from the migrations bucket before the first pull, then our own seals.
+        self.sealed = sealed
 
 
 class DurableInput:
@@ -158,7 +177,8 @@ class DurableInput:
         self.leases: LeaseTable | None = None
         self.ledger: MigrationLedger | None = None
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
-                                          progress_every=settings.ack_wait / 4), self.stats)
+                                          progress_every=settings.ack_wait / 4), self.stats,
+                             handed_latency=pipeline.result_latency)  # one chunk -> result metric, both modes
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish))
         self._partitions: dict[int, _Partition] = {}
@@ -189,6 +209,7 @@ class DurableInput:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
+        self._migrating: dict[int, int] = {}  # partition -> migrates being answered for it
 
     def _stray(self) -> None:
         self.stats.strays += 1
@@ -275,8 +296,9 @@ class DurableInput:
         self.publisher.take(self._offload(decisions), None)
         await self.publisher.pump()
 
-    def _offload(self, decisions: list[Decision]) -> list[Decision]:
-        """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox."""
+    def _offload(self, decisions: list[Decision], received: float | None = None) -> list[Decision]:
+        """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox.
+        ``received``: when the chunk that made them arrived (None: the timer, a control request)."""
         for d in decisions:
             if d.__class__ is Work:
                 break
@@ -288,13 +310,15 @@ class DurableInput:
             if d.__class__ is not Work:
                 rest.append(d)
             elif tasks is not None:
-                tasks.start_soon(self._run, d)
+                tasks.start_soon(self._run, d, received)
             # else: stopping; the request's chunks are handed over (NAKed) with it
         return rest
 
-    async def _run(self, work: Work) -> None:
+    async def _run(self, work: Work, received: float | None = None) -> None:
         """Run a join in the worker thread, then apply it. No gate is needed: the outcome enters the
-        outbox's per-request queue synchronously, behind the request's earlier results."""
+        outbox's per-request queue synchronously, behind the request's earlier results. ``received``:
+        when the chunk whose result this work makes arrived (its latency counts the join, as in core
+        mode)."""
         await anyio.to_thread.run_sync(work.run, time.thread_time, limiter=self._limiter)
         if self.publisher.closed:
             return
@@ -305,7 +329,7 @@ class DurableInput:
             log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
             decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
                                                kind=ErrorKind.INTERNAL)
-        self.publisher.take(self._offload(decisions), None)
+        self.publisher.take(self._offload(decisions, received), None, received)
         await self.publisher.pump()
 
     async def caught_up(self) -> None:
@@ -342,9 +366,16 @@ class DurableInput:
                           members=self.leases.members)
                 await self._lose(n, graceful=True)
                 await self.leases.release(n)
+            sealed: dict[int, dict[str, float]] | None = None
+            if change.acquired:  # once per step, before any acquired partition is pulled from
+                try:
+                    sealed = await self._seal_snapshot()
+                except Exception as exc:  # noqa: BLE001  (correct without it, only slower)
+                    log_event(log, logging.WARNING, "seal_list_unreadable", error=error_text(exc),
+                              detail="every first chunk of a new request on the partitions taken now is looked up")
             for n in change.acquired:
                 try:
-                    await self._open(n)
+                    await self._open(n, sealed.get(n, {}) if sealed is not None else ALL_SEALED)
                 except Exception as exc:  # e.g. the consumer's stream is electing a leader: try again later
                     log_event(log, logging.WARNING, "partition_open_failed", partition=n, error=error_text(exc))
                     await self._lose(n)
@@ -364,11 +395,43 @@ class DurableInput:
             except Exception as exc:  # never let lease trouble kill the processor; expiry is checked apart
                 log_event(log, logging.WARNING, "lease_step_failed", error=error_text(exc))
 
-    async def _open(self, n: int) -> None:
+    async def _seal_snapshot(self) -> dict[int, dict[str, float]]:
+        """The requests with a seal record, per partition, each with its record's expiry on our clock.
+
+        Read whenever partitions are taken, before their first pull: the previous owner (maybe
+        dead) may have sealed a request whose sealed attempt's first output chunk reaches this
+        instance only now, and the hot path looks such a chunk up only if its request is listed.
+        Later seals of an owned partition are this instance's own (:meth:`_note_sealed`)."""
+        assert self.ledger is not None
+        now, ttl = self._clock(), self.settings.results_max_age or float("inf")
+        out: dict[int, dict[str, float]] = {}
+        of = self.scheme.of
+        # Bounded well inside a lease period: the lease lock is held meanwhile, renewals wait for it.
+        for rid, age in await self.ledger.sealed(timeout=min(SCAN_TIMEOUT, self.settings.lease_ttl / 3)):
+            out.setdefault(of(rid), {})[rid] = now + ttl - age
+        return out
+
+    def _note_sealed(self, rid: str) -> None:
+        """``rid`` has a seal record now: its partition's later first chunks of it are looked up.
+        Entries stay in expiry order; the expired ones (their records are gone too) are dropped."""
+        part = self._partitions.get(self.scheme.of(rid))
+        if part is None or not isinstance(part.sealed, dict):
+            return
+        sealed = part.sealed
+        now = self._clock()
+        sealed.pop(rid, None)
+        sealed[rid] = now + (self.settings.results_max_age or float("inf"))
+        while sealed:
+            old, expiry = next(iter(sealed.items()))
+            if expiry >= now:
+                break
+            del sealed[old]
+
+    async def _open(self, n: int, sealed: dict[str, float] | _AllSealed) -> None:
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
                             retry_after=RETRY_AFTER_ERROR, now=self._clock())
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream, credit)
+                          self.chunks_stream, credit, sealed)
         await self._ensure_consumer(part)
         part.inbox = self.nc.new_inbox()
         part.sub = await self.nc.subscribe(part.inbox, cb=self._handler(part),
@@ -396,6 +459,10 @@ class DurableInput:
 
         if graceful:  # let results already decided be stored, so the next owner's lookup sees them
             await self.publisher.wait_idle(HANDOVER_TIMEOUT, belongs)
+            # and seals already past their ownership check be recorded before the next owner reads them
+            with anyio.move_on_after(HANDOVER_TIMEOUT):
+                while self._migrating.get(n):
+                    await anyio.sleep(0.01)
         self._hand_over(belongs)
         await self.publisher.pump()
 
@@ -539,6 +606,7 @@ class DurableInput:
         max_deliver = self.settings.max_deliver
         offload = self._offload
         stats = self.stats
+        sealed = part.sealed
         # A first delivery read without splitting the ack subject (v1 form, our stream and consumer;
         # anything else goes through delivery_count).
         ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
@@ -576,7 +644,9 @@ class DurableInput:
                     poison = deliveries >= max_deliver
                     ready = True
                     if not knows(rid):
-                        if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply):
+                        # A first output chunk of a request with a seal record may belong to the
+                        # sealed attempt (its worker was lost but still publishing): look it up too.
+                        if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
                             ready = await self._recover(rid, chunk.format, msg, now, retry=not poison)
                     elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
                             and not correlator.is_finished(rid):
@@ -589,7 +659,7 @@ class DurableInput:
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
                 decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
             if decisions:
-                notices = queue(offload(decisions), rid, now)
+                notices = queue(offload(decisions, now), rid, now)
                 if notices:
                     for n in notices:
                         notify(n)
@@ -662,6 +732,7 @@ class DurableInput:
             history = await self.ledger.history(rid, next_seq)
             self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
             self.stats.migrated_adopted += 1
+            self._note_sealed(rid)
         self.stats.resumed += 1
         log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
                   attempt=record.attempt if record is not None else 0)
@@ -677,6 +748,17 @@ class DurableInput:
         stored bodies it lacks; ``seal`` locally; wait until the results it published are stored;
         record the seal with compare-and-set; only then reply. Any store failure answers
         ``unavailable`` after forgetting the request here, so the retry starts from the stores."""
+        n = self.scheme.of(rid)
+        self._migrating[n] = self._migrating.get(n, 0) + 1  # a graceful hand-over waits for it
+        try:
+            return await self._migrate(rid, request, seal)
+        finally:
+            left = self._migrating.pop(n) - 1
+            if left:
+                self._migrating[n] = left
+
+    async def _migrate(self, rid: str, request: MigrateRequest,
+                       seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
         assert self.ledger is not None
         correlator = self.correlator
         try:
@@ -713,6 +795,8 @@ class DurableInput:
         if len(seals) != reply.attempt:
             return self._unavailable(rid, f"attempt {reply.attempt} does not follow the recorded {recorded}",
                                      forget=True)
+        if not self.owns(rid):  # the next owner read the seal records when it took the partition
+            return self._unavailable(rid, "its partition moved to another instance", forget=True)
         try:
             await self.ledger.write(rid, SealRecord(seals, reply, request.id), revision)
         except KeyWrongLastSequenceError:
@@ -723,6 +807,7 @@ class DurableInput:
         except UNREACHABLE as exc:
             return self._unavailable(rid, f"the seal cannot be recorded: {error_text(exc)}", forget=True)
         self.stats.seals_recorded += 1
+        self._note_sealed(rid)
         return reply
 
     def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:

@@ -58,8 +58,9 @@ class Pipeline:
         self.io = IOStats()
         # Lines any publisher can cause at will are rate limited per event name.
         self.limited = LogLimiter(log)
-        # Receipt of a chunk -> the results it made ready handed to NATS (core mode; results a
-        # timer or control request releases are not counted: no chunk arrived for them).
+        # Receipt of a chunk -> the results it made ready handed to NATS, once per chunk (core mode
+        # observes it after publishing, durable mode when the outbox first sends the last of them;
+        # results a timer or control request releases are not counted: no chunk arrived for them).
         self.result_latency = LatencyHistogram()
         # The inputs call these; with tracing off they are the correlator's own bound methods, so
         # the message path is the same as without tracing (streamproc.tracing).

@@ -26,6 +26,10 @@ sealing at each recorded point, and gets the session the dead instance had
 from __future__ import annotations
 
 import base64
+import binascii
+import time
+
+import anyio
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -39,11 +43,24 @@ from ..core.outbox import resume_point
 from ..core.wire import decode_seal_record, encode_seal_record
 
 HISTORY_TIMEOUT = 2.0  # longest wait for the next stored result while reading them back
+SCAN_TIMEOUT = 10.0  # longest read of the bucket's keys when partitions are taken (at most)
 
 
 def record_key(request_id: str) -> str:
     """KV keys allow ``[-/_=.a-zA-Z0-9]`` only; request ids are any printable ASCII: base64url them."""
     return "r." + base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
+
+
+def request_id_of(key: str) -> str | None:
+    """The request id a record key names (:func:`record_key` reversed); None for any other key."""
+    if not key.startswith("r."):
+        return None
+    text = key[2:]
+    try:
+        rid = base64.b64decode(text + "=" * (-len(text) % 4), altchars=b"-_", validate=True).decode("ascii")
+    except (binascii.Error, ValueError):
+        return None
+    return rid or None
 
 
 class MigrationLedger:
@@ -93,6 +110,34 @@ class MigrationLedger:
         if revision is None:
             return await self._kv.create(key, value)
         return await self._kv.update(key, value, last=revision)
+
+    async def sealed(self, timeout: float = SCAN_TIMEOUT) -> list[tuple[str, float]]:
+        """Every request with a seal record, and the record's age in seconds, oldest write first.
+
+        What a new owner of a partition reads once before it pulls: a request sealed by the
+        previous owner may still see the sealed attempt's first output chunk (nothing was stored
+        for it), which must not start the request afresh. One ordered consumer, last value per
+        key, headers only (nats-py ``KeyValue.keys``' watcher, ``watchall(ignore_deletes=True,
+        meta_only=True)``, kept here for each entry's timestamp); it ends at the marker nats-py
+        queues when ``num_pending`` reaches 0. Raises (``TimeoutError`` included) when the bucket
+        cannot be read within ``timeout``."""
+        assert self._kv is not None
+        out: list[tuple[str, float]] = []
+        with anyio.fail_after(timeout):
+            watcher = await self._kv.watchall(ignore_deletes=True, meta_only=True)
+            try:
+                now = time.time()
+                async for entry in watcher:
+                    if entry is None:  # nats-py's end-of-initial-values marker
+                        break
+                    rid = request_id_of(entry.key)
+                    if rid is not None:
+                        created = entry.created.timestamp() if entry.created is not None else now
+                        out.append((rid, max(0.0, now - created)))
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await watcher.stop()
+        return out
 
     async def history(self, request_id: str, count: int) -> list[bytes]:
         """The stored bodies of results ``[0, count)`` of ``request_id``, in seq order.

@@ -86,9 +86,10 @@ class OutboxPump:
         """Results not stored yet."""
         return self.outbox.pending
 
-    def take(self, decisions: list[Decision], request_id: str | None) -> None:
-        """Hand decisions to the outbox; ``request_id`` owns their Settles. Notices go to the log."""
-        notices = self.outbox.take(decisions, request_id)
+    def take(self, decisions: list[Decision], request_id: str | None, received: float | None = None) -> None:
+        """Hand decisions to the outbox; ``request_id`` owns their Settles; ``received``: when the chunk
+        that made them arrived (result latency). Notices go to the log."""
+        notices = self.outbox.take(decisions, request_id, received)
         if notices:
             for n in notices:
                 self._notify(n)

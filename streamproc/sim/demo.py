@@ -115,7 +115,7 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
     async with EmbeddedNats() as server:
         overrides = {"nats_url": server.url, "format": format, "log_level": "WARNING",
                      "prefill_timeout": DEMO_PREFILL_TIMEOUT}
-        if serve_port is not None:  # the page's join-latency chart reads the processor's /metrics
+        if serve_port is not None:  # the page's join-wait chart reads the processor's /metrics
             overrides |= {"http_host": "127.0.0.1", "http_port": free_port()}
         settings = config.load({}, overrides)
         async with Processor(settings) as processor:
