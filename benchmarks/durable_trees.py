@@ -8,7 +8,7 @@ streamed requests. Rounds alternate which tree goes first; the figure is the pai
 candidate / baseline CPU per chunk (the contender's own user+system time, in clock ticks: about
 0.5 us per chunk of resolution at 20,000 chunks), throughput beside it (noisy on a shared box).
 
-Usage: python benchmarks/durable_trees.py --baseline /work/main --candidate . [--chunks 20000] [--rounds 5]
+Usage: python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . [--chunks 20000] [--rounds 5]
 """
 
 from __future__ import annotations

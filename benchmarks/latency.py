@@ -39,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 RATE = 2000.0
+OPEN_SPREAD = 0.0  # --open-spread: seconds over which a paced run's wave opens its streams
 TARGETS_CORE = {"p50": 2.0, "p99": 10.0}  # added ms over the floor, core mode (issue 14, target 5)
 
 
@@ -86,9 +87,11 @@ async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: lis
         writer.close()
 
 
-async def sse_client(url: str, out: Path) -> None:
+async def sse_client(url: str, out: Path, spread: float = 0.0) -> None:
     """Reads ``open <wave> <rid> ...`` lines; answers ``opened <wave>`` once every stream has its
-    headers; on ``quit`` waits for open streams to end and writes arrivals and open times as JSON."""
+    headers; on ``quit`` waits for open streams to end and writes arrivals and open times as JSON.
+    ``spread`` > 0: a wave's opens are spaced evenly over that many seconds instead of all at once,
+    as independent clients arrive."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     arrivals: list = []
     opened: list[float] = []
@@ -100,7 +103,9 @@ async def sse_client(url: str, out: Path) -> None:
 
     async def open_wave(wave: str, rids: list[str]) -> None:
         wave_opened: list[str] = []  # per wave: waves opened together may finish in any order
-        for rid in rids:
+        for i, rid in enumerate(rids):
+            if spread > 0 and i:
+                await asyncio.sleep(spread / len(rids))
             task = asyncio.create_task(sse_stream(host, int(port), rid, arrivals, opened, wave_opened))
             task.add_done_callback(lambda t: t.cancelled() or t.exception() is None
                                    or errors.append(repr(t.exception())))
@@ -231,6 +236,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
     out = tmp / f"{mode.mode}-{label}-{target}.json"
     client = await asyncio.create_subprocess_exec(
         sys.executable, str(Path(__file__).resolve()), "--sse-client", mode.url(target), "--out", str(out),
+        "--open-spread", str(OPEN_SPREAD if rate is not None else 0.0),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     nc = await nats.connect(mode.nats_url)
     published: dict[tuple[str, int], float] = {}
@@ -253,10 +259,15 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
         client.stdin.write(f"open {w} {' '.join(built[w][0])}\n".encode())
         await client.stdin.drain()
 
+    opened_waves: set[str] = set()
+
     async def wait_opened(w: int) -> None:
-        line = (await asyncio.wait_for(client.stdout.readline(), 120)).decode().strip()
-        if line != f"opened {w}":
-            raise RuntimeError(f"SSE client: {line!r}")
+        # Waves opened together (the peak run opens them all first) may finish opening in any order.
+        while str(w) not in opened_waves:
+            line = (await asyncio.wait_for(client.stdout.readline(), 120)).decode().strip()
+            if not line.startswith("opened "):
+                raise RuntimeError(f"SSE client: {line!r}")
+            opened_waves.add(line.split()[1])
 
     try:
         ahead = waves if rate is None else 1
@@ -418,13 +429,18 @@ def main() -> None:
     parser.add_argument("--relay-rounds", type=int, default=3,
                         help="interleaved rounds against the bare Starlette SSE relay (0: none)")
     parser.add_argument("--relay-seconds", type=float, default=4.0, help="length of each paced relay round")
+    parser.add_argument("--open-spread", type=float, default=0.0,
+                        help="paced runs: open each wave's streams evenly over this many seconds (default 0: "
+                             "all at once); keep it under a wave's publish time (streams x chunks / rate)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sse_client:
-        asyncio.run(sse_client(args.sse_client, args.out))
+        asyncio.run(sse_client(args.sse_client, args.out, args.open_spread))
         return
+    global OPEN_SPREAD
+    OPEN_SPREAD = args.open_spread
     report = asyncio.run(run(args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

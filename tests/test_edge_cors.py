@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from edge_harness import running_edge
+from edge_harness import publish_result, running_edge
+from helpers import rid
+
+from streamproc.wire import Subjects
 
 pytestmark = pytest.mark.nats
 
@@ -67,6 +70,24 @@ def test_an_origin_not_configured_still_gets_no_grant(cors_edge):
             response = client.get(f"{cors_edge.url}/healthz", headers={"Origin": origin})
             assert response.status_code == 200
             assert "access-control-allow-origin" not in grants(response.headers), (origin, response.headers)
+
+
+@pytest.mark.anyio
+async def test_the_event_stream_itself_carries_the_grant_for_a_configured_origin_only(cors_edge, nc):
+    """The SSE route is dispatched before Starlette's router (edge/app.py EdgeApp), still behind
+    the CORS middleware."""
+    for origin, granted in ((PAGE, True), (EVIL, False)):
+        request_id = rid("cors-sse")
+        async with httpx.AsyncClient(base_url=cors_edge.url, timeout=10) as client:
+            async with client.stream("GET", f"/v1/results/{request_id}", headers={"Origin": origin}) as response:
+                assert response.status_code == 200
+                await publish_result(nc, Subjects("streamproc"), request_id, 0, b'{"x":1}', final=True)
+                await nc.flush()
+                body = await response.aread()
+        assert body == b'id: 0\ndata: {"x":1}\n\ndata: [DONE]\n\n'
+        assert grants(response.headers).get("access-control-allow-origin") == (PAGE if granted else None)
+        if granted:
+            assert "streamproc-results" in response.headers["access-control-expose-headers"].lower()
 
 
 @pytest.mark.parametrize("value", ["*", "https://page.example/app", "page.example"])

@@ -137,18 +137,29 @@ class EventStreamResponse(StreamingResponse):
         return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The frames are written by this task; one watcher task cancels it on ``http.disconnect``.
+        (An anyio task group of a writer and a listener did the same with a task, four cancel
+        scopes and an Event more per open: ~10% of the edge's CPU in a burst of opens.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            await self.listen_for_disconnect(receive)
+            left = True
+            task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        self.completed = await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            with contextlib.suppress(OSError):
+                self.completed = await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not left:  # cancelled from outside (the server stops): not ours to swallow
+                raise
+            task.uncancel()
         finally:
+            watcher.cancel()
             with anyio.CancelScope(shield=True):
                 await self.on_close(self.completed)
 
@@ -653,7 +664,7 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
             return Response("not found\n", status_code=404, media_type="text/plain")
         return FileResponse(PAGE_DIR / name, media_type="text/javascript")
 
-    app = Starlette(
+    app = EdgeApp(
         middleware=cors_middleware(settings),
         routes=[
             Route("/", page),
@@ -670,4 +681,59 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
     )
     app.state.edge = edge
     app.state.startup_error = None
+    app.results_route = results_route(edge, settings)
+    return app
+
+
+RESULTS_PREFIX = "/v1/results/"
+
+
+class EdgeApp(Starlette):
+    """Starlette, with ``GET /v1/results/{request_id}`` answered before its middleware and router.
+
+    Every SSE open went through ServerErrorMiddleware, ExceptionMiddleware, the router's match of
+    each route's regex and ``request_response``'s exception wrapper, and every event's ASGI send
+    through two ``send`` wrappers (docs/benchmarks.md, "SSE open"). This route is what the edge
+    exists for, so it is dispatched here; the same ``Edge.results`` answers it, behind the same
+    CORS middleware when ``--cors-origin`` is set. Any other path, method or shape (a slash in the
+    id, HEAD) goes through Starlette as before. An exception still reaches Uvicorn, which answers
+    500 and logs it, as ServerErrorMiddleware re-raising did."""
+
+    results_route: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.results_route is not None and scope["type"] == "http" and scope["method"] == "GET":
+            path = route_path(scope)
+            if path.startswith(RESULTS_PREFIX):
+                request_id = path[len(RESULTS_PREFIX):]
+                if request_id and "/" not in request_id:  # Starlette's ``{request_id}``: ``[^/]+``
+                    scope["app"] = self
+                    scope["path_params"] = {"request_id": request_id}
+                    await self.results_route(scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: without ``root_path`` when it is a prefix of the path (what
+    Starlette 1.x's private ``starlette._utils.get_route_path`` does, kept here, not imported)."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
+def results_route(edge: Edge, settings: EdgeSettings) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``Edge.results`` as a bare ASGI app (what ``starlette.routing.request_response`` makes of it,
+    without its exception wrapper: the edge raises no HTTPException), behind the CORS middleware."""
+
+    async def results(scope: Scope, receive: Receive, send: Send) -> None:
+        response = await edge.results(Request(scope, receive, send))
+        await response(scope, receive, send)
+
+    app: Callable[[Scope, Receive, Send], Awaitable[None]] = results
+    for middleware in reversed(cors_middleware(settings)):
+        cls, args, kwargs = middleware
+        app = cls(app, *args, **kwargs)
     return app

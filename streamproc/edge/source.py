@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from typing import Literal
@@ -28,6 +29,7 @@ from ..nats.streams import ensure_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
+from .barrier import PongBarrier
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -36,6 +38,14 @@ log = logging.getLogger("streamproc.edge")
 
 FeedMode = Literal["jetstream", "core"]
 RECENT_PENDING_MSGS = 65_536
+# Seconds a JetStream feed's ordered consumer outlives its subscription. nats-py's unsubscribe does
+# not delete it, and nats-server keeps an ephemeral consumer without interest for 5 s by default:
+# at 50 opens/s that was ~250 idle consumers on the results stream (each stored result matched
+# against every one's filter), and a burst of 1,000 opens within 5 s got "maximum consumers limit
+# reached" (benchmarks/edge_open.py --mode jetstream --burst 50). While the edge is connected its
+# subscription is the interest, so this only bounds how long a consumer outlives a reconnect; then
+# nats-py's ordered consumer creates a new one from the last sequence it delivered.
+CONSUMER_LINGER = 1.0
 RECENT_BATCH_SECONDS = 0.02
 
 
@@ -76,7 +86,10 @@ class ResultFeed:
         self.request_id = request_id
         self.mode = mode
         self.order = order
-        self._sub = sub
+        self._sub = sub  # None while a JetStream feed's consumer is being created (ResultSource.open)
+        self.attaching: asyncio.Task | None = None
+        self.attach_failed: str | None = None
+        self.closed = False
         self._ready: collections.deque[ResultInfo] = collections.deque()
         self._gap_since: float | None = None
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
@@ -86,6 +99,10 @@ class ResultFeed:
         """The next item, or None when ``timeout`` seconds pass without one."""
         deadline = time.monotonic() + timeout
         gap_timeout = self.source.settings.gap_timeout
+        if self._sub is None and not self.closed:
+            attached = await self._attached(timeout)
+            if attached is not True:
+                return attached
         while True:
             if self.overrun:
                 return Overrun(self.source.settings.stream_buffer_bytes)
@@ -117,6 +134,17 @@ class ResultFeed:
             except nats.errors.Error as exc:
                 return Lost(str(exc) or type(exc).__name__)
             self._accept(msg)
+
+    async def _attached(self, timeout: float) -> Lost | None | bool:
+        """Wait for the consumer :meth:`ResultSource.open` is creating: True once it exists, None
+        when ``timeout`` passed first, :class:`Lost` when it could not be created."""
+        if self.attaching is not None and not self.attaching.done():
+            done, _ = await asyncio.wait((self.attaching,), timeout=timeout)  # not cancelled with us
+            if not done:
+                return None
+        if self.attach_failed is not None:
+            return Lost(self.attach_failed)
+        return True
 
     def _accept(self, msg: Msg) -> None:
         metrics = self.source.metrics
@@ -155,7 +183,9 @@ class ResultFeed:
             self.source.metrics.streams_overrun += 1
 
     async def close(self) -> None:
-        """Unsubscribe and free what nats-py still queues for this feed (also after an overrun)."""
+        """Unsubscribe and free what nats-py still queues for this feed (also after an overrun).
+        A consumer still being created is unsubscribed by its creator once it exists."""
+        self.closed = True
         self.source.forget(self)
         sub, self._sub = self._sub, None
         if sub is None:
@@ -240,6 +270,7 @@ class ResultSource:
         self.metrics = metrics
         self.recent = RecentRequests(settings.recent)
         self.nc: NatsClient | None = None
+        self.barrier: PongBarrier | None = None  # set on connect
         self.recent_mode: FeedMode | None = None  # how the recent ring reads (None: --recent 0)
         self._closing = False
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
@@ -251,6 +282,7 @@ class ResultSource:
         self._flush_task: asyncio.Task | None = None
         self._recent_task: asyncio.Task | None = None
         self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
+        self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
 
     @property
     def connected(self) -> bool:
@@ -268,6 +300,7 @@ class ResultSource:
             reconnected_cb=self._on_reconnected,
         )
         self.metrics.nats_connected = 1
+        self.barrier = PongBarrier(self.nc)
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token
         log_event(log, logging.INFO, "connected", server=f"{url.hostname}:{url.port}" if url else "?")
@@ -326,7 +359,9 @@ class ResultSource:
             await nc.close()
 
     async def open(self, request_id: str, *, after: int | None = None) -> ResultFeed:
-        """Subscribe to one request's results; on return the subscription is live on the server."""
+        """Subscribe to one request's results. A core subscription is live on the server on return; a
+        JetStream feed's ordered consumer is still being created (it replays the subject from the
+        stream's start, so nothing is missed; its creation failing ends the feed with Lost)."""
         assert self.nc is not None
         subject = self.subjects.result(request_id)
         js = self.nc.jetstream()
@@ -338,21 +373,47 @@ class ResultSource:
         limits = {"pending_msgs_limit": MAX_PENDING_RESULTS * 4,
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if stream is not None:
-            try:
-                sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, **limits)
-            except Exception:
-                self.streams.forget()  # deleted or changed since it was looked up
-                raise
-            self.metrics.jetstream_replays += 1
-            mode: FeedMode = "jetstream"
-        else:
-            sub = await self.nc.subscribe(subject, **limits)
-            await self.nc.flush()
-            self.metrics.core_subscriptions += 1
-            mode = "core"
-        feed = ResultFeed(self, request_id, sub, mode, order)
+            # The ordered consumer replays the subject from the stream's start, so nothing published
+            # before it exists is missed: the client gets its headers now, and the consumer's
+            # creation (a JetStream API round trip, tens of ms behind a busy server) overlaps them.
+            feed = ResultFeed(self, request_id, None, "jetstream", order)
+            feed.attaching = asyncio.get_running_loop().create_task(self._attach(feed, js, subject, stream, limits))
+            self._attaching.add(feed.attaching)
+            feed.attaching.add_done_callback(self._attaching.discard)
+            return feed
+        sub = await self.nc.subscribe(subject, **limits)
+        try:
+            assert self.barrier is not None
+            await self.barrier.wait()  # one PING for the opens of this loop pass (barrier.py)
+        except BaseException:
+            with contextlib.suppress(nats.errors.Error, OSError):  # not left subscribed for nobody
+                await sub.unsubscribe()
+            raise
+        self.metrics.core_subscriptions += 1
+        feed = ResultFeed(self, request_id, sub, "core", order)
         self._feeds[id(core_subscription(sub))] = feed
         return feed
+
+    async def _attach(self, feed: ResultFeed, js: JetStreamContext, subject: str, stream: str,
+                      limits: dict[str, int]) -> None:
+        """Create a JetStream feed's ordered consumer. A failure ends the feed with :class:`Lost`
+        (its client has its headers already); a feed closed meanwhile gets it unsubscribed."""
+        try:
+            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
+                                     inactive_threshold=CONSUMER_LINGER, **limits)
+        except Exception as exc:  # noqa: BLE001 - NATS refused the consumer: the stream ends with its reason
+            self.streams.forget()  # deleted or changed since it was looked up
+            feed.attach_failed = f"cannot subscribe to results: {error_text(exc)}"
+            log_event(log, logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
+            return
+        self.metrics.jetstream_replays += 1
+        if feed.closed:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+            drop_pending(sub)
+            return
+        feed._sub = sub
+        self._feeds[id(core_subscription(sub))] = feed
 
     def forget(self, feed: ResultFeed) -> None:
         sub = feed._sub

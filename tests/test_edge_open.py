@@ -1,0 +1,201 @@
+"""Opening a result stream: what an open costs and what it guarantees (issue 14, target 2).
+
+A core-mode open answers its client only once nats-server has its subscription; the opens of one
+event-loop pass share one PING for that (``edge/barrier.py``). ``GET /v1/results/{id}`` is
+dispatched before Starlette's middleware and router (``EdgeApp``); everything else is Starlette's.
+Real nats-server, the edge's real ``ResultSource`` or a real ``streamproc edge`` process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import AsyncIterator
+
+import httpx
+import nats.errors
+import pytest
+from edge_harness import publish_result, subscribed_subjects
+from helpers import rid
+
+from streamproc.core.wire import ResultInfo
+from streamproc.edge import settings as edge_settings
+from streamproc.edge.metrics import EdgeMetrics
+from streamproc.edge.source import Lost, ResultSource
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+SUBJECTS = Subjects("open")  # no results stream: core subscriptions, the path with a PING per open
+
+
+@contextlib.asynccontextmanager
+async def started_source(nats_url: str, subjects: Subjects = SUBJECTS, **overrides) -> AsyncIterator[ResultSource]:
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
+                                       "recent": 0, **overrides})
+    source = ResultSource(settings, EdgeMetrics())
+    await source.start()
+    try:
+        yield source
+    finally:
+        await source.stop()
+
+
+async def assert_live(client, feeds, subjects: Subjects = SUBJECTS) -> None:
+    """A result published right after the opens returned reaches each feed: each subscription was
+    on the server when its open returned."""
+    for i, feed in enumerate(feeds):
+        await publish_result(client, subjects, feed.request_id, 0, b'{"n":%d}' % i, final=True)
+    await client.flush()
+    for i, feed in enumerate(feeds):
+        item = await feed.next(5.0)
+        assert isinstance(item, ResultInfo), (feed.request_id, item)
+        assert item.body == b'{"n":%d}' % i
+
+
+async def test_opens_of_one_loop_pass_share_one_ping_and_each_is_live(nats_url, client):
+    async with started_source(nats_url) as source:
+        await source.open(rid("first"))  # the stream lookup's first round trip, out of the way
+        rounds = source.barrier.rounds
+        feeds = await asyncio.gather(*(source.open(rid(f"together{i}")) for i in range(30)))
+        assert source.barrier.rounds - rounds == 1  # one PING for the 30 opens, not 30
+        assert source.metrics.core_subscriptions == 31
+        await assert_live(client, feeds)
+        one = await source.open(rid("alone"))  # a later open gets its own round
+        assert source.barrier.rounds - rounds == 2
+        await assert_live(client, [one])
+
+
+async def test_an_open_cancelled_while_waiting_leaves_the_round_to_the_others(nats_url, nats_server, client):
+    async with started_source(nats_url) as source:
+        await source.open(rid("first"))
+        ids = [rid(f"cancel{i}") for i in range(3)]
+        tasks = [asyncio.create_task(source.open(i)) for i in ids]
+        while not source.barrier._waiters or len(source.barrier._waiters) < 3:  # all three wait on the round
+            await asyncio.sleep(0)
+        tasks[1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert isinstance(done[1], asyncio.CancelledError)
+        await assert_live(client, [done[0], done[2]])
+        subjects = subscribed_subjects(nats_server.monitor_url)
+        assert SUBJECTS.result(ids[1]) not in subjects  # the cancelled open left nothing subscribed
+        assert SUBJECTS.result(ids[0]) in subjects
+
+
+async def test_an_open_without_a_pong_fails_after_the_timeout_and_the_next_one_works(nats_url, nats_server,
+                                                                                     client):
+    async with started_source(nats_url) as source:
+        await source.open(rid("first"))
+        source.barrier.timeout = 0.5
+        os.kill(nats_server.pid, signal.SIGSTOP)  # the server stops answering, the connection stays up
+        try:
+            wait_stopped(nats_server.pid)
+            started = time.monotonic()
+            with pytest.raises(nats.errors.FlushTimeoutError):
+                await source.open(rid("frozen"))
+            assert 0.4 < time.monotonic() - started < 3
+        finally:
+            os.kill(nats_server.pid, signal.SIGCONT)
+        source.barrier.timeout = 10
+        await assert_live(client, [await source.open(rid("after"))])
+
+
+def wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped: a thread still running may answer one more PING."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop: {states}")
+
+
+async def test_results_paths_the_direct_route_does_not_take_answer_as_starlette_did(edge):
+    async with httpx.AsyncClient(base_url=edge.url, timeout=5) as http:
+        for path in ("/v1/results/a/b", "/v1/results/"):
+            assert (await http.get(path)).status_code == 404, path
+        response = await http.post("/v1/results/x")
+        assert response.status_code == 405
+        assert "GET" in response.headers["allow"]
+        response = await http.get("/v1/results/a.b")  # the direct route: the same 400 as before
+        assert response.status_code == 400
+        assert response.json()["error"]["type"] == "invalid_request"
+
+
+STORED = Subjects("openjs")  # the source below creates a results stream for this prefix
+
+
+async def test_a_jetstream_open_answers_before_its_consumer_exists_and_misses_nothing(nats_url, client):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        request_id = rid("early")
+        feed = await source.open(request_id)
+        assert feed.mode == "jetstream"
+        assert feed.attaching is not None and not feed.attaching.done()  # headers would go out now
+        for seq in range(5):  # published while the consumer is being created, or before
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq, final=seq == 4)
+        await client.flush()
+        got = [await feed.next(5.0) for _ in range(5)]
+        assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(5)]
+        assert source.metrics.jetstream_replays == 1
+        await feed.close()
+
+
+async def test_a_consumer_that_cannot_be_created_ends_the_feed_with_its_reason(nats_url, client):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        source.streams.ttl = 3600.0  # however slow this machine, the deleted stream stays cached
+        cached = await source.open(rid("cached"))  # the stream's name is cached now
+        await cached.attaching
+        await cached.close()
+        stream = await source.streams.find(source.nc.jetstream(), STORED.result("x"))
+        await source.nc.jetstream().delete_stream(stream)
+        feed = await source.open(rid("orphan"))
+        assert feed.mode == "jetstream"
+        item = await feed.next(20.0)  # the server refuses, or nats-py's request times out (5 s)
+        assert isinstance(item, Lost), item
+        assert "cannot subscribe to results" in item.reason
+        await feed.close()
+        assert source.streams._expires == 0.0  # the next open asks the server again
+
+
+async def test_a_feed_closed_while_its_consumer_is_created_leaves_nothing_subscribed(nats_url, nats_server):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        cached = await source.open(rid("cached"))
+        await cached.attaching
+        await cached.close()
+        await source.nc.flush()
+        before = client_subjects(nats_server)
+        feed = await source.open(rid("gone"))
+        await feed.close()  # the client left before the consumer existed
+        await feed.attaching
+        assert feed._sub is None and source.metrics.jetstream_replays == 2
+        await source.nc.flush()
+        assert client_subjects(nats_server) == before
+
+
+def client_subjects(server) -> list[str]:
+    """Clients' subscriptions (an ordered consumer's is its deliver inbox), not the server's own."""
+    return sorted(s for s in subscribed_subjects(server.monitor_url) if not s.startswith("$"))
+
+
+async def test_a_closed_feeds_consumer_is_gone_from_the_stream_within_seconds(nats_url, client):
+    """Not the server's 5 s default for an ephemeral consumer without interest (source.CONSUMER_LINGER)."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        feed = await source.open(rid("linger"))
+        await feed.attaching
+        stream = await source.streams.find(source.nc.jetstream(), STORED.result("x"))
+        jsm = client.jetstream()
+        assert (await jsm.stream_info(stream)).state.consumer_count == 1
+        await feed.close()
+        await source.nc.flush()
+        closed = time.monotonic()
+        while (await jsm.stream_info(stream)).state.consumer_count and time.monotonic() - closed < 10:
+            await asyncio.sleep(0.1)
+        assert (await jsm.stream_info(stream)).state.consumer_count == 0
+        assert time.monotonic() - closed < 4.0
