@@ -404,7 +404,7 @@ class ResultSource:
         except Exception as exc:  # noqa: BLE001 - NATS refused the consumer: the stream ends with its reason
             self.streams.forget()  # deleted or changed since it was looked up
             feed.attach_failed = f"cannot subscribe to results: {error_text(exc)}"
-            log_event(log, logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
+            self.limited.log(logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
             return
         self.metrics.jetstream_replays += 1
         if feed.closed:
