@@ -211,7 +211,8 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     ack_wait: Annotated[float, documented("durable: seconds before an unacknowledged chunk is redelivered; held "
                                     "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = defaults.ACK_WAIT
     max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
-                                         "stops delivering (bounds in-flight work)", ge=1, le=1_000_000)] = 2048
+                                         "stops delivering (bounds in-flight work); at least 2, so a held "
+                                         "prefill leg leaves room for its decode leg", ge=2, le=1_000_000)] = 2048
     fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
     flush_interval: Annotated[float, documented("durable: least seconds between two writes to NATS; publishes "
                                           "within it leave together in one write (less CPU per chunk at light "
@@ -232,7 +233,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     chunks_max_age: Annotated[float, documented("durable: seconds an unprocessed chunk is kept", gt=0,
                                           le=365 * 86_400)] = defaults.CHUNKS_MAX_AGE
     chunks_max_bytes: Annotated[int, documented("durable: bytes of unprocessed chunks kept (-1 unlimited); when "
-                                          "full, new chunks are refused", ge=-1)] = -1
+                                          "full, new chunks are refused; at least one maximal chunk as stored "
+                                          "(the server's max_payload plus a few hundred bytes, checked at start-up)",
+                                          ge=-1)] = -1
     prefill_timeout: Annotated[float, documented("seconds a decode chunk waits for the prefill leg before the "
                                            "omission policy applies", gt=0, le=86_400)] = defaults.PREFILL_TIMEOUT
     request_timeout: Annotated[float, documented("seconds without progress before a request is ended with a "
@@ -283,6 +286,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             raise ValueError(f"format_option: {exc}") from None
         if self.duplicate_window > self.chunks_max_age:
             raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
+        if self.chunks_max_bytes == 0:  # nats-server stores max_bytes 0 as -1 (stream.go checkStreamCfg)
+            raise ValueError("chunks_max_bytes must be -1 (unlimited) or a byte count: nats-server takes 0 for "
+                             "unlimited (it stores -1) and the next start-up would find a mismatch")
 
     def codec_options(self) -> CodecOptions:
         return CodecOptions(max_decompressed_bytes=self.max_decompressed_bytes,

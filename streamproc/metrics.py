@@ -31,7 +31,8 @@ GAUGES = frozenset({"partitions", "members", "streams_active", "nats_connected"}
 _IO_HELP = {"disconnects": "NATS disconnections (not counting a shutdown)", "reconnects": "NATS reconnections",
             "slow_consumer": "input messages nats-py dropped because its pending queue was full"}
 _DURABLE_HELP = {"redelivered": "chunks JetStream delivered more than once (delivery count > 1)",
-                 "partitions": "partitions this instance owns now"}
+                 "partitions": "partitions this instance owns now",
+                 "strays": "chunks stored untransformed (a '*' or '>' token in the subject), terminated"}
 
 
 def histogram(name: str, text: str, hist: LatencyHistogram) -> HistogramMetricFamily:

@@ -89,3 +89,30 @@ def peak_rss(pid: int) -> int:
     kib = status_kib(pid, "VmHWM")
     print(f"peak RSS of {pid}: {kib} kB")  # the figure, for `pytest -s`
     return kib * 1024
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a status server's ``/metrics`` (``streamproc run --http-port``), by name and labels."""
+    import urllib.request
+
+    from streamproc.metrics import parse as parse_metrics
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        return parse_metrics(response.read().decode())
+
+
+def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
+    """A real sglang-zstd P/D request whose 4,096-token prompt carries 64 MiB of expert rows (512 layers x
+    top-8), compressible to a few KB: prefill's one body, and decode's body that carries rows."""
+    import msgspec
+    import numpy as np
+
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    small = make_truth(0, prompt_len=prompt, output_len=2, num_layers=1, top_k=1)
+    rows = np.tile(np.arange(8, dtype="<i4"), small.rows * 512).tobytes()  # 8 distinct experts per layer
+    truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
+    worker = worker_for("sglang-zstd")
+    return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]

@@ -269,3 +269,16 @@ def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
         assert "--prefill-timeout" in sections["correlation settings"]
         assert "--partitions" in sections["durable settings"]
         assert "--http-port" in sections["logging settings"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--chunks-max-bytes", "0"], ("--chunks-max-bytes (flag --chunks-max-bytes='0') must be -1 (unlimited) or a "
+                                   "byte count: nats-server takes 0 for unlimited")),
+    (["--max-ack-pending", "1"], "invalid flag --max-ack-pending='1': Expected `int` >= 2"),
+])
+def test_nonsensical_durable_stream_limits_exit_2_naming_the_flag_and_value(flags, message):
+    """Limits nats-server or the processor cannot honour are refused before connecting (the one that
+    depends on the server's max_payload is checked at start-up: tests/test_durable_hostile.py)."""
+    proc = run_cli_process("run", "--print-config", "--mode", "durable", *flags)
+    line = one_clean_error(proc, 2, "run")
+    assert message in line, line

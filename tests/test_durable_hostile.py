@@ -12,13 +12,13 @@ import textwrap
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import free_port, peak_rss, rid, wait_until
-from test_metrics import scrape
+from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
+from helpers import free_port, inflating_pd_legs, peak_rss, rid, scrape, wait_until
 
-from streamproc.core.wire import Subjects, chunk_headers
+from streamproc.core.wire import SEQ, Subjects, chunk_headers
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -235,6 +235,9 @@ async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_ar
     ({"discard": "new", "max_msgs": 1000}, "discard is 'new' with max_msgs 1000: once reached, every result is refused"),
     ({"discard": "new", "max_bytes": 1 << 20}, "discard is 'new' with max_bytes 1048576"),
     ({"max_msg_size": 1024}, "max_msg_size is 1024 bytes, below the server's max_payload 1048576"),
+    # discard old: such a stream PubAcks a large result, then evicts it and every other at once
+    ({"max_bytes": 100_000}, ("max_bytes is 100000, below one result of the server's max_payload 1048576 as "
+                              "stored (1048885 bytes): such a result is acknowledged, then evicted with every other")),
 ])
 async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up(nats_url, run_cli, limits, problem):
     from nats.js.api import DiscardPolicy, StreamConfig
@@ -307,8 +310,6 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
     result stored and received) measured while they run stay close to idle ones, and every heavy
     request is joined."""
     import time
-
-    from test_hostile import inflating_pd_legs
 
     prefill, decode = inflating_pd_legs(prompt=2048)
     flags = durable_flags(partitions=1, format="sglang-zstd")
@@ -400,8 +401,6 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
     """CPU amplification: a streamed P/D request whose 20 decode chunks each inflate 2 x 32 MiB of rows
     (~60 ms of CPU per join). With --max-decode-cpu 0.2 it is ended after a few joins, overloaded,
     instead of costing 1.2 s of CPU; the requests beside it are answered."""
-    from test_hostile import inflating_pd_legs
-
     prefill, decode = inflating_pd_legs(prompt=2048)
     port = free_port()
     flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.2)
@@ -460,3 +459,286 @@ async def test_existing_partition_consumers_get_the_current_max_deliver(nats_url
             assert (await js.consumer_info(CHUNKS_STREAM, name)).config.max_deliver == 7
     finally:
         await nc.close()
+
+
+STRAY_SUBJECTS = ["streamproc.chunks.*.prefill", "streamproc.chunks.*.agg", "streamproc.chunks.>.decode",
+                  "streamproc.chunks.abc.*", "streamproc.chunks.abc.>", "streamproc.chunks.*.*"]
+
+
+async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_from_the_chunk_stream(nats_url):
+    """nats-server takes a JetStream publish to ``P.chunks.*.prefill`` or ``P.chunks.>.x`` (PubAck, not
+    "no responders") and stores it under that subject: the partition transform refuses a subject with
+    a wildcard token. No partition consumer reads it, so it stayed in the work queue until max_age,
+    counting against max_bytes. Now every instance sweeps them (terminated, counted, logged) and the
+    requests beside them are answered."""
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.nats.strays import STRAY_CONSUMER
+
+    flags = durable_flags(partitions=2)
+    with processor_subprocess(nats_url, *flags):
+        pass  # creates the streams
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        for bad in ("*", ">", "a*b"):  # the publisher helper never makes such a subject
+            with pytest.raises(ValueError, match="invalid request id"):
+                await ChunkPublisher(nc, durable=True).publish(bad, "agg", 0, b"{}", final=True)
+        for k, subject in enumerate(STRAY_SUBJECTS):
+            headers = chunk_headers(f"stray{k}", "agg", 0, final=True)
+            ack = await js.publish(subject, b'{"text":"stray"}', headers=headers)
+            assert ack.stream == CHUNKS_STREAM and not ack.duplicate
+        state = (await js.stream_info(CHUNKS_STREAM, subjects_filter=">")).state
+        assert state.subjects == {s: 1 for s in STRAY_SUBJECTS}  # stored as published, no partition
+
+        port = free_port()
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+            legit = [rid("ok") for _ in range(20)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+            await wait_until(lambda: scrape(port).get("streamproc_durable_strays_total") == len(STRAY_SUBJECTS),
+                             20, "every stray swept\n" + log_path.read_text()[-3000:])
+            assert scrape(port)["streamproc_unreadable_total"] == len(STRAY_SUBJECTS)
+            assert await chunk_stream_messages(js) == 0  # nothing left against the stream's limits
+            info = await js.consumer_info(CHUNKS_STREAM, STRAY_CONSUMER)
+            assert info.config.filter_subject == "streamproc.chunks.>"
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            assert set(await stored_results(js, SUBJECTS)) == set(legit)  # nothing answered for a stray
+            text = log_path.read_text()
+            assert text.count("event=unreadable_message") == len(STRAY_SUBJECTS)
+            assert "subject=streamproc.chunks.>.decode" in text and "stored it untransformed" in text
+            assert "stray_sweep_failed" not in text
+            # A stray published while the processor runs goes the same way.
+            await js.publish("streamproc.chunks.*.agg", b"{}", headers=chunk_headers("late-stray", "agg", 0))
+            await wait_until(lambda: scrape(port).get("streamproc_durable_strays_total") == len(STRAY_SUBJECTS) + 1,
+                             20, "the later stray swept")
+
+            async def empty() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(empty, 5, "the later stray gone")
+            assert proc.poll() is None
+    finally:
+        await nc.close()
+
+
+async def test_a_chunk_stream_byte_limit_below_one_maximal_chunk_is_refused_at_start_up(nats_url, run_cli):
+    """--chunks-max-bytes 100 used to create a stream that refuses every chunk. Now start-up exits 2 in
+    one line naming the flag, the value and the least usable limit, before anything is created; and
+    that least limit is exact: one chunk of max_payload bytes (headers + body) under the longest
+    stored subject fits in it, and not in one byte less."""
+    from nats.js.api import StorageType
+    from nats.js.errors import APIError, NotFoundError
+
+    from streamproc.core.defaults import CHUNKS_MAX_AGE, DUPLICATE_WINDOW
+    from streamproc.core.partitions import PartitionScheme
+    from streamproc.core.wire import MAX_REQUEST_ID_LEN
+    from streamproc.nats.streams import ChunkStreamSpec, chunk_stream_minimum
+
+    max_payload = 1 << 20  # nats-server's default, as EmbeddedNats runs it
+    scheme = PartitionScheme(SUBJECTS, 4)
+    minimum = chunk_stream_minimum(scheme, max_payload)
+    proc = await anyio.to_thread.run_sync(
+        lambda: run_cli("run", "--nats-url", nats_url, *durable_flags(partitions=4, chunks_max_bytes=100)))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(
+        f"streamproc run: error: --chunks-max-bytes 100 cannot hold one chunk of the server's max_payload "
+        f"{max_payload}: use at least {minimum} "), proc.stderr
+    nc = await connect(nats_url)
+    try:
+        assert nc.max_payload == max_payload
+        js = nc.jetstream()
+        with pytest.raises(NotFoundError):
+            await js.stream_info(CHUNKS_STREAM)  # refused before anything was created
+
+        spec = ChunkStreamSpec(CHUNKS_STREAM, scheme, CHUNKS_MAX_AGE, DUPLICATE_WINDOW, StorageType.FILE, 1, minimum - 1)
+        await js.add_stream(spec.config())
+        longest = "r" * MAX_REQUEST_ID_LEN
+        headers = chunk_headers(longest, "prefill", 0, final=True)
+        header_block = len(b"NATS/1.0\r\n" + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items()) + b"\r\n")
+        body = bytes(max_payload - header_block)  # the largest message the server takes
+        with pytest.raises(APIError, match="maximum bytes exceeded"):
+            await js.publish(SUBJECTS.chunk(longest, "prefill"), body, headers=headers)
+        spec = msgspec.structs.replace(spec, max_bytes=minimum)
+        await js.update_stream(spec.config())
+        ack = await js.publish(SUBJECTS.chunk(longest, "prefill"), body, headers=headers)
+        assert ack.seq == 1
+        with processor_subprocess(nats_url, *durable_flags(partitions=4, chunks_max_bytes=minimum)) as (p, _log):
+            assert p.poll() is None  # the least limit is accepted
+    finally:
+        await nc.close()
+
+
+# ------------------------------------------------------------- core-mode attacks, durable versions
+# tests/test_hostile.py runs each against a core-mode processor; here the chunks go through the chunk
+# stream with PubAcks, so what core mode loses (a dropped connection) durable mode would redeliver.
+
+POISON_SEQS = ["²", "٠", "１", "-1", "1e3", "0x1"]
+
+
+async def test_poison_seqs_are_settled_at_their_first_delivery_with_invalid_chunk(nats_url):
+    """A `Streamproc-Seq` of `²` passed str.isdigit() and int() raised: durable mode never acked the chunk
+    and redelivered it every ack wait (2,048 of them stalled a partition); `٠` was taken as 0. Each
+    now ends its request with one invalid_chunk result naming the header, and its chunk is settled at
+    its first delivery: nothing is redelivered, nothing reaches max_deliver, the partition goes on."""
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            legit = [rid("ok") for _ in range(30)]
+            poisoned = {}
+            for i, r in enumerate(legit):
+                if i % 5 == 0:
+                    bad = rid("bad")
+                    poisoned[bad] = POISON_SEQS[i // 5]
+                    await publish_agg(js, bad, 1, **{SEQ: poisoned[bad]})
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def all_ended() -> bool:
+                return set(poisoned) <= set(await stored_results(js, SUBJECTS))
+
+            await wait_until(all_ended, 20, "every poisoned request ended", every=0.3)
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            stored = await stored_results(js, SUBJECTS)
+            for bad, seq in poisoned.items():
+                [error] = stored[bad]  # one result, never a second one from a redelivery
+                assert error.seq == 0 and error.final and error.error == "invalid_chunk", (seq, error)
+                assert SEQ.encode() in error.body, (seq, error.body)
+            assert await chunk_stream_messages(js) == 0
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert info.num_ack_pending == 0 and info.num_redelivered == 0
+            metrics = scrape(port)
+            assert metrics['streamproc_error_results_total{kind="invalid_chunk"}'] == len(poisoned)
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert metrics["streamproc_durable_poisoned_total"] == 0  # settled long before max_deliver
+            text = log_path.read_text()
+            assert "event=nats_error" not in text and "event=message_failed" not in text
+            assert proc.poll() is None and peak_rss(proc.pid) < 150 * MiB  # the core-mode bound
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("separator", ["\x0b", "\x0c"])
+async def test_ids_with_bytes_nats_py_splits_on_are_settled_and_the_connection_survives(nats_url, separator):
+    """A request id holding VT/FF is one token to nats-server, and the chunk stream stores it; stock
+    nats-py's parser split the delivered subject and dropped the processor's connection, and in
+    durable mode the chunk came back every ack wait and dropped it again (3 of 2,000 legitimate
+    requests answered). Now the processor reads it, counts it unreadable and settles it; every
+    legitimate request is answered and the connection never drops."""
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=2), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            legit = [rid("ok") for _ in range(200)]
+            evil = 0
+            for i, r in enumerate(legit):
+                if i % 20 == 0:  # published raw: ChunkPublisher refuses such ids
+                    evil += 1
+                    await js.publish(f"streamproc.chunks.evil{separator}{i}.agg", b"{}",
+                                     headers=chunk_headers(f"evil{i}", "agg", 0, final=True))
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+            await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == evil, 10,
+                             "every evil chunk counted")
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            assert await chunk_stream_messages(js) == 0
+            assert await ack_pending(js, 2) == [0, 0]
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert metrics["streamproc_unreadable_total"] == evil
+            assert metrics["streamproc_durable_strays_total"] == 0  # stored partitioned: read by the partitions
+            assert not any(r.startswith("evil") for r in await stored_results(js, SUBJECTS))  # never answered
+            text = log_path.read_text()
+            assert "event=disconnected" not in text and "ProtocolError" not in text, text[-2000:]
+            assert "event=unreadable_message" in text
+            assert proc.poll() is None and peak_rss(proc.pid) < 150 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_a_reorder_backlog_is_cut_at_the_per_request_byte_cap_in_durable_mode(nats_url):
+    """300 chunks of ~1 MB behind a withheld seq 0, stored in the chunk stream: the request ends at
+    --max-buffered-bytes (32 MiB) with invalid_chunk, every chunk of it is settled (the rest as late),
+    the requests beside it are answered, and the processor's peak RSS stays under the core-mode bound
+    although up to 1.5 pull batches (384 MB) could be in flight to it."""
+    payload = bytes(1_000_000)
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            hoarder = rid("hoarder")
+            legit = [rid("ok") for _ in range(30)]
+            for seq in range(1, 301):
+                await js.publish(SUBJECTS.chunk(hoarder, "agg"), payload, headers=chunk_headers(hoarder, "agg", seq))
+                if seq % 10 == 0:
+                    await publish_agg(js, legit[seq // 10 - 1], 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+
+            async def ended() -> bool:
+                return hoarder in await stored_results(js, SUBJECTS)
+
+            await wait_until(ended, 30, "the hoarder ended", every=0.3)
+            [error] = (await stored_results(js, SUBJECTS))[hoarder]  # nothing of the backlog was published
+            assert error.seq == 0 and error.final and error.error == "invalid_chunk", error
+            assert b"max_buffered_bytes" in error.body or b"buffered" in error.body, error.body
+
+            async def drained() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(drained, 30, "every chunk of the hoarder settled", every=0.3)
+            assert scrape(port)["streamproc_durable_poisoned_total"] == 0
+            assert proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()
+
+
+async def test_many_requests_under_the_per_request_cap_are_stopped_by_the_global_budget_in_durable_mode(nats_url):
+    """20 requests x 20 MB of backlog (400 MB in all, each under the 32 MiB cap), stored in the chunk
+    stream of one partition: the ones past the 96 MiB global budget end as overloaded at once (in
+    stream order, as in core mode, unless chunks were redelivered: seen in 2 of about 25 runs on the
+    loaded machine, cause not established); the requests beside
+    them are answered; peak RSS stays under the core-mode bound. Pulls are bounded in bytes
+    (``max_bytes``): with message credit alone up to 1.5 batches of 1 MB chunks could wait in
+    nats-py's queue while the handler was slow (201-380 MiB in 4 of about 25 runs before)."""
+    payload = bytes(1_000_000)
+    port = free_port()
+    # At the default ack wait: the tests' 2 s lets a loaded machine redeliver held chunks.
+    flags = durable_flags(partitions=1, ack_wait=10.0)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            hogs = [rid(f"hog{k}") for k in range(20)]
+            legit = [rid("ok") for _ in range(20)]
+            for k, hog in enumerate(hogs):
+                for seq in range(1, 21):
+                    await js.publish(SUBJECTS.chunk(hog, "agg"), payload, headers=chunk_headers(hog, "agg", seq))
+                await publish_agg(js, legit[k], 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+            ended: dict[str, str] = {}
+
+            async def past_budget_ended() -> bool:
+                nonlocal ended
+                stored = await stored_results(js, SUBJECTS)
+                ended = {h: stored[h][-1].error for h in hogs if h in stored}
+                return len(ended) >= 15
+
+            await wait_until(past_budget_ended, 30, "the hogs past the budget ended", every=0.3)
+            assert set(ended.values()) == {"overloaded"}, ended
+            # 5 x 20 MB fit in the budget, a sixth does not, whatever the order.
+            assert len(ended) == 15, (len(ended), log_path.read_text()[-3000:])
+            if scrape(port)["streamproc_durable_redelivered_total"] == 0:
+                # Delivered in stream order (no recovery lookup failed and NAKed a hog's chunk under load):
+                # the first five stay, exactly as in core mode.
+                assert set(ended) == set(hogs[5:]), ended
+            assert scrape(port)["streamproc_over_budget_total"] >= 15
+            assert proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import anyio
 import nats
 import pytest
-from helpers import peak_rss
+from helpers import inflating_pd_legs, peak_rss
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
 
@@ -204,22 +204,6 @@ async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_g
         assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
 
 
-def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
-    """A real sglang-zstd P/D request whose 4,096-token prompt carries 64 MiB of expert rows (512 layers x
-    top-8), compressible to a few KB: prefill's one body, and decode's body that carries rows."""
-    import msgspec
-    import numpy as np
-
-    from streamproc.catalog import worker_for
-    from streamproc.sim.simulation import make_truth
-
-    small = make_truth(0, prompt_len=prompt, output_len=2, num_layers=1, top_k=1)
-    rows = np.tile(np.arange(8, dtype="<i4"), small.rows * 512).tobytes()  # 8 distinct experts per layer
-    truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
-    worker = worker_for("sglang-zstd")
-    return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
-
-
 async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_budget(nats_url, streamproc_run):
     """16 P/D requests whose prefill rows inflate to 64 MiB each, held open by a decode chunk that
     carries rows but is not final: 1,066 MiB before; now the ones past --max-total-bytes are overloaded."""
@@ -294,3 +278,45 @@ async def test_joins_that_inflate_run_off_the_event_loop_so_passthrough_latency_
         # longest GIL-holding step of a join (20 ms measured). 200 ms leaves room for a loaded machine.
         assert busy[-1] < 0.200 and busy[20] < idle[20] + 0.010, (idle, busy)
         assert peak_rss(proc.pid) < 300 * MiB
+
+
+async def test_a_requests_buffered_joins_take_turns_with_another_requests_join(nats_url, streamproc_run):
+    """One streamed P/D request with 20 decode chunks whose joins each decode 2 x 32 MiB of rows, then a
+    small P/D request: joins run one at a time, and the heavy request used to keep the join thread
+    for all 20 (measured at the base commit: the small join was answered after all 20, 1.5-2.0 s). Now
+    a finished join's request queues behind the joins waiting (round robin): the small request is
+    answered after the heavy join that was running when it arrived (84-185 ms measured)."""
+    import time
+
+    prefill, decode = inflating_pd_legs(prompt=2048)
+    small_prefill, small_decode = inflating_pd_legs(prompt=16)  # a join too, of 0.3 MiB of rows
+    with streamproc_run("--mode", "core", "--format", "sglang-zstd") as (proc, log_path):
+        async with worker_and_reader(nats_url) as (nc, results):
+            arrivals: list[tuple[str, int]] = []
+
+            async def note(msg) -> None:
+                arrivals.append((SUBJECTS.request_id_of_result(msg.subject), int(msg.headers[SEQ])))
+
+            await nc.subscribe(SUBJECTS.all_results, cb=note)
+            await nc.flush()
+            await nc.publish(SUBJECTS.chunk("heavy", "prefill"), prefill,
+                             headers=chunk_headers("heavy", "prefill", 0, final=True, format="sglang-zstd"))
+            for seq in range(20):
+                await nc.publish(SUBJECTS.chunk("heavy", "decode"), decode,
+                                 headers=chunk_headers("heavy", "decode", seq, final=seq == 19, format="sglang-zstd"))
+            await nc.publish(SUBJECTS.chunk("light", "prefill"), small_prefill,
+                             headers=chunk_headers("light", "prefill", 0, final=True, format="sglang-zstd"))
+            await nc.flush()
+            start = time.perf_counter()
+            await nc.publish(SUBJECTS.chunk("light", "decode"), small_decode,
+                             headers=chunk_headers("light", "decode", 0, final=True, format="sglang-zstd"))
+            await results.wait_for(lambda: results.complete("light", 1), 30)
+            light = time.perf_counter() - start
+            await results.wait_for(lambda: results.complete("heavy", 20), 60)
+            heavy_before = arrivals.index(("light", 0))
+            print(f"small join answered {light * 1e3:.0f} ms after its decode chunk, after {heavy_before} of the "
+                  f"heavy request's 20 joins")
+            assert results.complete("heavy", 20) and results.final("light").get("Streamproc-Join") == "joined"
+            assert [s for r, s in arrivals if r == "heavy"] == list(range(20))
+            assert heavy_before <= 3, arrivals  # before: all 20 (the heavy joins kept the thread)
+            assert proc.poll() is None

@@ -311,10 +311,9 @@ def test_streamproc_names_no_format_field():
 
 TESTS_DIR = Path(__file__).parent
 TEST_MODULES = sorted(p.stem for p in TESTS_DIR.glob("test_*.py"))
-# Being moved on other branches this round (migration-gap owns test_migration_crash, hostile-rest
-# test_durable_hostile): strict xfails, so the entry must go once their helpers are shared.
+# Helpers being moved on other branches: strict xfails, so an entry must go once they are shared
+# (none left: hostile-rest moved test_durable_hostile's, migration-gap test_migration_crash's).
 KNOWN_TEST_IMPORTERS: dict[str, str] = {
-    "test_durable_hostile": "imports test_metrics and test_hostile helpers (hostile-rest branch)",
 }
 
 

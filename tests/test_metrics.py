@@ -17,11 +17,11 @@ import anyio
 import pytest
 from conftest import CLI
 from edge_harness import free_port, running_edge
+from helpers import scrape
 
 from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector
-from streamproc.metrics import parse as parse_metrics
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects
@@ -37,12 +37,6 @@ def get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def scrape(port: int) -> dict[str, float]:
-    status, text = get(f"http://127.0.0.1:{port}/metrics")
-    assert status == 200
-    return parse_metrics(text)
 
 
 @contextlib.asynccontextmanager

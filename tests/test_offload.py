@@ -98,6 +98,32 @@ def test_a_request_whose_joins_pass_the_decode_time_budget_is_ended_and_others_g
     assert split(c.receive(chunk("agg", "agg", 0, b"x", final=True), 0.0))[1] == [("agg", 0)]
 
 
+def test_waiting_joins_take_turns_so_one_requests_buffered_joins_never_starve_another():
+    """A request with several decode chunks buffered kept the join worker for all of them: the next
+    one started as soon as the previous finished, ahead of every request already waiting. Now a
+    request whose join finishes goes to the back of the queue when others wait (round robin), so
+    another request's join waits for at most one join of each request ahead of it."""
+    c = correlator()
+    c.offload_joins = True
+    c.receive(chunk("heavy", "prefill", 0, b"p", final=True), 0.0)
+    (work,), _ = split(c.receive(chunk("heavy", "decode", 0, b"a"), 0.0))
+    for seq in (1, 2):  # buffered behind the running join
+        assert split(c.receive(chunk("heavy", "decode", seq, b"b", final=seq == 2), 0.0)) == ([], [])
+    c.receive(chunk("light", "prefill", 0, b"p", final=True), 0.0)
+    assert split(c.receive(chunk("light", "decode", 0, b"c", final=True), 0.0)) == ([], [])  # waits its turn
+    order, published = [], []
+    while work is not None:
+        order.append(work.request_id)
+        work.run()
+        works, results = split(c.finish(work, 0.0))
+        published += results
+        assert len(works) <= 1  # still one join at a time
+        work = works[0] if works else None
+    assert order == ["heavy", "light", "heavy", "heavy"]
+    assert published == [("heavy", 0), ("light", 0), ("heavy", 1), ("heavy", 2)]
+    assert c.inflight == 0 and c.charged_bytes == 0
+
+
 def test_join_wait_is_the_wait_for_the_prefill_leg_alone_once_per_result():
     """Observed when the prefill leg completes (0 when it was there), not when a join that ran off
     the loop, or waited for the join thread, is finished: the join's own time is not a wait."""

@@ -77,6 +77,11 @@ class Work:
             self.cpu = cpu_clock() - start
 
 
+# Stands in for the running Work while a finished join's request is drained with others waiting:
+# its next join, if any, is queued behind them instead of starting at once.
+_TURN_OVER = Work("", lambda: (b"", Verdict.JOINED))
+
+
 class CorrelatorConfig(msgspec.Struct, frozen=True):
     """The correlator's timeouts (seconds) and bounds; ``streamproc.config.Settings`` documents each."""
 
@@ -208,7 +213,8 @@ class Correlator:
         self.offload_joins = False
         # One Work outstanding at a time: its decode budget is then exact (the previous join's
         # decoded rows are charged before the next is handed a budget). Requests whose join would
-        # be next wait here, in order.
+        # be next wait here, in order; a request whose join finished queues behind them for its
+        # next one (round robin), so buffered joins of one request never starve another's.
         self._working: Work | None = None
         self._queued: OrderedDict[str, _Request] = OrderedDict()
 
@@ -480,7 +486,14 @@ class Correlator:
                                       f"CPU (max_decode_cpu {budget:g} s)", now))
             else:
                 req.outcome = work.outcome
-                out.extend(self._drain(req, now))
+                if self._queued:  # round robin: its next join, if any, queues behind those waiting
+                    self._working = _TURN_OVER
+                    try:
+                        out.extend(self._drain(req, now))
+                    finally:
+                        self._working = None
+                else:
+                    out.extend(self._drain(req, now))
         while self._working is None and self._queued:
             _, waiting = self._queued.popitem(last=False)
             if self._active.get(waiting.request_id) is waiting:

@@ -50,7 +50,7 @@ from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
 from ..core.errors import InvalidCapability, StreamprocError
-from ..logs import error_text, log_event
+from ..logs import error_text
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from ..metrics import CONTENT_TYPE, exposition, registry_for
@@ -297,7 +297,8 @@ class Edge:
         except Exception as exc:  # noqa: BLE001 - NATS refused the subscription: a clean 503, not a 500 page
             self.metrics.streams_active -= 1
             self.client_left(client)
-            log_event(log, logging.WARNING, "subscribe_failed", request_id=request_id, error=error_text(exc))
+            self.source.limited.log(logging.WARNING, "subscribe_failed", request_id=request_id,
+                                    error=error_text(exc))
             return error_response(f"cannot subscribe to results: {exc}", "unavailable", 503)
         if unary:
             self.metrics.unary_requests += 1
@@ -322,8 +323,8 @@ class Edge:
 
         def on_stall() -> None:
             self.metrics.streams_stalled += 1
-            log_event(log, logging.INFO, "stream_stalled", request_id=request_id,
-                      write_timeout=self.settings.write_timeout)
+            self.source.limited.log(logging.INFO, "stream_stalled", request_id=request_id,
+                                    write_timeout=self.settings.write_timeout)
 
         return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace), on_close,
                                    self.settings.write_timeout, on_stall)
@@ -552,7 +553,7 @@ class Edge:
         try:
             body = await anyio.to_thread.run_sync(self.codec.fold, [r.body for r in results])
         except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
-            log_event(log, logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
+            self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
             body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
             return Response(body, status_code=500, media_type="application/json")
         return Response(body, media_type="application/json", headers=headers)

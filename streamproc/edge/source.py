@@ -152,7 +152,7 @@ class ResultFeed:
             result = result_from_message(self.source.subjects, msg.subject, msg.headers, msg.data)
         except (ContractError, ValueError) as exc:
             metrics.malformed_results += 1
-            log_event(log, logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
+            self.source.limited.log(logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
             return
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
@@ -275,7 +275,11 @@ class ResultSource:
         self._closing = False
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
         self._feeds: dict[int, ResultFeed] = {}
-        self._limited = LogLimiter(log)
+        # Lines any client or results publisher can cause at will (per request or per result) are
+        # rate limited per event name, as in the processor; flushed every interval so the suppressed
+        # counts are reported when a flood stops.
+        self.limited = LogLimiter(log)
+        self._flush_task: asyncio.Task | None = None
         self._recent_task: asyncio.Task | None = None
         self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
         self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
@@ -310,6 +314,12 @@ class ResultSource:
             log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
         if self.settings.recent > 0:
             await self._subscribe_recent()
+        self._flush_task = asyncio.get_running_loop().create_task(self._flush_limited())
+
+    async def _flush_limited(self) -> None:
+        while True:
+            await asyncio.sleep(self.limited.interval)
+            self.limited.flush()
 
     async def _subscribe_recent(self) -> None:
         """The recent ring's subscription to every result. It needs headers only (seq, final, error,
@@ -338,6 +348,10 @@ class ResultSource:
         if self._recent_task is not None:
             self._recent_task.cancel()
             self._recent_task = None
+        if self._flush_task is not None:
+            self._flush_task.cancel()
+            self._flush_task = None
+        self.limited.flush()
         nc, self.nc = self.nc, None
         self._closing = True  # the disconnect that closing causes is not news
         self.metrics.nats_connected = 0
@@ -390,7 +404,7 @@ class ResultSource:
         except Exception as exc:  # noqa: BLE001 - NATS refused the consumer: the stream ends with its reason
             self.streams.forget()  # deleted or changed since it was looked up
             feed.attach_failed = f"cannot subscribe to results: {error_text(exc)}"
-            log_event(log, logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
+            self.limited.log(logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
             return
         self.metrics.jetstream_replays += 1
         if feed.closed:
@@ -439,7 +453,7 @@ class ResultSource:
                 if not feed.overrun:
                     feed.overrun = True
                     self.metrics.streams_overrun += 1
-                    self._limited.log(logging.WARNING, "stream_overrun", request_id=feed.request_id,
+                    self.limited.log(logging.WARNING, "stream_overrun", request_id=feed.request_id,
                                       limit=self.settings.stream_buffer_bytes)
                 # The stream cannot go on: stop its subscription now, before the next message. An
                 # ordered consumer would otherwise see the dropped dseq and recreate its consumer

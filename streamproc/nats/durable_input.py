@@ -63,6 +63,7 @@ from .input import Pipeline
 from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
+from .strays import StraySweeper, stray_consumer_config
 from .subscription import handled_all
 from .streams import (
     CHUNKS_STREAM,
@@ -80,6 +81,7 @@ log = logging.getLogger("streamproc.durable")
 
 PULL_EXPIRES = 10.0  # seconds a pull request lives on the server
 HEARTBEAT = 1.0  # idle heartbeat the server sends for a waiting pull request
+PULL_MAX_BYTES = 16 << 20  # least bytes one pull may bring (at least two maximal messages, see __init__)
 LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: the server forgot our pulls
 WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
@@ -97,6 +99,7 @@ class DurableStats(OutboxStats):
     consumer_repairs: int = 0
     redelivered: int = 0  # messages delivered more than once
     poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
+    strays: int = 0  # chunks stored untransformed (a '*' or '>' token in the subject): terminated
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
     migrated_adopted: int = 0  # of those, requests with a seal record: session rebuilt from stored bodies
@@ -185,8 +188,15 @@ class DurableInput:
         # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
         # the client drop deliveries (bytes can still overflow: the dropped() hook accounts for that).
         self._batch = max(1, min(settings.fetch_batch, settings.pending_msgs_limit * 2 // 3))
+        # A pull is bounded in bytes too (the server ends it with 409 "Message Size Exceeds MaxBytes"
+        # when the next message would pass it): with message credit alone, up to 1.5 batches of
+        # max_payload messages could wait in nats-py's queue while the handler is slow (a recovery
+        # lookup under load), 384 MB of 1 MB chunks. At least two maximal messages fit, so every
+        # message can be delivered.
+        max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
         self._pull_body = msgspec.json.encode({
-            "batch": self._batch, "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
+            "batch": self._batch, "max_bytes": max(PULL_MAX_BYTES, 2 * max_payload + 65536),
+            "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
@@ -200,6 +210,10 @@ class DurableInput:
         self._reconnects = 0
         self._lease_lock = anyio.Lock()
         self._migrating: dict[int, int] = {}  # partition -> migrates being answered for it
+
+    def _stray(self) -> None:
+        self.stats.strays += 1
+        self.pipeline.io.unreadable += 1
 
     def owns(self, request_id: str) -> bool:
         """Whether this instance holds the lease of the request's partition (it alone answers for it)."""
@@ -218,7 +232,7 @@ class DurableInput:
         self.chunks_stream = await find_stream(js, self.scheme.source) or CHUNKS_STREAM
         await ensure_chunk_stream(js, ChunkStreamSpec(
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
-            s.stream_replicas, s.chunks_max_bytes))
+            s.stream_replicas, s.chunks_max_bytes), max_payload=self.nc.max_payload)
         if self._batch < s.fetch_batch:
             log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self._batch,
                       detail="pending_msgs_limit is too small for the pull credit")
@@ -241,6 +255,10 @@ class DurableInput:
             await self._rebalance()
             self._tasks.start_soon(self._lease_loop)
             self._tasks.start_soon(self._watchdog)
+            self._tasks.start_soon(StraySweeper(
+                self.nc, self.chunks_stream,
+                stray_consumer_config(s.subjects.all_chunks, ack_wait=s.ack_wait, max_deliver=s.max_deliver),
+                self.pipeline.limited, self._stray).run)
         except BaseException:
             self._tasks.cancel_scope.cancel()
             await self._tasks.__aexit__(None, None, None)
@@ -499,7 +517,7 @@ class DurableInput:
         code = headers.get("Status", "")
         description = headers.get("Description", "")
         pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
-        if code not in ("100", "408", "404"):
+        if code not in ("100", "408", "404") and not (code == "409" and "MaxBytes" in description):
             log_event(log, logging.INFO, "pull_status", partition=part.n, status=code, description=description)
         return pull
 

@@ -36,9 +36,10 @@ from nats.js.api import (
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ..core import defaults
-from ..core.errors import ChunkStreamMismatch, ResultsStreamCannotStore, ResultsStreamMismatch
+from ..core.errors import ChunkStreamMismatch, ConfigError, ResultsStreamCannotStore, ResultsStreamMismatch
+from ..core.events import Role
 from ..core.partitions import PartitionScheme
-from ..core.wire import Subjects
+from ..core.wire import MAX_REQUEST_ID_LEN, Subjects
 
 RESULTS_STREAM = "STREAMPROC_RESULTS"
 CHUNKS_STREAM = "STREAMPROC_CHUNKS"
@@ -136,20 +137,31 @@ async def ensure_results_stream(
     differences = spec.differences(info.config)
     if differences:
         raise ResultsStreamMismatch(name, differences)
-    problems = storage_problems(info.config, max_payload)
+    problems = storage_problems(info.config, max_payload, stored_record_size(subjects.result("x" * MAX_REQUEST_ID_LEN),
+                                                                              max_payload))
     if problems:
         raise ResultsStreamCannotStore(name, problems)
     return info
 
 
-def storage_problems(actual: StreamConfig, max_payload: int = 0) -> list[str]:
-    """Why a results stream would refuse results it is sent, beyond a full disk.
+def stored_record_size(subject: str, max_payload: int) -> int:
+    """What one message of ``max_payload`` bytes (headers and body) under ``subject`` counts against
+    a stream's ``max_bytes`` (``filestore.go`` ``fileStoreMsgSizeRaw``: ``22 + slen + 4 + hlen + mlen
+    + 8``; the memory store counts less, ``slen + hlen + mlen + 16``)."""
+    return 22 + len(subject) + 4 + max_payload + 8
+
+
+def storage_problems(actual: StreamConfig, max_payload: int = 0, largest: int = 0) -> list[str]:
+    """Why a results stream would refuse results it is sent, or lose them, beyond a full disk.
 
     With discard ``new`` a stream at ``max_msgs`` / ``max_bytes`` (or, with
     ``discard_new_per_subject``, ``max_msgs_per_subject``) refuses every new message: each result
     would be retried and given up, and its request never finish (``discard old`` drops the oldest
     results instead, which readers have long read). A ``max_msg_size`` below the server's
-    ``max_payload`` refuses results that the chunk stream accepted.
+    ``max_payload`` refuses results that the chunk stream accepted. A ``max_bytes`` below
+    ``largest`` (one maximal result as stored, :func:`stored_record_size`) loses results even with
+    discard ``old``: nats-server PubAcks such a result, then evicts it and every other at once
+    (tested against 2.15.1: a 5,000-byte message into ``max_bytes`` 1,000 left the stream empty).
     """
     found = []
     if _value(actual.discard) == DiscardPolicy.NEW.value:
@@ -163,6 +175,9 @@ def storage_problems(actual: StreamConfig, max_payload: int = 0) -> list[str]:
     if size is not None and size > 0 and max_payload and size < max_payload:
         found.append(f"max_msg_size is {size} bytes, below the server's max_payload {max_payload}: larger results "
                      "are refused")
+    if largest and actual.max_bytes is not None and 0 < actual.max_bytes < largest:
+        found.append(f"max_bytes is {actual.max_bytes}, below one result of the server's max_payload {max_payload} "
+                     f"as stored ({largest} bytes): such a result is acknowledged, then evicted with every other")
     return found
 
 
@@ -187,9 +202,9 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
     (JetStream publishers see the error) instead of silently dropping stored input.
 
     The stream captures ``P.chunks.*.*`` rather than ``P.chunks.>``: a subject of another shape
-    has no request id to partition on, would be stored untransformed and read by nobody (and a
-    consumer filtering on it keeps work-queue messages from being deleted). A JetStream publish to
-    such a subject fails with "no responders"; in core mode it is logged as unreadable.
+    has no request id to partition on; a JetStream publish to it fails with "no responders", in
+    core mode it is logged as unreadable. One of the right shape with a literal ``*``/``>`` token is
+    captured but stored untransformed: :mod:`streamproc.nats.strays` removes those.
     """
 
     name: str
@@ -237,8 +252,24 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
         return found
 
 
-async def ensure_chunk_stream(js: JetStreamContext, spec: ChunkStreamSpec) -> StreamInfo:
-    """Create the chunk stream, or check that the existing one (by name) fits ``spec``."""
+def chunk_stream_minimum(scheme: PartitionScheme, max_payload: int) -> int:
+    """The least ``max_bytes`` a chunk stream needs to store one maximal chunk: the server's
+    ``max_payload`` of headers and body under the longest stored subject
+    (``P.partition.<n>.<256-character id>.prefill``), as :func:`stored_record_size` counts it."""
+    longest = len(scheme.head(scheme.count - 1)) + MAX_REQUEST_ID_LEN + 1 + max(len(r.value) for r in Role)
+    return stored_record_size("x" * longest, max_payload)
+
+
+async def ensure_chunk_stream(js: JetStreamContext, spec: ChunkStreamSpec, max_payload: int = 0) -> StreamInfo:
+    """Create the chunk stream, or check that the existing one (by name) fits ``spec``.
+
+    ``max_payload`` (the server's; 0 skips the check): a ``max_bytes`` that cannot hold one maximal
+    chunk is refused before anything is created."""
+    if max_payload and spec.max_bytes != -1 and spec.max_bytes < chunk_stream_minimum(spec.scheme, max_payload):
+        raise ConfigError(
+            f"--chunks-max-bytes {spec.max_bytes} cannot hold one chunk of the server's max_payload {max_payload}: "
+            f"use at least {chunk_stream_minimum(spec.scheme, max_payload)} (a maximal chunk as the stream stores "
+            "it) or -1 for no limit")
     try:
         info = await js.stream_info(spec.name)
     except NotFoundError:
