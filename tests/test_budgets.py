@@ -138,3 +138,20 @@ def test_progress_states_count_in_the_global_budget_and_only_the_request_that_pa
         last = c.receive(Chunk(rid, Role.AGG, 8, _ids_body(0, 1), True), 0.0)
         assert [(r.seq, r.final, r.error) for r in last if isinstance(r, Result)] == [(8, True, None)]
     assert c.charged_bytes == 0 and c.inflight == 0
+
+
+def test_a_progress_charge_survives_a_migration_and_is_released_when_the_request_ends_or_is_abandoned():
+    c = Correlator(Catalog(), "sglang", CorrelatorConfig(max_retained_bytes=0))
+    for rid in ("moved", "abandoned"):
+        for seq in range(3):
+            c.receive(Chunk(rid, Role.AGG, seq, _ids_body(seq * 1_000, 1_000)), 0.0)
+    charged = c.charged_bytes
+    assert charged >= 2 * 3_000 * 8
+    reply, _ = c.migrate("moved", 1.0)
+    assert reply.emitted_tokens == 3_000
+    assert c.charged_bytes == charged  # the session (and its state) lives on into the next attempt
+    c.abandon(lambda rid: rid == "abandoned")
+    assert 3_000 * 8 <= c.charged_bytes < charged
+    out = c.receive(Chunk("moved", Role.AGG, 0, _ids_body(3_000, 10), True, attempt=1), 2.0)
+    assert [(r.seq, r.final, r.error) for r in out if isinstance(r, Result)] == [(3, True, None)]
+    assert c.charged_bytes == 0 and c.inflight == 0
