@@ -320,3 +320,43 @@ async def test_a_requests_buffered_joins_take_turns_with_another_requests_join(n
             assert [s for r, s in arrivals if r == "heavy"] == list(range(20))
             assert heavy_before <= 3, arrivals  # before: all 20 (the heavy joins kept the thread)
             assert proc.poll() is None
+
+
+# --- progress-budget branch: the codec's migration progress state is charged to the byte budgets ---
+
+
+def output_ids_body(start: int, size: int = 1_000_000) -> bytes:
+    """A streamed sglang body of ~``size`` bytes that is all output token ids (7 bytes a token)."""
+    count = size // 7
+    ids = ",".join(str(t) for t in range(100_000 + start, 100_000 + start + count))
+    return f'{{"text":"","output_ids":[{ids}],"meta_info":{{"id":"endless"}}}}'.encode()
+
+
+async def test_a_never_ending_stream_of_output_ids_is_ended_at_the_byte_budget_not_held_forever(
+        nats_url, streamproc_run):
+    """120 in-order chunks of ~1 MB of output_ids for one request that never ends: each is progress, so
+    --request-timeout never ended it, and past --max-retained-bytes the codec folded them into its
+    progress state (8 bytes a token id) outside every budget (135 MiB traced, growing linearly). Now
+    the state is charged: the request ends as overloaded once it passes --max-buffered-bytes (32 MiB,
+    ~4.2 million ids, reached within the 31st chunk) and legitimate traffic beside it is answered."""
+    bodies = [output_ids_body(seq * 142_857) for seq in range(4)]  # reused: the ids' values do not matter
+
+    async def attack(nc, i: int, ping) -> None:
+        if i:
+            return
+        for seq in range(120):
+            await nc.publish(SUBJECTS.chunk("endless", "agg"), bodies[seq % 4],
+                             headers=chunk_headers("endless", "agg", seq))
+            if seq % 5 == 4:
+                await ping()
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60, log_path=log_path,
+                                  attacked=lambda res: res.final("endless") is not None)
+        final = results.final("endless")
+        assert final is not None and final[ERROR] == "overloaded", log_path.read_text()[-2000:]
+        seqs = sorted(results.by_request["endless"])
+        assert seqs == list(range(len(seqs))) and 20 <= len(seqs) <= 32, seqs  # published in order, then cut
+        assert b"progress state" in results.by_request["endless"][seqs[-1]][0]
+        assert peak_rss(proc.pid) < 150 * MiB, peak_rss(proc.pid) / MiB
+        assert proc.poll() is None

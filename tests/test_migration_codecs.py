@@ -256,3 +256,35 @@ def test_vllm_rows_an_earlier_attempt_published_win_over_the_recomputation():
     rows = codec.sequences["routed_experts"].decode(loads(body)["choices"][0]["routed_experts"])
     assert verdict is Verdict.STITCHED
     assert rows.tolist() == [[[1, 2]], [[3, 4]], [[5, 6]]] and rows.dtype == np.uint8
+
+
+@pytest.mark.parametrize("name", [*SGLANG_FORMATS, "vllm"])
+def test_progress_bytes_grow_with_the_emitted_tokens_and_single_body_values_stay_bounded(name):
+    """The migration state the correlator charges (MigrationSession.progress_bytes): 8 bytes a token
+    id, plus at most a few bodies' worth of values kept from single bodies."""
+    session = Catalog()(name).open_migration()
+    assert session.progress_bytes() == 0
+    sizes = []
+    for start in range(0, 50_000, 1_000):
+        ids = list(range(start, start + 1_000))
+        if name == "vllm":
+            body = dumps({"request_id": "r", "choices": [{"index": 0, "token_ids": ids}],
+                          "usage": {"prompt_tokens": 3}})
+        else:
+            body = dumps({"text": "x" * 100, "output_ids": ids,
+                          "meta_info": {"id": "r", "prompt_tokens": 3, "input_token_logprobs": [[-0.1, 1, None]]}})
+        session.absorb([body])
+        sizes.append(session.progress_bytes())
+    assert 8 * 50_000 <= sizes[-1] <= 8 * 50_000 + 3 * len(body)
+    assert sizes == sorted(sizes)
+
+
+def test_a_sealed_cumulative_sglang_stream_counts_the_restated_ids_it_keeps():
+    session = Catalog()("sglang").open_migration()
+    ids: list[int] = []
+    for start in range(0, 3_000, 1_000):  # cumulative: each body restates every id so far
+        ids += list(range(1_000 + start, 2_000 + start))
+        session.absorb([dumps({"text": "", "output_ids": ids, "meta_info": {"id": "r", "completion_tokens": len(ids)}})])
+    before = session.progress_bytes()
+    session.seal()
+    assert session.progress_bytes() >= before + 8 * 3_000  # the base's list of the 3,000 ids the client saw

@@ -68,6 +68,9 @@ class ToyMigration(MigrationSession):
     def stitch(self, body: bytes, final: bool):
         return (body + b"|+" + str(self.k).encode(), Verdict.STITCHED) if self.k else None
 
+    def progress_bytes(self) -> int:
+        return 8 * len(self.ids)  # as an array("q") of the ids would take
+
 
 class ToyCodec(Codec):
     """The toy join; migration refused (the :class:`Codec` default)."""

@@ -330,6 +330,18 @@ class MigrationSession(ABC):
         with ``Verdict.STITCHED`` (or ``OMITTED`` if a field had to be removed); None when nothing
         needs to change."""
 
+    @abstractmethod
+    def progress_bytes(self) -> int:
+        """Bytes the session keeps between calls: the emitted token ids (which grow with the output,
+        without bound for a request that never ends) and whatever it kept from single bodies.
+
+        The correlator charges them to the request (``max_buffered_bytes``) and to the processor's
+        global byte budget (``max_total_bytes``) after every :meth:`absorb`, so a request that
+        streams forever ends with an ``overloaded`` error instead of growing memory outside every
+        bound. An estimate within a small factor of the real footprint is enough; never 0 for a
+        state that grows with the output.
+        """
+
 
 class Codec(ABC):
     """One response format. Registered under ``name`` in the ``streamproc.codecs`` entry-point group."""

@@ -140,7 +140,7 @@ class _Request:
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
         "buffered", "absorbed", "decoded", "work", "outcome", "cpu", "missing",
-        "last_seal", "join_timed",
+        "last_seal", "join_timed", "progress",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -172,6 +172,7 @@ class _Request:
         self.buffered = 0
         self.absorbed = 0
         self.decoded = 0
+        self.progress = 0  # the migration session's progress state (progress_bytes), also charged
         self.work: Work | None = None  # a join running off the loop for the chunk at next_seq
         self.outcome: tuple[bytes, Verdict] | Exception | None = None  # its result, not yet applied
         self.cpu = 0.0  # CPU seconds its offloaded joins took (max_decode_cpu)
@@ -289,8 +290,8 @@ class Correlator:
                 stats.chunks += 1
                 stats.passthrough += 1
                 return True
-            if len(active) >= self.config.max_inflight:
-                return False
+            if len(active) >= self.config.max_inflight or len(body) > self._max_retained:
+                return False  # (a body past the retention bound is folded: receive() charges that)
             # the first chunk of a streamed response: receive()'s new-request branch, then in order
             req = _Request(rid, self._default_codec, self.default_format, self._max_retained)
             req.traceparent = traceparent
@@ -298,8 +299,8 @@ class Correlator:
             active[rid] = req
         # _receive_output()'s in-order branch (held tokens only exist in durable mode; leave them to it)
         elif (req.kind is not _AGG or req.attempt or seq != req.next_seq or req.pending
-                or req.final_seq is not None or req.held):
-            return False
+                or req.final_seq is not None or req.held or (not final and len(body) > req.budget)):
+            return False  # (a body past the retention bound is folded: receive() charges that)
         stats.chunks += 1
         req.last = now
         active.move_to_end(rid)
@@ -307,11 +308,9 @@ class Correlator:
         stats.passthrough += 1
         if final:
             self._forget(req, now)
-        else:
+        else:  # within req.budget (above): no fold here
             req.retained.append(body)
             req.budget -= len(body)
-            if req.budget < 0:
-                self._compact(req)
         return True
 
     def reject(self, request_id: str, reason: str, now: float, token: object = None,
@@ -435,6 +434,7 @@ class Correlator:
                 req.refusal = f"codec {codec.name!r} failed: {type(exc).__name__}: {exc}"
                 req.migration = None
                 return
+            self._count_progress(req)
             self._retain(req, history[start:])
         elif history is not None:
             self._retain(req, history)
@@ -518,6 +518,8 @@ class Correlator:
             req = self._active.pop(rid)
             self._waiting.pop(rid, None)
             self._release(req)
+            self.charged_bytes -= req.progress
+            req.progress = 0
             tokens.extend(req.held)  # the prefill leg's tokens are held from the moment it arrives
             tokens.extend(c.token for c in req.pending.values())
         for rid in unstored:
@@ -744,6 +746,10 @@ class Correlator:
                 req.budget -= len(body)
                 if req.budget < 0:
                     self._compact(req)
+                    over = self._over_progress(req, now)
+                    if over is not None:
+                        return [Result(req.request_id, seq, body, False, _PASSTHROUGH, None,
+                                       chunk.traceparent, settles), *over]
             return [Result(req.request_id, seq, body, chunk.final, _PASSTHROUGH, None,
                            chunk.traceparent, settles)]
         seq += req.offset  # result seq: an attempt continues where the previous one was sealed
@@ -856,6 +862,10 @@ class Correlator:
             req.budget -= len(body)
             if req.budget < 0:
                 self._compact(req)
+                over = self._over_progress(req, now)
+                if over is not None:
+                    out.extend(over)
+                    return out
         return out
 
     # ---------------------------------------------------------------- migration
@@ -880,6 +890,7 @@ class Correlator:
             if req.retained:
                 bodies, req.retained, req.budget = req.retained, [], req.retain
                 req.migration.absorb(bodies)
+                self._count_progress(req)
         except MigrationRefused as exc:
             req.refusal = exc.reason
             raise
@@ -887,6 +898,27 @@ class Correlator:
             req.refusal = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
             raise MigrationRefused(req.refusal) from None
         return req.migration
+
+    def _count_progress(self, req: _Request) -> None:
+        """Charge the migration session's progress state (it grows with the output) to the budget."""
+        size = req.migration.progress_bytes() if req.migration is not None else 0
+        self.charged_bytes += size - req.progress
+        req.progress = size
+
+    def _over_progress(self, req: _Request, now: float) -> list[Decision] | None:
+        """After a fold: a progress state past the per-request or the global byte budget ends the
+        request (``overloaded``), so a stream that never ends cannot grow memory without bound."""
+        cfg = self.config
+        if req.progress > cfg.max_buffered_bytes:
+            detail = (f"the request's migration progress state ({req.progress} bytes of emitted tokens) passes "
+                      f"the per-request bound of {cfg.max_buffered_bytes} bytes")
+        elif self.charged_bytes > cfg.max_total_bytes:
+            detail = (f"processor byte budget exhausted: {self.charged_bytes} of {cfg.max_total_bytes} bytes held "
+                      f"by requests in flight, {req.progress} of them by this request's migration progress state")
+        else:
+            return None
+        self.stats.over_budget += 1
+        return self._fail(req, ErrorKind.OVERLOADED, detail, now)
 
     def _compact(self, req: _Request) -> None:
         """Retention bound reached: fold the retained bodies into the codec's progress state."""
@@ -1015,6 +1047,8 @@ class Correlator:
     def _forget(self, req: _Request, now: float) -> None:
         rid = req.request_id
         self._release(req)
+        self.charged_bytes -= req.progress
+        req.progress = 0
         req.work = req.outcome = None
         self._active.pop(rid, None)
         self._waiting.pop(rid, None)

@@ -53,7 +53,8 @@ class PassthroughPath:
         traceparent = headers.get(TRACEPARENT)
         # ChunkParser's fast-path checks (valid_request_id, seq, final, attempt), plus: no format
         # header (the general path compares it with the request's) and a traceparent that can be
-        # copied into a pre-formatted block unchanged.
+        # copied into a pre-formatted block unchanged. valid_request_id is repeated inline (calling
+        # it costs ~27 ns a message); tests/test_passthrough_path.py pins that both rules agree.
         if not (rid and len(rid) <= MAX_REQUEST_ID_LEN and rid.isascii() and rid.isprintable()
                 and " " not in rid and "." not in rid and "*" not in rid and ">" not in rid
                 and seq is not None and seq.isascii() and seq.isdigit() and len(seq) <= 18

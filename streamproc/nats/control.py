@@ -46,13 +46,16 @@ class MigrateTarget(Protocol):
 
 
 class ControlPlane:
-    def __init__(self, nc: NatsClient, subjects: Subjects, target: MigrateTarget) -> None:
+    def __init__(self, nc: NatsClient, subjects: Subjects, target: MigrateTarget,
+                 limited: LogLimiter | None = None) -> None:
+        """``limited``: the pipeline's limiter (its timer flushes the suppressed counts)."""
         self._nc = nc
         self._subjects = subjects
         self._target = target
         self._sub: Subscription | None = None
-        # Anyone allowed to publish on the control subjects can send bad ones at will.
-        self._limited = LogLimiter(log)
+        # Anyone allowed to publish on the control subjects can send bad ones (and migrates, each
+        # logged) at will: every per-request line here is rate limited per event name.
+        self._limited = limited if limited is not None else LogLimiter(log)
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate)
@@ -85,13 +88,13 @@ class ControlPlane:
         else:
             reply = await self._target.migrate(request_id, request)
             if request.reason:
-                log_event(log, logging.INFO, "migrate_requested", request_id=request_id, reason=request.reason)
+                self._limited.log(logging.INFO, "migrate_requested", request_id=request_id, reason=request.reason)
         if isinstance(reply, Sealed):
-            log_event(log, logging.INFO, "attempt_sealed", request_id=request_id, attempt=reply.attempt,
-                      emitted_tokens=reply.emitted_tokens, result_seq=reply.result_seq)
+            self._limited.log(logging.INFO, "attempt_sealed", request_id=request_id, attempt=reply.attempt,
+                              emitted_tokens=reply.emitted_tokens, result_seq=reply.result_seq)
         else:
-            log_event(log, logging.INFO, "migrate_error", request_id=request_id, code=reply.code.value,
-                      detail=reply.message)
+            self._limited.log(logging.INFO, "migrate_error", request_id=request_id, code=reply.code.value,
+                              detail=reply.message)
         if msg.reply:
             try:
                 await msg.respond(encode_control(reply))

@@ -180,7 +180,8 @@ class DurableInput:
                                           progress_every=settings.ack_wait / 4), self.stats,
                              handed_latency=pipeline.result_latency)  # one chunk -> result metric, both modes
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
-                                    give_up=self._given_up, publish=pipeline.publisher(nc.publish))
+                                    give_up=self._given_up, publish=pipeline.publisher(nc.publish),
+                                    limited=pipeline.limited)
         self._partitions: dict[int, _Partition] = {}
         self._publish_pull = getattr(nc, "publish_deferred", None) or nc.publish  # leaves with the next write
         self._parse = pipeline.parse
@@ -688,8 +689,8 @@ class DurableInput:
         try:
             await self._adopt(rid, format, now)
         except Exception as exc:
-            log_event(log, logging.WARNING, "recovery_lookup_failed", request_id=rid, error=error_text(exc),
-                      retry_in="1s" if retry else "-")
+            self.pipeline.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
+                                      error=error_text(exc), retry_in="1s" if retry else "-")
             if not retry:
                 return True
             self.outbox.nak((msg,), delay=1.0)

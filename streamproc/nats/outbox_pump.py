@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from ..core.events import Decision, Notice
 from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox
 from ..core.wire import result_headers
-from ..logs import error_text, log_event
+from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.durable")
 
@@ -50,8 +50,9 @@ class OutboxPump:
 
     def __init__(self, nc: NatsClient, results_head: str, outbox: Outbox, *, clock: Callable[[], float],
                  notify: Notify, give_up: GiveUpHandler,
-                 publish: Callable[..., Awaitable[None]] | None = None) -> None:
-        """``publish``: ``nc.publish`` unless tracing wraps it (``Pipeline.publisher``)."""
+                 publish: Callable[..., Awaitable[None]] | None = None, limited: LogLimiter | None = None) -> None:
+        """``publish``: ``nc.publish`` unless tracing wraps it (``Pipeline.publisher``); ``limited``: the
+        pipeline's log limiter (a results stream that refuses everything gives up every result)."""
         self._nc = nc
         self._publish = publish or nc.publish
         # Acks, NAKs and in-progress acks wait for the next write (FastClient.publish_deferred).
@@ -61,6 +62,7 @@ class OutboxPump:
         self._clock = clock
         self._notify = notify
         self._give_up = give_up
+        self._limited = limited if limited is not None else LogLimiter(log)
         self._reply_prefix = ""
         self._cut = 0
         self._sub: Subscription | None = None
@@ -164,6 +166,6 @@ class OutboxPump:
                       errors_total=errors)
 
     def _given_up(self, g: GiveUp) -> None:
-        log_event(log, logging.ERROR, "result_given_up", request_id=g.request_id, seq=g.seq, attempts=g.attempts,
-                  reason=g.reason, detail="inputs NAKed; recovered from what is stored when redelivered")
+        self._limited.log(logging.ERROR, "result_given_up", request_id=g.request_id, seq=g.seq, attempts=g.attempts,
+                          reason=g.reason, detail="inputs NAKed; recovered from what is stored when redelivered")
         self._give_up(g)

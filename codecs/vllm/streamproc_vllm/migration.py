@@ -72,6 +72,7 @@ class VLLMMigrationSession(MigrationSession):
         self._request_id: Any = None
         self._prompt_tokens: int | None = None
         self._rows: Any = None
+        self._rows_bytes = 0  # size of the body routed_experts was kept from
         self._base = _Base()
 
     def absorb(self, bodies: Sequence[bytes]) -> None:
@@ -92,6 +93,7 @@ class VLLMMigrationSession(MigrationSession):
                 self._ids.extend(ids)
                 if choice.get(ROUTED_EXPERTS) is not None:
                     self._rows = choice[ROUTED_EXPERTS]
+                    self._rows_bytes = len(body)
             if self._request_id is None and obj.get("request_id") is not None:
                 self._request_id = obj["request_id"]
             usage = obj.get("usage")
@@ -103,6 +105,11 @@ class VLLMMigrationSession(MigrationSession):
         self._base = _Base(len(self._ids), self._published, self._request_id, self._rows)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
+
+    def progress_bytes(self) -> int:
+        """8 bytes a token id, plus the body the kept routed_experts came from (the sealed base
+        shares it); ids, counts and the request id are bounded by one body."""
+        return self._ids.itemsize * len(self._ids) + self._rows_bytes
 
     def stitch(self, body: bytes, final: bool) -> tuple[bytes, Verdict] | None:
         base = self._base
