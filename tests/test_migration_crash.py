@@ -137,12 +137,12 @@ async def serve_request(n: int, seed: int, fmt: str, publisher: ChunkPublisher, 
         last = attempt == len(crashes) or outputs < 2
         stop = outputs if last else rng.randint(1, outputs - 1)  # the worker dies after `stop` output chunks
         crash = crashes[attempt - 1] if attempt else "none"
+        if crash == "after_seal":  # sealed and recorded; the resumed attempt has sent nothing yet, on any leg
+            await cluster.crash_owner(rid, crash, tg)
         for role, bodies in legs:
             if role == "prefill":
                 await pool.publish(role, bodies, attempt)
                 continue
-            if crash == "after_seal":  # sealed and recorded; the resumed attempt has sent nothing yet
-                await cluster.crash_owner(rid, crash, tg)
             cut = rng.randint(1, stop) if crash == "mid_resume" else stop
             await pool.publish(role, bodies, attempt, stop=cut)
             if cut < stop or crash == "mid_resume":

@@ -10,6 +10,7 @@ uninterrupted aggregated run of the same ground truth.
 from __future__ import annotations
 
 import random
+import time
 
 import anyio
 import nats.errors
@@ -23,10 +24,14 @@ from streamproc.sim.migration import native_request
 from streamproc.simulation import Truth, make_truth
 from streamproc.wire import (
     ATTEMPT,
+    MigrateError,
     MigrateErrorCode,
     MigrateRequest,
+    Sealed,
+    Subjects,
     Verdict,
     decode_migrate_reply,
+    decode_migrate_request,
     encode_control,
 )
 
@@ -291,3 +296,64 @@ async def test_the_migrator_gives_up_on_no_responders_at_its_timeout(client, nat
     migrator = Migrator(client, Subjects(), format="sglang", timeout=0.3)
     with pytest.raises(nats.errors.NoRespondersError):
         await migrator.seal("nobody")
+
+
+class ControlResponder:
+    """Plays the processor on ``P.control.<rid>.migrate``: answers each migrate with the next reply
+    of ``replies`` (the last one repeated) and keeps every request it was sent."""
+
+    def __init__(self, replies) -> None:
+        self.replies = list(replies)
+        self.requests: list[MigrateRequest] = []
+
+    async def answer(self, msg) -> None:
+        self.requests.append(decode_migrate_request(msg.data))
+        reply = self.replies[min(len(self.requests), len(self.replies)) - 1]
+        await msg.respond(encode_control(reply))
+
+
+async def test_the_migrator_retries_an_unavailable_seal_with_the_same_attempt_and_id(client):
+    """Durable mode answers ``unavailable`` when the owner could not record the seal (its partition
+    moving): nothing was sealed, so the Migrator asks again, and the retry must be the same migrate
+    (same ``expected_attempt``, same ``id``), or a seal recorded meanwhile would read as a race."""
+    fmt = "sglang"
+    truth = truth_for("unavailable-once", 91)
+    sealed = Sealed(truth.request_id, 3, 4, truth.output_ids[:4], 5, fmt, {"prompt_tokens": 6})
+    responder = ControlResponder([
+        MigrateError(truth.request_id, MigrateErrorCode.UNAVAILABLE, "the partition moved to another instance", 2),
+        sealed,
+    ])
+    subjects = Subjects()
+    await client.subscribe(subjects.migrate(truth.request_id), cb=responder.answer)
+    await client.flush()
+    migrator = Migrator(client, subjects, format=fmt, timeout=5)
+    resumed = await migrator.migrate(truth.request_id, native_request(fmt, truth), expected_attempt=2,
+                                     reason="worker lost")
+    assert len(responder.requests) == 2
+    first, retry = responder.requests
+    assert retry == first and first.expected_attempt == 2 and first.id and first.reason == "worker lost"
+    assert (resumed.request_id, resumed.attempt, resumed.emitted_tokens, resumed.result_seq) == (
+        truth.request_id, 3, 4, 5)
+    assert emitted_in(truth, resumed.body) == 4  # rebuilt from the seal the retry got
+
+
+async def test_a_persistent_unavailable_ends_the_migrate_with_that_error_at_the_timeout(client):
+    """No owner can record the seal for the whole ``timeout``: the Migrator keeps retrying the same
+    migrate, then raises :class:`MigrationError` with code ``unavailable`` (the last reply), not
+    earlier and not much later."""
+    rid = "unavailable-always"
+    responder = ControlResponder([MigrateError(rid, MigrateErrorCode.UNAVAILABLE, "cannot record the seal", 0)])
+    subjects = Subjects()
+    await client.subscribe(subjects.migrate(rid), cb=responder.answer)
+    await client.flush()
+    timeout = 1.0
+    migrator = Migrator(client, subjects, format="sglang", timeout=timeout)
+    started = time.monotonic()
+    with pytest.raises(MigrationError) as failed:
+        await migrator.seal(rid, expected_attempt=0)
+    elapsed = time.monotonic() - started
+    assert failed.value.code is MigrateErrorCode.UNAVAILABLE and "cannot record the seal" in str(failed.value)
+    # Retried until the timeout (back-off capped at 0.25 s), within one back-off step of it.
+    assert timeout - 0.3 <= elapsed <= timeout + 0.5, elapsed
+    assert len(responder.requests) >= 4, len(responder.requests)
+    assert {(r.expected_attempt, r.id) for r in responder.requests} == {(0, responder.requests[0].id)}

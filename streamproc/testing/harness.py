@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 
 from ..catalog import Catalog
 from ..core.codec import CodecOptions
-from ..core.correlator import Correlator, CorrelatorConfig, Notice, Settle
+from ..core.correlator import CodecResolver, Correlator, CorrelatorConfig, Notice, Settle
 from ..core.wire import Chunk, Result, Role
 
 
@@ -68,9 +68,11 @@ def run_pipeline(
     config: CorrelatorConfig | None = None,
     now: float = 0.0,
     settle_at: float | None = None,
+    resolve: CodecResolver | None = None,
 ) -> Run:
-    """Feed ``chunks`` at time ``now``; then, if ``settle_at`` is given, fire timeouts due by then."""
-    correlator = Correlator(Catalog(options), format, config)
+    """Feed ``chunks`` at time ``now``; then, if ``settle_at`` is given, fire timeouts due by then.
+    ``resolve`` replaces the registered codecs (``Catalog(options)``)."""
+    correlator = Correlator(resolve or Catalog(options), format, config)
     run = Run(correlator)
     for chunk in chunks:
         run.absorb(correlator.receive(chunk, now))

@@ -18,6 +18,13 @@ they cover ordering, duplicates, timeouts and omission end to end, not just the 
 5. Any reordering or duplication of input chunks yields the same results.
 6. Interrupting any leg after any chunk, once or several times, and resuming (seal-then-resume)
    yields the uninterrupted run's result stream, for aggregated and P/D attempts in any mix.
+7. The migration session is a function of the published bodies alone: a processor that takes the
+   request over at any point (durable mode's adoption, ``Correlator.resume`` with the stored bodies
+   and seal points, which replays them through ``absorb``/``seal``) then publishes, seals and
+   rebuilds the resumed request exactly as the processor that lived through it.
+
+A codec under development (or a law's own test) can set ``codec_class`` to run the laws against a
+class that is not registered under ``codec_name``.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..catalog import Catalog, worker_for
-from ..core.codec import CodecOptions
-from ..core.correlator import Correlator, CorrelatorConfig
+from ..core.codec import Codec, CodecOptions, Emitted
+from ..core.correlator import CodecResolver, Correlator, CorrelatorConfig
+from ..core.errors import MigrationRefused
 from ..sim.simulation import Damage, SimulatedWorker, Truth
 from ..core.wire import Chunk, MigrateError, MigrateErrorCode, Result, Role, Sealed, Verdict
 from .harness import Run, leg, run_pipeline, shuffle_with_duplicates
@@ -53,6 +61,8 @@ law_settings = settings(
 class CodecLaws:
     codec_name: ClassVar[str]
     worker: ClassVar[SimulatedWorker | None] = None
+    # The codec class to test under ``codec_name``; None: the one registered under that name.
+    codec_class: ClassVar[type[Codec] | None] = None
     # Small enough that the laws can build decompression bombs cheaply.
     options: ClassVar[CodecOptions] = CodecOptions(max_decompressed_bytes=256 * 1024)
 
@@ -61,8 +71,22 @@ class CodecLaws:
     def _worker(self) -> SimulatedWorker:
         return type(self).worker or worker_for(self.codec_name)
 
+    def _catalog(self) -> CodecResolver:
+        """A fresh processor's codecs (one instance per name, as ``Catalog`` gives a processor)."""
+        catalog = Catalog(self.options)
+        cls = type(self).codec_class
+        if cls is None:
+            return catalog
+        own = cls(self.options)
+        return lambda name: own if name == self.codec_name else catalog(name)
+
     def _codec(self):
-        return Catalog(self.options)(self.codec_name)
+        return self._catalog()(self.codec_name)
+
+    def _correlator(self, codecs: CodecResolver | None = None) -> Correlator:
+        """A fresh processor's correlator (``codecs``: its codecs, when the law needs to reach them)."""
+        config = CorrelatorConfig(prefill_timeout=PREFILL_TIMEOUT)
+        return Correlator(codecs or self._catalog(), self.codec_name, config)
 
     def _pd_chunks(self, truth: Truth, stream: bool, *, prefill_damage: Damage | None = None,
                    decode_damage: Damage | None = None, with_prefill: bool = True):
@@ -74,7 +98,7 @@ class CodecLaws:
         return chunks
 
     def _run(self, chunks, *, settle: bool = True):
-        return run_pipeline(chunks, format=self.codec_name, options=self.options,
+        return run_pipeline(chunks, format=self.codec_name, options=self.options, resolve=self._catalog(),
                             config=CorrelatorConfig(prefill_timeout=PREFILL_TIMEOUT),
                             settle_at=PREFILL_TIMEOUT + 1 if settle else None)
 
@@ -204,8 +228,7 @@ class CodecLaws:
         w, rid = self._worker(), truth.request_id
         expected = w.agg(truth, stream=stream)
         spans = truth.chunk_spans() if stream else [(0, truth.output_len)]
-        correlator = Correlator(Catalog(self.options), self.codec_name,
-                                CorrelatorConfig(prefill_timeout=PREFILL_TIMEOUT))
+        correlator = self._correlator()
         run = Run(correlator)
         rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
         interruptions = data.draw(st.integers(1, 3), label="interruptions")
@@ -266,3 +289,126 @@ class CodecLaws:
         assert correlator.inflight == 0
         # Every chunk is settled, sealed and duplicate ones included.
         assert set(map(repr, run.settled)) == {repr(c.token) for c in sent}
+
+    def _resumed_request(self, codec, truth: Truth, reply: Sealed) -> bytes | str | None:
+        """The request the serving layer rebuilds from a seal (None when the worker renders no
+        requests; a refusal's reason when the format refuses it)."""
+        try:
+            request = self._worker().request(truth)
+        except NotImplementedError:
+            return None
+        try:
+            return codec.resume_request(request, Emitted(reply.emitted_token_ids, reply.state))
+        except MigrationRefused as exc:
+            return f"refused: {exc.reason}"
+
+    @law_settings
+    @given(truth=truths(), stream=st.booleans(), data=st.data())
+    def test_law7_a_session_rebuilt_from_the_published_bodies_continues_as_the_live_one(self, truth, stream, data):
+        self.check_law7(truth, stream, data)
+
+    def check_law7(self, truth: Truth, stream: bool, data: st.DataObject) -> None:
+        """Law 7 for one example (callable under other hypothesis settings: the law's own test).
+
+        Run a migrating request through one processor (``live``), recording the state before
+        every step (a chunk delivered, or a migrate). Then before each step in turn another processor
+        (``heir``) takes it over as durable mode does: ``Correlator.resume`` with the stored result
+        bodies and the seal points (its migration session replayed through ``absorb``/``seal``),
+        and every chunk ``live`` had not settled redelivered (JetStream redelivers unacknowledged
+        chunks). Fed the remaining steps, the heir must publish the same results, answer every
+        migrate with the same seal and so rebuild the same resumed request, step by step."""
+        w, rid = self._worker(), truth.request_id
+        live_codecs = self._catalog()
+        live = self._correlator(live_codecs)
+        run = Run(live)
+        rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+        interruptions = data.draw(st.integers(1, 3), label="interruptions")
+        steps: list[Chunk | None] = []  # a chunk delivered, or None: a migrate
+        before: list[tuple[int, tuple[int, ...], int]] = []  # (results, seal points, settled tokens)
+        outcomes: list[tuple[list[Result], object]] = []  # each step's new results and migrate reply
+        seals: list[int] = []
+        attempt = emitted = 0
+
+        def step(chunk: Chunk | None) -> object:
+            published = len(run.of(rid))
+            before.append((published, tuple(seals), len(run.settled)))
+            steps.append(chunk)
+            reply = None
+            if chunk is None:
+                reply, decisions = live.migrate(rid, 0.0)
+            else:
+                decisions = live.receive(chunk, 0.0)
+            run.absorb(decisions)
+            outcomes.append((run.of(rid)[published:], reply))
+            return reply
+
+        for interrupted in range(interruptions + 1):
+            legs = self._attempt_legs(truth, emitted, attempt, data.draw(st.booleans(), label="pd"), stream)
+            last = interrupted == interruptions
+            cuts = [len(chunks) for chunks in legs]
+            if not last:
+                cuts = [data.draw(st.integers(0, len(chunks)), label="cut") for chunks in legs]
+                broken = data.draw(st.integers(0, len(legs) - 1), label="leg")
+                cuts[broken] = min(cuts[broken], len(legs[broken]) - 1)  # that worker dies before its final chunk
+            # The legs' workers publish concurrently: any interleaving that keeps each leg's order.
+            queues = [chunks[:cut] for chunks, cut in zip(legs, cuts)]
+            while any(queues):
+                step(rng.choice([q for q in queues if q]).pop(0))
+            if last:
+                break
+            reply = step(None)
+            if isinstance(reply, MigrateError):  # never heard of: the same attempt is reissued
+                assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST, reply
+                continue
+            assert isinstance(reply, Sealed), reply
+            seals.append(reply.result_seq)
+            attempt, emitted = reply.attempt, reply.emitted_tokens
+        self._assert_complete(run.of(rid))
+
+        expected_bodies = w.agg(truth, stream=stream)
+        assert [w.canonical(r.body) for r in run.of(rid)] == [w.canonical(b) for b in expected_bodies]
+        codec = live_codecs(self.codec_name)
+        for switch in range(len(steps)):  # every step: the live run is the costly part, a take-over is cheap
+            self._take_over(truth, run, codec, steps, before[switch], outcomes, switch)
+
+    def _take_over(self, truth: Truth, run: Run, codec: Codec, steps: list[Chunk | None],
+                   before: tuple[int, tuple[int, ...], int], outcomes: list[tuple[list[Result], object]],
+                   switch: int) -> None:
+        """Law 7's heir: adopt the request as it stood before ``steps[switch]``, then replay the rest."""
+        rid = truth.request_id
+        results, points, settled = before
+        history = run.of(rid)[:results]
+        heir_codecs = self._catalog()
+        heir = self._correlator(heir_codecs)
+        taken = Run(heir)
+        heir.resume(rid, results, any(r.final for r in history), 0.0, seals=points,
+                    history=[r.body for r in history])
+        done = set(run.settled[:settled])
+        received = [c for c in steps[:switch] if c is not None and c.token not in done]
+        for chunk in received:  # the redelivered chunks restore what the dead processor held
+            taken.absorb(heir.receive(chunk, 0.0))
+        where = f"taken over before step {switch}"
+        assert taken.of(rid) == [], f"{where}: a redelivered chunk published a result again"
+
+        def view(results: list[Result]) -> list[tuple]:
+            return [(r.seq, r.final, r.verdict, r.error, r.body) for r in results]
+
+        for n in range(switch, len(steps)):
+            chunk, (expected, live_reply) = steps[n], outcomes[n]
+            published = len(taken.of(rid))
+            at = f"{where}, step {n}"
+            if chunk is None:
+                reply, decisions = heir.migrate(rid, 0.0)
+                assert reply == live_reply, f"{at}: the heir sealed {reply!r}, the live processor {live_reply!r}"
+                if isinstance(reply, Sealed):
+                    rebuilt = self._resumed_request(heir_codecs(self.codec_name), truth, reply)
+                    assert rebuilt == self._resumed_request(codec, truth, live_reply), \
+                        f"{at}: the resumed requests differ"
+            else:
+                received.append(chunk)
+                decisions = heir.receive(chunk, 0.0)
+            taken.absorb(decisions)
+            assert view(taken.of(rid)[published:]) == view(expected), f"{at}: the heir published otherwise"
+        assert view(history + taken.of(rid)) == view(run.of(rid)), where
+        assert heir.inflight == 0, where
+        assert {c.token for c in received} <= set(taken.settled), f"{where}: the heir left a chunk unsettled"

@@ -1,4 +1,4 @@
-"""The five streamproc property laws, inherited unchanged and run with the compressing worker."""
+"""The streamproc property laws (all seven), inherited unchanged and run with the compressing worker."""
 
 from __future__ import annotations
 
