@@ -64,7 +64,7 @@ async def run(args) -> None:
                 os.environ.update(env)  # the contender subprocess inherits it
                 try:
                     prefix = f"bench{r}{name}"
-                    _, cpu = await measure(server.url, prefix, traced(load, prefix, flags), "streamproc")
+                    _, cpu, _ = await measure(server.url, prefix, traced(load, prefix, flags), "streamproc")
                 finally:
                     for k, v in saved.items():
                         if v is None:
