@@ -351,7 +351,8 @@ HELP_GROUPS: dict[str, str] = {
     "limits": "bounds on memory and queues",
     "durable": "JetStream streams, consumers and leases (--mode durable; the edge's results stream)",
     "edge": "the HTTP edge",
-    "logging": "logs, metrics and health",
+    "logging": "log lines and periodic statistics",
+    "observability": "the status server: /metrics, /healthz, /readyz",
 }
 OTHER_GROUP = "other"
 _GROUP_OF = {
@@ -370,7 +371,8 @@ _GROUP_OF = {
                      "auth_key_file", "auth_algorithm", "auth_leeway", "insecure_demo", "max_streams_per_client",
                      "idle_stream_timeout", "write_timeout", "stream_buffer_bytes", "max_unary_bytes",
                      "tls_cert_file", "tls_key_file", "processor_metrics_url", "cors_origin"], "edge"),
-    **dict.fromkeys(["log_level", "log_format", "stats_interval", "http_port", "http_host"], "logging"),
+    **dict.fromkeys(["log_level", "log_format", "stats_interval"], "logging"),
+    **dict.fromkeys(["http_port", "http_host"], "observability"),
 }
 _CONNECTION_WORDS = ("nats", "tls", "creds", "token", "user", "password", "nkey", "jwt", "cert", "ca_")
 
