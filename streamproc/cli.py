@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Sequence
 
@@ -166,30 +167,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         finally:
             await nc.close()
 
-    async def until_signal() -> int:
-        """``main``, stopped at once by SIGTERM/SIGINT in any state (connecting, publishing, verifying)."""
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            outcome: list[int] = []
-            failure: list[BaseException] = []
-            async with anyio.create_task_group() as tasks:
+    return anyio.run(until_signal, main)
 
-                async def stop_on_signal() -> None:
-                    async for signum in signals:
-                        outcome.append(128 + signum)
-                        tasks.cancel_scope.cancel()
-                        return
 
-                tasks.start_soon(stop_on_signal)
-                try:
-                    outcome.append(await main())
-                except Exception as exc:  # re-raised outside the task group (no ExceptionGroup)
-                    failure.append(exc)
-                tasks.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
-        return outcome[0]
+async def until_signal(main: typing.Callable[[], typing.Awaitable[int]], *,
+                       scope: anyio.CancelScope | None = None) -> int:
+    """``main()``, stopped at once by SIGTERM/SIGINT in any state (connecting, publishing, verifying):
+    a stop the operator asked for exits 0, as for ``run`` and ``edge`` (docs/configuration.md, exit
+    codes). A signal cancels ``scope`` when given (``main``'s work; its own clean-up, such as a
+    Processor's graceful stop, then runs uncancelled), else all of ``main``."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        outcome: list[int] = []
+        signalled: list[int] = []
+        failure: list[BaseException] = []
+        async with anyio.create_task_group() as tasks:
 
-    return anyio.run(until_signal)
+            async def stop_on_signal() -> None:
+                async for signum in signals:
+                    signalled.append(signum)
+                    (scope or tasks.cancel_scope).cancel()
+                    return
+
+            tasks.start_soon(stop_on_signal)
+            try:
+                outcome.append(await main())
+            except Exception as exc:  # re-raised outside the task group (no ExceptionGroup)
+                failure.append(exc)
+            tasks.cancel_scope.cancel()
+    if failure and not signalled:
+        raise failure[0]
+    return EXIT_OK if signalled else outcome[0]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -205,11 +212,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if printed_config(args, config.print_config(settings, origin)):
         return EXIT_OK
     _setup_logging("ERROR")  # the demo's planned faults log warnings by design; its summary reports them
-    report = anyio.run(lambda: run_demo(requests=settings.requests, format=settings.format, seed=settings.seed,
-                                        timeout=settings.timeout, progress=sys.stderr, serve_port=settings.serve))
-    if settings.serve is None:
-        print_report(report)
-    return EXIT_OK if report.ok else EXIT_FAILURE
+    reports: list = []
+    stopped: list[bool] = []
+
+    async def demo() -> int:
+        # the traffic and the live page; a signal cancels just this, then the processor and NATS stop as
+        # they do at the end of a run (no nats-server left orphaned)
+        work = anyio.CancelScope()
+
+        async def main() -> int:
+            reports.append(await run_demo(requests=settings.requests, format=settings.format, seed=settings.seed,
+                                          timeout=settings.timeout, progress=sys.stderr,
+                                          serve_port=settings.serve, work=work))
+            return EXIT_OK if reports[0] is not None and reports[0].ok else EXIT_FAILURE
+
+        code = await until_signal(main, scope=work)
+        stopped.append(work.cancel_called)
+        return code
+
+    code = anyio.run(demo)
+    if reports and reports[0] is not None and settings.serve is None and not stopped[0]:
+        print_report(reports[0])  # not a half-run's partial table
+    return code
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -312,7 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the program itself (not a caller's in-process use): own the process's signals
+        # SIGTERM before a command installs its own handling (importing, parsing, loading a codec) stops
+        # like SIGINT does, and exits 0 like a stop in any other state (not 143 from the default action).
+        signal.signal(signal.SIGTERM, _interrupt)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse reports these as "streamproc: error:"; name the command, as every other error does
@@ -326,8 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StreamprocError as exc:  # start-up failures: NATS unreachable, a stream that does not match...
         print(f"streamproc {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # a signal before (or after) a command's own handling: still a requested stop
+        return EXIT_OK
 
 
 if __name__ == "__main__":

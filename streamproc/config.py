@@ -40,27 +40,56 @@ def documented(text: str, *, secret: bool = False, **constraints: Any) -> msgspe
 
 
 REDACTED = "<redacted>"
+# Credentials inside free text (an error message): a scheme'd URL's userinfo, or a scheme-less
+# ``user:password@host`` (the form check_nats_url accepts, and nats-py's _parse_server_uri prefixes
+# with ``nats://``). Text is scrubbed of the configured secrets first; these patterns are the backstop.
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^@/,\s]*)@")
+_BARE_USERINFO = re.compile(r"(?<![^\s'\"(\[=,])(?P<user>[^\s'\"@:/,]+):(?P<password>[^\s'\"@,/][^\s'\"@,]*)@"
+                            r"(?=[A-Za-z0-9\[])")
+
+
+def _shown(userinfo: str) -> str:
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:{REDACTED}" if colon else REDACTED
+
+
+def _userinfo(server: str) -> tuple[str, str, str]:
+    """One server of a NATS URL as (``scheme://`` or "", userinfo or "", host part), read as
+    check_nats_url and nats-py do: with or without a scheme, the userinfo running to the last ``@``
+    (urllib's ``netloc.rpartition('@')``, so a password may hold ``@`` or ``/``)."""
+    scheme, sep, rest = server.partition("://")
+    prefix = scheme + sep if sep else ""
+    rest = rest if sep else server
+    userinfo, at, host = rest.rpartition("@")
+    return (prefix, userinfo, host) if at else (prefix, "", rest)
 
 
 def redact_url(url: str) -> str:
     """``nats://user:pass@host`` -> ``nats://user:<redacted>@host``; ``nats://token@host`` ->
-    ``nats://<redacted>@host``. Works on comma-separated lists; text without credentials is unchanged."""
+    ``nats://<redacted>@host``; the same for scheme-less ``user:pass@host:port`` and for every
+    server of a comma-separated list. A value without credentials is unchanged. For a URL value;
+    free text goes through :func:`redact_text`."""
+    out = []
+    for server in url.split(","):
+        prefix, userinfo, host = _userinfo(server)
+        out.append(f"{prefix}{_shown(userinfo)}@{host}" if "@" in server else server)
+    return ",".join(out)
 
-    def one(match: re.Match[str]) -> str:
-        user, colon, _ = match["userinfo"].partition(":")
-        shown = f"{user}:{REDACTED}" if colon else REDACTED
-        return f"{match['scheme']}{shown}@"
 
-    return _USERINFO.sub(one, url)
+def redact_text(text: str) -> str:
+    """Free text (an error message, a log line) with URL credentials redacted, scheme'd or not."""
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}{_shown(m['userinfo'])}@", text)
+    return _BARE_USERINFO.sub(lambda m: f"{m['user']}:{REDACTED}@", text)
 
 
 def url_secrets(url: str) -> list[str]:
-    """The passwords and tokens embedded in a (comma-separated) NATS URL, for scrubbing text."""
+    """The passwords and tokens embedded in a (comma-separated) NATS URL, scheme'd or not, for
+    scrubbing text."""
     out = []
-    for match in _USERINFO.finditer(url):
-        user, colon, password = match["userinfo"].partition(":")
-        out.append(password if colon else user)
+    for server in url.split(","):
+        if "@" in server:
+            user, colon, password = _userinfo(server.strip())[1].partition(":")
+            out.append(password if colon else user)
     return [s for s in out if s]
 
 
@@ -185,6 +214,11 @@ def redacted(settings: msgspec.Struct) -> dict[str, Any]:
         if out.get(name):
             out[name] = REDACTED
     return out
+
+
+def _redact_value(name: str, value: str) -> str:
+    """A setting's value as shown in an error: a URL setting read as a URL, anything else as text."""
+    return redact_url(value) if name.endswith("url") else redact_text(value)
 
 
 def _secret_fields(struct: type) -> tuple[str, ...]:
@@ -317,7 +351,8 @@ HELP_GROUPS: dict[str, str] = {
     "limits": "bounds on memory and queues",
     "durable": "JetStream streams, consumers and leases (--mode durable; the edge's results stream)",
     "edge": "the HTTP edge",
-    "logging": "logs, metrics and health",
+    "logging": "log lines and periodic statistics",
+    "observability": "the status server: /metrics, /healthz, /readyz",
 }
 OTHER_GROUP = "other"
 _GROUP_OF = {
@@ -336,7 +371,8 @@ _GROUP_OF = {
                      "auth_key_file", "auth_algorithm", "auth_leeway", "insecure_demo", "max_streams_per_client",
                      "idle_stream_timeout", "write_timeout", "stream_buffer_bytes", "max_unary_bytes",
                      "tls_cert_file", "tls_key_file", "processor_metrics_url", "cors_origin"], "edge"),
-    **dict.fromkeys(["log_level", "log_format", "stats_interval", "http_port", "http_host"], "logging"),
+    **dict.fromkeys(["log_level", "log_format", "stats_interval"], "logging"),
+    **dict.fromkeys(["http_port", "http_host"], "observability"),
 }
 _CONNECTION_WORDS = ("nats", "tls", "creds", "token", "user", "password", "nkey", "jwt", "cert", "ca_")
 
@@ -428,12 +464,12 @@ class SettingsSchema(typing.Generic[S]):
             origin[f.name] = "default"
             if f.env in environ:
                 merged[f.name] = environ[f.env]
-                shown = REDACTED if f.secret else redact_url(environ[f.env])
+                shown = REDACTED if f.secret else _redact_value(f.name, environ[f.env])
                 sources[f.name] = f"environment variable {f.env}={shown!r}"
                 origin[f.name] = f"env {f.env}"
             if overrides and overrides.get(f.name) is not None:
                 merged[f.name] = overrides[f.name]
-                shown = REDACTED if f.secret else redact_url(str(overrides[f.name]))
+                shown = REDACTED if f.secret else _redact_value(f.name, str(overrides[f.name]))
                 sources[f.name] = f"flag {f.flag}={shown!r}"
                 origin[f.name] = f"flag {f.flag}"
             value = merged.get(f.name)
@@ -460,7 +496,7 @@ class SettingsSchema(typing.Generic[S]):
             message = self._name_sources(message, sources)
             for secret in sorted(secrets, key=len, reverse=True):
                 message = message.replace(secret, REDACTED)
-            raise self.error(f"invalid configuration: {redact_url(message)}") from None
+            raise self.error(f"invalid configuration: {redact_text(message)}") from None
 
     def _name_sources(self, message: str, sources: Mapping[str, str]) -> str:
         """A cross-field error names settings by field (``a_b must not exceed c_d``, ``prefix: ...``);

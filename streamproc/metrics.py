@@ -90,6 +90,10 @@ class ProcessorCollector(Collector):
                         "time a P/D result waited for its prefill leg (0 when it was already there; "
                         "the join's own time is not in it)",
                         correlator.join_wait)
+        yield histogram("streamproc_join_seconds",
+                        "CPU time of the codec's join of one P/D result (its own run, on the loop or off "
+                        "it; the wait for the prefill leg is streamproc_join_wait_seconds)",
+                        correlator.join_seconds)
         yield histogram("streamproc_result_latency_seconds",
                         "chunk received -> the results it made ready handed to NATS (core and durable mode)",
                         p.pipeline.result_latency)

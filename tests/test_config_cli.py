@@ -248,7 +248,7 @@ def _help_sections(text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("command, groups", [
-    ("run", ["connection", "correlation", "limits", "durable", "logging"]),
+    ("run", ["connection", "correlation", "limits", "durable", "logging", "observability"]),
     ("edge", ["connection", "correlation", "durable", "edge", "logging"]),
 ])
 def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
@@ -258,7 +258,8 @@ def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
     titles = [t for t in sections if t.endswith(" settings")]
     assert titles == [f"{g} settings" for g in groups]
     expect = {"connection": "--nats-url", "correlation": "--format", "logging": "--log-format",
-              "durable": "--results-max-age", "limits": "--max-inflight", "edge": "--max-streams"}
+              "durable": "--results-max-age", "limits": "--max-inflight", "edge": "--max-streams",
+              "observability": "--http-port"}
     for group in groups:
         assert expect[group] in sections[f"{group} settings"]
     logging_help = " ".join(sections["logging settings"].split())
@@ -268,7 +269,8 @@ def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
         assert "--mode {auto,core,durable}" in sections["correlation settings"]
         assert "--prefill-timeout" in sections["correlation settings"]
         assert "--partitions" in sections["durable settings"]
-        assert "--http-port" in sections["logging settings"]
+        for flag in ("--http-port", "--http-host"):  # the status server, not a logging setting
+            assert flag in sections["observability settings"] and flag not in sections["logging settings"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -202,6 +202,44 @@ async def test_durable_processor_records_join_wait_and_result_latency_as_core_mo
         assert stats["processor_results"] == 2
 
 
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_join_seconds_counts_every_join_and_the_page_stats_show_it(client, nats_url, streamproc_run, mode):
+    """``streamproc_join_seconds`` (the codec join's own CPU time, on the loop or in the join thread)
+    has one observation per P/D result, as ``streamproc_join_wait_seconds`` does; /v1/stats carries
+    it beside the join wait for the page's chart."""
+    port = free_port()
+    worker = worker_for("sglang")
+    publisher = ChunkPublisher(client, SUBJECTS, durable=mode == "durable")
+    partitions = ["--partitions", "1"] if mode == "durable" else []
+    with streamproc_run("--mode", mode, *partitions, "--format", "sglang", "--http-port", str(port),
+                        "--http-host", "127.0.0.1"):
+        await wait_for(lambda: get(f"http://127.0.0.1:{port}/readyz")[0] == 200, timeout=15)
+        ids = [f"js-{mode}-{i}" for i in range(4)]
+        async with ResultCollector(client, SUBJECTS) as collector:
+            for i, rid in enumerate(ids):
+                truth = make_truth(40 + i)
+                legs = [("prefill", worker.prefill(truth, stream=i < 2)), ("decode", worker.decode(truth, stream=i < 2))]
+                for role, bodies in (legs if i % 2 else legs[::-1]):  # decode leg first: it waits, then joins
+                    await publisher.publish_leg(rid, role, bodies)
+            await collector.wait_for(ids, timeout=15)
+        joins = sum(len(collector.results[rid]) for rid in ids)
+        assert joins > len(ids)  # the streaming requests joined more than one result each
+        assert all(r.verdict.value == "joined" for rid in ids for r in collector.results[rid])
+        metrics = await wait_for(lambda: (m := scrape(port)).get("streamproc_join_seconds_count") == joins and m)
+        assert metrics["streamproc_join_wait_seconds_count"] == joins
+        assert metrics['streamproc_join_seconds_bucket{le="+Inf"}'] == joins
+        assert 0 < metrics["streamproc_join_seconds_sum"] < 5 * joins
+        assert metrics['streamproc_results_total{verdict="joined"}'] == joins
+
+        with running_edge(nats_url, "--processor-metrics-url", f"http://127.0.0.1:{port}/metrics") as edge:
+            status, text = get(f"{edge.url}/v1/stats")
+        assert status == 200, text
+        stats = json.loads(text)
+        assert stats["join"]["count"] == stats["join_wait"]["count"] == joins
+        assert stats["join"]["sum"] == pytest.approx(metrics["streamproc_join_seconds_sum"])
+        assert stats["join"]["buckets"][-1][1] == joins  # the +Inf bucket (JSON null)
+
+
 async def test_reconnects_are_counted_when_nats_comes_back():
     async with ready_core_processor() as (server, port):
         assert scrape(port)["streamproc_reconnects_total"] == 0

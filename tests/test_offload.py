@@ -140,3 +140,23 @@ def test_join_wait_is_the_wait_for_the_prefill_leg_alone_once_per_result():
     work_b.run()
     assert split(c.finish(work_b, 20.0))[1] == [("b", 0)]
     assert (c.join_wait.count, c.join_wait.total) == (2, 2.0)
+
+
+def test_join_seconds_times_the_join_itself_inline_with_the_shells_clock_and_offloaded_with_work_cpu():
+    """One observation per join wherever it ran: an inline join timed with the shell's ``join_clock``
+    (the core reads no clock of its own), an offloaded one with the CPU its Work measured."""
+    c = correlator()
+    ticks = iter([1.0, 1.25])
+    c.join_clock = lambda: next(ticks)
+    c.receive(chunk("in", "prefill", 0, b"inflate:10", final=True), 0.0)
+    assert split(c.receive(chunk("in", "decode", 0, b"a", final=True), 0.0)) == ([], [("in", 0)])
+    assert (c.join_seconds.count, c.join_seconds.total) == (1, 0.25)
+    c.offload_joins = True
+    c.receive(chunk("off", "prefill", 0, b"inflate:10", final=True), 0.0)
+    (work,), _ = split(c.receive(chunk("off", "decode", 0, b"a", final=True), 0.0))
+    assert c.join_seconds.count == 1  # not yet run
+    cpu = iter([2.0, 2.5])
+    work.run(lambda: next(cpu))
+    assert split(c.finish(work, 0.0))[1] == [("off", 0)]
+    assert (c.join_seconds.count, c.join_seconds.total) == (2, 0.75)
+    assert c.join_wait.count == 2  # the wait is observed apart, once per result

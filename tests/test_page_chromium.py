@@ -392,6 +392,9 @@ async def test_the_heat_map_shows_a_joined_requests_expert_ids_with_the_splice_m
             lambda c: any(r > 0 for r in c["rates"]) and any(j[0] is not None and j[0] >= 50 for j in c["joins"])
             and c["samples"] >= 6,
         )
+        # the joins' own CPU time beside the wait (streamproc_join_seconds), in the interval the joins were in
+        assert any(ms is not None and ms > 0 for ms in charts["computes"]), charts
+        assert " · cpu " in browser.find_element(By.ID, "join-value").text
         assert charts["note"] == "from 1 processor(s)"
         assert browser.find_element(By.ID, "rate-value").text.endswith("/s")
         browser.execute_script("window.scrollTo(0, 0)")

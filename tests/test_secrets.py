@@ -124,3 +124,59 @@ def test_the_edge_prints_no_secret_running_or_refused(server, url_password, tmp_
         assert code == 1
     assert_hidden(edge.log(), url_password)
     edge.close()
+
+
+def schemeless_url(server: EmbeddedNats, password: str = URL_PASSWORD) -> str:
+    """``url:<password>@127.0.0.1:<port>``: no scheme, the form check_nats_url accepts and nats-py
+    reads as ``nats://`` (its _parse_server_uri)."""
+    return f"url:{password}@" + server.url.removeprefix("nats://")
+
+
+def test_print_config_redacts_credentials_in_a_schemeless_url_and_in_every_server_of_a_list(server):
+    listed = f"nats://a:list-pw-1a2b@h1:4222,b:list-pw-3c4d@h2:4222, tok-in-list-5e6f@h3,{schemeless_url(server)}"
+    for url, secrets, redacted in ((schemeless_url(server), [URL_PASSWORD], 1),
+                                   (listed, ["list-pw-1a2b", "list-pw-3c4d", "tok-in-list-5e6f", URL_PASSWORD], 4),
+                                   ("u:p@ss-w0rd-at@h:4222", ["p@ss-w0rd-at", "ss-w0rd-at"], 1)):
+        for command in ("run", "edge", "simulate"):
+            proc = run_cli_process(command, "--print-config", "--nats-url", url, *demo_flag(command))
+            assert proc.returncode == 0, proc.stderr
+            shown = json.loads(proc.stdout)["nats_url"]["value"]
+            assert shown.count("<redacted>@") == redacted, shown
+            assert_hidden(proc.stdout + proc.stderr, *secrets)
+        proc = run_cli_process("run", "--print-config", env={"STREAMPROC_NATS_URL": url})
+        assert proc.returncode == 0, proc.stderr
+        assert_hidden(proc.stdout + proc.stderr, *secrets)
+
+
+def test_the_started_line_shows_a_schemeless_url_with_its_password_redacted(server):
+    proc = subprocess.Popen([*CLI, "run", "--nats-url", schemeless_url(server), "--log-level", "DEBUG",
+                             "--connect-timeout", "10", "--mode", "core"], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 15
+        lines: list[str] = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline().decode()
+            lines.append(line)
+            if "event=started" in line or not line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + out.decode()
+    started = next((line for line in lines if "event=started" in line), "")
+    assert "url:<redacted>@127.0.0.1" in started, text
+    assert_hidden(text, URL_PASSWORD)
+
+
+def test_connection_errors_name_a_schemeless_url_without_its_password(server):
+    # refused credentials (the server answers) and nothing listening (the timeout), for run and simulate
+    wrong = "wrong-bare-pw-7a7a"
+    for url in (schemeless_url(server, wrong), f"u:{wrong}@127.0.0.1:1", f"nats://x:y@h:1,u:{wrong}@127.0.0.1:1"):
+        for command in ("run", "simulate"):
+            proc = run_cli_process(command, "--nats-url", url, "--connect-timeout", "2", "--log-level", "DEBUG")
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert "cannot connect to NATS at" in proc.stderr and ":<redacted>@127.0.0.1" in proc.stderr, proc.stderr
+            assert_hidden(proc.stdout + proc.stderr, wrong)

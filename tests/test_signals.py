@@ -1,4 +1,6 @@
-"""SIGTERM and SIGINT stop `run`, `edge` and `simulate` within 2 s in every state, connecting included.
+"""SIGTERM and SIGINT stop `run`, `edge` and `simulate` within 2 s in every state, connecting included,
+and every long-running command (`demo` too, with and without `--serve`) exits 0: a stop the operator
+asked for is success (docs/configuration.md, exit codes).
 
 Each command runs as a real subprocess. "Connecting" is a server that accepts TCP connections and
 never speaks (nats-py waits for its INFO line), and a port where nothing listens (nats-py retries);
@@ -9,10 +11,14 @@ stream, simulate waiting for results no processor will publish).
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import signal
 import socket
 import subprocess
+import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -50,11 +56,11 @@ def command(name: str, url: str, port: int) -> list[str]:
     return args
 
 
-def stop_time(proc: subprocess.Popen, signum: int) -> float:
+def stop_time(proc: subprocess.Popen, signum: int, within: float = STOP_WITHIN) -> float:
     started = time.monotonic()
     proc.send_signal(signum)
     try:
-        proc.wait(STOP_WITHIN + 3)
+        proc.wait(within + 3)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -80,6 +86,7 @@ def test_a_signal_stops_a_command_that_is_still_connecting(name, target, signum)
             started(proc)
             elapsed = stop_time(proc, signum)
             assert elapsed < STOP_WITHIN, f"{name} took {elapsed:.1f}s to stop while connecting"
+            assert proc.returncode == 0, f"{name} exited {proc.returncode} on {signum.name} while connecting"
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -105,8 +112,87 @@ def test_a_signal_stops_a_running_command(name, signum):
                     time.sleep(0.3)
                 elapsed = stop_time(proc, signum)
             assert elapsed < STOP_WITHIN, f"{name} took {elapsed:.1f}s to stop while running"
+            assert proc.returncode == 0, f"{name} exited {proc.returncode} on {signum.name} while running"
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
             proc.stderr.close()
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc: the demo's nats-server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for_line(lines: queue.Queue, text: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if text in line:
+            return line
+    raise AssertionError(f"no line with {text!r} within {timeout}s:\n{''.join(seen)}")
+
+
+def read_lines(stream) -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for raw in iter(stream.readline, b""):
+            lines.put(raw.decode(errors="replace"))
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+DEMO_STOP_WITHIN = 15.0  # the demo's processor drains (drain_timeout) and its nats-server stops
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("phase", ["traffic", "serving"])
+def test_a_signal_stops_the_demo_with_exit_0_and_its_nats_server(phase, signum):
+    """Mid-traffic (after its first progress line) and while `--serve` keeps the live page up: exit 0,
+    nothing printed as a traceback, and the nats-server the demo started is stopped, not orphaned."""
+    args = [*CLI, "demo", "--requests", "5000"] if phase == "traffic" else [*CLI, "demo", "--serve", "0"]
+    proc = subprocess.Popen(args, env=clean_env(None), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        if phase == "traffic":
+            wait_for_line(read_lines(proc.stderr), "progress:", 60)
+        else:
+            wait_for_line(read_lines(proc.stdout), "live page: http://127.0.0.1:", 90)
+        servers = children(proc.pid)
+        assert servers, "the demo runs no child nats-server?"
+        elapsed = stop_time(proc, signum, DEMO_STOP_WITHIN)
+        assert elapsed < DEMO_STOP_WITHIN, f"demo took {elapsed:.1f}s to stop ({phase})"
+        assert proc.returncode == 0, f"demo exited {proc.returncode} on {signum.name} ({phase})"
+        time.sleep(0.2)
+        orphans = [pid for pid in servers if alive(pid)]
+        assert not orphans, f"the demo's nats-server {orphans} outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

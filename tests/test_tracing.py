@@ -23,6 +23,7 @@ from helpers import free_port
 from streamproc import config, tracing
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.wire import Subjects
+from streamproc.edge import sse
 from streamproc.nats.processor import Processor
 from streamproc.sim import traffic
 
@@ -103,6 +104,19 @@ class Traced:
     def end(self) -> None:
         for span in (self.decode, self.prefill, self.root):
             span.end()
+
+
+BODY_SIZE = "messaging.message.body.size"  # the issue's ``bytes`` attribute (OTel messaging semconv)
+
+
+def sse_bodies(raw: bytes) -> dict[int, bytes]:
+    """seq -> body of each ``id: N`` / ``data: ...`` event of an SSE response."""
+    out = {}
+    for block in raw.split(b"\n\n"):
+        fields = dict(line.split(b": ", 1) for line in block.split(b"\n") if b": " in line)
+        if b"id" in fields and b"data" in fields:
+            out[int(fields[b"id"])] = fields[b"data"]
+    return out
 
 
 @needs_otel
@@ -197,6 +211,19 @@ async def test_one_request_forms_one_trace_from_worker_chunk_to_sse_frame(nats_u
                 assert [link.context.span_id for link in join.links] == [r.decode.get_span_context().span_id]
         correlates = [s for s in mine if s.name == "streamproc.correlate"]
         assert {s.attributes["streamproc.role"] for s in correlates} == {"prefill", "decode"}
+        # ``bytes`` (messaging.message.body.size): the worker chunk's body on correlate, the result's
+        # body on join and publish (the NATS payload), the whole SSE event on the edge's frame
+        legs = {"prefill": plan.prefill, "decode": plan.decode}
+        for correlate in correlates:
+            body = legs[correlate.attributes["streamproc.role"]][correlate.attributes["streamproc.seq"]]
+            assert correlate.attributes[BODY_SIZE] == len(body) > 0
+        bodies = sse_bodies(raws[plan.request_id])
+        for frame in frame_spans:
+            seq = frame.attributes["streamproc.seq"]
+            publish = by_id[frame.parent.span_id]
+            join = by_id[publish.parent.span_id]
+            assert join.attributes[BODY_SIZE] == publish.attributes[BODY_SIZE] == len(bodies[seq]) > 0
+            assert frame.attributes[BODY_SIZE] == len(sse.event(bodies[seq], id=seq))
         [stream] = [s for s in mine if s.name == "streamproc.edge.stream"]
         assert stream.attributes["streamproc.edge.frames"] == len(plan.decode)
         assert stream.attributes["streamproc.edge.outcome"] == "completed"

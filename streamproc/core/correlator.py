@@ -201,6 +201,10 @@ class Correlator:
         # waited for their prefill leg (0 when it was already there; observed when the wait ends).
         self.error_kinds: dict[str, int] = {}
         self.join_wait = LatencyHistogram()
+        # The codec join's own CPU seconds, wherever it ran: inline (timed with ``join_clock``, the
+        # shell's per-thread CPU clock; None: inline joins are not timed) or off the loop (Work.cpu).
+        self.join_seconds = LatencyHistogram()
+        self.join_clock: Callable[[], float] | None = None
         # Insertion order == deadline order because each timeout is one constant duration.
         self._active: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -473,6 +477,7 @@ class Correlator:
         """Apply the outcome of a :class:`Work` decision and go on with its request."""
         if self._working is work:
             self._working = None
+        self.join_seconds.observe(work.cpu)  # it ran, whatever became of its request meanwhile
         out: list[Decision] = []
         req = self._active.get(work.request_id)
         if req is not None and req.work is work:  # else it ended or was sealed meanwhile: stale outcome
@@ -822,7 +827,15 @@ class Correlator:
                                 req.request_id, functools.partial(session.join, chunk.body, final))
                             out.append(req.work)
                             return out
-                        body, verdict = session.join(chunk.body, final)
+                        clock = self.join_clock
+                        if clock is None:
+                            body, verdict = session.join(chunk.body, final)
+                        else:
+                            started = clock()
+                            try:
+                                body, verdict = session.join(chunk.body, final)
+                            finally:
+                                self.join_seconds.observe(clock() - started)
                     if req.decoded or session.retained_bytes():
                         over = self._check_decoded(req, now)
                         if over is not None:

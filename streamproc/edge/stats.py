@@ -5,6 +5,7 @@ recent-requests subscription sees (all requests, not only the ones a client foll
 results it sent to clients. Latencies are measured where the join happens, in the processor, the
 same way in core and durable mode (``streamproc_join_wait_seconds``: how long a P/D result waited
 for its prefill leg, the join's own time not included; the page charts it as "join wait";
+``streamproc_join_seconds``: the codec join's own CPU time, on or off the loop, charted beside it;
 ``streamproc_result_latency_seconds``: chunk received -> the results it made ready handed to
 NATS); results carry no timing headers, so the edge reads those histograms from the processors' ``/metrics``
 (``--processor-metrics-url``, comma-separated, one per processor) and sums them. Scrapes are
@@ -24,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .metrics import EdgeMetrics
 
-HISTOGRAMS = {"join_wait": "streamproc_join_wait_seconds", "result_latency": "streamproc_result_latency_seconds"}
+HISTOGRAMS = {"join_wait": "streamproc_join_wait_seconds", "join": "streamproc_join_seconds",
+              "result_latency": "streamproc_result_latency_seconds"}
 RESULTS_TOTAL = "streamproc_results"  # the processor's results by verdict
 CACHE_SECONDS = 1.0
 SCRAPE_TIMEOUT = 2.0
@@ -53,6 +55,7 @@ class Stats(msgspec.Struct):
     processors: list[Scrape] = []
     processor_results: float | None = None  # sum of the processors' results, every verdict
     join_wait: Histogram | None = None
+    join: Histogram | None = None  # the join's own CPU time, beside the wait before it
     result_latency: Histogram | None = None
 
 
@@ -100,7 +103,8 @@ class StatsSource:
         scrapes, hists, results = await self._processors()
         seen = m.results_seen if self.sees_all_results else None
         return Stats(time.time(), seen, m.results_sent, m.streams_active, scrapes, results,
-                     hists.get("join_wait"), hists.get("result_latency"))
+                     join_wait=hists.get("join_wait"), join=hists.get("join"),
+                     result_latency=hists.get("result_latency"))
 
     async def _processors(self) -> tuple[list[Scrape], dict[str, Histogram], float | None]:
         if not self.urls:

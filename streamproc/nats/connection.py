@@ -22,7 +22,7 @@ import anyio
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from ..config import ENV_PREFIX, REDACTED, CommonSettings, redact_url
+from ..config import ENV_PREFIX, REDACTED, CommonSettings, redact_text, redact_url
 from ..core.errors import ConfigError, StartupError
 from ..logs import error_text
 from .fast_client import new_client
@@ -120,7 +120,7 @@ def scrub(text: str, secrets: list[str]) -> str:
     """``text`` with every secret replaced by ``<redacted>`` (and URL credentials redacted)."""
     for secret in secrets:
         text = text.replace(secret, REDACTED)
-    return redact_url(text)
+    return redact_text(text)
 
 
 def is_fatal(exc: BaseException) -> bool:

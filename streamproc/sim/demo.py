@@ -6,6 +6,8 @@ worker published, and every P/D result's expert rows with the ground truth.
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 import time
 from typing import TextIO
@@ -104,11 +106,15 @@ def summarize_migrations(migrations: list[MigratingRequest], results: dict[str, 
 
 async def run_demo(*, requests: int = 200, format: str | None = None, seed: int = 1,
                    timeout: float = 60.0, progress: TextIO | None = None,
-                   serve_port: int | None = None, out: TextIO = sys.stdout) -> DemoReport:
+                   serve_port: int | None = None, out: TextIO = sys.stdout,
+                   work: anyio.CancelScope | None = None) -> DemoReport | None:
     """``progress`` (e.g. stderr) gets a line about every second while results come in.
 
     With ``serve_port`` the summary is printed to ``out``, then NATS and the processor stay up
-    behind a live edge on that port (0: any free one) until SIGINT or SIGTERM."""
+    behind a live edge on that port (0: any free one) until ``work`` is cancelled (``streamproc
+    demo`` cancels it on SIGINT or SIGTERM). Cancelled before the summary, it returns None."""
+    work = work or anyio.CancelScope()
+    report: DemoReport | None = None
     format = format or default_format()
     worker = catalog.worker_for(format)
     started = time.perf_counter()
@@ -119,79 +125,95 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
             overrides |= {"http_host": "127.0.0.1", "http_port": free_port()}
         settings = config.load({}, overrides)
         async with Processor(settings) as processor:
-            nc = await nats.connect(server.url)
-            try:
-                migrations = plan_migrations(seed=seed, id_prefix="demo") if requests >= MIGRATIONS_FROM else []
-                plans = traffic.plan(format, requests=requests - len(migrations), mode="mixed", seed=seed,
-                                     id_prefix="demo", worker=worker, faults=True)
-                messages = traffic.schedule(plans, seed=seed)
-                timed_out = None
-                async with ResultCollector(nc, settings.subjects) as collector, anyio.create_task_group() as tg:
-                    if progress is not None:
-                        ids = [*(p.request_id for p in plans), *(m.request_id for m in migrations)]
-                        tg.start_soon(_report_progress, progress, collector, ids, processor)
-                    await traffic.publish(nc, settings.subjects, messages, format=format)
-                    try:
-                        with anyio.fail_after(timeout):
-                            # While the traffic flows: a worker dies mid-decode, its request migrates.
-                            for m in migrations:
-                                await run_migration(nc, settings.subjects, m, format=format, worker=worker,
-                                                    collector=collector, timeout=timeout)
-                        await collector.wait_for([*(p.request_id for p in plans),
-                                                  *(m.request_id for m in migrations)], timeout=timeout)
-                    except TimeoutError as exc:
-                        timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
-                    tg.cancel_scope.cancel()
-                    results = dict(collector.results)
-            finally:
-                await nc.close()
-            rows, problems = summarize(plans, results, worker)
-            summarize_migrations(migrations, results, worker, rows, problems)
-            stats = processor.snapshot()
-            report = DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems,
-                                stats, timed_out)
-            if serve_port is not None:
-                print_report(report, out)
-                faulted = next((p.request_id for p in plans if p.fault == "corrupt_prefill"), plans[0].request_id)
-                await serve_edge(server.url, format, serve_port, faulted, out,
-                                 processor_metrics_url=f"http://127.0.0.1:{processor.http_port}/metrics")
+            with work:  # cancelled by the caller (a signal): the processor and NATS still stop as usual
+                nc = await nats.connect(server.url)
+                try:
+                    migrations = plan_migrations(seed=seed, id_prefix="demo") if requests >= MIGRATIONS_FROM else []
+                    plans = traffic.plan(format, requests=requests - len(migrations), mode="mixed", seed=seed,
+                                         id_prefix="demo", worker=worker, faults=True)
+                    messages = traffic.schedule(plans, seed=seed)
+                    timed_out = None
+                    async with ResultCollector(nc, settings.subjects) as collector, anyio.create_task_group() as tg:
+                        if progress is not None:
+                            ids = [*(p.request_id for p in plans), *(m.request_id for m in migrations)]
+                            tg.start_soon(_report_progress, progress, collector, ids, processor)
+                        await traffic.publish(nc, settings.subjects, messages, format=format)
+                        try:
+                            with anyio.fail_after(timeout):
+                                # While the traffic flows: a worker dies mid-decode, its request migrates.
+                                for m in migrations:
+                                    await run_migration(nc, settings.subjects, m, format=format, worker=worker,
+                                                        collector=collector, timeout=timeout)
+                            await collector.wait_for([*(p.request_id for p in plans),
+                                                      *(m.request_id for m in migrations)], timeout=timeout)
+                        except TimeoutError as exc:
+                            timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
+                        tg.cancel_scope.cancel()
+                        results = dict(collector.results)
+                finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):  # closed even when cancelled
+                        await nc.close()
+                rows, problems = summarize(plans, results, worker)
+                summarize_migrations(migrations, results, worker, rows, problems)
+                stats = processor.snapshot()
+                report = DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems,
+                                    stats, timed_out)
+                if serve_port is not None:
+                    print_report(report, out)
+                    faulted = next((p.request_id for p in plans if p.fault == "corrupt_prefill"), plans[0].request_id)
+                    await serve_edge(server.url, format, serve_port, faulted, out,
+                                     processor_metrics_url=f"http://127.0.0.1:{processor.http_port}/metrics")
     return report
 
 
 async def serve_edge(nats_url: str, format: str, port: int, example: str, out: TextIO, *,
                      processor_metrics_url: str = "") -> None:
-    """The reference edge on the demo's NATS until SIGINT/SIGTERM; prints the live page's URL."""
+    """The reference edge on the demo's NATS until cancelled (``streamproc demo`` cancels on SIGINT/
+    SIGTERM: cli.until_signal owns the signals); prints the live page's URL. Uvicorn's own signal
+    capture is off: two handlers of one signal would cancel Uvicorn in the middle of its shutdown."""
     import uvicorn
 
     from ..core.errors import StartupError
     from ..edge.app import create_app
-    from ..edge.command import server_class
     from ..edge.settings import load as load_edge_settings
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the caller owns SIGTERM/SIGINT and cancels us
+            yield
 
     settings = load_edge_settings({}, {"nats_url": nats_url, "format": format, "host": "127.0.0.1",
                                        "port": port, "log_level": "ERROR",
                                        "processor_metrics_url": processor_metrics_url,
                                        "insecure_demo": True})  # a local demo: the page says so on screen
-    server = server_class()(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                                           lifespan="on", log_config=None, access_log=False,
-                                           log_level="error", timeout_graceful_shutdown=1))
+    server = Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                                   lifespan="on", log_config=None, access_log=False,
+                                   log_level="error", timeout_graceful_shutdown=1))
     failed: list[BaseException] = []
+    done = anyio.Event()
 
     async def run() -> None:
-        try:
-            await server.serve()
-        except SystemExit as exc:  # Uvicorn's way of saying it could not start (a busy port)
-            failed.append(exc)
+        with anyio.CancelScope(shield=True):  # stopped gracefully by should_exit (below), never cut short
+            try:
+                await server.serve()
+            except SystemExit as exc:  # Uvicorn's way of saying it could not start (a busy port)
+                failed.append(exc)
+            finally:
+                done.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        while not server.started and not failed:
-            await anyio.sleep(0.05)
-        if failed:
-            raise StartupError(f"cannot serve the live page on 127.0.0.1:{port}")
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
-              f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
+        try:
+            while not server.started and not done.is_set():
+                await anyio.sleep(0.05)
+            if failed or not server.started:
+                raise StartupError(f"cannot serve the live page on 127.0.0.1:{port}")
+            bound = server.servers[0].sockets[0].getsockname()[1]
+            print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
+                  f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
+            await done.wait()
+        finally:
+            server.should_exit = True
 
 
 async def _report_progress(out: TextIO, collector: ResultCollector, request_ids: list[str],

@@ -224,7 +224,10 @@ class EmbeddedNats:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await anyio.to_thread.run_sync(self.stop)
+        # shielded: a cancelled caller (a signal stopping ``streamproc demo``) would otherwise skip the
+        # stop at run_sync's first checkpoint and leave nats-server running, orphaned
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.stop)
 
 
 def free_port() -> int:

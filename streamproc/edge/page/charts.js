@@ -1,13 +1,14 @@
 // Small live charts from GET /v1/stats (streamproc/edge/stats.py), polled every second:
 // results/s over all requests (the edge's P.results.> subscription) and the processors' join wait
-// (mean and p95 of the P/D results that completed in each interval, from their histograms).
-// State for tests: window.streamprocCharts = { samples, rates, joins, note }.
+// (mean and p95 of the P/D results that completed in each interval, from their histograms), with
+// the joins' own CPU time beside it (mean per interval, streamproc_join_seconds).
+// State for tests: window.streamprocCharts = { samples, rates, joins, computes, note }.
 "use strict";
 
 (() => {
   const $ = (id) => document.getElementById(id);
   const KEEP = 30, EVERY = 1000;
-  const charts = (window.streamprocCharts = { samples: 0, rates: [], joins: [], note: "" });
+  const charts = (window.streamprocCharts = { samples: 0, rates: [], joins: [], computes: [], note: "" });
   let previous = null;
 
   // The p-quantile of the observations between two cumulative bucket lists (upper bound of the
@@ -82,6 +83,9 @@
       } else {
         push(charts.joins, [null, null, 0]);
       }
+      const ran = now.join, ranBefore = previous.join;  // the join's own CPU time (null: an older processor)
+      const joined = ran ? ran.count - (ranBefore ? ranBefore.count : 0) : 0;
+      push(charts.computes, joined > 0 ? ((ran.sum - (ranBefore ? ranBefore.sum : 0)) / joined) * 1000 : null);
       const rate = charts.rates[charts.rates.length - 1];
       $("rate-value").textContent = rate.toFixed(rate >= 10 ? 0 : 1) + "/s";
       plot("rate-chart", [charts.rates], ["#3d5afe"]);
@@ -89,7 +93,10 @@
       const latest = [...charts.joins].reverse().find((j) => j[0] !== null);
       $("join-value").textContent = !latest ? "–" :
         latest[0].toFixed(latest[0] >= 10 ? 0 : 2) + " · " + (latest[1] === null ? "–" : "≤" + latest[1]);
-      plot("join-chart", [charts.joins.map((j) => j[0]), charts.joins.map((j) => j[1])], ["#2e7d32", "#ff9100"]);
+      const cpu = [...charts.computes].reverse().find((c) => c !== null);
+      if (cpu !== undefined) $("join-value").textContent += " · cpu " + cpu.toFixed(cpu >= 10 ? 0 : 2);
+      plot("join-chart", [charts.joins.map((j) => j[0]), charts.joins.map((j) => j[1]), charts.computes],
+           ["#2e7d32", "#ff9100", "#6a1b9a"]);
     }
     const failing = (now.processors || []).filter((p) => !p.ok);
     charts.note = !(now.processors || []).length
