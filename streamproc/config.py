@@ -281,10 +281,11 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
                                              "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
     max_buffered_bytes: Annotated[int, documented("bytes of chunk bodies buffered per request (reorder + prefill) "
-                                            "before it is ended with an invalid_chunk error",
+                                            "before it is ended with an invalid_chunk error; a request whose "
+                                            "codec progress state (token ids) passes it ends overloaded",
                                             ge=1024, le=2**40)] = defaults.MAX_BUFFERED_BYTES
-    max_total_bytes: Annotated[int, documented("bytes of buffered chunk bodies plus decoded payloads kept for joins, "
-                                         "across all requests; a request that would pass it is ended with an "
+    max_total_bytes: Annotated[int, documented("bytes of buffered chunk bodies plus decoded payloads kept for joins "
+                                         "and codec progress state, across all requests; a request that would pass it is ended with an "
                                          "overloaded error (raise it for very large expert captures)",
                                          ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
     max_decode_cpu: Annotated[float, documented("CPU seconds the joins of one request may take (joins that decode "
