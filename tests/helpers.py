@@ -11,7 +11,9 @@ import os
 import random
 import socket
 import subprocess
+import textwrap
 import time
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -116,3 +118,38 @@ def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
     truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
     worker = worker_for("sglang-zstd")
     return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
+
+
+# A codec distribution whose constructor raises: provokes "a message whose handling raises" in the
+# hostile tests (core and durable), with PYTHONPATH=broken_codec_site(tmp_path) in the processor's env.
+BROKEN_CODEC = '''
+from streamproc.codec import Codec
+
+
+class BrokenCodec(Codec):
+    """A codec distribution with a bug: constructing it raises."""
+
+    name = "broken"
+
+    def __init__(self, options=None):
+        raise RuntimeError("broken codec: cannot start")
+
+    def error_body(self, message, kind):
+        raise NotImplementedError
+
+    def fold(self, bodies):
+        raise NotImplementedError
+
+    def open_session(self):
+        raise NotImplementedError
+'''
+
+
+def broken_codec_site(root: Path) -> str:
+    """A directory holding an installed-looking distribution that registers the codec ``broken``."""
+    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
+    info = root / "broken_codec-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
+    return str(root)

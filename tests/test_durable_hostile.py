@@ -8,15 +8,13 @@ settled (never redelivered without bound) and the other requests of the same par
 from __future__ import annotations
 
 import os
-import textwrap
-from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import free_port, inflating_pd_legs, peak_rss, rid, scrape, wait_until
+from helpers import broken_codec_site, free_port, inflating_pd_legs, peak_rss, rid, scrape, wait_until
 
 from streamproc.core.wire import SEQ, Subjects, chunk_headers
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
@@ -103,39 +101,6 @@ async def test_a_chunk_on_its_max_deliver_th_delivery_is_terminated_and_its_requ
             assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
     finally:
         await nc.close()
-
-
-BROKEN_CODEC = '''
-from streamproc.codec import Codec
-
-
-class BrokenCodec(Codec):
-    """A codec distribution with a bug: constructing it raises."""
-
-    name = "broken"
-
-    def __init__(self, options=None):
-        raise RuntimeError("broken codec: cannot start")
-
-    def error_body(self, message, kind):
-        raise NotImplementedError
-
-    def fold(self, bodies):
-        raise NotImplementedError
-
-    def open_session(self):
-        raise NotImplementedError
-'''
-
-
-def broken_codec_site(root: Path) -> str:
-    """A directory holding an installed-looking distribution that registers the codec ``broken``."""
-    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
-    info = root / "broken_codec-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
-    return str(root)
 
 
 async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_not_redelivered(
