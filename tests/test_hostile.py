@@ -273,11 +273,18 @@ async def test_joins_that_inflate_run_off_the_event_loop_so_passthrough_latency_
             verdicts = {results.final(r).get("Streamproc-Join") for r in heavy if results.final(r)}
         busy.sort()
         idle.sort()
-        print(f"passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms max {idle[-1] * 1e3:.1f} ms; "
-              f"during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms max {busy[-1] * 1e3:.1f} ms")
+        print(f"passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms p90 {idle[36] * 1e3:.1f} ms max "
+              f"{idle[-1] * 1e3:.1f} ms; during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms "
+              f"max {busy[-1] * 1e3:.1f} ms")
         assert verdicts == {"joined"}, verdicts  # the heavy requests are served, not refused
-        # Inline, one round trip waited for every join (max 1.8 s measured); off the loop the worst is the
-        # longest GIL-holding step of a join (20 ms measured). 200 ms leaves room for a loaded machine.
+        # Paired: the bystander's round trips during the joins against its idle ones in the same run.
+        # Five runs on the shared 2-core machine (other engineers' tests running): idle p90 0.9-1.3 ms,
+        # during joins p90 8.3-13.4 ms, max 16-41 ms (the longest GIL-holding step of a join): "a few
+        # ms", p90 within idle p90 + 30 ms is ~2x the worst measured, loose enough not to flake. With
+        # the joins inline (offload_joins off, checked once) p90 stays ~1 ms, since only the round trip
+        # that arrives behind the joins waits for all of them (max 2.9 s): the max (200 ms) is the bound
+        # that catches that; the paired p90 catches a join that slows every round trip (GIL held).
+        assert busy[36] <= idle[36] + 0.030, (idle, busy)
         assert busy[-1] < 0.200 and busy[20] < idle[20] + 0.010, (idle, busy)
         assert peak_rss(proc.pid) < 300 * MiB
 
