@@ -483,6 +483,7 @@ async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_
 
             await wait_until(empty, 5, "the later stray gone")
             assert proc.poll() is None
+            assert peak_rss(proc.pid) < 150 * MiB  # the core-mode bound: a swept stray holds nothing
     finally:
         await nc.close()
 
@@ -703,6 +704,53 @@ async def test_many_requests_under_the_per_request_cap_are_stopped_by_the_global
                 # the first five stay, exactly as in core mode.
                 assert set(ended) == set(hogs[5:]), ended
             assert scrape(port)["streamproc_over_budget_total"] >= 15
+            assert proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()
+
+
+async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_budget_in_durable_mode(nats_url):
+    """Issue item 4 against a durable processor: 16 P/D requests whose 12 KB prefill inflates to 64 MiB
+    of expert rows, each held open by a decode chunk that carries rows but is not final (their chunks
+    stay unacknowledged in the chunk stream). 1,066 MiB before; now the decoded bytes are charged to
+    --max-total-bytes (96 MiB): every decode past it is refused before it allocates (omitted or
+    overloaded, never joined from 64 MiB), the requests beside them are answered in full, and the
+    processor's peak RSS stays under 200 MiB."""
+    prefill, decode = inflating_pd_legs()
+    flags = durable_flags(partitions=1, format="sglang-zstd", ack_wait=10.0)  # held chunks: no redelivery churn
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            attackers = [rid("inflate") for _ in range(16)]
+            legit = [rid("ok") for _ in range(32)]
+            for k, attacker in enumerate(attackers):
+                await js.publish(SUBJECTS.chunk(attacker, "prefill"), prefill,
+                                 headers=chunk_headers(attacker, "prefill", 0, final=True, format="sglang-zstd"))
+                await js.publish(SUBJECTS.chunk(attacker, "decode"), decode,
+                                 headers=chunk_headers(attacker, "decode", 0, format="sglang-zstd"))  # never final
+                for r in legit[2 * k:2 * k + 2]:
+                    await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3, timeout=90)
+            stored: dict = {}
+
+            async def every_attacker_answered() -> bool:
+                nonlocal stored
+                stored = await stored_results(js, SUBJECTS)
+                return all(a in stored for a in attackers)
+
+            await wait_until(every_attacker_answered, 60, "a seq-0 result for every attacker\n"
+                             + log_path.read_text()[-3000:], every=0.5)
+            outcomes = []
+            for attacker in attackers:
+                first = stored[attacker][0]
+                assert first.seq == 0, first
+                outcomes.append(first.error or (first.verdict.value if first.verdict else None))
+                if first.verdict is not None and first.verdict.value == "omitted":
+                    assert b'"routed_experts_unavailable_reason":"too_large"' in first.body, first.body[:500]
+            print("attack outcomes:", outcomes)
+            assert set(outcomes) <= {"omitted", "overloaded"} and "joined" not in outcomes, outcomes
             assert proc.poll() is None
             assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
         finally:
