@@ -476,6 +476,85 @@ async def test_a_flood_of_overloaded_results_logs_a_bounded_number_of_lines_with
         assert peak_rss(proc.pid) < 150 * MiB
 
 
+async def raw_protocol(url: str, frames: list[bytes]) -> None:
+    """Send protocol lines to nats-server over a bare socket, as a publisher that is not nats-py can
+    (nats-py encodes subjects and headers as UTF-8 and could not send these bytes); PING/PONG
+    confirms the server took them all."""
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    stream = await anyio.connect_tcp(where.hostname, where.port)
+    async with stream:
+        buffered = b""
+        while b"\r\n" not in buffered:
+            buffered += await stream.receive()
+        assert buffered.startswith(b"INFO "), buffered
+        await stream.send(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n'
+                          + b"".join(frames) + b"PING\r\n")
+        buffered = b""
+        with anyio.fail_after(10):
+            while b"PONG\r\n" not in buffered:
+                buffered += await stream.receive()
+        assert b"-ERR" not in buffered, buffered
+
+
+def raw_hpub(subject: bytes, header_block: bytes, body: bytes) -> bytes:
+    return b"HPUB %s %d %d\r\n%s%s\r\n" % (subject, len(header_block), len(header_block) + len(body), header_block, body)
+
+
+# Header blocks with bytes that are not UTF-8, and what the chunk's request gets. nats-py's own rules
+# (``Client._parse_header_lines``, which the processor's fast path copies): a value is decoded with
+# "replace" and a non-ASCII key is skipped, so a foreign header with such bytes is ignored; in a
+# Streamproc header the replaced value breaks the contract; a forged inline status line that does not
+# decode raised in ``Client._process_headers`` and now ends the request as unreadable.
+NON_UTF8_HEADERS = [
+    (b"NATS/1.0\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\nX-Worker: \xff\xfe\r\n\r\n", None),
+    (b"NATS/1.0\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\n\xff\xfe: 1\r\n\r\n", None),
+    (b"NATS/1.0 503 \xff\xfe\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\n\r\n", b"unreadable header block"),
+    (b"NATS/1.0\r\nStreamproc-Seq: \xff\xfe\r\nStreamproc-Final: true\r\n\r\n", b"Streamproc-Seq"),
+]
+
+
+async def test_non_utf8_subjects_and_header_bytes_never_cost_the_processor_its_connection(
+        nats_url, streamproc_run):
+    """A subject or a header block that is not UTF-8 (sent over a raw socket: `PUB`/`HPUB` with
+    ``\\xff\\xfe``) made stock nats-py's read loop raise and stop reading for good. The processor's
+    client reads them: a non-UTF-8 subject is counted unreadable (no request id to answer), a chunk
+    whose headers do not decode ends its request with invalid_chunk; the connection never drops and
+    every legitimate request beside them is answered in full."""
+    port = free_port()
+    strays = 0
+
+    async def attack(nc, i: int, ping) -> None:
+        nonlocal strays
+        k = i // 50
+        strays += 1
+        await raw_protocol(nats_url, [
+            b"PUB streamproc.chunks.bad\xff\xfe%d.agg 2\r\n{}\r\n" % k,
+            raw_hpub(b"streamproc.chunks.hdr%d.agg" % k, NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)][0], b"{}"),
+        ])
+
+    with streamproc_run("--mode", "core", "--http-port", str(port)) as (proc, log_path):
+        victims = [f"hdr{k}" for k in range(20)]
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, log_path=log_path,
+                                  attacked=lambda res: all(res.final(v) for v in victims))
+        for k, v in enumerate(victims):  # each answered once, as its header block allows
+            [(body, headers)] = results.by_request[v].values()
+            expected = NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)][1]
+            assert headers.get(FINAL) == "true", (v, headers)
+            if expected is None:
+                assert headers.get(ERROR) is None and body == b"{}", (v, headers, body)
+            else:
+                assert headers.get(ERROR) == "invalid_chunk" and expected in body, (v, headers, body)
+        assert not any(r.startswith("bad") for r in results.by_request)  # nobody to answer
+        await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == strays, 10,
+                         "every non-UTF-8 subject counted unreadable")
+        text = log_path.read_text(errors="replace")
+        assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
 async def test_a_requests_buffered_joins_take_turns_with_another_requests_join(nats_url, streamproc_run):
     """One streamed P/D request with 20 decode chunks whose joins each decode 2 x 32 MiB of rows, then a
     small P/D request: joins run one at a time, and the heavy request used to keep the join thread
