@@ -379,7 +379,7 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
         assert seqs == list(range(len(seqs))), seqs
         *joined, last = [got[s][1] for s in seqs]
         print(f"{len(joined)} joins published before the budget ended the request")
-        assert 1 <= len(joined) < 19, [(h.get("Streamproc-Join"), h.get(ERROR)) for h in got.values()]
+        assert 1 <= len(joined) < 19, [(h.get("Streamproc-Join"), h.get(ERROR)) for _, h in got.values()]
         assert all(h.get("Streamproc-Join") == "joined" for h in joined)
         assert last.get(FINAL) == "true" and last.get(ERROR) == "overloaded", last
         body = got[seqs[-1]][0]
