@@ -14,7 +14,8 @@ import msgspec
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import broken_codec_site, free_port, inflating_pd_legs, peak_rss, rid, scrape, wait_until
+from helpers import (NON_UTF8_HEADERS, broken_codec_site, free_port, inflating_pd_legs, peak_rss, raw_hpub, raw_protocol,
+                     rid, scrape, wait_until)
 
 from streamproc.core.wire import SEQ, Subjects, chunk_headers
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
@@ -753,5 +754,67 @@ async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_b
             assert set(outcomes) <= {"omitted", "overloaded"} and "joined" not in outcomes, outcomes
             assert proc.poll() is None
             assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()
+
+
+async def test_non_utf8_subjects_and_header_bytes_are_settled_and_the_connection_survives(nats_url):
+    """The raw-socket attack of tests/test_hostile.py into the chunk stream: a core ``PUB`` whose id
+    token is not UTF-8 and ``HPUB``s whose header blocks hold such bytes are stored (nats-server
+    takes bytes; it drops a forged inline status line when storing); the processor reads them from
+    its partition without its connection dropping, the
+    unreadable subjects are counted and settled, every header victim is answered as its block allows
+    and every chunk is settled (nothing redelivered); the legitimate requests are answered in full."""
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=2), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            legit = [rid("ok") for _ in range(100)]
+            victims: list[str] = []
+            for i, r in enumerate(legit):
+                if i % 10 == 0:
+                    k = i // 10
+                    victims.append(rid(f"hdr{k}"))
+                    await raw_protocol(nats_url, [
+                        b"PUB streamproc.chunks.bad\xff\xfe%d.agg 2\r\n{}\r\n" % k,
+                        raw_hpub(f"streamproc.chunks.{victims[-1]}.agg".encode(),
+                                 NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)][0], b"{}"),
+                    ])
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+
+            stored: dict = {}
+
+            async def victims_answered() -> bool:
+                nonlocal stored
+                stored = await stored_results(js, SUBJECTS)
+                return all(v in stored for v in victims)
+
+            await wait_until(victims_answered, 20, "every header victim answered\n" + log_path.read_text()[-3000:],
+                             every=0.3)
+            await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == len(victims), 10,
+                             "every non-UTF-8 subject counted unreadable")
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            stored = await stored_results(js, SUBJECTS)
+            for k, v in enumerate(victims):
+                [result] = stored[v]  # one result, never a second one from a redelivery
+                block, expected = NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)]
+                if block.startswith(b"NATS/1.0 503"):
+                    # nats-server stores the block without its inline status line (read back with
+                    # $JS.API.STREAM.MSG.GET: "NATS/1.0\r\nStreamproc-Seq: 0..."): an ordinary chunk here.
+                    expected = None
+                assert result.final, result
+                if expected is None:
+                    assert result.error is None and result.body == b"{}", result
+                else:
+                    assert result.error == "invalid_chunk" and expected in result.body, result
+            assert not any(r.startswith("bad") for r in stored)
+            assert await chunk_stream_messages(js) == 0
+            assert await ack_pending(js, 2) == [0, 0]
+            assert scrape(port)["streamproc_durable_redelivered_total"] == 0
+            text = log_path.read_text(errors="replace")
+            assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+            assert proc.poll() is None and peak_rss(proc.pid) < 150 * MiB
         finally:
             await nc.close()
