@@ -11,7 +11,9 @@ import os
 import random
 import socket
 import subprocess
+import textwrap
 import time
+from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
@@ -116,3 +118,77 @@ def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
     truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
     worker = worker_for("sglang-zstd")
     return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
+
+
+# A codec distribution whose constructor raises: provokes "a message whose handling raises" in the
+# hostile tests (core and durable), with PYTHONPATH=broken_codec_site(tmp_path) in the processor's env.
+BROKEN_CODEC = '''
+from streamproc.codec import Codec
+
+
+class BrokenCodec(Codec):
+    """A codec distribution with a bug: constructing it raises."""
+
+    name = "broken"
+
+    def __init__(self, options=None):
+        raise RuntimeError("broken codec: cannot start")
+
+    def error_body(self, message, kind):
+        raise NotImplementedError
+
+    def fold(self, bodies):
+        raise NotImplementedError
+
+    def open_session(self):
+        raise NotImplementedError
+'''
+
+
+def broken_codec_site(root: Path) -> str:
+    """A directory holding an installed-looking distribution that registers the codec ``broken``."""
+    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
+    info = root / "broken_codec-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
+    return str(root)
+
+
+async def raw_protocol(url: str, frames: list[bytes]) -> None:
+    """Send protocol lines to nats-server over a bare socket, as a publisher that is not nats-py can
+    (nats-py encodes subjects and headers as UTF-8 and could not send these bytes); PING/PONG
+    confirms the server took them all."""
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    stream = await anyio.connect_tcp(where.hostname, where.port)
+    async with stream:
+        buffered = b""
+        while b"\r\n" not in buffered:
+            buffered += await stream.receive()
+        assert buffered.startswith(b"INFO "), buffered
+        await stream.send(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n'
+                          + b"".join(frames) + b"PING\r\n")
+        buffered = b""
+        with anyio.fail_after(10):
+            while b"PONG\r\n" not in buffered:
+                buffered += await stream.receive()
+        assert b"-ERR" not in buffered, buffered
+
+
+def raw_hpub(subject: bytes, header_block: bytes, body: bytes) -> bytes:
+    return b"HPUB %s %d %d\r\n%s%s\r\n" % (subject, len(header_block), len(header_block) + len(body), header_block, body)
+
+
+# Header blocks with bytes that are not UTF-8, and what the chunk's request gets. nats-py's own rules
+# (``Client._parse_header_lines``, which the processor's fast path copies): a value is decoded with
+# "replace" and a non-ASCII key is skipped, so a foreign header with such bytes is ignored; in a
+# Streamproc header the replaced value breaks the contract; a forged inline status line that does not
+# decode raised in ``Client._process_headers`` and now ends the request as unreadable.
+NON_UTF8_HEADERS = [
+    (b"NATS/1.0\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\nX-Worker: \xff\xfe\r\n\r\n", None),
+    (b"NATS/1.0\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\n\xff\xfe: 1\r\n\r\n", None),
+    (b"NATS/1.0 503 \xff\xfe\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\n\r\n", b"unreadable header block"),
+    (b"NATS/1.0\r\nStreamproc-Seq: \xff\xfe\r\nStreamproc-Final: true\r\n\r\n", b"Streamproc-Seq"),
+]

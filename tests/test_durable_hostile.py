@@ -8,15 +8,14 @@ settled (never redelivered without bound) and the other requests of the same par
 from __future__ import annotations
 
 import os
-import textwrap
-from pathlib import Path
 
 import anyio
 import msgspec
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import free_port, inflating_pd_legs, peak_rss, rid, scrape, wait_until
+from helpers import (NON_UTF8_HEADERS, broken_codec_site, free_port, inflating_pd_legs, peak_rss, raw_hpub, raw_protocol,
+                     rid, scrape, wait_until)
 
 from streamproc.core.wire import SEQ, Subjects, chunk_headers
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
@@ -103,39 +102,6 @@ async def test_a_chunk_on_its_max_deliver_th_delivery_is_terminated_and_its_requ
             assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
     finally:
         await nc.close()
-
-
-BROKEN_CODEC = '''
-from streamproc.codec import Codec
-
-
-class BrokenCodec(Codec):
-    """A codec distribution with a bug: constructing it raises."""
-
-    name = "broken"
-
-    def __init__(self, options=None):
-        raise RuntimeError("broken codec: cannot start")
-
-    def error_body(self, message, kind):
-        raise NotImplementedError
-
-    def fold(self, bodies):
-        raise NotImplementedError
-
-    def open_session(self):
-        raise NotImplementedError
-'''
-
-
-def broken_codec_site(root: Path) -> str:
-    """A directory holding an installed-looking distribution that registers the codec ``broken``."""
-    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
-    info = root / "broken_codec-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
-    return str(root)
 
 
 async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_not_redelivered(
@@ -518,6 +484,7 @@ async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_
 
             await wait_until(empty, 5, "the later stray gone")
             assert proc.poll() is None
+            assert peak_rss(proc.pid) < 150 * MiB  # the core-mode bound: a swept stray holds nothing
     finally:
         await nc.close()
 
@@ -740,5 +707,114 @@ async def test_many_requests_under_the_per_request_cap_are_stopped_by_the_global
             assert scrape(port)["streamproc_over_budget_total"] >= 15
             assert proc.poll() is None
             assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()
+
+
+async def test_decoded_prefill_rows_of_held_requests_are_charged_to_the_global_budget_in_durable_mode(nats_url):
+    """Issue item 4 against a durable processor: 16 P/D requests whose 12 KB prefill inflates to 64 MiB
+    of expert rows, each held open by a decode chunk that carries rows but is not final (their chunks
+    stay unacknowledged in the chunk stream). 1,066 MiB before; now the decoded bytes are charged to
+    --max-total-bytes (96 MiB): every decode past it is refused before it allocates (omitted or
+    overloaded, never joined from 64 MiB), the requests beside them are answered in full, and the
+    processor's peak RSS stays under 200 MiB."""
+    prefill, decode = inflating_pd_legs()
+    flags = durable_flags(partitions=1, format="sglang-zstd", ack_wait=10.0)  # held chunks: no redelivery churn
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            attackers = [rid("inflate") for _ in range(16)]
+            legit = [rid("ok") for _ in range(32)]
+            for k, attacker in enumerate(attackers):
+                await js.publish(SUBJECTS.chunk(attacker, "prefill"), prefill,
+                                 headers=chunk_headers(attacker, "prefill", 0, final=True, format="sglang-zstd"))
+                await js.publish(SUBJECTS.chunk(attacker, "decode"), decode,
+                                 headers=chunk_headers(attacker, "decode", 0, format="sglang-zstd"))  # never final
+                for r in legit[2 * k:2 * k + 2]:
+                    await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3, timeout=90)
+            stored: dict = {}
+
+            async def every_attacker_answered() -> bool:
+                nonlocal stored
+                stored = await stored_results(js, SUBJECTS)
+                return all(a in stored for a in attackers)
+
+            await wait_until(every_attacker_answered, 60, "a seq-0 result for every attacker\n"
+                             + log_path.read_text()[-3000:], every=0.5)
+            outcomes = []
+            for attacker in attackers:
+                first = stored[attacker][0]
+                assert first.seq == 0, first
+                outcomes.append(first.error or (first.verdict.value if first.verdict else None))
+                if first.verdict is not None and first.verdict.value == "omitted":
+                    assert b'"routed_experts_unavailable_reason":"too_large"' in first.body, first.body[:500]
+            print("attack outcomes:", outcomes)
+            assert set(outcomes) <= {"omitted", "overloaded"} and "joined" not in outcomes, outcomes
+            assert proc.poll() is None
+            assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        finally:
+            await nc.close()
+
+
+async def test_non_utf8_subjects_and_header_bytes_are_settled_and_the_connection_survives(nats_url):
+    """The raw-socket attack of tests/test_hostile.py into the chunk stream: a core ``PUB`` whose id
+    token is not UTF-8 and ``HPUB``s whose header blocks hold such bytes are stored (nats-server
+    takes bytes; it drops a forged inline status line when storing); the processor reads them from
+    its partition without its connection dropping, the
+    unreadable subjects are counted and settled, every header victim is answered as its block allows
+    and every chunk is settled (nothing redelivered); the legitimate requests are answered in full."""
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=2), "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            legit = [rid("ok") for _ in range(100)]
+            victims: list[str] = []
+            for i, r in enumerate(legit):
+                if i % 10 == 0:
+                    k = i // 10
+                    victims.append(rid(f"hdr{k}"))
+                    await raw_protocol(nats_url, [
+                        b"PUB streamproc.chunks.bad\xff\xfe%d.agg 2\r\n{}\r\n" % k,
+                        raw_hpub(f"streamproc.chunks.{victims[-1]}.agg".encode(),
+                                 NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)][0], b"{}"),
+                    ])
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3, timeout=60)
+
+            stored: dict = {}
+
+            async def victims_answered() -> bool:
+                nonlocal stored
+                stored = await stored_results(js, SUBJECTS)
+                return all(v in stored for v in victims)
+
+            await wait_until(victims_answered, 20, "every header victim answered\n" + log_path.read_text()[-3000:],
+                             every=0.3)
+            await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == len(victims), 10,
+                             "every non-UTF-8 subject counted unreadable")
+            await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back
+            stored = await stored_results(js, SUBJECTS)
+            for k, v in enumerate(victims):
+                [result] = stored[v]  # one result, never a second one from a redelivery
+                block, expected = NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)]
+                if block.startswith(b"NATS/1.0 503"):
+                    # nats-server stores the block without its inline status line (read back with
+                    # $JS.API.STREAM.MSG.GET: "NATS/1.0\r\nStreamproc-Seq: 0..."): an ordinary chunk here.
+                    expected = None
+                assert result.final, result
+                if expected is None:
+                    assert result.error is None and result.body == b"{}", result
+                else:
+                    assert result.error == "invalid_chunk" and expected in result.body, result
+            assert not any(r.startswith("bad") for r in stored)
+            assert await chunk_stream_messages(js) == 0
+            assert await ack_pending(js, 2) == [0, 0]
+            assert scrape(port)["streamproc_durable_redelivered_total"] == 0
+            text = log_path.read_text(errors="replace")
+            assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+            assert proc.poll() is None and peak_rss(proc.pid) < 150 * MiB
         finally:
             await nc.close()

@@ -3,9 +3,10 @@ publisher can make the edge do per request must not flood its log, and the other
 
 from __future__ import annotations
 
+import anyio
 import httpx
 import pytest
-from edge_harness import publish_results, running_edge
+from edge_harness import expected_sse, publish_result, publish_results, running_edge
 from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
@@ -68,3 +69,55 @@ async def test_per_request_edge_warnings_are_rate_limited_and_other_streams_are_
             assert log.count(" event=subscribe_failed") == BURST, log.count(" event=subscribe_failed")
             assert edge.proc.poll() is None
             assert peak_rss(edge.proc.pid) < 150 * MiB
+
+
+@pytest.mark.parametrize("separator", ["\x0b", "\x0c"])
+async def test_ids_with_vt_or_ff_get_400_and_such_result_subjects_never_cost_the_edge_its_connection(
+        server, separator):
+    """VT and FF are one subject token to nats-server but separators to stock nats-py's parser. A
+    request id holding one is refused with 400 (the id rule), and results published under such a
+    subject in the edge's namespace, which the edge's ``--recent`` subscription to ``P.results.>``
+    receives, leave its connection up: the stream open across the attack and one opened after it are
+    answered in full."""
+    from urllib.parse import quote
+
+    from streamproc.wire import Result, Verdict, result_headers
+
+    subjects = Subjects(prefix="vtff")  # apart from the module's other test (a results stream on streamproc.>)
+    escaped = quote(separator)
+    assert escaped in ("%0B", "%0C")
+    with running_edge(server.url, "--prefix", subjects.prefix, "--recent", "100") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            for path in (f"/v1/results/a{escaped}b", f"/v1/results/{escaped}", f"/v1/results/ok{escaped}"):
+                refused = await client.get(path)
+                assert refused.status_code == 400, (path, refused.status_code, refused.text)
+                assert refused.json()["error"]["type"] == "invalid_request", refused.text
+            async with connection(server.url) as nc:
+                before, after = rid("before"), rid("after")
+                bodies = [b'{"text":"%d"}' % k for k in range(3)]
+                async with client.stream("GET", f"/v1/results/{before}") as response:
+                    assert response.status_code == 200
+                    await publish_result(nc, subjects, before, 0, bodies[0])  # not final
+                    for k in range(50):
+                        # Not digits after the separator: stock nats-py would read ``evil<VT>7`` as subject
+                        # ``evil`` and sid 7 (a reply-to form), not fail.
+                        evil = f"evil{separator}x{k}"
+                        await nc.publish(f"{subjects.prefix}.results.{evil}", b'{"text":"evil"}',
+                                         headers=result_headers(Result(evil, 0, b'{"text":"evil"}', True,
+                                                                       verdict=Verdict.PASSTHROUGH)))
+                    await nc.flush()
+                    for seq in (1, 2):
+                        await publish_result(nc, subjects, before, seq, bodies[seq], final=seq == 2)
+                    await nc.flush()
+                    with anyio.fail_after(20):  # a dropped connection lost results 1-2: the stream never ends
+                        body = await response.aread()
+                assert body == expected_sse(bodies), body[-500:]
+                async with client.stream("GET", f"/v1/results/{after}") as response:
+                    assert response.status_code == 200
+                    await publish_results(nc, subjects, after, bodies)
+                    with anyio.fail_after(20):
+                        assert await response.aread() == expected_sse(bodies)
+        log = edge.log()
+        assert "event=disconnected" not in log and "ProtocolError" not in log, log[-3000:]
+        assert edge.proc.poll() is None
+        assert peak_rss(edge.proc.pid) < 150 * MiB

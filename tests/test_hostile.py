@@ -8,13 +8,16 @@ RSS (``VmHWM`` in /proc/<pid>/status) stays under a stated bound.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable
 
 import anyio
 import nats
 import pytest
-from helpers import inflating_pd_legs, peak_rss
+from conftest import processor_subprocess
+from helpers import (NON_UTF8_HEADERS, broken_codec_site, free_port, inflating_pd_legs, peak_rss, raw_hpub, raw_protocol,
+                     scrape, wait_until)
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
 
@@ -271,13 +274,247 @@ async def test_joins_that_inflate_run_off_the_event_loop_so_passthrough_latency_
             verdicts = {results.final(r).get("Streamproc-Join") for r in heavy if results.final(r)}
         busy.sort()
         idle.sort()
-        print(f"passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms max {idle[-1] * 1e3:.1f} ms; "
-              f"during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms max {busy[-1] * 1e3:.1f} ms")
+        print(f"passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms p90 {idle[36] * 1e3:.1f} ms max "
+              f"{idle[-1] * 1e3:.1f} ms; during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms "
+              f"max {busy[-1] * 1e3:.1f} ms")
         assert verdicts == {"joined"}, verdicts  # the heavy requests are served, not refused
-        # Inline, one round trip waited for every join (max 1.8 s measured); off the loop the worst is the
-        # longest GIL-holding step of a join (20 ms measured). 200 ms leaves room for a loaded machine.
+        # Paired: the bystander's round trips during the joins against its idle ones in the same run.
+        # Five runs on the shared 2-core machine (other engineers' tests running): idle p90 0.9-1.3 ms,
+        # during joins p90 8.3-13.4 ms, max 16-41 ms (the longest GIL-holding step of a join): "a few
+        # ms", p90 within idle p90 + 30 ms is ~2x the worst measured, loose enough not to flake. With
+        # the joins inline (offload_joins off, checked once) p90 stays ~1 ms, since only the round trip
+        # that arrives behind the joins waits for all of them (max 2.9 s): the max (200 ms) is the bound
+        # that catches that; the paired p90 catches a join that slows every round trip (GIL held).
+        assert busy[36] <= idle[36] + 0.030, (idle, busy)
         assert busy[-1] < 0.200 and busy[20] < idle[20] + 0.010, (idle, busy)
         assert peak_rss(proc.pid) < 300 * MiB
+
+
+# ------------------------------------------------------------- reviewer's missing core-mode attacks
+# Durable versions in tests/test_durable_hostile.py; each here runs against `streamproc run --mode core`.
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_in_core_mode(nats_url, streamproc_run, leg):
+    """100k-deep nested JSON on one leg made the codec's parser raise RecursionError (`internal`); now
+    its request ends as invalid_chunk naming why, and the requests beside it are answered."""
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    worker = worker_for("sglang")
+    truth = make_truth(0, prompt_len=8, output_len=2)
+    bodies = {"prefill": worker.prefill(truth, stream=False)[0], "decode": worker.decode(truth, stream=False)[-1]}
+    bodies[leg] = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+
+    async def attack(nc, i: int, ping) -> None:
+        rid = f"deep{i}"
+        for role in ("prefill", "decode"):
+            await nc.publish(SUBJECTS.chunk(rid, role), bodies[role], headers=chunk_headers(rid, role, 0, final=True))
+
+    deep = [f"deep{i}" for i in range(0, 500, 50)]
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=500, log_path=log_path,
+                                  attacked=lambda res: all(res.final(r) for r in deep))
+        for r in deep:
+            [(body, headers)] = results.by_request[r].values()
+            assert headers.get(FINAL) == "true" and headers.get(ERROR) == "invalid_chunk", (r, headers)
+            assert b"nested too deeply to parse" in body, body
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_message_whose_handling_raises_ends_its_request_as_internal_in_core_mode(nats_url, tmp_path):
+    """A chunk naming a codec whose constructor raises: the exception escaped the core input (no result,
+    `event=nats_error`). Now the request ends with one internal error result naming the cause, its later
+    chunk is late (nothing more published), and the processor goes on answering everyone else."""
+    site = broken_codec_site(tmp_path)
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    port = free_port()
+
+    async def attack(nc, i: int, ping) -> None:
+        rid = f"victim{i}"
+        for seq in range(2):
+            await nc.publish(SUBJECTS.chunk(rid, "agg"), b"{}",
+                             headers=chunk_headers(rid, "agg", seq, final=seq == 1, format="broken"))
+
+    victims = [f"victim{i}" for i in range(0, 500, 50)]
+    with processor_subprocess(nats_url, "--mode", "core", "--http-port", str(port), env=env) as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=500, log_path=log_path,
+                                  attacked=lambda res: all(res.final(r) for r in victims))
+        for r in victims:
+            [(body, headers)] = results.by_request[r].values()  # one result: the later chunk published nothing
+            assert headers.get(SEQ) == "0" and headers.get(ERROR) == "internal", (r, headers)
+            assert b"broken codec: cannot start" in body, body
+        metrics = scrape(port)
+        assert metrics["streamproc_internal_errors_total"] == len(victims)
+        assert metrics['streamproc_error_results_total{kind="internal"}'] == len(victims)
+        text = log_path.read_text()
+        assert "event=message_failed" in text and "event=nats_error" not in text
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded_in_core_mode(
+        nats_url, streamproc_run):
+    """CPU amplification: a streamed P/D request whose 20 decode chunks each inflate 2 x 32 MiB of rows
+    (~60 ms of CPU per join). With --max-decode-cpu 0.2 it is ended after a few joins, overloaded,
+    instead of costing 1.2 s of CPU; the requests beside it are answered."""
+    prefill, decode = inflating_pd_legs(prompt=2048)
+    port = free_port()
+
+    async def attack(nc, i: int, ping) -> None:
+        if i:
+            return
+        await nc.publish(SUBJECTS.chunk("heavy", "prefill"), prefill,
+                         headers=chunk_headers("heavy", "prefill", 0, final=True, format="sglang-zstd"))
+        for seq in range(20):
+            await nc.publish(SUBJECTS.chunk("heavy", "decode"), decode,
+                             headers=chunk_headers("heavy", "decode", seq, final=seq == 19, format="sglang-zstd"))
+
+    with streamproc_run("--mode", "core", "--format", "sglang-zstd", "--max-decode-cpu", "0.2",
+                        "--http-port", str(port)) as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=200, timeout=60, log_path=log_path,
+                                  attacked=lambda res: res.final("heavy") is not None)
+        got = results.by_request["heavy"]
+        seqs = sorted(got)
+        assert seqs == list(range(len(seqs))), seqs
+        *joined, last = [got[s][1] for s in seqs]
+        print(f"{len(joined)} joins published before the budget ended the request")
+        assert 1 <= len(joined) < 19, [(h.get("Streamproc-Join"), h.get(ERROR)) for _, h in got.values()]
+        assert all(h.get("Streamproc-Join") == "joined" for h in joined)
+        assert last.get(FINAL) == "true" and last.get(ERROR) == "overloaded", last
+        body = got[seqs[-1]][0]
+        assert b"decode time budget exhausted" in body and b"max_decode_cpu 0.2 s" in body, body
+        assert scrape(port)["streamproc_over_cpu_total"] == 1
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 300 * MiB  # as the core-mode join test
+
+
+# A wildcard in the id token (``P.chunks.abc.*`` is request ``abc`` with a bad role: an invalid_chunk answer).
+WILDCARD_SUBJECTS = ["streamproc.chunks.*.prefill", "streamproc.chunks.*.agg", "streamproc.chunks.>.decode",
+                     "streamproc.chunks.>.*", "streamproc.chunks.*.*"]
+
+
+async def test_chunks_with_a_wildcard_token_are_counted_unreadable_and_never_answered_in_core_mode(
+        nats_url, streamproc_run):
+    """A core publish to ``P.chunks.*.agg`` is delivered to the processor's ``P.chunks.>`` subscription
+    (nats-server does not refuse wildcards in a published subject unless pedantic). Such an id can
+    never be answered (its result subject would be a wildcard): each is counted unreadable, logged,
+    nothing is published for it, and the requests beside them are answered."""
+    port = free_port()
+    strays = 0
+
+    async def attack(nc, i: int, ping) -> None:
+        nonlocal strays
+        subject = WILDCARD_SUBJECTS[(i // 50) % len(WILDCARD_SUBJECTS)]
+        await nc.publish(subject, b'{"text":"stray"}', headers=chunk_headers(f"stray{i}", "agg", 0, final=True))
+        strays += 1
+
+    with streamproc_run("--mode", "core", "--http-port", str(port)) as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, log_path=log_path)
+        await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == strays, 10,
+                         f"every wildcard chunk counted unreadable: {scrape(port).get('streamproc_unreadable_total')}"
+                         f"\n{log_path.read_text()[-3000:]}")
+        assert strays == 20
+        assert set(results.by_request) == {f"ok-{i}" for i in range(1000)}  # nothing answered for a stray
+        text = log_path.read_text()
+        assert text.count("event=unreadable_message") == 20, text[-3000:]  # LogLimiter's burst: 20 per 10 s
+        assert "subject=streamproc.chunks.>.decode" in text
+        assert "event=nats_error" not in text and "event=disconnected" not in text
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_flood_of_overloaded_results_logs_a_bounded_number_of_lines_with_a_suppressed_count(
+        nats_url, streamproc_run):
+    """40,000 requests refused as overloaded wrote 40,000 WARNING lines. Now LogLimiter writes 20 per
+    event per 10 s interval and one ``event=log_suppressed`` count of the rest. With --max-inflight 10,
+    nine legitimate requests are opened first and a holder takes the last slot; the flood is then
+    refused (every attacker gets its overloaded result) and the nine finish, answered in full."""
+    flood = 40_000
+    legit = [f"ok-{k}" for k in range(9)]
+    with streamproc_run("--mode", "core", "--max-inflight", "10") as (proc, log_path):
+        async with worker_and_reader(nats_url) as (nc, results):
+            for r in legit:  # seq 0 of 3: in flight
+                await nc.publish(SUBJECTS.chunk(r, "agg"), legit_body(r, 0), headers=chunk_headers(r, "agg", 0))
+            await nc.publish(SUBJECTS.chunk("holder", "agg"), b"{}", headers=chunk_headers("holder", "agg", 0))
+            await nc.flush()
+            await results.wait_for(lambda: all(0 in results.by_request.get(r, {}) for r in [*legit, "holder"]), 30)
+            started = anyio.current_time()
+            for k in range(flood):
+                # seq 0 of a streamed request (a unary one, final at seq 0, passes through without a slot)
+                await nc.publish(SUBJECTS.chunk(f"flood{k}", "agg"), b"{}", headers=chunk_headers(f"flood{k}", "agg", 0))
+                if k % 2000 == 1999:  # paced: measures the processor, not nats-server's slow-consumer cut-off
+                    await results.wait_for(lambda: results.final(f"flood{k}") is not None, 30)
+            await results.wait_for(lambda: sum(f"flood{k}" in results.by_request for k in range(flood)) == flood, 60)
+            took = anyio.current_time() - started
+            for r in legit:
+                for seq in (1, 2):
+                    await nc.publish(SUBJECTS.chunk(r, "agg"), legit_body(r, seq),
+                                     headers=chunk_headers(r, "agg", seq, final=seq == 2))
+            await results.wait_for(lambda: all(results.complete(r, 3) for r in legit), 30)
+            for r in legit:
+                assert results.complete(r, 3), (r, results.by_request.get(r))
+                assert [results.by_request[r][s][0] for s in range(3)] == [legit_body(r, s) for s in range(3)]
+            refused = [results.final(f"flood{k}") for k in range(flood)]
+            answered = [(k, h and h.get(ERROR)) for k, h in enumerate(refused) if h is None or h.get(ERROR) != "overloaded"]
+            assert not answered, (len(answered), answered[:5])
+            # The suppressed count of an interval is reported by the next limited line or, once a flood
+            # stopped, by the processor's timer: it wakes at least every min(prefill_timeout,
+            # request_timeout, finished_grace) = 30 s at the defaults, so up to ~40 s after the first line.
+            await wait_until(lambda: "suppressed_event=overloaded" in log_path.read_text(), 50,
+                             "the suppressed count reported")
+        text = log_path.read_text()
+        lines = text.count(" event=overloaded ")
+        suppressed = sum(int(line.rsplit("count=", 1)[1].split()[0]) for line in text.splitlines()
+                         if "event=log_suppressed" in line and "suppressed_event=overloaded" in line)
+        intervals = int(took // 10) + 2  # the flood's intervals of 10 s, and a partial one at each end
+        print(f"{flood} overloaded results in {took:.1f} s: {lines} lines, {suppressed} suppressed")
+        assert lines <= 20 * intervals, (lines, took)
+        assert lines + suppressed == flood, (lines, suppressed)  # every refusal counted, once
+        assert len(text.splitlines()) < 200, len(text.splitlines())
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_non_utf8_subjects_and_header_bytes_never_cost_the_processor_its_connection(
+        nats_url, streamproc_run):
+    """A subject or a header block that is not UTF-8 (sent over a raw socket: `PUB`/`HPUB` with
+    ``\\xff\\xfe``) made stock nats-py's read loop raise and stop reading for good. The processor's
+    client reads them: a non-UTF-8 subject is counted unreadable (no request id to answer), a chunk
+    whose headers do not decode ends its request with invalid_chunk; the connection never drops and
+    every legitimate request beside them is answered in full."""
+    port = free_port()
+    strays = 0
+
+    async def attack(nc, i: int, ping) -> None:
+        nonlocal strays
+        k = i // 50
+        strays += 1
+        await raw_protocol(nats_url, [
+            b"PUB streamproc.chunks.bad\xff\xfe%d.agg 2\r\n{}\r\n" % k,
+            raw_hpub(b"streamproc.chunks.hdr%d.agg" % k, NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)][0], b"{}"),
+        ])
+
+    with streamproc_run("--mode", "core", "--http-port", str(port)) as (proc, log_path):
+        victims = [f"hdr{k}" for k in range(20)]
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, log_path=log_path,
+                                  attacked=lambda res: all(res.final(v) for v in victims))
+        for k, v in enumerate(victims):  # each answered once, as its header block allows
+            [(body, headers)] = results.by_request[v].values()
+            expected = NON_UTF8_HEADERS[k % len(NON_UTF8_HEADERS)][1]
+            assert headers.get(FINAL) == "true", (v, headers)
+            if expected is None:
+                assert headers.get(ERROR) is None and body == b"{}", (v, headers, body)
+            else:
+                assert headers.get(ERROR) == "invalid_chunk" and expected in body, (v, headers, body)
+        assert not any(r.startswith("bad") for r in results.by_request)  # nobody to answer
+        await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == strays, 10,
+                         "every non-UTF-8 subject counted unreadable")
+        text = log_path.read_text(errors="replace")
+        assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
 
 
 async def test_a_requests_buffered_joins_take_turns_with_another_requests_join(nats_url, streamproc_run):

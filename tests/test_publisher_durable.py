@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import nats
 import pytest
 from nats.js.api import DiscardPolicy, StreamConfig
@@ -54,5 +56,8 @@ async def test_simulate_against_a_full_chunk_stream_exits_with_the_refusal_not_s
     finally:
         await nc.close()
     done = run_cli("simulate", "--nats-url", nats_url, "--requests", "50", "--mode", "agg")
-    assert done.returncode != 0
-    assert "not stored" in done.stderr and "maximum bytes" in done.stderr, done.stderr
+    # A StreamprocError at the CLI: exit code 1 (EXIT_FAILURE) and one line naming the refusal, no traceback.
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert re.fullmatch(r"streamproc simulate: error: chunk on 'streamproc\.chunks\.sim-[0-9a-f]+-\d+\.agg' not stored: "
+                        r"maximum bytes exceeded \(code 10077\)\n", done.stderr), done.stderr
