@@ -137,7 +137,10 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
                         if progress is not None:
                             ids = [*(p.request_id for p in plans), *(m.request_id for m in migrations)]
                             tg.start_soon(_report_progress, progress, collector, ids, processor)
-                        await traffic.publish(nc, settings.subjects, messages, format=format)
+                        # Against JetStream (mode auto chose durable), each chunk waits for its PubAck, as
+                        # simulate does: a chunk the stream refuses raises instead of vanishing.
+                        await traffic.publish(nc, settings.subjects, messages, format=format,
+                                              durable=processor.mode == "durable")
                         try:
                             with anyio.fail_after(timeout):
                                 # While the traffic flows: a worker dies mid-decode, its request migrates.
