@@ -159,17 +159,13 @@ class InflatingSession(JoinSession):
         return len(self.rows)
 
 
-class InflatingCodec(Codec):
+class InflatingCodec(ToyCodec):
+    """The toy's fold and error bodies; sessions that decode (inflate) rows."""
+
     name = "inflating"
 
     def open_session(self) -> JoinSession:
         return InflatingSession()
-
-    def fold(self, bodies):
-        return b"".join(bodies)
-
-    def error_body(self, message: str, kind: ErrorKind) -> bytes:
-        return f"ERR[{kind.value}]{message}".encode()
 
 
 def correlator(**config: object) -> Correlator:

@@ -523,8 +523,6 @@ class Correlator:
             req = self._active.pop(rid)
             self._waiting.pop(rid, None)
             self._release(req)
-            self.charged_bytes -= req.progress
-            req.progress = 0
             tokens.extend(req.held)  # the prefill leg's tokens are held from the moment it arrives
             tokens.extend(c.token for c in req.pending.values())
         for rid in unstored:
@@ -950,7 +948,7 @@ class Correlator:
         rid = req.request_id
         tokens = [*req.held, *(c.token for c in req.pending.values())]
         dropped = len(req.pending) + len(req.prefill)
-        self._release(req)
+        self._release(req, keep_progress=True)  # the migration session lives on into the next attempt
         req.work = req.outcome = None
         req.pending.clear()
         req.prefill.clear()
@@ -1028,9 +1026,12 @@ class Correlator:
                           f"processor byte budget exhausted: decoded payloads would hold {held} of "
                           f"{self.config.max_total_bytes} bytes", now)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: _Request, *, keep_progress: bool = False) -> None:
         self.charged_bytes -= req.buffered + req.absorbed + req.decoded
         req.buffered = req.absorbed = req.decoded = 0
+        if not keep_progress:
+            self.charged_bytes -= req.progress
+            req.progress = 0
 
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
         if isinstance(exc, RecursionError):
@@ -1060,8 +1061,6 @@ class Correlator:
     def _forget(self, req: _Request, now: float) -> None:
         rid = req.request_id
         self._release(req)
-        self.charged_bytes -= req.progress
-        req.progress = 0
         req.work = req.outcome = None
         self._active.pop(rid, None)
         self._waiting.pop(rid, None)

@@ -30,10 +30,10 @@ from collections.abc import Callable
 import anyio
 import nats.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ReplayPolicy
+from nats.js.api import ConsumerConfig
 
 from ..logs import LogLimiter, error_text, log_event
-from .streams import ensure_consumer
+from .streams import ensure_consumer, partition_consumer_config
 
 log = logging.getLogger("streamproc.durable")
 
@@ -48,18 +48,9 @@ REASON = ("a '*' or '>' token in the chunk subject: nats-server stored it untran
 
 def stray_consumer_config(all_chunks: str, *, ack_wait: float, max_deliver: int) -> ConsumerConfig:
     """The sweeper's durable pull consumer on ``P.chunks.>``: only strays keep such a stored subject."""
-    return ConsumerConfig(
-        name=STRAY_CONSUMER,
-        durable_name=STRAY_CONSUMER,
-        description="streamproc: chunks with a wildcard token, stored untransformed (terminated)",
-        deliver_policy=DeliverPolicy.ALL,
-        ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=ack_wait,
-        max_deliver=max_deliver,
-        max_ack_pending=STRAY_BATCH * 4,
-        filter_subject=all_chunks,
-        replay_policy=ReplayPolicy.INSTANT,
-    )
+    return partition_consumer_config(
+        STRAY_CONSUMER, all_chunks, ack_wait=ack_wait, max_ack_pending=STRAY_BATCH * 4, max_deliver=max_deliver,
+        description="streamproc: chunks with a wildcard token, stored untransformed (terminated)")
 
 
 class StraySweeper:

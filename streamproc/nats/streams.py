@@ -289,7 +289,8 @@ def partition_consumer_name(n: int) -> str:
 
 
 def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float,
-                              max_ack_pending: int, max_deliver: int = defaults.MAX_DELIVER) -> ConsumerConfig:
+                              max_ack_pending: int, max_deliver: int = defaults.MAX_DELIVER,
+                              description: str = "streamproc partition reader") -> ConsumerConfig:
     """A durable pull consumer for one partition: explicit acks, bounded redelivery.
 
     A chunk is only left unacknowledged while its result is not stored, so redeliveries are rare
@@ -301,7 +302,7 @@ def partition_consumer_config(name: str, filter_subject: str, *, ack_wait: float
     return ConsumerConfig(
         name=name,
         durable_name=name,
-        description="streamproc partition reader",
+        description=description,
         deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=ack_wait,
