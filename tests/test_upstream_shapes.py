@@ -448,3 +448,45 @@ def test_a_1_gib_zstd_bomb_raises_peak_rss_by_less_than_100_mib_under_the_defaul
     # The requirement is < 100 MiB; bounded by the body's rows it stays near zero (decoding up to the
     # ceiling instead costs ~100-130 MiB with a 128 MiB window, which this bound catches).
     assert int(grown_mib) < 50
+
+
+# ------------------------------------------------------------------ routed experts for the live page
+
+
+def truth_matrix(truth: Truth, start: int):
+    """The truth's routed-expert rows from token position ``start``, one row per position."""
+    import numpy as np
+
+    return np.frombuffer(truth.expert_rows(start, truth.rows), dtype="<i4").reshape(truth.rows - start, -1)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint16", "uint8"])
+@pytest.mark.parametrize("start_len", [0, 3])
+def test_sglang_routed_experts_hook_reads_upstream_shaped_joined_bodies(dtype, start_len):
+    """The live page's view (``Codec.routed_experts``) of a P/D answer built from upstream-shaped legs
+    (``streamproc_sglang.upstream``, not the simulator): the truth's rows in every wire dtype, from
+    ``routed_experts_start_len``, split at the prompt."""
+    truth = make_truth(4, prompt_len=7, output_len=4, num_layers=3, top_k=2, num_experts=64)
+    shape = sgl.Shape(dtype=dtype, advertise_dtype=True, start_len=start_len, echo_start_len=True)
+    [(body, verdict)] = join(SGLANG, sgl.decode(truth, shape, stream=False), sgl.prefill(truth, shape))
+    assert verdict is Verdict.JOINED
+    view = SGLANG.routed_experts(body, verdict=verdict)
+    assert (view.present, view.problem, view.omitted) == (True, None, {})
+    assert view.start == start_len and view.splice == truth.prompt_len - start_len
+    assert view.matrix.tolist() == truth_matrix(truth, start_len).tolist()
+    assert [(s.source, s.start, s.stop) for s in view.spans] == [
+        ("prefill", 0, truth.prompt_len - start_len), ("decode", truth.prompt_len - start_len, truth.rows - start_len)]
+
+
+def test_vllm_routed_experts_hook_reads_upstream_shaped_joined_bodies():
+    """The same for vLLM's ``.npy`` rows on the finishing choice (``streamproc_vllm.upstream``)."""
+    truth = make_truth(11, prompt_len=5, output_len=4, num_layers=3, top_k=2, num_experts=300)  # uint16 ids
+    shape = vll.Shape(prompt_logprobs=True)
+    [(body, verdict)] = join(VLLM, vll.decode(truth, shape, stream_=False), vll.prefill(truth, shape))
+    assert verdict is Verdict.JOINED
+    view = VLLM.routed_experts(body, verdict=verdict)
+    assert (view.present, view.problem, view.omitted) == (True, None, {})
+    assert view.start == 0 and view.splice == truth.prompt_len
+    assert view.matrix.tolist() == truth_matrix(truth, 0).tolist()
+    assert [(s.source, s.start, s.stop) for s in view.spans] == [
+        ("prefill", 0, truth.prompt_len), ("decode", truth.prompt_len, truth.rows)]
