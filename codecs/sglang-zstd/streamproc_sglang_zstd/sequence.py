@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pybase64
 import zstandard
 
 from streamproc.codec import CodecOptions, CorruptPayload, SequenceCodec
@@ -21,9 +22,15 @@ from streamproc.decompress import (
     zstd_frame_bound,
 )
 
+from .splice import splice_frame
+
 LEVEL = 3  # the engine-side default and the codec's unless ``--format-option zstd_level=N``
 LEVEL_OPTION = "zstd_level"
 THREADS_OPTION = "zstd_threads"  # ``auto`` (default): one per usable core; ``0``: single-threaded
+# ``on`` (default): a P/D join keeps prefill's compressed blocks for the prompt rows and compresses
+# only the generated rows (splice.py); ``off``: the whole joined payload is recompressed at
+# ``zstd_level``. With ``on`` the prompt rows stay at whatever level the prefill worker used.
+SPLICE_OPTION = "zstd_splice"
 # zstd cuts a multi-threaded frame into jobs compressed in parallel; the job size is picked per
 # payload: the larger size when it still gives every thread two jobs, else the smaller. Measured at
 # level 3 on skewed routed-expert rows, 2 cores, paired rounds against single-threaded: 9.28 MB
@@ -55,13 +62,15 @@ def compression_threads(cores: int) -> int:
     return 0 if cores < 2 else min(cores, MAX_THREADS)
 
 
-def zstd_compressor(level: int = LEVEL, threads: int = 0,
-                    job: int = JOB_SIZES[-1]) -> zstandard.ZstdCompressor:
+def zstd_compressor(level: int = LEVEL, threads: int = 0, job: int = JOB_SIZES[-1], *,
+                    bare: bool = False) -> zstandard.ZstdCompressor:
     """Content size in the header (cheap bounds) and a content checksum (detects value-level
     corruption that a size check cannot). ``threads`` > 0 makes one frame in ``job``-byte jobs
-    compressed in parallel: the same format, any zstd decoder reads it."""
+    compressed in parallel: the same format, any zstd decoder reads it. ``bare``: neither, for
+    blocks that go into a spliced frame (splice.py writes that frame's header and checksum)."""
     params = zstandard.ZstdCompressionParameters.from_level(
-        level, threads=threads, job_size=job if threads else 0, write_checksum=1, write_content_size=1)
+        level, threads=threads, job_size=job if threads else 0, write_checksum=int(not bare),
+        write_content_size=int(not bare), write_dict_id=0)
     return zstandard.ZstdCompressor(compression_params=params)
 
 
@@ -86,12 +95,20 @@ def _threads_option(options: CodecOptions) -> int:
     return int(text)
 
 
+def _splice_option(options: CodecOptions) -> bool:
+    text = options.option(SPLICE_OPTION, "on")
+    if text not in ("on", "off"):
+        raise ValueError(f"format option {SPLICE_OPTION}={text!r}: expected on or off")
+    return text == "on"
+
+
 class Base64ZstdRows(SequenceCodec[bytes]):
     """Raw int32 rows <-> Base64 text of one zstd frame.
 
     zstd contexts are not thread safe, so each instance (one per codec instance) owns its own.
-    Format options: ``zstd_level`` (default 3; the level of the joined frame, whatever the workers
-    used) and ``zstd_threads`` (``auto``: one per usable core).
+    Format options: ``zstd_level`` (default 3; the level the join compresses at, whatever the
+    workers used), ``zstd_threads`` (``auto``: one per usable core) and ``zstd_splice`` (``on``:
+    the prompt rows keep prefill's own compressed blocks, see :meth:`encode_after`).
     """
 
     def __init__(self, options: CodecOptions) -> None:
@@ -102,8 +119,9 @@ class Base64ZstdRows(SequenceCodec[bytes]):
         # the size/speed trade-off per level on skewed routed-expert data).
         self.level = _level_option(options)
         self.threads = _threads_option(options)
+        self.splice = _splice_option(options)
         self._cctx = zstd_compressor(self.level, self.threads)  # single-threaded or the largest jobs
-        self._cctx_by_job: dict[int, zstandard.ZstdCompressor] = {JOB_SIZES[-1]: self._cctx}
+        self._cctx_by_job: dict[tuple[int, bool], zstandard.ZstdCompressor] = {(JOB_SIZES[-1], False): self._cctx}
         self._dctx = zstd_decompressor(self._limit)
 
     def decode(self, value: object) -> bytes:
@@ -123,11 +141,25 @@ class Base64ZstdRows(SequenceCodec[bytes]):
     def encode(self, rows: bytes | bytearray | memoryview) -> str:
         return encode_base64(self._compressor(len(rows)).compress(rows))
 
-    def _compressor(self, size: int) -> zstandard.ZstdCompressor:
-        if not self.threads:
+    def encode_after(self, prefix_value: str, prefix: bytes, suffix: bytes | memoryview) -> str:
+        """The encoding of ``prefix + suffix`` where ``prefix_value`` is an accepted encoding of
+        ``prefix`` (prefill's value, which :meth:`decode` turned into ``prefix``). The frame reuses
+        ``prefix_value``'s compressed blocks and compresses only ``suffix`` (splice.py), which made a
+        5,000-row join's compression ~5x cheaper; when that frame cannot be built, or with
+        ``zstd_splice=off``, the whole payload is recompressed as :meth:`encode` does."""
+        if self.splice:
+            # Base64 again rather than keeping the frame: ~0.1 ms per 3 MB, not a retained copy.
+            frame = pybase64.b64decode(prefix_value, validate=True)
+            joined = splice_frame(frame, prefix, suffix, self._compressor(len(suffix), bare=True))
+            if joined is not None:
+                return encode_base64(joined)
+        return self.encode(b"".join((prefix, suffix)))
+
+    def _compressor(self, size: int, *, bare: bool = False) -> zstandard.ZstdCompressor:
+        if not self.threads and not bare:
             return self._cctx
-        job = job_size(size, self.threads)
-        cctx = self._cctx_by_job.get(job)
-        if cctx is None:  # at most len(JOB_SIZES) contexts, each with its own worker pool
-            cctx = self._cctx_by_job[job] = zstd_compressor(self.level, self.threads, job)
+        job = job_size(size, self.threads) if self.threads else 0
+        cctx = self._cctx_by_job.get((job, bare))
+        if cctx is None:  # at most 2 x len(JOB_SIZES) contexts, each with its own worker pool
+            cctx = self._cctx_by_job[job, bare] = zstd_compressor(self.level, self.threads, job, bare=bare)
         return cctx

@@ -391,8 +391,16 @@ class SGLangJoinSession(JoinSession):
             generated = memoryview(decode_rows)[skip:]
             if _stale(generated, row_bytes, prefill.itemsize):
                 return self._omit(meta, Omit.DECODE_CORRUPT)
-            joined = self._experts.encode(b"".join((prefill.rows, generated)))
+            joined = self._encode_joined(source_value, prefill.rows, generated)
         self._provide(meta, joined)
+
+    def _encode_joined(self, prefill_value: Any, rows: bytes, generated: memoryview) -> Any:
+        """The joined rows' encoding. A sequence codec that can extend prefill's own encoding
+        (``encode_after``, e.g. sglang-zstd reusing prefill's compressed blocks) is asked to."""
+        encode_after = getattr(self._experts, "encode_after", None)
+        if encode_after is not None:
+            return encode_after(prefill_value, rows, generated)
+        return self._experts.encode(b"".join((rows, generated)))
 
     def _provide(self, meta: dict[str, Any], value: Any) -> None:
         if meta.get(ROUTED_EXPERTS) != value or ROUTED_EXPERTS not in meta:
