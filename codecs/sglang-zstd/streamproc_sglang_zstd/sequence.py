@@ -8,6 +8,7 @@ size is judged from the header (or by a bounded streaming pass) before any outpu
 from __future__ import annotations
 
 import binascii
+import math
 import os
 
 import pybase64
@@ -45,12 +46,35 @@ JOB_SIZES = (1 << 20, 2 << 20)
 MAX_THREADS = 8  # a join is one request; more workers than this only add thread start-up
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, not the machine's count)."""
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Cores this process may run on: its affinity mask, not the machine's count, lowered to a
+    container's CPU quota (a zstd worker per visible core under a one-core quota only adds
+    hand-offs). The quota is read where a container sees its own cgroup, v2 or v1."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time per period the cgroup allows (``cpu.max`` quota / period, or v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), None when unlimited or unreadable."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def job_size(size: int, threads: int) -> int:

@@ -197,3 +197,33 @@ def test_a_level_other_than_the_default_recompresses_unless_splice_is_on():
 def test_a_bad_zstd_splice_option_is_refused_when_the_codec_is_built():
     with pytest.raises(ValueError, match="zstd_splice"):
         SGLangZstdCodec(CodecOptions(format_options=(("zstd_splice", "yes"),)))
+
+
+def test_usable_cores_follows_the_cgroup_cpu_quota(tmp_path):
+    from streamproc_sglang_zstd.sequence import cgroup_cpu_quota, compression_threads, usable_cores
+    assert cgroup_cpu_quota(str(tmp_path)) is None  # nothing readable: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # v2: 1.5 CPUs
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # half a CPU: no zstd worker threads
+    assert usable_cores(str(tmp_path)) == 1 and compression_threads(usable_cores(str(tmp_path))) == 0
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1, unlimited
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.0 and usable_cores(str(tmp_path)) == 1
+
+
+def test_usable_cores_follows_the_affinity_mask():
+    import os
+    import sys
+    probe = "from streamproc_sglang_zstd.sequence import usable_cores; print(usable_cores())"
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    one = sorted(os.sched_getaffinity(0))[:1]
+    out = subprocess.run([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {one}); {probe}"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "1"
