@@ -110,11 +110,13 @@ def test_a_spliced_frame_decodes_to_the_joined_rows_or_is_not_built(
     assert spliced(joined, frame)  # prefill's compressed blocks, not a recompression
 
 
-def test_skewed_int32_rows_are_spliced_not_recompressed():
-    data = routed_rows(1255)
+@pytest.mark.parametrize("threads", [0, 2])
+def test_skewed_int32_rows_are_spliced_not_recompressed(threads):
+    # 2,000 generated rows (3.7 MB): with 2 threads the generated rows' frame is several zstd jobs.
+    data = routed_rows(3000)
     prefix, suffix = data[:1000 * 58 * 8 * 4], data[1000 * 58 * 8 * 4:]
     frame = prefill_frame(prefix, 3, 0, True, True)
-    joined = splice_frame(frame, prefix, suffix, zstd_compressor(3, bare=True))
+    joined = splice_frame(frame, prefix, suffix, zstd_compressor(3, threads, 1 << 20, bare=True))
     assert joined is not None and spliced(joined, frame)
     check_decodes(joined, data)
     whole = zstd_compressor(3).compress(data)
