@@ -33,7 +33,8 @@ THREADS_OPTION = "zstd_threads"  # ``auto`` (default): one per usable core; ``0`
 # generated rows (splice.py), so the prompt rows stay at whatever level the prefill worker used;
 # ``off``: the whole joined payload is recompressed at ``zstd_level``. ``auto`` (default): ``on``
 # unless ``zstd_level`` asks for a level other than the engines' default, whose promise is that
-# level for the whole frame (a level-3 prefill spliced into a level-9 join was 6.8% larger).
+# level for the whole frame (a level-3 prefill spliced into a level-9 join was 0.9% larger on
+# benchmarks/experts.py rows than recompressing at 9, 6.8% on more compressible test rows).
 SPLICE_OPTION = "zstd_splice"
 # zstd cuts a multi-threaded frame into jobs compressed in parallel; the job size is picked per
 # payload: the larger size when it still gives every thread two jobs, else the smaller. Measured at
