@@ -89,6 +89,11 @@ def contenders(prefill_body: bytes, decode_body: bytes, level: int, format_optio
     return floor, ours
 
 
+def load_average() -> str:
+    """The 1-minute load average, printed beside every figure (the machine is shared)."""
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
 def timed(fn) -> tuple[float, float]:
     c0, t0 = time.perf_counter(), time.process_time()
     fn()
@@ -119,7 +124,7 @@ class Baseline:
     """``ours`` from another source tree, in a child process (see ``_CHILD``)."""
 
     def __init__(self, tree: Path, prefill_body: bytes, decode_body: bytes, format_options) -> None:
-        self._file = tempfile.NamedTemporaryFile(suffix=".pickle")
+        self._file = tempfile.NamedTemporaryFile(suffix=".pickle")  # noqa: SIM115 (closed in close())
         pickle.dump((prefill_body, decode_body, tuple(format_options)), self._file)
         self._file.flush()
         path = os.pathsep.join(str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd"))
@@ -215,7 +220,7 @@ def steps(name: str, rounds: int) -> None:
         for i, (_, _, fn) in enumerate(table):
             figures[i].append(timed(fn))
     print(f"steps of the {name} join ({len(truth.experts) / 1e6:.2f} MB raw), median of {rounds} rounds "
-          f"(load average {open('/proc/loadavg').read().split()[0]})")
+          f"(load average {load_average()})")
     print(f"{'who':6}{'step':50}{'wall ms':>9}{'cpu ms':>9}")
     for i, (who, label, _) in enumerate(table):
         print(f"{who:6}{label:50}{statistics.median(w for w, _ in figures[i]) * 1e3:9.2f}"
@@ -233,7 +238,7 @@ def main() -> None:
         for name in REQUESTS:
             steps(name, args.rounds)
         return
-    load = open("/proc/loadavg").read().split()[0]
+    load = load_average()
     out: dict = {"cores": usable_cores(), "level": LEVEL, "requests": {}, "levels": []}
 
     print(f"join: {LAYERS} layers x top-{TOP_K} int32 ids, Zipf(s=1) per layer; zstd level {LEVEL}; "
@@ -301,7 +306,7 @@ def main() -> None:
             line += f"{len(spliced_frame) / 1e6:11.3f}{rs['ours_ms']:11.1f}{rs['ratio']:7.3f}"
         out["levels"].append(row)
         print(line)
-    out["load"] = {"start": float(load), "end": float(open("/proc/loadavg").read().split()[0])}
+    out["load"] = {"start": float(load), "end": float(load_average())}
     print(f"load average (1 min) at start {out['load']['start']}, at end {out['load']['end']}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -150,7 +150,8 @@ class Base64ZstdRows(SequenceCodec[bytes]):
         self.threads = _threads_option(options)
         self.splice = _splice_option(options, self.level)
         self._cctx = zstd_compressor(self.level, self.threads)  # single-threaded or the largest jobs
-        self._cctx_by_job: dict[tuple[int, bool], zstandard.ZstdCompressor] = {(JOB_SIZES[-1], False): self._cctx}
+        self._cctx_by_job: dict[tuple[int, bool], zstandard.ZstdCompressor] = {
+            (JOB_SIZES[-1], False): self._cctx}  # by (job size, bare)
         self._dctx = zstd_decompressor(self._limit)
 
     def decode(self, value: object) -> bytes:
