@@ -48,14 +48,19 @@ MAX_SINGLE_SEGMENT = 1 << 27
 SEARCH_BYTES = 64 << 10
 # Below this many prompt-row bytes, recompressing everything is cheap and splicing saves nothing.
 MIN_PREFIX = 128 << 10
+# Prefill's frame is walked block by block in Python. zstd's blocks hold up to 128 KiB; a frame of
+# millions of empty 3-byte blocks is valid and decodes in C in milliseconds, but would take seconds
+# to walk, so a frame averaging under this many content bytes per block is recompressed instead.
+MIN_BYTES_PER_BLOCK = 4096
 # The explicit offsets whose matches leave the repeat history at zstd's start value {1, 4, 8}.
 _RESET_OFFSETS = (8, 4, 1)
 _OFFSET_CODE = {8: (3, 3), 4: (2, 3), 1: (2, 0)}  # offset -> (offset code, extra bits' value)
 
 
-def _frame_layout(frame: bytes | memoryview) -> tuple[int, int, int] | None:
+def _frame_layout(frame: bytes | memoryview, max_blocks: int | None = None) -> tuple[int, int, int] | None:
     """``(first block, last block header, end of blocks)`` offsets of one zstd frame, or None when
-    the frame uses a dictionary or its blocks do not walk exactly to its end."""
+    the frame uses a dictionary, its blocks do not walk exactly to its end, or it has more than
+    ``max_blocks`` blocks."""
     if len(frame) < 6 or frame[:4] != _MAGIC:
         return None
     fhd = frame[4]
@@ -67,7 +72,11 @@ def _frame_layout(frame: bytes | memoryview) -> tuple[int, int, int] | None:
     checksum = 4 if fhd & 0x04 else 0
     end = len(frame) - checksum
     last_header = -1
+    blocks = 0
     while pos + 3 <= end:
+        blocks += 1
+        if max_blocks is not None and blocks > max_blocks:
+            return None
         header = int.from_bytes(frame[pos:pos + 3], "little")
         kind, size = header >> 1 & 3, header >> 3
         if kind == 3:
@@ -142,7 +151,7 @@ def splice_frame(prefill_frame: bytes | memoryview, prefix: bytes, suffix: bytes
     total = len(prefix) + len(suffix)
     if len(prefix) < MIN_PREFIX or total > MAX_SINGLE_SEGMENT or len(suffix) < 3 * len(_RESET_OFFSETS):
         return None
-    layout = _frame_layout(prefill_frame)
+    layout = _frame_layout(prefill_frame, len(prefix) // MIN_BYTES_PER_BLOCK + 64)
     if layout is None:
         return None
     first, last_header, end = layout

@@ -131,6 +131,25 @@ def test_rows_without_the_offset_resetting_matches_are_not_spliced():
     assert splice_frame(frame, prefix, suffix, zstd_compressor(3, bare=True)) is None
 
 
+def test_a_prefill_frame_of_many_tiny_blocks_is_recompressed_not_walked():
+    # Valid zstd: 256 KiB of rows in raw blocks, then 200,000 empty raw blocks (600 KB of frame that
+    # decodes in milliseconds); walking it in Python would not be, so the join recompresses.
+    data = routed_rows(300)
+    prefix, suffix = data[:256 << 10], data[256 << 10:]
+    raw = [(0 | 0 << 1 | (128 << 10) << 3).to_bytes(3, "little") + prefix[i:i + (128 << 10)]
+           for i in range(0, len(prefix), 128 << 10)]
+    empty = [(0).to_bytes(3, "little")] * 200_000 + [(1).to_bytes(3, "little")]
+    frame = b"\x28\xb5\x2f\xfd" + bytes([0x00, (20 - 10) << 3]) + b"".join(raw + empty)
+    assert zstandard.ZstdDecompressor().decompress(frame, max_output_size=len(prefix) + 1) == prefix
+    assert splice_frame(frame, prefix, suffix, zstd_compressor(3, bare=True)) is None
+    # The same rows in a few blocks do splice.
+    few = b"\x28\xb5\x2f\xfd" + bytes([0x00, (20 - 10) << 3]) + b"".join(raw[:-1]) + \
+        (1 | (128 << 10) << 3).to_bytes(3, "little") + prefix[128 << 10:]
+    joined = splice_frame(few, prefix, suffix, zstd_compressor(3, bare=True))
+    assert joined is not None
+    check_decodes(joined, data)
+
+
 def test_a_spliced_frame_with_a_wrong_checksum_is_refused():
     data = routed_rows(600)
     prefix, suffix = data[:500 * 58 * 8 * 4], data[500 * 58 * 8 * 4:]
