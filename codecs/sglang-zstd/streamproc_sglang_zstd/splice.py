@@ -3,9 +3,10 @@
 Recompressing the whole joined payload was 57% of a large join, and most of it redid work the
 prefill worker had already done: the prompt rows come first in the join, byte for byte as prefill
 compressed them. zstd's multi-threaded compressor builds one frame from independently compressed
-jobs in the same way (``zstdmt_compress.c``: every job after the first is compressed with the
-previous input as a raw prefix, its blocks appended to the frame), so the format allows it. The
-joined frame here is:
+jobs in the same way (``ZSTDMT_compressionJob`` in lib/compress/zstdmt_compress.c: each job starts
+with ``ZSTD_compressBegin_advanced_internal(cctx, job->prefix.start, job->prefix.size,
+ZSTD_dct_rawContent, ...)`` and, if not the first, ``ZSTD_invalidateRepCodes(cctx)``; its blocks
+are appended to the one frame), so the format allows it. The joined frame here is:
 
 1. a new frame header: single segment (the window is the content size, so any offset back into
    the prompt rows is legal), the joined content size, a content checksum;
@@ -17,7 +18,8 @@ joined frame here is:
 
 Why step 3: zstd sequences may name a match by a *repeat offset* (one of the last three offsets
 used). A compressor starting a frame assumes the repeat offsets are ``{1, 4, 8}``
-(``repStartValue``) and no earlier entropy tables; the decoder instead carries over what the
+(``static const U32 repStartValue[ZSTD_REP_NUM] = { 1, 4, 8 };`` in zstd_internal.h) and no
+earlier entropy tables; the decoder instead carries over what the
 blocks before left. zstdmt avoids that with ``ZSTD_invalidateRepCodes``, which python-zstandard
 does not expose. The entropy tables need nothing (a frame's first block never uses
 ``Repeat_Mode`` or treeless literals: there is nothing to repeat), but the offsets must agree: three
@@ -29,7 +31,8 @@ only the offset's extra bits.
 
 When no such matches exist near the start of the generated rows (e.g. narrow dtypes without four
 equal bytes in a row), the frame is too large for a single segment, or prefill's frame is not one
-this module can walk, :func:`splice_frame` returns None and the caller recompresses everything.
+this module can walk (a dictionary, or too many blocks for its size), :func:`splice_frame` returns
+None and the caller recompresses everything.
 """
 
 from __future__ import annotations
