@@ -99,7 +99,7 @@ def main() -> None:
         legs, bodies = worker.prefill(truth, stream=True), worker.decode(truth, stream=True)[:-1]
         session = sglang.open_session()
         session.absorb_prefill(legs)
-        cost = measure(lambda: [session.join(body, False) for body in bodies], args.rounds)
+        cost = measure(lambda s=session, b=bodies: [s.join(body, False) for body in b], args.rounds)
         per_chunk[prompt_len] = cost[0] / len(bodies)
         print(f"streamed chunk, prompt logprobs of {prompt_len:,} tokens (prefill leg {sum(map(len, legs)):,} B): "
               f"thread {per_chunk[prompt_len] * 1e3:.3f} ms per chunk")
@@ -110,7 +110,7 @@ def main() -> None:
         session.absorb_prefill([prefill_leg])
         session.decode_budget = defaults.MAX_TOTAL_BYTES
         session.join(decode_leg, True)  # prefill's rows decoded once, as a streamed attack's later joins find them
-        cost = measure(lambda: session.join(decode_leg, True), args.rounds)
+        cost = measure(lambda s=session, leg=decode_leg: s.join(leg, True), args.rounds)
         print(f"inflating join, {len(decode_leg):,} B decode chunk -> {prompt_len * 16384 / 2**20:.0f} MiB of rows: "
               f"thread {cost[0] * 1e3:.1f} ms, process {cost[1] * 1e3:.1f} ms "
               f"({defaults.MAX_DECODE_CPU / cost[0]:,.0f} of them per {defaults.MAX_DECODE_CPU:g} s budget)")

@@ -324,9 +324,9 @@ async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nat
             # loop the max was 16-63 ms; 0.5 s leaves room for a shared, loaded 2-core machine.
             assert busy[-1] < 0.500 and busy[20] < idle[20] + 0.050, (idle, busy)
             # Paired p90 (a join step holding the GIL slows every round trip): with the row splice in
-            # np.concatenate -12.5 to +7.5 ms over idle in 4 runs (during joins 8.0-12.3 ms; 5.3-9.4 ms
+            # np.concatenate -12.5 to +10.6 ms over idle in 9 runs (during joins 4.4-15.4 ms; 5.3-9.4 ms
             # in 3 more at a lighter load), main's bytes.join +18.3 to +30.8 ms in 4 runs interleaved
-            # with them (2026-12-01, load average 6.9-8.6). Bound: 2x our worst.
+            # with the first 4 (2026-12-01, load average 6.5-8.6). Bound: 1.4x our worst.
             assert busy[36] <= idle[36] + 0.015, (idle, busy)
             assert peak_rss(proc.pid) < 300 * MiB
         finally:
