@@ -81,7 +81,9 @@ log = logging.getLogger("streamproc.durable")
 
 PULL_EXPIRES = 10.0  # seconds a pull request lives on the server
 HEARTBEAT = 1.0  # idle heartbeat the server sends for a waiting pull request
-PULL_MAX_BYTES = 16 << 20  # least bytes one pull may bring (at least two maximal messages, see __init__)
+# Bytes the pulls of all partitions may bring at once, shared by the --partitions an instance may own
+# (one partition's pull still brings at least two maximal messages, see __init__).
+PULL_MAX_BYTES = 16 << 20
 LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: the server forgot our pulls
 WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
@@ -193,10 +195,16 @@ class DurableInput:
         # when the next message would pass it): with message credit alone, up to 1.5 batches of
         # max_payload messages could wait in nats-py's queue while the handler is slow (a recovery
         # lookup under load), 384 MB of 1 MB chunks. At least two maximal messages fit, so every
-        # message can be delivered.
+        # message can be delivered. What is in flight is not charged to --max-total-bytes, so the
+        # bound is shared by the partitions: at 16 MiB each, 8 partitions' subscription queues held up
+        # to 38 MiB not yet handled on a loaded machine, on top of a full
+        # budget (peak RSS 202 MiB against the 200 MiB bound, tests/test_durable_hostile.py,
+        # concurrent attackers); shared, at most 4.9 MiB in 4 runs. 256 chunks of up to 8 KiB still
+        # fit one pull at 8 partitions.
         max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
         self._pull_body = msgspec.json.encode({
-            "batch": self._batch, "max_bytes": max(PULL_MAX_BYTES, 2 * max_payload + 65536),
+            "batch": self._batch,
+            "max_bytes": max(PULL_MAX_BYTES // settings.partitions, 2 * max_payload + 65536),
             "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.

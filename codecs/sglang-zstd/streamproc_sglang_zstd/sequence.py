@@ -11,6 +11,7 @@ import binascii
 import math
 import os
 
+import numpy as np
 import pybase64
 import zstandard
 
@@ -186,7 +187,8 @@ class Base64ZstdRows(SequenceCodec[bytes]):
             joined = splice_frame(frame, prefix, suffix, self._compressor(len(suffix), bare=True))
             if joined is not None:
                 return encode_base64(joined)
-        return self.encode(b"".join((prefix, suffix)))
+        # numpy copies without the GIL (``bytes.join`` with a memoryview part holds it throughout).
+        return self.encode(np.concatenate((np.frombuffer(prefix, np.uint8), np.frombuffer(suffix, np.uint8))))
 
     def _compressor(self, size: int, *, bare: bool = False) -> zstandard.ZstdCompressor:
         if not self.threads and not bare:
