@@ -296,7 +296,9 @@ async def run(args) -> None:
             for name in names:
                 print(f"{'':10}   {name}: msg/s {', '.join(f'{x:,.0f}' for x in rates[name])}; "
                       f"cpu us/msg {', '.join(f'{x:.1f}' for x in cpus[name])}")
-                print(f"{'':10}   {'':{len(name)}}  harness cores {', '.join(f'{x:.2f}' for x in harness[name])}; "
+                h_us = [h * 1e6 / r for h, r in zip(harness[name], rates[name])]  # cores / (msg/s)
+                print(f"{'':10}   {'':{len(name)}}  harness cores {', '.join(f'{x:.2f}' for x in harness[name])} "
+                      f"(cpu us/msg {', '.join(f'{x:.1f}' for x in h_us)}); "
                       f"nats-server cpu us/msg {', '.join(f'{x:.1f}' for x in nats_cpu[name])}; "
                       f"machine busy cores {', '.join(f'{x:.2f}' for x in machine[name])}")
             for tree in TREES:  # this tree's streamproc beside another tree's, and that one beside the relay
