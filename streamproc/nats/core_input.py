@@ -5,7 +5,8 @@ coroutines, no awaits other than one publish per result. With a
 :class:`~streamproc.nats.fast_client.FastClient`, aggregated chunks in their common cases take the
 fused path (:class:`~streamproc.core.passthrough.PassthroughPath`): no Chunk, Result, list or header
 dict, and a pre-formatted header block (``publish_header_block``); everything else, and every
-message on a stock-path client, takes the general path below it.
+message on a stock-path client, takes the general path below it. While nothing is queued, the
+fused path runs in the client's read loop (``_inline``, ``FastClient.deliver_inline``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   encodes it once. On any exception the stock encoder runs instead, so every error is nats-py's own.
   :meth:`FastClient.publish_header_block` sends a block the caller pre-formatted (the processor's
   passthrough results, :func:`streamproc.core.wire.result_header_block`).
+- **Inline delivery**: :meth:`FastClient.deliver_inline` lets a synchronous handler take a plain
+  subscription's message in the read loop, before a ``Msg`` is built or queued, while nothing of
+  that subscription is queued or in its callback (core mode's fused passthrough path; ~1 µs a
+  message of queue, ``Msg`` and coroutine saved). :meth:`FastClient.publish_block_nowait` is its
+  publish, made safe by the checks before the call.
 
 The wire bytes and errors are pinned against stock nats-py on random headers
 (tests/test_fast_client.py). The fast path is used only for nats-py versions in
