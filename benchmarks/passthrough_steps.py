@@ -1,12 +1,14 @@
 """Per-step cost of one aggregated passthrough message, the general path beside the fused one.
 
-In-process, no NATS: each step runs on the same pre-built streamed chunk (headers as a worker sends
-them), timed over ``--n`` calls, steps interleaved over ``--rounds`` rounds, median µs per call.
+In-process, no NATS: each step runs on the same pre-built chunk (headers as a worker sends them),
+timed over ``--n`` calls, steps interleaved over ``--rounds`` rounds, median µs per call. Two loads:
+a streamed chunk (seq 1 of a request in progress: the correlator's per-request state, the reorder
+check) and a unary one (seq 0, final, a new request id every call: the finished-set bookkeeping).
 "before" is what a message cost on the stock nats-py path + the general streamproc path; "after"
 is FastClient + the fused PassthroughPath. The sum is an estimate: the event loop, the message
 queue and the socket are not in it (benchmarks/passthrough.py measures the whole process).
 
-Usage: python benchmarks/passthrough_steps.py [--n 50000] [--rounds 5]
+Usage: python benchmarks/passthrough_steps.py [--n 50000] [--rounds 5] [--load streamed|unary]
 """
 
 from __future__ import annotations
@@ -41,43 +43,68 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--load", action="append", choices=["streamed", "unary"], default=[])
     args = parser.parse_args()
+    for load in args.load or ["streamed", "unary"]:
+        measure(args, load == "streamed")
+
+
+def measure(args: argparse.Namespace, streamed: bool) -> None:
     n = args.n
     subjects = Subjects("bench")
     subject = subjects.chunk("r1", Role.AGG)
     body = b'{"text": "hello", "meta_info": {"id": "r1"}}'
-    wire_headers = _stock_header_block(chunk_headers("r1", Role.AGG, 1))
+    seq, final = (1, False) if streamed else (0, True)
+    wire_headers = _stock_header_block(chunk_headers("r1", Role.AGG, seq, final=final))
     stock, fast = make_clients()
     loop = asyncio.new_event_loop()
     headers = loop.run_until_complete(stock._process_headers(wire_headers))
 
     def correlator() -> Correlator:
         c = Correlator(Catalog(), "sglang", CorrelatorConfig(max_retained_bytes=1 << 62))
-        c.receive(ChunkParser(subjects)(subject, {**headers, "Streamproc-Seq": "0"}, body), 0.0)
+        if streamed:
+            c.receive(ChunkParser(subjects)(subject, {**headers, "Streamproc-Seq": "0"}, body), 0.0)
         return c
 
     parse = ChunkParser(subjects)
     chunk = parse(subject, headers, body)
-    result = Result("r1", 1, body, False, Verdict.PASSTHROUGH, None, None, ())
+    result = Result("r1", seq, body, final, Verdict.PASSTHROUGH, None, None, ())
     result_subject = subjects.result("r1")
-    block = result_header_block("r1", 1, False, None)
-
-    # Stateful steps rewind their request to seq 1 before every call.
+    block = result_header_block("r1", seq, final, None)
     c_general, c_fused = correlator(), correlator()
-    req_g, req_f = c_general._active["r1"], c_fused._active["r1"]
     fused = PassthroughPath(subjects, c_fused)
+    if streamed:  # stateful steps rewind their request to seq 1 before every call
+        req_g, req_f = c_general._active["r1"], c_fused._active["r1"]
 
-    def receive() -> None:
-        req_g.next_seq = 1
-        c_general.receive(chunk, 0.0)
+        def receive() -> None:
+            req_g.next_seq = 1
+            c_general.receive(chunk, 0.0)
 
-    def receive_agg() -> None:
-        req_f.next_seq = 1
-        c_fused.receive_agg("r1", 1, False, body, None, 0.0)
+        def receive_agg() -> None:
+            req_f.next_seq = 1
+            c_fused.receive_agg("r1", 1, False, body, None, 0.0)
 
-    def fused_path() -> None:
-        req_f.next_seq = 1
-        fused(subject, headers, body, 0.0)
+        def fused_path() -> None:
+            req_f.next_seq = 1
+            fused(subject, headers, body, 0.0)
+    else:  # a new request every call: ids cycle through more than the finished set holds
+        ids = [f"u{i}" for i in range(2 * c_fused._max_finished + 1)]
+        chunks = [parse(subjects.chunk(rid, Role.AGG), headers, body) for rid in ids]
+        subs = [subjects.chunk(rid, Role.AGG) for rid in ids]
+        count = len(ids)
+        k = [0, 0, 0]
+
+        def receive() -> None:
+            k[0] = (k[0] + 1) % count
+            c_general.receive(chunks[k[0]], 0.0)
+
+        def receive_agg() -> None:
+            k[1] = (k[1] + 1) % count
+            c_fused.receive_agg(ids[k[1]], 0, True, body, None, 0.0)
+
+        def fused_path() -> None:
+            k[2] = (k[2] + 1) % count
+            fused(subs[k[2]], headers, body, 0.0)
 
     async def pub_stock() -> None:
         await stock.publish(result_subject, body, headers=result_headers(result))
@@ -123,7 +150,8 @@ def main() -> None:
         return times
 
     times = loop.run_until_complete(run())
-    print(f"{n} calls per step, {args.rounds} interleaved rounds, median µs per call")
+    print(f"{'streamed' if streamed else 'unary'} chunk: {n} calls per step, {args.rounds} interleaved rounds, "
+          f"median µs per call")
     print(f"{'step':56}{'before':>9}{'after':>9}{'ratio':>8}")
     total_b = total_a = 0.0
     for name, _, after in steps:

@@ -19,9 +19,10 @@ from nats.aio.subscription import Subscription
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
-from streamproc.core.wire import result_header_block, result_headers, Result, Verdict
+from streamproc.core.wire import Role, Subjects, chunk_headers, result_header_block, result_headers, Result, Verdict
 from streamproc.nats import fast_client
-from streamproc.nats.fast_client import FastClient, encode_header_block, fast_path_support, new_client
+from streamproc.nats.fast_client import (FastClient, _stock_header_block, encode_header_block, fast_path_support,
+                                         new_client)
 from streamproc.nats.robust import RobustClient
 
 # ------------------------------------------------------------------------------ parse side
@@ -135,6 +136,122 @@ def test_a_preformatted_result_block_is_what_nats_py_sends_for_result_headers(ri
         return b"".join(nc._pending), nc._pending_data_size
 
     assert asyncio.run(send()) == expected
+
+    nc = _connected(FastClient)  # the inline handler's publish: no await, the same bytes and counts
+    nc.publish_block_nowait("s", b"b", result_header_block(rid, seq, final, traceparent))
+    assert (b"".join(nc._pending), nc._pending_data_size) == expected
+    assert nc.stats["out_msgs"] == 1 and nc.stats["out_bytes"] == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(_PLAIN.filter(lambda s: not set(s) & set(".*>")), st.integers(0, 10**17), st.booleans(),
+       st.none() | _PLAIN, st.binary(max_size=64), st.sampled_from(["p", "streamproc", "a" * 40]))
+def test_a_passthrough_result_never_exceeds_the_room_checked_before_inline_delivery(rid, seq, final, traceparent,
+                                                                                     body, prefix):
+    """FastClient._process_msg lets a message go inline only with room in the pending buffer for
+    len(payload) + len(received headers) + 2 * len(subject) + 256 bytes: the result command must fit."""
+    subjects = Subjects(prefix)
+    subject = subjects.chunk(rid, Role.AGG)
+    headers = _stock_header_block(chunk_headers(rid, Role.AGG, seq, final=final, traceparent=traceparent))
+    nc = _connected(FastClient)
+    nc.publish_block_nowait(subjects.result(rid), body, result_header_block(rid, seq, final, traceparent))
+    assert nc._pending_data_size <= len(body) + len(headers) + 2 * len(subject.encode()) + 256
+
+
+# ------------------------------------------------------------------------------ inline delivery
+
+async def _until(done, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not done():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_no_message_is_delivered_inline_while_an_earlier_one_is_queued_or_in_its_callback(client, nats_url):
+    nc = await _fast_client(nats_url)
+    try:
+        release = asyncio.Event()
+        queued: list[bytes] = []
+        inline: list[bytes] = []
+
+        async def cb(msg) -> None:
+            queued.append(msg.data)
+            if msg.data == b"slow":
+                await release.wait()
+
+        def handler(subject: str, headers, data: bytes) -> bool:
+            assert subject == "inline.x" and headers == {"K": "v"}
+            if data == b"slow":
+                return False
+            inline.append(data)
+            return True
+
+        sub = await nc.subscribe("inline.>", cb=cb)
+        nc.deliver_inline(sub, handler)
+        await nc.flush()
+        for data in (b"slow", b"a", b"b"):
+            await client.publish("inline.x", data, headers={"K": "v"})
+        await client.flush()
+        await _until(lambda: len(queued) >= 1)
+        await asyncio.sleep(0.2)  # a and b have arrived; "slow" is still in its callback
+        assert inline == [] and queued == [b"slow"]
+        release.set()
+        await _until(lambda: len(queued) >= 3)
+        assert queued == [b"slow", b"a", b"b"] and inline == []  # in order, behind it
+        await client.publish("inline.x", b"c", headers={"K": "v"})  # nothing ahead of it now
+        await client.flush()
+        await _until(lambda: len(inline) >= 1)
+        assert inline == [b"c"] and queued == [b"slow", b"a", b"b"]
+
+        nc._max_pending_size, limit = 1, nc._max_pending_size  # no room for a result: the queue
+        await client.publish("inline.x", b"d", headers={"K": "v"})
+        await client.flush()
+        await _until(lambda: len(queued) >= 4)
+        nc._max_pending_size = limit
+        assert queued[3] == b"d" and inline == [b"c"]
+        nc.stop_inline(sub)
+        await client.publish("inline.x", b"e", headers={"K": "v"})
+        await client.flush()
+        await _until(lambda: len(queued) >= 5)
+        assert queued[4] == b"e" and inline == [b"c"]
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_a_fused_path_that_raises_inline_ends_its_request_with_an_internal_error(client, start_processor):
+    """The exception is handed to the queue path, which handles that message as it would have
+    (an ``internal`` error result); every other request is still passed through."""
+    async with start_processor("in-process", format="sglang", mode="core") as rp:
+        core = rp.processor.input
+        fused = core._fused
+        calls: list[tuple[str, bool]] = []  # (subject, called in the client's read loop: inline)
+
+        def flaky(subject, headers, body, now):
+            calls.append((subject, asyncio.current_task() is rp.processor.nc._reading_task))
+            if ".boom." in subject:
+                raise RuntimeError("fused path bug")
+            return fused(subject, headers, body, now)
+
+        core._fused = flaky
+        async with follow(client, rp.subjects, "boom", timeout=10) as boom, \
+                follow(client, rp.subjects, "fine", timeout=10) as fine:
+            publisher = ChunkPublisher(client, rp.subjects)
+            await publisher.publish_leg("boom", "agg", [b"x"])
+            await publisher.publish_leg("fine", "agg", [b"one", b"two"])
+            failed = await boom.collect()
+            passed = await fine.collect()
+        assert len(failed) == 1 and failed[0].final and failed[0].error == "internal"
+        assert b"fused path bug" in failed[0].body
+        assert [r.body for r in passed] == [b"one", b"two"] and passed[-1].final
+        # once, inline; the queue path re-raised it without a second call
+        assert core._inline_error is None and calls[0] == (rp.subjects.chunk("boom", "agg"), True)
+        assert [c for c in calls if c[0] == rp.subjects.chunk("boom", "agg")] == [calls[0]]
 
 
 # ------------------------------------------------------------------------- version range

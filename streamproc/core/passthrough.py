@@ -47,20 +47,23 @@ class PassthroughPath:
         if headers is None or not subject.endswith(".agg") or not subject.startswith(self._head):
             return None
         rid = subject[self._cut:-4]
-        seq = headers.get(SEQ)
-        final = headers.get(FINAL)
-        attempt = headers.get(ATTEMPT)
-        traceparent = headers.get(TRACEPARENT)
+        get = headers.get
+        seq = get(SEQ)
+        final = get(FINAL)
+        attempt = get(ATTEMPT)
+        traceparent = get(TRACEPARENT)
         # ChunkParser's fast-path checks (valid_request_id, seq, final, attempt), plus: no format
         # header (the general path compares it with the request's) and a traceparent that can be
         # copied into a pre-formatted block unchanged. valid_request_id is repeated inline (calling
         # it costs ~27 ns a message); tests/test_passthrough_path.py pins that both rules agree.
+        # (Checking the id only when a request is opened, so that a streamed request's later chunks
+        # skip it, saved ~0.06 µs of the ~1.8 µs here and cost unary chunks a call: not done.)
         if not (rid and len(rid) <= MAX_REQUEST_ID_LEN and rid.isascii() and rid.isprintable()
                 and " " not in rid and "." not in rid and "*" not in rid and ">" not in rid
                 and seq is not None and seq.isascii() and seq.isdigit() and len(seq) <= 18
                 and (final is None or final == "true" or final == "false")
                 and (attempt is None or attempt == "0")
-                and not headers.get(FORMAT)
+                and not get(FORMAT)
                 and (not traceparent or plain_header_value(traceparent))):
             return None
         n = int(seq)

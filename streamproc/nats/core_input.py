@@ -5,7 +5,8 @@ coroutines, no awaits other than one publish per result. With a
 :class:`~streamproc.nats.fast_client.FastClient`, aggregated chunks in their common cases take the
 fused path (:class:`~streamproc.core.passthrough.PassthroughPath`): no Chunk, Result, list or header
 dict, and a pre-formatted header block (``publish_header_block``); everything else, and every
-message on a stock-path client, takes the general path below it.
+message on a stock-path client, takes the general path below it. While nothing is queued, the
+fused path runs in the client's read loop (``_inline``, ``FastClient.deliver_inline``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class CoreInput:
         # Tracing on: every chunk takes the general path, where its spans are recorded.
         fused = publish_block is not None and pipeline.tracing is None
         self._fused = PassthroughPath(pipeline.subjects, pipeline.correlator) if fused else None
+        # The fused path's messages handled in the client's read loop (FastClient.deliver_inline):
+        # (data, exception) when the fused path raised there; the queue path then handles that
+        # message (the next it sees) as _on_message would have.
+        self._inline_error: tuple[bytes, Exception] | None = None
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -66,12 +71,17 @@ class CoreInput:
             pending_msgs_limit=self._settings.pending_msgs_limit,
             pending_bytes_limit=self._settings.pending_bytes_limit,
         )
+        if self._fused is not None:
+            self._send_block = self._nc.publish_block_nowait
+            self._nc.deliver_inline(self._sub, self._inline)
         await self._nc.flush()  # the server knows the interest before start() returns
 
     async def stop(self, timeout: float) -> None:
         sub, self._sub = self._sub, None
         if sub is None or self._nc.is_closed:
             return
+        if self._fused is not None:  # from here on every message goes through the queue: drain() waits for it
+            self._nc.stop_inline(sub)
         with anyio.move_on_after(timeout) as scope:
             # Unsubscribes, then waits until every message already received has been handled.
             await sub.drain()
@@ -125,6 +135,31 @@ class CoreInput:
 
         await self._gate.exclusive(finish)
 
+    def _inline(self, subject: str, headers: dict[str, str] | None, data: bytes) -> bool:
+        """The fused path in the client's read loop (FastClient.deliver_inline): a message whose
+        result it publishes, while nothing else of the subscription is queued or being handled and
+        no off-path dispatch holds the gate, needs no Msg, queue entry or coroutine. Never suspends.
+        False: the message goes through the queue to _on_message, which decides exactly as here."""
+        gate = self._gate
+        if gate.busy or gate.held is not None:
+            return False
+        now = self._clock()
+        try:
+            routed = self._fused(subject, headers, data, now)  # type: ignore[misc]
+        except Exception as exc:
+            self._inline_error = (data, exc)  # _on_message handles it: the next message it sees
+            return False
+        if routed is None:
+            return False
+        result_subject, block = routed
+        try:
+            self._send_block(result_subject, data, block)
+        except Exception as exc:
+            self._publish_failed(result_subject[len(self._results_head):], int(headers[SEQ]), exc)  # type: ignore[index]
+        else:
+            self._observe(self._clock() - now)
+        return True
+
     async def _on_message(self, msg: Msg) -> None:
         gate = self._gate
         if gate.held is not None:  # the timer or a control request is publishing: keep per-request order
@@ -136,6 +171,10 @@ class CoreInput:
             try:  # every message ends in a decision, whatever raises while it is handled
                 fused = self._fused
                 if fused is not None:
+                    failed = self._inline_error
+                    if failed is not None and failed[0] is msg.data:  # it raised in _inline: same handling
+                        self._inline_error = None
+                        raise failed[1]
                     routed = fused(msg.subject, msg.headers, msg.data, now)
                 if routed is None:
                     try:

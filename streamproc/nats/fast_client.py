@@ -18,6 +18,11 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   encodes it once. On any exception the stock encoder runs instead, so every error is nats-py's own.
   :meth:`FastClient.publish_header_block` sends a block the caller pre-formatted (the processor's
   passthrough results, :func:`streamproc.core.wire.result_header_block`).
+- **Inline delivery**: :meth:`FastClient.deliver_inline` lets a synchronous handler take a plain
+  subscription's message in the read loop, before a ``Msg`` is built or queued, while nothing of
+  that subscription is queued or in its callback (core mode's fused passthrough path; ~1 µs a
+  message of queue, ``Msg`` and coroutine saved). :meth:`FastClient.publish_block_nowait` is its
+  publish, made safe by the checks before the call.
 
 The wire bytes and errors are pinned against stock nats-py on random headers
 (tests/test_fast_client.py). The fast path is used only for nats-py versions in
@@ -249,6 +254,18 @@ class FastClient(RobustClient):
             hdr = parse_header_block(headers)
         else:  # inline status line, or too short to hold a header: nats-py's own parser
             hdr = await self._process_headers(headers)
+        handler = self._inline.get(sid) if self._inline else None
+        # Inline delivery (see deliver_inline): only with nothing of this subscription queued or
+        # in its callback (order), and when a result of this message's size (a bound: subject,
+        # block and payload each at most the received ones' plus 256 bytes of fixed lines) can be
+        # queued for the flusher without a forced flush, which would suspend.
+        if (handler is not None and sub._pending_queue._unfinished_tasks == 0
+                and self._status == Client.CONNECTED and payload_size <= self._max_payload
+                and (self._max_pending_size <= 0 or self._pending_data_size + payload_size
+                     + (len(headers) if headers else 0) + 2 * len(subject) + 256 <= self._max_pending_size)
+                and self._flusher_task is not None and not self._flusher_task.done()
+                and handler(subject.decode("utf-8", "surrogateescape"), hdr, data)):
+            return
         if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
             msg = Msg(self, subject.decode("utf-8", "surrogateescape"), reply.decode("utf-8", "surrogateescape"),
                       data, hdr, None, False, sid)
@@ -267,6 +284,42 @@ class FastClient(RobustClient):
         except asyncio.QueueFull:
             sub._pending_size -= len(msg.data)
             await self._error_cb(errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
+
+    _inline: dict[int, Any] | None = None
+
+    def deliver_inline(self, sub: Any, handler: Any) -> None:
+        """Hand ``sub``'s messages to ``handler(subject, headers, data) -> bool`` in the read loop,
+        before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its
+        callback; False: the message takes the queue and the callback as usual.
+
+        Why: the queue, the ``Msg``, the callback's coroutine and ``_wait_for_msgs``' bookkeeping
+        cost ~1 µs a message, the largest per-message cost left in the passthrough path after the
+        header work (docs/benchmarks.md). The handler must not suspend or raise, and may only
+        publish through :meth:`publish_block_nowait`, which the checks before the call make safe.
+        Order is kept: a message goes inline only when every earlier one has been handled."""
+        if self._inline is None:
+            self._inline = {}
+        self._inline[sub._id] = handler
+
+    def stop_inline(self, sub: Any) -> None:
+        if self._inline:
+            self._inline.pop(sub._id, None)
+
+    def publish_block_nowait(self, subject: str, payload: bytes, header_block: bytes) -> None:
+        """:meth:`publish_header_block` without an await, for an inline handler: the connection is
+        up, the payload within the server's limit and the pending buffer has room (checked before
+        the handler ran), so nats-py's publish would not raise or suspend either; same bytes, same
+        stats, the same kick of the flusher (``_flush_pending``)."""
+        hdr_len = len(header_block)
+        cmd = f"HPUB {subject}  {hdr_len} {len(payload) + hdr_len}\r\n".encode() + header_block + payload + _CRLF
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += len(payload)
+        self._pending.append(cmd)
+        self._pending_data_size += len(cmd)
+        queue = self._flush_queue
+        if queue is not None and queue.empty():
+            queue.put_nowait(asyncio.Future())
 
     async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                       headers: dict[str, str] | None = None) -> None:
