@@ -345,6 +345,43 @@ class FastClient(RobustClient):
         if self._pending_data_size > 0 and queue is not None and queue.empty() and self.is_connected:
             queue.put_nowait(asyncio.get_running_loop().create_future())
 
+    def enqueue(self, subject: str, payload: bytes, reply: str = "", header_block: bytes | None = None, *,
+                checked: bool = False, defer: bool = False) -> None:
+        """``publish`` without awaiting, for handlers that run inside the read loop
+        (:func:`streamproc.nats.subscription.dispatch_inline`): the command joins ``_pending`` and
+        the flusher is kicked (``defer``: as :meth:`publish_deferred`, it waits for the next write or
+        ``defer_linger``). ``header_block`` as :func:`encode_header_block` makes it. ``checked``: the
+        subjects came from the server or were validated before (an ack subject, our own inbox),
+        nats-py's subject checks are skipped. Unlike ``publish`` it never waits for the flusher when
+        ``_pending`` is over ``_max_pending_size``: callers stop using it past :meth:`backlogged`."""
+        if checked:
+            self._check_sendable(payload)
+        else:
+            self._preflight(subject, reply, payload)
+        if header_block is None:
+            cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
+        else:
+            hdr_len = len(header_block)
+            cmd = (f"HPUB {subject} {reply} {hdr_len} {len(payload) + hdr_len}\r\n".encode() + header_block
+                   + payload + _CRLF)
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += len(payload)
+        self._pending.append(cmd)
+        self._pending_data_size += len(cmd)
+        if defer and self.defer_linger > 0:
+            if self._deferred is None:
+                self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
+        else:  # Client._flush_pending without its await: a future on an empty queue, when connected
+            queue = self._flush_queue
+            if queue is not None and queue.empty() and self.is_connected:
+                queue.put_nowait(asyncio.get_running_loop().create_future())
+
+    def backlogged(self) -> bool:
+        """More than half of ``_max_pending_size`` waits to be written: publish with backpressure
+        (``await publish``), not :meth:`enqueue`."""
+        return self._pending_data_size * 2 > self._max_pending_size > 0
+
     async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
         if hdr is None:
             cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
