@@ -16,7 +16,7 @@ both contenders read the same stream configuration and store their results the s
   the jsrelay's and beside streamproc with write coalescing off (``streamproc-0``: flush_interval
   and ack_linger 0), target 4: <= 60 us at 2,000 chunks/s; with latency.
 
-- Profile (``--profile DIR``): py-spy (``--nonblocking``, 500 Hz, idle stacks included) records the
+- Profile (``--profile DIR``): py-spy (``--nonblocking``, 500 Hz, busy stacks only) records the
   streamproc contender of every run into ``DIR/<mode>-<n>.txt`` (collapsed stacks); the CPU
   figures of a profiled run include nothing of py-spy's own (it is another process) but the
   sampling perturbs the contender a little: profile and measure in separate runs.
@@ -96,6 +96,7 @@ def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
                             env=env)
 
 
+TICK = 0.002  # seconds: paced publishes leave in bursts this far apart
 PROFILE_DIR: Path | None = None  # --profile: py-spy records every streamproc run here
 _profilers: dict[int, subprocess.Popen] = {}
 
@@ -108,7 +109,7 @@ def profile(name: str, proc: subprocess.Popen, mode: str) -> None:
     out = PROFILE_DIR / f"{mode}-{name}-{len(list(PROFILE_DIR.glob(f'{mode}-{name}-*.txt')))}.txt"
     _profilers[proc.pid] = subprocess.Popen(
         [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid), "--rate", "500",
-         "--nonblocking", "--idle", "--format", "raw", "--output", str(out)],
+         "--nonblocking", "--format", "raw", "--output", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -215,7 +216,7 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
             profile(name, proc, f"paced{rate:.0f}")
             await asyncio.sleep(0.5)
 
-            tick = 0.002
+            tick = TICK
             server_pid = server.pid
             cpu0, server0 = cpu_seconds(proc.pid), cpu_seconds(server_pid)
             started = time.perf_counter()

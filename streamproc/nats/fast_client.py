@@ -339,11 +339,48 @@ class FastClient(RobustClient):
             self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
 
     def _kick(self) -> None:
-        """The deferred commands' deadline: kick the flusher unless a write already took them."""
+        """The deferred commands' deadline: write them unless a write already took them."""
         self._deferred = None
-        queue = self._flush_queue
-        if self._pending_data_size > 0 and queue is not None and queue.empty() and self.is_connected:
-            queue.put_nowait(asyncio.get_running_loop().create_future())
+        if self._pending_data_size > 0 and self.is_connected:
+            if self.flush_interval > 0:
+                self._write_soon()
+                return
+            queue = self._flush_queue
+            if queue is not None and queue.empty():
+                queue.put_nowait(asyncio.get_running_loop().create_future())
+
+    # With a flush interval, enqueue() and the deferred deadline write from a timer, not through the
+    # flusher task: nats-py's kick -> flusher task -> asyncio.sleep -> flusher task costs three
+    # event-loop iterations per write, the timer one. At light load every iteration is paid in full
+    # (docs/benchmarks.md, target 4). The flusher task still serves every other kick (publish(),
+    # flush(), nats-py's own commands) and is the only writer that awaits drain(): the timer hands
+    # over to it when the transport's buffer is full.
+    _write_timer: asyncio.TimerHandle | None = None
+
+    def _write_soon(self) -> None:
+        """Write ``_pending`` at the next allowed time (``_last_write + flush_interval``)."""
+        if self._write_timer is None:
+            loop = asyncio.get_running_loop()
+            self._write_timer = loop.call_at(max(loop.time(), self._last_write + self.flush_interval),
+                                             self._write_now)
+
+    def _write_now(self) -> None:
+        self._write_timer = None
+        if self._pending_data_size <= 0 or not self.is_connected or self._transport is None:
+            return
+        writer = getattr(getattr(self._transport, "_io_writer", None), "transport", None)
+        try:
+            if writer is None or writer.get_write_buffer_size() > 0:
+                raise BlockingIOError  # the socket is behind (or not a plain TCP transport): the flusher drains
+            self._transport.writelines(self._pending[:])
+        except Exception:  # noqa: BLE001  (the flusher task writes, drains and handles errors as nats-py does)
+            queue = self._flush_queue
+            if queue is not None and queue.empty():
+                queue.put_nowait(asyncio.get_running_loop().create_future())
+            return
+        self._pending = []
+        self._pending_data_size = 0
+        self._last_write = asyncio.get_running_loop().time()
 
     def enqueue(self, subject: str, payload: bytes, reply: str = "", header_block: bytes | None = None, *,
                 checked: bool = False, defer: bool = False) -> None:
@@ -370,8 +407,11 @@ class FastClient(RobustClient):
         self._pending.append(cmd)
         self._pending_data_size += len(cmd)
         if defer and self.defer_linger > 0:
-            if self._deferred is None:
+            if self._deferred is None and self._write_timer is None:
                 self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
+        elif self.flush_interval > 0:
+            if self.is_connected:
+                self._write_soon()
         else:  # Client._flush_pending without its await: a future on an empty queue, when connected
             queue = self._flush_queue
             if queue is not None and queue.empty() and self.is_connected:
