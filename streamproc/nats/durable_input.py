@@ -249,6 +249,7 @@ class DurableInput:
         if hasattr(self.nc, "defer_linger"):  # FastClient only (fast_client.py): coalesce writes at light load
             self.nc.flush_interval = s.flush_interval
             self.nc.defer_linger = s.ack_linger
+            self.nc.pause_reads = s.flush_interval > 0  # read once per interval too (FastClient._write_now)
         self._reconnects = self.nc.stats["reconnects"]
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
