@@ -13,7 +13,7 @@ live at RATE chunks/s for ``--seconds``, streamed load): CPU µs per chunk of th
 nats-server, p50/p99 chunk publish -> result, paired medians of candidate / baseline.
 
 Usage: python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . [--chunks 20000] [--rounds 5]
-       python benchmarks/durable_trees.py --baseline /work/main --candidate . --paced 2000 [--seconds 6]
+       python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . --paced 2000 [--seconds 6]
 """
 
 from __future__ import annotations
