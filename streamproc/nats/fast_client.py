@@ -363,7 +363,7 @@ class FastClient(RobustClient):
     # event-loop iterations per write, the timer one. At light load every iteration is paid in full
     # (docs/benchmarks.md, target 4). The flusher task still serves every other kick (publish(),
     # flush(), nats-py's own commands) and is the only writer that awaits drain(): the timer hands
-    # over to it when the transport's buffer is full.
+    # over to it when the transport's buffer is not empty (the socket is behind).
     _write_timer: asyncio.TimerHandle | None = None
 
     def _write_soon(self) -> None:

@@ -4,7 +4,9 @@ It publishes what the outbox says to publish, with a reply subject of its own pe
 (``<inbox>.<ticket>``: a plain ``publish`` with a reply inbox, since ``publish()`` per message is
 RTT-bound and ``publish_async`` futures per message are costly), feeds the PubAcks and the time
 back, and sends the acks, NAKs and in-progress acks the outbox decides. Every rule (ordering,
-retries, settle order, give-up) lives in the outbox; nothing here decides.
+retries, settle order, give-up) lives in the outbox; nothing here decides. With a client that can
+publish without awaiting (``FastClient.enqueue``) PubAcks are handled in nats-py's read loop
+(:func:`~streamproc.nats.subscription.dispatch_inline`) and :meth:`OutboxPump.pump_nowait` sends.
 """
 
 from __future__ import annotations
