@@ -16,7 +16,13 @@ both contenders read the same stream configuration and store their results the s
   the jsrelay's and beside streamproc with write coalescing off (``streamproc-0``: flush_interval
   and ack_linger 0), target 4: <= 60 us at 2,000 chunks/s; with latency.
 
+- Profile (``--profile DIR``): py-spy (``--nonblocking``, 500 Hz, busy stacks only) records the
+  streamproc contender of every run into ``DIR/<mode>-<n>.txt`` (collapsed stacks); the CPU
+  figures of a profiled run include nothing of py-spy's own (it is another process) but the
+  sampling perturbs the contender a little: profile and measure in separate runs.
+
 Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5] [--paced 2000]
+       [--profile DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -89,7 +96,31 @@ def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
                             env=env)
 
 
+TICK = 0.002  # seconds: paced publishes leave in bursts this far apart
+PROFILE_DIR: Path | None = None  # --profile: py-spy records every streamproc run here
+_profilers: dict[int, subprocess.Popen] = {}
+
+
+def profile(name: str, proc: subprocess.Popen, mode: str) -> None:
+    """Attach py-spy to a streamproc contender (``--profile``); stopped by :func:`finish`."""
+    if PROFILE_DIR is None or name == "jsrelay":
+        return
+    PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+    out = PROFILE_DIR / f"{mode}-{name}-{len(list(PROFILE_DIR.glob(f'{mode}-{name}-*.txt')))}.txt"
+    _profilers[proc.pid] = subprocess.Popen(
+        [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid), "--rate", "500",
+         "--nonblocking", "--format", "raw", "--output", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def finish(proc: subprocess.Popen) -> None:
+    spy = _profilers.pop(proc.pid, None)
+    if spy is not None:  # py-spy writes its file on SIGINT
+        spy.send_signal(signal.SIGINT)
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
     stop_process(proc, 15)
 
 
@@ -128,6 +159,7 @@ async def peak(name: str, load) -> tuple[float, float]:
             await nc.subscribe(f"{settings.prefix}.results.>", cb=sink, pending_msgs_limit=-1, pending_bytes_limit=-1)
             await nc.flush()
             proc = start(name, server.url, settings)
+            profile(name, proc, "peak")
             await asyncio.wait_for(done.wait(), 300)
             cpu = cpu_seconds(proc.pid) - cpu0
             return (expected - 1) / (last - first), cpu / (expected - 1) * 1e6
@@ -181,9 +213,10 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
             probe = {"Streamproc-Seq": "0", "Streamproc-Final": "true", "Nats-Msg-Id": "warmup.agg.0.0"}
             await nc.publish(f"{settings.prefix}.chunks.warmup.agg", b"{}", headers=probe)
             await asyncio.wait_for(warm.wait(), 60)
+            profile(name, proc, f"paced{rate:.0f}")
             await asyncio.sleep(0.5)
 
-            tick = 0.002
+            tick = TICK
             server_pid = server.pid
             cpu0, server0 = cpu_seconds(proc.pid), cpu_seconds(server_pid)
             started = time.perf_counter()
@@ -271,7 +304,11 @@ def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=5.0)
     parser.add_argument("--paced", type=float, default=0.0,
                         help="only the paced mode: offer this many chunks/s to each contender (e.g. 2000)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="record each streamproc run with py-spy into this directory (collapsed stacks)")
     args = parser.parse_args()
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile
     asyncio.run(run_paced(args) if args.paced else run(args))
 
 

@@ -8,7 +8,12 @@ streamed requests. Rounds alternate which tree goes first; the figure is the pai
 candidate / baseline CPU per chunk (the contender's own user+system time, in clock ticks: about
 0.5 us per chunk of resolution at 20,000 chunks), throughput beside it (noisy on a shared box).
 
+``--paced RATE``: instead of the peak drain, ``durable.py``'s paced measurement (chunks published
+live at RATE chunks/s for ``--seconds``, streamed load): CPU µs per chunk of the processor and of
+nats-server, p50/p99 chunk publish -> result, paired medians of candidate / baseline.
+
 Usage: python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . [--chunks 20000] [--rounds 5]
+       python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . --paced 2000 [--seconds 6]
 """
 
 from __future__ import annotations
@@ -32,10 +37,36 @@ def python_path(tree: Path) -> str:
     return os.pathsep.join(str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd"))
 
 
+async def paced(args: argparse.Namespace, trees: dict[str, str]) -> None:
+    load = build_load(int(args.paced * args.seconds) + 16, True, "streamproc")
+    runs: dict[str, list[durable.Paced]] = {name: [] for name in trees}
+    print(f"load average {os.getloadavg()[0]:.2f}; paced {args.paced:,.0f} chunks/s for {args.seconds:g} s, "
+          f"{args.rounds} rounds alternating", flush=True)
+    for r in range(args.rounds):
+        for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
+            os.environ["PYTHONPATH"] = trees[name]
+            p = await durable.latency("streamproc", load, args.paced, args.seconds)
+            runs[name].append(p)
+            print(f"  round {r} {name}: {p.cpu_us:.1f} us CPU/chunk, nats-server {p.server_cpu_us:.1f}, "
+                  f"p50 {p.p50:.2f} ms, p99 {p.p99:.2f} ms", flush=True)
+    for name, xs in runs.items():
+        print(f"{name}: median {statistics.median(x.cpu_us for x in xs):.1f} us CPU/chunk, nats-server "
+              f"{statistics.median(x.server_cpu_us for x in xs):.1f}, p50 {statistics.median(x.p50 for x in xs):.2f} ms, "
+              f"p99 {statistics.median(x.p99 for x in xs):.2f} ms")
+    for label, key in (("CPU/chunk", "cpu_us"), ("nats-server CPU/chunk", "server_cpu_us"), ("p99", "p99")):
+        ratios = [getattr(c, key) / getattr(b, key) for c, b in zip(runs["candidate"], runs["baseline"])]
+        print(f"candidate/baseline {label}, paired median x{statistics.median(ratios):.3f} "
+              f"(rounds {', '.join(f'{x:.3f}' for x in ratios)})")
+    print(f"load average now {os.getloadavg()[0]:.2f}")
+
+
 async def main(args: argparse.Namespace) -> None:
     trees = {"baseline": python_path(Path(args.baseline).resolve()),
              "candidate": python_path(Path(args.candidate).resolve())}
-    for stream in (False, True):
+    if args.paced:
+        return await paced(args, trees)
+    print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    for stream in [kind == "streamed" for kind in args.loads.split(",")]:
         load = build_load(args.chunks, stream, "streamproc")
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
         for r in range(args.rounds):
@@ -52,7 +83,9 @@ async def main(args: argparse.Namespace) -> None:
         cpu = [c[1] / b[1] for c, b in zip(runs["candidate"], runs["baseline"])]
         rate = [c[0] / b[0] for c, b in zip(runs["candidate"], runs["baseline"])]
         print(f"{kind} candidate/baseline, paired median: CPU/chunk x{statistics.median(cpu):.3f} "
-              f"(rounds {', '.join(f'{x:.3f}' for x in cpu)}), chunks/s x{statistics.median(rate):.3f}")
+              f"(rounds {', '.join(f'{x:.3f}' for x in cpu)}), chunks/s x{statistics.median(rate):.3f} "
+              f"(rounds {', '.join(f'{x:.3f}' for x in rate)})", flush=True)
+    print(f"load average now {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
@@ -61,4 +94,7 @@ if __name__ == "__main__":
     parser.add_argument("--candidate", default=".", help="source tree of the change")
     parser.add_argument("--chunks", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--paced", type=float, default=0.0, help="paced mode at this many chunks/s (e.g. 2000)")
+    parser.add_argument("--seconds", type=float, default=6.0, help="paced mode: seconds per run")
+    parser.add_argument("--loads", default="unary,streamed", help="peak mode: which loads (unary, streamed)")
     asyncio.run(main(parser.parse_args()))

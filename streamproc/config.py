@@ -248,10 +248,11 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                          "stops delivering (bounds in-flight work); at least 2, so a held "
                                          "prefill leg leaves room for its decode leg", ge=2, le=1_000_000)] = 2048
     fetch_batch: Annotated[int, documented("durable: messages asked for per pull request", ge=1, le=10_000)] = 256
-    flush_interval: Annotated[float, documented("durable: least seconds between two writes to NATS; publishes "
-                                          "within it leave together in one write (less CPU per chunk at light "
-                                          "load, up to this much more latency per hop when busy); 0 writes at "
-                                          "once", ge=0, le=0.05)] = defaults.FLUSH_INTERVAL
+    flush_interval: Annotated[float, documented("durable: least seconds between two writes to NATS, and after "
+                                          "a write before the connection is read again; publishes within it leave "
+                                          "together in one write, arrivals are read together (less CPU per chunk "
+                                          "at light load, up to this much more latency per hop when busy); 0 "
+                                          "writes and reads at once", ge=0, le=0.05)] = defaults.FLUSH_INTERVAL
     ack_linger: Annotated[float, documented("durable: seconds acks, in-progress acks, NAKs and pull requests may "
                                       "wait to leave with the next result's write (0: each is written at "
                                       "once)", ge=0, le=0.5)] = defaults.ACK_LINGER

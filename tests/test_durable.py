@@ -18,6 +18,7 @@ from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.core.partitions import PartitionScheme, fnv1a32, partition_of
+from streamproc.nats import durable_input, outbox_pump
 from streamproc.nats.processor import Processor, StartupError
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector, follow
@@ -353,8 +354,14 @@ async def test_a_slow_processor_reads_no_faster_than_it_works_and_the_backlog_wa
     assert len(stored) == n and all(len(v) == 1 for v in stored.values())
 
 
-async def test_client_side_slow_consumer_drops_are_redelivered_and_every_request_completes(client, nats_url):
-    # Credit is kept under the message limit, so only the byte limit can make nats-py drop.
+async def test_client_side_slow_consumer_drops_are_redelivered_and_every_request_completes(client, nats_url,
+                                                                                            monkeypatch):
+    # Credit is kept under the message limit, so only the byte limit can make nats-py drop. Drops
+    # happen only to messages queued for the callback task: with inline dispatch the common chunk
+    # never waits in the queue (only the declined ones do: recovery lookups, a backlogged write
+    # buffer), so this pins the queued path, which is the one that can drop, on every message.
+    monkeypatch.setattr(durable_input, "dispatch_inline", lambda sub, handle: False)
+    monkeypatch.setattr(outbox_pump, "dispatch_inline", lambda sub, handle: False)
     settings = durable_settings(nats_url, partitions=1, fetch_batch=100, pending_bytes_limit=4096, ack_wait=1.0)
     js = client.jetstream()
     n = 400
@@ -368,3 +375,27 @@ async def test_client_side_slow_consumer_drops_are_redelivered_and_every_request
         assert p.snapshot()["slow_consumer"] > 0  # nats-py really dropped deliveries
     stored = await stored_results(js, settings.subjects)
     assert len(stored) == n and all(len(v) == 1 for v in stored.values())
+
+
+async def test_the_timer_wakes_at_most_once_per_grain_while_finished_requests_expire_one_by_one(client, nats_url):
+    # Every finished request expires finished_grace after it finished: with one finishing every 5 ms
+    # a timer that slept until each next deadline woke ~200 times a second (a wakeup per request).
+    settings = durable_settings(nats_url, partitions=1, finished_grace=0.3)
+    n = 300
+    async with Processor(settings) as p:
+        publisher = ChunkPublisher(client, settings.subjects)
+
+        async def publish() -> None:
+            for i in range(n):
+                await publisher.publish(f"tw-{i}", "agg", 0, b"{}", final=True)
+                await anyio.sleep(0.005)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(publish)
+            await anyio.sleep(0.6)  # expiries have begun, one every ~5 ms
+            runs = p.io.timer_runs
+            await anyio.sleep(1.0)
+            runs = p.io.timer_runs - runs
+        assert runs <= 30, runs  # TIMER_GRAIN 0.05: 20 a second, not one per expiry
+        # and the finished requests were forgotten all the same (a late chunk is a new request again)
+        await wait_until(lambda: not p.correlator.knows("tw-0"), 5, "the first request expired")

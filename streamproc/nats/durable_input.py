@@ -64,7 +64,7 @@ from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 from .strays import StraySweeper, stray_consumer_config
-from .subscription import handled_all
+from .subscription import dispatch_inline, handled_all
 from .streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
@@ -257,6 +257,7 @@ class DurableInput:
         if hasattr(self.nc, "defer_linger"):  # FastClient only (fast_client.py): coalesce writes at light load
             self.nc.flush_interval = s.flush_interval
             self.nc.defer_linger = s.ack_linger
+            self.nc.pause_reads = s.flush_interval > 0  # read once per interval too (FastClient._write_now)
         self._reconnects = self.nc.stats["reconnects"]
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
@@ -446,6 +447,8 @@ class DurableInput:
         part.sub = await self.nc.subscribe(part.inbox, cb=self._handler(part),
                                            pending_msgs_limit=self.settings.pending_msgs_limit,
                                            pending_bytes_limit=self.settings.pending_bytes_limit)
+        if self.publisher.inline:  # the common chunk handled in the read loop (_inline_handler)
+            dispatch_inline(part.sub, self._inline_handler(part))
         part.active = True
         self._partitions[n] = part
         await self._pull(part)
@@ -516,6 +519,17 @@ class DurableInput:
         self.stats.pulls += 1
         try:
             await self._publish_pull(part.pull_subject, self._pull_body, part.inbox)
+        except Exception as exc:
+            credit.pull_failed(self._clock())
+            log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
+
+    def _pull_nowait(self, part: _Partition) -> None:
+        """:meth:`_pull` without awaiting (the inline handler; only with ``FastClient.enqueue``)."""
+        credit = part.credit
+        credit.pulled(self._clock())
+        self.stats.pulls += 1
+        try:  # our own subject and inbox: not checked again
+            self.nc.enqueue(part.pull_subject, self._pull_body, part.inbox, checked=True, defer=True)  # type: ignore[attr-defined]
         except Exception as exc:
             credit.pull_failed(self._clock())
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
@@ -673,6 +687,75 @@ class DurableInput:
                     for n in notices:
                         notify(n)
             await pump()
+
+        return on_message
+
+    def _inline_handler(self, part: _Partition) -> Callable[[Msg], bool]:
+        """The hot path of :meth:`_handler` run in nats-py's read loop
+        (:func:`~streamproc.nats.subscription.dispatch_inline`) for the common chunk: a first
+        delivery or a redelivery of a request this instance knows, or the first chunk of a new one,
+        read and decided at once. Everything that needs a round trip (a recovery lookup), a status
+        message, a chunk of a partition being handed over, a chunk that breaks the contract and a
+        backlogged write buffer are declined (False) before anything changes, and go through
+        :meth:`_handler` as before. Same decisions, same order: a partition's messages are handed
+        here only while nothing of it waits in the callback queue."""
+        clock = self._clock
+        parse = self._parse
+        head = self._chunks_head
+        cut = part.cut
+        correlator = self.correlator
+        receive = self.pipeline.receive
+        knows = correlator.knows
+        publisher = self.publisher
+        pump = publisher.send_nowait  # the backlog is checked first
+        backlogged = self.nc.backlogged  # type: ignore[attr-defined]
+        queue = self.outbox.take
+        notify = self.pipeline.notify
+        delivered = part.credit.delivered
+        max_deliver = self.settings.max_deliver
+        offload = self._offload
+        stats = self.stats
+        sealed = part.sealed
+        ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
+        first_at = len(ack_head)
+
+        def on_message(msg: Msg) -> bool:
+            reply = msg.reply
+            if not reply or not part.active or backlogged():
+                return False
+            try:
+                chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+            except Exception:  # noqa: BLE001  (ContractError or a bug: the async path decides it)
+                return False
+            rid = chunk.request_id
+            if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                deliveries = 1
+            else:
+                deliveries = delivery_count(reply)
+            if not knows(rid):
+                if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
+                    return False  # a recovery lookup: a round trip
+            elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
+                    and not correlator.is_finished(rid):
+                return False  # taken again from the stores: a round trip
+            # From here on as _handler, without its awaits.
+            now = clock()
+            if delivered(now):
+                self._pull_nowait(part)
+            if deliveries > 1:
+                stats.redelivered += 1
+            try:
+                decisions = self._poisoned(chunk, msg, deliveries, now) if deliveries >= max_deliver \
+                    else receive(chunk, now)
+            except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
+                decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+            if decisions:
+                notices = queue(offload(decisions, now), rid, now)
+                if notices:
+                    for n in notices:
+                        notify(n)
+            pump()
+            return True
 
         return on_message
 

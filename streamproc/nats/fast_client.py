@@ -53,6 +53,15 @@ log = logging.getLogger("streamproc.nats")
 SUPPORTED_NATS_PY = ((2, 16), (2, 17))
 
 _CRLF = b"\r\n"
+# Bytes asyncio's socket transport asks recv() for (its max_size, 256 KiB): glibc's malloc serves a
+# 256 KiB buffer with mmap (over its 128 KiB threshold, unless an earlier free raised it), so every
+# read cost mmap + mremap + munmap and fresh page faults; 64 KiB comes from the heap. Set on the
+# durable connection's transport (_write_now), where strace showed it at 2,000 chunks/s.
+READ_SIZE = 64 * 1024
+# pause_reads only after writes smaller than this (light load): at peak drain a 2 ms pause after every
+# write cost nats-server more CPU per chunk (its writes to us back up) and gained nothing, as every
+# wakeup there has plenty to read anyway.
+PAUSE_READS_BELOW = 8 * 1024
 _HDR_LINE = b"NATS/1.0"
 _TRANSLATE = str.maketrans({"\r": " ", "\n": " "})
 _MSG_FIELDS = ["_client", "subject", "reply", "data", "headers", "_metadata", "_ackd", "_sid"]
@@ -392,11 +401,117 @@ class FastClient(RobustClient):
             self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
 
     def _kick(self) -> None:
-        """The deferred commands' deadline: kick the flusher unless a write already took them."""
+        """The deferred commands' deadline: write them unless a write already took them."""
         self._deferred = None
-        queue = self._flush_queue
-        if self._pending_data_size > 0 and queue is not None and queue.empty() and self.is_connected:
-            queue.put_nowait(asyncio.get_running_loop().create_future())
+        if self._pending_data_size > 0 and self.is_connected:
+            if self.flush_interval > 0:
+                self._write_soon()
+                return
+            queue = self._flush_queue
+            if queue is not None and queue.empty():
+                queue.put_nowait(asyncio.get_running_loop().create_future())
+
+    # With a flush interval, enqueue() and the deferred deadline write from a timer, not through the
+    # flusher task: nats-py's kick -> flusher task -> asyncio.sleep -> flusher task costs three
+    # event-loop iterations per write, the timer one. At light load every iteration is paid in full
+    # (docs/benchmarks.md, target 4). The flusher task still serves every other kick (publish(),
+    # flush(), nats-py's own commands) and is the only writer that awaits drain(): the timer hands
+    # over to it when the transport's buffer is not empty (the socket is behind).
+    _write_timer: asyncio.TimerHandle | None = None
+
+    def _write_soon(self) -> None:
+        """Write ``_pending`` at the next allowed time (``_last_write + flush_interval``)."""
+        if self._write_timer is None:
+            loop = asyncio.get_running_loop()
+            self._write_timer = loop.call_at(max(loop.time(), self._last_write + self.flush_interval),
+                                             self._write_now)
+
+    def _write_now(self) -> None:
+        self._write_timer = None
+        if self._pending_data_size <= 0 or not self.is_connected or self._transport is None:
+            return
+        writer = getattr(getattr(self._transport, "_io_writer", None), "transport", None)
+        if getattr(writer, "max_size", READ_SIZE) > READ_SIZE:
+            writer.max_size = READ_SIZE  # type: ignore[union-attr]
+        try:
+            if writer is None or writer.get_write_buffer_size() > 0:
+                raise BlockingIOError  # the socket is behind (or not a plain TCP transport): the flusher drains
+            self._transport.writelines(self._pending[:])
+        except Exception:  # noqa: BLE001  (the flusher task writes, drains and handles errors as nats-py does)
+            queue = self._flush_queue
+            if queue is not None and queue.empty():
+                queue.put_nowait(asyncio.get_running_loop().create_future())
+            return
+        written = self._pending_data_size
+        self._pending = []
+        self._pending_data_size = 0
+        self._last_write = now = asyncio.get_running_loop().time()
+        if self.pause_reads and written < PAUSE_READS_BELOW:
+            self._pause_reading(writer, now)
+
+    # With pause_reads (and a flush interval), reading stops after each timer write until the next
+    # write may leave: what arrives meanwhile (PubAcks of that write, new chunks) is read in one go
+    # and answered at once, one wakeup per interval instead of one per arrival plus one per write.
+    pause_reads = False
+    _resume_timer: asyncio.TimerHandle | None = None
+
+    def _pause_reading(self, transport: Any, now: float) -> None:
+        if self._resume_timer is not None:
+            return
+        try:
+            transport.pause_reading()
+        except Exception:  # noqa: BLE001  (closing, or a transport without flow control: read as usual)
+            return
+        self._resume_timer = asyncio.get_running_loop().call_at(now + self.flush_interval, self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        self._resume_timer = None
+        transport = getattr(getattr(self._transport, "_io_writer", None), "transport", None)
+        try:
+            if transport is not None and not transport.is_closing():
+                transport.resume_reading()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def enqueue(self, subject: str, payload: bytes, reply: str = "", header_block: bytes | None = None, *,
+                checked: bool = False, defer: bool = False) -> None:
+        """``publish`` without awaiting, for handlers that run inside the read loop
+        (:func:`streamproc.nats.subscription.dispatch_inline`): the command joins ``_pending`` and
+        the flusher is kicked (``defer``: as :meth:`publish_deferred`, it waits for the next write or
+        ``defer_linger``). ``header_block`` as :func:`encode_header_block` makes it. ``checked``: the
+        subjects came from the server or were validated before (an ack subject, our own inbox),
+        nats-py's subject checks are skipped. Unlike ``publish`` it never waits for the flusher when
+        ``_pending`` is over ``_max_pending_size``: callers stop using it past :meth:`backlogged`."""
+        if checked:
+            self._check_sendable(payload)
+        else:
+            self._preflight(subject, reply, payload)
+        if header_block is None:
+            cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
+        else:
+            hdr_len = len(header_block)
+            cmd = (f"HPUB {subject} {reply} {hdr_len} {len(payload) + hdr_len}\r\n".encode() + header_block
+                   + payload + _CRLF)
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += len(payload)
+        self._pending.append(cmd)
+        self._pending_data_size += len(cmd)
+        if defer and self.defer_linger > 0:
+            if self._deferred is None and self._write_timer is None:
+                self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
+        elif self.flush_interval > 0:
+            if self.is_connected:
+                self._write_soon()
+        else:  # Client._flush_pending without its await: a future on an empty queue, when connected
+            queue = self._flush_queue
+            if queue is not None and queue.empty() and self.is_connected:
+                queue.put_nowait(asyncio.get_running_loop().create_future())
+
+    def backlogged(self) -> bool:
+        """More than half of ``_max_pending_size`` waits to be written: publish with backpressure
+        (``await publish``), not :meth:`enqueue`."""
+        return self._pending_data_size * 2 > self._max_pending_size > 0
 
     async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
         if hdr is None:

@@ -4,7 +4,9 @@ It publishes what the outbox says to publish, with a reply subject of its own pe
 (``<inbox>.<ticket>``: a plain ``publish`` with a reply inbox, since ``publish()`` per message is
 RTT-bound and ``publish_async`` futures per message are costly), feeds the PubAcks and the time
 back, and sends the acks, NAKs and in-progress acks the outbox decides. Every rule (ordering,
-retries, settle order, give-up) lives in the outbox; nothing here decides.
+retries, settle order, give-up) lives in the outbox; nothing here decides. With a client that can
+publish without awaiting (``FastClient.enqueue``) PubAcks are handled in nats-py's read loop
+(:func:`~streamproc.nats.subscription.dispatch_inline`) and :meth:`OutboxPump.pump_nowait` sends.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..core.events import Decision, Notice
 from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox
 from ..core.wire import result_headers
 from ..logs import LogLimiter, error_text, log_event
+from .fast_client import encode_header_block
+from .subscription import dispatch_inline
 
 log = logging.getLogger("streamproc.durable")
 
@@ -57,6 +61,11 @@ class OutboxPump:
         self._publish = publish or nc.publish
         # Acks, NAKs and in-progress acks wait for the next write (FastClient.publish_deferred).
         self._control = getattr(nc, "publish_deferred", None) or nc.publish
+        # FastClient.enqueue: publish without awaiting, from handlers run in the read loop. Not with a
+        # tracing wrapper around publish (its spans are the wrapper's).
+        enqueue = getattr(nc, "enqueue", None)
+        self._enqueue = enqueue if publish is None or publish == nc.publish else None
+        self._backlogged = getattr(nc, "backlogged", None)
         self._head = results_head
         self.outbox = outbox
         self._clock = clock
@@ -73,6 +82,14 @@ class OutboxPump:
         self._cut = len(self._reply_prefix)
         self._sub = await self._nc.subscribe(self._reply_prefix + "*", cb=self._on_reply,
                                              pending_msgs_limit=-1, pending_bytes_limit=-1)
+        if self.inline:  # PubAcks handled in the read loop, no hop through the callback task
+            dispatch_inline(self._sub, self._on_reply_inline)
+
+    @property
+    def inline(self) -> bool:
+        """Whether results, acks and PubAcks can be handled without awaiting (:meth:`pump_nowait`):
+        a client with ``enqueue`` (FastClient) and no tracing wrapper around ``publish``."""
+        return self._enqueue is not None
 
     async def stop(self) -> None:
         self.closed = True
@@ -112,6 +129,8 @@ class OutboxPump:
 
     async def pump(self) -> None:
         """Send what is ready: results first (their order per request is already fixed), then acks."""
+        if self._enqueue is not None and self.pump_nowait():
+            return
         outbox = self.outbox
         publish = self._publish
         if outbox.ready:
@@ -139,7 +158,53 @@ class OutboxPump:
             except Exception as exc:  # a lost ack means a redelivery, which is safe
                 log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
 
-    async def _on_reply(self, msg: Msg) -> None:
+    def pump_nowait(self) -> bool:
+        """:meth:`pump` without awaiting (only when :attr:`inline`): False, and nothing sent, when
+        the client's write buffer is backlogged (then ``await pump()``, which waits for the flusher)."""
+        if self._backlogged():  # type: ignore[misc]
+            return False
+        self.send_nowait()
+        return True
+
+    def send_nowait(self) -> None:
+        """The sending of :meth:`pump_nowait`, for a caller that checked the backlog itself."""
+        outbox = self.outbox
+        enqueue = self._enqueue
+        if outbox.ready:
+            sending = outbox.sending(self._clock())
+            head = self._head
+            prefix = self._reply_prefix
+            for o in sending:
+                r = o.result
+                try:
+                    enqueue(head + r.request_id, r.body, prefix + o.ticket,  # type: ignore[misc]
+                            encode_header_block(result_headers(r)))
+                except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
+                    outbox.send_failed(o)
+                    self._failed(r.request_id, exc)
+        control = outbox.control()
+        for token, action in control:
+            reply = token.reply  # type: ignore[attr-defined]
+            if action is ACK:
+                payload = _ACK
+            else:
+                if not reply:
+                    continue
+                payload = _payload(action)
+            try:  # the ack subject is the server's own reply subject: not checked again
+                enqueue(reply, payload, checked=True, defer=True)  # type: ignore[misc]
+            except Exception as exc:  # a lost ack means a redelivery, which is safe
+                log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
+
+    def _on_reply_inline(self, msg: Msg) -> bool:
+        """:meth:`_on_reply` in the read loop; declines (False) when the write buffer is backlogged."""
+        if self._backlogged():  # type: ignore[misc]
+            return False
+        self._settle_reply(msg)
+        self.send_nowait()
+        return True
+
+    def _settle_reply(self, msg: Msg) -> None:
         ticket = msg.subject[self._cut:]
         outcome = self.outbox.on_puback(ticket, msg.data, self._clock())
         if outcome is REFUSED:
@@ -147,6 +212,9 @@ class OutboxPump:
         elif outcome is GIVEN_UP:
             for g in self.outbox.given_up():
                 self._given_up(g)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        self._settle_reply(msg)
         await self.pump()
 
     def _refused(self, msg: Msg, ticket: str) -> None:

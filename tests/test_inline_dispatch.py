@@ -1,0 +1,67 @@
+"""subscription.dispatch_inline: messages handled in the read loop keep their order with the ones
+a handler declines (those go through the subscription's own callback task), over a real server."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from streamproc.nats.subscription import dispatch_inline, handled_all
+
+from helpers import wait_until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+
+async def test_declined_messages_and_the_ones_behind_them_are_handled_in_publish_order(client):
+    order: list[tuple[str, int]] = []
+
+    async def queued(msg) -> None:  # the callback task: slow, as a recovery lookup is
+        await anyio.sleep(0.02)
+        order.append(("queued", int(msg.data)))
+
+    def inline(msg) -> bool:
+        n = int(msg.data)
+        if n % 10 == 3:  # declined: the callback task takes it, and everything behind it until it caught up
+            return False
+        order.append(("inline", n))
+        return True
+
+    sub = await client.subscribe("inline.test", cb=queued)
+    assert dispatch_inline(sub, inline)
+    for n in range(40):
+        await client.publish("inline.test", str(n).encode())
+        if n % 10 == 9:
+            await client.flush()
+            await wait_until(lambda: len(order) == n + 1, 10, "the group handled")
+            await handled_all(sub, lambda: True)  # the queue drained: inline dispatch resumes
+    assert [n for _, n in order] == list(range(40))
+    assert {n for how, n in order if how == "queued"} >= {3, 13, 23, 33}
+    # 0-2 of each group at least went inline, 4-9 waited behind 3 while its callback ran
+    assert {n for how, n in order if how == "inline"} >= {g + i for g in (0, 10, 20, 30) for i in range(3)}
+    await sub.unsubscribe()
+
+
+async def test_a_handler_that_raises_drops_the_message_and_the_subscription_goes_on(client):
+    seen: list[int] = []
+
+    async def queued(msg) -> None:
+        seen.append(-int(msg.data))
+
+    def inline(msg) -> bool:
+        n = int(msg.data)
+        if n == 2:
+            raise RuntimeError("bug")
+        seen.append(n)
+        return True
+
+    sub = await client.subscribe("inline.raise", cb=queued)
+    assert dispatch_inline(sub, inline)
+    for n in range(5):
+        await client.publish("inline.raise", str(n).encode())
+    await client.flush()
+    await wait_until(lambda: len(seen) == 4, 10, "the other messages handled")
+    assert seen == [0, 1, 3, 4]
+    await client.publish("inline.raise", b"7")  # the read loop survived
+    await wait_until(lambda: seen[-1] == 7, 10, "a later message handled")
+    await sub.unsubscribe()
