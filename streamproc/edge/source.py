@@ -1,10 +1,11 @@
-"""Where the edge reads results: one NATS connection, one subscription per HTTP stream.
+"""Where the edge reads results: one NATS connection, a feed per HTTP stream.
 
 A request's results are read from the JetStream stream that captures ``P.results.<id>`` when
 there is one (an ordered consumer replays the subject from its start, then follows it live, so a
-client that attaches late loses nothing), otherwise from a core NATS subscription, which only
-sees results published after it was made. Either way :class:`SeqOrder` hands them out in seq
-order, each once, and never mixes requests: a feed reads exactly one request's subject.
+client that attaches late loses nothing); otherwise live only, from the recent ring's wildcard
+subscription, which hands each result to the feeds open on its subject (:mod:`.fanout`), or, with
+``--recent 0``, from a core NATS subscription per feed. Either way :class:`SeqOrder` hands them out
+in seq order, each once, and never mixes requests: a feed reads exactly one request's subject.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
 from .barrier import PongBarrier
+from .fanout import Fanout, Inbox
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -46,7 +48,6 @@ RECENT_PENDING_MSGS = 65_536
 # subscription is the interest, so this only bounds how long a consumer outlives a reconnect; then
 # nats-py's ordered consumer creates a new one from the last sequence it delivered.
 CONSUMER_LINGER = 1.0
-RECENT_BATCH_SECONDS = 0.02
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -81,12 +82,14 @@ FeedItem = ResultInfo | Ended | Gap | Lost | Overrun
 class ResultFeed:
     """The results of one request for one HTTP client. ``close`` frees the subscription at once."""
 
-    def __init__(self, source: ResultSource, request_id: str, sub, mode: FeedMode, order: SeqOrder) -> None:
+    def __init__(self, source: ResultSource, request_id: str, sub, mode: FeedMode, order: SeqOrder,
+                 inbox: Inbox | None = None) -> None:
         self.source = source
         self.request_id = request_id
         self.mode = mode
         self.order = order
         self._sub = sub  # None while a JetStream feed's consumer is being created (ResultSource.open)
+        self.inbox = inbox  # results dispatched from the wildcard subscription (fanout.py); then no _sub
         self.attaching: asyncio.Task | None = None
         self.attach_failed: str | None = None
         self.closed = False
@@ -99,7 +102,8 @@ class ResultFeed:
         """The next item, or None when ``timeout`` seconds pass without one."""
         deadline = time.monotonic() + timeout
         gap_timeout = self.source.settings.gap_timeout
-        if self._sub is None and not self.closed:
+        inbox = self.inbox
+        if self._sub is None and inbox is None and not self.closed:
             attached = await self._attached(timeout)
             if attached is not True:
                 return attached
@@ -120,6 +124,18 @@ class ResultFeed:
             else:
                 self._gap_since = None
                 wait = deadline - now
+            if inbox is not None:
+                try:
+                    result = inbox.take()
+                    if result is None:
+                        if wait <= 0:
+                            return None
+                        await inbox.wait(wait)
+                        continue
+                except nats.errors.Error as exc:
+                    return Lost(str(exc) or type(exc).__name__)
+                self._accept_result(result)
+                continue
             # What Subscription.next_msg(timeout) does, without its tasks per message (pending.py)
             try:
                 msg = pending.take(self._sub)
@@ -154,6 +170,10 @@ class ResultFeed:
             metrics.malformed_results += 1
             self.source.limited.log(logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
             return
+        self._accept_result(result)
+
+    def _accept_result(self, result: ResultInfo) -> None:
+        metrics = self.source.metrics
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
             return
@@ -187,6 +207,8 @@ class ResultFeed:
         A consumer still being created is unsubscribed by its creator once it exists."""
         self.closed = True
         self.source.forget(self)
+        if self.inbox is not None:
+            self.inbox.clear()
         sub, self._sub = self._sub, None
         if sub is None:
             return
@@ -280,9 +302,9 @@ class ResultSource:
         # counts are reported when a flood stops.
         self.limited = LogLimiter(log)
         self._flush_task: asyncio.Task | None = None
-        self._recent_task: asyncio.Task | None = None
         self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
         self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
+        self.fanout: Fanout | None = None  # core recent ring: its subscription feeds the streams (fanout.py)
 
     @property
     def connected(self) -> bool:
@@ -340,14 +362,12 @@ class ResultSource:
             self.recent_mode = "jetstream"
         else:
             self._recent_sub = await self.nc.subscribe(self.subjects.all_results, **limits)
-            await self.nc.flush()
-            self._recent_task = asyncio.get_running_loop().create_task(self._drain_recent(self._recent_sub))
+            # Every result is dispatched as it is read: to the ring and to the feeds open on its subject.
+            self.fanout = Fanout(self, self._recent_sub, self._on_inbox_full)
+            await self.nc.flush()  # live before the edge serves: the fanout's opens need no round trip
             self.recent_mode = "core"
 
     async def stop(self) -> None:
-        if self._recent_task is not None:
-            self._recent_task.cancel()
-            self._recent_task = None
         if self._flush_task is not None:
             self._flush_task.cancel()
             self._flush_task = None
@@ -381,6 +401,8 @@ class ResultSource:
             self._attaching.add(feed.attaching)
             feed.attaching.add_done_callback(self._attaching.discard)
             return feed
+        if self.fanout is not None:
+            return await self._open_dispatched(request_id, subject, order, limits)
         sub = await self.nc.subscribe(subject, **limits)
         try:
             assert self.barrier is not None
@@ -393,6 +415,38 @@ class ResultSource:
         feed = ResultFeed(self, request_id, sub, "core", order)
         self._feeds[id(core_subscription(sub))] = feed
         return feed
+
+    async def _open_dispatched(self, request_id: str, subject: str, order: SeqOrder,
+                               limits: dict[str, int]) -> ResultFeed:
+        """A live feed from the wildcard subscription: registered now, so every result read from
+        here on reaches it (fanout.py). Connected, that is the whole open; while reconnecting it
+        waits, as a SUB's PING did, until the server has the wildcard subscription again."""
+        assert self.fanout is not None and self.nc is not None
+        feed = ResultFeed(self, request_id, None, "core", order,
+                          inbox=self.fanout.inbox(limits["pending_bytes_limit"], limits["pending_msgs_limit"]))
+        self.fanout.add(subject, feed)
+        if not self.nc.is_connected:
+            try:
+                assert self.barrier is not None
+                await self.barrier.wait()
+            except BaseException:
+                self.fanout.remove(subject, feed)
+                raise
+        self.metrics.core_subscriptions += 1
+        return feed
+
+    def _on_inbox_full(self, feed: ResultFeed) -> None:
+        """A dispatched feed's client fell behind (its inbox is full): what a SlowConsumerError did
+        for its own subscription (_on_error), without an await in the read path."""
+        if not feed.overrun:
+            feed.overrun = True
+            self.metrics.streams_overrun += 1
+            self.limited.log(logging.WARNING, "stream_overrun", request_id=feed.request_id,
+                             limit=self.settings.stream_buffer_bytes)
+        self.forget(feed)
+        assert feed.inbox is not None
+        feed.inbox.clear()
+        feed.inbox.wake()
 
     async def _attach(self, feed: ResultFeed, js: JetStreamContext, subject: str, stream: str,
                       limits: dict[str, int]) -> None:
@@ -416,23 +470,12 @@ class ResultSource:
         self._feeds[id(core_subscription(sub))] = feed
 
     def forget(self, feed: ResultFeed) -> None:
+        if feed.inbox is not None and self.fanout is not None:
+            self.fanout.remove(self.subjects.result(feed.request_id), feed)
+            return
         sub = feed._sub
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
-
-    async def _drain_recent(self, sub) -> None:
-        """Feed the recent ring from its subscription in batches, ``RECENT_BATCH_SECONDS`` after the
-        first result of each: a callback per result woke a task per result (one event-loop pass
-        each, ~8% of the edge's CPU at 2,000 results/s); the page reads the ring once a second."""
-        try:
-            while True:
-                await pending.wait(sub, 3600.0)
-                await asyncio.sleep(RECENT_BATCH_SECONDS)
-                now = time.time()
-                while (msg := pending.take(sub)) is not None:
-                    self._on_any_result(msg, now)
-        except nats.errors.Error:  # the connection closed under it: nothing more will come
-            return
 
     async def _on_any_jetstream_result(self, msg: Msg) -> None:
         # An ordered consumer's sequence checks live in nats-py's callback path, so it keeps a callback.
