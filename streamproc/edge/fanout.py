@@ -117,12 +117,22 @@ def _expire(waiter: asyncio.Future) -> None:
 class Fanout:
     """The open streams by result subject, fed from the one wildcard subscription."""
 
-    def __init__(self, source: ResultSource, sub, on_overflow: Callable[[ResultFeed], None]) -> None:
+    def __init__(self, source: ResultSource, sub, on_overflow: Callable[[ResultFeed], None],
+                 stream: str | None = None) -> None:
         self.source = source
-        self.sub = sub
+        self.sub = sub  # nats-py's core Subscription (a JetStream ordered consumer's ``_sub``)
+        self.stream = stream  # the JetStream stream the ordered consumer reads, or None (core)
         self.on_overflow = on_overflow
         self.feeds: dict[str, list[ResultFeed]] = {}
         sub._pending_queue = DispatchQueue(self)
+        # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
+        # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
+        sub._pending_bytes_limit = 0
+
+    def delivered(self) -> int:
+        """The stream sequence up to which the ordered consumer has dispatched every result (nats-py
+        2.16 ``Client._process_msg`` sets ``_JSI._sseq`` before the message is queued, i.e. dispatched)."""
+        return self.sub._jsi._sseq
 
     def inbox(self, bytes_limit: int, msgs_limit: int) -> Inbox:
         return Inbox(self.sub, bytes_limit, msgs_limit)

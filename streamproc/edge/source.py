@@ -1,10 +1,11 @@
 """Where the edge reads results: one NATS connection, a feed per HTTP stream.
 
-A request's results are read from the JetStream stream that captures ``P.results.<id>`` when
-there is one (an ordered consumer replays the subject from its start, then follows it live, so a
-client that attaches late loses nothing); otherwise live only, from the recent ring's wildcard
-subscription, which hands each result to the feeds open on its subject (:mod:`.fanout`), or, with
-``--recent 0``, from a core NATS subscription per feed. Either way :class:`SeqOrder` hands them out
+With ``--recent`` > 0 the recent ring's subscription to every result hands each result to the
+feeds open on its subject (:mod:`.fanout`): a core subscription (live only), or, when a JetStream
+stream captures ``P.results.>``, one ordered consumer, each feed first reading from the stream what
+was stored before it registered (:mod:`.replay`), so a client that attaches late loses nothing.
+With ``--recent 0`` each feed has its own: an ordered consumer replaying the subject from the
+stream's start, or a core subscription (live only). Either way :class:`SeqOrder` hands them out
 in seq order, each once, and never mixes requests: a feed reads exactly one request's subject.
 """
 
@@ -21,7 +22,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy, StorageType
+from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType
 from nats.js.client import JetStreamContext
 
 from ..logs import LogLimiter, error_text, log_event
@@ -32,6 +33,7 @@ from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
 from .barrier import PongBarrier
 from .fanout import Fanout, Inbox
+from .replay import Replay
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -48,6 +50,7 @@ RECENT_PENDING_MSGS = 65_536
 # subscription is the interest, so this only bounds how long a consumer outlives a reconnect; then
 # nats-py's ordered consumer creates a new one from the last sequence it delivered.
 CONSUMER_LINGER = 1.0
+REPLAY_TIMEOUT = 5.0  # seconds for one stored result to come back from the stream (replay.py)
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -90,6 +93,7 @@ class ResultFeed:
         self.order = order
         self._sub = sub  # None while a JetStream feed's consumer is being created (ResultSource.open)
         self.inbox = inbox  # results dispatched from the wildcard subscription (fanout.py); then no _sub
+        self.replay: Replay | None = None  # a dispatched JetStream feed's results stored before it registered
         self.attaching: asyncio.Task | None = None
         self.attach_failed: str | None = None
         self.closed = False
@@ -124,6 +128,16 @@ class ResultFeed:
             else:
                 self._gap_since = None
                 wait = deadline - now
+            if self.replay is not None:  # before the dispatched ones: what was stored before the open
+                try:
+                    stored = await self.replay.next()
+                except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
+                    return Lost(f"cannot read the results stream: {error_text(exc)}")
+                if stored is None:
+                    self.replay = None
+                else:
+                    self._accept_parts(*stored)
+                continue
             if inbox is not None:
                 try:
                     result = inbox.take()
@@ -163,9 +177,12 @@ class ResultFeed:
         return True
 
     def _accept(self, msg: Msg) -> None:
+        self._accept_parts(msg.subject, msg.headers, msg.data)
+
+    def _accept_parts(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
         metrics = self.source.metrics
         try:
-            result = result_from_message(self.source.subjects, msg.subject, msg.headers, msg.data)
+            result = result_from_message(self.source.subjects, subject, headers, data)
         except (ContractError, ValueError) as exc:
             metrics.malformed_results += 1
             self.source.limited.log(logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
@@ -206,6 +223,7 @@ class ResultFeed:
         """Unsubscribe and free what nats-py still queues for this feed (also after an overrun).
         A consumer still being created is unsubscribed by its creator once it exists."""
         self.closed = True
+        self.replay = None
         self.source.forget(self)
         if self.inbox is not None:
             self.inbox.clear()
@@ -344,21 +362,28 @@ class ResultSource:
             self.limited.flush()
 
     async def _subscribe_recent(self) -> None:
-        """The recent ring's subscription to every result. It needs headers only (seq, final, error,
-        verdict): when a JetStream stream stores the results, a headers-only ordered consumer of new
-        results (ConsumerConfig.headers_only: the server sends ``Nats-Msg-Size`` instead of the body)
-        spares the edge reading every body a second time. With a core subscription, under a burst
-        that doubling alone made nats-server drop the edge's connection as a slow consumer (64 MiB
-        pending); without a stream the core subscription is the only way."""
+        """The recent ring's subscription to every result, which also feeds the open streams
+        (fanout.py): a core subscription, or, when a JetStream stream stores the results, an ordered
+        consumer of new results (with bodies: before, it was headers-only and every stream had an
+        ordered consumer of its own, so every body crossed twice). Either way each result is read
+        once; before, under a burst, the doubling made nats-server drop the edge's connection as a
+        slow consumer (64 MiB pending)."""
         assert self.nc is not None
         # The page's list may lose a result when the edge is starved; it must never buffer without bound.
         limits = {"pending_msgs_limit": RECENT_PENDING_MSGS, "pending_bytes_limit": self.settings.stream_buffer_bytes}
         js = self.nc.jetstream()
         stream = await self.streams.find(js, self.subjects.all_results)
         if stream is not None:
-            self._recent_sub = await js.subscribe(
-                self.subjects.all_results, stream=stream, cb=self._on_any_jetstream_result, ordered_consumer=True,
-                deliver_policy=DeliverPolicy.NEW, headers_only=True, **limits)
+            # New results only: from the stream's last sequence now. nats-py's ordered consumer resumes
+            # after the last sequence it delivered (JetStreamContext._JSI.reset_ordered_consumer), which
+            # is 0 until a first result: set to that start, or a reset would replay the whole stream.
+            last = (await js.stream_info(stream)).state.last_seq
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1)
+            self._recent_sub = await js.subscribe(self.subjects.all_results, stream=stream, config=config,
+                                                  ordered_consumer=True, **limits)
+            jsi = core_subscription(self._recent_sub)._jsi
+            jsi._sseq = max(jsi._sseq, last)
+            self.fanout = Fanout(self, core_subscription(self._recent_sub), self._on_inbox_full, stream=stream)
             self.recent_mode = "jetstream"
         else:
             self._recent_sub = await self.nc.subscribe(self.subjects.all_results, **limits)
@@ -379,9 +404,10 @@ class ResultSource:
             await nc.close()
 
     async def open(self, request_id: str, *, after: int | None = None) -> ResultFeed:
-        """Subscribe to one request's results. A core subscription is live on the server on return; a
-        JetStream feed's ordered consumer is still being created (it replays the subject from the
-        stream's start, so nothing is missed; its creation failing ends the feed with Lost)."""
+        """One request's results. A core feed is live on the server on return. A JetStream feed
+        reads what was stored before it from the stream on its first ``next`` (dispatched: replay.py;
+        with ``--recent 0`` its own ordered consumer, still being created on return, replaying the
+        subject from the stream's start), so nothing is missed; a failure there ends it with Lost."""
         assert self.nc is not None
         subject = self.subjects.result(request_id)
         js = self.nc.jetstream()
@@ -392,6 +418,8 @@ class ResultSource:
         # SlowConsumerError, which ends this feed (_on_error).
         limits = {"pending_msgs_limit": MAX_PENDING_RESULTS * 4,
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
+        if self.fanout is not None and self.fanout.stream == stream:  # the recent ring's source reads it
+            return await self._open_dispatched(request_id, subject, order, limits)
         if stream is not None:
             # The ordered consumer replays the subject from the stream's start, so nothing published
             # before it exists is missed: the client gets its headers now, and the consumer's
@@ -401,8 +429,6 @@ class ResultSource:
             self._attaching.add(feed.attaching)
             feed.attaching.add_done_callback(self._attaching.discard)
             return feed
-        if self.fanout is not None:
-            return await self._open_dispatched(request_id, subject, order, limits)
         sub = await self.nc.subscribe(subject, **limits)
         try:
             assert self.barrier is not None
@@ -422,9 +448,17 @@ class ResultSource:
         here on reaches it (fanout.py). Connected, that is the whole open; while reconnecting it
         waits, as a SUB's PING did, until the server has the wildcard subscription again."""
         assert self.fanout is not None and self.nc is not None
-        feed = ResultFeed(self, request_id, None, "core", order,
+        stream = self.fanout.stream
+        feed = ResultFeed(self, request_id, None, "core" if stream is None else "jetstream", order,
                           inbox=self.fanout.inbox(limits["pending_bytes_limit"], limits["pending_msgs_limit"]))
         self.fanout.add(subject, feed)
+        if stream is not None:
+            # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
+            # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
+            feed.replay = Replay(self.nc, self.nc.jetstream()._prefix, stream, subject, self.fanout.delivered(),
+                                 REPLAY_TIMEOUT)
+            self.metrics.jetstream_replays += 1
+            return feed
         if not self.nc.is_connected:
             try:
                 assert self.barrier is not None
@@ -476,18 +510,6 @@ class ResultSource:
         sub = feed._sub
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
-
-    async def _on_any_jetstream_result(self, msg: Msg) -> None:
-        # An ordered consumer's sequence checks live in nats-py's callback path, so it keeps a callback.
-        self._on_any_result(msg, time.time())
-
-    def _on_any_result(self, msg: Msg, now: float) -> None:
-        try:
-            result = result_from_message(self.subjects, msg.subject, msg.headers, msg.data)
-        except (ContractError, ValueError):
-            return
-        self.metrics.results_seen += 1
-        self.recent.note(result, now)
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):

@@ -1,0 +1,149 @@
+"""Streams fed from the recent ring's one subscription to every result (``edge/fanout.py``), and a
+JetStream feed's results stored before it opened read from the stream (``edge/replay.py``).
+
+What must hold as with a subscription per stream: every result published after the open reaches
+the feed once, in seq order; a JetStream feed also gets what was stored before it; a client that
+falls behind its bound is ended with an overrun while the others go on; a closed connection ends a
+waiting feed with Lost. And what changes: no SUB, PING or consumer per open. The edge's real
+``ResultSource`` on a real nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import pytest
+from edge_harness import publish_result, subscribed_subjects
+from helpers import rid
+
+from streamproc.core.wire import ResultInfo
+from streamproc.edge import settings as edge_settings
+from streamproc.edge.metrics import EdgeMetrics
+from streamproc.edge.source import Lost, Overrun, ResultSource
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+LIVE = Subjects("fanlive")  # no results stream: the ring's core subscription feeds the streams
+STORED = Subjects("fanjs")  # the source creates a results stream: one ordered consumer feeds them
+
+
+@contextlib.asynccontextmanager
+async def started_source(nats_url: str, subjects: Subjects, **overrides) -> AsyncIterator[ResultSource]:
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
+                                       **overrides})
+    source = ResultSource(settings, EdgeMetrics())
+    await source.start()
+    try:
+        yield source
+    finally:
+        await source.stop()
+
+
+async def read(feed, n: int) -> list[ResultInfo]:
+    items = [await feed.next(5.0) for _ in range(n)]
+    assert all(isinstance(i, ResultInfo) for i in items), items
+    return items
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_core_opens_subscribe_nothing_and_every_later_result_reaches_each_feed_once(
+        nats_url, nats_server, client):
+    async with started_source(nats_url, LIVE) as source:
+        assert source.fanout is not None and source.recent_mode == "core"
+        before = sorted(subscribed_subjects(nats_server.monitor_url))
+        ids = [rid(f"live{i}") for i in range(20)]
+        feeds = await asyncio.gather(*(source.open(i) for i in ids))
+        twin = await source.open(ids[0])  # a second client of the same request
+        assert sorted(subscribed_subjects(nats_server.monitor_url)) == before  # no SUB per open
+        assert source.metrics.streams_dispatched == 21 and source.metrics.core_subscriptions == 21
+        for seq in (1, 0, 2):  # out of order on the wire: handed out in seq order
+            for i in ids:
+                await publish_result(client, LIVE, i, seq, b'{"%s":%d}' % (i.encode(), seq), final=seq == 2)
+        await client.flush()
+        for i, feed in zip(ids, feeds):
+            assert [(r.seq, r.body) for r in await read(feed, 3)] == [
+                (seq, b'{"%s":%d}' % (i.encode(), seq)) for seq in range(3)]
+            assert await feed.next(0.05) is not None  # Ended: the final one was read
+        assert [r.seq for r in await read(twin, 3)] == [0, 1, 2]
+        assert source.metrics.duplicates_dropped == 0
+        assert source.metrics.results_seen == 60  # the ring read each result once
+        for feed in (*feeds, twin):
+            await feed.close()
+        assert source.metrics.streams_dispatched == 0 and source.fanout.feeds == {}
+
+
+async def test_a_jetstream_feed_replays_what_was_stored_before_it_then_reads_live_without_doubles(
+        nats_url, client):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        assert source.fanout is not None and source.recent_mode == "jetstream"
+        js = client.jetstream()
+        stream = source.fanout.stream
+        consumers = (await js.stream_info(stream)).state.consumer_count  # the ring's one
+        request_id = rid("late")
+        for seq in range(3):  # stored and dispatched (to nobody) before the open
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen == 3)
+        feed = await source.open(request_id)
+        assert feed.mode == "jetstream" and feed.replay is not None
+        assert feed.replay.upto >= 3  # the consumer had delivered them
+        for seq in range(3, 6):  # after the registration: dispatched, beyond the replay's reach
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq, final=seq == 5)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen == 6)
+        got = await read(feed, 6)
+        assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(6)]
+        assert feed.replay is None  # done, after exactly the three stored before
+        assert source.metrics.duplicates_dropped == 0 and source.metrics.jetstream_replays == 1
+        assert (await js.stream_info(stream)).state.consumer_count == consumers  # no consumer per open
+        await feed.close()
+
+
+async def test_a_jetstream_feed_opened_before_any_result_replays_nothing_and_misses_nothing(nats_url, client):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        request_id = rid("early")
+        feed = await source.open(request_id)
+        for seq in range(4):
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq, final=seq == 3)
+        await client.flush()
+        assert [r.seq for r in await read(feed, 4)] == [0, 1, 2, 3]
+        assert source.metrics.duplicates_dropped == 0
+        await feed.close()
+
+
+async def test_a_feed_past_its_byte_bound_ends_with_an_overrun_and_the_others_go_on(nats_url, client):
+    bound = 64 * 1024
+    async with started_source(nats_url, LIVE, stream_buffer_bytes=bound) as source:
+        slow, fine = rid("slow"), rid("fine")
+        slow_feed, fine_feed = await source.open(slow), await source.open(fine)
+        body = b'{"text":"' + b"x" * 8000 + b'"}'
+        for seq in range(12):  # ~96 KiB for a client that does not read
+            await publish_result(client, LIVE, slow, seq, body)
+            await publish_result(client, LIVE, fine, seq, b'{"seq":%d}' % seq, final=seq == 11)
+            await client.flush()
+            if seq % 4 == 3:
+                await read(fine_feed, 4)  # this one keeps up
+        assert isinstance(await slow_feed.next(1.0), Overrun)
+        assert source.metrics.streams_overrun == 1
+        assert slow_feed not in source.fanout.feeds.get(LIVE.result(slow), [])  # not fed any more
+        await slow_feed.close()
+        await fine_feed.close()
+        assert source.metrics.streams_dispatched == 0
+
+
+async def test_a_closed_connection_ends_a_waiting_feed_with_lost(nats_url):
+    async with started_source(nats_url, LIVE) as source:
+        feed = await source.open(rid("waiting"))
+        waiting = asyncio.create_task(feed.next(30.0))
+        await asyncio.sleep(0.05)
+        await source.nc.close()
+        item = await asyncio.wait_for(waiting, 5)
+        assert isinstance(item, Lost) and "closed" in item.reason, item
