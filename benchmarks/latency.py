@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -187,6 +188,31 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
+def wait_results_stream(nats_url: str, prefix: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Until the durable processor has created the JetStream stream that stores ``prefix``'s results."""
+    import nats
+
+    async def find() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().find_stream_name_by_subject(f"{prefix}.results.x")
+            return True
+        except nats.js.errors.NotFoundError:
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"streamproc run exited with {proc.returncode}")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside the run's event loop
+            if pool.submit(asyncio.run, find()).result():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"no results stream for {prefix} after {timeout} s")
+
+
 class Mode:
     """One mode's processor and edge on a shared nats-server, with its own subject prefix."""
 
@@ -212,8 +238,14 @@ class Mode:
             names.append("base")
             envs.append({**os.environ, "PYTHONPATH": python_path(BASELINE_TREE)})
         self.logs = [open(logdir / f"{mode}-{name}.log", "wb") for name in names]
-        self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-                      for argv, log, env in zip(argvs, self.logs, envs)]
+        self.procs = []
+        for i, (argv, log, env) in enumerate(zip(argvs, self.logs, envs)):
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               env=env))
+            if i == 0 and mode == "durable":
+                # An edge decides at start how it reads (the results stream through its recent ring's
+                # consumer, or core NATS), as in a deployment where the processor runs first.
+                wait_results_stream(nats_url, self.prefix, self.procs[0])
         wait_http(f"{self.edge_url}/healthz", self.procs[1])
         wait_http(f"{self.relay_url}/healthz", self.procs[2])
         if self.base_url is not None:
