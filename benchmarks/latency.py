@@ -498,7 +498,7 @@ def main() -> None:
                         help="paced runs: open each wave's streams evenly over this many seconds (default 0: "
                              "all at once); keep it under a wave's publish time (streams x chunks / rate)")
     parser.add_argument("--baseline-tree", type=Path,
-                        help="source tree whose edge joins the interleaved rounds (e.g. /work/main)")
+                        help="source tree whose edge joins the interleaved rounds (e.g. a checkout of main)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
