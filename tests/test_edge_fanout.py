@@ -84,9 +84,6 @@ async def test_a_jetstream_feed_replays_what_was_stored_before_it_then_reads_liv
         nats_url, client):
     async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
         assert source.fanout is not None and source.recent_mode == "jetstream"
-        js = client.jetstream()
-        stream = source.fanout.stream
-        consumers = (await js.stream_info(stream)).state.consumer_count  # the ring's one
         request_id = rid("late")
         for seq in range(3):  # stored and dispatched (to nobody) before the open
             await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
@@ -103,12 +100,38 @@ async def test_a_jetstream_feed_replays_what_was_stored_before_it_then_reads_liv
         assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(6)]
         assert feed.replay is None  # done, after exactly the three stored before
         assert source.metrics.duplicates_dropped == 0 and source.metrics.jetstream_replays == 1
-        assert (await js.stream_info(stream)).state.consumer_count == consumers  # no consumer per open
         await feed.close()
+
+
+@pytest.mark.parametrize("stored", [1, 2, 300])
+async def test_a_late_attach_reads_the_stored_history_in_order_and_leaves_no_consumer(nats_url, client, stored):
+    """One stored result: the probe alone. More: a temporary ordered consumer reads the rest (two:
+    it has nothing pending after the probe's one) and is gone once the history is read."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        js = client.jetstream()
+        stream = source.fanout.stream
+        consumers = (await js.stream_info(stream)).state.consumer_count
+        request_id = rid(f"history{stored}")
+        for seq in range(stored):
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen == stored)
+        feed = await source.open(request_id)
+        await publish_result(client, STORED, request_id, stored, b'{"seq":%d}' % stored, final=True)  # live
+        await client.flush()
+        got = await read(feed, stored + 1)
+        assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(stored + 1)]
+        assert feed.replay is None and source.metrics.duplicates_dropped == 0
+        await feed.close()
+        async with asyncio.timeout(10):  # the temporary consumer's inactive threshold: 1 s
+            while (await js.stream_info(stream)).state.consumer_count != consumers:
+                await asyncio.sleep(0.1)
 
 
 async def test_a_jetstream_feed_opened_before_any_result_replays_nothing_and_misses_nothing(nats_url, client):
     async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        js = client.jetstream()
+        consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count  # the ring's one
         request_id = rid("early")
         feed = await source.open(request_id)
         for seq in range(4):
@@ -116,6 +139,8 @@ async def test_a_jetstream_feed_opened_before_any_result_replays_nothing_and_mis
         await client.flush()
         assert [r.seq for r in await read(feed, 4)] == [0, 1, 2, 3]
         assert source.metrics.duplicates_dropped == 0
+        assert feed.replay is None  # the probe found nothing: no consumer was created for this open
+        assert (await js.stream_info(source.fanout.stream)).state.consumer_count == consumers
         await feed.close()
 
 

@@ -91,8 +91,9 @@ class Inbox:
         try:
             await waiter
         except asyncio.CancelledError:
-            if self.sub._conn.is_closed and waiter.cancelled():
-                raise nats.errors.ConnectionClosedError from None
+            task = asyncio.current_task()
+            if self.sub._conn.is_closed and not (task is not None and task.cancelling()):
+                raise nats.errors.ConnectionClosedError from None  # Client._close cancelled the waiter
             raise
         finally:
             self._waiter = None

@@ -134,7 +134,8 @@ class ResultFeed:
                 except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
                     return Lost(f"cannot read the results stream: {error_text(exc)}")
                 if stored is None:
-                    self.replay = None
+                    replay, self.replay = self.replay, None
+                    await replay.close()
                 else:
                     self._accept_parts(*stored)
                 continue
@@ -223,7 +224,9 @@ class ResultFeed:
         """Unsubscribe and free what nats-py still queues for this feed (also after an overrun).
         A consumer still being created is unsubscribed by its creator once it exists."""
         self.closed = True
-        self.replay = None
+        replay, self.replay = self.replay, None
+        if replay is not None:
+            await replay.close()  # its temporary consumer, if a late attach had one
         self.source.forget(self)
         if self.inbox is not None:
             self.inbox.clear()
@@ -456,7 +459,7 @@ class ResultSource:
             # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
             # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
             feed.replay = Replay(self.nc, self.nc.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                                 REPLAY_TIMEOUT)
+                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER})
             self.metrics.jetstream_replays += 1
             return feed
         if not self.nc.is_connected:
