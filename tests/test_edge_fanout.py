@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import pytest
 from edge_harness import publish_result, subscribed_subjects
 from helpers import rid
+from nats.js.api import StreamConfig
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge import settings as edge_settings
@@ -172,3 +173,29 @@ async def test_a_closed_connection_ends_a_waiting_feed_with_lost(nats_url):
         await source.nc.close()
         item = await asyncio.wait_for(waiting, 5)
         assert isinstance(item, Lost) and "closed" in item.reason, item
+
+
+async def test_a_results_stream_created_after_start_up_is_read_with_a_consumer_per_stream(nats_url, client, caplog):
+    """The edge decides at start-up how its ring reads; a stream that appears later is still used:
+    each stream replays it through its own ordered consumer (the ``--recent 0`` path), said once."""
+    late = Subjects("fanlate")
+    async with started_source(nats_url, late) as source:
+        assert source.recent_mode == "core"
+        await client.jetstream().add_stream(StreamConfig(name="FANLATE", subjects=[late.all_results]))
+        try:
+            request_id = rid("stored")
+            await publish_result(client, late, request_id, 0, b'{"seq":0}')
+            await client.flush()
+            source.streams.forget()  # the lookup's 2 s cache, without waiting for it
+            with caplog.at_level("WARNING", logger="streamproc.edge"):
+                feed = await source.open(request_id)
+                again = await source.open(rid("other"))
+            assert feed.mode == "jetstream" and feed.attaching is not None  # its own consumer
+            await publish_result(client, late, request_id, 1, b'{"seq":1}', final=True)
+            await client.flush()
+            assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the one stored before the open too
+            assert caplog.text.count("results_stream_not_read_by_ring") == 1
+            await feed.close()
+            await again.close()
+        finally:
+            await client.jetstream().delete_stream("FANLATE")

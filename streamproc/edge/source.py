@@ -325,7 +325,8 @@ class ResultSource:
         self._flush_task: asyncio.Task | None = None
         self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
         self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
-        self.fanout: Fanout | None = None  # core recent ring: its subscription feeds the streams (fanout.py)
+        self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
+        self._told_late_stream = False
 
     @property
     def connected(self) -> bool:
@@ -423,6 +424,11 @@ class ResultSource:
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if self.fanout is not None and self.fanout.stream == stream:  # the recent ring's source reads it
             return await self._open_dispatched(request_id, subject, order, limits)
+        if self.fanout is not None and not self._told_late_stream:  # a stream created after start-up
+            self._told_late_stream = True
+            log_event(log, logging.WARNING, "results_stream_not_read_by_ring", stream=stream,
+                      hint="each stream opens its own ordered consumer; restart the edge to read the "
+                           "results stream through one (docs/edge.md)")
         if stream is not None:
             # The ordered consumer replays the subject from the stream's start, so nothing published
             # before it exists is missed: the client gets its headers now, and the consumer's
