@@ -199,3 +199,37 @@ async def test_a_results_stream_created_after_start_up_is_read_with_a_consumer_p
             await again.close()
         finally:
             await client.jetstream().delete_stream("FANLATE")
+
+
+async def test_a_late_reader_that_falls_behind_its_history_is_overrun_and_its_consumer_stopped(nats_url, client):
+    """The temporary consumer of a late attach has the stream's bound too: a reader that stops
+    while its history pours in is ended with an overrun (nats-py's SlowConsumerError), and the
+    consumer goes, instead of recreating itself after every dropped message. (With a bound of a
+    few socket reads, one read's burst alone overruns it, as it did a consumer per stream.)"""
+    bound = 1024 * 1024
+    async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
+        js = client.jetstream()
+        consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count
+        request_id = rid("behind")
+        body = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'
+        for seq in range(64):  # 4 MiB stored
+            await publish_result(client, STORED, request_id, seq, body, final=seq == 63)
+            if seq % 8 == 7:
+                await client.flush()
+        await client.flush()
+        await until(lambda: source.metrics.results_seen >= 64)
+        feed = await source.open(request_id)
+        assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the probe's, then the consumer's first
+        await asyncio.sleep(1.0)  # the reader stops; the rest is pushed at the edge
+        seqs, item = [0, 1], await feed.next(5.0)
+        while isinstance(item, ResultInfo):  # what was queued before the bound was hit
+            seqs.append(item.seq)
+            item = await feed.next(5.0)
+        assert isinstance(item, Overrun), item
+        assert seqs == list(range(len(seqs))) and len(seqs) < 64
+        assert source.metrics.streams_overrun == 1
+        assert source.metrics.recent_dropped == 0  # the drop was the stream's, not taken for the ring's
+        await feed.close()
+        async with asyncio.timeout(10):
+            while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:
+                await asyncio.sleep(0.1)

@@ -12,17 +12,20 @@ First one probe: ``$JS.API.STREAM.MSG.GET`` with ``{"seq": 1, "next_by_subj": su
 message of the subject, as nats-py 2.16 ``JetStreamManager.get_msg(..., next=True)`` asks). For a
 request with nothing stored yet (a client that opens before its request starts, the usual case)
 that "no message found" is the whole replay: one request, no consumer. A request with results
-stored (a late attach, a resume) then reads the rest with a temporary ordered consumer of its
-subject from the next sequence, as every open did before (one request per stored result measured
-1.6-3.2k results/s at ~170 µs of CPU each; this consumer 22-29k/s at ~20 µs), stopping at
+stored (a late attach, a resume) then asks once more, and if more is stored, reads the rest with a
+temporary ordered consumer of its subject from there, as every open did before (one request per stored result measured
+1.6-3.2k results/s at ~170 µs of CPU each; this consumer 26-44k/s at 20-34 µs), stopping at
 ``upto`` or when the consumer reports nothing more pending (every sequence up to ``upto`` is stored
-already, so a later one is past it), and unsubscribing it.
+already, so a later one is past it), and unsubscribing it. (The consumer is made only once a
+result is known to be left: made first and asked for its pending count, it pushed the history
+while that answer was on its way, and a reader of a long history overran its bound before reading.)
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+from typing import Callable
 
 import msgspec
 import nats.errors
@@ -57,6 +60,12 @@ class MsgGetResponse(msgspec.Struct):
 _decode = msgspec.json.Decoder(MsgGetResponse).decode
 
 
+def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
+    block = base64.b64decode(message.hdrs) if message.hdrs else b""
+    headers = parse_header_block(block) if len(block) > 10 and block[8] != 32 else None
+    return message.subject, headers, base64.b64decode(message.data) if message.data else b""
+
+
 class Replay:
     """``await replay.next()``: the next stored result of ``subject`` with a stream sequence up to
     ``upto`` as (subject, headers, body), or None when there is none left (then call nothing but
@@ -64,7 +73,8 @@ class Replay:
     other JetStream error); :meth:`close` frees the temporary consumer, also after an error."""
 
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
-                 timeout: float, consumer_options: dict | None = None) -> None:
+                 timeout: float, consumer_options: dict | None = None,
+                 watch: Callable[[object, bool], None] | None = None) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -72,6 +82,10 @@ class Replay:
         self.upto = upto
         self.timeout = timeout
         self.consumer_options = consumer_options or {}  # pending limits, inactive threshold
+        # watch(sub, True) once the consumer exists, watch(sub, False) when it is gone: the source
+        # ends the feed when nats-py drops one of its messages (SlowConsumerError), as for a feed's
+        # own consumer, rather than let the ordered consumer recreate itself message after message.
+        self.watch = watch
         self.next_seq = 1
         self.read = 0  # messages replayed (tests)
         self.sub = None  # the temporary ordered consumer, after a probe found a stored result
@@ -80,26 +94,37 @@ class Replay:
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
             return None
-        if self.sub is None and self.read == 0:
-            return await self._probe()
+        if self.sub is None and self.read == 0:  # the probe: the first stored result, if any
+            message = await self._get(self.next_seq)
+            if message is None:
+                return None
+            self.next_seq = message.seq + 1
+            self.read += 1
+            self.done = message.seq >= self.upto
+            return _parts(message)
         if self.sub is None:
+            # More stored? Asked before a consumer exists (it would push at once, while nobody reads):
+            # the consumer is made only when there is something for it, starting at that one.
+            message = await self._get(self.next_seq)
+            if message is None:
+                return None
             self.sub = await self.nc.jetstream().subscribe(
                 self.subject, stream=self.stream, ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.next_seq),
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=message.seq),
                 **self.consumer_options)
-            # Nothing stored after the probe's one: the consumer would deliver nothing. Its info
-            # answers on our connection after whatever it delivered before, so those are queued.
-            info = await self.sub.consumer_info()
-            if info.num_pending == 0 and self.sub.pending_msgs == 0:
-                await self._finish()
-                return None
-        msg = pending.take(self.sub)  # Subscription.next_msg without its tasks per message (pending.py)
+            if self.watch is not None:
+                self.watch(self.sub, True)
+        sub = self.sub
+        msg = pending.take(sub)  # Subscription.next_msg without its tasks per message (pending.py)
         if msg is None:
-            if not await pending.wait(self.sub, self.timeout):
+            woken = await pending.wait(sub, self.timeout)
+            if self.sub is not sub:  # closed meanwhile (the feed ended): nothing more from here
+                return None
+            if not woken:
                 raise nats.errors.TimeoutError
-            msg = pending.take(self.sub)
+            msg = pending.take(sub)
             assert msg is not None
-        reply = pending.flow_control_due(self.sub)
+        reply = pending.flow_control_due(sub)
         if reply is not None:
             await self.nc.publish(reply)
         meta = msg.metadata
@@ -111,8 +136,10 @@ class Replay:
             await self._finish()  # this one is the last stored up to upto
         return msg.subject, msg.headers, msg.data
 
-    async def _probe(self) -> tuple[str, dict[str, str] | None, bytes] | None:
-        request = msgspec.json.encode({"seq": self.next_seq, "next_by_subj": self.subject})
+    async def _get(self, seq: int) -> StoredMessage | None:
+        """The first stored message of the subject at or after ``seq``, if at most ``upto``; else
+        None, and the replay is done."""
+        request = msgspec.json.encode({"seq": seq, "next_by_subj": self.subject})
         reply = await self.nc.request(self.api_subject, request, timeout=self.timeout)
         response = _decode(reply.data)
         if response.error is not None:
@@ -125,12 +152,7 @@ class Replay:
         if message is None or message.seq > self.upto:
             self.done = True
             return None
-        self.next_seq = message.seq + 1
-        self.read += 1
-        self.done = message.seq >= self.upto
-        block = base64.b64decode(message.hdrs) if message.hdrs else b""
-        headers = parse_header_block(block) if len(block) > 10 and block[8] != 32 else None
-        return message.subject, headers, base64.b64decode(message.data) if message.data else b""
+        return message
 
     async def _finish(self) -> None:
         self.done = True
@@ -139,5 +161,11 @@ class Replay:
     async def close(self) -> None:
         sub, self.sub = self.sub, None
         if sub is not None:
+            if self.watch is not None:
+                self.watch(sub, False)
+            # A reader waiting in next() for this consumer returns at once (pending.wait's getter).
+            for getter in list(sub._sub._pending_queue._getters):
+                if not getter.done():
+                    getter.set_result(None)
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()

@@ -128,13 +128,17 @@ class ResultFeed:
             else:
                 self._gap_since = None
                 wait = deadline - now
-            if self.replay is not None:  # before the dispatched ones: what was stored before the open
+            replay = self.replay
+            if replay is not None:  # before the dispatched ones: what was stored before the open
                 try:
-                    stored = await self.replay.next()
+                    stored = await replay.next()
                 except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
+                    if self.overrun:  # its consumer was stopped because the client fell behind
+                        return Overrun(self.source.settings.stream_buffer_bytes)
                     return Lost(f"cannot read the results stream: {error_text(exc)}")
-                if stored is None:
-                    replay, self.replay = self.replay, None
+                if stored is None:  # done, or closed meanwhile (close() or an overrun took it)
+                    if self.replay is replay:
+                        self.replay = None
                     await replay.close()
                 else:
                     self._accept_parts(*stored)
@@ -424,7 +428,7 @@ class ResultSource:
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if self.fanout is not None and self.fanout.stream == stream:  # the recent ring's source reads it
             return await self._open_dispatched(request_id, subject, order, limits)
-        if self.fanout is not None and not self._told_late_stream:  # a stream created after start-up
+        if self.fanout is not None and stream is not None and not self._told_late_stream:  # created after start-up
             self._told_late_stream = True
             log_event(log, logging.WARNING, "results_stream_not_read_by_ring", stream=stream,
                       hint="each stream opens its own ordered consumer; restart the edge to read the "
@@ -464,8 +468,14 @@ class ResultSource:
         if stream is not None:
             # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
             # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
+            def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError ends it (_on_error)
+                if live:
+                    self._feeds[id(core_subscription(sub))] = feed
+                else:
+                    self._feeds.pop(id(core_subscription(sub)), None)
+
             feed.replay = Replay(self.nc, self.nc.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER})
+                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch)
             self.metrics.jetstream_replays += 1
             return feed
         if not self.nc.is_connected:
