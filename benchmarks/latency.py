@@ -19,14 +19,19 @@ Per mode: first the pipeline's peak (several waves opened, then published as fas
 SSE events delivered / time from first publish to last event), then paced runs at 2,000 chunks/s
 and at half of that peak, printing p50/p99/p99.9 per hop and the added latency over the floor.
 
+``--baseline-tree DIR`` (e.g. the main checkout) adds a third contender to the interleaved rounds:
+``streamproc edge`` run from that source tree (``PYTHONPATH``), on the same processor and results, so
+a change to the edge is measured against its base in the same run (rows "vs base").
+
 Usage: python benchmarks/latency.py [--seconds 8] [--streams 50] [--chunks 40] [--modes core,durable]
-                                    [--json out.json]
+                                    [--baseline-tree DIR] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -40,6 +45,13 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 RATE = 2000.0
 OPEN_SPREAD = 0.0  # --open-spread: seconds over which a paced run's wave opens its streams
+BASELINE_TREE: Path | None = None  # --baseline-tree: an edge from this source tree, beside ours
+PROC_OF = {"edge": 1, "relay": 2, "base": 3}  # Mode.procs index of each SSE server
+
+
+def python_path(tree: Path) -> str:
+    """The tree's package and its built-in codecs (as benchmarks/durable_trees.py)."""
+    return os.pathsep.join(str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd"))
 TARGETS_CORE = {"p50": 2.0, "p99": 10.0}  # added ms over the floor, core mode (issue 14, target 5)
 
 
@@ -176,6 +188,31 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} not ready after {timeout} s")
 
 
+def wait_results_stream(nats_url: str, prefix: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Until the durable processor has created the JetStream stream that stores ``prefix``'s results."""
+    import nats
+
+    async def find() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().find_stream_name_by_subject(f"{prefix}.results.x")
+            return True
+        except nats.js.errors.NotFoundError:
+            return False
+        finally:
+            await nc.close()
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"streamproc run exited with {proc.returncode}")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside the run's event loop
+            if pool.submit(asyncio.run, find()).result():
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"no results stream for {prefix} after {timeout} s")
+
+
 class Mode:
     """One mode's processor and edge on a shared nats-server, with its own subject prefix."""
 
@@ -192,14 +229,30 @@ class Mode:
         self.relay_url = f"http://127.0.0.1:{self.relay_port}"
         relay = [sys.executable, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", self.prefix,
                  "--port", str(self.relay_port)]
-        self.logs = [open(logdir / f"{mode}-{name}.log", "wb") for name in ("run", "edge", "relay")]
-        self.procs = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-                      for argv, log in zip((run, edge, relay), self.logs)]
+        argvs, names, envs = [run, edge, relay], ["run", "edge", "relay"], [None, None, None]
+        self.base_url = None
+        if BASELINE_TREE is not None:  # the same edge command, imported from the baseline's tree
+            base_port = free_port()
+            self.base_url = f"http://127.0.0.1:{base_port}"
+            argvs.append([str(BIN / "streamproc"), "edge", *common, "--port", str(base_port), *edge_flags()])
+            names.append("base")
+            envs.append({**os.environ, "PYTHONPATH": python_path(BASELINE_TREE)})
+        self.logs = [open(logdir / f"{mode}-{name}.log", "wb") for name in names]
+        self.procs = []
+        for i, (argv, log, env) in enumerate(zip(argvs, self.logs, envs)):
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               env=env))
+            if i == 0 and mode == "durable":
+                # An edge decides at start how it reads (the results stream through its recent ring's
+                # consumer, or core NATS), as in a deployment where the processor runs first.
+                wait_results_stream(nats_url, self.prefix, self.procs[0])
         wait_http(f"{self.edge_url}/healthz", self.procs[1])
         wait_http(f"{self.relay_url}/healthz", self.procs[2])
+        if self.base_url is not None:
+            wait_http(f"{self.base_url}/healthz", self.procs[3])
 
     def url(self, target: str) -> str:
-        return self.edge_url if target == "edge" else self.relay_url
+        return {"edge": self.edge_url, "relay": self.relay_url, "base": self.base_url}[target]
 
     def close(self) -> None:
         from streamproc.sim.embedded import stop_process
@@ -318,7 +371,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
             "missing_sse": n - len(sse), "open_ms": percentiles([x * 1e3 for x in data["opened"]]),
             # CPU per chunk over the run (stream opens and their teardown included)
             "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6,
-            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[1 if target == "edge" else 2] / n * 1e6}
+            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[PROC_OF[target]] / n * 1e6}
 
 
 def show(mode: str, run: dict) -> None:
@@ -356,9 +409,10 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
     per_wave = args.streams * args.chunks
     waves = max(1, round(RATE * args.relay_seconds / per_wave))
     rounds: list[dict] = []
+    targets = ["edge", "relay"] + (["base"] if mode.base_url is not None else [])
     for r in range(args.relay_rounds):
         figures = {}
-        for target in (("edge", "relay") if r % 2 == 0 else ("relay", "edge")):
+        for target in targets[r % len(targets):] + targets[:r % len(targets)]:  # each goes first in turn
             tag = f"v{r}{target[0]}"
             peak = await one_run(mode, f"{tag}p", args.peak_waves, args.streams, args.chunks, None, tmp, target)
             paced = await one_run(mode, f"{tag}r", waves, args.streams, args.chunks, RATE, tmp, target)
@@ -372,6 +426,17 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
         ratio = median([f["edge"][key] / f["relay"][key] for f in rounds if f["relay"][key]])
         out["median"][key] = {"edge": ours, "relay": base, "ratio": ratio}
         print(f"{mode.mode:8}  vs relay  {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
+    if mode.base_url is not None:
+        out["base"] = {}
+        for key, label, unit, _ in VERSUS + (("result_p99", "result p99 @2k/s", "ms", False),):
+            ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", "base"))
+            ratio = median([f["edge"][key] / f["base"][key] for f in rounds if f["base"][key]])
+            out["base"][key] = {"edge": ours, "base": base, "ratio": ratio}
+            print(f"{mode.mode:8}  vs base   {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
+    for t in targets:  # target 2: SSE p99 <= 2x the result subscriber's p99, per contender
+        x = median([f[t]["sse_p99"] / f[t]["result_p99"] for f in rounds if f[t]["result_p99"]])
+        out["median"][f"sse_p99_over_result_{t}"] = x
+        print(f"{mode.mode:8}  {t:6}  SSE p99 / result p99, paired median  x{x:.2f}")
     return out
 
 
@@ -432,6 +497,8 @@ def main() -> None:
     parser.add_argument("--open-spread", type=float, default=0.0,
                         help="paced runs: open each wave's streams evenly over this many seconds (default 0: "
                              "all at once); keep it under a wave's publish time (streams x chunks / rate)")
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="source tree whose edge joins the interleaved rounds (e.g. a checkout of main)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -439,8 +506,9 @@ def main() -> None:
     if args.sse_client:
         asyncio.run(sse_client(args.sse_client, args.out, args.open_spread))
         return
-    global OPEN_SPREAD
+    global OPEN_SPREAD, BASELINE_TREE
     OPEN_SPREAD = args.open_spread
+    BASELINE_TREE = args.baseline_tree.resolve() if args.baseline_tree else None
     report = asyncio.run(run(args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -20,6 +20,8 @@ from helpers import rid
 from nats_auth import Certificates, openssl
 
 from streamproc.client.capability import mint_capability
+from streamproc.core.errors import InvalidCapability
+from streamproc.edge.auth import Verifier
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -300,3 +302,21 @@ async def test_many_idle_anonymous_connections_do_not_lock_out_another_client(se
         finally:
             for sock in idle:
                 sock.close()
+
+
+def test_a_verified_token_is_remembered_until_its_exp_and_refused_after_it():
+    """The verification cache: the same token again is answered without PyJWT, until its exp
+    (leeway 0 here); after it the token is refused as expired, as without the cache. A token that
+    differs in any byte (here its signature) is verified, not looked up."""
+    verifier = Verifier(SECRET, "HS256", leeway=0.0)
+    expiring = mint_capability(SECRET, rids=["a"], now=time.time() - 58.5, ttl=60)  # exp in 1.5 s
+    capability = verifier.verify(expiring)
+    assert capability.allows("a") and verifier.hits == 0
+    assert verifier.verify(expiring) == capability and verifier.hits == 1
+    forged = expiring[:-4] + ("AAAA" if not expiring.endswith("AAAA") else "BBBB")
+    with pytest.raises(InvalidCapability, match="invalid token"):
+        verifier.verify(forged)
+    time.sleep(1.6)
+    with pytest.raises(InvalidCapability, match="expired"):
+        verifier.verify(expiring)
+    assert verifier.hits == 1

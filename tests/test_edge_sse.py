@@ -212,13 +212,37 @@ async def test_error_result_becomes_its_frame_then_done(core_edge, nc):
     ]
 
 
-async def test_client_disconnect_frees_the_subscription_at_once(server, core_edge, nc):
+@pytest.fixture(scope="module")
+def subscribing_edge(server):
+    """``--recent 0``: no wildcard subscription, so each core stream has its own subscription."""
+    with running_edge(server.url, "--prefix", CORE.prefix, "--recent", "0") as edge:
+        yield edge
+
+
+def dispatched(edge) -> float:
+    return edge.metrics()["streamproc_edge_streams_dispatched"]
+
+
+@pytest.mark.parametrize("fed_by", ["own subscription", "wildcard dispatch"])
+async def test_client_disconnect_frees_the_subscription_at_once(server, core_edge, subscribing_edge, nc, fed_by):
+    """With its own subscription (``--recent 0``) the stream's SUB is gone from the server at once;
+    fed from the recent ring's wildcard subscription (fanout.py), its registration is."""
+    edge = subscribing_edge if fed_by == "own subscription" else core_edge
     request_id = rid("gone")
     subject = CORE.result(request_id)
-    before = core_edge.metrics()
-    async with httpx.AsyncClient(base_url=core_edge.url, timeout=15) as client:
+    before = edge.metrics()
+    registered = before["streamproc_edge_streams_dispatched"]
+
+    def listening() -> bool:
+        if fed_by == "own subscription":
+            return subject in subscribed_subjects(server.monitor_url)
+        return dispatched(edge) > registered
+
+    async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:
         async with aconnect_sse(client, "GET", f"/v1/results/{request_id}") as source:
-            assert subject in subscribed_subjects(server.monitor_url)
+            assert listening()
+            if fed_by == "wildcard dispatch":  # and no subscription of its own
+                assert subject not in subscribed_subjects(server.monitor_url)
             await publish_result(nc, CORE, request_id, 0, b'{"text":"first"}')
             events = source.aiter_sse()
             first = await events.__anext__()
@@ -226,11 +250,11 @@ async def test_client_disconnect_frees_the_subscription_at_once(server, core_edg
         # leaving the block closes the connection without reading on: a client kill
 
     with anyio.fail_after(2):
-        while subject in subscribed_subjects(server.monitor_url):
+        while listening():
             await anyio.sleep(0.02)
     await publish_result(nc, CORE, request_id, 1, b'{"text":"second"}', final=True)
     await nc.flush()
-    after = core_edge.metrics()
+    after = edge.metrics()
     assert after["streamproc_edge_streams_active"] == 0
     assert (
         after["streamproc_edge_client_disconnects_total"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import msgspec
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core.events import ResultInfo
@@ -43,6 +43,7 @@ class EdgeMetrics(msgspec.Struct):
     keepalives_sent: int = 0
     jetstream_replays: int = 0
     core_subscriptions: int = 0
+    streams_dispatched: int = 0
     nats_connected: int = 0
     nats_disconnects: int = 0
     nats_reconnects: int = 0
@@ -81,7 +82,10 @@ _HELP: dict[str, tuple[str, str]] = {
     "result_timeouts": ("counter", "streams ended because no result came for --result-timeout"),
     "keepalives_sent": ("counter", "keep-alive comments sent"),
     "jetstream_replays": ("counter", "streams read from the JetStream results stream (replay, then live)"),
-    "core_subscriptions": ("counter", "streams read from a core NATS subscription (live only)"),
+    "core_subscriptions": ("counter", "streams read live only (core NATS: their own subscription, or the "
+                                      "recent ring's wildcard one)"),
+    "streams_dispatched": ("gauge", "streams fed now from the recent ring's wildcard subscription (no "
+                                    "subscription of their own)"),
     "nats_connected": ("gauge", "1 while the NATS connection is up"),
     "nats_disconnects": ("counter", "NATS disconnections"),
     "nats_reconnects": ("counter", "NATS reconnections"),
@@ -97,7 +101,9 @@ class EdgeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self._m
         yield from struct_families("streamproc_edge", m, {k: text for k, (_, text) in _HELP.items()},
-                                   skip=("by_verdict", "by_error_kind"))
+                                   skip=("by_verdict", "by_error_kind", "streams_dispatched"))
+        yield GaugeMetricFamily("streamproc_edge_streams_dispatched", _HELP["streams_dispatched"][1],
+                                value=m.streams_dispatched)  # a gauge (streamproc.metrics.GAUGES is shared)
         verdicts = CounterMetricFamily("streamproc_edge_results_by_verdict", "result bodies sent to clients, "
                                        "by verdict", labels=["verdict"])
         for verdict, n in sorted(m.by_verdict.items()):

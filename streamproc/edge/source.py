@@ -1,10 +1,12 @@
-"""Where the edge reads results: one NATS connection, one subscription per HTTP stream.
+"""Where the edge reads results: one NATS connection, a feed per HTTP stream.
 
-A request's results are read from the JetStream stream that captures ``P.results.<id>`` when
-there is one (an ordered consumer replays the subject from its start, then follows it live, so a
-client that attaches late loses nothing), otherwise from a core NATS subscription, which only
-sees results published after it was made. Either way :class:`SeqOrder` hands them out in seq
-order, each once, and never mixes requests: a feed reads exactly one request's subject.
+With ``--recent`` > 0 the recent ring's subscription to every result hands each result to the
+feeds open on its subject (:mod:`.fanout`): a core subscription (live only), or, when a JetStream
+stream captures ``P.results.>``, one ordered consumer, each feed first reading from the stream what
+was stored before it registered (:mod:`.replay`), so a client that attaches late loses nothing.
+With ``--recent 0`` each feed has its own: an ordered consumer replaying the subject from the
+stream's start, or a core subscription (live only). Either way :class:`SeqOrder` hands them out
+in seq order, each once, and never mixes requests: a feed reads exactly one request's subject.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy, StorageType
+from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType
 from nats.js.client import JetStreamContext
 
 from ..logs import LogLimiter, error_text, log_event
@@ -30,6 +32,8 @@ from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
 from .barrier import PongBarrier
+from .fanout import Fanout, Inbox
+from .replay import Replay
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -46,7 +50,7 @@ RECENT_PENDING_MSGS = 65_536
 # subscription is the interest, so this only bounds how long a consumer outlives a reconnect; then
 # nats-py's ordered consumer creates a new one from the last sequence it delivered.
 CONSUMER_LINGER = 1.0
-RECENT_BATCH_SECONDS = 0.02
+REPLAY_TIMEOUT = 5.0  # seconds for one stored result to come back from the stream (replay.py)
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -81,12 +85,15 @@ FeedItem = ResultInfo | Ended | Gap | Lost | Overrun
 class ResultFeed:
     """The results of one request for one HTTP client. ``close`` frees the subscription at once."""
 
-    def __init__(self, source: ResultSource, request_id: str, sub, mode: FeedMode, order: SeqOrder) -> None:
+    def __init__(self, source: ResultSource, request_id: str, sub, mode: FeedMode, order: SeqOrder,
+                 inbox: Inbox | None = None) -> None:
         self.source = source
         self.request_id = request_id
         self.mode = mode
         self.order = order
         self._sub = sub  # None while a JetStream feed's consumer is being created (ResultSource.open)
+        self.inbox = inbox  # results dispatched from the wildcard subscription (fanout.py); then no _sub
+        self.replay: Replay | None = None  # a dispatched JetStream feed's results stored before it registered
         self.attaching: asyncio.Task | None = None
         self.attach_failed: str | None = None
         self.closed = False
@@ -99,7 +106,8 @@ class ResultFeed:
         """The next item, or None when ``timeout`` seconds pass without one."""
         deadline = time.monotonic() + timeout
         gap_timeout = self.source.settings.gap_timeout
-        if self._sub is None and not self.closed:
+        inbox = self.inbox
+        if self._sub is None and inbox is None and not self.closed:
             attached = await self._attached(timeout)
             if attached is not True:
                 return attached
@@ -120,6 +128,33 @@ class ResultFeed:
             else:
                 self._gap_since = None
                 wait = deadline - now
+            replay = self.replay
+            if replay is not None:  # before the dispatched ones: what was stored before the open
+                try:
+                    stored = await replay.next()
+                except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
+                    if self.overrun:  # its consumer was stopped because the client fell behind
+                        return Overrun(self.source.settings.stream_buffer_bytes)
+                    return Lost(f"cannot read the results stream: {error_text(exc)}")
+                if stored is None:  # done, or closed meanwhile (close() or an overrun took it)
+                    if self.replay is replay:
+                        self.replay = None
+                    await replay.close()
+                else:
+                    self._accept_parts(*stored)
+                continue
+            if inbox is not None:
+                try:
+                    result = inbox.take()
+                    if result is None:
+                        if wait <= 0:
+                            return None
+                        await inbox.wait(wait)
+                        continue
+                except nats.errors.Error as exc:
+                    return Lost(str(exc) or type(exc).__name__)
+                self._accept_result(result)
+                continue
             # What Subscription.next_msg(timeout) does, without its tasks per message (pending.py)
             try:
                 msg = pending.take(self._sub)
@@ -147,13 +182,20 @@ class ResultFeed:
         return True
 
     def _accept(self, msg: Msg) -> None:
+        self._accept_parts(msg.subject, msg.headers, msg.data)
+
+    def _accept_parts(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
         metrics = self.source.metrics
         try:
-            result = result_from_message(self.source.subjects, msg.subject, msg.headers, msg.data)
+            result = result_from_message(self.source.subjects, subject, headers, data)
         except (ContractError, ValueError) as exc:
             metrics.malformed_results += 1
             self.source.limited.log(logging.WARNING, "malformed_result", request_id=self.request_id, error=str(exc))
             return
+        self._accept_result(result)
+
+    def _accept_result(self, result: ResultInfo) -> None:
+        metrics = self.source.metrics
         if result.request_id != self.request_id:  # cannot happen with one subject per feed; never mix
             metrics.malformed_results += 1
             return
@@ -186,7 +228,12 @@ class ResultFeed:
         """Unsubscribe and free what nats-py still queues for this feed (also after an overrun).
         A consumer still being created is unsubscribed by its creator once it exists."""
         self.closed = True
+        replay, self.replay = self.replay, None
+        if replay is not None:
+            await replay.close()  # its temporary consumer, if a late attach had one
         self.source.forget(self)
+        if self.inbox is not None:
+            self.inbox.clear()
         sub, self._sub = self._sub, None
         if sub is None:
             return
@@ -280,9 +327,10 @@ class ResultSource:
         # counts are reported when a flood stops.
         self.limited = LogLimiter(log)
         self._flush_task: asyncio.Task | None = None
-        self._recent_task: asyncio.Task | None = None
         self.streams = StreamLookup(self.subjects)  # the results stream, asked once per ttl (lookup.py)
         self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
+        self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
+        self._told_late_stream = False
 
     @property
     def connected(self) -> bool:
@@ -322,32 +370,37 @@ class ResultSource:
             self.limited.flush()
 
     async def _subscribe_recent(self) -> None:
-        """The recent ring's subscription to every result. It needs headers only (seq, final, error,
-        verdict): when a JetStream stream stores the results, a headers-only ordered consumer of new
-        results (ConsumerConfig.headers_only: the server sends ``Nats-Msg-Size`` instead of the body)
-        spares the edge reading every body a second time. With a core subscription, under a burst
-        that doubling alone made nats-server drop the edge's connection as a slow consumer (64 MiB
-        pending); without a stream the core subscription is the only way."""
+        """The recent ring's subscription to every result, which also feeds the open streams
+        (fanout.py): a core subscription, or, when a JetStream stream stores the results, an ordered
+        consumer of new results (with bodies: before, it was headers-only and every stream had an
+        ordered consumer of its own, so every body crossed twice). Either way each result is read
+        once; before, under a burst, the doubling made nats-server drop the edge's connection as a
+        slow consumer (64 MiB pending)."""
         assert self.nc is not None
         # The page's list may lose a result when the edge is starved; it must never buffer without bound.
         limits = {"pending_msgs_limit": RECENT_PENDING_MSGS, "pending_bytes_limit": self.settings.stream_buffer_bytes}
         js = self.nc.jetstream()
         stream = await self.streams.find(js, self.subjects.all_results)
         if stream is not None:
-            self._recent_sub = await js.subscribe(
-                self.subjects.all_results, stream=stream, cb=self._on_any_jetstream_result, ordered_consumer=True,
-                deliver_policy=DeliverPolicy.NEW, headers_only=True, **limits)
+            # New results only: from the stream's last sequence now. nats-py's ordered consumer resumes
+            # after the last sequence it delivered (JetStreamContext._JSI.reset_ordered_consumer), which
+            # is 0 until a first result: set to that start, or a reset would replay the whole stream.
+            last = (await js.stream_info(stream)).state.last_seq
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1)
+            self._recent_sub = await js.subscribe(self.subjects.all_results, stream=stream, config=config,
+                                                  ordered_consumer=True, **limits)
+            jsi = core_subscription(self._recent_sub)._jsi
+            jsi._sseq = max(jsi._sseq, last)
+            self.fanout = Fanout(self, core_subscription(self._recent_sub), self._on_inbox_full, stream=stream)
             self.recent_mode = "jetstream"
         else:
             self._recent_sub = await self.nc.subscribe(self.subjects.all_results, **limits)
-            await self.nc.flush()
-            self._recent_task = asyncio.get_running_loop().create_task(self._drain_recent(self._recent_sub))
+            # Every result is dispatched as it is read: to the ring and to the feeds open on its subject.
+            self.fanout = Fanout(self, self._recent_sub, self._on_inbox_full)
+            await self.nc.flush()  # live before the edge serves: the fanout's opens need no round trip
             self.recent_mode = "core"
 
     async def stop(self) -> None:
-        if self._recent_task is not None:
-            self._recent_task.cancel()
-            self._recent_task = None
         if self._flush_task is not None:
             self._flush_task.cancel()
             self._flush_task = None
@@ -359,9 +412,10 @@ class ResultSource:
             await nc.close()
 
     async def open(self, request_id: str, *, after: int | None = None) -> ResultFeed:
-        """Subscribe to one request's results. A core subscription is live on the server on return; a
-        JetStream feed's ordered consumer is still being created (it replays the subject from the
-        stream's start, so nothing is missed; its creation failing ends the feed with Lost)."""
+        """One request's results. A core feed is live on the server on return. A JetStream feed
+        reads what was stored before it from the stream on its first ``next`` (dispatched: replay.py;
+        with ``--recent 0`` its own ordered consumer, still being created on return, replaying the
+        subject from the stream's start), so nothing is missed; a failure there ends it with Lost."""
         assert self.nc is not None
         subject = self.subjects.result(request_id)
         js = self.nc.jetstream()
@@ -372,6 +426,13 @@ class ResultSource:
         # SlowConsumerError, which ends this feed (_on_error).
         limits = {"pending_msgs_limit": MAX_PENDING_RESULTS * 4,
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
+        if self.fanout is not None and self.fanout.stream == stream:  # the recent ring's source reads it
+            return await self._open_dispatched(request_id, subject, order, limits)
+        if self.fanout is not None and stream is not None and not self._told_late_stream:  # created after start-up
+            self._told_late_stream = True
+            log_event(log, logging.WARNING, "results_stream_not_read_by_ring", stream=stream,
+                      hint="each stream opens its own ordered consumer; restart the edge to read the "
+                           "results stream through one (docs/edge.md)")
         if stream is not None:
             # The ordered consumer replays the subject from the stream's start, so nothing published
             # before it exists is missed: the client gets its headers now, and the consumer's
@@ -393,6 +454,52 @@ class ResultSource:
         feed = ResultFeed(self, request_id, sub, "core", order)
         self._feeds[id(core_subscription(sub))] = feed
         return feed
+
+    async def _open_dispatched(self, request_id: str, subject: str, order: SeqOrder,
+                               limits: dict[str, int]) -> ResultFeed:
+        """A live feed from the wildcard subscription: registered now, so every result read from
+        here on reaches it (fanout.py). Connected, that is the whole open; while reconnecting it
+        waits, as a SUB's PING did, until the server has the wildcard subscription again."""
+        assert self.fanout is not None and self.nc is not None
+        stream = self.fanout.stream
+        feed = ResultFeed(self, request_id, None, "core" if stream is None else "jetstream", order,
+                          inbox=self.fanout.inbox(limits["pending_bytes_limit"], limits["pending_msgs_limit"]))
+        self.fanout.add(subject, feed)
+        if stream is not None:
+            # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
+            # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
+            def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError ends it (_on_error)
+                if live:
+                    self._feeds[id(core_subscription(sub))] = feed
+                else:
+                    self._feeds.pop(id(core_subscription(sub)), None)
+
+            feed.replay = Replay(self.nc, self.nc.jetstream()._prefix, stream, subject, self.fanout.delivered(),
+                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch)
+            self.metrics.jetstream_replays += 1
+            return feed
+        if not self.nc.is_connected:
+            try:
+                assert self.barrier is not None
+                await self.barrier.wait()
+            except BaseException:
+                self.fanout.remove(subject, feed)
+                raise
+        self.metrics.core_subscriptions += 1
+        return feed
+
+    def _on_inbox_full(self, feed: ResultFeed) -> None:
+        """A dispatched feed's client fell behind (its inbox is full): what a SlowConsumerError did
+        for its own subscription (_on_error), without an await in the read path."""
+        if not feed.overrun:
+            feed.overrun = True
+            self.metrics.streams_overrun += 1
+            self.limited.log(logging.WARNING, "stream_overrun", request_id=feed.request_id,
+                             limit=self.settings.stream_buffer_bytes)
+        self.forget(feed)
+        assert feed.inbox is not None
+        feed.inbox.clear()
+        feed.inbox.wake()
 
     async def _attach(self, feed: ResultFeed, js: JetStreamContext, subject: str, stream: str,
                       limits: dict[str, int]) -> None:
@@ -416,35 +523,12 @@ class ResultSource:
         self._feeds[id(core_subscription(sub))] = feed
 
     def forget(self, feed: ResultFeed) -> None:
+        if feed.inbox is not None and self.fanout is not None:
+            self.fanout.remove(self.subjects.result(feed.request_id), feed)
+            return
         sub = feed._sub
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
-
-    async def _drain_recent(self, sub) -> None:
-        """Feed the recent ring from its subscription in batches, ``RECENT_BATCH_SECONDS`` after the
-        first result of each: a callback per result woke a task per result (one event-loop pass
-        each, ~8% of the edge's CPU at 2,000 results/s); the page reads the ring once a second."""
-        try:
-            while True:
-                await pending.wait(sub, 3600.0)
-                await asyncio.sleep(RECENT_BATCH_SECONDS)
-                now = time.time()
-                while (msg := pending.take(sub)) is not None:
-                    self._on_any_result(msg, now)
-        except nats.errors.Error:  # the connection closed under it: nothing more will come
-            return
-
-    async def _on_any_jetstream_result(self, msg: Msg) -> None:
-        # An ordered consumer's sequence checks live in nats-py's callback path, so it keeps a callback.
-        self._on_any_result(msg, time.time())
-
-    def _on_any_result(self, msg: Msg, now: float) -> None:
-        try:
-            result = result_from_message(self.subjects, msg.subject, msg.headers, msg.data)
-        except (ContractError, ValueError):
-            return
-        self.metrics.results_seen += 1
-        self.recent.note(result, now)
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):

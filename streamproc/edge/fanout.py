@@ -1,0 +1,191 @@
+"""Every result read once: the recent ring's wildcard subscription hands results to the open streams.
+
+With ``--recent`` > 0 and no JetStream results stream, the edge subscribes to ``P.results.>`` for
+the page's request list anyway. Before, each SSE stream also had its own ``P.results.<id>``
+subscription, so every result crossed the edge's socket, nats-py's parser and a pending queue twice,
+and every open cost a SUB, a PING/PONG round trip and an UNSUB (docs/benchmarks.md, "Fan-out").
+Here the wildcard subscription's pending queue is replaced by :class:`DispatchQueue`, whose
+``put_nowait`` (called by nats-py's read path, ``Client._process_msg``, for each message) parses the
+result once, notes it in the recent ring and appends it to the :class:`Inbox` of each stream open on
+its subject: an open is a dict insert, a result one dict lookup.
+
+Why nothing is missed: the wildcard subscription is live on the server before the edge serves
+(``ResultSource.start`` flushes it), an open registers its inbox before its response headers are
+written, and nats-server delivers on one connection in order; so a result published after the
+client saw its headers reaches the inbox. As before, core mode has no replay: a result published
+before the open is not seen (the stream reports a gap). While the connection is down an open waits
+for the reconnect (``PongBarrier.wait`` falls back to nats-py's ``flush``), as a SUB did.
+
+Bounds are those of the per-stream subscription it replaces (nats-py 2.16 ``Client._process_msg``):
+an inbox holding ``pending_bytes_limit`` bytes or ``pending_msgs_limit`` results not yet taken by its
+stream drops the result and the stream ends with an overrun (nats-py reported SlowConsumerError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import nats.errors
+from nats.aio.msg import Msg
+
+from ..core.wire import ContractError, ResultInfo, result_from_message
+
+if TYPE_CHECKING:
+    from .source import ResultFeed, ResultSource
+
+log = logging.getLogger("streamproc.edge")
+
+
+class Inbox:
+    """One stream's results not yet taken, filled by :meth:`Fanout.dispatch` (no await, no task)."""
+
+    __slots__ = ("sub", "bytes_limit", "msgs_limit", "_items", "_bytes", "_waiter", "overflowed")
+
+    def __init__(self, sub, bytes_limit: int, msgs_limit: int) -> None:
+        self.sub = sub  # the wildcard subscription: its connection and nats-py's close hook
+        self.bytes_limit, self.msgs_limit = bytes_limit, msgs_limit
+        self._items: collections.deque[tuple[ResultInfo, int]] = collections.deque()
+        self._bytes = 0
+        self._waiter: asyncio.Future | None = None
+        self.overflowed = False
+
+    def put(self, result: ResultInfo, size: int) -> bool:
+        """False when the result does not fit (nats-py's checks, in its order: bytes, then count)."""
+        if self.bytes_limit > 0 and self._bytes + size >= self.bytes_limit or len(self._items) >= self.msgs_limit:
+            return False
+        self._items.append((result, size))
+        self._bytes += size
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return True
+
+    def take(self) -> ResultInfo | None:
+        """A queued result or None; ``ConnectionClosedError`` once the connection is closed (as
+        :func:`streamproc.edge.pending.take`)."""
+        if self.sub._conn.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if not self._items:
+            return None
+        result, size = self._items.popleft()
+        self._bytes -= size
+        return result
+
+    async def wait(self, timeout: float) -> None:
+        """Until a result is queued, ``timeout`` passes or the inbox is woken (:meth:`wake`).
+        Registered where nats-py's ``Client._close`` cancels a subscription's ``next_msg`` calls,
+        so a closed connection ends the wait with ``ConnectionClosedError``."""
+        if self.sub._conn.is_closed:
+            raise nats.errors.ConnectionClosedError
+        if self._items:
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter)
+        calls = self.sub._pending_next_msgs_calls
+        calls[id(waiter)] = waiter
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.sub._conn.is_closed and not (task is not None and task.cancelling()):
+                raise nats.errors.ConnectionClosedError from None  # Client._close cancelled the waiter
+            raise
+        finally:
+            self._waiter = None
+            timer.cancel()
+            calls.pop(id(waiter), None)
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class Fanout:
+    """The open streams by result subject, fed from the one wildcard subscription."""
+
+    def __init__(self, source: ResultSource, sub, on_overflow: Callable[[ResultFeed], None],
+                 stream: str | None = None) -> None:
+        self.source = source
+        self.sub = sub  # nats-py's core Subscription (a JetStream ordered consumer's ``_sub``)
+        self.stream = stream  # the JetStream stream the ordered consumer reads, or None (core)
+        self.on_overflow = on_overflow
+        self.feeds: dict[str, list[ResultFeed]] = {}
+        sub._pending_queue = DispatchQueue(self)
+        # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
+        # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
+        sub._pending_bytes_limit = 0
+
+    def delivered(self) -> int:
+        """The stream sequence up to which the ordered consumer has dispatched every result (nats-py
+        2.16 ``Client._process_msg`` sets ``_JSI._sseq`` before the message is queued, i.e. dispatched)."""
+        return self.sub._jsi._sseq
+
+    def inbox(self, bytes_limit: int, msgs_limit: int) -> Inbox:
+        return Inbox(self.sub, bytes_limit, msgs_limit)
+
+    def add(self, subject: str, feed: ResultFeed) -> None:
+        self.feeds.setdefault(subject, []).append(feed)
+        self.source.metrics.streams_dispatched += 1
+
+    def remove(self, subject: str, feed: ResultFeed) -> None:
+        feeds = self.feeds.get(subject)
+        if feeds is not None and feed in feeds:
+            feeds.remove(feed)
+            self.source.metrics.streams_dispatched -= 1
+            if not feeds:
+                del self.feeds[subject]
+
+    def dispatch(self, msg: Msg) -> None:
+        """One result off the wire: the recent ring, then each stream open on its subject."""
+        source = self.source
+        feeds = self.feeds.get(msg.subject)
+        try:
+            result = result_from_message(source.subjects, msg.subject, msg.headers, msg.data)
+        except (ContractError, ValueError) as exc:
+            if feeds:  # as each stream's own subscription counted it
+                source.metrics.malformed_results += len(feeds)
+                for feed in feeds:
+                    source.limited.log(logging.WARNING, "malformed_result", request_id=feed.request_id,
+                                       error=str(exc))
+            return
+        source.metrics.results_seen += 1
+        source.recent.note(result, time.time())
+        if feeds:
+            size = len(msg.data)
+            for feed in tuple(feeds):
+                if not feed.inbox.put(result, size):  # type: ignore[union-attr]
+                    self.on_overflow(feed)
+
+
+class DispatchQueue(asyncio.Queue):
+    """The wildcard subscription's pending queue: ``put_nowait`` dispatches at once, so it stays
+    empty (``Subscription.unsubscribe``/``drain`` see an empty queue). nats-py 2.16
+    ``Client._process_msg`` (and ``FastClient._process_msg``) count the message in the
+    subscription's ``_pending_size`` before ``put_nowait``; it is given back here."""
+
+    def __init__(self, fanout: Fanout) -> None:
+        super().__init__()
+        self.fanout = fanout
+
+    def put_nowait(self, item: Msg) -> None:
+        sub = self.fanout.sub
+        sub._pending_size -= len(item.data)
+        try:
+            self.fanout.dispatch(item)
+        except Exception:  # noqa: BLE001 - never into nats-py's read loop: that would drop the connection
+            self.fanout.source.limited.log(logging.ERROR, "dispatch_failed", subject=item.subject, exc_info=True)

@@ -1,0 +1,235 @@
+"""Streams fed from the recent ring's one subscription to every result (``edge/fanout.py``), and a
+JetStream feed's results stored before it opened read from the stream (``edge/replay.py``).
+
+What must hold as with a subscription per stream: every result published after the open reaches
+the feed once, in seq order; a JetStream feed also gets what was stored before it; a client that
+falls behind its bound is ended with an overrun while the others go on; a closed connection ends a
+waiting feed with Lost. And what changes: no SUB, PING or consumer per open. The edge's real
+``ResultSource`` on a real nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import pytest
+from edge_harness import publish_result, subscribed_subjects
+from helpers import rid
+from nats.js.api import StreamConfig
+
+from streamproc.core.wire import ResultInfo
+from streamproc.edge import settings as edge_settings
+from streamproc.edge.metrics import EdgeMetrics
+from streamproc.edge.source import Lost, Overrun, ResultSource
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+LIVE = Subjects("fanlive")  # no results stream: the ring's core subscription feeds the streams
+STORED = Subjects("fanjs")  # the source creates a results stream: one ordered consumer feeds them
+
+
+@contextlib.asynccontextmanager
+async def started_source(nats_url: str, subjects: Subjects, **overrides) -> AsyncIterator[ResultSource]:
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
+                                       **overrides})
+    source = ResultSource(settings, EdgeMetrics())
+    await source.start()
+    try:
+        yield source
+    finally:
+        await source.stop()
+
+
+async def read(feed, n: int) -> list[ResultInfo]:
+    items = [await feed.next(5.0) for _ in range(n)]
+    assert all(isinstance(i, ResultInfo) for i in items), items
+    return items
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_core_opens_subscribe_nothing_and_every_later_result_reaches_each_feed_once(
+        nats_url, nats_server, client):
+    async with started_source(nats_url, LIVE) as source:
+        assert source.fanout is not None and source.recent_mode == "core"
+        before = sorted(subscribed_subjects(nats_server.monitor_url))
+        ids = [rid(f"live{i}") for i in range(20)]
+        feeds = await asyncio.gather(*(source.open(i) for i in ids))
+        twin = await source.open(ids[0])  # a second client of the same request
+        assert sorted(subscribed_subjects(nats_server.monitor_url)) == before  # no SUB per open
+        assert source.metrics.streams_dispatched == 21 and source.metrics.core_subscriptions == 21
+        for seq in (1, 0, 2):  # out of order on the wire: handed out in seq order
+            for i in ids:
+                await publish_result(client, LIVE, i, seq, b'{"%s":%d}' % (i.encode(), seq), final=seq == 2)
+        await client.flush()
+        for i, feed in zip(ids, feeds):
+            assert [(r.seq, r.body) for r in await read(feed, 3)] == [
+                (seq, b'{"%s":%d}' % (i.encode(), seq)) for seq in range(3)]
+            assert await feed.next(0.05) is not None  # Ended: the final one was read
+        assert [r.seq for r in await read(twin, 3)] == [0, 1, 2]
+        assert source.metrics.duplicates_dropped == 0
+        assert source.metrics.results_seen == 60  # the ring read each result once
+        for feed in (*feeds, twin):
+            await feed.close()
+        assert source.metrics.streams_dispatched == 0 and source.fanout.feeds == {}
+
+
+async def test_a_jetstream_feed_replays_what_was_stored_before_it_then_reads_live_without_doubles(
+        nats_url, client):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        assert source.fanout is not None and source.recent_mode == "jetstream"
+        request_id = rid("late")
+        for seq in range(3):  # stored and dispatched (to nobody) before the open
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen == 3)
+        feed = await source.open(request_id)
+        assert feed.mode == "jetstream" and feed.replay is not None
+        assert feed.replay.upto >= 3  # the consumer had delivered them
+        for seq in range(3, 6):  # after the registration: dispatched, beyond the replay's reach
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq, final=seq == 5)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen == 6)
+        got = await read(feed, 6)
+        assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(6)]
+        assert feed.replay is None  # done, after exactly the three stored before
+        assert source.metrics.duplicates_dropped == 0 and source.metrics.jetstream_replays == 1
+        await feed.close()
+
+
+@pytest.mark.parametrize("stored", [1, 2, 300])
+async def test_a_late_attach_reads_the_stored_history_in_order_and_leaves_no_consumer(nats_url, client, stored):
+    """One stored result: the probe alone. More: a temporary ordered consumer reads the rest (two:
+    it has nothing pending after the probe's one) and is gone once the history is read."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        js = client.jetstream()
+        stream = source.fanout.stream
+        consumers = (await js.stream_info(stream)).state.consumer_count
+        request_id = rid(f"history{stored}")
+        for seq in range(stored):
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen == stored)
+        feed = await source.open(request_id)
+        await publish_result(client, STORED, request_id, stored, b'{"seq":%d}' % stored, final=True)  # live
+        await client.flush()
+        got = await read(feed, stored + 1)
+        assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(stored + 1)]
+        assert feed.replay is None and source.metrics.duplicates_dropped == 0
+        await feed.close()
+        async with asyncio.timeout(10):  # the temporary consumer's inactive threshold: 1 s
+            while (await js.stream_info(stream)).state.consumer_count != consumers:
+                await asyncio.sleep(0.1)
+
+
+async def test_a_jetstream_feed_opened_before_any_result_replays_nothing_and_misses_nothing(nats_url, client):
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        js = client.jetstream()
+        consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count  # the ring's one
+        request_id = rid("early")
+        feed = await source.open(request_id)
+        for seq in range(4):
+            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq, final=seq == 3)
+        await client.flush()
+        assert [r.seq for r in await read(feed, 4)] == [0, 1, 2, 3]
+        assert source.metrics.duplicates_dropped == 0
+        assert feed.replay is None  # the probe found nothing: no consumer was created for this open
+        assert (await js.stream_info(source.fanout.stream)).state.consumer_count == consumers
+        await feed.close()
+
+
+async def test_a_feed_past_its_byte_bound_ends_with_an_overrun_and_the_others_go_on(nats_url, client):
+    bound = 64 * 1024
+    async with started_source(nats_url, LIVE, stream_buffer_bytes=bound) as source:
+        slow, fine = rid("slow"), rid("fine")
+        slow_feed, fine_feed = await source.open(slow), await source.open(fine)
+        body = b'{"text":"' + b"x" * 8000 + b'"}'
+        for seq in range(12):  # ~96 KiB for a client that does not read
+            await publish_result(client, LIVE, slow, seq, body)
+            await publish_result(client, LIVE, fine, seq, b'{"seq":%d}' % seq, final=seq == 11)
+            await client.flush()
+            if seq % 4 == 3:
+                await read(fine_feed, 4)  # this one keeps up
+        assert isinstance(await slow_feed.next(1.0), Overrun)
+        assert source.metrics.streams_overrun == 1
+        assert slow_feed not in source.fanout.feeds.get(LIVE.result(slow), [])  # not fed any more
+        await slow_feed.close()
+        await fine_feed.close()
+        assert source.metrics.streams_dispatched == 0
+
+
+async def test_a_closed_connection_ends_a_waiting_feed_with_lost(nats_url):
+    async with started_source(nats_url, LIVE) as source:
+        feed = await source.open(rid("waiting"))
+        waiting = asyncio.create_task(feed.next(30.0))
+        await asyncio.sleep(0.05)
+        await source.nc.close()
+        item = await asyncio.wait_for(waiting, 5)
+        assert isinstance(item, Lost) and "closed" in item.reason, item
+
+
+async def test_a_results_stream_created_after_start_up_is_read_with_a_consumer_per_stream(nats_url, client, caplog):
+    """The edge decides at start-up how its ring reads; a stream that appears later is still used:
+    each stream replays it through its own ordered consumer (the ``--recent 0`` path), said once."""
+    late = Subjects("fanlate")
+    async with started_source(nats_url, late) as source:
+        assert source.recent_mode == "core"
+        await client.jetstream().add_stream(StreamConfig(name="FANLATE", subjects=[late.all_results]))
+        try:
+            request_id = rid("stored")
+            await publish_result(client, late, request_id, 0, b'{"seq":0}')
+            await client.flush()
+            source.streams.forget()  # the lookup's 2 s cache, without waiting for it
+            with caplog.at_level("WARNING", logger="streamproc.edge"):
+                feed = await source.open(request_id)
+                again = await source.open(rid("other"))
+            assert feed.mode == "jetstream" and feed.attaching is not None  # its own consumer
+            await publish_result(client, late, request_id, 1, b'{"seq":1}', final=True)
+            await client.flush()
+            assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the one stored before the open too
+            assert caplog.text.count("results_stream_not_read_by_ring") == 1
+            await feed.close()
+            await again.close()
+        finally:
+            await client.jetstream().delete_stream("FANLATE")
+
+
+async def test_a_late_reader_that_falls_behind_its_history_is_overrun_and_its_consumer_stopped(nats_url, client):
+    """The temporary consumer of a late attach has the stream's bound too: a reader that stops
+    while its history pours in is ended with an overrun (nats-py's SlowConsumerError), and the
+    consumer goes, instead of recreating itself after every dropped message. (With a bound of a
+    few socket reads, one read's burst alone overruns it, as it did a consumer per stream.)"""
+    bound = 1024 * 1024
+    async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
+        js = client.jetstream()
+        consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count
+        request_id = rid("behind")
+        body = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'
+        for seq in range(64):  # 4 MiB stored
+            await publish_result(client, STORED, request_id, seq, body, final=seq == 63)
+            if seq % 8 == 7:
+                await client.flush()
+        await client.flush()
+        await until(lambda: source.metrics.results_seen >= 64)
+        feed = await source.open(request_id)
+        assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the probe's, then the consumer's first
+        await asyncio.sleep(1.0)  # the reader stops; the rest is pushed at the edge
+        seqs, item = [0, 1], await feed.next(5.0)
+        while isinstance(item, ResultInfo):  # what was queued before the bound was hit
+            seqs.append(item.seq)
+            item = await feed.next(5.0)
+        assert isinstance(item, Overrun), item
+        assert seqs == list(range(len(seqs))) and len(seqs) < 64
+        assert source.metrics.streams_overrun == 1
+        assert source.metrics.recent_dropped == 0  # the drop was the stream's, not taken for the ring's
+        await feed.close()
+        async with asyncio.timeout(10):
+            while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:
+                await asyncio.sleep(0.1)
