@@ -319,13 +319,7 @@ class FastClient(RobustClient):
         up, the payload within the server's limit and the pending buffer has room (checked before
         the handler ran), so nats-py's publish would not raise or suspend either; same bytes, same
         stats, the same kick of the flusher (``_flush_pending``)."""
-        hdr_len = len(header_block)
-        cmd = f"HPUB {subject}  {hdr_len} {len(payload) + hdr_len}\r\n".encode() + header_block + payload + _CRLF
-        stats = self.stats
-        stats["out_msgs"] += 1
-        stats["out_bytes"] += len(payload)
-        self._pending.append(cmd)
-        self._pending_data_size += len(cmd)
+        self._append(subject, "", payload, header_block)
         queue = self._flush_queue
         if queue is not None and queue.empty():
             queue.put_nowait(asyncio.Future())
@@ -389,12 +383,7 @@ class FastClient(RobustClient):
         if self.defer_linger <= 0:
             return await self.publish(subject, payload, reply)
         self._preflight(subject, reply, payload)
-        cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
-        stats = self.stats
-        stats["out_msgs"] += 1
-        stats["out_bytes"] += len(payload)
-        self._pending.append(cmd)
-        self._pending_data_size += len(cmd)
+        self._append(subject, reply, payload, None)
         if self._max_pending_size > 0 and self._pending_data_size > self._max_pending_size:
             await self._flush_pending(force_flush=True)
         elif self._deferred is None:
@@ -486,17 +475,7 @@ class FastClient(RobustClient):
             self._check_sendable(payload)
         else:
             self._preflight(subject, reply, payload)
-        if header_block is None:
-            cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
-        else:
-            hdr_len = len(header_block)
-            cmd = (f"HPUB {subject} {reply} {hdr_len} {len(payload) + hdr_len}\r\n".encode() + header_block
-                   + payload + _CRLF)
-        stats = self.stats
-        stats["out_msgs"] += 1
-        stats["out_bytes"] += len(payload)
-        self._pending.append(cmd)
-        self._pending_data_size += len(cmd)
+        self._append(subject, reply, payload, header_block)
         if defer and self.defer_linger > 0:
             if self._deferred is None and self._write_timer is None:
                 self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
@@ -513,7 +492,10 @@ class FastClient(RobustClient):
         (``await publish``), not :meth:`enqueue`."""
         return self._pending_data_size * 2 > self._max_pending_size > 0
 
-    async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
+    def _append(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
+        """The ``PUB``/``HPUB`` command into ``_pending``, counted as nats-py's ``_send_command``
+        counts it (``hdr``: a block as :func:`encode_header_block` makes it). Every publish path
+        of this client goes through here; what differs is when the flusher is kicked."""
         if hdr is None:
             cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
         else:
@@ -524,6 +506,9 @@ class FastClient(RobustClient):
         stats["out_bytes"] += len(payload)
         self._pending.append(cmd)
         self._pending_data_size += len(cmd)
+
+    async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
+        self._append(subject, reply, payload, hdr)
         if self._max_pending_size > 0 and self._pending_data_size > self._max_pending_size:
             await self._flush_pending(force_flush=True)
         if self._flush_queue is not None and self._flush_queue.empty():
