@@ -12,7 +12,7 @@ publish without awaiting (``FastClient.enqueue``) PubAcks are handled in nats-py
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Iterator
 
 import anyio
 import nats.errors
@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..core.events import Decision, Notice
-from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox
+from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing
 from ..core.wire import result_headers
 from ..logs import LogLimiter, error_text, log_event
 from .fast_client import encode_header_block
@@ -131,30 +131,18 @@ class OutboxPump:
         """Send what is ready: results first (their order per request is already fixed), then acks."""
         if self._enqueue is not None and self.pump_nowait():
             return
-        outbox = self.outbox
         publish = self._publish
-        if outbox.ready:
-            sending = outbox.sending(self._clock())
-            head = self._head
-            prefix = self._reply_prefix
-            for o in sending:
-                r = o.result
-                try:
-                    await publish(head + r.request_id, r.body, prefix + o.ticket, result_headers(r))
-                except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
-                    outbox.send_failed(o)
-                    self._failed(r.request_id, exc)
-        control = outbox.control()
-        send = self._control
-        for token, action in control:
-            if action is ACK:
-                payload = _ACK
-            else:
-                if not token.reply:  # type: ignore[attr-defined]
-                    continue
-                payload = _payload(action)
+        for o, subject, reply in self._results_due():
+            r = o.result
             try:
-                await send(token.reply, payload)  # type: ignore[attr-defined]
+                await publish(subject, r.body, reply, result_headers(r))
+            except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
+                self.outbox.send_failed(o)
+                self._failed(r.request_id, exc)
+        send = self._control
+        for reply, payload in self._controls_due():
+            try:
+                await send(reply, payload)
             except Exception as exc:  # a lost ack means a redelivery, which is safe
                 log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
 
@@ -168,33 +156,39 @@ class OutboxPump:
 
     def send_nowait(self) -> None:
         """The sending of :meth:`pump_nowait`, for a caller that checked the backlog itself."""
-        outbox = self.outbox
         enqueue = self._enqueue
-        if outbox.ready:
-            sending = outbox.sending(self._clock())
-            head = self._head
-            prefix = self._reply_prefix
-            for o in sending:
-                r = o.result
-                try:
-                    enqueue(head + r.request_id, r.body, prefix + o.ticket,  # type: ignore[misc]
-                            encode_header_block(result_headers(r)))
-                except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
-                    outbox.send_failed(o)
-                    self._failed(r.request_id, exc)
-        control = outbox.control()
-        for token, action in control:
-            reply = token.reply  # type: ignore[attr-defined]
-            if action is ACK:
-                payload = _ACK
-            else:
-                if not reply:
-                    continue
-                payload = _payload(action)
+        for o, subject, reply in self._results_due():
+            r = o.result
+            try:
+                enqueue(subject, r.body, reply, encode_header_block(result_headers(r)))  # type: ignore[misc]
+            except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
+                self.outbox.send_failed(o)
+                self._failed(r.request_id, exc)
+        for reply, payload in self._controls_due():
             try:  # the ack subject is the server's own reply subject: not checked again
                 enqueue(reply, payload, checked=True, defer=True)  # type: ignore[misc]
             except Exception as exc:  # a lost ack means a redelivery, which is safe
                 log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
+
+    def _results_due(self) -> Iterator[tuple[Outgoing, str, str]]:
+        """The outbox's results to publish now, each with its subject and PubAck reply subject."""
+        outbox = self.outbox
+        if not outbox.ready:
+            return
+        head = self._head
+        prefix = self._reply_prefix
+        for o in outbox.sending(self._clock()):
+            yield o, head + o.result.request_id, prefix + o.ticket
+
+    def _controls_due(self) -> Iterator[tuple[str, bytes]]:
+        """The acks, NAKs and in-progress acks to send now, as (ack subject, payload); a NAK or
+        progress for a message without a reply subject is skipped."""
+        for token, action in self.outbox.control():
+            reply = token.reply  # type: ignore[attr-defined]
+            if action is ACK:
+                yield reply, _ACK
+            elif reply:
+                yield reply, _payload(action)
 
     def _on_reply_inline(self, msg: Msg) -> bool:
         """:meth:`_on_reply` in the read loop; declines (False) when the write buffer is backlogged."""
