@@ -444,11 +444,12 @@ class DurableInput:
                           self.chunks_stream, credit, sealed)
         await self._ensure_consumer(part)
         part.inbox = self.nc.new_inbox()
-        part.sub = await self.nc.subscribe(part.inbox, cb=self._handler(part),
+        on_message, on_message_inline = self._handlers(part)
+        part.sub = await self.nc.subscribe(part.inbox, cb=on_message,
                                            pending_msgs_limit=self.settings.pending_msgs_limit,
                                            pending_bytes_limit=self.settings.pending_bytes_limit)
-        if self.publisher.inline:  # the common chunk handled in the read loop (_inline_handler)
-            dispatch_inline(part.sub, self._inline_handler(part))
+        if self.publisher.inline:  # the common chunk handled in the read loop (on_message_inline)
+            dispatch_inline(part.sub, on_message_inline)
         part.active = True
         self._partitions[n] = part
         await self._pull(part)
@@ -612,21 +613,35 @@ class DurableInput:
 
     # ----------------------------------------------------------------------------- hot path
 
-    def _handler(self, part: _Partition) -> Callable[[Msg], Awaitable[None]]:
+    def _handlers(self, part: _Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[[Msg], bool]]:
+        """A partition's two message handlers, sharing every step of a chunk's decision:
+
+        - ``on_message``, the subscription's callback, decides every message (status messages,
+          chunks of a partition being handed over, contract errors, recovery lookups included);
+        - ``on_message_inline`` runs in nats-py's read loop
+          (:func:`~streamproc.nats.subscription.dispatch_inline`) for the common chunk: a delivery of
+          a request this instance knows, or the first chunk of a new one. Whatever needs an await
+          (a round trip, a backlogged write buffer) or is not a plain chunk it declines (False)
+          before anything changes, and ``on_message`` decides it. Same decisions, same order: a
+          partition's messages come here only while nothing of it waits in the callback queue."""
         clock = self._clock
         parse = self._parse
         head = self._chunks_head
         cut = part.cut
         correlator = self.correlator
         receive = self.pipeline.receive
+        failed = self.pipeline.failed
         knows = correlator.knows
         publisher = self.publisher
         pump = publisher.pump
+        send_nowait = publisher.send_nowait  # the backlog is checked first
+        backlogged = getattr(self.nc, "backlogged", None)
         outbox = self.outbox
         queue = outbox.take  # the outbox itself on the common path: one call less per message
         notify = self.pipeline.notify
         delivered = part.credit.delivered
         max_deliver = self.settings.max_deliver
+        poisoned = self._poisoned
         offload = self._offload
         stats = self.stats
         sealed = part.sealed
@@ -634,6 +649,39 @@ class DurableInput:
         # anything else goes through delivery_count).
         ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
         first_at = len(ack_head)
+
+        def deliveries_of(reply: str) -> int:
+            if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                return 1
+            return delivery_count(reply)
+
+        def round_trip(chunk: Chunk, reply: str) -> str | None:
+            """What must be read from the stores before ``chunk`` is decided: ``"lookup"``, a chunk
+            of a request this instance does not know that may continue one served elsewhere (a first
+            output chunk of a request with a seal record may belong to the sealed attempt, whose
+            worker was lost but still publishing); ``"retake"``, a known request granted by a seal
+            this instance did not make (another one held the partition for a moment); None."""
+            rid = chunk.request_id
+            if not knows(rid):
+                if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
+                    return "lookup"
+            elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
+                    and not correlator.is_finished(rid):
+                return "retake"
+            return None
+
+        def decide(chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
+            try:  # every message ends in a decision, whatever raises while it is handled
+                return poisoned(chunk, msg, deliveries, now) if deliveries >= max_deliver else receive(chunk, now)
+            except Exception as exc:  # noqa: BLE001
+                return failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+
+        def take(decisions: list[Decision] | None, rid: str | None, now: float) -> None:
+            if decisions:
+                notices = queue(offload(decisions, now), rid, now)
+                if notices:
+                    for n in notices:
+                        notify(n)
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
@@ -650,12 +698,9 @@ class DurableInput:
                 await self._pull(part)
             rid = None
             decisions: list[Decision] | None = None  # None: NAKed for a later retry (recovery lookup failed)
-            if reply.startswith("1.", first_at) and reply.startswith(ack_head):
-                deliveries = 1
-            else:
-                deliveries = delivery_count(reply)
-                if deliveries > 1:  # every redelivery, of known requests too (a metric)
-                    stats.redelivered += 1
+            deliveries = deliveries_of(reply)
+            if deliveries > 1:  # every redelivery, of known requests too (a metric)
+                stats.redelivered += 1
             try:  # every message ends in a decision, whatever raises while it is handled
                 try:
                     chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
@@ -664,100 +709,40 @@ class DurableInput:
                     decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
                 else:
                     rid = chunk.request_id
-                    poison = deliveries >= max_deliver
                     ready = True
-                    if not knows(rid):
-                        # A first output chunk of a request with a seal record may belong to the
-                        # sealed attempt (its worker was lost but still publishing): look it up too.
-                        if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
-                            ready = await self._recover(rid, chunk.format, msg, now, retry=not poison)
-                    elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
-                            and not correlator.is_finished(rid):
-                        # Granted by a seal this instance did not make (another one held the partition
-                        # for a moment): take the request again from the stores, which know that seal.
-                        self._forget(rid)
-                        ready = await self._recover(rid, chunk.format, msg, now, retry=not poison)
+                    trip = round_trip(chunk, reply)
+                    if trip is not None:
+                        if trip == "retake":  # the stores know the seal: take the request again
+                            self._forget(rid)
+                        ready = await self._recover(rid, chunk.format, msg, now, retry=deliveries < max_deliver)
                     if ready:
-                        decisions = self._poisoned(chunk, msg, deliveries, now) if poison else receive(chunk, now)
+                        decisions = decide(chunk, msg, deliveries, now)
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
-                decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
-            if decisions:
-                notices = queue(offload(decisions, now), rid, now)
-                if notices:
-                    for n in notices:
-                        notify(n)
+                decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+            take(decisions, rid, now)
             await pump()
 
-        return on_message
-
-    def _inline_handler(self, part: _Partition) -> Callable[[Msg], bool]:
-        """The hot path of :meth:`_handler` run in nats-py's read loop
-        (:func:`~streamproc.nats.subscription.dispatch_inline`) for the common chunk: a first
-        delivery or a redelivery of a request this instance knows, or the first chunk of a new one,
-        read and decided at once. Everything that needs a round trip (a recovery lookup), a status
-        message, a chunk of a partition being handed over, a chunk that breaks the contract and a
-        backlogged write buffer are declined (False) before anything changes, and go through
-        :meth:`_handler` as before. Same decisions, same order: a partition's messages are handed
-        here only while nothing of it waits in the callback queue."""
-        clock = self._clock
-        parse = self._parse
-        head = self._chunks_head
-        cut = part.cut
-        correlator = self.correlator
-        receive = self.pipeline.receive
-        knows = correlator.knows
-        publisher = self.publisher
-        pump = publisher.send_nowait  # the backlog is checked first
-        backlogged = self.nc.backlogged  # type: ignore[attr-defined]
-        queue = self.outbox.take
-        notify = self.pipeline.notify
-        delivered = part.credit.delivered
-        max_deliver = self.settings.max_deliver
-        offload = self._offload
-        stats = self.stats
-        sealed = part.sealed
-        ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
-        first_at = len(ack_head)
-
-        def on_message(msg: Msg) -> bool:
+        def on_message_inline(msg: Msg) -> bool:
             reply = msg.reply
-            if not reply or not part.active or backlogged():
+            if not reply or not part.active or backlogged():  # type: ignore[misc]
                 return False
             try:
                 chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
-            except Exception:  # noqa: BLE001  (ContractError or a bug: the async path decides it)
+            except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
-            rid = chunk.request_id
-            if reply.startswith("1.", first_at) and reply.startswith(ack_head):
-                deliveries = 1
-            else:
-                deliveries = delivery_count(reply)
-            if not knows(rid):
-                if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
-                    return False  # a recovery lookup: a round trip
-            elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
-                    and not correlator.is_finished(rid):
-                return False  # taken again from the stores: a round trip
-            # From here on as _handler, without its awaits.
+            if round_trip(chunk, reply) is not None:
+                return False
             now = clock()
             if delivered(now):
                 self._pull_nowait(part)
+            deliveries = deliveries_of(reply)
             if deliveries > 1:
                 stats.redelivered += 1
-            try:
-                decisions = self._poisoned(chunk, msg, deliveries, now) if deliveries >= max_deliver \
-                    else receive(chunk, now)
-            except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
-                decisions = self.pipeline.failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
-            if decisions:
-                notices = queue(offload(decisions, now), rid, now)
-                if notices:
-                    for n in notices:
-                        notify(n)
-            pump()
+            take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
+            send_nowait()
             return True
 
-        return on_message
+        return on_message, on_message_inline
 
     def _poisoned(self, chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
         """A chunk on its ``max_deliver``-th delivery: whatever kept it from being settled before
