@@ -19,11 +19,14 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 from helpers import clean_env, free_port, wait_ready
 from nats.aio.client import Client as NatsClient
 
+from streamproc.edge import settings as edge_settings
+from streamproc.edge.metrics import EdgeMetrics
+from streamproc.edge.source import ResultSource
 from streamproc.metrics import parse as parse_metrics
 from streamproc.sim.embedded import stop_process
 from streamproc.wire import Result, Subjects, Verdict, result_headers
@@ -106,6 +109,19 @@ def running_edge(nats_url: str, *args: str, **kwargs: object) -> Iterator[EdgePr
         yield edge.start()
     finally:
         edge.close()
+
+
+@contextlib.asynccontextmanager
+async def started_source(nats_url: str, subjects: Subjects, **overrides: object) -> AsyncIterator[ResultSource]:
+    """The edge's NATS side in this process (no HTTP), with the demo's settings and ``overrides``."""
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
+                                       **overrides})
+    source = ResultSource(settings, EdgeMetrics())
+    await source.start()
+    try:
+        yield source
+    finally:
+        await source.stop()
 
 
 def http_status(url: str, context: ssl.SSLContext | None = None) -> int | None:

@@ -11,36 +11,20 @@ waiting feed with Lost. And what changes: no SUB, PING or consumer per open. The
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from typing import AsyncIterator
 
 import pytest
-from edge_harness import publish_result, subscribed_subjects
+from edge_harness import publish_result, started_source, subscribed_subjects
 from helpers import rid
 from nats.js.api import StreamConfig
 
 from streamproc.core.wire import ResultInfo
-from streamproc.edge import settings as edge_settings
-from streamproc.edge.metrics import EdgeMetrics
-from streamproc.edge.source import Lost, Overrun, ResultSource
+from streamproc.edge.source import Lost, Overrun
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
 LIVE = Subjects("fanlive")  # no results stream: the ring's core subscription feeds the streams
 STORED = Subjects("fanjs")  # the source creates a results stream: one ordered consumer feeds them
-
-
-@contextlib.asynccontextmanager
-async def started_source(nats_url: str, subjects: Subjects, **overrides) -> AsyncIterator[ResultSource]:
-    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
-                                       **overrides})
-    source = ResultSource(settings, EdgeMetrics())
-    await source.start()
-    try:
-        yield source
-    finally:
-        await source.stop()
 
 
 async def read(feed, n: int) -> list[ResultInfo]:

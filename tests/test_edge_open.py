@@ -9,39 +9,23 @@ Real nats-server, the edge's real ``ResultSource`` or a real ``streamproc edge``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
-from typing import AsyncIterator
 
 import httpx
 import nats.errors
 import pytest
-from edge_harness import publish_result, subscribed_subjects
+from edge_harness import publish_result, started_source, subscribed_subjects
 from helpers import rid
 
 from streamproc.core.wire import ResultInfo
-from streamproc.edge import settings as edge_settings
-from streamproc.edge.metrics import EdgeMetrics
-from streamproc.edge.source import Lost, ResultSource
+from streamproc.edge.source import Lost
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
 SUBJECTS = Subjects("open")  # no results stream: core subscriptions, the path with a PING per open
-
-
-@contextlib.asynccontextmanager
-async def started_source(nats_url: str, subjects: Subjects = SUBJECTS, **overrides) -> AsyncIterator[ResultSource]:
-    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
-                                       "recent": 0, **overrides})
-    source = ResultSource(settings, EdgeMetrics())
-    await source.start()
-    try:
-        yield source
-    finally:
-        await source.stop()
 
 
 async def assert_live(client, feeds, subjects: Subjects = SUBJECTS) -> None:
@@ -57,7 +41,7 @@ async def assert_live(client, feeds, subjects: Subjects = SUBJECTS) -> None:
 
 
 async def test_opens_of_one_loop_pass_share_one_ping_and_each_is_live(nats_url, client):
-    async with started_source(nats_url) as source:
+    async with started_source(nats_url, SUBJECTS, recent=0) as source:
         await source.open(rid("first"))  # the stream lookup's first round trip, out of the way
         rounds = source.barrier.rounds
         feeds = await asyncio.gather(*(source.open(rid(f"together{i}")) for i in range(30)))
@@ -70,7 +54,7 @@ async def test_opens_of_one_loop_pass_share_one_ping_and_each_is_live(nats_url, 
 
 
 async def test_an_open_cancelled_while_waiting_leaves_the_round_to_the_others(nats_url, nats_server, client):
-    async with started_source(nats_url) as source:
+    async with started_source(nats_url, SUBJECTS, recent=0) as source:
         await source.open(rid("first"))
         ids = [rid(f"cancel{i}") for i in range(3)]
         tasks = [asyncio.create_task(source.open(i)) for i in ids]
@@ -87,7 +71,7 @@ async def test_an_open_cancelled_while_waiting_leaves_the_round_to_the_others(na
 
 async def test_an_open_without_a_pong_fails_after_the_timeout_and_the_next_one_works(nats_url, nats_server,
                                                                                      client):
-    async with started_source(nats_url) as source:
+    async with started_source(nats_url, SUBJECTS, recent=0) as source:
         await source.open(rid("first"))
         source.barrier.timeout = 0.5
         os.kill(nats_server.pid, signal.SIGSTOP)  # the server stops answering, the connection stays up
@@ -133,7 +117,7 @@ STORED = Subjects("openjs")  # the source below creates a results stream for thi
 
 
 async def test_a_jetstream_open_answers_before_its_consumer_exists_and_misses_nothing(nats_url, client):
-    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+    async with started_source(nats_url, STORED, ensure_results_stream=True, recent=0) as source:
         request_id = rid("early")
         feed = await source.open(request_id)
         assert feed.mode == "jetstream"
@@ -148,7 +132,7 @@ async def test_a_jetstream_open_answers_before_its_consumer_exists_and_misses_no
 
 
 async def test_a_consumer_that_cannot_be_created_ends_the_feed_with_its_reason(nats_url, client):
-    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+    async with started_source(nats_url, STORED, ensure_results_stream=True, recent=0) as source:
         source.streams.ttl = 3600.0  # however slow this machine, the deleted stream stays cached
         cached = await source.open(rid("cached"))  # the stream's name is cached now
         await cached.attaching
@@ -165,7 +149,7 @@ async def test_a_consumer_that_cannot_be_created_ends_the_feed_with_its_reason(n
 
 
 async def test_a_feed_closed_while_its_consumer_is_created_leaves_nothing_subscribed(nats_url, nats_server):
-    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+    async with started_source(nats_url, STORED, ensure_results_stream=True, recent=0) as source:
         cached = await source.open(rid("cached"))
         await cached.attaching
         await cached.close()
@@ -186,7 +170,7 @@ def client_subjects(server) -> list[str]:
 
 async def test_a_closed_feeds_consumer_is_gone_from_the_stream_within_seconds(nats_url, client):
     """Not the server's 5 s default for an ephemeral consumer without interest (source.CONSUMER_LINGER)."""
-    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+    async with started_source(nats_url, STORED, ensure_results_stream=True, recent=0) as source:
         feed = await source.open(rid("linger"))
         await feed.attaching
         stream = await source.streams.find(source.nc.jetstream(), STORED.result("x"))
