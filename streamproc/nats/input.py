@@ -37,10 +37,11 @@ def join_cpu_clock() -> Clock:
     process's CPU time minus that of the calling thread, the event loop. Joins take turns (one join
     thread behind a ``CapacityLimiter(1)``, and the correlator hands out one ``Work`` at a time), so
     over a join this counts the join thread and the threads the codec drives for it (sglang-zstd's
-    compression workers, which ``time.thread_time`` missed: 5.7 ms of an expert join's 18.6 ms), and
-    not the loop serving other requests meanwhile. A process whose other threads are busy (an
-    embedding application's) would be charged for them too; ``streamproc run`` has none. Call on
-    the loop thread. Falls back to ``time.thread_time`` where per-thread CPU clocks are missing."""
+    compression workers, which ``time.thread_time`` missed: ~8 of ~75 ms of an expert join that
+    recompresses at zstd level 6), and not the loop serving other requests meanwhile. A process
+    whose other threads are busy (an embedding application's) would be charged for them too;
+    ``streamproc run`` has none. Call on the loop thread. Falls back to ``time.thread_time`` where
+    per-thread CPU clocks are missing."""
     try:
         loop_cpu = time.pthread_getcpuclockid(threading.get_ident())
     except (AttributeError, OSError):
