@@ -730,7 +730,9 @@ async def test_the_global_budget_holds_under_concurrent_attackers_beside_legitim
     waiting in nats-py's subscription queues; 3 runs sampled) and peak RSS 164-202 MiB in 34 runs, 7 of
     them >= 182 MiB, one failure at 202 MiB; with 16 MiB shared by the partitions (durable_input.py) at
     most 4.9 MiB in flight and 164-176 MiB in 22 runs (2026-12-01, 1, 4 and 8 partitions, load
-    average 2-9 from other engineers' runs)."""
+    average 2-9 from other engineers' runs). The rest (docs/operations.md, "where the rest of the
+    peak goes"; 12 runs sampled, VmHWM 162-176 MiB): ~20 MiB of shared libraries, 8.5-27 MiB of free
+    glibc heap left resident by ended hogs' bodies, 22-29 MiB of Python objects and code."""
     payload = bytes(1_000_000)
     prefill, decode = inflating_pd_legs()
     port = free_port()
