@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import (NON_UTF8_HEADERS, broken_codec_site, free_port, inflating_pd_legs, peak_rss, raw_hpub, raw_protocol,
-                     rid, scrape, wait_until)
+from helpers import (NON_UTF8_HEADERS, broken_codec_site, expert_pd_legs, free_port, inflating_pd_legs, peak_rss, raw_hpub,
+                     raw_protocol, rid, scrape, wait_until)
 
 from streamproc.core.wire import SEQ, Subjects, chunk_headers
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
@@ -406,6 +406,45 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
             assert b"decode time budget exhausted" in error.body and b"max_decode_cpu 0.2 s" in error.body
             assert scrape(port)["streamproc_over_cpu_total"] == 1
             assert proc.poll() is None and peak_rss(proc.pid) < 300 * MiB  # as the core-mode join test
+        finally:
+            await nc.close()
+
+
+async def test_the_decode_time_budget_counts_the_codecs_compression_threads_in_durable_mode(nats_url):
+    """As in core mode: 12 joins of ~8 ms in the join thread and ~75 ms in the process (zstd level 6
+    recompressing the rows on 2 threads) pass --max-decode-cpu 0.3 after a few joins; with the join
+    thread's CPU alone all 12 were joined. The requests beside it are answered."""
+    prefill, decode = expert_pd_legs(prompt=700)
+    port = free_port()
+    flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.3,
+                          format_option="zstd_level=6,zstd_threads=2")
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            burn = rid("burn")
+            await js.publish(SUBJECTS.chunk(burn, "prefill"), prefill,
+                             headers=chunk_headers(burn, "prefill", 0, final=True, format="sglang-zstd"))
+            for seq in range(12):
+                await js.publish(SUBJECTS.chunk(burn, "decode"), decode,
+                                 headers=chunk_headers(burn, "decode", seq, final=seq == 11, format="sglang-zstd"))
+            legit = [rid("ok") for _ in range(10)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+
+            async def ended() -> bool:
+                got = (await stored_results(js, SUBJECTS)).get(burn, [])
+                return bool(got) and got[-1].final
+
+            await wait_until(ended, 60, "the burning request ended", every=0.3)
+            *joined, error = (await stored_results(js, SUBJECTS))[burn]
+            print(f"{len(joined)} joins published before the budget ended the request")
+            assert len(joined) < 11 and all(x.verdict.value == "joined" for x in joined), [x.seq for x in joined]
+            assert error.final and error.error == "overloaded", error
+            assert b"decode time budget exhausted" in error.body
+            assert scrape(port)["streamproc_over_cpu_total"] == 1
+            assert proc.poll() is None
         finally:
             await nc.close()
 
