@@ -1,9 +1,11 @@
 """CPU of the joins --max-decode-cpu charges, for legitimate requests and for inflating ones.
 
-The budget sums, per request, the CPU of its joins that run off the event loop (``Work.cpu``:
-``time.thread_time`` of the join thread). This measures the same quantity per join, and the process
-CPU beside it (zstd's compression worker threads, which ``thread_time`` does not see), at the
-defaults (``max_payload`` 1 MiB, ``--max-total-bytes`` 96 MiB):
+The budget sums, per request, the CPU of its joins that run off the event loop and decode sequence
+data (``Work.cpu``: the process's CPU minus the event loop thread's, so the join thread plus zstd's
+compression worker threads; ``streamproc.nats.input.join_cpu_clock``). Joins that decode nothing
+(logprob copies: the session's ``decodes`` count did not grow) are not charged. This measures, per
+join, the join thread's CPU (what was charged before) and the process CPU (what is charged now), at
+the defaults (``max_payload`` 1 MiB, ``--max-total-bytes`` 96 MiB):
 
 - expert join: an SGLang P/D request with routed experts (DeepSeek-V3 shape, skewed ids from
   benchmarks/experts.py) whose legs are as large as ``max_payload`` allows; SGLang sends the rows on
@@ -88,7 +90,7 @@ def main() -> None:
 
     expert = measure(expert_join, args.rounds)
     print(f"expert join, legs {len(prefill):,}/{len(decode):,} B ({prompt:,}-token prompt + 256): "
-          f"thread {expert[0] * 1e3:.1f} ms, process {expert[1] * 1e3:.1f} ms")
+          f"thread {expert[0] * 1e3:.1f} ms, process {expert[1] * 1e3:.1f} ms (charged)")
 
     sglang = codec_class("sglang")(CodecOptions())
     per_chunk = {}
@@ -101,8 +103,9 @@ def main() -> None:
         session.absorb_prefill(legs)
         cost = measure(lambda s=session, b=bodies: [s.join(body, False) for body in b], args.rounds)
         per_chunk[prompt_len] = cost[0] / len(bodies)
+        assert session.decodes == 0  # a logprob copy: not charged
         print(f"streamed chunk, prompt logprobs of {prompt_len:,} tokens (prefill leg {sum(map(len, legs)):,} B): "
-              f"thread {per_chunk[prompt_len] * 1e3:.3f} ms per chunk")
+              f"thread {per_chunk[prompt_len] * 1e3:.3f} ms per chunk (not charged: decodes nothing)")
 
     for prompt_len in (2048, 3000):
         prefill_leg, decode_leg = inflating_pd_legs(prompt=prompt_len)
@@ -112,10 +115,11 @@ def main() -> None:
         session.join(decode_leg, True)  # prefill's rows decoded once, as a streamed attack's later joins find them
         cost = measure(lambda s=session, leg=decode_leg: s.join(leg, True), args.rounds)
         print(f"inflating join, {len(decode_leg):,} B decode chunk -> {prompt_len * 16384 / 2**20:.0f} MiB of rows: "
-              f"thread {cost[0] * 1e3:.1f} ms, process {cost[1] * 1e3:.1f} ms "
-              f"({defaults.MAX_DECODE_CPU / cost[0]:,.0f} of them per {defaults.MAX_DECODE_CPU:g} s budget)")
+              f"thread {cost[0] * 1e3:.1f} ms, process {cost[1] * 1e3:.1f} ms (charged; "
+              f"{defaults.MAX_DECODE_CPU / cost[1]:,.0f} of them per {defaults.MAX_DECODE_CPU:g} s budget)")
 
-    print(f"a request of one expert join + {args.chunks:,} streamed chunks, thread CPU:")
+    print(f"a request of one expert join + {args.chunks:,} streamed chunks: charged {expert[1]:.3f} s (the expert "
+          "join); before, thread CPU of every join:")
     for prompt_len, cost in per_chunk.items():
         print(f"  prompt logprobs of {prompt_len:,} tokens: {expert[0] + args.chunks * cost:.2f} s")
 

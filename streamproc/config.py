@@ -289,9 +289,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                          "and codec progress state, across all requests; a request that would pass it is ended with an "
                                          "overloaded error (raise it for very large expert captures)",
                                          ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
-    max_decode_cpu: Annotated[float, documented("CPU seconds the joins of one request may take (joins that decode "
-                                          "sequence data, measured in the join thread); past it the request "
-                                          "is ended with an overloaded error; 0 turns the budget off",
+    max_decode_cpu: Annotated[float, documented("CPU seconds the joins of one request that decode sequence data may "
+                                          "take (the join thread and the codec's helper threads); past it the "
+                                          "request is ended with an overloaded error; 0 turns the budget off",
                                           ge=0, le=86_400)] = defaults.MAX_DECODE_CPU
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED

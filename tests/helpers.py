@@ -120,6 +120,36 @@ def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
     return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
 
 
+def expert_pd_legs(prompt: int = 900, output: int = 256) -> tuple[bytes, bytes]:
+    """A real sglang-zstd P/D request with DeepSeek-V3-shaped expert rows (61 layers x top-8 of 256,
+    random ids) on the final decode body: prefill's one body and decode's; both under 1 MiB at the
+    defaults. Its join recompresses the rows (zstd's worker threads, at a level other than 3)."""
+    import msgspec
+
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    truth = make_truth(7, prompt_len=prompt, output_len=output, num_layers=61, top_k=8, num_experts=256)
+    truth = msgspec.structs.replace(truth, return_logprob=False, chunk_sizes=[output])
+    worker = worker_for("sglang-zstd")
+    return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[0]
+
+
+def logprob_pd_legs(prompt: int = 4096, chunks: int = 40) -> tuple[list[bytes], list[bytes]]:
+    """A real sglang P/D request that asked for the prompt's logprobs and no expert rows, streamed
+    one token per chunk: prefill's bodies and decode's ``chunks`` bodies. Every decode chunk's join
+    copies prefill's prompt logprobs in; none decodes sequence data."""
+    import msgspec
+
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    truth = make_truth(3, prompt_len=prompt, output_len=chunks, num_layers=1, top_k=1)
+    truth = msgspec.structs.replace(truth, chunk_sizes=[1] * chunks, return_experts=False)
+    worker = worker_for("sglang")
+    return worker.prefill(truth, stream=True), worker.decode(truth, stream=True)
+
+
 # A codec distribution whose constructor raises: provokes "a message whose handling raises" in the
 # hostile tests (core and durable), with PYTHONPATH=broken_codec_site(tmp_path) in the processor's env.
 BROKEN_CODEC = '''

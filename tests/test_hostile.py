@@ -16,7 +16,8 @@ import anyio
 import nats
 import pytest
 from conftest import processor_subprocess
-from helpers import (NON_UTF8_HEADERS, broken_codec_site, free_port, inflating_pd_legs, peak_rss, raw_hpub, raw_protocol,
+from helpers import (NON_UTF8_HEADERS, broken_codec_site, expert_pd_legs, free_port, inflating_pd_legs,
+                     logprob_pd_legs, peak_rss, raw_hpub, raw_protocol,
                      scrape, wait_until)
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
@@ -392,6 +393,76 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
         assert scrape(port)["streamproc_over_cpu_total"] == 1
         assert proc.poll() is None
         assert peak_rss(proc.pid) < 300 * MiB  # as the core-mode join test
+
+
+async def test_the_decode_time_budget_counts_the_codecs_compression_threads(nats_url, streamproc_run):
+    """A P/D request whose 12 decode chunks each carry DeepSeek-V3-shaped rows, joined at zstd level 6
+    on 2 compression threads: ~8 ms of CPU per join in the join thread, ~75 ms in the process (zstd's
+    workers recompress the rows). ``time.thread_time`` charged the first: 12 joins came to ~0.1 s and
+    the request was answered in full past a 0.3 s budget. Charged with the workers, it ends overloaded
+    after a few joins; the requests beside it are answered."""
+    prefill, decode = expert_pd_legs(prompt=700)
+    port = free_port()
+
+    async def attack(nc, i: int, ping) -> None:
+        if i:
+            return
+        await nc.publish(SUBJECTS.chunk("burn", "prefill"), prefill,
+                         headers=chunk_headers("burn", "prefill", 0, final=True, format="sglang-zstd"))
+        for seq in range(12):
+            await nc.publish(SUBJECTS.chunk("burn", "decode"), decode,
+                             headers=chunk_headers("burn", "decode", seq, final=seq == 11, format="sglang-zstd"))
+
+    with streamproc_run("--mode", "core", "--format", "sglang-zstd", "--format-option", "zstd_level=6,zstd_threads=2",
+                        "--max-decode-cpu", "0.3", "--http-port", str(port)) as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=100, timeout=60, log_path=log_path,
+                                  attacked=lambda res: res.final("burn") is not None)
+        got = results.by_request["burn"]
+        seqs = sorted(got)
+        assert seqs == list(range(len(seqs))), seqs
+        *joined, last = [got[s][1] for s in seqs]
+        print(f"{len(joined)} joins published before the budget ended the request")
+        assert len(joined) < 11, [(h.get("Streamproc-Join"), h.get(ERROR)) for _, h in got.values()]
+        assert all(h.get("Streamproc-Join") == "joined" for h in joined)
+        assert last.get(FINAL) == "true" and last.get(ERROR) == "overloaded", last
+        assert b"decode time budget exhausted" in got[seqs[-1]][0]
+        assert scrape(port)["streamproc_over_cpu_total"] == 1
+        assert proc.poll() is None
+
+
+async def test_joins_that_decode_no_sequence_data_are_not_charged_to_the_decode_time_budget(
+        nats_url, streamproc_run):
+    """A cheap P/D request that asked for a 4,096-token prompt's logprobs and no expert rows, streamed
+    in 40 chunks: each decode chunk's join copies prefill's prompt logprobs in (~0.3-0.5 ms) and
+    decodes nothing. The budget bounds inflation, so these joins are not charged: with
+    --max-decode-cpu 0.005 the request is answered in full (all 40 charged came to ~15-20 ms and
+    ended it overloaded)."""
+    legs, bodies = logprob_pd_legs(prompt=4096, chunks=40)
+    port = free_port()
+
+    async def attack(nc, i: int, ping) -> None:
+        if i:
+            return
+        for seq, body in enumerate(legs):
+            await nc.publish(SUBJECTS.chunk("logprobs", "prefill"), body,
+                             headers=chunk_headers("logprobs", "prefill", seq, final=seq == len(legs) - 1))
+        for seq, body in enumerate(bodies):
+            await nc.publish(SUBJECTS.chunk("logprobs", "decode"), body,
+                             headers=chunk_headers("logprobs", "decode", seq, final=seq == len(bodies) - 1))
+
+    with streamproc_run("--mode", "core", "--max-decode-cpu", "0.005", "--http-port", str(port)) as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=100, timeout=60, log_path=log_path,
+                                  attacked=lambda res: res.final("logprobs") is not None)
+        got = results.by_request["logprobs"]
+        assert sorted(got) == list(range(len(bodies))), sorted(got)
+        headers = [got[s][1] for s in range(len(bodies))]
+        assert [h.get(ERROR) for h in headers] == [None] * len(bodies), headers[-1]
+        assert {h.get("Streamproc-Join") for h in headers} == {"joined"}
+        assert b"input_token_logprobs" in got[0][0]
+        metrics = scrape(port)
+        assert metrics["streamproc_over_cpu_total"] == 0
+        assert metrics["streamproc_join_seconds_count"] == len(bodies)  # they ran off the loop, timed
+        assert proc.poll() is None
 
 
 # A wildcard in the id token (``P.chunks.abc.*`` is request ``abc`` with a bad role: an invalid_chunk answer).

@@ -3,7 +3,7 @@ the outcome back in order; it never starts a thread itself."""
 
 from __future__ import annotations
 
-from toy_codec import chunk, correlator, errors
+from toy_codec import chunk, correlator, counting_correlator, errors
 
 from streamproc.core.correlator import Work
 from streamproc.wire import Result
@@ -96,6 +96,24 @@ def test_a_request_whose_joins_pass_the_decode_time_budget_is_ended_and_others_g
     assert published == [(0, None), (1, None), (2, "overloaded")]
     assert c.stats.over_cpu == 1 and c.inflight == 0
     assert split(c.receive(chunk("agg", "agg", 0, b"x", final=True), 0.0))[1] == [("agg", 0)]
+
+
+def test_only_joins_that_decode_sequence_data_are_charged_when_the_codec_counts_its_decodes():
+    """The budget bounds inflation: a join whose session's ``decodes`` did not grow (a logprob copy) is
+    not charged, however long it took; one that decoded rows is."""
+    c = counting_correlator(max_decode_cpu=0.25)
+    c.offload_joins = True
+    c.receive(chunk("pd", "prefill", 0, b"p", final=True), 0.0)
+    ticks = iter(x for k in range(10) for x in (k, k + 0.2))  # each join takes 0.2 s of CPU
+    published = []
+    bodies = [b"logprobs"] * 5 + [b"rows", b"logprobs", b"rows"]
+    for seq, body in enumerate(bodies):
+        (work,), _ = split(c.receive(chunk("pd", "decode", seq, body, final=seq == len(bodies) - 1), 0.0))
+        work.run(ticks.__next__)
+        published += [(d.seq, d.error) for d in c.finish(work, 0.0) if isinstance(d, Result)]
+    # 5 x 0.2 s of logprob joins charged nothing; the first rows join 0.2 s, the second passes 0.25 s.
+    assert published == [(seq, None) for seq in range(7)] + [(7, "overloaded")]
+    assert c.stats.over_cpu == 1
 
 
 def test_waiting_joins_take_turns_so_one_requests_buffered_joins_never_starve_another():

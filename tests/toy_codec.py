@@ -172,6 +172,30 @@ def correlator(**config: object) -> Correlator:
     return Correlator(lambda name: InflatingCodec(), "inflating", CorrelatorConfig(**config))
 
 
+class CountingSession(InflatingSession):
+    """Counts its decodes (JoinSession.decodes): a decode chunk ``rows...`` decodes sequence data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decodes = 0
+
+    def join(self, body: bytes, final: bool):
+        if body.startswith(b"rows"):
+            self.decodes += 1
+        return super().join(body, final)
+
+
+class CountingCodec(InflatingCodec):
+    name = "counting"
+
+    def open_session(self) -> JoinSession:
+        return CountingSession()
+
+
+def counting_correlator(**config: object) -> Correlator:
+    return Correlator(lambda name: CountingCodec(), "counting", CorrelatorConfig(**config))
+
+
 def chunk(rid: str, role: str, seq: int, body: bytes, final: bool = False) -> Chunk:
     return Chunk(rid, Role(role), seq, body, final)
 

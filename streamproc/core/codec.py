@@ -246,6 +246,13 @@ class JoinSession(ABC):
     # ``too_large`` omission instead of an allocation.
     decode_budget: int | None = None
 
+    # Sequence payloads (e.g. expert rows) the session has decoded or tried to decode so far,
+    # counted by the codec before each decode (a payload that fails half-way cost CPU too). A join's
+    # CPU is charged to the request's decode-time budget (``max_decode_cpu``) only when the join
+    # made it grow: the budget bounds what inflating payloads cost, not logprob copies. None (the
+    # default): the codec does not count, and every offloaded join is charged.
+    decodes: int | None = None
+
     def retained_bytes(self) -> int:
         """Bytes of decoded payloads the session keeps between calls (e.g. prefill's rows).
 

@@ -56,25 +56,28 @@ class Work:
     pure: it never starts a thread, it only says which call may run elsewhere and takes the outcome
     back in order."""
 
-    __slots__ = ("request_id", "_job", "outcome", "cpu")
+    __slots__ = ("request_id", "_job", "outcome", "cpu", "decodes")
 
-    def __init__(self, request_id: str, job: Callable[[], tuple[bytes, Verdict]]) -> None:
+    def __init__(self, request_id: str, job: Callable[[], tuple[bytes, Verdict]],
+                 decodes: int | None = None) -> None:
         self.request_id = request_id
         self._job = job
         self.outcome: tuple[bytes, Verdict] | Exception | None = None
         self.cpu = 0.0  # seconds of CPU the job took, when run() was given a clock
+        self.decodes = decodes  # the session's decodes count when the join was handed out
 
     def run(self, cpu_clock: Callable[[], float] | None = None) -> None:
         """Called once, in any thread; never raises (the outcome carries the exception).
-        ``cpu_clock``: the shell's per-thread CPU clock (``time.thread_time``), charged to the
-        request's decode-time budget by :meth:`Correlator.finish`."""
+        ``cpu_clock``: the shell's CPU clock for joins (``streamproc.nats.input.join_cpu_clock``:
+        the join's thread and the codec's helper threads), charged to the request's decode-time
+        budget by :meth:`Correlator.finish` when the join decoded sequence data."""
         start = cpu_clock() if cpu_clock is not None else 0.0
         try:
             self.outcome = self._job()
         except Exception as exc:  # noqa: BLE001  (a codec failure ends this request as internal)
             self.outcome = exc
         if cpu_clock is not None:
-            self.cpu = cpu_clock() - start
+            self.cpu = max(0.0, cpu_clock() - start)  # two clocks read apart: never below 0
 
 
 # Stands in for the running Work while a finished join's request is drained with others waiting:
@@ -98,8 +101,9 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     # buffered bodies plus decoded payloads kept by join sessions across all requests.
     max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
     max_total_bytes: int = defaults.MAX_TOTAL_BYTES
-    # CPU seconds the joins of one request may take (measured around offloaded joins); past it the
-    # request is ended, so payloads that inflate cannot buy unbounded decode time. 0: no budget.
+    # CPU seconds the joins of one request that decode sequence data may take (measured around
+    # offloaded joins, the codec's helper threads included); past it the request is ended, so
+    # payloads that inflate cannot buy unbounded decode time. 0: no budget.
     max_decode_cpu: float = defaults.MAX_DECODE_CPU
 
 
@@ -482,7 +486,12 @@ class Correlator:
         req = self._active.get(work.request_id)
         if req is not None and req.work is work:  # else it ended or was sealed meanwhile: stale outcome
             req.work = None
-            req.cpu += work.cpu
+            # Only joins that decoded sequence data are charged (the codec's count of decodes grew,
+            # or it does not count): the budget bounds inflation. A join that only copies the
+            # prefill leg's logprobs costs what a copy of one body costs, and is not charged.
+            decodes = req.session.decodes if req.session is not None else None
+            if decodes is None or decodes != work.decodes:
+                req.cpu += work.cpu
             budget = self.config.max_decode_cpu
             if budget and req.cpu > budget:
                 self.stats.over_cpu += 1
@@ -822,7 +831,8 @@ class Correlator:
                                 self._queued[req.request_id] = req
                                 return out
                             req.work = self._working = Work(
-                                req.request_id, functools.partial(session.join, chunk.body, final))
+                                req.request_id, functools.partial(session.join, chunk.body, final),
+                                session.decodes)
                             out.append(req.work)
                             return out
                         clock = self.join_clock

@@ -23,12 +23,14 @@ MAX_RETAINED_BYTES = 256 * 1024
 # requests. Sized so a processor stays under ~200 MiB RSS whatever its clients send.
 MAX_BUFFERED_BYTES = 32 * 1024 * 1024
 MAX_TOTAL_BYTES = 96 * 1024 * 1024
-# CPU seconds the joins of one request may take (join-thread CPU, summed): bounds what payloads that
-# inflate can cost. Measured (benchmarks/decode_cpu.py, docs/operations.md "limits and abuse"): a
-# legitimate request's expert join with legs at max_payload 6 ms; each streamed chunk's join 0.004 ms,
-# 0.27 ms with a 4,096-token prompt's logprobs copied in (2.4 ms at 30,000 tokens); one expert join
-# plus 32,768 one-token chunks with the 4,096-token prompt's logprobs 8.7-9.4 s. 30 s is 3.2-3.4x that;
-# an inflating join (47 MiB of rows from 2 KB) takes 44-46 ms, ~650-680 of them per request.
+# CPU seconds the joins of one request that decode sequence data may take (the process's CPU minus
+# the event loop's over each join, so zstd's compression threads count; logprob copies are not
+# charged): bounds what payloads that inflate can cost. Measured (benchmarks/decode_cpu.py,
+# docs/operations.md "limits and abuse", 2-vCPU machine): a legitimate request's expert join with
+# legs at max_payload 21.5 ms, one per SGLang request; an inflating join (47 MiB of rows from 2 KB)
+# 43 ms, ~690 of them per request at 30 s. 30 s was sized when logprob copies were charged too (one
+# expert join + 32,768 chunks with a 4,096-token prompt's logprobs: 8.7-9.4 s on a faster machine);
+# it is kept here, a lower default is a separate decision.
 MAX_DECODE_CPU = 30.0
 
 # Codecs

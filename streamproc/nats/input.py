@@ -10,6 +10,8 @@ implement every member, so the processor never probes for one.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import msgspec
@@ -28,6 +30,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamproc.processor")
 
 Clock = Callable[[], float]
+
+
+def join_cpu_clock() -> Clock:
+    """The clock an offloaded join's CPU is read with (``Work.run``, ``max_decode_cpu``): the
+    process's CPU time minus that of the calling thread, the event loop. Joins take turns (one join
+    thread behind a ``CapacityLimiter(1)``, and the correlator hands out one ``Work`` at a time), so
+    over a join this counts the join thread and the threads the codec drives for it (sglang-zstd's
+    compression workers, which ``time.thread_time`` missed: ~8 of ~75 ms of an expert join that
+    recompresses at zstd level 6), and not the loop serving other requests meanwhile. A process
+    whose other threads are busy (an embedding application's) would be charged for them too;
+    ``streamproc run`` has none. Call on the loop thread. Falls back to ``time.thread_time`` where
+    per-thread CPU clocks are missing."""
+    try:
+        loop_cpu = time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return time.thread_time
+    process_time, clock_gettime = time.process_time, time.clock_gettime
+    return lambda: process_time() - clock_gettime(loop_cpu)
 
 
 class IOStats(msgspec.Struct):

@@ -214,6 +214,7 @@ class SGLangJoinSession(JoinSession):
         self._last: tuple[bytes, dict[str, Any] | None] | None = None  # needs_prefill -> join parse cache
         self._changed = False
         self._omitted = False
+        self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
 
     # ------------------------------------------------------------ JoinSession
 
@@ -365,6 +366,7 @@ class SGLangJoinSession(JoinSession):
                 return self._omit(meta, Omit.DECODE_MISSING)
             # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
             return self._provide(meta, source_value)
+        self.decodes += 1
         try:
             decode_rows = self._experts.decode_within(value, self._within(_decode_bound(prefill, completion)))
         except CorruptPayload as exc:
@@ -432,6 +434,7 @@ class SGLangJoinSession(JoinSession):
         prompt_tokens = self._prefill.get(PROMPT_TOKENS)
         if dtype is None or start is False or not _is_count(prompt_tokens) or prompt_tokens <= 0:
             return Omit.PREFILL_CORRUPT
+        self.decodes += 1
         try:  # at most one row of the widest plausible model per prompt token
             rows = self._experts.decode_within(value, self._within(prompt_tokens * MAX_ROW_BYTES))
         except CorruptPayload as exc:

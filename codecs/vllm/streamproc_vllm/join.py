@@ -96,6 +96,7 @@ class VLLMJoinSession(JoinSession):
         self._joined = 0
         self._tokens_seen: dict[int, int] = {}
         self._parsed: tuple[bytes, dict | None] | None = None
+        self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
 
     # ------------------------------------------------------------- prefill leg
 
@@ -130,6 +131,7 @@ class VLLMJoinSession(JoinSession):
         value = choice.get(ROUTED_EXPERTS)
         if value is None:
             return Omit.PREFILL_MISSING
+        self.decodes += 1
         try:
             rows = self._experts.decode(value)
         except CorruptPayload as exc:
@@ -237,6 +239,7 @@ class VLLMJoinSession(JoinSession):
                 return
             joined = prefill_rows  # one-token completion: every decode row would be a prompt row
         else:
+            self.decodes += 1
             try:
                 decode_rows = self._experts.decode(value)
             except CorruptPayload as exc:
