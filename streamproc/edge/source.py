@@ -590,9 +590,6 @@ class ResultSource:
             self._feeds.pop(id(core_subscription(sub)), None)
 
     async def _on_error(self, exc: Exception) -> None:
-        if self.msg_get is not None and self.msg_get.note_error(str(exc)):
-            self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
-            return
         if isinstance(exc, nats.errors.SlowConsumerError):
             feed = self._feeds.get(id(exc.sub))
             if feed is not None:
@@ -608,6 +605,9 @@ class ResultSource:
                 await feed.close()
             else:  # the recent ring's wildcard: the page misses a result, nobody's stream breaks
                 self.metrics.recent_dropped += 1
+            return
+        if self.msg_get is not None and self.msg_get.note_error(str(exc)):
+            self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
             return
         log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
 
