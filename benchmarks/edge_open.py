@@ -17,7 +17,11 @@ client and edge stamps on one clock (``time.perf_counter``: CLOCK_MONOTONIC, sha
   headers      client: response headers read
 
 ``--mode core`` (no results stream) or ``jetstream`` (the edge creates one with
-``--ensure-results-stream``). ``--burst N`` opens N streams at once per round, as latency.py's
+``--ensure-results-stream``); ``--deny-msg-get`` runs nats-server with a user (every connection's,
+``no_auth_user``) that may not publish ``$JS.API.STREAM.MSG.GET.>``, as the edge user of a
+deployment set up before edge/replay.py: JetStream opens fall back to a consumer each (msg_get.py).
+An open reads the stream by subject only when something is stored (else there is nothing to
+replay); ``--stored N`` stores N results of another request first, so each open asks. ``--burst N`` opens N streams at once per round, as latency.py's
 waves do; ``--load RATE`` meanwhile publishes results at RATE/s to 50 other open streams read by
 a second client process, the benchmark's 2,000 events/s load without its processor.
 
@@ -148,6 +152,40 @@ async def open_one(host: str, port: int, rid: str, out: dict) -> None:
     writer.close()
 
 
+async def store(nats_url: str, prefix: str, n: int) -> None:
+    """``n`` results of a request nobody opens, stored in the results stream."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        for seq in range(n):
+            await js.publish(f"{prefix}.results.stored", b'{"text":"x","meta_info":{}}',
+                             headers={"Streamproc-Seq": str(seq)})
+    finally:
+        await nc.close()
+
+
+async def fallen_back(port: int) -> None:
+    """Hold one stream open until /healthz says the edge reads with a consumer per stream."""
+    import urllib.request
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /v1/results/detect HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n")
+    await reader.readuntil(b"\r\n\r\n")
+    try:
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+                health = json.loads(response.read())
+            if "stored_results" in health:
+                print(f"edge: {health['stored_results']}")
+                return
+        raise RuntimeError(f"the edge did not fall back: {health}")
+    finally:
+        writer.close()
+
+
 async def client(port: int, opens: int, burst: int, gap: float, tag: str) -> list[dict]:
     runs: list[dict] = []
     for r in range(opens // burst):
@@ -239,7 +277,11 @@ async def main_async(args) -> dict:
     from streamproc.sim.embedded import EmbeddedNats, free_port, stop_process
 
     report = {}
-    with EmbeddedNats() as server, tempfile.TemporaryDirectory(prefix="edge-open-") as tmp_dir:
+    config = None
+    if args.deny_msg_get:
+        config = ('authorization { users = [ { user: bench, password: bench, permissions: { publish: '
+                  '{ allow: [">"], deny: ["$JS.API.STREAM.MSG.GET.>"] } } } ] }\nno_auth_user: bench\n')
+    with EmbeddedNats(config=config) as server, tempfile.TemporaryDirectory(prefix="edge-open-") as tmp_dir:
         tmp = Path(tmp_dir)
         port = free_port()
         stamps_file = tmp / "stamps.json"
@@ -254,7 +296,11 @@ async def main_async(args) -> dict:
         try:
             from latency import wait_http
             wait_http(f"http://127.0.0.1:{port}/healthz", edge)
+            if args.stored:
+                await store(server.url, prefix, args.stored)
             await client(port, 20, 1, 0.01, "warm")
+            if args.deny_msg_get:  # one stream held open until the edge found out (the others close at once)
+                await fallen_back(port)
             stop = asyncio.Event()
             loader = (asyncio.create_task(load(server.url, prefix, port, args.load, stop, tmp))
                       if args.load else None)
@@ -276,7 +322,8 @@ async def main_async(args) -> dict:
         finally:
             stop_process(edge, 15)
         stamps = json.loads(stamps_file.read_text())
-        label = f"{args.mode}, bursts of {args.burst}, load {args.load:g} results/s"
+        label = (f"{args.mode}{' without MSG.GET' if args.deny_msg_get else ''}, bursts of {args.burst}, "
+                 f"load {args.load:g} results/s")
         report = summarize(runs, stamps, label)
         report["cpu_us_per_open"] = {"edge": sum(cpu[0]) / len(runs) * 1e6, "client": cpu[1] / len(runs) * 1e6,
                                      "edge_user": cpu[0][0] / len(runs) * 1e6, "edge_sys": cpu[0][1] / len(runs) * 1e6}
@@ -296,6 +343,10 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=1, help="streams opened at once per round")
     parser.add_argument("--gap", type=float, default=0.05, help="seconds between rounds")
     parser.add_argument("--load", type=float, default=0.0, help="results/s to 50 other streams meanwhile")
+    parser.add_argument("--stored", type=int, default=0,
+                        help="results stored before the opens (jetstream: each open then asks MSG.GET)")
+    parser.add_argument("--deny-msg-get", action="store_true",
+                        help="the NATS user may not publish $JS.API.STREAM.MSG.GET.> (the edge's fallback)")
     parser.add_argument("--py-spy", type=Path, help="record the edge with py-spy (raw format) meanwhile")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -8,19 +8,26 @@ durable mode, edge replaying from JetStream, worker traffic) works with nothing 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 import urllib.request
 from pathlib import Path
 
 import anyio
+import httpx
 import nats
 import nats.errors
 import pytest
 
 from conftest import processor_subprocess, run_cli_process
-from edge_harness import running_edge
+from edge_harness import expected_sse, publish_result, running_edge, started_source
+from helpers import rid, wait_until
+from streamproc.nats.streams import ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
+from streamproc.wire import Subjects
 
 pytestmark = pytest.mark.nats
 
@@ -28,19 +35,46 @@ CONF = Path(__file__).parent.parent / "deploy" / "nats-server.conf"
 PASSWORDS = {role: f"{role}-pw-{i}e7c" for i, role in enumerate(["worker", "processor", "edge", "frontend"])}
 
 
-@pytest.fixture(scope="module")
-def server():
+# The edge user's permission added for edge/replay.py; deployments set up before it lack this line.
+MSG_GET_GRANT = '            "$JS.API.STREAM.MSG.GET.STREAMPROC_RESULTS",\n'
+
+
+@contextlib.contextmanager
+def shipped_server(config: str):
     mp = pytest.MonkeyPatch()
     for role, password in PASSWORDS.items():
         mp.setenv(f"STREAMPROC_{role.upper()}_PASSWORD", password)  # nats-server reads them from its env
     try:
-        # The test's flags choose ports and storage; everything else is the shipped file.
-        config = CONF.read_text().replace("jetstream { store_dir: /data/jetstream }", "")
-        assert config != CONF.read_text()
-        with EmbeddedNats(config=config) as srv:
+        with EmbeddedNats(config=runnable(config)) as srv:
             yield srv
     finally:
         mp.undo()
+
+
+def runnable(config: str) -> str:
+    """The test's flags choose ports and storage; everything else is the given file."""
+    stripped = config.replace("jetstream { store_dir: /data/jetstream }", "")
+    assert stripped != config
+    return stripped
+
+
+@pytest.fixture(scope="module")
+def server():
+    with shipped_server(CONF.read_text()) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def server_before_msg_get():
+    """The shipped file as it was before the edge read stored results by subject."""
+    with shipped_server(config_before_msg_get()) as srv:
+        yield srv
+
+
+def config_before_msg_get() -> str:
+    config = CONF.read_text()
+    assert config.count(MSG_GET_GRANT) == 1  # the edge's line (the processor's shares a line)
+    return config.replace(MSG_GET_GRANT, "")
 
 
 def url(server: EmbeddedNats, role: str) -> str:
@@ -176,3 +210,120 @@ async def test_a_migration_works_with_the_frontend_and_workers_holding_only_thei
         assert verify_migration(m, results[m.request_id], worker) == [], (m.request_id, log)
     assert "Permissions Violation" not in log and "nats_error" not in log, log
     assert "seal_list_unreadable" not in log, log  # taking partitions lists the seal records
+
+
+async def sse_bytes(edge, request_id: str, publish) -> bytes:
+    """Open the SSE stream, run ``publish`` once the headers came, return every byte received."""
+    async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:
+        async with client.stream("GET", f"/v1/results/{request_id}") as response:
+            assert response.status_code == 200, await response.aread()
+            await publish()
+            return await response.aread()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+async def test_an_edge_without_the_msg_get_permission_serves_whole_streams_with_a_consumer_each(
+        server_before_msg_get):
+    """An edge user of the earlier permission set may not publish $JS.API.STREAM.MSG.GET: the edge
+    says so once, reads each JetStream stream with an ordered consumer of its own (history before
+    the open, then live), and a core-mode edge never asks for it."""
+    srv, subjects = server_before_msg_get, Subjects("streamproc")
+    processor = await nats.connect(url(srv, "processor"))
+    try:
+        # Core mode first (no results stream yet): live results, nothing to read by subject.
+        with running_edge(url(srv, "edge")) as edge:
+            live = rid("core")
+
+            async def publish_live() -> None:
+                for seq in range(3):
+                    await publish_result(processor, subjects, live, seq, b'{"n":%d}' % seq, final=seq == 2)
+                await processor.flush()
+
+            body = await sse_bytes(edge, live, publish_live)
+            assert body == expected_sse([b'{"n":%d}' % seq for seq in range(3)])
+            assert "stored_results_unreadable" not in edge.log() and "nats_error" not in edge.log(), edge.log()
+
+        await ensure_results_stream(processor.jetstream(), subjects)
+        before, during = rid("before"), rid("during")
+        for seq in range(2):  # stored before the edge starts
+            await publish_result(processor, subjects, before, seq, b'{"b":%d}' % seq)
+        await processor.flush()
+        with running_edge(url(srv, "edge")) as edge:
+            await publish_result(processor, subjects, before, 2, b'{"b":2}')  # read by the ring, no stream open
+            await processor.flush()
+            for seq in range(2):
+                await publish_result(processor, subjects, during, seq, b'{"d":%d}' % seq)
+            await processor.flush()
+
+            async def publish_rest(request_id: str, key: bytes, seqs: range):
+                async def publish() -> None:
+                    for seq in seqs:
+                        await publish_result(processor, subjects, request_id, seq, b'{"%s":%d}' % (key, seq),
+                                             final=seq == seqs[-1])
+                    await processor.flush()
+                return publish
+
+            started = time.monotonic()
+            body = await sse_bytes(edge, before, await publish_rest(before, b"b", range(3, 5)))
+            assert body == expected_sse([b'{"b":%d}' % seq for seq in range(5)])
+            # The refusal is read from the server's -ERR, not from the request's 5 s timeout.
+            assert time.monotonic() - started < 4.0
+            body = await sse_bytes(edge, during, await publish_rest(during, b"d", range(2, 4)))
+            assert body == expected_sse([b'{"d":%d}' % seq for seq in range(4)])
+            async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:  # unary: the whole answer
+                response = await client.get(f"/v1/results/{before}?stream=false")
+                assert response.status_code == 200 and b'{"b":4}' in response.content, response.content
+                health = (await client.get("/healthz")).json()
+            assert "STREAM.MSG.GET.STREAMPROC_RESULTS" in health.get("stored_results", ""), health
+            metrics = edge.metrics()
+            log = edge.log()
+        assert metrics["streamproc_edge_stored_reads_refused"] == 1
+        assert metrics["streamproc_edge_streams_fallback_total"] == 3
+        assert log.count("event=stored_results_unreadable") == 1, log
+        assert "$JS.API.STREAM.MSG.GET.STREAMPROC_RESULTS" in log and "docs/security.md" in log, log
+        assert "nats_error" not in log and "cannot read the results stream" not in log, log
+    finally:
+        await processor.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_an_edge_reads_by_subject_again_once_the_permission_is_granted_without_a_restart():
+    """After a refusal the edge tries MSG.GET again every re-probe interval; once nats-server
+    reloads the shipped file with the grant, the next open past the interval replays by subject."""
+    subjects = Subjects("streamproc")
+    with shipped_server(config_before_msg_get()) as srv:
+        processor = await nats.connect(url(srv, "processor"))
+        try:
+            await ensure_results_stream(processor.jetstream(), subjects)
+            ids = [rid("reprobe") for _ in range(3)]
+            for request_id in ids:
+                await publish_result(processor, subjects, request_id, 0, b'{"n":0}', final=True)
+            await processor.flush()
+            async with started_source(url(srv, "edge"), subjects) as source:
+                access = source.msg_get
+                assert access is not None
+                access.reprobe = 0.5
+                refused = await source.open(ids[0])
+                assert (await refused.next(5.0)).body == b'{"n":0}'  # from its own consumer
+                assert refused.inbox is None and access.state == "refused"
+                assert source.metrics.stored_reads_refused == 1 and source.metrics.streams_fallback == 1
+                await refused.close()
+                conf = srv.log_path.parent / "server.conf"  # EmbeddedNats runs this file: the shipped one now
+                conf.write_text(runnable(CONF.read_text()))
+                os.kill(srv.pid, signal.SIGHUP)  # nats-server reloads its configuration file
+                await wait_until(lambda: "Reloaded server configuration" in srv.log_path.read_text(), 10,
+                                 "nats-server reloads its configuration")
+                await anyio.sleep(access.reprobe)
+                allowed = await source.open(ids[1])
+                assert allowed.replay is not None  # the re-probe: read by subject
+                assert (await allowed.next(5.0)).body == b'{"n":0}'
+                assert access.state == "allowed" and source.metrics.stored_reads_refused == 0
+                later = await source.open(ids[2])
+                assert later.replay is not None and (await later.next(5.0)).body == b'{"n":0}'
+                assert source.metrics.streams_fallback == 1
+                for feed in (allowed, later):
+                    await feed.close()
+        finally:
+            await processor.close()

@@ -401,6 +401,11 @@ class Edge:
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
+            access = self.source.msg_get
+            if access is not None and access.state == "refused":  # still serving, at a cost (msg_get.py)
+                return JSONResponse({"status": "ok", "nats": "connected",
+                                     "stored_results": f"read with an ordered consumer per stream: publish to "
+                                                       f"{access.subject} refused (docs/security.md)"})
             return JSONResponse({"status": "ok", "nats": "connected"})
         return JSONResponse({"status": "unavailable", "nats": "disconnected"}, status_code=503)
 

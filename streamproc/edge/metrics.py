@@ -44,6 +44,8 @@ class EdgeMetrics(msgspec.Struct):
     jetstream_replays: int = 0
     core_subscriptions: int = 0
     streams_dispatched: int = 0
+    streams_fallback: int = 0
+    stored_reads_refused: int = 0
     nats_connected: int = 0
     nats_disconnects: int = 0
     nats_reconnects: int = 0
@@ -86,6 +88,10 @@ _HELP: dict[str, tuple[str, str]] = {
                                       "recent ring's wildcard one)"),
     "streams_dispatched": ("gauge", "streams fed now from the recent ring's wildcard subscription (no "
                                     "subscription of their own)"),
+    "streams_fallback": ("counter", "JetStream streams given an ordered consumer of their own because the "
+                                    "edge may not read stored results by subject (STREAM.MSG.GET refused)"),
+    "stored_reads_refused": ("gauge", "1 while STREAM.MSG.GET on the results stream is refused (the edge "
+                                      "falls back to an ordered consumer per stream; docs/security.md)"),
     "nats_connected": ("gauge", "1 while the NATS connection is up"),
     "nats_disconnects": ("counter", "NATS disconnections"),
     "nats_reconnects": ("counter", "NATS reconnections"),
@@ -101,9 +107,9 @@ class EdgeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self._m
         yield from struct_families("streamproc_edge", m, {k: text for k, (_, text) in _HELP.items()},
-                                   skip=("by_verdict", "by_error_kind", "streams_dispatched"))
-        yield GaugeMetricFamily("streamproc_edge_streams_dispatched", _HELP["streams_dispatched"][1],
-                                value=m.streams_dispatched)  # a gauge (streamproc.metrics.GAUGES is shared)
+                                   skip=("by_verdict", "by_error_kind", "streams_dispatched", "stored_reads_refused"))
+        for gauge in ("streams_dispatched", "stored_reads_refused"):  # gauges (streamproc.metrics.GAUGES is shared)
+            yield GaugeMetricFamily(f"streamproc_edge_{gauge}", _HELP[gauge][1], value=getattr(m, gauge))
         verdicts = CounterMetricFamily("streamproc_edge_results_by_verdict", "result bodies sent to clients, "
                                        "by verdict", labels=["verdict"])
         for verdict, n in sorted(m.by_verdict.items()):

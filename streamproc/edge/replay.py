@@ -35,6 +35,7 @@ from nats.js.errors import APIError
 
 from ..nats.fast_client import parse_header_block
 from . import pending
+from .msg_get import MsgGetAccess, Refused
 
 NO_MESSAGE = 10037  # JSNoMessageFoundErr (nats-server server/errors.json): no message at or after seq
 
@@ -69,12 +70,15 @@ def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
 class Replay:
     """``await replay.next()``: the next stored result of ``subject`` with a stream sequence up to
     ``upto`` as (subject, headers, body), or None when there is none left (then call nothing but
-    :meth:`close`). Raises nats-py's errors (``nats.errors.TimeoutError``, ``APIError`` for any
-    other JetStream error); :meth:`close` frees the temporary consumer, also after an error."""
+    :meth:`close`). Raises :class:`~.msg_get.Refused` when a ``STREAM.MSG.GET`` goes unanswered
+    (refused by permissions, no responders, timeout), else nats-py's errors
+    (``nats.errors.TimeoutError`` from the temporary consumer, ``APIError`` for any other
+    JetStream error); :meth:`close` frees the temporary consumer, also after an error."""
 
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
                  timeout: float, consumer_options: dict | None = None,
-                 watch: Callable[[object, bool], None] | None = None) -> None:
+                 watch: Callable[[object, bool], None] | None = None,
+                 access: MsgGetAccess | None = None) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -86,6 +90,7 @@ class Replay:
         # ends the feed when nats-py drops one of its messages (SlowConsumerError), as for a feed's
         # own consumer, rather than let the ordered consumer recreate itself message after message.
         self.watch = watch
+        self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
         self.next_seq = 1
         self.read = 0  # messages replayed (tests)
         self.sub = None  # the temporary ordered consumer, after a probe found a stored result
@@ -140,7 +145,18 @@ class Replay:
         """The first stored message of the subject at or after ``seq``, if at most ``upto``; else
         None, and the replay is done."""
         request = msgspec.json.encode({"seq": seq, "next_by_subj": self.subject})
-        reply = await self.nc.request(self.api_subject, request, timeout=self.timeout)
+        access = self.access
+        asked = self.nc.request(self.api_subject, request, timeout=self.timeout)
+        try:
+            # Unguarded once MSG.GET answered (no task per open); until then a refusal, which only
+            # the error callback reports, ends the wait at once (msg_get.py).
+            reply = await (asked if access is None or access.confirmed else access.guard(asked))
+        except nats.errors.NoRespondersError:
+            raise Refused(f"no responders on {self.api_subject}", denied=True) from None
+        except nats.errors.TimeoutError:
+            raise Refused(f"no answer on {self.api_subject} within {self.timeout:g} s", denied=False) from None
+        if access is not None:
+            access.allowed()
         response = _decode(reply.data)
         if response.error is not None:
             if response.error.err_code == NO_MESSAGE or response.error.code == 404:

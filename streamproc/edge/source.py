@@ -4,6 +4,8 @@ With ``--recent`` > 0 the recent ring's subscription to every result hands each 
 feeds open on its subject (:mod:`.fanout`): a core subscription (live only), or, when a JetStream
 stream captures ``P.results.>``, one ordered consumer, each feed first reading from the stream what
 was stored before it registered (:mod:`.replay`), so a client that attaches late loses nothing.
+An edge user that may not read stored results by subject (:mod:`.msg_get`) gets each JetStream
+feed its own ordered consumer instead, as with ``--recent 0``.
 With ``--recent 0`` each feed has its own: an ordered consumer replaying the subject from the
 stream's start, or a core subscription (live only). Either way :class:`SeqOrder` hands them out
 in seq order, each once, and never mixes requests: a feed reads exactly one request's subject.
@@ -33,6 +35,7 @@ from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
 from .barrier import PongBarrier
 from .fanout import Fanout, Inbox
+from .msg_get import MsgGetAccess, Refused, State
 from .replay import Replay
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
@@ -132,6 +135,13 @@ class ResultFeed:
             if replay is not None:  # before the dispatched ones: what was stored before the open
                 try:
                     stored = await replay.next()
+                except Refused as exc:  # may not read by subject: an ordered consumer from the start
+                    self.source.fall_back(self, exc)
+                    inbox = None
+                    attached = await self._attached(max(deadline - time.monotonic(), 0.0))
+                    if attached is not True:
+                        return attached
+                    continue
                 except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
                     if self.overrun:  # its consumer was stopped because the client fell behind
                         return Overrun(self.source.settings.stream_buffer_bytes)
@@ -331,6 +341,7 @@ class ResultSource:
         self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
         self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
         self._told_late_stream = False
+        self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
 
     @property
     def connected(self) -> bool:
@@ -392,6 +403,7 @@ class ResultSource:
             jsi = core_subscription(self._recent_sub)._jsi
             jsi._sseq = max(jsi._sseq, last)
             self.fanout = Fanout(self, core_subscription(self._recent_sub), self._on_inbox_full, stream=stream)
+            self.msg_get = MsgGetAccess(js._prefix, stream, self._msg_get_changed)
             self.recent_mode = "jetstream"
         else:
             self._recent_sub = await self.nc.subscribe(self.subjects.all_results, **limits)
@@ -434,13 +446,8 @@ class ResultSource:
                       hint="each stream opens its own ordered consumer; restart the edge to read the "
                            "results stream through one (docs/edge.md)")
         if stream is not None:
-            # The ordered consumer replays the subject from the stream's start, so nothing published
-            # before it exists is missed: the client gets its headers now, and the consumer's
-            # creation (a JetStream API round trip, tens of ms behind a busy server) overlaps them.
             feed = ResultFeed(self, request_id, None, "jetstream", order)
-            feed.attaching = asyncio.get_running_loop().create_task(self._attach(feed, js, subject, stream, limits))
-            self._attaching.add(feed.attaching)
-            feed.attaching.add_done_callback(self._attaching.discard)
+            self._consume(feed, stream, limits)
             return feed
         sub = await self.nc.subscribe(subject, **limits)
         try:
@@ -462,6 +469,12 @@ class ResultSource:
         waits, as a SUB's PING did, until the server has the wildcard subscription again."""
         assert self.fanout is not None and self.nc is not None
         stream = self.fanout.stream
+        if stream is not None and self.msg_get is not None and not self.msg_get.usable():
+            # The edge may not read stored results by subject (msg_get.py): its own ordered consumer.
+            feed = ResultFeed(self, request_id, None, "jetstream", order)
+            self.metrics.streams_fallback += 1
+            self._consume(feed, stream, limits)
+            return feed
         feed = ResultFeed(self, request_id, None, "core" if stream is None else "jetstream", order,
                           inbox=self.fanout.inbox(limits["pending_bytes_limit"], limits["pending_msgs_limit"]))
         self.fanout.add(subject, feed)
@@ -475,7 +488,8 @@ class ResultSource:
                     self._feeds.pop(id(core_subscription(sub)), None)
 
             feed.replay = Replay(self.nc, self.nc.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch)
+                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch,
+                                 self.msg_get)
             self.metrics.jetstream_replays += 1
             return feed
         if not self.nc.is_connected:
@@ -487,6 +501,51 @@ class ResultSource:
                 raise
         self.metrics.core_subscriptions += 1
         return feed
+
+    def _consume(self, feed: ResultFeed, stream: str, limits: dict[str, int]) -> None:
+        """Give a JetStream feed an ordered consumer of its own (:meth:`_attach`). It replays the
+        subject from the stream's start, so nothing published before it exists is missed: the
+        client gets its headers now, and the consumer's creation (a JetStream API round trip, tens
+        of ms behind a busy server) overlaps them."""
+        assert self.nc is not None
+        subject = self.subjects.result(feed.request_id)
+        feed.attaching = asyncio.get_running_loop().create_task(
+            self._attach(feed, self.nc.jetstream(), subject, stream, limits))
+        self._attaching.add(feed.attaching)
+        feed.attaching.add_done_callback(self._attaching.discard)
+
+    def fall_back(self, feed: ResultFeed, refused: Refused) -> None:
+        """A dispatched feed's replay got no answer from ``STREAM.MSG.GET``: it leaves the fan-out
+        and reads its subject with an ordered consumer of its own from the stream's start (what it
+        had queued comes again; repeats are dropped by seq). A refusal (or a silence while MSG.GET
+        never answered) sends later opens that way too until the re-probe (msg_get.py); a timeout
+        after MSG.GET did answer falls back for this feed only (a busy server, not a permission)."""
+        assert self.fanout is not None and feed.inbox is not None and self.fanout.stream is not None
+        access = self.msg_get
+        if access is not None and (refused.denied or not access.confirmed):
+            access.refused(refused.reason)
+        feed.replay = None  # it failed on a MSG.GET, so before making a consumer: nothing to close
+        inbox, feed.inbox = feed.inbox, None
+        self.fanout.remove(self.subjects.result(feed.request_id), feed)
+        inbox.clear()
+        self.metrics.jetstream_replays -= 1  # counted again by _attach, once its consumer exists
+        self.metrics.streams_fallback += 1
+        limits = {"pending_msgs_limit": inbox.msgs_limit, "pending_bytes_limit": inbox.bytes_limit}
+        self._consume(feed, self.fanout.stream, limits)
+
+    def _msg_get_changed(self, state: State, reason: str) -> None:
+        """Said once per change, not per open: the deployment lacks (or got) the permission."""
+        assert self.msg_get is not None
+        subject = self.msg_get.subject
+        if state == "refused":
+            self.metrics.stored_reads_refused = 1
+            log_event(log, logging.WARNING, "stored_results_unreadable", permission=subject, error=reason,
+                      fallback="an ordered consumer per JetStream stream", retry_after=self.msg_get.reprobe,
+                      hint="grant the edge user publish on that subject (docs/security.md, "
+                           "'Upgrading: the edge reads stored results by subject')")
+        else:
+            self.metrics.stored_reads_refused = 0
+            log_event(log, logging.INFO, "stored_results_readable", permission=subject)
 
     def _on_inbox_full(self, feed: ResultFeed) -> None:
         """A dispatched feed's client fell behind (its inbox is full): what a SlowConsumerError did
@@ -546,6 +605,9 @@ class ResultSource:
                 await feed.close()
             else:  # the recent ring's wildcard: the page misses a result, nobody's stream breaks
                 self.metrics.recent_dropped += 1
+            return
+        if self.msg_get is not None and self.msg_get.note_error(str(exc)):
+            self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
             return
         log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
 

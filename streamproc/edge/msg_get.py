@@ -1,0 +1,116 @@
+"""Whether the edge may read stored results by subject (``$JS.API.STREAM.MSG.GET.<stream>``).
+
+The edge's replay (:mod:`.replay`) needs that publish permission. A deployment whose edge user
+was set up before it (the ``deploy/nats-server.conf`` of earlier releases) lacks it, and
+nats-server answers such a request with nothing: ``client.pubPermissionViolation`` (server/client.go)
+drops the message and only sends ``-ERR 'Permissions Violation for Publish to "<subject>"'``, which
+nats-py 2.16 ``Client._process_err`` hands to the error callback as ``nats.errors.Error("nats:
+permissions violation for publish to ...")`` (lower-cased by its parser) without closing the
+connection; the request itself would wait for its whole timeout. So the refusal is read from the
+error callback (:meth:`MsgGetAccess.note_error`), and a request made while the permission is not
+known to work is raced against it (:meth:`MsgGetAccess.guard`): the open that finds out pays one
+round trip, not a timeout.
+
+Once refused, the edge reads each JetStream stream with an ordered consumer of its own, as every
+open did before replay.py (``ResultSource._attach``), and asks again after ``reprobe`` seconds (one
+open tries MSG.GET), so a permission granted later is used without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable, Literal, TypeVar
+
+import nats.errors
+
+T = TypeVar("T")
+REPROBE = 60.0  # seconds between tries of a refused MSG.GET
+
+State = Literal["unknown", "allowed", "refused"]
+
+
+class Refused(nats.errors.Error):
+    """A ``STREAM.MSG.GET`` got no answer: the server refused its publish (``denied``), nobody
+    answers the subject, or no reply came within the timeout."""
+
+    def __init__(self, reason: str, *, denied: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.denied = denied
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class MsgGetAccess:
+    """What the edge knows of its permission to publish ``<api_prefix>.STREAM.MSG.GET.<stream>``."""
+
+    def __init__(self, api_prefix: str, stream: str, on_change: Callable[[State, str], None] | None = None,
+                 reprobe: float = REPROBE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"  # the permission replay.py needs
+        # nats-py's parser lower-cases the -ERR text; the subject is compared in that form.
+        self._needle = f"permissions violation for publish to \"{self.subject}\"".lower()
+        self.on_change = on_change  # (new state, reason) when a refusal starts or ends: log it once
+        self.reprobe = reprobe
+        self.clock = clock
+        self.state: State = "unknown"
+        self.refused_at = 0.0
+        self.reason = ""
+        self._refusal: asyncio.Future[str] | None = None  # resolved by note_error, for guard()
+
+    def usable(self) -> bool:
+        """Try MSG.GET for this open? After a refusal, no, except for one open every ``reprobe``
+        seconds (the wait restarts with it, also when that open ends before its answer)."""
+        if self.state != "refused":
+            return True
+        now = self.clock()
+        if now - self.refused_at >= self.reprobe:
+            self.refused_at = now
+            return True
+        return False
+
+    @property
+    def confirmed(self) -> bool:
+        """MSG.GET answered and nothing refused it since: requests need no guard."""
+        return self.state == "allowed"
+
+    def allowed(self) -> None:
+        """A MSG.GET got an answer (a re-probe found the permission: the refusal ends)."""
+        was = self.state
+        self.state, self.reason = "allowed", ""
+        if was == "refused" and self.on_change is not None:
+            self.on_change("allowed", "")
+
+    def refused(self, reason: str) -> None:
+        """A MSG.GET went unanswered: fall back until ``reprobe`` seconds from now."""
+        was = self.state
+        self.state, self.refused_at, self.reason = "refused", self.clock(), reason
+        if was != "refused" and self.on_change is not None:
+            self.on_change("refused", reason)
+
+    def note_error(self, text: str) -> bool:
+        """The connection's error callback: True (and waiting guards fail) when ``text`` is the
+        server refusing a MSG.GET publish."""
+        if self._needle not in text.lower():
+            return False
+        refusal, self._refusal = self._refusal, None
+        if refusal is not None and not refusal.done():
+            refusal.set_result(text)
+        return True
+
+    async def guard(self, request: Awaitable[T]) -> T:
+        """``await request`` unless the server refuses a MSG.GET meanwhile: then :class:`Refused`."""
+        loop = asyncio.get_running_loop()
+        if self._refusal is None:
+            self._refusal = loop.create_future()
+        refusal = self._refusal
+        task = asyncio.ensure_future(request)
+        try:
+            await asyncio.wait((task, refusal), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise Refused(refusal.result(), denied=True)
