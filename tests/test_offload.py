@@ -182,3 +182,24 @@ def test_a_final_join_drops_prefills_decoded_rows_so_the_joining_thread_frees_th
     _, verdict = session.join(decode, True)
     assert verdict.value == "joined"
     assert session.retained_bytes() == 0
+
+
+def test_an_offloaded_join_runs_at_a_lower_scheduling_priority_than_the_event_loop():
+    """The join thread drops to nice +JOIN_NICENESS (Linux applies it to the calling thread only), so on
+    shared cores the scheduler runs the event loop's passthrough before a join that inflates."""
+    import os
+    import sys
+    import threading
+
+    from streamproc.nats.input import JOIN_NICENESS, run_join
+
+    if sys.platform != "linux":
+        pytest.skip("per-thread nice is Linux behaviour")
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    work = Work("r", lambda: (seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), (b"", None))[1])
+    thread = threading.Thread(target=run_join, args=(work,))
+    thread.start()
+    thread.join()
+    assert seen == [min(19, loop_nice + JOIN_NICENESS)] and work.cpu >= 0
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice  # the caller's is untouched

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import anyio
 from nats.aio.client import Client as NatsClient
@@ -26,7 +25,7 @@ from ..core.passthrough import PassthroughPath
 from ..core.wire import SEQ, ContractError, Result, result_headers
 from ..logs import error_text, log_event
 from .gate import DispatchGate
-from .input import Pipeline
+from .input import Pipeline, run_join
 from .subscription import handled_all
 
 log = logging.getLogger("streamproc.processor")
@@ -124,7 +123,7 @@ class CoreInput:
 
     async def _run(self, work: Work, received: float | None) -> None:
         """Run a join off the loop, then apply it exclusively of the message path (result order)."""
-        await anyio.to_thread.run_sync(work.run, time.thread_time, limiter=self._limiter)
+        await anyio.to_thread.run_sync(run_join, work, limiter=self._limiter)
         pipeline = self._pipeline
 
         async def finish() -> None:
