@@ -107,7 +107,7 @@ class _Base(msgspec.Struct):
 
 class SGLangMigrationSession(MigrationSession):
     def __init__(self, codec: SGLangCodec) -> None:
-        self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
+        self._experts: SequenceCodec = codec.stitch_experts()  # never the joins' instance (codec.py)
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
         self._prompt_tokens: int | None = None
