@@ -5,7 +5,8 @@ cores are busy). A probe thread sleeps 0.2 ms in a loop and records how late it 
 lateness while a step runs is that step's hold. The steps are those of a sglang-zstd join of 2 x
 32 MiB expert rows (tests/helpers.py ``inflating_pd_legs``, as in tests/test_hostile.py), each run
 alone, and the whole join. The row splice is measured both ways, interleaved: the old
-``bytes.join`` with a memoryview part (the baseline) and ``np.concatenate`` (what the codec does).
+``bytes.join`` with a memoryview part (the baseline) and ``np.concatenate`` (what the codec does);
+so is a migration's row stitch (bytes slice compare + ``bytes.join`` against numpy).
 
 Usage: python benchmarks/join_gil.py [--rounds 10]
 """
@@ -76,11 +77,24 @@ def main() -> None:
     decode_rows = decompress_zstd(frame, 512 << 20, rows_codec._dctx)
     session = codec.open_session()
     session.absorb_prefill([prefill])
-    session.join(decode, True)
+    session.join(decode, False)  # not final: the session keeps prefill's decoded rows (a final join drops them)
     prefill_rows = session._rows.rows
     generated = memoryview(decode_rows)[len(prefill_rows):]
     joined = np.concatenate((np.frombuffer(prefill_rows, np.uint8), np.frombuffer(generated, np.uint8)))
     compressed = rows_codec._compressor(len(joined)).compress(joined)
+
+    # A migration stitch (codecs/sglang/migration.py): an earlier attempt's rows win over the resumed
+    # attempt's leading rows. Baseline: bytes slice + compare, then bytes.join with a memoryview.
+    earlier, current = prefill_rows, decode_rows
+
+    def stitch_bytes() -> None:
+        if current[:len(earlier)] != earlier:
+            b"".join((earlier, memoryview(current)[len(earlier):]))
+
+    def stitch_numpy() -> None:
+        earlier_ids, current_ids = np.frombuffer(earlier, np.uint8), np.frombuffer(current, np.uint8)
+        if not np.array_equal(current_ids[:len(earlier)], earlier_ids):
+            np.concatenate((earlier_ids, current_ids[len(earlier):]))
 
     def fresh_join() -> None:
         s = codec.open_session()
@@ -91,10 +105,12 @@ def main() -> None:
         "splice: bytes.join((bytes, memoryview)) [baseline]": lambda: b"".join((prefill_rows, generated)),
         "splice: np.concatenate [ours]": lambda: np.concatenate(
             (np.frombuffer(prefill_rows, np.uint8), np.frombuffer(generated, np.uint8))),
+        "stitch: bytes slice compare + bytes.join [baseline]": stitch_bytes,
+        "stitch: np.array_equal + np.concatenate [ours]": stitch_numpy,
         "zstd decompress 32 MiB (+ free)": lambda: decompress_zstd(frame, 512 << 20, rows_codec._dctx),
         "zstd compress 32 MiB (codec's context)": lambda: rows_codec._compressor(len(joined)).compress(joined),
         "base64 encode of the frame": lambda: encode_base64(compressed),
-        "whole join, prefill rows cached": lambda: session.join(decode, True),
+        "whole join, prefill rows cached (not final)": lambda: session.join(decode, False),
         "whole join, fresh session": fresh_join,
     }
     probe = Probe()
@@ -114,6 +130,9 @@ def main() -> None:
     base = statistics.median(h for _, h in results["splice: bytes.join((bytes, memoryview)) [baseline]"])
     ours = statistics.median(h for _, h in results["splice: np.concatenate [ours]"])
     print(f"splice hold, ours / baseline: {ours / base:.3f}")
+    base = statistics.median(h for _, h in results["stitch: bytes slice compare + bytes.join [baseline]"])
+    ours = statistics.median(h for _, h in results["stitch: np.array_equal + np.concatenate [ours]"])
+    print(f"migration stitch hold, ours / baseline: {ours / base:.3f}")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,17 @@ def test_sglang_stitch_changes_nothing_when_nothing_was_emitted():
 
 
 @pytest.mark.parametrize("name", SGLANG_FORMATS)
+def test_sglang_stitch_decodes_with_its_own_sequence_codec_not_the_join_threads(name):
+    """The stitch runs on the event loop while another request's join may decode in the join thread;
+    sglang-zstd's decompression context is not thread safe, so the two never share an instance."""
+    codec = Catalog()(name)
+    joins = codec.sequences["routed_experts"]
+    stitches = {id(codec.open_migration()._experts) for _ in range(3)}
+    assert id(joins) not in stitches and len(stitches) == 1  # one for every migration session
+    assert type(codec.stitch_experts()) is type(joins)
+
+
+@pytest.mark.parametrize("name", SGLANG_FORMATS)
 def test_sglang_rows_an_earlier_attempt_published_win_over_the_resumed_attempts_recomputation(name):
     codec = Catalog()(name)
     encode = codec.sequences["routed_experts"].encode

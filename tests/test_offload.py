@@ -3,6 +3,7 @@ the outcome back in order; it never starts a thread itself."""
 
 from __future__ import annotations
 
+import pytest
 from toy_codec import chunk, correlator, counting_correlator, errors
 
 from streamproc.core.correlator import Work
@@ -178,3 +179,46 @@ def test_join_seconds_times_the_join_itself_inline_with_the_shells_clock_and_off
     assert split(c.finish(work, 0.0))[1] == [("off", 0)]
     assert (c.join_seconds.count, c.join_seconds.total) == (2, 0.75)
     assert c.join_wait.count == 2  # the wait is observed apart, once per result
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd", "vllm"])
+def test_a_final_join_drops_prefills_decoded_rows_so_the_joining_thread_frees_them_not_the_event_loop(fmt):
+    """Prefill's rows are kept decoded while later chunks may need them; the final join drops them, so
+    they are freed in the thread that ran it (freeing 32 MiB holds the GIL ~2 ms), and the session the
+    event loop forgets holds nothing large."""
+    from streamproc.catalog import codec_class, worker_for
+    from streamproc.codec import CodecOptions
+    from streamproc.sim.simulation import make_truth
+
+    worker = worker_for(fmt)
+    truth = make_truth(3, prompt_len=64, output_len=4)
+    [decode] = worker.decode(truth, stream=False)
+    session = codec_class(fmt)(CodecOptions()).open_session()
+    session.absorb_prefill(worker.prefill(truth, stream=False))
+    _, verdict = session.join(decode, False)
+    assert verdict.value == "joined" and session.retained_bytes() > 0  # kept for the chunks to come
+    _, verdict = session.join(decode, True)
+    assert verdict.value == "joined"
+    assert session.retained_bytes() == 0
+
+
+def test_an_offloaded_join_runs_at_a_lower_scheduling_priority_than_the_event_loop():
+    """The join thread drops to nice +JOIN_NICENESS (Linux applies it to the calling thread only), so on
+    shared cores the scheduler runs the event loop's passthrough before a join that inflates."""
+    import os
+    import sys
+    import threading
+    import time
+
+    from streamproc.nats.input import JOIN_NICENESS, run_join
+
+    if sys.platform != "linux":
+        pytest.skip("per-thread nice is Linux behaviour")
+    loop_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    work = Work("r", lambda: (seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), (b"", None))[1])
+    thread = threading.Thread(target=run_join, args=(work, time.thread_time))
+    thread.start()
+    thread.join()
+    assert seen == [min(19, loop_nice + JOIN_NICENESS)] and work.cpu >= 0
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice  # the caller's is untouched

@@ -25,7 +25,7 @@ from ..core.passthrough import PassthroughPath
 from ..core.wire import SEQ, ContractError, Result, result_headers
 from ..logs import error_text, log_event
 from .gate import DispatchGate
-from .input import Pipeline, join_cpu_clock
+from .input import Pipeline, join_cpu_clock, run_join
 from .subscription import handled_all
 
 log = logging.getLogger("streamproc.processor")
@@ -124,7 +124,7 @@ class CoreInput:
 
     async def _run(self, work: Work, received: float | None) -> None:
         """Run a join off the loop, then apply it exclusively of the message path (result order)."""
-        await anyio.to_thread.run_sync(work.run, self._join_clock, limiter=self._limiter)
+        await anyio.to_thread.run_sync(run_join, work, self._join_clock, limiter=self._limiter)
         pipeline = self._pipeline
 
         async def finish() -> None:

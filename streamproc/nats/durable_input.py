@@ -58,7 +58,7 @@ from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_co
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
 from ..logs import error_text, log_event
-from .input import Pipeline, join_cpu_clock
+from .input import Pipeline, join_cpu_clock, run_join
 from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
@@ -329,7 +329,7 @@ class DurableInput:
         outbox's per-request queue synchronously, behind the request's earlier results. ``received``:
         when the chunk whose result this work makes arrived (its latency counts the join, as in core
         mode)."""
-        await anyio.to_thread.run_sync(work.run, self._join_clock, limiter=self._limiter)
+        await anyio.to_thread.run_sync(run_join, work, self._join_clock, limiter=self._limiter)
         if self.publisher.closed:
             return
         now = self._clock()

@@ -41,6 +41,7 @@ class SGLangCodec(Codec):
         # How the workers stream when a request shows no mode yet (one token-carrying chunk):
         # SGLang's default is cumulative, ``--incremental-streaming-output`` makes it incremental.
         self.streaming = self.options.option(STREAMING_OPTION, native.INCREMENTAL)
+        self._stitch_experts: SequenceCodec | None = None
         if self.streaming not in (native.INCREMENTAL, native.CUMULATIVE):
             raise ValueError(f"format option {STREAMING_OPTION}={self.streaming!r}: expected "
                              f"{native.INCREMENTAL} or {native.CUMULATIVE}")
@@ -69,10 +70,18 @@ class SGLangCodec(Codec):
                        limit: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> RoutedExperts:
         return experts.routed_experts(self, body, verdict, limit)
 
-    # Migration (``migration.py``): the stitch reuses this instance's sequence codecs.
+    # Migration (``migration.py``). The stitch runs on the event loop while another request's join may
+    # run in the join thread, so it decodes with its own sequence codec instance: sglang-zstd's
+    # decompression context is not thread safe. Created on first use, shared by every migration session.
 
     def open_migration(self) -> MigrationSession:
         return migration.SGLangMigrationSession(self)
+
+    def stitch_experts(self) -> SequenceCodec:
+        """The ``routed_experts`` sequence codec the migration stitch uses (not the joins')."""
+        if self._stitch_experts is None:
+            self._stitch_experts = type(self.sequences[native.ROUTED_EXPERTS])(self.options)
+        return self._stitch_experts
 
     def check_migratable(self, request: bytes) -> None:
         migration.check_request(request)

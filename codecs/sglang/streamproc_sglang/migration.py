@@ -41,6 +41,7 @@ from array import array
 from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
+import numpy as np
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
 from streamproc.codec import OmissionReason as Omit
@@ -106,7 +107,7 @@ class _Base(msgspec.Struct):
 
 class SGLangMigrationSession(MigrationSession):
     def __init__(self, codec: SGLangCodec) -> None:
-        self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
+        self._experts: SequenceCodec = codec.stitch_experts()  # never the joins' instance (codec.py)
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
         self._prompt_tokens: int | None = None
@@ -254,8 +255,11 @@ class SGLangMigrationSession(MigrationSession):
         size = EXPERT_DTYPE_SIZES.get(meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE), 0)
         if not size or len(earlier) % size or len(current) % size or len(current) < len(earlier):
             return _omit(meta, Omit.LENGTH_MISMATCH)
-        if current[:len(earlier)] != earlier:
-            meta[ROUTED_EXPERTS] = self._experts.encode(b"".join((earlier, memoryview(current)[len(earlier):])))
+        # numpy compares and copies without the GIL; ``current[:n] != earlier`` (a bytes slice, then
+        # memcmp) and ``bytes.join`` with a memoryview part hold it throughout (benchmarks/join_gil.py).
+        earlier_ids, current_ids = np.frombuffer(earlier, np.uint8), np.frombuffer(current, np.uint8)
+        if not np.array_equal(current_ids[:len(earlier)], earlier_ids):
+            meta[ROUTED_EXPERTS] = self._experts.encode(np.concatenate((earlier_ids, current_ids[len(earlier):])))
         return Verdict.STITCHED
 
 
