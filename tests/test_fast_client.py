@@ -19,7 +19,8 @@ from nats.aio.subscription import Subscription
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
-from streamproc.core.wire import Role, Subjects, chunk_headers, result_header_block, result_headers, Result, Verdict
+from streamproc.core.wire import (Role, Subjects, chunk_headers, result_block, result_header_block, result_headers, Result,
+                                  Verdict)
 from streamproc.nats import fast_client
 from streamproc.nats.fast_client import (FastClient, _stock_header_block, encode_header_block, fast_path_support,
                                          new_client)
@@ -141,6 +142,25 @@ def test_a_preformatted_result_block_is_what_nats_py_sends_for_result_headers(ri
     nc.publish_block_nowait("s", b"b", result_header_block(rid, seq, final, traceparent))
     assert (b"".join(nc._pending), nc._pending_data_size) == expected
     assert nc.stats["out_msgs"] == 1 and nc.stats["out_bytes"] == 1
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(max_size=20) | _PLAIN, st.integers(0, 10**17), st.booleans(), st.none() | st.sampled_from(list(Verdict)),
+       st.none() | st.text(max_size=20), st.none() | st.just("") | st.text(max_size=20) | _PLAIN)
+def test_a_durable_result_block_is_what_nats_py_sends_for_result_headers_or_none(rid, seq, final, verdict, error,
+                                                                                 traceparent):
+    """OutboxPump.send_nowait sends result_block(r) when it is not None, else the dict's encoding."""
+    result = Result(rid, seq, b"", final, verdict, error, traceparent, ())
+    block = result_block(result)
+    if block is None:
+        assert error is not None or not rid.isprintable() or rid != rid.strip() or not rid.isascii() \
+            or (traceparent and (traceparent != traceparent.strip() or not traceparent.isprintable()
+                                 or not traceparent.isascii()))
+        return
+    expected = _publish(Client, "s", b"b", result_headers(result))
+    nc = _connected(FastClient)
+    nc.enqueue("s", b"b", "", block)
+    assert (b"".join(nc._pending), nc._pending_data_size) == expected
 
 
 @settings(max_examples=300, deadline=None)

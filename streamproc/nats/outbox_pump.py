@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 
 from ..core.events import Decision, Notice
 from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing
-from ..core.wire import result_headers
+from ..core.wire import result_block, result_headers
 from ..logs import LogLimiter, error_text, log_event
 from .fast_client import encode_header_block
 
@@ -159,7 +159,8 @@ class OutboxPump:
         for o, subject, reply in self._results_due():
             r = o.result
             try:
-                enqueue(subject, r.body, reply, encode_header_block(result_headers(r)))  # type: ignore[misc]
+                block = result_block(r) or encode_header_block(result_headers(r))
+                enqueue(subject, r.body, reply, block)  # type: ignore[misc]
             except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
                 self.outbox.send_failed(o)
                 self._failed(r.request_id, exc)
