@@ -22,6 +22,7 @@ from helpers import clean_env, connection, wait_ready
 
 from streamproc import config
 from streamproc.sim.embedded import EmbeddedNats, stop_process
+from streamproc.nats.fast_client import FastClient
 from streamproc.nats.processor import Processor
 from streamproc.wire import Subjects
 
@@ -43,6 +44,17 @@ def nats_server() -> Iterator[EmbeddedNats]:
 @pytest.fixture
 def nats_url(nats_server: EmbeddedNats) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+async def fast_client(nats_url: str) -> AsyncIterator[FastClient]:
+    """A :class:`FastClient` connection, as the processor makes (inline delivery, fast headers)."""
+    nc = FastClient()
+    await nc.connect(servers=[nats_url])
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
 
 @pytest.fixture

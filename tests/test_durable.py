@@ -18,7 +18,7 @@ from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.core.partitions import PartitionScheme, fnv1a32, partition_of
-from streamproc.nats import durable_input, outbox_pump
+from streamproc.nats.fast_client import FastClient
 from streamproc.nats.processor import Processor, StartupError
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector, follow
@@ -360,8 +360,7 @@ async def test_client_side_slow_consumer_drops_are_redelivered_and_every_request
     # happen only to messages queued for the callback task: with inline dispatch the common chunk
     # never waits in the queue (only the declined ones do: recovery lookups, a backlogged write
     # buffer), so this pins the queued path, which is the one that can drop, on every message.
-    monkeypatch.setattr(durable_input, "dispatch_inline", lambda sub, handle: False)
-    monkeypatch.setattr(outbox_pump, "dispatch_inline", lambda sub, handle: False)
+    monkeypatch.setattr(FastClient, "deliver_inline", lambda self, sub, handler: None)
     settings = durable_settings(nats_url, partitions=1, fetch_batch=100, pending_bytes_limit=4096, ack_wait=1.0)
     js = client.jetstream()
     n = 400

@@ -19,7 +19,8 @@ from nats.aio.subscription import Subscription
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
-from streamproc.core.wire import Role, Subjects, chunk_headers, result_header_block, result_headers, Result, Verdict
+from streamproc.core.wire import (Role, Subjects, chunk_headers, result_block, result_header_block, result_headers, Result,
+                                  Verdict)
 from streamproc.nats import fast_client
 from streamproc.nats.fast_client import (FastClient, _stock_header_block, encode_header_block, fast_path_support,
                                          new_client)
@@ -143,6 +144,25 @@ def test_a_preformatted_result_block_is_what_nats_py_sends_for_result_headers(ri
     assert nc.stats["out_msgs"] == 1 and nc.stats["out_bytes"] == 1
 
 
+@settings(max_examples=500, deadline=None)
+@given(st.text(max_size=20) | _PLAIN, st.integers(0, 10**17), st.booleans(), st.none() | st.sampled_from(list(Verdict)),
+       st.none() | st.text(max_size=20), st.none() | st.just("") | st.text(max_size=20) | _PLAIN)
+def test_a_durable_result_block_is_what_nats_py_sends_for_result_headers_or_none(rid, seq, final, verdict, error,
+                                                                                 traceparent):
+    """OutboxPump.send_nowait sends result_block(r) when it is not None, else the dict's encoding."""
+    result = Result(rid, seq, b"", final, verdict, error, traceparent, ())
+    block = result_block(result)
+    if block is None:
+        assert error is not None or not rid.isprintable() or rid != rid.strip() or not rid.isascii() \
+            or (traceparent and (traceparent != traceparent.strip() or not traceparent.isprintable()
+                                 or not traceparent.isascii()))
+        return
+    expected = _publish(Client, "s", b"b", result_headers(result))
+    nc = _connected(FastClient)
+    nc.enqueue("s", b"b", "", block)
+    assert (b"".join(nc._pending), nc._pending_data_size) == expected
+
+
 @settings(max_examples=300, deadline=None)
 @given(_PLAIN.filter(lambda s: not set(s) & set(".*>")), st.integers(0, 10**17), st.booleans(),
        st.none() | _PLAIN, st.binary(max_size=64), st.sampled_from(["p", "streamproc", "a" * 40]))
@@ -170,55 +190,52 @@ async def _until(done, timeout: float = 5.0) -> None:
 @pytest.mark.anyio
 @pytest.mark.nats
 @pytest.mark.timeout(30)
-async def test_no_message_is_delivered_inline_while_an_earlier_one_is_queued_or_in_its_callback(client, nats_url):
-    nc = await _fast_client(nats_url)
-    try:
-        release = asyncio.Event()
-        queued: list[bytes] = []
-        inline: list[bytes] = []
+async def test_no_message_is_delivered_inline_while_an_earlier_one_is_queued_or_in_its_callback(client, fast_client):
+    nc = fast_client
+    release = asyncio.Event()
+    queued: list[bytes] = []
+    inline: list[bytes] = []
 
-        async def cb(msg) -> None:
-            queued.append(msg.data)
-            if msg.data == b"slow":
-                await release.wait()
+    async def cb(msg) -> None:
+        queued.append(msg.data)
+        if msg.data == b"slow":
+            await release.wait()
 
-        def handler(subject: str, headers, data: bytes) -> bool:
-            assert subject == "inline.x" and headers == {"K": "v"}
-            if data == b"slow":
-                return False
-            inline.append(data)
-            return True
+    def handler(subject: str, reply: str, headers, data: bytes) -> bool:
+        assert subject == "inline.x" and reply == "" and headers == {"K": "v"}
+        if data == b"slow":
+            return False
+        inline.append(data)
+        return True
 
-        sub = await nc.subscribe("inline.>", cb=cb)
-        nc.deliver_inline(sub, handler)
-        await nc.flush()
-        for data in (b"slow", b"a", b"b"):
-            await client.publish("inline.x", data, headers={"K": "v"})
-        await client.flush()
-        await _until(lambda: len(queued) >= 1)
-        await asyncio.sleep(0.2)  # a and b have arrived; "slow" is still in its callback
-        assert inline == [] and queued == [b"slow"]
-        release.set()
-        await _until(lambda: len(queued) >= 3)
-        assert queued == [b"slow", b"a", b"b"] and inline == []  # in order, behind it
-        await client.publish("inline.x", b"c", headers={"K": "v"})  # nothing ahead of it now
-        await client.flush()
-        await _until(lambda: len(inline) >= 1)
-        assert inline == [b"c"] and queued == [b"slow", b"a", b"b"]
+    sub = await nc.subscribe("inline.>", cb=cb)
+    nc.deliver_inline(sub, handler)
+    await nc.flush()
+    for data in (b"slow", b"a", b"b"):
+        await client.publish("inline.x", data, headers={"K": "v"})
+    await client.flush()
+    await _until(lambda: len(queued) >= 1)
+    await asyncio.sleep(0.2)  # a and b have arrived; "slow" is still in its callback
+    assert inline == [] and queued == [b"slow"]
+    release.set()
+    await _until(lambda: len(queued) >= 3)
+    assert queued == [b"slow", b"a", b"b"] and inline == []  # in order, behind it
+    await client.publish("inline.x", b"c", headers={"K": "v"})  # nothing ahead of it now
+    await client.flush()
+    await _until(lambda: len(inline) >= 1)
+    assert inline == [b"c"] and queued == [b"slow", b"a", b"b"]
 
-        nc._max_pending_size, limit = 1, nc._max_pending_size  # no room for a result: the queue
-        await client.publish("inline.x", b"d", headers={"K": "v"})
-        await client.flush()
-        await _until(lambda: len(queued) >= 4)
-        nc._max_pending_size = limit
-        assert queued[3] == b"d" and inline == [b"c"]
-        nc.stop_inline(sub)
-        await client.publish("inline.x", b"e", headers={"K": "v"})
-        await client.flush()
-        await _until(lambda: len(queued) >= 5)
-        assert queued[4] == b"e" and inline == [b"c"]
-    finally:
-        await nc.close()
+    nc._max_pending_size, limit = 1, nc._max_pending_size  # no room for a result: the queue
+    await client.publish("inline.x", b"d", headers={"K": "v"})
+    await client.flush()
+    await _until(lambda: len(queued) >= 4)
+    nc._max_pending_size = limit
+    assert queued[3] == b"d" and inline == [b"c"]
+    nc.stop_inline(sub)
+    await client.publish("inline.x", b"e", headers={"K": "v"})
+    await client.flush()
+    await _until(lambda: len(queued) >= 5)
+    assert queued[4] == b"e" and inline == [b"c"]
 
 
 @pytest.mark.anyio
@@ -312,12 +329,6 @@ async def test_the_processor_on_the_fast_path_passes_chunks_through(client, star
 
 # ------------------------------------------------------------------------------ coalesced writes
 
-async def _fast_client(url: str) -> FastClient:
-    nc = FastClient()
-    await nc.connect(servers=[url])
-    return nc
-
-
 async def _arrivals(client, subject: str) -> tuple[list[tuple[bytes, float]], asyncio.Event]:
     got: list[tuple[bytes, float]] = []
     event = asyncio.Event()
@@ -334,58 +345,52 @@ async def _arrivals(client, subject: str) -> tuple[list[tuple[bytes, float]], as
 @pytest.mark.anyio
 @pytest.mark.nats
 @pytest.mark.timeout(30)
-async def test_a_deferred_publish_leaves_with_the_next_write_or_after_its_linger(client, nats_url):
+async def test_a_deferred_publish_leaves_with_the_next_write_or_after_its_linger(client, fast_client):
     got, _ = await _arrivals(client, "deferred")
-    nc = await _fast_client(nats_url)
-    try:
-        loop = asyncio.get_running_loop()
-        nc.defer_linger = 0.5
-        await nc.publish_deferred("deferred", b"a")
-        await asyncio.sleep(0.2)
-        assert got == []  # waiting for a write to ride on
-        sent = loop.time()
-        await nc.publish("deferred", b"b")  # a write: takes the deferred one along, first
-        while len(got) < 2:
-            await asyncio.sleep(0.01)
-        assert [d for d, _ in got] == [b"a", b"b"] and got[0][1] - sent < 0.25
-        await asyncio.sleep(0.5)  # a's deadline has passed (it may take a later one along, never later)
-        sent = loop.time()
-        await nc.publish_deferred("deferred", b"c")  # nothing else: leaves at its linger
-        while len(got) < 3:
-            await asyncio.sleep(0.01)
-        assert 0.4 <= got[2][1] - sent < 3
-        nc.defer_linger = 0.0  # off: a plain publish
-        sent = loop.time()
-        await nc.publish_deferred("deferred", b"d")
-        while len(got) < 4:
-            await asyncio.sleep(0.01)
-        assert got[3][1] - sent < 0.25
-    finally:
-        await nc.close()
+    nc = fast_client
+    loop = asyncio.get_running_loop()
+    nc.defer_linger = 0.5
+    await nc.publish_deferred("deferred", b"a")
+    await asyncio.sleep(0.2)
+    assert got == []  # waiting for a write to ride on
+    sent = loop.time()
+    await nc.publish("deferred", b"b")  # a write: takes the deferred one along, first
+    while len(got) < 2:
+        await asyncio.sleep(0.01)
+    assert [d for d, _ in got] == [b"a", b"b"] and got[0][1] - sent < 0.25
+    await asyncio.sleep(0.5)  # a's deadline has passed (it may take a later one along, never later)
+    sent = loop.time()
+    await nc.publish_deferred("deferred", b"c")  # nothing else: leaves at its linger
+    while len(got) < 3:
+        await asyncio.sleep(0.01)
+    assert 0.4 <= got[2][1] - sent < 3
+    nc.defer_linger = 0.0  # off: a plain publish
+    sent = loop.time()
+    await nc.publish_deferred("deferred", b"d")
+    while len(got) < 4:
+        await asyncio.sleep(0.01)
+    assert got[3][1] - sent < 0.25
 
 
 @pytest.mark.anyio
 @pytest.mark.nats
 @pytest.mark.timeout(30)
-async def test_publishes_within_the_flush_interval_of_a_write_leave_together_after_it(client, nats_url):
+async def test_publishes_within_the_flush_interval_of_a_write_leave_together_after_it(client, fast_client):
     got, _ = await _arrivals(client, "interval")
-    nc = await _fast_client(nats_url)
-    try:
-        loop = asyncio.get_running_loop()
-        nc.flush_interval = 0.5
-        await asyncio.sleep(0.6)  # the connect's own writes are older than the interval
-        sent = loop.time()
-        await nc.publish("interval", b"x")  # quiet before: written at once
-        while not got:
-            await asyncio.sleep(0.005)
-        assert got[0][1] - sent < 0.25
-        await nc.publish("interval", b"y")  # within the interval of x's write: waits for the rest of it
-        await asyncio.sleep(0.1)
-        await nc.publish("interval", b"z")
-        while len(got) < 3:
-            await asyncio.sleep(0.005)
-        assert [d for d, _ in got] == [b"x", b"y", b"z"]
-        assert got[1][1] - got[0][1] >= 0.35  # not before the interval ran out
-        assert got[2][1] - got[1][1] < 0.05  # y and z in one write
-    finally:
-        await nc.close()
+    nc = fast_client
+    loop = asyncio.get_running_loop()
+    nc.flush_interval = 0.5
+    await asyncio.sleep(0.6)  # the connect's own writes are older than the interval
+    sent = loop.time()
+    await nc.publish("interval", b"x")  # quiet before: written at once
+    while not got:
+        await asyncio.sleep(0.005)
+    assert got[0][1] - sent < 0.25
+    await nc.publish("interval", b"y")  # within the interval of x's write: waits for the rest of it
+    await asyncio.sleep(0.1)
+    await nc.publish("interval", b"z")
+    while len(got) < 3:
+        await asyncio.sleep(0.005)
+    assert [d for d, _ in got] == [b"x", b"y", b"z"]
+    assert got[1][1] - got[0][1] >= 0.35  # not before the interval ran out
+    assert got[2][1] - got[1][1] < 0.05  # y and z in one write

@@ -1,34 +1,37 @@
-"""subscription.dispatch_inline: messages handled in the read loop keep their order with the ones
-a handler declines (those go through the subscription's own callback task), over a real server."""
+"""FastClient.deliver_inline, the one way a handler runs in the client's read loop (core mode's fused
+path, the durable input's chunks and PubAcks): messages handled inline keep their order with the ones
+a handler declines (those go through the subscription's own callback task), and a handler that raises
+loses its message, not the read loop, over a real server."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from streamproc.nats.subscription import dispatch_inline, handled_all
+from streamproc.nats.subscription import handled_all
 
 from helpers import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
 
-async def test_declined_messages_and_the_ones_behind_them_are_handled_in_publish_order(client):
+async def test_declined_messages_and_the_ones_behind_them_are_handled_in_publish_order(client, fast_client):
     order: list[tuple[str, int]] = []
 
     async def queued(msg) -> None:  # the callback task: slow, as a recovery lookup is
         await anyio.sleep(0.02)
         order.append(("queued", int(msg.data)))
 
-    def inline(msg) -> bool:
-        n = int(msg.data)
+    def inline(subject: str, reply: str, headers, data: bytes) -> bool:
+        n = int(data)
         if n % 10 == 3:  # declined: the callback task takes it, and everything behind it until it caught up
             return False
         order.append(("inline", n))
         return True
 
-    sub = await client.subscribe("inline.test", cb=queued)
-    assert dispatch_inline(sub, inline)
+    sub = await fast_client.subscribe("inline.test", cb=queued)
+    fast_client.deliver_inline(sub, inline)
+    await fast_client.flush()
     for n in range(40):
         await client.publish("inline.test", str(n).encode())
         if n % 10 == 9:
@@ -42,21 +45,22 @@ async def test_declined_messages_and_the_ones_behind_them_are_handled_in_publish
     await sub.unsubscribe()
 
 
-async def test_a_handler_that_raises_drops_the_message_and_the_subscription_goes_on(client):
+async def test_a_handler_that_raises_drops_the_message_and_the_subscription_goes_on(client, fast_client):
     seen: list[int] = []
 
     async def queued(msg) -> None:
         seen.append(-int(msg.data))
 
-    def inline(msg) -> bool:
-        n = int(msg.data)
+    def inline(subject: str, reply: str, headers, data: bytes) -> bool:
+        n = int(data)
         if n == 2:
             raise RuntimeError("bug")
         seen.append(n)
         return True
 
-    sub = await client.subscribe("inline.raise", cb=queued)
-    assert dispatch_inline(sub, inline)
+    sub = await fast_client.subscribe("inline.raise", cb=queued)
+    fast_client.deliver_inline(sub, inline)
+    await fast_client.flush()
     for n in range(5):
         await client.publish("inline.raise", str(n).encode())
     await client.flush()
@@ -64,4 +68,5 @@ async def test_a_handler_that_raises_drops_the_message_and_the_subscription_goes
     assert seen == [0, 1, 3, 4]
     await client.publish("inline.raise", b"7")  # the read loop survived
     await wait_until(lambda: seen[-1] == 7, 10, "a later message handled")
+    assert fast_client.is_connected and fast_client.stats["in_msgs"] == 6
     await sub.unsubscribe()

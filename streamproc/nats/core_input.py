@@ -135,7 +135,7 @@ class CoreInput:
 
         await self._gate.exclusive(finish)
 
-    def _inline(self, subject: str, headers: dict[str, str] | None, data: bytes) -> bool:
+    def _inline(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
         """The fused path in the client's read loop (FastClient.deliver_inline): a message whose
         result it publishes, while nothing else of the subscription is queued or being handled and
         no off-path dispatch holds the gate, needs no Msg, queue entry or coroutine. Never suspends.

@@ -63,7 +63,7 @@ from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 from .strays import StraySweeper, stray_consumer_config
-from .subscription import dispatch_inline, handled_all
+from .subscription import handled_all
 from .streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
@@ -449,7 +449,7 @@ class DurableInput:
                                            pending_msgs_limit=self.settings.pending_msgs_limit,
                                            pending_bytes_limit=self.settings.pending_bytes_limit)
         if self.publisher.inline:  # the common chunk handled in the read loop (on_message_inline)
-            dispatch_inline(part.sub, on_message_inline)
+            self.nc.deliver_inline(part.sub, on_message_inline)
         part.active = True
         self._partitions[n] = part
         await self._pull(part)
@@ -613,13 +613,13 @@ class DurableInput:
 
     # ----------------------------------------------------------------------------- hot path
 
-    def _handlers(self, part: _Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[[Msg], bool]]:
+    def _handlers(self, part: _Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[..., bool]]:
         """A partition's two message handlers, sharing every step of a chunk's decision:
 
         - ``on_message``, the subscription's callback, decides every message (status messages,
           chunks of a partition being handed over, contract errors, recovery lookups included);
         - ``on_message_inline`` runs in nats-py's read loop
-          (:func:`~streamproc.nats.subscription.dispatch_inline`) for the common chunk: a delivery of
+          (:meth:`~streamproc.nats.fast_client.FastClient.deliver_inline`) for the common chunk: a delivery of
           a request this instance knows, or the first chunk of a new one. Whatever needs an await
           (a round trip, a backlogged write buffer) or is not a plain chunk it declines (False)
           before anything changes, and ``on_message`` decides it. Same decisions, same order: a
@@ -722,12 +722,14 @@ class DurableInput:
             take(decisions, rid, now)
             await pump()
 
-        def on_message_inline(msg: Msg) -> bool:
-            reply = msg.reply
+        nc = self.nc
+
+        def on_message_inline(subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
             if not reply or not part.active or backlogged():  # type: ignore[misc]
                 return False
+            msg = Msg(nc, subject, reply, data, headers)  # the chunk's token: the outbox acks its reply
             try:
-                chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                chunk = parse(head + subject[cut:], headers, data, msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
             if round_trip(chunk, reply) is not None:

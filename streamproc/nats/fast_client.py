@@ -20,9 +20,10 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   passthrough results, :func:`streamproc.core.wire.result_header_block`).
 - **Inline delivery**: :meth:`FastClient.deliver_inline` lets a synchronous handler take a plain
   subscription's message in the read loop, before a ``Msg`` is built or queued, while nothing of
-  that subscription is queued or in its callback (core mode's fused passthrough path; ~1 µs a
-  message of queue, ``Msg`` and coroutine saved). :meth:`FastClient.publish_block_nowait` is its
-  publish, made safe by the checks before the call.
+  that subscription is queued or in its callback (core mode's fused passthrough path, the durable
+  input's chunks and PubAcks; ~1 µs a message of queue, ``Msg`` and coroutine saved).
+  :meth:`FastClient.publish_block_nowait` and :meth:`FastClient.enqueue` are its publishes, made
+  safe by the checks before the call.
 
 The wire bytes and errors are pinned against stock nats-py on random headers
 (tests/test_fast_client.py). The fast path is used only for nats-py versions in
@@ -44,7 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
-from ..logs import log_event
+from ..logs import error_text, log_event
 from .robust import RobustClient
 
 log = logging.getLogger("streamproc.nats")
@@ -263,6 +264,7 @@ class FastClient(RobustClient):
             hdr = parse_header_block(headers)
         else:  # inline status line, or too short to hold a header: nats-py's own parser
             hdr = await self._process_headers(headers)
+        text = subject.decode("utf-8", "surrogateescape")
         handler = self._inline.get(sid) if self._inline else None
         # Inline delivery (see deliver_inline): only with nothing of this subscription queued or
         # in its callback (order), and when a result of this message's size (a bound: subject,
@@ -272,12 +274,17 @@ class FastClient(RobustClient):
                 and self._status == Client.CONNECTED and payload_size <= self._max_payload
                 and (self._max_pending_size <= 0 or self._pending_data_size + payload_size
                      + (len(headers) if headers else 0) + 2 * len(subject) + 256 <= self._max_pending_size)
-                and self._flusher_task is not None and not self._flusher_task.done()
-                and handler(subject.decode("utf-8", "surrogateescape"), hdr, data)):
-            return
+                and self._flusher_task is not None and not self._flusher_task.done()):
+            try:
+                if handler(text, reply.decode("utf-8", "surrogateescape") if reply else "", hdr, data):
+                    return
+            except Exception as exc:  # noqa: BLE001  (never into nats-py's read loop)
+                # Handlers catch their own errors; one that escapes drops the message, which JetStream
+                # redelivers after ack_wait (a chunk) or the outbox resends for (a PubAck).
+                log_event(log, logging.ERROR, "inline_handler_failed", subject=text, error=error_text(exc))
+                return
         if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
-            msg = Msg(self, subject.decode("utf-8", "surrogateescape"), reply.decode("utf-8", "surrogateescape"),
-                      data, hdr, None, False, sid)
+            msg = Msg(self, text, reply.decode("utf-8", "surrogateescape"), data, hdr, None, False, sid)
         else:
             msg = self._build_message(sid, subject, reply, data, hdr)
             if not msg:
@@ -297,15 +304,22 @@ class FastClient(RobustClient):
     _inline: dict[int, Any] | None = None
 
     def deliver_inline(self, sub: Any, handler: Any) -> None:
-        """Hand ``sub``'s messages to ``handler(subject, headers, data) -> bool`` in the read loop,
-        before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its
-        callback; False: the message takes the queue and the callback as usual.
+        """Hand ``sub``'s messages to ``handler(subject, reply, headers, data) -> bool`` in the read
+        loop, before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its
+        callback; False: the message takes the queue and the callback as usual. The one way this
+        client runs a handler in its read loop: core mode's fused passthrough, the durable input's
+        chunks and its PubAcks (``headers`` parsed as for a ``Msg``; ``reply`` "" when none).
 
         Why: the queue, the ``Msg``, the callback's coroutine and ``_wait_for_msgs``' bookkeeping
         cost ~1 µs a message, the largest per-message cost left in the passthrough path after the
-        header work (docs/benchmarks.md). The handler must not suspend or raise, and may only
-        publish through :meth:`publish_block_nowait`, which the checks before the call make safe.
-        Order is kept: a message goes inline only when every earlier one has been handled."""
+        header work (docs/benchmarks.md). The handler must not suspend; it may publish without
+        awaiting (:meth:`publish_block_nowait`, :meth:`enqueue`): before the call the connection is
+        up, the payload within the server's limit and the pending buffer has room for a result of
+        the message's size. An exception that escapes it is logged and drops the message (the read
+        loop goes on; JetStream redelivers a chunk after ``ack_wait``, the outbox resends a result
+        whose PubAck was lost). Order is kept: a message goes inline only when every earlier one of
+        ``sub`` has been handled; inline messages are never queued, so they count neither against
+        the subscription's pending limits nor as slow-consumer drops."""
         if self._inline is None:
             self._inline = {}
         self._inline[sub._id] = handler
@@ -465,7 +479,7 @@ class FastClient(RobustClient):
     def enqueue(self, subject: str, payload: bytes, reply: str = "", header_block: bytes | None = None, *,
                 checked: bool = False, defer: bool = False) -> None:
         """``publish`` without awaiting, for handlers that run inside the read loop
-        (:func:`streamproc.nats.subscription.dispatch_inline`): the command joins ``_pending`` and
+        (:meth:`deliver_inline`): the command joins ``_pending`` and
         the flusher is kicked (``defer``: as :meth:`publish_deferred`, it waits for the next write or
         ``defer_linger``). ``header_block`` as :func:`encode_header_block` makes it. ``checked``: the
         subjects came from the server or were validated before (an ack subject, our own inbox),

@@ -6,7 +6,7 @@ RTT-bound and ``publish_async`` futures per message are costly), feeds the PubAc
 back, and sends the acks, NAKs and in-progress acks the outbox decides. Every rule (ordering,
 retries, settle order, give-up) lives in the outbox; nothing here decides. With a client that can
 publish without awaiting (``FastClient.enqueue``) PubAcks are handled in nats-py's read loop
-(:func:`~streamproc.nats.subscription.dispatch_inline`) and :meth:`OutboxPump.pump_nowait` sends.
+(``FastClient.deliver_inline``) and :meth:`OutboxPump.pump_nowait` sends.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from nats.aio.subscription import Subscription
 
 from ..core.events import Decision, Notice
 from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing
-from ..core.wire import result_headers
+from ..core.wire import result_block, result_headers
 from ..logs import LogLimiter, error_text, log_event
 from .fast_client import encode_header_block
-from .subscription import dispatch_inline
 
 log = logging.getLogger("streamproc.durable")
 
@@ -83,7 +82,7 @@ class OutboxPump:
         self._sub = await self._nc.subscribe(self._reply_prefix + "*", cb=self._on_reply,
                                              pending_msgs_limit=-1, pending_bytes_limit=-1)
         if self.inline:  # PubAcks handled in the read loop, no hop through the callback task
-            dispatch_inline(self._sub, self._on_reply_inline)
+            self._nc.deliver_inline(self._sub, self._on_reply_inline)  # type: ignore[attr-defined]
 
     @property
     def inline(self) -> bool:
@@ -160,7 +159,8 @@ class OutboxPump:
         for o, subject, reply in self._results_due():
             r = o.result
             try:
-                enqueue(subject, r.body, reply, encode_header_block(result_headers(r)))  # type: ignore[misc]
+                block = result_block(r) or encode_header_block(result_headers(r))
+                enqueue(subject, r.body, reply, block)  # type: ignore[misc]
             except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
                 self.outbox.send_failed(o)
                 self._failed(r.request_id, exc)
@@ -190,35 +190,35 @@ class OutboxPump:
             elif reply:
                 yield reply, _payload(action)
 
-    def _on_reply_inline(self, msg: Msg) -> bool:
+    def _on_reply_inline(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
         """:meth:`_on_reply` in the read loop; declines (False) when the write buffer is backlogged."""
         if self._backlogged():  # type: ignore[misc]
             return False
-        self._settle_reply(msg)
+        self._settle_reply(subject, headers, data)
         self.send_nowait()
         return True
 
-    def _settle_reply(self, msg: Msg) -> None:
-        ticket = msg.subject[self._cut:]
-        outcome = self.outbox.on_puback(ticket, msg.data, self._clock())
+    def _settle_reply(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
+        ticket = subject[self._cut:]
+        outcome = self.outbox.on_puback(ticket, data, self._clock())
         if outcome is REFUSED:
-            self._refused(msg, ticket)
+            self._refused(ticket, headers, data)
         elif outcome is GIVEN_UP:
             for g in self.outbox.given_up():
                 self._given_up(g)
 
     async def _on_reply(self, msg: Msg) -> None:
-        self._settle_reply(msg)
+        self._settle_reply(msg.subject, msg.headers, msg.data)
         await self.pump()
 
-    def _refused(self, msg: Msg, ticket: str) -> None:
+    def _refused(self, ticket: str, headers: dict[str, str] | None, data: bytes) -> None:
         errors = self.outbox.stats.publish_errors
         if errors & (errors - 1) == 0:  # log at powers of two
             result = self.outbox.in_flight(ticket)
-            status = (msg.headers or {}).get("Status", "")
+            status = (headers or {}).get("Status", "")
             log_event(log, logging.WARNING, "result_not_stored",
                       request_id=result.request_id if result is not None else "-", status=status,
-                      detail=msg.data[:200].decode(errors="replace"),
+                      detail=data[:200].decode(errors="replace"),
                       retry_in=f"{self.outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
 
     def _failed(self, request_id: str, exc: Exception) -> None:
