@@ -100,6 +100,12 @@ class Inbox:
             timer.cancel()
             calls.pop(id(waiter), None)
 
+    def parked(self) -> bool:
+        """Its stream's task waits in :meth:`wait` with nothing queued: every earlier result was
+        taken and written, and nothing is between the wire and that task (direct.py)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._items
+
     def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -168,6 +174,9 @@ class Fanout:
         if feeds:
             size = len(msg.data)
             for feed in tuple(feeds):
+                direct = feed.direct
+                if direct is not None and direct.offer(result):  # written at once (direct.py)
+                    continue
                 if not feed.inbox.put(result, size):  # type: ignore[union-attr]
                     self.on_overflow(feed)
 
