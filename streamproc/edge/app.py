@@ -57,7 +57,7 @@ from ..metrics import CONTENT_TYPE, exposition, registry_for
 from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
 from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
-from .direct import DirectFrames, UvicornBody
+from .direct import DirectFrames, UvicornBody, WriteBatch
 from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
@@ -230,6 +230,7 @@ class Edge:
                                   settings.auth_algorithm, settings.auth_leeway)
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
+        self.write_batch = WriteBatch()  # the fan-out's direct frames of one loop pass (direct.py)
         self.heap = HeapTrimmer()
         self.stats = StatsSource(self.metrics, settings.processor_metrics_urls(), sees_all_results=settings.recent > 0)
         # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
@@ -336,7 +337,7 @@ class Edge:
                                     write_timeout=self.settings.write_timeout)
 
         # Tracing has a span per frame, sent by the task: no direct writes then.
-        direct = (DirectFrames(feed, meta_and_event if verdicts else result_event, self.metrics)
+        direct = (DirectFrames(feed, meta_and_event if verdicts else result_event, self.metrics, self.write_batch)
                   if trace is None and feed.inbox is not None else None)
         feed.direct = direct
         return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace, direct=direct), on_close,

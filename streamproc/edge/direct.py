@@ -28,6 +28,7 @@ them.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -79,37 +80,80 @@ class UvicornBody:
                 and cycle.chunked_encoding is True and not self.flow.write_paused
                 and not self.transport.is_closing())
 
+    def open(self) -> bool:
+        """The response's body can still take bytes (they queue in the transport if it is paused)."""
+        cycle = self.cycle
+        return not cycle.response_complete and not cycle.disconnected and not self.transport.is_closing()
+
     def write(self, body: bytes) -> None:
         """One chunk of the chunked body (``send`` with ``more_body=True``: size, CRLF, bytes, CRLF)."""
         self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
 
+class WriteBatch:
+    """The direct frames of one read from NATS, written at the end of the loop pass: one write per
+    stream, however many of its results the read held (as the task's path joins what waits)."""
+
+    __slots__ = ("streams",)
+
+    def __init__(self) -> None:
+        self.streams: list[DirectFrames] = []
+
+    def add(self, direct: DirectFrames) -> None:
+        if not self.streams:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.streams.append(direct)
+
+    def flush(self) -> None:
+        streams, self.streams = self.streams, []
+        for direct in streams:
+            direct.flush()
+
+
 class DirectFrames:
     """One SSE stream's direct path: :meth:`offer` writes a result's frame when the task would."""
 
-    __slots__ = ("feed", "encode", "metrics", "out", "sent_at")
+    __slots__ = ("feed", "encode", "metrics", "batch", "out", "pending", "sent_at")
 
-    def __init__(self, feed: ResultFeed, encode: Callable[[ResultInfo], bytes], metrics: EdgeMetrics) -> None:
+    def __init__(self, feed: ResultFeed, encode: Callable[[ResultInfo], bytes], metrics: EdgeMetrics,
+                 batch: WriteBatch) -> None:
         self.feed = feed
         self.encode = encode  # the result's frame, as Edge.frames makes it
         self.metrics = metrics
+        self.batch = batch
         self.out: UvicornBody | None = None  # set once the headers are written, cleared before the end
+        self.pending: list[bytes] = []  # frames taken in this loop pass, written by flush()
         self.sent_at = 0.0  # time.monotonic() of the last direct write (Edge.frames' idle and keep-alive clocks)
 
     def offer(self, result: ResultInfo) -> bool:
-        """Write ``result``'s frame now and count it as sent (True), or leave it to the task (False)."""
+        """Take ``result``'s frame for this pass's write and count it as sent (True), or leave it to
+        the task (False; then the frames taken before it are written first, so the task's follow)."""
         out = self.out
         feed = self.feed
         inbox = feed.inbox
-        if out is None or inbox is None or not inbox.parked() or not out.writable():
+        if (out is None or inbox is None or not inbox.parked() or not out.writable() or feed.overrun
+                or feed.replay is not None or feed.has_ready() or result.request_id != feed.request_id
+                or not feed.order.next_in_line(result)):
+            if self.pending:
+                self.flush()
             return False
-        if feed.overrun or feed.replay is not None or feed.has_ready() or result.request_id != feed.request_id:
-            return False
-        if not feed.order.next_in_line(result):
-            return False
-        out.write(self.encode(result))
+        if not self.pending:
+            self.batch.add(self)
+        self.pending.append(self.encode(result))
         metrics = self.metrics
         metrics.sent(result)
         metrics.results_written_directly += 1
         self.sent_at = time.monotonic()
         return True
+
+    def flush(self) -> None:
+        """Write the frames taken so far, unless the response ended or its client left meanwhile.
+        Runs before the stream's task can write again: the task is only woken through its inbox, and
+        a wake-up is queued after this pass's flush, or preceded by :meth:`offer`'s own flush."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        out = self.out
+        if out is not None and out.open():
+            out.write(pending[0] if len(pending) == 1 else b"".join(pending))
