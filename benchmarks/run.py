@@ -11,6 +11,10 @@ average 7-9); ``BENCH_QUICK=1`` runs each for a few seconds, to check that every
 plots stay in artifacts/bench/).
 ``BENCH_ONLY=join,latency`` runs a subset (the others' rows show "n/a"); ``BENCH_REPORT=1`` runs
 nothing and prints the table and draws the plots again from what artifacts/bench/ holds.
+``BENCH_BASELINE_TREE=/path/to/checkout`` also runs that tree's code in the same interleaved rounds
+(passthrough ``--tree``, join ``--baseline``, latency ``--baseline-tree``), so a change is measured
+against the code it replaces; each script prints those rows, the summary table stays ours vs the
+targets' baselines.
 
 Usage: python benchmarks/run.py   (or make bench / BENCH_QUICK=1 make bench)
 """
@@ -33,17 +37,29 @@ QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
 IMG = ART if QUICK else ROOT / "docs" / "img"  # a quick run never replaces the documented plots
 
 ARGS = {  # (full, quick)
-    "passthrough": (["--rounds", "7", "--messages", "150000"], ["--rounds", "2", "--messages", "20000"]),
+    # The raw load client (pre-encoded HPUB frames, ~2 us/msg): the default stock nats-py harness costs
+    # as much per message as the relay and saturates a core, so it, not the contender, sets the pace
+    # (docs/benchmarks.md "Streamed vs unary"). The relay baseline is stock nats-py either way.
+    "passthrough": (["--rounds", "7", "--messages", "150000", "--load-client", "raw"],
+                    ["--rounds", "2", "--messages", "20000", "--load-client", "raw"]),
     "join": (["--rounds", "21"], ["--rounds", "5"]),
     "durable": (["--rounds", "5"], ["--rounds", "1", "--chunks", "10000", "--latency-seconds", "2"]),
     "latency": (["--seconds", "8"], ["--seconds", "2", "--peak-waves", "2"]),
     "tracing": ([], ["--rounds", "1", "--messages", "5000"]),
 }
 JSON_OUT = {"join", "latency"}  # the scripts this runner reads JSON from; the others' tables are parsed
+BASELINE_TREE = os.environ.get("BENCH_BASELINE_TREE", "")
+TREE_ARGS = {  # how each script is told about a second source tree (durable.py has no such option)
+    "passthrough": lambda tree: ["--tree", f"base={tree}"],
+    "join": lambda tree: ["--baseline", tree],
+    "latency": lambda tree: ["--baseline-tree", tree],
+}
 
 
 def run(name: str) -> tuple[str, dict | None, float, int]:
     argv = [sys.executable, str(HERE / f"{name}.py"), *ARGS[name][QUICK]]
+    if BASELINE_TREE and name in TREE_ARGS:
+        argv += TREE_ARGS[name](str(Path(BASELINE_TREE).resolve()))
     if name in JSON_OUT:
         argv += ["--json", str(ART / f"{name}.json")]
     print(f"\n== {name}.py {' '.join(argv[2:])}", flush=True)

@@ -1,0 +1,278 @@
+"""How little CPU can any Python SSE edge spend per event on this machine? (issue 14, target 2)
+
+Target 2 asks for <= 40 us of edge CPU per SSE event at 2,000 events/s over 50 streams. This script
+puts that figure beside floors measured in the same harness and rounds, so a miss can be read as
+"the edge's own work" or "the machine":
+
+- ``floor``: the least a Python edge can do. One asyncio ``Protocol`` on a raw NATS connection (one
+  wildcard SUB, a minimal HMSG parser) and a raw asyncio HTTP server; each result is written to its
+  client's transport as ``id: <seq>`` + ``data: <body>`` straight from ``data_received``. No HTTP
+  framework, no nats-py, no queues, no tasks per event, no bounds of any kind.
+- ``natspy``: the same raw HTTP server, fed by stock nats-py (one wildcard subscription, callback).
+- ``relay``: ``benchmarks/sse_relay.py``, the bare Starlette SSE relay (target 2's throughput baseline).
+- ``edge``: ``streamproc edge`` (core mode, ``--insecure-demo``), from this tree or ``--tree``.
+
+The harness (this process) opens 50 SSE streams to the contender, then publishes results (the
+processor's result headers: seq, message id, join verdict) straight to ``P.results.<id>`` at a
+paced rate, round robin over the streams, and reads every stream. Each contender's CPU (utime +
+stime from /proc) over the paced window is divided by the events its clients received. Rounds are
+interleaved; the figure is the median over rounds, the range beside it.
+
+Usage: python benchmarks/sse_floor.py [--rate 2000] [--seconds 4] [--rounds 5] [--tree NAME=PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from streamproc.core.wire import JOIN, MSG_ID, SEQ  # noqa: E402
+from streamproc.sim.embedded import EmbeddedNats, free_port, stop_process  # noqa: E402
+
+PREFIX = "floor"
+STREAMS = 50
+BODY = b'{"text":" token","meta_info":{"completion_tokens":1}}'
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"connection: close\r\n\r\n")
+
+
+# ------------------------------------------------------------------ the floor contenders (subprocesses)
+
+class RawHttp:
+    """A raw asyncio HTTP server: ``GET /v1/results/<id>`` registers the connection's transport."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, asyncio.Transport] = {}
+
+    def factory(self) -> asyncio.Protocol:
+        server = self
+
+        class Conn(asyncio.Protocol):
+            def connection_made(self, transport):  # type: ignore[override]
+                self.transport, self.buf, self.rid = transport, b"", None
+
+            def data_received(self, data: bytes) -> None:
+                self.buf += data
+                if self.rid is None and b"\r\n\r\n" in self.buf:
+                    line = self.buf.split(b"\r\n", 1)[0].decode()
+                    self.rid = line.split()[1].rsplit("/", 1)[1]
+                    self.transport.write(SSE_HEAD)
+                    server.clients[self.rid] = self.transport
+
+            def connection_lost(self, exc):  # type: ignore[override]
+                if self.rid is not None and server.clients.get(self.rid) is self.transport:
+                    del server.clients[self.rid]
+
+        return Conn()
+
+
+def frame(seq: bytes, body: bytes) -> bytes:
+    return b"id: " + seq + b"\ndata: " + body + b"\n\n"
+
+
+class RawNats(asyncio.Protocol):
+    """One wildcard SUB; a minimal parser of MSG/HMSG/PING frames (no validation: a floor)."""
+
+    SEQ = re.compile(rb"Streamproc-Seq: (\d+)")
+
+    def __init__(self, http: RawHttp, ready: asyncio.Future) -> None:
+        self.http, self.ready, self.buf = http, ready, b""
+        self.offset = len(PREFIX) + len(".results.")
+
+    def connection_made(self, transport):  # type: ignore[override]
+        self.transport = transport
+        transport.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n'
+                        + f"SUB {PREFIX}.results.* 1\r\nPING\r\n".encode())
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        pos, end = 0, len(buf)
+        clients = self.http.clients
+        while pos < end:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            if buf.startswith(b"HMSG ", pos):
+                parts = buf[pos + 5:eol].split()
+                hlen, tlen = int(parts[-2]), int(parts[-1])
+                start = eol + 2
+                if start + tlen + 2 > end:
+                    break
+                headers = buf[start:start + hlen]
+                body = buf[start + hlen:start + tlen]
+                transport = clients.get(parts[0][self.offset:].decode())
+                if transport is not None:
+                    transport.write(frame(self.SEQ.search(headers).group(1), body))
+                pos = start + tlen + 2
+                continue
+            line = buf[pos:eol]
+            if line == b"PING":
+                self.transport.write(b"PONG\r\n")
+            elif line == b"PONG" and not self.ready.done():
+                self.ready.set_result(None)
+            pos = eol + 2
+        self.buf = buf[pos:]
+
+
+async def serve(kind: str, nats_url: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    http = RawHttp()
+    if kind == "floor":
+        ready = loop.create_future()
+        host, nats_port = nats_url.rsplit("//", 1)[1].rsplit(":", 1)
+        await loop.create_connection(lambda: RawNats(http, ready), host, int(nats_port))
+        await ready
+    else:
+        import nats
+        nc = await nats.connect(nats_url)
+        offset = len(PREFIX) + len(".results.")
+
+        async def on_result(msg) -> None:
+            transport = http.clients.get(msg.subject[offset:])
+            if transport is not None:
+                transport.write(frame(msg.headers["Streamproc-Seq"].encode(), msg.data))
+
+        await nc.subscribe(f"{PREFIX}.results.*", cb=on_result)
+        await nc.flush()
+    await loop.create_server(http.factory, "127.0.0.1", port)
+    await asyncio.Event().wait()
+
+
+# ------------------------------------------------------------------ the harness
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start(kind: str, nats_url: str, port: int, trees: dict[str, Path]) -> subprocess.Popen:
+    if kind in ("floor", "natspy"):
+        argv = [sys.executable, __file__, "--serve", kind, "--nats-url", nats_url, "--port", str(port)]
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if kind == "relay":
+        argv = [sys.executable, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", PREFIX,
+                "--port", str(port)]
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree = trees[kind]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd")))
+    argv = [sys.executable, "-m", "streamproc.cli", "edge", "--nats-url", nats_url, "--prefix", PREFIX,
+            "--port", str(port), "--insecure-demo", "--max-streams-per-client", "100000"]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
+
+
+async def open_stream(port: int, rid: str, counts: dict[str, int]) -> asyncio.StreamWriter:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET /v1/results/{rid} HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        raise RuntimeError(f"open {rid}: {head[:80]!r}")
+
+    async def read() -> None:
+        tail = b""  # the last 5 bytes: "data: " split across two reads is counted once
+        while chunk := await reader.read(65536):
+            data = tail + chunk
+            counts[rid] += data.count(b"data: ")
+            tail = data[-5:]
+    asyncio.get_running_loop().create_task(read())
+    return writer
+
+
+async def one_round(kind: str, server: EmbeddedNats, trees: dict[str, Path], rate: float,
+                    seconds: float) -> dict:
+    import nats
+    port = free_port()
+    proc = start(kind, server.url, port, trees)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(300):
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        tag = f"{kind}{time.monotonic_ns()}"
+        rids = [f"{tag}-{i}" for i in range(STREAMS)]
+        counts = dict.fromkeys(rids, 0)
+        for rid in rids:
+            writers.append(await open_stream(port, rid, counts))
+        await asyncio.sleep(0.5)  # every stream's subscription is live (the edge flushes before headers)
+        nc = await nats.connect(server.url)
+        total = int(rate * seconds)
+        headers = [{SEQ: str(i // STREAMS), MSG_ID: f"{rids[i % STREAMS]}.{i // STREAMS}", JOIN: "passthrough"}
+                   for i in range(total)]
+        subjects = [f"{PREFIX}.results.{rids[i % STREAMS]}" for i in range(total)]
+        cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        for i in range(total):
+            await nc.publish(subjects[i], BODY, headers=headers[i])
+            if i % 10 == 9:
+                delay = t0 + (i + 1) / rate - time.monotonic()
+                await (asyncio.sleep(delay) if delay > 0 else nc.flush())
+        await nc.flush()
+        deadline = time.monotonic() + 5
+        while sum(counts.values()) < total and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        cpu = cpu_seconds(proc.pid) - cpu0
+        delivered = sum(counts.values())
+        await nc.close()
+        return {"cpu_us": cpu / max(delivered, 1) * 1e6, "delivered": delivered / total,
+                "rate": total / (time.monotonic() - t0)}
+    finally:
+        for w in writers:
+            w.close()
+        stop_process(proc, 5)
+
+
+async def run(args) -> None:
+    trees = {"edge": ROOT, **{name: Path(path).resolve() for name, _, path in
+                              (spec.partition("=") for spec in args.tree)}}
+    kinds = ["floor", "natspy", "relay", *trees]
+    results: dict[str, list[dict]] = {k: [] for k in kinds}
+    print(f"{os.cpu_count()} cores; {STREAMS} SSE streams; {args.rate:,.0f} events/s for {args.seconds:g} s per "
+          f"round; {args.rounds} rounds, order rotated; edge CPU us per event received", flush=True)
+    with EmbeddedNats(jetstream=False) as server:
+        for r in range(args.rounds):
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+            for kind in order:
+                results[kind].append(await one_round(kind, server, trees, args.rate, args.seconds))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {results[k][-1]['cpu_us']:.0f}" for k in kinds), flush=True)
+    print(f"\n{'contender':10}{'cpu us/event':>14}{'(range)':>14}{'x floor':>9}{'delivered':>11}")
+    floor = statistics.median(x["cpu_us"] for x in results["floor"])
+    for kind in kinds:
+        cpu = [x["cpu_us"] for x in results[kind]]
+        print(f"{kind:10}{statistics.median(cpu):14.1f}{f'({min(cpu):.0f}-{max(cpu):.0f})':>14}"
+              f"{statistics.median(cpu) / floor:9.2f}{min(x['delivered'] for x in results[kind]):11.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=2000.0)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                        help="also run `streamproc edge` from this source tree (e.g. main=/work/main)")
+    parser.add_argument("--serve", choices=["floor", "natspy"], help=argparse.SUPPRESS)
+    parser.add_argument("--nats-url", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve(args.serve, args.nats_url, args.port))
+    else:
+        asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
