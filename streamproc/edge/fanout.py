@@ -7,7 +7,8 @@ and every open cost a SUB, a PING/PONG round trip and an UNSUB (docs/benchmarks.
 Here the wildcard subscription's pending queue is replaced by :class:`DispatchQueue`, whose
 ``put_nowait`` (called by nats-py's read path, ``Client._process_msg``, for each message) parses the
 result once, notes it in the recent ring and appends it to the :class:`Inbox` of each stream open on
-its subject: an open is a dict insert, a result one dict lookup.
+its subject: an open is a dict insert, a result one dict lookup. A stream whose writer is idle
+gets the result written to its client from here instead (:mod:`.direct`).
 
 Why nothing is missed: the wildcard subscription is live on the server before the edge serves
 (``ResultSource.start`` flushes it), an open registers its inbox before its response headers are
