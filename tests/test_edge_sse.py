@@ -322,6 +322,39 @@ async def test_keepalive_comments_flow_while_idle(core_edge, nc):
     assert raw.replace(b": keep-alive\n\n", b"") == expected_sse([b'{"text":"x"}'])
 
 
+async def test_results_written_while_the_stream_waits_are_exact_and_count_for_the_result_timeout(server, nc):
+    """A result that reaches an idle stream is written by the fan-out itself (direct.py), not by the
+    stream's task: the bytes are the same (meta frames included), and those writes count as results
+    for ``--result-timeout`` (here 1 s, while results come every 0.25 s for 2.5 s) and the keep-alive."""
+    request_id = rid("direct")
+    bodies = [b'{"text":"%d"}' % k for k in range(10)]
+    verdicts = [Verdict.JOINED] * len(bodies)
+
+    async def publish(request_id: str) -> None:
+        for seq, body in enumerate(bodies):
+            await anyio.sleep(0.25)
+            await publish_result(nc, CORE, request_id, seq, body, final=seq == len(bodies) - 1,
+                                 verdict=verdicts[seq])
+
+    with running_edge(server.url, "--prefix", CORE.prefix, "--result-timeout", "1", "--keepalive", "0.4") as edge:
+        raw = await stream_bytes(edge, f"/v1/results/{request_id}", lambda: publish(request_id))
+        async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:
+            async with aconnect_sse(client, "GET", f"/v1/results/{request_id}m?verdicts=1") as source:
+                await publish(request_id + "m")
+                events = [event async for event in source.aiter_sse()]
+        metrics = edge.metrics()
+
+    assert raw.replace(b": keep-alive\n\n", b"") == expected_sse(bodies)
+    metas = [json.loads(e.data) for e in events if e.event == "meta"]
+    assert metas == [{"seq": i, "verdict": v.value, "error": None} for i, v in enumerate(verdicts)]
+    assert [e.data for e in events if e.event == "message"] == [b.decode() for b in bodies] + ["[DONE]"]
+    assert [e.event for e in events[:4]] == ["meta", "message"] * 2
+    assert metrics["streamproc_edge_result_timeouts_total"] == 0
+    assert metrics["streamproc_edge_results_sent_total"] == 2 * len(bodies)
+    # The final result ends the response, so it goes through the task; the others could go direct.
+    assert metrics["streamproc_edge_results_written_directly_total"] >= len(bodies)
+
+
 async def test_a_seq_that_never_arrives_ends_the_stream_with_an_error_not_a_splice(core_edge, nc):
     request_id = rid("gap")
     async with httpx.AsyncClient(base_url=core_edge.url, timeout=15) as client:

@@ -57,6 +57,15 @@ class SeqOrder:
                 break
         return ready
 
+    def next_in_line(self, result: ResultInfo) -> bool:
+        """:meth:`push`'s answer ``[result]`` without storing it: True (and handed out) when ``result``
+        is the next seq, nothing waits and it ends nothing; else False and nothing changes."""
+        if (self.done or self.pending or result.seq != self.next_seq or result.final
+                or result.error is not None):
+            return False
+        self.next_seq += 1
+        return True
+
     @property
     def dropped(self) -> int:
         """Results that repeated a seq or came after the final one (the client reader's name)."""

@@ -57,6 +57,7 @@ from ..metrics import CONTENT_TYPE, exposition, registry_for
 from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
 from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
+from .direct import DirectFrames, UvicornBody, WriteBatch
 from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
@@ -107,7 +108,7 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]],
-                 write_timeout: float, on_stall: Callable[[], None]) -> None:
+                 write_timeout: float, on_stall: Callable[[], None], direct: DirectFrames | None = None) -> None:
         super().__init__(
             frames,
             media_type=sse.MEDIA_TYPE,
@@ -116,6 +117,7 @@ class EventStreamResponse(StreamingResponse):
         self.on_close = on_close
         self.on_stall = on_stall
         self.write_timeout = write_timeout
+        self.direct = direct  # the fan-out writes idle-time frames itself once the headers are out (direct.py)
         self.completed = False
 
     async def stream_response(self, send: Send) -> bool:
@@ -123,12 +125,19 @@ class EventStreamResponse(StreamingResponse):
         buffer is full (flow control), so a client that stopped reading would hold the stream, its
         slot and its subscription forever. After ``write_timeout`` the stream is dropped instead."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        with anyio.CancelScope() as scope:
-            watch = WriteWatch(self.write_timeout, scope)
-            async for chunk in self.body_iterator:
-                watch.writing()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                watch.written()
+        direct = self.direct
+        try:
+            if direct is not None:
+                direct.out = UvicornBody.of(send)
+            with anyio.CancelScope() as scope:
+                watch = WriteWatch(self.write_timeout, scope)
+                async for chunk in self.body_iterator:
+                    watch.writing()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    watch.written()
+        finally:
+            if direct is not None:
+                direct.out = None  # nothing may follow the body's end
         watch.close()
         if watch.stalled:
             self.on_stall()
@@ -221,6 +230,7 @@ class Edge:
                                   settings.auth_algorithm, settings.auth_leeway)
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
+        self.write_batch = WriteBatch()  # the fan-out's direct frames of one loop pass (direct.py)
         self.heap = HeapTrimmer()
         self.stats = StatsSource(self.metrics, settings.processor_metrics_urls(), sees_all_results=settings.recent > 0)
         # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
@@ -326,8 +336,12 @@ class Edge:
             self.source.limited.log(logging.INFO, "stream_stalled", request_id=request_id,
                                     write_timeout=self.settings.write_timeout)
 
-        return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace), on_close,
-                                   self.settings.write_timeout, on_stall)
+        # Tracing has a span per frame, sent by the task: no direct writes then.
+        direct = (DirectFrames(feed, meta_and_event if verdicts else result_event, self.metrics, self.write_batch)
+                  if trace is None and feed.inbox is not None else None)
+        feed.direct = direct
+        return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace, direct=direct), on_close,
+                                   self.settings.write_timeout, on_stall, direct)
 
     def client_left(self, client: str) -> None:
         left = self.client_streams.get(client, 0) - 1
@@ -414,22 +428,31 @@ class Edge:
 
     # --------------------------------------------------------------- streaming
 
-    async def frames(self, feed: ResultFeed, *, verdicts: bool,
-                     trace: StreamTrace | None = None) -> AsyncIterator[bytes]:
+    async def frames(self, feed: ResultFeed, *, verdicts: bool, trace: StreamTrace | None = None,
+                     direct: DirectFrames | None = None) -> AsyncIterator[bytes]:
         """SSE frames for one request: results in seq order, then ``[DONE]``; keep-alives meanwhile.
         ``trace`` (tracing on) gets a span per result frame, ended once the frame was sent.
         Without tracing, the results already waiting in the feed go out as one chunk (one ASGI send,
-        one socket write), the same bytes as one chunk per result."""
+        one socket write), the same bytes as one chunk per result. ``direct``: results the fan-out
+        wrote itself while this waited (direct.py) count for the result timeout and the keep-alive."""
         settings, metrics = self.settings, self.metrics
-        idle_since = time.monotonic()
+        idle_since = last = time.monotonic()  # the last result; the last write
         limit = min(settings.idle_stream_timeout, settings.result_timeout)  # until the first result
         carried: Any = None  # a non-result item found while collecting a batch: handled next
+        wrote = True
         while True:
             if carried is not None:
                 item, carried = carried, None
             else:
-                left = limit - (time.monotonic() - idle_since)
-                item = await feed.next(min(settings.keepalive, max(left, 0.0)))
+                now = time.monotonic()
+                if wrote:
+                    last = now
+                wrote = True
+                if direct is not None and direct.sent_at > last:
+                    idle_since = last = direct.sent_at
+                    limit = settings.result_timeout
+                wait = min(last + settings.keepalive, idle_since + limit) - now
+                item = await feed.next(max(wait, 0.0))
             if type(item) is ResultInfo and trace is None:
                 idle_since = time.monotonic()
                 limit = settings.result_timeout
@@ -450,6 +473,9 @@ class Edge:
                 yield b"".join(batch) if len(batch) > 1 else batch[0]
                 continue
             if item is None:
+                if direct is not None and direct.sent_at > last:  # results went out meanwhile
+                    wrote = False
+                    continue
                 if time.monotonic() - idle_since >= limit:
                     metrics.result_timeouts += 1
                     yield sse.event(self.timeout_body(feed, limit)) + sse.DONE
@@ -595,6 +621,14 @@ class Edge:
         self.metrics.streams_active -= 1
         self.heap.released()
         await feed.close()
+
+
+def result_event(result: ResultInfo) -> bytes:
+    return sse.event(result.body, id=result.seq)
+
+
+def meta_and_event(result: ResultInfo) -> bytes:
+    return meta_frame(result) + sse.event(result.body, id=result.seq)
 
 
 def meta_frame(result: ResultInfo) -> bytes:

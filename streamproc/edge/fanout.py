@@ -7,7 +7,8 @@ and every open cost a SUB, a PING/PONG round trip and an UNSUB (docs/benchmarks.
 Here the wildcard subscription's pending queue is replaced by :class:`DispatchQueue`, whose
 ``put_nowait`` (called by nats-py's read path, ``Client._process_msg``, for each message) parses the
 result once, notes it in the recent ring and appends it to the :class:`Inbox` of each stream open on
-its subject: an open is a dict insert, a result one dict lookup.
+its subject: an open is a dict insert, a result one dict lookup. A stream whose writer is idle
+gets the result written to its client from here instead (:mod:`.direct`).
 
 Why nothing is missed: the wildcard subscription is live on the server before the edge serves
 (``ResultSource.start`` flushes it), an open registers its inbox before its response headers are
@@ -100,6 +101,12 @@ class Inbox:
             timer.cancel()
             calls.pop(id(waiter), None)
 
+    def parked(self) -> bool:
+        """Its stream's task waits in :meth:`wait` with nothing queued: every earlier result was
+        taken and written, and nothing is between the wire and that task (direct.py)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done() and not self._items
+
     def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -168,6 +175,9 @@ class Fanout:
         if feeds:
             size = len(msg.data)
             for feed in tuple(feeds):
+                direct = feed.direct
+                if direct is not None and direct.offer(result):  # written at once (direct.py)
+                    continue
                 if not feed.inbox.put(result, size):  # type: ignore[union-attr]
                     self.on_overflow(feed)
 

@@ -35,6 +35,7 @@ class EdgeMetrics(msgspec.Struct):
     client_disconnects: int = 0
     unary_requests: int = 0
     results_sent: int = 0
+    results_written_directly: int = 0
     results_seen: int = 0
     duplicates_dropped: int = 0
     malformed_results: int = 0
@@ -77,6 +78,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "client_disconnects": ("counter", "SSE streams ended by the client before [DONE]"),
     "unary_requests": ("counter", "unary (application/json) result requests"),
     "results_sent": ("counter", "result bodies sent to clients"),
+    "results_written_directly": ("counter", "result bodies the fan-out wrote to their idle stream's client "
+                                            "itself (also in results_sent)"),
     "results_seen": ("counter", "results seen on P.results.> by the recent-requests subscription (all requests)"),
     "duplicates_dropped": ("counter", "repeated results dropped (same seq seen twice)"),
     "malformed_results": ("counter", "messages on a result subject that break the wire contract"),

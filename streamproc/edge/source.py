@@ -34,6 +34,7 @@ from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
 from .barrier import PongBarrier
+from .direct import DirectFrames
 from .fanout import Fanout, Inbox
 from .msg_get import MsgGetAccess, Refused, State
 from .replay import Replay
@@ -96,6 +97,7 @@ class ResultFeed:
         self.order = order
         self._sub = sub  # None while a JetStream feed's consumer is being created (ResultSource.open)
         self.inbox = inbox  # results dispatched from the wildcard subscription (fanout.py); then no _sub
+        self.direct: DirectFrames | None = None  # writes results to the client from the fan-out (direct.py)
         self.replay: Replay | None = None  # a dispatched JetStream feed's results stored before it registered
         self.attaching: asyncio.Task | None = None
         self.attach_failed: str | None = None
@@ -179,6 +181,10 @@ class ResultFeed:
             except nats.errors.Error as exc:
                 return Lost(str(exc) or type(exc).__name__)
             self._accept(msg)
+
+    def has_ready(self) -> bool:
+        """Results in order not yet taken by the stream."""
+        return bool(self._ready)
 
     async def _attached(self, timeout: float) -> Lost | None | bool:
         """Wait for the consumer :meth:`ResultSource.open` is creating: True once it exists, None

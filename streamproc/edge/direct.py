@@ -1,0 +1,159 @@
+"""SSE frames written from the fan-out straight to Uvicorn's transport, while the stream is idle.
+
+At 2,000 events/s over 50 streams (40 per stream) no two events of one stream meet, so each went
+through its own chain: the fan-out appended it to the stream's inbox and woke the stream's task
+(a loop pass), ``ResultFeed.next`` took and reordered it, ``Edge.frames`` framed it, and
+``EventStreamResponse`` handed it to Uvicorn's ``send`` (an ASGI message, its checks, chunked
+framing), which wrote it to the socket. A py-spy profile put that chain at about half of the
+edge's per-event CPU beside the socket write itself (docs/benchmarks.md, "Direct writes").
+
+:meth:`DirectFrames.offer`, called by :meth:`.fanout.Fanout.dispatch` for each result, writes the
+frame itself when that is exactly what the stream's task would do next and nothing can come
+between: the task is parked in :meth:`.fanout.Inbox.wait` with nothing queued (so every earlier
+frame is on the transport already, and no later one can pass it), the result is the next seq,
+ends nothing (the final result and errors still go through the task, which ends the response),
+the response's headers are out, the client is connected and the transport is not paused by flow
+control. Anything else (a paused transport, a gap, a replay, tracing) takes the task's path as
+before, so back-pressure, ``--write-timeout``, overruns and the reorder buffer are unchanged: a
+direct write never waits, and once the transport's buffer passes its high-water mark Uvicorn's
+flow control pauses it and the next results queue in the inbox for the task, whose ``send``
+waits under the write watch.
+
+The transport is reached through Uvicorn's ``RequestResponseCycle`` (httptools protocol), whose
+``send`` is the bound method the ASGI app receives. Its fields are Uvicorn's internals (read
+against 0.54's ``uvicorn/protocols/http/httptools_impl.py``): :func:`UvicornBody.of` answers None
+(the ASGI path) for any other server, protocol, middleware-wrapped ``send`` or a cycle without
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..core.wire import ResultInfo
+
+if TYPE_CHECKING:
+    from .metrics import EdgeMetrics
+    from .source import ResultFeed
+
+_CYCLE_FIELDS = ("transport", "flow", "response_started", "response_complete", "disconnected", "chunked_encoding")
+
+
+def _httptools_cycle() -> type | None:
+    try:
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    except ImportError:  # httptools or Uvicorn missing: nothing to write to directly
+        return None
+    return RequestResponseCycle
+
+
+class UvicornBody:
+    """A response body's bytes, as Uvicorn's ``send`` writes them, without the ASGI message."""
+
+    __slots__ = ("cycle", "transport", "flow")
+
+    _cycle_type: Any = False  # resolved on first use
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle
+        self.transport = cycle.transport
+        self.flow = cycle.flow
+
+    @classmethod
+    def of(cls, send: Callable[..., Any]) -> UvicornBody | None:
+        """The body writer behind ``send``, or None where only ASGI messages will do."""
+        if cls._cycle_type is False:
+            cls._cycle_type = _httptools_cycle()
+        cycle = getattr(send, "__self__", None)
+        if cls._cycle_type is None or type(cycle) is not cls._cycle_type:
+            return None
+        if not all(hasattr(cycle, name) for name in _CYCLE_FIELDS) or not hasattr(cycle.flow, "write_paused"):
+            return None
+        return cls(cycle)
+
+    def writable(self) -> bool:
+        """What ``RequestResponseCycle.send`` needs to write a body chunk at once, without waiting."""
+        cycle = self.cycle
+        return (cycle.response_started and not cycle.response_complete and not cycle.disconnected
+                and cycle.chunked_encoding is True and not self.flow.write_paused
+                and not self.transport.is_closing())
+
+    def open(self) -> bool:
+        """The response's body can still take bytes (they queue in the transport if it is paused)."""
+        cycle = self.cycle
+        return not cycle.response_complete and not cycle.disconnected and not self.transport.is_closing()
+
+    def write(self, body: bytes) -> None:
+        """One chunk of the chunked body (``send`` with ``more_body=True``: size, CRLF, bytes, CRLF)."""
+        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
+class WriteBatch:
+    """The direct frames of one read from NATS, written at the end of the loop pass: one write per
+    stream, however many of its results the read held (as the task's path joins what waits)."""
+
+    __slots__ = ("streams",)
+
+    def __init__(self) -> None:
+        self.streams: list[DirectFrames] = []
+
+    def add(self, direct: DirectFrames) -> None:
+        if not self.streams:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.streams.append(direct)
+
+    def flush(self) -> None:
+        streams, self.streams = self.streams, []
+        for direct in streams:
+            direct.flush()
+
+
+class DirectFrames:
+    """One SSE stream's direct path: :meth:`offer` writes a result's frame when the task would."""
+
+    __slots__ = ("feed", "encode", "metrics", "batch", "out", "pending", "sent_at")
+
+    def __init__(self, feed: ResultFeed, encode: Callable[[ResultInfo], bytes], metrics: EdgeMetrics,
+                 batch: WriteBatch) -> None:
+        self.feed = feed
+        self.encode = encode  # the result's frame, as Edge.frames makes it
+        self.metrics = metrics
+        self.batch = batch
+        self.out: UvicornBody | None = None  # set once the headers are written, cleared before the end
+        self.pending: list[bytes] = []  # frames taken in this loop pass, written by flush()
+        self.sent_at = 0.0  # time.monotonic() of the last direct write (Edge.frames' idle and keep-alive clocks)
+
+    def offer(self, result: ResultInfo) -> bool:
+        """Take ``result``'s frame for this pass's write and count it as sent (True), or leave it to
+        the task (False; then the frames taken before it are written first, so the task's follow)."""
+        out = self.out
+        feed = self.feed
+        inbox = feed.inbox
+        if (out is None or inbox is None or not inbox.parked() or not out.writable() or feed.overrun
+                or feed.replay is not None or feed.has_ready() or result.request_id != feed.request_id
+                or not feed.order.next_in_line(result)):
+            if self.pending:
+                self.flush()
+            return False
+        if not self.pending:
+            self.batch.add(self)
+        self.pending.append(self.encode(result))
+        metrics = self.metrics
+        metrics.sent(result)
+        metrics.results_written_directly += 1
+        self.sent_at = time.monotonic()
+        return True
+
+    def flush(self) -> None:
+        """Write the frames taken so far, unless the response ended or its client left meanwhile.
+        Runs before the stream's task can write again: the task is only woken through its inbox, and
+        a wake-up is queued after this pass's flush, or preceded by :meth:`offer`'s own flush."""
+        pending = self.pending
+        if not pending:
+            return
+        self.pending = []
+        out = self.out
+        if out is not None and out.open():
+            out.write(pending[0] if len(pending) == 1 else b"".join(pending))
