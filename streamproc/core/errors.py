@@ -64,6 +64,20 @@ class PublishRefused(StreamprocError, RuntimeError):
         self.retryable = retryable  # True: no answer in time (may work later); False: the stream said no
 
 
+class StoredResultsRefused(StreamprocError, RuntimeError):
+    """The edge may not read stored results by subject (``STREAM.MSG.GET``): the server refused the
+    publish (``denied``), nobody answers the subject, or no reply came within the timeout. The open
+    falls back to an ordered consumer of its own (edge/msg_get.py)."""
+
+    def __init__(self, reason: str, *, denied: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.denied = denied
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 class MalformedResult(StreamprocError, ValueError):
     """A message on a results subject that does not follow the contract."""
 

@@ -22,7 +22,7 @@ import asyncio
 import time
 from typing import Awaitable, Callable, Literal, TypeVar
 
-import nats.errors
+from ..core.errors import StoredResultsRefused
 
 T = TypeVar("T")
 REPROBE = 60.0  # seconds between tries of a refused MSG.GET
@@ -30,17 +30,7 @@ REPROBE = 60.0  # seconds between tries of a refused MSG.GET
 State = Literal["unknown", "allowed", "refused"]
 
 
-class Refused(nats.errors.Error):
-    """A ``STREAM.MSG.GET`` got no answer: the server refused its publish (``denied``), nobody
-    answers the subject, or no reply came within the timeout."""
-
-    def __init__(self, reason: str, *, denied: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.denied = denied
-
-    def __str__(self) -> str:
-        return self.reason
+Refused = StoredResultsRefused  # defined with every other error in core/errors.py
 
 
 class MsgGetAccess:
