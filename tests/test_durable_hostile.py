@@ -201,6 +201,14 @@ async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_ar
     ({"discard": "new", "max_msgs": 1000}, "discard is 'new' with max_msgs 1000: once reached, every result is refused"),
     ({"discard": "new", "max_bytes": 1 << 20}, "discard is 'new' with max_bytes 1048576"),
     ({"max_msg_size": 1024}, "max_msg_size is 1024 bytes, below the server's max_payload 1048576"),
+    # no PubAck ever came: result seq 0 was re-sent for hours, nothing logged
+    ({"no_ack": True}, "no_ack is true: the stream sends no PubAck, so no result is ever confirmed stored"),
+    # discard old: only each request's last result was kept
+    ({"max_msgs_per_subject": 1}, "max_msgs_per_subject is 1: past 1 messages on one subject the stream drops the "
+                                  "older ones"),
+    ({"max_msgs_per_subject": 100_000}, "max_msgs_per_subject is 100000"),
+    ({"discard": "new", "max_msgs_per_subject": 5, "discard_new_per_subject": True},
+     "max_msgs_per_subject is 5: past 5 messages on one subject the stream refuses the rest"),
     # discard old: such a stream PubAcks a large result, then evicts it and every other at once
     ({"max_bytes": 100_000}, ("max_bytes is 100000, below one result of the server's max_payload 1048576 as "
                               "stored (1048885 bytes): such a result is acknowledged, then evicted with every other")),

@@ -123,7 +123,7 @@ class ResultsStreamCannotStore(ConfigError):
     def __init__(self, name: str, problems: list[str]) -> None:
         super().__init__(
             f"JetStream stream {name!r} cannot store every result: " + "; ".join(problems)
-            + " (use discard 'old' or no such limit, a max_bytes that holds one maximal result, and a max_msg_size "
+            + " (use discard 'old' or no such limit, no_ack false, max_msgs_per_subject -1, a max_bytes that holds one maximal result, and a max_msg_size "
             "of at least the server's max_payload; "
             "streamproc never edits the stream)")
         self.name = name
