@@ -64,6 +64,15 @@ class PublishRefused(StreamprocError, RuntimeError):
         self.retryable = retryable  # True: no answer in time (may work later); False: the stream said no
 
 
+class ChunkIdTaken(PublishRefused):
+    """A durable publish came back ``duplicate`` for a chunk this publisher had not stored: another
+    publisher stored a chunk under the same ``Nats-Msg-Id`` first (a forged or misrouted chunk, or
+    an earlier worker's), so this one was dropped by the stream and the processor never saw it."""
+
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(subject, reason, retryable=False)
+
+
 class MalformedResult(StreamprocError, ValueError):
     """A message on a results subject that does not follow the contract."""
 
