@@ -278,6 +278,36 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
             await nc.close()
 
 
+async def test_results_whose_puback_never_comes_are_logged_rate_limited(nats_url):
+    """A results stream switched to no_ack after start-up answers no publish: result 0 was re-sent
+    for hours and nothing was logged. Every overdue PubAck is now a rate-limited warning naming the
+    request and its attempts so far, and counted."""
+    from streamproc.nats.streams import RESULTS_STREAM
+
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            results = (await js.stream_info(RESULTS_STREAM)).config
+            results.no_ack = True
+            await js.update_stream(results)
+            quiet = [rid("quiet") for _ in range(30)]
+            for r in quiet:
+                await publish_agg(js, r, 1)
+            await wait_until(lambda: "event=result_puback_overdue" in log.read_text(), 20,
+                             "an overdue PubAck logged")
+            text = log.read_text()
+            assert "seq=0 attempts=1 max_attempts=100" in text, text[-2000:]
+            await wait_until(lambda: "event=log_suppressed suppressed_event=result_puback_overdue" in log.read_text(),
+                             25, "the rest counted, not written")
+            assert log.read_text().count(" event=result_puback_overdue") <= 20 * 2  # the burst per 10 s interval
+            assert scrape(port)["streamproc_durable_pubacks_overdue_total"] >= 30
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
 async def test_joins_that_inflate_run_off_the_event_loop_in_durable_mode_too(nats_url):
     """The core-mode attack of tests/test_hostile.py against a durable processor: 20 P/D requests whose
     joins each decode 2 x 32 MiB of expert rows. Passthrough round trips (publish with PubAck ->
