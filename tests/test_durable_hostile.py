@@ -235,6 +235,32 @@ async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("limits, problem", [
+    ({"max_msgs": 100}, "discard is 'old' with max_msgs 100: once reached, the oldest seal records of requests "
+                        "still served are evicted"),
+    ({"no_ack": True}, "no_ack is true: no seal record write is ever confirmed"),
+])
+async def test_a_migrations_bucket_that_would_lose_seal_records_is_refused_at_start_up(nats_url, run_cli, limits,
+                                                                                         problem):
+    from nats.js.api import DiscardPolicy, StreamConfig
+
+    from streamproc.nats.streams import CHUNKS_STREAM
+
+    bucket = f"{CHUNKS_STREAM}_MIGRATIONS"
+    nc = await connect(nats_url)
+    try:  # a key-value bucket as nats-py creates one, with the odd limit
+        await nc.jetstream().add_stream(StreamConfig(
+            name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], max_msgs_per_subject=1, allow_rollup_hdrs=True,
+            deny_delete=True, allow_direct=True, discard=DiscardPolicy.OLD, **limits))
+    finally:
+        await nc.close()
+    proc = await anyio.to_thread.run_sync(lambda: run_cli("run", "--nats-url", nats_url, *durable_flags()))
+    assert proc.returncode == 1, proc.stderr
+    assert f"streamproc run: error: JetStream stream 'KV_{bucket}' does not match the requested migrations bucket: " \
+        f"{problem}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_after_bounded_retries(nats_url):
     """The results stream's max_msg_size lowered after start-up: one result can never be stored. It
     is given up after --max-result-attempts, its chunk redelivered and given up again, and on the

@@ -147,6 +147,10 @@ class LeaseBucketMismatch(StreamMismatch):
     what = "lease bucket"
 
 
+class MigrationBucketMismatch(StreamMismatch):
+    what = "migrations bucket"
+
+
 class UnreadableRecord(StreamprocError, ValueError):
     """A value in the migrations bucket is not a seal record (something else wrote it)."""
 
