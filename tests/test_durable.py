@@ -11,7 +11,7 @@ import time
 
 import anyio
 import pytest
-from nats.js.api import StorageType
+from nats.js.api import DiscardPolicy, StorageType
 
 from streamproc import config
 from streamproc.sim import traffic
@@ -31,7 +31,7 @@ from streamproc.nats.streams import (
     ensure_results_stream,
     partition_consumer_name,
 )
-from streamproc.wire import Result, Verdict, result_headers
+from streamproc.wire import Result, Subjects, Verdict, result_headers
 
 from durable_helpers import (
     FORMAT,
@@ -122,6 +122,33 @@ async def test_streams_get_the_configured_limits_and_a_differing_stream_is_refus
     with pytest.raises(ChunkStreamMismatch, match="max_age"):
         await ensure_chunk_stream(js, ChunkStreamSpec(CHUNKS_STREAM, PartitionScheme(settings.subjects, 5),
                                                       60, 30, StorageType.MEMORY))
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"discard": "old"}, "discard is 'old', not 'new' (at a limit the stream would drop unprocessed chunks"),
+    ({"max_msgs_per_subject": 1}, "max_msgs_per_subject is 1: past 1 messages on one subject the stream drops the "
+                                  "older ones (a leg's chunks all share its subject"),
+    ({"no_ack": True}, "no_ack is true: the stream sends no PubAck"),
+])
+async def test_a_chunk_stream_that_would_lose_or_never_confirm_chunks_is_refused_unchanged(client, change, problem):
+    """A pre-created chunk stream that drops a leg's unprocessed chunks (discard old, a per-subject
+    limit) or never sends PubAcks (no_ack) is refused by name, not used."""
+    subjects = Subjects(f"chunkodd{sorted(change)[0].replace('_', '')}")
+    spec = ChunkStreamSpec(f"CHUNKS_ODD_{sorted(change)[0].upper()}", PartitionScheme(subjects, 2), 60, 30,
+                           StorageType.MEMORY)
+    js = client.jetstream()
+    odd = spec.config()
+    for name, value in change.items():
+        setattr(odd, name, DiscardPolicy(value) if name == "discard" else value)
+    await js.add_stream(odd)
+    try:
+        with pytest.raises(ChunkStreamMismatch) as info:
+            await ensure_chunk_stream(js, spec)
+        assert problem in str(info.value), str(info.value)
+        await js.delete_stream(spec.name)
+        await ensure_chunk_stream(js, spec)  # the spec's own stream is accepted
+    finally:
+        await js.delete_stream(spec.name)
 
 
 # --------------------------------------------------------------------------- settlement

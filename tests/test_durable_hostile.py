@@ -201,6 +201,14 @@ async def test_held_prefill_legs_never_stall_their_partition_the_longest_idle_ar
     ({"discard": "new", "max_msgs": 1000}, "discard is 'new' with max_msgs 1000: once reached, every result is refused"),
     ({"discard": "new", "max_bytes": 1 << 20}, "discard is 'new' with max_bytes 1048576"),
     ({"max_msg_size": 1024}, "max_msg_size is 1024 bytes, below the server's max_payload 1048576"),
+    # no PubAck ever came: result seq 0 was re-sent for hours, nothing logged
+    ({"no_ack": True}, "no_ack is true: the stream sends no PubAck, so no result is ever confirmed stored"),
+    # discard old: only each request's last result was kept
+    ({"max_msgs_per_subject": 1}, "max_msgs_per_subject is 1: past 1 messages on one subject the stream drops the "
+                                  "older ones"),
+    ({"max_msgs_per_subject": 100_000}, "max_msgs_per_subject is 100000"),
+    ({"discard": "new", "max_msgs_per_subject": 5, "discard_new_per_subject": True},
+     "max_msgs_per_subject is 5: past 5 messages on one subject the stream refuses the rest"),
     # discard old: such a stream PubAcks a large result, then evicts it and every other at once
     ({"max_bytes": 100_000}, ("max_bytes is 100000, below one result of the server's max_payload 1048576 as "
                               "stored (1048885 bytes): such a result is acknowledged, then evicted with every other")),
@@ -224,6 +232,32 @@ async def test_a_results_stream_that_cannot_store_results_is_refused_at_start_up
     assert proc.returncode == 2, proc.stderr
     assert f"streamproc run: error: JetStream stream '{RESULTS_STREAM}' cannot store every result: {problem}" \
         in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("limits, problem", [
+    ({"max_msgs": 100}, "discard is 'old' with max_msgs 100: once reached, the oldest seal records of requests "
+                        "still served are evicted"),
+    ({"no_ack": True}, "no_ack is true: no seal record write is ever confirmed"),
+])
+async def test_a_migrations_bucket_that_would_lose_seal_records_is_refused_at_start_up(nats_url, run_cli, limits,
+                                                                                         problem):
+    from nats.js.api import DiscardPolicy, StreamConfig
+
+    from streamproc.nats.streams import CHUNKS_STREAM
+
+    bucket = f"{CHUNKS_STREAM}_MIGRATIONS"
+    nc = await connect(nats_url)
+    try:  # a key-value bucket as nats-py creates one, with the odd limit
+        await nc.jetstream().add_stream(StreamConfig(
+            name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], max_msgs_per_subject=1, allow_rollup_hdrs=True,
+            deny_delete=True, allow_direct=True, discard=DiscardPolicy.OLD, **limits))
+    finally:
+        await nc.close()
+    proc = await anyio.to_thread.run_sync(lambda: run_cli("run", "--nats-url", nats_url, *durable_flags()))
+    assert proc.returncode == 1, proc.stderr
+    assert f"streamproc run: error: JetStream stream 'KV_{bucket}' does not match the requested migrations bucket: " \
+        f"{problem}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -266,6 +300,36 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
             assert metrics["streamproc_durable_poisoned_total"] == 1
             assert await chunk_stream_messages(js) == 0
             assert proc.poll() is None and peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_results_whose_puback_never_comes_are_logged_rate_limited(nats_url):
+    """A results stream switched to no_ack after start-up answers no publish: result 0 was re-sent
+    for hours and nothing was logged. Every overdue PubAck is now a rate-limited warning naming the
+    request and its attempts so far, and counted."""
+    from streamproc.nats.streams import RESULTS_STREAM
+
+    port = free_port()
+    with processor_subprocess(nats_url, *durable_flags(partitions=1), "--http-port", str(port)) as (proc, log):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            results = (await js.stream_info(RESULTS_STREAM)).config
+            results.no_ack = True
+            await js.update_stream(results)
+            quiet = [rid("quiet") for _ in range(30)]
+            for r in quiet:
+                await publish_agg(js, r, 1)
+            await wait_until(lambda: "event=result_puback_overdue" in log.read_text(), 20,
+                             "an overdue PubAck logged")
+            text = log.read_text()
+            assert "seq=0 attempts=1 max_attempts=100" in text, text[-2000:]
+            await wait_until(lambda: "event=log_suppressed suppressed_event=result_puback_overdue" in log.read_text(),
+                             25, "the rest counted, not written")
+            assert log.read_text().count(" event=result_puback_overdue") <= 20 * 2  # the burst per 10 s interval
+            assert scrape(port)["streamproc_durable_pubacks_overdue_total"] >= 30
+            assert proc.poll() is None
         finally:
             await nc.close()
 

@@ -26,7 +26,12 @@ async def test_per_request_edge_warnings_are_rate_limited_and_other_streams_are_
     """300 malformed results on one client's stream and 300 requests whose subscription NATS refuses
     (the results stream allows one consumer, which a legitimate stream holds) wrote 600 WARNING
     lines, one each. Now each event writes its burst and one count of the rest per interval; every
-    refused client gets a clear error event and the legitimate stream gets its results in full."""
+    refused client gets a clear error event and the legitimate stream gets its results in full.
+
+    The legitimate stream stays open (its final result comes after the flood), so its consumer holds
+    the one slot throughout: once its stream ended, nats-server removed that consumer (1 s without
+    interest, CONSUMER_LINGER), and the next victim's open got the slot, waited 120 s for results
+    that never came, and held the test for as long (under load, when the flood outlasted the linger)."""
     async with connection(server.url) as nc:
         await nc.jetstream().add_stream(StreamConfig(
             name=RESULTS_STREAM, subjects=[SUBJECTS.all_results], max_age=RESULTS_MAX_AGE,
@@ -41,23 +46,26 @@ async def test_per_request_edge_warnings_are_rate_limited_and_other_streams_are_
                                  "the legitimate stream attached")
                 for k in range(FLOOD):  # no Streamproc-Seq: breaks the wire contract
                     await nc.publish(SUBJECTS.result(legit), b'{"junk":%d}' % k)
-                await publish_results(nc, SUBJECTS, legit, bodies)
+                for seq, text in enumerate(bodies[:-1]):  # not final yet: the stream holds its consumer
+                    await publish_result(nc, SUBJECTS, legit, seq, text)
 
                 refused = []
 
                 async def open_refused() -> None:
                     async with opening:
-                        answer = await client.get(f"/v1/results/{rid('victim')}")
+                        # A refusal is one JetStream API round trip (299 of them took 3 s at load 8):
+                        # an open still waiting after 30 s was given a consumer, not refused.
+                        with anyio.fail_after(30):
+                            answer = await client.get(f"/v1/results/{rid('victim')}")
                         refused.append((answer.status_code, answer.text))
 
-                # 25 at a time: one after another, 300 opens (each a JetStream API round trip that
-                # fails) took over 120 s while a test suite loaded the machine, and could span two
-                # log-limit intervals.
+                # 25 at a time, so the 300 opens are not all queued behind one another in the edge.
                 opening = anyio.Semaphore(25)
                 async with anyio.create_task_group() as tg:
                     for _ in range(FLOOD):
                         tg.start_soon(open_refused)
                 assert len(refused) == FLOOD
+                await publish_result(nc, SUBJECTS, legit, len(bodies) - 1, bodies[-1], final=True)
                 body = b"".join([chunk async for chunk in response.aiter_bytes()])
             ids = [line for line in body.decode().splitlines() if line.startswith("id: ")]
             assert ids == ["id: 0", "id: 1", "id: 2"] and body.endswith(b"data: [DONE]\n\n"), body[-500:]

@@ -485,6 +485,21 @@ def test_an_overdue_puback_sends_the_result_again_with_a_doubling_wait_up_to_the
     assert box.stats.publish_retries == 5
 
 
+def test_each_overdue_puback_is_reported_once_for_the_log_and_counted():
+    """A stream that never answers (no_ack) re-sent result 0 for hours with nothing logged: every
+    overdue PubAck is now handed to the shell (which logs it, rate-limited) and counted."""
+    box = Outbox(OutboxConfig(first_wait=1.0, max_wait=1.0, max_attempts=3))
+    box.take([result("a", 0)], "a")
+    reported = []
+    for now in (0.0, 1.0, 2.0):
+        box.sending(now)
+        box.tick(now + 1.0)
+        reported += [(o.result.request_id, o.result.seq, o.failures) for o in box.overdue()]
+        assert box.overdue() == []  # drained
+    assert reported == [("a", 0, 1), ("a", 0, 2), ("a", 0, 3)]
+    assert box.stats.pubacks_overdue == 3 and box.stats.results_given_up == 1
+
+
 def test_a_refused_result_is_sent_again_half_a_second_later():
     box = Outbox()
     box.take([result("a", 0)], "a")

@@ -9,10 +9,16 @@ stream's PubAck: a chunk the stream refuses (``maximum bytes exceeded``, storage
 the subject) raises :class:`~streamproc.core.errors.PublishRefused` in the worker instead of
 vanishing. A missing PubAck is retried a bounded number of times with the same ``Nats-Msg-Id``, so a
 retry of a chunk that was stored after all is dropped by the stream's duplicate window.
+
+A PubAck saying ``duplicate`` for a chunk this publisher has not stored means someone else stored
+that ``Nats-Msg-Id`` first (docs/security.md: any publisher with rights on ``P.chunks.>`` can): the
+stored copy is read back and compared, and unless it is this very chunk :class:`ChunkIdTaken` is
+raised, since the processor will never see this one.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Iterable
 
 import anyio
@@ -20,8 +26,8 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
-from ..core.errors import PublishRefused
-from ..core.wire import Role, Subjects, check_request_id, chunk_headers
+from ..core.errors import ChunkIdTaken, PublishRefused
+from ..core.wire import MAX_SEQ, MSG_ID, SEQ, Role, Subjects, check_request_id, chunk_headers
 
 
 class ChunkPublisher:
@@ -36,6 +42,9 @@ class ChunkPublisher:
         self.retries = retries
         self.backoff = backoff
         self._js = nc.jetstream() if durable else None
+        self._sent: OrderedDict[str, None] = OrderedDict()  # Nats-Msg-Ids this publisher sent, newest last
+
+    MAX_REMEMBERED = 65_536  # sent Nats-Msg-Ids remembered, to tell a worker's own retries from another's chunk
 
     async def publish(
         self,
@@ -53,8 +62,10 @@ class ChunkPublisher:
 
         Durable: returns once the chunk stream stored it; raises ``PublishRefused`` otherwise."""
         check_request_id(request_id)
-        if seq < 0 or attempt < 0:
-            raise ValueError(f"seq and attempt must be non-negative, got seq={seq} attempt={attempt}")
+        for name, value in (("seq", seq), ("attempt", attempt)):
+            # bool is an int; 1.5 or 10**18 would put a header on the wire the processor refuses
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEQ:
+                raise ValueError(f"{name} must be an int from 0 to {MAX_SEQ}, got {value!r}")
         headers = chunk_headers(request_id, role, seq, final=final, attempt=attempt, format=format,
                                 traceparent=traceparent)
         subject = self.subjects.chunk(request_id, role)
@@ -65,13 +76,18 @@ class ChunkPublisher:
 
     async def _publish_stored(self, subject: str, body: bytes, headers: dict[str, str]) -> None:
         assert self._js is not None
+        msg_id = headers[MSG_ID]
+        sent_before = msg_id in self._sent
+        self._sent[msg_id] = None
+        self._sent.move_to_end(msg_id)
+        if len(self._sent) > self.MAX_REMEMBERED:
+            self._sent.popitem(last=False)
         last = "no attempt"
         for attempt in range(self.retries + 1):
             if attempt:
                 await anyio.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                await self._js.publish(subject, body, timeout=self.timeout, headers=headers)
-                return
+                ack = await self._js.publish(subject, body, timeout=self.timeout, headers=headers)
             except nats.js.errors.APIError as exc:  # the stream answered, and said no
                 raise PublishRefused(subject, f"{exc.description or exc} (code {exc.err_code})",
                                      retryable=False) from None
@@ -79,7 +95,38 @@ class ChunkPublisher:
                 last = "no JetStream stream stores this subject (no responders)"
             except (nats.errors.TimeoutError, TimeoutError):
                 last = f"no PubAck within {self.timeout}s"
+            else:
+                if ack.duplicate:
+                    await self._check_duplicate(subject, body, headers, ack.stream, ack.seq,
+                                                sent_before or attempt > 0)
+                return
         raise PublishRefused(subject, f"{last}, after {self.retries + 1} attempts", retryable=True)
+
+    async def _check_duplicate(self, subject: str, body: bytes, headers: dict[str, str], stream: str, seq: int,
+                               sent: bool) -> None:
+        """The stream already held this ``Nats-Msg-Id``: fine when the stored copy is this chunk (a
+        retry of ours whose PubAck was lost), :class:`ChunkIdTaken` when it is another. A copy that
+        can no longer be read (consumed already, or no rights to read it) is taken for ours only if
+        this publisher sent that id before (``sent``)."""
+        assert self._js is not None
+        stored = None
+        try:
+            with anyio.fail_after(self.timeout):
+                stored = await self._js.get_msg(stream, seq)
+        except Exception:  # noqa: BLE001 - consumed and deleted, no read permission, no answer
+            stored = None
+        if stored is not None:
+            if stored.data == body and (stored.headers or {}).get(SEQ) == headers[SEQ]:
+                return
+            raise ChunkIdTaken(subject, f"the stream already stored a different chunk under Nats-Msg-Id "
+                                        f"{headers[MSG_ID]!r} (stream {stream} seq {seq}): this one was dropped as a "
+                                        "duplicate; another publisher used this request id (docs/security.md)")
+        if sent:
+            return
+        raise ChunkIdTaken(subject, f"the stream already stored a chunk under Nats-Msg-Id {headers[MSG_ID]!r} "
+                                    f"(stream {stream} seq {seq}, no longer readable to compare) that this publisher "
+                                    "did not send: this one was dropped as a duplicate; another publisher (or an "
+                                    "earlier worker) used this request id (docs/security.md)")
 
     async def publish_leg(
         self,

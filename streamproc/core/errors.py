@@ -64,6 +64,15 @@ class PublishRefused(StreamprocError, RuntimeError):
         self.retryable = retryable  # True: no answer in time (may work later); False: the stream said no
 
 
+class ChunkIdTaken(PublishRefused):
+    """A durable publish came back ``duplicate`` for a chunk this publisher had not stored: another
+    publisher stored a chunk under the same ``Nats-Msg-Id`` first (a forged or misrouted chunk, or
+    an earlier worker's), so this one was dropped by the stream and the processor never saw it."""
+
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(subject, reason, retryable=False)
+
+
 class StoredResultsRefused(StreamprocError, RuntimeError):
     """The edge may not read stored results by subject (``STREAM.MSG.GET``): the server refused the
     publish (``denied``), nobody answers the subject, or no reply came within the timeout. The open
@@ -137,7 +146,7 @@ class ResultsStreamCannotStore(ConfigError):
     def __init__(self, name: str, problems: list[str]) -> None:
         super().__init__(
             f"JetStream stream {name!r} cannot store every result: " + "; ".join(problems)
-            + " (use discard 'old' or no such limit, a max_bytes that holds one maximal result, and a max_msg_size "
+            + " (use discard 'old' or no such limit, no_ack false, max_msgs_per_subject -1, a max_bytes that holds one maximal result, and a max_msg_size "
             "of at least the server's max_payload; "
             "streamproc never edits the stream)")
         self.name = name
@@ -150,6 +159,10 @@ class ChunkStreamMismatch(StreamMismatch):
 
 class LeaseBucketMismatch(StreamMismatch):
     what = "lease bucket"
+
+
+class MigrationBucketMismatch(StreamMismatch):
+    what = "migrations bucket"
 
 
 class UnreadableRecord(StreamprocError, ValueError):

@@ -65,6 +65,7 @@ class OutboxStats(msgspec.Struct):
     publish_retries: int = 0
     publish_errors: int = 0  # refusals and publishes that did not leave
     results_given_up: int = 0  # results dropped after max_attempts (their inputs NAKed)
+    pubacks_overdue: int = 0  # sends of a result whose PubAck did not come in time (then sent again)
     terminated: int = 0  # inputs settled with +TERM (poison messages past max_deliver), not counted in acks
 
 
@@ -146,6 +147,7 @@ class Outbox:
         self._first_wait = config.first_wait
         self._control: list[tuple[object, Action]] = []
         self._given_up: list[GiveUp] = []
+        self._overdue: list[Outgoing] = []  # results whose PubAck was overdue at the last tick (for the log)
         self._next = 0
         self._progress_seen: set[int] = set()
         self._next_progress = 0.0
@@ -320,6 +322,8 @@ class Outbox:
                 o.refused = False  # counted when it was refused
             elif now >= o.due:
                 o.failures += 1
+                self.stats.pubacks_overdue += 1
+                self._overdue.append(o)
                 if o.failures >= config.max_attempts:
                     self._give_up(o, "timeout")
                     continue
@@ -378,6 +382,13 @@ class Outbox:
         out = self._control
         if out:
             self._control = []
+        return out
+
+    def overdue(self) -> list[Outgoing]:
+        """The results whose PubAck was overdue since the last call (sent again, or given up)."""
+        out = self._overdue
+        if out:
+            self._overdue = []
         return out
 
     def given_up(self) -> list[GiveUp]:

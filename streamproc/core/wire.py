@@ -41,6 +41,10 @@ TRACEPARENT = "traceparent"
 # Not on the wire: the NATS shell puts this in place of a header block it could not decode.
 UNREADABLE_HEADERS = "Streamproc-Unreadable-Headers"
 
+# The largest Streamproc-Seq (and Streamproc-Attempt) the processor reads: at most 18 ASCII digits,
+# so every index fits an int64 on any reader.
+MAX_SEQ = 10**18 - 1
+
 _ROLES = {r.value: r for r in Role}
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 MAX_REQUEST_ID_LEN = 256

@@ -33,11 +33,11 @@ import anyio
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from ..core.errors import MissingResults, UnreadableRecord
+from ..core.errors import MigrationBucketMismatch, MissingResults, UnreadableRecord
 from ..core.events import SealRecord
 from ..core.outbox import resume_point
 from ..core.wire import decode_seal_record, encode_seal_record
@@ -63,6 +63,25 @@ def request_id_of(key: str) -> str | None:
     return rid or None
 
 
+def bucket_problems(actual: StreamConfig) -> list[str]:
+    """Why a pre-created migrations bucket would lose seal records or never confirm them. Each key
+    is one request's record and only its last value counts, so any history (``max_msgs_per_subject``)
+    is safe; a bucket-wide ``max_msgs``/``max_bytes`` with discard ``old`` evicts the records of
+    requests still being served (a sealed attempt's late chunk would then restart its request), and
+    ``no_ack`` leaves every compare-and-set write unconfirmed."""
+    found = []
+    if actual.no_ack:
+        found.append("no_ack is true: no seal record write is ever confirmed")
+    discard = getattr(actual.discard, "value", actual.discard)
+    if discard != DiscardPolicy.NEW.value:
+        limits = [f"{name} {value}" for name, value in (("max_msgs", actual.max_msgs), ("max_bytes", actual.max_bytes))
+                  if value is not None and value > 0]
+        if limits:
+            found.append(f"discard is {discard!r} with {' and '.join(limits)}: once reached, the oldest seal "
+                         "records of requests still served are evicted (use discard 'new' or no such limit)")
+    return found
+
+
 class MigrationLedger:
     """Seal records in the migrations bucket, and stored result bodies read back from the results stream."""
 
@@ -78,7 +97,9 @@ class MigrationLedger:
         self._kv: KeyValue | None = None
 
     async def open(self) -> None:
-        """Bind to the bucket, creating it if needed. Records expire with the results they describe."""
+        """Bind to the bucket, creating it if needed. Records expire with the results they describe.
+        An existing bucket that would lose or never confirm seal records is refused
+        (:func:`bucket_problems`)."""
         try:
             self._kv = await self.js.key_value(self.bucket)
         except BucketNotFoundError:
@@ -86,6 +107,10 @@ class MigrationLedger:
                 bucket=self.bucket, description="streamproc seal records of migrated requests", history=1,
                 ttl=self.ttl, replicas=self.replicas, storage=self.storage))
             self._kv = await self.js.key_value(self.bucket)
+            return
+        problems = bucket_problems((await self.js.stream_info(f"KV_{self.bucket}")).config)
+        if problems:
+            raise MigrationBucketMismatch(f"KV_{self.bucket}", problems)
 
     async def read(self, request_id: str) -> tuple[SealRecord | None, int | None]:
         """The request's seal record and its revision, ``(None, None)`` when it never migrated.

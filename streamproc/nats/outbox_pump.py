@@ -123,7 +123,13 @@ class OutboxPump:
 
     def tick(self, now: float, reconnected: bool, held: Callable[[], Iterable[object]] | None) -> None:
         """Feed the time in: overdue results are queued again, a progress round runs when due."""
-        for g in self.outbox.tick(now, reconnected, held):
+        given_up = self.outbox.tick(now, reconnected, held)
+        for o in self.outbox.overdue():
+            # Nothing answered: a results stream with no_ack, a server too busy, an interest lost.
+            self._limited.log(logging.WARNING, "result_puback_overdue", request_id=o.result.request_id,
+                              seq=o.result.seq, attempts=o.failures, max_attempts=self.outbox.config.max_attempts,
+                              overdue_total=self.outbox.stats.pubacks_overdue)
+        for g in given_up:
             self._given_up(g)
 
     async def pump(self) -> None:

@@ -154,23 +154,28 @@ def stored_record_size(subject: str, max_payload: int) -> int:
 def storage_problems(actual: StreamConfig, max_payload: int = 0, largest: int = 0) -> list[str]:
     """Why a results stream would refuse results it is sent, or lose them, beyond a full disk.
 
-    With discard ``new`` a stream at ``max_msgs`` / ``max_bytes`` (or, with
-    ``discard_new_per_subject``, ``max_msgs_per_subject``) refuses every new message: each result
+    ``no_ack`` means no PubAck ever comes: every result would be re-sent until given up. With
+    discard ``new`` a stream at ``max_msgs`` / ``max_bytes`` refuses every new message: each result
     would be retried and given up, and its request never finish (``discard old`` drops the oldest
-    results instead, which readers have long read). A ``max_msg_size`` below the server's
+    results instead, which readers have long read). Any positive ``max_msgs_per_subject`` drops (or,
+    with ``discard_new_per_subject``, refuses) a request's results past that count, and a request has
+    no bound on its result count: only -1 is safe. A ``max_msg_size`` below the server's
     ``max_payload`` refuses results that the chunk stream accepted. A ``max_bytes`` below
     ``largest`` (one maximal result as stored, :func:`stored_record_size`) loses results even with
     discard ``old``: nats-server PubAcks such a result, then evicts it and every other at once
     (tested against 2.15.1: a 5,000-byte message into ``max_bytes`` 1,000 left the stream empty).
     """
     found = []
+    if actual.no_ack:
+        found.append("no_ack is true: the stream sends no PubAck, so no result is ever confirmed stored (each would "
+                     "be re-sent until given up, and its chunks never acknowledged)")
     if _value(actual.discard) == DiscardPolicy.NEW.value:
         limits = [f"{name} {value}" for name, value in (("max_msgs", actual.max_msgs), ("max_bytes", actual.max_bytes))
                   if value is not None and value > 0]
-        if actual.discard_new_per_subject and (actual.max_msgs_per_subject or 0) > 0:
-            limits.append(f"max_msgs_per_subject {actual.max_msgs_per_subject}")
         if limits:
             found.append(f"discard is 'new' with {' and '.join(limits)}: once reached, every result is refused")
+    found.extend(_per_subject_problems(actual, "a request's results all share its subject P.results.<id> and have "
+                                               "no count bound"))
     size = actual.max_msg_size
     if size is not None and size > 0 and max_payload and size < max_payload:
         found.append(f"max_msg_size is {size} bytes, below the server's max_payload {max_payload}: larger results "
@@ -249,6 +254,14 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
         found.extend(_limit_differences(actual, self))
         if (actual.max_bytes if actual.max_bytes is not None else -1) != self.max_bytes:
             found.append(f"max_bytes is {actual.max_bytes}, not {self.max_bytes}")
+        if _value(actual.discard) != DiscardPolicy.NEW.value:
+            found.append(f"discard is {_value(actual.discard)!r}, not 'new' (at a limit the stream would drop "
+                         "unprocessed chunks instead of refusing new ones)")
+        if actual.no_ack:
+            found.append("no_ack is true: the stream sends no PubAck, so a durable ChunkPublisher never learns a "
+                         "chunk was stored")
+        found.extend(_per_subject_problems(actual, "a leg's chunks all share its subject and wait there until "
+                                                   "processed"))
         return found
 
 
@@ -345,6 +358,19 @@ async def jetstream_available(nc: NatsClient, timeout: float = 5.0) -> bool:
             return False
         raise
     return True
+
+
+def _per_subject_problems(actual: StreamConfig, why: str) -> list[str]:
+    """A ``max_msgs_per_subject`` limit on a stream whose subjects carry one request each: any
+    positive value drops (discard ``old``) or refuses (``discard_new_per_subject``) that request's
+    earlier messages, so only -1 (no limit) is safe; ``why`` says why no count is enough."""
+    per = actual.max_msgs_per_subject
+    if per is None or per <= 0:
+        return []
+    effect = ("refuses the rest" if _value(actual.discard) == DiscardPolicy.NEW.value and actual.discard_new_per_subject
+              else "drops the older ones")
+    return [f"max_msgs_per_subject is {per}: past {per} messages on one subject the stream {effect} ({why}; "
+            "use -1)"]
 
 
 def _limit_differences(actual: StreamConfig, spec: ResultsStreamSpec | ChunkStreamSpec) -> list[str]:
