@@ -435,10 +435,12 @@ async def test_a_flood_of_overloaded_results_logs_a_bounded_number_of_lines_with
     """40,000 requests refused as overloaded wrote 40,000 WARNING lines. Now LogLimiter writes 20 per
     event per 10 s interval and one ``event=log_suppressed`` count of the rest. With --max-inflight 10,
     nine legitimate requests are opened first and a holder takes the last slot; the flood is then
-    refused (every attacker gets its overloaded result) and the nine finish, answered in full."""
+    refused (every attacker gets its overloaded result) and the nine finish, answered in full. (The nine
+    wait idle through the flood: --shed-min-idle is raised so the flood is refused, not let in by
+    ending them; that trade-off is pinned by the max-inflight tests.)"""
     flood = 40_000
     legit = [f"ok-{k}" for k in range(9)]
-    with streamproc_run("--mode", "core", "--max-inflight", "10") as (proc, log_path):
+    with streamproc_run("--mode", "core", "--max-inflight", "10", "--shed-min-idle", "3600") as (proc, log_path):
         async with worker_and_reader(nats_url) as (nc, results):
             for r in legit:  # seq 0 of 3: in flight
                 await nc.publish(SUBJECTS.chunk(r, "agg"), legit_body(r, 0), headers=chunk_headers(r, "agg", 0))
