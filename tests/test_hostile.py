@@ -705,3 +705,35 @@ async def test_requests_held_idle_at_max_inflight_are_ended_to_admit_new_ones(na
             assert evicted, ended[:3]
         assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
         assert proc.poll() is None
+
+
+async def test_finished_ids_of_a_flood_of_long_ids_stay_within_their_byte_bound(nats_url, streamproc_run):
+    """200,000 one-chunk requests with 256-character ids: the finished-id table (remembered for
+    --finished-grace so late duplicates get no new result) was in no budget and grew ~78 MiB (VmHWM
+    ~130 MiB at main's code). Now it is bounded by --max-finished-bytes (32 MiB), oldest forgotten first."""
+    published = 0
+
+    def long_id(k: int) -> str:
+        return f"long{k:07d}" + "z" * 245
+
+    async def attack(nc, i: int, ping) -> None:
+        nonlocal published
+        for _ in range(2000):
+            r = long_id(published)
+            published += 1
+            await nc.publish(SUBJECTS.chunk(r, "agg"), b"{}", headers=chunk_headers(r, "agg", 0, final=True))
+        await ping()
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, every=10, timeout=60, log_path=log_path,
+                                  attacked=lambda res: long_id(published - 1) in res.by_request)
+        assert published == 200_000
+        async with worker_and_reader(nats_url) as (nc, late):  # a late duplicate of a recent id: no new result
+            recent = long_id(published - 1)
+            await nc.publish(SUBJECTS.chunk(recent, "agg"), b"{}", headers=chunk_headers(recent, "agg", 0, final=True))
+            await publish_legit(nc, "after", 1)
+            await late.wait_for(lambda: late.complete("after", 1), 30)
+            assert late.complete("after", 1) and recent not in late.by_request
+        assert len(results.by_request[recent]) == 1
+        assert peak_rss(proc.pid) < 110 * MiB, peak_rss(proc.pid) / MiB
+        assert proc.poll() is None
