@@ -277,8 +277,13 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                            "timeout error result", gt=0, le=7 * 86_400)] = defaults.REQUEST_TIMEOUT
     finished_grace: Annotated[float, documented("seconds a finished request id is remembered, so late chunks are "
                                           "dropped instead of starting a new request", gt=0, le=7 * 86_400)] = defaults.FINISHED_GRACE
-    max_inflight: Annotated[int, documented("requests in flight before new ones get an overloaded error result",
+    max_inflight: Annotated[int, documented("requests in flight at most; past it the request without progress for "
+                                      "longest is ended (overloaded) if idle at least --shed-min-idle, else the "
+                                      "new one gets an overloaded error result",
                                       ge=1, le=10_000_000)] = defaults.MAX_INFLIGHT
+    shed_min_idle: Annotated[float, documented("seconds without progress before a request in flight may be ended "
+                                         "(overloaded) to admit a new one at --max-inflight",
+                                         ge=0, le=7 * 86_400)] = defaults.SHED_MIN_IDLE
     max_buffered_chunks: Annotated[int, documented("chunks buffered per request (reorder + prefill) before it is "
                                              "ended with an error", ge=1, le=10_000_000)] = defaults.MAX_BUFFERED_CHUNKS
     max_buffered_bytes: Annotated[int, documented("bytes of chunk bodies buffered per request (reorder + prefill) "
@@ -295,6 +300,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                           ge=0, le=86_400)] = defaults.MAX_DECODE_CPU
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
+    max_finished_bytes: Annotated[int, documented("bytes the finished request ids may take (164 + the id's length "
+                                            "each); past it or --max-finished the oldest are forgotten first",
+                                            ge=1024, le=2**40)] = defaults.MAX_FINISHED_BYTES
     max_decompressed_bytes: Annotated[int, documented("ceiling on a decoded sequence payload; within it a codec "
                                                 "decodes at most what the body's token counts allow",
                                                 ge=1024, le=2**40)] = defaults.MAX_DECOMPRESSED_BYTES
@@ -338,6 +346,8 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_inflight=self.max_inflight,
             max_buffered_chunks=self.max_buffered_chunks,
             max_finished=self.max_finished,
+            max_finished_bytes=self.max_finished_bytes,
+            shed_min_idle=self.shed_min_idle,
             max_retained_bytes=self.max_retained_bytes,
             max_buffered_bytes=self.max_buffered_bytes,
             max_total_bytes=self.max_total_bytes,
@@ -362,7 +372,7 @@ _GROUP_OF = {
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",
-                     "max_finished", "max_decompressed_bytes",
+                     "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "flush_interval", "ack_linger",
                      "max_deliver", "max_result_attempts", "lease_ttl",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 from toy_codec import InflatingCodec, InflatingSession, chunk, correlator, errors
 
@@ -123,7 +125,7 @@ def test_a_never_ending_stream_is_ended_when_its_migration_progress_state_passes
     assert c.charged_bytes == 0 and c.inflight == 0
 
 
-def test_progress_states_count_in_the_global_budget_and_only_the_request_that_passes_it_is_overloaded():
+def test_progress_states_count_in_the_global_budget_and_the_request_holding_the_most_is_overloaded():
     c = Correlator(Catalog(), "sglang", CorrelatorConfig(max_retained_bytes=0, max_buffered_bytes=8 * MiB,
                                                          max_total_bytes=3 * MiB))
     for rid in ("a", "b"):  # 160,000 ids each: 1.25 MiB of progress state apiece
@@ -131,10 +133,10 @@ def test_progress_states_count_in_the_global_budget_and_only_the_request_that_pa
             assert not errors(c.receive(Chunk(rid, Role.AGG, seq, _ids_body(seq * 20_000, 20_000)), 0.0))
     assert c.charged_bytes >= 2 * 160_000 * 8
     out = []
-    for seq in range(8):
+    for seq in range(8):  # c's state passes the budget while a and b hold more: a (idle longest) goes
         out += c.receive(Chunk("c", Role.AGG, seq, _ids_body(seq * 20_000, 20_000)), 0.0)
-    assert errors(out) == [("c", ErrorKind.OVERLOADED.value)]
-    for rid in ("a", "b"):  # the others finish in full, and their charge is released
+    assert errors(out) == [("a", ErrorKind.OVERLOADED.value)]
+    for rid in ("b", "c"):  # the others finish in full, and their charge is released
         last = c.receive(Chunk(rid, Role.AGG, 8, _ids_body(0, 1), True), 0.0)
         assert [(r.seq, r.final, r.error) for r in last if isinstance(r, Result)] == [(8, True, None)]
     assert c.charged_bytes == 0 and c.inflight == 0
@@ -155,3 +157,62 @@ def test_a_progress_charge_survives_a_migration_and_is_released_when_the_request
     out = c.receive(Chunk("moved", Role.AGG, 0, _ids_body(3_000, 10), True, attempt=1), 2.0)
     assert [(r.seq, r.final, r.error) for r in out if isinstance(r, Result)] == [(3, True, None)]
     assert c.charged_bytes == 0 and c.inflight == 0
+
+
+# ------------------------------------------------- who is ended when a budget is full (the offender)
+
+def test_past_the_global_budget_the_request_holding_the_most_bytes_is_ended_not_the_newcomer():
+    """Four backlogs each under the per-request cap fill the global budget; a legitimate P/D request's
+    200 KB prefill leg is buffered and the biggest backlog is ended (overloaded) to make room."""
+    c = correlator(max_buffered_bytes=8 * MiB, max_total_bytes=10 * MiB)
+    for seq in range(1, 4):  # hog0 holds 3 MiB, hog1..2 2.5 MiB each (all under the 8 MiB cap)
+        assert c.receive(chunk("hog0", "agg", seq, bytes(MiB)), float(seq)) == []
+    for rid in ("hog1", "hog2"):
+        assert c.receive(chunk(rid, "agg", 1, bytes(5 * MiB // 2)), 5.0) == []
+    assert c.receive(chunk("legit", "prefill", 0, bytes(MiB // 2), final=True), 6.0) == []
+    assert c.charged_bytes == 8 * MiB + MiB // 2
+    out = c.receive(chunk("legit2", "prefill", 0, bytes(1_900_000), final=True), 7.0)
+    assert errors(out) == [("hog0", ErrorKind.OVERLOADED.value)]
+    [result] = [d for d in out if isinstance(d, Result)]
+    assert b"held the most (3145728 bytes)" in result.body and b"processor byte budget exhausted" in result.body
+    assert c.stats.over_budget == 1 and c.charged_bytes == 5 * MiB + MiB // 2 + 1_900_000
+    for rid in ("legit", "legit2"):  # both legitimate requests complete in full
+        joined = c.receive(chunk(rid, "decode", 0, b"d", final=True), 8.0)
+        assert [(r.seq, r.error) for r in joined if isinstance(r, Result)] == [(0, None)]
+
+
+def test_the_newcomer_that_would_hold_the_most_is_the_one_ended_and_ties_go_against_it():
+    c = correlator(max_buffered_bytes=8 * MiB, max_total_bytes=10 * MiB)
+    for rid in ("a", "b"):
+        c.receive(chunk(rid, "agg", 1, bytes(4 * MiB)), 0.0)
+    out = c.receive(chunk("big", "agg", 1, bytes(5 * MiB)), 1.0)  # would hold 5 MiB > 4 MiB
+    assert errors(out) == [("big", ErrorKind.OVERLOADED.value)]
+    assert c.inflight == 2 and c.charged_bytes == 8 * MiB
+
+
+def test_decoded_payloads_past_the_global_budget_end_the_biggest_holder_first():
+    c = correlator(max_buffered_bytes=64 * MiB, max_total_bytes=100 * MiB)
+    for seq in range(1, 61):  # a 60 MiB backlog held behind a withheld seq 0
+        c.receive(chunk("hog", "agg", seq, bytes(MiB)), 0.0)
+    out = c.receive(chunk("pd", "prefill", 0, b"inflate:%d" % (50 * MiB), final=True), 1.0)
+    assert errors(out) == [("hog", ErrorKind.OVERLOADED.value)]
+    joined = c.receive(chunk("pd", "decode", 0, b"d", final=True), 2.0)
+    assert [(r.seq, r.body) for r in joined if isinstance(r, Result)] == [(0, b"d|%d" % (50 * MiB))]
+    assert c.charged_bytes == 0 and c.inflight == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 12), st.integers(1, 3 * MiB)), max_size=60))
+def test_the_global_budget_always_holds_and_every_ended_request_held_the_most(steps):
+    """Whatever backlogs arrive: charged bytes never pass the budget, match what the requests hold,
+    and each request ended over the budget held at least as much as any request left."""
+    c = correlator(max_buffered_bytes=6 * MiB, max_total_bytes=10 * MiB)
+    for t, (r, seq, size) in enumerate(steps):
+        before = {rid: req.buffered for rid, req in c._active.items()}
+        out = c.receive(chunk(f"r{r}", "agg", seq, bytes(size)), float(t))
+        assert c.charged_bytes <= 10 * MiB
+        assert c.charged_bytes == sum(req.buffered for req in c._active.values())
+        ended = [rid for rid, kind in errors(out) if kind == ErrorKind.OVERLOADED.value]
+        for rid in ended:
+            held = before.get(rid, 0) + (size if rid == f"r{r}" else 0)
+            assert all(held >= req.buffered for req in c._active.values()), (rid, held)

@@ -303,3 +303,57 @@ def test_shed_ends_the_longest_idle_requests_holding_tokens_of_the_selected_grou
         ("b", "overloaded", ("b-p",)), ("c", "overloaded", ("c-p",))]
     assert results[0].body == b"ERR[overloaded]partition full" and c.stats.shed == 2
     assert c.held_tokens(lambda rid: 0) == {0: 3}  # a (prefill + buffered decode), x
+
+
+def test_at_max_inflight_the_request_idle_longest_is_ended_to_admit_a_new_one():
+    c, run = make(max_inflight=3, shed_min_idle=1.0)
+    for t, rid in enumerate(["held0", "held1", "live"]):  # seq 1 buffered, seq 0 never sent
+        feed(run, leg(rid, Role.AGG, [b"0", b"1", b"2"])[1:2], now=float(t))
+    feed(run, leg("held0", Role.AGG, [b"0", b"1", b"2"])[1:2], now=5.0)  # a duplicate: no progress
+    feed(run, leg("live", Role.AGG, [b"0", b"1", b"2"])[2:], now=5.0)  # a new seq: progress
+    feed(run, leg("new", Role.AGG, [b"0", b"1"])[:1], now=5.5)
+    assert [(r.request_id, r.error) for r in run.results] == [("held0", "overloaded"), ("new", None)]
+    assert b"made no progress for 5.5 s" in run.results[0].body
+    assert c.stats.evicted == 1 and c.stats.overloaded == 0 and c.inflight == 3
+    feed(run, leg("new2", Role.AGG, [b"0", b"1"])[:1], now=5.6)  # held1 (4.6 s idle) goes next
+    assert [r.request_id for r in run.results[2:]] == ["held1", "new2"]
+
+
+def test_at_max_inflight_requests_that_progressed_within_the_minimum_idle_are_kept_and_the_newcomer_refused():
+    c, run = make(max_inflight=2, shed_min_idle=1.0)
+    feed(run, leg("a", Role.AGG, [b"0", b"1"])[:1], now=0.0)
+    feed(run, leg("b", Role.AGG, [b"0", b"1"])[:1], now=0.5)
+    feed(run, leg("c", Role.AGG, [b"0", b"1"])[:1], now=0.9)  # a burst: nobody idle 1 s yet
+    assert [(r.request_id, r.error) for r in run.results] == [("a", None), ("b", None), ("c", "overloaded")]
+    assert b"2 requests in flight" in run.results[-1].body
+    feed(run, leg("a", Role.AGG, [b"0", b"1"])[1:], now=0.95)
+    assert c.inflight == 1
+
+
+def test_the_finished_ids_are_bounded_in_bytes_oldest_forgotten_first():
+    from streamproc.core.defaults import FINISHED_ENTRY_BYTES
+    entry = FINISHED_ENTRY_BYTES + 256
+    c, run = make(max_finished_bytes=10 * entry)
+    ids = [f"{i:04d}".ljust(256, "z") for i in range(25)]
+    for i, rid in enumerate(ids):
+        if i % 2:
+            feed(run, leg(rid, Role.AGG, [b"0"]))  # unary: the fast path
+        else:
+            feed(run, leg(rid, Role.AGG, [b"0", b"1"]))  # streamed: _forget
+    assert [c.is_finished(r) for r in ids] == [False] * 15 + [True] * 10
+    assert c.finished_bytes == 10 * entry
+    # Within the bound, a late duplicate of a finished request gets no new result.
+    feed(run, leg(ids[-1], Role.AGG, [b"0"]))
+    assert c.stats.late == 1 and len(run.results) == 13 * 2 + 12
+    run.absorb(c.tick(1e9))  # every grace expired: all forgotten, none charged
+    assert c.finished_bytes == 0 and not c.is_finished(ids[-1])
+
+
+def test_the_finished_ids_charge_follows_every_way_in_and_out():
+    c, run = make()
+    feed(run, leg("u", Role.AGG, [b"x"]))
+    feed(run, leg("s", Role.AGG, [b"0", b"1"]))
+    c.resume("r", 3, True, 0.0)
+    c.abandon(lambda rid: False, unstored=["u"])
+    from streamproc.core.defaults import FINISHED_ENTRY_BYTES
+    assert c.finished_bytes == 2 * FINISHED_ENTRY_BYTES + len("s") + len("r")

@@ -187,8 +187,8 @@ async def test_a_reorder_backlog_behind_a_withheld_seq_is_cut_at_the_per_request
 
 async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_global_budget(
         nats_url, streamproc_run):
-    """20 requests x 20 MB of backlog (400 MB in all, each under the 32 MiB cap): the ones past the 96 MiB
-    global budget end as overloaded at once; legitimate traffic beside them is answered in full."""
+    """20 requests x 20 MB of backlog (400 MB in all, each under the 32 MiB cap): past the 96 MiB global
+    budget the biggest holders end as overloaded at once; legitimate traffic beside them is answered in full."""
     payload = bytes(1_000_000)
 
     async def attack(nc, i: int, ping) -> None:
@@ -203,8 +203,9 @@ async def test_many_requests_each_under_the_per_request_cap_are_stopped_by_the_g
         results = await run_mixed(nats_url, proc.pid, attack, requests=1000, timeout=60, log_path=log_path,
                                   attacked=lambda res: sum(res.final(h) is not None for h in hogs) >= 15)
         ended = {h: results.final(h)[ERROR] for h in hogs if results.final(h) is not None}
-        # 5 x 20 MB fit in 96 MiB; every later hog is refused as soon as it would pass the budget.
-        assert ended == {f"hog{k}": "overloaded" for k in range(5, 20)}, ended
+        # 5 x 20 MB fit in 96 MiB; each later hog's first chunk ends the biggest (idle longest among
+        # equals) earlier hog, so the last five stay, holding 100 MB until --request-timeout.
+        assert ended == {f"hog{k}": "overloaded" for k in range(15)}, ended
         assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
 
 
@@ -505,10 +506,12 @@ async def test_a_flood_of_overloaded_results_logs_a_bounded_number_of_lines_with
     """40,000 requests refused as overloaded wrote 40,000 WARNING lines. Now LogLimiter writes 20 per
     event per 10 s interval and one ``event=log_suppressed`` count of the rest. With --max-inflight 10,
     nine legitimate requests are opened first and a holder takes the last slot; the flood is then
-    refused (every attacker gets its overloaded result) and the nine finish, answered in full."""
+    refused (every attacker gets its overloaded result) and the nine finish, answered in full. (The nine
+    wait idle through the flood: --shed-min-idle is raised so the flood is refused, not let in by
+    ending them; that trade-off is pinned by the max-inflight tests.)"""
     flood = 40_000
     legit = [f"ok-{k}" for k in range(9)]
-    with streamproc_run("--mode", "core", "--max-inflight", "10") as (proc, log_path):
+    with streamproc_run("--mode", "core", "--max-inflight", "10", "--shed-min-idle", "3600") as (proc, log_path):
         async with worker_and_reader(nats_url) as (nc, results):
             for r in legit:  # seq 0 of 3: in flight
                 await nc.publish(SUBJECTS.chunk(r, "agg"), legit_body(r, 0), headers=chunk_headers(r, "agg", 0))
@@ -676,4 +679,137 @@ async def test_a_never_ending_stream_of_output_ids_is_ended_at_the_byte_budget_n
         assert seqs == list(range(len(seqs))) and 20 <= len(seqs) <= 32, seqs  # published in order, then cut
         assert b"progress state" in results.by_request["endless"][seqs[-1]][0]
         assert peak_rss(proc.pid) < 150 * MiB, peak_rss(proc.pid) / MiB
+        assert proc.poll() is None
+
+
+async def publish_legit_needing_buffers(nc, tag: str, n: int, prefill_pad: int = 0) -> list[tuple[str, int]]:
+    """Legitimate requests that the processor must buffer: ``n`` streamed ones whose seq 1 (2 KB) comes
+    before seq 0, and ``n`` P/D ones whose prefill leg (padded to ``prefill_pad`` bytes) waits for the
+    decode leg; ``n`` in-order ones beside them. Returns (request id, chunks) for each."""
+    out = []
+    for i in range(n):
+        rid = f"{tag}-ooo{i}"
+        await nc.publish(SUBJECTS.chunk(rid, "agg"), legit_body(rid, 1) + b" " * 2000,
+                         headers=chunk_headers(rid, "agg", 1, final=True))
+        await nc.publish(SUBJECTS.chunk(rid, "agg"), legit_body(rid, 0), headers=chunk_headers(rid, "agg", 0))
+        out.append((rid, 2))
+        rid = f"{tag}-pd{i}"
+        pre = f'{{"text":"","meta_info":{{"id":"{rid}","pad":"{"x" * prefill_pad}"}}}}'.encode()
+        await nc.publish(SUBJECTS.chunk(rid, "prefill"), pre, headers=chunk_headers(rid, "prefill", 0, final=True))
+        await nc.publish(SUBJECTS.chunk(rid, "decode"), legit_body(rid, 0),
+                         headers=chunk_headers(rid, "decode", 0, final=True))
+        out.append((rid, 1))
+        rid = f"{tag}-ok{i}"
+        await publish_legit(nc, rid, 3)
+        out.append((rid, 3))
+    await nc.flush()
+    return out
+
+
+def assert_answered_without_error(results: Results, legit: list[tuple[str, int]], log_path: Path) -> None:
+    missing = [r for r, n in legit if not results.complete(r, n)]
+    assert not missing, f"{len(missing)} of {len(legit)} unanswered: {missing[:5]}\n{log_path.read_text()[-3000:]}"
+    failed = [(r, h[ERROR]) for r, _ in legit for _, h in results.by_request[r].values() if ERROR in h]
+    assert not failed, failed[:5]
+
+
+async def test_backlogs_holding_the_global_budget_are_ended_to_make_room_for_requests_that_need_buffering(
+        nats_url, streamproc_run):
+    """Four 25 MB backlogs behind a withheld seq 0 (each under the 32 MiB per-request cap) held the 96 MiB
+    budget, and every legitimate request that needed a buffer (a 200 KB prefill leg waiting for its
+    decode leg, an out-of-order chunk) was refused overloaded. Now the biggest holder is ended to make
+    room: the legitimate requests are answered in full, the ended backlogs get overloaded."""
+    payload = bytes(1_000_000)
+    hogs = [f"hog{k}" for k in range(4)]
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        async with worker_and_reader(nats_url) as (nc, results):
+            for hog in hogs:
+                for seq in range(1, 26):
+                    await nc.publish(SUBJECTS.chunk(hog, "agg"), payload, headers=chunk_headers(hog, "agg", seq))
+                    if seq % 5 == 0:  # paced: the processor's budget is measured, not nats-server's cut-off
+                        await nc.flush()
+                        await anyio.sleep(0.05)
+            await publish_legit(nc, "ping", 1)
+            await results.wait_for(lambda: results.complete("ping", 1), 30)
+            assert not any(results.final(h) for h in hogs)  # 100 MB fit: nobody ended yet
+            legit = []
+            for rnd in range(4):
+                legit += await publish_legit_needing_buffers(nc, f"r{rnd}", 10, prefill_pad=200_000)
+            await results.wait_for(lambda: all(results.complete(r, n) for r, n in legit), 60)
+            assert_answered_without_error(results, legit, log_path)
+            ended = {h: results.final(h) for h in hogs if results.final(h) is not None}
+            assert ended and all(h[ERROR] == "overloaded" for h in ended.values()), ended
+            for hog in ended:
+                body = results.by_request[hog][0][0]
+                assert b"held the most" in body and b"ended to make room" in body, body
+        assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        assert proc.poll() is None
+
+
+async def test_requests_held_idle_at_max_inflight_are_ended_to_admit_new_ones(nats_url, streamproc_run):
+    """300 held requests (seq 1 sent, seq 0 never) filled --max-inflight 300 and every new streamed or P/D
+    request was refused overloaded until --request-timeout. Now, once they have been idle --shed-min-idle
+    (1 s), the one idle longest is ended (overloaded) for each newcomer: legitimate requests that
+    need buffering are answered in full while the attacker keeps opening held requests beside them."""
+    def held(k: int) -> str:
+        return f"held{k:05d}" + "z" * 247  # 256-character ids
+
+    with streamproc_run("--mode", "core", "--max-inflight", "300") as (proc, log_path):
+        async with worker_and_reader(nats_url) as (nc, results):
+            attackers = 0
+
+            async def hold(n: int) -> None:
+                nonlocal attackers
+                for _ in range(n):
+                    rid = held(attackers)
+                    attackers += 1
+                    await nc.publish(SUBJECTS.chunk(rid, "agg"), b"x", headers=chunk_headers(rid, "agg", 1, final=True))
+                await nc.flush()
+
+            await hold(300)
+            await anyio.sleep(1.5)
+            legit = []
+            for rnd in range(5):
+                legit += await publish_legit_needing_buffers(nc, f"r{rnd}", 10)
+                await hold(30)  # new held requests beside them: refused or admitted, never in the way
+            await results.wait_for(lambda: all(results.complete(r, n) for r, n in legit), 60)
+            assert_answered_without_error(results, legit, log_path)
+            ended = [held(k) for k in range(attackers) if results.final(held(k)) is not None]
+            assert len(ended) >= 100, len(ended)  # one per legitimate newcomer (at least the 100 that buffer)
+            assert all(results.final(r)[ERROR] == "overloaded" for r in ended)
+            evicted = [r for r in ended if b"made no progress" in results.by_request[r][0][0]]
+            assert evicted, ended[:3]
+        assert peak_rss(proc.pid) < 200 * MiB, peak_rss(proc.pid) / MiB
+        assert proc.poll() is None
+
+
+async def test_finished_ids_of_a_flood_of_long_ids_stay_within_their_byte_bound(nats_url, streamproc_run):
+    """200,000 one-chunk requests with 256-character ids: the finished-id table (remembered for
+    --finished-grace so late duplicates get no new result) was in no budget and grew ~78 MiB (VmHWM
+    ~130 MiB at main's code). Now it is bounded by --max-finished-bytes (32 MiB), oldest forgotten first."""
+    published = 0
+
+    def long_id(k: int) -> str:
+        return f"long{k:07d}" + "z" * 245
+
+    async def attack(nc, i: int, ping) -> None:
+        nonlocal published
+        for _ in range(2000):
+            r = long_id(published)
+            published += 1
+            await nc.publish(SUBJECTS.chunk(r, "agg"), b"{}", headers=chunk_headers(r, "agg", 0, final=True))
+        await ping()
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=1000, every=10, timeout=60, log_path=log_path,
+                                  attacked=lambda res: long_id(published - 1) in res.by_request)
+        assert published == 200_000
+        async with worker_and_reader(nats_url) as (nc, late):  # a late duplicate of a recent id: no new result
+            recent = long_id(published - 1)
+            await nc.publish(SUBJECTS.chunk(recent, "agg"), b"{}", headers=chunk_headers(recent, "agg", 0, final=True))
+            await publish_legit(nc, "after", 1)
+            await late.wait_for(lambda: late.complete("after", 1), 30)
+            assert late.complete("after", 1) and recent not in late.by_request
+        assert len(results.by_request[recent]) == 1
+        assert peak_rss(proc.pid) < 110 * MiB, peak_rss(proc.pid) / MiB
         assert proc.poll() is None

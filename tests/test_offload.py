@@ -39,7 +39,8 @@ def test_one_work_is_outstanding_at_a_time_and_the_next_starts_when_it_finishes(
     c.offload_joins = True
     works, out = [], []
     for i in range(3):
-        out += c.receive(chunk(f"r{i}", "prefill", 0, b"inflate:%d" % (40 * MiB), final=True), 0.0)
+        size = (40 + i // 2) * MiB  # r2 inflates the most: it is the biggest holder when the budget is full
+        out += c.receive(chunk(f"r{i}", "prefill", 0, b"inflate:%d" % size, final=True), 0.0)
         decisions = c.receive(chunk(f"r{i}", "decode", 0, b"d"), 0.0)
         works += split(decisions)[0]
     assert [w.request_id for w in works] == ["r0"]  # r1 waits its turn

@@ -94,6 +94,12 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     max_inflight: int = defaults.MAX_INFLIGHT
     max_buffered_chunks: int = defaults.MAX_BUFFERED_CHUNKS
     max_finished: int = defaults.MAX_FINISHED
+    # Bytes the finished ids may take (FINISHED_ENTRY_BYTES + the id's length each): long ids must
+    # not buy memory outside every budget. Past either bound the oldest are forgotten first.
+    max_finished_bytes: int = defaults.MAX_FINISHED_BYTES
+    # At max_inflight, the request without progress for longest is ended to admit a new one if it
+    # has been idle this long; else the new one is refused.
+    shed_min_idle: float = defaults.SHED_MIN_IDLE
     # Published bodies kept (by reference) per request for a possible migration; past this the
     # codec folds them into its compact progress state and they are released.
     max_retained_bytes: int = defaults.MAX_RETAINED_BYTES
@@ -127,6 +133,7 @@ class Stats(msgspec.Struct, gc=False):
     internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
     shed: int = 0  # requests ended (overloaded) because their partition held too many unacknowledged chunks
     over_cpu: int = 0  # requests ended because their joins used more than max_decode_cpu seconds of CPU
+    evicted: int = 0  # idle requests ended (overloaded) to admit a new one at max_inflight
 
     @property
     def results(self) -> int:
@@ -187,6 +194,7 @@ class _Request:
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
+_ENTRY = defaults.FINISHED_ENTRY_BYTES
 
 
 class Correlator:
@@ -215,6 +223,11 @@ class Correlator:
         self._finished: OrderedDict[str, float] = OrderedDict()
         self._grace = self.config.finished_grace
         self._max_finished = self.config.max_finished
+        self._max_finished_bytes = self.config.max_finished_bytes
+        self.finished_bytes = 0  # the finished ids' charge (FINISHED_ENTRY_BYTES + len(id) each)
+        # Error results of other requests ended to make room (the byte budget's biggest holders),
+        # decided deep inside one request's handling; the entry points put them first in their output.
+        self._aside: list[Decision] = []
         self._max_retained = self.config.max_retained_bytes
         self.charged_bytes = 0  # sum of every active request's buffered + absorbed + decoded bytes
         # When set (core mode), joins of chunks that need the prefill leg are returned as Work
@@ -246,13 +259,18 @@ class Correlator:
                 # Unary aggregated response: the common case gets no per-request state at all.
                 # (Aggregated bodies never reach a codec, so even an unknown format passes through.)
                 finished[rid] = now + self._grace
-                if len(finished) > self._max_finished:
-                    finished.popitem(last=False)
+                self.finished_bytes += _ENTRY + len(rid)
+                if len(finished) > self._max_finished or self.finished_bytes > self._max_finished_bytes:
+                    self._trim_finished()
                 stats.passthrough += 1
                 return [Result(rid, 0, chunk.body, True, _PASSTHROUGH, None, chunk.traceparent,
                                (chunk.token,))]
             if len(active) >= self.config.max_inflight:
-                return self._overloaded(chunk, now)
+                evicted = self._evict_idle(now)
+                if evicted is None:
+                    return self._overloaded(chunk, now)
+                stats.chunks -= 1
+                return evicted + self.receive(chunk, now)  # once: there is room now
             try:
                 codec = self._codec_for(chunk.format)
             except UnknownFormat as exc:
@@ -271,8 +289,12 @@ class Correlator:
                               f"chunk format {chunk.format!r} differs from the request's {req.format!r}",
                               now, extra=(chunk.token,))
         if chunk.role is _PREFILL:
-            return self._receive_prefill(req, chunk, now)
-        return self._receive_output(req, chunk, now)
+            out = self._receive_prefill(req, chunk, now)
+        else:
+            out = self._receive_output(req, chunk, now)
+        if self._aside:
+            out = self._take_aside(out)
+        return out
 
     def receive_agg(self, rid: str, seq: int, final: bool, body: bytes, traceparent: str | None,
                     now: float) -> bool:
@@ -293,8 +315,9 @@ class Correlator:
                 return False
             if final:  # unary: receive()'s branch for a new final seq-0 aggregated chunk
                 finished[rid] = now + self._grace
-                if len(finished) > self._max_finished:
-                    finished.popitem(last=False)
+                self.finished_bytes += _ENTRY + len(rid)
+                if len(finished) > self._max_finished or self.finished_bytes > self._max_finished_bytes:
+                    self._trim_finished()
                 stats.chunks += 1
                 stats.passthrough += 1
                 return True
@@ -512,7 +535,7 @@ class Correlator:
             _, waiting = self._queued.popitem(last=False)
             if self._active.get(waiting.request_id) is waiting:
                 out.extend(self._drain(waiting, now))
-        return out
+        return self._take_aside(out) if self._aside else out
 
     def knows(self, request_id: str) -> bool:
         """Whether the request is active or recently finished here (no recovery lookup needed)."""
@@ -535,7 +558,8 @@ class Correlator:
             tokens.extend(req.held)  # the prefill leg's tokens are held from the moment it arrives
             tokens.extend(c.token for c in req.pending.values())
         for rid in unstored:
-            self._finished.pop(rid, None)
+            if self._finished.pop(rid, None) is not None:
+                self.finished_bytes -= _ENTRY + len(rid)
         return [t for t in tokens if t is not None]
 
     def held_tokens(self, group: Callable[[str], int]) -> dict[int, int]:
@@ -598,7 +622,8 @@ class Correlator:
             if expiry > now and len(self._finished) <= cfg.max_finished:
                 break
             del self._finished[rid]
-        return out
+            self.finished_bytes -= _ENTRY + len(rid)
+        return self._take_aside(out) if self._aside else out
 
     def next_deadline(self) -> float | None:
         """The earliest time at which :meth:`tick` has something to do."""
@@ -933,9 +958,10 @@ class Correlator:
         if req.progress > cfg.max_buffered_bytes:
             detail = (f"the request's migration progress state ({req.progress} bytes of emitted tokens) passes "
                       f"the per-request bound of {cfg.max_buffered_bytes} bytes")
-        elif self.charged_bytes > cfg.max_total_bytes:
+        elif self.charged_bytes > cfg.max_total_bytes and self._make_room(req, 0, now):
             detail = (f"processor byte budget exhausted: {self.charged_bytes} of {cfg.max_total_bytes} bytes held "
-                      f"by requests in flight, {req.progress} of them by this request's migration progress state")
+                      f"by requests in flight, the most ({_held(req)} bytes) by this request, {req.progress} of them "
+                      "by its migration progress state")
         else:
             return None
         self.stats.over_budget += 1
@@ -1013,11 +1039,12 @@ class Correlator:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
                               f"more than {cfg.max_buffered_bytes} bytes of buffered chunks", now,
                               extra=(chunk.token,))
-        if self.charged_bytes + size > cfg.max_total_bytes:
+        if self.charged_bytes + size > cfg.max_total_bytes and self._make_room(req, size, now):
             self.stats.over_budget += 1
             return self._fail(req, ErrorKind.OVERLOADED,
                               f"processor byte budget exhausted: {self.charged_bytes} of {cfg.max_total_bytes} "
-                              "bytes held by requests in flight", now, extra=(chunk.token,))
+                              f"bytes held by requests in flight, and this request would hold the most "
+                              f"({_held(req) + size} bytes)", now, extra=(chunk.token,))
         req.buffered += size
         self.charged_bytes += size
         return None
@@ -1028,13 +1055,65 @@ class Correlator:
         decoded = session.retained_bytes() if session is not None else 0
         self.charged_bytes += decoded - req.decoded
         req.decoded = decoded
-        if self.charged_bytes <= self.config.max_total_bytes:
+        if self.charged_bytes <= self.config.max_total_bytes or not self._make_room(req, 0, now):
             return None
         self.stats.over_budget += 1
         held = self.charged_bytes
         return self._fail(req, ErrorKind.OVERLOADED,
                           f"processor byte budget exhausted: decoded payloads would hold {held} of "
-                          f"{self.config.max_total_bytes} bytes", now)
+                          f"{self.config.max_total_bytes} bytes, and this request the most ({_held(req)} bytes)", now)
+
+    def _make_room(self, req: _Request, need: int, now: float) -> bool:
+        """The global byte budget is short of ``need`` bytes: end the requests holding the most bytes
+        (``overloaded``; their results wait in ``_aside``) until it is not. True when ``req`` itself
+        holds the most (with ``need``), so it is the one to end. Like an OOM killer: the biggest
+        holder is the offender, so backlogs held under the per-request cap cannot refuse everyone
+        else. Ties go against ``req``; among others, the least recently progressed goes first.
+        O(requests in flight) per request ended."""
+        cfg = self.config
+        while self.charged_bytes + need > cfg.max_total_bytes:
+            most = _held(req) + need
+            victim = None
+            for other in self._active.values():
+                held = other.buffered + other.absorbed + other.decoded + other.progress
+                if held > most and other is not req:
+                    victim, most = other, held
+            if victim is None:
+                return True
+            self.stats.over_budget += 1
+            self._aside.extend(self._fail(
+                victim, ErrorKind.OVERLOADED,
+                f"processor byte budget exhausted: {self.charged_bytes + need} of {cfg.max_total_bytes} bytes wanted "
+                f"by requests in flight; this request held the most ({most} bytes) and was ended to make room", now))
+        return False
+
+    def _take_aside(self, out: list[Decision]) -> list[Decision]:
+        aside, self._aside = self._aside, []
+        aside.extend(out)
+        return aside
+
+    def _evict_idle(self, now: float) -> list[Decision] | None:
+        """``max_inflight`` is reached: end the request without progress for longest (``overloaded``)
+        if it has been idle ``shed_min_idle`` seconds, to admit a new one; None: refuse the new one.
+        Held requests that send nothing then cannot keep newcomers out, while a burst of new
+        requests (each progressing) does not evict one another. Duplicates and replays are not
+        progress, so re-sending them keeps nothing in."""
+        req = next(iter(self._active.values()))  # ordered by last progress
+        idle = now - req.last
+        if idle < self.config.shed_min_idle:
+            return None
+        self.stats.evicted += 1
+        return self._fail(req, ErrorKind.OVERLOADED,
+                          f"processor overloaded: {self.config.max_inflight} requests in flight (max_inflight) and "
+                          f"this one made no progress for {idle:.1f} s, the longest: ended to admit a new request", now)
+
+    def _trim_finished(self) -> None:
+        """Forget the oldest finished ids until both bounds hold (their late chunks are then taken
+        for a new request; docs/operations.md, "limits and abuse")."""
+        finished = self._finished
+        while finished and (len(finished) > self._max_finished or self.finished_bytes > self._max_finished_bytes):
+            rid, _ = finished.popitem(last=False)
+            self.finished_bytes -= _ENTRY + len(rid)
 
     def _release(self, req: _Request, *, keep_progress: bool = False) -> None:
         self.charged_bytes -= req.buffered + req.absorbed + req.decoded
@@ -1083,7 +1162,14 @@ class Correlator:
 
     def _remember_finished(self, rid: str, now: float) -> None:
         finished = self._finished
+        if rid not in finished:
+            self.finished_bytes += _ENTRY + len(rid)
         finished[rid] = now + self._grace
         finished.move_to_end(rid)
-        if len(finished) > self._max_finished:
-            finished.popitem(last=False)
+        if len(finished) > self._max_finished or self.finished_bytes > self._max_finished_bytes:
+            self._trim_finished()
+
+
+def _held(req: _Request) -> int:
+    """Bytes a request holds in the global byte budget."""
+    return req.buffered + req.absorbed + req.decoded + req.progress

@@ -17,6 +17,16 @@ FINISHED_GRACE = 60.0
 MAX_INFLIGHT = 10_000
 MAX_BUFFERED_CHUNKS = 4096
 MAX_FINISHED = 200_000
+# Bytes the finished-id table may take, each entry charged FINISHED_ENTRY_BYTES + len(id): an id's
+# str, its expiry float and the ordered dict's slot measured 164 bytes + the id on CPython 3.11
+# (tracemalloc, 100k entries of 16-256 chars). 200,000 ids of 256 chars took ~78 MiB; the default
+# keeps 200,000 uuid-sized ids and ~80,000 of the longest (256 chars).
+MAX_FINISHED_BYTES = 32 * 1024 * 1024
+FINISHED_ENTRY_BYTES = 164
+# Seconds without progress before a request in flight may be ended to admit a new one at
+# max_inflight: held requests that send nothing cannot keep newcomers out, and a burst of new
+# requests (each progressing within this) does not evict one another.
+SHED_MIN_IDLE = 1.0
 MAX_RETAINED_BYTES = 256 * 1024
 # Memory budgets that hold under attack (docs/operations.md, "limits and abuse"): bytes of buffered
 # chunk bodies per request, and buffered bodies + decoded payloads kept by join sessions across all
