@@ -4,10 +4,10 @@ the outcome back in order; it never starts a thread itself."""
 from __future__ import annotations
 
 import pytest
-from toy_codec import chunk, correlator, counting_correlator, errors
+from toy_codec import MigratingToyCodec, chunk, correlator, counting_correlator, errors
 
 from streamproc.core.correlator import Work
-from streamproc.wire import Result
+from streamproc.wire import Chunk, Result, Role
 
 MiB = 1 << 20
 
@@ -223,3 +223,119 @@ def test_an_offloaded_join_runs_at_a_lower_scheduling_priority_than_the_event_lo
     thread.join()
     assert seen == [min(19, loop_nice + JOIN_NICENESS)] and work.cpu >= 0
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_nice  # the caller's is untouched
+
+
+# ------------------------------------------------------------------ a resumed attempt's stitch
+
+class Driver:
+    """Feeds a correlator in order and runs each Work at once, as the join thread would, then
+    finishes it; ``in_work`` says whether a Work is running right now."""
+
+    def __init__(self, c) -> None:
+        self.c = c
+        self.results: list[Result] = []
+        self.works: list[Work] = []
+        self.in_work = False
+
+    def feed(self, chunks, now: float = 0.0) -> list[Result]:
+        start = len(self.results)
+        for ch in chunks:
+            decisions = self.c.receive(ch, now)
+            while decisions:
+                d = decisions.pop(0)
+                if isinstance(d, Work):
+                    self.works.append(d)
+                    self.in_work = True
+                    try:
+                        d.run()
+                    finally:
+                        self.in_work = False
+                    decisions += self.c.finish(d, now)
+                elif isinstance(d, Result):
+                    self.results.append(d)
+        return self.results[start:]
+
+
+@pytest.mark.parametrize("pd", [False, True], ids=["agg", "pd"])
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd", "vllm"])
+def test_a_resumed_attempts_chunks_are_stitched_in_work_with_the_bytes_of_the_inline_stitch(fmt, pd):
+    """A resumed attempt's stitch may inflate and splice rows (sglang-zstd decompresses them): with
+    joins offloaded it runs in its chunk's Work, after the join, never on the event loop, and
+    finish() publishes what the inline path publishes, byte for byte, without stitching again."""
+    from streamproc.catalog import Catalog, worker_for
+    from streamproc.core.correlator import Correlator, CorrelatorConfig
+    from streamproc.sim.simulation import make_truth
+    from streamproc.testing.harness import leg
+    from streamproc.wire import Role, Verdict
+
+    worker = worker_for(fmt)
+    truth = make_truth(7, request_id="m", prompt_len=40, output_len=12, chunk_sizes=[3, 3, 3, 3])
+    first = leg("m", Role.AGG, worker.agg(truth, stream=True))[:2]  # 6 tokens published, then it moves
+    if pd:
+        resumed = (leg("m", Role.PREFILL, worker.prefill_resumed(truth, 6, stream=True), attempt=1)
+                   + leg("m", Role.DECODE, worker.decode_resumed(truth, 6, stream=True), attempt=1))
+    else:
+        resumed = leg("m", Role.AGG, worker.agg_resumed(truth, 6, stream=True), attempt=1)
+    views = {}
+    for offload in (False, True):
+        c = Correlator(Catalog(), fmt, CorrelatorConfig())
+        c.offload_joins = offload
+        run = Driver(c)
+        run.feed(first)
+        reply, _ = c.migrate("m", 0.0)
+        assert reply.attempt == 1 and reply.emitted_tokens == 6
+        migration, stitched_in_work = c._active["m"].migration, []
+        stitch = migration.stitch
+        migration.stitch = lambda body, final: stitched_in_work.append(run.in_work) or stitch(body, final)
+        works_before = len(run.works)
+        later = run.feed(resumed)
+        assert len(later) == 2 and any(r.verdict is Verdict.STITCHED for r in later)
+        assert stitched_in_work == [offload] * len(later)  # once per result; in Work iff offloaded
+        if offload:  # every resumed result came out of finish(), one Work each
+            assert len(run.works) - works_before == len(later)
+        views[offload] = [(r.seq, r.final, r.verdict, r.error, r.body) for r in run.results]
+    assert views[True] == views[False]
+
+
+class FailingStitch(MigratingToyCodec):
+    """The migrating toy, whose stitch raises (a codec bug)."""
+
+    def open_migration(self):
+        session = super().open_migration()
+        session.stitch = lambda body, final: (_ for _ in ()).throw(RuntimeError("stitch bug"))
+        return session
+
+
+def resumed_toy(codec, offload: bool, **config):
+    """A toy request with one published result, migrated: its correlator and driver, at attempt 1."""
+    from streamproc.core.correlator import Correlator, CorrelatorConfig
+
+    c = Correlator(lambda name: codec, codec.name, CorrelatorConfig(**config))
+    c.offload_joins = offload
+    run = Driver(c)
+    run.feed([Chunk("m", Role.AGG, 0, b"1 2")])
+    c.migrate("m", 0.0)
+    return c, run
+
+
+def test_a_stitch_that_raises_in_work_ends_the_request_as_the_inline_stitch_does():
+    views = []
+    for offload in (False, True):
+        _, run = resumed_toy(FailingStitch(), offload)
+        run.feed([Chunk("m", Role.AGG, 0, b"3", True, attempt=1)])
+        assert len(run.works) == offload
+        views.append([(r.seq, r.final, r.verdict, r.error, r.body) for r in run.results])
+    assert views[0] == views[1] and views[0][-1][3] == "internal"
+
+
+def test_a_resumed_attempts_stitch_in_work_is_charged_to_the_decode_time_budget():
+    """The stitch may inflate rows: its Work's CPU counts, whatever the join session's decodes say."""
+    c, _ = resumed_toy(MigratingToyCodec(), True, max_decode_cpu=0.25)
+    ticks = iter([0.0, 0.2, 1.0, 1.2])  # each stitch takes 0.2 s of CPU
+    errors_seen = []
+    for seq in (0, 1):
+        (work,) = [d for d in c.receive(Chunk("m", Role.AGG, seq, b"3", seq == 1, attempt=1), 0.0)
+                   if isinstance(d, Work)]
+        work.run(ticks.__next__)
+        errors_seen += [(d.seq, d.error) for d in c.finish(work, 0.0) if isinstance(d, Result)]
+    assert errors_seen == [(1, None), (2, "overloaded")] and c.stats.over_cpu == 1

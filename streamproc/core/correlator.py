@@ -51,10 +51,10 @@ _STITCHED = Verdict.STITCHED
 class Work:
     """A decision: run :meth:`run` off the event loop (a worker thread), then hand this object to
     :meth:`Correlator.finish`. The join of a P/D chunk that carries sequence data (decompression,
-    row splicing) is the one piece of per-message work whose cost a client controls; the request
-    waits meanwhile (its later chunks queue), every other request goes on. The correlator stays
-    pure: it never starts a thread, it only says which call may run elsewhere and takes the outcome
-    back in order."""
+    row splicing) and a resumed attempt's stitch (which may inflate and splice rows too) are the
+    per-message work whose cost a client controls; the request waits meanwhile (its later chunks
+    queue), every other request goes on. The correlator stays pure: it never starts a thread, it
+    only says which call may run elsewhere and takes the outcome back in order."""
 
     __slots__ = ("request_id", "_job", "outcome", "cpu", "decodes")
 
@@ -64,7 +64,7 @@ class Work:
         self._job = job
         self.outcome: tuple[bytes, Verdict] | Exception | None = None
         self.cpu = 0.0  # seconds of CPU the job took, when run() was given a clock
-        self.decodes = decodes  # the session's decodes count when the join was handed out
+        self.decodes = decodes  # the session's decodes count when the join was handed out; None: charged
 
     def run(self, cpu_clock: Callable[[], float] | None = None) -> None:
         """Called once, in any thread; never raises (the outcome carries the exception).
@@ -78,6 +78,24 @@ class Work:
             self.outcome = exc
         if cpu_clock is not None:
             self.cpu = max(0.0, cpu_clock() - start)  # two clocks read apart: never below 0
+
+
+def _stitch(migration: MigrationSession, body: bytes, verdict: Verdict, final: bool) -> tuple[bytes, Verdict]:
+    """A resumed attempt's body (``verdict``: what its join did) continued from the earlier attempts;
+    an omission the join made stays the verdict."""
+    stitched = migration.stitch(body, final)
+    if stitched is None:
+        return body, verdict
+    return stitched[0], _OMITTED if verdict is _OMITTED else stitched[1]
+
+
+def _stitched(migration: MigrationSession, join: Callable[[bytes, bool], tuple[bytes, Verdict]] | None,
+              body: bytes, final: bool) -> tuple[bytes, Verdict]:
+    """A resumed attempt's chunk as the loop would publish it: joined (``join``; None for an
+    aggregated chunk), then stitched. Run as one :class:`Work`, so a stitch that inflates rows
+    (sglang-zstd) never runs on the event loop while offloading is on."""
+    joined, verdict = join(body, final) if join is not None else (body, _PASSTHROUGH)
+    return _stitch(migration, joined, verdict, final)
 
 
 # Stands in for the running Work while a finished join's request is drained with others waiting:
@@ -511,7 +529,9 @@ class Correlator:
             req.work = None
             # Only joins that decoded sequence data are charged (the codec's count of decodes grew,
             # or it does not count): the budget bounds inflation. A join that only copies the
-            # prefill leg's logprobs costs what a copy of one body costs, and is not charged.
+            # prefill leg's logprobs costs what a copy of one body costs, and is not charged. A Work
+            # that stitches is handed out with decodes None (the stitch's decodes are not the
+            # session's to count): always charged.
             decodes = req.session.decodes if req.session is not None else None
             if decodes is None or decodes != work.decodes:
                 req.cpu += work.cpu
@@ -815,6 +835,16 @@ class Correlator:
             return []
         return self._drain(req, now)
 
+    def _hand_out(self, req: _Request, job: Callable[[], tuple[bytes, Verdict]],
+                  decodes: int | None) -> list[Decision]:
+        """Run ``job`` (this chunk's join, stitch or both) off the loop: a :class:`Work` now, or the
+        request queued for its turn (one Work at a time, round robin) if another is running."""
+        if self._working is not None:
+            self._queued[req.request_id] = req
+            return []
+        req.work = self._working = Work(req.request_id, job, decodes)
+        return [req.work]
+
     def _drain(self, req: _Request, now: float) -> list[Decision]:
         """Publish every chunk that is next in order and ready."""
         out: list[Decision] = []
@@ -826,59 +856,69 @@ class Correlator:
             chunk = pending[req.next_seq]
             final = chunk.final
             try:
-                if req.kind is _AGG:
+                outcome = req.outcome
+                if outcome is not None:  # this chunk's join and stitch ran elsewhere (finish): final as is
+                    req.outcome = None
+                    if isinstance(outcome, Exception):
+                        raise outcome
+                    body, verdict = outcome
+                    session = req.session
+                    if session is not None and (req.decoded or session.retained_bytes()):
+                        over = self._check_decoded(req, now)
+                        if over is not None:
+                            out.extend(over)
+                            return out
+                elif req.kind is _AGG:
                     body, verdict = chunk.body, _PASSTHROUGH
+                    if req.attempt and self.offload_joins:
+                        out.extend(self._hand_out(req, functools.partial(
+                            _stitched, req.migration, None, chunk.body, final), None))
+                        return out
+                    if req.attempt:
+                        body, verdict = _stitch(req.migration, body, verdict, final)  # type: ignore[arg-type]
                 else:
                     session = self._session(req)
-                    outcome, req.outcome = req.outcome, None
-                    if outcome is not None:  # the join of this chunk ran elsewhere (finish)
-                        if isinstance(outcome, Exception):
-                            raise outcome
-                        body, verdict = outcome
-                    else:
-                        needs = session.needs_prefill(chunk.body, final)
-                        if needs and req.prefill_state is _PREFILL_OPEN:
-                            if req.waiting_since is None:
-                                req.waiting_since = now
-                                self._waiting[req.request_id] = req
-                            return out
-                        if not req.join_timed:
-                            # The wait for the prefill leg (if any) ends here, before the join runs
-                            # (inline, off the loop, or queued for the join thread): join_wait is the
-                            # wait alone, once per result, 0 when the leg was there.
-                            waited = req.waiting_since
-                            self.join_wait.observe(0.0 if waited is None else now - waited)
-                            req.waiting_since = None
-                            req.join_timed = True
-                        session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
-                        if needs and self.offload_joins:
-                            if self._working is not None:
-                                self._queued[req.request_id] = req
-                                return out
-                            req.work = self._working = Work(
-                                req.request_id, functools.partial(session.join, chunk.body, final),
-                                session.decodes)
-                            out.append(req.work)
-                            return out
-                        clock = self.join_clock
-                        if clock is None:
-                            body, verdict = session.join(chunk.body, final)
+                    needs = session.needs_prefill(chunk.body, final)
+                    if needs and req.prefill_state is _PREFILL_OPEN:
+                        if req.waiting_since is None:
+                            req.waiting_since = now
+                            self._waiting[req.request_id] = req
+                        return out
+                    if not req.join_timed:
+                        # The wait for the prefill leg (if any) ends here, before the join runs
+                        # (inline, off the loop, or queued for the join thread): join_wait is the
+                        # wait alone, once per result, 0 when the leg was there.
+                        waited = req.waiting_since
+                        self.join_wait.observe(0.0 if waited is None else now - waited)
+                        req.waiting_since = None
+                        req.join_timed = True
+                    session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
+                    if self.offload_joins and (needs or req.attempt):
+                        # A resumed attempt's stitch may inflate rows too: it runs after the join, in
+                        # the same job, and is always charged (its decodes are not the session's).
+                        if req.attempt:
+                            job = functools.partial(_stitched, req.migration, session.join, chunk.body, final)
+                            out.extend(self._hand_out(req, job, None))
                         else:
-                            started = clock()
-                            try:
-                                body, verdict = session.join(chunk.body, final)
-                            finally:
-                                self.join_seconds.observe(clock() - started)
+                            job = functools.partial(session.join, chunk.body, final)
+                            out.extend(self._hand_out(req, job, session.decodes))
+                        return out
+                    clock = self.join_clock
+                    if clock is None:
+                        body, verdict = session.join(chunk.body, final)
+                    else:
+                        started = clock()
+                        try:
+                            body, verdict = session.join(chunk.body, final)
+                        finally:
+                            self.join_seconds.observe(clock() - started)
                     if req.decoded or session.retained_bytes():
                         over = self._check_decoded(req, now)
                         if over is not None:
                             out.extend(over)
                             return out
-                if req.attempt:  # a resumed attempt: the codec makes it continue the earlier ones
-                    stitched = req.migration.stitch(body, final)  # type: ignore[union-attr]
-                    if stitched is not None:
-                        body = stitched[0]
-                        verdict = _OMITTED if verdict is _OMITTED else stitched[1]
+                    if req.attempt:  # a resumed attempt: the codec makes it continue the earlier ones
+                        body, verdict = _stitch(req.migration, body, verdict, final)  # type: ignore[arg-type]
             except Exception as exc:
                 out.extend(self._codec_failed(req, exc, now))
                 return out

@@ -70,9 +70,11 @@ class SGLangCodec(Codec):
                        limit: int = DEFAULT_MAX_DECOMPRESSED_BYTES) -> RoutedExperts:
         return experts.routed_experts(self, body, verdict, limit)
 
-    # Migration (``migration.py``). The stitch runs on the event loop while another request's join may
-    # run in the join thread, so it decodes with its own sequence codec instance: sglang-zstd's
-    # decompression context is not thread safe. Created on first use, shared by every migration session.
+    # Migration (``migration.py``). The stitch decodes with its own sequence codec instance, apart from
+    # the joins': sglang-zstd's decompression context is not thread safe. The processor runs every
+    # stitch in the join thread when it offloads joins (one at a time), inline otherwise; an embedder
+    # that mixes the two cannot make them share a context. Created on first use, shared by every
+    # migration session.
 
     def open_migration(self) -> MigrationSession:
         return migration.SGLangMigrationSession(self)
