@@ -162,8 +162,9 @@ def test_sglang_stitch_changes_nothing_when_nothing_was_emitted():
 
 @pytest.mark.parametrize("name", SGLANG_FORMATS)
 def test_sglang_stitch_decodes_with_its_own_sequence_codec_not_the_join_threads(name):
-    """The stitch runs on the event loop while another request's join may decode in the join thread;
-    sglang-zstd's decompression context is not thread safe, so the two never share an instance."""
+    """A stitch runs in the correlator (on the event loop when joins are not offloaded) and the joins'
+    sequence codec serves every join session; sglang-zstd's decompression context is not thread safe,
+    so the two never share an instance."""
     codec = Catalog()(name)
     joins = codec.sequences["routed_experts"]
     stitches = {id(codec.open_migration()._experts) for _ in range(3)}
