@@ -120,6 +120,21 @@ def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
     return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
 
 
+async def publish_repeated_joins(publish: Callable[..., Awaitable], request_id: str, prefill: bytes, decode: bytes,
+                                 joins: int) -> None:
+    """Publish a sglang-zstd P/D request whose prefill leg is ``prefill`` and whose ``joins`` decode
+    chunks each carry ``decode`` (every one a join): ``publish`` is a core ``nc.publish`` or a
+    JetStream ``js.publish``. The decode CPU budget tests' attacker."""
+    from streamproc.core.wire import Subjects, chunk_headers
+
+    subjects = Subjects()
+    await publish(subjects.chunk(request_id, "prefill"), prefill,
+                  headers=chunk_headers(request_id, "prefill", 0, final=True, format="sglang-zstd"))
+    for seq in range(joins):
+        await publish(subjects.chunk(request_id, "decode"), decode,
+                      headers=chunk_headers(request_id, "decode", seq, final=seq == joins - 1, format="sglang-zstd"))
+
+
 def expert_pd_legs(prompt: int = 900, output: int = 256) -> tuple[bytes, bytes]:
     """A real sglang-zstd P/D request with DeepSeek-V3-shaped expert rows (61 layers x top-8 of 256,
     random ids) on the final decode body: prefill's one body and decode's; both under 1 MiB at the

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
-from helpers import (NON_UTF8_HEADERS, broken_codec_site, expert_pd_legs, free_port, inflating_pd_legs, peak_rss, raw_hpub,
+from helpers import (NON_UTF8_HEADERS, broken_codec_site, expert_pd_legs, free_port, inflating_pd_legs, peak_rss, publish_repeated_joins, raw_hpub,
                      raw_protocol, rid, scrape, wait_until)
 
 from streamproc.core.wire import SEQ, Subjects, chunk_headers
@@ -447,11 +447,7 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
         try:
             js = nc.jetstream()
             heavy = rid("heavy")
-            await js.publish(SUBJECTS.chunk(heavy, "prefill"), prefill,
-                             headers=chunk_headers(heavy, "prefill", 0, final=True, format="sglang-zstd"))
-            for seq in range(20):
-                await js.publish(SUBJECTS.chunk(heavy, "decode"), decode,
-                                 headers=chunk_headers(heavy, "decode", seq, final=seq == 19, format="sglang-zstd"))
+            await publish_repeated_joins(js.publish, heavy, prefill, decode, 20)
             legit = [rid("ok") for _ in range(10)]
             for r in legit:
                 await publish_agg(js, r, 3)
@@ -489,11 +485,7 @@ async def test_the_decode_time_budget_counts_the_codecs_compression_threads_in_d
         try:
             js = nc.jetstream()
             burn = rid("burn")
-            await js.publish(SUBJECTS.chunk(burn, "prefill"), prefill,
-                             headers=chunk_headers(burn, "prefill", 0, final=True, format="sglang-zstd"))
-            for seq in range(12):
-                await js.publish(SUBJECTS.chunk(burn, "decode"), decode,
-                                 headers=chunk_headers(burn, "decode", seq, final=seq == 11, format="sglang-zstd"))
+            await publish_repeated_joins(js.publish, burn, prefill, decode, 12)
             legit = [rid("ok") for _ in range(10)]
             for r in legit:
                 await publish_agg(js, r, 3)

@@ -17,7 +17,7 @@ import nats
 import pytest
 from conftest import processor_subprocess
 from helpers import (NON_UTF8_HEADERS, broken_codec_site, expert_pd_legs, free_port, inflating_pd_legs,
-                     logprob_pd_legs, peak_rss, raw_hpub, raw_protocol,
+                     logprob_pd_legs, peak_rss, publish_repeated_joins, raw_hpub, raw_protocol,
                      scrape, wait_until)
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
@@ -371,11 +371,7 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
     async def attack(nc, i: int, ping) -> None:
         if i:
             return
-        await nc.publish(SUBJECTS.chunk("heavy", "prefill"), prefill,
-                         headers=chunk_headers("heavy", "prefill", 0, final=True, format="sglang-zstd"))
-        for seq in range(20):
-            await nc.publish(SUBJECTS.chunk("heavy", "decode"), decode,
-                             headers=chunk_headers("heavy", "decode", seq, final=seq == 19, format="sglang-zstd"))
+        await publish_repeated_joins(nc.publish, "heavy", prefill, decode, 20)
 
     with streamproc_run("--mode", "core", "--format", "sglang-zstd", "--max-decode-cpu", "0.2",
                         "--http-port", str(port)) as (proc, log_path):
@@ -408,11 +404,7 @@ async def test_the_decode_time_budget_counts_the_codecs_compression_threads(nats
     async def attack(nc, i: int, ping) -> None:
         if i:
             return
-        await nc.publish(SUBJECTS.chunk("burn", "prefill"), prefill,
-                         headers=chunk_headers("burn", "prefill", 0, final=True, format="sglang-zstd"))
-        for seq in range(12):
-            await nc.publish(SUBJECTS.chunk("burn", "decode"), decode,
-                             headers=chunk_headers("burn", "decode", seq, final=seq == 11, format="sglang-zstd"))
+        await publish_repeated_joins(nc.publish, "burn", prefill, decode, 12)
 
     with streamproc_run("--mode", "core", "--format", "sglang-zstd", "--format-option", "zstd_level=6,zstd_threads=2",
                         "--max-decode-cpu", "0.3", "--http-port", str(port)) as (proc, log_path):
@@ -619,11 +611,7 @@ async def test_a_requests_buffered_joins_take_turns_with_another_requests_join(n
 
             await nc.subscribe(SUBJECTS.all_results, cb=note)
             await nc.flush()
-            await nc.publish(SUBJECTS.chunk("heavy", "prefill"), prefill,
-                             headers=chunk_headers("heavy", "prefill", 0, final=True, format="sglang-zstd"))
-            for seq in range(20):
-                await nc.publish(SUBJECTS.chunk("heavy", "decode"), decode,
-                                 headers=chunk_headers("heavy", "decode", seq, final=seq == 19, format="sglang-zstd"))
+            await publish_repeated_joins(nc.publish, "heavy", prefill, decode, 20)
             await nc.publish(SUBJECTS.chunk("light", "prefill"), small_prefill,
                              headers=chunk_headers("light", "prefill", 0, final=True, format="sglang-zstd"))
             await nc.flush()
