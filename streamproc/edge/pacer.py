@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-OPENS_PER_PASS = 4  # measured against 1, 8 and unbounded in benchmarks/edge_open.py (docs/benchmarks.md)
+OPENS_PER_PASS = 4  # against 1, 2, 8 and unbounded: benchmarks/edge_open.py --per-pass (docs/benchmarks.md)
 
 
 class OpenPacer:
