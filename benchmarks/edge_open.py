@@ -8,7 +8,7 @@ client and edge stamps on one clock (``time.perf_counter``: CLOCK_MONOTONIC, sha
   connect      client: TCP connect (``asyncio.open_connection``) returned
   parsed       edge: request line and headers parsed (Uvicorn's ``on_headers_complete``)
   handler      edge: ``Edge.results`` entered (task start, Starlette routing)
-  auth         edge: capability checked (``Edge.authenticate``)
+  auth         edge: capability checked (``Edge.authenticate``; this branch: after the open's turn, edge/pacer.py)
   lookup       edge: results stream known (``StreamLookup.find``)
   subscribe    edge: SUB queued (core); main's JetStream path: the ordered consumer created (a round trip)
   flush        edge: PING/PONG round trip done (core: the subscription is live on the server)
