@@ -12,8 +12,11 @@ on the machine) and matched to its chunk's publish stamp by (request id, seq).
 Requests come in waves of ``--streams`` concurrent SSE streams (50 by default) of ``--chunks``
 chunks each. The SSE client opens wave n+1 while wave n is published, so no chunk is published to a
 stream that is not open yet (in core mode the edge sees only results published after the open),
-and it reports each open's time to response headers. The SSE client is a few lines of raw asyncio
-HTTP/1.1 (chunked transfer) rather than httpx: a client slower than the edge would measure itself.
+and it reports each open's time to response headers. ``--sse-clients 2`` gives the waves to two
+client processes in turn, so the process reading wave n's events is not the one opening wave n+1
+(a burst of 50 opens costs the Python client ~20 ms of CPU here, during which its own reads wait).
+The SSE client is a few lines of raw asyncio HTTP/1.1 (chunked transfer) rather than httpx: a
+client slower than the edge would measure itself.
 
 Per mode: first the pipeline's peak (several waves opened, then published as fast as possible;
 SSE events delivered / time from first publish to last event), then paced runs at 2,000 chunks/s
@@ -46,6 +49,7 @@ BIN = Path(sys.executable).parent
 RATE = 2000.0
 OPEN_SPREAD = 0.0  # --open-spread: seconds over which a paced run's wave opens its streams
 BASELINE_TREE: Path | None = None  # --baseline-tree: an edge from this source tree, beside ours
+SSE_CLIENTS = 1  # --sse-clients: SSE client processes; wave n is opened and read by client n % SSE_CLIENTS
 PROC_OF = {"edge": 1, "relay": 2, "base": 3}  # Mode.procs index of each SSE server
 
 
@@ -286,11 +290,11 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
     first) with the SSE client reading from ``target`` ("edge" or "relay", the bare Starlette
     relay); returns per-hop latencies and the SSE delivery rate."""
     import nats
-    out = tmp / f"{mode.mode}-{label}-{target}.json"
-    client = await asyncio.create_subprocess_exec(
+    outs = [tmp / f"{mode.mode}-{label}-{target}-{k}.json" for k in range(SSE_CLIENTS)]
+    clients = [await asyncio.create_subprocess_exec(
         sys.executable, str(Path(__file__).resolve()), "--sse-client", mode.url(target), "--out", str(out),
         "--open-spread", str(OPEN_SPREAD if rate is not None else 0.0),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for out in outs]
     nc = await nats.connect(mode.nats_url)
     published: dict[tuple[str, int], float] = {}
     floor: dict[tuple[str, int], float] = {}
@@ -308,7 +312,8 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
     await nc.flush()
     built = [build_wave(f"{label}{w}", streams, chunks) for w in range(waves)]
 
-    async def request_open(w: int) -> None:
+    async def request_open(w: int) -> None:  # wave w is opened and read by client w % SSE_CLIENTS
+        client = clients[w % len(clients)]
         client.stdin.write(f"open {w} {' '.join(built[w][0])}\n".encode())
         await client.stdin.drain()
 
@@ -316,6 +321,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
 
     async def wait_opened(w: int) -> None:
         # Waves opened together (the peak run opens them all first) may finish opening in any order.
+        client = clients[w % len(clients)]
         while str(w) not in opened_waves:
             line = (await asyncio.wait_for(client.stdout.readline(), 120)).decode().strip()
             if not line.startswith("opened "):
@@ -350,15 +356,22 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
             await nc.flush()
             if rate is not None and w + 1 < waves:
                 await wait_opened(w + 1)
-        client.stdin.write(b"quit\n")
-        await client.stdin.drain()
-        await asyncio.wait_for(client.wait(), 180)
+        for client in clients:
+            client.stdin.write(b"quit\n")
+            await client.stdin.drain()
+        for client in clients:
+            await asyncio.wait_for(client.wait(), 180)
         cpu = [cpu_seconds(p.pid) - c for p, c in zip(mode.procs, cpu0)]
-        data = json.loads(out.read_text())
+        data: dict = {"arrivals": [], "opened": [], "errors": []}
+        for out in outs:
+            for key, value in json.loads(out.read_text()).items():
+                if key in data:
+                    data[key] += value
     finally:
         await nc.close()
-        if client.returncode is None:
-            client.kill()
+        for client in clients:
+            if client.returncode is None:
+                client.kill()
     if data["errors"]:
         raise RuntimeError(f"SSE client errors: {data['errors'][:3]}")
     sse = {(rid, seq): t for rid, seq, t in data["arrivals"]}
@@ -497,6 +510,9 @@ def main() -> None:
     parser.add_argument("--open-spread", type=float, default=0.0,
                         help="paced runs: open each wave's streams evenly over this many seconds (default 0: "
                              "all at once); keep it under a wave's publish time (streams x chunks / rate)")
+    parser.add_argument("--sse-clients", type=int, default=1,
+                        help="SSE client processes, taking waves in turn (2: the next wave's opens are not made "
+                             "by the process reading this wave's events, whose reads would wait for them)")
     parser.add_argument("--baseline-tree", type=Path,
                         help="source tree whose edge joins the interleaved rounds (e.g. a checkout of main)")
     parser.add_argument("--json", type=Path)
@@ -506,8 +522,9 @@ def main() -> None:
     if args.sse_client:
         asyncio.run(sse_client(args.sse_client, args.out, args.open_spread))
         return
-    global OPEN_SPREAD, BASELINE_TREE
+    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS
     OPEN_SPREAD = args.open_spread
+    SSE_CLIENTS = max(1, args.sse_clients)
     BASELINE_TREE = args.baseline_tree.resolve() if args.baseline_tree else None
     report = asyncio.run(run(args))
     if args.json:

@@ -3,23 +3,28 @@
 A core-mode open answers its client only once nats-server has its subscription; the opens of one
 event-loop pass share one PING for that (``edge/barrier.py``). ``GET /v1/results/{id}`` is
 dispatched before Starlette's middleware and router (``EdgeApp``); everything else is Starlette's.
+A burst of opens is started a few per loop pass (``edge/pacer.py``), so open streams' events get
+through between them.
 Real nats-server, the edge's real ``ResultSource`` or a real ``streamproc edge`` process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
+import socket
 import time
 
 import httpx
 import nats.errors
 import pytest
-from edge_harness import publish_result, started_source, subscribed_subjects
+from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
 from helpers import rid
 
 from streamproc.core.wire import ResultInfo
+from streamproc.edge.pacer import OPENS_PER_PASS, OpenPacer
 from streamproc.edge.source import Lost
 from streamproc.wire import Subjects
 
@@ -183,3 +188,93 @@ async def test_a_closed_feeds_consumer_is_gone_from_the_stream_within_seconds(na
             await asyncio.sleep(0.1)
         assert (await jsm.stream_info(stream)).state.consumer_count == 0
         assert time.monotonic() - closed < 4.0
+
+
+def pass_counter() -> tuple[list[int], collections.abc.Callable[[], None]]:
+    """``count[0]``: the event-loop passes since the call (a callback first in every pass); call ``stop``."""
+    loop = asyncio.get_running_loop()
+    count, running = [0], [True]
+
+    def tick() -> None:
+        count[0] += 1
+        if running[0]:
+            loop.call_soon(tick)
+
+    loop.call_soon(tick)
+    return count, lambda: running.__setitem__(0, False)
+
+
+async def test_opens_of_one_pass_proceed_a_few_per_later_pass_in_arrival_order():
+    pacer = OpenPacer(3)
+    passes, stop = pass_counter()
+    went: list[tuple[int, int]] = []
+
+    async def open_(i: int) -> None:
+        await pacer.turn()
+        went.append((i, passes[0]))
+
+    await asyncio.gather(*(open_(i) for i in range(10)))  # all ten start in one pass
+    stop()
+    assert [i for i, _ in went] == list(range(10))
+    per_pass = collections.Counter(p for _, p in went)
+    assert sorted(per_pass.values()) == [1, 3, 3, 3]  # three per pass, each group in a later pass
+    assert pacer.paced == 7
+
+
+async def test_an_open_alone_does_not_wait_and_a_cancelled_waiter_takes_no_turn():
+    pacer = OpenPacer(1)
+    with pytest.raises(StopIteration):  # the first open of a pass proceeds without suspending
+        pacer.turn().send(None)
+    went: list[int] = []
+
+    async def open_(i: int) -> None:
+        await pacer.turn()
+        went.append(i)
+
+    tasks = [asyncio.create_task(open_(i)) for i in range(3)]
+    await asyncio.sleep(0)  # all three wait: the pass's one turn went to the open above
+    tasks[1].cancel()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert went == [0, 2]
+    assert not pacer.waiting
+
+
+def read_head(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+async def test_a_burst_of_opens_read_in_one_pass_is_paced_and_every_stream_is_live(nats_url, client):
+    subjects = Subjects("pace")
+    with running_edge(nats_url, "--prefix", "pace", "--max-streams-per-client", "1000") as edge:
+        ids = [rid(f"burst{i}") for i in range(4 * OPENS_PER_PASS)]
+        socks = [socket.create_connection(("127.0.0.1", edge.port), timeout=10) for _ in ids]
+        os.kill(edge.proc.pid, signal.SIGSTOP)  # every request is waiting when it runs again: one read pass
+        try:
+            wait_stopped(edge.proc.pid)
+            for sock, request_id in zip(socks, ids):
+                sock.sendall(f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+        finally:
+            os.kill(edge.proc.pid, signal.SIGCONT)
+        try:
+            for sock in socks:
+                assert read_head(sock).startswith(b"HTTP/1.1 200 ")
+            for i, request_id in enumerate(ids):  # published once every open answered: each one is live
+                await publish_result(client, subjects, request_id, 0, b'{"n":%d}' % i, final=True)
+            await client.flush()
+            for i, sock in enumerate(socks):
+                body = b""
+                while b"data: [DONE]" not in body:
+                    chunk = sock.recv(4096)
+                    assert chunk, body
+                    body += chunk
+                assert b'data: {"n":%d}' % i in body
+        finally:
+            for sock in socks:
+                sock.close()
+        assert edge.metrics()["streamproc_edge_opens_paced_total"] >= len(ids) - 2 * OPENS_PER_PASS

@@ -57,6 +57,7 @@ from ..metrics import CONTENT_TYPE, exposition, registry_for
 from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
 from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
+from . import pacer
 from .direct import DirectFrames, UvicornBody, WriteBatch
 from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
@@ -231,6 +232,7 @@ class Edge:
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
         self.write_batch = WriteBatch()  # the fan-out's direct frames of one loop pass (direct.py)
+        self.pacer = pacer.OpenPacer(pacer.OPENS_PER_PASS)  # a burst of opens leaves room for events (pacer.py)
         self.heap = HeapTrimmer()
         self.stats = StatsSource(self.metrics, settings.processor_metrics_urls(), sees_all_results=settings.recent > 0)
         # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
@@ -268,6 +270,9 @@ class Edge:
     # ------------------------------------------------------------------ routes
 
     async def results(self, request: Request) -> Response:
+        pacer = self.pacer
+        await pacer.turn()
+        self.metrics.opens_paced = pacer.paced
         request_id = request.path_params["request_id"]
         try:
             check_request_id(request_id)

@@ -22,6 +22,7 @@ class EdgeMetrics(msgspec.Struct):
     """Counters (rendered with ``_total``) and gauges of one edge process; HELP texts are in ``_HELP``."""
 
     streams_opened: int = 0
+    opens_paced: int = 0
     streams_rejected: int = 0
     streams_rejected_client: int = 0
     streams_overrun: int = 0
@@ -64,6 +65,8 @@ class EdgeMetrics(msgspec.Struct):
 
 _HELP: dict[str, tuple[str, str]] = {
     "streams_opened": ("counter", "result streams opened (SSE and unary)"),
+    "opens_paced": ("counter", "result requests that waited for a later event-loop pass because more "
+                               "opens came in one pass than the edge starts per pass (edge/pacer.py)"),
     "streams_rejected": ("counter", "requests refused with 503 because --max-streams streams were open"),
     "streams_rejected_client": ("counter", "requests refused with 429 because their client had "
                                            "--max-streams-per-client streams open"),
