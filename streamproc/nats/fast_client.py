@@ -477,7 +477,9 @@ class FastClient(RobustClient):
         self._pending_data_size = 0
         now = asyncio.get_running_loop().time()
         self._wrote(commands, now)
-        if self.pause_reads and written < PAUSE_READS_BELOW:
+        if self.pause_reads and written < PAUSE_READS_BELOW and self.write_gap() >= self.flush_interval:
+            # Not with a shortened gap: commands come fast enough, and a pause would only idle a
+            # loop that has work (at peak drain, writes between two reads fell under 8 KiB).
             self._pause_reading(writer, now)
 
     # With pause_reads (and a flush interval), reading stops after each timer write until the next
@@ -493,7 +495,7 @@ class FastClient(RobustClient):
             transport.pause_reading()
         except Exception:  # noqa: BLE001  (closing, or a transport without flow control: read as usual)
             return
-        self._resume_timer = asyncio.get_running_loop().call_at(now + self.write_gap(), self._resume_reading)
+        self._resume_timer = asyncio.get_running_loop().call_at(now + self.flush_interval, self._resume_reading)
 
     def _resume_reading(self) -> None:
         self._resume_timer = None
