@@ -424,3 +424,22 @@ async def test_publishes_coming_faster_than_the_interval_gathers_them_leave_afte
     gaps = [b - a for a, b in zip(late, late[1:])]
     assert max(gaps) < 0.2  # not the 0.4 s interval: writes every ~50 ms
     assert nc.write_gap() == pytest.approx(0.05)
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_reads_pause_after_a_small_write_at_light_load_but_not_while_the_gap_is_shortened(fast_client):
+    nc = fast_client
+    nc.flush_interval = 0.4
+    nc.pause_reads = True
+    nc.coalesce_commands = 2
+    await asyncio.sleep(0.5)
+    nc.enqueue("pause", b"alone")  # after a quiet spell: written at once, then reads pause
+    await _until(lambda: nc._resume_timer is not None)
+    await _until(lambda: nc._resume_timer is None)  # resumed after the interval
+    for n in range(150):  # a publish every 10 ms: the gap falls to its floor
+        nc.enqueue("pause", b"%d" % n)
+        await asyncio.sleep(0.01)
+        if n > 100:
+            assert nc.write_gap() < nc.flush_interval and nc._resume_timer is None

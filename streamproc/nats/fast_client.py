@@ -221,12 +221,11 @@ class FastClient(RobustClient):
     def _wrote(self, commands: int, now: float) -> None:
         """Account a write of ``commands`` at ``now`` for :meth:`write_gap` (smoothed over ~5 writes)."""
         interval = self.flush_interval
-        if interval <= 0:
-            return
-        since = min(now - self._last_write, 8 * interval)  # a quiet spell counts as a long gap, not its length
-        self._rate_commands += (commands - self._rate_commands) * 0.2
-        self._rate_seconds += (since - self._rate_seconds) * 0.2
-        self._gap = adaptive_gap(interval, self._rate_commands, self._rate_seconds, self.coalesce_commands)
+        if interval > 0:
+            since = min(now - self._last_write, 8 * interval)  # a quiet spell counts as a long gap, not its length
+            self._rate_commands += (commands - self._rate_commands) * 0.2
+            self._rate_seconds += (since - self._rate_seconds) * 0.2
+            self._gap = adaptive_gap(interval, self._rate_commands, self._rate_seconds, self.coalesce_commands)
         self._last_write = now
 
     async def _flusher(self) -> None:
