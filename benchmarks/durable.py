@@ -9,7 +9,9 @@ both contenders read the same stream configuration and store their results the s
 - Peak: the chunk stream is filled with the load first, then the contender starts; throughput is
   chunks / (first result .. last result) at a core subscriber, CPU is the contender's own.
 - Latency: at half of streamproc's peak rate, chunks are published live (paced); latency is a
-  result's arrival at a core subscriber minus its chunk's publish time, for both contenders.
+  result's arrival at a core subscriber minus its chunk's publish time, for both contenders; also
+  per seq within a request (a request's chunks are published back to back, and its results leave
+  one PubAck after another, so the tail is the last seqs of the longest requests).
 
 - Paced (``--paced 2000``): only the light-load figure: both contenders get the same paced rate,
   rounds alternate, and the CPU per chunk of the contender and of nats-server is printed beside
@@ -177,6 +179,19 @@ class Paced(NamedTuple):
     chunks: int
     cpu_us: float  # contender CPU per chunk, from the first paced publish to the last result
     server_cpu_us: float  # nats-server CPU per chunk over the same window
+    # (seq, p50 ms, p99 ms) per seq within a request: a request's next result leaves after its
+    # predecessor's PubAck, so latency grows with seq by one PubAck hop per result (the chain)
+    by_seq: tuple[tuple[int, float, float], ...] = ()
+
+
+def _p50_p99(xs: list[float]) -> tuple[float, float]:
+    """p50 and p99 in ms of latencies in seconds."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2] * 1e3, xs[int(len(xs) * 0.99)] * 1e3
+
+
+def by_seq_line(r: Paced) -> str:
+    return "  by seq in request, p50/p99 ms: " + ", ".join(f"{k}: {a:.1f}/{b:.1f}" for k, a, b in r.by_seq)
 
 
 async def latency(name: str, load, rate: float, seconds: float) -> Paced:
@@ -191,6 +206,7 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
             load = load[:count]
             sent: dict[tuple[str, str], float] = {}
             lat: list[float] = []
+            by_seq: dict[int, list[float]] = {}
             warm = asyncio.Event()
             done = asyncio.Event()
             cut = len(f"{settings.prefix}.results.")
@@ -201,9 +217,11 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
                 if rid == "warmup":
                     warm.set()
                     return
-                t0 = sent.pop((rid, msg.headers["Streamproc-Seq"]), None)
+                seq = msg.headers["Streamproc-Seq"]
+                t0 = sent.pop((rid, seq), None)
                 if t0 is not None:
                     lat.append(now - t0)
+                    by_seq.setdefault(int(seq), []).append(now - t0)
                     if len(lat) == count:
                         done.set()
 
@@ -234,7 +252,8 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
             cpu, server_cpu = cpu_seconds(proc.pid) - cpu0, cpu_seconds(server_pid) - server0
             lat.sort()
             n = len(lat)
-            return Paced(lat[n // 2] * 1e3, lat[int(n * 0.99)] * 1e3, n, cpu / n * 1e6, server_cpu / n * 1e6)
+            seqs = tuple((k, *_p50_p99(v)) for k, v in sorted(by_seq.items()))
+            return Paced(*_p50_p99(lat), n, cpu / n * 1e6, server_cpu / n * 1e6, seqs)
         finally:
             await nc.close()
             if proc is not None:
@@ -267,6 +286,7 @@ async def run(args) -> None:
         r = await latency(name, live, offered, args.latency_seconds)
         print(f"{name:12} p50 {r.p50:7.2f} ms   p99 {r.p99:7.2f} ms   ({r.chunks} chunks; cpu us/chunk "
               f"{r.cpu_us:.1f}, nats-server {r.server_cpu_us:.1f})")
+        print(by_seq_line(r))
     print("target: streamproc >= 2.0 x jsrelay (peak chunks/s); p99 <= 20 ms at half of peak")
 
 

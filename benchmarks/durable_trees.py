@@ -49,6 +49,7 @@ async def paced(args: argparse.Namespace, trees: dict[str, str]) -> None:
             runs[name].append(p)
             print(f"  round {r} {name}: {p.cpu_us:.1f} us CPU/chunk, nats-server {p.server_cpu_us:.1f}, "
                   f"p50 {p.p50:.2f} ms, p99 {p.p99:.2f} ms", flush=True)
+            print(f"  {durable.by_seq_line(p)}", flush=True)
     for name, xs in runs.items():
         print(f"{name}: median {statistics.median(x.cpu_us for x in xs):.1f} us CPU/chunk, nats-server "
               f"{statistics.median(x.server_cpu_us for x in xs):.1f}, p50 {statistics.median(x.p50 for x in xs):.2f} ms, "

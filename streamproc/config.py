@@ -251,7 +251,8 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     flush_interval: Annotated[float, documented("durable: least seconds between two writes to NATS, and after "
                                           "a write before the connection is read again; publishes within it leave "
                                           "together in one write, arrivals are read together (less CPU per chunk "
-                                          "at light load, up to this much more latency per hop when busy); 0 "
+                                          "at light load, up to this much more latency per hop when busy); "
+                                          "shortened, down to an eighth, when a dozen commands arrive sooner; 0 "
                                           "writes and reads at once", ge=0, le=0.05)] = defaults.FLUSH_INTERVAL
     ack_linger: Annotated[float, documented("durable: seconds acks, in-progress acks, NAKs and pull requests may "
                                       "wait to leave with the next result's write (0: each is written at "

@@ -22,7 +22,7 @@ from streamproc.client.results import follow
 from streamproc.core.wire import (Role, Subjects, chunk_headers, result_block, result_header_block, result_headers, Result,
                                   Verdict)
 from streamproc.nats import fast_client
-from streamproc.nats.fast_client import (FastClient, _stock_header_block, encode_header_block, fast_path_support,
+from streamproc.nats.fast_client import (FastClient, adaptive_gap, _stock_header_block, encode_header_block, fast_path_support,
                                          new_client)
 from streamproc.nats.robust import RobustClient
 
@@ -394,3 +394,52 @@ async def test_publishes_within_the_flush_interval_of_a_write_leave_together_aft
     assert [d for d, _ in got] == [b"x", b"y", b"z"]
     assert got[1][1] - got[0][1] >= 0.35  # not before the interval ran out
     assert got[2][1] - got[1][1] < 0.05  # y and z in one write
+
+
+def test_the_write_gap_is_the_flush_interval_at_light_load_and_shrinks_with_the_write_rate():
+    # 2 ms interval, 12 commands per write wanted: 8 commands every 2 ms (2,000 chunks/s, a result
+    # and an ack each) keep the whole interval; 36 every 2 ms (9,000 chunks/s) wait a third of it;
+    # a drain never goes below an eighth; nothing measured yet: the interval.
+    assert adaptive_gap(0.002, 8, 0.002, 12) == 0.002
+    assert adaptive_gap(0.002, 36, 0.002, 12) == pytest.approx(0.002 / 3)
+    assert adaptive_gap(0.002, 1000, 0.002, 12) == 0.002 / 8
+    assert adaptive_gap(0.002, 0, 0, 12) == 0.002
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_publishes_coming_faster_than_the_interval_gathers_them_leave_after_a_shorter_gap(client, fast_client):
+    got, _ = await _arrivals(client, "gap")
+    nc = fast_client
+    nc.flush_interval = 0.4
+    nc.coalesce_commands = 2  # a publish every 10 ms brings 2 in 20 ms: the gap falls to its floor, 50 ms
+    for n in range(200):
+        await nc.publish("gap", b"%d" % n)
+        await asyncio.sleep(0.01)
+    while len(got) < 200:
+        await asyncio.sleep(0.01)
+    assert [d for d, _ in got] == [b"%d" % n for n in range(200)]
+    late = [t for _, t in got[100:]]  # after the first second the rate is known
+    gaps = [b - a for a, b in zip(late, late[1:])]
+    assert max(gaps) < 0.2  # not the 0.4 s interval: writes every ~50 ms
+    assert nc.write_gap() == pytest.approx(0.05)
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_reads_pause_after_a_small_write_at_light_load_but_not_while_the_gap_is_shortened(fast_client):
+    nc = fast_client
+    nc.flush_interval = 0.4
+    nc.pause_reads = True
+    nc.coalesce_commands = 2
+    await asyncio.sleep(0.5)
+    nc.enqueue("pause", b"alone")  # after a quiet spell: written at once, then reads pause
+    await _until(lambda: nc._resume_timer is not None)
+    await _until(lambda: nc._resume_timer is None)  # resumed after the interval
+    for n in range(150):  # a publish every 10 ms: the gap falls to its floor
+        nc.enqueue("pause", b"%d" % n)
+        await asyncio.sleep(0.01)
+        if n > 100:
+            assert nc.write_gap() < nc.flush_interval and nc._resume_timer is None

@@ -59,7 +59,8 @@ MAX_RESULT_ATTEMPTS = 100  # refusals + unanswered sends of one result before it
 ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
 # Durable processor's writes (docs/benchmarks.md, target 4): at least FLUSH_INTERVAL seconds between
 # two writes, acks/NAKs/pulls wait up to ACK_LINGER for a result's write. At 2,000 chunks/s one write
-# then carries a few chunks' results, acks and pulls instead of one each.
+# then carries a few chunks' results, acks and pulls instead of one each. Faster than that, the gap
+# shrinks (FastClient.write_gap: about a dozen commands per write, at least FLUSH_INTERVAL / 8).
 FLUSH_INTERVAL = 0.002
 ACK_LINGER = 0.005
 # Deliveries of one chunk before it is poison: its request ends with an error result and the chunk

@@ -204,6 +204,29 @@ class FastClient(RobustClient):
     # its own wakeups and writes for its result and its ack (docs/benchmarks.md, target 4).
     flush_interval = 0.0
     _last_write = 0.0
+    # The interval adapts to the write rate (write_gap): it is there to gather about this many
+    # commands (results, acks) per write; when they come faster, waiting the whole interval only
+    # adds latency per hop (a request's next result leaves after its predecessor's PubAck, so a
+    # request of n chunks pays about n - 1 gaps), and the writes are large enough anyway.
+    coalesce_commands = 12
+    _gap = 0.0  # the current least seconds between two writes (0: flush_interval, nothing measured yet)
+    _rate_commands = 0.0  # smoothed commands per write
+    _rate_seconds = 0.0  # smoothed seconds between writes
+
+    def write_gap(self) -> float:
+        """Least seconds between two writes now: ``flush_interval``, shortened to the time
+        ``coalesce_commands`` take to arrive at the recent write rate, never below an eighth of it."""
+        return self._gap or self.flush_interval
+
+    def _wrote(self, commands: int, now: float) -> None:
+        """Account a write of ``commands`` at ``now`` for :meth:`write_gap` (smoothed over ~5 writes)."""
+        interval = self.flush_interval
+        if interval > 0:
+            since = min(now - self._last_write, 8 * interval)  # a quiet spell counts as a long gap, not its length
+            self._rate_commands += (commands - self._rate_commands) * 0.2
+            self._rate_seconds += (since - self._rate_seconds) * 0.2
+            self._gap = adaptive_gap(interval, self._rate_commands, self._rate_seconds, self.coalesce_commands)
+        self._last_write = now
 
     async def _flusher(self) -> None:
         # nats-py 2.16 Client._flusher, plus the interval: the kicks that arrive while it waits are
@@ -220,17 +243,18 @@ class FastClient(RobustClient):
             try:
                 interval = self.flush_interval
                 if interval > 0:
-                    wait = self._last_write + interval - loop.time()
+                    wait = self._last_write + self.write_gap() - loop.time()
                     if wait > 0:
                         await asyncio.sleep(wait)
                         while not queue.empty():
                             futures.append(queue.get_nowait())
                 if self._pending_data_size > 0:
+                    commands = len(self._pending)
                     self._transport.writelines(self._pending[:])
                     self._pending = []
                     self._pending_data_size = 0
                     if interval > 0:
-                        self._last_write = loop.time()
+                        self._wrote(commands, loop.time())
                     await self._transport.drain()
             except OSError as e:
                 await self._error_cb(e)
@@ -379,10 +403,11 @@ class FastClient(RobustClient):
         # still in _pending: with a flush interval they may wait there, and flush() would return
         # before they left. Write them first, so a PONG still means "everything before it arrived".
         if self.flush_interval > 0 and self._pending_data_size > 0 and self._transport is not None:
+            commands = len(self._pending)
             self._transport.writelines(self._pending[:])
             self._pending = []
             self._pending_data_size = 0
-            self._last_write = asyncio.get_running_loop().time()
+            self._wrote(commands, asyncio.get_running_loop().time())
         await super()._send_ping(future)
 
     # Seconds a deferred publish (publish_deferred) may wait for another write to take it along.
@@ -423,10 +448,10 @@ class FastClient(RobustClient):
     _write_timer: asyncio.TimerHandle | None = None
 
     def _write_soon(self) -> None:
-        """Write ``_pending`` at the next allowed time (``_last_write + flush_interval``)."""
+        """Write ``_pending`` at the next allowed time (``_last_write + write_gap()``)."""
         if self._write_timer is None:
             loop = asyncio.get_running_loop()
-            self._write_timer = loop.call_at(max(loop.time(), self._last_write + self.flush_interval),
+            self._write_timer = loop.call_at(max(loop.time(), self._last_write + self.write_gap()),
                                              self._write_now)
 
     def _write_now(self) -> None:
@@ -446,10 +471,14 @@ class FastClient(RobustClient):
                 queue.put_nowait(asyncio.get_running_loop().create_future())
             return
         written = self._pending_data_size
+        commands = len(self._pending)
         self._pending = []
         self._pending_data_size = 0
-        self._last_write = now = asyncio.get_running_loop().time()
-        if self.pause_reads and written < PAUSE_READS_BELOW:
+        now = asyncio.get_running_loop().time()
+        self._wrote(commands, now)
+        if self.pause_reads and written < PAUSE_READS_BELOW and self.write_gap() >= self.flush_interval:
+            # Not with a shortened gap: commands come fast enough, and a pause would only idle a
+            # loop that has work (at peak drain, writes between two reads fell under 8 KiB).
             self._pause_reading(writer, now)
 
     # With pause_reads (and a flush interval), reading stops after each timer write until the next
@@ -527,6 +556,14 @@ class FastClient(RobustClient):
             await self._flush_pending(force_flush=True)
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
+
+
+def adaptive_gap(interval: float, commands: float, seconds: float, target: int) -> float:
+    """Least seconds between two writes: the time ``target`` commands take to arrive at the rate
+    ``commands`` per ``seconds`` (smoothed, per write), within [``interval`` / 8, ``interval``]."""
+    if commands <= 0 or seconds <= 0:
+        return interval
+    return min(interval, max(interval / 8, target * seconds / commands))
 
 
 _support: tuple[bool, str] | None = None
