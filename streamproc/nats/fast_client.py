@@ -46,6 +46,7 @@ from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
+from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
 
 log = logging.getLogger("streamproc.nats")
@@ -244,6 +245,31 @@ class FastClient(RobustClient):
                     if not future.done():
                         future.set_result(None)
 
+    def __init__(self) -> None:
+        super().__init__()
+        global _parser_ok
+        if _parser_ok is None:
+            _parser_ok = parser_support()
+            if not _parser_ok[0]:
+                log_event(log, logging.WARNING, "nats_fast_parser_disabled", reason=_parser_ok[1])
+        if _parser_ok[0]:
+            self._ps = FastParser(self)
+
+    def _msg_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> Any:
+        """``_process_msg`` without a coroutine, for :class:`FastParser`: None when done, a
+        ``SlowConsumerError`` for the error callback, or ``LATER`` (nothing done): await
+        ``_process_msg`` (JetStream, old-style requests, unknown sids, inline status lines)."""
+        sub = self._subs.get(sid)
+        if sub is None or sub._jsi is not None or sub._future is not None:
+            return LATER
+        if not headers:
+            hdr = None
+        elif len(headers) > 10 and headers[8] != 32:
+            hdr = parse_header_block(headers)
+        else:
+            return LATER
+        return self._accept(sub, sid, subject, reply, data, headers, hdr)
+
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,
                            headers: bytes | None) -> None:
         # nats-py 2.16 Client._process_msg, for a plain subscription: stats, max_msgs, headers,
@@ -251,6 +277,20 @@ class FastClient(RobustClient):
         sub = self._subs.get(sid)
         if sub is None or sub._jsi is not None or sub._future is not None:
             return await super()._process_msg(sid, subject, reply, data, headers)
+        if not headers:
+            hdr = None
+        elif len(headers) > 10 and headers[8] != 32:
+            hdr = parse_header_block(headers)
+        else:  # inline status line, or too short to hold a header: nats-py's own parser (never suspends)
+            hdr = await self._process_headers(headers)
+        slow = self._accept(sub, sid, subject, reply, data, headers, hdr)
+        if slow is not None:
+            await self._error_cb(slow)
+
+    def _accept(self, sub: Any, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None,
+                hdr: dict[str, str] | None) -> Any:
+        """The rest of ``Client._process_msg`` for a plain subscription, in its order, without
+        awaiting: the ``SlowConsumerError`` to hand to the error callback, or None."""
         payload_size = len(data)
         stats = self.stats
         stats["in_msgs"] += 1
@@ -258,12 +298,6 @@ class FastClient(RobustClient):
         sub._received += 1
         if sub._max_msgs > 0 and sub._received >= sub._max_msgs:
             self._subs.pop(sid, None)
-        if not headers:
-            hdr = None
-        elif len(headers) > 10 and headers[8] != 32:
-            hdr = parse_header_block(headers)
-        else:  # inline status line, or too short to hold a header: nats-py's own parser
-            hdr = await self._process_headers(headers)
         text = subject.decode("utf-8", "surrogateescape")
         handler = self._inline.get(sid) if self._inline else None
         # Inline delivery (see deliver_inline): only with nothing of this subscription queued or
@@ -277,29 +311,28 @@ class FastClient(RobustClient):
                 and self._flusher_task is not None and not self._flusher_task.done()):
             try:
                 if handler(text, reply.decode("utf-8", "surrogateescape") if reply else "", hdr, data):
-                    return
+                    return None
             except Exception as exc:  # noqa: BLE001  (never into nats-py's read loop)
                 # Handlers catch their own errors; one that escapes drops the message, which JetStream
                 # redelivers after ack_wait (a chunk) or the outbox resends for (a PubAck).
                 log_event(log, logging.ERROR, "inline_handler_failed", subject=text, error=error_text(exc))
-                return
+                return None
         if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
             msg = Msg(self, text, reply.decode("utf-8", "surrogateescape"), data, hdr, None, False, sid)
         else:
             msg = self._build_message(sid, subject, reply, data, hdr)
             if not msg:
-                return
+                return None
         try:
             sub._pending_size += payload_size
             if sub._pending_bytes_limit > 0 and sub._pending_size >= sub._pending_bytes_limit:
                 sub._pending_size -= payload_size
-                await self._error_cb(
-                    errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
-                return
+                return errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub)
             sub._pending_queue.put_nowait(msg)
         except asyncio.QueueFull:
             sub._pending_size -= len(msg.data)
-            await self._error_cb(errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
+            return errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub)
+        return None
 
     _inline: dict[int, Any] | None = None
 
@@ -530,6 +563,7 @@ class FastClient(RobustClient):
 
 
 _support: tuple[bool, str] | None = None
+_parser_ok: tuple[bool, str] | None = None
 
 
 def new_client() -> RobustClient:
