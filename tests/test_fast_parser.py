@@ -180,6 +180,20 @@ def test_the_fast_parser_mirrors_the_installed_grammar():
     assert type(FastClient()._ps) is FastParser
 
 
+def test_a_parser_grammar_other_than_the_mirrored_one_gets_the_stock_parser_and_a_warning(monkeypatch, caplog):
+    from nats.protocol import parser as nats_parser
+
+    from streamproc.nats import fast_client
+
+    monkeypatch.setattr(nats_parser, "MSG_RE", nats_parser.re.compile(rb"\AMSG\s+(\S+)\s+(\S+)\s+((\S+)\s+)?(\d+)\r\n"))
+    monkeypatch.setattr(fast_client, "_parser_ok", None)
+    with caplog.at_level("WARNING", logger="streamproc.nats"):
+        client = FastClient()
+    assert type(client._ps) is Parser
+    assert parser_support() == (False, "parser internals differ: MSG_RE (robust.py's)")
+    assert "nats_fast_parser_disabled" in caplog.text
+
+
 @settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(_stream, st.lists(st.integers(0, 2**31), max_size=12), st.booleans())
 def test_random_frames_cut_anywhere_give_the_stock_parsers_calls_errors_and_state(frames, points, reset_on_pong):

@@ -1,4 +1,4 @@
-"""nats-py's per-message header work in C-level string operations (issue 14, passthrough target).
+"""nats-py's per-message work in C-level bytes and string operations (issue 14, targets 1 and 2).
 
 Issue 14's py-spy profile of both the processor and a bare nats-py relay put ~10 µs of every message in
 pure-Python header work inside nats-py 2.16: ``any(c.isspace() for c in key)`` per received header
@@ -24,9 +24,17 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   input's chunks and PubAcks; ~1 µs a message of queue, ``Msg`` and coroutine saved).
   :meth:`FastClient.publish_block_nowait` and :meth:`FastClient.enqueue` are its publishes, made
   safe by the checks before the call.
+- **Read loop**: the client's protocol parser is :class:`~streamproc.nats.fast_parser.FastParser`
+  (when nats-py's grammar is the one it mirrors, :func:`~streamproc.nats.fast_parser.parser_support`):
+  MSG/HMSG frames are cut from each socket read with ``find``/``split``/slices and handed to
+  :meth:`FastClient._msg_now`, the plain-subscription part of ``_process_msg`` as a plain call (no
+  coroutine per message; the same counts, pending limits, slow-consumer errors and order); what it
+  declines (JetStream, old-style requests, unknown sids, inline status lines) is awaited through
+  ``_process_msg``, and every other frame goes to nats-py's own ``Parser``.
 
 The wire bytes and errors are pinned against stock nats-py on random headers
-(tests/test_fast_client.py). The fast path is used only for nats-py versions in
+(tests/test_fast_client.py), the parser's calls, errors and state against nats-py's ``Parser`` on
+random frames cut at random reads (tests/test_fast_parser.py). The fast path is used only for nats-py versions in
 :data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`);
 otherwise :func:`new_client` returns the stock-path :class:`RobustClient` and logs why. The
 upstream-ready description is in docs/benchmarks.md ("nats-py header fast path").

@@ -11,17 +11,19 @@ accounting, queue or inline handler, in the same order). A message ``_msg_now`` 
 old-style request, unknown sid, inline status header) is awaited through ``_process_msg`` as before.
 
 Only frames whose meaning is certain take this path: a control line (up to the first CRLF) of
-``MSG``/``HMSG`` and single-space-separated non-empty arguments with no tab, CR or LF, the right
-count, and ASCII-digit sid and sizes, and ``PING``/``PONG`` lines that nothing but a non-blank byte
-(or the end of the data) follows. For those, the grammar the read loop uses (nats-py's
+``MSG``/``HMSG`` and arguments separated by single spaces (two before the size read as no reply,
+as the grammar reads them), with no tab, CR or LF, the right count, and ASCII-digit sid and sizes;
+and ``PING``/``PONG`` lines that a non-blank byte (or the end of the data) follows. For those, the grammar the read loop uses (nats-py's
 ``MSG_RE``/``HMSG_RE`` with robust.py's space/tab separators, ``PING_RE``, ``PONG_RE``) matches the
 same line with the same groups (robust.py's separators never span a line end; nats-py's own did).
 Anything else (INFO, ``+OK``, ``-ERR``, tabs or runs of blanks, malformed lines, digit tokens over
 18 characters) goes, with the rest of the data, to nats-py's own ``Parser.parse``: the same
-callbacks, the same errors. Between calls the parser's
-state (``buf``, ``state``, ``needed``, ``header_needed``, ``msg_arg``) is what the stock parser
-would leave, so a frame split across reads is finished by either. tests/test_fast_parser.py pins
-all of it against the stock parser on random frame sequences cut at random read boundaries.
+callbacks, the same errors. Between calls the parser's state (``buf``, ``state``, ``needed``,
+``header_needed``, ``msg_arg``) is what the stock parser would leave, so a frame split across
+reads is finished by either. tests/test_fast_parser.py pins all of it against the stock parser on
+random frame sequences cut at random read boundaries. Cost per frame on the 2 GHz machine
+(isolated, 32 KiB reads of the edge's result frames): ~2.9 µs against the stock parser's ~6.3,
+the ``Msg``, queue and fan-out after it not counted (docs/benchmarks.md).
 """
 
 from __future__ import annotations
