@@ -417,13 +417,17 @@ class FastClient(RobustClient):
 
     async def _send_ping(self, future: asyncio.Future | None = None) -> None:
         # nats-py 2.16 Client._send_ping writes PING straight to the socket, ahead of the commands
-        # still in _pending: with a flush interval they may wait there, and flush() would return
-        # before they left. Write them first, so a PONG still means "everything before it arrived".
-        if self.flush_interval > 0 and self._pending_data_size > 0 and self._transport is not None:
+        # still in _pending (the flusher task writes them on a later loop pass, and with a flush
+        # interval later still): flush() right after subscribe() got its PONG before the server had
+        # the SUB, so another connection's publish could still miss the subscription (seen under
+        # load in tests/test_inline_dispatch.py, on main too). Write them first, so a PONG means
+        # "everything before it arrived", as the edge's flush barrier does.
+        if self._pending_data_size > 0 and self._transport is not None:
             self._transport.writelines(self._pending[:])
             self._pending = []
             self._pending_data_size = 0
-            self._last_write = asyncio.get_running_loop().time()
+            if self.flush_interval > 0:
+                self._last_write = asyncio.get_running_loop().time()
         await super()._send_ping(future)
 
     # Seconds a deferred publish (publish_deferred) may wait for another write to take it along.
