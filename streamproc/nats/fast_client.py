@@ -1,4 +1,4 @@
-"""nats-py's per-message header work in C-level string operations (issue 14, passthrough target).
+"""nats-py's per-message work in C-level bytes and string operations (issue 14, targets 1 and 2).
 
 Issue 14's py-spy profile of both the processor and a bare nats-py relay put ~10 µs of every message in
 pure-Python header work inside nats-py 2.16: ``any(c.isspace() for c in key)`` per received header
@@ -24,9 +24,17 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   input's chunks and PubAcks; ~1 µs a message of queue, ``Msg`` and coroutine saved).
   :meth:`FastClient.publish_block_nowait` and :meth:`FastClient.enqueue` are its publishes, made
   safe by the checks before the call.
+- **Read loop**: the client's protocol parser is :class:`~streamproc.nats.fast_parser.FastParser`
+  (when nats-py's grammar is the one it mirrors, :func:`~streamproc.nats.fast_parser.parser_support`):
+  MSG/HMSG frames are cut from each socket read with ``find``/``split``/slices and handed to
+  :meth:`FastClient._msg_now`, the plain-subscription part of ``_process_msg`` as a plain call (no
+  coroutine per message; the same counts, pending limits, slow-consumer errors and order); what it
+  declines (JetStream, old-style requests, unknown sids, inline status lines) is awaited through
+  ``_process_msg``, and every other frame goes to nats-py's own ``Parser``.
 
 The wire bytes and errors are pinned against stock nats-py on random headers
-(tests/test_fast_client.py). The fast path is used only for nats-py versions in
+(tests/test_fast_client.py), the parser's calls, errors and state against nats-py's ``Parser`` on
+random frames cut at random reads (tests/test_fast_parser.py). The fast path is used only for nats-py versions in
 :data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`);
 otherwise :func:`new_client` returns the stock-path :class:`RobustClient` and logs why. The
 upstream-ready description is in docs/benchmarks.md ("nats-py header fast path").
@@ -46,6 +54,7 @@ from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
+from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
 
 log = logging.getLogger("streamproc.nats")
@@ -268,6 +277,31 @@ class FastClient(RobustClient):
                     if not future.done():
                         future.set_result(None)
 
+    def __init__(self) -> None:
+        super().__init__()
+        global _parser_ok
+        if _parser_ok is None:
+            _parser_ok = parser_support()
+            if not _parser_ok[0]:
+                log_event(log, logging.WARNING, "nats_fast_parser_disabled", reason=_parser_ok[1])
+        if _parser_ok[0]:
+            self._ps = FastParser(self)
+
+    def _msg_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> Any:
+        """``_process_msg`` without a coroutine, for :class:`FastParser`: None when done, a
+        ``SlowConsumerError`` for the error callback, or ``LATER`` (nothing done): await
+        ``_process_msg`` (JetStream, old-style requests, unknown sids, inline status lines)."""
+        sub = self._subs.get(sid)
+        if sub is None or sub._jsi is not None or sub._future is not None:
+            return LATER
+        if not headers:
+            hdr = None
+        elif len(headers) > 10 and headers[8] != 32:
+            hdr = parse_header_block(headers)
+        else:
+            return LATER
+        return self._accept(sub, sid, subject, reply, data, headers, hdr)
+
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,
                            headers: bytes | None) -> None:
         # nats-py 2.16 Client._process_msg, for a plain subscription: stats, max_msgs, headers,
@@ -275,6 +309,20 @@ class FastClient(RobustClient):
         sub = self._subs.get(sid)
         if sub is None or sub._jsi is not None or sub._future is not None:
             return await super()._process_msg(sid, subject, reply, data, headers)
+        if not headers:
+            hdr = None
+        elif len(headers) > 10 and headers[8] != 32:
+            hdr = parse_header_block(headers)
+        else:  # inline status line, or too short to hold a header: nats-py's own parser (never suspends)
+            hdr = await self._process_headers(headers)
+        slow = self._accept(sub, sid, subject, reply, data, headers, hdr)
+        if slow is not None:
+            await self._error_cb(slow)
+
+    def _accept(self, sub: Any, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None,
+                hdr: dict[str, str] | None) -> Any:
+        """The rest of ``Client._process_msg`` for a plain subscription, in its order, without
+        awaiting: the ``SlowConsumerError`` to hand to the error callback, or None."""
         payload_size = len(data)
         stats = self.stats
         stats["in_msgs"] += 1
@@ -282,12 +330,6 @@ class FastClient(RobustClient):
         sub._received += 1
         if sub._max_msgs > 0 and sub._received >= sub._max_msgs:
             self._subs.pop(sid, None)
-        if not headers:
-            hdr = None
-        elif len(headers) > 10 and headers[8] != 32:
-            hdr = parse_header_block(headers)
-        else:  # inline status line, or too short to hold a header: nats-py's own parser
-            hdr = await self._process_headers(headers)
         text = subject.decode("utf-8", "surrogateescape")
         handler = self._inline.get(sid) if self._inline else None
         # Inline delivery (see deliver_inline): only with nothing of this subscription queued or
@@ -301,29 +343,28 @@ class FastClient(RobustClient):
                 and self._flusher_task is not None and not self._flusher_task.done()):
             try:
                 if handler(text, reply.decode("utf-8", "surrogateescape") if reply else "", hdr, data):
-                    return
+                    return None
             except Exception as exc:  # noqa: BLE001  (never into nats-py's read loop)
                 # Handlers catch their own errors; one that escapes drops the message, which JetStream
                 # redelivers after ack_wait (a chunk) or the outbox resends for (a PubAck).
                 log_event(log, logging.ERROR, "inline_handler_failed", subject=text, error=error_text(exc))
-                return
+                return None
         if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
             msg = Msg(self, text, reply.decode("utf-8", "surrogateescape"), data, hdr, None, False, sid)
         else:
             msg = self._build_message(sid, subject, reply, data, hdr)
             if not msg:
-                return
+                return None
         try:
             sub._pending_size += payload_size
             if sub._pending_bytes_limit > 0 and sub._pending_size >= sub._pending_bytes_limit:
                 sub._pending_size -= payload_size
-                await self._error_cb(
-                    errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
-                return
+                return errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub)
             sub._pending_queue.put_nowait(msg)
         except asyncio.QueueFull:
             sub._pending_size -= len(msg.data)
-            await self._error_cb(errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub))
+            return errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub)
+        return None
 
     _inline: dict[int, Any] | None = None
 
@@ -400,14 +441,18 @@ class FastClient(RobustClient):
 
     async def _send_ping(self, future: asyncio.Future | None = None) -> None:
         # nats-py 2.16 Client._send_ping writes PING straight to the socket, ahead of the commands
-        # still in _pending: with a flush interval they may wait there, and flush() would return
-        # before they left. Write them first, so a PONG still means "everything before it arrived".
-        if self.flush_interval > 0 and self._pending_data_size > 0 and self._transport is not None:
+        # still in _pending (the flusher task writes them on a later loop pass, and with a flush
+        # interval later still): flush() right after subscribe() got its PONG before the server had
+        # the SUB, so another connection's publish could still miss the subscription (seen under
+        # load in tests/test_inline_dispatch.py, on main too). Write them first, so a PONG means
+        # "everything before it arrived", as the edge's flush barrier does.
+        if self._pending_data_size > 0 and self._transport is not None:
             commands = len(self._pending)
             self._transport.writelines(self._pending[:])
             self._pending = []
             self._pending_data_size = 0
-            self._wrote(commands, asyncio.get_running_loop().time())
+            if self.flush_interval > 0:
+                self._wrote(commands, asyncio.get_running_loop().time())
         await super()._send_ping(future)
 
     # Seconds a deferred publish (publish_deferred) may wait for another write to take it along.
@@ -567,6 +612,7 @@ def adaptive_gap(interval: float, commands: float, seconds: float, target: int) 
 
 
 _support: tuple[bool, str] | None = None
+_parser_ok: tuple[bool, str] | None = None
 
 
 def new_client() -> RobustClient:
