@@ -240,6 +240,39 @@ async def test_an_open_alone_does_not_wait_and_a_cancelled_waiter_takes_no_turn(
     assert not pacer.waiting
 
 
+def accepted(pid: int, port: int, peers: set[int]) -> int:
+    """How many connections from the local ports ``peers`` to ``port`` process ``pid`` has accepted:
+    a connection still in the listen queue has inode 0 in /proc/net/tcp; an accepted one has the
+    inode of one of ``pid``'s file descriptors."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    count = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) in peers and inode in inodes:
+                count += 1
+    return count
+
+
+def wait_accepted(pid: int, port: int, socks: list[socket.socket]) -> None:
+    """Until ``pid`` has accepted every one of ``socks``, and a moment for asyncio to start reading
+    them: a connection accepted only after SIGCONT is read in a later loop pass than the others."""
+    peers = {sock.getsockname()[1] for sock in socks}
+    deadline = time.monotonic() + 10
+    while (n := accepted(pid, port, peers)) < len(peers):
+        assert time.monotonic() < deadline, f"process {pid} accepted {n} of {len(peers)} connections"
+        time.sleep(0.01)
+    time.sleep(0.3)
+
+
 def read_head(sock: socket.socket) -> bytes:
     data = b""
     while b"\r\n\r\n" not in data:
@@ -254,6 +287,9 @@ async def test_a_burst_of_opens_read_in_one_pass_is_paced_and_every_stream_is_li
     with running_edge(nats_url, "--prefix", "pace", "--max-streams-per-client", "1000") as edge:
         ids = [rid(f"burst{i}") for i in range(4 * OPENS_PER_PASS)]
         socks = [socket.create_connection(("127.0.0.1", edge.port), timeout=10) for _ in ids]
+        # The kernel completes a connect before the edge accepts it; one accepted after SIGCONT
+        # would be read a pass later than the others, and fewer opens would meet in one pass.
+        wait_accepted(edge.proc.pid, edge.port, socks)
         os.kill(edge.proc.pid, signal.SIGSTOP)  # every request is waiting when it runs again: one read pass
         try:
             wait_stopped(edge.proc.pid)
