@@ -127,10 +127,13 @@ async def raw_connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWri
     return reader, writer
 
 
-async def raw_sink(reader, writer, warm: asyncio.Event, done: asyncio.Event, expected: int) -> None:
-    """Count result frames on subscription 1 (a ``.warmup`` subject sets ``warm``); answer PINGs."""
+async def raw_sink(reader, writer, warm: asyncio.Event, done: asyncio.Event, expected: int,
+                   counted: list[int] | None = None) -> None:
+    """Count result frames on subscription 1 (a ``.warmup`` subject sets ``warm``); answer PINGs.
+    ``counted[0]`` follows the count, for the caller's stall check."""
     buf = b""
     got = 0
+    counted = counted if counted is not None else [0]
     while True:
         data = await reader.read(1 << 16)
         if not data:
@@ -152,6 +155,7 @@ async def raw_sink(reader, writer, warm: asyncio.Event, done: asyncio.Event, exp
                     warm.set()
                     continue
                 got += 1
+                counted[0] = got
                 if got == expected:
                     done.set()
             else:
@@ -159,6 +163,26 @@ async def raw_sink(reader, writer, warm: asyncio.Event, done: asyncio.Event, exp
                 if line == b"PING":
                     writer.write(b"PONG\r\n")
         buf = buf[pos:]
+
+
+STALL_SECONDS = 30.0  # no new result for this long: the contender lost results (e.g. its connection)
+
+
+async def until_done(done: asyncio.Event, counted: list[int], expected: int, name: str,
+                     proc: subprocess.Popen) -> None:
+    """Wait for every result; fail fast, naming the contender, when results stop coming (a contender
+    whose connection nats-server dropped never delivers the rest)."""
+    last, since = -1, time.monotonic()
+    while not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+        if counted[0] != last:
+            last, since = counted[0], time.monotonic()
+        elif proc.poll() is not None or time.monotonic() - since > STALL_SECONDS:
+            state = f"exited with {proc.returncode}" if proc.poll() is not None else f"silent for {STALL_SECONDS:.0f} s"
+            raise RuntimeError(f"{name}: {counted[0]:,} of {expected:,} results, then {state}")
 
 
 async def measure_raw(url: str, prefix: str, load, name: str, meter: Meter | None = None) -> tuple[float, float, float]:
@@ -169,7 +193,8 @@ async def measure_raw(url: str, prefix: str, load, name: str, meter: Meter | Non
     pub_r, pub_w = await raw_connect(url)
     warm, done = asyncio.Event(), asyncio.Event()
     sink_w.write(f"SUB {prefix}.results.> 1\r\nPING\r\n".encode())
-    task = asyncio.create_task(raw_sink(sink_r, sink_w, warm, done, len(frames)))
+    counted = [0]
+    task = asyncio.create_task(raw_sink(sink_r, sink_w, warm, done, len(frames), counted))
     try:
         deadline = time.monotonic() + 30
         while not warm.is_set():
@@ -188,7 +213,7 @@ async def measure_raw(url: str, prefix: str, load, name: str, meter: Meter | Non
         for i in range(0, len(frames), 2000):
             pub_w.write(b"".join(frames[i:i + 2000]))
             await pub_w.drain()
-        await asyncio.wait_for(done.wait(), 300)
+        await until_done(done, counted, len(frames), name, proc)
         elapsed = time.perf_counter() - t0
         if meter:
             meter.stop()
