@@ -289,6 +289,10 @@ def result_block(result: Result) -> bytes | None:
     return (text + "\r\n").encode()
 
 
+# Verdict(text) costs ~1.3 µs in Python 3.11 (EnumType.__call__); the edge parses one per SSE event.
+_VERDICTS: dict[str, Verdict] = {v.value: v for v in Verdict}
+
+
 def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes) -> ResultInfo:
     request_id = subjects.request_id_of_result(subject)
     h = headers or {}
@@ -297,7 +301,7 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
         request_id=request_id,
         seq=_parse_index(h.get(SEQ), SEQ, request_id, required=True),
         final=_parse_flag(h.get(FINAL), FINAL, request_id),
-        verdict=Verdict(verdict) if verdict else None,
+        verdict=(_VERDICTS.get(verdict) or Verdict(verdict)) if verdict else None,  # Verdict(): its ValueError
         error=h.get(ERROR),
         body=body,
         traceparent=h.get(TRACEPARENT),

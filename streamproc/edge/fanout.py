@@ -136,6 +136,12 @@ class Fanout:
         # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
         # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
         sub._pending_bytes_limit = 0
+        # Core: FastClient hands each result to dispatch from its read loop before it builds a Msg
+        # (deliver_inline); the messages it declines (while reconnecting) still come through the
+        # queue above. A JetStream consumer's messages take nats-py's path and the queue.
+        deliver_inline = getattr(sub._conn, "deliver_inline", None)
+        if stream is None and sub._jsi is None and deliver_inline is not None:
+            deliver_inline(sub, self._inline)
 
     def delivered(self) -> int:
         """The stream sequence up to which the ordered consumer has dispatched every result (nats-py
@@ -157,12 +163,19 @@ class Fanout:
             if not feeds:
                 del self.feeds[subject]
 
-    def dispatch(self, msg: Msg) -> None:
+    def _inline(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
+        try:
+            self.dispatch(subject, headers, data)
+        except Exception:  # noqa: BLE001 - never into the read loop (as DispatchQueue.put_nowait)
+            self.source.limited.log(logging.ERROR, "dispatch_failed", subject=subject, exc_info=True)
+        return True
+
+    def dispatch(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
         """One result off the wire: the recent ring, then each stream open on its subject."""
         source = self.source
-        feeds = self.feeds.get(msg.subject)
+        feeds = self.feeds.get(subject)
         try:
-            result = result_from_message(source.subjects, msg.subject, msg.headers, msg.data)
+            result = result_from_message(source.subjects, subject, headers, data)
         except (ContractError, ValueError) as exc:
             if feeds:  # as each stream's own subscription counted it
                 source.metrics.malformed_results += len(feeds)
@@ -173,12 +186,11 @@ class Fanout:
         source.metrics.results_seen += 1
         source.recent.note(result, time.time())
         if feeds:
-            size = len(msg.data)
-            for feed in tuple(feeds):
+            for feed in (feeds if len(feeds) == 1 else tuple(feeds)):  # one: nothing removes it meanwhile
                 direct = feed.direct
                 if direct is not None and direct.offer(result):  # written at once (direct.py)
                     continue
-                if not feed.inbox.put(result, size):  # type: ignore[union-attr]
+                if not feed.inbox.put(result, len(data)):  # type: ignore[union-attr]
                     self.on_overflow(feed)
 
 
@@ -196,6 +208,6 @@ class DispatchQueue(asyncio.Queue):
         sub = self.fanout.sub
         sub._pending_size -= len(item.data)
         try:
-            self.fanout.dispatch(item)
+            self.fanout.dispatch(item.subject, item.headers, item.data)
         except Exception:  # noqa: BLE001 - never into nats-py's read loop: that would drop the connection
             self.fanout.source.limited.log(logging.ERROR, "dispatch_failed", subject=item.subject, exc_info=True)

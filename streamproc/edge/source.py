@@ -31,6 +31,7 @@ from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
 from ..nats.streams import ensure_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
+from ..core.events import Verdict
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
 from .barrier import PongBarrier
@@ -300,6 +301,9 @@ class RecentEntry(msgspec.Struct):
     last_seen: float = 0.0
 
 
+_VERDICT_VALUES = {v: v.value for v in Verdict}  # ``Verdict.value`` is a Python property (~0.4 µs)
+
+
 class RecentRequests:
     """The last ``size`` request ids seen on ``P.results.>`` (for the page's request list)."""
 
@@ -308,17 +312,29 @@ class RecentRequests:
         self._entries: collections.OrderedDict[str, RecentEntry] = collections.OrderedDict()
 
     def note(self, result: ResultInfo, now: float) -> None:
-        entry = self._entries.pop(result.request_id, None) or RecentEntry(result.request_id, verdicts={})
-        new = result.seq >= entry.results
-        entry.results = max(entry.results, result.seq + 1)
-        entry.final = entry.final or result.final
-        entry.error = result.error or entry.error
-        if new and result.verdict is not None:  # verdicts of the results the ring saw, each once
-            entry.verdicts[result.verdict.value] = entry.verdicts.get(result.verdict.value, 0) + 1
+        """Called for every result the edge reads (the fan-out's dispatch): a move to the newest end
+        and a few field updates, no allocation but for a request id not in the ring."""
+        entries = self._entries
+        request_id = result.request_id
+        entry = entries.get(request_id)
+        if entry is None:
+            entry = entries[request_id] = RecentEntry(request_id, verdicts={})
+            while len(entries) > self.size:
+                entries.popitem(last=False)
+        else:
+            entries.move_to_end(request_id)
+        seq = result.seq
+        if seq >= entry.results:
+            entry.results = seq + 1
+            verdict = result.verdict
+            if verdict is not None:  # verdicts of the results the ring saw, each once
+                value = _VERDICT_VALUES[verdict]
+                entry.verdicts[value] = entry.verdicts.get(value, 0) + 1
+        if result.final:
+            entry.final = True
+        if result.error:
+            entry.error = result.error
         entry.last_seen = now
-        self._entries[result.request_id] = entry
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
 
     def newest_first(self) -> list[RecentEntry]:
         return list(reversed(self._entries.values()))
