@@ -11,6 +11,9 @@ puts that figure beside floors measured in the same harness and rounds, so a mis
 - ``natspy``: the same raw HTTP server, fed by stock nats-py (one wildcard subscription, callback).
 - ``relay``: ``benchmarks/sse_relay.py``, the bare Starlette SSE relay (target 2's throughput baseline).
 - ``edge``: ``streamproc edge`` (core mode, ``--insecure-demo``), from this tree or ``--tree``.
+  ``--jetstream``: a JetStream stream captures the results (as the durable processor's results
+  stream does), so each edge reads them through its recent ring's ordered consumer; the other
+  contenders subscribe as before.
 
 The harness (this process) opens 50 SSE streams to the contender, then publishes results (the
 processor's result headers: seq, message id, join verdict) straight to ``P.results.<id>`` at a
@@ -18,7 +21,8 @@ paced rate, round robin over the streams, and reads every stream. Each contender
 stime from /proc) over the paced window is divided by the events its clients received. Rounds are
 interleaved; the figure is the median over rounds, the range beside it.
 
-Usage: python benchmarks/sse_floor.py [--rate 2000] [--seconds 4] [--rounds 5] [--tree NAME=PATH]
+Usage: python benchmarks/sse_floor.py [--rate 2000] [--seconds 4] [--rounds 5] [--tree NAME=PATH] [--jetstream]
+                                     [--only edge,main]
 """
 
 from __future__ import annotations
@@ -240,21 +244,35 @@ async def run(args) -> None:
     trees = {"edge": ROOT, **{name: Path(path).resolve() for name, _, path in
                               (spec.partition("=") for spec in args.tree)}}
     kinds = ["floor", "natspy", "relay", *trees]
+    if args.only:
+        kinds = [k for k in kinds if k in args.only.split(",")]
     results: dict[str, list[dict]] = {k: [] for k in kinds}
-    print(f"{os.cpu_count()} cores; {STREAMS} SSE streams; {args.rate:,.0f} events/s for {args.seconds:g} s per "
+    print(f"{os.cpu_count()} cores; {'JetStream results stream; ' if args.jetstream else ''}{STREAMS} SSE streams; {args.rate:,.0f} events/s for {args.seconds:g} s per "
           f"round; {args.rounds} rounds, order rotated; edge CPU us per event received", flush=True)
-    with EmbeddedNats(jetstream=False) as server:
+    with EmbeddedNats(jetstream=args.jetstream) as server:
+        if args.jetstream:  # the durable processor's results stream (streamproc.nats.streams)
+            import nats
+            from streamproc.core.wire import Subjects
+            from streamproc.nats.streams import ensure_results_stream
+            nc = await nats.connect(server.url)
+            await ensure_results_stream(nc.jetstream(), Subjects(PREFIX))
+            await nc.close()
         for r in range(args.rounds):
             order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
             for kind in order:
                 results[kind].append(await one_round(kind, server, trees, args.rate, args.seconds))
             print(f"round {r + 1}: " + ", ".join(f"{k} {results[k][-1]['cpu_us']:.0f}" for k in kinds), flush=True)
     print(f"\n{'contender':10}{'cpu us/event':>14}{'(range)':>14}{'x floor':>9}{'delivered':>11}")
-    floor = statistics.median(x["cpu_us"] for x in results["floor"])
+    floor = statistics.median(x["cpu_us"] for x in results["floor"]) if "floor" in results else float("nan")
     for kind in kinds:
         cpu = [x["cpu_us"] for x in results[kind]]
         print(f"{kind:10}{statistics.median(cpu):14.1f}{f'({min(cpu):.0f}-{max(cpu):.0f})':>14}"
               f"{statistics.median(cpu) / floor:9.2f}{min(x['delivered'] for x in results[kind]):11.3f}")
+    for name in trees:
+        if name != "edge" and name in results and "edge" in results:
+            pairs = [a["cpu_us"] / b["cpu_us"] for a, b in zip(results["edge"], results[name])]
+            print(f"paired edge/{name} per round: {' '.join(f'{x:.2f}' for x in pairs)}; "
+                  f"median {statistics.median(pairs):.2f}")
 
 
 def main() -> None:
@@ -264,6 +282,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                         help="also run `streamproc edge` from this source tree (e.g. main=/work/main)")
+    parser.add_argument("--only", metavar="NAMES", help="run only these contenders (e.g. edge,main: a quicker A/B)")
+    parser.add_argument("--jetstream", action="store_true",
+                        help="a JetStream stream captures the results: the edges read them with an ordered consumer")
     parser.add_argument("--serve", choices=["floor", "natspy"], help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

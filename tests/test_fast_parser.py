@@ -309,3 +309,61 @@ async def test_a_fast_client_receives_what_a_stock_client_receives_from_a_real_s
     finally:
         await fast.close()
         await stock.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_an_ordered_consumer_reads_in_the_read_loop_as_stock_nats_py_and_still_resets_on_a_gap(nats_url):
+    """The edge's results stream is read by one ordered consumer: its data messages take
+    ``FastClient._msg_now`` (no coroutine, no stock header parser) with nats-py's sequence tracking;
+    empty payloads (control messages carry none) and a delivery gap go to nats-py, which resets the
+    consumer from the last stream sequence delivered, so every message still comes once, in order."""
+    from nats.js.api import StreamConfig
+
+    fast, stock = FastClient(), RobustClient()
+    await fast.connect(servers=[nats_url])
+    await stock.connect(servers=[nats_url])
+    try:
+        await stock.jetstream().add_stream(StreamConfig(name="ORD", subjects=["ord.>"]))
+        stock_calls = []
+        upstream = FastClient._process_msg
+
+        async def counted(*args):
+            stock_calls.append(args[0])
+            await upstream(fast, *args)
+        fast._process_msg = counted
+        subs = [await nc.jetstream().subscribe("ord.>", ordered_consumer=True) for nc in (fast, stock)]
+        rng = random.Random(7)
+        sent = []
+
+        async def publish(n: int) -> None:
+            for _ in range(n):
+                i = len(sent)
+                body = b"" if i % 10 == 3 else rng.randbytes(rng.choice([1, 40, 3000]))
+                headers = {"Streamproc-Seq": str(i), "X-A": "b"} if i % 3 else None
+                await stock.jetstream().publish(f"ord.{i % 4}", body, headers=headers)
+                sent.append((f"ord.{i % 4}", body, headers))
+
+        async def read(n: int) -> list[list]:
+            return [[(m.subject, m.data, m.headers, m.metadata.sequence.stream)
+                     for m in [await asyncio.wait_for(sub.next_msg(), 10) for _ in range(n)]] for sub in subs]
+
+        await publish(30)
+        first = await read(30)
+        assert first[0] == first[1]
+        assert [(s, d, h) for s, d, h, _ in first[0]] == sent
+        assert 0 < len(stock_calls) < 10  # the empty payloads (and nothing else) went to nats-py
+        jsis = [sub._sub._jsi for sub in subs]
+        assert [(j._sseq, j._dseq, j._fciseq) for j in jsis] == [(30, 31, 30)] * 2
+        sids = [sub._sub._id for sub in subs]
+        for jsi in jsis:  # as if a delivery were lost: nats-py recreates the consumer after _sseq
+            jsi._dseq += 3
+        await publish(20)
+        second = await read(20)
+        assert second[0] == second[1]
+        assert [(s, d, h) for s, d, h, _ in second[0]] == sent[30:]
+        assert all(sub._sub._id != sid for sub, sid in zip(subs, sids))  # both reset
+    finally:
+        await fast.close()
+        await stock.close()
