@@ -8,7 +8,10 @@ Here the wildcard subscription's pending queue is replaced by :class:`DispatchQu
 ``put_nowait`` (called by nats-py's read path, ``Client._process_msg``, for each message) parses the
 result once, notes it in the recent ring and appends it to the :class:`Inbox` of each stream open on
 its subject: an open is a dict insert, a result one dict lookup. A stream whose writer is idle
-gets the result written to its client from here instead (:mod:`.direct`).
+gets the result written to its client from here instead (:mod:`.direct`). In core mode
+:class:`~streamproc.nats.fast_client.FastClient` hands each result to :meth:`Fanout.dispatch` from
+its read loop before it builds a ``Msg`` (``deliver_inline``); what it declines comes through the
+queue, to the same method.
 
 Why nothing is missed: the wildcard subscription is live on the server before the edge serves
 (``ResultSource.start`` flushes it), an open registers its inbox before its response headers are

@@ -28,8 +28,10 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   (when nats-py's grammar is the one it mirrors, :func:`~streamproc.nats.fast_parser.parser_support`):
   MSG/HMSG frames are cut from each socket read with ``find``/``split``/slices and handed to
   :meth:`FastClient._msg_now`, the plain-subscription part of ``_process_msg`` as a plain call (no
-  coroutine per message; the same counts, pending limits, slow-consumer errors and order); what it
-  declines (JetStream, old-style requests, unknown sids, inline status lines) is awaited through
+  coroutine per message; the same counts, pending limits, slow-consumer errors and order), and the
+  same for an ordered consumer's data message in its expected delivery sequence (nats-py's sequence
+  tracking; the edge reads a JetStream results stream that way); what it declines (other
+  JetStream messages, old-style requests, unknown sids, inline status lines) is awaited through
   ``_process_msg``, and every other frame goes to nats-py's own ``Parser``.
 
 The wire bytes and errors are pinned against stock nats-py on random headers
