@@ -20,7 +20,7 @@ import anyio
 import httpx
 import msgspec
 import pytest
-from edge_harness import publish_result, publish_results, running_edge, slow_reader
+from edge_harness import expected_sse, publish_result, publish_results, running_edge, slow_reader
 from helpers import connection, rid, status_kib
 
 from streamproc.wire import Subjects
@@ -267,3 +267,40 @@ async def test_a_jetstream_reader_that_pauses_is_held_back_by_flow_control_and_g
         print(f"\npaused JetStream reader: RSS baseline {baseline / 1024:.1f} MiB, VmHWM while paused "
               f"{paused_peak / 1024:.1f} MiB; {count * len(BODY) // MiB} MiB published")
         assert paused_peak - baseline <= 16 * 1024, (baseline, paused_peak)
+
+
+@pytest.mark.anyio
+async def test_a_write_blocked_for_write_timeout_closes_that_stream_only_and_the_edge_carries_on(server):
+    """A reader that never reads, with a buffer large enough never to overrun: its stream's write
+    blocks (Uvicorn's flow control) and is cut --write-timeout after it began; the stream counts as
+    stalled, its slot is freed, and the next stream is answered in full."""
+    subjects = Subjects("memstall")
+    with running_edge(server.url, "--prefix", "memstall", "--write-timeout", "1",
+                      "--stream-buffer-bytes", str(256 * MiB)) as edge:
+        async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            stuck = rid("stuck")
+            sock = slow_reader(edge.url, stuck)
+            try:
+                await wait_for(lambda: subscriptions(edge) >= 1, 15, "the slow reader subscribed")
+                await anyio.sleep(0.1)
+                for seq in range(64):  # 4 MiB, never final: far past the socket buffers, well under 256 MiB
+                    await publish_result(nc, subjects, stuck, seq, BODY)
+                await nc.flush()
+                await wait_for(lambda: edge.metrics()["streamproc_edge_streams_active"] == 0, 20,
+                               "the blocked stream closed")
+                m = edge.metrics()
+                assert m["streamproc_edge_streams_stalled_total"] == 1
+                assert m["streamproc_edge_streams_overrun_total"] == 0
+                assert "event=stream_stalled" in edge.log()
+                after = rid("after")
+                bodies = [b'{"text":"%d"}' % k for k in range(3)]
+                async with client.stream("GET", f"/v1/results/{after}") as response:
+                    assert response.status_code == 200
+                    await wait_for(lambda: subscriptions(edge) >= 2, 15, "the next stream subscribed")
+                    await anyio.sleep(0.05)
+                    await publish_results(nc, subjects, after, bodies)
+                    with anyio.fail_after(20):
+                        assert await response.aread() == expected_sse(bodies)
+            finally:
+                sock.close()
+        assert edge.proc.poll() is None

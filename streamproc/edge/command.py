@@ -70,8 +70,10 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
 
     from ..core.errors import StreamprocError, UnknownFormat
     from ..logs import configure as configure_logging
+    from ..logs import log_event
     from ..nats.connection import connect_options
     from .app import create_app
+    from .connections import protocol_class, raise_descriptor_limit
     from .heap import tune_allocator
 
     environ = os.environ if environ is None else environ
@@ -95,12 +97,16 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         return EXIT_OK
     configure_logging(settings.log_level, settings.log_format)
     tune_allocator()  # this process serves results only: freed bodies go back to the system (heap.py)
+    descriptors = raise_descriptor_limit(settings.max_connections)
+    if descriptors is not None:
+        log_event(logging.getLogger("streamproc.edge"), logging.WARNING, "descriptor_limit", problem=descriptors)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         lifespan="on",
-        http="httptools",  # llhttp in C; "auto" falls back to h11 (pure Python) when it is missing
+        # llhttp in C (Uvicorn's "httptools"), with --max-connections, --head-timeout, --max-head-bytes
+        http=protocol_class(settings, app.state.edge.metrics),
         access_log=True,  # through the one log format: event=http_request (streamproc.logs)
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),

@@ -25,6 +25,10 @@ class EdgeMetrics(msgspec.Struct):
     opens_paced: int = 0
     streams_rejected: int = 0
     streams_rejected_client: int = 0
+    connections_refused: int = 0
+    connections_open: int = 0
+    head_timeouts: int = 0
+    heads_too_large: int = 0
     streams_overrun: int = 0
     streams_stalled: int = 0
     unauthorized: int = 0
@@ -70,6 +74,10 @@ _HELP: dict[str, tuple[str, str]] = {
     "streams_rejected": ("counter", "requests refused with 503 because --max-streams streams were open"),
     "streams_rejected_client": ("counter", "requests refused with 429 because their client had "
                                            "--max-streams-per-client streams open"),
+    "connections_refused": ("counter", "connections answered 503 unread because --max-connections were open"),
+    "connections_open": ("gauge", "HTTP connections open now (refused ones apart)"),
+    "head_timeouts": ("counter", "connections closed with 408: no complete request head within --head-timeout"),
+    "heads_too_large": ("counter", "connections closed with 431: a request head over --max-head-bytes"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
     "streams_stalled": ("counter", "streams closed because one write blocked for --write-timeout"),
     "unauthorized": ("counter", "requests refused with 401 (no, invalid or expired capability)"),
@@ -113,8 +121,9 @@ class EdgeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         m = self._m
         yield from struct_families("streamproc_edge", m, {k: text for k, (_, text) in _HELP.items()},
-                                   skip=("by_verdict", "by_error_kind", "streams_dispatched", "stored_reads_refused"))
-        for gauge in ("streams_dispatched", "stored_reads_refused"):  # gauges (streamproc.metrics.GAUGES is shared)
+                                   skip=("by_verdict", "by_error_kind", "streams_dispatched", "stored_reads_refused",
+                                         "connections_open"))
+        for gauge in ("streams_dispatched", "stored_reads_refused", "connections_open"):  # gauges (streamproc.metrics.GAUGES is shared)
             yield GaugeMetricFamily(f"streamproc_edge_{gauge}", _HELP[gauge][1], value=getattr(m, gauge))
         verdicts = CounterMetricFamily("streamproc_edge_results_by_verdict", "result bodies sent to clients, "
                                        "by verdict", labels=["verdict"])

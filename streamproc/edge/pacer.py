@@ -6,7 +6,8 @@ parsed in one read pass, so the 50 opens of a burst ran back to back in one loop
 NATS read and the direct writes of every open stream waited for all of them (docs/benchmarks.md,
 "Opens in bursts"). :meth:`OpenPacer.turn` lets ``per_pass`` opens through per pass, in arrival
 order; the others wait for the next passes, and the loop polls its sockets between them. An open
-alone, or the first ``per_pass`` of a burst, does not wait at all.
+alone, or the first ``per_pass`` of a burst, does not wait at all. Each waiting open holds an
+HTTP connection, so ``--max-connections`` (``connections.py``) bounds the waiting queue too.
 """
 
 from __future__ import annotations

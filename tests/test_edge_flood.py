@@ -1,0 +1,249 @@
+"""A flood of connections against a real `streamproc edge` subprocess (issue 14, target 2; hardening).
+
+Thousands of connections opened as fast as one thread can: some never send a byte, some send half a
+request head and stop, some ask for other tenants' requests with valid capabilities, some open
+streams of their own and never read them. Meanwhile three legitimate clients stream real results.
+Before ``edge/connections.py`` the edge kept every one of those connections (Uvicorn has no bound
+and no deadline for a request head), one descriptor and one protocol object each, forever.
+
+Pinned: the legitimate streams get every event, in order, each within :data:`EVENT_BOUND` seconds
+of its publish; every flood connection past ``--max-connections`` is answered ``503`` at once with
+an ``overloaded`` error naming the limit; the edge's descriptors stay within the limit; admitted
+connections that never finish their head get ``408`` after ``--head-timeout``, which frees their
+places, so a new client is served afterwards; VmHWM stays under :data:`HWM_BOUND`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import anyio
+import pytest
+from edge_harness import publish_result, running_edge
+from helpers import connection, rid, status_kib, wait_until
+
+from streamproc.client.capability import mint_capability
+from streamproc.edge.connections import REFUSED_LINGER, REFUSED_LINGERING
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
+
+SECRET = b"edge-flood-secret-0123456789abcdef-0123456789"
+SUBJECTS = Subjects("flood")
+LIMIT = 300  # --max-connections under test
+HEAD_TIMEOUT = 3.0  # --head-timeout under test
+PER_CLIENT = 32  # --max-streams-per-client (the default): the greedy flooder's cap
+KINDS = ("idle", "half", "foreign", "greedy")
+PER_KIND = 600  # 2,400 flood connections
+LEGIT = 3
+RESULTS = 250  # per legitimate stream, at RATE per second each
+RATE = 50
+EVENT_BOUND = 5.0  # seconds from a result's publish to its SSE event, for every event of every legit stream
+HWM_BOUND = 150 * 1024  # KiB of VmHWM
+HWM_GROWTH = 64 * 1024  # KiB of VmHWM over the RSS before the flood (15 MiB measured with the bound)
+
+
+def bearer(**claims) -> str:
+    return f"Authorization: Bearer {mint_capability(SECRET, **claims)}\r\n"
+
+
+def request(request_id: str, auth: str) -> bytes:
+    return f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n{auth}\r\n".encode()
+
+
+def flood(port: int) -> list[tuple[str, socket.socket]]:
+    """PER_KIND connections of each kind, interleaved, opened and sent as fast as possible; none reads."""
+    greedy_auth = bearer(rid_prefix="greedy-", subject="flooder")  # one client: --max-streams-per-client
+    foreign_auth = bearer(rid_prefix="mallory-", subject="mallory")  # valid, but not for legit-* ids
+    socks = []
+    for k in range(PER_KIND * len(KINDS)):
+        kind = KINDS[k % len(KINDS)]
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        if kind == "half":
+            sock.sendall(f"GET /v1/results/{rid('legit')} HTTP/1.1\r\nHost: edge\r\nX-Slow: ".encode())
+        elif kind == "foreign":
+            sock.sendall(request(rid("legit"), foreign_auth))
+        elif kind == "greedy":
+            sock.sendall(request(rid("greedy"), greedy_auth))
+        socks.append((kind, sock))
+    return socks
+
+
+def first_status(sock: socket.socket) -> tuple[int | None, bytes]:
+    """The status of the response waiting on ``sock`` (None: nothing within a second) and its bytes."""
+    sock.settimeout(1.0)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        try:
+            chunk = sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not chunk:
+            break
+        data += chunk
+    if not data.startswith(b"HTTP/1.1 "):
+        return None, data
+    return int(data[9:12]), data
+
+
+def accept_queue(port: int) -> int:
+    """Connections waiting in the listen queue of ``port`` (the rx_queue of its LISTEN row in /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
+                return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def read_stream(port: int, request_id: str, auth: str, opened: anyio.Event | None = None) -> list[tuple]:
+    """(seq, body, arrival time) of each event of one SSE stream, until ``[DONE]``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request(request_id, auth))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        if opened is not None:
+            opened.set()
+        events, buffer = [], b""
+        while True:
+            chunk = await reader.read(65536)
+            assert chunk, f"{request_id}: the stream ended before [DONE] after {len(events)} events"
+            buffer += chunk
+            now = time.time()
+            while b"\n\n" in buffer:
+                frame, buffer = buffer.split(b"\n\n", 1)
+                fields = dict(line.split(b": ", 1) for line in frame.split(b"\n") if b": " in line)
+                if fields.get(b"data") == b"[DONE]":
+                    return events
+                if b"id" in fields:
+                    events.append((int(fields[b"id"]), fields[b"data"], now))
+    finally:
+        writer.close()
+
+
+async def publish(nc, ids: list[str], results: int) -> None:
+    for seq in range(results):
+        started = time.monotonic()
+        for request_id in ids:
+            body = json.dumps({"seq": seq, "t": time.time()}).encode()
+            await publish_result(nc, SUBJECTS, request_id, seq, body, final=seq == results - 1)
+        await nc.flush()
+        await anyio.sleep(max(0.0, 1 / RATE - (time.monotonic() - started)))
+
+
+def assert_complete(events: list[tuple], results: int) -> float:
+    """Every seq once, in order; the slowest event's seconds from publish to arrival."""
+    assert [seq for seq, _, _ in events] == list(range(results)), [seq for seq, _, _ in events][:20]
+    assert all(json.loads(body)["seq"] == seq for seq, body, _ in events)
+    return max(arrived - json.loads(body)["t"] for _, body, arrived in events)
+
+
+async def test_a_connection_flood_is_refused_at_the_limit_while_open_streams_get_every_event(server, tmp_path):
+    key = tmp_path / "edge.key"
+    key.write_bytes(SECRET + b"\n")
+    legit_auth = bearer(rid_prefix="legit-", subject="alice")
+    with running_edge(server.url, "--prefix", SUBJECTS.prefix, "--auth-key-file", str(key),
+                      "--max-connections", str(LIMIT), "--head-timeout", str(HEAD_TIMEOUT)) as edge:
+        pid = edge.proc.pid
+        async with connection(server.url) as nc:
+            ids = [rid("legit") for _ in range(LEGIT)]
+            streams: dict[str, list] = {}
+            async with anyio.create_task_group() as tg:
+                for request_id in ids:
+                    opened = anyio.Event()
+
+                    async def read(request_id=request_id, opened=opened) -> None:
+                        streams[request_id] = await read_stream(edge.port, request_id, legit_auth, opened)
+
+                    tg.start_soon(read)
+                    await opened.wait()
+                baseline_fds, baseline_rss = descriptors(pid), status_kib(pid, "VmRSS")
+                tg.start_soon(publish, nc, ids, RESULTS)
+                started = time.monotonic()
+                socks = await anyio.to_thread.run_sync(flood, edge.port)
+                flooded = time.monotonic() - started
+                # asyncio accepts every queued connection in one pass and creates the transports in the
+                # next ones: the edge holds them all briefly, then refuses and closes the ones past the limit.
+                await wait_until(lambda: accept_queue(edge.port) == 0, 30, "the edge accepted every connection")
+                await wait_until(lambda: descriptors(pid) <= baseline_fds + LIMIT + REFUSED_LINGERING, 20,
+                                 "the edge closed the connections past --max-connections")
+                await anyio.sleep(REFUSED_LINGER + 0.5)
+                held_fds = descriptors(pid)  # (/metrics itself is refused while the flood holds the limit)
+            worst = max(assert_complete(streams[request_id], RESULTS) for request_id in ids)
+            print(f"flood of {len(socks)} connections in {flooded:.2f}s; edge fds {baseline_fds} -> {held_fds}; "
+                  f"slowest legit event {worst:.3f}s; load {os.getloadavg()[0]:.1f}")
+            assert worst < EVENT_BOUND
+            assert held_fds <= baseline_fds + LIMIT, (baseline_fds, held_fds)
+
+            await anyio.sleep(HEAD_TIMEOUT)  # every admitted idle or half-sent connection is past its deadline
+            after = edge.metrics()
+            print({name: after[name] for name in after if "connections" in name or "head" in name})
+            assert after["streamproc_edge_connections_open"] <= PER_CLIENT + 1  # the greedy streams and us
+            answers: dict[str, list[int | None]] = {kind: [] for kind in KINDS}
+            for kind, sock in socks:
+                status, data = first_status(sock)
+                answers[kind].append(status)
+                if status == 503:
+                    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+                    assert body["error"]["type"] == "overloaded", body
+                    assert f"limit {LIMIT}, --max-connections" in body["error"]["message"], body
+            print({kind: {s: statuses.count(s) for s in sorted(set(statuses), key=str)}
+                   for kind, statuses in answers.items()})
+            # Nothing hangs unanswered, and nothing is answered but as stated:
+            assert set(answers["idle"]) <= {503, 408} and set(answers["half"]) <= {503, 408}, answers
+            assert set(answers["foreign"]) <= {503, 403}, answers
+            assert set(answers["greedy"]) <= {503, 200, 429}, answers
+            assert answers["greedy"].count(200) <= PER_CLIENT
+            refused = sum(statuses.count(503) for statuses in answers.values())
+            assert refused == after["streamproc_edge_connections_refused_total"]
+            assert refused >= len(socks) - LIMIT
+            assert 408 in answers["idle"] and 408 in answers["half"]
+
+            # The flooders still hold their sockets; the ones that never sent a head are gone, so a
+            # new client gets in, and its stream is whole.
+            late = rid("legit")
+            async with anyio.create_task_group() as tg:
+                opened = anyio.Event()
+
+                async def read_late() -> None:
+                    streams[late] = await read_stream(edge.port, late, legit_auth, opened)
+
+                tg.start_soon(read_late)
+                with anyio.fail_after(10):
+                    await opened.wait()
+                await publish(nc, [late], 20)
+            assert assert_complete(streams[late], 20) < EVENT_BOUND
+            for _, sock in socks:
+                sock.close()
+        assert edge.proc.poll() is None
+        hwm = status_kib(pid, "VmHWM")
+        print(f"edge VmRSS before the flood {baseline_rss} kB, VmHWM {hwm} kB")
+        assert hwm < HWM_BOUND and hwm - baseline_rss < HWM_GROWTH
+
+
+def test_a_request_head_past_max_head_bytes_gets_431_and_a_body_does_not_count(edge):
+    """httptools accumulates an unfinished header line without limit; the edge cuts it at
+    ``--max-head-bytes`` (64 KiB). A complete head with a large body in the same read is a request."""
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nX-Endless: " + b"a" * (80 * 1024))
+        status, data = first_status(sock)
+        assert status == 431, data
+        assert b"--max-head-bytes" in data
+        assert sock.recv(1) == b""  # closed
+    body = b"x" * (200 * 1024)
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        status, data = first_status(sock)
+        while b"not a result body" not in data:  # the 400 of the experts view, not a 431
+            data += sock.recv(65536)
+        assert status == 400, data
+    assert edge.metrics()["streamproc_edge_heads_too_large_total"] == 1
