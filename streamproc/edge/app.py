@@ -50,7 +50,7 @@ from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import Codec, ErrorKind
 from ..core.errors import InvalidCapability, StreamprocError
-from ..logs import error_text
+from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from ..metrics import CONTENT_TYPE, exposition, registry_for
@@ -62,6 +62,7 @@ from .direct import DirectFrames, UvicornBody, WriteBatch
 from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
+from . import stopping as stop
 from .stats import StatsSource
 
 if TYPE_CHECKING:
@@ -109,7 +110,8 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]],
-                 write_timeout: float, on_stall: Callable[[], None], direct: DirectFrames | None = None) -> None:
+                 write_timeout: float, on_stall: Callable[[], None], direct: DirectFrames | None = None,
+                 stopping: stop.Stopping | None = None, stop_frame: bytes = b"") -> None:
         super().__init__(
             frames,
             media_type=sse.MEDIA_TYPE,
@@ -119,6 +121,8 @@ class EventStreamResponse(StreamingResponse):
         self.on_stall = on_stall
         self.write_timeout = write_timeout
         self.direct = direct  # the fan-out writes idle-time frames itself once the headers are out (direct.py)
+        self.stopping = stopping  # the edge's stop ends this stream itself, with stop_frame (stopping.py)
+        self.stop_frame = stop_frame
         self.completed = False
 
     async def stream_response(self, send: Send) -> bool:
@@ -129,6 +133,8 @@ class EventStreamResponse(StreamingResponse):
         direct = self.direct
         task = asyncio.current_task()
         assert task is not None
+        if self.stopping is not None:
+            self.stopping.enter(task)  # from now on a stop ends the body with stop_frame (__call__)
         watch = WriteWatch(self.write_timeout, task)
         try:
             if direct is not None:
@@ -167,17 +173,39 @@ class EventStreamResponse(StreamingResponse):
             task.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch())
+        stopping = self.stopping
         try:
             with contextlib.suppress(OSError):
                 self.completed = await self.stream_response(send)
         except asyncio.CancelledError:
-            if not left:  # cancelled from outside (the server stops): not ours to swallow
+            if left:
+                task.uncancel()
+            elif stopping is not None and stopping.claims(task):
+                with contextlib.suppress(OSError):
+                    await self.end_for_stop(send)
+            else:  # cancelled from outside (the server's own timeout): not ours to swallow
                 raise
-            task.uncancel()
         finally:
             watcher.cancel()
+            if stopping is not None:
+                stopping.leave(task)
             with anyio.CancelScope(shield=True):
                 await self.on_close(self.completed)
+
+    async def end_for_stop(self, send: Send) -> None:
+        """The edge stops: the stop's error event and ``[DONE]``, then the body's end. Every frame
+        the fan-out took for this stream is on the transport already (a direct write's flush is
+        queued before the cancel wakes this task, and none is taken once it is woken: direct.py).
+        A client that does not read gets its connection closed after ``FINAL_WRITE_TIMEOUT``."""
+        try:
+            async with asyncio.timeout(stop.FINAL_WRITE_TIMEOUT):
+                await send({"type": "http.response.body", "body": self.stop_frame, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except TimeoutError:
+            body = UvicornBody.of(send)
+            if body is not None:
+                body.transport.abort()  # the cycle is marked disconnected in the next loop pass
+                await asyncio.sleep(0)
 
 
 class WriteWatch:
@@ -235,6 +263,8 @@ class Edge:
         self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
         self.codec: Codec = Catalog()(settings.format)  # an unknown format fails here, at start-up
+        self.stopping = stop.Stopping()  # the streams a stop ends cleanly (stopping.py)
+        self.stop_frame = sse.event(self.codec.error_body(stop.MESSAGE, ErrorKind.OVERLOADED)) + sse.DONE
         self.verifier = (Verifier(load_key(settings.auth_key_file, settings.auth_algorithm),
                                   settings.auth_algorithm, settings.auth_leeway)
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
@@ -295,6 +325,8 @@ class Edge:
             self.metrics.forbidden += 1
             return error_response(f"this capability does not cover request {request_id}", "forbidden", 403)
         unary = wants_unary(request)
+        if self.stopping.active:
+            return error_response(stop.MESSAGE, "unavailable", 503)
         if not self.source.connected:
             return error_response("the edge is not connected to NATS", "unavailable", 503)
         if self.metrics.streams_active >= self.settings.max_streams:
@@ -325,9 +357,17 @@ class Edge:
             return error_response(f"cannot subscribe to results: {exc}", "unavailable", 503)
         if unary:
             self.metrics.unary_requests += 1
+            task = asyncio.current_task()
+            assert task is not None
+            self.stopping.enter(task)
             try:
                 return await self.unary_until_disconnect(request, feed)
+            except asyncio.CancelledError:
+                if not self.stopping.claims(task):
+                    raise
+                return error_response(stop.MESSAGE, "unavailable", 503)
             finally:
+                self.stopping.leave(task)
                 with anyio.CancelScope(shield=True):
                     self.client_left(client)
                     await self.release(feed)
@@ -354,7 +394,15 @@ class Edge:
                   if trace is None and feed.inbox is not None else None)
         feed.direct = direct
         return EventStreamResponse(self.frames(feed, verdicts=verdicts, trace=trace, direct=direct), on_close,
-                                   self.settings.write_timeout, on_stall, direct)
+                                   self.settings.write_timeout, on_stall, direct, self.stopping, self.stop_frame)
+
+    def stop_streams(self) -> None:
+        """The edge stops: every open stream and waiting unary request ends itself now (stopping.py),
+        and opens still to come get 503."""
+        if self.stopping.active:
+            return
+        ended = self.stopping.stop()
+        log_event(log, logging.INFO, "stopping", streams=ended)
 
     def client_left(self, client: str) -> None:
         left = self.client_streams.get(client, 0) - 1
@@ -708,6 +756,7 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(edge.heap.run)
                 yield
+                edge.stop_streams()  # `streamproc edge` did this when the stop began (command.py)
                 tasks.cancel_scope.cancel()
         finally:
             await edge.source.stop()

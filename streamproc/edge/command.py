@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..config import print_config, unknown_environment_warnings
 from .settings import SCHEMA, EdgeConfigError, add_arguments
@@ -43,12 +43,19 @@ def add_print_config(parser: argparse.ArgumentParser) -> None:
                              "(default, env, flag) as JSON, and exit")
 
 
-def server_class():
+def server_class(on_stop: Callable[[], None] | None = None):
     import uvicorn
 
     class Server(uvicorn.Server):
         """Uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (exit 143 or 130); for the edge,
-        as for ``streamproc run``, a signal is the normal way to stop: exit 0."""
+        as for ``streamproc run``, a signal is the normal way to stop: exit 0. ``on_stop`` runs when
+        the stop begins, before Uvicorn waits for the open responses (``Edge.stop_streams``: they
+        end themselves instead of being cancelled after ``timeout_graceful_shutdown``)."""
+
+        async def shutdown(self, sockets=None) -> None:
+            if on_stop is not None:
+                on_stop()
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -114,7 +121,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         ssl_certfile=settings.tls_cert_file or None,  # HTTPS: uvicorn.Config.load builds the SSLContext
         ssl_keyfile=settings.tls_key_file or None,
     )
-    server = server_class()(config)
+    server = server_class(app.state.edge.stop_streams)(config)
     quiet = _StartupFailureFilter(app)
     logging.getLogger("uvicorn.error").addFilter(quiet)
     source = app.state.edge.source

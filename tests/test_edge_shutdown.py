@@ -1,0 +1,139 @@
+"""SIGTERM with streams open: every client gets a clean, resumable end, and the edge's log stays quiet.
+
+Before, Uvicorn's graceful-shutdown timeout (1 s) cancelled every open stream's task: each client
+saw its connection cut in the middle of a chunked body (``incomplete chunked read``), a waiting
+unary request got nothing, and the edge logged "Exception in ASGI application" once per stream.
+Now the edge ends each stream itself when the stop begins (``Edge.stop_streams``): an
+``overloaded`` error event saying the edge is stopping and how to resume (``Last-Event-ID``),
+``[DONE]``, then the chunked body's proper end; a unary request waiting for its final result
+gets ``503`` with the same error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import anyio
+import httpx
+import pytest
+
+from edge_harness import EdgeProcess, publish_result, slow_reader
+from helpers import connection
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.wire import Subjects
+
+pytestmark = pytest.mark.nats
+
+STOP_WITHIN = 2.0  # as tests/test_signals.py: a stop the operator asked for takes at most 2 s
+
+
+class Reader(threading.Thread):
+    """One SSE client reading its stream to the end; ``outcome`` is "complete" or the error."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.url, self.headers = url, headers or {}
+        self.body = b""
+        self.status: int | None = None
+        self.outcome = "running"
+        self.opened = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=10) as client, client.stream("GET", self.url, headers=self.headers) as response:
+                self.status = response.status_code
+                self.opened.set()
+                for part in response.iter_raw():
+                    self.body += part
+            self.outcome = "complete"
+        except Exception as exc:  # noqa: BLE001 - recorded and asserted on
+            self.outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.opened.set()
+
+
+def events(body: bytes) -> list[tuple[str | None, str]]:
+    """(id, data) of each SSE event in ``body``; keep-alive comments are skipped."""
+    found = []
+    for block in body.decode().split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        ident = next((line[4:] for line in lines if line.startswith("id: ")), None)
+        data = "\n".join(line[6:] for line in lines if line.startswith("data: "))
+        found.append((ident, data))
+    return found
+
+
+def loud_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if re.search(r"level=(warning|error|critical)", line)]
+
+
+@pytest.mark.parametrize("with_slow_reader", [False, True], ids=["readers", "and-a-client-that-never-reads"])
+def test_sigterm_ends_every_open_stream_with_a_resumable_error_event_and_stops_quietly(with_slow_reader):
+    """A client that stopped reading (its writes blocked by flow control) cannot hold the stop:
+    its connection is closed after the last frame's short wait, and everyone else ends cleanly."""
+    subjects = Subjects()
+    with EmbeddedNats(jetstream=False) as server:
+        edge = EdgeProcess(server.url, "--log-format", "logfmt").start()
+        try:
+            streams = [Reader(f"{edge.url}/v1/results/stop-{i}") for i in range(6)]
+            unary = Reader(f"{edge.url}/v1/results/stop-unary", {"Accept": "application/json"})
+            for reader in [*streams, unary]:
+                reader.start()
+            for reader in streams:
+                assert reader.opened.wait(10) and reader.status == 200, reader.outcome
+
+            async def two_results() -> None:
+                async with connection(server.url) as nc:
+                    for seq in range(2):
+                        await publish_result(nc, subjects, "stop-0", seq, b'{"n": %d}' % seq)
+                    await nc.flush()
+
+            anyio.run(two_results)
+            stuck = None
+            if with_slow_reader:
+                stuck = slow_reader(edge.url, "stop-stuck")
+
+                async def flood_it() -> None:  # far more than the socket buffers and the transport's hold
+                    async with connection(server.url) as nc:
+                        for seq in range(64):
+                            await publish_result(nc, subjects, "stop-stuck", seq, b'{"pad": "%s"}' % (b"x" * 65536))
+                        await nc.flush()
+
+                anyio.run(flood_it)
+            deadline = time.monotonic() + 10
+            while len(events(streams[0].body)) < 2:
+                assert time.monotonic() < deadline, streams[0].body
+                time.sleep(0.02)
+            time.sleep(0.2)  # the unary request is waiting for its final result
+
+            started = time.monotonic()
+            edge.proc.send_signal(signal.SIGTERM)
+            assert edge.proc.wait(STOP_WITHIN + 3) == 0
+            elapsed = time.monotonic() - started
+            for reader in [*streams, unary]:
+                reader.join(5)
+            log = edge.log()
+        finally:
+            edge.close()
+            if stuck is not None:
+                stuck.close()
+
+    assert elapsed < STOP_WITHIN, f"the edge took {elapsed:.2f}s to stop"
+    for reader in streams:
+        assert reader.outcome == "complete", (reader.url, reader.outcome)
+        seen = events(reader.body)
+        assert seen[-1] == (None, "[DONE]"), reader.body
+        error = json.loads(seen[-2][1])
+        assert "stopping" in json.dumps(error) and "Last-Event-ID" in json.dumps(error), error
+        assert "overloaded" in json.dumps(error), error
+    first = events(streams[0].body)
+    assert [ident for ident, _ in first] == ["0", "1", None, None]  # its results, then the stop's error and [DONE]
+    assert unary.outcome == "complete" and unary.status == 503, (unary.status, unary.outcome, unary.body)
+    assert "stopping" in unary.body.decode()
+    assert loud_lines(log) == [], "\n".join(loud_lines(log))
