@@ -42,7 +42,7 @@ from streamproc.core.outbox import (
 from streamproc.core.wire import FINAL, SEQ
 
 STORED_ACK = b'{"stream":"R","seq":7}'
-DUPLICATE_ACK = b'{"stream":"R","seq":7,"duplicate":true}'
+DUPLICATE_ACK = b'{"stream":"R","seq":7,"duplicate": true}'  # nats-server's wording, space included (live test below)
 REFUSED_ACK = b'{"error":{"code":503,"description":"stream unavailable"}}'
 NO_RESPONDERS = b""  # a 503 status reply has an empty body
 
@@ -540,6 +540,23 @@ def test_a_duplicate_puback_counts_as_stored():
     box.take([result("a", 0, settles=(Token("a", "0", 1),))], "a")
     (o,) = box.sending(0.0)
     assert box.on_puback(o.ticket, DUPLICATE_ACK, 0.1) == DUPLICATE
+    assert box.stats.duplicate_results == 1 and box.idle
+
+
+@pytest.mark.nats
+@pytest.mark.anyio
+async def test_nats_servers_own_duplicate_puback_is_read_as_a_duplicate(client):
+    """The PubAck bodies come from a real nats-server, not from this file: it writes
+    ``"duplicate": true`` with a space, which a match on ``"duplicate":true`` read as a plain store
+    (``duplicate_results`` stayed 0 in live runs)."""
+    await client.jetstream().add_stream(name="DUPS", subjects=["dups.>"])
+    acks = [(await client.request("dups.r", b"x", headers={"Nats-Msg-Id": "r:0"}, timeout=5)).data
+            for _ in range(2)]
+    assert [classify(ack) for ack in acks] == [STORED, DUPLICATE], acks
+    box = Outbox()
+    box.take([result("a", 0, settles=(Token("a", "0", 1),))], "a")
+    (o,) = box.sending(0.0)
+    assert box.on_puback(o.ticket, acks[1], 0.1) == DUPLICATE
     assert box.stats.duplicate_results == 1 and box.idle
 
 

@@ -123,7 +123,7 @@ def classify(data: bytes) -> str:
     """What a PubAck body says. An empty body is a status reply (503 no responders: no stream)."""
     if not data or b'"error":' in data:
         return REFUSED
-    if b'"duplicate":true' in data:
+    if b'"duplicate"' in data:  # nats-server writes '"duplicate": true', with a space (processJetStreamMsg)
         return DUPLICATE
     return STORED
 
@@ -279,7 +279,7 @@ class Outbox:
             self._inflight[ticket] = o  # a late PubAck of an earlier copy still counts
             return REFUSED
         outcome = STORED
-        if b'"duplicate":true' in data:
+        if b'"duplicate"' in data:  # see classify()
             self.stats.duplicate_results += 1
             outcome = DUPLICATE
         if not o.refused:  # else a late PubAck of a copy sent before the refusal: no send time to match
