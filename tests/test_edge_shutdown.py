@@ -11,6 +11,7 @@ gets ``503`` with the same error.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -23,6 +24,7 @@ import pytest
 
 from edge_harness import EdgeProcess, publish_result, slow_reader
 from helpers import connection
+from streamproc.edge.stopping import RECANCEL_INTERVAL, RECANCEL_ROUNDS, Stopping
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
@@ -137,3 +139,74 @@ def test_sigterm_ends_every_open_stream_with_a_resumable_error_event_and_stops_q
     assert unary.outcome == "complete" and unary.status == 503, (unary.status, unary.outcome, unary.body)
     assert "stopping" in unary.body.decode()
     assert loud_lines(log) == [], "\n".join(loud_lines(log))
+
+
+# The stop's bookkeeping alone (edge/stopping.py), on asyncio tasks without an edge.
+
+
+@pytest.mark.anyio
+async def test_a_stop_cancel_lost_in_a_wait_is_sent_again_and_the_task_still_ends_its_response():
+    """Python 3.11's asyncio.wait_for returns the result and drops a cancel that arrives with the
+    reply (no uncancel): the stream went on waiting until Uvicorn's timeout cut it (seen with
+    JetStream replays at SIGTERM). The stop cancels again, and claims every cancel it sent."""
+    stopping = Stopping()
+    outcome = []
+
+    async def stream() -> None:
+        task = asyncio.current_task()
+        stopping.enter(task)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # lost, as wait_for loses it: cancelling() still counts it
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            outcome.append("claimed" if stopping.claims(task) else "not ours")
+            return
+        finally:
+            stopping.leave(task)
+
+    task = asyncio.get_running_loop().create_task(stream())
+    await asyncio.sleep(0.01)
+    assert stopping.stop() == 1
+    with anyio.fail_after(RECANCEL_INTERVAL * (RECANCEL_ROUNDS + 1) + 1):
+        await task
+    assert outcome == ["claimed"] and task.cancelling() == 0
+
+
+@pytest.mark.anyio
+async def test_a_cancel_that_is_not_the_stops_is_not_claimed():
+    """The server's own timeout (or the client leaving) cancels a task the stop cancelled too: the
+    task must re-raise, not answer as if only the stop had asked."""
+    stopping = Stopping()
+    outcome = []
+
+    async def stream() -> None:
+        task = asyncio.current_task()
+        stopping.enter(task)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            outcome.append("claimed" if stopping.claims(task) else "not ours")
+            raise
+        finally:
+            stopping.leave(task)
+
+    task = asyncio.get_running_loop().create_task(stream())
+    await asyncio.sleep(0.01)
+    stopping.stop()
+    task.cancel()  # someone else's, before the task ran again
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert outcome == ["not ours"]
+
+
+@pytest.mark.anyio
+async def test_a_task_that_enters_during_a_stop_is_cancelled_at_once():
+    stopping = Stopping()
+    stopping.stop()
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(30))
+    stopping.enter(task)
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -196,16 +196,22 @@ class EventStreamResponse(StreamingResponse):
         """The edge stops: the stop's error event and ``[DONE]``, then the body's end. Every frame
         the fan-out took for this stream is on the transport already (a direct write's flush is
         queued before the cancel wakes this task, and none is taken once it is woken: direct.py).
-        A client that does not read gets its connection closed after ``FINAL_WRITE_TIMEOUT``."""
+        A client that does not read gets its connection closed after ``FINAL_WRITE_TIMEOUT``: when the
+        frame cannot be handed over by then, or when it was but still waits in the transport's buffer
+        then (Uvicorn waits for every connection to close, and logs an error when one outlasts its
+        graceful timeout)."""
+        body = UvicornBody.of(send)
         try:
             async with asyncio.timeout(stop.FINAL_WRITE_TIMEOUT):
                 await send({"type": "http.response.body", "body": self.stop_frame, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
-            body = UvicornBody.of(send)
             if body is not None:
                 body.transport.abort()  # the cycle is marked disconnected in the next loop pass
                 await asyncio.sleep(0)
+            return
+        if body is not None and body.transport.get_write_buffer_size():
+            asyncio.get_running_loop().call_later(stop.FINAL_WRITE_TIMEOUT, body.transport.abort)
 
 
 class WriteWatch:

@@ -13,7 +13,7 @@ error event saying how to resume (``Last-Event-ID``), ``[DONE]`` and the chunked
 request with ``503``. So a client can tell a stop from a cut connection, and reconnects to another
 edge. A cancel is used, not a flag the stream polls, because it reaches every place a stream can
 wait (its feed, a replay, a consumer being created, a write blocked by flow control) without a
-check on the per-event path.
+check on the per-event path; a cancel that such a wait swallows is sent again (:meth:`Stopping._again`).
 """
 
 from __future__ import annotations
@@ -24,36 +24,67 @@ import asyncio
 MESSAGE = ("the edge is stopping: open the stream again (with Last-Event-ID set to the id of the last event "
            "received, to resume after it)")
 FINAL_WRITE_TIMEOUT = 0.5  # seconds the last frame may wait for a client that stopped reading; then cut
+RECANCEL_INTERVAL = 0.2  # seconds between cancels of a task the stop has not ended yet (Stopping._again)
+RECANCEL_ROUNDS = 3  # then Uvicorn's own timeout (1 s, command.py) has the last word
 
 
 class Stopping:
     """The request tasks that wait on results, and whether the edge is stopping."""
 
-    __slots__ = ("active", "_tasks")
+    __slots__ = ("active", "_tasks", "_cancels", "_rounds")
 
     def __init__(self) -> None:
         self.active = False
         self._tasks: set[asyncio.Task] = set()
+        self._cancels: dict[asyncio.Task, int] = {}  # cancels the stop sent to each task, not yet claimed
+        self._rounds = 0
 
     def enter(self, task: asyncio.Task) -> None:
         """``task`` waits on results from now on; during a stop it is cancelled at once."""
         self._tasks.add(task)
         if self.active:
-            task.cancel()
+            self._cancel(task)
 
     def leave(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._cancels.pop(task, None)
 
     def stop(self) -> int:
         """Cancel every registered task (each ends its response itself); how many there were."""
         self.active = True
         tasks = list(self._tasks)
         for task in tasks:
-            task.cancel()
+            self._cancel(task)
+        if tasks:
+            asyncio.get_running_loop().call_later(RECANCEL_INTERVAL, self._again)
         return len(tasks)
+
+    def _cancel(self, task: asyncio.Task) -> None:
+        self._cancels[task] = self._cancels.get(task, 0) + 1
+        task.cancel()
+
+    def _again(self) -> None:
+        """Cancel again the tasks that have not ended: a cancel can be lost. Python 3.11's
+        ``asyncio.wait_for`` returns the result and drops a cancel that arrives when the awaited
+        reply is already in (nats-py's ``request``, e.g. a stored result read for a replay), without
+        ``uncancel``: the task goes on waiting, with ``cancelling()`` still counting the lost one."""
+        self._rounds += 1
+        for task in list(self._tasks):
+            if not task.done():
+                self._cancel(task)
+        if self._tasks and self._rounds < RECANCEL_ROUNDS:
+            asyncio.get_running_loop().call_later(RECANCEL_INTERVAL, self._again)
 
     def claims(self, task: asyncio.Task) -> bool:
         """Whether the cancel ``task`` is handling is the stop's, and only the stop's: then it is
-        absorbed (``uncancel``) and the task ends its response. Any other cancel pending (the
-        client left, the server's own timeout) is not: the caller re-raises."""
-        return self.active and task in self._tasks and task.uncancel() == 0
+        absorbed (one ``uncancel`` per cancel the stop sent, lost ones included), the task is no
+        longer cancelled again, and it ends its response. Any other cancel pending (the client
+        left, the server's own timeout) is not: the caller re-raises."""
+        sent = self._cancels.pop(task, 0)
+        if not self.active or not sent or task not in self._tasks:
+            return False
+        self._tasks.discard(task)
+        remaining = task.cancelling()
+        for _ in range(sent):
+            remaining = task.uncancel()
+        return remaining == 0
