@@ -382,3 +382,16 @@ def test_max_head_bytes_is_exact_however_the_head_arrives(tight, split):
                 sock.sendall(head[split:])
             status, data = first_status(sock)
             assert status == expected, (size, split, data[:200])
+
+
+def test_a_head_begun_inside_a_read_is_cut_within_twice_max_head_bytes(tight):
+    """A head that begins inside a read, after another request in the same send, is counted from the
+    next piece the parser gets (at most --max-head-bytes each): cut within twice the limit. The
+    first request's answer may be lost with it (it was in progress: the connection is only closed)."""
+    before = counters(tight)
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\nGET /healthz HTTP/1.1\r\nHost: edge\r\nX-Big: "
+                     + b"b" * (2 * TIGHT_BYTES))
+        data, closed = until_closed(sock, 2.0)
+    assert closed and (data == b"" or data.startswith(b"HTTP/1.1 200 ")) and b"HTTP/1.1 431" not in data, data
+    assert counters(tight)[1] == before[1] + 1
