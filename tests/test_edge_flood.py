@@ -247,3 +247,151 @@ def test_a_request_head_past_max_head_bytes_gets_431_and_a_body_does_not_count(e
             data += sock.recv(65536)
         assert status == 400, data
     assert edge.metrics()["streamproc_edge_heads_too_large_total"] == 1
+
+
+TIGHT_TIMEOUT = 1.0  # --head-timeout of the `tight` edge
+TIGHT_BYTES = 4096  # --max-head-bytes of the `tight` edge
+
+
+@pytest.fixture(scope="module")
+def tight(server):
+    """An edge with a short head deadline and a small head size, for the tests of their edges."""
+    with running_edge(server.url, "--head-timeout", str(TIGHT_TIMEOUT), "--max-head-bytes", str(TIGHT_BYTES)) as edge:
+        yield edge
+
+
+def counters(edge) -> tuple[float, float]:
+    metrics = edge.metrics()
+    return metrics["streamproc_edge_head_timeouts_total"], metrics["streamproc_edge_heads_too_large_total"]
+
+
+def until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, bool]:
+    """Everything ``sock`` receives within ``timeout`` seconds, and whether the edge closed it."""
+    data, end = b"", time.monotonic() + timeout
+    while (left := end - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return data, False
+        except ConnectionResetError:
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+    return data, False
+
+
+def head_of(size: int) -> bytes:
+    """A complete GET /healthz head of exactly ``size`` bytes (request line to the blank line)."""
+    start, end = b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\nX-Pad: ", b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+async def test_a_stream_pipelined_behind_an_answered_request_outlives_the_head_timeout(tight, server):
+    """Uvicorn starts a pipelined request whose head it parsed earlier when the previous response ends:
+    no head is due then, so no 408 may be written into that stream's body (it was, --head-timeout
+    after the first answer)."""
+    request_id = rid("pipelined")
+    before = counters(tight)
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n"
+                     b"GET /v1/results/%s HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n" % request_id.encode())
+        async with connection(server.url) as nc:
+            await anyio.sleep(0.3)
+            for seq in range(6):  # 3 s: three head timeouts and more
+                await publish_result(nc, Subjects(), request_id, seq, b'{"seq": %d}' % seq, final=seq == 5)
+                await nc.flush()
+                await anyio.sleep(0.5)
+        data, closed = await anyio.to_thread.run_sync(until_closed, sock, 2.0)
+    assert data.startswith(b"HTTP/1.1 200 ") and closed, data[:200]
+    assert b"Request Timeout" not in data and data.endswith(b"[DONE]\n\n\r\n0\r\n\r\n"), data[-400:]
+    assert data.count(b"id: ") == 6, data[-400:]
+    assert counters(tight) == before
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["endless", "stalled"])
+async def test_a_head_pipelined_behind_an_open_stream_is_bounded_and_the_stream_closed_unwritten(tight, stall):
+    """A head begun while a response is in progress has the same size and deadline as any other:
+    an endless header line (httptools kept concatenating it: hundreds of MB) or a head left half-sent
+    closes the connection. No 431/408 is written: it would land inside the stream's body."""
+    before = counters(tight)
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/results/%s HTTP/1.1\r\nHost: edge\r\n\r\n" % rid("held").encode())
+        head, _ = await anyio.to_thread.run_sync(until_closed, sock, 0.5)
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nX-Big: ")
+        if not stall:
+            try:
+                for _ in range(8):
+                    sock.sendall(b"b" * (TIGHT_BYTES // 2))
+                    await anyio.sleep(0.05)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        data, closed = await anyio.to_thread.run_sync(until_closed, sock, TIGHT_TIMEOUT + 3)
+    assert closed, data
+    assert b"HTTP/1.1" not in data, data
+    timeouts, too_large = counters(tight)
+    assert (timeouts - before[0], too_large - before[1]) == ((1, 0) if stall else (0, 1))
+
+
+async def test_a_body_after_an_early_answer_is_neither_a_head_nor_late(tight):
+    """A request answered before its body was read (413 for a body over the experts view's limit, or
+    /healthz with a body) then receives that body slowly: it is not counted as the next head (it got
+    an unsolicited 431) nor timed as one (408); the next request on the connection is served."""
+    from streamproc.edge.experts import MAX_BODY_BYTES
+
+    before = counters(tight)
+    size = MAX_BODY_BYTES + 1
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % size)
+        data, _ = until_closed(sock, 0.5)
+        assert data.startswith(b"HTTP/1.1 413 "), data
+        chunk = b"a" * (1 << 20)
+        for offset in range(0, size, len(chunk)):
+            sock.sendall(chunk[:size - offset])
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+        data, _ = await anyio.to_thread.run_sync(until_closed, sock, 1.0)
+        assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 20000\r\n\r\n")
+        data, _ = until_closed(sock, 0.5)
+        assert data.startswith(b"HTTP/1.1 200 "), data
+        for _ in range(10):  # 2.5 s, 2.5 head timeouts, 20000 bytes: five heads' size
+            sock.sendall(b"a" * 2000)
+            await anyio.sleep(0.25)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
+        data, closed = await anyio.to_thread.run_sync(until_closed, sock, 2.0)
+        assert data.startswith(b"HTTP/1.1 200 ") and closed, data[:200]
+    assert counters(tight) == before
+
+
+@pytest.mark.parametrize("split", [None, 1, TIGHT_BYTES - 1, TIGHT_BYTES])
+def test_max_head_bytes_is_exact_however_the_head_arrives(tight, split):
+    """A head of --max-head-bytes is served and one byte more gets 431, in one read or two (the read
+    that completed a head used to pass unchecked: a head up to the limit plus one read was served)."""
+    for size, expected in ((TIGHT_BYTES, 200), (TIGHT_BYTES + 1, 431)):
+        head = head_of(size)
+        with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+            if split is None:
+                sock.sendall(head)
+            else:
+                sock.sendall(head[:split])
+                time.sleep(0.2)  # a read of its own
+                sock.sendall(head[split:])
+            status, data = first_status(sock)
+            assert status == expected, (size, split, data[:200])
+
+
+def test_a_head_begun_inside_a_read_is_cut_within_twice_max_head_bytes(tight):
+    """A head that begins inside a read, after another request in the same send, is counted from the
+    next piece the parser gets (at most --max-head-bytes each): cut within twice the limit. The
+    first request's answer may be lost with it (it was in progress: the connection is only closed)."""
+    before = counters(tight)
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\nGET /healthz HTTP/1.1\r\nHost: edge\r\nX-Big: "
+                     + b"b" * (2 * TIGHT_BYTES))
+        data, closed = until_closed(sock, 2.0)
+    assert closed and (data == b"" or data.startswith(b"HTTP/1.1 200 ")) and b"HTTP/1.1 431" not in data, data
+    assert counters(tight)[1] == before[1] + 1

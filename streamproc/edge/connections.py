@@ -20,9 +20,18 @@ included) and its memory, and every request it did parse waited in the open pace
   the wire before the reset, which a client reading it on Linux still gets). Every open, the
   pacer's waiting ones included, holds a connection, so this bounds them too.
 - ``--head-timeout``: a request head (the request line and headers) must be complete this many
-  seconds after the connection was made or the previous response ended (checked every
-  :data:`SWEEP_INTERVAL` s at most); else ``408`` and close.
-- ``--max-head-bytes``: a request head still incomplete past that many bytes gets ``431`` and close.
+  seconds after the connection was made, or after the previous request's response and body both
+  ended, or after its first byte if it began while a response was in progress (pipelined); checked
+  every :data:`SWEEP_INTERVAL` s at most; else ``408`` and close. A request Uvicorn starts from its
+  pipeline has its head already; a body is not a head, also one still arriving after an early answer.
+- ``--max-head-bytes``: a request head longer than that gets ``431`` and close, whatever the
+  response state (httptools would keep concatenating an endless header line of a head pipelined
+  behind a stream). Exact for a head whose first byte starts a read; one that begins inside a read,
+  after the end of a body or of another request, may have up to that many bytes more (reads longer
+  than the room left are fed to the parser a piece at a time, :meth:`feed_bounded`).
+
+With a response in progress the ``408``/``431`` is not written, only the connection closed:
+responses go out in order, and an answer written then would land inside that response's body.
 """
 
 from __future__ import annotations
@@ -85,7 +94,8 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.linger: asyncio.TimerHandle | None = None
-            self.head_bytes = 0
+            self.head_bytes = 0  # bytes of the head in progress, counted from the read it was in at its start
+            self.heading = True  # the parser's next bytes are a request head (False inside a request body)
             self.refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -110,7 +120,6 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.linger = self.loop.call_later(REFUSED_LINGER, transport.abort)
 
         def await_head(self) -> None:
-            self.head_bytes = 0
             due[self] = self.loop.time() + head_timeout
             if not sweeping[0]:
                 sweeping[0] = True
@@ -122,34 +131,68 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.close_with(timed_out)
 
         def close_with(self, response: bytes) -> None:
+            """Answer and close; with a response in progress (a head pipelined behind it) only close:
+            responses go out in order, and an answer written now would land inside that one's body."""
             if not self.transport.is_closing():
-                self.transport.write(response)
+                if self.cycle is None or self.cycle.response_complete:
+                    self.transport.write(response)
                 self.transport.close()
 
         def data_received(self, data: bytes) -> None:
             if self.refused:
                 return  # the request of a refused connection is not read
-            pending = self in due
-            super().data_received(data)
-            if pending and self in due:  # the head is still incomplete after this data
-                self.head_bytes += len(data)
-                if self.head_bytes > max_head_bytes:
+            if len(data) <= max_head_bytes - self.head_bytes:  # no head can outgrow the limit in it
+                if self.heading:
+                    self.head_bytes += len(data)  # back to 0 when the head completes (on_headers_complete)
+                super().data_received(data)
+                return
+            self.feed_bounded(memoryview(data))
+
+        def feed_bounded(self, data: memoryview) -> None:
+            """A read longer than a head may still grow: the parser gets at most that much at a time,
+            so a head in progress at a piece's start is cut exactly at the limit, and one that began
+            inside a piece (after a body or another request) had less than the limit in it."""
+            while data:
+                room = max_head_bytes - self.head_bytes
+                if room == 0:  # the head in progress has the limit already and is incomplete
                     due.pop(self, None)
                     metrics.heads_too_large += 1
                     self.close_with(too_large)
+                    return
+                piece, data = data[:room], data[room:]
+                if self.heading:
+                    self.head_bytes += len(piece)
+                super().data_received(piece)
+                if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                    return  # answered and closed (400, 431), or upgraded to a WebSocket
 
         def eof_received(self) -> bool | None:
             if self.refused:
                 return False  # the transport closes itself
             return super().eof_received()
 
+        def on_message_begin(self) -> None:
+            if self not in due:  # a head begun while a response is in progress has its own deadline
+                self.await_head()
+            super().on_message_begin()
+
         def on_headers_complete(self) -> None:
             due.pop(self, None)
+            self.heading = False
+            self.head_bytes = 0
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            self.heading = True
+            cycle = self.cycle  # None after a WebSocket upgrade's head
+            if cycle is not None and cycle.response_complete and not self.transport.is_closing() and self not in due:
+                self.await_head()  # answered before its body was read (e.g. 413): the next head is due now
+            super().on_message_complete()
+
         def on_response_complete(self) -> None:
+            started = bool(self.pipeline)  # Uvicorn starts a request whose head it already parsed
             super().on_response_complete()
-            if not self.transport.is_closing() and self not in due:
+            if not started and self.heading and not self.transport.is_closing() and self not in due:
                 self.await_head()  # the next request's head on this keep-alive connection is due
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -106,11 +106,12 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         "open HTTP connections (streams, waiting opens, idle keep-alive ones) before a new connection is "
         "answered 503 at once, unread; keep it above --max-streams", ge=1, le=1_000_000)] = 2048
     head_timeout: Annotated[float, documented(
-        "seconds a connection may take to send a complete request head (after it opened, or after its "
-        "previous response) before it gets 408 and is closed", gt=0, le=3600)] = 10.0
+        "seconds a connection may take to send a complete request head (after it opened, after its "
+        "previous request and response ended, or from its first byte while a response is in progress) "
+        "before it gets 408 and is closed", gt=0, le=3600)] = 10.0
     max_head_bytes: Annotated[int, documented(
         "bytes of a request head (request line and headers) before it gets 431 and the connection is "
-        "closed", ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
+        "closed; a body does not count", ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
     cors_origin: Annotated[str, documented(
         "origins (comma-separated, exact scheme://host[:port]) whose pages may read results through a "
         "visitor's browser (CORS); empty: no Access-Control-* header, closed")] = ""
