@@ -144,30 +144,40 @@ def test_sigterm_ends_every_open_stream_with_a_resumable_error_event_and_stops_q
 # The stop's bookkeeping alone (edge/stopping.py), on asyncio tasks without an edge.
 
 
-@pytest.mark.anyio
-async def test_a_stop_cancel_lost_in_a_wait_is_sent_again_and_the_task_still_ends_its_response():
-    """Python 3.11's asyncio.wait_for returns the result and drops a cancel that arrives with the
-    reply (no uncancel): the stream went on waiting until Uvicorn's timeout cut it (seen with
-    JetStream replays at SIGTERM). The stop cancels again, and claims every cancel it sent."""
-    stopping = Stopping()
-    outcome = []
+def waiting_stream(stopping: Stopping, outcome: list[str], *, loses_a_cancel: bool) -> asyncio.Task:
+    """A task that waits as a stream does and, when cancelled, records whether the stop claims it;
+    ``loses_a_cancel``: its first cancel is swallowed first, as 3.11's ``wait_for`` does when the
+    reply it waits for is already in (no ``uncancel``: ``cancelling()`` still counts it)."""
 
     async def stream() -> None:
         task = asyncio.current_task()
+        assert task is not None
         stopping.enter(task)
         try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            pass  # lost, as wait_for loses it: cancelling() still counts it
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            outcome.append("claimed" if stopping.claims(task) else "not ours")
-            return
+            if loses_a_cancel:
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    pass
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                outcome.append("claimed" if stopping.claims(task) else "not ours")
+                if outcome[-1] != "claimed":
+                    raise
         finally:
             stopping.leave(task)
 
-    task = asyncio.get_running_loop().create_task(stream())
+    return asyncio.get_running_loop().create_task(stream())
+
+
+@pytest.mark.anyio
+async def test_a_stop_cancel_lost_in_a_wait_is_sent_again_and_the_task_still_ends_its_response():
+    """Python 3.11's asyncio.wait_for returns the result and drops a cancel that arrives with the
+    reply: the stream went on waiting until Uvicorn's timeout cut it (seen with JetStream replays at
+    SIGTERM). The stop cancels again, and claims every cancel it sent."""
+    stopping, outcome = Stopping(), []
+    task = waiting_stream(stopping, outcome, loses_a_cancel=True)
     await asyncio.sleep(0.01)
     assert stopping.stop() == 1
     with anyio.fail_after(RECANCEL_INTERVAL * (RECANCEL_ROUNDS + 1) + 1):
@@ -179,21 +189,8 @@ async def test_a_stop_cancel_lost_in_a_wait_is_sent_again_and_the_task_still_end
 async def test_a_cancel_that_is_not_the_stops_is_not_claimed():
     """The server's own timeout (or the client leaving) cancels a task the stop cancelled too: the
     task must re-raise, not answer as if only the stop had asked."""
-    stopping = Stopping()
-    outcome = []
-
-    async def stream() -> None:
-        task = asyncio.current_task()
-        stopping.enter(task)
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            outcome.append("claimed" if stopping.claims(task) else "not ours")
-            raise
-        finally:
-            stopping.leave(task)
-
-    task = asyncio.get_running_loop().create_task(stream())
+    stopping, outcome = Stopping(), []
+    task = waiting_stream(stopping, outcome, loses_a_cancel=False)
     await asyncio.sleep(0.01)
     stopping.stop()
     task.cancel()  # someone else's, before the task ran again
