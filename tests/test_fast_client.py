@@ -443,3 +443,30 @@ async def test_reads_pause_after_a_small_write_at_light_load_but_not_while_the_g
         await asyncio.sleep(0.01)
         if n > 100:
             assert nc.write_gap() < nc.flush_interval and nc._resume_timer is None
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("client_class", [RobustClient, FastClient])
+async def test_a_cancelled_flush_does_not_stop_the_connection_reading(client, nats_url, client_class):
+    """nats-py 2.16 sets the result of the oldest PONG waiter without looking: the cancelled flush's
+    future raised InvalidStateError in the read loop, which then stopped reading for good (seen once
+    in CI as a traceback from a processor killed mid-migration)."""
+    nc = client_class()
+    await nc.connect(servers=[nats_url])
+    try:
+        sub = await nc.subscribe("after.pong")
+        await nc.flush()
+        flushing = asyncio.get_running_loop().create_task(nc.flush())
+        await asyncio.sleep(0)  # its PING is queued, its PONG not back yet
+        flushing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await flushing
+        await asyncio.sleep(0.2)  # the PONG arrives for a cancelled waiter
+        await client.publish("after.pong", b"still reading")
+        await client.flush()
+        msg = await sub.next_msg(timeout=5)
+        assert msg.data == b"still reading" and not nc._reading_task.done()
+    finally:
+        await nc.close()

@@ -20,6 +20,12 @@ methods, overridden in :class:`RobustClient`: the subject is decoded with ``surr
 request-id rule rejects it later, as a contract error) and unreadable headers become one
 ``Streamproc-Unreadable-Headers`` pseudo-header that the chunk parser rejects.
 The upstream bug report text is in docs/operations.md ("limits and abuse").
+
+A fourth way needs no hostile input: a ``flush()`` whose caller is cancelled (a stop, a timeout
+around it) leaves its cancelled PONG future in ``Client._pongs``; when that PONG arrives,
+``Client._process_pong`` calls ``set_result`` on it, ``InvalidStateError`` escapes the parser, and
+``_read_loop`` (which breaks on any ``Exception``) stops reading for good, with one "nats:
+encountered error" traceback. :meth:`RobustClient._process_pong` skips a waiter that is done.
 """
 
 from __future__ import annotations
@@ -85,6 +91,16 @@ class RobustClient(Client):
             return await super()._process_headers(headers)
         except Exception as exc:  # noqa: BLE001  (any failure here would end the read loop)
             return {UNREADABLE_HEADERS: f"{type(exc).__name__}: {exc}"[:200]}
+
+
+    async def _process_pong(self) -> None:
+        # nats-py 2.16 Client._process_pong, minus set_result on a waiter that is done already.
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
 
 
 async def connect(**options: Any) -> RobustClient:
