@@ -14,7 +14,7 @@ import subprocess
 import textwrap
 import time
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, NamedTuple
 
 import anyio
 import nats
@@ -84,6 +84,26 @@ def status_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+class TcpSocket(NamedTuple):
+    """One row of ``/proc/net/tcp`` (IPv4), the fields the edge tests read."""
+
+    local_port: int
+    remote_port: int
+    state: str  # hex, e.g. "0A" LISTEN, "01" ESTABLISHED
+    rx_queue: int  # for a LISTEN row: connections waiting to be accepted
+    inode: str  # "0" while a connection is still in the listen queue
+
+
+def tcp_sockets() -> list[TcpSocket]:
+    rows = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            rows.append(TcpSocket(int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16), fields[3],
+                                  int(fields[4].split(":")[1], 16), fields[9]))
+    return rows
 
 
 def peak_rss(pid: int) -> int:

@@ -24,7 +24,7 @@ import time
 import anyio
 import pytest
 from edge_harness import publish_result, running_edge
-from helpers import connection, rid, status_kib, wait_until
+from helpers import connection, rid, status_kib, tcp_sockets, wait_until
 
 from streamproc.client.capability import mint_capability
 from streamproc.edge.connections import REFUSED_LINGER, REFUSED_LINGERING
@@ -92,11 +92,9 @@ def first_status(sock: socket.socket) -> tuple[int | None, bytes]:
 
 def accept_queue(port: int) -> int:
     """Connections waiting in the listen queue of ``port`` (the rx_queue of its LISTEN row in /proc/net/tcp)."""
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
-                return int(fields[4].split(":")[1], 16)
+    for row in tcp_sockets():
+        if row.local_port == port and row.state == "0A":
+            return row.rx_queue
     raise AssertionError(f"nothing listens on {port}")
 
 

@@ -21,7 +21,7 @@ import httpx
 import nats.errors
 import pytest
 from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
-from helpers import rid
+from helpers import rid, tcp_sockets
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge.pacer import OPENS_PER_PASS, OpenPacer
@@ -252,14 +252,7 @@ def accepted(pid: int, port: int, peers: set[int]) -> int:
             continue
         if link.startswith("socket:["):
             inodes.add(link[8:-1])
-    count = 0
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            fields = line.split()
-            local, remote, inode = fields[1], fields[2], fields[9]
-            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) in peers and inode in inodes:
-                count += 1
-    return count
+    return sum(1 for row in tcp_sockets() if row.local_port == port and row.remote_port in peers and row.inode in inodes)
 
 
 def wait_accepted(pid: int, port: int, socks: list[socket.socket]) -> None:

@@ -37,9 +37,10 @@ responses go out in order, and an answer written then would land inside that res
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
 from typing import TYPE_CHECKING, Any
+
+from .app import error_response
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -52,8 +53,8 @@ DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, re
 
 
 def answer(status: int, reason: str, message: str, kind: str) -> bytes:
-    """A complete ``Connection: close`` response with the edge's JSON error body."""
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    """A complete ``Connection: close`` response with the edge's JSON error body (``error_response``'s)."""
+    body = error_response(message, kind, status).body
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 

@@ -189,7 +189,9 @@ class Fanout:
         source.metrics.results_seen += 1
         source.recent.note(result, time.time())
         if feeds:
-            for feed in (feeds if len(feeds) == 1 else tuple(feeds)):  # one: nothing removes it meanwhile
+            # A copy when several: an overflow removes its feed from the list (on_overflow). Alone, its
+            # removal just ends the loop.
+            for feed in (feeds if len(feeds) == 1 else tuple(feeds)):
                 direct = feed.direct
                 if direct is not None and direct.offer(result):  # written at once (direct.py)
                     continue
