@@ -13,10 +13,10 @@ import datetime
 import json
 import logging
 import math
-import re
 import sys
 import time
 from typing import Any, Callable, Literal, TextIO
+from urllib.parse import unquote_plus
 
 import msgspec
 
@@ -102,7 +102,24 @@ class LogLimiter:
             if suppressed:
                 log_event(self.logger, level, "log_suppressed", suppressed_event=event, count=suppressed,
                           interval=self.interval)
-_ACCESS_TOKEN = re.compile(r"([?&]access_token=)[^&#\s]*")
+ACCESS_TOKEN = "access_token"  # the edge's query parameter for a capability (RFC 6750 section 2.3)
+
+
+def redact_access_token(path: str) -> str:
+    """``path`` with the value of every query parameter that the edge reads as ``access_token`` replaced
+    by ``<redacted>``. A name is matched as Starlette reads it (``parse_qsl``: split on ``&``, names
+    percent-decoded, ``+`` a space), not as spelled: ``?access%5Ftoken=<jwt>`` is a capability too, and
+    was logged whole while only the literal spelling was redacted. Case is ignored: the edge reads only
+    ``access_token``, but a client that sent ``Access_Token=`` sent a capability all the same."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    fields = query.split("&")
+    for i, field in enumerate(fields):
+        name = field.partition("=")[0]
+        if name == ACCESS_TOKEN or len(name) >= len(ACCESS_TOKEN) and unquote_plus(name).lower() == ACCESS_TOKEN:
+            fields[i] = f"{name}=<redacted>"
+    return f"{base}?{'&'.join(fields)}"
 
 
 def record_fields(record: logging.LogRecord) -> dict[str, Any]:
@@ -112,8 +129,8 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
         return dict(fields)
     if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
         client, method, path, version, status = record.args
-        if isinstance(path, str) and "access_token=" in path:  # an edge capability (RFC 6750 2.3): never logged
-            path = _ACCESS_TOKEN.sub(r"\1<redacted>", path)
+        if isinstance(path, str) and "?" in path:  # an edge capability (RFC 6750 2.3): never logged
+            path = redact_access_token(path)
         return {"event": "http_request", "client": client, "method": method, "path": path,
                 "http_version": version, "status": status}
     return {"event": "log", "msg": record.getMessage()}

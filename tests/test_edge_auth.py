@@ -212,6 +212,8 @@ async def test_insecure_demo_serves_everyone_and_says_so(server):
         info = (await get(edge, "/v1/info")).json()
         assert info["auth"] == "insecure-demo"
         assert (await get(edge, "/v1/recent")).status_code == 200
+        # In the log too, at every start: the page's banner is seen only by those who open the page.
+        assert "level=warning logger=streamproc.edge event=insecure_demo" in edge.log()
 
 
 def test_without_a_key_the_edge_refuses_to_start_unless_insecure_demo(tmp_path):
@@ -320,3 +322,229 @@ def test_a_verified_token_is_remembered_until_its_exp_and_refused_after_it():
     with pytest.raises(InvalidCapability, match="expired"):
         verifier.verify(expiring)
     assert verifier.hits == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attacks from outside (a review on 2026-12-01): each refused the way docs/edge.md "Authentication" says.
+
+
+def signed(**claims) -> str:
+    """A token with exactly these claims besides ``aud`` and ``exp`` (mint_capability adds iat and sub)."""
+    return jwt.encode({"aud": "streamproc-edge", "exp": int(time.time()) + 60, **claims}, SECRET)
+
+
+def forged_hs256(claims: dict, key: bytes, alg: str = "HS256") -> str:
+    """An HMAC-SHA256 signature by hand: PyJWT refuses to sign with a public key, an attacker does not."""
+    import base64
+    import hashlib
+    import hmac
+
+    def segment(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    signing_input = segment(json.dumps({"alg": alg, "typ": "JWT"}).encode()) + "." + segment(json.dumps(claims).encode())
+    return signing_input + "." + segment(hmac.new(key, signing_input.encode(), hashlib.sha256).digest())
+
+
+async def test_a_capability_for_one_request_reads_no_other_by_any_route_or_spelling(auth_edge, nc):
+    mine, theirs = rid("cross-a"), rid("cross-b")
+    secret_body = b'{"text":"not yours"}'
+    await publish_results(nc, DURABLE, theirs, [secret_body])
+    await publish_results(nc, DURABLE, mine, [b'{"text":"yours"}'])
+    tok = token(rids=[mine])
+    encoded_theirs = "".join(f"%{ord(ch):02X}" for ch in theirs)  # every character percent-encoded
+    attempts = [
+        await get(auth_edge, f"/v1/results/{theirs}", headers=bearer(tok)),
+        await get(auth_edge, f"/v1/results/{theirs}?stream=false", headers=bearer(tok)),
+        await get(auth_edge, f"/v1/results/{theirs}", headers={**bearer(tok), "Accept": "application/json"}),
+        await get(auth_edge, f"/v1/results/{theirs}", params={"access_token": tok}),
+        await get(auth_edge, f"/v1/results/{theirs}", headers={**bearer(tok), "Last-Event-ID": "0"}),
+        await get(auth_edge, f"/v1/results/{encoded_theirs}", headers=bearer(tok)),
+        await get(auth_edge, f"/v1/results/{mine}-more", headers=bearer(tok)),  # a longer id is another id
+        await get(auth_edge, f"/v1/results/{mine.upper()}", headers=bearer(tok)),  # ids are case-sensitive
+    ]
+    for response in attempts:
+        assert_refusal(response, 403, "forbidden")
+        assert b"not yours" not in response.content and tok not in response.text
+    # The id is percent-decoded once, before the check and the subject: the same id however spelt.
+    encoded_mine = "".join(f"%{ord(ch):02X}" for ch in mine)
+    same = await get(auth_edge, f"/v1/results/{encoded_mine}?stream=false", headers=bearer(tok))
+    assert same.status_code == 200 and same.content == b'{"text":"yours"}'
+
+
+async def test_wildcard_substring_and_lookalike_claims_grant_nothing(auth_edge):
+    target = rid("wild")
+    path = f"/v1/results/{target}"
+    for claims in ({"rids": ["*"]}, {"rids": [">"]}, {"rids": [target[:-1] + "*"]}, {"rids": [""]},
+                   {"rid_prefix": ""}, {"rid_prefix": "*"}, {"rid_prefix": ">"}, {"rids": [], "rid_prefix": ""},
+                   {"scope": "Operator"}, {"scope": "operator "}, {"scope": "admin"}):
+        assert_refusal(await get(auth_edge, path, headers=bearer(signed(**claims))), 403, "forbidden")
+    for claims in ({"scope": "Operator"}, {"scope": "operator "}, {"rid_prefix": ""}):
+        assert_refusal(await get(auth_edge, "/v1/recent", headers=bearer(signed(**claims))), 403, "forbidden")
+    # A string where a list belongs would be a substring test (`id in "..."`): refused as a claim error.
+    message = assert_refusal(await get(auth_edge, path, headers=bearer(signed(rids=f"[{target}]"))), 401,
+                             "unauthorized")
+    assert "rids" in message
+    assert_refusal(await get(auth_edge, "/v1/recent", headers=bearer(signed(scope=["operator"]))), 401,
+                   "unauthorized")
+
+
+async def test_request_ids_that_are_not_one_subject_token_are_400_however_encoded(auth_edge):
+    operator = bearer(token(operator=True))  # nothing but the id can refuse these
+    for raw in ("%2e%2e", "%2E", "a%2Eb", "%2A", "a%3E", "%3E", "a%20b", "a%09b", "a%00b", "a%7Fb", "r%C3%A9q",
+                "a" * 257):
+        response = await get(auth_edge, f"/v1/results/{raw}", headers=operator)
+        assert_refusal(response, 400, "invalid_request")
+    assert (await get(auth_edge, "/v1/results/a%2Fb", headers=operator)).status_code == 404  # two segments
+
+
+async def test_time_and_audience_claims_at_their_edges(auth_edge):
+    """The edge's leeway is 30 s; a 403 for another id shows the token itself was accepted."""
+    now = int(time.time())
+    path = f"/v1/results/{rid('not-named')}"
+    accepted = [
+        {"exp": now - 10},  # expired 10 s ago, within the leeway
+        {"nbf": now + 10}, {"iat": now + 10},  # not yet valid by 10 s, within the leeway
+        {"exp": str(now + 60)},  # PyJWT takes int(exp)
+        {"aud": ["another-service", "streamproc-edge"]},  # RFC 7519 4.1.3: one of its audiences
+    ]
+    for claims in accepted:
+        assert_refusal(await get(auth_edge, path, headers=bearer(signed(rids=["x"], **claims))), 403, "forbidden")
+    refused = [
+        {"exp": now - 60}, {"nbf": now + 120}, {"iat": now + 120}, {"exp": "soon"}, {"nbf": "x"}, {"iat": "x"},
+        {"aud": ""}, {"aud": "streamproc-edge-2"}, {"aud": ["another-service"]}, {"aud": "STREAMPROC-EDGE"},
+        {"sub": 5},
+    ]
+    for claims in refused:
+        tok = signed(rids=["x"], **claims)
+        response = await get(auth_edge, path, headers=bearer(tok))
+        assert_refusal(response, 401, "unauthorized")
+        assert response.headers["WWW-Authenticate"].endswith('error="invalid_token"') and tok not in response.text
+    no_aud = jwt.encode({"exp": now + 60, "rids": ["x"]}, SECRET)
+    assert "'aud'" in assert_refusal(await get(auth_edge, path, headers=bearer(no_aud)), 401, "unauthorized")
+
+
+async def test_a_signed_exp_past_a_floats_range_is_a_token_that_never_expires_not_a_500(auth_edge):
+    """PyJWT accepts exp = 10**400 (int() of it is fine); the edge's float() of it raised OverflowError."""
+    forever = signed(rids=["x"], exp=10**400)
+    path = f"/v1/results/{rid('forever')}"
+    for _ in range(2):  # verified, then from the verifier's cache
+        assert_refusal(await get(auth_edge, path, headers=bearer(forever)), 403, "forbidden")
+
+
+async def test_huge_tokens_are_refused_unparsed_and_huge_heads_before_the_app(auth_edge):
+    path = f"/v1/results/{rid('huge')}"
+    huge = "a" * 8193
+    response = await get(auth_edge, path, headers=bearer(huge))
+    assert "longer than 8192" in assert_refusal(response, 401, "unauthorized") and huge not in response.text
+    assert_refusal(await get(auth_edge, path, params={"access_token": huge}), 401, "unauthorized")
+    head = await get(auth_edge, path, headers=bearer("a" * 70_000))  # --max-head-bytes 64 KiB
+    assert head.status_code == 431 and head.json()["error"]["type"] == "invalid_request"
+
+
+async def test_two_authorization_headers_are_refused_even_when_the_first_is_valid(auth_edge, nc):
+    """Before, the edge read the first header and ignored the rest (a proxy in front may read the last)."""
+    request_id = rid("two-headers")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"t"}'])
+    tok = token(rids=[request_id])
+    for pair in ([tok, "x"], [tok, tok], ["x", tok]):
+        response = await get(auth_edge, f"/v1/results/{request_id}",
+                             headers=[("Authorization", f"Bearer {value}") for value in pair])
+        assert "once" in assert_refusal(response, 401, "unauthorized")
+    one = await get(auth_edge, f"/v1/results/{request_id}?stream=false", headers=bearer(tok))
+    assert one.status_code == 200
+
+
+async def test_a_percent_encoded_access_token_name_is_redacted_in_the_log_too(auth_edge, nc):
+    """Starlette percent-decodes query names, so ``access%5Ftoken`` carries a capability; the access log
+    redacted only the literal ``access_token=`` and logged these whole."""
+    request_id = rid("auth-log-encoded")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"e"}'])
+    tok = token(rids=[request_id])
+    for name in ("access%5Ftoken", "%61ccess_token", "access_t%6Fken", "ACCESS%5Ftoken"):
+        response = await get(auth_edge, f"/v1/results/{request_id}?stream=false&{name}={tok}")
+        assert response.status_code == (200 if name != "ACCESS%5Ftoken" else 401), (name, response.text)
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert "access%5Ftoken=<redacted>" in log and "%61ccess_token=<redacted>" in log
+    assert tok not in log and tok.split(".")[2] not in log
+
+
+async def test_tokens_without_sub_are_each_their_own_client_for_the_stream_limit(auth_edge):
+    """Before, every token without ``sub`` was the one client "sub:": one holder's three streams
+    (--max-streams-per-client 3 here) left every other such holder 429."""
+    prefix = rid("nosub")
+    first, second = signed(rid_prefix=prefix), signed(rid_prefix=prefix, iat=int(time.time()) - 1)
+    assert first != second
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        async with anyio.create_task_group() as tg:
+            statuses: dict[str, list[int]] = {"first": [], "second": []}
+            done = anyio.Event()
+
+            async def hold(who: str, tok: str, request_id: str, count: int) -> None:
+                async with client.stream("GET", f"/v1/results/{request_id}", headers=bearer(tok)) as response:
+                    statuses[who].append(response.status_code)
+                    if sum(map(len, statuses.values())) == count:
+                        done.set()
+                    if response.status_code == 200:
+                        await anyio.sleep_forever()
+
+            for i in range(4):  # the first holder wants one stream more than its limit
+                tg.start_soon(hold, "first", first, f"{prefix}-{i}", 4)
+            with anyio.fail_after(10):
+                await done.wait()
+            done = anyio.Event()
+            tg.start_soon(hold, "second", second, f"{prefix}-other", 5)
+            with anyio.fail_after(10):
+                await done.wait()
+            assert sorted(statuses["first"]) == [200, 200, 200, 429], statuses  # its own limit still holds
+            assert statuses["second"] == [200], statuses
+            tg.cancel_scope.cancel()
+
+
+async def test_an_asymmetric_edge_refuses_algorithm_confusion(server, tmp_path):
+    """The edge verifies with --auth-algorithm only: an HS256 token HMAC-signed with the edge's public
+    key (PEM or DER bytes as the secret), an ES256 header over an HMAC signature, and alg none are 401."""
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "frontend.pem",
+            cwd=tmp_path)
+    openssl("pkey", "-in", "frontend.pem", "-pubout", "-out", "edge.pub", cwd=tmp_path)
+    openssl("pkey", "-in", "frontend.pem", "-pubout", "-outform", "DER", "-out", "edge.der", cwd=tmp_path)
+    public_pem, public_der = (tmp_path / "edge.pub").read_bytes(), (tmp_path / "edge.der").read_bytes()
+    claims = {"aud": "streamproc-edge", "exp": int(time.time()) + 60, "scope": "operator"}
+    forgeries = [
+        forged_hs256(claims, public_pem), forged_hs256(claims, public_pem.strip()), forged_hs256(claims, public_der),
+        forged_hs256(claims, public_pem, alg="ES256"),
+        jwt.encode(claims, None, algorithm="none"),
+        jwt.encode(claims, SECRET, algorithm="HS256"),
+    ]
+    with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.pub"), "--auth-algorithm", "ES256") as edge:
+        for forged in forgeries:
+            assert_refusal(await get(edge, "/v1/recent", headers=bearer(forged)), 401, "unauthorized")
+        genuine = mint_capability((tmp_path / "frontend.pem").read_bytes(), operator=True, algorithm="ES256")
+        assert (await get(edge, "/v1/recent", headers=bearer(genuine))).status_code == 200
+        assert "Traceback" not in edge.log()
+
+
+def test_the_edge_refuses_to_start_with_a_key_the_algorithm_cannot_use_safely(tmp_path):
+    """Found at start-up (exit 2), not per request: a public key given as an HS256 secret made every
+    valid capability a 500 with a traceback; secrets shorter than their hash (RFC 7518 3.2) and RSA
+    keys under 2048 bits (3.3) were accepted with a PyJWT warning on stderr."""
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "ec.pem", cwd=tmp_path)
+    openssl("pkey", "-in", "ec.pem", "-pubout", "-out", "ec.pub", cwd=tmp_path)
+    openssl("pkey", "-in", "ec.pem", "-pubout", "-outform", "DER", "-out", "ec.der", cwd=tmp_path)
+    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", "rsa.pem", cwd=tmp_path)
+    openssl("pkey", "-in", "rsa.pem", "-pubout", "-out", "rsa.pub", cwd=tmp_path)
+    (tmp_path / "k40").write_bytes(SECRET[:40])
+    (tmp_path / "k64").write_bytes(SECRET + SECRET[:20])  # exactly 64 bytes
+    cases = [
+        ("HS256", "ec.pub", "asymmetric key"), ("HS512", "ec.pub", "asymmetric key"), ("HS256", "ec.der", "asymmetric key"),
+        ("HS384", "k40", "at least 48 bytes"), ("HS512", "k40", "at least 64 bytes"), ("RS256", "rsa.pub", "2048"),
+    ]
+    for algorithm, name, reason in cases:
+        proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--connect-timeout", "1",
+                               "--auth-algorithm", algorithm, "--auth-key-file", str(tmp_path / name))
+        assert proc.returncode == 2 and reason in proc.stderr, (algorithm, name, proc.returncode, proc.stderr)
+        assert "Traceback" not in proc.stderr and "BEGIN" not in proc.stderr
+    ok = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--auth-algorithm", "HS512",
+                         "--auth-key-file", str(tmp_path / "k64"), "--print-config")
+    assert ok.returncode == 0, ok.stderr

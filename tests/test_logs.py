@@ -71,8 +71,10 @@ def test_processor_subprocess_log_lines_parse_and_shutdown_is_quiet(nats_url, fm
 
 
 @pytest.mark.parametrize("fmt", ["logfmt", "json"])
-def test_edge_routes_uvicorn_logs_through_the_one_format_and_stops_quietly(nats_url, fmt):
-    edge = EdgeProcess(nats_url, "--log-format", fmt).start()
+def test_edge_routes_uvicorn_logs_through_the_one_format_and_stops_quietly(nats_url, fmt, tmp_path):
+    key = tmp_path / "edge.key"  # with a key: an --insecure-demo edge warns that it is one at start
+    key.write_bytes(b"k" * 32)
+    edge = EdgeProcess(nats_url, "--log-format", fmt, "--auth-key-file", str(key)).start()
     try:
         assert http_status(f"{edge.url}/healthz") == 200
         edge.proc.send_signal(signal.SIGTERM)

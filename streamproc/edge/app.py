@@ -290,7 +290,7 @@ class Edge:
         if self.verifier is None:
             return f"addr:{request.client.host if request.client else '?'}", None
         try:
-            token = presented_token(request.headers.get("authorization"),
+            token = presented_token(request.headers.getlist("authorization"),
                                     query_values(request, "access_token"))
             if token is None:
                 raise InvalidCapability("no capability: send 'Authorization: Bearer <token>' or ?access_token=")
@@ -298,7 +298,12 @@ class Edge:
         except InvalidCapability as exc:
             self.metrics.unauthorized += 1
             return unauthorized(str(exc))
-        return f"sub:{capability.sub}", capability
+        if capability.sub:
+            return f"sub:{capability.sub}", capability
+        # No sub: the token is its own client (its signature tells it apart), as a minted token's
+        # random sub makes it. Before, every such token counted as one client "sub:", so one holder's
+        # --max-streams-per-client streams left every other holder 429.
+        return f"token:{token.rpartition('.')[2]}", capability
 
     def authorize_operator(self, request: Request) -> Response | None:
         """None when the request may see operator data (``/v1/recent``), else the 401/403."""
@@ -758,6 +763,10 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
                 app.state.startup_error = exc  # `streamproc edge` reports it in one line and exits 1
                 await edge.source.stop()
                 raise
+        if edge.verifier is None:  # said at every start, not only on the page: it may not be a demo
+            log_event(log, logging.WARNING, "insecure_demo", host=settings.host, port=settings.port,
+                      problem="--insecure-demo: every request's results, /v1/recent and /v1/stats are served "
+                              "to anyone who reaches this address, without a capability; for local trials only")
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(edge.heap.run)

@@ -15,6 +15,7 @@ the access log's path shows ``access_token=<redacted>`` (:mod:`streamproc.logs`)
 from __future__ import annotations
 
 import collections
+import math
 import time
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from ..core.defaults import EDGE_AUDIENCE as AUDIENCE
 from ..core.defaults import OPERATOR_SCOPE as OPERATOR
 from ..core.errors import ConfigError, InvalidCapability
 MAX_TOKEN_CHARS = 8192  # a JWT naming a few hundred ids; anything longer is not parsed at all
-MIN_HMAC_KEY_BYTES = 32  # RFC 7518 section 3.2: a key at least as long as the hash output
 # Verified tokens remembered (Verifier): at most this many, each at most this long (~2 MiB at worst).
 CACHED_TOKENS = 1024
 MAX_CACHED_TOKEN_CHARS = 2048
@@ -52,26 +52,62 @@ class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 def load_key(path: str, algorithm: str) -> bytes:
     """The verification key from ``--auth-key-file``. Raises :class:`ConfigError` (exit 2) for an
-    unreadable file, a short HMAC secret, a private key (the edge needs only the public half) or a
-    PEM that does not fit the algorithm."""
+    unreadable file, an HMAC secret shorter than its hash (RFC 7518 section 3.2) or that is a public
+    key or certificate, a private key (the edge needs only the public half), a PEM that does not fit
+    the algorithm, or an RSA key under 2048 bits (RFC 7518 section 3.3).
+
+    Each is what PyJWT would otherwise find on every request: an HS* "secret" that is an asymmetric
+    key (PEM, DER, SSH) made every valid capability a 500 with a traceback (``InvalidKeyError`` from
+    ``prepare_key``), and a short key an ``InsecureKeyLengthWarning`` on stderr."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read --auth-key-file {path!r}: {exc.strerror or exc}") from None
+    verifier = jwt.get_algorithm_by_name(algorithm)
     if algorithm.startswith("HS"):
         data = data.strip()
-        if len(data) < MIN_HMAC_KEY_BYTES:
+        least = int(algorithm[2:]) // 8  # RFC 7518 section 3.2: at least the hash's output (32, 48, 64 bytes)
+        if len(data) < least:
             raise ConfigError(f"--auth-key-file {path!r}: an {algorithm} secret needs at least "
-                              f"{MIN_HMAC_KEY_BYTES} bytes, it has {len(data)}")
+                              f"{least} bytes, it has {len(data)}")
+        try:
+            verifier.prepare_key(data)
+            if asymmetric(data):  # PyJWT 2.15's prepare_key refuses DER too; older ones (>= 2.8 allowed) may not
+                raise jwt.InvalidKeyError(algorithm)
+        except jwt.InvalidKeyError:
+            raise ConfigError(f"--auth-key-file {path!r} holds an asymmetric key or certificate, not an "
+                              f"{algorithm} secret: give the edge the shared secret, or set --auth-algorithm "
+                              "to the key's algorithm") from None
         return data
     if b"PRIVATE KEY" in data:
         raise ConfigError(f"--auth-key-file {path!r} holds a private key: give the edge the public key only "
                           "(a compromised edge must not be able to mint capabilities)")
     try:  # jwt.algorithms.<Alg>.prepare_key: what jwt.decode does with it on every request
-        jwt.get_algorithm_by_name(algorithm).prepare_key(data)
+        prepared = verifier.prepare_key(data)
     except (jwt.InvalidKeyError, ValueError, TypeError, NotImplementedError) as exc:
         raise ConfigError(f"--auth-key-file {path!r} is not a public key for {algorithm}: {exc}") from None
+    check_length = getattr(verifier, "check_key_length", None)  # not in every PyJWT the project allows
+    weak = check_length(prepared) if check_length is not None else None
+    if weak:
+        raise ConfigError(f"--auth-key-file {path!r}: {weak}")
     return data
+
+
+def asymmetric(data: bytes) -> bool:
+    """Whether ``data`` is a public key or certificate (PEM, DER or OpenSSH): public, so as an HMAC
+    secret it would let anyone who has it sign capabilities."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    loaders = (serialization.load_pem_public_key, serialization.load_der_public_key,
+               serialization.load_ssh_public_key, x509.load_pem_x509_certificate, x509.load_der_x509_certificate)
+    for load in loaders:
+        try:
+            load(data)
+        except Exception:  # noqa: BLE001 - ValueError, UnsupportedAlgorithm...: not this kind of key
+            continue
+        return True
+    return False
 
 
 class Verifier:
@@ -127,18 +163,26 @@ class Verifier:
         except jwt.InvalidTokenError as exc:  # bad signature, wrong algorithm, not a JWT, nbf/iat
             raise InvalidCapability(f"invalid token: {type(exc).__name__}") from None
         try:
-            return msgspec.convert(claims, Capability), float(claims["exp"])
+            capability = msgspec.convert(claims, Capability)
         except msgspec.ValidationError as exc:
             raise InvalidCapability(f"invalid capability claims: {exc}") from None
+        try:  # PyJWT took int(exp); an int past a float's range (a signed 10**400) was a 500
+            return capability, float(claims["exp"])
+        except OverflowError:
+            return capability, math.inf
 
 
-def presented_token(authorization: str | None, access_token: list[str]) -> str | None:
+def presented_token(authorization: list[str], access_token: list[str]) -> str | None:
     """The bearer token of a request (header or query), or None if it has none.
 
     Raises :class:`InvalidCapability` for a non-Bearer header, or for a token sent twice
-    (RFC 6750 section 2: a client MUST NOT use more than one method)."""
-    if authorization is not None:
-        scheme, _, value = authorization.strip().partition(" ")
+    (RFC 6750 section 2: a client MUST NOT use more than one method): in the header and the query,
+    in two ``access_token`` parameters, or in two ``Authorization`` headers (RFC 9110 section 5.3:
+    not a list; the edge read the first one, a proxy in front may read the last)."""
+    if len(authorization) > 1:
+        raise InvalidCapability("send the token once: one Authorization header")
+    if authorization:
+        scheme, _, value = authorization[0].strip().partition(" ")
         if scheme.lower() != "bearer" or not value.strip():
             raise InvalidCapability("the Authorization header must be 'Bearer <token>'")
         if access_token:
