@@ -548,3 +548,44 @@ def test_the_edge_refuses_to_start_with_a_key_the_algorithm_cannot_use_safely(tm
     ok = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--auth-algorithm", "HS512",
                          "--auth-key-file", str(tmp_path / "k64"), "--print-config")
     assert ok.returncode == 0, ok.stderr
+
+
+async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_client(server, tmp_path):
+    """An ECDSA signature (r, s) also verifies as (r, n - s): whoever holds one ES256 token holds two
+    token strings. A token without sub is its own client by what was signed, not by its bytes, so the
+    second string does not double its --max-streams-per-client."""
+    from jwt.utils import base64url_decode, base64url_encode
+
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "frontend.pem",
+            cwd=tmp_path)
+    openssl("pkey", "-in", "frontend.pem", "-pubout", "-out", "edge.pub", cwd=tmp_path)
+    prefix = rid("malleable")
+    first = jwt.encode({"aud": "streamproc-edge", "exp": int(time.time()) + 60, "rid_prefix": prefix},
+                       (tmp_path / "frontend.pem").read_bytes(), algorithm="ES256")
+    signing_input, _, signature = first.rpartition(".")
+    raw = base64url_decode(signature.encode())
+    order = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551  # P-256's n
+    flipped = raw[:32] + (order - int.from_bytes(raw[32:], "big")).to_bytes(32, "big")
+    second = f"{signing_input}.{base64url_encode(flipped).decode()}"
+    assert second != first
+    with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.pub"), "--auth-algorithm", "ES256",
+                      "--max-streams-per-client", "2") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:
+            async with anyio.create_task_group() as tg:
+                statuses: list[int] = []
+                changed = anyio.Event()
+
+                async def hold(tok: str, request_id: str) -> None:
+                    async with client.stream("GET", f"/v1/results/{request_id}", headers=bearer(tok)) as response:
+                        statuses.append(response.status_code)
+                        changed.set()
+                        if response.status_code == 200:
+                            await anyio.sleep_forever()
+
+                for i, tok in enumerate([first, second, second]):  # one at a time: the order is the point
+                    changed = anyio.Event()
+                    tg.start_soon(hold, tok, f"{prefix}-{i}")
+                    with anyio.fail_after(10):
+                        await changed.wait()
+                assert statuses == [200, 200, 429], statuses  # the second string is a valid token, same client
+                tg.cancel_scope.cancel()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -300,10 +301,11 @@ class Edge:
             return unauthorized(str(exc))
         if capability.sub:
             return f"sub:{capability.sub}", capability
-        # No sub: the token is its own client (its signature tells it apart), as a minted token's
-        # random sub makes it. Before, every such token counted as one client "sub:", so one holder's
-        # --max-streams-per-client streams left every other holder 429.
-        return f"token:{token.rpartition('.')[2]}", capability
+        # No sub: the token is its own client, as a minted token's random sub makes it. Before, every
+        # such token counted as one client "sub:", so one holder's --max-streams-per-client streams
+        # left every other holder 429. Told apart by what was signed, not by the signature: an ECDSA
+        # signature (r, s) is also valid as (r, n - s), so the holder of one ES256 token has two.
+        return f"token:{hashlib.sha256(token.rpartition('.')[0].encode()).hexdigest()}", capability
 
     def authorize_operator(self, request: Request) -> Response | None:
         """None when the request may see operator data (``/v1/recent``), else the 401/403."""
