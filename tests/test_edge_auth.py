@@ -589,3 +589,22 @@ async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_clie
                         await changed.wait()
                 assert statuses == [200, 200, 429], statuses  # the second string is a valid token, same client
                 tg.cancel_scope.cancel()
+
+
+async def test_the_key_file_from_the_environment_is_used_and_never_shown_and_demo_mode_is_never_implicit(
+        server, key_file):
+    env = {"STREAMPROC_EDGE_AUTH_KEY_FILE": str(key_file)}
+    shown = run_cli_process("edge", "--print-config", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert str(key_file) in shown.stdout and SECRET.decode() not in shown.stdout + shown.stderr
+    both = run_cli_process("edge", "--print-config", env={**env, "STREAMPROC_EDGE_INSECURE_DEMO": "true"})
+    assert both.returncode == 2 and "exclude each other" in both.stderr  # a key never leaves a demo open
+    for value in ("false", "maybe", ""):  # only an explicit true turns authentication off
+        proc = run_cli_process("edge", "--print-config", env={"STREAMPROC_EDGE_INSECURE_DEMO": value})
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (value, proc.stderr)
+    with running_edge(server.url, env=env) as edge:
+        assert (await get(edge, "/v1/info")).json()["auth"] == "jwt"
+        path = f"/v1/results/{rid('env-key')}"
+        assert_refusal(await get(edge, path), 401, "unauthorized")
+        assert_refusal(await get(edge, path, headers=bearer(token(rids=["x"]))), 403, "forbidden")
+        assert "insecure_demo" not in edge.log()
