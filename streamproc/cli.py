@@ -236,6 +236,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def short_signing_key(algorithm: str, key: bytes) -> str | None:
+    """PyJWT's complaint about a key too short for ``algorithm`` (an HMAC secret shorter than its
+    hash, RFC 7518 3.2; an RSA key under 2048 bits, 3.3), or None. PyJWT itself only warns."""
+    import jwt
+
+    verifier = jwt.get_algorithm_by_name(algorithm)
+    check_length = getattr(verifier, "check_key_length", None)  # not in every PyJWT the project allows
+    return check_length(verifier.prepare_key(key)) if check_length is not None else None
+
+
 def cmd_token(args: argparse.Namespace) -> int:
     """Print an edge capability (a JWT) on stdout; the key comes from a file, never the command line
     (and is never printed: --print-config shows the file's path)."""
@@ -259,6 +269,9 @@ def cmd_token(args: argparse.Namespace) -> int:
     if settings.algorithm.startswith("HS"):
         key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
     try:  # signed with --print-config too: a key that cannot sign is found as start-up would find it
+        weak = short_signing_key(settings.algorithm, key)
+        if weak:  # the edge refuses to start with the matching key (streamproc.edge.auth.load_key)
+            raise ValueError(weak)
         token = mint_capability(key, rids=list(settings.rid), rid_prefix=settings.rid_prefix,
                                 operator=settings.operator, ttl=settings.ttl, algorithm=settings.algorithm,
                                 subject=settings.subject)

@@ -608,3 +608,17 @@ async def test_the_key_file_from_the_environment_is_used_and_never_shown_and_dem
         assert_refusal(await get(edge, path), 401, "unauthorized")
         assert_refusal(await get(edge, path, headers=bearer(token(rids=["x"]))), 403, "forbidden")
         assert "insecure_demo" not in edge.log()
+
+
+def test_streamproc_token_refuses_a_key_too_short_for_its_algorithm(tmp_path):
+    """As the edge does at start (above): before, PyJWT's InsecureKeyLengthWarning went to stderr and
+    the token was printed, for a key no edge would start with."""
+    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", "rsa.pem", cwd=tmp_path)
+    (tmp_path / "k40").write_bytes(SECRET[:40])
+    for algorithm, name, reason in (("HS512", "k40", "64 bytes"), ("HS384", "k40", "48 bytes"),
+                                    ("RS256", "rsa.pem", "2048 bits")):
+        proc = run_cli_process("token", "--key-file", str(tmp_path / name), "--algorithm", algorithm, "--rid", "x")
+        assert proc.returncode == 2 and reason in proc.stderr and proc.stdout == "", (algorithm, proc.stderr)
+        assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
+    ok = run_cli_process("token", "--key-file", str(tmp_path / "k40"), "--algorithm", "HS256", "--rid", "x")
+    assert ok.returncode == 0 and ok.stdout.count(".") == 2 and ok.stderr == "", ok.stderr
