@@ -117,7 +117,8 @@ def redact_access_token(path: str) -> str:
     fields = query.split("&")
     for i, field in enumerate(fields):
         name = field.partition("=")[0]
-        if name == ACCESS_TOKEN or len(name) >= len(ACCESS_TOKEN) and unquote_plus(name).lower() == ACCESS_TOKEN:
+        if name == ACCESS_TOKEN or (len(name) >= len(ACCESS_TOKEN)
+                                    and unquote_plus(name).lower() == ACCESS_TOKEN):
             fields[i] = f"{name}=<redacted>"
     return f"{base}?{'&'.join(fields)}"
 

@@ -342,7 +342,8 @@ def forged_hs256(claims: dict, key: bytes, alg: str = "HS256") -> str:
     def segment(data: bytes) -> str:
         return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
-    signing_input = segment(json.dumps({"alg": alg, "typ": "JWT"}).encode()) + "." + segment(json.dumps(claims).encode())
+    header = segment(json.dumps({"alg": alg, "typ": "JWT"}).encode())
+    signing_input = header + "." + segment(json.dumps(claims).encode())
     return signing_input + "." + segment(hmac.new(key, signing_input.encode(), hashlib.sha256).digest())
 
 
@@ -376,7 +377,8 @@ async def test_wildcard_substring_and_lookalike_claims_grant_nothing(auth_edge):
     target = rid("wild")
     path = f"/v1/results/{target}"
     for claims in ({"rids": ["*"]}, {"rids": [">"]}, {"rids": [target[:-1] + "*"]}, {"rids": [""]},
-                   {"rid_prefix": ""}, {"rid_prefix": "*"}, {"rid_prefix": ">"}, {"rids": [], "rid_prefix": ""},
+                   {"rid_prefix": ""}, {"rid_prefix": "*"}, {"rid_prefix": ">"},
+                   {"rids": [], "rid_prefix": ""},
                    {"scope": "Operator"}, {"scope": "operator "}, {"scope": "admin"}):
         assert_refusal(await get(auth_edge, path, headers=bearer(signed(**claims))), 403, "forbidden")
     for claims in ({"scope": "Operator"}, {"scope": "operator "}, {"rid_prefix": ""}):
@@ -391,8 +393,8 @@ async def test_wildcard_substring_and_lookalike_claims_grant_nothing(auth_edge):
 
 async def test_request_ids_that_are_not_one_subject_token_are_400_however_encoded(auth_edge):
     operator = bearer(token(operator=True))  # nothing but the id can refuse these
-    for raw in ("%2e%2e", "%2E", "a%2Eb", "%2A", "a%3E", "%3E", "a%20b", "a%09b", "a%00b", "a%7Fb", "r%C3%A9q",
-                "a" * 257):
+    for raw in ("%2e%2e", "%2E", "a%2Eb", "%2A", "a%3E", "%3E", "a%20b", "a%09b", "a%00b", "a%7Fb",
+                "r%C3%A9q", "a" * 257):
         response = await get(auth_edge, f"/v1/results/{raw}", headers=operator)
         assert_refusal(response, 400, "invalid_request")
     assert (await get(auth_edge, "/v1/results/a%2Fb", headers=operator)).status_code == 404  # two segments
@@ -409,9 +411,11 @@ async def test_time_and_audience_claims_at_their_edges(auth_edge):
         {"aud": ["another-service", "streamproc-edge"]},  # RFC 7519 4.1.3: one of its audiences
     ]
     for claims in accepted:
-        assert_refusal(await get(auth_edge, path, headers=bearer(signed(rids=["x"], **claims))), 403, "forbidden")
+        response = await get(auth_edge, path, headers=bearer(signed(rids=["x"], **claims)))
+        assert_refusal(response, 403, "forbidden")
     refused = [
-        {"exp": now - 60}, {"nbf": now + 120}, {"iat": now + 120}, {"exp": "soon"}, {"nbf": "x"}, {"iat": "x"},
+        {"exp": now - 60}, {"nbf": now + 120}, {"iat": now + 120},
+        {"exp": "soon"}, {"nbf": "x"}, {"iat": "x"},
         {"aud": ""}, {"aud": "streamproc-edge-2"}, {"aud": ["another-service"]}, {"aud": "STREAMPROC-EDGE"},
         {"sub": 5},
     ]
@@ -419,7 +423,8 @@ async def test_time_and_audience_claims_at_their_edges(auth_edge):
         tok = signed(rids=["x"], **claims)
         response = await get(auth_edge, path, headers=bearer(tok))
         assert_refusal(response, 401, "unauthorized")
-        assert response.headers["WWW-Authenticate"].endswith('error="invalid_token"') and tok not in response.text
+        assert response.headers["WWW-Authenticate"].endswith('error="invalid_token"')
+        assert tok not in response.text
     no_aud = jwt.encode({"exp": now + 60, "rids": ["x"]}, SECRET)
     assert "'aud'" in assert_refusal(await get(auth_edge, path, headers=bearer(no_aud)), 401, "unauthorized")
 
@@ -512,12 +517,14 @@ async def test_an_asymmetric_edge_refuses_algorithm_confusion(server, tmp_path):
     public_pem, public_der = (tmp_path / "edge.pub").read_bytes(), (tmp_path / "edge.der").read_bytes()
     claims = {"aud": "streamproc-edge", "exp": int(time.time()) + 60, "scope": "operator"}
     forgeries = [
-        forged_hs256(claims, public_pem), forged_hs256(claims, public_pem.strip()), forged_hs256(claims, public_der),
+        forged_hs256(claims, public_pem), forged_hs256(claims, public_pem.strip()),
+        forged_hs256(claims, public_der),
         forged_hs256(claims, public_pem, alg="ES256"),
         jwt.encode(claims, None, algorithm="none"),
         jwt.encode(claims, SECRET, algorithm="HS256"),
     ]
-    with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.pub"), "--auth-algorithm", "ES256") as edge:
+    with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.pub"),
+                      "--auth-algorithm", "ES256") as edge:
         for forged in forgeries:
             assert_refusal(await get(edge, "/v1/recent", headers=bearer(forged)), 401, "unauthorized")
         genuine = mint_capability((tmp_path / "frontend.pem").read_bytes(), operator=True, algorithm="ES256")
@@ -529,16 +536,20 @@ def test_the_edge_refuses_to_start_with_a_key_the_algorithm_cannot_use_safely(tm
     """Found at start-up (exit 2), not per request: a public key given as an HS256 secret made every
     valid capability a 500 with a traceback; secrets shorter than their hash (RFC 7518 3.2) and RSA
     keys under 2048 bits (3.3) were accepted with a PyJWT warning on stderr."""
-    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "ec.pem", cwd=tmp_path)
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "ec.pem",
+            cwd=tmp_path)
     openssl("pkey", "-in", "ec.pem", "-pubout", "-out", "ec.pub", cwd=tmp_path)
     openssl("pkey", "-in", "ec.pem", "-pubout", "-outform", "DER", "-out", "ec.der", cwd=tmp_path)
-    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", "rsa.pem", cwd=tmp_path)
+    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", "rsa.pem",
+            cwd=tmp_path)
     openssl("pkey", "-in", "rsa.pem", "-pubout", "-out", "rsa.pub", cwd=tmp_path)
     (tmp_path / "k40").write_bytes(SECRET[:40])
     (tmp_path / "k64").write_bytes(SECRET + SECRET[:20])  # exactly 64 bytes
     cases = [
-        ("HS256", "ec.pub", "asymmetric key"), ("HS512", "ec.pub", "asymmetric key"), ("HS256", "ec.der", "asymmetric key"),
-        ("HS384", "k40", "at least 48 bytes"), ("HS512", "k40", "at least 64 bytes"), ("RS256", "rsa.pub", "2048"),
+        ("HS256", "ec.pub", "asymmetric key"), ("HS512", "ec.pub", "asymmetric key"),
+        ("HS256", "ec.der", "asymmetric key"),
+        ("HS384", "k40", "at least 48 bytes"), ("HS512", "k40", "at least 64 bytes"),
+        ("RS256", "rsa.pub", "2048"),
     ]
     for algorithm, name, reason in cases:
         proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--connect-timeout", "1",
@@ -576,7 +587,8 @@ async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_clie
                 changed = anyio.Event()
 
                 async def hold(tok: str, request_id: str) -> None:
-                    async with client.stream("GET", f"/v1/results/{request_id}", headers=bearer(tok)) as response:
+                    path = f"/v1/results/{request_id}"
+                    async with client.stream("GET", path, headers=bearer(tok)) as response:
                         statuses.append(response.status_code)
                         changed.set()
                         if response.status_code == 200:
@@ -587,7 +599,7 @@ async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_clie
                     tg.start_soon(hold, tok, f"{prefix}-{i}")
                     with anyio.fail_after(10):
                         await changed.wait()
-                assert statuses == [200, 200, 429], statuses  # the second string is a valid token, same client
+                assert statuses == [200, 200, 429], statuses  # the second string: valid, the same client
                 tg.cancel_scope.cancel()
 
 
@@ -613,11 +625,13 @@ async def test_the_key_file_from_the_environment_is_used_and_never_shown_and_dem
 def test_streamproc_token_refuses_a_key_too_short_for_its_algorithm(tmp_path):
     """As the edge does at start (above): before, PyJWT's InsecureKeyLengthWarning went to stderr and
     the token was printed, for a key no edge would start with."""
-    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", "rsa.pem", cwd=tmp_path)
+    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", "rsa.pem",
+            cwd=tmp_path)
     (tmp_path / "k40").write_bytes(SECRET[:40])
     for algorithm, name, reason in (("HS512", "k40", "64 bytes"), ("HS384", "k40", "48 bytes"),
                                     ("RS256", "rsa.pem", "2048 bits")):
-        proc = run_cli_process("token", "--key-file", str(tmp_path / name), "--algorithm", algorithm, "--rid", "x")
+        proc = run_cli_process("token", "--key-file", str(tmp_path / name), "--algorithm", algorithm,
+                               "--rid", "x")
         assert proc.returncode == 2 and reason in proc.stderr and proc.stdout == "", (algorithm, proc.stderr)
         assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
     ok = run_cli_process("token", "--key-file", str(tmp_path / "k40"), "--algorithm", "HS256", "--rid", "x")

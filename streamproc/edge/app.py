@@ -767,8 +767,9 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
                 raise
         if edge.verifier is None:  # said at every start, not only on the page: it may not be a demo
             log_event(log, logging.WARNING, "insecure_demo", host=settings.host, port=settings.port,
-                      problem="--insecure-demo: every request's results, /v1/recent and /v1/stats are served "
-                              "to anyone who reaches this address, without a capability; for local trials only")
+                      problem="--insecure-demo: every request's results, /v1/recent and /v1/stats are "
+                              "served to anyone who reaches this address, without a capability; "
+                              "for local trials only")
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(edge.heap.run)

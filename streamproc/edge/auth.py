@@ -72,7 +72,7 @@ def load_key(path: str, algorithm: str) -> bytes:
                               f"{least} bytes, it has {len(data)}")
         try:
             verifier.prepare_key(data)
-            if asymmetric(data):  # PyJWT 2.15's prepare_key refuses DER too; older ones (>= 2.8 allowed) may not
+            if asymmetric(data):  # PyJWT 2.15 refuses DER too; older ones (pyproject: >= 2.8) may not
                 raise jwt.InvalidKeyError(algorithm)
         except jwt.InvalidKeyError:
             raise ConfigError(f"--auth-key-file {path!r} holds an asymmetric key or certificate, not an "
@@ -100,7 +100,8 @@ def asymmetric(data: bytes) -> bool:
     from cryptography.hazmat.primitives import serialization
 
     loaders = (serialization.load_pem_public_key, serialization.load_der_public_key,
-               serialization.load_ssh_public_key, x509.load_pem_x509_certificate, x509.load_der_x509_certificate)
+               serialization.load_ssh_public_key, x509.load_pem_x509_certificate,
+               x509.load_der_x509_certificate)
     for load in loaders:
         try:
             load(data)
