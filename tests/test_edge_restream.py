@@ -217,8 +217,8 @@ async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothin
                 try:
                     await wait_until(lambda: all(r.done for r in all_readers), 2 * PROMPT, "every churned stream ended")
                 except AssertionError:
-                    print([(r.request_id, r.status, r.events) for r in all_readers if not r.done])
-                    print(edge.log()[-6000:])
+                    print("silent:", [(r.request_id, r.status, r.events) for r in all_readers if not r.done])
+                    print(edge.log())
                     raise
             for reader in all_readers:  # complete, or told why not: never silent, never out of order
                 assert reader.results() == list(range(len(reader.results()))), reader.events

@@ -138,7 +138,12 @@ class Fanout:
         self._take(sub)
 
     def _take(self, sub) -> None:
-        sub._pending_queue = DispatchQueue(self, sub)
+        queued, sub._pending_queue = sub._pending_queue, DispatchQueue(self, sub)
+        # What arrived before the queue was replaced: the messages a new ordered consumer pushes
+        # while nats-py's subscribe still waits for the consumer's creation (a stream reread from
+        # its start, source.py, has them at once). Dispatched first, in their order.
+        while not queued.empty():
+            sub._pending_queue.put_nowait(queued.get_nowait())
         # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
         # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
         sub._pending_bytes_limit = 0
@@ -159,6 +164,8 @@ class Fanout:
             for feed in feeds:
                 if feed.inbox is not None:
                     feed.inbox.sub = sub  # where nats-py's close finds its waiter (Inbox.wait)
+                if stream is not None:  # its results come from the stream now: its deletion ends it
+                    feed.mode = "jetstream"
 
     def delivered(self) -> int:
         """The stream sequence up to which the ordered consumer has dispatched every result (nats-py

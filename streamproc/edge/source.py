@@ -634,6 +634,10 @@ class ResultSource:
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if self.fanout is not None and self.fanout.stream == stream:  # the recent ring's source reads it
             return await self._open_dispatched(request_id, subject, order, limits)
+        if self.fanout is not None and self.results_stream_missing is not None:
+            # The ring's stream was deleted: live results, and once the watch sees a results stream
+            # again the ring reads it from its start (_check_results_stream), this feed included.
+            return await self._open_dispatched(request_id, subject, order, limits)
         if self.fanout is not None and stream is not None and not self._told_late_stream:  # created after start-up
             self._told_late_stream = True
             log_event(log, logging.WARNING, "results_stream_not_read_by_ring", stream=stream,
