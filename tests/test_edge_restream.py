@@ -239,3 +239,31 @@ async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothin
                 await publish_range(nc, [final], range(4), final_at=3)
             assert final.results() == [0, 1, 2, 3] and final.error() is None
             assert "Traceback" not in edge.log()
+
+
+@pytest.mark.parametrize("change", ["delete", "recreate"])
+async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_results_stream_changes(
+        own_server, change):
+    """``--recent 0``: each stream reads with an ordered consumer of its own, which a deleted stream
+    leaves silent and a recreated one resumes at the old sequence; the watch ends them with the cause."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        with running_edge(own_server.url, "--ensure-results-stream", "--recent", "0",
+                          "--result-timeout", str(RESULT_TIMEOUT), "--max-streams-per-client", "1000") as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
+                    anyio.create_task_group() as tg:
+                readers = await open_readers(tg, client, edge, 5, f"own-{change}")
+                await publish_range(nc, readers, range(5))
+                await wait_until(lambda: all(r.results() == list(range(5)) for r in readers), 15,
+                                 "results 0-4 reached every stream")
+                await anyio.sleep(1.5)  # the watch has seen the stream they read
+                await js.delete_stream(RESULTS_STREAM)
+                if change == "recreate":
+                    await recreate(js)
+                    await publish_range(nc, readers, range(5, 8), final_at=7)
+                await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
+                for reader in readers:
+                    assert reader.results() == list(range(5))
+                    error = reader.error()
+                    assert error is not None and error["type"] == "service_unavailable", reader.events
+                    assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error

@@ -119,6 +119,7 @@ class ResultFeed:
         self._gap_since: float | None = None
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
         self.gone: str | None = None  # why its results stream is gone (ResultSource._check_results_stream)
+        self.stream: str | None = None  # the stream its own ordered consumer reads (ResultSource._consume)
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
     async def next(self, timeout: float) -> FeedItem | None:
@@ -398,6 +399,7 @@ class ResultSource:
         self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
         self._told_late_stream = False
         self._closing_replays: set[asyncio.Task] = set()
+        self._seen: dict[str, object] = {}  # stream -> its creation time, for feeds with their own consumer
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
         self._recent_sub = None
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
@@ -438,8 +440,7 @@ class ResultSource:
             await self._subscribe_recent()
         loop = asyncio.get_running_loop()
         self._flush_task = loop.create_task(self._flush_limited())
-        if self.fanout is not None:
-            self._watch_task = loop.create_task(self._watch_results_stream())
+        self._watch_task = loop.create_task(self._watch_results_stream())
 
     async def _flush_limited(self) -> None:
         while True:
@@ -511,7 +512,9 @@ class ResultSource:
             if not self.connected:
                 continue
             try:
-                await self._check_results_stream()
+                if self.fanout is not None:
+                    await self._check_results_stream()
+                await self._check_own_consumers()
             except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:  # asked again next time
                 log_event(log, logging.DEBUG, "results_stream_check_failed", error=error_text(exc))
 
@@ -559,6 +562,31 @@ class ResultSource:
         reason = (f"the results stream {name} was deleted and created again; reconnect with Last-Event-ID "
                   "to read the new stream")
         await self._reread(info, name, ended=self._end_stream_feeds(reason, dispatched=False))
+
+    async def _check_own_consumers(self) -> None:
+        """The streams other than the ring's that feeds read with an ordered consumer of their own
+        (``--recent 0``, or a refused MSG.GET), asked about only while such feeds are open: deleted
+        or recreated since the watch first saw it, its feeds end with :class:`StreamGone`."""
+        ring = self.fanout.stream if self.fanout is not None else None
+        names = {f.stream for f in self._feeds.values() if f.stream is not None and f.stream != ring and not f.closed}
+        for name in list(self._seen):
+            if name not in names:
+                del self._seen[name]  # its identity is learnt again when a feed reads it
+        for name in names:
+            info = await self._stream_info(name)
+            seen = self._seen.get(name)
+            if info is not None and (seen is None or info.created == seen):
+                self._seen[name] = info.created
+                continue
+            del self._seen[name]  # None (deleted) or a new history
+            what = "was deleted" if info is None else "was deleted and created again"
+            reason = f"the results stream {name} {what}; reconnect with Last-Event-ID to read it again"
+            feeds = {id(f): f for f in self._feeds.values() if f.stream == name and f.gone is None and not f.closed}
+            for feed in feeds.values():
+                feed.end(reason)
+            self.streams.forget()
+            log_event(log, logging.WARNING, "results_stream_deleted" if info is None else "results_stream_recreated",
+                      stream=name, streams_ended=len(feeds))
 
     def _end_stream_feeds(self, reason: str, *, dispatched: bool) -> int:
         """End the feeds reading ``name`` with an ordered consumer of their own (and, ``dispatched``,
@@ -707,6 +735,7 @@ class ResultSource:
         of ms behind a busy server) overlaps them."""
         assert self.nc is not None
         subject = self.subjects.result(feed.request_id)
+        feed.stream = stream
         feed.attaching = asyncio.get_running_loop().create_task(
             self._attach(feed, self.nc.jetstream(), subject, stream, limits))
         self._attaching.add(feed.attaching)
