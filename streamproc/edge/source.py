@@ -545,6 +545,9 @@ class ResultSource:
                 await self._reread(info, None, ended=0)
             return
         info = await self._stream_info(name)
+        # STREAM.INFO's ``created`` is nats-server's ``(mset *stream) createdTime()`` (server/stream.go:
+        # ``mset.created``, set when the stream is added), so a stream of the same name added again
+        # differs; a purge leaves it, the sequence and the consumers as they were.
         if info is not None and (info.created, info.config.name) == (self._ring_stream[1], name) \
                 and info.state.last_seq >= self.fanout.delivered():
             return  # the same stream (a purge keeps its sequence and its consumers)
