@@ -444,7 +444,8 @@ def test_fold_refuses_a_non_json_chunk():
     ("kind", "native_type"),
     [(ErrorKind.TIMEOUT, "timeout"), (ErrorKind.OVERLOADED, "overloaded"),
      (ErrorKind.INVALID_CHUNK, "invalid_request_error"), (ErrorKind.UNKNOWN_FORMAT, "invalid_request_error"),
-     (ErrorKind.INTERNAL, "internal_error")],
+     (ErrorKind.INTERNAL, "internal_error"), (ErrorKind.MIGRATION_REFUSED, "service_unavailable"),
+     (ErrorKind.UNAVAILABLE, "service_unavailable")],
 )
 def test_error_body_is_the_native_envelope(kind, native_type):
     body = codec.error_body('bad "thing" ☃', kind)

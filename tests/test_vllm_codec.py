@@ -501,6 +501,7 @@ def test_fold_rejects_non_json_chunks() -> None:
     (ErrorKind.UNKNOWN_FORMAT, "BadGateway", 502),
     (ErrorKind.INTERNAL, "InternalServerError", 500),
     (ErrorKind.MIGRATION_REFUSED, "ServiceUnavailableError", 503),
+    (ErrorKind.UNAVAILABLE, "ServiceUnavailableError", 503),
 ])
 def test_error_envelope_is_vllms_error_response(kind: ErrorKind, error_type: str, code: int) -> None:
     assert code == kind.http_status  # the envelope's code is the status the edge answers with

@@ -53,7 +53,8 @@ def parse_format_options(text: str) -> tuple[tuple[str, str], ...]:
 
 
 class ErrorKind(enum.StrEnum):
-    """Why the processor ended a request itself. Codecs map these to their native error types."""
+    """Why the processor ended a request itself, or the edge a stream (``unavailable``). Codecs map
+    these to their native error types."""
 
     TIMEOUT = "timeout"  # no progress for --request-timeout
     OVERLOADED = "overloaded"  # --max-inflight reached
@@ -61,6 +62,7 @@ class ErrorKind(enum.StrEnum):
     UNKNOWN_FORMAT = "unknown_format"  # Streamproc-Format names no installed codec
     INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
     MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
+    UNAVAILABLE = "unavailable"  # the edge: the results stream a stream read was deleted (edge/source.py)
 
     @property
     def http_status(self) -> int:
@@ -77,6 +79,7 @@ ERROR_STATUS: dict[str, int] = {
     ErrorKind.UNKNOWN_FORMAT: 502,  # a worker named a codec the processor does not have
     ErrorKind.INTERNAL: 500,
     ErrorKind.MIGRATION_REFUSED: 503,  # the worker was lost and the request could not move
+    ErrorKind.UNAVAILABLE: 503,  # what the edge read results from is gone
 }
 
 

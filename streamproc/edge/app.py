@@ -62,7 +62,7 @@ from . import pacer
 from .direct import DirectFrames, UvicornBody, WriteBatch
 from .experts import MAX_BODY_BYTES, build_view
 from .settings import EdgeSettings
-from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource
+from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource, StreamGone
 from . import stopping as stop
 from .stats import StatsSource
 
@@ -489,6 +489,9 @@ class Edge:
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
+            missing = self.source.results_stream_missing
+            if missing is not None:  # 200: restarting the edge would not bring the stream back
+                return JSONResponse({"status": "degraded", "nats": "connected", "results_stream": missing})
             access = self.source.msg_get
             if access is not None and access.state == "refused":  # still serving, at a cost (msg_get.py)
                 return JSONResponse({"status": "ok", "nats": "connected",
@@ -570,6 +573,9 @@ class Edge:
             if isinstance(item, Overrun):
                 yield sse.event(self.overrun_body(feed, item)) + sse.DONE
                 return
+            if isinstance(item, StreamGone):
+                yield sse.event(self.gone_body(feed, item)) + sse.DONE
+                return
             idle_since = time.monotonic()
             limit = settings.result_timeout
             frame = meta_frame(item) if verdicts else b""
@@ -625,6 +631,9 @@ class Edge:
                 return Response(self.gap_body(feed, item), status_code=500, media_type="application/json")
             if isinstance(item, Lost):
                 return Response(self.lost_body(feed, item), status_code=503, media_type="application/json")
+            if isinstance(item, StreamGone):
+                return Response(self.gone_body(feed, item), status_code=ErrorKind.UNAVAILABLE.http_status,
+                                media_type="application/json")
             if isinstance(item, Ended):  # not reachable without a resume point; answer honestly anyway
                 break
             idle_since = time.monotonic()
@@ -690,6 +699,10 @@ class Edge:
         return self.codec.error_body(
             f"the edge lost its subscription to request {feed.request_id}: {lost.reason}", ErrorKind.INTERNAL
         )
+
+    def gone_body(self, feed: ResultFeed, gone: StreamGone) -> bytes:
+        return self.codec.error_body(f"no more results of request {feed.request_id}: {gone.reason}",
+                                     ErrorKind.UNAVAILABLE)
 
     async def release(self, feed: ResultFeed) -> None:
         self.metrics.streams_active -= 1

@@ -135,7 +135,15 @@ class Fanout:
         self.stream = stream  # the JetStream stream the ordered consumer reads, or None (core)
         self.on_overflow = on_overflow
         self.feeds: dict[str, list[ResultFeed]] = {}
-        sub._pending_queue = DispatchQueue(self)
+        self._take(sub)
+
+    def _take(self, sub) -> None:
+        queued, sub._pending_queue = sub._pending_queue, DispatchQueue(self, sub)
+        # What arrived before the queue was replaced: the messages a new ordered consumer pushes
+        # while nats-py's subscribe still waits for the consumer's creation (a stream reread from
+        # its start, source.py, has them at once). Dispatched first, in their order.
+        while not queued.empty():
+            sub._pending_queue.put_nowait(queued.get_nowait())
         # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
         # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
         sub._pending_bytes_limit = 0
@@ -143,8 +151,21 @@ class Fanout:
         # (deliver_inline); the messages it declines (while reconnecting) still come through the
         # queue above. A JetStream consumer's messages take nats-py's path and the queue.
         deliver_inline = getattr(sub._conn, "deliver_inline", None)
-        if stream is None and sub._jsi is None and deliver_inline is not None:
+        if self.stream is None and sub._jsi is None and deliver_inline is not None:
             deliver_inline(sub, self._inline)
+
+    def rebind(self, sub, stream: str | None) -> None:
+        """Read from another subscription (the results stream was deleted or recreated: source.py).
+        The open streams stay registered; until the old subscription is unsubscribed both dispatch
+        (a result read twice is dropped by its stream's ``SeqOrder``)."""
+        self.sub, self.stream = sub, stream
+        self._take(sub)
+        for feeds in self.feeds.values():
+            for feed in feeds:
+                if feed.inbox is not None:
+                    feed.inbox.sub = sub  # where nats-py's close finds its waiter (Inbox.wait)
+                if stream is not None:  # its results come from the stream now: its deletion ends it
+                    feed.mode = "jetstream"
 
     def delivered(self) -> int:
         """The stream sequence up to which the ordered consumer has dispatched every result (nats-py
@@ -205,13 +226,13 @@ class DispatchQueue(asyncio.Queue):
     ``Client._process_msg`` (and ``FastClient._process_msg``) count the message in the
     subscription's ``_pending_size`` before ``put_nowait``; it is given back here."""
 
-    def __init__(self, fanout: Fanout) -> None:
+    def __init__(self, fanout: Fanout, sub) -> None:
         super().__init__()
         self.fanout = fanout
+        self.sub = sub  # its own: after Fanout.rebind the old one may still deliver until unsubscribed
 
     def put_nowait(self, item: Msg) -> None:
-        sub = self.fanout.sub
-        sub._pending_size -= len(item.data)
+        self.sub._pending_size -= len(item.data)
         try:
             self.fanout.dispatch(item.subject, item.headers, item.data)
         except Exception:  # noqa: BLE001 - never into nats-py's read loop: that would drop the connection

@@ -38,6 +38,7 @@ class MsgGetAccess:
 
     def __init__(self, api_prefix: str, stream: str, on_change: Callable[[State, str], None] | None = None,
                  reprobe: float = REPROBE, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
         self.subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"  # the permission replay.py needs
         # nats-py's parser lower-cases the -ERR text; the subject is compared in that form.
         self._needle = f"permissions violation for publish to \"{self.subject}\"".lower()

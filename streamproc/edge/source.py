@@ -24,12 +24,13 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType
+from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamInfo
 from nats.js.client import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
-from ..nats.streams import ensure_results_stream
+from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.events import Verdict
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
@@ -56,6 +57,10 @@ RECENT_PENDING_MSGS = 65_536
 # nats-py's ordered consumer creates a new one from the last sequence it delivered.
 CONSUMER_LINGER = 1.0
 REPLAY_TIMEOUT = 5.0  # seconds for one stored result to come back from the stream (replay.py)
+# Seconds between the watch's checks of the results stream the ring reads (one STREAM.INFO each):
+# how long a stream reading a deleted results stream waits for its error event, and how long
+# results stored in a recreated one wait before the ring reads them (ResultSource._check_results_stream).
+STREAM_CHECK = 1.0
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -84,7 +89,14 @@ class Overrun(msgspec.Struct, frozen=True):
     limit: int
 
 
-FeedItem = ResultInfo | Ended | Gap | Lost | Overrun
+class StreamGone(msgspec.Struct, frozen=True):
+    """The JetStream results stream this feed read was deleted (or, for a feed with an ordered
+    consumer of its own, replaced by a new stream of the same name): no result of it can come."""
+
+    reason: str
+
+
+FeedItem = ResultInfo | Ended | Gap | Lost | Overrun | StreamGone
 
 
 class ResultFeed:
@@ -106,6 +118,8 @@ class ResultFeed:
         self._ready: collections.deque[ResultInfo] = collections.deque()
         self._gap_since: float | None = None
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
+        self.gone: str | None = None  # why its results stream is gone (ResultSource._check_results_stream)
+        self.stream: str | None = None  # the stream its own ordered consumer reads (ResultSource._consume)
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
     async def next(self, timeout: float) -> FeedItem | None:
@@ -118,6 +132,8 @@ class ResultFeed:
             if attached is not True:
                 return attached
         while True:
+            if self.gone is not None:
+                return StreamGone(self.gone)
             if self.overrun:
                 return Overrun(self.source.settings.stream_buffer_bytes)
             if self._ready:
@@ -146,6 +162,8 @@ class ResultFeed:
                         return attached
                     continue
                 except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
+                    if self.gone is not None:  # its temporary consumer was woken: the stream is gone
+                        return StreamGone(self.gone)
                     if self.overrun:  # its consumer was stopped because the client fell behind
                         return Overrun(self.source.settings.stream_buffer_bytes)
                     return Lost(f"cannot read the results stream: {error_text(exc)}")
@@ -182,6 +200,16 @@ class ResultFeed:
             except nats.errors.Error as exc:
                 return Lost(str(exc) or type(exc).__name__)
             self._accept(msg)
+
+    def end(self, reason: str) -> None:
+        """Its results stream is gone: :meth:`next` returns :class:`StreamGone` now, also if it waits."""
+        self.gone = reason
+        if self.inbox is not None:
+            self.inbox.wake()
+        replay = self.replay
+        for sub in (self._sub, replay.sub if replay is not None else None):
+            if sub is not None:
+                wake(sub)
 
     def has_ready(self) -> bool:
         """Results in order not yet taken by the stream."""
@@ -283,6 +311,13 @@ def drop_pending(sub) -> None:
     core._pending_size = 0
 
 
+def wake(sub) -> None:
+    """End a :func:`pending.wait` on ``sub`` now (it returns False, as on a timeout)."""
+    for getter in list(core_subscription(sub)._pending_queue._getters):
+        if not getter.done():
+            getter.set_result(None)
+
+
 def core_subscription(sub):
     """The nats-py Subscription a SlowConsumerError names: a JetStream PushSubscription wraps one
     (nats.js.client.JetStreamContext.PushSubscription.__init__ keeps it as ``_sub``)."""
@@ -363,7 +398,15 @@ class ResultSource:
         self._attaching: set[asyncio.Task] = set()  # consumers being created (open)
         self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
         self._told_late_stream = False
+        self._closing_replays: set[asyncio.Task] = set()
+        self._seen: dict[str, object] = {}  # stream -> its creation time, for feeds with their own consumer
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
+        self._recent_sub = None
+        # The results stream the ring reads, as the watch knows it: its name and creation time, once
+        # the ring has read one (before, an edge without a results stream never asks).
+        self._ring_stream: tuple[str, object] | None = None
+        self._watch_task: asyncio.Task | None = None
+        self.results_stream_missing: str | None = None  # for /healthz: the ring's stream was deleted
 
     @property
     def connected(self) -> bool:
@@ -395,7 +438,9 @@ class ResultSource:
             log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
         if self.settings.recent > 0:
             await self._subscribe_recent()
-        self._flush_task = asyncio.get_running_loop().create_task(self._flush_limited())
+        loop = asyncio.get_running_loop()
+        self._flush_task = loop.create_task(self._flush_limited())
+        self._watch_task = loop.create_task(self._watch_results_stream())
 
     async def _flush_limited(self) -> None:
         while True:
@@ -410,34 +455,192 @@ class ResultSource:
         once; before, under a burst, the doubling made nats-server drop the edge's connection as a
         slow consumer (64 MiB pending)."""
         assert self.nc is not None
-        # The page's list may lose a result when the edge is starved; it must never buffer without bound.
-        limits = {"pending_msgs_limit": RECENT_PENDING_MSGS, "pending_bytes_limit": self.settings.stream_buffer_bytes}
         js = self.nc.jetstream()
         stream = await self.streams.find(js, self.subjects.all_results)
-        if stream is not None:
-            # New results only: from the stream's last sequence now. nats-py's ordered consumer resumes
-            # after the last sequence it delivered (JetStreamContext._JSI.reset_ordered_consumer), which
-            # is 0 until a first result: set to that start, or a reset would replay the whole stream.
-            last = (await js.stream_info(stream)).state.last_seq
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1)
-            self._recent_sub = await js.subscribe(self.subjects.all_results, stream=stream, config=config,
-                                                  ordered_consumer=True, **limits)
-            jsi = core_subscription(self._recent_sub)._jsi
-            jsi._sseq = max(jsi._sseq, last)
-            self.fanout = Fanout(self, core_subscription(self._recent_sub), self._on_inbox_full, stream=stream)
-            self.msg_get = MsgGetAccess(js._prefix, stream, self._msg_get_changed)
-            self.recent_mode = "jetstream"
-        else:
-            self._recent_sub = await self.nc.subscribe(self.subjects.all_results, **limits)
-            # Every result is dispatched as it is read: to the ring and to the feeds open on its subject.
-            self.fanout = Fanout(self, self._recent_sub, self._on_inbox_full)
-            await self.nc.flush()  # live before the edge serves: the fanout's opens need no round trip
+        info = await js.stream_info(stream) if stream is not None else None
+        # New results only: from the stream's last sequence now.
+        sub = await self._ring_subscription(info, info.state.last_seq + 1 if info is not None else 0)
+        self._recent_sub = sub
+        self.fanout = Fanout(self, core_subscription(sub), self._on_inbox_full, stream=stream)
+        self._reading(info)
+
+    async def _ring_subscription(self, info: StreamInfo | None, start: int):
+        """The ring's subscription: an ordered consumer of the stream from sequence ``start``, or a
+        core subscription (live before return: the fan-out's opens need no round trip)."""
+        assert self.nc is not None
+        # The page's list may lose a result when the edge is starved; it must never buffer without bound.
+        limits = {"pending_msgs_limit": RECENT_PENDING_MSGS, "pending_bytes_limit": self.settings.stream_buffer_bytes}
+        if info is None:
+            sub = await self.nc.subscribe(self.subjects.all_results, **limits)
+            await self.nc.flush()
+            return sub
+        # nats-py's ordered consumer resumes after the last sequence it delivered
+        # (JetStreamContext._JSI.reset_ordered_consumer), which is 0 until a first result: set to
+        # the one before ``start``, or a reset would replay the whole stream.
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+        sub = await self.nc.jetstream().subscribe(self.subjects.all_results, stream=info.config.name,
+                                                  config=config, ordered_consumer=True, **limits)
+        jsi = core_subscription(sub)._jsi
+        jsi._sseq = max(jsi._sseq, start - 1)
+        return sub
+
+    def _reading(self, info: StreamInfo | None) -> None:
+        """What the ring reads now: ``info``'s stream (its identity for the watch), or live results."""
+        if info is None:
             self.recent_mode = "core"
+            return
+        assert self.nc is not None
+        name, prefix = info.config.name, self.nc.jetstream()._prefix
+        if self.msg_get is None or self.msg_get.stream != name:  # kept for the same name: what it learnt holds
+            self.msg_get = MsgGetAccess(prefix, name, self._msg_get_changed)
+        self._ring_stream = (name, info.created)
+        self.results_stream_missing = None
+        self.recent_mode = "jetstream"
+
+    async def _watch_results_stream(self) -> None:
+        """Ask once per ``STREAM_CHECK`` whether the results stream the ring reads is still the one
+        it subscribed to (:meth:`_check_results_stream`). Nothing else would tell: nats-py 2.16's
+        ordered consumer notices a deleted stream only by its missing idle heartbeats
+        (``_JSI.activity_check``: two intervals, 10 s), then recreates its consumer from the last
+        sequence it delivered (``reset_ordered_consumer(self._sseq + 1)``), which fails with
+        "stream not found" every 10 s while the stream is missing (``recreate_consumer`` hands
+        the error to the error callback), and, once a stream of that name exists again, succeeds
+        at that old sequence, which the new stream (counting again from 1) reaches only after as
+        many results as the old one held: the open streams stayed silent until their timeout."""
+        while True:
+            await asyncio.sleep(STREAM_CHECK)
+            if not self.connected:
+                continue
+            try:
+                if self.fanout is not None:
+                    await self._check_results_stream()
+                await self._check_own_consumers()
+            except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:  # asked again next time
+                log_event(log, logging.DEBUG, "results_stream_check_failed", error=error_text(exc))
+
+    async def _stream_info(self, name: str | None) -> StreamInfo | None:
+        assert self.nc is not None
+        if name is None:
+            return None
+        try:
+            return await self.nc.jetstream().stream_info(name)
+        except NotFoundError:  # JSStreamNotFoundErr (10059): deleted
+            return None
+
+    async def _check_results_stream(self) -> None:
+        """Deleted: every stream reading it ends with :class:`StreamGone` (an error event and
+        ``[DONE]``) and the ring reads live results, as for an edge started without a stream, until
+        a results stream exists again. Recreated (its ``created`` time changed, or its last sequence
+        is below what the ring delivered: a new history, counting from 1 again): the ring reads the
+        new stream from its first sequence, so the streams open on it get what is stored there, in
+        seq order (their ``SeqOrder`` drops seqs they were sent already); the feeds that read it
+        with an ordered consumer of their own end, as for a deletion."""
+        assert self.nc is not None and self.fanout is not None
+        if self._ring_stream is None:  # the edge has never read a results stream: nothing to watch
+            return
+        name = self.fanout.stream
+        if name is None:  # deleted: wait for one to exist again
+            info = await self._stream_info(await find_results_stream(self.nc.jetstream(), self.subjects.all_results))
+            if info is not None:
+                await self._reread(info, None, ended=0)
+            return
+        info = await self._stream_info(name)
+        # STREAM.INFO's ``created`` is nats-server's ``(mset *stream) createdTime()`` (server/stream.go:
+        # ``mset.created``, set when the stream is added), so a stream of the same name added again
+        # differs; a purge leaves it, the sequence and the consumers as they were.
+        if info is not None and (info.created, info.config.name) == (self._ring_stream[1], name) \
+                and info.state.last_seq >= self.fanout.delivered():
+            return  # the same stream (a purge keeps its sequence and its consumers)
+        if info is None:
+            reason = (f"the results stream {name} was deleted; the edge reads live results only until "
+                      "a results stream exists again")
+            ended = self._end_stream_feeds(reason, dispatched=True)
+            self.results_stream_missing = f"{name} was deleted; serving live results only"
+            log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=ended,
+                      hint="recreate it (or restart the edge with --ensure-results-stream); docs/edge.md")
+            # Another stream may store P.results.> now (the namespace moved): read that one.
+            info = await self._stream_info(await find_results_stream(self.nc.jetstream(), self.subjects.all_results))
+            await self._reread(info, name, ended=None)
+            return
+        reason = (f"the results stream {name} was deleted and created again; reconnect with Last-Event-ID "
+                  "to read the new stream")
+        await self._reread(info, name, ended=self._end_stream_feeds(reason, dispatched=False))
+
+    async def _check_own_consumers(self) -> None:
+        """The streams other than the ring's that feeds read with an ordered consumer of their own
+        (``--recent 0``, or a refused MSG.GET), asked about only while such feeds are open: deleted
+        or recreated since the watch first saw it, its feeds end with :class:`StreamGone`."""
+        ring = self.fanout.stream if self.fanout is not None else None
+        names = {f.stream for f in self._feeds.values() if f.stream is not None and f.stream != ring and not f.closed}
+        for name in list(self._seen):
+            if name not in names:
+                del self._seen[name]  # its identity is learnt again when a feed reads it
+        for name in names:
+            info = await self._stream_info(name)
+            seen = self._seen.get(name)
+            if info is not None and (seen is None or info.created == seen):
+                self._seen[name] = info.created
+                continue
+            del self._seen[name]  # None (deleted) or a new history
+            what = "was deleted" if info is None else "was deleted and created again"
+            reason = f"the results stream {name} {what}; reconnect with Last-Event-ID to read it again"
+            feeds = {id(f): f for f in self._feeds.values() if f.stream == name and f.gone is None and not f.closed}
+            for feed in feeds.values():
+                feed.end(reason)
+            self.streams.forget()
+            log_event(log, logging.WARNING, "results_stream_deleted" if info is None else "results_stream_recreated",
+                      stream=name, streams_ended=len(feeds))
+
+    def _end_stream_feeds(self, reason: str, *, dispatched: bool) -> int:
+        """End the feeds reading ``name`` with an ordered consumer of their own (and, ``dispatched``,
+        the fan-out's JetStream feeds too); the dispatched feeds' replays stop either way (the ring
+        rereads the new stream from its start, or there is nothing to read). The count ended."""
+        feeds = {id(f): f for f in self._feeds.values() if f.mode == "jetstream"}
+        if self.fanout is not None:
+            for subject_feeds in self.fanout.feeds.values():
+                feeds.update((id(f), f) for f in subject_feeds if f.mode == "jetstream")
+        ended = 0
+        for feed in feeds.values():
+            if feed.closed or feed.gone is not None:
+                continue
+            if feed.inbox is None or dispatched:
+                feed.end(reason)
+                ended += 1
+            elif feed.replay is not None:
+                replay, feed.replay = feed.replay, None
+                self._closing_replays.add(task := asyncio.get_running_loop().create_task(replay.close()))
+                task.add_done_callback(self._closing_replays.discard)
+        return ended
+
+    async def _reread(self, info: StreamInfo | None, old: str | None, *, ended: int | None) -> None:
+        """Point the ring at ``info``'s stream from its first sequence (None: live results)."""
+        assert self.fanout is not None and self.nc is not None
+        previous = self._recent_sub
+        was = f"{old} (another history)" if old is not None else self.results_stream_missing
+        start = max(info.state.first_seq, 1) if info is not None else 0
+        sub = await self._ring_subscription(info, start)
+        self._recent_sub = sub
+        self.fanout.rebind(core_subscription(sub), info.config.name if info is not None else None)
+        self._reading(info)
+        self.streams.forget()
+        if info is not None:
+            log_event(log, logging.WARNING, "results_stream_recreated", stream=info.config.name,
+                      streams_ended=ended or 0, read_from_seq=start, previous=was)
+        if previous is not None:
+            stop_inline = getattr(self.nc, "stop_inline", None)
+            if stop_inline is not None:
+                stop_inline(core_subscription(previous))
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await previous.unsubscribe()
+            drop_pending(previous)
 
     async def stop(self) -> None:
         if self._flush_task is not None:
             self._flush_task.cancel()
             self._flush_task = None
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
         self.limited.flush()
         nc, self.nc = self.nc, None
         self._closing = True  # the disconnect that closing causes is not news
@@ -461,6 +664,10 @@ class ResultSource:
         limits = {"pending_msgs_limit": MAX_PENDING_RESULTS * 4,
                   "pending_bytes_limit": self.settings.stream_buffer_bytes}
         if self.fanout is not None and self.fanout.stream == stream:  # the recent ring's source reads it
+            return await self._open_dispatched(request_id, subject, order, limits)
+        if self.fanout is not None and self.results_stream_missing is not None:
+            # The ring's stream was deleted: live results, and once the watch sees a results stream
+            # again the ring reads it from its start (_check_results_stream), this feed included.
             return await self._open_dispatched(request_id, subject, order, limits)
         if self.fanout is not None and stream is not None and not self._told_late_stream:  # created after start-up
             self._told_late_stream = True
@@ -531,6 +738,7 @@ class ResultSource:
         of ms behind a busy server) overlaps them."""
         assert self.nc is not None
         subject = self.subjects.result(feed.request_id)
+        feed.stream = stream
         feed.attaching = asyncio.get_running_loop().create_task(
             self._attach(feed, self.nc.jetstream(), subject, stream, limits))
         self._attaching.add(feed.attaching)

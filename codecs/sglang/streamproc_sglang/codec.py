@@ -27,6 +27,7 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
     ErrorKind.UNKNOWN_FORMAT: "invalid_request_error",
     ErrorKind.INTERNAL: "internal_error",
     ErrorKind.MIGRATION_REFUSED: "service_unavailable",
+    ErrorKind.UNAVAILABLE: "service_unavailable",
 }
 
 

@@ -1,0 +1,271 @@
+"""The JetStream results stream deleted, recreated or purged under a running `streamproc edge`.
+
+Found by a review (2026-12-01): 20 open SSE streams got results 0-9, the results stream was deleted
+(or deleted and recreated), then nothing reached them until ``--result-timeout``; results 10-19,
+stored again in the recreated stream, never arrived, and ``/healthz`` stayed ok. The ring's ordered
+consumer resumed from the last stream sequence it had delivered, which a recreated stream starts
+again from 1. Each test here runs its own nats-server and edge (they delete the stream).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import httpx
+import pytest
+from edge_harness import publish_result, running_edge, subscribed_subjects
+from helpers import connection, peak_rss, rid, wait_until
+from httpx_sse import aconnect_sse
+from nats.js.api import StorageType
+
+from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
+
+SUBJECTS = Subjects()
+STREAMS = 20
+# Far above how soon a stream must hear of its results stream's deletion (PROMPT): without the
+# watch, a stream stayed silent until this.
+RESULT_TIMEOUT = 60
+PROMPT = 8.0  # seconds: the watch asks every second; a loaded 2-core machine stretches that
+MiB = 1 << 20
+
+
+@pytest.fixture
+def own_server():
+    with EmbeddedNats() as srv:
+        yield srv
+
+
+def body(seq: int) -> bytes:
+    return b'{"text":"%d"}' % seq
+
+
+class Reader:
+    """One SSE client: every event's (id, data) as it arrives, and whether ``[DONE]`` came."""
+
+    def __init__(self, request_id: str, after: int | None = None) -> None:
+        self.request_id = request_id
+        self.headers = {"Last-Event-ID": str(after)} if after is not None else {}
+        self.events: list[tuple[str, str]] = []
+        self.done = False
+        self.status: int | None = None
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        async with aconnect_sse(client, "GET", f"/v1/results/{self.request_id}", headers=self.headers) as source:
+            self.status = source.response.status_code
+            async for event in source.aiter_sse():
+                if event.data == "[DONE]":
+                    self.done = True
+                    return
+                self.events.append((event.id, event.data))
+
+    def results(self) -> list[int]:
+        """The seqs of the result events received (the ``id:`` of each; an SSE parser gives an event
+        without one the last id seen, so error events are told by their body)."""
+        return [int(i) for i, data in self.events if "error" not in json.loads(data)]
+
+    def error(self) -> dict | None:
+        for _, data in self.events:
+            doc = json.loads(data)
+            if "error" in doc:
+                return doc["error"]
+        return None
+
+
+async def publish_range(nc, readers: list[Reader], seqs: range, *, final_at: int | None = None) -> None:
+    for reader in readers:
+        for seq in seqs:
+            await publish_result(nc, SUBJECTS, reader.request_id, seq, body(seq), final=seq == final_at)
+    await nc.flush()
+
+
+async def recreate(js) -> None:
+    await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
+
+
+async def open_readers(tg, client: httpx.AsyncClient, edge, count: int, name: str) -> list[Reader]:
+    readers = [Reader(rid(name)) for _ in range(count)]
+    for reader in readers:
+        tg.start_soon(reader.run, client)
+    await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= count, 15, "the streams opened")
+    return readers
+
+
+async def test_streams_reading_a_deleted_results_stream_end_promptly_with_an_unavailable_error(own_server):
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
+                          "--max-streams-per-client", "1000") as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
+                    anyio.create_task_group() as tg:
+                readers = await open_readers(tg, client, edge, STREAMS, "deleted")
+                await publish_range(nc, readers, range(10))
+                await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
+                                 "results 0-9 reached every stream")
+
+                await js.delete_stream(RESULTS_STREAM)
+                deleted = time.monotonic()
+                await wait_until(lambda: all(r.done for r in readers), PROMPT,
+                                 "every stream ended after its results stream was deleted")
+                took = time.monotonic() - deleted
+                print(f"{STREAMS} streams ended {took:.2f} s after the deletion")
+
+                for reader in readers:
+                    assert reader.results() == list(range(10))
+                    error = reader.error()
+                    assert error is not None and error["type"] == "service_unavailable", reader.events
+                    assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
+                assert took < PROMPT
+                health = httpx.get(f"{edge.url}/healthz")
+                assert health.status_code == 200
+                assert health.json()["status"] == "degraded", health.json()
+                assert "deleted" in health.json()["results_stream"]
+
+                # Without a results stream the edge serves live results, as it does when none exists.
+                late = Reader(rid("after-delete"))
+                tg.start_soon(late.run, client)
+                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "late stream open")
+                await publish_range(nc, [late], range(3), final_at=2)
+                await wait_until(lambda: late.done, 15, "the late stream got its live results")
+                assert late.results() == [0, 1, 2] and late.error() is None
+
+            assert "results_stream_deleted" in edge.log()
+
+
+async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_duplicates(own_server):
+    """The review's second case: deleted and created again at once (before the edge could see it
+    missing). Results stored in the new stream reach the streams waiting for them; those already
+    sent (seq 8 and 9 stored again) are not sent twice."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
+                          "--max-streams-per-client", "1000") as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
+                    anyio.create_task_group() as tg:
+                readers = await open_readers(tg, client, edge, STREAMS, "recreated")
+                await publish_range(nc, readers, range(10))
+                await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
+                                 "results 0-9 reached every stream")
+
+                await js.delete_stream(RESULTS_STREAM)
+                await recreate(js)
+                await publish_range(nc, readers, range(8, 20), final_at=19)
+                await wait_until(lambda: all(r.done for r in readers), PROMPT,
+                                 "every stream got its results from the recreated stream")
+
+                for reader in readers:
+                    assert reader.results() == list(range(20)), reader.events
+                    assert reader.error() is None
+                assert httpx.get(f"{edge.url}/healthz").json()["status"] == "ok"
+
+                # A stream opened now reads the new stream (a late attach replays what it stores: 8-19).
+                late = Reader(readers[0].request_id, after=7)
+                tg.start_soon(late.run, client)
+                await wait_until(lambda: late.done, 15, "a late reader of a request in the new stream")
+                assert late.results() == list(range(8, 20)), late.events
+            assert "results_stream_recreated" in edge.log()
+
+
+async def test_a_purged_results_stream_keeps_its_sequence_and_streams_go_on(own_server):
+    """A purge empties the stream but keeps its sequence (and consumers): nothing to detect, the
+    open streams get the results stored after it."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
+                          "--max-streams-per-client", "1000") as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
+                    anyio.create_task_group() as tg:
+                readers = await open_readers(tg, client, edge, STREAMS, "purged")
+                await publish_range(nc, readers, range(10))
+                await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
+                                 "results 0-9 reached every stream")
+                await js.purge_stream(RESULTS_STREAM)
+                await publish_range(nc, readers, range(10, 20), final_at=19)
+                await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
+                for reader in readers:
+                    assert reader.results() == list(range(20)) and reader.error() is None
+
+
+async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothing_and_answers_every_stream(
+        own_server):
+    """Hostile: the stream deleted and recreated 12 times while streams open and read. Every stream
+    ends (its results, or an error event, then [DONE]); the edge survives with its subscriptions
+    and the stream's consumers bounded, and serves a normal stream afterwards."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
+                          "--max-streams-per-client", "1000") as edge:
+            pid = edge.proc.pid
+            all_readers: list[Reader] = []
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
+                    anyio.create_task_group() as tg:
+                for cycle in range(12):
+                    readers = [Reader(rid(f"churn{cycle}")) for _ in range(5)]
+                    for reader in readers:
+                        tg.start_soon(reader.run, client)
+                    all_readers += readers
+                    await anyio.sleep(0.2)
+                    await publish_range(nc, readers, range(3), final_at=2)
+                    await js.delete_stream(RESULTS_STREAM)
+                    await anyio.sleep(0.05 if cycle % 2 else 1.5)  # sometimes seen missing, sometimes not
+                    await recreate(js)
+                    await publish_range(nc, readers, range(3), final_at=2)
+                try:
+                    await wait_until(lambda: all(r.done for r in all_readers), 2 * PROMPT, "every churned stream ended")
+                except AssertionError:
+                    print("silent:", [(r.request_id, r.status, r.events) for r in all_readers if not r.done])
+                    print(edge.log())
+                    raise
+            for reader in all_readers:  # complete, or told why not: never silent, never out of order
+                assert reader.results() == list(range(len(reader.results()))), reader.events
+                assert reader.results() == [0, 1, 2] or reader.error() is not None, reader.events
+
+            await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] == 0, 10, "streams released")
+            await anyio.sleep(2.5)  # a last check by the watch, and the linger of released consumers
+            info = await js.stream_info(RESULTS_STREAM)
+            edge_subs = [s for s in subscribed_subjects(own_server.monitor_url) if s.startswith("_INBOX.")]
+            print(f"after the churn: {info.state.consumer_count} consumers, {len(edge_subs)} inbox subscriptions")
+            assert info.state.consumer_count <= 2, info.state  # the ring's, and at most one lingering
+            assert len(edge_subs) <= 4, edge_subs
+            assert peak_rss(pid) < 150 * MiB
+
+            final = Reader(rid("after-churn"))
+            async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client, anyio.create_task_group() as tg:
+                tg.start_soon(final.run, client)
+                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "opened")
+                await publish_range(nc, [final], range(4), final_at=3)
+            assert final.results() == [0, 1, 2, 3] and final.error() is None
+            assert "Traceback" not in edge.log()
+
+
+@pytest.mark.parametrize("change", ["delete", "recreate"])
+async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_results_stream_changes(
+        own_server, change):
+    """``--recent 0``: each stream reads with an ordered consumer of its own, which a deleted stream
+    leaves silent and a recreated one resumes at the old sequence; the watch ends them with the cause."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        with running_edge(own_server.url, "--ensure-results-stream", "--recent", "0",
+                          "--result-timeout", str(RESULT_TIMEOUT), "--max-streams-per-client", "1000") as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
+                    anyio.create_task_group() as tg:
+                readers = await open_readers(tg, client, edge, 5, f"own-{change}")
+                await publish_range(nc, readers, range(5))
+                await wait_until(lambda: all(r.results() == list(range(5)) for r in readers), 15,
+                                 "results 0-4 reached every stream")
+                await anyio.sleep(1.5)  # the watch has seen the stream they read
+                await js.delete_stream(RESULTS_STREAM)
+                if change == "recreate":
+                    await recreate(js)
+                    await publish_range(nc, readers, range(5, 8), final_at=7)
+                await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
+                for reader in readers:
+                    assert reader.results() == list(range(5))
+                    error = reader.error()
+                    assert error is not None and error["type"] == "service_unavailable", reader.events
+                    assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
