@@ -12,6 +12,9 @@ candidate / baseline CPU per chunk (the contender's own user+system time, in clo
 live at RATE chunks/s for ``--seconds``, streamed load): CPU µs per chunk of the processor and of
 nats-server, p50/p99 chunk publish -> result, paired medians of candidate / baseline.
 
+``--candidate-env KEY=VALUE`` (repeatable): set only while the candidate runs, e.g. an option that
+is off by default.
+
 Usage: python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . [--chunks 20000] [--rounds 5]
        python benchmarks/durable_trees.py --baseline ../base-checkout --candidate . --paced 2000 [--seconds 6]
 """
@@ -32,6 +35,20 @@ import durable  # noqa: E402
 from passthrough import build_load  # noqa: E402
 
 
+CANDIDATE_ENV: dict[str, str] = {}
+
+
+def use(trees: dict[str, str], name: str) -> None:
+    """The environment the contender's `streamproc run` subprocess inherits: its tree, and the
+    candidate's own variables only for the candidate."""
+    os.environ["PYTHONPATH"] = trees[name]
+    for key, value in CANDIDATE_ENV.items():
+        if name == "candidate":
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+
+
 def python_path(tree: Path) -> str:
     """The tree's package and its built-in codecs, as tests/helpers' env does for a worktree."""
     return os.pathsep.join(str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd"))
@@ -44,7 +61,7 @@ async def paced(args: argparse.Namespace, trees: dict[str, str]) -> None:
           f"{args.rounds} rounds alternating", flush=True)
     for r in range(args.rounds):
         for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
-            os.environ["PYTHONPATH"] = trees[name]
+            use(trees, name)
             p = await durable.latency("streamproc", load, args.paced, args.seconds)
             runs[name].append(p)
             print(f"  round {r} {name}: {p.cpu_us:.1f} us CPU/chunk, nats-server {p.server_cpu_us:.1f}, "
@@ -72,7 +89,7 @@ async def main(args: argparse.Namespace) -> None:
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
         for r in range(args.rounds):
             for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
-                os.environ["PYTHONPATH"] = trees[name]  # inherited by the `streamproc run` subprocess
+                use(trees, name)  # inherited by the `streamproc run` subprocess
                 rate, cpu = await durable.peak("streamproc", load)
                 runs[name].append((rate, cpu))
                 print(f"  {'streamed' if stream else 'unary'} round {r} {name}: {rate:,.0f} chunks/s, "
@@ -98,4 +115,8 @@ if __name__ == "__main__":
     parser.add_argument("--paced", type=float, default=0.0, help="paced mode at this many chunks/s (e.g. 2000)")
     parser.add_argument("--seconds", type=float, default=6.0, help="paced mode: seconds per run")
     parser.add_argument("--loads", default="unary,streamed", help="peak mode: which loads (unary, streamed)")
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--candidate-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable set only for the candidate (repeatable)")
+    parsed = parser.parse_args()
+    CANDIDATE_ENV.update(item.split("=", 1) for item in parsed.candidate_env)
+    asyncio.run(main(parsed))
