@@ -18,7 +18,7 @@ import collections
 import contextlib
 import logging
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 import nats.errors
@@ -364,6 +364,7 @@ class ResultSource:
         self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
         self._told_late_stream = False
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
+        self.after_read: Callable[[], None] | None = None  # run at the end of each NATS read (the Edge's WriteBatch.flush)
 
     @property
     def connected(self) -> bool:
@@ -381,6 +382,8 @@ class ResultSource:
             reconnected_cb=self._on_reconnected,
         )
         self.metrics.nats_connected = 1
+        if hasattr(self.nc, "read_done"):  # FastClient: the direct frames of a read leave at its end
+            self.nc.read_done = self.after_read
         self.barrier = PongBarrier(self.nc)
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token
