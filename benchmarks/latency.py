@@ -34,9 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import concurrent.futures
+import gc
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,7 @@ BIN = Path(sys.executable).parent
 RATE = 2000.0
 OPEN_SPREAD = 0.0  # --open-spread: seconds over which a paced run's wave opens its streams
 BASELINE_TREE: Path | None = None  # --baseline-tree: an edge from this source tree, beside ours
+TRACE_DIR: Path | None = None  # --trace-dir: each run's per-chunk stamps (publish, floor, result, SSE) as JSON
 SSE_CLIENTS = 1  # --sse-clients: SSE client processes; wave n is opened and read by client n % SSE_CLIENTS
 PROC_OF = {"edge": 1, "relay": 2, "base": 3}  # Mode.procs index of each SSE server
 
@@ -61,10 +66,173 @@ TARGETS_CORE = {"p50": 2.0, "p99": 10.0}  # added ms over the floor, core mode (
 
 # ----------------------------------------------------------------------------- the SSE client process
 
+# Linux: the kernel's receive time of a read's data (struct timespec, CLOCK_REALTIME) as ancillary data.
+SO_TIMESTAMPNS = 35
+_STAMP_SPACE = socket.CMSG_SPACE(16)
+
+
+class StampedSocket:
+    """The socket under an asyncio transport, read with ``recvmsg_into`` so that each read also
+    carries the kernel's receive stamp (``SO_TIMESTAMPNS``): when the edge's bytes reached this
+    client's socket, whatever this process was doing then. For TCP the stamp is that of the read's
+    last segment, so an event in an earlier segment of the same read is stamped late, never early.
+    ``reads`` holds (bytes received so far, stamp as ``time.perf_counter()``) per read."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.received = 0
+        self.reads: list[tuple[int, float]] = []
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+    def recv_into(self, buf, nbytes: int = 0) -> int:
+        n, ancdata, _, _ = self._sock.recvmsg_into([memoryview(buf)[:nbytes] if nbytes else buf], _STAMP_SPACE)
+        if n:
+            self.received += n
+            stamp = None
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+                    sec, nsec = struct.unpack("qq", data[:16])
+                    # CLOCK_REALTIME -> CLOCK_MONOTONIC (perf_counter), the offset read now
+                    stamp = sec + nsec * 1e-9 - (time.clock_gettime(time.CLOCK_REALTIME) - time.perf_counter())
+            self.reads.append((self.received, stamp if stamp is not None else time.perf_counter()))
+        return n
+
+    def recv(self, bufsize: int) -> bytes:  # what the transport calls for a plain (not buffered) protocol
+        buf = bytearray(bufsize)
+        return bytes(buf[:self.recv_into(buf)])
+
+    def stamp_of(self, offset: int) -> float:
+        """The receive stamp of the read that brought the stream's byte at ``offset`` (exclusive end)."""
+        i = bisect.bisect_left(self.reads, (offset, -1.0))
+        return self.reads[min(i, len(self.reads) - 1)][1]
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+def stamp_transport(writer: asyncio.StreamWriter) -> StampedSocket | None:
+    """Swap the transport's socket for a :class:`StampedSocket` (asyncio's selector transport reads
+    with ``self._sock.recv``, or ``recv_into`` for a buffered protocol); None where that is not how
+    it reads."""
+    transport = writer.transport
+    sock = getattr(transport, "_sock", None)
+    if not isinstance(sock, socket.socket) or not hasattr(transport, "_read_ready__data_received"):
+        return None
+    try:
+        stamped = StampedSocket(sock)
+    except OSError:
+        return None
+    transport._sock = stamped
+    return stamped
+
+
+class StampedNatsReader:
+    """A minimal NATS subscriber on a raw socket that stamps each message with the kernel's receive
+    time of the read holding its last byte (as :class:`StampedSocket`), so the floor and result hops
+    can be compared with the SSE client's socket stamps, without the load generator's own delays.
+    ``seen[name]`` maps (request id, seq) to the stamp, ``name`` being the subscription's."""
+
+    def __init__(self, url: str, subjects: dict[str, str]) -> None:
+        self.url, self.subjects = url, subjects  # name -> subject
+        self.seen: dict[str, dict[tuple[str, int], float]] = {name: {} for name in subjects}
+        self.cuts: dict[int, tuple[str, int, bool]] = {}
+        self.buf = bytearray()
+        self.base = 0  # stream offset of buf[0]
+        self.received = 0
+        self.reads: list[tuple[int, float]] = []
+        self.sock: socket.socket | None = None
+
+    async def start(self, cuts: dict[str, tuple[int, bool]]) -> None:
+        """``cuts[name]``: (characters of the subject before the request id, whether a role token follows)."""
+        host, port = self.url.removeprefix("nats://").rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        lines = [b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n']
+        for sid, (name, subject) in enumerate(self.subjects.items(), 1):
+            lines.append(f"SUB {subject} {sid}\r\n".encode())
+            self.cuts[sid] = (name, *cuts[name])
+        sock.sendall(b"".join(lines) + b"PING\r\n")
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        self.ponged = loop.create_future()
+        loop.add_reader(sock.fileno(), self._readable)
+        await asyncio.wait_for(self.ponged, 10)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+            self.sock = None
+
+    def _readable(self) -> None:
+        sock = self.sock
+        while sock is not None:
+            try:
+                data, ancdata, _, _ = sock.recvmsg(1 << 18, _STAMP_SPACE)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                self.close()
+                return
+            stamp = None
+            for level, kind, raw in ancdata:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(raw) >= 16:
+                    sec, nsec = struct.unpack("qq", raw[:16])
+                    stamp = sec + nsec * 1e-9 - (time.clock_gettime(time.CLOCK_REALTIME) - time.perf_counter())
+            self.received += len(data)
+            self.reads.append((self.received, stamp if stamp is not None else time.perf_counter()))
+            self.buf += data
+        self._parse()
+
+    def _parse(self) -> None:
+        buf, pos = self.buf, 0
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            line = bytes(buf[pos:eol])
+            if line.startswith((b"MSG ", b"HMSG ")):
+                parts = line.split(b" ")
+                hsize = int(parts[-2]) if parts[0] == b"HMSG" else 0
+                size = int(parts[-1])
+                end = eol + 2 + size + 2
+                if len(buf) < end:
+                    break
+                name, cut, role = self.cuts[int(parts[2])]
+                frame = bytes(buf[eol + 2:eol + 2 + hsize])
+                at = frame.find(b"Streamproc-Seq:")
+                if at >= 0:
+                    seq = int(frame[at + 15:frame.index(b"\r\n", at)])
+                    rid = parts[1][cut:].decode()
+                    if role:
+                        rid = rid.rsplit(".", 1)[0]
+                    offset = self.base + eol + 2 + size  # the frame's last payload byte (exclusive end)
+                    i = bisect.bisect_left(self.reads, (offset, -1.0))
+                    self.seen[name][(rid, seq)] = self.reads[min(i, len(self.reads) - 1)][1]
+                pos = end
+            else:
+                if line == b"PING" and self.sock is not None:
+                    self.sock.send(b"PONG\r\n")
+                elif line == b"PONG" and not self.ponged.done():
+                    self.ponged.set_result(None)
+                pos = eol + 2
+        del buf[:pos]
+        self.base += pos
+        if len(self.reads) > 64:  # keep the reads that may still hold an unparsed frame's end
+            keep = bisect.bisect_left(self.reads, (self.base, -1.0))
+            del self.reads[:max(0, keep - 1)]
+
+
 async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: list, wave: list) -> None:
-    """One ``GET /v1/results/<rid>``: each event's (rid, seq, arrival) until ``data: [DONE]``."""
+    """One ``GET /v1/results/<rid>``: each event's (rid, seq, arrival, kernel receive stamp) until
+    ``data: [DONE]``. The arrival is when this client's loop got the event (what a client sees),
+    the receive stamp when its bytes reached this client's socket (what the edge did, without this
+    process's own delays: the opens of the next wave, its GC, waiting for a core)."""
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, port)
+    stamped = stamp_transport(writer)
     writer.write(f"GET /v1/results/{rid} HTTP/1.1\r\nHost: {host}\r\nAccept: text/event-stream\r\n"
                  "Connection: close\r\n\r\n".encode())
     head = await reader.readuntil(b"\r\n\r\n")
@@ -76,18 +244,23 @@ async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: lis
         raise RuntimeError(f"{rid}: HTTP {status} {body[:200]!r}")
     chunked = b"transfer-encoding: chunked" in head.lower()
     buf = b""
+    offset = len(head)  # bytes of the response taken from the reader so far
     try:
         while True:
             if chunked:
-                size = int((await reader.readline()).split(b";")[0], 16)
+                line = await reader.readline()
+                size = int(line.split(b";")[0], 16)
                 if size == 0:
                     return
                 data = (await reader.readexactly(size + 2))[:-2]
+                offset += len(line) + size + 2
             else:
                 data = await reader.read(1 << 16)
                 if not data:
                     return
+                offset += len(data)
             now = time.perf_counter()
+            received = stamped.stamp_of(offset) if stamped is not None and stamped.reads else now
             buf += data
             while b"\n\n" in buf:
                 event, buf = buf.split(b"\n\n", 1)
@@ -98,7 +271,7 @@ async def sse_stream(host: str, port: int, rid: str, arrivals: list, opened: lis
                     elif line == b"data: [DONE]":
                         return
                 if seq is not None:
-                    arrivals.append((rid, seq, now))
+                    arrivals.append((rid, seq, now, received))
     finally:
         writer.close()
 
@@ -309,6 +482,10 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
 
     await nc.subscribe(f"{mode.prefix}.chunks.>", cb=on_chunk, pending_msgs_limit=-1, pending_bytes_limit=-1)
     await nc.subscribe(f"{mode.prefix}.results.>", cb=on_result, pending_msgs_limit=-1, pending_bytes_limit=-1)
+    # The same two hops stamped by the kernel at a subscriber's socket (beside the SSE client's)
+    stamped = StampedNatsReader(mode.nats_url, {"floor": f"{mode.prefix}.chunks.>",
+                                                "result": f"{mode.prefix}.results.>"})
+    await stamped.start({"floor": (ccut, True), "result": (rcut, False)})
     await nc.flush()
     built = [build_wave(f"{label}{w}", streams, chunks) for w in range(waves)]
 
@@ -369,14 +546,25 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
                     data[key] += value
     finally:
         await nc.close()
+        stamped.close()
         for client in clients:
             if client.returncode is None:
                 client.kill()
     if data["errors"]:
         raise RuntimeError(f"SSE client errors: {data['errors'][:3]}")
-    sse = {(rid, seq): t for rid, seq, t in data["arrivals"]}
+    sse = {(rid, seq): t for rid, seq, t, _ in data["arrivals"]}
+    socket_in = {(rid, seq): t for rid, seq, _, t in data["arrivals"]}  # the kernel's receive stamps
+    if TRACE_DIR is not None:  # for offline analysis of where a tail comes from (docs/benchmarks.md)
+        rows = [[rid, seq, t, floor.get((rid, seq)), result.get((rid, seq)), sse.get((rid, seq)),
+                 socket_in.get((rid, seq)), stamped.seen["floor"].get((rid, seq)),
+                 stamped.seen["result"].get((rid, seq))]
+                for (rid, seq), t in published.items()]
+        (TRACE_DIR / f"{mode.mode}-{label}-{target}.json").write_text(json.dumps(
+            {"mode": mode.mode, "label": label, "target": target, "rate": rate, "rows": rows,
+             "pids": {name: p.pid for name, p in zip(("run", "edge", "relay", "base"), mode.procs)}}))
     hops = {}
-    for name, seen in (("floor", floor), ("result", result), ("sse", sse)):
+    for name, seen in (("floor", floor), ("result", result), ("sse", sse), ("socket", socket_in),
+                       ("floor_socket", stamped.seen["floor"]), ("result_socket", stamped.seen["result"])):
         hops[name] = percentiles([(seen[k] - t) * 1e3 for k, t in published.items() if k in seen], cdf=True)
     last = max(sse.values()) if sse else started
     return {"label": label, "rate": rate, "target": target, "offered": n / (time.perf_counter() - started) if rate is None else rate,
@@ -390,9 +578,11 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
 def show(mode: str, run: dict) -> None:
     h = run["hops"]
     label = "peak" if run["rate"] is None else f"{run['rate']:,.0f}/s"
-    for name in ("floor", "result", "sse"):
+    for name in ("floor", "result", "sse", "floor_socket", "result_socket", "socket"):
+        if name not in h:  # a --json report of an older run
+            continue
         p = h[name]
-        print(f"{mode:8}{label:>10}  {name:7}{p['p50']:9.2f}{p['p99']:9.2f}{p['p99.9']:9.2f}{p['n']:8}", end="")
+        print(f"{mode:8}{label:>10}  {name.replace('_socket', '@k'):7}{p['p50']:9.2f}{p['p99']:9.2f}{p['p99.9']:9.2f}{p['n']:8}", end="")
         if name == "sse":
             print(f"   +{p['p50'] - h['floor']['p50']:.2f} / +{p['p99'] - h['floor']['p99']:.2f} ms over floor; "
                   f"open p50 {run['open_ms']['p50']:.1f} ms; SSE {run['sse_rate']:,.0f} ev/s; cpu us/chunk "
@@ -431,6 +621,8 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
             paced = await one_run(mode, f"{tag}r", waves, args.streams, args.chunks, RATE, tmp, target)
             figures[target] = {"peak_rate": peak["sse_rate"], "cpu_us": paced["server_cpu_us"],
                                "open_p50": paced["open_ms"]["p50"], "sse_p99": paced["hops"]["sse"]["p99"],
+                               "socket_p99": paced["hops"]["socket"]["p99"],
+                               "result_socket_p99": paced["hops"]["result_socket"]["p99"],
                                "result_p99": paced["hops"]["result"]["p99"]}
         rounds.append(figures)
     out: dict = {"rounds": rounds, "median": {}}
@@ -449,7 +641,10 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
     for t in targets:  # target 2: SSE p99 <= 2x the result subscriber's p99, per contender
         x = median([f[t]["sse_p99"] / f[t]["result_p99"] for f in rounds if f[t]["result_p99"]])
         out["median"][f"sse_p99_over_result_{t}"] = x
-        print(f"{mode.mode:8}  {t:6}  SSE p99 / result p99, paired median  x{x:.2f}")
+        k = median([f[t]["socket_p99"] / f[t]["result_socket_p99"] for f in rounds if f[t]["result_socket_p99"]])
+        out["median"][f"socket_p99_over_result_{t}"] = k
+        print(f"{mode.mode:8}  {t:6}  SSE p99 / result p99, paired median  x{x:.2f}   "
+              f"(both stamped by the kernel at the subscriber's socket: x{k:.2f})")
     return out
 
 
@@ -492,8 +687,11 @@ async def run(args) -> dict:
         h = core[0]["hops"]
         added = {q: h["sse"][q] - h["floor"][q] for q in ("p50", "p99")}
         report["core_added_ms"] = added
+        at_socket = {q: h["socket"][q] - h["floor_socket"][q] for q in ("p50", "p99")}
+        report["core_added_at_socket_ms"] = at_socket
         print(f"target (core, {RATE:,.0f} chunks/s): added p50 {added['p50']:.2f} ms (<= {TARGETS_CORE['p50']}), "
-              f"p99 {added['p99']:.2f} ms (<= {TARGETS_CORE['p99']})")
+              f"p99 {added['p99']:.2f} ms (<= {TARGETS_CORE['p99']}); stamped by the kernel at the "
+              f"subscribers' sockets p50 {at_socket['p50']:.2f}, p99 {at_socket['p99']:.2f} ms")
     return report
 
 
@@ -516,13 +714,23 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path,
                         help="source tree whose edge joins the interleaved rounds (e.g. a checkout of main)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--trace-dir", type=Path,
+                        help="write each run's per-chunk stamps (publish, floor, result, SSE arrival) there")
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # The harness's own processes collect rarely too (as streamproc run and edge): the SSE client's
+    # collections (28 in 6 s, up to 18 ms on a loaded run) delayed its reads, the load generator's
+    # its publishes after their stamps.
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     if args.sse_client:
         asyncio.run(sse_client(args.sse_client, args.out, args.open_spread))
         return
-    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS
+    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS, TRACE_DIR
+    if args.trace_dir is not None:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+        TRACE_DIR = args.trace_dir
     OPEN_SPREAD = args.open_spread
     SSE_CLIENTS = max(1, args.sse_clients)
     BASELINE_TREE = args.baseline_tree.resolve() if args.baseline_tree else None

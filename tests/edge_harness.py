@@ -112,11 +112,14 @@ def running_edge(nats_url: str, *args: str, **kwargs: object) -> Iterator[EdgePr
 
 
 @contextlib.asynccontextmanager
-async def started_source(nats_url: str, subjects: Subjects, **overrides: object) -> AsyncIterator[ResultSource]:
-    """The edge's NATS side in this process (no HTTP), with the demo's settings and ``overrides``."""
+async def started_source(nats_url: str, subjects: Subjects, *, after_read=None,
+                         **overrides: object) -> AsyncIterator[ResultSource]:
+    """The edge's NATS side in this process (no HTTP), with the demo's settings and ``overrides``
+    (``after_read``: as the edge's ``WriteBatch.flush``, run at the end of each NATS read)."""
     settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
                                        **overrides})
     source = ResultSource(settings, EdgeMetrics())
+    source.after_read = after_read
     await source.start()
     try:
         yield source

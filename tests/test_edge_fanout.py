@@ -159,6 +159,25 @@ async def test_a_closed_connection_ends_a_waiting_feed_with_lost(nats_url):
         assert isinstance(item, Lost) and "closed" in item.reason, item
 
 
+async def test_an_after_read_hook_that_raises_is_logged_and_every_result_still_reaches_its_feed(
+        nats_url, client, caplog):
+    calls: list[int] = []
+
+    def broken() -> None:  # where the edge writes its direct frames (WriteBatch.flush)
+        calls.append(1)
+        raise RuntimeError("bug")
+
+    async with started_source(nats_url, LIVE, after_read=broken) as source:
+        request_id = rid("hook")
+        feed = await source.open(request_id)
+        for seq in range(3):
+            await publish_result(client, LIVE, request_id, seq, b'{"n":%d}' % seq, final=seq == 2)
+        await client.flush()
+        assert [r.seq for r in await read(feed, 3)] == [0, 1, 2]
+        assert calls and source.nc.is_connected
+    assert "after_read_failed" in caplog.text
+
+
 async def test_a_results_stream_created_after_start_up_is_read_with_a_consumer_per_stream(nats_url, client, caplog):
     """The edge decides at start-up how its ring reads; a stream that appears later is still used:
     each stream replays it through its own ordered consumer (the ``--recent 0`` path), said once."""

@@ -5,6 +5,8 @@ loses its message, not the read loop, over a real server."""
 
 from __future__ import annotations
 
+import asyncio
+
 import anyio
 import pytest
 
@@ -69,4 +71,40 @@ async def test_a_handler_that_raises_drops_the_message_and_the_subscription_goes
     await client.publish("inline.raise", b"7")  # the read loop survived
     await wait_until(lambda: seen[-1] == 7, 10, "a later message handled")
     assert fast_client.is_connected and fast_client.stats["in_msgs"] == 6
+    await sub.unsubscribe()
+
+
+async def test_read_done_runs_after_every_frame_of_a_read_and_before_the_next_loop_pass(client, fast_client):
+    """The edge writes a read's direct SSE frames in ``read_done`` (edge/direct.py WriteBatch): they
+    must all have been handed over by then, and it must not wait for a later loop pass."""
+    events: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def inline(subject: str, reply: str, headers, data: bytes) -> bool:
+        events.append(f"msg {int(data)}")
+        loop.call_soon(events.append, "next pass")
+        return True
+
+    sub = await fast_client.subscribe("inline.done")
+    fast_client.deliver_inline(sub, inline)
+    fast_client.read_done = lambda: events.append("read done")
+    try:
+        await fast_client.flush()
+        for n in range(20):
+            await client.publish("inline.done", str(n).encode())
+        await client.flush()
+        await wait_until(lambda: events.count("next pass") == 20, 10, "every message handled")
+    finally:
+        fast_client.read_done = None
+    assert [e for e in events if e.startswith("msg")] == [f"msg {n}" for n in range(20)]
+    # Each read's messages, then its read_done, and only then the passes its handlers scheduled.
+    since_done = 0
+    for event in events:
+        if event.startswith("msg"):
+            since_done += 1
+        elif event == "read done":
+            since_done = 0
+        else:
+            assert since_done == 0, events
+    assert events[-1] == "next pass" and "read done" in events
     await sub.unsubscribe()

@@ -75,6 +75,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
 
     import anyio
 
+    from ..cli import collect_rarely
     from ..core.errors import StreamprocError, UnknownFormat
     from ..logs import configure as configure_logging
     from ..logs import log_event
@@ -154,6 +155,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         await server.serve()
         return EXIT_OK if server.started else EXIT_FAILURE
 
+    collect_rarely()  # as the processor: GC pauses were part of the SSE tail (docs/benchmarks.md)
     failed_exit = False
     code = EXIT_FAILURE
     try:

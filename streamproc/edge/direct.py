@@ -91,8 +91,12 @@ class UvicornBody:
 
 
 class WriteBatch:
-    """The direct frames of one read from NATS, written at the end of the loop pass: one write per
-    stream, however many of its results the read held (as the task's path joins what waits)."""
+    """The direct frames of one read from NATS, written at the end of that read (``FastClient``
+    calls :meth:`flush` as ``read_done``; the ``call_soon`` is the fallback for any other client
+    and costs nothing once flushed): one write per stream, however many of its results the read
+    held (as the task's path joins what waits). Before, the write waited for the next loop pass,
+    behind a poll and whatever else was ready then (docs/benchmarks.md, "Where the SSE tail comes
+    from")."""
 
     __slots__ = ("streams",)
 

@@ -6,6 +6,7 @@ into metric families only when scraped (see :mod:`streamproc.metrics`).
 
 from __future__ import annotations
 
+import gc
 from typing import Iterator
 
 import msgspec
@@ -135,3 +136,9 @@ class EdgeCollector(Collector):
         for kind, n in sorted(m.by_error_kind.items()):
             kinds.add_metric([kind], n)
         yield kinds
+        collections = CounterMetricFamily("streamproc_edge_gc_collections", "garbage collections of this "
+                                          "process, by generation (each one pauses every stream)",
+                                          labels=["generation"])
+        for generation, stats in enumerate(gc.get_stats()):
+            collections.add_metric([str(generation)], stats["collections"])
+        yield collections

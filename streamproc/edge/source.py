@@ -18,7 +18,7 @@ import collections
 import contextlib
 import logging
 import time
-from typing import Literal
+from typing import Callable, Literal
 
 import msgspec
 import nats.errors
@@ -407,6 +407,13 @@ class ResultSource:
         self._ring_stream: tuple[str, object] | None = None
         self._watch_task: asyncio.Task | None = None
         self.results_stream_missing: str | None = None  # for /healthz: the ring's stream was deleted
+        self.after_read: Callable[[], None] | None = None  # run at the end of each NATS read (the Edge's WriteBatch.flush)
+
+    def _read_done(self) -> None:
+        try:
+            self.after_read()  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - never into the read loop: nats-py's would stop reading for good
+            self.limited.log(logging.ERROR, "after_read_failed", exc_info=True)
 
     @property
     def connected(self) -> bool:
@@ -424,6 +431,8 @@ class ResultSource:
             reconnected_cb=self._on_reconnected,
         )
         self.metrics.nats_connected = 1
+        if hasattr(self.nc, "read_done") and self.after_read is not None:
+            self.nc.read_done = self._read_done  # FastClient: the direct frames of a read leave at its end
         self.barrier = PongBarrier(self.nc)
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token

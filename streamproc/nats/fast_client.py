@@ -401,6 +401,13 @@ class FastClient(RobustClient):
 
     _inline: dict[int, Any] | None = None
 
+    # Called by the read loop once every frame of a socket read has been handed over (inline
+    # handlers, queues, callbacks' queues). The edge writes the SSE frames the read's results made
+    # there (edge/direct.py WriteBatch.flush) rather than in a later loop pass: between the two, the
+    # loop polls and runs whatever else is ready (opens, teardowns), and on a loaded machine may
+    # wait for a core. Must not raise or suspend.
+    read_done: Any = None
+
     def deliver_inline(self, sub: Any, handler: Any) -> None:
         """Hand ``sub``'s messages to ``handler(subject, reply, headers, data) -> bool`` in the read
         loop, before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its

@@ -204,6 +204,9 @@ class FastParser(Parser):
             buf.extend(data[pos:] if pos else data)
             if self.state == AWAITING_CONTROL_LINE and _CRLF in buf:
                 await Parser.parse(self)  # what this parser does not read, with everything after it
+        done_hook = getattr(nc, "read_done", None)
+        if done_hook is not None:  # every frame of this read handed over (FastClient.read_done)
+            done_hook()
 
 
 __all__ = ["FastParser", "LATER", "parser_support"]
