@@ -333,15 +333,16 @@ async def test_a_head_pipelined_behind_an_open_stream_is_bounded_and_the_stream_
     assert (timeouts - before[0], too_large - before[1]) == ((1, 0) if stall else (0, 1))
 
 
-async def test_a_body_after_an_early_answer_is_neither_a_head_nor_late(tight):
+def test_a_body_after_an_early_answer_is_not_a_head_and_the_next_request_is_served(edge, tight):
     """A request answered before its body was read (413 for a body over the experts view's limit, or
-    /healthz with a body) then receives that body slowly: it is not counted as the next head (it got
-    an unsolicited 431) nor timed as one (408); the next request on the connection is served."""
+    /healthz with a body) then receives that body: it is not counted as the next head (it got an
+    unsolicited 431), and once it ends, within --head-timeout of the answer, the next request on
+    the connection is served."""
     from streamproc.edge.experts import MAX_BODY_BYTES
 
-    before = counters(tight)
+    before = counters(edge)
     size = MAX_BODY_BYTES + 1
-    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % size)
         data, _ = until_closed(sock, 0.5)
@@ -350,19 +351,125 @@ async def test_a_body_after_an_early_answer_is_neither_a_head_nor_late(tight):
         for offset in range(0, size, len(chunk)):
             sock.sendall(chunk[:size - offset])
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
-        data, _ = await anyio.to_thread.run_sync(until_closed, sock, 1.0)
+        data, _ = until_closed(sock, 1.0)
         assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+    assert counters(edge) == before
+    before = counters(tight)
     with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 20000\r\n\r\n")
         data, _ = until_closed(sock, 0.5)
         assert data.startswith(b"HTTP/1.1 200 "), data
-        for _ in range(10):  # 2.5 s, 2.5 head timeouts, 20000 bytes: five heads' size
+        for _ in range(10):  # 20000 bytes, five heads' size, within the head timeout
             sock.sendall(b"a" * 2000)
-            await anyio.sleep(0.25)
+            time.sleep(0.03)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
-        data, closed = await anyio.to_thread.run_sync(until_closed, sock, 2.0)
+        data, closed = until_closed(sock, 2.0)
         assert data.startswith(b"HTTP/1.1 200 ") and closed, data[:200]
     assert counters(tight) == before
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One whole response with a Content-Length on ``sock``: its status and body."""
+    sock.settimeout(5.0)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, (head, body)
+        body += chunk
+    assert len(body) == length, "a byte after the response: the next request was not asked for"
+    return int(head[9:12]), body
+
+
+def test_keep_alive_serves_the_next_request_after_a_bodyless_get_or_a_body_sent_whole(tight):
+    """The body deadline does not touch ordinary keep-alive: a GET with no body, or one whose short
+    body came with its head, is followed by the next request on the same connection, also half a head
+    timeout later."""
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        time.sleep(TIGHT_TIMEOUT / 2)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: edge\r\n\r\n")
+        status, body = read_response(sock)
+        assert status == 200 and b"streamproc_edge_bodies_timed_out_total" in body
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 5\r\n\r\nhello")
+        assert read_response(sock)[0] == 200
+        time.sleep(TIGHT_TIMEOUT / 2)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        assert until_closed(sock, 2.0) == (b"", True)
+
+
+# Requests a GET route answers without reading their body, each with a body that never ends: the
+# status it gets. Auth routes answer 401 before any slot, /healthz and /metrics read nothing.
+EARLY_ANSWERED = {
+    "401 content-length": (b"GET /v1/results/x HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 401),
+    "401 chunked": (b"GET /v1/results/x HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n", 401),
+    "400 bad id": (b"GET /v1/results/a%2Ab HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 400),
+    "404": (b"GET /nowhere HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 404),
+    "healthz": (b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 200),
+    "metrics chunked": (b"GET /metrics HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n", 200),
+    "one byte then silence": (b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 10\r\n\r\n", 200),
+}
+TRICKLE = 5.0  # seconds each body trickles (a byte per TRICKLE_EVERY): five head timeouts of the edge below
+TRICKLE_EVERY = 0.2
+
+
+def test_a_body_trickled_after_an_early_answer_ends_its_connection_at_the_head_timeout_and_frees_its_slot(
+        server, tmp_path):
+    """Uvicorn discards the body of a request answered before it was read for as long as it comes,
+    and each read cancels its keep-alive timer: a client trickling a byte a second held the
+    connection, and its --max-connections slot, for good (measured before the fix: all seven still
+    open after four head timeouts, an eighth client refused with 503). Now the body must end within
+    --head-timeout of the answer, else the connection is closed, with no answer of its own."""
+    key = tmp_path / "edge.key"
+    key.write_bytes(SECRET + b"\n")
+    with running_edge(server.url, "--auth-key-file", str(key), "--head-timeout", str(TIGHT_TIMEOUT),
+                      "--max-connections", str(len(EARLY_ANSWERED))) as edge:
+        before = edge.metrics()
+        socks = {}
+        for name, (head, status) in EARLY_ANSWERED.items():
+            sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            sock.sendall(head)
+            got, data = first_status(sock)
+            assert got == status, (name, data)
+            socks[name] = (sock, time.monotonic())
+        with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as probe:
+            probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+            assert first_status(probe)[0] == 503  # every slot is held by a trickling body
+        held: dict[str, float] = {}
+        end = time.monotonic() + TRICKLE
+        while len(held) < len(socks) and time.monotonic() < end:
+            for name, (sock, answered) in socks.items():
+                if name in held:
+                    continue
+                sock.setblocking(False)
+                try:
+                    if name != "one byte then silence" or time.monotonic() - answered < TRICKLE_EVERY:
+                        sock.send(b"1\r\na\r\n" if b"chunked" in EARLY_ANSWERED[name][0] else b"a")
+                    closed = sock.recv(65536) == b""
+                except BlockingIOError:
+                    closed = False
+                except OSError:  # reset: closed with our bytes unread
+                    closed = True
+                if closed:
+                    held[name] = time.monotonic() - answered
+            time.sleep(TRICKLE_EVERY)
+        for sock, _ in socks.values():
+            sock.close()
+        print("held after the answer:", {name: round(t, 2) for name, t in held.items()})
+        assert set(held) == set(EARLY_ANSWERED), f"still open after {TRICKLE} s of trickling: {set(EARLY_ANSWERED) - set(held)}"
+        # The deadline, plus one sweep (a quarter of it) and the trickle's polling; at most 2x on a loaded machine.
+        assert max(held.values()) < 2 * TIGHT_TIMEOUT + 1.0, held
+        after = edge.metrics()  # a connection again: the slots are free
+        assert after["streamproc_edge_bodies_timed_out_total"] - before["streamproc_edge_bodies_timed_out_total"] \
+            == len(EARLY_ANSWERED)
+        assert after["streamproc_edge_head_timeouts_total"] == before["streamproc_edge_head_timeouts_total"]
 
 
 @pytest.mark.parametrize("split", [None, 1, TIGHT_BYTES - 1, TIGHT_BYTES])

@@ -24,6 +24,13 @@ included) and its memory, and every request it did parse waited in the open pace
   ended, or after its first byte if it began while a response was in progress (pipelined); checked
   every :data:`SWEEP_INTERVAL` s at most; else ``408`` and close. A request Uvicorn starts from its
   pipeline has its head already; a body is not a head, also one still arriving after an early answer.
+  Such a body (a request answered before it was read: a 401, 404 or ``/healthz`` does not read it)
+  must end within the same deadline, counted from the answer's end, else the connection is closed
+  (no answer: the client has its own). Uvicorn bounds it by nothing: it discards the rest of the
+  body (``on_body`` after ``response_complete``) for as long as it comes, and each read cancels its
+  keep-alive timer, armed only at a response's end; so a ``Content-Length: 1000000000`` trickled a
+  byte at a time, or one byte and then silence, held the connection, and a ``--max-connections``
+  slot, for good. Its end re-arms the deadline for the next head, so keep-alive still works after it.
 - ``--max-head-bytes``: a request head longer than that gets ``431`` and close, whatever the
   response state (httptools would keep concatenating an endless header line of a head pipelined
   behind a stream). Exact for a head whose first byte starts a read; one that begins inside a read,
@@ -128,6 +135,10 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
 
         def head_overdue(self) -> None:
             due.pop(self, None)
+            if not self.heading:  # the body of a request answered before it was read: no answer is due
+                metrics.bodies_timed_out += 1
+                self.transport.close()
+                return
             metrics.head_timeouts += 1
             self.close_with(timed_out)
 
@@ -186,15 +197,17 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
         def on_message_complete(self) -> None:
             self.heading = True
             cycle = self.cycle  # None after a WebSocket upgrade's head
-            if cycle is not None and cycle.response_complete and not self.transport.is_closing() and self not in due:
+            if cycle is not None and cycle.response_complete and not self.transport.is_closing():
                 self.await_head()  # answered before its body was read (e.g. 413): the next head is due now
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
             started = bool(self.pipeline)  # Uvicorn starts a request whose head it already parsed
             super().on_response_complete()
-            if not started and self.heading and not self.transport.is_closing() and self not in due:
-                self.await_head()  # the next request's head on this keep-alive connection is due
+            if not started and not self.transport.is_closing() and self not in due:
+                # The next request's head on this keep-alive connection is due; or, answered before
+                # its body was read (not heading), that body's end (on_message_complete re-arms).
+                self.await_head()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.refused:

@@ -30,6 +30,7 @@ class EdgeMetrics(msgspec.Struct):
     connections_open: int = 0
     head_timeouts: int = 0
     heads_too_large: int = 0
+    bodies_timed_out: int = 0
     streams_overrun: int = 0
     streams_stalled: int = 0
     unauthorized: int = 0
@@ -79,6 +80,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "connections_open": ("gauge", "HTTP connections open now (refused ones apart)"),
     "head_timeouts": ("counter", "connections closed (408, unless a response was in progress) with no complete request head within --head-timeout"),
     "heads_too_large": ("counter", "connections closed (431, unless a response was in progress) for a request head over --max-head-bytes"),
+    "bodies_timed_out": ("counter", "connections closed because the body of a request answered before it was "
+                                    "read (401, 404, /healthz ...) did not end within --head-timeout of the answer"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
     "streams_stalled": ("counter", "streams closed because one write blocked for --write-timeout"),
     "unauthorized": ("counter", "requests refused with 401 (no, invalid or expired capability)"),
