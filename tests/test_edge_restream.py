@@ -88,6 +88,13 @@ async def recreate(js) -> None:
     await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
 
 
+def watch_counts(edge) -> tuple[float, float, float]:
+    """The watch's counters: results streams found deleted, found (re)created, streams it ended."""
+    metrics = edge.metrics()
+    return (metrics["streamproc_edge_results_stream_deleted_total"],
+            metrics["streamproc_edge_results_stream_recreated_total"], metrics["streamproc_edge_streams_gone_total"])
+
+
 async def open_readers(tg, client: httpx.AsyncClient, edge, count: int, name: str) -> list[Reader]:
     readers = [Reader(rid(name)) for _ in range(count)]
     for reader in readers:
@@ -135,6 +142,7 @@ async def test_streams_reading_a_deleted_results_stream_end_promptly_with_an_una
                 assert late.results() == [0, 1, 2] and late.error() is None
 
             assert "results_stream_deleted" in edge.log()
+            assert watch_counts(edge) == (1, 0, STREAMS)
 
 
 async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_duplicates(own_server):
@@ -169,6 +177,7 @@ async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_du
                 await wait_until(lambda: late.done, 15, "a late reader of a request in the new stream")
                 assert late.results() == list(range(8, 20)), late.events
             assert "results_stream_recreated" in edge.log()
+            assert watch_counts(edge) == (0, 1, 0)  # the streams went on: none ended by the watch
 
 
 async def test_a_purged_results_stream_keeps_its_sequence_and_streams_go_on(own_server):
@@ -189,6 +198,7 @@ async def test_a_purged_results_stream_keeps_its_sequence_and_streams_go_on(own_
                 await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
                 for reader in readers:
                     assert reader.results() == list(range(20)) and reader.error() is None
+            assert watch_counts(edge) == (0, 0, 0)
 
 
 async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothing_and_answers_every_stream(
@@ -241,6 +251,10 @@ async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothin
                 await publish_range(nc, [final], range(4), final_at=3)
             assert final.results() == [0, 1, 2, 3] and final.error() is None
             assert "Traceback" not in edge.log()
+            deleted, recreated, gone = watch_counts(edge)
+            told = sum(1 for r in all_readers if r.error() is not None and "results stream" in r.error()["message"])
+            print(f"the watch: {deleted:g} deletions, {recreated:g} recreations, {gone:g} streams ended ({told} told so)")
+            assert deleted >= 1 and recreated >= deleted and gone >= told
 
 
 @pytest.mark.parametrize("change", ["delete", "recreate"])
@@ -269,3 +283,9 @@ async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_r
                     error = reader.error()
                     assert error is not None and error["type"] == "service_unavailable", reader.events
                     assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
+            deleted, recreated, gone = watch_counts(edge)
+            if change == "delete":
+                assert (deleted, recreated) == (1, 0)
+            else:  # seen as a recreation, or, checked between the two, as the deletion it began with
+                assert deleted + recreated == 1
+            assert gone == 5

@@ -54,6 +54,9 @@ class EdgeMetrics(msgspec.Struct):
     streams_dispatched: int = 0
     streams_fallback: int = 0
     stored_reads_refused: int = 0
+    results_stream_deleted: int = 0
+    results_stream_recreated: int = 0
+    streams_gone: int = 0
     nats_connected: int = 0
     nats_disconnects: int = 0
     nats_reconnects: int = 0
@@ -110,6 +113,11 @@ _HELP: dict[str, tuple[str, str]] = {
                                     "edge may not read stored results by subject (STREAM.MSG.GET refused)"),
     "stored_reads_refused": ("gauge", "1 while STREAM.MSG.GET on the results stream is refused (the edge "
                                       "falls back to an ordered consumer per stream; docs/security.md)"),
+    "results_stream_deleted": ("counter", "times the watch found a results stream the edge read deleted"),
+    "results_stream_recreated": ("counter", "times the watch found a results stream to read again: created anew "
+                                            "under the name it read, or found after a deletion"),
+    "streams_gone": ("counter", "result streams ended with an unavailable error because the results stream "
+                                "they read was deleted or recreated"),
     "nats_connected": ("gauge", "1 while the NATS connection is up"),
     "nats_disconnects": ("counter", "NATS disconnections"),
     "nats_reconnects": ("counter", "NATS reconnections"),

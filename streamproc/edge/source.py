@@ -204,6 +204,7 @@ class ResultFeed:
     def end(self, reason: str) -> None:
         """Its results stream is gone: :meth:`next` returns :class:`StreamGone` now, also if it waits."""
         self.gone = reason
+        self.source.metrics.streams_gone += 1
         if self.inbox is not None:
             self.inbox.wake()
         replay = self.replay
@@ -565,6 +566,7 @@ class ResultSource:
                       "a results stream exists again")
             ended = self._end_stream_feeds(reason, dispatched=True)
             self.results_stream_missing = f"{name} was deleted; serving live results only"
+            self.metrics.results_stream_deleted += 1
             log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=ended,
                       hint="recreate it (or restart the edge with --ensure-results-stream); docs/edge.md")
             # Another stream may store P.results.> now (the namespace moved): read that one.
@@ -597,6 +599,10 @@ class ResultSource:
             for feed in feeds.values():
                 feed.end(reason)
             self.streams.forget()
+            if info is None:
+                self.metrics.results_stream_deleted += 1
+            else:
+                self.metrics.results_stream_recreated += 1
             log_event(log, logging.WARNING, "results_stream_deleted" if info is None else "results_stream_recreated",
                       stream=name, streams_ended=len(feeds))
 
@@ -633,6 +639,7 @@ class ResultSource:
         self._reading(info)
         self.streams.forget()
         if info is not None:
+            self.metrics.results_stream_recreated += 1
             log_event(log, logging.WARNING, "results_stream_recreated", stream=info.config.name,
                       streams_ended=ended or 0, read_from_seq=start, previous=was)
         if previous is not None:
