@@ -9,6 +9,7 @@ again from 1. Each test here runs its own nats-server and edge (they delete the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -103,102 +104,104 @@ async def open_readers(tg, client: httpx.AsyncClient, edge, count: int, name: st
     return readers
 
 
-async def test_streams_reading_a_deleted_results_stream_end_promptly_with_an_unavailable_error(own_server):
+@contextlib.asynccontextmanager
+async def edge_on_a_results_stream(own_server):
+    """A NATS connection, an edge that creates the results stream (the test's result timeout, no
+    per-client limit in the way) and an HTTP client for it."""
     async with connection(own_server.url) as nc:
-        js = nc.jetstream()
         with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
                           "--max-streams-per-client", "1000") as edge:
-            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
-                    anyio.create_task_group() as tg:
-                readers = await open_readers(tg, client, edge, STREAMS, "deleted")
-                await publish_range(nc, readers, range(10))
-                await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
-                                 "results 0-9 reached every stream")
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client:
+                yield nc, edge, client
 
-                await js.delete_stream(RESULTS_STREAM)
-                deleted = time.monotonic()
-                await wait_until(lambda: all(r.done for r in readers), PROMPT,
-                                 "every stream ended after its results stream was deleted")
-                took = time.monotonic() - deleted
-                print(f"{STREAMS} streams ended {took:.2f} s after the deletion")
 
-                for reader in readers:
-                    assert reader.results() == list(range(10))
-                    error = reader.error()
-                    assert error is not None and error["type"] == "service_unavailable", reader.events
-                    assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
-                assert took < PROMPT
-                health = httpx.get(f"{edge.url}/healthz")
-                assert health.status_code == 200
-                assert health.json()["status"] == "degraded", health.json()
-                assert "deleted" in health.json()["results_stream"]
+async def readers_with_ten_results(tg, client: httpx.AsyncClient, nc, edge, name: str) -> list[Reader]:
+    """STREAMS open streams that have each got results 0-9 (stored in the results stream)."""
+    readers = await open_readers(tg, client, edge, STREAMS, name)
+    await publish_range(nc, readers, range(10))
+    await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
+                     "results 0-9 reached every stream")
+    return readers
 
-                # Without a results stream the edge serves live results, as it does when none exists.
-                late = Reader(rid("after-delete"))
-                tg.start_soon(late.run, client)
-                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "late stream open")
-                await publish_range(nc, [late], range(3), final_at=2)
-                await wait_until(lambda: late.done, 15, "the late stream got its live results")
-                assert late.results() == [0, 1, 2] and late.error() is None
 
-            assert "results_stream_deleted" in edge.log()
-            assert watch_counts(edge) == (1, 0, STREAMS)
+async def test_streams_reading_a_deleted_results_stream_end_promptly_with_an_unavailable_error(own_server):
+    async with edge_on_a_results_stream(own_server) as (nc, edge, client):
+        js = nc.jetstream()
+        async with anyio.create_task_group() as tg:
+            readers = await readers_with_ten_results(tg, client, nc, edge, "deleted")
+
+            await js.delete_stream(RESULTS_STREAM)
+            deleted = time.monotonic()
+            await wait_until(lambda: all(r.done for r in readers), PROMPT,
+                             "every stream ended after its results stream was deleted")
+            took = time.monotonic() - deleted
+            print(f"{STREAMS} streams ended {took:.2f} s after the deletion")
+
+            for reader in readers:
+                assert reader.results() == list(range(10))
+                error = reader.error()
+                assert error is not None and error["type"] == "service_unavailable", reader.events
+                assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
+            assert took < PROMPT
+            health = httpx.get(f"{edge.url}/healthz")
+            assert health.status_code == 200
+            assert health.json()["status"] == "degraded", health.json()
+            assert "deleted" in health.json()["results_stream"]
+
+            # Without a results stream the edge serves live results, as it does when none exists.
+            late = Reader(rid("after-delete"))
+            tg.start_soon(late.run, client)
+            await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "late stream open")
+            await publish_range(nc, [late], range(3), final_at=2)
+            await wait_until(lambda: late.done, 15, "the late stream got its live results")
+            assert late.results() == [0, 1, 2] and late.error() is None
+
+        assert "results_stream_deleted" in edge.log()
+        assert watch_counts(edge) == (1, 0, STREAMS)
 
 
 async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_duplicates(own_server):
     """The review's second case: deleted and created again at once (before the edge could see it
     missing). Results stored in the new stream reach the streams waiting for them; those already
     sent (seq 8 and 9 stored again) are not sent twice."""
-    async with connection(own_server.url) as nc:
+    async with edge_on_a_results_stream(own_server) as (nc, edge, client):
         js = nc.jetstream()
-        with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
-                          "--max-streams-per-client", "1000") as edge:
-            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
-                    anyio.create_task_group() as tg:
-                readers = await open_readers(tg, client, edge, STREAMS, "recreated")
-                await publish_range(nc, readers, range(10))
-                await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
-                                 "results 0-9 reached every stream")
+        async with anyio.create_task_group() as tg:
+            readers = await readers_with_ten_results(tg, client, nc, edge, "recreated")
 
-                await js.delete_stream(RESULTS_STREAM)
-                await recreate(js)
-                await publish_range(nc, readers, range(8, 20), final_at=19)
-                await wait_until(lambda: all(r.done for r in readers), PROMPT,
-                                 "every stream got its results from the recreated stream")
+            await js.delete_stream(RESULTS_STREAM)
+            await recreate(js)
+            await publish_range(nc, readers, range(8, 20), final_at=19)
+            await wait_until(lambda: all(r.done for r in readers), PROMPT,
+                             "every stream got its results from the recreated stream")
 
-                for reader in readers:
-                    assert reader.results() == list(range(20)), reader.events
-                    assert reader.error() is None
-                assert httpx.get(f"{edge.url}/healthz").json()["status"] == "ok"
+            for reader in readers:
+                assert reader.results() == list(range(20)), reader.events
+                assert reader.error() is None
+            assert httpx.get(f"{edge.url}/healthz").json()["status"] == "ok"
 
-                # A stream opened now reads the new stream (a late attach replays what it stores: 8-19).
-                late = Reader(readers[0].request_id, after=7)
-                tg.start_soon(late.run, client)
-                await wait_until(lambda: late.done, 15, "a late reader of a request in the new stream")
-                assert late.results() == list(range(8, 20)), late.events
-            assert "results_stream_recreated" in edge.log()
-            assert watch_counts(edge) == (0, 1, 0)  # the streams went on: none ended by the watch
+            # A stream opened now reads the new stream (a late attach replays what it stores: 8-19).
+            late = Reader(readers[0].request_id, after=7)
+            tg.start_soon(late.run, client)
+            await wait_until(lambda: late.done, 15, "a late reader of a request in the new stream")
+            assert late.results() == list(range(8, 20)), late.events
+        assert "results_stream_recreated" in edge.log()
+        assert watch_counts(edge) == (0, 1, 0)  # the streams went on: none ended by the watch
 
 
 async def test_a_purged_results_stream_keeps_its_sequence_and_streams_go_on(own_server):
     """A purge empties the stream but keeps its sequence (and consumers): nothing to detect, the
     open streams get the results stored after it."""
-    async with connection(own_server.url) as nc:
+    async with edge_on_a_results_stream(own_server) as (nc, edge, client):
         js = nc.jetstream()
-        with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
-                          "--max-streams-per-client", "1000") as edge:
-            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
-                    anyio.create_task_group() as tg:
-                readers = await open_readers(tg, client, edge, STREAMS, "purged")
-                await publish_range(nc, readers, range(10))
-                await wait_until(lambda: all(r.results() == list(range(10)) for r in readers), 15,
-                                 "results 0-9 reached every stream")
-                await js.purge_stream(RESULTS_STREAM)
-                await publish_range(nc, readers, range(10, 20), final_at=19)
-                await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
-                for reader in readers:
-                    assert reader.results() == list(range(20)) and reader.error() is None
-            assert watch_counts(edge) == (0, 0, 0)
+        async with anyio.create_task_group() as tg:
+            readers = await readers_with_ten_results(tg, client, nc, edge, "purged")
+            await js.purge_stream(RESULTS_STREAM)
+            await publish_range(nc, readers, range(10, 20), final_at=19)
+            await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
+            for reader in readers:
+                assert reader.results() == list(range(20)) and reader.error() is None
+        assert watch_counts(edge) == (0, 0, 0)
 
 
 async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothing_and_answers_every_stream(
