@@ -16,7 +16,7 @@ import time
 import anyio
 import httpx
 import pytest
-from edge_harness import publish_result, running_edge, subscribed_subjects
+from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
 from helpers import connection, peak_rss, rid, wait_until
 from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
@@ -292,3 +292,30 @@ async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_r
             else:  # seen as a recreation, or, checked between the two, as the deletion it began with
                 assert deleted + recreated == 1
             assert gone == 5
+
+
+async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_for_a_new_history(own_server):
+    """The watch's STREAM.INFO answer is computed when the server reads the request, but a consumer's
+    pushes and an API reply reach the edge separately: the ring may have read results stored after
+    the answer was computed. Its last sequence is then below what the ring delivered without the
+    stream being new. Taken for a recreated stream, the ring reread the whole stream from its start
+    (seen in a durable benchmark: 440 us per SSE event instead of 120, the streams' p99 2 s). Here the
+    answer is held back, as a busy server does, until the ring has read results published after it."""
+    async with connection(own_server.url) as nc:
+        await recreate(nc.jetstream())
+        async with started_source(own_server.url, SUBJECTS) as source:
+            await publish_range(nc, [Reader(rid("before"))], range(3))
+            await wait_until(lambda: source.fanout.delivered() >= 3, 10, "the ring read the first results")
+            asked = source._stream_info
+
+            async def answered_late(name):
+                info = await asked(name)
+                await publish_range(nc, [Reader(rid("after"))], range(3))
+                await wait_until(lambda: source.fanout.delivered() > info.state.last_seq, 10,
+                                 "the ring read results stored after the answer was computed")
+                return info
+
+            source._stream_info = answered_late
+            await source._check_results_stream()
+            assert (source.metrics.results_stream_recreated, source.metrics.results_stream_deleted) == (0, 0)
+            assert source.fanout.delivered() == 6  # not reread from the stream's start
