@@ -599,7 +599,7 @@ class ResultSource:
             if info is not None and (seen is None or info.created == seen):
                 self._seen[name] = info.created
                 continue
-            del self._seen[name]  # None (deleted) or a new history
+            self._seen.pop(name, None)  # deleted (maybe before the watch first saw it) or a new history
             what = "was deleted" if info is None else "was deleted and created again"
             reason = f"the results stream {name} {what}; reconnect with Last-Event-ID to read it again"
             feeds = {id(f): f for f in self._feeds.values() if f.stream == name and f.gone is None and not f.closed}
