@@ -29,6 +29,7 @@ MAX_TOKEN_CHARS = 8192  # a JWT naming a few hundred ids; anything longer is not
 # Verified tokens remembered (Verifier): at most this many, each at most this long (~2 MiB at worst).
 CACHED_TOKENS = 1024
 MAX_CACHED_TOKEN_CHARS = 2048
+RSA_MIN_BITS = 2048  # RFC 7518 section 3.3: "A key of size 2048 bits or larger MUST be used"
 
 
 class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -86,11 +87,22 @@ def load_key(path: str, algorithm: str) -> bytes:
         prepared = verifier.prepare_key(data)
     except (jwt.InvalidKeyError, ValueError, TypeError, NotImplementedError) as exc:
         raise ConfigError(f"--auth-key-file {path!r} is not a public key for {algorithm}: {exc}") from None
-    check_length = getattr(verifier, "check_key_length", None)  # not in every PyJWT the project allows
-    weak = check_length(prepared) if check_length is not None else None
+    weak = key_weakness(verifier, prepared)
     if weak:
         raise ConfigError(f"--auth-key-file {path!r}: {weak}")
     return data
+
+
+def key_weakness(verifier: jwt.algorithms.Algorithm, prepared: object) -> str | None:
+    """Why a key ``verifier.prepare_key`` made is too weak to verify or sign with, or None: an RSA key
+    under :data:`RSA_MIN_BITS` (RFC 7518 section 3.3; an HMAC secret's length is checked on its bytes
+    before). Checked here, not left to PyJWT: ``Algorithm.check_key_length`` exists only from PyJWT
+    2.11, and pyproject allows 2.8, where a 1024-bit RSA key was accepted without a word."""
+    bits = getattr(prepared, "key_size", None)  # cryptography's RSA (public or private) and EC keys
+    if isinstance(verifier, jwt.algorithms.RSAAlgorithm) and bits is not None and bits < RSA_MIN_BITS:
+        return f"an RSA key needs at least {RSA_MIN_BITS} bits for {type(verifier).__name__}, it has {bits}"
+    check_length = getattr(verifier, "check_key_length", None)  # PyJWT >= 2.11: whatever else it checks
+    return check_length(prepared) if check_length is not None else None
 
 
 def asymmetric(data: bytes) -> bool:
