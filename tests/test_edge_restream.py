@@ -9,6 +9,7 @@ again from 1. Each test here runs its own nats-server and edge (they delete the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -21,6 +22,7 @@ from helpers import connection, peak_rss, rid, wait_until
 from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
 
+from streamproc.edge.source import StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
@@ -319,3 +321,54 @@ async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_fo
             await source._check_results_stream()
             assert (source.metrics.results_stream_recreated, source.metrics.results_stream_deleted) == (0, 0)
             assert source.fanout.delivered() == 6  # not reread from the stream's start
+
+
+async def feed_results(feed, count: int) -> list[int]:
+    """The seqs of the next ``count`` items of an in-process feed (each must be a result)."""
+    seqs = []
+    for _ in range(count):
+        item = await feed.next(PROMPT)
+        assert item is not None and not isinstance(item, StreamGone), item
+        seqs.append(item.seq)
+    return seqs
+
+
+async def test_a_stream_of_its_own_deleted_before_the_watch_first_saw_it_leaves_the_watch_working(own_server):
+    """A feed with an ordered consumer of its own (``--recent 0``) whose results stream is deleted
+    before the watch's first STREAM.INFO about it: the watch had no identity to forget, and its
+    ``del`` raised a KeyError, which its loop (catching NATS, OS and timeout errors) let end the
+    watch for the edge's life; a later deletion then left every stream silent until its timeout."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS, recent=0) as source:
+            asked = source._stream_info
+            deleted = asyncio.Event()
+
+            async def answered_after_the_deletion(name):
+                await deleted.wait()
+                return await asked(name)
+
+            source._stream_info = answered_after_the_deletion  # its first question waits for the deletion
+            first = await source.open(rid("first"))
+            await publish_range(nc, [Reader(first.request_id)], range(2))
+            assert await feed_results(first, 2) == [0, 1]
+            await js.delete_stream(RESULTS_STREAM)
+            deleted.set()
+            assert isinstance(await first.next(PROMPT), StreamGone)
+            await first.close()
+            source._stream_info = asked
+
+            # The watch goes on: a stream read later, seen by the watch, then deleted, is told so.
+            await recreate(js)
+            second = await source.open(rid("second"))
+            await publish_range(nc, [Reader(second.request_id)], range(2))
+            assert await feed_results(second, 2) == [0, 1]
+            await wait_until(lambda: RESULTS_STREAM in source._seen or source._watch_task.done(), PROMPT,
+                             "the watch saw the second stream's results stream")
+            assert not source._watch_task.done(), source._watch_task
+            await js.delete_stream(RESULTS_STREAM)
+            gone = await second.next(PROMPT)
+            assert isinstance(gone, StreamGone) and "was deleted" in gone.reason, gone
+            await second.close()
+            assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (2, 2)
