@@ -291,7 +291,8 @@ async def readers_with_five_results(tg, client: httpx.AsyncClient, nc, edge, nam
 async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_results_stream_is_deleted(
         own_server):
     """``--recent 0``: each stream reads with an ordered consumer of its own, which a deleted stream
-    leaves silent; the watch ends them with the cause."""
+    leaves silent; the watch ends them with the cause. ``/healthz`` names the missing stream (it said
+    ok: only the ring's stream was reported) until a stream of its name exists again."""
     async with edge_without_the_ring(own_server) as (nc, edge, client):
         async with anyio.create_task_group() as tg:
             readers = await readers_with_five_results(tg, client, nc, edge, "own-delete")
@@ -302,7 +303,18 @@ async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_r
                 error = reader.error()
                 assert error is not None and error["type"] == "service_unavailable", reader.events
                 assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
+        await anyio.sleep(2 * 1.0)  # the streams closed: the watch goes on asking about the missing one
+        health = httpx.get(f"{edge.url}/healthz")
+        assert health.status_code == 200
+        assert health.json()["status"] == "degraded", health.json()
+        assert "was deleted" in health.json()["results_streams_missing"][RESULTS_STREAM], health.json()
+        assert "results_stream" not in health.json()  # the ring's: there is none
         assert watch_counts(edge) == (1, 0, 5)
+
+        await recreate(nc.jetstream())
+        await wait_until(lambda: httpx.get(f"{edge.url}/healthz").json()["status"] == "ok", PROMPT,
+                         "/healthz ok once the stream exists again")
+        assert watch_counts(edge) == (1, 1, 5)  # found again: counted as the ring's is
 
 
 @pytest.mark.parametrize("stored_again", ["3-9", "6-9"])
@@ -434,3 +446,25 @@ async def test_a_stream_of_its_own_deleted_before_the_watch_first_saw_it_leaves_
             assert isinstance(gone, StreamGone) and "was deleted" in gone.reason, gone
             await second.close()
             assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (2, 2)
+
+
+async def test_a_deleted_ring_stream_read_by_a_consumer_of_its_own_is_counted_and_reported_once(own_server):
+    """MSG.GET refused: a stream reads the ring's results stream with an ordered consumer of its own.
+    Deleted, the ring's check ends it and reports the stream missing; the check of the streams read
+    by consumers of their own must not count the same deletion again (it did, once per second
+    while the ended stream's client had not gone yet) nor report it a second time in /healthz."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS) as source:
+            assert source.msg_get is not None
+            source.msg_get.refused("a test refuses it")
+            feed = await source.open(rid("refused-deleted"))
+            await publish_range(nc, [Reader(feed.request_id)], range(2))
+            assert await feed_results(feed, 2) == [0, 1]
+            await js.delete_stream(RESULTS_STREAM)
+            assert isinstance(await feed.next(PROMPT), StreamGone)
+            await anyio.sleep(2.5)  # two more checks while the ended feed is still open
+            assert source.results_stream_missing is not None and source.own_streams_missing == {}
+            assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (1, 1)
+            await feed.close()

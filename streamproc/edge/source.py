@@ -413,6 +413,9 @@ class ResultSource:
         self._ring_stream: tuple[str, object] | None = None
         self._watch_task: asyncio.Task | None = None
         self.results_stream_missing: str | None = None  # for /healthz: the ring's stream was deleted
+        # For /healthz: streams read by ordered consumers of their own found deleted (name -> what),
+        # each until a stream of its name exists again (_check_own_consumers).
+        self.own_streams_missing: dict[str, str] = {}
         self.after_read: Callable[[], None] | None = None  # run at the end of each NATS read (the Edge's WriteBatch.flush)
 
     def _read_done(self) -> None:
@@ -593,12 +596,27 @@ class ResultSource:
         """The streams other than the ring's that feeds read with an ordered consumer of their own
         (``--recent 0``, or a refused MSG.GET), asked about only while such feeds are open: deleted
         since the watch first saw it, its feeds end with :class:`StreamGone`; recreated, they go on
-        from the new stream's first sequence (:meth:`_carry_on`), as the ring's streams do."""
+        from the new stream's first sequence (:meth:`_carry_on`), as the ring's streams do. One found
+        deleted is asked about until a stream of its name exists again (/healthz says it is missing
+        meanwhile: the requests it stored get live results only)."""
         ring = self.fanout.stream if self.fanout is not None else None
-        names = {f.stream for f in self._feeds.values() if f.stream is not None and f.stream != ring and not f.closed}
+        names = {f.stream for f in self._feeds.values()
+                 if f.stream is not None and f.stream != ring and not f.closed and f.gone is None}
         for name in list(self._seen):
             if name not in names:
                 del self._seen[name]  # its identity is learnt again when a feed reads it
+        for name in list(self.own_streams_missing):
+            if name == ring:  # the ring reads a stream of that name now: it watches it
+                del self.own_streams_missing[name]
+                continue
+            info = await self._stream_info(name)
+            if info is not None:
+                del self.own_streams_missing[name]
+                self._seen[name] = info.created
+                self.metrics.results_stream_recreated += 1
+                log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=0,
+                          streams_resumed=0, read_from_seq=max(info.state.first_seq, 1),
+                          previous=f"{name} was deleted")
         for name in names:
             info = await self._stream_info(name)
             seen = self._seen.get(name)
@@ -618,8 +636,10 @@ class ResultSource:
             feeds = {id(f): f for f in self._feeds.values() if f.stream == name and f.gone is None and not f.closed}
             for feed in feeds.values():
                 feed.end(reason)
+            self.own_streams_missing[name] = "was deleted; the requests it stored get live results only"
             self.metrics.results_stream_deleted += 1
-            log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=len(feeds))
+            log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=len(feeds),
+                      hint="recreate it; docs/edge.md")
 
     async def _carry_on(self, name: str, stream: str) -> int:
         """The feeds reading ``name`` with an ordered consumer of their own, now that a new stream
