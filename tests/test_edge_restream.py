@@ -22,6 +22,7 @@ from helpers import connection, peak_rss, rid, wait_until
 from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
 
+from streamproc.core.wire import ResultInfo
 from streamproc.edge.source import StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
@@ -402,7 +403,7 @@ async def feed_results(feed, count: int) -> list[int]:
     seqs = []
     for _ in range(count):
         item = await feed.next(PROMPT)
-        assert item is not None and not isinstance(item, StreamGone), item
+        assert isinstance(item, ResultInfo), item
         seqs.append(item.seq)
     return seqs
 
@@ -468,3 +469,24 @@ async def test_a_deleted_ring_stream_read_by_a_consumer_of_its_own_is_counted_an
             assert source.results_stream_missing is not None and source.own_streams_missing == {}
             assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (1, 1)
             await feed.close()
+
+
+async def test_results_the_old_consumer_queued_are_given_before_the_new_stream_s(own_server):
+    """``--recent 0``: results 0-4 reached the edge from the old stream but its client had not taken
+    them yet when the stream was recreated (the new one stores 5-7 only). The new consumer replaces
+    the old one; what the old one queued is given first, not dropped (then seq 0 would be missing)."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS, recent=0, gap_timeout=1.0) as source:
+            feed = await source.open(rid("queued"))
+            await wait_until(lambda: RESULTS_STREAM in source._seen, PROMPT, "the watch saw the stream")
+            await publish_range(nc, [Reader(feed.request_id)], range(5))
+            await wait_until(lambda: feed._sub._sub._pending_queue.qsize() == 5, PROMPT, "0-4 queued, not taken")
+            await js.delete_stream(RESULTS_STREAM)
+            await recreate(js)
+            await wait_until(lambda: source.metrics.results_stream_recreated == 1, PROMPT, "the watch saw it recreated")
+            await publish_range(nc, [Reader(feed.request_id)], range(5, 8), final_at=7)
+            assert await feed_results(feed, 8) == list(range(8))
+            await feed.close()
+            assert source.metrics.streams_gone == 0
