@@ -92,6 +92,21 @@ async def recreate(js) -> None:
     await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
 
 
+async def replace_between_checks(nc) -> None:
+    """Delete the results stream and create it again just after the edge's watch asked about it, so
+    the watch's next question (a second later) finds the new stream: done at an arbitrary moment, a
+    question landing in the few milliseconds between the two would find no stream, and the test
+    would see a deletion instead of a recreation."""
+    asked = await nc.subscribe(f"$JS.API.STREAM.INFO.{RESULTS_STREAM}")
+    try:
+        await asked.next_msg(timeout=PROMPT)
+    finally:
+        await asked.unsubscribe()
+    js = nc.jetstream()
+    await js.delete_stream(RESULTS_STREAM)
+    await recreate(js)
+
+
 def watch_counts(edge) -> tuple[float, float, float]:
     """The watch's counters: results streams found deleted, found (re)created, streams it ended."""
     metrics = edge.metrics()
@@ -168,12 +183,10 @@ async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_du
     missing). Results stored in the new stream reach the streams waiting for them; those already
     sent (seq 8 and 9 stored again) are not sent twice."""
     async with edge_on_a_results_stream(own_server) as (nc, edge, client):
-        js = nc.jetstream()
         async with anyio.create_task_group() as tg:
             readers = await readers_with_ten_results(tg, client, nc, edge, "recreated")
 
-            await js.delete_stream(RESULTS_STREAM)
-            await recreate(js)
+            await replace_between_checks(nc)
             await publish_range(nc, readers, range(8, 20), final_at=19)
             await wait_until(lambda: all(r.done for r in readers), PROMPT,
                              "every stream got its results from the recreated stream")
@@ -328,11 +341,9 @@ async def test_without_the_ring_streams_with_their_own_consumer_go_on_from_a_rec
     the new stream lacks (5, when it stores 6-9 only) is a gap error after ``--gap-timeout``."""
     first = int(stored_again.split("-")[0])
     async with edge_without_the_ring(own_server, "--gap-timeout", "1") as (nc, edge, client):
-        js = nc.jetstream()
         async with anyio.create_task_group() as tg:
             readers = await readers_with_five_results(tg, client, nc, edge, f"own-recreate-{first}")
-            await js.delete_stream(RESULTS_STREAM)
-            await recreate(js)
+            await replace_between_checks(nc)
             await publish_range(nc, readers, range(first, 10), final_at=9)
             await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
             for reader in readers:
@@ -363,8 +374,7 @@ async def test_streams_given_their_own_consumer_because_msg_get_is_refused_go_on
             assert feed.inbox is None and feed.stream == RESULTS_STREAM  # an ordered consumer of its own
             await publish_range(nc, [Reader(feed.request_id)], range(5))
             assert await feed_results(feed, 5) == list(range(5))
-            await js.delete_stream(RESULTS_STREAM)
-            await recreate(js)
+            await replace_between_checks(nc)
             await publish_range(nc, [Reader(feed.request_id)], range(3, 8), final_at=7)
             assert await feed_results(feed, 3) == [5, 6, 7]
             await feed.close()
@@ -388,8 +398,9 @@ async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_fo
             async def answered_late(name):
                 info = await asked(name)
                 await publish_range(nc, [Reader(rid("after"))], range(3))
-                await wait_until(lambda: source.fanout.delivered() > info.state.last_seq, 10,
-                                 "the ring read results stored after the answer was computed")
+                assert info.state.last_seq == 3
+                await wait_until(lambda: source.fanout.delivered() == 6, 10,  # all 3 (waiting for one raced the assert below)
+                                 "the ring read the results stored after the answer was computed")
                 return info
 
             source._stream_info = answered_late
@@ -483,8 +494,7 @@ async def test_results_the_old_consumer_queued_are_given_before_the_new_stream_s
             await wait_until(lambda: RESULTS_STREAM in source._seen, PROMPT, "the watch saw the stream")
             await publish_range(nc, [Reader(feed.request_id)], range(5))
             await wait_until(lambda: feed._sub._sub._pending_queue.qsize() == 5, PROMPT, "0-4 queued, not taken")
-            await js.delete_stream(RESULTS_STREAM)
-            await recreate(js)
+            await replace_between_checks(nc)
             await wait_until(lambda: source.metrics.results_stream_recreated == 1, PROMPT, "the watch saw it recreated")
             await publish_range(nc, [Reader(feed.request_id)], range(5, 8), final_at=7)
             assert await feed_results(feed, 8) == list(range(8))
