@@ -9,6 +9,7 @@ again from 1. Each test here runs its own nats-server and edge (they delete the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -21,6 +22,8 @@ from helpers import connection, peak_rss, rid, wait_until
 from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
 
+from streamproc.core.wire import ResultInfo
+from streamproc.edge.source import StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
@@ -87,6 +90,21 @@ async def publish_range(nc, readers: list[Reader], seqs: range, *, final_at: int
 
 async def recreate(js) -> None:
     await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
+
+
+async def replace_between_checks(nc) -> None:
+    """Delete the results stream and create it again just after the edge's watch asked about it, so
+    the watch's next question (a second later) finds the new stream: done at an arbitrary moment, a
+    question landing in the few milliseconds between the two would find no stream, and the test
+    would see a deletion instead of a recreation."""
+    asked = await nc.subscribe(f"$JS.API.STREAM.INFO.{RESULTS_STREAM}")
+    try:
+        await asked.next_msg(timeout=PROMPT)
+    finally:
+        await asked.unsubscribe()
+    js = nc.jetstream()
+    await js.delete_stream(RESULTS_STREAM)
+    await recreate(js)
 
 
 def watch_counts(edge) -> tuple[float, float, float]:
@@ -165,12 +183,10 @@ async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_du
     missing). Results stored in the new stream reach the streams waiting for them; those already
     sent (seq 8 and 9 stored again) are not sent twice."""
     async with edge_on_a_results_stream(own_server) as (nc, edge, client):
-        js = nc.jetstream()
         async with anyio.create_task_group() as tg:
             readers = await readers_with_ten_results(tg, client, nc, edge, "recreated")
 
-            await js.delete_stream(RESULTS_STREAM)
-            await recreate(js)
+            await replace_between_checks(nc)
             await publish_range(nc, readers, range(8, 20), final_at=19)
             await wait_until(lambda: all(r.done for r in readers), PROMPT,
                              "every stream got its results from the recreated stream")
@@ -204,15 +220,18 @@ async def test_a_purged_results_stream_keeps_its_sequence_and_streams_go_on(own_
         assert watch_counts(edge) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("reading", ["ring", "own-consumers"])
 async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothing_and_answers_every_stream(
-        own_server):
-    """Hostile: the stream deleted and recreated 12 times while streams open and read. Every stream
-    ends (its results, or an error event, then [DONE]); the edge survives with its subscriptions
-    and the stream's consumers bounded, and serves a normal stream afterwards."""
+        own_server, reading):
+    """Hostile: the stream deleted and recreated 12 times while streams open and read, through the
+    ring or (``--recent 0``) with an ordered consumer each. Every stream ends (its results, or an
+    error event, then [DONE]); the edge survives with its subscriptions and the stream's consumers
+    bounded, and serves a normal stream afterwards."""
+    own = ("--recent", "0") if reading == "own-consumers" else ()
     async with connection(own_server.url) as nc:
         js = nc.jetstream()
         with running_edge(own_server.url, "--ensure-results-stream", "--result-timeout", str(RESULT_TIMEOUT),
-                          "--max-streams-per-client", "1000") as edge:
+                          "--max-streams-per-client", "1000", *own) as edge:
             pid = edge.proc.pid
             all_readers: list[Reader] = []
             async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
@@ -257,41 +276,109 @@ async def test_deleting_and_recreating_the_results_stream_in_a_loop_leaks_nothin
             deleted, recreated, gone = watch_counts(edge)
             told = sum(1 for r in all_readers if r.error() is not None and "results stream" in r.error()["message"])
             print(f"the watch: {deleted:g} deletions, {recreated:g} recreations, {gone:g} streams ended ({told} told so)")
-            assert deleted >= 1 and recreated >= deleted and gone >= told
+            assert gone >= told
+            if reading == "ring":  # the ring watches its stream always; a stream's own consumer only while open
+                assert deleted >= 1 and recreated >= deleted
 
 
-@pytest.mark.parametrize("change", ["delete", "recreate"])
-async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_results_stream_changes(
-        own_server, change):
+@contextlib.asynccontextmanager
+async def edge_without_the_ring(own_server, *args: str):
+    """As :func:`edge_on_a_results_stream` with ``--recent 0``: each stream reads with an ordered
+    consumer of its own."""
+    async with connection(own_server.url) as nc:
+        with running_edge(own_server.url, "--ensure-results-stream", "--recent", "0", "--result-timeout",
+                          str(RESULT_TIMEOUT), "--max-streams-per-client", "1000", *args) as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client:
+                yield nc, edge, client
+
+
+async def readers_with_five_results(tg, client: httpx.AsyncClient, nc, edge, name: str) -> list[Reader]:
+    """5 open streams that have each got results 0-4, and a watch that has seen their results stream."""
+    readers = await open_readers(tg, client, edge, 5, name)
+    await publish_range(nc, readers, range(5))
+    await wait_until(lambda: all(r.results() == list(range(5)) for r in readers), 15,
+                     "results 0-4 reached every stream")
+    await anyio.sleep(1.5)  # the watch has seen the stream they read
+    return readers
+
+
+async def test_without_the_ring_streams_with_their_own_consumer_end_when_their_results_stream_is_deleted(
+        own_server):
     """``--recent 0``: each stream reads with an ordered consumer of its own, which a deleted stream
-    leaves silent and a recreated one resumes at the old sequence; the watch ends them with the cause."""
+    leaves silent; the watch ends them with the cause. ``/healthz`` names the missing stream (it said
+    ok: only the ring's stream was reported) until a stream of its name exists again."""
+    async with edge_without_the_ring(own_server) as (nc, edge, client):
+        async with anyio.create_task_group() as tg:
+            readers = await readers_with_five_results(tg, client, nc, edge, "own-delete")
+            await nc.jetstream().delete_stream(RESULTS_STREAM)
+            await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
+            for reader in readers:
+                assert reader.results() == list(range(5))
+                error = reader.error()
+                assert error is not None and error["type"] == "service_unavailable", reader.events
+                assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
+        await anyio.sleep(2 * 1.0)  # the streams closed: the watch goes on asking about the missing one
+        health = httpx.get(f"{edge.url}/healthz")
+        assert health.status_code == 200
+        assert health.json()["status"] == "degraded", health.json()
+        assert "was deleted" in health.json()["results_streams_missing"][RESULTS_STREAM], health.json()
+        assert "results_stream" not in health.json()  # the ring's: there is none
+        assert watch_counts(edge) == (1, 0, 5)
+
+        await recreate(nc.jetstream())
+        await wait_until(lambda: httpx.get(f"{edge.url}/healthz").json()["status"] == "ok", PROMPT,
+                         "/healthz ok once the stream exists again")
+        assert watch_counts(edge) == (1, 1, 5)  # found again: counted as the ring's is
+
+
+@pytest.mark.parametrize("stored_again", ["3-9", "6-9"])
+async def test_without_the_ring_streams_with_their_own_consumer_go_on_from_a_recreated_results_stream(
+        own_server, stored_again):
+    """``--recent 0``, the stream deleted and created again at once: a stream's own ordered consumer
+    would resume at the old stream's sequence (silent until its timeout), and the watch used to end
+    them with the ``unavailable`` error. Now each gets a new one reading the new stream from its first
+    sequence, as the ring's streams do: seqs sent already (3, 4 stored again) are dropped, and a seq
+    the new stream lacks (5, when it stores 6-9 only) is a gap error after ``--gap-timeout``."""
+    first = int(stored_again.split("-")[0])
+    async with edge_without_the_ring(own_server, "--gap-timeout", "1") as (nc, edge, client):
+        async with anyio.create_task_group() as tg:
+            readers = await readers_with_five_results(tg, client, nc, edge, f"own-recreate-{first}")
+            await replace_between_checks(nc)
+            await publish_range(nc, readers, range(first, 10), final_at=9)
+            await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
+            for reader in readers:
+                if first <= 5:
+                    assert reader.results() == list(range(10)), reader.events
+                    assert reader.error() is None, reader.events
+                else:
+                    assert reader.results() == list(range(5)), reader.events
+                    error = reader.error()
+                    assert error is not None and "result seq 5 of request" in error["message"], reader.events
+        assert watch_counts(edge) == (0, 1, 0)  # seen recreated; no stream ended by the watch
+        assert edge.metrics()["streamproc_edge_gaps_total"] == (0 if first <= 5 else 5)
+        assert "Traceback" not in edge.log()
+
+
+async def test_streams_given_their_own_consumer_because_msg_get_is_refused_go_on_from_a_recreated_stream(
+        own_server):
+    """With the ring on, a stream gets an ordered consumer of its own on the ring's stream while the
+    edge may not read stored results by subject (msg_get.py); a recreated stream used to end those
+    with the ``unavailable`` error while the ring's streams went on. They go on the same way now."""
     async with connection(own_server.url) as nc:
         js = nc.jetstream()
-        with running_edge(own_server.url, "--ensure-results-stream", "--recent", "0",
-                          "--result-timeout", str(RESULT_TIMEOUT), "--max-streams-per-client", "1000") as edge:
-            async with httpx.AsyncClient(base_url=edge.url, timeout=RESULT_TIMEOUT + 30) as client, \
-                    anyio.create_task_group() as tg:
-                readers = await open_readers(tg, client, edge, 5, f"own-{change}")
-                await publish_range(nc, readers, range(5))
-                await wait_until(lambda: all(r.results() == list(range(5)) for r in readers), 15,
-                                 "results 0-4 reached every stream")
-                await anyio.sleep(1.5)  # the watch has seen the stream they read
-                await js.delete_stream(RESULTS_STREAM)
-                if change == "recreate":
-                    await recreate(js)
-                    await publish_range(nc, readers, range(5, 8), final_at=7)
-                await wait_until(lambda: all(r.done for r in readers), PROMPT, "every stream ended")
-                for reader in readers:
-                    assert reader.results() == list(range(5))
-                    error = reader.error()
-                    assert error is not None and error["type"] == "service_unavailable", reader.events
-                    assert f"results stream {RESULTS_STREAM} was deleted" in error["message"], error
-            deleted, recreated, gone = watch_counts(edge)
-            if change == "delete":
-                assert (deleted, recreated) == (1, 0)
-            else:  # seen as a recreation, or, checked between the two, as the deletion it began with
-                assert deleted + recreated == 1
-            assert gone == 5
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS) as source:
+            assert source.msg_get is not None
+            source.msg_get.refused("a test refuses it")
+            feed = await source.open(rid("refused"))
+            assert feed.inbox is None and feed.stream == RESULTS_STREAM  # an ordered consumer of its own
+            await publish_range(nc, [Reader(feed.request_id)], range(5))
+            assert await feed_results(feed, 5) == list(range(5))
+            await replace_between_checks(nc)
+            await publish_range(nc, [Reader(feed.request_id)], range(3, 8), final_at=7)
+            assert await feed_results(feed, 3) == [5, 6, 7]
+            await feed.close()
+            assert (source.metrics.results_stream_recreated, source.metrics.streams_gone) == (1, 0)
 
 
 async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_for_a_new_history(own_server):
@@ -311,11 +398,105 @@ async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_fo
             async def answered_late(name):
                 info = await asked(name)
                 await publish_range(nc, [Reader(rid("after"))], range(3))
-                await wait_until(lambda: source.fanout.delivered() > info.state.last_seq, 10,
-                                 "the ring read results stored after the answer was computed")
+                assert info.state.last_seq == 3
+                await wait_until(lambda: source.fanout.delivered() == 6, 10,  # all 3 (waiting for one raced the assert below)
+                                 "the ring read the results stored after the answer was computed")
                 return info
 
             source._stream_info = answered_late
             await source._check_results_stream()
             assert (source.metrics.results_stream_recreated, source.metrics.results_stream_deleted) == (0, 0)
             assert source.fanout.delivered() == 6  # not reread from the stream's start
+
+
+async def feed_results(feed, count: int) -> list[int]:
+    """The seqs of the next ``count`` items of an in-process feed (each must be a result)."""
+    seqs = []
+    for _ in range(count):
+        item = await feed.next(PROMPT)
+        assert isinstance(item, ResultInfo), item
+        seqs.append(item.seq)
+    return seqs
+
+
+async def test_a_stream_of_its_own_deleted_before_the_watch_first_saw_it_leaves_the_watch_working(own_server):
+    """A feed with an ordered consumer of its own (``--recent 0``) whose results stream is deleted
+    before the watch's first STREAM.INFO about it: the watch had no identity to forget, and its
+    ``del`` raised a KeyError, which its loop (catching NATS, OS and timeout errors) let end the
+    watch for the edge's life; a later deletion then left every stream silent until its timeout."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS, recent=0) as source:
+            asked = source._stream_info
+            deleted = asyncio.Event()
+
+            async def answered_after_the_deletion(name):
+                await deleted.wait()
+                return await asked(name)
+
+            source._stream_info = answered_after_the_deletion  # its first question waits for the deletion
+            first = await source.open(rid("first"))
+            await publish_range(nc, [Reader(first.request_id)], range(2))
+            assert await feed_results(first, 2) == [0, 1]
+            await js.delete_stream(RESULTS_STREAM)
+            deleted.set()
+            assert isinstance(await first.next(PROMPT), StreamGone)
+            await first.close()
+            source._stream_info = asked
+
+            # The watch goes on: a stream read later, seen by the watch, then deleted, is told so.
+            await recreate(js)
+            second = await source.open(rid("second"))
+            await publish_range(nc, [Reader(second.request_id)], range(2))
+            assert await feed_results(second, 2) == [0, 1]
+            await wait_until(lambda: RESULTS_STREAM in source._seen or source._watch_task.done(), PROMPT,
+                             "the watch saw the second stream's results stream")
+            assert not source._watch_task.done(), source._watch_task
+            await js.delete_stream(RESULTS_STREAM)
+            gone = await second.next(PROMPT)
+            assert isinstance(gone, StreamGone) and "was deleted" in gone.reason, gone
+            await second.close()
+            assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (2, 2)
+
+
+async def test_a_deleted_ring_stream_read_by_a_consumer_of_its_own_is_counted_and_reported_once(own_server):
+    """MSG.GET refused: a stream reads the ring's results stream with an ordered consumer of its own.
+    Deleted, the ring's check ends it and reports the stream missing; the check of the streams read
+    by consumers of their own must not count the same deletion again (it did, once per second
+    while the ended stream's client had not gone yet) nor report it a second time in /healthz."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS) as source:
+            assert source.msg_get is not None
+            source.msg_get.refused("a test refuses it")
+            feed = await source.open(rid("refused-deleted"))
+            await publish_range(nc, [Reader(feed.request_id)], range(2))
+            assert await feed_results(feed, 2) == [0, 1]
+            await js.delete_stream(RESULTS_STREAM)
+            assert isinstance(await feed.next(PROMPT), StreamGone)
+            await anyio.sleep(2.5)  # two more checks while the ended feed is still open
+            assert source.results_stream_missing is not None and source.own_streams_missing == {}
+            assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (1, 1)
+            await feed.close()
+
+
+async def test_results_the_old_consumer_queued_are_given_before_the_new_stream_s(own_server):
+    """``--recent 0``: results 0-4 reached the edge from the old stream but its client had not taken
+    them yet when the stream was recreated (the new one stores 5-7 only). The new consumer replaces
+    the old one; what the old one queued is given first, not dropped (then seq 0 would be missing)."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS, recent=0, gap_timeout=1.0) as source:
+            feed = await source.open(rid("queued"))
+            await wait_until(lambda: RESULTS_STREAM in source._seen, PROMPT, "the watch saw the stream")
+            await publish_range(nc, [Reader(feed.request_id)], range(5))
+            await wait_until(lambda: feed._sub._sub._pending_queue.qsize() == 5, PROMPT, "0-4 queued, not taken")
+            await replace_between_checks(nc)
+            await wait_until(lambda: source.metrics.results_stream_recreated == 1, PROMPT, "the watch saw it recreated")
+            await publish_range(nc, [Reader(feed.request_id)], range(5, 8), final_at=7)
+            assert await feed_results(feed, 8) == list(range(8))
+            await feed.close()
+            assert source.metrics.streams_gone == 0

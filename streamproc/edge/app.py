@@ -490,9 +490,14 @@ class Edge:
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
-            missing = self.source.results_stream_missing
-            if missing is not None:  # 200: restarting the edge would not bring the stream back
-                return JSONResponse({"status": "degraded", "nats": "connected", "results_stream": missing})
+            missing, others = self.source.results_stream_missing, self.source.own_streams_missing
+            if missing is not None or others:  # 200: restarting the edge would not bring a stream back
+                body: dict[str, Any] = {"status": "degraded", "nats": "connected"}
+                if missing is not None:  # the one the recent ring reads
+                    body["results_stream"] = missing
+                if others:  # read by streams with an ordered consumer of their own (--recent 0, ...)
+                    body["results_streams_missing"] = dict(sorted(others.items()))
+                return JSONResponse(body)
             access = self.source.msg_get
             if access is not None and access.state == "refused":  # still serving, at a cost (msg_get.py)
                 return JSONResponse({"status": "ok", "nats": "connected",

@@ -90,8 +90,7 @@ class Overrun(msgspec.Struct, frozen=True):
 
 
 class StreamGone(msgspec.Struct, frozen=True):
-    """The JetStream results stream this feed read was deleted (or, for a feed with an ordered
-    consumer of its own, replaced by a new stream of the same name): no result of it can come."""
+    """The JetStream results stream this feed read was deleted: no result of it can come."""
 
     reason: str
 
@@ -120,6 +119,7 @@ class ResultFeed:
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
         self.gone: str | None = None  # why its results stream is gone (ResultSource._check_results_stream)
         self.stream: str | None = None  # the stream its own ordered consumer reads (ResultSource._consume)
+        self.limits: dict[str, int] = {}  # its subscription's pending limits (ResultSource._consume)
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
     async def next(self, timeout: float) -> FeedItem | None:
@@ -185,6 +185,11 @@ class ResultFeed:
                 except nats.errors.Error as exc:
                     return Lost(str(exc) or type(exc).__name__)
                 self._accept_result(result)
+                continue
+            if self._sub is None and not self.closed:  # its consumer is made again (ResultSource._carry_on)
+                attached = await self._attached(max(wait, 0.0))
+                if attached is not True:
+                    return attached if self.gone is None else StreamGone(self.gone)
                 continue
             # What Subscription.next_msg(timeout) does, without its tasks per message (pending.py)
             try:
@@ -408,6 +413,9 @@ class ResultSource:
         self._ring_stream: tuple[str, object] | None = None
         self._watch_task: asyncio.Task | None = None
         self.results_stream_missing: str | None = None  # for /healthz: the ring's stream was deleted
+        # For /healthz: streams read by ordered consumers of their own found deleted (name -> what),
+        # each until a stream of its name exists again (_check_own_consumers).
+        self.own_streams_missing: dict[str, str] = {}
         self.after_read: Callable[[], None] | None = None  # run at the end of each NATS read (the Edge's WriteBatch.flush)
 
     def _read_done(self) -> None:
@@ -544,7 +552,8 @@ class ResultSource:
         is below what the ring delivered: a new history, counting from 1 again): the ring reads the
         new stream from its first sequence, so the streams open on it get what is stored there, in
         seq order (their ``SeqOrder`` drops seqs they were sent already); the feeds that read it
-        with an ordered consumer of their own end, as for a deletion."""
+        with an ordered consumer of their own get a new one there, from the same first sequence
+        (:meth:`_carry_on`)."""
         assert self.nc is not None and self.fanout is not None
         if self._ring_stream is None:  # the edge has never read a results stream: nothing to watch
             return
@@ -571,7 +580,7 @@ class ResultSource:
         if info is None:
             reason = (f"the results stream {name} was deleted; the edge reads live results only until "
                       "a results stream exists again")
-            ended = self._end_stream_feeds(reason, dispatched=True)
+            ended = self._end_stream_feeds(reason)
             self.results_stream_missing = f"{name} was deleted; serving live results only"
             self.metrics.results_stream_deleted += 1
             log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=ended,
@@ -580,61 +589,109 @@ class ResultSource:
             info = await self._stream_info(await find_results_stream(self.nc.jetstream(), self.subjects.all_results))
             await self._reread(info, name, ended=None)
             return
-        reason = (f"the results stream {name} was deleted and created again; reconnect with Last-Event-ID "
-                  "to read the new stream")
-        await self._reread(info, name, ended=self._end_stream_feeds(reason, dispatched=False))
+        self._stop_replays()
+        await self._reread(info, name, ended=0, resumed=await self._carry_on(name, info.config.name))
 
     async def _check_own_consumers(self) -> None:
         """The streams other than the ring's that feeds read with an ordered consumer of their own
         (``--recent 0``, or a refused MSG.GET), asked about only while such feeds are open: deleted
-        or recreated since the watch first saw it, its feeds end with :class:`StreamGone`."""
+        since the watch first saw it, its feeds end with :class:`StreamGone`; recreated, they go on
+        from the new stream's first sequence (:meth:`_carry_on`), as the ring's streams do. One found
+        deleted is asked about until a stream of its name exists again (/healthz says it is missing
+        meanwhile: the requests it stored get live results only)."""
         ring = self.fanout.stream if self.fanout is not None else None
-        names = {f.stream for f in self._feeds.values() if f.stream is not None and f.stream != ring and not f.closed}
+        names = {f.stream for f in self._feeds.values()
+                 if f.stream is not None and f.stream != ring and not f.closed and f.gone is None}
         for name in list(self._seen):
             if name not in names:
                 del self._seen[name]  # its identity is learnt again when a feed reads it
+        for name in list(self.own_streams_missing):
+            if name == ring:  # the ring reads a stream of that name now: it watches it
+                del self.own_streams_missing[name]
+                continue
+            info = await self._stream_info(name)
+            if info is not None:
+                del self.own_streams_missing[name]
+                self._seen[name] = info.created
+                self.metrics.results_stream_recreated += 1
+                log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=0,
+                          streams_resumed=0, read_from_seq=max(info.state.first_seq, 1),
+                          previous=f"{name} was deleted")
         for name in names:
             info = await self._stream_info(name)
             seen = self._seen.get(name)
             if info is not None and (seen is None or info.created == seen):
                 self._seen[name] = info.created
                 continue
-            self._seen.pop(name, None)  # deleted (maybe before the watch first saw it) or a new history
-            what = "was deleted" if info is None else "was deleted and created again"
-            reason = f"the results stream {name} {what}; reconnect with Last-Event-ID to read it again"
+            self.streams.forget()
+            if info is not None:  # a new history: its feeds read it from its first sequence
+                self._seen[name] = info.created
+                resumed = await self._carry_on(name, name)
+                self.metrics.results_stream_recreated += 1
+                log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=0,
+                          streams_resumed=resumed, read_from_seq=max(info.state.first_seq, 1))
+                continue
+            self._seen.pop(name, None)  # maybe deleted before the watch first saw it
+            reason = f"the results stream {name} was deleted; reconnect with Last-Event-ID to read it again"
             feeds = {id(f): f for f in self._feeds.values() if f.stream == name and f.gone is None and not f.closed}
             for feed in feeds.values():
                 feed.end(reason)
-            self.streams.forget()
-            if info is None:
-                self.metrics.results_stream_deleted += 1
-            else:
-                self.metrics.results_stream_recreated += 1
-            log_event(log, logging.WARNING, "results_stream_deleted" if info is None else "results_stream_recreated",
-                      stream=name, streams_ended=len(feeds))
+            self.own_streams_missing[name] = "was deleted; the requests it stored get live results only"
+            self.metrics.results_stream_deleted += 1
+            log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=len(feeds),
+                      hint="recreate it; docs/edge.md")
 
-    def _end_stream_feeds(self, reason: str, *, dispatched: bool) -> int:
-        """End the feeds reading ``name`` with an ordered consumer of their own (and, ``dispatched``,
-        the fan-out's JetStream feeds too); the dispatched feeds' replays stop either way (the ring
-        rereads the new stream from its start, or there is nothing to read). The count ended."""
+    async def _carry_on(self, name: str, stream: str) -> int:
+        """The feeds reading ``name`` with an ordered consumer of their own, now that a new stream
+        of that name exists: each gets a new one on ``stream``, replaying its subject from the new
+        stream's first sequence, as the ring does (:meth:`_reread`). Their ``SeqOrder`` drops the
+        seqs they were sent already; a seq the new stream lacks is a gap (``--gap-timeout``). What
+        the old consumer had queued (results of the old stream its client was not given yet) is
+        taken first. The old consumer is unsubscribed: left, nats-py would make it again at the old
+        stream's sequence once it misses two heartbeats (:meth:`_watch_results_stream`). The count."""
+        feeds = {id(f): f for f in self._feeds.values()
+                 if f.stream == name and f.inbox is None and f._sub is not None and f.gone is None and not f.closed}
+        for feed in feeds.values():
+            old, feed._sub = feed._sub, None
+            assert old is not None
+            self._feeds.pop(id(core_subscription(old)), None)
+            with contextlib.suppress(nats.errors.Error):  # a closed connection: the feed learns it below
+                while (msg := pending.take(old)) is not None:
+                    feed._accept(msg)
+            self.metrics.jetstream_replays -= 1  # counted again by _attach, once its consumer exists
+            self._consume(feed, stream, feed.limits)
+            wake(old)  # a next() waiting on the old consumer waits for the new one
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await old.unsubscribe()
+            drop_pending(old)
+        return len(feeds)
+
+    def _jetstream_feeds(self) -> list[ResultFeed]:
+        """The open JetStream feeds: the fan-out's and those with an ordered consumer of their own."""
         feeds = {id(f): f for f in self._feeds.values() if f.mode == "jetstream"}
         if self.fanout is not None:
             for subject_feeds in self.fanout.feeds.values():
                 feeds.update((id(f), f) for f in subject_feeds if f.mode == "jetstream")
-        ended = 0
-        for feed in feeds.values():
-            if feed.closed or feed.gone is not None:
-                continue
-            if feed.inbox is None or dispatched:
-                feed.end(reason)
-                ended += 1
-            elif feed.replay is not None:
+        return [f for f in feeds.values() if not f.closed and f.gone is None]
+
+    def _end_stream_feeds(self, reason: str) -> int:
+        """The results stream was deleted: every JetStream feed ends (:class:`StreamGone`). The count."""
+        feeds = self._jetstream_feeds()
+        for feed in feeds:
+            feed.end(reason)
+        return len(feeds)
+
+    def _stop_replays(self) -> None:
+        """The results stream was recreated: the fan-out's feeds' replays of the old one stop (the
+        ring rereads the new stream from its start, these feeds included)."""
+        for feed in self._jetstream_feeds():
+            if feed.inbox is not None and feed.replay is not None:
                 replay, feed.replay = feed.replay, None
                 self._closing_replays.add(task := asyncio.get_running_loop().create_task(replay.close()))
                 task.add_done_callback(self._closing_replays.discard)
-        return ended
 
-    async def _reread(self, info: StreamInfo | None, old: str | None, *, ended: int | None) -> None:
+    async def _reread(self, info: StreamInfo | None, old: str | None, *, ended: int | None,
+                      resumed: int = 0) -> None:
         """Point the ring at ``info``'s stream from its first sequence (None: live results)."""
         assert self.fanout is not None and self.nc is not None
         previous = self._recent_sub
@@ -648,7 +705,7 @@ class ResultSource:
         if info is not None:
             self.metrics.results_stream_recreated += 1
             log_event(log, logging.WARNING, "results_stream_recreated", stream=info.config.name,
-                      streams_ended=ended or 0, read_from_seq=start, previous=was)
+                      streams_ended=ended or 0, streams_resumed=resumed, read_from_seq=start, previous=was)
         if previous is not None:
             stop_inline = getattr(self.nc, "stop_inline", None)
             if stop_inline is not None:
@@ -762,6 +819,7 @@ class ResultSource:
         assert self.nc is not None
         subject = self.subjects.result(feed.request_id)
         feed.stream = stream
+        feed.limits = limits
         feed.attaching = asyncio.get_running_loop().create_task(
             self._attach(feed, self.nc.jetstream(), subject, stream, limits))
         self._attaching.add(feed.attaching)
