@@ -27,7 +27,7 @@ from edge_harness import publish_result, running_edge
 from helpers import connection, rid, status_kib, tcp_sockets, wait_until
 
 from streamproc.client.capability import mint_capability
-from streamproc.edge.connections import REFUSED_LINGER, REFUSED_LINGERING
+from streamproc.edge.connections import DISCARD_BYTES, REFUSED_LINGER, REFUSED_LINGERING, UPLOAD_DISCARD_BYTES
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
@@ -334,20 +334,22 @@ async def test_a_head_pipelined_behind_an_open_stream_is_bounded_and_the_stream_
 
 
 def test_a_body_after_an_early_answer_is_not_a_head_and_the_next_request_is_served(edge, tight):
-    """A request answered before its body was read (a 400 for its query before the experts view read
-    its body, or /healthz with a body) then receives that body: it is not counted as the next head
-    (it got an unsolicited 431), and once it ends, within --head-timeout of the answer and
-    DISCARD_BYTES, the next request on the connection is served."""
-    from streamproc.edge.connections import DISCARD_BYTES
+    """A request answered before its body was read (413 for a body over the experts view's limit, or
+    /healthz with a body) then receives that body: it is not counted as the next head (it got an
+    unsolicited 431), and once it ends, within --head-timeout of the answer, the next request on
+    the connection is served."""
+    from streamproc.edge.experts import MAX_BODY_BYTES
 
     before = counters(edge)
-    size = DISCARD_BYTES // 2  # eight times the edge's --max-head-bytes
+    size = MAX_BODY_BYTES + 1
     with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/experts?rows=many HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % size)
         data, _ = until_closed(sock, 0.5)
-        assert data.startswith(b"HTTP/1.1 400 "), data
-        sock.sendall(b"a" * size)
+        assert data.startswith(b"HTTP/1.1 413 "), data
+        chunk = b"a" * (1 << 20)
+        for offset in range(0, size, len(chunk)):
+            sock.sendall(chunk[:size - offset])
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
         data, _ = until_closed(sock, 1.0)
         assert data.startswith(b"HTTP/1.1 200 "), data[:200]
@@ -628,31 +630,30 @@ def test_an_experts_body_not_complete_within_the_head_timeout_gets_408_and_close
         - before["streamproc_edge_experts_bodies_timed_out_total"] == len(answers)
 
 
-BLAST = 64 << 20  # bytes a client tries to send as the body of a request answered before it was read
+BLAST = 64 << 20  # bytes more than its cap a client tries to send as the body of a request answered unread
+DISCARDED = {  # head, its answer, the cap of its body after the answer
+    "content-length": (b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 200,
+                       DISCARD_BYTES),
+    "chunked": (b"GET /healthz HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n", 200, DISCARD_BYTES),
+    "413": (b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 413,
+            UPLOAD_DISCARD_BYTES),
+}
 
 
-@pytest.mark.parametrize("framing", ["content-length", "chunked", "413"])
-def test_a_body_discarded_after_an_early_answer_closes_its_connection_past_the_discard_cap(edge, framing):
+@pytest.mark.parametrize("name", DISCARDED)
+def test_a_body_discarded_after_an_early_answer_closes_its_connection_past_the_discard_cap(edge, name):
     """Uvicorn parses and drops the body of a request answered before it was read (``on_body`` after
     the response), as fast as it comes, for --head-timeout: 64 MiB of it went through in 0.07 s, well
-    within the 10 s. Now the connection is closed once DISCARD_BYTES came after the answer (the
-    client has its answer): /healthz with a body, or a body over the experts view's 32 MiB sent
-    after its 413 (it was drained whole and the connection kept). Another client is served
+    within the 10 s. Now the connection is closed once DISCARD_BYTES (1 MiB) came after the answer,
+    UPLOAD_DISCARD_BYTES (64 MiB) for a POST (the client has its answer); another client is served
     meanwhile, and the edge's memory does not grow with it."""
-    from streamproc.edge.experts import MAX_BODY_BYTES
-
     pid = edge.proc.pid
     baseline = status_kib(pid, "VmRSS")
     before = edge.metrics()
-    piece, expected = b"a" * (1 << 16), 200
-    if framing == "chunked":
-        head = b"GET /healthz HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head, expected, cap = DISCARDED[name]
+    piece = b"a" * (1 << 16)
+    if name == "chunked":
         piece = b"%x\r\n" % len(piece) + piece + b"\r\n"
-    elif framing == "413":
-        head = b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1)
-        expected = 413
-    else:
-        head = b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: %d\r\n\r\n" % (2 * BLAST)
     sent, probes = 0, []
     with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
         sock.sendall(head)
@@ -661,7 +662,7 @@ def test_a_body_discarded_after_an_early_answer_closes_its_connection_past_the_d
         sock.settimeout(10)
         started = time.monotonic()
         try:
-            while sent < BLAST:
+            while sent < cap + BLAST:
                 sock.sendall(piece)
                 sent += len(piece)
                 if sent % (8 << 20) == 0:
@@ -674,10 +675,28 @@ def test_a_body_discarded_after_an_early_answer_closes_its_connection_past_the_d
     probes.append(healthz(edge.port))
     hwm = status_kib(pid, "VmHWM")
     after = edge.metrics()
-    print(f"{framing}: {sent} bytes sent in {elapsed:.2f}s after the answer, closed {closed}; "
+    print(f"{name}: {sent} bytes sent in {elapsed:.2f}s after the answer, closed {closed}; "
           f"VmRSS before {baseline} kB, VmHWM {hwm} kB")
-    assert closed and sent < BLAST // 4, sent  # the edge's and our socket buffers hold a few MB more
+    assert closed and sent < cap + BLAST // 4, sent  # the edge's and our socket buffers hold a few MB more
     assert (answer + rest).count(b"HTTP/1.1 ") == 1, rest  # no answer of its own: the client has one
     assert set(probes) == {200}, probes
     assert hwm - baseline < 16 * 1024, (baseline, hwm)
     assert after["streamproc_edge_bodies_too_large_total"] - before["streamproc_edge_bodies_too_large_total"] == 1
+
+
+async def test_an_upload_answered_before_it_was_read_still_gets_its_answer_in_an_http_client(edge):
+    """httpx reads the answer only once it sent the whole body: a connection closed under its upload
+    loses the answer (a ReadError instead of the 413, with a cap of 1 MiB for every body). An upload
+    of up to UPLOAD_DISCARD_BYTES answered early, whatever the answer and the framing, gets it."""
+    import httpx
+
+    async def chunked(size: int):
+        for _ in range(size >> 20):
+            yield b"x" * (1 << 20)
+
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        declared = await client.post("/v1/experts", content=b"x" * (40 << 20))  # 413 before a byte is read
+        streamed = await client.post("/v1/experts", content=chunked(40 << 20))  # 413 once 32 MiB were read
+        refused = await client.post("/v1/experts?rows=many", content=b"x" * (3 << 20))  # 400 before a byte is read
+    assert (declared.status_code, streamed.status_code, refused.status_code) == (413, 413, 400)
+    assert declared.json()["error"]["type"] == streamed.json()["error"]["type"] == "invalid_request"

@@ -26,7 +26,8 @@ included) and its memory, and every request it did parse waited in the open pace
   pipeline has its head already; a body is not a head, also one still arriving after an early answer.
   Such a body (a request answered before it was read: a 401, 404 or ``/healthz`` does not read it)
   must end within the same deadline, counted from the answer's end, and within :data:`DISCARD_BYTES`
-  received after the answer, else the connection is closed (no answer: the client has its own).
+  received after the answer (:data:`UPLOAD_DISCARD_BYTES` for a POST, PUT or PATCH), else the
+  connection is closed (no answer: the client has its own).
   Uvicorn bounds it by nothing: httptools parses the rest of the body and ``on_body`` drops it
   (after ``response_complete``) for as long as it comes, and each read cancels its keep-alive timer,
   armed only at a response's end; so a ``Content-Length: 1000000000`` trickled a byte at a time, or
@@ -51,6 +52,7 @@ import resource
 from typing import TYPE_CHECKING, Any
 
 from .app import error_response
+from .experts import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -59,7 +61,14 @@ if TYPE_CHECKING:
 REFUSED_LINGER = 1.0  # seconds a refused connection may wait for its client's EOF before it is closed
 SWEEP_INTERVAL = 1.0  # seconds between checks for overdue request heads (a head may get up to this much more)
 REFUSED_LINGERING = 64  # refused connections that may linger at once; past it the next ones close at once
-DISCARD_BYTES = 1 << 20  # bytes of a request's body received after its answer (dropped unread) before the close
+# Bytes of a request's body received after its answer (dropped unread) before the connection is closed.
+# The edge's GET routes read no body and no client sends one: 1 MiB. An upload may be answered before
+# it was read (a 401, or the 413 of a body over experts.MAX_BODY_BYTES), and HTTP clients such as
+# httpx read the answer only once they sent the whole body: closed before that, they get a reset, not
+# the answer. Twice the largest body the edge reads.
+DISCARD_BYTES = 1 << 20
+UPLOAD_DISCARD_BYTES = 2 * MAX_BODY_BYTES
+UPLOAD_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, refused connections lingering
 
 
@@ -110,6 +119,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             # from the read it was in at its start (at the answer's end for a body: see ``room``).
             self.head_bytes = 0
             self.heading = True  # the parser's next bytes are a request head (False inside a request body)
+            self.discard_limit = DISCARD_BYTES  # of the body of the request in progress, after its answer
             self.refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -158,7 +168,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
 
         def room(self) -> tuple[int, bool]:
             """Bytes the parser may get before the next check, and whether they count (``head_bytes``):
-            a head's up to --max-head-bytes; a body dropped after its answer's up to DISCARD_BYTES;
+            a head's up to --max-head-bytes; a body dropped after its answer's up to ``discard_limit``;
             else (a body the app reads, or one a response in progress did not read: Uvicorn
             buffers 64 KiB of it, then pauses reading) the head limit, so that a head beginning
             inside the piece, after that body, is bounded too."""
@@ -166,7 +176,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 return max_head_bytes - self.head_bytes, True
             cycle = self.cycle
             if cycle is not None and cycle.response_complete:
-                return DISCARD_BYTES - self.head_bytes, True
+                return self.discard_limit - self.head_bytes, True
             return max_head_bytes, False
 
         def data_received(self, data: bytes) -> None:
@@ -216,6 +226,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             due.pop(self, None)
             self.heading = False
             self.head_bytes = 0
+            self.discard_limit = UPLOAD_DISCARD_BYTES if self.parser.get_method() in UPLOAD_METHODS else DISCARD_BYTES
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:

@@ -88,7 +88,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "bodies_timed_out": ("counter", "connections closed because the body of a request answered before it was "
                                     "read (401, 404, /healthz ...) did not end within --head-timeout of the answer"),
     "bodies_too_large": ("counter", "connections closed because the body of a request answered before it was "
-                                    "read went on past 1 MiB (connections.DISCARD_BYTES) after the answer"),
+                                    "read went on past 1 MiB after the answer (64 MiB for an upload: POST, PUT, PATCH)"),
     "experts_bodies_timed_out": ("counter", "POST /v1/experts requests answered 408 and closed because their body "
                                             "was not complete within --head-timeout"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
