@@ -27,7 +27,7 @@ from edge_harness import publish_result, running_edge
 from helpers import connection, rid, status_kib, tcp_sockets, wait_until
 
 from streamproc.client.capability import mint_capability
-from streamproc.edge.connections import REFUSED_LINGER, REFUSED_LINGERING
+from streamproc.edge.connections import DISCARD_BYTES, REFUSED_LINGER, REFUSED_LINGERING, UPLOAD_DISCARD_BYTES
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
@@ -405,6 +405,43 @@ def test_keep_alive_serves_the_next_request_after_a_bodyless_get_or_a_body_sent_
         assert until_closed(sock, 2.0) == (b"", True)
 
 
+UPLOAD_RATE = 1.5e6  # bytes/s of the honest upload below (12 Mbit/s: an eighth of a 100 Mbit/s LAN)
+
+
+def test_a_realistic_experts_body_uploaded_slowly_but_steadily_is_served_and_keeps_the_connection(edge):
+    """The body deadline (--head-timeout, 10 s) leaves room for an honest upload: a 3 MB sglang
+    result body (1,155 positions x 61 layers x top-8 routed experts) sent at 1.5 MB/s, 2 s, gets its
+    view, and the next request on the same keep-alive connection is served."""
+    import msgspec
+
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    truth = make_truth(7, prompt_len=900, output_len=256, num_layers=61, top_k=8, num_experts=256)
+    truth = msgspec.structs.replace(truth, return_logprob=False, chunk_sizes=[256])
+    body = worker_for("sglang").decode(truth, stream=False)[0]
+    assert len(body) > 3_000_000
+    piece = 1 << 16
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        started = time.monotonic()
+        for offset in range(0, len(body), piece):
+            time.sleep(max(0.0, started + offset / UPLOAD_RATE - time.monotonic()))
+            sock.sendall(body[offset:offset + piece])
+        uploaded = time.monotonic() - started
+        status, view = read_response(sock)
+        assert status == 200, view[:300]
+        view = json.loads(view)
+        assert view["present"] and view["positions"] == 1155 and view["row_ids"] == 61 * 8, \
+            {k: v for k, v in view.items() if k != "ids"}
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        assert until_closed(sock, 2.0) == (b"", True)
+    print(f"{len(body)} bytes uploaded in {uploaded:.2f}s")
+    assert uploaded > 1.5  # slow indeed
+
+
 # Requests a GET route answers without reading their body, each with a body that never ends: the
 # status it gets. Auth routes answer 401 before any slot, /healthz and /metrics read nothing.
 EARLY_ANSWERED = {
@@ -500,3 +537,174 @@ def test_a_head_begun_inside_a_read_is_cut_within_twice_max_head_bytes(tight):
         data, closed = until_closed(sock, 2.0)
     assert closed and (data == b"" or data.startswith(b"HTTP/1.1 200 ")) and b"HTTP/1.1 431" not in data, data
     assert counters(tight)[1] == before[1] + 1
+
+
+def poll(sock: socket.socket) -> tuple[bytes, bool]:
+    """What ``sock`` has received so far, without waiting, and whether the edge closed it."""
+    sock.setblocking(False)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data, True
+    except BlockingIOError:
+        return data, False
+    except OSError:  # reset: closed with our bytes unread
+        return data, True
+
+
+def reset_peak(pid: int) -> int:
+    """Reset the VmHWM of ``pid`` to its VmRSS (``clear_refs`` 5), so a module's edge shows this test's
+    peak, not an earlier test's; the VmRSS now, in kB."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    return status_kib(pid, "VmRSS")
+
+
+def healthz(port: int) -> int | None:
+    """A /healthz on a connection of its own: its status (None: nothing within a second)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
+        return first_status(sock)[0]
+
+
+# POST /v1/experts reads its body (up to 32 MiB) into memory; each of these never completes it.
+EXPERTS_TRICKLED = {
+    "content-length": b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: 30000000\r\n\r\n",
+    "chunked": b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n",
+}
+STUFFED = 12  # connections that send STUFFING bytes of an experts body at once, one every STUFF_EVERY s, then stall
+STUFFING = 6 << 20
+STUFF_EVERY = 0.3
+STUFF_GROWTH = 40 * 1024  # KiB of VmHWM over the RSS before: a few stuffed bodies alive at once (72 MiB held before)
+
+
+def test_an_experts_body_not_complete_within_the_head_timeout_gets_408_and_close_and_frees_its_slot(server):
+    """``POST /v1/experts`` waited for its body with no deadline: a body trickled a byte at a time, or
+    6 MB sent and then nothing, held its connection, its --max-connections slot and its buffered
+    chunks for as long as the client liked. Now the body must be complete --head-timeout after the
+    handler began reading it, else 408 (invalid_request) and close; other clients are served."""
+    with running_edge(server.url, "--head-timeout", str(TIGHT_TIMEOUT),
+                      "--max-connections", str(STUFFED + len(EXPERTS_TRICKLED))) as edge:
+        pid = edge.proc.pid
+        baseline = status_kib(pid, "VmRSS")
+        before = edge.metrics()
+        open_: dict[str, tuple[socket.socket, float]] = {}
+        for name, head in EXPERTS_TRICKLED.items():
+            sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            sock.sendall(head)
+            open_[name] = (sock, time.monotonic())
+        answers: dict[str, bytes] = dict.fromkeys(open_, b"")
+        held: dict[str, float] = {}
+        probes: list[int | None] = []
+        started = time.monotonic()
+        stuffed = 0
+        while time.monotonic() - started < TRICKLE + TIGHT_TIMEOUT and len(held) < len(answers) + STUFFED - stuffed:
+            if stuffed < STUFFED and time.monotonic() - started >= stuffed * STUFF_EVERY:
+                name = f"stuffed {stuffed}"
+                sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+                sock.sendall(EXPERTS_TRICKLED["content-length"] + b"s" * STUFFING)
+                open_[name] = (sock, time.monotonic())
+                answers[name] = b""
+                stuffed += 1
+            for name, (sock, since) in open_.items():
+                if name in held:
+                    continue
+                if not name.startswith("stuffed") and time.monotonic() - started < TRICKLE:
+                    try:
+                        sock.send(b"1\r\na\r\n" if name == "chunked" else b"a")
+                    except OSError:
+                        pass
+                data, closed = poll(sock)
+                answers[name] += data
+                if closed:
+                    held[name] = time.monotonic() - since
+            probes.append(healthz(edge.port))
+            time.sleep(TRICKLE_EVERY)
+        for sock, _ in open_.values():
+            sock.close()
+        hwm = status_kib(pid, "VmHWM")
+        after = edge.metrics()
+    print("held:", {name: round(t, 2) for name, t in held.items()}, f"VmRSS before {baseline} kB, VmHWM {hwm} kB")
+    assert set(held) == set(answers), f"still open: {set(answers) - set(held)}"
+    assert max(held.values()) < 2 * TIGHT_TIMEOUT + 1.0, held
+    for name, data in answers.items():
+        assert data.startswith(b"HTTP/1.1 408 "), (name, data[:300])
+        error = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["type"] == "invalid_request" and "--head-timeout" in error["message"], error
+    assert set(probes) == {200}, probes
+    assert hwm - baseline < STUFF_GROWTH, (baseline, hwm)
+    assert after["streamproc_edge_experts_bodies_timed_out_total"] \
+        - before["streamproc_edge_experts_bodies_timed_out_total"] == len(answers)
+
+
+BLAST = 64 << 20  # bytes more than its cap a client tries to send as the body of a request answered unread
+DISCARDED = {  # head, its answer, the cap of its body after the answer
+    "content-length": (b"GET /healthz HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 200,
+                       DISCARD_BYTES),
+    "chunked": (b"GET /healthz HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n", 200, DISCARD_BYTES),
+    "413": (b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: 1000000000\r\n\r\n", 413,
+            UPLOAD_DISCARD_BYTES),
+}
+
+
+@pytest.mark.parametrize("name", DISCARDED)
+def test_a_body_discarded_after_an_early_answer_closes_its_connection_past_the_discard_cap(edge, name):
+    """Uvicorn parses and drops the body of a request answered before it was read (``on_body`` after
+    the response), as fast as it comes, for --head-timeout: 64 MiB of it went through in 0.07 s, well
+    within the 10 s. Now the connection is closed once DISCARD_BYTES (1 MiB) came after the answer,
+    UPLOAD_DISCARD_BYTES (64 MiB) for a POST (the client has its answer); another client is served
+    meanwhile, and the edge's memory does not grow with it."""
+    pid = edge.proc.pid
+    before = edge.metrics()
+    baseline = reset_peak(pid)
+    head, expected, cap = DISCARDED[name]
+    piece = b"a" * (1 << 16)
+    if name == "chunked":
+        piece = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    sent, probes = 0, []
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
+        sock.sendall(head)
+        status, answer = first_status(sock)
+        assert status == expected, answer
+        sock.settimeout(10)
+        started = time.monotonic()
+        try:
+            while sent < cap + BLAST:
+                sock.sendall(piece)
+                sent += len(piece)
+                if sent % (8 << 20) == 0:
+                    probes.append(healthz(edge.port))
+            closed = False
+        except OSError:  # reset or broken pipe: the edge closed it
+            closed = True
+        elapsed = time.monotonic() - started
+        rest, _ = until_closed(sock, 1.0)
+    probes.append(healthz(edge.port))
+    hwm = status_kib(pid, "VmHWM")
+    after = edge.metrics()
+    print(f"{name}: {sent} bytes sent in {elapsed:.2f}s after the answer, closed {closed}; "
+          f"VmRSS before {baseline} kB, VmHWM {hwm} kB")
+    assert closed and sent < cap + BLAST // 4, sent  # the edge's and our socket buffers hold a few MB more
+    assert (answer + rest).count(b"HTTP/1.1 ") == 1, rest  # no answer of its own: the client has one
+    assert set(probes) == {200}, probes
+    assert hwm - baseline < 4 * 1024, (baseline, hwm)
+    assert after["streamproc_edge_bodies_too_large_total"] - before["streamproc_edge_bodies_too_large_total"] == 1
+
+
+async def test_an_upload_answered_before_it_was_read_still_gets_its_answer_in_an_http_client(edge):
+    """httpx reads the answer only once it sent the whole body: a connection closed under its upload
+    loses the answer (a ReadError instead of the 413, with a cap of 1 MiB for every body). An upload
+    of up to UPLOAD_DISCARD_BYTES answered early, whatever the answer and the framing, gets it."""
+    import httpx
+
+    async def chunked(size: int):
+        for _ in range(size >> 20):
+            yield b"x" * (1 << 20)
+
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        declared = await client.post("/v1/experts", content=b"x" * (40 << 20))  # 413 before a byte is read
+        streamed = await client.post("/v1/experts", content=chunked(40 << 20))  # 413 once 32 MiB were read
+        refused = await client.post("/v1/experts?rows=many", content=b"x" * (3 << 20))  # 400 before a byte is read
+    assert (declared.status_code, streamed.status_code, refused.status_code) == (413, 413, 400)
+    assert declared.json()["error"]["type"] == streamed.json()["error"]["type"] == "invalid_request"

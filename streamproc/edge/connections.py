@@ -25,12 +25,16 @@ included) and its memory, and every request it did parse waited in the open pace
   every :data:`SWEEP_INTERVAL` s at most; else ``408`` and close. A request Uvicorn starts from its
   pipeline has its head already; a body is not a head, also one still arriving after an early answer.
   Such a body (a request answered before it was read: a 401, 404 or ``/healthz`` does not read it)
-  must end within the same deadline, counted from the answer's end, else the connection is closed
-  (no answer: the client has its own). Uvicorn bounds it by nothing: it discards the rest of the
-  body (``on_body`` after ``response_complete``) for as long as it comes, and each read cancels its
-  keep-alive timer, armed only at a response's end; so a ``Content-Length: 1000000000`` trickled a
-  byte at a time, or one byte and then silence, held the connection, and a ``--max-connections``
-  slot, for good. Its end re-arms the deadline for the next head, so keep-alive still works after it.
+  must end within the same deadline, counted from the answer's end, and within :data:`DISCARD_BYTES`
+  received after the answer (:data:`UPLOAD_DISCARD_BYTES` for a POST, PUT or PATCH), else the
+  connection is closed (no answer: the client has its own).
+  Uvicorn bounds it by nothing: httptools parses the rest of the body and ``on_body`` drops it
+  (after ``response_complete``) for as long as it comes, and each read cancels its keep-alive timer,
+  armed only at a response's end; so a ``Content-Length: 1000000000`` trickled a byte at a time, or
+  one byte and then silence, held the connection, and a ``--max-connections`` slot, for good, and
+  one sent at full speed was parsed and dropped at ~1 GB/s (64 MiB in 0.07 s on loopback). Its end
+  re-arms the deadline for the next head, so keep-alive still works after it. (A body the app reads,
+  ``POST /v1/experts``, has its deadline in the handler: ``app.py``.)
 - ``--max-head-bytes``: a request head longer than that gets ``431`` and close, whatever the
   response state (httptools would keep concatenating an endless header line of a head pipelined
   behind a stream). Exact for a head whose first byte starts a read; one that begins inside a read,
@@ -48,6 +52,7 @@ import resource
 from typing import TYPE_CHECKING, Any
 
 from .app import error_response
+from .experts import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -56,6 +61,14 @@ if TYPE_CHECKING:
 REFUSED_LINGER = 1.0  # seconds a refused connection may wait for its client's EOF before it is closed
 SWEEP_INTERVAL = 1.0  # seconds between checks for overdue request heads (a head may get up to this much more)
 REFUSED_LINGERING = 64  # refused connections that may linger at once; past it the next ones close at once
+# Bytes of a request's body received after its answer (dropped unread) before the connection is closed.
+# The edge's GET routes read no body and no client sends one: 1 MiB. An upload may be answered before
+# it was read (a 401, or the 413 of a body over experts.MAX_BODY_BYTES), and HTTP clients such as
+# httpx read the answer only once they sent the whole body: closed before that, they get a reset, not
+# the answer. Twice the largest body the edge reads.
+DISCARD_BYTES = 1 << 20
+UPLOAD_DISCARD_BYTES = 2 * MAX_BODY_BYTES
+UPLOAD_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, refused connections lingering
 
 
@@ -102,8 +115,11 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.linger: asyncio.TimerHandle | None = None
-            self.head_bytes = 0  # bytes of the head in progress, counted from the read it was in at its start
+            # Bytes of the head in progress, or of a body being discarded after its answer, counted
+            # from the read it was in at its start (at the answer's end for a body: see ``room``).
+            self.head_bytes = 0
             self.heading = True  # the parser's next bytes are a request head (False inside a request body)
+            self.discard_limit = DISCARD_BYTES  # of the body of the request in progress, after its answer
             self.refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -150,29 +166,47 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                     self.transport.write(response)
                 self.transport.close()
 
+        def room(self) -> tuple[int, bool]:
+            """Bytes the parser may get before the next check, and whether they count (``head_bytes``):
+            a head's up to --max-head-bytes; a body dropped after its answer's up to ``discard_limit``;
+            else (a body the app reads, or one a response in progress did not read: Uvicorn
+            buffers 64 KiB of it, then pauses reading) the head limit, so that a head beginning
+            inside the piece, after that body, is bounded too."""
+            if self.heading:
+                return max_head_bytes - self.head_bytes, True
+            cycle = self.cycle
+            if cycle is not None and cycle.response_complete:
+                return self.discard_limit - self.head_bytes, True
+            return max_head_bytes, False
+
         def data_received(self, data: bytes) -> None:
             if self.refused:
                 return  # the request of a refused connection is not read
-            if len(data) <= max_head_bytes - self.head_bytes:  # no head can outgrow the limit in it
-                if self.heading:
-                    self.head_bytes += len(data)  # back to 0 when the head completes (on_headers_complete)
+            room, counted = self.room()
+            if len(data) <= room:  # neither a head nor a dropped body can outgrow its limit in it
+                if counted:  # back to 0 when the head or the body completes
+                    self.head_bytes += len(data)
                 super().data_received(data)
                 return
             self.feed_bounded(memoryview(data))
 
         def feed_bounded(self, data: memoryview) -> None:
-            """A read longer than a head may still grow: the parser gets at most that much at a time,
-            so a head in progress at a piece's start is cut exactly at the limit, and one that began
-            inside a piece (after a body or another request) had less than the limit in it."""
+            """A read longer than the room left: the parser gets at most that much at a time, so a head
+            (or a dropped body) in progress at a piece's start is cut exactly at its limit, and a head
+            that began inside a piece (after a body or another request) had less than the limit in it."""
             while data:
-                room = max_head_bytes - self.head_bytes
-                if room == 0:  # the head in progress has the limit already and is incomplete
+                room, counted = self.room()
+                if room == 0:  # the head (or dropped body) in progress has its limit already and is incomplete
                     due.pop(self, None)
-                    metrics.heads_too_large += 1
-                    self.close_with(too_large)
+                    if self.heading:
+                        metrics.heads_too_large += 1
+                        self.close_with(too_large)
+                    else:  # the client has its answer: only close
+                        metrics.bodies_too_large += 1
+                        self.transport.close()
                     return
                 piece, data = data[:room], data[room:]
-                if self.heading:
+                if counted:
                     self.head_bytes += len(piece)
                 super().data_received(piece)
                 if self.transport.is_closing() or self.transport.get_protocol() is not self:
@@ -192,10 +226,12 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             due.pop(self, None)
             self.heading = False
             self.head_bytes = 0
+            self.discard_limit = UPLOAD_DISCARD_BYTES if self.parser.get_method() in UPLOAD_METHODS else DISCARD_BYTES
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             self.heading = True
+            self.head_bytes = 0  # of a body dropped after its answer; the next head counts from the next read
             cycle = self.cycle  # None after a WebSocket upgrade's head
             if cycle is not None and cycle.response_complete and not self.transport.is_closing():
                 self.await_head()  # answered before its body was read (e.g. 413): the next head is due now

@@ -31,6 +31,8 @@ class EdgeMetrics(msgspec.Struct):
     head_timeouts: int = 0
     heads_too_large: int = 0
     bodies_timed_out: int = 0
+    bodies_too_large: int = 0
+    experts_bodies_timed_out: int = 0
     streams_overrun: int = 0
     streams_stalled: int = 0
     unauthorized: int = 0
@@ -85,6 +87,10 @@ _HELP: dict[str, tuple[str, str]] = {
     "heads_too_large": ("counter", "connections closed (431, unless a response was in progress) for a request head over --max-head-bytes"),
     "bodies_timed_out": ("counter", "connections closed because the body of a request answered before it was "
                                     "read (401, 404, /healthz ...) did not end within --head-timeout of the answer"),
+    "bodies_too_large": ("counter", "connections closed because the body of a request answered before it was "
+                                    "read went on past 1 MiB after the answer (64 MiB for an upload: POST, PUT, PATCH)"),
+    "experts_bodies_timed_out": ("counter", "POST /v1/experts requests answered 408 and closed because their body "
+                                            "was not complete within --head-timeout"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
     "streams_stalled": ("counter", "streams closed because one write blocked for --write-timeout"),
     "unauthorized": ("counter", "requests refused with 401 (no, invalid or expired capability)"),
