@@ -108,7 +108,8 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     head_timeout: Annotated[float, documented(
         "seconds a connection may take to send a complete request head (after it opened, after its "
         "previous request and response ended, or from its first byte while a response is in progress) "
-        "before it gets 408 and is closed", gt=0, le=3600)] = 10.0
+        "before it gets 408 and is closed; also the time a POST /v1/experts body may take after its head, "
+        "and a body the edge answered without reading may take after the answer", gt=0, le=3600)] = 10.0
     max_head_bytes: Annotated[int, documented(
         "bytes of a request head (request line and headers) before it gets 431 and the connection is "
         "closed; a body does not count", ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
