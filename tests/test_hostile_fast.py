@@ -85,3 +85,85 @@ async def test_a_chunk_at_max_payload_whose_result_block_is_larger_never_costs_t
         assert not any(r.startswith("big") for r in got)  # nothing oversized was sent
         assert proc.poll() is None
         assert peak_rss(proc.pid) < 150 * MiB
+
+
+def hpub_with_reply(subject: bytes, reply: bytes, block: bytes, body: bytes) -> bytes:
+    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject, reply, len(block), len(block) + len(body), block, body)
+
+
+FINAL_0 = b"Streamproc-Seq: 0\r\nStreamproc-Final: true\r\n"
+JUNK = b"".join(b"X-Junk-%d: %s\r\n" % (i, b"v" * 12) for i in range(2600))  # ~60 KiB of headers
+
+# Header blocks a raw-socket worker can send, the request id each goes to, and what it gets:
+# (result body, its Streamproc-Seq, Streamproc-Error or None, its traceparent or None).
+ODD_BLOCKS = {
+    # Status lines go to nats-py's own header parser (FastClient declines them); their headers still count.
+    "st503": (b"NATS/1.0 503\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    "st999": (b"NATS/1.0 999 Whatever It Says\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    "stabc": (b"NATS/1.0 abc\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    "st100": (b"NATS/1.0 100 Idle Heartbeat\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    # A 60 KiB block of 2,600 headers; names that differ from Streamproc-Seq only in case are other headers.
+    "big-hdr": (b"NATS/1.0\r\nstreamproc-seq: 7\r\n" + JUNK + b"STREAMPROC-SEQ: 9\r\n" + FINAL_0 + b"\r\n",
+                (b"{}", "0", None, None)),
+    # Duplicate exact names: the last one counts (nats-py's dict), on both paths.
+    "dup": (b"NATS/1.0\r\nStreamproc-Seq: 5\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    # NUL, 0x80-0xff and a lone LF in a traceparent: not plain, so the general path encodes it (LF -> space).
+    "tp-bytes": (b"NATS/1.0\r\n" + FINAL_0 + b"traceparent: 00-\x00a\xff\x80b\r\n\r\n",
+                 (b"{}", "0", None, "00-\x00a\ufffd\ufffdb")),
+    "tp-lf": (b"NATS/1.0\r\n" + FINAL_0 + b"traceparent: 00-a\nb\r\n\r\n", (b"{}", "0", None, "00-a b")),
+    # A lone CR inside Streamproc-Seq is part of the value: not digits.
+    "seq-cr": (b"NATS/1.0\r\nStreamproc-Seq: 0\r1\r\nStreamproc-Final: true\r\n\r\n", (None, "0", "invalid_chunk", None)),
+    # A NUL in a header name is part of the name: Streamproc-Seq is missing.
+    "name-nul": (b"NATS/1.0\r\nStreamproc-Seq\x00: 0\r\nStreamproc-Final: true\r\n\r\n",
+                 (None, "0", "invalid_chunk", None)),
+}
+
+
+async def test_odd_header_blocks_and_worker_chosen_reply_subjects_through_the_fast_read_path(nats_url, streamproc_run):
+    """Chunks a raw-socket worker can send (status lines with odd codes, a 60 KiB block of 2,600
+    headers, names that differ in case, duplicates, NUL and 0x80-0xff bytes, lone CR or LF in values,
+    an empty body) are each read as nats-py reads them and answered once as their headers say, on
+    their own result subject: a reply subject the worker sets (another request's result subject, an
+    inbox) is never published to. Legitimate traffic beside them is answered in full, the connection
+    never drops."""
+    legit = [f"ok-{i}" for i in range(100)]
+    frames = [hpub_with_reply(SUBJECTS.chunk(rid, "agg").encode(), b"hijack.%s" % rid.encode(), block, b"{}")
+              for rid, (block, _) in ODD_BLOCKS.items()]
+    frames += [hpub_with_reply(b"streamproc.chunks.empty.agg", b"streamproc.results.ok-0",
+                               b"NATS/1.0\r\n" + FINAL_0 + b"\r\n", b""),
+               b"PUB streamproc.chunks.plain.agg hijack.plain 2\r\n{}\r\n"]  # no headers: no Streamproc-Seq
+    hijacked: list[str] = []
+
+    async def publish(nc) -> None:
+        async def on_hijack(msg) -> None:
+            hijacked.append(msg.subject)
+
+        await nc.subscribe("hijack.>", cb=on_hijack)
+        await nc.flush()
+        for i, rid in enumerate(legit):
+            if i == 50:
+                await raw_protocol(nats_url, frames)
+            for seq in range(3):
+                await nc.publish(SUBJECTS.chunk(rid, "agg"), f"{rid}:{seq}".encode(),
+                                 headers=chunk_headers(rid, "agg", seq, final=seq == 2))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        got = await answered(nats_url, legit + list(ODD_BLOCKS) + ["empty", "plain"], publish)
+        text = log_path.read_text(errors="replace")
+        assert [b for b, _ in got["ok-0"]] == [b"ok-0:0", b"ok-0:1", b"ok-0:2"]  # nothing forged on its subject
+        missing = [r for r in legit if [b for b, _ in got.get(r, [])] != [f"{r}:{s}".encode() for s in range(3)]]
+        assert not missing, (missing[:5], text[-3000:])
+        for rid, (_, (body, seq, error, traceparent)) in ODD_BLOCKS.items():
+            [(data, headers)] = got[rid]
+            assert (headers.get("Streamproc-Seq"), headers.get(ERROR), headers.get("traceparent")) == \
+                (seq, error, traceparent), (rid, headers, data)
+            assert body is None or data == body, (rid, data)
+        [(data, headers)] = got["empty"]
+        assert data == b"" and headers.get(ERROR) is None
+        [(data, headers)] = got["plain"]
+        assert headers.get(ERROR) == "invalid_chunk" and b"Streamproc-Seq" in data
+        await anyio.sleep(0.5)
+        assert hijacked == []
+        assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
