@@ -167,3 +167,40 @@ async def test_odd_header_blocks_and_worker_chosen_reply_subjects_through_the_fa
         assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
         assert proc.poll() is None
         assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_header_value_as_long_as_max_payload_is_not_echoed_into_the_error_result_or_the_log(
+        nats_url, streamproc_run):
+    """A contract error names the offending header value. A worker chooses its length (up to
+    ``max_payload``, over a raw socket): echoed whole, ``Streamproc-Final: xxx…`` (1 MiB) made an error
+    result body over ``max_payload`` that could not be published (the victim got nothing) and a
+    1 MiB log line per chunk (the per-event limit of 20 lines per 10 s then let one worker write
+    2 MB/s of log). The value is shown cut to its start, with its length: each victim gets its
+    ``invalid_chunk`` result and every log line stays short."""
+    values = {"Seq": b"0", "Final": b"true", "Attempt": b"0"}
+
+    async def publish(nc) -> None:
+        frames = []
+        for name in values:  # one header's value replaced by a run of x filling max_payload
+            lines = [b"Streamproc-%s: %s\r\n" % (k.encode(), b"{x}" if k == name else v) for k, v in values.items()]
+            block = b"NATS/1.0\r\n" + b"".join(lines) + b"\r\n"
+            block = block.replace(b"{x}", b"x" * (nc.max_payload - 2 - len(block) + 3))
+            assert len(block) + 2 == nc.max_payload
+            frames.append(raw_hpub(SUBJECTS.chunk(f"long-{name}", "agg").encode(), block, b"{}"))
+        await raw_protocol(nats_url, frames)
+        for seq in range(3):
+            await nc.publish(SUBJECTS.chunk("ok", "agg"), b"%d" % seq, headers=chunk_headers("ok", "agg", seq, final=seq == 2))
+
+    victims = ["long-Final", "long-Seq", "long-Attempt"]
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        got = await answered(nats_url, victims + ["ok"], publish)
+        text = log_path.read_text(errors="replace")
+        assert [b for b, _ in got.get("ok", [])] == [b"0", b"1", b"2"], text[-3000:]
+        for rid in victims:
+            [(body, headers)] = got.get(rid, [(b"", {})])
+            assert headers.get(ERROR) == "invalid_chunk", (rid, headers, text[-3000:])
+            assert len(body) < 1024 and b"characters" in body, (rid, body[:300])
+        assert max(len(line) for line in text.splitlines()) < 2048
+        assert "event=disconnected" not in text
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
