@@ -17,7 +17,8 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   one ``str`` (validated key prefixes cached, values translated only when they hold CR or LF) and
   encodes it once. On any exception the stock encoder runs instead, so every error is nats-py's own.
   :meth:`FastClient.publish_header_block` sends a block the caller pre-formatted (the processor's
-  passthrough results, :func:`streamproc.core.wire.result_header_block`).
+  passthrough results, :func:`streamproc.core.wire.result_header_block`). One check is this
+  client's own: header block and payload together within ``max_payload`` (``_append``).
 - **Inline delivery**: :meth:`FastClient.deliver_inline` lets a synchronous handler take a plain
   subscription's message in the read loop, before a ``Msg`` is built or queued, while nothing of
   that subscription is queued or in its callback (core mode's fused passthrough path, the durable
