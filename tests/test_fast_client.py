@@ -41,6 +41,10 @@ _BLOCKS = st.one_of(
     st.tuples(st.just(b"NATS/1.0"), _STATUS, st.lists(_LINE, max_size=6).map(b"\r\n".join),
               st.sampled_from([b"\r\n\r\n", b"\r\n", b""])).map(b"".join),
     st.binary(max_size=40),
+    # Arbitrary bytes after a header line, as a raw-socket worker can send them (HPUB): any line,
+    # name or value bytes (NUL, 0x80-0xff, lone CR or LF, colons), many lines.
+    st.tuples(st.sampled_from([b"NATS/1.0\r\n", b"NATS/1.0 503\r\n", b"NATS/1.0"]), st.binary(max_size=300)).map(b"".join),
+    st.lists(st.binary(max_size=24), max_size=40).map(lambda lines: b"NATS/1.0\r\n" + b"\r\n".join(lines) + b"\r\n\r\n"),
 )
 
 

@@ -84,3 +84,13 @@ def test_unreadable_header_block_is_a_contract_error_for_its_request():
         PARSE(f"{HEAD}r2.decode", {UNREADABLE_HEADERS: "UnicodeDecodeError"}, b"x")
     assert info.value.request_id == "r2"
     assert "unreadable header block" in info.value.reason
+
+
+@pytest.mark.parametrize("name", [SEQ, FINAL, ATTEMPT])
+def test_a_header_value_of_any_length_is_shown_cut_to_its_start_and_length_in_the_contract_error(name):
+    headers = {SEQ: "0", FINAL: "true", ATTEMPT: "0", name: "x" * 1_000_000}
+    with pytest.raises(ContractError) as info:
+        PARSE(f"{HEAD}r3.agg", headers, b"x")
+    assert info.value.request_id == "r3"
+    assert name in info.value.reason and "(1000000 characters)" in info.value.reason
+    assert len(info.value.reason) < 200

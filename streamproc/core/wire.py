@@ -129,12 +129,25 @@ class Subjects(msgspec.Struct, frozen=True):
         return subject[len(self.prefix) + len(".results."):]
 
 
+# Characters of a worker's value that an error text shows (shown()).
+MAX_SHOWN = 64
+
+
+def shown(value: str) -> str:
+    """``repr(value)`` for an error text, cut to its first :data:`MAX_SHOWN` characters and its
+    length. A worker chooses a header value's length (up to ``max_payload``); echoed whole, one
+    chunk made an error result too large to publish and a log line of that size."""
+    if len(value) <= MAX_SHOWN:
+        return repr(value)
+    return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
+
+
 def _parse_flag(value: str | None, name: str, request_id: str) -> bool:
     if value is None or value == "false":
         return False
     if value == "true":
         return True
-    raise ContractError(f"header {name} must be 'true' or 'false', got {value!r}", request_id)
+    raise ContractError(f"header {name} must be 'true' or 'false', got {shown(value)}", request_id)
 
 
 def _parse_index(value: str | None, name: str, request_id: str, *, required: bool) -> int:
@@ -143,7 +156,7 @@ def _parse_index(value: str | None, name: str, request_id: str, *, required: boo
             raise ContractError(f"missing required header {name}", request_id)
         return 0
     if not (value.isascii() and value.isdigit()) or len(value) > 18:  # '²'.isdigit(), '٠'.isdigit()
-        raise ContractError(f"header {name} must be a non-negative integer, got {value!r}", request_id)
+        raise ContractError(f"header {name} must be a non-negative integer, got {shown(value)}", request_id)
     return int(value)
 
 

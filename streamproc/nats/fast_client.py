@@ -17,7 +17,8 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   one ``str`` (validated key prefixes cached, values translated only when they hold CR or LF) and
   encodes it once. On any exception the stock encoder runs instead, so every error is nats-py's own.
   :meth:`FastClient.publish_header_block` sends a block the caller pre-formatted (the processor's
-  passthrough results, :func:`streamproc.core.wire.result_header_block`).
+  passthrough results, :func:`streamproc.core.wire.result_header_block`). One check is this
+  client's own: header block and payload together within ``max_payload`` (``_append``).
 - **Inline delivery**: :meth:`FastClient.deliver_inline` lets a synchronous handler take a plain
   subscription's message in the read loop, before a ``Msg`` is built or queued, while nothing of
   that subscription is queued or in its callback (core mode's fused passthrough path, the durable
@@ -623,12 +624,22 @@ class FastClient(RobustClient):
     def _append(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
         """The ``PUB``/``HPUB`` command into ``_pending``, counted as nats-py's ``_send_command``
         counts it (``hdr``: a block as :func:`encode_header_block` makes it). Every publish path
-        of this client goes through here; what differs is when the flusher is kicked."""
+        of this client goes through here; what differs is when the flusher is kicked.
+
+        Raises ``MaxPayloadError`` (nothing queued) when header block and payload together exceed
+        the server's ``max_payload``: nats-server counts both and closes the connection on such a
+        publish ("Maximum Payload Violation"), losing every command written with it and every
+        message sent to it until the reconnect; nats-py checks the payload alone. A chunk of
+        exactly ``max_payload`` with a short header block has a passthrough result with a longer
+        one (tests/test_hostile_fast.py)."""
         if hdr is None:
             cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
         else:
             hdr_len = len(hdr)
-            cmd = f"HPUB {subject} {reply} {hdr_len} {len(payload) + hdr_len}\r\n".encode() + hdr + payload + _CRLF
+            total = len(payload) + hdr_len
+            if total > self._max_payload:
+                raise errors.MaxPayloadError
+            cmd = f"HPUB {subject} {reply} {hdr_len} {total}\r\n".encode() + hdr + payload + _CRLF
         stats = self.stats
         stats["out_msgs"] += 1
         stats["out_bytes"] += len(payload)

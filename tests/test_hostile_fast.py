@@ -1,0 +1,234 @@
+"""Attacks on the processor's fast paths (FastParser, FastClient, the fused passthrough path, dispatch in
+the read loop) by a hostile worker writing raw protocol bytes to a real nats-server, beside legitimate
+traffic: the processor stays connected, every legitimate request is answered in full, the victim's
+fate is logged, and peak RSS (``VmHWM``) stays under a stated bound.
+
+(tests/test_hostile.py attacks the budgets and the codecs; tests/test_fast_parser.py and
+tests/test_fast_client.py pin the fast paths against stock nats-py.)
+"""
+
+from __future__ import annotations
+
+import anyio
+import nats
+import pytest
+from helpers import peak_rss, raw_hpub, raw_protocol, wait_until
+
+from streamproc.core.wire import ERROR, FINAL, Subjects, chunk_headers
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+MiB = 1 << 20
+
+
+async def answered(url: str, rids: list[str], publish) -> dict[str, list[tuple[bytes, dict[str, str]]]]:
+    """Subscribe to every result, run ``publish(nc)``, then wait until each of ``rids`` has its final result."""
+    nc = await nats.connect(url)
+    got: dict[str, list[tuple[bytes, dict[str, str]]]] = {}
+
+    async def on_result(msg) -> None:
+        got.setdefault(SUBJECTS.request_id_of_result(msg.subject), []).append((msg.data, msg.headers or {}))
+
+    try:
+        await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
+        await nc.flush()
+        await publish(nc)
+        await nc.flush()
+        with anyio.move_on_after(30):
+            while not all(any(h.get(FINAL) == "true" for _, h in got.get(r, [])) for r in rids):
+                await anyio.sleep(0.05)
+    finally:
+        await nc.close()
+    return got
+
+
+async def test_a_chunk_at_max_payload_whose_result_block_is_larger_never_costs_the_connection(
+        nats_url, streamproc_run):
+    """nats-server counts a message's header block and body against ``max_payload`` and closes a
+    connection that publishes more ("Maximum Payload Violation"); nats-py checks only the body. A
+    worker may send a chunk of exactly ``max_payload`` with a short header block (``Streamproc-Seq:0``,
+    no Nats-Msg-Id): its passthrough result carries the same body under a longer block, and the
+    processor's connection was closed, its pending results lost, the next chunks missed while it
+    reconnected. Now the client refuses that publish (``MaxPayloadError``), the victim's result is
+    logged as ``publish_failed``, and every other request is answered on the same connection: on the
+    fused path in the read loop (unary and streamed) and on the general path (a format header)."""
+    victims = {
+        "big-unary": b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n",
+        "big-stream": b"NATS/1.0\r\nStreamproc-Seq:0\r\n\r\n",
+        "big-general": b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Format:sglang\r\nStreamproc-Final:true\r\n\r\n",
+    }
+    legit = [f"ok-{i}" for i in range(60)]
+
+    async def publish(nc) -> None:
+        limit = nc.max_payload
+        for i, rid in enumerate(legit):
+            if i % 20 == 0:  # a victim, then 20 legitimate requests
+                victim, block = list(victims.items())[i // 20]
+                await raw_protocol(nats_url, [raw_hpub(SUBJECTS.chunk(victim, "agg").encode(), block,
+                                                       b"x" * (limit - len(block)))])
+            for seq in range(3):
+                await nc.publish(SUBJECTS.chunk(rid, "agg"), f"{rid}:{seq}".encode(),
+                                 headers=chunk_headers(rid, "agg", seq, final=seq == 2))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        got = await answered(nats_url, legit, publish)
+        text = log_path.read_text(errors="replace")
+        missing = [r for r in legit if [b for b, _ in got.get(r, [])] != [f"{r}:{s}".encode() for s in range(3)]]
+        assert not missing, (missing[:5], text[-3000:])
+        assert all(ERROR not in h for r in legit for _, h in got[r])
+        assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+        await wait_until(lambda: log_path.read_text().count("event=publish_failed") == 2, 10,
+                         "the 1st and 2nd refused results logged (then at powers of two)")
+        text = log_path.read_text()
+        assert "request_id=big-unary" in text and "MaxPayloadError" in text, text[-3000:]
+        assert not any(r.startswith("big") for r in got)  # nothing oversized was sent
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+def hpub_with_reply(subject: bytes, reply: bytes, block: bytes, body: bytes) -> bytes:
+    return b"HPUB %s %s %d %d\r\n%s%s\r\n" % (subject, reply, len(block), len(block) + len(body), block, body)
+
+
+FINAL_0 = b"Streamproc-Seq: 0\r\nStreamproc-Final: true\r\n"
+JUNK = b"".join(b"X-Junk-%d: %s\r\n" % (i, b"v" * 12) for i in range(2600))  # ~60 KiB of headers
+
+# Header blocks a raw-socket worker can send, the request id each goes to, and what it gets:
+# (result body, its Streamproc-Seq, Streamproc-Error or None, its traceparent or None).
+ODD_BLOCKS = {
+    # Status lines go to nats-py's own header parser (FastClient declines them); their headers still count.
+    "st503": (b"NATS/1.0 503\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    "st999": (b"NATS/1.0 999 Whatever It Says\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    "stabc": (b"NATS/1.0 abc\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    "st100": (b"NATS/1.0 100 Idle Heartbeat\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    # A 60 KiB block of 2,600 headers; names that differ from Streamproc-Seq only in case are other headers.
+    "big-hdr": (b"NATS/1.0\r\nstreamproc-seq: 7\r\n" + JUNK + b"STREAMPROC-SEQ: 9\r\n" + FINAL_0 + b"\r\n",
+                (b"{}", "0", None, None)),
+    # Duplicate exact names: the last one counts (nats-py's dict), on both paths.
+    "dup": (b"NATS/1.0\r\nStreamproc-Seq: 5\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    # NUL, 0x80-0xff and a lone LF in a traceparent: not plain, so the general path encodes it (LF -> space).
+    "tp-bytes": (b"NATS/1.0\r\n" + FINAL_0 + b"traceparent: 00-\x00a\xff\x80b\r\n\r\n",
+                 (b"{}", "0", None, "00-\x00a\ufffd\ufffdb")),
+    "tp-lf": (b"NATS/1.0\r\n" + FINAL_0 + b"traceparent: 00-a\nb\r\n\r\n", (b"{}", "0", None, "00-a b")),
+    # A lone CR inside Streamproc-Seq is part of the value: not digits.
+    "seq-cr": (b"NATS/1.0\r\nStreamproc-Seq: 0\r1\r\nStreamproc-Final: true\r\n\r\n", (None, "0", "invalid_chunk", None)),
+    # A NUL in a header name is part of the name: Streamproc-Seq is missing.
+    "name-nul": (b"NATS/1.0\r\nStreamproc-Seq\x00: 0\r\nStreamproc-Final: true\r\n\r\n",
+                 (None, "0", "invalid_chunk", None)),
+}
+
+
+async def test_odd_header_blocks_and_worker_chosen_reply_subjects_through_the_fast_read_path(nats_url, streamproc_run):
+    """Chunks a raw-socket worker can send (status lines with odd codes, a 60 KiB block of 2,600
+    headers, names that differ in case, duplicates, NUL and 0x80-0xff bytes, lone CR or LF in values,
+    an empty body) are each read as nats-py reads them and answered once as their headers say, on
+    their own result subject: a reply subject the worker sets (another request's result subject, an
+    inbox) is never published to. Legitimate traffic beside them is answered in full, the connection
+    never drops."""
+    legit = [f"ok-{i}" for i in range(100)]
+    frames = [hpub_with_reply(SUBJECTS.chunk(rid, "agg").encode(), b"hijack.%s" % rid.encode(), block, b"{}")
+              for rid, (block, _) in ODD_BLOCKS.items()]
+    frames += [hpub_with_reply(b"streamproc.chunks.empty.agg", b"streamproc.results.ok-0",
+                               b"NATS/1.0\r\n" + FINAL_0 + b"\r\n", b""),
+               b"PUB streamproc.chunks.plain.agg hijack.plain 2\r\n{}\r\n"]  # no headers: no Streamproc-Seq
+    hijacked: list[str] = []
+
+    async def publish(nc) -> None:
+        async def on_hijack(msg) -> None:
+            hijacked.append(msg.subject)
+
+        await nc.subscribe("hijack.>", cb=on_hijack)
+        await nc.flush()
+        for i, rid in enumerate(legit):
+            if i == 50:
+                await raw_protocol(nats_url, frames)
+            for seq in range(3):
+                await nc.publish(SUBJECTS.chunk(rid, "agg"), f"{rid}:{seq}".encode(),
+                                 headers=chunk_headers(rid, "agg", seq, final=seq == 2))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        got = await answered(nats_url, legit + list(ODD_BLOCKS) + ["empty", "plain"], publish)
+        text = log_path.read_text(errors="replace")
+        assert [b for b, _ in got["ok-0"]] == [b"ok-0:0", b"ok-0:1", b"ok-0:2"]  # nothing forged on its subject
+        missing = [r for r in legit if [b for b, _ in got.get(r, [])] != [f"{r}:{s}".encode() for s in range(3)]]
+        assert not missing, (missing[:5], text[-3000:])
+        for rid, (_, (body, seq, error, traceparent)) in ODD_BLOCKS.items():
+            [(data, headers)] = got[rid]
+            assert (headers.get("Streamproc-Seq"), headers.get(ERROR), headers.get("traceparent")) == \
+                (seq, error, traceparent), (rid, headers, data)
+            assert body is None or data == body, (rid, data)
+        [(data, headers)] = got["empty"]
+        assert data == b"" and headers.get(ERROR) is None
+        [(data, headers)] = got["plain"]
+        assert headers.get(ERROR) == "invalid_chunk" and b"Streamproc-Seq" in data
+        await anyio.sleep(0.5)
+        assert hijacked == []
+        assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_header_value_as_long_as_max_payload_is_not_echoed_into_the_error_result_or_the_log(
+        nats_url, streamproc_run):
+    """A contract error names the offending header value. A worker chooses its length (up to
+    ``max_payload``, over a raw socket): echoed whole, ``Streamproc-Final: xxx…`` (1 MiB) made an error
+    result body over ``max_payload`` that could not be published (the victim got nothing) and a
+    1 MiB log line per chunk (the per-event limit of 20 lines per 10 s then let one worker write
+    2 MB/s of log). The value is shown cut to its start, with its length: each victim gets its
+    ``invalid_chunk`` result and every log line stays short."""
+    values = {"Seq": b"0", "Final": b"true", "Attempt": b"0"}
+
+    async def publish(nc) -> None:
+        frames = []
+        for name in values:  # one header's value replaced by a run of x filling max_payload
+            lines = [b"Streamproc-%s: %s\r\n" % (k.encode(), b"{x}" if k == name else v) for k, v in values.items()]
+            block = b"NATS/1.0\r\n" + b"".join(lines) + b"\r\n"
+            block = block.replace(b"{x}", b"x" * (nc.max_payload - 2 - len(block) + 3))
+            assert len(block) + 2 == nc.max_payload
+            frames.append(raw_hpub(SUBJECTS.chunk(f"long-{name}", "agg").encode(), block, b"{}"))
+        await raw_protocol(nats_url, frames)
+        for seq in range(3):
+            await nc.publish(SUBJECTS.chunk("ok", "agg"), b"%d" % seq, headers=chunk_headers("ok", "agg", seq, final=seq == 2))
+
+    victims = ["long-Final", "long-Seq", "long-Attempt"]
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        got = await answered(nats_url, victims + ["ok"], publish)
+        text = log_path.read_text(errors="replace")
+        assert [b for b, _ in got.get("ok", [])] == [b"0", b"1", b"2"], text[-3000:]
+        for rid in victims:
+            [(body, headers)] = got.get(rid, [(b"", {})])
+            assert headers.get(ERROR) == "invalid_chunk", (rid, headers, text[-3000:])
+            assert len(body) < 1024 and b"characters" in body, (rid, body[:300])
+        assert max(len(line) for line in text.splitlines()) < 2048
+        assert "event=disconnected" not in text
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode_without_a_disconnect(
+        nats_url, streamproc_run):
+    """Durable mode, the same attack as the core test above: the stored chunk of exactly
+    ``max_payload`` has a result the client refuses (``MaxPayloadError``) instead of a publish that
+    made nats-server close the connection at every send and redelivery. The result is given up after
+    ``--max-result-attempts`` sends, its chunk redelivered, and on its ``--max-deliver``-th delivery
+    the request ends with an error result; legitimate requests are answered on the same connection."""
+    block = b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n"
+
+    async def publish(nc) -> None:
+        await raw_protocol(nats_url, [raw_hpub(SUBJECTS.chunk("big", "agg").encode(), block,
+                                               b"x" * (nc.max_payload - len(block)))])
+        for i in range(20):
+            await nc.publish(SUBJECTS.chunk(f"ok-{i}", "agg"), b"{}", headers=chunk_headers(f"ok-{i}", "agg", 0, final=True))
+
+    with streamproc_run("--mode", "durable", "--max-result-attempts", "3", "--max-deliver", "2",
+                        "--ack-wait", "1") as (proc, log_path):
+        got = await answered(nats_url, ["big"] + [f"ok-{i}" for i in range(20)], publish)
+        text = log_path.read_text(errors="replace")
+        assert all(got.get(f"ok-{i}") for i in range(20)), text[-3000:]
+        [(body, headers)] = got.get("big", [(b"", {})])
+        assert headers.get(ERROR) == "internal" and b"delivered 2 times" in body, (headers, body[:300], text[-3000:])
+        assert "MaxPayloadError" in text
+        assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 200 * MiB
