@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 import pytest
+from nats.errors import MaxPayloadError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
@@ -24,7 +25,7 @@ from streamproc.core.wire import (Role, Subjects, chunk_headers, result_block, r
 from streamproc.nats import fast_client
 from streamproc.nats.fast_client import (FastClient, adaptive_gap, _stock_header_block, encode_header_block, fast_path_support,
                                          new_client)
-from streamproc.nats.robust import RobustClient
+from streamproc.nats.robust import RobustClient, header_block_size
 
 # ------------------------------------------------------------------------------ parse side
 
@@ -115,7 +116,35 @@ def _publish(cls: type[Client], subject: str, payload: bytes, headers) -> object
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_SUBJECTS, st.binary(max_size=8), st.none() | st.dictionaries(_KEYS, _VALUES, max_size=5))
 def test_published_wire_bytes_and_errors_are_stock_nats_pys_on_random_headers(subject, payload, headers):
-    assert _publish(FastClient, subject, payload, headers) == _publish(Client, subject, payload, headers)
+    stock = _publish(Client, subject, payload, headers)
+    assert _publish(FastClient, subject, payload, headers) == stock
+    assert _publish(RobustClient, subject, payload, headers) == stock  # its max_payload check aside
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_KEYS, _VALUES, max_size=5))
+def test_the_header_block_size_robust_client_checks_is_the_stock_blocks_length(headers):
+    try:
+        stock = _stock_header_block(headers)
+    except Exception:  # noqa: BLE001  (nats-py refuses these headers itself)
+        return
+    assert header_block_size(headers) == len(stock)
+
+
+@pytest.mark.parametrize("cls", [FastClient, RobustClient])
+def test_a_message_whose_header_block_and_body_exceed_max_payload_is_refused_before_it_is_written(cls):
+    """nats-server counts both and closes the connection on more; stock nats-py counts the body only."""
+    headers = {"Streamproc-Seq": "0", "Streamproc-Final": "true"}
+    room = 1024 - len(_stock_header_block(headers))
+    nc = _connected(cls)
+    nc._max_payload = 1024
+    asyncio.run(nc.publish("s.ok", b"x" * room, headers=headers))  # exactly max_payload: sent
+    with pytest.raises(MaxPayloadError):
+        asyncio.run(nc.publish("s.ok", b"x" * (room + 1), headers=headers))
+    assert nc.stats["out_msgs"] == 1  # the refused one queued nothing
+    stock = _connected(Client)
+    stock._max_payload = 1024
+    asyncio.run(stock.publish("s.ok", b"x" * (room + 1), headers=headers))  # what the server would close for
 
 
 def test_header_keys_cached_as_valid_still_reject_the_invalid_ones():

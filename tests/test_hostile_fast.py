@@ -210,9 +210,10 @@ async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode
         nats_url, streamproc_run):
     """Durable mode, the same attack as the core test above: the stored chunk of exactly
     ``max_payload`` has a result the client refuses (``MaxPayloadError``) instead of a publish that
-    made nats-server close the connection at every send and redelivery. The result is given up after
-    ``--max-result-attempts`` sends, its chunk redelivered, and on its ``--max-deliver``-th delivery
-    the request ends with an error result; legitimate requests are answered on the same connection."""
+    made nats-server close the connection at every send and redelivery. The result is given up at
+    once (not after ``--max-result-attempts``, 100 by default, sends that cannot succeed), its chunk
+    redelivered, and on its ``--max-deliver``-th delivery the request ends with an error result;
+    legitimate requests are answered on the same connection."""
     block = b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n"
 
     async def publish(nc) -> None:
@@ -221,13 +222,13 @@ async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode
         for i in range(20):
             await nc.publish(SUBJECTS.chunk(f"ok-{i}", "agg"), b"{}", headers=chunk_headers(f"ok-{i}", "agg", 0, final=True))
 
-    with streamproc_run("--mode", "durable", "--max-result-attempts", "3", "--max-deliver", "2",
-                        "--ack-wait", "1") as (proc, log_path):
+    with streamproc_run("--mode", "durable", "--max-deliver", "2", "--ack-wait", "1") as (proc, log_path):
         got = await answered(nats_url, ["big"] + [f"ok-{i}" for i in range(20)], publish)
         text = log_path.read_text(errors="replace")
         assert all(got.get(f"ok-{i}") for i in range(20)), text[-3000:]
         [(body, headers)] = got.get("big", [(b"", {})])
         assert headers.get(ERROR) == "internal" and b"delivered 2 times" in body, (headers, body[:300], text[-3000:])
+        assert b"after 1 attempts (larger than the server's max_payload)" in body, body[:300]
         assert "MaxPayloadError" in text
         assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
         assert proc.poll() is None

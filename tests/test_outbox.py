@@ -569,6 +569,20 @@ def test_a_publish_that_did_not_leave_is_sent_again_at_the_next_tick():
     assert box.sending(0.01) == [o] and box.stats.publish_errors == 1
 
 
+def test_a_result_that_can_never_be_sent_is_given_up_at_once_its_tokens_nakd_and_its_request_dropped():
+    box = Outbox(OutboxConfig(max_attempts=100))
+    t0, t1 = Token("a", "0", 1), Token("a", "1", 1)
+    box.take([result("a", 0, settles=(t0,)), result("a", 1, settles=(t1,))], "a")
+    box.take([result("b", 0)], "b")
+    (o, other) = box.sending(0.0)
+    assert box.unsendable(o, "too large") == [GiveUp("a", 0, 1, "too large")]
+    assert box.control() == [(t0, NAK), (t1, NAK)]
+    assert box.stats.results_given_up == 1 and box.stats.publish_errors == 1
+    assert box.tick(100.0) == []  # nothing of "a" is sent again, however late; b is only overdue
+    assert [x.result.request_id for x in box.sending(100.0)] == ["b"]  # b's overdue copy only
+    assert box.on_puback(o.ticket, b'{"stream":"R","seq":1}', 100.1) == UNMATCHED
+
+
 def test_a_result_refused_max_attempts_times_is_given_up_its_tokens_nakd_and_its_request_dropped():
     box = Outbox(OutboxConfig(max_attempts=2))
     t0, t1, dup = Token("a", "0", 1), Token("a", "1", 1), Token("a", "1", 2)

@@ -308,6 +308,16 @@ class Outbox:
         self.stats.publish_errors += 1
         o.due = float("-inf")
 
+    def unsendable(self, o: Outgoing, reason: str) -> list[GiveUp]:
+        """The publish of ``o`` can never leave (its message is larger than the connection allows):
+        give it up now, as :meth:`tick` would after ``max_attempts`` sends that could not succeed
+        (with the defaults, 100 sends on each of ``max_deliver`` deliveries). Returns it."""
+        self.stats.publish_errors += 1
+        o.failures += 1
+        self._inflight.pop(o.ticket, None)
+        self._give_up(o, reason)
+        return self.given_up()
+
     def tick(self, now: float, reconnected: bool = False,
              held: Callable[[], Iterable[object]] | None = None) -> list[GiveUp]:
         """Send overdue results again (every one in flight after a reconnect); run a progress round

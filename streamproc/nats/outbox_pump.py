@@ -142,8 +142,7 @@ class OutboxPump:
             try:
                 await publish(subject, r.body, reply, result_headers(r))
             except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
-                self.outbox.send_failed(o)
-                self._failed(r.request_id, exc)
+                self._send_failed(o, exc)
         send = self._control
         for reply, payload in self._controls_due():
             try:
@@ -168,8 +167,7 @@ class OutboxPump:
                 block = result_block(r) or encode_header_block(result_headers(r))
                 enqueue(subject, r.body, reply, block)  # type: ignore[misc]
             except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
-                self.outbox.send_failed(o)
-                self._failed(r.request_id, exc)
+                self._send_failed(o, exc)
         for reply, payload in self._controls_due():
             try:  # the ack subject is the server's own reply subject: not checked again
                 enqueue(reply, payload, checked=True, defer=True)  # type: ignore[misc]
@@ -226,6 +224,18 @@ class OutboxPump:
                       request_id=result.request_id if result is not None else "-", status=status,
                       detail=data[:200].decode(errors="replace"),
                       retry_in=f"{self.outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
+
+    def _send_failed(self, o: Outgoing, exc: Exception) -> None:
+        """A publish that did not leave: sent again at the next tick, unless it never can (a result
+        over the server's ``max_payload`` with its header block: ``FastClient._append`` refuses it,
+        as nats-server would by closing the connection), which is given up at once."""
+        if isinstance(exc, nats.errors.MaxPayloadError):
+            self._failed(o.result.request_id, exc)
+            for g in self.outbox.unsendable(o, "larger than the server's max_payload"):
+                self._given_up(g)
+            return
+        self.outbox.send_failed(o)
+        self._failed(o.result.request_id, exc)
 
     def _failed(self, request_id: str, exc: Exception) -> None:
         errors = self.outbox.stats.publish_errors

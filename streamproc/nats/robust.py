@@ -26,6 +26,13 @@ around it) leaves its cancelled PONG future in ``Client._pongs``; when that PONG
 ``Client._process_pong`` calls ``set_result`` on it, ``InvalidStateError`` escapes the parser, and
 ``_read_loop`` (which breaks on any ``Exception``) stops reading for good, with one "nats:
 encountered error" traceback. :meth:`RobustClient._process_pong` skips a waiter that is done.
+
+A fifth, on the publishing side: nats-server counts a message's header block and body together
+against ``max_payload`` and closes a connection that publishes more ("Maximum Payload Violation"),
+losing everything written with it; nats-py checks the body alone. A worker's chunk of exactly
+``max_payload`` with a short header block has a result with a longer one.
+:meth:`RobustClient._send_publish` raises ``MaxPayloadError`` for such a message instead (as
+``FastClient._append`` does on the fast path).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import logging
 import re
 from typing import Any
 
+from nats import errors
 from nats.aio.client import Client
 from nats.protocol import parser as _parser
 
@@ -93,6 +101,12 @@ class RobustClient(Client):
             return {UNREADABLE_HEADERS: f"{type(exc).__name__}: {exc}"[:200]}
 
 
+    async def _send_publish(self, subject: str, reply: str, payload: bytes, payload_size: int,
+                            headers: dict[str, Any] | None) -> None:
+        if headers is not None and payload_size + header_block_size(headers) > self._max_payload:
+            raise errors.MaxPayloadError
+        await super()._send_publish(subject, reply, payload, payload_size, headers)
+
     async def _process_pong(self) -> None:
         # nats-py 2.16 Client._process_pong, minus set_result on a waiter that is done already.
         if self._pongs:
@@ -108,3 +122,19 @@ async def connect(**options: Any) -> RobustClient:
     nc = RobustClient()
     await nc.connect(**options)
     return nc
+
+
+def header_block_size(headers: dict[str, Any]) -> int:
+    """Bytes of the header block nats-py 2.x's ``Client._send_publish`` builds for ``headers``
+    (``NATS/1.0``, ``key: value`` lines of the stripped, non-empty keys and stripped values, the
+    blank line; CR and LF in a value become one space each, so they keep their length); 0 for
+    headers that nats-py will refuse itself, so its own error is the one raised."""
+    try:
+        size = 12  # "NATS/1.0\r\n" and the closing "\r\n"
+        for k, v in headers.items():
+            key = k.strip()
+            if key:
+                size += len(key.encode()) + len(v.strip().encode()) + 4  # ": " and "\r\n"
+        return size
+    except Exception:  # noqa: BLE001  (not str: nats-py raises its own error for it)
+        return 0
