@@ -176,7 +176,8 @@ async def test_a_header_value_as_long_as_max_payload_is_not_echoed_into_the_erro
     result body over ``max_payload`` that could not be published (the victim got nothing) and a
     1 MiB log line per chunk (the per-event limit of 20 lines per 10 s then let one worker write
     2 MB/s of log). The value is shown cut to its start, with its length: each victim gets its
-    ``invalid_chunk`` result and every log line stays short."""
+    ``invalid_chunk`` result and every log line stays short. The same for ``Streamproc-Format``
+    (``unknown_format``, or ``invalid_chunk`` when it differs from its request's)."""
     values = {"Seq": b"0", "Final": b"true", "Attempt": b"0"}
 
     async def publish(nc) -> None:
@@ -187,18 +188,29 @@ async def test_a_header_value_as_long_as_max_payload_is_not_echoed_into_the_erro
             block = block.replace(b"{x}", b"x" * (nc.max_payload - 2 - len(block) + 3))
             assert len(block) + 2 == nc.max_payload
             frames.append(raw_hpub(SUBJECTS.chunk(f"long-{name}", "agg").encode(), block, b"{}"))
+        # The format a chunk names, unknown (seq 0 of a streamed request) or other than its request's
+        # (seq 1): before, both repeated it whole in the error result.
+        head = b"NATS/1.0\r\nStreamproc-Seq: %d\r\nStreamproc-Final: false\r\nStreamproc-Format: "
+        long_format = b"x" * (nc.max_payload // 2)
+        frames.append(raw_hpub(SUBJECTS.chunk("long-Format", "agg").encode(),
+                               head % 0 + long_format + b"\r\n\r\n", b"{}"))
+        frames.append(raw_hpub(SUBJECTS.chunk("other-Format", "agg").encode(),
+                               head % 0 + b"sglang\r\n\r\n", b"{}"))
+        frames.append(raw_hpub(SUBJECTS.chunk("other-Format", "agg").encode(),
+                               head % 1 + long_format + b"\r\n\r\n", b"{}"))
         await raw_protocol(nats_url, frames)
         for seq in range(3):
             await nc.publish(SUBJECTS.chunk("ok", "agg"), b"%d" % seq, headers=chunk_headers("ok", "agg", seq, final=seq == 2))
 
-    victims = ["long-Final", "long-Seq", "long-Attempt"]
+    victims = {"long-Final": "invalid_chunk", "long-Seq": "invalid_chunk", "long-Attempt": "invalid_chunk",
+               "long-Format": "unknown_format", "other-Format": "invalid_chunk"}
     with streamproc_run("--mode", "core") as (proc, log_path):
-        got = await answered(nats_url, victims + ["ok"], publish)
+        got = await answered(nats_url, [*victims, "ok"], publish)
         text = log_path.read_text(errors="replace")
         assert [b for b, _ in got.get("ok", [])] == [b"0", b"1", b"2"], text[-3000:]
-        for rid in victims:
-            [(body, headers)] = got.get(rid, [(b"", {})])
-            assert headers.get(ERROR) == "invalid_chunk", (rid, headers, text[-3000:])
+        for rid, kind in victims.items():
+            [(body, headers)] = got.get(rid, [(b"", {})])[-1:]
+            assert headers.get(ERROR) == kind, (rid, headers, text[-3000:])
             assert len(body) < 1024 and b"characters" in body, (rid, body[:300])
         assert max(len(line) for line in text.splitlines()) < 2048
         assert "event=disconnected" not in text

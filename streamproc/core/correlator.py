@@ -25,7 +25,7 @@ import msgspec
 
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
-from .errors import MigrationRefused, UnknownFormat
+from .errors import MigrationRefused, UnknownFormat, shown
 from .latency import LatencyHistogram
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
@@ -304,7 +304,7 @@ class Correlator:
 
         if chunk.format is not None and chunk.format != req.format:
             return self._fail(req, ErrorKind.INVALID_CHUNK,
-                              f"chunk format {chunk.format!r} differs from the request's {req.format!r}",
+                              f"chunk format {shown(chunk.format)} differs from the request's {req.format!r}",
                               now, extra=(chunk.token,))
         if chunk.role is _PREFILL:
             out = self._receive_prefill(req, chunk, now)

@@ -17,6 +17,19 @@ class StreamprocError(Exception):
     """Base of every error streamproc raises on purpose."""
 
 
+# Characters of a worker's value that an error text shows (shown()).
+MAX_SHOWN = 64
+
+
+def shown(value: str) -> str:
+    """``repr(value)`` for an error text, cut to its first :data:`MAX_SHOWN` characters and its
+    length. A worker chooses a header value's length (up to ``max_payload``); echoed whole, one
+    chunk made an error result too large to publish and a log line of that size."""
+    if len(value) <= MAX_SHOWN:
+        return repr(value)
+    return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
+
+
 # ------------------------------------------------------------------ input and formats
 
 class ContractError(StreamprocError, ValueError):
@@ -40,7 +53,7 @@ class UnknownFormat(StreamprocError, LookupError):
     """A format name no installed codec registers."""
 
     def __init__(self, name: str, available: list[str]) -> None:
-        super().__init__(f"unknown format {name!r}; installed codecs: {', '.join(available) or 'none'}")
+        super().__init__(f"unknown format {shown(name)}; installed codecs: {', '.join(available) or 'none'}")
         self.name = name
         self.available = available
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import msgspec
 
 from . import defaults
-from .errors import ContractError
+from .errors import ContractError, shown
 from .events import (  # noqa: F401  (re-exported: the wire contract's records, under their old path)
     Chunk,
     MigrateError,
@@ -127,19 +127,6 @@ class Subjects(msgspec.Struct, frozen=True):
 
     def request_id_of_result(self, subject: str) -> str:
         return subject[len(self.prefix) + len(".results."):]
-
-
-# Characters of a worker's value that an error text shows (shown()).
-MAX_SHOWN = 64
-
-
-def shown(value: str) -> str:
-    """``repr(value)`` for an error text, cut to its first :data:`MAX_SHOWN` characters and its
-    length. A worker chooses a header value's length (up to ``max_payload``); echoed whole, one
-    chunk made an error result too large to publish and a log line of that size."""
-    if len(value) <= MAX_SHOWN:
-        return repr(value)
-    return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
 
 
 def _parse_flag(value: str | None, name: str, request_id: str) -> bool:
