@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import nats.aio.client as _client
@@ -64,6 +65,9 @@ log = logging.getLogger("streamproc.nats")
 
 # [first, end) of the nats-py releases whose header code this mirrors (nats/aio/client.py).
 SUPPORTED_NATS_PY = ((2, 16), (2, 17))
+# Set (non-empty) to use the stock-path RobustClient on any nats-py: how CI, which runs the newest
+# nats-py, runs the processor and the edge as they run on a release outside SUPPORTED_NATS_PY.
+STOCK_CLIENT_ENV = "STOCK_NATS_PY"  # not STREAMPROC_*: no setting reads it (the CLI warns of those)
 
 _CRLF = b"\r\n"
 # Bytes asyncio's socket transport asks recv() for (its max_size, 256 KiB): glibc's malloc serves a
@@ -99,6 +103,8 @@ def _version(text: str) -> tuple[int, ...]:
 
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the installed nats-py is in range and its internals are the ones mirrored."""
+    if version is None and os.environ.get(STOCK_CLIENT_ENV):
+        return False, f"{STOCK_CLIENT_ENV} is set"
     version = _client.__version__ if version is None else version
     low, high = SUPPORTED_NATS_PY
     if not low <= _version(version) < high:
