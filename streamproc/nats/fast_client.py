@@ -38,8 +38,9 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
 The wire bytes and errors are pinned against stock nats-py on random headers
 (tests/test_fast_client.py), the parser's calls, errors and state against nats-py's ``Parser`` on
 random frames cut at random reads (tests/test_fast_parser.py). The fast path is used only for nats-py versions in
-:data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`);
-otherwise :func:`new_client` returns the stock-path :class:`RobustClient` and logs why. The
+:data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`)
+and :data:`STOCK_CLIENT_ENV` is not set; otherwise :func:`new_client` returns the stock-path
+:class:`RobustClient` and logs why. The
 upstream-ready description is in docs/benchmarks.md ("nats-py header fast path").
 """
 
