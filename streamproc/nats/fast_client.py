@@ -38,8 +38,9 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
 The wire bytes and errors are pinned against stock nats-py on random headers
 (tests/test_fast_client.py), the parser's calls, errors and state against nats-py's ``Parser`` on
 random frames cut at random reads (tests/test_fast_parser.py). The fast path is used only for nats-py versions in
-:data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`);
-otherwise :func:`new_client` returns the stock-path :class:`RobustClient` and logs why. The
+:data:`SUPPORTED_NATS_PY` whose internals match what it was written against (:func:`fast_path_support`)
+and :data:`STOCK_CLIENT_ENV` is not set; otherwise :func:`new_client` returns the stock-path
+:class:`RobustClient` and logs why. The
 upstream-ready description is in docs/benchmarks.md ("nats-py header fast path").
 """
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from typing import Any
 
 import nats.aio.client as _client
@@ -64,6 +66,9 @@ log = logging.getLogger("streamproc.nats")
 
 # [first, end) of the nats-py releases whose header code this mirrors (nats/aio/client.py).
 SUPPORTED_NATS_PY = ((2, 16), (2, 17))
+# Set (non-empty) to use the stock-path RobustClient on any nats-py: how CI, which runs the newest
+# nats-py, runs the processor and the edge as they run on a release outside SUPPORTED_NATS_PY.
+STOCK_CLIENT_ENV = "STOCK_NATS_PY"  # not STREAMPROC_*: no setting reads it (the CLI warns of those)
 
 _CRLF = b"\r\n"
 # Bytes asyncio's socket transport asks recv() for (its max_size, 256 KiB): glibc's malloc serves a
@@ -99,6 +104,8 @@ def _version(text: str) -> tuple[int, ...]:
 
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the installed nats-py is in range and its internals are the ones mirrored."""
+    if version is None and os.environ.get(STOCK_CLIENT_ENV):
+        return False, f"{STOCK_CLIENT_ENV} is set"
     version = _client.__version__ if version is None else version
     low, high = SUPPORTED_NATS_PY
     if not low <= _version(version) < high:

@@ -1,0 +1,59 @@
+"""The processor on the stock nats-py path (``RobustClient``), as on a nats-py release outside
+``SUPPORTED_NATS_PY``: CI runs the newest nats-py, so the path is forced with ``STOCK_NATS_PY``."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamproc.catalog import worker_for
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import follow
+from streamproc.nats import fast_client
+from streamproc.nats.processor import Processor
+from streamproc.nats.robust import RobustClient
+from streamproc.sim import traffic
+from streamproc.wire import Verdict
+
+from durable_helpers import FORMAT, durable_settings, wait_for_finals
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def stock_client(monkeypatch):
+    monkeypatch.setenv(fast_client.STOCK_CLIENT_ENV, "1")
+    monkeypatch.setattr(fast_client, "_support", None)
+    yield
+    fast_client._support = None
+
+
+async def test_the_stock_path_is_forced_by_its_variable_and_says_why(stock_client, caplog):
+    nc = fast_client.new_client()
+    assert type(nc) is RobustClient
+    assert "nats_fast_path_disabled" in caplog.text and fast_client.STOCK_CLIENT_ENV in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_the_processor_on_the_stock_path_passes_through_joins_and_stores_results(stock_client, client,
+                                                                                        nats_url, mode):
+    settings = durable_settings(nats_url, mode=mode)
+    worker = worker_for(FORMAT)
+    truth = traffic.make_truth(5, request_id="stock-pd", prompt_len=9, output_len=4)
+    bodies = [b"one", b"two", b"\xffthree"]
+    async with Processor(settings) as p:
+        assert type(p.nc) is RobustClient
+        publisher = ChunkPublisher(client, settings.subjects)
+        async with follow(client, settings.subjects, "stock-agg", timeout=10) as passed, \
+                follow(client, settings.subjects, "stock-pd", timeout=10) as joined:
+            await publisher.publish_leg("stock-agg", "agg", bodies)
+            await publisher.publish_leg("stock-pd", "prefill", worker.prefill(truth, stream=False))
+            await publisher.publish_leg("stock-pd", "decode", worker.decode(truth, stream=False))
+            got = await passed.collect()
+            (final,) = await joined.collect()
+        assert [r.body for r in got] == bodies and [r.seq for r in got] == [0, 1, 2] and got[-1].final
+        assert all(r.verdict is Verdict.PASSTHROUGH for r in got)
+        assert final.verdict is Verdict.JOINED and worker.expert_view(final.body)[0] == truth.experts
+        if mode == "durable":
+            stored = await wait_for_finals(client.jetstream(), settings.subjects, ["stock-agg", "stock-pd"], 15)
+            assert [r.body for r in stored["stock-agg"]] == bodies
+            assert [r.verdict for r in stored["stock-pd"]] == [Verdict.JOINED]
