@@ -359,26 +359,33 @@ async def test_without_the_ring_streams_with_their_own_consumer_go_on_from_a_rec
         assert "Traceback" not in edge.log()
 
 
+@contextlib.asynccontextmanager
+async def a_feed_with_msg_get_refused(own_server, name: str):
+    """An in-process source on a fresh results stream whose ``STREAM.MSG.GET`` is refused, and a feed
+    it opened: that feed reads the ring's stream with an ordered consumer of its own (msg_get.py)."""
+    async with connection(own_server.url) as nc:
+        await recreate(nc.jetstream())
+        async with started_source(own_server.url, SUBJECTS) as source:
+            assert source.msg_get is not None
+            source.msg_get.refused("a test refuses it")
+            feed = await source.open(rid(name))
+            assert feed.inbox is None and feed.stream == RESULTS_STREAM  # an ordered consumer of its own
+            yield nc, source, feed
+
+
 async def test_streams_given_their_own_consumer_because_msg_get_is_refused_go_on_from_a_recreated_stream(
         own_server):
     """With the ring on, a stream gets an ordered consumer of its own on the ring's stream while the
     edge may not read stored results by subject (msg_get.py); a recreated stream used to end those
     with the ``unavailable`` error while the ring's streams went on. They go on the same way now."""
-    async with connection(own_server.url) as nc:
-        js = nc.jetstream()
-        await recreate(js)
-        async with started_source(own_server.url, SUBJECTS) as source:
-            assert source.msg_get is not None
-            source.msg_get.refused("a test refuses it")
-            feed = await source.open(rid("refused"))
-            assert feed.inbox is None and feed.stream == RESULTS_STREAM  # an ordered consumer of its own
-            await publish_range(nc, [Reader(feed.request_id)], range(5))
-            assert await feed_results(feed, 5) == list(range(5))
-            await replace_between_checks(nc)
-            await publish_range(nc, [Reader(feed.request_id)], range(3, 8), final_at=7)
-            assert await feed_results(feed, 3) == [5, 6, 7]
-            await feed.close()
-            assert (source.metrics.results_stream_recreated, source.metrics.streams_gone) == (1, 0)
+    async with a_feed_with_msg_get_refused(own_server, "refused") as (nc, source, feed):
+        await publish_range(nc, [Reader(feed.request_id)], range(5))
+        assert await feed_results(feed, 5) == list(range(5))
+        await replace_between_checks(nc)
+        await publish_range(nc, [Reader(feed.request_id)], range(3, 8), final_at=7)
+        assert await feed_results(feed, 3) == [5, 6, 7]
+        await feed.close()
+        assert (source.metrics.results_stream_recreated, source.metrics.streams_gone) == (1, 0)
 
 
 async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_for_a_new_history(own_server):
@@ -465,21 +472,15 @@ async def test_a_deleted_ring_stream_read_by_a_consumer_of_its_own_is_counted_an
     Deleted, the ring's check ends it and reports the stream missing; the check of the streams read
     by consumers of their own must not count the same deletion again (it did, once per second
     while the ended stream's client had not gone yet) nor report it a second time in /healthz."""
-    async with connection(own_server.url) as nc:
-        js = nc.jetstream()
-        await recreate(js)
-        async with started_source(own_server.url, SUBJECTS) as source:
-            assert source.msg_get is not None
-            source.msg_get.refused("a test refuses it")
-            feed = await source.open(rid("refused-deleted"))
-            await publish_range(nc, [Reader(feed.request_id)], range(2))
-            assert await feed_results(feed, 2) == [0, 1]
-            await js.delete_stream(RESULTS_STREAM)
-            assert isinstance(await feed.next(PROMPT), StreamGone)
-            await anyio.sleep(2.5)  # two more checks while the ended feed is still open
-            assert source.results_stream_missing is not None and source.own_streams_missing == {}
-            assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (1, 1)
-            await feed.close()
+    async with a_feed_with_msg_get_refused(own_server, "refused-deleted") as (nc, source, feed):
+        await publish_range(nc, [Reader(feed.request_id)], range(2))
+        assert await feed_results(feed, 2) == [0, 1]
+        await nc.jetstream().delete_stream(RESULTS_STREAM)
+        assert isinstance(await feed.next(PROMPT), StreamGone)
+        await anyio.sleep(2.5)  # two more checks while the ended feed is still open
+        assert source.results_stream_missing is not None and source.own_streams_missing == {}
+        assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (1, 1)
+        await feed.close()
 
 
 async def test_results_the_old_consumer_queued_are_given_before_the_new_stream_s(own_server):
