@@ -250,14 +250,10 @@ def short_signing_key(algorithm: str, key: bytes) -> str | None:
     hash, RFC 7518 3.2; an RSA key under 2048 bits, 3.3), or None. PyJWT itself only warns."""
     import jwt
 
-    from .edge.auth import key_weakness
+    from .edge.auth import key_weakness, short_secret
 
     verifier = jwt.get_algorithm_by_name(algorithm)
-    if algorithm.startswith("HS"):  # RFC 7518 3.2, checked on the bytes as the edge does (load_key)
-        least = int(algorithm[2:]) // 8
-        if len(key) < least:
-            return f"an {algorithm} secret needs at least {least} bytes, it has {len(key)}"
-    return key_weakness(verifier, verifier.prepare_key(key))
+    return short_secret(algorithm, key) or key_weakness(verifier, verifier.prepare_key(key))
 
 
 def cmd_token(args: argparse.Namespace) -> int:

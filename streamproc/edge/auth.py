@@ -67,10 +67,9 @@ def load_key(path: str, algorithm: str) -> bytes:
     verifier = jwt.get_algorithm_by_name(algorithm)
     if algorithm.startswith("HS"):
         data = data.strip()
-        least = int(algorithm[2:]) // 8  # RFC 7518 section 3.2: at least the hash's output (32, 48, 64 bytes)
-        if len(data) < least:
-            raise ConfigError(f"--auth-key-file {path!r}: an {algorithm} secret needs at least "
-                              f"{least} bytes, it has {len(data)}")
+        short = short_secret(algorithm, data)
+        if short:
+            raise ConfigError(f"--auth-key-file {path!r}: {short}")
         try:
             verifier.prepare_key(data)
             if asymmetric(data):  # PyJWT 2.15 refuses DER too; older ones (pyproject: >= 2.8) may not
@@ -91,6 +90,15 @@ def load_key(path: str, algorithm: str) -> bytes:
     if weak:
         raise ConfigError(f"--auth-key-file {path!r}: {weak}")
     return data
+
+
+def short_secret(algorithm: str, secret: bytes) -> str | None:
+    """Why ``secret`` is too short for the HMAC ``algorithm`` (HS256/384/512), or None: RFC 7518
+    section 3.2 asks for at least the hash's output, 32, 48 or 64 bytes. None for other algorithms."""
+    if not algorithm.startswith("HS"):
+        return None
+    least = int(algorithm[2:]) // 8
+    return f"an {algorithm} secret needs at least {least} bytes, it has {len(secret)}" if len(secret) < least else None
 
 
 def key_weakness(verifier: jwt.algorithms.Algorithm, prepared: object) -> str | None:

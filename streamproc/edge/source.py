@@ -613,10 +613,8 @@ class ResultSource:
             if info is not None:
                 del self.own_streams_missing[name]
                 self._seen[name] = info.created
-                self.metrics.results_stream_recreated += 1
-                log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=0,
-                          streams_resumed=0, read_from_seq=max(info.state.first_seq, 1),
-                          previous=f"{name} was deleted")
+                self._recreated(name, ended=0, resumed=0, start=max(info.state.first_seq, 1),
+                                previous=f"{name} was deleted")
         for name in names:
             info = await self._stream_info(name)
             seen = self._seen.get(name)
@@ -627,9 +625,7 @@ class ResultSource:
             if info is not None:  # a new history: its feeds read it from its first sequence
                 self._seen[name] = info.created
                 resumed = await self._carry_on(name, name)
-                self.metrics.results_stream_recreated += 1
-                log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=0,
-                          streams_resumed=resumed, read_from_seq=max(info.state.first_seq, 1))
+                self._recreated(name, ended=0, resumed=resumed, start=max(info.state.first_seq, 1))
                 continue
             self._seen.pop(name, None)  # maybe deleted before the watch first saw it
             reason = f"the results stream {name} was deleted; reconnect with Last-Event-ID to read it again"
@@ -640,6 +636,12 @@ class ResultSource:
             self.metrics.results_stream_deleted += 1
             log_event(log, logging.WARNING, "results_stream_deleted", stream=name, streams_ended=len(feeds),
                       hint="recreate it; docs/edge.md")
+
+    def _recreated(self, name: str, *, ended: int, resumed: int, start: int, **previous: str | None) -> None:
+        """Count and log a results stream found created anew (the ring's or one read by own consumers)."""
+        self.metrics.results_stream_recreated += 1
+        log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=ended,
+                  streams_resumed=resumed, read_from_seq=start, **previous)
 
     async def _carry_on(self, name: str, stream: str) -> int:
         """The feeds reading ``name`` with an ordered consumer of their own, now that a new stream
@@ -703,9 +705,7 @@ class ResultSource:
         self._reading(info)
         self.streams.forget()
         if info is not None:
-            self.metrics.results_stream_recreated += 1
-            log_event(log, logging.WARNING, "results_stream_recreated", stream=info.config.name,
-                      streams_ended=ended or 0, streams_resumed=resumed, read_from_seq=start, previous=was)
+            self._recreated(info.config.name, ended=ended or 0, resumed=resumed, start=start, previous=was)
         if previous is not None:
             stop_inline = getattr(self.nc, "stop_inline", None)
             if stop_inline is not None:
