@@ -119,6 +119,9 @@ class ResultFeed:
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
         self.gone: str | None = None  # why its results stream is gone (ResultSource._check_results_stream)
         self.stream: str | None = None  # the stream its own ordered consumer reads (ResultSource._consume)
+        # That stream's creation time (STREAM.INFO ``created``) as asked just before its consumer was
+        # made, so a stream recreated right after is told apart (ResultSource._check_own_consumers).
+        self.stream_created: object | None = None
         self.limits: dict[str, int] = {}  # its subscription's pending limits (ResultSource._consume)
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
@@ -405,7 +408,6 @@ class ResultSource:
         self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
         self._told_late_stream = False
         self._closing_replays: set[asyncio.Task] = set()
-        self._seen: dict[str, object] = {}  # stream -> its creation time, for feeds with their own consumer
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
         self._recent_sub = None
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
@@ -590,21 +592,19 @@ class ResultSource:
             await self._reread(info, name, ended=None)
             return
         self._stop_replays()
-        await self._reread(info, name, ended=0, resumed=await self._carry_on(name, info.config.name))
+        await self._reread(info, name, ended=0, resumed=await self._carry_on(name, info.config.name, None))
 
     async def _check_own_consumers(self) -> None:
         """The streams other than the ring's that feeds read with an ordered consumer of their own
-        (``--recent 0``, or a refused MSG.GET), asked about only while such feeds are open: deleted
-        since the watch first saw it, its feeds end with :class:`StreamGone`; recreated, they go on
+        (``--recent 0``, or a refused MSG.GET), asked about only while such feeds are open: deleted,
+        its feeds end with :class:`StreamGone`; created anew since a feed's consumer was made (each
+        feed knows the stream's ``created`` from just before, :meth:`_attach`), that feed goes on
         from the new stream's first sequence (:meth:`_carry_on`), as the ring's streams do. One found
         deleted is asked about until a stream of its name exists again (/healthz says it is missing
         meanwhile: the requests it stored get live results only)."""
         ring = self.fanout.stream if self.fanout is not None else None
         names = {f.stream for f in self._feeds.values()
                  if f.stream is not None and f.stream != ring and not f.closed and f.gone is None}
-        for name in list(self._seen):
-            if name not in names:
-                del self._seen[name]  # its identity is learnt again when a feed reads it
         for name in list(self.own_streams_missing):
             if name == ring:  # the ring reads a stream of that name now: it watches it
                 del self.own_streams_missing[name]
@@ -612,22 +612,17 @@ class ResultSource:
             info = await self._stream_info(name)
             if info is not None:
                 del self.own_streams_missing[name]
-                self._seen[name] = info.created
                 self._recreated(name, ended=0, resumed=0, start=max(info.state.first_seq, 1),
                                 previous=f"{name} was deleted")
         for name in names:
             info = await self._stream_info(name)
-            seen = self._seen.get(name)
-            if info is not None and (seen is None or info.created == seen):
-                self._seen[name] = info.created
+            if info is not None:
+                resumed = await self._carry_on(name, name, info.created)
+                if resumed:  # a new history: those feeds read it from its first sequence
+                    self.streams.forget()
+                    self._recreated(name, ended=0, resumed=resumed, start=max(info.state.first_seq, 1))
                 continue
             self.streams.forget()
-            if info is not None:  # a new history: its feeds read it from its first sequence
-                self._seen[name] = info.created
-                resumed = await self._carry_on(name, name)
-                self._recreated(name, ended=0, resumed=resumed, start=max(info.state.first_seq, 1))
-                continue
-            self._seen.pop(name, None)  # maybe deleted before the watch first saw it
             reason = f"the results stream {name} was deleted; reconnect with Last-Event-ID to read it again"
             feeds = {id(f): f for f in self._feeds.values() if f.stream == name and f.gone is None and not f.closed}
             for feed in feeds.values():
@@ -643,16 +638,27 @@ class ResultSource:
         log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=ended,
                   streams_resumed=resumed, read_from_seq=start, **previous)
 
-    async def _carry_on(self, name: str, stream: str) -> int:
-        """The feeds reading ``name`` with an ordered consumer of their own, now that a new stream
-        of that name exists: each gets a new one on ``stream``, replaying its subject from the new
-        stream's first sequence, as the ring does (:meth:`_reread`). Their ``SeqOrder`` drops the
-        seqs they were sent already; a seq the new stream lacks is a gap (``--gap-timeout``). What
-        the old consumer had queued (results of the old stream its client was not given yet) is
-        taken first. The old consumer is unsubscribed: left, nats-py would make it again at the old
-        stream's sequence once it misses two heartbeats (:meth:`_watch_results_stream`). The count."""
+    async def _carry_on(self, name: str, stream: str, created: object | None) -> int:
+        """The feeds reading ``name`` with an ordered consumer of their own made before a new stream
+        of that name existed: each gets a new one on ``stream``, replaying its subject from the new
+        stream's first sequence, as the ring does (:meth:`_reread`). ``created`` is the new stream's
+        creation time, and a feed whose consumer was made on a stream of that time stays; a feed
+        that does not know its stream's (STREAM.INFO failed before its consumer was made) takes it
+        as its own. None (the ring's watch found a new history): every such feed goes on. Their
+        ``SeqOrder`` drops the seqs they were sent already; a seq the new stream lacks is a gap
+        (``--gap-timeout``). What the old consumer had queued (results of the old stream its client
+        was not given yet) is taken first. The old consumer is unsubscribed: left, nats-py would
+        make it again at the old stream's sequence once it misses two heartbeats
+        (:meth:`_watch_results_stream`). The count."""
         feeds = {id(f): f for f in self._feeds.values()
                  if f.stream == name and f.inbox is None and f._sub is not None and f.gone is None and not f.closed}
+        for key, feed in list(feeds.items()):
+            if created is None:
+                break
+            if feed.stream_created is None:
+                feed.stream_created = created
+            if feed.stream_created == created:
+                del feeds[key]  # its consumer reads that stream already
         for feed in feeds.values():
             old, feed._sub = feed._sub, None
             assert old is not None
@@ -874,7 +880,13 @@ class ResultSource:
     async def _attach(self, feed: ResultFeed, js: JetStreamContext, subject: str, stream: str,
                       limits: dict[str, int]) -> None:
         """Create a JetStream feed's ordered consumer. A failure ends the feed with :class:`Lost`
-        (its client has its headers already); a feed closed meanwhile gets it unsubscribed."""
+        (its client has its headers already); a feed closed meanwhile gets it unsubscribed. The
+        stream's creation time is asked first: asked after, a stream recreated in between would be
+        taken for the one the consumer reads, and its feed would wait silently."""
+        feed.stream_created = None
+        with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):  # unknown: the watch adopts it
+            info = await self._stream_info(stream)
+            feed.stream_created = info.created if info is not None else None
         try:
             sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
                                      inactive_threshold=CONSUMER_LINGER, **limits)
