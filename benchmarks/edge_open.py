@@ -362,7 +362,7 @@ async def load(nats_url: str, prefix: str, port: int, rate: float, stop: asyncio
         await reader_proc.wait()
         await nc.close()
     if delays is not None and out.exists():
-        for rid, seq, at in json.loads(out.read_text())["arrivals"]:
+        for rid, seq, at, *_ in json.loads(out.read_text())["arrivals"]:  # latency.py adds the kernel stamp
             sent = published.get((rid, seq))
             if sent is not None:
                 delays.append((at, at - sent))

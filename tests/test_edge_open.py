@@ -307,3 +307,54 @@ async def test_a_burst_of_opens_read_in_one_pass_is_paced_and_every_stream_is_li
             for sock in socks:
                 sock.close()
         assert edge.metrics()["streamproc_edge_opens_paced_total"] >= len(ids) - 2 * OPENS_PER_PASS
+
+
+async def test_queued_connections_are_accepted_a_few_per_loop_pass_from_a_full_listen_queue():
+    """The edge's Uvicorn server (``server_class``, ``backlog=ACCEPTS_PER_PASS``): asyncio accepts at
+    most that many connections per loop pass, and the kernel's listen queue still holds
+    ``LISTEN_BACKLOG`` (with the small backlog alone, the connects past it would wait for SYN
+    retries: they time out here)."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from streamproc.edge.command import server_class
+    from streamproc.edge.pacer import ACCEPTS_PER_PASS, LISTEN_BACKLOG
+
+    made = [0]
+
+    class Counted(H11Protocol):
+        def __init__(self, *args, **kwargs) -> None:
+            made[0] += 1
+            super().__init__(*args, **kwargs)
+
+    async def app(scope, receive, send) -> None:
+        pass
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=Counted, lifespan="off", log_config=None,
+                            backlog=ACCEPTS_PER_PASS)
+    server = server_class()(config)
+    config.load()
+    server.lifespan = config.lifespan_class(config)
+    await server.startup()
+    port = server.servers[0].sockets[0].getsockname()[1]
+    count = 12 * ACCEPTS_PER_PASS
+    assert count < LISTEN_BACKLOG
+    socks = []
+    try:
+        for _ in range(count):  # the loop does not run meanwhile: every connect waits in the listen queue
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=1.0))
+        seen = [made[0]]
+        for _ in range(4 * count):
+            await asyncio.sleep(0)  # one loop pass
+            seen.append(made[0])
+            if made[0] == count:
+                break
+        steps = [b - a for a, b in zip(seen, seen[1:])]
+        assert made[0] == count, seen
+        assert max(steps) == ACCEPTS_PER_PASS, steps
+    finally:
+        for sock in socks:
+            sock.close()
+        for listening in server.servers:
+            listening.close()
+        await asyncio.sleep(0.1)  # the accepted connections see their peers' close
