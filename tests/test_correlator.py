@@ -202,6 +202,25 @@ def test_reject_for_an_unknown_request_publishes_a_single_error_result():
     assert c.stats.rejected == 1
 
 
+def test_a_result_that_cannot_be_published_is_replaced_by_an_error_at_its_seq_and_ends_the_request():
+    c, run = make()
+    feed(run, leg("r", Role.AGG, [b"0", b"1", b"2"])[:2])  # seqs 0 and 1 emitted; 1 is too large to publish
+    run.absorb(c.unpublishable("r", 1, "larger than max_payload", 0.0))
+    assert [(r.seq, r.final, r.error) for r in run.results] == [(0, False, None), (1, False, None), (1, True, "internal")]
+    assert b"larger than max_payload" in run.results[-1].body
+    assert c.inflight == 0 and c.is_finished("r")
+    feed(run, leg("r", Role.AGG, [b"0", b"1", b"2"])[2:])  # a later chunk of it is late: nothing after the error
+    assert len(run.results) == 3 and c.stats.late == 1
+
+
+def test_a_finished_requests_unpublishable_final_result_is_replaced_by_an_error_in_the_default_codec():
+    c, run = make()
+    feed(run, [Chunk("u", Role.AGG, 0, b"huge", final=True)])  # unary: finished at once
+    run.absorb(c.unpublishable("u", 0, "larger than max_payload", 0.0))
+    assert [(r.seq, r.final, r.error) for r in run.results] == [(0, True, None), (0, True, "internal")]
+    assert c.is_finished("u") and c.error_kinds == {"internal": 1}
+
+
 def test_per_request_format_selects_that_codecs_error_envelope():
     c, run = make()
     feed(run, [Chunk("f", Role.AGG, 0, b"a", format="other"), Chunk("f", Role.AGG, 0, b"a", attempt=1)])

@@ -14,7 +14,7 @@ import nats
 import pytest
 from helpers import peak_rss, raw_hpub, raw_protocol, wait_until
 
-from streamproc.core.wire import ERROR, FINAL, Subjects, chunk_headers
+from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -52,7 +52,9 @@ async def test_a_chunk_at_max_payload_whose_result_block_is_larger_never_costs_t
     processor's connection was closed, its pending results lost, the next chunks missed while it
     reconnected. Now the client refuses that publish (``MaxPayloadError``), the victim's result is
     logged as ``publish_failed``, and every other request is answered on the same connection: on the
-    fused path in the read loop (unary and streamed) and on the general path (a format header)."""
+    fused path in the read loop (unary and streamed) and on the general path (a format header).
+    The victim gets an ``internal`` error result in its place (it got nothing before: its client
+    waited for its timeout)."""
     victims = {
         "big-unary": b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n",
         "big-stream": b"NATS/1.0\r\nStreamproc-Seq:0\r\n\r\n",
@@ -72,7 +74,7 @@ async def test_a_chunk_at_max_payload_whose_result_block_is_larger_never_costs_t
                                  headers=chunk_headers(rid, "agg", seq, final=seq == 2))
 
     with streamproc_run("--mode", "core") as (proc, log_path):
-        got = await answered(nats_url, legit, publish)
+        got = await answered(nats_url, legit + list(victims), publish)
         text = log_path.read_text(errors="replace")
         missing = [r for r in legit if [b for b, _ in got.get(r, [])] != [f"{r}:{s}".encode() for s in range(3)]]
         assert not missing, (missing[:5], text[-3000:])
@@ -82,7 +84,10 @@ async def test_a_chunk_at_max_payload_whose_result_block_is_larger_never_costs_t
                          "the 1st and 2nd refused results logged (then at powers of two)")
         text = log_path.read_text()
         assert "request_id=big-unary" in text and "MaxPayloadError" in text, text[-3000:]
-        assert not any(r.startswith("big") for r in got)  # nothing oversized was sent
+        for victim in victims:  # nothing oversized was sent: an error result in its place
+            [(body, headers)] = got.get(victim, [(b"", {})])
+            assert (headers.get(ERROR), headers.get(SEQ), headers.get(FINAL)) == ("internal", "0", "true"), headers
+            assert b"larger than the NATS server's max_payload" in body and len(body) < 2048, body[:300]
         assert proc.poll() is None
         assert peak_rss(proc.pid) < 150 * MiB
 

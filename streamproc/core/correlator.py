@@ -380,6 +380,23 @@ class Correlator:
             self._active[request_id] = req
         return self._fail(req, kind, reason, now, extra=tokens)
 
+    def unpublishable(self, request_id: str, seq: int, reason: str, now: float) -> list[Decision]:
+        """Result ``seq`` of ``request_id`` can never be published (with its header block it is larger
+        than the NATS server accepts): the request ends with an ``internal`` error result at that seq
+        instead, so its client gets an error in its place rather than waiting for its timeout. An
+        active request is released; one already finished (that result was its final one) stays
+        finished. The error is in the request's codec's native shape, the default codec's once the
+        request is finished (a finished request keeps no codec)."""
+        req = self._active.get(request_id)
+        if req is not None:
+            return self._fail(req, ErrorKind.INTERNAL, reason, now, seq=seq)
+        kind = ErrorKind.INTERNAL
+        self.stats.errors += 1
+        self._count_error(kind)
+        self._remember_finished(request_id, now)  # later chunks of it are late
+        return [Result(request_id, seq, self._default_codec.error_body(reason, kind), True, error=kind.value),
+                Notice(request_id, f"error:{kind.value}", reason)]
+
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
                 refuse: str | None = None, id: str | None = None) -> tuple[MigrateReply, list[Decision]]:
         """Seal the request's current attempt and grant the next one (seal-then-resume).
@@ -1171,13 +1188,15 @@ class Correlator:
         detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         return self._fail(req, ErrorKind.INTERNAL, detail, now)
 
-    def _fail(self, req: _Request, kind: ErrorKind, message: str, now: float, extra: tuple = ()) -> list[Decision]:
-        """End a request with a final error result at the next seq; release everything it held."""
+    def _fail(self, req: _Request, kind: ErrorKind, message: str, now: float, extra: tuple = (),
+              seq: int | None = None) -> list[Decision]:
+        """End a request with a final error result at the next seq (or ``seq``: in place of a result
+        that cannot be published); release everything it held."""
         tokens = list(req.held)
         tokens.extend(c.token for c in req.pending.values())
         tokens.extend(t for t in extra if t is not None)
         body = req.codec.error_body(message, kind)
-        result = Result(req.request_id, req.next_seq, body, True, error=kind.value,
+        result = Result(req.request_id, req.next_seq if seq is None else seq, body, True, error=kind.value,
                         traceparent=req.traceparent, settles=tuple(t for t in tokens if t is not None))
         self.stats.errors += 1
         self._count_error(kind)

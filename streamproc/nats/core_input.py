@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 import anyio
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -216,7 +217,39 @@ class CoreInput:
     def _publish_failed(self, request_id: str, seq: int, exc: Exception) -> None:
         io = self._pipeline.io
         io.publish_failures += 1
-        if io.publish_failures & (io.publish_failures - 1):  # log 1st, 2nd, 4th, 8th...: outages flood
-            return
-        log_event(log, logging.ERROR, "publish_failed", request_id=request_id, seq=seq,
-                  failures_total=io.publish_failures, error=error_text(exc))
+        if io.publish_failures & (io.publish_failures - 1) == 0:  # log 1st, 2nd, 4th, 8th...: outages flood
+            log_event(log, logging.ERROR, "publish_failed", request_id=request_id, seq=seq,
+                      failures_total=io.publish_failures, error=error_text(exc))
+        if isinstance(exc, nats.errors.MaxPayloadError):
+            self._replace_unpublishable(request_id, seq)
+
+    def _replace_unpublishable(self, request_id: str, seq: int) -> None:
+        """Result ``seq`` is larger than the server takes (``FastClient``/``RobustClient`` refuse it
+        before it is written: nats-server would close the connection): an ``internal`` error result
+        takes its place (``Correlator.unpublishable``), published from a task, since this may run in
+        the client's read loop. The request is finished from here on, so no later result of it can
+        pass the error; the edge orders by seq anyway."""
+        pipeline = self._pipeline
+        limit = getattr(self._nc, "max_payload", 0)
+        reason = (f"result {seq} could not be delivered: with its headers it is larger than the NATS server's "
+                  f"max_payload ({limit} bytes)")
+        for d in pipeline.correlator.unpublishable(request_id, seq, reason, pipeline.clock()):
+            if d.__class__ is Result:
+                self._start_publish(d)
+            elif d.__class__ is Notice:
+                pipeline.notify(d)
+
+    def _start_publish(self, result: Result) -> None:
+        async def publish() -> None:
+            try:
+                await self._publish(self._results_head + result.request_id, result.body,
+                                    headers=result_headers(result))
+            except Exception as exc:  # noqa: BLE001 - logged; an error result this small is not replaced again
+                io = self._pipeline.io
+                io.publish_failures += 1
+                log_event(log, logging.ERROR, "publish_failed", request_id=result.request_id, seq=result.seq,
+                          failures_total=io.publish_failures, error=error_text(exc))
+
+        task = asyncio.get_running_loop().create_task(publish())
+        self._works.add(task)  # stop() waits for it
+        task.add_done_callback(self._works.discard)
