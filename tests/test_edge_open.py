@@ -310,15 +310,15 @@ async def test_a_burst_of_opens_read_in_one_pass_is_paced_and_every_stream_is_li
 
 
 async def test_queued_connections_are_accepted_a_few_per_loop_pass_from_a_full_listen_queue():
-    """The edge's Uvicorn server (``server_class``, ``backlog=ACCEPTS_PER_PASS``): asyncio accepts at
-    most that many connections per loop pass, and the kernel's listen queue still holds
-    ``LISTEN_BACKLOG`` (with the small backlog alone, the connects past it would wait for SYN
-    retries: they time out here)."""
+    """The edge's Uvicorn server (``server_class``, whatever ``backlog`` its config has): asyncio
+    accepts at most ``ACCEPTS_PER_PASS`` connections per loop pass, and the kernel's listen queue
+    still holds ``LISTEN_BACKLOG`` (with the small backlog alone, the connects past it would wait for
+    SYN retries: they time out here)."""
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     from streamproc.edge.command import server_class
-    from streamproc.edge.pacer import ACCEPTS_PER_PASS, LISTEN_BACKLOG
+    from streamproc.edge.connections import ACCEPTS_PER_PASS, LISTEN_BACKLOG
 
     made = [0]
 
@@ -330,8 +330,7 @@ async def test_queued_connections_are_accepted_a_few_per_loop_pass_from_a_full_l
     async def app(scope, receive, send) -> None:
         pass
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=Counted, lifespan="off", log_config=None,
-                            backlog=ACCEPTS_PER_PASS)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=Counted, lifespan="off", log_config=None)
     server = server_class()(config)
     config.load()
     server.lifespan = config.lifespan_class(config)

@@ -16,6 +16,7 @@ import time
 
 import anyio
 import httpx
+import nats.errors
 import pytest
 from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
 from helpers import connection, peak_rss, rid, wait_until
@@ -474,6 +475,36 @@ async def test_a_stream_of_its_own_deleted_before_the_watch_first_saw_it_leaves_
             assert isinstance(gone, StreamGone) and "was deleted" in gone.reason, gone
             await second.close()
             assert (source.metrics.results_stream_deleted, source.metrics.streams_gone) == (2, 2)
+
+
+async def test_opens_with_consumers_of_their_own_take_the_streams_identity_from_the_last_answer(own_server):
+    """``--recent 0``: each open needs its results stream's creation time before its consumer is
+    made; asked per open, a burst of opens cost a STREAM.INFO each (edge CPU per open x1.14-1.22 in
+    an independent review). The last answer about the stream is used: one question for the burst
+    (the watch's own, once a second, aside)."""
+    async with connection(own_server.url) as nc:
+        await recreate(nc.jetstream())
+        async with started_source(own_server.url, SUBJECTS, recent=0) as source:
+            first = await source.open(rid("identity-first"))
+            await wait_until(lambda: first._sub is not None, PROMPT, "the first consumer made")
+            assert first.stream_created is not None
+            asked = await nc.subscribe(f"$JS.API.STREAM.INFO.{RESULTS_STREAM}")
+            await nc.flush()
+            feeds = [await source.open(rid(f"identity-{i}")) for i in range(20)]
+            await wait_until(lambda: all(f._sub is not None for f in feeds), PROMPT, "every consumer made")
+            await nc.flush()
+            questions = 0
+            with contextlib.suppress(asyncio.TimeoutError, nats.errors.TimeoutError):
+                while True:
+                    await asked.next_msg(timeout=0.2)
+                    questions += 1
+            assert questions <= 2, questions  # the watch's, at most one a second; none per open
+            assert {f.stream_created for f in feeds} == {first.stream_created}
+            await publish_range(nc, [Reader(f.request_id) for f in feeds[:3]], range(2), final_at=1)
+            for feed in feeds[:3]:
+                assert await feed_results(feed, 2) == [0, 1]
+            for feed in [first, *feeds]:
+                await feed.close()
 
 
 async def test_a_stream_of_its_own_recreated_before_the_watch_first_asked_about_it_goes_on(own_server):

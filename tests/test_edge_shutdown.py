@@ -15,6 +15,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -140,6 +141,32 @@ def test_sigterm_ends_every_open_stream_with_a_resumable_error_event_and_stops_q
     assert [ident for ident, _ in first] == ["0", "1", None, None]  # its results, then the stop's error and [DONE]
     assert unary.outcome == "complete" and unary.status == 503, (unary.status, unary.outcome, unary.body)
     assert "stopping" in unary.body.decode()
+    assert loud_lines(log) == [], "\n".join(loud_lines(log))
+
+
+def test_sigterm_during_a_burst_of_connections_stops_at_once_and_quietly():
+    """Connections accepted in the loop pass before SIGTERM (the edge accepts 8 per pass,
+    connections.py) were made after Uvicorn had asked every connection it knew to close: it waited
+    its whole graceful timeout (1 s) for them and logged "timeout graceful shutdown exceeded"."""
+    with EmbeddedNats(jetstream=False) as server:
+        edge = EdgeProcess(server.url, "--log-format", "logfmt").start()
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(1000):  # still being accepted when the signal comes
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.connect_ex(("127.0.0.1", edge.port))
+                socks.append(sock)
+            started = time.monotonic()
+            edge.proc.send_signal(signal.SIGTERM)
+            assert edge.proc.wait(STOP_WITHIN + 3) == 0
+            elapsed = time.monotonic() - started
+            log = edge.log()
+        finally:
+            for sock in socks:
+                sock.close()
+            edge.close()
+    assert elapsed < 0.9, f"the edge took {elapsed:.2f}s to stop"  # under the graceful timeout it waited
     assert loud_lines(log) == [], "\n".join(loud_lines(log))
 
 

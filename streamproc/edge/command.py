@@ -46,7 +46,7 @@ def add_print_config(parser: argparse.ArgumentParser) -> None:
 def server_class(on_stop: Callable[[], None] | None = None):
     import uvicorn
 
-    from .pacer import relisten
+    from .connections import ACCEPTS_PER_PASS, relisten, stop_accepting
 
     class Server(uvicorn.Server):
         """Uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (exit 143 or 130); for the edge,
@@ -55,12 +55,14 @@ def server_class(on_stop: Callable[[], None] | None = None):
         end themselves instead of being cancelled after ``timeout_graceful_shutdown``)."""
 
         async def startup(self, sockets=None) -> None:
+            self.config.backlog = ACCEPTS_PER_PASS  # accept()s per loop pass; the listen queue: relisten
             await super().startup(sockets)
-            relisten(getattr(self, "servers", ()))  # accepts paced per pass, full listen queue (pacer.py)
+            relisten(self.servers)  # (connections.py)
 
         async def shutdown(self, sockets=None) -> None:
             if on_stop is not None:
                 on_stop()
+            await stop_accepting(self.servers)
             await super().shutdown(sockets)
 
         @contextlib.contextmanager
@@ -89,7 +91,6 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from .app import create_app
     from .connections import protocol_class, raise_descriptor_limit
     from .heap import tune_allocator
-    from .pacer import ACCEPTS_PER_PASS
 
     environ = os.environ if environ is None else environ
     try:
@@ -125,7 +126,6 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         access_log=True,  # through the one log format: event=http_request (streamproc.logs)
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
-        backlog=ACCEPTS_PER_PASS,  # accept()s per loop pass; the listen queue is LISTEN_BACKLOG (pacer.py)
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
         ssl_certfile=settings.tls_cert_file or None,  # HTTPS: uvicorn.Config.load builds the SSLContext
         ssl_keyfile=settings.tls_key_file or None,

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import socket
 from typing import TYPE_CHECKING, Any
 
 from .app import error_response
@@ -275,3 +276,48 @@ def raise_descriptor_limit(connections: int) -> str | None:
                 "past it the edge fails to accept instead of refusing with 503; raise `ulimit -n` or lower "
                 "--max-connections")
     return None
+
+
+# Connections asyncio accepts per loop pass, and the kernel's listen queue behind them. asyncio's
+# ``BaseSelectorEventLoop._accept_connection`` (3.11) calls ``accept()`` up to ``backlog`` times each
+# pass the listening socket is readable, and ``Server._start_serving`` passes the same number to
+# ``listen()``. With Uvicorn's ``backlog`` (2048) every connection of a burst was accepted in one pass
+# and all their transports made in the next, a pass of several ms (hundreds in a flood) in which the
+# open streams' events waited ("Accept pacing", docs/benchmarks.md). A small ``backlog`` alone would
+# shorten the kernel's queue too, and a burst past it would wait for SYN retries (1 s and more); so
+# the server starts with :data:`ACCEPTS_PER_PASS` and its sockets are listened on again with
+# :data:`LISTEN_BACKLOG` (Linux ``listen()`` on a listening socket only changes the queue's length,
+# capped by ``net.core.somaxconn``, 4096 by default since Linux 5.4): the rest of a burst waits in the
+# kernel's queue, readable again at the next poll, and is accepted over the next passes. uvloop
+# (``STREAMPROC_EDGE_LOOP=uvloop``) accepts as libuv does, not 8 per pass; the queue is the same.
+ACCEPTS_PER_PASS = 8
+LISTEN_BACKLOG = 4096
+# Loop passes from a connection's accept() to its protocol's connection_made: the transport is made
+# by a task (``_accept_connection2``) and calls ``connection_made`` with ``call_soon``.
+ACCEPT_PASSES = 3
+
+
+def relisten(servers: list[asyncio.base_events.Server]) -> None:
+    """Give each started server's sockets the full listen queue (:data:`ACCEPTS_PER_PASS`)."""
+    for server in servers:
+        for sock in server.sockets:  # asyncio's TransportSocket has no listen(): a duplicate of its descriptor
+            with socket.fromfd(sock.fileno(), sock.family, sock.type) as same:  # the same socket
+                same.listen(LISTEN_BACKLOG)
+
+
+async def stop_accepting(servers: list[asyncio.base_events.Server]) -> None:
+    """Stop calling ``accept()``, then let the connections already accepted be made, before
+    Uvicorn's ``shutdown`` closes the servers and asks every connection it knows to close. Made after
+    that (accepted in the pass before the stop: up to :data:`ACCEPTS_PER_PASS`), one was never asked
+    and held the stop for the whole graceful timeout, with an error line; and one whose transport is
+    made after ``Server.close`` fails asyncio's ``Server._attach`` assertion. The listening sockets
+    stay open meanwhile (closing them is Uvicorn's part)."""
+    loop = asyncio.get_running_loop()
+    for server in servers:
+        for sock in server.sockets:
+            try:
+                loop.remove_reader(sock.fileno())
+            except (NotImplementedError, RuntimeError, ValueError):  # another loop (uvloop): Uvicorn's stop as it is
+                pass
+    for _ in range(ACCEPT_PASSES):
+        await asyncio.sleep(0)

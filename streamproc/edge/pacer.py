@@ -13,7 +13,6 @@ HTTP connection, so ``--max-connections`` (``connections.py``) bounds the waitin
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import deque
 
 OPENS_PER_PASS = 4  # against 1, 2, 8 and unbounded: benchmarks/edge_open.py --per-pass (docs/benchmarks.md)
@@ -63,25 +62,3 @@ class OpenPacer:
         if waiting or self.used:
             self._schedule()
 
-
-# Connections asyncio accepts per loop pass, and the kernel's listen queue behind them. asyncio's
-# ``BaseSelectorEventLoop._accept_connection`` (3.11) calls ``accept()`` up to ``backlog`` times
-# each pass the listening socket is readable, and ``Server._start_serving`` passes the same number
-# to ``listen()``: Uvicorn's 2048 let a burst of 50 connections be accepted in one pass, and their
-# 50 transports be made in the next (``_accept_connection2``), a pass of several ms in which the
-# open streams' events waited ("Opens in bursts", docs/benchmarks.md). A small ``backlog`` alone
-# would shorten the kernel's queue too, and a burst past it would wait for SYN retries (1 s and
-# more); so the server starts with :data:`ACCEPTS_PER_PASS` and its sockets are listened on again
-# with :data:`LISTEN_BACKLOG` (Linux ``listen()`` on a listening socket only updates the queue's
-# length, ``inet_listen``): the rest of a burst waits in the kernel's queue, readable again at the
-# next poll, and is accepted over the next passes.
-ACCEPTS_PER_PASS = 8
-LISTEN_BACKLOG = 2048  # Uvicorn's default --backlog
-
-
-def relisten(servers) -> None:
-    """Give each started asyncio server's sockets the full listen queue (see :data:`ACCEPTS_PER_PASS`)."""
-    for server in servers:
-        for sock in server.sockets:  # asyncio's TransportSocket has no listen(): a duplicate of its descriptor
-            with socket.fromfd(sock.fileno(), sock.family, sock.type) as same:  # the same socket
-                same.listen(LISTEN_BACKLOG)

@@ -408,6 +408,9 @@ class ResultSource:
         self.fanout: Fanout | None = None  # the recent ring's subscription feeds the streams (fanout.py)
         self._told_late_stream = False
         self._closing_replays: set[asyncio.Task] = set()
+        # stream -> its creation time, from the last STREAM.INFO answer about it (_created_of); only
+        # the names feeds read with consumers of their own are kept (_check_own_consumers).
+        self._created: dict[str, object] = {}
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
         self._recent_sub = None
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
@@ -543,9 +546,28 @@ class ResultSource:
         if name is None:
             return None
         try:
-            return await self.nc.jetstream().stream_info(name)
+            info = await self.nc.jetstream().stream_info(name)
         except NotFoundError:  # JSStreamNotFoundErr (10059): deleted
+            self._created.pop(name, None)
             return None
+        self._created[name] = info.created
+        return info
+
+    async def _created_of(self, stream: str) -> object | None:
+        """``stream``'s creation time for a feed whose consumer is about to be made (:meth:`_attach`):
+        the last one any STREAM.INFO answer gave (the watch asks once a second while such feeds are
+        open), asked only when none is known. Learnt before the consumer is made, an older value
+        than the consumer's stream only costs that feed a needless new consumer at the watch's next
+        check (:meth:`_carry_on`; its seqs already sent are dropped), never silence; one newer than
+        it (asked after the consumer was made) would hide a recreation. None: unknown (the watch
+        adopts what it sees next)."""
+        known = self._created.get(stream)
+        if known is not None:
+            return known
+        with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+            info = await self._stream_info(stream)
+            return info.created if info is not None else None
+        return None
 
     async def _check_results_stream(self) -> None:
         """Deleted: every stream reading it ends with :class:`StreamGone` (an error event and
@@ -605,6 +627,8 @@ class ResultSource:
         ring = self.fanout.stream if self.fanout is not None else None
         names = {f.stream for f in self._feeds.values()
                  if f.stream is not None and f.stream != ring and not f.closed and f.gone is None}
+        for name in [n for n in self._created if n not in names]:
+            del self._created[name]  # asked again by the next feed that reads it
         for name in list(self.own_streams_missing):
             if name == ring:  # the ring reads a stream of that name now: it watches it
                 del self.own_streams_missing[name]
@@ -881,12 +905,12 @@ class ResultSource:
                       limits: dict[str, int]) -> None:
         """Create a JetStream feed's ordered consumer. A failure ends the feed with :class:`Lost`
         (its client has its headers already); a feed closed meanwhile gets it unsubscribed. The
-        stream's creation time is asked first: asked after, a stream recreated in between would be
-        taken for the one the consumer reads, and its feed would wait silently."""
-        feed.stream_created = None
-        with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):  # unknown: the watch adopts it
-            info = await self._stream_info(stream)
-            feed.stream_created = info.created if info is not None else None
+        stream's creation time is taken first (:meth:`_created_of`): asked after, a stream recreated
+        in between would be taken for the one the consumer reads, and its feed would wait silently."""
+        ring = self.fanout.stream if self.fanout is not None else None
+        # The ring's stream is watched by the ring's check, which gives every such feed a new
+        # consumer when it finds a new history (_carry_on with None): no identity needed there.
+        feed.stream_created = await self._created_of(stream) if stream != ring else None
         try:
             sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
                                      inactive_threshold=CONSUMER_LINGER, **limits)
