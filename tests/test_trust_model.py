@@ -178,6 +178,29 @@ def test_the_pipeline_works_with_each_component_holding_only_its_own_rights(serv
             assert "nats_error" not in processor_log.read_text(), processor_log.read_text()
 
 
+def test_an_edge_refused_the_results_streams_info_stops_at_start_up_with_one_clear_line():
+    """An edge user without ``$JS.API.STREAM.INFO.STREAMPROC_RESULTS`` (a hand-made permission list):
+    nats-server drops the request and it times out. The edge exited 1 with a traceback ending in
+    "nats: timeout"; now with one line naming the likely cause."""
+    grant = '"$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.STREAMPROC_RESULTS",'
+    config = CONF.read_text()
+    assert config.count(grant) == 1  # the edge's line
+    with shipped_server(config.replace(grant, '"$JS.API.STREAM.NAMES",')) as srv:
+        async def results_stream() -> None:
+            nc = await nats.connect(url(srv, "processor"))
+            try:
+                await ensure_results_stream(nc.jetstream(), Subjects("streamproc"))
+            finally:
+                await nc.close()
+
+        anyio.run(results_stream)
+        proc = run_cli_process("edge", "--nats-url", url(srv, "edge"), "--insecure-demo", "--port", "0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "streamproc edge: error: cannot read the JetStream results stream at start-up" in proc.stderr, proc.stderr
+    assert "docs/security.md" in proc.stderr
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(90)
 async def test_a_migration_works_with_the_frontend_and_workers_holding_only_their_own_rights(server):

@@ -32,6 +32,7 @@ from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
+from ..core.errors import StartupError
 from ..core.events import Verdict
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
 from . import pending
@@ -451,16 +452,25 @@ class ResultSource:
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token
         log_event(log, logging.INFO, "connected", server=f"{url.hostname}:{url.port}" if url else "?")
-        if self.settings.ensure_results_stream:
-            s = self.settings
-            info = await ensure_results_stream(
-                self.nc.jetstream(), self.subjects, max_age=s.results_max_age,
-                duplicate_window=s.duplicate_window, storage=StorageType(s.stream_storage),
-                replicas=s.stream_replicas,
-            )
-            log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name, subjects=self.subjects.all_results)
-        if self.settings.recent > 0:
-            await self._subscribe_recent()
+        try:
+            if self.settings.ensure_results_stream:
+                s = self.settings
+                info = await ensure_results_stream(
+                    self.nc.jetstream(), self.subjects, max_age=s.results_max_age,
+                    duplicate_window=s.duplicate_window, storage=StorageType(s.stream_storage),
+                    replicas=s.stream_replicas,
+                )
+                log_event(log, logging.INFO, "results_stream_ready", stream=info.config.name,
+                          subjects=self.subjects.all_results)
+            if self.settings.recent > 0:
+                await self._subscribe_recent()
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            # A JetStream API request nats-server does not let the edge user publish is dropped, and
+            # the request times out: a traceback said no more than "nats: timeout".
+            raise StartupError(
+                f"cannot read the JetStream results stream at start-up: {error_text(exc)}; a timeout here "
+                "usually means nats-server refused the edge user a $JS.API subject (the edge's permissions: "
+                "docs/security.md; the server's log names it)") from None
         loop = asyncio.get_running_loop()
         self._flush_task = loop.create_task(self._flush_limited())
         self._watch_task = loop.create_task(self._watch_results_stream())
