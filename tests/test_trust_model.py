@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
@@ -176,6 +177,23 @@ def test_the_pipeline_works_with_each_component_holding_only_its_own_rights(serv
             assert "nats_error" not in edge.log(), edge.log()
             assert "mode=durable" in processor_log.read_text()
             assert "nats_error" not in processor_log.read_text(), processor_log.read_text()
+
+
+@pytest.mark.anyio
+async def test_the_edges_permission_errors_are_logged_at_a_bounded_rate(server, caplog):
+    """nats-server reports each refused request on the connection (``-ERR 'Permissions Violation'``),
+    and a refused permission is hit once per request that needs it, which any client can make: the
+    edge logged one ``nats_error`` line each, without bound. Here the edge's own connection (as the
+    edge user) publishes 100 times where it may not."""
+    caplog.set_level(logging.WARNING, logger="streamproc.edge")
+    async with started_source(url(server, "edge"), Subjects("streamproc"), recent=0) as source:
+        for i in range(100):
+            await source.nc.publish(f"streamproc.results.forbidden-{i}", b"{}")
+        await source.nc.flush()  # its PONG comes after every -ERR
+        await anyio.sleep(0.5)  # the error callbacks have run
+    lines = [r.getMessage() for r in caplog.records if "event=nats_error" in r.getMessage()]
+    assert 1 <= len(lines) <= 20, len(lines)  # the limiter's burst; the rest counted in one line later
+    assert all("permissions violation" in line.lower() for line in lines), lines[:3]
 
 
 def test_an_edge_refused_the_results_streams_info_stops_at_start_up_with_one_clear_line():

@@ -966,7 +966,9 @@ class ResultSource:
         if self.msg_get is not None and self.msg_get.note_error(str(exc)):
             self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
             return
-        log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
+        # Rate limited: a refused permission is reported once per request that hits it, and any
+        # client can make requests (an open per line, unbounded, before).
+        self.limited.log(logging.WARNING, "nats_error", error=error_text(exc))
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0
