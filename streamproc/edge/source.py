@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import logging
 import time
 from typing import Callable, Literal
@@ -122,7 +123,7 @@ class ResultFeed:
         self.stream: str | None = None  # the stream its own ordered consumer reads (ResultSource._consume)
         # That stream's creation time (STREAM.INFO ``created``) as asked just before its consumer was
         # made, so a stream recreated right after is told apart (ResultSource._check_own_consumers).
-        self.stream_created: object | None = None
+        self.stream_created: datetime.datetime | None = None
         self.limits: dict[str, int] = {}  # its subscription's pending limits (ResultSource._consume)
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
@@ -411,12 +412,12 @@ class ResultSource:
         self._closing_replays: set[asyncio.Task] = set()
         # stream -> its creation time, from the last STREAM.INFO answer about it (_created_of); only
         # the names feeds read with consumers of their own are kept (_check_own_consumers).
-        self._created: dict[str, object] = {}
+        self._created: dict[str, datetime.datetime] = {}
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
         self._recent_sub = None
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
         # the ring has read one (before, an edge without a results stream never asks).
-        self._ring_stream: tuple[str, object] | None = None
+        self._ring_stream: tuple[str, datetime.datetime | None] | None = None
         self._watch_task: asyncio.Task | None = None
         self.results_stream_missing: str | None = None  # for /healthz: the ring's stream was deleted
         # For /healthz: streams read by ordered consumers of their own found deleted (name -> what),
@@ -560,10 +561,11 @@ class ResultSource:
         except NotFoundError:  # JSStreamNotFoundErr (10059): deleted
             self._created.pop(name, None)
             return None
-        self._created[name] = info.created
+        if info.created is not None:
+            self._created[name] = info.created
         return info
 
-    async def _created_of(self, stream: str) -> object | None:
+    async def _created_of(self, stream: str) -> datetime.datetime | None:
         """``stream``'s creation time for a feed whose consumer is about to be made (:meth:`_attach`):
         the last one any STREAM.INFO answer gave (the watch asks once a second while such feeds are
         open), asked only when none is known. Learnt before the consumer is made, an older value
@@ -672,7 +674,7 @@ class ResultSource:
         log_event(log, logging.WARNING, "results_stream_recreated", stream=name, streams_ended=ended,
                   streams_resumed=resumed, read_from_seq=start, **previous)
 
-    async def _carry_on(self, name: str, stream: str, created: object | None) -> int:
+    async def _carry_on(self, name: str, stream: str, created: datetime.datetime | None) -> int:
         """The feeds reading ``name`` with an ordered consumer of their own made before a new stream
         of that name existed: each gets a new one on ``stream``, replaying its subject from the new
         stream's first sequence, as the ring does (:meth:`_reread`). ``created`` is the new stream's
