@@ -213,12 +213,15 @@ def test_a_result_that_cannot_be_published_is_replaced_by_an_error_at_its_seq_an
     assert len(run.results) == 3 and c.stats.late == 1
 
 
-def test_a_finished_requests_unpublishable_final_result_is_replaced_by_an_error_in_the_default_codec():
+def test_a_finished_requests_unpublishable_final_result_is_replaced_by_an_error_in_its_chunks_format():
     c, run = make()
-    feed(run, [Chunk("u", Role.AGG, 0, b"huge", final=True)])  # unary: finished at once
-    run.absorb(c.unpublishable("u", 0, "larger than max_payload", 0.0))
+    feed(run, [Chunk("u", Role.AGG, 0, b"huge", final=True, format="other")])  # unary: finished at once
+    run.absorb(c.unpublishable("u", 0, "larger than max_payload", 0.0, "other"))
     assert [(r.seq, r.final, r.error) for r in run.results] == [(0, True, None), (0, True, "internal")]
+    assert run.results[-1].body == b"OTHER-ERR"  # the chunk's format's envelope, not the default's
     assert c.is_finished("u") and c.error_kinds == {"internal": 1}
+    run.absorb(c.unpublishable("v", 0, "larger than max_payload", 0.0, "no-such-format"))
+    assert b"larger than max_payload" in run.results[-1].body  # an unknown format: the default's
 
 
 def test_per_request_format_selects_that_codecs_error_envelope():

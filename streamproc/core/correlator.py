@@ -380,22 +380,24 @@ class Correlator:
             self._active[request_id] = req
         return self._fail(req, kind, reason, now, extra=tokens)
 
-    def unpublishable(self, request_id: str, seq: int, reason: str, now: float) -> list[Decision]:
+    def unpublishable(self, request_id: str, seq: int, reason: str, now: float,
+                      format: str | None = None) -> list[Decision]:
         """Result ``seq`` of ``request_id`` can never be published (with its header block it is larger
         than the NATS server accepts): the request ends with an ``internal`` error result at that seq
         instead, so its client gets an error in its place rather than waiting for its timeout. An
         active request is released; one already finished (that result was its final one) stays
-        finished. The error is in the request's codec's native shape, the default codec's once the
-        request is finished (a finished request keeps no codec)."""
+        finished. The error is in the request's codec's native shape: an active request's own, else
+        that of ``format`` (the chunk's ``Streamproc-Format``; a finished request keeps no codec),
+        else the default one."""
         req = self._active.get(request_id)
         if req is not None:
             return self._fail(req, ErrorKind.INTERNAL, reason, now, seq=seq)
-        kind = ErrorKind.INTERNAL
-        self.stats.errors += 1
-        self._count_error(kind)
-        self._remember_finished(request_id, now)  # later chunks of it are late
-        return [Result(request_id, seq, self._default_codec.error_body(reason, kind), True, error=kind.value),
-                Notice(request_id, f"error:{kind.value}", reason)]
+        try:
+            codec = self._codec_for(format)
+        except UnknownFormat:
+            codec = self._default_codec
+        req = _Request(request_id, codec, format or self.default_format, self._max_retained)
+        return self._fail(req, ErrorKind.INTERNAL, reason, now, seq=seq)  # and remembered as finished
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
                 refuse: str | None = None, id: str | None = None) -> tuple[MigrateReply, list[Decision]]:

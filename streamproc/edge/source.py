@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamInfo
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
@@ -302,6 +302,18 @@ class ResultFeed:
             drop_pending(sub)
 
 
+def jetstream_hint(exc: BaseException) -> str:
+    """What a failed JetStream API request at start-up most likely means."""
+    if isinstance(exc, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+        return ("a timeout here usually means nats-server refused the edge user a $JS.API subject (the "
+                "edge's permissions: docs/security.md; the server's log names it)")
+    if isinstance(exc, (nats.errors.NoRespondersError, ServiceUnavailableError)):
+        return ("nobody answers the JetStream API: JetStream is not enabled on nats-server (or for the "
+                "edge's account); enable it, or start the edge without --ensure-results-stream (it then "
+                "serves live results only)")
+    return "the server's answer above says why"
+
+
 def drop_pending(sub) -> None:
     """Free the results nats-py still queues for a subscription we stopped, at once.
 
@@ -468,10 +480,8 @@ class ResultSource:
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             # A JetStream API request nats-server does not let the edge user publish is dropped, and
             # the request times out: a traceback said no more than "nats: timeout".
-            raise StartupError(
-                f"cannot read the JetStream results stream at start-up: {error_text(exc)}; a timeout here "
-                "usually means nats-server refused the edge user a $JS.API subject (the edge's permissions: "
-                "docs/security.md; the server's log names it)") from None
+            raise StartupError(f"cannot read or create the JetStream results stream at start-up: "
+                               f"{error_text(exc)}; {jetstream_hint(exc)}") from None
         loop = asyncio.get_running_loop()
         self._flush_task = loop.create_task(self._flush_limited())
         self._watch_task = loop.create_task(self._watch_results_stream())
@@ -968,9 +978,13 @@ class ResultSource:
         if self.msg_get is not None and self.msg_get.note_error(str(exc)):
             self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
             return
-        # Rate limited: a refused permission is reported once per request that hits it, and any
-        # client can make requests (an open per line, unbounded, before).
-        self.limited.log(logging.WARNING, "nats_error", error=error_text(exc))
+        if "permissions violation" in str(exc).lower():
+            # Rate limited: a refused permission is reported once per request that hits it, and any
+            # client can make requests (an open per line, unbounded, before). Other errors (a lost
+            # connection's) are not: a flood of refusals must not hide them.
+            self.limited.log(logging.WARNING, "nats_error", error=error_text(exc))
+            return
+        log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0

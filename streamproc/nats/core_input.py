@@ -23,7 +23,7 @@ from nats.aio.subscription import Subscription
 from ..config import Settings
 from ..core.correlator import Decision, Notice, Work
 from ..core.passthrough import PassthroughPath
-from ..core.wire import SEQ, ContractError, Result, result_headers
+from ..core.wire import FORMAT, SEQ, ContractError, Result, result_headers
 from ..logs import error_text, log_event
 from .gate import DispatchGate
 from .input import Pipeline, join_cpu_clock, run_join
@@ -156,7 +156,8 @@ class CoreInput:
         try:
             self._send_block(result_subject, data, block)
         except Exception as exc:
-            self._publish_failed(result_subject[len(self._results_head):], int(headers[SEQ]), exc)  # type: ignore[index]
+            self._publish_failed(result_subject[len(self._results_head):], int(headers[SEQ]), exc,  # type: ignore[index]
+                                 headers.get(FORMAT))  # type: ignore[union-attr]
         else:
             self._observe(self._clock() - now)
         return True
@@ -191,7 +192,8 @@ class CoreInput:
                 try:
                     await self._publish_block(subject, msg.data, block)
                 except Exception as exc:
-                    self._publish_failed(subject[len(self._results_head):], int(msg.headers[SEQ]), exc)
+                    self._publish_failed(subject[len(self._results_head):], int(msg.headers[SEQ]), exc,
+                                         msg.headers.get(FORMAT))
                 else:
                     self._observe(self._clock() - now)
                 return
@@ -204,7 +206,7 @@ class CoreInput:
                                             headers=result_headers(d))
                         published = True
                     except Exception as exc:
-                        self._publish_failed(d.request_id, d.seq, exc)
+                        self._publish_failed(d.request_id, d.seq, exc, (msg.headers or {}).get(FORMAT))
                 elif d.__class__ is Notice:
                     self._pipeline.notify(d)
                 elif d.__class__ is Work:
@@ -214,26 +216,28 @@ class CoreInput:
         finally:
             gate.busy = False
 
-    def _publish_failed(self, request_id: str, seq: int, exc: Exception) -> None:
+    def _publish_failed(self, request_id: str, seq: int, exc: Exception, format: str | None = None) -> None:
         io = self._pipeline.io
         io.publish_failures += 1
         if io.publish_failures & (io.publish_failures - 1) == 0:  # log 1st, 2nd, 4th, 8th...: outages flood
             log_event(log, logging.ERROR, "publish_failed", request_id=request_id, seq=seq,
                       failures_total=io.publish_failures, error=error_text(exc))
         if isinstance(exc, nats.errors.MaxPayloadError):
-            self._replace_unpublishable(request_id, seq)
+            self._replace_unpublishable(request_id, seq, format)
 
-    def _replace_unpublishable(self, request_id: str, seq: int) -> None:
+    def _replace_unpublishable(self, request_id: str, seq: int, format: str | None) -> None:
         """Result ``seq`` is larger than the server takes (``FastClient``/``RobustClient`` refuse it
         before it is written: nats-server would close the connection): an ``internal`` error result
-        takes its place (``Correlator.unpublishable``), published from a task, since this may run in
-        the client's read loop. The request is finished from here on, so no later result of it can
-        pass the error; the edge orders by seq anyway."""
+        takes its place (``Correlator.unpublishable``; ``format``, the chunk's, shapes it if the
+        request has finished), published from a task, since this may run in the client's read loop.
+        The request is finished from here on, so no later chunk of it makes a result; results of
+        higher seqs already published (chunks that came out of order) come before the error on the
+        wire, and a reader ordering by seq (the edge) ends the stream at the error."""
         pipeline = self._pipeline
         limit = getattr(self._nc, "max_payload", 0)
         reason = (f"result {seq} could not be delivered: with its headers it is larger than the NATS server's "
                   f"max_payload ({limit} bytes)")
-        for d in pipeline.correlator.unpublishable(request_id, seq, reason, pipeline.clock()):
+        for d in pipeline.correlator.unpublishable(request_id, seq, reason, pipeline.clock(), format):
             if d.__class__ is Result:
                 self._start_publish(d)
             elif d.__class__ is Notice:
@@ -244,11 +248,8 @@ class CoreInput:
             try:
                 await self._publish(self._results_head + result.request_id, result.body,
                                     headers=result_headers(result))
-            except Exception as exc:  # noqa: BLE001 - logged; an error result this small is not replaced again
-                io = self._pipeline.io
-                io.publish_failures += 1
-                log_event(log, logging.ERROR, "publish_failed", request_id=result.request_id, seq=result.seq,
-                          failures_total=io.publish_failures, error=error_text(exc))
+            except Exception as exc:  # noqa: BLE001 - counted and logged; not MaxPayloadError at this size
+                self._publish_failed(result.request_id, result.seq, exc)
 
         task = asyncio.get_running_loop().create_task(publish())
         self._works.add(task)  # stop() waits for it
