@@ -25,7 +25,7 @@ import pytest
 
 from conftest import processor_subprocess, run_cli_process
 from edge_harness import expected_sse, publish_result, running_edge, started_source
-from helpers import rid, wait_until
+from helpers import connection, rid, wait_until
 from streamproc.nats.streams import ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
@@ -208,11 +208,8 @@ def test_an_edge_refused_the_results_streams_info_stops_at_start_up_with_one_cle
     assert config.count(grant) == 1  # the edge's line
     with shipped_server(config.replace(grant, '"$JS.API.STREAM.NAMES",')) as srv:
         async def results_stream() -> None:
-            nc = await nats.connect(url(srv, "processor"))
-            try:
+            async with connection(url(srv, "processor")) as nc:
                 await ensure_results_stream(nc.jetstream(), Subjects("streamproc"))
-            finally:
-                await nc.close()
 
         anyio.run(results_stream)
         proc = run_cli_process("edge", "--nats-url", url(srv, "edge"), "--insecure-demo", "--port", "0")

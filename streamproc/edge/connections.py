@@ -298,7 +298,8 @@ ACCEPT_PASSES = 3
 
 
 def relisten(servers: list[asyncio.base_events.Server]) -> None:
-    """Give each started server's sockets the full listen queue (:data:`ACCEPTS_PER_PASS`)."""
+    """Give each started server's sockets the full listen queue, :data:`LISTEN_BACKLOG` (they were
+    listened on with :data:`ACCEPTS_PER_PASS`, which asyncio also takes as its accepts per pass)."""
     for server in servers:
         for sock in server.sockets:  # asyncio's TransportSocket has no listen(): a duplicate of its descriptor
             with socket.fromfd(sock.fileno(), sock.family, sock.type) as same:  # the same socket

@@ -61,4 +61,3 @@ class OpenPacer:
                 self.used += 1
         if waiting or self.used:
             self._schedule()
-

@@ -121,8 +121,9 @@ class ResultFeed:
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
         self.gone: str | None = None  # why its results stream is gone (ResultSource._check_results_stream)
         self.stream: str | None = None  # the stream its own ordered consumer reads (ResultSource._consume)
-        # That stream's creation time (STREAM.INFO ``created``) as asked just before its consumer was
-        # made, so a stream recreated right after is told apart (ResultSource._check_own_consumers).
+        # That stream's creation time (STREAM.INFO ``created``) as known just before its consumer was
+        # made, so a stream recreated right after is told apart (ResultSource._created_of,
+        # _check_own_consumers).
         self.stream_created: datetime.datetime | None = None
         self.limits: dict[str, int] = {}  # its subscription's pending limits (ResultSource._consume)
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)

@@ -119,7 +119,11 @@ class CoreInput:
     def _start(self, work: Work, received: float | None) -> None:
         """``received``: when the chunk whose result this work makes arrived (None: a timer or control
         decision), for the result-latency histogram."""
-        task = asyncio.get_running_loop().create_task(self._run(work, received))
+        self._track(self._run(work, received))
+
+    def _track(self, coro) -> None:
+        """Run ``coro`` as a task that :meth:`stop` waits for (joins, and error results published later)."""
+        task = asyncio.get_running_loop().create_task(coro)
         self._works.add(task)
         task.add_done_callback(self._works.discard)
 
@@ -251,6 +255,4 @@ class CoreInput:
             except Exception as exc:  # noqa: BLE001 - counted and logged; not MaxPayloadError at this size
                 self._publish_failed(result.request_id, result.seq, exc)
 
-        task = asyncio.get_running_loop().create_task(publish())
-        self._works.add(task)  # stop() waits for it
-        task.add_done_callback(self._works.discard)
+        self._track(publish())
