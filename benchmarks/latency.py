@@ -55,7 +55,7 @@ OPEN_SPREAD = 0.0  # --open-spread: seconds over which a paced run's wave opens 
 BASELINE_TREE: Path | None = None  # --baseline-tree: an edge from this source tree, beside ours
 TRACE_DIR: Path | None = None  # --trace-dir: each run's per-chunk stamps (publish, floor, result, SSE) as JSON
 SSE_CLIENTS = 1  # --sse-clients: SSE client processes; wave n is opened and read by client n % SSE_CLIENTS
-PROC_OF = {"edge": 1, "relay": 2, "base": 3}  # Mode.procs index of each SSE server
+RAW_SERVER = False  # --raw-server: the least SSE server (sse_floor.py's raw asyncio one) joins the rounds
 
 
 def python_path(tree: Path) -> str:
@@ -407,13 +407,21 @@ class Mode:
         relay = [sys.executable, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", self.prefix,
                  "--port", str(self.relay_port)]
         argvs, names, envs = [run, edge, relay], ["run", "edge", "relay"], [None, None, None]
-        self.base_url = None
+        self.base_url = self.raw_url = None
         if BASELINE_TREE is not None:  # the same edge command, imported from the baseline's tree
             base_port = free_port()
             self.base_url = f"http://127.0.0.1:{base_port}"
             argvs.append([str(BIN / "streamproc"), "edge", *common, "--port", str(base_port), *edge_flags()])
             names.append("base")
             envs.append({**os.environ, "PYTHONPATH": python_path(BASELINE_TREE)})
+        if RAW_SERVER:  # what the harness allows any SSE server: no HTTP framework, no nats-py, no bounds
+            raw_port = free_port()
+            self.raw_url = f"http://127.0.0.1:{raw_port}"
+            argvs.append([sys.executable, str(HERE / "sse_floor.py"), "--serve", "floor", "--nats-url", nats_url,
+                          "--prefix", self.prefix, "--port", str(raw_port)])
+            names.append("raw")
+            envs.append(None)
+        self.names = names
         self.logs = [open(logdir / f"{mode}-{name}.log", "wb") for name in names]
         self.procs = []
         for i, (argv, log, env) in enumerate(zip(argvs, self.logs, envs)):
@@ -425,11 +433,11 @@ class Mode:
                 wait_results_stream(nats_url, self.prefix, self.procs[0])
         wait_http(f"{self.edge_url}/healthz", self.procs[1])
         wait_http(f"{self.relay_url}/healthz", self.procs[2])
-        if self.base_url is not None:
-            wait_http(f"{self.base_url}/healthz", self.procs[3])
+        for name in names[3:]:
+            wait_http(f"{self.url(name)}/healthz", self.procs[names.index(name)])
 
     def url(self, target: str) -> str:
-        return {"edge": self.edge_url, "relay": self.relay_url, "base": self.base_url}[target]
+        return {"edge": self.edge_url, "relay": self.relay_url, "base": self.base_url, "raw": self.raw_url}[target]
 
     def close(self) -> None:
         from streamproc.sim.embedded import stop_process
@@ -561,7 +569,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
                 for (rid, seq), t in published.items()]
         (TRACE_DIR / f"{mode.mode}-{label}-{target}.json").write_text(json.dumps(
             {"mode": mode.mode, "label": label, "target": target, "rate": rate, "rows": rows,
-             "pids": {name: p.pid for name, p in zip(("run", "edge", "relay", "base"), mode.procs)}}))
+             "pids": {name: p.pid for name, p in zip(mode.names, mode.procs)}}))
     hops = {}
     for name, seen in (("floor", floor), ("result", result), ("sse", sse), ("socket", socket_in),
                        ("floor_socket", stamped.seen["floor"]), ("result_socket", stamped.seen["result"])):
@@ -572,7 +580,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
             "missing_sse": n - len(sse), "open_ms": percentiles([x * 1e3 for x in data["opened"]]),
             # CPU per chunk over the run (stream opens and their teardown included)
             "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6,
-            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[PROC_OF[target]] / n * 1e6}
+            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[mode.names.index(target)] / n * 1e6}
 
 
 def show(mode: str, run: dict) -> None:
@@ -612,11 +620,11 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
     per_wave = args.streams * args.chunks
     waves = max(1, round(RATE * args.relay_seconds / per_wave))
     rounds: list[dict] = []
-    targets = ["edge", "relay"] + (["base"] if mode.base_url is not None else [])
+    targets = ["edge", "relay"] + [name for name in ("base", "raw") if mode.url(name) is not None]
     for r in range(args.relay_rounds):
         figures = {}
         for target in targets[r % len(targets):] + targets[:r % len(targets)]:  # each goes first in turn
-            tag = f"v{r}{target[0]}"
+            tag = f"v{r}{target}"
             peak = await one_run(mode, f"{tag}p", args.peak_waves, args.streams, args.chunks, None, tmp, target)
             paced = await one_run(mode, f"{tag}r", waves, args.streams, args.chunks, RATE, tmp, target)
             figures[target] = {"peak_rate": peak["sse_rate"], "cpu_us": paced["server_cpu_us"],
@@ -631,13 +639,13 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
         ratio = median([f["edge"][key] / f["relay"][key] for f in rounds if f["relay"][key]])
         out["median"][key] = {"edge": ours, "relay": base, "ratio": ratio}
         print(f"{mode.mode:8}  vs relay  {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
-    if mode.base_url is not None:
-        out["base"] = {}
+    for other in targets[2:]:  # the baseline tree's edge, the raw asyncio server: the same comparison
+        out[other] = {}
         for key, label, unit, _ in VERSUS + (("result_p99", "result p99 @2k/s", "ms", False),):
-            ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", "base"))
-            ratio = median([f["edge"][key] / f["base"][key] for f in rounds if f["base"][key]])
-            out["base"][key] = {"edge": ours, "base": base, "ratio": ratio}
-            print(f"{mode.mode:8}  vs base   {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
+            ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", other))
+            ratio = median([f["edge"][key] / f[other][key] for f in rounds if f[other][key]])
+            out[other][key] = {"edge": ours, other: base, "ratio": ratio}
+            print(f"{mode.mode:8}  vs {other:5} {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
     for t in targets:  # target 2: SSE p99 <= 2x the result subscriber's p99, per contender
         x = median([f[t]["sse_p99"] / f[t]["result_p99"] for f in rounds if f[t]["result_p99"]])
         out["median"][f"sse_p99_over_result_{t}"] = x
@@ -713,6 +721,10 @@ def main() -> None:
                              "by the process reading this wave's events, whose reads would wait for them)")
     parser.add_argument("--baseline-tree", type=Path,
                         help="source tree whose edge joins the interleaved rounds (e.g. a checkout of main)")
+    parser.add_argument("--raw-server", action="store_true",
+                        help="add the least SSE server any Python edge could be (sse_floor.py's raw asyncio one: "
+                             "no HTTP framework, no nats-py, one wildcard subscription) to the interleaved rounds, "
+                             "so its SSE p99 / result p99 shows what the harness allows on this machine")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace-dir", type=Path,
                         help="write each run's per-chunk stamps (publish, floor, result, SSE arrival) there")
@@ -727,7 +739,8 @@ def main() -> None:
     if args.sse_client:
         asyncio.run(sse_client(args.sse_client, args.out, args.open_spread))
         return
-    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS, TRACE_DIR
+    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS, TRACE_DIR, RAW_SERVER
+    RAW_SERVER = args.raw_server
     if args.trace_dir is not None:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
         TRACE_DIR = args.trace_dir

@@ -44,7 +44,7 @@ ARGS = {  # (full, quick)
                     ["--rounds", "2", "--messages", "20000", "--load-client", "raw"]),
     "join": (["--rounds", "21"], ["--rounds", "5"]),
     "durable": (["--rounds", "5"], ["--rounds", "1", "--chunks", "10000", "--latency-seconds", "2"]),
-    "latency": (["--seconds", "8"], ["--seconds", "2", "--peak-waves", "2"]),
+    "latency": (["--seconds", "8", "--raw-server"], ["--seconds", "2", "--peak-waves", "2", "--raw-server"]),
     "tracing": ([], ["--rounds", "1", "--messages", "5000"]),
 }
 JSON_OUT = {"join", "latency"}  # the scripts this runner reads JSON from; the others' tables are parsed
@@ -138,6 +138,12 @@ def summarize(results: dict) -> list[Row]:
                             m["cpu_us"]["relay"], "us", "", m["cpu_us"]["ratio"]))
             rows.append(Row("2 edge", f"{mode} SSE open p50 @2k/s vs relay", m["open_p50"]["edge"],
                             m["open_p50"]["relay"], "ms", "", m["open_p50"]["ratio"]))
+            # The same SSE p99 / result p99 in the interleaved rounds, beside what the least SSE server
+            # (sse_floor.py's raw asyncio one, latency.py --raw-server) gets in this harness on this machine.
+            for who, label in (("edge", "edge, rounds"), ("raw", "raw server")):
+                x = m.get(f"sse_p99_over_result_{who}")
+                if x is not None:
+                    rows.append(Row("2 edge", f"{mode} SSE/result p99, {label}", x, None, "x", "", x))
     join = results.get("join", ("", None))[1]
     if join:
         j, t = join["requests"]["large"], join["requests"]["typical"]

@@ -49,6 +49,9 @@ STREAMS = 50
 BODY = b'{"text":" token","meta_info":{"completion_tokens":1}}'
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"connection: close\r\n\r\n")
+HEALTHZ = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+DONE = b"data: [DONE]\n\n"
+LAST = (b"Streamproc-Final: true", b"Streamproc-Error:")  # a request's last result (streamproc.core.wire)
 
 
 # ------------------------------------------------------------------ the floor contenders (subprocesses)
@@ -69,8 +72,12 @@ class RawHttp:
             def data_received(self, data: bytes) -> None:
                 self.buf += data
                 if self.rid is None and b"\r\n\r\n" in self.buf:
-                    line = self.buf.split(b"\r\n", 1)[0].decode()
-                    self.rid = line.split()[1].rsplit("/", 1)[1]
+                    path = self.buf.split(b"\r\n", 1)[0].decode().split()[1]
+                    if path == "/healthz":  # latency.py waits for it before its rounds
+                        self.transport.write(HEALTHZ)
+                        self.transport.close()
+                        return
+                    self.rid = path.rsplit("/", 1)[1]
                     self.transport.write(SSE_HEAD)
                     server.clients[self.rid] = self.transport
 
@@ -90,14 +97,14 @@ class RawNats(asyncio.Protocol):
 
     SEQ = re.compile(rb"Streamproc-Seq: (\d+)")
 
-    def __init__(self, http: RawHttp, ready: asyncio.Future) -> None:
-        self.http, self.ready, self.buf = http, ready, b""
-        self.offset = len(PREFIX) + len(".results.")
+    def __init__(self, http: RawHttp, ready: asyncio.Future, prefix: str = PREFIX) -> None:
+        self.http, self.ready, self.buf, self.prefix = http, ready, b"", prefix
+        self.offset = len(prefix) + len(".results.")
 
     def connection_made(self, transport):  # type: ignore[override]
         self.transport = transport
         transport.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n'
-                        + f"SUB {PREFIX}.results.* 1\r\nPING\r\n".encode())
+                        + f"SUB {self.prefix}.results.* 1\r\nPING\r\n".encode())
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -118,6 +125,9 @@ class RawNats(asyncio.Protocol):
                 transport = clients.get(parts[0][self.offset:].decode())
                 if transport is not None:
                     transport.write(frame(self.SEQ.search(headers).group(1), body))
+                    if LAST[0] in headers or LAST[1] in headers:  # then [DONE], as an SSE edge ends a stream
+                        transport.write(DONE)
+                        transport.close()
                 pos = start + tlen + 2
                 continue
             line = buf[pos:eol]
@@ -129,25 +139,28 @@ class RawNats(asyncio.Protocol):
         self.buf = buf[pos:]
 
 
-async def serve(kind: str, nats_url: str, port: int) -> None:
+async def serve(kind: str, nats_url: str, port: int, prefix: str = PREFIX) -> None:
     loop = asyncio.get_running_loop()
     http = RawHttp()
     if kind == "floor":
         ready = loop.create_future()
         host, nats_port = nats_url.rsplit("//", 1)[1].rsplit(":", 1)
-        await loop.create_connection(lambda: RawNats(http, ready), host, int(nats_port))
+        await loop.create_connection(lambda: RawNats(http, ready, prefix), host, int(nats_port))
         await ready
     else:
         import nats
         nc = await nats.connect(nats_url)
-        offset = len(PREFIX) + len(".results.")
+        offset = len(prefix) + len(".results.")
 
         async def on_result(msg) -> None:
             transport = http.clients.get(msg.subject[offset:])
             if transport is not None:
                 transport.write(frame(msg.headers["Streamproc-Seq"].encode(), msg.data))
+                if msg.headers.get("Streamproc-Final") == "true" or "Streamproc-Error" in msg.headers:
+                    transport.write(DONE)
+                    transport.close()
 
-        await nc.subscribe(f"{PREFIX}.results.*", cb=on_result)
+        await nc.subscribe(f"{prefix}.results.*", cb=on_result)
         await nc.flush()
     await loop.create_server(http.factory, "127.0.0.1", port)
     await asyncio.Event().wait()
@@ -288,9 +301,10 @@ def main() -> None:
     parser.add_argument("--serve", choices=["floor", "natspy"], help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", default=PREFIX, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve(args.serve, args.nats_url, args.port))
+        asyncio.run(serve(args.serve, args.nats_url, args.port, args.prefix))
     else:
         asyncio.run(run(args))
 

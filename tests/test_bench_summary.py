@@ -61,3 +61,17 @@ def test_without_a_passthrough_run_nothing_is_scaled():
     runner = load_runner()
     rows = runner.summarize({"latency": ("", latency_json(edge_us=120.0, processor_us=160.0))})
     assert not [r for r in rows if "(goal x" in r.what or r.target.startswith("0 ")]
+
+
+def test_the_raw_servers_sse_to_result_ratio_is_shown_beside_the_edges_without_a_goal():
+    """latency.py --raw-server: what the least SSE server gets in the same rounds, for reading the edge's."""
+    runner = load_runner()
+    lat = latency_json(edge_us=120.0, processor_us=160.0)
+    pair = {"edge": 1.0, "relay": 1.0, "ratio": 1.0}
+    lat["relay"] = {"core": {"median": {"peak_rate": pair, "cpu_us": pair, "open_p50": pair,
+                                        "sse_p99_over_result_edge": 2.4, "sse_p99_over_result_raw": 1.3}}}
+    by_what = {r.what: r for r in runner.summarize({"latency": ("", lat)})}
+    edge, raw = by_what["core SSE/result p99, edge, rounds"], by_what["core SSE/result p99, raw server"]
+    assert (edge.ratio, raw.ratio) == (2.4, 1.3)
+    assert edge.met is None and raw.met is None  # information: the target's row is the paced run's
+    assert "durable SSE/result p99, raw server" not in by_what  # no rounds for durable: no row
