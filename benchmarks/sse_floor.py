@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import re
 import statistics
@@ -57,10 +58,41 @@ LAST = (b"Streamproc-Final: true", b"Streamproc-Error:")  # a request's last res
 # ------------------------------------------------------------------ the floor contenders (subprocesses)
 
 class RawHttp:
-    """A raw asyncio HTTP server: ``GET /v1/results/<id>`` registers the connection's transport."""
+    """A raw asyncio HTTP server: ``GET /v1/results/<id>`` registers the connection's transport.
+
+    With ``nats`` (the floor), the wildcard subscription exists only while a stream is open: an idle
+    floor parsing every result would load the machine under the other contenders' rounds
+    (latency.py --raw-server). An open waits for the SUB's PONG before its head, as the edge's do."""
 
     def __init__(self) -> None:
         self.clients: dict[str, asyncio.Transport] = {}
+        self.nats: RawNats | None = None
+        self.waiting: list[tuple[str, asyncio.Transport]] = []
+        self.live = False
+
+    def admit(self, rid: str, transport: asyncio.Transport) -> None:
+        if self.nats is None or self.live:
+            transport.write(SSE_HEAD)
+            self.clients[rid] = transport
+            return
+        if not self.waiting:
+            self.nats.subscribe(self.on_live)
+        self.waiting.append((rid, transport))
+
+    def on_live(self) -> None:
+        self.live = True
+        for rid, transport in self.waiting:
+            if not transport.is_closing():
+                self.admit(rid, transport)
+        self.waiting.clear()
+        self.leave(None, None)  # every one of them may have left meanwhile
+
+    def leave(self, rid: str | None, transport: asyncio.Transport | None) -> None:
+        if rid is not None and self.clients.get(rid) is transport:
+            del self.clients[rid]
+        if self.nats is not None and self.live and not self.clients:
+            self.nats.unsubscribe()
+            self.live = False
 
     def factory(self) -> asyncio.Protocol:
         server = self
@@ -78,12 +110,11 @@ class RawHttp:
                         self.transport.close()
                         return
                     self.rid = path.rsplit("/", 1)[1]
-                    self.transport.write(SSE_HEAD)
-                    server.clients[self.rid] = self.transport
+                    server.admit(self.rid, self.transport)
 
             def connection_lost(self, exc):  # type: ignore[override]
-                if self.rid is not None and server.clients.get(self.rid) is self.transport:
-                    del server.clients[self.rid]
+                if self.rid is not None:
+                    server.leave(self.rid, self.transport)
 
         return Conn()
 
@@ -93,18 +124,30 @@ def frame(seq: bytes, body: bytes) -> bytes:
 
 
 class RawNats(asyncio.Protocol):
-    """One wildcard SUB; a minimal parser of MSG/HMSG/PING frames (no validation: a floor)."""
+    """One wildcard SUB while streams are open; a minimal parser of MSG/HMSG/PING frames (no
+    validation: a floor)."""
 
     SEQ = re.compile(rb"Streamproc-Seq: (\d+)")
 
     def __init__(self, http: RawHttp, ready: asyncio.Future, prefix: str = PREFIX) -> None:
-        self.http, self.ready, self.buf, self.prefix = http, ready, b"", prefix
+        self.http, self.buf, self.prefix = http, b"", prefix
         self.offset = len(prefix) + len(".results.")
+        self.sid = 0
+        self.pongs: collections.deque = collections.deque([lambda: ready.set_result(None)])
+        http.nats = self
 
     def connection_made(self, transport):  # type: ignore[override]
         self.transport = transport
-        transport.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n'
-                        + f"SUB {self.prefix}.results.* 1\r\nPING\r\n".encode())
+        transport.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\nPING\r\n')
+
+    def subscribe(self, on_live) -> None:
+        """SUB, then PING: its PONG proves the subscription live."""
+        self.sid += 1
+        self.pongs.append(on_live)
+        self.transport.write(f"SUB {self.prefix}.results.* {self.sid}\r\nPING\r\n".encode())
+
+    def unsubscribe(self) -> None:
+        self.transport.write(f"UNSUB {self.sid}\r\n".encode())
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -133,8 +176,8 @@ class RawNats(asyncio.Protocol):
             line = buf[pos:eol]
             if line == b"PING":
                 self.transport.write(b"PONG\r\n")
-            elif line == b"PONG" and not self.ready.done():
-                self.ready.set_result(None)
+            elif line == b"PONG" and self.pongs:
+                self.pongs.popleft()()
             pos = eol + 2
         self.buf = buf[pos:]
 
