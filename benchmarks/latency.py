@@ -25,9 +25,11 @@ and at half of that peak, printing p50/p99/p99.9 per hop and the added latency o
 ``--baseline-tree DIR`` (e.g. the main checkout) adds a third contender to the interleaved rounds:
 ``streamproc edge`` run from that source tree (``PYTHONPATH``), on the same processor and results, so
 a change to the edge is measured against its base in the same run (rows "vs base").
+``--raw-server`` adds ``sse_floor.py``'s raw asyncio SSE server to the same rounds (rows "vs raw"): the
+least SSE server, so the edge's SSE p99 / result p99 can be read beside what the harness allows.
 
 Usage: python benchmarks/latency.py [--seconds 8] [--streams 50] [--chunks 40] [--modes core,durable]
-                                    [--baseline-tree DIR] [--json out.json]
+                                    [--baseline-tree DIR] [--raw-server] [--json out.json]
 """
 
 from __future__ import annotations
@@ -645,7 +647,7 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
             ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", other))
             ratio = median([f["edge"][key] / f[other][key] for f in rounds if f[other][key]])
             out[other][key] = {"edge": ours, other: base, "ratio": ratio}
-            print(f"{mode.mode:8}  vs {other:5} {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
+            print(f"{mode.mode:8}  vs {other:7}{label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
     for t in targets:  # target 2: SSE p99 <= 2x the result subscriber's p99, per contender
         x = median([f[t]["sse_p99"] / f[t]["result_p99"] for f in rounds if f[t]["result_p99"]])
         out["median"][f"sse_p99_over_result_{t}"] = x
