@@ -12,9 +12,11 @@ from __future__ import annotations
 import anyio
 import nats
 import pytest
+from conftest import processor_subprocess
 from helpers import peak_rss, raw_hpub, raw_protocol, wait_until
 
 from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
+from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -90,6 +92,35 @@ async def test_a_chunk_at_max_payload_whose_result_block_is_larger_never_costs_t
             assert b"larger than the NATS server's max_payload" in body and len(body) < 2048, body[:300]
         assert proc.poll() is None
         assert peak_rss(proc.pid) < 150 * MiB
+
+
+async def test_an_error_result_that_is_itself_too_large_is_given_up_not_replaced_again():
+    """On a server whose ``max_payload`` is smaller than the error result that replaces a too-large
+    result, that error cannot be published either. Replacing it in turn made another error result of
+    the same size, and so on: the processor spun at full CPU on one hostile chunk, forever. Now the
+    replacement is tried once (two ``publish_failed``: the result, its error), and requests whose
+    results fit are still answered. (Core mode: durable mode cannot start on such a server, its
+    JetStream API requests do not fit.)"""
+    legit = [f"ok-{i}" for i in range(10)]
+    with EmbeddedNats(jetstream=False, config="max_payload: 256") as server:
+        with processor_subprocess(server.url, "--mode", "core") as (proc, log_path):
+            async def publish(nc) -> None:
+                block = b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n"
+                await raw_protocol(server.url, [raw_hpub(SUBJECTS.chunk("big", "agg").encode(), block,
+                                                         b"x" * (nc.max_payload - len(block)))])
+                for rid in legit:
+                    await nc.publish(SUBJECTS.chunk(rid, "agg"), rid.encode(),
+                                     headers=chunk_headers(rid, "agg", 0, final=True))
+
+            got = await answered(server.url, legit, publish)
+            assert [r for r in legit if [b for b, _ in got.get(r, [])] != [r.encode()]] == []
+            await wait_until(lambda: log_path.read_text().count("event=publish_failed") >= 2, 10,
+                             "the result and its error result refused")
+            await anyio.sleep(1.0)  # a loop of replacements would log at 4, 8, 16... failures by now
+            text = log_path.read_text()
+            assert text.count("event=publish_failed") == 2 and "failures_total=2" in text, text[-2000:]
+            assert "big" not in got  # nothing of it fits: it is logged, not sent
+            assert proc.poll() is None
 
 
 def hpub_with_reply(subject: bytes, reply: bytes, block: bytes, body: bytes) -> bytes:

@@ -220,13 +220,18 @@ class CoreInput:
         finally:
             gate.busy = False
 
-    def _publish_failed(self, request_id: str, seq: int, exc: Exception, format: str | None = None) -> None:
+    def _publish_failed(self, request_id: str, seq: int, exc: Exception, format: str | None = None, *,
+                        replace: bool = True) -> None:
+        """Count and log (rate limited) a result that could not be published; one too large for the
+        server is replaced by an error result, unless it is that error result (``replace=False``): on a
+        server whose ``max_payload`` is below an error result's size each replacement was refused in
+        turn and replaced again, a loop at full CPU from one hostile chunk."""
         io = self._pipeline.io
         io.publish_failures += 1
         if io.publish_failures & (io.publish_failures - 1) == 0:  # log 1st, 2nd, 4th, 8th...: outages flood
             log_event(log, logging.ERROR, "publish_failed", request_id=request_id, seq=seq,
                       failures_total=io.publish_failures, error=error_text(exc))
-        if isinstance(exc, nats.errors.MaxPayloadError):
+        if replace and isinstance(exc, nats.errors.MaxPayloadError):
             self._replace_unpublishable(request_id, seq, format)
 
     def _replace_unpublishable(self, request_id: str, seq: int, format: str | None) -> None:
@@ -252,7 +257,7 @@ class CoreInput:
             try:
                 await self._publish(self._results_head + result.request_id, result.body,
                                     headers=result_headers(result))
-            except Exception as exc:  # noqa: BLE001 - counted and logged; not MaxPayloadError at this size
-                self._publish_failed(result.request_id, result.seq, exc)
+            except Exception as exc:  # noqa: BLE001 - counted and logged, never replaced again
+                self._publish_failed(result.request_id, result.seq, exc, replace=False)
 
         self._track(publish())
