@@ -75,3 +75,18 @@ def test_the_raw_servers_sse_to_result_ratio_is_shown_beside_the_edges_without_a
     assert (edge.ratio, raw.ratio) == (2.4, 1.3)
     assert edge.met is None and raw.met is None  # information: the target's row is the paced run's
     assert "durable SSE/result p99, raw server" not in by_what  # no rounds for durable: no row
+
+
+def test_the_raw_servers_open_time_and_cpu_per_event_are_shown_beside_the_absolute_goals():
+    """The 5 ms and 40 us goals read beside what the least SSE server gets in the same rounds."""
+    runner = load_runner()
+    lat = latency_json(edge_us=75.0, processor_us=80.0)
+    pair = {"edge": 1.0, "relay": 1.0, "ratio": 1.0}
+    lat["relay"] = {"durable": {"median": {"peak_rate": pair, "cpu_us": pair, "open_p50": pair},
+                                "raw": {"open_p50": {"edge": 15.3, "raw": 7.6, "ratio": 2.0},
+                                        "cpu_us": {"edge": 72.5, "raw": 32.5, "ratio": 2.2}}}}
+    by_what = {r.what: r for r in runner.summarize({"latency": ("", lat)})}
+    opened, cpu = by_what["durable SSE open p50 @2k/s, raw server"], by_what["durable CPU us/event @2k/s, raw server"]
+    assert (opened.ours, cpu.ours) == (7.6, 32.5)
+    assert opened.met is None and cpu.met is None  # information, no goal of its own
+    assert "core SSE open p50 @2k/s, raw server" not in by_what  # no raw rounds in core mode: no row
