@@ -146,7 +146,7 @@ def summarize(results: dict) -> list[Row]:
                     rows.append(Row("2 edge", f"{mode} SSE/result p99, {label}", x, None, "x", "", x))
             # The same server's open p50 and CPU per event in those rounds: where the absolute goals
             # (5 ms, 40 us) stand against the least an SSE server does in this harness on this machine.
-            raw = ((lat or {}).get("relay", {}).get(mode) or {}).get("raw")
+            raw = versus.get("raw")
             if raw:
                 for key, label, unit in (("open_p50", "SSE open p50 @2k/s", "ms"), ("cpu_us", "CPU us/event @2k/s", "us")):
                     rows.append(Row("2 edge", f"{mode} {label}, raw server", raw[key]["raw"], None, unit, ""))
