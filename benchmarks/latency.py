@@ -27,9 +27,12 @@ and at half of that peak, printing p50/p99/p99.9 per hop and the added latency o
 a change to the edge is measured against its base in the same run (rows "vs base").
 ``--raw-server`` adds ``sse_floor.py``'s raw asyncio SSE server to the same rounds (rows "vs raw"): the
 least SSE server, so the edge's SSE p99 / result p99 can be read beside what the harness allows.
+``--spread-run S`` adds, per mode, one more 2,000 chunks/s run whose waves open their streams evenly
+over S seconds, as independent clients arrive: a burst of 50 opens at once costs the client alone
+more than 5 ms, so the bursts measure the harness as much as the edge's open time.
 
 Usage: python benchmarks/latency.py [--seconds 8] [--streams 50] [--chunks 40] [--modes core,durable]
-                                    [--baseline-tree DIR] [--raw-server] [--json out.json]
+                                    [--baseline-tree DIR] [--raw-server] [--spread-run 0.5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -468,15 +471,17 @@ def build_wave(tag: str, streams: int, chunks: int):
 
 
 async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int, rate: float | None,
-                  tmp: Path, target: str = "edge") -> dict:
+                  tmp: Path, target: str = "edge", spread: float | None = None) -> dict:
     """Publish ``waves`` waves at ``rate`` chunks/s (None: as fast as possible, all waves opened
     first) with the SSE client reading from ``target`` ("edge" or "relay", the bare Starlette
-    relay); returns per-hop latencies and the SSE delivery rate."""
+    relay); returns per-hop latencies and the SSE delivery rate. ``spread``: this run's opens of a
+    wave are spaced over that many seconds (default ``--open-spread``; a peak run opens at once)."""
     import nats
+    open_spread = spread if spread is not None else (OPEN_SPREAD if rate is not None else 0.0)
     outs = [tmp / f"{mode.mode}-{label}-{target}-{k}.json" for k in range(SSE_CLIENTS)]
     clients = [await asyncio.create_subprocess_exec(
         sys.executable, str(Path(__file__).resolve()), "--sse-client", mode.url(target), "--out", str(out),
-        "--open-spread", str(OPEN_SPREAD if rate is not None else 0.0),
+        "--open-spread", str(open_spread),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for out in outs]
     nc = await nats.connect(mode.nats_url)
     published: dict[tuple[str, int], float] = {}
@@ -577,7 +582,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
                        ("floor_socket", stamped.seen["floor"]), ("result_socket", stamped.seen["result"])):
         hops[name] = percentiles([(seen[k] - t) * 1e3 for k, t in published.items() if k in seen], cdf=True)
     last = max(sse.values()) if sse else started
-    return {"label": label, "rate": rate, "target": target, "offered": n / (time.perf_counter() - started) if rate is None else rate,
+    return {"label": label, "rate": rate, "target": target, "open_spread": open_spread, "offered": n / (time.perf_counter() - started) if rate is None else rate,
             "published": n, "sse_rate": len(sse) / max(1e-9, last - started), "hops": hops,
             "missing_sse": n - len(sse), "open_ms": percentiles([x * 1e3 for x in data["opened"]]),
             # CPU per chunk over the run (stream opens and their teardown included)
@@ -681,6 +686,15 @@ async def run(args) -> dict:
                     r = await one_run(mode, f"r{int(rate)}", waves, args.streams, args.chunks, rate, tmp_path)
                     show(mode_name, r)
                     runs.append(r)
+                if args.spread_run > 0:  # the same 2,000 chunks/s with each wave's opens spread out
+                    waves = max(1, round(RATE * args.seconds / per_wave))
+                    r = await one_run(mode, "s", waves, args.streams, args.chunks, RATE, tmp_path,
+                                      spread=args.spread_run)
+                    r["spread_run"] = True
+                    print(f"{mode_name:8}  the same with each wave's {args.streams} opens spread over "
+                          f"{args.spread_run:g} s, as independent clients arrive:")
+                    show(mode_name, r)
+                    runs.append(r)
                 if args.relay_rounds:
                     print(f"{mode_name:8}  edge against a bare Starlette SSE relay, {args.relay_rounds} interleaved "
                           f"rounds (ours, relay, paired median ratio)")
@@ -692,7 +706,7 @@ async def run(args) -> dict:
             finally:
                 mode.close()
             report["modes"][mode_name] = runs
-    core = [r for r in report["modes"].get("core", []) if r["rate"] == RATE]
+    core = [r for r in report["modes"].get("core", []) if r["rate"] == RATE and not r.get("spread_run")]
     if core:
         h = core[0]["hops"]
         added = {q: h["sse"][q] - h["floor"][q] for q in ("p50", "p99")}
@@ -718,6 +732,10 @@ def main() -> None:
     parser.add_argument("--open-spread", type=float, default=0.0,
                         help="paced runs: open each wave's streams evenly over this many seconds (default 0: "
                              "all at once); keep it under a wave's publish time (streams x chunks / rate)")
+    parser.add_argument("--spread-run", type=float, default=0.0, metavar="SECONDS",
+                        help="per mode, one more run at 2,000 chunks/s whose waves open their streams evenly "
+                             "over this many seconds (the open time and tail of independent arrivals, beside "
+                             "the bursts of the main run); 0: none")
     parser.add_argument("--sse-clients", type=int, default=1,
                         help="SSE client processes, taking waves in turn (2: the next wave's opens are not made "
                              "by the process reading this wave's events, whose reads would wait for them)")

@@ -92,3 +92,24 @@ def test_the_raw_servers_open_time_and_cpu_per_event_are_shown_beside_the_absolu
     assert opened.met is None and cpu.met is None  # information, no goal of its own
     assert "core peak SSE ev/s vs Starlette relay" in by_what  # core had rounds, without the raw server:
     assert "core SSE open p50 @2k/s, raw server" not in by_what  # no raw rows
+
+
+def test_a_spread_run_gets_rows_of_its_own_and_does_not_replace_the_burst_runs_figures():
+    """latency.py --spread-run: the same 2,000 chunks/s with each wave's opens spread out, judged
+    against the same goals in rows of its own; the burst run's rows keep the burst run's figures."""
+    runner = load_runner()
+    lat = latency_json(edge_us=75.0, processor_us=80.0)
+    spread = {"rate": 2000.0, "spread_run": True, "open_spread": 0.5, "open_ms": {"p50": 1.2},
+              "hops": {"floor": {"p50": 1.0, "p99": 2.0}, "result": {"p50": 1.0, "p99": 3.0},
+                       "sse": {"p50": 1.1, "p99": 4.5}},
+              "edge_cpu_us": 90.0, "processor_cpu_us": 99.0}
+    lat["modes"]["core"] = [spread] + lat["modes"]["core"]  # listed first: must not be taken for the burst run
+    by_what = {r.what: r for r in runner.summarize({"latency": ("", lat)})}
+    assert by_what["core SSE open p50 @2k/s"].ours == 3.0  # the burst run's
+    assert by_what["core edge CPU us/event @2k/s"].ours == 75.0
+    assert by_what["core processor CPU us/chunk @2k/s"].ours == 80.0
+    opened = by_what["core SSE open p50, opens over 0.5s"]
+    assert opened.ours == 1.2 and opened.met is True
+    tail = by_what["core SSE p99 vs result p99, opens over 0.5s"]
+    assert tail.ratio == 1.5 and tail.met is True
+    assert "durable SSE open p50, opens over 0.5s" not in by_what  # no spread run in durable mode
