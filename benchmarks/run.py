@@ -131,7 +131,7 @@ def summarize(results: dict) -> list[Row]:
             spread = next((r for r in runs if r.get("spread_run")), None)
             if spread:  # latency.py --spread-run: the same load, each wave's opens spread out (independent arrivals)
                 h, s = spread["hops"], f"opens over {spread['open_spread']:g}s"
-                rows.append(Row("2 edge", f"{mode} SSE p99 vs result p99, {s}", h["sse"]["p99"], h["result"]["p99"],
+                rows.append(Row("2 edge", f"{mode} SSE/result p99, {s}", h["sse"]["p99"], h["result"]["p99"],
                                 "ms", "<= 2.0x"))
                 rows.append(Row("2 edge", f"{mode} SSE open p50, {s}", spread["open_ms"]["p50"], None, "ms", "<= 5ms"))
         else:

@@ -110,6 +110,6 @@ def test_a_spread_run_gets_rows_of_its_own_and_does_not_replace_the_burst_runs_f
     assert by_what["core processor CPU us/chunk @2k/s"].ours == 80.0
     opened = by_what["core SSE open p50, opens over 0.5s"]
     assert opened.ours == 1.2 and opened.met is True
-    tail = by_what["core SSE p99 vs result p99, opens over 0.5s"]
+    tail = by_what["core SSE/result p99, opens over 0.5s"]
     assert tail.ratio == 1.5 and tail.met is True
     assert "durable SSE open p50, opens over 0.5s" not in by_what  # no spread run in durable mode
