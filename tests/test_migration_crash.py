@@ -377,11 +377,11 @@ async def test_the_first_output_chunk_of_a_sealed_attempt_reaching_a_new_owner_i
             await pool.publish("prefill", prefill, 0)
             seal = encode_control(MigrateRequest(expected_attempt=0, id="gap-seal"))
             with anyio.fail_after(20):
-                while True:  # unknown_request until the prefill leg has reached the sealer
+                while True:  # unavailable until the stored prefill leg has reached the sealer
                     reply = decode_migrate_reply((await nc.request(Subjects().migrate(rid), seal, timeout=5)).data)
                     if isinstance(reply, Sealed):
                         break
-                    assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST, reply
+                    assert reply.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in reply.message, reply
                     await anyio.sleep(0.05)
             assert (reply.attempt, reply.emitted_tokens, reply.result_seq) == (1, 0, 0)
             sealer.kill()
@@ -450,3 +450,42 @@ async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(cl
     assert reply.code is MigrateErrorCode.UNAVAILABLE and "moved to another instance" in reply.message, reply
     assert record == (None, None)
     assert (stats.seals_recorded, stats.seals_unavailable) == (0, 1)
+
+
+# ------------------------------------------------------------- chunks still held by a dead owner
+
+async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored(client, start_processor):
+    """The owner took the lost worker's chunks and died before it stored a result: the chunks stay
+    unacknowledged at the partition's consumer until ``ack_wait``, and the next owner has neither a
+    stored result nor a seal record. Answering ``unknown_request`` would tell the serving layer to
+    start over as attempt 0, and the dead attempt's chunks, redelivered later, would be taken as the
+    new attempt's. The next owner answers ``unavailable`` while the request's chunks wait in the
+    chunk stream; the Migrator's retry is sealed once they are redelivered and handled, and the
+    client reads one stream."""
+    fmt = "sglang"
+    truth = make_truth(82, request_id="held-by-the-dead", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=2.0)
+    async with start_processor("in-process", **settings):
+        pass  # the chunk stream and the partition's durable consumer
+    [(role, bodies)] = pool.legs(0)
+    await pool.publish(role, bodies, 0, stop=3)  # the worker dies after three chunks
+    # The dead owner: took the three chunks from the partition's consumer, acknowledged none.
+    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
+    held = await sub.fetch(3, timeout=5)
+    await sub.unsubscribe()
+    assert len(held) == 3
+    async with start_processor("in-process", **settings) as rp:
+        await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
+        first = decode_migrate_reply((await client.request(
+            rp.subjects.migrate(rid), encode_control(MigrateRequest(expected_attempt=0)), timeout=5)).data)
+        async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
+            migrator = Migrator(client, rp.subjects, format=fmt, timeout=15)
+            resumed = await migrator.migrate(rid, native_request(fmt, truth), expected_attempt=0, send=pool.serve)
+            results = await stream.collect()
+    assert first.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in first.message, first
+    assert resumed.attempt == 1 and resumed.result_seq == 3, resumed
+    assert emitted_in(truth, resumed.body) == resumed.emitted_tokens > 0
+    assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
+    assert_uninterrupted(fmt, truth, results)

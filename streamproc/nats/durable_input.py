@@ -856,6 +856,15 @@ class DurableInput:
                 await self._adopt(rid, None, self._clock(), record=record, read_record=False)
             except Exception as exc:
                 return self._unavailable(rid, f"the request cannot be adopted: {error_text(exc)}")
+        if not correlator.knows(rid):
+            try:
+                waiting = await self._chunks_waiting(rid)
+            except UNREACHABLE as exc:
+                return self._unavailable(rid, f"the chunk stream cannot be read: {error_text(exc)}")
+            if waiting:
+                return self._unavailable(rid, "chunks of it wait in the chunk stream, not yet handled here (taken "
+                                              "by a previous owner that did not acknowledge them: they come back "
+                                              "after ack_wait)")
         missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
         if missing:
             await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
@@ -888,6 +897,18 @@ class DurableInput:
         self.stats.seals_recorded += 1
         self._note_sealed(rid)
         return reply
+
+    async def _chunks_waiting(self, rid: str) -> bool:
+        """Whether the chunk stream holds a chunk of ``rid`` (work-queue retention: one not yet
+        acknowledged). With no stored result and no seal record, a request this instance does not know
+        may still have chunks a dead owner took and never acknowledged: until they come back, ``unknown``
+        would be a lie that lets the dead attempt's chunks be taken as a restarted attempt 0's. A leader
+        read of the last message under ``<head>.<rid>.*`` (nats-server ``LoadLastMsg`` takes wildcards)."""
+        try:
+            await self._jsm.get_last_msg(self.chunks_stream, f"{self.scheme.head(self.scheme.of(rid))}{rid}.*")
+        except NotFoundError:
+            return False
+        return True
 
     def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:
         self.stats.seals_unavailable += 1
