@@ -236,7 +236,9 @@ async def test_a_migration_works_with_the_frontend_and_workers_holding_only_thei
     user) publish both attempts; the durable processor seals in its migrations bucket and reads
     stored results back, all within the shipped permissions."""
     from streamproc.catalog import worker_for
+    from streamproc.client.migration import MigrationError, Migrator
     from streamproc.client.results import ResultCollector
+    from streamproc.core.events import MigrateErrorCode
     from streamproc.core.wire import Subjects
     from streamproc.sim.migration import plan_migrations, run_migration, verify_migration
 
@@ -253,6 +255,9 @@ async def test_a_migration_works_with_the_frontend_and_workers_holding_only_thei
                                         timeout=20, control=frontend)
                 await collector.wait_for([m.request_id for m in migrations], timeout=20)
                 results = dict(collector.results)
+                # Never seen anywhere: the processor also looks in its chunk stream (MSG.GET) first.
+                with pytest.raises(MigrationError) as unknown:
+                    await Migrator(frontend, subjects, format="sglang", timeout=5).seal("trust-never-seen")
         finally:
             await workers.close()
             await frontend.close()
@@ -261,6 +266,7 @@ async def test_a_migration_works_with_the_frontend_and_workers_holding_only_thei
         assert verify_migration(m, results[m.request_id], worker) == [], (m.request_id, log)
     assert "Permissions Violation" not in log and "nats_error" not in log, log
     assert "seal_list_unreadable" not in log, log  # taking partitions lists the seal records
+    assert unknown.value.code is MigrateErrorCode.UNKNOWN_REQUEST, unknown.value
 
 
 async def sse_bytes(edge, request_id: str, publish) -> bytes:
