@@ -243,7 +243,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     partitions: Annotated[int, documented("durable: partitions of the chunk stream (one durable consumer each); "
                                     "fixed when the stream is created", ge=1, le=1024)] = 8
     ack_wait: Annotated[float, documented("durable: seconds before an unacknowledged chunk is redelivered; held "
-                                    "chunks are kept alive with in-progress acks", ge=0.5, le=3600)] = defaults.ACK_WAIT
+                                    "chunks are kept alive with in-progress acks; after an owner is killed, migrates of its "
+                                    "unstored requests are answered `unavailable` for up to this long (keep the "
+                                    "Migrator's timeout above it)", ge=0.5, le=3600)] = defaults.ACK_WAIT
     max_ack_pending: Annotated[int, documented("durable: unacknowledged chunks per partition before the server "
                                          "stops delivering (bounds in-flight work); at least 2, so a held "
                                          "prefill leg leaves room for its decode leg", ge=2, le=1_000_000)] = 2048

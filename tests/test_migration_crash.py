@@ -25,7 +25,7 @@ from edge_harness import running_edge
 from httpx_sse import aconnect_sse
 
 from streamproc.catalog import worker_for
-from streamproc.client.migration import Migrator, Resumed
+from streamproc.client.migration import MigrationError, Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import partition_of
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
@@ -466,7 +466,7 @@ async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored
     truth = make_truth(82, request_id="held-by-the-dead", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
     rid = truth.request_id
     pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
-    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=2.0)
+    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=4.0)
     async with start_processor("in-process", **settings):
         pass  # the chunk stream and the partition's durable consumer
     [(role, bodies)] = pool.legs(0)
@@ -487,5 +487,79 @@ async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored
     assert first.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in first.message, first
     assert resumed.attempt == 1 and resumed.result_seq == 3, resumed
     assert emitted_in(truth, resumed.body) == resumed.emitted_tokens > 0
+    assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
+    assert_uninterrupted(fmt, truth, results)
+
+
+@pytest.mark.parametrize("storage", ["file", "memory"])
+async def test_chunks_past_max_deliver_are_unavailable_only_until_they_could_have_come_back(
+        client, start_processor, storage):
+    """A dead owner took the request's chunks on their max_deliver-th delivery and was killed before
+    it terminated them: nats-server never delivers them again but keeps them in the work-queue
+    stream (``consumer.go`` ``needAck``). Nothing of the request can reach a client, so once a
+    previous owner's hold would have run out (``ack_wait`` after the next owner took the partition)
+    the answer is ``unknown_request`` again, not ``unavailable`` until ``chunks_max_age``."""
+    fmt = "sglang"
+    truth = make_truth(83, request_id=f"past-max-deliver-{storage}", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=0.5, max_deliver=2, stream_storage=storage)
+    async with start_processor("in-process", **settings):
+        pass
+    [(role, bodies)] = pool.legs(0)
+    await pool.publish(role, bodies, 0, stop=3)
+    js = client.jetstream()
+    sub = await js.pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
+    first = await sub.fetch(3, timeout=5)  # delivery 1, never acknowledged
+    await anyio.sleep(0.8)
+    last = await sub.fetch(3, timeout=5)  # delivery 2 == max_deliver: the owner is killed here
+    await sub.unsubscribe()
+    assert (len(first), [m.metadata.num_delivered for m in last]) == (3, [2, 2, 2])
+    async with start_processor("in-process", **settings) as rp:
+        await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
+        early = decode_migrate_reply((await client.request(
+            rp.subjects.migrate(rid), encode_control(MigrateRequest(expected_attempt=0)), timeout=5)).data)
+        with pytest.raises(MigrationError) as later:
+            await Migrator(client, rp.subjects, format=fmt, timeout=10).seal(rid, expected_attempt=0)
+        stats = rp.processor.input.stats
+        stored = (await js.stream_info(CHUNKS_STREAM)).state.messages
+    assert early.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in early.message, early
+    assert later.value.code is MigrateErrorCode.UNKNOWN_REQUEST, later.value
+    assert stats.chunks_undeliverable_seen >= 1 and stored == 3
+
+
+async def test_a_request_adopted_from_stored_results_is_sealed_at_once_while_later_chunks_wait_at_a_dead_owner(
+        client, start_processor):
+    """Results 0..2 stored; chunks 3..4 then taken by a dead owner and never acknowledged. The next
+    owner adopts the request from the stores and seals it at result seq 3 at once (what the client
+    was sent); the dead attempt's chunks, redelivered after ``ack_wait``, are dropped as sealed, and
+    the client reads one stream equal to the uninterrupted run."""
+    fmt = "sglang"
+    truth = make_truth(84, request_id="adopted-then-sealed", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=1.0)
+    [(role, bodies)] = pool.legs(0)
+    async with start_processor("in-process", **settings) as rp:
+        async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
+            await pool.publish(role, bodies, 0, stop=3)
+            [await stream.__anext__() for _ in range(3)]
+    await pool.publish(role, bodies, 0, start=3, stop=5)
+    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
+    held = await sub.fetch(2, timeout=5)
+    await sub.unsubscribe()
+    assert len(held) == 2
+    async with start_processor("in-process", **settings) as rp:
+        await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
+        sealed = decode_migrate_reply((await client.request(
+            rp.subjects.migrate(rid), encode_control(MigrateRequest(expected_attempt=0, id="s1")), timeout=5)).data)
+        assert isinstance(sealed, Sealed) and (sealed.attempt, sealed.result_seq) == (1, 3), sealed
+        await wait_until(lambda: rp.processor.correlator.stats.sealed == 2, 15, "the dead attempt's chunks dropped")
+        body = Migrator(client, format=fmt).codec.resume_request(
+            native_request(fmt, truth), Emitted(sealed.emitted_token_ids, sealed.state))
+        async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
+            await pool.serve(Resumed(rid, sealed.attempt, sealed.emitted_tokens, sealed.result_seq, body))
+            results = await stream.collect()
+    assert emitted_in(truth, body) == sealed.emitted_tokens > 0
     assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
     assert_uninterrupted(fmt, truth, results)

@@ -87,6 +87,8 @@ LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: th
 WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
+# Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
+REDELIVERY_SLACK = 1.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
 MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
 
@@ -107,6 +109,7 @@ class DurableStats(OutboxStats):
     seals_recorded: int = 0  # seals written to the migrations bucket
     seal_conflicts: int = 0  # seals another instance recorded first (compare-and-set lost)
     seals_unavailable: int = 0  # migrates answered `unavailable` (a store could not be read or written)
+    chunks_undeliverable_seen: int = 0  # migrates that found a chunk past max_deliver, kept but never redelivered
     leases_acquired: int = 0
     leases_released: int = 0
     leases_lost: int = 0
@@ -136,11 +139,13 @@ ALL_SEALED = _AllSealed()
 class _Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
-    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed")
+    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed",
+                 "opened")
 
     def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit,
-                 sealed: dict[str, float] | _AllSealed) -> None:
+                 sealed: dict[str, float] | _AllSealed, opened: float) -> None:
         self.n = n
+        self.opened = opened  # our clock when this instance took the partition
         self.consumer = consumer
         self.filter = filter_subject
         self.cut = cut  # stored subject -> chunk subject: drop this many leading characters
@@ -441,7 +446,7 @@ class DurableInput:
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
                             retry_after=RETRY_AFTER_ERROR, now=self._clock())
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream, credit, sealed)
+                          self.chunks_stream, credit, sealed, self._clock())
         await self._ensure_consumer(part)
         part.inbox = self.nc.new_inbox()
         on_message, on_message_inline = self._handlers(part)
@@ -899,16 +904,35 @@ class DurableInput:
         return reply
 
     async def _chunks_waiting(self, rid: str) -> bool:
-        """Whether the chunk stream holds a chunk of ``rid`` (work-queue retention: one not yet
-        acknowledged). With no stored result and no seal record, a request this instance does not know
-        may still have chunks a dead owner took and never acknowledged: until they come back, ``unknown``
-        would be a lie that lets the dead attempt's chunks be taken as a restarted attempt 0's. A leader
-        read of the last message under ``<head>.<rid>.*`` (nats-server ``LoadLastMsg`` takes wildcards)."""
+        """Whether a chunk of ``rid`` that this instance does not hold can still be delivered to it.
+
+        With no stored result and no seal record, a request this instance does not know may still have
+        chunks a dead owner took and never acknowledged: until they come back, ``unknown`` would be a
+        lie that lets the dead attempt's chunks be taken as a restarted attempt 0's. The chunk stream
+        keeps a chunk until it is acknowledged (work-queue retention), so the last one under
+        ``<head>.<rid>.*`` is read (a leader read; nats-server's ``LoadLastMsg`` takes wildcards). One
+        there comes back if it was never delivered (beyond the consumer's ``delivered.stream_seq``) or
+        while a previous owner's hold may still run out: those were delivered before this instance
+        took the partition, so they return within ``ack_wait`` of that. Past that, a delivered one
+        that is still there reached ``max_deliver`` untermed (its owner was killed on the last
+        delivery) and is never delivered again (nats-server ``consumer.go`` ``needAck`` keeps it):
+        nothing of it can reach a client, and ``unknown`` is the truth."""
+        n = self.scheme.of(rid)
         try:
-            await self._jsm.get_last_msg(self.chunks_stream, f"{self.scheme.head(self.scheme.of(rid))}{rid}.*")
+            stored = await self._jsm.get_last_msg(self.chunks_stream, f"{self.scheme.head(n)}{rid}.*")
         except NotFoundError:
             return False
-        return True
+        part = self._partitions.get(n)
+        if part is None or self._clock() < part.opened + self.settings.ack_wait + REDELIVERY_SLACK:
+            return True
+        info = await self._jsm.consumer_info(self.chunks_stream, part.consumer)
+        if stored.seq > info.delivered.stream_seq:
+            return True
+        self.stats.chunks_undeliverable_seen += 1
+        self.pipeline.limited.log(logging.WARNING, "chunks_undeliverable", request_id=rid, stream_seq=stored.seq,
+                                  detail="delivered max_deliver times and never acknowledged: kept by the "
+                                         "stream until chunks_max_age, never delivered again")
+        return False
 
     def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:
         self.stats.seals_unavailable += 1
