@@ -20,6 +20,7 @@ import anyio
 import nats
 
 from streamproc import config
+from streamproc.nats.robust import connect as robust_connect
 
 
 def rid(name: str) -> str:
@@ -43,8 +44,10 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def connection(url: str) -> AsyncIterator[nats.aio.client.Client]:
-    """A plain nats-py connection, closed on exit."""
-    nc = await nats.connect(url)
+    """A nats-py connection, closed on exit: :class:`~streamproc.nats.robust.RobustClient`, nats-py's
+    own client whose ``flush()`` after ``subscribe()`` means the server has the SUB (stock nats-py 2.16
+    writes its PING ahead of the queued SUB: under load a test's first messages were lost)."""
+    nc = await robust_connect(servers=[url])
     try:
         yield nc
     finally:

@@ -25,7 +25,7 @@ from streamproc.core.wire import (Role, Subjects, chunk_headers, result_block, r
 from streamproc.nats import fast_client
 from streamproc.nats.fast_client import (FastClient, adaptive_gap, _stock_header_block, encode_header_block, fast_path_support,
                                          new_client)
-from streamproc.nats.robust import RobustClient, header_block_size
+from streamproc.nats.robust import RobustClient, flush_queued, header_block_size
 
 # ------------------------------------------------------------------------------ parse side
 
@@ -504,3 +504,74 @@ async def test_a_cancelled_flush_does_not_stop_the_connection_reading(client, na
         assert msg.data == b"still reading" and not nc._reading_task.done()
     finally:
         await nc.close()
+
+
+class WireRecorder:
+    """A minimal NATS server on a free port: INFO, PONG for every PING, and every command line the
+    client sends after its CONNECT, in arrival order."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return "nats://127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"rec","version":"2.10.0","max_payload":1048576,"headers":true,"proto":1}\r\n')
+        connected = False
+        while line := await reader.readline():
+            if line.startswith(b"PING"):
+                writer.write(b"PONG\r\n")
+            if connected:
+                self.lines.append(line.split(b" ")[0].strip())
+            connected = connected or line.startswith(b"CONNECT")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("client_class", [Client, RobustClient, FastClient])
+async def test_flush_after_subscribe_writes_the_sub_before_its_ping(client_class):
+    """A PONG must mean the server has everything sent before the flush: nats-py 2.16's
+    ``Client._send_ping`` writes PING ahead of the SUB still queued for its flusher task (pinned
+    here, so an upstream fix shows), and another connection's publish could then miss the
+    subscription (the first two messages of test_publishes_coming_faster_... were lost under load).
+    RobustClient and FastClient write the queued commands first."""
+    recorder = WireRecorder()
+    async with recorder as url:
+        nc = client_class()
+        await nc.connect(servers=[url], allow_reconnect=False)
+        try:
+            recorder.lines.clear()  # the handshake's PING
+            await nc.subscribe("ordered")
+            await nc.flush()
+            wire = [line for line in recorder.lines if line in (b"SUB", b"PING")][:2]
+        finally:
+            await nc.close()
+    expected = [b"PING", b"SUB"] if client_class is Client else [b"SUB", b"PING"]
+    assert wire == expected, wire
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("client_class", [Client, RobustClient])
+async def test_flush_queued_writes_the_sub_before_the_ping_on_any_client(client_class):
+    """The client helpers (``follow``, ``ResultCollector``) take the caller's connection, often a
+    stock nats-py one: ``flush_queued`` has its flusher write the SUB before the PING."""
+    recorder = WireRecorder()
+    async with recorder as url:
+        nc = client_class()
+        await nc.connect(servers=[url], allow_reconnect=False)
+        try:
+            recorder.lines.clear()
+            await nc.subscribe("ordered")
+            await flush_queued(nc)
+            wire = [line for line in recorder.lines if line in (b"SUB", b"PING")][:2]
+        finally:
+            await nc.close()
+    assert wire == [b"SUB", b"PING"], wire

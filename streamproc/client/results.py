@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 
 from ..core.errors import MalformedResult
 from ..core.reorder import SeqOrder
+from ..nats.robust import flush_queued
 from ..nats.streams import find_stream
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 
@@ -71,7 +72,7 @@ class ResultStream:
             self._sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, cb=self._on_msg)
         else:
             self._sub = await self.nc.subscribe(subject, cb=self._on_msg)
-            await self.nc.flush()
+            await flush_queued(self.nc)
         if self.timeout is not None:
             self._deadline = anyio.current_time() + self.timeout
 
@@ -153,7 +154,7 @@ class ResultCollector:
     async def __aenter__(self) -> ResultCollector:
         self._sub = await self.nc.subscribe(self.subjects.all_results, cb=self._on_msg,
                                             pending_msgs_limit=-1, pending_bytes_limit=-1)
-        await self.nc.flush()
+        await flush_queued(self.nc)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

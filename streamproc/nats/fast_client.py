@@ -487,21 +487,13 @@ class FastClient(RobustClient):
         if payload_size > self._max_payload:
             raise errors.MaxPayloadError
 
-    async def _send_ping(self, future: asyncio.Future | None = None) -> None:
-        # nats-py 2.16 Client._send_ping writes PING straight to the socket, ahead of the commands
-        # still in _pending (the flusher task writes them on a later loop pass, and with a flush
-        # interval later still): flush() right after subscribe() got its PONG before the server had
-        # the SUB, so another connection's publish could still miss the subscription (seen under
-        # load in tests/test_inline_dispatch.py, on main too). Write them first, so a PONG means
-        # "everything before it arrived", as the edge's flush barrier does.
-        if self._pending_data_size > 0 and self._transport is not None:
-            commands = len(self._pending)
-            self._transport.writelines(self._pending[:])
-            self._pending = []
-            self._pending_data_size = 0
-            if self.flush_interval > 0:
-                self._wrote(commands, asyncio.get_running_loop().time())
-        await super()._send_ping(future)
+    def _write_pending(self) -> int:
+        # RobustClient._send_ping writes the queued commands ahead of its PING; with a flush interval
+        # (which delays them further still) that write counts toward the write rate.
+        commands = super()._write_pending()
+        if commands and self.flush_interval > 0:
+            self._wrote(commands, asyncio.get_running_loop().time())
+        return commands
 
     # Seconds a deferred publish (publish_deferred) may wait for another write to take it along.
     defer_linger = 0.0

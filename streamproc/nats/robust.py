@@ -33,6 +33,14 @@ losing everything written with it; nats-py checks the body alone. A worker's chu
 ``max_payload`` with a short header block has a result with a longer one.
 :meth:`RobustClient._send_publish` raises ``MaxPayloadError`` for such a message instead (as
 ``FastClient._append`` does on the fast path).
+
+A sixth makes ``flush()`` lie rather than lose anything: nats-py 2.16's ``Client._send_ping`` writes
+PING straight to the socket, ahead of the commands still waiting in ``_pending`` for the flusher
+task, so the PONG can come back before the server has a SUB queued just before it, and another
+connection's publish then finds no subscription (seen under load in tests/test_inline_dispatch.py
+and tests/test_fast_client.py: the first two messages after ``subscribe(); flush()`` lost).
+:meth:`RobustClient._send_ping` writes ``_pending`` first, so a PONG means "everything before it
+arrived".
 """
 
 from __future__ import annotations
@@ -107,6 +115,20 @@ class RobustClient(Client):
             raise errors.MaxPayloadError
         await super()._send_publish(subject, reply, payload, payload_size, headers)
 
+    async def _send_ping(self, future: Any = None) -> None:
+        self._write_pending()
+        await super()._send_ping(future)
+
+    def _write_pending(self) -> int:
+        """Write the queued commands now (as nats-py's flusher would); how many were written."""
+        if self._pending_data_size <= 0 or self._transport is None:
+            return 0
+        commands = len(self._pending)
+        self._transport.writelines(self._pending[:])
+        self._pending = []
+        self._pending_data_size = 0
+        return commands
+
     async def _process_pong(self) -> None:
         # nats-py 2.16 Client._process_pong, minus set_result on a waiter that is done already.
         if self._pongs:
@@ -115,6 +137,15 @@ class RobustClient(Client):
                 future.set_result(True)
             self._pongs_received += 1
             self._pings_outstanding = 0
+
+
+async def flush_queued(nc: Client) -> None:
+    """``nc.flush()`` that returns only once the server has every command queued before it (a SUB),
+    whatever client ``nc`` is: on a stock nats-py client the queued commands are written (its
+    flusher task, awaited) before the PING that ``flush`` writes ahead of them (the sixth way above)."""
+    if not isinstance(nc, RobustClient):
+        await nc._flush_pending(force_flush=True)  # nats-py 2.x: resolves once the flusher wrote _pending
+    await nc.flush()
 
 
 async def connect(**options: Any) -> RobustClient:
