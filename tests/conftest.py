@@ -7,10 +7,13 @@ Integration tests use no mocks: the server is the ``nats-server`` binary from th
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
@@ -33,6 +36,49 @@ SCRIPT = Path(sys.executable).parent / "streamproc"  # the console script declar
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"  # nats-py is asyncio-only
+
+
+# pytest-timeout's signal raises inside the event loop: anyio's test runner task dies with it and the
+# async fixtures' teardown then waits for it for ever (a timed-out test hung `make test` instead of
+# failing it; tests/test_timeouts.py). An async test therefore gets its limit inside the loop first,
+# when 95% of its timeout (which counts from its setup, as pytest-timeout's does) has passed: the
+# test fails, its fixtures are torn down as usual, and the signal stays the backstop for a test that
+# blocks the loop.
+COOPERATIVE_SHARE = 0.95
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.monotonic()
+
+
+_STARTED = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    test = pyfuncitem.obj
+    marker = pyfuncitem.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(pyfuncitem.config.getini("timeout") or 0)
+    if not (inspect.iscoroutinefunction(test) and "anyio_backend" in pyfuncitem.funcargs and limit > 0):
+        yield
+        return
+    started = pyfuncitem.stash.get(_STARTED, time.monotonic())
+    deadline = started + limit * COOPERATIVE_SHARE
+
+    @functools.wraps(test)
+    async def limited(*args: object, **kwargs: object) -> object:
+        with anyio.move_on_after(deadline - time.monotonic()):
+            return await test(*args, **kwargs)
+        pytest.fail(f"timed out: still running {time.monotonic() - started:.1f} s after its setup began, "
+                    f"{COOPERATIVE_SHARE:.0%} of its {limit:g} s timeout (cancelled inside the event loop, "
+                    "its fixtures torn down)")
+
+    pyfuncitem.obj = limited
+    try:
+        yield
+    finally:
+        pyfuncitem.obj = test
 
 
 @pytest.fixture
