@@ -563,3 +563,36 @@ async def test_a_request_adopted_from_stored_results_is_sealed_at_once_while_lat
     assert emitted_in(truth, body) == sealed.emitted_tokens > 0
     assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
     assert_uninterrupted(fmt, truth, results)
+
+
+# ------------------------------------------------------------------ a stalled owner's lapsed lease
+
+async def test_a_stalled_owner_sends_no_result_from_a_partition_whose_lease_may_have_run_out(client, start_processor):
+    """A process stalled past its lease's margin (a GC pause, SIGSTOP, a starved host) must not, when
+    it runs again, publish results before its watchdog notices: the next owner may already have read
+    the stored results and sealed a migrate on them. Played in-process by moving the lease's
+    ``valid_until`` into the past: the next chunk's result is not sent from the lapsed partition (the
+    partition is fenced off as that result is about to leave: its request handed over, the chunk
+    NAKed), and once the partition is taken again the request resumes from what is stored: one
+    stream, nothing lost or repeated."""
+    fmt = "sglang"
+    truth = make_truth(85, request_id="stalled-owner", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    [(role, bodies)] = pool.legs(0)
+    async with start_processor("in-process", format=fmt, mode="durable", partitions=1, lease_ttl=3.0) as rp:
+        durable = rp.processor.input
+        async with follow(client, rp.subjects, rid, timeout=20, replay=True) as stream:
+            await pool.publish(role, bodies, 0, stop=2)
+            results = [await stream.__anext__() for _ in range(2)]
+            assert (durable.stats.leases_lost, durable.stats.leases_acquired) == (0, 1)
+            await anyio.sleep(0.05)  # the stall (longer than the fence's check interval)...
+            durable.leases.owned[0].valid_until = durable._clock() - 0.01  # ...outlived the lease
+            await pool.publish(role, bodies, 0, start=2, stop=3)
+            results.append(await stream.__anext__())
+            # Result 2 left only after the partition was given up and taken again (not at once).
+            assert (durable.stats.leases_lost, durable.stats.leases_acquired) == (1, 2), durable.stats
+            await pool.publish(role, bodies, 0, start=3)
+            results += await stream.collect()
+    assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
+    assert_uninterrupted(fmt, truth, results)

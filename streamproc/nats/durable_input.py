@@ -89,6 +89,9 @@ RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refus
 LOOKUP_TIMEOUT = 2.0
 # Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
 REDELIVERY_SLACK = 1.0
+# Least seconds between two lease checks before results are sent (_fence): well inside the lease's
+# margin (10% of lease_ttl, which is at least 1 s).
+FENCE_EVERY = 0.02
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
 MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
 
@@ -187,8 +190,10 @@ class DurableInput:
                              handed_latency=pipeline.result_latency)  # one chunk -> result metric, both modes
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish),
-                                    limited=pipeline.limited)
+                                    limited=pipeline.limited, fence=self._fence)
         self._partitions: dict[int, _Partition] = {}
+        self._lapsed: list[_Partition] = []  # fenced off with no task group to close them in: the watchdog does
+        self._fenced_at = 0.0
         self._publish_pull = getattr(nc, "publish_deferred", None) or nc.publish  # leaves with the next write
         self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
@@ -497,6 +502,38 @@ class DurableInput:
             except nats.errors.Error:
                 pass
 
+    def _fence(self) -> None:
+        """Before results leave: stop serving, at once, every partition whose lease may have run out.
+
+        The watchdog notices an expired lease once a second; a process that stalls longer than the
+        lease's margin (a GC pause, SIGSTOP, a starved host) would otherwise, when it runs again,
+        publish the results its PubAcks release before its next round, while the next owner may
+        already have read the stored results and sealed a migrate on them: a stale attempt's
+        result stored after the seal, under the id the resumed attempt's result then collides with.
+        Checked at most every ``FENCE_EVERY`` (one clock read per send otherwise); the partition's
+        requests are handed over here (their queued results dropped, inputs NAKed) and its
+        subscription is closed at once, in a task."""
+        leases = self.leases
+        if leases is None:
+            return
+        now = self._clock()
+        if now - self._fenced_at < FENCE_EVERY:
+            return
+        self._fenced_at = now
+        for n in leases.expired(now):
+            self.stats.leases_lost += 1
+            log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance, fenced=True)
+            part = self._partitions.pop(n, None)
+            if part is not None:
+                part.active = False  # what is still delivered is NAKed until the subscription is closed:
+                if self._tasks is not None:  # close it now (its waiting pulls go with it)
+                    self._tasks.start_soon(self._close_partition, part)
+                else:
+                    self._lapsed.append(part)
+            scheme = self.scheme
+            self._hand_over(lambda rid, n=n: scheme.of(rid) == n)
+        self.stats.partitions = len(self._partitions)
+
     def _hand_over(self, belongs: Callable[[str], bool]) -> None:
         # Requests whose results were given up before they were stored must be forgotten even when
         # the correlator holds them as finished: else, should the partition come back here, their
@@ -576,6 +613,8 @@ class DurableInput:
                 self.stats.leases_lost += 1
                 log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance)
                 await self._lose(n)
+        while self._lapsed:  # fenced off before the task group ran: requests already handed over
+            await self._close_partition(self._lapsed.pop())
         for part in list(self._partitions.values()):
             if not part.active:
                 continue

@@ -136,8 +136,8 @@ class LeaseTable:
             try:
                 lease.revision = await kv.update(self.key(n), self._value, last=lease.revision)
             except KeyWrongLastSequenceError:  # expired and taken over, or deleted by an operator
-                del self.owned[n]
-                lost.append(n)
+                if self.owned.pop(n, None) is not None:  # (not given up meanwhile by expired())
+                    lost.append(n)
                 continue
             except _UNREACHABLE as exc:
                 log_event(log, logging.DEBUG, "lease_renewal_failed", partition=n, error=error_text(exc))

@@ -53,10 +53,14 @@ class OutboxPump:
 
     def __init__(self, nc: NatsClient, results_head: str, outbox: Outbox, *, clock: Callable[[], float],
                  notify: Notify, give_up: GiveUpHandler,
-                 publish: Callable[..., Awaitable[None]] | None = None, limited: LogLimiter | None = None) -> None:
+                 publish: Callable[..., Awaitable[None]] | None = None, limited: LogLimiter | None = None,
+                 fence: Callable[[], None] | None = None) -> None:
         """``publish``: ``nc.publish`` unless tracing wraps it (``Pipeline.publisher``); ``limited``: the
-        pipeline's log limiter (a results stream that refuses everything gives up every result)."""
+        pipeline's log limiter (a results stream that refuses everything gives up every result);
+        ``fence``: called before any result is sent, to drop what may no longer be sent from here
+        (the durable input's partitions whose lease may have run out)."""
         self._nc = nc
+        self._fence = fence
         self._publish = publish or nc.publish
         # Acks, NAKs and in-progress acks wait for the next write (FastClient.publish_deferred).
         self._control = getattr(nc, "publish_deferred", None) or nc.publish
@@ -136,6 +140,8 @@ class OutboxPump:
         """Send what is ready: results first (their order per request is already fixed), then acks."""
         if self._enqueue is not None and self.pump_nowait():
             return
+        if self._fence is not None:
+            self._fence()
         publish = self._publish
         for o, subject, reply in self._results_due():
             r = o.result
@@ -161,6 +167,8 @@ class OutboxPump:
     def send_nowait(self) -> None:
         """The sending of :meth:`pump_nowait`, for a caller that checked the backlog itself."""
         enqueue = self._enqueue
+        if self._fence is not None:
+            self._fence()
         for o, subject, reply in self._results_due():
             r = o.result
             try:
