@@ -454,6 +454,21 @@ async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(cl
 
 # ------------------------------------------------------------- chunks still held by a dead owner
 
+async def dead_owner_takes(client, count: int) -> list:
+    """A dead owner: takes ``count`` chunks from partition 0's consumer and acknowledges none."""
+    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
+    try:
+        return await sub.fetch(count, timeout=5)
+    finally:
+        await sub.unsubscribe()
+
+
+async def ask_migrate(client, subjects: Subjects, rid: str, **request: object):
+    """One migrate request, answered by whoever owns ``rid`` (no retry, unlike the Migrator)."""
+    msg = await client.request(subjects.migrate(rid), encode_control(MigrateRequest(**request)), timeout=5)
+    return decode_migrate_reply(msg.data)
+
+
 async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored(client, start_processor):
     """The owner took the lost worker's chunks and died before it stored a result: the chunks stay
     unacknowledged at the partition's consumer until ``ack_wait``, and the next owner has neither a
@@ -471,15 +486,10 @@ async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored
         pass  # the chunk stream and the partition's durable consumer
     [(role, bodies)] = pool.legs(0)
     await pool.publish(role, bodies, 0, stop=3)  # the worker dies after three chunks
-    # The dead owner: took the three chunks from the partition's consumer, acknowledged none.
-    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
-    held = await sub.fetch(3, timeout=5)
-    await sub.unsubscribe()
-    assert len(held) == 3
+    assert len(await dead_owner_takes(client, 3)) == 3
     async with start_processor("in-process", **settings) as rp:
         await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
-        first = decode_migrate_reply((await client.request(
-            rp.subjects.migrate(rid), encode_control(MigrateRequest(expected_attempt=0)), timeout=5)).data)
+        first = await ask_migrate(client, rp.subjects, rid, expected_attempt=0)
         async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
             migrator = Migrator(client, rp.subjects, format=fmt, timeout=15)
             resumed = await migrator.migrate(rid, native_request(fmt, truth), expected_attempt=0, send=pool.serve)
@@ -508,21 +518,17 @@ async def test_chunks_past_max_deliver_are_unavailable_only_until_they_could_hav
         pass
     [(role, bodies)] = pool.legs(0)
     await pool.publish(role, bodies, 0, stop=3)
-    js = client.jetstream()
-    sub = await js.pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
-    first = await sub.fetch(3, timeout=5)  # delivery 1, never acknowledged
+    first = await dead_owner_takes(client, 3)  # delivery 1, never acknowledged
     await anyio.sleep(0.8)
-    last = await sub.fetch(3, timeout=5)  # delivery 2 == max_deliver: the owner is killed here
-    await sub.unsubscribe()
+    last = await dead_owner_takes(client, 3)  # delivery 2 == max_deliver: the owner is killed here
     assert (len(first), [m.metadata.num_delivered for m in last]) == (3, [2, 2, 2])
     async with start_processor("in-process", **settings) as rp:
         await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
-        early = decode_migrate_reply((await client.request(
-            rp.subjects.migrate(rid), encode_control(MigrateRequest(expected_attempt=0)), timeout=5)).data)
+        early = await ask_migrate(client, rp.subjects, rid, expected_attempt=0)
         with pytest.raises(MigrationError) as later:
             await Migrator(client, rp.subjects, format=fmt, timeout=10).seal(rid, expected_attempt=0)
         stats = rp.processor.input.stats
-        stored = (await js.stream_info(CHUNKS_STREAM)).state.messages
+        stored = (await client.jetstream().stream_info(CHUNKS_STREAM)).state.messages
     assert early.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in early.message, early
     assert later.value.code is MigrateErrorCode.UNKNOWN_REQUEST, later.value
     assert stats.chunks_undeliverable_seen >= 1 and stored == 3
@@ -545,14 +551,10 @@ async def test_a_request_adopted_from_stored_results_is_sealed_at_once_while_lat
             await pool.publish(role, bodies, 0, stop=3)
             [await stream.__anext__() for _ in range(3)]
     await pool.publish(role, bodies, 0, start=3, stop=5)
-    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
-    held = await sub.fetch(2, timeout=5)
-    await sub.unsubscribe()
-    assert len(held) == 2
+    assert len(await dead_owner_takes(client, 2)) == 2
     async with start_processor("in-process", **settings) as rp:
         await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
-        sealed = decode_migrate_reply((await client.request(
-            rp.subjects.migrate(rid), encode_control(MigrateRequest(expected_attempt=0, id="s1")), timeout=5)).data)
+        sealed = await ask_migrate(client, rp.subjects, rid, expected_attempt=0, id="s1")
         assert isinstance(sealed, Sealed) and (sealed.attempt, sealed.result_seq) == (1, 3), sealed
         await wait_until(lambda: rp.processor.correlator.stats.sealed == 2, 15, "the dead attempt's chunks dropped")
         body = Migrator(client, format=fmt).codec.resume_request(
