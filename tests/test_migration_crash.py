@@ -598,3 +598,16 @@ async def test_a_stalled_owner_sends_no_result_from_a_partition_whose_lease_may_
             results += await stream.collect()
     assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
     assert_uninterrupted(fmt, truth, results)
+
+
+async def test_closing_a_given_up_partition_late_leaves_the_partition_taken_again_in_place(client, start_processor):
+    """A partition given up (fenced, or its lease lost) is closed in the background while its
+    subscription drains; if the instance takes the partition again meanwhile, the late close must
+    not unregister the new one, which would leave a leased partition that nobody pulls."""
+    async with start_processor("in-process", format="sglang", mode="durable", partitions=1) as rp:
+        durable = rp.processor.input
+        old = durable._partitions[0]
+        await durable._open(0, {})  # taken again before the old subscription's drain finished
+        new = durable._partitions[0]
+        await durable._close_partition(old)
+        assert durable._partitions.get(0) is new and new.active and not old.active

@@ -491,7 +491,8 @@ class DurableInput:
 
     async def _close_partition(self, part: _Partition) -> None:
         part.active = False
-        self._partitions.pop(part.n, None)
+        if self._partitions.get(part.n) is part:  # not a later _open of the same partition (taken again)
+            del self._partitions[part.n]
         sub, part.sub = part.sub, None
         if sub is not None and not self.nc.is_closed:
             try:
