@@ -192,7 +192,7 @@ class DurableInput:
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish),
                                     limited=pipeline.limited, fence=self._fence)
         self._partitions: dict[int, _Partition] = {}
-        self._lapsed: list[_Partition] = []  # fenced off with no task group to close them in: the watchdog does
+        self._lapsed: list[_Partition] = []  # given up by _fence, subscriptions not closed yet
         self._fenced_at = 0.0
         self._publish_pull = getattr(nc, "publish_deferred", None) or nc.publish  # leaves with the next write
         self._parse = pipeline.parse
@@ -503,37 +503,45 @@ class DurableInput:
             except nats.errors.Error:
                 pass
 
-    def _fence(self) -> None:
-        """Before results leave: stop serving, at once, every partition whose lease may have run out.
+    def _fence(self, every: float = FENCE_EVERY) -> None:
+        """Stop serving, at once, every partition whose lease may have run out: called before results
+        leave (``OutboxPump``'s fence, at most every ``every`` seconds: one clock read per send
+        otherwise) and by the watchdog (``every`` 0).
 
-        The watchdog notices an expired lease once a second; a process that stalls longer than the
-        lease's margin (a GC pause, SIGSTOP, a starved host) would otherwise, when it runs again,
-        publish the results its PubAcks release before its next round, while the next owner may
-        already have read the stored results and sealed a migrate on them: a stale attempt's
-        result stored after the seal, under the id the resumed attempt's result then collides with.
-        Checked at most every ``FENCE_EVERY`` (one clock read per send otherwise); the partition's
-        requests are handed over here (their queued results dropped, inputs NAKed) and its
-        subscription is closed at once, in a task."""
+        Between two watchdog rounds a process that stalled past the lease's margin (a GC pause,
+        SIGSTOP, a starved host) would, when it runs again, publish the results its PubAcks release,
+        while the next owner may already have read the stored results and sealed a migrate on them:
+        a stale attempt's result stored after the seal, under the id the resumed attempt's result
+        then collides with. The partition's requests are handed over here (queued results dropped,
+        inputs NAKed, its later deliveries NAKed) and its subscription is closed in a task, or by
+        the watchdog's next round."""
         leases = self.leases
         if leases is None:
             return
         now = self._clock()
-        if now - self._fenced_at < FENCE_EVERY:
+        if now - self._fenced_at < every:
             return
         self._fenced_at = now
-        for n in leases.expired(now):
+        expired = leases.expired(now)
+        for n in expired:
             self.stats.leases_lost += 1
-            log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance, fenced=True)
+            log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance)
             part = self._partitions.pop(n, None)
             if part is not None:
-                part.active = False  # what is still delivered is NAKed until the subscription is closed:
-                if self._tasks is not None:  # close it now (its waiting pulls go with it)
-                    self._tasks.start_soon(self._close_partition, part)
-                else:
-                    self._lapsed.append(part)
+                part.active = False
+                self._lapsed.append(part)
             scheme = self.scheme
             self._hand_over(lambda rid, n=n: scheme.of(rid) == n)
-        self.stats.partitions = len(self._partitions)
+        if expired:
+            self.stats.partitions = len(self._partitions)
+            if self._tasks is not None:
+                self._tasks.start_soon(self._close_lapsed)
+
+    async def _close_lapsed(self) -> None:
+        """Close the subscriptions of the partitions :meth:`_fence` gave up (their waiting pulls go too)."""
+        while self._lapsed:
+            await self._close_partition(self._lapsed.pop())
+        await self.publisher.pump()
 
     def _hand_over(self, belongs: Callable[[str], bool]) -> None:
         # Requests whose results were given up before they were stored must be forgotten even when
@@ -609,13 +617,8 @@ class DurableInput:
         reconnects = self.nc.stats["reconnects"]
         reconnected = reconnects != self._reconnects
         self._reconnects = reconnects
-        if self.leases is not None:
-            for n in self.leases.expired(now):
-                self.stats.leases_lost += 1
-                log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance)
-                await self._lose(n)
-        while self._lapsed:  # fenced off before the task group ran: requests already handed over
-            await self._close_partition(self._lapsed.pop())
+        self._fence(every=0)
+        await self._close_lapsed()
         for part in list(self._partitions.values()):
             if not part.active:
                 continue
