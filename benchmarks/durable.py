@@ -23,6 +23,10 @@ both contenders read the same stream configuration and store their results the s
   figures of a profiled run include nothing of py-spy's own (it is another process) but the
   sampling perturbs the contender a little: profile and measure in separate runs.
 
+- Floor (``--floor``): ``durable_floor.py`` joins every run: raw asyncio NATS, the processor's wire
+  work per chunk (pull, result with PubAck, one result of a request in flight, ack after the PubAck,
+  the same write interval) and nothing else; the least a Python durable relay can spend per chunk.
+
 Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5] [--paced 2000]
        [--profile DIR]
 """
@@ -59,12 +63,17 @@ from streamproc.nats.streams import (  # noqa: E402
 )
 
 NAMES = ("jsrelay", "streamproc")
+FLOOR = "floor"  # --floor: durable_floor.py, the least a Python durable relay can spend per chunk
 
 
 def contender_cmd(name: str, url: str, settings: config.Settings) -> list[str]:
     if name == "jsrelay":
         return [sys.executable, str(HERE / "jsrelay.py"), "--nats-url", url, "--stream", CHUNKS_STREAM,
                 "--consumer", "jsrelay", "--batch", str(settings.fetch_batch)]
+    if name == FLOOR:  # the same consumer as the relay's, the processor's write interval
+        return [sys.executable, str(HERE / "durable_floor.py"), "--nats-url", url, "--stream", CHUNKS_STREAM,
+                "--consumer", "jsrelay", "--batch", str(settings.fetch_batch),
+                "--interval", str(settings.flush_interval)]
     return [str(Path(sys.executable).parent / "streamproc"), "run", "--nats-url", url, "--mode", "durable",
             "--format", "sglang", "--log-level", "WARNING"]
 
@@ -78,7 +87,7 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
     await ensure_chunk_stream(js, ChunkStreamSpec(
         CHUNKS_STREAM, PartitionScheme(settings.subjects, settings.partitions), settings.chunks_max_age,
         settings.duplicate_window, storage))
-    if name == "jsrelay":
+    if name in ("jsrelay", FLOOR):
         await js.add_consumer(CHUNKS_STREAM, ConsumerConfig(
             durable_name="jsrelay", ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.ack_wait, max_deliver=-1,
             max_ack_pending=settings.max_ack_pending * settings.partitions,
@@ -105,7 +114,7 @@ _profilers: dict[int, subprocess.Popen] = {}
 
 def profile(name: str, proc: subprocess.Popen, mode: str) -> None:
     """Attach py-spy to a streamproc contender (``--profile``); stopped by :func:`finish`."""
-    if PROFILE_DIR is None or name == "jsrelay":
+    if PROFILE_DIR is None or name in ("jsrelay", FLOOR):
         return
     PROFILE_DIR.mkdir(parents=True, exist_ok=True)
     out = PROFILE_DIR / f"{mode}-{name}-{len(list(PROFILE_DIR.glob(f'{mode}-{name}-*.txt')))}.txt"
@@ -264,10 +273,11 @@ async def run(args) -> None:
     load = build_load(args.chunks, True, "streamproc")
     print(f"{os.cpu_count()} cores; {len(load)} aggregated streamed chunks per run (file storage, "
           f"{config.Settings().partitions} partitions, results stored with Msg-Id); {args.rounds} rounds alternating")
-    rates: dict[str, list[float]] = {n: [] for n in NAMES}
-    cpus: dict[str, list[float]] = {n: [] for n in NAMES}
+    names = (*NAMES, FLOOR) if args.floor else NAMES
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for name in (NAMES if r % 2 == 0 else NAMES[::-1]):
+        for name in (names if r % 2 == 0 else names[::-1]):
             rate, cpu = await peak(name, load)
             rates[name].append(rate)
             cpus[name].append(cpu)
@@ -278,11 +288,15 @@ async def run(args) -> None:
     print(f"{'streamed':10}{relay:18,.0f}{ours:21,.0f}{ours / relay:8.2f}{relay_cpu:22.1f}{ours_cpu:25.1f}")
     print(f"{'':10}   (runs jsrelay {', '.join(f'{x:,.0f}' for x in rates['jsrelay'])};"
           f" streamproc {', '.join(f'{x:,.0f}' for x in rates['streamproc'])})")
+    if args.floor:
+        floor, floor_cpu = statistics.median(rates[FLOOR]), statistics.median(cpus[FLOOR])
+        print(f"{'floor peak':10}{floor:18,.0f} chunks/s, cpu us/chunk {floor_cpu:.1f}; streamproc / floor "
+              f"{ours / floor:.2f} (runs {', '.join(f'{x:,.0f}' for x in rates[FLOOR])})")
     offered = ours / 2
     live = build_load(int(offered * args.latency_seconds) + 16, True, "streamproc")
     print(f"latency at half of streamproc's peak: {offered:,.0f} chunks/s offered for {args.latency_seconds:g} s, "
           "chunk publish -> result at a core subscriber")
-    for name in NAMES:
+    for name in names:
         r = await latency(name, live, offered, args.latency_seconds)
         print(f"{name:12} p50 {r.p50:7.2f} ms   p99 {r.p99:7.2f} ms   ({r.chunks} chunks; cpu us/chunk "
               f"{r.cpu_us:.1f}, nats-server {r.server_cpu_us:.1f})")
@@ -297,7 +311,7 @@ async def run_paced(args) -> None:
     print(f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; paced {args.paced:,.0f} chunks/s for "
           f"{args.latency_seconds:g} s per run, {args.rounds} rounds alternating; CPU from the first paced publish "
           "to the last result")
-    names = (*NAMES, UNCOALESCED)
+    names = (*NAMES, UNCOALESCED, FLOOR) if args.floor else (*NAMES, UNCOALESCED)
     runs: dict[str, list[Paced]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -308,7 +322,9 @@ async def run_paced(args) -> None:
         print(f"{name:12}{statistics.median(r.cpu_us for r in rs):14.1f}"
               f"{statistics.median(r.server_cpu_us for r in rs):22.1f}{statistics.median(r.p50 for r in rs):9.2f}"
               f"{statistics.median(r.p99 for r in rs):9.2f}   {', '.join(f'{r.cpu_us:.1f}' for r in rs)}")
-    for other in ("jsrelay", UNCOALESCED):
+    for other in names:
+        if other == "streamproc":
+            continue
         ratios = [o.cpu_us / j.cpu_us for o, j in zip(runs["streamproc"], runs[other])]
         print(f"streamproc / {other} cpu per chunk, paired median {statistics.median(ratios):.2f} "
               f"(range {min(ratios):.2f}-{max(ratios):.2f})")
@@ -324,6 +340,8 @@ def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=5.0)
     parser.add_argument("--paced", type=float, default=0.0,
                         help="only the paced mode: offer this many chunks/s to each contender (e.g. 2000)")
+    parser.add_argument("--floor", action="store_true",
+                        help="add durable_floor.py (raw asyncio NATS, the processor's wire work only) to every run")
     parser.add_argument("--profile", type=Path, default=None,
                         help="record each streamproc run with py-spy into this directory (collapsed stacks)")
     args = parser.parse_args()
