@@ -34,6 +34,7 @@ Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-sec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import os
 import signal
@@ -57,6 +58,7 @@ from streamproc.sim.embedded import EmbeddedNats, stop_process  # noqa: E402
 from streamproc.core.partitions import PartitionScheme  # noqa: E402
 from streamproc.nats.streams import (  # noqa: E402
     CHUNKS_STREAM,
+    RESULTS_STREAM,
     ChunkStreamSpec,
     ensure_chunk_stream,
     ensure_results_stream,
@@ -64,16 +66,18 @@ from streamproc.nats.streams import (  # noqa: E402
 
 NAMES = ("jsrelay", "streamproc")
 FLOOR = "floor"  # --floor: durable_floor.py, the least a Python durable relay can spend per chunk
+FLOOR_FB = "floor-fb"  # --floor-fast-batch: the floor sending each request's queued results as one fast batch
+FLOORS = (FLOOR, FLOOR_FB)
 
 
 def contender_cmd(name: str, url: str, settings: config.Settings) -> list[str]:
     if name == "jsrelay":
         return [sys.executable, str(HERE / "jsrelay.py"), "--nats-url", url, "--stream", CHUNKS_STREAM,
                 "--consumer", "jsrelay", "--batch", str(settings.fetch_batch)]
-    if name == FLOOR:  # the same consumer as the relay's, the processor's write interval
+    if name in FLOORS:  # the same consumer as the relay's, the processor's write interval
         return [sys.executable, str(HERE / "durable_floor.py"), "--nats-url", url, "--stream", CHUNKS_STREAM,
                 "--consumer", "jsrelay", "--batch", str(settings.fetch_batch),
-                "--interval", str(settings.flush_interval)]
+                "--interval", str(settings.flush_interval), *(["--fast-batch"] if name == FLOOR_FB else [])]
     return [str(Path(sys.executable).parent / "streamproc"), "run", "--nats-url", url, "--mode", "durable",
             "--format", "sglang", "--log-level", "WARNING"]
 
@@ -87,7 +91,10 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
     await ensure_chunk_stream(js, ChunkStreamSpec(
         CHUNKS_STREAM, PartitionScheme(settings.subjects, settings.partitions), settings.chunks_max_age,
         settings.duplicate_window, storage))
-    if name in ("jsrelay", FLOOR):
+    if name == FLOOR_FB:
+        info = await js.stream_info(RESULTS_STREAM)
+        await js.update_stream(dataclasses.replace(info.config, allow_batched=True))
+    if name in ("jsrelay", *FLOORS):
         await js.add_consumer(CHUNKS_STREAM, ConsumerConfig(
             durable_name="jsrelay", ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.ack_wait, max_deliver=-1,
             max_ack_pending=settings.max_ack_pending * settings.partitions,
@@ -114,7 +121,7 @@ _profilers: dict[int, subprocess.Popen] = {}
 
 def profile(name: str, proc: subprocess.Popen, mode: str) -> None:
     """Attach py-spy to a streamproc contender (``--profile``); stopped by :func:`finish`."""
-    if PROFILE_DIR is None or name in ("jsrelay", FLOOR):
+    if PROFILE_DIR is None or name in ("jsrelay", *FLOORS):
         return
     PROFILE_DIR.mkdir(parents=True, exist_ok=True)
     out = PROFILE_DIR / f"{mode}-{name}-{len(list(PROFILE_DIR.glob(f'{mode}-{name}-*.txt')))}.txt"
@@ -269,11 +276,15 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
                 finish(proc)
 
 
+def floors(args) -> tuple[str, ...]:
+    return (FLOOR,) * args.floor + (FLOOR_FB,) * args.floor_fast_batch
+
+
 async def run(args) -> None:
     load = build_load(args.chunks, True, "streamproc")
     print(f"{os.cpu_count()} cores; {len(load)} aggregated streamed chunks per run (file storage, "
           f"{config.Settings().partitions} partitions, results stored with Msg-Id); {args.rounds} rounds alternating")
-    names = (*NAMES, FLOOR) if args.floor else NAMES
+    names = (*NAMES, *floors(args))
     rates: dict[str, list[float]] = {n: [] for n in names}
     cpus: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -288,10 +299,10 @@ async def run(args) -> None:
     print(f"{'streamed':10}{relay:18,.0f}{ours:21,.0f}{ours / relay:8.2f}{relay_cpu:22.1f}{ours_cpu:25.1f}")
     print(f"{'':10}   (runs jsrelay {', '.join(f'{x:,.0f}' for x in rates['jsrelay'])};"
           f" streamproc {', '.join(f'{x:,.0f}' for x in rates['streamproc'])})")
-    if args.floor:
-        floor, floor_cpu = statistics.median(rates[FLOOR]), statistics.median(cpus[FLOOR])
-        print(f"{'floor peak':10}{floor:18,.0f} chunks/s, cpu us/chunk {floor_cpu:.1f}; streamproc / floor "
-              f"{ours / floor:.2f} (runs {', '.join(f'{x:,.0f}' for x in rates[FLOOR])})")
+    for name in floors(args):
+        floor, floor_cpu = statistics.median(rates[name]), statistics.median(cpus[name])
+        print(f"{name + ' peak':10}{floor:18,.0f} chunks/s, cpu us/chunk {floor_cpu:.1f}; streamproc / {name} "
+              f"{ours / floor:.2f} (runs {', '.join(f'{x:,.0f}' for x in rates[name])})")
     offered = ours / 2
     live = build_load(int(offered * args.latency_seconds) + 16, True, "streamproc")
     print(f"latency at half of streamproc's peak: {offered:,.0f} chunks/s offered for {args.latency_seconds:g} s, "
@@ -311,7 +322,7 @@ async def run_paced(args) -> None:
     print(f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; paced {args.paced:,.0f} chunks/s for "
           f"{args.latency_seconds:g} s per run, {args.rounds} rounds alternating; CPU from the first paced publish "
           "to the last result")
-    names = (*NAMES, UNCOALESCED, FLOOR) if args.floor else (*NAMES, UNCOALESCED)
+    names = (*NAMES, UNCOALESCED, *floors(args))
     runs: dict[str, list[Paced]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -342,6 +353,8 @@ def main() -> None:
                         help="only the paced mode: offer this many chunks/s to each contender (e.g. 2000)")
     parser.add_argument("--floor", action="store_true",
                         help="add durable_floor.py (raw asyncio NATS, the processor's wire work only) to every run")
+    parser.add_argument("--floor-fast-batch", action="store_true",
+                        help="add the floor with --fast-batch (results stream with allow_batched) to every run")
     parser.add_argument("--profile", type=Path, default=None,
                         help="record each streamproc run with py-spy into this directory (collapsed stacks)")
     args = parser.parse_args()

@@ -35,7 +35,7 @@ class DurableFloor(asyncio.Protocol):
     SEQ = re.compile(rb"Streamproc-Seq: (\d+)")
 
     def __init__(self, stream: str, consumer: str, prefix: str, batch: int, interval: float,
-                 ready: asyncio.Future) -> None:
+                 ready: asyncio.Future, fast_batch: bool = False) -> None:
         self.pull = f"PUB $JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer} {INBOX}.pull ".encode()
         self.pull_body = f'{{"batch":{batch}}}'.encode()
         self.batch, self.interval = batch, interval
@@ -51,17 +51,26 @@ class DurableFloor(asyncio.Protocol):
         self.waiting: dict[bytes, collections.deque] = {}  # request id -> results behind the one in flight
         self.errors = 0
         self.ready = ready
+        # --fast-batch: a request's results are staged until the next write, and those staged
+        # together leave as one nats-server fast batch (a stream with allow_batched; docs/benchmarks.md,
+        # "Fast batches"), the next batch once this one's PubAck is read: a request whose chunks
+        # arrive within one write interval costs no hop between its results
+        self.fast_batch = fast_batch
+        self.busy: set[bytes] = set()  # requests with a result or a batch in flight
+        self.staged: dict[bytes, None] = {}  # requests with results to send at the next write
+        self.writing = False
+        self.batches: dict[bytes, tuple[bytes, list[bytes]]] = {}  # batch id -> (request id, chunks' ack subjects)
 
     # -- writes -------------------------------------------------------------------------------
     def connection_made(self, transport):  # type: ignore[override]
         self.transport = transport
         self.loop = asyncio.get_running_loop()
         transport.write(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n'
-                        + f"SUB {INBOX}.pull 1\r\nSUB {INBOX}.ack.* 2\r\nPING\r\n".encode())
+                        + f"SUB {INBOX}.pull 1\r\nSUB {INBOX}.ack.* 2\r\nSUB {INBOX}.fb.> 3\r\nPING\r\n".encode())
 
     def send(self, data: bytes) -> None:
         self.out.append(data)
-        if self.timer is None:
+        if self.timer is None and not self.writing:
             due = self.last_write + self.interval
             now = self.loop.time()
             if now >= due:
@@ -69,8 +78,19 @@ class DurableFloor(asyncio.Protocol):
             else:
                 self.timer = self.loop.call_at(due, self.write)
 
+    def soon(self) -> None:
+        """Write at the end of this read, or once the interval allows."""
+        if self.timer is None:
+            self.timer = self.loop.call_at(max(self.last_write + self.interval, self.loop.time()), self.write)
+
     def write(self) -> None:
         self.timer = None
+        if self.staged:
+            staged, self.staged = self.staged, {}
+            self.writing = True
+            for rid in staged:
+                self.next_of(rid)
+            self.writing = False
         if not self.out:
             return
         data = b"".join(self.out)
@@ -94,9 +114,58 @@ class DurableFloor(asyncio.Protocol):
         self.token += 1
         token = str(self.token).encode()
         self.in_flight[token] = (rid, ack)
+        self.busy.add(rid)
         self.send(b"HPUB " + self.results + rid + b" " + INBOX.encode() + b".ack." + token + b" "
                   + str(len(headers)).encode() + b" " + str(len(headers) + len(body)).encode() + b"\r\n"
                   + headers + body + b"\r\n")
+
+    def publish_batch(self, rid: bytes, items: list[tuple[bytes, bytes, bytes]]) -> None:
+        """``items`` as one fast batch (start, appends, commit; flow = its size, gap mode fail)."""
+        self.token += 1
+        batch = str(self.token).encode()
+        self.batches[batch] = (rid, [ack for _, _, ack in items])
+        self.busy.add(rid)
+        head = b"HPUB " + self.results + rid + b" " + INBOX.encode() + b".fb." + batch + b"." \
+            + str(len(items)).encode() + b".fail."
+        last = len(items)
+        for n, (headers, body, _) in enumerate(items, 1):
+            op = b"0" if n == 1 else b"2" if n == last else b"1"
+            self.send(head + str(n).encode() + b"." + op + b".$FI " + str(len(headers)).encode() + b" "
+                      + str(len(headers) + len(body)).encode() + b"\r\n" + headers + body + b"\r\n")
+
+    def done(self, rid: bytes) -> None:
+        """The request's result or batch in flight is stored: what queued behind it goes next."""
+        self.busy.discard(rid)
+        if not self.fast_batch:
+            self.next_of(rid)
+        elif self.waiting[rid]:
+            self.staged[rid] = None
+            self.soon()
+        else:
+            del self.waiting[rid]
+
+    def next_of(self, rid: bytes) -> None:
+        queue = self.waiting[rid]
+        if not queue:
+            del self.waiting[rid]
+        elif len(queue) == 1 or not self.fast_batch:
+            self.publish(rid, *queue.popleft())
+        else:
+            items = list(queue)
+            queue.clear()
+            self.publish_batch(rid, items)
+
+    def on_batch_reply(self, payload: bytes) -> None:
+        if b'"batch"' not in payload:  # a flow ack; an error ends the batch, its PubAck follows
+            if b'"error"' in payload:
+                self.errors += 1
+                print(f"durable_floor: batch: {payload[:200]!r}", file=sys.stderr)
+            return
+        batch = re.search(rb'"batch":"([^"]+)"', payload).group(1)
+        rid, acks = self.batches.pop(batch)
+        for ack in acks:
+            self.send(b"PUB " + ack + b" 0\r\n\r\n")
+        self.done(rid)
 
     # -- reads --------------------------------------------------------------------------------
     def on_chunk(self, subject: bytes, reply: bytes, headers: bytes, body: bytes) -> None:
@@ -110,6 +179,14 @@ class DurableFloor(asyncio.Protocol):
         result_headers = (b"NATS/1.0\r\nStreamproc-Seq: " + seq + b"\r\nNats-Msg-Id: " + rid + b"." + seq
                           + b"\r\n\r\n")
         queue = self.waiting.get(rid)
+        if self.fast_batch:
+            if queue is None:
+                queue = self.waiting[rid] = collections.deque()
+            queue.append((result_headers, body, reply))
+            if rid not in self.busy:
+                self.staged[rid] = None
+                self.soon()
+            return
         if queue is None:
             self.waiting[rid] = collections.deque()
             self.publish(rid, result_headers, body, reply)
@@ -122,11 +199,7 @@ class DurableFloor(asyncio.Protocol):
             self.errors += 1
             print(f"durable_floor: refused: {payload[:200]!r}", file=sys.stderr)
         self.send(b"PUB " + ack + b" 0\r\n\r\n")
-        queue = self.waiting[rid]
-        if queue:
-            self.publish(rid, *queue.popleft())
-        else:
-            del self.waiting[rid]
+        self.done(rid)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -151,7 +224,10 @@ class DurableFloor(asyncio.Protocol):
                 start = eol + 2
                 if start + n + 2 > end:
                     break
-                self.on_puback(parts[0].rsplit(b".", 1)[1], buf[start:start + n])
+                if parts[1] == b"2":
+                    self.on_puback(parts[0].rsplit(b".", 1)[1], buf[start:start + n])
+                else:
+                    self.on_batch_reply(buf[start:start + n])
                 pos = start + n + 2
                 continue
             line = buf[pos:eol]
@@ -179,12 +255,15 @@ async def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--interval", type=float, default=0.002,
                         help="least seconds between two writes (streamproc's flush_interval default)")
+    parser.add_argument("--fast-batch", action="store_true",
+                        help="results queued behind one in flight leave as one fast batch (allow_batched)")
     args = parser.parse_args()
     loop = asyncio.get_running_loop()
     host, port = args.nats_url.rsplit("//", 1)[1].rsplit(":", 1)
     ready = loop.create_future()
     await loop.create_connection(
-        lambda: DurableFloor(args.stream, args.consumer, args.prefix, args.batch, args.interval, ready),
+        lambda: DurableFloor(args.stream, args.consumer, args.prefix, args.batch, args.interval, ready,
+                             args.fast_batch),
         host, int(port))
     await ready
     stop = asyncio.Event()

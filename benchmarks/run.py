@@ -43,7 +43,9 @@ ARGS = {  # (full, quick)
     "passthrough": (["--rounds", "7", "--messages", "150000", "--load-client", "raw"],
                     ["--rounds", "2", "--messages", "20000", "--load-client", "raw"]),
     "join": (["--rounds", "21"], ["--rounds", "5"]),
-    "durable": (["--rounds", "5"], ["--rounds", "1", "--chunks", "10000", "--latency-seconds", "2"]),
+    # --floor, --floor-fast-batch: durable_floor.py beside it (docs/benchmarks.md, "The floor under target 4")
+    "durable": (["--rounds", "5", "--floor", "--floor-fast-batch"],
+                ["--rounds", "1", "--chunks", "10000", "--latency-seconds", "2", "--floor", "--floor-fast-batch"]),
     "latency": (["--seconds", "8", "--raw-server", "--spread-run", "0.5"],
                 ["--seconds", "2", "--peak-waves", "2", "--raw-server", "--spread-run", "0.5"]),
     "tracing": ([], ["--rounds", "1", "--messages", "5000"]),
@@ -181,6 +183,10 @@ def summarize(results: dict) -> list[Row]:
     # The whole publish -> result p99, an upper bound on the latency the processor adds.
     rows.append(Row("4 durable", "p99 publish->result @ half peak", p99 and float(p99.group(2)), None, "ms",
                     "<= 20ms"))
+    for name, what in (("floor", "floor p99 @ half peak (chain)"), ("floor-fb", "floor p99 @ half peak, batched")):
+        m = re.search(rf"^{name}\s+p50\s+([\d.]+) ms\s+p99\s+([\d.]+) ms", text, re.M)
+        if m:  # durable_floor.py: what the ordering rule costs with no processor work (and without the chain)
+            rows.append(Row("4 durable", what, float(m.group(2)), None, "ms", ""))
     scale: list[Row] = []
     for mode in ("core", "durable"):
         at = run_at_2k((lat or {}).get("modes", {}).get(mode, []))

@@ -113,3 +113,21 @@ def test_a_spread_run_gets_rows_of_its_own_and_does_not_replace_the_burst_runs_f
     tail = by_what["core SSE/result p99, opens over 0.5s"]
     assert tail.ratio == 1.5 and tail.met is True
     assert "durable SSE open p50, opens over 0.5s" not in by_what  # no spread run in durable mode
+
+
+DURABLE = (  # durable.py with --floor --floor-fast-batch: the half-peak lines the summary reads
+    "peak        jsrelay chunks/s  streamproc chunks/s   ratio  jsrelay cpu us/chunk  streamproc cpu us/chunk\n"
+    "streamed               7,379               14,404    1.95                 105.0                     51.7\n"
+    "streamproc   p50    8.72 ms   p99   26.15 ms   (36010 chunks; cpu us/chunk 71.6, nats-server 100.5)\n"
+    "floor        p50    7.31 ms   p99   19.10 ms   (36010 chunks; cpu us/chunk 29.7, nats-server 80.0)\n"
+    "floor-fb     p50    4.20 ms   p99   11.54 ms   (36010 chunks; cpu us/chunk 26.7, nats-server 82.2)\n"
+)
+
+
+def test_the_durable_floors_p99_is_shown_beside_the_processors_without_a_goal():
+    rows = {r.what: r for r in load_runner().summarize({"durable": (DURABLE, None)})}
+    assert rows["p99 publish->result @ half peak"].ours == 26.15
+    assert rows["p99 publish->result @ half peak"].met is False
+    chain, batched = rows["floor p99 @ half peak (chain)"], rows["floor p99 @ half peak, batched"]
+    assert (chain.ours, batched.ours) == (19.10, 11.54)
+    assert chain.met is None and batched.met is None

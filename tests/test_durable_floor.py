@@ -3,7 +3,8 @@
 The floor is the least CPU per chunk a Python durable relay can spend (docs/benchmarks.md, "The
 floor under target 4's CPU figure"). A floor that skipped part of the work (results out of order,
 chunks never acknowledged, results not stored) would measure less than the processor's job; these
-pin that it stores every request's results in seq order, one at a time, and acknowledges each chunk.
+pin that it stores every request's results in seq order, one at a time (or, with ``--fast-batch``,
+one batch at a time), and acknowledges each chunk.
 """
 
 from __future__ import annotations
@@ -36,26 +37,37 @@ def load(name: str):
         sys.path.remove(str(BENCHMARKS))
 
 
-async def test_the_durable_floor_stores_each_requests_results_in_order_and_acks_every_chunk(nats_url):
+@pytest.mark.parametrize("fast_batch", [False, True], ids=["one_by_one", "fast_batches"])
+async def test_the_durable_floor_stores_each_requests_results_in_order_and_acks_every_chunk(nats_url, fast_batch):
     durable, floor = load("durable"), load("durable_floor")
     settings = config.load({}, {"nats_url": nats_url, "mode": "durable"})
     chunks = durable.build_load(60, True, settings.prefix)  # requests of 1-8 chunks, published back to back
     async with connection(nats_url) as nc:
-        await durable.prepare(nc, settings, durable.FLOOR)
+        await durable.prepare(nc, settings, durable.FLOOR_FB if fast_batch else durable.FLOOR)
         loop = asyncio.get_running_loop()
         ready = loop.create_future()
         host, port = nats_url.rsplit("//", 1)[1].rsplit(":", 1)
         transport, relay = await loop.create_connection(
-            lambda: floor.DurableFloor(CHUNKS_STREAM, "jsrelay", settings.prefix, 16, 0.002, ready), host, int(port))
-        overlapping: list[bytes] = []  # a request's result published while its previous one awaited its PubAck
-        publish = relay.publish
+            lambda: floor.DurableFloor(CHUNKS_STREAM, "jsrelay", settings.prefix, 16, 0.002, ready, fast_batch),
+            host, int(port))
+        # a request's result (or batch) published while its previous one awaited its PubAck
+        overlapping: list[bytes] = []
+        batched: list[int] = []
+        publish, publish_batch = relay.publish, relay.publish_batch
+
+        def busy(rid: bytes) -> bool:
+            return any(r == rid for r, _ in (*relay.in_flight.values(), *relay.batches.values()))
 
         def one_in_flight(rid: bytes, *rest) -> None:
-            if any(r == rid for r, _ in relay.in_flight.values()):
-                overlapping.append(rid)
+            overlapping.extend([rid] * busy(rid))
             publish(rid, *rest)
 
-        relay.publish = one_in_flight
+        def one_batch_in_flight(rid: bytes, items) -> None:
+            overlapping.extend([rid] * busy(rid))
+            batched.append(len(items))
+            publish_batch(rid, items)
+
+        relay.publish, relay.publish_batch = one_in_flight, one_batch_in_flight
         try:
             await asyncio.wait_for(ready, 10)
             for subject, body, headers in chunks:
@@ -78,5 +90,6 @@ async def test_the_durable_floor_stores_each_requests_results_in_order_and_acks_
             assert {rid: list(range(n)) for rid, n in expected.items()} == dict(seqs)
             assert relay.errors == 0
             assert overlapping == []
+            assert bool(batched) == fast_batch  # the load's requests have up to 8 chunks published back to back
         finally:
             transport.close()
