@@ -163,6 +163,10 @@ class DurableFloor(asyncio.Protocol):
             return
         batch = re.search(rb'"batch":"([^"]+)"', payload).group(1)
         rid, acks = self.batches.pop(batch)
+        count = re.search(rb'"count":(\d+)', payload)
+        if count is None or int(count.group(1)) != len(acks):  # stopped short: a floor does not resend
+            self.errors += 1
+            print(f"durable_floor: batch stored {count and int(count.group(1))} of {len(acks)}", file=sys.stderr)
         for ack in acks:
             self.send(b"PUB " + ack + b" 0\r\n\r\n")
         self.done(rid)
