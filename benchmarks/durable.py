@@ -34,7 +34,6 @@ Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-sec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
 import os
 import signal
@@ -62,6 +61,7 @@ from streamproc.nats.streams import (  # noqa: E402
     ChunkStreamSpec,
     ensure_chunk_stream,
     ensure_results_stream,
+    server_has_fast_batches,
 )
 
 NAMES = ("jsrelay", "streamproc")
@@ -87,13 +87,13 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
     js = nc.jetstream(timeout=10)
     storage = StorageType(settings.stream_storage)
     await ensure_results_stream(js, settings.subjects, max_age=settings.results_max_age,
-                                duplicate_window=settings.duplicate_window, storage=storage)
+                                duplicate_window=settings.duplicate_window, storage=storage,
+                                batched=settings.result_batch > 1 and server_has_fast_batches(nc))
     await ensure_chunk_stream(js, ChunkStreamSpec(
         CHUNKS_STREAM, PartitionScheme(settings.subjects, settings.partitions), settings.chunks_max_age,
         settings.duplicate_window, storage))
-    if name == FLOOR_FB:
-        info = await js.stream_info(RESULTS_STREAM)
-        await js.update_stream(dataclasses.replace(info.config, allow_batched=True))
+    if name == FLOOR_FB and not (await js.stream_info(RESULTS_STREAM)).config.allow_batched:
+        raise SystemExit("the floor with fast batches needs a results stream with allow_batched (nats-server 2.14+)")
     if name in ("jsrelay", *FLOORS):
         await js.add_consumer(CHUNKS_STREAM, ConsumerConfig(
             durable_name="jsrelay", ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.ack_wait, max_deliver=-1,

@@ -266,6 +266,12 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
                                              "is given up (logged, counted; its inputs are NAKed for redelivery)",
                                              ge=1, le=1_000_000)] = defaults.MAX_RESULT_ATTEMPTS
+    result_batch: Annotated[int, documented("durable: results of one request that may leave together as one "
+                                      "nats-server fast batch instead of one PubAck round trip each (a "
+                                      "request's results queued behind a stored one; stored in order, as a "
+                                      "prefix); used with a results stream that allows batches "
+                                      "(allow_batched, nats-server 2.14+, one replica), 1: one at a time",
+                                      ge=1, le=1000)] = defaults.RESULT_BATCH
     lease_ttl: Annotated[float, documented("durable: seconds a partition lease lives without renewal (failover "
                                      "time of a dead instance's partitions)", ge=1, le=600)] = 6.0
     chunks_max_age: Annotated[float, documented("durable: seconds an unprocessed chunk is kept", gt=0,
@@ -378,7 +384,7 @@ _GROUP_OF = {
                      "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "flush_interval", "ack_linger",
-                     "max_deliver", "max_result_attempts", "lease_ttl",
+                     "max_deliver", "max_result_attempts", "result_batch", "lease_ttl",
                      "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),

@@ -202,6 +202,72 @@ async def test_a_result_the_stream_keeps_refusing_is_given_up_its_input_redelive
     assert p.snapshot()["resumed"] >= 2  # each redelivery resumed after the stored seq 0
 
 
+# --------------------------------------------------------------------------- fast batches
+
+async def test_a_requests_results_queued_behind_a_stored_one_are_stored_in_order_through_fast_batches(
+        client, nats_url):
+    """Chunks published back to back queue their results behind the first one's PubAck; they
+    leave as fast batches (a results stream created with allow_batched) and are stored once each,
+    in seq order, every chunk acknowledged after its result."""
+    settings = durable_settings(nats_url)
+    js = client.jetstream()
+    rids = [f"fb-{i}" for i in range(20)]
+    async with Processor(settings) as p:
+        assert (await js.stream_info(RESULTS_STREAM)).config.allow_batched is True
+        publisher = ChunkPublisher(client, settings.subjects)
+        for rid in rids:
+            await publisher.publish_leg(rid, "agg", [f'{{"text": "{rid}-{s}"}}'.encode() for s in range(8)])
+        await wait_until(_stored(js, 8 * len(rids)), 20, "every result stored")
+        await wait_until(_empty(js), 10, "every chunk acknowledged")
+        snapshot = p.snapshot()
+        stored = await stored_results(js, settings.subjects)
+    assert snapshot["result_batches"] > 0
+    assert {rid: [(r.seq, r.body, r.final) for r in got] for rid, got in stored.items()} == {
+        rid: [(s, f'{{"text": "{rid}-{s}"}}'.encode(), s == 7) for s in range(8)] for rid in rids}
+
+
+async def test_a_result_refused_inside_a_batch_ends_it_there_and_nothing_after_it_is_stored_before_it(
+        client, nats_url):
+    """The results stream refuses seq 2 (too large for its max_msg_size): seqs 0-1 are stored and
+    3-5, which left in the same batch, are not; seq 2 is retried alone until given up. Once the
+    stream takes it, the redelivered chunks finish the request in order."""
+    settings = durable_settings(nats_url, max_result_attempts=2)
+    js = client.jetstream()
+    bodies = [b'{"text": "%d"}' % s for s in range(6)]
+    bodies[2] = b'{"text": "' + b"x" * 400 + b'"}'
+    async with Processor(settings) as p:
+        results = (await js.stream_info(RESULTS_STREAM)).config
+        results.max_msg_size = 200
+        await js.update_stream(results)
+        await ChunkPublisher(client, settings.subjects).publish_leg("gap", "agg", bodies)
+        await wait_until(lambda: p.snapshot()["results_given_up"] >= 1, 15, "seq 2 given up")
+        early = await stored_results(js, settings.subjects)
+        batches = p.snapshot()["result_batches"]
+        results.max_msg_size = -1
+        await js.update_stream(results)
+        await wait_until(_stored(js, 6), 20, "the redelivered chunks' results stored at last")
+        await wait_until(_empty(js), 10, "every chunk acknowledged")
+        stored = await stored_results(js, settings.subjects)
+    assert batches > 0
+    assert [r.seq for r in early["gap"]] == [0, 1]
+    assert [(r.seq, r.body) for r in stored["gap"]] == list(enumerate(bodies))
+
+
+async def test_an_existing_results_stream_without_batches_is_used_one_result_at_a_time(client, nats_url, caplog):
+    caplog.set_level(logging.INFO, logger="streamproc")
+    settings = durable_settings(nats_url)
+    js = client.jetstream()
+    await ensure_results_stream(js, settings.subjects, duplicate_window=settings.duplicate_window)  # as before 2.14
+    async with Processor(settings) as p:
+        await ChunkPublisher(client, settings.subjects).publish_leg("one", "agg", [b"{}"] * 6)
+        await wait_until(_stored(js, 6), 20, "every result stored")
+        await wait_until(_empty(js), 10, "every chunk acknowledged")
+        assert p.snapshot()["result_batches"] == 0
+        stored = await stored_results(js, settings.subjects)
+    assert [r.seq for r in stored["one"]] == list(range(6))
+    assert "event=result_batches_off" in caplog.text and "allow_batched" in caplog.text
+
+
 def _empty(js):
     async def check() -> bool:
         return await chunk_stream_messages(js) == 0

@@ -33,6 +33,7 @@ from streamproc.core.outbox import (
     GiveUp,
     Nak,
     Outbox,
+    PENDING,
     OutboxConfig,
     classify,
     delivery_count,
@@ -45,6 +46,10 @@ STORED_ACK = b'{"stream":"R","seq":7}'
 DUPLICATE_ACK = b'{"stream":"R","seq":7,"duplicate": true}'  # nats-server's wording, space included (live test below)
 REFUSED_ACK = b'{"error":{"code":503,"description":"stream unavailable"}}'
 NO_RESPONDERS = b""  # a 503 status reply has an empty body
+# Plain errors to a fast batch's message, as nats-server words them (tests/test_fast_batch_server.py).
+UNKNOWN_BATCH = b'{"error":{"code":400,"err_code":10208,"description":"batch publish ID unknown"},"stream":"R","seq":0}'
+TOO_LARGE = (b'{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum allowed"},'
+             b'"stream":"R","seq":0}')
 
 
 class Token:
@@ -75,6 +80,7 @@ class ResultsStream:
     def __init__(self) -> None:
         self.stored: dict[str, bytes] = {}
         self.last: dict[str, Result] = {}
+        self.batches: dict[str, dict] = {}
 
     def store(self, r: Result) -> bytes:
         mid = r.msg_id
@@ -85,6 +91,47 @@ class ResultsStream:
         self.stored[mid] = r.body
         self.last[r.request_id] = r
         return STORED_ACK
+
+    def store_in_batch(self, batch: str, size: int, index: int, r: Result, fate: str) -> list[bytes]:
+        """A message of fast batch ``batch`` (gap mode fail) arrives; returns the replies to it.
+
+        nats-server's behaviour as ``tests/test_fast_batch_server.py`` pins it against the wheel's
+        server: a batch starts at seq 1 (an ended id at seq 1 starts a new one); each message is
+        stored at once, a duplicate ``Nats-Msg-Id`` skipped but counted; a message out of sequence
+        (lost, or arriving late) is a gap that ends the batch; a refusal inside the batch (``refused``:
+        a discard-new limit) ends it; a refusal before the batch sees it (``before``: max_msg_size)
+        is a plain error the batch does not count; the end of a batch answers with its PubAck and
+        ``count``; messages of an ended or unknown batch get 10208. Arrival order here is arbitrary,
+        which is more than one connection does."""
+        b = self.batches.get(batch)
+        if index == 1 and fate != "before" and (b is None or not b["open"]):
+            b = self.batches[batch] = {"next": 1, "count": 0, "open": True}
+        if b is None or not b["open"]:
+            return [UNKNOWN_BATCH]
+        if fate == "before":
+            return [TOO_LARGE]
+        if index != b["next"]:
+            b["open"] = False
+            return [b'{"type":"gap","last_seq":%d,"seq":%d}' % (b["next"] - 1, index), self.batch_ack(batch)]
+        if fate == "refused":
+            b["open"] = False
+            return [b'{"type":"err","seq":%d,"error":{"code":503,"err_code":10077}}' % index, self.batch_ack(batch)]
+        self.store(r)
+        b["count"] += 1
+        b["next"] += 1
+        replies = [b'{"type":"ack","seq":%d,"msgs":%d}' % (index - 1, size)]
+        if index == size:
+            b["open"] = False
+            replies.append(self.batch_ack(batch))
+        return replies
+
+    def batch_ack(self, batch: str) -> bytes:
+        return b'{"stream":"R","seq":9,"batch":"%s","count":%d}' % (batch.encode(), self.batches[batch]["count"])
+
+    def expire_batches(self) -> None:
+        """Open batches idle for 10 s are cleaned up without a reply (``max_batch_timeout``)."""
+        for b in self.batches.values():
+            b["open"] = False
 
     def last_headers(self, rid: str) -> dict[str, str] | None:
         r = self.last.get(rid)
@@ -103,9 +150,11 @@ class World:
         self.stream = ResultsStream()
         self.now = 0.0
         self.instance = 0
-        self.outbox = Outbox(config)
-        self.wire: list[tuple[int, str, Result]] = []  # publishes on their way to the stream
-        self.replies: list[tuple[int, str, bytes]] = []  # PubAcks on their way back
+        self.outbox = self.new_outbox()
+        # Publishes on their way to the stream and replies on their way back, each with its reply
+        # subject: a ticket, or (batch ticket, size, batch seq) for a fast batch's message.
+        self.wire: list[tuple[int, object, Result]] = []
+        self.replies: list[tuple[int, object, bytes]] = []
         self.next_seq: dict[str, int] = {}
         self.emitted: dict[str, list[str]] = {}  # msg-ids queued by this instance since the request was (re)started
         self.held: dict[str, Token] = {}  # prefill tokens the correlator holds
@@ -120,6 +169,11 @@ class World:
             self.restart(rid)
 
     # ------------------------------------------------------------------ helpers
+
+    def new_outbox(self) -> Outbox:
+        box = Outbox(self.config)
+        box.batch_prefix = f"i{self.instance}-"  # batch ids unique on the stream, as the shell makes them
+        return box
 
     def token(self, rid: str, name: str, required: set[str]) -> Token:
         self.copies += 1
@@ -217,10 +271,16 @@ class World:
             if i < len(fail) and fail[i]:
                 self.outbox.send_failed(o)
             else:
-                self.wire.append((self.instance, o.ticket, o.result))
+                self.wire.append((self.instance, o.batch or o.ticket, o.result))
 
     def arrive(self, i: int, fate: str) -> None:
         instance, ticket, r = self.wire.pop(i)
+        if isinstance(ticket, tuple):
+            if fate != "lost":
+                replies = self.stream.store_in_batch(*ticket, r, BATCH_FATES.get(fate, "stored"))
+                if fate != "stored_ack_lost":
+                    self.replies.extend((instance, ticket, data) for data in replies)
+            return
         if fate == "stored":
             self.replies.append((instance, ticket, self.stream.store(r)))
         elif fate == "refused":
@@ -235,8 +295,13 @@ class World:
         instance, ticket, data = self.replies.pop(j)
         if lost or instance != self.instance:
             return  # a crashed instance's inbox is gone
-        outcome = self.outbox.on_puback(ticket, data, self.now)
-        assert outcome == GIVEN_UP or outcome == UNMATCHED or outcome == classify(data)
+        if isinstance(ticket, tuple):
+            batch, size, index = ticket
+            outcome = self.outbox.on_batch_reply(batch, index == size, data, self.now)
+            assert outcome in (STORED, REFUSED, GIVEN_UP, UNMATCHED, PENDING)
+        else:
+            outcome = self.outbox.on_puback(ticket, data, self.now)
+            assert outcome == GIVEN_UP or outcome == UNMATCHED or outcome == classify(data)
         if outcome == GIVEN_UP:
             self.gave_up(self.outbox.given_up())
 
@@ -253,7 +318,7 @@ class World:
     def crash(self) -> None:
         """Drop the instance; JetStream redelivers every unacknowledged input to the next one."""
         self.instance += 1
-        self.outbox = Outbox(self.config)
+        self.outbox = self.new_outbox()
         self.issued = set()
         self.acked, self.naked = set(), set()
         for rid in self.sizes:
@@ -284,15 +349,33 @@ class World:
 STEPS = ("emit", "emit", "emit", "duplicate", "send", "send", "arrive", "arrive", "arrive", "reply", "reply",
          "reply", "time", "reconnect", "abandon", "crash")
 FATES = ("stored", "stored", "stored", "refused", "no_responders", "lost", "stored_ack_lost")
+# A fast batch's message: "refused" inside the batch, "no_responders" stands for a plain refusal
+# before the batch sees it; "lost" and "stored_ack_lost" as for a single result.
+BATCH_FATES = {"refused": "refused", "no_responders": "before"}
 
 
 @outbox_settings
 @given(data=st.data(), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
        max_attempts=st.sampled_from([1, 2, 3, 100]))
 def test_random_faults_never_lose_reorder_or_duplicate_a_result_nor_ack_before_storage(data, sizes, max_attempts):
+    random_faults(data, sizes, max_attempts, batch_limit=1, fates=FATES)
+
+
+@outbox_settings
+@given(data=st.data(), sizes=st.lists(st.integers(1, 6), min_size=1, max_size=4),
+       max_attempts=st.sampled_from([1, 2, 3, 100]), batch_limit=st.sampled_from([2, 3, 8]))
+def test_random_faults_with_fast_batches_never_lose_reorder_or_duplicate_a_result_nor_ack_before_storage(
+        data, sizes, max_attempts, batch_limit):
+    """The same law with a request's queued results leaving as fast batches, against the server's
+    batch semantics (:meth:`ResultsStream.store_in_batch`): messages of a batch arriving in any
+    order or not at all, refused inside or before the batch, batches expiring, replies lost."""
+    random_faults(data, sizes, max_attempts, batch_limit, fates=FATES[2:])  # more faults: short batches
+
+
+def random_faults(data, sizes: list[int], max_attempts: int, batch_limit: int, fates: tuple[str, ...]) -> None:
     pd = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     config = OutboxConfig(first_wait=2.0, max_wait=10.0, retry_after_refusal=0.5, max_attempts=max_attempts,
-                          progress_every=2.5)
+                          progress_every=2.5, batch_limit=batch_limit)
     w = World(sizes, pd, config)
     rids = sorted(w.sizes)
     for _ in range(data.draw(st.integers(0, 80))):
@@ -304,11 +387,14 @@ def test_random_faults_never_lose_reorder_or_duplicate_a_result_nor_ack_before_s
         elif step == "send":
             w.send(data.draw(st.lists(st.booleans(), max_size=3)))
         elif step == "arrive" and w.wire:
-            w.arrive(data.draw(st.integers(0, len(w.wire) - 1)), data.draw(st.sampled_from(FATES)))
+            w.arrive(data.draw(st.integers(0, len(w.wire) - 1)), data.draw(st.sampled_from(fates)))
         elif step == "reply" and w.replies:
             w.reply(data.draw(st.integers(0, len(w.replies) - 1)), lost=data.draw(st.integers(0, 5)) == 0)
         elif step == "time":
-            w.tick(data.draw(st.sampled_from([0.1, 0.5, 1.0, 2.5, 11.0])))
+            dt = data.draw(st.sampled_from([0.1, 0.5, 1.0, 2.5, 11.0]))
+            if dt > 10:
+                w.stream.expire_batches()
+            w.tick(dt)
         elif step == "reconnect":
             w.tick(0.0, reconnected=True)
         elif step == "abandon":
@@ -606,6 +692,167 @@ def test_a_result_whose_puback_never_comes_is_given_up_after_max_attempts_timeou
         box.sending(float(step))
         gave_up += box.tick(step + 1.0)
     assert gave_up == [GiveUp("a", 0, 3, "timeout")] and box.idle
+
+
+# ---------------------------------------------------------------------------- fast batches
+
+def batch_ack(batch: str, count: int) -> bytes:
+    return b'{"stream":"R","seq":9,"batch":"%s","count":%d}' % (batch.encode(), count)
+
+
+def batched_box(limit: int = 8, **config) -> Outbox:
+    box = Outbox(OutboxConfig(batch_limit=limit, **config))
+    box.batch_prefix = "me-"
+    return box
+
+
+def queued(box: Outbox, rid: str, n: int) -> list[Token]:
+    """``rid``'s first result sent alone and stored, with ``n - 1`` more queued behind it meanwhile
+    (as chunks arriving during its PubAck's round trip queue theirs); each settles a token."""
+    tokens = [Token(rid, str(s), 1) for s in range(n)]
+    box.take([result(rid, 0, n == 1, (tokens[0],))], rid)
+    (first,) = box.sending(0.0)
+    assert first.batch is None  # nothing queued behind it when it left
+    box.take([result(rid, s, s == n - 1, (tokens[s],)) for s in range(1, n)], rid)
+    assert box.sending(0.0) == []  # nothing more of the request leaves before that PubAck
+    assert box.on_puback(first.ticket, STORED_ACK, 0.0) == STORED
+    assert acked(box.control()) == [tokens[0]]
+    return tokens
+
+
+def test_results_queued_behind_a_stored_one_leave_together_in_one_fast_batch():
+    box = batched_box()
+    queued(box, "a", 4)
+    batch = box.sending(0.1)
+    assert [o.result.seq for o in batch] == [1, 2, 3]
+    ids = {o.batch[0] for o in batch}
+    assert len(ids) == 1 and ids.pop().startswith("me-")
+    assert [o.batch[1:] for o in batch] == [(3, 1), (3, 2), (3, 3)]  # size, batch seq (the last commits)
+    assert box.sending(0.1) == []  # nothing more of "a" leaves before the batch's PubAck
+
+
+def test_a_requests_first_results_queued_together_leave_as_one_batch():
+    """Its first result has no predecessor, so a batch may start there."""
+    box = batched_box()
+    box.take([result("a", 0), result("a", 1, final=True)], "a")
+    assert [(o.result.seq, o.batch[2]) for o in box.sending(0.0)] == [(0, 1), (1, 2)]
+
+
+def test_without_a_batch_limit_results_leave_one_at_a_time():
+    box = Outbox()
+    box.take([result("a", 0), result("a", 1, final=True)], "a")
+    assert [(o.result.seq, o.batch) for o in box.sending(0.0)] == [(0, None)]
+
+
+def test_a_batch_never_holds_more_than_the_batch_limit():
+    box = batched_box(limit=2)
+    queued(box, "a", 5)
+    assert [o.result.seq for o in box.sending(0.0)] == [1, 2]
+
+
+def test_a_batch_carries_at_most_batch_bytes_beyond_its_first_result():
+    """A PubAck releases a bounded amount into the client's write buffer; a large first result
+    still leaves (it would have alone), a result too large to join leads the next batch."""
+    box = batched_box(batch_bytes=100)
+    box.take([Result("a", 0, b"x" * 500, False)], "a")
+    box.on_puback(box.sending(0.0)[0].ticket, STORED_ACK, 0.0)
+    box.take([Result("a", s, b"y" * size, False) for s, size in ((1, 500), (2, 60), (3, 40), (4, 1))], "a")
+    assert [o.result.seq for o in box.sending(0.0)] == [1, 2, 3]  # 60 + 40 fit after the first
+    assert acked(box.control()) == []
+
+
+def test_replies_before_a_batchs_puback_change_nothing_and_its_puback_settles_the_batch():
+    box = batched_box()
+    tokens = queued(box, "a", 3)
+    batch = box.sending(0.0)
+    bid = batch[0].batch[0]
+    assert box.on_batch_reply(bid, False, b'{"type":"ack","seq":0,"msgs":2}', 0.1) == PENDING
+    assert box.on_batch_reply(bid, True, b'{"type":"ack","seq":1,"msgs":2}', 0.1) == PENDING
+    assert box.control() == [] and box.pending == 2
+    assert box.on_batch_reply(bid, True, batch_ack(bid, 2), 0.2) == STORED
+    assert acked(box.control()) == tokens[1:] and box.idle
+    assert box.on_batch_reply(bid, True, batch_ack(bid, 2), 0.3) == UNMATCHED  # a copy: already ended
+
+
+def test_a_batch_stored_short_settles_its_stored_prefix_and_sends_the_first_missing_result_alone():
+    """In gap-fail mode what is stored is a prefix of the batch: ``count`` says where it stopped."""
+    box = batched_box(retry_after_refusal=0.5)
+    tokens = queued(box, "a", 5)
+    batch = box.sending(0.0)
+    bid = batch[0].batch[0]
+    err = b'{"type":"err","seq":3,"error":{"code":503,"err_code":10077,"description":"maximum bytes exceeded"}}'
+    assert box.on_batch_reply(bid, False, err, 0.1) == PENDING
+    assert box.on_batch_reply(bid, False, batch_ack(bid, 2), 0.1) == REFUSED  # seqs 1, 2 stored; 3 not
+    assert acked(box.control()) == tokens[1:3]
+    assert box.last_refused.seq == 3 and box.stats.publish_errors == 1
+    assert box.sending(0.2) == []  # the refused one waits retry_after_refusal
+    box.tick(0.7)
+    (again,) = box.sending(0.7)
+    assert (again.result.seq, again.batch) == (3, None)  # alone
+    assert box.on_puback(again.ticket, STORED_ACK, 0.8) == STORED
+    assert [o.result.seq for o in box.sending(0.8)] == [4]  # the rest goes on
+    assert acked(box.control()) == [tokens[3]]
+
+
+def test_a_plain_error_on_a_batchs_commit_ends_it_with_nothing_known_stored():
+    """A commit refused before the batch sees it (too large; 10208 after a refused start) gets no
+    PubAck: the batch's first result is sent again alone, not charged with a refusal (nothing says
+    it failed; with max_attempts 1 it is not given up). A plain error on another message waits for
+    the gap it makes at the next one."""
+    box = batched_box(max_attempts=1)
+    queued(box, "a", 4)
+    batch = box.sending(0.0)
+    bid = batch[0].batch[0]
+    assert box.on_batch_reply(bid, False, TOO_LARGE, 0.1) == PENDING
+    assert box.on_batch_reply(bid, True, UNKNOWN_BATCH, 0.1) == REFUSED
+    assert box.control() == [] and box.pending == 3
+    box.tick(1.0)
+    (again,) = box.sending(1.0)
+    assert (again.result.seq, again.batch) == (1, None)
+
+
+def test_a_no_responders_reply_to_a_batch_ends_it():
+    box = batched_box()
+    queued(box, "a", 3)
+    bid = box.sending(0.0)[0].batch[0]
+    assert box.on_batch_reply(bid, False, NO_RESPONDERS, 0.1) == REFUSED
+
+
+def test_an_overdue_batch_is_sent_again_under_a_new_batch_id_and_the_old_ones_puback_is_ignored():
+    """nats-server forgets an ended batch id and starts a new batch if it comes again at seq 1, and
+    an open one would see the resent start as a gap: a retry needs a new id. Stored ones are skipped
+    by their Nats-Msg-Id."""
+    box = batched_box(first_wait=2.0)
+    tokens = queued(box, "a", 3)
+    old = box.sending(0.0)[0].batch[0]
+    box.tick(2.5)
+    assert box.stats.pubacks_overdue == 1
+    again = box.sending(2.5)
+    assert [o.result.seq for o in again] == [1, 2]
+    new = again[0].batch[0]
+    assert new != old
+    assert box.on_batch_reply(old, True, batch_ack(old, 2), 2.6) == UNMATCHED
+    assert box.control() == []
+    assert box.on_batch_reply(new, True, batch_ack(new, 2), 2.7) == STORED
+    assert acked(box.control()) == tokens[1:]
+
+
+def test_a_batch_member_that_did_not_leave_sends_the_batch_again_at_the_next_tick():
+    box = batched_box()
+    queued(box, "a", 3)
+    batch = box.sending(0.0)
+    box.send_failed(batch[1])
+    box.tick(0.1)
+    assert [o.result.seq for o in box.sending(0.1)] == [1, 2]
+
+
+def test_abandoning_a_request_with_a_batch_in_flight_drops_the_batch():
+    box = batched_box()
+    tokens = queued(box, "a", 3)
+    bid = box.sending(0.0)[0].batch[0]
+    dropped_tokens, dropped = box.abandon(lambda r: r == "a")
+    assert dropped == ["a"] and dropped_tokens == tokens[1:]
+    assert box.on_batch_reply(bid, True, batch_ack(bid, 2), 0.1) == UNMATCHED and box.idle
 
 
 def test_abandon_returns_tokens_and_request_ids_and_a_late_puback_acks_nothing():

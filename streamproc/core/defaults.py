@@ -56,6 +56,12 @@ DUPLICATE_WINDOW = 120.0  # seconds within which a republished Nats-Msg-Id is dr
 
 # Durable outbox (settings and the outbox's own config)
 MAX_RESULT_ATTEMPTS = 100  # refusals + unanswered sends of one result before it is given up
+# Results of one request queued behind a stored one leave together as one nats-server fast batch,
+# up to this many (docs/benchmarks.md, "Write-time fast batches"); 1: one PubAck round trip each.
+RESULT_BATCH = 64
+# Body bytes a batch carries beyond its first result: a PubAck releases at most this much into the
+# client's write buffer (half of nats-py's 2 MiB pending limit is the FastClient's backlog mark).
+RESULT_BATCH_BYTES = 256 * 1024
 ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
 # Durable processor's writes (docs/benchmarks.md, target 4): at least FLUSH_INTERVAL seconds between
 # two writes, acks/NAKs/pulls wait up to ACK_LINGER for a result's write. At 2,000 chunks/s one write

@@ -5,9 +5,14 @@ bodies and the time, and drains what to do (results to publish, acks, NAKs, in-p
 It never touches a socket, so every guarantee below is checked by property tests
 (``tests/test_outbox.py``) as well as against a live server.
 
-- **One result per request in flight.** A request's results leave in seq order; the next one
+- **One send per request in flight.** A request's results leave in seq order; the next send
   leaves when the previous one's PubAck is in. So a request's stored results are always ``0..k``
   with no gap, whatever is lost in between, and results of different requests pipeline freely.
+  A send is one result, or (``batch_limit`` > 1, a results stream with ``allow_batched``) the
+  results queued behind a stored one as one nats-server fast batch in gap-fail mode: the server
+  stores a prefix of it, in order, and its PubAck's ``count`` says how long (pinned against the
+  server by ``tests/test_fast_batch_server.py``). Batches are not ordered against each other, so
+  a batch starts only at a result whose predecessor is stored, and a retry is a new batch.
 - **Same id until stored.** A result is published again, under its ``Nats-Msg-Id``, when its
   PubAck is overdue (first after ``first_wait``, doubling up to ``max_wait``), ``retry_after_refusal``
   after the stream refused it, and at once after a reconnect; the stream's duplicate window
@@ -40,7 +45,7 @@ from .wire import FINAL, SEQ
 
 __all__ = [
     "ACK", "NAK", "PROGRESS", "TERM", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
-    "STORED", "DUPLICATE", "REFUSED", "GIVEN_UP", "UNMATCHED",
+    "STORED", "DUPLICATE", "REFUSED", "GIVEN_UP", "UNMATCHED", "PENDING",
     "classify", "delivery_count", "needs_lookup", "resume_point",
 ]
 
@@ -53,6 +58,12 @@ class OutboxConfig(msgspec.Struct, frozen=True):
     retry_after_refusal: float = 0.5  # seconds before a refused result is sent again
     max_attempts: int = defaults.MAX_RESULT_ATTEMPTS  # refusals + overdue PubAcks of one result, then give up
     progress_every: float = defaults.ACK_WAIT / 4  # seconds between in-progress rounds
+    # Results of one request that may leave together as one nats-server fast batch (1: one at a time).
+    # The shell sets it only for a results stream that allows batches (see the module docstring).
+    batch_limit: int = 1
+    # Body bytes of a batch beyond its first result: what one PubAck may release into the client's
+    # write buffer at once (one result alone is never held back; it left alone before batches too).
+    batch_bytes: int = defaults.RESULT_BATCH_BYTES
 
 
 class OutboxStats(msgspec.Struct):
@@ -67,6 +78,7 @@ class OutboxStats(msgspec.Struct):
     results_given_up: int = 0  # results dropped after max_attempts (their inputs NAKed)
     pubacks_overdue: int = 0  # sends of a result whose PubAck did not come in time (then sent again)
     terminated: int = 0  # inputs settled with +TERM (poison messages past max_deliver), not counted in acks
+    result_batches: int = 0  # fast batches sent (each with 2 to batch_limit results of one request)
 
 
 class Nak(msgspec.Struct, frozen=True):
@@ -87,6 +99,7 @@ DUPLICATE = "duplicate"
 REFUSED = "refused"  # will be sent again
 GIVEN_UP = "given_up"  # see given_up()
 UNMATCHED = "unmatched"  # not a ticket in flight (a late copy, an abandoned request)
+PENDING = "pending"  # a reply inside a fast batch that changes nothing (a flow ack, an error before its PubAck)
 
 
 class GiveUp(msgspec.Struct, frozen=True):
@@ -101,7 +114,8 @@ class GiveUp(msgspec.Struct, frozen=True):
 class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
-    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed")
+    __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed",
+                 "flight", "members", "index", "size", "alone")
 
     def __init__(self, result: Result, ticket: str, settles: list, wait: float,
                  received: float | None = None) -> None:
@@ -117,6 +131,22 @@ class Outgoing:
         self.wait = wait
         self.failures = 0
         self.refused = False  # due is a retry time after a refusal, not a PubAck deadline
+        # In a fast batch: ``flight`` is the batch's ticket (None: sent alone under ``ticket``),
+        # ``index`` its batch seq (1-based); the first member holds the list and the retry state.
+        self.flight: str | None = None
+        self.members: list[Outgoing] | None = None
+        self.index = 0
+        self.size = 0
+        self.alone = False  # its batch ended short at it: sent alone next time
+
+    @property
+    def batch(self) -> tuple[str, int, int] | None:
+        """``(batch ticket, batch size, batch seq)`` when it leaves in a fast batch, else None: the
+        shell builds the reply subject from it (the last batch seq is the commit)."""
+        flight = self.flight
+        if flight is None:
+            return None
+        return flight, self.size, self.index
 
 
 def classify(data: bytes) -> str:
@@ -147,6 +177,10 @@ class Outbox:
         self._first_wait = config.first_wait
         self._control: list[tuple[object, Action]] = []
         self._given_up: list[GiveUp] = []
+        # nats-server keys an open fast batch by its id alone, whoever publishes it: the shell makes the
+        # ids unique on the stream with a prefix of its own (its reply inbox's unique token).
+        self.batch_prefix = ""
+        self.last_refused: Result | None = None  # the result of the last refusal (for the shell's log)
         self._overdue: list[Outgoing] = []  # results whose PubAck was overdue at the last tick (for the log)
         self._next = 0
         self._progress_seen: set[int] = set()
@@ -176,11 +210,6 @@ class Outbox:
     def busy(self, belongs: Callable[[str], bool]) -> bool:
         """Whether a result of a request ``belongs`` selects is not stored yet."""
         return any(belongs(rid) for rid in self._queues)
-
-    def in_flight(self, ticket: str) -> Result | None:
-        """The result published under ``ticket`` and not stored yet (for the shell's log lines)."""
-        o = self._inflight.get(ticket)
-        return o.result if o is not None else None
 
     def tokens(self) -> Iterator[object]:
         """Input tokens waiting for a PubAck."""
@@ -264,49 +293,62 @@ class Outbox:
                     terminate.pop(id(t), None)
 
     def on_puback(self, ticket: str, data: bytes, now: float) -> str:
-        """A reply to the result published under ``ticket``; returns what it meant."""
+        """A reply to the result published alone under ``ticket``; returns what it meant."""
         o = self._inflight.pop(ticket, None)
         if o is None:
             return UNMATCHED
         if not data or b'"error":' in data:  # see classify(); inlined on the hot path
-            self.stats.publish_errors += 1
-            o.failures += 1
-            if o.failures >= self.config.max_attempts:
-                self._give_up(o, "refused")
-                return GIVEN_UP
-            o.due = now + self.config.retry_after_refusal
-            o.refused = True
-            self._inflight[ticket] = o  # a late PubAck of an earlier copy still counts
-            return REFUSED
+            return self._refuse(o, now)
         outcome = STORED
         if b'"duplicate"' in data:  # see classify()
             self.stats.duplicate_results += 1
             outcome = DUPLICATE
-        if not o.refused:  # else a late PubAck of a copy sent before the refusal: no send time to match
-            self.puback_latency.observe(now - o.sent)
-        if o.received is not None:
-            self.result_latency.observe(now - o.received)
-        settles = o.settles  # None already filtered out
-        if settles:
-            control = self._control
-            for t in settles:
-                control.append((t, ACK))
-            self.stats.acks += len(settles)
-            if self._terminate:
-                self._to_term()
-        rid = o.result.request_id
-        queue = self._queues[rid]  # a ticket in flight is always its request's head
-        del queue[0]
+        queue = self._stored(o, now)
         if queue:
             self.ready.append(queue[0])
-        else:
-            del self._queues[rid]
         return outcome
+
+    def on_batch_reply(self, ticket: str, commit: bool, data: bytes, now: float) -> str:
+        """A reply to a message of the fast batch ``ticket`` (``commit``: to its last message).
+
+        The batch's PubAck (``"count"``) ends it: in gap-fail mode what the server stored of a batch
+        is a prefix of what was sent (``tests/test_fast_batch_server.py``), so its first ``count``
+        results are stored and the first one after them was not. Flow acks, a refusal inside the
+        batch (``"type":"err"``) and a gap (``"type":"gap"``) come before that PubAck and change
+        nothing. A plain error (the message was refused before the batch saw it, or there is no
+        stream) on the commit means no PubAck will come: the batch ends with nothing known stored.
+        Whatever was not stored is sent again, its first result alone, as a refused result is.
+        """
+        head = self._inflight.get(ticket)
+        if head is None or head.flight != ticket:
+            return UNMATCHED
+        if b'"count":' in data and b'"batch":' in data:
+            count = _count(data)
+        elif b'"type":' in data or not commit and data:
+            return PENDING
+        else:  # the commit refused before the batch saw it, or a no-responders status (empty body)
+            del self._inflight[ticket]
+            self._land(head)
+            # Not charged to the first result: nothing says it failed. Sent alone, it is stored or
+            # refused by itself, so each round stores one result or counts one failure.
+            return self._refuse(head, now, charge=False)
+        del self._inflight[ticket]
+        members = self._land(head)
+        queue = None
+        for m in members[:count]:
+            queue = self._stored(m, now)
+        if count >= len(members):
+            if queue:
+                self.ready.append(queue[0])
+            return STORED
+        return self._refuse(members[count], now)
 
     def send_failed(self, o: Outgoing) -> None:
         """The publish of ``o`` did not leave (disconnected, closed): send it again at the next tick."""
         self.stats.publish_errors += 1
-        o.due = float("-inf")
+        head = self._inflight.get(o.flight) if o.flight is not None else o
+        if head is not None:
+            head.due = float("-inf")
 
     def unsendable(self, o: Outgoing, reason: str) -> list[GiveUp]:
         """The publish of ``o`` can never leave (its message is larger than the connection allows):
@@ -325,9 +367,11 @@ class Outbox:
         results given up now (also in :meth:`given_up`)."""
         config = self.config
         inflight = self._inflight
-        again = [o for o in inflight.values() if reconnected or now >= o.due]
-        for o in again:
-            del inflight[o.ticket]
+        again = [(key, o) for key, o in inflight.items() if reconnected or now >= o.due]
+        for key, o in again:
+            del inflight[key]
+            if o.members is not None:
+                self._land(o)  # a batch sent again is a new batch: its first result leads it
             if o.refused:
                 o.refused = False  # counted when it was refused
             elif now >= o.due:
@@ -360,6 +404,9 @@ class Outbox:
                 tokens.extend(o.settles)
                 o.settles = []
                 self._inflight.pop(o.ticket, None)
+                if o.flight is not None:
+                    self._inflight.pop(o.flight, None)
+                    o.flight = o.members = None
         if dropped:
             keep = [o for o in self.ready if o.result.request_id in self._queues]
             self.ready.clear()  # in place: the shell may hold a reference
@@ -369,22 +416,50 @@ class Outbox:
     # ---------------------------------------------------------------------- out
 
     def sending(self, now: float) -> list[Outgoing]:
-        """Results to publish now (with reply subject from their ticket); each waits for its PubAck."""
+        """Results to publish now, each waiting for its PubAck; the shell builds each reply subject
+        from its ``ticket``, or from :attr:`Outgoing.batch` when it leaves in a fast batch.
+
+        With ``batch_limit`` above 1, a request whose next result leaves with more queued behind it
+        sends up to ``batch_limit`` of them as one fast batch (gap mode fail): pipelined, so they do
+        not wait one PubAck each, yet stored as a prefix, in order. A batch starts only at a result
+        whose predecessor is stored, because batches are not ordered against each other."""
         send = self.ready
         if not send:
             return []
-        out = list(send)
+        heads = list(send)
         send.clear()
         inflight = self._inflight
-        due = now + 0.0
+        limit = self.config.batch_limit
+        queues = self._queues
+        out: list[Outgoing] = []
         observe = self.handed_latency.observe
-        for o in out:
-            o.due = due + o.wait
-            o.sent = now
-            inflight[o.ticket] = o
-            if o.timed:
-                o.timed = False
-                observe(now - o.received)  # type: ignore[operator]  (timed only with a receipt time)
+        for o in heads:
+            o.due = now + o.wait
+            members = None
+            if limit > 1 and not o.alone:
+                queue = queues[o.result.request_id]
+                if len(queue) > 1:
+                    members = self._batch_of(queue, limit)
+            if members is None:
+                o.alone = False
+                o.flight = None
+                inflight[o.ticket] = o
+                members = (o,)
+            else:
+                self._next += 1
+                flight = self.batch_prefix + str(self._next)
+                size = len(members)
+                for i, m in enumerate(members, 1):
+                    m.flight, m.index, m.size = flight, i, size
+                o.members = members
+                inflight[flight] = o
+                self.stats.result_batches += 1
+            for m in members:
+                m.sent = now
+                if m.timed:
+                    m.timed = False
+                    observe(now - m.received)  # type: ignore[operator]  (timed only with a receipt time)
+                out.append(m)
         return out
 
     def control(self) -> list[tuple[object, Action]]:
@@ -408,6 +483,66 @@ class Outbox:
         return out
 
     # ---------------------------------------------------------------------- inside
+
+    def _refuse(self, o: Outgoing, now: float, charge: bool = True) -> str:
+        """``o``, its request's first result not stored, was refused (or its batch stopped at it):
+        sent again alone after ``retry_after_refusal``, or given up after ``max_attempts``
+        refusals (``charge``: this one counts)."""
+        self.stats.publish_errors += 1
+        self.last_refused = o.result
+        o.failures += charge
+        if charge and o.failures >= self.config.max_attempts:
+            self._give_up(o, "refused")
+            return GIVEN_UP
+        o.due = now + self.config.retry_after_refusal
+        o.refused = True
+        o.alone = True
+        self._inflight[o.ticket] = o  # a late PubAck of an earlier copy still counts
+        return REFUSED
+
+    def _stored(self, o: Outgoing, now: float) -> list[Outgoing] | None:
+        """``o``, its request's first result not stored, is stored: release its tokens and take it
+        off the queue; returns what is left of the queue (None when nothing)."""
+        if not o.refused:  # else a late PubAck of a copy sent before the refusal: no send time to match
+            self.puback_latency.observe(now - o.sent)
+        if o.received is not None:
+            self.result_latency.observe(now - o.received)
+        settles = o.settles  # None already filtered out
+        if settles:
+            control = self._control
+            for t in settles:
+                control.append((t, ACK))
+            self.stats.acks += len(settles)
+            if self._terminate:
+                self._to_term()
+        rid = o.result.request_id
+        queue = self._queues[rid]  # a result in flight is always at its request's head
+        del queue[0]
+        if queue:
+            return queue
+        del self._queues[rid]
+        return None
+
+    def _batch_of(self, queue: list[Outgoing], limit: int) -> list[Outgoing] | None:
+        """The first results of ``queue`` that go in one batch (within ``batch_limit`` and
+        ``batch_bytes``), or None when only the first fits."""
+        room = self.config.batch_bytes
+        n = 1
+        for o in queue[1:limit]:
+            room -= len(o.result.body)
+            if room < 0:
+                break
+            n += 1
+        return queue[:n] if n > 1 else None
+
+    @staticmethod
+    def _land(head: Outgoing) -> list[Outgoing]:
+        """End ``head``'s batch (its results are single results again); returns its members."""
+        members = head.members or [head]
+        head.members = None
+        for m in members:
+            m.flight = None
+        return members
 
     def _to_term(self) -> None:
         """Turn the queued acks of tokens marked by :meth:`terminate` into terminates."""
@@ -445,6 +580,18 @@ class Outbox:
                 control.append((t, PROGRESS))
                 self.stats.in_progress += 1
         self._progress_seen = set(current)
+
+
+def _count(data: bytes) -> int:
+    """A fast batch PubAck's ``count`` (``{"stream":..,"seq":..,"batch":..,"count":N}``); 0 if unreadable."""
+    i = data.find(b'"count":') + 8
+    j = i
+    while j < len(data) and data[j] in b" 0123456789":
+        j += 1
+    try:
+        return int(data[i:j])
+    except ValueError:
+        return 0
 
 
 _NO_NOTICES: list[Notice] = []  # returned by take() when there are none; never appended to

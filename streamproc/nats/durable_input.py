@@ -44,7 +44,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import StorageType
+from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
@@ -74,6 +74,7 @@ from .streams import (
     find_stream,
     partition_consumer_config,
     partition_consumer_name,
+    server_has_fast_batches,
 )
 
 log = logging.getLogger("streamproc.durable")
@@ -245,9 +246,11 @@ class DurableInput:
         js = self.nc.jetstream(timeout=10)
         subjects = s.subjects
         self.results_stream = await find_stream(js, subjects.all_results) or RESULTS_STREAM
-        await ensure_results_stream(js, subjects, name=self.results_stream, max_age=s.results_max_age,
-                                    duplicate_window=s.duplicate_window, storage=self._storage,
-                                    replicas=s.stream_replicas, max_payload=self.nc.max_payload)
+        info = await ensure_results_stream(js, subjects, name=self.results_stream, max_age=s.results_max_age,
+                                           duplicate_window=s.duplicate_window, storage=self._storage,
+                                           replicas=s.stream_replicas, max_payload=self.nc.max_payload,
+                                           batched=s.result_batch > 1 and server_has_fast_batches(self.nc))
+        self._batch_results(info.config)
         self.chunks_stream = await find_stream(js, self.scheme.source) or CHUNKS_STREAM
         await ensure_chunk_stream(js, ChunkStreamSpec(
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
@@ -286,6 +289,22 @@ class DurableInput:
         log_event(log, logging.INFO, "durable_started", instance=self.instance, chunks_stream=self.chunks_stream,
                   results_stream=self.results_stream, partitions=s.partitions,
                   owned=",".join(map(str, sorted(self._partitions))) or "-")
+
+    def _batch_results(self, config: StreamConfig) -> None:
+        """Let the outbox send a request's queued results as fast batches when the results stream
+        allows them. Only for one replica: a replicated stream stores a batch through its Raft log,
+        where a leader change rebuilds the batch's state, and no test here covers that."""
+        limit = self.settings.result_batch
+        if limit <= 1:
+            return
+        why = ("the results stream does not allow batches (allow_batched; nats-server 2.14+)"
+               if not config.allow_batched else
+               "the results stream is replicated" if (config.num_replicas or 1) > 1 else None)
+        if why is not None:
+            log_event(log, logging.INFO, "result_batches_off", stream=self.results_stream, reason=why,
+                      detail="each result waits for its predecessor's PubAck")
+            return
+        self.outbox.config = msgspec.structs.replace(self.outbox.config, batch_limit=limit)
 
     async def stop(self, timeout: float) -> None:
         """Hand everything over: stop reading, let results finish storing, NAK the rest, release leases."""

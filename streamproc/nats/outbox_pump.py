@@ -33,6 +33,19 @@ _NAK = b"-NAK"
 _WPI = b"+WPI"
 _TERM = b"+TERM"
 
+# nats-server's fast batch publish rides in the reply subject (server/stream.go getFastBatch:
+# "<prefix>.<uuid>.<initial flow>.<gap mode>.<batch seq>.<operation>.$FI"; op 0 start, 1 append, 2 commit).
+_START, _APPEND, _COMMIT = "0", "1", "2"
+
+
+def batch_reply(batch: str, size: int, index: int) -> str:
+    """The reply subject tail of message ``index`` (1-based) of fast batch ``batch`` of ``size``
+    messages: initial flow ``size`` (one flow ack, then the PubAck), gap mode fail (a missing
+    message ends the batch), the last message commits."""
+    op = _START if index == 1 else _COMMIT if index == size else _APPEND
+    return f"{batch}.{size}.fail.{index}.{op}.$FI"
+
+
 Notify = Callable[[Notice], None]
 GiveUpHandler = Callable[[GiveUp], None]
 
@@ -81,9 +94,12 @@ class OutboxPump:
         self.closed = False
 
     async def start(self) -> None:
-        self._reply_prefix = self._nc.new_inbox() + "."
+        inbox = self._nc.new_inbox()
+        self._reply_prefix = inbox + "."
         self._cut = len(self._reply_prefix)
-        self._sub = await self._nc.subscribe(self._reply_prefix + "*", cb=self._on_reply,
+        # Fast batch ids are the stream's, not the connection's: the inbox's unique token makes ours unique.
+        self.outbox.batch_prefix = inbox.rpartition(".")[2] + "-"
+        self._sub = await self._nc.subscribe(self._reply_prefix + ">", cb=self._on_reply,
                                              pending_msgs_limit=-1, pending_bytes_limit=-1)
         if self.inline:  # PubAcks handled in the read loop, no hop through the callback task
             self._nc.deliver_inline(self._sub, self._on_reply_inline)  # type: ignore[attr-defined]
@@ -190,7 +206,10 @@ class OutboxPump:
         head = self._head
         prefix = self._reply_prefix
         for o in outbox.sending(self._clock()):
-            yield o, head + o.result.request_id, prefix + o.ticket
+            if o.flight is None:
+                yield o, head + o.result.request_id, prefix + o.ticket
+            else:
+                yield o, head + o.result.request_id, prefix + batch_reply(*o.batch)  # type: ignore[misc]
 
     def _controls_due(self) -> Iterator[tuple[str, bytes]]:
         """The acks, NAKs and in-progress acks to send now, as (ack subject, payload); a NAK or
@@ -212,9 +231,13 @@ class OutboxPump:
 
     def _settle_reply(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
         ticket = subject[self._cut:]
-        outcome = self.outbox.on_puback(ticket, data, self._clock())
+        if "." in ticket:  # a reply to a fast batch's message: <batch id>.<flow>.<gap>.<batch seq>.<op>.$FI
+            tokens = ticket.split(".")
+            outcome = self.outbox.on_batch_reply(tokens[0], tokens[4] == _COMMIT, data, self._clock())
+        else:
+            outcome = self.outbox.on_puback(ticket, data, self._clock())
         if outcome is REFUSED:
-            self._refused(ticket, headers, data)
+            self._refused(headers, data)
         elif outcome is GIVEN_UP:
             for g in self.outbox.given_up():
                 self._given_up(g)
@@ -223,10 +246,10 @@ class OutboxPump:
         self._settle_reply(msg.subject, msg.headers, msg.data)
         await self.pump()
 
-    def _refused(self, ticket: str, headers: dict[str, str] | None, data: bytes) -> None:
+    def _refused(self, headers: dict[str, str] | None, data: bytes) -> None:
         errors = self.outbox.stats.publish_errors
         if errors & (errors - 1) == 0:  # log at powers of two
-            result = self.outbox.in_flight(ticket)
+            result = self.outbox.last_refused
             status = (headers or {}).get("Status", "")
             log_event(log, logging.WARNING, "result_not_stored",
                       request_id=result.request_id if result is not None else "-", status=status,

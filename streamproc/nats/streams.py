@@ -54,11 +54,13 @@ class ResultsStreamSpec(msgspec.Struct, frozen=True):
     duplicate_window: float
     storage: StorageType
     replicas: int = 1
+    batched: bool = False  # allow_batched: a request's results may be published as a fast batch
 
     def config(self) -> StreamConfig:
         return StreamConfig(
             name=self.name,
             description="streamproc results, for late-attaching edges and client resume",
+            allow_batched=True if self.batched else None,
             subjects=[self.subject],
             retention=RetentionPolicy.LIMITS,
             discard=DiscardPolicy.OLD,
@@ -116,15 +118,19 @@ async def ensure_results_stream(
     storage: StorageType = StorageType.FILE,
     replicas: int = 1,
     max_payload: int = 0,
+    batched: bool = False,
 ) -> StreamInfo:
     """Create the stream capturing ``subjects.all_results``, or check that the existing one fits.
+
+    ``batched``: a stream created here allows fast batch publishes (``allow_batched``; only for a
+    server that has them, 2.14+); an existing one is left as it is (the caller reads its config).
 
     Raises :class:`ResultsStreamMismatch` when a stream of that name differs, or when another
     stream already captures the results subjects (JetStream forbids overlapping streams), and
     :class:`ResultsStreamCannotStore` when its limits would refuse results (:func:`storage_problems`;
     ``max_payload``: the server's, 0 skips the size check).
     """
-    spec = ResultsStreamSpec(name, subjects.all_results, max_age, duplicate_window, storage, replicas)
+    spec = ResultsStreamSpec(name, subjects.all_results, max_age, duplicate_window, storage, replicas, batched)
     try:
         info = await js.stream_info(name)
     except NotFoundError:
@@ -184,6 +190,16 @@ def storage_problems(actual: StreamConfig, max_payload: int = 0, largest: int = 
         found.append(f"max_bytes is {actual.max_bytes}, below one result of the server's max_payload {max_payload} "
                      f"as stored ({largest} bytes): such a result is acknowledged, then evicted with every other")
     return found
+
+
+FAST_BATCH_SINCE = (2, 14)  # nats-server's fast batch publish (allow_batched) first shipped in 2.14.0
+
+
+def server_has_fast_batches(nc: NatsClient) -> bool:
+    """Whether the connected nats-server has fast batch publishes. Older ones would ignore
+    ``allow_batched`` or refuse the stream config over it."""
+    v = nc.connected_server_version
+    return (v.major, v.minor) >= FAST_BATCH_SINCE
 
 
 async def find_stream(js: JetStreamContext, subject: str) -> str | None:
