@@ -429,6 +429,40 @@ async def test_publishes_within_the_flush_interval_of_a_write_leave_together_aft
     assert got[2][1] - got[1][1] < 0.05  # y and z in one write
 
 
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_what_before_write_enqueues_leaves_in_that_write_and_what_it_keeps_back_in_the_next(client, fast_client):
+    """The durable pump stages results until the client writes (OutboxPump.stage_writes): the hook
+    runs at each timer write, its publishes join that write, and when it says it kept some back
+    (its byte budget was spent) another write follows after the interval."""
+    got, _ = await _arrivals(client, "staged")
+    nc = fast_client
+    loop = asyncio.get_running_loop()
+    nc.flush_interval = 0.3
+    staged = [b"a", b"b", b"c"]
+    calls: list[float] = []
+
+    def before_write() -> bool:
+        calls.append(loop.time())
+        if staged:
+            nc.enqueue("staged", staged.pop(0))
+        return bool(staged)
+
+    nc.before_write = before_write
+    await asyncio.sleep(0.4)
+    sent = loop.time()
+    nc.stage_write()  # quiet before: a write at once, which takes "a"
+    while len(got) < 3:
+        await asyncio.sleep(0.005)
+    assert [d for d, _ in got] == [b"a", b"b", b"c"]
+    assert got[0][1] - sent < 0.2
+    assert 0.25 <= got[1][1] - got[0][1] and 0.25 <= got[2][1] - got[1][1]  # one per write, an interval apart
+    await asyncio.sleep(0.4)
+    assert len(calls) == 3  # nothing kept back after "c": no more writes
+    assert nc.room_for_writes() == nc._max_pending_size // 2
+
+
 def test_the_write_gap_is_the_flush_interval_at_light_load_and_shrinks_with_the_write_rate():
     # 2 ms interval, 12 commands per write wanted: 8 commands every 2 ms (2,000 chunks/s, a result
     # and an ack each) keep the whole interval; 36 every 2 ms (9,000 chunks/s) wait a third of it;

@@ -266,8 +266,8 @@ class World:
         else:
             self.take([Settle((t,))], rid)
 
-    def send(self, fail: list[bool]) -> None:
-        for i, o in enumerate(self.outbox.sending(self.now)):
+    def send(self, fail: list[bool], budget: int | None = None) -> None:
+        for i, o in enumerate(self.outbox.sending(self.now, budget)):
             if i < len(fail) and fail[i]:
                 self.outbox.send_failed(o)
             else:
@@ -385,7 +385,7 @@ def random_faults(data, sizes: list[int], max_attempts: int, batch_limit: int, f
         elif step == "duplicate":
             w.duplicate(data.draw(st.sampled_from(rids)), off_path=data.draw(st.booleans()))
         elif step == "send":
-            w.send(data.draw(st.lists(st.booleans(), max_size=3)))
+            w.send(data.draw(st.lists(st.booleans(), max_size=3)), data.draw(st.sampled_from([None, None, 0, 10])))
         elif step == "arrive" and w.wire:
             w.arrive(data.draw(st.integers(0, len(w.wire) - 1)), data.draw(st.sampled_from(fates)))
         elif step == "reply" and w.replies:
@@ -759,6 +759,19 @@ def test_a_batch_carries_at_most_batch_bytes_beyond_its_first_result():
     box.take([Result("a", s, b"y" * size, False) for s, size in ((1, 500), (2, 60), (3, 40), (4, 1))], "a")
     assert [o.result.seq for o in box.sending(0.0)] == [1, 2, 3]  # 60 + 40 fit after the first
     assert acked(box.control()) == []
+
+
+def test_sending_within_a_budget_keeps_the_rest_ready_in_order():
+    """The pump hands the client at most what fits before its write buffer is backlogged; the
+    first send always leaves, whole (a batch is counted as it will be sent)."""
+    box = batched_box()
+    for rid in "abc":
+        box.take([Result(rid, s, b"z" * 100, False) for s in range(3)], rid)
+    assert [(o.result.request_id, o.result.seq) for o in box.sending(0.0, budget=50)] == [("a", s) for s in range(3)]
+    assert [o.result.request_id for o in box.ready] == ["b", "c"]
+    assert [(o.result.request_id, o.result.seq) for o in box.sending(0.0, budget=301)] == [
+        (rid, s) for rid in "bc" for s in range(3)]
+    assert not box.ready
 
 
 def test_replies_before_a_batchs_puback_change_nothing_and_its_puback_settles_the_batch():

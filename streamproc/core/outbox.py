@@ -415,19 +415,24 @@ class Outbox:
 
     # ---------------------------------------------------------------------- out
 
-    def sending(self, now: float) -> list[Outgoing]:
+    def sending(self, now: float, budget: int | None = None) -> list[Outgoing]:
         """Results to publish now, each waiting for its PubAck; the shell builds each reply subject
         from its ``ticket``, or from :attr:`Outgoing.batch` when it leaves in a fast batch.
 
         With ``batch_limit`` above 1, a request whose next result leaves with more queued behind it
         sends up to ``batch_limit`` of them as one fast batch (gap mode fail): pipelined, so they do
         not wait one PubAck each, yet stored as a prefix, in order. A batch starts only at a result
-        whose predecessor is stored, because batches are not ordered against each other."""
+        whose predecessor is stored, because batches are not ordered against each other.
+
+        ``budget``: body bytes to send at most (the first send always leaves); the sends past it
+        stay ready, in order, for the next call."""
         send = self.ready
         if not send:
             return []
         heads = list(send)
         send.clear()
+        if budget is not None:
+            heads = self._within(heads, budget)
         inflight = self._inflight
         limit = self.config.batch_limit
         queues = self._queues
@@ -522,6 +527,20 @@ class Outbox:
             return queue
         del self._queues[rid]
         return None
+
+    def _within(self, heads: list[Outgoing], budget: int) -> list[Outgoing]:
+        """The first ``heads`` whose sends fit ``budget`` body bytes (at least one); the others go
+        back to :attr:`ready`, in order. A batch's size is counted as :meth:`sending` will make it."""
+        limit = self.config.batch_limit
+        queues = self._queues
+        for n, o in enumerate(heads):
+            if budget <= 0 and n:
+                self.ready.extend(heads[n:])
+                return heads[:n]
+            members = self._batch_of(queues[o.result.request_id], limit) if limit > 1 and not o.alone else None
+            for m in members or (o,):
+                budget -= len(m.result.body)
+        return heads
 
     def _batch_of(self, queue: list[Outgoing], limit: int) -> list[Outgoing] | None:
         """The first results of ``queue`` that go in one batch (within ``batch_limit`` and

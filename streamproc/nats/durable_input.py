@@ -271,6 +271,7 @@ class DurableInput:
             self.nc.flush_interval = s.flush_interval
             self.nc.defer_linger = s.ack_linger
             self.nc.pause_reads = s.flush_interval > 0  # read once per interval too (FastClient._write_now)
+            self.publisher.stage_writes()
         self._reconnects = self.nc.stats["reconnects"]
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
@@ -701,7 +702,6 @@ class DurableInput:
         knows = correlator.knows
         publisher = self.publisher
         pump = publisher.pump
-        send_nowait = publisher.send_nowait  # the backlog is checked first
         backlogged = getattr(self.nc, "backlogged", None)
         outbox = self.outbox
         queue = outbox.take  # the outbox itself on the common path: one call less per message
@@ -808,7 +808,7 @@ class DurableInput:
             if deliveries > 1:
                 stats.redelivered += 1
             take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
-            send_nowait()
+            publisher.release()  # looked up each time: stage_writes() replaces it after start-up
             return True
 
         return on_message, on_message_inline

@@ -50,7 +50,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import nats.aio.client as _client
 from nats import errors
@@ -539,8 +539,38 @@ class FastClient(RobustClient):
             self._write_timer = loop.call_at(max(loop.time(), self._last_write + self.write_gap()),
                                              self._write_now)
 
+    # Set by the durable outbox pump (OutboxPump.stage_writes): called at each timer write before
+    # the pending commands are written, so what it hands over leaves in this write; True when it
+    # kept something back for a later write (its byte budget, room_for_writes(), was spent).
+    before_write: Callable[[], bool] | None = None
+
+    def stage_write(self) -> None:
+        """Something waits for ``before_write``: make sure a timer write comes."""
+        if self.is_connected:
+            self._write_soon()
+
+    def room_for_writes(self) -> int:
+        """Bytes that may join ``_pending`` before it is :meth:`backlogged` (a large number without a limit)."""
+        if self._max_pending_size <= 0:
+            return 1 << 62
+        return self._max_pending_size // 2 - self._pending_data_size
+
     def _write_now(self) -> None:
+        more = False
+        hook = self.before_write
+        if hook is not None:  # while _write_timer is still set: what it enqueues schedules nothing
+            try:
+                more = hook()
+            except Exception as exc:  # noqa: BLE001  (a bug there must not stop the writes)
+                log_event(log, logging.ERROR, "before_write_failed", error=error_text(exc))
         self._write_timer = None
+        try:
+            self._write_pending_now()
+        finally:
+            if more and self.is_connected:
+                self._write_soon()
+
+    def _write_pending_now(self) -> None:
         if self._pending_data_size <= 0 or not self.is_connected or self._transport is None:
             return
         writer = getattr(getattr(self._transport, "_io_writer", None), "transport", None)
