@@ -304,6 +304,46 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
             await nc.close()
 
 
+async def test_a_result_too_large_to_send_inside_a_batch_leaves_no_gap_after_it(nats_url):
+    """A worker sends a streamed request's seq 1 at exactly ``max_payload`` (a short header block:
+    its result's longer block cannot be sent) with seqs 2 and 3 right behind it: seqs 1-3 leave as
+    one fast batch. Seq 1 cannot be sent, so its request is given up; seqs 2 and 3, already handed
+    to the pump, must not leave alone (they were stored after the gap, and the request resumed past
+    the missing seq 1 without an error). The request ends in order, with an error result at seq 1,
+    and a request beside it is answered in full."""
+    victim = rid("gap")
+    flags = durable_flags(partitions=1, max_deliver=2, ack_wait=1.0)
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            subject = SUBJECTS.chunk(victim, "agg").encode()
+            block = b"NATS/1.0\r\nStreamproc-Seq:1\r\n\r\n"
+            await raw_protocol(nats_url, [
+                raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:0\r\n\r\n", b"zero"),
+                raw_hpub(subject, block, b"x" * (nc.max_payload - len(block))),
+                raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:2\r\n\r\n", b"two"),
+                raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:3\r\nStreamproc-Final:true\r\n\r\n", b"three"),
+            ])
+            legit = [rid("ok")]
+            await publish_agg(js, legit[0], 3)
+            await answered_in_full(js, legit, 3)
+
+            async def ended() -> bool:
+                return any(r.final for r in (await stored_results(js, SUBJECTS)).get(victim, []))
+
+            await wait_until(ended, 60, "the victim's request ended", every=0.3)
+            await anyio.sleep(1.5)  # an ack_wait more: a redelivery would store what comes after
+            stored = (await stored_results(js, SUBJECTS))[victim]
+            log = log_path.read_text(errors="replace")
+            assert [r.seq for r in stored] == [0, 1], (stored, log[-3000:])
+            assert stored[0].body == b"zero" and stored[1].error == "internal" and stored[1].final, stored
+            assert "result_given_up" in log and "seq=1" in log, log[-3000:]
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
 async def test_results_whose_puback_never_comes_are_logged_rate_limited(nats_url):
     """A results stream switched to no_ack after start-up answers no publish: result 0 was re-sent
     for hours and nothing was logged. Every overdue PubAck is now a rate-limited warning naming the

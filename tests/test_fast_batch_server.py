@@ -89,6 +89,23 @@ async def test_a_message_refused_mid_batch_ends_the_batch_and_nothing_after_it_i
     assert await b.stored_ids() == ["a.0"]
 
 
+async def test_a_batch_whose_first_message_is_refused_inside_it_answers_a_plain_error_and_is_gone(client):
+    """Refused as the batch's first message (``processJetStreamFastBatchMsg``: the batch "immediately
+    errors"), the reply is a plain error, not ``type: err`` with a PubAck: the batch is cleaned up,
+    its later messages get 10208 and nothing is stored. So no ``count`` ever comes, and the outbox
+    ends such a batch at its commit's plain error."""
+    b = await Batcher.open(client, max_bytes=100, discard=DiscardPolicy.NEW)
+    await b.send("b1", 1, START, "a.0", body=b"x" * 200)
+    await b.send("b1", 2, APPEND, "a.1")
+    await b.send("b1", 3, COMMIT, "a.2")
+    replies = await b.settle()
+    assert replies[0] == {"type": "ack", "seq": 0, "msgs": 1}  # the start's flow ack comes first
+    assert "type" not in replies[1] and replies[1]["error"]["err_code"] == 10077, replies
+    assert pubacks(replies) == []
+    assert [r["error"]["err_code"] for r in replies[2:]] == [10208, 10208]
+    assert await b.stored_ids() == []
+
+
 async def test_a_message_refused_before_the_batch_sees_it_shows_up_as_a_gap_at_the_next_one(client):
     """``max_msg_size`` is checked before the batch: the refusal is a plain error and the batch
     does not count the message, so the next one is a gap and ends the batch."""

@@ -37,6 +37,7 @@ from streamproc.core.outbox import (
     OutboxConfig,
     classify,
     delivery_count,
+    in_turn,
     needs_lookup,
     resume_point,
 )
@@ -99,13 +100,17 @@ class ResultsStream:
         server: a batch starts at seq 1 (an ended id at seq 1 starts a new one); each message is
         stored at once, a duplicate ``Nats-Msg-Id`` skipped but counted; a message out of sequence
         (lost, or arriving late) is a gap that ends the batch; a refusal inside the batch (``refused``:
-        a discard-new limit) ends it; a refusal before the batch sees it (``before``: max_msg_size)
+        a discard-new limit) ends it (as its first message: a plain error and no PubAck,
+        ``processJetStreamFastBatchMsg``); a refusal before the batch sees it (``before``: max_msg_size)
         is a plain error the batch does not count; the end of a batch answers with its PubAck and
         ``count``; messages of an ended or unknown batch get 10208. Arrival order here is arbitrary,
         which is more than one connection does."""
         b = self.batches.get(batch)
         if index == 1 and fate != "before" and (b is None or not b["open"]):
             b = self.batches[batch] = {"next": 1, "count": 0, "open": True}
+            if fate == "refused":  # refused as the batch's first message: its flow ack, a plain error, gone
+                b["open"] = False
+                return [b'{"type":"ack","seq":0,"msgs":%d}' % size, REFUSED_ACK]
         if b is None or not b["open"]:
             return [UNKNOWN_BATCH]
         if fate == "before":
@@ -230,10 +235,11 @@ class World:
         self.outbox.nak([held] if held is not None else [])
         self.restart(rid)
 
-    def gave_up(self, records: list[GiveUp]) -> None:
+    def gave_up(self, records: list[GiveUp], counted: bool = True) -> None:
+        """``counted``: given up after ``max_attempts`` (not at once, as an unsendable result is)."""
         for g in records:
-            self.given_up += 1
-            assert g.attempts >= self.config.max_attempts
+            self.given_up += counted
+            assert not counted or g.attempts >= self.config.max_attempts
             self.forget(g.request_id)
 
     def done(self, rid: str) -> bool:
@@ -266,12 +272,20 @@ class World:
         else:
             self.take([Settle((t,))], rid)
 
-    def send(self, fail: list[bool], budget: int | None = None) -> None:
-        for i, o in enumerate(self.outbox.sending(self.now, budget)):
+    def send(self, fail: list[bool], budget: int | None = None, interrupt: tuple[str, int] | None = None) -> None:
+        """Publish what the outbox sends now, as the pump does (:func:`in_turn`): ``fail[i]``, the
+        i-th publish did not leave; ``interrupt``, before the k-th publish either it can never be
+        sent (``unsendable``: its request is given up) or, during an await, a reconnect is seen."""
+        for i, (o, batch) in enumerate(in_turn(self.outbox.sending(self.now, budget))):
+            if interrupt is not None and interrupt[1] == i:
+                if interrupt[0] == "unsendable":
+                    self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"), counted=False)
+                    continue
+                self.tick(0.0, reconnected=True)
             if i < len(fail) and fail[i]:
                 self.outbox.send_failed(o)
             else:
-                self.wire.append((self.instance, o.batch or o.ticket, o.result))
+                self.wire.append((self.instance, batch or o.ticket, o.result))
 
     def arrive(self, i: int, fate: str) -> None:
         instance, ticket, r = self.wire.pop(i)
@@ -358,7 +372,7 @@ BATCH_FATES = {"refused": "refused", "no_responders": "before"}
 @given(data=st.data(), sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
        max_attempts=st.sampled_from([1, 2, 3, 100]))
 def test_random_faults_never_lose_reorder_or_duplicate_a_result_nor_ack_before_storage(data, sizes, max_attempts):
-    random_faults(data, sizes, max_attempts, batch_limit=1, fates=FATES)
+    random_faults(data, sizes, max_attempts, batch_limit=1, fates=FATES, interrupts=(None,))
 
 
 @outbox_settings
@@ -369,10 +383,12 @@ def test_random_faults_with_fast_batches_never_lose_reorder_or_duplicate_a_resul
     """The same law with a request's queued results leaving as fast batches, against the server's
     batch semantics (:meth:`ResultsStream.store_in_batch`): messages of a batch arriving in any
     order or not at all, refused inside or before the batch, batches expiring, replies lost."""
-    random_faults(data, sizes, max_attempts, batch_limit, fates=FATES[2:])  # more faults: short batches
+    random_faults(data, sizes, max_attempts, batch_limit, fates=FATES[2:],  # more faults: short batches
+                  interrupts=(None, None, None, ("unsendable", 0), ("unsendable", 1), ("reconnect", 1)))
 
 
-def random_faults(data, sizes: list[int], max_attempts: int, batch_limit: int, fates: tuple[str, ...]) -> None:
+def random_faults(data, sizes: list[int], max_attempts: int, batch_limit: int, fates: tuple[str, ...],
+                  interrupts: tuple) -> None:
     pd = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
     config = OutboxConfig(first_wait=2.0, max_wait=10.0, retry_after_refusal=0.5, max_attempts=max_attempts,
                           progress_every=2.5, batch_limit=batch_limit)
@@ -385,7 +401,8 @@ def random_faults(data, sizes: list[int], max_attempts: int, batch_limit: int, f
         elif step == "duplicate":
             w.duplicate(data.draw(st.sampled_from(rids)), off_path=data.draw(st.booleans()))
         elif step == "send":
-            w.send(data.draw(st.lists(st.booleans(), max_size=3)), data.draw(st.sampled_from([None, None, 0, 10])))
+            w.send(data.draw(st.lists(st.booleans(), max_size=3)), data.draw(st.sampled_from([None, None, 0, 10])),
+                   data.draw(st.sampled_from(interrupts)))
         elif step == "arrive" and w.wire:
             w.arrive(data.draw(st.integers(0, len(w.wire) - 1)), data.draw(st.sampled_from(fates)))
         elif step == "reply" and w.replies:

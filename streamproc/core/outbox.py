@@ -46,7 +46,7 @@ from .wire import FINAL, SEQ
 __all__ = [
     "ACK", "NAK", "PROGRESS", "TERM", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
     "STORED", "DUPLICATE", "REFUSED", "GIVEN_UP", "UNMATCHED", "PENDING",
-    "classify", "delivery_count", "needs_lookup", "resume_point",
+    "classify", "delivery_count", "in_turn", "needs_lookup", "resume_point",
 ]
 
 
@@ -599,6 +599,17 @@ class Outbox:
                 control.append((t, PROGRESS))
                 self.stats.in_progress += 1
         self._progress_seen = set(current)
+
+
+def in_turn(sends: list[Outgoing]) -> Iterator[tuple[Outgoing, tuple[str, int, int] | None]]:
+    """Walk what :meth:`Outbox.sending` returned while publishing it, one by one: each result with
+    its :attr:`~Outgoing.batch` as the outbox made it, skipping a batch member that is no longer in
+    that batch when its turn comes. Earlier publishes can end a batch (a member that can never be
+    sent gives its request up; an await lets a reconnect send the batch again as a new one), and
+    its rest, published alone, would be stored at once, maybe after a gap."""
+    for o, batch in [(o, o.batch) for o in sends]:
+        if batch is None or o.flight == batch[0]:
+            yield o, batch
 
 
 def _count(data: bytes) -> int:

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..core.events import Decision, Notice
-from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing
+from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing, in_turn
 from ..core.wire import result_block, result_headers
 from ..logs import LogLimiter, error_text, log_event
 from .fast_client import encode_header_block
@@ -229,17 +229,19 @@ class OutboxPump:
                 log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
 
     def _results_due(self, budget: int | None = None) -> Iterator[tuple[Outgoing, str, str]]:
-        """The outbox's results to publish now, each with its subject and PubAck reply subject."""
+        """The outbox's results to publish now, each with its subject and PubAck reply subject
+        (a batch member whose batch ended while the earlier ones were published is skipped:
+        :func:`~streamproc.core.outbox.in_turn`)."""
         outbox = self.outbox
         if not outbox.ready:
             return
         head = self._head
         prefix = self._reply_prefix
-        for o in outbox.sending(self._clock(), budget):
-            if o.flight is None:
+        for o, batch in in_turn(outbox.sending(self._clock(), budget)):
+            if batch is None:
                 yield o, head + o.result.request_id, prefix + o.ticket
             else:
-                yield o, head + o.result.request_id, prefix + batch_reply(*o.batch)  # type: ignore[misc]
+                yield o, head + o.result.request_id, prefix + batch_reply(*batch)
 
     def _controls_due(self) -> Iterator[tuple[str, bytes]]:
         """The acks, NAKs and in-progress acks to send now, as (ack subject, payload); a NAK or
@@ -263,7 +265,8 @@ class OutboxPump:
         ticket = subject[self._cut:]
         if "." in ticket:  # a reply to a fast batch's message: <batch id>.<flow>.<gap>.<batch seq>.<op>.$FI
             tokens = ticket.split(".")
-            outcome = self.outbox.on_batch_reply(tokens[0], tokens[4] == _COMMIT, data, self._clock())
+            commit = len(tokens) > 4 and tokens[4] == _COMMIT
+            outcome = self.outbox.on_batch_reply(tokens[0], commit, data, self._clock())
         else:
             outcome = self.outbox.on_puback(ticket, data, self._clock())
         if outcome is REFUSED:
