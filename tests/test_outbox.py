@@ -40,6 +40,7 @@ from streamproc.core.outbox import (
     in_turn,
     needs_lookup,
     resume_point,
+    wire_size,
 )
 from streamproc.core.wire import FINAL, SEQ
 
@@ -786,7 +787,8 @@ def test_sending_within_a_budget_keeps_the_rest_ready_in_order():
         box.take([Result(rid, s, b"z" * 100, False) for s in range(3)], rid)
     assert [(o.result.request_id, o.result.seq) for o in box.sending(0.0, budget=50)] == [("a", s) for s in range(3)]
     assert [o.result.request_id for o in box.ready] == ["b", "c"]
-    assert [(o.result.request_id, o.result.seq) for o in box.sending(0.0, budget=301)] == [
+    size = wire_size(Result("b", 0, b"z" * 100, False))  # bytes on the wire, about: body, id, HPUB line, headers
+    assert [(o.result.request_id, o.result.seq) for o in box.sending(0.0, budget=3 * size + 1)] == [
         (rid, s) for rid in "bc" for s in range(3)]
     assert not box.ready
 

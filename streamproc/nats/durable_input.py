@@ -322,6 +322,8 @@ class DurableInput:
                 log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.publisher.pending)
         self._hand_over(lambda rid: True)
         await self.publisher.pump()
+        if self.publisher.staged:
+            self.publisher.flush_staged()  # the NAKs go with the flush below, not with a later timer write
         with anyio.move_on_after(timeout):
             if self.leases is not None:
                 await self.leases.leave()

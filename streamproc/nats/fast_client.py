@@ -567,8 +567,12 @@ class FastClient(RobustClient):
         try:
             self._write_pending_now()
         finally:
-            if more and self.is_connected:
-                self._write_soon()
+            if more and self.is_connected and self._write_timer is None:
+                # A full interval from now, not from the last write: when nothing could be written
+                # (the socket is behind, the flusher drains) that one is past, and the timer would
+                # fire every loop iteration for as long as the socket stays behind.
+                loop = asyncio.get_running_loop()
+                self._write_timer = loop.call_at(loop.time() + self.flush_interval, self._write_now)
 
     def _write_pending_now(self) -> None:
         if self._pending_data_size <= 0 or not self.is_connected or self._transport is None:

@@ -92,6 +92,7 @@ class OutboxPump:
         self._cut = 0
         self._sub: Subscription | None = None
         self.closed = False
+        self.staged = False  # results wait for the client's next write (stage_writes)
 
     async def start(self) -> None:
         inbox = self._nc.new_inbox()
@@ -111,6 +112,8 @@ class OutboxPump:
         return self._enqueue is not None
 
     async def stop(self) -> None:
+        if self.staged and not self._nc.is_closed:
+            self.flush_staged()  # staged acks and NAKs (a hand-over's) must not wait for a write that never runs
         self.closed = True
         sub, self._sub = self._sub, None
         if sub is not None and not self._nc.is_closed:
@@ -192,7 +195,8 @@ class OutboxPump:
         self._stage = nc.stage_write  # type: ignore[attr-defined]
         self._room = nc.room_for_writes  # type: ignore[attr-defined]
         nc.before_write = self._before_write  # type: ignore[attr-defined]
-        self.release = self._stage
+        self.release = self._stage  # type: ignore[method-assign]
+        self.staged = True
         return True
 
     def _before_write(self) -> bool:
@@ -203,6 +207,14 @@ class OutboxPump:
         if room > 0:
             self.send_nowait(budget=room)
         return bool(self.outbox.ready)
+
+    def flush_staged(self) -> None:
+        """Hand the client what is staged now, without waiting for its next write (before a flush
+        that must carry it: a stop's hand-over NAKs)."""
+        try:
+            self.send_nowait()
+        except Exception as exc:  # noqa: BLE001  (closing: what is lost is redelivered)
+            log_event(log, logging.DEBUG, "flush_staged_failed", error=error_text(exc))
 
     def release(self) -> None:
         """What the outbox has ready leaves with the next write: sent now (enqueued), or staged for

@@ -198,8 +198,11 @@ FAST_BATCH_SINCE = (2, 14)  # nats-server's fast batch publish (allow_batched) f
 def server_has_fast_batches(nc: NatsClient) -> bool:
     """Whether the connected nats-server has fast batch publishes. Older ones would ignore
     ``allow_batched`` or refuse the stream config over it."""
-    v = nc.connected_server_version
-    return (v.major, v.minor) >= FAST_BATCH_SINCE
+    try:
+        v = nc.connected_server_version
+        return (v.major, v.minor) >= FAST_BATCH_SINCE
+    except ValueError:  # a version string nats-py cannot parse: not assumed to have them
+        return False
 
 
 async def find_stream(js: JetStreamContext, subject: str) -> str | None:
