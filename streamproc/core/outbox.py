@@ -115,7 +115,7 @@ class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
     __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed",
-                 "flight", "members", "index", "size", "alone")
+                 "flight", "members", "batch_seq", "size", "alone")
 
     def __init__(self, result: Result, ticket: str, settles: list, wait: float,
                  received: float | None = None) -> None:
@@ -132,10 +132,10 @@ class Outgoing:
         self.failures = 0
         self.refused = False  # due is a retry time after a refusal, not a PubAck deadline
         # In a fast batch: ``flight`` is the batch's ticket (None: sent alone under ``ticket``),
-        # ``index`` its batch seq (1-based); the first member holds the list and the retry state.
+        # ``batch_seq`` its place in it (1-based); the first member holds the list and the retry state.
         self.flight: str | None = None
         self.members: list[Outgoing] | None = None
-        self.index = 0
+        self.batch_seq = 0
         self.size = 0
         self.alone = False  # its batch ended short at it: sent alone next time
 
@@ -146,7 +146,7 @@ class Outgoing:
         flight = self.flight
         if flight is None:
             return None
-        return flight, self.size, self.index
+        return flight, self.size, self.batch_seq
 
 
 def classify(data: bytes) -> str:
@@ -455,7 +455,7 @@ class Outbox:
                 flight = self.batch_prefix + str(self._next)
                 size = len(members)
                 for i, m in enumerate(members, 1):
-                    m.flight, m.index, m.size = flight, i, size
+                    m.flight, m.batch_seq, m.size = flight, i, size
                 o.members = members
                 inflight[flight] = o
                 self.stats.result_batches += 1
