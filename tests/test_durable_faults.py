@@ -20,6 +20,7 @@ import pytest
 from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.sim.embedded import EmbeddedNats, EmbeddedNatsCluster
+from streamproc.nats import durable_input
 from streamproc.nats.processor import Processor
 from streamproc.core.reorder import SeqOrder
 from streamproc.nats.streams import RESULTS_STREAM
@@ -192,6 +193,36 @@ async def test_processor_reconnects_after_a_nats_server_restart_and_finishes_eve
     assert snapshot["reconnects"] >= 1
     assert snapshot["pulls"] > pulls_before  # pulls re-issued: the server forgot the old ones (nats.py#504)
     verify(plans, stored, worker)
+
+
+@pytest.mark.timeout(60)
+async def test_after_a_nats_server_restart_new_chunks_are_pulled_at_once_not_at_the_next_watchdog_round(
+        monkeypatch):
+    # The watchdog's rounds 450 s apart (ack_wait / 8): only the reconnect's wake-up can re-issue
+    # the pulls the restarted server forgot within this test's time. SIGKILL: a graceful shutdown
+    # answers each waiting pull with a 409, and that is pulled again without the watchdog.
+    monkeypatch.setattr(durable_input, "WATCHDOG_EVERY", 1000.0)
+    worker = worker_for(FORMAT)
+    before, after = (traffic.plan(FORMAT, requests=3, mode="aggregated", seed=seed, id_prefix=f"wk{seed}",
+                                  worker=worker) for seed in (31, 32))
+    with EmbeddedNats() as server:
+        settings = durable_settings(server.url, ack_wait=3600)
+        async with Processor(settings) as p:
+            nc = await connect(server.url)
+            try:
+                await drive(nc, settings.subjects, traffic.schedule(before, seed=31, shuffle=False), seconds=0.2,
+                            seed=31, acked=True)
+                await wait_for_finals(nc.jetstream(), settings.subjects, ids(before), timeout=20)
+                pulls_before = p.snapshot()["pulls"]
+                await anyio.to_thread.run_sync(lambda: server.restart(kill=True))
+                await wait_until(lambda: nc.is_connected and p.nc.is_connected, 20, "both clients reconnected")
+                await wait_until(lambda: p.snapshot()["pulls"] > pulls_before, 5, "pulls re-issued after the reconnect")
+                await drive(nc, settings.subjects, traffic.schedule(after, seed=32, shuffle=False), seconds=0.2,
+                            seed=32, acked=True)
+                stored = await wait_for_finals(nc.jetstream(), settings.subjects, ids(after), timeout=10)
+            finally:
+                await nc.close()
+    verify(after, stored, worker)
 
 
 # ------------------------------------------------------------------------------- cluster

@@ -101,6 +101,9 @@ class CoreInput:
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         pass  # nothing was promised for a dropped core message
 
+    def reconnected(self) -> None:
+        pass  # nats-py replays the subscription; nothing was held across the outage
+
     async def dispatch(self, decisions: list[Decision]) -> None:
         publish = self._publish
         head = self._results_head

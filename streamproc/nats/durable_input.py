@@ -228,6 +228,7 @@ class DurableInput:
         self._join_clock = join_cpu_clock()  # the join thread and the codec's helper threads
         self._tasks: anyio.abc.TaskGroup | None = None
         self._reconnects = 0
+        self._wake = anyio.Event()  # set on a reconnect: the watchdog's next round runs at once
         self._lease_lock = anyio.Lock()
         self._migrating: dict[int, int] = {}  # partition -> migrates being answered for it
 
@@ -626,7 +627,9 @@ class DurableInput:
         """
         interval = min(WATCHDOG_EVERY, self.settings.ack_wait / 8)
         while True:
-            await anyio.sleep(interval)
+            with anyio.move_on_after(interval):
+                await self._wake.wait()
+            self._wake = anyio.Event()
             try:
                 await self._watch()
             except Exception as exc:
@@ -662,6 +665,12 @@ class DurableInput:
         self._shed_held(now)
         self.publisher.tick(now, reconnected, self.correlator.unsettled)
         await self.publisher.pump()
+
+    def reconnected(self) -> None:
+        """Run the watchdog's round now rather than up to an interval later: after an outage the
+        server has forgotten our pulls, and the results readied meanwhile wait for that round (it
+        sends them, and everything in flight, again)."""
+        self._wake.set()
 
     def _shed_held(self, now: float) -> None:
         """Held prefill legs (and reorder backlogs) never stall a partition: the server delivers

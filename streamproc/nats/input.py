@@ -181,6 +181,9 @@ class Input(Protocol):
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         """nats-py dropped a delivered message of ``sub`` as a slow consumer."""
 
+    def reconnected(self) -> None:
+        """The connection is back (nats-py has replayed the subscriptions); called from its callback."""
+
 
 def snapshot(correlator: Correlator, io: IOStats, extra: msgspec.Struct | None) -> dict[str, Any]:
     """All counters plus gauges, for logs and tests."""

@@ -298,6 +298,8 @@ class Processor:
         self.io.reconnects += 1
         url = redact_url(self.nc.connected_url.geturl()) if self.nc and self.nc.connected_url else "?"
         log_event(log, logging.INFO, "reconnected", server=url)
+        if self._input is not None:
+            self._input.reconnected()
 
     async def _on_closed(self) -> None:
         log_event(log, logging.DEBUG, "connection_closed")
