@@ -28,7 +28,7 @@ both contenders read the same stream configuration and store their results the s
   the same write interval) and nothing else; the least a Python durable relay can spend per chunk.
 
 Usage: python benchmarks/durable.py [--chunks 30000] [--rounds 3] [--latency-seconds 5] [--paced 2000]
-       [--profile DIR]
+       [--partitions 8] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def contender_cmd(name: str, url: str, settings: config.Settings) -> list[str]:
                 "--consumer", "jsrelay", "--batch", str(settings.fetch_batch),
                 "--interval", str(settings.flush_interval), *(["--fast-batch"] if name == FLOOR_FB else [])]
     return [str(Path(sys.executable).parent / "streamproc"), "run", "--nats-url", url, "--mode", "durable",
-            "--format", "sglang", "--log-level", "WARNING"]
+            "--format", "sglang", "--log-level", "WARNING", "--partitions", str(settings.partitions)]
 
 
 async def prepare(nc, settings: config.Settings, name: str) -> None:
@@ -116,6 +116,7 @@ def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
 
 TICK = 0.002  # seconds: paced publishes leave in bursts this far apart
 PROFILE_DIR: Path | None = None  # --profile: py-spy records every streamproc run here
+PARTITIONS = config.Settings().partitions  # --partitions: of the chunk stream, and streamproc's
 _profilers: dict[int, subprocess.Popen] = {}
 
 
@@ -145,7 +146,7 @@ def finish(proc: subprocess.Popen) -> None:
 async def peak(name: str, load) -> tuple[float, float]:
     """(chunks per second, contender CPU microseconds per chunk) draining a pre-filled stream."""
     with EmbeddedNats() as server:
-        settings = config.load({}, {"nats_url": server.url, "mode": "durable"})
+        settings = config.load({}, {"nats_url": server.url, "mode": "durable", "partitions": PARTITIONS})
         nc = await nats.connect(server.url)
         proc = None
         try:
@@ -213,7 +214,7 @@ def by_seq_line(r: Paced) -> str:
 async def latency(name: str, load, rate: float, seconds: float) -> Paced:
     """Latency and CPU per chunk publishing live at ``rate`` chunks/s for ``seconds``."""
     with EmbeddedNats() as server:
-        settings = config.load({}, {"nats_url": server.url, "mode": "durable"})
+        settings = config.load({}, {"nats_url": server.url, "mode": "durable", "partitions": PARTITIONS})
         nc = await nats.connect(server.url)
         proc = None
         try:
@@ -283,7 +284,7 @@ def floors(args) -> tuple[str, ...]:
 async def run(args) -> None:
     load = build_load(args.chunks, True, "streamproc")
     print(f"{os.cpu_count()} cores; {len(load)} aggregated streamed chunks per run (file storage, "
-          f"{config.Settings().partitions} partitions, results stored with Msg-Id); {args.rounds} rounds alternating")
+          f"{PARTITIONS} partitions, results stored with Msg-Id); {args.rounds} rounds alternating")
     names = (*NAMES, *floors(args))
     rates: dict[str, list[float]] = {n: [] for n in names}
     cpus: dict[str, list[float]] = {n: [] for n in names}
@@ -320,8 +321,8 @@ async def run_paced(args) -> None:
     ``--paced`` chunks/s, rounds alternating, paired medians."""
     live = build_load(int(args.paced * args.latency_seconds) + 16, True, "streamproc")
     print(f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f}; paced {args.paced:,.0f} chunks/s for "
-          f"{args.latency_seconds:g} s per run, {args.rounds} rounds alternating; CPU from the first paced publish "
-          "to the last result")
+          f"{args.latency_seconds:g} s per run, {args.rounds} rounds alternating, {PARTITIONS} partitions; CPU from "
+          "the first paced publish to the last result")
     names = (*NAMES, UNCOALESCED, *floors(args))
     runs: dict[str, list[Paced]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -345,6 +346,7 @@ async def run_paced(args) -> None:
 
 
 def main() -> None:
+    global PROFILE_DIR, PARTITIONS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=30_000)
     parser.add_argument("--rounds", type=int, default=3)
@@ -355,11 +357,13 @@ def main() -> None:
                         help="add durable_floor.py (raw asyncio NATS, the processor's wire work only) to every run")
     parser.add_argument("--floor-fast-batch", action="store_true",
                         help="add the floor with --fast-batch (results stream with allow_batched) to every run")
+    parser.add_argument("--partitions", type=int, default=PARTITIONS,
+                        help="partitions of the chunk stream (streamproc reads one consumer per partition; the "
+                             "jsrelay and the floors one consumer over all of them)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="record each streamproc run with py-spy into this directory (collapsed stacks)")
     args = parser.parse_args()
-    global PROFILE_DIR
-    PROFILE_DIR = args.profile
+    PROFILE_DIR, PARTITIONS = args.profile, args.partitions
     asyncio.run(run_paced(args) if args.paced else run(args))
 
 
