@@ -141,6 +141,16 @@ async def test_with_a_wrapped_publish_nothing_is_staged_and_the_awaiting_pump_se
     assert [r.split(".")[-3:] for _, r in sent[1:]] == [["1", "0", "$FI"], ["2", "1", "$FI"], ["3", "2", "$FI"]]
 
 
+def _pump_with_a_nak() -> tuple[BehindWriter, FastClient, OutboxPump]:
+    """A pump on a writable stand-in socket whose outbox has one NAK to send (a hand-over's)."""
+    writer = BehindWriter()
+    writer.buffered = 0
+    nc = _client(writer, interval=0.01)
+    pump = _pump(nc)
+    pump.outbox.nak([SimpleNamespace(reply="$JS.ACK.CHUNKS.c0.1.2.3.4.5")])
+    return writer, nc, pump
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(30)
 async def test_controls_staged_before_the_pump_is_closed_still_leave():
@@ -148,12 +158,7 @@ async def test_controls_staged_before_the_pump_is_closed_still_leave():
     Staged, the NAKs were not in _pending for that flush, and a timer write after stop() found
     the pump closed: the chunks waited ack_wait for redelivery instead of going to the next owner
     at once. The pump hands over what is staged before it closes (and the stop before its flush)."""
-    writer = BehindWriter()
-    writer.buffered = 0
-    nc = _client(writer, interval=0.01)
-    pump = _pump(nc)
-    token = SimpleNamespace(reply="$JS.ACK.CHUNKS.c0.1.2.3.4.5")
-    pump.outbox.nak([token])
+    writer, nc, pump = _pump_with_a_nak()
     await pump.pump()  # staged
     pump.flush_staged()  # as DurableInput.stop does before its flush
     assert b"-NAK" in b"".join(nc._pending)
@@ -163,12 +168,7 @@ async def test_controls_staged_before_the_pump_is_closed_still_leave():
 @pytest.mark.timeout(30)
 async def test_a_pump_stopped_with_controls_staged_hands_them_to_the_client_first():
     """The same without the stop's own hand-over: the pump's stop() hands them over."""
-    writer = BehindWriter()
-    writer.buffered = 0
-    nc = _client(writer, interval=0.01)
-    pump = _pump(nc)
-    token = SimpleNamespace(reply="$JS.ACK.CHUNKS.c0.1.2.3.4.5")
-    pump.outbox.nak([token])
+    writer, nc, pump = _pump_with_a_nak()
     await pump.pump()  # as DurableInput.stop does after _hand_over
     flushed = b"".join(nc._pending)  # what nc.flush() would write ahead of its PING
     await pump.stop()
