@@ -28,6 +28,7 @@ from streamproc.catalog import worker_for
 from streamproc.client.migration import MigrationError, Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import partition_of
+from streamproc.nats.durable_input import REDELIVERY_SLACK
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth
 from streamproc.sim.migration import native_request
@@ -495,10 +496,33 @@ async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored
             resumed = await migrator.migrate(rid, native_request(fmt, truth), expected_attempt=0, send=pool.serve)
             results = await stream.collect()
     assert first.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in first.message, first
+    assert 0 < first.retry_after <= settings["ack_wait"] + REDELIVERY_SLACK, first  # the hold runs out by then
     assert resumed.attempt == 1 and resumed.result_seq == 3, resumed
     assert emitted_in(truth, resumed.body) == resumed.emitted_tokens > 0
     assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
     assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_migrator_whose_timeout_is_below_the_processors_ack_wait_is_told_so(client, start_processor):
+    """The same dead owner, and a Migrator with a 0.5 s timeout against an ack_wait of 4 s: it cannot
+    outlast the hold, and its error says why and what to change, not only "unavailable"."""
+    fmt = "sglang"
+    truth = make_truth(85, request_id="migrator-too-hasty", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=4.0)
+    async with start_processor("in-process", **settings):
+        pass
+    [(role, bodies)] = pool.legs(0)
+    await pool.publish(role, bodies, 0, stop=3)
+    assert len(await dead_owner_takes(client, 3)) == 3
+    async with start_processor("in-process", **settings) as rp:
+        await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
+        with pytest.raises(MigrationError) as hasty:
+            await Migrator(client, rp.subjects, format=fmt, timeout=0.5).seal(rid, expected_attempt=0)
+    reply = hasty.value.reply
+    assert reply.code is MigrateErrorCode.UNAVAILABLE and reply.retry_after > 0.5, reply
+    assert "this Migrator's timeout is 0.5 s: keep it above the processor's ack_wait" in str(hasty.value)
 
 
 @pytest.mark.parametrize("storage", ["file", "memory"])

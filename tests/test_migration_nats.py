@@ -13,6 +13,7 @@ import random
 import time
 
 import anyio
+import msgspec
 import nats.errors
 import pytest
 
@@ -353,7 +354,25 @@ async def test_a_persistent_unavailable_ends_the_migrate_with_that_error_at_the_
         await migrator.seal(rid, expected_attempt=0)
     elapsed = time.monotonic() - started
     assert failed.value.code is MigrateErrorCode.UNAVAILABLE and "cannot record the seal" in str(failed.value)
+    assert "ack_wait" not in str(failed.value)  # no retry_after: nothing to say about the timeout
     # Retried until the timeout (back-off capped at 0.25 s), within one back-off step of it.
     assert timeout - 0.3 <= elapsed <= timeout + 0.5, elapsed
     assert len(responder.requests) >= 4, len(responder.requests)
     assert {(r.expected_attempt, r.id) for r in responder.requests} == {(0, responder.requests[0].id)}
+
+
+def test_a_v1_reader_without_retry_after_decodes_an_unavailable_reply_that_carries_it():
+    """``retry_after`` was added within protocol v1: a reader built before it (the same Struct
+    without the field) must still decode the reply, ignoring it."""
+
+    class OldMigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status"):
+        request_id: str
+        code: MigrateErrorCode
+        message: str
+        attempt: int | None = None
+
+    body = encode_control(MigrateError("r", MigrateErrorCode.UNAVAILABLE, "chunks wait", None, 4.5))
+    assert b'"retry_after":4.5' in body
+    old = msgspec.json.decode(body, type=OldMigrateError | Sealed)
+    assert (old.code, old.message) == (MigrateErrorCode.UNAVAILABLE, "chunks wait")
+    assert decode_migrate_reply(body).retry_after == 4.5

@@ -23,6 +23,7 @@ propagate as nats-py exceptions.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from typing import Awaitable, Callable
@@ -35,6 +36,7 @@ from nats.aio.client import Client as NatsClient
 from ..catalog import codec_class
 from ..core.codec import Codec, Emitted
 from ..core.errors import MigrationError, MigrationRefused
+from ..logs import log_event
 from ..core.wire import (
     ATTEMPT,
     MSG_ID,
@@ -50,6 +52,8 @@ from ..core.wire import (
 )
 
 __all__ = ["MigrationError", "MigrationRefused", "Migrator", "Resumed", "publish_request"]
+
+log = logging.getLogger("streamproc.migration")
 
 
 class Resumed(msgspec.Struct, frozen=True):
@@ -118,6 +122,18 @@ class Migrator:
             raise MigrationError(reply)
         return reply
 
+    def _too_short(self, reply: MigrateError) -> MigrateError:
+        """The last ``unavailable`` reply, saying so when the processor had asked for longer than this
+        Migrator's ``timeout`` (after a failover it may need up to its ``ack_wait``): a timeout
+        below the processor's ack_wait is a deployment error, not bad luck."""
+        if reply.retry_after is None or reply.retry_after <= 0:
+            return reply
+        hint = (f" (the processor expected to answer within {reply.retry_after:g} s more; this Migrator's "
+                f"timeout is {self.timeout:g} s: keep it above the processor's ack_wait)")
+        log_event(log, logging.WARNING, "migrate_timeout_too_short", request_id=reply.request_id,
+                  timeout=self.timeout, retry_after=reply.retry_after)
+        return msgspec.structs.replace(reply, message=reply.message + hint)
+
     async def refuse(self, request_id: str, reason: str) -> MigrateReply:
         """End the request with a ``migration_refused`` error result (its stream cannot continue)."""
         return await self._request(request_id, MigrateRequest(refuse=reason, id=secrets.token_hex(8)))
@@ -146,7 +162,9 @@ class Migrator:
             else:
                 reply = decode_migrate_reply(msg.data)
                 unavailable = isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE
-                if not unavailable or deadline - time.monotonic() <= delay:
+                if not unavailable:
                     return reply
+                if deadline - time.monotonic() <= delay:
+                    return self._too_short(reply)  # type: ignore[arg-type]
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.25)

@@ -137,6 +137,9 @@ class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status")
     code: MigrateErrorCode
     message: str
     attempt: int | None = None  # the current attempt, when the request is known
+    # ``unavailable`` only: the most seconds until the processor can answer (chunks a killed owner
+    # held come back within ack_wait of the partition's hand-over); None when it cannot say.
+    retry_after: float | None = None
 
 
 MigrateReply = Sealed | MigrateError

@@ -939,10 +939,10 @@ class DurableInput:
                 waiting = await self._chunks_waiting(rid)
             except UNREACHABLE as exc:
                 return self._unavailable(rid, f"the chunk stream cannot be read: {error_text(exc)}")
-            if waiting:
+            if waiting is not None:
                 return self._unavailable(rid, "chunks of it wait in the chunk stream, not yet handled here (taken "
                                               "by a previous owner that did not acknowledge them: they come back "
-                                              "after ack_wait)")
+                                              f"after ack_wait, within {waiting:.1f} s)", retry_after=waiting)
         missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
         if missing:
             await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
@@ -976,8 +976,9 @@ class DurableInput:
         self._note_sealed(rid)
         return reply
 
-    async def _chunks_waiting(self, rid: str) -> bool:
-        """Whether a chunk of ``rid`` that this instance does not hold can still be delivered to it.
+    async def _chunks_waiting(self, rid: str) -> float | None:
+        """Whether a chunk of ``rid`` that this instance does not hold can still be delivered to it:
+        None if not, else the most seconds until it is (the migrate's ``retry_after``).
 
         With no stored result and no seal record, a request this instance does not know may still have
         chunks a dead owner took and never acknowledged: until they come back, ``unknown`` would be a
@@ -994,25 +995,31 @@ class DurableInput:
         try:
             stored = await self._jsm.get_last_msg(self.chunks_stream, f"{self.scheme.head(n)}{rid}.*")
         except NotFoundError:
-            return False
+            return None
         part = self._partitions.get(n)
-        if part is None or self._clock() < part.opened + self.settings.ack_wait + REDELIVERY_SLACK:
-            return True
+        held_until = self.settings.ack_wait + REDELIVERY_SLACK
+        if part is None:
+            return held_until
+        held_until += part.opened - self._clock()
+        if held_until > 0:
+            return held_until
         info = await self._jsm.consumer_info(self.chunks_stream, part.consumer)
         if stored.seq > info.delivered.stream_seq:
-            return True
+            return 0.0  # never delivered: the next pull brings it
         self.stats.chunks_undeliverable_seen += 1
         self.pipeline.limited.log(logging.WARNING, "chunks_undeliverable", request_id=rid, stream_seq=stored.seq,
                                   detail="delivered max_deliver times and never acknowledged: kept by the "
                                          "stream until chunks_max_age, never delivered again")
-        return False
+        return None
 
-    def _unavailable(self, rid: str, why: str, *, forget: bool = False) -> MigrateError:
+    def _unavailable(self, rid: str, why: str, *, forget: bool = False,
+                     retry_after: float | None = None) -> MigrateError:
         self.stats.seals_unavailable += 1
         if forget:  # sealed here but not recorded: the stores still say the previous attempt
             self._forget(rid)
         log_event(log, logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
-        return MigrateError(rid, MigrateErrorCode.UNAVAILABLE, f"{why}; nothing moved, retry")
+        return MigrateError(rid, MigrateErrorCode.UNAVAILABLE, f"{why}; nothing moved, retry", None,
+                            None if retry_after is None else round(retry_after, 3))
 
     def _forget(self, rid: str) -> None:
         """Drop the request here without results; its chunks and a migrate recover it from the stores."""
