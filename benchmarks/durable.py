@@ -97,7 +97,9 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
     if name in ("jsrelay", *FLOORS):
         await js.add_consumer(CHUNKS_STREAM, ConsumerConfig(
             durable_name="jsrelay", ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.ack_wait, max_deliver=-1,
-            max_ack_pending=settings.max_ack_pending * settings.partitions,
+            # What the default partitions allow streamproc in all, whatever --partitions says: the
+            # relay's in-flight limit must not shrink with streamproc's partition count.
+            max_ack_pending=settings.max_ack_pending * config.Settings().partitions,
             filter_subject=f"{settings.prefix}.partition.>"))
 
 

@@ -208,6 +208,15 @@ async def test_after_a_nats_server_restart_new_chunks_are_pulled_at_once_not_at_
     with EmbeddedNats() as server:
         settings = durable_settings(server.url, ack_wait=3600)
         async with Processor(settings) as p:
+            rounds = 0
+            watch = p.input._watch
+
+            async def counted() -> None:
+                nonlocal rounds
+                rounds += 1
+                await watch()
+
+            p.input._watch = counted  # the watchdog's rounds, counted
             nc = await connect(server.url)
             try:
                 await drive(nc, settings.subjects, traffic.schedule(before, seed=31, shuffle=False), seconds=0.2,
@@ -223,6 +232,7 @@ async def test_after_a_nats_server_restart_new_chunks_are_pulled_at_once_not_at_
             finally:
                 await nc.close()
     verify(after, stored, worker)
+    assert 1 <= rounds <= 3, rounds  # one round per reconnect, then back to waiting: no spinning
 
 
 # ------------------------------------------------------------------------------- cluster

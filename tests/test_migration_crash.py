@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import random
 import re
+import time
+from types import SimpleNamespace
 
 import anyio
 import httpx
@@ -27,8 +29,8 @@ from httpx_sse import aconnect_sse
 from streamproc.catalog import worker_for
 from streamproc.client.migration import MigrationError, Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
-from streamproc.core.partitions import partition_of
-from streamproc.nats.durable_input import REDELIVERY_SLACK
+from streamproc.core.partitions import PartitionScheme, partition_of
+from streamproc.nats.durable_input import REDELIVERY_SLACK, DurableInput
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth
 from streamproc.sim.migration import native_request
@@ -490,13 +492,17 @@ async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored
     assert len(await dead_owner_takes(client, 3)) == 3
     async with start_processor("in-process", **settings) as rp:
         await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
+        owned = time.monotonic()  # the partition was opened before this
+        await anyio.sleep(1.0)
+        asked = time.monotonic()
         first = await ask_migrate(client, rp.subjects, rid, expected_attempt=0)
         async with follow(client, rp.subjects, rid, timeout=15, replay=True) as stream:
             migrator = Migrator(client, rp.subjects, format=fmt, timeout=15)
             resumed = await migrator.migrate(rid, native_request(fmt, truth), expected_attempt=0, send=pool.serve)
             results = await stream.collect()
     assert first.code is MigrateErrorCode.UNAVAILABLE and "chunk stream" in first.message, first
-    assert 0 < first.retry_after <= settings["ack_wait"] + REDELIVERY_SLACK, first  # the hold runs out by then
+    # The hold runs out ack_wait (+ slack) after the partition was taken, counted down from then.
+    assert 0 < first.retry_after <= settings["ack_wait"] + REDELIVERY_SLACK - (asked - owned), first
     assert resumed.attempt == 1 and resumed.result_seq == 3, resumed
     assert emitted_in(truth, resumed.body) == resumed.emitted_tokens > 0
     assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
@@ -522,7 +528,47 @@ async def test_a_migrator_whose_timeout_is_below_the_processors_ack_wait_is_told
             await Migrator(client, rp.subjects, format=fmt, timeout=0.5).seal(rid, expected_attempt=0)
     reply = hasty.value.reply
     assert reply.code is MigrateErrorCode.UNAVAILABLE and reply.retry_after > 0.5, reply
-    assert "this Migrator's timeout is 0.5 s: keep it above the processor's ack_wait" in str(hasty.value)
+    assert "of this Migrator's 0.5 s timeout were left: keep the timeout above the processor's ack_wait" \
+        in str(hasty.value), str(hasty.value)
+
+
+class StoresAt:
+    """The two reads ``DurableInput._chunks_waiting`` makes: the request's last chunk in the chunk
+    stream (at ``last_seq``) and how far the partition's consumer has delivered."""
+
+    def __init__(self, last_seq: int, delivered: int) -> None:
+        self.last_seq, self.delivered = last_seq, delivered
+
+    async def get_last_msg(self, stream: str, subject: str):
+        return SimpleNamespace(seq=self.last_seq)
+
+    async def consumer_info(self, stream: str, consumer: str):
+        return SimpleNamespace(delivered=SimpleNamespace(stream_seq=self.delivered))
+
+
+def waiting_judge(stores: StoresAt, opened: float, now: float, ack_wait: float = 4.0) -> DurableInput:
+    """A DurableInput reduced to what ``_chunks_waiting`` reads: one partition taken at ``opened``."""
+    judge = DurableInput.__new__(DurableInput)
+    judge.scheme = PartitionScheme(Subjects(), 1)
+    judge._jsm, judge.chunks_stream = stores, CHUNKS_STREAM
+    judge._partitions = {0: SimpleNamespace(opened=opened, consumer="c0")}
+    judge.settings = SimpleNamespace(ack_wait=ack_wait)
+    judge._clock = lambda: now
+    judge.stats = SimpleNamespace(chunks_undeliverable_seen=0)
+    judge.pipeline = SimpleNamespace(limited=SimpleNamespace(log=lambda *a, **k: None))
+    return judge
+
+
+async def test_what_a_migrate_waits_for_chunks_to_come_back_is_named_and_bounded_where_it_can_be():
+    held = await waiting_judge(StoresAt(10, 10), opened=100.0, now=101.5)._chunks_waiting("r")
+    assert held is not None and held.retry_after == pytest.approx(4.0 + REDELIVERY_SLACK - 1.5)
+    assert "previous owner" in held.why
+    # Past the hold, a chunk the consumer never delivered (a backlog) still comes, with no bound on when.
+    backlog = await waiting_judge(StoresAt(10, 5), opened=100.0, now=200.0)._chunks_waiting("r")
+    assert backlog is not None and backlog.retry_after is None and "backlog" in backlog.why, backlog
+    # Past the hold, a delivered one still there reached max_deliver: it never comes.
+    judge = waiting_judge(StoresAt(10, 10), opened=100.0, now=200.0)
+    assert await judge._chunks_waiting("r") is None and judge.stats.chunks_undeliverable_seen == 1
 
 
 @pytest.mark.parametrize("storage", ["file", "memory"])

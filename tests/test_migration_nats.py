@@ -361,6 +361,41 @@ async def test_a_persistent_unavailable_ends_the_migrate_with_that_error_at_the_
     assert {(r.expected_attempt, r.id) for r in responder.requests} == {(0, responder.requests[0].id)}
 
 
+async def test_the_migrator_asks_again_when_the_processor_said_it_would_answer(client):
+    """Unavailable with ``retry_after`` counting down to a moment just before the Migrator's timeout:
+    its back-off (0.25 s) would end past the timeout, so it asks again at the moment the processor
+    named and is sealed; it does not give up early and blame its timeout."""
+    rid = "answers-at-1.92"
+    sealed = Sealed(rid, 1, 0, [], 0, "sglang", {})
+    asked: list[float] = []
+
+    async def answer(msg) -> None:
+        now = time.monotonic()
+        asked.append(now)
+        ready_at = asked[0] + 1.92  # the Migrator's back-off would ask at about 1.84, then give up
+        reply = sealed if now >= ready_at else MigrateError(rid, MigrateErrorCode.UNAVAILABLE, "chunks wait", 0,
+                                                             ready_at - now)
+        await msg.respond(encode_control(reply))
+
+    subjects = Subjects()
+    await client.subscribe(subjects.migrate(rid), cb=answer)
+    await client.flush()
+    got = await Migrator(client, subjects, format="sglang", timeout=2.0).seal(rid, expected_attempt=0)
+    assert got == sealed and asked[-1] - asked[0] < 2.0
+
+
+async def test_a_retry_after_beyond_the_timeout_is_named_in_the_migrators_error(client):
+    rid = "answers-in-a-minute"
+    responder = ControlResponder([MigrateError(rid, MigrateErrorCode.UNAVAILABLE, "chunks wait", 0, 60.0)])
+    subjects = Subjects()
+    await client.subscribe(subjects.migrate(rid), cb=responder.answer)
+    await client.flush()
+    with pytest.raises(MigrationError) as failed:
+        await Migrator(client, subjects, format="sglang", timeout=0.5).seal(rid, expected_attempt=0)
+    assert "the processor needed up to 60 s more" in str(failed.value), str(failed.value)
+    assert "keep the timeout above the processor's ack_wait" in str(failed.value)
+
+
 def test_a_v1_reader_without_retry_after_decodes_an_unavailable_reply_that_carries_it():
     """``retry_after`` was added within protocol v1: a reader built before it (the same Struct
     without the field) must still decode the reply, ignoring it."""

@@ -122,14 +122,16 @@ class Migrator:
             raise MigrationError(reply)
         return reply
 
-    def _too_short(self, reply: MigrateError) -> MigrateError:
-        """The last ``unavailable`` reply, saying so when the processor had asked for longer than this
-        Migrator's ``timeout`` (after a failover it may need up to its ``ack_wait``): a timeout
-        below the processor's ack_wait is a deployment error, not bad luck."""
-        if reply.retry_after is None or reply.retry_after <= 0:
+    def _too_short(self, reply: MigrateError, left: float) -> MigrateError:
+        """The last ``unavailable`` reply, arriving with ``left`` seconds of the timeout to go. When
+        the processor had said it needs longer than that (chunks a killed owner held come back
+        within its ``ack_wait`` of a failover), the error says so: a Migrator timeout below the
+        processor's ack_wait plus a failover is a deployment error, not bad luck."""
+        if reply.retry_after is None or reply.retry_after <= left:
             return reply
-        hint = (f" (the processor expected to answer within {reply.retry_after:g} s more; this Migrator's "
-                f"timeout is {self.timeout:g} s: keep it above the processor's ack_wait)")
+        hint = (f" (the processor needed up to {reply.retry_after:.3g} s more, {left:.3g} s of this Migrator's "
+                f"{self.timeout:g} s timeout were left: keep the timeout above the processor's ack_wait "
+                "plus the time a failover takes)")
         log_event(log, logging.WARNING, "migrate_timeout_too_short", request_id=reply.request_id,
                   timeout=self.timeout, retry_after=reply.retry_after)
         return msgspec.structs.replace(reply, message=reply.message + hint)
@@ -161,10 +163,16 @@ class Migrator:
                     raise
             else:
                 reply = decode_migrate_reply(msg.data)
-                unavailable = isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE
-                if not unavailable:
+                if not (isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE):
                     return reply
-                if deadline - time.monotonic() <= delay:
-                    return self._too_short(reply)  # type: ignore[arg-type]
+                pause = delay
+                if reply.retry_after is not None and reply.retry_after < delay:
+                    pause = max(reply.retry_after, 0.001)  # ask again when the processor expects to answer
+                left = deadline - time.monotonic()
+                if left <= pause:
+                    return self._too_short(reply, left)
+                await anyio.sleep(pause)
+                delay = min(delay * 2, 0.25)
+                continue
             await anyio.sleep(delay)
             delay = min(delay * 2, 0.25)

@@ -36,7 +36,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 import anyio
 import msgspec
@@ -95,6 +95,13 @@ REDELIVERY_SLACK = 1.0
 FENCE_EVERY = 0.02
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
 MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
+
+class Waiting(NamedTuple):
+    """Chunks of a request this instance does not know that can still reach it (a migrate waits)."""
+
+    why: str
+    retry_after: float | None  # the most seconds until they must have come; None: no bound
+
 
 class DurableStats(OutboxStats):
     """Counters of the durable input (merged into ``Processor.snapshot()``); the outbox's are inherited."""
@@ -940,9 +947,7 @@ class DurableInput:
             except UNREACHABLE as exc:
                 return self._unavailable(rid, f"the chunk stream cannot be read: {error_text(exc)}")
             if waiting is not None:
-                return self._unavailable(rid, "chunks of it wait in the chunk stream, not yet handled here (taken "
-                                              "by a previous owner that did not acknowledge them: they come back "
-                                              f"after ack_wait, within {waiting:.1f} s)", retry_after=waiting)
+                return self._unavailable(rid, waiting.why, retry_after=waiting.retry_after)
         missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
         if missing:
             await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
@@ -976,9 +981,9 @@ class DurableInput:
         self._note_sealed(rid)
         return reply
 
-    async def _chunks_waiting(self, rid: str) -> float | None:
-        """Whether a chunk of ``rid`` that this instance does not hold can still be delivered to it:
-        None if not, else the most seconds until it is (the migrate's ``retry_after``).
+    async def _chunks_waiting(self, rid: str) -> Waiting | None:
+        """Whether a chunk of ``rid`` that this instance does not hold can still be delivered to it
+        (None if not), why, and by when at the latest.
 
         With no stored result and no seal record, a request this instance does not know may still have
         chunks a dead owner took and never acknowledged: until they come back, ``unknown`` would be a
@@ -997,15 +1002,17 @@ class DurableInput:
         except NotFoundError:
             return None
         part = self._partitions.get(n)
-        held_until = self.settings.ack_wait + REDELIVERY_SLACK
-        if part is None:
-            return held_until
-        held_until += part.opened - self._clock()
-        if held_until > 0:
-            return held_until
+        held_for = self.settings.ack_wait + REDELIVERY_SLACK
+        if part is not None:
+            held_for += part.opened - self._clock()
+        if held_for > 0:
+            return Waiting("chunks of it wait in the chunk stream, not yet handled here (taken by a previous "
+                           "owner that did not acknowledge them: they come back after ack_wait, within "
+                           f"{held_for:.3g} s)", held_for)
+        assert part is not None
         info = await self._jsm.consumer_info(self.chunks_stream, part.consumer)
-        if stored.seq > info.delivered.stream_seq:
-            return 0.0  # never delivered: the next pull brings it
+        if stored.seq > info.delivered.stream_seq:  # a backlog: no bound on when it is reached
+            return Waiting("chunks of it wait in the chunk stream, not yet delivered here (a backlog)", None)
         self.stats.chunks_undeliverable_seen += 1
         self.pipeline.limited.log(logging.WARNING, "chunks_undeliverable", request_id=rid, stream_seq=stored.seq,
                                   detail="delivered max_deliver times and never acknowledged: kept by the "
