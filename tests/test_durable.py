@@ -268,6 +268,78 @@ async def test_an_existing_results_stream_without_batches_is_used_one_result_at_
     assert "event=result_batches_off" in caplog.text and "allow_batched" in caplog.text
 
 
+async def _requests_of_eight(client, settings, tag: str) -> tuple[list[str], float]:
+    """20 requests of 8 results each, published at once; returns their ids and the seconds until
+    every result is stored (PubAck'd: the chunk stream is empty)."""
+    js = client.jetstream()
+    publisher = ChunkPublisher(client, settings.subjects)
+    before = (await js.stream_info(RESULTS_STREAM)).state.messages
+    rids = [f"{tag}-{i}" for i in range(20)]
+    started = time.monotonic()
+    for rid in rids:
+        await publisher.publish_leg(rid, "agg", [b'{"text": "%s-%d"}' % (rid.encode(), s) for s in range(8)])
+    await wait_until(_stored(js, before + 160), 60, f"{tag}: every result stored")
+    await wait_until(_empty(js), 20, f"{tag}: every chunk acknowledged")
+    return rids, time.monotonic() - started
+
+
+def _in_order(stored, rids: list[str]) -> dict[str, list[int]]:
+    """The requests whose stored results are not seqs 0-7 once each, in order, with their bodies."""
+    want = {rid: [(s, b'{"text": "%s-%d"}' % (rid.encode(), s)) for s in range(8)] for rid in rids}
+    return {rid: [r.seq for r in stored.get(rid, [])] for rid in rids
+            if [(r.seq, r.body) for r in stored.get(rid, [])] != want[rid]}
+
+
+async def test_results_keep_their_pace_when_batches_are_turned_off_on_the_stream_at_runtime(
+        client, nats_url, caplog):
+    """An operator turns ``allow_batched`` off while the processor runs: nats-server refuses every
+    batch whole (10205) and sends no PubAck. That says nothing about the results, so the refused
+    batch's first result is sent again alone at once and results go one at a time for a while;
+    before, every result waited retry_after_refusal (0.5 s) and then formed a new batch that was
+    refused again: 20 requests x 8 results took 5.2 s instead of 0.06."""
+    caplog.set_level(logging.INFO, logger="streamproc")
+    settings = durable_settings(nats_url, max_result_attempts=3)
+    js = client.jetstream()
+    async with Processor(settings) as p:
+        on, _ = await _requests_of_eight(client, settings, "on")
+        assert p.snapshot()["result_batches"] > 0
+        results = (await js.stream_info(RESULTS_STREAM)).config
+        results.allow_batched = False
+        await js.update_stream(results)
+        off, took = await _requests_of_eight(client, settings, "off")
+        snapshot = p.snapshot()
+        stored = await stored_results(js, settings.subjects)
+    assert _in_order(stored, on + off) == {}
+    assert snapshot["results_given_up"] == 0 and snapshot["batch_pauses"] >= 1
+    assert took < 2.0, took
+    assert "event=result_batch_refused" in caplog.text and "one_at_a_time_for=5s" in caplog.text
+
+
+async def test_results_keep_their_pace_while_other_publishers_hold_every_batch_slot(client, nats_url):
+    """Another connection starts 1,000 batches on the results stream and never commits them
+    (nats-server keeps at most 1,000 open per stream; the next start is refused, 10211): the
+    processor's batches are refused whole, and its results still go, one at a time, at once."""
+    settings = durable_settings(nats_url, max_result_attempts=3)
+    js = client.jetstream()
+    async with Processor(settings) as p:
+        inbox = client.new_inbox()
+
+        async def ignore(msg) -> None:
+            pass
+
+        await client.subscribe(inbox + ".>", cb=ignore)  # the rogue batches' flow acks and errors
+        for i in range(1000):
+            await client.publish(settings.subjects.result("rogue"), b"x", reply=f"{inbox}.rogue{i}.3.fail.1.0.$FI")
+        await client.flush()
+        rids, took = await _requests_of_eight(client, settings, "held")
+        snapshot = p.snapshot()
+        await js.purge_stream(RESULTS_STREAM, subject=settings.subjects.result("rogue"))  # not results
+        stored = await stored_results(js, settings.subjects)
+    assert _in_order(stored, rids) == {}
+    assert snapshot["results_given_up"] == 0 and snapshot["batch_pauses"] >= 1
+    assert took < 2.0, took
+
+
 def _empty(js):
     async def check() -> bool:
         return await chunk_stream_messages(js) == 0

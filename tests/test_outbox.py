@@ -843,6 +843,25 @@ def test_a_plain_error_on_a_batchs_commit_ends_it_with_nothing_known_stored():
     assert (again.result.seq, again.batch) == (1, None)
 
 
+def test_a_batch_refused_whole_sends_its_first_result_alone_at_once_and_pauses_batches():
+    """A commit refused as a batch (batches turned off on the stream, no free batch slot) says
+    nothing about the results: the first one leaves again alone at the next send, without waiting
+    ``retry_after_refusal``, and the request's results go one at a time until ``batch_pause`` has
+    passed (each new batch would be refused too); then batches form again."""
+    box = batched_box(batch_pause=5.0)
+    queued(box, "a", 6)
+    bid = box.sending(0.0)[0].batch[0]
+    assert box.on_batch_reply(bid, True, UNKNOWN_BATCH, 0.1) == REFUSED
+    assert box.batch_paused and box.stats.batch_pauses == 1
+    (again,) = box.sending(0.1)
+    assert (again.result.seq, again.batch) == (1, None)
+    assert box.on_puback(again.ticket, STORED_ACK, 0.2) == STORED
+    (single,) = box.sending(0.2)
+    assert (single.result.seq, single.batch) == (2, None)  # paused: one at a time
+    assert box.on_puback(single.ticket, STORED_ACK, 5.2) == STORED
+    assert [(o.result.seq, o.batch[1:]) for o in box.sending(5.2)] == [(3, (3, 1)), (4, (3, 2)), (5, (3, 3))]
+
+
 def test_a_no_responders_reply_to_a_batch_ends_it():
     box = batched_box()
     queued(box, "a", 3)

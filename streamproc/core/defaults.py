@@ -62,6 +62,9 @@ RESULT_BATCH = 64
 # Body bytes a batch carries beyond its first result: a PubAck releases at most this much into the
 # client's write buffer (half of nats-py's 2 MiB pending limit is the FastClient's backlog mark).
 RESULT_BATCH_BYTES = 256 * 1024
+# Seconds results go one at a time after the server refused a whole batch (batches turned off on the
+# results stream at runtime, or its open-batch slots taken): the refusal says nothing about the results.
+RESULT_BATCH_PAUSE = 5.0
 ACK_WAIT = 10.0  # seconds before JetStream redelivers an unacknowledged chunk
 # Durable processor's writes (docs/benchmarks.md, target 4): at least FLUSH_INTERVAL seconds between
 # two writes, acks/NAKs/pulls wait up to ACK_LINGER for a result's write. At 2,000 chunks/s one write

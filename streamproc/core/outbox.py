@@ -64,6 +64,8 @@ class OutboxConfig(msgspec.Struct, frozen=True):
     # Body bytes of a batch beyond its first result: what one PubAck may release into the client's
     # write buffer at once (one result alone is never held back; it left alone before batches too).
     batch_bytes: int = defaults.RESULT_BATCH_BYTES
+    # After a batch refused whole, results go one at a time for this long (then batches are tried again).
+    batch_pause: float = defaults.RESULT_BATCH_PAUSE
 
 
 class OutboxStats(msgspec.Struct):
@@ -79,6 +81,7 @@ class OutboxStats(msgspec.Struct):
     pubacks_overdue: int = 0  # sends of a result whose PubAck did not come in time (then sent again)
     terminated: int = 0  # inputs settled with +TERM (poison messages past max_deliver), not counted in acks
     result_batches: int = 0  # fast batches sent (each with 2 to batch_limit results of one request)
+    batch_pauses: int = 0  # batches refused whole (batches off on the stream, no batch slot): one at a time a while
 
 
 class Nak(msgspec.Struct, frozen=True):
@@ -183,6 +186,8 @@ class Outbox:
         self.last_refused: Result | None = None  # the result of the last refusal (for the shell's log)
         self._overdue: list[Outgoing] = []  # results whose PubAck was overdue at the last tick (for the log)
         self._next = 0
+        self._batches_from = 0.0  # no batch before this time (a batch was refused whole: _refused_whole)
+        self.batch_paused = False  # the last refusal was a batch's as a whole (for the shell's log line)
         self._progress_seen: set[int] = set()
         self._next_progress = 0.0
         # Tokens to terminate instead of acknowledging, by id (kept alive here until settled).
@@ -329,9 +334,7 @@ class Outbox:
         else:  # the commit refused before the batch saw it, or a no-responders status (empty body)
             del self._inflight[ticket]
             self._land(head)
-            # Not charged to the first result: nothing says it failed. Sent alone, it is stored or
-            # refused by itself, so each round stores one result or counts one failure.
-            return self._refuse(head, now, charge=False)
+            return self._refused_whole(head, now)
         del self._inflight[ticket]
         members = self._land(head)
         queue = None
@@ -432,9 +435,9 @@ class Outbox:
         heads = list(send)
         send.clear()
         if budget is not None:
-            heads = self._within(heads, budget)
+            heads = self._within(heads, budget, now)
         inflight = self._inflight
-        limit = self.config.batch_limit
+        limit = self.config.batch_limit if now >= self._batches_from else 1
         queues = self._queues
         out: list[Outgoing] = []
         observe = self.handed_latency.observe
@@ -489,20 +492,36 @@ class Outbox:
 
     # ---------------------------------------------------------------------- inside
 
-    def _refuse(self, o: Outgoing, now: float, charge: bool = True) -> str:
+    def _refuse(self, o: Outgoing, now: float) -> str:
         """``o``, its request's first result not stored, was refused (or its batch stopped at it):
-        sent again alone after ``retry_after_refusal``, or given up after ``max_attempts``
-        refusals (``charge``: this one counts)."""
+        sent again alone after ``retry_after_refusal``, or given up after ``max_attempts`` refusals."""
         self.stats.publish_errors += 1
+        self.batch_paused = False
         self.last_refused = o.result
-        o.failures += charge
-        if charge and o.failures >= self.config.max_attempts:
+        o.failures += 1
+        if o.failures >= self.config.max_attempts:
             self._give_up(o, "refused")
             return GIVEN_UP
         o.due = now + self.config.retry_after_refusal
         o.refused = True
         o.alone = True
         self._inflight[o.ticket] = o  # a late PubAck of an earlier copy still counts
+        return REFUSED
+
+    def _refused_whole(self, head: Outgoing, now: float) -> str:
+        """``head``'s batch ended with nothing known stored, refused as a batch (batches turned off
+        on the stream, all its open-batch slots taken, a batch id it no longer knows). That says
+        nothing about the results: not charged, ``head`` is sent again alone at once, and results
+        go one at a time for ``batch_pause`` (a refusal and a wait per result until a restart made
+        a stream whose batches were turned off at runtime ~90x slower). Sent alone, ``head`` is
+        stored or refused by itself, so each round stores one result or counts one failure."""
+        self.stats.publish_errors += 1
+        self.stats.batch_pauses += 1
+        self.last_refused = head.result
+        self._batches_from = now + self.config.batch_pause
+        self.batch_paused = True
+        head.alone = True
+        self.ready.append(head)
         return REFUSED
 
     def _stored(self, o: Outgoing, now: float) -> list[Outgoing] | None:
@@ -528,11 +547,11 @@ class Outbox:
         del self._queues[rid]
         return None
 
-    def _within(self, heads: list[Outgoing], budget: int) -> list[Outgoing]:
+    def _within(self, heads: list[Outgoing], budget: int, now: float) -> list[Outgoing]:
         """The first ``heads`` whose sends fit ``budget`` bytes on the wire (at least one); the
         others go back to :attr:`ready`, in order. A batch's size is counted as :meth:`sending`
         will make it, each result as :func:`wire_size` estimates it."""
-        limit = self.config.batch_limit
+        limit = self.config.batch_limit if now >= self._batches_from else 1
         queues = self._queues
         for n, o in enumerate(heads):
             if budget <= 0 and n:

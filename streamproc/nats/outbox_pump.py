@@ -292,14 +292,21 @@ class OutboxPump:
         await self.pump()
 
     def _refused(self, headers: dict[str, str] | None, data: bytes) -> None:
-        errors = self.outbox.stats.publish_errors
+        outbox = self.outbox
+        errors = outbox.stats.publish_errors
         if errors & (errors - 1) == 0:  # log at powers of two
-            result = self.outbox.last_refused
+            result = outbox.last_refused
             status = (headers or {}).get("Status", "")
+            if outbox.batch_paused:  # the batch as a whole, not its result: sent again alone at once
+                log_event(log, logging.WARNING, "result_batch_refused",
+                          request_id=result.request_id if result is not None else "-", status=status,
+                          detail=data[:200].decode(errors="replace"),
+                          one_at_a_time_for=f"{outbox.config.batch_pause:g}s", errors_total=errors)
+                return
             log_event(log, logging.WARNING, "result_not_stored",
                       request_id=result.request_id if result is not None else "-", status=status,
                       detail=data[:200].decode(errors="replace"),
-                      retry_in=f"{self.outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
+                      retry_in=f"{outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
 
     def _send_failed(self, o: Outgoing, exc: Exception) -> None:
         """A publish that did not leave: sent again at the next tick, unless it never can (a result
