@@ -472,6 +472,20 @@ async def ask_migrate(client, subjects: Subjects, rid: str, **request: object):
     return decode_migrate_reply(msg.data)
 
 
+async def three_chunks_held_by_a_dead_owner(client, start_processor, seed: int, rid: str):
+    """An aggregated sglang request whose worker died after three chunks, taken by an owner that died
+    before acknowledging them (they come back after ack_wait 4 s). Returns (truth, pool, settings)."""
+    truth = make_truth(seed, request_id=rid, prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), "sglang", truth, pd=False)
+    settings = dict(format="sglang", mode="durable", partitions=1, ack_wait=4.0)
+    async with start_processor("in-process", **settings):
+        pass  # the chunk stream and the partition's durable consumer
+    [(role, bodies)] = pool.legs(0)
+    await pool.publish(role, bodies, 0, stop=3)  # the worker dies after three chunks
+    assert len(await dead_owner_takes(client, 3)) == 3
+    return truth, pool, settings
+
+
 async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored(client, start_processor):
     """The owner took the lost worker's chunks and died before it stored a result: the chunks stay
     unacknowledged at the partition's consumer until ``ack_wait``, and the next owner has neither a
@@ -481,15 +495,8 @@ async def test_a_migrate_waits_for_the_chunks_a_dead_owner_took_and_never_stored
     chunk stream; the Migrator's retry is sealed once they are redelivered and handled, and the
     client reads one stream."""
     fmt = "sglang"
-    truth = make_truth(82, request_id="held-by-the-dead", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    truth, pool, settings = await three_chunks_held_by_a_dead_owner(client, start_processor, 82, "held-by-the-dead")
     rid = truth.request_id
-    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
-    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=4.0)
-    async with start_processor("in-process", **settings):
-        pass  # the chunk stream and the partition's durable consumer
-    [(role, bodies)] = pool.legs(0)
-    await pool.publish(role, bodies, 0, stop=3)  # the worker dies after three chunks
-    assert len(await dead_owner_takes(client, 3)) == 3
     async with start_processor("in-process", **settings) as rp:
         await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
         owned = time.monotonic()  # the partition was opened before this
@@ -513,15 +520,8 @@ async def test_a_migrator_whose_timeout_is_below_the_processors_ack_wait_is_told
     """The same dead owner, and a Migrator with a 0.5 s timeout against an ack_wait of 4 s: it cannot
     outlast the hold, and its error says why and what to change, not only "unavailable"."""
     fmt = "sglang"
-    truth = make_truth(85, request_id="migrator-too-hasty", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    truth, pool, settings = await three_chunks_held_by_a_dead_owner(client, start_processor, 85, "migrator-too-hasty")
     rid = truth.request_id
-    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
-    settings = dict(format=fmt, mode="durable", partitions=1, ack_wait=4.0)
-    async with start_processor("in-process", **settings):
-        pass
-    [(role, bodies)] = pool.legs(0)
-    await pool.publish(role, bodies, 0, stop=3)
-    assert len(await dead_owner_takes(client, 3)) == 3
     async with start_processor("in-process", **settings) as rp:
         await wait_until(lambda: rp.processor.input.owns(rid), 15, "the request's partition owned")
         with pytest.raises(MigrationError) as hasty:
