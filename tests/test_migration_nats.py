@@ -396,6 +396,27 @@ async def test_a_retry_after_beyond_the_timeout_is_named_in_the_migrators_error(
     assert "keep the timeout above the processor's ack_wait" in str(failed.value)
 
 
+async def test_a_negative_retry_after_is_an_error_not_a_busy_retry_loop(client):
+    """Whatever answers on the migrate subject may be hostile: a negative ``retry_after`` would make
+    the Migrator ask again at once, over and over until its timeout. The reply is refused as
+    malformed instead, at its first arrival."""
+    rid = "hostile-retry-after"
+    answered = 0
+
+    async def answer(msg) -> None:
+        nonlocal answered
+        answered += 1
+        await msg.respond(b'{"status":"error","request_id":"%s","code":"unavailable","message":"m",'
+                          b'"retry_after":-1}' % rid.encode())
+
+    subjects = Subjects()
+    await client.subscribe(subjects.migrate(rid), cb=answer)
+    await client.flush()
+    with pytest.raises(msgspec.ValidationError, match="retry_after"):
+        await Migrator(client, subjects, format="sglang", timeout=2.0).seal(rid, expected_attempt=0)
+    assert answered == 1
+
+
 def test_a_v1_reader_without_retry_after_decodes_an_unavailable_reply_that_carries_it():
     """``retry_after`` was added within protocol v1: a reader built before it (the same Struct
     without the field) must still decode the reply, ignoring it."""

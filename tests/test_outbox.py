@@ -22,6 +22,7 @@ from streamproc.core.events import Notice, Result, Role, Settle
 from streamproc.core.latency import LatencyHistogram
 from streamproc.core.outbox import (
     ACK,
+    BATCH_REFUSED,
     DUPLICATE,
     GIVEN_UP,
     NAK,
@@ -313,7 +314,7 @@ class World:
         if isinstance(ticket, tuple):
             batch, size, index = ticket
             outcome = self.outbox.on_batch_reply(batch, index == size, data, self.now)
-            assert outcome in (STORED, REFUSED, GIVEN_UP, UNMATCHED, PENDING)
+            assert outcome in (STORED, REFUSED, BATCH_REFUSED, GIVEN_UP, UNMATCHED, PENDING)
         else:
             outcome = self.outbox.on_puback(ticket, data, self.now)
             assert outcome == GIVEN_UP or outcome == UNMATCHED or outcome == classify(data)
@@ -836,7 +837,7 @@ def test_a_plain_error_on_a_batchs_commit_ends_it_with_nothing_known_stored():
     batch = box.sending(0.0)
     bid = batch[0].batch[0]
     assert box.on_batch_reply(bid, False, TOO_LARGE, 0.1) == PENDING
-    assert box.on_batch_reply(bid, True, UNKNOWN_BATCH, 0.1) == REFUSED
+    assert box.on_batch_reply(bid, True, UNKNOWN_BATCH, 0.1) == BATCH_REFUSED
     assert box.control() == [] and box.pending == 3
     box.tick(1.0)
     (again,) = box.sending(1.0)
@@ -851,8 +852,8 @@ def test_a_batch_refused_whole_sends_its_first_result_alone_at_once_and_pauses_b
     box = batched_box(batch_pause=5.0)
     queued(box, "a", 6)
     bid = box.sending(0.0)[0].batch[0]
-    assert box.on_batch_reply(bid, True, UNKNOWN_BATCH, 0.1) == REFUSED
-    assert box.batch_paused and box.stats.batch_pauses == 1
+    assert box.on_batch_reply(bid, True, UNKNOWN_BATCH, 0.1) == BATCH_REFUSED
+    assert box.stats.batch_pauses == 1
     (again,) = box.sending(0.1)
     assert (again.result.seq, again.batch) == (1, None)
     assert box.on_puback(again.ticket, STORED_ACK, 0.2) == STORED
@@ -866,7 +867,7 @@ def test_a_no_responders_reply_to_a_batch_ends_it():
     box = batched_box()
     queued(box, "a", 3)
     bid = box.sending(0.0)[0].batch[0]
-    assert box.on_batch_reply(bid, False, NO_RESPONDERS, 0.1) == REFUSED
+    assert box.on_batch_reply(bid, False, NO_RESPONDERS, 0.1) == BATCH_REFUSED
 
 
 def test_an_overdue_batch_is_sent_again_under_a_new_batch_id_and_the_old_ones_puback_is_ignored():

@@ -55,6 +55,8 @@ __all__ = ["MigrationError", "MigrationRefused", "Migrator", "Resumed", "publish
 
 log = logging.getLogger("streamproc.migration")
 
+MIN_PAUSE = 0.01  # seconds between two tries at least (the back-off's first step; a retry_after below it)
+
 
 class Resumed(msgspec.Struct, frozen=True):
     """A resumed request, ready for a worker."""
@@ -152,9 +154,10 @@ class Migrator:
         ``unavailable`` reply) when ``timeout`` runs out.
         """
         deadline = time.monotonic() + self.timeout
-        delay = 0.01
+        delay = MIN_PAUSE
         while True:
             remaining = deadline - time.monotonic()
+            pause = delay
             try:
                 msg = await self.nc.request(self.subjects.migrate(request_id), encode_control(message),
                                             timeout=max(min(remaining, self.attempt_timeout), 0.001))
@@ -165,14 +168,10 @@ class Migrator:
                 reply = decode_migrate_reply(msg.data)
                 if not (isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE):
                     return reply
-                pause = delay
                 if reply.retry_after is not None and reply.retry_after < delay:
-                    pause = max(reply.retry_after, 0.001)  # ask again when the processor expects to answer
+                    pause = max(reply.retry_after, MIN_PAUSE)  # ask again when the processor expects to answer
                 left = deadline - time.monotonic()
                 if left <= pause:
                     return self._too_short(reply, left)
-                await anyio.sleep(pause)
-                delay = min(delay * 2, 0.25)
-                continue
-            await anyio.sleep(delay)
+            await anyio.sleep(pause)
             delay = min(delay * 2, 0.25)

@@ -10,7 +10,7 @@ to nothing, :class:`Notice` for the log); the control plane exchanges :class:`Mi
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -139,7 +139,7 @@ class MigrateError(msgspec.Struct, frozen=True, tag="error", tag_field="status")
     attempt: int | None = None  # the current attempt, when the request is known
     # ``unavailable`` only: the most seconds until the processor can answer (chunks a killed owner
     # held come back within ack_wait of the partition's hand-over); None when it cannot say.
-    retry_after: float | None = None
+    retry_after: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
 
 MigrateReply = Sealed | MigrateError

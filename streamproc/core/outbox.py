@@ -45,7 +45,7 @@ from .wire import FINAL, SEQ
 
 __all__ = [
     "ACK", "NAK", "PROGRESS", "TERM", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
-    "STORED", "DUPLICATE", "REFUSED", "GIVEN_UP", "UNMATCHED", "PENDING",
+    "STORED", "DUPLICATE", "REFUSED", "BATCH_REFUSED", "GIVEN_UP", "UNMATCHED", "PENDING",
     "classify", "delivery_count", "in_turn", "needs_lookup", "resume_point", "wire_size",
 ]
 
@@ -100,6 +100,7 @@ Action = str | Nak
 STORED = "stored"
 DUPLICATE = "duplicate"
 REFUSED = "refused"  # will be sent again
+BATCH_REFUSED = "batch_refused"  # a batch refused as a whole: its first result leaves again alone at once
 GIVEN_UP = "given_up"  # see given_up()
 UNMATCHED = "unmatched"  # not a ticket in flight (a late copy, an abandoned request)
 PENDING = "pending"  # a reply inside a fast batch that changes nothing (a flow ack, an error before its PubAck)
@@ -187,7 +188,6 @@ class Outbox:
         self._overdue: list[Outgoing] = []  # results whose PubAck was overdue at the last tick (for the log)
         self._next = 0
         self._batches_from = 0.0  # no batch before this time (a batch was refused whole: _refused_whole)
-        self.batch_paused = False  # the last refusal was a batch's as a whole (for the shell's log line)
         self._progress_seen: set[int] = set()
         self._next_progress = 0.0
         # Tokens to terminate instead of acknowledging, by id (kept alive here until settled).
@@ -321,8 +321,9 @@ class Outbox:
         results are stored and the first one after them was not. Flow acks, a refusal inside the
         batch (``"type":"err"``) and a gap (``"type":"gap"``) come before that PubAck and change
         nothing. A plain error (the message was refused before the batch saw it, or there is no
-        stream) on the commit means no PubAck will come: the batch ends with nothing known stored.
-        Whatever was not stored is sent again, its first result alone, as a refused result is.
+        stream) on the commit means no PubAck will come: the batch ends with nothing known stored
+        (``BATCH_REFUSED``, :meth:`_refused_whole`). Whatever was not stored is sent again, its first
+        result alone.
         """
         head = self._inflight.get(ticket)
         if head is None or head.flight != ticket:
@@ -437,7 +438,7 @@ class Outbox:
         if budget is not None:
             heads = self._within(heads, budget, now)
         inflight = self._inflight
-        limit = self.config.batch_limit if now >= self._batches_from else 1
+        limit = self._batch_limit(now)
         queues = self._queues
         out: list[Outgoing] = []
         observe = self.handed_latency.observe
@@ -496,7 +497,6 @@ class Outbox:
         """``o``, its request's first result not stored, was refused (or its batch stopped at it):
         sent again alone after ``retry_after_refusal``, or given up after ``max_attempts`` refusals."""
         self.stats.publish_errors += 1
-        self.batch_paused = False
         self.last_refused = o.result
         o.failures += 1
         if o.failures >= self.config.max_attempts:
@@ -519,10 +519,9 @@ class Outbox:
         self.stats.batch_pauses += 1
         self.last_refused = head.result
         self._batches_from = now + self.config.batch_pause
-        self.batch_paused = True
         head.alone = True
         self.ready.append(head)
-        return REFUSED
+        return BATCH_REFUSED
 
     def _stored(self, o: Outgoing, now: float) -> list[Outgoing] | None:
         """``o``, its request's first result not stored, is stored: release its tokens and take it
@@ -551,7 +550,7 @@ class Outbox:
         """The first ``heads`` whose sends fit ``budget`` bytes on the wire (at least one); the
         others go back to :attr:`ready`, in order. A batch's size is counted as :meth:`sending`
         will make it, each result as :func:`wire_size` estimates it."""
-        limit = self.config.batch_limit if now >= self._batches_from else 1
+        limit = self._batch_limit(now)
         queues = self._queues
         for n, o in enumerate(heads):
             if budget <= 0 and n:
@@ -561,6 +560,10 @@ class Outbox:
             for m in members or (o,):
                 budget -= wire_size(m.result)
         return heads
+
+    def _batch_limit(self, now: float) -> int:
+        """``batch_limit``, or 1 while batches pause after one was refused whole (:meth:`_refused_whole`)."""
+        return self.config.batch_limit if now >= self._batches_from else 1
 
     def _batch_of(self, queue: list[Outgoing], limit: int) -> list[Outgoing] | None:
         """The first results of ``queue`` that go in one batch (within ``batch_limit`` and

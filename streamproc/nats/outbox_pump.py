@@ -21,7 +21,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..core.events import Decision, Notice
-from ..core.outbox import ACK, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing, in_turn
+from ..core.outbox import (ACK, BATCH_REFUSED, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing,
+                           in_turn)
 from ..core.wire import result_block, result_headers
 from ..logs import LogLimiter, error_text, log_event
 from .fast_client import encode_header_block
@@ -281,8 +282,8 @@ class OutboxPump:
             outcome = self.outbox.on_batch_reply(tokens[0], commit, data, self._clock())
         else:
             outcome = self.outbox.on_puback(ticket, data, self._clock())
-        if outcome is REFUSED:
-            self._refused(headers, data)
+        if outcome is REFUSED or outcome is BATCH_REFUSED:
+            self._refused(headers, data, whole=outcome is BATCH_REFUSED)
         elif outcome is GIVEN_UP:
             for g in self.outbox.given_up():
                 self._given_up(g)
@@ -291,13 +292,14 @@ class OutboxPump:
         self._settle_reply(msg.subject, msg.headers, msg.data)
         await self.pump()
 
-    def _refused(self, headers: dict[str, str] | None, data: bytes) -> None:
+    def _refused(self, headers: dict[str, str] | None, data: bytes, whole: bool) -> None:
+        """Log a refusal (at powers of two); ``whole``: a batch's as a whole, not its result's."""
         outbox = self.outbox
         errors = outbox.stats.publish_errors
         if errors & (errors - 1) == 0:  # log at powers of two
             result = outbox.last_refused
             status = (headers or {}).get("Status", "")
-            if outbox.batch_paused:  # the batch as a whole, not its result: sent again alone at once
+            if whole:  # its first result is sent again alone at once
                 log_event(log, logging.WARNING, "result_batch_refused",
                           request_id=result.request_id if result is not None else "-", status=status,
                           detail=data[:200].decode(errors="replace"),
