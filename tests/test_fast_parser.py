@@ -160,8 +160,9 @@ def _state(parser: Parser) -> tuple:
             dict(parser.msg_arg) if waiting else None)
 
 
-async def _feed(parser_class: type, reads: list[bytes], reset_on_pong: bool) -> tuple[list, list]:
-    nc = _Recorder(reset_on_pong)
+async def _feed(parser_class: type, reads: list[bytes], reset_on_pong: bool,
+                nc: _Recorder | None = None) -> tuple[list, list]:
+    nc = nc if nc is not None else _Recorder(reset_on_pong)
     parser = nc.parser = parser_class(nc)
     states = []
     for read in reads:
@@ -201,6 +202,75 @@ def test_random_frames_cut_anywhere_give_the_stock_parsers_calls_errors_and_stat
     fast = asyncio.run(_feed(FastParser, reads, reset_on_pong))
     stock = asyncio.run(_feed(Parser, reads, reset_on_pong))
     assert fast == stock
+
+
+class _NoResetOnError(_Recorder):
+    """A recorder whose error callback never resets the parser: nats-py's does not (a reset comes
+    with a reconnect, whose read loop is a new task), and an eagerly reported error runs in a task
+    of its own (eager_reads.py), not inside the parse it came from."""
+
+    async def _error_cb(self, err) -> None:
+        self.calls.append(("error_cb", err))
+
+
+async def _feed_eagerly(reads: list[bytes], reset_on_pong: bool) -> tuple[list, list]:
+    """What EagerReads does with each read: ``parse_now`` when the parser is between frames (the
+    read loop parked, nothing buffered), the error callbacks it reports, then the read loop's
+    ``parse`` of the rest it hands back; ``parse`` alone otherwise."""
+    nc = _NoResetOnError(reset_on_pong)
+    parser = nc.parser = FastParser(nc)
+    states = []
+    for read in reads:
+        try:
+            if not parser.buf and parser.state == 1:
+                reported: list = []
+                rest = parser.parse_now(read, reported.append)
+                for err in reported:  # its task runs before the read loop wakes up for the rest
+                    await nc._error_cb(err)
+                if rest:
+                    await parser.parse(rest)
+            else:
+                await parser.parse(read)
+        except Exception as exc:  # noqa: BLE001  (set on the reader: the read loop stops at the first)
+            nc.calls.append(("raised", type(exc).__name__, str(exc)))
+            states.append(_state(parser))
+            break
+        states.append(_state(parser))
+    return nc.calls, states
+
+
+@settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_stream, st.lists(st.integers(0, 2**31), max_size=12), st.booleans())
+def test_frames_handed_over_eagerly_give_the_stock_parsers_calls_errors_and_state(frames, points, reset_on_pong):
+    """parse_now stops at the first frame that needs an await and hands back the bytes from it, the
+    parser as before that frame: with the read loop parsing those, every call, error and state after
+    each read is the stock parser's."""
+    reads = _cuts(b"".join(frames), points)
+    eager = asyncio.run(_feed_eagerly(reads, reset_on_pong))
+    nc = _NoResetOnError(reset_on_pong)
+    stock = asyncio.run(_feed(Parser, reads, reset_on_pong, nc))
+    assert eager == stock
+
+
+def test_parse_now_hands_back_the_frame_that_needs_an_await_and_keeps_an_unfinished_one():
+    calls: list = []
+
+    class Client:
+        def _msg_now(self, sid, subject, reply, payload, hdr):
+            calls.append((sid, payload))
+            return LATER if sid == 5 else ("slow", sid) if sid == 7 else None
+
+    parser = FastParser(Client())
+    later = b"MSG a 5 1\r\nb\r\nMSG a 1 1\r\nc\r\n"
+    assert parser.parse_now(b"MSG a 1 1\r\na\r\n" + later, calls.append) == later
+    assert calls == [(1, b"a"), (5, b"b")] and parser.state == 1 and not parser.buf  # 5 declined: nothing done
+    calls.clear()
+    assert parser.parse_now(b"MSG a 7 1\r\nx\r\nPING\r\n", calls.append) == b"PING\r\n"
+    assert calls == [(7, b"x"), ("slow", 7)]  # taken, reported, then the rest is the read loop's
+    assert parser.parse_now(b"PING\r\nMSG a 1 1\r\nc\r\n", calls.append) == b"PING\r\nMSG a 1 1\r\nc\r\n"
+    assert parser.parse_now(b"INFO {}\r\n", calls.append) == b"INFO {}\r\n"
+    assert parser.parse_now(b"MSG a 1 5\r\nab", calls.append) == b""  # unfinished: kept, as parse keeps it
+    assert parser.state == 2 and bytes(parser.buf) == b"ab" and parser.needed == 5
 
 
 @pytest.mark.parametrize("data", [

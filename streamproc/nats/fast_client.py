@@ -34,6 +34,9 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   tracking; the edge reads a JetStream results stream that way); what it declines (other
   JetStream messages, old-style requests, unknown sids, inline status lines) is awaited through
   ``_process_msg``, and every other frame goes to nats-py's own ``Parser``.
+- **Eager reads**: each connection's read loop first puts :class:`~streamproc.nats.eager_reads.EagerReads`
+  in front of the socket's protocol: a read that arrives while the loop waits for it is parsed in
+  the socket's callback, without the task's wake-up (:data:`STOCK_READS_ENV` turns it off).
 
 The wire bytes and errors are pinned against stock nats-py on random headers
 (tests/test_fast_client.py), the parser's calls, errors and state against nats-py's ``Parser`` on
@@ -59,6 +62,8 @@ from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
+from . import eager_reads
+from .eager_reads import EagerReads
 from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
 
@@ -69,6 +74,9 @@ SUPPORTED_NATS_PY = ((2, 16), (2, 17))
 # Set (non-empty) to use the stock-path RobustClient on any nats-py: how CI, which runs the newest
 # nats-py, runs the processor and the edge as they run on a release outside SUPPORTED_NATS_PY.
 STOCK_CLIENT_ENV = "STOCK_NATS_PY"  # not STREAMPROC_*: no setting reads it (the CLI warns of those)
+# Set (non-empty) to read through nats-py's read loop only, without eager reads (eager_reads.py):
+# for benchmarks that measure them, and a way back should a future Python's asyncio differ.
+STOCK_READS_ENV = "STOCK_NATS_READS"
 
 _CRLF = b"\r\n"
 # Bytes asyncio's socket transport asks recv() for (its max_size, 256 KiB): glibc's malloc serves a
@@ -124,6 +132,11 @@ def fast_path_support(version: str | None = None) -> tuple[bool, str]:
     if wrong:
         return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
     return True, f"nats-py {version}"
+
+
+def eager_reads_wanted() -> bool:
+    """Eager reads are on unless :data:`STOCK_READS_ENV` is set (read at each connection)."""
+    return not os.environ.get(STOCK_READS_ENV)
 
 
 def _name(name: bytes) -> Any:
@@ -296,6 +309,18 @@ class FastClient(RobustClient):
                 log_event(log, logging.WARNING, "nats_fast_parser_disabled", reason=_parser_ok[1])
         if _parser_ok[0]:
             self._ps = FastParser(self)
+
+    eager: EagerReads | None = None  # the current connection's (eager_reads.py), None on the stock path
+
+    async def _read_loop(self) -> None:
+        """nats-py's read loop, with the connection's reads handed over as they arrive while it
+        waits for them (eager_reads.py); started anew on each connection, after its handshake."""
+        eager = self.eager = eager_reads.install(self) if eager_reads_wanted() else None
+        try:
+            await super()._read_loop()
+        finally:
+            if eager is not None:
+                eager.active = False  # a later read loop (a reconnect) has a new transport and its own
 
     def _msg_now(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> Any:
         """``_process_msg`` without a coroutine, for :class:`FastParser`: None when done, a

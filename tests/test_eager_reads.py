@@ -1,0 +1,212 @@
+"""Eager reads (streamproc/nats/eager_reads.py): a read that arrives while nats-py's read loop waits
+for it is handed over in the socket's callback, over real nats-servers (plain, TLS, restarted).
+
+The frame-level law (the same calls, errors and parser state as the stock parser, whatever the
+reads) is pinned in tests/test_fast_parser.py; here: that the path is taken, keeps order with what
+goes through the read loop, reports slow consumers, passes exceptions on, and can be turned off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+import pytest
+from helpers import wait_until
+from nats.aio.client import Client
+
+from streamproc.nats import fast_client
+from streamproc.nats.eager_reads import EagerReads
+from streamproc.nats.fast_client import STOCK_READS_ENV, FastClient
+from streamproc.sim.embedded import EmbeddedNats
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+
+async def _connect(url: str, **options) -> FastClient:
+    nc = FastClient()
+    await nc.connect(servers=[url], **options)
+    return nc
+
+
+async def _paced(nc: Client, subject: str, count: int, headers: dict[str, str] | None = None) -> None:
+    """One message per socket read on the other side: each one flushed, then a pause."""
+    for i in range(count):
+        await nc.publish(subject, b"%d" % i, headers=headers)
+        await nc.flush()
+        await asyncio.sleep(0.002)
+
+
+def _inline_recorder(nc: FastClient, sub, seen: list) -> None:
+    def handler(subject, reply, headers, data) -> bool:
+        seen.append((data, asyncio.current_task()))
+        return True
+    nc.deliver_inline(sub, handler)
+
+
+async def _received_paced(reader: FastClient, writer: Client, subject: str, count: int,
+                          headers: dict[str, str] | None = None) -> list:
+    """``count`` messages published one per read to ``subject``, as ``reader``'s inline handler saw
+    them: (data, the task it ran in: None in the socket's callback), in publish order."""
+    sub = await reader.subscribe(subject)
+    seen: list = []
+    _inline_recorder(reader, sub, seen)
+    await reader.flush()
+    await _paced(writer, subject, count, headers)
+    await wait_until(lambda: len(seen) == count, 10, f"{count} messages on {subject}")
+    assert [data for data, _ in seen] == [b"%d" % i for i in range(count)]
+    return seen
+
+
+async def test_a_message_arriving_while_the_read_loop_waits_is_handed_over_in_the_socket_callback(nats_url):
+    reader, writer = await _connect(nats_url), await _connect(nats_url)
+    try:
+        seen = await _received_paced(reader, writer, "e.1", 50, {"Streamproc-Seq": "1"})
+        eager = reader.eager
+        assert type(eager) is EagerReads and eager.active
+        # No task: the handler ran in data_received, not in the read loop (all but a few of them)
+        assert sum(task is None for _, task in seen) >= 40 and eager.eager >= 40
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_frames_that_need_the_read_loop_keep_their_order_with_the_ones_handed_over(nats_url):
+    """JetStream messages of a plain push consumer, PONGs and plain messages in one stream of
+    reads: the plain ones may be handed over eagerly, the rest wait for the read loop; every
+    message still arrives once, in publish order."""
+    from nats.js.api import StreamConfig
+
+    reader, writer = await _connect(nats_url), await _connect(nats_url)
+    try:
+        await writer.jetstream().add_stream(StreamConfig(name="EAGER", subjects=["js.>"]))
+        order: list[str] = []
+        plain = await reader.subscribe("p.>")
+        _inline = []
+        _inline_recorder(reader, plain, _inline)
+        js_sub = await reader.jetstream().subscribe("js.>", ordered_consumer=True)
+        await reader.flush()
+        for i in range(40):
+            if i % 3 == 0:
+                await writer.jetstream().publish("js.x", b"j%d" % i)
+            else:
+                await writer.publish("p.x", b"p%d" % i)
+                await writer.flush()
+            if i % 5 == 0:
+                await reader.flush()  # a PING from the reader, whose PONG the read loop must take
+            await asyncio.sleep(0.002)
+        js_msgs = [await asyncio.wait_for(js_sub.next_msg(), 10) for _ in range(14)]
+        await wait_until(lambda: len(_inline) == 26, 10, "26 plain messages")
+        order = [m.data for m in js_msgs]
+        assert order == [b"j%d" % i for i in range(0, 40, 3)]
+        assert [data for data, _ in _inline] == [b"p%d" % i for i in range(40) if i % 3]
+        assert reader.eager is not None and reader.eager.eager > 0 and reader.eager.fed > 0
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_slow_consumer_drops_are_reported_once_each_as_on_the_stock_path(nats_url, monkeypatch):
+    """A subscription nobody reads, limited to 2 pending messages: each drop past that reaches the
+    error callback once, with reads handed over eagerly as without them."""
+    counts = {}
+    for mode in ("eager", "stock"):
+        if mode == "stock":
+            monkeypatch.setenv(STOCK_READS_ENV, "1")
+        errors: list = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append((type(exc).__name__, exc.sid))
+
+        reader, writer = await _connect(nats_url, error_cb=on_error), await _connect(nats_url)
+        try:
+            sub = await reader.subscribe(f"s.{mode}", pending_msgs_limit=2)
+            await reader.flush()
+            await _paced(writer, f"s.{mode}", 8)
+            await wait_until(lambda: len(errors) == 6, 10, f"6 slow-consumer reports ({mode})")
+            await asyncio.sleep(0.1)
+            counts[mode] = (errors, sub._pending_queue.qsize())
+            assert (reader.eager is not None) == (mode == "eager")
+            if mode == "eager":
+                assert reader.eager.eager >= 6
+        finally:
+            await reader.close()
+            await writer.close()
+    assert [name for name, _ in counts["eager"][0]] == ["SlowConsumerError"] * 6
+    assert len(counts["eager"][0]) == len(counts["stock"][0]) and counts["eager"][1] == counts["stock"][1] == 2
+
+
+async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse_does(nats_url, monkeypatch):
+    """nats-py's read loop stops at an exception from ``parse``; one raised while a read is handed
+    over eagerly is set on the reader, so the read loop meets it there and stops the same way."""
+    for mode in ("eager", "stock"):
+        if mode == "stock":
+            monkeypatch.setenv(STOCK_READS_ENV, "1")
+        reader, writer = await _connect(nats_url), await _connect(nats_url)
+        try:
+            await reader.subscribe("x.>")
+            await reader.flush()
+            took = reader._msg_now
+
+            def broken(sid, subject, reply, data, headers):
+                if data == b"boom":
+                    raise RuntimeError("handler bug")
+                return took(sid, subject, reply, data, headers)
+
+            monkeypatch.setattr(reader, "_msg_now", broken)
+            await writer.publish("x.1", b"boom")
+            await writer.flush()
+            await wait_until(lambda: reader._reading_task.done(), 10, f"the read loop stopped ({mode})")
+            assert reader._reading_task.exception() is None  # it broke out of its loop, as nats-py's does
+            await asyncio.sleep(0.3)  # not a lost connection (the transport's fatal error): no reconnect
+            assert reader.stats["reconnects"] == 0 and not reader.is_reconnecting
+        finally:
+            monkeypatch.undo()
+            await reader.close()
+            await writer.close()
+
+
+async def test_with_STOCK_NATS_READS_set_every_read_goes_through_the_read_loop(nats_url, monkeypatch):
+    monkeypatch.setenv(STOCK_READS_ENV, "1")
+    reader, writer = await _connect(nats_url), await _connect(nats_url)
+    try:
+        seen = await _received_paced(reader, writer, "e.1", 10)
+        assert reader.eager is None and all(task is reader._reading_task for _, task in seen)
+        assert not fast_client.eager_reads_wanted()
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_over_tls_reads_are_handed_over_eagerly_too(tmp_path):
+    from nats_auth import Certificates
+
+    certs = Certificates(tmp_path)
+    with EmbeddedNats(jetstream=False, config=certs.tls_block(verify=False)) as server:
+        context = ssl.create_default_context(cafile=str(certs.ca))
+        reader, writer = await _connect(server.url, tls=context), await _connect(server.url, tls=context)
+        try:
+            await _received_paced(reader, writer, "t.1", 30)
+            assert reader.eager is not None and reader.eager.eager >= 20
+        finally:
+            await reader.close()
+            await writer.close()
+
+
+async def test_after_a_server_restart_the_new_connection_reads_eagerly_and_the_old_protocol_is_inactive():
+    with EmbeddedNats(jetstream=False) as server:
+        reader = await _connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+        try:
+            await reader.flush()  # its read loop runs (and installed EagerReads)
+            before = reader.eager
+            server.restart(kill=True)
+            await wait_until(lambda: reader.is_connected and reader.eager is not before, 20, "reconnected")
+            assert before is not None and not before.active and reader.eager.active
+            writer = await _connect(server.url)
+            try:
+                await _received_paced(reader, writer, "r.1", 10)
+                assert reader.eager.eager > 0
+            finally:
+                await writer.close()
+        finally:
+            await reader.close()
