@@ -71,36 +71,59 @@ async def test_a_message_arriving_while_the_read_loop_waits_is_handed_over_in_th
         await writer.close()
 
 
-async def test_frames_that_need_the_read_loop_keep_their_order_with_the_ones_handed_over(nats_url):
-    """JetStream messages of a plain push consumer, PONGs and plain messages in one stream of
-    reads: the plain ones may be handed over eagerly, the rest wait for the read loop; every
-    message still arrives once, in publish order."""
+async def test_a_message_arriving_while_the_read_loop_is_busy_waits_behind_the_frames_it_holds(nats_url):
+    """The read loop suspends inside a frame (a plain JetStream push consumer's message dropped as a
+    slow consumer: its report awaits an error callback that sleeps, as the edge's closes a feed),
+    with a plain message p0 behind it in the same read. A plain message p1 that arrives during
+    the sleep must not be handed over eagerly before p0: the loop is not parked in ``read()``.
+    (From a review: without the parked check p1 overtook p0 here; no other test noticed.)"""
     from nats.js.api import StreamConfig
 
+    async def slow_error_cb(exc: Exception) -> None:
+        await asyncio.sleep(0.3)
+
+    reader, writer = await _connect(nats_url, error_cb=slow_error_cb), await _connect(nats_url)
+    try:
+        js = writer.jetstream()
+        await js.add_stream(StreamConfig(name="EAGER", subjects=["js.>"]))
+        plain = await reader.subscribe("p.x")
+        seen: list = []
+        _inline_recorder(reader, plain, seen)
+        await reader.jetstream().subscribe("js.>", pending_msgs_limit=1)  # nobody reads it: the 2nd is dropped
+        await reader.flush()
+        await js.publish("js.a", b"j1")
+        await asyncio.sleep(0.05)
+        socket_transport = reader._transport._io_writer.transport
+        socket_transport.pause_reading()  # as FastClient's pause_reads does: j2 and p0 arrive in one read
+        await js.publish("js.a", b"j2")
+        await writer.publish("p.x", b"p0")
+        await writer.flush()
+        await asyncio.sleep(0.05)
+        socket_transport.resume_reading()
+        await asyncio.sleep(0.05)  # the read loop is in the error callback's sleep now
+        await writer.publish("p.x", b"p1")
+        await writer.flush()
+        await wait_until(lambda: len(seen) == 2, 10, "p0 and p1")
+        assert [data for data, _ in seen] == [b"p0", b"p1"]
+        assert reader.eager is not None and reader.eager.fed >= 2  # the read with j2, and p1's
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_a_protocol_made_inactive_feeds_every_read_to_the_read_loop(nats_url):
+    """A read loop that ended (a reconnect's new one has its own protocol) leaves its EagerReads
+    inactive: reads then go to the reader, never parsed by a protocol no read loop stands behind."""
     reader, writer = await _connect(nats_url), await _connect(nats_url)
     try:
-        await writer.jetstream().add_stream(StreamConfig(name="EAGER", subjects=["js.>"]))
-        order: list[str] = []
-        plain = await reader.subscribe("p.>")
-        _inline = []
-        _inline_recorder(reader, plain, _inline)
-        js_sub = await reader.jetstream().subscribe("js.>", ordered_consumer=True)
         await reader.flush()
-        for i in range(40):
-            if i % 3 == 0:
-                await writer.jetstream().publish("js.x", b"j%d" % i)
-            else:
-                await writer.publish("p.x", b"p%d" % i)
-                await writer.flush()
-            if i % 5 == 0:
-                await reader.flush()  # a PING from the reader, whose PONG the read loop must take
-            await asyncio.sleep(0.002)
-        js_msgs = [await asyncio.wait_for(js_sub.next_msg(), 10) for _ in range(14)]
-        await wait_until(lambda: len(_inline) == 26, 10, "26 plain messages")
-        order = [m.data for m in js_msgs]
-        assert order == [b"j%d" % i for i in range(0, 40, 3)]
-        assert [data for data, _ in _inline] == [b"p%d" % i for i in range(40) if i % 3]
-        assert reader.eager is not None and reader.eager.eager > 0 and reader.eager.fed > 0
+        eager = reader.eager
+        assert eager is not None
+        eager.active = False
+        before = eager.eager
+        seen = await _received_paced(reader, writer, "i.1", 10)
+        assert eager.eager == before and eager.fed >= 10
+        assert all(task is reader._reading_task for _, task in seen)
     finally:
         await reader.close()
         await writer.close()
@@ -136,9 +159,31 @@ async def test_slow_consumer_drops_are_reported_once_each_as_on_the_stock_path(n
     assert len(counts["eager"][0]) == len(counts["stock"][0]) and counts["eager"][1] == counts["stock"][1] == 2
 
 
-async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse_does(nats_url, monkeypatch):
-    """nats-py's read loop stops at an exception from ``parse``; one raised while a read is handed
-    over eagerly is set on the reader, so the read loop meets it there and stops the same way."""
+async def test_an_error_callback_that_raises_on_an_eager_report_is_logged(nats_url, caplog):
+    async def broken_error_cb(exc: Exception) -> None:
+        raise RuntimeError("callback bug")
+
+    reader, writer = await _connect(nats_url, error_cb=broken_error_cb), await _connect(nats_url)
+    try:
+        await reader.subscribe("s.x", pending_msgs_limit=1)  # nobody reads it: each one past the first is dropped
+        await reader.flush()
+        with caplog.at_level("ERROR", logger="streamproc.nats"):
+            await _paced(writer, "s.x", 3)
+            await wait_until(lambda: caplog.text.count("event=nats_error_callback_failed") == 2, 10,
+                             "two failed reports logged")
+        assert "callback bug" in caplog.text and reader.eager is not None and reader.eager.eager >= 2
+        assert not reader.eager.reports  # none left pending
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+@pytest.mark.parametrize("broken", ["_msg_now", "read_done"])
+async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse_does(nats_url, monkeypatch, broken):
+    """nats-py's read loop stops at an exception from ``parse`` (a message's handling, or the
+    read's end hook) and the socket stays open; one raised while a read is handed over eagerly is
+    set on the reader, so the read loop meets it there and stops the same way. Raised out of
+    ``data_received`` instead, asyncio would close the socket under nats-py."""
     for mode in ("eager", "stock"):
         if mode == "stock":
             monkeypatch.setenv(STOCK_READS_ENV, "1")
@@ -147,19 +192,29 @@ async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse
             await reader.subscribe("x.>")
             await reader.flush()
             took = reader._msg_now
+            armed = [False]
 
-            def broken(sid, subject, reply, data, headers):
+            def broken_msg(sid, subject, reply, data, headers):
                 if data == b"boom":
                     raise RuntimeError("handler bug")
                 return took(sid, subject, reply, data, headers)
 
-            monkeypatch.setattr(reader, "_msg_now", broken)
+            def broken_done() -> None:
+                if armed[0]:
+                    raise RuntimeError("read_done bug")
+
+            if broken == "_msg_now":
+                monkeypatch.setattr(reader, "_msg_now", broken_msg)
+            else:
+                monkeypatch.setattr(reader, "read_done", broken_done, raising=False)
+                armed[0] = True
             await writer.publish("x.1", b"boom")
             await writer.flush()
             await wait_until(lambda: reader._reading_task.done(), 10, f"the read loop stopped ({mode})")
             assert reader._reading_task.exception() is None  # it broke out of its loop, as nats-py's does
             await asyncio.sleep(0.3)  # not a lost connection (the transport's fatal error): no reconnect
             assert reader.stats["reconnects"] == 0 and not reader.is_reconnecting
+            assert not reader._transport._io_writer.transport.is_closing(), mode
         finally:
             monkeypatch.undo()
             await reader.close()

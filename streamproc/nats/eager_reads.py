@@ -17,7 +17,7 @@ JetStream control message, PING/PONG, INFO, ``-ERR``, anything malformed) and fe
 bytes from that frame on, so the read loop parses them, after everything before them: nats-py's
 order is kept, because the read loop has nothing of its own in flight at that moment. A message
 that must be reported (a slow consumer's drop) gets its error callback queued as a task, then the
-rest of the read goes to the read loop, whose wake-up is queued after it. An exception from the
+rest of the read goes to the read loop, whose wake-up is queued after it (:meth:`EagerReads.report`). An exception from the
 handover is set on the reader, so the read loop meets it where it would have met it in ``parse``.
 
 Anything else is the stock path: every other event (EOF, a lost connection, write flow control) goes
@@ -68,24 +68,33 @@ class EagerReads(asyncio.Protocol):
                 and not nc.is_closed and not nc.is_reconnecting):
             try:
                 data = parser.parse_now(data, self.report)
+                done = nc.read_done
+                if done is not None:  # every frame handed over so far (the edge writes their SSE frames)
+                    done()
             except Exception as exc:  # noqa: BLE001 - the read loop's to handle, as from parse
-                reader.set_exception(exc)
+                reader.set_exception(exc)  # (raised here, asyncio would close the socket under nats-py)
                 return
             self.eager += 1
-            done = nc.read_done
-            if done is not None:  # every frame handed over so far (the edge writes their SSE frames)
-                done()
             if not data:
                 return
         self.fed += 1
         self.inner.data_received(data)
 
     def report(self, error: Any) -> None:
-        """A message taken but dropped (``SlowConsumerError``): the error callback, as ``parse``
-        awaits it, in a task queued before the read loop's wake-up for the rest of the read."""
+        """A message taken but dropped (``SlowConsumerError``): the error callback, in a task queued
+        before the read loop's wake-up for the rest of the read. Its first step runs before the read
+        loop reads on; a callback that then awaits no longer holds the read loop, as it does when
+        ``parse`` awaits it (the processor's and the edge's callbacks end a feed or count the drop,
+        which their first step does). An exception from it is logged, where in ``parse`` it would
+        have stopped the read loop for good."""
         task = asyncio.get_running_loop().create_task(self.nc._error_cb(error))
         self.reports.add(task)
-        task.add_done_callback(self.reports.discard)
+        task.add_done_callback(self._reported)
+
+    def _reported(self, task: asyncio.Task) -> None:
+        self.reports.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log_event(log, logging.ERROR, "nats_error_callback_failed", error=error_text(task.exception()))
 
     # Everything else is nats-py's protocol's own.
 
