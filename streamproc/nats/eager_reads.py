@@ -10,7 +10,7 @@ buffer before the parser sees a byte. On this repository's 2-core machine that c
 reads"), more than everything streamproc does with the message.
 
 :class:`EagerReads` sits in front of the connection's ``StreamReaderProtocol``. When a read
-arrives while the read loop is parked in ``read()`` with nothing buffered, and the parser is
+arrives while the read loop is parked in ``read()`` (so nothing is buffered), and the parser is
 between frames, it hands the read's frames over itself (:meth:`FastParser.parse_now`: the same
 ``_msg_now`` calls, in the same order). It stops at the first frame that needs an await (a
 JetStream control message, PING/PONG, INFO, ``-ERR``, anything malformed) and feeds the reader the
@@ -24,7 +24,8 @@ Anything else is the stock path: every other event (EOF, a lost connection, writ
 to the ``StreamReaderProtocol`` unchanged, and a read that finds the loop busy, data buffered or a
 frame half read is fed to the reader as before. Only the TCP transport nats-py makes
 (``TcpTransport``: plain or TLS) with the reader fields this relies on (read against CPython
-3.11-3.13 ``asyncio/streams.py``: ``StreamReader._waiter``, ``_buffer``) is taken over; WebSocket
+3.11-3.13 ``asyncio/streams.py``: ``StreamReader._waiter``, set only while ``read()`` waits on an
+empty buffer) is taken over; WebSocket
 connections and other versions keep the stock path (:func:`install` answers None).
 """
 
@@ -63,7 +64,9 @@ class EagerReads(asyncio.Protocol):
         reader = self.reader
         parser = self.parser
         nc = self.nc
-        if (self.active and reader._waiter is not None and not reader._buffer  # type: ignore[attr-defined]
+        # A waiter means the read loop is parked in read() with an empty buffer (feeding it wakes and
+        # clears the waiter), so nothing of its own is in flight.
+        if (self.active and reader._waiter is not None  # type: ignore[attr-defined]
                 and not parser.buf and parser.state == AWAITING_CONTROL_LINE and parser is nc._ps
                 and not nc.is_closed and not nc.is_reconnecting):
             try:
@@ -130,7 +133,7 @@ def install(nc: FastClient) -> EagerReads | None:
         inner = socket_transport.get_protocol() if socket_transport is not None else None
         if type(inner) is not asyncio.StreamReaderProtocol or getattr(inner, "_stream_reader", None) is not reader:
             why = f"protocol {type(inner).__name__}"
-        elif not (hasattr(reader, "_waiter") and isinstance(getattr(reader, "_buffer", None), bytearray)):
+        elif not hasattr(reader, "_waiter"):
             why = "StreamReader internals differ"
         else:
             eager = EagerReads(nc, inner, reader)

@@ -62,8 +62,7 @@ from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
-from . import eager_reads
-from .eager_reads import EagerReads
+from .eager_reads import EagerReads, install as install_eager_reads
 from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
 
@@ -315,7 +314,7 @@ class FastClient(RobustClient):
     async def _read_loop(self) -> None:
         """nats-py's read loop, with the connection's reads handed over as they arrive while it
         waits for them (eager_reads.py); started anew on each connection, after its handshake."""
-        eager = self.eager = eager_reads.install(self) if eager_reads_wanted() else None
+        eager = self.eager = install_eager_reads(self) if eager_reads_wanted() else None
         try:
             await super()._read_loop()
         finally:

@@ -138,12 +138,9 @@ class FastParser(Parser):
         assert not self.buf and self.state == AWAITING_CONTROL_LINE
         end = len(data)
         pos, stop, arg = self._frames(data, 0)
-        if stop is None:
+        if stop is None:  # used up, or an unfinished frame (a line without its CRLF, or a payload short)
             if pos < end:
-                rest = data[pos:] if pos else data
-                if self.state == AWAITING_CONTROL_LINE and _CRLF in rest:
-                    return rest  # a line this parser does not read: the stock parser's, in the read loop
-                self.buf.extend(rest)  # an unfinished frame: the next read finishes it, as in parse
+                self.buf.extend(data[pos:] if pos else data)  # the next read finishes it, as in parse
             return b""
         if stop is ERROR:
             report(arg)

@@ -299,16 +299,12 @@ class OutboxPump:
         if errors & (errors - 1) == 0:  # log at powers of two
             result = outbox.last_refused
             status = (headers or {}).get("Status", "")
-            if whole:  # its first result is sent again alone at once
-                log_event(log, logging.WARNING, "result_batch_refused",
-                          request_id=result.request_id if result is not None else "-", status=status,
-                          detail=data[:200].decode(errors="replace"),
-                          one_at_a_time_for=f"{outbox.config.batch_pause:g}s", errors_total=errors)
-                return
-            log_event(log, logging.WARNING, "result_not_stored",
+            # a batch refused whole: its first result is sent again alone at once, the rest follow one by one
+            wait = ({"one_at_a_time_for": f"{outbox.config.batch_pause:g}s"} if whole
+                    else {"retry_in": f"{outbox.config.retry_after_refusal:.1f}s"})
+            log_event(log, logging.WARNING, "result_batch_refused" if whole else "result_not_stored",
                       request_id=result.request_id if result is not None else "-", status=status,
-                      detail=data[:200].decode(errors="replace"),
-                      retry_in=f"{outbox.config.retry_after_refusal:.1f}s", errors_total=errors)
+                      detail=data[:200].decode(errors="replace"), **wait, errors_total=errors)
 
     def _send_failed(self, o: Outgoing, exc: Exception) -> None:
         """A publish that did not leave: sent again at the next tick, unless it never can (a result
