@@ -221,6 +221,39 @@ async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse
             await writer.close()
 
 
+@pytest.mark.parametrize("mode", ["eager", "read loop"])
+async def test_a_read_whose_handling_raises_still_ends_with_read_done(nats_url, monkeypatch, mode):
+    """The edge writes the SSE frames of the messages a read handed over in ``read_done`` and
+    schedules nothing else (edge/direct.py WriteBatch), so the hook runs also when a message's
+    handling raised, on both paths."""
+    if mode == "read loop":
+        monkeypatch.setenv(STOCK_READS_ENV, "1")
+    reader, writer = await _connect(nats_url), await _connect(nats_url)
+    try:
+        await reader.subscribe("x.>")
+        await reader.flush()
+        took = reader._msg_now
+        events: list[str] = []
+
+        def broken_msg(sid, subject, reply, data, headers):
+            if data == b"boom":
+                events.append("boom")
+                raise RuntimeError("handler bug")
+            return took(sid, subject, reply, data, headers)
+
+        monkeypatch.setattr(reader, "_msg_now", broken_msg)
+        monkeypatch.setattr(reader, "read_done", lambda: events.append("done"), raising=False)
+        await writer.publish("x.1", b"boom")
+        await writer.flush()
+        await wait_until(lambda: reader._reading_task.done(), 10, f"the read loop stopped ({mode})")
+        assert "boom" in events and events[-1] == "done", events
+        assert (reader.eager is None) == (mode == "read loop")
+    finally:
+        monkeypatch.undo()
+        await reader.close()
+        await writer.close()
+
+
 async def test_with_STOCK_NATS_READS_set_every_read_goes_through_the_read_loop(nats_url, monkeypatch):
     monkeypatch.setenv(STOCK_READS_ENV, "1")
     reader, writer = await _connect(nats_url), await _connect(nats_url)

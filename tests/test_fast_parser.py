@@ -252,6 +252,76 @@ def test_frames_handed_over_eagerly_give_the_stock_parsers_calls_errors_and_stat
     assert eager == stock
 
 
+class _ReadDoneRecorder(_Recorder):
+    """A recorder with ``read_done`` (FastClient's end-of-read hook, where the edge writes the SSE
+    frames of the messages handed over): counts messages handed over since the hook last ran, and
+    notes every await the parser begins while one handed over synchronously is still unwritten."""
+
+    def __init__(self, reset_on_pong: bool) -> None:
+        super().__init__(reset_on_pong)
+        self.unwritten = 0  # messages handed over (either path) since read_done
+        self.taken_now = 0  # of those, taken by _msg_now (no await between them and the frame)
+        self.awaited_unwritten: list[tuple] = []
+
+    def read_done(self) -> None:
+        self.unwritten = self.taken_now = 0
+
+    def _record(self, sid, subject, reply, payload, hdr) -> None:
+        self.unwritten += 1
+        super()._record(sid, subject, reply, payload, hdr)
+
+    def _msg_now(self, sid, subject, reply, payload, hdr):
+        result = super()._msg_now(sid, subject, reply, payload, hdr)
+        if result is not LATER:
+            self.taken_now += 1
+        return result
+
+    def _before_await(self, what: str) -> None:
+        if self.taken_now:
+            self.awaited_unwritten.append((what, self.taken_now))
+
+    async def _process_msg(self, sid, subject, reply, payload, hdr) -> None:
+        self._before_await("msg")
+        await super()._process_msg(sid, subject, reply, payload, hdr)
+
+    async def _error_cb(self, err) -> None:
+        self._before_await("error_cb")
+        await super()._error_cb(err)
+
+    async def _process_ping(self) -> None:
+        self._before_await("ping")
+        await super()._process_ping()
+
+    async def _process_pong(self) -> None:
+        self._before_await("pong")
+        await super()._process_pong()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_stream, st.lists(st.integers(0, 2**31), max_size=12), st.booleans())
+def test_read_done_follows_every_handed_over_message_before_any_await_and_at_the_end_of_each_read(
+        frames, points, reset_on_pong):
+    """The edge no longer schedules a loop pass to write a read's direct SSE frames (edge/direct.py
+    WriteBatch): it relies on ``read_done``. So the parser runs it before it awaits anything (a task
+    could write to the same stream meanwhile) and when each read ends, also by an exception."""
+    reads = _cuts(b"".join(frames), points)
+
+    async def feed() -> _ReadDoneRecorder:
+        nc = _ReadDoneRecorder(reset_on_pong)
+        parser = nc.parser = FastParser(nc)
+        for read in reads:
+            try:
+                await parser.parse(read)
+            except Exception:  # noqa: BLE001  (the read loop stops at the first)
+                assert nc.unwritten == 0, "a read that raised left messages unwritten"
+                break
+            assert nc.unwritten == 0, "a read ended with messages unwritten"
+        return nc
+
+    nc = asyncio.run(feed())
+    assert nc.awaited_unwritten == []
+
+
 def test_parse_now_hands_back_the_frame_that_needs_an_await_and_keeps_an_unfinished_one():
     calls: list = []
 

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import anyio
+import httpx
 import pytest
+from edge_harness import publish_result, running_edge
+from helpers import rid
 
 from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
@@ -12,7 +16,7 @@ from streamproc.nats import fast_client
 from streamproc.nats.processor import Processor
 from streamproc.nats.robust import RobustClient
 from streamproc.sim import traffic
-from streamproc.wire import Verdict
+from streamproc.wire import Subjects, Verdict
 
 from durable_helpers import FORMAT, durable_settings, wait_for_finals
 
@@ -57,3 +61,26 @@ async def test_the_processor_on_the_stock_path_passes_through_joins_and_stores_r
             stored = await wait_for_finals(client.jetstream(), settings.subjects, ["stock-agg", "stock-pd"], 15)
             assert [r.body for r in stored["stock-agg"]] == bodies
             assert [r.verdict for r in stored["stock-pd"]] == [Verdict.JOINED]
+
+
+async def test_the_edge_on_the_stock_path_writes_each_result_as_it_arrives(nats_url, client):
+    """On the stock client nothing calls ``read_done``, so the edge's direct SSE frames are flushed
+    by a ``call_soon`` of their own (edge/direct.py WriteBatch): each result reaches the client
+    before the next one is published, not with the request's last."""
+    subjects, request_id = Subjects("stockedge"), rid("stock-edge")
+    with running_edge(nats_url, "--prefix", subjects.prefix, env={fast_client.STOCK_CLIENT_ENV: "1"}) as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=15) as http:
+            async with http.stream("GET", f"/v1/results/{request_id}") as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                await anyio.sleep(0.3)  # the edge's subscription is live once the headers are written
+                for seq in range(4):
+                    await publish_result(client, subjects, request_id, seq, b'{"n":%d}' % seq, final=seq == 3)
+                    await client.flush()
+                    with anyio.fail_after(5):
+                        while await anext(lines) != 'data: {"n":%d}' % seq:
+                            pass
+        metrics = edge.metrics()
+        assert "nats_fast_path_disabled" in edge.log()
+    # The last result ends the response through the stream's task; the others went directly.
+    assert metrics["streamproc_edge_results_written_directly_total"] >= 3

@@ -276,7 +276,8 @@ class Edge:
                                   settings.auth_algorithm, settings.auth_leeway)
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
-        self.write_batch = WriteBatch()  # the fan-out's direct frames of one NATS read (direct.py)
+        # the fan-out's direct frames of one NATS read (direct.py)
+        self.write_batch = WriteBatch(lambda: self.source.after_read_hooked)
         self.source.after_read = self.write_batch.flush
         self.pacer = pacer.OpenPacer(pacer.OPENS_PER_PASS)  # a burst of opens leaves room for events (pacer.py)
         self.heap = HeapTrimmer()

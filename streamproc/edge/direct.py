@@ -92,19 +92,21 @@ class UvicornBody:
 
 class WriteBatch:
     """The direct frames of one read from NATS, written at the end of that read (``FastClient``
-    calls :meth:`flush` as ``read_done``; the ``call_soon`` is the fallback for any other client
-    and costs nothing once flushed): one write per stream, however many of its results the read
+    calls :meth:`flush` as ``read_done``): one write per stream, however many of its results the read
     held (as the task's path joins what waits). Before, the write waited for the next loop pass,
     behind a poll and whatever else was ready then (docs/benchmarks.md, "Where the SSE tail comes
-    from")."""
+    from"). With any other client (``hooked`` false: nats-py's stock parser) a ``call_soon`` flushes
+    instead. Not scheduling it when hooked saves a loop pass per read: a ready callback makes the
+    next poll a second ``epoll_wait`` (docs/benchmarks.md, "What a read costs at light load")."""
 
-    __slots__ = ("streams",)
+    __slots__ = ("streams", "hooked")
 
-    def __init__(self) -> None:
+    def __init__(self, hooked: Callable[[], bool]) -> None:
         self.streams: list[DirectFrames] = []
+        self.hooked = hooked  # whether flush() runs at the end of every read (ResultSource.after_read_hooked)
 
     def add(self, direct: DirectFrames) -> None:
-        if not self.streams:
+        if not self.streams and not self.hooked():
             asyncio.get_running_loop().call_soon(self.flush)
         self.streams.append(direct)
 

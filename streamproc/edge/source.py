@@ -437,6 +437,9 @@ class ResultSource:
         # each until a stream of its name exists again (_check_own_consumers).
         self.own_streams_missing: dict[str, str] = {}
         self.after_read: Callable[[], None] | None = None  # run at the end of each NATS read (the Edge's WriteBatch.flush)
+        # True once the client runs ``after_read`` at the end of every read (FastClient on its fast
+        # parser); else the Edge's WriteBatch schedules its own flush for the next loop pass.
+        self.after_read_hooked = False
 
     def _read_done(self) -> None:
         try:
@@ -460,8 +463,9 @@ class ResultSource:
             reconnected_cb=self._on_reconnected,
         )
         self.metrics.nats_connected = 1
-        if hasattr(self.nc, "read_done") and self.after_read is not None:
+        if getattr(self.nc, "calls_read_done", False) and self.after_read is not None:
             self.nc.read_done = self._read_done  # FastClient: the direct frames of a read leave at its end
+            self.after_read_hooked = True
         self.barrier = PongBarrier(self.nc)
         url = self.nc.connected_url
         # host and port only: the URL's user part may hold a password or token

@@ -70,10 +70,12 @@ class EagerReads(asyncio.Protocol):
                 and not parser.buf and parser.state == AWAITING_CONTROL_LINE and parser is nc._ps
                 and not nc.is_closed and not nc.is_reconnecting):
             try:
-                data = parser.parse_now(data, self.report)
-                done = nc.read_done
-                if done is not None:  # every frame handed over so far (the edge writes their SSE frames)
-                    done()
+                try:
+                    data = parser.parse_now(data, self.report)
+                finally:
+                    done = nc.read_done
+                    if done is not None:  # every frame handed over so far (the edge writes their SSE frames)
+                        done()
             except Exception as exc:  # noqa: BLE001 - the read loop's to handle, as from parse
                 reader.set_exception(exc)  # (raised here, asyncio would close the socket under nats-py)
                 return

@@ -434,11 +434,17 @@ class FastClient(RobustClient):
     _inline: dict[int, Any] | None = None
 
     # Called by the read loop once every frame of a socket read has been handed over (inline
-    # handlers, queues, callbacks' queues). The edge writes the SSE frames the read's results made
-    # there (edge/direct.py WriteBatch.flush) rather than in a later loop pass: between the two, the
-    # loop polls and runs whatever else is ready (opens, teardowns), and on a loaded machine may
-    # wait for a core. Must not raise or suspend.
+    # handlers, queues, callbacks' queues), also when handling one raised, and before the read loop
+    # awaits anything (a frame it cannot hand over at once). The edge writes the SSE frames the
+    # read's results made there (edge/direct.py WriteBatch.flush) rather than in a later loop pass:
+    # between the two, the loop polls and runs whatever else is ready (opens, teardowns), and on a
+    # loaded machine may wait for a core. Must not raise or suspend.
     read_done: Any = None
+
+    @property
+    def calls_read_done(self) -> bool:
+        """Whether :attr:`read_done` is called (the fast parser reads; not on its stock fallback)."""
+        return isinstance(self._ps, FastParser)
 
     def deliver_inline(self, sub: Any, handler: Any) -> None:
         """Hand ``sub``'s messages to ``handler(subject, reply, headers, data) -> bool`` in the read

@@ -95,36 +95,44 @@ class FastParser(Parser):
             data = bytes(buf)
             del buf[:]
         nc = self.nc
-        end = len(data)
-        pos = 0
-        while pos < end:
-            pos, stop, arg = self._frames(data, pos)  # on an exception it keeps the rest itself
-            if stop is None:
-                break
-            try:
-                if stop is LATER:
-                    await nc._process_msg(*arg[:5])
-                elif stop is ERROR:
-                    await nc._error_cb(arg)
-                elif stop is PING:
-                    await nc._process_ping()
-                elif stop is PONG:
-                    await nc._process_pong()
-                else:  # STOCK: the stock parser reads from here, with everything after it
-                    break
-            except BaseException:
-                if self.buf is buf and pos < end:  # as the stock parser leaves it: the frame taken, the rest kept
-                    buf.extend(data[pos:])
-                raise
-            if self.buf is not buf:  # reset() (a reconnect) while awaiting: the stock loop stops too
-                return
-        if pos < end:
-            buf.extend(data[pos:] if pos else data)
-            if self.state == AWAITING_CONTROL_LINE and _CRLF in buf:
-                await Parser.parse(self)  # what this parser does not read, with everything after it
         done_hook = getattr(nc, "read_done", None)
-        if done_hook is not None:  # every frame of this read handed over (FastClient.read_done)
-            done_hook()
+        try:
+            end = len(data)
+            pos = 0
+            while pos < end:
+                pos, stop, arg = self._frames(data, pos)  # on an exception it keeps the rest itself
+                if stop is None:
+                    break
+                if done_hook is not None:  # what was handed over leaves before anything can suspend
+                    done_hook()
+                try:
+                    if stop is LATER:
+                        await nc._process_msg(*arg[:5])
+                    elif stop is ERROR:
+                        await nc._error_cb(arg)
+                    elif stop is PING:
+                        await nc._process_ping()
+                    elif stop is PONG:
+                        await nc._process_pong()
+                    else:  # STOCK: the stock parser reads from here, with everything after it
+                        break
+                except BaseException:
+                    if self.buf is buf and pos < end:  # as the stock parser leaves it: the frame taken, the rest kept
+                        buf.extend(data[pos:])
+                    raise
+                if self.buf is not buf:  # reset() (a reconnect) while awaiting: the stock loop stops too
+                    return
+            if pos < end:
+                buf.extend(data[pos:] if pos else data)
+                if self.state == AWAITING_CONTROL_LINE and _CRLF in buf:
+                    if done_hook is not None:
+                        done_hook()
+                    await Parser.parse(self)  # what this parser does not read, with everything after it
+        finally:
+            # Every frame of this read handed over, also when one raised or a reconnect reset the
+            # parser (FastClient.read_done): nothing taken waits for a later read.
+            if done_hook is not None:
+                done_hook()
 
     def parse_now(self, data: bytes, report: Callable[[Any], None]) -> bytes:
         """The frames of ``data`` handed over without a coroutine, for a read the read loop is not
