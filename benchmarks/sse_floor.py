@@ -4,7 +4,7 @@ Target 2 asks for <= 40 us of edge CPU per SSE event at 2,000 events/s over 50 s
 puts that figure beside floors measured in the same harness and rounds, so a miss can be read as
 "the edge's own work" or "the machine":
 
-- ``floor``: the least a Python edge can do. One asyncio ``Protocol`` on a raw NATS connection (one
+- ``floor``: the least a Python edge can do. One asyncio ``BufferedProtocol`` on a raw NATS connection (one
   wildcard SUB, a minimal HMSG parser) and a raw asyncio HTTP server; each result is written to its
   client's transport as ``id: <seq>`` + ``data: <body>`` straight from ``data_received``. No HTTP
   framework, no nats-py, no queues, no tasks per event, no bounds of any kind.
@@ -123,7 +123,7 @@ def frame(seq: bytes, body: bytes) -> bytes:
     return b"id: " + seq + b"\ndata: " + body + b"\n\n"
 
 
-class RawNats(asyncio.Protocol):
+class RawNats(asyncio.BufferedProtocol):
     """One wildcard SUB while streams are open; a minimal parser of MSG/HMSG/PING frames (no
     validation: a floor)."""
 
@@ -148,6 +148,18 @@ class RawNats(asyncio.Protocol):
 
     def unsubscribe(self) -> None:
         self.transport.write(f"UNSUB {self.sid}\r\n".encode())
+
+    # Reads into one buffer (recv_into), as streamproc's NATS connections do (nats/eager_reads.py):
+    # a plain Protocol's recv(256 KiB) can cost an mmap, mremap and munmap per read.
+    _read_buffer = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._read_buffer is None:
+            self._read_buffer = memoryview(bytearray(256 * 1024))
+        return self._read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data

@@ -16,7 +16,7 @@ from helpers import wait_until
 from nats.aio.client import Client
 
 from streamproc.nats import fast_client
-from streamproc.nats.eager_reads import EagerReads
+from streamproc.nats.eager_reads import READ_SIZE, EagerReads
 from streamproc.nats.fast_client import STOCK_READS_ENV, FastClient
 from streamproc.sim.embedded import EmbeddedNats
 
@@ -66,6 +66,32 @@ async def test_a_message_arriving_while_the_read_loop_waits_is_handed_over_in_th
         assert type(eager) is EagerReads and eager.active
         # No task: the handler ran in data_received, not in the read loop (all but a few of them)
         assert sum(task is None for _, task in seen) >= 40 and eager.eager >= 40
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_reads_land_in_the_connections_own_buffer_and_a_message_larger_than_it_arrives_whole(nats_url):
+    """The transport reads into one buffer per connection (a ``BufferedProtocol``: no 256 KiB
+    allocation per read) and each read is copied out before the next: a message spanning several
+    reads, between small ones, arrives byte for byte."""
+    reader, writer = await _connect(nats_url), await _connect(nats_url)
+    try:
+        transport = reader._transport._io_writer.transport
+        assert isinstance(transport.get_protocol(), EagerReads)
+        assert isinstance(transport.get_protocol(), asyncio.BufferedProtocol)
+        big = bytes(range(256)) * (READ_SIZE * 3 // 256 + 7)  # three buffers and a bit
+        assert READ_SIZE < len(big) <= reader.max_payload
+        sub = await reader.subscribe("big")
+        seen: list = []
+        _inline_recorder(reader, sub, seen)
+        await reader.flush()
+        sent = [b"a", big, b"b", big[::-1], b"c"]
+        for body in sent:
+            await writer.publish("big", body)
+        await writer.flush()
+        await wait_until(lambda: len(seen) == len(sent), 10, "every message")
+        assert [data for data, _ in seen] == sent
     finally:
         await reader.close()
         await writer.close()

@@ -47,11 +47,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamproc.nats")
 
 
-class EagerReads(asyncio.Protocol):
-    """The NATS connection's protocol: a read's frames handed over at once when the read loop waits."""
+# Bytes one socket read may take: asyncio's selector transport's ``max_size``, so a read under load
+# takes as much as on the stock path.
+READ_SIZE = 256 * 1024
+
+
+class EagerReads(asyncio.BufferedProtocol):
+    """The NATS connection's protocol: a read's frames handed over at once when the read loop waits.
+
+    A ``BufferedProtocol``: the transport reads into one buffer kept for the connection
+    (``recv_into``), and each read's bytes are copied out at their size. A plain ``Protocol`` gets
+    ``sock.recv(256 KiB)``: glibc serves an allocation that large with ``mmap``, shrinks it with
+    ``mremap`` and frees it with ``munmap``, three system calls and a page fault for every read, ~20
+    µs of a small read's ~30 on this repository's machine (CPython issue #85451; docs/benchmarks.md,
+    "What a read costs at light load")."""
 
     def __init__(self, nc: FastClient, inner: asyncio.StreamReaderProtocol, reader: asyncio.StreamReader) -> None:
         self.nc = nc
+        self._buffer = memoryview(bytearray(READ_SIZE))
         self.inner = inner  # nats-py's protocol: every event but the eager reads, and the rest of those
         self.reader = reader
         self.parser: FastParser = nc._ps  # type: ignore[assignment]
@@ -59,6 +72,12 @@ class EagerReads(asyncio.Protocol):
         self.reports: set[asyncio.Task] = set()
         self.eager = 0  # reads handed over here, for tests and benchmarks
         self.fed = 0  # reads (or their rest) fed to the reader for the read loop
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self._buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         reader = self.reader
