@@ -27,11 +27,13 @@ import re
 import signal
 import sys
 
+from buffered_reads import BufferedReads  # a sibling: run as a script, or loaded with benchmarks/ on the path
+
 PAUSE_READS_BELOW = 8 * 1024  # as streamproc/nats/fast_client.py
 INBOX = "_INBOX.dfloor"
 
 
-class DurableFloor(asyncio.BufferedProtocol):
+class DurableFloor(BufferedReads):
     SEQ = re.compile(rb"Streamproc-Seq: (\d+)")
 
     def __init__(self, stream: str, consumer: str, prefix: str, batch: int, interval: float,
@@ -204,18 +206,6 @@ class DurableFloor(asyncio.BufferedProtocol):
             print(f"durable_floor: refused: {payload[:200]!r}", file=sys.stderr)
         self.send(b"PUB " + ack + b" 0\r\n\r\n")
         self.done(rid)
-
-    # Reads into one buffer (recv_into), as streamproc's NATS connections do (nats/eager_reads.py):
-    # a plain Protocol's recv(256 KiB) can cost an mmap, mremap and munmap per read.
-    _read_buffer = None
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._read_buffer is None:
-            self._read_buffer = memoryview(bytearray(256 * 1024))
-        return self._read_buffer
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data

@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from buffered_reads import BufferedReads  # noqa: E402  (a sibling: sys.path[0] is benchmarks/)
 from streamproc.core.wire import JOIN, MSG_ID, SEQ  # noqa: E402
 from streamproc.sim.embedded import EmbeddedNats, free_port, stop_process  # noqa: E402
 
@@ -123,7 +124,7 @@ def frame(seq: bytes, body: bytes) -> bytes:
     return b"id: " + seq + b"\ndata: " + body + b"\n\n"
 
 
-class RawNats(asyncio.BufferedProtocol):
+class RawNats(BufferedReads):
     """One wildcard SUB while streams are open; a minimal parser of MSG/HMSG/PING frames (no
     validation: a floor)."""
 
@@ -148,18 +149,6 @@ class RawNats(asyncio.BufferedProtocol):
 
     def unsubscribe(self) -> None:
         self.transport.write(f"UNSUB {self.sid}\r\n".encode())
-
-    # Reads into one buffer (recv_into), as streamproc's NATS connections do (nats/eager_reads.py):
-    # a plain Protocol's recv(256 KiB) can cost an mmap, mremap and munmap per read.
-    _read_buffer = None
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._read_buffer is None:
-            self._read_buffer = memoryview(bytearray(256 * 1024))
-        return self._read_buffer
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(bytes(self._read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data

@@ -204,6 +204,19 @@ async def test_an_error_callback_that_raises_on_an_eager_report_is_logged(nats_u
         await writer.close()
 
 
+def _raise_on_boom(reader: FastClient, monkeypatch, events: list[str]) -> None:
+    """Make handing over a message whose payload is ``boom`` raise (a handler bug), noted in ``events``."""
+    took = reader._msg_now
+
+    def broken_msg(sid, subject, reply, data, headers):
+        if data == b"boom":
+            events.append("boom")
+            raise RuntimeError("handler bug")
+        return took(sid, subject, reply, data, headers)
+
+    monkeypatch.setattr(reader, "_msg_now", broken_msg)
+
+
 @pytest.mark.parametrize("broken", ["_msg_now", "read_done"])
 async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse_does(nats_url, monkeypatch, broken):
     """nats-py's read loop stops at an exception from ``parse`` (a message's handling, or the
@@ -217,20 +230,14 @@ async def test_an_exception_in_the_handover_ends_the_read_loop_as_one_from_parse
         try:
             await reader.subscribe("x.>")
             await reader.flush()
-            took = reader._msg_now
             armed = [False]
-
-            def broken_msg(sid, subject, reply, data, headers):
-                if data == b"boom":
-                    raise RuntimeError("handler bug")
-                return took(sid, subject, reply, data, headers)
 
             def broken_done() -> None:
                 if armed[0]:
                     raise RuntimeError("read_done bug")
 
             if broken == "_msg_now":
-                monkeypatch.setattr(reader, "_msg_now", broken_msg)
+                _raise_on_boom(reader, monkeypatch, [])
             else:
                 monkeypatch.setattr(reader, "read_done", broken_done, raising=False)
                 armed[0] = True
@@ -258,16 +265,8 @@ async def test_a_read_whose_handling_raises_still_ends_with_read_done(nats_url, 
     try:
         await reader.subscribe("x.>")
         await reader.flush()
-        took = reader._msg_now
         events: list[str] = []
-
-        def broken_msg(sid, subject, reply, data, headers):
-            if data == b"boom":
-                events.append("boom")
-                raise RuntimeError("handler bug")
-            return took(sid, subject, reply, data, headers)
-
-        monkeypatch.setattr(reader, "_msg_now", broken_msg)
+        _raise_on_boom(reader, monkeypatch, events)
         monkeypatch.setattr(reader, "read_done", lambda: events.append("done"), raising=False)
         await writer.publish("x.1", b"boom")
         await writer.flush()
