@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-READ_SIZE = 256 * 1024  # asyncio's selector transport's max_size
+READ_SIZE = 64 * 1024  # as streamproc/nats/eager_reads.py READ_SIZE
 
 
 class BufferedReads(asyncio.BufferedProtocol):

@@ -71,10 +71,19 @@ async def test_a_message_arriving_while_the_read_loop_waits_is_handed_over_in_th
         await writer.close()
 
 
-async def test_reads_land_in_the_connections_own_buffer_and_a_message_larger_than_it_arrives_whole(nats_url):
+async def test_reads_land_in_the_connections_own_buffer_and_a_message_larger_than_it_arrives_whole(
+        nats_url, monkeypatch):
     """The transport reads into one buffer per connection (a ``BufferedProtocol``: no 256 KiB
     allocation per read) and each read is copied out before the next: a message spanning several
     reads, between small ones, arrives byte for byte."""
+    buffers: list = []
+    get_buffer = EagerReads.get_buffer
+
+    def recorded(self, sizehint: int):
+        buffers.append((self, get_buffer(self, sizehint)))
+        return buffers[-1][1]
+
+    monkeypatch.setattr(EagerReads, "get_buffer", recorded)
     reader, writer = await _connect(nats_url), await _connect(nats_url)
     try:
         transport = reader._transport._io_writer.transport
@@ -92,6 +101,8 @@ async def test_reads_land_in_the_connections_own_buffer_and_a_message_larger_tha
         await writer.flush()
         await wait_until(lambda: len(seen) == len(sent), 10, "every message")
         assert [data for data, _ in seen] == sent
+        mine = [buffer for protocol, buffer in buffers if protocol is reader.eager]
+        assert len(mine) >= 4 and all(buffer is mine[0] for buffer in mine)  # one buffer, every read
     finally:
         await reader.close()
         await writer.close()

@@ -178,6 +178,44 @@ async def test_an_after_read_hook_that_raises_is_logged_and_every_result_still_r
     assert "after_read_failed" in caplog.text
 
 
+async def test_results_a_rebind_dispatches_outside_a_read_are_followed_by_the_after_read_hook(nats_url, client):
+    """A rebind (the results stream recreated: ``ResultSource._reread``, in a task) dispatches what
+    the new subscription queued before the fan-out took it. No NATS read ends after that, so the
+    hook that writes the direct SSE frames (edge/direct.py WriteBatch) runs at once."""
+    events: list[str] = []
+    async with started_source(nats_url, LIVE, after_read=lambda: events.append("after_read")) as source:
+        request_id = rid("rebind")
+        feed = await source.open(request_id)
+        queued = await client.subscribe(LIVE.result(request_id))  # no callback: its messages queue
+        await client.flush()
+        await publish_result(client, LIVE, request_id, 0, b'{"n":0}')
+        await until(lambda: queued._pending_queue.qsize() == 1)
+        events.clear()
+        source.fanout.rebind(queued, None)
+        assert events == ["after_read"]  # before anything else can run on the loop
+        assert [r.body for r in await read(feed, 1)] == [b'{"n":0}']
+        await feed.close()
+
+
+async def test_on_the_stock_parser_the_source_leaves_the_after_read_hook_uninstalled(nats_url, client, monkeypatch):
+    """FastClient on nats-py's own parser (a grammar it does not mirror) never calls ``read_done``:
+    the source must not count on it, so the edge's WriteBatch schedules its own flush."""
+    from streamproc.nats import fast_client
+
+    monkeypatch.setattr(fast_client, "_parser_ok", (False, "a test"))
+    async with started_source(nats_url, LIVE, after_read=lambda: None) as source:
+        assert type(source.nc) is fast_client.FastClient and not source.nc.calls_read_done
+        assert source.after_read_hooked is False and source.nc.read_done is None
+        request_id = rid("stockparser")
+        feed = await source.open(request_id)
+        await publish_result(client, LIVE, request_id, 0, b'{"n":0}', final=True)
+        await client.flush()
+        assert [r.seq for r in await read(feed, 1)] == [0]
+    monkeypatch.undo()  # the fast parser again: the hook is installed
+    async with started_source(nats_url, LIVE, after_read=lambda: None) as source:
+        assert source.after_read_hooked is True and source.nc.read_done == source.run_after_read
+
+
 async def test_a_results_stream_created_after_start_up_is_read_with_a_consumer_per_stream(nats_url, client, caplog):
     """The edge decides at start-up how its ring reads; a stream that appears later is still used:
     each stream replays it through its own ordered consumer (the ``--recent 0`` path), said once."""

@@ -191,6 +191,7 @@ def test_a_parser_grammar_other_than_the_mirrored_one_gets_the_stock_parser_and_
     with caplog.at_level("WARNING", logger="streamproc.nats"):
         client = FastClient()
     assert type(client._ps) is Parser
+    assert not client.calls_read_done  # the stock parser never calls it: the edge flushes its own way
     assert parser_support() == (False, "parser internals differ: MSG_RE (robust.py's)")
     assert "nats_fast_parser_disabled" in caplog.text
 
@@ -320,6 +321,38 @@ def test_read_done_follows_every_handed_over_message_before_any_await_and_at_the
 
     nc = asyncio.run(feed())
     assert nc.awaited_unwritten == []
+
+
+def test_a_message_the_stock_parser_hands_over_is_followed_by_read_done_before_that_parser_awaits():
+    """A line the fast parser does not read (``+OK`` here) hands the rest of the read to nats-py's
+    parser, which calls ``_process_msg`` per message and may await between two (here a slow
+    consumer's error callback). FastClient runs ``read_done`` after each such message, so the
+    edge's direct SSE frames of the first do not wait through that await."""
+
+    async def run() -> list[str]:
+        nc = FastClient()
+        events: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            events.append("error_cb")
+
+        class Recording(asyncio.Queue):
+            def put_nowait(self, item) -> None:
+                events.append(f"msg {item.data.decode()}")
+                super().put_nowait(item)
+
+        taken, full = Subscription(nc, 1, "a"), Subscription(nc, 2, "b", pending_msgs_limit=1)
+        taken._pending_queue = Recording()
+        full._pending_queue.put_nowait(None)  # full: its next message is a slow consumer's drop
+        nc._subs.update({1: taken, 2: full})
+        nc._error_cb = on_error
+        nc.read_done = lambda: events.append("done")
+        await nc._ps.parse(b"+OK\r\nMSG a 1 1\r\nx\r\nMSG b 2 1\r\ny\r\n")
+        return events
+
+    events = asyncio.run(run())
+    taken_at, awaited_at = events.index("msg x"), events.index("error_cb")
+    assert taken_at < awaited_at and "done" in events[taken_at:awaited_at] and events[-1] == "done", events
 
 
 def test_parse_now_hands_back_the_frame_that_needs_an_await_and_keeps_an_unfinished_one():

@@ -195,8 +195,9 @@ class EventStreamResponse(StreamingResponse):
 
     async def end_for_stop(self, send: Send) -> None:
         """The edge stops: the stop's error event and ``[DONE]``, then the body's end. Every frame
-        the fan-out took for this stream is on the transport already (a direct write's flush is
-        queued before the cancel wakes this task, and none is taken once it is woken: direct.py).
+        the fan-out took for this stream is on the transport already (a direct write's flush runs at
+        the end of the read that took it, before the cancel can wake this task, and none is taken
+        once it is woken: direct.py).
         A client that does not read gets its connection closed after ``FINAL_WRITE_TIMEOUT``: when the
         frame cannot be handed over by then, or when it was but still waits in the transport's buffer
         then (Uvicorn waits for every connection to close, and logs an error when one outlasts its

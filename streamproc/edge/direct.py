@@ -128,7 +128,7 @@ class DirectFrames:
         self.metrics = metrics
         self.batch = batch
         self.out: UvicornBody | None = None  # set once the headers are written, cleared before the end
-        self.pending: list[bytes] = []  # frames taken in this loop pass, written by flush()
+        self.pending: list[bytes] = []  # frames taken since the last flush() (this NATS read's), written by it
         self.sent_at = 0.0  # time.monotonic() of the last direct write (Edge.frames' idle and keep-alive clocks)
 
     def offer(self, result: ResultInfo) -> bool:
@@ -155,7 +155,8 @@ class DirectFrames:
     def flush(self) -> None:
         """Write the frames taken so far, unless the response ended or its client left meanwhile.
         Runs before the stream's task can write again: the task is only woken through its inbox, and
-        a wake-up is queued after this pass's flush, or preceded by :meth:`offer`'s own flush."""
+        a wake-up comes after the flush that ends the read (``read_done``; the ``call_soon`` on the
+        stock client), or after :meth:`offer`'s own flush."""
         pending = self.pending
         if not pending:
             return

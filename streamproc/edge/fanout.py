@@ -142,8 +142,13 @@ class Fanout:
         # What arrived before the queue was replaced: the messages a new ordered consumer pushes
         # while nats-py's subscribe still waits for the consumer's creation (a stream reread from
         # its start, source.py, has them at once). Dispatched first, in their order.
+        moved = not queued.empty()
         while not queued.empty():
             sub._pending_queue.put_nowait(queued.get_nowait())
+        if moved and self.source.after_read is not None:
+            # Dispatched outside a NATS read (rebind runs in a task): the direct SSE frames they made
+            # are written now, not at the connection's next read (edge/direct.py WriteBatch).
+            self.source.run_after_read()
         # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
         # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
         sub._pending_bytes_limit = 0

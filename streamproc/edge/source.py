@@ -441,7 +441,9 @@ class ResultSource:
         # parser); else the Edge's WriteBatch schedules its own flush for the next loop pass.
         self.after_read_hooked = False
 
-    def _read_done(self) -> None:
+    def run_after_read(self) -> None:
+        """``after_read`` (the edge's WriteBatch.flush), its failures logged: at the end of each NATS
+        read (FastClient.read_done), and after results dispatched outside one (Fanout.rebind)."""
         try:
             self.after_read()  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - never into the read loop: nats-py's would stop reading for good
@@ -464,7 +466,7 @@ class ResultSource:
         )
         self.metrics.nats_connected = 1
         if getattr(self.nc, "calls_read_done", False) and self.after_read is not None:
-            self.nc.read_done = self._read_done  # FastClient: the direct frames of a read leave at its end
+            self.nc.read_done = self.run_after_read  # FastClient: the direct frames of a read leave at its end
             self.after_read_hooked = True
         self.barrier = PongBarrier(self.nc)
         url = self.nc.connected_url

@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamproc.nats")
 
 
-# Bytes one socket read may take: asyncio's selector transport's ``max_size``, so a read under load
-# takes as much as on the stock path.
-READ_SIZE = 256 * 1024
+# Bytes one socket read may take. Under glibc's 128 KiB mmap threshold, so the copy of a full read
+# comes from the heap too; at peak a read still holds hundreds of messages. (The stock path's
+# transports get the same as their ``max_size``: FastClient._write_pending_now.)
+READ_SIZE = 64 * 1024
 
 
 class EagerReads(asyncio.BufferedProtocol):
@@ -57,10 +58,10 @@ class EagerReads(asyncio.BufferedProtocol):
 
     A ``BufferedProtocol``: the transport reads into one buffer kept for the connection
     (``recv_into``), and each read's bytes are copied out at their size. A plain ``Protocol`` gets
-    ``sock.recv(256 KiB)``: glibc serves an allocation that large with ``mmap``, shrinks it with
-    ``mremap`` and frees it with ``munmap``, three system calls and a page fault for every read, ~20
-    µs of a small read's ~30 on this repository's machine (CPython issue #85451; docs/benchmarks.md,
-    "What a read costs at light load")."""
+    ``sock.recv(256 KiB)``: depending on the heap's layout, glibc serves an allocation that large
+    with ``mmap``, shrinks it with ``mremap`` and frees it with ``munmap``, three system calls and a
+    page fault for every read, ~20 µs of a small read's ~30 on this repository's machine (CPython
+    issue #85451; docs/benchmarks.md, "What a read costs at light load")."""
 
     def __init__(self, nc: FastClient, inner: asyncio.StreamReaderProtocol, reader: asyncio.StreamReader) -> None:
         self.nc = nc

@@ -62,7 +62,8 @@ from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
-from .eager_reads import EagerReads, install as install_eager_reads
+from .eager_reads import READ_SIZE, EagerReads
+from .eager_reads import install as install_eager_reads
 from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
 
@@ -78,11 +79,6 @@ STOCK_CLIENT_ENV = "STOCK_NATS_PY"  # not STREAMPROC_*: no setting reads it (the
 STOCK_READS_ENV = "STOCK_NATS_READS"
 
 _CRLF = b"\r\n"
-# Bytes asyncio's socket transport asks recv() for (its max_size, 256 KiB): glibc's malloc serves a
-# 256 KiB buffer with mmap (over its 128 KiB threshold, unless an earlier free raised it), so every
-# read cost mmap + mremap + munmap and fresh page faults; 64 KiB comes from the heap. Set on the
-# durable connection's transport (_write_now), where strace showed it at 2,000 chunks/s.
-READ_SIZE = 64 * 1024
 # pause_reads only after writes smaller than this (light load): at peak drain a 2 ms pause after every
 # write cost nats-server more CPU per chunk (its writes to us back up) and gained nothing, as every
 # wakeup there has plenty to read anyway.
@@ -373,16 +369,31 @@ class FastClient(RobustClient):
         # message, pending limits, queue. JetStream, old-style requests and unknown sids: upstream.
         sub = self._subs.get(sid)
         if sub is None or sub._jsi is not None or sub._future is not None:
-            return await super()._process_msg(sid, subject, reply, data, headers)
+            try:
+                return await super()._process_msg(sid, subject, reply, data, headers)
+            finally:
+                self._handed_over()
         if not headers:
             hdr = None
         elif len(headers) > 10 and headers[8] != 32:
             hdr = parse_header_block(headers)
         else:  # inline status line, or too short to hold a header: nats-py's own parser (never suspends)
             hdr = await self._process_headers(headers)
-        slow = self._accept(sub, sid, subject, reply, data, headers, hdr)
+        try:
+            slow = self._accept(sub, sid, subject, reply, data, headers, hdr)
+        finally:
+            self._handed_over()
         if slow is not None:
             await self._error_cb(slow)
+
+    def _handed_over(self) -> None:
+        """``read_done`` after a message went through ``_process_msg``: the stock parser (which
+        ``FastParser.parse`` hands lines it does not read to, with the rest of the read) may await
+        between two messages, and what the first one made (the edge's direct SSE frames) must not
+        wait through that."""
+        done = self.read_done
+        if done is not None:
+            done()
 
     def _accept(self, sub: Any, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None,
                 hdr: dict[str, str] | None) -> Any:
@@ -434,8 +445,9 @@ class FastClient(RobustClient):
     _inline: dict[int, Any] | None = None
 
     # Called by the read loop once every frame of a socket read has been handed over (inline
-    # handlers, queues, callbacks' queues), also when handling one raised, and before the read loop
-    # awaits anything (a frame it cannot hand over at once). The edge writes the SSE frames the
+    # handlers, queues, callbacks' queues), also when handling one raised, before the read loop
+    # awaits anything (a frame it cannot hand over at once), and after each message that went
+    # through _process_msg. The edge writes the SSE frames the
     # read's results made there (edge/direct.py WriteBatch.flush) rather than in a later loop pass:
     # between the two, the loop polls and runs whatever else is ready (opens, teardowns), and on a
     # loaded machine may wait for a core. Must not raise or suspend.
@@ -608,6 +620,10 @@ class FastClient(RobustClient):
         if self._pending_data_size <= 0 or not self.is_connected or self._transport is None:
             return
         writer = getattr(getattr(self._transport, "_io_writer", None), "transport", None)
+        # On the stock read path (STOCK_NATS_READS) asyncio's transport asks recv() for its max_size,
+        # 256 KiB, which glibc may serve with mmap + mremap + munmap and fresh page faults on every
+        # read (strace showed it on the durable connection at 2,000 chunks/s); EagerReads reads into
+        # a READ_SIZE buffer of its own instead (recv_into, where max_size does not apply).
         if getattr(writer, "max_size", READ_SIZE) > READ_SIZE:
             writer.max_size = READ_SIZE  # type: ignore[union-attr]
         try:

@@ -103,9 +103,9 @@ class FastParser(Parser):
                 pos, stop, arg = self._frames(data, pos)  # on an exception it keeps the rest itself
                 if stop is None:
                     break
-                if done_hook is not None:  # what was handed over leaves before anything can suspend
-                    done_hook()
                 try:
+                    if done_hook is not None:  # what was handed over leaves before anything can suspend
+                        done_hook()
                     if stop is LATER:
                         await nc._process_msg(*arg[:5])
                     elif stop is ERROR:
