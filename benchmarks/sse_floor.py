@@ -350,6 +350,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--prefix", default=PREFIX, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
     if args.serve:
         asyncio.run(serve(args.serve, args.nats_url, args.port, args.prefix))
     else:

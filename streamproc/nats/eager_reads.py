@@ -93,9 +93,7 @@ class EagerReads(asyncio.BufferedProtocol):
                 try:
                     data = parser.parse_now(data, self.report)
                 finally:
-                    done = nc.read_done
-                    if done is not None:  # every frame handed over so far (the edge writes their SSE frames)
-                        done()
+                    nc.end_handover()  # every frame handed over so far (the edge writes their SSE frames)
             except Exception as exc:  # noqa: BLE001 - the read loop's to handle, as from parse
                 reader.set_exception(exc)  # (raised here, asyncio would close the socket under nats-py)
                 return

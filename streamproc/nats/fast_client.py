@@ -372,7 +372,7 @@ class FastClient(RobustClient):
             try:
                 return await super()._process_msg(sid, subject, reply, data, headers)
             finally:
-                self._handed_over()
+                self.end_handover()
         if not headers:
             hdr = None
         elif len(headers) > 10 and headers[8] != 32:
@@ -382,15 +382,15 @@ class FastClient(RobustClient):
         try:
             slow = self._accept(sub, sid, subject, reply, data, headers, hdr)
         finally:
-            self._handed_over()
+            self.end_handover()
         if slow is not None:
             await self._error_cb(slow)
 
-    def _handed_over(self) -> None:
-        """``read_done`` after a message went through ``_process_msg``: the stock parser (which
-        ``FastParser.parse`` hands lines it does not read to, with the rest of the read) may await
-        between two messages, and what the first one made (the edge's direct SSE frames) must not
-        wait through that."""
+    def end_handover(self) -> None:
+        """:attr:`read_done`, if set: after an eager read (eager_reads.py), and after each message
+        that went through ``_process_msg``: the stock parser (which ``FastParser.parse`` hands lines
+        it does not read to, with the rest of the read) may await between two messages, and what the
+        first one made (the edge's direct SSE frames) must not wait through that."""
         done = self.read_done
         if done is not None:
             done()
@@ -447,10 +447,10 @@ class FastClient(RobustClient):
     # Called by the read loop once every frame of a socket read has been handed over (inline
     # handlers, queues, callbacks' queues), also when handling one raised, before the read loop
     # awaits anything (a frame it cannot hand over at once), and after each message that went
-    # through _process_msg. The edge writes the SSE frames the
-    # read's results made there (edge/direct.py WriteBatch.flush) rather than in a later loop pass:
-    # between the two, the loop polls and runs whatever else is ready (opens, teardowns), and on a
-    # loaded machine may wait for a core. Must not raise or suspend.
+    # through _process_msg. The edge writes the SSE frames the read's results made there
+    # (edge/direct.py WriteBatch.flush) rather than in a later loop pass: between the two, the loop
+    # polls and runs whatever else is ready (opens, teardowns), and on a loaded machine may wait
+    # for a core. Must not raise or suspend.
     read_done: Any = None
 
     @property

@@ -124,9 +124,7 @@ class FastParser(Parser):
                     return
             if pos < end:
                 buf.extend(data[pos:] if pos else data)
-                if self.state == AWAITING_CONTROL_LINE and _CRLF in buf:
-                    if done_hook is not None:
-                        done_hook()
+                if self.state == AWAITING_CONTROL_LINE and _CRLF in buf:  # after STOCK: the hook ran before its break
                     await Parser.parse(self)  # what this parser does not read, with everything after it
         finally:
             # Every frame of this read handed over, also when one raised or a reconnect reset the
