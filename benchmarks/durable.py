@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Awaitable, Callable, NamedTuple
 
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType
@@ -107,13 +107,19 @@ async def prepare(nc, settings: config.Settings, name: str) -> None:
 UNCOALESCED = "streamproc-0"
 
 
+# call_counts.py: rewrites a contender's command line (to run it under call_hook.py).
+COMMAND_WRAPPER: Callable[[list[str]], list[str]] | None = None
+
+
 def start(name: str, url: str, settings: config.Settings) -> subprocess.Popen:
     env = None
     if name == UNCOALESCED:
         env = {**os.environ, "STREAMPROC_FLUSH_INTERVAL": "0", "STREAMPROC_ACK_LINGER": "0"}
         name = "streamproc"
-    return subprocess.Popen(contender_cmd(name, url, settings), stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                            env=env)
+    cmd = contender_cmd(name, url, settings)
+    if COMMAND_WRAPPER is not None:
+        cmd = COMMAND_WRAPPER(cmd)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env)
 
 
 TICK = 0.002  # seconds: paced publishes leave in bursts this far apart
@@ -213,8 +219,11 @@ def by_seq_line(r: Paced) -> str:
     return "  by seq in request, p50/p99 ms: " + ", ".join(f"{k}: {a:.1f}/{b:.1f}" for k, a, b in r.by_seq)
 
 
-async def latency(name: str, load, rate: float, seconds: float) -> Paced:
-    """Latency and CPU per chunk publishing live at ``rate`` chunks/s for ``seconds``."""
+async def latency(name: str, load, rate: float, seconds: float,
+                  mark: Callable[[subprocess.Popen, str], Awaitable[None]] | None = None) -> Paced:
+    """Latency and CPU per chunk publishing live at ``rate`` chunks/s for ``seconds``. ``mark`` is
+    awaited with the contender's process and ``"start"`` before the first paced publish, and with
+    ``"end"`` once the last result arrived (call_counts.py counts the calls in between)."""
     with EmbeddedNats() as server:
         settings = config.load({}, {"nats_url": server.url, "mode": "durable", "partitions": PARTITIONS})
         nc = await nats.connect(server.url)
@@ -255,6 +264,8 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
 
             tick = TICK
             server_pid = server.pid
+            if mark is not None:
+                await mark(proc, "start")
             cpu0, server0 = cpu_seconds(proc.pid), cpu_seconds(server_pid)
             started = time.perf_counter()
             for n, (subject, body, headers) in enumerate(load):
@@ -269,6 +280,8 @@ async def latency(name: str, load, rate: float, seconds: float) -> Paced:
             await nc.flush()
             await asyncio.wait_for(done.wait(), 120)
             cpu, server_cpu = cpu_seconds(proc.pid) - cpu0, cpu_seconds(server_pid) - server0
+            if mark is not None:
+                await mark(proc, "end")
             lat.sort()
             n = len(lat)
             seqs = tuple((k, *_p50_p99(v)) for k, v in sorted(by_seq.items()))
