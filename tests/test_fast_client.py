@@ -13,6 +13,7 @@ import logging
 
 import pytest
 from nats.errors import MaxPayloadError
+import nats.errors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
@@ -315,6 +316,47 @@ def test_the_fast_path_is_used_only_inside_the_supported_nats_py_range():
         assert not usable and version in reason and "supported range" in reason
     assert fast_path_support()[0], "the installed nats-py is the one the fast path was written for"
     assert type(new_client()) is FastClient
+
+
+@pytest.mark.parametrize("prop, meaning", [
+    ("is_connected", lambda self: self._status == Client.CONNECTED),  # draining no longer counted
+    ("is_closed", lambda self: self._status in (Client.CLOSED, Client.DISCONNECTED)),
+    ("is_draining_pubs", lambda self: False),
+])
+def test_the_fast_path_is_off_when_nats_py_connection_states_mean_something_else(monkeypatch, prop, meaning):
+    """The publish checks read ``_status`` against the states nats-py 2.16's properties name; a
+    nats-py whose properties say otherwise for any state gets the stock path."""
+    assert fast_path_support()[0]
+    monkeypatch.setattr(Client, prop, property(meaning))
+    usable, reason = fast_path_support()
+    assert not usable and "connection states" in reason
+
+
+@pytest.mark.parametrize("status, error, unbuffered", [
+    (Client.CLOSED, nats.errors.ConnectionClosedError, nats.errors.ConnectionClosedError),
+    (Client.DRAINING_PUBS, nats.errors.ConnectionDrainingError, nats.errors.ConnectionDrainingError),
+    # not connected: queued for the reconnect while the pending buffer has room, refused without one
+    (Client.RECONNECTING, None, nats.errors.OutboundBufferLimitError),
+    (Client.DISCONNECTED, None, nats.errors.OutboundBufferLimitError),
+    (Client.DRAINING_SUBS, None, None),  # connected, as nats-py's is_connected says while draining
+    (Client.CONNECTED, None, None),
+])
+@pytest.mark.parametrize("buffered", [True, False])
+def test_enqueue_raises_what_stock_publish_raises_in_each_connection_state(status, error, unbuffered, buffered):
+    """The one ``_status`` read in the publish checks answers as nats-py 2.16's three properties
+    do in ``Client.publish`` (closed, draining pubs, then not connected with a full buffer)."""
+    nc = FastClient()
+    nc._status = status
+    nc._max_pending_size = (1 << 20) if buffered else 0
+    nc._flush_queue = None
+    expected = error if buffered else unbuffered
+    if expected is None:
+        nc.enqueue("a.b", b"x", checked=True)
+        assert nc._pending and nc._pending[-1].startswith(b"PUB a.b  1\r\n")
+    else:
+        with pytest.raises(expected):
+            nc.enqueue("a.b", b"x", checked=True)
+        assert not nc._pending
 
 
 @pytest.fixture

@@ -175,3 +175,23 @@ async def test_a_pump_stopped_with_controls_staged_hands_them_to_the_client_firs
     await asyncio.sleep(0.05)
     wire = flushed + b"".join(writer.written) + b"".join(nc._pending)
     assert b"-NAK" in flushed or b"-NAK" in wire, "the hand-over's NAK never left"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("request_id", ["a b", "a\tb", "a\r\nPUB x 1", " a", "a "])
+async def test_a_result_whose_subject_nats_py_refuses_is_not_written(request_id):
+    """Results with a plain id skip nats-py's subject checks (they could not fail); any other id
+    still goes through them: a result the core made for an id with whitespace in it (which no
+    chunk path lets through) fails its publish like stock nats-py's, and nothing reaches the wire
+    that nats-server would read as a broken or injected command. A plain id beside it is written."""
+    writer = BehindWriter()
+    nc = _client(writer)
+    pump = _pump(nc)
+    pump.take([Result(request_id, 0, b"bad", True)], request_id)
+    pump.take([Result("plain-id", 0, b"good", True)], "plain-id")
+    pump.send_nowait()
+    written = b"".join(nc._pending)
+    assert b"HPUB p.results.plain-id _INBOX.abc." in written and b"good" in written
+    assert b"bad" not in written and request_id.encode() not in written
+    assert pump.outbox.stats.publish_errors == 1  # send_failed: sent again at the next tick, as any failed publish
