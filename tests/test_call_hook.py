@@ -15,17 +15,24 @@ ROOT = Path(__file__).resolve().parent.parent
 HOOK = ROOT / "benchmarks" / "call_hook.py"
 
 PROGRAM = textwrap.dedent("""
-    import os, signal
+    import os, signal, threading
 
     def before(): pass
     def counted(): pass
+    def in_thread(): pass
 
     for _ in range(50):
         before()
     os.kill(os.getpid(), signal.SIGUSR1)
+    for _ in range(50):
+        before()
+    os.kill(os.getpid(), signal.SIGUSR1)  # a second start begins the count again
     for _ in range(1000):
         counted()
         len("ab")
+    t = threading.Thread(target=lambda: [in_thread() for _ in range(7)])
+    t.start()
+    t.join()
     os.kill(os.getpid(), signal.SIGUSR2)
     for _ in range(50):
         counted()
@@ -46,6 +53,7 @@ def test_only_the_calls_between_the_two_signals_are_counted(tmp_path):
     python = {name: n for _, _, name, n in counts["python"]}
     c = dict(counts["c"])
     assert python.get("counted") == 1000 and "before" not in python
+    assert python.get("in_thread") == 7  # a thread started while counting is counted
     assert c.get("len") == 1000 and c.get("kill") == 1  # the SIGUSR2 kill itself, not the SIGUSR1 one
     assert not (tmp_path / "counts.json.tmp").exists()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 
 import pytest
 from nats.errors import MaxPayloadError
@@ -330,6 +332,67 @@ def test_the_fast_path_is_off_when_nats_py_connection_states_mean_something_else
     monkeypatch.setattr(Client, prop, property(meaning))
     usable, reason = fast_path_support()
     assert not usable and "connection states" in reason
+
+
+def test_a_connection_state_nats_py_adds_turns_the_fast_path_off(monkeypatch):
+    """A later nats-py with a state of its own (here 7, connected for ``is_connected``) would be
+    read as disconnected by the one ``_status`` read: every small state number is checked."""
+    connected = Client.is_connected
+    monkeypatch.setattr(Client, "is_connected", property(lambda self: self._status == 7 or connected.fget(self)))
+    usable, reason = fast_path_support()
+    assert not usable and "connection states" in reason
+
+
+def test_a_nats_py_without_a_state_name_still_imports_and_gets_the_stock_path():
+    """The states are read with getattr at import: a missing one must not break importing the
+    client (connection.py imports it), only turn the fast path off."""
+    code = ("from nats.aio.client import Client; del Client.DRAINING_SUBS; "
+            "from streamproc.nats import connection; from streamproc.nats.fast_client import fast_path_support; "
+            "print(fast_path_support())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("(False,") and "connection states" in done.stdout
+
+
+class _EmptyWriter:
+    """A socket transport that is not behind: a timer write goes straight to it."""
+
+    max_size = 64 * 1024
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+class _Transport:
+    def __init__(self, writer: _EmptyWriter) -> None:
+        self._io_writer = type("W", (), {"transport": writer})()
+        self.writer = writer
+
+    def writelines(self, lines) -> None:
+        self.writer.written.extend(lines)
+
+
+@pytest.mark.parametrize("status, writes", [
+    (Client.CONNECTED, True), (Client.DRAINING_SUBS, True), (Client.DRAINING_PUBS, True),
+    (Client.RECONNECTING, False), (Client.DISCONNECTED, False), (Client.CLOSED, False),
+])
+@pytest.mark.anyio
+async def test_a_timer_write_goes_out_in_every_state_nats_py_calls_connected(status, writes):
+    """``_write_pending_now`` writes while nats-py's ``is_connected`` is true (draining included: a
+    drain's last publishes must leave) and keeps the commands for the reconnect otherwise."""
+    nc = FastClient()
+    nc._status = Client.CONNECTED
+    nc._max_pending_size = 1 << 20
+    nc._flush_queue = None
+    nc.enqueue("a.b", b"x", checked=True)
+    writer = _EmptyWriter()
+    nc._transport = _Transport(writer)
+    nc._status = status
+    nc._write_pending_now()
+    assert bool(writer.written) is writes and bool(nc._pending) is not writes
 
 
 @pytest.mark.parametrize("status, error, unbuffered", [

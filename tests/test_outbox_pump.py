@@ -195,3 +195,28 @@ async def test_a_result_whose_subject_nats_py_refuses_is_not_written(request_id)
     assert b"HPUB p.results.plain-id _INBOX.abc." in written and b"good" in written
     assert b"bad" not in written and request_id.encode() not in written
     assert pump.outbox.stats.publish_errors == 1  # send_failed: sent again at the next tick, as any failed publish
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_results_with_a_plain_id_skip_the_subject_checks_and_others_do_not(monkeypatch):
+    """The cut itself (benchmarks/call_counts.py): a plain id's result is enqueued without nats-py's
+    subject checks (two per result), an id with a space still gets them."""
+    import nats.aio.client as nats_client
+
+    checked: list[str] = []
+    original = nats_client._validate_subject
+
+    def counting(subject: str, **kwargs) -> None:
+        checked.append(subject)
+        original(subject, **kwargs)
+
+    monkeypatch.setattr(nats_client, "_validate_subject", counting)
+    nc = _client(BehindWriter())
+    pump = _pump(nc)
+    pump.take([Result("plain-id", 0, b"good", True)], "plain-id")
+    pump.send_nowait()
+    assert checked == [] and b"HPUB p.results.plain-id " in b"".join(nc._pending)
+    pump.take([Result("a b", 0, b"bad", True)], "a b")
+    pump.send_nowait()
+    assert checked == ["p.results.a b"]  # refused there: the reply is never checked, nothing is written

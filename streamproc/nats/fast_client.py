@@ -108,25 +108,28 @@ def _version(text: str) -> tuple[int, ...]:
 # The connection states in which nats-py 2.16's ``Client.is_connected`` is true (CONNECTED, or
 # draining: ``is_draining``). The per-message checks read ``_status`` once against it instead of
 # calling three properties (9 Python calls per durable chunk; benchmarks/call_counts.py);
-# fast_path_support checks the properties still say the same for every state.
-_CONNECTED_STATES = frozenset((Client.CONNECTED, Client.DRAINING_SUBS, Client.DRAINING_PUBS))
+# fast_path_support checks the properties still say the same for every state. Read with getattr:
+# a nats-py without one of these names gets the stock path, it must not fail this import.
+_CONNECTED_STATES = frozenset(getattr(Client, name, None) for name in ("CONNECTED", "DRAINING_SUBS", "DRAINING_PUBS"))
 _STATES = ("DISCONNECTED", "CONNECTED", "CLOSED", "RECONNECTING", "CONNECTING", "DRAINING_SUBS", "DRAINING_PUBS")
+# nats-py 2.16 numbers its states 0-6; the check covers room for states a later version might add.
+_STATE_RANGE = range(-1, 64)
 
 
 def _states_agree() -> bool:
     """``is_connected``, ``is_closed`` and ``is_draining_pubs`` of nats-py's ``Client`` agree with
-    :data:`_CONNECTED_STATES` and the two state constants for each of its states."""
+    :data:`_CONNECTED_STATES` and the two state constants for each named state and every small
+    integer one (a state nats-py adds, e.g. a connected one, would otherwise read as disconnected)."""
     try:
         client = Client.__new__(Client)  # no __init__: only _status is read
-        for name in _STATES:
-            state = getattr(Client, name)
+        for state in {*(getattr(Client, name) for name in _STATES), *_STATE_RANGE}:
             client._status = state
             if (client.is_connected != (state in _CONNECTED_STATES) or client.is_closed != (state == Client.CLOSED)
                     or client.is_draining_pubs != (state == Client.DRAINING_PUBS)):
                 return False
     except Exception:  # noqa: BLE001  (a state or property gone: not the client mirrored here)
         return False
-    return True
+    return None not in _CONNECTED_STATES
 
 
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
