@@ -21,8 +21,14 @@ paced rate, round robin over the streams, ``--batch`` of them per flush, and rea
 stime from /proc) over the paced window is divided by the events its clients received. Rounds are
 interleaved; the figure is the median over rounds, the range beside it.
 
+``--count-calls``: each contender runs under ``call_hook.py`` (counting from the first paced
+publish until every event was read), and the table gives its Python function calls and C calls
+per event instead of CPU (the profiler slows it several times over: the CPU figures of such a run
+mean nothing). As ``call_counts.py`` does for the durable processor: a change to the per-event
+path shows exactly in its counts, where its CPU change would be lost in the noise.
+
 Usage: python benchmarks/sse_floor.py [--rate 2000] [--seconds 4] [--rounds 5] [--batch 10] [--tree NAME=PATH] [--jetstream]
-                                     [--only edge,main]
+                                     [--only edge,main] [--count-calls]
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +52,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from buffered_reads import BufferedReads  # noqa: E402  (a sibling: sys.path[0] is benchmarks/)
+from call_hook import OUTPUT_ENV  # noqa: E402
 from streamproc.core.wire import JOIN, MSG_ID, SEQ  # noqa: E402
 from streamproc.sim.embedded import EmbeddedNats, free_port, stop_process  # noqa: E402
 
@@ -218,20 +228,43 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+COUNT_DIR: Path | None = None  # --count-calls: where each contender's call_hook.py writes its counts
+HOOK = str(HERE / "call_hook.py")
+
+
+def counts_path(kind: str) -> Path:
+    assert COUNT_DIR is not None
+    return COUNT_DIR / f"{kind}.json"
+
+
 def start(kind: str, nats_url: str, port: int, trees: dict[str, Path]) -> subprocess.Popen:
+    hook = [sys.executable, HOOK] if COUNT_DIR is not None else [sys.executable]
+    env = dict(os.environ, **({OUTPUT_ENV: str(counts_path(kind))} if COUNT_DIR is not None else {}))
     if kind in ("floor", "natspy"):
-        argv = [sys.executable, __file__, "--serve", kind, "--nats-url", nats_url, "--port", str(port)]
-        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        argv = [*hook, __file__, "--serve", kind, "--nats-url", nats_url, "--port", str(port)]
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     if kind == "relay":
-        argv = [sys.executable, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", PREFIX,
-                "--port", str(port)]
-        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        argv = [*hook, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", PREFIX, "--port", str(port)]
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     tree = trees[kind]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd")))
-    argv = [sys.executable, "-m", "streamproc.cli", "edge", "--nats-url", nats_url, "--prefix", PREFIX,
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd"))
+    command = ["streamproc"] if COUNT_DIR is not None else ["-m", "streamproc.cli"]
+    argv = [*hook, *command, "edge", "--nats-url", nats_url, "--prefix", PREFIX,
             "--port", str(port), "--insecure-demo", "--max-streams-per-client", "100000"]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
+
+
+async def read_counts(kind: str, proc: subprocess.Popen) -> dict:
+    """Stop the contender's count (SIGUSR2) and read what call_hook.py wrote."""
+    path = counts_path(kind)
+    proc.send_signal(signal.SIGUSR2)
+    for _ in range(200):
+        if path.exists():
+            counts = json.loads(path.read_text())
+            path.unlink()
+            return counts
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{kind}: no call counts written to {path} within 10 s of SIGUSR2")
 
 
 async def open_stream(port: int, rid: str, counts: dict[str, int]) -> asyncio.StreamWriter:
@@ -276,6 +309,8 @@ async def one_round(kind: str, server: EmbeddedNats, trees: dict[str, Path], rat
         headers = [{SEQ: str(i // STREAMS), MSG_ID: f"{rids[i % STREAMS]}.{i // STREAMS}", JOIN: "passthrough"}
                    for i in range(total)]
         subjects = [f"{PREFIX}.results.{rids[i % STREAMS]}" for i in range(total)]
+        if COUNT_DIR is not None:
+            proc.send_signal(signal.SIGUSR1)
         cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
         for i in range(total):
             await nc.publish(subjects[i], BODY, headers=headers[i])
@@ -288,9 +323,16 @@ async def one_round(kind: str, server: EmbeddedNats, trees: dict[str, Path], rat
             await asyncio.sleep(0.01)
         cpu = cpu_seconds(proc.pid) - cpu0
         delivered = sum(counts.values())
+        calls = await read_counts(kind, proc) if COUNT_DIR is not None else None
         await nc.close()
-        return {"cpu_us": cpu / max(delivered, 1) * 1e6, "delivered": delivered / total,
-                "rate": total / (time.monotonic() - t0)}
+        out = {"cpu_us": cpu / max(delivered, 1) * 1e6, "delivered": delivered / total,
+               "rate": total / (time.monotonic() - t0)}
+        if calls is not None:
+            per = max(delivered, 1)
+            out["python_calls"] = sum(row[3] for row in calls["python"]) / per
+            out["c_calls"] = sum(row[1] for row in calls["c"]) / per
+            out["top"] = [(n / per, f"{name} ({Path(file).name}:{line})") for file, line, name, n in calls["python"][:30]]
+        return out
     finally:
         for w in writers:
             w.close()
@@ -319,6 +361,17 @@ async def run(args) -> None:
             for kind in order:
                 results[kind].append(await one_round(kind, server, trees, args.rate, args.seconds, args.batch))
             print(f"round {r + 1}: " + ", ".join(f"{k} {results[k][-1]['cpu_us']:.0f}" for k in kinds), flush=True)
+    if COUNT_DIR is not None:
+        print(f"\n{'contender':10}{'Python calls/event':>20}{'C calls/event':>15}{'delivered':>11}   (medians of the rounds)")
+        for kind in kinds:
+            xs = results[kind]
+            print(f"{kind:10}{statistics.median(x['python_calls'] for x in xs):20.1f}"
+                  f"{statistics.median(x['c_calls'] for x in xs):15.1f}{min(x['delivered'] for x in xs):11.3f}")
+        for kind in kinds:
+            print(f"\n{kind}, Python functions called most, per event (last round):")
+            for n, name in results[kind][-1]["top"]:
+                print(f"  {n:7.2f}  {name}")
+        return
     print(f"\n{'contender':10}{'cpu us/event':>14}{'(range)':>14}{'x floor':>9}{'delivered':>11}")
     floor = statistics.median(x["cpu_us"] for x in results["floor"]) if "floor" in results else float("nan")
     for kind in kinds:
@@ -345,6 +398,8 @@ def main() -> None:
     parser.add_argument("--only", metavar="NAMES", help="run only these contenders (e.g. edge,main: a quicker A/B)")
     parser.add_argument("--jetstream", action="store_true",
                         help="a JetStream stream captures the results: the edges read them with an ordered consumer")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="count each contender's Python and C calls per event (call_hook.py) instead of its CPU")
     parser.add_argument("--serve", choices=["floor", "natspy"], help=argparse.SUPPRESS)
     parser.add_argument("--nats-url", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -354,6 +409,11 @@ def main() -> None:
         parser.error("--batch must be at least 1")
     if args.serve:
         asyncio.run(serve(args.serve, args.nats_url, args.port, args.prefix))
+    elif args.count_calls:
+        global COUNT_DIR
+        with tempfile.TemporaryDirectory() as tmp:
+            COUNT_DIR = Path(tmp)
+            asyncio.run(run(args))
     else:
         asyncio.run(run(args))
 
