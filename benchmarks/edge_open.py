@@ -58,6 +58,7 @@ import contextvars
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -453,6 +454,7 @@ class Contender:
         self.windows: list[tuple[float, float]] = []
         self.rounds: list[dict] = []
         self.delays: list[tuple[float, float]] = []
+        self.calls: list[tuple[dict, int]] = []  # --count-calls: (call_hook.py's counts, opens) per round
 
     @property
     def edge(self) -> bool:
@@ -484,7 +486,11 @@ async def main_async(args) -> dict:
                 env = {**env, "EDGE_OPEN_HANDLES": "1"}
             if per_pass is not None:
                 env = {**env, "EDGE_OPEN_PER_PASS": str(per_pass)}
-            return Contender(name, [sys.executable, script, "--serve", str(stamps_file), "--", *edge_argv],
+            hook: list[str] = []
+            if args.count_calls:  # the edge under call_hook.py, counting between SIGUSR1 and SIGUSR2 (one_round)
+                hook = [str(Path(script).parent / "call_hook.py")]
+                env = {**env, "CALL_HOOK_OUTPUT": str(tmp / f"calls-{name}.json")}
+            return Contender(name, [sys.executable, *hook, script, "--serve", str(stamps_file), "--", *edge_argv],
                              port, env, stamps_file)
 
         try:
@@ -597,6 +603,7 @@ async def main_async(args) -> dict:
                         f"{o['p99']:7.2f}  max {d['max']:7.1f} / {o['max']:7.1f}  n {d['n']} / {o['n']}; "
                         f"all p99 {a['p99']:.2f}")
                 print(line)
+        print_calls(contenders)
         print("\nedge loop passes > 1 ms: while a burst opens (wall ms; CPU ms) / otherwise (wall ms)")
         for c in contenders:
             lp = report[c.name].get("loop_passes_ms")
@@ -606,6 +613,34 @@ async def main_async(args) -> dict:
                       f"CPU p50 {u['p50']:6.2f} p99 {u['p99']:6.2f} max {u['max']:6.1f}  "
                       f"other: n {o['n']:4} p50 {o['p50']:6.2f} p99 {o['p99']:7.2f}")
     return report
+
+
+async def read_counts(c: Contender, tmp: Path) -> dict:
+    """Stop the edge's call count (SIGUSR2) and read what call_hook.py wrote."""
+    path = tmp / f"calls-{c.name}.json"
+    c.proc.send_signal(signal.SIGUSR2)
+    for _ in range(200):
+        if path.exists():
+            counts = json.loads(path.read_text())
+            path.unlink()
+            return counts
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{c.name}: no call counts written to {path} within 10 s of SIGUSR2")
+
+
+def print_calls(contenders: list[Contender], top: int = 40) -> None:
+    """--count-calls: Python and C calls per open of each edge, and its most called functions."""
+    for c in contenders:
+        if not c.calls:
+            continue
+        per = [(sum(row[3] for row in k["python"]) / n, sum(row[1] for row in k["c"]) / n) for k, n in c.calls]
+        print(f"\n{c.name}: calls per open, by round: "
+              + ", ".join(f"{p:.0f} Python + {x:.0f} C" for p, x in per)
+              + " (the stamps of this script's --serve wrappers included)")
+        counts, n = c.calls[-1]
+        print(f"  Python functions called most, per open (last round, {n} opens):")
+        for file, line, name, calls in counts["python"][:top]:
+            print(f"    {calls / n:7.2f}  {name} ({'/'.join(Path(file).parts[-2:])}:{line})")
 
 
 async def one_round(c: Contender, r: int, args, nats_url: str, prefix: str, tmp: Path, edge: Contender) -> None:
@@ -621,9 +656,14 @@ async def one_round(c: Contender, r: int, args, nats_url: str, prefix: str, tmp:
                              "-p", str(c.proc.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
            if args.py_spy and c.name == "edge" and r == 0 else None)
     windows: list[tuple[float, float]] = []
+    counting = args.count_calls and c.edge
+    if counting:
+        c.proc.send_signal(signal.SIGUSR1)
     cpu0 = cpu_seconds(c.proc.pid), time.process_time()
     runs = await client(c.port, args.opens, args.burst, args.gap, f"{c.name}{r}-", windows)
     cpu1 = cpu_seconds(c.proc.pid)
+    if counting:
+        c.calls.append((await read_counts(c, tmp), len(runs)))
     cpu = (cpu1[0] - cpu0[0][0], cpu1[1] - cpu0[0][1]), time.process_time() - cpu0[1]
     if spy:
         spy.send_signal(2)
@@ -676,6 +716,9 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path,
                         help="also run the stamped edge from this source tree (e.g. the main checkout)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--count-calls", action="store_true",
+                        help="run each edge under call_hook.py and print its Python and C calls per open "
+                             "(the profiler slows it several times over: its times and CPU then mean nothing)")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     report = asyncio.run(main_async(args))
