@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -35,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import durable  # noqa: E402
-from call_hook import OUTPUT_ENV  # noqa: E402
+from call_hook import OUTPUT_ENV, collect  # noqa: E402
 from durable_trees import python_path  # noqa: E402
 from passthrough import build_load  # noqa: E402
 
@@ -64,18 +63,17 @@ async def counted(name: str, load: list, rate: float, seconds: float, out: Path)
     """One paced run of ``name`` under the hook: (the counts, chunks)."""
     out.unlink(missing_ok=True)
 
+    counts: dict = {}
+
     async def mark(proc: subprocess.Popen, when: str) -> None:
-        proc.send_signal(signal.SIGUSR1 if when == "start" else signal.SIGUSR2)
-        if when == "end":
-            for _ in range(200):
-                if out.exists():
-                    return
-                await asyncio.sleep(0.05)
-            raise RuntimeError(f"{name}: no counts written to {out} within 10 s of SIGUSR2")
+        if when == "start":
+            proc.send_signal(signal.SIGUSR1)
+        else:
+            counts.update(await collect(proc, out, name))
 
     os.environ[OUTPUT_ENV] = str(out)
     paced = await durable.latency(name, load, rate, seconds, mark=mark)
-    return json.loads(out.read_text()), paced.chunks
+    return counts, paced.chunks
 
 
 def report(label: str, counts: dict, chunks: int, top: int) -> tuple[float, float]:

@@ -19,6 +19,7 @@ worker thread) is not counted (``threading.setprofile`` only reaches new threads
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import runpy
@@ -26,7 +27,9 @@ import signal
 import sys
 import threading
 from collections import Counter
+from pathlib import Path
 from types import CodeType, FrameType
+from typing import Any
 
 OUTPUT_ENV = "CALL_HOOK_OUTPUT"  # not STREAMPROC_*: streamproc warns about unknown ones
 
@@ -61,6 +64,19 @@ class CallCounter:
         with open(path + ".tmp", "w") as f:
             json.dump({"python": python, "c": [[k, n] for k, n in c_calls.most_common()]}, f)
         os.replace(path + ".tmp", path)
+
+
+async def collect(proc: Any, path: Path, name: str) -> dict:
+    """For the benchmark that started ``proc`` under this hook (writing to ``path``): stop its count
+    (SIGUSR2) and return what it wrote, removing the file so that the next count is read fresh."""
+    proc.send_signal(signal.SIGUSR2)
+    for _ in range(200):
+        if path.exists():
+            counts = json.loads(path.read_text())
+            path.unlink()
+            return counts
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{name}: no call counts written to {path} within 10 s of SIGUSR2")
 
 
 def main() -> None:

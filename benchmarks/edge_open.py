@@ -615,19 +615,6 @@ async def main_async(args) -> dict:
     return report
 
 
-async def read_counts(c: Contender, tmp: Path) -> dict:
-    """Stop the edge's call count (SIGUSR2) and read what call_hook.py wrote."""
-    path = tmp / f"calls-{c.name}.json"
-    c.proc.send_signal(signal.SIGUSR2)
-    for _ in range(200):
-        if path.exists():
-            counts = json.loads(path.read_text())
-            path.unlink()
-            return counts
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"{c.name}: no call counts written to {path} within 10 s of SIGUSR2")
-
-
 def print_calls(contenders: list[Contender], top: int = 40) -> None:
     """--count-calls: Python and C calls per open of each edge, and its most called functions."""
     for c in contenders:
@@ -663,7 +650,8 @@ async def one_round(c: Contender, r: int, args, nats_url: str, prefix: str, tmp:
     runs = await client(c.port, args.opens, args.burst, args.gap, f"{c.name}{r}-", windows)
     cpu1 = cpu_seconds(c.proc.pid)
     if counting:
-        c.calls.append((await read_counts(c, tmp), len(runs)))
+        from call_hook import collect  # a sibling, as latency.py is
+        c.calls.append((await collect(c.proc, tmp / f"calls-{c.name}.json", c.name), len(runs)))
     cpu = (cpu1[0] - cpu0[0][0], cpu1[1] - cpu0[0][1]), time.process_time() - cpu0[1]
     if spy:
         spy.send_signal(2)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import re
 import signal
@@ -52,7 +51,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from buffered_reads import BufferedReads  # noqa: E402  (a sibling: sys.path[0] is benchmarks/)
-from call_hook import OUTPUT_ENV  # noqa: E402
+from call_hook import OUTPUT_ENV, collect  # noqa: E402
 from streamproc.core.wire import JOIN, MSG_ID, SEQ  # noqa: E402
 from streamproc.sim.embedded import EmbeddedNats, free_port, stop_process  # noqa: E402
 
@@ -254,19 +253,6 @@ def start(kind: str, nats_url: str, port: int, trees: dict[str, Path]) -> subpro
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
 
 
-async def read_counts(kind: str, proc: subprocess.Popen) -> dict:
-    """Stop the contender's count (SIGUSR2) and read what call_hook.py wrote."""
-    path = counts_path(kind)
-    proc.send_signal(signal.SIGUSR2)
-    for _ in range(200):
-        if path.exists():
-            counts = json.loads(path.read_text())
-            path.unlink()
-            return counts
-        await asyncio.sleep(0.05)
-    raise RuntimeError(f"{kind}: no call counts written to {path} within 10 s of SIGUSR2")
-
-
 async def open_stream(port: int, rid: str, counts: dict[str, int]) -> asyncio.StreamWriter:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"GET /v1/results/{rid} HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\n\r\n".encode())
@@ -323,7 +309,7 @@ async def one_round(kind: str, server: EmbeddedNats, trees: dict[str, Path], rat
             await asyncio.sleep(0.01)
         cpu = cpu_seconds(proc.pid) - cpu0
         delivered = sum(counts.values())
-        calls = await read_counts(kind, proc) if COUNT_DIR is not None else None
+        calls = await collect(proc, counts_path(kind), kind) if COUNT_DIR is not None else None
         await nc.close()
         out = {"cpu_us": cpu / max(delivered, 1) * 1e6, "delivered": delivered / total,
                "rate": total / (time.monotonic() - t0)}
