@@ -27,7 +27,7 @@ import re
 import signal
 import sys
 
-from buffered_reads import BufferedReads  # a sibling: run as a script, or loaded with benchmarks/ on the path
+from streamproc.nats.buffered_reads import BufferedReads  # no nats-py: the floor stays raw asyncio
 
 PAUSE_READS_BELOW = 8 * 1024  # as streamproc/nats/fast_client.py
 INBOX = "_INBOX.dfloor"

@@ -50,9 +50,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from buffered_reads import BufferedReads  # noqa: E402  (a sibling: sys.path[0] is benchmarks/)
 from call_hook import OUTPUT_ENV, collect  # noqa: E402
 from streamproc.core.wire import JOIN, MSG_ID, SEQ  # noqa: E402
+from streamproc.nats.buffered_reads import BufferedReads  # noqa: E402  (no nats-py: a raw floor)
 from streamproc.sim.embedded import EmbeddedNats, free_port, stop_process  # noqa: E402
 
 PREFIX = "floor"

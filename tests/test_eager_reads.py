@@ -16,7 +16,8 @@ from helpers import wait_until
 from nats.aio.client import Client
 
 from streamproc.nats import fast_client
-from streamproc.nats.eager_reads import READ_SIZE, EagerReads
+from streamproc.nats.buffered_reads import READ_SIZE
+from streamproc.nats.eager_reads import EagerReads
 from streamproc.nats.fast_client import STOCK_READS_ENV, FastClient
 from streamproc.sim.embedded import EmbeddedNats
 

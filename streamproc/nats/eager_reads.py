@@ -39,6 +39,7 @@ from nats.aio.transport import TcpTransport
 from nats.protocol.parser import AWAITING_CONTROL_LINE
 
 from ..logs import error_text, log_event
+from .buffered_reads import BufferedReads
 from .fast_parser import FastParser
 
 if TYPE_CHECKING:
@@ -47,25 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamproc.nats")
 
 
-# Bytes one socket read may take. Under glibc's 128 KiB mmap threshold, so the copy of a full read
-# comes from the heap too; at peak a read still holds hundreds of messages. (The stock path's
-# transports get the same as their ``max_size``: FastClient._write_pending_now.)
-READ_SIZE = 64 * 1024
-
-
-class EagerReads(asyncio.BufferedProtocol):
+class EagerReads(BufferedReads):
     """The NATS connection's protocol: a read's frames handed over at once when the read loop waits.
-
-    A ``BufferedProtocol``: the transport reads into one buffer kept for the connection
-    (``recv_into``), and each read's bytes are copied out at their size. A plain ``Protocol`` gets
-    ``sock.recv(256 KiB)``: depending on the heap's layout, glibc serves an allocation that large
-    with ``mmap``, shrinks it with ``mremap`` and frees it with ``munmap``, three system calls and a
-    page fault for every read, ~20 µs of a small read's ~30 on this repository's machine (CPython
-    issue #85451; docs/benchmarks.md, "What a read costs at light load")."""
+    Its reads land in one buffer kept for the connection (buffered_reads.py)."""
 
     def __init__(self, nc: FastClient, inner: asyncio.StreamReaderProtocol, reader: asyncio.StreamReader) -> None:
         self.nc = nc
-        self._buffer = memoryview(bytearray(READ_SIZE))
         self.inner = inner  # nats-py's protocol: every event but the eager reads, and the rest of those
         self.reader = reader
         self.parser: FastParser = nc._ps  # type: ignore[assignment]
@@ -73,12 +61,6 @@ class EagerReads(asyncio.BufferedProtocol):
         self.reports: set[asyncio.Task] = set()
         self.eager = 0  # reads handed over here, for tests and benchmarks
         self.fed = 0  # reads (or their rest) fed to the reader for the read loop
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._buffer
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(bytes(self._buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         reader = self.reader

@@ -62,7 +62,8 @@ from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
-from .eager_reads import READ_SIZE, EagerReads
+from .buffered_reads import READ_SIZE
+from .eager_reads import EagerReads
 from .eager_reads import install as install_eager_reads
 from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
