@@ -561,6 +561,28 @@ def test_the_edge_refuses_to_start_with_a_key_the_algorithm_cannot_use_safely(tm
     assert ok.returncode == 0, ok.stderr
 
 
+def test_a_der_public_key_ending_in_a_whitespace_byte_is_refused_as_an_hmac_secret(tmp_path):
+    """HS* secrets are stripped of surrounding whitespace (a file's trailing newline). A DER public
+    key whose last byte is 0x09-0x0d or 0x20 (random: ~2% of P-256 keys) no longer parsed once
+    stripped, so it was taken as a valid secret and anyone holding the public key could sign
+    capabilities; seen as a rare failure of the test above. Every such key is refused now."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    for _ in range(20_000):
+        der = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        if der[-1:].isspace():
+            break
+    else:
+        pytest.fail("no P-256 public key ending in a whitespace byte in 20,000 tries")
+    (tmp_path / "ec.der").write_bytes(der)
+    proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--connect-timeout", "1",
+                           "--auth-algorithm", "HS256", "--auth-key-file", str(tmp_path / "ec.der"))
+    assert proc.returncode == 2 and "asymmetric key" in proc.stderr, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+
+
 async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_client(server, tmp_path):
     """An ECDSA signature (r, s) also verifies as (r, n - s): whoever holds one ES256 token holds two
     token strings. A token without sub is its own client by what was signed, not by its bytes, so the

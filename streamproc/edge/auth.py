@@ -66,13 +66,15 @@ def load_key(path: str, algorithm: str) -> bytes:
         raise ConfigError(f"cannot read --auth-key-file {path!r}: {exc.strerror or exc}") from None
     verifier = jwt.get_algorithm_by_name(algorithm)
     if algorithm.startswith("HS"):
-        data = data.strip()
+        raw, data = data, data.strip()  # a secret file's trailing newline is not part of the secret
         short = short_secret(algorithm, data)
         if short:
             raise ConfigError(f"--auth-key-file {path!r}: {short}")
         try:
             verifier.prepare_key(data)
-            if asymmetric(data):  # PyJWT 2.15 refuses DER too; older ones (pyproject: >= 2.8) may not
+            # The file as given too: a DER key whose last byte happens to be whitespace (0x09-0x0d,
+            # 0x20: ~2% of P-256 public keys) no longer parses once stripped, and was taken as a secret.
+            if asymmetric(raw) or asymmetric(data):  # PyJWT 2.15 refuses DER too; older ones (>= 2.8) may not
                 raise jwt.InvalidKeyError(algorithm)
         except jwt.InvalidKeyError:
             raise ConfigError(f"--auth-key-file {path!r} holds an asymmetric key or certificate, not an "
