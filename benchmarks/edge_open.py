@@ -328,7 +328,8 @@ async def load(nats_url: str, prefix: str, port: int, rate: float, stop: asyncio
     ``delays`` gets (arrival, publish -> arrival seconds) of every event read."""
     import nats
 
-    out = tmp / f"load-{port}-{time.monotonic_ns()}.json"
+    run = f"{time.monotonic_ns():x}"  # this load's own ids: a JetStream edge replays what an earlier round stored
+    out = tmp / f"load-{port}-{run}.json"
     published: dict[tuple[str, int], float] = {}
     reader_proc = await asyncio.create_subprocess_exec(
         sys.executable, str(HERE / "latency.py"), "--sse-client", f"http://127.0.0.1:{port}", "--out", str(out),
@@ -339,7 +340,7 @@ async def load(nats_url: str, prefix: str, port: int, rate: float, stop: asyncio
     started = time.perf_counter()
     try:
         while not stop.is_set():
-            rids = [f"load{wave}-{i}" for i in range(50)]
+            rids = [f"load{run}w{wave}-{i}" for i in range(50)]
             reader_proc.stdin.write(f"open {wave} {' '.join(rids)}\n".encode())
             await reader_proc.stdin.drain()
             await reader_proc.stdout.readline()
@@ -440,7 +441,8 @@ def split_delays(delays: list[tuple[float, float]], windows: list[tuple[float, f
     """Event delays (ms) of arrivals while a burst was opening, and of the others."""
     during = [d * 1e3 for at, d in delays if inside(at, windows)]
     other = [d * 1e3 for at, d in delays if not inside(at, windows)]
-    return {name: {"p50": pct(v, 0.5), "p99": pct(v, 0.99), "max": max(v, default=float("nan")), "n": len(v)}
+    return {name: {"p50": pct(v, 0.5), "p99": pct(v, 0.99), "min": min(v, default=float("nan")),
+                   "max": max(v, default=float("nan")), "n": len(v)}
             for name, v in (("during", during), ("other", other), ("all", during + other))}
 
 
