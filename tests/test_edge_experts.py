@@ -12,6 +12,7 @@ import json
 import struct
 
 import httpx
+import hypothesis
 import nats
 import pytest
 from edge_harness import expected_sse, publish_results, running_edge
@@ -224,3 +225,27 @@ def test_a_processor_metrics_url_that_is_not_http_is_refused_at_start(run_cli):
     assert done.returncode == 2
     assert "--processor-metrics-url" in done.stderr and "'ftp://x/metrics' is not an http:// or https:// URL" in done.stderr
 
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(hypothesis.strategies.lists(
+    hypothesis.strategies.tuples(hypothesis.strategies.sampled_from("abc"),
+                                 hypothesis.strategies.integers(0, 40))))
+def test_the_bodies_budget_never_holds_more_than_its_bounds_and_gives_back_exactly_what_it_took(steps):
+    from streamproc.edge.experts import BodyBudget
+
+    budget = BodyBudget(total=64, per_client=32)
+    taken: list[tuple[str, int]] = []
+    for client, size in steps:
+        mine = sum(n for c, n in taken if c == client)
+        refused = budget.take(client, size)
+        if refused is None:
+            taken.append((client, size))
+        else:  # refused only past a bound, and naming the one passed first
+            assert refused == ("client" if mine + size > 32 else "edge")
+            assert mine + size > 32 or budget.held + size > 64
+        assert budget.held == sum(n for _, n in taken) <= 64
+        assert all(held <= 32 for held in budget.by_client.values())
+    for client, size in taken:
+        budget.give(client, size)
+    assert budget.held == 0 and budget.by_client == {}

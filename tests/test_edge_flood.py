@@ -570,11 +570,15 @@ def healthz(port: int) -> int | None:
 
 # POST /v1/experts reads its body (up to 32 MiB) into memory; each of these never completes it.
 EXPERTS_TRICKLED = {
-    "content-length": b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: 30000000\r\n\r\n",
+    "content-length": b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: 3000000\r\n\r\n",
     "chunked": b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nTransfer-Encoding: chunked\r\n\r\n",
 }
 STUFFED = 12  # connections that send STUFFING bytes of an experts body at once, one every STUFF_EVERY s, then stall
 STUFFING = 6 << 20
+# Their declared length. All of them are one client here (one address, --insecure-demo), whose
+# bodies may hold 32 MiB at once (experts.BodyBudget): about four stalled ones and the trickled one
+# fit; one past that share is refused at once (429) instead of timing out (408).
+STUFFED_HEAD = b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: 7000000\r\n\r\n"
 STUFF_EVERY = 0.3
 STUFF_GROWTH = 40 * 1024  # KiB of VmHWM over the RSS before: a few stuffed bodies alive at once (72 MiB held before)
 
@@ -603,7 +607,7 @@ def test_an_experts_body_not_complete_within_the_head_timeout_gets_408_and_close
             if stuffed < STUFFED and time.monotonic() - started >= stuffed * STUFF_EVERY:
                 name = f"stuffed {stuffed}"
                 sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
-                sock.sendall(EXPERTS_TRICKLED["content-length"] + b"s" * STUFFING)
+                sock.sendall(STUFFED_HEAD + b"s" * STUFFING)
                 open_[name] = (sock, time.monotonic())
                 answers[name] = b""
                 stuffed += 1
@@ -628,14 +632,23 @@ def test_an_experts_body_not_complete_within_the_head_timeout_gets_408_and_close
     print("held:", {name: round(t, 2) for name, t in held.items()}, f"VmRSS before {baseline} kB, VmHWM {hwm} kB")
     assert set(held) == set(answers), f"still open: {set(answers) - set(held)}"
     assert max(held.values()) < 2 * TIGHT_TIMEOUT + 1.0, held
+    timed_out = refused = 0
     for name, data in answers.items():
-        assert data.startswith(b"HTTP/1.1 408 "), (name, data[:300])
         error = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]
+        if name.startswith("stuffed") and data.startswith(b"HTTP/1.1 429 "):  # past the client's share
+            assert error["type"] == "too_many_uploads", error
+            refused += 1
+            continue
+        assert data.startswith(b"HTTP/1.1 408 "), (name, data[:300])
         assert error["type"] == "invalid_request" and "--head-timeout" in error["message"], error
+        timed_out += 1
+    assert timed_out >= len(EXPERTS_TRICKLED) + 4, answers  # the trickled ones and the stalled bodies that fit
     assert set(probes) == {200}, probes
     assert hwm - baseline < STUFF_GROWTH, (baseline, hwm)
     assert after["streamproc_edge_experts_bodies_timed_out_total"] \
-        - before["streamproc_edge_experts_bodies_timed_out_total"] == len(answers)
+        - before["streamproc_edge_experts_bodies_timed_out_total"] == timed_out
+    assert after["streamproc_edge_experts_bodies_refused_total"] \
+        - before["streamproc_edge_experts_bodies_refused_total"] == refused
 
 
 BLAST = 64 << 20  # bytes more than its cap a client tries to send as the body of a request answered unread

@@ -304,3 +304,112 @@ async def test_a_write_blocked_for_write_timeout_closes_that_stream_only_and_the
             finally:
                 sock.close()
         assert edge.proc.poll() is None
+
+
+EXPERTS_SECRET = b"edge-memory-secret-0123456789abcdef-0123456789"
+
+
+def padded_result_body(size: int) -> bytes:
+    """A result body of ``size`` bytes without a routed-experts value (its view: ``present`` false)."""
+    head, tail = b'{"meta_info":{"prompt_tokens":1,"completion_tokens":1},"pad":"', b'"}'
+    return head + b"a" * (size - len(head) - len(tail)) + tail
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_concurrent_experts_posts_of_one_client_get_429_and_another_client_is_still_answered(
+        server, tmp_path):
+    """Found by an attack (2026-12-03): each ``POST /v1/experts`` body (up to 32 MiB) was read whole
+    before it waited for the one decode at a time, and nothing bounded how many were held: 16
+    concurrent posts of one client took the edge's peak RSS up by 870-1,027 MiB. Now the bodies
+    held are bounded per client (32 MiB) and edge-wide (64 MiB): the rest get a clear refusal."""
+    from streamproc.client.capability import mint_capability
+    from streamproc.edge.experts import MAX_BODY_BYTES
+
+    key = tmp_path / "edge.key"
+    key.write_bytes(EXPERTS_SECRET)
+    hostile = mint_capability(EXPERTS_SECRET, rids=[rid("own")], subject="one-user")
+    other = mint_capability(EXPERTS_SECRET, rids=[rid("other")], subject="another-user")
+    big = padded_result_body(MAX_BODY_BYTES - 64 * 1024)
+    with running_edge(server.url, "--auth-key-file", str(key), "--format", "sglang-zstd") as edge:
+        baseline = status_kib(edge.proc.pid, "VmHWM") * 1024
+        answers: list[httpx.Response] = []
+        others: list[int] = []
+        async with httpx.AsyncClient(base_url=edge.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=20)) as client:
+
+            async def post() -> None:
+                answers.append(await client.post("/v1/experts", content=big,
+                                                 headers={"Authorization": f"Bearer {hostile}"}))
+
+            async def meanwhile() -> None:
+                for _ in range(5):
+                    response = await client.post("/v1/experts", content=padded_result_body(4096),
+                                                 headers={"Authorization": f"Bearer {other}"})
+                    others.append(response.status_code)
+                    await anyio.sleep(0.05)
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(16):
+                    tg.start_soon(post)
+                tg.start_soon(meanwhile)
+        growth = status_kib(edge.proc.pid, "VmHWM") * 1024 - baseline
+        statuses = sorted(r.status_code for r in answers)
+        print(f"statuses {statuses}; peak RSS growth {growth / MiB:.0f} MiB")
+        # One 32 MiB body of the hostile client at a time (and its joined copy for a moment), a
+        # decode's worth: under 160 MiB, where 16 held at once took up to 1 GiB.
+        assert growth < 160 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+        refused_total = edge.metrics()["streamproc_edge_experts_bodies_refused_total"]
+    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
+    refused = [r for r in answers if r.status_code == 429]
+    for response in refused:
+        assert response.json()["error"]["type"] == "too_many_uploads"
+        assert response.headers["retry-after"] == "1"
+    assert refused_total == len(refused)
+    assert others == [200] * 5  # another client's posts are answered throughout
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_late_attaches_to_a_long_stored_history_hold_no_more_than_their_buffer_and_a_reader_gets_it_all(
+        nats_server):
+    """Found by an attack (2026-12-03): the edge joins the results waiting in a feed into one write,
+    and while a stream replays what the results stream stored before its open, the next stored
+    result counts as waiting. So each late attach gathered the request's whole stored history (48
+    MiB here) before its first write, whether or not its client read: four streams that never read
+    took the edge's peak RSS up by 253-284 MiB with --stream-buffer-bytes 1 MiB. A write now takes
+    at most 64 KiB of waiting results (app.BATCH_BYTES)."""
+    server = nats_server  # its own: the module's server has another prefix's results stream
+    subjects = Subjects("replaybatch")
+    request_id = rid("long-history")
+    body = b'{"text":"' + b"x" * (256 * 1024 - 12) + b'"}'
+    results = 192  # 48 MiB stored for one request
+    with running_edge(server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--stream-buffer-bytes", str(BUFFER)) as edge:
+        async with connection(server.url) as nc:
+            for seq in range(results):
+                await publish_result(nc, subjects, request_id, seq, body, final=seq == results - 1)
+                if seq % 8 == 7:
+                    await nc.flush()
+            await nc.flush()
+            js = nc.jetstream()
+            name = await js.find_stream_name_by_subject(subjects.result(request_id))
+            deadline = time.monotonic() + 20
+            while (await js.stream_info(name)).state.messages < results:
+                assert time.monotonic() < deadline
+                await anyio.sleep(0.1)
+        await anyio.sleep(1.0)
+        baseline = status_kib(edge.proc.pid, "VmHWM") * 1024
+        readers = [slow_reader(edge.url, request_id) for _ in range(4)]  # open, never read
+        try:
+            await anyio.sleep(6.0)
+            growth = status_kib(edge.proc.pid, "VmHWM") * 1024 - baseline
+        finally:
+            for sock in readers:
+                sock.close()
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:  # a reader gets all of it
+            response = await client.get(f"/v1/results/{request_id}")
+        assert response.content == expected_sse([body] * results)
+    print(f"peak RSS growth {growth / MiB:.0f} MiB")
+    # Each stalled stream: its buffer, a write's worth and what its socket holds; 4x the buffer each and 32 MiB.
+    assert growth < 4 * 4 * BUFFER + 32 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"

@@ -60,7 +60,7 @@ from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
 from . import pacer
 from .direct import DirectFrames, UvicornBody, WriteBatch
-from .experts import MAX_BODY_BYTES, build_view
+from .experts import MAX_BODIES_BYTES, MAX_BODY_BYTES, MAX_CLIENT_BODIES_BYTES, BodyBudget, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource, StreamGone
 from . import stopping as stop
@@ -74,6 +74,11 @@ log = logging.getLogger("streamproc.edge")
 FROM_ENVIRONMENT: Any = object()  # create_app(tracing=...): configured by the OTEL_* variables
 
 PAGE_DIR = Path(__file__).parent / "page"
+# Results already waiting go out as one chunk up to this many bytes (Edge.frames). Unbounded, a
+# stream replaying a stored history (a late attach, a resume: ``feed.next(0.0)`` reads the stored
+# results) gathered all of it before its first write, whether or not its client read: 4 such
+# streams of a 48 MiB history took the edge's RSS up by 250-280 MiB past --stream-buffer-bytes.
+BATCH_BYTES = 64 * 1024
 PAGE_SCRIPTS = ("edge.js", "access.js", "experts.js", "charts.js")
 
 # HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
@@ -83,6 +88,7 @@ ERROR_STATUS: dict[str, int] = {
     "unauthorized": 401,  # no capability, or one that is invalid or expired
     "forbidden": 403,  # a valid capability that does not name this request id
     "too_many_streams": 429,  # this client holds --max-streams-per-client streams
+    "too_many_uploads": 429,  # this client's POST /v1/experts bodies hold its share (experts.BodyBudget)
     "too_large": 413,  # a unary answer past --max-unary-bytes (read it as a stream instead)
     **CORE_ERROR_STATUS,
 }
@@ -285,6 +291,7 @@ class Edge:
         self.stats = StatsSource(self.metrics, settings.processor_metrics_urls(), sees_all_results=settings.recent > 0)
         # One expert view decodes at a time: a few open pages cannot multiply the decode memory.
         self.view_limiter = anyio.CapacityLimiter(1)
+        self.bodies = BodyBudget()  # POST /v1/experts bodies held at once
 
     # ------------------------------------------------------------------ access
 
@@ -454,6 +461,7 @@ class Edge:
         who = self.authenticate(request)
         if isinstance(who, Response):
             return who
+        client = who[0]
         try:
             offset = int(request.query_params.get("offset", "0"))
             rows = request.query_params.get("rows")
@@ -467,32 +475,61 @@ class Edge:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
-        # The body is due --head-timeout after the head, like the next head: without a deadline one
-        # trickled, or stopped short, held the connection, its --max-connections slot and up to
-        # 32 MiB of chunks for as long as its client liked (connections.py bounds only the bodies
-        # nothing reads). 10 s: a 32 MiB body needs 3.4 MB/s, a 3 MB one 0.3 MB/s.
-        chunks, size = [], 0
-        with anyio.move_on_after(self.settings.head_timeout) as deadline:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_BODY_BYTES:
-                    return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
-                chunks.append(chunk)
-        if deadline.cancelled_caught:
-            self.metrics.experts_bodies_timed_out += 1
-            chunks.clear()
-            return error_response(f"the request body did not arrive within {self.settings.head_timeout:g}s "
-                                  f"(--head-timeout; {size} bytes came)", "invalid_request", 408,
-                                  {"Connection": "close"})
-        body = b"".join(chunks)
+        # Bytes are taken from the bodies' budget before they are read (the declared length at
+        # once), and given back once the view is built: a body waiting for the one decode at a time
+        # is held too. A post past a bound is refused at once (connections.py discards the rest).
+        budget, held = self.bodies, 0
         try:
-            view = await anyio.to_thread.run_sync(
-                lambda: build_view(self.codec, body, offset=offset, rows=rows_wanted, verdict=verdict),
-                limiter=self.view_limiter,
-            )
-        except ValueError as exc:  # msgspec.DecodeError is a ValueError too
-            return error_response(f"not a result body: {exc}", "invalid_request", 400)
-        return Response(msgspec.json.encode(view), media_type="application/json")
+            if declared is not None and declared.isdigit():
+                held = int(declared)
+                refused = budget.take(client, held)
+                if refused is not None:
+                    held = 0
+                    return self.bodies_refused(refused)
+            # The body is due --head-timeout after the head, like the next head: without a deadline
+            # one trickled, or stopped short, held the connection, its --max-connections slot and up
+            # to 32 MiB of chunks for as long as its client liked (connections.py bounds only the
+            # bodies nothing reads). 10 s: a 32 MiB body needs 3.4 MB/s, a 3 MB one 0.3 MB/s.
+            chunks, size = [], 0
+            with anyio.move_on_after(self.settings.head_timeout) as deadline:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_BODY_BYTES:
+                        return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
+                    if size > held:  # no Content-Length (chunked): taken as it comes
+                        refused = budget.take(client, size - held)
+                        if refused is not None:
+                            return self.bodies_refused(refused)
+                        held = size
+                    chunks.append(chunk)
+            if deadline.cancelled_caught:
+                self.metrics.experts_bodies_timed_out += 1
+                chunks.clear()
+                return error_response(f"the request body did not arrive within {self.settings.head_timeout:g}s "
+                                      f"(--head-timeout; {size} bytes came)", "invalid_request", 408,
+                                      {"Connection": "close"})
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()  # one copy of the body from here on
+            try:
+                view = await anyio.to_thread.run_sync(
+                    lambda: build_view(self.codec, body, offset=offset, rows=rows_wanted, verdict=verdict),
+                    limiter=self.view_limiter,
+                )
+            except ValueError as exc:  # msgspec.DecodeError is a ValueError too
+                return error_response(f"not a result body: {exc}", "invalid_request", 400)
+            return Response(msgspec.json.encode(view), media_type="application/json")
+        finally:
+            budget.give(client, held)
+
+    def bodies_refused(self, bound: str) -> Response:
+        """The answer to an experts post past a bound of :class:`.experts.BodyBudget`."""
+        self.metrics.experts_bodies_refused += 1
+        if bound == "client":
+            return error_response(f"this client's posted bodies already hold {MAX_CLIENT_BODIES_BYTES} bytes "
+                                  "of the edge; retry once one is answered", "too_many_uploads", 429,
+                                  {"Retry-After": "1"})
+        return error_response(f"posted bodies already hold {MAX_BODIES_BYTES} bytes of the edge; retry later",
+                              "overloaded", 503, {"Retry-After": "1"})
 
     async def stats_json(self, request: Request) -> Response:
         """Results seen and the processors' join wait and result latency: operator data, like ``/v1/recent``."""
@@ -552,16 +589,19 @@ class Edge:
             if type(item) is ResultInfo and trace is None:
                 idle_since = time.monotonic()
                 limit = settings.result_timeout
-                batch = []
+                batch, size = [], 0
                 while True:
                     if verdicts:
                         batch.append(meta_frame(item))
-                    batch.append(sse.event(item.body, id=item.seq))
+                    batch.append(frame := sse.event(item.body, id=item.seq))
+                    size += len(frame)
                     metrics.sent(item)
                     if item.final or item.error is not None:
                         batch.append(sse.DONE)
                         yield b"".join(batch)
                         return
+                    if size >= BATCH_BYTES:
+                        break
                     item = await feed.next(0.0)
                     if type(item) is not ResultInfo:
                         carried = item

@@ -33,6 +33,7 @@ class EdgeMetrics(msgspec.Struct):
     bodies_timed_out: int = 0
     bodies_too_large: int = 0
     experts_bodies_timed_out: int = 0
+    experts_bodies_refused: int = 0
     streams_overrun: int = 0
     streams_stalled: int = 0
     unauthorized: int = 0
@@ -91,6 +92,8 @@ _HELP: dict[str, tuple[str, str]] = {
                                     "read went on past 1 MiB after the answer (64 MiB for an upload: POST, PUT, PATCH)"),
     "experts_bodies_timed_out": ("counter", "POST /v1/experts requests answered 408 and closed because their body "
                                             "was not complete within --head-timeout"),
+    "experts_bodies_refused": ("counter", "POST /v1/experts requests refused (429 for the client's share, 503 "
+                                          "edge-wide) because the bodies posted meanwhile held their bound"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
     "streams_stalled": ("counter", "streams closed because one write blocked for --write-timeout"),
     "unauthorized": ("counter", "requests refused with 401 (no, invalid or expired capability)"),
