@@ -8,6 +8,13 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   chunk. Prefill's ``[]`` (the default ``logprob_start_len = -1`` window) is a complete answer.
 - The first output token's logprob: P/D decode reports ``[null, out0, null]`` (SGLang PR #40298).
   Taken from prefill's ``output_token_logprobs[0]`` when it names the same token id.
+- ``output_token_ids_logprobs`` (``token_ids_logprob``): ``MetadataBuffers.set_buf``
+  (``disaggregation/utils.py``) hands decode the first output token's logprob and top logprobs but
+  not its token-ids logprobs, and decode's own steps append from output position 1. The
+  scheduler's ``stream_output_generation`` slices that list at the offset of the complete
+  ``output_token_logprobs`` list, so each send loses one more entry. A chunk one entry short that
+  starts at position 0 lost position 0 only, which prefill computed: restored from prefill's
+  list. Any other shortfall cannot be rebuilt: the field is omitted.
 - ``routed_experts``: rows cover ``[routed_experts_start_len, seqlen - 1)`` in the advertised wire
   dtype. Decode's copy of the prompt rows is stale KV-slot leftovers (or absent, when it returns the
   generated suffix only): the joined bytes are prefill's rows then decode's generated rows, the
@@ -36,6 +43,8 @@ from .native import (
     EXPERT_DTYPE_SIZES,
     INPUT_LOGPROBS_UNAVAILABLE,
     INPUT_TOKEN_LOGPROBS,
+    OUTPUT_TOKEN_IDS_LOGPROBS,
+    OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE,
     OUTPUT_TOKEN_LOGPROBS,
     OUTPUT_TOKEN_LOGPROBS_LENGTH,
     OUTPUT_TOP_LOGPROBS,
@@ -55,14 +64,14 @@ if TYPE_CHECKING:
 INPUT_LOGPROB_ANCHORS = {
     INPUT_TOKEN_LOGPROBS: OUTPUT_TOKEN_LOGPROBS,
     "input_top_logprobs": OUTPUT_TOP_LOGPROBS,
-    "input_token_ids_logprobs": "output_token_ids_logprobs",
+    "input_token_ids_logprobs": OUTPUT_TOKEN_IDS_LOGPROBS,
 }
 # Keys ``tokenizer_manager._handle_batch_output`` writes before ``routed_experts``; everything after
 # it (customized info, ``dp_rank``, ``e2e_latency`` and the finish-time metrics) comes later.
 ROUTED_EXPERTS_PREDECESSORS = (
     "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", "total_retractions",
     INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS_LENGTH, "input_top_logprobs",
-    OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", "output_token_ids_logprobs", COMPLETION_TOKENS,
+    OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", OUTPUT_TOKEN_IDS_LOGPROBS, COMPLETION_TOKENS,
     "cached_tokens", "cached_tokens_details", "hidden_states",
 )
 # A row of this many ids that are all equal (all-zero rows included) is no real capture: with
@@ -187,6 +196,11 @@ def _insert_after_last(meta: dict[str, Any], key: str, value: Any, predecessors:
             meta[key] = value
 
 
+def _token_id(entry: object) -> object:
+    """The token id of a ``[logprob, token_id, text]`` entry, or None."""
+    return entry[1] if isinstance(entry, list) and len(entry) >= 2 else None
+
+
 def _is_count(value: object) -> bool:
     return type(value) is int
 
@@ -202,11 +216,17 @@ def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> 
     return out
 
 
+# A batch body's verdict is its strongest item's (the edge ranks verdicts the same way).
+_VERDICT_ORDER = (Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.STITCHED, Verdict.OMITTED)
+
+
 class SGLangJoinSession(JoinSession):
     """Join state for one P/D request. The prefill leg is parsed once and its rows decoded once."""
 
     def __init__(self, codec: SGLangCodec) -> None:
+        self._codec = codec
         self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
+        self._prefill_items: list[bytes] | None = None  # a batch prefill leg's bodies (_join_items)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
         self._unavailable: str | None = None  # why there is no usable prefill leg
@@ -223,7 +243,9 @@ class SGLangJoinSession(JoinSession):
         final chunk: only the prefill leg tells whether experts were requested, so a decode that
         dropped the field (or a one-token decode that legitimately omits it) is judged against it."""
         doc = self._parse(body)
-        meta = native.meta_of(doc) if doc is not None else None
+        if doc is None:  # a batch body is a whole answer: its items are joined with prefill's (_join_items)
+            return native.parse_items(body) is not None
+        meta = native.meta_of(doc)
         return meta is not None and self._wants(meta, final)
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
@@ -233,7 +255,10 @@ class SGLangJoinSession(JoinSession):
             self._unavailable = Omit.PREFILL_MISSING
             return
         if any(doc is None for doc in docs):
-            self._unavailable = Omit.PREFILL_CORRUPT
+            items = native.parse_items(bodies[0]) if len(bodies) == 1 else None
+            if items is not None:  # a batch: each decode item is joined with its own (_join_items)
+                self._prefill_items = [native.encode(item) for item in items]
+            self._unavailable = Omit.PREFILL_CORRUPT  # for a decode body that is not a batch
             return
         doc = docs[0] if len(docs) == 1 else fold(docs)  # type: ignore[arg-type]
         meta = native.meta_of(doc)  # type: ignore[arg-type]
@@ -261,11 +286,15 @@ class SGLangJoinSession(JoinSession):
                 # The request ends with this chunk, so prefill's decoded rows (and parsed leg) are
                 # dropped here, in the thread that joins: freed when the request was forgotten on the
                 # event loop, 32 MiB held the GIL ~2 ms while every other request waited.
-                self._rows = self._prefill = None
+                self._rows = self._prefill = self._prefill_items = None
 
     def _join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         doc = self._parse(body)
         self._last = None  # the parsed dict is edited below; never hand it out again
+        if doc is None:
+            items = native.parse_items(body)
+            if items is not None:
+                return self._join_items(body, items, final)
         meta = native.meta_of(doc) if doc is not None else None
         if meta is None or not self._wants(meta, final):
             return body, Verdict.PASSTHROUGH
@@ -275,6 +304,7 @@ class SGLangJoinSession(JoinSession):
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
             self._fill_first_token(meta)
+            self._fill_token_ids_logprobs(meta)
         if final or ROUTED_EXPERTS in meta:
             self._join_experts(meta)
         if self._omitted:
@@ -284,6 +314,32 @@ class SGLangJoinSession(JoinSession):
             if joined != body:
                 return joined, Verdict.JOINED
         return body, Verdict.PASSTHROUGH
+
+    def _join_items(self, body: bytes, items: list[dict[str, Any]], final: bool) -> tuple[bytes, Verdict]:
+        """A batch answer: item i joined with prefill's item i, each as a request of its own (so a
+        decode item's stale rows are never published), or, without a batch prefill of the same
+        length, with no prefill leg. The strongest verdict of the items is the body's."""
+        prefill = self._prefill_items
+        paired = prefill is not None and len(prefill) == len(items)
+        reason = Omit.LENGTH_MISMATCH if prefill is not None or self._prefill is not None else None
+        joined: list[bytes] = []
+        verdict = Verdict.PASSTHROUGH
+        for i, item in enumerate(items):
+            session = SGLangJoinSession(self._codec)
+            if paired:
+                session.absorb_prefill([prefill[i]])  # type: ignore[index]
+            else:
+                session.prefill_unavailable(reason or self._unavailable or Omit.PREFILL_MISSING)
+            item_body = native.encode(item)
+            session.needs_prefill(item_body, final)
+            out, item_verdict = session.join(item_body, final)
+            self.decodes += session.decodes
+            joined.append(out)
+            if _VERDICT_ORDER.index(item_verdict) > _VERDICT_ORDER.index(verdict):
+                verdict = item_verdict
+        if verdict is Verdict.PASSTHROUGH:
+            return body, verdict
+        return b"[" + b",".join(joined) + b"]", verdict
 
     # -------------------------------------------------------------- internals
 
@@ -355,6 +411,34 @@ class SGLangJoinSession(JoinSession):
         if isinstance(top, list) and top and not top[0] and isinstance(source_top, list) and source_top \
                 and source_top[0]:
             top[0] = source_top[0]
+
+    def _fill_token_ids_logprobs(self, meta: dict[str, Any]) -> None:
+        """Decode's ``output_token_ids_logprobs`` has one entry per position of
+        ``output_token_logprobs`` in the aggregated body; P/D decode's lacks some (module docstring).
+        Position 0 is restored from prefill when it is the only one missing, else the field goes."""
+        ids, entries = meta.get(OUTPUT_TOKEN_IDS_LOGPROBS), meta.get(OUTPUT_TOKEN_LOGPROBS)
+        if not isinstance(ids, list) or not isinstance(entries, list) or len(ids) == len(entries):
+            return
+        length = meta.get(OUTPUT_TOKEN_LOGPROBS_LENGTH)
+        from_zero = _is_count(length) and length == len(entries)  # this chunk's slice starts at position 0
+        source = self._prefill
+        theirs = source.get(OUTPUT_TOKEN_IDS_LOGPROBS) if source is not None else None
+        their_tokens = source.get(OUTPUT_TOKEN_LOGPROBS) if source is not None else None
+        if (from_zero and len(ids) == len(entries) - 1 and isinstance(theirs, list) and theirs
+                and isinstance(their_tokens, list) and their_tokens and _token_id(their_tokens[0]) is not None
+                and _token_id(their_tokens[0]) == _token_id(entries[0])):
+            meta[OUTPUT_TOKEN_IDS_LOGPROBS] = [theirs[0], *ids]
+            self._changed = True
+            return
+        if source is None:
+            reason = self._unavailable or Omit.PREFILL_MISSING
+        elif from_zero and len(ids) == len(entries) - 1:
+            reason = Omit.PREFILL_MISSING if not (isinstance(theirs, list) and theirs) else Omit.LENGTH_MISMATCH
+        else:
+            reason = Omit.LENGTH_MISMATCH  # entries no leg has: lost between decode's sends
+        meta.pop(OUTPUT_TOKEN_IDS_LOGPROBS)
+        meta[OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE] = reason
+        self._omitted = True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
         if self._unavailable is not None:

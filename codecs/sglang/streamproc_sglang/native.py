@@ -40,14 +40,16 @@ INPUT_TOKEN_LOGPROBS = "input_token_logprobs"
 OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"
 OUTPUT_TOP_LOGPROBS = "output_top_logprobs"
 OUTPUT_TOKEN_LOGPROBS_LENGTH = "output_token_logprobs_length"
+OUTPUT_TOKEN_IDS_LOGPROBS = "output_token_ids_logprobs"  # the request's token_ids_logprob, per position
 # Prompt-side logprob fields only a prefill worker computes; copied together.
 INPUT_LOGPROB_FIELDS = (INPUT_TOKEN_LOGPROBS, "input_top_logprobs", "input_token_ids_logprobs")
 # Fields SGLang slices to each chunk's span in incremental streaming; folding concatenates them.
-OUTPUT_DELTA_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, "output_token_ids_logprobs"})
+OUTPUT_DELTA_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS})
 
 # Omission markers (Dynamo's ``input_logprobs_unavailable_reason`` convention, §2.3).
 INPUT_LOGPROBS_UNAVAILABLE = "input_logprobs_unavailable_reason"
 ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable_reason"
+OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE = "output_token_ids_logprobs_unavailable_reason"
 
 # finish_reason types that mean the leg did not complete (sidecar ``terminal_failure``).
 FAILED_FINISH_TYPES = frozenset({"abort", "error"})
@@ -63,6 +65,17 @@ def parse(body: bytes) -> dict[str, Any] | None:
     except msgspec.DecodeError:
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def parse_items(body: bytes) -> list[dict[str, Any]] | None:
+    """A batch body, or None. A non-stream batch or ``n > 1`` request answers with a JSON list of its
+    requests' bodies (``TokenizerManager._handle_batch_request``: ``outputs = await
+    asyncio.gather(...)``, ``yield outputs``); mini_lb sends such batches to P/D pairs too."""
+    try:
+        doc = _decode.decode(body)
+    except msgspec.DecodeError:
+        return None
+    return doc if isinstance(doc, list) and doc and all(isinstance(item, dict) for item in doc) else None
 
 
 def meta_of(doc: dict[str, Any]) -> dict[str, Any] | None:

@@ -231,6 +231,11 @@ class VLLMJoinSession(JoinSession):
         prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == Omit.PREFILL_MISSING)
         if value is None and ROUTED_EXPERTS in choice and not prefill_sent:
             return  # an explicit null on both legs: expert capture is off, nothing can be stale
+        if value is None and not prefill_sent and self._leg_reason is None and self._prefill_known:
+            # Neither leg has the key: a vLLM whose choices have no routed_experts field (protocol.py
+            # GenerateResponseChoice before it was added), or a stream chunk's None left out
+            # (exclude_none) while prefill answered without rows. The aggregated body has no key either.
+            return
         if isinstance(slot, str):
             edit.omit(choice, ROUTED_EXPERTS, slot)
             return
