@@ -260,3 +260,20 @@ NON_UTF8_HEADERS = [
     (b"NATS/1.0 503 \xff\xfe\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\n\r\n", b"unreadable header block"),
     (b"NATS/1.0\r\nStreamproc-Seq: \xff\xfe\r\nStreamproc-Final: true\r\n\r\n", b"Streamproc-Seq"),
 ]
+
+
+def drive_join(codec, decode: list[bytes], prefill: list[bytes] | None) -> list:
+    """One P/D join session driven as the correlator drives it: the prefill leg settled first (None:
+    it timed out), then each decode body asked ``needs_prefill`` and joined, in order. Returns the
+    ``(body, verdict)`` of each decode body."""
+    session = codec.open_session()
+    if prefill is None:
+        session.prefill_unavailable("prefill_timeout")
+    else:
+        session.absorb_prefill(prefill)
+    last = len(decode) - 1
+    out = []
+    for i, body in enumerate(decode):
+        session.needs_prefill(body, i == last)
+        out.append(session.join(body, i == last))
+    return out

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zstandard
+from helpers import drive_join as join
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -54,20 +55,6 @@ def dumps(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def join(codec, decode: list[bytes], prefill: list[bytes] | None) -> list[tuple[bytes, Verdict]]:
-    """Drive one JoinSession as the correlator does (tests/test_upstream_shapes.py ``join``)."""
-    session = codec.open_session()
-    if prefill is None:
-        session.prefill_unavailable("prefill_timeout")
-    else:
-        session.absorb_prefill(prefill)
-    last = len(decode) - 1
-    out = []
-    for i, body in enumerate(decode):
-        final = i == last
-        session.needs_prefill(body, final)
-        out.append(session.join(body, final))
-    return out
 
 
 def key_order(doc: Any) -> Any:

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from helpers import drive_join as join
 
 from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
 from streamproc.config import ConfigError, load
@@ -35,15 +36,6 @@ VLLM = VLLMCodec(OPTIONS)
 property_settings = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def join(codec, decode: list[bytes], prefill: list[bytes] | None) -> list[tuple[bytes, Verdict]]:
-    """One P/D session driven as the correlator does: prefill settled first, decode in order."""
-    session = codec.open_session()
-    if prefill is None:
-        session.prefill_unavailable("prefill_timeout")
-    else:
-        session.absorb_prefill(prefill)
-    last = len(decode) - 1
-    return [session.join(body, i == last) for i, body in enumerate(decode)]
 
 
 def meta(body: bytes) -> dict:
