@@ -329,6 +329,37 @@ async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_in_core_mode
         assert peak_rss(proc.pid) < 150 * MiB
 
 
+async def test_a_decode_batch_of_too_many_items_ends_as_invalid_chunk_and_others_are_answered(nats_url,
+                                                                                               streamproc_run):
+    """A batch body (a JSON list) is joined item by item, a join session each; a list of thousands of
+    tiny items would cost a decode leg's worker nothing and the processor ~0.3 s of CPU per MiB.
+    Past MAX_BATCH_ITEMS the codec refuses it: invalid_chunk, naming why."""
+    from streamproc_sglang.join import MAX_BATCH_ITEMS
+
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    worker = worker_for("sglang")
+    truth = make_truth(0, prompt_len=8, output_len=2)
+    prefill = worker.prefill(truth, stream=False)[0]
+    batch = b"[" + b",".join([b'{"meta_info":{}}'] * (MAX_BATCH_ITEMS + 1)) + b"]"
+
+    async def attack(nc, i: int, ping) -> None:
+        rid = f"batch{i}"
+        for role, body in (("prefill", prefill), ("decode", batch)):
+            await nc.publish(SUBJECTS.chunk(rid, role), body, headers=chunk_headers(rid, role, 0, final=True))
+
+    attacked = [f"batch{i}" for i in range(0, 500, 50)]
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=500, log_path=log_path,
+                                  attacked=lambda res: all(res.final(r) for r in attacked))
+        for r in attacked:
+            [(body, headers)] = results.by_request[r].values()
+            assert headers.get(FINAL) == "true" and headers.get(ERROR) == "invalid_chunk", (r, headers)
+            assert b"at most %d are joined" % MAX_BATCH_ITEMS in body, body
+        assert proc.poll() is None
+
+
 async def test_a_message_whose_handling_raises_ends_its_request_as_internal_in_core_mode(nats_url, tmp_path):
     """A chunk naming a codec whose constructor raises: the exception escaped the core input (no result,
     `event=nats_error`). Now the request ends with one internal error result naming the cause, its later

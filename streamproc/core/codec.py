@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 import msgspec
 
 from . import defaults
-from .errors import CorruptPayload, MigrationRefused
+from .errors import ContractError, CorruptPayload, MigrationRefused  # noqa: F401 (ContractError: for codecs, JoinSession.join)
 from .events import Verdict
 
 DEFAULT_MAX_DECOMPRESSED_BYTES = defaults.MAX_DECOMPRESSED_BYTES  # the name codecs import
@@ -241,7 +241,9 @@ class JoinSession(ABC):
 
     @abstractmethod
     def join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
-        """The client-visible body for one decode chunk and what was done to it."""
+        """The client-visible body for one decode chunk and what was done to it. Raises
+        :class:`ContractError` for a body the codec refuses as a whole (the request then ends with an
+        ``invalid_chunk`` error naming the reason); any other exception ends it as ``internal``."""
 
     # Set by the correlator before each call: bytes the session may still decode within the
     # processor's global budget (``max_total_bytes``); None means no budget. A codec whose payloads

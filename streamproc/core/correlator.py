@@ -25,7 +25,7 @@ import msgspec
 
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
-from .errors import MigrationRefused, UnknownFormat, shown
+from .errors import ContractError, MigrationRefused, UnknownFormat, shown
 from .latency import LatencyHistogram
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
@@ -1187,6 +1187,8 @@ class Correlator:
             # input, not a processor bug, so the client is told it was the chunk.
             return self._fail(req, ErrorKind.INVALID_CHUNK,
                               f"a chunk body is nested too deeply to parse (codec {req.codec.name!r}: {exc})", now)
+        if isinstance(exc, ContractError):  # the codec refused a worker's body (JoinSession.join)
+            return self._fail(req, ErrorKind.INVALID_CHUNK, f"codec {req.codec.name!r}: {exc}", now)
         detail = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         return self._fail(req, ErrorKind.INTERNAL, detail, now)
 
