@@ -230,22 +230,26 @@ def test_a_processor_metrics_url_that_is_not_http_is_refused_at_start(run_cli):
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(hypothesis.strategies.lists(
     hypothesis.strategies.tuples(hypothesis.strategies.sampled_from("abc"),
-                                 hypothesis.strategies.integers(0, 40))))
-def test_the_bodies_budget_never_holds_more_than_its_bounds_and_gives_back_exactly_what_it_took(steps):
+                                 hypothesis.strategies.integers(0, 40), hypothesis.strategies.integers(0, 40))))
+def test_the_bodies_budget_never_holds_more_than_its_bounds_and_gives_back_exactly_what_it_took(posts):
+    """Each post claims its declared length of its client's share, then holds what it reads."""
     from streamproc.edge.experts import BodyBudget
 
     budget = BodyBudget(total=64, per_client=32)
-    taken: list[tuple[str, int]] = []
-    for client, size in steps:
-        mine = sum(n for c, n in taken if c == client)
-        refused = budget.take(client, size)
-        if refused is None:
-            taken.append((client, size))
-        else:  # refused only past a bound, and naming the one passed first
-            assert refused == ("client" if mine + size > 32 else "edge")
-            assert mine + size > 32 or budget.held + size > 64
-        assert budget.held == sum(n for _, n in taken) <= 64
-        assert all(held <= 32 for held in budget.by_client.values())
-    for client, size in taken:
-        budget.give(client, size)
+    admitted: list[tuple[str, int, int]] = []
+    for client, declared, read in posts:
+        mine = sum(c for who, c, _ in admitted if who == client)
+        if not budget.claim(client, declared):
+            assert mine + declared > 32  # refused only past the client's share
+            continue
+        held_before = budget.held
+        if budget.hold(read):
+            admitted.append((client, declared, read))
+        else:
+            assert held_before + read > 64  # refused only past the edge's bound
+            budget.give(client, declared, 0)
+        assert budget.held == sum(h for _, _, h in admitted) <= 64
+        assert all(claimed <= 32 for claimed in budget.by_client.values())
+    for client, declared, read in admitted:
+        budget.give(client, declared, read)
     assert budget.held == 0 and budget.by_client == {}

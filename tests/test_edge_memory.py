@@ -413,3 +413,38 @@ async def test_late_attaches_to_a_long_stored_history_hold_no_more_than_their_bu
     print(f"peak RSS growth {growth / MiB:.0f} MiB")
     # Each stalled stream: its buffer, a write's worth and what its socket holds; 4x the buffer each and 32 MiB.
     assert growth < 4 * 4 * BUFFER + 32 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_experts_posts_that_declare_a_length_and_send_nothing_keep_no_other_client_out(server, tmp_path):
+    """Found by a review (2026-12-03) of the bound above as first written: it took each post's
+    declared length from the edge-wide budget before reading, so two capabilities that each declared
+    32 MiB and sent nothing held all of it, and every other client's post got 503 for free. Only a
+    client's own share is claimed by declared length now; the edge-wide bound counts bytes read."""
+    import socket
+
+    from streamproc.client.capability import mint_capability
+    from streamproc.edge.experts import MAX_BODY_BYTES
+
+    key = tmp_path / "edge.key"
+    key.write_bytes(EXPERTS_SECRET)
+    hostile = [mint_capability(EXPERTS_SECRET, rids=[rid("h")], subject=f"hostile-{i}") for i in range(3)]
+    victim = mint_capability(EXPERTS_SECRET, rids=[rid("v")], subject="victim")
+    with running_edge(server.url, "--auth-key-file", str(key), "--format", "sglang-zstd") as edge:
+        host, port = edge.url.removeprefix("http://").split(":")
+        socks = []
+        try:
+            for token in hostile:  # a head declaring a 32 MiB body, and not one byte of it
+                sock = socket.create_connection((host, int(port)))
+                sock.sendall(f"POST /v1/experts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                             f"Content-Length: {MAX_BODY_BYTES}\r\n\r\n".encode())
+                socks.append(sock)
+            await anyio.sleep(0.5)
+            async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+                response = await client.post("/v1/experts", content=padded_result_body(4096),
+                                             headers={"Authorization": f"Bearer {victim}"})
+        finally:
+            for sock in socks:
+                sock.close()
+    assert response.status_code == 200, response.text

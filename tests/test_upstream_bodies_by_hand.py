@@ -546,3 +546,21 @@ def test_a_batch_body_of_more_items_than_are_joined_ends_the_request_as_an_inval
         join(SGLangCodec(OPTIONS), [dumps(items)], [dumps(items)])
     [(body, verdict)] = join(SGLangCodec(OPTIONS), [dumps(items[:-1])], [dumps(items[:-1])])
     assert verdict is Verdict.PASSTHROUGH and body == dumps(items[:-1])
+
+
+def test_batch_items_are_held_to_the_processors_byte_budget_as_one_body_is():
+    """Found by a review (2026-12-03): each item's join session had no ``decode_budget`` (the
+    processor's global bound, which the correlator sets before every join), so a batch's items
+    decoded past it. With almost nothing left, each item's rows are omitted ``too_large``."""
+    cctx = zstandard.ZstdCompressor(level=3)
+    agg, prefill, decode = sgl_case(top=False, ids_lp=False, encode=lambda raw: b64(cctx.compress(raw)))
+    for prefill_body, decode_body, count in ((dumps(prefill), dumps(decode), 1),
+                                             (dumps([prefill, prefill]), dumps([decode, decode]), 2)):
+        session = SGLangZstdCodec(OPTIONS).open_session()
+        session.decode_budget = 8  # the processor's max_total_bytes is all but used up
+        session.absorb_prefill([prefill_body])
+        session.needs_prefill(decode_body, True)
+        body, _ = session.join(decode_body, True)
+        doc = json.loads(body)
+        items = doc if isinstance(doc, list) else [doc]
+        assert [item["meta_info"].get("routed_experts_unavailable_reason") for item in items] == ["too_large"] * count

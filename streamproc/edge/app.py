@@ -475,17 +475,16 @@ class Edge:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
-        # Bytes are taken from the bodies' budget before they are read (the declared length at
-        # once), and given back once the view is built: a body waiting for the one decode at a time
-        # is held too. A post past a bound is refused at once (connections.py discards the rest).
-        budget, held = self.bodies, 0
+        # The client's share is claimed by the declared length before the body is read (a chunked
+        # body's as it comes); the edge-wide bound counts bytes as they are read. Both are given back
+        # once the view is answered: a body waiting for the one decode at a time is held too. A post
+        # past either is refused at once (connections.py discards the rest of its body).
+        budget, claimed, held = self.bodies, 0, 0
         try:
             if declared is not None and declared.isdigit():
-                held = int(declared)
-                refused = budget.take(client, held)
-                if refused is not None:
-                    held = 0
-                    return self.bodies_refused(refused)
+                if not budget.claim(client, int(declared)):
+                    return self.bodies_refused("client")
+                claimed = int(declared)
             # The body is due --head-timeout after the head, like the next head: without a deadline
             # one trickled, or stopped short, held the connection, its --max-connections slot and up
             # to 32 MiB of chunks for as long as its client liked (connections.py bounds only the
@@ -496,11 +495,13 @@ class Edge:
                     size += len(chunk)
                     if size > MAX_BODY_BYTES:
                         return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
-                    if size > held:  # no Content-Length (chunked): taken as it comes
-                        refused = budget.take(client, size - held)
-                        if refused is not None:
-                            return self.bodies_refused(refused)
-                        held = size
+                    if size > claimed:  # no Content-Length (chunked): claimed as it comes
+                        if not budget.claim(client, size - claimed):
+                            return self.bodies_refused("client")
+                        claimed = size
+                    if not budget.hold(len(chunk)):
+                        return self.bodies_refused("edge")
+                    held += len(chunk)
                     chunks.append(chunk)
             if deadline.cancelled_caught:
                 self.metrics.experts_bodies_timed_out += 1
@@ -519,7 +520,7 @@ class Edge:
                 return error_response(f"not a result body: {exc}", "invalid_request", 400)
             return Response(msgspec.json.encode(view), media_type="application/json")
         finally:
-            budget.give(client, held)
+            budget.give(client, claimed, held)
 
     def bodies_refused(self, bound: str) -> Response:
         """The answer to an experts post past a bound of :class:`.experts.BodyBudget`."""

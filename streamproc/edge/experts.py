@@ -26,16 +26,19 @@ from ..core.events import Verdict
 MAX_BODY_BYTES = 32 << 20
 MAX_DECODED_BYTES = 64 << 20
 MAX_VIEW_IDS = 1 << 18
-# Bytes of posted bodies the edge holds at once (read, or waiting for the one decode at a time),
-# edge-wide and per client. Without them a client's concurrent posts multiplied the edge's memory
-# by the connections it opened: 16 posts of 32 MiB took the edge's peak RSS up by 0.9-1.0 GiB.
-MAX_BODIES_BYTES = 2 * MAX_BODY_BYTES
-MAX_CLIENT_BODIES_BYTES = MAX_BODY_BYTES
+# Bytes of posted bodies the edge holds at once (read, or waiting for the one decode at a time).
+# Without a bound a client's concurrent posts multiplied the edge's memory by the connections it
+# opened: 16 posts of 32 MiB took the edge's peak RSS up by 0.9-1.0 GiB.
+MAX_BODIES_BYTES = 2 * MAX_BODY_BYTES  # edge-wide: bytes actually read
+MAX_CLIENT_BODIES_BYTES = MAX_BODY_BYTES  # per client: declared lengths (or bytes read, chunked)
 
 
 class BodyBudget:
-    """The bytes of posted bodies held, edge-wide and per client. :meth:`take` before holding
-    more (False: refuse the post), :meth:`give` back what a post took once its body is freed."""
+    """The bytes of posted bodies held. A client's share is claimed by declared length before its
+    body is read (:meth:`claim`), so its concurrent posts past one body are refused at once; the
+    edge-wide bound counts only bytes actually read (:meth:`hold`), so posts that declare a length
+    and send nothing hold nothing of it, and cannot keep other clients out. :meth:`give` returns a
+    post's claim and hold once its body is freed."""
 
     def __init__(self, total: int = MAX_BODIES_BYTES, per_client: int = MAX_CLIENT_BODIES_BYTES) -> None:
         self.total = total
@@ -43,25 +46,28 @@ class BodyBudget:
         self.held = 0
         self.by_client: dict[str, int] = {}
 
-    def take(self, client: str, size: int) -> str | None:
-        """None when ``size`` more bytes fit, else which bound they would pass (``"client"`` or
-        ``"edge"``; nothing is taken then)."""
+    def claim(self, client: str, size: int) -> bool:
+        """``size`` more bytes of ``client``'s share, or False (nothing claimed)."""
         if size <= 0:  # nothing to hold, and no entry for the client (one per client would pile up)
-            return None
+            return True
         mine = self.by_client.get(client, 0)
         if mine + size > self.per_client:
-            return "client"
-        if self.held + size > self.total:
-            return "edge"
-        self.held += size
+            return False
         self.by_client[client] = mine + size
-        return None
+        return True
 
-    def give(self, client: str, size: int) -> None:
-        if size <= 0:
+    def hold(self, size: int) -> bool:
+        """``size`` more bytes read, or False when the edge-wide bound would pass (nothing held)."""
+        if self.held + size > self.total:
+            return False
+        self.held += size
+        return True
+
+    def give(self, client: str, claimed: int, held: int) -> None:
+        self.held -= held
+        if claimed <= 0:
             return
-        self.held -= size
-        left = self.by_client.get(client, 0) - size
+        left = self.by_client.get(client, 0) - claimed
         if left > 0:
             self.by_client[client] = left
         else:

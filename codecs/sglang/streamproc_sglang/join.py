@@ -331,6 +331,9 @@ class SGLangJoinSession(JoinSession):
         verdict = Verdict.PASSTHROUGH
         for i, item in enumerate(items):
             session = SGLangJoinSession(self._codec)
+            # The processor's byte budget, as for a body of one request: items are joined one after
+            # another, and each session frees its decoded rows when its (final) join ends.
+            session.decode_budget = self.decode_budget
             if paired:
                 session.absorb_prefill([prefill[i]])  # type: ignore[index]
             else:
