@@ -125,6 +125,10 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     )
     prefix: Annotated[str, documented("subject prefix P: chunks on P.chunks.>, results on "
                                       "P.results.<request_id>")] = defaults.PREFIX
+    control_reply_prefix: Annotated[str, documented(
+        "the prefix every migrate's reply subject must have (the requesters' inbox prefix, nats-py's "
+        "inbox_prefix); a migrate naming another reply subject is refused unanswered and untouched, since "
+        "the processor answers with its own NATS rights", min_length=2)] = defaults.CONTROL_REPLY_PREFIX
     format: Annotated[str, documented("default codec (see `streamproc codecs`): the processor's for requests "
                                       "without a Streamproc-Format header, the edge's for folding unary answers "
                                       "and its own error bodies", min_length=1)] = defaults.FORMAT
@@ -377,7 +381,7 @@ HELP_GROUPS: dict[str, str] = {
 }
 OTHER_GROUP = "other"
 _GROUP_OF = {
-    **dict.fromkeys(["nats_url", "prefix", "connect_timeout"], "connection"),
+    **dict.fromkeys(["nats_url", "prefix", "connect_timeout", "control_reply_prefix"], "connection"),
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",

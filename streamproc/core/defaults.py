@@ -9,6 +9,10 @@ never differ between the component that applies it and the one that validates ag
 NATS_URL = "nats://127.0.0.1:4222"
 PREFIX = "streamproc"  # subject prefix P
 FORMAT = "sglang"
+# The reply subjects a migrate may name: nats-py's (and every NATS client's) request inboxes. The
+# processor publishes its answer there with its own rights, so another reply would let whoever may
+# send a migrate publish on subjects only the processor may (results, KV buckets, the JS API).
+CONTROL_REPLY_PREFIX = "_INBOX."
 
 # Correlation (seconds, counts)
 PREFILL_TIMEOUT = 30.0

@@ -30,6 +30,8 @@ from ..core.wire import (
     decode_migrate_request,
     encode_control,
 )
+from ..core import defaults
+from ..core.errors import shown
 from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.control")
@@ -47,11 +49,14 @@ class MigrateTarget(Protocol):
 
 class ControlPlane:
     def __init__(self, nc: NatsClient, subjects: Subjects, target: MigrateTarget,
-                 limited: LogLimiter | None = None) -> None:
-        """``limited``: the pipeline's limiter (its timer flushes the suppressed counts)."""
+                 limited: LogLimiter | None = None, reply_prefix: str = defaults.CONTROL_REPLY_PREFIX) -> None:
+        """``limited``: the pipeline's limiter (its timer flushes the suppressed counts).
+        ``reply_prefix``: what a migrate's reply subject must start with (``--control-reply-prefix``)."""
         self._nc = nc
         self._subjects = subjects
         self._target = target
+        self._reply_prefix = reply_prefix
+        self.replies_refused = 0  # migrates refused for their reply subject (/metrics)
         self._sub: Subscription | None = None
         # Anyone allowed to publish on the control subjects can send bad ones (and migrates, each
         # logged) at will: every per-request line here is rate limited per event name.
@@ -74,6 +79,14 @@ class ControlPlane:
         except ContractError as exc:
             self._limited.log(logging.WARNING, "bad_control_subject", subject=msg.subject, reason=exc.reason)
             return
+        if msg.reply and not (msg.reply.startswith(self._reply_prefix) and len(msg.reply) > len(self._reply_prefix)):
+            # The answer would go out with the processor's rights: to a result subject, a KV bucket
+            # or the JetStream API, wherever the sender may not publish itself. Refused before the
+            # request is touched (nothing sealed), and not answered.
+            self.replies_refused += 1
+            self._limited.log(logging.WARNING, "control_reply_refused", request_id=request_id,
+                              reply=shown(msg.reply), expected_prefix=self._reply_prefix)
+            return
         if not self._target.owns(request_id):
             # Durable mode: every instance hears the control subject, but only the owner of the
             # request's partition answers for it; the others stay silent so the owner's answer is
@@ -88,7 +101,7 @@ class ControlPlane:
         else:
             reply = await self._target.migrate(request_id, request)
             if request.reason:
-                self._limited.log(logging.INFO, "migrate_requested", request_id=request_id, reason=request.reason)
+                self._limited.log(logging.INFO, "migrate_requested", request_id=request_id, reason=shown(request.reason))
         if isinstance(reply, Sealed):
             self._limited.log(logging.INFO, "attempt_sealed", request_id=request_id, attempt=reply.attempt,
                               emitted_tokens=reply.emitted_tokens, result_seq=reply.result_seq)

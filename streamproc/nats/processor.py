@@ -140,7 +140,8 @@ class Processor:
                 raise StartupError(str(exc)) from None
             except nats.errors.Error as exc:  # JetStream unavailable or too slow while creating streams
                 raise StartupError(f"cannot set up the {self.mode} input: {error_text(exc)}") from None
-            self._control = ControlPlane(self.nc, self.subjects, self, self.pipeline.limited)  # P.control.*.migrate
+            self._control = ControlPlane(self.nc, self.subjects, self, self.pipeline.limited,
+                                         settings.control_reply_prefix)  # P.control.*.migrate
             await self._control.start()
             self._tasks.start_soon(self._timer)
             if settings.stats_interval > 0:

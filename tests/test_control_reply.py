@@ -1,0 +1,141 @@
+"""Found by an attack (2026-12-03): a migrate request's reply subject is chosen by whoever sends it,
+and the processor published its answer there with its own NATS rights (a confused deputy).
+
+Under the shipped trust model (deploy/nats-server.conf) the frontend may publish only
+``streamproc.control.*.migrate``: docs/security.md says it "cannot publish a result or a chunk". The
+processor may publish ``streamproc.results.>``, ``$KV.<lease bucket>.>``, ``$KV.<migrations bucket>.>``
+and ``$JS.API.CONSUMER.>``. Each test names such a subject as a migrate's reply; the processor now
+refuses every reply outside ``--control-reply-prefix`` (``_INBOX.``) before touching the request.
+"""
+
+from __future__ import annotations
+
+import anyio
+import nats
+import pytest
+from conftest import processor_subprocess
+from test_trust_model import CONF, PASSWORDS, server, shipped_server, url  # noqa: F401  (the shipped config's module server)
+
+from streamproc.core.partitions import partition_of
+from streamproc.core.wire import FINAL, chunk_headers
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+SUBJECTS = Subjects("streamproc")
+
+
+async def _connect(srv, role: str):
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    return await nats.connect(url(srv, role), error_cb=on_error, allow_reconnect=False), errors
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_a_frontend_cannot_get_the_processor_to_publish_on_a_victims_result_subject(server, mode):  # noqa: F811
+    victim = f"victim-{mode}"
+    frontend, errors = await _connect(server, "frontend")
+    forged: list = []
+    try:
+        async def on_result(msg) -> None:
+            forged.append((msg.subject, msg.headers, msg.data))
+
+        await frontend.subscribe(SUBJECTS.result(victim), cb=on_result)  # the frontend may read results
+        await frontend.flush()
+        # Directly: refused by nats-server (the trust model holds).
+        await frontend.publish(SUBJECTS.result(victim), b"forged directly")
+        await frontend.flush()
+        with processor_subprocess(url(server, "processor"), "--mode", mode, "--partitions", "2",
+                                  "--prefill-timeout", "2") as (proc, log_path):
+            await anyio.sleep(1.0)  # durable: partitions taken
+            # Through the processor: a migrate whose reply subject is the victim's result subject.
+            for i in range(5):
+                await frontend.publish(SUBJECTS.migrate(f"anything-{i}"), b"", reply=SUBJECTS.result(victim))
+            await frontend.flush()
+            await anyio.sleep(4.0)
+            log = log_path.read_text()
+        assert any("permissions violation" in e.lower() for e in errors), errors
+        assert "event=control_reply_refused" in log and "event=attempt_sealed" not in log, log[-2000:]
+        assert forged == [], (f"the processor published {len(forged)} message(s) on {SUBJECTS.result(victim)} "
+                              f"for the frontend, first: {forged[:1]}")
+    finally:
+        await frontend.close()
+
+
+async def test_a_frontend_cannot_get_the_processor_to_write_the_lease_bucket_and_stall_partitions():
+    """Fake members in the lease bucket shrink the processor's fair share: with 8 partitions and 7 fake
+    members it serves one partition; requests of the other seven wait in the chunk stream. Each fake
+    member is kept alive by one migrate per lease_ttl."""
+    with shipped_server(CONF.read_text()) as own:
+        await _stall_partitions(own)
+
+
+async def _stall_partitions(server) -> None:  # noqa: F811
+    frontend, _ = await _connect(server, "frontend")
+    worker, _ = await _connect(server, "worker")
+    reader, _ = await _connect(server, "frontend")
+    finals: set[str] = set()
+
+    async def on_result(msg) -> None:
+        if (msg.headers or {}).get(FINAL) == "true":
+            finals.add(SUBJECTS.request_id_of_result(msg.subject))
+
+    try:
+        await reader.subscribe(SUBJECTS.all_results, cb=on_result)
+        await reader.flush()
+        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "8",
+                                  "--lease-ttl", "3") as (proc, log_path):
+            await anyio.sleep(2.0)  # the processor owns all 8 partitions
+
+            in_partition_0 = [r for r in (f"m{i}" for i in range(1000)) if partition_of(r, 8) == 0][:7]
+
+            async def keep_fake_members() -> None:
+                while True:
+                    for i in range(7):  # ids of partition 0, which the processor keeps: every migrate is answered
+                        await frontend.publish(SUBJECTS.migrate(in_partition_0[i]), b"",
+                                               reply=f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{i}")
+                    await frontend.flush()
+                    await anyio.sleep(0.5)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep_fake_members)
+                await anyio.sleep(6.0)  # two lease steps: members counted, surplus handed over
+                legit = [f"legit-{i}" for i in range(40)]
+                js = worker.jetstream()
+                for rid in legit:
+                    await js.publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"hi"}',
+                                     headers=chunk_headers(rid, "agg", 0, final=True))
+                with anyio.move_on_after(10):
+                    while len(finals & set(legit)) < len(legit):
+                        await anyio.sleep(0.2)
+                tg.cancel_scope.cancel()
+            log = log_path.read_text()
+        missing = sorted(set(legit) - finals)
+        assert not missing, (f"{len(missing)} of {len(legit)} requests unanswered after 10 s; the processor's log:\n"
+                             + "\n".join(line for line in log.splitlines() if "lease" in line)[-3000:])
+    finally:
+        for nc in (frontend, worker, reader):
+            await nc.close()
+
+
+async def test_a_migrates_reason_is_logged_cut_not_whole(nats_url, streamproc_run):
+    """Found by the same attack: ``MigrateRequest.reason`` is free text up to max_payload and was
+    logged whole (``event=migrate_requested``): 20 lines per 10 s of 900 KB each from one sender."""
+    import json
+
+    rid = "reason-long"
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"a","output_ids":[1]}', headers=chunk_headers(rid, "agg", 0))
+            await nc.flush()
+            await anyio.sleep(0.3)
+            await nc.request(SUBJECTS.migrate(rid), json.dumps({"reason": "x" * 900_000}).encode(), timeout=8)
+            await anyio.sleep(0.3)
+        finally:
+            await nc.close()
+        lines = log_path.read_text().splitlines()
+    requested = [line for line in lines if "event=migrate_requested" in line]
+    assert requested and max(len(line) for line in lines) < 4096, max(len(line) for line in lines)
