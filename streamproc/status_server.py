@@ -2,7 +2,10 @@
 
 The processor must not carry a web framework onto its hot path; scrapes are rare, tiny GETs.
 Each connection gets one response and is closed. Requests are bounded (8 KiB of head, 5 s) so a
-hostile client can hold nothing for long.
+hostile client can hold nothing for long, and so are connections: at most :data:`MAX_CONNECTIONS`
+are served at once (more are closed at once), and a failed accept (no descriptors left: EMFILE)
+backs off instead of ending the server, and with it the processor. Before, 400 idle connects to a
+processor limited to 256 descriptors made ``anyio``'s ``serve`` raise out of the task group.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Re
             500: "Internal Server Error"}
 MAX_HEAD = 8192
 READ_TIMEOUT = 5.0
+MAX_CONNECTIONS = 64  # scrapes and probes are a few at a time
+ACCEPT_BACKOFF = 0.1  # seconds to wait after a failed accept (asyncio's own servers wait 1 s)
 
 
 class StatusServer:
@@ -29,6 +34,9 @@ class StatusServer:
         self.host = host
         self.port = port
         self.routes = routes
+        self.open = 0  # connections being served
+        self.refused = 0  # connections closed unread because MAX_CONNECTIONS were open
+        self.accept_errors = 0
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Listen; ``task_status.started`` gets the bound port (useful with port 0)."""
@@ -36,10 +44,37 @@ class StatusServer:
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
         log_event(log, logging.INFO, "http_listening", host=self.host, port=port)
         task_status.started(port)
-        async with listener:
-            await listener.serve(self._handle)
+        async with listener, anyio.create_task_group() as tg:
+            for one in listener.listeners:  # one per address the host resolved to
+                tg.start_soon(self._accept, one, tg)
+
+    async def _accept(self, listener: anyio.abc.Listener[anyio.abc.SocketStream], tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                return
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ECONNABORTED: the next accept may work
+                self.accept_errors += 1
+                if self.accept_errors == 1 or self.accept_errors % 1000 == 0:
+                    log_event(log, logging.WARNING, "http_accept_failed", error=error_text(exc),
+                              failures=self.accept_errors)
+                await anyio.sleep(ACCEPT_BACKOFF)
+                continue
+            if self.open >= MAX_CONNECTIONS:
+                self.refused += 1
+                await stream.aclose()
+                continue
+            self.open += 1
+            tg.start_soon(self._handle, stream)
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        try:
+            await self._respond(stream)
+        finally:
+            self.open -= 1
+
+    async def _respond(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
             try:
                 with anyio.fail_after(READ_TIMEOUT):

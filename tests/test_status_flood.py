@@ -1,0 +1,71 @@
+"""Found by an attack (2026-12-03): the processor's status server (--http-port) against many connections."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import anyio
+import nats
+import pytest
+from helpers import clean_env, free_port, wait_ready
+
+from streamproc.core.wire import FINAL, Subjects, chunk_headers
+from streamproc.sim.embedded import stop_process
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+SUBJECTS = Subjects()
+
+
+def _limit_fds() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # a common service default is 1024; smaller = faster
+
+
+async def test_a_connection_flood_on_the_status_port_does_not_stop_the_processor(nats_url):
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "log"
+        with open(log_path, "wb") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "streamproc.cli", "run", "--nats-url", nats_url,
+                                     "--mode", "core", "--http-port", str(port)],
+                                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                    env=clean_env(), preexec_fn=_limit_fds)
+        try:
+            wait_ready(lambda: "event=started" in log_path.read_text(), proc, "run", 20, log_path.read_text)
+            socks = []
+            for _ in range(400):  # more than the descriptors left; each held without a byte sent
+                s = socket.socket()
+                s.settimeout(2)
+                try:
+                    s.connect(("127.0.0.1", port))
+                except OSError:
+                    s.close()
+                    break
+                socks.append(s)
+            await anyio.sleep(1.0)
+            for s in socks:
+                s.close()
+            await anyio.sleep(6.0)  # every held connection has timed out (5 s) by now
+            alive = proc.poll() is None
+            log = log_path.read_text()
+            assert alive, f"streamproc run exited with {proc.returncode} after a connection flood:\n{log[-3000:]}"
+            # the processor still answers chunks and its status server still answers
+            nc = await nats.connect(nats_url)
+            try:
+                sub = await nc.subscribe(SUBJECTS.result("after-flood"))
+                await nc.flush()
+                await nc.publish(SUBJECTS.chunk("after-flood", "agg"), b'{"text":"x"}',
+                                 headers=chunk_headers("after-flood", "agg", 0, final=True))
+                msg = await sub.next_msg(timeout=5)
+                assert msg.headers[FINAL] == "true"
+            finally:
+                await nc.close()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+                assert response.status == 200, log[-3000:]
+        finally:
+            stop_process(proc, 10)
