@@ -64,13 +64,28 @@ def _userinfo(server: str) -> tuple[str, str, str]:
     return (prefix, userinfo, host) if at else (prefix, "", rest)
 
 
+def _servers_as_written(url: str) -> list[str]:
+    """The value's comma-separated servers, a part without ``@`` joined to the next when that one has
+    an ``@`` and no scheme: the comma may have been inside the userinfo (a password holding ``,``,
+    which the server list cannot carry), and then the part before it holds part of the secret. Read
+    this way, ``nats://app:Hunter2,Tail@host`` is one server whose password is ``Hunter2,Tail``. A
+    scheme-less ``user:pass@host`` after a server without credentials is over-redacted, never shown."""
+    groups: list[str] = []
+    for part in url.split(","):
+        if groups and "@" not in groups[-1] and "@" in part and "://" not in part:
+            groups[-1] += "," + part
+        else:
+            groups.append(part)
+    return groups
+
+
 def redact_url(url: str) -> str:
     """``nats://user:pass@host`` -> ``nats://user:<redacted>@host``; ``nats://token@host`` ->
     ``nats://<redacted>@host``; the same for scheme-less ``user:pass@host:port`` and for every
     server of a comma-separated list. A value without credentials is unchanged. For a URL value;
     free text goes through :func:`redact_text`."""
     out = []
-    for server in url.split(","):
+    for server in _servers_as_written(url):
         prefix, userinfo, host = _userinfo(server)
         out.append(f"{prefix}{_shown(userinfo)}@{host}" if "@" in server else server)
     return ",".join(out)
@@ -86,10 +101,12 @@ def url_secrets(url: str) -> list[str]:
     """The passwords and tokens embedded in a (comma-separated) NATS URL, scheme'd or not, for
     scrubbing text."""
     out = []
-    for server in url.split(","):
+    for server in _servers_as_written(url):
         if "@" in server:
             user, colon, password = _userinfo(server.strip())[1].partition(":")
-            out.append(password if colon else user)
+            secret = password if colon else user
+            out.append(secret)
+            out += secret.split(",")  # the pieces a split on the commas shows alone (check_nats_url's error)
     return [s for s in out if s]
 
 
