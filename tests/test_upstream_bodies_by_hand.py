@@ -382,6 +382,93 @@ def test_sglang_batch_without_a_matching_prefill_batch_omits_each_items_rows():
         assert verdict is Verdict.OMITTED
 
 
+# ==================================================== streamed batches: items tagged "index"
+ITEM_PROMPT, ITEM_OUT = 4, 3
+
+
+def item_rows(start: int, end: int, item: int) -> bytes:
+    """Expert ids of positions [start, end) of batch item ``item`` (distinct per item and position)."""
+    ids = [[(p * 7 + j * 3 + 1 + item * 11) % 61 + (j % TOPK) * 61 for j in range(LAYERS * TOPK)]
+           for p in range(start, end)]
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def item_meta(item: int, *, finish: Any, completion: int, experts: str | None, input_lp: list,
+         output_lp: list, finished: bool) -> dict[str, Any]:
+    """``TokenizerManager._handle_batch_output`` for one request (return_logprob=True)."""
+    m: dict[str, Any] = {"id": f"rid-{item}", "finish_reason": finish, "prompt_tokens": ITEM_PROMPT,
+                         "weight_version": "default", "num_retractions": 0,
+                         "input_token_logprobs": input_lp, "output_token_logprobs": output_lp,
+                         "output_token_logprobs_length": len(output_lp),
+                         "completion_tokens": completion, "cached_tokens": 0}
+    if experts is not None:
+        m["routed_experts"] = experts
+    if finished:
+        m["e2e_latency"] = 0.5
+    return m
+
+
+def input_lp(item: int) -> list:
+    return [[None, 100 + item, None]] + [[-1.0 - item - p / 10, 100 + item + p, None] for p in range(1, ITEM_PROMPT)]
+
+
+def output_lp(item: int, end: int) -> list:
+    return [[-0.5 - item - p / 10, 200 + 10 * item + p, None] for p in range(end)]
+
+
+def out_ids(item: int, end: int) -> list[int]:
+    return [200 + 10 * item + p for p in range(end)]
+
+
+ITEM_STOP = {"type": "length", "length": ITEM_OUT}
+ITEM_PREFILL_FINISH = {"type": "length", "length": 0}  # process_disagg_prefill_inflight_queue: FINISH_LENGTH(length=0)
+
+
+def stream_chunk(item: int, doc_meta: dict[str, Any], end: int) -> dict[str, Any]:
+    """``_stream_batch_responses``: the item's (cumulative) chunk, then ``result["index"]``."""
+    return {"text": "", "output_ids": out_ids(item, end), "meta_info": doc_meta, "index": item}
+
+
+def test_streamed_batch_item_is_not_joined_with_another_items_prefill():
+    """Found by a review (2026-12-03). A stream batch (``text`` a list, or ``n > 1``, with ``stream: true``) is one HTTP request per
+    leg whose chunks are per-item objects tagged ``"index"`` (``_stream_batch_responses``), not a
+    JSON list, so ``_join_items`` never sees it. The prefill leg holds one final chunk per item; the
+    codec folds them into one ``meta_info`` (the last item's wins) and joins every decode item with
+    it: item 0's result got item 1's prompt rows and input logprobs. Now each item is joined with the
+    prefill chunks of its own index, to exactly the aggregated item."""
+    def prefill_chunk(item: int) -> dict:
+        return stream_chunk(item, item_meta(item, finish=ITEM_PREFILL_FINISH, completion=1,
+                                       experts=b64(item_rows(0, ITEM_PROMPT, item)), input_lp=input_lp(item),
+                                       output_lp=output_lp(item, 1), finished=True), 1)
+
+    def decode_final(item: int) -> dict:
+        stale = item_rows(0, ITEM_PROMPT, 7)  # decode's stale copy of the prompt rows (KV-slot leftovers)
+        return stream_chunk(item, item_meta(item, finish=ITEM_STOP, completion=ITEM_OUT,
+                                       experts=b64(stale + item_rows(ITEM_PROMPT, ITEM_PROMPT + ITEM_OUT - 1, item)),
+                                       input_lp=[], output_lp=output_lp(item, ITEM_OUT), finished=True),
+                            ITEM_OUT)
+
+    prefill = [dumps(prefill_chunk(0)), dumps(prefill_chunk(1))]
+    decode = [dumps(decode_final(0)), dumps(decode_final(1))]
+    results = join(SGLangCodec(OPTIONS), decode, prefill)
+    for (body, verdict), item in zip(results, (0, 1)):
+        got = json.loads(body)
+        assert got["index"] == item
+        m = got["meta_info"]
+        want_rows = b64(item_rows(0, ITEM_PROMPT + ITEM_OUT - 1, item))
+        assert m.get("routed_experts") == want_rows, (
+            f"item {item}: published rows that are not its own (verdict {verdict.value})")
+        assert m.get("input_token_logprobs") == input_lp(item), f"item {item}: another item's input logprobs"
+        assert verdict is Verdict.JOINED
+    # A prefill leg that is no batch: each item is joined as without one, never with that leg.
+    results = join(SGLangCodec(OPTIONS), decode, [prefill[0][:-len(b',"index":0}')] + b"}"])
+    for body, verdict in results:
+        m = json.loads(body)["meta_info"]
+        assert "routed_experts" not in m and m["routed_experts_unavailable_reason"] == "length_mismatch"
+        assert verdict is Verdict.OMITTED
+
+
+
 # ============================================================================================ vLLM
 
 VPROMPT = [11, 12, 13, 14, 15]

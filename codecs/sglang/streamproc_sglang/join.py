@@ -230,6 +230,10 @@ class SGLangJoinSession(JoinSession):
         self._codec = codec
         self._experts: SequenceCodec = codec.sequences[ROUTED_EXPERTS]
         self._prefill_items: list[bytes] | None = None  # a batch prefill leg's bodies (_join_items)
+        # A streamed batch: prefill's chunks by item index, and each item's own session (_join_indexed).
+        self._prefill_by_index: dict[int, list[bytes]] | None = None
+        self._item_sessions: dict[int, SGLangJoinSession] = {}
+        self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
         self._unavailable: str | None = None  # why there is no usable prefill leg
@@ -263,6 +267,15 @@ class SGLangJoinSession(JoinSession):
                 self._prefill_items = [native.encode(item) for item in items]
             self._unavailable = Omit.PREFILL_CORRUPT  # for a decode body that is not a batch
             return
+        indices = [doc.get(native.INDEX) for doc in docs]  # type: ignore[union-attr]
+        if any(type(index) is int for index in indices):  # a streamed batch: never folded across items
+            by_index: dict[int, list[bytes]] = {}
+            for body, index in zip(bodies, indices):
+                by_index.setdefault(index if type(index) is int else -1, []).append(body)
+            self._prefill_by_index = by_index
+            if len(by_index) > 1:
+                self._unavailable = Omit.LENGTH_MISMATCH  # for a decode chunk that names no item
+                return
         doc = docs[0] if len(docs) == 1 else fold(docs)  # type: ignore[arg-type]
         meta = native.meta_of(doc)  # type: ignore[arg-type]
         if native.failed(doc):  # type: ignore[arg-type]
@@ -289,7 +302,8 @@ class SGLangJoinSession(JoinSession):
                 # The request ends with this chunk, so prefill's decoded rows (and parsed leg) are
                 # dropped here, in the thread that joins: freed when the request was forgotten on the
                 # event loop, 32 MiB held the GIL ~2 ms while every other request waited.
-                self._rows = self._prefill = self._prefill_items = None
+                self._rows = self._prefill = self._prefill_items = self._prefill_by_index = None
+                self._item_sessions = {}
 
     def _join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         doc = self._parse(body)
@@ -303,6 +317,9 @@ class SGLangJoinSession(JoinSession):
             return body, Verdict.PASSTHROUGH
         if not self._known:
             raise RuntimeError("join() on a chunk that needs prefill before the prefill leg was settled")
+        index = doc.get(native.INDEX)  # type: ignore[union-attr]
+        if type(index) is int and not self._item:
+            return self._join_indexed(index, body, doc, final)  # type: ignore[arg-type]
         self._changed = self._omitted = False
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
@@ -317,6 +334,32 @@ class SGLangJoinSession(JoinSession):
             if joined != body:
                 return joined, Verdict.JOINED
         return body, Verdict.PASSTHROUGH
+
+    def _join_indexed(self, index: int, body: bytes, doc: dict[str, Any], final: bool) -> tuple[bytes, Verdict]:
+        """A chunk of item ``index`` of a streamed batch, joined in that item's own session with the
+        prefill leg's chunks of the same index: folded together, every item took the last item's
+        prompt rows and logprobs. Without such chunks (a prefill leg that is no batch, or none) the
+        item is joined as without a prefill leg."""
+        session = self._item_sessions.get(index)
+        if session is None:
+            if len(self._item_sessions) >= MAX_BATCH_ITEMS:
+                raise ContractError(f"a streamed batch of more than {MAX_BATCH_ITEMS} items: at most "
+                                    f"{MAX_BATCH_ITEMS} are joined")
+            session = self._item_sessions[index] = SGLangJoinSession(self._codec)
+            session._item = True
+            legs = self._prefill_by_index.get(index) if self._prefill_by_index is not None else None
+            if legs is not None:
+                session.absorb_prefill(legs)
+            else:
+                session.prefill_unavailable(self._unavailable if self._prefill is None and self._unavailable
+                                            else Omit.LENGTH_MISMATCH)
+        session.decode_budget = self.decode_budget
+        session._last = (body, doc)  # parsed once
+        decodes = session.decodes
+        try:
+            return session.join(body, final)
+        finally:
+            self.decodes += session.decodes - decodes
 
     def _join_items(self, body: bytes, items: list[dict[str, Any]], final: bool) -> tuple[bytes, Verdict]:
         """A batch answer: item i joined with prefill's item i, each as a request of its own (so a

@@ -40,6 +40,9 @@ INPUT_TOKEN_LOGPROBS = "input_token_logprobs"
 OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"
 OUTPUT_TOP_LOGPROBS = "output_top_logprobs"
 OUTPUT_TOKEN_LOGPROBS_LENGTH = "output_token_logprobs_length"
+# A streamed batch or n > 1 request's chunks are per-item objects tagged with the item's position
+# (TokenizerManager._stream_batch_responses: result["index"] = rid_to_index[...]).
+INDEX = "index"
 OUTPUT_TOKEN_IDS_LOGPROBS = "output_token_ids_logprobs"  # the request's token_ids_logprob, per position
 # Prompt-side logprob fields only a prefill worker computes; copied together.
 INPUT_LOGPROB_FIELDS = (INPUT_TOKEN_LOGPROBS, "input_top_logprobs", "input_token_ids_logprobs")
