@@ -10,6 +10,8 @@ refuses every reply outside ``--control-reply-prefix`` (``_INBOX.``) before touc
 
 from __future__ import annotations
 
+import json
+
 import anyio
 import nats
 import pytest
@@ -17,7 +19,7 @@ from conftest import processor_subprocess
 from test_trust_model import CONF, PASSWORDS, server, shipped_server, url  # noqa: F401  (the shipped config's module server)
 
 from streamproc.core.partitions import partition_of
-from streamproc.core.wire import FINAL, chunk_headers
+from streamproc.core.wire import ERROR, FINAL, MigrateErrorCode, chunk_headers, decode_migrate_reply
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -123,8 +125,6 @@ async def _stall_partitions(server) -> None:  # noqa: F811
 async def test_a_migrates_reason_is_logged_cut_not_whole(nats_url, streamproc_run):
     """Found by the same attack: ``MigrateRequest.reason`` is free text up to max_payload and was
     logged whole (``event=migrate_requested``): 20 lines per 10 s of 900 KB each from one sender."""
-    import json
-
     rid = "reason-long"
     with streamproc_run("--mode", "core") as (proc, log_path):
         nc = await nats.connect(nats_url)
@@ -139,3 +139,45 @@ async def test_a_migrates_reason_is_logged_cut_not_whole(nats_url, streamproc_ru
         lines = log_path.read_text().splitlines()
     requested = [line for line in lines if "event=migrate_requested" in line]
     assert requested and max(len(line) for line in lines) < 4096, max(len(line) for line in lines)
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_a_request_too_long_to_seal_in_one_message_is_refused_with_a_clear_answer(nats_url, streamproc_run, mode):
+    """Found by an attack (2026-12-03): a request of 200,000 emitted tokens was sealed, then its
+    reply (core) or seal record (durable) exceeded max_payload: core sent no reply and the request
+    waited for its timeout; durable answered "unavailable ... retry", which no retry could change.
+    Now the seal is refused before anything is sealed, and the request ends migration_refused."""
+    rid = f"long-{mode}"
+    chunks, per_chunk = 25, 8000  # 200,000 tokens of 6 digits: ~1.4 MB of ids, well inside the byte budgets
+    with streamproc_run("--mode", mode, "--partitions", "1") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            results = await nc.subscribe(SUBJECTS.result(rid))
+            await nc.flush()
+            for seq in range(chunks):
+                ids = [100000 + (seq * per_chunk + i) % 50000 for i in range(per_chunk)]
+                body = json.dumps({"text": "x", "output_ids": ids, "meta_info": {"id": rid}}).encode()
+                await nc.publish(SUBJECTS.chunk(rid, "agg"), body, headers=chunk_headers(rid, "agg", seq))
+            for _ in range(chunks):
+                msg = await results.next_msg(timeout=10)
+                assert FINAL not in (msg.headers or {}) or msg.headers[FINAL] != "true"
+            try:
+                reply = await nc.request(SUBJECTS.migrate(rid), b'{"id":"m1"}', timeout=8)
+            except nats.errors.TimeoutError:
+                reply = None
+            log = log_path.read_text()
+            assert reply is not None, ("a migrate of a 200,000-token request got no reply within 8 s:\n"
+                                       + "\n".join(line for line in log.splitlines()
+                                                   if "migrate" in line or "control" in line or "seal" in line
+                                                   or "error" in line)[-2000:])
+            answer = decode_migrate_reply(reply.data)
+            # A permanent condition answered "unavailable ... retry" makes the Migrator retry until its timeout.
+            assert getattr(answer, "code", None) != MigrateErrorCode.UNAVAILABLE, answer
+            assert answer.code == MigrateErrorCode.REFUSED and "does not fit one NATS message" in answer.message, answer
+            final = await results.next_msg(timeout=10)  # the request ends: its client is not left waiting
+            assert final.headers[FINAL] == "true" and final.headers[ERROR] == "migration_refused", final.headers
+            # A second migrate (the Migrator's retry, same id) gets an answer too.
+            again = await nc.request(SUBJECTS.migrate(rid), b'{"id":"m1"}', timeout=8)
+            assert getattr(decode_migrate_reply(again.data), "code", None) != MigrateErrorCode.UNAVAILABLE
+        finally:
+            await nc.close()

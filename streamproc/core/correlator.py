@@ -215,6 +215,16 @@ _PREFILL_OPEN, _PREFILL_DONE = 0, 1
 _ENTRY = defaults.FINISHED_ENTRY_BYTES
 
 
+def _sealed_size(req: _Request, emitted: Emitted) -> int:
+    """Bytes of the ``Sealed`` reply :meth:`Correlator._seal` would send for ``emitted``."""
+    reply = Sealed(req.request_id, req.attempt + 1, len(emitted.token_ids), list(emitted.token_ids),
+                   req.next_seq, req.format, dict(emitted.state))
+    return len(_control_encoder.encode(reply))
+
+
+_control_encoder = msgspec.json.Encoder()
+
+
 class Correlator:
     def __init__(
         self,
@@ -400,7 +410,8 @@ class Correlator:
         return self._fail(req, ErrorKind.INTERNAL, reason, now, seq=seq)  # and remembered as finished
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
-                refuse: str | None = None, id: str | None = None) -> tuple[MigrateReply, list[Decision]]:
+                refuse: str | None = None, id: str | None = None,
+                max_seal_bytes: int | None = None) -> tuple[MigrateReply, list[Decision]]:
         """Seal the request's current attempt and grant the next one (seal-then-resume).
 
         The reply says exactly what the client has been sent: the results already published, never
@@ -409,6 +420,9 @@ class Correlator:
         A request whose state cannot move (``refuse``, or the codec's verdict on its bodies) is
         ended with a final ``migration_refused`` error result, so the client is not left waiting.
         A retry of the last seal (same ``id``, its reply lost) gets that seal's reply again.
+        ``max_seal_bytes``: the most the encoded reply (and the seal record holding it) may take, one
+        NATS message; a seal past it is refused before anything is sealed (else, sealed, its reply
+        could not be sent, nor its record stored, and no retry would ever get through).
         """
         req = self._active.get(request_id)
         if req is not None and id is not None and req.last_seal is not None and req.last_seal[0] == id:
@@ -432,6 +446,12 @@ class Correlator:
             if refuse is not None:
                 raise MigrationRefused(refuse)
             emitted = self._progress(req).seal()
+            if max_seal_bytes is not None:
+                size = _sealed_size(req, emitted)
+                if size > max_seal_bytes:
+                    raise MigrationRefused(
+                        f"its sealed state ({len(emitted.token_ids)} emitted tokens: {size} bytes) does not fit one "
+                        f"NATS message ({max_seal_bytes} bytes with max_payload); the request cannot move")
         except MigrationRefused as exc:
             reason = exc.reason
         except Exception as exc:  # a codec bug costs this request, not the processor
@@ -1040,6 +1060,7 @@ class Correlator:
         req.budget = req.retain
 
     def _seal(self, req: _Request, emitted: Emitted, now: float) -> tuple[MigrateReply, list[Decision]]:
+        # (_sealed_size builds the same reply to measure it: keep the two in step)
         rid = req.request_id
         tokens = [*req.held, *(c.token for c in req.pending.values())]
         dropped = len(req.pending) + len(req.prefill)

@@ -48,6 +48,11 @@ FROM_ENVIRONMENT: Any = object()  # Processor(tracing=...): configured by the OT
 TIMER_GRAIN = 0.05  # seconds: least time between two runs of the correlator's timer (at most 20 wakeups/s)
 
 
+# Room a migrate's reply leaves in max_payload for the rest of the seal record (durable mode: the seal
+# seqs, the migrate's id) and the message's headers.
+SEAL_HEADROOM = 8 * 1024
+
+
 class Processor:
     """``async with Processor(settings) as p:`` runs until the block exits; ``run()`` until a signal."""
 
@@ -337,10 +342,13 @@ class Processor:
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateReply:
         """Seal the request's current attempt (see ``Correlator.migrate``), after every chunk the
         server delivered before the control request has been handled."""
+        # The reply, and in durable mode the seal record holding it, must each fit one NATS message.
+        limit = (getattr(self.nc, "max_payload", 0) or 1 << 20) - SEAL_HEADROOM
+
         async def seal() -> MigrateReply:
             return await self.exclusive(lambda now: self.correlator.migrate(
                 request_id, now, expected_attempt=request.expected_attempt, refuse=request.refuse,
-                id=request.id))
+                id=request.id, max_seal_bytes=limit))
 
         durable = getattr(self._input, "migrate", None)
         if durable is not None:  # the seal must outlive this instance: recorded in JetStream first
