@@ -104,6 +104,16 @@ class ProcessorCollector(Collector):
         yield GaugeMetricFamily("streamproc_retained_bytes",
                                 "published bodies kept by reference for a possible migration",
                                 value=correlator.retained_bytes())
+        yield CounterMetricFamily("streamproc_control_replies_refused",
+                                  "migrates refused unanswered: their reply subject is outside --control-reply-prefix",
+                                  value=p.control_replies_refused)
+        server = p.status_server
+        if server is not None:
+            yield CounterMetricFamily("streamproc_http_connections_refused",
+                                      "status-server connections closed unread: 64 were open", value=server.refused)
+            yield CounterMetricFamily("streamproc_http_accept_errors",
+                                      "status-server accepts that failed (no file descriptors left, ...)",
+                                      value=server.accept_errors)
         yield GaugeMetricFamily("streamproc_nats_connected", "1 while the NATS connection is up",
                                 value=1 if p.connected else 0)
         yield GaugeMetricFamily("streamproc_ready", "1 while subscribed (core) or owning partitions (durable)",

@@ -16,6 +16,7 @@ import anyio
 import nats
 import pytest
 from conftest import processor_subprocess
+from helpers import free_port, scrape
 from test_trust_model import CONF, PASSWORDS, server, shipped_server, url  # noqa: F401  (the shipped config's module server)
 
 from streamproc.core.partitions import partition_of
@@ -49,8 +50,10 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_a_victims_resul
         # Directly: refused by nats-server (the trust model holds).
         await frontend.publish(SUBJECTS.result(victim), b"forged directly")
         await frontend.flush()
+        http_port = free_port()
         with processor_subprocess(url(server, "processor"), "--mode", mode, "--partitions", "2",
-                                  "--prefill-timeout", "2") as (proc, log_path):
+                                  "--prefill-timeout", "2", "--http-port", str(http_port),
+                                  "--http-host", "127.0.0.1") as (proc, log_path):
             await anyio.sleep(1.0)  # durable: partitions taken
             # Through the processor: a migrate whose reply subject is the victim's result subject.
             for i in range(5):
@@ -58,6 +61,7 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_a_victims_resul
             await frontend.flush()
             await anyio.sleep(4.0)
             log = log_path.read_text()
+            assert scrape(http_port)["streamproc_control_replies_refused_total"] == 5
         assert any("permissions violation" in e.lower() for e in errors), errors
         assert "event=control_reply_refused" in log and "event=attempt_sealed" not in log, log[-2000:]
         assert forged == [], (f"the processor published {len(forged)} message(s) on {SUBJECTS.result(victim)} "

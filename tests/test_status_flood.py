@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import nats
 import pytest
-from helpers import clean_env, free_port, wait_ready
+from helpers import clean_env, free_port, scrape, wait_ready
 
 from streamproc.core.wire import FINAL, Subjects, chunk_headers
 from streamproc.sim.embedded import stop_process
@@ -67,5 +67,7 @@ async def test_a_connection_flood_on_the_status_port_does_not_stop_the_processor
                 await nc.close()
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
                 assert response.status == 200, log[-3000:]
+            metrics = scrape(port)  # what the flood cost is counted
+            assert metrics["streamproc_http_connections_refused_total"] + metrics["streamproc_http_accept_errors_total"] > 0
         finally:
             stop_process(proc, 10)

@@ -89,10 +89,16 @@ class Processor:
         self._closing = False
         self._serving = False  # between a finished start() and the beginning of stop()
         self.http_port: int | None = None  # bound port of the status server (--http-port), once listening
+        self.status_server: Any = None  # the StatusServer, once listening (its connection counters)
 
     @property
     def stats(self) -> Stats:
         return self.correlator.stats
+
+    @property
+    def control_replies_refused(self) -> int:
+        """Migrates refused for a reply subject outside --control-reply-prefix (control.py)."""
+        return self._control.replies_refused if self._control is not None else 0
 
     @property
     def input(self) -> Input | None:
@@ -169,7 +175,7 @@ class Processor:
         def probe(ok: bool, what: str) -> tuple[int, bytes, str]:
             return (200, b"ok\n", "text/plain") if ok else (503, f"not {what}\n".encode(), "text/plain")
 
-        server = StatusServer(self.settings.http_host, self.settings.http_port, {
+        server = self.status_server = StatusServer(self.settings.http_host, self.settings.http_port, {
             "/metrics": lambda: (200, exposition(registry), CONTENT_TYPE),
             "/healthz": lambda: probe(self.connected, "connected to NATS"),
             "/readyz": lambda: probe(self.ready, "ready"),
