@@ -185,3 +185,44 @@ async def test_a_request_too_long_to_seal_in_one_message_is_refused_with_a_clear
             assert getattr(decode_migrate_reply(again.data), "code", None) != MigrateErrorCode.UNAVAILABLE
         finally:
             await nc.close()
+
+
+async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_own_pull_inbox(server):  # noqa: F811
+    """Found by a review (2026-12-03) of the reply check above: the shipped frontend may subscribe _INBOX.> (every inbox of the account), so it sees the idle
+    heartbeats JetStream sends to the processor's pull inbox and learns it. A migrate naming that
+    inbox passes the `_INBOX.` prefix check: the processor publishes its answer there with its own
+    rights, into its own pull subscription, where a message without a reply is taken for a status:
+    PullCredit.status('') zeroes the outstanding credit (more pulls than the budget) and one INFO
+    `pull_status` line is logged per forged migrate (not rate limited). The processor's and the edge's own
+    inboxes are now under defaults.OWN_INBOX_PREFIX, which is no migrate's reply."""
+    frontend = await nats.connect(url(server, "frontend"), allow_reconnect=False)
+    inboxes: set[str] = set()
+    forged: list[tuple[str, bytes]] = []
+
+    async def on_inbox(msg) -> None:
+        status = (msg.headers or {}).get("Status")
+        if status == "100":
+            inboxes.add(msg.subject)
+        elif not status and msg.subject in inboxes:
+            forged.append((msg.subject, msg.data))
+
+    try:
+        await frontend.subscribe("_INBOX.>", cb=on_inbox)
+        await frontend.flush()
+        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "1") as (
+                proc, log_path):
+            with anyio.fail_after(15):
+                while not inboxes:
+                    await anyio.sleep(0.1)
+            inbox = next(iter(inboxes))
+            for i in range(20):
+                await frontend.publish(SUBJECTS.migrate(f"anything-{i}"), b"", reply=inbox)
+            await frontend.flush()
+            await anyio.sleep(2.0)
+            log = log_path.read_text()
+    finally:
+        await frontend.close()
+    flood = [line for line in log.splitlines() if "event=pull_status" in line]
+    answers = [decode_migrate_reply(data) for _, data in forged]
+    assert not forged, (f"the processor published {len(forged)} migrate answer(s) on its own pull inbox {inbox} "
+                        f"for the frontend (first: {answers[:1]}); pull_status lines: {len(flood)} {flood[:1]}")

@@ -13,6 +13,11 @@ FORMAT = "sglang"
 # processor publishes its answer there with its own rights, so another reply would let whoever may
 # send a migrate publish on subjects only the processor may (results, KV buckets, the JS API).
 CONTROL_REPLY_PREFIX = "_INBOX."
+# The inbox prefix of the processor's and the edge's own connections (JetStream pull and consumer
+# inboxes, PubAck replies, request replies): still under _INBOX.> (the shipped permissions), and a
+# migrate naming a reply there is refused, since an answer published into them would be read as a
+# pull status or a PubAck (a frontend may subscribe to _INBOX.> and learn those subjects).
+OWN_INBOX_PREFIX = "_INBOX.streamproc"
 
 # Correlation (seconds, counts)
 PREFILL_TIMEOUT = 30.0

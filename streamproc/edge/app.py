@@ -473,7 +473,9 @@ class Edge:
             return error_response(f"verdict must be one of {', '.join(Verdict)}", "invalid_request", 400)
         verdict = Verdict(verdict_text) if verdict_text is not None else None
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        if declared is not None and not (declared.isascii() and declared.isdigit()):
+            declared = None  # '²'.isdigit(): never int()-ed (HTTP parsers refuse such a header anyway)
+        if declared is not None and int(declared) > MAX_BODY_BYTES:
             return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
         # The client's share is claimed by the declared length before the body is read (a chunked
         # body's as it comes); the edge-wide bound counts bytes as they are read. Both are given back
@@ -481,7 +483,7 @@ class Edge:
         # past either is refused at once (connections.py discards the rest of its body).
         budget, claimed, held = self.bodies, 0, 0
         try:
-            if declared is not None and declared.isdigit():
+            if declared is not None:
                 if not budget.claim(client, int(declared)):
                     return self.bodies_refused("client")
                 claimed = int(declared)

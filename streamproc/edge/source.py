@@ -30,6 +30,7 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ..logs import LogLimiter, error_text, log_event
+from ..core import defaults
 from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
@@ -460,6 +461,7 @@ class ResultSource:
             self.settings,
             name="streamproc-edge",
             reconnect=True,
+            inbox_prefix=defaults.OWN_INBOX_PREFIX,  # never a migrate's reply (nats/control.py)
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,

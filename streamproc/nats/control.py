@@ -35,6 +35,9 @@ from ..core.errors import shown
 from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.control")
+# The processor's and the edge's own inboxes (pull requests, PubAcks): an answer there would be read
+# as a pull status or a PubAck, so they are no migrate's reply, whatever --control-reply-prefix says.
+_OWN_INBOXES = defaults.OWN_INBOX_PREFIX + "."
 
 
 class MigrateTarget(Protocol):
@@ -79,7 +82,8 @@ class ControlPlane:
         except ContractError as exc:
             self._limited.log(logging.WARNING, "bad_control_subject", subject=msg.subject, reason=exc.reason)
             return
-        if msg.reply and not (msg.reply.startswith(self._reply_prefix) and len(msg.reply) > len(self._reply_prefix)):
+        if msg.reply and (not (msg.reply.startswith(self._reply_prefix) and len(msg.reply) > len(self._reply_prefix))
+                          or msg.reply.startswith(_OWN_INBOXES)):
             # The answer would go out with the processor's rights: to a result subject, a KV bucket
             # or the JetStream API, wherever the sender may not publish itself. Refused before the
             # request is touched (nothing sealed), and not answered.

@@ -26,6 +26,7 @@ from nats.aio.client import Client as NatsClient
 
 from ..catalog import Catalog
 from ..config import Settings, redact_url
+from ..core import defaults
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, StreamMismatch, StreamprocError, UnknownFormat
 from ..core.wire import MigrateReply, MigrateRequest
@@ -252,6 +253,7 @@ class Processor:
             self.settings,
             name="streamproc",
             reconnect=True,  # a stream processor outlives NATS restarts
+            inbox_prefix=defaults.OWN_INBOX_PREFIX,  # never a migrate's reply (control.py)
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
