@@ -65,18 +65,33 @@ def _userinfo(server: str) -> tuple[str, str, str]:
 
 
 def _servers_as_written(url: str) -> list[str]:
-    """The value's comma-separated servers, a part without ``@`` joined to the next when that one has
-    an ``@`` and no scheme: the comma may have been inside the userinfo (a password holding ``,``,
-    which the server list cannot carry), and then the part before it holds part of the secret. Read
-    this way, ``nats://app:Hunter2,Tail@host`` is one server whose password is ``Hunter2,Tail``. A
-    scheme-less ``user:pass@host`` after a server without credentials is over-redacted, never shown."""
+    """The value's comma-separated servers, read so that no part of a secret holding a comma (which
+    the server list cannot carry) is taken for a server of its own: a part that is no whole server
+    (no credentials, no ``host:port``) is joined with the parts after it up to the first one holding
+    credentials, if that comes before any scheme'd part. So ``nats://app:Hunter2,Mid,Tail@host`` is
+    one server, password ``Hunter2,Mid,Tail``, while ``h1:4222,user:pw@h2:4222`` stays two. Where
+    both readings fit (``h1,user:pw@h2``) the joined one is shown: over-redacted, never leaked."""
+    parts = url.split(",")
     groups: list[str] = []
-    for part in url.split(","):
-        if groups and "@" not in groups[-1] and "@" in part and "://" not in part:
-            groups[-1] += "," + part
-        else:
-            groups.append(part)
+    i = 0
+    while i < len(parts):
+        end = i
+        if "@" not in parts[i] and not _has_port(parts[i]):
+            k = i + 1
+            while k < len(parts) and "://" not in parts[k] and "@" not in parts[k]:
+                k += 1
+            if k < len(parts) and "@" in parts[k] and "://" not in parts[k]:
+                end = k
+        groups.append(",".join(parts[i:end + 1]))
+        i = end + 1
     return groups
+
+
+def _has_port(server: str) -> bool:
+    """Whether a part without credentials reads as ``[scheme://]host:port``."""
+    rest = server.partition("://")[2] if "://" in server else server
+    match = _HOST_PORT.match(rest.strip().split("/", 1)[0])
+    return bool(match and match.group(2))
 
 
 def redact_url(url: str) -> str:
@@ -106,7 +121,8 @@ def url_secrets(url: str) -> list[str]:
             user, colon, password = _userinfo(server.strip())[1].partition(":")
             secret = password if colon else user
             out.append(secret)
-            out += secret.split(",")  # the pieces a split on the commas shows alone (check_nats_url's error)
+            if "," in secret:
+                out += secret.split(",")  # the pieces a split on the commas shows alone (check_nats_url's error)
     return [s for s in out if s]
 
 
