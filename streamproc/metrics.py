@@ -109,8 +109,9 @@ class ProcessorCollector(Collector):
                                   value=p.control_replies_refused)
         server = p.status_server
         if server is not None:
-            yield CounterMetricFamily("streamproc_http_connections_refused",
-                                      "status-server connections closed unread: 64 were open", value=server.refused)
+            yield CounterMetricFamily("streamproc_http_connections_evicted",
+                                      "status-server connections closed unanswered to make room: 64 were open",
+                                      value=server.evicted)
             yield CounterMetricFamily("streamproc_http_accept_errors",
                                       "status-server accepts that failed (no file descriptors left, ...)",
                                       value=server.accept_errors)

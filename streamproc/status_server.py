@@ -3,14 +3,17 @@
 The processor must not carry a web framework onto its hot path; scrapes are rare, tiny GETs.
 Each connection gets one response and is closed. Requests are bounded (8 KiB of head, 5 s) so a
 hostile client can hold nothing for long, and so are connections: at most :data:`MAX_CONNECTIONS`
-are served at once (more are closed at once), and a failed accept (no descriptors left: EMFILE)
-backs off instead of ending the server, and with it the processor. Before, 400 idle connects to a
-processor limited to 256 descriptors made ``anyio``'s ``serve`` raise out of the task group.
+are open at once, and a new one closes the oldest (answers are immediate, so the oldest is one that
+has not sent its request: idle sockets cannot keep a health probe out), and a failed accept (no
+descriptors left: EMFILE) backs off instead of ending the server, and with it the processor. Before,
+400 idle connects to a processor limited to 256 descriptors made ``anyio``'s ``serve`` raise out of
+the task group.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Callable
 
 import anyio
@@ -34,8 +37,8 @@ class StatusServer:
         self.host = host
         self.port = port
         self.routes = routes
-        self.open = 0  # connections being served
-        self.refused = 0  # connections closed unread because MAX_CONNECTIONS were open
+        self._open: OrderedDict[int, anyio.CancelScope] = OrderedDict()  # connections served, oldest first
+        self.evicted = 0  # connections closed to make room for a new one (MAX_CONNECTIONS were open)
         self.accept_errors = 0
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -61,18 +64,19 @@ class StatusServer:
                               failures=self.accept_errors)
                 await anyio.sleep(ACCEPT_BACKOFF)
                 continue
-            if self.open >= MAX_CONNECTIONS:
-                self.refused += 1
-                await stream.aclose()
-                continue
-            self.open += 1
-            tg.start_soon(self._handle, stream)
+            if len(self._open) >= MAX_CONNECTIONS:
+                self.evicted += 1
+                self._open.popitem(last=False)[1].cancel()  # closed unanswered (_respond's async with)
+            scope = anyio.CancelScope()
+            self._open[id(scope)] = scope
+            tg.start_soon(self._handle, stream, scope)
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle(self, stream: anyio.abc.SocketStream, scope: anyio.CancelScope) -> None:
         try:
-            await self._respond(stream)
+            with scope:
+                await self._respond(stream)
         finally:
-            self.open -= 1
+            self._open.pop(id(scope), None)
 
     async def _respond(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:

@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import nats
 import pytest
+from conftest import processor_subprocess
 from helpers import clean_env, free_port, scrape, wait_ready
 
 from streamproc.core.wire import FINAL, Subjects, chunk_headers
@@ -68,6 +69,37 @@ async def test_a_connection_flood_on_the_status_port_does_not_stop_the_processor
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
                 assert response.status == 200, log[-3000:]
             metrics = scrape(port)  # what the flood cost is counted
-            assert metrics["streamproc_http_connections_refused_total"] + metrics["streamproc_http_accept_errors_total"] > 0
+            assert metrics["streamproc_http_connections_evicted_total"] + metrics["streamproc_http_accept_errors_total"] > 0
         finally:
             stop_process(proc, 10)
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_sixty_four_idle_connections_do_not_make_healthz_fail(nats_url):
+    """Found by a review of the connection bound as first written: it closed every connection past 64
+    unread, so 64 sockets that send nothing (re-opened every 5 s) made every /healthz and /readyz probe
+    fail, and an orchestrator would restart a healthy processor. A new connection now closes the
+    oldest instead."""
+    import socket
+    import urllib.error
+
+    port = free_port()
+    with processor_subprocess(nats_url, "--mode", "core", "--http-port", str(port), "--http-host", "127.0.0.1"):
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        try:
+            await anyio.sleep(0.5)
+
+            def probe() -> int | str:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=3) as response:
+                        return response.status
+                except (urllib.error.URLError, ConnectionError, OSError) as exc:
+                    return f"{type(exc).__name__}: {exc}"
+
+            status = await anyio.to_thread.run_sync(probe)
+        finally:
+            for s in socks:
+                s.close()
+    assert status == 200, f"/healthz with 64 idle connections open: {status}"

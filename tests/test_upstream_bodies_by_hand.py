@@ -429,6 +429,19 @@ def stream_chunk(item: int, doc_meta: dict[str, Any], end: int) -> dict[str, Any
     return {"text": "", "output_ids": out_ids(item, end), "meta_info": doc_meta, "index": item}
 
 
+def item_prefill_chunk(item: int) -> dict:
+    return stream_chunk(item, item_meta(item, finish=ITEM_PREFILL_FINISH, completion=1,
+                                   experts=b64(item_rows(0, ITEM_PROMPT, item)), input_lp=input_lp(item),
+                                   output_lp=output_lp(item, 1), finished=True), 1)
+
+def item_decode_final(item: int) -> dict:
+    stale = item_rows(0, ITEM_PROMPT, 7)  # decode's stale copy of the prompt rows (KV-slot leftovers)
+    return stream_chunk(item, item_meta(item, finish=ITEM_STOP, completion=ITEM_OUT,
+                                   experts=b64(stale + item_rows(ITEM_PROMPT, ITEM_PROMPT + ITEM_OUT - 1, item)),
+                                   input_lp=[], output_lp=output_lp(item, ITEM_OUT), finished=True),
+                        ITEM_OUT)
+
+
 def test_streamed_batch_item_is_not_joined_with_another_items_prefill():
     """Found by a review (2026-12-03). A stream batch (``text`` a list, or ``n > 1``, with ``stream: true``) is one HTTP request per
     leg whose chunks are per-item objects tagged ``"index"`` (``_stream_batch_responses``), not a
@@ -436,20 +449,8 @@ def test_streamed_batch_item_is_not_joined_with_another_items_prefill():
     codec folds them into one ``meta_info`` (the last item's wins) and joins every decode item with
     it: item 0's result got item 1's prompt rows and input logprobs. Now each item is joined with the
     prefill chunks of its own index, to exactly the aggregated item."""
-    def prefill_chunk(item: int) -> dict:
-        return stream_chunk(item, item_meta(item, finish=ITEM_PREFILL_FINISH, completion=1,
-                                       experts=b64(item_rows(0, ITEM_PROMPT, item)), input_lp=input_lp(item),
-                                       output_lp=output_lp(item, 1), finished=True), 1)
-
-    def decode_final(item: int) -> dict:
-        stale = item_rows(0, ITEM_PROMPT, 7)  # decode's stale copy of the prompt rows (KV-slot leftovers)
-        return stream_chunk(item, item_meta(item, finish=ITEM_STOP, completion=ITEM_OUT,
-                                       experts=b64(stale + item_rows(ITEM_PROMPT, ITEM_PROMPT + ITEM_OUT - 1, item)),
-                                       input_lp=[], output_lp=output_lp(item, ITEM_OUT), finished=True),
-                            ITEM_OUT)
-
-    prefill = [dumps(prefill_chunk(0)), dumps(prefill_chunk(1))]
-    decode = [dumps(decode_final(0)), dumps(decode_final(1))]
+    prefill = [dumps(item_prefill_chunk(0)), dumps(item_prefill_chunk(1))]
+    decode = [dumps(item_decode_final(0)), dumps(item_decode_final(1))]
     results = join(SGLangCodec(OPTIONS), decode, prefill)
     for (body, verdict), item in zip(results, (0, 1)):
         got = json.loads(body)
@@ -651,3 +652,25 @@ def test_batch_items_are_held_to_the_processors_byte_budget_as_one_body_is():
         doc = json.loads(body)
         items = doc if isinstance(doc, list) else [doc]
         assert [item["meta_info"].get("routed_experts_unavailable_reason") for item in items] == ["too_large"] * count
+
+
+def test_a_streamed_batch_item_frees_its_prefill_rows_when_it_finishes_and_keeps_to_the_budget():
+    """Found by a review (2026-12-03): each item's session kept its decoded prefill rows until the
+    request's last chunk, uncounted in retained_bytes (so uncharged to --max-total-bytes), and each
+    item was given the whole remaining budget. An item now ends at its own finishing chunk (rows
+    freed there), the sessions' rows are counted, and each item gets what the others leave."""
+    session = SGLangCodec(OPTIONS).open_session()
+    session.absorb_prefill([dumps(item_prefill_chunk(0)), dumps(item_prefill_chunk(1))])
+    body = dumps(item_decode_final(0))  # item 0 ends; item 1 (and the request) goes on
+    session.needs_prefill(body, False)
+    joined, verdict = session.join(body, False)
+    assert json.loads(joined)["meta_info"]["routed_experts"] == b64(item_rows(0, ITEM_PROMPT + ITEM_OUT - 1, 0))
+    # Freed when item 0 finished, not held to the request's end (and what any item holds is counted).
+    assert [item.retained_bytes() for item in session._item_sessions.values()] == [0]
+    assert session.retained_bytes() == 0
+    tight = SGLangCodec(OPTIONS).open_session()
+    tight.decode_budget = 8  # the processor's budget all but used up
+    tight.absorb_prefill([dumps(item_prefill_chunk(0)), dumps(item_prefill_chunk(1))])
+    tight.needs_prefill(body, False)
+    joined, verdict = tight.join(body, False)
+    assert json.loads(joined)["meta_info"]["routed_experts_unavailable_reason"] == "too_large"

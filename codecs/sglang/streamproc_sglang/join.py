@@ -287,7 +287,8 @@ class SGLangJoinSession(JoinSession):
 
     def retained_bytes(self) -> int:
         rows = self._rows
-        return len(rows.rows) if isinstance(rows, _PrefillRows) else 0
+        own = len(rows.rows) if isinstance(rows, _PrefillRows) else 0
+        return own + sum(session.retained_bytes() for session in self._item_sessions.values())
 
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
@@ -353,11 +354,16 @@ class SGLangJoinSession(JoinSession):
             else:
                 session.prefill_unavailable(self._unavailable if self._prefill is None and self._unavailable
                                             else Omit.LENGTH_MISMATCH)
-        session.decode_budget = self.decode_budget
+        budget = self.decode_budget
+        # The items' decoded rows are held at once: each may take what the others leave of the budget.
+        session.decode_budget = None if budget is None else budget - (self.retained_bytes() - session.retained_bytes())
         session._last = (body, doc)  # parsed once
         decodes = session.decodes
+        meta = native.meta_of(doc)
+        # An item ends with its own finishing chunk (its rows are freed there), not the request's last.
+        ends = final or (meta is not None and meta.get(native.FINISH_REASON) is not None)
         try:
-            return session.join(body, final)
+            return session.join(body, ends)
         finally:
             self.decodes += session.decodes - decodes
 
