@@ -209,7 +209,8 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_
     try:
         await frontend.subscribe("_INBOX.>", cb=on_inbox)
         await frontend.flush()
-        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "1") as (
+        # The module's server: its chunk stream has the 2 partitions of the tests above.
+        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "2") as (
                 proc, log_path):
             with anyio.fail_after(15):
                 while not inboxes:
@@ -226,3 +227,19 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_
     answers = [decode_migrate_reply(data) for _, data in forged]
     assert not forged, (f"the processor published {len(forged)} migrate answer(s) on its own pull inbox {inbox} "
                         f"for the frontend (first: {answers[:1]}); pull_status lines: {len(flood)} {flood[:1]}")
+
+
+def test_a_migrates_id_and_refusal_text_are_bounded():
+    """Found by a review (2026-12-03): the id is stored in the seal record beside the sealed state (a
+    long one could push the record past max_payload again), and ``refuse`` becomes the text of the
+    request's error result; both are free text from the requester. Past their bounds the request is
+    malformed (the processor answers bad_request and touches nothing)."""
+    import msgspec
+
+    from streamproc.core.events import MAX_MIGRATE_ID_LENGTH, MAX_REFUSE_LENGTH
+    from streamproc.core.wire import decode_migrate_request
+
+    assert decode_migrate_request(json.dumps({"id": "x" * MAX_MIGRATE_ID_LENGTH}).encode()).id
+    for body in ({"id": "x" * (MAX_MIGRATE_ID_LENGTH + 1)}, {"refuse": "x" * (MAX_REFUSE_LENGTH + 1)}):
+        with pytest.raises(msgspec.ValidationError):
+            decode_migrate_request(json.dumps(body).encode())

@@ -97,6 +97,10 @@ class ResultInfo(msgspec.Struct, frozen=True):
 
 # ------------------------------------------------------------------ migration control (request/reply)
 
+MAX_MIGRATE_ID_LENGTH = 256
+MAX_REFUSE_LENGTH = 1024
+
+
 class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Body of a NATS request on ``P.control.<request_id>.migrate``; an empty body means all defaults."""
 
@@ -104,11 +108,14 @@ class MigrateRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     expected_attempt: int | None = None
     # The caller already knows the request cannot move (e.g. guided decoding): end it with a
     # ``migration_refused`` error result instead of leaving the client waiting for request_timeout.
-    refuse: str | None = None
-    reason: str = ""  # free text for the processor's log (e.g. which worker was lost)
+    # Bounded: it becomes the text of the request's error result (and an unbounded one could make
+    # that result larger than a NATS message).
+    refuse: Annotated[str, msgspec.Meta(max_length=MAX_REFUSE_LENGTH)] | None = None
+    reason: str = ""  # free text for the processor's log (e.g. which worker was lost), logged cut
     # Names this migrate so a retry after a lost reply (a processor killed between recording the
-    # seal and answering) gets the seal it caused again instead of ``attempt_mismatch``.
-    id: str | None = None
+    # seal and answering) gets the seal it caused again instead of ``attempt_mismatch``. Bounded: it is
+    # stored in the seal record beside the sealed state, which must fit one NATS message.
+    id: Annotated[str, msgspec.Meta(max_length=MAX_MIGRATE_ID_LENGTH)] | None = None
 
 
 class MigrateErrorCode(enum.StrEnum):
