@@ -17,7 +17,7 @@ import nats
 import pytest
 from conftest import processor_subprocess
 from helpers import free_port, scrape
-from test_trust_model import CONF, PASSWORDS, server, shipped_server, url  # noqa: F401  (the shipped config's module server)
+from shipped_config import CONF, shipped_server, url
 
 from streamproc.core.partitions import partition_of
 from streamproc.core.wire import ERROR, FINAL, MigrateErrorCode, chunk_headers, decode_migrate_reply
@@ -25,6 +25,13 @@ from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 SUBJECTS = Subjects("streamproc")
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A nats-server running the shipped configuration, for this module's tests."""
+    with shipped_server(CONF.read_text()) as srv:
+        yield srv
 
 
 async def _connect(srv, role: str):
@@ -37,7 +44,7 @@ async def _connect(srv, role: str):
 
 
 @pytest.mark.parametrize("mode", ["core", "durable"])
-async def test_a_frontend_cannot_get_the_processor_to_publish_on_a_victims_result_subject(server, mode):  # noqa: F811
+async def test_a_frontend_cannot_get_the_processor_to_publish_on_a_victims_result_subject(server, mode):
     victim = f"victim-{mode}"
     frontend, errors = await _connect(server, "frontend")
     forged: list = []
@@ -78,7 +85,7 @@ async def test_a_frontend_cannot_get_the_processor_to_write_the_lease_bucket_and
         await _stall_partitions(own)
 
 
-async def _stall_partitions(server) -> None:  # noqa: F811
+async def _stall_partitions(server) -> None:
     frontend, _ = await _connect(server, "frontend")
     worker, _ = await _connect(server, "worker")
     reader, _ = await _connect(server, "frontend")
@@ -187,7 +194,7 @@ async def test_a_request_too_long_to_seal_in_one_message_is_refused_with_a_clear
             await nc.close()
 
 
-async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_own_pull_inbox(server):  # noqa: F811
+async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_own_pull_inbox(server):
     """Found by a review (2026-12-03) of the reply check above: the shipped frontend may subscribe _INBOX.> (every inbox of the account), so it sees the idle
     heartbeats JetStream sends to the processor's pull inbox and learns it. A migrate naming that
     inbox passes the `_INBOX.` prefix check: the processor publishes its answer there with its own

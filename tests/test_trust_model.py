@@ -8,14 +8,12 @@ durable mode, edge replaying from JetStream, worker traffic) works with nothing 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
 import time
 import urllib.request
-from pathlib import Path
 
 import anyio
 import httpx
@@ -26,37 +24,16 @@ import pytest
 from conftest import processor_subprocess, run_cli_process
 from edge_harness import expected_sse, publish_result, running_edge, started_source
 from helpers import connection, rid, wait_until
+from shipped_config import CONF, runnable, shipped_server, url
 from streamproc.nats.streams import ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
 pytestmark = pytest.mark.nats
 
-CONF = Path(__file__).parent.parent / "deploy" / "nats-server.conf"
-PASSWORDS = {role: f"{role}-pw-{i}e7c" for i, role in enumerate(["worker", "processor", "edge", "frontend"])}
-
 
 # The edge user's permission added for edge/replay.py; deployments set up before it lack this line.
 MSG_GET_GRANT = '            "$JS.API.STREAM.MSG.GET.STREAMPROC_RESULTS",\n'
-
-
-@contextlib.contextmanager
-def shipped_server(config: str):
-    mp = pytest.MonkeyPatch()
-    for role, password in PASSWORDS.items():
-        mp.setenv(f"STREAMPROC_{role.upper()}_PASSWORD", password)  # nats-server reads them from its env
-    try:
-        with EmbeddedNats(config=runnable(config)) as srv:
-            yield srv
-    finally:
-        mp.undo()
-
-
-def runnable(config: str) -> str:
-    """The test's flags choose ports and storage; everything else is the given file."""
-    stripped = config.replace("jetstream { store_dir: /data/jetstream }", "")
-    assert stripped != config
-    return stripped
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +53,6 @@ def config_before_msg_get() -> str:
     config = CONF.read_text()
     assert config.count(MSG_GET_GRANT) == 1  # the edge's line (the processor's shares a line)
     return config.replace(MSG_GET_GRANT, "")
-
-
-def url(server: EmbeddedNats, role: str) -> str:
-    return server.url.replace("nats://", f"nats://{role}:{PASSWORDS[role]}@")
 
 
 async def connect(server: EmbeddedNats, role: str):
