@@ -211,6 +211,13 @@ def _ids_stream_decode(spans: list[tuple[int, int]], *, cumulative: bool) -> lis
     return chunks
 
 
+def assert_ids_logprobs_omitted(body: bytes, verdict: Verdict, reason: str) -> None:
+    meta = json.loads(body)["meta_info"]
+    assert "output_token_ids_logprobs" not in meta
+    assert meta["output_token_ids_logprobs_unavailable_reason"] == reason
+    assert verdict is Verdict.OMITTED
+
+
 @pytest.mark.parametrize("cumulative", [True, False])
 def test_sglang_token_ids_logprob_lost_between_decode_sends_is_omitted_not_misaligned(cumulative):
     """Two sends (positions 0-1, then 2): the second send's slice starts past the entry of position 1
@@ -220,20 +227,14 @@ def test_sglang_token_ids_logprob_lost_between_decode_sends_is_omitted_not_misal
     decode = _ids_stream_decode([(0, 2), (2, 3)], cumulative=cumulative)
     (first, _), (second, verdict) = join(SGLangCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill)])
     assert json.loads(first)["meta_info"]["output_token_ids_logprobs"] == OUTPUT_IDS_LP[:2]
-    meta = json.loads(second)["meta_info"]
-    assert "output_token_ids_logprobs" not in meta
-    assert meta["output_token_ids_logprobs_unavailable_reason"] == "length_mismatch"
-    assert verdict is Verdict.OMITTED
+    assert_ids_logprobs_omitted(second, verdict, "length_mismatch")
 
 
 def test_sglang_token_ids_logprob_without_prefills_entry_is_omitted_with_its_reason():
     _, prefill, decode = sgl_case(top=True, ids_lp=True)
     del prefill["meta_info"]["output_token_ids_logprobs"]
     [(body, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
-    meta = json.loads(body)["meta_info"]
-    assert "output_token_ids_logprobs" not in meta
-    assert meta["output_token_ids_logprobs_unavailable_reason"] == "prefill_missing"
-    assert verdict is Verdict.OMITTED
+    assert_ids_logprobs_omitted(body, verdict, "prefill_missing")
 
 
 def test_sglang_token_ids_logprob_a_decode_that_sends_every_position_is_left_as_it_is():
