@@ -300,6 +300,27 @@ async def test_joins_that_inflate_run_off_the_event_loop_so_passthrough_latency_
 # Durable versions in tests/test_durable_hostile.py; each here runs against `streamproc run --mode core`.
 
 
+async def pd_attack_ends_as_invalid_chunk(nats_url, streamproc_run, bodies: dict[str, bytes], says: bytes) -> int:
+    """Every 50th of 500 mixed requests gets the P/D legs ``bodies`` (one final chunk each, core
+    mode): each ends with one ``invalid_chunk`` error result whose body ``says`` why, every other
+    request is answered (run_mixed), the processor lives. Returns its peak RSS."""
+    async def attack(nc, i: int, ping) -> None:
+        rid = f"attacked{i}"
+        for role, body in bodies.items():
+            await nc.publish(SUBJECTS.chunk(rid, role), body, headers=chunk_headers(rid, role, 0, final=True))
+
+    attacked = [f"attacked{i}" for i in range(0, 500, 50)]
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        results = await run_mixed(nats_url, proc.pid, attack, requests=500, log_path=log_path,
+                                  attacked=lambda res: all(res.final(r) for r in attacked))
+        for r in attacked:
+            [(body, headers)] = results.by_request[r].values()
+            assert headers.get(FINAL) == "true" and headers.get(ERROR) == "invalid_chunk", (r, headers)
+            assert says in body, body
+        assert proc.poll() is None
+        return peak_rss(proc.pid)
+
+
 @pytest.mark.parametrize("leg", ["prefill", "decode"])
 async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_in_core_mode(nats_url, streamproc_run, leg):
     """100k-deep nested JSON on one leg made the codec's parser raise RecursionError (`internal`); now
@@ -312,21 +333,8 @@ async def test_deeply_nested_json_on_a_pd_leg_ends_as_invalid_chunk_in_core_mode
     bodies = {"prefill": worker.prefill(truth, stream=False)[0], "decode": worker.decode(truth, stream=False)[-1]}
     bodies[leg] = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
 
-    async def attack(nc, i: int, ping) -> None:
-        rid = f"deep{i}"
-        for role in ("prefill", "decode"):
-            await nc.publish(SUBJECTS.chunk(rid, role), bodies[role], headers=chunk_headers(rid, role, 0, final=True))
-
-    deep = [f"deep{i}" for i in range(0, 500, 50)]
-    with streamproc_run("--mode", "core") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=500, log_path=log_path,
-                                  attacked=lambda res: all(res.final(r) for r in deep))
-        for r in deep:
-            [(body, headers)] = results.by_request[r].values()
-            assert headers.get(FINAL) == "true" and headers.get(ERROR) == "invalid_chunk", (r, headers)
-            assert b"nested too deeply to parse" in body, body
-        assert proc.poll() is None
-        assert peak_rss(proc.pid) < 150 * MiB
+    peak = await pd_attack_ends_as_invalid_chunk(nats_url, streamproc_run, bodies, b"nested too deeply to parse")
+    assert peak < 150 * MiB
 
 
 async def test_a_decode_batch_of_too_many_items_ends_as_invalid_chunk_and_others_are_answered(nats_url,
@@ -344,20 +352,8 @@ async def test_a_decode_batch_of_too_many_items_ends_as_invalid_chunk_and_others
     prefill = worker.prefill(truth, stream=False)[0]
     batch = b"[" + b",".join([b'{"meta_info":{}}'] * (MAX_BATCH_ITEMS + 1)) + b"]"
 
-    async def attack(nc, i: int, ping) -> None:
-        rid = f"batch{i}"
-        for role, body in (("prefill", prefill), ("decode", batch)):
-            await nc.publish(SUBJECTS.chunk(rid, role), body, headers=chunk_headers(rid, role, 0, final=True))
-
-    attacked = [f"batch{i}" for i in range(0, 500, 50)]
-    with streamproc_run("--mode", "core") as (proc, log_path):
-        results = await run_mixed(nats_url, proc.pid, attack, requests=500, log_path=log_path,
-                                  attacked=lambda res: all(res.final(r) for r in attacked))
-        for r in attacked:
-            [(body, headers)] = results.by_request[r].values()
-            assert headers.get(FINAL) == "true" and headers.get(ERROR) == "invalid_chunk", (r, headers)
-            assert b"at most %d are joined" % MAX_BATCH_ITEMS in body, body
-        assert proc.poll() is None
+    await pd_attack_ends_as_invalid_chunk(nats_url, streamproc_run, {"prefill": prefill, "decode": batch},
+                                          b"at most %d are joined" % MAX_BATCH_ITEMS)
 
 
 async def test_a_message_whose_handling_raises_ends_its_request_as_internal_in_core_mode(nats_url, tmp_path):
