@@ -37,7 +37,7 @@ class StatusServer:
         self.host = host
         self.port = port
         self.routes = routes
-        self._open: OrderedDict[int, anyio.CancelScope] = OrderedDict()  # connections served, oldest first
+        self._open: OrderedDict[anyio.CancelScope, None] = OrderedDict()  # connections served, oldest first
         self.evicted = 0  # connections closed to make room for a new one (MAX_CONNECTIONS were open)
         self.accept_errors = 0
 
@@ -66,9 +66,9 @@ class StatusServer:
                 continue
             if len(self._open) >= MAX_CONNECTIONS:
                 self.evicted += 1
-                self._open.popitem(last=False)[1].cancel()  # closed unanswered (_respond's async with)
+                self._open.popitem(last=False)[0].cancel()  # closed unanswered (_respond's async with)
             scope = anyio.CancelScope()
-            self._open[id(scope)] = scope
+            self._open[scope] = None
             tg.start_soon(self._handle, stream, scope)
 
     async def _handle(self, stream: anyio.abc.SocketStream, scope: anyio.CancelScope) -> None:
@@ -76,7 +76,7 @@ class StatusServer:
             with scope:
                 await self._respond(stream)
         finally:
-            self._open.pop(id(scope), None)
+            self._open.pop(scope, None)
 
     async def _respond(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:

@@ -27,6 +27,7 @@ from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import ContractError, MigrationRefused, UnknownFormat, shown
 from .latency import LatencyHistogram
+from .wire import encode_control
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
     Decision,
@@ -215,14 +216,10 @@ _PREFILL_OPEN, _PREFILL_DONE = 0, 1
 _ENTRY = defaults.FINISHED_ENTRY_BYTES
 
 
-def _sealed_size(req: _Request, emitted: Emitted) -> int:
-    """Bytes of the ``Sealed`` reply :meth:`Correlator._seal` would send for ``emitted``."""
-    reply = Sealed(req.request_id, req.attempt + 1, len(emitted.token_ids), list(emitted.token_ids),
-                   req.next_seq, req.format, dict(emitted.state))
-    return len(_control_encoder.encode(reply))
-
-
-_control_encoder = msgspec.json.Encoder()
+def _sealed_reply(req: _Request, emitted: Emitted, attempt: int) -> Sealed:
+    """The ``Sealed`` reply granting ``attempt`` after ``emitted`` (measured before the seal, sent by it)."""
+    return Sealed(req.request_id, attempt, len(emitted.token_ids), list(emitted.token_ids), req.next_seq,
+                  req.format, dict(emitted.state))
 
 
 class Correlator:
@@ -447,7 +444,7 @@ class Correlator:
                 raise MigrationRefused(refuse)
             emitted = self._progress(req).seal()
             if max_seal_bytes is not None:
-                size = _sealed_size(req, emitted)
+                size = len(encode_control(_sealed_reply(req, emitted, req.attempt + 1)))
                 if size > max_seal_bytes:
                     raise MigrationRefused(
                         f"its sealed state ({len(emitted.token_ids)} emitted tokens: {size} bytes) does not fit one "
@@ -1060,7 +1057,6 @@ class Correlator:
         req.budget = req.retain
 
     def _seal(self, req: _Request, emitted: Emitted, now: float) -> tuple[MigrateReply, list[Decision]]:
-        # (_sealed_size builds the same reply to measure it: keep the two in step)
         rid = req.request_id
         tokens = [*req.held, *(c.token for c in req.pending.values())]
         dropped = len(req.pending) + len(req.prefill)
@@ -1082,8 +1078,7 @@ class Correlator:
         req.last = now
         self._active.move_to_end(rid)
         self.stats.migrations += 1
-        reply = Sealed(rid, req.attempt, len(emitted.token_ids), list(emitted.token_ids), req.next_seq,
-                       req.format, dict(emitted.state))
+        reply = _sealed_reply(req, emitted, req.attempt)
         decisions: list[Decision] = [Notice(
             rid, "migrated", f"attempt {req.attempt} granted after {reply.emitted_tokens} emitted tokens; "
                              f"results continue at seq {req.next_seq}; {dropped} unpublished chunks dropped")]

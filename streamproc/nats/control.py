@@ -76,14 +76,18 @@ class ControlPlane:
         with anyio.move_on_after(timeout):
             await sub.drain()  # answer the migrates already received
 
+    def _answerable(self, reply: str) -> bool:
+        """A requester's inbox: under ``--control-reply-prefix`` (and more than it), never ours."""
+        prefix = self._reply_prefix
+        return reply.startswith(prefix) and len(reply) > len(prefix) and not reply.startswith(_OWN_INBOXES)
+
     async def _on_migrate(self, msg: Msg) -> None:
         try:
             request_id = self._subjects.request_id_of_migrate(msg.subject)
         except ContractError as exc:
             self._limited.log(logging.WARNING, "bad_control_subject", subject=msg.subject, reason=exc.reason)
             return
-        if msg.reply and (not (msg.reply.startswith(self._reply_prefix) and len(msg.reply) > len(self._reply_prefix))
-                          or msg.reply.startswith(_OWN_INBOXES)):
+        if msg.reply and not self._answerable(msg.reply):
             # The answer would go out with the processor's rights: to a result subject, a KV bucket
             # or the JetStream API, wherever the sender may not publish itself. Refused before the
             # request is touched (nothing sealed), and not answered.

@@ -238,7 +238,7 @@ class SGLangJoinSession(JoinSession):
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
         self._unavailable: str | None = None  # why there is no usable prefill leg
         self._rows: _PrefillRows | str | None = None  # prefill's decoded rows or why they are unusable
-        self._last: tuple[bytes, dict[str, Any] | None] | None = None  # needs_prefill -> join parse cache
+        self._last: tuple[bytes, Any] | None = None  # needs_prefill -> join decode cache (_decoded)
         self._changed = False
         self._omitted = False
         self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
@@ -249,20 +249,21 @@ class SGLangJoinSession(JoinSession):
         """Logprob chunks (decode lacks prompt and first-token logprobs), chunks carrying rows, and the
         final chunk: only the prefill leg tells whether experts were requested, so a decode that
         dropped the field (or a one-token decode that legitimately omits it) is judged against it."""
-        doc = self._parse(body)
-        if doc is None:  # a batch body is a whole answer: its items are joined with prefill's (_join_items)
-            return native.parse_items(body) is not None
+        doc = self._decoded(body)
+        if not isinstance(doc, dict):  # a batch body is a whole answer: its items are joined with prefill's
+            return native.items_of(doc) is not None
         meta = native.meta_of(doc)
         return meta is not None and self._wants(meta, final)
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._known = True
-        docs = [native.parse(body) for body in bodies]
+        values = [native.decode(body) for body in bodies]
+        docs = [value if isinstance(value, dict) else None for value in values]
         if not docs:
             self._unavailable = Omit.PREFILL_MISSING
             return
         if any(doc is None for doc in docs):
-            items = native.parse_items(bodies[0]) if len(bodies) == 1 else None
+            items = native.items_of(values[0]) if len(values) == 1 else None
             if items is not None and len(items) <= MAX_BATCH_ITEMS:  # a batch: each decode item is joined with its own (_join_items)
                 self._prefill_items = [native.encode(item) for item in items]
             self._unavailable = Omit.PREFILL_CORRUPT  # for a decode body that is not a batch
@@ -307,13 +308,12 @@ class SGLangJoinSession(JoinSession):
                 self._item_sessions = {}
 
     def _join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
-        doc = self._parse(body)
+        doc = self._decoded(body)
         self._last = None  # the parsed dict is edited below; never hand it out again
-        if doc is None:
-            items = native.parse_items(body)
-            if items is not None:
-                return self._join_items(body, items, final)
-        meta = native.meta_of(doc) if doc is not None else None
+        if not isinstance(doc, dict):
+            items = native.items_of(doc)
+            return self._join_items(body, items, final) if items is not None else (body, Verdict.PASSTHROUGH)
+        meta = native.meta_of(doc)
         if meta is None or not self._wants(meta, final):
             return body, Verdict.PASSTHROUGH
         if not self._known:
@@ -404,11 +404,13 @@ class SGLangJoinSession(JoinSession):
     def _wants(meta: dict[str, Any], final: bool) -> bool:
         return final or OUTPUT_TOKEN_LOGPROBS in meta or ROUTED_EXPERTS in meta
 
-    def _parse(self, body: bytes) -> dict[str, Any] | None:
+    def _decoded(self, body: bytes) -> Any:
+        """The body's JSON value (an object, a batch's list, or None), decoded once for
+        ``needs_prefill`` and the ``join`` after it."""
         last = self._last
         if last is not None and last[0] is body:
             return last[1]
-        doc = native.parse(body)
+        doc = native.decode(body)
         self._last = (body, doc)
         return doc
 

@@ -61,23 +61,24 @@ _decode = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 
 
-def parse(body: bytes) -> dict[str, Any] | None:
-    """The body as a dict, or None when it is not a JSON object (such bodies are never rewritten)."""
+def decode(body: bytes) -> Any:
+    """The body's JSON value, or None when it is not JSON."""
     try:
-        doc = _decode.decode(body)
+        return _decode.decode(body)
     except msgspec.DecodeError:
         return None
+
+
+def parse(body: bytes) -> dict[str, Any] | None:
+    """The body as a dict, or None when it is not a JSON object (such bodies are never rewritten)."""
+    doc = decode(body)
     return doc if isinstance(doc, dict) else None
 
 
-def parse_items(body: bytes) -> list[dict[str, Any]] | None:
-    """A batch body, or None. A non-stream batch or ``n > 1`` request answers with a JSON list of its
-    requests' bodies (``TokenizerManager._handle_batch_request``: ``outputs = await
+def items_of(doc: Any) -> list[dict[str, Any]] | None:
+    """A batch body's items, or None. A non-stream batch or ``n > 1`` request answers with a JSON list
+    of its requests' bodies (``TokenizerManager._handle_batch_request``: ``outputs = await
     asyncio.gather(...)``, ``yield outputs``); mini_lb sends such batches to P/D pairs too."""
-    try:
-        doc = _decode.decode(body)
-    except msgspec.DecodeError:
-        return None
     return doc if isinstance(doc, list) and doc and all(isinstance(item, dict) for item in doc) else None
 
 
