@@ -675,3 +675,23 @@ def test_a_streamed_batch_item_frees_its_prefill_rows_when_it_finishes_and_keeps
     tight.needs_prefill(body, False)
     joined, verdict = tight.join(body, False)
     assert json.loads(joined)["meta_info"]["routed_experts_unavailable_reason"] == "too_large"
+
+
+def test_a_streamed_batch_naming_more_items_than_are_joined_ends_the_request_as_an_invalid_chunk():
+    """Each index a decode chunk names costs a join session: a worker naming a new index in every
+    chunk is refused past MAX_BATCH_ITEMS, as a batch body of that many items is."""
+    from streamproc_sglang.join import MAX_BATCH_ITEMS
+
+    from streamproc.codec import ContractError
+
+    session = SGLangCodec(OPTIONS).open_session()
+    session.absorb_prefill([dumps(item_prefill_chunk(0)), dumps(item_prefill_chunk(1))])
+    chunk = item_decode_final(0)
+    for index in range(MAX_BATCH_ITEMS):
+        body = dumps({**chunk, "index": index})
+        session.needs_prefill(body, False)
+        session.join(body, False)
+    body = dumps({**chunk, "index": MAX_BATCH_ITEMS})
+    session.needs_prefill(body, False)
+    with pytest.raises(ContractError, match="at most"):
+        session.join(body, False)
