@@ -658,3 +658,30 @@ def test_streamproc_token_refuses_a_key_too_short_for_its_algorithm(tmp_path):
         assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr
     ok = run_cli_process("token", "--key-file", str(tmp_path / "k40"), "--algorithm", "HS256", "--rid", "x")
     assert ok.returncode == 0 and ok.stdout.count(".") == 2 and ok.stderr == "", ok.stderr
+
+
+async def test_every_answer_to_a_capability_says_no_store_so_no_cache_keeps_results_or_tokens(auth_edge, nc):
+    """RFC 6750 section 2.3: a response to a request whose token came as ?access_token= (the page's
+    EventSource) should not be cached; results read with a header are no less private. Every /v1
+    answer says ``Cache-Control: no-store``: streams, unary results, refusals, operator data."""
+    request_id = rid("auth-no-store")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"a"}', b'{"text":"ab"}'])
+    own, operator = token(rids=[request_id]), token(operator=True)
+    answers = {
+        "stream by query": await get(auth_edge, f"/v1/results/{request_id}", params={"access_token": own}),
+        "unary by query": await get(auth_edge, f"/v1/results/{request_id}",
+                                    params={"access_token": own, "stream": "false"}),
+        "unary by header": await get(auth_edge, f"/v1/results/{request_id}?stream=false", headers=bearer(own)),
+        "info": await get(auth_edge, "/v1/info"),
+        "unauthorized": await get(auth_edge, f"/v1/results/{request_id}"),
+        "forbidden": await get(auth_edge, f"/v1/results/{rid('auth-other')}", params={"access_token": own}),
+        "recent": await get(auth_edge, "/v1/recent", params={"access_token": operator}),
+        "stats": await get(auth_edge, "/v1/stats", params={"access_token": operator}),
+    }
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        answers["experts refused"] = await client.post("/v1/experts", content=b"not json", headers=bearer(own))
+    statuses = {name: response.status_code for name, response in answers.items()}
+    assert statuses == {"stream by query": 200, "unary by query": 200, "unary by header": 200, "unauthorized": 401,
+                        "forbidden": 403, "recent": 200, "stats": 200, "experts refused": 400, "info": 200}
+    assert {name: response.headers.get("Cache-Control") for name, response in answers.items()} == {
+        name: "no-store" for name in answers}

@@ -94,11 +94,18 @@ ERROR_STATUS: dict[str, int] = {
 }
 _VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2, Verdict.OMITTED: 3}
 
+# On every /v1 answer that is results, operator data or an answer to a capability: no cache (a proxy,
+# the browser's disk) may keep it. RFC 6750 section 2.3 asks for it where the token came as
+# ?access_token= (EventSource cannot send headers, so the page does), and a result read with a
+# header is no less private. Set per response, not by a middleware: a wrapped ASGI ``send`` would
+# turn the fan-out's direct writes off (direct.UvicornBody.of).
+PRIVATE = {"Cache-Control": "no-store"}
+
 
 def error_response(message: str, kind: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
     """The edge's own refusals (bad id, too many streams, NATS down), before any result is read."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
+                        headers={**PRIVATE, **headers} if headers else PRIVATE)
 
 
 def unauthorized(message: str) -> JSONResponse:
@@ -122,7 +129,7 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(
             frames,
             media_type=sse.MEDIA_TYPE,
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={**PRIVATE, "X-Accel-Buffering": "no"},
         )
         self.on_close = on_close
         self.on_stall = on_stall
@@ -438,7 +445,8 @@ class Edge:
         refused = self.authorize_operator(request)
         if refused is not None:
             return refused
-        return Response(msgspec.json.encode(self.source.recent.newest_first()), media_type="application/json")
+        return Response(msgspec.json.encode(self.source.recent.newest_first()), media_type="application/json",
+                        headers=PRIVATE)
 
     async def info(self, request: Request) -> Response:
         """What the page needs before it has a token: whether it needs one, and must show a banner."""
@@ -453,7 +461,7 @@ class Edge:
             # the routed-experts value it posts to /v1/experts.
             "text_field": self.codec.text_field,
             "experts_field": self.codec.experts_field,
-        })
+        }, headers=PRIVATE)  # not private, but one rule for /v1 is one a reviewer can check
 
     async def experts(self, request: Request) -> Response:
         """The routed-experts view of the result body in the request (the page posts what it received).
@@ -520,7 +528,7 @@ class Edge:
                 )
             except ValueError as exc:  # msgspec.DecodeError is a ValueError too
                 return error_response(f"not a result body: {exc}", "invalid_request", 400)
-            return Response(msgspec.json.encode(view), media_type="application/json")
+            return Response(msgspec.json.encode(view), media_type="application/json", headers=PRIVATE)
         finally:
             budget.give(client, claimed, held)
 
@@ -539,7 +547,8 @@ class Edge:
         refused = self.authorize_operator(request)
         if refused is not None:
             return refused
-        return Response(msgspec.json.encode(await self.stats.snapshot()), media_type="application/json")
+        return Response(msgspec.json.encode(await self.stats.snapshot()), media_type="application/json",
+                        headers=PRIVATE)
 
     async def healthz(self, request: Request) -> Response:
         if self.source.connected:
@@ -685,17 +694,21 @@ class Edge:
             item = await feed.next(max(left, 0.0)) if left > 0 else None
             if item is None:
                 self.metrics.result_timeouts += 1
-                return Response(self.timeout_body(feed, limit), status_code=504, media_type="application/json")
+                return Response(self.timeout_body(feed, limit), status_code=504, media_type="application/json",
+                                headers=PRIVATE)
             if isinstance(item, Overrun):  # not reachable while unary reads as fast as NATS delivers
-                return Response(self.overrun_body(feed, item), status_code=503, media_type="application/json")
+                return Response(self.overrun_body(feed, item), status_code=503, media_type="application/json",
+                                headers=PRIVATE)
             if isinstance(item, Gap):
                 self.metrics.gaps += 1
-                return Response(self.gap_body(feed, item), status_code=500, media_type="application/json")
+                return Response(self.gap_body(feed, item), status_code=500, media_type="application/json",
+                                headers=PRIVATE)
             if isinstance(item, Lost):
-                return Response(self.lost_body(feed, item), status_code=503, media_type="application/json")
+                return Response(self.lost_body(feed, item), status_code=503, media_type="application/json",
+                                headers=PRIVATE)
             if isinstance(item, StreamGone):
                 return Response(self.gone_body(feed, item), status_code=ErrorKind.UNAVAILABLE.http_status,
-                                media_type="application/json")
+                                media_type="application/json", headers=PRIVATE)
             if isinstance(item, Ended):  # not reachable without a resume point; answer honestly anyway
                 break
             idle_since = time.monotonic()
@@ -705,7 +718,7 @@ class Edge:
                     item.body,
                     status_code=ERROR_STATUS.get(item.error, 500),
                     media_type="application/json",
-                    headers={"Streamproc-Error": item.error},
+                    headers={**PRIVATE, "Streamproc-Error": item.error},
                 )
             size += len(item.body)
             if size > self.settings.max_unary_bytes:  # never hold a whole huge stream for one client
@@ -721,7 +734,7 @@ class Edge:
         verdict = max(
             (r.verdict for r in results if r.verdict is not None), key=_VERDICT_RANK.__getitem__, default=None
         )
-        headers = {"Streamproc-Results": str(len(results))}
+        headers = {**PRIVATE, "Streamproc-Results": str(len(results))}
         if verdict is not None:
             headers["Streamproc-Join"] = verdict.value
         if len(results) == 1:
@@ -731,7 +744,8 @@ class Edge:
         except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
             self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
             body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
-            return Response(body, status_code=500, media_type="application/json")
+            return Response(body, status_code=500, media_type="application/json",
+                                headers=PRIVATE)
         return Response(body, media_type="application/json", headers=headers)
 
     def timeout_body(self, feed: ResultFeed, limit: float) -> bytes:
