@@ -32,7 +32,8 @@ _IO_HELP = {"disconnects": "NATS disconnections (not counting a shutdown)", "rec
             "slow_consumer": "input messages nats-py dropped because its pending queue was full"}
 _DURABLE_HELP = {"redelivered": "chunks JetStream delivered more than once (delivery count > 1)",
                  "partitions": "partitions this instance owns now",
-                 "strays": "chunks stored untransformed (a '*' or '>' token in the subject), terminated"}
+                 "strays": "chunks stored untransformed (a '*' or '>' token in the subject), terminated",
+                 "inbox_strays": "messages on a pull inbox that are neither a JetStream delivery nor a status, ignored"}
 
 
 def histogram(name: str, text: str, hist: LatencyHistogram) -> HistogramMetricFamily:

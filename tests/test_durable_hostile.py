@@ -1080,3 +1080,45 @@ async def test_backlogs_holding_the_global_budget_are_ended_to_make_room_in_dura
             assert proc.poll() is None
         finally:
             await nc.close()
+
+
+async def test_messages_on_a_pull_inbox_that_are_no_delivery_or_status_are_ignored_and_counted(nats_url):
+    """Only JetStream should publish to a partition's pull inbox, but what arrives there is not taken
+    on trust: a message without a ``Status`` header was read as a status (pull credit reset, pulls
+    held back, a lost pull masked), and one with a reply that is no ack subject was parsed as a
+    chunk, outside the chunk stream and its permissions. Both are now counted and ignored."""
+    flags = durable_flags(partitions=1)
+    port = free_port()
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+        inboxes: set[str] = set()
+
+        async def heartbeat(msg) -> None:  # the server's idle heartbeats name the pull inbox
+            if (msg.headers or {}).get("Status") == "100":
+                inboxes.add(msg.subject)
+
+        await nc.subscribe("_INBOX.streamproc.>", cb=heartbeat)
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+            await wait_until(lambda: bool(inboxes), 20, "an idle heartbeat on the pull inbox")
+            inbox = next(iter(inboxes))
+            forged = rid("forged")
+            await nc.publish(inbox, b"")  # no headers at all
+            await nc.publish(inbox, b"{}", headers={"Description": "No Responders"})  # no Status
+            await nc.publish(inbox, legit_body(forged, 0), reply="not.an.ack",
+                             headers=chunk_headers(forged, "agg", 0, final=True))
+            await nc.flush()
+            await wait_until(lambda: scrape(port).get("streamproc_durable_inbox_strays_total") == 3, 20,
+                             "three inbox strays counted\n" + log_path.read_text()[-3000:])
+            legit = [rid("ok") for _ in range(5)]
+            for r in legit:
+                await publish_agg(js, r, 3)
+            await answered_in_full(js, legit, 3)
+            assert forged not in await stored_results(js, SUBJECTS)  # the forged chunk made no result
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_consumer_repairs_total"] == 0  # "No Responders" is no miss
+            assert metrics.get("streamproc_unreadable_total", 0) == 0
+            assert "event=inbox_stray" in log_path.read_text()
+            assert proc.poll() is None
+    finally:
+        await nc.close()

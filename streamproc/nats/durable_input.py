@@ -50,6 +50,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from ..config import Settings
 from ..core.credit import PullCredit
 from ..core.codec import ErrorKind
+from ..core.errors import shown
 from ..core.correlator import Work
 from ..core.events import (
     Chunk, Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Result, Sealed, SealRecord,
@@ -114,6 +115,7 @@ class DurableStats(OutboxStats):
     redelivered: int = 0  # messages delivered more than once
     poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
     strays: int = 0  # chunks stored untransformed (a '*' or '>' token in the subject): terminated
+    inbox_strays: int = 0  # messages on a pull inbox that are neither a delivery nor a status: ignored
     recoveries: int = 0  # last-result lookups for requests this instance did not know
     resumed: int = 0  # lookups that found stored results (the request moved here)
     migrated_adopted: int = 0  # of those, requests with a seal record: session rebuilt from stored bodies
@@ -617,9 +619,19 @@ class DurableInput:
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
 
     def _on_status(self, part: _Partition, msg: Msg) -> bool:
-        """A status message on a pull inbox; True when a pull should go out now."""
+        """A status message on a pull inbox; True when a pull should go out now.
+
+        Only JetStream publishes here (no permission of the shipped config lets anyone else), but a
+        message without a ``Status`` header, or with a reply that is no ack subject, is not taken on
+        trust: read as a status it reset the pull credit and held pulls back for ``retry_after``.
+        Counted and ignored instead (``inbox_strays``)."""
         headers = msg.headers or {}
         code = headers.get("Status", "")
+        if not code or msg.reply:
+            self.stats.inbox_strays += 1
+            self.pipeline.limited.log(logging.WARNING, "inbox_stray", partition=part.n, subject=shown(msg.subject),
+                              reply=shown(msg.reply or ""))
+            return False
         description = headers.get("Description", "")
         pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
         if code not in ("100", "408", "404") and not (code == "409" and "MaxBytes" in description):
@@ -770,7 +782,7 @@ class DurableInput:
 
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
-            if not reply:
+            if not reply or not reply.startswith("$JS.ACK."):  # a delivery has its ack subject
                 if self._on_status(part, msg) and part.active:
                     await self._pull(part)
                 return
@@ -810,8 +822,8 @@ class DurableInput:
         nc = self.nc
 
         def on_message_inline(subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
-            if not reply or not part.active or backlogged():  # type: ignore[misc]
-                return False
+            if not reply or not reply.startswith("$JS.ACK.") or not part.active or backlogged():  # type: ignore[misc]
+                return False  # on_message decides it
             msg = Msg(nc, subject, reply, data, headers)  # the chunk's token: the outbox acks its reply
             try:
                 chunk = parse(head + subject[cut:], headers, data, msg)
