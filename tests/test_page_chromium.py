@@ -168,6 +168,30 @@ async def test_the_pages_eventsource_sees_exactly_the_bytes_the_worker_published
     assert screenshot(browser, "edge-page-aggregated.png").stat().st_size > 0
 
 
+async def test_a_long_request_keeps_the_last_rows_an_exact_count_and_all_its_text(browser, edge, server):
+    """A row per result without a bound (and the text rewritten whole per result) made a tab following
+    a long request ever slower: the table keeps the last MAX_ROWS (1,000) rows, the count and the text
+    stay whole, and ``received`` keeps every body."""
+    request_id = rid("page-long")
+    total = 2500
+    bodies = [json.dumps({"text": f"<{seq}>", "meta_info": {"id": request_id}}).encode() for seq in range(total)]
+    browser.get(f"{edge.url}/?id={request_id}")
+    await wait_for(browser, lambda s: s["state"] == "open")
+    async with await nats.connect(server.url) as nc:
+        for seq, body in enumerate(bodies):
+            await publish_result(nc, SUBJECTS, request_id, seq, body, final=seq == total - 1)
+        await nc.flush()
+    state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"], timeout=60)
+    assert state["received"] == [b.decode() for b in bodies] + ["[DONE]"]
+    rows = browser.find_elements(By.CSS_SELECTOR, "#chunks tr")
+    assert len(rows) == 1000
+    assert rows[0].find_element(By.CSS_SELECTOR, "td").text == str(total - 1000)  # the oldest kept row
+    assert browser.find_element(By.ID, "count").text == f"{total} results (the last 1000 shown)"
+    assert browser.find_element(By.ID, "tokens").get_attribute("textContent") == "".join(
+        f"<{seq}>" for seq in range(total))
+    assert js_errors(browser) == []
+
+
 async def test_the_page_shows_join_verdicts_and_omission_reasons(browser, edge, server):
     request_id = rid("page-pd")
     worker = worker_for("sglang")

@@ -4,12 +4,15 @@
 "use strict";
 
 const page = (window.streamprocPage = {
-  requestId: null, state: "idle", received: [], meta: [], verdict: null, source: null,
+  requestId: null, state: "idle", received: [], meta: [], verdict: null, source: null, textNode: null,
 });
 const RANK = { passthrough: 0, joined: 1, stitched: 2, omitted: 3 };
 const $ = (id) => document.getElementById(id);
 // Seconds the stream may stay open without a result before the page says it is waiting.
 const WAITING_AFTER = 1.0;
+// Table rows kept: past this the oldest leaves the DOM (the count stays exact, `received` keeps every
+// body). A row per result without a bound made a tab following a long request ever slower.
+const MAX_ROWS = 1000;
 
 // Every URL the page fetches or streams from is built here (one place for a prefix or a credential):
 // access.js's edgeUrl() appends the operator's access_token when the page was opened with one.
@@ -74,7 +77,7 @@ function setVerdict(verdict) {
 let textField = null;
 edgeAccess.info.then((info) => {
   textField = info.text_field || null;
-  $("tokens").textContent = page.received.map((data) => {
+  if (page.textNode) page.textNode.data = page.received.map((data) => {  // the node follow() appends to
     try { return textOf(JSON.parse(data)); } catch (_) { return ""; }
   }).join("");
 });
@@ -112,14 +115,23 @@ function addRow(seq, meta, data) {
     else cell.textContent = text;
     row.append(cell);
   }
-  $("chunks").append(row);
+  const table = $("chunks");
+  table.append(row);
+  if (table.children.length > MAX_ROWS) table.firstElementChild.remove();
+}
+
+function showCount() {
+  const n = page.received.length - (page.received[page.received.length - 1] === "[DONE]" ? 1 : 0);
+  $("count").textContent = n + (n === 1 ? " result" : " results") +
+    (n > MAX_ROWS ? " (the last " + MAX_ROWS + " shown)" : "");
 }
 
 function follow(requestId) {
   if (page.source) page.source.close();
   Object.assign(page, { requestId, received: [], meta: [], verdict: null, refusal: null, error: null });
   $("current").textContent = requestId;
-  $("tokens").textContent = "";
+  page.textNode = document.createTextNode("");  // appended to, never rewritten: `textContent +=` per result
+  $("tokens").replaceChildren(page.textNode);    // copied the whole text each time (quadratic in the stream)
   $("chunks").textContent = "";
   $("reasons").textContent = "";
   $("count").textContent = "0 results";
@@ -172,13 +184,12 @@ function follow(requestId) {
       setVerdict(meta.verdict);
     }
     if (doc) {
-      $("tokens").textContent += textOf(doc);
+      page.textNode.appendData(textOf(doc));
       const reasons = reasonsOf(doc);
       if (reasons.length) $("reasons").textContent = "omitted " + reasons.join(", ");
     }
     addRow(event.lastEventId, meta, event.data);
-    const n = $("chunks").children.length;
-    $("count").textContent = n + (n === 1 ? " result" : " results");
+    showCount();
   };
   source.onerror = () => {
     if (page.state === "done" || page.state === "failed") return;
