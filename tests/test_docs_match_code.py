@@ -1,0 +1,220 @@
+"""The user-facing docs (README.md, docs/*.md but benchmarks.md) name what the code has.
+
+Pinned drift classes, each found once in the docs (docs-drift review, 2026-12-03):
+
+- a ``streamproc <command> ... --flag`` in a code block or a code span is an option of that command;
+- the settings tables (README's, configuration.md's, edge.md's) name each setting's flag, variable
+  and default as ``--help`` states them, and list every setting of their command (edge.md lacked
+  the edge's ``--duplicate-window``, ``--stream-storage`` and ``--stream-replicas``);
+- every metric name in the docs is exported as written (counters with ``_total``: edge.md named nine
+  without it), and every exported metric is named somewhere (operations.md covered most with patterns);
+- edge.md's unary status table has every error kind with the status the edge answers
+  (``migration_refused`` and ``unavailable`` were missing).
+
+No NATS server: the parser, the collectors and the tables are read in process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from streamproc.cli import build_parser
+from streamproc.core.codec import ErrorKind
+from streamproc.core.correlator import Stats
+from streamproc.core.latency import LatencyHistogram
+from streamproc.edge.app import ERROR_STATUS
+from streamproc.edge.metrics import EdgeCollector, EdgeMetrics
+from streamproc.metrics import ProcessorCollector
+from streamproc.nats.durable_input import DurableStats
+from streamproc.nats.input import IOStats
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]
+_HELP_SETTING = re.compile(r"\[env (STREAMPROC_[A-Z0-9_]+), default (.*)\]$", re.DOTALL)
+
+# Settings a command accepts that its doc table need not list. The edge shares the processor's
+# connection group, whose --control-reply-prefix only the processor reads (nats/processor.py).
+UNTABLED = {"edge": {"--control-reply-prefix"}}
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _options(command: str) -> set[str]:
+    return {s for a in _subparsers()[command]._actions for s in a.option_strings}
+
+
+def _settings(command: str) -> dict[str, tuple[str, str]]:
+    """``--flag`` -> (environment variable, default as --help prints it) for settings with a variable."""
+    out = {}
+    for action in _subparsers()[command]._actions:
+        found = _HELP_SETTING.search(action.help or "")
+        if found and action.option_strings:
+            out[action.option_strings[0]] = (found.group(1), found.group(2))
+    return out
+
+
+def _code(path: Path) -> list[tuple[int, str]]:
+    """(line number, code) for every line of a fenced block and every code span of other lines."""
+    out, fenced = [], False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            out.append((number, line))
+        else:
+            out.extend((number, span) for span in re.findall(r"`+([^`]+)`+", line))
+    return out
+
+
+def documented_command_flags() -> list[tuple[str, str, str]]:
+    """(where, command, flag) for each flag written after ``streamproc <command>`` in code."""
+    found = []
+    invocation = re.compile(r"(?:\bstreamproc|python -m streamproc\.edge)\s+"
+                            r"(run|edge|token|demo|simulate|codecs)?([^#;|&`]*)")
+    for path in DOCS:
+        for number, code in _code(path):
+            for m in invocation.finditer(code):
+                command = "edge" if m.group(0).startswith("python") else m.group(1)
+                if command is None:
+                    continue
+                for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", m.group(2)):
+                    found.append((f"{_rel(path)}:{number}", command, flag))
+    return found
+
+
+def test_the_docs_show_command_lines():
+    assert len(documented_command_flags()) > 20  # the extraction finds the README's and the guides' commands
+
+
+@pytest.mark.parametrize("where,command,flag", documented_command_flags())
+def test_a_documented_command_line_flag_exists(where: str, command: str, flag: str):
+    assert flag in _options(command), f"{where}: `streamproc {command} {flag}`: no such option"
+
+
+def _table_rows(path: Path) -> list[tuple[int, list[str]]]:
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("| `--"):
+            rows.append((number, [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]))
+    return rows
+
+
+def _same_default(documented: str, helped: str) -> bool:
+    text = documented.strip("`").split("`")[0].strip()
+    helped = helped.strip("'")
+    if text in ("", "empty"):
+        return helped in ("", "()")
+    if text.endswith(" MiB"):  # README: `512 MiB`
+        text = str(int(text.split()[0]) * 2 ** 20)
+    try:
+        return float(text) == float(helped)
+    except ValueError:
+        return text.lower() == helped.lower()
+
+
+SETTINGS_TABLES = [("README.md", "run", False), ("docs/configuration.md", "run", True),
+                   ("docs/edge.md", "edge", True)]
+
+
+@pytest.mark.parametrize("doc,command,with_env", SETTINGS_TABLES)
+def test_a_settings_table_states_flags_variables_and_defaults_as_the_help_does(doc: str, command: str,
+                                                                               with_env: bool):
+    settings, options, problems = _settings(command), _options(command), []
+    for number, cells in _table_rows(ROOT / doc):
+        flags = re.findall(r"`(--[a-z0-9-]+)`", cells[0])
+        envs = re.findall(r"`(STREAMPROC_[A-Z0-9_]+)`", cells[1]) if with_env else []
+        default = cells[2] if with_env else cells[1]
+        for i, flag in enumerate(flags):
+            if flag not in options:
+                problems.append(f"{doc}:{number}: {flag} is no option of `streamproc {command}`")
+                continue
+            if flag not in settings or len(flags) > 1:  # a row of several flags states no one default
+                continue
+            env, helped = settings[flag]
+            if with_env and envs and envs[i] != env:
+                problems.append(f"{doc}:{number}: {flag}'s variable is {env}, not {envs[i]}")
+            if not _same_default(default, helped):
+                problems.append(f"{doc}:{number}: {flag}'s default is {helped}, not {default}")
+    assert problems == []
+
+
+@pytest.mark.parametrize("doc,command", [("docs/configuration.md", "run"), ("docs/edge.md", "edge")])
+def test_a_settings_table_lists_every_setting_of_its_command(doc: str, command: str):
+    rows = "\n".join(line for line in (ROOT / doc).read_text().splitlines() if line.startswith("| "))
+    missing = [f"{flag} ({env})" for flag, (env, _) in _settings(command).items()
+               if f"`{flag}`" not in rows and f"`{env}`" not in rows
+               and flag not in UNTABLED.get(command, set())]
+    assert missing == [], f"{doc}: settings of `streamproc {command}` in no table row"
+
+
+def exported_metrics() -> set[str]:
+    """Names as /metrics shows them: counters with ``_total``, gauges and histograms as named."""
+    processor = SimpleNamespace(
+        correlator=SimpleNamespace(stats=Stats(), error_kinds={}, inflight=0, buffered_bytes=lambda: 0,
+                                   retained_bytes=lambda: 0, join_wait=LatencyHistogram(),
+                                   join_seconds=LatencyHistogram()),
+        io=IOStats(),
+        input=SimpleNamespace(stats=DurableStats(), outbox=SimpleNamespace(
+            puback_latency=LatencyHistogram(), result_latency=LatencyHistogram())),
+        pipeline=SimpleNamespace(result_latency=LatencyHistogram()),
+        control_replies_refused=0, status_server=SimpleNamespace(evicted=0, accept_errors=0),
+        connected=True, ready=True)
+    families = [*ProcessorCollector(processor).collect(), *EdgeCollector(EdgeMetrics()).collect()]
+    return {f.name + "_total" if f.type == "counter" else f.name for f in families}
+
+
+def documented_metrics() -> dict[str, str]:
+    """Metric-looking names in the docs -> where first; package names and ``streamproc_edge_*``-style
+    prefixes are not metrics."""
+    found: dict[str, str] = {}
+    for path in DOCS:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for name in re.findall(r"\bstreamproc_[a-z0-9_]*[a-z0-9]\b(?!\.)", line):
+                if re.fullmatch(r"streamproc_(sglang|vllm)(_zstd)?", name):
+                    continue
+                found.setdefault(name, f"{_rel(path)}:{number}")
+    return found
+
+
+def test_the_collectors_export_the_usual_metrics():
+    names = exported_metrics()
+    assert {"streamproc_results_total", "streamproc_durable_acks_total", "streamproc_edge_streams_active",
+            "streamproc_join_wait_seconds"} <= names and len(names) > 100
+
+
+def test_every_documented_metric_is_exported_as_written():
+    exported = exported_metrics()
+    wrong = [f"{where}: {name}" + (f" (exported as {name}_total)" if name + "_total" in exported else "")
+             for name, where in documented_metrics().items()
+             if name not in exported and re.sub(r"_(bucket|count|sum)$", "", name) not in exported]
+    assert wrong == []
+
+
+def test_every_exported_metric_is_documented():
+    documented = documented_metrics()
+    assert sorted(exported_metrics() - set(documented)) == []
+
+
+def test_the_unary_status_table_has_every_error_kind():
+    text = (ROOT / "docs/edge.md").read_text()
+    table = text[text.index("| kind | status |"):].split("\n\n")[0]
+    statuses = {}
+    for row in table.splitlines()[2:]:
+        kinds, status = [c.strip() for c in row.strip("|").split("|")]
+        for kind in re.findall(r"`([a-z_]+)`", kinds):
+            statuses[kind] = int(status)
+    documented = {kind.value: statuses.get(kind.value) for kind in ErrorKind}
+    assert documented == {kind.value: ERROR_STATUS[kind] for kind in ErrorKind}
