@@ -158,10 +158,6 @@ class CommonSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     )
     prefix: Annotated[str, documented("subject prefix P: chunks on P.chunks.>, results on "
                                       "P.results.<request_id>")] = defaults.PREFIX
-    control_reply_prefix: Annotated[str, documented(
-        "the prefix every migrate's reply subject must have (the requesters' inbox prefix, nats-py's "
-        "inbox_prefix); a migrate naming another reply subject is refused unanswered and untouched, since "
-        "the processor answers with its own NATS rights", min_length=2)] = defaults.CONTROL_REPLY_PREFIX
     format: Annotated[str, documented("default codec (see `streamproc codecs`): the processor's for requests "
                                       "without a Streamproc-Format header, the edge's for folding unary answers "
                                       "and its own error bodies", min_length=1)] = defaults.FORMAT
@@ -274,6 +270,11 @@ NATS_CONNECTION = ("nats_url", "connect_timeout", "nats_user", "nats_password", 
 class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Effective configuration of one processor."""
 
+    # Only the processor answers migrates: the edge took this setting and did nothing with it.
+    control_reply_prefix: Annotated[str, documented(
+        "the prefix every migrate's reply subject must have (the requesters' inbox prefix, nats-py's "
+        "inbox_prefix); a migrate naming another reply subject is refused unanswered and untouched, since "
+        "the processor answers with its own NATS rights", min_length=2)] = defaults.CONTROL_REPLY_PREFIX
     mode: Annotated[Mode, documented("input mode; durable = JetStream consumers with acks (effectively-once "
                                "results, survives restarts), core = plain NATS subscription (at-most-once), "
                                "auto = durable when the server has JetStream, else core")] = "auto"

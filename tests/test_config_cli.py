@@ -284,3 +284,12 @@ def test_nonsensical_durable_stream_limits_exit_2_naming_the_flag_and_value(flag
     proc = run_cli_process("run", "--print-config", "--mode", "durable", *flags)
     line = one_clean_error(proc, 2, "run")
     assert message in line, line
+
+
+def test_the_edge_does_not_take_the_processors_control_reply_prefix():
+    """Only the processor answers migrates; the edge accepted --control-reply-prefix and ignored it."""
+    from streamproc.config import Settings
+    from streamproc.edge.settings import EdgeSettings
+
+    assert "control_reply_prefix" in Settings.__struct_fields__
+    assert "control_reply_prefix" not in EdgeSettings.__struct_fields__

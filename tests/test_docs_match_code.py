@@ -37,11 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]
 _HELP_SETTING = re.compile(r"\[env (STREAMPROC_[A-Z0-9_]+), default (.*)\]$", re.DOTALL)
 
-# Settings a command accepts that its doc table need not list. The edge shares the processor's
-# connection group, whose --control-reply-prefix only the processor reads (nats/processor.py).
-UNTABLED = {"edge": {"--control-reply-prefix"}}
-
-
 def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT))
 
@@ -155,8 +150,7 @@ def test_a_settings_table_states_flags_variables_and_defaults_as_the_help_does(d
 def test_a_settings_table_lists_every_setting_of_its_command(doc: str, command: str):
     rows = "\n".join(line for line in (ROOT / doc).read_text().splitlines() if line.startswith("| "))
     missing = [f"{flag} ({env})" for flag, (env, _) in _settings(command).items()
-               if f"`{flag}`" not in rows and f"`{env}`" not in rows
-               and flag not in UNTABLED.get(command, set())]
+               if f"`{flag}`" not in rows and f"`{env}`" not in rows]
     assert missing == [], f"{doc}: settings of `streamproc {command}` in no table row"
 
 
