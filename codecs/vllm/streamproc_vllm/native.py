@@ -18,6 +18,7 @@ PROMPT_TOKENS = "prompt_tokens"  # usage counts
 COMPLETION_TOKENS = "completion_tokens"
 UNAVAILABLE_SUFFIX = "_unavailable_reason"
 TOKEN_LABEL_PREFIX = "token_id:"
+TOKEN_ID = "token_id"  # tokens-mode logprob entries name their token by id (no "token" label)
 CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob
 
 _decoder = msgspec.json.Decoder()
@@ -95,7 +96,11 @@ def label_and_clamp(choice: dict) -> bool:
     """Give each sampled-token logprob entry its ``token_id:<id>`` label and a finite logprob.
 
     P/D decode workers leave the label out (§7 "native token labels"); the id is the choice's
-    token at the same position. Returns whether anything changed.
+    token at the same position. An entry that names its token by ``token_id`` is left unlabelled:
+    that is vLLM's tokens-mode shape (``GenerateLogProbsContent``: token_id, logprob, rank,
+    top_logprobs; ``ServingTokens._create_tokens_logprobs``, vLLM 0.34.0), which has no ``token``
+    key on any leg, so adding one would make the P/D body differ from the aggregated one.
+    Returns whether anything changed.
     """
     entries = logprob_entries(choice)
     if not entries:
@@ -107,7 +112,7 @@ def label_and_clamp(choice: dict) -> bool:
         if not isinstance(entry, dict):
             continue
         new = entry
-        if "token" not in entry and i < len(token_ids) and is_int(token_ids[i]):
+        if "token" not in entry and TOKEN_ID not in entry and i < len(token_ids) and is_int(token_ids[i]):
             new = {"token": token_label(token_ids[i]), **entry}
         logprob = new.get("logprob")
         if isinstance(logprob, float) and not math.isfinite(logprob):
