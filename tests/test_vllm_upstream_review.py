@@ -210,3 +210,29 @@ def test_routed_experts_prompt_start_rows_are_joined_like_the_aggregated_body():
     decode = unary(out=OUT, lps=LPS, experts=npy_b64(rows(start, total)))  # emit_cursor = S on decode too
     [(body, _)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
     assert_same(body, dumps(agg))
+
+
+# ---------------------------------------- claim checked: a 0.34.0 decode leg scores the prompt itself
+
+
+def test_decode_leg_that_scores_the_prompt_itself_joins_to_the_aggregated_body():
+    """docs/formats-vllm.md says the decode leg's ``prompt_logprobs`` is null because it "only receives
+    KV". In 0.34.0 a request with ``prompt_logprobs`` has ``skip_reading_prefix_cache`` set
+    (``SamplingParams.__post_init__``), so ``Request.get_prefix_cache_hit_limit`` is
+    ``prompt_logprob_start or 0`` and ``Request.skip_reading_external_kv`` is true: the decode leg
+    recomputes the prompt and returns the same list (``clamp_prompt_logprobs(final_res.prompt_logprobs)``).
+    With routed-experts capture on, ``Scheduler`` also caps an external KV hit to rows its aux-output
+    store holds (``AuxOutputSchedulerConnector.cap_external_hit``), so decode's prompt rows are real.
+    The join must keep that body as it is (it equals the aggregated one)."""
+    plp = [None] + [{str(t): {"logprob": -1.0 - i, "rank": 1, "decoded_token": None}}
+                    for i, t in enumerate(PROMPT[1:])]
+    total = len(PROMPT) + len(OUT) - 1
+    agg = unary(out=OUT, lps=LPS, experts=npy_b64(rows(0, total)))
+    agg["prompt_logprobs"] = plp
+    prefill = unary(out=OUT[:1], lps=LPS[:1], experts=npy_b64(rows(0, len(PROMPT))), finish="length",
+                    kv=PREFILL_KV)
+    prefill["prompt_logprobs"] = plp
+    decode = json.loads(dumps(agg))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
