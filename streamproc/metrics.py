@@ -9,6 +9,8 @@ processors or edges in one process (tests, the demo) never share counters.
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import msgspec
@@ -28,12 +30,17 @@ _VERDICT_FIELDS = {"passthrough": "passthrough", "joined": "joined", "omitted": 
                    "stitched": "stitched", "errors": "error"}
 # Struct fields that are gauges (a level now), not counters.
 GAUGES = frozenset({"partitions", "members", "streams_active", "nats_connected"})
-_IO_HELP = {"disconnects": "NATS disconnections (not counting a shutdown)", "reconnects": "NATS reconnections",
-            "slow_consumer": "input messages nats-py dropped because its pending queue was full"}
-_DURABLE_HELP = {"redelivered": "chunks JetStream delivered more than once (delivery count > 1)",
-                 "partitions": "partitions this instance owns now",
-                 "strays": "chunks stored untransformed (a '*' or '>' token in the subject), terminated",
-                 "inbox_strays": "messages on a pull inbox that are neither a JetStream delivery nor a status, ignored"}
+
+
+@functools.cache
+def descriptions(struct: type[msgspec.Struct]) -> dict[str, str]:
+    """Each field's ``Meta(description=...)``: a counter's HELP text lives on the field that counts it."""
+    texts: dict[str, str] = {}
+    for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+        for meta in getattr(hint, "__metadata__", ()):
+            if isinstance(meta, msgspec.Meta) and meta.description:
+                texts[name] = meta.description
+    return texts
 
 
 def histogram(name: str, text: str, hist: LatencyHistogram) -> HistogramMetricFamily:
@@ -42,8 +49,9 @@ def histogram(name: str, text: str, hist: LatencyHistogram) -> HistogramMetricFa
 
 def struct_families(namespace: str, stats: msgspec.Struct, texts: Mapping[str, str] | None = None,
                     skip: Iterable[str] = ()) -> Iterator[Metric]:
-    """One counter (or gauge, see ``GAUGES``) per integer field of a stats struct."""
-    texts = texts or {}
+    """One counter (or gauge, see ``GAUGES``) per integer field of a stats struct, described by
+    ``texts`` or else by the fields' own descriptions."""
+    texts = descriptions(type(stats)) if texts is None else texts
     skipped = set(skip)
     for field in stats.__struct_fields__:
         if field in skipped:
@@ -75,10 +83,10 @@ class ProcessorCollector(Collector):
             errors.add_metric([kind], n)
         yield errors
         yield from struct_families("streamproc", stats, skip=_VERDICT_FIELDS)
-        yield from struct_families("streamproc", p.io, _IO_HELP)
+        yield from struct_families("streamproc", p.io)
         durable = p.input.stats if p.input is not None else None
         if durable is not None:
-            yield from struct_families("streamproc_durable", durable, _DURABLE_HELP)
+            yield from struct_families("streamproc_durable", durable)
         outbox = getattr(p.input, "outbox", None)  # durable mode: results leave through the outbox
         if outbox is not None:
             yield histogram("streamproc_durable_puback_latency_seconds",

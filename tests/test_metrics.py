@@ -125,6 +125,22 @@ async def test_durable_processor_is_ready_once_it_owns_partitions(client, stream
         assert "streamproc_reconnects_total" in metrics
 
 
+async def test_every_durable_processor_metric_has_a_help_text_that_says_more_than_its_name(client, streamproc_run):
+    """A HELP line that only repeated the field's name ("chunks", "late") told an operator nothing:
+    each counter's text now lives on the stats field that counts it (``Meta(description=...)``)."""
+    port = free_port()
+    with streamproc_run("--mode", "durable", "--partitions", "1", "--http-port", str(port),
+                        "--http-host", "127.0.0.1"):
+        await wait_for(lambda: scrape(port)["streamproc_durable_partitions"] == 1)
+        _, text = get(f"http://127.0.0.1:{port}/metrics")
+    helps = dict(line.removeprefix("# HELP ").split(" ", 1) for line in text.splitlines()
+                 if line.startswith("# HELP streamproc"))
+    assert len(helps) > 60
+    bare = {name: help_text for name, help_text in helps.items()
+            if help_text.replace(" ", "_") in name or len(help_text.split()) < 3}
+    assert bare == {}
+
+
 async def test_durable_metrics_pubacks_end_to_end_latency_and_every_redelivery(client, streamproc_run):
     """PubAck and chunk -> stored-result latency histograms count each stored result; a chunk
     JetStream delivers twice is counted as redelivered also when its request is known (no lookup)."""

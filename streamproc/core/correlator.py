@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Annotated, Callable, Iterable, Iterator, Sequence
 
 import msgspec
+from msgspec import Meta
 
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
@@ -133,26 +134,40 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
 
 
 class Stats(msgspec.Struct, gc=False):
-    chunks: int = 0
-    passthrough: int = 0
-    joined: int = 0
-    omitted: int = 0
-    errors: int = 0
-    duplicates: int = 0
-    late: int = 0
-    rejected: int = 0
-    timeouts: int = 0
-    prefill_timeouts: int = 0
-    overloaded: int = 0
-    stitched: int = 0
-    migrations: int = 0
-    migrations_refused: int = 0
-    sealed: int = 0  # chunks of a sealed (migrated-away) attempt, dropped
-    over_budget: int = 0  # requests ended because they passed max_buffered_bytes or max_total_bytes
-    internal_errors: int = 0  # messages whose handling raised (a bug): their request ended as internal
-    shed: int = 0  # requests ended (overloaded) because their partition held too many unacknowledged chunks
-    over_cpu: int = 0  # requests ended because their joins used more than max_decode_cpu seconds of CPU
-    evicted: int = 0  # idle requests ended (overloaded) to admit a new one at max_inflight
+    """The correlator's counters: each is `streamproc_<name>_total` on /metrics, its description the HELP."""
+
+    chunks: Annotated[int, Meta(description="chunks received (every role)")] = 0
+    passthrough: Annotated[int, Meta(description="aggregated results passed through byte for byte")] = 0
+    joined: Annotated[int, Meta(description="P/D results joined from both legs")] = 0
+    omitted: Annotated[int, Meta(description="P/D results with a field omitted and its reason")] = 0
+    errors: Annotated[int, Meta(description="error results published (every kind)")] = 0
+    duplicates: Annotated[int, Meta(description="chunks whose seq was already received (a redelivery or a "
+                                                "worker's repeat), dropped")] = 0
+    late: Annotated[int, Meta(description="chunks of a request that had already finished, dropped")] = 0
+    rejected: Annotated[int, Meta(description="chunks that broke the contract (invalid_chunk): their request"
+                                              " ended with an error result")] = 0
+    timeouts: Annotated[int, Meta(description="requests ended because no chunk came for --request-timeout")] = 0
+    prefill_timeouts: Annotated[int, Meta(description="P/D requests whose prefill leg did not come within "
+                                                      "--prefill-timeout (the join field omitted)")] = 0
+    overloaded: Annotated[int, Meta(description="requests refused or ended as overloaded (a bound on "
+                                                "requests or bytes was full)")] = 0
+    stitched: Annotated[int, Meta(description="results of a migrated request's later attempt, continuing its"
+                                              " stream")] = 0
+    migrations: Annotated[int, Meta(description="migrates honoured: the request's attempt sealed and "
+                                                "answered")] = 0
+    migrations_refused: Annotated[int, Meta(description="migrates refused (the request unknown, finished, or"
+                                                        " its state too large to seal)")] = 0
+    sealed: Annotated[int, Meta(description="chunks of a sealed (migrated-away) attempt, dropped")] = 0
+    over_budget: Annotated[int, Meta(description="requests ended because they passed max_buffered_bytes or "
+                                                 "max_total_bytes")] = 0
+    internal_errors: Annotated[int, Meta(description="messages whose handling raised (a bug): their request "
+                                                     "ended as internal")] = 0
+    shed: Annotated[int, Meta(description="requests ended (overloaded) because their partition held too many"
+                                          " unacknowledged chunks")] = 0
+    over_cpu: Annotated[int, Meta(description="requests ended because their joins used more than "
+                                              "max_decode_cpu seconds of CPU")] = 0
+    evicted: Annotated[int, Meta(description="idle requests ended (overloaded) to admit a new one at "
+                                             "max_inflight")] = 0
 
     @property
     def results(self) -> int:

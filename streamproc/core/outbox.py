@@ -34,9 +34,10 @@ recovery decisions for a chunk of a request this instance does not know.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Callable, Iterable, Iterator, Mapping
 
 import msgspec
+from msgspec import Meta
 
 from . import defaults
 from .events import Decision, Notice, Result, Role, Settle
@@ -71,17 +72,25 @@ class OutboxConfig(msgspec.Struct, frozen=True):
 class OutboxStats(msgspec.Struct):
     """Counters of the outbox (merged into the durable input's statistics)."""
 
-    acks: int = 0
-    naks: int = 0
-    in_progress: int = 0  # +WPI sent for tokens held at two consecutive progress rounds
-    duplicate_results: int = 0  # PubAcks saying the result was already stored
-    publish_retries: int = 0
-    publish_errors: int = 0  # refusals and publishes that did not leave
-    results_given_up: int = 0  # results dropped after max_attempts (their inputs NAKed)
-    pubacks_overdue: int = 0  # sends of a result whose PubAck did not come in time (then sent again)
-    terminated: int = 0  # inputs settled with +TERM (poison messages past max_deliver), not counted in acks
-    result_batches: int = 0  # fast batches sent (each with 2 to batch_limit results of one request)
-    batch_pauses: int = 0  # batches refused whole (batches off on the stream, no batch slot): one at a time a while
+    acks: Annotated[int, Meta(description="chunks acknowledged once the results they made were stored")] = 0
+    naks: Annotated[int, Meta(description="chunks negatively acknowledged for a redelivery (their result "
+                                          "could not be stored yet, or a handover)")] = 0
+    in_progress: Annotated[int, Meta(description="+WPI sent for tokens held at two consecutive progress "
+                                                 "rounds")] = 0
+    duplicate_results: Annotated[int, Meta(description="PubAcks saying the result was already stored")] = 0
+    publish_retries: Annotated[int, Meta(description="result publishes sent again (no PubAck in time, or a "
+                                                     "retryable refusal)")] = 0
+    publish_errors: Annotated[int, Meta(description="refusals and publishes that did not leave")] = 0
+    results_given_up: Annotated[int, Meta(description="results dropped after max_attempts (their inputs "
+                                                      "NAKed)")] = 0
+    pubacks_overdue: Annotated[int, Meta(description="sends of a result whose PubAck did not come in time "
+                                                     "(then sent again)")] = 0
+    terminated: Annotated[int, Meta(description="inputs settled with +TERM (poison messages past "
+                                                "max_deliver), not counted in acks")] = 0
+    result_batches: Annotated[int, Meta(description="fast batches sent (each with 2 to batch_limit results "
+                                                    "of one request)")] = 0
+    batch_pauses: Annotated[int, Meta(description="batches refused whole (batches off on the stream, no "
+                                                  "batch slot): one at a time a while")] = 0
 
 
 class Nak(msgspec.Struct, frozen=True):

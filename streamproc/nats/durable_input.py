@@ -36,10 +36,11 @@ import logging
 import os
 import secrets
 import socket
-from typing import Awaitable, Callable, NamedTuple
+from typing import Annotated, Awaitable, Callable, NamedTuple
 
 import anyio
 import msgspec
+from msgspec import Meta
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -107,25 +108,35 @@ class Waiting(NamedTuple):
 class DurableStats(OutboxStats):
     """Counters of the durable input (merged into ``Processor.snapshot()``); the outbox's are inherited."""
 
-    partitions: int = 0  # gauge: partitions this instance serves now
-    members: int = 0  # gauge: live instances sharing the partitions
-    pulls: int = 0
-    lost_pulls: int = 0  # pulls re-issued because the server stopped answering them
-    consumer_repairs: int = 0
-    redelivered: int = 0  # messages delivered more than once
-    poisoned: int = 0  # chunks on their max_deliver-th delivery: request ended, chunk terminated
-    strays: int = 0  # chunks stored untransformed (a '*' or '>' token in the subject): terminated
-    inbox_strays: int = 0  # messages on a pull inbox that are neither a delivery nor a status: ignored
-    recoveries: int = 0  # last-result lookups for requests this instance did not know
-    resumed: int = 0  # lookups that found stored results (the request moved here)
-    migrated_adopted: int = 0  # of those, requests with a seal record: session rebuilt from stored bodies
-    seals_recorded: int = 0  # seals written to the migrations bucket
-    seal_conflicts: int = 0  # seals another instance recorded first (compare-and-set lost)
-    seals_unavailable: int = 0  # migrates answered `unavailable` (a store could not be read or written)
-    chunks_undeliverable_seen: int = 0  # migrates that found a chunk past max_deliver, kept but never redelivered
-    leases_acquired: int = 0
-    leases_released: int = 0
-    leases_lost: int = 0
+    partitions: Annotated[int, Meta(description="gauge: partitions this instance serves now")] = 0
+    members: Annotated[int, Meta(description="gauge: live instances sharing the partitions")] = 0
+    pulls: Annotated[int, Meta(description="pull requests sent to the partition consumers")] = 0
+    lost_pulls: Annotated[int, Meta(description="pulls re-issued because the server stopped answering them")] = 0
+    consumer_repairs: Annotated[int, Meta(description="partition consumers created again after they went "
+                                                      "missing")] = 0
+    redelivered: Annotated[int, Meta(description="messages delivered more than once")] = 0
+    poisoned: Annotated[int, Meta(description="chunks on their max_deliver-th delivery: request ended, chunk"
+                                              " terminated")] = 0
+    strays: Annotated[int, Meta(description="chunks stored untransformed (a '*' or '>' token in the "
+                                            "subject): terminated")] = 0
+    inbox_strays: Annotated[int, Meta(description="messages on a pull inbox that are neither a delivery nor "
+                                                  "a status: ignored")] = 0
+    recoveries: Annotated[int, Meta(description="last-result lookups for requests this instance did not know")] = 0
+    resumed: Annotated[int, Meta(description="lookups that found stored results (the request moved here)")] = 0
+    migrated_adopted: Annotated[int, Meta(description="of those, requests with a seal record: session "
+                                                      "rebuilt from stored bodies")] = 0
+    seals_recorded: Annotated[int, Meta(description="seals written to the migrations bucket")] = 0
+    seal_conflicts: Annotated[int, Meta(description="seals another instance recorded first (compare-and-set "
+                                                    "lost)")] = 0
+    seals_unavailable: Annotated[int, Meta(description="migrates answered `unavailable` (a store could not "
+                                                       "be read or written)")] = 0
+    chunks_undeliverable_seen: Annotated[int, Meta(description="migrates that found a chunk past "
+                                                               "max_deliver, kept but never redelivered")] = 0
+    leases_acquired: Annotated[int, Meta(description="partition leases this instance took")] = 0
+    leases_released: Annotated[int, Meta(description="partition leases this instance gave up (a rebalance or"
+                                                     " a stop)")] = 0
+    leases_lost: Annotated[int, Meta(description="partition leases this instance lost (it could not renew "
+                                                 "them in time)")] = 0
 
 
 def new_instance_id() -> str:

@@ -14,9 +14,10 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Awaitable, Callable, Protocol
 
 import msgspec
+from msgspec import Meta
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -55,12 +56,15 @@ def join_cpu_clock() -> Clock:
 class IOStats(msgspec.Struct):
     """Shell-side counters; the correlator's own are in ``Correlator.stats``."""
 
-    unreadable: int = 0  # messages whose subject does not even name a request: nothing to answer
-    publish_failures: int = 0  # results lost because NATS refused the publish (core mode)
-    slow_consumer: int = 0  # input messages nats-py dropped because its pending queue was full
-    disconnects: int = 0
-    reconnects: int = 0
-    timer_runs: int = 0
+    unreadable: Annotated[int, Meta(description="messages whose subject does not even name a request: "
+                                                "nothing to answer")] = 0
+    publish_failures: Annotated[int, Meta(description="results lost because NATS refused the publish (core "
+                                                      "mode)")] = 0
+    slow_consumer: Annotated[int, Meta(description="input messages nats-py dropped because its pending queue"
+                                                   " was full")] = 0
+    disconnects: Annotated[int, Meta(description="NATS disconnections (not counting a shutdown)")] = 0
+    reconnects: Annotated[int, Meta(description="NATS reconnections after a lost connection")] = 0
+    timer_runs: Annotated[int, Meta(description="runs of the timer that ends timed-out requests")] = 0
 
 
 # Per-request events that are expected in normal operation (redeliveries, races at a seal).
