@@ -68,12 +68,29 @@ INPUT_LOGPROB_ANCHORS = {
 }
 # Keys ``tokenizer_manager._handle_batch_output`` writes before ``routed_experts``; everything after
 # it (customized info, ``dp_rank``, ``e2e_latency`` and the finish-time metrics) comes later.
+# SGLang 0.5.23 renamed ``total_retractions`` to ``num_retractions`` and writes ``reasoning_tokens``,
+# ``weight_versions`` (finished bodies) and, for a request that has them, ``image_tokens`` /
+# ``audio_tokens`` / ``video_tokens`` (after ``cached_tokens_details``) before ``hidden_states``.
 ROUTED_EXPERTS_PREDECESSORS = (
-    "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", "total_retractions",
+    "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", "total_retractions", "num_retractions",
     INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS_LENGTH, "input_top_logprobs",
-    OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", OUTPUT_TOKEN_IDS_LOGPROBS, COMPLETION_TOKENS,
-    "cached_tokens", "cached_tokens_details", "hidden_states",
+    OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", OUTPUT_TOKEN_IDS_LOGPROBS, "reasoning_tokens",
+    COMPLETION_TOKENS, "cached_tokens", "weight_versions", "cached_tokens_details", "image_tokens",
+    "audio_tokens", "video_tokens", "hidden_states",
 )
+# ``return_flat_raw_top_logprobs`` (SGLang 0.5.23, ``tokenizer_manager._build_flat_top_logprobs_fields``
+# and ``_build_flat_top_logprobs_fields_from_arrays``): the prompt's top logprobs as flat arrays plus
+# shape metadata, in place of ``input_top_logprobs``. P/D decode never receives input logprobs, so its
+# body carries these fields for zero prompt rows (``input_top_logprobs_shape == [0, k]``).
+INPUT_TOP_FLAT_FIELDS = (
+    "input_top_logprobs_val_flat", "input_top_logprobs_idx_flat",
+    "input_top_logprobs_val_flat_b64", "input_top_logprobs_idx_flat_b64",
+    "input_top_logprobs_val_flat_b64_dtype", "input_top_logprobs_idx_flat_b64_dtype",
+    "input_top_logprobs_shape", "input_top_logprobs_null_prefix",
+)
+INPUT_TOP_LOGPROBS_UNAVAILABLE = "input_top_logprobs_unavailable_reason"
+HIDDEN_STATES = "hidden_states"
+HIDDEN_STATES_UNAVAILABLE = "hidden_states_unavailable_reason"
 # A row of this many ids that are all equal (all-zero rows included) is no real capture: with
 # top-k >= 2 the ids of one layer are distinct, and a top-1 model routing 16 (layer) slots to one
 # expert is vanishingly unlikely. SGLang's raw payload carries no shape, so this is the strongest
@@ -314,14 +331,20 @@ class SGLangJoinSession(JoinSession):
             items = native.items_of(doc)
             return self._join_items(body, items, final) if items is not None else (body, Verdict.PASSTHROUGH)
         meta = native.meta_of(doc)
-        if meta is None or not self._wants(meta, final):
+        if meta is None:
             return body, Verdict.PASSTHROUGH
+        wants = self._wants(meta, final)
+        indexed = type(doc.get(native.INDEX)) is int and not self._item  # type: ignore[union-attr]
+        # A streamed batch item's chunk that waits is joined in the item's own session, which decides.
+        hidden_omitted = False if indexed and wants else self._omit_partial_hidden_states(meta)
+        if not wants:
+            return (native.encode(doc), Verdict.OMITTED) if hidden_omitted else (body, Verdict.PASSTHROUGH)
         if not self._known:
             raise RuntimeError("join() on a chunk that needs prefill before the prefill leg was settled")
         index = doc.get(native.INDEX)  # type: ignore[union-attr]
         if type(index) is int and not self._item:
             return self._join_indexed(index, body, doc, final)  # type: ignore[arg-type]
-        self._changed = self._omitted = False
+        self._changed, self._omitted = False, hidden_omitted
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
             self._fill_first_token(meta)
@@ -443,6 +466,7 @@ class SGLangJoinSession(JoinSession):
                 meta = _insert_before(meta, anchor, {field: value})
                 doc[native.META] = meta
                 self._changed = True
+        self._fill_input_top_flat(meta, source)
         # A decode worker's own marker is now wrong.
         if meta.pop(INPUT_LOGPROBS_UNAVAILABLE, None) is not None:
             self._changed = True
@@ -473,31 +497,77 @@ class SGLangJoinSession(JoinSession):
 
     def _fill_token_ids_logprobs(self, meta: dict[str, Any]) -> None:
         """Decode's ``output_token_ids_logprobs`` has one entry per position of
-        ``output_token_logprobs`` in the aggregated body; P/D decode's lacks some (module docstring).
-        Position 0 is restored from prefill when it is the only one missing, else the field goes."""
+        ``output_token_logprobs`` in the aggregated body; P/D decode's lacks position 0's values: one
+        entry short (before SGLang 0.5.23), or a ``null`` in a row ``_commit_transfer_to_req`` reserves
+        (0.5.23: "Prefill omits these scores; reserve a row for the streaming offset"). Position 0 is
+        restored from prefill when it is the only one missing, else the field goes."""
         ids, entries = meta.get(OUTPUT_TOKEN_IDS_LOGPROBS), meta.get(OUTPUT_TOKEN_LOGPROBS)
-        if not isinstance(ids, list) or not isinstance(entries, list) or len(ids) == len(entries):
+        if not isinstance(ids, list) or not isinstance(entries, list):
             return
         length = meta.get(OUTPUT_TOKEN_LOGPROBS_LENGTH)
         from_zero = _is_count(length) and length == len(entries)  # this chunk's slice starts at position 0
+        short = from_zero and len(ids) == len(entries) - 1
+        reserved = from_zero and len(ids) == len(entries) and bool(ids) and ids[0] is None
+        if len(ids) == len(entries) and not reserved:
+            return
         source = self._prefill
         theirs = source.get(OUTPUT_TOKEN_IDS_LOGPROBS) if source is not None else None
         their_tokens = source.get(OUTPUT_TOKEN_LOGPROBS) if source is not None else None
-        if (from_zero and len(ids) == len(entries) - 1 and isinstance(theirs, list) and theirs
+        if ((short or reserved) and isinstance(theirs, list) and theirs
                 and isinstance(their_tokens, list) and their_tokens and _token_id(their_tokens[0]) is not None
                 and _token_id(their_tokens[0]) == _token_id(entries[0])):
-            meta[OUTPUT_TOKEN_IDS_LOGPROBS] = [theirs[0], *ids]
+            if reserved:
+                if theirs[0] is None:
+                    return  # prefill scored no token ids at position 0 either: null is the answer
+                meta[OUTPUT_TOKEN_IDS_LOGPROBS] = [theirs[0], *ids[1:]]
+            else:
+                meta[OUTPUT_TOKEN_IDS_LOGPROBS] = [theirs[0], *ids]
             self._changed = True
             return
         if source is None:
             reason = self._unavailable or Omit.PREFILL_MISSING
-        elif from_zero and len(ids) == len(entries) - 1:
+        elif short or reserved:
             reason = Omit.PREFILL_MISSING if not (isinstance(theirs, list) and theirs) else Omit.LENGTH_MISMATCH
         else:
             reason = Omit.LENGTH_MISMATCH  # entries no leg has: lost between decode's sends
         meta.pop(OUTPUT_TOKEN_IDS_LOGPROBS)
         meta[OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE] = reason
         self._omitted = True
+
+    def _fill_input_top_flat(self, meta: dict[str, Any], source: dict[str, Any]) -> None:
+        """``return_flat_raw_top_logprobs``: decode's flat prompt top logprobs describe zero rows; the
+        prefill leg's replace them in place (same keys, same order as the aggregated body). Without
+        them on prefill, decode's are removed and ``input_top_logprobs_unavailable_reason`` is set."""
+        shape = meta.get("input_top_logprobs_shape")
+        if not (isinstance(shape, list) and shape and shape[0] == 0):
+            return  # no flat fields, or decode scored prompt rows itself
+        theirs = source.get("input_top_logprobs_shape")
+        present = [key for key in INPUT_TOP_FLAT_FIELDS if key in meta]
+        if not isinstance(theirs, list):
+            for key in present:
+                meta.pop(key)
+            meta[INPUT_TOP_LOGPROBS_UNAVAILABLE] = Omit.PREFILL_MISSING
+            self._omitted = True
+            return
+        for key in present:
+            if key in source and meta[key] != source[key]:
+                meta[key] = source[key]
+                self._changed = True
+
+    def _omit_partial_hidden_states(self, meta: dict[str, Any]) -> bool:
+        """``return_hidden_states=True``: the aggregated list starts with the prompt's block (a list of
+        vectors, ``_append_prefill_hidden_states``), then one vector per decode step. P/D prefill never
+        appends that block and decode's list holds its own steps only, so a list that does not start
+        with a block cannot equal the aggregated one: it is removed (a function of the chunk alone).
+        ``"last"`` mode sends one vector (numbers), which both legs compute the same way: kept."""
+        value = meta.get(HIDDEN_STATES)
+        if not isinstance(value, list):
+            return False
+        if value and not (isinstance(value[0], list) and value[0] and isinstance(value[0][0], (int, float))):
+            return False  # a prompt block first ([[...], ...]), or "last" mode's single vector
+        meta.pop(HIDDEN_STATES)
+        meta[HIDDEN_STATES_UNAVAILABLE] = Omit.PREFILL_MISSING
+        return True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
         if self._unavailable is not None:
