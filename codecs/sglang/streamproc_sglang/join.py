@@ -6,7 +6,8 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   prefill leg has them): only prefill computes them; decode sends ``[]``. Copied onto every decode
   chunk that carries ``output_token_logprobs``, because the aggregated stream re-emits them on each
   chunk. Prefill's ``[]`` (the default ``logprob_start_len = -1`` window) is a complete answer.
-- The first output token's logprob: P/D decode reports ``[null, out0, null]`` (SGLang PR #40298).
+- The first output token's logprob: P/D decode reports ``[null, out0, null]`` (SGLang PR #40298; 0.5.23's
+  decode reads the real value from the metadata buffer, and only a ``null`` is ever replaced).
   Taken from prefill's ``output_token_logprobs[0]`` when it names the same token id.
 - ``output_token_ids_logprobs`` (``token_ids_logprob``): ``MetadataBuffers.set_buf``
   (``disaggregation/utils.py``) hands decode the first output token's logprob and top logprobs but
