@@ -43,7 +43,12 @@ def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
 
 
 class ResultStream:
-    """Results of one request as an async iterator; ``timeout`` bounds the wait for the final one."""
+    """Results of one request as an async iterator; ``timeout`` bounds the wait for the final one.
+
+    A message on the request's subject that breaks the contract (or a gap that never closes) ends
+    the stream: the results that arrived in order before it are yielded, then
+    :class:`~streamproc.core.errors.MalformedResult` is raised.
+    """
 
     def __init__(self, nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
                  replay: bool = False) -> None:
@@ -89,6 +94,8 @@ class ResultStream:
         await self.close()
 
     async def _on_msg(self, msg: Msg) -> None:
+        if self._error is not None:  # the stream failed: what came before the error is all it yields
+            return
         try:
             self._ready.extend(self._order.push(_parse(self.subjects, msg)))
         except MalformedResult as exc:
@@ -103,11 +110,11 @@ class ResultStream:
     async def __anext__(self) -> ResultInfo:
         await self.subscribe()
         while True:
+            if self._ready:  # results that arrived before an error are still handed out, in order
+                return self._ready.popleft()
             if self._error is not None:
                 await self.close()
                 raise self._error
-            if self._ready:
-                return self._ready.popleft()
             if self._order.done:
                 await self.close()
                 raise StopAsyncIteration
