@@ -47,3 +47,51 @@ async def test_results_that_arrived_before_a_malformed_one_are_still_yielded(cli
             async for r in results:
                 got.append(r.seq)
     assert got == [0, 1]
+
+
+async def test_a_cancelled_collect_leaves_no_subscription_on_the_connection(client, nats_server):
+    """``collect(nc, ...)`` cancelled while it waited (the caller's deadline, a client gone) left its
+    subscription on the connection, client and server side: one more per abandoned request."""
+    subjects = Subjects()
+    before = server_subscriptions(nats_server, client), len(client._subs)
+    with anyio.move_on_after(0.3):
+        await collect(client, subjects, "cancelled")
+    with anyio.move_on_after(0.3):
+        await follow(client, subjects, "cancelled-2").collect()
+    await client.flush()
+    assert (server_subscriptions(nats_server, client), len(client._subs)) == before
+
+
+async def test_a_bare_async_for_can_be_closed_with_aclosing(client, nats_server):
+    """``follow``'s docstring advertised a bare ``async for r in follow(...)``: a ``break`` there left
+    the subscription on the connection, and ``contextlib.aclosing`` could not help (no ``aclose``)."""
+    import contextlib
+
+    subjects = Subjects()
+    before = server_subscriptions(nats_server, client), len(client._subs)
+    async with contextlib.aclosing(follow(client, subjects, "brk", timeout=5)) as stream:
+        await stream.subscribe()
+        await publish_result(client, subjects, "brk", 0)
+        async for result in stream:
+            assert result.seq == 0
+            break
+    await client.flush()
+    assert (server_subscriptions(nats_server, client), len(client._subs)) == before
+    assert "async with follow(" in follow.__doc__ and "break" in follow.__doc__
+
+
+@pytest.mark.parametrize("replay", [False, True])
+async def test_async_with_releases_the_subscription_on_cancel_and_on_error(client, nats_server, replay):
+    """Holds: ``async with follow(...)`` leaves nothing behind, in core and in replay mode."""
+    subjects = Subjects()
+    if replay:
+        await client.jetstream().add_stream(name="RESULTS_REVIEW", subjects=[subjects.all_results])
+    before = server_subscriptions(nats_server, client), len(client._subs)
+    with anyio.move_on_after(0.5):
+        async with follow(client, subjects, "cx", replay=replay) as results:
+            await results.collect()
+    with pytest.raises(RuntimeError):
+        async with follow(client, subjects, "cx2", replay=replay):
+            raise RuntimeError
+    await client.flush()
+    assert (server_subscriptions(nats_server, client), len(client._subs)) == before

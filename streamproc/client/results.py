@@ -93,6 +93,8 @@ class ResultStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    aclose = close  # so ``contextlib.aclosing(stream)`` releases the subscription of a bare ``async for``
+
     async def _on_msg(self, msg: Msg) -> None:
         if self._error is not None:  # the stream failed: what came before the error is all it yields
             return
@@ -127,14 +129,25 @@ class ResultStream:
                                    f"({self._order.next_seq} results received)")
 
     async def collect(self) -> list[ResultInfo]:
-        return [result async for result in self]
+        """Every result up to the final one; the subscription is released however it ends."""
+        try:
+            return [result async for result in self]
+        finally:
+            await self.close()
 
 
 def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
            replay: bool = False) -> ResultStream:
-    """``async for r in follow(...)`` yields one request's results in seq order until the final one.
+    """One request's results in seq order until the final one::
 
-    ``replay`` reads them from the results stream, from the first one on (late attach).
+        async with follow(nc, subjects, request_id, timeout=30) as results:
+            async for r in results: ...
+
+    ``async with`` releases the subscription however the loop ends. A bare ``async for r in
+    follow(...)`` releases it only when the stream ends (final result, error, timeout): a ``break``,
+    an exception in the loop body or a cancellation leaves it on the connection (wrap it in
+    ``contextlib.aclosing`` then). ``replay`` reads them from the results stream, from the first
+    one on (late attach).
     """
     return ResultStream(nc, subjects, request_id, timeout=timeout, replay=replay)
 
@@ -142,7 +155,8 @@ def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: floa
 async def collect(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None
                   ) -> list[ResultInfo]:
     """Every result of one request, in order. Subscribes now: only results published later are seen."""
-    return await follow(nc, subjects, request_id, timeout=timeout).collect()
+    async with follow(nc, subjects, request_id, timeout=timeout) as results:
+        return await results.collect()
 
 
 class ResultCollector:
