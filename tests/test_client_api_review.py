@@ -95,3 +95,36 @@ async def test_async_with_releases_the_subscription_on_cancel_and_on_error(clien
             raise RuntimeError
     await client.flush()
     assert (server_subscriptions(nats_server, client), len(client._subs)) == before
+
+
+@pytest.mark.parametrize("durable", [False, True])
+async def test_a_chunk_over_max_payload_with_its_headers_is_refused_and_the_connection_survives(nats_url, durable):
+    """With a stock nats-py connection (README: "nc is a connected nats-py client"), a chunk whose
+    body fits max_payload but whose headers push it over was sent: the server closed the connection
+    ("Maximum Payload Violation"), and other messages written with it were lost."""
+    from streamproc.core.errors import PublishRefused
+
+    problems: list[str] = []
+
+    async def error_cb(exc: Exception) -> None:
+        problems.append(repr(exc))
+
+    async def disconnected_cb() -> None:
+        problems.append("disconnected")
+
+    nc = await nats.connect(nats_url, error_cb=error_cb, disconnected_cb=disconnected_cb)
+    try:
+        if durable:
+            await nc.jetstream().add_stream(name="CHUNKS_REVIEW", subjects=["streamproc.chunks.>"])
+        publisher = ChunkPublisher(nc, durable=durable, timeout=0.5, retries=1, backoff=0.05)
+        with pytest.raises(PublishRefused, match=r"exceed the server's max_payload \(1048576 bytes\)") as info:
+            await publisher.publish("big", "agg", 0, bytes(nc.max_payload - 10), final=True)
+        assert not info.value.retryable
+        with pytest.raises(PublishRefused, match="max_payload"):  # the body alone too large: the same error
+            await publisher.publish("big", "agg", 0, bytes(nc.max_payload + 1), final=True)
+        await publisher.publish("small", "agg", 0, b"x", final=True)
+        await nc.flush(2)
+        await anyio.sleep(0.3)
+        assert problems == [] and nc.is_connected
+    finally:
+        await nc.close()

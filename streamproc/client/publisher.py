@@ -27,6 +27,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
 from ..core.errors import ChunkIdTaken, PublishRefused
+from ..nats.robust import header_block_size
 from ..core.wire import MAX_SEQ, MSG_ID, SEQ, Role, Subjects, check_request_id, chunk_headers
 
 
@@ -60,7 +61,9 @@ class ChunkPublisher:
     ) -> None:
         """Publish one chunk of one leg. ``seq`` counts from 0 per request, role and attempt.
 
-        Durable: returns once the chunk stream stored it; raises ``PublishRefused`` otherwise."""
+        Durable: returns once the chunk stream stored it; raises ``PublishRefused`` otherwise. In
+        both modes a chunk whose body and headers together exceed the server's ``max_payload``
+        raises ``PublishRefused`` (``retryable=False``) before anything is sent."""
         check_request_id(request_id)
         for name, value in (("seq", seq), ("attempt", attempt)):
             # bool is an int; 1.5 or 10**18 would put a header on the wire the processor refuses
@@ -69,6 +72,12 @@ class ChunkPublisher:
         headers = chunk_headers(request_id, role, seq, final=final, attempt=attempt, format=format,
                                 traceparent=traceparent)
         subject = self.subjects.chunk(request_id, role)
+        size = len(body) + header_block_size(headers)
+        if size > self.nc.max_payload:
+            # The server counts headers and body against max_payload and closes a connection that sends
+            # more, losing everything written with it; stock nats-py checks the body alone.
+            raise PublishRefused(subject, f"{len(body)} bytes of body and {size - len(body)} of headers exceed "
+                                          f"the server's max_payload ({self.nc.max_payload} bytes)", retryable=False)
         if self._js is None:
             await self.nc.publish(subject, body, headers=headers)
             return

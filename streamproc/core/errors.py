@@ -68,7 +68,8 @@ class MigrationRefused(StreamprocError):
 
 class PublishRefused(StreamprocError, RuntimeError):
     """A durable publish was not stored: the stream refused it (limits, storage full) or no PubAck came
-    after the bounded retries. The worker must know: the chunk is not in the stream."""
+    after the bounded retries. The worker must know: the chunk is not in the stream. Also raised, in
+    either mode, for a chunk larger than the server's ``max_payload`` (headers included): not sent."""
 
     def __init__(self, subject: str, reason: str, *, retryable: bool) -> None:
         super().__init__(f"chunk on {subject!r} not stored: {reason}")
