@@ -25,12 +25,14 @@ from .core.codec import (
 )
 from .core.correlator import Correlator, CorrelatorConfig
 from .core.errors import (
+    ChunkIdTaken,
     ConfigError,
     ContractError,
     CorruptPayload,
     MalformedResult,
     MigrationError,
     MigrationRefused,
+    PublishRefused,
     StartupError,
     StreamMismatch,
     StreamprocError,
@@ -69,6 +71,8 @@ _LAZY = {
     "collect": "streamproc.client.results",
     "Migrator": "streamproc.client.migration",
     "Resumed": "streamproc.client.migration",
+    "publish_request": "streamproc.client.migration",
+    "mint_capability": "streamproc.client.capability",
 }
 
 __all__ = [
@@ -83,7 +87,8 @@ __all__ = [
     "ErrorKind", "OmissionReason",
     # errors
     "StreamprocError", "ContractError", "CorruptPayload", "UnknownFormat", "MigrationRefused",
-    "MigrationError", "MalformedResult", "ConfigError", "StartupError", "StreamMismatch",
+    "MigrationError", "MalformedResult", "ConfigError", "StartupError", "StreamMismatch", "PublishRefused",
+    "ChunkIdTaken",
     # the shell and the client helpers (lazy)
     *_LAZY,
 ]

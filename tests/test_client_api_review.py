@@ -128,3 +128,23 @@ async def test_a_chunk_over_max_payload_with_its_headers_is_refused_and_the_conn
         assert problems == [] and nc.is_connected
     finally:
         await nc.close()
+
+
+def test_what_the_client_helpers_raise_and_offer_is_importable_from_streamproc():
+    """README: ``from streamproc import ChunkPublisher`` ... "raises PublishRefused when the stream
+    refuses a chunk", but ``from streamproc import PublishRefused`` was an ImportError (and so were
+    ChunkIdTaken, the Migrator's ``publish_request`` and ``mint_capability``)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from streamproc import PublishRefused, ChunkIdTaken, StreamprocError;"
+            "assert issubclass(ChunkIdTaken, PublishRefused) and issubclass(PublishRefused, StreamprocError);"
+            "print('nats' in sys.modules, 'jwt' in sys.modules);"
+            "from streamproc import publish_request, mint_capability;"
+            "from streamproc.client.migration import publish_request as p;"
+            "from streamproc.client.capability import mint_capability as m;"
+            "assert (p, m) == (publish_request, mint_capability)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False"]  # the errors are pure; the helpers stay lazy
+    assert {"PublishRefused", "ChunkIdTaken", "publish_request", "mint_capability"} <= set(streamproc.__all__)
