@@ -148,3 +148,89 @@ def test_what_the_client_helpers_raise_and_offer_is_importable_from_streamproc()
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False"]  # the errors are pure; the helpers stay lazy
     assert {"PublishRefused", "ChunkIdTaken", "publish_request", "mint_capability"} <= set(streamproc.__all__)
+
+
+class CuttableProxy:
+    """A TCP relay in front of the nats-server: ``cut()`` drops the reader's connection (a network
+    fault, not a mock; nats-py reconnects through it)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.writers: list = []
+        self.server = None
+
+    async def start(self) -> int:
+        import asyncio
+
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _relay(self, reader, writer) -> None:
+        import asyncio
+
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src, dst) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, RuntimeError):
+                pass
+            finally:
+                dst.close()
+
+        asyncio.ensure_future(pipe(reader, up_writer))
+        asyncio.ensure_future(pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers = []
+
+    def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_a_reconnect_mid_follow(nats_server, client, replay):
+    """Results 1 and 2 (final) are stored while the reader's connection is down. Replay: all three,
+    once (holds). Live: 1 and 2 are lost and the stream times out; the TimeoutError only said "no
+    final result (1 results received)", nothing about the reconnect that lost them."""
+    subjects = Subjects()
+    js = client.jetstream()
+    await js.add_stream(name="RESULTS_REVIEW", subjects=[subjects.all_results])
+
+    async def store(seq: int, final: bool = False) -> None:
+        r = Result("rc", seq, f"body-{seq}".encode(), final, Verdict.PASSTHROUGH)
+        await js.publish(subjects.result("rc"), r.body, headers=result_headers(r))
+
+    proxy = CuttableProxy(nats_server.port)
+    reader = await nats.connect(f"nats://127.0.0.1:{await proxy.start()}", reconnect_time_wait=0.2)
+    got: list[int] = []
+    try:
+        async with follow(reader, subjects, "rc", timeout=3 if not replay else 20, replay=replay) as results:
+            await store(0)
+
+            async def read() -> None:
+                async for r in results:
+                    got.append(r.seq)
+                    if r.seq == 0:
+                        proxy.cut()
+                        await anyio.sleep(0.05)
+                        await store(1)
+                        await store(2, final=True)
+
+            if replay:
+                await read()
+            else:
+                with pytest.raises(TimeoutError, match=r"reconnected 1 time\(s\) meanwhile: results published "
+                                                       r"while it was disconnected are lost"):
+                    await read()
+    finally:
+        await reader.close()
+        proxy.close()
+    assert got == ([0, 1, 2] if replay else [0])

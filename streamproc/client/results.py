@@ -15,6 +15,11 @@ With ``replay=True`` the results come from the JetStream stream that stores them
 creates it): an ordered consumer replays the request's subject from its first result, then
 follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
 are dropped by the same seq check.
+
+A live subscription (``replay=False``) misses what is published while the NATS connection is
+down: after a reconnect the stream waits for results that will never come, until ``timeout``
+(whose ``TimeoutError`` then says the connection reconnected). A replaying one resumes where it
+was (nats-py's ordered consumer), so in durable mode ``replay=True`` survives a reconnect.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class ResultStream:
         self._arrived = anyio.Event()
         self._sub: Subscription | None = None
         self._deadline = math.inf
+        self._reconnects = 0  # the connection's reconnect count when the subscription was made
 
     async def subscribe(self) -> None:
         """Register interest on the server (returns once the server has it)."""
@@ -80,6 +86,11 @@ class ResultStream:
             await flush_queued(self.nc)
         if self.timeout is not None:
             self._deadline = anyio.current_time() + self.timeout
+        self._reconnects = self._reconnect_count()
+
+    def _reconnect_count(self) -> int:
+        stats = getattr(self.nc, "stats", None)
+        return stats.get("reconnects", 0) if isinstance(stats, dict) else 0
 
     async def close(self) -> None:
         sub, self._sub = self._sub, None
@@ -125,8 +136,14 @@ class ResultStream:
                 await self._arrived.wait()
             if not self._arrived.is_set():
                 await self.close()
+                hint = ""
+                reconnects = self._reconnect_count() - self._reconnects
+                if reconnects and not self.replay:
+                    hint = (f"; the connection reconnected {reconnects} time(s) meanwhile: results published while "
+                            "it was disconnected are lost to a live subscription (follow with replay=True "
+                            "against a results stream survives a reconnect)")
                 raise TimeoutError(f"no final result for request {self.request_id!r} within {self.timeout}s "
-                                   f"({self._order.next_seq} results received)")
+                                   f"({self._order.next_seq} results received){hint}")
 
     async def collect(self) -> list[ResultInfo]:
         """Every result up to the final one; the subscription is released however it ends."""
