@@ -234,3 +234,24 @@ async def test_a_reconnect_mid_follow(nats_server, client, replay):
         await reader.close()
         proxy.close()
     assert got == ([0, 1, 2] if replay else [0])
+
+
+def test_mint_capability_refuses_a_bare_string_and_invalid_ids():
+    """``mint_capability(key, rids=request_id)`` (one id, not a list) minted a token whose ``rids``
+    were the id's characters: it granted requests "r", "e", "q", ... and refused the one meant.
+    Ids the edge can never serve ("a.b", "") were signed without a word."""
+    import jwt
+
+    from streamproc import mint_capability
+
+    key = b"k" * 32
+    with pytest.raises(TypeError, match=r"not one id: use rids=\['req-42'\]"):
+        mint_capability(key, rids="req-42")
+    for bad in (["a.b"], [""], ["ok", "a b"]):
+        with pytest.raises(ValueError, match="invalid request id"):
+            mint_capability(key, rids=bad)
+    with pytest.raises(ValueError, match="invalid rid_prefix 'tenant.a'"):
+        mint_capability(key, rid_prefix="tenant.a")
+    claims = jwt.decode(mint_capability(key, rids=("req-42",), rid_prefix="tenant-"), key, algorithms=["HS256"],
+                        audience="streamproc-edge")
+    assert claims["rids"] == ["req-42"] and claims["rid_prefix"] == "tenant-"

@@ -18,6 +18,7 @@ from typing import Iterable
 import jwt
 
 from ..core.defaults import CAPABILITY_TTL, EDGE_AUDIENCE, OPERATOR_SCOPE
+from ..core.wire import REQUEST_ID_RULE, check_request_id, valid_request_id
 
 
 def mint_capability(
@@ -33,12 +34,17 @@ def mint_capability(
 ) -> str:
     """A signed capability for the edge.
 
-    ``rids`` names request ids, ``rid_prefix`` a tenant's ids (every id starting with it),
+    ``rids`` names request ids (a list: a bare string is a ``TypeError``; an invalid id a
+    ``ValueError``), ``rid_prefix`` a tenant's ids (every id starting with it),
     ``operator`` grants every request, ``/v1/recent`` and the live page. ``subject`` (``sub``) is
     the client the edge counts streams per (``--max-streams-per-client``); by default each token
     is its own client. ``key`` is the HMAC secret or the PEM private key for ``algorithm``.
     """
-    rids = list(rids)
+    if isinstance(rids, (str, bytes)):  # list("req-42") would grant "r", "e", "q", ... and not req-42
+        raise TypeError(f"rids is an iterable of request ids, not one id: use rids=[{rids!r}]")
+    rids = [check_request_id(rid) for rid in rids]
+    if rid_prefix and not valid_request_id(rid_prefix):  # no valid request id could start with it
+        raise ValueError(f"invalid rid_prefix {rid_prefix!r}: a request id is {REQUEST_ID_RULE}")
     if not (rids or rid_prefix or operator):
         raise ValueError("a capability must name request ids, a rid_prefix, or be an operator's")
     if ttl <= 0:
