@@ -389,3 +389,24 @@ def test_0523_hidden_states_on_a_chunk_that_does_not_wait_are_omitted_too():
     out, verdict = session.join(chunk, False)
     assert verdict is Verdict.OMITTED
     assert json.loads(out)["meta_info"]["hidden_states_unavailable_reason"] == "prefill_missing"
+
+
+# ============================================================================ folding a 0.5.23 stream
+
+# Found by the upstream property laws (tests/test_upstream_shapes.py, ``Shape(version="0.5.23")``):
+# ``OutputStreamer.accept`` computes weight-version spans for a finished request only, so
+# ``_handle_batch_output`` (add_weight_versions_to_meta_info) writes ``weight_versions`` on the last
+# chunk alone, between ``cached_tokens`` and ``cached_tokens_details``. Folding the stream must put it
+# there, as the unary body has it, not after the keys every chunk carries.
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_0523_folded_stream_keeps_weight_versions_where_the_unary_body_has_it(cumulative):
+    spans = [(0, 1), (1, 3)]
+    chunks = []
+    for lo, end in spans:
+        last = end == 3
+        lo_ = 0 if cumulative else lo
+        chunks.append(dumps(body(out=OUT[lo_:end], finish=STOP if last else None, completion=end,
+                                 finished=last)))
+    unary = body(out=OUT, finish=STOP, completion=3)
+    assert_same(SGLangCodec(OPTIONS).fold(chunks), dumps(unary))

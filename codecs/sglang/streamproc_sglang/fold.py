@@ -59,6 +59,8 @@ def _reset_deltas(meta: dict[str, Any]) -> None:
 
 
 def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[str, Any]) -> None:
+    if meta and any(key not in meta for key in chunk):
+        _place_new_keys(meta, chunk)
     for key, value in chunk.items():
         if key in OUTPUT_DELTA_FIELDS and isinstance(value, list):
             acc = deltas.get(key)
@@ -68,3 +70,21 @@ def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[
             acc.extend(value)
         else:
             meta[key] = value
+
+
+def _place_new_keys(meta: dict[str, Any], chunk: dict[str, Any]) -> None:
+    """A key a later chunk adds goes where that chunk has it (after its predecessor there), not at
+    the end: SGLang 0.5.23 writes ``weight_versions`` on the finished body only, between
+    ``cached_tokens`` and ``cached_tokens_details`` (``TokenizerManager._handle_batch_output``), and
+    the unary body has it there. Values are kept (placeholders until the merge assigns them)."""
+    order = list(meta)
+    previous = None
+    for key in chunk:
+        if key not in meta:
+            at = order.index(previous) + 1 if previous is not None else 0
+            order.insert(at, key)
+            meta[key] = None
+        previous = key
+    items = {key: meta[key] for key in order}
+    meta.clear()
+    meta.update(items)
