@@ -20,6 +20,7 @@ from helpers import drive_join as join
 from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
 from streamproc.config import ConfigError, load
 from streamproc.decompress import encode_base64
+from streamproc import MigrationRefused
 from streamproc.simulation import Truth, make_truth
 from streamproc.testing.strategies import truths
 from streamproc.wire import Verdict
@@ -58,8 +59,29 @@ def sglang_cases(draw: st.DrawFn) -> tuple[Truth, sgl.Shape]:
         echo_start_len=draw(st.booleans()),
         logprob_start_len=draw(st.sampled_from([-1, 0, truth.prompt_len - 1])),
         decode_coverage=draw(st.sampled_from(["full", "suffix"])),
+        **draw(sglang_versions()),
     )
     return truth, shape
+
+
+def sglang_versions() -> st.SearchStrategy[dict]:
+    """The release the bodies follow, with the request options modelled for 0.5.23 only."""
+    return st.just({}) | st.fixed_dictionaries({
+        "version": st.just("0.5.23"),
+        "top_logprobs": st.sampled_from(["none", "nested", "flat", "flat_b64"]),
+        "token_ids_logprob": st.booleans(),
+        "hidden_states": st.booleans(),
+    })
+
+
+def without_pd_hidden_states(body: bytes) -> bytes:
+    """The aggregated body as the P/D join must publish it with ``return_hidden_states``: the list
+    needs the prompt's block, which no P/D leg has, so it is removed and the reason appended last
+    (``SGLangJoinSession._omit_partial_hidden_states``)."""
+    doc = msgspec.json.decode(body)
+    doc["meta_info"].pop("hidden_states")
+    doc["meta_info"]["hidden_states_unavailable_reason"] = "prefill_missing"
+    return sgl.native.encode(doc)
 
 
 def _sglang_alternative_reading(truth: Truth, shape: sgl.Shape) -> bool:
@@ -91,12 +113,20 @@ def test_sglang_pd_join_equals_the_aggregated_bodies_byte_for_byte(case, stream)
     expected = sgl.agg(truth, shape, stream=stream)
     joined = join(SGLANG, sgl.decode(truth, shape, stream=stream), sgl.prefill(truth, shape))
     assert len(joined) == len(expected)
+    # With hidden states every P/D chunk is OMITTED (below): the rows' fate is read from the body.
+    rows_refused = ("routed_experts" not in meta(joined[-1][0]) if shape.hidden_states
+                    else joined[-1][1] is Verdict.OMITTED)
     if shape.start_len and not shape.echo_start_len and truth.return_experts and truth.output_len > 1 \
-            and joined[-1][1] is Verdict.OMITTED:
+            and rows_refused:
         # Only a genuinely ambiguous inference may be refused, and only as a length mismatch.
         assert meta(joined[-1][0]).get("routed_experts_unavailable_reason") == "length_mismatch"
         assert _sglang_alternative_reading(truth, shape)
         joined, expected = joined[:-1], expected[:-1]
+    if shape.hidden_states:
+        # No P/D leg has the prompt's hidden states: every chunk omits them, with the reason.
+        assert [body for body, _ in joined] == [without_pd_hidden_states(b) for b in expected]
+        assert all(verdict is Verdict.OMITTED for _, verdict in joined)
+        return
     assert [body for body, _ in joined] == expected
     assert all(verdict in (Verdict.JOINED, Verdict.PASSTHROUGH) for _, verdict in joined)
 
@@ -111,6 +141,11 @@ def test_sglang_fold_and_migration_read_both_streaming_modes(case, cut):
     # What a migration reports as sent is exactly the tokens the client has seen, in either mode.
     cut = min(cut, len(stream))
     session = SGLANG.open_migration()
+    if shape.hidden_states and cut:
+        # Hidden states cannot be carried to another worker: the migration says so (migration.py).
+        with pytest.raises(MigrationRefused, match="hidden states"):
+            session.absorb(stream[:cut])
+        return
     session.absorb(stream[:cut])
     sent = truth.chunk_spans()[cut - 1][1] if cut else 0
     assert session.seal().token_ids == truth.output_ids[:sent]
@@ -235,6 +270,7 @@ def vllm_cases(draw: st.DrawFn) -> tuple[Truth, vll.Shape]:
         prompt_logprobs=draw(st.booleans()),
         include_usage=draw(st.booleans()),
         decode_coverage=draw(st.sampled_from(["full", "suffix"])),
+        version=draw(st.sampled_from(["serve-disagg", "0.34.0"])),
     )
     return truth, shape
 

@@ -5,7 +5,11 @@ that only uses the simulator cannot catch a shared misreading. This builder foll
 paths instead, one function per shape, each naming the upstream function it mirrors, and covers the
 configurations the simulator's defaults do not: both streaming modes, the three wire dtypes,
 ``routed_experts_start_len > 0``, empty logprob windows, decode legs that return the generated
-suffix only and prefill legs with stale (all-zero) rows.
+suffix only and prefill legs with stale (all-zero) rows. ``Shape(version="0.5.23")`` renders SGLang
+0.5.23's bodies (``num_retractions``, ``reasoning_tokens``, ``weight_versions``, a real first-token
+logprob on decode) and the request options only modelled for it: ``token_ids_logprob`` (decode's
+reserved ``null`` row), top logprobs nested or flat (``return_flat_raw_top_logprobs[_b64]``) and
+``return_hidden_states``.
 
 Codec authors deriving from ``sglang`` (``sglang-zstd`` for one) can render the same shapes with
 their own expert encoding by passing ``encode``.
@@ -46,8 +50,23 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     # Prefill's prompt rows as a prefill without a working capture sends them (between the fix that
     # makes prefill collect routed experts and the overlap-scheduling fix): all zeros.
     stale_prefill: bool = False
+    # "0.5": the bodies above (``total_retractions``; decode's first output logprob ``null``). "0.5.23":
+    # ``TokenizerManager._handle_batch_output`` of SGLang 0.5.23 (see ``_render``).
+    version: Literal["0.5", "0.5.23"] = "0.5"
+    # 0.5.23 only. GenerateReqInput.top_logprobs_num = 2 (``"none"``: 0), the prompt's rows nested
+    # (``input_top_logprobs``) or flat (``return_flat_raw_top_logprobs``, ``_b64``: Base64 arrays).
+    top_logprobs: Literal["none", "nested", "flat", "flat_b64"] = "none"
+    token_ids_logprob: bool = False  # 0.5.23 only. GenerateReqInput.token_ids_logprob = TOKEN_IDS
+    hidden_states: bool = False  # 0.5.23 only. GenerateReqInput.return_hidden_states = True
+
+    def __post_init__(self) -> None:
+        if self.version != V0523 and (self.top_logprobs != "none" or self.token_ids_logprob or self.hidden_states):
+            raise ValueError("top_logprobs, token_ids_logprob and hidden_states are modelled for version 0.5.23 only")
 
 
+V0523 = "0.5.23"
+TOP_K = 2  # top_logprobs_num
+TOKEN_IDS = (9, 42)  # token_ids_logprob
 Encode = Callable[[bytes], object]
 
 
@@ -82,9 +101,63 @@ def _spans(truth: Truth, stream: bool) -> list[tuple[int, int]]:
     return truth.chunk_spans() if stream else [(0, truth.output_len)]
 
 
+def _window(truth: Truth, shape: Shape) -> range:
+    """The prompt positions ``logprob_start_len`` scores (none for ``-1``)."""
+    if shape.logprob_start_len < 0 or shape.logprob_start_len >= truth.prompt_len:
+        return range(0)
+    return range(shape.logprob_start_len, truth.prompt_len)
+
+
+def _top_row(logprob: float, token_id: int) -> list[list[Any]]:
+    """One position's top-``TOP_K`` candidates, ``detokenize_top_logprobs_tokens(decode_to_text=False)``:
+    ``[logprob, token_id, None]`` each, the scored token first."""
+    return [[logprob, token_id, None], [logprob - 1.0, token_id + 1, None]]
+
+
+def _ids_row(logprob: float) -> list[list[Any]]:
+    """One position's ``token_ids_logprob`` scores, ``[logprob, token_id, None]`` per id in ``TOKEN_IDS``."""
+    return [[logprob - 2.0 - k, token_id, None] for k, token_id in enumerate(TOKEN_IDS)]
+
+
+def _input_rows(truth: Truth, shape: Shape, row: Callable[[float, int], Any]) -> list[Any]:
+    """Per scored prompt position; the window's first position has no value (``None``)."""
+    window = _window(truth, shape)
+    return [None if i == window.start else row(truth.prompt_logprobs[i], truth.prompt_ids[i]) for i in window]
+
+
+def _input_top_flat(truth: Truth, shape: Shape, *, scored: bool) -> dict[str, Any]:
+    """``return_flat_raw_top_logprobs``. Aggregated and prefill legs: the scheduler flattens the rows
+    (``LogprobResultProcessor._flatten_input_top_logprobs`` -> ``build_flat_top_logprobs_arrays``: float32
+    values, int32 ids, leading null rows counted in ``null_prefix``), encoded by
+    ``_build_flat_top_logprobs_fields_from_arrays`` (``.tolist()`` of the float32 array, or Base64 of its
+    bytes). A P/D decode leg never receives input logprobs (``OutputStreamer``: "Decode server does not
+    send input logprobs"), so ``_build_flat_top_logprobs_fields`` describes zero rows, ``k = TOP_K``."""
+    rows = [r for r in _input_rows(truth, shape, _top_row) if r is not None] if scored else []
+    null_prefix = 1 if scored and _window(truth, shape) else 0
+    val = np.asarray([[c[0] for c in r] for r in rows], dtype="<f4").reshape(len(rows), TOP_K)
+    idx = np.asarray([[c[1] for c in r] for r in rows], dtype="<i4").reshape(len(rows), TOP_K)
+    fields: dict[str, Any] = {}
+    if shape.top_logprobs == "flat_b64":
+        fields["input_top_logprobs_val_flat_b64"] = encode_base64(val.tobytes())
+        fields["input_top_logprobs_idx_flat_b64"] = encode_base64(idx.tobytes())
+        fields["input_top_logprobs_val_flat_b64_dtype"] = "float32"
+        fields["input_top_logprobs_idx_flat_b64_dtype"] = "int32"
+    else:
+        fields["input_top_logprobs_val_flat"] = val.reshape(-1).tolist()
+        fields["input_top_logprobs_idx_flat"] = idx.reshape(-1).tolist()
+    fields["input_top_logprobs_shape"] = [len(rows), TOP_K]
+    fields["input_top_logprobs_null_prefix"] = null_prefix
+    return fields
+
+
+def _hidden(p: int) -> list[float]:
+    """The (2-wide) hidden vector of token position ``p``."""
+    return [p + 0.5, -p - 0.25]
+
+
 def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, int]], input_logprobs: list,
             first_logprob_known: bool, experts: object, finish: dict[str, Any], completion_offset: int = 0,
-            prompt_tokens: int | None = None) -> list[bytes]:
+            prompt_tokens: int | None = None, leg: Literal["agg", "prefill", "decode"] = "agg") -> list[bytes]:
     """``tokenizer_manager._handle_batch_output``: one body per scheduler output of a request.
 
     ``meta_info`` key order is upstream's: id, finish_reason, prompt_tokens, weight_version,
@@ -92,8 +165,17 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
     cached_tokens, routed_experts, then e2e_latency once finished. In cumulative mode ``text``,
     ``output_ids`` and the output logprob list restate everything from position 0; in incremental
     mode they are the chunk's span (``slice_streaming_output_meta_info`` slices only the output lists).
+
+    0.5.23 (``Shape.version``): ``num_retractions`` (renamed), the logprob lists of
+    ``add_logprob_to_meta_info`` (token logprobs; top logprobs, the prompt's nested or flat; token-ids
+    logprobs), ``reasoning_tokens``, completion_tokens, cached_tokens, ``weight_versions``
+    (``add_weight_versions_to_meta_info``, finished bodies), ``cached_tokens_details`` (``None``: no
+    cache hit), ``hidden_states``, routed_experts, e2e_latency. ``_INCREMENTAL_STREAMING_META_INFO_KEYS``
+    slices output_token_logprobs, output_top_logprobs and output_token_ids_logprobs.
     """
     cumulative = shape.streaming == "cumulative" or not stream
+    new = shape.version == V0523
+    scored = leg != "decode"  # only prefill (and the aggregated engine) sends input logprobs
     bodies = []
     for index, (start, end) in enumerate(spans):
         last = index == len(spans) - 1
@@ -103,7 +185,8 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
             native.FINISH_REASON: finish if last else None,
             native.PROMPT_TOKENS: truth.prompt_len if prompt_tokens is None else prompt_tokens,
             "weight_version": "default",
-            "total_retractions": 0,
+            # 0.5.23: recv_obj.retraction_counts[i] under its new name
+            "num_retractions" if new else "total_retractions": 0,
         }
         if truth.return_logprob:
             meta[native.INPUT_TOKEN_LOGPROBS] = input_logprobs
@@ -111,8 +194,41 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
                 [truth.output_logprobs[p] if (p or first_logprob_known) else None, truth.output_ids[p], None]
                 for p in range(lo, end)]
             meta[native.OUTPUT_TOKEN_LOGPROBS_LENGTH] = end
-        meta[native.COMPLETION_TOKENS] = end + completion_offset
+            if shape.top_logprobs == "nested":
+                meta["input_top_logprobs"] = _input_rows(truth, shape, _top_row) if scored else []
+            elif shape.top_logprobs != "none":
+                meta.update(_input_top_flat(truth, shape, scored=scored))
+            if shape.top_logprobs != "none":
+                # 0.5.23 DecodeTransferQueue._commit_transfer_to_req appends the first token's top
+                # logprobs from the metadata buffer: position 0 is real on decode too.
+                meta[native.OUTPUT_TOP_LOGPROBS] = [_top_row(truth.output_logprobs[p], truth.output_ids[p])
+                                                    for p in range(lo, end)]
+            if shape.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = (
+                    _input_rows(truth, shape, lambda lp, _t: _ids_row(lp)) if scored else [])
+                # _commit_transfer_to_req: "Prefill omits these scores; reserve a row for the streaming
+                # offset" (an empty row, which detokenize_top_logprobs_tokens renders as None).
+                meta[native.OUTPUT_TOKEN_IDS_LOGPROBS] = [
+                    None if p == 0 and leg == "decode" else _ids_row(truth.output_logprobs[p])
+                    for p in range(lo, end)]
+        completion = end + completion_offset
+        if new:
+            meta["reasoning_tokens"] = 0
+        meta[native.COMPLETION_TOKENS] = completion
         meta["cached_tokens"] = 0
+        if new:
+            if last:  # OutputStreamer.accept computes weight-version spans for a finished request only
+                meta["weight_versions"] = [dict(version="default", start=0, end=completion)]  # a WeightVersionSpan
+            meta["cached_tokens_details"] = None
+            if shape.hidden_states:
+                # Aggregated: _append_prefill_hidden_states appends the prompt's block, then one vector
+                # per decode step (OutputStreamer.accept sends req.hidden_states, unsliced). P/D prefill
+                # never appends the block (``[]``) and decode's list holds its own steps only.
+                steps = [_hidden(p) for p in range(truth.prompt_len, truth.prompt_len + end - 1)]
+                if leg == "agg":
+                    meta["hidden_states"] = [[_hidden(p) for p in range(truth.prompt_len)], *steps]
+                else:
+                    meta["hidden_states"] = steps if leg == "decode" else []
         if last and experts is not None:
             meta[native.ROUTED_EXPERTS] = experts
             if shape.advertise_dtype:
@@ -144,8 +260,11 @@ def prefill(truth: Truth, shape: Shape, *, encode: Encode = default_encode) -> l
     if truth.return_experts:
         raw = rows(truth, shape, shape.start_len, truth.prompt_len)
         experts = encode(bytes(len(raw)) if shape.stale_prefill else raw)
+    # 0.5.23 process_disagg_prefill_inflight_queue, on KVPoll.Success: FINISH_LENGTH(length=0).
+    length = 0 if shape.version == V0523 else 1
     return _render(truth, shape, stream=False, spans=[(0, 1)], input_logprobs=_input_logprobs(truth, shape),
-                   first_logprob_known=True, experts=experts, finish={"type": "length", "length": 1})
+                   first_logprob_known=True, experts=experts, finish={"type": "length", "length": length},
+                   leg="prefill")
 
 
 def decode(truth: Truth, shape: Shape, *, stream: bool, encode: Encode = default_encode) -> list[bytes]:
@@ -158,8 +277,11 @@ def decode(truth: Truth, shape: Shape, *, stream: bool, encode: Encode = default
         if shape.decode_coverage == "full":
             generated = bytes(len(rows(truth, shape, shape.start_len, truth.prompt_len))) + generated
         experts = encode(generated)
+    # 0.5.23 DecodeTransferQueue._commit_transfer_to_req appends the first token's logprob read from
+    # the metadata buffer (output_token_logprobs_val[0].item()): no longer null.
     return _render(truth, shape, stream=stream, spans=_spans(truth, stream), input_logprobs=[],
-                   first_logprob_known=False, experts=experts, finish=_finish(truth))
+                   first_logprob_known=shape.version == V0523, experts=experts, finish=_finish(truth),
+                   leg="decode")
 
 
 def request(truth: Truth, shape: Shape, *, stream: bool) -> bytes:
@@ -173,4 +295,13 @@ def request(truth: Truth, shape: Shape, *, stream: bool) -> bytes:
         "return_routed_experts": truth.return_experts,
         "routed_experts_start_len": shape.start_len,
     }
+    if shape.top_logprobs != "none":
+        doc["top_logprobs_num"] = TOP_K
+        if shape.top_logprobs != "nested":
+            doc["return_flat_raw_top_logprobs"] = True
+            doc["return_flat_raw_top_logprobs_b64"] = shape.top_logprobs == "flat_b64"
+    if shape.token_ids_logprob:
+        doc["token_ids_logprob"] = list(TOKEN_IDS)
+    if shape.hidden_states:
+        doc["return_hidden_states"] = True
     return native.encode(doc)

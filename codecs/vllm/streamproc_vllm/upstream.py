@@ -1,7 +1,8 @@
 """vLLM ``/inference/v1/generate`` bodies shaped as upstream vLLM emits them, independent of the simulator.
 
 One function per shape, each naming the upstream code it mirrors (``vllm/entrypoints/serve/disagg/``
-``protocol.py`` and ``serving.py``). Unlike the simulator's defaults it renders what the codec must
+``protocol.py`` and ``serving.py``; with ``Shape(version="0.34.0")`` vLLM 0.34.0's
+``vllm/entrypoints/scale_out/token_in_token_out/`` ``protocol.py`` and ``serving.py``, tokens mode). Unlike the simulator's defaults it renders what the codec must
 not assume: ``prompt_logprobs`` requested or not independently of ``logprobs``, stream chunks
 without ``model`` or ``prompt_logprobs``, a usage-only final chunk with ``choices: []``, and P/D
 decode legs whose rows cover the full sequence (stale prompt rows) or the generated suffix only.
@@ -30,6 +31,16 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = True  # stream_options.include_usage: a final usage-only chunk
     decode_coverage: Literal["full", "suffix"] = "full"
     stale_prefill: bool = False  # prefill's prompt rows all zero (no working capture)
+    # "serve-disagg": the ``serve/disagg`` bodies (labelled logprob entries, no ``output_mode``).
+    # "0.34.0": ``scale_out/token_in_token_out`` ``GenerateTokensResponse`` (``output_mode="tokens"``):
+    # logprob entries ``{token_id, logprob, rank, top_logprobs}`` on every leg, ``stop_reason``,
+    # ``sampling_mask``, ``weight_versions``, ``created``, ``ec_transfer_params``...; the decode leg
+    # scores the prompt itself when prompt logprobs are requested, and its "full" rows are real.
+    version: Literal["serve-disagg", "0.34.0"] = "serve-disagg"
+
+
+V034 = "0.34.0"
+CREATED = 1_700_000_000  # ``int(time.time())`` on each leg; one clock here (the join keeps decode's)
 
 
 def expert_dtype(truth: Truth) -> np.dtype:
@@ -115,9 +126,99 @@ def stream(truth: Truth, shape: Shape, *, rows: np.ndarray | None, labels: bool 
     return bodies
 
 
+# ------------------------------------------------------------------------------ vLLM 0.34.0
+
+
+def _tokens_logprobs(truth: Truth, start: int, end: int) -> dict[str, Any] | None:
+    """0.34.0 ``ServingTokens._create_tokens_logprobs`` (tokens mode, no tokenizer):
+    ``GenerateLogProbsContent(token_id, logprob, rank, top_logprobs=[GenerateLogProb(token_id, logprob,
+    rank) for every candidate the engine returned, the sampled one first])``; no ``token``, no
+    ``bytes``, the same on every leg. Rendered for ``logprobs=2`` with the sampled token ranked 1."""
+    if not truth.return_logprob:
+        return None
+    content = []
+    for token_id, logprob in zip(truth.output_ids[start:end], truth.output_logprobs[start:end]):
+        top = [{"token_id": token_id, "logprob": logprob, "rank": 1},
+               {"token_id": token_id + 1, "logprob": logprob - 1.0, "rank": 2}]
+        content.append({"token_id": token_id, "logprob": logprob, "rank": 1, "top_logprobs": top})
+    return {"content": content}
+
+
+def _prompt_logprobs_034(truth: Truth) -> list:
+    """``clamp_prompt_logprobs(final_res.prompt_logprobs)``: ``Logprob(logprob, rank, decoded_token)``
+    per position, position 0 ``None``; no tokenizer in tokens mode, so ``decoded_token`` is ``None``."""
+    return [None, *({str(t): {"logprob": lp, "rank": 1, "decoded_token": None}}
+                    for t, lp in zip(truth.prompt_ids[1:], truth.prompt_logprobs[1:]))]
+
+
+def _usage_034(prompt: int, completion: int, *, exclude_none: bool = False) -> dict[str, Any]:
+    """``UsageInfo`` field order (``serve/engine/protocol.py``): ``prompt_tokens_details`` is excluded
+    when ``None`` (``exclude_if``), ``completion_tokens_details`` only under ``exclude_none``."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                             "completion_tokens": completion}
+    if not exclude_none:
+        usage["completion_tokens_details"] = None
+    return usage
+
+
+def _choice_034(truth: Truth, start: int, end: int, finish: str | None, experts: str | None) -> dict[str, Any]:
+    """``GenerateChoiceBase`` / ``GenerateStreamChoiceBase`` fields then ``logprobs``
+    (``GenerateTokensChoice`` / ``GenerateTokensStreamChoice``); ``stop_reason`` is ``None`` on EOS and
+    length, ``sampling_mask`` and ``weight_versions`` unset."""
+    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": truth.output_ids[start:end],
+            ROUTED_EXPERTS: experts, "sampling_mask": None, "weight_versions": None,
+            "logprobs": _tokens_logprobs(truth, start, end)}
+
+
+def _kv_params(truth: Truth) -> dict[str, Any]:
+    """What a P/D prefill's connector returns as ``final_res.kv_transfer_params`` (NIXL-style)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": list(range(-(-truth.prompt_len // 16))), "remote_engine_id": "prefill-engine",
+            "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+def unary_034(truth: Truth, shape: Shape, *, rows: np.ndarray | None, output: tuple[int, int] | None = None,
+              finish: str | None = None, kv: dict[str, Any] | None = None) -> bytes:
+    """0.34.0 ``serve_tokens_full_generator`` + ``_build_response_fields`` -> ``GenerateTokensResponse``,
+    ``JSONResponse(content=model_dump())``: the base fields, then ``output_mode`` and ``choices``."""
+    start, end = output or (0, truth.output_len)
+    # Keyword form: generic names such as ``metrics`` are rendered here, never keyed by the codec.
+    fields: dict[str, Any] = dict(
+        request_id=truth.request_id, model=MODEL, created=CREATED, usage=_usage_034(truth.prompt_len, end - start),
+        prompt_logprobs=_prompt_logprobs_034(truth) if shape.prompt_logprobs else None,
+        prompt_token_id_logprobs=None, prompt_token_ids=None, mm_placeholders=None, metrics=None,
+        kv_transfer_params=kv, ec_transfer_params=None, output_mode="tokens",
+        choices=[_choice_034(truth, start, end, finish or truth.finish,
+                             encode_rows(rows) if rows is not None else None)])
+    return dump(fields)
+
+
+def stream_034(truth: Truth, shape: Shape, *, rows: np.ndarray | None) -> list[bytes]:
+    """0.34.0 ``serve_tokens_stream_generator``: ``GenerateTokensStreamResponse`` per delta dumped with
+    ``exclude`` of the ``None`` ``prompt_token_ids`` / ``mm_placeholders`` / ``metrics`` (so
+    ``request_id, usage, output_mode, choices``; no ``prompt_logprobs`` in a stream);
+    ``routed_experts`` on the finishing output only; with include_usage a ``choices: []`` chunk dumped
+    with ``exclude_none=True``."""
+    spans = truth.chunk_spans()
+    bodies = []
+    for index, (start, end) in enumerate(spans):
+        last = index == len(spans) - 1
+        experts = encode_rows(rows) if last and rows is not None else None
+        choice = _choice_034(truth, start, end, truth.finish if last else None, experts)
+        bodies.append(dump({"request_id": truth.request_id, "usage": None, "output_mode": "tokens",
+                            "choices": [choice]}))
+    if shape.include_usage:
+        bodies.append(dump({"request_id": truth.request_id,
+                            "usage": _usage_034(truth.prompt_len, truth.output_len, exclude_none=True),
+                            "output_mode": "tokens", "choices": []}))
+    return bodies
+
+
 def agg(truth: Truth, shape: Shape, *, stream_: bool) -> list[bytes]:
     """An aggregated worker: rows for every forwarded position, ``[0, prompt + output - 1)``."""
     rows = _rows(truth, 0, truth.rows) if truth.return_experts else None
+    if shape.version == V034:
+        return stream_034(truth, shape, rows=rows) if stream_ else [unary_034(truth, shape, rows=rows)]
     return stream(truth, shape, rows=rows) if stream_ else [unary(truth, shape, rows=rows)]
 
 
@@ -129,13 +230,25 @@ def prefill(truth: Truth, shape: Shape) -> list[bytes]:
         rows = _rows(truth, 0, truth.prompt_len)
         if shape.stale_prefill:
             rows = np.zeros_like(rows)
+    if shape.version == V034:
+        return [unary_034(truth, shape, rows=rows, output=(0, 1), finish="length", kv=_kv_params(truth))]
     return [unary(truth, shape, rows=rows, output=(0, 1), finish="length")]
 
 
 def decode(truth: Truth, shape: Shape, *, stream_: bool) -> list[bytes]:
     """A P/D decode worker: no prompt scoring (``prompt_logprobs`` null on unary bodies), unlabelled
-    logprob entries, and rows that are stale (zero) for the prompt or cover the suffix only."""
+    logprob entries, and rows that are stale (zero) for the prompt or cover the suffix only.
+
+    0.34.0: a request with ``prompt_logprobs`` sets ``skip_reading_prefix_cache``
+    (``SamplingParams.__post_init__``), so ``Request.skip_reading_external_kv`` holds and decode
+    recomputes the prompt: its unary body carries the same ``prompt_logprobs`` as the aggregated one.
+    Its "full" rows are real for the prompt too (``AuxOutputWorkerConnector._commit_output`` fills
+    them from the aux-output store for the KV it loaded; ``AuxOutputSchedulerConnector.cap_external_hit``)."""
     rows = None
+    if shape.version == V034:
+        if truth.return_experts:
+            rows = _rows(truth, 0 if shape.decode_coverage == "full" else truth.prompt_len, truth.rows)
+        return stream_034(truth, shape, rows=rows) if stream_ else [unary_034(truth, shape, rows=rows)]
     if truth.return_experts:
         rows = _rows(truth, truth.prompt_len, truth.rows)
         if shape.decode_coverage == "full":
