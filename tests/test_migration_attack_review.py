@@ -1,0 +1,142 @@
+"""Attacks on migration (review session): races, hostile or buggy workers and frontends, against a
+real nats-server. The first tests pin what held (a lost worker that keeps publishing while it is
+migrated away, chains of migrations with every worker still live); the others each pin a defect
+the attack found."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from streamproc.client.migration import Migrator
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import follow
+from streamproc.sim.migration import native_request
+from streamproc.simulation import make_truth
+from streamproc_sglang.upstream import Shape
+from streamproc_sglang.worker import SGLangWorker
+
+from migration_helpers import SimulatedPool, assert_uninterrupted
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+async def test_a_migrate_while_the_old_worker_keeps_publishing_never_repeats_or_loses_a_result(mode, fmt, client, start_processor):
+    async with start_processor("in-process", format=fmt, mode=mode) as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        for i in range(12):
+            rng = random.Random(i)
+            truth = make_truth(100 + i, request_id=f"fz-{mode}-{fmt}-{i}", prompt_len=6, output_len=24,
+                               chunk_sizes=[1] * 24)
+            old = SimulatedPool(publisher, fmt, truth, pd=rng.random() < 0.5)
+            new = SimulatedPool(publisher, fmt, truth, pd=rng.random() < 0.5)
+            async with follow(client, rp.subjects, truth.request_id, timeout=20) as stream:
+                legs = old.legs(0)
+                for role, bodies in legs:
+                    await old.publish(role, bodies, 0, stop=3 if role != "prefill" else None)
+                role, bodies = legs[-1]
+
+                async def keep_publishing() -> None:
+                    for seq in range(3, len(bodies) - 1):  # never the final
+                        await old.publish(role, bodies, 0, start=seq, stop=seq + 1)
+                        if rng.random() < 0.3:
+                            await anyio.sleep(0.0005)
+
+                async def migrate() -> None:
+                    await anyio.sleep(rng.random() * 0.003)
+                    await migrator.migrate(truth.request_id, native_request(fmt, truth), send=new.serve,
+                                           expected_attempt=0)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(keep_publishing)
+                    tg.start_soon(migrate)
+                results = await stream.collect()
+            assert_uninterrupted(fmt, truth, results)
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+async def test_three_migrations_in_a_row_with_every_lost_worker_still_publishing_keep_one_stream(mode, fmt, client, start_processor):
+    async with start_processor("in-process", format=fmt, mode=mode) as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        for i in range(6):
+            rng = random.Random(1000 + i)
+            truth = make_truth(200 + i, request_id=f"ch-{mode}-{fmt}-{i}", prompt_len=6, output_len=30,
+                               chunk_sizes=[1] * 30)
+            async with follow(client, rp.subjects, truth.request_id, timeout=30) as stream:
+
+                async def run_worker(attempt: int, emitted: int, pd: bool, stop_after: int | None) -> None:
+                    pool = SimulatedPool(publisher, fmt, truth, pd=pd)
+                    legs = pool.legs(emitted)
+                    for role, bodies in legs[:-1]:
+                        await pool.publish(role, bodies, attempt)
+                    role, bodies = legs[-1]
+                    n = len(bodies) if stop_after is None else min(stop_after, len(bodies) - 1)
+                    for seq in range(n):
+                        await pool.publish(role, bodies, attempt, start=seq, stop=seq + 1)
+                        if rng.random() < 0.3:
+                            await anyio.sleep(0.0005)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run_worker, 0, 0, rng.random() < 0.5, 4)
+                    attempt = 0
+                    for k in range(3):
+                        await anyio.sleep(rng.random() * 0.004)
+                        sealed = await migrator.seal(truth.request_id, expected_attempt=attempt)
+                        attempt = sealed.attempt
+                        last = k == 2
+                        tg.start_soon(run_worker, attempt, sealed.emitted_tokens, rng.random() < 0.5,
+                                      None if last else rng.randrange(1, 6))
+                results = await stream.collect()
+            assert_uninterrupted(fmt, truth, results)
+
+
+@pytest.mark.parametrize("streaming", ["cumulative", "incremental"])
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_three_migrations_of_upstream_shaped_sglang_streams_keep_one_stream(streaming, mode, client, start_processor):
+    fmt = "sglang"
+    worker = SGLangWorker(shape=Shape(streaming=streaming))
+    async with start_processor("in-process", format=fmt, mode=mode, format_option=f"streaming={streaming}") as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        migrator = Migrator(client, rp.subjects, format=fmt)
+        for i in range(6):
+            rng = random.Random(2000 + i)
+            truth = make_truth(300 + i, request_id=f"up-{streaming}-{mode}-{i}", prompt_len=6, output_len=30,
+                               chunk_sizes=[1] * 30)
+            async with follow(client, rp.subjects, truth.request_id, timeout=30) as stream:
+
+                async def run_worker(attempt: int, emitted: int, pd: bool, stop_after: int | None) -> None:
+                    pool = SimulatedPool(publisher, fmt, truth, pd=pd)
+                    pool.worker = worker
+                    legs = pool.legs(emitted)
+                    for role, bodies in legs[:-1]:
+                        await pool.publish(role, bodies, attempt)
+                    role, bodies = legs[-1]
+                    n = len(bodies) if stop_after is None else min(stop_after, len(bodies) - 1)
+                    for seq in range(n):
+                        await pool.publish(role, bodies, attempt, start=seq, stop=seq + 1)
+                        if rng.random() < 0.3:
+                            await anyio.sleep(0.0005)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run_worker, 0, 0, rng.random() < 0.5, 4)
+                    attempt = 0
+                    for k in range(3):
+                        await anyio.sleep(rng.random() * 0.004)
+                        sealed = await migrator.seal(truth.request_id, expected_attempt=attempt)
+                        attempt = sealed.attempt
+                        tg.start_soon(run_worker, attempt, sealed.emitted_tokens, rng.random() < 0.5,
+                                      None if k == 2 else rng.randrange(1, 6))
+                results = await stream.collect()
+            expected = worker.agg(truth, stream=True)
+            assert [r.seq for r in results] == list(range(len(expected)))
+            assert all(r.error is None for r in results), [r.body for r in results if r.error]
+            assert [worker.canonical(r.body) for r in results] == [worker.canonical(b) for b in expected]
+
+
