@@ -28,7 +28,7 @@ from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import ContractError, MigrationRefused, UnknownFormat, shown
 from .latency import LatencyHistogram
-from .wire import encode_control
+from .wire import decode_migrate_reply, encode_control
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
     Decision,
@@ -224,7 +224,9 @@ class _Request:
         # Leading results whose bodies are not retained here (published by another instance, or
         # released at the retention bound before they were read back): a migrate needs them first.
         self.missing = 0
-        self.last_seal: tuple[str, Sealed] | None = None  # (MigrateRequest.id, reply) of the last seal
+        # (MigrateRequest.id, encoded reply) of the last seal, for a retry whose reply was lost. Encoded
+        # (about 6 bytes a token id, not a list of ints at 36) and charged as progress state.
+        self.last_seal: tuple[str, bytes] | None = None
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -438,7 +440,7 @@ class Correlator:
         """
         req = self._active.get(request_id)
         if req is not None and id is not None and req.last_seal is not None and req.last_seal[0] == id:
-            return req.last_seal[1], []
+            return decode_migrate_reply(req.last_seal[1]), []
         if req is None:
             if request_id in self._finished:
                 return MigrateError(request_id, MigrateErrorCode.FINISHED,
@@ -471,7 +473,8 @@ class Correlator:
         else:
             reply, decisions = self._seal(req, emitted, now)
             if id is not None:
-                req.last_seal = (id, reply)
+                req.last_seal = (id, encode_control(reply))
+                self._count_progress(req)
             return reply, decisions
         self.stats.migrations_refused += 1
         attempt = req.attempt
@@ -1037,8 +1040,11 @@ class Correlator:
         return req.migration
 
     def _count_progress(self, req: _Request) -> None:
-        """Charge the migration session's progress state (it grows with the output) to the budget."""
+        """Charge the migration session's progress state (it grows with the output) to the budget,
+        with the last seal's reply kept for a retry (every emitted token id)."""
         size = req.migration.progress_bytes() if req.migration is not None else 0
+        if req.last_seal is not None:
+            size += len(req.last_seal[1])
         self.charged_bytes += size - req.progress
         req.progress = size
 
