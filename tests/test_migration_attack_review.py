@@ -13,7 +13,10 @@ import tracemalloc
 import anyio
 import pytest
 
-from streamproc.client.migration import Migrator
+from streamproc.catalog import codec_class
+from streamproc.client.migration import Migrator, Resumed
+from streamproc.codec import Emitted
+from streamproc.wire import MigrateRequest, Sealed, decode_migrate_reply, encode_control
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
 from streamproc.sim.migration import native_request
@@ -178,3 +181,50 @@ async def test_the_sealed_replies_a_processor_keeps_for_retries_are_charged_to_i
     # Everything allocated since the requests started and still held is what the budget charged for
     # them (slack: the clients' buffers, the requests' other state).
     assert held <= charged + 4_000_000, (held, charged)
+
+
+# ------------------------------------------------------------------ a migrate id used twice
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_a_migrate_reusing_an_earlier_migrates_id_is_not_answered_with_that_stale_seal(
+        mode, client, start_processor):
+    """A frontend that names every migrate of a request alike (here: by the request id) migrates it
+    twice. The second migrate (expected_attempt 1: seal the attempt the first one granted, after it
+    published 3 results) got the first one's reply again: "sealed, attempt 1, 4 emitted tokens,
+    result_seq 2", though the client had 5 results (10 tokens) and nothing was sealed. The frontend
+    then resumes from token 4 as attempt 1, beside the attempt-1 worker it gave up, whose chunks are
+    still published."""
+    fmt = "sglang"
+    truth = make_truth(400, request_id=f"reuse-{mode}", prompt_len=6, output_len=24, chunk_sizes=[2] * 12)
+    async with start_processor("subprocess", format=fmt, mode=mode) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
+
+        async def migrate(expected: int) -> object:
+            body = encode_control(MigrateRequest(expected_attempt=expected, id=truth.request_id))
+            return decode_migrate_reply((await client.request(rp.subjects.migrate(truth.request_id), body,
+                                                              timeout=5)).data)
+
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=2)
+            seen = [await stream.__anext__() for _ in range(2)]
+            one = await migrate(0)
+            again = await migrate(0)  # a retry of it (its reply lost) still gets the same seal
+            assert isinstance(one, Sealed) and again == one and (one.attempt, one.result_seq) == (1, 2)
+            [(role, bodies)] = pool.legs(one.emitted_tokens)
+            await pool.publish(role, bodies, one.attempt, stop=3)  # attempt 1 publishes 3, then is lost
+            seen += [await stream.__anext__() for _ in range(3)]
+            two = await migrate(1)
+            assert isinstance(two, Sealed), two
+            assert (two.attempt, two.emitted_tokens, two.result_seq) == (2, 10, 5), two
+            await pool.publish(role, bodies, one.attempt, start=3)  # the given-up attempt 1 is sealed now
+            await pool.serve(resumed_for(two, truth, fmt))
+            results = seen + await stream.collect()
+    assert_uninterrupted(fmt, truth, results)
+
+
+def resumed_for(sealed: Sealed, truth, fmt: str):
+    """The resumed request the Migrator would send for ``sealed``."""
+    body = codec_class(fmt)().resume_request(native_request(fmt, truth),
+                                             Emitted(sealed.emitted_token_ids, sealed.state))
+    return Resumed(sealed.request_id, sealed.attempt, sealed.emitted_tokens, sealed.result_seq, body)

@@ -233,6 +233,20 @@ _PREFILL_OPEN, _PREFILL_DONE = 0, 1
 _ENTRY = defaults.FINISHED_ENTRY_BYTES
 
 
+def is_retry(sealed: Sealed, expected_attempt: int | None, attempt: int | None, next_seq: int | None) -> bool:
+    """Whether a migrate naming the same ``id`` as the seal that answered ``sealed`` can be a retry
+    of it (its reply lost), so gets ``sealed`` again. A retry carries the same ``expected_attempt``,
+    and nobody knew the granted attempt, so the request (``attempt``, ``next_seq``: its state here,
+    None when unknown) is still where the seal left it. Anything else is another migrate that
+    reuses the id: answered with the stale seal it would seal nothing, and the frontend would
+    resume from tokens the client is past while the attempt it gave up stays live."""
+    if expected_attempt is not None and expected_attempt != sealed.attempt - 1:
+        return False
+    if attempt is not None and attempt != sealed.attempt:
+        return False
+    return next_seq is None or next_seq == sealed.result_seq
+
+
 def _sealed_reply(req: _Request, emitted: Emitted, attempt: int) -> Sealed:
     """The ``Sealed`` reply granting ``attempt`` after ``emitted`` (measured before the seal, sent by it)."""
     return Sealed(req.request_id, attempt, len(emitted.token_ids), list(emitted.token_ids), req.next_seq,
@@ -440,7 +454,10 @@ class Correlator:
         """
         req = self._active.get(request_id)
         if req is not None and id is not None and req.last_seal is not None and req.last_seal[0] == id:
-            return decode_migrate_reply(req.last_seal[1]), []
+            again = decode_migrate_reply(req.last_seal[1])
+            if isinstance(again, Sealed) and is_retry(again, expected_attempt, req.attempt, req.next_seq):
+                return again, []
+            # The same id for another migrate (a frontend reusing ids): decided as a new one below.
         if req is None:
             if request_id in self._finished:
                 return MigrateError(request_id, MigrateErrorCode.FINISHED,
@@ -548,6 +565,11 @@ class Correlator:
         """How many leading result bodies of an active request must be read back before a migrate."""
         req = self._active.get(request_id)
         return req.missing if req is not None else 0
+
+    def next_seq_of(self, request_id: str) -> int | None:
+        """The next result seq of an active request (None when it is not active here)."""
+        req = self._active.get(request_id)
+        return req.next_seq if req is not None else None
 
     def attempt_of(self, request_id: str) -> int | None:
         """The current attempt of an active request (None when it is not active here)."""

@@ -52,7 +52,7 @@ from ..config import Settings
 from ..core.credit import PullCredit
 from ..core.codec import ErrorKind
 from ..core.errors import shown
-from ..core.correlator import Work
+from ..core.correlator import Work, is_retry
 from ..core.events import (
     Chunk, Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Result, Sealed, SealRecord,
 )
@@ -953,7 +953,13 @@ class DurableInput:
         except UNREACHABLE as exc:
             return self._unavailable(rid, f"the seal records cannot be read: {error_text(exc)}")
         if record is not None and request.id is not None and record.id == request.id:
-            return record.sealed  # the reply of a seal that was recorded but (maybe) never received
+            # Where this instance holds the request at the recorded attempt, it also says whether the
+            # granted attempt made progress since (then the id is reused, not retried); a local state
+            # at another attempt is stale (sealed elsewhere) and says nothing.
+            held = correlator.attempt_of(rid) == record.sealed.attempt
+            if is_retry(record.sealed, request.expected_attempt, None,
+                        correlator.next_seq_of(rid) if held else None):
+                return record.sealed  # the reply of a seal that was recorded but (maybe) never received
         await self.caught_up()
         recorded = record.attempt if record is not None else 0
         local = correlator.attempt_of(rid)
