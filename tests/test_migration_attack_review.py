@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from streamproc.catalog import codec_class
-from streamproc.client.migration import Migrator, Resumed
+from streamproc.client.migration import MigrationRefused, Migrator, Resumed
 from streamproc.codec import Emitted
 from streamproc.wire import MigrateRequest, Sealed, decode_migrate_reply, encode_control
 from streamproc.client.publisher import ChunkPublisher
@@ -228,3 +228,32 @@ def resumed_for(sealed: Sealed, truth, fmt: str):
     body = codec_class(fmt)().resume_request(native_request(fmt, truth),
                                              Emitted(sealed.emitted_token_ids, sealed.state))
     return Resumed(sealed.request_id, sealed.attempt, sealed.emitted_tokens, sealed.result_seq, body)
+
+
+# ------------------------------------------------- a refusal of a request with nothing received yet
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_a_request_that_cannot_move_whose_worker_died_before_its_first_chunk_still_ends_at_once(
+        mode, client, start_processor):
+    """Guided decoding cannot move, so the Migrator refuses it: "the client's stream ends at once"
+    with a migration_refused error result. Its worker died before publishing anything: the
+    processor answered unknown_request, published nothing and keeps no state (so no request timeout
+    either), the Migrator ignored that answer and raised MigrationRefused as if the client had been
+    told, and the client waited for a result that never came."""
+    fmt = "sglang"
+    truth = make_truth(500, request_id=f"guided-early-{mode}", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    guided = native_request(fmt, truth, sampling_params={"max_new_tokens": 12, "json_schema": "{}"})
+    async with start_processor("subprocess", format=fmt, mode=mode) as rp:
+        async with follow(client, rp.subjects, truth.request_id, timeout=5) as stream:
+            with pytest.raises(MigrationRefused, match="guided decoding"):
+                await Migrator(client, rp.subjects, format=fmt).migrate(truth.request_id, guided)
+            results = await stream.collect()
+        # The lost worker was slower than thought: its chunks are late now, not a new request.
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
+        async with follow(client, rp.subjects, truth.request_id, timeout=1) as late:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0)
+            with pytest.raises(TimeoutError):
+                await late.collect()
+    assert [(r.seq, r.final, r.error) for r in results] == [(0, True, "migration_refused")]
+    assert b"guided decoding" in results[0].body

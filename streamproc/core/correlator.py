@@ -462,9 +462,16 @@ class Correlator:
             if request_id in self._finished:
                 return MigrateError(request_id, MigrateErrorCode.FINISHED,
                                     "the request's final result is already published; nothing to resume"), []
-            return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST,
-                                "no chunk of this request has reached this processor, so nothing was sent to "
-                                "the client (or it finished longer than finished_grace ago)"), []
+            if refuse is None:
+                return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST,
+                                    "no chunk of this request has reached this processor, so nothing was sent to "
+                                    "the client (or it finished longer than finished_grace ago)"), []
+            # Its worker was lost before anything reached us, and it cannot move: nothing here would
+            # ever end the client's wait (no state, so no request timeout either). It ends now, with
+            # the refusal as its one result, and is remembered as finished (the lost worker's late
+            # chunks are dropped, not taken for a new request).
+            req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
+            self._active[request_id] = req
         if expected_attempt is not None and expected_attempt != req.attempt:
             return MigrateError(request_id, MigrateErrorCode.ATTEMPT_MISMATCH,
                                 f"expected attempt {expected_attempt}, but the current attempt is {req.attempt}",
