@@ -257,3 +257,40 @@ async def test_a_request_that_cannot_move_whose_worker_died_before_its_first_chu
                 await late.collect()
     assert [(r.seq, r.final, r.error) for r in results] == [(0, True, "migration_refused")]
     assert b"guided decoding" in results[0].body
+
+
+# -------------------------------------- a malformed chunk of an attempt that was sealed already
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+@pytest.mark.parametrize("bad", [{"Streamproc-Seq": "three"}, {"Streamproc-Seq": "3", "Streamproc-Final": "yes"}],
+                         ids=["bad-seq", "bad-final"])
+async def test_a_malformed_chunk_of_a_sealed_attempt_is_dropped_not_the_end_of_the_resumed_request(
+        mode, bad, client, start_processor):
+    """Chunks of a sealed attempt are dropped (counted ``sealed``): the worker it was taken from is
+    lost to the frontend and may still publish anything. A malformed one (its Streamproc-Seq or
+    Streamproc-Final unreadable) was not: it failed the header checks before its attempt was looked
+    at, and ended the resumed request with an invalid_chunk error result at seq 2, its stream cut
+    short for a message of a worker it had left."""
+    fmt = "sglang"
+    truth = make_truth(700, request_id=f"sealed-garbage-{mode}-{len(bad)}", prompt_len=6, output_len=12,
+                       chunk_sizes=[2] * 6)
+    async with start_processor("subprocess", format=fmt, mode=mode) as rp:
+        pool = SimulatedPool(ChunkPublisher(client, rp.subjects), fmt, truth, pd=False)
+        async with follow(client, rp.subjects, truth.request_id, timeout=15) as stream:
+            [(role, bodies)] = pool.legs(0)
+            await pool.publish(role, bodies, 0, stop=2)
+            seen = [await stream.__anext__() for _ in range(2)]
+            resumed = await Migrator(client, rp.subjects, format=fmt).migrate(truth.request_id,
+                                                                              native_request(fmt, truth))
+            subject = rp.subjects.chunk(truth.request_id, role)
+            headers = {"Streamproc-Attempt": "0", **bad}
+            if mode == "durable":
+                await client.jetstream().publish(subject, bodies[3], headers=headers)
+            else:
+                await client.publish(subject, bodies[3], headers=headers)
+            await client.flush()
+            await anyio.sleep(0.3)  # the old worker's chunk first, then the resumed attempt
+            await pool.serve(resumed)
+            results = seen + await stream.collect()
+    assert [(r.seq, r.error) for r in results if r.error] == [], [r.body for r in results if r.error]
+    assert_uninterrupted(fmt, truth, results)

@@ -401,9 +401,17 @@ class Correlator:
         return True
 
     def reject(self, request_id: str, reason: str, now: float, token: object = None,
-               kind: ErrorKind = ErrorKind.INVALID_CHUNK) -> list[Decision]:
+               kind: ErrorKind = ErrorKind.INVALID_CHUNK, attempt: int | None = None) -> list[Decision]:
         """A message for ``request_id`` broke the contract before it became a Chunk (or, ``kind``
-        ``internal``, handling it raised): end the request with a final error result."""
+        ``internal``, handling it raised): end the request with a final error result. Unless it
+        names (``attempt``, when readable) an attempt that was sealed: dropped as ``sealed`` like any
+        chunk of it, since the worker it came from was given up and may publish anything."""
+        req = self._active.get(request_id)
+        if req is not None and attempt is not None and attempt < req.attempt:
+            self.stats.sealed += 1
+            return [Settle((token,)), Notice(request_id, "sealed_chunk",
+                                             f"a malformed chunk of sealed attempt {attempt} (now {req.attempt}): "
+                                             f"{reason}")]
         if kind is ErrorKind.INVALID_CHUNK:
             self.stats.rejected += 1
         else:

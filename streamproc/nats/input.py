@@ -24,7 +24,7 @@ from nats.aio.subscription import Subscription
 from ..core.codec import ErrorKind
 from ..core.correlator import Correlator, Decision, Notice, Settle, Work
 from ..core.latency import LatencyHistogram
-from ..core.wire import ChunkParser, ContractError, Subjects
+from ..core.wire import ATTEMPT, UNREADABLE_HEADERS, ChunkParser, ContractError, Subjects
 from ..logs import LogLimiter, error_text, log_event
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class Pipeline:
             self.io.unreadable += 1
             self.limited.log(logging.WARNING, "unreadable_message", subject=msg.subject, reason=exc.reason)
             return [Settle((msg,))] if acknowledged else []
-        return self.correlator.reject(exc.request_id, exc.reason, self.clock(), msg)
+        return self.correlator.reject(exc.request_id, exc.reason, self.clock(), msg, attempt=_attempt_of(msg))
 
     def failed(self, exc: Exception, msg: Msg, acknowledged: bool, subject: str | None = None) -> list[Decision]:
         """Decisions for a message whose handling raised (a bug, never bad input alone): its request
@@ -198,3 +198,17 @@ def snapshot(correlator: Correlator, io: IOStats, extra: msgspec.Struct | None) 
     if extra is not None:
         out.update(msgspec.structs.asdict(extra))
     return out
+
+
+def _attempt_of(msg: Msg) -> int | None:
+    """The attempt a malformed chunk names, when that header itself is readable (None otherwise): a
+    chunk of a sealed attempt is dropped, however malformed, rather than ending the resumed request."""
+    headers = msg.headers
+    if not headers or UNREADABLE_HEADERS in headers:
+        return None
+    value = headers.get(ATTEMPT)
+    if value is None:
+        return 0
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
+        return None
+    return int(value)
