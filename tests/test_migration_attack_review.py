@@ -294,3 +294,31 @@ async def test_a_malformed_chunk_of_a_sealed_attempt_is_dropped_not_the_end_of_t
             results = seen + await stream.collect()
     assert [(r.seq, r.error) for r in results if r.error] == [], [r.body for r in results if r.error]
     assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_malformed_chunk_of_a_sealed_attempt_reaching_the_next_instance_is_dropped_too(client, start_processor):
+    """Durable mode, the same after a failover: the instance that sealed the request is gone (here
+    stopped), the next one does not hold the request. Every chunk of a request it does not hold is
+    looked up in the stores first, but a malformed one was not: it was taken for a new request and
+    answered with an invalid_chunk error result at seq 0 (a second seq 0 after the client's two
+    results, seen by live subscribers; JetStream dropped it as a duplicate of Nats-Msg-Id
+    ``<id>.0``), and the request was remembered as finished, so every chunk of the resumed attempt
+    was dropped as late: the client got 2 results and never a final one."""
+    fmt = "sglang"
+    truth = make_truth(800, request_id="sealed-garbage-failover", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, durable=True), fmt, truth, pd=False)
+    [(role, bodies)] = pool.legs(0)
+    async with follow(client, pool.publisher.subjects, truth.request_id, timeout=20) as stream:
+        async with start_processor("subprocess", format=fmt, mode="durable") as rp:
+            await pool.publish(role, bodies, 0, stop=2)
+            seen = [await stream.__anext__() for _ in range(2)]
+            resumed = await Migrator(client, rp.subjects, format=fmt).migrate(truth.request_id,
+                                                                              native_request(fmt, truth))
+        async with start_processor("subprocess", format=fmt, mode="durable") as rp:
+            await client.jetstream().publish(rp.subjects.chunk(truth.request_id, role), bodies[3],
+                                             headers={"Streamproc-Attempt": "0", "Streamproc-Seq": "three"})
+            await anyio.sleep(0.5)
+            await pool.serve(resumed)
+            results = seen + await stream.collect()
+    assert [(r.seq, r.error) for r in results if r.error] == [], [r.body for r in results if r.error]
+    assert_uninterrupted(fmt, truth, results)

@@ -814,7 +814,11 @@ class DurableInput:
                     chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
                 except ContractError as exc:
                     rid = exc.request_id
-                    decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
+                    # A request this instance does not hold may live on in the stores (served
+                    # elsewhere, maybe migrated): taken for a new one, it would be ended at seq 0.
+                    if rid is None or knows(rid) or await self._recover(rid, None, msg, now,
+                                                                         retry=deliveries < max_deliver):
+                        decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
                 else:
                     rid = chunk.request_id
                     ready = True
