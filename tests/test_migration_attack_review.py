@@ -16,7 +16,7 @@ import pytest
 from streamproc.catalog import codec_class
 from streamproc.client.migration import MigrationRefused, Migrator, Resumed
 from streamproc.codec import Emitted
-from streamproc.wire import MigrateRequest, Sealed, decode_migrate_reply, encode_control
+from streamproc.wire import MigrateErrorCode, MigrateRequest, Sealed, decode_migrate_reply, encode_control
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
 from streamproc.sim.migration import native_request
@@ -255,8 +255,17 @@ async def test_a_request_that_cannot_move_whose_worker_died_before_its_first_chu
             await pool.publish(role, bodies, 0)
             with pytest.raises(TimeoutError):
                 await late.collect()
+        # A refusal naming an attempt above 0 is not for a request nothing reached: unknown, nothing
+        # published, nothing kept (no request left to time out later).
+        other = "guided-early-other-" + mode
+        async with follow(client, rp.subjects, other, timeout=1) as nothing:
+            body = encode_control(MigrateRequest(expected_attempt=3, refuse="x", id="r"))
+            reply = decode_migrate_reply((await client.request(rp.subjects.migrate(other), body, timeout=5)).data)
+            with pytest.raises(TimeoutError):
+                await nothing.collect()
     assert [(r.seq, r.final, r.error) for r in results] == [(0, True, "migration_refused")]
     assert b"guided decoding" in results[0].body
+    assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST
 
 
 # -------------------------------------- a malformed chunk of an attempt that was sealed already

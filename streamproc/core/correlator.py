@@ -470,7 +470,7 @@ class Correlator:
             if request_id in self._finished:
                 return MigrateError(request_id, MigrateErrorCode.FINISHED,
                                     "the request's final result is already published; nothing to resume"), []
-            if refuse is None:
+            if refuse is None or expected_attempt not in (None, 0):
                 return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST,
                                     "no chunk of this request has reached this processor, so nothing was sent to "
                                     "the client (or it finished longer than finished_grace ago)"), []
@@ -480,6 +480,9 @@ class Correlator:
             # chunks are dropped, not taken for a new request).
             req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
             self._active[request_id] = req
+            self.stats.migrations_refused += 1
+            decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {refuse}", now)
+            return MigrateError(request_id, MigrateErrorCode.REFUSED, refuse, 0), decisions
         if expected_attempt is not None and expected_attempt != req.attempt:
             return MigrateError(request_id, MigrateErrorCode.ATTEMPT_MISMATCH,
                                 f"expected attempt {expected_attempt}, but the current attempt is {req.attempt}",
