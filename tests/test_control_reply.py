@@ -201,8 +201,14 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_
     rights, into its own pull subscription, where a message without a reply is taken for a status:
     PullCredit.status('') zeroes the outstanding credit (more pulls than the budget) and one INFO
     `pull_status` line is logged per forged migrate (not rate limited). The processor's and the edge's own
-    inboxes are now under defaults.OWN_INBOX_PREFIX, which is no migrate's reply."""
+    inboxes are now under defaults.OWN_INBOX_PREFIX, which is no migrate's reply.
+
+    Since the shipped file denies the frontend `_INBOX.streamproc.>` (tests/test_durable_attack_review.py:
+    the processor's inbox carries chunks and stored results), the frontend no longer sees those
+    heartbeats; the edge, whose inbox prefix is the processor's, still does, so here it learns the
+    inbox and the frontend forges the migrates."""
     frontend = await nats.connect(url(server, "frontend"), allow_reconnect=False)
+    observer = await nats.connect(url(server, "edge"), allow_reconnect=False)
     inboxes: set[str] = set()
     forged: list[tuple[str, bytes]] = []
 
@@ -214,8 +220,8 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_
             forged.append((msg.subject, msg.data))
 
     try:
-        await frontend.subscribe("_INBOX.>", cb=on_inbox)
-        await frontend.flush()
+        await observer.subscribe("_INBOX.>", cb=on_inbox)
+        await observer.flush()
         # The module's server: its chunk stream has the 2 partitions of the tests above.
         with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "2") as (
                 proc, log_path):
@@ -230,6 +236,7 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_
             log = log_path.read_text()
     finally:
         await frontend.close()
+        await observer.close()
     flood = [line for line in log.splitlines() if "event=pull_status" in line]
     answers = [decode_migrate_reply(data) for _, data in forged]
     assert not forged, (f"the processor published {len(forged)} migrate answer(s) on its own pull inbox {inbox} "
