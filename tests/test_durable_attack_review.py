@@ -1,0 +1,106 @@
+"""An attacker's review of durable mode: what a worker (anyone allowed to publish chunks) can do to
+*other* requests, against a real nats-server and `streamproc run --mode durable` subprocesses.
+
+Each test failed on the code it was written against; see the docstrings for the numbers seen.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from conftest import processor_subprocess
+from durable_helpers import chunk_stream_messages, connect, durable_flags
+from helpers import free_port, raw_hpub, raw_protocol, rid, scrape, wait_until
+
+from streamproc.core.wire import Subjects, chunk_headers
+from streamproc.nats.streams import CHUNKS_STREAM
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+
+
+@pytest.mark.parametrize("status", [b"503", b"404 No Messages", b"409 Consumer Deleted"])
+async def test_a_stray_with_a_forged_status_line_does_not_stop_the_sweeper(nats_url, status):
+    """The stray sweeper reads with nats-py's ``fetch``, which takes any message with an inline status
+    line (``NATS/1.0 503``) for a server status: a 503 raised (the sweeper backed off, 1 s doubling to
+    60 s, and its fetched strays were never terminated), a 404/408 ended the fetch with the stray
+    unread. A worker can publish such a header block on ``P.chunks.*.x`` (a raw HPUB): one such stray
+    kept every other stray in the chunk stream, against ``--chunks-max-bytes``, until ``max_age``."""
+    flags = durable_flags(partitions=2)
+    port = free_port()
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            poison = raw_hpub(b"streamproc.chunks.*.agg", b"NATS/1.0 " + status + b"\r\nStreamproc-Seq: 0\r\n\r\n",
+                              b"{}")
+            await raw_protocol(nats_url, [poison])
+            await anyio.sleep(0.5)
+            strays = 30
+            for k in range(strays):
+                await js.publish("streamproc.chunks.*.agg", b"{}", headers=chunk_headers(f"s{k}", "agg", 0, final=True))
+
+            async def swept() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            try:
+                await wait_until(swept, 20, "every stray swept")
+            except AssertionError:
+                left = await chunk_stream_messages(js)
+                raise AssertionError(f"{left} of {strays + 1} strays still in the chunk stream after 20 s; "
+                                     f"strays_total={scrape(port).get('streamproc_durable_strays_total')}\n"
+                                     + log_path.read_text()[-2000:]) from None
+            assert scrape(port).get('streamproc_durable_strays_total') == strays + 1, log_path.read_text()[-2000:]
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("role", ["worker", "frontend"])
+async def test_no_other_component_reads_chunks_or_results_from_the_processors_inboxes(role):
+    """docs/security.md: a worker "cannot read the other request's chunks or results", and the
+    replies it may read on ``_INBOX.>`` are "never results". But the durable processor's pulls
+    deliver every chunk to its inbox (``_INBOX.streamproc.…``), and its recovery lookup
+    (``STREAM.MSG.GET`` of ``P.results.<id>``) is answered there with the stored result. Under the
+    shipped ``deploy/nats-server.conf`` a worker subscribed to ``_INBOX.>`` read another worker's
+    chunk body, and, by publishing one chunk of a victim's id the processor no longer remembers
+    (a later seq: it is looked up), the victim's stored result. A frontend, subscribed to
+    ``_INBOX.>`` too, read both, and the edge the chunks."""
+    from shipped_config import CONF, shipped_server, url
+
+    with shipped_server(CONF.read_text()) as server:
+        with processor_subprocess(url(server, "processor"), *durable_flags(partitions=2, finished_grace=0.5)):
+            spy = await connect(url(server, role))
+            victim_nc = await connect(url(server, "worker"))
+            seen: list[bytes] = []
+            subjects_seen: list = []
+
+            async def note(msg) -> None:
+                seen.append(msg.data)
+                subjects_seen.append((msg.subject, msg.data[:60]))
+
+            try:
+                await spy.subscribe("_INBOX.>", cb=note)
+                await spy.flush()
+                victim = rid("victim")
+                js = victim_nc.jetstream()
+                secret = b'{"text":"the victim\'s secret prompt answer"}'
+                await js.publish(SUBJECTS.chunk(victim, "agg"), secret, headers=chunk_headers(victim, "agg", 0, final=True))
+                await anyio.sleep(1.5)  # processed, stored, and forgotten after finished_grace
+                chunk_leaked = any(b"secret prompt answer" in m for m in seen)
+                seen.clear()
+                # The attacker asks for the victim's stored result: a later seq of its id is looked up.
+                await js.publish(SUBJECTS.chunk(victim, "agg"), b"{}",
+                                              headers=chunk_headers(victim, "agg", 7, final=True))
+                await anyio.sleep(1.5)
+                import base64
+                encoded = base64.b64encode(secret)
+                result_leaked = any(encoded in m or b"secret prompt answer" in m for m in seen)
+                assert not chunk_leaked and not result_leaked, (
+                    f"a {role} read another request's chunk body ({chunk_leaked}) and its stored result "
+                    f"({result_leaked}) on _INBOX.>: {subjects_seen[:8]}")
+            finally:
+                await spy.close()
+                await victim_nc.close()
+
