@@ -104,3 +104,52 @@ async def test_no_other_component_reads_chunks_or_results_from_the_processors_in
                 await spy.close()
                 await victim_nc.close()
 
+
+MiB = 1 << 20
+
+
+async def test_results_queued_behind_a_request_s_puback_are_bounded_in_memory(nats_url):
+    """A request's results leave one send at a time (the next when the previous one's PubAck is
+    in), and the chunks behind them are taken as fast as the pull credit allows: their results wait
+    in the outbox, outside ``--max-total-bytes``, up to ``--max-ack-pending`` per partition. One
+    worker streaming ~1 MB aggregated chunks of one request faster than the results stream stores
+    them one by one grows the processor by up to 2,048 MB per partition: 800 chunks of ~1 MB took
+    it to 661 MiB peak RSS (the documented bound under attack is 200 MiB). Now no pull goes out
+    while more than 64 MiB of results wait in the outbox: 128 MiB peak, the request behind them
+    answered."""
+    from helpers import peak_rss
+
+    flags = durable_flags(partitions=1, ack_wait=10.0)
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            body = b"x" * (MiB - 4096)
+            chunks = 800
+            attacker = rid("stream")
+            for seq in range(chunks):
+                await nc.publish(SUBJECTS.chunk(attacker, "agg"), body,
+                                 headers=chunk_headers(attacker, "agg", seq, final=seq == chunks - 1))
+                if seq % 100 == 99:
+                    await nc.flush()
+            await nc.flush()
+            victim = rid("victim")
+            await js.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"v"}',
+                             headers=chunk_headers(victim, "agg", 0, final=True))
+
+            async def done() -> bool:
+                info = await js.stream_info("STREAMPROC_RESULTS", subjects_filter=SUBJECTS.result(attacker))
+                return (info.state.subjects or {}).get(SUBJECTS.result(attacker), 0) == chunks
+
+            await wait_until(done, 90, "the attacker's results stored", every=0.5)
+
+            async def victim_answered() -> bool:
+                info = await js.stream_info("STREAMPROC_RESULTS", subjects_filter=SUBJECTS.result(victim))
+                return bool(info.state.subjects)
+
+            await wait_until(victim_answered, 10, "the request behind them answered")
+            peak = peak_rss(proc.pid)
+            assert peak < 200 * MiB, (f"peak RSS {peak / MiB:.0f} MiB after one request streamed {chunks} chunks of "
+                                      f"1 MB (docs/operations.md: below 200 MiB under attack)")
+        finally:
+            await nc.close()

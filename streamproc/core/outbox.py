@@ -185,6 +185,9 @@ class Outbox:
         self.config = config
         self.stats = stats if stats is not None else OutboxStats()
         self._queues: dict[str, list[Outgoing]] = {}  # per request; [0] is in flight or about to be
+        # Bytes of result bodies queued (not stored yet): the shell stops pulling chunks past a bound,
+        # since a request's results leave one send at a time and the ones behind wait here.
+        self.queued_bytes = 0
         self._inflight: dict[str, Outgoing] = {}  # by ticket
         self.ready: deque[Outgoing] = deque()  # to publish; the shell reads its length, sending() drains it
         self._first_wait = config.first_wait
@@ -255,6 +258,7 @@ class Outbox:
                 self._next += 1
                 o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait,
                              received)
+                self.queued_bytes += len(d.body)
                 queue = queues.get(rid)
                 if queue is None:
                     queues[rid] = [o]
@@ -414,6 +418,7 @@ class Outbox:
         dropped = [rid for rid in self._queues if belongs(rid)]
         for rid in dropped:
             for o in self._queues.pop(rid):
+                self.queued_bytes -= len(o.result.body)
                 tokens.extend(o.settles)
                 o.settles = []
                 self._inflight.pop(o.ticket, None)
@@ -550,6 +555,7 @@ class Outbox:
         rid = o.result.request_id
         queue = self._queues[rid]  # a result in flight is always at its request's head
         del queue[0]
+        self.queued_bytes -= len(o.result.body)
         if queue:
             return queue
         del self._queues[rid]
