@@ -228,6 +228,10 @@ class Outbox:
         """Whether a result of a request ``belongs`` selects is not stored yet."""
         return any(belongs(rid) for rid in self._queues)
 
+    def queued_bytes_of(self, belongs: Callable[[str], bool]) -> int:
+        """Bytes of queued result bodies of the requests ``belongs`` selects (O(queued results))."""
+        return sum(len(o.result.body) for rid, queue in self._queues.items() if belongs(rid) for o in queue)
+
     def tokens(self) -> Iterator[object]:
         """Input tokens waiting for a PubAck."""
         for queue in self._queues.values():

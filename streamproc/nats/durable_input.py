@@ -96,11 +96,13 @@ REDELIVERY_SLACK = 1.0
 # margin (10% of lease_ttl, which is at least 1 s).
 FENCE_EVERY = 0.02
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
-# Result bytes queued in the outbox (decided, not stored yet) past which no pull goes out until they
-# drain: a request's results leave one send at a time, the ones behind it wait in memory, outside
-# --max-total-bytes. Without it one request streaming ~1 MB chunks faster than its results were
-# stored grew the processor to max_ack_pending x max_payload per partition (661 MiB peak RSS from
-# 800 chunks, tests/test_durable_attack_review.py). What the pulls already out bring comes on top.
+# Result bytes queued in the outbox (decided, not stored yet), shared by the --partitions, past which
+# a partition pulls nothing more until its own drain: a request's results leave one send at a time,
+# the ones behind it wait in memory, outside --max-total-bytes. Without it one request streaming
+# ~1 MB chunks faster than its results were stored grew the processor to max_ack_pending x
+# max_payload per partition (661 MiB peak RSS from 800 chunks, tests/test_durable_attack_review.py).
+# Per partition, so the other partitions' requests are not held back. What the pulls already out
+# bring comes on top.
 MAX_QUEUED_RESULT_BYTES = 64 << 20
 MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
 
@@ -245,7 +247,7 @@ class DurableInput:
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
-        self._queue_cap = max(MAX_QUEUED_RESULT_BYTES, 4 * max_payload)
+        self._queue_cap = max(MAX_QUEUED_RESULT_BYTES // settings.partitions, 4 * max_payload)
         self._held_target = settings.max_ack_pending // 2
         self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
         # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
@@ -615,12 +617,17 @@ class DurableInput:
 
     # ------------------------------------------------------------------------------- pulls
 
-    def _queue_full(self) -> bool:
-        """Too many result bytes wait for PubAcks: pull nothing more (the watchdog pulls once they drain)."""
-        return self.outbox.queued_bytes > self._queue_cap
+    def _queue_full(self, part: _Partition) -> bool:
+        """Too many of the partition's result bytes wait for PubAcks: pull nothing more for it (the
+        watchdog pulls once they drain). The cheap total first: the partition's share is at most that."""
+        cap = self._queue_cap
+        if self.outbox.queued_bytes <= cap:
+            return False
+        of, n = self.scheme.of, part.n
+        return self.outbox.queued_bytes_of(lambda rid: of(rid) == n) > cap
 
     async def _pull(self, part: _Partition) -> None:
-        if self._queue_full():
+        if self._queue_full(part):
             return
         credit = part.credit
         credit.pulled(self._clock())
@@ -633,7 +640,7 @@ class DurableInput:
 
     def _pull_nowait(self, part: _Partition) -> None:
         """:meth:`_pull` without awaiting (the inline handler; only with ``FastClient.enqueue``)."""
-        if self._queue_full():
+        if self._queue_full(part):
             return
         credit = part.credit
         credit.pulled(self._clock())
