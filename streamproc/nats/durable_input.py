@@ -32,6 +32,7 @@ results and extends the ack deadline of held chunks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -898,8 +899,10 @@ class DurableInput:
         """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read
         (``retry`` False: go on without it, for a chunk that must be decided now)."""
         self.stats.recoveries += 1
+        urgent = getattr(self.nc, "urgent_writes", None)  # FastClient: no write coalescing meanwhile
         try:
-            await self._adopt(rid, format, now)
+            with urgent() if urgent is not None else contextlib.nullcontext():
+                await self._adopt(rid, format, now)
         except Exception as exc:
             self.pipeline.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
                                       error=error_text(exc), retry_in="1s" if retry else "-")

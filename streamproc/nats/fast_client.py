@@ -50,10 +50,11 @@ upstream-ready description is in docs/benchmarks.md ("nats-py header fast path")
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import nats.aio.client as _client
 from nats import errors
@@ -271,8 +272,36 @@ class FastClient(RobustClient):
 
     def write_gap(self) -> float:
         """Least seconds between two writes now: ``flush_interval``, shortened to the time
-        ``coalesce_commands`` take to arrive at the recent write rate, never below an eighth of it."""
+        ``coalesce_commands`` take to arrive at the recent write rate, never below an eighth of it;
+        0 while :meth:`urgent_writes` holds."""
+        if self.urgent:
+            return 0.0
         return self._gap or self.flush_interval
+
+    # Above 0 while someone waits for a round trip on the message path (the durable input's recovery
+    # lookup holds up its partition): writes leave at once and reads are not paused after them
+    # (write_gap() is 0). With the interval, each lookup waited for the next timer write and then for
+    # reads to resume: ~5 ms each, one after another, so 5,000 chunks that each needed a lookup held
+    # a partition's other requests back 27 s (tests/test_durable_attack_review.py).
+    urgent = 0
+
+    @contextlib.contextmanager
+    def urgent_writes(self) -> Iterator[None]:
+        """Within it, what is queued is written now and what arrives is read now."""
+        self.urgent += 1
+        try:
+            if self._status in _CONNECTED_STATES:
+                timer = self._write_timer
+                if timer is not None:  # a later timer write: the pending commands leave now instead
+                    timer.cancel()
+                    self._write_timer = None
+                    self._write_soon()
+                if self._resume_timer is not None:
+                    self._resume_timer.cancel()
+                    self._resume_reading()
+            yield
+        finally:
+            self.urgent -= 1
 
     def _wrote(self, commands: int, now: float) -> None:
         """Account a write of ``commands`` at ``now`` for :meth:`write_gap` (smoothed over ~5 writes)."""
