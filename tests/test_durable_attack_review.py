@@ -194,3 +194,45 @@ async def test_chunks_that_each_need_a_recovery_lookup_do_not_hold_a_partition_b
             assert proc.poll() is None
         finally:
             await nc.close()
+
+
+async def test_bodies_kept_for_a_possible_migration_are_bounded_across_requests(nats_url):
+    """Each streamed request keeps its published bodies by reference, up to ``--max-retained-bytes``
+    (256 KiB), for a possible migration; past it the codec folds them into a progress state, which
+    is charged to ``--max-total-bytes``. The bodies themselves were charged nowhere: 1,200 requests
+    that each sent one non-final ~200 KB chunk (and then nothing, for up to ``--request-timeout``)
+    held 240 MB outside every budget, up to ``--max-inflight`` x 256 KiB = 2.5 GiB at the defaults."""
+    from helpers import peak_rss
+
+    flags = durable_flags(partitions=2, ack_wait=10.0)
+    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            requests = 1200
+            body = b'{"text":"' + b"r" * 200_000 + b'"}'
+            for i in range(requests):
+                attacker = f"retain-{i}"
+                await nc.publish(SUBJECTS.chunk(attacker, "agg"), body, headers=chunk_headers(attacker, "agg", 0))
+                if i % 50 == 49:
+                    await nc.flush()
+            await nc.flush()
+
+            async def stored() -> bool:
+                return (await js.stream_info("STREAMPROC_RESULTS")).state.messages >= requests
+
+            await wait_until(stored, 90, "every first result stored", every=0.5)
+            victim = rid("victim")
+            await js.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"v"}',
+                             headers=chunk_headers(victim, "agg", 0, final=True))
+
+            async def victim_answered() -> bool:
+                info = await js.stream_info("STREAMPROC_RESULTS", subjects_filter=SUBJECTS.result(victim))
+                return bool(info.state.subjects)
+
+            await wait_until(victim_answered, 10, "a request after them answered")
+            peak = peak_rss(proc.pid)
+            assert peak < 200 * MiB, (f"peak RSS {peak / MiB:.0f} MiB with {requests} streamed requests holding one "
+                                      f"~200 KB body each (docs/operations.md: below 200 MiB under attack)")
+        finally:
+            await nc.close()

@@ -285,6 +285,13 @@ class Correlator:
         # decided deep inside one request's handling; the entry points put them first in their output.
         self._aside: list[Decision] = []
         self._max_retained = self.config.max_retained_bytes
+        # Bodies kept for a possible migration, all requests (each request's retain - budget): past
+        # a quarter of max_total_bytes a request's bodies are folded into its progress state (which
+        # is charged) at once instead of at max_retained_bytes. They were charged nowhere: 1,200
+        # streamed requests of one ~200 KB chunk each held 240 MB outside every budget, up to
+        # max_inflight x max_retained_bytes (2.5 GiB at the defaults; tests/test_durable_attack_review.py).
+        self.retained_total = 0
+        self._retained_cap = max(self.config.max_total_bytes // 4, self._max_retained)
         self.charged_bytes = 0  # sum of every active request's buffered + absorbed + decoded bytes
         # When set (core mode), joins of chunks that need the prefill leg are returned as Work
         # decisions instead of running inline. Off by default: an input must understand Work.
@@ -377,7 +384,8 @@ class Correlator:
                 stats.chunks += 1
                 stats.passthrough += 1
                 return True
-            if len(active) >= self.config.max_inflight or len(body) > self._max_retained:
+            if (len(active) >= self.config.max_inflight or len(body) > self._max_retained
+                    or self.retained_total + len(body) > self._retained_cap):
                 return False  # (a body past the retention bound is folded: receive() charges that)
             # the first chunk of a streamed response: receive()'s new-request branch, then in order
             req = _Request(rid, self._default_codec, self.default_format, self._max_retained)
@@ -386,7 +394,8 @@ class Correlator:
             active[rid] = req
         # _receive_output()'s in-order branch (held tokens only exist in durable mode; leave them to it)
         elif (req.kind is not _AGG or req.attempt or seq != req.next_seq or req.pending
-                or req.final_seq is not None or req.held or (not final and len(body) > req.budget)):
+                or req.final_seq is not None or req.held
+                or (not final and (len(body) > req.budget or self.retained_total + len(body) > self._retained_cap))):
             return False  # (a body past the retention bound is folded: receive() charges that)
         stats.chunks += 1
         req.last = now
@@ -395,9 +404,10 @@ class Correlator:
         stats.passthrough += 1
         if final:
             self._forget(req, now)
-        else:  # within req.budget (above): no fold here
+        else:  # within req.budget and the total (above): no fold here
             req.retained.append(body)
             req.budget -= len(body)
+            self.retained_total += len(body)
         return True
 
     def reject(self, request_id: str, reason: str, now: float, token: object = None,
@@ -600,6 +610,7 @@ class Correlator:
         req = self._active.get(request_id)
         if req is None or not req.missing or len(history) != req.missing:
             return False
+        self.retained_total -= req.retain - req.budget
         later, req.retained, req.budget = req.retained, [], req.retain
         req.missing = 0
         self._retain(req, [*history, *later])
@@ -609,7 +620,8 @@ class Correlator:
         for body in bodies:
             req.retained.append(body)
             req.budget -= len(body)
-        if req.budget < 0:
+            self.retained_total += len(body)
+        if req.budget < 0 or self.retained_total > self._retained_cap:
             self._compact(req)
 
     def finish(self, work: Work, now: float) -> list[Decision]:
@@ -895,7 +907,8 @@ class Correlator:
             else:  # keep a reference only; the codec reads it if the request ever migrates
                 req.retained.append(body)
                 req.budget -= len(body)
-                if req.budget < 0:
+                self.retained_total += len(body)
+                if req.budget < 0 or self.retained_total > self._retained_cap:
                     self._compact(req)
                     over = self._over_progress(req, now)
                     if over is not None:
@@ -1040,7 +1053,8 @@ class Correlator:
                 return out
             req.retained.append(body)
             req.budget -= len(body)
-            if req.budget < 0:
+            self.retained_total += len(body)
+            if req.budget < 0 or self.retained_total > self._retained_cap:
                 self._compact(req)
                 over = self._over_progress(req, now)
                 if over is not None:
@@ -1068,6 +1082,7 @@ class Correlator:
             if req.migration is None:
                 req.migration = req.codec.open_migration()
             if req.retained:
+                self.retained_total -= req.retain - req.budget
                 bodies, req.retained, req.budget = req.retained, [], req.retain
                 req.migration.absorb(bodies)
                 self._count_progress(req)
@@ -1114,6 +1129,7 @@ class Correlator:
                 return
             except MigrationRefused:
                 pass  # remembered in req.refusal; a migrate will be refused with it
+        self.retained_total -= req.retain - req.budget
         req.retained = []
         req.budget = req.retain
 
@@ -1257,6 +1273,9 @@ class Correlator:
         if not keep_progress:
             self.charged_bytes -= req.progress
             req.progress = 0
+            self.retained_total -= req.retain - req.budget
+            req.retained = []
+            req.budget = req.retain
 
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
         if isinstance(exc, RecursionError):
