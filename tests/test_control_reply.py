@@ -205,10 +205,10 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_the_processors_
 
     Since the shipped file denies the frontend `_INBOX.streamproc.>` (tests/test_durable_attack_review.py:
     the processor's inbox carries chunks and stored results), the frontend no longer sees those
-    heartbeats; the edge, whose inbox prefix is the processor's, still does, so here it learns the
-    inbox and the frontend forges the migrates."""
+    heartbeats, nor does the edge (an inbox prefix of its own since): here the processor's own user
+    observes the inbox, as a leak would give it to the frontend, and the frontend forges the migrates."""
     frontend = await nats.connect(url(server, "frontend"), allow_reconnect=False)
-    observer = await nats.connect(url(server, "edge"), allow_reconnect=False)
+    observer = await nats.connect(url(server, "processor"), allow_reconnect=False)
     inboxes: set[str] = set()
     forged: list[tuple[str, bytes]] = []
 

@@ -13,7 +13,6 @@ from durable_helpers import chunk_stream_messages, connect, durable_flags
 from helpers import free_port, raw_hpub, raw_protocol, rid, scrape, wait_until
 
 from streamproc.core.wire import Subjects, chunk_headers
-from streamproc.nats.streams import CHUNKS_STREAM
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -57,7 +56,7 @@ async def test_a_stray_with_a_forged_status_line_does_not_stop_the_sweeper(nats_
             await nc.close()
 
 
-@pytest.mark.parametrize("role", ["worker", "frontend"])
+@pytest.mark.parametrize("role", ["worker", "frontend", "edge"])
 async def test_no_other_component_reads_chunks_or_results_from_the_processors_inboxes(role):
     """docs/security.md: a worker "cannot read the other request's chunks or results", and the
     replies it may read on ``_INBOX.>`` are "never results". But the durable processor's pulls
@@ -66,7 +65,8 @@ async def test_no_other_component_reads_chunks_or_results_from_the_processors_in
     shipped ``deploy/nats-server.conf`` a worker subscribed to ``_INBOX.>`` read another worker's
     chunk body, and, by publishing one chunk of a victim's id the processor no longer remembers
     (a later seq: it is looked up), the victim's stored result. A frontend, subscribed to
-    ``_INBOX.>`` too, read both, and the edge the chunks."""
+    ``_INBOX.>`` too, read both, and the edge the chunks (it shared the processor's inbox prefix; now
+it has its own, ``_INBOX.streamproc.edge``, and may subscribe to nothing else under ``_INBOX.``)."""
     from shipped_config import CONF, shipped_server, url
 
     with shipped_server(CONF.read_text()) as server:

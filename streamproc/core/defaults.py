@@ -18,6 +18,10 @@ CONTROL_REPLY_PREFIX = "_INBOX."
 # migrate naming a reply there is refused, since an answer published into them would be read as a
 # pull status or a PubAck (a frontend may subscribe to _INBOX.> and learn those subjects).
 OWN_INBOX_PREFIX = "_INBOX.streamproc"
+# The edge's own, one token deeper: still never a migrate's reply, and apart from the processor's
+# (whose pulls deliver every chunk and whose lookups get stored results), so the shipped permissions
+# let the edge subscribe to its own inboxes only.
+EDGE_INBOX_PREFIX = OWN_INBOX_PREFIX + ".edge"
 
 # Correlation (seconds, counts)
 PREFILL_TIMEOUT = 30.0

@@ -461,7 +461,7 @@ class ResultSource:
             self.settings,
             name="streamproc-edge",
             reconnect=True,
-            inbox_prefix=defaults.OWN_INBOX_PREFIX,  # never a migrate's reply (nats/control.py)
+            inbox_prefix=defaults.EDGE_INBOX_PREFIX,  # never a migrate's reply (nats/control.py), not the processor's
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
