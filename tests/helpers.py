@@ -7,6 +7,7 @@ They live here once; the fixtures in ``conftest.py`` and the harnesses (``edge_h
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import socket
@@ -277,3 +278,24 @@ def drive_join(codec, decode: list[bytes], prefill: list[bytes] | None) -> list:
         session.needs_prefill(body, i == last)
         out.append(session.join(body, i == last))
     return out
+
+
+def upstream_json(doc: object) -> bytes:
+    """A body as the engines write it: orjson (SGLang's ORJSONResponse) and pydantic's
+    ``model_dump_json`` / ``JSONResponse`` (vLLM) give compact JSON with raw UTF-8."""
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _key_order(doc: object) -> object:
+    if isinstance(doc, dict):
+        return [(k, _key_order(v)) for k, v in doc.items()]
+    if isinstance(doc, list):
+        return [_key_order(v) for v in doc]
+    return None
+
+
+def assert_same_body(got: bytes, want: bytes) -> None:
+    """Equal as JSON and in every object's key order (what a client comparing bodies would see)."""
+    g, w = json.loads(got), json.loads(want)
+    assert g == w
+    assert _key_order(g) == _key_order(w)

@@ -66,41 +66,49 @@ async def test_a_migrate_while_the_old_worker_keeps_publishing_never_repeats_or_
             assert_uninterrupted(fmt, truth, results)
 
 
+async def three_migrations_while_every_lost_worker_publishes(client, rp, fmt: str, truth, rng: random.Random,
+                                                             worker=None) -> list:
+    """A request migrated three times, each abandoned worker still publishing a few more chunks
+    while the next attempt starts; the results its client saw."""
+    publisher = ChunkPublisher(client, rp.subjects)
+    migrator = Migrator(client, rp.subjects, format=fmt)
+    async with follow(client, rp.subjects, truth.request_id, timeout=30) as stream:
+
+        async def run_worker(attempt: int, emitted: int, pd: bool, stop_after: int | None) -> None:
+            pool = SimulatedPool(publisher, fmt, truth, pd=pd)
+            if worker is not None:
+                pool.worker = worker
+            legs = pool.legs(emitted)
+            for role, bodies in legs[:-1]:
+                await pool.publish(role, bodies, attempt)
+            role, bodies = legs[-1]
+            n = len(bodies) if stop_after is None else min(stop_after, len(bodies) - 1)
+            for seq in range(n):
+                await pool.publish(role, bodies, attempt, start=seq, stop=seq + 1)
+                if rng.random() < 0.3:
+                    await anyio.sleep(0.0005)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_worker, 0, 0, rng.random() < 0.5, 4)
+            attempt = 0
+            for k in range(3):
+                await anyio.sleep(rng.random() * 0.004)
+                sealed = await migrator.seal(truth.request_id, expected_attempt=attempt)
+                attempt = sealed.attempt
+                tg.start_soon(run_worker, attempt, sealed.emitted_tokens, rng.random() < 0.5,
+                              None if k == 2 else rng.randrange(1, 6))
+        return await stream.collect()
+
+
 @pytest.mark.parametrize("mode", ["core", "durable"])
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
 async def test_three_migrations_in_a_row_with_every_lost_worker_still_publishing_keep_one_stream(mode, fmt, client, start_processor):
     async with start_processor("in-process", format=fmt, mode=mode) as rp:
-        publisher = ChunkPublisher(client, rp.subjects)
-        migrator = Migrator(client, rp.subjects, format=fmt)
         for i in range(6):
-            rng = random.Random(1000 + i)
             truth = make_truth(200 + i, request_id=f"ch-{mode}-{fmt}-{i}", prompt_len=6, output_len=30,
                                chunk_sizes=[1] * 30)
-            async with follow(client, rp.subjects, truth.request_id, timeout=30) as stream:
-
-                async def run_worker(attempt: int, emitted: int, pd: bool, stop_after: int | None) -> None:
-                    pool = SimulatedPool(publisher, fmt, truth, pd=pd)
-                    legs = pool.legs(emitted)
-                    for role, bodies in legs[:-1]:
-                        await pool.publish(role, bodies, attempt)
-                    role, bodies = legs[-1]
-                    n = len(bodies) if stop_after is None else min(stop_after, len(bodies) - 1)
-                    for seq in range(n):
-                        await pool.publish(role, bodies, attempt, start=seq, stop=seq + 1)
-                        if rng.random() < 0.3:
-                            await anyio.sleep(0.0005)
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(run_worker, 0, 0, rng.random() < 0.5, 4)
-                    attempt = 0
-                    for k in range(3):
-                        await anyio.sleep(rng.random() * 0.004)
-                        sealed = await migrator.seal(truth.request_id, expected_attempt=attempt)
-                        attempt = sealed.attempt
-                        last = k == 2
-                        tg.start_soon(run_worker, attempt, sealed.emitted_tokens, rng.random() < 0.5,
-                                      None if last else rng.randrange(1, 6))
-                results = await stream.collect()
+            results = await three_migrations_while_every_lost_worker_publishes(client, rp, fmt, truth,
+                                                                               random.Random(1000 + i))
             assert_uninterrupted(fmt, truth, results)
 
 
@@ -110,42 +118,15 @@ async def test_three_migrations_of_upstream_shaped_sglang_streams_keep_one_strea
     fmt = "sglang"
     worker = SGLangWorker(shape=Shape(streaming=streaming))
     async with start_processor("in-process", format=fmt, mode=mode, format_option=f"streaming={streaming}") as rp:
-        publisher = ChunkPublisher(client, rp.subjects)
-        migrator = Migrator(client, rp.subjects, format=fmt)
         for i in range(6):
-            rng = random.Random(2000 + i)
             truth = make_truth(300 + i, request_id=f"up-{streaming}-{mode}-{i}", prompt_len=6, output_len=30,
                                chunk_sizes=[1] * 30)
-            async with follow(client, rp.subjects, truth.request_id, timeout=30) as stream:
-
-                async def run_worker(attempt: int, emitted: int, pd: bool, stop_after: int | None) -> None:
-                    pool = SimulatedPool(publisher, fmt, truth, pd=pd)
-                    pool.worker = worker
-                    legs = pool.legs(emitted)
-                    for role, bodies in legs[:-1]:
-                        await pool.publish(role, bodies, attempt)
-                    role, bodies = legs[-1]
-                    n = len(bodies) if stop_after is None else min(stop_after, len(bodies) - 1)
-                    for seq in range(n):
-                        await pool.publish(role, bodies, attempt, start=seq, stop=seq + 1)
-                        if rng.random() < 0.3:
-                            await anyio.sleep(0.0005)
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(run_worker, 0, 0, rng.random() < 0.5, 4)
-                    attempt = 0
-                    for k in range(3):
-                        await anyio.sleep(rng.random() * 0.004)
-                        sealed = await migrator.seal(truth.request_id, expected_attempt=attempt)
-                        attempt = sealed.attempt
-                        tg.start_soon(run_worker, attempt, sealed.emitted_tokens, rng.random() < 0.5,
-                                      None if k == 2 else rng.randrange(1, 6))
-                results = await stream.collect()
+            results = await three_migrations_while_every_lost_worker_publishes(client, rp, fmt, truth,
+                                                                               random.Random(2000 + i), worker)
             expected = worker.agg(truth, stream=True)
             assert [r.seq for r in results] == list(range(len(expected)))
             assert all(r.error is None for r in results), [r.body for r in results if r.error]
             assert [worker.canonical(r.body) for r in results] == [worker.canonical(b) for b in expected]
-
 
 
 # ------------------------------------------------------------------ memory held by seals

@@ -30,7 +30,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assert_same_body as assert_same
 from helpers import drive_join as join
+from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -44,23 +46,6 @@ OUT = [201, 202, 203]
 LAYERS, TOPK = 2, 2
 
 
-def dumps(doc: Any) -> bytes:
-    # http_server.serve_generate_request: orjson (compact, raw UTF-8).
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def key_order(doc: Any) -> Any:
-    if isinstance(doc, dict):
-        return [(k, key_order(v)) for k, v in doc.items()]
-    if isinstance(doc, list):
-        return [key_order(v) for v in doc]
-    return None
-
-
-def assert_same(got: bytes, want: bytes) -> None:
-    g, w = json.loads(got), json.loads(want)
-    assert g == w
-    assert key_order(g) == key_order(w)
 
 
 def rows(start: int, end: int) -> bytes:

@@ -39,7 +39,9 @@ from typing import Any
 import numpy as np
 import pytest
 import zstandard
+from helpers import assert_same_body as assert_same
 from helpers import drive_join as join
+from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -50,25 +52,6 @@ from streamproc_vllm import VLLMCodec
 OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
 
 
-def dumps(doc: Any) -> bytes:
-    # orjson.dumps (SGLang ORJSONResponse) / pydantic model_dump_json (vLLM): compact, raw UTF-8.
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-
-
-def key_order(doc: Any) -> Any:
-    if isinstance(doc, dict):
-        return [(k, key_order(v)) for k, v in doc.items()]
-    if isinstance(doc, list):
-        return [key_order(v) for v in doc]
-    return None
-
-
-def assert_same(got: bytes, want: bytes) -> None:
-    g, w = json.loads(got), json.loads(want)
-    assert g == w
-    assert key_order(g) == key_order(w)
 
 
 # =========================================================================================== SGLang

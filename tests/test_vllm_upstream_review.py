@@ -31,11 +31,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assert_same_body as assert_same
 from helpers import drive_join as join
+from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -50,23 +51,6 @@ LPS = [-0.5, -0.25, -1.0]
 LAYERS, TOPK = 3, 2
 
 
-def dumps(doc: Any) -> bytes:
-    # JSONResponse(content=model_dump()) / model_dump_json(): compact JSON.
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def key_order(doc: Any) -> Any:
-    if isinstance(doc, dict):
-        return [(k, key_order(v)) for k, v in doc.items()]
-    if isinstance(doc, list):
-        return [key_order(v) for v in doc]
-    return None
-
-
-def assert_same(got: bytes, want: bytes) -> None:
-    g, w = json.loads(got), json.loads(want)
-    assert g == w
-    assert key_order(g) == key_order(w)
 
 
 def npy_b64(arr: np.ndarray) -> str:
