@@ -300,3 +300,27 @@ def test_a_sealed_cumulative_sglang_stream_counts_the_restated_ids_it_keeps():
     before = session.progress_bytes()
     session.seal()
     assert session.progress_bytes() >= before + 8 * 3_000  # the base's list of the 3,000 ids the client saw
+
+
+def test_sglang_0523_weight_versions_of_a_stitched_request_are_omitted_not_the_resumed_attempts_alone():
+    """SGLang 0.5.23 puts ``weight_versions`` (``[{"version", "start", "end"}]`` over the output tokens,
+    ``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``) on a finished body only. The
+    resumed attempt's spans cover its own tokens from 0; the weights that produced the k tokens before
+    the seal were never published (that attempt did not finish), so no exact value exists for the
+    whole request: passed on, the client read ``end: 1`` for a 3-token answer."""
+    codec = Catalog()("sglang")
+    first = {"text": " a b", "output_ids": [11, 12], "meta_info": {
+        "id": "rid", "finish_reason": None, "prompt_tokens": 3, "completion_tokens": 2}}
+    session, _ = sealed_session(codec, [dumps(first)])
+    retry = {"text": " c", "output_ids": [13], "meta_info": {
+        "id": "rid", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 5,
+        "completion_tokens": 1, "weight_version": "v2",
+        "weight_versions": [{"version": "v2", "start": 0, "end": 1}]}}
+    body, verdict = session.stitch(dumps(retry), True)
+    meta = loads(body)["meta_info"]
+    assert verdict is Verdict.OMITTED
+    assert "weight_versions" not in meta and meta["weight_versions_unavailable_reason"] == "stitch_incomplete"
+    assert meta["weight_version"] == "v2"  # the version the request finished with: exact
+    # Migrated before any token: the resumed attempt's spans are the whole request's.
+    session, _ = sealed_session(codec, [])
+    assert session.stitch(dumps(retry), True) is None

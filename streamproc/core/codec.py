@@ -100,6 +100,7 @@ class OmissionReason(enum.StrEnum):
     SHAPE_MISMATCH = "shape_mismatch"  # the legs' row shapes (layers x top-k, dtype) disagree
     TOO_LARGE = "too_large"  # decoding would exceed the byte budget
     STITCH_CORRUPT = "stitch_corrupt"  # a resumed attempt's value cannot be stitched to the earlier ones
+    STITCH_INCOMPLETE = "stitch_incomplete"  # the value covers the whole output, and the earlier attempts never published theirs
 
     @classmethod
     def of_leg(cls, exc: CorruptPayload, leg: str) -> OmissionReason:

@@ -21,6 +21,8 @@ field                              stitched value
 ``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
 ``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
                                    list without its last k entries (the replayed output tokens)
+``weight_versions``                omitted (``stitch_incomplete``) when tokens were emitted before the
+                                   seal: the earlier attempt never published its spans
 ``routed_experts``                 the attempt's array covers every position (its prompt is the
                                    original prompt plus the emitted tokens); rows an earlier
                                    attempt already published replace its leading rows
@@ -44,6 +46,7 @@ import msgspec
 import numpy as np
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
+from streamproc.codec import UNAVAILABLE_SUFFIX
 from streamproc.codec import OmissionReason as Omit
 from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
 from streamproc.wire import Verdict
@@ -76,6 +79,11 @@ MAX_NEW_TOKENS = "max_new_tokens"
 MIN_NEW_TOKENS = "min_new_tokens"
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request gives none
 REASONING_TOKENS = "reasoning_tokens"
+# 0.5.23: [{"version", "start", "end"}] over the output tokens, on a finished body only
+# (utils/weight_versions.py add_weight_versions_to_meta_info). A resumed attempt's spans cover its own
+# tokens; which weights produced the k tokens before the seal was never published (the lost attempt
+# did not finish), so the stitched request has no exact value.
+WEIGHT_VERSIONS = "weight_versions"
 CACHED_TOKENS = "cached_tokens"
 HIDDEN_STATES = "hidden_states"
 # Grammar-constrained decoding: the grammar state is not transferable (replaying the emitted tokens
@@ -224,8 +232,13 @@ class SGLangMigrationSession(MigrationSession):
                 original = base.input_logprobs.get(field)
                 meta[field] = original if original is not None else value[:max(0, len(value) - k)]
         verdict = Verdict.STITCHED
+        if k and isinstance(meta.get(WEIGHT_VERSIONS), list):
+            del meta[WEIGHT_VERSIONS]
+            meta[WEIGHT_VERSIONS + UNAVAILABLE_SUFFIX] = Omit.STITCH_INCOMPLETE
+            verdict = Verdict.OMITTED
         if base.rows is not None and meta.get(ROUTED_EXPERTS) is not None:
-            verdict = self._stitch_rows(meta, base.rows)
+            if self._stitch_rows(meta, base.rows) is Verdict.OMITTED:
+                verdict = Verdict.OMITTED
         if meta == before and not self._restated:
             return None
         return native.encode(doc), verdict
