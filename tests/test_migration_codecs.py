@@ -324,3 +324,31 @@ def test_sglang_0523_weight_versions_of_a_stitched_request_are_omitted_not_the_r
     # Migrated before any token: the resumed attempt's spans are the whole request's.
     session, _ = sealed_session(codec, [])
     assert session.stitch(dumps(retry), True) is None
+
+
+def test_sglang_0523_flat_prompt_top_logprobs_of_a_stitched_request_are_the_original_prompts():
+    """``return_flat_raw_top_logprobs`` (SGLang 0.5.23, ``tokenizer_manager._build_flat_top_logprobs_fields``)
+    writes the prompt's top logprobs as flat arrays with ``input_top_logprobs_shape`` [rows, k]. The
+    resumed attempt's prompt holds the k emitted tokens too, so its arrays had their rows: the client
+    read an output token's top logprobs as a prompt position's (found by the upstream-shape laws)."""
+    codec = Catalog()("sglang")
+    flat = {"input_top_logprobs_val_flat": [-0.5, -1.5], "input_top_logprobs_idx_flat": [2, 7],
+            "input_top_logprobs_shape": [1, 2], "input_top_logprobs_null_prefix": 1}
+    first = {"text": " a", "output_ids": [11], "meta_info": {"id": "rid", "prompt_tokens": 2, **flat}}
+    session, _ = sealed_session(codec, [dumps(first)])
+    retry = {"text": " b", "output_ids": [12], "meta_info": {
+        "id": "rid", "prompt_tokens": 3, "input_top_logprobs_val_flat": [-0.5, -1.5, -0.1, -2.1],
+        "input_top_logprobs_idx_flat": [2, 7, 11, 3], "input_top_logprobs_shape": [2, 2],
+        "input_top_logprobs_null_prefix": 1}}
+    meta = loads(session.stitch(dumps(retry), True)[0])["meta_info"]
+    assert {key: meta[key] for key in flat} == flat
+    # Bodies that did not show them (and the base64 form): the replayed rows are cut off.
+    import base64
+
+    import numpy as np
+    session, _ = sealed_session(codec, [dumps({"text": " a", "output_ids": [11], "meta_info": {"id": "rid"}})])
+    packed = {"input_top_logprobs_val_flat_b64": base64.b64encode(np.array([-0.5, -1.5, -0.1, -2.1], "<f4").tobytes()).decode(),
+              "input_top_logprobs_val_flat_b64_dtype": "float32", "input_top_logprobs_shape": [2, 2]}
+    meta = loads(session.stitch(dumps({"text": " b", "output_ids": [12], "meta_info": {"id": "rid", **packed}}), True)[0])["meta_info"]
+    assert meta["input_top_logprobs_shape"] == [1, 2]
+    assert np.frombuffer(base64.b64decode(meta["input_top_logprobs_val_flat_b64"]), "<f4").tolist() == [-0.5, -1.5]

@@ -2,7 +2,9 @@
 
 The default simulator streams incrementally with int32 rows and prompt logprobs; these runs cover
 SGLang's default cumulative streaming (with the matching ``streaming`` codec option), uint16 rows
-advertised in ``meta_info`` and empty logprob windows, end to end through the correlator.
+advertised in ``meta_info`` and empty logprob windows, end to end through the correlator. The
+incremental run renders SGLang 0.5.23's bodies (``num_retractions``, ``weight_versions``, decode's
+reserved ``null`` token-ids-logprob row, flat prompt top logprobs); the cumulative run the older ones.
 """
 
 from streamproc.codec import CodecOptions
@@ -16,7 +18,9 @@ LIMIT = CodecLaws.options.max_decompressed_bytes
 class TestSGLangIncrementalUint16Laws(CodecLaws):
     codec_name = "sglang"
     worker = SGLangWorker(CodecLaws.options, shape=Shape(streaming="incremental", dtype="uint16",
-                                                          advertise_dtype=True, logprob_start_len=0))
+                                                          advertise_dtype=True, logprob_start_len=0,
+                                                          version="0.5.23", top_logprobs="flat",
+                                                          token_ids_logprob=True))
 
 
 class TestSGLangCumulativeLaws(CodecLaws):

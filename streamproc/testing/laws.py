@@ -38,13 +38,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ..catalog import Catalog, worker_for
-from ..core.codec import Codec, CodecOptions, Emitted
+from ..core.codec import UNAVAILABLE_SUFFIX, Codec, CodecOptions, Emitted, OmissionReason
 from ..core.correlator import CodecResolver, Correlator, CorrelatorConfig
 from ..core.errors import MigrationRefused
 from ..sim.simulation import Damage, SimulatedWorker, Truth
 from ..core.wire import Chunk, MigrateError, MigrateErrorCode, Result, Role, Sealed, Verdict
 from .harness import Run, leg, run_pipeline, shuffle_with_duplicates
 from .strategies import truths
+
+
+def stitch_omitted(result: object, expected: object) -> bool:
+    """Take every field a stitch omitted as ``stitch_incomplete`` (its marker in ``result``, its value
+    in ``expected``, at the same place) out of both canonical bodies; True when there was one. Such a
+    field covers the whole output and the earlier attempts never published theirs (the format's
+    docs): the law then holds for every other field, exactly."""
+    found = False
+    if isinstance(result, dict) and isinstance(expected, dict):
+        for key in [k for k in result if isinstance(k, str) and k.endswith(UNAVAILABLE_SUFFIX)]:
+            if result[key] == OmissionReason.STITCH_INCOMPLETE:
+                del result[key]
+                expected.pop(key[:-len(UNAVAILABLE_SUFFIX)], None)
+                found = True
+        for key, value in result.items():
+            if key in expected:
+                found |= stitch_omitted(value, expected[key])
+    return found
 
 LAW_EXAMPLES = int(os.environ.get("STREAMPROC_LAW_EXAMPLES", "512"))
 PREFILL_TIMEOUT = 30.0
@@ -281,8 +299,11 @@ class CodecLaws:
         results = run.of(rid)
         self._assert_complete(results, len(expected))
         for result, agg_body in zip(results, expected):
-            assert w.canonical(result.body) == w.canonical(agg_body)
-            assert result.verdict in (Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.STITCHED)
+            got, want = w.canonical(result.body), w.canonical(agg_body)
+            omitted = stitch_omitted(got, want)
+            assert got == want
+            assert result.verdict in (Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.STITCHED) or (
+                omitted and result.verdict is Verdict.OMITTED)
         rows, reason = w.expert_view(results[-1].body)
         if truth.return_experts:
             assert rows == truth.experts and reason is None
@@ -366,7 +387,10 @@ class CodecLaws:
         self._assert_complete(run.of(rid))
 
         expected_bodies = w.agg(truth, stream=stream)
-        assert [w.canonical(r.body) for r in run.of(rid)] == [w.canonical(b) for b in expected_bodies]
+        got, want = [w.canonical(r.body) for r in run.of(rid)], [w.canonical(b) for b in expected_bodies]
+        for result, agg_body in zip(got, want):
+            stitch_omitted(result, agg_body)
+        assert got == want
         codec = live_codecs(self.codec_name)
         for switch in range(len(steps)):  # every step: the live run is the costly part, a take-over is cheap
             self._take_over(truth, run, codec, steps, before[switch], outcomes, switch)

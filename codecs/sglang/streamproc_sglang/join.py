@@ -79,16 +79,7 @@ ROUTED_EXPERTS_PREDECESSORS = (
     COMPLETION_TOKENS, "cached_tokens", "weight_versions", "cached_tokens_details", "image_tokens",
     "audio_tokens", "video_tokens", "hidden_states",
 )
-# ``return_flat_raw_top_logprobs`` (SGLang 0.5.23, ``tokenizer_manager._build_flat_top_logprobs_fields``
-# and ``_build_flat_top_logprobs_fields_from_arrays``): the prompt's top logprobs as flat arrays plus
-# shape metadata, in place of ``input_top_logprobs``. P/D decode never receives input logprobs, so its
-# body carries these fields for zero prompt rows (``input_top_logprobs_shape == [0, k]``).
-INPUT_TOP_FLAT_FIELDS = (
-    "input_top_logprobs_val_flat", "input_top_logprobs_idx_flat",
-    "input_top_logprobs_val_flat_b64", "input_top_logprobs_idx_flat_b64",
-    "input_top_logprobs_val_flat_b64_dtype", "input_top_logprobs_idx_flat_b64_dtype",
-    "input_top_logprobs_shape", "input_top_logprobs_null_prefix",
-)
+INPUT_TOP_FLAT_FIELDS = native.INPUT_TOP_FLAT_FIELDS  # the flat prompt top logprobs (native.py)
 INPUT_TOP_LOGPROBS_UNAVAILABLE = "input_top_logprobs_unavailable_reason"
 HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_UNAVAILABLE = "hidden_states_unavailable_reason"

@@ -20,7 +20,8 @@ field                              stitched value
 ``cached_tokens``                  the final attempt's, at most the original prompt length
 ``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
 ``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
-                                   list without its last k entries (the replayed output tokens)
+                                   list without its last k entries (the replayed output tokens); the
+                                   flat form (``return_flat_raw_top_logprobs``) the same way
 ``weight_versions``                omitted (``stitch_incomplete``) when tokens were emitted before the
                                    seal: the earlier attempt never published its spans
 ``routed_experts``                 the attempt's array covers every position (its prompt is the
@@ -39,6 +40,7 @@ the request only: :func:`check_request` refuses them for the serving layer's hel
 
 from __future__ import annotations
 
+import base64
 from array import array
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -179,6 +181,11 @@ class SGLangMigrationSession(MigrationSession):
             if isinstance(value, list) and value:
                 self._input_logprobs[field] = value
                 self._input_bytes = size
+        if isinstance(meta.get(native.INPUT_TOP_SHAPE), list):  # the flat form, all its fields together
+            for field in native.INPUT_TOP_FLAT_FIELDS:
+                if field in meta:
+                    self._input_logprobs[field] = meta[field]
+            self._input_bytes = size
         if meta.get(ROUTED_EXPERTS) is not None:
             self._rows = meta[ROUTED_EXPERTS]
             self._rows_bytes = size
@@ -231,6 +238,8 @@ class SGLangMigrationSession(MigrationSession):
             if isinstance(value, list):
                 original = base.input_logprobs.get(field)
                 meta[field] = original if original is not None else value[:max(0, len(value) - k)]
+        if isinstance(meta.get(native.INPUT_TOP_SHAPE), list):
+            _restate_flat_top(meta, base.input_logprobs, k)
         verdict = Verdict.STITCHED
         if k and isinstance(meta.get(WEIGHT_VERSIONS), list):
             del meta[WEIGHT_VERSIONS]
@@ -274,6 +283,30 @@ class SGLangMigrationSession(MigrationSession):
         if not np.array_equal(current_ids[:len(earlier)], earlier_ids):
             meta[ROUTED_EXPERTS] = self._experts.encode(np.concatenate((earlier_ids, current_ids[len(earlier):])))
         return Verdict.STITCHED
+
+
+def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> None:
+    """The flat prompt top logprobs (``return_flat_raw_top_logprobs``) in the original prompt's terms,
+    as ``input_top_logprobs`` is restated: what the client saw; else the attempt's arrays without the
+    rows of its last ``k`` prompt positions (the replayed output tokens), shape ``[rows - k, width]``."""
+    if native.INPUT_TOP_SHAPE in seen:
+        for field in native.INPUT_TOP_FLAT_FIELDS:
+            if field in meta and field in seen:
+                meta[field] = seen[field]
+        return
+    shape = meta[native.INPUT_TOP_SHAPE]
+    if not k or len(shape) != 2 or not all(_is_count(n) and n >= 0 for n in shape):
+        return
+    rows, width = max(0, shape[0] - k), shape[1]
+    for side in ("val", "idx"):
+        flat = meta.get(f"input_top_logprobs_{side}_flat")
+        if isinstance(flat, list):
+            meta[f"input_top_logprobs_{side}_flat"] = flat[:rows * width]
+        packed = meta.get(f"input_top_logprobs_{side}_flat_b64")
+        if isinstance(packed, str) and meta.get(f"input_top_logprobs_{side}_flat_b64_dtype") in ("float32", "int32"):
+            raw = base64.b64decode(packed)[:rows * width * 4]  # both 4 bytes a value
+            meta[f"input_top_logprobs_{side}_flat_b64"] = base64.b64encode(raw).decode()
+    meta[native.INPUT_TOP_SHAPE] = [rows, width]
 
 
 def _omit(meta: dict[str, Any], reason: str) -> Verdict:

@@ -46,6 +46,16 @@ INDEX = "index"
 OUTPUT_TOKEN_IDS_LOGPROBS = "output_token_ids_logprobs"  # the request's token_ids_logprob, per position
 # Prompt-side logprob fields only a prefill worker computes; copied together.
 INPUT_LOGPROB_FIELDS = (INPUT_TOKEN_LOGPROBS, "input_top_logprobs", "input_token_ids_logprobs")
+# ``return_flat_raw_top_logprobs`` (SGLang 0.5.23, ``tokenizer_manager._build_flat_top_logprobs_fields``
+# and ``_build_flat_top_logprobs_fields_from_arrays``): the prompt's top logprobs as flat arrays plus
+# shape metadata ([rows, k]), in place of ``input_top_logprobs``; ``_b64`` forms hold float32/int32.
+INPUT_TOP_SHAPE = "input_top_logprobs_shape"
+INPUT_TOP_FLAT_FIELDS = (
+    "input_top_logprobs_val_flat", "input_top_logprobs_idx_flat",
+    "input_top_logprobs_val_flat_b64", "input_top_logprobs_idx_flat_b64",
+    "input_top_logprobs_val_flat_b64_dtype", "input_top_logprobs_idx_flat_b64_dtype",
+    INPUT_TOP_SHAPE, "input_top_logprobs_null_prefix",
+)
 # Fields SGLang slices to each chunk's span in incremental streaming; folding concatenates them.
 OUTPUT_DELTA_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS})
 
