@@ -32,7 +32,7 @@ def _pipeline() -> Pipeline:
 
 
 def _general(pipeline: Pipeline, subject: str, headers, body: bytes, now: float) -> list:
-    msg = types.SimpleNamespace(subject=subject)
+    msg = types.SimpleNamespace(subject=subject, headers=headers)  # what a nats-py Msg carries
     try:
         chunk = pipeline.parse(subject, headers, body, msg)
     except ContractError as exc:
