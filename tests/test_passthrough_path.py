@@ -24,6 +24,7 @@ from streamproc.nats.fast_client import encode_header_block
 from streamproc.nats.input import Pipeline
 
 SUBJECTS = Subjects("p")
+UNSAMPLED = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"  # flags 00: the worker did not sample
 
 
 def _pipeline() -> Pipeline:
@@ -54,7 +55,7 @@ _MESSAGES = st.lists(st.tuples(
     st.sampled_from([None, None, "true", "true", "false", "yes"]),
     st.sampled_from([None, None, "0", "0", "1"]),
     st.sampled_from([None] * 5 + ["", "sglang", "other"]),
-    st.sampled_from([None] * 5 + ["", "00-abc-01", " x", "a\rb", "tp\x1c"]),
+    st.sampled_from([None] * 5 + ["", "00-abc-01", " x", "a\rb", "tp\x1c", UNSAMPLED, UNSAMPLED, "x-00", "-00\r"]),
     st.binary(max_size=12),
 ), max_size=60)
 
@@ -67,10 +68,12 @@ def _state(pipeline: Pipeline) -> object:
 
 
 @settings(max_examples=400, deadline=None)
-@given(_MESSAGES)
-def test_the_fused_path_publishes_and_counts_what_the_general_path_does(messages):
+@given(_MESSAGES, st.booleans())
+def test_the_fused_path_publishes_and_counts_what_the_general_path_does(messages, unsampled_only):
+    """``unsampled_only`` (tracing on): the general path of a chunk whose trace is unsampled records
+    nothing (streamproc.tracing), so it is compared with the untraced general path here."""
     general, fused_side = _pipeline(), _pipeline()
-    fused = PassthroughPath(SUBJECTS, fused_side.correlator)
+    fused = PassthroughPath(SUBJECTS, fused_side.correlator, unsampled_only=unsampled_only)
     taken = 0
     for i, (rid, role, seq, final, attempt, fmt, traceparent, body) in enumerate(messages):
         subject = f"p.chunks.{rid}.{role}"
@@ -84,6 +87,7 @@ def test_the_fused_path_publishes_and_counts_what_the_general_path_does(messages
         else:
             taken += 1
             got = [(routed[0], body, routed[1])]
+            assert not unsampled_only or (traceparent or "").endswith("-00"), (i, messages[i])
         assert got == expected, (i, messages[i])
         assert _state(fused_side) == _state(general), (i, messages[i])
 
@@ -108,3 +112,18 @@ def test_in_order_and_unary_aggregated_chunks_take_the_fused_path():
     assert fused("p.chunks.t.agg", {SEQ: "1"}, b"b", 0.0) is None  # a stream starting out of order, too
     assert fused("p.chunks.s.agg", {SEQ: "2", FORMAT: "sglang"}, b"c", 0.0) is None  # format: compared there
     assert pipeline.correlator.stats.passthrough == 3
+
+
+def test_with_tracing_on_only_chunks_of_unsampled_worker_traces_take_the_fused_path():
+    """Tracing on with a sampler that records nothing for unsampled parents: such chunks record no span
+    on the general path either, so they may take the fused one. A chunk without traceparent starts a
+    trace the sampler decides, and a sampled one is recorded: both take the general path."""
+    pipeline = _pipeline()
+    fused = PassthroughPath(SUBJECTS, pipeline.correlator, unsampled_only=True)
+    assert fused("p.chunks.u.agg", {SEQ: "0", FINAL: "true", TRACEPARENT: UNSAMPLED}, b"x", 0.0) is not None
+    assert fused("p.chunks.s.agg", {SEQ: "0", FINAL: "true", TRACEPARENT: UNSAMPLED[:-1] + "1"}, b"x", 0.0) is None
+    assert fused("p.chunks.n.agg", {SEQ: "0", FINAL: "true"}, b"x", 0.0) is None
+    assert fused("p.chunks.c.agg", {SEQ: "0", FINAL: "true", TRACEPARENT: "\r-00"}, b"x", 0.0) is None
+    untraced = PassthroughPath(SUBJECTS, _pipeline().correlator)
+    assert untraced("p.chunks.n.agg", {SEQ: "0", FINAL: "true"}, b"x", 0.0) is not None
+    assert untraced("p.chunks.s.agg", {SEQ: "0", FINAL: "true", TRACEPARENT: UNSAMPLED[:-1] + "1"}, b"x", 0.0)

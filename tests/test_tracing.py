@@ -285,6 +285,39 @@ async def test_a_worker_trace_that_is_not_sampled_stays_unsampled_and_results_st
 
 @needs_otel
 @pytest.mark.nats
+async def test_unsampled_aggregated_chunks_take_the_fused_path_beside_sampled_ones_that_are_recorded(nats_url):
+    """With the default parent-based sampler, chunks of unsampled worker traces record nothing on any
+    path, so the fused passthrough path takes them (benchmarks/tracing.py: the general path cost them
+    ~5 µs per message); a sampled request beside them still gets its spans, and a chunk without a
+    traceparent still starts a trace."""
+    provider, exporter = in_memory()
+    unsampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    sampled = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    plans = traffic.plan(FORMAT, requests=3, mode="agg", stream=True, seed=11, id_prefix="mixed")
+    settings = config.load({}, {"nats_url": nats_url, "format": FORMAT, "mode": "core"})
+    async with Processor(settings, tracing=tracing.Tracing(provider)) as p:
+        assert p.input._fused is not None  # the fused path is on with tracing on
+        async with await nats.connect(nats_url) as nc:
+            subs = [await nc.subscribe(p.subjects.result(plan.request_id)) for plan in plans]
+            publisher = ChunkPublisher(nc)
+            for plan, traceparent in zip(plans, [unsampled, sampled, None]):
+                await publisher.publish_leg(plan.request_id, "agg", plan.agg, format=None, traceparent=traceparent)
+            with anyio.fail_after(20):
+                results = [[await sub.next_msg(timeout=20) for _ in plan.agg] for sub, plan in zip(subs, plans)]
+    assert [[r.data for r in rs] for rs in results] == [list(plan.agg) for plan in plans]
+    assert [r.headers["traceparent"] for r in results[0]] == [unsampled] * len(plans[0].agg)
+    spans = exporter.get_finished_spans()
+    by_trace: dict[int, int] = {}
+    for s in spans:
+        by_trace[s.context.trace_id] = by_trace.get(s.context.trace_id, 0) + 1
+    assert int(unsampled.split("-")[1], 16) not in by_trace  # nothing recorded for the unsampled request
+    assert by_trace.get(int(sampled.split("-")[1], 16), 0) == 2 * len(plans[1].agg)  # correlate + publish each
+    assert len(by_trace) == 1 + len(plans[2].agg)  # each chunk without traceparent starts a trace
+    assert all(int(r.headers["traceparent"][-2:], 16) & 1 for r in results[1] + results[2])  # sampled flag
+
+
+@needs_otel
+@pytest.mark.nats
 @pytest.mark.parametrize("format_header", [FORMAT, None], ids=["format-header", "fused-path-shape"])
 async def test_a_sampler_that_records_unsampled_parents_still_gets_the_processors_spans(nats_url, format_header):
     """Without a format header, a unary aggregated chunk has the shape of the fused passthrough path

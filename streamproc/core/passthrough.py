@@ -9,7 +9,10 @@ that are nearly all aggregated traffic (a unary response; the next chunk of a st
 inline, updates the correlator through :meth:`Correlator.receive_agg` (which also opens a streamed
 request at its seq 0) and formats the result header
 block directly. Anything else returns None and takes the general path, which then decides exactly
-as before (nothing was changed). tests/test_passthrough_path.py pins that both paths give the same
+as before (nothing was changed). With tracing on, only chunks whose worker did not sample their
+trace (``traceparent`` flags ``00``, under a sampler that records nothing for them: the general
+path would record no span either) are taken (``unsampled_only``); a chunk without a traceparent
+starts a trace the sampler decides, so it takes the general path. tests/test_passthrough_path.py pins that both paths give the same
 results, stats and headers; benchmarks/passthrough_steps.py measures each step.
 """
 
@@ -34,9 +37,10 @@ from .wire import (
 class PassthroughPath:
     """``path(subject, headers, body, now)`` -> ``(result subject, header block)`` or None."""
 
-    __slots__ = ("_head", "_cut", "_results", "_receive")
+    __slots__ = ("_head", "_cut", "_results", "_receive", "_untraced")
 
-    def __init__(self, subjects: Subjects, correlator: Correlator) -> None:
+    def __init__(self, subjects: Subjects, correlator: Correlator, *, unsampled_only: bool = False) -> None:
+        self._untraced = not unsampled_only  # a chunk without traceparent, or any plain one, is taken
         self._head = f"{subjects.prefix}.chunks."
         self._cut = len(self._head)
         self._results = subjects.result("")
@@ -64,7 +68,8 @@ class PassthroughPath:
                 and (final is None or final == "true" or final == "false")
                 and (attempt is None or attempt == "0")
                 and not get(FORMAT)
-                and (not traceparent or plain_header_value(traceparent))):
+                and ((plain_header_value(traceparent) and (self._untraced or traceparent.endswith("-00")))
+                     if traceparent else self._untraced)):
             return None
         n = int(seq)
         last = final == "true"

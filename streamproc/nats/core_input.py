@@ -58,9 +58,13 @@ class CoreInput:
         self._observe = pipeline.result_latency.observe
         publish_block = getattr(nc, "publish_header_block", None)  # FastClient only (fast_client.py)
         self._publish_block = publish_block
-        # Tracing on: every chunk takes the general path, where its spans are recorded.
-        fused = publish_block is not None and pipeline.tracing is None
-        self._fused = PassthroughPath(pipeline.subjects, pipeline.correlator) if fused else None
+        # Tracing on: chunks whose spans would be recorded take the general path. A sampler that
+        # records nothing for unsampled worker traces (the default, parent-based) leaves the fused
+        # path to those (their general path records nothing either: streamproc.tracing).
+        tracing = pipeline.tracing
+        fused = publish_block is not None and (tracing is None or tracing.skips_unsampled)
+        self._fused = PassthroughPath(pipeline.subjects, pipeline.correlator,
+                                      unsampled_only=tracing is not None) if fused else None
         # The fused path's messages handled in the client's read loop (FastClient.deliver_inline):
         # (data, exception) when the fused path raised there; the queue path then handles that
         # message (the next it sees) as _on_message would have.
