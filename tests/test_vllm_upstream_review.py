@@ -66,7 +66,7 @@ def rows(start: int, end: int) -> np.ndarray:
     model has <= 256 experts (``RoutedExpertsCapturer.output_dtype_name``)."""
     ids = [[[(p * 5 + layer * 3 + k * 7 + 1) % 64 + k * 64 for k in range(TOPK)] for layer in range(LAYERS)]
            for p in range(start, end)]
-    return np.asarray(ids, dtype=np.uint8)
+    return np.asarray(ids, dtype=np.uint8).reshape(-1, LAYERS, TOPK)  # (0, L, K) when empty
 
 
 def tokens_logprobs(ids: list[int], lps: list[float]) -> dict:
@@ -174,18 +174,16 @@ def test_tokens_mode_stream_logprobs_join_to_the_aggregated_stream(include_usage
 # ----------------------------------------------- finding 2: routed_experts_prompt_start (rows start at S)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known, not fixed: with SamplingParams.routed_experts_prompt_start = S > 0 every leg's rows start at "
-    "S (prefill: P - S rows), so prefill's row count no longer equals usage.prompt_tokens and the join "
-    "omits the field as length_mismatch although the aggregated body carries rows [S, P + O - 1). A fix "
-    "must tell S from a prefill that lost rows, which the bodies alone cannot"))
 def test_routed_experts_prompt_start_rows_are_joined_like_the_aggregated_body():
     """``SamplingParams.routed_experts_prompt_start`` (0.34.0): "skip the first
     routed_experts_prompt_start prompt tokens from the returned routing data".
     ``AuxOutputSchedulerConnector.build_connector_meta`` sets the request's emit start to
     ``max(min(S, num_prompt_tokens), 0 if num_output_tokens == 0 else num_tokens - 1)`` and the worker
     creates ``_WorkerRequestState(emit_cursor=emit_start)``, so the aggregated rows are
-    ``[S, P + O - 1)`` and the prefill leg's (same sampling params, max_tokens=1) ``[S, P)``."""
+    ``[S, P + O - 1)`` and the prefill leg's (same sampling params, max_tokens=1) ``[S, P)``. Both
+    legs imply the same ``S`` (prefill ``P - rows``, decode ``P + O - 1 - rows``), so the join keeps
+    prefill's ``[S, P)`` and decode's generated rows (a strict xfail until 2026-12: the join read
+    prefill's ``P - S`` rows as a prefill that lost rows and omitted the field)."""
     start = 2
     total = len(PROMPT) + len(OUT) - 1
     agg = unary(out=OUT, lps=LPS, experts=npy_b64(rows(start, total)))
@@ -194,6 +192,144 @@ def test_routed_experts_prompt_start_rows_are_joined_like_the_aggregated_body():
     decode = unary(out=OUT, lps=LPS, experts=npy_b64(rows(start, total)))  # emit_cursor = S on decode too
     [(body, _)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
     assert_same(body, dumps(agg))
+
+
+def prompt_start_legs(start: int, out: list[int], *, prefill_end: int | None = None,
+                      decode_start: int | None = None) -> tuple[dict, dict]:
+    """The prefill leg (``max_tokens=1``: rows ``[S, P)``, or ``[S, prefill_end)``) and the unary
+    decode leg (rows ``[S, P + O - 1)``, or from ``decode_start``) of one request."""
+    total = len(PROMPT) + len(out) - 1
+    prefill_end = len(PROMPT) if prefill_end is None else prefill_end
+    decode_start = start if decode_start is None else decode_start
+    prefill = unary(out=out[:1], lps=LPS[:1], experts=npy_b64(rows(min(start, prefill_end), prefill_end)),
+                    finish="length", kv=PREFILL_KV)
+    decode = unary(out=out, lps=LPS[:len(out)], experts=npy_b64(rows(decode_start, total)))
+    return prefill, decode
+
+
+def omitted_experts(body: bytes) -> str | None:
+    """The join's omission reason for the first choice's rows (None: the rows are there)."""
+    [choice] = json.loads(body)["choices"]
+    if choice["routed_experts"] is not None:
+        return None
+    return choice.get("routed_experts_unavailable_reason")
+
+
+@pytest.mark.parametrize("start", [1, 3, 4])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_routed_experts_prompt_start_stream_joins_to_the_aggregated_stream(start, include_usage):
+    """The stream carries the rows on the finishing chunk (``RequestState.make_request_output``
+    concatenates ``routed_experts_chunks`` ``if finished``); without ``include_usage`` the finishing
+    chunk has no usage, so ``P`` is prefill's and ``O`` the token ids the session saw."""
+    total = len(PROMPT) + len(OUT) - 1
+    agg = stream_chunks([[21], [22, 23]], npy_b64(rows(start, total)), include_usage=include_usage)
+    prefill, _ = prompt_start_legs(start, OUT)
+    decode = stream_chunks([[21], [22, 23]], npy_b64(rows(start, total)), include_usage=include_usage)
+    results = join(VLLMCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill)])
+    for (body, _), want in zip(results, agg):
+        assert_same(body, dumps(want))
+    assert all(verdict is not Verdict.OMITTED for _, verdict in results)
+
+
+@pytest.mark.parametrize("start", [0, 2, len(PROMPT)])
+def test_routed_experts_prompt_start_with_a_one_token_completion_is_the_prefill_rows(start):
+    """``O == 1``: no generated row is forwarded, so the aggregated rows are ``[S, P)`` and decode's
+    ``P - S`` rows imply the same ``S`` as prefill's."""
+    out = OUT[:1]
+    agg = unary(out=out, lps=LPS[:1], experts=npy_b64(rows(start, len(PROMPT))))
+    prefill, decode = prompt_start_legs(start, out)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is not Verdict.OMITTED
+
+
+def test_routed_experts_prompt_start_at_the_prompt_length_keeps_only_the_generated_rows():
+    """``S = P`` is the largest start upstream accepts (``InputProcessor`` raises
+    ``VLLMValidationError`` unless ``0 <= routed_experts_prompt_start <= prompt_len``): prefill sends
+    ``(0, L, K)`` (``take_output``: ``rows[:local_end]`` with ``local_end = 0``) and the aggregated
+    body the generated rows ``[P, P + O - 1)`` only."""
+    start = len(PROMPT)
+    total = len(PROMPT) + len(OUT) - 1
+    agg = unary(out=OUT, lps=LPS, experts=npy_b64(rows(start, total)))
+    prefill, decode = prompt_start_legs(start, OUT)
+    assert np.load(io.BytesIO(base64.b64decode(prefill["choices"][0]["routed_experts"]))).shape == (0, LAYERS, TOPK)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is not Verdict.OMITTED
+
+
+@pytest.mark.parametrize("start, joined", [(len(PROMPT), True), (len(PROMPT) - 1, False), (2, False)])
+def test_routed_experts_prompt_start_clamped_by_a_prefiller_that_cut_the_prompt_short(start, joined):
+    """``build_connector_meta`` clamps ``S`` to ``request.num_prompt_tokens``, which a NIXL prefiller
+    cuts short by ``_prefill_backoff()`` tokens (``_truncate_request_for_prefill``: Mamba, bounded
+    replay, MTP lookahead; ``usage.prompt_tokens`` stays ``P``, it counts the frontend's
+    ``prompt_token_ids``). With one token backed off, prefill's rows are ``[min(S, P - 1), P - 1)``:
+    only ``S = P`` (both legs clamped to ``P``) still names the aggregated rows; otherwise prefill
+    implies a larger ``S`` than decode and the rows it never computed must not be invented."""
+    total = len(PROMPT) + len(OUT) - 1
+    agg = unary(out=OUT, lps=LPS, experts=npy_b64(rows(start, total)))
+    prefill, decode = prompt_start_legs(start, OUT, prefill_end=len(PROMPT) - 1)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    if joined:
+        assert_same(body, dumps(agg))
+        assert verdict is not Verdict.OMITTED
+    else:
+        assert omitted_experts(body) == "length_mismatch"
+        assert verdict is Verdict.OMITTED
+
+
+@pytest.mark.parametrize("prefill_start, decode_start", [(3, 2), (2, 3), (0, 2), (2, 0)])
+def test_legs_whose_prompt_starts_disagree_omit_the_rows_as_length_mismatch(prefill_start, decode_start):
+    """A leg that lost (or gained) rows implies another ``S`` than the other leg: which one is right
+    is unknown, so the rows are omitted with the reason the join always gave, ``length_mismatch``."""
+    total = len(PROMPT) + len(OUT) - 1
+    prefill = unary(out=OUT[:1], lps=LPS[:1], experts=npy_b64(rows(prefill_start, len(PROMPT))), finish="length",
+                    kv=PREFILL_KV)
+    decode = unary(out=OUT, lps=LPS, experts=npy_b64(rows(decode_start, total)))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert omitted_experts(body) == "length_mismatch"
+    assert verdict is Verdict.OMITTED
+
+
+def test_a_decode_leg_without_rows_does_not_confirm_a_prefill_start():
+    """Decode's ``null`` (capture lost on that leg) behind a prefill implying ``S > 0``: nothing
+    confirms the start, so the rows are omitted, as before, as ``length_mismatch``."""
+    prefill, decode = prompt_start_legs(2, OUT[:1])
+    decode["choices"][0]["routed_experts"] = None
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert omitted_experts(body) == "length_mismatch"
+    assert verdict is Verdict.OMITTED
+
+
+@pytest.mark.parametrize("leg, first, end", [
+    ("prefill", 0, len(PROMPT) + 1),  # P + 1 rows: S = -1
+    ("prefill", 0, len(PROMPT) + 40),
+    ("decode", 0, len(PROMPT) + len(OUT)),  # P + O rows: S = -1
+    ("decode", 5, len(PROMPT) + 1),  # fewer rows than it generated: S = P + 1
+    ("decode", 0, 0),  # (0, L, K): S = P + O - 1
+])
+def test_a_leg_whose_rows_imply_a_start_outside_the_prompt_is_omitted(leg, first, end):
+    """Hostile row counts: ``S < 0`` (more rows than positions) or ``S > P`` (decode short of its own
+    generated rows) is no capture upstream makes; the join omits, never crashes."""
+    prefill, decode = prompt_start_legs(0, OUT)
+    target = prefill if leg == "prefill" else decode
+    target["choices"][0]["routed_experts"] = npy_b64(rows(first, end))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert omitted_experts(body) == "length_mismatch"
+    assert verdict is Verdict.OMITTED
+
+
+@pytest.mark.parametrize("prompt_tokens, completion_tokens", [(-3, 3), (2, 3), (5, 0), (5, -4), (-10**30, 3)])
+def test_usage_counts_that_put_the_start_outside_the_prompt_are_omitted(prompt_tokens, completion_tokens):
+    """Hostile usage on both legs (a negative or short prompt, no completion): the implied ``S`` is
+    below 0 or the positions do not cover the rows, so the rows are omitted, never mis-sliced."""
+    prefill, decode = prompt_start_legs(2, OUT)
+    for body in (prefill, decode):
+        body["usage"] = {**body["usage"], "prompt_tokens": prompt_tokens}
+    decode["usage"]["completion_tokens"] = completion_tokens
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert omitted_experts(body) == "length_mismatch"
+    assert verdict is Verdict.OMITTED
 
 
 # ---------------------------------------- claim checked: a 0.34.0 decode leg scores the prompt itself

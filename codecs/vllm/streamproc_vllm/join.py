@@ -3,8 +3,10 @@
 A P/D decode worker only receives KV, so it cannot score the prompt (no ``prompt_logprobs``) and
 either returns garbage for the prompt's expert rows ("full" coverage) or leaves them out ("suffix"
 coverage, vLLM's capturer with ``start_tokens = num_prompt_tokens``). Which one happened is read
-from the row counts, never assumed. Anything that cannot be joined exactly is omitted with a
-``<field>_unavailable_reason`` marker: a client never sees a stale or partial array.
+from the row counts, never assumed. With vLLM 0.34.0's ``routed_experts_prompt_start = S`` every
+leg's rows start at ``S``; each leg's ``S`` is read from its own row count (:func:`leg_start`) and
+the rows are joined only when both legs imply the same one. Anything that cannot be joined exactly
+is omitted with a ``<field>_unavailable_reason`` marker: a client never sees a stale or partial array.
 """
 
 from __future__ import annotations
@@ -35,6 +37,37 @@ if TYPE_CHECKING:
 
 INCONSISTENT_LEGS = "inconsistent_legs"
 EXPERT_RANK = 3  # (rows, num_layers, top_k)
+
+
+def leg_start(positions: int, rows: int) -> int | None:
+    """The first position ``S`` of a leg's rows, from the positions it forwarded and the rows it
+    sent; None when the rows outnumber the positions (``S < 0``: no capture does that).
+
+    vLLM 0.34.0 ``AuxOutputSchedulerConnector.build_connector_meta`` gives a request, on its first
+    schedule, the emit start::
+
+        # A P/D prefiller may cut the prompt short of the requested start.
+        scheduled_requests[request_id] = max(
+            min(request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens),
+            0 if request.num_output_tokens == 0 else request.num_tokens - 1,
+        )
+
+    the worker keeps it as ``_WorkerRequestState(emit_cursor=emit_start)`` and emits every row from
+    there (``AuxOutputWorkerConnector._commit_output``: captured, or materialised from its store for
+    KV it did not compute), and ``take_output`` stops at ``request.num_tokens - 1``. So a leg's rows
+    are ``[min(S, num_prompt_tokens), positions)`` with ``positions = P + O - 1`` (prefill: ``P``).
+    Its ``S`` is ``positions - rows``; the caller bounds it by ``P``.
+
+    A decode leg's prompt rows are never partly missing: its external KV hit is all or nothing
+    (``cap_external_hit``: ``return num_external`` if the hit is block-aligned and within
+    ``max_cache_hit``, the blocks whose rows it holds, else ``return 0`` and it recomputes), and its
+    store fails closed (``BlockObjectStoreError``) instead of returning fewer rows. A NIXL prefiller
+    that backs off ``b`` prompt tokens (``_truncate_request_for_prefill``) sends ``[min(S, P - b),
+    P - b)`` while ``usage.prompt_tokens`` stays ``P``: it implies ``S + b`` (or ``P``), which agrees
+    with decode's ``S`` only when ``S = P``, where the joined rows are exact.
+    """
+    start = positions - rows
+    return start if start >= 0 else None
 
 
 class _Edit:
@@ -240,17 +273,20 @@ class VLLMJoinSession(JoinSession):
             edit.omit(choice, ROUTED_EXPERTS, slot)
             return
         prefill_rows = slot
-        prompt_len = prefill_rows.shape[0]
         prompt_tokens = self._prompt_tokens(obj)
-        if prompt_tokens is None or prompt_tokens != prompt_len:
+        if prompt_tokens is None:
             edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
             return
-        total = prompt_tokens + self._completion_tokens(obj, index) - 1  # the last token is never forwarded
-        if total < prompt_len:
-            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
+        generated = self._completion_tokens(obj, index) - 1  # the last token is never forwarded
+        start = leg_start(prompt_tokens, prefill_rows.shape[0])  # prefill forwarded its P prompt tokens
+        if start is None or generated < 0:
+            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)  # prefill's rows imply S < 0
             return
         if value is None:
-            if total != prompt_len:
+            if start != 0:  # nothing from decode confirms prefill's S > 0
+                edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
+                return
+            if generated != 0:
                 edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_MISSING)
                 return
             joined = prefill_rows  # one-token completion: every decode row would be a prompt row
@@ -267,15 +303,20 @@ class VLLMJoinSession(JoinSession):
             if decode_rows.dtype != prefill_rows.dtype or decode_rows.shape[1:] != prefill_rows.shape[1:]:
                 edit.omit(choice, ROUTED_EXPERTS, Omit.SHAPE_MISMATCH)
                 return
-            if duplicate_ids(decode_rows[decode_rows.shape[0] - (total - prompt_len):]):
+            before = decode_rows.shape[0] - generated  # decode's rows before its generated ones
+            if duplicate_ids(decode_rows[max(before, 0):]):
                 edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_CORRUPT)  # its own rows are not a real capture
                 return
-            if decode_rows.shape[0] == total:  # full coverage: replace decode's stale prompt rows
-                joined = np.concatenate([prefill_rows, decode_rows[prompt_len:]])
-            elif prompt_len + decode_rows.shape[0] == total:  # suffix coverage: decode sent post-prompt rows
+            if leg_start(prompt_tokens + generated, decode_rows.shape[0]) == start:
+                # Both legs' rows start at the same S: prefill's [S, P) replace decode's prompt rows
+                # (stale on some vLLM versions), then decode's generated rows [P, P + O - 1).
+                joined = np.concatenate([prefill_rows, decode_rows[before:]])
+            elif start == 0 and before == 0:
+                # Suffix coverage (a decode capturer that skips the prompt, start_tokens =
+                # num_prompt_tokens) behind a whole-prompt prefill.
                 joined = np.concatenate([prefill_rows, decode_rows])
             else:
-                edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
+                edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)  # a leg lost or gained rows
                 return
         if joined.nbytes > self._max_bytes:
             edit.omit(choice, ROUTED_EXPERTS, Omit.TOO_LARGE)
