@@ -23,7 +23,11 @@ Upstream source read: vLLM 0.34.0 as published on PyPI (wheel ``vllm-0.34.0-cp38
 * ``vllm/distributed/aux_output_connector/connector.py`` ``AuxOutputSchedulerConnector.build_connector_meta``
   and ``worker.py`` (``_WorkerRequestState(emit_cursor=emit_start)``): the routed-experts rows start at
   ``min(SamplingParams.routed_experts_prompt_start, num_prompt_tokens)``;
-  ``vllm/sampling_params.py`` ``SamplingParams.routed_experts_prompt_start``.
+  ``vllm/sampling_params.py`` ``SamplingParams.routed_experts_prompt_start``;
+  ``connector.py`` ``cap_external_hit`` / ``max_cache_hit`` and ``take_output`` (rows up to
+  ``num_tokens - 1``); ``vllm/v1/engine/input_processor.py`` (``0 <= S <= prompt_len`` or
+  ``VLLMValidationError``); ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py``
+  ``_truncate_request_for_prefill`` / ``_prefill_backoff`` (a prefiller's shortened prompt).
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ def test_routed_experts_prompt_start_rows_are_joined_like_the_aggregated_body():
     creates ``_WorkerRequestState(emit_cursor=emit_start)``, so the aggregated rows are
     ``[S, P + O - 1)`` and the prefill leg's (same sampling params, max_tokens=1) ``[S, P)``. Both
     legs imply the same ``S`` (prefill ``P - rows``, decode ``P + O - 1 - rows``), so the join keeps
-    prefill's ``[S, P)`` and decode's generated rows (a strict xfail until 2026-12: the join read
+    prefill's ``[S, P)`` and decode's generated rows (a strict xfail until 2026-12-04: the join read
     prefill's ``P - S`` rows as a prefill that lost rows and omitted the field)."""
     start = 2
     total = len(PROMPT) + len(OUT) - 1
@@ -356,3 +360,4 @@ def test_decode_leg_that_scores_the_prompt_itself_joins_to_the_aggregated_body()
     [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
     assert_same(body, dumps(agg))
     assert verdict is Verdict.PASSTHROUGH
+
