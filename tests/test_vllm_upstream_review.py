@@ -361,3 +361,39 @@ def test_decode_leg_that_scores_the_prompt_itself_joins_to_the_aggregated_body()
     assert_same(body, dumps(agg))
     assert verdict is Verdict.PASSTHROUGH
 
+
+# ------------------------------------------ the live page's view of rows that start at S
+
+
+@pytest.mark.parametrize("start", [0, 2, len(PROMPT)])
+def test_the_experts_view_lays_joined_rows_out_from_the_prompt_start(start):
+    """``Codec.routed_experts`` (the edge's heat map) of a joined body whose rows are ``[S, P + O - 1)``:
+    row 0 is position ``S``, prefill's ``P - S`` rows come first, then decode's."""
+    total = len(PROMPT) + len(OUT) - 1
+    prefill, decode = prompt_start_legs(start, OUT)
+    codec = VLLMCodec(OPTIONS)
+    [(body, _)] = join(codec, [dumps(decode)], [dumps(prefill)])
+    # The join may pass decode's bytes through (0.34.0's decode rows equal the joined ones); the page
+    # shows a P/D request by its strongest verdict, here that of a request with a joined chunk.
+    view = codec.routed_experts(body, verdict=Verdict.JOINED, limit=1 << 20)
+    assert (view.present, view.problem, view.omitted) == (True, None, {})
+    assert view.start == start
+    assert view.matrix.tolist() == rows(start, total).reshape(total - start, -1).tolist()
+    prompt_rows = len(PROMPT) - start
+    assert view.splice == (prompt_rows if prompt_rows else None)
+    assert [(s.source, s.start, s.stop) for s in view.spans] == (
+        [("prefill", 0, prompt_rows)] if prompt_rows else []) + [("decode", prompt_rows, total - start)]
+
+
+def test_the_experts_view_of_several_choices_keeps_row_zero_at_position_zero():
+    """With ``n = 2`` ``usage.completion_tokens`` counts both choices' tokens
+    (``serve_tokens_full_generator``: ``num_generated_tokens`` summed over ``final_res.outputs``), so
+    it says nothing about one choice's rows: the view does not read a start from it."""
+    total = len(PROMPT) + len(OUT) - 1
+    body = unary(out=OUT, lps=LPS, experts=npy_b64(rows(0, total)))
+    second = json.loads(json.dumps(body["choices"][0]))
+    second["index"] = 1
+    body["choices"].append(second)
+    body["usage"] = usage(len(PROMPT), 2 * len(OUT))
+    view = VLLMCodec(OPTIONS).routed_experts(dumps(body), verdict=Verdict.JOINED, limit=1 << 20)
+    assert (view.start, view.splice) == (0, len(PROMPT))

@@ -1,11 +1,13 @@
 """``routed_experts`` of one vLLM body as the format-neutral :class:`RoutedExperts` (the edge's view).
 
 The value sits on a choice (the finishing chunk's in a stream) as Base64 ``.npy`` of shape
-``(rows, num_layers, top_k)``, rows covering positions ``[0, prompt + output - 1)``
-(docs/formats-vllm.md). The shape is on the wire, so layers and top-k are known. A joined P/D
-body's first ``prompt_tokens`` rows are the prefill leg's; the prompt length is in ``usage`` when
-the body has it (unary bodies, streams with ``include_usage`` on their last chunk only), else the
-length of ``prompt_logprobs`` (index 0 is the unscored first token), else unknown.
+``(rows, num_layers, top_k)``, rows covering positions ``[S, prompt + output - 1)``, ``S`` the
+request's ``routed_experts_prompt_start`` (0 unless set; docs/formats-vllm.md). The shape is on the
+wire, so layers and top-k are known. A joined P/D body's first ``prompt_tokens - S`` rows are the
+prefill leg's; the prompt length is in ``usage`` when the body has it (unary bodies, streams with
+``include_usage`` on their last chunk only), else the length of ``prompt_logprobs`` (index 0 is the
+unscored first token), else unknown. ``S`` is not on the wire: it is what the rows leave out of
+``[0, prompt + output - 1)`` when ``usage`` has both counts for one choice, else 0.
 """
 
 from __future__ import annotations
@@ -55,7 +57,23 @@ def routed_experts(codec: VLLMCodec, body: bytes, verdict: Verdict | None, limit
         view.layers, view.top_k = int(rows.shape[1]), int(rows.shape[2])
     view.matrix = rows.reshape(-1, 1) if rows.ndim == 1 else rows.reshape(rows.shape[0], -1)
     positions = view.matrix.shape[0]
-    if view.prompt_tokens is not None and 0 < view.prompt_tokens < positions:
-        view.splice = view.prompt_tokens
-    view.spans = row_spans(positions, view.prompt_tokens, verdict)
+    # With n > 1 usage counts every choice's tokens together: the rows' start is not known then.
+    single = len(choices_of(doc)) == 1
+    view.start = _start(view.prompt_tokens, view.completion_tokens if single else None, positions)
+    prompt_rows = None if view.prompt_tokens is None else view.prompt_tokens - view.start
+    if prompt_rows is not None and 0 < prompt_rows < positions:
+        view.splice = prompt_rows
+    view.spans = row_spans(positions, prompt_rows, verdict)
     return view
+
+
+def _start(prompt_tokens: int | None, completion_tokens: int | None, positions: int) -> int:
+    """Row 0's token position: ``routed_experts_prompt_start`` (vLLM 0.34.0) is not on the wire, but
+    the rows end at ``P + O - 1`` (``take_output`` stops at ``num_tokens - 1``) and start at
+    ``min(S, P)`` (``AuxOutputSchedulerConnector.build_connector_meta``), so ``S`` is what the rows
+    leave out; 0 when a count is missing or the rows do not fit ``[0, P + O - 1)`` from a prompt
+    position."""
+    if prompt_tokens is None or completion_tokens is None:
+        return 0
+    start = prompt_tokens + completion_tokens - 1 - positions
+    return start if 0 <= start <= prompt_tokens else 0
