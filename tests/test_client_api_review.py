@@ -80,6 +80,37 @@ async def test_a_bare_async_for_can_be_closed_with_aclosing(client, nats_server)
     assert "async with follow(" in follow.__doc__ and "break" in follow.__doc__
 
 
+async def test_a_stream_that_ended_is_exhausted_and_subscribes_to_nothing_again(client, nats_server):
+    """Iterating an ended stream again (final result, error or timeout) subscribed once more: a SUB
+    and UNSUB per loop, and after an error or a timeout a fresh wait of ``timeout`` seconds."""
+    subjects = Subjects()
+    before = server_subscriptions(nats_server, client), len(client._subs)
+    stream = follow(client, subjects, "again", timeout=5)
+    await stream.subscribe()
+    await publish_result(client, subjects, "again", 0, final=True)
+    assert [r.seq async for r in stream] == [0]
+    timed_out = follow(client, subjects, "never", timeout=0.2)
+    with pytest.raises(TimeoutError):
+        [r async for r in timed_out]
+    subs = []
+    real_subscribe = client.subscribe
+
+    async def counting(*args, **kwargs):
+        subs.append(args)
+        return await real_subscribe(*args, **kwargs)
+
+    client.subscribe = counting
+    try:
+        with anyio.fail_after(1):  # an exhausted stream answers at once, not after another timeout
+            assert [r async for r in stream] == [] and [r async for r in timed_out] == []
+        await stream.subscribe()
+    finally:
+        del client.subscribe
+    assert subs == []
+    await client.flush()
+    assert (server_subscriptions(nats_server, client), len(client._subs)) == before
+
+
 @pytest.mark.parametrize("replay", [False, True])
 async def test_async_with_releases_the_subscription_on_cancel_and_on_error(client, nats_server, replay):
     """Holds: ``async with follow(...)`` leaves nothing behind, in core and in replay mode."""

@@ -52,7 +52,8 @@ class ResultStream:
 
     A message on the request's subject that breaks the contract (or a gap that never closes) ends
     the stream: the results that arrived in order before it are yielded, then
-    :class:`~streamproc.core.errors.MalformedResult` is raised.
+    :class:`~streamproc.core.errors.MalformedResult` is raised. An ended stream (final result,
+    error, timeout) is exhausted: iterating it again yields nothing and subscribes to nothing.
     """
 
     def __init__(self, nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
@@ -69,10 +70,11 @@ class ResultStream:
         self._sub: Subscription | None = None
         self._deadline = math.inf
         self._reconnects = 0  # the connection's reconnect count when the subscription was made
+        self._ended = False  # final result, error or timeout: nothing more to wait for
 
     async def subscribe(self) -> None:
-        """Register interest on the server (returns once the server has it)."""
-        if self._sub is not None:
+        """Register interest on the server (returns once the server has it); nothing once the stream ended."""
+        if self._sub is not None or self._ended:
             return
         subject = self.subjects.result(self.request_id)
         if self.replay:
@@ -120,22 +122,28 @@ class ResultStream:
     def __aiter__(self) -> ResultStream:
         return self
 
+    async def _end(self) -> None:
+        self._ended = True
+        await self.close()
+
     async def __anext__(self) -> ResultInfo:
+        if self._ended:
+            raise StopAsyncIteration
         await self.subscribe()
         while True:
             if self._ready:  # results that arrived before an error are still handed out, in order
                 return self._ready.popleft()
             if self._error is not None:
-                await self.close()
+                await self._end()
                 raise self._error
             if self._order.done:
-                await self.close()
+                await self._end()
                 raise StopAsyncIteration
             self._arrived = anyio.Event()
             with anyio.move_on_after(self._deadline - anyio.current_time()):
                 await self._arrived.wait()
             if not self._arrived.is_set():
-                await self.close()
+                await self._end()
                 hint = ""
                 reconnects = self._reconnect_count() - self._reconnects
                 if reconnects and not self.replay:
