@@ -397,6 +397,40 @@ async def test_a_request_started_elsewhere_resumes_after_its_stored_results(clie
             (i, bodies[i], i == 4, None) for i in range(5)], rid
 
 
+async def test_a_moved_requests_chunks_that_come_during_its_lookup_wait_for_it_and_are_stored_in_order(
+        client, nats_url):
+    """Recovery lookups of different requests run at once (up to 32 per partition); a request's own
+    chunks delivered while its lookup is in flight park behind it and are decided after it, in
+    delivery order. Every chunk is in the stream before the processor starts, so each request's chunks
+    come in one pull, right behind the one that needs the lookup; 40 requests are more than the 32
+    lookups a partition runs at once, so some wait for room too."""
+    settings = durable_settings(nats_url, partitions=1)
+    js = client.jetstream()
+    moved = [f"parked-{i}" for i in range(40)]
+    bodies = [f'{{"text": "{i}"}}'.encode() for i in range(8)]
+    async with Processor(settings):  # the streams
+        pass
+    for rid in moved:
+        for seq in (0, 1):  # what a crashed instance stored before it died
+            result = Result(rid, seq, bodies[seq], False, Verdict.PASSTHROUGH)
+            await js.publish(settings.subjects.result(rid), result.body, headers=result_headers(result))
+    publisher = ChunkPublisher(client, settings.subjects)
+    for rid in moved:  # each request's chunks back to back: seq 2 needs the lookup, the rest come behind it
+        for seq in (2, 3, 1, 4, 5, 6, 7):  # seq 1 again: stored already, a duplicate once the lookup is in
+            await publisher.publish(rid, "agg", seq, bodies[seq], final=seq == 7)
+    await client.flush()
+    async with Processor(settings) as p:
+        await wait_until(_stored(js, 8 * len(moved)), 20, "the missing results stored")
+        await wait_until(_empty(js), 20, "all chunks acknowledged")
+        snap = p.snapshot()
+    stored = await stored_results(js, settings.subjects)
+    for rid in moved:  # in seq order, each once
+        assert [(s.seq, s.body, s.final, s.error) for s in stored[rid]] == [
+            (i, bodies[i], i == 7, None) for i in range(8)], rid
+    assert snap["recoveries"] == snap["resumed"] == len(moved)  # one lookup each: the rest waited for it
+    assert snap["lookups_parked"] >= len(moved), snap  # 240 (all) in 3 runs
+
+
 # ------------------------------------------------------------------------------ hand-over
 
 async def test_graceful_stop_leaves_the_backlog_to_the_next_instance_exactly_once(client, nats_url):

@@ -165,7 +165,10 @@ async def test_chunks_that_each_need_a_recovery_lookup_do_not_hold_a_partition_b
     (``--flush-interval``) and then for reads to resume: ~5.5 ms each on the 2-vCPU machine. 5,000
     such chunks (``Streamproc-Attempt: 1`` on fresh ids, a microsecond each to publish) held the
     partition's next request back 27.5 s, against 0.23 s behind 5,000 plain chunks. Lookups now
-    write at once and read at once (``FastClient.urgent_writes``): 3.9 s."""
+    write at once and read at once (``FastClient.urgent_writes``): 3.9 s. Still one at a time, 3,000
+    such chunks held it back 2.36-3.05 s (8 runs on the 2-vCPU machine, loaded with three CPU hogs and
+    other test runs, load average 6-8); with up to 32 lookups of different requests at once per
+    partition, 1.24-1.85 s (12 runs, same load): what is left is the processor's CPU per lookup."""
     flags = durable_flags(partitions=1, ack_wait=10.0)
     with processor_subprocess(nats_url, *flags) as (proc, log_path):
         nc = await connect(nats_url)
@@ -191,9 +194,12 @@ async def test_chunks_that_each_need_a_recovery_lookup_do_not_hold_a_partition_b
 
             await wait_until(answered, 60, "the victim answered", every=0.05)
             waited = anyio.current_time() - started
-            assert waited < 8.0, f"the victim waited {waited:.1f} s behind {flood} chunks that each needed a lookup"
-            stored = (await js.stream_info("STREAMPROC_RESULTS")).state.messages
-            assert stored == flood + 1  # every attacker id still got its invalid_chunk error result
+            assert waited < 2.2, f"the victim waited {waited:.2f} s behind {flood} chunks that each needed a lookup"
+
+            async def all_answered() -> bool:  # the last lookups may end after the victim's answer
+                return (await js.stream_info("STREAMPROC_RESULTS")).state.messages == flood + 1
+
+            await wait_until(all_answered, 20, "every attacker id still got its invalid_chunk error result")
             assert proc.poll() is None
         finally:
             await nc.close()

@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Annotated, Awaitable, Callable, NamedTuple
+from typing import Annotated, Awaitable, Callable, Iterator, NamedTuple
 
 import anyio
 import msgspec
@@ -57,6 +57,7 @@ from ..core.correlator import Work, is_retry
 from ..core.events import (
     Chunk, Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Result, Sealed, SealRecord,
 )
+from ..core.lookups import Lookups
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
@@ -91,6 +92,19 @@ LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: th
 WATCHDOG_EVERY = 0.25
 RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
+# Recovery lookups a partition runs at once, of different requests (a request's own later chunks park
+# behind its lookup and are decided in order after it, core/lookups.py). One at a time, 3,000 chunks
+# that each needed one (`Streamproc-Attempt: 1` on fresh ids, a microsecond each to publish) held the
+# partition's next request back 2.4-3.1 s on the 2-vCPU machine (tests/test_durable_attack_review.py),
+# linear in the flood. 32 keep the partition's read loop busy while the server answers; at 32 in flight
+# the next chunk that needs one waits for one to end (back-pressure, as one at a time did).
+LOOKUPS_IN_FLIGHT = 32
+# Bytes of the deliveries parked behind lookups in flight (theirs included), shared by the --partitions
+# like PULL_MAX_BYTES: parked chunks have left nats-py's queue, so its pending_bytes_limit no longer
+# bounds them. Past it a partition waits for a lookup to end before it parks more (one always parks).
+# Each delivery is charged its payload, its headers and PARKED_OVERHEAD (Msg, Chunk, list slots).
+PARKED_BYTES = 16 << 20
+PARKED_OVERHEAD = 512
 # Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
 REDELIVERY_SLACK = 1.0
 # Least seconds between two lease checks before results are sent (_fence): well inside the lease's
@@ -131,6 +145,8 @@ class DurableStats(OutboxStats):
     inbox_strays: Annotated[int, Meta(description="messages on a pull inbox that are neither a delivery nor "
                                                   "a status: ignored")] = 0
     recoveries: Annotated[int, Meta(description="last-result lookups for requests this instance did not know")] = 0
+    lookups_parked: Annotated[int, Meta(description="chunks that waited behind a lookup of their own request "
+                                                    "in flight (decided in order after it)")] = 0
     resumed: Annotated[int, Meta(description="lookups that found stored results (the request moved here)")] = 0
     migrated_adopted: Annotated[int, Meta(description="of those, requests with a seal record: session "
                                                       "rebuilt from stored bodies")] = 0
@@ -173,10 +189,10 @@ class _Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
     __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed",
-                 "opened")
+                 "opened", "lookups", "freed")
 
     def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit,
-                 sealed: dict[str, float] | _AllSealed, opened: float) -> None:
+                 sealed: dict[str, float] | _AllSealed, opened: float, lookups: Lookups[_Delivery]) -> None:
         self.n = n
         self.opened = opened  # our clock when this instance took the partition
         self.consumer = consumer
@@ -190,6 +206,36 @@ class _Partition:
         # Request ids of this partition with a seal record -> when the record expires (our clock),
         # in expiry order: read from the migrations bucket before the first pull, then our own seals.
         self.sealed = sealed
+        # Recovery lookups in flight and the deliveries parked behind them; ``freed`` is set (and
+        # replaced) whenever one ends or they are abandoned, for a callback waiting for room.
+        self.lookups = lookups
+        self.freed = anyio.Event()
+
+    def wake(self) -> None:
+        freed, self.freed = self.freed, anyio.Event()
+        freed.set()
+
+    def abandon_lookups(self) -> list[Msg]:
+        """The partition is handed over: every parked delivery, for a NAK (their lookups' outcomes are
+        dropped when they end); a callback waiting for room wakes and NAKs its own."""
+        out = [d.msg for d in self.lookups.abandon()]
+        self.wake()
+        return out
+
+
+class _Delivery:
+    """A chunk delivery whose decision waits for a recovery lookup (its own or its request's)."""
+
+    __slots__ = ("msg", "deliveries", "parsed", "rid", "size")
+
+    def __init__(self, msg: Msg, deliveries: int, parsed: Chunk | ContractError, rid: str) -> None:
+        self.msg = msg
+        self.deliveries = deliveries
+        self.parsed = parsed  # the chunk, or the contract it broke (which names the request)
+        self.rid = rid
+        headers = msg.headers
+        self.size = len(msg.data) + PARKED_OVERHEAD + (
+            sum(len(k) + len(v) for k, v in headers.items()) if headers else 0)
 
 
 class DurableInput:
@@ -249,6 +295,7 @@ class DurableInput:
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
         self._queue_cap = max(MAX_QUEUED_RESULT_BYTES // settings.partitions, 4 * max_payload)
+        self._parked_cap = max(PARKED_BYTES // settings.partitions, 2 * max_payload)
         self._held_target = settings.max_ack_pending // 2
         self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
         # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
@@ -411,6 +458,12 @@ class DurableInput:
         for part in list(self._partitions.values()):
             sub = part.sub
             await handled_all(sub, lambda: part.sub is sub)
+            # ... and decided: the ones parked behind a recovery lookup are, once it ends.
+            lookups = part.lookups
+            waiting = lookups.requests()
+            while waiting and not lookups.closed:
+                await anyio.sleep(0.0005)
+                waiting = [rid for rid in waiting if rid in lookups]
 
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         """nats-py dropped a delivered message (slow consumer): it used up pull credit, and comes back
@@ -504,7 +557,8 @@ class DurableInput:
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
                             retry_after=RETRY_AFTER_ERROR, now=self._clock())
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream, credit, sealed, self._clock())
+                          self.chunks_stream, credit, sealed, self._clock(),
+                          Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap))
         await self._ensure_consumer(part)
         part.inbox = self.nc.new_inbox()
         on_message, on_message_inline = self._handlers(part)
@@ -544,6 +598,7 @@ class DurableInput:
 
     async def _close_partition(self, part: _Partition) -> None:
         part.active = False
+        self.outbox.nak(part.abandon_lookups())  # sent by the caller's pump, with the hand-over's NAKs
         if self._partitions.get(part.n) is part:  # not a later _open of the same partition (taken again)
             del self._partitions[part.n]
         sub, part.sub = part.sub, None
@@ -582,6 +637,7 @@ class DurableInput:
             part = self._partitions.pop(n, None)
             if part is not None:
                 part.active = False
+                self.outbox.nak(part.abandon_lookups())
                 self._lapsed.append(part)
             scheme = self.scheme
             self._hand_over(lambda rid, n=n: scheme.of(rid) == n)
@@ -716,8 +772,15 @@ class DurableInput:
             if watch.pull:
                 await self._pull(part)
         self._shed_held(now)
-        self.publisher.tick(now, reconnected, self.correlator.unsettled)
+        self.publisher.tick(now, reconnected, self._unsettled)
         await self.publisher.pump()
+
+    def _unsettled(self) -> Iterator[object]:
+        """Every delivery still held: the correlator's, and those parked behind recovery lookups."""
+        yield from self.correlator.unsettled()
+        for part in list(self._partitions.values()):
+            for d in part.lookups.tokens():
+                yield d.msg
 
     def reconnected(self) -> None:
         """Run the watchdog's round now rather than up to an interval later: after an outage the
@@ -814,6 +877,81 @@ class DurableInput:
                     for n in notices:
                         notify(n)
 
+        lookups = part.lookups
+        looking_up = lookups.by_request  # request ids whose lookups are in flight (the inline path's test)
+        contract_error = self.pipeline.contract_error
+
+        def begin(d: _Delivery, format: str | None, retake: bool, now: float) -> None:
+            """Start the recovery lookup ``d`` needs; its request's later deliveries park behind it."""
+            tasks = self._tasks
+            if tasks is None or not part.active:  # stopping, or handed over: the next owner looks it up
+                outbox.nak((d.msg,))
+                return
+            if retake:  # the stores know the seal: take the request again
+                self._forget(d.rid)
+            lookups.begin(d.rid, d, d.size)
+            tasks.start_soon(lookup, d, format, now)
+
+        def settle(d: _Delivery, now: float, admit: bool) -> bool:
+            """Decide ``d``, park it behind its request's lookup or start the lookup it needs. With
+            ``admit`` (a new delivery) False, and nothing done, when there is no room for it yet."""
+            rid = d.rid
+            if rid in lookups:
+                if admit and not lookups.fits(d.size):
+                    return False
+                lookups.park(rid, d, d.size)
+                stats.lookups_parked += 1
+                return True
+            parsed = d.parsed
+            msg = d.msg
+            decisions: list[Decision] | None = None
+            try:  # every message ends in a decision, whatever raises while it is handled
+                if isinstance(parsed, ContractError):
+                    # A request this instance does not hold may live on in the stores (served
+                    # elsewhere, maybe migrated): taken for a new one, it would be ended at seq 0.
+                    trip: str | None = None if knows(rid) else "lookup"
+                    if trip is None:
+                        decisions = contract_error(parsed, msg, acknowledged=True)
+                else:
+                    trip = round_trip(parsed, msg.reply)
+                    if trip is None:
+                        decisions = decide(parsed, msg, d.deliveries, now)
+                if trip is not None:
+                    if admit and not (lookups.room() and lookups.fits(d.size)):
+                        return False
+                    begin(d, None if isinstance(parsed, ContractError) else parsed.format, trip == "retake", now)
+            except Exception as exc:  # noqa: BLE001
+                decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+            take(decisions, rid, now)
+            return True
+
+        async def lookup(d: _Delivery, format: str | None, now: float) -> None:
+            """A recovery lookup as a task: then ``d`` is decided and the deliveries parked behind it
+            in order (or, if it failed and ``d`` may come back, all NAKed for a retry in 1 s)."""
+            rid = d.rid
+            retry = d.deliveries < max_deliver
+            ok = await self._recover(rid, format, now, retry=retry, current=lambda: rid in lookups)
+            later = lookups.finish(rid, d)
+            part.wake()
+            if later is None:  # handed over meanwhile: NAKed then, and nothing of the lookup was kept
+                return
+            if not ok and retry:
+                outbox.nak([d.msg, *(b.msg for b in later)], delay=1.0)
+            else:
+                msg = d.msg
+                parsed = d.parsed
+                try:
+                    if isinstance(parsed, ContractError):
+                        decisions = contract_error(parsed, msg, acknowledged=True)
+                    else:
+                        decisions = decide(parsed, msg, d.deliveries, now)
+                except Exception as exc:  # noqa: BLE001
+                    decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+                take(decisions, rid, now)
+                for b in later:  # in delivery order; an earlier one may start another lookup of rid
+                    settle(b, clock(), admit=False)
+            await pump()
+
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
             if not reply or not reply.startswith("$JS.ACK."):  # a delivery has its ack subject
@@ -827,34 +965,30 @@ class DurableInput:
             now = clock()
             if delivered(now):
                 await self._pull(part)
-            rid = None
-            decisions: list[Decision] | None = None  # None: NAKed for a later retry (recovery lookup failed)
             deliveries = deliveries_of(reply)
             if deliveries > 1:  # every redelivery, of known requests too (a metric)
                 stats.redelivered += 1
-            try:  # every message ends in a decision, whatever raises while it is handled
+            try:
                 try:
-                    chunk = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                    parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
                 except ContractError as exc:
-                    rid = exc.request_id
-                    # A request this instance does not hold may live on in the stores (served
-                    # elsewhere, maybe migrated): taken for a new one, it would be ended at seq 0.
-                    if rid is None or knows(rid) or await self._recover(rid, None, msg, now,
-                                                                         retry=deliveries < max_deliver):
-                        decisions = self.pipeline.contract_error(exc, msg, acknowledged=True)
-                else:
-                    rid = chunk.request_id
-                    ready = True
-                    trip = round_trip(chunk, reply)
-                    if trip is not None:
-                        if trip == "retake":  # the stores know the seal: take the request again
-                            self._forget(rid)
-                        ready = await self._recover(rid, chunk.format, msg, now, retry=deliveries < max_deliver)
-                    if ready:
-                        decisions = decide(chunk, msg, deliveries, now)
+                    parsed = exc
+                rid = parsed.request_id
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
-                decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
-            take(decisions, rid, now)
+                take(failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:]), None, now)
+                await pump()
+                return
+            if rid is None:  # a contract error without a request: nobody to look up
+                take(contract_error(parsed, msg, acknowledged=True), None, now)  # type: ignore[arg-type]
+                await pump()
+                return
+            d = _Delivery(msg, deliveries, parsed, rid)
+            while not settle(d, now, admit=True):  # no room: wait for a lookup to end (back-pressure)
+                await part.freed.wait()
+                if not part.active:
+                    outbox.nak((msg,))
+                    break
+                now = clock()
             await pump()
 
         nc = self.nc
@@ -867,8 +1001,8 @@ class DurableInput:
                 chunk = parse(head + subject[cut:], headers, data, msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
-            if round_trip(chunk, reply) is not None:
-                return False
+            if chunk.request_id in looking_up or round_trip(chunk, reply) is not None:
+                return False  # its request's lookup is in flight (it parks), or it needs one
             now = clock()
             if delivered(now):
                 self._pull_nowait(part)
@@ -895,28 +1029,28 @@ class DurableInput:
             f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison"
             + (f"; {cause}" if cause else ""), now, msg, kind=ErrorKind.INTERNAL)
 
-    async def _recover(self, rid: str, format: str | None, msg: Msg, now: float, retry: bool = True) -> bool:
-        """Resume after the last stored result of ``rid``; False (and a delayed NAK) if it cannot be read
-        (``retry`` False: go on without it, for a chunk that must be decided now)."""
+    async def _recover(self, rid: str, format: str | None, now: float, *, retry: bool,
+                       current: Callable[[], bool]) -> bool:
+        """Resume after the last stored result of ``rid``; False if it cannot be read (the caller NAKs
+        the chunk for a retry in 1 s, or, ``retry`` False, goes on without it). Nothing is adopted
+        unless ``current()`` still holds once the stores are read (the partition was not handed over)."""
         self.stats.recoveries += 1
         urgent = getattr(self.nc, "urgent_writes", None)  # FastClient: no write coalescing meanwhile
         try:
             with urgent() if urgent is not None else contextlib.nullcontext():
-                await self._adopt(rid, format, now)
+                await self._adopt(rid, format, now, current=current)
         except Exception as exc:
             self.pipeline.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
                                       error=error_text(exc), retry_in="1s" if retry else "-")
-            if not retry:
-                return True
-            self.outbox.nak((msg,), delay=1.0)
             return False
         return True
 
     async def _adopt(self, rid: str, format: str | None, now: float, *, record: SealRecord | None = None,
-                     read_record: bool = True) -> None:
+                     read_record: bool = True, current: Callable[[], bool] | None = None) -> None:
         """Adopt ``rid`` from the stores: its last stored result (a leader read, never a possibly stale
         follower) and its seal record; a migrated request also gets its stored bodies, from which
-        the correlator rebuilds the migration session. Raises when a store cannot be read."""
+        the correlator rebuilds the migration session. Raises when a store cannot be read. With
+        ``current``, nothing is adopted unless it still holds after the reads."""
         assert self.ledger is not None
         ledger = self.ledger
         found: dict[str, object] = {}
@@ -943,9 +1077,13 @@ class DurableInput:
         if record is None or final:
             if point is None:
                 return  # nothing stored: every chunk of it is still unacknowledged, start afresh
+            if current is not None and not current():
+                return
             self.correlator.resume(rid, next_seq, final, now, format)
         else:
             history = await self.ledger.history(rid, next_seq)
+            if current is not None and not current():
+                return
             self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
             self.stats.migrated_adopted += 1
             self._note_sealed(rid)
