@@ -936,7 +936,13 @@ class DurableInput:
             if later is None:  # handed over meanwhile: NAKed then, and nothing of the lookup was kept
                 return
             if not ok and retry:
-                outbox.nak([d.msg, *(b.msg for b in later)], delay=1.0)
+                # NAKed for the retry, with what parked behind it; not one on its last delivery, which
+                # nats-server would never deliver again: that one is decided now, as it would have been
+                # alone (looked up without a retry), the later ones of those parking behind it.
+                outbox.nak([d.msg, *(b.msg for b in later if b.deliveries < max_deliver)], delay=1.0)
+                for b in later:
+                    if b.deliveries >= max_deliver:
+                        settle(b, clock(), admit=False)
             else:
                 msg = d.msg
                 parsed = d.parsed
