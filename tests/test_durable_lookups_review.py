@@ -7,11 +7,15 @@ import anyio
 import pytest
 
 from streamproc.client.publisher import ChunkPublisher
+from streamproc.core.outbox import Outbox
 from streamproc.nats.durable_input import DurableInput
 from streamproc.nats.processor import Processor
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 
-from durable_helpers import chunk_stream_messages, durable_settings, stored_results
+from streamproc.wire import Result, Verdict, result_headers
+
+from conftest import processor_subprocess
+from durable_helpers import chunk_stream_messages, durable_flags, durable_settings, stored_results, wait_for_finals
 from helpers import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
@@ -73,3 +77,86 @@ def _empty(js):
     async def check() -> bool:
         return await chunk_stream_messages(js) == 0
     return check
+
+
+async def _moved_requests(client, settings, prefix: str, count: int) -> tuple[list[str], list[bytes]]:
+    """``count`` requests whose results 0..1 a dead instance stored; their chunks 2..7 (1 again among
+    them, a duplicate) wait in the chunk stream: seq 2 of each needs a lookup, the rest park behind it."""
+    js = client.jetstream()
+    moved = [f"{prefix}-{i}" for i in range(count)]
+    bodies = [f'{{"text": "{i}"}}'.encode() for i in range(8)]
+    for rid in moved:
+        for seq in (0, 1):
+            result = Result(rid, seq, bodies[seq], False, Verdict.PASSTHROUGH)
+            await js.publish(settings.subjects.result(rid), result.body, headers=result_headers(result))
+    publisher = ChunkPublisher(client, settings.subjects)
+    for rid in moved:
+        for seq in (2, 3, 1, 4, 5, 6, 7):
+            await publisher.publish(rid, "agg", seq, bodies[seq], final=seq == 7)
+    await client.flush()
+    return moved, bodies
+
+
+def _assert_each_once_in_order(stored, moved, bodies) -> None:
+    bad = {rid: [(s.seq, s.error) for s in stored.get(rid, [])] for rid in moved
+           if [(s.seq, s.body, s.final, s.error) for s in stored.get(rid, [])]
+           != [(i, bodies[i], i == 7, None) for i in range(8)]}
+    assert not bad, f"{len(bad)} of {len(moved)}: {list(bad.items())[:3]}"
+
+
+async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts_nothing_and_hands_all_over(
+        client, nats_url, monkeypatch, caplog):
+    """Instance A (in-process) has 40 lookups in flight, their requests' later chunks parked behind
+    them, when its whole process stalls past the lease (a GC pause, a starved host); B (a subprocess)
+    takes the partition meanwhile. When A runs again its lookups end after the hand-over: nothing is
+    adopted or decided, every parked delivery was NAKed once, and B stores each request's results
+    once, in order; nothing raised in A."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="streamproc")
+    settings = durable_settings(nats_url, partitions=1, ack_wait=2.0, lease_ttl=1.5)
+    js = client.jetstream()
+    adopt = DurableInput._adopt
+    calls = 0
+
+    async def slow_then_stall(self, r, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        n = calls
+        await anyio.sleep(0.3)
+        if n == 20:  # every lookup in flight, chunks parked: the whole process stalls for 3 s
+            time.sleep(3.0)
+        await anyio.sleep(0.3)
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_adopt", slow_then_stall)
+    naked: list[str] = []
+    nak = Outbox.nak
+
+    def counted(self, tokens, delay=0.0):
+        tokens = list(tokens)
+        naked.extend(t.reply for t in tokens if t is not None)
+        return nak(self, tokens, delay)
+
+    monkeypatch.setattr(Outbox, "nak", counted)
+    async with Processor(settings) as a:
+        await wait_until(lambda: a.input.owns("x"), 10, "A owns the partition")
+        with processor_subprocess(nats_url, *durable_flags(partitions=1, ack_wait=2.0, lease_ttl=1.5)) as (
+                proc, log_path):
+            moved, bodies = await _moved_requests(client, settings, "stalled", 40)
+            await wait_until(lambda: not a.input.owns("x"), 15, "A fenced off its partition")
+            stored = await wait_for_finals(js, settings.subjects, moved, 30)
+            await wait_until(_empty(js), 15, "every chunk acknowledged")
+            snap = a.snapshot()
+            stored = await stored_results(js, settings.subjects)
+            b_log = log_path.read_text(errors="replace")
+        await anyio.sleep(0.5)  # A's lookups still in flight end (after the hand-over)
+        later = a.snapshot()
+    _assert_each_once_in_order(stored, moved, bodies)
+    twice = [r for r in set(naked) if naked.count(r) > 1]
+    assert not twice, f"{len(twice)} of {len(set(naked))} deliveries NAKed more than once: {twice[:3]}"
+    assert snap["lookups_parked"] >= 40, snap
+    assert later["resumed"] == snap["resumed"] == 0, (snap, later)  # nothing adopted after the hand-over
+    for text in (caplog.text, b_log):
+        assert "Traceback" not in text and "_failed" not in text.replace("recovery_lookup_failed", ""), text[-3000:]
