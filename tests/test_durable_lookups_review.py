@@ -160,3 +160,70 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
     assert later["resumed"] == snap["resumed"] == 0, (snap, later)  # nothing adopted after the hand-over
     for text in (caplog.text, b_log):
         assert "Traceback" not in text and "_failed" not in text.replace("recovery_lookup_failed", ""), text[-3000:]
+
+
+async def test_partitions_released_and_a_stop_with_lookups_in_flight_hand_every_parked_chunk_over_once(
+        client, nats_url, monkeypatch, caplog):
+    """Instance A (in-process) owns 4 partitions with 5 s lookups in flight and chunks parked behind
+    them when B (a subprocess) joins: A releases two partitions (graceful hand-over) and is then
+    stopped, lookups still in flight. Every parked delivery is NAKed once, no lookup task outlives
+    the stop, A adopts and stores nothing, and B stores each request's results once, in order."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="streamproc")
+    flags = dict(partitions=4, ack_wait=4.0, lease_ttl=1.5)
+    settings = durable_settings(nats_url, **flags)
+    js = client.jetstream()
+    adopt = DurableInput._adopt
+    running = 0
+
+    async def slow(self, r, *args, **kwargs):
+        nonlocal running
+        running += 1
+        try:
+            await anyio.sleep(5.0)
+            return await adopt(self, r, *args, **kwargs)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(DurableInput, "_adopt", slow)
+    naked: list[str] = []
+    nak = Outbox.nak
+
+    def counted(self, tokens, delay=0.0):
+        tokens = list(tokens)
+        naked.extend(t.reply for t in tokens if t is not None)
+        return nak(self, tokens, delay)
+
+    monkeypatch.setattr(Outbox, "nak", counted)
+    async with Processor(settings) as a:
+        await wait_until(lambda: a.snapshot()["partitions"] == 4, 10, "A owns every partition")
+        moved, bodies = await _moved_requests(client, settings, "released", 60)
+        await wait_until(lambda: a.snapshot()["lookups_parked"] >= 60, 10, "chunks parked behind lookups")
+        in_flight = running
+        b = processor_subprocess(nats_url, *durable_flags(**flags))
+        proc, log_path = await anyio.to_thread.run_sync(b.__enter__)
+        try:
+            await wait_until(lambda: a.snapshot()["leases_released"] >= 1, 10, "A released partitions to B")
+            assert running, "the lookups ended before the hand-over: make them slower"
+            snap_before_stop = a.snapshot()
+        except BaseException:
+            b.__exit__(None, None, None)
+            raise
+    try:
+        snap = a.snapshot()
+        left = running
+        stored = await wait_for_finals(js, settings.subjects, moved, 30)
+        await wait_until(_empty(js), 15, "every chunk acknowledged")
+        stored = await stored_results(js, settings.subjects)
+        b_log = log_path.read_text(errors="replace")
+    finally:
+        b.__exit__(None, None, None)
+    _assert_each_once_in_order(stored, moved, bodies)
+    twice = [r for r in set(naked) if naked.count(r) > 1]
+    assert not twice, f"{len(twice)} of {len(set(naked))} deliveries NAKed more than once: {twice[:3]}"
+    assert left == 0, f"{left} of {in_flight} lookups still running after the stop"
+    assert snap["resumed"] == 0 and snap["results"] == 0, (snap_before_stop, snap)
+    assert len(naked) >= snap["recoveries"] + snap["lookups_parked"], (len(naked), snap)  # 420 = 60 + 360
+    for text in (caplog.text, b_log):
+        assert "Traceback" not in text and "exception" not in text.lower(), text[-3000:]
