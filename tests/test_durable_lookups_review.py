@@ -227,3 +227,48 @@ async def test_partitions_released_and_a_stop_with_lookups_in_flight_hand_every_
     assert len(naked) >= snap["recoveries"] + snap["lookups_parked"], (len(naked), snap)  # 420 = 60 + 360
     for text in (caplog.text, b_log):
         assert "Traceback" not in text and "exception" not in text.lower(), text[-3000:]
+
+
+async def test_a_migrate_that_comes_during_its_requests_lookup_seals_after_the_chunks_parked_behind_it(
+        client, nats_url, monkeypatch):
+    """A request served to result 1 by an instance that stopped; its chunks 2..4 reach the next one,
+    whose lookup (slowed to 1.5 s) of seq 2 is in flight with 3 and 4 parked behind it when a migrate
+    of the request comes. The migrate waits for them (``caught_up``): it seals at result seq 5, after
+    what the client was sent, not at 2 with 2..4 then dropped as the sealed attempt's."""
+    from migration_helpers import SimulatedPool
+    from streamproc.core.events import Sealed
+    from streamproc.simulation import make_truth
+    from streamproc.wire import Subjects
+    from test_migration_crash import ask_migrate
+
+    settings = durable_settings(nats_url, partitions=1, ack_wait=4.0)
+    js = client.jetstream()
+    rid = "migrated-mid-lookup"
+    truth = make_truth(91, request_id=rid, prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), "sglang", truth, pd=False)
+    [(role, bodies)] = pool.legs(0)
+    async with Processor(settings):
+        await pool.publish(role, bodies, 0, stop=2)
+        await wait_until(lambda: _results(js, 2), 10, "results 0..1 stored")
+    adopt = DurableInput._adopt
+
+    async def slow(self, r, *args, **kwargs):
+        if kwargs.get("current") is not None:  # the chunk's lookup, not the migrate's own adoption
+            await anyio.sleep(1.5)
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_adopt", slow)
+    async with Processor(settings) as p:
+        await pool.publish(role, bodies, 0, start=2, stop=5)
+        await wait_until(lambda: p.snapshot()["lookups_parked"] >= 2, 10, "chunks 3..4 parked behind 2's lookup")
+        assert p.snapshot()["resumed"] == 0
+        reply = await ask_migrate(client, settings.subjects, rid, expected_attempt=0)
+        assert isinstance(reply, Sealed), reply
+        await wait_until(_empty(js), 10, "every chunk acknowledged")
+    stored = await stored_results(js, settings.subjects)
+    assert [s.seq for s in stored[rid]] == [0, 1, 2, 3, 4], stored[rid]
+    assert reply.result_seq == 5, reply
+
+
+async def _results(js, n: int) -> bool:
+    return (await js.stream_info("STREAMPROC_RESULTS")).state.messages >= n
