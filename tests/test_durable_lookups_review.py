@@ -272,3 +272,32 @@ async def test_a_migrate_that_comes_during_its_requests_lookup_seals_after_the_c
 
 async def _results(js, n: int) -> bool:
     return (await js.stream_info("STREAMPROC_RESULTS")).state.messages >= n
+
+
+async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once_in_order(
+        client, nats_url, monkeypatch):
+    """40 moved requests; each one's first lookup fails (the results stream unreadable) with its
+    later chunks parked behind it: all NAKed for a retry in 1 s, then looked up again and stored
+    once each, in order, the stored duplicate among them acknowledged."""
+    settings = durable_settings(nats_url, partitions=1, ack_wait=4.0)
+    js = client.jetstream()
+    async with Processor(settings):
+        pass
+    moved, bodies = await _moved_requests(client, settings, "failed-lookup", 40)
+    adopt = DurableInput._adopt
+    failed: set[str] = set()
+
+    async def fails_first(self, r, *args, **kwargs):
+        await anyio.sleep(0.2)
+        if r not in failed:
+            failed.add(r)
+            raise TimeoutError("results stream unreadable")
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_adopt", fails_first)
+    async with Processor(settings) as p:
+        await wait_until(_empty(js), 20, "every chunk acknowledged")
+        snap = p.snapshot()
+    stored = await stored_results(js, settings.subjects)
+    _assert_each_once_in_order(stored, moved, bodies)
+    assert snap["resumed"] == len(moved) and snap["lookups_parked"] >= len(moved), snap
