@@ -458,11 +458,13 @@ class DurableInput:
         for part in list(self._partitions.values()):
             sub = part.sub
             await handled_all(sub, lambda: part.sub is sub)
-            # ... and decided: the ones parked behind a recovery lookup are, once it ends.
+            # ... and decided: the ones parked behind a recovery lookup are, once it ends (woken by
+            # each lookup's end; a lookup cancelled by a stop wakes nobody, hence the poll).
             lookups = part.lookups
             waiting = lookups.requests()
             while waiting and not lookups.closed:
-                await anyio.sleep(0.0005)
+                with anyio.move_on_after(0.05):
+                    await part.freed.wait()
                 waiting = [rid for rid in waiting if rid in lookups]
 
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
@@ -720,7 +722,7 @@ class DurableInput:
         if not code or msg.reply:
             self.stats.inbox_strays += 1
             self.pipeline.limited.log(logging.WARNING, "inbox_stray", partition=part.n, subject=shown(msg.subject),
-                              reply=shown(msg.reply or ""))
+                                      reply=shown(msg.reply or ""))
             return False
         description = headers.get("Description", "")
         pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
