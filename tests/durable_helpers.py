@@ -201,3 +201,12 @@ class Instance:
             return None if self.proc is None else self.proc.returncode
         assert self.proc is not None
         return stop_process(self.proc, timeout)
+
+
+async def dead_owner_takes(client, count: int) -> list:
+    """A dead owner: takes ``count`` chunks from partition 0's consumer and acknowledges none."""
+    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
+    try:
+        return await sub.fetch(count, timeout=5)
+    finally:
+        await sub.unsubscribe()

@@ -10,24 +10,29 @@ from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.outbox import Outbox
 from streamproc.nats.durable_input import DurableInput
 from streamproc.nats.processor import Processor
-from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 
 from streamproc.wire import Result, Verdict, result_headers
 
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, durable_flags, durable_settings, stored_results, wait_for_finals
+from durable_helpers import (chunk_stream_messages, dead_owner_takes, durable_flags, durable_settings, stored_results,
+                             wait_for_finals)
 from helpers import wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
 
-async def dead_owner_takes(client, count: int) -> list:
-    """A dead owner: takes ``count`` chunks from partition 0's consumer and acknowledges none."""
-    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
-    try:
-        return await sub.fetch(count, timeout=5)
-    finally:
-        await sub.unsubscribe()
+def record_naks(monkeypatch) -> list[str]:
+    """The ack subject of every delivery the outbox NAKs from now on (a NAK twice shows as a repeat)."""
+    naked: list[str] = []
+    nak = Outbox.nak
+
+    def counted(self, tokens, delay=0.0):
+        tokens = list(tokens)
+        naked.extend(t.reply for t in tokens if t is not None)
+        return nak(self, tokens, delay)
+
+    monkeypatch.setattr(Outbox, "nak", counted)
+    return naked
 
 
 async def test_a_chunk_parked_on_its_last_delivery_is_decided_when_the_lookup_before_it_fails(
@@ -131,15 +136,7 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
         return await adopt(self, r, *args, **kwargs)
 
     monkeypatch.setattr(DurableInput, "_adopt", slow_then_stall)
-    naked: list[str] = []
-    nak = Outbox.nak
-
-    def counted(self, tokens, delay=0.0):
-        tokens = list(tokens)
-        naked.extend(t.reply for t in tokens if t is not None)
-        return nak(self, tokens, delay)
-
-    monkeypatch.setattr(Outbox, "nak", counted)
+    naked = record_naks(monkeypatch)
     async with Processor(settings) as a:
         await wait_until(lambda: a.input.owns("x"), 10, "A owns the partition")
         with processor_subprocess(nats_url, *durable_flags(partitions=1, ack_wait=2.0, lease_ttl=1.5)) as (
@@ -187,15 +184,7 @@ async def test_partitions_released_and_a_stop_with_lookups_in_flight_hand_every_
             running -= 1
 
     monkeypatch.setattr(DurableInput, "_adopt", slow)
-    naked: list[str] = []
-    nak = Outbox.nak
-
-    def counted(self, tokens, delay=0.0):
-        tokens = list(tokens)
-        naked.extend(t.reply for t in tokens if t is not None)
-        return nak(self, tokens, delay)
-
-    monkeypatch.setattr(Outbox, "nak", counted)
+    naked = record_naks(monkeypatch)
     async with Processor(settings) as a:
         await wait_until(lambda: a.snapshot()["partitions"] == 4, 10, "A owns every partition")
         moved, bodies = await _moved_requests(client, settings, "released", 60)

@@ -47,7 +47,7 @@ from streamproc.wire import (
     encode_control,
 )
 
-from durable_helpers import Instance, connect, durable_flags, wait_for_finals
+from durable_helpers import Instance, connect, dead_owner_takes, durable_flags, wait_for_finals
 from helpers import wait_until
 from migration_helpers import SimulatedPool, assert_uninterrupted, emitted_in
 
@@ -456,15 +456,6 @@ async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(cl
 
 
 # ------------------------------------------------------------- chunks still held by a dead owner
-
-async def dead_owner_takes(client, count: int) -> list:
-    """A dead owner: takes ``count`` chunks from partition 0's consumer and acknowledges none."""
-    sub = await client.jetstream().pull_subscribe_bind(partition_consumer_name(0), stream=CHUNKS_STREAM)
-    try:
-        return await sub.fetch(count, timeout=5)
-    finally:
-        await sub.unsubscribe()
-
 
 async def ask_migrate(client, subjects: Subjects, rid: str, **request: object):
     """One migrate request, answered by whoever owns ``rid`` (no retry, unlike the Migrator)."""
