@@ -35,6 +35,37 @@ def record_naks(monkeypatch) -> list[str]:
     return naked
 
 
+async def test_a_bug_in_a_lookup_task_costs_its_request_a_retry_not_the_processor(client, nats_url, monkeypatch,
+                                                                                  caplog):
+    """Lookups run as tasks of the durable input's task group: an exception escaping one (a bug; store
+    errors are caught in ``_recover``) ended the group, every partition with it. Now the request's
+    deliveries are NAKed for a retry, the error is logged, and the partition goes on."""
+    settings = durable_settings(nats_url, partitions=1, ack_wait=2.0)
+    recover = DurableInput._recover
+    calls = 0
+
+    async def buggy_once(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ZeroDivisionError("a bug in the lookup path")
+        return await recover(self, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_recover", buggy_once)
+    publisher = ChunkPublisher(client, settings.subjects, durable=True)
+    async with Processor(settings) as p:
+        await wait_until(lambda: p.input.owns("x"), 10, "the partition owned")
+        # Attempt 1 of an id nobody knows: decided only after a lookup (the first one hits the bug).
+        await publisher.publish("buggy", "agg", 0, b'{"text": "b"}', final=True, attempt=1)
+        await publisher.publish("plain", "agg", 0, b'{"text": "p"}', final=True)
+        stored = await wait_for_finals(client.jetstream(), settings.subjects, ["buggy", "plain"], 20)
+        assert p.input.owns("x")
+    assert [r.seq for r in stored["plain"]] == [0] and not stored["plain"][0].error
+    assert len(stored["buggy"]) == 1  # retried, then decided as any attempt-1 chunk of an unknown id
+    assert calls >= 2
+    assert any("lookup_task_failed" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_chunk_parked_on_its_last_delivery_is_decided_when_the_lookup_before_it_fails(
         client, nats_url, monkeypatch):
     """A request's chunk that needs a lookup (seq 2, first delivery) and, parked behind it, another

@@ -928,8 +928,24 @@ class DurableInput:
             return True
 
         async def lookup(d: _Delivery, format: str | None, now: float) -> None:
-            """A recovery lookup as a task: then ``d`` is decided and the deliveries parked behind it
-            in order (or, if it failed and ``d`` may come back, all NAKed for a retry in 1 s)."""
+            """:func:`looked_up` as a task of the input's task group, which an exception escaping it
+            would end, and with it every partition: a bug there costs this request a retry instead
+            (its deliveries NAKed, unless a decision already took them) and is logged."""
+            try:
+                await looked_up(d, format, now)
+            except Exception as exc:  # noqa: BLE001  (store errors are _recover's: this is a bug)
+                later = lookups.finish(d.rid, d)
+                if later is not None:
+                    outbox.nak([d.msg, *(b.msg for b in later)], delay=1.0)
+                part.wake()
+                log_event(log, logging.ERROR, "lookup_task_failed", partition=part.n, request_id=shown(d.rid),
+                          error=error_text(exc))
+                with contextlib.suppress(Exception):
+                    await pump()
+
+        async def looked_up(d: _Delivery, format: str | None, now: float) -> None:
+            """A recovery lookup: then ``d`` is decided and the deliveries parked behind it in order
+            (or, if it failed and ``d`` may come back, all NAKed for a retry in 1 s)."""
             rid = d.rid
             retry = d.deliveries < max_deliver
             ok = await self._recover(rid, format, now, retry=retry, current=lambda: rid in lookups)
