@@ -9,6 +9,7 @@ from streamproc.client.migration import Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultInfo
 from streamproc.simulation import Truth
+from streamproc.wire import MigrateRequest, Subjects, decode_migrate_reply, encode_control
 
 
 # The formats with a simulated worker here (sglang-zstd only when its external codec is installed).
@@ -62,3 +63,9 @@ def assert_uninterrupted(fmt: str, truth: Truth, results: list[ResultInfo]) -> N
     assert all(r.error is None for r in results), [r.body for r in results if r.error]
     assert [w.canonical(r.body) for r in results] == [w.canonical(b) for b in expected]
     assert w.expert_view(results[-1].body) == (truth.experts, None)
+
+
+async def ask_migrate(client, subjects: Subjects, rid: str, **request: object):
+    """One migrate request, answered by whoever owns ``rid`` (no retry, unlike the Migrator)."""
+    msg = await client.request(subjects.migrate(rid), encode_control(MigrateRequest(**request)), timeout=5)
+    return decode_migrate_reply(msg.data)

@@ -259,7 +259,7 @@ async def test_a_migrate_that_comes_during_its_requests_lookup_seals_after_the_c
     from streamproc.core.events import Sealed
     from streamproc.simulation import make_truth
     from streamproc.wire import Subjects
-    from test_migration_crash import ask_migrate
+    from migration_helpers import ask_migrate
 
     settings = durable_settings(nats_url, partitions=1, ack_wait=4.0)
     js = client.jetstream()

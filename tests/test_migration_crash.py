@@ -49,7 +49,7 @@ from streamproc.wire import (
 
 from durable_helpers import Instance, connect, dead_owner_takes, durable_flags, wait_for_finals
 from helpers import wait_until
-from migration_helpers import SimulatedPool, assert_uninterrupted, emitted_in
+from migration_helpers import SimulatedPool, ask_migrate, assert_uninterrupted, emitted_in
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
@@ -456,12 +456,6 @@ async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(cl
 
 
 # ------------------------------------------------------------- chunks still held by a dead owner
-
-async def ask_migrate(client, subjects: Subjects, rid: str, **request: object):
-    """One migrate request, answered by whoever owns ``rid`` (no retry, unlike the Migrator)."""
-    msg = await client.request(subjects.migrate(rid), encode_control(MigrateRequest(**request)), timeout=5)
-    return decode_migrate_reply(msg.data)
-
 
 async def three_chunks_held_by_a_dead_owner(client, start_processor, seed: int, rid: str):
     """An aggregated sglang request whose worker died after three chunks, taken by an owner that died
