@@ -226,16 +226,23 @@ class _Partition:
 class _Delivery:
     """A chunk delivery whose decision waits for a recovery lookup (its own or its request's)."""
 
-    __slots__ = ("msg", "deliveries", "parsed", "rid", "size")
+    __slots__ = ("msg", "deliveries", "parsed", "rid", "_size")
 
     def __init__(self, msg: Msg, deliveries: int, parsed: Chunk | ContractError, rid: str) -> None:
         self.msg = msg
         self.deliveries = deliveries
         self.parsed = parsed  # the chunk, or the contract it broke (which names the request)
         self.rid = rid
-        headers = msg.headers
-        self.size = len(msg.data) + PARKED_OVERHEAD + (
-            sum(len(k) + len(v) for k, v in headers.items()) if headers else 0)
+        self._size = -1
+
+    @property
+    def size(self) -> int:
+        """What parking it costs; counted only for a delivery that parks (most are decided at once)."""
+        if self._size < 0:
+            headers = self.msg.headers
+            self._size = len(self.msg.data) + PARKED_OVERHEAD + (
+                sum(len(k) + len(v) for k, v in headers.items()) if headers else 0)
+        return self._size
 
 
 class DurableInput:
@@ -912,13 +919,11 @@ class DurableInput:
                     # A request this instance does not hold may live on in the stores (served
                     # elsewhere, maybe migrated): taken for a new one, it would be ended at seq 0.
                     trip: str | None = None if knows(rid) else "lookup"
-                    if trip is None:
-                        decisions = contract_error(parsed, msg, acknowledged=True)
                 else:
                     trip = round_trip(parsed, msg.reply)
-                    if trip is None:
-                        decisions = decide(parsed, msg, d.deliveries, now)
-                if trip is not None:
+                if trip is None:
+                    decisions = conclude(d, now)
+                else:
                     if admit and not (lookups.room() and lookups.fits(d.size)):
                         return False
                     begin(d, None if isinstance(parsed, ContractError) else parsed.format, trip == "retake", now)
@@ -926,6 +931,13 @@ class DurableInput:
                 decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
             take(decisions, rid, now)
             return True
+
+        def conclude(d: _Delivery, now: float) -> list[Decision]:
+            """``d``'s decisions once nothing more is to be read from the stores for it."""
+            parsed = d.parsed
+            if isinstance(parsed, ContractError):
+                return contract_error(parsed, d.msg, acknowledged=True)
+            return decide(parsed, d.msg, d.deliveries, now)
 
         async def lookup(d: _Delivery, format: str | None, now: float) -> None:
             """:func:`looked_up` as a task of the input's task group, which an exception escaping it
@@ -962,15 +974,10 @@ class DurableInput:
                     if b.deliveries >= max_deliver:
                         settle(b, clock(), admit=False)
             else:
-                msg = d.msg
-                parsed = d.parsed
                 try:
-                    if isinstance(parsed, ContractError):
-                        decisions = contract_error(parsed, msg, acknowledged=True)
-                    else:
-                        decisions = decide(parsed, msg, d.deliveries, now)
+                    decisions = conclude(d, now)
                 except Exception as exc:  # noqa: BLE001
-                    decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+                    decisions = failed(exc, d.msg, acknowledged=True, subject=head + d.msg.subject[cut:])
                 take(decisions, rid, now)
                 for b in later:  # in delivery order; an earlier one may start another lookup of rid
                     settle(b, clock(), admit=False)
