@@ -6,11 +6,12 @@ from durable_helpers import outbox_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamproc.core.credit import PullCredit, Watch
+from streamproc.core.credit import DELIVERY_OVERHEAD, PullCredit, Watch, uncut_batch
 
 
-def credit(batch: int = 10, now: float = 0.0) -> PullCredit:
-    return PullCredit(batch, expires=10.0, lost_after=3.0, retry_after=0.5, now=now)
+def credit(batch: int = 10, now: float = 0.0, careful_batch: int | None = None, hold: float = 2.0) -> PullCredit:
+    return PullCredit(batch, expires=10.0, lost_after=3.0, retry_after=0.5, now=now, careful_batch=careful_batch,
+                      hold=hold)
 
 
 def test_a_new_pull_is_asked_for_when_half_a_batch_is_consumed():
@@ -89,16 +90,21 @@ EVENTS = st.one_of(
     st.tuples(st.just("drop"), st.none()),
     st.tuples(st.just("fail"), st.none()),
     st.tuples(st.just("time"), st.floats(0, 12)),
+    st.tuples(st.just("redelivered"), st.none()),
+    st.tuples(st.just("expect"), st.floats(0, 12)),
+    st.tuples(st.just("status"), st.sampled_from([("409", "4", "Message Size Exceeds MaxBytes"),
+                                                  ("409", "0", "Batch Completed")])),
 )
 
 
 @outbox_settings
-@given(batch=st.integers(1, 64), events=st.lists(EVENTS, max_size=60))
-def test_outstanding_credit_stays_within_one_and_a_half_batches_and_a_pull_always_comes_again(batch, events):
+@given(batch=st.integers(1, 64), careful=st.integers(1, 64), events=st.lists(EVENTS, max_size=60))
+def test_outstanding_credit_stays_within_one_and_a_half_batches_and_a_pull_always_comes_again(batch, careful, events):
     """The shell pulls whenever told to; credit never exceeds low + batch (the client queue bound),
-    and however the server behaved, a watchdog round after the pauses asks for messages again."""
-    c, now = credit(batch), 0.0
-    c.pulled(now)
+    careful pulls or not, and however the server behaved, a watchdog round after the pauses asks for
+    messages again. A pull asks for the careful batch exactly while redeliveries are expected."""
+    c, now = credit(batch, careful_batch=careful), 0.0
+    last = c.pulled(now)
     just_pulled = True
     for kind, arg in events:
         pull = False
@@ -113,13 +119,94 @@ def test_outstanding_credit_stays_within_one_and_a_half_batches_and_a_pull_alway
         elif kind == "drop":
             c.dropped()
         elif kind == "fail" and just_pulled:  # the pull just counted did not leave
-            c.pull_failed(now)
+            c.pull_failed(now, last)
         elif kind == "time":
             now += arg
+        elif kind == "redelivered":
+            c.redelivered(now)
+        elif kind == "expect":
+            c.expect_redeliveries(now + arg)
         just_pulled = pull
         if pull:
-            c.pulled(now)
-        assert c.requested <= c.low + batch
+            last = c.pulled(now)
+            assert last == (min(careful, batch) if c.careful(now) else batch)
+        assert 0 <= c.requested <= c.low + batch
     # The server answers nothing from here on: the credit is written off and asked for again.
     later = max(now, c.retry_at, c.expires_at) + 0.01
     assert c.watch(later, reconnected=False).pull
+
+
+def test_a_taken_partition_pulls_careful_batches_until_its_redeliveries_are_due_then_full_ones():
+    c = credit(256, careful_batch=16)
+    c.expect_redeliveries(11.0)  # ack_wait + slack after it was taken
+    assert c.pulled(0.0) == 16
+    assert c.delivered(0.1)  # 15 outstanding: a second full careful pull goes out behind it
+    assert c.pulled(0.1) == 16 and c.requested == 31
+    assert [c.delivered(0.2) for _ in range(15)] == [False] * 14 + [True]
+    assert c.pulled(0.2) == 16 and c.requested == 32
+    assert not c.delivered(10.9) and c.delivered(11.0)  # 30 outstanding: fast now, refill at half of 256
+    assert c.pulled(11.0) == 256
+
+
+def test_a_careful_partition_keeps_a_second_pull_waiting_behind_the_current_one():
+    c = credit(256, careful_batch=1)
+    c.expect_redeliveries(5.0)
+    assert c.pulled(0.0) == 1
+    assert c.status("100", None, "Idle Heartbeat", 0.5) is True  # one of one outstanding: ask for the next
+    assert c.pulled(0.5) == 1 and c.requested == 2
+    assert c.delivered(0.6) is True and c.pulled(0.6) == 1 and c.requested == 2
+
+
+def test_a_redelivery_makes_pulls_careful_for_the_hold_and_each_one_extends_it():
+    c = credit(256, careful_batch=16, hold=2.0)
+    assert not c.careful(0.0) and c.pulled(0.0) == 256
+    c.redelivered(1.0)
+    assert c.careful(2.9) and c.pulled(2.9) == 16
+    c.redelivered(2.9)
+    assert c.careful(4.8) and not c.careful(4.9)
+
+
+def test_a_pull_cut_by_max_bytes_makes_pulls_careful_and_a_batch_completed_does_not():
+    c = credit(256, careful_batch=16, hold=2.0)
+    c.pulled(0.0)
+    c.status("409", "0", "Batch Completed", 0.1)
+    assert not c.careful(0.1)
+    assert c.status("409", "250", "Message Size Exceeds MaxBytes", 0.2) is True and c.requested == 6
+    assert c.careful(0.2) and c.pulled(0.2) == 16
+
+
+def test_the_careful_batch_is_never_larger_than_the_fast_one_nor_its_refill_point():
+    c = credit(10, careful_batch=64)
+    assert c.careful_batch == 10 and c.careful_low == 5
+    assert credit(1, careful_batch=1).careful_low == 0  # one pull at a time, as on the fast path
+
+
+def test_a_failed_careful_pull_returns_exactly_its_own_credit():
+    c = credit(256, careful_batch=16)
+    c.expect_redeliveries(5.0)
+    c.pull_failed(0.0, c.pulled(0.0))
+    assert c.requested == 0
+
+
+@given(max_payload=st.integers(1, 64 << 20), max_bytes=st.integers(0, 1 << 30),
+       sizes=st.lists(st.integers(0, 1 << 30), min_size=1, max_size=200))
+def test_a_pull_of_the_uncut_batch_always_ends_on_its_count_never_on_its_bytes(max_payload, max_bytes, sizes):
+    """nats-server's charge per delivered message (consumer.go ``nextWaiting``: ``if sz <= wr.b { wr.b -= sz }``,
+    else 409 MaxBytes), for any message a server with this max_payload delivers (payload and headers up to
+    max_payload, subject and ack subject within DELIVERY_OVERHEAD): a pull that asks for uncut_batch
+    messages is never cut, whenever max_bytes takes one maximal message (the shell's takes two); and
+    it is the largest such batch."""
+    largest = max_payload + DELIVERY_OVERHEAD
+    batch = uncut_batch(max_bytes, max_payload)
+    assert batch >= 1
+    if max_bytes < largest:
+        return
+    left, n = max_bytes, batch
+    for size in sizes:
+        sz = min(size, largest)
+        assert sz <= left, "the pull was cut by bytes"
+        left -= sz
+        n -= 1
+        if n == 0:
+            break
+    assert (batch + 1) * largest > max_bytes  # one more maximal message would not fit

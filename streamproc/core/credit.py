@@ -7,13 +7,41 @@ forget waiting pulls (a restart: nats-io/nats.py#504): that shows as no message 
 heartbeat for ``lost_after`` while credit is outstanding, as a reconnect, or as the pull's
 expiry; the credit is then written off and asked for again. Two misses in a row (lost pulls,
 "consumer deleted", no responders) mean the consumer itself may be gone: repair it.
+
+**Careful pulls keep the redelivery queue's order.** nats-server serves a pull from the consumer's
+redelivery queue first (``server/consumer.go`` ``getNextMsg``: ``o.getNextToRedeliver()``, the
+front of ``o.rdq``). When the message does not fit what is left of a waiting pull's ``max_bytes``,
+``nextWaiting`` ends that pull (``409 Message Size Exceeds MaxBytes``) and tries the next waiting
+one; when none takes it, ``loopAndGatherMsgs`` gives a *redelivery* back with
+``o.decDeliveryCount(pmsg.seq); o.addToRedeliverQueue(pmsg.seq)``, which appends it
+(``o.rdq = append(o.rdq, seqs...)``): it comes back after every other queued redelivery, a gap in
+its request that the request's reorder buffer must bridge. (A first delivery is not reordered:
+``o.sseq--`` puts the stream cursor back.) A pull that its ``batch`` ends first is never cut:
+``nextWaiting`` charges ``sz <= wr.b``, and ``waitQueue.pop`` removes the pull once ``wr.n`` is 0,
+with nothing given back. So while redeliveries are expected (:meth:`PullCredit.expect_redeliveries`,
+:meth:`PullCredit.redelivered`, a ``409 ... MaxBytes``) pulls ask for ``careful_batch`` messages,
+:func:`uncut_batch`: at most ``max_bytes / (max_payload + 64 KiB)``; a new one goes out while a full
+one still waits behind the current one (``careful_low``: ``careful_batch``, or half a ``batch`` when
+that is less), so the outstanding bytes stay under two pulls' ``max_bytes`` and the credit under
+``low + batch`` as on the fast path, where pulls ask for ``batch`` (no redelivery expected).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PullCredit", "Watch"]
+__all__ = ["PullCredit", "Watch", "uncut_batch", "DELIVERY_OVERHEAD"]
+
+# What nats-server charges a delivery beyond its payload and headers (``loopAndGatherMsgs``:
+# ``sz = len(pmsg.subj) + len(ackReply) + len(pmsg.hdr) + len(pmsg.msg)``): the stored subject and
+# the ack subject. A message's headers and body together are at most ``max_payload``.
+DELIVERY_OVERHEAD = 64 << 10
+
+
+def uncut_batch(max_bytes: int, max_payload: int) -> int:
+    """The largest ``batch`` a pull of ``max_bytes`` can ask for and never be cut by bytes, however large
+    the messages (at least 1: a pull's ``max_bytes`` always takes one maximal message here)."""
+    return max(1, max_bytes // (max_payload + DELIVERY_OVERHEAD))
 
 
 class Watch(NamedTuple):
@@ -25,13 +53,19 @@ class Watch(NamedTuple):
 
 
 class PullCredit:
-    __slots__ = ("batch", "low", "expires", "lost_after", "retry_after", "requested", "expires_at", "last_seen",
-                 "retry_at", "misses")
+    __slots__ = ("batch", "low", "careful_batch", "careful_low", "hold", "careful_until", "expires", "lost_after", "retry_after",
+                 "requested", "expires_at", "last_seen", "retry_at", "misses")
 
     def __init__(self, batch: int, *, expires: float, lost_after: float, retry_after: float,
-                 now: float = 0.0) -> None:
+                 now: float = 0.0, careful_batch: int | None = None, hold: float = 0.0) -> None:
         self.batch = batch
         self.low = batch // 2
+        # Pulls while redeliveries are expected: never cut by max_bytes (uncut_batch), never larger
+        # than the fast path's.
+        self.careful_batch = max(1, min(batch, careful_batch if careful_batch is not None else batch))
+        self.careful_low = min(self.careful_batch, self.low)  # credit stays under low + batch here too
+        self.hold = hold  # seconds pulls stay careful after a redelivery or a 409 MaxBytes was seen
+        self.careful_until = 0.0  # our clock
         self.expires = expires  # seconds a pull lives on the server
         self.lost_after = lost_after
         self.retry_after = retry_after  # pause after a failed pull or an error status
@@ -41,21 +75,39 @@ class PullCredit:
         self.retry_at = 0.0
         self.misses = 0
 
-    def pulled(self, now: float) -> None:
-        """A pull for ``batch`` messages went out."""
-        self.requested += self.batch
-        self.expires_at = now + self.expires
+    def careful(self, now: float) -> bool:
+        """Whether pulls ask for ``careful_batch`` now (redeliveries expected) rather than ``batch``."""
+        return now < self.careful_until
 
-    def pull_failed(self, now: float) -> None:
-        """The pull just counted by :meth:`pulled` did not leave."""
-        self.requested -= self.batch
+    def expect_redeliveries(self, until: float) -> None:
+        """Redeliveries may come until ``until`` (e.g. ``ack_wait`` after the partition was taken)."""
+        if until > self.careful_until:
+            self.careful_until = until
+
+    def redelivered(self, now: float) -> None:
+        """A redelivery arrived: more may wait in the server's redelivery queue behind it."""
+        self.expect_redeliveries(now + self.hold)
+
+    def _low(self, now: float) -> int:
+        return self.careful_low if now < self.careful_until else self.low
+
+    def pulled(self, now: float) -> int:
+        """A pull went out; returns its ``batch`` (``careful_batch`` while redeliveries are expected)."""
+        batch = self.careful_batch if now < self.careful_until else self.batch
+        self.requested += batch
+        self.expires_at = now + self.expires
+        return batch
+
+    def pull_failed(self, now: float, batch: int | None = None) -> None:
+        """The pull just counted by :meth:`pulled` (which returned ``batch``) did not leave."""
+        self.requested = max(0, self.requested - (self.batch if batch is None else batch))
         self.retry_at = now + self.retry_after
 
     def delivered(self, now: float) -> bool:
         """A message arrived; True when a pull should go out now."""
         self.last_seen = now
         self.requested -= 1
-        return self.requested <= self.low
+        return self.requested <= (self.low if now >= self.careful_until else self.careful_low)
 
     def dropped(self) -> None:
         """The client dropped a delivery (slow consumer): it used up credit all the same."""
@@ -66,18 +118,20 @@ class PullCredit:
         headers); True when a pull should go out now. Counts a miss when the consumer may be gone."""
         self.last_seen = now
         if code == "100":  # idle heartbeat
-            return self.requested <= self.low and now >= self.retry_at
+            return self.requested <= self._low(now) and now >= self.retry_at
         if code in ("408", "409") and pending is not None and pending.isdigit():
             self.requested = max(0, self.requested - int(pending))  # a pull ended unfilled
             if code == "408":
-                return self.requested <= self.low and now >= self.retry_at
+                return self.requested <= self._low(now) and now >= self.retry_at
+            if "maxbytes" in description.lower():  # cut by bytes: a redelivery may have gone to the back
+                self.redelivered(now)
         else:
             self.requested = 0
             self.retry_at = now + self.retry_after
         lowered = description.lower()
         if "consumer deleted" in lowered or code == "503" or "no responders" in lowered:
             self.misses += 1
-        return self.requested <= self.low and now >= self.retry_at
+        return self.requested <= self._low(now) and now >= self.retry_at
 
     def watch(self, now: float, reconnected: bool) -> Watch:
         """A watchdog round: write off forgotten pulls, decide on repair and a new pull."""
@@ -90,4 +144,4 @@ class PullCredit:
         repair = self.misses >= 2
         if repair:
             self.misses = 0
-        return Watch(lost, repair, self.requested <= self.low and now >= self.retry_at)
+        return Watch(lost, repair, self.requested <= self._low(now) and now >= self.retry_at)

@@ -46,11 +46,11 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import StorageType, StreamConfig
+from nats.js.api import ConsumerInfo, StorageType, StreamConfig
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
-from ..core.credit import PullCredit
+from ..core.credit import PullCredit, uncut_batch
 from ..core.codec import ErrorKind
 from ..core.errors import shown
 from ..core.correlator import Work, is_retry
@@ -107,6 +107,11 @@ PARKED_BYTES = 16 << 20
 PARKED_OVERHEAD = 512
 # Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
 REDELIVERY_SLACK = 1.0
+# Seconds a partition's pulls stay careful (never cut by max_bytes, core/credit.py) after the last
+# redelivery or "409 Message Size Exceeds MaxBytes" it saw: a redelivery queue is served before any new
+# message (nats-server consumer.go getNextMsg), so its entries follow each other closely; this long
+# without one, it has drained.
+CAREFUL_HOLD = 2.0
 # Least seconds between two lease checks before results are sent (_fence): well inside the lease's
 # margin (10% of lease_ttl, which is at least 1 s).
 FENCE_EVERY = 0.02
@@ -294,10 +299,16 @@ class DurableInput:
         # concurrent attackers); shared, at most 4.9 MiB in 4 runs. 256 chunks of up to 8 KiB still
         # fit one pull at 8 partitions.
         max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
-        self._pull_body = msgspec.json.encode({
-            "batch": self._batch,
-            "max_bytes": max(PULL_MAX_BYTES // settings.partitions, 2 * max_payload + 65536),
+        max_bytes = max(PULL_MAX_BYTES // settings.partitions, 2 * max_payload + 65536)
+        # While redeliveries are expected (after taking a partition, after a redelivery or a 409 MaxBytes),
+        # pulls ask for no more messages than max_bytes always holds, so that none is cut by bytes: a cut
+        # sends a redelivery to the back of the consumer's redelivery queue (core/credit.py;
+        # docs/operations.md, "Redelivery order"). 15 at 1 partition, 1 at 8, with 1 MiB max_payload.
+        self._careful_batch = min(self._batch, uncut_batch(max_bytes, max_payload))
+        self._pull_body, self._careful_pull_body = (msgspec.json.encode({
+            "batch": batch, "max_bytes": max_bytes,
             "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
+            for batch in (self._batch, self._careful_batch))
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
@@ -563,12 +574,18 @@ class DurableInput:
             del sealed[old]
 
     async def _open(self, n: int, sealed: dict[str, float] | _AllSealed) -> None:
+        now = self._clock()
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
-                            retry_after=RETRY_AFTER_ERROR, now=self._clock())
+                            retry_after=RETRY_AFTER_ERROR, now=now, careful_batch=self._careful_batch,
+                            hold=CAREFUL_HOLD)
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream, credit, sealed, self._clock(),
-                          Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap))
-        await self._ensure_consumer(part)
+                          self.chunks_stream, credit, sealed, now, Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap))
+        info = await self._ensure_consumer(part)
+        if info.num_ack_pending or info.num_redelivered:
+            # Chunks delivered before and not acknowledged (a previous owner's, NAKed or held) come back
+            # within ack_wait: careful pulls until then (core/credit.py). None: a fresh start or a clean
+            # backlog reads at full batches from the first pull.
+            credit.expect_redeliveries(now + self.settings.ack_wait + REDELIVERY_SLACK)
         part.inbox = self.nc.new_inbox()
         on_message, on_message_inline = self._handlers(part)
         part.sub = await self.nc.subscribe(part.inbox, cb=on_message,
@@ -580,11 +597,11 @@ class DurableInput:
         self._partitions[n] = part
         await self._pull(part)
 
-    async def _ensure_consumer(self, part: _Partition) -> None:
+    async def _ensure_consumer(self, part: _Partition) -> ConsumerInfo:
         s = self.settings
         config = partition_consumer_config(part.consumer, part.filter, ack_wait=s.ack_wait,
                                            max_ack_pending=s.max_ack_pending, max_deliver=s.max_deliver)
-        await ensure_consumer(self.nc.jetstream(timeout=10), self.chunks_stream, config)
+        return await ensure_consumer(self.nc.jetstream(timeout=10), self.chunks_stream, config)
 
     async def _lose(self, n: int, graceful: bool = False) -> None:
         """Stop serving partition ``n``: later arrivals are NAKed, held chunks NAKed, state dropped."""
@@ -696,12 +713,13 @@ class DurableInput:
         if self._queue_full(part):
             return
         credit = part.credit
-        credit.pulled(self._clock())
+        batch = credit.pulled(self._clock())
         self.stats.pulls += 1
         try:
-            await self._publish_pull(part.pull_subject, self._pull_body, part.inbox)
+            await self._publish_pull(part.pull_subject,
+                                     self._pull_body if batch == self._batch else self._careful_pull_body, part.inbox)
         except Exception as exc:
-            credit.pull_failed(self._clock())
+            credit.pull_failed(self._clock(), batch)
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
 
     def _pull_nowait(self, part: _Partition) -> None:
@@ -709,12 +727,14 @@ class DurableInput:
         if self._queue_full(part):
             return
         credit = part.credit
-        credit.pulled(self._clock())
+        batch = credit.pulled(self._clock())
         self.stats.pulls += 1
         try:  # our own subject and inbox: not checked again
-            self.nc.enqueue(part.pull_subject, self._pull_body, part.inbox, checked=True, defer=True)  # type: ignore[attr-defined]
+            self.nc.enqueue(part.pull_subject,  # type: ignore[attr-defined]
+                            self._pull_body if batch == self._batch else self._careful_pull_body, part.inbox,
+                            checked=True, defer=True)
         except Exception as exc:
-            credit.pull_failed(self._clock())
+            credit.pull_failed(self._clock(), batch)
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
 
     def _on_status(self, part: _Partition, msg: Msg) -> bool:
@@ -733,7 +753,8 @@ class DurableInput:
             return False
         description = headers.get("Description", "")
         pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
-        if code not in ("100", "408", "404") and not (code == "409" and "MaxBytes" in description):
+        if code not in ("100", "408", "404") and not (code == "409" and ("MaxBytes" in description
+                                                                      or "Batch Completed" in description)):
             log_event(log, logging.INFO, "pull_status", partition=part.n, status=code, description=description)
         return pull
 
@@ -843,6 +864,7 @@ class DurableInput:
         queue = outbox.take  # the outbox itself on the common path: one call less per message
         notify = self.pipeline.notify
         delivered = part.credit.delivered
+        redelivered = part.credit.redelivered
         max_deliver = self.settings.max_deliver
         poisoned = self._poisoned
         offload = self._offload
@@ -994,11 +1016,12 @@ class DurableInput:
                 await pump()
                 return
             now = clock()
-            if delivered(now):
-                await self._pull(part)
             deliveries = deliveries_of(reply)
             if deliveries > 1:  # every redelivery, of known requests too (a metric)
                 stats.redelivered += 1
+                redelivered(now)  # more may wait in the redelivery queue: the pull below is careful
+            if delivered(now):
+                await self._pull(part)
             try:
                 try:
                     parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
@@ -1035,11 +1058,12 @@ class DurableInput:
             if chunk.request_id in looking_up or round_trip(chunk, reply) is not None:
                 return False  # its request's lookup is in flight (it parks), or it needs one
             now = clock()
-            if delivered(now):
-                self._pull_nowait(part)
             deliveries = deliveries_of(reply)
             if deliveries > 1:
                 stats.redelivered += 1
+                redelivered(now)  # before the pull below: it must be a careful one
+            if delivered(now):
+                self._pull_nowait(part)
             take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
             publisher.release()  # looked up each time: stage_writes() replaces it after start-up
             return True
