@@ -6,7 +6,7 @@ from durable_helpers import outbox_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamproc.core.credit import DELIVERY_OVERHEAD, PullCredit, Watch, uncut_batch
+from streamproc.core.credit import DELIVERY_OVERHEAD, SIZE_ALLOWANCE, PullCredit, Watch, uncut_batch
 
 
 def credit(batch: int = 10, now: float = 0.0, careful_batch: int | None = None, hold: float = 2.0) -> PullCredit:
@@ -210,3 +210,49 @@ def test_a_pull_of_the_uncut_batch_always_ends_on_its_count_never_on_its_bytes(m
         if n == 0:
             break
     assert (batch + 1) * largest > max_bytes  # one more maximal message would not fit
+
+
+def sized(batch: int = 256, max_bytes: int = 16 << 20) -> PullCredit:
+    return PullCredit(batch, expires=10.0, lost_after=3.0, retry_after=0.5, careful_batch=uncut_batch(max_bytes, 1 << 20),
+                      hold=2.0, max_bytes=max_bytes, size_window=10.0)
+
+
+def test_fast_pulls_ask_for_what_max_bytes_holds_at_the_largest_delivery_seen_so_a_redelivery_cannot_cut_them():
+    c = sized()
+    assert c.pulled(0.0) == 256  # nothing seen yet
+    big = (1 << 20) - 4096 + 200  # a ~1 MB chunk, its subject and ack subject
+    c.delivered(0.1, big)
+    b = c.pulled(0.2)
+    assert b == 16 and b * (big + SIZE_ALLOWANCE) <= 16 << 20 < (b + 1) * (big + SIZE_ALLOWANCE)
+    assert c.fast_low == 16  # and the refill point with it: the outstanding bytes stay near two pulls'
+
+
+def test_small_deliveries_keep_the_full_batch():
+    c = sized(max_bytes=(2 << 20) + 65536)  # 8 partitions
+    for _ in range(300):
+        c.delivered(0.1, 4096 + 200)
+    assert c.pulled(0.2) == 256 and c.fast_low == 128
+    c.delivered(0.3, 8192 + 200)  # 8 KiB chunks: 229 of them (with the header allowance) fill max_bytes
+    assert c.pulled(0.4) == 229
+
+
+def test_a_large_delivery_is_forgotten_two_windows_later():
+    c = sized()
+    c.delivered(1.0, 1 << 20)
+    assert c.pulled(5.0) < 256
+    c.delivered(6.0, 1000)
+    assert c.pulled(10.5) < 256  # the window before still had it
+    assert c.pulled(20.6) == 256
+
+
+@given(sizes=st.lists(st.integers(0, (1 << 20) + 4096), min_size=1, max_size=50),
+       max_bytes=st.integers((2 << 20) + 65536, 16 << 20))
+def test_a_sized_pull_holds_a_batch_of_the_largest_delivery_seen(sizes, max_bytes):
+    """No message of at most the largest size seen (plus the header allowance) cuts a fast pull: its
+    batch of them fits max_bytes, as nats-server's nextWaiting charges them."""
+    c = sized(max_bytes=max_bytes)
+    for size in sizes:
+        c.delivered(0.1, size)
+    batch = c.pulled(0.2)
+    assert batch * (max(sizes) + SIZE_ALLOWANCE) <= max_bytes or batch == c.careful_batch
+    assert c.careful_batch <= batch <= 256

@@ -23,19 +23,26 @@ with nothing given back. So while redeliveries are expected (:meth:`PullCredit.e
 :func:`uncut_batch`: at most ``max_bytes / (max_payload + 64 KiB)``; a new one goes out while a full
 one still waits behind the current one (``careful_low``: ``careful_batch``, or half a ``batch`` when
 that is less), so the outstanding bytes stay under two pulls' ``max_bytes`` and the credit under
-``low + batch`` as on the fast path, where pulls ask for ``batch`` (no redelivery expected).
+``low + batch``. When no redelivery is expected (the fast path) pulls ask for ``batch``, or, once
+deliveries near ``max_bytes / batch`` have been seen (:meth:`PullCredit.fast_batch`), for as many as
+``max_bytes`` holds at the largest of them: a hand-over's NAKs reach the pulls already out too (the
+previous owner's, sent before it noticed its lease lapsed), and a redelivery of a message no larger
+than those seen does not cut such a pull.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PullCredit", "Watch", "uncut_batch", "DELIVERY_OVERHEAD"]
+__all__ = ["PullCredit", "Watch", "uncut_batch", "DELIVERY_OVERHEAD", "SIZE_ALLOWANCE"]
 
 # What nats-server charges a delivery beyond its payload and headers (``loopAndGatherMsgs``:
 # ``sz = len(pmsg.subj) + len(ackReply) + len(pmsg.hdr) + len(pmsg.msg)``): the stored subject and
 # the ack subject. A message's headers and body together are at most ``max_payload``.
 DELIVERY_OVERHEAD = 64 << 10
+# What a sized pull allows a delivery beyond what ``PullCredit.delivered`` was told (its headers: a
+# chunk's are a few hundred bytes). A delivery with more headers than this can still cut a sized pull.
+SIZE_ALLOWANCE = 1 << 10
 
 
 def uncut_batch(max_bytes: int, max_payload: int) -> int:
@@ -53,19 +60,30 @@ class Watch(NamedTuple):
 
 
 class PullCredit:
-    __slots__ = ("batch", "low", "careful_batch", "careful_low", "hold", "careful_until", "expires", "lost_after", "retry_after",
+    __slots__ = ("batch", "low", "fast_low", "careful_batch", "careful_low", "hold", "careful_until", "max_bytes",
+                 "size_window", "largest", "earlier", "window_end", "expires", "lost_after", "retry_after",
                  "requested", "expires_at", "last_seen", "retry_at", "misses")
 
     def __init__(self, batch: int, *, expires: float, lost_after: float, retry_after: float,
-                 now: float = 0.0, careful_batch: int | None = None, hold: float = 0.0) -> None:
+                 now: float = 0.0, careful_batch: int | None = None, hold: float = 0.0, max_bytes: int = 0,
+                 size_window: float = 10.0) -> None:
         self.batch = batch
         self.low = batch // 2
+        self.fast_low = self.low  # refill point of the last fast pull: half a batch, or its sized batch
         # Pulls while redeliveries are expected: never cut by max_bytes (uncut_batch), never larger
         # than the fast path's.
         self.careful_batch = max(1, min(batch, careful_batch if careful_batch is not None else batch))
         self.careful_low = min(self.careful_batch, self.low)  # credit stays under low + batch here too
         self.hold = hold  # seconds pulls stay careful after a redelivery or a 409 MaxBytes was seen
         self.careful_until = 0.0  # our clock
+        # Sized pulls: a fast pull asks for no more messages than max_bytes holds at the largest delivery
+        # seen in this window or the one before (``delivered``'s ``size``), so a redelivery of one of
+        # them cannot cut it either (a hand-over's NAKs may meet the pulls already out). 0: unsized.
+        self.max_bytes = max_bytes
+        self.size_window = size_window
+        self.largest = 0
+        self.earlier = 0
+        self.window_end = now + size_window
         self.expires = expires  # seconds a pull lives on the server
         self.lost_after = lost_after
         self.retry_after = retry_after  # pause after a failed pull or an error status
@@ -89,11 +107,27 @@ class PullCredit:
         self.expect_redeliveries(now + self.hold)
 
     def _low(self, now: float) -> int:
-        return self.careful_low if now < self.careful_until else self.low
+        return self.careful_low if now < self.careful_until else self.fast_low
+
+    def fast_batch(self, now: float) -> int:
+        """The batch of a pull when no redelivery is expected: ``batch``, or fewer when the largest
+        delivery seen lately (``size`` plus SIZE_ALLOWANCE for headers) would let ``max_bytes`` end it."""
+        if now >= self.window_end:
+            self.earlier, self.largest = self.largest, 0
+            self.window_end = now + self.size_window
+        big = self.largest if self.largest > self.earlier else self.earlier
+        if not big or not self.max_bytes:
+            return self.batch
+        return max(self.careful_batch, min(self.batch, self.max_bytes // (big + SIZE_ALLOWANCE)))
 
     def pulled(self, now: float) -> int:
-        """A pull went out; returns its ``batch`` (``careful_batch`` while redeliveries are expected)."""
-        batch = self.careful_batch if now < self.careful_until else self.batch
+        """A pull went out; returns its ``batch`` (``careful_batch`` while redeliveries are expected,
+        else :meth:`fast_batch`)."""
+        if now < self.careful_until:
+            batch = self.careful_batch
+        else:
+            batch = self.fast_batch(now)
+            self.fast_low = min(batch, self.low)
         self.requested += batch
         self.expires_at = now + self.expires
         return batch
@@ -103,11 +137,14 @@ class PullCredit:
         self.requested = max(0, self.requested - (self.batch if batch is None else batch))
         self.retry_at = now + self.retry_after
 
-    def delivered(self, now: float) -> bool:
-        """A message arrived; True when a pull should go out now."""
+    def delivered(self, now: float, size: int = 0) -> bool:
+        """A message arrived (``size``: its payload, subject and ack subject); True when a pull should go
+        out now."""
         self.last_seen = now
         self.requested -= 1
-        return self.requested <= (self.low if now >= self.careful_until else self.careful_low)
+        if size > self.largest:
+            self.largest = size
+        return self.requested <= (self.fast_low if now >= self.careful_until else self.careful_low)
 
     def dropped(self) -> None:
         """The client dropped a delivery (slow consumer): it used up credit all the same."""

@@ -299,16 +299,15 @@ class DurableInput:
         # concurrent attackers); shared, at most 4.9 MiB in 4 runs. 256 chunks of up to 8 KiB still
         # fit one pull at 8 partitions.
         max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
-        max_bytes = max(PULL_MAX_BYTES // settings.partitions, 2 * max_payload + 65536)
+        self._max_bytes = max_bytes = max(PULL_MAX_BYTES // settings.partitions, 2 * max_payload + 65536)
         # While redeliveries are expected (after taking a partition, after a redelivery or a 409 MaxBytes),
         # pulls ask for no more messages than max_bytes always holds, so that none is cut by bytes: a cut
         # sends a redelivery to the back of the consumer's redelivery queue (core/credit.py;
         # docs/operations.md, "Redelivery order"). 15 at 1 partition, 1 at 8, with 1 MiB max_payload.
+        # Otherwise as many as max_bytes holds at the largest delivery seen lately, up to fetch_batch.
         self._careful_batch = min(self._batch, uncut_batch(max_bytes, max_payload))
-        self._pull_body, self._careful_pull_body = (msgspec.json.encode({
-            "batch": batch, "max_bytes": max_bytes,
-            "expires": int(PULL_EXPIRES * 1e9), "idle_heartbeat": int(HEARTBEAT * 1e9)})
-            for batch in (self._batch, self._careful_batch))
+        self._pull_body = self._pull_request(self._batch)
+        self._pull_bodies: dict[int, bytes] = {}  # the other batches' requests, made once each
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
@@ -326,6 +325,19 @@ class DurableInput:
         self._wake = anyio.Event()  # set on a reconnect: the watchdog's next round runs at once
         self._lease_lock = anyio.Lock()
         self._migrating: dict[int, int] = {}  # partition -> migrates being answered for it
+
+    def _pull_request(self, batch: int) -> bytes:
+        """The body of a pull request for ``batch`` messages."""
+        return msgspec.json.encode({"batch": batch, "max_bytes": self._max_bytes, "expires": int(PULL_EXPIRES * 1e9),
+                                    "idle_heartbeat": int(HEARTBEAT * 1e9)})
+
+    def _pull_body_of(self, batch: int) -> bytes:
+        if batch == self._batch:
+            return self._pull_body
+        body = self._pull_bodies.get(batch)
+        if body is None:  # at most fetch_batch of them
+            body = self._pull_bodies[batch] = self._pull_request(batch)
+        return body
 
     def _stray(self) -> None:
         self.stats.strays += 1
@@ -577,7 +589,7 @@ class DurableInput:
         now = self._clock()
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
                             retry_after=RETRY_AFTER_ERROR, now=now, careful_batch=self._careful_batch,
-                            hold=CAREFUL_HOLD)
+                            hold=CAREFUL_HOLD, max_bytes=self._max_bytes)
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
                           self.chunks_stream, credit, sealed, now, Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap))
         info = await self._ensure_consumer(part)
@@ -716,8 +728,7 @@ class DurableInput:
         batch = credit.pulled(self._clock())
         self.stats.pulls += 1
         try:
-            await self._publish_pull(part.pull_subject,
-                                     self._pull_body if batch == self._batch else self._careful_pull_body, part.inbox)
+            await self._publish_pull(part.pull_subject, self._pull_body_of(batch), part.inbox)
         except Exception as exc:
             credit.pull_failed(self._clock(), batch)
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
@@ -730,8 +741,7 @@ class DurableInput:
         batch = credit.pulled(self._clock())
         self.stats.pulls += 1
         try:  # our own subject and inbox: not checked again
-            self.nc.enqueue(part.pull_subject,  # type: ignore[attr-defined]
-                            self._pull_body if batch == self._batch else self._careful_pull_body, part.inbox,
+            self.nc.enqueue(part.pull_subject, self._pull_body_of(batch), part.inbox,  # type: ignore[attr-defined]
                             checked=True, defer=True)
         except Exception as exc:
             credit.pull_failed(self._clock(), batch)
@@ -1020,7 +1030,7 @@ class DurableInput:
             if deliveries > 1:  # every redelivery, of known requests too (a metric)
                 stats.redelivered += 1
                 redelivered(now)  # more may wait in the redelivery queue: the pull below is careful
-            if delivered(now):
+            if delivered(now, len(msg.data) + len(msg.subject) + len(reply)):
                 await self._pull(part)
             try:
                 try:
@@ -1062,7 +1072,7 @@ class DurableInput:
             if deliveries > 1:
                 stats.redelivered += 1
                 redelivered(now)  # before the pull below: it must be a careful one
-            if delivered(now):
+            if delivered(now, len(data) + len(subject) + len(reply)):
                 self._pull_nowait(part)
             take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
             publisher.release()  # looked up each time: stage_writes() replaces it after start-up
