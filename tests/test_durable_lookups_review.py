@@ -321,3 +321,40 @@ async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once
     stored = await stored_results(js, settings.subjects)
     _assert_each_once_in_order(stored, moved, bodies)
     assert snap["resumed"] == len(moved) and snap["lookups_parked"] >= len(moved), snap
+
+
+async def test_a_chunk_parked_behind_two_lookups_of_its_request_is_counted_once(client, nats_url, monkeypatch):
+    """Chunks 1 and 3 of a request, each on its ``max_deliver``-th delivery (taken before by an owner
+    that died), park behind the lookup of its chunk 2 (a first delivery), which fails: chunk 2 is
+    NAKed for a retry, and chunks 1 and 3, which a NAK would strand, are decided again in order:
+    chunk 1 starts a lookup of its own and chunk 3 parks behind it, a second time. It was counted in
+    ``lookups_parked`` at each parking: 3 for the 2 chunks that waited behind a lookup."""
+    settings = durable_settings(nats_url, partitions=1, ack_wait=1.5, max_deliver=2)
+    js = client.jetstream()
+    async with Processor(settings):  # the streams and the partition's consumer
+        pass
+    rid = "parked-twice"
+    publisher = ChunkPublisher(client, settings.subjects)
+    await publisher.publish(rid, "agg", 1, b'{"text": "1"}')
+    await publisher.publish(rid, "agg", 3, b'{"text": "3"}')
+    assert len(await dead_owner_takes(client, 2)) == 2  # delivery 1 of seqs 1 and 3: back after ack_wait
+    await publisher.publish(rid, "agg", 2, b'{"text": "2"}', final=True)
+    adopt = DurableInput._adopt
+    calls = 0
+
+    async def failing_once(self, r, *args, **kwargs):  # the first lookup fails once 1 and 3 parked behind it
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            with anyio.fail_after(10):
+                while self.stats.lookups_parked < 2:
+                    await anyio.sleep(0.01)
+            raise TimeoutError("results stream unreadable")
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_adopt", failing_once)
+    async with Processor(settings) as p:
+        await wait_until(_empty(js), 10, "every chunk acknowledged or terminated")
+        snap = p.snapshot()
+    assert snap["recoveries"] >= 2 and snap["poisoned"] >= 1, snap  # chunk 2's lookup, then chunk 1's
+    assert snap["lookups_parked"] == 2, snap

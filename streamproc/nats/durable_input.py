@@ -941,7 +941,8 @@ class DurableInput:
                 if admit and not lookups.fits(d.size):
                     return False
                 lookups.park(rid, d, d.size)
-                stats.lookups_parked += 1
+                if admit:  # counted once: one handed back by a lookup may park again, behind the next
+                    stats.lookups_parked += 1
                 return True
             parsed = d.parsed
             msg = d.msg
