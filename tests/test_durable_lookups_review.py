@@ -323,6 +323,60 @@ async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once
     assert snap["resumed"] == len(moved) and snap["lookups_parked"] >= len(moved), snap
 
 
+# Seconds each flooding request's lookup takes (the results stream slow to answer) and flooding
+# requests, each one chunk that needs a lookup: 32 lookups in flight and FLOOD - 32 more behind them.
+FLOOD_LOOKUP_SECONDS = 1.0
+FLOOD = 32 * 5
+# A started request's next chunk, delivered behind the flood, must be answered within this. Before the
+# lookups' queue the partition's callback waited for a lookup slot at flood chunk 33, and every chunk
+# behind it with it: ~(FLOOD - 32) / 32 x FLOOD_LOOKUP_SECONDS, 4-5 s. With the queue: a few ms.
+VICTIM_BOUND = 1.0
+
+
+async def test_a_started_request_is_answered_at_once_while_a_flood_of_new_requests_waits_for_lookup_slots(
+        client, nats_url, monkeypatch):
+    """A request already served here (result 0 stored, the correlator holds it) sends its next chunk
+    behind FLOOD chunks of new requests that each need a recovery lookup (``Streamproc-Attempt: 1`` on
+    fresh ids, which anyone allowed to publish chunks can send), while lookups are slow: 32 run, the
+    rest wait for a slot. The started request needs no lookup; it is answered within VICTIM_BOUND,
+    and every flooding request still gets its result (here: invalid_chunk, an attempt nobody sealed)."""
+    settings = durable_settings(nats_url, partitions=1, ack_wait=10.0)
+    adopt = DurableInput._adopt
+
+    async def slow(self, r, *args, **kwargs):
+        if r.startswith("flood-"):
+            await anyio.sleep(FLOOD_LOOKUP_SECONDS)
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_adopt", slow)
+    publisher = ChunkPublisher(client, settings.subjects, durable=True)
+    victim = "victim-started"
+    answered: list[float] = []
+
+    async def note(msg) -> None:
+        answered.append(anyio.current_time())
+
+    results = await client.subscribe(settings.subjects.result(victim), cb=note)
+    async with Processor(settings) as p:
+        await wait_until(lambda: p.input.owns("x"), 10, "the partition owned")
+        await publisher.publish(victim, "agg", 0, b'{"text": "0"}')
+        await wait_until(lambda: len(answered) == 1, 10, "the victim's first result")
+        flood = [f"flood-{i}" for i in range(FLOOD)]
+        for attacker in flood:
+            await publisher.publish(attacker, "agg", 0, b'{"text": "f"}', final=True, attempt=1)
+        await wait_until(lambda: p.snapshot()["recoveries"] >= 32, 10, "every lookup slot taken")
+        started = anyio.current_time()
+        await publisher.publish(victim, "agg", 1, b'{"text": "1"}', final=True)
+        await wait_until(lambda: len(answered) == 2, 30, "the victim's second result", every=0.005)
+        waited = answered[1] - started
+        print(f"victim answered {waited:.3f} s after its chunk, behind {FLOOD} chunks needing a lookup")
+        stored = await wait_for_finals(client.jetstream(), settings.subjects, flood, 30)
+    await results.unsubscribe()
+    assert waited < VICTIM_BOUND, f"the started request waited {waited:.2f} s behind {FLOOD} lookups"
+    assert {rid: [(s.seq, s.error) for s in stored[rid]] for rid in flood} == {
+        rid: [(0, "invalid_chunk")] for rid in flood}
+
+
 async def test_a_chunk_parked_behind_two_lookups_of_its_request_is_counted_once(client, nats_url, monkeypatch):
     """Chunks 1 and 3 of a request, each on its ``max_deliver``-th delivery (taken before by an owner
     that died), park behind the lookup of its chunk 2 (a first delivery), which fails: chunk 2 is

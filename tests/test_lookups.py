@@ -24,13 +24,16 @@ class Delivery:
 @dataclass
 class Shell:
     """The partition's shell as durable_input.py drives :class:`Lookups`: one callback, deciding its
-    inbox in order and waiting (blocked) when there is no room; lookups that end in any order."""
+    inbox in order; a delivery that needs a lookup while every slot is taken waits in the queue, and
+    the callback waits (blocked) only when the queue or the parked bytes are full; lookups end in any
+    order, and each end gives the free slot to the oldest queued request."""
 
     lookups: Lookups[Delivery]
     inbox: list[Delivery] = field(default_factory=list)
     decided: list[Delivery] = field(default_factory=list)
     naked: list[Delivery] = field(default_factory=list)
     largest: int = 0
+    waits: list[str] = field(default_factory=list)  # request ids in the order they were queued
 
     def decide(self, d: Delivery) -> None:
         parked = [t for t in self.lookups.tokens() if t.rid == d.rid]
@@ -47,33 +50,55 @@ class Shell:
         if not d.needs:
             self.decide(d)
             return True
-        if admit and not (lookups.room() and lookups.fits(d.size)):
+        if admit and not (lookups.fits(d.size) and (lookups.room() or lookups.queue_room())):
             return False
-        lookups.begin(d.rid, d, d.size)
+        if lookups.room():
+            lookups.begin(d.rid, d, d.size)
+        else:
+            assert admit, "a delivery handed back found no free slot"
+            lookups.wait(d.rid, d, d.size)
+            self.waits.append(d.rid)
         return True
 
     def step(self) -> bool:
         """The callback takes the inbox's first delivery; False when it must wait for room."""
-        if not self.inbox or not self.settle(self.inbox[0], admit=True):
+        if not self.inbox:
+            return False
+        d = self.inbox[0]
+        if not self.settle(d, admit=True):
+            # Only a delivery that would park or queue waits: one of a request in memory never does.
+            assert d.rid in self.lookups or d.needs, "a delivery needing no lookup waited"
             return False
         self.inbox.pop(0)
         return True
 
+    def start_queued(self) -> None:
+        while (waiting := self.lookups.next()) is not None:
+            assert waiting[0].rid == self.waits.pop(0), "queued requests started out of order"
+            for b in waiting:
+                self.settle(b, admit=False)
+
     def end(self, rid: str, ok: bool) -> None:
-        """The lookup of ``rid`` ends (found, or failed and retried later)."""
+        """The lookup of ``rid`` ends (found, or failed and retried later); the queue takes the slot."""
         d = self.lookups.by_request[rid][0][0]
         later = self.lookups.finish(rid, d)
         assert later is not None
         if not ok:
             self.naked.extend([d, *later])
-            return
-        self.decide(d)
-        for b in later:
-            self.settle(b, admit=False)
+        else:
+            self.decide(d)
+            for b in later:
+                self.settle(b, admit=False)
+        self.start_queued()
 
     def check(self) -> None:
         lookups = self.lookups
         assert len(lookups) <= lookups.limit
+        assert len(lookups.queued) <= lookups.max_queued
+        assert not lookups.queued or not lookups.room(), "a request waits while a slot is free"
+        assert set(lookups.queued) <= set(lookups.by_request)
+        assert sorted(lookups.in_flight() + list(lookups.queued)) == sorted(lookups.requests())
+        assert list(lookups.queued) == [r for r in self.waits if r in lookups.queued]
         parked = list(lookups.tokens())
         assert lookups.parked_bytes == sum(t.size for t in parked)
         assert lookups.parked_bytes <= max(lookups.max_bytes, self.largest)
@@ -89,10 +114,11 @@ ops = st.lists(st.one_of(
 
 
 @outbox_settings
-@given(limit=st.integers(1, 4), max_bytes=st.integers(0, 100), script=ops, hand_over=st.booleans())
+@given(limit=st.integers(1, 4), max_queued=st.integers(0, 4), max_bytes=st.integers(0, 100), script=ops,
+       hand_over=st.booleans())
 def test_each_request_is_decided_in_order_within_the_bounds_and_a_hand_over_returns_every_token_once(
-        limit, max_bytes, script, hand_over):
-    shell = Shell(Lookups(limit, max_bytes))
+        limit, max_queued, max_bytes, script, hand_over):
+    shell = Shell(Lookups(limit, max_bytes, max_queued))
     delivered: list[Delivery] = []
     for op, arg in script:
         if op == "deliver":
@@ -105,13 +131,14 @@ def test_each_request_is_decided_in_order_within_the_bounds_and_a_hand_over_retu
             shell.step()
         else:
             i, ok = arg
-            rids = shell.lookups.requests()
+            rids = shell.lookups.in_flight()
             if rids:
                 shell.end(rids[i % len(rids)], ok)
         shell.check()
     if hand_over:
         returned = shell.lookups.abandon()
         assert len(shell.lookups) == 0 and shell.lookups.parked_bytes == 0 and list(shell.lookups.tokens()) == []
+        assert not shell.lookups.queued and shell.lookups.next() is None
         for d in returned:  # a lookup that ends later finds nothing to decide
             assert shell.lookups.finish(d.rid, d) is None
         shell.naked.extend(returned)
@@ -120,13 +147,41 @@ def test_each_request_is_decided_in_order_within_the_bounds_and_a_hand_over_retu
     else:  # run to the end: every lookup found the request, every delivery is decided
         while shell.inbox or len(shell.lookups):
             if not shell.step() and len(shell.lookups):
-                shell.end(shell.lookups.requests()[0], True)
+                shell.end(shell.lookups.in_flight()[0], True)
             shell.check()
+        assert not shell.lookups.requests(), "a request left in the queue"
     settled = [id(d) for d in shell.decided + shell.naked]
     assert sorted(settled) == sorted(id(d) for d in delivered), "every delivery decided or NAKed exactly once"
     for rid in "abcdef":
         got = [d.n for d in shell.decided if d.rid == rid]
         assert got == sorted(got), f"{rid}'s deliveries decided out of order"
+
+
+@outbox_settings
+@given(limit=st.integers(1, 4), max_queued=st.integers(1, 8), needing=st.integers(0, 12),
+       sizes=st.lists(st.integers(1, 40), min_size=12, max_size=12), max_bytes=st.integers(0, 400))
+def test_a_request_in_memory_is_decided_at_once_while_the_queue_has_room(limit, max_queued, needing, sizes,
+                                                                         max_bytes):
+    """No lookup ends: ``needing`` new requests' deliveries that each need one, then one of a request in
+    memory. It is decided as soon as the callback reaches it, unless the deliveries before it filled
+    the slots, the queue (``max_queued``) or the parked bytes: then the callback waits, before it."""
+    shell = Shell(Lookups(limit, max_bytes, max_queued))
+    flood = [Delivery(f"new-{i}", i, sizes[i], True) for i in range(needing)]
+    shell.largest = max(sizes)
+    victim = Delivery("held", needing, 1, False)
+    shell.inbox = [*flood, victim]
+    while shell.step():
+        shell.check()
+    fit = 0  # how many of the flood the bounds admit, in order
+    total = 0
+    for size in sizes[:needing]:
+        if fit >= limit + max_queued or (total and total + size > max_bytes):
+            break
+        fit += 1
+        total += size
+    assert shell.inbox == (flood[fit:] + [victim] if fit < needing else [])
+    assert (victim in shell.decided) == (fit == needing)
+    assert len(shell.lookups) == min(fit, limit) and len(shell.lookups.queued) == max(0, fit - limit)
 
 
 def test_one_delivery_always_parks_and_a_full_partition_has_no_room():
@@ -146,3 +201,24 @@ def test_one_delivery_always_parks_and_a_full_partition_has_no_room():
     assert lookups.finish("b", "b0") is None
     with pytest.raises(RuntimeError):
         lookups.begin("c", "c0", 1)
+
+
+def test_queued_requests_take_freed_slots_oldest_first_with_what_parked_behind_them():
+    lookups: Lookups[str] = Lookups(1, max_bytes=100, max_queued=2)
+    lookups.begin("a", "a0", 1)
+    assert not lookups.room() and lookups.queue_room() and lookups.next() is None
+    lookups.wait("b", "b0", 2)
+    lookups.park("b", "b1", 3)
+    lookups.wait("c", "c0", 4)
+    assert not lookups.queue_room() and len(lookups) == 1 and "b" in lookups and "c" in lookups
+    assert lookups.in_flight() == ["a"] and lookups.requests() == ["a", "b", "c"] and lookups.parked_bytes == 10
+    assert lookups.next() is None  # no free slot
+    assert lookups.finish("b", "b0") is None  # a queued request has no lookup to end
+    assert lookups.finish("a", "a0") == [] and lookups.room()
+    assert lookups.next() == ["b0", "b1"] and "b" not in lookups and lookups.parked_bytes == 4
+    lookups.begin("b", "b0", 2)  # the shell settles them again: the first starts the lookup ...
+    lookups.park("b", "b1", 3)  # ... the rest park behind it
+    assert lookups.next() is None and lookups.queue_room()
+    assert sorted(lookups.abandon()) == ["b0", "b1", "c0"] and not lookups.queued and lookups.next() is None
+    with pytest.raises(RuntimeError):
+        lookups.wait("d", "d0", 1)

@@ -96,9 +96,19 @@ LOOKUP_TIMEOUT = 2.0
 # behind its lookup and are decided in order after it, core/lookups.py). One at a time, 3,000 chunks
 # that each needed one (`Streamproc-Attempt: 1` on fresh ids, a microsecond each to publish) held the
 # partition's next request back 2.4-3.1 s on the 2-vCPU machine (tests/test_durable_attack_review.py),
-# linear in the flood. 32 keep the partition's read loop busy while the server answers; at 32 in flight
-# the next chunk that needs one waits for one to end (back-pressure, as one at a time did).
+# linear in the flood. 32 keep the partition's read loop busy while the server answers.
 LOOKUPS_IN_FLIGHT = 32
+# Requests of a partition whose chunk needs a lookup while LOOKUPS_IN_FLIGHT are in flight: they wait in
+# core/lookups.py for a slot, with their later chunks parked behind them, and the partition goes on
+# deciding the chunks of the requests it holds. Before, the partition's callback waited for a slot, and
+# every chunk delivered behind it with it: a request already served here waited 4.0 s behind 160 new
+# requests' chunks while lookups took 1 s (tests/test_durable_lookups_review.py), a few ms now. Past
+# the bound (or PARKED_BYTES) the callback waits for a lookup to end, as before: back-pressure, not a
+# NAK, which would bring a legitimate moved request's chunk one delivery nearer max_deliver each time
+# (poison: its request ended) and have the server send the flood round again. At most a quarter of
+# --max-ack-pending: queued and parked chunks are unacknowledged, and a partition with max_ack_pending
+# of them is sent nothing more by the server, its held requests' chunks included.
+LOOKUPS_QUEUED = 512
 # Bytes of the deliveries parked behind lookups in flight (theirs included), shared by the --partitions
 # like PULL_MAX_BYTES: parked chunks have left nats-py's queue, so its pending_bytes_limit no longer
 # bounds them. Past it a partition waits for a lookup to end before it parks more (one always parks).
@@ -151,7 +161,9 @@ class DurableStats(OutboxStats):
                                                   "a status: ignored")] = 0
     recoveries: Annotated[int, Meta(description="last-result lookups for requests this instance did not know")] = 0
     lookups_parked: Annotated[int, Meta(description="chunks that waited behind a lookup of their own request "
-                                                    "in flight (decided in order after it)")] = 0
+                                                    "in flight or queued (decided in order after it)")] = 0
+    lookups_queued: Annotated[int, Meta(description="chunks that waited for a lookup slot (every one of the "
+                                                    "partition's lookups in flight)")] = 0
     resumed: Annotated[int, Meta(description="lookups that found stored results (the request moved here)")] = 0
     migrated_adopted: Annotated[int, Meta(description="of those, requests with a seal record: session "
                                                       "rebuilt from stored bodies")] = 0
@@ -313,6 +325,7 @@ class DurableInput:
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
         self._queue_cap = max(MAX_QUEUED_RESULT_BYTES // settings.partitions, 4 * max_payload)
         self._parked_cap = max(PARKED_BYTES // settings.partitions, 2 * max_payload)
+        self._queued_cap = max(1, min(LOOKUPS_QUEUED, settings.max_ack_pending // 4))
         self._held_target = settings.max_ack_pending // 2
         self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
         # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
@@ -591,7 +604,7 @@ class DurableInput:
                             retry_after=RETRY_AFTER_ERROR, now=now, careful_batch=self._careful_batch,
                             hold=CAREFUL_HOLD, max_bytes=self._max_bytes)
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream, credit, sealed, now, Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap))
+                          self.chunks_stream, credit, sealed, now, Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap))
         info = await self._ensure_consumer(part)
         if info.num_ack_pending or info.num_redelivered:
             # Chunks delivered before and not acknowledged (a previous owner's, NAKed or held) come back
@@ -923,10 +936,15 @@ class DurableInput:
         contract_error = self.pipeline.contract_error
 
         def begin(d: _Delivery, format: str | None, retake: bool, now: float) -> None:
-            """Start the recovery lookup ``d`` needs; its request's later deliveries park behind it."""
+            """Start the recovery lookup ``d`` needs, or, every slot taken, queue it for the next free one
+            (:func:`start_queued`); its request's later deliveries park behind it either way."""
             tasks = self._tasks
             if tasks is None or not part.active:  # stopping, or handed over: the next owner looks it up
                 outbox.nak((d.msg,))
+                return
+            if not lookups.room():  # only a new delivery, which asked queue_room() (settle)
+                lookups.wait(d.rid, d, d.size)
+                stats.lookups_queued += 1
                 return
             if retake:  # the stores know the seal: take the request again
                 self._forget(d.rid)
@@ -957,7 +975,7 @@ class DurableInput:
                 if trip is None:
                     decisions = conclude(d, now)
                 else:
-                    if admit and not (lookups.room() and lookups.fits(d.size)):
+                    if admit and not (lookups.fits(d.size) and (lookups.room() or lookups.queue_room())):
                         return False
                     begin(d, None if isinstance(parsed, ContractError) else parsed.format, trip == "retake", now)
             except Exception as exc:  # noqa: BLE001
@@ -972,6 +990,15 @@ class DurableInput:
                 return contract_error(parsed, d.msg, acknowledged=True)
             return decide(parsed, d.msg, d.deliveries, now)
 
+        def start_queued() -> None:
+            """Lookups ended: the queued requests, oldest first, take the free slots. Each one's
+            deliveries are settled again in order: the first starts its lookup (or is decided, should
+            its request have become known meanwhile), the rest park behind it."""
+            while (waiting := lookups.next()) is not None:
+                now = clock()
+                for b in waiting:
+                    settle(b, now, admit=False)
+
         async def lookup(d: _Delivery, format: str | None, now: float) -> None:
             """:func:`looked_up` as a task of the input's task group, which an exception escaping it
             would end, and with it every partition: a bug there costs this request a retry instead
@@ -982,6 +1009,8 @@ class DurableInput:
                 later = lookups.finish(d.rid, d)
                 if later is not None:
                     outbox.nak([d.msg, *(b.msg for b in later)], delay=1.0)
+                with contextlib.suppress(Exception):  # the free slot goes to the queue (a bug: logged below)
+                    start_queued()
                 part.wake()
                 log_event(log, logging.ERROR, "lookup_task_failed", partition=part.n, request_id=shown(d.rid),
                           error=error_text(exc))
@@ -1014,6 +1043,7 @@ class DurableInput:
                 take(decisions, rid, now)
                 for b in later:  # in delivery order; an earlier one may start another lookup of rid
                     settle(b, clock(), admit=False)
+            start_queued()
             await pump()
 
         async def on_message(msg: Msg) -> None:
@@ -1048,7 +1078,7 @@ class DurableInput:
                 await pump()
                 return
             d = _Delivery(msg, deliveries, parsed, rid)
-            while not settle(d, now, admit=True):  # no room: wait for a lookup to end (back-pressure)
+            while not settle(d, now, admit=True):  # queue full: wait for a lookup to end (back-pressure)
                 await part.freed.wait()
                 if not part.active:
                     outbox.nak((msg,))
