@@ -210,3 +210,30 @@ async def dead_owner_takes(client, count: int) -> list:
         return await sub.fetch(count, timeout=5)
     finally:
         await sub.unsubscribe()
+
+
+SLOW_LOOKUPS = '''\
+# Written by tests/durable_helpers.py: a results stream slow to answer a recovery lookup, in the
+# processor subprocess (its chunk lookups, DurableInput._adopt called with current=, sleep first).
+import anyio
+from streamproc.nats import durable_input
+
+_adopt = durable_input.DurableInput._adopt
+
+
+async def _slow(self, rid, *args, **kwargs):
+    if kwargs.get("current") is not None:
+        await anyio.sleep({seconds!r})
+    return await _adopt(self, rid, *args, **kwargs)
+
+
+durable_input.DurableInput._adopt = _slow
+'''
+
+
+def slow_lookups_env(directory: Path, seconds: float) -> dict[str, str]:
+    """The environment of a ``streamproc run`` subprocess whose recovery lookups of chunks take
+    ``seconds`` longer (a ``sitecustomize`` in ``directory``, first on its PYTHONPATH): what an
+    in-process test does with monkeypatch, for a test that reads the subprocess's memory."""
+    (directory / "sitecustomize.py").write_text(SLOW_LOOKUPS.format(seconds=seconds))
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import anyio
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced
+from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced, stored_results
 from helpers import free_port, raw_hpub, raw_protocol, rid, scrape, wait_until
 
 from streamproc.core.wire import Subjects, chunk_headers
@@ -246,3 +246,91 @@ async def test_bodies_kept_for_a_possible_migration_are_bounded_across_requests(
                                       f"~200 KB body each (docs/operations.md: below 200 MiB under attack)")
         finally:
             await nc.close()
+
+
+# The processor's peak RSS during a flood of near-max_payload chunks that each need a recovery lookup
+# may pass its RSS before the flood by at most what the durable input lets in: the parked (and queued)
+# chunks, PARKED_BYTES, and the pulls in flight, PULL_MAX_BYTES (both shared by the partitions; see
+# durable_input.py), plus LOOKUP_FLOOD_SLACK for what holds a chunk between the two: decided chunks
+# whose error result waits for its PubAck, the read buffer, glibc heap left resident.
+LOOKUP_FLOOD_SLACK = 24 * MiB
+
+
+@pytest.mark.parametrize("lookup_delay", [0.0, 0.5])
+async def test_a_flood_of_large_chunks_needing_lookups_stays_within_the_parked_budget(nats_url, tmp_path,
+                                                                                      lookup_delay):
+    """Requests that each send two ~1 MB chunks (near max_payload) of ``Streamproc-Attempt: 1`` on
+    fresh ids: the first needs a recovery lookup, the second parks behind it (or behind its request in
+    the lookup queue). Parked and queued chunks have left nats-py's queue and are bounded only by the
+    durable input's parked-bytes budget. The processor's peak RSS (VmHWM) stays under its RSS before
+    the flood + PARKED_BYTES + PULL_MAX_BYTES + LOOKUP_FLOOD_SLACK, a request already started is still
+    answered, and every flooding request gets its error result (invalid_chunk: an attempt nobody
+    sealed), the second chunk of each settled as late. With lookups as fast as the server answers,
+    and with each lookup 0.5 s slower (a results stream slow to answer): the budget binds, the rest
+    waits in the chunk stream."""
+    from durable_helpers import slow_lookups_env
+    from helpers import peak_rss, status_kib
+
+    from streamproc.nats.durable_input import PARKED_BYTES, PULL_MAX_BYTES
+
+    flags = durable_flags(partitions=4, ack_wait=10.0)
+    port = free_port()
+    env = slow_lookups_env(tmp_path, lookup_delay) if lookup_delay else None
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port), env=env) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            victim = rid("victim")
+            await js.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"v0"}', headers=chunk_headers(victim, "agg", 0))
+
+            async def victim_results() -> int:
+                info = await js.stream_info("STREAMPROC_RESULTS", subjects_filter=SUBJECTS.result(victim))
+                return (info.state.subjects or {}).get(SUBJECTS.result(victim), 0)
+
+            await wait_until(lambda: _at_least(victim_results, 1), 10, "the victim's first result")
+            baseline = status_kib(proc.pid, "VmRSS") * 1024
+            body = b'{"text":"' + b"a" * (nc.max_payload - 4096) + b'"}'
+            attackers = [f"heavy-{i}" for i in range(100)]
+            for attacker in attackers:
+                for seq in (0, 1):
+                    headers = chunk_headers(attacker, "agg", seq, final=seq == 1)
+                    headers["Streamproc-Attempt"] = "1"
+                    await js.publish(SUBJECTS.chunk(attacker, "agg"), body, headers=headers)
+            await js.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"v1"}',
+                             headers=chunk_headers(victim, "agg", 1, final=True))
+            await wait_until(lambda: _at_least(victim_results, 2), 60, "the victim's second result", every=0.2)
+
+            async def all_answered() -> bool:
+                return (await js.stream_info("STREAMPROC_RESULTS")).state.messages == len(attackers) + 2
+
+            await wait_until(all_answered, 60, "every flooding request's error result", every=0.5)
+            await wait_until(lambda: _drained(js), 30, "every chunk settled", every=0.5)
+            peak = peak_rss(proc.pid)
+            metrics = scrape(port)
+            print(f"RSS before the flood {baseline / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB "
+                  f"(+{(peak - baseline) / MiB:.1f} MiB); lookups "
+                  f"{metrics['streamproc_durable_recoveries_total']:.0f}, parked "
+                  f"{metrics['streamproc_durable_lookups_parked_total']:.0f}, queued "
+                  f"{metrics.get('streamproc_durable_lookups_queued_total', -1):.0f}")
+            bound = baseline + PARKED_BYTES + PULL_MAX_BYTES + LOOKUP_FLOOD_SLACK
+            assert peak < bound, (f"peak RSS {peak / MiB:.0f} MiB, over {bound / MiB:.0f} MiB (before the flood "
+                                  f"{baseline / MiB:.0f} MiB) with {len(attackers)} x 2 chunks of ~1 MB that each "
+                                  f"needed a lookup or parked behind one")
+            stored = await stored_results(js, SUBJECTS)
+            for a in attackers:
+                [result] = stored[a]
+                assert result.error == "invalid_chunk" and result.final, result
+                assert b"attempt 1 of a request this processor has no state for" in result.body, result.body[:300]
+            assert [(r.seq, r.error) for r in stored[victim]] == [(0, None), (1, None)], stored[victim]
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+async def _at_least(count, n: int) -> bool:
+    return await count() >= n
+
+
+async def _drained(js) -> bool:
+    return await chunk_stream_messages(js) == 0
+
