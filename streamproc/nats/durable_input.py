@@ -604,7 +604,8 @@ class DurableInput:
                             retry_after=RETRY_AFTER_ERROR, now=now, careful_batch=self._careful_batch,
                             hold=CAREFUL_HOLD, max_bytes=self._max_bytes)
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                          self.chunks_stream, credit, sealed, now, Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap))
+                          self.chunks_stream, credit, sealed, now,
+                          Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap))
         info = await self._ensure_consumer(part)
         if info.num_ack_pending or info.num_redelivered:
             # Chunks delivered before and not acknowledged (a previous owner's, NAKed or held) come back
