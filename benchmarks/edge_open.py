@@ -482,6 +482,13 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
     open_wall = close_wall = idle_wall = 0.0
     outs: list[dict] = []
     final = args.close == "final"
+    spy = (subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "-r",
+                             "1000", "-f", "raw", "-o", str(args.py_spy), "-p", str(c.proc.pid)]
+                            + (["--native"] if args.py_spy_native else []),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           if args.py_spy and c.name == "edge" and r == 0 else None)
+    if spy:
+        await asyncio.sleep(1.0)  # py-spy attached
     for b in range(args.opens // args.burst):
         burst = [{"rid": f"life{c.name}{r}-{b}-{i}"} for i in range(args.burst)]
         w0, c0 = time.perf_counter(), clock()
@@ -511,6 +518,9 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
         idle_wall += w3 - w2
         outs.extend(burst)
         await asyncio.sleep(args.gap)
+    if spy:
+        spy.send_signal(2)
+        spy.wait(30)
     n = len(outs)
     rate = idle / idle_wall  # the server's CPU per second with nothing to do (its timers)
     times = sorted(o["open_ms"] for o in outs)
@@ -548,7 +558,7 @@ def print_lifecycle(contenders: list[Contender], args) -> dict:
                     line.append(f"{k.split('_')[0]} x{statistics.median(ratios):.2f} "
                                 f"({min(ratios):.2f}-{max(ratios):.2f})")
             print(f"{a}/{b}: paired median " + ", ".join(line))
-    print(f"idle CPU us/s: " + ", ".join(f"{c.name} {report[c.name]['idle_cpu_us_per_s']:.0f}" for c in contenders)
+    print("idle CPU us/s: " + ", ".join(f"{c.name} {report[c.name]['idle_cpu_us_per_s']:.0f}" for c in contenders)
           + f"; load average {min(x['loadavg'] for c in contenders for x in c.rounds):.1f}-"
           f"{max(x['loadavg'] for c in contenders for x in c.rounds):.1f}")
     return report
@@ -834,6 +844,7 @@ def main() -> None:
     parser.add_argument("--deny-msg-get", action="store_true",
                         help="the NATS user may not publish $JS.API.STREAM.MSG.GET.> (the edge's fallback)")
     parser.add_argument("--py-spy", type=Path, help="record the edge with py-spy (raw format) in its first round")
+    parser.add_argument("--py-spy-native", action="store_true", help="--py-spy with --native (C frames too)")
     parser.add_argument("--probe-handles", action="store_true",
                         help="time the edge's loop callbacks and print what ran in its long passes during bursts")
     parser.add_argument("--per-pass", type=int, action="append", default=[], metavar="N",
