@@ -44,7 +44,8 @@ published to each and the client reads to the end of the body, as benchmarks/lat
 end; the floor cannot take part in that one), and after ``--settle`` seconds more the CPU is read
 again; then an idle window of ``--settle`` seconds is read too, and its rate of CPU per second is
 taken off both (the edge's timers). The server's CPU is its process CPU clock
-(``clock_getcpuclockid``: nanoseconds, not /proc's 10 ms ticks). Prints, per round and contender,
+(``clock_getcpuclockid``: nanoseconds, not /proc's 10 ms ticks); the edges run without this
+script's stamps and loop probes (they cost CPU per open). Prints, per round and contender,
 CPU us per open and per close, and the paired ratios against the floor.
 
 Each round prints the open p50 at the client and the server's CPU per open. With ``--load``
@@ -100,6 +101,20 @@ def serve(stamps_file: Path, edge_argv: list[str]) -> int:
             pass
         else:
             pacer.OPENS_PER_PASS = int(os.environ["EDGE_OPEN_PER_PASS"])
+    if os.environ.get("EDGE_OPEN_PLAIN") == "1":  # --lifecycle: no stamps, no probes (they cost CPU per open)
+        profile = None
+        if os.environ.get("EDGE_OPEN_CPROFILE"):  # --cprofile: the whole run, written when the edge stops
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
+        try:
+            return edge_main(edge_argv)
+        finally:
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(os.environ["EDGE_OPEN_CPROFILE"])
+            stamps_file.write_text(json.dumps({"stamps": {}, "passes": []}))
     stamps: dict[str, dict[str, float]] = {}
     current: contextvars.ContextVar[str | None] = contextvars.ContextVar("rid", default=None)
     passes = probe_loop_passes()
@@ -483,7 +498,7 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
     outs: list[dict] = []
     final = args.close == "final"
     spy = (subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "-r",
-                             "1000", "-f", "raw", "-o", str(args.py_spy), "-p", str(c.proc.pid)]
+                             "1000", "-f", "raw", "--nonblocking", "-o", str(args.py_spy), "-p", str(c.proc.pid)]
                             + (["--native"] if args.py_spy_native else []),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
            if args.py_spy and c.name == "edge" and r == 0 else None)
@@ -624,6 +639,10 @@ async def main_async(args) -> dict:
                 env = {**env, "EDGE_OPEN_HANDLES": "1"}
             if per_pass is not None:
                 env = {**env, "EDGE_OPEN_PER_PASS": str(per_pass)}
+            if args.lifecycle:
+                env = {**env, "EDGE_OPEN_PLAIN": "1"}
+                if args.cprofile and name == "edge":
+                    env["EDGE_OPEN_CPROFILE"] = str(args.cprofile)
             hook: list[str] = []
             if args.count_calls:  # the edge under call_hook.py, counting between SIGUSR1 and SIGUSR2 (one_round)
                 hook = [str(Path(script).parent / "call_hook.py")]
@@ -860,6 +879,9 @@ def main() -> None:
                         help="hold each burst's streams open, then close them: server CPU per open and per close")
     parser.add_argument("--close", choices=("disconnect", "final"), default="disconnect",
                         help="--lifecycle: the client closes, or a final result ends each stream (no floor)")
+    parser.add_argument("--cprofile", type=Path,
+                        help="--lifecycle: run the edge under cProfile, stats written here when it stops "
+                             "(it slows the edge: its CPU figures then mean nothing)")
     parser.add_argument("--settle", type=float, default=0.05,
                         help="--lifecycle: seconds waited after the heads and after the closes before the CPU is read")
     parser.add_argument("--count-calls", action="store_true",
