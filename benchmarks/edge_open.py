@@ -506,10 +506,20 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
         await asyncio.sleep(1.0)  # py-spy attached
     for b in range(args.opens // args.burst):
         burst = [{"rid": f"life{c.name}{r}-{b}-{i}"} for i in range(args.burst)]
+        counting = args.count_calls and c.edge and b == 0  # each round's first burst (call_hook.py)
+        if counting:
+            c.proc.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.05)
         w0, c0 = time.perf_counter(), clock()
         conns = await asyncio.gather(*(hold_one("127.0.0.1", c.port, o["rid"], o) for o in burst))
         await asyncio.sleep(args.settle)
         w1, c1 = time.perf_counter(), clock()
+        if counting:
+            from call_hook import collect
+            c.calls.append(({"phase": "open", **await collect(c.proc, calls_file(c), c.name)}, len(burst)))
+            c.proc.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+            w1, c1 = time.perf_counter(), clock()
         if final:
             for o in burst:
                 await nc.publish(f"{prefix}.results.{o['rid']}", b'{"text":"x","meta_info":{}}',
@@ -523,6 +533,10 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
                 writer.close()
         await asyncio.sleep(args.settle)
         w2, c2 = time.perf_counter(), clock()
+        if counting:
+            c.calls.append(({"phase": "close", **await collect(c.proc, calls_file(c), c.name)}, len(burst)))
+            await asyncio.sleep(0.05)
+            w2, c2 = time.perf_counter(), clock()
         await asyncio.sleep(args.settle)
         w3, c3 = time.perf_counter(), clock()
         opened += c1 - c0
@@ -545,8 +559,23 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
                      "idle_cpu_us_per_s": rate * 1e6, "loadavg": os.getloadavg()[0]})
 
 
+def calls_file(c: Contender) -> Path:
+    return Path(c.proc.args[c.proc.args.index("--serve") + 1]).with_name(f"calls-{c.name}.json")
+
+
 def print_lifecycle(contenders: list[Contender], args) -> dict:
     report: dict = {}
+    for c in contenders:  # --count-calls: Python and C calls per open and per close (each round's first burst)
+        for phase in ("open", "close"):
+            rows = [(k, n) for k, n in c.calls if k["phase"] == phase]
+            if not rows:
+                continue
+            per = [(sum(row[3] for row in k["python"]) / n, sum(row[1] for row in k["c"]) / n) for k, n in rows]
+            report.setdefault(f"{c.name}_calls", {})[phase] = per
+            print(f"{c.name}: calls per {phase}, by round: " + ", ".join(f"{p:.0f} Python + {x:.0f} C" for p, x in per))
+            counts, n = rows[-1]
+            for file, line, name, calls in counts["python"][:args.top_calls]:
+                print(f"    {calls / n:7.2f}  {name} ({'/'.join(Path(file).parts[-2:])}:{line})")
     print(f"\n{args.mode}, bursts of {args.burst}, close: {args.close}, {args.rounds} interleaved round(s) of "
           f"{args.opens} opens per contender; server CPU us per open / per close (idle rate taken off)")
     print(f"{'round':6}" + "".join(f"{c.name + ' open':>13}{'close':>8}{'p50 ms':>8}" for c in contenders))
@@ -882,6 +911,8 @@ def main() -> None:
     parser.add_argument("--cprofile", type=Path,
                         help="--lifecycle: run the edge under cProfile, stats written here when it stops "
                              "(it slows the edge: its CPU figures then mean nothing)")
+    parser.add_argument("--top-calls", type=int, default=0,
+                        help="--lifecycle --count-calls: also list the N Python functions called most per open/close")
     parser.add_argument("--settle", type=float, default=0.05,
                         help="--lifecycle: seconds waited after the heads and after the closes before the CPU is read")
     parser.add_argument("--count-calls", action="store_true",
