@@ -59,7 +59,7 @@ from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
 from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
 from . import pacer
-from .direct import DirectFrames, UvicornBody, WriteBatch
+from .direct import DirectFrames, UvicornBody, WriteBatch, watch_disconnect
 from .experts import MAX_BODIES_BYTES, MAX_BODY_BYTES, MAX_CLIENT_BODIES_BYTES, BodyBudget, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource, StreamGone
@@ -173,20 +173,27 @@ class EventStreamResponse(StreamingResponse):
         return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The frames are written by this task; one watcher task cancels it on ``http.disconnect``.
-        (An anyio task group of a writer and a listener did the same with a task, four cancel
-        scopes and an Event more per open: ~10% of the edge's CPU in a burst of opens.)"""
+        """The frames are written by this task, which is cancelled when the client disconnects:
+        behind Uvicorn's httptools protocol by the connection's loss itself (direct.watch_disconnect),
+        elsewhere by a watcher task that reads ``receive()`` until ``http.disconnect``. (An anyio
+        task group of a writer and a listener did the same with a task, four cancel scopes and an
+        Event more per open: ~10% of the edge's CPU in a burst of opens; the watcher task itself was
+        ~7% of an open and close: docs/benchmarks.md, "SSE lifecycle".)"""
         task = asyncio.current_task()
         assert task is not None
         left = False
 
-        async def watch() -> None:
+        def gone() -> None:
             nonlocal left
-            await self.listen_for_disconnect(receive)
             left = True
             task.cancel()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        async def watch() -> None:
+            await self.listen_for_disconnect(receive)
+            gone()
+
+        hook = watch_disconnect(receive, gone)
+        watcher = asyncio.get_running_loop().create_task(watch()) if hook is None else None
         stopping = self.stopping
         try:
             with contextlib.suppress(OSError):
@@ -195,12 +202,17 @@ class EventStreamResponse(StreamingResponse):
             if left:
                 task.uncancel()
             elif stopping is not None and stopping.claims(task):
+                if hook is not None:  # the stop ends it now, aborting a client that does not read
+                    hook.callback = None  # (end_for_stop): that disconnect must not cancel the end
                 with contextlib.suppress(OSError):
                     await self.end_for_stop(send)
             else:  # cancelled from outside (the server's own timeout): not ours to swallow
                 raise
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            else:
+                hook.callback = None  # type: ignore[union-attr]  # on_close is not cancelled by a late disconnect
             if stopping is not None:
                 stopping.leave(task)
             with anyio.CancelScope(shield=True):

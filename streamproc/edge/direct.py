@@ -49,6 +49,50 @@ def _httptools_cycle() -> type | None:
     return RequestResponseCycle
 
 
+class DisconnectWatch(asyncio.Event):
+    """Uvicorn's per-request ``message_event``, which also calls ``callback`` (once) when it is set
+    with the cycle disconnected: ``HttpToolsProtocol.connection_lost`` marks the cycle
+    ``disconnected`` and sets this event, which is all that a task blocked in ``receive()`` for
+    ``http.disconnect`` (Starlette's ``listen_for_disconnect``) waits for. Installed by
+    :func:`watch_disconnect` instead of such a task: a task per SSE stream, its first step, a
+    future, and a wake-up plus a step at the disconnect (docs/benchmarks.md, "SSE lifecycle")."""
+
+    def __init__(self, cycle: Any, callback: Callable[[], None] | None) -> None:
+        super().__init__()
+        self.cycle = cycle
+        self.callback = callback
+
+    def set(self) -> None:
+        super().set()
+        callback = self.callback
+        if callback is not None and self.cycle.disconnected:
+            self.callback = None
+            callback()
+
+
+def watch_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) -> DisconnectWatch | None:
+    """Call ``callback`` when the client behind Uvicorn's ``receive`` disconnects (its
+    :class:`DisconnectWatch`; ``.callback = None`` stops it), or None where a task reading
+    ``receive()`` must watch instead: another server or protocol, a wrapped ``receive``, a request
+    whose body is still coming (the task reads and drops it), a client already gone.
+    Like the task's first ``receive()``, it resumes reading (Uvicorn pauses it for a pipelined request)."""
+    if UvicornBody._cycle_type is False:
+        UvicornBody._cycle_type = _httptools_cycle()
+    cycle = getattr(receive, "__self__", None)
+    if UvicornBody._cycle_type is None or type(cycle) is not UvicornBody._cycle_type:
+        return None
+    event = getattr(cycle, "message_event", None)
+    if (type(event) is not asyncio.Event or getattr(cycle, "more_body", True) is not False
+            or getattr(cycle, "disconnected", True) is not False or not hasattr(cycle, "flow")):
+        return None
+    watch = DisconnectWatch(cycle, callback)
+    if event.is_set():
+        watch._value = True  # as Event.set() leaves it, without calling back (still connected)
+    cycle.message_event = watch
+    cycle.flow.resume_reading()
+    return watch
+
+
 class UvicornBody:
     """A response body's bytes, as Uvicorn's ``send`` writes them, without the ASGI message."""
 
