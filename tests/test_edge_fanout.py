@@ -274,3 +274,27 @@ async def test_a_late_reader_that_falls_behind_its_history_is_overrun_and_its_co
         async with asyncio.timeout(10):
             while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:
                 await asyncio.sleep(0.1)
+
+
+async def test_opens_build_no_jetstream_context_each(nats_url, client, monkeypatch):
+    """``nc.jetstream()`` built a ``JetStreamContext`` (a parser, an Event, a Semaphore) for every open,
+    core and JetStream alike; the source makes one per connection (ResultSource.jetstream)."""
+    from nats.js.client import JetStreamContext
+
+    made = [0]
+    init = JetStreamContext.__init__
+
+    def counted(self, *args, **kwargs):
+        made[0] += 1
+        init(self, *args, **kwargs)
+
+    for subjects, overrides in ((LIVE, {}), (STORED, {"ensure_results_stream": True})):
+        async with started_source(nats_url, subjects, **overrides) as source:
+            first = await source.open(rid("js-first"))  # the first may make the connection's one
+            await first.close()
+            monkeypatch.setattr(JetStreamContext, "__init__", counted)
+            feeds = [await source.open(rid(f"js{i}")) for i in range(5)]
+            for feed in feeds:
+                await feed.close()
+            monkeypatch.setattr(JetStreamContext, "__init__", init)
+        assert made[0] == 0, subjects

@@ -441,6 +441,19 @@ class ResultSource:
         # True once the client runs ``after_read`` at the end of every read (FastClient on its fast
         # parser); else the Edge's WriteBatch schedules its own flush for the next loop pass.
         self.after_read_hooked = False
+        self._js: JetStreamContext | None = None  # self.nc's, made once (jetstream())
+
+    def jetstream(self) -> JetStreamContext:
+        """``self.nc.jetstream()``, made once per connection: each call builds a new
+        ``JetStreamContext`` (a header parser, an ``asyncio.Event``, an ``asyncio.Semaphore``; nats-py
+        2.x ``JetStreamContext.__init__``), which every open did (docs/benchmarks.md, "SSE lifecycle").
+        It holds nothing per request: its API calls take their subjects and timeouts as arguments."""
+        nc = self.nc
+        assert nc is not None
+        js = self._js
+        if js is None or js._nc is not nc:
+            js = self._js = nc.jetstream()
+        return js
 
     def run_after_read(self) -> None:
         """``after_read`` (the edge's WriteBatch.flush), its failures logged: at the end of each NATS
@@ -796,8 +809,7 @@ class ResultSource:
         subject from the stream's start), so nothing is missed; a failure there ends it with Lost."""
         assert self.nc is not None
         subject = self.subjects.result(request_id)
-        js = self.nc.jetstream()
-        stream = await self.streams.find(js, subject)
+        stream = await self.streams.find(self.jetstream(), subject)
         order = SeqOrder(after)
         # Bounded per stream: nats-py's default would hold up to 128 MiB for a client that stopped
         # reading (DEFAULT_SUB_PENDING_BYTES_LIMIT); past our bound it drops and reports a
@@ -857,7 +869,7 @@ class ResultSource:
                 else:
                     self._feeds.pop(id(core_subscription(sub)), None)
 
-            feed.replay = Replay(self.nc, self.nc.jetstream()._prefix, stream, subject, self.fanout.delivered(),
+            feed.replay = Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                                  REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch,
                                  self.msg_get)
             self.metrics.jetstream_replays += 1
@@ -882,7 +894,7 @@ class ResultSource:
         feed.stream = stream
         feed.limits = limits
         feed.attaching = asyncio.get_running_loop().create_task(
-            self._attach(feed, self.nc.jetstream(), subject, stream, limits))
+            self._attach(feed, self.jetstream(), subject, stream, limits))
         self._attaching.add(feed.attaching)
         feed.attaching.add_done_callback(self._attaching.discard)
 
