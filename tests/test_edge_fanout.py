@@ -298,3 +298,24 @@ async def test_opens_build_no_jetstream_context_each(nats_url, client, monkeypat
                 await feed.close()
             monkeypatch.setattr(JetStreamContext, "__init__", init)
         assert made[0] == 0, subjects
+
+
+async def test_a_dispatched_feed_closes_at_once_and_one_with_a_replay_left_returns_its_close_to_await(
+        nats_url, client):
+    """``ResultFeed.close_now``: a feed read from the fan-out with no replay left needs no round trip,
+    so an SSE stream's end awaits nothing (no coroutine, no shielded scope); a JetStream feed whose
+    stored results were not read yet still has its replay's consumer to close."""
+    async with started_source(nats_url, LIVE) as source:
+        feed = await source.open(rid("now"))
+        assert feed.close_now() is None
+        assert feed.closed and LIVE.result(feed.request_id) not in source.fanout.feeds
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        request_id = rid("later")
+        await publish_result(client, STORED, request_id, 0, b"{}")  # stored: the open replays it
+        await client.flush()
+        feed = await source.open(request_id)
+        assert feed.replay is not None
+        rest = feed.close_now()
+        assert rest is not None
+        await rest
+        assert feed.closed and feed.replay is None

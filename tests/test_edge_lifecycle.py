@@ -22,9 +22,11 @@ def anyio_backend():
 class Served:
     """``EventStreamResponse`` over ``frames()`` at a real Uvicorn (httptools) on a free port."""
 
-    def __init__(self, frames) -> None:
+    def __init__(self, frames, sync_close: bool = False) -> None:
         self.frames = frames
+        self.sync_close = sync_close  # on_close a plain function that finishes at once (returns None)
         self.closed: list[bool] = []  # each stream's on_close(completed)
+        self.errors: list[BaseException] = []  # what the response raised (Uvicorn would log it)
         self.server: uvicorn.Server | None = None
         self.port = 0
 
@@ -35,7 +37,15 @@ class Served:
         async def on_close(completed: bool) -> None:
             self.closed.append(completed)
 
-        await EventStreamResponse(self.frames(), on_close, 10.0, lambda: None)(scope, receive, send)
+        def on_close_now(completed: bool) -> None:
+            self.closed.append(completed)
+
+        try:
+            await EventStreamResponse(self.frames(), on_close_now if self.sync_close else on_close, 10.0,
+                                      lambda: None)(scope, receive, send)
+        except Exception as exc:
+            self.errors.append(exc)
+            raise
 
     async def __aenter__(self) -> Served:
         config = uvicorn.Config(self.app, host="127.0.0.1", port=0, http="httptools", lifespan="off", interface="asgi3",
@@ -113,3 +123,26 @@ async def test_a_stream_whose_request_body_is_still_coming_is_ended_by_its_disco
         await asyncio.sleep(0.05)
         writer.close()
         assert await served.closed_count(1) == [False]
+
+
+@pytest.mark.parametrize("sync_close", [False, True], ids=["awaited", "at-once"])
+async def test_on_close_runs_once_per_stream_whether_it_returns_something_to_await_or_not(sync_close):
+    """The edge's on_close finishes at once for a stream read from the fan-out (ResultFeed.close_now):
+    it returns None and nothing is awaited, no shielded cancel scope entered; one that returns a
+    coroutine (an unsubscribe left) is awaited, shielded, as every on_close was."""
+    async def one():
+        yield b"data: x\n\n"
+
+    async with Served(never, sync_close) as served:
+        _, writer = await served.open()
+        writer.close()
+        assert await served.closed_count(1) == [False]
+        await asyncio.sleep(0.05)
+        assert served.errors == []
+    async with Served(one, sync_close) as served:
+        reader, writer = await served.open("Connection: close\r\n")
+        await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert await served.closed_count(1) == [True]
+        await asyncio.sleep(0.05)
+        assert served.errors == []

@@ -119,11 +119,12 @@ def unauthorized(message: str) -> JSONResponse:
 class EventStreamResponse(StreamingResponse):
     """An SSE response that races the client: on ``http.disconnect`` the frames stop at once.
 
-    ``on_close(completed)`` runs after the stream, shielded from cancellation, so the NATS
-    subscription is always released, also when the client vanished mid-wait.
+    ``on_close(completed)`` runs after the stream; what it returns to await (a coroutine, as an
+    ``async def`` returns) is awaited shielded from cancellation, so the NATS subscription is
+    always released, also when the client vanished mid-wait. None: it finished at once.
     """
 
-    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]],
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None] | None],
                  write_timeout: float, on_stall: Callable[[], None], direct: DirectFrames | None = None,
                  stopping: stop.Stopping | None = None, stop_frame: bytes = b"") -> None:
         super().__init__(
@@ -215,8 +216,10 @@ class EventStreamResponse(StreamingResponse):
                 hook.callback = None  # type: ignore[union-attr]  # on_close is not cancelled by a late disconnect
             if stopping is not None:
                 stopping.leave(task)
-            with anyio.CancelScope(shield=True):
-                await self.on_close(self.completed)
+            rest = self.on_close(self.completed)
+            if rest is not None:  # a round trip left (an unsubscribe, a replay's consumer)
+                with anyio.CancelScope(shield=True):
+                    await rest
 
     async def end_for_stop(self, send: Send) -> None:
         """The edge stops: the stop's error event and ``[DONE]``, then the body's end. Every frame
@@ -416,7 +419,7 @@ class Edge:
         verdicts = query_values(request, "verdicts")[-1:] in (["1"], ["true"], ["yes"])
         trace = self.tracing.stream(request_id) if self.tracing is not None else None
 
-        async def on_close(completed: bool) -> None:
+        def on_close(completed: bool) -> Awaitable[None] | None:
             if completed:
                 self.metrics.streams_completed += 1
             else:
@@ -424,7 +427,7 @@ class Edge:
             if trace is not None:
                 trace.close("completed" if completed else "disconnected")
             self.client_left(client)
-            await self.release(feed)
+            return self.release_now(feed)
 
         def on_stall() -> None:
             self.metrics.streams_stalled += 1
@@ -793,9 +796,15 @@ class Edge:
                                      ErrorKind.UNAVAILABLE)
 
     async def release(self, feed: ResultFeed) -> None:
+        rest = self.release_now(feed)
+        if rest is not None:
+            await rest
+
+    def release_now(self, feed: ResultFeed) -> Awaitable[None] | None:
+        """:meth:`release`; None when the feed closed at once, else the rest to await (ResultFeed.close_now)."""
         self.metrics.streams_active -= 1
         self.heap.released()
-        await feed.close()
+        return feed.close_now()
 
 
 def result_event(result: ResultInfo) -> bytes:

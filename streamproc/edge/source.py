@@ -19,7 +19,7 @@ import contextlib
 import datetime
 import logging
 import time
-from typing import Callable, Literal
+from typing import Any, Callable, Coroutine, Literal
 
 import msgspec
 import nats.errors
@@ -285,6 +285,24 @@ class ResultFeed:
     async def close(self) -> None:
         """Unsubscribe and free what nats-py still queues for this feed (also after an overrun).
         A consumer still being created is unsubscribed by its creator once it exists."""
+        rest = self.close_now()
+        if rest is not None:
+            await rest
+
+    def close_now(self) -> Coroutine[Any, Any, None] | None:
+        """:meth:`close`, done at once where nothing needs a round trip (a dispatched feed with no
+        replay left: every core open, and a JetStream one whose stored results were read): None.
+        Else the close as a coroutine to await. An SSE stream's end then needs no shielded cancel
+        scope and no coroutines (docs/benchmarks.md, "SSE lifecycle")."""
+        if self.replay is not None or self._sub is not None:
+            return self._close()
+        self.closed = True
+        self.source.forget(self)
+        if self.inbox is not None:
+            self.inbox.clear()
+        return None
+
+    async def _close(self) -> None:
         self.closed = True
         replay, self.replay = self.replay, None
         if replay is not None:
