@@ -494,6 +494,7 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
     """``--lifecycle``: the server's CPU per open and per close, each burst's windows read apart."""
     clock = ProcessCpuClock(c.proc.pid)
     opened = closed = idle = 0.0  # CPU seconds
+    ticks = [0.0, 0.0, 0.0, 0.0]  # /proc's user and system seconds (10 ms ticks) of the opens and the closes
     open_wall = close_wall = idle_wall = 0.0
     outs: list[dict] = []
     final = args.close == "final"
@@ -510,16 +511,16 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
         if counting:
             c.proc.send_signal(signal.SIGUSR1)
             await asyncio.sleep(0.05)
-        w0, c0 = time.perf_counter(), clock()
+        w0, c0, t0 = time.perf_counter(), clock(), cpu_seconds(c.proc.pid)
         conns = await asyncio.gather(*(hold_one("127.0.0.1", c.port, o["rid"], o) for o in burst))
         await asyncio.sleep(args.settle)
-        w1, c1 = time.perf_counter(), clock()
+        w1, c1, t1 = time.perf_counter(), clock(), cpu_seconds(c.proc.pid)
         if counting:
             from call_hook import collect
             c.calls.append(({"phase": "open", **await collect(c.proc, calls_file(c), c.name)}, len(burst)))
             c.proc.send_signal(signal.SIGUSR1)
             await asyncio.sleep(0.05)
-            w1, c1 = time.perf_counter(), clock()
+            w1, c1, t1 = time.perf_counter(), clock(), cpu_seconds(c.proc.pid)
         if final:
             for o in burst:
                 await nc.publish(f"{prefix}.results.{o['rid']}", b'{"text":"x","meta_info":{}}',
@@ -532,14 +533,15 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
             for _, writer in conns:
                 writer.close()
         await asyncio.sleep(args.settle)
-        w2, c2 = time.perf_counter(), clock()
+        w2, c2, t2 = time.perf_counter(), clock(), cpu_seconds(c.proc.pid)
         if counting:
             c.calls.append(({"phase": "close", **await collect(c.proc, calls_file(c), c.name)}, len(burst)))
             await asyncio.sleep(0.05)
-            w2, c2 = time.perf_counter(), clock()
+            w2, c2, t2 = time.perf_counter(), clock(), cpu_seconds(c.proc.pid)
         await asyncio.sleep(args.settle)
         w3, c3 = time.perf_counter(), clock()
         opened += c1 - c0
+        ticks = [ticks[0] + t1[0] - t0[0], ticks[1] + t1[1] - t0[1], ticks[2] + t2[0] - t1[0], ticks[3] + t2[1] - t1[1]]
         closed += c2 - c1
         idle += c3 - c2
         open_wall += w1 - w0
@@ -556,7 +558,9 @@ async def lifecycle_round(c: Contender, r: int, args, nc, prefix: str) -> None:
     c.rounds.append({"open_p50": times[n // 2], "open_p90": times[int(n * 0.9)],
                      "open_cpu_us": (opened - rate * open_wall) / n * 1e6,
                      "close_cpu_us": (closed - rate * close_wall) / n * 1e6,
-                     "idle_cpu_us_per_s": rate * 1e6, "loadavg": os.getloadavg()[0]})
+                     "idle_cpu_us_per_s": rate * 1e6, "loadavg": os.getloadavg()[0],
+                     "open_user_us": ticks[0] / n * 1e6, "open_sys_us": ticks[1] / n * 1e6,
+                     "close_user_us": ticks[2] / n * 1e6, "close_sys_us": ticks[3] / n * 1e6})
 
 
 def calls_file(c: Contender) -> Path:
@@ -586,6 +590,11 @@ def print_lifecycle(contenders: list[Contender], args) -> dict:
         f"{statistics.median(x['open_cpu_us'] for x in c.rounds):13.0f}"
         f"{statistics.median(x['close_cpu_us'] for x in c.rounds):8.0f}"
         f"{statistics.median(x['open_p50'] for x in c.rounds):8.2f}" for c in contenders))
+    print("user / system us (/proc ticks, idle not taken off), median of the rounds: " + "; ".join(
+        f"{c.name} open {statistics.median(x['open_user_us'] for x in c.rounds):.0f} / "
+        f"{statistics.median(x['open_sys_us'] for x in c.rounds):.0f}, close "
+        f"{statistics.median(x['close_user_us'] for x in c.rounds):.0f} / "
+        f"{statistics.median(x['close_sys_us'] for x in c.rounds):.0f}" for c in contenders))
     for c in contenders:
         report[c.name] = {"rounds": c.rounds, **{
             k: statistics.median(x[k] for x in c.rounds)
