@@ -505,8 +505,10 @@ class Correlator:
             if refuse is not None:
                 raise MigrationRefused(refuse)
             emitted = self._progress(req).seal()
+            encoded = None  # the reply's bytes, measured before the seal: the seal sends the same reply
             if max_seal_bytes is not None:
-                size = len(encode_control(_sealed_reply(req, emitted, req.attempt + 1)))
+                encoded = encode_control(_sealed_reply(req, emitted, req.attempt + 1))
+                size = len(encoded)
                 if size > max_seal_bytes:
                     raise MigrationRefused(
                         f"its sealed state ({len(emitted.token_ids)} emitted tokens: {size} bytes) does not fit one "
@@ -518,7 +520,7 @@ class Correlator:
         else:
             reply, decisions = self._seal(req, emitted, now)
             if id is not None:
-                req.last_seal = (id, encode_control(reply))
+                req.last_seal = (id, encoded if encoded is not None else encode_control(reply))
                 self._count_progress(req)
             return reply, decisions
         self.stats.migrations_refused += 1
