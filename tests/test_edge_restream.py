@@ -118,6 +118,15 @@ async def replace_between_checks(nc) -> bool:
         await asked.unsubscribe()
 
 
+async def in_attempts(attempt, what: str, tries: int = 3) -> None:
+    """Run ``attempt(n)`` until it returns True: False means :func:`replace_between_checks` saw the
+    watch ask between the deletion and the creation (the streams see a deletion, another test's case)."""
+    for n in range(tries):
+        if await attempt(n):
+            return
+    pytest.fail(f"in {tries} attempts the edge's watch asked about the results stream while it was deleted ({what})")
+
+
 def watch_counts(edge) -> tuple[float, float, float]:
     """The watch's counters: results streams found deleted, found (re)created, streams it ended."""
     metrics = edge.metrics()
@@ -193,11 +202,17 @@ async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_du
     """The review's second case: deleted and created again at once (before the edge could see it
     missing). Results stored in the new stream reach the streams waiting for them; those already
     sent (seq 8 and 9 stored again) are not sent twice."""
+    await in_attempts(lambda n: _recreated_under_the_ring_s_streams(own_server, n), "the ring's streams")
+
+
+async def _recreated_under_the_ring_s_streams(own_server, attempt: int) -> bool:
     async with edge_on_a_results_stream(own_server) as (nc, edge, client):
         async with anyio.create_task_group() as tg:
-            readers = await readers_with_ten_results(tg, client, nc, edge, "recreated")
+            readers = await readers_with_ten_results(tg, client, nc, edge, f"recreated-{attempt}")
 
-            await replace_between_checks(nc)
+            if not await replace_between_checks(nc):
+                tg.cancel_scope.cancel()
+                return False
             await publish_range(nc, readers, range(8, 20), final_at=19)
             await wait_until(lambda: all(r.done for r in readers), PROMPT,
                              "every stream got its results from the recreated stream")
@@ -214,6 +229,7 @@ async def test_streams_go_on_from_a_recreated_results_stream_in_order_without_du
             assert late.results() == list(range(8, 20)), late.events
         assert "results_stream_recreated" in edge.log()
         assert watch_counts(edge) == (0, 1, 0)  # the streams went on: none ended by the watch
+    return True
 
 
 async def test_a_purged_results_stream_keeps_its_sequence_and_streams_go_on(own_server):
@@ -351,10 +367,7 @@ async def test_without_the_ring_streams_with_their_own_consumer_go_on_from_a_rec
     sequence, as the ring's streams do: seqs sent already (3, 4 stored again) are dropped, and a seq
     the new stream lacks (5, when it stores 6-9 only) is a gap error after ``--gap-timeout``."""
     first = int(stored_again.split("-")[0])
-    for attempt in range(3):
-        if await _recreated_under_open_streams(own_server, first, attempt):
-            return
-    pytest.fail("in 3 attempts the edge's watch asked about the results stream while it was deleted")
+    await in_attempts(lambda n: _recreated_under_open_streams(own_server, first, n), "streams without the ring")
 
 
 async def _recreated_under_open_streams(own_server, first: int, attempt: int) -> bool:
@@ -401,14 +414,21 @@ async def test_streams_given_their_own_consumer_because_msg_get_is_refused_go_on
     """With the ring on, a stream gets an ordered consumer of its own on the ring's stream while the
     edge may not read stored results by subject (msg_get.py); a recreated stream used to end those
     with the ``unavailable`` error while the ring's streams went on. They go on the same way now."""
-    async with a_feed_with_msg_get_refused(own_server, "refused") as (nc, source, feed):
+    await in_attempts(lambda n: _recreated_under_a_feed_with_msg_get_refused(own_server, n), "msg get refused")
+
+
+async def _recreated_under_a_feed_with_msg_get_refused(own_server, attempt: int) -> bool:
+    async with a_feed_with_msg_get_refused(own_server, f"refused-{attempt}") as (nc, source, feed):
         await publish_range(nc, [Reader(feed.request_id)], range(5))
         assert await feed_results(feed, 5) == list(range(5))
-        await replace_between_checks(nc)
+        if not await replace_between_checks(nc):
+            await feed.close()
+            return False
         await publish_range(nc, [Reader(feed.request_id)], range(3, 8), final_at=7)
         assert await feed_results(feed, 3) == [5, 6, 7]
         await feed.close()
         assert (source.metrics.results_stream_recreated, source.metrics.streams_gone) == (1, 0)
+    return True
 
 
 async def test_a_stream_info_answer_arriving_after_later_results_is_not_taken_for_a_new_history(own_server):
@@ -573,18 +593,25 @@ async def test_results_the_old_consumer_queued_are_given_before_the_new_stream_s
     """``--recent 0``: results 0-4 reached the edge from the old stream but its client had not taken
     them yet when the stream was recreated (the new one stores 5-7 only). The new consumer replaces
     the old one; what the old one queued is given first, not dropped (then seq 0 would be missing)."""
+    await in_attempts(lambda n: _recreated_under_queued_results(own_server, n), "queued results")
+
+
+async def _recreated_under_queued_results(own_server, attempt: int) -> bool:
     async with connection(own_server.url) as nc:
         js = nc.jetstream()
         await recreate(js)
         async with started_source(own_server.url, SUBJECTS, recent=0, gap_timeout=1.0) as source:
-            feed = await source.open(rid("queued"))
+            feed = await source.open(rid(f"queued-{attempt}"))
             await wait_until(lambda: feed.stream_created is not None and feed._sub is not None, PROMPT,
                              "the feed's consumer made, its stream's identity known")
             await publish_range(nc, [Reader(feed.request_id)], range(5))
             await wait_until(lambda: feed._sub._sub._pending_queue.qsize() == 5, PROMPT, "0-4 queued, not taken")
-            await replace_between_checks(nc)
+            if not await replace_between_checks(nc):
+                await feed.close()
+                return False
             await wait_until(lambda: source.metrics.results_stream_recreated == 1, PROMPT, "the watch saw it recreated")
             await publish_range(nc, [Reader(feed.request_id)], range(5, 8), final_at=7)
             assert await feed_results(feed, 8) == list(range(8))
             await feed.close()
             assert source.metrics.streams_gone == 0
+    return True
