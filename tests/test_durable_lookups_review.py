@@ -84,20 +84,7 @@ async def test_a_chunk_parked_on_its_last_delivery_is_decided_when_the_lookup_be
     assert len(await dead_owner_takes(client, 1)) == 1  # delivery 1 of seq 1: back after ack_wait
     await publisher.publish(rid, "agg", 2, b'{"text": "2"}', final=True)
 
-    adopt = DurableInput._adopt
-    calls = 0
-
-    async def failing_once(self, r, *args, **kwargs):  # the first lookup fails once seq 1 parked behind it
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            with anyio.fail_after(10):
-                while self.stats.lookups_parked < 1:
-                    await anyio.sleep(0.01)
-            raise TimeoutError("results stream unreadable")
-        return await adopt(self, r, *args, **kwargs)
-
-    monkeypatch.setattr(DurableInput, "_adopt", failing_once)
+    fail_the_first_lookup_once(monkeypatch, parked=1)  # once seq 1 parked behind it
     async with Processor(settings) as p:
         await wait_until(lambda: p.snapshot()["lookups_parked"] >= 1, 10, "seq 1 parked behind seq 2's lookup")
         try:
@@ -107,6 +94,25 @@ async def test_a_chunk_parked_on_its_last_delivery_is_decided_when_the_lookup_be
     stored = await stored_results(js, settings.subjects)
     assert snap["poisoned"] >= 1, snap
     assert [(s.seq, s.final, s.error is not None) for s in stored[rid]][-1][1:] == (True, True), stored[rid]
+
+
+def fail_the_first_lookup_once(monkeypatch, parked: int) -> None:
+    """The processor's first recovery lookup fails (results stream unreadable) once ``parked`` chunks
+    wait behind lookups; every later one runs as usual."""
+    adopt = DurableInput._adopt
+    calls = 0
+
+    async def failing_once(self, r, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            with anyio.fail_after(10):
+                while self.stats.lookups_parked < parked:
+                    await anyio.sleep(0.01)
+            raise TimeoutError("results stream unreadable")
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(DurableInput, "_adopt", failing_once)
 
 
 def _empty(js):
@@ -393,20 +399,7 @@ async def test_a_chunk_parked_behind_two_lookups_of_its_request_is_counted_once(
     await publisher.publish(rid, "agg", 3, b'{"text": "3"}')
     assert len(await dead_owner_takes(client, 2)) == 2  # delivery 1 of seqs 1 and 3: back after ack_wait
     await publisher.publish(rid, "agg", 2, b'{"text": "2"}', final=True)
-    adopt = DurableInput._adopt
-    calls = 0
-
-    async def failing_once(self, r, *args, **kwargs):  # the first lookup fails once 1 and 3 parked behind it
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            with anyio.fail_after(10):
-                while self.stats.lookups_parked < 2:
-                    await anyio.sleep(0.01)
-            raise TimeoutError("results stream unreadable")
-        return await adopt(self, r, *args, **kwargs)
-
-    monkeypatch.setattr(DurableInput, "_adopt", failing_once)
+    fail_the_first_lookup_once(monkeypatch, parked=2)  # once 1 and 3 parked behind it
     async with Processor(settings) as p:
         await wait_until(_empty(js), 10, "every chunk acknowledged or terminated")
         snap = p.snapshot()
