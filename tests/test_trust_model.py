@@ -242,6 +242,63 @@ async def test_a_migration_works_with_the_frontend_and_workers_holding_only_thei
     assert unknown.value.code is MigrateErrorCode.UNKNOWN_REQUEST, unknown.value
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("spy_role", ["worker", "frontend"])
+async def test_no_worker_reads_a_migrates_sealed_reply_and_no_frontend_reads_a_workers_puback(server, spy_role):
+    """A sealed reply lists the token ids a client was sent: another user's answer. Until 2026-12-04
+    the Migrator asked on its connection's inbox (``_INBOX.<nuid>``), and the shipped file let a
+    worker subscribe to ``_INBOX.>`` (for its PubAcks): a worker spying there read every sealed
+    reply, and a frontend spying there every worker's PubAck. The Migrator now asks on
+    ``_INBOX.frontend.<token>``, denied to workers, and the frontend may subscribe to that alone.
+    The same attack found the request ids of the seal records (a processor taking partitions lists
+    them, delivered to its inbox with ``$KV.…`` subjects, which no deny named): a second processor
+    starts while the spy listens, and the workers are denied ``$KV.>`` too."""
+    from streamproc.catalog import worker_for
+    from streamproc.client.results import ResultCollector
+    from streamproc.sim.migration import plan_migrations, run_migration
+
+    subjects, worker = Subjects("streamproc"), worker_for("sglang")
+    seen: list[tuple[str, bytes]] = []
+
+    async def note(msg) -> None:
+        seen.append((msg.subject, msg.data))
+
+    flags = ("--mode", "durable", "--format", "sglang", "--partitions", "2")
+    spy, spy_errors = await connect(server, spy_role)
+    try:
+        await spy.subscribe("_INBOX.>", cb=note)
+        await spy.flush()
+        with processor_subprocess(url(server, "processor"), *flags):
+            workers = await nats.connect(url(server, "worker"))
+            frontend = await nats.connect(url(server, "frontend"))
+            try:
+                async with ResultCollector(frontend, subjects) as collector:
+                    migrations = plan_migrations(seed=7, id_prefix=f"spied-{spy_role}")
+                    for m in migrations:
+                        await run_migration(workers, subjects, m, format="sglang", worker=worker,
+                                            collector=collector, timeout=20, control=frontend)
+                    await collector.wait_for([m.request_id for m in migrations], timeout=20)
+            finally:
+                await workers.close()
+                await frontend.close()
+        with processor_subprocess(url(server, "processor"), *flags) as (_, log):  # lists the seal records
+            await wait_until(lambda: "lease_acquired" in log.read_text(),
+                             20, "the second processor took its partitions")
+            await anyio.sleep(0.5)
+        await spy.flush()
+    finally:
+        await spy.close()
+    sealed = [subject for subject, data in seen if b'"status":"sealed"' in data]
+    pubacks = [subject for subject, data in seen if b'"stream":"STREAMPROC_CHUNKS"' in data]
+    records = [subject for subject, _ in seen if subject.startswith("$KV.")]
+    assert migrations and not sealed and not pubacks and not records, (
+        f"a {spy_role} on _INBOX.> read {len(sealed)} sealed replies, {len(pubacks)} PubAcks and "
+        f"{len(records)} seal records: {seen[:4]}")
+    if spy_role == "frontend":  # refused outright, with a clear error, rather than filtered
+        assert any("permissions violation" in e.lower() for e in spy_errors), spy_errors
+
+
 async def sse_bytes(edge, request_id: str, publish) -> bytes:
     """Open the SSE stream, run ``publish`` once the headers came, return every byte received."""
     async with httpx.AsyncClient(base_url=edge.url, timeout=15) as client:

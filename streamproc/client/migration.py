@@ -23,6 +23,7 @@ propagate as nats-py exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import time
@@ -31,10 +32,13 @@ from typing import Awaitable, Callable
 import anyio
 import msgspec
 import nats.errors
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from ..catalog import codec_class
 from ..core.codec import Codec, Emitted
+from ..core.defaults import FRONTEND_INBOX_PREFIX
 from ..core.errors import MigrationError, MigrationRefused
 from ..logs import log_event
 from ..core.wire import (
@@ -124,6 +128,23 @@ class Migrator:
             raise MigrationError(reply)
         return reply
 
+    async def _ask(self, subject: str, data: bytes, timeout: float) -> Msg:
+        """``nc.request`` with the reply on an inbox under ``FRONTEND_INBOX_PREFIX``, whatever inbox
+        prefix the caller's connection has: the reply holds the token ids the client was sent, and
+        the shipped permissions keep that prefix from the workers (docs/security.md). Raises what
+        ``nc.request`` raises: ``NoRespondersError``, ``TimeoutError``."""
+        inbox = f"{FRONTEND_INBOX_PREFIX}.{secrets.token_hex(12)}"
+        sub = await self.nc.subscribe(inbox, max_msgs=1)
+        try:
+            await self.nc.publish(subject, data, reply=inbox)
+            msg = await sub.next_msg(timeout=timeout)
+        finally:
+            with contextlib.suppress(nats.errors.Error):  # already gone once its one reply came
+                await sub.unsubscribe()
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+            raise nats.errors.NoRespondersError
+        return msg
+
     def _too_short(self, reply: MigrateError, left: float) -> MigrateError:
         """The last ``unavailable`` reply, arriving with ``left`` seconds of the timeout to go. When
         the processor had said it needs longer than that (chunks a killed owner held come back
@@ -159,8 +180,8 @@ class Migrator:
             remaining = deadline - time.monotonic()
             pause = delay
             try:
-                msg = await self.nc.request(self.subjects.migrate(request_id), encode_control(message),
-                                            timeout=max(min(remaining, self.attempt_timeout), 0.001))
+                msg = await self._ask(self.subjects.migrate(request_id), encode_control(message),
+                                      max(min(remaining, self.attempt_timeout), 0.001))
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 if deadline - time.monotonic() <= delay:
                     raise

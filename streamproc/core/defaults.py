@@ -22,6 +22,11 @@ OWN_INBOX_PREFIX = "_INBOX.streamproc"
 # (whose pulls deliver every chunk and whose lookups get stored results), so the shipped permissions
 # let the edge subscribe to its own inboxes only.
 EDGE_INBOX_PREFIX = OWN_INBOX_PREFIX + ".edge"
+# Where a Migrator (client/migration.py) asks for a migrate's reply: a Sealed reply carries the token
+# ids a client was sent, so the shipped permissions deny the workers (who may subscribe to _INBOX.>
+# for their PubAcks) every inbox under it, and give the frontend these inboxes only. A valid
+# migrate reply (under CONTROL_REPLY_PREFIX, not under OWN_INBOX_PREFIX).
+FRONTEND_INBOX_PREFIX = "_INBOX.frontend"
 
 # Correlation (seconds, counts)
 PREFILL_TIMEOUT = 30.0
