@@ -170,9 +170,9 @@ def serve(stamps_file: Path, edge_argv: list[str]) -> int:
     edge_app.Edge.results = results_wrapped
     authenticate = edge_app.Edge.authenticate
 
-    def authenticate_wrapped(self, request):
+    def authenticate_wrapped(self, request, *args):  # this branch: (request, authorization)
         try:
-            return authenticate(self, request)
+            return authenticate(self, request, *args)
         finally:
             mark(current.get(), "auth")
 

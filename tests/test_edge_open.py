@@ -23,7 +23,14 @@ import pytest
 from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
 from helpers import rid, tcp_sockets
 
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from streamproc.client.capability import mint_capability
 from streamproc.core.wire import ResultInfo
+from streamproc.edge import settings as edge_settings
+from streamproc.edge.app import Edge, EventStreamResponse
 from streamproc.edge.pacer import OPENS_PER_PASS, OpenPacer
 from streamproc.edge.source import Lost
 from streamproc.wire import Subjects
@@ -116,6 +123,83 @@ async def test_results_paths_the_direct_route_does_not_take_answer_as_starlette_
         response = await http.get("/v1/results/a.b")  # the direct route: the same 400 as before
         assert response.status_code == 400
         assert response.json()["error"]["type"] == "invalid_request"
+
+
+SECRET = b"open-test-secret-0123456789abcdef-0123456789"
+
+
+def open_scope(request_id: str, headers: list[tuple[bytes, bytes]], query: bytes = b"") -> dict:
+    """The scope Uvicorn (httptools) gives ``EdgeApp`` for ``GET /v1/results/<request_id>``."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+            "path": f"/v1/results/{request_id}", "raw_path": f"/v1/results/{request_id}".encode(),
+            "root_path": "", "query_string": query, "headers": headers, "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 8080), "path_params": {"request_id": request_id}}
+
+
+async def test_an_sse_open_reads_its_headers_in_one_pass_and_sends_the_head_starlette_would_build(
+        nats_url, tmp_path, monkeypatch):
+    """``Edge.results`` answers, refuses and resumes exactly as before, without building Starlette's
+    ``Headers`` for the request or running ``init_headers`` for the SSE head per open (docs/benchmarks.md,
+    "SSE lifecycle: a leaner open")."""
+    key = tmp_path / "edge.key"
+    key.write_bytes(SECRET + b"\n")
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": SUBJECTS.prefix, "auth_key_file": str(key),
+                                       "recent": 0})
+    edge = Edge(settings, tracing=None)
+    await edge.source.start()
+    built: collections.Counter[str] = collections.Counter()
+    for cls, name in ((Headers, "__init__"), (Response, "init_headers")):
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, _name=f"{cls.__name__}.{name}", **kwargs):
+            built[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def answer(request_id: str, headers: list[tuple[bytes, bytes]], query: bytes = b""):
+        return await edge.results(Request(open_scope(request_id, headers, query), receive))
+
+    request_id = rid("lean")
+    token = mint_capability(SECRET, rids=[request_id]).encode()
+    try:
+        refused = await answer(request_id, [(b"accept", b"text/event-stream")])
+        assert refused.status_code == 401 and b"no capability" in refused.body
+        assert refused.headers["www-authenticate"] == 'Bearer realm="streamproc-edge"'
+        other = mint_capability(SECRET, rids=[rid("other")]).encode()
+        assert (await answer(request_id, [(b"authorization", b"Bearer " + other)])).status_code == 403
+        bad = await answer(request_id, [(b"authorization", b"Bearer " + token), (b"last-event-id", b"x")])
+        assert bad.status_code == 400 and b"invalid_request" in bad.body
+        # Two Authorization values: refused as before (presented_token), not the first one taken.
+        twice = await answer(request_id, [(b"authorization", b"Bearer " + token), (b"authorization", b"Bearer " + token)])
+        assert twice.status_code == 401
+        built.clear()  # the refusals' JSON bodies build their own headers: only the open is counted
+        response = await answer(request_id, [(b"accept", b"text/event-stream"), (b"authorization", b"Bearer " + token),
+                                             (b"last-event-id", b"2")])
+        assert isinstance(response, EventStreamResponse)
+        assert built == {}, built
+        starlette_head = StreamingResponse(response.body_iterator, media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        assert response.raw_headers == starlette_head.raw_headers
+        assert response.status_code == 200 and response.media_type == "text/event-stream"
+        response.headers["x-one"] = "1"  # a response's head is its own: the next open's is unchanged
+        await response.body_iterator.aclose()
+        rest = response.on_close(False)
+        if rest is not None:
+            await rest
+        unary = await answer(request_id, [(b"accept", b"application/json"), (b"authorization", b"Bearer " + token)],
+                             b"stream=true")
+        assert isinstance(unary, EventStreamResponse)  # ?stream= decides before Accept, as before
+        assert all(name != b"x-one" for name, _ in unary.raw_headers)
+        await unary.body_iterator.aclose()
+        rest = unary.on_close(False)
+        if rest is not None:
+            await rest
+    finally:
+        await edge.source.stop()
 
 
 STORED = Subjects("openjs")  # the source below creates a results stream for this prefix

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..core.wire import ResultInfo
@@ -113,7 +114,8 @@ class UvicornBody:
         cycle = getattr(send, "__self__", None)
         if cls._cycle_type is None or type(cycle) is not cls._cycle_type:
             return None
-        if not all(hasattr(cycle, name) for name in _CYCLE_FIELDS) or not hasattr(cycle.flow, "write_paused"):
+        # all() over map(): the same checks as a generator expression, without its 7 Python frames per open
+        if not all(map(hasattr, repeat(cycle), _CYCLE_FIELDS)) or not hasattr(cycle.flow, "write_paused"):
             return None
         return cls(cycle)
 
