@@ -6,7 +6,7 @@ from durable_helpers import outbox_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamproc.core.credit import DELIVERY_OVERHEAD, SIZE_ALLOWANCE, PullCredit, Watch, uncut_batch
+from streamproc.core.credit import DELIVERY_OVERHEAD, SIZE_ALLOWANCE, PullCredit, Watch, pull_max_bytes, uncut_batch
 
 
 def credit(batch: int = 10, now: float = 0.0, careful_batch: int | None = None, hold: float = 2.0) -> PullCredit:
@@ -65,6 +65,19 @@ def test_a_reconnect_or_an_expired_pull_writes_its_credit_off():
     assert c.watch(0.1, reconnected=True) == Watch(False, False, True)
     c.pulled(0.1)
     assert c.watch(10.2, reconnected=False).pull and c.requested == 0
+
+
+@given(partitions=st.integers(1, 1024), max_payload=st.integers(1, 64 << 20), total=st.integers(0, 1 << 30))
+def test_the_two_pulls_a_partition_may_have_out_share_the_pull_budget(partitions, max_payload, total):
+    """A partition may have two pulls out (PullCredit sends the next while one still waits behind the
+    current one): together, over the partitions, they ask for at most the budget, unless the floor of
+    one maximal delivery per pull binds; every pull takes one maximal delivery."""
+    share = total // partitions
+    one = pull_max_bytes(share, max_payload)
+    floor = max_payload + DELIVERY_OVERHEAD
+    assert one >= floor
+    assert 2 * one <= share or one == floor
+    assert partitions * 2 * one <= max(total, partitions * 2 * floor)
 
 
 def test_a_failed_pull_is_not_counted_and_waits_before_the_next():
@@ -194,7 +207,7 @@ def test_a_pull_of_the_uncut_batch_always_ends_on_its_count_never_on_its_bytes(m
     """nats-server's charge per delivered message (consumer.go ``nextWaiting``: ``if sz <= wr.b { wr.b -= sz }``,
     else 409 MaxBytes), for any message a server with this max_payload delivers (payload and headers up to
     max_payload, subject and ack subject within DELIVERY_OVERHEAD): a pull that asks for uncut_batch
-    messages is never cut, whenever max_bytes takes one maximal message (the shell's takes two); and
+    messages is never cut, whenever max_bytes takes one maximal message (the shell's does: pull_max_bytes); and
     it is the largest such batch."""
     largest = max_payload + DELIVERY_OVERHEAD
     batch = uncut_batch(max_bytes, max_payload)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PullCredit", "Watch", "uncut_batch", "DELIVERY_OVERHEAD", "SIZE_ALLOWANCE"]
+__all__ = ["PullCredit", "Watch", "pull_max_bytes", "uncut_batch", "DELIVERY_OVERHEAD", "SIZE_ALLOWANCE"]
 
 # What nats-server charges a delivery beyond its payload and headers (``loopAndGatherMsgs``:
 # ``sz = len(pmsg.subj) + len(ackReply) + len(pmsg.hdr) + len(pmsg.msg)``): the stored subject and
@@ -43,6 +43,18 @@ DELIVERY_OVERHEAD = 64 << 10
 # What a sized pull allows a delivery beyond what ``PullCredit.delivered`` was told (its headers: a
 # chunk's are a few hundred bytes). A delivery with more headers than this can still cut a sized pull.
 SIZE_ALLOWANCE = 1 << 10
+
+
+def pull_max_bytes(share: int, max_payload: int) -> int:
+    """The ``max_bytes`` of one pull of a partition whose pulls may bring ``share`` bytes at once.
+
+    :class:`PullCredit` keeps a second pull waiting behind the current one (a new pull goes out at
+    ``low``, ``careful_low`` or the sized batch while the previous one is still out), so two pulls'
+    ``max_bytes`` can be delivered and wait, unhandled, in the client's queue while the handler is
+    held up (a partition waiting for a recovery lookup to free parked bytes): each pull gets half
+    the share. At least one maximal delivery (``max_payload`` + DELIVERY_OVERHEAD), so every message
+    can be delivered, and two outstanding pulls still bring two of them."""
+    return max(share // 2, max_payload + DELIVERY_OVERHEAD)
 
 
 def uncut_batch(max_bytes: int, max_payload: int) -> int:

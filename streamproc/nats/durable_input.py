@@ -50,7 +50,7 @@ from nats.js.api import ConsumerInfo, StorageType, StreamConfig
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
-from ..core.credit import PullCredit, uncut_batch
+from ..core.credit import PullCredit, pull_max_bytes, uncut_batch
 from ..core.codec import ErrorKind
 from ..core.errors import shown
 from ..core.correlator import Work, is_retry
@@ -85,8 +85,9 @@ log = logging.getLogger("streamproc.durable")
 
 PULL_EXPIRES = 10.0  # seconds a pull request lives on the server
 HEARTBEAT = 1.0  # idle heartbeat the server sends for a waiting pull request
-# Bytes the pulls of all partitions may bring at once, shared by the --partitions an instance may own
-# (one partition's pull still brings at least two maximal messages, see __init__).
+# Bytes the pulls of all partitions may bring at once (both pulls a partition may have out), shared by the
+# --partitions an instance may own (a partition's two pulls still bring at least two maximal messages, see
+# __init__).
 PULL_MAX_BYTES = 16 << 20
 LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: the server forgot our pulls
 WATCHDOG_EVERY = 0.25
@@ -308,14 +309,19 @@ class DurableInput:
         # bound is shared by the partitions: at 16 MiB each, 8 partitions' subscription queues held up
         # to 38 MiB not yet handled on a loaded machine, on top of a full
         # budget (peak RSS 202 MiB against the 200 MiB bound, tests/test_durable_hostile.py,
-        # concurrent attackers); shared, at most 4.9 MiB in 4 runs. 256 chunks of up to 8 KiB still
-        # fit one pull at 8 partitions.
+        # concurrent attackers); shared, at most 4.9 MiB in 4 runs. Two pulls may be out at once (the
+        # credit sends the next while one still waits behind the current one), so each asks for half a
+        # partition's share (core/credit.py pull_max_bytes): with one pull's max_bytes at the whole
+        # share, the subscription queues held 32 MiB of ~1 MB chunks at 4 partitions while the
+        # partitions waited for parked bytes to free (tests/test_durable_attack_review.py, lookups 0.5 s
+        # slower: peak RSS +56 MiB over the 16 MiB parked + 16 MiB pulls budgets). 256 chunks of up to
+        # 4 KiB fit one pull at 8 partitions (two such pulls out: 8 KiB).
         max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
-        self._max_bytes = max_bytes = max(PULL_MAX_BYTES // settings.partitions, 2 * max_payload + 65536)
+        self._max_bytes = max_bytes = pull_max_bytes(PULL_MAX_BYTES // settings.partitions, max_payload)
         # While redeliveries are expected (after taking a partition, after a redelivery or a 409 MaxBytes),
         # pulls ask for no more messages than max_bytes always holds, so that none is cut by bytes: a cut
         # sends a redelivery to the back of the consumer's redelivery queue (core/credit.py;
-        # docs/operations.md, "Redelivery order"). 15 at 1 partition, 1 at 8, with 1 MiB max_payload.
+        # docs/operations.md, "Redelivery order"). 7 at 1 partition, 1 from 4 on, with 1 MiB max_payload.
         # Otherwise as many as max_bytes holds at the largest delivery seen lately, up to fetch_batch.
         self._careful_batch = min(self._batch, uncut_batch(max_bytes, max_payload))
         self._pull_body = self._pull_request(self._batch)
@@ -1062,8 +1068,7 @@ class DurableInput:
             if deliveries > 1:  # every redelivery, of known requests too (a metric)
                 stats.redelivered += 1
                 redelivered(now)  # more may wait in the redelivery queue: the pull below is careful
-            if delivered(now, len(msg.data) + len(msg.subject) + len(reply)):
-                await self._pull(part)
+            size = len(msg.data) + len(msg.subject) + len(reply)
             try:
                 try:
                     parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
@@ -1072,19 +1077,24 @@ class DurableInput:
                 rid = parsed.request_id
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
                 take(failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:]), None, now)
-                await pump()
-                return
-            if rid is None:  # a contract error without a request: nobody to look up
-                take(contract_error(parsed, msg, acknowledged=True), None, now)  # type: ignore[arg-type]
-                await pump()
-                return
-            d = _Delivery(msg, deliveries, parsed, rid)
-            while not settle(d, now, admit=True):  # queue full: wait for a lookup to end (back-pressure)
-                await part.freed.wait()
-                if not part.active:
-                    outbox.nak((msg,))
-                    break
-                now = clock()
+            else:
+                if rid is None:  # a contract error without a request: nobody to look up
+                    take(contract_error(parsed, msg, acknowledged=True), None, now)  # type: ignore[arg-type]
+                else:
+                    d = _Delivery(msg, deliveries, parsed, rid)
+                    while not settle(d, now, admit=True):  # no room: wait for a lookup to end (back-pressure)
+                        await part.freed.wait()
+                        if not part.active:
+                            outbox.nak((msg,))
+                            break
+                        now = clock()
+            # Counted as delivered once decided or parked, not before: a delivery waiting above for parked
+            # bytes to free stays charged to its pull's credit, so no further pull is sent meanwhile and
+            # what the partition's pulls brought (this one, the queue behind it) stays within their
+            # max_bytes (PULL_MAX_BYTES). Counted before the wait, each partition held one ~1 MB chunk
+            # more than its budgets (tests/test_durable_attack_review.py, the lookup flood).
+            if delivered(clock(), size) and part.active:
+                await self._pull(part)
             await pump()
 
         nc = self.nc
