@@ -67,6 +67,20 @@ def test_a_reconnect_or_an_expired_pull_writes_its_credit_off():
     assert c.watch(10.2, reconnected=False).pull and c.requested == 0
 
 
+def test_a_partition_behind_its_deliveries_is_neither_written_off_nor_pulled_for():
+    """Deliveries wait for the handler (held up behind parked bytes): the server answers, so the pulls
+    out are not lost, and another pull would only add to what waits."""
+    c = credit(10)
+    c.pulled(0.0)
+    assert c.watch(5.0, reconnected=False, behind=True) == Watch(False, False, False) and c.requested == 10
+    assert c.watch(12.0, reconnected=False, behind=True) == Watch(False, False, False)  # past the pull's expiry too
+    assert c.watch(14.0, reconnected=False) == Watch(False, False, True) and c.requested == 0  # caught up: expired
+    c.pulled(14.0)
+    assert c.watch(17.5, reconnected=False) == Watch(lost=True, repair=False, pull=True)  # silent, not behind
+    c.pulled(17.5)
+    assert c.watch(17.6, reconnected=True, behind=True).pull and c.requested == 0  # a reconnect: forgotten
+
+
 @given(partitions=st.integers(1, 1024), max_payload=st.integers(1, 64 << 20), total=st.integers(0, 1 << 30))
 def test_the_two_pulls_a_partition_may_have_out_share_the_pull_budget(partitions, max_payload, total):
     """A partition may have two pulls out (PullCredit sends the next while one still waits behind the

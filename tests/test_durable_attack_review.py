@@ -338,6 +338,61 @@ async def test_a_flood_of_large_chunks_needing_lookups_stays_within_the_parked_b
             await nc.close()
 
 
+async def test_chunks_delivered_while_lookups_hang_stay_within_the_parked_and_pull_budgets(nats_url, tmp_path):
+    """While every recovery lookup hangs (a results stream that does not answer), a partition flooded
+    with ~1 MB chunks that each need a lookup or park behind one holds, delivered and undecided, at
+    most its parked budget (PARKED_BYTES) plus what its pulls may bring (PULL_MAX_BYTES: both pulls a
+    partition may have out, and the delivery that waits for parked bytes to free), one partition
+    owning both shares here. Read on the server (the consumer's unacknowledged count: nothing of the
+    flood is decided while its lookups hang), so no allocator or timing figure enters it. With a
+    pull's max_bytes at the whole share, two pulls' worth waited in nats-py's queue besides the
+    parked chunks: 46 chunks of ~1 MB against a budget of 32 MiB. And it stays there for longer
+    than the watchdog's lost-pull time: a partition whose callback waits is not silent (taken for
+    one whose pulls the server forgot, it was pulled for again every 3 s: 46, 62, 78, then all 80
+    chunks delivered; with pulls of half the share from 29 to 69 in 8 s)."""
+    from durable_helpers import slow_lookups_env
+
+    from streamproc.nats.durable_input import LOST_PULL_AFTER, PARKED_BYTES, PULL_MAX_BYTES
+    from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
+
+    flags = durable_flags(partitions=1, ack_wait=60.0, lease_ttl=30.0)
+    env = slow_lookups_env(tmp_path, 3600.0)
+    with processor_subprocess(nats_url, *flags, env=env) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            body = b'{"text":"' + b"a" * (nc.max_payload - 4096) + b'"}'
+            headers_bytes = 0
+            for i in range(40):
+                for seq in (0, 1):
+                    headers = chunk_headers(f"hang-{i}", "agg", seq, final=seq == 1)
+                    headers["Streamproc-Attempt"] = "1"
+                    headers_bytes = max(headers_bytes, sum(len(k) + len(v) for k, v in headers.items()))
+                    await js.publish(SUBJECTS.chunk(f"hang-{i}", "agg"), body, headers=headers)
+            consumer = partition_consumer_name(0)
+
+            async def unacknowledged() -> int:
+                return (await js.consumer_info(CHUNKS_STREAM, consumer)).num_ack_pending
+
+            counts = [await unacknowledged()]
+            with anyio.move_on_after(2 * LOST_PULL_AFTER + 2):  # past the watchdog's lost-pull time, twice
+                while True:
+                    await anyio.sleep(0.25)
+                    counts.append(await unacknowledged())
+            held = max(counts)
+            size = len(body) + headers_bytes
+            budget = PARKED_BYTES + PULL_MAX_BYTES
+            print(f"unacknowledged chunks: {counts[::4]}, at most {held} ({held * size / MiB:.1f} MiB, budget "
+                  f"{budget / MiB:.0f} MiB)")
+            assert held * size <= budget, (f"{held} chunks of {size} bytes delivered and undecided while lookups hang "
+                                           f"({held * size / MiB:.1f} MiB), over the parked and pull budgets "
+                                           f"{budget / MiB:.0f} MiB")
+            assert held >= PARKED_BYTES // size, counts  # the flood did reach the budget: the bound was tested
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
 async def _at_least(count, n: int) -> bool:
     return await count() >= n
 

@@ -207,7 +207,7 @@ class _Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
     __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed",
-                 "opened", "lookups", "freed")
+                 "opened", "lookups", "freed", "waiting")
 
     def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit,
                  sealed: dict[str, float] | _AllSealed, opened: float, lookups: Lookups[_Delivery]) -> None:
@@ -228,6 +228,7 @@ class _Partition:
         # replaced) whenever one ends or they are abandoned, for a callback waiting for room.
         self.lookups = lookups
         self.freed = anyio.Event()
+        self.waiting = False  # the callback holds a delivery until parked bytes free (the watchdog's "behind")
 
     def wake(self) -> None:
         freed, self.freed = self.freed, anyio.Event()
@@ -818,7 +819,10 @@ class DurableInput:
                 continue
             credit = part.credit
             silent_for = now - credit.last_seen
-            watch = credit.watch(now, reconnected)
+            sub = part.sub
+            # Deliveries waiting for the callback: the server answers, the partition is behind.
+            behind = part.waiting or (sub is not None and sub.pending_msgs > 0)
+            watch = credit.watch(now, reconnected, behind)
             if watch.lost:
                 self.stats.lost_pulls += 1
                 log_event(log, logging.INFO, "pull_lost", partition=part.n, silent_for=f"{silent_for:.1f}s")
@@ -1083,7 +1087,11 @@ class DurableInput:
                 else:
                     d = _Delivery(msg, deliveries, parsed, rid)
                     while not settle(d, now, admit=True):  # no room: wait for a lookup to end (back-pressure)
-                        await part.freed.wait()
+                        part.waiting = True
+                        try:
+                            await part.freed.wait()
+                        finally:
+                            part.waiting = False
                         if not part.active:
                             outbox.nak((msg,))
                             break
