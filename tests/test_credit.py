@@ -246,7 +246,7 @@ def sized(batch: int = 256, max_bytes: int = 16 << 20) -> PullCredit:
 
 def test_fast_pulls_ask_for_what_max_bytes_holds_at_the_largest_delivery_seen_so_a_redelivery_cannot_cut_them():
     c = sized()
-    assert c.pulled(0.0) == 256  # nothing seen yet
+    assert c.pulled(0.0) == c.careful_batch == 15  # nothing seen yet: a batch max_bytes always holds
     big = (1 << 20) - 4096 + 200  # a ~1 MB chunk, its subject and ack subject
     c.delivered(0.1, big)
     b = c.pulled(0.2)
@@ -263,13 +263,33 @@ def test_small_deliveries_keep_the_full_batch():
     assert c.pulled(0.4) == 229
 
 
+@given(max_payload=st.integers(1, 64 << 20), share=st.integers(0, 1 << 30), sizes=st.lists(st.integers(0, 1 << 30),
+                                                                                     min_size=1, max_size=300))
+def test_a_fast_pull_before_any_delivery_was_seen_is_never_cut_by_bytes(max_payload, share, sizes):
+    """With nothing seen to size it by, a fast pull asks for the uncut batch: a pull of fetch_batch cut
+    by max_bytes makes pulls careful for the hold (one message each at 8 partitions), and with a
+    pull's max_bytes at half the share that cut a fresh drain of 8 KiB chunks to half its rate."""
+    max_bytes = pull_max_bytes(share, max_payload)
+    c = PullCredit(256, expires=10.0, lost_after=3.0, retry_after=0.5, careful_batch=uncut_batch(max_bytes, max_payload),
+                   hold=2.0, max_bytes=max_bytes)
+    batch = c.pulled(0.0)
+    left = max_bytes
+    for size in sizes[:batch]:
+        sz = min(size, max_payload + DELIVERY_OVERHEAD)  # what a server with this max_payload can deliver
+        assert sz <= left, "the first pull was cut by bytes"
+        left -= sz
+    assert c.careful(0.0) is False
+
+
 def test_a_large_delivery_is_forgotten_two_windows_later():
     c = sized()
     c.delivered(1.0, 1 << 20)
     assert c.pulled(5.0) < 256
     c.delivered(6.0, 1000)
     assert c.pulled(10.5) < 256  # the window before still had it
-    assert c.pulled(20.6) == 256
+    assert c.pulled(20.6) == c.careful_batch  # nothing seen in either window: unsized, so uncut
+    c.delivered(20.7, 1000)
+    assert c.pulled(20.8) == 256
 
 
 @given(sizes=st.lists(st.integers(0, (1 << 20) + 4096), min_size=1, max_size=50),

@@ -123,13 +123,18 @@ class PullCredit:
 
     def fast_batch(self, now: float) -> int:
         """The batch of a pull when no redelivery is expected: ``batch``, or fewer when the largest
-        delivery seen lately (``size`` plus SIZE_ALLOWANCE for headers) would let ``max_bytes`` end it."""
+        delivery seen lately (``size`` plus SIZE_ALLOWANCE for headers) would let ``max_bytes`` end it;
+        ``careful_batch`` while none was seen lately (a sized pull needs a size: a pull of ``batch``
+        cut by ``max_bytes`` would make pulls careful for ``hold``, one message each at 8 partitions:
+        a fresh drain of 8 KiB chunks ran at half the rate once a pull's max_bytes was halved)."""
         if now >= self.window_end:
             self.earlier, self.largest = self.largest, 0
             self.window_end = now + self.size_window
-        big = self.largest if self.largest > self.earlier else self.earlier
-        if not big or not self.max_bytes:
+        if not self.max_bytes:
             return self.batch
+        big = self.largest if self.largest > self.earlier else self.earlier
+        if not big:
+            return self.careful_batch
         return max(self.careful_batch, min(self.batch, self.max_bytes // (big + SIZE_ALLOWANCE)))
 
     def pulled(self, now: float) -> int:
