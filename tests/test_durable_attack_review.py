@@ -260,8 +260,8 @@ async def test_bodies_kept_for_a_possible_migration_are_bounded_across_requests(
 # budgets are far from full); a socket read's copies of a frame (the parser's buffer, its bytes, the
 # payload slice: up to 3 x max_payload); glibc's free arena, 2-5 MiB (the growth is live memory: in
 # use 40-44 MiB of arena 45-49 at the peak, nothing mmapped). 6 + 3 + 5 = 14, rounded up to 16 MiB.
-# Seen with lookups 0.5 s slower: +34.1..+38.9 MiB in 16 runs of this test (10 quiet, 6 with two CPU
-# hogs), +35.8..+39.8 in 7 sampled runs (bound +48); fast lookups +8.4..+23 MiB. Before, each pull
+# Seen with lookups 0.5 s slower: +32.9..+38.9 MiB in 32 runs of this test (20 quiet, 12 with two CPU
+# hogs), +35.8..+39.8 in 7 sampled runs (bound +48); fast lookups +8.3..+29.2 MiB. Before, each pull
 # asked for the whole share while two could be out: nats-py's queues held 32 MiB and a waiting
 # callback one chunk more per partition, +54.8..+57.8 MiB in 6 runs (CI: +57, "110 MiB over 109").
 LOOKUP_FLOOD_SLACK = 16 * MiB
