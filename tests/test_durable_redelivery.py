@@ -11,7 +11,13 @@ and the chunks behind it piled up in the request's reorder buffer: past ``--max-
 the request ended with ``invalid_chunk`` ("more than N bytes of buffered chunks"). Here the budget
 is 6 MiB; before the fix the request ended at seq ~36 in every run (8 of 8). Now, while
 redeliveries are expected, pulls ask for no more messages than their ``max_bytes`` always holds
-(core/credit.py ``uncut_batch``), end on their count and are never cut.
+(core/credit.py ``uncut_batch``), end on their count and are never cut. That left 2 of 6 runs
+failing on main: the hand-over's own NAKs reordered the chunks (core/handback.py): sent while the
+closing subscription's pulls still waited on the server, the first redeliveries went to those pulls
+and, NAKed again as they arrived, to the back of the queue; sent after its UNSUB, the first one met
+only dead pulls and went to the back. Now a hand-over's NAKs wait until the subscription is drained
+and the server has dropped its pulls, and go out in stream order. The second test makes the first
+case certain: every chunk delivered (the pulls wait with credit left) when the processor stops.
 
 ``STREAMPROC_SOAK=1`` also runs the soak: ``STREAMPROC_SOAK_CHUNKS`` (320) chunks of ~1 MB with the
 default ``--max-buffered-bytes`` (32 MiB), printing the processor's redelivery counters.
@@ -31,6 +37,7 @@ from helpers import free_port, rid, scrape, wait_until
 from nats.js.errors import NotFoundError
 
 from streamproc.core.wire import Subjects, chunk_headers
+from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.wire import result_from_message
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(240)]
@@ -42,10 +49,12 @@ MiB = 1 << 20
 SOAK = os.environ.get("STREAMPROC_SOAK") == "1"
 
 
-async def hand_over_mid_request(nats_url: str, chunks: int, *flags: str) -> dict[str, float]:
+async def hand_over_mid_request(nats_url: str, chunks: int, *flags: str, drained: bool = False) -> dict[str, float]:
     """Publish one request of ``chunks`` ~1 MB chunks (paced), stop the processor past its lease once
-    15 results are stored, let it go on; assert the request completes with every chunk in order and
-    that the hand-over's path ran. Returns the processor's metrics."""
+    15 results are stored (``drained``: once every chunk was delivered to it, while it still holds
+    many, so its pulls wait on the server with credit left), let it go on; assert the request
+    completes with every chunk in order and that the hand-over's path ran. Returns the processor's
+    metrics."""
     port = free_port()
     # ack_wait well above the stop: the chunks come back by the hand-over's NAKs, not by expiry.
     flags = tuple(durable_flags(partitions=1, ack_wait=15.0, lease_ttl=1.5, max_deliver=20)) + flags + (
@@ -70,7 +79,14 @@ async def hand_over_mid_request(nats_url: str, chunks: int, *flags: str) -> dict
                 async def some_stored() -> bool:
                     return await stored() >= 15
 
-                await wait_until(some_stored, 60, "15 results stored", every=0.02)
+                async def all_delivered() -> bool:
+                    info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+                    return info.delivered.stream_seq >= chunks and info.num_pending == 0
+
+                if drained:
+                    await wait_until(all_delivered, 60, "every chunk delivered", every=0.01)
+                else:
+                    await wait_until(some_stored, 60, "15 results stored", every=0.02)
                 os.kill(proc.pid, signal.SIGSTOP)
                 try:
                     await anyio.sleep(4.0)  # > lease_ttl (1.5 s) with a margin: the lease lapses
@@ -102,11 +118,53 @@ async def hand_over_mid_request(nats_url: str, chunks: int, *flags: str) -> dict
             await nc.close()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "not fully fixed: with careful and sized pulls the request still ended invalid_chunk in 2 of 6 runs on "
-    "main (2026-12-04 07:54, quiet machine; 49 and 100 redeliveries): docs/operations.md, Redelivery order"))
 async def test_a_request_survives_the_out_of_order_redelivery_of_a_hand_over(nats_url):
     await hand_over_mid_request(nats_url, 120, "--max-buffered-bytes", str(6 * MiB))
+
+
+async def test_the_hand_over_naks_of_a_partition_whose_pulls_still_wait_come_back_in_order(nats_url):
+    """Every chunk delivered before the stop, so the processor's pulls wait on the server with credit
+    left. Before the fix the fence NAKed at once, those pulls took the first redeliveries, the closing
+    partition NAKed each again as it arrived, and they came back behind all the others: 4 of 4 runs
+    ended ``invalid_chunk`` at the first NAKed seq (``naks`` 68 > ``redelivered`` 56)."""
+    await hand_over_mid_request(nats_url, 60, "--max-buffered-bytes", str(6 * MiB), drained=True)
+
+
+async def test_a_stopping_processor_naks_what_it_holds_in_stream_order_for_the_next_owner(nats_url):
+    """A graceful stop hands its held chunks over; the next owner (here the test, pulling from the
+    partition's consumer) gets them in stream order. Chunks 1..10 of a request whose seq 0 never
+    came are held (unacknowledged) while the processor's pulls wait with credit left. Before the
+    fix the stop drained the subscription (UNSUB) and then NAKed: the first redelivery met only the
+    stopped subscription's pulls, which ``nextWaiting`` dropped, and went to the back of the
+    redelivery queue (stream seqs 3..11, 2)."""
+    with processor_subprocess(nats_url, *durable_flags(partitions=1, ack_wait=30.0, max_deliver=20)) as (proc, _):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            request = rid("held")
+            for seq in range(1, 11):
+                await js.publish(SUBJECTS.chunk(request, "agg"), b'{"text": "x"}',
+                                 headers=chunk_headers(request, "agg", seq))
+            consumer = partition_consumer_name(0)
+
+            async def all_held() -> bool:
+                info = await js.consumer_info(CHUNKS_STREAM, consumer)
+                return info.num_pending == 0 and info.num_ack_pending == 10
+
+            await wait_until(all_held, 20, "the 10 chunks delivered and held")
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(proc.wait, 20) == 0
+            psub = await js.pull_subscribe_bind(consumer, CHUNKS_STREAM)
+            got: list[tuple[int, int, str]] = []
+            with anyio.fail_after(20):
+                while len(got) < 10:
+                    for m in await psub.fetch(10 - len(got), timeout=5):
+                        got.append((m.metadata.num_delivered, m.metadata.sequence.stream,
+                                    (m.headers or {}).get("Streamproc-Seq", "")))
+            assert [seq for _, _, seq in got] == [str(s) for s in range(1, 11)], got
+            assert all(delivered == 2 for delivered, _, _ in got), got  # redelivered by the stop's NAKs
+        finally:
+            await nc.close()
 
 
 @pytest.mark.slow

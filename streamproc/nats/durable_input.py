@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Annotated, Awaitable, Callable, Iterator, NamedTuple
+from typing import Annotated, Awaitable, Callable, Iterable, Iterator, NamedTuple
 
 import anyio
 import msgspec
@@ -57,6 +57,7 @@ from ..core.correlator import Work, is_retry
 from ..core.events import (
     Chunk, Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Result, Sealed, SealRecord,
 )
+from ..core.handback import HandBack, in_stream_order
 from ..core.lookups import Lookups
 from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
 from ..core.partitions import PartitionScheme
@@ -127,6 +128,10 @@ CAREFUL_HOLD = 2.0
 # margin (10% of lease_ttl, which is at least 1 s).
 FENCE_EVERY = 0.02
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
+# A hand-over's NAKs wait until the server has dropped the closing subscription's pulls (core/handback.py):
+# the consumer info request that makes it drop them is bounded by this, and so is the wait of a new
+# _open of the same partition for them (under the lease lock: well inside a lease period).
+FORGET_PULLS_TIMEOUT = 1.0
 # Result bytes queued in the outbox (decided, not stored yet), shared by the --partitions, past which
 # a partition pulls nothing more until its own drain: a request's results leave one send at a time,
 # the ones behind it wait in memory, outside --max-total-bytes. Without it one request streaming
@@ -207,7 +212,7 @@ class _Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
     __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed",
-                 "opened", "lookups", "freed", "waiting")
+                 "opened", "lookups", "freed", "waiting", "handback", "handed_back")
 
     def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit,
                  sealed: dict[str, float] | _AllSealed, opened: float, lookups: Lookups[_Delivery]) -> None:
@@ -229,6 +234,10 @@ class _Partition:
         self.lookups = lookups
         self.freed = anyio.Event()
         self.waiting = False  # the callback holds a delivery until parked bytes free (the watchdog's "behind")
+        # Its NAKs once it is handed over (also the ones of deliveries that arrive while its subscription
+        # drains), held until the server dropped its pulls, then sent in stream order (core/handback.py).
+        self.handback: HandBack[Msg] = HandBack(_reply_of)
+        self.handed_back = anyio.Event()
 
     def wake(self) -> None:
         freed, self.freed = self.freed, anyio.Event()
@@ -240,6 +249,10 @@ class _Partition:
         out = [d.msg for d in self.lookups.abandon()]
         self.wake()
         return out
+
+
+def _reply_of(msg: Msg) -> str | None:
+    return getattr(msg, "reply", None)
 
 
 class _Delivery:
@@ -295,6 +308,9 @@ class DurableInput:
                                     limited=pipeline.limited, fence=self._fence)
         self._partitions: dict[int, _Partition] = {}
         self._lapsed: list[_Partition] = []  # given up by _fence, subscriptions not closed yet
+        # Partition number -> the handed-over partition whose NAKs wait for its pulls to be gone (_fence's):
+        # a new _open of the number waits for them first (core/handback.py).
+        self._handing_back: dict[int, _Partition] = {}
         self._fenced_at = 0.0
         self._publish_pull = getattr(nc, "publish_deferred", None) or nc.publish  # leaves with the next write
         self._parse = pipeline.parse
@@ -443,12 +459,14 @@ class DurableInput:
             await tasks.__aexit__(None, None, None)
         if self.nc.is_closed:
             return
+        # The owned partitions and the lapsed ones whose hand-over the cancelled tasks left unfinished.
+        parts = list({id(p): p for p in (*self._partitions.values(), *self._handing_back.values())}.values())
         with anyio.move_on_after(timeout):
-            for part in list(self._partitions.values()):
+            for part in parts:
                 await self._close_partition(part)
             if not await self.publisher.wait_idle(timeout):
                 log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.publisher.pending)
-        self._hand_over(lambda rid: True)
+        self._hand_over(lambda rid: True, parts)
         await self.publisher.pump()
         if self.publisher.staged:
             self.publisher.flush_staged()  # the NAKs go with the flush below, not with a later timer write
@@ -606,6 +624,12 @@ class DurableInput:
             del sealed[old]
 
     async def _open(self, n: int, sealed: dict[str, float] | _AllSealed) -> None:
+        old = self._handing_back.get(n)
+        if old is not None:
+            # This instance's own lapsed subscription of the partition is still being handed over: its
+            # NAKs first, or our first pulls would take later chunks before them (core/handback.py).
+            with anyio.move_on_after(2 * FORGET_PULLS_TIMEOUT):
+                await old.handed_back.wait()
         now = self._clock()
         credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
                             retry_after=RETRY_AFTER_ERROR, now=now, careful_batch=self._careful_batch,
@@ -641,6 +665,7 @@ class DurableInput:
         part = self._partitions.get(n)
         if part is not None:
             await self._close_partition(part)
+        parts = (part,) if part is not None else ()  # (a lapsed one is _close_lapsed's)
         scheme = self.scheme
 
         def belongs(rid: str) -> bool:
@@ -652,23 +677,42 @@ class DurableInput:
             with anyio.move_on_after(HANDOVER_TIMEOUT):
                 while self._migrating.get(n):
                     await anyio.sleep(0.01)
-        self._hand_over(belongs)
+        self._hand_over(belongs, parts)
         await self.publisher.pump()
 
     async def _close_partition(self, part: _Partition) -> None:
+        """Stop reading partition ``part``: its subscription drained and its pulls gone from the server.
+        Its NAKs (parked deliveries, deliveries that arrive meanwhile) are held in ``part.handback``;
+        the caller sends them with the hand-over's (:meth:`_hand_over`), in stream order."""
         part.active = False
-        self.outbox.nak(part.abandon_lookups())  # sent by the caller's pump, with the hand-over's NAKs
+        self.outbox.nak(part.handback.hold(part.abandon_lookups()))
         if self._partitions.get(part.n) is part:  # not a later _open of the same partition (taken again)
             del self._partitions[part.n]
         sub, part.sub = part.sub, None
         if sub is not None and not self.nc.is_closed:
             try:
-                # Unsubscribing makes the server drop our waiting pulls; what was already
-                # delivered runs through the handler, which NAKs it for the next owner.
+                # UNSUB, a round trip (everything delivered before it has arrived), then what arrived
+                # runs through the handler, whose NAKs part.handback holds.
                 with anyio.move_on_after(5):
                     await sub.drain()
             except nats.errors.Error:
                 pass
+            await self._forget_pulls(part)
+
+    async def _forget_pulls(self, part: _Partition) -> None:
+        """Make the server drop the pulls of ``part``'s drained subscription before its NAKs go out.
+
+        After the UNSUB they stay in the consumer's waiting queue until something looks at them; were
+        a NAK the first to, ``loopAndGatherMsgs`` would take that redelivery from the front of the
+        redelivery queue, ``nextWaiting`` drop the uninterested pulls and return none, and the
+        redelivery go to the back (``addToRedeliverQueue``): a gap in its request. A consumer info
+        request drops them (``infoWithSnapAndReply`` calls ``o.processWaiting(false)``, which removes
+        the waiting requests without interest; nats-server 2.10 to 2.15)."""
+        with anyio.move_on_after(FORGET_PULLS_TIMEOUT):
+            try:
+                await self.nc.jetstream(timeout=FORGET_PULLS_TIMEOUT).consumer_info(self.chunks_stream, part.consumer)
+            except Exception as exc:  # noqa: BLE001  (then the first redelivery may go to the back: logged)
+                log_event(log, logging.DEBUG, "forget_pulls_failed", partition=part.n, error=error_text(exc))
 
     def _fence(self, every: float = FENCE_EVERY) -> None:
         """Stop serving, at once, every partition whose lease may have run out: called before results
@@ -680,8 +724,9 @@ class DurableInput:
         while the next owner may already have read the stored results and sealed a migrate on them:
         a stale attempt's result stored after the seal, under the id the resumed attempt's result
         then collides with. The partition's requests are handed over here (queued results dropped,
-        inputs NAKed, its later deliveries NAKed) and its subscription is closed in a task, or by
-        the watchdog's next round."""
+        nothing of it decided any more) and its subscription is closed in a task (or by the
+        watchdog's next round), which then NAKs its inputs and what arrived meanwhile, in stream
+        order, once the server has dropped its pulls (core/handback.py)."""
         leases = self.leases
         if leases is None:
             return
@@ -694,30 +739,54 @@ class DurableInput:
             self.stats.leases_lost += 1
             log_event(log, logging.WARNING, "lease_expired", partition=n, instance=self.instance)
             part = self._partitions.pop(n, None)
-            if part is not None:
-                part.active = False
-                self.outbox.nak(part.abandon_lookups())
-                self._lapsed.append(part)
             scheme = self.scheme
-            self._hand_over(lambda rid, n=n: scheme.of(rid) == n)
+            tokens = self._abandon(lambda rid, n=n: scheme.of(rid) == n)
+            if part is None:
+                self.outbox.nak(in_stream_order(tokens, _reply_of))
+                continue
+            # Results dropped now; the NAKs wait until its subscription is closed (_close_lapsed).
+            part.active = False
+            self.outbox.nak(part.handback.hold([*part.abandon_lookups(), *tokens]))  # held: nothing NAKed yet
+            self._lapsed.append(part)
+            self._handing_back[n] = part
         if expired:
             self.stats.partitions = len(self._partitions)
             if self._tasks is not None:
                 self._tasks.start_soon(self._close_lapsed)
 
     async def _close_lapsed(self) -> None:
-        """Close the subscriptions of the partitions :meth:`_fence` gave up (their waiting pulls go too)."""
+        """Close the subscriptions of the partitions :meth:`_fence` gave up (their waiting pulls go too),
+        then send their NAKs."""
         while self._lapsed:
-            await self._close_partition(self._lapsed.pop())
+            part = self._lapsed.pop()
+            await self._close_partition(part)
+            self.outbox.nak(self._handed_back(part))
         await self.publisher.pump()
 
-    def _hand_over(self, belongs: Callable[[str], bool]) -> None:
+    def _abandon(self, belongs: Callable[[str], bool]) -> list[Msg]:
+        """Drop the queued results of the requests ``belongs`` picks and forget them; their chunks, to NAK."""
         # Requests whose results were given up before they were stored must be forgotten even when
         # the correlator holds them as finished: else, should the partition come back here, their
         # redelivered chunks would count as late (and be acked) instead of being recovered.
         tokens, unstored = self.outbox.abandon(belongs)
         tokens.extend(self.correlator.abandon(belongs, unstored))
-        self.outbox.nak(tokens)
+        return tokens
+
+    def _hand_over(self, belongs: Callable[[str], bool], parts: Iterable[_Partition] = ()) -> None:
+        """NAK the chunks of the requests ``belongs`` picks, with what ``parts`` (closed: their pulls
+        gone) held, in stream order (core/handback.py)."""
+        tokens = self._abandon(belongs)
+        for part in parts:
+            tokens.extend(self._handed_back(part))
+        self.outbox.nak(in_stream_order(tokens, _reply_of))
+
+    def _handed_back(self, part: _Partition) -> list[Msg]:
+        """What ``part`` held, to NAK now (its pulls are gone); what it is given later is NAKed at once."""
+        out = part.handback.release()
+        if self._handing_back.get(part.n) is part:
+            del self._handing_back[part.n]
+        part.handed_back.set()
+        return out
 
     def _given_up(self, g: GiveUp) -> None:
         """The outbox gave a result up and NAKed its request's queued tokens: forget the request here
@@ -951,7 +1020,7 @@ class DurableInput:
             (:func:`start_queued`); its request's later deliveries park behind it either way."""
             tasks = self._tasks
             if tasks is None or not part.active:  # stopping, or handed over: the next owner looks it up
-                outbox.nak((d.msg,))
+                outbox.nak(part.handback.hold((d.msg,)) if not part.active else (d.msg,))
                 return
             if not lookups.room():  # only a new delivery, which asked queue_room() (settle)
                 lookups.wait(d.rid, d, d.size)
@@ -1063,8 +1132,8 @@ class DurableInput:
                 if self._on_status(part, msg) and part.active:
                     await self._pull(part)
                 return
-            if not part.active:  # partition handed over: the next owner gets it at once
-                outbox.nak((msg,))
+            if not part.active:  # partition handed over: NAKed with the hand-over's, in stream order
+                outbox.nak(part.handback.hold((msg,)))
                 await pump()
                 return
             now = clock()
@@ -1093,7 +1162,7 @@ class DurableInput:
                         finally:
                             part.waiting = False
                         if not part.active:
-                            outbox.nak((msg,))
+                            outbox.nak(part.handback.hold((msg,)))
                             break
                         now = clock()
             # Counted as delivered once decided or parked, not before: a delivery waiting above for parked
