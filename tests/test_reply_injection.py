@@ -1,0 +1,130 @@
+"""Found by an attack on the shipped trust model (2026-12-04): nats-server answers a JetStream
+request on whatever reply subject the requester names, and publishes that answer with JetStream's
+own rights, not the requester's (nats-server ``client.go`` ``processInboundClientMsg`` checks the
+publish subject against the user's permissions and the reply only against the reserved prefixes of
+``isReservedReply``: ``_R_.``, ``$JS.ACK.``, ``$GNR.``). A worker may publish two subjects JetStream
+answers, a chunk (its PubAck) and ``$JS.API.STREAM.NAMES``; naming ``streamproc.results.<id>``,
+``$KV.STREAMPROC_CHUNKS_MIGRATIONS.r.<id>`` or ``$KV.STREAMPROC_CHUNKS_LEASES.m.<x>`` as the reply
+had the results stream or a bucket store that answer: a worker wrote results, seal records and
+lease members, none of which its user may publish. With fake lease members the processors shrink
+their fair share and give up partitions: every request of those partitions goes unanswered.
+
+The shipped file now puts the worker in an account of its own (``WORKERS``) that imports its two
+subjects from ``STREAMPROC`` as services: nats-server replaces a request's reply with a ``_R_.``
+subject that leads back into ``WORKERS``, so whatever reply a worker names stays in its account.
+"""
+
+from __future__ import annotations
+
+import anyio
+import nats
+import nats.js.errors
+import pytest
+from conftest import processor_subprocess
+from shipped_config import CONF, shipped_server, url
+
+from streamproc.core.partitions import partition_of
+from streamproc.core.wire import FINAL, chunk_headers
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+SUBJECTS = Subjects("streamproc")
+LEASES, MIGRATIONS = "KV_STREAMPROC_CHUNKS_LEASES", "KV_STREAMPROC_CHUNKS_MIGRATIONS"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The shipped configuration with every stream and bucket a durable processor creates."""
+    with shipped_server(CONF.read_text()) as srv:
+        with processor_subprocess(url(srv, "processor"), "--mode", "durable", "--partitions", "8",
+                                  "--lease-ttl", "3"):
+            pass
+        yield srv
+
+
+def targets(victim: str) -> dict[str, tuple[str, str]]:
+    """Reply subjects a worker may not publish on, each with the stream that would store it."""
+    return {
+        SUBJECTS.result(victim): ("STREAMPROC_RESULTS", "a result"),
+        f"$KV.STREAMPROC_CHUNKS_MIGRATIONS.r.{victim}": (MIGRATIONS, "a seal record"),
+        f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{victim}": (LEASES, "a lease member"),
+    }
+
+
+async def stored(nc, stream: str, subject: str) -> bytes | None:
+    try:
+        return (await nc.jetstream().get_last_msg(stream, subject)).data
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+async def test_no_worker_gets_jetstream_to_store_its_answers_where_the_worker_may_not_publish(server):
+    victim = "reply-victim"
+    worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
+    processor = await nats.connect(url(server, "processor"), allow_reconnect=False)
+    try:
+        for reply in targets(victim):
+            await worker.publish("$JS.API.STREAM.NAMES", b"", reply=reply)  # answered by the JetStream API
+            await worker.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"x"}', reply=reply,  # by a PubAck
+                                 headers=chunk_headers(victim, "agg", 0))
+        await worker.flush()
+        await anyio.sleep(0.5)
+        written = {what: data for reply, (stream, what) in targets(victim).items()
+                   if (data := await stored(processor, stream, reply)) is not None}
+        # The worker's own requests still get their answers on its inbox.
+        assert (await worker.request("$JS.API.STREAM.NAMES", b"", timeout=5)).data.startswith(b'{"type"')
+    finally:
+        await worker.close()
+        await processor.close()
+    assert written == {}, f"a worker had JetStream write {sorted(written)}: {written}"
+
+
+async def test_no_worker_stalls_partitions_by_having_jetstream_write_fake_lease_members(server):
+    """Fake members in the lease bucket shrink the processor's fair share: with 8 partitions and 7
+    fake members it serves one partition, and requests of the other seven wait in the chunk stream
+    (the attack of tests/test_control_reply.py, by a worker through JetStream's answers instead of a
+    frontend through the processor's)."""
+    worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
+    reader = await nats.connect(url(server, "frontend"), allow_reconnect=False)
+    finals: set[str] = set()
+
+    async def on_result(msg) -> None:
+        if (msg.headers or {}).get(FINAL) == "true":
+            finals.add(SUBJECTS.request_id_of_result(msg.subject))
+
+    try:
+        await reader.subscribe(SUBJECTS.all_results, cb=on_result)
+        await reader.flush()
+        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "8",
+                                  "--lease-ttl", "3") as (_, log_path):
+            await anyio.sleep(2.0)  # the processor owns all 8 partitions
+
+            async def keep_fake_members() -> None:
+                while True:
+                    for i in range(7):
+                        await worker.publish("$JS.API.STREAM.NAMES", b"",
+                                             reply=f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{i}")
+                    await worker.flush()
+                    await anyio.sleep(0.5)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(keep_fake_members)
+                await anyio.sleep(6.0)  # two lease steps: members counted, surplus handed over
+                legit = [f"legit-{i}" for i in range(40)]
+                js = worker.jetstream()
+                for rid in legit:
+                    await js.publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"hi"}',
+                                     headers=chunk_headers(rid, "agg", 0, final=True))
+                with anyio.move_on_after(10):
+                    while len(finals & set(legit)) < len(legit):
+                        await anyio.sleep(0.2)
+                tg.cancel_scope.cancel()
+            log = log_path.read_text()
+        missing = sorted(set(legit) - finals)
+        stalled = sorted({partition_of(rid, 8) for rid in missing})
+        assert not missing, (f"{len(missing)} of {len(legit)} requests unanswered after 10 s (partitions "
+                             f"{stalled}); the processor's log:\n"
+                             + "\n".join(line for line in log.splitlines() if "lease" in line)[-3000:])
+    finally:
+        await worker.close()
+        await reader.close()
