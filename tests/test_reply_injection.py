@@ -12,6 +12,9 @@ their fair share and give up partitions: every request of those partitions goes 
 The shipped file now puts the worker in an account of its own (``WORKERS``) that imports its two
 subjects from ``STREAMPROC`` as services: nats-server replaces a request's reply with a ``_R_.``
 subject that leads back into ``WORKERS``, so whatever reply a worker names stays in its account.
+The edge's JetStream API requests (stream and consumer info, ``STREAM.MSG.GET``: an answer carrying
+a stored result) were answered the same way; it is in an account ``EDGE`` of its own, importing its
+API subjects as services and the results and its ordered consumers' deliveries as streams.
 """
 
 from __future__ import annotations
@@ -58,25 +61,37 @@ async def stored(nc, stream: str, subject: str) -> bytes | None:
         return None
 
 
-async def test_no_worker_gets_jetstream_to_store_its_answers_where_the_worker_may_not_publish(server):
-    victim = "reply-victim"
-    worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
+# What each role may publish that JetStream answers: (subject, payload, headers).
+ANSWERED = {
+    "worker": [("$JS.API.STREAM.NAMES", b"", None),  # the JetStream API
+               (SUBJECTS.chunk("reply-victim", "agg"), b'{"text":"x"}', chunk_headers("reply-victim", "agg", 0))],  # a PubAck
+    "edge": [("$JS.API.INFO", b"", None), ("$JS.API.STREAM.NAMES", b"", None),
+             ("$JS.API.STREAM.INFO.STREAMPROC_RESULTS", b"", None),
+             ("$JS.API.STREAM.MSG.GET.STREAMPROC_RESULTS", b'{"last_by_subj":"streamproc.results.nothing"}', None),
+             ("$JS.API.CONSUMER.INFO.STREAMPROC_RESULTS.nothing", b"", None)],
+}
+
+
+@pytest.mark.parametrize("role", sorted(ANSWERED))
+async def test_no_worker_or_edge_gets_jetstream_to_store_its_answers_where_it_may_not_publish(server, role):
+    victim = f"reply-victim-{role}"
+    attacker = await nats.connect(url(server, role), allow_reconnect=False,
+                                  inbox_prefix="_INBOX.streamproc.edge" if role == "edge" else "_INBOX")
     processor = await nats.connect(url(server, "processor"), allow_reconnect=False)
     try:
         for reply in targets(victim):
-            await worker.publish("$JS.API.STREAM.NAMES", b"", reply=reply)  # answered by the JetStream API
-            await worker.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"x"}', reply=reply,  # by a PubAck
-                                 headers=chunk_headers(victim, "agg", 0))
-        await worker.flush()
+            for subject, payload, headers in ANSWERED[role]:
+                await attacker.publish(subject, payload, reply=reply, headers=headers)
+        await attacker.flush()
         await anyio.sleep(0.5)
         written = {what: data for reply, (stream, what) in targets(victim).items()
                    if (data := await stored(processor, stream, reply)) is not None}
-        # The worker's own requests still get their answers on its inbox.
-        assert (await worker.request("$JS.API.STREAM.NAMES", b"", timeout=5)).data.startswith(b'{"type"')
+        # The attacker's own requests still get their answers on its inbox.
+        assert (await attacker.request("$JS.API.STREAM.NAMES", b"", timeout=5)).data.startswith(b'{"type"')
     finally:
-        await worker.close()
+        await attacker.close()
         await processor.close()
-    assert written == {}, f"a worker had JetStream write {sorted(written)}: {written}"
+    assert written == {}, f"the {role} had JetStream write {sorted(written)}: {written}"
 
 
 async def test_no_worker_stalls_partitions_by_having_jetstream_write_fake_lease_members(server):
