@@ -484,15 +484,20 @@ LOADTEST_USER = """      {
         }
       }
 """
-USERS_END = "\n    ]\n  }\n}\n"
+# The end of the first account's (STREAMPROC's) users list: its exports' list is followed by
+# ``users:``, the workers' and the edge's accounts (WORKERS, EDGE) come after it.
+USERS_END = "\n    ]\n  }\n"
 
 
 def loadtest_config(directory: Path, loadtest_password: str) -> Path:
-    """deploy/nats-server.conf with the test-only ``loadtest`` user appended to its users."""
+    """deploy/nats-server.conf with the test-only ``loadtest`` user appended to STREAMPROC's users
+    (where the chunks and results are, as in the single-account file before)."""
     shipped = (ROOT / "deploy" / "nats-server.conf").read_text()
-    assert shipped.endswith(USERS_END), "deploy/nats-server.conf no longer ends with its users list"
+    assert shipped.index("  STREAMPROC {") < shipped.index(USERS_END) < shipped.index("  WORKERS {"), (
+        "deploy/nats-server.conf no longer lists STREAMPROC's users first")
+    at = shipped.index(USERS_END)
     path = directory / "nats-server.conf"
-    path.write_text(shipped[: -len(USERS_END)] + "\n" + LOADTEST_USER % loadtest_password + USERS_END[1:])
+    path.write_text(shipped[:at] + "\n" + LOADTEST_USER % loadtest_password + shipped[at + 1:])
     path.chmod(0o644)
     return path
 
