@@ -345,6 +345,10 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                           "take (the join thread and the codec's helper threads); past it the "
                                           "request is ended with an overloaded error; 0 turns the budget off",
                                           ge=0, le=86_400)] = defaults.MAX_DECODE_CPU
+    max_migrations: Annotated[int, documented("migrations one request may have; the migrate past it is refused "
+                                              "and the request ended with a migration_refused error (each seals "
+                                              "the attempt and sends back every token the client was sent)",
+                                              ge=1, le=1_000_000)] = defaults.MAX_MIGRATIONS
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_finished_bytes: Annotated[int, documented("bytes the finished request ids may take (164 + the id's length "
@@ -399,6 +403,7 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             max_buffered_bytes=self.max_buffered_bytes,
             max_total_bytes=self.max_total_bytes,
             max_decode_cpu=self.max_decode_cpu,
+            max_migrations=self.max_migrations,
         )
 
 
@@ -419,7 +424,7 @@ _GROUP_OF = {
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",
-                     "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
+                     "max_migrations", "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "flush_interval", "ack_linger",
                      "max_deliver", "max_result_attempts", "result_batch", "lease_ttl",

@@ -159,6 +159,19 @@ def test_a_refusal_from_the_caller_ends_the_request_with_an_error_result():
     assert err.error == "migration_refused" and b"guided decoding" in err.body and err.final
 
 
+def test_a_request_migrated_max_migrations_times_is_refused_and_ended_at_the_next_migrate():
+    """Each migrate seals and sends back every token sent so far: a frontend repeating them on one
+    request cost the processor work in proportion to the request, without end (docs/security.md)."""
+    c, run, _ = make(max_migrations=3)
+    feed(run, leg("r", Role.AGG, [b"1 2", b"3"])[:1])
+    assert [migrate(run, "r").attempt for _ in range(3)] == [1, 2, 3]
+    reply = migrate(run, "r")
+    assert reply.code is MigrateErrorCode.REFUSED and "migrated 3 times already" in reply.message
+    err = run.of("r")[-1]
+    assert err.error == "migration_refused" and err.final and b"max_migrations 3" in err.body
+    assert c.stats.migrations == 3 and c.stats.migrations_refused == 1
+
+
 def test_a_format_without_migration_support_is_refused():
     c, run, _ = make(NoMigration())
     feed(run, leg("n", Role.AGG, [b"1", b"2"])[:1])

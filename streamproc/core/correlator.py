@@ -131,6 +131,8 @@ class CorrelatorConfig(msgspec.Struct, frozen=True):
     # offloaded joins, the codec's helper threads included); past it the request is ended, so
     # payloads that inflate cannot buy unbounded decode time. 0: no budget.
     max_decode_cpu: float = defaults.MAX_DECODE_CPU
+    # Migrations one request may have: the migrate past it is refused and ends the request.
+    max_migrations: int = defaults.MAX_MIGRATIONS
 
 
 class Stats(msgspec.Struct, gc=False):
@@ -504,6 +506,9 @@ class Correlator:
         try:
             if refuse is not None:
                 raise MigrationRefused(refuse)
+            if req.attempt >= self.config.max_migrations:
+                raise MigrationRefused(f"it was migrated {req.attempt} times already (max_migrations "
+                                       f"{self.config.max_migrations})")
             emitted = self._progress(req).seal()
             encoded = None  # the reply's bytes, measured before the seal: the seal sends the same reply
             if max_seal_bytes is not None:

@@ -60,6 +60,11 @@ MAX_TOTAL_BYTES = 96 * 1024 * 1024
 # expert join + 32,768 chunks with a 4,096-token prompt's logprobs: 8.7-9.4 s on a faster machine);
 # it is kept here, a lower default is a separate decision.
 MAX_DECODE_CPU = 30.0
+# Migrations one request may have (its attempts after the first). Each migrate seals the attempt
+# and sends back everything the client was sent (the token ids): one frontend repeating migrates
+# of a 96,000-token request cost the processor 11-12 ms of CPU and a 672 KB reply each, unbounded
+# (docs/security.md). A worker lost 32 times during one request is past any real failover.
+MAX_MIGRATIONS = 32
 
 # Codecs
 # A ceiling, not the working bound: codecs decode at most what a body's token counts allow
