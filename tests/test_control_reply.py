@@ -17,7 +17,7 @@ import nats
 import pytest
 from conftest import processor_subprocess
 from helpers import free_port, scrape
-from shipped_config import CONF, shipped_server, url
+from shipped_config import CONF, requests_unanswered_under_fake_lease_members, shipped_server, url
 
 from streamproc.core.partitions import partition_of
 from streamproc.core.wire import ERROR, FINAL, MigrateErrorCode, chunk_headers, decode_migrate_reply
@@ -87,50 +87,17 @@ async def test_a_frontend_cannot_get_the_processor_to_write_the_lease_bucket_and
 
 async def _stall_partitions(server) -> None:
     frontend, _ = await _connect(server, "frontend")
-    worker, _ = await _connect(server, "worker")
-    reader, _ = await _connect(server, "frontend")
-    finals: set[str] = set()
+    in_partition_0 = [r for r in (f"m{i}" for i in range(1000)) if partition_of(r, 8) == 0][:7]
 
-    async def on_result(msg) -> None:
-        if (msg.headers or {}).get(FINAL) == "true":
-            finals.add(SUBJECTS.request_id_of_result(msg.subject))
+    async def fake_member(i: int) -> None:  # ids of partition 0, which the processor keeps: every migrate is answered
+        await frontend.publish(SUBJECTS.migrate(in_partition_0[i]), b"", reply=f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{i}")
+        await frontend.flush()
 
     try:
-        await reader.subscribe(SUBJECTS.all_results, cb=on_result)
-        await reader.flush()
-        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "8",
-                                  "--lease-ttl", "3") as (proc, log_path):
-            await anyio.sleep(2.0)  # the processor owns all 8 partitions
-
-            in_partition_0 = [r for r in (f"m{i}" for i in range(1000)) if partition_of(r, 8) == 0][:7]
-
-            async def keep_fake_members() -> None:
-                while True:
-                    for i in range(7):  # ids of partition 0, which the processor keeps: every migrate is answered
-                        await frontend.publish(SUBJECTS.migrate(in_partition_0[i]), b"",
-                                               reply=f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{i}")
-                    await frontend.flush()
-                    await anyio.sleep(0.5)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(keep_fake_members)
-                await anyio.sleep(6.0)  # two lease steps: members counted, surplus handed over
-                legit = [f"legit-{i}" for i in range(40)]
-                js = worker.jetstream()
-                for rid in legit:
-                    await js.publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"hi"}',
-                                     headers=chunk_headers(rid, "agg", 0, final=True))
-                with anyio.move_on_after(10):
-                    while len(finals & set(legit)) < len(legit):
-                        await anyio.sleep(0.2)
-                tg.cancel_scope.cancel()
-            log = log_path.read_text()
-        missing = sorted(set(legit) - finals)
-        assert not missing, (f"{len(missing)} of {len(legit)} requests unanswered after 10 s; the processor's log:\n"
-                             + "\n".join(line for line in log.splitlines() if "lease" in line)[-3000:])
+        missing, lease_log = await requests_unanswered_under_fake_lease_members(server, fake_member)
     finally:
-        for nc in (frontend, worker, reader):
-            await nc.close()
+        await frontend.close()
+    assert not missing, f"{len(missing)} of 40 requests unanswered after 10 s; the processor's lease log:\n{lease_log}"
 
 
 async def test_a_migrates_reason_is_logged_cut_not_whole(nats_url, streamproc_run):

@@ -24,10 +24,10 @@ import nats
 import nats.js.errors
 import pytest
 from conftest import processor_subprocess
-from shipped_config import CONF, shipped_server, url
+from shipped_config import CONF, requests_unanswered_under_fake_lease_members, shipped_server, url
 
 from streamproc.core.partitions import partition_of
-from streamproc.core.wire import FINAL, chunk_headers
+from streamproc.core.wire import chunk_headers
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -100,46 +100,15 @@ async def test_no_worker_stalls_partitions_by_having_jetstream_write_fake_lease_
     (the attack of tests/test_control_reply.py, by a worker through JetStream's answers instead of a
     frontend through the processor's)."""
     worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
-    reader = await nats.connect(url(server, "frontend"), allow_reconnect=False)
-    finals: set[str] = set()
 
-    async def on_result(msg) -> None:
-        if (msg.headers or {}).get(FINAL) == "true":
-            finals.add(SUBJECTS.request_id_of_result(msg.subject))
+    async def fake_member(i: int) -> None:
+        await worker.publish("$JS.API.STREAM.NAMES", b"", reply=f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{i}")
+        await worker.flush()
 
     try:
-        await reader.subscribe(SUBJECTS.all_results, cb=on_result)
-        await reader.flush()
-        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "8",
-                                  "--lease-ttl", "3") as (_, log_path):
-            await anyio.sleep(2.0)  # the processor owns all 8 partitions
-
-            async def keep_fake_members() -> None:
-                while True:
-                    for i in range(7):
-                        await worker.publish("$JS.API.STREAM.NAMES", b"",
-                                             reply=f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{i}")
-                    await worker.flush()
-                    await anyio.sleep(0.5)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(keep_fake_members)
-                await anyio.sleep(6.0)  # two lease steps: members counted, surplus handed over
-                legit = [f"legit-{i}" for i in range(40)]
-                js = worker.jetstream()
-                for rid in legit:
-                    await js.publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"hi"}',
-                                     headers=chunk_headers(rid, "agg", 0, final=True))
-                with anyio.move_on_after(10):
-                    while len(finals & set(legit)) < len(legit):
-                        await anyio.sleep(0.2)
-                tg.cancel_scope.cancel()
-            log = log_path.read_text()
-        missing = sorted(set(legit) - finals)
-        stalled = sorted({partition_of(rid, 8) for rid in missing})
-        assert not missing, (f"{len(missing)} of {len(legit)} requests unanswered after 10 s (partitions "
-                             f"{stalled}); the processor's log:\n"
-                             + "\n".join(line for line in log.splitlines() if "lease" in line)[-3000:])
+        missing, lease_log = await requests_unanswered_under_fake_lease_members(server, fake_member)
     finally:
         await worker.close()
-        await reader.close()
+    stalled = sorted({partition_of(rid, 8) for rid in missing})
+    assert not missing, (f"{len(missing)} of 40 requests unanswered after 10 s (partitions {stalled}); "
+                         f"the processor's lease log:\n{lease_log}")
