@@ -176,6 +176,36 @@ async def test_a_chunk_is_acknowledged_only_after_its_result_is_stored(client, n
     assert p.snapshot()["publish_retries"] > 0
 
 
+async def test_decided_chunks_waiting_for_their_results_pubacks_keep_no_body(client, nats_url):
+    """A decided chunk whose result is not stored yet waits in the outbox only for its ack; its token
+    keeps nothing of the chunk's body. Late chunks of a finished request (settled behind its final
+    result) and the chunk of that result itself, with nothing stored: their ``Msg`` bodies were
+    ~1 MB each outside every budget for as long as PubAcks lagged (tests/test_durable_hostile.py,
+    concurrent attackers, under CPU load: up to 19 MiB). Then the results stream is back and every
+    chunk is acknowledged once its result is stored."""
+    settings = durable_settings(nats_url)
+    js = client.jetstream()
+    body = b'{"text": "' + b"z" * 200_000 + b'"}'
+    async with Processor(settings) as p:
+        await js.delete_stream(RESULTS_STREAM)  # results cannot be stored for now
+        publisher = ChunkPublisher(client, settings.subjects)
+        await publisher.publish("bodiless", "agg", 0, b'{"text": "0"}', final=True)
+        await wait_until(lambda: p.snapshot()["publish_errors"] > 0, 10, "the final result tried and refused")
+        for seq in range(1, 11):  # late: settled behind the final result, which waits for its PubAck
+            await publisher.publish("bodiless", "agg", seq, body)
+        await wait_until(lambda: p.snapshot()["chunks"] == 11, 10, "every chunk decided")
+        tokens = list(p._input.outbox.tokens())
+        assert len(tokens) == 11
+        held = sum(len(getattr(t, "data", b"") or b"") for t in tokens)
+        assert held == 0, f"{held} bytes of chunk bodies kept by {len(tokens)} decided, unacknowledged chunks"
+        assert p.snapshot()["acks"] == 0
+
+        await ensure_results_stream(js, settings.subjects, duplicate_window=settings.duplicate_window)
+        await wait_until(_empty(js), 15, "every chunk acknowledged once the result was stored")
+        stored = await stored_results(js, settings.subjects)
+    assert [(s.seq, s.body, s.final) for s in stored["bodiless"]] == [(0, b'{"text": "0"}', True)]
+
+
 async def test_a_result_the_stream_keeps_refusing_is_given_up_its_input_redelivered_and_stored_later(
         client, nats_url, caplog):
     caplog.set_level(logging.INFO, logger="streamproc")

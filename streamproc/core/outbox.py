@@ -26,8 +26,9 @@ It never touches a socket, so every guarantee below is checked by property tests
   recovers from what is stored) and a :class:`GiveUp` tells the shell to forget the request, log
   and count it. Nothing retries for ever inside one instance.
 
-Tokens are opaque (the shell's ack handles); tickets are strings the shell turns into reply
-subjects. :func:`delivery_count`, :func:`needs_lookup` and :func:`resume_point` are the pure
+Tokens are opaque (the shell's ack handles; the ``shed`` hook lets the shell drop what a token
+holds beyond its ack handle once its chunk is decided); tickets are strings the shell turns into
+reply subjects. :func:`delivery_count`, :func:`needs_lookup` and :func:`resume_point` are the pure
 recovery decisions for a chunk of a request this instance does not know.
 """
 
@@ -181,8 +182,14 @@ class Outbox:
     """
 
     def __init__(self, config: OutboxConfig = OutboxConfig(), stats: OutboxStats | None = None,
-                 handed_latency: LatencyHistogram | None = None) -> None:
+                 handed_latency: LatencyHistogram | None = None,
+                 shed: Callable[[object], None] | None = None) -> None:
+        """``shed``: called once with each input token as it enters the outbox (its chunk is decided:
+        only settling it is left, which needs nothing but the token itself), so the shell can drop
+        what the token holds beyond that (the durable shell: the chunk's body, which its ``Msg``
+        kept alive until the ack was written, outside every budget, for as long as PubAcks lag)."""
         self.config = config
+        self._shed = shed
         self.stats = stats if stats is not None else OutboxStats()
         self._queues: dict[str, list[Outgoing]] = {}  # per request; [0] is in flight or about to be
         # Bytes of result bodies queued (not stored yet): the shell stops pulling chunks past a bound,
@@ -253,6 +260,7 @@ class Outbox:
         other decisions name, if they name exactly one, else nothing is queued ahead of them.
         """
         queues = self._queues
+        shed = self._shed
         notices: list[Notice] | None = None
         o = None
         for d in decisions:
@@ -260,8 +268,11 @@ class Outbox:
             if cls is Result:
                 rid = d.request_id
                 self._next += 1
-                o = Outgoing(d, str(self._next), [t for t in d.settles if t is not None], self._first_wait,
-                             received)
+                settles = [t for t in d.settles if t is not None]
+                if shed is not None:
+                    for t in settles:
+                        shed(t)
+                o = Outgoing(d, str(self._next), settles, self._first_wait, received)
                 self.queued_bytes += len(d.body)
                 queue = queues.get(rid)
                 if queue is None:
@@ -279,7 +290,11 @@ class Outbox:
                     request_id = _sole_request(decisions)
                 queue = queues.get(request_id) if request_id is not None else None
                 if queue:
-                    queue[-1].settles.extend(t for t in d.tokens if t is not None)
+                    settles = [t for t in d.tokens if t is not None]
+                    if shed is not None:
+                        for t in settles:
+                            shed(t)
+                    queue[-1].settles.extend(settles)
                 else:
                     self.ack(d.tokens)
         if o is not None and received is not None:
@@ -288,9 +303,12 @@ class Outbox:
 
     def ack(self, tokens: Iterable[object]) -> None:
         control = self._control
+        shed = self._shed
         n = 0
         for t in tokens:
             if t is not None:
+                if shed is not None:
+                    shed(t)
                 control.append((t, ACK))
                 n += 1
         self.stats.acks += n
@@ -307,8 +325,11 @@ class Outbox:
     def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
         action = NAK if delay <= 0 else Nak(delay)
         terminate = self._terminate
+        shed = self._shed
         for t in tokens:
             if t is not None:
+                if shed is not None:
+                    shed(t)
                 self._control.append((t, action))
                 self.stats.naks += 1
                 if terminate:

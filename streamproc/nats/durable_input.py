@@ -255,6 +255,23 @@ def _reply_of(msg: Msg) -> str | None:
     return getattr(msg, "reply", None)
 
 
+def _shed_body(token: object) -> None:
+    """A chunk's token entered the outbox (``Outbox(shed=...)``): its chunk is decided, and what is
+    left to do with its ``Msg`` (ack, NAK, +WPI, +TERM, the hand-over's stream order) reads only its
+    ack subject (``reply``). The body goes: a decided chunk whose result waits for its PubAck, or
+    whose ack waits to be written, kept it alive through its ``Msg`` outside every budget, for as
+    long as PubAcks lag (in the concurrent attackers test under two CPU hogs, up to 19 MiB of
+    ~1 MB bodies of late chunks settled behind their requests' overloaded results, and up to 34 MiB
+    in tokens whose ack or NAK waited to be written; docs/operations.md, "Bounds and back-pressure",
+    "Decided chunks keep no body"). What still needs
+    the bytes holds them itself: a buffered chunk's ``Chunk.body`` (charged to the byte budget), a
+    passthrough result's body (the same bytes object, held by the outbox queue: its cap)."""
+    try:
+        token.data = b""  # type: ignore[attr-defined]
+    except AttributeError:  # not a Msg (tests' tokens): nothing to drop
+        pass
+
+
 class _Delivery:
     """A chunk delivery whose decision waits for a recovery lookup (its own or its request's)."""
 
@@ -302,7 +319,8 @@ class DurableInput:
         self.ledger: MigrationLedger | None = None
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
                                           progress_every=settings.ack_wait / 4), self.stats,
-                             handed_latency=pipeline.result_latency)  # one chunk -> result metric, both modes
+                             handed_latency=pipeline.result_latency,  # one chunk -> result metric, both modes
+                             shed=_shed_body)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish),
                                     limited=pipeline.limited, fence=self._fence)
