@@ -12,6 +12,7 @@ publish without awaiting (``FastClient.enqueue``) PubAcks are handled in nats-py
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Awaitable, Callable, Iterable, Iterator
 
 import anyio
@@ -96,7 +97,14 @@ class OutboxPump:
         self.staged = False  # results wait for the client's next write (stage_writes)
 
     async def start(self) -> None:
-        inbox = self._nc.new_inbox()
+        # Not a name from the connection's NUID: this inbox is the reply of every result, and a stream
+        # import keeps the reply, so every reader of results (the edge) reads it. nats-py's
+        # ``NUID.next`` adds a fixed increment (96..333) per inbox, so from ``new_inbox()``'s name the
+        # connection's other inboxes (the partitions' pull inboxes) were a few thousand guesses away,
+        # and a push consumer the edge creates on the results stream delivers into any subject of
+        # STREAMPROC someone subscribed to by name (docs/security.md,
+        # tests/test_edge_consumer_injection.py). Same prefix (the permissions), random token.
+        inbox = f"{self._nc.new_inbox().rpartition('.')[0]}.{secrets.token_hex(11)}"
         self._reply_prefix = inbox + "."
         self._cut = len(self._reply_prefix)
         # Fast batch ids are the stream's, not the connection's: the inbox's unique token makes ours unique.

@@ -1,0 +1,228 @@
+"""Attacks on the shipped configuration through the push consumers the edge may create (2026-12-04).
+
+The edge may create consumers on ``STREAMPROC_RESULTS`` (imported as a service from ``STREAMPROC``).
+A consumer lives in the stream's account, so its ``deliver_subject``, which nats-server checks
+against nobody's permissions, is a subject of ``STREAMPROC``: the edge can have JetStream re-publish
+stored results onto any subject there. nats-server delivers a push consumer's messages only while
+its deliver subject has *literal* interest in that account: a subscription on exactly that subject
+(with ``deliver_group``, a queue subscription on exactly that subject in that group), or gateway
+interest (nats-server ``consumer.go`` ``setLeader`` registers
+``o.acc.sl.registerNotification(o.cfg.DeliverSubject, o.cfg.DeliverGroup, o.inch)``, and
+``sublist.go`` ``registerNotification`` counts a subscription only when
+``string(sub.subject) == subject``; ``loopAndGatherMsgs`` sends nothing, heartbeats included,
+unless ``isActive``). Wildcard subscribers, streams and buckets (``P.chunks.>``,
+``P.control.*.migrate``, ``$KV.<bucket>.>``, ``$JS.ACK.<stream>.<consumer>.>``, ``$JS.API.>``)
+never make such a consumer deliver; a delivery into the results stream itself is refused
+(``deliveryFormsCycle``).
+
+What does deliver: an inbox some client of ``STREAMPROC`` subscribed to by name, such as a
+durable processor's pull inboxes. Their names are nats-py NUIDs, unguessable by themselves, but the
+processor publishes every result with its PubAck inbox as the reply, and a stream import keeps the
+reply: every edge read ``_INBOX.streamproc.<nuid>.<n>``. nats-py's ``NUID.next`` adds a fixed
+increment (96..333) to the sequence for each inbox of a connection, so the partitions' inboxes were
+a few thousand guesses away, and a consumer's ``push_bound`` said which guess was right.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import nats
+import nats.js.errors
+import pytest
+from conftest import processor_subprocess
+from shipped_config import CONF, shipped_server, url
+
+from streamproc.core.wire import chunk_headers
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
+SUBJECTS = Subjects("streamproc")
+STREAM = "STREAMPROC_RESULTS"
+EDGE_INBOX = "_INBOX.streamproc.edge"
+
+# nats-py nats/nuid.py: 12 random characters, then a 10-digit base-62 sequence that grows by a
+# per-connection increment MIN_INC + randint(BASE + 1, INC), i.e. 96..333.
+DIGITS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+INCREMENTS = range(96, 334)
+STEPS = range(1, 25)  # inboxes created after the leaked one (a 2-partition processor's pulls: 16-22)
+
+
+def _decode(digits: str) -> int:
+    n = 0
+    for ch in digits:
+        n = n * 62 + DIGITS.index(ch)
+    return n
+
+
+def _encode(n: int) -> str:
+    out = []
+    for _ in range(10):
+        n, d = divmod(n, 62)
+        out.append(DIGITS[d])
+    return "".join(reversed(out))
+
+
+def nuid_neighbours(token: str) -> list[str]:
+    """The inbox tokens a nats-py connection makes after ``token``, for every possible increment."""
+    if len(token) != 22 or any(ch not in DIGITS for ch in token):
+        return []
+    prefix, seq = token[:12], _decode(token[12:])
+    return [prefix + _encode(seq + k * inc) for k in STEPS for inc in INCREMENTS]
+
+
+async def bound_deliver_subjects(edge, candidates: list[str]) -> list[str]:
+    """Which of ``candidates`` a push consumer created by the edge would deliver to (``push_bound``):
+    each probe delivers nothing (new messages of a subject nothing is published on) and is deleted."""
+    bound: list[str] = []
+    limit = anyio.Semaphore(100)  # stays far below the stream's consumer limit
+
+    async def probe(i: int, subject: str) -> None:
+        name = f"probe-{i}"
+        config = {"name": name, "deliver_subject": subject, "deliver_policy": "new", "ack_policy": "none",
+                  "filter_subject": SUBJECTS.result("nothing-ever")}
+        async with limit:
+            answer = json.loads((await edge.request(
+                f"$JS.API.CONSUMER.CREATE.{STREAM}.{name}",
+                json.dumps({"stream_name": STREAM, "config": config}).encode(), timeout=30)).data)
+            if "error" not in answer:
+                await edge.request(f"$JS.API.CONSUMER.DELETE.{STREAM}.{name}", b"", timeout=30)
+        if answer.get("push_bound"):
+            bound.append(subject)
+
+    async with anyio.create_task_group() as tg:
+        for i, subject in enumerate(candidates):
+            tg.start_soon(probe, i, subject)
+    return bound
+
+
+async def test_no_edge_finds_a_processor_inbox_from_a_results_reply_and_feeds_it_stored_results():
+    with shipped_server(CONF.read_text()) as server, \
+            processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "2",
+                                 "--lease-ttl", "3") as (_, log_path):
+        edge = await nats.connect(url(server, "edge"), inbox_prefix=EDGE_INBOX, allow_reconnect=False)
+        worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
+        try:
+            replies: list[str] = []
+
+            async def on_result(msg) -> None:
+                if msg.reply:
+                    replies.append(msg.reply)
+
+            await edge.subscribe(SUBJECTS.all_results, cb=on_result)
+            await edge.flush()
+            await anyio.sleep(1.0)  # both partitions owned and pulled
+            js = worker.jetstream()
+            for i in range(3):
+                rid = f"seen-{i}"
+                await js.publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"hi"}',
+                                 headers=chunk_headers(rid, "agg", 0, final=True))
+            with anyio.fail_after(10):
+                while len(replies) < 3:
+                    await anyio.sleep(0.05)
+            # What the edge reads: the reply of every result it is sent.
+            leaked = {r.split(".")[2] for r in replies if r.startswith("_INBOX.streamproc.")}
+            candidates = [f"_INBOX.streamproc.{t}" for token in leaked for t in nuid_neighbours(token)]
+            bound = await bound_deliver_subjects(edge, candidates)
+            for i, subject in enumerate(bound):  # the attack proper: every stored result, into that inbox
+                config = {"name": f"feed-{i}", "deliver_subject": subject, "deliver_policy": "all",
+                          "ack_policy": "none"}
+                await edge.request(f"$JS.API.CONSUMER.CREATE.{STREAM}.feed-{i}",
+                                   json.dumps({"stream_name": STREAM, "config": config}).encode(), timeout=10)
+            await anyio.sleep(1.0)
+            log = log_path.read_text()
+        finally:
+            await edge.close()
+            await worker.close()
+    fed = [line for line in log.splitlines() if "event=unreadable_message subject=streamproc.results." in line]
+    assert not bound and not fed, (
+        f"from the replies {sorted(set(replies))} the edge found {len(bound)} of the processor's inboxes "
+        f"({bound}) in {len(candidates)} guesses, and the processor was fed {len(fed)} stored results:\n"
+        + "\n".join(fed[:5]))
+
+
+LEASES, MIGRATIONS = "KV_STREAMPROC_CHUNKS_LEASES", "KV_STREAMPROC_CHUNKS_MIGRATIONS"
+
+
+def wildcard_read_targets(victim: str) -> list[str]:
+    """Subjects of STREAMPROC read only through wildcards (subscriptions, streams, buckets): the
+    processor's chunks and migrates, the lease and migrations buckets, JetStream's acks and API."""
+    return [SUBJECTS.chunk(victim, "agg"), SUBJECTS.chunk(victim, "prefill"),
+            f"streamproc.control.{victim}.migrate",
+            f"$KV.STREAMPROC_CHUNKS_LEASES.m.fake-{victim}", f"$KV.STREAMPROC_CHUNKS_MIGRATIONS.r.{victim}",
+            f"$JS.ACK.STREAMPROC_CHUNKS.{victim}.1.1.1.1.0", "$JS.API.STREAM.NAMES",
+            f"$JS.API.STREAM.DELETE.{STREAM}", f"_R_.{victim}.x"]
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_edge_consumers_deliver_nothing_to_subjects_of_streamproc_read_through_wildcards(mode):
+    """Pins why the edge's consumers reach nothing but inboxes subscribed by name: a consumer of
+    every stored result delivering onto a chunk subject (with and without ``deliver_group``, with
+    heartbeats and flow control), a migrate subject, a bucket key, an ack or API subject is never
+    bound and delivers nothing (no result, no error, no bucket entry); onto a result subject it is
+    refused. Should a component subscribe to such a subject by name, this fails, and not only on
+    ``push_bound``: a consumer bound by one literal subscriber publishes onto the subject, and every
+    wildcard subscriber reads it too (checked 2026-12-04 with the processor's connection subscribed to
+    the victim's chunk subject: the processor answered the re-delivered stored result as a chunk of
+    the victim's, in both modes)."""
+    victim = f"edge-deliver-victim-{mode}"
+    with shipped_server(CONF.read_text()) as server:
+        with processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "2",
+                                  "--lease-ttl", "3"):
+            worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
+            try:  # stored results to re-deliver (onto the victim's chunk subject: a new request)
+                for rid in ("stored-0", "stored-1"):
+                    await worker.jetstream().publish(SUBJECTS.chunk(rid, "agg"), b'{"text":"stored"}',
+                                                     headers=chunk_headers(rid, "agg", 0, final=True))
+                await anyio.sleep(1.0)
+            finally:
+                await worker.close()
+        with processor_subprocess(url(server, "processor"), "--mode", mode, "--partitions", "2",
+                                  "--lease-ttl", "3") as (_, log_path):
+            edge = await nats.connect(url(server, "edge"), inbox_prefix=EDGE_INBOX, allow_reconnect=False)
+            processor = await nats.connect(url(server, "processor"), allow_reconnect=False)
+            frontend = await nats.connect(url(server, "frontend"), inbox_prefix="_INBOX.frontend",
+                                          allow_reconnect=False)
+            seen: list[str] = []
+
+            async def on_result(msg) -> None:
+                seen.append(msg.subject)
+
+            try:
+                await frontend.subscribe(SUBJECTS.all_results, cb=on_result)
+                await frontend.flush()
+                await anyio.sleep(1.0)
+                answers: dict[str, dict] = {}
+                variants = [{}, {"deliver_group": "streamproc"}, {"flow_control": True, "idle_heartbeat": 500_000_000}]
+                for i, (subject, extra) in enumerate((s, v) for s in wildcard_read_targets(victim) for v in variants):
+                    config = {"name": f"evil-{i}", "deliver_subject": subject, "deliver_policy": "all",
+                              "ack_policy": "none", **extra}
+                    answers[f"{subject} {extra}"] = json.loads((await edge.request(
+                        f"$JS.API.CONSUMER.CREATE.{STREAM}.evil-{i}",
+                        json.dumps({"stream_name": STREAM, "config": config}).encode(), timeout=10)).data)
+                cycle = json.loads((await edge.request(
+                    f"$JS.API.CONSUMER.CREATE.{STREAM}.evil-cycle",
+                    json.dumps({"stream_name": STREAM, "config": {
+                        "name": "evil-cycle", "deliver_subject": SUBJECTS.result(victim),
+                        "deliver_policy": "all", "ack_policy": "none"}}).encode(), timeout=10)).data)
+                await anyio.sleep(2.0)  # heartbeats every 0.5 s, were they sent
+                js = processor.jetstream()
+                entries = {}
+                for bucket, key in ((LEASES, f"m.fake-{victim}"), (MIGRATIONS, f"r.{victim}")):
+                    try:
+                        entries[key] = (await js.get_last_msg(bucket, f"$KV.{bucket[3:]}.{key}")).data
+                    except nats.js.errors.NotFoundError:
+                        pass
+            finally:
+                for nc in (edge, processor, frontend):
+                    await nc.close()
+            log = log_path.read_text()
+    refused = {k: a["error"] for k, a in answers.items() if "error" in a}
+    assert not refused, f"the server refused {refused}: this test no longer tries what it says"
+    bound = [k for k, a in answers.items() if a.get("push_bound")]
+    assert not bound, f"the edge's consumers are bound to {bound}"
+    assert "cycle" in cycle.get("error", {}).get("description", ""), cycle
+    assert SUBJECTS.result(victim) not in seen, f"a result of {victim} after the attack: {seen}"
+    assert entries == {}, f"the edge's consumers wrote bucket entries: {entries}"
+    assert "unreadable_message" not in log and "invalid_chunk" not in log, log[-3000:]
