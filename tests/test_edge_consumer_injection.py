@@ -226,3 +226,64 @@ async def test_edge_consumers_deliver_nothing_to_subjects_of_streamproc_read_thr
     assert SUBJECTS.result(victim) not in seen, f"a result of {victim} after the attack: {seen}"
     assert entries == {}, f"the edge's consumers wrote bucket entries: {entries}"
     assert "unreadable_message" not in log and "invalid_chunk" not in log, log[-3000:]
+
+
+async def test_a_resumed_requests_migrate_is_answered_with_the_results_streams_consumers_used_up_by_the_edge():
+    """The edge may create consumers on the results stream, durable ones too, and nats-server 2.15.1
+    refuses the 1001st (``maximum consumers limit reached``). The processor read a resumed request's
+    stored results back with an ordered consumer at a migrate, so with the edge's 1000 the migrate of
+    a request the processor picked up after a restart was ``unavailable`` at every retry (found by an
+    attack, 2026-12-04): the processor reads them with STREAM.MSG.GET when it gets no consumer."""
+    from streamproc.catalog import worker_for
+    from streamproc.client.migration import Migrator
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.client.results import ResultCollector
+    from streamproc.core.events import Role
+    from streamproc.sim.migration import native_request, plan_migrations
+
+    worker = worker_for("sglang")
+    m = next(p for p in plan_migrations(seed=11, id_prefix="used-up") if p.kind == "agg")
+    flags = ("--mode", "durable", "--format", "sglang", "--partitions", "2", "--lease-ttl", "3")
+    with shipped_server(CONF.read_text()) as server:
+        workers = await nats.connect(url(server, "worker"), allow_reconnect=False)
+        frontend = await nats.connect(url(server, "frontend"), inbox_prefix="_INBOX.frontend",
+                                      allow_reconnect=False)
+        edge = await nats.connect(url(server, "edge"), inbox_prefix=EDGE_INBOX, allow_reconnect=False)
+        try:
+            async with ResultCollector(frontend, SUBJECTS) as collector:
+                with processor_subprocess(url(server, "processor"), *flags):  # the worker dies mid-decode
+                    publisher = ChunkPublisher(workers, SUBJECTS)
+                    for seq, body in enumerate(worker.agg_resumed(m.truth, 0, stream=True)[:m.die_after]):
+                        await publisher.publish(m.request_id, Role.AGG, seq, body, format="sglang")
+                    with anyio.fail_after(20):
+                        while len(collector.results.get(m.request_id, [])) < m.die_after:
+                            await anyio.sleep(0.05)
+            created = 0
+            for i in range(1000):
+                config = {"durable_name": f"hoard-{i}", "deliver_subject": f"{EDGE_INBOX}.hoard.{i}",
+                          "deliver_policy": "new", "ack_policy": "none"}
+                answer = json.loads((await edge.request(
+                    f"$JS.API.CONSUMER.CREATE.{STREAM}.hoard-{i}",
+                    json.dumps({"stream_name": STREAM, "config": config}).encode(), timeout=10)).data)
+                created += "error" not in answer
+            refused = json.loads((await edge.request(  # nor anyone else: the processor's read-back
+                f"$JS.API.CONSUMER.CREATE.{STREAM}", json.dumps({"stream_name": STREAM, "config": {
+                    "deliver_subject": f"{EDGE_INBOX}.one-more", "ack_policy": "none"}}).encode(), timeout=10)).data)
+            with processor_subprocess(url(server, "processor"), *flags) as (_, log_path):  # a restart
+                try:
+                    resumed = await Migrator(frontend, SUBJECTS, format="sglang", timeout=10).migrate(
+                        m.request_id, native_request("sglang", m.truth))
+                    # The rebuilt request holds the tokens read back from the stored results.
+                    emitted = worker.emitted_in(m.truth, resumed.body)
+                    outcome = f"resumed at result seq {resumed.result_seq}, {emitted} tokens rebuilt"
+                    expected = f"resumed at result seq {m.die_after}, {resumed.emitted_tokens} tokens rebuilt"
+                except Exception as exc:  # noqa: BLE001  (the assertion says what it was)
+                    outcome, expected = f"{type(exc).__name__}: {exc}", "a resumed request"
+                log = log_path.read_text()
+        finally:
+            for nc in (workers, frontend, edge):
+                await nc.close()
+    assert created == 1000, f"the edge created {created} consumers: this test no longer tries what it says"
+    assert "maximum consumers limit" in json.dumps(refused), refused
+    assert outcome == expected and "None tokens" not in outcome, (outcome, log[-2000:])
+    assert "event=history_without_consumer" in log, log[-2000:]

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
 import time
 
 import anyio
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
@@ -41,6 +43,9 @@ from ..core.errors import MigrationBucketMismatch, MissingResults, UnreadableRec
 from ..core.events import SealRecord
 from ..core.outbox import resume_point
 from ..core.wire import decode_seal_record, encode_seal_record
+from ..logs import error_text, log_event
+
+log = logging.getLogger("streamproc.durable")
 
 HISTORY_TIMEOUT = 2.0  # longest wait for the next stored result while reading them back
 SCAN_TIMEOUT = 10.0  # longest read of the bucket's keys when partitions are taken (at most)
@@ -174,8 +179,16 @@ class MigrationLedger:
         if count <= 0:
             return []
         bodies: dict[int, bytes] = {}
-        sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
-                                      ordered_consumer=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        try:
+            sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
+                                          ordered_consumer=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        except nats.js.errors.APIError as exc:
+            # No consumer to be had, e.g. the stream's consumers at nats-server's limit (1000 per
+            # stream, 2.15.1): the edge may create consumers on this stream, as many as it likes
+            # (docs/security.md). Read them one by one instead, as the edge reads stored results.
+            log_event(log, logging.WARNING, "history_without_consumer", stream=self.results_stream,
+                      results=count, error=error_text(exc))
+            return await self._history_by_get(request_id, count)
         try:
             while len(bodies) < count:
                 try:
@@ -189,6 +202,25 @@ class MigrationLedger:
                     break
         finally:
             await sub.unsubscribe()
+        if len(bodies) < count:
+            raise MissingResults(request_id, count, sorted(set(range(count)) - set(bodies))[:5])
+        return [bodies[i] for i in range(count)]
+
+    async def _history_by_get(self, request_id: str, count: int) -> list[bytes]:
+        """:meth:`history` without a consumer: ``$JS.API.STREAM.MSG.GET`` with ``next_by_subj``, one
+        round trip per stored result (nats-py ``JetStreamContext.get_msg(next=True)``)."""
+        subject = self._results_head + request_id
+        bodies: dict[int, bytes] = {}
+        seq = 1
+        while len(bodies) < count:
+            try:
+                msg = await self.js.get_msg(self.results_stream, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            point = resume_point(msg.headers)
+            if point is not None and point[0] - 1 < count:
+                bodies.setdefault(point[0] - 1, msg.data or b"")
+            seq = (msg.seq or seq) + 1
         if len(bodies) < count:
             raise MissingResults(request_id, count, sorted(set(range(count)) - set(bodies))[:5])
         return [bodies[i] for i in range(count)]
