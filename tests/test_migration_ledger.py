@@ -41,8 +41,13 @@ async def test_exactly_one_of_two_seals_of_the_same_attempt_is_recorded(client):
     assert (stored.seals, stored.id, stored.attempt, revision) == ([2, 5], "c", 2, second)
 
 
-async def test_stored_bodies_come_back_in_seq_order_once_each_and_a_gap_is_an_error(client):
+@pytest.mark.parametrize("read", ["consumer", "msg_get"])
+async def test_stored_bodies_come_back_in_seq_order_once_each_and_a_gap_is_an_error(client, read):
+    """``read``: with an ordered consumer (``history``) or without one (``_history_by_get``, what
+    ``history`` does when no consumer can be created: docs/security.md)."""
     ledger = await ledger_for(client)
+    if read == "msg_get":
+        ledger.history = ledger._history_by_get  # type: ignore[method-assign]
     js = client.jetstream()
     subjects = Subjects()
 
