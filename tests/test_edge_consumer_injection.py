@@ -287,3 +287,62 @@ async def test_a_resumed_requests_migrate_is_answered_with_the_results_streams_c
     assert "maximum consumers limit" in json.dumps(refused), refused
     assert outcome == expected and "None tokens" not in outcome, (outcome, log[-2000:])
     assert "event=history_without_consumer" in log, log[-2000:]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known limit (docs/security.md, the edge's consumers): every edge connects as the one edge user and "
+    "reads the others' inboxes, so it learns their consumers' names and may delete them; a user and an "
+    "inbox prefix per edge would close it, and the edge's inbox prefix is fixed"))
+async def test_no_edge_stalls_another_edges_live_stream_by_deleting_its_consumer():
+    """Found 2026-12-04: with the victim edge's ring consumer deleted (its name read from the ack
+    subject of a delivery to that edge's inbox), its client waited 18.4 s for the next result."""
+    import threading
+    import time
+
+    import httpx
+    from edge_harness import running_edge
+
+    with shipped_server(CONF.read_text()) as server, \
+            processor_subprocess(url(server, "processor"), "--mode", "durable", "--partitions", "2"):
+        worker = await nats.connect(url(server, "worker"), allow_reconnect=False)
+        js = worker.jetstream()
+        try:
+            with running_edge(url(server, "edge"), "--format", "sglang") as victim:
+                attacker = await nats.connect(url(server, "edge"), inbox_prefix=EDGE_INBOX, allow_reconnect=False)
+                names: set[str] = set()
+
+                async def note(msg) -> None:
+                    if msg.reply and msg.reply.startswith(f"$JS.ACK.{STREAM}."):
+                        names.add(msg.reply.split(".")[3])
+
+                await attacker.subscribe(f"{EDGE_INBOX}.>", cb=note)
+                await attacker.flush()
+                await js.publish(SUBJECTS.chunk("stalled", "agg"), b'{"text":"V0"}',
+                                 headers=chunk_headers("stalled", "agg", 0))
+                lines: list[tuple[float, str]] = []
+
+                def read() -> None:
+                    with httpx.stream("GET", f"{victim.url}/v1/results/stalled", timeout=40) as response:
+                        for line in response.iter_lines():
+                            lines.append((time.monotonic(), line))
+                            if "V1" in line:
+                                return
+
+                threading.Thread(target=read, daemon=True).start()
+                with anyio.fail_after(10):
+                    while not (names and any("V0" in line for _, line in lines)):
+                        await anyio.sleep(0.05)
+                for name in names:
+                    await attacker.request(f"$JS.API.CONSUMER.DELETE.{STREAM}.{name}", b"", timeout=5)
+                sent = time.monotonic()
+                await js.publish(SUBJECTS.chunk("stalled", "agg"), b'{"text":"V1"}',
+                                 headers=chunk_headers("stalled", "agg", 1, final=True))
+                with anyio.move_on_after(30):
+                    while not any("V1" in line for _, line in lines):
+                        await anyio.sleep(0.05)
+                arrived = [t for t, line in lines if "V1" in line]
+                await attacker.close()
+        finally:
+            await worker.close()
+    waited = arrived[0] - sent if arrived else None
+    assert waited is not None and waited < 3.0, f"the next result reached the victim edge's client after {waited} s"
