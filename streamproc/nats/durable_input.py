@@ -50,8 +50,8 @@ from nats.js.api import ConsumerInfo, StorageType, StreamConfig
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
-from ..core.credit import PullCredit, pull_max_bytes, uncut_batch
 from ..core.codec import ErrorKind
+from ..core.credit import PullCredit
 from ..core.errors import shown
 from ..core.correlator import Work, is_retry
 from ..core.events import (
@@ -64,6 +64,7 @@ from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
 from ..logs import error_text, log_event
 from .input import Pipeline, join_cpu_clock, run_join
+from .durable_pulls import Pulls
 from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
@@ -84,15 +85,7 @@ from .streams import (
 
 log = logging.getLogger("streamproc.durable")
 
-PULL_EXPIRES = 10.0  # seconds a pull request lives on the server
-HEARTBEAT = 1.0  # idle heartbeat the server sends for a waiting pull request
-# Bytes the pulls of all partitions may bring at once (both pulls a partition may have out), shared by the
-# --partitions an instance may own (a partition's two pulls still bring at least two maximal messages, see
-# __init__).
-PULL_MAX_BYTES = 16 << 20
-LOST_PULL_AFTER = 3 * HEARTBEAT  # no message and no heartbeat for this long: the server forgot our pulls
 WATCHDOG_EVERY = 0.25
-RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refused) is tried again
 LOOKUP_TIMEOUT = 2.0
 # Recovery lookups a partition runs at once, of different requests (a request's own later chunks park
 # behind its lookup and are decided in order after it, core/lookups.py). One at a time, 3,000 chunks
@@ -119,11 +112,6 @@ PARKED_BYTES = 16 << 20
 PARKED_OVERHEAD = 512
 # Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
 REDELIVERY_SLACK = 1.0
-# Seconds a partition's pulls stay careful (never cut by max_bytes, core/credit.py) after the last
-# redelivery or "409 Message Size Exceeds MaxBytes" it saw: a redelivery queue is served before any new
-# message (nats-server consumer.go getNextMsg), so its entries follow each other closely; this long
-# without one, it has drained.
-CAREFUL_HOLD = 2.0
 # Least seconds between two lease checks before results are sent (_fence): well inside the lease's
 # margin (10% of lease_ttl, which is at least 1 s).
 FENCE_EVERY = 0.02
@@ -132,14 +120,6 @@ HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to b
 # the consumer info request that makes it drop them is bounded by this, and so is the wait of a new
 # _open of the same partition for them (under the lease lock: well inside a lease period).
 FORGET_PULLS_TIMEOUT = 1.0
-# Result bytes queued in the outbox (decided, not stored yet), shared by the --partitions, past which
-# a partition pulls nothing more until its own drain: a request's results leave one send at a time,
-# the ones behind it wait in memory, outside --max-total-bytes. Without it one request streaming
-# ~1 MB chunks faster than its results were stored grew the processor to max_ack_pending x
-# max_payload per partition (661 MiB peak RSS from 800 chunks, tests/test_durable_attack_review.py).
-# Per partition, so the other partitions' requests are not held back. What the pulls already out
-# bring comes on top.
-MAX_QUEUED_RESULT_BYTES = 64 << 20
 MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
 
 class Waiting(NamedTuple):
@@ -330,41 +310,13 @@ class DurableInput:
         # a new _open of the number waits for them first (core/handback.py).
         self._handing_back: dict[int, _Partition] = {}
         self._fenced_at = 0.0
-        self._publish_pull = getattr(nc, "publish_deferred", None) or nc.publish  # leaves with the next write
         self._parse = pipeline.parse
         self._chunks_head = f"{settings.prefix}.chunks."
-        # Outstanding credit reaches 1.5 batches; kept under nats-py's queue limit it can never make
-        # the client drop deliveries (bytes can still overflow: the dropped() hook accounts for that).
-        self._batch = max(1, min(settings.fetch_batch, settings.pending_msgs_limit * 2 // 3))
-        # A pull is bounded in bytes too (the server ends it with 409 "Message Size Exceeds MaxBytes"
-        # when the next message would pass it): with message credit alone, up to 1.5 batches of
-        # max_payload messages could wait in nats-py's queue while the handler is slow (a recovery
-        # lookup under load), 384 MB of 1 MB chunks. At least two maximal messages fit, so every
-        # message can be delivered. What is in flight is not charged to --max-total-bytes, so the
-        # bound is shared by the partitions: at 16 MiB each, 8 partitions' subscription queues held up
-        # to 38 MiB not yet handled on a loaded machine, on top of a full
-        # budget (peak RSS 202 MiB against the 200 MiB bound, tests/test_durable_hostile.py,
-        # concurrent attackers); shared, at most 4.9 MiB in 4 runs. Two pulls may be out at once (the
-        # credit sends the next while one still waits behind the current one), so each asks for half a
-        # partition's share (core/credit.py pull_max_bytes): with one pull's max_bytes at the whole
-        # share, the subscription queues held 32 MiB of ~1 MB chunks at 4 partitions while the
-        # partitions waited for parked bytes to free (tests/test_durable_attack_review.py, lookups 0.5 s
-        # slower: peak RSS +56 MiB over the 16 MiB parked + 16 MiB pulls budgets). 256 chunks of up to
-        # 4 KiB fit one pull at 8 partitions (two such pulls out: 8 KiB).
+        self.pulls = Pulls(nc, settings, self.scheme, self.outbox, self.stats, clock, pipeline.limited)
         max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
-        self._max_bytes = max_bytes = pull_max_bytes(PULL_MAX_BYTES // settings.partitions, max_payload)
-        # While redeliveries are expected (after taking a partition, after a redelivery or a 409 MaxBytes),
-        # pulls ask for no more messages than max_bytes always holds, so that none is cut by bytes: a cut
-        # sends a redelivery to the back of the consumer's redelivery queue (core/credit.py;
-        # docs/operations.md, "Redelivery order"). 7 at 1 partition, 1 from 4 on, with 1 MiB max_payload.
-        # Otherwise as many as max_bytes holds at the largest delivery seen lately, up to fetch_batch.
-        self._careful_batch = min(self._batch, uncut_batch(max_bytes, max_payload))
-        self._pull_body = self._pull_request(self._batch)
-        self._pull_bodies: dict[int, bytes] = {}  # the other batches' requests, made once each
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
         self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
-        self._queue_cap = max(MAX_QUEUED_RESULT_BYTES // settings.partitions, 4 * max_payload)
         self._parked_cap = max(PARKED_BYTES // settings.partitions, 2 * max_payload)
         self._queued_cap = max(1, min(LOOKUPS_QUEUED, settings.max_ack_pending // 4))
         self._held_target = settings.max_ack_pending // 2
@@ -379,19 +331,6 @@ class DurableInput:
         self._wake = anyio.Event()  # set on a reconnect: the watchdog's next round runs at once
         self._lease_lock = anyio.Lock()
         self._migrating: dict[int, int] = {}  # partition -> migrates being answered for it
-
-    def _pull_request(self, batch: int) -> bytes:
-        """The body of a pull request for ``batch`` messages."""
-        return msgspec.json.encode({"batch": batch, "max_bytes": self._max_bytes, "expires": int(PULL_EXPIRES * 1e9),
-                                    "idle_heartbeat": int(HEARTBEAT * 1e9)})
-
-    def _pull_body_of(self, batch: int) -> bytes:
-        if batch == self._batch:
-            return self._pull_body
-        body = self._pull_bodies.get(batch)
-        if body is None:  # at most fetch_batch of them
-            body = self._pull_bodies[batch] = self._pull_request(batch)
-        return body
 
     def _stray(self) -> None:
         self.stats.strays += 1
@@ -417,8 +356,8 @@ class DurableInput:
         await ensure_chunk_stream(js, ChunkStreamSpec(
             self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
             s.stream_replicas, s.chunks_max_bytes), max_payload=self.nc.max_payload)
-        if self._batch < s.fetch_batch:
-            log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self._batch,
+        if self.pulls.batch < s.fetch_batch:
+            log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self.pulls.batch,
                       detail="pending_msgs_limit is too small for the pull credit")
         await self.publisher.start()
         self.leases = LeaseTable(self.nc, f"{self.chunks_stream}_LEASES", s.partitions, self.instance,
@@ -649,9 +588,7 @@ class DurableInput:
             with anyio.move_on_after(2 * FORGET_PULLS_TIMEOUT):
                 await old.handed_back.wait()
         now = self._clock()
-        credit = PullCredit(self._batch, expires=PULL_EXPIRES, lost_after=LOST_PULL_AFTER,
-                            retry_after=RETRY_AFTER_ERROR, now=now, careful_batch=self._careful_batch,
-                            hold=CAREFUL_HOLD, max_bytes=self._max_bytes)
+        credit = self.pulls.credit(now)
         part = _Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
                           self.chunks_stream, credit, sealed, now,
                           Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap))
@@ -670,7 +607,7 @@ class DurableInput:
             self.nc.deliver_inline(part.sub, on_message_inline)
         part.active = True
         self._partitions[n] = part
-        await self._pull(part)
+        await self.pulls.pull(part)
 
     async def _ensure_consumer(self, part: _Partition) -> ConsumerInfo:
         s = self.settings
@@ -819,63 +756,6 @@ class DurableInput:
             del unstored[next(iter(unstored))]
 
     # ------------------------------------------------------------------------------- pulls
-
-    def _queue_full(self, part: _Partition) -> bool:
-        """Too many of the partition's result bytes wait for PubAcks: pull nothing more for it (the
-        watchdog pulls once they drain). The cheap total first: the partition's share is at most that."""
-        cap = self._queue_cap
-        if self.outbox.queued_bytes <= cap:
-            return False
-        of, n = self.scheme.of, part.n
-        return self.outbox.queued_bytes_of(lambda rid: of(rid) == n) > cap
-
-    async def _pull(self, part: _Partition) -> None:
-        if self._queue_full(part):
-            return
-        credit = part.credit
-        batch = credit.pulled(self._clock())
-        self.stats.pulls += 1
-        try:
-            await self._publish_pull(part.pull_subject, self._pull_body_of(batch), part.inbox)
-        except Exception as exc:
-            credit.pull_failed(self._clock(), batch)
-            log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
-
-    def _pull_nowait(self, part: _Partition) -> None:
-        """:meth:`_pull` without awaiting (the inline handler; only with ``FastClient.enqueue``)."""
-        if self._queue_full(part):
-            return
-        credit = part.credit
-        batch = credit.pulled(self._clock())
-        self.stats.pulls += 1
-        try:  # our own subject and inbox: not checked again
-            self.nc.enqueue(part.pull_subject, self._pull_body_of(batch), part.inbox,  # type: ignore[attr-defined]
-                            checked=True, defer=True)
-        except Exception as exc:
-            credit.pull_failed(self._clock(), batch)
-            log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
-
-    def _on_status(self, part: _Partition, msg: Msg) -> bool:
-        """A status message on a pull inbox; True when a pull should go out now.
-
-        Only JetStream publishes here (no permission of the shipped config lets anyone else), but a
-        message without a ``Status`` header, or with a reply that is no ack subject, is not taken on
-        trust: read as a status it reset the pull credit and held pulls back for ``retry_after``.
-        Counted and ignored instead (``inbox_strays``)."""
-        headers = msg.headers or {}
-        code = headers.get("Status", "")
-        if not code or msg.reply:
-            self.stats.inbox_strays += 1
-            self.pipeline.limited.log(logging.WARNING, "inbox_stray", partition=part.n, subject=shown(msg.subject),
-                                      reply=shown(msg.reply or ""))
-            return False
-        description = headers.get("Description", "")
-        pull = part.credit.status(code, headers.get("Nats-Pending-Messages"), description, self._clock())
-        if code not in ("100", "408", "404") and not (code == "409" and ("MaxBytes" in description
-                                                                      or "Batch Completed" in description)):
-            log_event(log, logging.INFO, "pull_status", partition=part.n, status=code, description=description)
-        return pull
-
     async def _watchdog(self) -> None:
         """Keep every partition's pulls alive; resend overdue results; extend held chunks' ack deadlines.
 
@@ -921,7 +801,7 @@ class DurableInput:
                     log_event(log, logging.WARNING, "consumer_repair_failed", partition=part.n, error=error_text(exc))
                     continue
             if watch.pull:
-                await self._pull(part)
+                await self.pulls.pull(part)
         self._shed_held(now)
         self.publisher.tick(now, reconnected, self._unsettled)
         await self.publisher.pump()
@@ -1147,8 +1027,8 @@ class DurableInput:
         async def on_message(msg: Msg) -> None:
             reply = msg.reply
             if not reply or not reply.startswith("$JS.ACK."):  # a delivery has its ack subject
-                if self._on_status(part, msg) and part.active:
-                    await self._pull(part)
+                if self.pulls.on_status(part, msg) and part.active:
+                    await self.pulls.pull(part)
                 return
             if not part.active:  # partition handed over: NAKed with the hand-over's, in stream order
                 outbox.nak(part.handback.hold((msg,)))
@@ -1189,7 +1069,7 @@ class DurableInput:
             # max_bytes (PULL_MAX_BYTES). Counted before the wait, each partition held one ~1 MB chunk
             # more than its budgets (tests/test_durable_attack_review.py, the lookup flood).
             if delivered(clock(), size) and part.active:
-                await self._pull(part)
+                await self.pulls.pull(part)
             await pump()
 
         nc = self.nc
@@ -1210,7 +1090,7 @@ class DurableInput:
                 stats.redelivered += 1
                 redelivered(now)  # before the pull below: it must be a careful one
             if delivered(now, len(data) + len(subject) + len(reply)):
-                self._pull_nowait(part)
+                self.pulls.pull_nowait(part)
             take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
             publisher.release()  # looked up each time: stage_writes() replaces it after start-up
             return True
