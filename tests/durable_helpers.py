@@ -214,11 +214,11 @@ async def dead_owner_takes(client, count: int) -> list:
 
 SLOW_LOOKUPS = '''\
 # Written by tests/durable_helpers.py: a results stream slow to answer a recovery lookup, in the
-# processor subprocess (its chunk lookups, DurableInput._adopt called with current=, sleep first).
+# processor subprocess (its chunk lookups, Recovery.adopt called with current=, sleep first).
 import anyio
-from streamproc.nats import durable_input
+from streamproc.nats import durable_recovery
 
-_adopt = durable_input.DurableInput._adopt
+_adopt = durable_recovery.Recovery.adopt
 
 
 async def _slow(self, rid, *args, **kwargs):
@@ -227,7 +227,7 @@ async def _slow(self, rid, *args, **kwargs):
     return await _adopt(self, rid, *args, **kwargs)
 
 
-durable_input.DurableInput._adopt = _slow
+durable_recovery.Recovery.adopt = _slow
 '''
 
 

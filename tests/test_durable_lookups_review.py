@@ -8,7 +8,7 @@ import pytest
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.outbox import Outbox
-from streamproc.nats.durable_input import DurableInput
+from streamproc.nats.durable_recovery import Recovery
 from streamproc.nats.processor import Processor
 
 from streamproc.wire import Result, Verdict, result_headers
@@ -38,10 +38,10 @@ def record_naks(monkeypatch) -> list[str]:
 async def test_a_bug_in_a_lookup_task_costs_its_request_a_retry_not_the_processor(client, nats_url, monkeypatch,
                                                                                   caplog):
     """Lookups run as tasks of the durable input's task group: an exception escaping one (a bug; store
-    errors are caught in ``_recover``) ended the group, every partition with it. Now the request's
+    errors are caught in ``Recovery.recover``) ended the group, every partition with it. Now the request's
     deliveries are NAKed for a retry, the error is logged, and the partition goes on."""
     settings = durable_settings(nats_url, partitions=1, ack_wait=2.0)
-    recover = DurableInput._recover
+    recover = Recovery.recover
     calls = 0
 
     async def buggy_once(self, *args, **kwargs):
@@ -51,7 +51,7 @@ async def test_a_bug_in_a_lookup_task_costs_its_request_a_retry_not_the_processo
             raise ZeroDivisionError("a bug in the lookup path")
         return await recover(self, *args, **kwargs)
 
-    monkeypatch.setattr(DurableInput, "_recover", buggy_once)
+    monkeypatch.setattr(Recovery, "recover", buggy_once)
     publisher = ChunkPublisher(client, settings.subjects, durable=True)
     async with Processor(settings) as p:
         await wait_until(lambda: p.input.owns("x"), 10, "the partition owned")
@@ -99,7 +99,7 @@ async def test_a_chunk_parked_on_its_last_delivery_is_decided_when_the_lookup_be
 def fail_the_first_lookup_once(monkeypatch, parked: int) -> None:
     """The processor's first recovery lookup fails (results stream unreadable) once ``parked`` chunks
     wait behind lookups; every later one runs as usual."""
-    adopt = DurableInput._adopt
+    adopt = Recovery.adopt
     calls = 0
 
     async def failing_once(self, r, *args, **kwargs):
@@ -112,7 +112,7 @@ def fail_the_first_lookup_once(monkeypatch, parked: int) -> None:
             raise TimeoutError("results stream unreadable")
         return await adopt(self, r, *args, **kwargs)
 
-    monkeypatch.setattr(DurableInput, "_adopt", failing_once)
+    monkeypatch.setattr(Recovery, "adopt", failing_once)
 
 
 def _empty(js):
@@ -159,7 +159,7 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
     caplog.set_level(logging.INFO, logger="streamproc")
     settings = durable_settings(nats_url, partitions=1, ack_wait=2.0, lease_ttl=1.5)
     js = client.jetstream()
-    adopt = DurableInput._adopt
+    adopt = Recovery.adopt
     calls = 0
 
     async def slow_then_stall(self, r, *args, **kwargs):
@@ -172,7 +172,7 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
         await anyio.sleep(0.3)
         return await adopt(self, r, *args, **kwargs)
 
-    monkeypatch.setattr(DurableInput, "_adopt", slow_then_stall)
+    monkeypatch.setattr(Recovery, "adopt", slow_then_stall)
     naked = record_naks(monkeypatch)
     async with Processor(settings) as a:
         await wait_until(lambda: a.input.owns("x"), 10, "A owns the partition")
@@ -208,7 +208,7 @@ async def test_partitions_released_and_a_stop_with_lookups_in_flight_hand_every_
     flags = dict(partitions=4, ack_wait=4.0, lease_ttl=1.5)
     settings = durable_settings(nats_url, **flags)
     js = client.jetstream()
-    adopt = DurableInput._adopt
+    adopt = Recovery.adopt
     running = 0
 
     async def slow(self, r, *args, **kwargs):
@@ -220,7 +220,7 @@ async def test_partitions_released_and_a_stop_with_lookups_in_flight_hand_every_
         finally:
             running -= 1
 
-    monkeypatch.setattr(DurableInput, "_adopt", slow)
+    monkeypatch.setattr(Recovery, "adopt", slow)
     naked = record_naks(monkeypatch)
     async with Processor(settings) as a:
         await wait_until(lambda: a.snapshot()["partitions"] == 4, 10, "A owns every partition")
@@ -276,14 +276,14 @@ async def test_a_migrate_that_comes_during_its_requests_lookup_seals_after_the_c
     async with Processor(settings):
         await pool.publish(role, bodies, 0, stop=2)
         await wait_until(lambda: _results(js, 2), 10, "results 0..1 stored")
-    adopt = DurableInput._adopt
+    adopt = Recovery.adopt
 
     async def slow(self, r, *args, **kwargs):
         if kwargs.get("current") is not None:  # the chunk's lookup, not the migrate's own adoption
             await anyio.sleep(1.5)
         return await adopt(self, r, *args, **kwargs)
 
-    monkeypatch.setattr(DurableInput, "_adopt", slow)
+    monkeypatch.setattr(Recovery, "adopt", slow)
     async with Processor(settings) as p:
         await pool.publish(role, bodies, 0, start=2, stop=5)
         await wait_until(lambda: p.snapshot()["lookups_parked"] >= 2, 10, "chunks 3..4 parked behind 2's lookup")
@@ -310,7 +310,7 @@ async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once
     async with Processor(settings):
         pass
     moved, bodies = await _moved_requests(client, settings, "failed-lookup", 40)
-    adopt = DurableInput._adopt
+    adopt = Recovery.adopt
     failed: set[str] = set()
 
     async def fails_first(self, r, *args, **kwargs):
@@ -320,7 +320,7 @@ async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once
             raise TimeoutError("results stream unreadable")
         return await adopt(self, r, *args, **kwargs)
 
-    monkeypatch.setattr(DurableInput, "_adopt", fails_first)
+    monkeypatch.setattr(Recovery, "adopt", fails_first)
     async with Processor(settings) as p:
         await wait_until(_empty(js), 20, "every chunk acknowledged")
         snap = p.snapshot()
@@ -347,14 +347,14 @@ async def test_a_started_request_is_answered_at_once_while_a_flood_of_new_reques
     rest wait for a slot. The started request needs no lookup; it is answered within VICTIM_BOUND,
     and every flooding request still gets its result (here: invalid_chunk, an attempt nobody sealed)."""
     settings = durable_settings(nats_url, partitions=1, ack_wait=10.0)
-    adopt = DurableInput._adopt
+    adopt = Recovery.adopt
 
     async def slow(self, r, *args, **kwargs):
         if r.startswith("flood-"):
             await anyio.sleep(FLOOD_LOOKUP_SECONDS)
         return await adopt(self, r, *args, **kwargs)
 
-    monkeypatch.setattr(DurableInput, "_adopt", slow)
+    monkeypatch.setattr(Recovery, "adopt", slow)
     publisher = ChunkPublisher(client, settings.subjects, durable=True)
     victim = "victim-started"
     answered: list[float] = []

@@ -30,7 +30,8 @@ from streamproc.catalog import worker_for
 from streamproc.client.migration import MigrationError, Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import PartitionScheme, partition_of
-from streamproc.nats.durable_input import REDELIVERY_SLACK, DurableInput
+from streamproc.nats.durable_pulls import REDELIVERY_SLACK
+from streamproc.nats.durable_recovery import Recovery
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth
 from streamproc.sim.migration import native_request
@@ -518,7 +519,7 @@ async def test_a_migrator_whose_timeout_is_below_the_processors_ack_wait_is_told
 
 
 class StoresAt:
-    """The two reads ``DurableInput._chunks_waiting`` makes: the request's last chunk in the chunk
+    """The two reads ``Recovery._chunks_waiting`` makes: the request's last chunk in the chunk
     stream (at ``last_seq``) and how far the partition's consumer has delivered."""
 
     def __init__(self, last_seq: int, delivered: int) -> None:
@@ -531,16 +532,16 @@ class StoresAt:
         return SimpleNamespace(delivered=SimpleNamespace(stream_seq=self.delivered))
 
 
-def waiting_judge(stores: StoresAt, opened: float, now: float, ack_wait: float = 4.0) -> DurableInput:
-    """A DurableInput reduced to what ``_chunks_waiting`` reads: one partition taken at ``opened``."""
-    judge = DurableInput.__new__(DurableInput)
+def waiting_judge(stores: StoresAt, opened: float, now: float, ack_wait: float = 4.0) -> Recovery:
+    """A Recovery reduced to what ``_chunks_waiting`` reads: one partition taken at ``opened``."""
+    judge = Recovery.__new__(Recovery)
     judge.scheme = PartitionScheme(Subjects(), 1)
     judge._jsm, judge.chunks_stream = stores, CHUNKS_STREAM
     judge._partitions = {0: SimpleNamespace(opened=opened, consumer="c0")}
     judge.settings = SimpleNamespace(ack_wait=ack_wait)
     judge._clock = lambda: now
     judge.stats = SimpleNamespace(chunks_undeliverable_seen=0)
-    judge.pipeline = SimpleNamespace(limited=SimpleNamespace(log=lambda *a, **k: None))
+    judge.limited = SimpleNamespace(log=lambda *a, **k: None)
     return judge
 
 

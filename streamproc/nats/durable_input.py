@@ -37,7 +37,7 @@ import logging
 import os
 import secrets
 import socket
-from typing import Annotated, Awaitable, Callable, Iterable, Iterator, NamedTuple
+from typing import Annotated, Awaitable, Callable, Iterable, Iterator
 
 import anyio
 import msgspec
@@ -47,26 +47,26 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerInfo, StorageType, StreamConfig
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ..config import Settings
 from ..core.codec import ErrorKind
 from ..core.credit import PullCredit
 from ..core.errors import shown
-from ..core.correlator import Work, is_retry
+from ..core.correlator import Work
 from ..core.events import (
-    Chunk, Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Result, Sealed, SealRecord,
+    Chunk, Decision, MigrateReply, MigrateRequest, Result,
 )
 from ..core.handback import HandBack, in_stream_order
 from ..core.lookups import Lookups
-from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup, resume_point
+from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats, delivery_count, needs_lookup
 from ..core.partitions import PartitionScheme
 from ..core.wire import ContractError
 from ..logs import error_text, log_event
 from .input import Pipeline, join_cpu_clock, run_join
-from .durable_pulls import Pulls
+from .durable_pulls import REDELIVERY_SLACK, Pulls
+from .durable_recovery import HANDOVER_TIMEOUT, Recovery
 from .leases import LeaseChange, LeaseTable
-from .migrations import SCAN_TIMEOUT, UNREACHABLE, MigrationLedger
+from .migrations import SCAN_TIMEOUT, MigrationLedger
 from .outbox_pump import OutboxPump
 from .strays import StraySweeper, stray_consumer_config
 from .subscription import handled_all
@@ -86,7 +86,6 @@ from .streams import (
 log = logging.getLogger("streamproc.durable")
 
 WATCHDOG_EVERY = 0.25
-LOOKUP_TIMEOUT = 2.0
 # Recovery lookups a partition runs at once, of different requests (a request's own later chunks park
 # behind its lookup and are decided in order after it, core/lookups.py). One at a time, 3,000 chunks
 # that each needed one (`Streamproc-Attempt: 1` on fresh ids, a microsecond each to publish) held the
@@ -110,23 +109,14 @@ LOOKUPS_QUEUED = 512
 # Each delivery is charged its payload, its headers and PARKED_OVERHEAD (Msg, Chunk, list slots).
 PARKED_BYTES = 16 << 20
 PARKED_OVERHEAD = 512
-# Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
-REDELIVERY_SLACK = 1.0
 # Least seconds between two lease checks before results are sent (_fence): well inside the lease's
 # margin (10% of lease_ttl, which is at least 1 s).
 FENCE_EVERY = 0.02
-HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
 # A hand-over's NAKs wait until the server has dropped the closing subscription's pulls (core/handback.py):
 # the consumer info request that makes it drop them is bounded by this, and so is the wait of a new
 # _open of the same partition for them (under the lease lock: well inside a lease period).
 FORGET_PULLS_TIMEOUT = 1.0
 MAX_UNSTORED_CAUSES = 4096  # why a request's result was given up, kept for its poison error message
-
-class Waiting(NamedTuple):
-    """Chunks of a request this instance does not know that can still reach it (a migrate waits)."""
-
-    why: str
-    retry_after: float | None  # the most seconds until they must have come; None: no bound
 
 
 class DurableStats(OutboxStats):
@@ -291,7 +281,6 @@ class DurableInput:
         self.scheme = PartitionScheme(settings.subjects, settings.partitions)
         self._clock = clock
         self._notify = notify
-        self._jsm = nc.jsm(timeout=LOOKUP_TIMEOUT)
         self._storage = StorageType(settings.stream_storage)
         self.chunks_stream = ""
         self.results_stream = ""
@@ -331,6 +320,10 @@ class DurableInput:
         self._wake = anyio.Event()  # set on a reconnect: the watchdog's next round runs at once
         self._lease_lock = anyio.Lock()
         self._migrating: dict[int, int] = {}  # partition -> migrates being answered for it
+        self.recovery = Recovery(nc, settings, self.scheme, self.correlator, self.publisher, self.stats, clock,
+                                 pipeline.limited, partitions=self._partitions, migrating=self._migrating,
+                                 caught_up=self.caught_up, owns=self.owns, hand_over=self._hand_over,
+                                 note_sealed=self._note_sealed)
 
     def _stray(self) -> None:
         self.stats.strays += 1
@@ -368,6 +361,9 @@ class DurableInput:
                                       s.subjects.result(""), ttl=s.results_max_age, replicas=s.stream_replicas,
                                       storage=self._storage)
         await self.ledger.open()
+        recovery = self.recovery
+        recovery.ledger, recovery.chunks_stream, recovery.results_stream = (
+            self.ledger, self.chunks_stream, self.results_stream)
         if hasattr(self.nc, "defer_linger"):  # FastClient only (fast_client.py): coalesce writes at light load
             self.nc.flush_interval = s.flush_interval
             self.nc.defer_linger = s.ack_linger
@@ -925,7 +921,7 @@ class DurableInput:
                 stats.lookups_queued += 1
                 return
             if retake:  # the stores know the seal: take the request again
-                self._forget(d.rid)
+                self.recovery.forget(d.rid)
             lookups.begin(d.rid, d, d.size)
             tasks.start_soon(lookup, d, format, now)
 
@@ -1000,7 +996,7 @@ class DurableInput:
             (or, if it failed and ``d`` may come back, all NAKed for a retry in 1 s)."""
             rid = d.rid
             retry = d.deliveries < max_deliver
-            ok = await self._recover(rid, format, now, retry=retry, current=lambda: rid in lookups)
+            ok = await self.recovery.recover(rid, format, now, retry=retry, current=lambda: rid in lookups)
             later = lookups.finish(rid, d)
             part.wake()
             if later is None:  # handed over meanwhile: NAKed then, and nothing of the lookup was kept
@@ -1111,201 +1107,7 @@ class DurableInput:
             f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison"
             + (f"; {cause}" if cause else ""), now, msg, kind=ErrorKind.INTERNAL)
 
-    async def _recover(self, rid: str, format: str | None, now: float, *, retry: bool,
-                       current: Callable[[], bool]) -> bool:
-        """Resume after the last stored result of ``rid``; False if it cannot be read (the caller NAKs
-        the chunk for a retry in 1 s, or, ``retry`` False, goes on without it). Nothing is adopted
-        unless ``current()`` still holds once the stores are read (the partition was not handed over)."""
-        self.stats.recoveries += 1
-        urgent = getattr(self.nc, "urgent_writes", None)  # FastClient: no write coalescing meanwhile
-        try:
-            with urgent() if urgent is not None else contextlib.nullcontext():
-                await self._adopt(rid, format, now, current=current)
-        except Exception as exc:
-            self.pipeline.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
-                                      error=error_text(exc), retry_in="1s" if retry else "-")
-            return False
-        return True
-
-    async def _adopt(self, rid: str, format: str | None, now: float, *, record: SealRecord | None = None,
-                     read_record: bool = True, current: Callable[[], bool] | None = None) -> None:
-        """Adopt ``rid`` from the stores: its last stored result (a leader read, never a possibly stale
-        follower) and its seal record; a migrated request also gets its stored bodies, from which
-        the correlator rebuilds the migration session. Raises when a store cannot be read. With
-        ``current``, nothing is adopted unless it still holds after the reads."""
-        assert self.ledger is not None
-        ledger = self.ledger
-        found: dict[str, object] = {}
-
-        async def last_result() -> None:
-            try:
-                found["stored"] = await self._jsm.get_last_msg(self.results_stream, self.settings.subjects.result(rid))
-            except NotFoundError:
-                pass
-
-        async def seal_record() -> None:
-            found["record"] = (await ledger.read(rid))[0]
-
-        if read_record:  # both reads at once: a recovery costs one round trip, not two
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(last_result)
-                tg.start_soon(seal_record)
-            record = found.get("record")  # type: ignore[assignment]
-        else:
-            await last_result()
-        stored = found.get("stored")
-        point = resume_point(stored.headers) if stored is not None else None  # type: ignore[attr-defined]
-        next_seq, final = point if point is not None else (0, False)
-        if record is None or final:
-            if point is None:
-                return  # nothing stored: every chunk of it is still unacknowledged, start afresh
-            if current is not None and not current():
-                return
-            self.correlator.resume(rid, next_seq, final, now, format)
-        else:
-            history = await self.ledger.history(rid, next_seq)
-            if current is not None and not current():
-                return
-            self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
-            self.stats.migrated_adopted += 1
-            self._note_sealed(rid)
-        self.stats.resumed += 1
-        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
-                  attempt=record.attempt if record is not None else 0)
-
-    # ---------------------------------------------------------------------------- migration
-
     async def migrate(self, rid: str, request: MigrateRequest,
                       seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
-        """A migrate in durable mode: the seal outlives this instance (:mod:`streamproc.nats.migrations`).
-
-        Read the seal record (a retry of the migrate that wrote it gets the same reply); adopt the
-        request from the stores if this instance does not hold it (it moved here); read back the
-        stored bodies it lacks; ``seal`` locally; wait until the results it published are stored;
-        record the seal with compare-and-set; only then reply. Any store failure answers
-        ``unavailable`` after forgetting the request here, so the retry starts from the stores."""
-        n = self.scheme.of(rid)
-        self._migrating[n] = self._migrating.get(n, 0) + 1  # a graceful hand-over waits for it
-        try:
-            return await self._migrate(rid, request, seal)
-        finally:
-            left = self._migrating.pop(n) - 1
-            if left:
-                self._migrating[n] = left
-
-    async def _migrate(self, rid: str, request: MigrateRequest,
-                       seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
-        assert self.ledger is not None
-        correlator = self.correlator
-        try:
-            record, revision = await self.ledger.read(rid)
-        except UNREACHABLE as exc:
-            return self._unavailable(rid, f"the seal records cannot be read: {error_text(exc)}")
-        if record is not None and request.id is not None and record.id == request.id:
-            # Where this instance holds the request at the recorded attempt, it also says whether the
-            # granted attempt made progress since (then the id is reused, not retried); a local state
-            # at another attempt is stale (sealed elsewhere) and says nothing.
-            held = correlator.attempt_of(rid) == record.sealed.attempt
-            if is_retry(record.sealed, request.expected_attempt, None,
-                        correlator.next_seq_of(rid) if held else None):
-                return record.sealed  # the reply of a seal that was recorded but (maybe) never received
-        await self.caught_up()
-        recorded = record.attempt if record is not None else 0
-        local = correlator.attempt_of(rid)
-        if local is not None and local != recorded:  # sealed elsewhere since it was adopted here
-            self._forget(rid)
-        if not correlator.knows(rid):
-            try:
-                await self._adopt(rid, None, self._clock(), record=record, read_record=False)
-            except Exception as exc:
-                return self._unavailable(rid, f"the request cannot be adopted: {error_text(exc)}")
-        if not correlator.knows(rid):
-            try:
-                waiting = await self._chunks_waiting(rid)
-            except UNREACHABLE as exc:
-                return self._unavailable(rid, f"the chunk stream cannot be read: {error_text(exc)}")
-            if waiting is not None:
-                return self._unavailable(rid, waiting.why, retry_after=waiting.retry_after)
-        missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
-        if missing:
-            await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
-            try:
-                history = await self.ledger.history(rid, missing)
-            except UNREACHABLE as exc:
-                return self._unavailable(rid, f"its stored results cannot be read: {error_text(exc)}")
-            if not correlator.restore(rid, history):
-                return self._unavailable(rid, "its stored results changed while they were read")
-        reply = await seal()
-        if not isinstance(reply, Sealed):
-            return reply
-        if not await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid):
-            return self._unavailable(rid, "its published results were not stored in time", forget=True)
-        seals = [*(record.seals if record is not None else ()), reply.result_seq]
-        if len(seals) != reply.attempt:
-            return self._unavailable(rid, f"attempt {reply.attempt} does not follow the recorded {recorded}",
-                                     forget=True)
-        if not self.owns(rid):  # the next owner read the seal records when it took the partition
-            return self._unavailable(rid, "its partition moved to another instance", forget=True)
-        try:
-            await self.ledger.write(rid, SealRecord(seals, reply, request.id), revision)
-        except KeyWrongLastSequenceError:
-            self.stats.seal_conflicts += 1
-            self._forget(rid)
-            return MigrateError(rid, MigrateErrorCode.ATTEMPT_MISMATCH,
-                                "another processor instance sealed this attempt first", None)
-        except UNREACHABLE as exc:
-            return self._unavailable(rid, f"the seal cannot be recorded: {error_text(exc)}", forget=True)
-        self.stats.seals_recorded += 1
-        self._note_sealed(rid)
-        return reply
-
-    async def _chunks_waiting(self, rid: str) -> Waiting | None:
-        """Whether a chunk of ``rid`` that this instance does not hold can still be delivered to it
-        (None if not), why, and by when at the latest.
-
-        With no stored result and no seal record, a request this instance does not know may still have
-        chunks a dead owner took and never acknowledged: until they come back, ``unknown`` would be a
-        lie that lets the dead attempt's chunks be taken as a restarted attempt 0's. The chunk stream
-        keeps a chunk until it is acknowledged (work-queue retention), so the last one under
-        ``<head>.<rid>.*`` is read (a leader read; nats-server's ``LoadLastMsg`` takes wildcards). One
-        there comes back if it was never delivered (beyond the consumer's ``delivered.stream_seq``) or
-        while a previous owner's hold may still run out: those were delivered before this instance
-        took the partition, so they return within ``ack_wait`` of that. Past that, a delivered one
-        that is still there reached ``max_deliver`` untermed (its owner was killed on the last
-        delivery) and is never delivered again (nats-server ``consumer.go`` ``needAck`` keeps it):
-        nothing of it can reach a client, and ``unknown`` is the truth."""
-        n = self.scheme.of(rid)
-        try:
-            stored = await self._jsm.get_last_msg(self.chunks_stream, f"{self.scheme.head(n)}{rid}.*")
-        except NotFoundError:
-            return None
-        part = self._partitions.get(n)
-        held_for = self.settings.ack_wait + REDELIVERY_SLACK
-        if part is not None:
-            held_for += part.opened - self._clock()
-        if held_for > 0:
-            return Waiting("chunks of it wait in the chunk stream, not yet handled here (taken by a previous "
-                           "owner that did not acknowledge them: they come back after ack_wait, within "
-                           f"{held_for:.3g} s)", held_for)
-        assert part is not None
-        info = await self._jsm.consumer_info(self.chunks_stream, part.consumer)
-        if stored.seq > info.delivered.stream_seq:  # a backlog: no bound on when it is reached
-            return Waiting("chunks of it wait in the chunk stream, not yet delivered here (a backlog)", None)
-        self.stats.chunks_undeliverable_seen += 1
-        self.pipeline.limited.log(logging.WARNING, "chunks_undeliverable", request_id=rid, stream_seq=stored.seq,
-                                  detail="delivered max_deliver times and never acknowledged: kept by the "
-                                         "stream until chunks_max_age, never delivered again")
-        return None
-
-    def _unavailable(self, rid: str, why: str, *, forget: bool = False,
-                     retry_after: float | None = None) -> MigrateError:
-        self.stats.seals_unavailable += 1
-        if forget:  # sealed here but not recorded: the stores still say the previous attempt
-            self._forget(rid)
-        log_event(log, logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
-        return MigrateError(rid, MigrateErrorCode.UNAVAILABLE, f"{why}; nothing moved, retry", None,
-                            None if retry_after is None else round(retry_after, 3))
-
-    def _forget(self, rid: str) -> None:
-        """Drop the request here without results; its chunks and a migrate recover it from the stores."""
-        self._hand_over(lambda r: r == rid)
+        """A migrate in durable mode: :meth:`.durable_recovery.Recovery.migrate`."""
+        return await self.recovery.migrate(rid, request, seal)

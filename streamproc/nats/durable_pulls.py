@@ -42,6 +42,8 @@ RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refus
 # message (nats-server consumer.go getNextMsg), so its entries follow each other closely; this long
 # without one, it has drained.
 CAREFUL_HOLD = 2.0
+# Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
+REDELIVERY_SLACK = 1.0
 # Result bytes queued in the outbox (decided, not stored yet), shared by the --partitions, past which
 # a partition pulls nothing more until its own drain: a request's results leave one send at a time,
 # the ones behind it wait in memory, outside --max-total-bytes. Without it one request streaming
