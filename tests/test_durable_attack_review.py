@@ -282,7 +282,7 @@ async def test_a_flood_of_large_chunks_needing_lookups_stays_within_the_parked_b
     from durable_helpers import slow_lookups_env
     from helpers import peak_rss, status_kib
 
-    from streamproc.nats.durable_input import PARKED_BYTES
+    from streamproc.nats.durable_deliveries import PARKED_BYTES
     from streamproc.nats.durable_pulls import PULL_MAX_BYTES
 
     flags = durable_flags(partitions=4, ack_wait=10.0)
@@ -353,7 +353,7 @@ async def test_chunks_delivered_while_lookups_hang_stay_within_the_parked_and_pu
     chunks delivered; with pulls of half the share from 29 to 69 in 8 s)."""
     from durable_helpers import slow_lookups_env
 
-    from streamproc.nats.durable_input import PARKED_BYTES
+    from streamproc.nats.durable_deliveries import PARKED_BYTES
     from streamproc.nats.durable_pulls import LOST_PULL_AFTER, PULL_MAX_BYTES
     from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 

@@ -1,4 +1,4 @@
-"""Recovery lookups as tasks (core/lookups.py, DurableInput._handlers): the deliveries parked behind
+"""Recovery lookups as tasks (core/lookups.py, Deliveries.handlers): the deliveries parked behind
 a lookup, attacked with real nats-server deliveries (in-process processor, lookups slowed or failed)."""
 
 from __future__ import annotations

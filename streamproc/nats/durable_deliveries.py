@@ -1,0 +1,394 @@
+"""The message handlers of a durable input's partitions: every delivery ends in a decision.
+
+A chunk delivery is parsed, counted against its partition's pull credit and decided by the
+correlator (:mod:`streamproc.core.correlator`), or first waits for a recovery lookup
+(:meth:`~streamproc.nats.durable_recovery.Recovery.recover`) when it may continue a request served
+elsewhere; the lookups run as tasks, a request's later deliveries parked behind its own
+(:mod:`streamproc.core.lookups`). The common chunk is decided in nats-py's read loop
+(``on_message_inline``, :meth:`~streamproc.nats.fast_client.FastClient.deliver_inline`); whatever
+needs an await goes to the subscription's callback (``on_message``). A chunk on its
+``max_deliver``-th delivery is poison: its request ends with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import anyio
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from ..config import Settings
+from ..core.codec import ErrorKind
+from ..core.errors import shown
+from ..core.events import Chunk, Decision
+from ..core.lookups import Lookups
+from ..core.outbox import Outbox, delivery_count, needs_lookup
+from ..core.wire import ContractError
+from ..logs import error_text, log_event
+from .durable_pulls import Pulls
+from .durable_recovery import Recovery
+from .input import Pipeline
+from .outbox_pump import OutboxPump
+
+if TYPE_CHECKING:
+    from .durable_input import DurableStats, _Partition
+
+log = logging.getLogger("streamproc.durable")
+
+# Recovery lookups a partition runs at once, of different requests (a request's own later chunks park
+# behind its lookup and are decided in order after it, core/lookups.py). One at a time, 3,000 chunks
+# that each needed one (`Streamproc-Attempt: 1` on fresh ids, a microsecond each to publish) held the
+# partition's next request back 2.4-3.1 s on the 2-vCPU machine (tests/test_durable_attack_review.py),
+# linear in the flood. 32 keep the partition's read loop busy while the server answers.
+LOOKUPS_IN_FLIGHT = 32
+# Requests of a partition whose chunk needs a lookup while LOOKUPS_IN_FLIGHT are in flight: they wait in
+# core/lookups.py for a slot, with their later chunks parked behind them, and the partition goes on
+# deciding the chunks of the requests it holds. Before, the partition's callback waited for a slot, and
+# every chunk delivered behind it with it: a request already served here waited 4.0 s behind 160 new
+# requests' chunks while lookups took 1 s (tests/test_durable_lookups_review.py), a few ms now. Past
+# the bound (or PARKED_BYTES) the callback waits for a lookup to end, as before: back-pressure, not a
+# NAK, which would bring a legitimate moved request's chunk one delivery nearer max_deliver each time
+# (poison: its request ended) and have the server send the flood round again. At most a quarter of
+# --max-ack-pending: queued and parked chunks are unacknowledged, and a partition with max_ack_pending
+# of them is sent nothing more by the server, its held requests' chunks included.
+LOOKUPS_QUEUED = 512
+# Bytes of the deliveries parked behind lookups in flight (theirs included), shared by the --partitions
+# like PULL_MAX_BYTES: parked chunks have left nats-py's queue, so its pending_bytes_limit no longer
+# bounds them. Past it a partition waits for a lookup to end before it parks more (one always parks).
+# Each delivery is charged its payload, its headers and PARKED_OVERHEAD (Msg, Chunk, list slots).
+PARKED_BYTES = 16 << 20
+PARKED_OVERHEAD = 512
+
+
+class Delivery:
+    """A chunk delivery whose decision waits for a recovery lookup (its own or its request's)."""
+
+    __slots__ = ("msg", "deliveries", "parsed", "rid", "_size")
+
+    def __init__(self, msg: Msg, deliveries: int, parsed: Chunk | ContractError, rid: str) -> None:
+        self.msg = msg
+        self.deliveries = deliveries
+        self.parsed = parsed  # the chunk, or the contract it broke (which names the request)
+        self.rid = rid
+        self._size = -1
+
+    @property
+    def size(self) -> int:
+        """What parking it costs; counted only for a delivery that parks (most are decided at once)."""
+        if self._size < 0:
+            headers = self.msg.headers
+            self._size = len(self.msg.data) + PARKED_OVERHEAD + (
+                sum(len(k) + len(v) for k, v in headers.items()) if headers else 0)
+        return self._size
+
+
+class Deliveries:
+    """The handlers of every partition of a durable input, and the recovery lookups each runs.
+
+    ``chunks_stream`` is set once the input has opened it; ``tasks()`` is the input's task group
+    (None while it is stopped), where lookups run; ``unstored``, shared with the input's give-up
+    hook, says why a request's last result was given up (for its poison error); ``offload`` starts
+    the joins among decisions off the loop."""
+
+    def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, outbox: Outbox, publisher: OutboxPump,
+                 pulls: Pulls, recovery: Recovery, stats: DurableStats, clock: Callable[[], float], *,
+                 unstored: dict[str, str], offload: Callable[..., list[Decision]],
+                 tasks: Callable[[], anyio.abc.TaskGroup | None]) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.pipeline = pipeline
+        self.correlator = pipeline.correlator
+        self.outbox = outbox
+        self.publisher = publisher
+        self.pulls = pulls
+        self.recovery = recovery
+        self.stats = stats
+        self._clock = clock
+        self._parse = pipeline.parse
+        self._chunks_head = f"{settings.prefix}.chunks."
+        self._unstored = unstored
+        self._offload = offload
+        self._tasks = tasks
+        self.chunks_stream = ""
+        max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
+        self._parked_cap = max(PARKED_BYTES // settings.partitions, 2 * max_payload)
+        self._queued_cap = max(1, min(LOOKUPS_QUEUED, settings.max_ack_pending // 4))
+
+    def lookups(self) -> Lookups[Delivery]:
+        """The recovery lookups of a partition just taken (none yet)."""
+        return Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap)
+
+    def handlers(self, part: _Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[..., bool]]:
+        """A partition's two message handlers, sharing every step of a chunk's decision:
+
+        - ``on_message``, the subscription's callback, decides every message (status messages,
+          chunks of a partition being handed over, contract errors, recovery lookups included);
+        - ``on_message_inline`` runs in nats-py's read loop
+          (:meth:`~streamproc.nats.fast_client.FastClient.deliver_inline`) for the common chunk: a delivery of
+          a request this instance knows, or the first chunk of a new one. Whatever needs an await
+          (a round trip, a backlogged write buffer) or is not a plain chunk it declines (False)
+          before anything changes, and ``on_message`` decides it. Same decisions, same order: a
+          partition's messages come here only while nothing of it waits in the callback queue."""
+        clock = self._clock
+        parse = self._parse
+        head = self._chunks_head
+        cut = part.cut
+        correlator = self.correlator
+        receive = self.pipeline.receive
+        failed = self.pipeline.failed
+        knows = correlator.knows
+        publisher = self.publisher
+        pump = publisher.pump
+        backlogged = getattr(self.nc, "backlogged", None)
+        outbox = self.outbox
+        queue = outbox.take  # the outbox itself on the common path: one call less per message
+        notify = self.pipeline.notify
+        delivered = part.credit.delivered
+        redelivered = part.credit.redelivered
+        max_deliver = self.settings.max_deliver
+        poisoned = self.poisoned
+        offload = self._offload
+        stats = self.stats
+        sealed = part.sealed
+        # A first delivery read without splitting the ack subject (v1 form, our stream and consumer;
+        # anything else goes through delivery_count).
+        ack_head = f"$JS.ACK.{self.chunks_stream}.{part.consumer}."
+        first_at = len(ack_head)
+
+        def deliveries_of(reply: str) -> int:
+            if reply.startswith("1.", first_at) and reply.startswith(ack_head):
+                return 1
+            return delivery_count(reply)
+
+        def round_trip(chunk: Chunk, reply: str) -> str | None:
+            """What must be read from the stores before ``chunk`` is decided: ``"lookup"``, a chunk
+            of a request this instance does not know that may continue one served elsewhere (a first
+            output chunk of a request with a seal record may belong to the sealed attempt, whose
+            worker was lost but still publishing); ``"retake"``, a known request granted by a seal
+            this instance did not make (another one held the partition for a moment); None."""
+            rid = chunk.request_id
+            if not knows(rid):
+                if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
+                    return "lookup"
+            elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
+                    and not correlator.is_finished(rid):
+                return "retake"
+            return None
+
+        def decide(chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
+            try:  # every message ends in a decision, whatever raises while it is handled
+                return poisoned(chunk, msg, deliveries, now) if deliveries >= max_deliver else receive(chunk, now)
+            except Exception as exc:  # noqa: BLE001
+                return failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+
+        def take(decisions: list[Decision] | None, rid: str | None, now: float) -> None:
+            if decisions:
+                notices = queue(offload(decisions, now), rid, now)
+                if notices:
+                    for n in notices:
+                        notify(n)
+
+        lookups = part.lookups
+        looking_up = lookups.by_request  # request ids whose lookups are in flight (the inline path's test)
+        contract_error = self.pipeline.contract_error
+
+        def begin(d: Delivery, format: str | None, retake: bool, now: float) -> None:
+            """Start the recovery lookup ``d`` needs, or, every slot taken, queue it for the next free one
+            (:func:`start_queued`); its request's later deliveries park behind it either way."""
+            tasks = self._tasks()
+            if tasks is None or not part.active:  # stopping, or handed over: the next owner looks it up
+                outbox.nak(part.handback.hold((d.msg,)) if not part.active else (d.msg,))
+                return
+            if not lookups.room():  # only a new delivery, which asked queue_room() (settle)
+                lookups.wait(d.rid, d, d.size)
+                stats.lookups_queued += 1
+                return
+            if retake:  # the stores know the seal: take the request again
+                self.recovery.forget(d.rid)
+            lookups.begin(d.rid, d, d.size)
+            tasks.start_soon(lookup, d, format, now)
+
+        def settle(d: Delivery, now: float, admit: bool) -> bool:
+            """Decide ``d``, park it behind its request's lookup or start the lookup it needs. With
+            ``admit`` (a new delivery) False, and nothing done, when there is no room for it yet."""
+            rid = d.rid
+            if rid in lookups:
+                if admit and not lookups.fits(d.size):
+                    return False
+                lookups.park(rid, d, d.size)
+                if admit:  # counted once: one handed back by a lookup may park again, behind the next
+                    stats.lookups_parked += 1
+                return True
+            parsed = d.parsed
+            msg = d.msg
+            decisions: list[Decision] | None = None
+            try:  # every message ends in a decision, whatever raises while it is handled
+                if isinstance(parsed, ContractError):
+                    # A request this instance does not hold may live on in the stores (served
+                    # elsewhere, maybe migrated): taken for a new one, it would be ended at seq 0.
+                    trip: str | None = None if knows(rid) else "lookup"
+                else:
+                    trip = round_trip(parsed, msg.reply)
+                if trip is None:
+                    decisions = conclude(d, now)
+                else:
+                    if admit and not (lookups.fits(d.size) and (lookups.room() or lookups.queue_room())):
+                        return False
+                    begin(d, None if isinstance(parsed, ContractError) else parsed.format, trip == "retake", now)
+            except Exception as exc:  # noqa: BLE001
+                decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+            take(decisions, rid, now)
+            return True
+
+        def conclude(d: Delivery, now: float) -> list[Decision]:
+            """``d``'s decisions once nothing more is to be read from the stores for it."""
+            parsed = d.parsed
+            if isinstance(parsed, ContractError):
+                return contract_error(parsed, d.msg, acknowledged=True)
+            return decide(parsed, d.msg, d.deliveries, now)
+
+        def start_queued() -> None:
+            """Lookups ended: the queued requests, oldest first, take the free slots. Each one's
+            deliveries are settled again in order: the first starts its lookup (or is decided, should
+            its request have become known meanwhile), the rest park behind it."""
+            while (waiting := lookups.next()) is not None:
+                now = clock()
+                for b in waiting:
+                    settle(b, now, admit=False)
+
+        async def lookup(d: Delivery, format: str | None, now: float) -> None:
+            """:func:`looked_up` as a task of the input's task group, which an exception escaping it
+            would end, and with it every partition: a bug there costs this request a retry instead
+            (its deliveries NAKed, unless a decision already took them) and is logged."""
+            try:
+                await looked_up(d, format, now)
+            except Exception as exc:  # noqa: BLE001  (store errors are _recover's: this is a bug)
+                later = lookups.finish(d.rid, d)
+                if later is not None:
+                    outbox.nak([d.msg, *(b.msg for b in later)], delay=1.0)
+                with contextlib.suppress(Exception):  # the free slot goes to the queue (a bug: logged below)
+                    start_queued()
+                part.wake()
+                log_event(log, logging.ERROR, "lookup_task_failed", partition=part.n, request_id=shown(d.rid),
+                          error=error_text(exc))
+                with contextlib.suppress(Exception):
+                    await pump()
+
+        async def looked_up(d: Delivery, format: str | None, now: float) -> None:
+            """A recovery lookup: then ``d`` is decided and the deliveries parked behind it in order
+            (or, if it failed and ``d`` may come back, all NAKed for a retry in 1 s)."""
+            rid = d.rid
+            retry = d.deliveries < max_deliver
+            ok = await self.recovery.recover(rid, format, now, retry=retry, current=lambda: rid in lookups)
+            later = lookups.finish(rid, d)
+            part.wake()
+            if later is None:  # handed over meanwhile: NAKed then, and nothing of the lookup was kept
+                return
+            if not ok and retry:
+                # NAKed for the retry, with what parked behind it; not one on its last delivery, which
+                # nats-server would never deliver again: that one is decided now, as it would have been
+                # alone (looked up without a retry), the later ones of those parking behind it.
+                outbox.nak([d.msg, *(b.msg for b in later if b.deliveries < max_deliver)], delay=1.0)
+                for b in later:
+                    if b.deliveries >= max_deliver:
+                        settle(b, clock(), admit=False)
+            else:
+                try:
+                    decisions = conclude(d, now)
+                except Exception as exc:  # noqa: BLE001
+                    decisions = failed(exc, d.msg, acknowledged=True, subject=head + d.msg.subject[cut:])
+                take(decisions, rid, now)
+                for b in later:  # in delivery order; an earlier one may start another lookup of rid
+                    settle(b, clock(), admit=False)
+            start_queued()
+            await pump()
+
+        async def on_message(msg: Msg) -> None:
+            reply = msg.reply
+            if not reply or not reply.startswith("$JS.ACK."):  # a delivery has its ack subject
+                if self.pulls.on_status(part, msg) and part.active:
+                    await self.pulls.pull(part)
+                return
+            if not part.active:  # partition handed over: NAKed with the hand-over's, in stream order
+                outbox.nak(part.handback.hold((msg,)))
+                await pump()
+                return
+            now = clock()
+            deliveries = deliveries_of(reply)
+            if deliveries > 1:  # every redelivery, of known requests too (a metric)
+                stats.redelivered += 1
+                redelivered(now)  # more may wait in the redelivery queue: the pull below is careful
+            size = len(msg.data) + len(msg.subject) + len(reply)
+            try:
+                try:
+                    parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                except ContractError as exc:
+                    parsed = exc
+                rid = parsed.request_id
+            except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
+                take(failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:]), None, now)
+            else:
+                if rid is None:  # a contract error without a request: nobody to look up
+                    take(contract_error(parsed, msg, acknowledged=True), None, now)  # type: ignore[arg-type]
+                else:
+                    d = Delivery(msg, deliveries, parsed, rid)
+                    while not settle(d, now, admit=True):  # no room: wait for a lookup to end (back-pressure)
+                        part.waiting = True
+                        try:
+                            await part.freed.wait()
+                        finally:
+                            part.waiting = False
+                        if not part.active:
+                            outbox.nak(part.handback.hold((msg,)))
+                            break
+                        now = clock()
+            # Counted as delivered once decided or parked, not before: a delivery waiting above for parked
+            # bytes to free stays charged to its pull's credit, so no further pull is sent meanwhile and
+            # what the partition's pulls brought (this one, the queue behind it) stays within their
+            # max_bytes (PULL_MAX_BYTES). Counted before the wait, each partition held one ~1 MB chunk
+            # more than its budgets (tests/test_durable_attack_review.py, the lookup flood).
+            if delivered(clock(), size) and part.active:
+                await self.pulls.pull(part)
+            await pump()
+
+        nc = self.nc
+
+        def on_message_inline(subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
+            if not reply or not reply.startswith("$JS.ACK.") or not part.active or backlogged():  # type: ignore[misc]
+                return False  # on_message decides it
+            msg = Msg(nc, subject, reply, data, headers)  # the chunk's token: the outbox acks its reply
+            try:
+                chunk = parse(head + subject[cut:], headers, data, msg)
+            except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
+                return False
+            if chunk.request_id in looking_up or round_trip(chunk, reply) is not None:
+                return False  # its request's lookup is in flight (it parks), or it needs one
+            now = clock()
+            deliveries = deliveries_of(reply)
+            if deliveries > 1:
+                stats.redelivered += 1
+                redelivered(now)  # before the pull below: it must be a careful one
+            if delivered(now, len(data) + len(subject) + len(reply)):
+                self.pulls.pull_nowait(part)
+            take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
+            publisher.release()  # looked up each time: stage_writes() replaces it after start-up
+            return True
+
+        return on_message, on_message_inline
+
+    def poisoned(self, chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
+        """A chunk on its ``max_deliver``-th delivery: whatever kept it from being settled before
+        (a crash while handling it, results that cannot be stored), its request ends with an error
+        result now and the chunk is terminated once that result is stored."""
+        self.stats.poisoned += 1
+        self.pipeline.limited.log(logging.ERROR, "chunk_poisoned", request_id=chunk.request_id,
+                                  role=chunk.role.value, seq=chunk.seq, deliveries=deliveries)
+        self.outbox.terminate(msg)
+        cause = self._unstored.pop(chunk.request_id, None)
+        return self.correlator.reject(
+            chunk.request_id, f"{chunk.role.value} chunk seq {chunk.seq} was delivered {deliveries} times without "
+            f"being settled (max_deliver {self.settings.max_deliver}): dropped as poison"
+            + (f"; {cause}" if cause else ""), now, msg, kind=ErrorKind.INTERNAL)
