@@ -20,7 +20,7 @@ import pytest
 from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.sim.embedded import EmbeddedNats, EmbeddedNatsCluster
-from streamproc.nats import durable_input
+from streamproc.nats import durable_partitions
 from streamproc.nats.processor import Processor
 from streamproc.core.reorder import SeqOrder
 from streamproc.nats.streams import RESULTS_STREAM
@@ -201,7 +201,7 @@ async def test_after_a_nats_server_restart_new_chunks_are_pulled_at_once_not_at_
     # The watchdog's rounds 450 s apart (ack_wait / 8): only the reconnect's wake-up can re-issue
     # the pulls the restarted server forgot within this test's time. SIGKILL: a graceful shutdown
     # answers each waiting pull with a 409, and that is pulled again without the watchdog.
-    monkeypatch.setattr(durable_input, "WATCHDOG_EVERY", 1000.0)
+    monkeypatch.setattr(durable_partitions, "WATCHDOG_EVERY", 1000.0)
     worker = worker_for(FORMAT)
     before, after = (traffic.plan(FORMAT, requests=3, mode="aggregated", seed=seed, id_prefix=f"wk{seed}",
                                   worker=worker) for seed in (31, 32))
@@ -209,14 +209,14 @@ async def test_after_a_nats_server_restart_new_chunks_are_pulled_at_once_not_at_
         settings = durable_settings(server.url, ack_wait=3600)
         async with Processor(settings) as p:
             rounds = 0
-            watch = p.input._watch
+            watch = p.input.partitions._watch
 
             async def counted() -> None:
                 nonlocal rounds
                 rounds += 1
                 await watch()
 
-            p.input._watch = counted  # the watchdog's rounds, counted
+            p.input.partitions._watch = counted  # the watchdog's rounds, counted
             nc = await connect(server.url)
             try:
                 await drive(nc, settings.subjects, traffic.schedule(before, seed=31, shuffle=False), seconds=0.2,

@@ -445,7 +445,7 @@ async def test_a_seal_made_while_its_partition_is_handed_over_is_not_recorded(cl
             reply = await processor.exclusive(lambda now: processor.correlator.migrate(
                 rid, now, expected_attempt=0, id="moving"))
             assert isinstance(reply, Sealed) and reply.result_seq == 2
-            await durable._lose(durable.scheme.of(rid), graceful=True)  # what a surplus lease step does
+            await durable.partitions.lose(durable.scheme.of(rid), graceful=True)  # what a surplus lease step does
             return reply
 
         reply = await durable.migrate(rid, MigrateRequest(expected_attempt=0, id="moving"), seal_then_hand_over)
@@ -662,8 +662,8 @@ async def test_closing_a_given_up_partition_late_leaves_the_partition_taken_agai
     not unregister the new one, which would leave a leased partition that nobody pulls."""
     async with start_processor("in-process", format="sglang", mode="durable", partitions=1) as rp:
         durable = rp.processor.input
-        old = durable._partitions[0]
-        await durable._open(0, {})  # taken again before the old subscription's drain finished
-        new = durable._partitions[0]
-        await durable._close_partition(old)
-        assert durable._partitions.get(0) is new and new.active and not old.active
+        old = durable.partitions.owned[0]
+        await durable.partitions.open(0, {})  # taken again before the old subscription's drain finished
+        new = durable.partitions.owned[0]
+        await durable.partitions.close(old)
+        assert durable.partitions.owned.get(0) is new and new.active and not old.active

@@ -34,7 +34,8 @@ from .input import Pipeline
 from .outbox_pump import OutboxPump
 
 if TYPE_CHECKING:
-    from .durable_input import DurableStats, _Partition
+    from .durable_input import DurableStats
+    from .durable_partitions import Partition
 
 log = logging.getLogger("streamproc.durable")
 
@@ -121,7 +122,7 @@ class Deliveries:
         """The recovery lookups of a partition just taken (none yet)."""
         return Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap)
 
-    def handlers(self, part: _Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[..., bool]]:
+    def handlers(self, part: Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[..., bool]]:
         """A partition's two message handlers, sharing every step of a chunk's decision:
 
         - ``on_message``, the subscription's callback, decides every message (status messages,

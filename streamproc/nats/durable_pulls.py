@@ -25,7 +25,8 @@ from ..core.partitions import PartitionScheme
 from ..logs import LogLimiter, error_text, log_event
 
 if TYPE_CHECKING:
-    from .durable_input import DurableStats, _Partition
+    from .durable_input import DurableStats
+    from .durable_partitions import Partition
 
 log = logging.getLogger("streamproc.durable")
 
@@ -115,7 +116,7 @@ class Pulls:
             body = self._pull_bodies[batch] = self._pull_request(batch)
         return body
 
-    def _queue_full(self, part: _Partition) -> bool:
+    def _queue_full(self, part: Partition) -> bool:
         """Too many of the partition's result bytes wait for PubAcks: pull nothing more for it (the
         watchdog pulls once they drain). The cheap total first: the partition's share is at most that."""
         cap = self._queue_cap
@@ -124,7 +125,7 @@ class Pulls:
         of, n = self.scheme.of, part.n
         return self.outbox.queued_bytes_of(lambda rid: of(rid) == n) > cap
 
-    async def pull(self, part: _Partition) -> None:
+    async def pull(self, part: Partition) -> None:
         if self._queue_full(part):
             return
         credit = part.credit
@@ -136,7 +137,7 @@ class Pulls:
             credit.pull_failed(self._clock(), batch)
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
 
-    def pull_nowait(self, part: _Partition) -> None:
+    def pull_nowait(self, part: Partition) -> None:
         """:meth:`pull` without awaiting (the inline handler; only with ``FastClient.enqueue``)."""
         if self._queue_full(part):
             return
@@ -150,7 +151,7 @@ class Pulls:
             credit.pull_failed(self._clock(), batch)
             log_event(log, logging.DEBUG, "pull_failed", partition=part.n, error=error_text(exc))
 
-    def on_status(self, part: _Partition, msg: Msg) -> bool:
+    def on_status(self, part: Partition, msg: Msg) -> bool:
         """A status message on a pull inbox; True when a pull should go out now.
 
         Only JetStream publishes here (no permission of the shipped config lets anyone else), but a

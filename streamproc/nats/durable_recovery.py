@@ -31,7 +31,8 @@ from .migrations import UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 
 if TYPE_CHECKING:
-    from .durable_input import DurableStats, _Partition
+    from .durable_input import DurableStats
+    from .durable_partitions import Partition
 
 log = logging.getLogger("streamproc.durable")
 
@@ -54,7 +55,7 @@ class Recovery:
 
     def __init__(self, nc: NatsClient, settings: Settings, scheme: PartitionScheme, correlator: Correlator,
                  publisher: OutboxPump, stats: DurableStats, clock: Callable[[], float], limited: LogLimiter, *,
-                 partitions: dict[int, _Partition], migrating: dict[int, int],
+                 partitions: dict[int, Partition], migrating: dict[int, int],
                  caught_up: Callable[[], Awaitable[None]], owns: Callable[[str], bool],
                  hand_over: Callable[[Callable[[str], bool]], None], note_sealed: Callable[[str], None]) -> None:
         self.nc = nc
