@@ -252,7 +252,8 @@ async def test_bodies_kept_for_a_possible_migration_are_bounded_across_requests(
 # may pass its RSS before the flood by at most what the durable input lets in: the parked (and queued)
 # chunks, PARKED_BYTES, and what the pulls out may bring, PULL_MAX_BYTES (both shared by the partitions;
 # the pulls' share counts both pulls a partition may have out and the delivery its callback holds while
-# it waits for parked bytes to free; see durable_input.py), plus LOOKUP_FLOOD_SLACK for what holds a
+# it waits for parked bytes to free; see durable_pulls.py, durable_deliveries.py), plus
+# LOOKUP_FLOOD_SLACK for what holds a
 # chunk outside both, measured with the two budgets full (lookups 0.5 s slower; the processor sampled
 # every 10 ms: /proc/self/status, glibc's mallinfo2, parked and queued bytes, nats-py's pending bytes,
 # the outbox's tokens, 2026-12-04): decided chunks whose error result waits for its PubAck or whose ack
