@@ -128,9 +128,11 @@ def scrape(port: int) -> dict[str, float]:
         return parse_metrics(response.read().decode())
 
 
-def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
+def inflating_pd_legs(prompt: int = 4096, format: str = "sglang-zstd", layers: int = 512) -> tuple[bytes, bytes]:
     """A real sglang-zstd P/D request whose 4,096-token prompt carries 64 MiB of expert rows (512 layers x
-    top-8), compressible to a few KB: prefill's one body, and decode's body that carries rows."""
+    top-8), compressible to a few KB: prefill's one body, and decode's body that carries rows. ``format``
+    and ``layers``: the same request in another format (``sglang``: Base64 of the raw rows) or size
+    (prefill's rows are ``prompt x layers x 32`` bytes)."""
     import msgspec
     import numpy as np
 
@@ -138,9 +140,9 @@ def inflating_pd_legs(prompt: int = 4096) -> tuple[bytes, bytes]:
     from streamproc.sim.simulation import make_truth
 
     small = make_truth(0, prompt_len=prompt, output_len=2, num_layers=1, top_k=1)
-    rows = np.tile(np.arange(8, dtype="<i4"), small.rows * 512).tobytes()  # 8 distinct experts per layer
-    truth = msgspec.structs.replace(small, num_layers=512, top_k=8, experts=rows, stale="zeros")
-    worker = worker_for("sglang-zstd")
+    rows = np.tile(np.arange(8, dtype="<i4"), small.rows * layers).tobytes()  # 8 distinct experts per layer
+    truth = msgspec.structs.replace(small, num_layers=layers, top_k=8, experts=rows, stale="zeros")
+    worker = worker_for(format)
     return worker.prefill(truth, stream=False)[0], worker.decode(truth, stream=False)[-1]
 
 

@@ -208,6 +208,14 @@ class SequenceCodec(ABC, Generic[R]):
     @abstractmethod
     def encode(self, rows: R) -> object: ...
 
+    def decoded_bound(self, value: object, limit: int) -> int:
+        """At most how many bytes ``decode_within(value, limit)`` allocates for its output, judged
+        without decoding (a length, a header): the correlator reserves them in the processor's byte
+        budget before a join that decodes ``value`` runs off the event loop. This default knows
+        nothing of the encoding: the codec's ceiling (``max_decompressed_bytes``), which the default
+        :meth:`decode_within` may reach before it compares the size with ``limit``."""
+        return self.options.max_decompressed_bytes
+
     def decode_within(self, value: object, limit: int) -> R:
         """``decode``, refusing (``too_large``) past ``limit`` bytes, the size the caller expects
         from the body's token counts. This default checks after decoding (still bounded by
@@ -218,6 +226,14 @@ class SequenceCodec(ABC, Generic[R]):
         if size > limit:
             raise CorruptPayload(OmissionReason.TOO_LARGE, f"decoded {size} bytes, the body allows {limit}")
         return rows
+
+
+# Bytes of Python objects per byte of JSON body (msgspec.json.decode, tracemalloc), the default
+# JoinSession.join_bytes: the simulated workers' bodies take 1.5-2.8 (sglang, vllm decode chunks) and
+# up to 5.4 (a vllm prefill body of prompt logprobs); pathological shapes take more (a list of empty
+# objects ``[{},{},...]`` 24, of one-character strings 14.5), which a codec that expects them bounds
+# in its own join_bytes (docs/operations.md, "bounds and back-pressure").
+JSON_PARSE_FACTOR = 6
 
 
 class JoinSession(ABC):
@@ -251,6 +267,18 @@ class JoinSession(ABC):
     # inflate bounds its decoding by it, so a bomb inside ``max_decompressed_bytes`` ends as a
     # ``too_large`` omission instead of an allocation.
     decode_budget: int | None = None
+
+    def join_bytes(self, body: bytes, final: bool) -> int | None:
+        """At most how many bytes the :meth:`join` of ``body`` decodes beyond :meth:`retained_bytes`
+        (payloads, the parsed body), judged without decoding: lengths, headers, what
+        :meth:`needs_prefill` already parsed. The correlator calls it on the event loop just before
+        the join leaves for another thread, and charges the bytes to the processor's byte budget
+        (``max_total_bytes``) until :meth:`Correlator.finish`, so requests arriving meanwhile cannot
+        fill the room the running join is decoding into. None: no bound is known, and all the
+        budget has left is reserved. This default is the parsed form of a JSON body,
+        :data:`JSON_PARSE_FACTOR` times its length; a codec whose payloads inflate (Base64, zstd,
+        ``.npy``) adds them (:meth:`SequenceCodec.decoded_bound`)."""
+        return JSON_PARSE_FACTOR * len(body)
 
     # Sequence payloads (e.g. expert rows) the session has decoded or tried to decode so far,
     # counted by the codec before each decode (a payload that fails half-way cost CPU too). A join's

@@ -58,7 +58,7 @@ class Work:
     queue), every other request goes on. The correlator stays pure: it never starts a thread, it
     only says which call may run elsewhere and takes the outcome back in order."""
 
-    __slots__ = ("request_id", "_job", "outcome", "cpu", "decodes")
+    __slots__ = ("request_id", "_job", "outcome", "cpu", "decodes", "reserved")
 
     def __init__(self, request_id: str, job: Callable[[], tuple[bytes, Verdict]],
                  decodes: int | None = None) -> None:
@@ -67,6 +67,9 @@ class Work:
         self.outcome: tuple[bytes, Verdict] | Exception | None = None
         self.cpu = 0.0  # seconds of CPU the job took, when run() was given a clock
         self.decodes = decodes  # the session's decodes count when the join was handed out; None: charged
+        # Bytes of the byte budget held for what the job decodes (JoinSession.join_bytes), charged
+        # from hand-out until Correlator.finish, whatever becomes of the request meanwhile.
+        self.reserved = 0
 
     def run(self, cpu_clock: Callable[[], float] | None = None) -> None:
         """Called once, in any thread; never raises (the outcome carries the exception).
@@ -633,6 +636,10 @@ class Correlator:
 
     def finish(self, work: Work, now: float) -> list[Decision]:
         """Apply the outcome of a :class:`Work` decision and go on with its request."""
+        # The join's decoding is over: its reservation goes, and what the session keeps of it is
+        # charged below (_check_decoded in _drain), or was freed with the request.
+        self.charged_bytes -= work.reserved
+        work.reserved = 0
         if self._working is work:
             self._working = None
         self.join_seconds.observe(work.cpu)  # it ran, whatever became of its request meanwhile
@@ -949,13 +956,14 @@ class Correlator:
             return []
         return self._drain(req, now)
 
-    def _hand_out(self, req: _Request, job: Callable[[], tuple[bytes, Verdict]],
+    def _hand_out(self, req: _Request, job: Callable[[], tuple[bytes, Verdict]] | None,
                   decodes: int | None) -> list[Decision]:
         """Run ``job`` (this chunk's join, stitch or both) off the loop: a :class:`Work` now, or the
         request queued for its turn (one Work at a time, round robin) if another is running."""
         if self._working is not None:
             self._queued[req.request_id] = req
             return []
+        assert job is not None
         req.work = self._working = Work(req.request_id, job, decodes)
         return [req.work]
 
@@ -1006,8 +1014,15 @@ class Correlator:
                         self.join_wait.observe(0.0 if waited is None else now - waited)
                         req.waiting_since = None
                         req.join_timed = True
-                    session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
                     if self.offload_joins and (needs or req.attempt):
+                        if self._working is not None:
+                            out.extend(self._hand_out(req, None, None))  # queued for its turn
+                            return out
+                        # What the join will decode is charged before it leaves (_reserve), so the
+                        # chunks that arrive while it runs cannot fill the room it decodes into.
+                        reserved = self._reserve(req, session.join_bytes(chunk.body, final), now)
+                        session.decode_budget = (self.config.max_total_bytes - self.charged_bytes + reserved
+                                                 + req.decoded)
                         # A resumed attempt's stitch may inflate rows too: it runs after the join, in
                         # the same job, and is always charged (its decodes are not the session's).
                         if req.attempt:
@@ -1016,7 +1031,9 @@ class Correlator:
                         else:
                             job = functools.partial(session.join, chunk.body, final)
                             out.extend(self._hand_out(req, job, session.decodes))
+                        req.work.reserved = reserved  # type: ignore[union-attr]
                         return out
+                    session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
                     clock = self.join_clock
                     if clock is None:
                         body, verdict = session.join(chunk.body, final)
@@ -1222,6 +1239,25 @@ class Correlator:
                           f"processor byte budget exhausted: decoded payloads would hold {held} of "
                           f"{self.config.max_total_bytes} bytes, and this request the most ({_held(req)} bytes)", now)
 
+    def _reserve(self, req: _Request, need: int | None, now: float) -> int:
+        """Charge what the join about to leave for another thread will decode (``need``, from
+        ``JoinSession.join_bytes``; None: unknown, all that is left), so that chunks arriving while it
+        runs meet a budget that already counts it. Short of room, the requests holding more than
+        ``req`` would with the join are ended first (``_make_room``, the rule a chunk meets); what is
+        then still missing is not reserved, and the join's ``decode_budget`` (what was left) makes
+        the codec omit (``too_large``) what does not fit, as before. Returns the bytes reserved, at
+        most what the budget had left: ``charged_bytes`` stays within ``max_total_bytes``."""
+        limit = self.config.max_total_bytes
+        if need is None:
+            need = limit
+        elif need <= 0:
+            return 0
+        if self.charged_bytes + need > limit:
+            self._make_room(req, need, now)  # True (req holds the most): it keeps only what is left
+        reserved = min(need, max(0, limit - self.charged_bytes))
+        self.charged_bytes += reserved
+        return reserved
+
     def _make_room(self, req: _Request, need: int, now: float) -> bool:
         """The global byte budget is short of ``need`` bytes: end the requests holding the most bytes
         (``overloaded``; their results wait in ``_aside``) until it is not. True when ``req`` itself
@@ -1235,7 +1271,8 @@ class Correlator:
             victim = None
             for other in self._active.values():
                 held = other.buffered + other.absorbed + other.decoded + other.progress
-                if held > most and other is not req:
+                # A request whose join runs elsewhere frees nothing before it ends (_release).
+                if held > most and other is not req and other.work is None:
                     victim, most = other, held
             if victim is None:
                 return True
@@ -1275,7 +1312,13 @@ class Correlator:
             self.finished_bytes -= _ENTRY + len(rid)
 
     def _release(self, req: _Request, *, keep_progress: bool = False) -> None:
-        self.charged_bytes -= req.buffered + req.absorbed + req.decoded
+        held = req.buffered + req.absorbed + req.decoded
+        if req.work is not None:
+            # Its join is running elsewhere: the chunk body, the session and its rows stay live in
+            # that thread until finish(), so their charge does too, as part of the Work's reservation.
+            req.work.reserved += held
+        else:
+            self.charged_bytes -= held
         req.buffered = req.absorbed = req.decoded = 0
         if not keep_progress:
             self.charged_bytes -= req.progress

@@ -21,6 +21,7 @@ from streamproc.decompress import (
     decode_base64,
     decompress_zstd,
     encode_base64,
+    zstd_declared_size,
     zstd_decompressor,
     zstd_frame_bound,
 )
@@ -168,6 +169,18 @@ class Base64ZstdRows(SequenceCodec[bytes]):
         limit = min(limit, self._limit)
         frame = decode_base64(value, zstd_frame_bound(limit))
         return decompress_zstd(frame, limit, self._dctx)
+
+    def decoded_bound(self, value: object, limit: int) -> int:
+        """What :meth:`decode_within` allocates for its output: the size the frame's header declares
+        (read from its first 24 Base64 characters), 0 past ``limit`` (refused before allocating), and
+        ``limit`` for a frame that declares none (measured, then decoded within it)."""
+        if not isinstance(value, str):
+            return 0
+        limit = min(limit, self._limit)
+        declared = zstd_declared_size(value)
+        if declared is None:
+            return limit
+        return declared if declared <= limit else 0
 
     def encode(self, rows: bytes | bytearray | memoryview) -> str:
         return encode_base64(self._compressor(len(rows)).compress(rows))

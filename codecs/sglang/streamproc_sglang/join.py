@@ -300,6 +300,32 @@ class SGLangJoinSession(JoinSession):
         own = len(rows.rows) if isinstance(rows, _PrefillRows) else 0
         return own + sum(session.retained_bytes() for session in self._item_sessions.values())
 
+    def join_bytes(self, body: bytes, final: bool) -> int | None:
+        """The body's parsed form and its re-encoding, plus the rows :meth:`join` may decode: prefill's
+        (once per session) and this chunk's, each as its encoding declares (Base64 length, zstd
+        header) within the limit the join decodes it with. A batch body, or a streamed batch's item,
+        decodes rows in sessions of their own: None (all the budget has left)."""
+        doc = self._decoded(body)  # parsed by needs_prefill already
+        if not isinstance(doc, dict):
+            return None if native.items_of(doc) is not None else 0
+        meta = native.meta_of(doc)
+        if meta is None or not self._wants(meta, final):
+            return 0
+        if type(doc.get(native.INDEX)) is int and not self._item:
+            return None
+        need = len(body)  # the joined body's encoding (its parsed form was allocated by needs_prefill)
+        if not (final or ROUTED_EXPERTS in meta) or self._unavailable is not None or self._prefill is None:
+            return need
+        experts = self._experts
+        if self._rows is None:
+            value, prompt = self._prefill.get(ROUTED_EXPERTS), self._prefill.get(PROMPT_TOKENS)
+            if value is not None and _is_count(prompt) and prompt > 0:
+                need += experts.decoded_bound(value, prompt * MAX_ROW_BYTES)
+        value = meta.get(ROUTED_EXPERTS)
+        if value is not None:
+            need += experts.decoded_bound(value, experts.options.max_decompressed_bytes)
+        return need
+
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
         self._prefill = None

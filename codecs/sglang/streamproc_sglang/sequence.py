@@ -10,7 +10,7 @@ prefill leg's ``prompt_tokens``. Rows stay ``bytes`` so a join is two slices and
 from __future__ import annotations
 
 from streamproc.codec import CorruptPayload, SequenceCodec
-from streamproc.decompress import CORRUPT, decode_base64, encode_base64
+from streamproc.decompress import CORRUPT, base64_decoded_size, decode_base64, encode_base64
 
 
 class Base64Int32Rows(SequenceCodec[bytes]):
@@ -20,6 +20,12 @@ class Base64Int32Rows(SequenceCodec[bytes]):
         if not isinstance(value, str):
             raise CorruptPayload(CORRUPT, f"expected a base64 string, got {type(value).__name__}")
         return decode_base64(value, self.options.max_decompressed_bytes)
+
+    def decoded_bound(self, value: object, limit: int) -> int:
+        """What :meth:`decode` allocates: the Base64 text's decoded length (nothing for a value it refuses)."""
+        if not isinstance(value, str):
+            return 0
+        return min(base64_decoded_size(value), self.options.max_decompressed_bytes)
 
     def encode(self, rows: bytes | bytearray | memoryview) -> str:
         return encode_base64(rows)

@@ -1,0 +1,139 @@
+"""What a join decodes off the event loop is charged to the byte budget (``max_total_bytes``) from the
+moment its Work is handed out until ``finish``: the chunks that arrive while it runs meet a budget that
+already counts the rows it is decoding, so they end (overloaded) or evict the biggest holders instead of
+filling that room (pure; the real sglang and sglang-zstd codecs, and a toy codec that declares its rows)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import inflating_pd_legs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from toy_codec import InflatingCodec, InflatingSession
+
+from streamproc.catalog import Catalog
+from streamproc.codec import JoinSession
+from streamproc.correlator import Correlator, CorrelatorConfig, Work
+from streamproc.wire import Chunk, Result, Role, Verdict
+
+MiB = 1 << 20
+
+
+def _offloading(fmt: str, **config) -> Correlator:
+    c = Correlator(Catalog(), fmt, CorrelatorConfig(**config))
+    c.offload_joins = True  # as core and durable mode run joins
+    return c
+
+
+def _ended(decisions) -> set[str]:
+    return {d.request_id for d in decisions if isinstance(d, Result) and d.error}
+
+
+@pytest.mark.parametrize("fmt, layers, budget", [
+    ("sglang-zstd", 512, 96 * MiB),  # 12 KB of prefill inflating to 64 MiB of rows (the attackers test's)
+    ("sglang", 64, 32 * MiB),        # Base64 of 8 MiB of raw rows: no inflation past 3/4, but still decoded
+])
+def test_the_rows_a_running_join_decodes_are_charged_so_chunks_arriving_meanwhile_cannot_fill_their_room(
+        fmt, layers, budget):
+    prefill, decode = inflating_pd_legs(prompt=4096, format=fmt, layers=layers)
+    rows = 4096 * layers * 8 * 4  # prefill's prompt rows: the join decodes (and keeps) them
+    c = _offloading(fmt, max_total_bytes=budget, max_buffered_bytes=budget)
+    assert c.receive(Chunk("pd", Role.PREFILL, 0, prefill, True), 0.0) == []
+    works = [d for d in c.receive(Chunk("pd", Role.DECODE, 0, decode, False), 0.0) if isinstance(d, Work)]
+    assert len(works) == 1
+    own = len(prefill) + len(decode)  # the joining request's charge: its absorbed and buffered bodies
+    held: dict[str, int] = {}
+    ended: set[str] = set()
+    for seq in range(1, 21):  # 8 backlogs behind a withheld seq 0, 1 MiB a chunk, all growing at once
+        for h in range(8):
+            rid = f"hog{h}"
+            ended |= _ended(c.receive(Chunk(rid, Role.AGG, seq, bytes(MiB), False), 0.0))
+            if rid not in ended:
+                held[rid] = held.get(rid, 0) + MiB
+            live = sum(n for r, n in held.items() if r not in ended)
+            assert c.charged_bytes <= budget
+            # What is live while the join runs: every charge but the reservation, and the rows it decodes.
+            assert own + live + rows <= budget, (own / MiB, live / MiB, rows / MiB)
+    assert "pd" not in ended
+    works[0].run()
+    after = c.finish(works[0], 0.0)
+    assert c.charged_bytes <= budget
+    assert [d.request_id for d in after if isinstance(d, Result) and not d.error] == ["pd"]
+
+
+class _DeclaringSession(InflatingSession):
+    """Decodes (inflates) ``rows:<n>`` decode chunks in its join, at most its decode budget allows,
+    and declares them in ``join_bytes`` (the toy's prefill leg inflates at absorb, on the loop)."""
+
+    decoded = 0  # what the last join decoded, to compare with what was live
+
+    def join_bytes(self, body: bytes, final: bool) -> int | None:
+        return int(body[len(b"rows:"):]) if body.startswith(b"rows:") else 0
+
+    def join(self, body: bytes, final: bool):
+        want = self.join_bytes(body, final) or 0
+        budget = self.decode_budget
+        if budget is not None and want > budget - len(self.rows):
+            type(self).decoded = 0
+            return body, Verdict.OMITTED  # too_large: nothing decoded
+        type(self).decoded = want
+        return body, Verdict.JOINED
+
+
+class _DeclaringCodec(InflatingCodec):
+    name = "declaring"
+
+    def open_session(self) -> JoinSession:
+        return _DeclaringSession()
+
+
+# Rounds of: a P/D join handed out (its rows in MiB), the backlog chunks (by hog) that arrive while
+# it is out, and whether it then runs and finishes (else the next round's join queues behind it).
+_rounds = st.lists(st.tuples(st.integers(1, 48), st.lists(st.integers(0, 5), max_size=40), st.booleans()),
+                   min_size=1, max_size=6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rounds=_rounds, budget=st.integers(8, 64))
+def test_while_a_work_is_out_the_budget_counts_its_reservation_and_the_join_decodes_within_it(rounds, budget):
+    """Any interleaving of backlogs growing (1 MiB chunks behind a withheld seq 0), P/D joins handed
+    out (``rows:<n MiB>``) and run: at every step everything charged (the reservation included) is
+    within ``max_total_bytes``, and so is everything live while a join runs (the open backlogs, the
+    P/D requests' bodies) plus what it decodes; the backlogs end (overloaded) instead."""
+    c = Correlator(lambda name: _DeclaringCodec(), "declaring",
+                   CorrelatorConfig(max_total_bytes=budget * MiB, max_buffered_bytes=budget * MiB))
+    c.offload_joins = True
+    limit = budget * MiB
+    out: list[Work] = []
+    seqs: dict[str, int] = {}
+    bodies: dict[str, bytes] = {}  # each P/D request's decode chunk
+
+    def run_one() -> None:
+        work = out.pop(0)
+        work.run()
+        # What was live as it ran: the backlogs still open, the P/D requests' bodies (the running
+        # one's until finish, ended or not), and what the join decoded.
+        live = MiB * sum(seqs[r] for r in seqs if c.next_seq_of(r) is not None)
+        live += sum(1 + len(b) for r, b in bodies.items() if r == work.request_id or c.next_seq_of(r) is not None)
+        assert live + _DeclaringSession.decoded <= limit, (live / MiB, _DeclaringSession.decoded / MiB)
+        take(c.finish(work, 0.0))
+
+    def take(decisions) -> None:
+        out.extend(d for d in decisions if isinstance(d, Work))
+        assert len(out) <= 1
+        assert c.charged_bytes <= limit
+
+    for joins, (size, hogs, run) in enumerate(rounds):
+        rid = f"pd{joins}"
+        bodies[rid] = b"rows:%d" % (size * MiB)
+        take(c.receive(Chunk(rid, Role.PREFILL, 0, b"p", True), 0.0))
+        take(c.receive(Chunk(rid, Role.DECODE, 0, bodies[rid], True), 0.0))
+        for k in hogs:
+            hog = f"hog{k}"
+            seqs[hog] = seqs.get(hog, 0) + 1
+            take(c.receive(Chunk(hog, Role.AGG, seqs[hog], bytes(MiB), False), 0.0))
+        if run and out:
+            run_one()
+    while out:
+        run_one()
+    assert c.charged_bytes == MiB * sum(seqs[r] for r in seqs if c.next_seq_of(r) is not None)
