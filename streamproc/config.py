@@ -338,7 +338,7 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                             "codec progress state (token ids) passes it ends overloaded",
                                             ge=1024, le=2**40)] = defaults.MAX_BUFFERED_BYTES
     max_total_bytes: Annotated[int, documented("bytes of buffered chunk bodies plus decoded payloads kept for joins "
-                                         "and codec progress state, across all requests; a request that would pass it is ended with an "
+                                         "(and those the running join decodes) and codec progress state, across all requests; a request that would pass it is ended with an "
                                          "overloaded error (raise it for very large expert captures)",
                                          ge=1024, le=2**44)] = defaults.MAX_TOTAL_BYTES
     max_decode_cpu: Annotated[float, documented("CPU seconds the joins of one request that decode sequence data may "
