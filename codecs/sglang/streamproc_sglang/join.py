@@ -242,6 +242,10 @@ class SGLangJoinSession(JoinSession):
         # A streamed batch: prefill's chunks by item index, and each item's own session (_join_indexed).
         self._prefill_by_index: dict[int, list[bytes]] | None = None
         self._item_sessions: dict[int, SGLangJoinSession] = {}
+        # What decoding the prefill rows of a batch's items (all of them) or of a streamed batch's item
+        # (by index) may allocate, judged at absorb from the values' lengths and headers (join_bytes).
+        self._items_rows_bound = 0
+        self._rows_bound_by_index: dict[int, int] = {}
         self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
@@ -275,13 +279,17 @@ class SGLangJoinSession(JoinSession):
             items = native.items_of(values[0]) if len(values) == 1 else None
             if items is not None and len(items) <= MAX_BATCH_ITEMS:  # a batch: each decode item is joined with its own (_join_items)
                 self._prefill_items = [native.encode(item) for item in items]
+                self._items_rows_bound = sum(self._rows_bound(native.meta_of(item)) for item in items)
             self._unavailable = Omit.PREFILL_CORRUPT  # for a decode body that is not a batch
             return
         indices = [doc.get(native.INDEX) for doc in docs]  # type: ignore[union-attr]
         if any(type(index) is int for index in indices):  # a streamed batch: never folded across items
             by_index: dict[int, list[bytes]] = {}
-            for body, index in zip(bodies, indices):
-                by_index.setdefault(index if type(index) is int else -1, []).append(body)
+            bounds = self._rows_bound_by_index
+            for body, index, leg in zip(bodies, indices, docs):
+                key = index if type(index) is int else -1
+                by_index.setdefault(key, []).append(body)
+                bounds[key] = bounds.get(key, 0) + self._rows_bound(native.meta_of(leg))  # type: ignore[arg-type]
             self._prefill_by_index = by_index
             if len(by_index) > 1:
                 self._unavailable = Omit.LENGTH_MISMATCH  # for a decode chunk that names no item
@@ -301,30 +309,43 @@ class SGLangJoinSession(JoinSession):
         return own + sum(session.retained_bytes() for session in self._item_sessions.values())
 
     def join_bytes(self, body: bytes, final: bool) -> int | None:
-        """The body's parsed form and its re-encoding, plus the rows :meth:`join` may decode: prefill's
-        (once per session) and this chunk's, each as its encoding declares (Base64 length, zstd
-        header) within the limit the join decodes it with. A batch body, or a streamed batch's item,
-        decodes rows in sessions of their own: None (all the budget has left)."""
+        """The joined body's encoding, plus the rows :meth:`join` may decode: prefill's (once per
+        session, or per item of a batch) and this chunk's, each as its encoding declares (Base64
+        length, zstd header) within the limit the join decodes it with. Its parsed form was allocated
+        by :meth:`needs_prefill`, before the join was handed out."""
         doc = self._decoded(body)  # parsed by needs_prefill already
         if not isinstance(doc, dict):
-            return None if native.items_of(doc) is not None else 0
+            items = native.items_of(doc)
+            if items is None or len(items) > MAX_BATCH_ITEMS:
+                return 0  # passed through, or refused whole (ContractError) before any decoding
+            limit = self._experts.options.max_decompressed_bytes
+            return len(body) + self._items_rows_bound + sum(
+                self._value_bound(native.meta_of(item), limit) for item in items)
         meta = native.meta_of(doc)
         if meta is None or not self._wants(meta, final):
             return 0
-        if type(doc.get(native.INDEX)) is int and not self._item:
-            return None
-        need = len(body)  # the joined body's encoding (its parsed form was allocated by needs_prefill)
-        if not (final or ROUTED_EXPERTS in meta) or self._unavailable is not None or self._prefill is None:
+        need = len(body)
+        index = doc.get(native.INDEX)
+        if type(index) is int and not self._item:  # joined in the item's own session (_join_indexed)
+            session = self._item_sessions.get(index)
+            if session is None or session._rows is None:
+                need += self._rows_bound_by_index.get(index, 0)
+        elif not (final or ROUTED_EXPERTS in meta) or self._unavailable is not None or self._prefill is None:
             return need
-        experts = self._experts
-        if self._rows is None:
-            value, prompt = self._prefill.get(ROUTED_EXPERTS), self._prefill.get(PROMPT_TOKENS)
-            if value is not None and _is_count(prompt) and prompt > 0:
-                need += experts.decoded_bound(value, prompt * MAX_ROW_BYTES)
-        value = meta.get(ROUTED_EXPERTS)
-        if value is not None:
-            need += experts.decoded_bound(value, experts.options.max_decompressed_bytes)
-        return need
+        elif self._rows is None:
+            need += self._rows_bound(self._prefill)
+        return need + self._value_bound(meta, self._experts.options.max_decompressed_bytes)
+
+    def _rows_bound(self, meta: dict[str, Any] | None) -> int:
+        """What decoding the prefill rows in ``meta`` may allocate (:meth:`_decode_prefill_rows`)."""
+        if meta is None:
+            return 0
+        prompt = meta.get(PROMPT_TOKENS)
+        return self._value_bound(meta, prompt * MAX_ROW_BYTES) if _is_count(prompt) and prompt > 0 else 0
+
+    def _value_bound(self, meta: dict[str, Any] | None, limit: int) -> int:
+        value = meta.get(ROUTED_EXPERTS) if meta is not None else None
+        return 0 if value is None else self._experts.decoded_bound(value, limit)
 
     def prefill_unavailable(self, reason: str) -> None:
         self._known = True
