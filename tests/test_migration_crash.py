@@ -26,12 +26,15 @@ import pytest
 from edge_harness import running_edge
 from httpx_sse import aconnect_sse
 
+from streamproc import config
 from streamproc.catalog import worker_for
 from streamproc.client.migration import MigrationError, Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import PartitionScheme, partition_of
 from streamproc.nats.durable_pulls import REDELIVERY_SLACK
 from streamproc.nats.durable_recovery import Recovery
+from streamproc.nats.durable_input import DurableInput
+from streamproc.nats.processor import Processor
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth
 from streamproc.sim.migration import native_request
@@ -51,6 +54,7 @@ from streamproc.wire import (
 from durable_helpers import Instance, connect, dead_owner_takes, durable_flags, wait_for_finals
 from helpers import wait_until
 from migration_helpers import SimulatedPool, ask_migrate, assert_uninterrupted, emitted_in
+from proxy_helpers import HoldingProxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
@@ -652,6 +656,126 @@ async def test_a_stalled_owner_sends_no_result_from_a_partition_whose_lease_may_
             assert (durable.stats.leases_lost, durable.stats.leases_acquired) == (1, 2), durable.stats
             await pool.publish(role, bodies, 0, start=3)
             results += await stream.collect()
+    assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
+    assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_lease_that_lapsed_as_a_lease_step_began_sends_no_result_while_the_step_waits_on_the_kv(
+        client, nats_url):
+    """A lease that may have run out when a lease step begins (the process stalled past its margin,
+    and the lease loop, not a send or the watchdog, is the first to run again) must be given up
+    before the step's KV writes are awaited: while they take their time (here the member heartbeat
+    is held back by a proxy in front of the real server, a slow JetStream store to the processor),
+    results keep being decided and sent, and the next owner may already have sealed a migrate on
+    what was stored. So no result of the request leaves while the step waits, and once the
+    partition is taken again the request resumes from what is stored: one stream."""
+    fmt = "sglang"
+    truth = make_truth(86, request_id="lapsed-at-step", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    [(role, bodies)] = pool.legs(0)
+    member_heartbeat = f"$KV.{CHUNKS_STREAM}_LEASES.m.".encode()
+    proxy = HoldingProxy(int(nats_url.rsplit(":", 1)[1]), lambda subject: subject.startswith(member_heartbeat))
+    async with proxy.running():
+        settings = config.load({}, {"nats_url": proxy.url, "format": fmt, "mode": "durable", "partitions": 1})
+        async with Processor(settings) as processor:
+            durable = processor.input
+            assert isinstance(durable, DurableInput)
+            sent: list[int] = []  # result seqs as they reach the server, straight from it
+            result_seen = anyio.Event()
+
+            async def on_result(msg) -> None:
+                sent.append(int(msg.headers["Streamproc-Seq"]))
+                result_seen.set()
+
+            sub = await client.subscribe(processor.subjects.result(rid), cb=on_result)
+            await client.flush()
+            async with follow(client, processor.subjects, rid, timeout=30, replay=True) as stream:
+                await pool.publish(role, bodies, 0, stop=2)
+                results = [await stream.__anext__() for _ in range(2)]
+                assert (durable.stats.leases_lost, durable.stats.leases_acquired) == (0, 1)
+                async with durable.partitions._lease_lock:  # the lease loop's next step waits here...
+                    await wait_until(lambda: durable.partitions._lease_lock.statistics().tasks_waiting == 1, 10,
+                                     "the lease loop's next step waiting for the lease lock")
+                    proxy.arm()  # ...its member heartbeat will be slow...
+                    durable.leases.owned[0].valid_until = durable._clock() - 0.01  # ...and the lease lapsed
+                with anyio.fail_after(5):
+                    await proxy.held.wait()  # the step is waiting on the KV
+                before = len(sent)
+                result_seen = anyio.Event()
+                await pool.publish(role, bodies, 0, start=2, stop=3)
+                with anyio.move_on_after(1.0):  # well inside the heartbeat's timeout (lease_ttl / 4)
+                    await result_seen.wait()
+                sent_while_waiting = sent[before:]
+                proxy.release()
+                await pool.publish(role, bodies, 0, start=3)
+                assert sent_while_waiting == [], (
+                    f"results {sent_while_waiting} of a partition whose lease had lapsed were sent while the "
+                    f"lease step waited on the KV")
+                results += await stream.collect()
+            await sub.unsubscribe()
+            assert durable.stats.leases_lost == 1 and durable.stats.leases_acquired == 2, durable.stats
+    assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
+    assert_uninterrupted(fmt, truth, results)
+
+
+async def test_a_lease_a_step_finds_taken_over_sends_no_result_while_the_step_goes_on(client, nats_url):
+    """An operator deleted the lease and another instance took it (a create, the key being free)
+    while this one still counts it valid: its renewal fails (``KeyWrongLastSequenceError``). The
+    partition must be given up from that moment: the step's later KV requests may take their time
+    (here the member count, held back by a proxy in front of the real server), and the other
+    instance may seal a migrate on what was stored meanwhile. So no result of the request leaves
+    while the step goes on, and once the partition is free again and taken back the request
+    resumes from what is stored: one stream."""
+    fmt = "sglang"
+    truth = make_truth(87, request_id="taken-over-at-step", prompt_len=6, output_len=12, chunk_sizes=[2] * 6)
+    rid = truth.request_id
+    pool = SimulatedPool(ChunkPublisher(client, Subjects(), durable=True), fmt, truth, pd=False)
+    [(role, bodies)] = pool.legs(0)
+    bucket = f"{CHUNKS_STREAM}_LEASES"
+    member_count = f"$JS.API.STREAM.INFO.KV_{bucket}".encode()
+    proxy = HoldingProxy(int(nats_url.rsplit(":", 1)[1]), lambda subject: subject == member_count)
+    async with proxy.running():
+        settings = config.load({}, {"nats_url": proxy.url, "format": fmt, "mode": "durable", "partitions": 1,
+                                    "lease_ttl": 3.0})
+        async with Processor(settings) as processor:
+            durable = processor.input
+            assert isinstance(durable, DurableInput)
+            sent: list[int] = []  # result seqs as they reach the server, straight from it
+            result_seen = anyio.Event()
+
+            async def on_result(msg) -> None:
+                sent.append(int(msg.headers["Streamproc-Seq"]))
+                result_seen.set()
+
+            sub = await client.subscribe(processor.subjects.result(rid), cb=on_result)
+            await client.flush()
+            kv = await client.jetstream().key_value(bucket)
+            async with follow(client, processor.subjects, rid, timeout=30, replay=True) as stream:
+                await pool.publish(role, bodies, 0, stop=2)
+                results = [await stream.__anext__() for _ in range(2)]
+                async with durable.partitions._lease_lock:  # the lease loop's next step waits here
+                    await wait_until(lambda: durable.partitions._lease_lock.statistics().tasks_waiting == 1, 10,
+                                     "the lease loop's next step waiting for the lease lock")
+                    await kv.delete(durable.leases.key(0))
+                    await kv.create(durable.leases.key(0), b"another-instance")
+                    proxy.arm()  # the step's member count will be slow
+                with anyio.fail_after(5):
+                    await proxy.held.wait()  # the renewal failed; the step is waiting on the KV
+                before = len(sent)
+                result_seen = anyio.Event()
+                await pool.publish(role, bodies, 0, start=2, stop=3)
+                with anyio.move_on_after(0.5):  # inside the member count's timeout (lease_ttl / 4)
+                    await result_seen.wait()
+                sent_while_waiting = sent[before:]
+                proxy.release()
+                await pool.publish(role, bodies, 0, start=3)
+                assert sent_while_waiting == [], (
+                    f"results {sent_while_waiting} of a partition whose lease another instance holds were sent "
+                    f"while the lease step went on")
+                results += await stream.collect()
+            await sub.unsubscribe()
+            assert durable.stats.leases_lost == 1 and durable.stats.leases_acquired == 2, durable.stats
     assert [r.seq for r in results] == list(range(len(results))) and sum(r.final for r in results) == 1
     assert_uninterrupted(fmt, truth, results)
 

@@ -17,6 +17,11 @@ seconds after their last write (the bucket's max age):
 it). An instance that cannot renew must stop serving a partition at :meth:`expired`, i.e. ``ttl``
 minus a margin after it sent the last successful write, before the server lets anybody else in.
 
+A lease ends only in :meth:`expired` (and :meth:`release`), never inside :meth:`step`: the step
+awaits KV requests, and a partition it dropped there would be served on, unseen by the caller's
+check before results are sent (``Partitions.fence``), until the step returned. A lease the step
+finds taken over is marked lapsed instead, for the next :meth:`expired` to report.
+
 Failover: a killed instance's leases expire at most ``ttl`` after its last renewal, and a survivor
 takes them at its next step, so partitions move within ``ttl * 4/3`` (plus the server's expiry
 timer granularity).
@@ -55,7 +60,7 @@ class Lease(msgspec.Struct):
 class LeaseChange(msgspec.Struct, frozen=True):
     acquired: tuple[int, ...] = ()
     surplus: tuple[int, ...] = ()  # still held, above the fair share: hand over, then release()
-    lost: tuple[int, ...] = ()  # taken by another instance or not renewed in time: already gone
+    # (No "lost": a lease taken by another instance or not renewed in time is reported by expired().)
 
 
 class LeaseTable:
@@ -79,6 +84,9 @@ class LeaseTable:
         self._value = instance.encode()
         self._kv: KeyValue | None = None
         self.owned: dict[int, Lease] = {}
+        # step() found a lease taken over that expired() has not reported yet: a caller that checks
+        # expired() only now and then (the fence of every send) checks at once while this is set.
+        self.taken_over = False
         self.members = 1
         # Instances start their search at different partitions, so simultaneous starters spread out.
         self._offset = fnv1a32(self._value) % partitions
@@ -116,28 +124,38 @@ class LeaseTable:
             raise LeaseBucketMismatch(f"KV_{self.bucket}", differences)
 
     def expired(self, now: float) -> list[int]:
-        """Partitions whose lease may have run out on the server: stop serving them now."""
+        """Partitions whose lease may have run out on the server, or that :meth:`step` found taken
+        over: stop serving them now. The one place a lease is given up, other than :meth:`release`."""
+        self.taken_over = False
         gone = [n for n, lease in self.owned.items() if now >= lease.valid_until]
         for n in gone:
             del self.owned[n]
         return gone
 
     async def step(self) -> LeaseChange:
-        """Renew, recount members, take free partitions up to the fair share, report the surplus."""
+        """Renew, recount members, take free partitions up to the fair share, report the surplus.
+
+        Gives up no lease and renews none that lapsed: call :meth:`expired` before (so what lapsed
+        is not counted in the share) and after (what lapsed, or was found taken over, while the step
+        waited)."""
         assert self._kv is not None
         kv = self._kv
-        lost = self.expired(self._clock())
         try:
             await kv.put(self.member_key, self._value)
         except _UNREACHABLE as exc:
             log_event(log, logging.DEBUG, "member_heartbeat_failed", error=error_text(exc))
         for n, lease in list(self.owned.items()):
             sent = self._clock()
+            if self.owned.get(n) is not lease or sent >= lease.valid_until:
+                continue  # given up by expired() meanwhile, or lapsed: expired()'s to give up, never renewed
             try:
                 lease.revision = await kv.update(self.key(n), self._value, last=lease.revision)
             except KeyWrongLastSequenceError:  # expired and taken over, or deleted by an operator
-                if self.owned.pop(n, None) is not None:  # (not given up meanwhile by expired())
-                    lost.append(n)
+                # Lapsed at once, not dropped here: the next expired() (maybe the fence of the very
+                # next send, while this step still awaits the KV) gives the partition up.
+                lease.valid_until = -math.inf
+                self.taken_over = True
+                log_event(log, logging.WARNING, "lease_taken_over", partition=n, instance=self.instance)
                 continue
             except _UNREACHABLE as exc:
                 log_event(log, logging.DEBUG, "lease_renewal_failed", partition=n, error=error_text(exc))
@@ -148,10 +166,12 @@ class LeaseTable:
         except _UNREACHABLE as exc:
             log_event(log, logging.DEBUG, "member_count_failed", error=error_text(exc))
         share = self.share
-        surplus = tuple(sorted(self.owned)[share:]) if len(self.owned) > share else ()
+        now = self._clock()
+        held = sorted(n for n, lease in self.owned.items() if lease.valid_until > now)  # not the lapsed ones
+        surplus = tuple(held[share:])
         acquired: list[int] = []
         for i in range(self.partitions):
-            if len(self.owned) >= share:
+            if len(held) + len(acquired) >= share:
                 break
             n = (self._offset + i) % self.partitions
             if n in self.owned:
@@ -166,7 +186,7 @@ class LeaseTable:
                 break
             self.owned[n] = Lease(n, revision, sent + self.ttl * (1 - MARGIN))
             acquired.append(n)
-        return LeaseChange(tuple(acquired), surplus, tuple(lost))
+        return LeaseChange(tuple(acquired), surplus)
 
     async def release(self, partition: int) -> None:
         """Give a lease back (after the partition was handed over) so a peer can take it at once."""

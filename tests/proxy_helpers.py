@@ -1,0 +1,111 @@
+"""A TCP proxy in front of a real nats-server that can hold one client publish back: a slow request.
+
+:class:`HoldingProxy` relays a client's connection to the server byte for byte, except that, once
+armed, the next ``PUB``/``HPUB`` whose subject its predicate picks is kept back until the test
+releases it (or ``hold_at_most`` passes); every later frame overtakes it. To the client this is a
+request the server is slow to answer (a JetStream store taking its time): its reply comes when the
+held frame reaches the server. The server's side is relayed untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Callable
+
+import anyio
+from anyio.abc import SocketStream
+
+
+class HoldingProxy:
+    def __init__(self, upstream_port: int, hold: Callable[[bytes], bool], *, hold_at_most: float = 5.0) -> None:
+        self.upstream_port = upstream_port
+        self._hold = hold
+        self.hold_at_most = hold_at_most
+        self.port = 0
+        self._armed = False
+        self.held = anyio.Event()  # set when a frame is being held
+        self._release = anyio.Event()
+        self.held_subject = b""
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def arm(self) -> None:
+        """Hold the next publish the predicate picks."""
+        self._armed = True
+
+    def release(self) -> None:
+        self._release.set()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator["HoldingProxy"]:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with listener:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listener.serve, self._relay, tg)
+                try:
+                    yield self
+                finally:
+                    self._release.set()
+                    tg.cancel_scope.cancel()
+
+    async def _relay(self, client: SocketStream) -> None:
+        async with client, await anyio.connect_tcp("127.0.0.1", self.upstream_port) as server:
+            lock = anyio.Lock()  # one frame at a time towards the server (a held one goes out later)
+
+            async def down() -> None:
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    async for data in server:
+                        await client.send(data)
+                tg.cancel_scope.cancel()
+
+            async def send(frame: bytes) -> None:
+                async with lock:
+                    await server.send(frame)
+
+            async def later(frame: bytes) -> None:
+                with anyio.move_on_after(self.hold_at_most):
+                    await self._release.wait()
+                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await send(frame)
+
+            async def up() -> None:
+                buffer = b""
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    async for data in client:
+                        buffer += data
+                        while True:
+                            frame, subject = _next_frame(buffer)
+                            if frame is None:
+                                break
+                            buffer = buffer[len(frame):]
+                            if self._armed and subject is not None and self._hold(subject):
+                                self._armed = False
+                                self.held_subject = subject
+                                self.held.set()
+                                tg.start_soon(later, frame)
+                            else:
+                                await send(frame)
+                tg.cancel_scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(down)
+                tg.start_soon(up)
+
+
+def _next_frame(buffer: bytes) -> tuple[bytes | None, bytes | None]:
+    """The first complete client protocol frame in ``buffer`` and, for PUB/HPUB, its subject."""
+    end = buffer.find(b"\r\n")
+    if end < 0:
+        return None, None
+    line = buffer[:end]
+    words = line.split()
+    op = words[0].upper() if words else b""
+    if op not in (b"PUB", b"HPUB"):
+        return buffer[:end + 2], None
+    total = end + 2 + int(words[-1]) + 2
+    if len(buffer) < total:
+        return None, None
+    return buffer[:total], words[1]

@@ -1,0 +1,60 @@
+"""LeaseTable against a real nats-server, on a clock the test moves: a lease ends only in expired().
+
+The step awaits KV requests; a lease it dropped itself would be served on, unseen by the fence
+before results are sent (``Partitions.fence``), until it returned. So the step gives up nothing
+and renews no lapsed lease, and what it finds taken over is reported by the next expired().
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from streamproc.nats.leases import MARGIN, LeaseTable
+
+from helpers import connection
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats]
+
+TTL = 6.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def a_table(nc, clock: Clock, instance: str = "me") -> LeaseTable:
+    table = LeaseTable(nc, "TEST_LEASES", 1, instance, TTL, clock=clock)
+    await table.open()
+    return table
+
+
+async def test_a_step_neither_gives_up_nor_renews_a_lease_that_lapsed_expired_reports_it(nats_url):
+    clock = Clock()
+    async with connection(nats_url) as nc:
+        table = await a_table(nc, clock)
+        assert (await table.step()).acquired == (0,)
+        clock.now += TTL * (1 - MARGIN)  # the lease may have run out on the server (it has not: no time passed)
+        change = await table.step()
+        assert change.acquired == () and change.surplus == ()
+        assert 0 in table.owned and table.owned[0].valid_until <= clock.now  # still there, not renewed
+        assert table.expired(clock.now) == [0] and table.owned == {}
+
+
+async def test_a_lease_a_step_finds_taken_over_stays_until_expired_reports_it_at_once(nats_url):
+    clock = Clock()
+    async with connection(nats_url) as nc:
+        table = await a_table(nc, clock)
+        assert (await table.step()).acquired == (0,)
+        kv = await nc.jetstream().key_value("TEST_LEASES")
+        await kv.delete(table.key(0))  # an operator deleted it, and another instance took it
+        await kv.create(table.key(0), b"another-instance")
+        clock.now += 1.0  # well inside the lease's validity
+        change = await table.step()
+        assert change.acquired == () and change.surplus == ()
+        assert 0 in table.owned and table.taken_over  # not dropped inside the step...
+        assert table.expired(clock.now) == [0] and table.owned == {}  # ...but reported by the next expired()
+        assert not table.taken_over
