@@ -10,6 +10,7 @@ from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.outbox import Outbox
 from streamproc.nats.durable_recovery import Recovery
 from streamproc.nats.processor import Processor
+from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 
 from streamproc.wire import Result, Verdict, result_headers
 
@@ -17,6 +18,7 @@ from conftest import processor_subprocess
 from durable_helpers import (chunk_stream_messages, dead_owner_takes, durable_flags, durable_settings, stored_results,
                              wait_for_finals)
 from helpers import wait_until
+from proxy_helpers import HoldingProxy
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -253,6 +255,45 @@ async def test_partitions_released_and_a_stop_with_lookups_in_flight_hand_every_
     assert len(naked) >= snap["recoveries"] + snap["lookups_parked"], (len(naked), snap)  # 420 = 60 + 360
     for text in (caplog.text, b_log):
         assert "Traceback" not in text and "exception" not in text.lower(), text[-3000:]
+
+
+async def test_a_stop_in_the_middle_of_a_partitions_graceful_hand_over_still_naks_what_the_partition_held(
+        client, nats_url, monkeypatch):
+    """A (in-process, through a proxy in front of the real server) owns 2 partitions with 5 s lookups
+    in flight and chunks parked behind them when a second member appears: A hands partition 1 over
+    (graceful), and is stopped while that hand-over waits for the server to drop the partition's
+    pulls (its consumer info, held back by the proxy). Under CPU load a stop came at that point:
+    the stop cancelled the lease loop's hand-over, which had already taken the partition off the
+    owned ones, so the deliveries it held were never NAKed (they came back only after ack_wait).
+    Every delivery A held must be NAKed once."""
+    flags = dict(partitions=2, ack_wait=4.0, lease_ttl=1.5)
+    adopt = Recovery.adopt
+
+    async def slow(self, r, *args, **kwargs):
+        await anyio.sleep(5.0)
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(Recovery, "adopt", slow)
+    naked = record_naks(monkeypatch)
+    forget_pulls = f"$JS.API.CONSUMER.INFO.{CHUNKS_STREAM}.{partition_consumer_name(1)}".encode()
+    proxy = HoldingProxy(int(nats_url.rsplit(":", 1)[1]), lambda subject: subject == forget_pulls)
+    async with proxy.running():
+        settings = durable_settings(proxy.url, **flags)
+        async with Processor(settings) as a:
+            await wait_until(lambda: a.snapshot()["partitions"] == 2, 10, "A owns both partitions")
+            moved, _ = await _moved_requests(client, settings, "mid-hand-over", 20)
+            assert {a.input.scheme.of(rid) for rid in moved} == {0, 1}
+            await wait_until(lambda: a.snapshot()["lookups_parked"] >= 20 * 6, 10, "chunks parked behind lookups")
+            proxy.arm()
+            kv = await client.jetstream().key_value(f"{CHUNKS_STREAM}_LEASES")
+            await kv.put("m.another-instance", b"another-instance")  # a second member: A's share is 1
+            with anyio.fail_after(10):
+                await proxy.held.wait()  # partition 1 handed over up to its pulls being forgotten
+        snap = a.snapshot()
+    twice = [r for r in set(naked) if naked.count(r) > 1]
+    assert not twice, f"{len(twice)} of {len(set(naked))} deliveries NAKed more than once: {twice[:3]}"
+    assert snap["leases_released"] == 1 and snap["resumed"] == 0, snap
+    assert len(naked) == snap["recoveries"] + snap["lookups_parked"] == 20 * 7, (len(naked), snap)
 
 
 async def test_a_migrate_that_comes_during_its_requests_lookup_seals_after_the_chunks_parked_behind_it(

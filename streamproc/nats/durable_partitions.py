@@ -315,6 +315,8 @@ class Partitions:
         self.outbox.nak(part.handback.hold(part.abandon_lookups()))
         if self.owned.get(part.n) is part:  # not a later open of the same partition (taken again)
             del self.owned[part.n]
+            # Until _handed_back: a stop that cancels this hand-over (lose, in the lease loop) sends its NAKs.
+            self._handing_back[part.n] = part
         sub, part.sub = part.sub, None
         if sub is not None and not self.nc.is_closed:
             try:
