@@ -420,7 +420,7 @@ HELP_GROUPS: dict[str, str] = {
 }
 OTHER_GROUP = "other"
 _GROUP_OF = {
-    **dict.fromkeys(["nats_url", "prefix", "connect_timeout", "control_reply_prefix"], "connection"),
+    **dict.fromkeys(["nats_url", "prefix", "connect_timeout", "control_reply_prefix", "inbox_prefix"], "connection"),
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",

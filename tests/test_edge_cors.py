@@ -95,3 +95,19 @@ def test_a_cors_origin_that_is_not_an_exact_origin_is_refused_at_start(run_cli, 
     result = run_cli("edge", "--insecure-demo", "--cors-origin", value, "--print-config")
     assert result.returncode == 2, result
     assert "--cors-origin" in result.stderr and "is not an origin" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("value", ["_INBOX", "_INBOX.streamproc", "_INBOX.streamproc.edgex", "_INBOX.streamproc.edge.*",
+                                   "_INBOX.streamproc.edge.>", "_INBOX.streamproc.edge.a b", "_INBOX.frontend.x"])
+def test_an_inbox_prefix_outside_the_edges_own_is_refused_at_start(run_cli, value):
+    """Only the edge's inboxes and names below them: wildcards or another role's prefix would break the
+    permissions that keep each edge's deliveries its own (docs/security.md)."""
+    result = run_cli("edge", "--insecure-demo", "--inbox-prefix", value, "--print-config")
+    assert result.returncode == 2, result
+    assert "--inbox-prefix" in result.stderr and "is not _INBOX.streamproc.edge" in result.stderr, result.stderr
+
+
+def test_an_inbox_prefix_below_the_edges_own_is_accepted(run_cli):
+    result = run_cli("edge", "--insecure-demo", "--inbox-prefix", "_INBOX.streamproc.edge.eu-1", "--print-config")
+    assert result.returncode == 0, result
+    assert "_INBOX.streamproc.edge.eu-1" in result.stdout, result.stdout

@@ -15,9 +15,13 @@ from typing import Annotated
 
 
 from ..config import ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented
+from ..core import defaults
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
 # An origin as browsers send it (RFC 6454 section 6.1): scheme, host, optional port, nothing else.
+# The edge's own inboxes and the names below them (each edge its own, docs/security.md): NATS tokens
+# without wildcards, so the shipped permissions can give each edge user exactly its subtree.
+_INBOX_PREFIX = re.compile(re.escape(defaults.EDGE_INBOX_PREFIX) + r"(\.[A-Za-z0-9_-]{1,64}){0,4}")
 CORS_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
 
 
@@ -113,6 +117,10 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
     max_head_bytes: Annotated[int, documented(
         "bytes of a request head (request line and headers) before it gets 431 and the connection is "
         "closed; a body does not count", ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
+    inbox_prefix: Annotated[str, documented(
+        "the edge's NATS inbox prefix (its consumers deliver there): _INBOX.streamproc.edge or a name below "
+        "it; give each edge of a deployment its own, and its NATS user only that subscription, so no edge "
+        "reads another's deliveries (docs/security.md)")] = defaults.EDGE_INBOX_PREFIX
     cors_origin: Annotated[str, documented(
         "origins (comma-separated, exact scheme://host[:port]) whose pages may read results through a "
         "visitor's browser (CORS); empty: no Access-Control-* header, closed")] = ""
@@ -131,6 +139,10 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"processor_metrics_url: {url!r} is not an http:// or https:// URL")
 
+        if not _INBOX_PREFIX.fullmatch(self.inbox_prefix):
+            raise ValueError(f"inbox_prefix: {self.inbox_prefix!r} is not {defaults.EDGE_INBOX_PREFIX} or a "
+                             f"name below it ({defaults.EDGE_INBOX_PREFIX}.<token>[.<token>...], tokens of "
+                             "letters, digits, '-' and '_')")
         for origin in self.cors_origins():
             if not CORS_ORIGIN.fullmatch(origin):
                 raise ValueError(f"cors_origin: {origin!r} is not an origin (scheme://host[:port], no path; "

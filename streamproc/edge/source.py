@@ -30,7 +30,6 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ..logs import LogLimiter, error_text, log_event
-from ..core import defaults
 from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
@@ -492,7 +491,9 @@ class ResultSource:
             self.settings,
             name="streamproc-edge",
             reconnect=True,
-            inbox_prefix=defaults.EDGE_INBOX_PREFIX,  # never a migrate's reply (nats/control.py), not the processor's
+            # Never a migrate's reply (nats/control.py), not the processor's; each edge's own when
+            # the deployment gives each its NATS user (--inbox-prefix, docs/security.md).
+            inbox_prefix=self.settings.inbox_prefix,
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
