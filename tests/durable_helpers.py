@@ -216,7 +216,7 @@ SLOW_LOOKUPS = '''\
 # Written by tests/durable_helpers.py: a results stream slow to answer a recovery lookup, in the
 # processor subprocess (its chunk lookups, Recovery.adopt called with current=, sleep first).
 import anyio
-from streamproc.nats import durable_recovery
+from streamproc.nats.durable import recovery as durable_recovery
 
 _adopt = durable_recovery.Recovery.adopt
 

@@ -30,7 +30,7 @@ from streamproc.core.latency import LatencyHistogram
 from streamproc.edge.app import ERROR_STATUS
 from streamproc.edge.metrics import EdgeCollector, EdgeMetrics
 from streamproc.metrics import ProcessorCollector
-from streamproc.nats.durable_input import DurableStats
+from streamproc.nats.durable.input import DurableStats
 from streamproc.nats.input import IOStats
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -252,13 +252,13 @@ async def test_bodies_kept_for_a_possible_migration_are_bounded_across_requests(
 # may pass its RSS before the flood by at most what the durable input lets in: the parked (and queued)
 # chunks, PARKED_BYTES, and what the pulls out may bring, PULL_MAX_BYTES (both shared by the partitions;
 # the pulls' share counts both pulls a partition may have out and the delivery its callback holds while
-# it waits for parked bytes to free; see durable_pulls.py, durable_deliveries.py), plus
+# it waits for parked bytes to free; see nats/durable/pulls.py, deliveries.py), plus
 # LOOKUP_FLOOD_SLACK for what holds a
 # chunk outside both, measured with the two budgets full (lookups 0.5 s slower; the processor sampled
 # every 10 ms: /proc/self/status, glibc's mallinfo2, parked and queued bytes, nats-py's pending bytes,
 # the outbox's tokens, 2026-12-04): decided chunks whose error result waits for its PubAck or whose ack
 # waits to be written, up to 6 MiB (their Msg kept the body; up to 18 MiB with fast lookups, when the
-# budgets are far from full; no longer since durable_input._shed_body drops it); a socket read's copies of a frame (the parser's buffer, its bytes, the
+# budgets are far from full; no longer since durable/input.py _shed_body drops it); a socket read's copies of a frame (the parser's buffer, its bytes, the
 # payload slice: up to 3 x max_payload); glibc's free arena, 2-5 MiB (the growth is live memory: in
 # use 40-44 MiB of arena 45-49 at the peak, nothing mmapped). 6 + 3 + 5 = 14, rounded up to 16 MiB.
 # Seen with lookups 0.5 s slower: +32.9..+38.9 MiB in 32 runs of this test (20 quiet, 12 with two CPU
@@ -283,8 +283,8 @@ async def test_a_flood_of_large_chunks_needing_lookups_stays_within_the_parked_b
     from durable_helpers import slow_lookups_env
     from helpers import peak_rss, status_kib
 
-    from streamproc.nats.durable_deliveries import PARKED_BYTES
-    from streamproc.nats.durable_pulls import PULL_MAX_BYTES
+    from streamproc.nats.durable.deliveries import PARKED_BYTES
+    from streamproc.nats.durable.pulls import PULL_MAX_BYTES
 
     flags = durable_flags(partitions=4, ack_wait=10.0)
     port = free_port()
@@ -354,8 +354,8 @@ async def test_chunks_delivered_while_lookups_hang_stay_within_the_parked_and_pu
     chunks delivered; with pulls of half the share from 29 to 69 in 8 s)."""
     from durable_helpers import slow_lookups_env
 
-    from streamproc.nats.durable_deliveries import PARKED_BYTES
-    from streamproc.nats.durable_pulls import LOST_PULL_AFTER, PULL_MAX_BYTES
+    from streamproc.nats.durable.deliveries import PARKED_BYTES
+    from streamproc.nats.durable.pulls import LOST_PULL_AFTER, PULL_MAX_BYTES
     from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 
     flags = durable_flags(partitions=1, ack_wait=60.0, lease_ttl=30.0)

@@ -20,7 +20,7 @@ import pytest
 from streamproc.sim import traffic
 from streamproc.catalog import worker_for
 from streamproc.sim.embedded import EmbeddedNats, EmbeddedNatsCluster
-from streamproc.nats import durable_partitions
+from streamproc.nats.durable import partitions as durable_partitions
 from streamproc.nats.processor import Processor
 from streamproc.core.reorder import SeqOrder
 from streamproc.nats.streams import RESULTS_STREAM

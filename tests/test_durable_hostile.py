@@ -581,7 +581,7 @@ async def test_chunks_with_a_wildcard_token_are_stored_untransformed_then_swept_
     counting against max_bytes. Now every instance sweeps them (terminated, counted, logged) and the
     requests beside them are answered."""
     from streamproc.client.publisher import ChunkPublisher
-    from streamproc.nats.strays import STRAY_CONSUMER
+    from streamproc.nats.durable.strays import STRAY_CONSUMER
 
     flags = durable_flags(partitions=2)
     with processor_subprocess(nats_url, *flags):
@@ -865,7 +865,7 @@ async def test_the_global_budget_holds_under_concurrent_attackers_beside_legitim
     ~49 MiB of process at rest, the full 96 MiB budget (sampled: 95 MiB buffered), and chunks in flight,
     which the budget does not see. With 16 MiB of pull per partition they were 6.8-38 MiB (delivered,
     waiting in nats-py's subscription queues; 3 runs sampled) and peak RSS 164-202 MiB in 34 runs, 7 of
-    them >= 182 MiB, one failure at 202 MiB; with 16 MiB shared by the partitions (durable_pulls.py) at
+    them >= 182 MiB, one failure at 202 MiB; with 16 MiB shared by the partitions (nats/durable/pulls.py) at
     most 4.9 MiB in flight and 164-176 MiB in 22 runs (2026-12-01, 1, 4 and 8 partitions, load
     average 2-9 from other engineers' runs). The rest (docs/operations.md, "where the rest of the
     peak goes"; 12 runs sampled, VmHWM 162-176 MiB): ~20 MiB of shared libraries, 8.5-27 MiB of free

@@ -8,7 +8,7 @@ import pytest
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.outbox import Outbox
-from streamproc.nats.durable_recovery import Recovery
+from streamproc.nats.durable.recovery import Recovery
 from streamproc.nats.processor import Processor
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 

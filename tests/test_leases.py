@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamproc.nats.leases import MARGIN, LeaseTable
+from streamproc.nats.durable.leases import MARGIN, LeaseTable
 
 from helpers import connection
 

@@ -23,7 +23,7 @@ class Delivery:
 
 @dataclass
 class Shell:
-    """The partition's shell as durable_deliveries.py drives :class:`Lookups`: one callback, deciding its
+    """The partition's shell as nats/durable/deliveries.py drives :class:`Lookups`: one callback, deciding its
     inbox in order; a delivery that needs a lookup while every slot is taken waits in the queue, and
     the callback waits (blocked) only when the queue or the parked bytes are full; lookups end in any
     order, and each end gives the free slot to the oldest queued request."""

@@ -31,9 +31,9 @@ from streamproc.catalog import worker_for
 from streamproc.client.migration import MigrationError, Migrator, Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.core.partitions import PartitionScheme, partition_of
-from streamproc.nats.durable_pulls import REDELIVERY_SLACK
-from streamproc.nats.durable_recovery import Recovery
-from streamproc.nats.durable_input import DurableInput
+from streamproc.nats.durable.pulls import REDELIVERY_SLACK
+from streamproc.nats.durable.recovery import Recovery
+from streamproc.nats.durable.input import DurableInput
 from streamproc.nats.processor import Processor
 from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
 from streamproc.simulation import make_truth

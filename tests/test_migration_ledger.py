@@ -7,7 +7,7 @@ import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
 from streamproc.core.errors import MissingResults
-from streamproc.nats.migrations import MigrationLedger, record_key, request_id_of
+from streamproc.nats.durable.migrations import MigrationLedger, record_key, request_id_of
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.wire import MSG_ID, Result, Sealed, SealRecord, Subjects, Verdict, result_headers
 

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from streamproc.core.events import Result
 from streamproc.core.outbox import Outbox, OutboxConfig
 from streamproc.nats.fast_client import FastClient
-from streamproc.nats.outbox_pump import OutboxPump
+from streamproc.nats.durable.outbox_pump import OutboxPump
 
 
 class BehindWriter:

@@ -3,7 +3,7 @@
 An :class:`Input` reads chunks from NATS, feeds them to the correlator and carries out its
 decisions; the :class:`~streamproc.nats.processor.Processor` only chooses one, starts it, fires
 the correlator's timers through :meth:`Input.dispatch` and answers control requests. Both inputs
-(:class:`~streamproc.nats.core_input.CoreInput`, :class:`~streamproc.nats.durable_input.DurableInput`)
+(:class:`~streamproc.nats.core_input.CoreInput`, :class:`~streamproc.nats.durable.input.DurableInput`)
 implement every member, so the processor never probes for one.
 """
 

@@ -6,7 +6,7 @@ picks an input, fires the correlator's timers and answers control requests
 
 Inputs (:mod:`streamproc.nats.input`) are chosen by ``mode``: ``core`` is
 :class:`~streamproc.nats.core_input.CoreInput`, a plain subscription (at-most-once, nothing to
-acknowledge); ``durable`` is :class:`~streamproc.nats.durable_input.DurableInput`, JetStream pull
+acknowledge); ``durable`` is :class:`~streamproc.nats.durable.input.DurableInput`, JetStream pull
 consumers whose chunks are acknowledged only once the results they contributed to are stored.
 ``auto`` picks durable when the server has JetStream.
 """
@@ -192,7 +192,7 @@ class Processor:
     def _make_input(self, mode: str) -> Input:
         assert self.nc is not None
         if mode == "durable":
-            from .durable_input import DurableInput  # imported when used: core start-up stays lean
+            from .durable.input import DurableInput  # imported when used: core start-up stays lean
 
             return DurableInput(self.nc, self.settings, self.pipeline)
         return CoreInput(self.nc, self.settings, self.pipeline, self.gate)

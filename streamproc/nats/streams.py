@@ -228,7 +228,7 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
     The stream captures ``P.chunks.*.*`` rather than ``P.chunks.>``: a subject of another shape
     has no request id to partition on; a JetStream publish to it fails with "no responders", in
     core mode it is logged as unreadable. One of the right shape with a literal ``*``/``>`` token is
-    captured but stored untransformed: :mod:`streamproc.nats.strays` removes those.
+    captured but stored untransformed: :mod:`streamproc.nats.durable.strays` removes those.
     """
 
     name: str

@@ -3,7 +3,7 @@ status messages the server answers on a partition's inbox.
 
 The credit rules (when to pull, how many messages and bytes, when a pull is lost) are pure, in
 :mod:`streamproc.core.credit`; this is their I/O, for every partition of a
-:class:`~streamproc.nats.durable_input.DurableInput`: the pull request body, published on the
+:class:`~streamproc.nats.durable.input.DurableInput`: the pull request body, published on the
 partition's ``$JS.API.CONSUMER.MSG.NEXT`` subject (with the next write, or from the read loop without
 awaiting), nothing pulled while the partition's results wait past their share of the outbox.
 """
@@ -17,16 +17,16 @@ import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from ..config import Settings
-from ..core.credit import PullCredit, pull_max_bytes, uncut_batch
-from ..core.errors import shown
-from ..core.outbox import Outbox
-from ..core.partitions import PartitionScheme
-from ..logs import LogLimiter, error_text, log_event
+from ...config import Settings
+from ...core.credit import PullCredit, pull_max_bytes, uncut_batch
+from ...core.errors import shown
+from ...core.outbox import Outbox
+from ...core.partitions import PartitionScheme
+from ...logs import LogLimiter, error_text, log_event
 
 if TYPE_CHECKING:
-    from .durable_input import DurableStats
-    from .durable_partitions import Partition
+    from .input import DurableStats
+    from .partitions import Partition
 
 log = logging.getLogger("streamproc.durable")
 

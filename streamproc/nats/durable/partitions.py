@@ -1,9 +1,9 @@
 """The partitions a durable input owns: taken and given up through leases, each read through its
 own subscription and pull consumer, kept alive by a watchdog.
 
-Which instance reads which partition is the lease table's (:mod:`streamproc.nats.leases`); this
+Which instance reads which partition is the lease table's (:mod:`streamproc.nats.durable.leases`); this
 module opens a partition it was granted (its consumer, its inbox subscription with the handlers of
-:mod:`streamproc.nats.durable_deliveries`, its first pull), hands one over when its lease goes, is
+:mod:`streamproc.nats.durable.deliveries`, its first pull), hands one over when its lease goes, is
 released or may have run out (the fence before any result leaves): its subscription drained, its
 pulls forgotten by the server, then its requests' chunks NAKed in stream order
 (:mod:`streamproc.core.handback`). The watchdog re-issues the pulls the server forgot, repairs
@@ -23,26 +23,26 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerInfo
 
-from ..config import Settings
-from ..core.correlator import Correlator
-from ..core.credit import PullCredit
-from ..core.events import Result
-from ..core.handback import HandBack, in_stream_order
-from ..core.lookups import Lookups
-from ..core.outbox import Outbox
-from ..core.partitions import PartitionScheme
-from ..logs import error_text, log_event
-from .durable_pulls import REDELIVERY_SLACK, Pulls
-from .durable_recovery import HANDOVER_TIMEOUT
+from ...config import Settings
+from ...core.correlator import Correlator
+from ...core.credit import PullCredit
+from ...core.events import Result
+from ...core.handback import HandBack, in_stream_order
+from ...core.lookups import Lookups
+from ...core.outbox import Outbox
+from ...core.partitions import PartitionScheme
+from ...logs import error_text, log_event
+from .pulls import REDELIVERY_SLACK, Pulls
+from .recovery import HANDOVER_TIMEOUT
 from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, MigrationLedger
 from .outbox_pump import OutboxPump
-from .subscription import handled_all
-from .streams import ensure_consumer, partition_consumer_config, partition_consumer_name
+from ..subscription import handled_all
+from ..streams import ensure_consumer, partition_consumer_config, partition_consumer_name
 
 if TYPE_CHECKING:
-    from .durable_deliveries import Deliveries, Delivery
-    from .durable_input import DurableStats
+    from .deliveries import Deliveries, Delivery
+    from .input import DurableStats
 
 log = logging.getLogger("streamproc.durable")
 

@@ -2,7 +2,7 @@
 
 A chunk delivery is parsed, counted against its partition's pull credit and decided by the
 correlator (:mod:`streamproc.core.correlator`), or first waits for a recovery lookup
-(:meth:`~streamproc.nats.durable_recovery.Recovery.recover`) when it may continue a request served
+(:meth:`~streamproc.nats.durable.recovery.Recovery.recover`) when it may continue a request served
 elsewhere; the lookups run as tasks, a request's later deliveries parked behind its own
 (:mod:`streamproc.core.lookups`). The common chunk is decided in nats-py's read loop
 (``on_message_inline``, :meth:`~streamproc.nats.fast_client.FastClient.deliver_inline`); whatever
@@ -20,22 +20,22 @@ import anyio
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from ..config import Settings
-from ..core.codec import ErrorKind
-from ..core.errors import shown
-from ..core.events import Chunk, Decision
-from ..core.lookups import Lookups
-from ..core.outbox import Outbox, delivery_count, needs_lookup
-from ..core.wire import ContractError
-from ..logs import error_text, log_event
-from .durable_pulls import Pulls
-from .durable_recovery import Recovery
-from .input import Pipeline
+from ...config import Settings
+from ...core.codec import ErrorKind
+from ...core.errors import shown
+from ...core.events import Chunk, Decision
+from ...core.lookups import Lookups
+from ...core.outbox import Outbox, delivery_count, needs_lookup
+from ...core.wire import ContractError
+from ...logs import error_text, log_event
+from .pulls import Pulls
+from .recovery import Recovery
+from ..input import Pipeline
 from .outbox_pump import OutboxPump
 
 if TYPE_CHECKING:
-    from .durable_input import DurableStats
-    from .durable_partitions import Partition
+    from .input import DurableStats
+    from .partitions import Partition
 
 log = logging.getLogger("streamproc.durable")
 

@@ -39,11 +39,11 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from ..core.errors import MigrationBucketMismatch, MissingResults, UnreadableRecord
-from ..core.events import SealRecord
-from ..core.outbox import resume_point
-from ..core.wire import decode_seal_record, encode_seal_record
-from ..logs import error_text, log_event
+from ...core.errors import MigrationBucketMismatch, MissingResults, UnreadableRecord
+from ...core.events import SealRecord
+from ...core.outbox import resume_point
+from ...core.wire import decode_seal_record, encode_seal_record
+from ...logs import error_text, log_event
 
 log = logging.getLogger("streamproc.durable")
 

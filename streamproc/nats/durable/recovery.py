@@ -5,7 +5,7 @@ A chunk of a request this instance does not know may continue one served elsewhe
 hand-over, a migrate): :meth:`Recovery.recover` reads the request's last stored result and its seal
 record (:meth:`Recovery.adopt`) and resumes it there. :meth:`Recovery.migrate` answers a migrate in
 durable mode: adopt, read back stored bodies, seal, wait until stored, record the seal with
-compare-and-set (:mod:`streamproc.nats.migrations`), or answer ``unavailable`` and forget the
+compare-and-set (:mod:`streamproc.nats.durable.migrations`), or answer ``unavailable`` and forget the
 request here, so the retry starts from the stores. The decisions are the correlator's
 (:mod:`streamproc.core.correlator`, ``resume_point`` in :mod:`streamproc.core.outbox`).
 """
@@ -20,19 +20,19 @@ import anyio
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
-from ..config import Settings
-from ..core.correlator import Correlator, is_retry
-from ..core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
-from ..core.outbox import resume_point
-from ..core.partitions import PartitionScheme
-from ..logs import LogLimiter, error_text, log_event
-from .durable_pulls import REDELIVERY_SLACK
+from ...config import Settings
+from ...core.correlator import Correlator, is_retry
+from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
+from ...core.outbox import resume_point
+from ...core.partitions import PartitionScheme
+from ...logs import LogLimiter, error_text, log_event
+from .pulls import REDELIVERY_SLACK
 from .migrations import UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
 
 if TYPE_CHECKING:
-    from .durable_input import DurableStats
-    from .durable_partitions import Partition
+    from .input import DurableStats
+    from .partitions import Partition
 
 log = logging.getLogger("streamproc.durable")
 
@@ -51,7 +51,7 @@ class Recovery:
     """Requests taken over from the stores: recovery lookups of chunks, and migrates.
 
     ``ledger``, ``chunks_stream`` and ``results_stream`` are set once the input has opened them
-    (:meth:`~streamproc.nats.durable_input.DurableInput.start`)."""
+    (:meth:`~streamproc.nats.durable.input.DurableInput.start`)."""
 
     def __init__(self, nc: NatsClient, settings: Settings, scheme: PartitionScheme, correlator: Correlator,
                  publisher: OutboxPump, stats: DurableStats, clock: Callable[[], float], limited: LogLimiter, *,
@@ -141,7 +141,7 @@ class Recovery:
 
     async def migrate(self, rid: str, request: MigrateRequest,
                       seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
-        """A migrate in durable mode: the seal outlives this instance (:mod:`streamproc.nats.migrations`).
+        """A migrate in durable mode: the seal outlives this instance (:mod:`streamproc.nats.durable.migrations`).
 
         Read the seal record (a retry of the migrate that wrote it gets the same reply); adopt the
         request from the stores if this instance does not hold it (it moved here); read back the

@@ -21,12 +21,12 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from ..core.events import Decision, Notice
-from ..core.outbox import (ACK, BATCH_REFUSED, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing,
+from ...core.events import Decision, Notice
+from ...core.outbox import (ACK, BATCH_REFUSED, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing,
                            in_turn)
-from ..core.wire import result_block, result_headers
-from ..logs import LogLimiter, error_text, log_event
-from .fast_client import encode_header_block
+from ...core.wire import result_block, result_headers
+from ...logs import LogLimiter, error_text, log_event
+from ..fast_client import encode_header_block
 
 log = logging.getLogger("streamproc.durable")
 

@@ -32,8 +32,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import ConsumerConfig
 
-from ..logs import LogLimiter, error_text, log_event
-from .streams import ensure_consumer, partition_consumer_config
+from ...logs import LogLimiter, error_text, log_event
+from ..streams import ensure_consumer, partition_consumer_config
 
 log = logging.getLogger("streamproc.durable")
 

@@ -25,13 +25,13 @@ credit in :mod:`streamproc.core.credit`. Their I/O is the shell's ``durable_*`` 
 concept each, which this one wires together (streams, stores, task group, start and stop, joins
 run off the loop):
 
-- :mod:`streamproc.nats.durable_partitions`: the partitions this instance owns, taken and given
-  up through leases (:mod:`streamproc.nats.leases`), hand-over, the fence, the watchdog;
-- :mod:`streamproc.nats.durable_pulls`: each partition's pull requests and status messages;
-- :mod:`streamproc.nats.durable_deliveries`: a partition's message handlers, where every delivery
+- :mod:`streamproc.nats.durable.partitions`: the partitions this instance owns, taken and given
+  up through leases (:mod:`streamproc.nats.durable.leases`), hand-over, the fence, the watchdog;
+- :mod:`streamproc.nats.durable.pulls`: each partition's pull requests and status messages;
+- :mod:`streamproc.nats.durable.deliveries`: a partition's message handlers, where every delivery
   is decided, recovery lookups run as tasks, poison chunks end their request;
-- :mod:`streamproc.nats.durable_recovery`: requests adopted from the stores, and migrates;
-- :mod:`streamproc.nats.outbox_pump`: results and acks moved.
+- :mod:`streamproc.nats.durable.recovery`: requests adopted from the stores, and migrates;
+- :mod:`streamproc.nats.durable.outbox_pump`: results and acks moved.
 """
 
 from __future__ import annotations
@@ -49,23 +49,23 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 from nats.js.api import StorageType, StreamConfig
 
-from ..config import Settings
-from ..core.codec import ErrorKind
-from ..core.correlator import Work
-from ..core.events import Decision, MigrateReply, MigrateRequest
-from ..core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats
-from ..core.partitions import PartitionScheme
-from ..logs import error_text, log_event
-from .input import Pipeline, join_cpu_clock, run_join
-from .durable_deliveries import Deliveries
-from .durable_partitions import Partitions
-from .durable_pulls import Pulls
-from .durable_recovery import Recovery
+from ...config import Settings
+from ...core.codec import ErrorKind
+from ...core.correlator import Work
+from ...core.events import Decision, MigrateReply, MigrateRequest
+from ...core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats
+from ...core.partitions import PartitionScheme
+from ...logs import error_text, log_event
+from ..input import Pipeline, join_cpu_clock, run_join
+from .deliveries import Deliveries
+from .partitions import Partitions
+from .pulls import Pulls
+from .recovery import Recovery
 from .leases import LeaseTable
 from .migrations import MigrationLedger
 from .outbox_pump import OutboxPump
 from .strays import StraySweeper, stray_consumer_config
-from .streams import (
+from ..streams import (
     CHUNKS_STREAM,
     RESULTS_STREAM,
     ChunkStreamSpec,
@@ -371,5 +371,5 @@ class DurableInput:
 
     async def migrate(self, rid: str, request: MigrateRequest,
                       seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
-        """A migrate in durable mode: :meth:`.durable_recovery.Recovery.migrate`."""
+        """A migrate in durable mode: :meth:`.recovery.Recovery.migrate`."""
         return await self.recovery.migrate(rid, request, seal)

@@ -41,10 +41,10 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
-from ..core.partitions import fnv1a32
-from ..core.errors import LeaseBucketMismatch
-from ..logs import error_text, log_event
-from .streams import _close
+from ...core.partitions import fnv1a32
+from ...core.errors import LeaseBucketMismatch
+from ...logs import error_text, log_event
+from ..streams import _close
 
 log = logging.getLogger("streamproc.leases")
 
