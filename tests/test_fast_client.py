@@ -716,3 +716,121 @@ async def test_flush_queued_writes_the_sub_before_the_ping_on_any_client(client_
         finally:
             await nc.close()
     assert wire == [b"SUB", b"PING"], wire
+
+
+async def _pong_on_ping(nc: FastClient) -> None:
+    """``nc`` answers each message on ``ping`` inline with its payload's first 8 bytes on ``pong``
+    (small answers: reads pause after their writes)."""
+    def handler(subject: str, reply: str, headers, data: bytes) -> bool:
+        nc.enqueue("pong", data[:8])
+        return True
+
+    sub = await nc.subscribe("ping")
+    nc.deliver_inline(sub, handler)
+    await nc.flush()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_a_write_due_when_a_read_ends_leaves_in_that_reads_loop_pass(client, fast_client):
+    """A reply enqueued by an inline handler, when the write gap has passed, is written at the end of
+    the read that made it, not from a timer due at once (one more loop pass per write at light load)."""
+    nc = fast_client
+    nc.flush_interval = 0.3
+    got, _ = await _arrivals(client, "pong")
+    seen: list[tuple[int, bool]] = []
+
+    def handler(subject: str, reply: str, headers, data: bytes) -> bool:
+        loop = asyncio.get_running_loop()
+        if nc._last_write + nc.write_gap() > loop.time():
+            return False  # a write of nc's own came within the gap (a PONG to the server's PING): not this case
+        nc.enqueue("pong", data)
+        # Runs in the next loop pass, ahead of any timer that falls due in it.
+        loop.call_soon(lambda: seen.append((nc._pending_data_size, nc._write_timer is None)))
+        return True
+
+    sub = await nc.subscribe("ping")
+    nc.deliver_inline(sub, handler)
+    await nc.flush()
+    await asyncio.sleep(2.5)  # past nats-server's first PING to a new client (2 s; our PONG is a write too)
+    for n in range(3):
+        await asyncio.sleep(0.4)  # a quiet spell: each reply is due at once
+        await client.publish("ping", b"%d" % n)
+        await client.flush()
+        await asyncio.sleep(0.1)
+    assert len(seen) >= 2
+    assert seen == [(0, True)] * len(seen)  # written before the next loop pass; no timer left
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_what_arrives_while_reads_pause_is_read_and_answered_when_the_pause_ends_without_resuming_reads(
+        client, fast_client):
+    """The resume timer reads what arrived during the pause itself; when that read's answer pauses
+    reads again, the transport is never resumed in between (no epoll_ctl pair, no loop pass for the
+    read and another for its write). Once a pause ends with nothing to read, reads resume."""
+    nc = fast_client
+    nc.flush_interval = 0.5
+    nc.pause_reads = True
+    await _pong_on_ping(nc)
+    transport = nc._transport._io_writer.transport
+    resumes: list[float] = []
+    resume = transport.resume_reading
+
+    def counting_resume() -> None:
+        resumes.append(asyncio.get_running_loop().time())
+        resume()
+
+    transport.resume_reading = counting_resume
+    got: list[tuple[bytes, int]] = []
+
+    async def on_pong(msg) -> None:  # each pong brings the next ping, which arrives while reads pause
+        got.append((msg.data, len(resumes)))
+        if len(got) < 5:
+            await client.publish("ping", b"%d" % len(got))
+
+    await client.subscribe("pong", cb=on_pong)
+    await client.flush()
+    await asyncio.sleep(0.6)
+    await client.publish("ping", b"0")
+    await client.flush()
+    await _until(lambda: len(got) >= 5)
+    assert [d for d, _ in got] == [b"0", b"1", b"2", b"3", b"4"]
+    assert [r for _, r in got] == [0] * 5  # every ping read by the resume timer, reads never resumed
+    await _until(lambda: resumes)  # the pause after the last pong found nothing: reads resume
+    await asyncio.sleep(0.6)
+    sent = asyncio.get_running_loop().time()
+    await client.publish("ping", b"5")
+    await client.flush()
+    await _until(lambda: len(got) >= 6)
+    assert got[5][0] == b"5" and asyncio.get_running_loop().time() - sent < 0.4  # read and answered at once
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_more_than_a_read_arriving_during_a_pause_is_all_answered_in_order_a_read_or_two_per_pause(
+        client, fast_client):
+    """Over three reads' worth (64 KiB each) arrives during a pause, and the answers are small (reads
+    pause after each of their writes): what the resume timer's read leaves in the socket is read at
+    the next pauses' ends, nothing waits longer. (Before the timer read, the loop took one or two
+    reads per pause here too: a small write pauses reads whatever the socket holds.)"""
+    nc = fast_client
+    nc.flush_interval = 0.5
+    nc.pause_reads = True
+    await _pong_on_ping(nc)
+    got, _ = await _arrivals(client, "pong")
+    await asyncio.sleep(0.6)
+    await client.publish("ping", b"first")  # answered at once; reads pause for 0.5 s
+    await client.flush()
+    await _until(lambda: len(got) >= 1)
+    big = [b"%d" % n + b"x" * 30_000 for n in range(8)]  # 240 KB during the pause
+    for data in big:
+        await client.publish("ping", data)
+    await client.flush()
+    await _until(lambda: len(got) >= 9)
+    assert [d for d, _ in got] == [b"first", *(b[:8] for b in big)]
+    times = [t for _, t in got[1:]]
+    assert max(times) - min(times) < 2.25  # 240 KB: at most four reads, a gap (0.5 s) apart

@@ -72,9 +72,11 @@ class EagerReads(BufferedReads):
                 and not parser.buf and parser.state == AWAITING_CONTROL_LINE and parser is nc._ps
                 and not nc.is_closed and not nc.is_reconnecting):
             try:
+                nc._in_read = True  # a write due meanwhile leaves at the read's end (FastClient._write_soon)
                 try:
                     data = parser.parse_now(data, self.report)
                 finally:
+                    nc._in_read = False
                     nc.end_handover()  # every frame handed over so far (the edge writes their SSE frames)
             except Exception as exc:  # noqa: BLE001 - the read loop's to handle, as from parse
                 reader.set_exception(exc)  # (raised here, asyncio would close the socket under nats-py)

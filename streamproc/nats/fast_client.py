@@ -452,6 +452,8 @@ class FastClient(RobustClient):
         done = self.read_done
         if done is not None:
             done()
+        if self._write_timer is _AT_READ_END:
+            self._write_now()
 
     def _accept(self, sub: Any, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None,
                 hdr: dict[str, str] | None) -> Any:
@@ -634,11 +636,25 @@ class FastClient(RobustClient):
     _write_timer: asyncio.TimerHandle | None = None
 
     def _write_soon(self) -> None:
-        """Write ``_pending`` at the next allowed time (``_last_write + write_gap()``)."""
+        """Write ``_pending`` at the next allowed time (``_last_write + write_gap()``); at light load
+        (the gap is the whole interval), when that time has come and an eager read is being handed
+        over, at that read's end (:meth:`end_handover`)."""
         if self._write_timer is None:
             loop = asyncio.get_running_loop()
-            self._write_timer = loop.call_at(max(loop.time(), self._last_write + self.write_gap()),
-                                             self._write_now)
+            now = loop.time()
+            gap = self.write_gap()
+            due = self._last_write + gap
+            if due <= now and self._in_read and gap >= self.flush_interval:
+                # A timer due now would cost the loop one more pass (a zero-timeout epoll_wait, a
+                # timer handle) to write what the read's end can write at the same instant. Not with
+                # a shortened gap (commands come fast): the timer's pass may take further reads along.
+                self._write_timer = _AT_READ_END
+                return
+            self._write_timer = loop.call_at(due if due > now else now, self._write_now)
+
+    # True while an eager read's frames are handed over (EagerReads.data_received, which calls
+    # end_handover when they are): a write that is due then leaves at the read's end, not from a timer.
+    _in_read = False
 
     # Set by the durable outbox pump (OutboxPump.stage_writes): called at each timer write before
     # the pending commands are written, so what it hands over leaves in this write; True when it
@@ -725,6 +741,17 @@ class FastClient(RobustClient):
         transport = getattr(getattr(self._transport, "_io_writer", None), "transport", None)
         try:
             if transport is not None and not transport.is_closing():
+                eager = self.eager
+                read = getattr(transport, "_read_ready", None) if eager is not None and eager.active else None
+                if read is not None and not self.urgent:
+                    # Read what arrived during the pause now, in this timer's loop pass, as the loop
+                    # would after the resume (asyncio's _SelectorSocketTransport._read_ready: one
+                    # recv_into; nothing there raises nothing). A read whose write paused reads again
+                    # leaves the transport paused: no epoll_ctl pair and no loop pass for the read,
+                    # another for its write (docs/benchmarks.md, "Durable CPU at light load").
+                    read()
+                    if self._resume_timer is not None or transport.is_closing():
+                        return
                 transport.resume_reading()
         except Exception:  # noqa: BLE001
             pass
@@ -790,6 +817,18 @@ class FastClient(RobustClient):
             await self._flush_pending(force_flush=True)
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
+
+
+class _AtReadEnd:
+    """``FastClient._write_timer`` while a due write waits for the end of the read being handed over."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        pass
+
+
+_AT_READ_END: Any = _AtReadEnd()
 
 
 def adaptive_gap(interval: float, commands: float, seconds: float, target: int) -> float:
