@@ -660,6 +660,21 @@ async def test_a_stalled_owner_sends_no_result_from_a_partition_whose_lease_may_
     assert_uninterrupted(fmt, truth, results)
 
 
+async def _sent_while_the_step_waits(proxy, sent: list[int], publish, window: float) -> list[int]:
+    """Once ``proxy`` holds the lease step's KV request: the result seqs that reach the server within
+    ``window`` seconds of ``publish()`` (the request's next chunk); then the step may go on."""
+    with anyio.fail_after(5):
+        await proxy.held.wait()
+    before = len(sent)
+    await publish()
+    with anyio.move_on_after(window):
+        while len(sent) == before:
+            await anyio.sleep(0.01)
+    seen = sent[before:]
+    proxy.release()
+    return seen
+
+
 async def test_a_lease_that_lapsed_as_a_lease_step_began_sends_no_result_while_the_step_waits_on_the_kv(
         client, nats_url):
     """A lease that may have run out when a lease step begins (the process stalled past its margin,
@@ -682,11 +697,9 @@ async def test_a_lease_that_lapsed_as_a_lease_step_began_sends_no_result_while_t
             durable = processor.input
             assert isinstance(durable, DurableInput)
             sent: list[int] = []  # result seqs as they reach the server, straight from it
-            result_seen = anyio.Event()
 
             async def on_result(msg) -> None:
                 sent.append(int(msg.headers["Streamproc-Seq"]))
-                result_seen.set()
 
             sub = await client.subscribe(processor.subjects.result(rid), cb=on_result)
             await client.flush()
@@ -699,15 +712,9 @@ async def test_a_lease_that_lapsed_as_a_lease_step_began_sends_no_result_while_t
                                      "the lease loop's next step waiting for the lease lock")
                     proxy.arm()  # ...its member heartbeat will be slow...
                     durable.leases.owned[0].valid_until = durable._clock() - 0.01  # ...and the lease lapsed
-                with anyio.fail_after(5):
-                    await proxy.held.wait()  # the step is waiting on the KV
-                before = len(sent)
-                result_seen = anyio.Event()
-                await pool.publish(role, bodies, 0, start=2, stop=3)
-                with anyio.move_on_after(1.0):  # well inside the heartbeat's timeout (lease_ttl / 4)
-                    await result_seen.wait()
-                sent_while_waiting = sent[before:]
-                proxy.release()
+                # The step is waiting on the KV; 1 s is well inside the heartbeat's timeout (lease_ttl / 4).
+                sent_while_waiting = await _sent_while_the_step_waits(
+                    proxy, sent, lambda: pool.publish(role, bodies, 0, start=2, stop=3), window=1.0)
                 await pool.publish(role, bodies, 0, start=3)
                 assert sent_while_waiting == [], (
                     f"results {sent_while_waiting} of a partition whose lease had lapsed were sent while the "
@@ -742,11 +749,9 @@ async def test_a_lease_a_step_finds_taken_over_sends_no_result_while_the_step_go
             durable = processor.input
             assert isinstance(durable, DurableInput)
             sent: list[int] = []  # result seqs as they reach the server, straight from it
-            result_seen = anyio.Event()
 
             async def on_result(msg) -> None:
                 sent.append(int(msg.headers["Streamproc-Seq"]))
-                result_seen.set()
 
             sub = await client.subscribe(processor.subjects.result(rid), cb=on_result)
             await client.flush()
@@ -760,15 +765,10 @@ async def test_a_lease_a_step_finds_taken_over_sends_no_result_while_the_step_go
                     await kv.delete(durable.leases.key(0))
                     await kv.create(durable.leases.key(0), b"another-instance")
                     proxy.arm()  # the step's member count will be slow
-                with anyio.fail_after(5):
-                    await proxy.held.wait()  # the renewal failed; the step is waiting on the KV
-                before = len(sent)
-                result_seen = anyio.Event()
-                await pool.publish(role, bodies, 0, start=2, stop=3)
-                with anyio.move_on_after(0.5):  # inside the member count's timeout (lease_ttl / 4)
-                    await result_seen.wait()
-                sent_while_waiting = sent[before:]
-                proxy.release()
+                # The renewal failed; the step is waiting on the KV; 0.5 s is inside the member count's
+                # timeout (lease_ttl / 4).
+                sent_while_waiting = await _sent_while_the_step_waits(
+                    proxy, sent, lambda: pool.publish(role, bodies, 0, start=2, stop=3), window=0.5)
                 await pool.publish(role, bodies, 0, start=3)
                 assert sent_while_waiting == [], (
                     f"results {sent_while_waiting} of a partition whose lease another instance holds were sent "
