@@ -956,15 +956,16 @@ class Correlator:
             return []
         return self._drain(req, now)
 
-    def _hand_out(self, req: _Request, job: Callable[[], tuple[bytes, Verdict]] | None,
-                  decodes: int | None) -> list[Decision]:
-        """Run ``job`` (this chunk's join, stitch or both) off the loop: a :class:`Work` now, or the
-        request queued for its turn (one Work at a time, round robin) if another is running."""
+    def _hand_out(self, req: _Request, job: Callable[[], tuple[bytes, Verdict]],
+                  decodes: int | None, reserved: int = 0) -> list[Decision]:
+        """Run ``job`` (this chunk's join, stitch or both) off the loop: a :class:`Work` now, holding
+        ``reserved`` bytes of the budget (:meth:`_reserve`), or the request queued for its turn (one
+        Work at a time, round robin) if another is running."""
         if self._working is not None:
             self._queued[req.request_id] = req
             return []
-        assert job is not None
         req.work = self._working = Work(req.request_id, job, decodes)
+        req.work.reserved = reserved
         return [req.work]
 
     def _drain(self, req: _Request, now: float) -> list[Decision]:
@@ -1015,8 +1016,8 @@ class Correlator:
                         req.waiting_since = None
                         req.join_timed = True
                     if self.offload_joins and (needs or req.attempt):
-                        if self._working is not None:
-                            out.extend(self._hand_out(req, None, None))  # queued for its turn
+                        if self._working is not None:  # queued for its turn, reserved when it comes
+                            self._queued[req.request_id] = req
                             return out
                         # What the join will decode is charged before it leaves (_reserve), so the
                         # chunks that arrive while it runs cannot fill the room it decodes into.
@@ -1027,11 +1028,10 @@ class Correlator:
                         # the same job, and is always charged (its decodes are not the session's).
                         if req.attempt:
                             job = functools.partial(_stitched, req.migration, session.join, chunk.body, final)
-                            out.extend(self._hand_out(req, job, None))
+                            out.extend(self._hand_out(req, job, None, reserved))
                         else:
                             job = functools.partial(session.join, chunk.body, final)
-                            out.extend(self._hand_out(req, job, session.decodes))
-                        req.work.reserved = reserved  # type: ignore[union-attr]
+                            out.extend(self._hand_out(req, job, session.decodes, reserved))
                         return out
                     session.decode_budget = self.config.max_total_bytes - self.charged_bytes + req.decoded
                     clock = self.join_clock

@@ -168,11 +168,11 @@ class DurableInput:
                              shed=_shed_body)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish),
-                                    limited=pipeline.limited,
-                                    fence=lambda: self.partitions.fence())  # the partitions need the pump
+                                    limited=pipeline.limited)
         self.pulls = Pulls(nc, settings, self.scheme, self.outbox, self.stats, clock, pipeline.limited)
         self.partitions = Partitions(nc, settings, self.scheme, self.correlator, self.outbox, self.publisher,
                                      self.pulls, self.stats, clock, self.instance, tasks=lambda: self._tasks)
+        self.publisher.fence = self.partitions.fence  # before any result is sent (the partitions need the pump)
         self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
         # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
         # share decompression contexts, which are not thread safe); the loop keeps serving the rest.

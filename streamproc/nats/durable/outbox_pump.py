@@ -73,9 +73,10 @@ class OutboxPump:
         """``publish``: ``nc.publish`` unless tracing wraps it (``Pipeline.publisher``); ``limited``: the
         pipeline's log limiter (a results stream that refuses everything gives up every result);
         ``fence``: called before any result is sent, to drop what may no longer be sent from here
-        (the durable input's partitions whose lease may have run out)."""
+        (the durable input's partitions whose lease may have run out); may be set later (``fence``
+        attribute), by whoever the pump must exist for first."""
         self._nc = nc
-        self._fence = fence
+        self.fence = fence
         self._publish = publish or nc.publish
         # Acks, NAKs and in-progress acks wait for the next write (FastClient.publish_deferred).
         self._control = getattr(nc, "publish_deferred", None) or nc.publish
@@ -168,8 +169,8 @@ class OutboxPump:
         """Send what is ready: results first (their order per request is already fixed), then acks."""
         if self._enqueue is not None and self.pump_nowait():
             return
-        if self._fence is not None:
-            self._fence()
+        if self.fence is not None:
+            self.fence()
         publish = self._publish
         for o, subject, reply in self._results_due():
             r = o.result
@@ -234,8 +235,8 @@ class OutboxPump:
         """The sending of :meth:`pump_nowait`, for a caller that checked the backlog itself
         (``budget``: result body bytes at most, the first result always)."""
         enqueue = self._enqueue
-        if self._fence is not None:
-            self._fence()
+        if self.fence is not None:
+            self.fence()
         for o, subject, reply in self._results_due(budget):
             r = o.result
             try:
