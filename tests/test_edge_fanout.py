@@ -18,7 +18,7 @@ from helpers import rid
 from nats.js.api import StreamConfig
 
 from streamproc.core.wire import ResultInfo
-from streamproc.edge.source import Lost, Overrun
+from streamproc.edge.source import Ended, Lost, Overrun
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -242,11 +242,15 @@ async def test_a_results_stream_created_after_start_up_is_read_with_a_consumer_p
             await client.jetstream().delete_stream("FANLATE")
 
 
-async def test_a_late_reader_that_falls_behind_its_history_is_overrun_and_its_consumer_stopped(nats_url, client):
-    """The temporary consumer of a late attach has the stream's bound too: a reader that stops
-    while its history pours in is ended with an overrun (nats-py's SlowConsumerError), and the
-    consumer goes, instead of recreating itself after every dropped message. (With a bound of a
-    few socket reads, one read's burst alone overruns it, as it did a consumer per stream.)"""
+async def test_a_late_reader_that_falls_behind_its_history_is_paused_within_its_bound_and_still_gets_all_of_it(
+        nats_url, client):
+    """The temporary consumer of a late attach pushes the history as fast as nats-server sends it,
+    whatever the reader's pace (its flow-control window grows to 32 MiB). A reader that stops while
+    its history pours in (or just reads slower than NATS: a fresh-clone CI run saw an HTTP client
+    reading at full speed overrun a 4 MiB bound on a 48 MiB history) used to lose its stream with an
+    overrun. Now the replay pauses at the bound: its consumer is stopped, what was queued before
+    the dropped result is handed out, and a new consumer goes on from there; memory stays within
+    the bound, and no consumer is left behind."""
     bound = 1024 * 1024
     async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
         js = client.jetstream()
@@ -262,14 +266,46 @@ async def test_a_late_reader_that_falls_behind_its_history_is_overrun_and_its_co
         feed = await source.open(request_id)
         assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the probe's, then the consumer's first
         await asyncio.sleep(1.0)  # the reader stops; the rest is pushed at the edge
+        assert feed.replay is not None and feed.replay.pauses == 1  # stopped at the bound, not ended
+        assert feed.replay.sub is not None and feed.replay.sub._sub._pending_size < bound
         seqs, item = [0, 1], await feed.next(5.0)
-        while isinstance(item, ResultInfo):  # what was queued before the bound was hit
+        while isinstance(item, ResultInfo):
+            seqs.append(item.seq)
+            await asyncio.sleep(0.002)  # a reader slower than NATS: pauses again, loses nothing
+            item = await feed.next(5.0)
+        assert isinstance(item, Ended), item
+        assert seqs == list(range(64))
+        assert source.metrics.streams_overrun == 0
+        assert 1 <= source.metrics.replay_pauses < 16, source.metrics.replay_pauses  # a pause per bound's worth at most
+        await feed.close()
+        async with asyncio.timeout(10):
+            while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:
+                await asyncio.sleep(0.1)
+
+
+async def test_a_stored_history_of_results_each_larger_than_the_bound_is_still_read_result_by_result(
+        nats_url, client):
+    """A result larger than --stream-buffer-bytes by itself is dropped by nats-py from any consumer,
+    even into an empty queue: a pause must still move the reader on (the result after a pause
+    comes by subject), or it would make a consumer per attempt, forever."""
+    bound = 64 * 1024
+    async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
+        js = client.jetstream()
+        consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count
+        request_id = rid("huge")
+        body = b'{"text":"' + b"x" * (100 * 1024) + b'"}'
+        for seq in range(5):
+            await publish_result(client, STORED, request_id, seq, body, final=seq == 4)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen >= 5)
+        feed = await source.open(request_id)
+        seqs, item = [], await feed.next(5.0)
+        while isinstance(item, ResultInfo):
             seqs.append(item.seq)
             item = await feed.next(5.0)
-        assert isinstance(item, Overrun), item
-        assert seqs == list(range(len(seqs))) and len(seqs) < 64
-        assert source.metrics.streams_overrun == 1
-        assert source.metrics.recent_dropped == 0  # the drop was the stream's, not taken for the ring's
+        assert isinstance(item, Ended), item
+        assert seqs == [0, 1, 2, 3, 4] and source.metrics.streams_overrun == 0
+        assert 1 <= source.metrics.replay_pauses <= 4, source.metrics.replay_pauses
         await feed.close()
         async with asyncio.timeout(10):
             while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:

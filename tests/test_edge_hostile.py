@@ -140,3 +140,40 @@ async def test_ids_with_vt_or_ff_get_400_and_such_result_subjects_never_cost_the
         assert "event=disconnected" not in log and "ProtocolError" not in log, log[-3000:]
         assert edge.proc.poll() is None
         assert peak_rss(edge.proc.pid) < 150 * MiB
+
+
+@pytest.mark.timeout(180)
+async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_within_its_buffer(nats_server):
+    """A fresh-clone CI run (2026-12-04) saw an HTTP client reading a 48 MiB stored history at full
+    speed lose its stream to an `overloaded` error with a 4 MiB --stream-buffer-bytes: the late
+    attach's consumer pushed faster than the client read. A client slower than NATS (here, one that
+    sleeps after each read) now gets every result in order, the edge pausing the replay at its
+    buffer instead; its memory stays within a few buffers."""
+    subjects = Subjects("slowhistory")
+    request_id = rid("slow-history")
+    body = b'{"text":"' + b"x" * (128 * 1024 - 12) + b'"}'
+    results = 96  # 12 MiB stored
+    buffer = 1 * MiB
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--stream-buffer-bytes", str(buffer)) as edge:
+        async with connection(nats_server.url) as nc:
+            for seq in range(results):
+                await publish_result(nc, subjects, request_id, seq, body, final=seq == results - 1)
+                if seq % 8 == 7:
+                    await nc.flush()
+            await nc.flush()
+        await anyio.sleep(1.0)
+        baseline = peak_rss(edge.proc.pid)
+        received = bytearray()
+        async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
+                client.stream("GET", f"/v1/results/{request_id}") as response:
+            assert response.status_code == 200
+            async for chunk in response.aiter_raw(64 * 1024):
+                received += chunk
+                await anyio.sleep(0.01)  # ~6 MiB/s at most: slower than the stream delivers
+        growth = peak_rss(edge.proc.pid) - baseline
+        metrics = edge.metrics()
+    assert bytes(received) == expected_sse([body] * results), bytes(received[-300:])
+    assert metrics["streamproc_edge_streams_overrun_total"] == 0
+    assert metrics["streamproc_edge_replay_pauses_total"] >= 1  # it did come faster than it was read
+    assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"

@@ -9,7 +9,7 @@ The slow-reader rounds run in core mode and in JetStream mode (a results stream,
 
 RSS returns within 20 MiB of its baseline after the readers leave: what kept it up was the
 results nats-py still queued for the unsubscribed slow streams, alive in reference cycles until a
-full GC (source.drop_pending frees them at unsubscribe).
+full GC (pending.drop frees them at unsubscribe).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ threshold"): result bodies at least that large get their own mapping, returned t
 the moment the body is freed.
 
 This is not what kept RSS up after slow readers left (883 MiB in issue 11): that was results
-still queued in unsubscribed, unreachable nats-py subscriptions (``source.drop_pending``). With
+still queued in unsubscribed, unreachable nats-py subscriptions (``pending.drop``). With
 that fixed, the three rounds of slow readers of tests/test_edge_memory.py measured RSS +5.6 MiB over
 baseline with neither of these, +1.0 MiB with both (one run each, core mode).
 """

@@ -98,3 +98,23 @@ def _forget(queue: asyncio.Queue, getter: asyncio.Future) -> None:
     getters = queue._getters
     if getters and getter in getters:
         getters.remove(getter)
+
+
+def drop(sub) -> None:
+    """Free the results nats-py still queues for a subscription we stopped, at once.
+
+    ``Subscription.unsubscribe`` (nats/aio/subscription.py) leaves the undelivered messages in
+    ``_pending_queue``, and a Subscription is in a reference cycle with its
+    ``_SubscriptionMessageIterator`` (``sub._message_iterator._sub is sub``; a JetStream
+    PushSubscription also with its ``_JSI``), so they lived until the cyclic GC's next full
+    collection: up to ``--stream-buffer-bytes`` per slow stream that had left. Measured with
+    tests/test_edge_memory.py: RSS 111 MiB after three rounds against a 59 MiB baseline, the
+    garbage being 256 queued ``Msg`` (16 MiB of bodies) in 19 unreachable Subscriptions."""
+    core = sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
+    queue = getattr(core, "_pending_queue", None)
+    if queue is None:  # a nats-py without it: the GC frees the messages, later
+        return
+    while not queue.empty():
+        queue.get_nowait()
+        queue.task_done()  # Subscription._drain joins this queue
+    core._pending_size = 0

@@ -19,6 +19,18 @@ temporary ordered consumer of its subject from there, as every open did before (
 already, so a later one is past it), and unsubscribing it. (The consumer is made only once a
 result is known to be left: made first and asked for its pending count, it pushed the history
 while that answer was on its way, and a reader of a long history overran its bound before reading.)
+
+The consumer pushes as fast as nats-server sends, whatever the reader's pace, and its flow control
+does not hold it to the stream's bound (nats-server ``consumer.processFlowControl`` doubles the window
+at every answer, up to ``JsFlowControlMaxPending`` = 32 MiB). So a reader slower than the stream, a
+real client on a slow link as much as one that pauses, filled the subscription's pending bound
+(``--stream-buffer-bytes``) and lost its stream (a fresh-clone CI run saw a full-speed reader of a
+48 MiB history overrun a 4 MiB bound). Instead, when nats-py drops a message of the temporary
+consumer (``SlowConsumerError``, :meth:`Replay.overflowed`), the replay *pauses*: it unsubscribes at
+once (no more of the history is taken in), keeps what was queued before the dropped message, hands
+that out, and then goes on from the next stored result with a new consumer, as after the probe.
+Memory stays within the bound; the reader gets every result in order; each pause costs one
+``STREAM.MSG.GET`` and one consumer per bound's worth of results the reader took.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from typing import Callable
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
 
@@ -87,14 +100,18 @@ class Replay:
         self.timeout = timeout
         self.consumer_options = consumer_options or {}  # pending limits, inactive threshold
         # watch(sub, True) once the consumer exists, watch(sub, False) when it is gone: the source
-        # ends the feed when nats-py drops one of its messages (SlowConsumerError), as for a feed's
-        # own consumer, rather than let the ordered consumer recreate itself message after message.
+        # calls overflowed() when nats-py drops one of its messages (SlowConsumerError).
         self.watch = watch
         self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
         self.next_seq = 1
         self.read = 0  # messages replayed (tests)
         self.sub = None  # the temporary ordered consumer, after a probe found a stored result
         self.done = upto < 1
+        # Paused after a drop: the stream sequence of the first message nats-py dropped (what is
+        # queued from there on is not handed out: there may be a hole after it), else None.
+        self.cut: int | None = None
+        self.pauses = 0  # times the reader fell the bound behind and the consumer was stopped (tests)
+        self.paused = False  # a pause ended: the next stored result comes by subject (see next)
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
@@ -113,6 +130,15 @@ class Replay:
             message = await self._get(self.next_seq)
             if message is None:
                 return None
+            if self.paused:
+                # After a pause this one is handed out as it came, so that every pause moves the
+                # reader on by a result at least, even one larger than the bound by itself (nats-py
+                # drops it from any consumer: a consumer per attempt, forever, otherwise).
+                self.paused = False
+                self.next_seq = message.seq + 1
+                self.read += 1
+                self.done = message.seq >= self.upto
+                return _parts(message)
             self.sub = await self.nc.jetstream().subscribe(
                 self.subject, stream=self.stream, ordered_consumer=True,
                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=message.seq),
@@ -120,15 +146,19 @@ class Replay:
             if self.watch is not None:
                 self.watch(self.sub, True)
         sub = self.sub
-        msg = pending.take(sub)  # Subscription.next_msg without its tasks per message (pending.py)
-        if msg is None:
+        while True:
+            msg = pending.take(sub)  # Subscription.next_msg without its tasks per message (pending.py)
+            if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
+                # Paused, and what was queued before the drop is read: on from the next stored result.
+                await self._stop_consumer()
+                return await self.next()
+            if msg is not None:
+                break
             woken = await pending.wait(sub, self.timeout)
             if self.sub is not sub:  # closed meanwhile (the feed ended): nothing more from here
                 return None
-            if not woken:
+            if not woken and self.cut is None:
                 raise nats.errors.TimeoutError
-            msg = pending.take(sub)
-            assert msg is not None
         reply = pending.flow_control_due(sub)
         if reply is not None:
             await self.nc.publish(reply)
@@ -137,6 +167,7 @@ class Replay:
             await self._finish()
             return None
         self.read += 1
+        self.next_seq = meta.sequence.stream + 1
         if meta.sequence.stream >= self.upto or meta.num_pending == 0:
             await self._finish()  # this one is the last stored up to upto
         return msg.subject, msg.headers, msg.data
@@ -170,6 +201,43 @@ class Replay:
             return None
         return message
 
+    async def overflowed(self, reply: str | None) -> None:
+        """nats-py dropped a message of the temporary consumer (``SlowConsumerError``; ``reply`` is
+        its ``$JS.ACK`` subject): the reader is the bound behind. Pause: take nothing more in, keep
+        what was queued before that message for :meth:`next`, which then goes on with a new
+        consumer. (nats-py's ordered consumer counts a dropped message as delivered, so going on
+        with this consumer would skip it.)"""
+        sub = self.sub
+        if sub is None:
+            return
+        try:
+            dropped = Msg.Metadata._get_metadata_fields(reply or "")
+            seq = int(dropped[5])  # the stream sequence, as nats-py's _process_msg reads it
+        except (ValueError, IndexError, TypeError):
+            seq = self.next_seq  # unreadable: hand out nothing queued past what was read
+        if self.cut is not None:
+            self.cut = min(self.cut, seq)
+            return
+        self.cut = seq
+        self.pauses += 1
+        core = sub._sub
+        # Unsubscribed now, inside nats-py's read loop: the messages the server still sends for it
+        # are ignored (no subscription), and those queued stay queued (Subscription.unsubscribe
+        # leaves ``_pending_queue`` as it is).
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await sub.unsubscribe()
+        for getter in list(core._pending_queue._getters):  # a reader waiting for more: look again
+            if not getter.done():
+                getter.set_result(None)
+
+    async def _stop_consumer(self) -> None:
+        """End a pause: the consumer and what is queued past the cut go; the next :meth:`next`
+        asks for the next stored result by subject and makes a new consumer from there."""
+        await self.close()
+        self.cut = None
+        self.done = False
+        self.paused = True
+
     async def _finish(self) -> None:
         self.done = True
         await self.close()
@@ -185,3 +253,4 @@ class Replay:
                     getter.set_result(None)
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
+            pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now

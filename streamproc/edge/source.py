@@ -318,7 +318,7 @@ class ResultFeed:
         except (nats.errors.Error, OSError) as exc:  # connection gone: the server forgot it anyway
             log_event(log, logging.DEBUG, "unsubscribe_failed", request_id=self.request_id, error=error_text(exc))
         finally:
-            drop_pending(sub)
+            pending.drop(sub)
 
 
 def jetstream_hint(exc: BaseException) -> str:
@@ -331,26 +331,6 @@ def jetstream_hint(exc: BaseException) -> str:
                 "edge's account); enable it, or start the edge without --ensure-results-stream (it then "
                 "serves live results only)")
     return "the server's answer above says why"
-
-
-def drop_pending(sub) -> None:
-    """Free the results nats-py still queues for a subscription we stopped, at once.
-
-    ``Subscription.unsubscribe`` (nats/aio/subscription.py) leaves the undelivered messages in
-    ``_pending_queue``, and a Subscription is in a reference cycle with its
-    ``_SubscriptionMessageIterator`` (``sub._message_iterator._sub is sub``; a JetStream
-    PushSubscription also with its ``_JSI``), so they lived until the cyclic GC's next full
-    collection: up to ``--stream-buffer-bytes`` per slow stream that had left. Measured with
-    tests/test_edge_memory.py: RSS 111 MiB after three rounds against a 59 MiB baseline, the
-    garbage being 256 queued ``Msg`` (16 MiB of bodies) in 19 unreachable Subscriptions."""
-    core = core_subscription(sub)
-    queue = getattr(core, "_pending_queue", None)
-    if queue is None:  # a nats-py without it: the GC frees the messages, later
-        return
-    while not queue.empty():
-        queue.get_nowait()
-        queue.task_done()  # Subscription._drain joins this queue
-    core._pending_size = 0
 
 
 def wake(sub) -> None:
@@ -431,6 +411,8 @@ class ResultSource:
         self._closing = False
         # nats-py subscription -> its feed, to end the feed whose client fell behind (SlowConsumerError)
         self._feeds: dict[int, ResultFeed] = {}
+        # a late attach's temporary consumer -> its feed, to pause that replay instead (replay.py)
+        self._replays: dict[int, ResultFeed] = {}
         # Lines any client or results publisher can cause at will (per request or per result) are
         # rate limited per event name, as in the processor; flushed every interval so the suppressed
         # counts are reported when a flood stops.
@@ -758,7 +740,7 @@ class ResultSource:
             wake(old)  # a next() waiting on the old consumer waits for the new one
             with contextlib.suppress(nats.errors.Error, OSError):
                 await old.unsubscribe()
-            drop_pending(old)
+            pending.drop(old)
         return len(feeds)
 
     def _jetstream_feeds(self) -> list[ResultFeed]:
@@ -805,7 +787,7 @@ class ResultSource:
                 stop_inline(core_subscription(previous))
             with contextlib.suppress(nats.errors.Error, OSError):
                 await previous.unsubscribe()
-            drop_pending(previous)
+            pending.drop(previous)
 
     async def stop(self) -> None:
         if self._flush_task is not None:
@@ -882,11 +864,11 @@ class ResultSource:
         if stream is not None:
             # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
             # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
-            def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError ends it (_on_error)
+            def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
                 if live:
-                    self._feeds[id(core_subscription(sub))] = feed
+                    self._replays[id(core_subscription(sub))] = feed
                 else:
-                    self._feeds.pop(id(core_subscription(sub)), None)
+                    self._replays.pop(id(core_subscription(sub)), None)
 
             feed.replay = Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                                  REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch,
@@ -985,7 +967,7 @@ class ResultSource:
         if feed.closed:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
-            drop_pending(sub)
+            pending.drop(sub)
             return
         feed._sub = sub
         self._feeds[id(core_subscription(sub))] = feed
@@ -1000,6 +982,14 @@ class ResultSource:
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
+            replaying = self._replays.get(id(exc.sub))
+            if replaying is not None:  # a history read faster than its client takes it: paused (replay.py)
+                replay = replaying.replay
+                if replay is not None:
+                    pauses = replay.pauses
+                    await replay.overflowed(exc.reply)
+                    self.metrics.replay_pauses += replay.pauses - pauses
+                return
             feed = self._feeds.get(id(exc.sub))
             if feed is not None:
                 if not feed.overrun:
