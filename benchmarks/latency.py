@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import bisect
 import concurrent.futures
+import contextlib
 import gc
 import json
 import os
@@ -345,6 +346,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def voluntary_switches(pid: int) -> int:
+    """Voluntary context switches of a process (Linux /proc): about one per wake-up of an event loop
+    that sleeps in epoll_wait between reads (docs/benchmarks.md, results per NATS read)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
 def edge_flags() -> list[str]:
     """``--insecure-demo`` (no capabilities: the SSE client is one address), and per-client stream
     limits above the benchmark's open streams, or every wave past 32 streams would get 429."""
@@ -530,6 +543,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
         await asyncio.sleep(0.05)
         subject = f"{mode.prefix}.chunks.%s.agg"
         cpu0 = [cpu_seconds(p.pid) for p in mode.procs]
+        switches0 = voluntary_switches(mode.procs[mode.names.index(target)].pid)
         started = time.perf_counter()
         n = 0
         for w in range(waves):
@@ -554,6 +568,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
         for client in clients:
             await asyncio.wait_for(client.wait(), 180)
         cpu = [cpu_seconds(p.pid) - c for p, c in zip(mode.procs, cpu0)]
+        switches = voluntary_switches(mode.procs[mode.names.index(target)].pid) - switches0
         data: dict = {"arrivals": [], "opened": [], "errors": []}
         for out in outs:
             for key, value in json.loads(out.read_text()).items():
@@ -587,7 +602,8 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
             "missing_sse": n - len(sse), "open_ms": percentiles([x * 1e3 for x in data["opened"]]),
             # CPU per chunk over the run (stream opens and their teardown included)
             "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6,
-            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[mode.names.index(target)] / n * 1e6}
+            "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[mode.names.index(target)] / n * 1e6,
+            "server_switches_per_event": switches / max(1, len(sse))}
 
 
 def show(mode: str, run: dict) -> None:
@@ -601,7 +617,8 @@ def show(mode: str, run: dict) -> None:
         if name == "sse":
             print(f"   +{p['p50'] - h['floor']['p50']:.2f} / +{p['p99'] - h['floor']['p99']:.2f} ms over floor; "
                   f"open p50 {run['open_ms']['p50']:.1f} ms; SSE {run['sse_rate']:,.0f} ev/s; cpu us/chunk "
-                  f"processor {run['processor_cpu_us']:.0f} edge {run['edge_cpu_us']:.0f}"
+                  f"processor {run['processor_cpu_us']:.0f} edge {run['edge_cpu_us']:.0f}; "
+                  f"{run['target']} wake-ups/event {run.get('server_switches_per_event', float('nan')):.3f}"
                   + (f"; {run['missing_sse']} missing" if run["missing_sse"] else ""))
         else:
             print()
@@ -636,19 +653,23 @@ async def versus_relay(mode: Mode, args, tmp: Path) -> dict:
             paced = await one_run(mode, f"{tag}r", waves, args.streams, args.chunks, RATE, tmp, target)
             figures[target] = {"peak_rate": peak["sse_rate"], "cpu_us": paced["server_cpu_us"],
                                "open_p50": paced["open_ms"]["p50"], "sse_p99": paced["hops"]["sse"]["p99"],
+                               "sse_p50": paced["hops"]["sse"]["p50"], "result_p50": paced["hops"]["result"]["p50"],
+                               "switches": paced["server_switches_per_event"],
                                "socket_p99": paced["hops"]["socket"]["p99"],
                                "result_socket_p99": paced["hops"]["result_socket"]["p99"],
                                "result_p99": paced["hops"]["result"]["p99"]}
         rounds.append(figures)
     out: dict = {"rounds": rounds, "median": {}}
-    for key, label, unit, _ in VERSUS + (("result_p99", "result p99 @2k/s", "ms", False),):
+    extra = (("switches", "wake-ups/event @2k/s", "", False),  # voluntary context switches per SSE event
+             ("sse_p50", "SSE p50 @2k/s", "ms", False), ("result_p99", "result p99 @2k/s", "ms", False))
+    for key, label, unit, _ in VERSUS + extra:
         ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", "relay"))
         ratio = median([f["edge"][key] / f["relay"][key] for f in rounds if f["relay"][key]])
         out["median"][key] = {"edge": ours, "relay": base, "ratio": ratio}
         print(f"{mode.mode:8}  vs relay  {label:22}{ours:10,.2f}{base:10,.2f}  x{ratio:.3f}  {unit}")
     for other in targets[2:]:  # the baseline tree's edge, the raw asyncio server: the same comparison
         out[other] = {}
-        for key, label, unit, _ in VERSUS + (("result_p99", "result p99 @2k/s", "ms", False),):
+        for key, label, unit, _ in VERSUS + extra:
             ours, base = (median([f[t][key] for f in rounds]) for t in ("edge", other))
             ratio = median([f["edge"][key] / f[other][key] for f in rounds if f[other][key]])
             out[other][key] = {"edge": ours, other: base, "ratio": ratio}
