@@ -112,6 +112,8 @@ class Replay:
         self.cut: int | None = None
         self.pauses = 0  # times the reader fell the bound behind and the consumer was stopped (tests)
         self.paused = False  # a pause ended: the next stored result comes by subject (see next)
+        self.by_subject = False  # a consumer handed out nothing before its pause: no more consumers
+        self.taken = 0  # results handed out by the current consumer
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
@@ -130,10 +132,12 @@ class Replay:
             message = await self._get(self.next_seq)
             if message is None:
                 return None
-            if self.paused:
+            if self.paused or self.by_subject:
                 # After a pause this one is handed out as it came, so that every pause moves the
                 # reader on by a result at least, even one larger than the bound by itself (nats-py
-                # drops it from any consumer: a consumer per attempt, forever, otherwise).
+                # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer
+                # that was paused before it handed out anything had such a result first: the rest
+                # of this history is read by subject, a request per result, no consumer per result.
                 self.paused = False
                 self.next_seq = message.seq + 1
                 self.read += 1
@@ -143,6 +147,7 @@ class Replay:
                 self.subject, stream=self.stream, ordered_consumer=True,
                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=message.seq),
                 **self.consumer_options)
+            self.taken = 0
             if self.watch is not None:
                 self.watch(self.sub, True)
         sub = self.sub
@@ -167,6 +172,7 @@ class Replay:
             await self._finish()
             return None
         self.read += 1
+        self.taken += 1
         self.next_seq = meta.sequence.stream + 1
         if meta.sequence.stream >= self.upto or meta.num_pending == 0:
             await self._finish()  # this one is the last stored up to upto
@@ -237,6 +243,7 @@ class Replay:
         self.cut = None
         self.done = False
         self.paused = True
+        self.by_subject = self.by_subject or self.taken == 0
 
     async def _finish(self) -> None:
         self.done = True
