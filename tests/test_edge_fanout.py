@@ -315,6 +315,34 @@ async def test_a_stored_history_of_results_each_larger_than_the_bound_is_still_r
                 await asyncio.sleep(0.1)
 
 
+async def test_late_attaches_past_max_replay_consumers_read_their_history_by_subject_and_lose_nothing(
+        nats_url, client):
+    """Each late attach made a consumer for its stored history, so clients (up to --max-streams of
+    them) could make one edge use up the results stream's consumers, which the processors' migrate
+    history and the other edges' rings need. Past --max-replay-consumers a history is read by
+    subject instead: slower, complete, in order, no consumer."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True, max_replay_consumers=1) as source:
+        js = client.jetstream()
+        consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count
+        ids = [rid("holder"), rid("by-subject")]
+        for request_id in ids:
+            for seq in range(20):
+                await publish_result(client, STORED, request_id, seq, b'{"n":%d}' % seq, final=seq == 19)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen >= 40)
+        holder = await source.open(ids[0])
+        assert [r.seq for r in await read(holder, 3)] == [0, 1, 2]  # its consumer is made; it stops reading
+        assert (await js.stream_info(source.fanout.stream)).state.consumer_count == consumers + 1
+        other = await source.open(ids[1])
+        assert [r.seq for r in await read(other, 20)] == list(range(20))
+        assert isinstance(await other.next(1.0), Ended)
+        assert source.metrics.replay_reads_by_subject == 19  # all but the probe's
+        assert (await js.stream_info(source.fanout.stream)).state.consumer_count == consumers + 1
+        assert [r.seq for r in await read(holder, 17)] == list(range(3, 20))
+        await holder.close()
+        await other.close()
+
+
 async def test_opens_build_no_jetstream_context_each(nats_url, client, monkeypatch):
     """``nc.jetstream()`` built a ``JetStreamContext`` (a parser, an Event, a Semaphore) for every open,
     core and JetStream alike; the source makes one per connection (ResultSource.jetstream)."""

@@ -91,7 +91,7 @@ class Replay:
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[[object, bool], None] | None = None,
-                 access: MsgGetAccess | None = None) -> None:
+                 access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -103,6 +103,8 @@ class Replay:
         # calls overflowed() when nats-py drops one of its messages (SlowConsumerError).
         self.watch = watch
         self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
+        # False while the edge holds --max-replay-consumers consumers: the next result comes by subject
+        self.may_subscribe = may_subscribe
         self.next_seq = 1
         self.read = 0  # messages replayed (tests)
         self.sub = None  # the temporary ordered consumer, after a probe found a stored result
@@ -132,12 +134,13 @@ class Replay:
             message = await self._get(self.next_seq)
             if message is None:
                 return None
-            if self.paused or self.by_subject:
+            if self.paused or self.by_subject or (self.may_subscribe is not None and not self.may_subscribe()):
                 # After a pause this one is handed out as it came, so that every pause moves the
                 # reader on by a result at least, even one larger than the bound by itself (nats-py
                 # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer
                 # that was paused before it handed out anything had such a result first: the rest
                 # of this history is read by subject, a request per result, no consumer per result.
+                # So is the next result while the edge holds its --max-replay-consumers.
                 self.paused = False
                 self.next_seq = message.seq + 1
                 self.read += 1

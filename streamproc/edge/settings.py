@@ -94,6 +94,11 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         "seconds a result stream may wait for its first result before it is ended with a timeout error "
         "(frees the slots of clients waiting on ids nobody answers; later results have --result-timeout)",
         gt=0, le=7 * 86_400)] = 120.0
+    max_replay_consumers: Annotated[int, documented(
+        "temporary JetStream consumers the edge may hold at once for late attaches reading a stored "
+        "history; past it a history is read by subject, one STREAM.MSG.GET per result (slower, no "
+        "consumer), so no client load makes one edge use up the results stream's consumers", ge=0,
+        le=100_000)] = 128
     write_timeout: Annotated[float, documented(
         "seconds one write to a client may block (a client that stopped reading) before its stream is "
         "closed", gt=0, le=3600)] = 30.0

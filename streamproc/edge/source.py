@@ -872,7 +872,7 @@ class ResultSource:
 
             feed.replay = Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                                  REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch,
-                                 self.msg_get)
+                                 self.msg_get, self._may_replay_with_consumer)
             self.metrics.jetstream_replays += 1
             return feed
         if not self.nc.is_connected:
@@ -979,6 +979,14 @@ class ResultSource:
         sub = feed._sub
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
+
+    def _may_replay_with_consumer(self) -> bool:
+        """A late attach may make a consumer for its history (below --max-replay-consumers); else it
+        reads the next stored result by subject (replay.py), and the edge counts it."""
+        if len(self._replays) < self.settings.max_replay_consumers:
+            return True
+        self.metrics.replay_reads_by_subject += 1
+        return False
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
