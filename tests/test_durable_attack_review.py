@@ -9,7 +9,8 @@ from __future__ import annotations
 import anyio
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced, stored_results
+from durable_helpers import (chunk_stream_messages, connect, durable_flags, publish_paced, slow_lookups_env,
+                             stored_results)
 from helpers import free_port, raw_hpub, raw_protocol, rid, scrape, wait_until
 
 from streamproc.core.wire import Subjects, chunk_headers
@@ -158,47 +159,87 @@ async def test_results_queued_behind_a_request_s_puback_are_bounded_in_memory(na
             await nc.close()
 
 
-async def test_chunks_that_each_need_a_recovery_lookup_do_not_hold_a_partition_back_for_long(nats_url):
+async def _flood_then_victim(nc, js, prefix: str, flood: int, *, lookups: bool) -> float:
+    """Seconds from the first of ``flood`` chunks on fresh ids (each one needing a recovery lookup
+    with ``lookups``: ``Streamproc-Attempt: 1``) to the result of a request sent right after them."""
+    victim = rid(f"{prefix}-victim")
+    answered = anyio.Event()
+
+    async def on_result(msg) -> None:
+        answered.set()
+
+    sub = await nc.subscribe(SUBJECTS.result(victim), cb=on_result)  # (the result as it is published)
+    await nc.flush()
+    started = anyio.current_time()
+    for i in range(flood):
+        attacker = f"{prefix}-{i}"
+        headers = chunk_headers(attacker, "agg", 0, final=True)
+        if lookups:
+            headers["Streamproc-Attempt"] = "1"
+        await nc.publish(SUBJECTS.chunk(attacker, "agg"), b"{}", headers=headers)
+        if i % 500 == 499:
+            await nc.flush()
+    await js.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"v"}',
+                     headers=chunk_headers(victim, "agg", 0, final=True))
+    with anyio.fail_after(60):
+        await answered.wait()
+    waited = anyio.current_time() - started
+    await sub.unsubscribe()
+    return waited
+
+
+# test_chunks_that_each_need_a_recovery_lookup_do_not_hold_a_partition_back_for_long: LOOKUP_FLOOD chunks that
+# each need a recovery lookup, each lookup SLOWER_LOOKUP slower (slow_lookups_env: a sleep, no CPU). The
+# victim behind them is decided once all but the LOOKUPS_QUEUED (+1) that may wait for a slot have
+# looked up: one at a time, that is at least (LOOKUP_FLOOD - LOOKUPS_QUEUED - 1) * SLOWER_LOOKUP, 19.7 s,
+# whatever the machine's load. The bound is half of it plus PLAIN_CHUNK_FACTOR times what LOOKUP_FLOOD
+# chunks that need no lookup took in the same run (the chunks' CPU, which grows with the load).
+LOOKUP_FLOOD = 1500
+SLOWER_LOOKUP = 0.02
+PLAIN_CHUNK_FACTOR = 10
+
+
+async def test_chunks_that_each_need_a_recovery_lookup_do_not_hold_a_partition_back_for_long(nats_url, tmp_path):
     """A chunk of a request this instance does not know that is not a first delivery of seq 0 (a later
-    seq, a prefill leg, any ``Streamproc-Attempt`` above 0) is decided only after a recovery lookup,
-    one at a time per partition. Each lookup waited for the durable connection's coalesced write
-    (``--flush-interval``) and then for reads to resume: ~5.5 ms each on the 2-vCPU machine. 5,000
-    such chunks (``Streamproc-Attempt: 1`` on fresh ids, a microsecond each to publish) held the
-    partition's next request back 27.5 s, against 0.23 s behind 5,000 plain chunks. Lookups now
-    write at once and read at once (``FastClient.urgent_writes``): 3.9 s. Still one at a time, 3,000
-    such chunks held it back 1.74-1.96 s on the quiet 2-vCPU machine (3 runs), 2.36-3.05 s loaded with
-    three CPU hogs and other test runs (8 runs, load average 6-8); with up to 32 lookups of different
-    requests at once per partition, 0.68-0.79 s quiet (3 runs), 1.24-1.85 s under that load (12 runs):
-    what is left is the processor's CPU per lookup, while the partition waits for room."""
+    seq, a prefill leg, any ``Streamproc-Attempt`` above 0) is decided only after a recovery lookup.
+    Each lookup waited for the durable connection's coalesced write (``--flush-interval``) and then for
+    reads to resume: ~5.5 ms each on the 2-vCPU machine. 5,000 such chunks (``Streamproc-Attempt: 1``
+    on fresh ids, a microsecond each to publish) held the partition's next request back 27.5 s, against
+    0.23 s behind 5,000 plain chunks. Lookups now write at once and read at once
+    (``FastClient.urgent_writes``): 3.9 s. Still one at a time per partition, 3,000 such chunks held it
+    back 1.74-1.96 s on the quiet 2-vCPU machine; with up to 32 lookups of different requests at once
+    per partition (``LOOKUPS_IN_FLIGHT``), 0.68-0.79 s: what is left is the processor's CPU per lookup.
+
+    With lookups as fast as a local server answers the two differ by 2x at most (both mostly CPU):
+    the absolute bound this test had (1.5 s behind 3,000) failed with two CPU hogs beside it, and a
+    bound relative to as many plain chunks could not tell them apart under load (with two hogs, one
+    at a time 5.8-18.8x the plain chunks' time, 32 at once 8.5-11.3x). So each lookup is made
+    ``SLOWER_LOOKUP`` slower (a results stream slow to answer; a sleep, no CPU): one at a time, the
+    victim waits for the sum of all but the queued lookups, which no load shortens (22.4-22.6 s quiet,
+    27.0-27.3 s with two hogs, against a bound of 10.8-16.5 s); 32 at once, for their CPU, measured
+    against ``LOOKUP_FLOOD`` plain chunks in the same run (0.96-0.99 s quiet, 1.1-3.3 s with two hogs
+    and other test runs, load average 8)."""
+    from streamproc.nats.durable.deliveries import LOOKUPS_QUEUED
+
+    assert LOOKUP_FLOOD > 2 * (LOOKUPS_QUEUED + 1), "the flood must outgrow the lookup queue"
     flags = durable_flags(partitions=1, ack_wait=10.0)
-    with processor_subprocess(nats_url, *flags) as (proc, log_path):
+    env = slow_lookups_env(tmp_path, SLOWER_LOOKUP)
+    with processor_subprocess(nats_url, *flags, env=env) as (proc, log_path):
         nc = await connect(nats_url)
         try:
             js = nc.jetstream()
-            flood = 3000
-            for i in range(flood):
-                attacker = f"lookup-{i}"
-                headers = chunk_headers(attacker, "agg", 0, final=True)
-                headers["Streamproc-Attempt"] = "1"
-                await nc.publish(SUBJECTS.chunk(attacker, "agg"), b"{}", headers=headers)
-                if i % 500 == 499:
-                    await nc.flush()
-            await nc.flush()
-            victim = rid("victim")
-            started = anyio.current_time()
-            await js.publish(SUBJECTS.chunk(victim, "agg"), b'{"text":"v"}',
-                             headers=chunk_headers(victim, "agg", 0, final=True))
-
-            async def answered() -> bool:
-                info = await js.stream_info("STREAMPROC_RESULTS", subjects_filter=SUBJECTS.result(victim))
-                return bool(info.state.subjects)
-
-            await wait_until(answered, 60, "the victim answered", every=0.05)
-            waited = anyio.current_time() - started
-            assert waited < 1.5, f"the victim waited {waited:.2f} s behind {flood} chunks that each needed a lookup"
+            flood = LOOKUP_FLOOD
+            plain = await _flood_then_victim(nc, js, "plain", flood, lookups=False)
+            waited = await _flood_then_victim(nc, js, "lookup", flood, lookups=True)
+            one_at_a_time = (flood - LOOKUPS_QUEUED - 1) * SLOWER_LOOKUP
+            bound = one_at_a_time / 2 + PLAIN_CHUNK_FACTOR * plain
+            assert waited < bound, (f"the victim waited {waited:.2f} s behind {flood} chunks that each needed a "
+                                    f"lookup {SLOWER_LOOKUP * 1000:g} ms slower (one at a time: at least "
+                                    f"{one_at_a_time:.3g} s), over {bound:.2f} s = half of that + "
+                                    f"{PLAIN_CHUNK_FACTOR} x {plain:.3f} s behind {flood} plain chunks")
 
             async def all_answered() -> bool:  # the last lookups may end after the victim's answer
-                return (await js.stream_info("STREAMPROC_RESULTS")).state.messages == flood + 1
+                return (await js.stream_info("STREAMPROC_RESULTS")).state.messages == 2 * (flood + 1)
 
             await wait_until(all_answered, 20, "every attacker id still got its invalid_chunk error result")
             assert proc.poll() is None
