@@ -27,7 +27,9 @@ from edge_harness import publish_result, running_edge
 from helpers import connection, rid, status_kib, tcp_sockets, wait_until
 
 from streamproc.client.capability import mint_capability
-from streamproc.edge.connections import DISCARD_BYTES, REFUSED_LINGER, REFUSED_LINGERING, UPLOAD_DISCARD_BYTES
+from streamproc.edge.connections import (DISCARD_BYTES, LINGER_TIME, REFUSED_LINGER, REFUSED_LINGERING,
+                                         UPLOAD_DISCARD_BYTES)
+from streamproc.edge.experts import MAX_BODY_BYTES
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
@@ -721,3 +723,94 @@ async def test_an_upload_answered_before_it_was_read_still_gets_its_answer_in_an
         refused = await client.post("/v1/experts?rows=many", content=b"x" * (3 << 20))  # 400 before a byte is read
     assert (declared.status_code, streamed.status_code, refused.status_code) == (413, 413, 400)
     assert declared.json()["error"]["type"] == streamed.json()["error"]["type"] == "invalid_request"
+
+
+# An upload answered early whose client is still sending when the edge ends the connection: a body
+# of SLOW_PIECES x SLOW_PIECE bytes, a piece every SLOW_EVERY s, so it ends ~1.6 s after its head:
+# past the `tight` edge's 1 s deadline (and its sweep), within the deadline plus LINGER_TIME.
+SLOW_PIECE = 192 * 1024
+SLOW_PIECES = 16
+SLOW_EVERY = 0.1
+HOLDER_HEAD = (b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: %d\r\n\r\n" % MAX_BODY_BYTES)
+
+
+async def slow_body():
+    for _ in range(SLOW_PIECES):
+        yield b"a" * SLOW_PIECE
+        await anyio.sleep(SLOW_EVERY)
+
+
+async def slow_post(url: str):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        return await client.post("/v1/experts", content=slow_body(),
+                                 headers={"Content-Length": str(SLOW_PIECES * SLOW_PIECE)})
+
+
+async def test_an_experts_body_late_for_its_deadline_gets_its_408_in_an_http_client_not_a_reset(tight):
+    """The handler answered a ``POST /v1/experts`` body late for its --head-timeout deadline with
+    ``408`` and ``Connection: close``, and Uvicorn closed the socket with the rest of the body unread:
+    the kernel reset the connection, httpx's next write failed, and it lost the answer
+    (``httpx.ReadError``; seen under load for one of 16 concurrent 32 MiB posts in
+    test_edge_memory.py). Now the edge half-closes after the 408 and lingers (connections.LINGER_TIME,
+    LINGER_BYTES): a client that ends its body within them reads its 408."""
+    response = await slow_post(tight.url)
+    assert response.status_code == 408, response.text
+    assert response.json()["error"]["type"] == "invalid_request"
+    assert "--head-timeout" in response.json()["error"]["message"]
+
+
+async def test_an_upload_refused_429_whose_body_ends_after_the_discard_deadline_still_gets_its_429(tight):
+    """A post past its client's share gets ``429`` before its body is read; the body is then
+    discarded for --head-timeout after the answer. A client still sending at that deadline was closed
+    on, with its bytes unread (a reset): httpx lost its 429 (``ReadError``). Now the deadline ends in a
+    lingering close, and a client that ends its body within LINGER_TIME more reads its 429."""
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as holder:
+        holder.sendall(HOLDER_HEAD)  # the client's whole share (--insecure-demo: one address, one client)
+        response = await slow_post(tight.url)
+    assert response.status_code == 429, response.text
+    assert response.json()["error"]["type"] == "too_many_uploads"
+
+
+def test_a_refused_upload_trickled_on_is_cut_off_at_the_deadline_plus_the_linger_and_others_are_served(tight):
+    """The bound of the lingering close: a refused client (429) that trickles its body on after its
+    answer sees the edge's FIN at the discard deadline (--head-timeout after the answer) and is cut
+    off LINGER_TIME later (its writes fail), whatever it sends; other clients are answered meanwhile."""
+    before = tight.metrics()
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as holder, \
+            socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        holder.sendall(HOLDER_HEAD)
+        time.sleep(0.1)  # the holder's head is read first
+        sock.sendall(HOLDER_HEAD)
+        status, answer = first_status(sock)
+        assert status == 429, answer
+        answered = time.monotonic()
+        fin = cut = None
+        probes = []
+        sock.setblocking(False)
+        while cut is None and time.monotonic() - answered < TIGHT_TIMEOUT + LINGER_TIME + 5:
+            try:
+                sock.send(b"a")
+            except BlockingIOError:
+                pass
+            except OSError:  # reset or broken pipe: the edge closed the socket
+                cut = time.monotonic() - answered
+                break
+            try:
+                if fin is None and sock.recv(65536) == b"":
+                    fin = time.monotonic() - answered
+            except BlockingIOError:
+                pass
+            except OSError:
+                pass
+            probes.append(healthz(tight.port))
+            time.sleep(TRICKLE_EVERY / 2)
+    after = tight.metrics()
+    print(f"FIN {fin} s, cut off {cut} s after the 429")
+    # The FIN: the deadline, plus a sweep and the trickle's polling; at most 2x on a loaded machine.
+    assert fin is not None and fin < 2 * TIGHT_TIMEOUT + 1.0, fin
+    # It lingered (not closed at the FIN), and no longer than LINGER_TIME, plus the trickle's polling.
+    assert cut is not None and LINGER_TIME * 0.9 <= cut - fin < LINGER_TIME + 1.0, (fin, cut)
+    assert set(probes) == {200}, probes
+    assert after["streamproc_edge_bodies_timed_out_total"] - before["streamproc_edge_bodies_timed_out_total"] >= 1

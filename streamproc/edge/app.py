@@ -100,6 +100,11 @@ _VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2,
 # header is no less private. Set per response, not by a middleware: a wrapped ASGI ``send`` would
 # turn the fan-out's direct writes off (direct.UvicornBody.of).
 PRIVATE = {"Cache-Control": "no-store"}
+# Scope key of a request whose connection is to end after its answer while its body may still be
+# coming: ``connections.py`` then half-closes and lingers (bounded) instead of closing at once, which
+# reset the connection under a client still sending and lost it the answer. Not "Connection: close":
+# Uvicorn closes at once on that header.
+CLOSE_AFTER_RESPONSE = "streamproc.close_after_response"
 
 
 def error_response(message: str, kind: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -553,9 +558,9 @@ class Edge:
             if deadline.cancelled_caught:
                 self.metrics.experts_bodies_timed_out += 1
                 chunks.clear()
+                request.scope[CLOSE_AFTER_RESPONSE] = True  # ended after the answer, lingering (connections.py)
                 return error_response(f"the request body did not arrive within {self.settings.head_timeout:g}s "
-                                      f"(--head-timeout; {size} bytes came)", "invalid_request", 408,
-                                      {"Connection": "close"})
+                                      f"(--head-timeout; {size} bytes came)", "invalid_request", 408)
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             chunks.clear()  # one copy of the body from here on
             try:

@@ -27,7 +27,7 @@ included) and its memory, and every request it did parse waited in the open pace
   Such a body (a request answered before it was read: a 401, 404 or ``/healthz`` does not read it)
   must end within the same deadline, counted from the answer's end, and within :data:`DISCARD_BYTES`
   received after the answer (:data:`UPLOAD_DISCARD_BYTES` for a POST, PUT or PATCH), else the
-  connection is closed (no answer: the client has its own).
+  connection is closed (no answer: the client has its own), by a lingering close (below).
   Uvicorn bounds it by nothing: httptools parses the rest of the body and ``on_body`` drops it
   (after ``response_complete``) for as long as it comes, and each read cancels its keep-alive timer,
   armed only at a response's end; so a ``Content-Length: 1000000000`` trickled a byte at a time, or
@@ -43,6 +43,23 @@ included) and its memory, and every request it did parse waited in the open pace
 
 With a response in progress the ``408``/``431`` is not written, only the connection closed:
 responses go out in order, and an answer written then would land inside that response's body.
+
+Lingering close (:meth:`linger_close`, as nginx's ``lingering_close`` and Apache's
+``ap_lingering_close``): a connection the edge ends while its client may still be sending a body it
+answered (the discard bounds above, and the ``408`` of a ``POST /v1/experts`` body late for its
+deadline, which the handler marks with :data:`.app.CLOSE_AFTER_RESPONSE`) is not closed at once.
+Closing a socket with unread bytes in its receive buffer makes the kernel send a reset, and the
+client's next write fails: httpx (httpcore over anyio) reads an answer only once it sent the whole
+body, and anyio pauses reading between receives, so the answer still sits unread in its kernel
+buffer when the failed write makes asyncio force-close the transport: ``httpx.ReadError`` instead of
+the ``408``/``429``/``413`` (seen under load in ``test_edge_memory.py``'s 16 concurrent 32 MiB
+posts). So the edge half-closes (``write_eof``: the FIN follows the answer, and a client that reads
+while it sends stops there), then reads and drops whatever comes, unparsed, for at most
+:data:`LINGER_TIME` s and :data:`LINGER_BYTES` bytes (or the request's declared length, within its
+discard cap), and closes at the client's EOF or at either bound (``abort``). A client that finishes
+its body within them reads its answer; one that trickles on is cut off at the bound. A lingering
+connection keeps its ``--max-connections`` slot, so their number is bounded by it. Over TLS (no
+half-close) the connection is closed at once, as before.
 """
 
 from __future__ import annotations
@@ -52,7 +69,7 @@ import resource
 import socket
 from typing import TYPE_CHECKING, Any
 
-from .app import error_response
+from .app import CLOSE_AFTER_RESPONSE, error_response
 from .experts import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -70,6 +87,16 @@ REFUSED_LINGERING = 64  # refused connections that may linger at once; past it t
 DISCARD_BYTES = 1 << 20
 UPLOAD_DISCARD_BYTES = 2 * MAX_BODY_BYTES
 UPLOAD_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+# Lingering close (module docstring): after the half-close, what the client may still send is read and
+# dropped, unparsed, for at most LINGER_TIME s, and at most LINGER_BYTES bytes, or the request's
+# declared Content-Length where that is within its discard cap (DISCARD_BYTES, UPLOAD_DISCARD_BYTES):
+# a client may finish the body it declared (an experts 408 or 429 declared at most 32 MiB), never
+# more than the discard phase would have taken. 2 s is Apache's lingering wait per read
+# (MAX_SECS_TO_LINGER bounds its total at 30 s; nginx's lingering_time is 30 s, its lingering_timeout
+# 5 s): a client ending a body it was sending steadily gets there, a trickler is held 2 s more at
+# most. Dropping costs the kernel's copy only (no parsing): 32 MiB is ~0.03 s of loopback.
+LINGER_TIME = 2.0
+LINGER_BYTES = 4 << 20
 DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, refused connections lingering
 
 
@@ -122,6 +149,9 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.heading = True  # the parser's next bytes are a request head (False inside a request body)
             self.discard_limit = DISCARD_BYTES  # of the body of the request in progress, after its answer
             self.refused = False
+            self.lingering = False  # half-closed: what comes is dropped unparsed until EOF or a bound (linger_close)
+            self.lingered = 0  # bytes dropped while lingering
+            self.linger_bytes = LINGER_BYTES  # the most it may drop (linger_close)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= limit:
@@ -154,10 +184,32 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             due.pop(self, None)
             if not self.heading:  # the body of a request answered before it was read: no answer is due
                 metrics.bodies_timed_out += 1
-                self.transport.close()
+                self.linger_close()
                 return
             metrics.head_timeouts += 1
             self.close_with(timed_out)
+
+        def linger_close(self) -> None:
+            """End a connection whose client may still be sending a body the edge answered: half-close
+            (the FIN follows the answer), drop what comes for at most LINGER_TIME s and LINGER_BYTES,
+            then close (module docstring, "Lingering close"). Closed at once, the unread bytes made the
+            kernel reset the connection, and an HTTP client still sending (httpx) lost the answer."""
+            due.pop(self, None)
+            transport = self.transport
+            if self.lingering or transport.is_closing():
+                return
+            if not transport.can_write_eof():  # TLS: no half-close
+                transport.close()
+                return
+            self.lingering = True
+            self.linger_bytes = LINGER_BYTES
+            cycle = self.cycle
+            for name, value in cycle.scope["headers"] if cycle is not None else ():
+                if name == b"content-length" and value.isdigit() and int(value) <= self.discard_limit:
+                    self.linger_bytes = max(LINGER_BYTES, int(value))  # its whole declared body may still come
+            transport.write_eof()
+            self.flow.resume_reading()  # Uvicorn pauses reading a body nothing reads past 64 KiB
+            self.linger = self.loop.call_later(LINGER_TIME, transport.abort)
 
         def close_with(self, response: bytes) -> None:
             """Answer and close; with a response in progress (a head pipelined behind it) only close:
@@ -183,6 +235,9 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
         def data_received(self, data: bytes) -> None:
             if self.refused:
                 return  # the request of a refused connection is not read
+            if self.lingering:
+                self.drop(len(data))
+                return
             room, counted = self.room()
             if len(data) <= room:  # neither a head nor a dropped body can outgrow its limit in it
                 if counted:  # back to 0 when the head or the body completes
@@ -202,9 +257,11 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                     if self.heading:
                         metrics.heads_too_large += 1
                         self.close_with(too_large)
-                    else:  # the client has its answer: only close
+                    else:  # the client has its answer: only close (lingering: the rest is dropped)
                         metrics.bodies_too_large += 1
-                        self.transport.close()
+                        self.linger_close()
+                        if self.lingering:
+                            self.drop(len(data))
                     return
                 piece, data = data[:room], data[room:]
                 if counted:
@@ -213,8 +270,14 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 if self.transport.is_closing() or self.transport.get_protocol() is not self:
                     return  # answered and closed (400, 431), or upgraded to a WebSocket
 
+        def drop(self, size: int) -> None:
+            """``size`` bytes read while lingering: dropped; past LINGER_BYTES the connection is closed."""
+            self.lingered += size
+            if self.lingered > self.linger_bytes:
+                self.transport.abort()
+
         def eof_received(self) -> bool | None:
-            if self.refused:
+            if self.refused or self.lingering:
                 return False  # the transport closes itself
             return super().eof_received()
 
@@ -239,6 +302,14 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
+            cycle = self.cycle
+            if (cycle is not None and cycle.response_complete and cycle.scope.get(CLOSE_AFTER_RESPONSE)
+                    and not self.transport.is_closing()):
+                # The app answered and wants the connection ended, its request's body maybe still coming
+                # (a 408 of POST /v1/experts): linger instead of Uvicorn's close at "Connection: close".
+                self.server_state.total_requests += 1
+                self.linger_close()
+                return
             started = bool(self.pipeline)  # Uvicorn starts a request whose head it already parsed
             super().on_response_complete()
             if not started and not self.transport.is_closing() and self not in due:
@@ -252,6 +323,8 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                     self.linger.cancel()
                     lingering[0] -= 1
                 return
+            if self.linger is not None:  # lingering_close's bound
+                self.linger.cancel()
             due.pop(self, None)
             super().connection_lost(exc)
             metrics.connections_open = len(self.connections)
