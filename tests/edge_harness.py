@@ -167,11 +167,16 @@ async def publish_results(
     bodies: list[bytes],
     *,
     verdict: Verdict | None = Verdict.PASSTHROUGH,
+    flush_every: int = 0,
 ) -> None:
+    """A request's results, the last one final; flushed every ``flush_every`` (a long history of
+    large results would otherwise pile up in the client's buffer) and at the end."""
     for seq, body in enumerate(bodies):
         await publish_result(
             nc, subjects, request_id, seq, body, final=seq == len(bodies) - 1, verdict=verdict
         )
+        if flush_every and seq % flush_every == flush_every - 1:
+            await nc.flush()
     await nc.flush()
 
 

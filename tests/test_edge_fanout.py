@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from edge_harness import publish_result, started_source, subscribed_subjects
+from edge_harness import publish_result, publish_results, started_source, subscribed_subjects
 from helpers import rid
 from nats.js.api import StreamConfig
 
@@ -37,6 +37,14 @@ async def until(predicate, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+async def consumers_back_to(js, stream: str, count: int) -> None:
+    """Wait (10 s at most) until ``stream`` has ``count`` consumers again: the temporary consumers
+    the edge left went (their inactive threshold is 1 s, CONSUMER_LINGER)."""
+    async with asyncio.timeout(10):
+        while (await js.stream_info(stream)).state.consumer_count != count:
+            await asyncio.sleep(0.1)
 
 
 async def test_core_opens_subscribe_nothing_and_every_later_result_reaches_each_feed_once(
@@ -108,9 +116,7 @@ async def test_a_late_attach_reads_the_stored_history_in_order_and_leaves_no_con
         assert [r.body for r in got] == [b'{"seq":%d}' % seq for seq in range(stored + 1)]
         assert feed.replay is None and source.metrics.duplicates_dropped == 0
         await feed.close()
-        async with asyncio.timeout(10):  # the temporary consumer's inactive threshold: 1 s
-            while (await js.stream_info(stream)).state.consumer_count != consumers:
-                await asyncio.sleep(0.1)
+        await consumers_back_to(js, stream, consumers)
 
 
 async def test_a_jetstream_feed_opened_before_any_result_replays_nothing_and_misses_nothing(nats_url, client):
@@ -257,11 +263,7 @@ async def test_a_late_reader_that_falls_behind_its_history_is_paused_within_its_
         consumers = (await js.stream_info(source.fanout.stream)).state.consumer_count
         request_id = rid("behind")
         body = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'
-        for seq in range(64):  # 4 MiB stored
-            await publish_result(client, STORED, request_id, seq, body, final=seq == 63)
-            if seq % 8 == 7:
-                await client.flush()
-        await client.flush()
+        await publish_results(client, STORED, request_id, [body] * 64, flush_every=8)  # 4 MiB stored
         await until(lambda: source.metrics.results_seen >= 64)
         feed = await source.open(request_id)
         assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the probe's, then the consumer's first
@@ -278,9 +280,7 @@ async def test_a_late_reader_that_falls_behind_its_history_is_paused_within_its_
         assert source.metrics.streams_overrun == 0
         assert 1 <= source.metrics.replay_pauses < 16, source.metrics.replay_pauses  # a pause per bound's worth at most
         await feed.close()
-        async with asyncio.timeout(10):
-            while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:
-                await asyncio.sleep(0.1)
+        await consumers_back_to(js, source.fanout.stream, consumers)
 
 
 async def test_a_stored_history_of_results_each_larger_than_the_bound_is_still_read_result_by_result(
@@ -310,9 +310,7 @@ async def test_a_stored_history_of_results_each_larger_than_the_bound_is_still_r
         # One pause: the consumer made after the probe dropped its first; the rest came by subject.
         assert source.metrics.replay_pauses == 1, source.metrics.replay_pauses
         await feed.close()
-        async with asyncio.timeout(10):
-            while (await js.stream_info(source.fanout.stream)).state.consumer_count != consumers:
-                await asyncio.sleep(0.1)
+        await consumers_back_to(js, source.fanout.stream, consumers)
 
 
 async def test_late_attaches_past_max_replay_consumers_read_their_history_by_subject_and_lose_nothing(

@@ -157,11 +157,7 @@ async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_with
     with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
                       "--stream-buffer-bytes", str(buffer)) as edge:
         async with connection(nats_server.url) as nc:
-            for seq in range(results):
-                await publish_result(nc, subjects, request_id, seq, body, final=seq == results - 1)
-                if seq % 8 == 7:
-                    await nc.flush()
-            await nc.flush()
+            await publish_results(nc, subjects, request_id, [body] * results, flush_every=8)
         await anyio.sleep(1.0)
         baseline = peak_rss(edge.proc.pid)
         received = bytearray()

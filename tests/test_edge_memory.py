@@ -384,17 +384,14 @@ async def test_late_attaches_to_a_long_stored_history_hold_no_more_than_their_bu
     request_id = rid("long-history")
     body = b'{"text":"' + b"x" * (256 * 1024 - 12) + b'"}'
     results = 192  # 48 MiB stored for one request
-    # 16 of these results, not 4: the full reader below (this test process) must not fall a buffer
-    # behind the replay, which a fresh-clone CI run saw once with 1 MiB (its stream ended overloaded).
+    # The full reader below (this test process) used to lose its stream when it fell a buffer behind
+    # the replay (fresh-clone CI runs, with 1 MiB and with 4 MiB); the replay now pauses at the buffer
+    # (replay.py), pinned with a slow reader by test_edge_hostile.py.
     buffer = 4 * MiB
     with running_edge(server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
                       "--stream-buffer-bytes", str(buffer)) as edge:
         async with connection(server.url) as nc:
-            for seq in range(results):
-                await publish_result(nc, subjects, request_id, seq, body, final=seq == results - 1)
-                if seq % 8 == 7:
-                    await nc.flush()
-            await nc.flush()
+            await publish_results(nc, subjects, request_id, [body] * results, flush_every=8)
             js = nc.jetstream()
             name = await js.find_stream_name_by_subject(subjects.result(request_id))
             deadline = time.monotonic() + 20
