@@ -87,6 +87,14 @@ async def wait(sub, timeout: float) -> bool:
     return not queue.empty()
 
 
+def wake(sub) -> None:
+    """End a :func:`wait` on ``sub`` now (it returns False, as on a timeout, unless a message is queued)."""
+    core = sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
+    for getter in list(core._pending_queue._getters):
+        if not getter.done():
+            getter.set_result(None)
+
+
 def _expire(getter: asyncio.Future) -> None:
     if not getter.done():
         getter.set_result(None)

@@ -120,22 +120,16 @@ class Replay:
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
             return None
-        if self.sub is None and self.read == 0:  # the probe: the first stored result, if any
-            message = await self._get(self.next_seq)
-            if message is None:
-                return None
-            self.next_seq = message.seq + 1
-            self.read += 1
-            self.done = message.seq >= self.upto
-            return _parts(message)
         if self.sub is None:
-            # More stored? Asked before a consumer exists (it would push at once, while nobody reads):
-            # the consumer is made only when there is something for it, starting at that one.
+            # The probe (the first stored result, if any), or more stored? Asked before a consumer
+            # exists (it would push at once, while nobody reads): the consumer is made only when
+            # there is something for it, starting at that one.
             message = await self._get(self.next_seq)
             if message is None:
                 return None
-            if self.paused or self.by_subject or (self.may_subscribe is not None and not self.may_subscribe()):
-                # After a pause this one is handed out as it came, so that every pause moves the
+            if (self.read == 0 or self.paused or self.by_subject
+                    or (self.may_subscribe is not None and not self.may_subscribe())):
+                # Handed out as it came: the probe's; after a pause, so that every pause moves the
                 # reader on by a result at least, even one larger than the bound by itself (nats-py
                 # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer
                 # that was paused before it handed out anything had such a result first: the rest
@@ -210,15 +204,15 @@ class Replay:
             return None
         return message
 
-    async def overflowed(self, reply: str | None) -> None:
+    async def overflowed(self, reply: str | None) -> bool:
         """nats-py dropped a message of the temporary consumer (``SlowConsumerError``; ``reply`` is
         its ``$JS.ACK`` subject): the reader is the bound behind. Pause: take nothing more in, keep
         what was queued before that message for :meth:`next`, which then goes on with a new
         consumer. (nats-py's ordered consumer counts a dropped message as delivered, so going on
-        with this consumer would skip it.)"""
+        with this consumer would skip it.) True when this began a pause."""
         sub = self.sub
         if sub is None:
-            return
+            return False
         try:
             dropped = Msg.Metadata._get_metadata_fields(reply or "")
             seq = int(dropped[5])  # the stream sequence, as nats-py's _process_msg reads it
@@ -226,18 +220,16 @@ class Replay:
             seq = self.next_seq  # unreadable: hand out nothing queued past what was read
         if self.cut is not None:
             self.cut = min(self.cut, seq)
-            return
+            return False
         self.cut = seq
         self.pauses += 1
-        core = sub._sub
         # Unsubscribed now, inside nats-py's read loop: the messages the server still sends for it
         # are ignored (no subscription), and those queued stay queued (Subscription.unsubscribe
         # leaves ``_pending_queue`` as it is).
         with contextlib.suppress(nats.errors.Error, OSError):
             await sub.unsubscribe()
-        for getter in list(core._pending_queue._getters):  # a reader waiting for more: look again
-            if not getter.done():
-                getter.set_result(None)
+        pending.wake(sub)  # a reader waiting for more: look again
+        return True
 
     async def _stop_consumer(self) -> None:
         """End a pause: the consumer and what is queued past the cut go; the next :meth:`next`
@@ -257,10 +249,7 @@ class Replay:
         if sub is not None:
             if self.watch is not None:
                 self.watch(sub, False)
-            # A reader waiting in next() for this consumer returns at once (pending.wait's getter).
-            for getter in list(sub._sub._pending_queue._getters):
-                if not getter.done():
-                    getter.set_result(None)
+            pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
             pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now

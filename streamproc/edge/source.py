@@ -221,7 +221,7 @@ class ResultFeed:
         replay = self.replay
         for sub in (self._sub, replay.sub if replay is not None else None):
             if sub is not None:
-                wake(sub)
+                pending.wake(sub)
 
     def has_ready(self) -> bool:
         """Results in order not yet taken by the stream."""
@@ -331,13 +331,6 @@ def jetstream_hint(exc: BaseException) -> str:
                 "edge's account); enable it, or start the edge without --ensure-results-stream (it then "
                 "serves live results only)")
     return "the server's answer above says why"
-
-
-def wake(sub) -> None:
-    """End a :func:`pending.wait` on ``sub`` now (it returns False, as on a timeout)."""
-    for getter in list(core_subscription(sub)._pending_queue._getters):
-        if not getter.done():
-            getter.set_result(None)
 
 
 def core_subscription(sub):
@@ -737,7 +730,7 @@ class ResultSource:
                     feed._accept(msg)
             self.metrics.jetstream_replays -= 1  # counted again by _attach, once its consumer exists
             self._consume(feed, stream, feed.limits)
-            wake(old)  # a next() waiting on the old consumer waits for the new one
+            pending.wake(old)  # a next() waiting on the old consumer waits for the new one
             with contextlib.suppress(nats.errors.Error, OSError):
                 await old.unsubscribe()
             pending.drop(old)
@@ -993,10 +986,8 @@ class ResultSource:
             replaying = self._replays.get(id(exc.sub))
             if replaying is not None:  # a history read faster than its client takes it: paused (replay.py)
                 replay = replaying.replay
-                if replay is not None:
-                    pauses = replay.pauses
-                    await replay.overflowed(exc.reply)
-                    self.metrics.replay_pauses += replay.pauses - pauses
+                if replay is not None and await replay.overflowed(exc.reply):
+                    self.metrics.replay_pauses += 1
                 return
             feed = self._feeds.get(id(exc.sub))
             if feed is not None:
