@@ -155,6 +155,66 @@ async def test_a_feed_past_its_byte_bound_ends_with_an_overrun_and_the_others_go
         assert source.metrics.streams_dispatched == 0
 
 
+async def test_a_jetstream_feed_past_its_byte_bound_reads_on_from_the_stream_and_misses_nothing(nats_url, client):
+    """Issue 11.4: with a results stream, what a slow client's inbox could not take is stored. The
+    feed goes behind (takes nothing more), hands out what it holds, reads the rest from the stream
+    and rejoins the dispatch: every result in order, no overrun, the others untouched."""
+    bound = 64 * 1024
+    async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
+        slow, fine = rid("slowjs"), rid("finejs")
+        slow_feed, fine_feed = await source.open(slow), await source.open(fine)
+        assert await slow_feed.next(0.2) is None  # its replay's probe: nothing stored yet
+        body = b'{"text":"' + b"x" * 8000 + b'"}'
+        for seq in range(24):  # ~190 KiB, three bounds, for a client that does not read yet
+            await publish_result(client, STORED, slow, seq, body + b"%d" % seq)
+            await publish_result(client, STORED, fine, seq, b'{"seq":%d}' % seq, final=seq == 23)
+            await client.flush()
+            if seq % 4 == 3:
+                await read(fine_feed, 4)  # this one keeps up
+        await until(lambda: source.metrics.results_seen == 48)
+        assert source.metrics.streams_behind == 1 and slow_feed.inbox.behind is not None
+        assert slow_feed in source.fanout.feeds[STORED.result(slow)]  # still registered, taking nothing
+        got = await read(slow_feed, 24)
+        assert [r.body for r in got] == [body + b"%d" % seq for seq in range(24)]
+        # Caught up and live again: later results come from the dispatch.
+        for seq in range(24, 27):
+            await publish_result(client, STORED, slow, seq, body + b"%d" % seq, final=seq == 26)
+        await client.flush()
+        assert [r.seq for r in await read(slow_feed, 3)] == [24, 25, 26]
+        assert slow_feed.inbox.behind is None and slow_feed.replay is None
+        assert source.metrics.streams_overrun == 0 and source.metrics.duplicates_dropped == 0
+        await slow_feed.close()
+        await fine_feed.close()
+        assert source.metrics.streams_dispatched == 0
+
+
+async def test_a_jetstream_reader_slower_than_its_results_falls_behind_again_and_again_and_gets_them_all(
+        nats_url, client):
+    """A reader that keeps taking a result while two arrive: behind, caught up, behind again while
+    catching up (its inbox refills past the replay's end), each time from the right sequence."""
+    bound = 64 * 1024  # the least the edge takes: eight results
+    async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
+        request_id = rid("slowerjs")
+        feed = await source.open(request_id)
+        assert await feed.next(0.2) is None
+        body = b'{"text":"' + b"y" * 8000 + b'"}'
+        count, got = 200, []
+        for seq in range(count):
+            await publish_result(client, STORED, request_id, seq, body + b"%d" % seq, final=seq == count - 1)
+            if seq % 2:
+                await client.flush()
+                item = await feed.next(5.0)
+                assert isinstance(item, ResultInfo), item
+                got.append(item)
+        await client.flush()
+        while not isinstance(item := await feed.next(5.0), Ended):
+            assert isinstance(item, ResultInfo), item
+            got.append(item)
+        assert [r.body for r in got] == [body + b"%d" % seq for seq in range(count)]
+        assert source.metrics.streams_behind >= 2 and source.metrics.streams_overrun == 0
+        await feed.close()
+
+
 async def test_a_closed_connection_ends_a_waiting_feed_with_lost(nats_url):
     async with started_source(nats_url, LIVE) as source:
         feed = await source.open(rid("waiting"))

@@ -3,6 +3,8 @@ publisher can make the edge do per request must not flood its log, and the other
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import httpx
 import pytest
@@ -172,4 +174,37 @@ async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_with
     assert bytes(received) == expected_sse([body] * results), bytes(received[-300:])
     assert metrics["streamproc_edge_streams_overrun_total"] == 0
     assert metrics["streamproc_edge_replay_pauses_total"] >= 1  # it did come faster than it was read
+    assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+
+
+@pytest.mark.timeout(180)
+async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_buffer(nats_server):
+    """The live case (issue 11.4): results published faster than the client reads them, after it
+    opened. Its inbox goes behind at the buffer and the stream reads on from the results stream,
+    so the client gets every result in order instead of an `overloaded` event, and the edge holds
+    a few buffers, not the request."""
+    subjects = Subjects("slowlive")
+    request_id = rid("slow-live")
+    body = b'{"text":"' + b"x" * (128 * 1024 - 12) + b'"}'
+    results = 96  # 12 MiB, published while the client reads
+    buffer = 1 * MiB
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--stream-buffer-bytes", str(buffer)) as edge:
+        baseline = peak_rss(edge.proc.pid)
+        received = bytearray()
+        async with connection(nats_server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
+                client.stream("GET", f"/v1/results/{request_id}") as response:
+            assert response.status_code == 200
+            await wait_until(lambda: edge.metrics()["streamproc_edge_jetstream_replays_total"] >= 1, 15, "opened")
+            async with anyio.create_task_group() as tg:  # published while the client reads
+                tg.start_soon(functools.partial(publish_results, nc, subjects, request_id, [body] * results,
+                                                flush_every=8))
+                async for chunk in response.aiter_raw(64 * 1024):
+                    received += chunk
+                    await anyio.sleep(0.01)  # ~6 MiB/s at most: slower than the results come
+        growth = peak_rss(edge.proc.pid) - baseline
+        metrics = edge.metrics()
+    assert bytes(received) == expected_sse([body] * results), bytes(received[-300:])
+    assert metrics["streamproc_edge_streams_overrun_total"] == 0
+    assert metrics["streamproc_edge_streams_behind_total"] >= 1  # it did fall behind
     assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"

@@ -22,7 +22,12 @@ for the reconnect (``PongBarrier.wait`` falls back to nats-py's ``flush``), as a
 
 Bounds are those of the per-stream subscription it replaces (nats-py 2.16 ``Client._process_msg``):
 an inbox holding ``pending_bytes_limit`` bytes or ``pending_msgs_limit`` results not yet taken by its
-stream drops the result and the stream ends with an overrun (nats-py reported SlowConsumerError).
+stream drops the result. In core mode the stream then ends with an overrun (nats-py reported
+SlowConsumerError): what was dropped is gone. When the ring reads a JetStream stream, what was
+dropped is stored: the inbox goes *behind* (it takes nothing more), its stream hands out what it
+holds, then reads on from the first result it did not take, from the stream, and rejoins the
+dispatch (``ResultSource.catch_up``, as an open does: :mod:`.replay`). So a slow or paused client
+is held to the bound and gets every result (issue 11.4).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ log = logging.getLogger("streamproc.edge")
 class Inbox:
     """One stream's results not yet taken, filled by :meth:`Fanout.dispatch` (no await, no task)."""
 
-    __slots__ = ("sub", "bytes_limit", "msgs_limit", "_items", "_bytes", "_waiter", "overflowed")
+    __slots__ = ("sub", "bytes_limit", "msgs_limit", "_items", "_bytes", "_waiter", "behind")
 
     def __init__(self, sub, bytes_limit: int, msgs_limit: int) -> None:
         self.sub = sub  # the wildcard subscription: its connection and nats-py's close hook
@@ -55,11 +60,16 @@ class Inbox:
         self._items: collections.deque[tuple[ResultInfo, int]] = collections.deque()
         self._bytes = 0
         self._waiter: asyncio.Future | None = None
-        self.overflowed = False
+        # A JetStream stream whose client fell the bound behind: the stream sequence of the first
+        # result it did not take. It takes no more until its stream caught up from the results
+        # stream (ResultSource.catch_up); None while it is live.
+        self.behind: int | None = None
 
     def put(self, result: ResultInfo, size: int) -> bool:
-        """False when the result does not fit (nats-py's checks, in its order: bytes, then count)."""
-        if self.bytes_limit > 0 and self._bytes + size >= self.bytes_limit or len(self._items) >= self.msgs_limit:
+        """False when the result does not fit (nats-py's checks, in its order: bytes, then count),
+        or while the stream is behind."""
+        if (self.bytes_limit > 0 and self._bytes + size >= self.bytes_limit or len(self._items) >= self.msgs_limit
+                or self.behind is not None):
             return False
         self._items.append((result, size))
         self._bytes += size
@@ -108,7 +118,7 @@ class Inbox:
         """Its stream's task waits in :meth:`wait` with nothing queued: every earlier result was
         taken and written, and nothing is between the wire and that task (direct.py)."""
         waiter = self._waiter
-        return waiter is not None and not waiter.done() and not self._items
+        return waiter is not None and not waiter.done() and not self._items and self.behind is None
 
     def wake(self) -> None:
         waiter = self._waiter
@@ -128,7 +138,7 @@ def _expire(waiter: asyncio.Future) -> None:
 class Fanout:
     """The open streams by result subject, fed from the one wildcard subscription."""
 
-    def __init__(self, source: ResultSource, sub, on_overflow: Callable[[ResultFeed], None],
+    def __init__(self, source: ResultSource, sub, on_overflow: Callable[[ResultFeed, str], None],
                  stream: str | None = None) -> None:
         self.source = source
         self.sub = sub  # nats-py's core Subscription (a JetStream ordered consumer's ``_sub``)
@@ -171,6 +181,8 @@ class Fanout:
                     feed.inbox.sub = sub  # where nats-py's close finds its waiter (Inbox.wait)
                 if stream is not None:  # its results come from the stream now: its deletion ends it
                     feed.mode = "jetstream"
+                    if feed.inbox is not None and feed.inbox.behind is not None:
+                        feed.inbox.behind = 1  # a new history: it catches up from that stream's start
 
     def delivered(self) -> int:
         """The stream sequence up to which the ordered consumer has dispatched every result (nats-py
@@ -194,13 +206,15 @@ class Fanout:
 
     def _inline(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
         try:
-            self.dispatch(subject, headers, data)
+            self.dispatch(subject, reply, headers, data)
         except Exception:  # noqa: BLE001 - never into the read loop (as DispatchQueue.put_nowait)
             self.source.limited.log(logging.ERROR, "dispatch_failed", subject=subject, exc_info=True)
         return True
 
-    def dispatch(self, subject: str, headers: dict[str, str] | None, data: bytes) -> None:
-        """One result off the wire: the recent ring, then each stream open on its subject."""
+    def dispatch(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> None:
+        """One result off the wire: the recent ring, then each stream open on its subject. ``reply``
+        is its ``$JS.ACK`` subject when the ring reads a JetStream stream (its stream sequence, for a
+        stream that cannot take it: ``on_overflow``)."""
         source = self.source
         feeds = self.feeds.get(subject)
         try:
@@ -222,7 +236,7 @@ class Fanout:
                 if direct is not None and direct.offer(result):  # written at once (direct.py)
                     continue
                 if not feed.inbox.put(result, len(data)):  # type: ignore[union-attr]
-                    self.on_overflow(feed)
+                    self.on_overflow(feed, reply)
 
 
 class DispatchQueue(asyncio.Queue):
@@ -239,6 +253,6 @@ class DispatchQueue(asyncio.Queue):
     def put_nowait(self, item: Msg) -> None:
         self.sub._pending_size -= len(item.data)
         try:
-            self.fanout.dispatch(item.subject, item.headers, item.data)
+            self.fanout.dispatch(item.subject, item.reply, item.headers, item.data)
         except Exception:  # noqa: BLE001 - never into nats-py's read loop: that would drop the connection
             self.fanout.source.limited.log(logging.ERROR, "dispatch_failed", subject=item.subject, exc_info=True)

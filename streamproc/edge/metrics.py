@@ -35,6 +35,7 @@ class EdgeMetrics(msgspec.Struct):
     experts_bodies_timed_out: int = 0
     experts_bodies_refused: int = 0
     streams_overrun: int = 0
+    streams_behind: int = 0
     streams_stalled: int = 0
     unauthorized: int = 0
     forbidden: int = 0
@@ -97,6 +98,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "experts_bodies_refused": ("counter", "POST /v1/experts requests refused (429 for the client's share, 503 "
                                           "edge-wide) because the bodies posted meanwhile held their bound"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
+    "streams_behind": ("counter", "times a live JetStream stream's client fell --stream-buffer-bytes behind: "
+                                  "it read on from the results stream instead of ending"),
     "streams_stalled": ("counter", "streams closed because one write blocked for --write-timeout"),
     "unauthorized": ("counter", "requests refused with 401 (no, invalid or expired capability)"),
     "forbidden": ("counter", "requests refused with 403 (a valid capability for other request ids)"),

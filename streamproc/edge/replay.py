@@ -31,6 +31,10 @@ once (no more of the history is taken in), keeps what was queued before the drop
 that out, and then goes on from the next stored result with a new consumer, as after the probe.
 Memory stays within the bound; the reader gets every result in order; each pause costs one
 ``STREAM.MSG.GET`` and one consumer per bound's worth of results the reader took.
+
+A live stream whose client fell its bound behind the dispatch reads on the same way: a replay
+from the first result it did not take (``start``) up to what the ring had delivered when it
+rejoined (:meth:`ResultSource.catch_up`).
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ class Replay:
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[[object, bool], None] | None = None,
-                 access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None) -> None:
+                 access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None,
+                 start: int = 1) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -105,10 +110,10 @@ class Replay:
         self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
         # False while the edge holds --max-replay-consumers consumers: the next result comes by subject
         self.may_subscribe = may_subscribe
-        self.next_seq = 1
+        self.next_seq = start  # 1 for an open; where a live stream fell behind (ResultSource.catch_up)
         self.read = 0  # messages replayed (tests)
         self.sub = None  # the temporary ordered consumer, after a probe found a stored result
-        self.done = upto < 1
+        self.done = upto < start
         # Paused after a drop: the stream sequence of the first message nats-py dropped (what is
         # queued from there on is not handed out: there may be a hole after it), else None.
         self.cut: int | None = None

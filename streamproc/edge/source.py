@@ -184,6 +184,9 @@ class ResultFeed:
                 try:
                     result = inbox.take()
                     if result is None:
+                        if inbox.behind is not None:  # it handed out what it held: on from the stream
+                            self.source.catch_up(self)
+                            continue
                         if wait <= 0:
                             return None
                         await inbox.wait(wait)
@@ -857,15 +860,7 @@ class ResultSource:
         if stream is not None:
             # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
             # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
-            def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
-                if live:
-                    self._replays[id(core_subscription(sub))] = feed
-                else:
-                    self._replays.pop(id(core_subscription(sub)), None)
-
-            feed.replay = Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                                 REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch,
-                                 self.msg_get, self._may_replay_with_consumer)
+            feed.replay = self._replay(feed, stream, subject, 1)
             self.metrics.jetstream_replays += 1
             return feed
         if not self.nc.is_connected:
@@ -877,6 +872,34 @@ class ResultSource:
                 raise
         self.metrics.core_subscriptions += 1
         return feed
+
+    def _replay(self, feed: ResultFeed, stream: str, subject: str, start: int) -> Replay:
+        """The results of ``subject`` stored from sequence ``start`` up to what the ring has
+        delivered: those the dispatch did not give ``feed`` (replay.py)."""
+        assert self.fanout is not None and self.nc is not None and feed.inbox is not None
+
+        def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
+            if live:
+                self._replays[id(core_subscription(sub))] = feed
+            else:
+                self._replays.pop(id(core_subscription(sub)), None)
+
+        limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit,
+                  "inactive_threshold": CONSUMER_LINGER}
+        return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
+                      REPLAY_TIMEOUT, limits, watch, self.msg_get, self._may_replay_with_consumer, start)
+
+    def catch_up(self, feed: ResultFeed) -> None:
+        """A dispatched JetStream feed that fell behind (:meth:`_on_inbox_full`) has handed out what
+        its inbox held: it rejoins the dispatch now and reads the results it did not take from the
+        stream, from the first of them up to what the ring has delivered (the argument of an open:
+        every later one reaches its inbox). Its next ``next`` reads them before the inbox's."""
+        inbox = feed.inbox
+        assert inbox is not None and inbox.behind is not None and self.fanout is not None
+        start, inbox.behind = inbox.behind, None
+        if feed.mode != "jetstream" or self.fanout.stream is None:  # the stream went meanwhile: gone
+            return
+        feed.replay = self._replay(feed, self.fanout.stream, self.subjects.result(feed.request_id), start)
 
     def _consume(self, feed: ResultFeed, stream: str, limits: dict[str, int]) -> None:
         """Give a JetStream feed an ordered consumer of its own (:meth:`_attach`). It replays the
@@ -925,9 +948,23 @@ class ResultSource:
             self.metrics.stored_reads_refused = 0
             log_event(log, logging.INFO, "stored_results_readable", permission=subject)
 
-    def _on_inbox_full(self, feed: ResultFeed) -> None:
-        """A dispatched feed's client fell behind (its inbox is full): what a SlowConsumerError did
-        for its own subscription (_on_error), without an await in the read path."""
+    def _on_inbox_full(self, feed: ResultFeed, reply: str) -> None:
+        """A dispatched feed's client fell behind (its inbox is full). When the ring reads a
+        JetStream stream, the result is stored: the feed goes behind (fanout.py) and catches up from
+        the stream once its client took what it holds (:meth:`catch_up`). In core mode, what a
+        SlowConsumerError did for its own subscription (_on_error), without an await in the read path."""
+        inbox = feed.inbox
+        assert inbox is not None
+        if inbox.behind is not None:  # behind already: it reads this one from the stream too
+            return
+        if self.fanout is not None and self.fanout.stream is not None and feed.mode == "jetstream":
+            try:
+                # The stream sequence of the result it did not take, as nats-py's _process_msg reads it
+                inbox.behind = int(Msg.Metadata._get_metadata_fields(reply)[5])
+            except (ValueError, IndexError, TypeError):  # not an ack subject: from the stream's start (dups dropped)
+                inbox.behind = 1
+            self.metrics.streams_behind += 1
+            return
         if not feed.overrun:
             feed.overrun = True
             self.metrics.streams_overrun += 1
