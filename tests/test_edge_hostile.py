@@ -178,18 +178,21 @@ async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_with
 
 
 @pytest.mark.timeout(180)
-async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_buffer(nats_server):
+@pytest.mark.parametrize("reader", ["ring", "own-consumer"])
+async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_buffer(nats_server, reader):
     """The live case (issue 11.4): results published faster than the client reads them, after it
-    opened. Its inbox goes behind at the buffer and the stream reads on from the results stream,
-    so the client gets every result in order instead of an `overloaded` event, and the edge holds
-    a few buffers, not the request."""
+    opened. Read through the ring's consumer, its inbox goes behind at the buffer; read through a
+    consumer of its own (``--recent 0``), that consumer is stopped at the first result it drops.
+    Either way the stream reads on from the results stream, so the client gets every result in
+    order instead of an `overloaded` event, and the edge holds a few buffers, not the request."""
     subjects = Subjects("slowlive")
-    request_id = rid("slow-live")
+    request_id = rid(f"slow-live-{reader}")
     body = b'{"text":"' + b"x" * (128 * 1024 - 12) + b'"}'
     results = 96  # 12 MiB, published while the client reads
     buffer = 1 * MiB
+    own = ("--recent", "0") if reader == "own-consumer" else ()
     with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
-                      "--stream-buffer-bytes", str(buffer)) as edge:
+                      "--stream-buffer-bytes", str(buffer), *own) as edge:
         baseline = peak_rss(edge.proc.pid)
         received = bytearray()
         async with connection(nats_server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \

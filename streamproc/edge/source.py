@@ -126,6 +126,10 @@ class ResultFeed:
         # _check_own_consumers).
         self.stream_created: datetime.datetime | None = None
         self.limits: dict[str, int] = {}  # its subscription's pending limits (ResultSource._consume)
+        # Its own consumer dropped a result because the client fell its bound behind: the stream
+        # sequence of the first one dropped. What was queued before it is handed out, then a new
+        # consumer reads on from there (ResultSource.read_on); None while it keeps up.
+        self.cut: int | None = None
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
 
     async def next(self, timeout: float) -> FeedItem | None:
@@ -203,6 +207,9 @@ class ResultFeed:
             # What Subscription.next_msg(timeout) does, without its tasks per message (pending.py)
             try:
                 msg = pending.take(self._sub)
+                if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
+                    self.source.read_on(self)  # what was queued before the drop is out: a new consumer
+                    continue
                 if msg is None:
                     if wait <= 0:
                         return None
@@ -727,6 +734,7 @@ class ResultSource:
         for feed in feeds.values():
             old, feed._sub = feed._sub, None
             assert old is not None
+            feed.cut = None  # behind on the old stream: the new consumer reads the new one from its start
             self._feeds.pop(id(core_subscription(old)), None)
             with contextlib.suppress(nats.errors.Error):  # a closed connection: the feed learns it below
                 while (msg := pending.take(old)) is not None:
@@ -901,17 +909,17 @@ class ResultSource:
             return
         feed.replay = self._replay(feed, self.fanout.stream, self.subjects.result(feed.request_id), start)
 
-    def _consume(self, feed: ResultFeed, stream: str, limits: dict[str, int]) -> None:
+    def _consume(self, feed: ResultFeed, stream: str, limits: dict[str, int], start: int = 1) -> None:
         """Give a JetStream feed an ordered consumer of its own (:meth:`_attach`). It replays the
-        subject from the stream's start, so nothing published before it exists is missed: the
-        client gets its headers now, and the consumer's creation (a JetStream API round trip, tens
-        of ms behind a busy server) overlaps them."""
+        subject from the stream's start (or ``start``: :meth:`read_on`), so nothing published
+        before it exists is missed: the client gets its headers now, and the consumer's creation (a
+        JetStream API round trip, tens of ms behind a busy server) overlaps them."""
         assert self.nc is not None
         subject = self.subjects.result(feed.request_id)
         feed.stream = stream
         feed.limits = limits
         feed.attaching = asyncio.get_running_loop().create_task(
-            self._attach(feed, self.jetstream(), subject, stream, limits))
+            self._attach(feed, self.jetstream(), subject, stream, limits, start))
         self._attaching.add(feed.attaching)
         feed.attaching.add_done_callback(self._attaching.discard)
 
@@ -976,7 +984,7 @@ class ResultSource:
         feed.inbox.wake()
 
     async def _attach(self, feed: ResultFeed, js: JetStreamContext, subject: str, stream: str,
-                      limits: dict[str, int]) -> None:
+                      limits: dict[str, int], start: int = 1) -> None:
         """Create a JetStream feed's ordered consumer. A failure ends the feed with :class:`Lost`
         (its client has its headers already); a feed closed meanwhile gets it unsubscribed. The
         stream's creation time is taken first (:meth:`_created_of`): asked after, a stream recreated
@@ -985,8 +993,10 @@ class ResultSource:
         # The ring's stream is watched by the ring's check, which gives every such feed a new
         # consumer when it finds a new history (_carry_on with None): no identity needed there.
         feed.stream_created = await self._created_of(stream) if stream != ring else None
+        config = (ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+                  if start > 1 else None)
         try:
-            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True,
+            sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, config=config,
                                      inactive_threshold=CONSUMER_LINGER, **limits)
         except Exception as exc:  # noqa: BLE001 - NATS refused the consumer: the stream ends with its reason
             self.streams.forget()  # deleted or changed since it was looked up
@@ -1018,6 +1028,37 @@ class ResultSource:
         self.metrics.replay_reads_by_subject += 1
         return False
 
+    async def _fell_behind(self, feed: ResultFeed, exc: nats.errors.SlowConsumerError) -> None:
+        """A feed's own ordered consumer dropped a result (its client is its bound behind): stop
+        the consumer at once, inside nats-py's read loop, so nothing more is taken in (left, nats-py
+        would see the dropped delivery's gap and make a new consumer per message); :meth:`ResultFeed.next`
+        hands out what was queued before the drop, then :meth:`read_on` goes on from it. (nats-py's
+        ordered consumer counts a dropped message as delivered: going on with it would skip it.)"""
+        try:
+            seq = int(Msg.Metadata._get_metadata_fields(exc.reply or "")[5])  # as nats-py's _process_msg reads it
+        except (ValueError, IndexError, TypeError):  # unreadable: read on from the stream's start (dups dropped)
+            seq = 1
+        if feed.cut is not None:
+            feed.cut = min(feed.cut, seq)
+            return
+        feed.cut = seq
+        self.metrics.streams_behind += 1
+        sub = exc.sub
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await sub.unsubscribe()
+        pending.wake(sub)  # a reader waiting for more: look again
+
+    def read_on(self, feed: ResultFeed) -> None:
+        """The feed handed out what its stopped consumer had queued before the drop (:meth:`_fell_behind`):
+        a new ordered consumer of its subject from the first result dropped."""
+        old, feed._sub = feed._sub, None
+        assert old is not None and feed.cut is not None and feed.stream is not None
+        self._feeds.pop(id(core_subscription(old)), None)
+        pending.drop(old)
+        start, feed.cut = feed.cut, None
+        self.metrics.jetstream_replays -= 1  # counted again by _attach, once its consumer exists
+        self._consume(feed, feed.stream, feed.limits, start)
+
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
             replaying = self._replays.get(id(exc.sub))
@@ -1027,6 +1068,9 @@ class ResultSource:
                     self.metrics.replay_pauses += 1
                 return
             feed = self._feeds.get(id(exc.sub))
+            if feed is not None and feed.mode == "jetstream" and feed.stream is not None:
+                await self._fell_behind(feed, exc)  # its results are stored: it reads on later
+                return
             if feed is not None:
                 if not feed.overrun:
                     feed.overrun = True
