@@ -246,6 +246,8 @@ def start(kind: str, nats_url: str, port: int, trees: dict[str, Path]) -> subpro
         argv = [*hook, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", PREFIX, "--port", str(port)]
         return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     tree = trees[kind]
+    if kind.endswith("+uvloop"):  # --uvloop: the same tree's edge on uvloop (STREAMPROC_EDGE_LOOP)
+        env["STREAMPROC_EDGE_LOOP"] = "uvloop"
     env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in ("", "codecs/sglang", "codecs/vllm", "codecs/sglang-zstd"))
     command = ["streamproc"] if COUNT_DIR is not None else ["-m", "streamproc.cli"]
     argv = [*hook, *command, "edge", "--nats-url", nats_url, "--prefix", PREFIX,
@@ -380,7 +382,8 @@ def main() -> None:
                              "1 one to a read, as a processor's results at 2,000/s mostly do")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
-                        help="also run `streamproc edge` from this source tree (e.g. main=/work/main)")
+                        help="also run `streamproc edge` from this source tree (e.g. main=../main); a NAME "
+                             "ending in +uvloop runs that edge on uvloop (STREAMPROC_EDGE_LOOP=uvloop)")
     parser.add_argument("--only", metavar="NAMES", help="run only these contenders (e.g. edge,main: a quicker A/B)")
     parser.add_argument("--jetstream", action="store_true",
                         help="a JetStream stream captures the results: the edges read them with an ordered consumer")
