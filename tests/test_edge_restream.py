@@ -615,3 +615,29 @@ async def _recreated_under_queued_results(own_server, attempt: int) -> bool:
             await feed.close()
             assert source.metrics.streams_gone == 0
     return True
+
+
+async def test_a_deleted_ring_consumer_is_made_again_within_seconds_and_its_streams_miss_nothing(own_server):
+    """The ring's ordered consumer deleted on the server (an operator, another edge sharing this
+    one's NATS user, a lost server): nats-py would notice only after two missed heartbeats (10 s;
+    a live stream waited 18.4 s). The watch asks for it every second and makes it again from the
+    last result the ring read: the results stored meanwhile come, in order, within a few seconds."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS) as source:
+            feed = await source.open(rid("ringgone"))
+            request_id = feed.request_id
+            await publish_range(nc, [Reader(request_id)], range(2))
+            assert await feed_results(feed, 2) == [0, 1]
+            name = source._recent_sub._consumer
+            await js.delete_consumer(RESULTS_STREAM, name)
+            await publish_range(nc, [Reader(request_id)], range(2, 5), final_at=4)
+            started = time.monotonic()
+            assert await feed_results(feed, 3) == [2, 3, 4]
+            waited = time.monotonic() - started
+            assert waited < 4.0, f"the results stored after the deletion came {waited:.1f} s later"
+            assert source.metrics.ring_consumers_lost == 1
+            # A new one (named once its creation's answer is read: its deliveries may come first)
+            await wait_until(lambda: source._recent_sub._consumer not in (None, name), PROMPT, "a new ring consumer")
+            await feed.close()

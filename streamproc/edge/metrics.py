@@ -62,6 +62,7 @@ class EdgeMetrics(msgspec.Struct):
     stored_reads_refused: int = 0
     results_stream_deleted: int = 0
     results_stream_recreated: int = 0
+    ring_consumers_lost: int = 0
     streams_gone: int = 0
     nats_connected: int = 0
     nats_disconnects: int = 0
@@ -130,6 +131,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "stored_reads_refused": ("gauge", "1 while STREAM.MSG.GET on the results stream is refused (the edge "
                                       "falls back to an ordered consumer per stream; docs/security.md)"),
     "results_stream_deleted": ("counter", "times the watch found a results stream the edge read deleted"),
+    "ring_consumers_lost": ("counter", "times the watch found the recent ring's consumer deleted on the server "
+                                       "and made it again from the last result the ring read"),
     "results_stream_recreated": ("counter", "times the watch found a results stream to read again: created anew "
                                             "under the name it read, or found after a deletion"),
     "streams_gone": ("counter", "result streams ended with an unavailable error because the results stream "

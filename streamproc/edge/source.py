@@ -431,6 +431,8 @@ class ResultSource:
         self._created: dict[str, datetime.datetime] = {}
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
         self._recent_sub = None
+        self._ring_reset: tuple[str, str] | None = None  # the ring consumer last found deleted (its name, stream)
+        self._ring_check_off = False  # CONSUMER.INFO went unanswered: the check is off
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
         # the ring has read one (before, an edge without a results stream never asks).
         self._ring_stream: tuple[str, datetime.datetime | None] | None = None
@@ -584,6 +586,7 @@ class ResultSource:
             try:
                 if self.fanout is not None:
                     await self._check_results_stream()
+                    await self._check_ring_consumer()
                 await self._check_own_consumers()
             except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:  # asked again next time
                 log_event(log, logging.DEBUG, "results_stream_check_failed", error=error_text(exc))
@@ -663,6 +666,41 @@ class ResultSource:
             return
         self._stop_replays()
         await self._reread(info, name, ended=0, resumed=await self._carry_on(name, info.config.name, None))
+
+    async def _check_ring_consumer(self) -> None:
+        """Is the ring's ordered consumer still on the server? Deleted (by an operator, by another
+        edge sharing this one's NATS user, or lost with the server that held it), nats-py 2.16
+        notices only when two idle heartbeats are missing (``_JSI.activity_check``, 10 s; a test
+        measured its live streams silent 18.4 s). Asked here once per ``STREAM_CHECK``; a consumer
+        found gone is made again from the last sequence the ring delivered, as nats-py would
+        (``_JSI.reset_ordered_consumer``), so nothing is missed and the stall is about a second."""
+        assert self.nc is not None and self.fanout is not None
+        sub, stream = self._recent_sub, self.fanout.stream
+        if stream is None or not isinstance(sub, JetStreamContext.PushSubscription) or self._ring_check_off:
+            return
+        name = sub._consumer
+        if not name or (name, stream) == self._ring_reset:  # being made again: its new name comes with it
+            return
+        try:
+            await self.nc.jetstream()._jsm.consumer_info(stream, name, timeout=STREAM_CHECK)
+            return
+        except NotFoundError:
+            pass
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError) as exc:
+            # No answer: most likely a NATS user without $JS.API.CONSUMER.INFO (docs/security.md).
+            # Said once; nats-py's heartbeat check remains.
+            self._ring_check_off = True
+            log_event(log, logging.WARNING, "ring_consumer_check_off", error=error_text(exc),
+                      hint=f"grant the edge user $JS.API.CONSUMER.INFO.{stream}.> (docs/security.md)")
+            return
+        if sub is not self._recent_sub or sub._consumer != name:  # replaced meanwhile
+            return
+        jsi = core_subscription(sub)._jsi
+        self._ring_reset = (name, stream)
+        self.metrics.ring_consumers_lost += 1
+        log_event(log, logging.WARNING, "ring_consumer_lost", stream=stream, consumer=name,
+                  read_from_seq=jsi._sseq + 1)
+        await jsi.reset_ordered_consumer(jsi._sseq + 1)
 
     async def _check_own_consumers(self) -> None:
         """The streams other than the ring's that feeds read with an ordered consumer of their own
