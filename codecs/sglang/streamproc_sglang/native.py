@@ -56,8 +56,14 @@ INPUT_TOP_FLAT_FIELDS = (
     "input_top_logprobs_val_flat_b64_dtype", "input_top_logprobs_idx_flat_b64_dtype",
     INPUT_TOP_SHAPE, "input_top_logprobs_null_prefix",
 )
-# Fields SGLang slices to each chunk's span in incremental streaming; folding concatenates them.
-OUTPUT_DELTA_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS})
+# ``return_sampling_mask``: per output token, the ids the sampler could pick and the sampled token's
+# log-probability over them (``output_token_sampling_mask_length`` is their running count).
+OUTPUT_SAMPLING_FIELDS = ("output_token_sampling_mask", "output_token_sampling_logprobs")
+# Fields SGLang slices to each chunk's span in incremental streaming; folding concatenates them
+# (``tokenizer_manager._INCREMENTAL_STREAMING_META_INFO_KEYS``). A request's ``customized_info`` keys
+# are sliced too; their names are the deployment's own, so they are not known here (docs/codecs.md).
+OUTPUT_DELTA_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS,
+                                 *OUTPUT_SAMPLING_FIELDS})
 
 # Omission markers (Dynamo's ``input_logprobs_unavailable_reason`` convention, §2.3).
 INPUT_LOGPROBS_UNAVAILABLE = "input_logprobs_unavailable_reason"

@@ -20,7 +20,7 @@ from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
 from .native import (
-    PROMPT_LOGPROBS,
+    PROMPT_SIDE_FIELDS,
     ROUTED_EXPERTS,
     choices_of,
     dump,
@@ -232,24 +232,29 @@ class VLLMJoinSession(JoinSession):
         return own if own is not None else usage_count(self._prefill, "prompt_tokens")
 
     def _join_prompt_logprobs(self, obj: dict, choices: list[dict], edit: _Edit) -> None:
-        """``prompt_logprobs`` is its own sampling parameter, independent of ``logprobs``, and only
-        unary bodies carry the key (``GenerateResponse``; stream chunks have none). So a body without
-        the key gets none, and a ``null`` stays ``null`` when prefill, which scored the prompt if
+        """The prompt-side fields (``prompt_logprobs``; ``prompt_token_id_logprobs``, the scores of
+        ``prompt_logprob_token_ids``) are their own sampling parameters, independent of ``logprobs``,
+        and only unary bodies carry the keys (``GenerateResponse``; stream chunks have none). So a body
+        without a key gets none, and a ``null`` stays ``null`` when prefill, which scored the prompt if
         asked to, has none either."""
-        if PROMPT_LOGPROBS not in obj:
+        for field in PROMPT_SIDE_FIELDS:
+            self._join_prompt_field(obj, field, edit)
+
+    def _join_prompt_field(self, obj: dict, field: str, edit: _Edit) -> None:
+        if field not in obj:
             return
-        from_prefill = self._prefill.get(PROMPT_LOGPROBS) if self._prefill is not None else None
-        from_decode = obj.get(PROMPT_LOGPROBS)
+        from_prefill = self._prefill.get(field) if self._prefill is not None else None
+        from_decode = obj.get(field)
         if from_prefill is not None:
             if from_decode is not None and from_decode != from_prefill:
-                edit.omit(obj, PROMPT_LOGPROBS, INCONSISTENT_LEGS)
+                edit.omit(obj, field, INCONSISTENT_LEGS)
             else:
-                edit.provide(obj, PROMPT_LOGPROBS, from_prefill)
+                edit.provide(obj, field, from_prefill)
             return
         if from_decode is not None or self._leg_reason is None:
             return  # decode scored the prompt itself, or prefill says none were asked for
-        # Without a prefill leg nothing tells whether prompt logprobs were requested.
-        edit.omit(obj, PROMPT_LOGPROBS, self._leg_reason)
+        # Without a prefill leg nothing tells whether the prompt was to be scored.
+        edit.omit(obj, field, self._leg_reason)
 
     def _completion_tokens(self, obj: dict, index: int) -> int:
         own = usage_count(obj, "completion_tokens")

@@ -14,6 +14,11 @@ import msgspec
 
 ROUTED_EXPERTS = "routed_experts"
 PROMPT_LOGPROBS = "prompt_logprobs"
+# ``SamplingParams.prompt_logprob_token_ids`` (vLLM PR #56984): the prompt's scores for fixed candidate
+# ids, Base64 ``.npy`` (``ServingTokens._build_full_response``: ``numpy2base64``); unary bodies only.
+PROMPT_TOKEN_ID_LOGPROBS = "prompt_token_id_logprobs"
+# Top-level fields only the leg that scores the prompt has: the join takes them from prefill alike.
+PROMPT_SIDE_FIELDS = (PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS)
 PROMPT_TOKENS = "prompt_tokens"  # usage counts
 COMPLETION_TOKENS = "completion_tokens"
 UNAVAILABLE_SUFFIX = "_unavailable_reason"

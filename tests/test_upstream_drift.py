@@ -1,0 +1,195 @@
+"""Upstream-drift audit: bodies written by hand from the NEWEST upstream sources in the public index.
+
+Nothing here uses the simulator, ``upstream.py`` or any other streamproc builder: each body is spelled
+out from the upstream function named above it. Sources (the index stores many versions of a file;
+the commit is the one the index reported for the version read, "index id" where it reported none):
+
+* SGLang ``python/sglang/srt/managers/tokenizer_manager.py`` at commit
+  ``001067fffe33427bee0ed2f007fb7551a1d76b44``: ``TokenizerManager._handle_batch_output``,
+  ``_INCREMENTAL_STREAMING_META_INFO_KEYS``, ``_slice_streaming_output_meta_info``.
+* SGLang ``python/sglang/srt/disaggregation/utils.py`` ``MetadataBuffers.set_buf`` (index id
+  54506714605) and ``disaggregation/decode.py`` ``DecodeTransferQueue._commit_transfer_to_req`` (index
+  id 54491847455): the first token's sampling mask travels to decode, so decode's list is complete.
+* vLLM ``vllm/entrypoints/scale_out/token_in_token_out/serving.py`` (index id 70125355188):
+  ``ServingTokens.serve_tokens`` (``prompt_logprob_token_ids`` refused for streams) and
+  ``_build_full_response`` (``prompt_token_id_logprobs=numpy2base64(...)``); ``protocol.py`` at
+  commit ``006ebac240f34ddcd36383832b28c25840d2ea80``: ``GenerateResponseBase`` field order.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from helpers import assert_same_body as assert_same
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+from streamproc_sglang import SGLangCodec
+from streamproc_vllm import VLLMCodec
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+
+# ------------------------------------------------------------------ SGLang: return_sampling_mask
+
+SG_RID = "req-mask"
+SG_PROMPT = 4
+SG_OUT = [201, 202, 203]
+SG_TEXT = ["a", "b", "c"]
+# The sampling support of each output token (token ids the constrained sampler could pick) and the
+# sampled token's log-probability renormalised over that support.
+SG_MASKS = [[201, 7], [202], [203, 9, 11]]
+SG_MASK_LPS = [-0.69, 0.0, -1.1]
+
+
+def sglang_meta(start: int, end: int, *, finished: bool) -> dict:
+    """``TokenizerManager._handle_batch_output`` (001067ff), ``return_sampling_mask=True``, no logprobs,
+    metrics off::
+
+        meta_info = {"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions"}
+        if state.obj.return_sampling_mask:                      # after convert_logprob_style
+            meta_info["output_token_sampling_mask"] = state.output_token_sampling_mask
+            meta_info["output_token_sampling_logprobs"] = state.output_token_sampling_logprobs
+            meta_info["output_token_sampling_mask_length"] = len(state.output_token_sampling_mask)
+        meta_info.update({"reasoning_tokens", "completion_tokens", "cached_tokens"})
+        ...
+        if state.finished: meta_info["e2e_latency"] = ...
+
+    The state lists accumulate from output position 0; incremental streaming then slices the two
+    ``_INCREMENTAL_STREAMING_META_INFO_KEYS`` (``_slice_streaming_output_meta_info``) to the chunk,
+    while ``output_token_sampling_mask_length`` stays the running total."""
+    meta = {"id": SG_RID, "finish_reason": {"type": "length", "length": 3} if finished else None,
+            "prompt_tokens": SG_PROMPT, "weight_version": "default", "num_retractions": 0,
+            "output_token_sampling_mask": SG_MASKS[start:end],
+            "output_token_sampling_logprobs": SG_MASK_LPS[start:end],
+            "output_token_sampling_mask_length": end,
+            "reasoning_tokens": 0, "completion_tokens": end, "cached_tokens": 0}
+    if finished:
+        meta["e2e_latency"] = 0.25
+    return meta
+
+
+def sglang_unary() -> dict:
+    """``stream=False``: one body once finished, ``{"text", "output_ids", "meta_info"}``, whole lists."""
+    return {"text": "".join(SG_TEXT), "output_ids": SG_OUT, "meta_info": sglang_meta(0, 3, finished=True)}
+
+
+def sglang_incremental() -> list[dict]:
+    """``--incremental-streaming-output``, ``stream_interval=1``: ``{"text": delta_text, "output_ids":
+    delta_output_ids, "meta_info": meta_info}`` per token, the sampling lists sliced from
+    ``state.last_output_offset``."""
+    return [{"text": SG_TEXT[k], "output_ids": [SG_OUT[k]],
+             "meta_info": {**sglang_meta(0, k + 1, finished=k == 2),
+                           "output_token_sampling_mask": SG_MASKS[k:k + 1],
+                           "output_token_sampling_logprobs": SG_MASK_LPS[k:k + 1]}}
+            for k in range(3)]
+
+
+def sglang_cumulative() -> list[dict]:
+    """The default (cumulative) stream: every chunk restates the lists from position 0 (the
+    intermediate ``text`` is filled in by ``_wait_one_response``; here it is the running text)."""
+    return [{"text": "".join(SG_TEXT[:k + 1]), "output_ids": SG_OUT[:k + 1],
+             "meta_info": sglang_meta(0, k + 1, finished=k == 2)} for k in range(3)]
+
+
+@pytest.mark.parametrize("stream", [sglang_incremental, sglang_cumulative])
+def test_sglang_folded_stream_keeps_the_whole_sampling_mask(stream):
+    """An incremental stream's ``output_token_sampling_mask`` / ``_logprobs`` are per-chunk slices like
+    ``output_token_logprobs``: folded (``Codec.fold``, the edge's unary answer of a stream) they must
+    concatenate to the unary body's lists, not keep the last chunk's slice."""
+    folded = SGLangCodec(OPTIONS).fold([dumps(chunk) for chunk in stream()])
+    assert_same(folded, dumps(sglang_unary()))
+
+
+def test_sglang_pd_incremental_stream_with_sampling_mask_joins_to_the_aggregated_stream():
+    """``set_buf`` sends the handoff token's mask and ``_commit_transfer_to_req`` appends it, so decode's
+    chunks already equal the aggregated ones: the join must leave them as they are."""
+    chunks = sglang_incremental()
+    prefill = {"text": "a", "output_ids": [201],
+               "meta_info": {**sglang_meta(0, 1, finished=False),
+                             "finish_reason": {"type": "length", "length": 0}}}
+    out = join(SGLangCodec(OPTIONS), [dumps(c) for c in chunks], [dumps(prefill)])
+    for (body, verdict), want in zip(out, chunks):
+        assert_same(body, dumps(want))
+        assert verdict is Verdict.PASSTHROUGH
+
+
+# ------------------------------------------------------------------ vLLM: prompt_logprob_token_ids
+
+V_RID = "generate-tokens-r1"
+V_PROMPT = [11, 12, 13, 14, 15]
+V_OUT = [21, 22, 23]
+PREFILL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1],
+              "remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "tp_size": 1}
+
+
+def numpy2base64(arr: np.ndarray) -> str:
+    """``vllm/utils/serial_utils.py`` ``numpy2base64``: ``np.save(..., allow_pickle=False)`` then Base64."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+# The prompt's scores for two fixed candidate ids per position (``SamplingParams.prompt_logprob_token_ids``).
+SCORES = numpy2base64(np.asarray([[-0.5, -1.5], [-2.5, -3.5], [-0.25, -4.0], [-1.0, -2.0]], dtype=np.float32))
+
+
+def vllm_unary(*, out: list[int], scores: str | None, finish: str = "stop", kv: dict | None = None) -> dict:
+    """``_build_full_response`` -> ``GenerateTokensResponse.model_dump()``: ``GenerateResponseBase``'s fields
+    in declaration order (request_id, model, created, usage, prompt_logprobs, prompt_token_id_logprobs,
+    prompt_token_ids, mm_placeholders, metrics, kv_transfer_params, ec_transfer_params), then
+    ``output_mode`` and ``choices``; a choice is ``GenerateChoiceBase`` (index, finish_reason, token_ids,
+    routed_experts, sampling_mask, weight_versions) plus ``logprobs``. No logprobs, no expert capture."""
+    choice = {"index": 0, "finish_reason": finish, "token_ids": out, "routed_experts": None,
+              "sampling_mask": None, "weight_versions": None, "logprobs": None}
+    return {"request_id": V_RID, "model": "m", "created": 1700000000,
+            "usage": {"prompt_tokens": len(V_PROMPT), "total_tokens": len(V_PROMPT) + len(out),
+                      "completion_tokens": len(out), "completion_tokens_details": None},
+            "prompt_logprobs": None, "prompt_token_id_logprobs": scores, "prompt_token_ids": None,
+            "mm_placeholders": None, "metrics": None, "kv_transfer_params": kv, "ec_transfer_params": None,
+            "output_mode": "tokens", "choices": [choice]}
+
+
+def test_vllm_prompt_token_id_logprobs_are_taken_from_prefill():
+    """Only the leg that runs the prompt scores it: prefill (the client's sampling parameters,
+    ``max_tokens=1``) sends the scores, a decode that loaded the prompt's KV has none. The aggregated
+    body has prefill's scores, so the P/D answer must too."""
+    agg = vllm_unary(out=V_OUT, scores=SCORES)
+    prefill = vllm_unary(out=V_OUT[:1], scores=SCORES, finish="length", kv=PREFILL_KV)
+    decode = vllm_unary(out=V_OUT, scores=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_vllm_prompt_token_id_logprobs_a_decode_computed_itself_are_kept():
+    """A decode that recomputed the prompt sends the same scores: nothing to change."""
+    decode = vllm_unary(out=V_OUT, scores=SCORES)
+    prefill = vllm_unary(out=V_OUT[:1], scores=SCORES, finish="length", kv=PREFILL_KV)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert body == dumps(decode)
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_vllm_prompt_token_id_logprobs_without_a_prefill_leg_are_omitted_with_the_reason():
+    """Prefill timed out: nothing tells whether the prompt was to be scored, so the field is ``null``
+    with ``prompt_token_id_logprobs_unavailable_reason`` (as ``prompt_logprobs`` is)."""
+    decode = vllm_unary(out=V_OUT, scores=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], None)
+    assert b'"prompt_token_id_logprobs":null' in body
+    assert b'"prompt_token_id_logprobs_unavailable_reason":"prefill_timeout"' in body
+    assert verdict is Verdict.OMITTED
+
+
+def test_vllm_prompt_token_id_logprobs_that_differ_between_the_legs_are_omitted():
+    other = numpy2base64(np.zeros((4, 2), dtype=np.float32))
+    decode = vllm_unary(out=V_OUT, scores=other)
+    prefill = vllm_unary(out=V_OUT[:1], scores=SCORES, finish="length", kv=PREFILL_KV)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert b'"prompt_token_id_logprobs":null' in body
+    assert b'"prompt_token_id_logprobs_unavailable_reason":"inconsistent_legs"' in body
+    assert verdict is Verdict.OMITTED
