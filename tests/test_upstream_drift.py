@@ -14,6 +14,15 @@ the commit is the one the index reported for the version read, "index id" where 
   ``ServingTokens.serve_tokens`` (``prompt_logprob_token_ids`` refused for streams) and
   ``_build_full_response`` (``prompt_token_id_logprobs=numpy2base64(...)``); ``protocol.py`` at
   commit ``006ebac240f34ddcd36383832b28c25840d2ea80``: ``GenerateResponseBase`` field order.
+* SGLang ``return_indexer_topk``: ``state_capturer/base.py`` ``BaseTopkCapturer.get_topk`` /
+  ``on_forward_end`` (commit ``0564b5215b333749d722348c3b3d9b92c3de8c44``),
+  ``state_capturer/indexer_topk.py`` (commit ``02d3f4b2df5480f1a9767c88d76c8112d7b008d4``),
+  ``managers/scheduler_components/batch_result_processor.py``
+  ``SchedulerBatchResultProcessor._maybe_collect_indexer_topk`` / ``process_batch_result_prebuilt`` /
+  ``_handle_finish_state_updated_req`` (index id 54487866788), ``disaggregation/prefill.py``
+  ``process_batch_result_disagg_prefill`` / ``process_disagg_prefill_inflight_queue`` (commit
+  ``000c2b942308ea5502978be73542016c230dba02``; index id 58615488336 for a newer version) and
+  ``tokenizer_manager.py`` ``_handle_batch_output`` (index id 55043436083).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from helpers import upstream_json as dumps
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
 from streamproc_sglang import SGLangCodec
+from streamproc_sglang_zstd import SGLangZstdCodec
 from streamproc_vllm import VLLMCodec
 
 OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
@@ -193,3 +203,76 @@ def test_vllm_prompt_token_id_logprobs_that_differ_between_the_legs_are_omitted(
     assert b'"prompt_token_id_logprobs":null' in body
     assert b'"prompt_token_id_logprobs_unavailable_reason":"inconsistent_legs"' in body
     assert verdict is Verdict.OMITTED
+
+
+# ------------------------------------------------------------------ SGLang: return_indexer_topk
+
+IX_PROMPT = 4
+IX_OUT = [201, 202, 203]
+IX_LAYERS, IX_TOPK = 2, 4
+
+
+def indexer_rows(start: int, end: int) -> np.ndarray:
+    """What the indexer of position ``p`` selects in each layer: earlier KV positions, ``-1`` padded."""
+    rows = np.full((end - start, IX_LAYERS, IX_TOPK), -1, dtype="<i4")
+    for r, p in enumerate(range(start, end)):
+        for layer in range(IX_LAYERS):
+            picks = [q for q in range(p, -1, -1) if (q + layer) % 2 == 0 or q == p][:IX_TOPK]
+            rows[r, layer, :len(picks)] = picks
+    return rows
+
+
+def indexer_body(*, out: list[int], finish: dict, rows: np.ndarray | None) -> dict:
+    """``TokenizerManager._handle_batch_output`` (index id 55043436083), one finished request::
+
+        if getattr(recv_obj, "indexer_topk", None):
+            val = recv_obj.indexer_topk[i]
+            if val is not None:                   # a request that collected nothing has no key
+                val = pybase64.b64encode(val.numpy().tobytes()).decode("utf-8")
+                meta_info["indexer_topk"] = val   # after routed_experts, before customized info
+
+    ``IndexerTopkCapturer`` keeps ``int32`` rows of ``(num_indexer_layers, index_topk)``."""
+    meta: dict = {"id": "req-ix", "finish_reason": finish, "prompt_tokens": IX_PROMPT,
+                  "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0,
+                  "completion_tokens": len(out), "cached_tokens": 0}
+    if rows is not None:
+        meta["indexer_topk"] = base64.b64encode(rows.tobytes()).decode()
+    meta["e2e_latency"] = 0.25
+    return {"text": "x" * len(out), "output_ids": out, "meta_info": meta}
+
+
+@pytest.mark.parametrize("codec", [SGLangCodec, SGLangZstdCodec])  # sglang-zstd changes routed_experts only
+def test_sglang_pd_indexer_topk_is_omitted_not_published_with_stale_prompt_rows(codec):
+    """Aggregated: ``_maybe_collect_indexer_topk`` reads ``get_topk(req_pool_idx, seqlen,
+    req_to_token_pool)`` (start 0, no start-len field): the host cache at the request's KV slots for
+    positions ``[0, seqlen - 1)``, which ``on_forward_end`` filled from each forward's
+    ``out_cache_loc``. P/D decode runs the same collection, but no forward of this request wrote its
+    prompt slots there: they were filled by the KV transfer (``_commit_transfer_to_req`` carries no
+    capture rows), so rows ``[0, prompt)`` are the zeroed host cache or an earlier request's. The
+    prefill leg never collects: ``process_batch_result_disagg_prefill`` only finalizes the capture
+    and neither it nor ``process_disagg_prefill_inflight_queue`` calls ``_maybe_collect_indexer_topk``,
+    so prefill's body has no ``indexer_topk``. No leg has the prompt rows: the field is removed."""
+    seqlen = IX_PROMPT + len(IX_OUT)
+    length = {"type": "length", "length": len(IX_OUT)}
+    agg = indexer_body(out=IX_OUT, finish=length, rows=indexer_rows(0, seqlen - 1))
+    stale = np.zeros((IX_PROMPT, IX_LAYERS, IX_TOPK), dtype="<i4")  # BaseHostCache.buffer.zero_()
+    decode = indexer_body(out=IX_OUT, finish=length,
+                          rows=np.concatenate([stale, indexer_rows(IX_PROMPT, seqlen - 1)]))
+    prefill = indexer_body(out=IX_OUT[:1], finish={"type": "length", "length": 0}, rows=None)
+    assert decode["meta_info"]["indexer_topk"] != agg["meta_info"]["indexer_topk"]  # what would be published
+    [(body, verdict)] = join(codec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    want = indexer_body(out=IX_OUT, finish=length, rows=None)
+    want["meta_info"]["indexer_topk_unavailable_reason"] = "prefill_missing"
+    assert_same(body, dumps(want))
+    assert verdict is Verdict.OMITTED
+
+
+def test_sglang_pd_one_token_decode_has_no_indexer_topk_and_nothing_is_invented():
+    """A one-token P/D decode finishes in ``process_batch_result_prebuilt``, which never collects:
+    neither leg has the key, as for a request that did not ask for it, so the body passes."""
+    finish = {"type": "length", "length": 1}
+    decode = indexer_body(out=IX_OUT[:1], finish=finish, rows=None)
+    prefill = indexer_body(out=IX_OUT[:1], finish={"type": "length", "length": 0}, rows=None)
+    [(body, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(decode))
+    assert verdict is Verdict.PASSTHROUGH

@@ -23,6 +23,11 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   Rows no real capture produces (:func:`_stale`) are refused; a wrong but in-range expert id in a
   correctly sized raw payload cannot be detected here.
 
+- ``indexer_topk`` (``return_indexer_topk``): rows ``[0, seqlen - 1)`` read like decode's expert rows,
+  so its prompt rows are stale KV-slot leftovers too, and no prefill collects its own (its
+  ``process_batch_result_disagg_prefill`` only finalizes the capture). No leg has the prompt rows: the
+  field is removed from every decode chunk (:meth:`SGLangJoinSession._omit_indexer_topk`).
+
 Omission policy: a field that cannot be rebuilt completely is removed and
 ``<field>_unavailable_reason`` says why; decode's stale rows are never published.
 """
@@ -83,6 +88,8 @@ INPUT_TOP_FLAT_FIELDS = native.INPUT_TOP_FLAT_FIELDS  # the flat prompt top logp
 INPUT_TOP_LOGPROBS_UNAVAILABLE = "input_top_logprobs_unavailable_reason"
 HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_UNAVAILABLE = "hidden_states_unavailable_reason"
+INDEXER_TOPK = "indexer_topk"
+INDEXER_TOPK_UNAVAILABLE = "indexer_topk_unavailable_reason"
 # A row of this many ids that are all equal (all-zero rows included) is no real capture: with
 # top-k >= 2 the ids of one layer are distinct, and a top-1 model routing 16 (layer) slots to one
 # expert is vanishingly unlikely. SGLang's raw payload carries no shape, so this is the strongest
@@ -375,15 +382,16 @@ class SGLangJoinSession(JoinSession):
         wants = self._wants(meta, final)
         indexed = type(doc.get(native.INDEX)) is int and not self._item  # type: ignore[union-attr]
         # A streamed batch item's chunk that waits is joined in the item's own session, which decides.
-        hidden_omitted = False if indexed and wants else self._omit_partial_hidden_states(meta)
+        chunk_omitted = False if indexed and wants else (
+            self._omit_partial_hidden_states(meta) | self._omit_indexer_topk(meta))
         if not wants:
-            return (native.encode(doc), Verdict.OMITTED) if hidden_omitted else (body, Verdict.PASSTHROUGH)
+            return (native.encode(doc), Verdict.OMITTED) if chunk_omitted else (body, Verdict.PASSTHROUGH)
         if not self._known:
             raise RuntimeError("join() on a chunk that needs prefill before the prefill leg was settled")
         index = doc.get(native.INDEX)  # type: ignore[union-attr]
         if type(index) is int and not self._item:
             return self._join_indexed(index, body, doc, final)  # type: ignore[arg-type]
-        self._changed, self._omitted = False, hidden_omitted
+        self._changed, self._omitted = False, chunk_omitted
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
             self._fill_first_token(meta)
@@ -606,6 +614,18 @@ class SGLangJoinSession(JoinSession):
             return False  # a prompt block first ([[...], ...]), or "last" mode's single vector
         meta.pop(HIDDEN_STATES)
         meta[HIDDEN_STATES_UNAVAILABLE] = Omit.PREFILL_MISSING
+        return True
+
+    @staticmethod
+    def _omit_indexer_topk(meta: dict[str, Any]) -> bool:
+        """``return_indexer_topk``: decode's rows ``[0, prompt)`` were read from its host cache at KV
+        slots the transfer filled (``BaseTopkCapturer.get_topk``), which no forward of this request
+        wrote, and the prefill leg never collects the field. The prompt rows exist on no leg, so
+        decode's value cannot equal the aggregated one: removed (a function of the chunk alone)."""
+        if INDEXER_TOPK not in meta:
+            return False
+        meta.pop(INDEXER_TOPK)
+        meta[INDEXER_TOPK_UNAVAILABLE] = Omit.PREFILL_MISSING
         return True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
