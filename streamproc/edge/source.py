@@ -1010,6 +1010,9 @@ class ResultSource:
             except (ValueError, IndexError, TypeError):  # not an ack subject: from the stream's start (dups dropped)
                 inbox.behind = 1
             self.metrics.streams_behind += 1
+            # Its task may be parked in Inbox.wait: a result larger than the bound finds the inbox
+            # empty, and nothing else would wake it before its wait's timeout (the keep-alive).
+            inbox.wake()
             return
         if not feed.overrun:
             feed.overrun = True

@@ -1,0 +1,83 @@
+"""A live JetStream stream whose client fell ``--stream-buffer-bytes`` behind (``Inbox.behind``,
+``ResultSource.catch_up``): what must hold under the conditions its replay meets. Every result in
+order and once, or an error event, never a silent skip or a hang; the edge holds a few bounds per
+stream; the other streams keep their pace. Real nats-server, the edge's real ``ResultSource``
+(in-process) or ``streamproc edge`` (a subprocess).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from edge_harness import publish_result, started_source
+from helpers import connection, rid
+from nats.js.api import StorageType, StreamConfig
+
+from streamproc.core.wire import ResultInfo
+from streamproc.edge.source import Ended, Gap, StreamGone
+from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+SUBJECTS = Subjects("behind")
+BOUND = 64 * 1024  # the least --stream-buffer-bytes the edge takes
+BODY = b'{"text":"' + b"x" * 8000 + b'"}'  # eight of them fill BOUND
+
+
+def body(seq: int) -> bytes:
+    return BODY + b"%d" % seq
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def publish(nc, request_id: str, seqs, *, final_at: int | None = None) -> None:
+    for seq in seqs:
+        await publish_result(nc, SUBJECTS, request_id, seq, body(seq), final=seq == final_at)
+    await nc.flush()
+
+
+async def drain(feed, timeout: float = 5.0) -> tuple[list[int], object]:
+    """The seqs a feed hands out until it returns anything but a result (returned with them)."""
+    seqs = []
+    while isinstance(item := await feed.next(timeout), ResultInfo):
+        assert item.body == body(item.seq), item.seq
+        seqs.append(item.seq)
+    return seqs, item
+
+
+async def behind(source, feed, nc, count: int, *, final_at: int | None = None) -> None:
+    """Publish ``count`` results (``count`` / 8 bounds) that ``feed``'s client does not read: its
+    inbox goes behind."""
+    await publish(nc, feed.request_id, range(count), final_at=final_at)
+    await until(lambda: feed.inbox.behind is not None)
+
+
+async def test_a_result_larger_than_the_buffer_reaches_a_feed_waiting_for_it_at_once(nats_url, client):
+    """A result larger than the bound by itself cannot enter an empty inbox: the feed goes behind
+    with nothing queued. Its task, parked in ``Inbox.wait``, must be woken to catch up from the
+    stream, not left asleep until its wait's timeout (the keep-alive interval)."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND) as source:
+        request_id = rid("large")
+        feed = await source.open(request_id)
+        assert await feed.next(0.2) is None  # its replay's probe: nothing stored yet
+        waiting = asyncio.ensure_future(feed.next(8.0))
+        await asyncio.sleep(0.1)  # parked in Inbox.wait
+        large = b'{"text":"' + b"L" * (BOUND + 1000) + b'"}'
+        started = time.monotonic()
+        await publish_result(client, SUBJECTS, request_id, 0, large, final=True)
+        await client.flush()
+        item = await waiting
+        took = time.monotonic() - started
+        assert isinstance(item, ResultInfo) and item.body == large, item
+        assert took < 2.0, f"the large result waited {took:.1f} s in the edge"
+        assert source.metrics.streams_behind == 1
+        assert isinstance(await feed.next(1.0), Ended)
+        await feed.close()
