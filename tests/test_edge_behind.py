@@ -81,3 +81,46 @@ async def test_a_result_larger_than_the_buffer_reaches_a_feed_waiting_for_it_at_
         assert source.metrics.streams_behind == 1
         assert isinstance(await feed.next(1.0), Ended)
         await feed.close()
+
+
+DENY_MSG_GET = """
+authorization {
+  users = [
+    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>"]}}}
+    {user: pub, password: pub}
+  ]
+}
+"""
+
+
+def with_user(url: str, user: str) -> str:
+    return url.replace("nats://", f"nats://{user}:{user}@")
+
+
+async def test_a_behind_feed_whose_msg_get_is_refused_reads_on_with_consumers_and_gets_every_result():
+    """An edge user without ``$JS.API.STREAM.MSG.GET`` (an earlier permission set): on an empty
+    results stream an open needs no MSG.GET, so the refusal is first met by the catch-up of a feed
+    that fell behind. Its client, still slower than the results come, must get every result: an
+    open's fallback (an ordered consumer from the stream's start, with the same bound) pushed it
+    eight bounds at once and ended it with an overrun after the nine results its inbox held. The
+    second feed's catch-up, after the refusal is known, asks no MSG.GET."""
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND) as source:
+                feeds = [await source.open(rid(f"refused{i}")) for i in range(2)]
+                count = 64  # eight bounds
+                for feed in feeds:
+                    assert feed.inbox is not None  # dispatched: nothing stored, no MSG.GET asked
+                    assert await feed.next(0.2) is None
+                    await behind(source, feed, nc, count, final_at=count - 1)
+                for n, feed in enumerate(feeds):
+                    seqs = []
+                    while isinstance(item := await feed.next(5.0), ResultInfo):
+                        seqs.append(item.seq)
+                        await asyncio.sleep(0.005)  # a client slower than the stream is pushed
+                    assert seqs == list(range(count)) and isinstance(item, Ended), (seqs, item)
+                    assert source.msg_get.state == "refused"
+                    assert source.metrics.streams_overrun == 0
+                    await feed.close()
+                assert source.metrics.replay_pauses >= 2  # each catch-up paused: read at the client's pace

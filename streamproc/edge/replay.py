@@ -34,7 +34,11 @@ Memory stays within the bound; the reader gets every result in order; each pause
 
 A live stream whose client fell its bound behind the dispatch reads on the same way: a replay
 from the first result it did not take (``start``) up to what the ring had delivered when it
-rejoined (:meth:`ResultSource.catch_up`).
+rejoined (:meth:`ResultSource.catch_up`). Where ``STREAM.MSG.GET`` is refused, such a catch-up
+reads with consumers alone (``by_consumer``): each made at the next sequence to read, unprobed,
+and paused as above (an open instead falls back to an ordered consumer from the stream's start,
+which would push its history at once to a client known to be slower). A result larger than the
+bound, which only MSG.GET can read, then raises :class:`~.msg_get.Refused`.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ class Replay:
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[[object, bool], None] | None = None,
                  access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None,
-                 start: int = 1) -> None:
+                 start: int = 1, by_consumer: bool | None = False) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -121,15 +125,27 @@ class Replay:
         self.paused = False  # a pause ended: the next stored result comes by subject (see next)
         self.by_subject = False  # a consumer handed out nothing before its pause: no more consumers
         self.taken = 0  # results handed out by the current consumer
+        # Read with consumers only, each made at next_seq without asking MSG.GET first: True when
+        # MSG.GET is refused; None (a catch-up's) becomes True when a MSG.GET goes unanswered;
+        # False (an open's) raises Refused then (see the module docstring).
+        self.by_consumer = by_consumer
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
             return None
         if self.sub is None:
+            if self.by_consumer:
+                return await self._subscribe(self.next_seq)
             # The probe (the first stored result, if any), or more stored? Asked before a consumer
             # exists (it would push at once, while nobody reads): the consumer is made only when
             # there is something for it, starting at that one.
-            message = await self._get(self.next_seq)
+            try:
+                message = await self._get(self.next_seq)
+            except Refused:
+                if self.by_consumer is not None:
+                    raise
+                self.by_consumer = True
+                return await self.next()
             if message is None:
                 return None
             if (self.read == 0 or self.paused or self.by_subject
@@ -145,13 +161,23 @@ class Replay:
                 self.read += 1
                 self.done = message.seq >= self.upto
                 return _parts(message)
-            self.sub = await self.nc.jetstream().subscribe(
-                self.subject, stream=self.stream, ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=message.seq),
-                **self.consumer_options)
-            self.taken = 0
-            if self.watch is not None:
-                self.watch(self.sub, True)
+            return await self._subscribe(message.seq)
+        return await self._read()
+
+    async def _subscribe(self, seq: int) -> tuple[str, dict[str, str] | None, bytes] | None:
+        """Read on with a new temporary consumer from stream sequence ``seq``."""
+        if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
+            raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}", denied=False)
+        self.sub = await self.nc.jetstream().subscribe(
+            self.subject, stream=self.stream, ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
+            **self.consumer_options)
+        self.taken = 0
+        if self.watch is not None:
+            self.watch(self.sub, True)
+        return await self._read()
+
+    async def _read(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         sub = self.sub
         while True:
             msg = pending.take(sub)  # Subscription.next_msg without its tasks per message (pending.py)

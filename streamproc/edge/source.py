@@ -919,9 +919,10 @@ class ResultSource:
         self.metrics.core_subscriptions += 1
         return feed
 
-    def _replay(self, feed: ResultFeed, stream: str, subject: str, start: int) -> Replay:
+    def _replay(self, feed: ResultFeed, stream: str, subject: str, start: int,
+                by_consumer: bool | None = False) -> Replay:
         """The results of ``subject`` stored from sequence ``start`` up to what the ring has
-        delivered: those the dispatch did not give ``feed`` (replay.py)."""
+        delivered: those the dispatch did not give ``feed`` (replay.py; ``by_consumer`` there)."""
         assert self.fanout is not None and self.nc is not None and feed.inbox is not None
 
         def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
@@ -933,19 +934,27 @@ class ResultSource:
         limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit,
                   "inactive_threshold": CONSUMER_LINGER}
         return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                      REPLAY_TIMEOUT, limits, watch, self.msg_get, self._may_replay_with_consumer, start)
+                      REPLAY_TIMEOUT, limits, watch, self.msg_get, self._may_replay_with_consumer, start,
+                      by_consumer)
 
     def catch_up(self, feed: ResultFeed) -> None:
         """A dispatched JetStream feed that fell behind (:meth:`_on_inbox_full`) has handed out what
         its inbox held: it rejoins the dispatch now and reads the results it did not take from the
         stream, from the first of them up to what the ring has delivered (the argument of an open:
-        every later one reaches its inbox). Its next ``next`` reads them before the inbox's."""
+        every later one reaches its inbox). Its next ``next`` reads them before the inbox's.
+
+        Where MSG.GET is refused (msg_get.py) the replay reads with consumers alone (replay.py,
+        ``by_consumer``): the fallback of an open, an ordered consumer from the stream's start with
+        the same bound, would push at least a bound's worth at once to a client known to be slower,
+        and end its stream with an overrun."""
         inbox = feed.inbox
         assert inbox is not None and inbox.behind is not None and self.fanout is not None
         start, inbox.behind = inbox.behind, None
         if feed.mode != "jetstream" or self.fanout.stream is None:  # the stream went meanwhile: gone
             return
-        feed.replay = self._replay(feed, self.fanout.stream, self.subjects.result(feed.request_id), start)
+        refused = self.msg_get is not None and self.msg_get.state == "refused"
+        feed.replay = self._replay(feed, self.fanout.stream, self.subjects.result(feed.request_id), start,
+                                   True if refused else None)
 
     def _consume(self, feed: ResultFeed, stream: str, limits: dict[str, int], start: int = 1) -> None:
         """Give a JetStream feed an ordered consumer of its own (:meth:`_attach`). It replays the
