@@ -55,9 +55,22 @@ async def drain(feed, timeout: float = 5.0) -> tuple[list[int], object]:
 
 async def behind(source, feed, nc, count: int, *, final_at: int | None = None) -> None:
     """Publish ``count`` results (``count`` / 8 bounds) that ``feed``'s client does not read: its
-    inbox goes behind."""
-    await publish(nc, feed.request_id, range(count), final_at=final_at)
-    await until(lambda: feed.inbox.behind is not None)
+    inbox goes behind. One at a time until it did, each read by the ring before the next (a stream
+    with a small ``max_msgs`` drops what its consumer has not pushed yet), the rest at once."""
+    seq = 0
+    while feed.inbox.behind is None:
+        assert seq < count, "never went behind"
+        await publish(nc, feed.request_id, [seq], final_at=final_at)
+        seq += 1
+        await until(lambda: feed.inbox.behind is not None or len(feed.inbox._items) == seq)
+    await publish(nc, feed.request_id, range(seq, count), final_at=final_at)
+    await ring_read_all(source, nc)
+
+
+async def ring_read_all(source, nc) -> None:
+    """Until the ring has read every result stored so far."""
+    last = (await nc.jetstream().stream_info(source.fanout.stream)).state.last_seq
+    await until(lambda: source.fanout.delivered() >= last)
 
 
 async def test_a_result_larger_than_the_buffer_reaches_a_feed_waiting_for_it_at_once(nats_url, client):
@@ -124,3 +137,102 @@ async def test_a_behind_feed_whose_msg_get_is_refused_reads_on_with_consumers_an
                     assert source.metrics.streams_overrun == 0
                     await feed.close()
                 assert source.metrics.replay_pauses >= 2  # each catch-up paused: read at the client's pace
+
+
+@pytest.mark.parametrize("when", ["behind", "catching up"])
+async def test_a_behind_feed_ends_with_stream_gone_when_its_results_stream_is_deleted(nats_url, client, when):
+    """Deleted while the feed is behind (its inbox holds what it took) or while its catch-up reads
+    the stream: :class:`StreamGone` soon after the watch sees it, not Lost, not a wait."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND) as source:
+        feed = await source.open(rid("deleted"))
+        assert await feed.next(0.2) is None
+        await behind(source, feed, client, 64)
+        seqs = []
+        if when == "catching up":
+            while len(seqs) < 12:
+                item = await feed.next(5.0)
+                assert isinstance(item, ResultInfo), item
+                seqs.append(item.seq)
+            assert feed.replay is not None, (seqs, feed.inbox.behind, len(feed.inbox._items), source.metrics.replay_pauses)
+        await client.jetstream().delete_stream(RESULTS_STREAM)
+        started = time.monotonic()
+        more, item = await drain(feed, 10.0)
+        took = time.monotonic() - started
+        assert isinstance(item, StreamGone), item
+        assert seqs + more == list(range(len(seqs) + len(more)))  # in order, none twice
+        assert took < 3.0, f"StreamGone came {took:.1f} s after the deletion"
+        await feed.close()
+
+
+@pytest.mark.parametrize("when", ["behind", "catching up"])
+async def test_a_behind_feed_reads_a_recreated_results_stream_from_its_start(nats_url, client, when):
+    """Deleted and created anew between two of the watch's checks, with the results stored again in
+    the new stream (a processor republishing): the feed reads the new history from its start and
+    its client gets every result once, in order."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND) as source:
+        source._watch_task.cancel()  # the watch's check is run below, after both changes
+        feed = await source.open(rid("recreated"))
+        assert await feed.next(0.2) is None
+        await behind(source, feed, client, 64)
+        seqs = []
+        if when == "catching up":
+            while len(seqs) < 12:
+                item = await feed.next(5.0)
+                assert isinstance(item, ResultInfo), item
+                seqs.append(item.seq)
+            assert feed.replay is not None, (seqs, feed.inbox.behind, len(feed.inbox._items), source.metrics.replay_pauses)
+        js = client.jetstream()
+        await js.delete_stream(RESULTS_STREAM)
+        await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
+        await publish(client, feed.request_id, range(80), final_at=79)
+        await source._check_results_stream()
+        assert source.metrics.results_stream_recreated == 1 and source.metrics.streams_gone == 0
+        more, item = await drain(feed)
+        assert isinstance(item, Ended), item
+        assert seqs + more == list(range(80))
+        assert source.metrics.streams_overrun == 0
+        await feed.close()
+
+
+async def limited_stream(nc, max_msgs: int) -> None:
+    await nc.jetstream().add_stream(StreamConfig(name=RESULTS_STREAM, subjects=[SUBJECTS.all_results],
+                                                 max_msgs=max_msgs, storage=StorageType.FILE))
+
+
+async def test_results_expired_before_a_behind_feed_caught_up_are_a_gap_not_a_skip(nats_url, client):
+    """``max_msgs`` 4: of 64 results published while the client read nothing, the stream keeps the
+    last four when the feed catches up. The results between what its inbox held and those are
+    gone: a :class:`Gap` after ``--gap-timeout``, never a silent skip to the stored ones."""
+    await limited_stream(client, 4)
+    async with started_source(nats_url, SUBJECTS, stream_buffer_bytes=BOUND, gap_timeout=1.0) as source:
+        feed = await source.open(rid("expired"))
+        assert await feed.next(0.2) is None
+        await behind(source, feed, client, 64, final_at=63)
+        held = len(feed.inbox._items)
+        started = time.monotonic()
+        seqs, item = await drain(feed)
+        assert seqs == list(range(held)), (seqs, item)
+        assert isinstance(item, Gap) and item.missing == held and item.waiting == 4, item
+        assert time.monotonic() - started < 3.0
+        await feed.close()
+
+
+async def test_a_behind_feed_whose_every_later_result_expired_is_told_so_not_left_waiting(nats_url, client):
+    """``max_msgs`` 4, and four results of another request published after the feed's 64: nothing
+    of its request is stored when it catches up, final result included, and nothing more will
+    come. The edge knows that the result it did not take is gone (its stream sequence is stored
+    in ``Inbox.behind``): the client must hear of it within ``--gap-timeout``, not wait silently
+    for ``--result-timeout``."""
+    await limited_stream(client, 4)
+    async with started_source(nats_url, SUBJECTS, stream_buffer_bytes=BOUND, gap_timeout=1.0,
+                              result_timeout=30.0) as source:
+        feed = await source.open(rid("allgone"))
+        assert await feed.next(0.2) is None
+        await behind(source, feed, client, 64, final_at=63)
+        await publish(client, rid("other"), range(4))
+        await ring_read_all(source, client)
+        held = len(feed.inbox._items)
+        seqs, item = await drain(feed, 3.0)
+        assert seqs == list(range(held)), (seqs, item)
+        assert isinstance(item, Gap) and item.missing == held, item
+        await feed.close()

@@ -38,7 +38,9 @@ rejoined (:meth:`ResultSource.catch_up`). Where ``STREAM.MSG.GET`` is refused, s
 reads with consumers alone (``by_consumer``): each made at the next sequence to read, unprobed,
 and paused as above (an open instead falls back to an ordered consumer from the stream's start,
 which would push its history at once to a client known to be slower). A result larger than the
-bound, which only MSG.GET can read, then raises :class:`~.msg_get.Refused`.
+bound, which only MSG.GET can read, then raises :class:`~.msg_get.Refused`. A catch-up's start
+is a result of the subject (``expect``): found gone, ``lost`` tells the feed, which then reports a
+gap after ``--gap-timeout`` even when no later result of the request comes (its final one gone too).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class Replay:
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[[object, bool], None] | None = None,
                  access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None,
-                 start: int = 1, by_consumer: bool | None = False) -> None:
+                 start: int = 1, by_consumer: bool | None = False, expect: int | None = None) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -129,6 +131,10 @@ class Replay:
         # MSG.GET is refused; None (a catch-up's) becomes True when a MSG.GET goes unanswered;
         # False (an open's) raises Refused then (see the module docstring).
         self.by_consumer = by_consumer
+        # A stream sequence known to hold a result of the subject (a catch-up's start): the first
+        # result read must be that one; if it is not stored any more, ``lost`` says so.
+        self.expect = expect
+        self.lost = False
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
@@ -196,6 +202,7 @@ class Replay:
         if reply is not None:
             await self.nc.publish(reply)
         meta = msg.metadata
+        self._found(meta.sequence.stream)
         if meta.sequence.stream > self.upto:  # later ones come from the dispatch
             await self._finish()
             return None
@@ -225,15 +232,24 @@ class Replay:
         response = _decode(reply.data)
         if response.error is not None:
             if response.error.err_code == NO_MESSAGE or response.error.code == 404:
+                self._found(None)
                 self.done = True
                 return None
             raise APIError(code=response.error.code, err_code=response.error.err_code,
                            description=response.error.description)
         message = response.message
+        self._found(message.seq if message is not None else None)
         if message is None or message.seq > self.upto:
             self.done = True
             return None
         return message
+
+    def _found(self, seq: int | None) -> None:
+        """The first stored result read is at ``seq`` (None: none is stored): one expected earlier
+        is gone (``max_age``, ``max_msgs``, a deletion)."""
+        if self.expect is not None:
+            self.lost = seq is None or seq > self.expect
+            self.expect = None
 
     async def overflowed(self, reply: str | None) -> bool:
         """nats-py dropped a message of the temporary consumer (``SlowConsumerError``; ``reply`` is

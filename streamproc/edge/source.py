@@ -131,6 +131,9 @@ class ResultFeed:
         # consumer reads on from there (ResultSource.read_on); None while it keeps up.
         self.cut: int | None = None
         self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
+        # A result stored for it was gone when it caught up (Replay.lost): its next seq may never
+        # come, so the gap clock runs until a result in order does, also with nothing pending.
+        self.lost_stored = False
 
     async def next(self, timeout: float) -> FeedItem | None:
         """The next item, or None when ``timeout`` seconds pass without one."""
@@ -151,7 +154,7 @@ class ResultFeed:
             if self.order.done:
                 return Ended()
             now = time.monotonic()
-            if self.order.pending:
+            if self.order.pending or self.lost_stored:
                 if self._gap_since is None:
                     self._gap_since = now
                 if now - self._gap_since >= gap_timeout:
@@ -177,6 +180,8 @@ class ResultFeed:
                     if self.overrun:  # its consumer was stopped because the client fell behind
                         return Overrun(self.source.settings.stream_buffer_bytes)
                     return Lost(f"cannot read the results stream: {error_text(exc)}")
+                if replay.lost:  # a result it did not take expired before it caught up (catch_up)
+                    replay.lost, self.lost_stored = False, True
                 if stored is None:  # done, or closed meanwhile (close() or an overrun took it)
                     if self.replay is replay:
                         self.replay = None
@@ -279,6 +284,8 @@ class ResultFeed:
             if len(self.order.pending) - waiting + len(ready):  # stored, not a duplicate
                 self._held_bytes += len(result.body)
             self._held_bytes -= sum(len(r.body) for r in ready)
+        if ready:
+            self.lost_stored = False
         self._ready.extend(ready)
         if self._held_bytes > self.source.settings.stream_buffer_bytes:
             self._overrun()
@@ -920,7 +927,7 @@ class ResultSource:
         return feed
 
     def _replay(self, feed: ResultFeed, stream: str, subject: str, start: int,
-                by_consumer: bool | None = False) -> Replay:
+                by_consumer: bool | None = False, expect: int | None = None) -> Replay:
         """The results of ``subject`` stored from sequence ``start`` up to what the ring has
         delivered: those the dispatch did not give ``feed`` (replay.py; ``by_consumer`` there)."""
         assert self.fanout is not None and self.nc is not None and feed.inbox is not None
@@ -935,7 +942,7 @@ class ResultSource:
                   "inactive_threshold": CONSUMER_LINGER}
         return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                       REPLAY_TIMEOUT, limits, watch, self.msg_get, self._may_replay_with_consumer, start,
-                      by_consumer)
+                      by_consumer, expect)
 
     def catch_up(self, feed: ResultFeed) -> None:
         """A dispatched JetStream feed that fell behind (:meth:`_on_inbox_full`) has handed out what
@@ -954,7 +961,9 @@ class ResultSource:
             return
         refused = self.msg_get is not None and self.msg_get.state == "refused"
         feed.replay = self._replay(feed, self.fanout.stream, self.subjects.result(feed.request_id), start,
-                                   True if refused else None)
+                                   True if refused else None,
+                                   # a result of its subject; 1 is also the start of a recreated stream
+                                   start if start > 1 else None)
 
     def _consume(self, feed: ResultFeed, stream: str, limits: dict[str, int], start: int = 1) -> None:
         """Give a JetStream feed an ordered consumer of its own (:meth:`_attach`). It replays the
