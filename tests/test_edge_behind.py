@@ -11,7 +11,7 @@ import asyncio
 import time
 
 import pytest
-from edge_harness import publish_result, started_source
+from edge_harness import publish_result, publish_results, started_source
 from helpers import connection, rid
 from nats.js.api import StorageType, StreamConfig
 
@@ -290,4 +290,101 @@ async def test_a_slow_and_a_fast_client_of_one_request_and_a_resume_while_behind
         # Dropped: only the resumed feed's 0-20, stored before its Last-Event-ID; the slow one's none.
         assert source.metrics.streams_behind == 1 and source.metrics.duplicates_dropped == 21
         for feed in (slow, fast, resumed):
+            await feed.close()
+
+
+def held(feed) -> int:
+    """The bytes of results the edge holds for ``feed``: its inbox, its replay's consumer's
+    pending queue, its reorder buffer and what that released but the stream did not take yet."""
+    replay = feed.replay
+    sub = replay.sub if replay is not None else None
+    return (feed.inbox._bytes + (sub._sub._pending_size if sub is not None else 0) + feed._held_bytes
+            + sum(len(r.body) for r in feed._ready))
+
+
+@pytest.mark.timeout(60)
+async def test_fifty_behind_feeds_get_every_result_beside_a_fast_one_within_three_buffers_each(nats_url, client):
+    """50 feeds whose live results (five buffers' worth each) come while their clients read
+    nothing, then read slowly, all at once, and a feed read as its results come every 50 ms:
+    each slow one gets every result, in order, once; the fast one's results keep their pace; the
+    edge holds at most three buffers per feed (inbox, replay consumer, reorder buffer; sampled
+    every 5 ms); its temporary consumers stay within --max-replay-consumers and are gone
+    afterwards. (In-process: through HTTP, the kernel's send buffer of each client socket,
+    autotuned to 3.9 MB here, takes a request this size before the edge holds any of it.)"""
+    feeds_count, replay_consumers, results = 50, 8, 40
+    large = b'{"text":"' + b"m" * (BOUND // 4 - 12) + b'"}'  # 16 KiB
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND,
+                              max_replay_consumers=replay_consumers) as source:
+        js = client.jetstream()
+        base = (await js.stream_info(RESULTS_STREAM)).state.consumer_count
+        slow_ids = [rid(f"many{i}") for i in range(feeds_count)]
+        slow_feeds = [await source.open(i) for i in slow_ids]
+        fast = await source.open(rid("fast"))
+        assert await asyncio.gather(*(f.next(0.2) for f in (*slow_feeds, fast))) == [None] * (feeds_count + 1)
+        peaks = {"feed": 0, "total": 0, "replays": 0, "consumers": 0}
+        got: dict[str, list[int]] = {i: [] for i in slow_ids}
+        lags: list[float] = []
+        reading = asyncio.Event()
+
+        async def sample() -> None:
+            while True:
+                sizes = [held(f) for f in slow_feeds]
+                peaks["feed"] = max(peaks["feed"], *sizes)
+                peaks["total"] = max(peaks["total"], sum(sizes))
+                peaks["replays"] = max(peaks["replays"], len(source._replays))
+                await asyncio.sleep(0.005)
+
+        async def count_consumers() -> None:
+            while True:
+                count = (await js.stream_info(RESULTS_STREAM)).state.consumer_count
+                peaks["consumers"] = max(peaks["consumers"], count)
+                await asyncio.sleep(0.1)
+
+        async def slow(feed) -> None:
+            await reading.wait()
+            while isinstance(item := await feed.next(10.0), ResultInfo):
+                assert item.body == large
+                got[feed.request_id].append(item.seq)
+                await asyncio.sleep(0.002)
+            assert isinstance(item, Ended), item
+
+        async def fast_reader() -> None:
+            sent_at = {}
+            for seq in range(40):
+                sent_at[seq] = time.monotonic()
+                await publish_result(client, SUBJECTS, fast.request_id, seq, b'{"seq":%d}' % seq, final=seq == 39)
+                await client.flush()
+                item = await fast.next(5.0)
+                assert isinstance(item, ResultInfo) and item.seq == seq, item
+                lags.append(time.monotonic() - sent_at[seq])
+                await asyncio.sleep(0.05)
+
+        samplers = [asyncio.ensure_future(sample()), asyncio.ensure_future(count_consumers())]
+        started = time.monotonic()
+        try:
+            readers = [asyncio.ensure_future(slow(f)) for f in slow_feeds]
+            fast_task = asyncio.ensure_future(fast_reader())
+            for request_id in slow_ids:
+                await publish_results(client, SUBJECTS, request_id, [large] * results, flush_every=8)
+            await ring_read_all(source, client)
+            assert all(f.inbox.behind is not None for f in slow_feeds)
+            reading.set()
+            await asyncio.gather(*readers, fast_task)
+        finally:
+            for task in samplers:
+                task.cancel()
+        took = time.monotonic() - started
+        async with asyncio.timeout(10):  # the temporary consumers linger 1 s (CONSUMER_LINGER)
+            while (await js.stream_info(RESULTS_STREAM)).state.consumer_count != base:
+                await asyncio.sleep(0.1)
+        print(f"\n{feeds_count} behind feeds: {took:.1f} s; held at most {peaks['feed'] / 1024:.0f} KiB per feed, "
+              f"{peaks['total'] / 1024:.0f} KiB in all (bound {BOUND // 1024} KiB); replay consumers at most "
+              f"{peaks['replays']} (server: {peaks['consumers']}, base {base}); fast lag max "
+              f"{max(lags) * 1000:.0f} ms; by subject {source.metrics.replay_reads_by_subject}")
+        assert all(seqs == list(range(results)) for seqs in got.values())
+        assert source.metrics.streams_overrun == 0 and source.metrics.streams_behind >= feeds_count
+        assert peaks["feed"] <= 3 * BOUND and peaks["total"] <= 3 * BOUND * feeds_count
+        assert peaks["replays"] <= replay_consumers
+        assert max(lags) < 1.0, lags
+        for feed in (*slow_feeds, fast):
             await feed.close()

@@ -102,7 +102,8 @@ class Replay:
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[[object, bool], None] | None = None,
                  access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None,
-                 start: int = 1, by_consumer: bool | None = False, expect: int | None = None) -> None:
+                 start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
+                 release: Callable[[], None] | None = None) -> None:
         self.nc = nc
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
@@ -116,6 +117,8 @@ class Replay:
         self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
         # False while the edge holds --max-replay-consumers consumers: the next result comes by subject
         self.may_subscribe = may_subscribe
+        # A True from may_subscribe holds a slot until its consumer exists (or failed): then release()
+        self.release = release
         self.next_seq = start  # 1 for an open; where a live stream fell behind (ResultSource.catch_up)
         self.read = 0  # messages replayed (tests)
         self.sub = None  # the temporary ordered consumer, after a probe found a stored result
@@ -167,17 +170,23 @@ class Replay:
                 self.read += 1
                 self.done = message.seq >= self.upto
                 return _parts(message)
-            return await self._subscribe(message.seq)
+            return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
         return await self._read()
 
-    async def _subscribe(self, seq: int) -> tuple[str, dict[str, str] | None, bytes] | None:
-        """Read on with a new temporary consumer from stream sequence ``seq``."""
-        if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
-            raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}", denied=False)
-        self.sub = await self.nc.jetstream().subscribe(
-            self.subject, stream=self.stream, ordered_consumer=True,
-            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
-            **self.consumer_options)
+    async def _subscribe(self, seq: int, reserved: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
+        """Read on with a new temporary consumer from stream sequence ``seq`` (``reserved``: in a
+        slot may_subscribe gave, released once the consumer exists or failed, as watch counts it)."""
+        try:
+            if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
+                raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}",
+                              denied=False)
+            self.sub = await self.nc.jetstream().subscribe(
+                self.subject, stream=self.stream, ordered_consumer=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
+                **self.consumer_options)
+        finally:
+            if reserved and self.release is not None:
+                self.release()
         self.taken = 0
         if self.watch is not None:
             self.watch(self.sub, True)

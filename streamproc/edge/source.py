@@ -423,6 +423,9 @@ class ResultSource:
         self._feeds: dict[int, ResultFeed] = {}
         # a late attach's temporary consumer -> its feed, to pause that replay instead (replay.py)
         self._replays: dict[int, ResultFeed] = {}
+        # Consumers allowed by _may_replay_with_consumer still being created: counted against
+        # --max-replay-consumers too (50 catch-ups at once each saw none yet and made 39 at once).
+        self._replays_creating = 0
         # Lines any client or results publisher can cause at will (per request or per result) are
         # rate limited per event name, as in the processor; flushed every interval so the suppressed
         # counts are reported when a flood stops.
@@ -942,7 +945,7 @@ class ResultSource:
                   "inactive_threshold": CONSUMER_LINGER}
         return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                       REPLAY_TIMEOUT, limits, watch, self.msg_get, self._may_replay_with_consumer, start,
-                      by_consumer, expect)
+                      by_consumer, expect, self._replay_consumer_made)
 
     def catch_up(self, feed: ResultFeed) -> None:
         """A dispatched JetStream feed that fell behind (:meth:`_on_inbox_full`) has handed out what
@@ -1082,10 +1085,15 @@ class ResultSource:
     def _may_replay_with_consumer(self) -> bool:
         """A late attach may make a consumer for its history (below --max-replay-consumers); else it
         reads the next stored result by subject (replay.py), and the edge counts it."""
-        if len(self._replays) < self.settings.max_replay_consumers:
+        if len(self._replays) + self._replays_creating < self.settings.max_replay_consumers:
+            self._replays_creating += 1  # until _replay_consumer_made: its creation awaits a round trip
             return True
         self.metrics.replay_reads_by_subject += 1
         return False
+
+    def _replay_consumer_made(self) -> None:
+        """A consumer :meth:`_may_replay_with_consumer` allowed exists (in ``_replays`` now) or failed."""
+        self._replays_creating -= 1
 
     async def _fell_behind(self, feed: ResultFeed, exc: nats.errors.SlowConsumerError) -> None:
         """A feed's own ordered consumer dropped a result (its client is its bound behind): stop
