@@ -1,8 +1,8 @@
 """A live JetStream stream whose client fell ``--stream-buffer-bytes`` behind (``Inbox.behind``,
 ``ResultSource.catch_up``): what must hold under the conditions its replay meets. Every result in
 order and once, or an error event, never a silent skip or a hang; the edge holds a few bounds per
-stream; the other streams keep their pace. Real nats-server, the edge's real ``ResultSource``
-(in-process) or ``streamproc edge`` (a subprocess).
+stream; the other streams keep their pace. Real nats-server and the edge's real ``ResultSource``
+(in-process: no HTTP client socket buffers hide how much the edge holds).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ async def behind(source, feed, nc, count: int, *, final_at: int | None = None) -
         assert seq < count, "never went behind"
         await publish(nc, feed.request_id, [seq], final_at=final_at)
         seq += 1
-        await until(lambda: feed.inbox.behind is not None or len(feed.inbox._items) == seq)
+        await until(lambda n=seq: feed.inbox.behind is not None or len(feed.inbox._items) == n)
     await publish(nc, feed.request_id, range(seq, count), final_at=final_at)
     await ring_read_all(source, nc)
 
