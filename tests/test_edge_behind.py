@@ -1,18 +1,21 @@
 """A live JetStream stream whose client fell ``--stream-buffer-bytes`` behind (``Inbox.behind``,
 ``ResultSource.catch_up``): what must hold under the conditions its replay meets. Every result in
 order and once, or an error event, never a silent skip or a hang; the edge holds a few bounds per
-stream; the other streams keep their pace. Real nats-server and the edge's real ``ResultSource``
-(in-process: no HTTP client socket buffers hide how much the edge holds).
+stream; the other streams keep their pace. Real nats-server, the edge's real ``ResultSource``
+in-process (no client socket buffers hide how much the edge holds) and ``streamproc edge``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
+import h11
+import httpx
 import pytest
-from edge_harness import publish_result, publish_results, started_source
-from helpers import connection, rid
+from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
+from helpers import connection, rid, status_kib
 from nats.js.api import StorageType, StreamConfig
 
 from streamproc.core.wire import ResultInfo
@@ -388,3 +391,100 @@ async def test_fifty_behind_feeds_get_every_result_beside_a_fast_one_within_thre
         assert max(lags) < 1.0, lags
         for feed in (*slow_feeds, fast):
             await feed.close()
+
+
+async def paused_body(url: str, request_id: str, go: asyncio.Event) -> bytes:
+    """A stream's body, read by a client that reads nothing until ``go`` is set."""
+    host, port = url.removeprefix("http://").split(":")
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, int(port)))
+        await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+        await go.wait()
+        parser, body = h11.Connection(h11.CLIENT), bytearray()
+        parser.send(h11.Request(method="GET", target=f"/v1/results/{request_id}", headers=[("Host", "edge")]))
+        while True:
+            event = parser.next_event()
+            if event is h11.NEED_DATA:
+                parser.receive_data(await loop.sock_recv(sock, 64 * 1024))
+                await asyncio.sleep(0.002)
+            elif isinstance(event, h11.Response):
+                assert event.status_code == 200, event
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return bytes(body)
+
+
+@pytest.mark.timeout(90)
+async def test_fifty_paused_http_clients_of_live_results_get_them_all_and_the_edge_holds_three_buffers_each(
+        nats_server):
+    """50 SSE clients read nothing while 5 MiB of live results each arrive (more than a client
+    socket's kernel send buffer, 3.9 MB here, takes), then read them; a client beside them gets a
+    result every 50 ms. Each paused client gets every byte it should; the fast one keeps its pace
+    while they catch up;
+    the edge's VmHWM grows by less than three --stream-buffer-bytes per stream (measured +15 MiB
+    against that 38 MiB); its temporary consumers are gone afterwards."""
+    subjects = Subjects("behindhttp")
+    clients, buffer, per_request = 50, 256 * 1024, 80  # 80 x 64 KiB = 5 MiB each
+    body64 = b'{"text":"' + b"h" * (64 * 1024 - 12) + b'"}'
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--stream-buffer-bytes", str(buffer), "--max-streams-per-client", "1000") as edge:
+        pid = edge.proc.pid
+        async with connection(nats_server.url) as nc, connection(nats_server.url) as fast_nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as http:
+            js = nc.jetstream()
+            base = (await js.stream_info(RESULTS_STREAM)).state.consumer_count
+            ids, go, lags = [rid(f"paused{i}") for i in range(clients)], asyncio.Event(), []
+            readers = [asyncio.ensure_future(paused_body(edge.url, i, go)) for i in ids]
+            fast_id = rid("fasthttp")
+
+            async def fast() -> None:
+                async with http.stream("GET", f"/v1/results/{fast_id}") as response:
+                    lines = response.aiter_lines()
+                    for seq in range(60):
+                        sent, late = time.monotonic(), go.is_set()
+                        # its own connection: not queued behind the bulk publishes
+                        await publish_result(fast_nc, subjects, fast_id, seq, b'{"seq":%d}' % seq, final=seq == 59)
+                        await fast_nc.flush()
+                        while not (line := await anext(lines)).startswith("id: "):
+                            pass
+                        assert line == f"id: {seq}"
+                        lags.append((late, time.monotonic() - sent))
+                        await asyncio.sleep(0.05)
+
+            async with asyncio.timeout(20):
+                while edge.metrics()["streamproc_edge_streams_active"] < clients:
+                    await asyncio.sleep(0.05)
+            baseline = status_kib(pid, "VmRSS")
+            fast_task = asyncio.ensure_future(fast())
+            for request_id in ids:
+                await publish_results(nc, subjects, request_id, [body64] * per_request, flush_every=8)
+            async with asyncio.timeout(20):  # the ring read them all: what follows is the catch-ups' doing
+                while edge.metrics()["streamproc_edge_results_seen_total"] < clients * per_request:
+                    await asyncio.sleep(0.05)
+            go.set()
+            bodies = await asyncio.gather(*readers, fast_task)
+            peak = status_kib(pid, "VmHWM")
+            metrics = edge.metrics()
+            async with asyncio.timeout(10):  # the temporary consumers linger 1 s (CONSUMER_LINGER)
+                while (await js.stream_info(RESULTS_STREAM)).state.consumer_count != base:
+                    await asyncio.sleep(0.1)
+        expected = expected_sse([body64] * per_request)
+        assert sum(b != expected for b in bodies[:clients]) == 0
+        growth = peak - baseline
+        catching = [lag for late, lag in lags if late]
+        print(f"\n{clients} paused HTTP clients: VmRSS {baseline / 1024:.1f} MiB, VmHWM +{growth / 1024:.1f} MiB "
+              f"(3 x buffer x clients = {3 * buffer * clients / 2**20:.0f} MiB); behind "
+              f"{metrics['streamproc_edge_streams_behind_total']:.0f}; fast lag max while the 250 MiB were "
+              f"published {max(lag for late, lag in lags if not late) * 1000:.0f} ms, while the clients caught "
+              f"up {max(catching) * 1000:.0f} ms (median {sorted(catching)[len(catching) // 2] * 1000:.0f} ms)")
+        assert metrics["streamproc_edge_streams_overrun_total"] == 0
+        assert metrics["streamproc_edge_streams_behind_total"] >= clients // 2
+        assert growth < 3 * buffer * clients // 1024, growth
+        # While the results are published the ring reads them all, in stream order, the fast one's
+        # among them (a pace set by the server and two shared cores); while 50 streams catch up from
+        # the stream beside it, the fast one keeps its pace.
+        assert len(lags) == 60 and len(catching) >= 20 and max(catching) < 0.5, lags
