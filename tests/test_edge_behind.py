@@ -13,6 +13,7 @@ import time
 
 import h11
 import httpx
+import msgspec
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
 from helpers import connection, rid, status_kib
@@ -215,7 +216,10 @@ async def test_results_expired_before_a_behind_feed_caught_up_are_a_gap_not_a_sk
         started = time.monotonic()
         seqs, item = await drain(feed)
         assert seqs == list(range(held)), (seqs, item)
-        assert isinstance(item, Gap) and item.missing == held and item.waiting == 4, item
+        # Seen once in ~125 runs (not reproduced in 100 more): Overrun(limit=65536) here; the
+        # metrics say which path ended it next time.
+        assert isinstance(item, Gap) and item.missing == held and item.waiting == 4, (
+            item, held, feed.order.next_seq, sorted(feed.order.pending), msgspec.to_builtins(source.metrics))
         assert time.monotonic() - started < 3.0
         await feed.close()
 
@@ -245,8 +249,7 @@ async def test_a_behind_feed_whose_every_later_result_expired_is_told_so_not_lef
 async def test_a_behind_feed_gets_every_result_across_a_nats_server_restart(nats_server, when):
     """nats-server restarted (same store) while the feed is behind, or while its catch-up reads the
     stream: the edge reconnects and the client gets every result once, in order. (All are stored
-    before the restart: a result published after it reaches even a live feed only once nats-py's
-    ordered consumer of the ring misses two heartbeats, ~18 s here, on 2a2bb51's parent too.)"""
+    before the restart; results published after one: test_edge_restream.py.)"""
     async with connection(nats_server.url) as nc, \
             started_source(nats_server.url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND) as source:
         feed = await source.open(rid("restart"))

@@ -641,3 +641,25 @@ async def test_a_deleted_ring_consumer_is_made_again_within_seconds_and_its_stre
             # A new one (named once its creation's answer is read: its deliveries may come first)
             await wait_until(lambda: source._recent_sub._consumer not in (None, name), PROMPT, "a new ring consumer")
             await feed.close()
+
+
+async def test_after_a_nats_server_restart_a_live_stream_hears_of_new_results_within_seconds(nats_server):
+    """nats-server restarted (same store): the ring's ephemeral consumer is gone with it, and
+    nats-py's ordered consumer would make it again only after two missed heartbeats (a live
+    stream's next result came ~18 s after the restart in a test on 2a2bb51). The watch finds it
+    gone and makes it again once the edge has reconnected."""
+    async with connection(nats_server.url) as nc, \
+            started_source(nats_server.url, SUBJECTS, ensure_results_stream=True) as source:
+        feed = await source.open(rid("restarted"))
+        assert await feed.next(0.2) is None  # its replay's probe: nothing stored yet
+        await publish_range(nc, [Reader(feed.request_id)], range(1))
+        assert await feed_results(feed, 1) == [0]
+        await asyncio.to_thread(nats_server.restart)
+        await wait_until(lambda: source.metrics.nats_reconnects == 1 and nc.is_connected, PROMPT, "reconnected")
+        await publish_range(nc, [Reader(feed.request_id)], range(1, 3), final_at=2)
+        started = time.monotonic()
+        assert await feed_results(feed, 2) == [1, 2]
+        waited = time.monotonic() - started
+        assert waited < 4.0, f"the results published after the restart came {waited:.1f} s later"
+        assert source.metrics.ring_consumers_lost >= 1
+        await feed.close()
