@@ -43,8 +43,12 @@ async def until(predicate, timeout: float = 5.0) -> None:
 
 
 async def publish(nc, request_id: str, seqs, *, final_at: int | None = None) -> None:
+    """Published at once, and stored on return: the last one waits for its PubAck, so
+    :func:`ring_read_all` then knows the stream's last sequence (a flush alone let STREAM.INFO
+    answer before the burst's tail was stored, and that tail reached a feed after its catch-up)."""
+    seqs = list(seqs)
     for seq in seqs:
-        await publish_result(nc, SUBJECTS, request_id, seq, body(seq), final=seq == final_at)
+        await publish_result(nc, SUBJECTS, request_id, seq, body(seq), final=seq == final_at, acked=seq == seqs[-1])
     await nc.flush()
 
 
