@@ -23,7 +23,7 @@ from streamproc.core.wire import ResultInfo
 from streamproc.edge.source import Ended, Gap, StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
-from streamproc.wire import Subjects
+from streamproc.wire import Result, Subjects, result_headers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -495,3 +495,29 @@ async def test_fifty_paused_http_clients_of_live_results_get_them_all_and_the_ed
         # among them (a pace set by the server and two shared cores); while 50 streams catch up from
         # the stream beside it, the fast one keeps its pace.
         assert len(lags) == 60 and len(catching) >= 20 and max(catching) < 0.5, lags
+
+
+async def test_a_result_without_an_ack_subject_that_a_jetstream_feed_cannot_take_puts_it_behind_from_the_start(
+        nats_url, client):
+    """A result dispatched with no ``$JS.ACK`` reply (a core delivery, as the ring's old core
+    subscription makes until a reread unsubscribes it) that a JetStream feed's full inbox cannot
+    take: the feed catches up from the stream's start, as ``_on_inbox_full`` means to. nats-py
+    raises ``NotJSMessageError`` (not a ValueError) for such a reply: it escaped the dispatch,
+    the feed was neither behind nor overrun, and the result was gone silently for it."""
+    await limited_stream(client, 1000)
+    async with started_source(nats_url, SUBJECTS, stream_buffer_bytes=BOUND) as source:
+        feed = await source.open(rid("noack"))
+        assert await feed.next(0.2) is None
+        subject = SUBJECTS.result(feed.request_id)
+        for seq in range(8):
+            await publish(client, feed.request_id, [seq])
+            await until(lambda n=seq + 1: len(feed.inbox._items) == n)
+        assert feed.inbox.behind is None
+        await publish(client, feed.request_id, [8], final_at=8)  # stored; the ring's copy finds no room
+        await until(lambda: feed.inbox.behind is not None)
+        feed.inbox.behind = None  # as if that copy had come without its ack subject instead:
+        source.fanout.dispatch(subject, "", result_headers(Result(feed.request_id, 8, body(8), True)), body(8))
+        assert feed.inbox.behind == 1 and not feed.overrun
+        seqs, item = await drain(feed)
+        assert seqs == list(range(9)) and isinstance(item, Ended), (seqs, item)
+        await feed.close()

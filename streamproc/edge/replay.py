@@ -272,7 +272,7 @@ class Replay:
         try:
             dropped = Msg.Metadata._get_metadata_fields(reply or "")
             seq = int(dropped[5])  # the stream sequence, as nats-py's _process_msg reads it
-        except (ValueError, IndexError, TypeError):
+        except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):
             seq = self.next_seq  # unreadable: hand out nothing queued past what was read
         if self.cut is not None:
             self.cut = min(self.cut, seq)

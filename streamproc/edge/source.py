@@ -1028,7 +1028,7 @@ class ResultSource:
             try:
                 # The stream sequence of the result it did not take, as nats-py's _process_msg reads it
                 inbox.behind = int(Msg.Metadata._get_metadata_fields(reply)[5])
-            except (ValueError, IndexError, TypeError):  # not an ack subject: from the stream's start (dups dropped)
+            except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):  # not an ack subject: from the stream's start (dups dropped)
                 inbox.behind = 1
             self.metrics.streams_behind += 1
             # Its task may be parked in Inbox.wait: a result larger than the bound finds the inbox
@@ -1103,7 +1103,7 @@ class ResultSource:
         ordered consumer counts a dropped message as delivered: going on with it would skip it.)"""
         try:
             seq = int(Msg.Metadata._get_metadata_fields(exc.reply or "")[5])  # as nats-py's _process_msg reads it
-        except (ValueError, IndexError, TypeError):  # unreadable: read on from the stream's start (dups dropped)
+        except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):  # unreadable: read on from the stream's start (dups dropped)
             seq = 1
         if feed.cut is not None:
             feed.cut = min(feed.cut, seq)
