@@ -663,3 +663,32 @@ async def test_after_a_nats_server_restart_a_live_stream_hears_of_new_results_wi
         assert waited < 4.0, f"the results published after the restart came {waited:.1f} s later"
         assert source.metrics.ring_consumers_lost >= 1
         await feed.close()
+
+
+async def test_a_replay_stopped_while_its_consumer_is_made_leaves_no_consumer_behind(nats_url):
+    """The watch stops the fan-out's replays when it finds a new history (``_stop_replays``), from
+    its own task: a replay whose temporary consumer was being created then got that consumer after
+    its close. The feed went on without it (its ``replay`` is None), so nothing closed it: the
+    subscription stayed (the server pushing to it), and ``_replays`` kept it, counted against
+    ``--max-replay-consumers`` for the edge's lifetime."""
+    subjects = Subjects("stopmade")
+    async with connection(nats_url) as client, \
+            started_source(nats_url, subjects, ensure_results_stream=True) as source:
+        request_id = rid("made")
+        for seq in range(3):
+            await publish_result(client, subjects, request_id, seq, b'{"seq":%d}' % seq)
+        await client.flush()
+        last = (await client.jetstream().stream_info(source.fanout.stream)).state.last_seq
+        await wait_until(lambda: source.fanout.delivered() >= last, 5.0, "the ring read them")
+        feed = await source.open(request_id)
+        first = await feed.next(5.0)  # the probe's, by subject
+        assert isinstance(first, ResultInfo) and first.seq == 0, first
+        reading = asyncio.ensure_future(feed.next(0.5))  # the next stored one: a consumer is made for it
+        async with asyncio.timeout(5):
+            while source._replays_creating == 0:
+                await asyncio.sleep(0)
+        source._stop_replays()  # what the watch does on a new history, while that consumer is made
+        assert await reading is None  # nothing more from the stopped replay (the ring's reread brings it)
+        await asyncio.sleep(0.2)
+        assert not source._replays and source._replays_creating == 0
+        await feed.close()

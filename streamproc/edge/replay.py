@@ -138,6 +138,7 @@ class Replay:
         # result read must be that one; if it is not stored any more, ``lost`` says so.
         self.expect = expect
         self.lost = False
+        self.closed = False  # close() was called: a consumer made after it is unsubscribed at once
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
@@ -180,13 +181,19 @@ class Replay:
             if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
                 raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}",
                               denied=False)
-            self.sub = await self.nc.jetstream().subscribe(
+            sub = await self.nc.jetstream().subscribe(
                 self.subject, stream=self.stream, ordered_consumer=True,
                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
                 **self.consumer_options)
         finally:
             if reserved and self.release is not None:
                 self.release()
+        if self.closed:  # closed from another task meanwhile (ResultSource._stop_replays): nobody reads it
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+            pending.drop(sub)
+            return None
+        self.sub = sub
         self.taken = 0
         if self.watch is not None:
             self.watch(self.sub, True)
@@ -290,7 +297,7 @@ class Replay:
     async def _stop_consumer(self) -> None:
         """End a pause: the consumer and what is queued past the cut go; the next :meth:`next`
         asks for the next stored result by subject and makes a new consumer from there."""
-        await self.close()
+        await self._drop_consumer()
         self.cut = None
         self.done = False
         self.paused = True
@@ -298,9 +305,14 @@ class Replay:
 
     async def _finish(self) -> None:
         self.done = True
-        await self.close()
+        await self._drop_consumer()
 
     async def close(self) -> None:
+        """Done for good, also when called while a consumer is being made (see :meth:`_subscribe`)."""
+        self.closed = self.done = True
+        await self._drop_consumer()
+
+    async def _drop_consumer(self) -> None:
         sub, self.sub = self.sub, None
         if sub is not None:
             if self.watch is not None:
