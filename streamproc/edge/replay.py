@@ -151,6 +151,8 @@ class Replay:
             # there is something for it, starting at that one.
             try:
                 message = await self._get(self.next_seq)
+                if self.closed:  # closed from another task while the answer was on its way
+                    return None
             except Refused:
                 if self.by_consumer is not None:
                     raise

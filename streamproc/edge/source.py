@@ -63,6 +63,7 @@ REPLAY_TIMEOUT = 5.0  # seconds for one stored result to come back from the stre
 # how long a stream reading a deleted results stream waits for its error event, and how long
 # results stored in a recreated one wait before the ring reads them (ResultSource._check_results_stream).
 STREAM_CHECK = 1.0
+RING_RESET_GRACE = 5.0  # seconds a ring consumer found deleted is left to nats-py's remake before asking again
 
 
 class Ended(msgspec.Struct, frozen=True):
@@ -441,7 +442,9 @@ class ResultSource:
         self._created: dict[str, datetime.datetime] = {}
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
         self._recent_sub = None
-        self._ring_reset: tuple[str, str] | None = None  # the ring consumer last found deleted (its name, stream)
+        # The ring consumer last found deleted (its name, stream) and when: not asked about again
+        # while its new one is being made (RING_RESET_GRACE), then again (a failed remake keeps the name).
+        self._ring_reset: tuple[str, str, float] | None = None
         self._ring_check_off = False  # CONSUMER.INFO went unanswered: the check is off
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
         # the ring has read one (before, an edge without a results stream never asks).
@@ -689,8 +692,11 @@ class ResultSource:
         if stream is None or not isinstance(sub, JetStreamContext.PushSubscription) or self._ring_check_off:
             return
         name = sub._consumer
-        if not name or (name, stream) == self._ring_reset:  # being made again: its new name comes with it
-            return
+        reset = self._ring_reset
+        if not name or (reset is not None and reset[:2] == (name, stream)
+                        and time.monotonic() - reset[2] < RING_RESET_GRACE):
+            return  # being made again: its new name comes with the answer
+
         try:
             await self.nc.jetstream()._jsm.consumer_info(stream, name, timeout=STREAM_CHECK)
             return
@@ -706,7 +712,7 @@ class ResultSource:
         if sub is not self._recent_sub or sub._consumer != name:  # replaced meanwhile
             return
         jsi = core_subscription(sub)._jsi
-        self._ring_reset = (name, stream)
+        self._ring_reset = (name, stream, time.monotonic())
         self.metrics.ring_consumers_lost += 1
         log_event(log, logging.WARNING, "ring_consumer_lost", stream=stream, consumer=name,
                   read_from_seq=jsi._sseq + 1)
