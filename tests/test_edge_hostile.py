@@ -144,6 +144,15 @@ async def test_ids_with_vt_or_ff_get_400_and_such_result_subjects_never_cost_the
         assert peak_rss(edge.proc.pid) < 150 * MiB
 
 
+async def read_slowly(response: httpx.Response) -> bytes:
+    """An SSE body read 64 KiB at a time with a 10 ms pause after each read: ~6 MiB/s at most."""
+    received = bytearray()
+    async for chunk in response.aiter_raw(64 * 1024):
+        received += chunk
+        await anyio.sleep(0.01)
+    return bytes(received)
+
+
 @pytest.mark.timeout(180)
 async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_within_its_buffer(nats_server):
     """A fresh-clone CI run (2026-12-04) saw an HTTP client reading a 48 MiB stored history at full
@@ -162,16 +171,13 @@ async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_with
             await publish_results(nc, subjects, request_id, [body] * results, flush_every=8)
         await anyio.sleep(1.0)
         baseline = peak_rss(edge.proc.pid)
-        received = bytearray()
         async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
                 client.stream("GET", f"/v1/results/{request_id}") as response:
             assert response.status_code == 200
-            async for chunk in response.aiter_raw(64 * 1024):
-                received += chunk
-                await anyio.sleep(0.01)  # ~6 MiB/s at most: slower than the stream delivers
+            received = await read_slowly(response)  # slower than the stream delivers
         growth = peak_rss(edge.proc.pid) - baseline
         metrics = edge.metrics()
-    assert bytes(received) == expected_sse([body] * results), bytes(received[-300:])
+    assert received == expected_sse([body] * results), received[-300:]
     assert metrics["streamproc_edge_streams_overrun_total"] == 0
     assert metrics["streamproc_edge_replay_pauses_total"] >= 1  # it did come faster than it was read
     assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
@@ -194,7 +200,6 @@ async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_
     with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
                       "--stream-buffer-bytes", str(buffer), *own) as edge:
         baseline = peak_rss(edge.proc.pid)
-        received = bytearray()
         async with connection(nats_server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
                 client.stream("GET", f"/v1/results/{request_id}") as response:
             assert response.status_code == 200
@@ -202,12 +207,10 @@ async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_
             async with anyio.create_task_group() as tg:  # published while the client reads
                 tg.start_soon(functools.partial(publish_results, nc, subjects, request_id, [body] * results,
                                                 flush_every=8))
-                async for chunk in response.aiter_raw(64 * 1024):
-                    received += chunk
-                    await anyio.sleep(0.01)  # ~6 MiB/s at most: slower than the results come
+                received = await read_slowly(response)  # slower than the results come
         growth = peak_rss(edge.proc.pid) - baseline
         metrics = edge.metrics()
-    assert bytes(received) == expected_sse([body] * results), bytes(received[-300:])
+    assert received == expected_sse([body] * results), received[-300:]
     assert metrics["streamproc_edge_streams_overrun_total"] == 0
     assert metrics["streamproc_edge_streams_behind_total"] >= 1  # it did fall behind
     assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
