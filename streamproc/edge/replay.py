@@ -90,6 +90,15 @@ def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
     return message.subject, headers, base64.b64decode(message.data) if message.data else b""
 
 
+def stream_seq(reply: str | None) -> int | None:
+    """The stream sequence in a JetStream delivery's ``$JS.ACK`` reply subject, as nats-py 2.16's
+    ``Client._process_msg`` reads it; None when ``reply`` is no ack subject."""
+    try:
+        return int(Msg.Metadata._get_metadata_fields(reply or "")[5])
+    except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):
+        return None
+
+
 class Replay:
     """``await replay.next()``: the next stored result of ``subject`` with a stream sequence up to
     ``upto`` as (subject, headers, body), or None when there is none left (then call nothing but
@@ -278,10 +287,8 @@ class Replay:
         sub = self.sub
         if sub is None:
             return False
-        try:
-            dropped = Msg.Metadata._get_metadata_fields(reply or "")
-            seq = int(dropped[5])  # the stream sequence, as nats-py's _process_msg reads it
-        except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):
+        seq = stream_seq(reply)
+        if seq is None:
             seq = self.next_seq  # unreadable: hand out nothing queued past what was read
         if self.cut is not None:
             self.cut = min(self.cut, seq)

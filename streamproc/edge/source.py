@@ -41,7 +41,7 @@ from .barrier import PongBarrier
 from .direct import DirectFrames
 from .fanout import Fanout, Inbox
 from .msg_get import MsgGetAccess, Refused, State
-from .replay import Replay
+from .replay import Replay, stream_seq
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -1031,11 +1031,9 @@ class ResultSource:
         if inbox.behind is not None:  # behind already: it reads this one from the stream too
             return
         if self.fanout is not None and self.fanout.stream is not None and feed.mode == "jetstream":
-            try:
-                # The stream sequence of the result it did not take, as nats-py's _process_msg reads it
-                inbox.behind = int(Msg.Metadata._get_metadata_fields(reply)[5])
-            except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):  # not an ack subject: from the stream's start (dups dropped)
-                inbox.behind = 1
+            # The stream sequence of the result it did not take; no ack subject: from the stream's
+            # start (dups dropped)
+            inbox.behind = stream_seq(reply) or 1
             self.metrics.streams_behind += 1
             # Its task may be parked in Inbox.wait: a result larger than the bound finds the inbox
             # empty, and nothing else would wake it before its wait's timeout (the keep-alive).
@@ -1107,10 +1105,7 @@ class ResultSource:
         would see the dropped delivery's gap and make a new consumer per message); :meth:`ResultFeed.next`
         hands out what was queued before the drop, then :meth:`read_on` goes on from it. (nats-py's
         ordered consumer counts a dropped message as delivered: going on with it would skip it.)"""
-        try:
-            seq = int(Msg.Metadata._get_metadata_fields(exc.reply or "")[5])  # as nats-py's _process_msg reads it
-        except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):  # unreadable: read on from the stream's start (dups dropped)
-            seq = 1
+        seq = stream_seq(exc.reply) or 1  # unreadable: read on from the stream's start (dups dropped)
         if feed.cut is not None:
             feed.cut = min(feed.cut, seq)
             return
