@@ -1,0 +1,187 @@
+"""A stream the SGLang scheduler aborts, with bodies written by hand from upstream SGLang code.
+
+Nothing here uses the simulator or the codec's ``upstream.py`` builders. Upstream sources read
+(sgl-project/sglang, stored snapshots):
+
+* ``python/sglang/srt/managers/tokenizer_manager.py`` @ 001067ff, ``TokenizerManager._handle_abort_req``::
+
+      meta_info = {"id": recv_obj.rid, "finish_reason": finish_reason,
+                   "weight_version": ..., "e2e_latency": ...}
+      if getattr(state.obj, "return_logprob", False):
+          self.add_logprob_to_meta_info(meta_info, state, ...)   # the WHOLE lists, never sliced
+      output_ids = state.output_ids
+      meta_info["completion_tokens"] = len(output_ids)
+      if is_stream:
+          output_ids = [output_ids[-1]] if len(output_ids) > 0 else []
+      out = {"text": state.get_text(), "output_ids": output_ids, "meta_info": meta_info}
+
+  So in both streaming modes the abort body restates the whole text and output logprob lists,
+  carries only the last token id (again) and no ``prompt_tokens`` (every ``_handle_batch_output``
+  body has it). ``finish_reason`` is ``{"type": "abort", "message": ...}`` or the scheduler's
+  ``FINISH_ABORT.to_json()`` (``{"type": "abort", "message", "status_code", "err_type"}``).
+* same file, ``_wait_one_response``: cumulative mode yields ``out_list[-1]`` (chunks queued behind
+  the abort are never sent); incremental mode coalesces queued chunks with
+  ``_coalesce_streaming_chunks``: ``output_ids`` and ``text`` of every queued chunk concatenated,
+  the ``_INCREMENTAL_STREAMING_META_INFO_KEYS`` lists concatenated, other keys from the last chunk.
+* ``python/sglang/srt/managers/scheduler.py`` @ 0003215c, ``Scheduler.update_running_batch``: the
+  requests ``retract_decode`` cannot keep get ``_make_abort_req(req, finished_reason=
+  abort_reason.to_json())`` sent to the tokenizer: a running request, tokens already streamed.
+  ``_abort_on_waiting_timeout`` / ``_abort_on_queued_limit`` do the same for the waiting queue,
+  which holds retracted requests with their output.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+from streamproc_sglang import SGLangCodec
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+RID = "req-1"
+PROMPT_TOKENS = 4
+OUT = [201, 202, 202, 203]  # a repeated token in the middle: only the counts tell a repeat from a token
+TEXT = ["Hé", "llo", "llo", " 世"]
+OUTPUT_LP = [[-0.125, 201, "Hé"], [-0.5, 202, "llo"], [-0.5, 202, "llo"], [-0.75, 203, " 世"]]
+RETRACT_ABORT = {"type": "abort", "message": "retract: out of memory", "status_code": 503, "err_type": None}
+
+
+def batch_chunk(lo: int, end: int, *, cumulative: bool) -> dict[str, Any]:
+    """``_handle_batch_output`` (BatchStrOutput): one unfinished stream chunk covering ``[lo, end)``;
+    cumulative chunks restate from 0 (text filled in by ``_wait_one_response``)."""
+    start = 0 if cumulative else lo
+    meta = {"id": RID, "finish_reason": None, "prompt_tokens": PROMPT_TOKENS, "weight_version": "default",
+            "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[start:end],
+            "output_token_logprobs_length": end, "completion_tokens": end, "cached_tokens": 0}
+    return {"text": "".join(TEXT[start:end]), "output_ids": OUT[start:end], "meta_info": meta}
+
+
+def abort_body(seen: int, *, stream: bool) -> dict[str, Any]:
+    """``_handle_abort_req`` once the tokenizer holds ``seen`` tokens of the request."""
+    meta = {"id": RID, "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+            "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[:seen],
+            "output_token_logprobs_length": seen, "completion_tokens": seen}
+    ids = OUT[:seen]
+    if stream:
+        ids = [ids[-1]] if ids else []
+    return {"text": "".join(TEXT[:seen]), "output_ids": ids, "meta_info": meta}
+
+
+def coalesced(queued: list[dict[str, Any]]) -> dict[str, Any]:
+    """``_coalesce_streaming_chunks`` of the chunks queued when the abort arrived (incremental mode)."""
+    out = dict(queued[-1])
+    out["output_ids"] = [i for chunk in queued for i in chunk["output_ids"]]
+    out["text"] = "".join(chunk["text"] for chunk in queued)
+    metas = [chunk["meta_info"] for chunk in queued]
+    meta = dict(metas[-1])
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+                "output_token_sampling_mask", "output_token_sampling_logprobs"):
+        if any(key in m for m in metas):
+            meta[key] = [item for m in metas for item in m.get(key, [])]
+    out["meta_info"] = meta
+    return out
+
+
+def fold(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    return json.loads(SGLangCodec(OPTIONS).fold([dumps(c) for c in chunks]))
+
+
+def assert_unary(got: dict[str, Any], seen: int) -> None:
+    """What the non-stream request aborted at the same point answers (``_handle_abort_req``,
+    ``is_stream`` False): every token, the whole text and lists, the abort reason."""
+    want = abort_body(seen, stream=False)
+    assert got["output_ids"] == want["output_ids"]
+    assert got["text"] == want["text"]
+    for key in ("output_token_logprobs", "output_token_logprobs_length", "completion_tokens", "finish_reason"):
+        assert got["meta_info"][key] == want["meta_info"][key], key
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+@pytest.mark.parametrize("seen", [1, 2, 3, 4])
+def test_a_stream_the_scheduler_aborts_folds_to_what_the_unary_abort_answers(cumulative, seen):
+    """Every chunk was sent before the abort: the abort body's id is the last one again."""
+    chunks = [batch_chunk(k, k + 1, cumulative=cumulative) for k in range(seen)]
+    assert_unary(fold([*chunks, abort_body(seen, stream=True)]), seen)
+
+
+def test_an_abort_before_any_token_folds_to_no_tokens():
+    got = fold([abort_body(0, stream=True)])
+    assert got["output_ids"] == [] and got["text"] == ""
+    assert got["meta_info"]["finish_reason"] == RETRACT_ABORT
+
+
+@pytest.mark.parametrize("queued", [1, 2])
+def test_an_incremental_abort_coalesced_with_queued_chunks_keeps_them_and_drops_the_repeat(queued):
+    """``_wait_one_response`` coalesces the chunks queued behind the stream's last sent one with the
+    abort body: their ids, then the last id again; their text, then the whole text again."""
+    sent = 4 - queued
+    chunks = [batch_chunk(k, k + 1, cumulative=False) for k in range(sent)]
+    pending = [batch_chunk(k, k + 1, cumulative=False) for k in range(sent, 4)]
+    assert_unary(fold([*chunks, coalesced([*pending, abort_body(4, stream=True)])]), 4)
+
+
+def test_a_cumulative_abort_that_overtook_one_chunk_adds_its_token():
+    """Cumulative mode yields ``out_list[-1]``: a chunk queued behind the abort is never sent, and the
+    abort's one id is then the token the client has not seen."""
+    chunks = [batch_chunk(0, k + 1, cumulative=True) for k in range(3)]
+    assert_unary(fold([*chunks, abort_body(4, stream=True)]), 4)
+
+
+def test_a_cumulative_abort_that_overtook_several_chunks_keeps_only_the_ids_it_can_place():
+    """Two tokens were never sent as ids: the folded ids stop at what was seen (a known limit), the
+    text and lists are the abort body's whole ones."""
+    chunks = [batch_chunk(0, k + 1, cumulative=True) for k in range(2)]
+    got = fold([*chunks, abort_body(4, stream=True)])
+    assert got["output_ids"] == OUT[:2]
+    assert got["text"] == "".join(TEXT)
+    assert got["meta_info"]["output_token_logprobs"] == OUTPUT_LP
+
+
+def test_an_abort_finish_in_a_batch_output_chunk_is_an_ordinary_delta():
+    """A running request aborted through ``to_finish`` ends in ``_handle_batch_output`` (it has
+    ``prompt_tokens``): its ids are new tokens, folded as any chunk."""
+    chunks = [batch_chunk(k, k + 1, cumulative=False) for k in range(4)]
+    chunks[-1]["meta_info"]["finish_reason"] = RETRACT_ABORT
+    got = fold(chunks)
+    assert got["output_ids"] == OUT and got["text"] == "".join(TEXT)
+
+
+# ------------------------------------------------------------------------------------- P/D decode
+
+
+def prefill_leg() -> dict[str, Any]:
+    """The P/D prefill's body with ``return_routed_experts``: prompt rows, one token."""
+    rows = bytes(range(1, 1 + PROMPT_TOKENS * 4 * 4))  # 4 prompt rows of 4 distinct int32 ids
+    meta = {"id": RID, "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": PROMPT_TOKENS,
+            "weight_version": "default", "input_token_logprobs": [[None, 101, None]] * PROMPT_TOKENS,
+            "output_token_logprobs": OUTPUT_LP[:1], "output_token_logprobs_length": 1,
+            "completion_tokens": 1, "cached_tokens": 0, "routed_experts": base64.b64encode(rows).decode()}
+    return {"text": TEXT[0], "output_ids": OUT[:1], "meta_info": meta}
+
+
+@pytest.mark.parametrize("seen", [0, 1, 3])
+def test_a_decode_leg_the_scheduler_aborted_gets_no_experts_and_the_reason(seen):
+    """``_handle_abort_req`` never writes ``routed_experts``, so the aggregated abort body has none:
+    the join must not put prefill's rows on it (one token), nor call it ``decode_missing`` or
+    ``decode_corrupt`` (no token) when decode ended in an abort."""
+    body = abort_body(seen, stream=True)
+    [(joined, verdict)] = join(SGLangCodec(OPTIONS), [dumps(body)], [dumps(prefill_leg())])
+    meta = json.loads(joined)["meta_info"]
+    assert "routed_experts" not in meta
+    assert meta["routed_experts_unavailable_reason"] == "decode_error"
+    assert verdict is Verdict.OMITTED
+
+
+def test_a_pd_stream_whose_decode_aborts_folds_to_the_unary_abort():
+    decode = [batch_chunk(k, k + 1, cumulative=False) for k in range(3)]
+    decode = [*decode, abort_body(3, stream=True)]
+    joined = join(SGLangCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill_leg())])
+    got = json.loads(SGLangCodec(OPTIONS).fold([body for body, _ in joined]))
+    assert_unary(got, 3)
