@@ -2,13 +2,16 @@
 
 Either streaming mode is read from the chunks themselves (:func:`~.native.restates`): a cumulative
 chunk replaces the accumulated text, ids and output logprob lists; an incremental one extends them.
+A stream the scheduler aborted ends in a body that restates text and lists but not the ids
+(:func:`~.native.abort_restatement`): its repeated last id is not appended.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
-from .native import META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, restates
+from .native import (ABORT_RESTATED_FIELDS, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, AbortRestatement,
+                     abort_restatement, restated, restates)
 
 
 def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -24,7 +27,8 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     meta: dict[str, Any] = {}
     deltas: dict[str, list[Any]] = {}
     for doc in docs:
-        if restates(doc, ids):
+        abort = abort_restatement(doc, ids)
+        if abort is None and restates(doc, ids):
             text.clear()
             ids.clear()
             deltas.clear()
@@ -32,13 +36,16 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for key, value in doc.items():
             if key == TEXT and isinstance(value, str):
                 out.setdefault(key, None)
+                if abort is not None:
+                    value = restated(value, "".join(text), abort.doubled)
+                    text.clear()
                 text.append(value)
             elif key == OUTPUT_IDS and isinstance(value, list):
                 out.setdefault(key, None)
-                ids.extend(value)
+                ids.extend(value if abort is None else abort.ids)
             elif key == META and isinstance(value, dict):
                 out.setdefault(key, None)
-                _merge_meta(meta, deltas, value)
+                _merge_meta(meta, deltas, value, abort)
             else:
                 out[key] = value
     if TEXT in out and out[TEXT] is None:
@@ -58,7 +65,8 @@ def _reset_deltas(meta: dict[str, Any]) -> None:
             meta[key] = []
 
 
-def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[str, Any]) -> None:
+def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[str, Any],
+                abort: AbortRestatement | None) -> None:
     if meta and any(key not in meta for key in chunk):
         _place_new_keys(meta, chunk)
     for key, value in chunk.items():
@@ -67,7 +75,10 @@ def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[
             if acc is None or meta.get(key) is not acc:
                 acc = deltas[key] = list(meta[key]) if isinstance(meta.get(key), list) else []
                 meta[key] = acc
-            acc.extend(value)
+            if abort is not None and key in ABORT_RESTATED_FIELDS:
+                acc[:] = restated(value, acc, abort.doubled)
+            else:
+                acc.extend(value)
         else:
             meta[key] = value
 

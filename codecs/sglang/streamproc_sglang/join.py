@@ -636,6 +636,10 @@ class SGLangJoinSession(JoinSession):
         source_value = self._prefill.get(ROUTED_EXPERTS)
         if not present and source_value is None:
             return  # experts were not requested (indistinguishable from both legs dropping them)
+        if not present and native.failed_finish(meta):
+            # An aborted decode (``TokenizerManager._handle_abort_req`` writes no rows) has no rows to
+            # join, and the aggregated abort body has none: prefill's alone would claim a complete capture.
+            return self._omit(meta, Omit.DECODE_ERROR)
         prefill = self._prefill_rows()
         if isinstance(prefill, str):
             return self._omit(meta, prefill)

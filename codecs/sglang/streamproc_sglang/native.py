@@ -13,7 +13,7 @@ read from the chunk itself (:func:`restates`), so no setting has to match the wo
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import msgspec
 
@@ -113,9 +113,64 @@ def failed(doc: dict[str, Any]) -> bool:
     if ERROR in doc:
         return True
     meta = meta_of(doc)
-    finish = meta.get(FINISH_REASON) if meta is not None else None
+    return meta is not None and failed_finish(meta)
+
+
+def failed_finish(meta: dict[str, Any]) -> bool:
+    """Whether ``meta_info`` names an error or abort finish."""
+    finish = meta.get(FINISH_REASON)
     kind = finish.get("type") if isinstance(finish, dict) else None
     return isinstance(kind, str) and (kind in FAILED_FINISH_TYPES or kind.startswith("abort"))
+
+
+# What ``TokenizerManager._handle_abort_req`` restates in full in a stream's abort body (it calls
+# ``add_logprob_to_meta_info`` and never slices): the text and these lists.
+ABORT_RESTATED_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS})
+
+
+class AbortRestatement(NamedTuple):
+    ids: list[Any]  # the ids the body adds to those already seen
+    doubled: bool  # chunks coalesced in front of it: its text and lists are theirs, then the whole again
+
+
+def abort_restatement(doc: dict[str, Any], seen: Sequence[Any]) -> AbortRestatement | None:
+    """How a stream's abort body from ``TokenizerManager._handle_abort_req`` extends ``seen``, or None
+    for any other body.
+
+    That body (the scheduler aborted a queued or retracted request) restates the whole text and output
+    logprob lists, carries ``output_ids = [output_ids[-1]]`` and ``completion_tokens`` = every token, in
+    both streaming modes; it alone has an abort finish and no ``prompt_tokens``. With ``m`` tokens not
+    yet seen, its ids are read from the counts: ``m + 1`` ids ending in a repeat are incremental
+    chunks coalesced with it (``_coalesce_streaming_chunks``: their ids, then the last again); one id
+    with ``m == 1`` is the token a cumulative stream never sent. With ``m > 1`` and one id, the
+    missing ids cannot be placed: none is added.
+    """
+    meta = meta_of(doc)
+    ids = doc.get(OUTPUT_IDS)
+    if meta is None or PROMPT_TOKENS in meta or not failed_finish(meta) or not isinstance(ids, list):
+        return None
+    count = meta.get(COMPLETION_TOKENS)
+    missing = count - len(seen) if type(count) is int else -1
+    if missing < 0:
+        return None
+    if ids and len(ids) == missing + 1 and len(ids) + len(seen) > 1:
+        before = ids[-2] if len(ids) > 1 else seen[-1]
+        if ids[-1] == before:
+            return AbortRestatement(ids[:-1], missing > 0)
+    if len(ids) <= 1:
+        return AbortRestatement(ids if missing == 1 else [], False)
+    return None
+
+
+def restated(value: Any, accumulated: Any, doubled: bool) -> Any:
+    """The whole text or list an abort body restates: ``value`` itself, or, when queued chunks were
+    coalesced in front of it (``P + whole`` with ``whole = accumulated + P``), its second part."""
+    if not doubled:
+        return value
+    cut = (len(value) - len(accumulated)) // 2
+    if cut >= 0 and value[cut:cut + len(accumulated)] == accumulated:
+        return value[cut:]
+    return value
 
 
 def restates(doc: dict[str, Any], seen: Sequence[Any]) -> bool:
