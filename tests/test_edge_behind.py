@@ -521,3 +521,69 @@ async def test_a_result_without_an_ack_subject_that_a_jetstream_feed_cannot_take
         seqs, item = await drain(feed)
         assert seqs == list(range(9)) and isinstance(item, Ended), (seqs, item)
         await feed.close()
+
+
+@pytest.mark.timeout(90)
+async def test_catch_ups_without_msg_get_past_max_replay_consumers_wait_for_a_consumer_and_get_it_all():
+    """``STREAM.MSG.GET`` refused: a catch-up reads with temporary consumers alone, and made them
+    without asking ``--max-replay-consumers`` (12 paused clients made 12 at once; a hostile set
+    of them as many as --max-streams). Past the cap such a catch-up cannot read by subject: it
+    waits for a consumer (``replay_consumer_waits``). The results stream never holds more than
+    the ring's and the cap's consumers (sampled every 20 ms, the lingering ones of stopped
+    replays counted), every slow client gets every result in order, and a client beside them
+    gets each of its results within a second."""
+    feeds_count, cap, count = 12, 3, 32  # four bounds each
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            js = nc.jetstream()
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
+                                      max_replay_consumers=cap) as source:
+                base = (await js.stream_info(RESULTS_STREAM)).state.consumer_count  # the ring's
+                slow_feeds = [await source.open(rid(f"capped{i}")) for i in range(feeds_count)]
+                fast = await source.open(rid("fastcap"))
+                assert await asyncio.gather(*(f.next(0.2) for f in (*slow_feeds, fast))) == [None] * (feeds_count + 1)
+                for feed in slow_feeds:
+                    await publish(nc, feed.request_id, range(count), final_at=count - 1)
+                await ring_read_all(source, nc)
+                assert all(f.inbox.behind is not None for f in slow_feeds)
+                peak, lags = [0], []
+
+                async def count_consumers() -> None:
+                    while True:
+                        peak[0] = max(peak[0], (await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
+                        await asyncio.sleep(0.02)
+
+                async def slow(feed) -> tuple[list[int], object]:
+                    seqs = []
+                    while isinstance(item := await feed.next(10.0), ResultInfo):
+                        seqs.append(item.seq)
+                        await asyncio.sleep(0.005)
+                    return seqs, item
+
+                async def fast_reader() -> None:
+                    for seq in range(20):
+                        sent = time.monotonic()
+                        await publish_result(nc, SUBJECTS, fast.request_id, seq, b'{"seq":%d}' % seq,
+                                             final=seq == 19)
+                        await nc.flush()
+                        item = await fast.next(5.0)
+                        assert isinstance(item, ResultInfo) and item.seq == seq, item
+                        lags.append(time.monotonic() - sent)
+                        await asyncio.sleep(0.05)
+
+                sampler = asyncio.ensure_future(count_consumers())
+                try:
+                    *ends, _ = await asyncio.gather(*(slow(f) for f in slow_feeds), fast_reader())
+                finally:
+                    sampler.cancel()
+                for seqs, item in ends:
+                    assert seqs == list(range(count)) and isinstance(item, Ended), (seqs, item)
+                print(f"\n{feeds_count} catch-ups without MSG.GET, cap {cap}: server consumers at most "
+                      f"{peak[0]} beside the ring's; waits {source.metrics.replay_consumer_waits}; pauses "
+                      f"{source.metrics.replay_pauses}; fast lag max {max(lags) * 1000:.0f} ms")
+                assert peak[0] <= cap, peak
+                assert source.metrics.replay_consumer_waits > 0 and source.metrics.streams_overrun == 0
+                assert max(lags) < 1.0, lags
+                for feed in (*slow_feeds, fast):
+                    await feed.close()

@@ -56,6 +56,7 @@ class EdgeMetrics(msgspec.Struct):
     jetstream_replays: int = 0
     replay_pauses: int = 0
     replay_reads_by_subject: int = 0
+    replay_consumer_waits: int = 0
     core_subscriptions: int = 0
     streams_dispatched: int = 0
     streams_fallback: int = 0
@@ -122,6 +123,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "jetstream_replays": ("counter", "streams read from the JetStream results stream (replay, then live)"),
     "replay_pauses": ("counter", "times a late attach's history came faster than its client read it: consumer stopped, read on later"),
     "replay_reads_by_subject": ("counter", "stored results a late attach read by subject because the edge held --max-replay-consumers"),
+    "replay_consumer_waits": ("counter", "times a catch-up that may not read by subject (STREAM.MSG.GET refused) waited for a consumer because the edge held --max-replay-consumers"),
     "core_subscriptions": ("counter", "streams read live only (core NATS: their own subscription, or the "
                                       "recent ring's wildcard one)"),
     "streams_dispatched": ("gauge", "streams fed now from the recent ring's wildcard subscription (no "

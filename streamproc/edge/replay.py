@@ -41,6 +41,10 @@ which would push its history at once to a client known to be slower). A result l
 bound, which only MSG.GET can read, then raises :class:`~.msg_get.Refused`. A catch-up's start
 is a result of the subject (``expect``): found gone, ``lost`` tells the feed, which then reports a
 gap after ``--gap-timeout`` even when no later result of the request comes (its final one gone too).
+
+Temporary consumers count against ``--max-replay-consumers`` from their creation until the server
+has dropped them (``CONSUMER_LINGER`` after their unsubscribe). Past it a replay reads the next
+result by subject; one reading with consumers alone cannot, and waits for a consumer (``waiting``).
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ class Replay:
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[[object, bool], None] | None = None,
-                 access: MsgGetAccess | None = None, may_subscribe: Callable[[], bool] | None = None,
+                 access: MsgGetAccess | None = None, may_subscribe: Callable[[bool], bool] | None = None,
                  start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
                  release: Callable[[], None] | None = None) -> None:
         self.nc = nc
@@ -124,7 +128,8 @@ class Replay:
         # calls overflowed() when nats-py drops one of its messages (SlowConsumerError).
         self.watch = watch
         self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
-        # False while the edge holds --max-replay-consumers consumers: the next result comes by subject
+        # False while the edge holds --max-replay-consumers consumers: the next result comes by
+        # subject, or, read with consumers alone (its argument True), the replay waits (``waiting``)
         self.may_subscribe = may_subscribe
         # A True from may_subscribe holds a slot until its consumer exists (or failed): then release()
         self.release = release
@@ -148,13 +153,19 @@ class Replay:
         self.expect = expect
         self.lost = False
         self.closed = False  # close() was called: a consumer made after it is unsubscribed at once
+        # next() returned None for want of a consumer (by_consumer past the cap), not because it is
+        # done: the reader waits for one to be freed and asks again.
+        self.waiting = False
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         if self.done:
             return None
         if self.sub is None:
             if self.by_consumer:
-                return await self._subscribe(self.next_seq)
+                if self.may_subscribe is not None and not self.may_subscribe(True):
+                    self.waiting = True  # nothing to read by subject with: wait for a free consumer
+                    return None
+                return await self._subscribe(self.next_seq, reserved=self.may_subscribe is not None)
             # The probe (the first stored result, if any), or more stored? Asked before a consumer
             # exists (it would push at once, while nobody reads): the consumer is made only when
             # there is something for it, starting at that one.
@@ -170,7 +181,7 @@ class Replay:
             if message is None:
                 return None
             if (self.read == 0 or self.paused or self.by_subject
-                    or (self.may_subscribe is not None and not self.may_subscribe())):
+                    or (self.may_subscribe is not None and not self.may_subscribe(False))):
                 # Handed out as it came: the probe's; after a pause, so that every pause moves the
                 # reader on by a result at least, even one larger than the bound by itself (nats-py
                 # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer

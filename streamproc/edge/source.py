@@ -59,6 +59,9 @@ RECENT_PENDING_MSGS = 65_536
 # nats-py's ordered consumer creates a new one from the last sequence it delivered.
 CONSUMER_LINGER = 1.0
 REPLAY_TIMEOUT = 5.0  # seconds for one stored result to come back from the stream (replay.py)
+# Seconds a replay's consumer still counts against --max-replay-consumers once the replay dropped it:
+# nats-server deletes it CONSUMER_LINGER after its unsubscribe (which follows the drop at once).
+REPLAY_SLOT_LINGER = CONSUMER_LINGER + 0.5
 # Seconds between the watch's checks of the results stream the ring reads (one STREAM.INFO each):
 # how long a stream reading a deleted results stream waits for its error event, and how long
 # results stored in a recreated one wait before the ring reads them (ResultSource._check_results_stream).
@@ -183,6 +186,13 @@ class ResultFeed:
                     return Lost(f"cannot read the results stream: {error_text(exc)}")
                 if replay.lost:  # a result it did not take expired before it caught up (catch_up)
                     replay.lost, self.lost_stored = False, True
+                if replay.waiting:  # no consumer to read with (MSG.GET refused, --max-replay-consumers held)
+                    replay.waiting = False
+                    now = time.monotonic()
+                    if now >= deadline:
+                        return None
+                    await self.source.replay_slot(min(deadline, now + wait) - now)
+                    continue
                 if stored is None:  # done, or closed meanwhile (close() or an overrun took it)
                     if self.replay is replay:
                         self.replay = None
@@ -427,6 +437,9 @@ class ResultSource:
         # Consumers allowed by _may_replay_with_consumer still being created: counted against
         # --max-replay-consumers too (50 catch-ups at once each saw none yet and made 39 at once).
         self._replays_creating = 0
+        # Consumers replays dropped that nats-server still keeps (REPLAY_SLOT_LINGER): counted too.
+        self._replays_lingering = 0
+        self._slot_freed: asyncio.Event | None = None  # set when a slot may be free (replay_slot)
         # Lines any client or results publisher can cause at will (per request or per result) are
         # rate limited per event name, as in the processor; flushed every interval so the suppressed
         # counts are reported when a flood stops.
@@ -944,8 +957,9 @@ class ResultSource:
         def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
             if live:
                 self._replays[id(core_subscription(sub))] = feed
-            else:
-                self._replays.pop(id(core_subscription(sub)), None)
+            elif self._replays.pop(id(core_subscription(sub)), None) is not None:
+                self._replays_lingering += 1  # until the server has dropped it too
+                asyncio.get_running_loop().call_later(REPLAY_SLOT_LINGER, self._replay_consumer_gone)
 
         limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit,
                   "inactive_threshold": CONSUMER_LINGER}
@@ -1086,18 +1100,44 @@ class ResultSource:
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
 
-    def _may_replay_with_consumer(self) -> bool:
-        """A late attach may make a consumer for its history (below --max-replay-consumers); else it
-        reads the next stored result by subject (replay.py), and the edge counts it."""
-        if len(self._replays) + self._replays_creating < self.settings.max_replay_consumers:
+    def _may_replay_with_consumer(self, by_consumer: bool) -> bool:
+        """A replay may make a consumer for its history (below --max-replay-consumers, the consumers
+        being made and those the server still keeps counted); else it reads the next stored result
+        by subject (replay.py), or, reading with consumers alone (``by_consumer``: MSG.GET refused),
+        waits for one (:meth:`replay_slot`), and the edge counts it."""
+        held = len(self._replays) + self._replays_creating + self._replays_lingering
+        if held < self.settings.max_replay_consumers:
             self._replays_creating += 1  # until _replay_consumer_made: its creation awaits a round trip
             return True
-        self.metrics.replay_reads_by_subject += 1
+        if by_consumer:
+            self.metrics.replay_consumer_waits += 1
+        else:
+            self.metrics.replay_reads_by_subject += 1
         return False
 
     def _replay_consumer_made(self) -> None:
         """A consumer :meth:`_may_replay_with_consumer` allowed exists (in ``_replays`` now) or failed."""
         self._replays_creating -= 1
+        self._replay_slot_freed()  # failed: its slot is free
+
+    def _replay_consumer_gone(self) -> None:
+        """A consumer a replay dropped is gone from the server too (REPLAY_SLOT_LINGER)."""
+        self._replays_lingering -= 1
+        self._replay_slot_freed()
+
+    def _replay_slot_freed(self) -> None:
+        freed, self._slot_freed = self._slot_freed, None
+        if freed is not None:
+            freed.set()  # each waiter asks again; one past the cap waits on
+
+    async def replay_slot(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for a replay consumer to be freed (a replay reading with
+        consumers alone past --max-replay-consumers: :attr:`Replay.waiting`)."""
+        if self._slot_freed is None:
+            self._slot_freed = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._slot_freed.wait()
 
     async def _fell_behind(self, feed: ResultFeed, exc: nats.errors.SlowConsumerError) -> None:
         """A feed's own ordered consumer dropped a result (its client is its bound behind): stop
