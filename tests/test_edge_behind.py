@@ -249,6 +249,37 @@ async def test_a_behind_feed_whose_every_later_result_expired_is_told_so_not_lef
         await feed.close()
 
 
+async def test_live_results_piling_up_behind_one_that_expired_before_the_catch_up_end_with_a_gap(nats_url, client):
+    """The catch-up finds the result its client did not take expired (``Replay.lost``), and live
+    results of the request keep coming: they wait in the reorder buffer behind the lost one until
+    the bound, before ``--gap-timeout``. The stream ended with ``Overrun`` ("the client fell
+    behind"), though the cause is known: the seq is gone, and a resume hits the same hole. A
+    :class:`Gap` naming it, at the bound."""
+    await limited_stream(client, 4)
+    async with started_source(nats_url, SUBJECTS, stream_buffer_bytes=BOUND, gap_timeout=10.0) as source:
+        feed = await source.open(rid("lostlive"))
+        assert await feed.next(0.2) is None
+        await behind(source, feed, client, 64)
+        held = len(feed.inbox._items)
+        seqs, item = await drain(feed, 1.0)  # what its inbox held, then the catch-up: the last four wait
+        assert seqs == list(range(held)) and item is None, (seqs, item)
+        assert feed.replay is None and feed.lost_stored and len(feed.order.pending) == 4
+
+        async def live() -> None:  # each taken before the next comes (its inbox never goes behind)
+            for seq in range(64, 80):
+                await publish(client, feed.request_id, [seq], final_at=79)
+                await asyncio.sleep(0.02)
+
+        started = time.monotonic()
+        publisher = asyncio.ensure_future(live())
+        more, item = await drain(feed)
+        assert more == [] and isinstance(item, Gap) and item.missing == held, (more, item, sorted(feed.order.pending))
+        assert time.monotonic() - started < 3.0  # at the bound, not after --gap-timeout
+        assert source.metrics.streams_overrun == 0
+        await publisher
+        await feed.close()
+
+
 @pytest.mark.parametrize("when", ["behind", "catching up"])
 async def test_a_behind_feed_gets_every_result_across_a_nats_server_restart(nats_server, when):
     """nats-server restarted (same store) while the feed is behind, or while its catch-up reads the

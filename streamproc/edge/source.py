@@ -138,6 +138,9 @@ class ResultFeed:
         # A result stored for it was gone when it caught up (Replay.lost): its next seq may never
         # come, so the gap clock runs until a result in order does, also with nothing pending.
         self.lost_stored = False
+        # Later results filled the reorder buffer behind that lost one: the stream ends with this
+        # gap (not an Overrun: its client did not fall behind, and a resume meets the same hole).
+        self.hole: Gap | None = None
 
     async def next(self, timeout: float) -> FeedItem | None:
         """The next item, or None when ``timeout`` seconds pass without one."""
@@ -151,6 +154,8 @@ class ResultFeed:
         while True:
             if self.gone is not None:
                 return StreamGone(self.gone)
+            if self.hole is not None:
+                return self.hole
             if self.overrun:
                 return Overrun(self.source.settings.stream_buffer_bytes)
             if self._ready:
@@ -302,10 +307,13 @@ class ResultFeed:
             self._overrun()
 
     def _overrun(self) -> None:
-        """Give the held results back at once; :meth:`next` reports :class:`Overrun`."""
+        """Give the held results back at once; :meth:`next` reports :class:`Overrun`, or the
+        :class:`Gap` they waited behind when that result is known to be gone (``lost_stored``)."""
+        if self.lost_stored and self.hole is None and not self.overrun:
+            self.hole = Gap(self.order.next_seq, len(self.order.pending))
         self.order.pending.clear()
         self._held_bytes = 0
-        if not self.overrun:
+        if not self.overrun and self.hole is None:
             self.overrun = True
             self.source.metrics.streams_overrun += 1
 
