@@ -14,6 +14,7 @@ import time
 import h11
 import httpx
 import msgspec
+import nats.errors
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
 from helpers import connection, rid, status_kib
@@ -278,6 +279,38 @@ async def test_live_results_piling_up_behind_one_that_expired_before_the_catch_u
         assert source.metrics.streams_overrun == 0
         await publisher
         await feed.close()
+
+
+async def test_a_stopped_own_consumer_is_not_made_again_by_nats_py_nor_its_drops_counted_as_the_rings(nats_url, client):
+    """``--recent 0``: a stream's own ordered consumer dropped a result, and the edge stopped it
+    (``_fell_behind``) by unsubscribing the plain subscription the ``SlowConsumerError`` names,
+    which left the JetStream subscription's heartbeat check running: within two heartbeat
+    intervals (20 s) nats-py found it idle and made it again (``reset_ordered_consumer``), back in
+    the connection's subscriptions, pushing the subject's history into a queue nobody reads.
+    Every result it dropped there was counted as ``recent_dropped`` (47 here), and the consumer
+    stayed for the edge's lifetime. Only the ring's subscription's drops are the ring's."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, recent=0,
+                              stream_buffer_bytes=BOUND) as source:
+        js = client.jetstream()
+        base = (await js.stream_info(RESULTS_STREAM)).state.consumer_count
+        feed = await source.open(rid("ownbehind"))
+        await until(lambda: feed._sub is not None)
+        await publish(client, feed.request_id, range(64), final_at=63)
+        await until(lambda: feed.cut is not None)
+        stopped, stopped_at = feed._sub, time.monotonic()
+        seqs, item = await drain(feed)
+        assert seqs == list(range(64)) and isinstance(item, Ended), (seqs, item)
+        await feed.close()
+        await asyncio.sleep(2.0)  # its two consumers linger 1 s (CONSUMER_LINGER)
+        counts = set()
+        while time.monotonic() - stopped_at < 22.0:  # nats-py's check: every 10 s, idle for one
+            counts.add((await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
+            await asyncio.sleep(0.5)
+        assert counts == {0} and source.metrics.recent_dropped == 0, (counts, source.metrics.recent_dropped)
+        # A drop reported for it late (still queued for the error callback) is nobody's now
+        await source._on_error(nats.errors.SlowConsumerError(subject=SUBJECTS.result(feed.request_id), reply="",
+                                                              sid=0, sub=stopped._sub))
+        assert source.metrics.recent_dropped == 0
 
 
 @pytest.mark.parametrize("when", ["behind", "catching up"])

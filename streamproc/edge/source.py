@@ -1159,7 +1159,10 @@ class ResultSource:
             return
         feed.cut = seq
         self.metrics.streams_behind += 1
-        sub = exc.sub
+        # The JetStream subscription, not the plain one the error names: its unsubscribe also stops
+        # nats-py's heartbeat check, which otherwise found the stopped consumer idle within 20 s and
+        # made it again (reset_ordered_consumer), pushing the history into a queue nobody reads.
+        sub = feed._sub if feed._sub is not None else exc.sub
         with contextlib.suppress(nats.errors.Error, OSError):
             await sub.unsubscribe()
         pending.wake(sub)  # a reader waiting for more: look again
@@ -1198,8 +1201,9 @@ class ResultSource:
                 # (nats/aio/client.py _process_msg -> _JSI.reset_ordered_consumer), be dropped again,
                 # and so on: a new server-side consumer per message until the client's write times out.
                 await feed.close()
-            else:  # the recent ring's wildcard: the page misses a result, nobody's stream breaks
-                self.metrics.recent_dropped += 1
+            elif self._recent_sub is not None and exc.sub is core_subscription(self._recent_sub):
+                self.metrics.recent_dropped += 1  # the ring's wildcard: the page misses a result, nobody's stream breaks
+            # else a subscription the edge stopped already (a feed's, a replay's): nothing is missed
             return
         if self.msg_get is not None and self.msg_get.note_error(str(exc)):
             self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
