@@ -643,6 +643,63 @@ async def test_a_deleted_ring_consumer_is_made_again_within_seconds_and_its_stre
             await feed.close()
 
 
+async def ring_consumers(js) -> set[int]:
+    """The results stream's consumer counts seen over 2 s, every 0.1 s (an orphan lingers 5 s:
+    nats-server's inactive threshold for an ephemeral consumer that sets none, as the ring's)."""
+    seen = set()
+    for _ in range(20):
+        seen.add((await js.stream_info(RESULTS_STREAM)).state.consumer_count)
+        await asyncio.sleep(0.1)
+    return seen
+
+
+@pytest.mark.parametrize("first", ["watch", "nats-py"])
+async def test_the_watch_and_nats_py_do_not_both_make_a_deleted_ring_consumer_again(own_server, first):
+    """Both remake the ring's ordered consumer (``_JSI.reset_ordered_consumer``): the watch when
+    CONSUMER.INFO says it is gone, nats-py's heartbeat check when a check interval (10 s) passed
+    with no delivery. The second reset moves the subscription to a new inbox, and the consumer the
+    first one made is left pushing to nobody (an orphan until its inactive threshold). ``watch``:
+    nats-py's check falls after the watch's reset, before the new consumer's first heartbeat (5 s;
+    the old one's were gone for the interval). ``nats-py``: the watch's check falls while nats-py's
+    reset awaits the new consumer's name (the subscription still names the deleted one). The
+    heartbeat check is run here at those moments (one pass of nats-py's own ``activity_check``)."""
+    async with connection(own_server.url) as nc:
+        js = nc.jetstream()
+        await recreate(js)
+        async with started_source(own_server.url, SUBJECTS) as source:
+            source._watch_task.cancel()  # its checks are run below, at the moments that matter
+            jsi = source._recent_sub._sub._jsi
+            jsi._hbtask.cancel()
+            feed = await source.open(rid(f"double-{first}"))
+            await publish_range(nc, [Reader(feed.request_id)], range(2))
+            assert await feed_results(feed, 2) == [0, 1]
+            # Each time: the watch has seen the consumer, it is deleted, a check interval begins
+            # (no delivery since). ``nats-py``: 20 times, as the watch's question races the new
+            # consumer's answer (the old code remade it a second time in 1 run of 4).
+            for _ in range(1 if first == "watch" else 20):
+                await source._check_ring_consumer()
+                name = source._recent_sub._consumer
+                await js.delete_consumer(RESULTS_STREAM, name)
+                jsi._active = False
+                if first == "watch":
+                    await source._check_ring_consumer()
+                    assert source.metrics.ring_consumers_lost == 1
+                else:
+                    await jsi.reset_ordered_consumer(jsi._sseq + 1)  # what the heartbeat check does
+                    await source._check_ring_consumer()
+                    assert source.metrics.ring_consumers_lost == 0
+                await wait_until(lambda n=name: source._recent_sub._consumer not in (None, n), PROMPT, "remade")
+            if first == "watch":
+                jsi._hbi = 0.5  # one pass of nats-py's heartbeat check, now (its first, after 1 s)
+                check = asyncio.ensure_future(jsi.activity_check())
+                await asyncio.sleep(1.5)
+                check.cancel()
+            assert await ring_consumers(js) == {1}
+            await publish_range(nc, [Reader(feed.request_id)], range(2, 4), final_at=3)
+            assert await feed_results(feed, 2) == [2, 3]
+            await feed.close()
+
+
 async def test_after_a_nats_server_restart_a_live_stream_hears_of_new_results_within_seconds(nats_server):
     """nats-server restarted (same store): the ring's ephemeral consumer is gone with it, and
     nats-py's ordered consumer would make it again only after two missed heartbeats (a live

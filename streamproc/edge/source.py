@@ -467,6 +467,9 @@ class ResultSource:
         # while its new one is being made (RING_RESET_GRACE), then again (a failed remake keeps the name).
         self._ring_reset: tuple[str, str, float] | None = None
         self._ring_check_off = False  # CONSUMER.INFO went unanswered: the check is off
+        # The ring consumer's name and its subscription's sid at the watch's last look: the same name
+        # on a new sid is nats-py's own reset under way (_check_ring_consumer).
+        self._ring_seen: tuple[str, int] | None = None
         # The results stream the ring reads, as the watch knows it: its name and creation time, once
         # the ring has read one (before, an edge without a results stream never asks).
         self._ring_stream: tuple[str, datetime.datetime | None] | None = None
@@ -713,6 +716,15 @@ class ResultSource:
         if stream is None or not isinstance(sub, JetStreamContext.PushSubscription) or self._ring_check_off:
             return
         name = sub._consumer
+        # nats-py remakes it too (_JSI.reset_ordered_consumer, from its heartbeat check or a missed
+        # delivery), moving the subscription to a new sid at once and naming the new consumer when
+        # the server answers: a name seen before on another sid is such a reset under way, which a
+        # second reset would leave pushing to nobody until its inactive threshold.
+        sid = core_subscription(sub)._id
+        seen, self._ring_seen = self._ring_seen, (name, sid)
+        if seen is not None and seen[0] == name and seen[1] != sid:
+            self._ring_reset = (name, stream, time.monotonic())
+            return
         reset = self._ring_reset
         if not name or (reset is not None and reset[:2] == (name, stream)
                         and time.monotonic() - reset[2] < RING_RESET_GRACE):
@@ -730,14 +742,18 @@ class ResultSource:
             log_event(log, logging.WARNING, "ring_consumer_check_off", error=error_text(exc),
                       hint=f"grant the edge user $JS.API.CONSUMER.INFO.{stream}.> (docs/security.md)")
             return
-        if sub is not self._recent_sub or sub._consumer != name:  # replaced meanwhile
-            return
+        if sub is not self._recent_sub or sub._consumer != name or core_subscription(sub)._id != sid:
+            return  # replaced meanwhile, or nats-py's reset began
         jsi = core_subscription(sub)._jsi
         self._ring_reset = (name, stream, time.monotonic())
         self.metrics.ring_consumers_lost += 1
         log_event(log, logging.WARNING, "ring_consumer_lost", stream=stream, consumer=name,
                   read_from_seq=jsi._sseq + 1)
         await jsi.reset_ordered_consumer(jsi._sseq + 1)
+        self._ring_seen = (name, core_subscription(sub)._id)  # our reset's sid, not nats-py's
+        # nats-py's heartbeat check (every 10 s) saw nothing from the deleted consumer: it would
+        # remake this one too before its first heartbeat (5 s). A full interval for it.
+        jsi._active = True
 
     async def _check_own_consumers(self) -> None:
         """The streams other than the ring's that feeds read with an ordered consumer of their own
