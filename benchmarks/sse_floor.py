@@ -320,6 +320,7 @@ async def one_round(kind: str, server: EmbeddedNats, trees: dict[str, Path], rat
             out["python_calls"] = sum(row[3] for row in calls["python"]) / per
             out["c_calls"] = sum(row[1] for row in calls["c"]) / per
             out["top"] = [(n / per, f"{name} ({Path(file).name}:{line})") for file, line, name, n in calls["python"][:30]]
+            out["top_c"] = [(n / per, name) for name, n in calls["c"][:30]]
         return out
     finally:
         for w in writers:
@@ -358,6 +359,9 @@ async def run(args) -> None:
         for kind in kinds:
             print(f"\n{kind}, Python functions called most, per event (last round):")
             for n, name in results[kind][-1]["top"]:
+                print(f"  {n:7.2f}  {name}")
+            print(f"{kind}, C functions called most, per event (last round):")
+            for n, name in results[kind][-1]["top_c"]:
                 print(f"  {n:7.2f}  {name}")
         return
     print(f"\n{'contender':10}{'cpu us/event':>14}{'(range)':>14}{'x floor':>9}{'delivered':>11}")
