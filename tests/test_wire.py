@@ -17,16 +17,21 @@ from streamproc.core import wire
 from streamproc.core.errors import ContractError
 from streamproc.core.wire import (
     ATTEMPT,
+    ERROR,
     FINAL,
     FORMAT,
+    JOIN,
     MSG_ID,
     SEQ,
     TRACEPARENT,
     Chunk,
     ChunkParser,
+    ResultInfo,
     Role,
     Subjects,
+    Verdict,
     chunk_from_message,
+    result_from_message,
 )
 
 PREFIXES = ("streamproc", "sp.v1", "x")
@@ -236,3 +241,70 @@ def test_digit_that_is_not_a_decimal_seq_is_a_contract_error(seq: str) -> None:
     assert reference.value.request_id == fast.value.request_id == "r1"
     with pytest.raises(ContractError):
         ChunkParser(subjects)("sp.chunks.r1.agg", {SEQ: "0", ATTEMPT: seq}, b"")
+
+
+# ------------------------------------------------------------------ results (the edge's parse, once per SSE event)
+
+def reference_result(subjects: Subjects, subject: str, headers: dict[str, str] | None, body: bytes) -> ResultInfo:
+    """``result_from_message`` as it was written before its common case was read inline: one helper
+    call per field (docs/benchmarks.md, "Calls per SSE event")."""
+    request_id = subjects.request_id_of_result(subject)
+    h = headers or {}
+    verdict = h.get(JOIN)
+    return ResultInfo(
+        request_id=request_id,
+        seq=wire._parse_index(h.get(SEQ), SEQ, request_id, required=True),
+        final=wire._parse_flag(h.get(FINAL), FINAL, request_id),
+        verdict=(wire._VERDICTS.get(verdict) or Verdict(verdict)) if verdict else None,
+        error=h.get(ERROR),
+        body=body,
+        traceparent=h.get(TRACEPARENT),
+    )
+
+
+def result_outcome(parse, *args: object) -> tuple[str, object]:
+    """The ResultInfo, or the exception's type, text and request id."""
+    try:
+        return "result", parse(*args)
+    except (ContractError, ValueError) as exc:
+        return type(exc).__name__, (str(exc), getattr(exc, "request_id", None))
+
+
+verdict_values = st.one_of(st.sampled_from([v.value for v in Verdict] + ["", "Joined", "joined "]), odd_text)
+
+
+@st.composite
+def result_messages(draw: st.DrawFn) -> tuple[Subjects, str, dict[str, str] | None, bytes]:
+    prefix = draw(st.sampled_from(PREFIXES))
+    subject = f"{prefix}.results." + draw(request_ids | tokens)
+    if draw(st.integers(0, 9)) == 0:
+        return Subjects(prefix), subject, None, b""
+    headers: dict[str, str] = {}
+    if draw(st.booleans()):  # a processor's headers: valid, but Seq may be too long
+        headers[SEQ] = draw(ascii_digits)
+        contract = ((FINAL, st.sampled_from(["true", "false"])), (JOIN, st.sampled_from([v.value for v in Verdict])))
+    else:
+        contract = ((SEQ, index_values), (FINAL, flag_values), (JOIN, verdict_values))
+    for name, values in (*contract, (ERROR, other_values), (TRACEPARENT, other_values), (MSG_ID, other_values)):
+        if draw(st.integers(0, 3)):
+            headers.setdefault(name, draw(values))
+    return Subjects(prefix), subject, headers, draw(st.binary(max_size=16))
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(result_messages())
+def test_result_from_message_agrees_with_its_helpers(message: tuple) -> None:
+    """The inline seq and flag reads give the same result, or the same error, as the helpers."""
+    got = result_outcome(result_from_message, *message)
+    event(got[0])
+    assert got == result_outcome(reference_result, *message)
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({SEQ: "9" * 18}, "result"), ({SEQ: "9" * 19}, "ContractError"), ({SEQ: "²"}, "ContractError"),
+    ({SEQ: "0", FINAL: "True"}, "ContractError"), ({}, "ContractError"), ({SEQ: "1", JOIN: "x"}, "ValueError"),
+])
+def test_result_from_message_edges(headers: dict[str, str], expected: str) -> None:
+    """The bounds the inline reads must keep (the property above finds them too, but not every run)."""
+    assert result_outcome(result_from_message, Subjects("sp"), "sp.results.r1", headers, b"")[0] == expected
+    assert result_outcome(reference_result, Subjects("sp"), "sp.results.r1", headers, b"")[0] == expected
