@@ -244,6 +244,32 @@ async def test_an_after_read_hook_that_raises_is_logged_and_every_result_still_r
     assert "after_read_failed" in caplog.text
 
 
+@pytest.mark.parametrize("subjects", [LIVE, STORED], ids=["core-inline", "jetstream-queue"])
+async def test_a_dispatch_that_raises_is_logged_and_the_connection_and_other_streams_go_on(
+        nats_url, client, caplog, monkeypatch, subjects):
+    """``Fanout.dispatch`` never raises into a read loop: FastClient's (core, inline) or nats-py's
+    (JetStream, ``DispatchQueue``), where an exception would drop the edge's connection."""
+    from streamproc.edge.source import RecentRequests
+
+    bad, good = rid("raises"), rid("fine")
+    note = RecentRequests.note
+
+    def broken(self, result, now):
+        if result.request_id == bad:
+            raise RuntimeError("bug")
+        note(self, result, now)
+
+    monkeypatch.setattr(RecentRequests, "note", broken)
+    async with started_source(nats_url, subjects) as source:
+        feed = await source.open(good)
+        await publish_result(client, subjects, bad, 0, b'{"n":0}')
+        await publish_result(client, subjects, good, 0, b'{"n":1}', final=True)
+        await client.flush()
+        assert [r.body for r in await read(feed, 1)] == [b'{"n":1}']
+        assert source.nc.is_connected
+    assert "dispatch_failed" in caplog.text
+
+
 async def test_results_a_rebind_dispatches_outside_a_read_are_followed_by_the_after_read_hook(nats_url, client):
     """A rebind (the results stream recreated: ``ResultSource._reread``, in a task) dispatches what
     the new subscription queued before the fan-out took it. No NATS read ends after that, so the

@@ -167,7 +167,7 @@ class Fanout:
         # queue above. A JetStream consumer's messages take nats-py's path and the queue.
         deliver_inline = getattr(sub._conn, "deliver_inline", None)
         if self.stream is None and sub._jsi is None and deliver_inline is not None:
-            deliver_inline(sub, self._inline)
+            deliver_inline(sub, self.dispatch)
 
     def rebind(self, sub, stream: str | None) -> None:
         """Read from another subscription (the results stream was deleted or recreated: source.py).
@@ -204,39 +204,39 @@ class Fanout:
             if not feeds:
                 del self.feeds[subject]
 
-    def _inline(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
-        try:
-            self.dispatch(subject, reply, headers, data)
-        except Exception:  # noqa: BLE001 - never into the read loop (as DispatchQueue.put_nowait)
-            self.source.limited.log(logging.ERROR, "dispatch_failed", subject=subject, exc_info=True)
-        return True
-
-    def dispatch(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> None:
+    def dispatch(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
         """One result off the wire: the recent ring, then each stream open on its subject. ``reply``
         is its ``$JS.ACK`` subject when the ring reads a JetStream stream (its stream sequence, for a
-        stream that cannot take it: ``on_overflow``)."""
+        stream that cannot take it: ``on_overflow``). Never raises: it runs in the read loop
+        (``FastClient``'s inline handler, hence True: taken) or under nats-py's (``DispatchQueue``),
+        and an exception there would drop the connection. The guard is here rather than in a wrapper:
+        one Python call less per SSE event (docs/benchmarks.md, "Calls per SSE event")."""
         source = self.source
-        feeds = self.feeds.get(subject)
         try:
-            result = result_from_message(source.subjects, subject, headers, data)
-        except (ContractError, ValueError) as exc:
-            if feeds:  # as each stream's own subscription counted it
-                source.metrics.malformed_results += len(feeds)
-                for feed in feeds:
-                    source.limited.log(logging.WARNING, "malformed_result", request_id=feed.request_id,
-                                       error=str(exc))
-            return
-        source.metrics.results_seen += 1
-        source.recent.note(result, time.time())
-        if feeds:
-            # A copy when several: an overflow removes its feed from the list (on_overflow). Alone, its
-            # removal just ends the loop.
-            for feed in (feeds if len(feeds) == 1 else tuple(feeds)):
-                direct = feed.direct
-                if direct is not None and direct.offer(result):  # written at once (direct.py)
-                    continue
-                if not feed.inbox.put(result, len(data)):  # type: ignore[union-attr]
-                    self.on_overflow(feed, reply)
+            feeds = self.feeds.get(subject)
+            try:
+                result = result_from_message(source.subjects, subject, headers, data)
+            except (ContractError, ValueError) as exc:
+                if feeds:  # as each stream's own subscription counted it
+                    source.metrics.malformed_results += len(feeds)
+                    for feed in feeds:
+                        source.limited.log(logging.WARNING, "malformed_result", request_id=feed.request_id,
+                                           error=str(exc))
+                return True
+            source.metrics.results_seen += 1
+            source.recent.note(result, time.time())
+            if feeds:
+                # A copy when several: an overflow removes its feed from the list (on_overflow). Alone,
+                # its removal just ends the loop.
+                for feed in (feeds if len(feeds) == 1 else tuple(feeds)):
+                    direct = feed.direct
+                    if direct is not None and direct.offer(result):  # written at once (direct.py)
+                        continue
+                    if not feed.inbox.put(result, len(data)):  # type: ignore[union-attr]
+                        self.on_overflow(feed, reply)
+        except Exception:  # noqa: BLE001 - never into the read loop
+            source.limited.log(logging.ERROR, "dispatch_failed", subject=subject, exc_info=True)
+        return True
 
 
 class DispatchQueue(asyncio.Queue):
@@ -252,7 +252,4 @@ class DispatchQueue(asyncio.Queue):
 
     def put_nowait(self, item: Msg) -> None:
         self.sub._pending_size -= len(item.data)
-        try:
-            self.fanout.dispatch(item.subject, item.reply, item.headers, item.data)
-        except Exception:  # noqa: BLE001 - never into nats-py's read loop: that would drop the connection
-            self.fanout.source.limited.log(logging.ERROR, "dispatch_failed", subject=item.subject, exc_info=True)
+        self.fanout.dispatch(item.subject, item.reply, item.headers, item.data)  # never raises
