@@ -95,7 +95,9 @@ def watch_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) 
 
 
 class UvicornBody:
-    """A response body's bytes, as Uvicorn's ``send`` writes them, without the ASGI message."""
+    """Uvicorn's cycle behind one response's ``send``, its transport and flow control: where
+    :class:`DirectFrames` writes body chunks as ``send`` would, without the ASGI message (its checks
+    and framing are read inline there, once per SSE event)."""
 
     __slots__ = ("cycle", "transport", "flow")
 
@@ -119,22 +121,6 @@ class UvicornBody:
             return None
         return cls(cycle)
 
-    def writable(self) -> bool:
-        """What ``RequestResponseCycle.send`` needs to write a body chunk at once, without waiting."""
-        cycle = self.cycle
-        return (cycle.response_started and not cycle.response_complete and not cycle.disconnected
-                and cycle.chunked_encoding is True and not self.flow.write_paused
-                and not self.transport.is_closing())
-
-    def open(self) -> bool:
-        """The response's body can still take bytes (they queue in the transport if it is paused)."""
-        cycle = self.cycle
-        return not cycle.response_complete and not cycle.disconnected and not self.transport.is_closing()
-
-    def write(self, body: bytes) -> None:
-        """One chunk of the chunked body (``send`` with ``more_body=True``: size, CRLF, bytes, CRLF)."""
-        self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
-
 
 class WriteBatch:
     """The direct frames of one read from NATS, written at the end of that read (``FastClient``
@@ -150,11 +136,6 @@ class WriteBatch:
     def __init__(self, hooked: Callable[[], bool]) -> None:
         self.streams: list[DirectFrames] = []
         self.hooked = hooked  # whether flush() runs at the end of every read (ResultSource.after_read_hooked)
-
-    def add(self, direct: DirectFrames) -> None:
-        if not self.streams and not self.hooked():
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.streams.append(direct)
 
     def flush(self) -> None:
         streams, self.streams = self.streams, []
@@ -179,19 +160,29 @@ class DirectFrames:
 
     def offer(self, result: ResultInfo) -> bool:
         """Take ``result``'s frame for this pass's write and count it as sent (True), or leave it to
-        the task (False; then the frames taken before it are written first, so the task's follow)."""
+        the task (False; then the frames taken before it are written first, so the task's follow).
+        Runs once per SSE event, so what ``RequestResponseCycle.send`` needs to write a body chunk at
+        once without waiting (the headers out, the body not ended, the client there, chunked framing,
+        no flow-control pause, the transport open) and the batch's bookkeeping are written out here
+        rather than called (docs/benchmarks.md, "Calls per SSE event")."""
         out = self.out
         feed = self.feed
         inbox = feed.inbox
-        if (out is None or inbox is None or not inbox.parked() or not out.writable() or feed.overrun
-                or feed.replay is not None or feed.has_ready() or result.request_id != feed.request_id
-                or not feed.order.next_in_line(result)):
+        if (out is None or inbox is None or not inbox.parked() or feed.overrun or feed.replay is not None
+                or feed.has_ready() or result.request_id != feed.request_id
+                or not (cycle := out.cycle).response_started or cycle.response_complete or cycle.disconnected
+                or cycle.chunked_encoding is not True or out.flow.write_paused or out.transport.is_closing()
+                or not feed.order.next_in_line(result)):  # last: True moves the stream's next seq on
             if self.pending:
                 self.flush()
             return False
-        if not self.pending:
-            self.batch.add(self)
-        self.pending.append(self.encode(result))
+        pending = self.pending
+        if not pending:  # the first frame of this read: the batch writes it at the read's end
+            batch = self.batch
+            if not batch.streams and not batch.hooked():
+                asyncio.get_running_loop().call_soon(batch.flush)
+            batch.streams.append(self)
+        pending.append(self.encode(result))
         metrics = self.metrics
         metrics.sent(result)
         metrics.results_written_directly += 1
@@ -199,14 +190,19 @@ class DirectFrames:
         return True
 
     def flush(self) -> None:
-        """Write the frames taken so far, unless the response ended or its client left meanwhile.
-        Runs before the stream's task can write again: the task is only woken through its inbox, and
-        a wake-up comes after the flush that ends the read (``read_done``; the ``call_soon`` on the
-        stock client), or after :meth:`offer`'s own flush."""
+        """Write the frames taken so far, unless the response ended or its client left meanwhile
+        (bytes written while the transport is paused wait in its buffer). Runs before the stream's
+        task can write again: the task is only woken through its inbox, and a wake-up comes after
+        the flush that ends the read (``read_done``; the ``call_soon`` on the stock client), or after
+        :meth:`offer`'s own flush. The write is ``send``'s for ``more_body=True``: one chunk of the
+        chunked body, size, CRLF, bytes, CRLF."""
         pending = self.pending
         if not pending:
             return
-        self.pending = []
+        body = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
         out = self.out
-        if out is not None and out.open():
-            out.write(pending[0] if len(pending) == 1 else b"".join(pending))
+        if out is not None and not (cycle := out.cycle).response_complete and not cycle.disconnected:
+            transport = out.transport
+            if not transport.is_closing():
+                transport.write(b"%x\r\n%b\r\n" % (len(body), body))

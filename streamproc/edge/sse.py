@@ -16,13 +16,16 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 MEDIA_TYPE = "text/event-stream"
 
+# An event with an id and a body of one line (every result's, in practice): ``RESULT_EVENT % (seq, body)``.
+RESULT_EVENT = b"id: %d\ndata: %b\n\n"
+
 _LINE_BREAK = re.compile(rb"\r\n|\r|\n")
 
 
 def event(data: bytes, *, id: int | None = None, event: str | None = None) -> bytes:
     """One event. ``id`` sets the client's Last-Event-ID; ``event`` names a non-``message`` type."""
     if event is None and type(id) is int and b"\n" not in data and b"\r" not in data:
-        return b"id: %d\ndata: %b\n\n" % (id, data)  # every result event: one format, no concatenations
+        return RESULT_EVENT % (id, data)  # every result event: one format, no concatenations
     head = b""
     if event is not None:
         head += b"event: " + _field(event) + b"\n"
