@@ -365,16 +365,25 @@ class Deliveries:
                 chunk = parse(head + subject[cut:], headers, data, msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
-            if chunk.request_id in looking_up or round_trip(chunk, reply) is not None:
+            rid = chunk.request_id
+            # round_trip() is None for a first attempt's chunk of a known request, the common case:
+            # not called then (this path's calls per chunk: docs/benchmarks.md, "Calls per chunk").
+            if rid in looking_up or ((chunk.attempt or not knows(rid)) and round_trip(chunk, reply) is not None):
                 return False  # its request's lookup is in flight (it parks), or it needs one
             now = clock()
-            deliveries = deliveries_of(reply)
+            # deliveries_of(reply), its first-delivery test inline
+            deliveries = 1 if reply.startswith("1.", first_at) and reply.startswith(ack_head) else delivery_count(reply)
             if deliveries > 1:
                 stats.redelivered += 1
                 redelivered(now)  # before the pull below: it must be a careful one
             if delivered(now, len(data) + len(subject) + len(reply)):
                 self.pulls.pull_nowait(part)
-            take(decide(chunk, msg, deliveries, now), chunk.request_id, now)
+            decisions = decide(chunk, msg, deliveries, now)
+            if decisions:  # take(decisions, rid, now), inline
+                notices = queue(offload(decisions, now), rid, now)
+                if notices:
+                    for n in notices:
+                        notify(n)
             publisher.release()  # looked up each time: stage_writes() replaces it after start-up
             return True
 
