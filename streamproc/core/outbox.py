@@ -683,7 +683,8 @@ def in_turn(sends: list[Outgoing]) -> Iterator[tuple[Outgoing, tuple[str, int, i
     that batch when its turn comes. Earlier publishes can end a batch (a member that can never be
     sent gives its request up; an await lets a reconnect send the batch again as a new one), and
     its rest, published alone, would be stored at once, maybe after a gap."""
-    for o, batch in [(o, o.batch) for o in sends]:
+    # o.batch, inline: a property call per result on the hot path (docs/benchmarks.md, "Calls per chunk")
+    for o, batch in [(o, None if o.flight is None else (o.flight, o.size, o.batch_seq)) for o in sends]:
         if batch is None or o.flight == batch[0]:
             yield o, batch
 

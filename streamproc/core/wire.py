@@ -275,8 +275,9 @@ def result_block(result: Result) -> bytes | None:
     durable pump's results: one string instead of a dict and a second pass over it."""
     request_id = result.request_id
     traceparent = result.traceparent
+    # plain_header_value(request_id), inline (a call per result on the durable hot path)
     if result.error is not None or (traceparent and not plain_header_value(traceparent)) \
-            or not plain_header_value(request_id):
+            or not (request_id.isascii() and request_id.isprintable() and request_id == request_id.strip()):
         return None
     seq_text = str(result.seq)
     text = f"NATS/1.0\r\n{SEQ}: {seq_text}\r\n{MSG_ID}: {request_id}.{seq_text}\r\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Awaitable, Callable, Iterable, Iterator
+from typing import Awaitable, Callable, Iterable
 
 import anyio
 import nats.errors
@@ -172,10 +172,13 @@ class OutboxPump:
         if self.fence is not None:
             self.fence()
         publish = self._publish
-        for o, subject, reply in self._results_due():
+        head = self._head
+        prefix = self._reply_prefix
+        for o, batch in self._results_due():
             r = o.result
+            reply = prefix + (o.ticket if batch is None else batch_reply(*batch))
             try:
-                await publish(subject, r.body, reply, result_headers(r))
+                await publish(head + r.request_id, r.body, reply, result_headers(r))
             except Exception as exc:  # disconnected with a full buffer, closed: the next tick resends
                 self._send_failed(o, exc)
         send = self._control
@@ -237,8 +240,12 @@ class OutboxPump:
         enqueue = self._enqueue
         if self.fence is not None:
             self.fence()
-        for o, subject, reply in self._results_due(budget):
+        head = self._head
+        prefix = self._reply_prefix
+        for o, batch in self._results_due(budget):
             r = o.result
+            subject = head + r.request_id
+            reply = prefix + (o.ticket if batch is None else batch_reply(*batch))
             try:
                 block = result_block(r)
                 if block is not None and " " not in r.request_id:
@@ -256,30 +263,28 @@ class OutboxPump:
             except Exception as exc:  # a lost ack means a redelivery, which is safe
                 log_event(log, logging.DEBUG, "control_publish_failed", error=error_text(exc))
 
-    def _results_due(self, budget: int | None = None) -> Iterator[tuple[Outgoing, str, str]]:
-        """The outbox's results to publish now, each with its subject and PubAck reply subject
-        (a batch member whose batch ended while the earlier ones were published is skipped:
-        :func:`~streamproc.core.outbox.in_turn`)."""
+    def _results_due(self, budget: int | None = None) -> Iterable[tuple[Outgoing, tuple[str, int, int] | None]]:
+        """The outbox's results to publish now, each with its batch (None: alone; the caller makes
+        the subject and the reply subject, ``<inbox>.<ticket>`` or :func:`batch_reply`'s), a batch
+        member whose batch ended while the earlier ones were published skipped
+        (:func:`~streamproc.core.outbox.in_turn`). A plain function: a generator here cost one
+        call per result more (docs/benchmarks.md, "Calls per chunk")."""
         outbox = self.outbox
         if not outbox.ready:
-            return
-        head = self._head
-        prefix = self._reply_prefix
-        for o, batch in in_turn(outbox.sending(self._clock(), budget)):
-            if batch is None:
-                yield o, head + o.result.request_id, prefix + o.ticket
-            else:
-                yield o, head + o.result.request_id, prefix + batch_reply(*batch)
+            return ()
+        return in_turn(outbox.sending(self._clock(), budget))
 
-    def _controls_due(self) -> Iterator[tuple[str, bytes]]:
+    def _controls_due(self) -> list[tuple[str, bytes]]:
         """The acks, NAKs and in-progress acks to send now, as (ack subject, payload); a NAK or
         progress for a message without a reply subject is skipped."""
+        out = []
         for token, action in self.outbox.control():
             reply = token.reply  # type: ignore[attr-defined]
             if action is ACK:
-                yield reply, _ACK
+                out.append((reply, _ACK))
             elif reply:
-                yield reply, _payload(action)
+                out.append((reply, _payload(action)))
+        return out
 
     def _on_reply_inline(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
         """:meth:`_on_reply` in the read loop; declines (False) when the write buffer is backlogged."""
