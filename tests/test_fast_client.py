@@ -324,10 +324,12 @@ def test_the_fast_path_is_used_only_inside_the_supported_nats_py_range():
     ("is_connected", lambda self: self._status == Client.CONNECTED),  # draining no longer counted
     ("is_closed", lambda self: self._status in (Client.CLOSED, Client.DISCONNECTED)),
     ("is_draining_pubs", lambda self: False),
+    # eager_reads.py's test per read reads _status for is_closed and is_reconnecting
+    ("is_reconnecting", lambda self: self._status in (Client.RECONNECTING, Client.CONNECTING)),
 ])
 def test_the_fast_path_is_off_when_nats_py_connection_states_mean_something_else(monkeypatch, prop, meaning):
-    """The publish checks read ``_status`` against the states nats-py 2.16's properties name; a
-    nats-py whose properties say otherwise for any state gets the stock path."""
+    """The publish checks and the eager reads read ``_status`` against the states nats-py 2.16's
+    properties name; a nats-py whose properties say otherwise for any state gets the stock path."""
     assert fast_path_support()[0]
     monkeypatch.setattr(Client, prop, property(meaning))
     usable, reason = fast_path_support()

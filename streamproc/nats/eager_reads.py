@@ -35,6 +35,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from nats.aio.client import Client
 from nats.aio.transport import TcpTransport
 from nats.protocol.parser import AWAITING_CONTROL_LINE
 
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
     from .fast_client import FastClient
 
 log = logging.getLogger("streamproc.nats")
+
+# The connection states in which nats-py's ``is_closed`` or ``is_reconnecting`` is true: a read's
+# test reads ``_status`` once against it instead of calling the two properties (fast_client's
+# ``_states_agree`` checks they still say the same; a nats-py where they do not gets no FastClient).
+_CLOSED_OR_RECONNECTING = frozenset(getattr(Client, name, None) for name in ("CLOSED", "RECONNECTING"))
 
 
 class EagerReads(BufferedReads):
@@ -70,7 +76,7 @@ class EagerReads(BufferedReads):
         # clears the waiter), so nothing of its own is in flight.
         if (self.active and reader._waiter is not None  # type: ignore[attr-defined]
                 and not parser.buf and parser.state == AWAITING_CONTROL_LINE and parser is nc._ps
-                and not nc.is_closed and not nc.is_reconnecting):
+                and nc._status not in _CLOSED_OR_RECONNECTING):  # not is_closed, not is_reconnecting
             try:
                 nc._in_read = True  # a write due meanwhile leaves at the read's end (FastClient._write_soon)
                 try:

@@ -64,7 +64,7 @@ from nats.protocol import command as _command
 
 from ..logs import error_text, log_event
 from .buffered_reads import READ_SIZE
-from .eager_reads import EagerReads
+from .eager_reads import _CLOSED_OR_RECONNECTING, EagerReads
 from .eager_reads import install as install_eager_reads
 from .fast_parser import LATER, FastParser, parser_support
 from .robust import RobustClient
@@ -113,25 +113,28 @@ def _version(text: str) -> tuple[int, ...]:
 # fast_path_support checks the properties still say the same for every state. Read with getattr:
 # a nats-py without one of these names gets the stock path, it must not fail this import.
 _CONNECTED_STATES = frozenset(getattr(Client, name, None) for name in ("CONNECTED", "DRAINING_SUBS", "DRAINING_PUBS"))
+_CONNECTED = getattr(Client, "CONNECTED", None)
 _STATES = ("DISCONNECTED", "CONNECTED", "CLOSED", "RECONNECTING", "CONNECTING", "DRAINING_SUBS", "DRAINING_PUBS")
 # nats-py 2.16 numbers its states 0-6; the check covers room for states a later version might add.
 _STATE_RANGE = range(-1, 64)
 
 
 def _states_agree() -> bool:
-    """``is_connected``, ``is_closed`` and ``is_draining_pubs`` of nats-py's ``Client`` agree with
-    :data:`_CONNECTED_STATES` and the two state constants for each named state and every small
-    integer one (a state nats-py adds, e.g. a connected one, would otherwise read as disconnected)."""
+    """``is_connected``, ``is_closed``, ``is_draining_pubs`` and ``is_reconnecting`` of nats-py's
+    ``Client`` agree with :data:`_CONNECTED_STATES`, :data:`_CLOSED_OR_RECONNECTING` and the two
+    state constants for each named state and every small integer one (a state nats-py adds, e.g. a
+    connected one, would otherwise read as disconnected)."""
     try:
         client = Client.__new__(Client)  # no __init__: only _status is read
         for state in {*(getattr(Client, name) for name in _STATES), *_STATE_RANGE}:
             client._status = state
             if (client.is_connected != (state in _CONNECTED_STATES) or client.is_closed != (state == Client.CLOSED)
-                    or client.is_draining_pubs != (state == Client.DRAINING_PUBS)):
+                    or client.is_draining_pubs != (state == Client.DRAINING_PUBS)
+                    or (client.is_closed or client.is_reconnecting) != (state in _CLOSED_OR_RECONNECTING)):
                 return False
     except Exception:  # noqa: BLE001  (a state or property gone: not the client mirrored here)
         return False
-    return None not in _CONNECTED_STATES
+    return None not in _CONNECTED_STATES and None not in _CLOSED_OR_RECONNECTING
 
 
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
@@ -765,10 +768,10 @@ class FastClient(RobustClient):
         subjects came from the server or were validated before (an ack subject, our own inbox),
         nats-py's subject checks are skipped. Unlike ``publish`` it never waits for the flusher when
         ``_pending`` is over ``_max_pending_size``: callers stop using it past :meth:`backlogged`."""
-        if checked:
-            self._check_sendable(payload)
-        else:
+        if not checked:
             self._preflight(subject, reply, payload)
+        elif self._status != _CONNECTED or len(payload) > self._max_payload:
+            self._check_sendable(payload)  # which passes without a call when connected and within the limit
         self._append(subject, reply, payload, header_block)
         if defer and self.defer_linger > 0:
             if self._deferred is None and self._write_timer is None:
