@@ -268,10 +268,12 @@ class Outbox:
             if cls is Result:
                 rid = d.request_id
                 self._next += 1
-                settles = [t for t in d.settles if t is not None]
-                if shed is not None:
-                    for t in settles:
-                        shed(t)
+                settles = []  # a loop, not a comprehension: that is a call of its own per result (Python 3.11)
+                for t in d.settles:
+                    if t is not None:
+                        settles.append(t)
+                        if shed is not None:
+                            shed(t)
                 o = Outgoing(d, str(self._next), settles, self._first_wait, received)
                 self.queued_bytes += len(d.body)
                 queue = queues.get(rid)
