@@ -185,3 +185,74 @@ def test_a_pd_stream_whose_decode_aborts_folds_to_the_unary_abort():
     joined = join(SGLangCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill_leg())])
     got = json.loads(SGLangCodec(OPTIONS).fold([body for body, _ in joined]))
     assert_unary(got, 3)
+
+
+# ------------------------------------------------------------------------------ after a migration
+#
+# ``migration.py`` stitches a resumed attempt's bodies into the original request's terms: counts + k,
+# ``prompt_tokens`` - k; a cumulative stream's text, ids and lists get what the client saw in front.
+# The attempt's own ``_handle_abort_req`` body restates the attempt's text and lists (its ``state``
+# holds no more), so after the stitch they are the whole request's in a cumulative stream and only
+# the attempt's tail in an incremental one.
+
+K = 2  # tokens the first attempt published before its worker was lost
+
+
+def attempt_chunk(lo: int, end: int, *, cumulative: bool) -> dict[str, Any]:
+    """The resumed attempt's ``_handle_batch_output`` chunk over its own positions ``[lo, end)``
+    (tokens ``K + lo`` .. of the request), in the attempt's terms (prompt + K, counts from 0)."""
+    start = 0 if cumulative else lo
+    meta = {"id": "req-2", "finish_reason": None, "prompt_tokens": PROMPT_TOKENS + K, "weight_version": "default",
+            "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[K + start:K + end],
+            "output_token_logprobs_length": end, "completion_tokens": end, "cached_tokens": 0}
+    return {"text": "".join(TEXT[K + start:K + end]), "output_ids": OUT[K + start:K + end], "meta_info": meta}
+
+
+def attempt_abort(seen: int) -> dict[str, Any]:
+    """``_handle_abort_req`` of the resumed attempt (stream) once it holds ``seen`` tokens of its own."""
+    meta = {"id": "req-2", "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+            "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[K:K + seen],
+            "output_token_logprobs_length": seen, "completion_tokens": seen}
+    ids = OUT[K:K + seen]
+    return {"text": "".join(TEXT[K:K + seen]), "output_ids": ids[-1:], "meta_info": meta}
+
+
+def migrated(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[bytes]:
+    """What the client was sent: the first attempt's bodies, then the resumed attempt's stitched."""
+    session = SGLangCodec(OPTIONS).open_migration()
+    published = [dumps(c) for c in first]
+    session.absorb(published)
+    session.seal()
+    for i, doc in enumerate(second):
+        stitched = session.stitch(dumps(doc), i == len(second) - 1)
+        published.append(stitched[0] if stitched is not None else dumps(doc))
+    return published
+
+
+def assert_lists_and_ids(got: dict[str, Any], seen: int) -> None:
+    want = abort_body(seen, stream=False)
+    assert got["output_ids"] == want["output_ids"]
+    for key in ("output_token_logprobs", "output_token_logprobs_length", "completion_tokens"):
+        assert got["meta_info"][key] == want["meta_info"][key], key
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+@pytest.mark.parametrize("resumed", [0, 1, 2])
+def test_a_resumed_attempt_the_scheduler_aborts_folds_to_the_whole_request(cumulative, resumed):
+    """The resumed attempt is aborted (in its new worker's waiting queue: ``resumed`` 0, or running)
+    after every chunk was sent: the fold is the request's K + ``resumed`` tokens, text and lists, not
+    the attempt's alone (incremental: the first attempt's text and lists were dropped) nor the
+    client's ids again (cumulative: the stitch put them in front of the repeated last id)."""
+    first = [batch_chunk(k, k + 1, cumulative=cumulative) for k in range(K)]
+    second = [attempt_chunk(k, k + 1, cumulative=cumulative) for k in range(resumed)]
+    got = json.loads(SGLangCodec(OPTIONS).fold(migrated(first, [*second, attempt_abort(resumed)])))
+    assert_unary(got, K + resumed)
+
+
+def test_a_resumed_incremental_attempt_aborted_with_chunks_coalesced_keeps_the_first_attempts_lists():
+    """Coalesced chunks in front of the resumed attempt's abort body: the lists are the request's
+    (the queued chunks' entries are counted by their ids)."""
+    first = [batch_chunk(k, k + 1, cumulative=False) for k in range(K)]
+    sent = [attempt_chunk(0, 1, cumulative=False)]
+    queued = coalesced([attempt_chunk(1, 2, cumulative=False), attempt_abort(2)])
+    assert_lists_and_ids(json.loads(SGLangCodec(OPTIONS).fold(migrated(first, [*sent, queued]))), K + 2)

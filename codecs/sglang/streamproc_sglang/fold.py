@@ -76,7 +76,7 @@ def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[
                 acc = deltas[key] = list(meta[key]) if isinstance(meta.get(key), list) else []
                 meta[key] = acc
             if abort is not None and key in ABORT_RESTATED_FIELDS:
-                acc[:] = restated(value, acc, abort.doubled)
+                acc[:] = restated(value, acc, abort.doubled, len(abort.ids))
             else:
                 acc.extend(value)
         else:

@@ -123,6 +123,12 @@ def failed_finish(meta: dict[str, Any]) -> bool:
     return isinstance(kind, str) and (kind in FAILED_FINISH_TYPES or kind.startswith("abort"))
 
 
+def from_abort_req(meta: dict[str, Any]) -> bool:
+    """Whether a body's ``meta_info`` is ``TokenizerManager._handle_abort_req``'s: an abort finish and
+    no ``prompt_tokens`` (every ``_handle_batch_output`` body has them)."""
+    return PROMPT_TOKENS not in meta and failed_finish(meta)
+
+
 # What ``TokenizerManager._handle_abort_req`` restates in full in a stream's abort body (it calls
 # ``add_logprob_to_meta_info`` and never slices): the text and these lists.
 ABORT_RESTATED_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS})
@@ -147,7 +153,7 @@ def abort_restatement(doc: dict[str, Any], seen: Sequence[Any]) -> AbortRestatem
     """
     meta = meta_of(doc)
     ids = doc.get(OUTPUT_IDS)
-    if meta is None or PROMPT_TOKENS in meta or not failed_finish(meta) or not isinstance(ids, list):
+    if meta is None or not from_abort_req(meta) or not isinstance(ids, list):
         return None
     count = meta.get(COMPLETION_TOKENS)
     missing = count - len(seen) if type(count) is int else -1
@@ -162,14 +168,28 @@ def abort_restatement(doc: dict[str, Any], seen: Sequence[Any]) -> AbortRestatem
     return None
 
 
-def restated(value: Any, accumulated: Any, doubled: bool) -> Any:
-    """The whole text or list an abort body restates: ``value`` itself, or, when queued chunks were
-    coalesced in front of it (``P + whole`` with ``whole = accumulated + P``), its second part."""
-    if not doubled:
+def restated(value: Any, accumulated: Any, doubled: bool, added: int | None = None) -> Any:
+    """The whole text or list an abort body restates, given what the fold ``accumulated`` before it.
+
+    The body holds ``whole`` (the text or list of every token its worker produced), or, when queued
+    chunks were coalesced in front of it, ``queued + whole`` with ``whole = accumulated + queued``
+    (``added`` entries queued: a list has one per token; a text's length is read from the halves).
+    After a migration the resumed attempt's ``whole`` covers its own tokens only (``migration.py``
+    stitches no text or list of an incremental stream): it is then a tail of ``accumulated +
+    queued``, which is the answer. Anything else is taken as it is.
+    """
+    if doubled:
+        cut = (len(value) - len(accumulated)) // 2 if added is None else added
+        if 0 <= cut <= len(value):
+            joined = accumulated + value[:cut]
+            whole = len(value) - cut
+            if whole <= len(joined) and joined[len(joined) - whole:] == value[cut:]:
+                return joined
         return value
-    cut = (len(value) - len(accumulated)) // 2
-    if cut >= 0 and value[cut:cut + len(accumulated)] == accumulated:
-        return value[cut:]
+    if value[:len(accumulated)] == accumulated:
+        return value  # the whole again, or also the one token a cumulative stream did not send
+    if len(value) <= len(accumulated) and accumulated[len(accumulated) - len(value):] == value:
+        return accumulated  # a resumed attempt's own output, which the client has already
     return value
 
 
