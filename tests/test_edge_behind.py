@@ -648,6 +648,38 @@ async def test_catch_ups_without_msg_get_past_max_replay_consumers_wait_for_a_co
                       f"{source.metrics.replay_pauses}; fast lag max {max(lags) * 1000:.0f} ms")
                 assert peak[0] <= cap, peak
                 assert source.metrics.replay_consumer_waits > 0 and source.metrics.streams_overrun == 0
+                # A freed consumer wakes one waiting catch-up, not all of them (each woken one asks
+                # again and counts a wait): 430 waits for 36 consumers here, when every free woke all 12.
+                needed = feeds_count + source.metrics.replay_pauses
+                assert source.metrics.replay_consumer_waits <= 3 * needed, (source.metrics.replay_consumer_waits, needed)
                 assert max(lags) < 1.0, lags
                 for feed in (*slow_feeds, fast):
+                    await feed.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_catch_up_waiting_for_a_replay_consumer_hears_at_once_that_its_stream_is_gone():
+    """``STREAM.MSG.GET`` refused and the one replay consumer (``--max-replay-consumers 1``) held by
+    another catch-up whose client reads no more: a second catch-up waits for it. The results
+    stream is deleted meanwhile: the waiting one ends with :class:`StreamGone` when the watch sees
+    it, not when its wait's timeout (the keep-alive interval) runs out."""
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
+                                      max_replay_consumers=1) as source:
+                holder, waiter = await source.open(rid("holder")), await source.open(rid("waiter"))
+                assert await holder.next(0.2) is None and await waiter.next(0.2) is None
+                await behind(source, holder, nc, 64)
+                await into_catch_up(source, holder)  # its consumer holds the slot; its client stops reading
+                await behind(source, waiter, nc, 64)
+                seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
+                assert seqs == list(range(len(seqs))) and item is None, (seqs, item)
+                assert source.metrics.replay_consumer_waits > 0 and waiter.replay is not None
+                await nc.jetstream().delete_stream(RESULTS_STREAM)
+                started = time.monotonic()
+                item = await waiter.next(10.0)
+                took = time.monotonic() - started
+                assert isinstance(item, StreamGone) and took < 3.0, (item, took)
+                for feed in (holder, waiter):
                     await feed.close()

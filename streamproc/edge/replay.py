@@ -198,7 +198,8 @@ class Replay:
 
     async def _subscribe(self, seq: int, reserved: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
         """Read on with a new temporary consumer from stream sequence ``seq`` (``reserved``: in a
-        slot may_subscribe gave, released once the consumer exists or failed, as watch counts it)."""
+        slot may_subscribe gave, released once the consumer failed, or exists and watch counts it,
+        so that the slot is never seen free between the two)."""
         try:
             if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
                 raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}",
@@ -207,18 +208,19 @@ class Replay:
                 self.subject, stream=self.stream, ordered_consumer=True,
                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
                 **self.consumer_options)
-        finally:
+        except BaseException:
             if reserved and self.release is not None:
                 self.release()
-        if self.closed:  # closed from another task meanwhile (ResultSource._stop_replays): nobody reads it
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await sub.unsubscribe()
-            pending.drop(sub)
-            return None
+            raise
         self.sub = sub
         self.taken = 0
         if self.watch is not None:
             self.watch(self.sub, True)
+        if reserved and self.release is not None:
+            self.release()
+        if self.closed:  # closed from another task meanwhile (ResultSource._stop_replays): nobody reads it,
+            await self._drop_consumer()  # and the server keeps it CONSUMER_LINGER, counted as any dropped one
+            return None
         return await self._read()
 
     async def _read(self) -> tuple[str, dict[str, str] | None, bytes] | None:

@@ -141,6 +141,8 @@ class ResultFeed:
         # Later results filled the reorder buffer behind that lost one: the stream ends with this
         # gap (not an Overrun: its client did not fall behind, and a resume meets the same hole).
         self.hole: Gap | None = None
+        # Set while its catch-up waits for a replay consumer (ResultSource.replay_slot): what wakes it.
+        self.slot_waiter: asyncio.Future[None] | None = None
 
     async def next(self, timeout: float) -> FeedItem | None:
         """The next item, or None when ``timeout`` seconds pass without one."""
@@ -196,7 +198,7 @@ class ResultFeed:
                     now = time.monotonic()
                     if now >= deadline:
                         return None
-                    await self.source.replay_slot(min(deadline, now + wait) - now)
+                    await self.source.replay_slot(self, min(deadline, now + wait) - now)
                     continue
                 if stored is None:  # done, or closed meanwhile (close() or an overrun took it)
                     if self.replay is replay:
@@ -253,6 +255,7 @@ class ResultFeed:
         for sub in (self._sub, replay.sub if replay is not None else None):
             if sub is not None:
                 pending.wake(sub)
+        self.source.wake_slot_waiter(self)  # its catch-up waiting for a consumer: no more to wait for
 
     def has_ready(self) -> bool:
         """Results in order not yet taken by the stream."""
@@ -447,7 +450,9 @@ class ResultSource:
         self._replays_creating = 0
         # Consumers replays dropped that nats-server still keeps (REPLAY_SLOT_LINGER): counted too.
         self._replays_lingering = 0
-        self._slot_freed: asyncio.Event | None = None  # set when a slot may be free (replay_slot)
+        # Catch-ups waiting for a replay consumer (replay_slot), first come first: a freed slot wakes
+        # one (each waking every waiter made one free cost a wake and a retry per waiter).
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         # Lines any client or results publisher can cause at will (per request or per result) are
         # rate limited per event name, as in the processor; flushed every interval so the suppressed
         # counts are reported when a flood stops.
@@ -859,6 +864,7 @@ class ResultSource:
         for feed in self._jetstream_feeds():
             if feed.inbox is not None and feed.replay is not None:
                 replay, feed.replay = feed.replay, None
+                self.wake_slot_waiter(feed)  # a catch-up waiting for a consumer goes on without one
                 self._closing_replays.add(task := asyncio.get_running_loop().create_task(replay.close()))
                 task.add_done_callback(self._closing_replays.discard)
 
@@ -1129,8 +1135,7 @@ class ResultSource:
         being made and those the server still keeps counted); else it reads the next stored result
         by subject (replay.py), or, reading with consumers alone (``by_consumer``: MSG.GET refused),
         waits for one (:meth:`replay_slot`), and the edge counts it."""
-        held = len(self._replays) + self._replays_creating + self._replays_lingering
-        if held < self.settings.max_replay_consumers:
+        if self._replay_consumers_held() < self.settings.max_replay_consumers:
             self._replays_creating += 1  # until _replay_consumer_made: its creation awaits a round trip
             return True
         if by_consumer:
@@ -1139,10 +1144,14 @@ class ResultSource:
             self.metrics.replay_reads_by_subject += 1
         return False
 
+    def _replay_consumers_held(self) -> int:
+        return len(self._replays) + self._replays_creating + self._replays_lingering
+
     def _replay_consumer_made(self) -> None:
-        """A consumer :meth:`_may_replay_with_consumer` allowed exists (in ``_replays`` now) or failed."""
+        """A consumer :meth:`_may_replay_with_consumer` allowed exists (in ``_replays`` now, as the
+        replay's watch put it there first) or failed (its slot is free)."""
         self._replays_creating -= 1
-        self._replay_slot_freed()  # failed: its slot is free
+        self._replay_slot_freed()
 
     def _replay_consumer_gone(self) -> None:
         """A consumer a replay dropped is gone from the server too (REPLAY_SLOT_LINGER)."""
@@ -1150,18 +1159,44 @@ class ResultSource:
         self._replay_slot_freed()
 
     def _replay_slot_freed(self) -> None:
-        freed, self._slot_freed = self._slot_freed, None
-        if freed is not None:
-            freed.set()  # each waiter asks again; one past the cap waits on
+        """Wake the first catch-up still waiting for a consumer, if a slot is free."""
+        if self._replay_consumers_held() >= self.settings.max_replay_consumers:
+            return
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
-    async def replay_slot(self, timeout: float) -> None:
+    async def replay_slot(self, feed: ResultFeed, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for a replay consumer to be freed (a replay reading with
-        consumers alone past --max-replay-consumers: :attr:`Replay.waiting`)."""
-        if self._slot_freed is None:
-            self._slot_freed = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._slot_freed.wait()
+        consumers alone past --max-replay-consumers: :attr:`Replay.waiting`), or for ``feed`` to
+        have no more use for one (:meth:`wake_slot_waiter`)."""
+        waiter = feed.slot_waiter = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._replay_slot_freed()  # woken, then cancelled before it asked: the next one's turn
+            raise
+        finally:
+            feed.slot_waiter = None
+            if not waiter.done() or waiter.cancelled():
+                waiter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._slot_waiters.remove(waiter)
+
+    def wake_slot_waiter(self, feed: ResultFeed) -> None:
+        """``feed`` waits in :meth:`replay_slot` and must look at its state again (stream gone, replay
+        stopped): it goes out of the queue, woken."""
+        waiter = feed.slot_waiter
+        if waiter is not None and not waiter.done():
+            with contextlib.suppress(ValueError):
+                self._slot_waiters.remove(waiter)
+            waiter.set_result(None)
 
     async def _fell_behind(self, feed: ResultFeed, exc: nats.errors.SlowConsumerError) -> None:
         """A feed's own ordered consumer dropped a result (its client is its bound behind): stop
