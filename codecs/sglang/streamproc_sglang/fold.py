@@ -22,7 +22,7 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     A cumulative chunk replaces all of those. Inputs are not mutated.
     """
     out: dict[str, Any] = {}
-    text: list[str] = []
+    text = _Text()
     ids: list[Any] = []
     meta: dict[str, Any] = {}
     deltas: dict[str, list[Any]] = {}
@@ -37,8 +37,10 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
             if key == TEXT and isinstance(value, str):
                 out.setdefault(key, None)
                 if abort is not None:
-                    value = restated(value, "".join(text), abort.doubled)
-                    text.clear()
+                    whole, more = restated(value, text.size, text.tail, abort.doubled)
+                    if whole is not None:
+                        text.clear()
+                    value = whole if whole is not None else more
                 text.append(value)
             elif key == OUTPUT_IDS and isinstance(value, list):
                 out.setdefault(key, None)
@@ -49,12 +51,41 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
             else:
                 out[key] = value
     if TEXT in out and out[TEXT] is None:
-        out[TEXT] = "".join(text)
+        out[TEXT] = "".join(text.pieces)
     if OUTPUT_IDS in out and out[OUTPUT_IDS] is None:
         out[OUTPUT_IDS] = ids
     if META in out and out[META] is None:
         out[META] = meta
     return out
+
+
+class _Text:
+    """The folded text as its chunks' pieces (joined once, at the end), its length, and its tail."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.size = 0
+
+    def append(self, piece: str) -> None:
+        if piece:  # no empty pieces: a tail of k characters reads at most k pieces
+            self.pieces.append(piece)
+            self.size += len(piece)
+
+    def clear(self) -> None:
+        self.pieces.clear()
+        self.size = 0
+
+    def tail(self, count: int) -> str:
+        """The last ``count`` characters (what an abort body is compared with)."""
+        taken: list[str] = []
+        need = count
+        for piece in reversed(self.pieces):
+            if need <= 0:
+                break
+            taken.append(piece)
+            need -= len(piece)
+        joined = "".join(reversed(taken))
+        return joined[len(joined) - count:] if count else ""
 
 
 def _reset_deltas(meta: dict[str, Any]) -> None:
@@ -76,7 +107,12 @@ def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[
                 acc = deltas[key] = list(meta[key]) if isinstance(meta.get(key), list) else []
                 meta[key] = acc
             if abort is not None and key in ABORT_RESTATED_FIELDS:
-                acc[:] = restated(value, acc, abort.doubled, len(abort.ids))
+                whole, more = restated(value, len(acc), lambda k, acc=acc: acc[len(acc) - k:], abort.doubled,
+                                       len(abort.ids))
+                if whole is not None:
+                    acc[:] = whole
+                else:
+                    acc.extend(more)
             else:
                 acc.extend(value)
         else:

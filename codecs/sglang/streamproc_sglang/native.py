@@ -13,7 +13,7 @@ read from the chunk itself (:func:`restates`), so no setting has to match the wo
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import msgspec
 
@@ -168,8 +168,12 @@ def abort_restatement(doc: dict[str, Any], seen: Sequence[Any]) -> AbortRestatem
     return None
 
 
-def restated(value: Any, accumulated: Any, doubled: bool, added: int | None = None) -> Any:
-    """The whole text or list an abort body restates, given what the fold ``accumulated`` before it.
+def restated(value: Any, size: int, tail: Callable[[int], Any], doubled: bool,
+             added: int | None = None) -> tuple[Any, Any]:
+    """How the whole text or list an abort body restates meets what the fold accumulated before it
+    (``size`` long, its last ``k`` items ``tail(k)``): ``(whole, None)`` replaces it, ``(None, more)``
+    keeps it and appends ``more``. Never reads more of it than the body is long (a worker's stream
+    of such bodies costs what it sends).
 
     The body holds ``whole`` (the text or list of every token its worker produced), or, when queued
     chunks were coalesced in front of it, ``queued + whole`` with ``whole = accumulated + queued``
@@ -178,19 +182,23 @@ def restated(value: Any, accumulated: Any, doubled: bool, added: int | None = No
     stitches no text or list of an incremental stream): it is then a tail of ``accumulated +
     queued``, which is the answer. Anything else is taken as it is.
     """
+    length = len(value)
     if doubled:
-        cut = (len(value) - len(accumulated)) // 2 if added is None else added
-        if 0 <= cut <= len(value):
-            joined = accumulated + value[:cut]
-            whole = len(value) - cut
-            if whole <= len(joined) and joined[len(joined) - whole:] == value[cut:]:
-                return joined
-        return value
-    if value[:len(accumulated)] == accumulated:
-        return value  # the whole again, or also the one token a cumulative stream did not send
-    if len(value) <= len(accumulated) and accumulated[len(accumulated) - len(value):] == value:
-        return accumulated  # a resumed attempt's own output, which the client has already
-    return value
+        cut = (length - size) // 2 if added is None else added
+        if 0 <= cut <= length:
+            queued, whole = value[:cut], value[cut:]
+            before = len(whole) - cut  # how much of ``whole`` precedes ``queued`` (accumulated's tail)
+            if before <= 0:
+                if queued[cut - len(whole):] == whole:
+                    return None, queued
+            elif before <= size and whole[before:] == queued and tail(before) == whole[:before]:
+                return None, queued
+        return value, None
+    if length >= size and value[:size] == tail(size):
+        return value, None  # the whole again, or also the one token a cumulative stream did not send
+    if length <= size and tail(length) == value:
+        return None, value[:0]  # a resumed attempt's own output, which the client has already
+    return value, None
 
 
 def restates(doc: dict[str, Any], seen: Sequence[Any]) -> bool:
