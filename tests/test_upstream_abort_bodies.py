@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import pytest
@@ -283,8 +284,6 @@ def test_a_stream_of_abort_looking_bodies_folds_in_time_linear_in_its_size(doubl
     at most as much of the accumulated text and lists as it carries itself. When the fold joined
     the text or copied a list per such body, 40,000 pairs (12 MB, below --max-unary-bytes) took
     7.6 s (a tail restated) and 22 s (doubled) of the edge's CPU. Best of three each."""
-    import time
-
     def cost(pairs: int) -> float:
         bodies = hostile_stream(pairs, doubled=doubled)
         best = float("inf")
