@@ -26,7 +26,8 @@ Upstream sources read (stored snapshots; paths relative to the repository root):
   / ``serve_tokens_stream_generator`` / ``_create_tokens_logprobs`` and
   ``vllm/entrypoints/serve/disagg/protocol.py`` ``GenerateResponse``/``GenerateResponseChoice``/
   ``GenerateStreamResponse`` in two versions: one whose choice has no ``routed_experts`` field
-  (protocol.py @ 06408932) and one with it on unary and stream choices.
+  (protocol.py @ 06408932), one with it on unary choices only (furionw/vllm @ 9cdf7782, a fork;
+  the codec's ``stream_routed_experts=no``) and one with it on unary and stream choices.
 """
 
 from __future__ import annotations
@@ -588,23 +589,80 @@ def test_vllm_version_without_routed_experts_field_passes_through_like_agg():
     assert verdict is not Verdict.OMITTED
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known, kept: a finishing stream chunk without routed_experts while prefill sent rows reads the "
-    "same in a vLLM whose stream choices have no such field (the aggregated stream has none) and in "
-    "one whose stream choices have it (decode lost the rows the aggregated stream would carry); the "
-    "join marks it decode_missing, the safe reading (docs/formats-vllm.md)"))
-def test_vllm_stream_version_without_stream_routed_experts_matches_agg_stream():
-    """serving.py @ 0001948b: stream choices are ``GenerateResponseStreamChoice(index, logprobs,
-    finish_reason, token_ids)`` (no routed_experts on the stream even when the unary choice has it);
-    the prefill leg (unary, max_tokens=1) does carry prompt rows. The aggregated stream has no
-    experts key, so neither should the joined one."""
-    agg = _v_stream([[21], [22, 23]], None, with_experts_field=False)
+# vLLM codec option stream_routed_experts: whether the deployment's stream choices have the field.
+NO_STREAM_EXPERTS = CodecOptions(max_decompressed_bytes=1 << 20, format_options=(("stream_routed_experts", "no"),))
+
+
+def _v_told(told: str | None) -> VLLMCodec:
+    pairs = () if told is None else (("stream_routed_experts", told),)
+    return VLLMCodec(CodecOptions(max_decompressed_bytes=1 << 20, format_options=pairs))
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+@pytest.mark.parametrize("prefill_leg", ["rows", "timeout"])
+def test_vllm_stream_version_without_stream_routed_experts_matches_agg_stream(include_usage, prefill_leg):
+    """protocol.py / serving.py of vllm/entrypoints/serve/disagg at furionw/vllm @ 9cdf7782 (a fork
+    of vllm-project/vllm; the same protocol.py is in vllm-project/vllm's stored history, index id
+    52130986979): ``GenerateResponseChoice`` has ``routed_experts`` and
+    ``serve_tokens_full_generator`` fills it, but stream choices are
+    ``GenerateResponseStreamChoice(index, logprobs, finish_reason, token_ids)``. The prefill leg
+    (unary, max_tokens=1) carries prompt rows; the aggregated stream has no experts key. Told
+    ``stream_routed_experts=no``, the join adds none (nor splices prefill's rows in), whatever the
+    prefill leg did. Without the option this was a strict xfail (decode_missing on the last chunk)."""
+    agg = _v_stream([[21], [22, 23]], None, with_experts_field=False, include_usage=include_usage)
+    prefill = v_unary(out=VOUT[:1], lps=VLPS[:1], experts=npy_b64(vrows(0, len(VPROMPT))), prompt_lp=None,
+                      finish="length")
+    decode = _v_stream([[21], [22, 23]], None, with_experts_field=False, include_usage=include_usage)
+    legs = [dumps(prefill)] if prefill_leg == "rows" else None
+    results = join(VLLMCodec(NO_STREAM_EXPERTS), [dumps(d) for d in decode], legs)
+    assert len(results) == len(agg)
+    for (body, verdict), want in zip(results, agg):
+        assert_same(body, dumps(want))
+        assert verdict is not Verdict.OMITTED
+
+
+@pytest.mark.parametrize("told", [None, "unknown", "yes"])
+def test_vllm_stream_chunk_without_routed_experts_is_decode_missing_unless_told_streams_have_none(told):
+    """The same bodies read as a version whose stream choices have the field (serving.py of
+    scale_out/token_in_token_out at vllm-project/vllm @ 00a80787 passes ``routed_experts=`` to every
+    ``GenerateResponseStreamChoice``): a finishing chunk without it lost decode's rows, which the
+    aggregated stream would carry. The default (not told) keeps that safe reading."""
     prefill = v_unary(out=VOUT[:1], lps=VLPS[:1], experts=npy_b64(vrows(0, len(VPROMPT))), prompt_lp=None,
                       finish="length")
     decode = _v_stream([[21], [22, 23]], None, with_experts_field=False)
-    results = join(VLLMCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill)])
+    results = join(_v_told(told), [dumps(d) for d in decode], [dumps(prefill)])
+    finishing = json.loads(results[1][0])["choices"][0]
+    assert finishing["routed_experts"] is None
+    assert finishing["routed_experts_unavailable_reason"] == "decode_missing"
+    assert results[1][1] is Verdict.OMITTED
+    assert_same(results[0][0], dumps(decode[0]))  # a middle chunk is left alone either way
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_vllm_stream_whose_chunks_carry_routed_experts_joins_to_agg_whatever_the_option_says(include_usage):
+    """``stream_routed_experts=no`` only reads an absent key: a stream chunk that has the key shows
+    the field exists, and is joined by the usual rules (here as test_vllm_stream_pd_joins_to_agg)."""
+    total = len(VPROMPT) + len(VOUT) - 1
+    agg = _v_stream([[21], [22, 23]], npy_b64(vrows(0, total)), include_usage=include_usage)
+    prefill = v_unary(out=VOUT[:1], lps=VLPS[:1], experts=npy_b64(vrows(0, len(VPROMPT))), prompt_lp=None,
+                      finish="length")
+    decode = _v_stream([[21], [22, 23]], npy_b64(vrows(len(VPROMPT), total)), include_usage=include_usage)
+    results = join(VLLMCodec(NO_STREAM_EXPERTS), [dumps(d) for d in decode], [dumps(prefill)])
     for (body, _), want in zip(results, agg):
         assert_same(body, dumps(want))
+
+
+def test_vllm_unary_decode_without_routed_experts_stays_decode_missing_when_told_streams_have_none():
+    """The option is about stream choices: in that version the unary choice has the field
+    (``GenerateResponseChoice.routed_experts``, JSONResponse keeps nulls), so a unary decode body
+    without the key (a null left out on the way) while prefill sent rows is still decode_missing."""
+    prefill = v_unary(out=VOUT[:1], lps=VLPS[:1], experts=npy_b64(vrows(0, len(VPROMPT))), prompt_lp=None,
+                      finish="length")
+    decode = v_unary(out=VOUT, lps=VLPS, experts=None, prompt_lp=None, with_experts_field=False)
+    [(body, verdict)] = join(VLLMCodec(NO_STREAM_EXPERTS), [dumps(decode)], [dumps(prefill)])
+    choice = json.loads(body)["choices"][0]
+    assert verdict is Verdict.OMITTED
+    assert choice["routed_experts"] is None and choice["routed_experts_unavailable_reason"] == "decode_missing"
 
 
 def test_a_batch_body_of_more_items_than_are_joined_ends_the_request_as_an_invalid_chunk():

@@ -638,3 +638,32 @@ def test_correlator_passes_agg_bodies_through_byte_for_byte() -> None:
         results += results_of(correlator.receive(chunk, 0.0))
     assert [r.body for r in results] == bodies
     assert all(r.verdict is Verdict.PASSTHROUGH for r in results)
+
+
+# --------------------------------------------------------------------------- codec options
+
+
+def test_stream_routed_experts_defaults_to_unknown_and_reaches_the_codec_from_the_configuration() -> None:
+    from streamproc.config import load
+    from streamproc_vllm.native import StreamExperts
+
+    assert VLLMCodec().stream_experts is StreamExperts.UNKNOWN
+    for value in ("unknown", "yes", "no"):
+        settings = load({"STREAMPROC_FORMAT": "vllm", "STREAMPROC_FORMAT_OPTION": f"stream_routed_experts={value}"})
+        assert Catalog(settings.codec_options())("vllm").stream_experts is StreamExperts(value)
+
+
+@pytest.mark.parametrize("value", ["maybe", "", "No", "true", "auto"])
+def test_a_bad_stream_routed_experts_option_is_refused_when_the_codec_is_built(value: str) -> None:
+    with pytest.raises(ValueError, match=rf"stream_routed_experts={value!r}: expected unknown, yes or no"):
+        VLLMCodec(CodecOptions(format_options=(("stream_routed_experts", value),)))
+
+
+def test_a_bad_stream_routed_experts_option_stops_the_processor_before_it_connects() -> None:
+    from streamproc.config import load
+    from streamproc.nats.processor import Processor, StartupError
+
+    settings = load({}, {"nats_url": "nats://127.0.0.1:1", "format": "vllm",
+                         "format_option": "stream_routed_experts=maybe"})
+    with pytest.raises(StartupError, match=r"codec 'vllm' failed to load: .*stream_routed_experts='maybe'"):
+        Processor(settings)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, Emitted, ErrorKind, JoinSession, MigrationSession,
-                              RoutedExperts, SequenceCodec)
+from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
+                              MigrationSession, RoutedExperts, SequenceCodec)
 from streamproc.wire import Verdict
 
 from . import experts, migration
-from .native import ROUTED_EXPERTS, dump, parse
+from .native import ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, parse
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -37,6 +37,17 @@ class VLLMCodec(Codec):
     name = "vllm"
     description = "vLLM native generate: routed_experts as Base64 .npy, prompt logprobs from prefill"
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {ROUTED_EXPERTS: Base64Npy}
+
+    def __init__(self, options: CodecOptions | None = None) -> None:
+        super().__init__(options)
+        # Whether the workers' stream choices have routed_experts (their vLLM version): the join
+        # cannot read it from a finishing chunk that lacks the key (native.StreamExperts).
+        text = self.options.option(STREAM_ROUTED_EXPERTS_OPTION, StreamExperts.UNKNOWN)
+        try:
+            self.stream_experts = StreamExperts(text)
+        except ValueError:
+            raise ValueError(f"format option {STREAM_ROUTED_EXPERTS_OPTION}={text!r}: expected "
+                             f"{StreamExperts.UNKNOWN}, {StreamExperts.YES} or {StreamExperts.NO}") from None
 
     def open_session(self) -> JoinSession:
         return VLLMJoinSession(self)

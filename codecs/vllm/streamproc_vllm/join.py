@@ -22,9 +22,11 @@ from streamproc.wire import Verdict
 from .native import (
     PROMPT_SIDE_FIELDS,
     ROUTED_EXPERTS,
+    StreamExperts,
     choices_of,
     dump,
     is_int,
+    is_unary,
     label_and_clamp,
     parse_object,
     unavailable_key,
@@ -122,6 +124,7 @@ class VLLMJoinSession(JoinSession):
     def __init__(self, codec: VLLMCodec) -> None:
         self._experts = codec.sequences[ROUTED_EXPERTS]
         self._max_bytes = codec.options.max_decompressed_bytes
+        self._stream_has_no_experts = codec.stream_experts is StreamExperts.NO
         self._prefill_known = False
         self._leg_reason: str | None = None  # the whole prefill leg is unusable, and why
         self._prefill: dict | None = None  # the prefill leg folded into one object
@@ -263,6 +266,10 @@ class VLLMJoinSession(JoinSession):
         return self._tokens_seen.get(index, 0)
 
     def _join_experts(self, obj: dict, choice: dict, index: int, edit: _Edit) -> None:
+        if self._stream_has_no_experts and ROUTED_EXPERTS not in choice and not is_unary(obj):
+            # stream_routed_experts=no: this vLLM's stream choices have no such field, so its
+            # aggregated stream has no key either. Prefill's rows (a unary leg) are not spliced in.
+            return
         value = choice.get(ROUTED_EXPERTS)
         slot = self._prefill_slot(index)
         # Did prefill send expert data at all (even data that turned out bad)?
