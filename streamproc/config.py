@@ -358,7 +358,9 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                                 "decodes at most what the body's token counts allow",
                                                 ge=1024, le=2**40)] = defaults.MAX_DECOMPRESSED_BYTES
     format_option: Annotated[str, documented("codec options as KEY=VALUE, comma-separated (sglang: "
-                                             "streaming=cumulative|incremental, see docs/codecs.md)")] = ""
+                                             "streaming=cumulative|incremental, see docs/codecs.md; vllm: "
+                                             "stream_routed_experts=unknown|yes|no, see "
+                                             "docs/formats-vllm.md)")] = ""
     max_retained_bytes: Annotated[int, documented("bytes of published bodies kept by reference per request for a "
                                             "possible migration; past it the codec folds them into a compact "
                                             "progress state (0 folds every body at once)", ge=0, le=2**40)] = defaults.MAX_RETAINED_BYTES

@@ -15,10 +15,12 @@ from numpy.lib import format as npy_format
 
 from streamproc.catalog import Catalog, codec_names, worker_for
 from streamproc.codec import CodecOptions, CorruptPayload, ErrorKind
+from streamproc.config import load
 from streamproc.correlator import Correlator, CorrelatorConfig, Notice
 from streamproc.simulation import Damage, Truth, make_truth
 from streamproc.wire import Chunk, Result, Role, Verdict
 from streamproc_vllm import VLLMCodec, VLLMWorker
+from streamproc_vllm.native import StreamExperts
 from streamproc_vllm.sequence import Base64Npy, npy_bytes
 
 WORKER = VLLMWorker()
@@ -644,9 +646,6 @@ def test_correlator_passes_agg_bodies_through_byte_for_byte() -> None:
 
 
 def test_stream_routed_experts_defaults_to_unknown_and_reaches_the_codec_from_the_configuration() -> None:
-    from streamproc.config import load
-    from streamproc_vllm.native import StreamExperts
-
     assert VLLMCodec().stream_experts is StreamExperts.UNKNOWN
     for value in ("unknown", "yes", "no"):
         settings = load({"STREAMPROC_FORMAT": "vllm", "STREAMPROC_FORMAT_OPTION": f"stream_routed_experts={value}"})
@@ -660,8 +659,7 @@ def test_a_bad_stream_routed_experts_option_is_refused_when_the_codec_is_built(v
 
 
 def test_a_bad_stream_routed_experts_option_stops_the_processor_before_it_connects() -> None:
-    from streamproc.config import load
-    from streamproc.nats.processor import Processor, StartupError
+    from streamproc.nats.processor import Processor, StartupError  # nats-py only here
 
     settings = load({}, {"nats_url": "nats://127.0.0.1:1", "format": "vllm",
                          "format_option": "stream_routed_experts=maybe"})

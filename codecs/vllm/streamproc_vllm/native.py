@@ -26,8 +26,9 @@ UNAVAILABLE_SUFFIX = "_unavailable_reason"
 TOKEN_LABEL_PREFIX = "token_id:"
 TOKEN_ID = "token_id"  # tokens-mode logprob entries name their token by id (no "token" label)
 CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob
-# Keys only a unary ``GenerateResponse`` has; a ``GenerateStreamResponse`` chunk has neither (every
-# version of vllm/entrypoints/serve/disagg/protocol.py and scale_out/token_in_token_out/protocol.py).
+# Keys only a unary ``GenerateResponse`` has (``JSONResponse`` keeps them when null); a
+# ``GenerateStreamResponse`` chunk has neither (serve/disagg/protocol.py @ 06408932, 343bacaf,
+# furionw/vllm 9cdf7782; scale_out/token_in_token_out/protocol.py @ 006ebac2).
 UNARY_ONLY_KEYS = (PROMPT_LOGPROBS, "kv_transfer_params")
 
 STREAM_ROUTED_EXPERTS_OPTION = "stream_routed_experts"  # --format-option stream_routed_experts=unknown|yes|no
@@ -38,11 +39,11 @@ class StreamExperts(enum.StrEnum):
     version that no body shows (a finishing stream chunk without the key reads the same either way).
 
     * ``no``: ``GenerateResponseStreamChoice(index, logprobs, finish_reason, token_ids)`` while the
-      unary ``GenerateResponseChoice`` has ``routed_experts`` (vllm-project/vllm fork furionw/vllm
-      @ 9cdf7782f6aef4de62cb51a2740169d4555ee483 and moreh-dev/vllm @
-      46791a7519dd9fecf5c354a3d1217f393ef6ecd8, ``serve/disagg/protocol.py`` and ``serving.py``;
-      the same protocol.py is in vllm-project/vllm's stored history, index id 52130986979). Its
-      aggregated stream never carries the key.
+      unary ``GenerateResponseChoice`` has ``routed_experts``: ``serve/disagg/protocol.py`` and
+      ``serving.py`` of the fork furionw/vllm @ 9cdf7782f6aef4de62cb51a2740169d4555ee483 (protocol.py
+      also moreh-dev/vllm @ 46791a7519dd9fecf5c354a3d1217f393ef6ecd8; the same protocol.py is in
+      vllm-project/vllm's stored history, index id 52130986979, no commit named). Its aggregated
+      stream never carries the key.
     * ``yes``: stream choices have it (vllm-project/vllm @ 00a80787a504467c1bcd76d5405a50b2aaa00d5a
       ``scale_out/token_in_token_out/serving.py`` passes ``routed_experts=`` to
       ``GenerateResponseStreamChoice``; @ 006ebac240f34ddcd36383832b28c25840d2ea80 protocol.py
@@ -53,6 +54,7 @@ class StreamExperts(enum.StrEnum):
     UNKNOWN = "unknown"
     YES = "yes"
     NO = "no"
+
 
 _decoder = msgspec.json.Decoder()
 
