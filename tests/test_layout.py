@@ -220,6 +220,9 @@ OWN_VOCABULARY = {
     "dtype": "the experts view's own field (ExpertsView.dtype), numpy's word",
     "s": "string formatting",
     "rid": "streamproc token --rid (the capability's request ids)",
+    "yes": "option values (vllm's stream_routed_experts; the edge's and the settings' yes/no)",
+    "no": "option values (vllm's stream_routed_experts; the edge's and the settings' yes/no)",
+    "unknown": "option values (vllm's stream_routed_experts), the edge's unknown MSG.GET access",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
 KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",
