@@ -12,7 +12,8 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
 from .core.codec import Codec, CodecOptions
-from .core.errors import UnknownFormat
+from .core.errors import CodecUnavailable, UnknownFormat
+from .logs import error_text
 
 if TYPE_CHECKING:  # the runtime path never imports the simulation
     from .sim.simulation import SimulatedWorker
@@ -65,11 +66,23 @@ class Catalog:
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()
         self._codecs: dict[str, Codec] = {}
+        # Codecs that failed to import or build: each chunk naming one fails at once with the same
+        # error, instead of importing and building it again (per chunk, at a worker's pace).
+        self._failed: dict[str, CodecUnavailable] = {}
 
     def __call__(self, name: str) -> Codec:
         codec = self._codecs.get(name)
         if codec is None:
-            codec = codec_class(name)(self.options)
+            failed = self._failed.get(name)
+            if failed is not None:
+                raise failed
+            try:
+                codec = codec_class(name)(self.options)
+            except UnknownFormat:
+                raise  # not installed: may be installed later, and costs only a dict lookup
+            except Exception as exc:  # noqa: BLE001 - a plugin's import or constructor error, reported
+                failed = self._failed[name] = CodecUnavailable(name, error_text(exc))
+                raise failed from None
             self._codecs[name] = codec
         return codec
 

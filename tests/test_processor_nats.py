@@ -304,6 +304,30 @@ async def test_unknown_format_header_passes_unary_agg_through_and_fails_other_re
         assert "no-such-codec" in message and "sglang" in message and "vllm" in message
 
 
+async def test_a_codec_that_fails_to_load_fails_only_the_requests_that_name_it(kind, client, start_processor):
+    """``--format-option stream_routed_experts=maybe`` is the vllm codec's to refuse; with another
+    default format the processor starts, and the codec is first built when a chunk names it. Its
+    ValueError used to leave the pure core (``Correlator.receive``) for the shell: now that request
+    ends with ``unknown_format`` saying why, and the processor answers everyone else."""
+    worker = worker_for(FORMAT)
+    truth = traffic.make_truth(12, output_len=4)
+    async with start_processor(kind, format=FORMAT, format_option="stream_routed_experts=maybe") as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        async with ResultCollector(client, rp.subjects) as collector:
+            for rid in ("broken-1", "broken-2"):
+                await publisher.publish_leg(rid, "decode", [b'{"choices": []}'], format="vllm")
+            agg = worker.agg(truth, stream=True)
+            await publisher.publish_leg("healthy", "agg", agg)
+            results = await collector.wait_for(["broken-1", "broken-2", "healthy"], timeout=10)
+
+    assert [r.body for r in results["healthy"]] == agg
+    for rid in ("broken-1", "broken-2"):
+        (error,) = results[rid]
+        assert error.final and error.error == "unknown_format"
+        message = json.loads(error.body)["error"]["message"]
+        assert "codec 'vllm' failed to load" in message and "stream_routed_experts='maybe'" in message
+
+
 # ------------------------------------------------------------- shell behaviour
 
 async def test_request_without_progress_ends_with_a_timeout_error_result(client, nats_url):

@@ -59,7 +59,7 @@ class ErrorKind(enum.StrEnum):
     TIMEOUT = "timeout"  # no progress for --request-timeout
     OVERLOADED = "overloaded"  # --max-inflight reached
     INVALID_CHUNK = "invalid_chunk"  # a chunk broke the wire contract
-    UNKNOWN_FORMAT = "unknown_format"  # Streamproc-Format names no installed codec
+    UNKNOWN_FORMAT = "unknown_format"  # Streamproc-Format names no installed (or no loadable) codec
     INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
     MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
     UNAVAILABLE = "unavailable"  # the edge: the results stream a stream read was deleted (edge/source.py)

@@ -58,6 +58,18 @@ class UnknownFormat(StreamprocError, LookupError):
         self.available = available
 
 
+class CodecUnavailable(UnknownFormat):
+    """An installed codec that cannot be used: it failed to import or to build with the processor's
+    options (a ``--format-option`` value it refuses). A request naming it fails as an unknown format
+    would; the processor, started with another default format, answers everyone else."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        StreamprocError.__init__(self, f"codec {shown(name)} failed to load: {reason}")
+        self.name = name
+        self.available = []
+        self.reason = reason
+
+
 class MigrationRefused(StreamprocError):
     """This request cannot continue on another worker (n > 1, guided decoding, unreadable output...)."""
 
