@@ -57,10 +57,10 @@ class ErrorKind(enum.StrEnum):
     these to their native error types."""
 
     TIMEOUT = "timeout"  # no progress for --request-timeout
-    OVERLOADED = "overloaded"  # --max-inflight reached
+    OVERLOADED = "overloaded"  # a budget ran out (--max-inflight, --max-total-bytes, --max-decode-cpu, ...)
     INVALID_CHUNK = "invalid_chunk"  # a chunk broke the wire contract
     UNKNOWN_FORMAT = "unknown_format"  # Streamproc-Format names no installed (or no loadable) codec
-    INTERNAL = "internal"  # a codec raised; the request is failed, the processor lives on
+    INTERNAL = "internal"  # a codec or the shell raised, or a poison chunk; the processor lives on
     MIGRATION_REFUSED = "migration_refused"  # its worker was lost and its state cannot move to another
     UNAVAILABLE = "unavailable"  # the edge: the results stream a stream read was deleted (edge/source.py)
 
