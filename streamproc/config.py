@@ -615,6 +615,7 @@ class SettingsSchema(typing.Generic[S]):
                 continue
             if f.secret:  # environment only (or the *_file setting); the flag exists only to say so
                 group.add_argument(f.flag, dest=self._dest + f.name, default=None, action=_RefuseSecret,
+                                   metavar=f.name.upper(),  # not argparse's name from the prefixed dest
                                    help=f"not accepted: set {f.env} or {f.flag}-file instead")
                 continue
             if f.kind is bool:

@@ -273,6 +273,16 @@ def test_help_groups_flags_by_topic_and_lists_choices(command, groups):
             assert flag in sections["observability settings"] and flag not in sections["logging settings"]
 
 
+@pytest.mark.parametrize("command", ["run", "edge", "simulate"])
+def test_help_names_every_flags_value_after_the_flag_not_an_internal_name(command):
+    """The refused secret flags (``--nats-password``, ``--nats-token``) showed argparse's default
+    metavar, built from the internal dest: ``--nats-password SETTING_NATS_PASSWORD``."""
+    proc = run_cli_process(command, "--help")
+    assert proc.returncode == 0
+    assert "SETTING_" not in proc.stdout, proc.stdout
+    assert "--nats-password NATS_PASSWORD" in proc.stdout
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--chunks-max-bytes", "0"], ("--chunks-max-bytes (flag --chunks-max-bytes='0') must be -1 (unlimited) or a "
                                    "byte count: nats-server takes 0 for unlimited")),
