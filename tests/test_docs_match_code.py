@@ -9,7 +9,12 @@ Pinned drift classes, each found once in the docs (docs-drift review, 2026-12-03
 - every metric name in the docs is exported as written (counters with ``_total``: edge.md named nine
   without it), and every exported metric is named somewhere (operations.md covered most with patterns);
 - edge.md's unary status table has every error kind with the status the edge answers
-  (``migration_refused`` and ``unavailable`` were missing).
+  (``migration_refused`` and ``unavailable`` were missing);
+- every event name the code logs (``log_event``, a ``LogLimiter``'s ``.log``, a correlator ``Notice``)
+  has a row of operations.md's log events table at the level the code logs it, and every row names
+  one the code logs (31 events, mostly ``*_failed`` warnings, were in no doc; docs pass, 2026-12-04).
+  Names are read from the source with ``ast``; one built at run time must be listed in
+  ``DYNAMIC_EVENTS`` with the pattern the table documents and every value it can take.
 
 No NATS server: the parser, the collectors and the tables are read in process.
 """
@@ -17,6 +22,7 @@ No NATS server: the parser, the collectors and the tables are read in process.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,14 +30,14 @@ from types import SimpleNamespace
 import pytest
 
 from streamproc.cli import build_parser
-from streamproc.core.codec import ErrorKind
+from streamproc.core.codec import ErrorKind, OmissionReason
 from streamproc.core.correlator import Stats
 from streamproc.core.latency import LatencyHistogram
 from streamproc.edge.app import ERROR_STATUS
 from streamproc.edge.metrics import EdgeCollector, EdgeMetrics
 from streamproc.metrics import ProcessorCollector
 from streamproc.nats.durable.input import DurableStats
-from streamproc.nats.input import IOStats
+from streamproc.nats.input import QUIET_EVENTS, IOStats
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]
@@ -212,3 +218,123 @@ def test_the_unary_status_table_has_every_error_kind():
             statuses[kind] = int(status)
     documented = {kind.value: statuses.get(kind.value) for kind in ErrorKind}
     assert documented == {kind.value: ERROR_STATUS[kind] for kind in ErrorKind}
+
+
+LOG_EVENTS_DOC, LOG_EVENTS_HEADING = "docs/operations.md", "### Log events"
+LEVELS = ("debug", "info", "warning", "error")
+# An event name built at run time: (file, source of the name) -> (pattern as documented, its values).
+DYNAMIC_EVENTS = {
+    ("streamproc/core/correlator.py", "f'error:{kind.value}'"): ("error:<kind>", [k.value for k in ErrorKind]),
+}
+# Names passed on, not made: the limiter's own ``event``; a Notice's, collected where it is built.
+FORWARDED = {("streamproc/logs.py", "event"), ("streamproc/nats/input.py", "notice.event")}
+NAMED_CONSTANTS = {f"OmissionReason.{m.name}": m.value for m in OmissionReason}
+
+
+def _level(node: ast.expr) -> str | None:
+    """``logging.WARNING`` -> ``warning``; a level chosen at run time -> None (not checked)."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "logging":
+        return node.attr.lower()
+    return None
+
+
+def logged_events() -> tuple[dict[str, set[str | None]], list[str]]:
+    """Event name -> the levels it is logged at (None: chosen at run time), and the names the code
+    builds in a way this reader cannot resolve. Calls read: ``log_event(logger, level, name)``,
+    ``<limiter>.log(logging.LEVEL, name)``, ``Notice(request_id, name)`` (logged at warning, debug
+    for ``QUIET_EVENTS``) and a ``{"event": name}`` record (a library line, at the library's level)."""
+    found: dict[str, set[str | None]] = {}
+    unresolved: list[str] = []
+    for path in sorted(p for d in ("streamproc", "codecs") for p in (ROOT / d).rglob("*.py")):
+        rel = _rel(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            named: list[tuple[ast.expr, str | None]] = []
+            if isinstance(node, ast.Dict):
+                named = [(v, None) for k, v in zip(node.keys, node.values)
+                         if isinstance(k, ast.Constant) and k.value == "event"]
+            elif isinstance(node, ast.Call):
+                f = node.func
+                callee = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                if callee == "log_event" and len(node.args) >= 3:
+                    named = [(node.args[2], _level(node.args[1]))]
+                elif (callee == "log" and isinstance(f, ast.Attribute) and len(node.args) >= 2
+                      and _level(node.args[0]) is not None):
+                    named = [(node.args[1], _level(node.args[0]))]
+                elif callee == "Notice" and len(node.args) >= 2:
+                    named = [(node.args[1], "notice")]
+            for arg, level in named:
+                branches = [arg.body, arg.orelse] if isinstance(arg, ast.IfExp) else [arg]
+                for branch in branches:
+                    source = ast.unparse(branch)
+                    if isinstance(branch, ast.Constant) and isinstance(branch.value, str):
+                        name = branch.value
+                    elif source in NAMED_CONSTANTS:
+                        name = NAMED_CONSTANTS[source]
+                    elif (rel, source) in DYNAMIC_EVENTS:
+                        name = DYNAMIC_EVENTS[(rel, source)][0]
+                    elif (rel, source) in FORWARDED:
+                        continue
+                    else:
+                        unresolved.append(f"{rel}:{branch.lineno}: {source}")
+                        continue
+                    if level == "notice":
+                        level = "debug" if name in QUIET_EVENTS else "warning"
+                    found.setdefault(name, set()).add(level)
+    return found, unresolved
+
+
+def documented_log_events() -> dict[str, tuple[int, str, str]]:
+    """Event name -> (line, level cell, whole row) of the log events table; a row may name several."""
+    lines = (ROOT / LOG_EVENTS_DOC).read_text().splitlines()
+    if LOG_EVENTS_HEADING not in lines:
+        return {}
+    start = lines.index(LOG_EVENTS_HEADING)
+    rows: dict[str, tuple[int, str, str]] = {}
+    for number, line in enumerate(lines[start + 1:], start + 2):
+        if line.startswith("#"):
+            break
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                rows[name] = (number, cells[1], line)
+    return rows
+
+
+def test_the_code_logs_the_usual_events():
+    events, _ = logged_events()
+    assert {"started", "stopped", "lease_acquired", "result_given_up", "subscribe_failed", "log_suppressed",
+            "overloaded", "prefill_timeout", "error:<kind>", "result_batch_refused", "result_not_stored",
+            "http_request"} <= set(events) and len(events) > 100
+
+
+def test_every_event_name_the_code_logs_is_read():
+    assert logged_events()[1] == [], "an event name built at run time: add it to DYNAMIC_EVENTS"
+
+
+def test_every_logged_event_is_in_the_log_events_table():
+    documented = documented_log_events()
+    missing = sorted(set(logged_events()[0]) - set(documented))
+    text = "\n".join(path.read_text() for path in DOCS)
+    nowhere = [name for name in missing if not re.search(rf"(?<![\w:<]){re.escape(name)}(?![\w:])", text)]
+    assert missing == [], (f"{LOG_EVENTS_DOC} ({LOG_EVENTS_HEADING}) lacks {len(missing)} events; "
+                           f"{len(nowhere)} of them in no doc at all: {nowhere}")
+
+
+def test_the_log_events_table_names_only_logged_events_at_their_levels():
+    events, problems = logged_events()[0], []
+    for name, (number, level_cell, _) in documented_log_events().items():
+        where = f"{LOG_EVENTS_DOC}:{number}: `{name}`"
+        if name not in events:
+            problems.append(f"{where} is not logged by the code")
+        elif None not in events[name] and set(re.findall("|".join(LEVELS), level_cell)) != events[name]:
+            problems.append(f"{where}: logged at {sorted(events[name])}, the table says {level_cell!r}")
+    assert problems == []
+
+
+@pytest.mark.parametrize("key", sorted(DYNAMIC_EVENTS))
+def test_a_dynamic_event_row_lists_every_value(key: tuple[str, str]):
+    pattern, values = DYNAMIC_EVENTS[key]
+    rows = documented_log_events()
+    assert pattern in rows, f"{LOG_EVENTS_DOC}: no row for `{pattern}`"
+    row = rows[pattern][2]
+    assert [v for v in values if f"`{v}`" not in row] == []
