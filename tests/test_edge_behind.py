@@ -8,6 +8,9 @@ in-process (no client socket buffers hide how much the edge holds) and ``streamp
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
+import signal
 import socket
 import time
 
@@ -648,10 +651,11 @@ async def test_catch_ups_without_msg_get_past_max_replay_consumers_wait_for_a_co
                       f"{source.metrics.replay_pauses}; fast lag max {max(lags) * 1000:.0f} ms")
                 assert peak[0] <= cap, peak
                 assert source.metrics.replay_consumer_waits > 0 and source.metrics.streams_overrun == 0
-                # A freed consumer wakes one waiting catch-up, not all of them (each woken one asks
-                # again and counts a wait): 430 waits for 36 consumers here, when every free woke all 12.
+                # A freed consumer wakes one waiting catch-up, not all of them (430 looks for 36
+                # consumers here, when every free woke all 12), and a wait is counted once per
+                # consumer waited for, not per look: at most one per consumer the catch-ups made.
                 needed = feeds_count + source.metrics.replay_pauses
-                assert source.metrics.replay_consumer_waits <= 3 * needed, (source.metrics.replay_consumer_waits, needed)
+                assert source.metrics.replay_consumer_waits <= needed, (source.metrics.replay_consumer_waits, needed)
                 assert max(lags) < 1.0, lags
                 for feed in (*slow_feeds, fast):
                     await feed.close()
@@ -683,3 +687,162 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_hears_at_once_that_its_s
                 assert isinstance(item, StreamGone) and took < 3.0, (item, took)
                 for feed in (holder, waiter):
                     await feed.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_catch_up_waiting_for_a_replay_consumer_counts_one_wait_however_often_it_looks_again():
+    """``replay_consumer_waits`` counts waiting episodes (one per consumer a catch-up had to wait
+    for), not looks: a client that gets keep-alives while its catch-up waits makes it look again
+    at each one (it counted 11 here, one per ``next``)."""
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
+                                      max_replay_consumers=1) as source:
+                holder, waiter = await source.open(rid("holder")), await source.open(rid("waiter"))
+                assert await holder.next(0.2) is None and await waiter.next(0.2) is None
+                await behind(source, holder, nc, 64)
+                await into_catch_up(source, holder)  # its consumer holds the slot; its client stops reading
+                await behind(source, waiter, nc, 64, final_at=63)
+                seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
+                assert item is None, (seqs, item)
+                for _ in range(10):  # keep-alives: it looks again each time
+                    assert await waiter.next(0.05) is None
+                assert source.metrics.replay_consumer_waits == 1
+                await holder.close()  # its consumer is freed (once the server dropped it)
+                rest, item = await drain(waiter, 10.0)
+                assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
+                # One more wait at most per consumer it needed after a pause (the paused one lingers).
+                assert source.metrics.replay_consumer_waits <= 1 + source.metrics.replay_pauses, (
+                    source.metrics.replay_consumer_waits, source.metrics.replay_pauses)
+                await waiter.close()
+
+
+ALLOW_MSG_GET = """
+authorization {
+  users = [
+    {user: edge, password: edge}
+    {user: pub, password: pub}
+  ]
+}
+"""
+
+
+async def grant_msg_get(server: EmbeddedNats) -> None:
+    """The edge user may publish ``STREAM.MSG.GET`` from now on: nats-server reloads its
+    configuration file without it denied (SIGHUP), as an operator granting it would."""
+    (server.log_path.parent / "server.conf").write_text(ALLOW_MSG_GET)
+    os.kill(server.pid, signal.SIGHUP)
+    await until(lambda: "Reloaded server configuration" in server.log_path.read_text(), 10.0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_before_later_late_attaches():
+    """A catch-up that may read with consumers alone (it fell behind while ``STREAM.MSG.GET`` was
+    refused) waits for one past ``--max-replay-consumers``. Late attaches that may read by subject
+    (the permission was granted since) keep coming, each with a history it would read with a
+    consumer if one were free. The slot freed next is the waiting catch-up's: no late attach opened
+    after it began to wait reads with a consumer before it got one (they read by subject), it gets
+    its first result within a bound, and the consumers never exceed the cap. Before, a woken
+    catch-up lost the slot to whichever late attach asked first (every late attach reading by
+    subject asks at each result), went back to the queue, and waited for the next one freed."""
+    cap, history, workers = 1, 40, 6
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            js = nc.jetstream()
+            await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
+                                      max_replay_consumers=cap) as source:
+                base = (await js.stream_info(RESULTS_STREAM)).state.consumer_count  # the ring's
+                holder, waiter = await source.open(rid("holder")), await source.open(rid("waiter"))
+                assert await holder.next(0.2) is None and await waiter.next(0.2) is None
+                late_ids = [rid(f"late{i}") for i in range(workers * 4)]  # each attached again and again
+                for request_id in late_ids:  # stored histories, read by late attaches below
+                    await publish_results(nc, SUBJECTS, request_id, [b'{"n":%d}' % n for n in range(history)],
+                                          flush_every=history)
+                await behind(source, holder, nc, 64)
+                await into_catch_up(source, holder)  # its consumer holds the slot; its client stops reading
+                await behind(source, waiter, nc, 64, final_at=63)
+                seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
+                assert item is None and source.metrics.replay_consumer_waits >= 1, (seqs, item)
+                await grant_msg_get(server)
+                source.msg_get.reprobe = 0.0  # the next open tries MSG.GET again
+                peak, held_peak = [0], [0]
+                late: list[tuple[float, float, bool]] = []  # (opened, done, read with a consumer)
+                stop = asyncio.Event()
+
+                async def count_consumers() -> None:
+                    while True:
+                        peak[0] = max(peak[0], (await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
+                        held_peak[0] = max(held_peak[0], source._replay_consumers_held())
+                        await asyncio.sleep(0.02)
+
+                async def late_attaches(ids: list[str]) -> None:
+                    for request_id in itertools.cycle(ids):
+                        if stop.is_set():
+                            return
+                        opened = time.monotonic()
+                        feed = await source.open(request_id)
+                        replay = feed.replay
+                        assert replay is not None
+                        got = []
+                        while isinstance(item := await feed.next(10.0), ResultInfo):
+                            got.append(item.seq)
+                        assert got == list(range(history)) and isinstance(item, Ended), (got, item)
+                        late.append((opened, time.monotonic(), replay.taken > 0))
+                        await feed.close()
+
+                async def slow_waiter() -> tuple[list[int], object, list[float]]:
+                    """Its client is slower than a consumer pushes: it pauses at each bound's worth
+                    and needs a new consumer each time, competing with the late attaches for it. It
+                    is sent a keep-alive every 0.25 s while it waits, which its client takes 50 ms
+                    to read (an SSE stream's loop, app.py)."""
+                    got, gaps, last = [], [], time.monotonic()
+                    while True:
+                        item = await waiter.next(0.25)
+                        if item is None:
+                            if time.monotonic() - last > 10.0:  # starved: given up
+                                gaps.append(time.monotonic() - last)
+                                break
+                            await asyncio.sleep(0.05)
+                            continue
+                        if not isinstance(item, ResultInfo):
+                            break
+                        got.append(item.seq)
+                        gaps.append(time.monotonic() - last)
+                        await asyncio.sleep(0.005)
+                        last = time.monotonic()
+                    return got, item, gaps
+
+                sampler = asyncio.ensure_future(count_consumers())
+                loads = [asyncio.ensure_future(late_attaches(late_ids[i::workers])) for i in range(workers)]
+                try:
+                    await until(lambda: len(late) >= workers, 10.0)  # the load is on: late attaches read by subject
+                    assert source.msg_get.state == "allowed"
+                    assert not any(used for _, _, used in late), late
+                    started = time.monotonic()
+                    await holder.close()  # its consumer is freed once the server dropped it (~1.5 s)
+                    rest, end, gaps = await slow_waiter()
+                    took = time.monotonic() - started
+                    stolen = [done for opened, done, used in late if used]  # done before the catch-up's end
+                    stop.set()
+                    await asyncio.gather(*loads)
+                finally:
+                    stop.set()
+                    sampler.cancel()
+                    for task in loads:
+                        task.cancel()
+                print(f"\ncatch-up waiting beside {workers} late attaches: done after {took:.2f} s, its longest wait "
+                      f"for a result {max(gaps):.2f} s, pauses {source.metrics.replay_pauses}; late attaches "
+                      f"{len(late)}, with a consumer {sum(u for _, _, u in late)} (done before the catch-up's "
+                      f"end: {len(stolen)}); by subject {source.metrics.replay_reads_by_subject}; consumers at "
+                      f"most {peak[0]} beside the ring's (held {held_peak[0]}); waits "
+                      f"{source.metrics.replay_consumer_waits}")
+                assert not stolen, "late attaches read with consumers the catch-up waited for"
+                # Each wait: the consumer before it lingers on the server (REPLAY_SLOT_LINGER, 1.5 s).
+                assert max(gaps) < 6.0, gaps
+                assert seqs + rest == list(range(64)) and isinstance(end, Ended), (seqs, rest, end)
+                assert source.metrics.replay_pauses >= 3  # it waited for a consumer again and again
+                assert peak[0] <= cap and held_peak[0] <= cap, (peak, held_peak)
+                assert source.metrics.replay_reads_by_subject > 0
+                await waiter.close()
