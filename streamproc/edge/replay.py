@@ -44,7 +44,9 @@ gap after ``--gap-timeout`` even when no later result of the request comes (its 
 
 Temporary consumers count against ``--max-replay-consumers`` from their creation until the server
 has dropped them (``CONSUMER_LINGER`` after their unsubscribe). Past it a replay reads the next
-result by subject; one reading with consumers alone cannot, and waits for a consumer (``waiting``).
+result by subject; one reading with consumers alone cannot, and waits for a consumer (``waiting``):
+the source keeps the next one freed for it, first come first, so replays that may read by subject
+do so while it waits (``ResultSource._replay_slot_freed``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import functools
 import logging
 import time
 from typing import Any, Callable, Coroutine, Literal
@@ -143,6 +144,9 @@ class ResultFeed:
         self.hole: Gap | None = None
         # Set while its catch-up waits for a replay consumer (ResultSource.replay_slot): what wakes it.
         self.slot_waiter: asyncio.Future[None] | None = None
+        # A freed replay consumer slot kept for its waiting catch-up (ResultSource._replay_slot_freed):
+        # counted as held until its replay makes the consumer, so nobody else takes it meanwhile.
+        self.slot_reserved = False
 
     async def next(self, timeout: float) -> FeedItem | None:
         """The next item, or None when ``timeout`` seconds pass without one."""
@@ -333,6 +337,7 @@ class ResultFeed:
         Else the close as a coroutine to await. An SSE stream's end then needs no shielded cancel
         scope and no coroutines (docs/benchmarks.md, "SSE lifecycle")."""
         if self.replay is not None or self._sub is not None:
+            self.source.wake_slot_waiter(self)  # its place in the queue for a replay consumer, or its slot, goes
             return self._close()
         self.closed = True
         self.source.forget(self)
@@ -450,9 +455,13 @@ class ResultSource:
         self._replays_creating = 0
         # Consumers replays dropped that nats-server still keeps (REPLAY_SLOT_LINGER): counted too.
         self._replays_lingering = 0
-        # Catch-ups waiting for a replay consumer (replay_slot), first come first: a freed slot wakes
-        # one (each waking every waiter made one free cost a wake and a retry per waiter).
-        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Catch-ups waiting for a replay consumer (_may_replay_with_consumer), first come first: a
+        # freed slot is kept for the first (slot_reserved) and wakes it (replay_slot). Each keeps its
+        # place until it has the slot, also between its client's keep-alives; while any waits no
+        # slot is free, so a replay that may read by subject does (a woken catch-up lost the slot to
+        # such late attaches, which ask at each result, and went back to the end of the queue).
+        self._slot_waiters: collections.OrderedDict[ResultFeed, None] = collections.OrderedDict()
+        self._slots_reserved = 0  # freed slots kept for catch-ups that waited, counted as held
         # Lines any client or results publisher can cause at will (per request or per result) are
         # rate limited per event name, as in the processor; flushed every interval so the suppressed
         # counts are reported when a flood stops.
@@ -994,7 +1003,8 @@ class ResultSource:
         limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit,
                   "inactive_threshold": CONSUMER_LINGER}
         return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                      REPLAY_TIMEOUT, limits, watch, self.msg_get, self._may_replay_with_consumer, start,
+                      REPLAY_TIMEOUT, limits, watch, self.msg_get,
+                      functools.partial(self._may_replay_with_consumer, feed), start,
                       by_consumer, expect, self._replay_consumer_made)
 
     def catch_up(self, feed: ResultFeed) -> None:
@@ -1130,22 +1140,29 @@ class ResultSource:
         if sub is not None:
             self._feeds.pop(id(core_subscription(sub)), None)
 
-    def _may_replay_with_consumer(self, by_consumer: bool) -> bool:
-        """A replay may make a consumer for its history (below --max-replay-consumers, the consumers
-        being made and those the server still keeps counted); else it reads the next stored result
-        by subject (replay.py), or, reading with consumers alone (``by_consumer``: MSG.GET refused),
-        waits for one (:meth:`replay_slot`), and the edge counts it."""
-        if self._replay_consumers_held() < self.settings.max_replay_consumers:
+    def _may_replay_with_consumer(self, feed: ResultFeed, by_consumer: bool) -> bool:
+        """``feed``'s replay may make a consumer for its history (below --max-replay-consumers, the
+        consumers being made, those the server still keeps and the slots kept for waiting catch-ups
+        counted; or in the slot kept for it); else it reads the next stored result by subject
+        (replay.py), or, reading with consumers alone (``by_consumer``: MSG.GET refused), waits for
+        one (:meth:`replay_slot`) in the queue, counted once per consumer it waits for."""
+        if feed.slot_reserved:
+            feed.slot_reserved = False
+            self._slots_reserved -= 1
             self._replays_creating += 1  # until _replay_consumer_made: its creation awaits a round trip
             return True
-        if by_consumer:
-            self.metrics.replay_consumer_waits += 1
-        else:
+        if self._replay_consumers_held() < self.settings.max_replay_consumers:
+            self._replays_creating += 1
+            return True
+        if not by_consumer:
             self.metrics.replay_reads_by_subject += 1
+        elif feed not in self._slot_waiters:
+            self._slot_waiters[feed] = None
+            self.metrics.replay_consumer_waits += 1
         return False
 
     def _replay_consumers_held(self) -> int:
-        return len(self._replays) + self._replays_creating + self._replays_lingering
+        return len(self._replays) + self._replays_creating + self._replays_lingering + self._slots_reserved
 
     def _replay_consumer_made(self) -> None:
         """A consumer :meth:`_may_replay_with_consumer` allowed exists (in ``_replays`` now, as the
@@ -1159,43 +1176,42 @@ class ResultSource:
         self._replay_slot_freed()
 
     def _replay_slot_freed(self) -> None:
-        """Wake the first catch-up still waiting for a consumer, if a slot is free."""
-        if self._replay_consumers_held() >= self.settings.max_replay_consumers:
-            return
-        while self._slot_waiters:
-            waiter = self._slot_waiters.popleft()
-            if not waiter.done():
+        """Each free slot goes to the catch-up that has waited longest: kept for it, and it is woken
+        (one per slot: waking every waiter made a free cost a wake and a retry per waiter)."""
+        while self._slot_waiters and self._replay_consumers_held() < self.settings.max_replay_consumers:
+            feed, _ = self._slot_waiters.popitem(last=False)
+            feed.slot_reserved = True
+            self._slots_reserved += 1
+            waiter = feed.slot_waiter
+            if waiter is not None and not waiter.done():
                 waiter.set_result(None)
-                return
 
     async def replay_slot(self, feed: ResultFeed, timeout: float) -> None:
-        """Wait at most ``timeout`` seconds for a replay consumer to be freed (a replay reading with
-        consumers alone past --max-replay-consumers: :attr:`Replay.waiting`), or for ``feed`` to
-        have no more use for one (:meth:`wake_slot_waiter`)."""
+        """Wait at most ``timeout`` seconds for a replay consumer slot kept for ``feed`` (a replay
+        reading with consumers alone past --max-replay-consumers: :attr:`Replay.waiting`), or for
+        ``feed`` to have no more use for one (:meth:`wake_slot_waiter`). Its place in the queue
+        stays when it returns without one: its next look asks for the slot again."""
+        if feed.slot_reserved or feed not in self._slot_waiters:
+            return
         waiter = feed.slot_waiter = asyncio.get_running_loop().create_future()
-        self._slot_waiters.append(waiter)
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self._replay_slot_freed()  # woken, then cancelled before it asked: the next one's turn
-            raise
         finally:
             feed.slot_waiter = None
-            if not waiter.done() or waiter.cancelled():
-                waiter.cancel()
-                with contextlib.suppress(ValueError):
-                    self._slot_waiters.remove(waiter)
 
     def wake_slot_waiter(self, feed: ResultFeed) -> None:
-        """``feed`` waits in :meth:`replay_slot` and must look at its state again (stream gone, replay
-        stopped): it goes out of the queue, woken."""
+        """``feed`` has no more use for a replay consumer (stream gone, replay stopped, closed): it
+        leaves the queue, a slot kept for it goes to the next catch-up, and it is woken to look at
+        its state again."""
+        self._slot_waiters.pop(feed, None)
+        if feed.slot_reserved:
+            feed.slot_reserved = False
+            self._slots_reserved -= 1
+            self._replay_slot_freed()
         waiter = feed.slot_waiter
         if waiter is not None and not waiter.done():
-            with contextlib.suppress(ValueError):
-                self._slot_waiters.remove(waiter)
             waiter.set_result(None)
 
     async def _fell_behind(self, feed: ResultFeed, exc: nats.errors.SlowConsumerError) -> None:
