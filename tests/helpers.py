@@ -198,21 +198,26 @@ from streamproc.codec import Codec
 
 
 class BrokenCodec(Codec):
-    """A codec distribution with a bug: constructing it raises."""
+    """A codec distribution with a bug, to push an exception out of the correlator into the shell's
+    catch-all (no well-formed input can; a codec that fails to load is an unknown_format instead:
+    tests/test_processor_nats.py). It loads, its join sessions raise, and its error_body raises
+    every other call: the correlator's attempt to end the request with an internal error raises
+    out of it, and the shell's (input.py ``failed``) then succeeds."""
 
     name = "broken"
-
-    def __init__(self, options=None):
-        raise RuntimeError("broken codec: cannot start")
+    calls = 0
 
     def error_body(self, message, kind):
-        raise NotImplementedError
+        BrokenCodec.calls += 1
+        if BrokenCodec.calls % 2:
+            raise RuntimeError("broken codec: every call raises")
+        return b'{"error": "%s"}' % message.encode().replace(b'"', b"'")
 
     def fold(self, bodies):
-        raise NotImplementedError
+        raise RuntimeError("broken codec: every call raises")
 
     def open_session(self):
-        raise NotImplementedError
+        raise RuntimeError("broken codec: every call raises")
 '''
 
 

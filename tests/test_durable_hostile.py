@@ -106,7 +106,8 @@ async def test_a_chunk_on_its_max_deliver_th_delivery_is_terminated_and_its_requ
 
 async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_not_redelivered(
         nats_url, tmp_path):
-    """A chunk naming a codec whose constructor raises made the durable handler raise: the chunk
+    """A decode chunk naming a codec whose join raises and whose error_body then raises too
+    (helpers.BrokenCodec) made the durable handler raise: the chunk
     was never acknowledged and came back every ack wait, for ever. Now the request ends with an
     internal error result, the chunk is acknowledged once that is stored, and the other requests
     of the partition are answered."""
@@ -122,14 +123,16 @@ async def test_a_message_whose_handling_raises_ends_its_request_and_is_settled_n
             legit = [rid("ok") for _ in range(20)]
             for i, r in enumerate(legit):
                 if i == 10:
-                    await publish_agg(js, victim, 2, **{"Streamproc-Format": "broken"})
+                    for seq in range(2):  # a decode leg: its join session is the codec's (it raises)
+                        await js.publish(SUBJECTS.chunk(victim, "decode"), b"{}", headers={
+                            **chunk_headers(victim, "decode", seq, final=seq == 1), "Streamproc-Format": "broken"})
                 await publish_agg(js, r, 3)
             await answered_in_full(js, legit, 3)
             stored = await stored_results(js, SUBJECTS)
             assert victim in stored, log_path.read_text()[-3000:]
             [error] = stored[victim]
             assert error.seq == 0 and error.final and error.error == "internal", error
-            assert b"broken codec: cannot start" in error.body
+            assert b"broken codec: every call raises" in error.body
             # Its second chunk arrives after the request ended: settled as late, nothing more published.
             await wait_until(lambda: scrape(port).get("streamproc_late_total", 0) >= 1, 10, "the late chunk")
             await anyio.sleep(2 * 2.0 + 0.5)  # two ack waits: anything unsettled would have come back

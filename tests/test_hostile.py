@@ -357,7 +357,8 @@ async def test_a_decode_batch_of_too_many_items_ends_as_invalid_chunk_and_others
 
 
 async def test_a_message_whose_handling_raises_ends_its_request_as_internal_in_core_mode(nats_url, tmp_path):
-    """A chunk naming a codec whose constructor raises: the exception escaped the core input (no result,
+    """A decode chunk naming a codec whose join raises and whose error_body then raises too
+    (helpers.BrokenCodec: the correlator cannot end the request itself): the exception escaped the core input (no result,
     `event=nats_error`). Now the request ends with one internal error result naming the cause, its later
     chunk is late (nothing more published), and the processor goes on answering everyone else."""
     site = broken_codec_site(tmp_path)
@@ -367,8 +368,8 @@ async def test_a_message_whose_handling_raises_ends_its_request_as_internal_in_c
     async def attack(nc, i: int, ping) -> None:
         rid = f"victim{i}"
         for seq in range(2):
-            await nc.publish(SUBJECTS.chunk(rid, "agg"), b"{}",
-                             headers=chunk_headers(rid, "agg", seq, final=seq == 1, format="broken"))
+            await nc.publish(SUBJECTS.chunk(rid, "decode"), b"{}",
+                             headers=chunk_headers(rid, "decode", seq, final=seq == 1, format="broken"))
 
     victims = [f"victim{i}" for i in range(0, 500, 50)]
     with processor_subprocess(nats_url, "--mode", "core", "--http-port", str(port), env=env) as (proc, log_path):
@@ -377,7 +378,7 @@ async def test_a_message_whose_handling_raises_ends_its_request_as_internal_in_c
         for r in victims:
             [(body, headers)] = results.by_request[r].values()  # one result: the later chunk published nothing
             assert headers.get(SEQ) == "0" and headers.get(ERROR) == "internal", (r, headers)
-            assert b"broken codec: cannot start" in body, body
+            assert b"broken codec: every call raises" in body, body
         metrics = scrape(port)
         assert metrics["streamproc_internal_errors_total"] == len(victims)
         assert metrics['streamproc_error_results_total{kind="internal"}'] == len(victims)
