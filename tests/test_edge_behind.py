@@ -91,6 +91,20 @@ async def into_catch_up(source, feed, taken: int = 12) -> list[int]:
     return seqs
 
 
+async def waiting_for_a_replay_consumer(source, nc, *, final_at: int | None = None):
+    """With ``--max-replay-consumers 1`` and ``STREAM.MSG.GET`` refused: a holder catch-up whose
+    client reads no more keeps the one replay consumer, and a waiter, 64 results behind, has taken
+    what its inbox held and now waits for that consumer. (holder, waiter, the waiter's seqs, the
+    item after them)."""
+    holder, waiter = await source.open(rid("holder")), await source.open(rid("waiter"))
+    assert await holder.next(0.2) is None and await waiter.next(0.2) is None
+    await behind(source, holder, nc, 64)
+    await into_catch_up(source, holder)  # its consumer holds the slot; its client stops reading
+    await behind(source, waiter, nc, 64, final_at=final_at)
+    seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
+    return holder, waiter, seqs, item
+
+
 async def ring_read_all(source, nc) -> None:
     """Until the ring has read every result stored so far."""
     last = (await nc.jetstream().stream_info(source.fanout.stream)).state.last_seq
@@ -672,12 +686,7 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_hears_at_once_that_its_s
             await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
             async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
                                       max_replay_consumers=1) as source:
-                holder, waiter = await source.open(rid("holder")), await source.open(rid("waiter"))
-                assert await holder.next(0.2) is None and await waiter.next(0.2) is None
-                await behind(source, holder, nc, 64)
-                await into_catch_up(source, holder)  # its consumer holds the slot; its client stops reading
-                await behind(source, waiter, nc, 64)
-                seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
+                holder, waiter, seqs, item = await waiting_for_a_replay_consumer(source, nc)
                 assert seqs == list(range(len(seqs))) and item is None, (seqs, item)
                 assert source.metrics.replay_consumer_waits > 0 and waiter.replay is not None
                 await nc.jetstream().delete_stream(RESULTS_STREAM)
@@ -699,12 +708,7 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_counts_one_wait_however_
             await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
             async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
                                       max_replay_consumers=1) as source:
-                holder, waiter = await source.open(rid("holder")), await source.open(rid("waiter"))
-                assert await holder.next(0.2) is None and await waiter.next(0.2) is None
-                await behind(source, holder, nc, 64)
-                await into_catch_up(source, holder)  # its consumer holds the slot; its client stops reading
-                await behind(source, waiter, nc, 64, final_at=63)
-                seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
+                holder, waiter, seqs, item = await waiting_for_a_replay_consumer(source, nc, final_at=63)
                 assert item is None, (seqs, item)
                 for _ in range(10):  # keep-alives: it looks again each time
                     assert await waiter.next(0.05) is None
