@@ -66,23 +66,24 @@ class Catalog:
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()
         self._codecs: dict[str, Codec] = {}
-        # Codecs that failed to import or build: each chunk naming one fails at once with the same
-        # error, instead of importing and building it again (per chunk, at a worker's pace).
-        self._failed: dict[str, CodecUnavailable] = {}
+        # Codecs that failed to import or build, with why: each chunk naming one fails at once with
+        # that error, instead of importing and building it again (per chunk, at a worker's pace). A
+        # fresh exception each time: re-raising a stored one grows its traceback by every raise.
+        self._failed: dict[str, str] = {}
 
     def __call__(self, name: str) -> Codec:
         codec = self._codecs.get(name)
         if codec is None:
             failed = self._failed.get(name)
             if failed is not None:
-                raise failed
+                raise CodecUnavailable(name, failed)
             try:
                 codec = codec_class(name)(self.options)
             except UnknownFormat:
                 raise  # not installed: may be installed later, and costs only a dict lookup
             except Exception as exc:  # noqa: BLE001 - a plugin's import or constructor error, reported
-                failed = self._failed[name] = CodecUnavailable(name, error_text(exc))
-                raise failed from None
+                self._failed[name] = error_text(exc)
+                raise CodecUnavailable(name, self._failed[name]) from None
             self._codecs[name] = codec
         return codec
 

@@ -850,3 +850,20 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_
                 assert peak[0] <= cap and held_peak[0] <= cap, (peak, held_peak)
                 assert source.metrics.replay_reads_by_subject > 0
                 await waiter.close()
+
+
+async def test_a_feed_closed_while_a_replay_slot_is_kept_for_it_gives_the_slot_back(nats_url):
+    """A catch-up can be queued for a replay consumer by a replay the results stream's recreation
+    already took from it (``_stop_replays`` then its MSG.GET times out): a slot freed later is kept
+    for that feed, which then closes by the fast path (no replay left). The slot went with it, and
+    the cap was one lower for the edge's life (found by review; this sets up that end state)."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND,
+                              max_replay_consumers=1) as source:
+        feed = await source.open(rid("late"))
+        assert await feed.next(0.5) is None and feed.replay is None  # its probe found nothing stored
+        source._replays_creating += 1  # another replay's consumer holds the one slot
+        assert source._may_replay_with_consumer(feed, True) is False  # queued for it
+        source._replay_consumer_made()  # that consumer failed: its slot is kept for the feed
+        assert feed.slot_reserved
+        await feed.close()
+        assert source._replay_consumers_held() == 0, (source._slots_reserved, feed.slot_reserved)

@@ -203,6 +203,8 @@ class ResultFeed:
                     if now >= deadline:
                         return None
                     await self.source.replay_slot(self, min(deadline, now + wait) - now)
+                    if self.replay is not replay:  # taken meanwhile (_stop_replays): no slot for it
+                        self.source.wake_slot_waiter(self)
                     continue
                 if stored is None:  # done, or closed meanwhile (close() or an overrun took it)
                     if self.replay is replay:
@@ -336,8 +338,10 @@ class ResultFeed:
         replay left: every core open, and a JetStream one whose stored results were read): None.
         Else the close as a coroutine to await. An SSE stream's end then needs no shielded cancel
         scope and no coroutines (docs/benchmarks.md, "SSE lifecycle")."""
+        # Its place in the queue for a replay consumer, or the slot kept for it, goes: also on the
+        # fast path (a replay taken by _stop_replays can still have queued it before it closed).
+        self.source.wake_slot_waiter(self)
         if self.replay is not None or self._sub is not None:
-            self.source.wake_slot_waiter(self)  # its place in the queue for a replay consumer, or its slot, goes
             return self._close()
         self.closed = True
         self.source.forget(self)
