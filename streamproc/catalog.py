@@ -7,9 +7,10 @@ exercised by every run rather than special-cased.
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .core.codec import Codec, CodecOptions
 from .core.errors import CodecUnavailable, UnknownFormat
@@ -20,6 +21,13 @@ if TYPE_CHECKING:  # the runtime path never imports the simulation
 
 CODECS_GROUP = "streamproc.codecs"
 WORKERS_GROUP = "streamproc.workers"
+
+# A codec that failed to load for a reason other than its configuration is built again after this
+# many seconds at the earliest (Catalog).
+CODEC_RETRY_SECONDS = 30.0
+# Failures that come back the same on every attempt: a --format-option value the constructor refuses
+# (ValueError, TypeError), a module or dependency that is not installed (ImportError).
+PERMANENT_FAILURES = (ValueError, TypeError, ImportError)
 
 
 @lru_cache(maxsize=None)
@@ -61,29 +69,47 @@ def describe() -> list[tuple[str, str, str]]:
 
 
 class Catalog:
-    """Codec instances for one processor, created once per name with the processor's limits."""
+    """Codec instances for one processor, created once per name with the processor's limits.
 
-    def __init__(self, options: CodecOptions | None = None) -> None:
+    A codec that fails to import or build makes each request naming it fail at once with why
+    (:class:`CodecUnavailable`), without importing and building it again per chunk, at a worker's
+    pace. A configuration error (``PERMANENT_FAILURES``) would fail the same way each time: it is
+    kept for the process's life. Anything else (a ``MemoryError`` while importing, an ``OSError``
+    reading a file) may pass: the codec is built again at the first request after
+    ``retry_after`` seconds of ``clock`` (the processor's), so a flood of chunks naming it costs
+    one attempt per interval, not one per chunk. The clock is read only while such a failure is
+    kept; a resolver already does I/O (imports), so the correlator calling it stays clock-free in
+    its own logic and its signature (``name -> Codec``) is unchanged.
+    """
+
+    def __init__(self, options: CodecOptions | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 retry_after: float = CODEC_RETRY_SECONDS) -> None:
         self.options = options or CodecOptions()
+        self._clock = clock
+        self._retry_after = retry_after
         self._codecs: dict[str, Codec] = {}
-        # Codecs that failed to import or build, with why: each chunk naming one fails at once with
-        # that error, instead of importing and building it again (per chunk, at a worker's pace). A
-        # fresh exception each time: re-raising a stored one grows its traceback by every raise.
-        self._failed: dict[str, str] = {}
+        # Codecs that failed to import or build: why, and when to try again (None: never). Raised
+        # as a fresh exception each time: re-raising a stored one grows its traceback by every raise.
+        self._failed: dict[str, tuple[str, float | None]] = {}
 
     def __call__(self, name: str) -> Codec:
         codec = self._codecs.get(name)
         if codec is None:
             failed = self._failed.get(name)
             if failed is not None:
-                raise CodecUnavailable(name, failed)
+                reason, retry_at = failed
+                if retry_at is None or self._clock() < retry_at:
+                    raise CodecUnavailable(name, reason)
             try:
                 codec = codec_class(name)(self.options)
             except UnknownFormat:
                 raise  # not installed: may be installed later, and costs only a dict lookup
             except Exception as exc:  # noqa: BLE001 - a plugin's import or constructor error, reported
-                self._failed[name] = error_text(exc)
-                raise CodecUnavailable(name, self._failed[name]) from None
+                reason = error_text(exc)
+                permanent = isinstance(exc, PERMANENT_FAILURES)
+                self._failed[name] = (reason, None if permanent else self._clock() + self._retry_after)
+                raise CodecUnavailable(name, reason) from None
+            self._failed.pop(name, None)
             self._codecs[name] = codec
         return codec
 

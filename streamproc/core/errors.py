@@ -61,7 +61,8 @@ class UnknownFormat(StreamprocError, LookupError):
 class CodecUnavailable(UnknownFormat):
     """An installed codec that cannot be used: it failed to import or to build with the processor's
     options (a ``--format-option`` value it refuses). A request naming it fails as an unknown format
-    would; the processor, started with another default format, answers everyone else."""
+    would; the processor, started with another default format, answers everyone else. A failure
+    that is not a configuration error is tried again after a while (``streamproc.catalog.Catalog``)."""
 
     def __init__(self, name: str, reason: str) -> None:
         StreamprocError.__init__(self, f"codec {shown(name)} failed to load: {reason}")

@@ -64,7 +64,7 @@ class Processor:
         self.settings = settings
         self.subjects = settings.subjects
         self._clock = clock
-        self.catalog = catalog or Catalog(settings.codec_options())
+        self.catalog = catalog or Catalog(settings.codec_options(), clock=clock)
         try:
             self.correlator = Correlator(self.catalog, settings.format, settings.correlator_config())
             self.correlator.join_clock = time.thread_time  # streamproc_join_seconds: inline joins' CPU
