@@ -856,14 +856,116 @@ async def test_a_feed_closed_while_a_replay_slot_is_kept_for_it_gives_the_slot_b
     """A catch-up can be queued for a replay consumer by a replay the results stream's recreation
     already took from it (``_stop_replays`` then its MSG.GET times out): a slot freed later is kept
     for that feed, which then closes by the fast path (no replay left). The slot went with it, and
-    the cap was one lower for the edge's life (found by review; this sets up that end state)."""
+    the cap was one lower for the edge's life (found by review; this sets up that end state). A
+    slot is now kept only for a feed waiting in ``next()`` for it: here the feed is, when another
+    task closes it."""
     async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND,
                               max_replay_consumers=1) as source:
         feed = await source.open(rid("late"))
         assert await feed.next(0.5) is None and feed.replay is None  # its probe found nothing stored
         source._replays_creating += 1  # another replay's consumer holds the one slot
         assert source._may_replay_with_consumer(feed, True) is False  # queued for it
+        waiting = await parked(source, feed)
         source._replay_consumer_made()  # that consumer failed: its slot is kept for the feed
         assert feed.slot_reserved
         await feed.close()
+        await asyncio.wait_for(waiting, 1.0)
         assert source._replay_consumers_held() == 0, (source._slots_reserved, feed.slot_reserved)
+        assert not source._slot_waiters
+
+
+async def queued_for_a_replay_consumer(source, *names: str) -> list:
+    """With ``--max-replay-consumers 1`` held by another replay's consumer being made: a feed per
+    name (nothing stored), queued for a consumer in that order."""
+    feeds = [await source.open(rid(name)) for name in names]
+    for feed in feeds:
+        assert await feed.next(0.5) is None and feed.replay is None  # its probe found nothing stored
+    source._replays_creating += 1  # another replay's consumer holds the one slot
+    for feed in feeds:
+        assert source._may_replay_with_consumer(feed, True) is False
+    assert list(source._slot_waiters) == feeds
+    return feeds
+
+
+async def parked(source, feed) -> asyncio.Future:
+    """``feed``'s reader waiting in ``next()`` for a replay consumer (``replay_slot``)."""
+    waiting = asyncio.ensure_future(source.replay_slot(feed, 10.0))
+    await until(lambda: feed.slot_waiter is not None)
+    return waiting
+
+
+async def test_a_replay_slot_freed_while_the_first_waiting_catch_up_writes_goes_to_one_waiting_for_it(nats_url):
+    """The catch-up first in the queue for a replay consumer is not in ``next()`` when one is freed:
+    its handler is writing (a keep-alive or a batch to a slow client, up to ``--write-timeout``).
+    The slot goes to the next catch-up that is waiting in ``next()``, and the first keeps its place.
+    Before, the slot was kept for the first, idle until its handler looked again, while the other
+    waited (its wait timed out here)."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND,
+                              max_replay_consumers=1) as source:
+        busy, waiting = await queued_for_a_replay_consumer(source, "busy", "waiting")
+        wait = await parked(source, waiting)
+        source._replay_consumer_made()  # that consumer failed: its slot is free
+        await asyncio.wait_for(wait, 1.0)
+        assert waiting.slot_reserved and not busy.slot_reserved
+        assert list(source._slot_waiters) == [busy]  # its place is kept
+        assert source._may_replay_with_consumer(waiting, True)  # its replay makes the consumer
+        source._replay_consumer_made()  # which fails: the slot is free again, nobody waits in next()
+        late = await source.open(rid("late"))
+        assert source._may_replay_with_consumer(late, False) is False  # free for the queue: by subject
+        assert source._may_replay_with_consumer(busy, True)  # the first looks again: it is its
+        assert not source._slot_waiters
+        source._replay_consumer_made()
+        assert source._replay_consumers_held() == 0
+        for feed in (busy, waiting, late):
+            await feed.close()
+
+
+async def test_a_catch_up_woken_with_a_replay_slot_whose_next_is_cancelled_gives_the_slot_on_and_keeps_its_place(
+        nats_url):
+    """A catch-up's ``next()`` can be cancelled while it waits for a replay consumer (its client
+    left; or a caller's timeout around ``next()``, after which it may read again). Cancelled after a
+    freed slot was kept for it and it was woken, but before it ran: the slot goes to the next one
+    waiting in ``next()``, and it keeps its place first in the queue. Before, the slot stayed kept
+    for a feed nobody read until its close (the other's wait timed out here)."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True, stream_buffer_bytes=BOUND,
+                              max_replay_consumers=1) as source:
+        gone, waiting = await queued_for_a_replay_consumer(source, "cancelled", "waiting")
+        first, second = await parked(source, gone), await parked(source, waiting)
+        source._replay_consumer_made()  # the slot is freed: kept for the first, which is woken
+        assert gone.slot_reserved
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(second, 1.0)
+        assert waiting.slot_reserved and not gone.slot_reserved
+        assert list(source._slot_waiters) == [gone]
+        assert source._may_replay_with_consumer(waiting, True)
+        source._replay_consumer_made()
+        assert source._may_replay_with_consumer(gone, True)  # it reads again: the next slot is its
+        source._replay_consumer_made()
+        assert source._replay_consumers_held() == 0
+        for feed in (gone, waiting):
+            await feed.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_catch_up_whose_next_was_cancelled_while_it_waited_for_a_replay_consumer_reads_on_when_asked_again():
+    """The edge's own handlers close a feed as soon as its ``next()`` is cancelled (the client
+    left), but a caller may bound ``next()`` with a timeout of its own and read again: the catch-up
+    keeps its place meanwhile, gets the consumer freed later, and every result."""
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
+                                      max_replay_consumers=1) as source:
+                holder, waiter, seqs, item = await waiting_for_a_replay_consumer(source, nc, final_at=63)
+                assert item is None, (seqs, item)
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(waiter.next(10.0), 0.3)  # cancelled while it waits
+                assert waiter in source._slot_waiters and waiter.slot_waiter is None
+                await holder.close()  # its consumer is freed once the server dropped it
+                await until(lambda: source._replay_consumers_held() == 0 or waiter.slot_reserved, 10.0)
+                rest, item = await drain(waiter, 10.0)
+                assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
+                await waiter.close()
+                assert source._replay_consumers_held() <= source._replays_lingering, source._slots_reserved

@@ -460,10 +460,12 @@ class ResultSource:
         # Consumers replays dropped that nats-server still keeps (REPLAY_SLOT_LINGER): counted too.
         self._replays_lingering = 0
         # Catch-ups waiting for a replay consumer (_may_replay_with_consumer), first come first: a
-        # freed slot is kept for the first (slot_reserved) and wakes it (replay_slot). Each keeps its
-        # place until it has the slot, also between its client's keep-alives; while any waits no
-        # slot is free, so a replay that may read by subject does (a woken catch-up lost the slot to
-        # such late attaches, which ask at each result, and went back to the end of the queue).
+        # freed slot is kept for the first waiting in next() for it (slot_reserved) and wakes it
+        # (replay_slot). Each keeps its place until it has the slot, also between its client's
+        # keep-alives and while its handler writes (then a slot goes to the next one in next(), not
+        # kept idle for it); free slots are the queue's, so a replay that may read by subject does
+        # while any waits (a woken catch-up lost the slot to such late attaches, which ask at each
+        # result, and went back to the end of the queue).
         self._slot_waiters: collections.OrderedDict[ResultFeed, None] = collections.OrderedDict()
         self._slots_reserved = 0  # freed slots kept for catch-ups that waited, counted as held
         # Lines any client or results publisher can cause at will (per request or per result) are
@@ -1147,15 +1149,20 @@ class ResultSource:
     def _may_replay_with_consumer(self, feed: ResultFeed, by_consumer: bool) -> bool:
         """``feed``'s replay may make a consumer for its history (below --max-replay-consumers, the
         consumers being made, those the server still keeps and the slots kept for waiting catch-ups
-        counted; or in the slot kept for it); else it reads the next stored result by subject
-        (replay.py), or, reading with consumers alone (``by_consumer``: MSG.GET refused), waits for
-        one (:meth:`replay_slot`) in the queue, counted once per consumer it waits for."""
+        counted; or in the slot kept for it; free slots go to the queue first); else it reads the
+        next stored result by subject (replay.py), or, reading with consumers alone (``by_consumer``:
+        MSG.GET refused), waits for one (:meth:`replay_slot`) in the queue, counted once per
+        consumer it waits for."""
         if feed.slot_reserved:
             feed.slot_reserved = False
             self._slots_reserved -= 1
             self._replays_creating += 1  # until _replay_consumer_made: its creation awaits a round trip
             return True
-        if self._replay_consumers_held() < self.settings.max_replay_consumers:
+        free = self.settings.max_replay_consumers - self._replay_consumers_held()
+        # A slot left free while the queued catch-ups were not waiting in next() (_replay_slot_freed)
+        # is the first of them to look again's; others may take only what the queue leaves.
+        if free > (0 if feed in self._slot_waiters else len(self._slot_waiters)):
+            self._slot_waiters.pop(feed, None)
             self._replays_creating += 1
             return True
         if not by_consumer:
@@ -1180,28 +1187,45 @@ class ResultSource:
         self._replay_slot_freed()
 
     def _replay_slot_freed(self) -> None:
-        """Each free slot goes to the catch-up that has waited longest: kept for it, and it is woken
-        (one per slot: waking every waiter made a free cost a wake and a retry per waiter)."""
+        """Each free slot goes to the catch-up that has waited longest among those waiting in
+        :meth:`replay_slot`: kept for it, and it is woken (one per slot: waking every waiter made a
+        free cost a wake and a retry per waiter). One not waiting there (its handler writes to its
+        client, up to --write-timeout, or its next() was cancelled) keeps its place, and no slot is
+        kept idle for it: kept for the next one, or left free for the queue (its next look takes it)."""
         while self._slot_waiters and self._replay_consumers_held() < self.settings.max_replay_consumers:
-            feed, _ = self._slot_waiters.popitem(last=False)
+            feed = next((f for f in self._slot_waiters if f.slot_waiter is not None and not f.slot_waiter.done()),
+                        None)
+            if feed is None:
+                return
+            del self._slot_waiters[feed]
             feed.slot_reserved = True
             self._slots_reserved += 1
-            waiter = feed.slot_waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            feed.slot_waiter.set_result(None)  # type: ignore[union-attr]  # found waiting just above
 
     async def replay_slot(self, feed: ResultFeed, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for a replay consumer slot kept for ``feed`` (a replay
         reading with consumers alone past --max-replay-consumers: :attr:`Replay.waiting`), or for
         ``feed`` to have no more use for one (:meth:`wake_slot_waiter`). Its place in the queue
-        stays when it returns without one: its next look asks for the slot again."""
+        stays when it returns without one: its next look asks for the slot again. Cancelled (its
+        client left, or a caller's timeout around :meth:`ResultFeed.next`), it keeps its place and
+        gives a slot kept for it meanwhile to the next one waiting: it may read again, or never."""
         if feed.slot_reserved or feed not in self._slot_waiters:
             return
         waiter = feed.slot_waiter = asyncio.get_running_loop().create_future()
+        self._replay_slot_freed()  # a slot left free while it was not waiting here: its own at once
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await waiter
+        except asyncio.CancelledError:
+            feed.slot_waiter = None
+            if feed.slot_reserved:
+                feed.slot_reserved = False
+                self._slots_reserved -= 1
+                self._slot_waiters[feed] = None
+                self._slot_waiters.move_to_end(feed, last=False)
+                self._replay_slot_freed()
+            raise
         finally:
             feed.slot_waiter = None
 
