@@ -1193,14 +1193,16 @@ class ResultSource:
         client, up to --write-timeout, or its next() was cancelled) keeps its place, and no slot is
         kept idle for it: kept for the next one, or left free for the queue (its next look takes it)."""
         while self._slot_waiters and self._replay_consumers_held() < self.settings.max_replay_consumers:
-            feed = next((f for f in self._slot_waiters if f.slot_waiter is not None and not f.slot_waiter.done()),
-                        None)
-            if feed is None:
+            for feed in self._slot_waiters:
+                waiter = feed.slot_waiter
+                if waiter is not None and not waiter.done():
+                    break
+            else:
                 return
             del self._slot_waiters[feed]
             feed.slot_reserved = True
             self._slots_reserved += 1
-            feed.slot_waiter.set_result(None)  # type: ignore[union-attr]  # found waiting just above
+            waiter.set_result(None)
 
     async def replay_slot(self, feed: ResultFeed, timeout: float) -> None:
         """Wait at most ``timeout`` seconds for a replay consumer slot kept for ``feed`` (a replay
