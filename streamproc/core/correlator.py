@@ -966,7 +966,7 @@ class Correlator:
             return []
         req.work = self._working = Work(req.request_id, job, decodes)
         req.work.reserved = reserved
-        return [req.work]
+        return [req.work]  # type: ignore[list-item]  # a Work goes out among the decisions
 
     def _drain(self, req: _Request, now: float) -> list[Decision]:
         """Publish every chunk that is next in order and ready."""
@@ -995,7 +995,7 @@ class Correlator:
                     body, verdict = chunk.body, _PASSTHROUGH
                     if req.attempt and self.offload_joins:
                         out.extend(self._hand_out(req, functools.partial(
-                            _stitched, req.migration, None, chunk.body, final), None))
+                            _stitched, req.migration, None, chunk.body, final), None))  # type: ignore[arg-type]
                         return out
                     if req.attempt:
                         body, verdict = _stitch(req.migration, body, verdict, final)  # type: ignore[arg-type]
@@ -1027,7 +1027,7 @@ class Correlator:
                         # A resumed attempt's stitch may inflate rows too: it runs after the join, in
                         # the same job, and is always charged (its decodes are not the session's).
                         if req.attempt:
-                            job = functools.partial(_stitched, req.migration, session.join, chunk.body, final)
+                            job = functools.partial(_stitched, req.migration, session.join, chunk.body, final)  # type: ignore[arg-type]
                             out.extend(self._hand_out(req, job, None, reserved))
                         else:
                             job = functools.partial(session.join, chunk.body, final)

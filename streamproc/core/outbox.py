@@ -35,7 +35,7 @@ recovery decisions for a chunk of a request this instance does not know.
 from __future__ import annotations
 
 from collections import deque
-from typing import Annotated, Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Callable, Iterable, Iterator, Mapping
 
 import msgspec
 from msgspec import Meta
@@ -263,6 +263,7 @@ class Outbox:
         shed = self._shed
         notices: list[Notice] | None = None
         o = None
+        d: Any  # narrowed by its class below, which mypy does not follow (`is Result`, not isinstance)
         for d in decisions:
             cls = d.__class__
             if cls is Result:
@@ -485,7 +486,7 @@ class Outbox:
         observe = self.handed_latency.observe
         for o in heads:
             o.due = now + o.wait
-            members = None
+            members: Any = None  # a batch's list, or (o,) alone
             if limit > 1 and not o.alone:
                 queue = queues[o.result.request_id]
                 if len(queue) > 1:
@@ -508,7 +509,7 @@ class Outbox:
                 m.sent = now
                 if m.timed:
                     m.timed = False
-                    observe(now - m.received)  # type: ignore[operator]  (timed only with a receipt time)
+                    observe(now - m.received)  # type: ignore[operator]  # timed only with a receipt time
                 out.append(m)
         return out
 
@@ -706,7 +707,7 @@ def _count(data: bytes) -> int:
 _NO_NOTICES: list[Notice] = []  # returned by take() when there are none; never appended to
 
 
-def _sole_request(decisions: list[Decision]) -> str | None:
+def _sole_request(decisions: list[Any]) -> str | None:  # Decisions; Settles skipped by class
     """The request every Result and Notice of ``decisions`` names, if there is exactly one."""
     named = {d.request_id for d in decisions if d.__class__ is not Settle}
     return named.pop() if len(named) == 1 else None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..core.wire import ResultInfo
 
@@ -79,7 +79,7 @@ def watch_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) 
     Like the task's first ``receive()``, it resumes reading (Uvicorn pauses it for a pipelined request)."""
     if UvicornBody._cycle_type is False:
         UvicornBody._cycle_type = _httptools_cycle()
-    cycle = getattr(receive, "__self__", None)
+    cycle: Any = getattr(receive, "__self__", None)
     if UvicornBody._cycle_type is None or type(cycle) is not UvicornBody._cycle_type:
         return None
     event = getattr(cycle, "message_event", None)
@@ -88,7 +88,7 @@ def watch_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) 
         return None
     watch = DisconnectWatch(cycle, callback)
     if event.is_set():
-        watch._value = True  # as Event.set() leaves it, without calling back (still connected)
+        watch._value = True  # type: ignore[attr-defined]  # as Event.set() leaves it, without calling back (still connected)
     cycle.message_event = watch
     cycle.flow.resume_reading()
     return watch
@@ -101,7 +101,7 @@ class UvicornBody:
 
     __slots__ = ("cycle", "transport", "flow")
 
-    _cycle_type: Any = False  # resolved on first use
+    _cycle_type: ClassVar[Any] = False  # resolved on first use
 
     def __init__(self, cycle: Any) -> None:
         self.cycle = cycle
@@ -113,7 +113,7 @@ class UvicornBody:
         """The body writer behind ``send``, or None where only ASGI messages will do."""
         if cls._cycle_type is False:
             cls._cycle_type = _httptools_cycle()
-        cycle = getattr(send, "__self__", None)
+        cycle: Any = getattr(send, "__self__", None)
         if cls._cycle_type is None or type(cycle) is not cls._cycle_type:
             return None
         # all() over map(): the same checks as a generator expression, without its 7 Python frames per open

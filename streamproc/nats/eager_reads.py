@@ -100,14 +100,14 @@ class EagerReads(BufferedReads):
         ``parse`` awaits it (the processor's and the edge's callbacks end a feed or count the drop,
         which their first step does). An exception from it is logged, where in ``parse`` it would
         have stopped the read loop for good."""
-        task = asyncio.get_running_loop().create_task(self.nc._error_cb(error))
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self.nc._error_cb(error))  # type: ignore[arg-type]
         self.reports.add(task)
         task.add_done_callback(self._reported)
 
     def _reported(self, task: asyncio.Task) -> None:
         self.reports.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log_event(log, logging.ERROR, "nats_error_callback_failed", error=error_text(task.exception()))
+            log_event(log, logging.ERROR, "nats_error_callback_failed", error=error_text(task.exception()))  # type: ignore[arg-type]
 
     # Everything else is nats-py's protocol's own.
 
@@ -137,16 +137,16 @@ def install(nc: FastClient) -> EagerReads | None:
     elif not isinstance(nc._ps, FastParser):
         why = "the stock parser"
     else:
-        reader = getattr(transport, "_io_reader", None)
+        reader: Any = getattr(transport, "_io_reader", None)
         writer = getattr(transport, "_io_writer", None)
-        socket_transport = getattr(writer, "transport", None)
-        inner = socket_transport.get_protocol() if socket_transport is not None else None
+        socket_transport: Any = getattr(writer, "transport", None)
+        inner: Any = socket_transport.get_protocol() if socket_transport is not None else None
         if type(inner) is not asyncio.StreamReaderProtocol or getattr(inner, "_stream_reader", None) is not reader:
             why = f"protocol {type(inner).__name__}"
         elif not hasattr(reader, "_waiter"):
             why = "StreamReader internals differ"
         else:
-            eager = EagerReads(nc, inner, reader)
+            eager = EagerReads(nc, inner, reader)  # type: ignore[arg-type]  # hasattr-checked above
             try:
                 socket_transport.set_protocol(eager)
             except Exception as exc:  # noqa: BLE001 - a transport that cannot: the stock path

@@ -328,6 +328,7 @@ class FastClient(RobustClient):
             if not self.is_connected or self.is_connecting:
                 break
             futures = [await queue.get()]
+            stop = False  # break after the finally, not inside it: mypyc 2.4 has no break in try/finally
             try:
                 interval = self.flush_interval
                 if interval > 0:
@@ -347,14 +348,16 @@ class FastClient(RobustClient):
             except OSError as e:
                 await self._error_cb(e)
                 await self._process_op_err(e)
-                break
+                stop = True
             except (asyncio.CancelledError, RuntimeError, AttributeError):
                 # RuntimeError in case the event loop is closed
-                break
+                stop = True
             finally:
                 for future in futures:  # a future might have been cancelled (nats-py issue #624)
                     if not future.done():
                         future.set_result(None)
+            if stop:
+                break
 
     def __init__(self) -> None:
         super().__init__()
@@ -431,7 +434,7 @@ class FastClient(RobustClient):
         sub = self._subs.get(sid)
         if sub is None or sub._jsi is not None or sub._future is not None:
             try:
-                return await super()._process_msg(sid, subject, reply, data, headers)
+                return await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
             finally:
                 self.end_handover()
         if not headers:
@@ -470,7 +473,7 @@ class FastClient(RobustClient):
         if sub._max_msgs > 0 and sub._received >= sub._max_msgs:
             self._subs.pop(sid, None)
         text = subject.decode("utf-8", "surrogateescape")
-        handler = self._inline.get(sid) if self._inline else None
+        handler = self._handlers_inline.get(sid) if self._handlers_inline else None
         # Inline delivery (see deliver_inline): only with nothing of this subscription queued or
         # in its callback (order), and when a result of this message's size (a bound: subject,
         # block and payload each at most the received ones' plus 256 bytes of fixed lines) can be
@@ -505,7 +508,7 @@ class FastClient(RobustClient):
             return errors.SlowConsumerError(subject=msg.subject, reply=msg.reply, sid=sid, sub=sub)
         return None
 
-    _inline: dict[int, Any] | None = None
+    _handlers_inline: dict[int, Any] | None = None  # not `_inline`: mypyc names its C field `__inline`, a gcc keyword
 
     # Called by the read loop once every frame of a socket read has been handed over (inline
     # handlers, queues, callbacks' queues), also when handling one raised, before the read loop
@@ -538,13 +541,13 @@ class FastClient(RobustClient):
         whose PubAck was lost). Order is kept: a message goes inline only when every earlier one of
         ``sub`` has been handled; inline messages are never queued, so they count neither against
         the subscription's pending limits nor as slow-consumer drops."""
-        if self._inline is None:
-            self._inline = {}
-        self._inline[sub._id] = handler
+        if self._handlers_inline is None:
+            self._handlers_inline = {}
+        self._handlers_inline[sub._id] = handler
 
     def stop_inline(self, sub: Any) -> None:
-        if self._inline:
-            self._inline.pop(sub._id, None)
+        if self._handlers_inline:
+            self._handlers_inline.pop(sub._id, None)
 
     def publish_block_nowait(self, subject: str, payload: bytes, header_block: bytes) -> None:
         """:meth:`publish_header_block` without an await, for an inline handler: the connection is
@@ -812,7 +815,7 @@ class FastClient(RobustClient):
         stats["out_msgs"] += 1
         stats["out_bytes"] += len(payload)
         self._pending.append(cmd)
-        self._pending_data_size += len(cmd)
+        self._pending_data_size = self._pending_data_size + len(cmd)  # not +=: mypyc 2.4 fails on it
 
     async def _send(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
         self._append(subject, reply, payload, hdr)

@@ -200,11 +200,12 @@ class FastParser(Parser):
                             return pos, STOCK, None
                         if op != b"HMSG":
                             return pos, STOCK, None
-                        hsize = numbers.get(hsize_text)
-                        if hsize is None:
-                            hsize = _number(hsize_text)
-                            if hsize is None:
+                        got = numbers.get(hsize_text)  # int | None: `got`, so hsize stays an int (mypyc)
+                        if got is None:
+                            got = _number(hsize_text)
+                            if got is None:
                                 return pos, STOCK, None
+                        hsize = got
                     elif first == _M:
                         line = data[pos:eol]
                         parts = line.split(b" ")
@@ -238,11 +239,12 @@ class FastParser(Parser):
                         sid = _number(sid_text)
                         if sid is None:
                             return pos, STOCK, None
-                    needed = numbers.get(size)
-                    if needed is None:
-                        needed = _number(size)
-                        if needed is None:
+                    got = numbers.get(size)
+                    if got is None:
+                        got = _number(size)
+                        if got is None:
                             return pos, STOCK, None
+                    needed = got
                     pos = eol + 2
                     if end - pos < needed + 2:  # the stock parser's state after the line
                         arg = self.msg_arg

@@ -233,9 +233,9 @@ class DurableInput:
         partitions = self.partitions
         partitions.leases, partitions.ledger, partitions.chunks_stream = self.leases, self.ledger, self.chunks_stream
         if hasattr(self.nc, "defer_linger"):  # FastClient only (fast_client.py): coalesce writes at light load
-            self.nc.flush_interval = s.flush_interval
+            self.nc.flush_interval = s.flush_interval  # type: ignore[attr-defined]
             self.nc.defer_linger = s.ack_linger
-            self.nc.pause_reads = s.flush_interval > 0  # read once per interval too (FastClient._write_now)
+            self.nc.pause_reads = s.flush_interval > 0  # type: ignore[attr-defined]  # read once per interval too (FastClient._write_now)
             self.publisher.stage_writes()
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()

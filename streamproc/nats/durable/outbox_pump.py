@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
 import anyio
 import nats.errors
@@ -320,7 +320,7 @@ class OutboxPump:
             result = outbox.last_refused
             status = (headers or {}).get("Status", "")
             # a batch refused whole: its first result is sent again alone at once, the rest follow one by one
-            wait = ({"one_at_a_time_for": f"{outbox.config.batch_pause:g}s"} if whole
+            wait: dict[str, Any] = ({"one_at_a_time_for": f"{outbox.config.batch_pause:g}s"} if whole
                     else {"retry_in": f"{outbox.config.retry_after_refusal:.1f}s"})
             log_event(log, logging.WARNING, "result_batch_refused" if whole else "result_not_stored",
                       request_id=result.request_id if result is not None else "-", status=status,
