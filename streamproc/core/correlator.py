@@ -913,7 +913,7 @@ class Correlator:
             req.next_seq = seq + 1
             self.stats.passthrough += 1
             body = chunk.body
-            settles = (chunk.token,)
+            settles: tuple[object, ...] = (chunk.token,)  # mypyc: else a 1-tuple, checked at (token, *held)
             if chunk.final:
                 if req.held:  # repeats of chunks that were buffered, held until the request ends
                     settles = (chunk.token, *req.held)

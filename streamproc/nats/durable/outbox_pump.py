@@ -96,6 +96,10 @@ class OutboxPump:
         self._sub: Subscription | None = None
         self.closed = False
         self.staged = False  # results wait for the client's next write (stage_writes)
+        # What the outbox has ready leaves with the next write: sent now (enqueued), or staged for
+        # the client's next write after stage_writes (which replaces it). An attribute, not a method
+        # replaced on the instance: mypyc's classes do not take that.
+        self.release: Callable[[], None] = self.send_nowait
 
     async def start(self) -> None:
         # Not a name from the connection's NUID: this inbox is the reply of every result, and a stream
@@ -208,7 +212,7 @@ class OutboxPump:
         self._stage = nc.stage_write  # type: ignore[attr-defined]
         self._room = nc.room_for_writes  # type: ignore[attr-defined]
         nc.before_write = self._before_write  # type: ignore[attr-defined]
-        self.release = self._stage  # type: ignore[method-assign]
+        self.release = self._stage
         self.staged = True
         return True
 
@@ -228,11 +232,6 @@ class OutboxPump:
             self.send_nowait()
         except Exception as exc:  # noqa: BLE001  (closing: what is lost is redelivered)
             log_event(log, logging.DEBUG, "flush_staged_failed", error=error_text(exc))
-
-    def release(self) -> None:
-        """What the outbox has ready leaves with the next write: sent now (enqueued), or staged for
-        the client's next write after :meth:`stage_writes` (this method is then replaced)."""
-        self.send_nowait()
 
     def send_nowait(self, budget: int | None = None) -> None:
         """The sending of :meth:`pump_nowait`, for a caller that checked the backlog itself
