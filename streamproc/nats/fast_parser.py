@@ -259,7 +259,8 @@ class FastParser(Parser):
                 # the CRLF after the payload; a header size over the frame's reads past it, as here).
                 if hsize > 0:
                     hdr = data[pos:pos + hsize]
-                    payload = data[pos + hsize:pos + needed]
+                    # b"" for a header size over the frame's, as Python's slice gives (mypyc's raised SystemError)
+                    payload = data[pos + hsize:pos + needed] if hsize < needed else b""
                 else:
                     hdr = None
                     payload = data[pos:pos + needed]
