@@ -334,7 +334,9 @@ def main() -> None:
     load1 = os.getloadavg()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    header = (f"streamproc benchmarks {stamp} at {commit}; {os.cpu_count()} cores; load average at start "
+    from streamproc.compiled import build_name  # what the contenders imported: pure Python or compiled
+    build = build_name()
+    header = (f"streamproc benchmarks {stamp} at {commit} ({build}); {os.cpu_count()} cores; load average at start "
               f"{load0[0]:.1f}, at end {load1[0]:.1f} (other work on the machine shows up as noise)")
     if os.environ.get("BENCH_REPORT") and (ART / "summary.json").exists():  # the measured run's own header
         previous = json.loads((ART / "summary.json").read_text())

@@ -13,6 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import compiled
+
+compiled.check()  # before any module that may run compiled is imported (compiled.py says why)
+
 from .core.codec import (
     Codec,
     CodecOptions,

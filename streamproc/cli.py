@@ -20,7 +20,7 @@ from typing import Sequence
 import anyio
 import msgspec
 
-from . import __version__, catalog, config, logs
+from . import __version__, catalog, compiled, config, logs
 from .core.errors import ConfigError, StreamprocError
 from .core.wire import check_request_id
 
@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamproc",
         description="NATS stream processor: joins prefill/decode LLM responses, passes aggregated ones through.",
     )
-    parser.add_argument("--version", action="version", version=f"streamproc {__version__}")
+    parser.add_argument("--version", action="version", version=f"streamproc {__version__} ({compiled.build_name()})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the processor against a NATS server",

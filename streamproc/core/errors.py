@@ -142,6 +142,11 @@ class StartupError(StreamprocError, RuntimeError):
     """A component cannot start (unknown format, broken codec, NATS unreachable). A user error."""
 
 
+class StaleBuild(StartupError):
+    """A compiled module (scripts/build-compiled) whose source changed since it was built: the
+    compiled one would run in the edited source's place, so streamproc refuses to import."""
+
+
 class EmbeddedNatsError(StartupError):
     """The embedded server's binary is missing, or the server did not come up."""
 
