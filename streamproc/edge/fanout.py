@@ -114,6 +114,10 @@ class Inbox:
             timer.cancel()
             calls.pop(id(waiter), None)
 
+    def queued(self) -> bool:
+        """Results wait to be taken."""
+        return bool(self._items)
+
     def parked(self) -> bool:
         """Its stream's task waits in :meth:`wait` with nothing queued: every earlier result was
         taken and written, and nothing is between the wire and that task (direct.py)."""

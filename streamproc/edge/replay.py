@@ -51,6 +51,7 @@ do so while it waits (``ResultSource._replay_slot_freed``).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 from typing import Callable
@@ -65,6 +66,7 @@ from nats.js.errors import APIError
 from ..nats.fast_client import parse_header_block
 from . import pending
 from .msg_get import MsgGetAccess, Refused
+from .probes import Probes
 
 NO_MESSAGE = 10037  # JSNoMessageFoundErr (nats-server server/errors.json): no message at or after seq
 
@@ -158,8 +160,72 @@ class Replay:
         # next() returned None for want of a consumer (by_consumer past the cap), not because it is
         # done: the reader waits for one to be freed and asks again.
         self.waiting = False
+        # The open's probe, sent at the open (:meth:`ask`): True until its answer is read. Then
+        # ``_outcome`` holds what it found (a message, or the error to raise) for next(); nothing
+        # found, ``settled`` is told (the feed drops this replay without waking its reader).
+        self.asking = False
+        self._token = ""
+        self._probes: Probes | None = None
+        self._outcome: StoredMessage | BaseException | None = None
+        self._answer_waiter: asyncio.Future[None] | None = None
+        self.settled: Callable[[Replay], None] | None = None
+        self.wake: Callable[[], None] | None = None  # the reader's inbox: something to read here
+
+    async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
+        """Send the open's probe now (MSG.GET known to answer): its answer is read in the NATS read
+        loop (:mod:`.probes`), and the reader is woken (``wake``) only when it found something or
+        failed; nothing stored, ``settled(self)`` and nothing else. A failed publish is raised
+        by the next :meth:`next`, as a failed request was."""
+        if self.done:
+            return
+        self._probes, self.settled, self.wake = probes, settled, wake
+        self.asking = True
+        try:
+            self._token = await probes.ask(self.api_subject, self._request(self.next_seq), self.timeout, self.answered)
+        except Exception as exc:  # noqa: BLE001 - raised to the reader, as nc.request's would have been
+            self.asking, self._outcome = False, exc
+
+    def answered(self, data: bytes | None, exc: BaseException | None) -> None:
+        """The probe's answer (``data``) or failure (``exc``: ``TimeoutError``, ``LookupError`` for
+        no responders), as :meth:`_get` reads a request's: in the read loop, so it never raises."""
+        if not self.asking:
+            return
+        self.asking = False
+        outcome: StoredMessage | BaseException | None
+        if isinstance(exc, LookupError):
+            outcome = Refused(f"no responders on {self.api_subject}", denied=True)
+        elif exc is not None:
+            outcome = Refused(f"no answer on {self.api_subject} within {self.timeout:g} s", denied=False)
+        else:
+            try:
+                outcome = self._answer(data or b"")
+            except Exception as error:  # noqa: BLE001 - APIError, a malformed answer: the reader's error
+                outcome = error
+        waiter = self._answer_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if outcome is None:  # nothing stored up to upto: done, nobody to wake
+            if self.settled is not None:
+                self.settled(self)
+            return
+        self._outcome = outcome
+        if self.wake is not None:
+            self.wake()
 
     async def next(self) -> tuple[str, dict[str, str] | None, bytes] | None:
+        if self.asking:  # the open's probe is out: its answer first (ask)
+            self._answer_waiter = waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._answer_waiter = None
+            if self.closed:
+                return None
+        if self._outcome is not None:
+            outcome, self._outcome = self._outcome, None
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return await self._found_first(outcome)
         if self.done:
             return None
         if self.sub is None:
@@ -182,21 +248,25 @@ class Replay:
                 return await self.next()
             if message is None:
                 return None
-            if (self.read == 0 or self.paused or self.by_subject
-                    or (self.may_subscribe is not None and not self.may_subscribe(False))):
-                # Handed out as it came: the probe's; after a pause, so that every pause moves the
-                # reader on by a result at least, even one larger than the bound by itself (nats-py
-                # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer
-                # that was paused before it handed out anything had such a result first: the rest
-                # of this history is read by subject, a request per result, no consumer per result.
-                # So is the next result while the edge holds its --max-replay-consumers.
-                self.paused = False
-                self.next_seq = message.seq + 1
-                self.read += 1
-                self.done = message.seq >= self.upto
-                return _parts(message)
-            return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
+            return await self._found_first(message)
         return await self._read()
+
+    async def _found_first(self, message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes] | None:
+        """A stored result found by subject: handed out, or the first of a temporary consumer."""
+        if (self.read == 0 or self.paused or self.by_subject
+                or (self.may_subscribe is not None and not self.may_subscribe(False))):
+            # Handed out as it came: the probe's; after a pause, so that every pause moves the
+            # reader on by a result at least, even one larger than the bound by itself (nats-py
+            # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer
+            # that was paused before it handed out anything had such a result first: the rest
+            # of this history is read by subject, a request per result, no consumer per result.
+            # So is the next result while the edge holds its --max-replay-consumers.
+            self.paused = False
+            self.next_seq = message.seq + 1
+            self.read += 1
+            self.done = message.seq >= self.upto
+            return _parts(message)
+        return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
 
     async def _subscribe(self, seq: int, reserved: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
         """Read on with a new temporary consumer from stream sequence ``seq`` (``reserved``: in a
@@ -258,9 +328,8 @@ class Replay:
     async def _get(self, seq: int) -> StoredMessage | None:
         """The first stored message of the subject at or after ``seq``, if at most ``upto``; else
         None, and the replay is done."""
-        request = msgspec.json.encode({"seq": seq, "next_by_subj": self.subject})
         access = self.access
-        asked = self.nc.request(self.api_subject, request, timeout=self.timeout)
+        asked = self.nc.request(self.api_subject, self._request(seq), timeout=self.timeout)
         try:
             # Unguarded once MSG.GET answered (no task per open); until then a refusal, which only
             # the error callback reports, ends the wait at once (msg_get.py).
@@ -269,9 +338,16 @@ class Replay:
             raise Refused(f"no responders on {self.api_subject}", denied=True) from None
         except nats.errors.TimeoutError:
             raise Refused(f"no answer on {self.api_subject} within {self.timeout:g} s", denied=False) from None
-        if access is not None:
-            access.allowed()
-        response = _decode(reply.data)
+        return self._answer(reply.data)
+
+    def _request(self, seq: int) -> bytes:
+        return msgspec.json.encode({"seq": seq, "next_by_subj": self.subject})
+
+    def _answer(self, data: bytes) -> StoredMessage | None:
+        """A MSG.GET answer read: the message, if at most ``upto``; else None, and the replay is done."""
+        if self.access is not None:
+            self.access.allowed()
+        response = _decode(data)
         if response.error is not None:
             if response.error.err_code == NO_MESSAGE or response.error.code == 404:
                 self._found(None)
@@ -333,8 +409,21 @@ class Replay:
 
     async def close(self) -> None:
         """Done for good, also when called while a consumer is being made (see :meth:`_subscribe`)."""
-        self.closed = self.done = True
+        self.close_now()
         await self._drop_consumer()
+
+    def close_now(self) -> bool:
+        """:meth:`close` without awaiting: True when that was all (no temporary consumer to drop)."""
+        self.closed = self.done = True
+        if self.asking:  # its answer is not wanted any more
+            self.asking = False
+            if self._probes is not None:
+                self._probes.forget(self._token)
+            waiter = self._answer_waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        self._outcome = None
+        return self.sub is None
 
     async def _drop_consumer(self) -> None:
         sub, self.sub = self.sub, None

@@ -42,6 +42,7 @@ from .barrier import PongBarrier
 from .direct import DirectFrames
 from .fanout import Fanout, Inbox
 from .msg_get import MsgGetAccess, Refused, State
+from .probes import Probes
 from .replay import Replay, stream_seq
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
@@ -180,6 +181,13 @@ class ResultFeed:
                 wait = deadline - now
             replay = self.replay
             if replay is not None:  # before the dispatched ones: what was stored before the open
+                if replay.asking and inbox is not None and not inbox.queued():
+                    # Its probe is out (replay.py, ask): wait as for a result; the answer wakes this
+                    # only when there is something stored to read, else drops the replay.
+                    if wait <= 0:
+                        return None
+                    await inbox.wait(wait)
+                    continue
                 try:
                     stored = await replay.next()
                 except Refused as exc:  # may not read by subject: an ordered consumer from the start
@@ -263,6 +271,16 @@ class ResultFeed:
                 pending.wake(sub)
         self.source.wake_slot_waiter(self)  # its catch-up waiting for a consumer: no more to wait for
 
+    def _replayed(self, replay: Replay) -> None:
+        """Its open's probe found nothing stored (replay.py, ``settled``): no replay left."""
+        if self.replay is replay:
+            self.replay = None
+
+    def _wake_reader(self) -> None:
+        """Its open's probe found something, or failed: its task, parked in the inbox, reads it."""
+        if self.inbox is not None:
+            self.inbox.wake()
+
     def has_ready(self) -> bool:
         """Results in order not yet taken by the stream."""
         return bool(self._ready)
@@ -341,6 +359,9 @@ class ResultFeed:
         # Its place in the queue for a replay consumer, or the slot kept for it, goes: also on the
         # fast path (a replay taken by _stop_replays can still have queued it before it closed).
         self.source.wake_slot_waiter(self)
+        replay = self.replay
+        if replay is not None and replay.close_now():  # nothing to drop (its probe, if out, forgotten)
+            self.replay = None
         if self.replay is not None or self._sub is not None:
             return self._close()
         self.closed = True
@@ -503,6 +524,7 @@ class ResultSource:
         # parser); else the Edge's WriteBatch schedules its own flush for the next loop pass.
         self.after_read_hooked = False
         self._js: JetStreamContext | None = None  # self.nc's, made once (jetstream())
+        self.probes: Probes | None = None  # the opens' MSG.GET probes, answered in the read loop (probes.py)
 
     def jetstream(self) -> JetStreamContext:
         """``self.nc.jetstream()``, made once per connection: each call builds a new
@@ -562,6 +584,7 @@ class ResultSource:
                           subjects=self.subjects.all_results)
             if self.settings.recent > 0:
                 await self._subscribe_recent()
+                await self._start_probes()
         except (nats.errors.Error, asyncio.TimeoutError) as exc:
             # A JetStream API request nats-server does not let the edge user publish is dropped, and
             # the request times out: a traceback said no more than "nats: timeout".
@@ -570,6 +593,13 @@ class ResultSource:
         loop = asyncio.get_running_loop()
         self._flush_task = loop.create_task(self._flush_limited())
         self._watch_task = loop.create_task(self._watch_results_stream())
+
+    async def _start_probes(self) -> None:
+        """The opens' probe replies (probes.py), once the ring reads a results stream."""
+        if self.probes is None and self.fanout is not None and self.fanout.stream is not None and Probes.usable(self.nc):
+            probes = Probes(self.nc)
+            await probes.start()
+            self.probes = probes
 
     async def _flush_limited(self) -> None:
         while True:
@@ -894,6 +924,7 @@ class ResultSource:
         self._recent_sub = sub
         self.fanout.rebind(core_subscription(sub), info.config.name if info is not None else None)
         self._reading(info)
+        await self._start_probes()
         self.streams.forget()
         if info is not None:
             self._recreated(info.config.name, ended=ended or 0, resumed=resumed, start=start, previous=was)
@@ -980,8 +1011,13 @@ class ResultSource:
         if stream is not None:
             # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
             # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
-            feed.replay = self._replay(feed, stream, subject, 1)
+            feed.replay = replay = self._replay(feed, stream, subject, 1)
             self.metrics.jetstream_replays += 1
+            probes = self.probes
+            if probes is not None and probes.nc is self.nc and (self.msg_get is None or self.msg_get.confirmed):
+                # Asked now, answered in the read loop (probes.py). Until MSG.GET is known to
+                # answer, the replay asks from the stream's task, guarded against a refusal (msg_get.py).
+                await replay.ask(probes, feed._replayed, feed._wake_reader)
             return feed
         if not self.nc.is_connected:
             try:
