@@ -454,18 +454,26 @@ async def test_opens_build_no_jetstream_context_each(nats_url, client, monkeypat
 async def test_a_dispatched_feed_closes_at_once_and_one_with_a_replay_left_returns_its_close_to_await(
         nats_url, client):
     """``ResultFeed.close_now``: a feed read from the fan-out with no replay left needs no round trip,
-    so an SSE stream's end awaits nothing (no coroutine, no shielded scope); a JetStream feed whose
-    stored results were not read yet still has its replay's consumer to close."""
+    so an SSE stream's end awaits nothing (no coroutine, no shielded scope); nor does one whose
+    replay has no consumer (since 2026-12-05: its probe, if out, is forgotten); a JetStream feed
+    whose replay reads its history with a temporary consumer still has that consumer to close."""
     async with started_source(nats_url, LIVE) as source:
         feed = await source.open(rid("now"))
         assert feed.close_now() is None
         assert feed.closed and LIVE.result(feed.request_id) not in source.fanout.feeds
     async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
         request_id = rid("later")
-        await publish_result(client, STORED, request_id, 0, b"{}")  # stored: the open replays it
+        for seq in range(3):  # stored: the open replays them
+            await publish_result(client, STORED, request_id, seq, b"{}")
         await client.flush()
+        await until(lambda: source.metrics.results_seen == 3)
+        early = await source.open(request_id)
+        assert early.replay is not None and early.replay.sub is None
+        assert early.close_now() is None
+        assert early.closed and early.replay is None
         feed = await source.open(request_id)
-        assert feed.replay is not None
+        assert [r.seq for r in await read(feed, 2)] == [0, 1]  # the second through a temporary consumer
+        assert feed.replay is not None and feed.replay.sub is not None
         rest = feed.close_now()
         assert rest is not None
         await rest

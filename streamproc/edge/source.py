@@ -272,9 +272,13 @@ class ResultFeed:
         self.source.wake_slot_waiter(self)  # its catch-up waiting for a consumer: no more to wait for
 
     def _replayed(self, replay: Replay) -> None:
-        """Its open's probe found nothing stored (replay.py, ``settled``): no replay left."""
+        """Its open's probe found nothing stored (replay.py, ``settled``): no replay left. Its task is
+        not woken, unless its inbox went behind meanwhile (it catches up now, as it would have after
+        awaiting the answer itself)."""
         if self.replay is replay:
             self.replay = None
+            if self.inbox is not None and self.inbox.behind is not None:
+                self.inbox.wake()
 
     def _wake_reader(self) -> None:
         """Its open's probe found something, or failed: its task, parked in the inbox, reads it."""
