@@ -21,7 +21,9 @@ client and edge stamps on one clock (``time.perf_counter``: CLOCK_MONOTONIC, sha
 ``no_auth_user``) that may not publish ``$JS.API.STREAM.MSG.GET.>``, as the edge user of a
 deployment set up before edge/replay.py: JetStream opens fall back to a consumer each (msg_get.py).
 An open reads the stream by subject only when something is stored (else there is nothing to
-replay); ``--stored N`` stores N results of another request first, so each open asks. ``--burst N`` opens N streams at once per round, as latency.py's
+replay); ``--stored N`` stores N results of another request first, so each open asks (as every
+durable open of benchmarks/latency.py does, its stream holding the earlier waves: ``--mode jetstream
+--stored 1 --lifecycle`` prices that open and its close). ``--burst N`` opens N streams at once per round, as latency.py's
 waves do; ``--load RATE`` meanwhile publishes results at RATE/s to 50 other open streams read by
 a second client process, the benchmark's 2,000 events/s load without its processor.
 
