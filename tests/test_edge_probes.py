@@ -54,9 +54,18 @@ async def test_an_open_with_nothing_stored_is_answered_in_the_read_loop_without_
             return real(subject, *args, **kwargs)
 
         monkeypatch.setattr(source.nc, "request", counting)
+        tokens: list[str] = []
+        ask = source.probes.ask
+
+        async def asking(*args, **kwargs):
+            tokens.append(await ask(*args, **kwargs))
+            return tokens[-1]
+
+        monkeypatch.setattr(source.probes, "ask", asking)
         ids = [rid(f"new{i}") for i in range(5)]
         feeds = [await source.open(i) for i in ids]
-        assert all(f.replay is not None for f in feeds)  # asked, not answered yet
+        # one probe each, on reply subjects nobody else can guess (probes.py)
+        assert len(set(tokens)) == 5 and all(len(t) == 24 and int(t, 16) >= 0 for t in tokens)
         await until(lambda: all(f.replay is None for f in feeds))  # nobody called next()
         assert requests == [] and source.probes is not None and source.probes._waiting == {}
         for i in ids:  # and they miss nothing published now

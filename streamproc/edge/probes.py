@@ -14,6 +14,7 @@ to report. Same request, same answer, same errors: only the path of the answer c
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any, Callable
 
 Answered = Callable[[bytes | None, BaseException | None], None]
@@ -28,7 +29,6 @@ class Probes:
         self.nc = nc
         self.prefix = ""
         self._waiting: dict[str, tuple[Answered, asyncio.TimerHandle]] = {}
-        self._next = 0
         self.sub: Any = None
 
     @staticmethod
@@ -47,8 +47,9 @@ class Probes:
         """Publish the request; ``answered(data, None)`` once its answer is read, or ``answered(None,
         exc)`` (``TimeoutError`` after ``timeout`` s, ``LookupError`` when no responder): the token,
         for :meth:`forget`. A failed publish raises here, nothing left waiting."""
-        self._next += 1
-        token = str(self._next)
+        # Unguessable, as nats-py's request tokens are (a NUID and 2 random bytes): an answer forged
+        # by whoever may publish into this inbox would say "nothing stored" and lose those results.
+        token = os.urandom(12).hex()
         timer = asyncio.get_running_loop().call_later(timeout, self._expire, token)
         self._waiting[token] = (answered, timer)
         try:
