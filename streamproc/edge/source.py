@@ -928,7 +928,6 @@ class ResultSource:
         self._recent_sub = sub
         self.fanout.rebind(core_subscription(sub), info.config.name if info is not None else None)
         self._reading(info)
-        await self._start_probes()
         self.streams.forget()
         if info is not None:
             self._recreated(info.config.name, ended=ended or 0, resumed=resumed, start=start, previous=was)
@@ -939,6 +938,10 @@ class ResultSource:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await previous.unsubscribe()
             pending.drop(previous)
+        # An edge started without a results stream has no probe replies yet; until they exist,
+        # opens ask from their tasks (replay.py).
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self._start_probes()
 
     async def stop(self) -> None:
         if self._flush_task is not None:
