@@ -81,6 +81,20 @@ def test_the_compiled_modules_pass_their_tests(compiled_tree, tests):
     assert " passed" in done.stdout.splitlines()[-1]
 
 
+def test_the_benchmark_floors_may_subclass_the_compiled_read_buffer(compiled_tree):
+    """A compiled class refuses interpreted subclasses unless it allows them: sse_floor.RawNats and
+    durable_floor.DurableFloor subclass BufferedReads (``make bench`` failed on the first build:
+    "interpreted classes cannot inherit from compiled")."""
+    done = run_in(compiled_tree, "-c", "\n".join([
+        "from streamproc.nats.buffered_reads import BufferedReads",
+        "class Floor(BufferedReads):",
+        "    def data_received(self, data): self.got = data",
+        "floor = Floor(); floor.data_received(b'x'); print(floor.got)",
+    ]), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "b'x'"
+
+
 def test_an_edited_compiled_module_is_refused_until_it_is_rebuilt_or_cleaned(compiled_tree, tmp_path):
     """An extension module beside its .py wins the import even when the .py is newer: the edit would
     silently not run. ``import streamproc`` says so instead; ``clean`` gives pure Python back."""

@@ -11,6 +11,13 @@ read's bytes are copied out at their size. No nats-py: the benchmarks' raw floor
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Callable
+
+try:  # mypy brings it, so the compiled build (scripts/build-compiled) has it
+    from mypy_extensions import mypyc_attr
+except ImportError:  # pure Python: the decorator has nothing to say
+    def mypyc_attr(*_args: Any, **_kwargs: Any) -> Callable[[type], type]:  # type: ignore[misc]
+        return lambda cls: cls
 
 # Bytes one socket read may take. Under glibc's 128 KiB mmap threshold, so the copy of a full read
 # comes from the heap too; at peak a read still holds hundreds of messages. (The stock path's
@@ -18,6 +25,9 @@ import asyncio
 READ_SIZE = 64 * 1024
 
 
+# Compiled, a class takes no interpreted subclass unless it says so: the benchmarks' raw floors
+# (sse_floor.RawNats, durable_floor.DurableFloor) subclass it.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BufferedReads(asyncio.BufferedProtocol):
     """``data_received(bytes)`` fed from one reused buffer; subclasses define ``data_received``."""
 
