@@ -41,6 +41,11 @@ def run_in(tree: Path, *args: str, timeout: float) -> subprocess.CompletedProces
                           timeout=timeout)
 
 
+def run_lines(tree: Path, *lines: str) -> subprocess.CompletedProcess[str]:
+    """A few lines of Python run against the copy (:func:`run_in`)."""
+    return run_in(tree, "-c", "\n".join(lines), timeout=60)
+
+
 @pytest.fixture(scope="module")
 def compiled_tree(tmp_path_factory) -> Path:
     if not (shutil.which("cc") or shutil.which("gcc")):  # scripts/install-system-deps installs gcc where it can
@@ -59,12 +64,11 @@ def compiled_tree(tmp_path_factory) -> Path:
 
 
 def test_the_build_compiles_every_listed_module_and_they_are_the_ones_imported(compiled_tree):
-    done = run_in(compiled_tree, "-c", "\n".join([
-        "import importlib, streamproc.compiled as c",
-        "mods = c.compiled_modules()",
-        "print(len(mods)); print(c.build_name())",
-        "for m in mods: print(m, importlib.import_module(m).__file__)",
-    ]), timeout=60)
+    done = run_lines(compiled_tree,
+                     "import importlib, streamproc.compiled as c",
+                     "mods = c.compiled_modules()",
+                     "print(len(mods)); print(c.build_name())",
+                     "for m in mods: print(m, importlib.import_module(m).__file__)")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert int(lines[0]) == 18 and lines[1] == "18 modules compiled with mypyc"
@@ -85,12 +89,11 @@ def test_the_benchmark_floors_may_subclass_the_compiled_read_buffer(compiled_tre
     """A compiled class refuses interpreted subclasses unless it allows them: sse_floor.RawNats and
     durable_floor.DurableFloor subclass BufferedReads (``make bench`` failed on the first build:
     "interpreted classes cannot inherit from compiled")."""
-    done = run_in(compiled_tree, "-c", "\n".join([
-        "from streamproc.nats.buffered_reads import BufferedReads",
-        "class Floor(BufferedReads):",
-        "    def data_received(self, data): self.got = data",
-        "floor = Floor(); floor.data_received(b'x'); print(floor.got)",
-    ]), timeout=60)
+    done = run_lines(compiled_tree,
+                     "from streamproc.nats.buffered_reads import BufferedReads",
+                     "class Floor(BufferedReads):",
+                     "    def data_received(self, data): self.got = data",
+                     "floor = Floor(); floor.data_received(b'x'); print(floor.got)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "b'x'"
 

@@ -8,6 +8,7 @@ in-process (no client socket buffers hide how much the edge holds) and ``streamp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -103,6 +104,18 @@ async def waiting_for_a_replay_consumer(source, nc, *, final_at: int | None = No
     await behind(source, waiter, nc, 64, final_at=final_at)
     seqs, item = await drain(waiter, 0.5)  # what its inbox held; then it waits for a consumer
     return holder, waiter, seqs, item
+
+
+@contextlib.asynccontextmanager
+async def a_catch_up_waiting_for_the_one_replay_consumer(*, final_at: int | None = None):
+    """:func:`waiting_for_a_replay_consumer` on an edge whose user may not ``STREAM.MSG.GET``, with
+    ``--max-replay-consumers 1``: (source, publisher connection, holder, waiter, seqs, item)."""
+    with EmbeddedNats(config=DENY_MSG_GET) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
+                                      max_replay_consumers=1) as source:
+                yield (source, nc, *await waiting_for_a_replay_consumer(source, nc, final_at=final_at))
 
 
 async def ring_read_all(source, nc) -> None:
@@ -681,21 +694,16 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_hears_at_once_that_its_s
     another catch-up whose client reads no more: a second catch-up waits for it. The results
     stream is deleted meanwhile: the waiting one ends with :class:`StreamGone` when the watch sees
     it, not when its wait's timeout (the keep-alive interval) runs out."""
-    with EmbeddedNats(config=DENY_MSG_GET) as server:
-        async with connection(with_user(server.url, "pub")) as nc:
-            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
-            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
-                                      max_replay_consumers=1) as source:
-                holder, waiter, seqs, item = await waiting_for_a_replay_consumer(source, nc)
-                assert seqs == list(range(len(seqs))) and item is None, (seqs, item)
-                assert source.metrics.replay_consumer_waits > 0 and waiter.replay is not None
-                await nc.jetstream().delete_stream(RESULTS_STREAM)
-                started = time.monotonic()
-                item = await waiter.next(10.0)
-                took = time.monotonic() - started
-                assert isinstance(item, StreamGone) and took < 3.0, (item, took)
-                for feed in (holder, waiter):
-                    await feed.close()
+    async with a_catch_up_waiting_for_the_one_replay_consumer() as (source, nc, holder, waiter, seqs, item):
+        assert seqs == list(range(len(seqs))) and item is None, (seqs, item)
+        assert source.metrics.replay_consumer_waits > 0 and waiter.replay is not None
+        await nc.jetstream().delete_stream(RESULTS_STREAM)
+        started = time.monotonic()
+        item = await waiter.next(10.0)
+        took = time.monotonic() - started
+        assert isinstance(item, StreamGone) and took < 3.0, (item, took)
+        for feed in (holder, waiter):
+            await feed.close()
 
 
 @pytest.mark.timeout(60)
@@ -703,23 +711,18 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_counts_one_wait_however_
     """``replay_consumer_waits`` counts waiting episodes (one per consumer a catch-up had to wait
     for), not looks: a client that gets keep-alives while its catch-up waits makes it look again
     at each one (it counted 11 here, one per ``next``)."""
-    with EmbeddedNats(config=DENY_MSG_GET) as server:
-        async with connection(with_user(server.url, "pub")) as nc:
-            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
-            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
-                                      max_replay_consumers=1) as source:
-                holder, waiter, seqs, item = await waiting_for_a_replay_consumer(source, nc, final_at=63)
-                assert item is None, (seqs, item)
-                for _ in range(10):  # keep-alives: it looks again each time
-                    assert await waiter.next(0.05) is None
-                assert source.metrics.replay_consumer_waits == 1
-                await holder.close()  # its consumer is freed (once the server dropped it)
-                rest, item = await drain(waiter, 10.0)
-                assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
-                # One more wait at most per consumer it needed after a pause (the paused one lingers).
-                assert source.metrics.replay_consumer_waits <= 1 + source.metrics.replay_pauses, (
-                    source.metrics.replay_consumer_waits, source.metrics.replay_pauses)
-                await waiter.close()
+    async with a_catch_up_waiting_for_the_one_replay_consumer(final_at=63) as (source, nc, holder, waiter, seqs, item):
+        assert item is None, (seqs, item)
+        for _ in range(10):  # keep-alives: it looks again each time
+            assert await waiter.next(0.05) is None
+        assert source.metrics.replay_consumer_waits == 1
+        await holder.close()  # its consumer is freed (once the server dropped it)
+        rest, item = await drain(waiter, 10.0)
+        assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
+        # One more wait at most per consumer it needed after a pause (the paused one lingers).
+        assert source.metrics.replay_consumer_waits <= 1 + source.metrics.replay_pauses, (
+            source.metrics.replay_consumer_waits, source.metrics.replay_pauses)
+        await waiter.close()
 
 
 ALLOW_MSG_GET = """
@@ -953,19 +956,14 @@ async def test_a_catch_up_whose_next_was_cancelled_while_it_waited_for_a_replay_
     """The edge's own handlers close a feed as soon as its ``next()`` is cancelled (the client
     left), but a caller may bound ``next()`` with a timeout of its own and read again: the catch-up
     keeps its place meanwhile, gets the consumer freed later, and every result."""
-    with EmbeddedNats(config=DENY_MSG_GET) as server:
-        async with connection(with_user(server.url, "pub")) as nc:
-            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
-            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
-                                      max_replay_consumers=1) as source:
-                holder, waiter, seqs, item = await waiting_for_a_replay_consumer(source, nc, final_at=63)
-                assert item is None, (seqs, item)
-                with pytest.raises(TimeoutError):
-                    await asyncio.wait_for(waiter.next(10.0), 0.3)  # cancelled while it waits
-                assert waiter in source._slot_waiters and waiter.slot_waiter is None
-                await holder.close()  # its consumer is freed once the server dropped it
-                await until(lambda: source._replay_consumers_held() == 0 or waiter.slot_reserved, 10.0)
-                rest, item = await drain(waiter, 10.0)
-                assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
-                await waiter.close()
-                assert source._replay_consumers_held() <= source._replays_lingering, source._slots_reserved
+    async with a_catch_up_waiting_for_the_one_replay_consumer(final_at=63) as (source, nc, holder, waiter, seqs, item):
+        assert item is None, (seqs, item)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(waiter.next(10.0), 0.3)  # cancelled while it waits
+        assert waiter in source._slot_waiters and waiter.slot_waiter is None
+        await holder.close()  # its consumer is freed once the server dropped it
+        await until(lambda: source._replay_consumers_held() == 0 or waiter.slot_reserved, 10.0)
+        rest, item = await drain(waiter, 10.0)
+        assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
+        await waiter.close()
+        assert source._replay_consumers_held() <= source._replays_lingering, source._slots_reserved
