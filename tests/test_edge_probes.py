@@ -18,6 +18,7 @@ from helpers import rid
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge import source as source_module
+from streamproc.edge.source import Lost
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -132,3 +133,20 @@ async def test_a_feed_closed_while_its_probe_is_out_closes_at_once_and_leaves_no
         assert feed.closed and feed.replay is None and source.probes._waiting == {}
         await asyncio.sleep(0.2)  # its answer, if it comes, finds nobody
         assert source.probes._waiting == {}
+
+
+async def test_a_connection_closed_while_a_probe_is_out_ends_that_stream_as_lost(nats_url, client, monkeypatch):
+    """The reader waits for its probe's answer on its inbox; a closed connection there ends the
+    stream with ``Lost`` (the response's lost event and ``[DONE]``), as the inbox's own wait does,
+    instead of raising ``ConnectionClosedError`` out of ``next()`` (the review found it did)."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        await confirmed(source, client)
+        monkeypatch.setattr(source.probes, "prefix", source.nc.new_inbox() + ".")  # its answer never comes
+        feed = await source.open(rid("closing"))
+        assert feed.replay is not None and feed.replay.asking
+        waiting = asyncio.ensure_future(feed.next(3.0))
+        await asyncio.sleep(0.1)  # parked in its inbox's wait
+        await source.nc.close()
+        item = await asyncio.wait_for(waiting, 3.0)
+        assert isinstance(item, Lost), item
+        await feed.close()

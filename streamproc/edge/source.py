@@ -186,7 +186,10 @@ class ResultFeed:
                     # only when there is something stored to read, else drops the replay.
                     if wait <= 0:
                         return None
-                    await inbox.wait(wait)
+                    try:
+                        await inbox.wait(wait)
+                    except nats.errors.Error as exc:  # the connection closed: as the inbox's own wait below
+                        return Lost(str(exc) or type(exc).__name__)
                     continue
                 try:
                     stored = await replay.next()
@@ -1024,7 +1027,12 @@ class ResultSource:
             if probes is not None and probes.nc is self.nc and (self.msg_get is None or self.msg_get.confirmed):
                 # Asked now, answered in the read loop (probes.py). Until MSG.GET is known to
                 # answer, the replay asks from the stream's task, guarded against a refusal (msg_get.py).
-                await replay.ask(probes, feed._replayed, feed._wake_reader)
+                try:
+                    await replay.ask(probes, feed._replayed, feed._wake_reader)
+                except BaseException:  # cancelled while its publish waited on a flush: not opened
+                    replay.close_now()
+                    self.fanout.remove(subject, feed)
+                    raise
             return feed
         if not self.nc.is_connected:
             try:
