@@ -9,10 +9,12 @@ modules run against it in a subprocess; then an edited source is refused until r
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,33 @@ def test_a_shared_library_left_without_its_record_is_refused(tmp_path):
     refused = run_in(tree, "-c", "import streamproc", timeout=60)
     assert refused.returncode != 0
     assert "hotpath__mypyc.cpython-311-x86_64-linux-gnu.so is a compiled build without its record" in refused.stderr
+
+
+def test_an_extension_module_left_without_the_record_is_refused(tmp_path):
+    """Without compiled.json (deleted by hand, or a tree built by the first, experimental script,
+    which wrote none): a module's extension beside its .py still wins the import, so it is refused
+    (the review found it ran silently, and --version said pure Python)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "streamproc", tree / "streamproc", ignore=IGNORED)
+    (tree / "streamproc" / "nats" / f"fast_parser{EXTENSION_SUFFIXES[0]}").write_bytes(b"")
+    refused = run_in(tree, "-c", "import streamproc", timeout=60)
+    assert refused.returncode != 0
+    assert "StaleBuild: streamproc/nats/fast_parser" in refused.stderr and "not recorded" in refused.stderr
+
+
+def test_a_record_of_modules_this_interpreter_does_not_load_is_pure_python(tmp_path):
+    """A build for another Python version (or whose .so files were deleted) is not imported: the
+    tree runs pure, says so, and an edited source is not refused (the review: it was labelled
+    compiled, and every edit refused)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "streamproc", tree / "streamproc", ignore=IGNORED)
+    (tree / "streamproc" / "compiled.json").write_text(json.dumps({"sources": {"streamproc.core.wire": "0" * 64}}))
+    (tree / "streamproc" / "core" / "wire.cpython-399-x86_64-linux-gnu.so").write_bytes(b"")
+    done = run_lines(tree, "import streamproc.compiled as c, streamproc.core.wire as w",
+                     "print(c.build_name()); print(w.__file__)")
+    assert done.returncode == 0, done.stderr
+    name, path = done.stdout.splitlines()
+    assert name == "pure Python" and path.endswith("streamproc/core/wire.py")
 
 
 def test_a_pure_tree_says_so_and_checks_nothing(tmp_path):
