@@ -1204,9 +1204,7 @@ class ResultSource:
         next stored result by subject (replay.py), or, reading with consumers alone (``by_consumer``:
         MSG.GET refused), waits for one (:meth:`replay_slot`) in the queue, counted once per
         consumer it waits for."""
-        if feed.slot_reserved:
-            feed.slot_reserved = False
-            self._slots_reserved -= 1
+        if self._unreserve_slot(feed):
             self._replays_creating += 1  # until _replay_consumer_made: its creation awaits a round trip
             return True
         free = self.settings.max_replay_consumers - self._replay_consumers_held()
@@ -1272,9 +1270,7 @@ class ResultSource:
                     await waiter
         except asyncio.CancelledError:
             feed.slot_waiter = None
-            if feed.slot_reserved:
-                feed.slot_reserved = False
-                self._slots_reserved -= 1
+            if self._unreserve_slot(feed):
                 self._slot_waiters[feed] = None
                 self._slot_waiters.move_to_end(feed, last=False)
                 self._replay_slot_freed()
@@ -1282,14 +1278,21 @@ class ResultSource:
         finally:
             feed.slot_waiter = None
 
+    def _unreserve_slot(self, feed: ResultFeed) -> bool:
+        """Whether a slot was kept for ``feed`` (_replay_slot_freed); it is not any more: taken by
+        its replay, or given back by the caller."""
+        if not feed.slot_reserved:
+            return False
+        feed.slot_reserved = False
+        self._slots_reserved -= 1
+        return True
+
     def wake_slot_waiter(self, feed: ResultFeed) -> None:
         """``feed`` has no more use for a replay consumer (stream gone, replay stopped, closed): it
         leaves the queue, a slot kept for it goes to the next catch-up, and it is woken to look at
         its state again."""
         self._slot_waiters.pop(feed, None)
-        if feed.slot_reserved:
-            feed.slot_reserved = False
-            self._slots_reserved -= 1
+        if self._unreserve_slot(feed):
             self._replay_slot_freed()
         waiter = feed.slot_waiter
         if waiter is not None and not waiter.done():
