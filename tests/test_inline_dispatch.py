@@ -108,3 +108,41 @@ async def test_read_done_runs_after_every_frame_of_a_read_and_before_the_next_lo
             assert since_done == 0, events
     assert events[-1] == "next pass" and "read done" in events
     await sub.unsubscribe()
+
+
+async def test_an_ordered_consumer_is_handled_inline_and_stays_so_after_a_reset(client, fast_client):
+    """The edge's results stream is read by one ordered consumer (edge/fanout.py). nats-py gives it a
+    new sid each time it remakes the consumer (``_JSI.reset_ordered_consumer``); the handler must
+    follow, or every result after the first reset takes the ``Msg`` and queue path again."""
+    from nats.js.api import StreamConfig
+
+    await client.jetstream().add_stream(StreamConfig(name="INL", subjects=["inl.>"]))
+    inline_seen: list[int] = []
+
+    def inline(subject: str, reply: str, headers, data: bytes) -> bool:
+        assert reply.startswith("$JS.ACK.INL.")  # the stream sequence's carrier (Fanout.on_overflow)
+        inline_seen.append(int(data))
+        return True
+
+    psub = await fast_client.jetstream().subscribe("inl.>", ordered_consumer=True)
+    sub = psub._sub
+    fast_client.deliver_inline(sub, inline)
+
+    async def publish(numbers: range) -> None:
+        for n in numbers:
+            await client.jetstream().publish(f"inl.{n % 3}", str(n).encode())
+
+    await publish(range(20))
+    await wait_until(lambda: len(inline_seen) == 20, 10, "the first 20 handled inline")
+    sid = sub._id
+    sub._jsi._dseq += 3  # as if a delivery were lost: nats-py remakes the consumer after _sseq
+    await publish(range(20, 40))
+    await wait_until(lambda: len(inline_seen) == 40, 10, "the rest handled inline too")
+    assert sub._id != sid  # it was reset
+    assert inline_seen == list(range(40))
+    assert sub._pending_queue.qsize() == 0
+    fast_client.stop_inline(sub)
+    await publish(range(40, 41))
+    got = await asyncio.wait_for(psub.next_msg(), 10)  # stopped: the queue path again
+    assert got.data == b"40" and inline_seen == list(range(40))
+    await psub.unsubscribe()

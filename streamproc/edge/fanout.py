@@ -8,10 +8,10 @@ Here the wildcard subscription's pending queue is replaced by :class:`DispatchQu
 ``put_nowait`` (called by nats-py's read path, ``Client._process_msg``, for each message) parses the
 result once, notes it in the recent ring and appends it to the :class:`Inbox` of each stream open on
 its subject: an open is a dict insert, a result one dict lookup. A stream whose writer is idle
-gets the result written to its client from here instead (:mod:`.direct`). In core mode
+gets the result written to its client from here instead (:mod:`.direct`).
 :class:`~streamproc.nats.fast_client.FastClient` hands each result to :meth:`Fanout.dispatch` from
-its read loop before it builds a ``Msg`` (``deliver_inline``); what it declines comes through the
-queue, to the same method.
+its read loop before it builds a ``Msg`` (``deliver_inline``), and so does a JetStream results
+stream's ordered consumer; what it declines comes through the queue, to the same method.
 
 Why nothing is missed: the wildcard subscription is live on the server before the edge serves
 (``ResultSource.start`` flushes it), an open registers its inbox before its response headers are
@@ -166,11 +166,12 @@ class Fanout:
         # Nothing waits in it, so its own limits only mattered for one message over the byte limit:
         # dropped for every stream. Each inbox applies them per stream instead (an overrun, as before).
         sub._pending_bytes_limit = 0
-        # Core: FastClient hands each result to dispatch from its read loop before it builds a Msg
-        # (deliver_inline); the messages it declines (while reconnecting) still come through the
-        # queue above. A JetStream consumer's messages take nats-py's path and the queue.
+        # FastClient hands each result to dispatch from its read loop before it builds a Msg
+        # (deliver_inline), the ordered consumer's too (FastClient._ordered_now, also after nats-py
+        # remade it); the messages it declines (while reconnecting, control messages, a delivery
+        # gap) still come through the queue above.
         deliver_inline = getattr(sub._conn, "deliver_inline", None)
-        if self.stream is None and sub._jsi is None and deliver_inline is not None:
+        if deliver_inline is not None:
             deliver_inline(sub, self.dispatch)
 
     def rebind(self, sub, stream: str | None) -> None:

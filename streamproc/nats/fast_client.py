@@ -423,6 +423,11 @@ class FastClient(RobustClient):
         jsi._active = True
         jsi._dseq = dseq + 1
         jsi._sseq = sseq
+        followed = self._ordered_inline
+        if followed is not None:
+            entry = followed.get(jsi)
+            if entry is not None and entry[0] != sid:  # nats-py remade the consumer under a new sid
+                self._follow_reset(sid, entry)
         self._accept(sub, sid, subject, reply, data, headers, hdr)  # None: the limits were checked above
         jsi.track_sequences(text)
         return None
@@ -509,6 +514,8 @@ class FastClient(RobustClient):
         return None
 
     _handlers_inline: dict[int, Any] | None = None  # not `_inline`: mypyc names its C field `__inline`, a gcc keyword
+    # An ordered consumer's handler by its ``_JSI``, with the sid it is registered under (deliver_inline)
+    _ordered_inline: dict[Any, list[Any]] | None = None
 
     # Called by the read loop once every frame of a socket read has been handed over (inline
     # handlers, queues, callbacks' queues), also when handling one raised, before the read loop
@@ -529,7 +536,9 @@ class FastClient(RobustClient):
         loop, before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its
         callback; False: the message takes the queue and the callback as usual. The one way this
         client runs a handler in its read loop: core mode's fused passthrough, the durable input's
-        chunks and its PubAcks (``headers`` parsed as for a ``Msg``; ``reply`` "" when none).
+        chunks and its PubAcks, the edge's results (also read through an ordered consumer, whose
+        data messages in sequence are handed over from ``_ordered_now``) (``headers`` parsed as for
+        a ``Msg``; ``reply`` "" when none).
 
         Why: the queue, the ``Msg``, the callback's coroutine and ``_wait_for_msgs``' bookkeeping
         cost ~1 µs a message, the largest per-message cost left in the passthrough path after the
@@ -544,10 +553,28 @@ class FastClient(RobustClient):
         if self._handlers_inline is None:
             self._handlers_inline = {}
         self._handlers_inline[sub._id] = handler
+        if sub._jsi is not None and sub._jsi._ordered:  # its sid changes each time nats-py remakes it
+            if self._ordered_inline is None:
+                self._ordered_inline = {}
+            self._ordered_inline[sub._jsi] = [sub._id, handler]
+
+    def _follow_reset(self, sid: int, entry: list[Any]) -> None:
+        """Move an ordered consumer's handler to the sid ``_JSI.reset_ordered_consumer`` gave it
+        (seen at its first data message there): else every result after a reset would take the
+        ``Msg`` and queue path again."""
+        handlers = self._handlers_inline
+        if handlers is not None:
+            handlers.pop(entry[0], None)
+            handlers[sid] = entry[1]
+        entry[0] = sid
 
     def stop_inline(self, sub: Any) -> None:
         if self._handlers_inline:
             self._handlers_inline.pop(sub._id, None)
+        if self._ordered_inline and sub._jsi is not None:
+            entry = self._ordered_inline.pop(sub._jsi, None)
+            if entry is not None and self._handlers_inline:
+                self._handlers_inline.pop(entry[0], None)
 
     def publish_block_nowait(self, subject: str, payload: bytes, header_block: bytes) -> None:
         """:meth:`publish_header_block` without an await, for an inline handler: the connection is
