@@ -236,7 +236,7 @@ class EventStreamResponse(StreamingResponse):
             if watcher is not None:
                 watcher.cancel()
             else:
-                hook.callback = None  # type: ignore[union-attr]  # on_close is not cancelled by a late disconnect
+                hook.release()  # type: ignore[union-attr]  # on_close is not cancelled by a late disconnect
             if stopping is not None:
                 stopping.leave(task)
             rest = self.on_close(self.completed)
@@ -454,6 +454,7 @@ class Edge:
             if trace is not None:
                 trace.close("completed" if completed else "disconnected")
             self.client_left(client)
+            feed.direct = None  # feed and DirectFrames refer to each other: a cycle left to the GC otherwise
             return self.release_now(feed)
 
         def on_stall() -> None:
@@ -706,7 +707,37 @@ class Edge:
                 trace.sent()
 
     async def unary_until_disconnect(self, request: Request, feed: ResultFeed) -> Response:
-        """The unary answer, unless the client leaves first: then its stream slot is freed at once."""
+        """The unary answer, unless the client leaves first: then its stream slot is freed at once.
+        Behind Uvicorn's httptools protocol the connection's loss cancels this task itself
+        (direct.watch_disconnect), as an SSE stream's does; elsewhere a watcher task reads
+        ``receive()``. (The task group of a responder and a watcher left each request's objects, its
+        connection's socket included, in a reference cycle through the watcher's CancelledError,
+        until a garbage collection: tests/test_edge_cycles.py.)"""
+        task = asyncio.current_task()
+        assert task is not None
+        left = False
+
+        def gone() -> None:
+            nonlocal left
+            left = True
+            task.cancel()
+
+        hook = watch_disconnect(request.receive, gone)
+        if hook is None:
+            return await self.unary_watched(request, feed)
+        try:
+            return await self.unary(feed)
+        except asyncio.CancelledError:
+            if not left:  # the edge stops (Edge.results answers), or the server's own cancel
+                raise
+            task.uncancel()
+            self.metrics.client_disconnects += 1
+            return Response(status_code=499)  # nobody is listening
+        finally:
+            hook.release()
+
+    async def unary_watched(self, request: Request, feed: ResultFeed) -> Response:
+        """:meth:`unary_until_disconnect` where the disconnect must be read from ``receive()``."""
         answer: Response | None = None
         async with anyio.create_task_group() as tg:
 

@@ -318,6 +318,13 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 self.await_head()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            # asyncio's socket transport keeps a bound method of itself (CPython 3.11-3.13
+            # ``_SelectorSocketTransport.set_protocol``: ``_read_ready_cb``), a reference cycle that
+            # held each closed connection's transport and socket until a garbage collection
+            # (tests/test_edge_cycles.py). It reads no more once its connection is lost.
+            transport = self.transport
+            if transport is not None and getattr(transport, "_read_ready_cb", None) is not None:
+                transport._read_ready_cb = None
             if self.refused:
                 if self.linger is not None:
                     self.linger.cancel()

@@ -50,6 +50,15 @@ def _httptools_cycle() -> type | None:
     return RequestResponseCycle
 
 
+class _Ended:
+    """A released :class:`DisconnectWatch`'s cycle: reads as disconnected."""
+
+    disconnected = True
+
+
+_ENDED = _Ended()
+
+
 class DisconnectWatch(asyncio.Event):
     """Uvicorn's per-request ``message_event``, which also calls ``callback`` (once) when it is set
     with the cycle disconnected: ``HttpToolsProtocol.connection_lost`` marks the cycle
@@ -69,6 +78,13 @@ class DisconnectWatch(asyncio.Event):
         if callback is not None and self.cycle.disconnected:
             self.callback = None
             callback()
+
+    def release(self) -> None:
+        """The response ended: no callback any more, and no reference back to the cycle, whose
+        ``message_event`` this is (a reference cycle through the connection's transport and socket,
+        left for the garbage collector; tests/test_edge_cycles.py)."""
+        self.callback = None
+        self.cycle = _ENDED
 
 
 def watch_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) -> DisconnectWatch | None:
