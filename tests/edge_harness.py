@@ -8,6 +8,7 @@ processor in front.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -22,9 +23,12 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from helpers import clean_env, free_port, wait_ready
+import uvicorn
 from nats.aio.client import Client as NatsClient
 
 from streamproc.edge import settings as edge_settings
+from streamproc.edge.app import create_app
+from streamproc.edge.connections import protocol_class
 from streamproc.edge.metrics import EdgeMetrics
 from streamproc.edge.source import ResultSource
 from streamproc.metrics import parse as parse_metrics
@@ -216,3 +220,61 @@ def slow_reader(url: str, request_id: str) -> socket.socket:
     sock.connect((host, int(port)))
     sock.sendall(f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
     return sock
+
+
+async def served_edge(nats_url: str, subjects: Subjects, **extra: object):
+    """A real edge app (``--insecure-demo``) behind the edge's own Uvicorn protocol, in this process
+    (what the process holds can be inspected); answers the server and its port."""
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
+                                       "host": "127.0.0.1", "port": 0, **extra})
+    app = create_app(settings, tracing=None)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
+                            http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    config.load()
+    server.lifespan = config.lifespan_class(config)
+    await server.startup()
+    return server, server.servers[0].sockets[0].getsockname()[1]
+
+
+async def stop_served(server: uvicorn.Server) -> None:
+    server.should_exit = True
+    for listening in server.servers:
+        listening.close()
+    await server.shutdown()
+
+
+class RawStream:
+    """One SSE stream on a plain socket (asyncio's streams keep their own transports in cycles, which
+    would be counted with the edge's)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.data = b""
+
+    @classmethod
+    async def open(cls, port: int, request_id: str, accept: str = "text/event-stream") -> RawStream:
+        """The request sent; an SSE stream's head read (a unary answer's comes with its body)."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n"
+                                      f"Accept: {accept}\r\n\r\n".encode())
+        stream = cls(sock)
+        if accept == "text/event-stream":
+            await stream.read_until(b"\r\n\r\n")
+            assert stream.data.startswith(b"HTTP/1.1 200 "), stream.data
+        return stream
+
+    async def read_until(self, marker: bytes) -> bytes:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(10):
+            while marker not in self.data:
+                chunk = await loop.sock_recv(self.sock, 65536)
+                assert chunk, self.data
+                self.data += chunk
+        return self.data
+
+    def close(self) -> None:
+        self.sock.close()

@@ -14,16 +14,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import socket
 
 import pytest
-import uvicorn
-from edge_harness import publish_result
+from edge_harness import RawStream, publish_result, served_edge, stop_served
 from helpers import rid, wait_until
 
-from streamproc.edge import settings as edge_settings
-from streamproc.edge.app import create_app
-from streamproc.edge.connections import protocol_class
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
@@ -35,62 +30,6 @@ STREAMS = 12  # per way of ending
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-async def served_edge(nats_url: str, **extra):
-    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": SUBJECTS.prefix, "insecure_demo": True,
-                                       "host": "127.0.0.1", "port": 0, **extra})
-    app = create_app(settings, tracing=None)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
-                            http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    config.load()
-    server.lifespan = config.lifespan_class(config)
-    await server.startup()
-    return server, server.servers[0].sockets[0].getsockname()[1]
-
-
-async def stop(server: uvicorn.Server) -> None:
-    server.should_exit = True
-    for listening in server.servers:
-        listening.close()
-    await server.shutdown()
-
-
-class RawStream:
-    """One SSE stream on a plain socket (asyncio's streams keep their own transports in cycles, which
-    would be counted with the edge's)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.data = b""
-
-    @classmethod
-    async def open(cls, port: int, request_id: str, accept: str = "text/event-stream") -> RawStream:
-        """The request sent; an SSE stream's head read (a unary answer's comes with its body)."""
-        loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setblocking(False)
-        await loop.sock_connect(sock, ("127.0.0.1", port))
-        await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n"
-                                      f"Accept: {accept}\r\n\r\n".encode())
-        stream = cls(sock)
-        if accept == "text/event-stream":
-            await stream.read_until(b"\r\n\r\n")
-            assert stream.data.startswith(b"HTTP/1.1 200 "), stream.data
-        return stream
-
-    async def read_until(self, marker: bytes) -> bytes:
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(10):
-            while marker not in self.data:
-                chunk = await loop.sock_recv(self.sock, 65536)
-                assert chunk, self.data
-                self.data += chunk
-        return self.data
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def garbage_by_type() -> collections.Counter[str]:
@@ -108,7 +47,7 @@ def garbage_by_type() -> collections.Counter[str]:
 @pytest.mark.parametrize("jetstream", [False, True], ids=["core", "jetstream"])
 async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_url, client, jetstream):
     extra = {"ensure_results_stream": True} if jetstream else {}
-    server, port = await served_edge(nats_url, **extra)
+    server, port = await served_edge(nats_url, SUBJECTS, **extra)
     try:
         warm = rid("warm")  # the first open's one-off objects (caches, the ring's consumer) apart
         stream = await RawStream.open(port, warm)
@@ -156,7 +95,7 @@ async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_u
         finally:
             gc.enable()
     finally:
-        await stop(server)
+        await stop_served(server)
     # Nothing per stream (here: nothing at all): the edge's objects (feed, inbox, reorder buffer,
     # direct writer, disconnect watch), Uvicorn's (request cycle, flow control) and asyncio's
     # (transport, socket). A one-off (an exception's traceback somewhere) is not what this pins.

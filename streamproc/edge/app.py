@@ -59,7 +59,7 @@ from .auth import AUDIENCE, Capability, Verifier, load_key, presented_token
 from .heap import HeapTrimmer
 from .metrics import EdgeCollector, EdgeMetrics
 from . import pacer
-from .direct import DirectFrames, UvicornBody, WriteBatch, watch_disconnect
+from .direct import Departure, DirectFrames, UvicornBody, WriteBatch, watch_disconnect
 from .experts import MAX_BODIES_BYTES, MAX_BODY_BYTES, MAX_CLIENT_BODIES_BYTES, BodyBudget, build_view
 from .settings import EdgeSettings
 from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource, StreamGone
@@ -205,12 +205,7 @@ class EventStreamResponse(StreamingResponse):
         ~7% of an open and close: docs/benchmarks.md, "SSE lifecycle".)"""
         task = asyncio.current_task()
         assert task is not None
-        left = False
-
-        def gone() -> None:
-            nonlocal left
-            left = True
-            task.cancel()
+        gone = Departure(task)
 
         async def watch() -> None:
             await self.listen_for_disconnect(receive)
@@ -223,8 +218,8 @@ class EventStreamResponse(StreamingResponse):
             with contextlib.suppress(OSError):
                 self.completed = await self.stream_response(send)
         except asyncio.CancelledError:
-            if left:
-                task.uncancel()
+            if gone.left:
+                gone.settle()
             elif stopping is not None and stopping.claims(task):
                 if hook is not None:  # the stop ends it now, aborting a client that does not read
                     hook.callback = None  # (end_for_stop): that disconnect must not cancel the end
@@ -233,6 +228,7 @@ class EventStreamResponse(StreamingResponse):
             else:  # cancelled from outside (the server's own timeout): not ours to swallow
                 raise
         finally:
+            gone.settle()  # a cancel the task never saw is taken back, none comes later
             if watcher is not None:
                 watcher.cancel()
             else:
@@ -715,25 +711,19 @@ class Edge:
         until a garbage collection: tests/test_edge_cycles.py.)"""
         task = asyncio.current_task()
         assert task is not None
-        left = False
-
-        def gone() -> None:
-            nonlocal left
-            left = True
-            task.cancel()
-
+        gone = Departure(task)
         hook = watch_disconnect(request.receive, gone)
         if hook is None:
             return await self.unary_watched(request, feed)
         try:
             return await self.unary(feed)
         except asyncio.CancelledError:
-            if not left:  # the edge stops (Edge.results answers), or the server's own cancel
+            if not gone.left:  # the edge stops (Edge.results answers), or the server's own cancel
                 raise
-            task.uncancel()
             self.metrics.client_disconnects += 1
             return Response(status_code=499)  # nobody is listening
         finally:
+            gone.settle()
             hook.release()
 
     async def unary_watched(self, request: Request, feed: ResultFeed) -> Response:

@@ -34,6 +34,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from ..core.wire import ResultInfo
+from .stopping import RECANCEL_INTERVAL, RECANCEL_ROUNDS
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -85,6 +86,50 @@ class DisconnectWatch(asyncio.Event):
         left for the garbage collector; tests/test_edge_cycles.py)."""
         self.callback = None
         self.cycle = _ENDED
+
+
+class Departure:
+    """Cancels a request's ``task`` when its client leaves (called by a :class:`DisconnectWatch`, or
+    by the watcher task that reads ``receive()``), and again every ``RECANCEL_INTERVAL`` until
+    :meth:`settle`, ``RECANCEL_ROUNDS`` times at most: a cancel can be lost. Python 3.11's
+    ``asyncio.wait_for`` returns the awaited reply and drops a cancel that arrives in the same loop
+    pass, without ``uncancel`` (stopping.py has the same remedy for the stop): the request would
+    then hold its stream slot until its final result or ``--result-timeout``. :meth:`settle` stops
+    it and takes back each cancel it sent (``uncancel``), so that ``cancelling()`` counts only the
+    others' (the stop's)."""
+
+    __slots__ = ("task", "left", "sent", "timer")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.left = False  # the client left
+        self.sent = 0  # cancels sent, not taken back yet
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __call__(self) -> None:
+        if not self.left:
+            self.left = True
+            self._cancel()
+
+    def _cancel(self) -> None:
+        self.timer = None
+        task = self.task
+        if task.done() or self.sent > RECANCEL_ROUNDS:
+            return
+        self.sent += 1
+        task.cancel()
+        self.timer = asyncio.get_running_loop().call_later(RECANCEL_INTERVAL, self._cancel)
+
+    def settle(self) -> None:
+        """The task took the cancel, or ends anyway: no more of them, and none left counted."""
+        timer = self.timer
+        if timer is not None:
+            self.timer = None
+            timer.cancel()
+        task = self.task
+        while self.sent > 0:
+            self.sent -= 1
+            task.uncancel()
 
 
 def watch_disconnect(receive: Callable[..., Any], callback: Callable[[], None]) -> DisconnectWatch | None:
