@@ -47,21 +47,24 @@ async def a_wait_whose_cancel_is_lost(server) -> None:
     await asyncio.sleep(5)  # the final result would come much later
 
 
+async def assert_the_slot_is_freed_when_the_client_leaves(server, port: int, accept: str) -> None:
+    edge = server.config.app.state.edge
+    client = await RawStream.open(port, rid("gone"), accept=accept)
+    await wait_until(lambda: edge.metrics.streams_active == 1, 5, "the request open")
+    await wait_until(lambda: edge.metrics.streams_active == 0, 2, "the slot freed after the client left")
+    assert edge.metrics.client_disconnects == 1
+    client.close()
+
+
 async def test_a_unary_client_that_leaves_frees_its_slot_even_when_a_cancel_is_lost(nats_url):
     server, port = await served_edge(nats_url, SUBJECTS)
     try:
-        edge = server.config.app.state.edge
-
         async def unary(feed) -> Response:
             await a_wait_whose_cancel_is_lost(server)
             return Response(b"{}")
 
-        edge.unary = unary
-        client = await RawStream.open(port, rid("unary"), accept="application/json")
-        await wait_until(lambda: edge.metrics.streams_active == 1, 5, "the request open")
-        await wait_until(lambda: edge.metrics.streams_active == 0, 2, "the slot freed after the client left")
-        assert edge.metrics.client_disconnects == 1
-        client.close()
+        server.config.app.state.edge.unary = unary
+        await assert_the_slot_is_freed_when_the_client_leaves(server, port, "application/json")
     finally:
         await stop_served(server)
 
@@ -80,10 +83,6 @@ async def test_an_sse_client_that_leaves_frees_its_slot_even_when_a_cancel_is_lo
             return stream()
 
         edge.frames = lossy_frames
-        client = await RawStream.open(port, rid("sse"))
-        await wait_until(lambda: edge.metrics.streams_active == 1, 5, "the stream open")
-        await wait_until(lambda: edge.metrics.streams_active == 0, 2, "the slot freed after the client left")
-        assert edge.metrics.client_disconnects == 1
-        client.close()
+        await assert_the_slot_is_freed_when_the_client_leaves(server, port, "text/event-stream")
     finally:
         await stop_served(server)
