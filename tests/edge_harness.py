@@ -1,4 +1,6 @@
-"""Helpers for the edge tests: the edge as a real subprocess, results published straight to NATS.
+"""Helpers for the edge tests: the edge as a real subprocess (or, where a test must inspect what the
+process holds, its app behind its own Uvicorn protocol in the test's process: ``served_edge``),
+results published straight to NATS.
 
 Not a test module (no ``test_`` prefix); the edge test modules import from it. Edge-only tests
 publish results on ``P.results.<id>`` with the headers a processor would set, so every framing

@@ -1,6 +1,6 @@
-"""An SSE stream that ended leaves no reference cycle behind: its objects (the connection's socket and
-transport, Uvicorn's request cycle, the feed, its inbox and reorder buffer) are freed when the stream
-ends, not at the next garbage collection.
+"""An SSE stream or unary request that ended leaves no reference cycle behind: its objects (the
+connection's socket and transport, Uvicorn's request cycle, the feed, its inbox and reorder buffer)
+are freed when it ends, not at the next garbage collection.
 
 The edge raises the GC's gen-0 threshold to 50,000 (cli.collect_rarely): a cycle per stream made
 every ~1,700 streams a collection that walked them all, ~27 ms each in a durable `latency.py` run
