@@ -33,7 +33,7 @@ def source_digest(path: Path) -> str:
 
 def compiled_modules() -> list[str]:
     """The dotted names of the modules this interpreter imports compiled (empty: pure Python)."""
-    recorded = _read_manifest() if MANIFEST.is_file() else {}
+    recorded = _recorded()
     return sorted(set(extension_modules()) & set(recorded))
 
 
@@ -65,7 +65,7 @@ def check() -> None:
     extensions = extension_modules()
     if not extensions:
         return
-    recorded = _read_manifest() if MANIFEST.is_file() else {}
+    recorded = _recorded()
     for module, path in sorted(extensions.items()):
         if module == SHARED_LIBRARY:
             if not recorded:
@@ -83,6 +83,11 @@ def check() -> None:
         if current != digest:
             raise StaleBuild(f"{source.relative_to(PACKAGE.parent)} changed since it was compiled, "
                              f"and the compiled module would run in its place: {REBUILD}")
+
+
+def _recorded() -> dict[str, str]:
+    """The build's record: each compiled module's source digest (empty without a build)."""
+    return _read_manifest() if MANIFEST.is_file() else {}
 
 
 def _read_manifest() -> dict[str, str]:

@@ -43,6 +43,17 @@ async def confirmed(source, client) -> None:
     assert source.msg_get is not None and source.msg_get.confirmed
 
 
+async def stored(source, client, name: str, results: int) -> str:
+    """A new request with ``results`` results stored (seq 0 up) and seen by the ring: its id."""
+    request_id = rid(name)
+    seen = source.metrics.results_seen
+    for seq in range(results):
+        await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
+    await client.flush()
+    await until(lambda: source.metrics.results_seen >= seen + results)
+    return request_id
+
+
 async def test_an_open_with_nothing_stored_is_answered_in_the_read_loop_without_its_reader(
         nats_url, client, monkeypatch):
     async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
@@ -84,11 +95,7 @@ async def test_a_probe_that_finds_stored_results_wakes_its_reader_and_they_come_
         nats_url, client):
     async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
         await confirmed(source, client)
-        request_id = rid("stored")
-        for seq in range(3):
-            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
-        await client.flush()
-        await until(lambda: source.metrics.results_seen >= 4)
+        request_id = await stored(source, client, "stored", 3)
         feed = await source.open(request_id)
         assert feed.replay is not None and feed.replay.asking
         waiting = asyncio.create_task(feed.next(5.0))  # parked before the answer is in
@@ -106,11 +113,7 @@ async def test_a_probe_without_an_answer_makes_that_feed_read_with_its_own_consu
         nats_url, client, monkeypatch):
     async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
         await confirmed(source, client)
-        request_id = rid("silent")
-        for seq in range(2):
-            await publish_result(client, STORED, request_id, seq, b'{"seq":%d}' % seq)
-        await client.flush()
-        await until(lambda: source.metrics.results_seen >= 3)
+        request_id = await stored(source, client, "silent", 2)
         monkeypatch.setattr(source_module, "REPLAY_TIMEOUT", 0.3)
         assert source.probes is not None
         monkeypatch.setattr(source.probes, "prefix", source.nc.new_inbox() + ".")  # answers go nowhere
@@ -150,3 +153,45 @@ async def test_a_connection_closed_while_a_probe_is_out_ends_that_stream_as_lost
         item = await asyncio.wait_for(waiting, 3.0)
         assert isinstance(item, Lost), item
         await feed.close()
+
+
+async def test_forged_answers_flooding_the_probe_inbox_settle_nothing_and_hold_nothing(nats_url, client):
+    """Whoever may publish into the edge's inbox (a worker with a broad permission, a bug) cannot
+    answer an open's probe for it: the reply tokens are 12 random bytes. A flood of "nothing stored"
+    answers (MSG.GET's own 404) and junk under the probes' prefix, kept up while the opens' probes
+    are out, is dropped in the read loop and holds no memory (nothing waits for an unknown token);
+    every open with results stored still reads them all, before the dispatched one."""
+    async with started_source(nats_url, STORED, ensure_results_stream=True) as source:
+        await confirmed(source, client)
+        probes = source.probes
+        assert probes is not None
+        ids = [await stored(source, client, "flooded", 3) for _ in range(10)]
+        not_found = b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":{"code":404,"err_code":10037}}'
+        forged = [(probes.prefix + token, body) for token in ("", "*", "0" * 24, "x" * 300, "a.b")
+                  for body in (not_found, b"\xff\x00junk", b"")]
+        opened = asyncio.Event()
+
+        async def flood() -> None:
+            while not opened.is_set():
+                for subject, body in forged:
+                    await client.publish(subject, body)
+                await asyncio.sleep(0)
+
+        flooding = asyncio.create_task(flood())
+        feeds = []
+        for request_id in ids:
+            feeds.append(await source.open(request_id))
+            await asyncio.sleep(0.002)  # the flood goes on while this one's probe is out
+        opened.set()
+        await flooding
+        for request_id in ids:
+            await publish_result(client, STORED, request_id, 3, b'{"seq":3}', final=True)
+        await client.flush()
+        for feed in feeds:
+            got = [await feed.next(5.0) for _ in range(4)]
+            assert [r.body for r in got if isinstance(r, ResultInfo)] == [b'{"seq":%d}' % seq for seq in range(4)]
+            await feed.close()
+        await until(lambda: probes._waiting == {})
+        other = await source.open(rid("after"))  # the connection and its probes still serve everyone
+        assert await other.next(0.3) is None
+        await other.close()

@@ -193,9 +193,9 @@ class Replay:
         self.asking = False
         outcome: StoredMessage | BaseException | None
         if isinstance(exc, LookupError):
-            outcome = Refused(f"no responders on {self.api_subject}", denied=True)
+            outcome = self._no_responders()
         elif exc is not None:
-            outcome = Refused(f"no answer on {self.api_subject} within {self.timeout:g} s", denied=False)
+            outcome = self._no_answer()
         else:
             try:
                 outcome = self._answer(data or b"")
@@ -335,10 +335,16 @@ class Replay:
             # the error callback reports, ends the wait at once (msg_get.py).
             reply = await (asked if access is None or access.confirmed else access.guard(asked))
         except nats.errors.NoRespondersError:
-            raise Refused(f"no responders on {self.api_subject}", denied=True) from None
+            raise self._no_responders() from None
         except nats.errors.TimeoutError:
-            raise Refused(f"no answer on {self.api_subject} within {self.timeout:g} s", denied=False) from None
+            raise self._no_answer() from None
         return self._answer(reply.data)
+
+    def _no_responders(self) -> Refused:
+        return Refused(f"no responders on {self.api_subject}", denied=True)
+
+    def _no_answer(self) -> Refused:
+        return Refused(f"no answer on {self.api_subject} within {self.timeout:g} s", denied=False)
 
     def _request(self, seq: int) -> bytes:
         return msgspec.json.encode({"seq": seq, "next_by_subj": self.subject})

@@ -536,9 +536,9 @@ class FastClient(RobustClient):
         loop, before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its
         callback; False: the message takes the queue and the callback as usual. The one way this
         client runs a handler in its read loop: core mode's fused passthrough, the durable input's
-        chunks and its PubAcks, the edge's results (also read through an ordered consumer, whose
-        data messages in sequence are handed over from ``_ordered_now``) (``headers`` parsed as for
-        a ``Msg``; ``reply`` "" when none).
+        chunks and its PubAcks, the edge's results (``headers`` parsed as for a ``Msg``; ``reply`` ""
+        when none). An ordered consumer's data messages in sequence are handed over too
+        (``_ordered_now``), under whatever sid nats-py gives it when it remakes the consumer.
 
         Why: the queue, the ``Msg``, the callback's coroutine and ``_wait_for_msgs``' bookkeeping
         cost ~1 µs a message, the largest per-message cost left in the passthrough path after the
