@@ -231,7 +231,9 @@ async def served_edge(nats_url: str, subjects: Subjects, **extra: object):
                                        "host": "127.0.0.1", "port": 0, **extra})
     app = create_app(settings, tracing=None)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
-                            http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1)
+                            http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1,
+                            ssl_certfile=settings.tls_cert_file or None,  # as edge/command.py passes them
+                            ssl_keyfile=settings.tls_key_file or None)
     server = uvicorn.Server(config)
     config.load()
     server.lifespan = config.lifespan_class(config)
@@ -248,22 +250,33 @@ async def stop_served(server: uvicorn.Server) -> None:
 
 class RawStream:
     """One SSE stream on a plain socket (asyncio's streams keep their own transports in cycles, which
-    would be counted with the edge's)."""
+    would be counted with the edge's). With ``tls`` (a client context) the socket is a blocking
+    ``ssl.SSLSocket`` driven from a worker thread, for the same reason."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, tls: bool = False) -> None:
         self.sock = sock
+        self.tls = tls
         self.data = b""
 
     @classmethod
-    async def open(cls, port: int, request_id: str, accept: str = "text/event-stream") -> RawStream:
+    async def open(cls, port: int, request_id: str, accept: str = "text/event-stream",
+                   tls: ssl.SSLContext | None = None) -> RawStream:
         """The request sent; an SSE stream's head read (a unary answer's comes with its body)."""
-        loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setblocking(False)
-        await loop.sock_connect(sock, ("127.0.0.1", port))
-        await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\n"
-                                      f"Accept: {accept}\r\n\r\n".encode())
-        stream = cls(sock)
+        request = f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\nAccept: {accept}\r\n\r\n".encode()
+        if tls is not None:
+            def connect() -> socket.socket:
+                sock = tls.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                       server_hostname="127.0.0.1")
+                sock.sendall(request)
+                return sock
+            stream = cls(await asyncio.to_thread(connect), tls=True)
+        else:
+            loop = asyncio.get_running_loop()
+            sock = socket.socket()
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.sock_sendall(sock, request)
+            stream = cls(sock)
         if accept == "text/event-stream":
             await stream.read_until(b"\r\n\r\n")
             assert stream.data.startswith(b"HTTP/1.1 200 "), stream.data
@@ -273,7 +286,10 @@ class RawStream:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(10):
             while marker not in self.data:
-                chunk = await loop.sock_recv(self.sock, 65536)
+                if self.tls:
+                    chunk = await asyncio.to_thread(self.sock.recv, 65536)
+                else:
+                    chunk = await loop.sock_recv(self.sock, 65536)
                 assert chunk, self.data
                 self.data += chunk
         return self.data

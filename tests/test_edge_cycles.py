@@ -6,7 +6,8 @@ The edge raises the GC's gen-0 threshold to 50,000 (cli.collect_rarely): a cycle
 every ~1,700 streams a collection that walked them all, ~27 ms each in a durable `latency.py` run
 (each a pause of every stream), and kept closed connections' sockets and buffers until then
 (docs/benchmarks.md, "Reference cycles per stream"). A real edge app behind the edge's own Uvicorn
-protocol, in this process so that the collector's findings can be read; real nats-server.
+protocol, in this process so that the collector's findings can be read; real nats-server; plain HTTP
+and HTTPS (``--tls-cert-file``: asyncio's SSL protocol between the socket and Uvicorn).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import ssl
 
 import pytest
 from edge_harness import RawStream, publish_result, served_edge, stop_served
 from helpers import rid, wait_until
+from nats_auth import Certificates
 
 from streamproc.wire import Subjects
 
@@ -44,13 +47,20 @@ def garbage_by_type() -> collections.Counter[str]:
     return found
 
 
-@pytest.mark.parametrize("jetstream", [False, True], ids=["core", "jetstream"])
-async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_url, client, jetstream):
-    extra = {"ensure_results_stream": True} if jetstream else {}
+@pytest.mark.parametrize(("jetstream", "https"), [(False, False), (True, False), (False, True)],
+                         ids=["core", "jetstream", "https"])
+async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_url, client, jetstream, https,
+                                                                          tmp_path):
+    extra: dict[str, object] = {"ensure_results_stream": True} if jetstream else {}
+    tls = None
+    if https:  # --tls-cert-file: asyncio's SSL transport over the socket transport
+        certs = Certificates(tmp_path)
+        extra.update(tls_cert_file=str(certs.server), tls_key_file=str(certs.server_key))
+        tls = ssl.create_default_context(cafile=str(certs.ca))
     server, port = await served_edge(nats_url, SUBJECTS, **extra)
     try:
         warm = rid("warm")  # the first open's one-off objects (caches, the ring's consumer) apart
-        stream = await RawStream.open(port, warm)
+        stream = await RawStream.open(port, warm, tls=tls)
         await publish_result(client, SUBJECTS, warm, 0, b'{"t":"w"}', final=True, acked=jetstream)
         await stream.read_until(b"0\r\n\r\n")
         stream.close()
@@ -60,7 +70,7 @@ async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_u
         try:
             finished = [rid("done") for _ in range(STREAMS)]
             left = [rid("left") for _ in range(STREAMS)]
-            opened = {r: await RawStream.open(port, r) for r in finished + left}
+            opened = {r: await RawStream.open(port, r, tls=tls) for r in finished + left}
             for r in finished:  # ended by their final result, through the fan-out's direct writes first
                 await publish_result(client, SUBJECTS, r, 0, b'{"t":"a"}', acked=jetstream)
                 await publish_result(client, SUBJECTS, r, 1, b'{"t":"b"}', final=True, acked=jetstream)
@@ -76,7 +86,7 @@ async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_u
             for _ in range(STREAMS):  # unary answers (results published after the open: no replay's
                 r = rid("unary")      # consumer, whose nats-py objects are in cycles of their own)
                 opened_before = edge.metrics.streams_opened
-                unary = await RawStream.open(port, r, accept="application/json")
+                unary = await RawStream.open(port, r, accept="application/json", tls=tls)
                 await wait_until(lambda: edge.metrics.streams_active == 1 and edge.metrics.streams_opened > opened_before,
                                  5, "the unary request open")
                 await publish_result(client, SUBJECTS, r, 0, b'{"t":"a"}', acked=jetstream)

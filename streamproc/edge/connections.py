@@ -152,8 +152,13 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.lingering = False  # half-closed: what comes is dropped unparsed until EOF or a bound (linger_close)
             self.lingered = 0  # bytes dropped while lingering
             self.linger_bytes = LINGER_BYTES  # the most it may drop (linger_close)
+            # Under --tls-cert-file, the socket transport below asyncio's SSL protocol (connection_lost)
+            self.socket_transport: asyncio.Transport | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            ssl_protocol = getattr(transport, "_ssl_protocol", None)  # asyncio.sslproto._SSLProtocolTransport
+            if ssl_protocol is not None:
+                self.socket_transport = getattr(ssl_protocol, "_transport", None)
             if len(self.connections) >= limit:
                 self.refuse(transport)
                 return
@@ -321,8 +326,11 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             # asyncio's socket transport keeps a bound method of itself (CPython 3.11-3.13
             # ``_SelectorSocketTransport.set_protocol``: ``_read_ready_cb``), a reference cycle that
             # held each closed connection's transport and socket until a garbage collection
-            # (tests/test_edge_cycles.py). It reads no more once its connection is lost.
-            transport = self.transport
+            # (tests/test_edge_cycles.py). It reads no more once its connection is lost. Under TLS
+            # that transport is below asyncio's SSL protocol, which has let go of it by now: the one
+            # kept at connection_made, let go of here too.
+            transport = self.socket_transport or self.transport
+            self.socket_transport = None
             if transport is not None and getattr(transport, "_read_ready_cb", None) is not None:
                 transport._read_ready_cb = None
             if self.refused:
