@@ -30,6 +30,7 @@ from nats.aio.client import Client as NatsClient
 
 from streamproc.edge import settings as edge_settings
 from streamproc.edge.app import create_app
+from streamproc.edge.command import server_class
 from streamproc.edge.connections import protocol_class
 from streamproc.edge.metrics import EdgeMetrics
 from streamproc.edge.source import ResultSource
@@ -234,7 +235,7 @@ async def served_edge(nats_url: str, subjects: Subjects, **extra: object):
                             http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1,
                             ssl_certfile=settings.tls_cert_file or None,  # as edge/command.py passes them
                             ssl_keyfile=settings.tls_key_file or None)
-    server = uvicorn.Server(config)
+    server = server_class()(config)  # the edge's own (its accept pacing and TLS layer)
     config.load()
     server.lifespan = config.lifespan_class(config)
     await server.startup()

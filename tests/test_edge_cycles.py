@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import socket
 import ssl
 
 import pytest
@@ -111,3 +112,41 @@ async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_u
     # (transport, socket). A one-off (an exception's traceback somewhere) is not what this pins.
     per_stream = {name: n for name, n in found.items() if n >= STREAMS}
     assert per_stream == {}, f"left in reference cycles by {3 * STREAMS} ended requests: {dict(found.most_common(20))}"
+
+
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
+async def test_connections_refused_or_timed_out_before_a_request_leave_nothing_either(nats_url, https, tmp_path):
+    """A flood's connections: past ``--max-connections`` (refused: 503 over HTTP, closed at once over
+    HTTPS), or admitted and closed at ``--head-timeout`` without a request head (over HTTPS: without
+    a finished handshake). Uvicorn's protocol was made for each but, refused or never handshaken,
+    not told of its loss, so it kept its parser (which holds it) and, over HTTPS, its TLS layer."""
+    extra: dict[str, object] = {}
+    if https:
+        certs = Certificates(tmp_path)
+        extra.update(tls_cert_file=str(certs.server), tls_key_file=str(certs.server_key))
+    server, port = await served_edge(nats_url, SUBJECTS, max_connections=STREAMS, head_timeout=0.5, **extra)
+    loop = asyncio.get_running_loop()
+    try:
+        gc.collect()
+        gc.disable()
+        try:
+            socks = []
+            for _ in range(10 * STREAMS):
+                sock = socket.socket()
+                sock.setblocking(False)
+                await loop.sock_connect(sock, ("127.0.0.1", port))
+                socks.append(sock)
+            metrics = server.config.app.state.edge.metrics
+            await wait_until(lambda: metrics.connections_refused >= 9 * STREAMS, 5, "the connections past the limit refused")
+            await asyncio.sleep(1.5)  # the admitted ones' deadline (0.5 s, swept every 0.125 s)
+            for sock in socks:
+                sock.close()
+            await asyncio.sleep(0.3)
+            del socks, sock
+            found = garbage_by_type()
+        finally:
+            gc.enable()
+    finally:
+        await stop_served(server)
+    per_connection = {name: n for name, n in found.items() if n >= STREAMS}
+    assert per_connection == {}, f"left in reference cycles by {10 * STREAMS} connections: {dict(found.most_common(20))}"

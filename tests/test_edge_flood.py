@@ -23,8 +23,9 @@ import time
 
 import anyio
 import pytest
-from edge_harness import publish_result, running_edge
+from edge_harness import http_status, publish_result, running_edge
 from helpers import connection, rid, status_kib, tcp_sockets, wait_until
+from nats_auth import Certificates
 
 from streamproc.client.capability import mint_capability
 from streamproc.edge.connections import (DISCARD_BYTES, LINGER_TIME, REFUSED_LINGER, REFUSED_LINGERING,
@@ -814,3 +815,68 @@ def test_a_refused_upload_trickled_on_is_cut_off_at_the_deadline_plus_the_linger
     assert cut is not None and LINGER_TIME * 0.9 <= cut - fin < LINGER_TIME + 1.0, (fin, cut)
     assert set(probes) == {200}, probes
     assert after["streamproc_edge_bodies_timed_out_total"] - before["streamproc_edge_bodies_timed_out_total"] >= 1
+
+
+TLS_FLOOD = 1500  # TCP connections to an HTTPS edge that never send a byte of their handshake
+TLS_LIMIT = 32  # --max-connections under test
+TLS_HEAD_TIMEOUT = 1.0  # --head-timeout under test: also the handshake's deadline
+TLS_HWM_GROWTH = 40 * 1024  # KiB of VmHWM over the RSS before (2,000 such connections took 620 MiB before)
+
+
+async def test_https_connections_that_never_handshake_are_bounded_as_plain_ones_and_streams_go_on(server, tmp_path):
+    """Over ``--tls-cert-file`` asyncio's TLS layer took each connection from its accept, before
+    Uvicorn's protocol (which counts ``--max-connections`` and starts ``--head-timeout``) heard of
+    it: a handshake never begun was held for asyncio's 60 s handshake timeout, uncounted, with a
+    256 KiB buffer each (2,000 idle connects raised an edge's RSS from 64 to 686 MB for a minute).
+    Now a handshake counts against the limit (past it the connection is closed at once), must end
+    within the head timeout, and its buffer is 32 KiB; an HTTPS stream opened before the flood gets
+    its results through it, and a new HTTPS client is served after."""
+    certs = Certificates(tmp_path)
+    with running_edge(server.url, "--prefix", SUBJECTS.prefix, "--tls-cert-file", str(certs.server),
+                      "--tls-key-file", str(certs.server_key), "--max-connections", str(TLS_LIMIT),
+                      "--head-timeout", str(TLS_HEAD_TIMEOUT), ca_file=str(certs.ca)) as edge:
+        pid = edge.proc.pid
+        async with connection(server.url) as nc:
+            legit = rid("legit")
+            reader, writer = await asyncio.open_connection("127.0.0.1", edge.port, ssl=edge.ssl,
+                                                           server_hostname="127.0.0.1")
+            try:
+                writer.write(request(legit, ""))
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                baseline_fds, baseline_rss = descriptors(pid), reset_peak(pid)
+                socks = await anyio.to_thread.run_sync(
+                    lambda: [socket.create_connection(("127.0.0.1", edge.port), timeout=30) for _ in range(TLS_FLOOD)])
+                await wait_until(lambda: accept_queue(edge.port) == 0, 30, "the edge accepted every connection")
+                held_fds = descriptors(pid)
+                # The stream opened before goes on through the flood
+                await publish_result(nc, SUBJECTS, legit, 0, b'{"t":"during"}', final=True)
+                with anyio.fail_after(10):
+                    body = b""
+                    while b"[DONE]" not in body:
+                        chunk = await reader.read(65536)
+                        assert chunk, body
+                        body += chunk
+                assert b'{"t":"during"}' in body, body
+            finally:
+                writer.close()
+            # Past the limit closed at once, the admitted ones at their handshake's deadline: none left
+            closed_by = time.monotonic() + TLS_HEAD_TIMEOUT + 5
+            while True:
+                open_ones = [sock for sock in socks if not poll(sock)[1]]
+                if not open_ones or time.monotonic() > closed_by:
+                    break
+                await anyio.sleep(0.2)
+            assert open_ones == [], f"{len(open_ones)} of {TLS_FLOOD} never-handshaking connections still open"
+            hwm = status_kib(pid, "VmHWM")
+            assert http_status(f"{edge.url}/healthz", edge.ssl) == 200  # a new HTTPS client is served
+            after = edge.metrics()
+            for sock in socks:
+                sock.close()
+        print(f"edge fds {baseline_fds} -> {held_fds} during the flood; VmRSS before {baseline_rss} kB, "
+              f"VmHWM {hwm} kB; refused {after['streamproc_edge_connections_refused_total']:.0f}, "
+              f"handshakes unfinished {after['streamproc_edge_tls_handshakes_unfinished_total']:.0f}")
+        assert held_fds <= baseline_fds + TLS_LIMIT, (baseline_fds, held_fds)
+        assert after["streamproc_edge_connections_refused_total"] >= TLS_FLOOD - TLS_LIMIT
+        assert after["streamproc_edge_tls_handshakes_unfinished_total"] >= 1
+        assert hwm - baseline_rss < TLS_HWM_GROWTH, (baseline_rss, hwm)

@@ -56,6 +56,10 @@ def server_class(on_stop: Callable[[], None] | None = None):
 
         async def startup(self, sockets=None) -> None:
             self.config.backlog = ACCEPTS_PER_PASS  # accept()s per loop pass; the listen queue: relisten
+            context = self.config.ssl
+            if context is not None:  # Uvicorn built it (ssl_certfile); the TLS layer is the edge's own, bounded
+                self.config.ssl = None  # (connections.py, "TLS"): the server listens on plain TCP
+                self.config.http_protocol_class = self.config.http_protocol_class.over_tls(context)
             await super().startup(sockets)
             relisten(self.servers)  # (connections.py)
 

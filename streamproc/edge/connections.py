@@ -60,6 +60,21 @@ discard cap), and closes at the client's EOF or at either bound (``abort``). A c
 its body within them reads its answer; one that trickles on is cut off at the bound. A lingering
 connection keeps its ``--max-connections`` slot, so their number is bounded by it. Over TLS (no
 half-close) the connection is closed at once, as before.
+
+TLS (``--tls-cert-file``): with ``create_server(ssl=...)`` asyncio puts its TLS layer
+(``asyncio.sslproto.SSLProtocol``, read against CPython 3.11) under each connection at its accept,
+and tells Uvicorn's protocol only once the handshake is done. So a connection that never finished
+its handshake was not counted against ``--max-connections`` and had no ``--head-timeout``: asyncio
+held it for its own 60 s handshake timeout (``SSL_HANDSHAKE_TIMEOUT``), with the layer's 256 KiB
+receive buffer, allocated and zeroed at the accept (2,000 idle connects raised an edge's RSS from
+64 to 686 MB for a minute). The edge's server therefore listens on plain TCP and makes the layer
+itself (:class:`BoundedTLS`, ``BoundedProtocol.over_tls``): a connection in its handshake counts
+against ``--max-connections``, one accepted past it is closed at once (a ``503`` would need the
+handshake first; ``connections_refused``), the handshake and a closing connection's TLS shutdown
+must end within ``--head-timeout`` (``tls_handshakes_unfinished`` counts the ones that did not),
+and the receive buffer is :data:`TLS_READ_BYTES`. A connection refused, or never handshaken, is
+never told of its loss by Uvicorn, so its parser and TLS layer are let go of here (otherwise a
+reference cycle each, kept until a garbage collection).
 """
 
 from __future__ import annotations
@@ -67,7 +82,8 @@ from __future__ import annotations
 import asyncio
 import resource
 import socket
-from typing import TYPE_CHECKING, Any
+import ssl
+from typing import TYPE_CHECKING, Any, Callable
 
 from .app import CLOSE_AFTER_RESPONSE, error_response
 from .experts import MAX_BODY_BYTES
@@ -97,6 +113,11 @@ UPLOAD_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
 # most. Dropping costs the kernel's copy only (no parsing): 32 MiB is ~0.03 s of loopback.
 LINGER_TIME = 2.0
 LINGER_BYTES = 4 << 20
+# asyncio's SSLProtocol allocates (and zeroes) a receive buffer of its ``max_size``, 256 KiB, for
+# every connection from its accept: 2,000 idle connects to an HTTPS edge took 620 MB. A request head
+# is at most --max-head-bytes and a TLS record 16 KiB of plaintext; larger reads only save loop passes
+# on bulk uploads, which the edge does not take.
+TLS_READ_BYTES = 32 * 1024
 DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, refused connections lingering
 
 
@@ -109,6 +130,8 @@ def answer(status: int, reason: str, message: str, kind: str) -> bytes:
 
 def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
     """Uvicorn's httptools protocol with the bounds of ``settings``, counted in ``metrics``."""
+    from asyncio.sslproto import SSLProtocol
+
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     limit = settings.max_connections
@@ -152,13 +175,12 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.lingering = False  # half-closed: what comes is dropped unparsed until EOF or a bound (linger_close)
             self.lingered = 0  # bytes dropped while lingering
             self.linger_bytes = LINGER_BYTES  # the most it may drop (linger_close)
-            # Under --tls-cert-file, the socket transport below asyncio's SSL protocol (connection_lost)
-            self.socket_transport: asyncio.Transport | None = None
+            self.tls: Any = None  # its BoundedTLS layer under --tls-cert-file
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            ssl_protocol = getattr(transport, "_ssl_protocol", None)  # asyncio.sslproto._SSLProtocolTransport
-            if ssl_protocol is not None:
-                self.socket_transport = getattr(ssl_protocol, "_transport", None)
+            tls = self.tls
+            if tls is not None:  # its handshake is done: counted as open from here on
+                tls.handshaken()
             if len(self.connections) >= limit:
                 self.refuse(transport)
                 return
@@ -323,20 +345,12 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 self.await_head()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            # asyncio's socket transport keeps a bound method of itself (CPython 3.11-3.13
-            # ``_SelectorSocketTransport.set_protocol``: ``_read_ready_cb``), a reference cycle that
-            # held each closed connection's transport and socket until a garbage collection
-            # (tests/test_edge_cycles.py). It reads no more once its connection is lost. Under TLS
-            # that transport is below asyncio's SSL protocol, which has let go of it by now: the one
-            # kept at connection_made, let go of here too.
-            transport = self.socket_transport or self.transport
-            self.socket_transport = None
-            if transport is not None and getattr(transport, "_read_ready_cb", None) is not None:
-                transport._read_ready_cb = None
+            forget_read_callback(self.transport)  # (under TLS that transport is BoundedTLS's: cleared there)
             if self.refused:
                 if self.linger is not None:
                     self.linger.cancel()
                     lingering[0] -= 1
+                self.parser = None  # it holds the protocol (a cycle); Uvicorn's connection_lost drops it
                 return
             if self.linger is not None:  # lingering_close's bound
                 self.linger.cancel()
@@ -344,7 +358,97 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             super().connection_lost(exc)
             metrics.connections_open = len(self.connections)
 
+        @classmethod
+        def over_tls(cls, context: ssl.SSLContext) -> Callable[..., asyncio.BaseProtocol]:
+            """Uvicorn's protocol factory for HTTPS: each connection a :class:`BoundedProtocol`
+            under its own :class:`BoundedTLS` (the server itself then listens without ``ssl``)."""
+            connections = None
+
+            def make(**kwargs: Any) -> asyncio.BaseProtocol:
+                nonlocal connections
+                if connections is not None and len(connections) + handshaking[0] >= limit:
+                    return Refused()  # before Uvicorn's protocol and the TLS layer are made
+                http = cls(**kwargs)
+                connections = http.connections  # Uvicorn's open connections (handshaken), one set per server
+                http.tls = BoundedTLS(http, context)
+                return http.tls
+            return make
+
+    handshaking = [0]  # TLS connections accepted whose handshake has not ended
+
+    class BoundedTLS(SSLProtocol):
+        """asyncio's TLS layer (``asyncio.sslproto.SSLProtocol``, what ``create_server(ssl=...)``
+        puts under each connection) with the plain connections' bounds (module docstring, "TLS"):
+        a handshake counts against ``--max-connections`` and must end within ``--head-timeout``, a
+        closing connection's TLS shutdown too; reads of at most :data:`TLS_READ_BYTES`."""
+
+        max_size = TLS_READ_BYTES  # SSLProtocol: its receive buffer (allocated and zeroed per connection) and read size
+
+        def __init__(self, http: BoundedProtocol, context: ssl.SSLContext) -> None:
+            super().__init__(http.loop, http, context, None, server_side=True,
+                             ssl_handshake_timeout=head_timeout, ssl_shutdown_timeout=head_timeout)
+            self.http: BoundedProtocol | None = http
+            self.connections = http.connections  # Uvicorn's open connections (handshaken)
+            self.socket_transport: asyncio.Transport | None = None
+            self.handshaking = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self.socket_transport = transport
+            if len(self.connections) + handshaking[0] >= limit:  # others were accepted in the same pass
+                metrics.connections_refused += 1
+                transport.abort()
+                return
+            handshaking[0] += 1
+            self.handshaking = True
+            super().connection_made(transport)
+
+        def handshaken(self) -> None:
+            """The handshake ended: with the HTTP protocol's ``connection_made``, or with the
+            connection (failed, timed out, or the client left)."""
+            if self.handshaking:
+                self.handshaking = False
+                handshaking[0] -= 1
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            http, self.http = self.http, None
+            if http is not None:
+                http.tls = None
+            if self.handshaking:
+                metrics.tls_handshakes_unfinished += 1
+                self.handshaken()
+                if http is not None:  # never made (so never lost): its parser holds it, as Uvicorn's lost one drops
+                    http.parser = None
+            transport, self.socket_transport = self.socket_transport, None
+            forget_read_callback(transport)
+            # Also for a refused one (never started: its HTTP protocol is not told): SSLProtocol lets go of
+            # its app transport and protocol here, two reference cycles (each with its buffer) otherwise
+            super().connection_lost(exc)
+
+    class Refused(asyncio.Protocol):
+        """An HTTPS connection accepted while --max-connections are open or handshaking: closed at
+        once (a 503 would need its handshake first), so a flood of connections costs no more."""
+
+        transport: asyncio.BaseTransport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            metrics.connections_refused += 1
+            self.transport = transport
+            transport.abort()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            transport, self.transport = self.transport, None
+            forget_read_callback(transport)
+
     return BoundedProtocol
+
+
+def forget_read_callback(transport: asyncio.BaseTransport | None) -> None:
+    """Break the reference cycle of a lost connection's asyncio socket transport: CPython 3.11-3.13
+    ``_SelectorSocketTransport.set_protocol`` keeps a bound method of the transport itself
+    (``_read_ready_cb``), which held each closed connection's transport and socket until a garbage
+    collection (tests/test_edge_cycles.py). It reads no more once its connection is lost."""
+    if transport is not None and getattr(transport, "_read_ready_cb", None) is not None:
+        transport._read_ready_cb = None  # type: ignore[attr-defined]
 
 
 def raise_descriptor_limit(connections: int) -> str | None:

@@ -29,6 +29,7 @@ class EdgeMetrics(msgspec.Struct):
     connections_refused: int = 0
     connections_open: int = 0
     head_timeouts: int = 0
+    tls_handshakes_unfinished: int = 0
     heads_too_large: int = 0
     bodies_timed_out: int = 0
     bodies_too_large: int = 0
@@ -87,9 +88,12 @@ _HELP: dict[str, tuple[str, str]] = {
     "streams_rejected": ("counter", "requests refused with 503 because --max-streams streams were open"),
     "streams_rejected_client": ("counter", "requests refused with 429 because their client had "
                                            "--max-streams-per-client streams open"),
-    "connections_refused": ("counter", "connections answered 503 unread because --max-connections were open"),
+    "connections_refused": ("counter", "connections answered 503 unread because --max-connections were open "
+                                       "(over TLS: closed before their handshake, which counts against the limit)"),
     "connections_open": ("gauge", "HTTP connections open now (refused ones apart)"),
     "head_timeouts": ("counter", "connections closed (408, unless a response was in progress) with no complete request head within --head-timeout"),
+    "tls_handshakes_unfinished": ("counter", "HTTPS connections that ended before their TLS handshake did (failed, "
+                                             "left, or not done within --head-timeout)"),
     "heads_too_large": ("counter", "connections closed (431, unless a response was in progress) for a request head over --max-head-bytes"),
     "bodies_timed_out": ("counter", "connections closed because the body of a request answered before it was "
                                     "read (401, 404, /healthz ...) did not end within --head-timeout of the answer"),
