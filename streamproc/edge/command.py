@@ -54,19 +54,34 @@ def server_class(on_stop: Callable[[], None] | None = None):
         the stop begins, before Uvicorn waits for the open responses (``Edge.stop_streams``: they
         end themselves instead of being cancelled after ``timeout_graceful_shutdown``)."""
 
+        tls = None  # the SSLContext of --tls-cert-file (startup)
+        http = None  # the edge's protocol class under its TLS layer (startup)
+
         async def startup(self, sockets=None) -> None:
             self.config.backlog = ACCEPTS_PER_PASS  # accept()s per loop pass; the listen queue: relisten
             context = self.config.ssl
             if context is not None:  # Uvicorn built it (ssl_certfile); the TLS layer is the edge's own, bounded
                 self.config.ssl = None  # (connections.py, "TLS"): the server listens on plain TCP
-                self.config.http_protocol_class = self.config.http_protocol_class.over_tls(context)
+                self.tls = context
+                self.http = self.config.http_protocol_class
+                self.config.http_protocol_class = self.http.over_tls(context)
             await super().startup(sockets)
             relisten(self.servers)  # (connections.py)
+
+        def _log_started_message(self, listeners) -> None:
+            # Uvicorn's "running on http(s)://" line reads config.ssl, which startup took over
+            context, self.config.ssl = self.config.ssl, self.tls
+            try:
+                super()._log_started_message(listeners)
+            finally:
+                self.config.ssl = context
 
         async def shutdown(self, sockets=None) -> None:
             if on_stop is not None:
                 on_stop()
             await stop_accepting(self.servers)
+            if self.http is not None:
+                self.http.end_handshakes()  # connections in their TLS handshake, which Uvicorn does not know of
             await super().shutdown(sockets)
 
         @contextlib.contextmanager

@@ -70,11 +70,16 @@ receive buffer, allocated and zeroed at the accept (2,000 idle connects raised a
 64 to 686 MB for a minute). The edge's server therefore listens on plain TCP and makes the layer
 itself (:class:`BoundedTLS`, ``BoundedProtocol.over_tls``): a connection in its handshake counts
 against ``--max-connections``, one accepted past it is closed at once (a ``503`` would need the
-handshake first; ``connections_refused``), the handshake and a closing connection's TLS shutdown
-must end within ``--head-timeout`` (``tls_handshakes_unfinished`` counts the ones that did not),
-and the receive buffer is :data:`TLS_READ_BYTES`. A connection refused, or never handshaken, is
-never told of its loss by Uvicorn, so its parser and TLS layer are let go of here (otherwise a
-reference cycle each, kept until a garbage collection).
+handshake first; ``connections_refused``), the handshake must end within ``--head-timeout``
+(``tls_handshakes_unfinished`` counts the ones that did not), and the receive buffer is
+:data:`TLS_READ_BYTES`. A closing connection's TLS shutdown (asyncio sends what is left, then
+waits for the client's ``close_notify``) is force-closed, dropping what is still unsent, after
+``--write-timeout`` in which the client took nothing, as a plain connection's blocked write; asyncio
+force-closed at 30 s whatever was left, so a slow client lost the end of a long stream. At the stop
+the connections still in their handshake, which Uvicorn does not know of, are ended
+(``end_handshakes``). A connection refused, or never handshaken, is never told of its loss by
+Uvicorn, so its parser and TLS layer are let go of here (otherwise a reference cycle each, kept
+until a garbage collection).
 """
 
 from __future__ import annotations
@@ -136,6 +141,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
 
     limit = settings.max_connections
     head_timeout = settings.head_timeout
+    write_timeout = settings.write_timeout
     max_head_bytes = settings.max_head_bytes
     refusal = answer(503, "Service Unavailable",
                      f"too many open connections (limit {limit}, --max-connections); retry later", "overloaded")
@@ -366,7 +372,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
 
             def make(**kwargs: Any) -> asyncio.BaseProtocol:
                 nonlocal connections
-                if connections is not None and len(connections) + handshaking[0] >= limit:
+                if connections is not None and len(connections) + len(handshaking) >= limit:
                     return Refused()  # before Uvicorn's protocol and the TLS layer are made
                 http = cls(**kwargs)
                 connections = http.connections  # Uvicorn's open connections (handshaken), one set per server
@@ -374,50 +380,82 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 return http.tls
             return make
 
-    handshaking = [0]  # TLS connections accepted whose handshake has not ended
+        @staticmethod
+        def end_handshakes() -> None:
+            """At the stop: end the connections still in their TLS handshake, which Uvicorn does
+            not know of (nothing else would close them before the loop does, with a warning each)."""
+            for tls in list(handshaking):
+                if tls.socket_transport is not None:
+                    tls.socket_transport.abort()
+
+    handshaking: set[BoundedTLS] = set()  # TLS connections accepted whose handshake has not ended
 
     class BoundedTLS(SSLProtocol):
         """asyncio's TLS layer (``asyncio.sslproto.SSLProtocol``, what ``create_server(ssl=...)``
         puts under each connection) with the plain connections' bounds (module docstring, "TLS"):
-        a handshake counts against ``--max-connections`` and must end within ``--head-timeout``, a
-        closing connection's TLS shutdown too; reads of at most :data:`TLS_READ_BYTES`."""
+        a handshake counts against ``--max-connections`` and must end within ``--head-timeout``;
+        a closing connection's TLS shutdown ends after ``--write-timeout`` without progress;
+        reads of at most :data:`TLS_READ_BYTES`."""
 
         max_size = TLS_READ_BYTES  # SSLProtocol: its receive buffer (allocated and zeroed per connection) and read size
 
         def __init__(self, http: BoundedProtocol, context: ssl.SSLContext) -> None:
             super().__init__(http.loop, http, context, None, server_side=True,
-                             ssl_handshake_timeout=head_timeout, ssl_shutdown_timeout=head_timeout)
+                             ssl_handshake_timeout=head_timeout, ssl_shutdown_timeout=write_timeout)
             self.http: BoundedProtocol | None = http
             self.connections = http.connections  # Uvicorn's open connections (handshaken)
             self.socket_transport: asyncio.Transport | None = None
-            self.handshaking = False
+            self.told = False  # the HTTP protocol was made (so Uvicorn tells it of the loss)
+            self.unsent = -1  # bytes still to send when the shutdown began, then at its last timeout check
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self.socket_transport = transport
-            if len(self.connections) + handshaking[0] >= limit:  # others were accepted in the same pass
+            if len(self.connections) + len(handshaking) >= limit:  # others were accepted in the same pass
                 metrics.connections_refused += 1
                 transport.abort()
                 return
-            handshaking[0] += 1
-            self.handshaking = True
+            handshaking.add(self)
             super().connection_made(transport)
 
         def handshaken(self) -> None:
-            """The handshake ended: with the HTTP protocol's ``connection_made``, or with the
-            connection (failed, timed out, or the client left)."""
-            if self.handshaking:
-                self.handshaking = False
-                handshaking[0] -= 1
+            """The handshake is done: the HTTP protocol's ``connection_made``."""
+            self.told = True
+            handshaking.discard(self)
+
+        def _check_shutdown_timeout(self) -> None:
+            # SSLProtocol's (CPython 3.11-3.13), at ssl_shutdown_timeout after the app closed the
+            # connection: it force-closes, dropping what is still unsent. A slow reader still
+            # taking a response's end (a stream ended with Connection: close, or the 408 of the
+            # next head's deadline on a keep-alive one) gets another --write-timeout while it
+            # takes some, as a write to a plain connection waits for it (a reviewer's finding:
+            # tied to --head-timeout, the end of an HTTPS stream was cut, ~0.4 of 7 MB).
+            unsent = self.unsent_bytes()
+            if 0 < unsent < self.unsent:
+                self.unsent = unsent
+                self._shutdown_timeout_handle = self._loop.call_later(write_timeout, self._check_shutdown_timeout)
+                return
+            super()._check_shutdown_timeout()
+
+        def _start_shutdown(self) -> None:
+            # SSLProtocol's, when the app closes the connection: what is left to send then
+            self.unsent = self.unsent_bytes()
+            super()._start_shutdown()
+
+        def unsent_bytes(self) -> int:
+            transport = self.socket_transport
+            if transport is None or transport.is_closing():
+                return 0
+            return transport.get_write_buffer_size() + self._outgoing.pending
 
         def connection_lost(self, exc: Exception | None) -> None:
             http, self.http = self.http, None
+            if self in handshaking:
+                metrics.tls_handshakes_unfinished += 1
+                handshaking.discard(self)
             if http is not None:
                 http.tls = None
-            if self.handshaking:
-                metrics.tls_handshakes_unfinished += 1
-                self.handshaken()
-                if http is not None:  # never made (so never lost): its parser holds it, as Uvicorn's lost one drops
-                    http.parser = None
+                if not self.told:  # refused or never handshaken: Uvicorn's connection_lost, which drops
+                    http.parser = None  # the parser (it holds the protocol: a cycle), never comes
             transport, self.socket_transport = self.socket_transport, None
             forget_read_callback(transport)
             # Also for a refused one (never started: its HTTP protocol is not told): SSLProtocol lets go of
