@@ -13,6 +13,7 @@ from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
 from streamproc.core.defaults import DUPLICATE_WINDOW, RESULTS_MAX_AGE
+from streamproc.nats import fast_client
 from streamproc.nats.streams import RESULTS_STREAM
 from streamproc.wire import Subjects
 
@@ -214,3 +215,49 @@ async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_
     assert metrics["streamproc_edge_streams_overrun_total"] == 0
     assert metrics["streamproc_edge_streams_behind_total"] >= 1  # it did fall behind
     assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("stock", [False, True], ids=["fast-path", "stock-nats-py"])
+async def test_messages_forged_into_the_results_rings_inbox_are_dropped_and_the_edge_reads_on(nats_url, stock):
+    """The edge reads a results stream through one ordered consumer, pushed to an inbox. nats-py 2.16
+    reads the reply subject of every message there as a ``$JS.ACK`` subject; one message with any
+    other reply (a client that may publish to inboxes, as request-reply responders may) raised out of
+    its read loop, which then stopped reading: the edge stayed "connected" and served nothing more, to
+    any stream, without an error (nats/robust.py, the seventh). Now such messages are dropped, logged
+    rate-limited, and the streams go on, on the fast path and on nats-py's own."""
+    prefix = Subjects("forged")
+    env = {fast_client.STOCK_CLIENT_ENV: "1"} if stock else None
+    async with connection(nats_url) as nc:
+        with running_edge(nats_url, "--prefix", prefix.prefix, "--ensure-results-stream", env=env) as edge:
+            js = nc.jetstream()
+            stream = RESULTS_STREAM
+            await wait_until(lambda: edge.metrics()["streamproc_edge_nats_connected"] == 1, 10, "the edge connected")
+            consumers: list = []
+
+            async def ring_found() -> bool:
+                consumers[:] = [c for c in await js.consumers_info(stream) if c.config.deliver_subject]
+                return bool(consumers)
+
+            with anyio.fail_after(10):
+                while not await ring_found():
+                    await anyio.sleep(0.1)
+            inbox = consumers[0].config.deliver_subject
+            for k in range(FLOOD):
+                await nc.publish(inbox, b'{"forged":%d}' % k, reply="_INBOX.not.a.jetstream.ack")
+            await nc.flush()
+            legit = rid("legit")
+            bodies = [b'{"text":"%d"}' % k for k in range(3)]
+            async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+                async with anyio.create_task_group() as tg:
+                    async def publish_later() -> None:
+                        await anyio.sleep(0.5)
+                        await publish_results(nc, prefix, legit, bodies)
+
+                    tg.start_soon(publish_later)
+                    with anyio.fail_after(15):
+                        response = await client.get(f"/v1/results/{legit}")
+                assert response.status_code == 200 and response.content == expected_sse(bodies), response.text[-500:]
+            log = edge.log()
+    dropped = log.count("event=foreign_message_dropped")
+    assert 1 <= dropped <= BURST, dropped  # the first ones, then one count of the rest per interval
+    assert "Traceback" not in log and "encountered error" not in log, log[-2000:]

@@ -41,6 +41,16 @@ connection's publish then finds no subscription (seen under load in tests/test_i
 and tests/test_fast_client.py: the first two messages after ``subscribe(); flush()`` lost).
 :meth:`RobustClient._send_ping` writes ``_pending`` first, so a PONG means "everything before it
 arrived".
+
+A seventh needs only publish permission on a JetStream ordered consumer's delivery subject (an
+inbox): nats-py 2.16 ``Client._process_msg`` reads the reply subject of every message there that is
+not a control message as a ``$JS.ACK`` subject (its "checkOrderedMsgs": ``Msg.Metadata.
+_get_metadata_fields``, then ``int()`` of two tokens). Any other reply raises ``NotJSMessageError``
+(or ``ValueError``), which ends the read loop: the connection stays "connected", reads nothing
+more, reports nothing, until its pings go unanswered. For the edge that is every stream (its
+results ring is an ordered consumer). :meth:`RobustClient._process_msg` drops such a message instead
+(nats-server refuses a client's publish with a ``$JS.ACK`` reply, so a message from JetStream is
+never one of them), counts it in :attr:`RobustClient.foreign_messages` and logs it, rate-limited.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from nats.aio.client import Client
 from nats.protocol import parser as _parser
 
 from ..core.wire import UNREADABLE_HEADERS
-from ..logs import log_event
+from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.nats")
 
@@ -94,6 +104,23 @@ class RobustClient(Client):
     def __init__(self) -> None:
         install_parser_fix()
         super().__init__()
+        self.foreign_messages = 0  # dropped from an ordered consumer's inbox: not from JetStream (module doc)
+        self._foreign_log = LogLimiter(log)
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        try:
+            await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
+        except (errors.NotJSMessageError, ValueError) as exc:  # only the ordered-consumer check raises these
+            sub = self._subs.get(sid)
+            jsi = getattr(sub, "_jsi", None)
+            if jsi is None or not jsi._ordered:
+                raise
+            self.foreign_messages += 1
+            self._foreign_log.log(logging.WARNING, "foreign_message_dropped",
+                                  subject=subject.decode("utf-8", "replace")[:200],
+                                  reply=reply.decode("utf-8", "replace")[:200], error=error_text(exc),
+                                  problem="a message on a JetStream ordered consumer's inbox with a reply "
+                                          "that is not a $JS.ACK subject: not from JetStream")
 
     def _build_message(self, sid: int, subject: bytes, reply: bytes, data: bytes,
                        headers: dict[str, str] | None) -> Any:
