@@ -217,33 +217,59 @@ async def test_a_client_reading_live_results_slowly_gets_all_of_them_within_its_
     assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
 
 
+# Messages no JetStream server sends, into the ring's inbox: (payload, headers, reply). nats-py 2.16
+# reads a non-control message's reply as a $JS.ACK subject, a heartbeat's Nats-Last-Consumer as a
+# number, and publishes an empty flow-control reply to a FlowControl request's reply and to a
+# heartbeat's Nats-Consumer-Stalled value.
+FORGED = {
+    "non-ack reply": (b'{"forged":1}', None, "_INBOX.not.a.jetstream.ack"),
+    "heartbeat, bad last consumer": (b"", {"Status": "100", "Description": "Idle Heartbeat",
+                                           "Nats-Last-Consumer": "abc"}, None),
+    "heartbeat, stalled at no subject": (b"", {"Status": "100", "Description": "Idle Heartbeat",
+                                               "Nats-Consumer-Stalled": "not a subject"}, None),
+    "heartbeat, stalled at a subject": (b"", {"Status": "100", "Description": "Idle Heartbeat",
+                                              "Nats-Consumer-Stalled": "forged.reflected.stalled"}, None),
+    "flow control to a subject": (b"", {"Status": "100", "Description": "FlowControl Request"},
+                                  "forged.reflected.fc"),
+}
+
+
 @pytest.mark.parametrize("stock", [False, True], ids=["fast-path", "stock-nats-py"])
 async def test_messages_forged_into_the_results_rings_inbox_are_dropped_and_the_edge_reads_on(nats_url, stock):
-    """The edge reads a results stream through one ordered consumer, pushed to an inbox. nats-py 2.16
-    reads the reply subject of every message there as a ``$JS.ACK`` subject; one message with any
-    other reply (a client that may publish to inboxes, as request-reply responders may) raised out of
-    its read loop, which then stopped reading: the edge stayed "connected" and served nothing more, to
-    any stream, without an error (nats/robust.py, the seventh). Now such messages are dropped, logged
-    rate-limited, and the streams go on, on the fast path and on nats-py's own."""
+    """The edge reads a results stream through one ordered consumer, pushed to an inbox. Of the
+    FORGED messages (a client that may publish to inboxes, as request-reply responders may), the
+    first three raised out of nats-py's read loop, which then stopped reading: the edge stayed
+    "connected" and served nothing more, to any stream, without an error; the last two made the
+    edge publish to a subject of the sender's choosing, with the edge's permissions (nats/robust.py,
+    the seventh). Now they are dropped, logged rate-limited, and the streams go on, on the fast path
+    and on nats-py's own."""
     prefix = Subjects("forged")
     env = {fast_client.STOCK_CLIENT_ENV: "1"} if stock else None
     async with connection(nats_url) as nc:
+        reflected: list[str] = []
+
+        async def on_reflected(msg) -> None:
+            reflected.append(msg.subject)
+
+        await nc.subscribe("forged.reflected.>", cb=on_reflected)
         with running_edge(nats_url, "--prefix", prefix.prefix, "--ensure-results-stream", env=env) as edge:
             js = nc.jetstream()
-            stream = RESULTS_STREAM
-            await wait_until(lambda: edge.metrics()["streamproc_edge_nats_connected"] == 1, 10, "the edge connected")
             consumers: list = []
 
             async def ring_found() -> bool:
-                consumers[:] = [c for c in await js.consumers_info(stream) if c.config.deliver_subject]
+                consumers[:] = [c for c in await js.consumers_info(RESULTS_STREAM) if c.config.deliver_subject]
                 return bool(consumers)
 
             with anyio.fail_after(10):
                 while not await ring_found():
                     await anyio.sleep(0.1)
             inbox = consumers[0].config.deliver_subject
-            for k in range(FLOOD):
-                await nc.publish(inbox, b'{"forged":%d}' % k, reply="_INBOX.not.a.jetstream.ack")
+            warm = rid("warm")  # one result through the ring first (nats-py's heartbeat check needs one)
+            await publish_results(nc, prefix, warm, [b'{"text":"warm"}'])
+            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 1, 10, "the warm result")
+            for _ in range(FLOOD // len(FORGED)):
+                for payload, headers, reply in FORGED.values():
+                    await nc.publish(inbox, payload, reply=reply or "", headers=headers)
             await nc.flush()
             legit = rid("legit")
             bodies = [b'{"text":"%d"}' % k for k in range(3)]
@@ -257,7 +283,9 @@ async def test_messages_forged_into_the_results_rings_inbox_are_dropped_and_the_
                     with anyio.fail_after(15):
                         response = await client.get(f"/v1/results/{legit}")
                 assert response.status_code == 200 and response.content == expected_sse(bodies), response.text[-500:]
+            await nc.flush()
             log = edge.log()
     dropped = log.count("event=foreign_message_dropped")
     assert 1 <= dropped <= BURST, dropped  # the first ones, then one count of the rest per interval
     assert "Traceback" not in log and "encountered error" not in log, log[-2000:]
+    assert reflected == []

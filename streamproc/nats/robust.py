@@ -48,9 +48,15 @@ not a control message as a ``$JS.ACK`` subject (its "checkOrderedMsgs": ``Msg.Me
 _get_metadata_fields``, then ``int()`` of two tokens). Any other reply raises ``NotJSMessageError``
 (or ``ValueError``), which ends the read loop: the connection stays "connected", reads nothing
 more, reports nothing, until its pings go unanswered. For the edge that is every stream (its
-results ring is an ordered consumer). :meth:`RobustClient._process_msg` drops such a message instead
-(nats-server refuses a client's publish with a ``$JS.ACK`` reply, so a message from JetStream is
-never one of them), counts it in :attr:`RobustClient.foreign_messages` and logs it, rate-limited.
+results ring is an ordered consumer). Forged control messages do the same: a heartbeat whose
+``Nats-Last-Consumer`` is not a number (``ValueError``), one whose ``Nats-Consumer-Stalled`` is not a
+subject nats-py can publish to (``BadSubjectError`` from the flow-control reply it sends there);
+and one naming a subject it can publish to, or a ``FlowControl`` request with such a reply, makes the
+client publish there with its own permissions. :meth:`RobustClient._process_msg` drops, for a
+JetStream subscription, a control message whose flow-control reply is not a ``$JS.FC`` subject, and
+any message whose handling raises nats-py's errors or ``ValueError`` (nats-server refuses a client's
+publish with a ``$JS.ACK`` reply, so a message from JetStream is never one of them); it counts them
+in :attr:`RobustClient.foreign_messages` and logs them, rate-limited.
 """
 
 from __future__ import annotations
@@ -108,19 +114,25 @@ class RobustClient(Client):
         self._foreign_log = LogLimiter(log)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+        if not data and headers and not _from_jetstream(reply, headers):  # (a control message has no payload)
+            sub = self._subs.get(sid)
+            if getattr(sub, "_jsi", None) is not None:
+                self._drop_foreign(subject, reply, "a flow control reply that is not a $JS.FC subject")
+                return
         try:
             await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
-        except (errors.NotJSMessageError, ValueError) as exc:  # only the ordered-consumer check raises these
-            sub = self._subs.get(sid)
-            jsi = getattr(sub, "_jsi", None)
-            if jsi is None or not jsi._ordered:
+        except (errors.Error, ValueError) as exc:  # nats-py's JetStream checks (module doc, the seventh)
+            if getattr(self._subs.get(sid), "_jsi", None) is None:
                 raise
-            self.foreign_messages += 1
-            self._foreign_log.log(logging.WARNING, "foreign_message_dropped",
-                                  subject=subject.decode("utf-8", "replace")[:200],
-                                  reply=reply.decode("utf-8", "replace")[:200], error=error_text(exc),
-                                  problem="a message on a JetStream ordered consumer's inbox with a reply "
-                                          "that is not a $JS.ACK subject: not from JetStream")
+            self._drop_foreign(subject, reply, error_text(exc))
+
+    def _drop_foreign(self, subject: bytes, reply: bytes, error: str) -> None:
+        self.foreign_messages += 1
+        self._foreign_log.log(logging.WARNING, "foreign_message_dropped",
+                              subject=subject.decode("utf-8", "replace")[:200],
+                              reply=reply.decode("utf-8", "replace")[:200], error=error[:200],
+                              problem="a message on a JetStream consumer's inbox that nats-py cannot take: "
+                                      "not from JetStream")
 
     def _build_message(self, sid: int, subject: bytes, reply: bytes, data: bytes,
                        headers: dict[str, str] | None) -> Any:
@@ -164,6 +176,26 @@ class RobustClient(Client):
                 future.set_result(True)
             self._pongs_received += 1
             self._pings_outstanding = 0
+
+
+_STALLED = b"nats-consumer-stalled:"
+_FLOW_CONTROL_REPLY = b"$JS.FC."
+
+
+def _from_jetstream(reply: bytes, headers: bytes) -> bool:
+    """Whether the flow-control replies of a message without payload (a control message, by its
+    status line or a ``Status: 100`` header: nats-py reads both) are JetStream's. nats-py 2.16
+    publishes an empty message to a FlowControl request's reply and to a heartbeat's
+    ``Nats-Consumer-Stalled`` value, whatever they are (a subject it refuses raised out of its read
+    loop; any other made the client publish wherever the sender said, with its permissions)."""
+    if reply and b"FlowControl" in headers and not reply.startswith(_FLOW_CONTROL_REPLY):
+        return False
+    for line in headers.split(b"\r\n")[1:]:
+        if line[:len(_STALLED)].lower() == _STALLED:
+            value = line[len(_STALLED):].strip()
+            if value and not value.startswith(_FLOW_CONTROL_REPLY):
+                return False
+    return True
 
 
 async def flush_queued(nc: Client) -> None:
