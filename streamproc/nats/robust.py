@@ -48,15 +48,19 @@ not a control message as a ``$JS.ACK`` subject (its "checkOrderedMsgs": ``Msg.Me
 _get_metadata_fields``, then ``int()`` of two tokens). Any other reply raises ``NotJSMessageError``
 (or ``ValueError``), which ends the read loop: the connection stays "connected", reads nothing
 more, reports nothing, until its pings go unanswered. For the edge that is every stream (its
-results ring is an ordered consumer). Forged control messages do the same: a heartbeat whose
-``Nats-Last-Consumer`` is not a number (``ValueError``), one whose ``Nats-Consumer-Stalled`` is not a
-subject nats-py can publish to (``BadSubjectError`` from the flow-control reply it sends there);
-and one naming a subject it can publish to, or a ``FlowControl`` request with such a reply, makes the
-client publish there with its own permissions. :meth:`RobustClient._process_msg` drops, for a
-JetStream subscription, a control message whose flow-control reply is not a ``$JS.FC`` subject, and
-any message whose handling raises nats-py's errors or ``ValueError`` (nats-server refuses a client's
-publish with a ``$JS.ACK`` reply, so a message from JetStream is never one of them); it counts them
-in :attr:`RobustClient.foreign_messages` and logs them, rate-limited.
+results ring is an ordered consumer). Forged control messages (no payload, a ``Status: 100``
+header or status line) do the same: a heartbeat whose ``Nats-Last-Consumer`` is not a number
+(``ValueError``), one whose ``Nats-Consumer-Stalled`` is not a subject nats-py can publish to
+(``BadSubjectError`` from the flow-control reply it sends there); and one naming a subject it can
+publish to, or a ``Flow…`` request with such a reply, makes the client publish there with its own
+permissions. :meth:`RobustClient._process_msg`, for a JetStream subscription, drops a control
+message (as nats-py reads it) whose flow-control reply is not a ``$JS.FC`` subject, and a message
+whose reading raises one of those three errors (nats-server refuses a client's publish with a
+``$JS.ACK`` reply, so a message from JetStream is never one of them; a stored message with an empty
+body and any headers is not a control message and goes on as before); it counts them in
+:attr:`RobustClient.foreign_messages` and logs them, rate-limited. A forged heartbeat with a
+numeric but wrong ``Nats-Last-Consumer`` still makes nats-py remake an ordered consumer (as a real
+gap would): no message is lost, and each needs a real message since the last remake.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from typing import Any
 
 from nats import errors
 from nats.aio.client import Client
+from nats.js import api
 from nats.protocol import parser as _parser
 
 from ..core.wire import UNREADABLE_HEADERS
@@ -114,16 +119,21 @@ class RobustClient(Client):
         self._foreign_log = LogLimiter(log)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
-        if not data and headers and not _from_jetstream(reply, headers):  # (a control message has no payload)
-            sub = self._subs.get(sid)
-            if getattr(sub, "_jsi", None) is not None:
-                self._drop_foreign(subject, reply, "a flow control reply that is not a $JS.FC subject")
+        sub = self._subs.get(sid)
+        if getattr(sub, "_jsi", None) is None:  # not JetStream: nats-py's (and the other fixes')
+            await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
+            return
+        if not data and headers:  # maybe a control message: judged as nats-py will read it
+            hdr = await self._process_headers(headers)
+            control = self._is_control_message(data, hdr) if hdr else None
+            if control and not _flow_control_is_jetstream(control, reply, hdr):  # type: ignore[arg-type]
+                self._drop_foreign(subject, reply, f"{control}: a flow-control reply that is not a $JS.FC subject")
                 return
         try:
             await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]
-        except (errors.Error, ValueError) as exc:  # nats-py's JetStream checks (module doc, the seventh)
-            if getattr(self._subs.get(sid), "_jsi", None) is None:
-                raise
+        except (errors.NotJSMessageError, errors.BadSubjectError, ValueError) as exc:
+            # nats-py's reading of what a sender chose: a reply as a $JS.ACK subject, a heartbeat's
+            # Nats-Last-Consumer as a number, a flow-control reply as a subject (module doc, the seventh)
             self._drop_foreign(subject, reply, error_text(exc))
 
     def _drop_foreign(self, subject: bytes, reply: bytes, error: str) -> None:
@@ -178,23 +188,20 @@ class RobustClient(Client):
             self._pings_outstanding = 0
 
 
-_STALLED = b"nats-consumer-stalled:"
-_FLOW_CONTROL_REPLY = b"$JS.FC."
+_FLOW_CONTROL_REPLY = "$JS.FC."
 
 
-def _from_jetstream(reply: bytes, headers: bytes) -> bool:
-    """Whether the flow-control replies of a message without payload (a control message, by its
-    status line or a ``Status: 100`` header: nats-py reads both) are JetStream's. nats-py 2.16
-    publishes an empty message to a FlowControl request's reply and to a heartbeat's
-    ``Nats-Consumer-Stalled`` value, whatever they are (a subject it refuses raised out of its read
-    loop; any other made the client publish wherever the sender said, with its permissions)."""
-    if reply and b"FlowControl" in headers and not reply.startswith(_FLOW_CONTROL_REPLY):
-        return False
-    for line in headers.split(b"\r\n")[1:]:
-        if line[:len(_STALLED)].lower() == _STALLED:
-            value = line[len(_STALLED):].strip()
-            if value and not value.startswith(_FLOW_CONTROL_REPLY):
-                return False
+def _flow_control_is_jetstream(control: str, reply: bytes, hdr: dict[str, str]) -> bool:
+    """Whether the flow-control reply nats-py 2.16 would publish for this control message (its
+    ``_process_msg``: a ``Flow…`` message's reply, an ``Idle…`` heartbeat's ``Nats-Consumer-Stalled``)
+    is JetStream's, ``$JS.FC.<stream>.<consumer>.<id>`` (nats-server ``consumer.fcReply``). nats-py
+    publishes an empty message there whatever it is: a subject it refuses raised out of its read
+    loop; any other made the client publish wherever the sender said, with its permissions."""
+    if control.startswith("Flow"):
+        return not reply or reply.startswith(_FLOW_CONTROL_REPLY.encode())
+    if control.startswith("Idle"):
+        stalled = hdr.get(api.Header.CONSUMER_STALLED)
+        return not stalled or stalled.startswith(_FLOW_CONTROL_REPLY)
     return True
 
 
