@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import gc
 import socket
 import ssl
+from typing import Iterator
 
 import pytest
 from edge_harness import RawStream, publish_result, served_edge, stop_served
@@ -36,6 +38,34 @@ def anyio_backend():
     return "asyncio"
 
 
+def https_settings(https: bool, directory) -> tuple[dict[str, object], ssl.SSLContext | None]:
+    """The edge settings for HTTPS with test certificates in ``directory`` and a client context
+    that trusts them; nothing and None for plain HTTP."""
+    if not https:
+        return {}, None
+    certs = Certificates(directory)
+    return ({"tls_cert_file": str(certs.server), "tls_key_file": str(certs.server_key)},
+            ssl.create_default_context(cafile=str(certs.ca)))
+
+
+def assert_nothing_per_connection(found: collections.Counter[str], connections: int) -> None:
+    """No type left ``STREAMS`` times or more: nothing per connection (a one-off, an exception's
+    traceback somewhere, is not what these tests pin)."""
+    per_connection = {name: n for name, n in found.items() if n >= STREAMS}
+    assert per_connection == {}, f"left in reference cycles by {connections} connections: {dict(found.most_common(20))}"
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """A full collection first, then none until the block ends (garbage_by_type reads what is left)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def garbage_by_type() -> collections.Counter[str]:
     """What the collector finds unreachable now (kept, then freed)."""
     gc.set_debug(gc.DEBUG_SAVEALL)
@@ -52,12 +82,9 @@ def garbage_by_type() -> collections.Counter[str]:
                          ids=["core", "jetstream", "https"])
 async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_url, client, jetstream, https,
                                                                           tmp_path):
-    extra: dict[str, object] = {"ensure_results_stream": True} if jetstream else {}
-    tls = None
-    if https:  # --tls-cert-file: asyncio's SSL transport over the socket transport
-        certs = Certificates(tmp_path)
-        extra.update(tls_cert_file=str(certs.server), tls_key_file=str(certs.server_key))
-        tls = ssl.create_default_context(cafile=str(certs.ca))
+    extra, tls = https_settings(https, tmp_path)  # --tls-cert-file: the edge's TLS layer over the socket transport
+    if jetstream:
+        extra["ensure_results_stream"] = True
     server, port = await served_edge(nats_url, SUBJECTS, **extra)
     try:
         warm = rid("warm")  # the first open's one-off objects (caches, the ring's consumer) apart
@@ -66,9 +93,7 @@ async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_u
         await stream.read_until(b"0\r\n\r\n")
         stream.close()
         await asyncio.sleep(0.1)
-        gc.collect()
-        gc.disable()  # nothing collected behind the test's back: what the streams leave is counted below
-        try:
+        with collector_off():  # nothing collected behind the test's back: what is left is counted below
             finished = [rid("done") for _ in range(STREAMS)]
             left = [rid("left") for _ in range(STREAMS)]
             opened = {r: await RawStream.open(port, r, tls=tls) for r in finished + left}
@@ -103,15 +128,11 @@ async def test_streams_that_ended_leave_nothing_for_the_garbage_collector(nats_u
             await asyncio.sleep(0.2)  # the connections' own teardown (connection_lost, transport close)
             del opened, stream
             found = garbage_by_type()
-        finally:
-            gc.enable()
     finally:
         await stop_served(server)
-    # Nothing per stream (here: nothing at all): the edge's objects (feed, inbox, reorder buffer,
-    # direct writer, disconnect watch), Uvicorn's (request cycle, flow control) and asyncio's
-    # (transport, socket). A one-off (an exception's traceback somewhere) is not what this pins.
-    per_stream = {name: n for name, n in found.items() if n >= STREAMS}
-    assert per_stream == {}, f"left in reference cycles by {3 * STREAMS} ended requests: {dict(found.most_common(20))}"
+    # Nothing per stream: the edge's objects (feed, inbox, reorder buffer, direct writer, disconnect
+    # watch), Uvicorn's (request cycle, flow control) and asyncio's (transport, socket)
+    assert_nothing_per_connection(found, 3 * STREAMS)
 
 
 @pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
@@ -120,15 +141,10 @@ async def test_connections_refused_or_timed_out_before_a_request_leave_nothing_e
     HTTPS), or admitted and closed at ``--head-timeout`` without a request head (over HTTPS: without
     a finished handshake). Uvicorn's protocol was made for each but, refused or never handshaken,
     not told of its loss, so it kept its parser (which holds it) and, over HTTPS, its TLS layer."""
-    extra: dict[str, object] = {}
-    if https:
-        certs = Certificates(tmp_path)
-        extra.update(tls_cert_file=str(certs.server), tls_key_file=str(certs.server_key))
+    extra, _ = https_settings(https, tmp_path)
     server, port = await served_edge(nats_url, SUBJECTS, max_connections=STREAMS, head_timeout=0.5, **extra)
     try:
-        gc.collect()
-        gc.disable()
-        try:
+        with collector_off():
             # Connected while the loop does not run (the kernel completes them): the edge then accepts
             # several per pass and makes each one's protocols before any is told it is connected
             socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(10 * STREAMS)]
@@ -140,9 +156,6 @@ async def test_connections_refused_or_timed_out_before_a_request_leave_nothing_e
             await asyncio.sleep(0.3)
             del socks, sock
             found = garbage_by_type()
-        finally:
-            gc.enable()
     finally:
         await stop_served(server)
-    per_connection = {name: n for name, n in found.items() if n >= STREAMS}
-    assert per_connection == {}, f"left in reference cycles by {10 * STREAMS} connections: {dict(found.most_common(20))}"
+    assert_nothing_per_connection(found, 10 * STREAMS)
