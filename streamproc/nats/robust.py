@@ -115,7 +115,7 @@ class RobustClient(Client):
     def __init__(self) -> None:
         install_parser_fix()
         super().__init__()
-        self.foreign_messages = 0  # dropped from an ordered consumer's inbox: not from JetStream (module doc)
+        self.foreign_messages = 0  # dropped from a JetStream consumer's inbox: not from JetStream (module doc)
         self._foreign_log = LogLimiter(log)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
