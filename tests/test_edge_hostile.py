@@ -295,6 +295,8 @@ async def test_messages_forged_into_the_results_rings_inbox_are_dropped_and_the_
                 assert response.status_code == 200 and response.content == expected_sse(bodies), response.text[-500:]
             await nc.flush()
             log = edge.log()
+            counted = edge.metrics()["streamproc_edge_nats_foreign_messages_total"]
+    assert counted == FLOOD // len(FORGED) * len(FORGED) + 1, counted  # each forged one, the spaced one too
     dropped = log.count("event=foreign_message_dropped")
     assert 1 <= dropped <= BURST, dropped  # the first ones, then one count of the rest per interval
     assert "Traceback" not in log and "encountered error" not in log, log[-2000:]

@@ -17,11 +17,13 @@ import anyio
 import pytest
 from conftest import CLI
 from edge_harness import free_port, running_edge
-from helpers import scrape
+from durable_helpers import durable_settings
+from helpers import rid, scrape
 
 from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector
+from streamproc.nats.processor import Processor
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.simulation import make_truth
 from streamproc.wire import Subjects
@@ -264,6 +266,33 @@ async def test_reconnects_are_counted_when_nats_comes_back():
                                  timeout=15)
         assert metrics["streamproc_disconnects_total"] == 1
         assert metrics["streamproc_nats_connected"] == 1
+
+
+async def test_messages_forged_into_the_processors_jetstream_inbox_are_dropped_and_counted(client, nats_url):
+    """The processor reads stored results back (and seal records) through push consumers; a message
+    published into such an inbox that JetStream did not send is dropped (nats/robust.py) and counted
+    in ``streamproc_foreign_messages_total``, and the processor's consumer reads on."""
+    port = free_port()
+    settings = durable_settings(nats_url, http_port=port, http_host="127.0.0.1")
+    publisher = ChunkPublisher(client, settings.subjects)
+    async def scraped() -> dict[str, float]:  # off the loop: the status server is on it (in-process)
+        return await anyio.to_thread.run_sync(scrape, port)
+
+    async with Processor(settings) as p:
+        assert (await scraped())["streamproc_foreign_messages_total"] == 0
+        await publisher.publish_leg(rid("first"), "agg", [b"one"])
+        # what the processor's own read-back opens: an ordered consumer on the results stream
+        sub = await p.nc.jetstream().subscribe(settings.subjects.result("*"), ordered_consumer=True)
+        assert (await sub.next_msg(timeout=10)).data == b"one"
+        for _ in range(3):
+            await client.publish(sub.subject, b"forged", reply="_INBOX.not.a.jetstream.ack")
+        await client.flush()
+        await publisher.publish_leg(rid("second"), "agg", [b"two"])
+        assert (await sub.next_msg(timeout=10)).data == b"two"  # its read loop went on
+        metrics = await scraped()
+        assert metrics["streamproc_foreign_messages_total"] == 3  # each dropped before "two" was read
+        assert metrics["streamproc_nats_connected"] == 1
+        await sub.unsubscribe()
 
 
 def test_status_server_answers_unhealthy_while_nats_is_unreachable(tmp_path):

@@ -69,6 +69,7 @@ class EdgeMetrics(msgspec.Struct):
     nats_connected: int = 0
     nats_disconnects: int = 0
     nats_reconnects: int = 0
+    nats_foreign_messages: int = 0
     by_verdict: dict[str, int] = {}  # results sent, by verdict ("error" for error results)
     by_error_kind: dict[str, int] = {}
 
@@ -146,6 +147,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "nats_connected": ("gauge", "1 while the NATS connection is up"),
     "nats_disconnects": ("counter", "NATS disconnections"),
     "nats_reconnects": ("counter", "NATS reconnections"),
+    "nats_foreign_messages": ("counter", "messages dropped from a JetStream consumer's inbox because they did "
+                                         "not come from JetStream (forged: nats/robust.py)"),
 }
 
 

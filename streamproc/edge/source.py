@@ -572,6 +572,8 @@ class ResultSource:
             reconnected_cb=self._on_reconnected,
         )
         self.metrics.nats_connected = 1
+        if hasattr(self.nc, "on_foreign"):  # a RobustClient (connect() makes one; typed as nats-py's Client)
+            self.nc.on_foreign = self._count_foreign
         if getattr(self.nc, "calls_read_done", False) and self.after_read is not None:
             self.nc.read_done = self.run_after_read  # FastClient: the direct frames of a read leave at its end
             self.after_read_hooked = True
@@ -1366,6 +1368,9 @@ class ResultSource:
             self.limited.log(logging.WARNING, "nats_error", error=error_text(exc))
             return
         log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
+
+    def _count_foreign(self) -> None:
+        self.metrics.nats_foreign_messages += 1
 
     async def _on_disconnected(self) -> None:
         self.metrics.nats_connected = 0

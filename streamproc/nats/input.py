@@ -65,6 +65,8 @@ class IOStats(msgspec.Struct):
     disconnects: Annotated[int, Meta(description="NATS disconnections (not counting a shutdown)")] = 0
     reconnects: Annotated[int, Meta(description="NATS reconnections after a lost connection")] = 0
     timer_runs: Annotated[int, Meta(description="runs of the timer that ends timed-out requests")] = 0
+    foreign_messages: Annotated[int, Meta(description="messages dropped from a JetStream consumer's inbox because "
+                                                      "they did not come from JetStream (forged: nats/robust.py)")] = 0
 
 
 # Per-request events that are expected in normal operation (redeliveries, races at a seal).

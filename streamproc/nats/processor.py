@@ -141,6 +141,8 @@ class Processor:
                 # First, so /healthz answers (503) while NATS is still being reached.
                 await self._start_status_server(stack)
             self.nc = await self._connect()
+            if hasattr(self.nc, "on_foreign"):  # a RobustClient (connect() makes one; typed as nats-py's Client)
+                self.nc.on_foreign = self._count_foreign
             stack.push_async_callback(self._close_connection)
             self.mode = await self._choose_mode()
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
@@ -301,6 +303,9 @@ class Processor:
                           subject=exc.subject)
             return
         log_event(log, logging.WARNING, "nats_error", error=error_text(exc))
+
+    def _count_foreign(self) -> None:
+        self.io.foreign_messages += 1
 
     async def _on_disconnected(self) -> None:
         if self._closing:

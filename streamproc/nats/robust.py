@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, Callable
 
 from nats import errors
 from nats.aio.client import Client
@@ -116,6 +116,7 @@ class RobustClient(Client):
         install_parser_fix()
         super().__init__()
         self.foreign_messages = 0  # dropped from a JetStream consumer's inbox: not from JetStream (module doc)
+        self.on_foreign: Callable[[], None] | None = None  # the owner's metric counts each drop too
         self._foreign_log = LogLimiter(log)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
@@ -138,6 +139,8 @@ class RobustClient(Client):
 
     def _drop_foreign(self, subject: bytes, reply: bytes, error: str) -> None:
         self.foreign_messages += 1
+        if self.on_foreign is not None:
+            self.on_foreign()
         self._foreign_log.log(logging.WARNING, "foreign_message_dropped",
                               subject=subject.decode("utf-8", "replace")[:200],
                               reply=reply.decode("utf-8", "replace")[:200], error=error[:200],
