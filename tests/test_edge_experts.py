@@ -253,3 +253,21 @@ def test_the_bodies_budget_never_holds_more_than_its_bounds_and_gives_back_exact
     for client, declared, read in admitted:
         budget.give(client, declared, read)
     assert budget.held == 0 and budget.by_client == {}
+
+
+@pytest.mark.parametrize("fmt", ["sglang-zstd", "vllm"])
+async def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(server, fmt):
+    """Parsers recurse per nesting level (msgspec raises RecursionError, not DecodeError): ~1 KiB of
+    ``[`` from any capability holder was a 500 and an ERROR traceback in the edge's log per post."""
+    with running_edge(server.url, "--format", fmt) as edge:
+        answers = []
+        for body in (b"[" * 2000, b'{"meta_info":' * 2000, b'{"text":"x"}'):  # a client each: a 500 reset its connection
+            async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+                answers.append(await client.post("/v1/experts", content=body))
+        deep, nested, served = answers
+        log = edge.log()
+    for answer in (deep, nested):
+        assert answer.status_code == 400, (answer.status_code, answer.text)
+        assert answer.json()["error"]["type"] == "invalid_request"
+    assert served.status_code == 200
+    assert "Traceback" not in log and "RecursionError" not in log

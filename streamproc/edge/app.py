@@ -567,6 +567,8 @@ class Edge:
                 )
             except ValueError as exc:  # msgspec.DecodeError is a ValueError too
                 return error_response(f"not a result body: {exc}", "invalid_request", 400)
+            except RecursionError:  # parsers recurse per nesting level: deep JSON is bad input, not an edge bug
+                return error_response("not a result body: nested too deeply to parse", "invalid_request", 400)
             return Response(msgspec.json.encode(view), media_type="application/json", headers=PRIVATE)
         finally:
             budget.give(client, claimed, held)
