@@ -685,3 +685,19 @@ async def test_every_answer_to_a_capability_says_no_store_so_no_cache_keeps_resu
                         "forbidden": 403, "recent": 200, "stats": 200, "experts refused": 400, "info": 200}
     assert {name: response.headers.get("Cache-Control") for name, response in answers.items()} == {
         name: "no-store" for name in answers}
+
+
+async def test_a_token_whose_header_is_nested_too_deeply_is_a_401_with_every_supported_pyjwt(auth_edge):
+    """PyJWT parses the header before it checks the signature; ``json.loads`` raises RecursionError
+    (not ValueError) past ~1,000 levels. PyJWT 2.8.0, the floor pyproject allows, let it out of
+    ``jwt.decode``: an unauthenticated 500 and a logged traceback per request (2.15 catches it)."""
+    from jwt.utils import base64url_encode
+
+    header = b'{"alg":"HS256","typ":"JWT","x":' + b"[" * 3000 + b"]" * 3000 + b"}"
+    forged = ".".join(base64url_encode(part).decode() for part in (header, b'{"scope":"operator"}', b"sig"))
+    assert len(forged) < 8192  # parsed, not refused for its size
+    answers = [await get(auth_edge, "/v1/recent", headers=bearer(forged)),
+               await get(auth_edge, "/v1/recent", params={"access_token": forged})]
+    for answer in answers:
+        assert_refusal(answer, 401, "unauthorized")
+    assert "RecursionError" not in auth_edge.log()

@@ -185,6 +185,8 @@ class Verifier:
             raise InvalidCapability(f"the token has no {exc.claim!r} claim") from None
         except jwt.InvalidTokenError as exc:  # bad signature, wrong algorithm, not a JWT, nbf/iat
             raise InvalidCapability(f"invalid token: {type(exc).__name__}") from None
+        except RecursionError:  # a header nested ~1,000 deep, parsed before the signature check: PyJWT 2.8 let it out (2.15 catches it)
+            raise InvalidCapability("invalid token: DecodeError") from None
         try:
             capability = msgspec.convert(claims, Capability)
         except msgspec.ValidationError as exc:
