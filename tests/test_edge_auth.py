@@ -701,3 +701,16 @@ async def test_a_token_whose_header_is_nested_too_deeply_is_a_401_with_every_sup
     for answer in answers:
         assert_refusal(answer, 401, "unauthorized")
     assert "RecursionError" not in auth_edge.log()
+
+
+async def test_a_trailing_slash_on_a_v1_path_does_not_redirect_the_token_to_the_host_header(auth_edge):
+    """Starlette's slash redirect answered ``/v1/recent/?access_token=<jwt>`` with a 307 to
+    ``http://<Host header>/v1/recent?access_token=<jwt>``, without ``Cache-Control: no-store``
+    (docs/edge.md: every /v1 answer says it): the token repeated towards whatever host the request named."""
+    tok = token(operator=True)
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        for path in ("/v1/recent/", "/v1/results/some-id/"):
+            answer = await client.get(path, params={"access_token": tok}, headers={"Host": "evil.example"})
+            assert tok not in answer.headers.get("location", ""), (path, answer.status_code, answer.headers)
+            if answer.is_redirect:  # RFC 6750 section 2.3: an answer to ?access_token= is not to be cached
+                assert answer.headers.get("cache-control") == "no-store", (path, answer.headers)

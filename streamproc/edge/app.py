@@ -994,6 +994,9 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
         ],
         lifespan=lifespan,
     )
+    # No slash redirect: its Location is built from the Host header and repeats the query, so
+    # /v1/recent/?access_token=<jwt> sent the token towards whatever host the request named.
+    app.router.redirect_slashes = False
     app.state.edge = edge
     app.state.startup_error = None
     app.results_route = results_route(edge, settings)
