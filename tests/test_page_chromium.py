@@ -575,3 +575,22 @@ async def test_a_capture_larger_than_one_answer_is_paged(browser, edge, server):
     browser.execute_script("document.getElementById('experts-panel').scrollIntoView()")
     screenshot(browser, "edge-page-experts-paged.png")
     assert js_errors(browser) == []
+
+
+async def test_the_edges_own_timeout_after_a_result_is_shown_as_an_error(browser, nats_server):
+    """An EventSource keeps the last ``id:`` it saw: the edge's own error frame (no ``id:``) after a
+    result arrives with that result's ``lastEventId``, so it must still be told apart from a result."""
+    request_id = rid("page-timeout-late")
+    with running_edge(nats_server.url, "--result-timeout", "1") as edge:
+        browser.get(f"{edge.url}/?id={request_id}")
+        await wait_for(browser, lambda s: s["state"] == "open")
+        async with await nats.connect(nats_server.url) as nc:
+            await publish_result(nc, SUBJECTS, request_id, 0, b'{"text":"only one"}')  # not final
+            await nc.flush()
+        state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    error = json.loads(state["received"][1])["error"]
+    assert error["type"] == "timeout"
+    assert state["state"] == "failed", state
+    assert state["verdict"] == "error"
+    assert browser.find_element(By.ID, "notice").text.startswith(
+        f"the edge ended the stream (timeout): no result for request {request_id} within 1.0s")

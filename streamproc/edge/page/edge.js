@@ -145,6 +145,7 @@ function follow(requestId) {
   const source = new EventSource(apiUrl("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1"));
   page.source = source;
   let lastMeta = null;
+  let lastId = "";  // the last result's id: an event without id: (the edge's own) keeps it (EventSource)
   let waiting = null;
   source.onopen = () => {
     setState("open");
@@ -168,11 +169,13 @@ function follow(requestId) {
       return;
     }
     if (page.state === "waiting") setState("open", "");
-    const meta = lastMeta && String(lastMeta.seq) === event.lastEventId ? lastMeta : null;
+    const fresh = event.lastEventId !== lastId;  // every result sets a new id (seq order); the edge's frames none
+    if (fresh) lastId = event.lastEventId;
+    const meta = fresh && lastMeta && String(lastMeta.seq) === event.lastEventId ? lastMeta : null;
     let doc = null;
     try { doc = JSON.parse(event.data); } catch (_) { /* opaque bytes are shown as they are */ }
     // An error result (meta.error), or the edge's own error body (no id: a timeout or a gap).
-    const edgeError = !event.lastEventId && doc && doc.error ? "edge" : null;
+    const edgeError = !fresh && doc && doc.error ? "edge" : null;
     if ((meta && meta.error) || edgeError) {
       const kind = (meta && meta.error) || (doc.error.type || "error");
       const message = (doc && doc.error && doc.error.message) || event.data;
@@ -188,7 +191,7 @@ function follow(requestId) {
       const reasons = reasonsOf(doc);
       if (reasons.length) $("reasons").textContent = "omitted " + reasons.join(", ");
     }
-    addRow(event.lastEventId, meta, event.data);
+    addRow(fresh ? event.lastEventId : "", meta, event.data);
     showCount();
   };
   source.onerror = () => {
