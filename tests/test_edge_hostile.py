@@ -301,3 +301,23 @@ async def test_messages_forged_into_the_results_rings_inbox_are_dropped_and_the_
     assert 1 <= dropped <= BURST, dropped  # the first ones, then one count of the rest per interval
     assert "Traceback" not in log and "encountered error" not in log, log[-2000:]
     assert reflected == []
+
+
+async def test_error_kinds_a_results_publisher_chose_share_one_metric_label(nats_url):
+    """The edge labels error results sent by their kind (``Streamproc-Error``): the publisher's text.
+    One that may publish results (forged, or a newer processor) named 60 kinds and /metrics kept a
+    label for each, for good. Now a kind this edge does not know is counted under ``other``."""
+    kinds = [f"forged-kind-{k}" for k in range(60)] + ["timeout"]
+    ids = [rid(f"kind{k}") for k in range(len(kinds))]
+    with running_edge(nats_url, "--ensure-results-stream") as edge:
+        async with connection(nats_url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            for request_id, kind in zip(ids, kinds):
+                await publish_result(nc, SUBJECTS, request_id, 0, b'{"error":{"message":"x"}}', final=True,
+                                     verdict=None, error=kind, acked=True)
+            for request_id in ids:
+                response = await client.get(f"/v1/results/{request_id}")
+                assert response.status_code == 200 and b"[DONE]" in response.content, response.text
+            metrics = edge.metrics()
+    labels = {name: n for name, n in metrics.items() if name.startswith("streamproc_edge_error_results_total")}
+    assert labels == {'streamproc_edge_error_results_total{kind="other"}': 60,
+                      'streamproc_edge_error_results_total{kind="timeout"}': 1}, labels

@@ -13,10 +13,14 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..core.codec import ErrorKind
 from ..core.events import ResultInfo
 from ..metrics import struct_families
 
 _NAMESPACE = "streamproc_edge"
+# The kinds a label may name. A result's Streamproc-Error is its publisher's text: any other value
+# is counted as "other", so results forged or from a newer processor cannot grow /metrics unbounded.
+_KINDS = frozenset(kind.value for kind in ErrorKind)
 
 
 class EdgeMetrics(msgspec.Struct):
@@ -79,7 +83,8 @@ class EdgeMetrics(msgspec.Struct):
         verdict = "error" if result.error is not None else (result.verdict or "unknown")
         self.by_verdict[verdict] = self.by_verdict.get(verdict, 0) + 1
         if result.error is not None:
-            self.by_error_kind[result.error] = self.by_error_kind.get(result.error, 0) + 1
+            kind = result.error if result.error in _KINDS else "other"
+            self.by_error_kind[kind] = self.by_error_kind.get(kind, 0) + 1
 
 
 _HELP: dict[str, tuple[str, str]] = {
