@@ -290,8 +290,22 @@ async def test_with_an_operator_token_in_the_fragment_the_page_follows_a_request
             while request_id not in browser.find_element(By.ID, "recent").text:
                 await anyio.sleep(0.1)
         assert not browser.find_element(By.ID, "auth-banner").is_displayed()
-        assert token in browser.current_url  # the fragment survives the page's own URL updates
+        # The token left the address (no history entry, bookmark or copied link holds it), and the
+        # tab keeps it: a reload follows the request again, authenticated.
+        assert token not in browser.current_url and "access_token" not in browser.current_url
+        browser.back()  # the entry before: the page opened without a token; the token's own was replaced
+        assert token not in browser.current_url
+        browser.forward()
+        browser.refresh()
+        state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+        assert state["received"] == [b.decode() for b in bodies] + ["[DONE]"]
+        assert not browser.find_element(By.ID, "auth-banner").is_displayed()
         assert token not in edge.log()
+        browser.get(f"{edge.url}/?id={request_id}#access_token=")  # an empty one forgets it
+        browser.refresh()
+        with anyio.fail_after(10):
+            while not browser.find_element(By.ID, "auth-banner").is_displayed():
+                await anyio.sleep(0.05)
 
 
 # ---------------------------------------------------------------- experts view, charts, states
@@ -594,3 +608,21 @@ async def test_the_edges_own_timeout_after_a_result_is_shown_as_an_error(browser
     assert state["verdict"] == "error"
     assert browser.find_element(By.ID, "notice").text.startswith(
         f"the edge ended the stream (timeout): no result for request {request_id} within 1.0s")
+
+
+async def test_the_page_runs_no_injected_inline_script_and_may_not_be_framed(browser, edge):
+    """The page comes with a Content-Security-Policy: its own scripts only. A script element a bug
+    or an injection put into the page does not run, and no other site may frame it."""
+    response = httpx.get(f"{edge.url}/", timeout=10)
+    assert response.status_code == 200
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    assert response.headers["x-frame-options"] == "DENY" and response.headers["referrer-policy"] == "no-referrer"
+    assert httpx.get(f"{edge.url}/edge.js", timeout=10).headers["x-content-type-options"] == "nosniff"
+    browser.get(f"{edge.url}/")
+    js_errors(browser)  # the page's own load: nothing refused (checked below with a marker)
+    ran = browser.execute_script(
+        "const s = document.createElement('script'); s.textContent = 'window.injected = 1';"
+        "document.body.appendChild(s); return window.injected === 1;")
+    assert ran is False
+    refused = js_errors(browser)
+    assert any("Content Security Policy" in line for line in refused), refused

@@ -140,7 +140,7 @@ function follow(requestId) {
   if (window.streamprocExperts) window.streamprocExperts.reset();
   const params = new URLSearchParams(location.search);  // keeps the page's other settings (topk)
   params.set("id", requestId);
-  history.replaceState(null, "", "?" + params + location.hash);  // keeps #access_token
+  history.replaceState(null, "", "?" + params + location.hash);  // (access.js took the token out of it)
 
   const source = new EventSource(apiUrl("/v1/results/" + encodeURIComponent(requestId) + "?verdicts=1"));
   page.source = source;
