@@ -37,6 +37,7 @@ from .core.errors import (
     MigrationError,
     MigrationRefused,
     PublishRefused,
+    ResultsOverrun,
     StartupError,
     StreamMismatch,
     StreamprocError,
@@ -77,6 +78,7 @@ _LAZY = {
     "Resumed": "streamproc.client.migration",
     "publish_request": "streamproc.client.migration",
     "mint_capability": "streamproc.client.capability",
+    "connect": "streamproc.client.connection",
 }
 
 __all__ = [
@@ -92,7 +94,7 @@ __all__ = [
     # errors
     "StreamprocError", "ContractError", "CorruptPayload", "UnknownFormat", "MigrationRefused",
     "MigrationError", "MalformedResult", "ConfigError", "StartupError", "StreamMismatch", "PublishRefused",
-    "ChunkIdTaken",
+    "ChunkIdTaken", "ResultsOverrun",
     # the shell and the client helpers (lazy)
     *_LAZY,
 ]

@@ -21,6 +21,7 @@ from streamproc.catalog import codec_names
 from streamproc.client.migration import MigrationError, MigrationRefused, Migrator, Resumed, publish_request
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
+from streamproc.core.errors import ContractError
 from streamproc.sim.migration import native_request
 from streamproc.simulation import Truth, make_truth
 from streamproc.wire import (
@@ -412,7 +413,7 @@ async def test_a_negative_retry_after_is_an_error_not_a_busy_retry_loop(client):
     subjects = Subjects()
     await client.subscribe(subjects.migrate(rid), cb=answer)
     await client.flush()
-    with pytest.raises(msgspec.ValidationError, match="retry_after"):
+    with pytest.raises(ContractError, match="retry_after"):
         await Migrator(client, subjects, format="sglang", timeout=2.0).seal(rid, expected_attempt=0)
     assert answered == 1
 

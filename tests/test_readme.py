@@ -24,8 +24,11 @@ def test_readme_has_python_snippets():
     assert len(python_snippets()) >= 2
 
 
-async def test_readme_python_snippets_run_against_a_real_processor(client, start_processor):
-    namespace: dict = {"nc": client}
+async def test_readme_python_snippets_run_against_a_real_processor(nats_url, start_processor):
+    import streamproc
+
+    nc = await streamproc.connect(nats_url)  # as the README says (its URL is this test's server)
+    namespace: dict = {"nc": nc}
     out = io.StringIO()
     async with start_processor("in-process", mode="core", format="sglang"):
         for snippet in python_snippets():
@@ -34,6 +37,7 @@ async def test_readme_python_snippets_run_against_a_real_processor(client, start
                 result = eval(code, namespace)  # noqa: S307 - our own README
                 if result is not None:
                     await result
+    await nc.close()
     lines = out.getvalue().splitlines()
     assert lines[:2] == ["""0 passthrough b'{"text": "Hello"}'""", """1 passthrough b'{"text": " world"}'"""]
     verdicts = ast.literal_eval(lines[2])

@@ -18,7 +18,9 @@ id and the original native request body::
 
 No processor listening, no reply, or ``unavailable`` (durable mode: the owner could not record the
 seal) are retried within ``timeout``, so a processor failover is absorbed; after it, NATS failures
-propagate as nats-py exceptions.
+propagate as nats-py exceptions. An answer that is no migrate reply for this request (not JSON,
+another shape, numbers out of range, a seal of another request) raises
+:class:`~streamproc.core.errors.ContractError`.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from nats.aio.msg import Msg
 from ..catalog import codec_class
 from ..core.codec import Codec, Emitted
 from ..core.defaults import FRONTEND_INBOX_PREFIX
-from ..core.errors import MigrationError, MigrationRefused
+from ..core.errors import ContractError, MigrationError, MigrationRefused, shown
 from ..logs import log_event
+from .connection import check_client
 from ..core.wire import (
     ATTEMPT,
     MSG_ID,
@@ -92,6 +95,7 @@ class Migrator:
         ``timeout`` bounds a whole call with its retries, ``attempt_timeout`` one try. The default
         outlasts a durable failover at the default lease (about 4/3 x ``lease_ttl`` 6 s = 8 s, plus
         an ack wait), so a migrate sent while an instance dies is still answered."""
+        check_client(nc)
         self.nc = nc
         self.attempt_timeout = attempt_timeout
         self.subjects = subjects or Subjects()
@@ -159,6 +163,20 @@ class Migrator:
                   timeout=self.timeout, retry_after=reply.retry_after)
         return msgspec.structs.replace(reply, message=reply.message + hint)
 
+    @staticmethod
+    def _decode(request_id: str, data: bytes) -> MigrateReply:
+        """The reply, if it is one for this request: anything else (not JSON, another shape, an
+        unknown code, numbers out of range, a seal of another request) breaks the contract, and is
+        never taken for this request's seal (its token ids would go into the resumed request)."""
+        try:
+            reply = decode_migrate_reply(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # msgspec's text names the field and the rule, never a long value: kept, at most 200 characters
+            raise ContractError(f"the answer to a migrate is no migrate reply: {str(exc)[:200]}", request_id) from None
+        if reply.request_id != request_id:
+            raise ContractError(f"the answer to a migrate is about request {shown(reply.request_id)}", request_id)
+        return reply
+
     async def refuse(self, request_id: str, reason: str) -> MigrateReply:
         """End the request with a ``migration_refused`` error result (its stream cannot continue)."""
         return await self._request(request_id, MigrateRequest(refuse=reason, id=secrets.token_hex(8)))
@@ -186,7 +204,7 @@ class Migrator:
                 if deadline - time.monotonic() <= delay:
                     raise
             else:
-                reply = decode_migrate_reply(msg.data)
+                reply = self._decode(request_id, msg.data)
                 if not (isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE):
                     return reply
                 if reply.retry_after is not None and reply.retry_after < delay:

@@ -29,6 +29,7 @@ from nats.aio.client import Client as NatsClient
 from ..core.errors import ChunkIdTaken, PublishRefused
 from ..nats.robust import header_block_size
 from ..core.wire import MAX_SEQ, MSG_ID, SEQ, Role, Subjects, check_request_id, chunk_headers
+from .connection import check_client
 
 
 class ChunkPublisher:
@@ -36,6 +37,8 @@ class ChunkPublisher:
                  timeout: float = 2.0, retries: int = 3, backoff: float = 0.2) -> None:
         if retries < 0 or timeout <= 0:
             raise ValueError("retries must be >= 0 and timeout > 0")
+        if durable:  # its PubAcks come to an inbox subscription (client/connection.py says why it matters)
+            check_client(nc)
         self.nc = nc
         self.subjects = subjects or Subjects()
         self.durable = durable
@@ -104,7 +107,13 @@ class ChunkPublisher:
                 last = "no JetStream stream stores this subject (no responders)"
             except (nats.errors.TimeoutError, TimeoutError):
                 last = f"no PubAck within {self.timeout}s"
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:  # nats-py parsing a reply
+                raise PublishRefused(subject, f"the reply is not a PubAck ({type(exc).__name__}): something other "
+                                              "than a JetStream stream answers this subject", retryable=False) from None
             else:
+                if not (isinstance(ack.stream, str) and type(ack.seq) is int):  # JSON that is no PubAck
+                    raise PublishRefused(subject, "the reply is not a PubAck (no stream name and sequence): something "
+                                                  "other than a JetStream stream answers this subject", retryable=False)
                 if ack.duplicate:
                     await self._check_duplicate(subject, body, headers, ack.stream, ack.seq,
                                                 sent_before or attempt > 0)

@@ -16,6 +16,12 @@ creates it): an ordered consumer replays the request's subject from its first re
 follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
 are dropped by the same seq check.
 
+What one request's results may hold in the reader is bounded: ``max_buffered_bytes`` of bodies
+received and not yet taken (behind a gap, or ahead of a slow reader) end the stream with
+:class:`~streamproc.core.errors.ResultsOverrun`, as the edge ends a stream whose client falls
+``--stream-buffer-bytes`` behind; and ``timeout`` is a deadline for the final result that holds
+while results are waiting too (a producer that never ends, faster than its reader, is ended).
+
 A live subscription (``replay=False``) misses what is published while the NATS connection is
 down: after a reconnect the stream waits for results that will never come, until ``timeout``
 (whose ``TimeoutError`` then says the connection reconnected). A replaying one resumes where it
@@ -26,21 +32,27 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable
+from typing import Iterable, NoReturn
 
 import anyio
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from ..core.errors import MalformedResult
+from ..core.defaults import CLIENT_BUFFER_BYTES
+from ..core.errors import MalformedResult, ResultsOverrun
 from ..core.reorder import SeqOrder
 from ..nats.robust import flush_queued
+from .connection import check_client
 from ..nats.streams import find_stream
-from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..core.wire import UNREADABLE_HEADERS, ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 
 
 def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
+    headers = msg.headers
+    if headers and UNREADABLE_HEADERS in headers:  # RobustClient's mark: say that, not "missing Streamproc-Seq"
+        raise MalformedResult(f"malformed result on {msg.subject!r}: unreadable headers "
+                              f"({headers[UNREADABLE_HEADERS]})")
     try:
         return result_from_message(subjects, msg.subject, msg.headers, msg.data)
     except (ContractError, ValueError) as exc:
@@ -57,15 +69,19 @@ class ResultStream:
     """
 
     def __init__(self, nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
-                 replay: bool = False) -> None:
+                 replay: bool = False, max_buffered_bytes: int = CLIENT_BUFFER_BYTES) -> None:
+        check_client(nc)
         self.nc = nc
         self.subjects = subjects
         self.request_id = check_request_id(request_id)
         self.timeout = timeout
         self.replay = replay
+        self.max_buffered_bytes = max_buffered_bytes
         self._order = SeqOrder()
         self._ready: deque[ResultInfo] = deque()
-        self._error: MalformedResult | None = None
+        self._ready_bytes = 0  # bodies in _ready
+        self._waiting_bytes = 0  # bodies SeqOrder holds behind a missing seq
+        self._error: MalformedResult | ResultsOverrun | None = None
         self._arrived = anyio.Event()
         self._sub: Subscription | None = None
         self._deadline = math.inf
@@ -86,6 +102,8 @@ class ResultStream:
         else:
             self._sub = await self.nc.subscribe(subject, cb=self._on_msg)
             await flush_queued(self.nc)
+        # one result always fits, whatever the server's max_payload (known once connected)
+        self.max_buffered_bytes = max(self.max_buffered_bytes, getattr(self.nc, "max_payload", 0) or 0)
         if self.timeout is not None:
             self._deadline = anyio.current_time() + self.timeout
         self._reconnects = self._reconnect_count()
@@ -111,12 +129,33 @@ class ResultStream:
     async def _on_msg(self, msg: Msg) -> None:
         if self._error is not None:  # the stream failed: what came before the error is all it yields
             return
+        order = self._order
         try:
-            self._ready.extend(self._order.push(_parse(self.subjects, msg)))
+            result = _parse(self.subjects, msg)
+            duplicates = order.duplicates
+            ready = order.push(result)
         except MalformedResult as exc:
             self._error = exc
         except OverflowError as exc:  # a gap that never closes: fail the stream, bounded
             self._error = MalformedResult(f"results of {self.request_id!r}: {exc}")
+        else:
+            size = 0
+            if ready:  # this result (the next seq) and what waited for it
+                self._ready.extend(ready)
+                size = sum(len(r.body) for r in ready)
+                self._ready_bytes += size
+            if order.done:  # SeqOrder let go of whatever waited
+                self._waiting_bytes = 0
+            elif ready:
+                self._waiting_bytes -= size - len(result.body)
+            elif order.duplicates == duplicates:  # kept behind a missing seq
+                self._waiting_bytes += len(result.body)
+            if self._ready_bytes + self._waiting_bytes > self.max_buffered_bytes:
+                self._error = ResultsOverrun(
+                    f"results of {self.request_id!r}: more than {self.max_buffered_bytes} bytes received and not "
+                    f"yet read ({self._ready_bytes} ready, {self._waiting_bytes} behind seq {order.next_seq})")
+                self._ready.clear()  # the bound: nothing more is handed out of a stream that passed it
+                self._ready_bytes = self._waiting_bytes = 0
         self._arrived.set()
 
     def __aiter__(self) -> ResultStream:
@@ -131,8 +170,12 @@ class ResultStream:
             raise StopAsyncIteration
         await self.subscribe()
         while True:
+            if not self._order.done and anyio.current_time() >= self._deadline:  # waiting ones or not
+                await self._time_out()
             if self._ready:  # results that arrived before an error are still handed out, in order
-                return self._ready.popleft()
+                result = self._ready.popleft()
+                self._ready_bytes -= len(result.body)
+                return result
             if self._error is not None:
                 await self._end()
                 raise self._error
@@ -143,15 +186,18 @@ class ResultStream:
             with anyio.move_on_after(self._deadline - anyio.current_time()):
                 await self._arrived.wait()
             if not self._arrived.is_set():
-                await self._end()
-                hint = ""
-                reconnects = self._reconnect_count() - self._reconnects
-                if reconnects and not self.replay:
-                    hint = (f"; the connection reconnected {reconnects} time(s) meanwhile: results published while "
-                            "it was disconnected are lost to a live subscription (follow with replay=True "
-                            "against a results stream survives a reconnect)")
-                raise TimeoutError(f"no final result for request {self.request_id!r} within {self.timeout}s "
-                                   f"({self._order.next_seq} results received){hint}")
+                await self._time_out()
+
+    async def _time_out(self) -> NoReturn:
+        await self._end()
+        hint = ""
+        reconnects = self._reconnect_count() - self._reconnects
+        if reconnects and not self.replay:
+            hint = (f"; the connection reconnected {reconnects} time(s) meanwhile: results published while "
+                    "it was disconnected are lost to a live subscription (follow with replay=True "
+                    "against a results stream survives a reconnect)")
+        raise TimeoutError(f"no final result for request {self.request_id!r} within {self.timeout}s "
+                           f"({self._order.next_seq} results received){hint}")
 
     async def collect(self) -> list[ResultInfo]:
         """Every result up to the final one; the subscription is released however it ends."""
@@ -162,7 +208,7 @@ class ResultStream:
 
 
 def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None,
-           replay: bool = False) -> ResultStream:
+           replay: bool = False, max_buffered_bytes: int = CLIENT_BUFFER_BYTES) -> ResultStream:
     """One request's results in seq order until the final one::
 
         async with follow(nc, subjects, request_id, timeout=30) as results:
@@ -172,9 +218,10 @@ def follow(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: floa
     follow(...)`` releases it only when the stream ends (final result, error, timeout): a ``break``,
     an exception in the loop body or a cancellation leaves it on the connection (wrap it in
     ``contextlib.aclosing`` then). ``replay`` reads them from the results stream, from the first
-    one on (late attach).
+    one on (late attach). ``max_buffered_bytes``: the module doc.
     """
-    return ResultStream(nc, subjects, request_id, timeout=timeout, replay=replay)
+    return ResultStream(nc, subjects, request_id, timeout=timeout, replay=replay,
+                        max_buffered_bytes=max_buffered_bytes)
 
 
 async def collect(nc: NatsClient, subjects: Subjects, request_id: str, *, timeout: float | None = None
@@ -184,17 +231,27 @@ async def collect(nc: NatsClient, subjects: Subjects, request_id: str, *, timeou
         return await results.collect()
 
 
+MAX_MALFORMED_KEPT = 1000
+
+
 class ResultCollector:
-    """Results of many requests through one wildcard subscription (demo, simulator, tests)."""
+    """Results of many requests through one wildcard subscription (demo, simulator, tests).
+
+    It keeps every result it sees, of every request on the prefix, for as long as it is open: a
+    tool for bounded runs (``streamproc simulate --verify``, tests), not for a long-lived reader,
+    which follows its own requests (:func:`follow`)."""
 
     def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
+        check_client(nc)
         self.nc = nc
         self.subjects = subjects
         self.results: dict[str, list[ResultInfo]] = {}
-        self.malformed: list[str] = []
+        self.malformed: list[str] = []  # the first MAX_MALFORMED_KEPT refused messages, why
+        self.malformed_total = 0
         self._orders: dict[str, SeqOrder] = {}
-        self._missing: set[str] = set()  # finals the current wait_for still needs
-        self._all_done = anyio.Event()
+        # one entry per wait_for in progress: the finals it still needs, and its wake-up (a collector
+        # shared by tasks has several at once; one shared set made each call answer for another's)
+        self._waiters: list[tuple[set[str], anyio.Event]] = []
         self._sub: Subscription | None = None
 
     async def __aenter__(self) -> ResultCollector:
@@ -212,7 +269,7 @@ class ResultCollector:
         try:
             result = _parse(self.subjects, msg)
         except MalformedResult as exc:
-            self.malformed.append(str(exc))
+            self._refuse(str(exc))
             return
         rid = result.request_id
         order = self._orders.get(rid)
@@ -222,12 +279,19 @@ class ResultCollector:
         try:
             self.results[rid].extend(order.push(result))
         except OverflowError as exc:
-            self.malformed.append(f"results of {rid!r}: {exc}")
+            self._refuse(f"results of {rid!r}: {exc}")
             return
-        if order.done and rid in self._missing:
-            self._missing.discard(rid)
-            if not self._missing:
-                self._all_done.set()
+        if order.done:
+            for missing, done in self._waiters:
+                if rid in missing:
+                    missing.discard(rid)
+                    if not missing:
+                        done.set()
+
+    def _refuse(self, text: str) -> None:
+        self.malformed_total += 1
+        if len(self.malformed) < MAX_MALFORMED_KEPT:  # the first ones say what; the count says how many
+            self.malformed.append(text)
 
     def finished(self, request_id: str) -> bool:
         order = self._orders.get(request_id)
@@ -241,12 +305,15 @@ class ResultCollector:
     async def wait_for(self, request_ids: Iterable[str], *, timeout: float) -> dict[str, list[ResultInfo]]:
         """Wait until every request has its final result; raise TimeoutError naming the missing ones."""
         wanted = list(request_ids)
-        self._missing = {rid for rid in wanted if not self.finished(rid)}
-        self._all_done = anyio.Event()
-        if self._missing:
-            with anyio.move_on_after(timeout):
-                await self._all_done.wait()
-        missing, self._missing = sorted(self._missing), set()
+        waiter = ({rid for rid in wanted if not self.finished(rid)}, anyio.Event())
+        if waiter[0]:
+            self._waiters.append(waiter)
+            try:
+                with anyio.move_on_after(timeout):
+                    await waiter[1].wait()
+            finally:
+                self._waiters.remove(waiter)
+        missing = sorted(waiter[0])
         if missing:
             raise TimeoutError(f"{len(missing)} of {len(wanted)} requests had no final result within {timeout}s "
                                f"(first: {missing[:5]})")

@@ -100,6 +100,10 @@ ACK_LINGER = 0.005
 MAX_DELIVER = 20
 
 # Readers (client helpers and the edge)
+# Bytes of one request's results a client reader (streamproc.client.results) may hold received and
+# not yet read, behind a gap or ahead of its loop; past it the stream ends (ResultsOverrun). Never
+# less than the connection's max_payload: one result always fits.
+CLIENT_BUFFER_BYTES = 16 * 1024 * 1024
 MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it
 
 # Edge capabilities (streamproc.edge.auth verifies, streamproc.client.capability mints)

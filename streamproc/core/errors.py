@@ -19,6 +19,7 @@ class StreamprocError(Exception):
 
 # Characters of a worker's value that an error text shows (shown()).
 MAX_SHOWN = 64
+MAX_REPLY_MESSAGE = 1000  # characters of a migrate error's message kept in MigrationError
 
 
 def shown(value: str) -> str:
@@ -118,11 +119,19 @@ class MalformedResult(StreamprocError, ValueError):
     """A message on a results subject that does not follow the contract."""
 
 
+class ResultsOverrun(StreamprocError, RuntimeError):
+    """A reader held more of one request's results than it may (received, not yet read: behind a
+    missing seq or ahead of a slow reader); the stream is ended rather than grown without bound."""
+
+
 class MigrationError(StreamprocError):
     """The processor answered a migrate with an error; ``code`` says which (``MigrateErrorCode``)."""
 
     def __init__(self, reply: MigrateError) -> None:
-        super().__init__(f"{reply.code.value}: {reply.message}")
+        message = reply.message  # the replier's text: bounded, as any text another party chose
+        if len(message) > MAX_REPLY_MESSAGE:
+            message = f"{message[:MAX_REPLY_MESSAGE]}... ({len(message)} characters)"
+        super().__init__(f"{reply.code.value}: {message}")
         self.reply = reply
         self.code = reply.code
 

@@ -131,10 +131,13 @@ class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
     """Success: the previous attempt is sealed and ``attempt`` is granted to the resumed request."""
 
     request_id: str
-    attempt: int  # what every chunk of the resumed request carries in Streamproc-Attempt
-    emitted_tokens: int  # output tokens the client has been sent, over all earlier attempts
-    emitted_token_ids: list[int]
-    result_seq: int  # the result seq the resumed attempt's chunk seq 0 becomes
+    # Bounded as decoded: a reply that is none (a buggy or newer processor, anyone answering on the
+    # control subject) is a ContractError, never a Streamproc-Attempt header no chunk may carry
+    # (wire.MAX_SEQ: 18 digits) or a negative count.
+    attempt: Annotated[int, msgspec.Meta(ge=0, le=10**18 - 1)]  # every chunk of the resumed request's Streamproc-Attempt
+    emitted_tokens: Annotated[int, msgspec.Meta(ge=0)]  # output tokens the client has been sent, over all attempts
+    emitted_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]]
+    result_seq: Annotated[int, msgspec.Meta(ge=0, le=10**18 - 1)]  # the result seq the resumed attempt's chunk seq 0 becomes
     format: str
     state: dict[str, Any] = {}  # format-specific facts the format's resume hook may check
 

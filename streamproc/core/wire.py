@@ -295,6 +295,12 @@ def result_block(result: Result) -> bytes | None:
 _VERDICTS: dict[str, Verdict] = {v.value: v for v in Verdict}
 
 
+def _parse_verdict(value: str, request_id: str) -> Verdict:
+    """A ``Streamproc-Join`` that is no verdict: a ContractError showing it cut (``shown``), where
+    ``Verdict(value)``'s ValueError echoed a forged value whole into every error text and log line."""
+    raise ContractError(f"header {JOIN} must be one of {', '.join(_VERDICTS)}, got {shown(value)}", request_id)
+
+
 _RESULTS_INFIX = len(".results.")
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
@@ -324,7 +330,7 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
         request_id=request_id,
         seq=seq,
         final=final,
-        verdict=(_VERDICTS.get(verdict) or Verdict(verdict)) if verdict else None,  # Verdict(): its ValueError
+        verdict=(_VERDICTS.get(verdict) or _parse_verdict(verdict, request_id)) if verdict else None,
         error=h.get(ERROR),
         body=body,
         traceparent=h.get(TRACEPARENT),

@@ -1,0 +1,290 @@
+"""An attacker's review of the client helpers (streamproc.client): what a frontend reading results,
+a serving layer migrating and a worker publishing get when the other side of NATS misbehaves
+(a forger with publish rights on a results subject, a buggy or hostile processor, an odd PubAck).
+Real nats-server processes only; each test failed on the code it was written against."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import anyio
+import nats
+import pytest
+from helpers import connection
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nats.aio.msg import Msg
+
+import streamproc
+from streamproc.client import connection as client_module
+from streamproc import ChunkPublisher, MigrationError, Migrator, StreamprocError, Subjects, follow
+from streamproc.client.results import ResultCollector, ResultStream
+from streamproc.core.events import Result, Verdict
+from streamproc.core.wire import result_headers
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+
+SUBJECTS = Subjects()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def forge(nc, request_id: str, seq: int, body: bytes = b"forged", final: bool = False) -> None:
+    r = Result(request_id, seq, body, final, Verdict.PASSTHROUGH)
+    await nc.publish(SUBJECTS.result(request_id), r.body, headers=result_headers(r))
+
+
+def raw_hpub(url: str, subject: bytes, header_block: bytes, body: bytes = b"x") -> None:
+    """Publish exact header bytes (what any NATS client may send; nats-py would not send these)."""
+    host, port = url.rsplit("//", 1)[-1].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.recv(4096)
+        size = len(header_block)
+        s.sendall(b'CONNECT {"verbose":false,"headers":true,"protocol":1}\r\n'
+                  + b"HPUB " + subject + b" %d %d\r\n" % (size, size + len(body)) + header_block + body
+                  + b"\r\nPING\r\n")
+        buf = b""
+        while b"PONG" not in buf:
+            buf += s.recv(4096)
+
+
+# ----------------------------------------------------------------- ResultStream: memory and timeout
+
+FLOOD = 1500  # results of 64 KiB: 94 MiB for one request
+BODY = b"y" * 65536
+
+
+@pytest.mark.parametrize("gapped", [True, False], ids=["never-seq-0", "in-order-unread"])
+async def test_one_forged_request_cannot_make_a_result_stream_buffer_without_bound(client, nats_url, gapped):
+    """A forger sends one request 94 MiB of results: either never seq 0 (everything waits behind the
+    gap; ``SeqOrder`` counts results, 4096, not bytes: 4096 x max_payload is 4 GiB per request), or
+    in order to a reader that is slow (its HTTP client is), so they pile up in ``_ready``, which has
+    no bound at all. The edge bounds both by bytes (``--stream-buffer-bytes``, docs/edge.md); the
+    client helper grew by the whole flood and waited for its timeout."""
+    async with connection(nats_url) as forger:
+        rid = f"flood-{gapped}"
+        async with follow(client, SUBJECTS, rid, timeout=20) as results:
+            before = rss_bytes()
+            for seq in range(1 if gapped else 0, FLOOD + 1):
+                await forge(forger, rid, seq, BODY)
+            await forger.flush()
+            await anyio.sleep(0.5)  # the reader's callback has taken what arrived
+            grown = rss_bytes() - before
+            outcome = "no error within 5 s"
+            with anyio.move_on_after(5):
+                try:
+                    async for _ in results:
+                        pass
+                    outcome = "ended normally"
+                except Exception as exc:  # noqa: BLE001 - the test reports what it was
+                    outcome = f"{type(exc).__name__}: {exc}"
+    assert grown < 32 << 20 and outcome.startswith("ResultsOverrun"), \
+        f"one request's results grew the reader by {grown >> 20} MiB; then {outcome}"
+
+
+async def test_the_timeout_ends_a_stream_whose_reader_is_slower_than_its_never_ending_results(client, nats_url):
+    """``timeout`` "bounds the wait for the final one", but the deadline is checked only when nothing
+    is buffered: results arriving every 20 ms for a reader taking 50 ms each (a slow client) keep
+    the buffer non-empty, and a stream with timeout=1 was still yielding 3 s in (it ends only
+    once the producer stops and the backlog is drained)."""
+    rid = "trickle"
+    async with connection(nats_url) as forger:
+        async def trickle() -> None:
+            for seq in range(400):
+                await forge(forger, rid, seq)
+                await anyio.sleep(0.02)
+
+        outcome = "still yielding results 3 s into a 1 s timeout"
+        async with anyio.create_task_group() as tasks:
+            async with follow(client, SUBJECTS, rid, timeout=1.0) as results:
+                tasks.start_soon(trickle)
+                started = time.monotonic()
+                try:
+                    async for _ in results:
+                        await anyio.sleep(0.05)
+                        if time.monotonic() - started > 3:
+                            break
+                except TimeoutError:
+                    outcome = f"TimeoutError after {time.monotonic() - started:.1f} s"
+            tasks.cancel_scope.cancel()
+    assert outcome.startswith("TimeoutError"), outcome
+
+
+@pytest.mark.parametrize("connect", ["streamproc", "stock"])
+async def test_a_forged_result_deafens_no_other_request_of_a_streamproc_connection(nats_url, connect, caplog):
+    """README: the helpers take any nats-py client. One message on ``P.results.<victim>`` whose
+    inline status text is not UTF-8 makes stock nats-py's ``_process_headers`` raise in its read
+    loop, which stops reading for good (docs/operations.md): every other request followed on that
+    connection timed out too, and the connection still said it was connected. The processor and
+    the edge connect with ``RobustClient``; the helpers' users had no way to, nor a word about it.
+    Now ``streamproc.connect`` gives them that client (the bystander is answered), and a helper
+    given a stock client says so once."""
+    nc = await (streamproc.connect(nats_url) if connect == "streamproc" else nats.connect(servers=[nats_url]))
+    client_module._warned = False
+    try:
+        async with follow(nc, SUBJECTS, "victim", timeout=2) as victim, \
+                follow(nc, SUBJECTS, "bystander", timeout=2) as bystander:
+            raw_hpub(nats_url, SUBJECTS.result("victim").encode(), b"NATS/1.0 503 \xff\xfe\r\n\r\n")
+            async with connection(nats_url) as processor:
+                await forge(processor, "bystander", 0, final=True)
+                await processor.flush()
+            try:
+                seen = [r.seq for r in await bystander.collect()]
+            except TimeoutError as exc:
+                seen = f"TimeoutError: {exc}"
+            with pytest.raises(StreamprocError if connect == "streamproc" else TimeoutError):
+                await victim.collect()
+    finally:
+        await nc.close()
+    warned = "event=stock_nats_client" in caplog.text
+    if connect == "streamproc":
+        assert seen == [0] and not warned, seen
+    else:  # stock nats-py still goes deaf (its read loop); the helper said so
+        assert warned and "streamproc.connect()" in caplog.text
+
+
+async def test_a_forged_join_header_is_not_echoed_whole_in_the_error(client, nats_url):
+    """Every other header value a reader refuses is shown cut (``errors.shown``: "echoed whole, one
+    chunk made an error result too large to publish and a log line of that size"); a forged
+    ``Streamproc-Join`` of 500,000 characters came back whole in ``MalformedResult``'s text (Verdict's
+    ValueError), in every log line and HTTP error a frontend makes of it."""
+    async with follow(client, SUBJECTS, "join", timeout=2) as results, connection(nats_url) as forger:
+        await forger.publish(SUBJECTS.result("join"), b"x",
+                             headers={"Streamproc-Seq": "0", "Streamproc-Join": "J" * 500_000})
+        await forger.flush()
+        with pytest.raises(StreamprocError) as raised:
+            await results.collect()
+    assert len(str(raised.value)) < 1000, f"{len(str(raised.value))} characters"
+
+
+# ----------------------------------------------------------------- ResultCollector
+
+async def test_concurrent_wait_for_calls_on_one_collector_each_return_when_their_requests_end(client, nats_url):
+    """``wait_for`` keeps the requests it waits for in the collector (``_missing``, ``_all_done``): a
+    second call replaces the first's, so the first waited its whole timeout although its request had
+    ended, then raised a TimeoutError naming the *other* call's request; the second, whose request
+    never ended, then found nothing missing and raised ``KeyError`` instead of its TimeoutError."""
+    async with ResultCollector(client, SUBJECTS) as collector, connection(nats_url) as processor:
+        outcomes: dict[str, str] = {}
+
+        async def wait(rid: str) -> None:
+            started = time.monotonic()
+            try:
+                await collector.wait_for([rid], timeout=3)
+                outcomes[rid] = f"answered after {time.monotonic() - started:.1f} s"
+            except Exception as exc:  # noqa: BLE001 - the test reports what each call got
+                outcomes[rid] = f"{type(exc).__name__} after {time.monotonic() - started:.1f} s: {exc}"
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(wait, "first")
+            await anyio.sleep(0.1)
+            tasks.start_soon(wait, "second")  # its request never ends
+            await anyio.sleep(0.1)
+            await forge(processor, "first", 0, final=True)
+            await processor.flush()
+        assert outcomes["first"].startswith("answered after 0.") and outcomes["second"].startswith(
+            "TimeoutError") and "'second'" in outcomes["second"], outcomes
+
+
+# ----------------------------------------------------------------- Migrator
+
+REQUEST = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16}}).encode()
+
+
+def sealed(**changes: object) -> bytes:
+    reply = {"status": "sealed", "request_id": "r1", "attempt": 1, "emitted_tokens": 2,
+             "emitted_token_ids": [5, 6], "result_seq": 3, "format": "sglang"}
+    reply.update(changes)
+    return json.dumps(reply).encode()
+
+
+@pytest.mark.parametrize("reply", [
+    b"not json",
+    b"{}",
+    json.dumps({"status": "error", "request_id": "r1", "code": "new_code", "message": "m"}).encode(),
+    sealed(emitted_token_ids=["a"]),
+    sealed(request_id="another-request"),
+    sealed(attempt=-5),
+    sealed(attempt=10**30),
+    sealed(emitted_tokens=-1),
+    sealed(emitted_token_ids=[-3]),
+], ids=["not-json", "empty-object", "unknown-code", "bad-token-ids", "another-request", "negative-attempt",
+        "attempt-over-max-seq", "negative-emitted-tokens", "negative-token-id"])
+async def test_a_migrate_reply_that_is_not_a_seal_of_this_request_raises_a_streamproc_error(client, nats_url, reply):
+    """A reply the Migrator cannot use (a buggy or newer processor, anyone answering on
+    ``P.control.*.migrate``) raised ``msgspec.DecodeError``/``ValidationError`` (no ``StreamprocError``:
+    the module doc promises ``MigrationError`` for an error reply and nats-py's exceptions for NATS
+    failures), or was taken as the seal: a seal of another request (its token ids went into this
+    one's resumed request), an attempt of -5 or 10**30 (``publish_request`` put
+    ``Streamproc-Attempt: -5`` on the resumed request; every chunk of it is a contract error)."""
+    async with connection(nats_url) as processor:
+        async def answer(msg) -> None:
+            await processor.publish(msg.reply, reply)
+
+        await processor.subscribe(SUBJECTS.all_migrate, cb=answer)
+        await processor.flush()
+        migrator = Migrator(client, format="sglang", timeout=2, attempt_timeout=0.5)
+        with pytest.raises(StreamprocError):
+            resumed = await migrator.migrate("r1", REQUEST)
+            pytest.fail(f"taken as this request's seal: {resumed}")
+
+
+async def test_a_migrate_error_reply_with_a_huge_message_is_raised_cut(client, nats_url):
+    """An error reply's ``message`` is the replier's text: 100,000 characters were echoed whole in
+    ``MigrationError`` (and every log line made of it)."""
+    reply = json.dumps({"status": "error", "request_id": "r1", "code": "finished", "message": "m" * 100_000})
+    async with connection(nats_url) as processor:
+        async def answer(msg) -> None:
+            await processor.publish(msg.reply, reply.encode())
+
+        await processor.subscribe(SUBJECTS.all_migrate, cb=answer)
+        await processor.flush()
+        with pytest.raises(MigrationError) as raised:
+            await Migrator(client, format="sglang", timeout=2, attempt_timeout=0.5).migrate("r1", REQUEST)
+    assert raised.value.code.value == "finished" and len(str(raised.value)) < 1100, len(str(raised.value))
+
+
+# ----------------------------------------------------------------- ChunkPublisher
+
+@pytest.mark.parametrize("ack", [b"not json", b"null", b"{}", b'{"error": "boom"}', b'{"error": null}', b'{"error": []}',
+                                 b'{"stream": 5, "seq": "x"}'],
+                         ids=["not-json", "null", "empty-object", "error-string", "error-null", "error-list",
+                              "not-a-puback"])
+async def test_a_durable_publish_answered_by_something_other_than_a_puback_raises_publish_refused(
+        client, nats_url, ack):
+    """A durable publish whose reply is not a PubAck (a service answering requests on the chunk
+    subject, no stream) raised ``JSONDecodeError``/``TypeError`` from nats-py's parsing, which a
+    worker's ``except PublishRefused`` does not catch, or returned as if the chunk were stored
+    (``{"stream": 5, "seq": "x"}``): no stream holds it."""
+    async with connection(nats_url) as responder:
+        async def answer(msg) -> None:
+            await responder.publish(msg.reply, ack)
+
+        await responder.subscribe(SUBJECTS.all_chunks, cb=answer)
+        await responder.flush()
+        publisher = ChunkPublisher(client, SUBJECTS, durable=True, timeout=0.5, retries=1, backoff=0.05)
+        with pytest.raises(StreamprocError):
+            await publisher.publish("w1", "agg", 0, b"{}", final=True)
+            pytest.fail("returned as if stored")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.binary(max_size=40), st.booleans()), max_size=40))
+def test_a_result_streams_byte_count_is_what_it_holds(pushes):
+    """The bound counts exactly the bodies the stream holds: those ready for its loop and those
+    ``SeqOrder`` keeps behind a missing seq, through repeats, gaps and a final result."""
+    stream = ResultStream(None, SUBJECTS, "bytes", max_buffered_bytes=1 << 30)  # type: ignore[arg-type]
+    for seq, body, final in pushes:
+        result = Result("bytes", seq, body, final, Verdict.PASSTHROUGH)
+        msg = Msg(None, subject=SUBJECTS.result("bytes"), data=body, headers=result_headers(result))  # type: ignore[arg-type]
+        anyio.run(stream._on_msg, msg)
+        assert stream._ready_bytes == sum(len(r.body) for r in stream._ready)
+        assert stream._waiting_bytes == sum(len(r.body) for r in stream._order.pending.values())
