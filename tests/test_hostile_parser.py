@@ -94,3 +94,23 @@ def test_a_header_value_of_any_length_is_shown_cut_to_its_start_and_length_in_th
     assert info.value.request_id == "r3"
     assert name in info.value.reason and "(1000000 characters)" in info.value.reason
     assert len(info.value.reason) < 200
+
+
+@pytest.mark.parametrize("length, kept", [(55, True), (512, True), (513, False), (65_000, False)])
+def test_a_traceparent_past_512_characters_is_taken_as_absent_on_every_path(length, kept):
+    """The processor keeps a streamed request's traceparent for its life and copies it into each result:
+    a worker's 64 KB one held memory outside every budget and made results JetStream refuses
+    (tests/test_durable_worker_attack.py)."""
+    from streamproc.catalog import Catalog
+    from streamproc.core.correlator import Correlator
+    from streamproc.core.passthrough import PassthroughPath
+    from streamproc.core.wire import ChunkParser, Subjects, chunk_from_message
+
+    subjects = Subjects("p")
+    value = "0" * length
+    for final in ("true", "false"):
+        headers = {"Streamproc-Seq": "0", "Streamproc-Final": final, "traceparent": value}
+        for parse in (ChunkParser(subjects), lambda s, h, b: chunk_from_message(subjects, s, h, b)):
+            assert parse("p.chunks.r.agg", headers, b"{}").traceparent == (value if kept else None)
+        fused = PassthroughPath(subjects, Correlator(Catalog(), "sglang"))("p.chunks.r.agg", headers, b"{}", 0.0)
+        assert (fused is not None) == kept  # declined: the general path drops it

@@ -723,6 +723,22 @@ def test_a_result_refused_max_attempts_times_is_given_up_its_tokens_nakd_and_its
     assert box.idle and box.stats.results_given_up == 1 and box.sending(1.0) == []
 
 
+def test_a_result_whose_header_block_jetstream_never_stores_is_given_up_at_its_first_refusal():
+    """nats-server refuses a header block over 64 KiB (err_code 10097) every time: retried, the
+    result held its chunk for 100 x 0.5 s per delivery (tests/test_durable_worker_attack.py)."""
+    box = Outbox(OutboxConfig(max_attempts=100))
+    t0 = Token("a", "0", 1)
+    box.take([result("a", 0, settles=(t0,))], "a")
+    (o,) = box.sending(0.0)
+    refusal = (b'{"error":{"code":400,"err_code":10097,"description":"header size exceeds maximum allowed '
+               b'of 64k"},"stream":"R","seq":0}')
+    assert box.on_puback(o.ticket, refusal, 0.1) == GIVEN_UP
+    (g,) = box.given_up()
+    assert (g.request_id, g.seq, g.attempts) == ("a", 0, 1) and "64 KiB" in g.reason
+    assert box.control() == [(t0, NAK)]
+    assert box.idle and box.sending(1.0) == []
+
+
 def test_a_result_whose_puback_never_comes_is_given_up_after_max_attempts_timeouts():
     box = Outbox(OutboxConfig(first_wait=1.0, max_wait=1.0, max_attempts=3))
     box.take([result("a", 0, settles=(Token("a", "0", 1),))], "a")

@@ -163,6 +163,11 @@ class Outgoing:
         return flight, self.size, self.batch_seq
 
 
+# nats-server's refusal of a message whose header block passes 65,535 bytes (JSStreamHeaderExceedsMaximumErr):
+# the same message is refused every time.
+_HEADERS_TOO_LARGE = b'"err_code":10097'
+
+
 def classify(data: bytes) -> str:
     """What a PubAck body says. An empty body is a status reply (503 no responders: no stream)."""
     if not data or b'"error":' in data:
@@ -344,7 +349,7 @@ class Outbox:
         if o is None:
             return UNMATCHED
         if not data or b'"error":' in data:  # see classify(); inlined on the hot path
-            return self._refuse(o, now)
+            return self._refuse(o, now, data)
         outcome = STORED
         if b'"duplicate"' in data:  # see classify()
             self.stats.duplicate_results += 1
@@ -535,12 +540,19 @@ class Outbox:
 
     # ---------------------------------------------------------------------- inside
 
-    def _refuse(self, o: Outgoing, now: float) -> str:
+    def _refuse(self, o: Outgoing, now: float, data: bytes | None = None) -> str:
         """``o``, its request's first result not stored, was refused (or its batch stopped at it):
         sent again alone after ``retry_after_refusal``, or given up after ``max_attempts`` refusals."""
         self.stats.publish_errors += 1
         self.last_refused = o.result
         o.failures += 1
+        if data is not None and _HEADERS_TOO_LARGE in data:
+            # Never storable, whatever the retries: given up now, as a result over max_payload is
+            # (its chunk's worker chose the header, e.g. a 64 KB traceparent). Retried, it held its
+            # chunk unacknowledged for 100 x 0.5 s per delivery, 20 deliveries, and max_ack_pending
+            # such chunks stalled their partition (tests/test_durable_worker_attack.py).
+            self._give_up(o, "its header block is larger than JetStream allows (64 KiB)")
+            return GIVEN_UP
         if o.failures >= self.config.max_attempts:
             self._give_up(o, "refused")
             return GIVEN_UP

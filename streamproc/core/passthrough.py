@@ -26,6 +26,7 @@ from .wire import (
     FINAL,
     FORMAT,
     MAX_REQUEST_ID_LEN,
+    MAX_TRACEPARENT_LEN,
     SEQ,
     TRACEPARENT,
     Subjects,
@@ -68,7 +69,8 @@ class PassthroughPath:
                 and (final is None or final == "true" or final == "false")
                 and (attempt is None or attempt == "0")
                 and not get(FORMAT)
-                and ((plain_header_value(traceparent) and (self._untraced or traceparent.endswith("-00")))
+                and ((len(traceparent) <= MAX_TRACEPARENT_LEN and plain_header_value(traceparent)
+                      and (self._untraced or traceparent.endswith("-00")))
                      if traceparent else self._untraced)):
             return None
         n = int(seq)

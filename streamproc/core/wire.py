@@ -49,6 +49,11 @@ MAX_SEQ = 10**18 - 1
 _ROLES = {r.value: r for r in Role}
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 MAX_REQUEST_ID_LEN = 256
+# A longer traceparent is taken as absent. W3C's version 00 is 55 characters; the processor keeps a
+# streamed request's for its whole life and copies it into every result, and a worker may send up to
+# 64 KiB of headers: 10,000 requests held ~640 MiB outside every byte budget, and a result whose header
+# block passed 64 KiB was refused by JetStream at every send (tests/test_durable_worker_attack.py).
+MAX_TRACEPARENT_LEN = 512
 REQUEST_ID_RULE = (f"1 to {MAX_REQUEST_ID_LEN} printable ASCII characters (0x21-0x7e) other than '.', '*' and "
                    "'>': no whitespace, no control characters")
 
@@ -148,6 +153,11 @@ def _parse_index(value: str | None, name: str, request_id: str, *, required: boo
     return int(value)
 
 
+def _traceparent(value: str | None) -> str | None:
+    """A chunk's traceparent as the processor keeps it: None past :data:`MAX_TRACEPARENT_LEN`."""
+    return value if value is None or len(value) <= MAX_TRACEPARENT_LEN else None
+
+
 def chunk_from_message(
     subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes, token: Any = None
 ) -> Chunk:
@@ -164,7 +174,7 @@ def chunk_from_message(
         final=_parse_flag(h.get(FINAL), FINAL, request_id),
         attempt=_parse_index(h.get(ATTEMPT), ATTEMPT, request_id, required=False),
         format=h.get(FORMAT) or None,
-        traceparent=h.get(TRACEPARENT),
+        traceparent=_traceparent(h.get(TRACEPARENT)),
         token=token,
     )
 
@@ -196,8 +206,11 @@ class ChunkParser:
                     and seq is not None and seq.isascii() and seq.isdigit() and len(seq) <= 18
                     and (final is None or final == "true" or final == "false")
                     and (attempt is None or attempt == "0")):
+                traceparent = headers.get(TRACEPARENT)
+                if traceparent is not None and len(traceparent) > MAX_TRACEPARENT_LEN:
+                    traceparent = None
                 return Chunk(request_id, found, int(seq), body, final == "true", 0,
-                             headers.get(FORMAT) or None, headers.get(TRACEPARENT), token)
+                             headers.get(FORMAT) or None, traceparent, token)
         return chunk_from_message(self.subjects, subject, headers, body, token)
 
 

@@ -195,6 +195,9 @@ class CoreInput:
                     except ContractError as exc:
                         decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
                     else:
+                        # parsed; its token (this Msg) may be held with it: a worker's 64 KiB of
+                        # headers, in no budget (tests/test_durable_worker_attack.py)
+                        msg.headers = None if chunk.format is None else {FORMAT: chunk.format}
                         decisions = self._receive(chunk, now)
             except Exception as exc:
                 decisions = self._pipeline.failed(exc, msg, acknowledged=False)

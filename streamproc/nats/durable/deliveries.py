@@ -326,6 +326,7 @@ class Deliveries:
             try:
                 try:
                     parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                    msg.headers = None  # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget
                 except ContractError as exc:
                     parsed = exc
                 rid = parsed.request_id
@@ -365,6 +366,7 @@ class Deliveries:
                 chunk = parse(head + subject[cut:], headers, data, msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
+            msg.headers = None  # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget
             rid = chunk.request_id
             # round_trip() is None for a first attempt's chunk of a known request, the common case:
             # not called then (this path's calls per chunk: docs/benchmarks.md, "Calls per chunk").

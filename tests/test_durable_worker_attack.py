@@ -1,0 +1,236 @@
+"""An attacker's review of durable mode under a hostile worker, within the shipped worker's rights
+(``deploy/nats-server.conf``: publish ``streamproc.chunks.>`` and get PubAcks), against a real
+nats-server and ``streamproc run --mode durable``.
+
+Each test failed on the code it was written against; the docstrings give the figures seen.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+from conftest import processor_subprocess
+from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced
+from helpers import peak_rss, status_kib, wait_until
+from shipped_config import CONF, shipped_server, url
+
+from streamproc.core.wire import chunk_headers
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
+
+
+@pytest.mark.xfail(strict=True, reason="nats-server keeps every Nats-Msg-Id for the duplicate window, whatever its "
+                   "length: no streamproc setting bounds it (docs/security.md, known limits); strict: "
+                   "passes, and so fails here, once nats-server bounds it")
+async def test_a_workers_long_msg_ids_do_not_hold_nats_server_memory_after_its_chunks_are_processed():
+    """docs/security.md bounds what a worker stores to ``--chunks-max-bytes``, and the chunk stream is a
+    work queue: processed chunks are deleted. But the worker chooses each chunk's ``Nats-Msg-Id``, and
+    the chunk stream (created by the processor with ``--duplicate-window``, 2 min) keeps every id in
+    nats-server's memory for the window, whatever the chunk's fate. JetStream allows 64 KiB of
+    headers, so an id can be ~60 KB beside a 2-byte body.
+
+    Seen (nats-server 2.15.1, 2-vCPU machine): 15,000 such chunks, published by one connection in
+    10 s and all processed (chunk stream empty), left nats-server at 1,409 MiB RSS (18 MiB before;
+    1,252 MiB still 140 s later), against 42 MiB for the same 15,000 chunks with ordinary ids. At
+    that rate, over one duplicate window: ~17 GB. Here 3,000 chunks: ~+300 MiB."""
+    chunks, id_len = 3000, 60_000
+    with shipped_server(CONF.read_text()) as server, \
+            processor_subprocess(url(server, "processor"), *durable_flags(partitions=2)):
+            worker = await connect(url(server, "worker"))
+            js_reader = await connect(url(server, "processor"))
+            try:
+                js = js_reader.jetstream()
+                before = status_kib(server.pid, "VmRSS")
+                messages = []
+                for i in range(chunks):
+                    headers = chunk_headers(f"mid{i}", "agg", 0, final=True)
+                    headers["Nats-Msg-Id"] = f"{i}." + "x" * id_len
+                    messages.append((f"streamproc.chunks.mid{i}.agg", b"{}", headers))
+                await publish_paced(worker, messages, window=16, timeout=120)
+
+                async def processed() -> bool:
+                    return await chunk_stream_messages(js) == 0
+
+                await wait_until(processed, 60, "every chunk processed")
+                await anyio.sleep(1)
+                grown = (status_kib(server.pid, "VmRSS") - before) / 1024
+                assert grown < 64, (
+                    f"nats-server's RSS grew by {grown:.0f} MiB after {chunks} one-chunk requests with "
+                    f"{id_len}-byte Nats-Msg-Ids were processed (the chunk stream is empty): the ids are kept "
+                    f"for the duplicate window, outside --chunks-max-bytes")
+            finally:
+                await worker.close()
+                await js_reader.close()
+
+
+async def test_a_chunk_whose_traceparent_makes_its_result_header_block_too_large_gets_a_stored_answer_soon():
+    """A chunk's ``traceparent`` is copied into its result's headers unchecked (only "plain": printable
+    ASCII), and the result's header block is longer than the chunk's (``Nats-Msg-Id``,
+    ``Streamproc-Join``). JetStream refuses a message whose header block passes 64 KiB ("header size
+    exceeds maximum allowed of 64k", err_code 10097), so a chunk whose block is just under it is
+    stored and delivered, and its result (and the request's error result, which carries the same
+    traceparent) can never be stored: the outbox re-sends it every 0.5 s up to
+    ``--max-result-attempts`` (100), gives it up, NAKs the chunk, and the round starts again for
+    ``--max-deliver`` (20) deliveries, ~17 minutes, and the error result that ends it is refused
+    too. Meanwhile every re-send reaches the live subscribers of ``P.results.>`` (the edge): a
+    JetStream refusal does not stop the core delivery. docs/operations.md promises a clear error
+    for a result over ``max_payload`` (given up at once); here a buggy worker's oversized trace
+    context gets nothing stored (an edge attaching later, or replaying, finds nothing) and a
+    stream of repeats on the live subject.
+
+    Seen: nothing stored for the request after 20 s (the bystander's result stored), the same
+    seq-0 result received live 36 times. With ``--max-result-attempts 3 --max-deliver 2`` the
+    request ended after ~2 s with a stored ``Streamproc-Error`` result (the poison path's error
+    result carries no traceparent): at the defaults that takes 100 x 0.5 s per delivery, 20
+    deliveries."""
+    rid = "tp" + "r" * 100
+    with shipped_server(CONF.read_text()) as server, \
+            processor_subprocess(url(server, "processor"), *durable_flags(partitions=2)) as (_, log_path):
+            worker = await connect(url(server, "worker"))
+            reader = await connect(url(server, "frontend"))
+            store = await connect(url(server, "processor"))
+            live: dict[str, int] = {}
+
+            async def on_result(msg) -> None:
+                key = msg.subject.rsplit(".", 1)[-1]
+                live[key] = live.get(key, 0) + 1
+
+            sub = await reader.subscribe("streamproc.results.>", cb=on_result)
+            try:
+                js = store.jetstream()
+                headers = {"Streamproc-Seq": "0", "Streamproc-Final": "true"}  # no Nats-Msg-Id: the worker needs none
+                base = len(b"NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
+                headers["traceparent"] = "0" * (65535 - base - len("traceparent") - 4 - 16)
+                ack = await worker.request(f"streamproc.chunks.{rid}.agg", b'{"text":"x"}', headers=headers,
+                                           timeout=5)
+                assert b'"error"' not in ack.data, ack.data  # the chunk is stored
+                await worker.request("streamproc.chunks.bystander.agg", b"{}",
+                                     headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+
+                async def stored(r: str) -> bool:
+                    try:
+                        await js.get_last_msg("STREAMPROC_RESULTS", f"streamproc.results.{r}")
+                        return True
+                    except Exception:  # noqa: BLE001  (not found)
+                        return False
+
+                await wait_until(lambda: stored("bystander"), 10, "the bystander's result stored")
+                t0 = time.monotonic()
+                with anyio.move_on_after(20):
+                    while not await stored(rid):
+                        await anyio.sleep(0.5)
+                assert await stored(rid), (
+                    f"nothing stored for the request after {time.monotonic() - t0:.0f} s (its result was received "
+                    f"live {live.get(rid, 0)} times); processor log:\n"
+                    + log_path.read_text()[-1500:])
+            finally:
+                await sub.unsubscribe()
+                await worker.close()
+                await reader.close()
+                await store.close()
+
+
+async def test_chunks_whose_results_the_stream_refuses_never_stall_their_partition():
+    """docs/operations.md: "held chunks never fill a partition's ``max_ack_pending``" (the longest-idle
+    holders are shed at 3/4 of it). A chunk whose result the results stream refuses (here: the
+    ``traceparent`` header making the result's header block pass JetStream's 64 KiB) is not held by
+    the correlator but waits unacknowledged in the outbox, re-sent every 0.5 s for
+    ``--max-result-attempts``, then NAKed and redelivered: nothing sheds it. ``max_ack_pending``
+    such chunks in one partition stop the server from delivering the partition anything else.
+    Their headers are not counted in the outbox's queued bytes either (only bodies are).
+
+    Seen with ``--max-ack-pending 32`` and 40 such chunks in the one partition: a bystander's
+    one-chunk request, published after them, had no result after 20 s. At the defaults (one
+    partition, ``--max-ack-pending`` 2048) 2,100 such chunks (~137 MB published): the bystander had
+    no result after 20 s, exactly 2,048 of the hostile results were being re-sent, and the
+    processor's VmHWM was 544 MiB (docs/operations.md: below 200 MiB under attack at the defaults);
+    with 8 partitions the same costs 2,048 chunks per partition. Each round lasts 100 x 0.5 s,
+    then the chunks are NAKed, redelivered and stall the partition again, 20 times."""
+    hostile = 40
+    with shipped_server(CONF.read_text()) as server:
+        flags = durable_flags(partitions=1, max_ack_pending=32)
+        with processor_subprocess(url(server, "processor"), *flags):
+            worker = await connect(url(server, "worker"))
+            reader = await connect(url(server, "frontend"))
+            answered: set[str] = set()
+
+            async def on_result(msg) -> None:
+                answered.add(msg.subject.rsplit(".", 1)[-1])
+
+            sub = await reader.subscribe("streamproc.results.>", cb=on_result)
+            try:
+                for k in range(hostile):
+                    rid = f"tp{k:03d}" + "r" * 100
+                    headers = {"Streamproc-Seq": "0", "Streamproc-Final": "true"}
+                    base = len(b"NATS/1.0\r\n\r\n") + sum(len(a) + len(b) + 4 for a, b in headers.items())
+                    headers["traceparent"] = "0" * (65535 - base - len("traceparent") - 4 - 16)
+                    ack = await worker.request(f"streamproc.chunks.{rid}.agg", b"{}", headers=headers, timeout=5)
+                    assert b'"error"' not in ack.data, ack.data
+                await anyio.sleep(1)
+                await worker.request("streamproc.chunks.bystander.agg", b"{}",
+                                     headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+                t0 = time.monotonic()
+                with anyio.move_on_after(20):
+                    while "bystander" not in answered:
+                        await anyio.sleep(0.1)
+                assert "bystander" in answered, (
+                    f"the bystander's request, published behind {hostile} chunks whose results the stream refuses, "
+                    f"had no result after {time.monotonic() - t0:.0f} s")
+            finally:
+                await sub.unsubscribe()
+                await worker.close()
+                await reader.close()
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("shape", ["junk_headers_on_held_chunks", "traceparent_of_streamed_requests"])
+async def test_header_bytes_a_worker_sends_are_charged_to_the_memory_budgets(nats_url, shape):
+    """Every byte budget counts chunk *bodies* (``--max-buffered-bytes``, ``--max-total-bytes``), but a
+    chunk's header block may be up to 64 KiB (JetStream's limit) and the processor keeps it: a held
+    chunk's ``Msg`` (its token) holds its headers, and a streamed request keeps its first chunk's
+    ``traceparent`` for its whole life. docs/operations.md: "At the defaults a processor under these
+    attacks stays below 200 MiB peak RSS".
+
+    Seen (8 partitions, defaults otherwise): 100 requests whose seq 0 never comes, 100 out-of-order
+    chunks each with a 2-byte body and a 60 KB header of any name: VmHWM 264-336 MiB (59 MiB with
+    10-byte headers). 5,000 streamed requests (seq 0 of ``agg``, not final) each with a 60 KB
+    ``traceparent``: VmHWM 338 MiB (51 MiB with 50-byte ones); ``--max-inflight`` (10,000) of them
+    hold ~640 MiB."""
+    with processor_subprocess(nats_url, *durable_flags(partitions=8)) as (proc, _):
+        nc = await connect(nats_url)
+        try:
+            if shape == "junk_headers_on_held_chunks":
+                for r in range(100):
+                    await publish_paced(nc, [(f"streamproc.chunks.h{r}.agg", b"{}",
+                                              {"Streamproc-Seq": str(s), "X-Junk": "j" * 60_000})
+                                             for s in range(1, 101)], window=64, timeout=60)
+            else:
+                for start in range(0, 5000, 1000):
+                    await publish_paced(nc, [(f"streamproc.chunks.t{i}.agg", b"{}",
+                                              {"Streamproc-Seq": "0", "traceparent": f"{i:08d}" + "0" * 60_000})
+                                             for i in range(start, start + 1000)], window=64, timeout=60)
+            await anyio.sleep(3)
+            assert peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
+
+
+async def test_header_bytes_of_held_chunks_are_not_kept_in_core_mode_either(nats_url):
+    """The same junk headers as above, in core mode: a held chunk's token (its Msg) kept its header
+    block there too. 100 requests whose seq 0 never comes, 100 chunks each with 60 KB of headers."""
+    with processor_subprocess(nats_url, "--mode", "core") as (proc, _):
+        nc = await connect(nats_url)
+        try:
+            for r in range(100):
+                for s in range(1, 101):
+                    await nc.publish(f"streamproc.chunks.c{r}.agg", b"{}",
+                                     headers={"Streamproc-Seq": str(s), "X-Junk": "j" * 60_000})
+                await nc.flush()
+            await anyio.sleep(3)
+            assert peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
