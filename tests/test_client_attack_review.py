@@ -23,6 +23,7 @@ from streamproc import ChunkPublisher, MigrationError, Migrator, StreamprocError
 from streamproc.client.results import ResultCollector, ResultStream
 from streamproc.core.events import Result, Verdict
 from streamproc.core.wire import result_headers
+from streamproc.nats.streams import ensure_results_stream
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -288,3 +289,29 @@ def test_a_result_streams_byte_count_is_what_it_holds(pushes):
         anyio.run(stream._on_msg, msg)
         assert stream._ready_bytes == sum(len(r.body) for r in stream._ready)
         assert stream._waiting_bytes == sum(len(r.body) for r in stream._order.pending.values())
+
+
+async def test_a_slow_loop_replaying_a_large_finished_request_gets_all_of_it(client, nats_url):
+    """A late attach (replay=True) of a legitimate finished request whose stored results total
+    25 MiB, read by a loop doing a little awaited work per result (a socket write). The ordered
+    consumer pushes at JetStream's pace, not the loop's: the first version of the byte bound ended
+    such a stream with ResultsOverrun at 16 MiB (found by a reviewer; the edge had met the same,
+    docs/edge.md). Now the replay stops its consumer at the bound and reads on from the next stored
+    result, and the reader holds about the bound, not the history."""
+    js = client.jetstream()
+    await ensure_results_stream(js, SUBJECTS)
+    rid, n, body = "big-replay-slow", 400, b"e" * 65536
+    async with connection(nats_url) as producer:
+        for seq in range(n):
+            await forge(producer, rid, seq, body, final=seq == n - 1)
+        await producer.flush()
+    await anyio.sleep(0.5)
+    before = rss_bytes()
+    got = []
+    async with follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=4 << 20) as results:
+        async for result in results:
+            got.append(result.seq)
+            await anyio.sleep(0.0005)
+    grown = rss_bytes() - before
+    assert got == list(range(n))
+    assert grown < 24 << 20, f"the reader grew by {grown >> 20} MiB for a 25 MiB history"

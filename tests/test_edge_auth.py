@@ -687,20 +687,41 @@ async def test_every_answer_to_a_capability_says_no_store_so_no_cache_keeps_resu
         name: "no-store" for name in answers}
 
 
-async def test_a_token_whose_header_is_nested_too_deeply_is_a_401_with_every_supported_pyjwt(auth_edge):
-    """PyJWT parses the header before it checks the signature; ``json.loads`` raises RecursionError
-    (not ValueError) past ~1,000 levels. PyJWT 2.8.0, the floor pyproject allows, let it out of
-    ``jwt.decode``: an unauthenticated 500 and a logged traceback per request (2.15 catches it)."""
+def deep_header_token() -> str:
     from jwt.utils import base64url_encode
 
     header = b'{"alg":"HS256","typ":"JWT","x":' + b"[" * 3000 + b"]" * 3000 + b"}"
     forged = ".".join(base64url_encode(part).decode() for part in (header, b'{"scope":"operator"}', b"sig"))
     assert len(forged) < 8192  # parsed, not refused for its size
+    return forged
+
+
+async def test_a_token_whose_header_is_nested_too_deeply_is_a_401(auth_edge):
+    """PyJWT parses the header before it checks the signature; ``json.loads`` raises RecursionError
+    (not ValueError) past ~1,000 levels. The installed PyJWT catches it; the test below covers the
+    floor ``pyproject.toml`` allows, which does not."""
+    forged = deep_header_token()
     answers = [await get(auth_edge, "/v1/recent", headers=bearer(forged)),
                await get(auth_edge, "/v1/recent", params={"access_token": forged})]
     for answer in answers:
         assert_refusal(answer, 401, "unauthorized")
     assert "RecursionError" not in auth_edge.log()
+
+
+def test_a_header_pyjwt_cannot_parse_is_refused_also_where_pyjwt_lets_the_recursion_error_out(monkeypatch):
+    """PyJWT 2.8.0, the floor pyproject allows, let ``json.loads``' RecursionError out of
+    ``jwt.decode`` (seen with 2.8.0 installed aside: an unauthenticated 500 and a traceback per
+    request). CI runs the newest PyJWT, which catches it; here ``jwt.decode`` does what 2.8's did."""
+    from jwt.utils import base64url_decode
+
+    def decode_as_pyjwt_2_8(token: str, *args, **kwargs):
+        json.loads(base64url_decode(token.split(".")[0]))  # the header first, its errors not caught
+        raise AssertionError("not reached: the header does not parse")
+
+    forged = deep_header_token()
+    monkeypatch.setattr(jwt, "decode", decode_as_pyjwt_2_8)
+    with pytest.raises(InvalidCapability, match="invalid token"):
+        Verifier(SECRET, "HS256", leeway=0.0).verify(forged)
 
 
 async def test_a_trailing_slash_on_a_v1_path_does_not_redirect_the_token_to_the_host_header(auth_edge):

@@ -321,3 +321,23 @@ async def test_error_kinds_a_results_publisher_chose_share_one_metric_label(nats
     labels = {name: n for name, n in metrics.items() if name.startswith("streamproc_edge_error_results_total")}
     assert labels == {'streamproc_edge_error_results_total{kind="other"}': 60,
                       'streamproc_edge_error_results_total{kind="timeout"}': 1}, labels
+
+
+
+@pytest.mark.parametrize("error", ["kaputt \u20ac", "x" * 60_000], ids=["non-latin-1", "60KB"])
+async def test_an_error_kind_a_results_publisher_chose_is_never_echoed_whole(edge, nc, error):
+    """A result's ``Streamproc-Error`` is its publisher's text. The unary answer put it whole in an
+    HTTP header: one that is not latin-1 made it a bare 500 (Starlette's encode), a 60 KB one a
+    60 KB response header; the SSE meta frame and /v1/recent carried it whole too (found by a
+    reviewer). Now each shows a kind of this version or ``other``."""
+    rid = f"errhdr-{len(error)}"
+    body = b'{"error": {"message": "m"}}'
+    await publish_result(nc, SUBJECTS, rid, 0, body, final=True, verdict=None, error=error, acked=True)
+    async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+        unary = await client.get(f"/v1/results/{rid}?stream=false")
+        streamed = await client.get(f"/v1/results/{rid}?verdicts=1")
+        recent = (await client.get("/v1/recent")).json()
+    assert unary.content == body and unary.headers["streamproc-error"] == "other", unary.status_code  # a kind-shaped word passes (test_edge_unary)
+    assert b'"error":"other"' in streamed.content and error.encode() not in streamed.content
+    entry = next(e for e in recent if e["request_id"] == rid)
+    assert entry["error"] == "other", entry

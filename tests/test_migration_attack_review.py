@@ -8,12 +8,15 @@ from __future__ import annotations
 import gc
 import json
 import random
+import secrets
 import tracemalloc
 
 import anyio
 import pytest
 
 from streamproc.catalog import codec_class
+from streamproc.core.defaults import FRONTEND_INBOX_PREFIX
+from streamproc.core.errors import ContractError
 from streamproc.client.migration import MigrationRefused, Migrator, Resumed
 from streamproc.codec import Emitted
 from streamproc.wire import MigrateErrorCode, MigrateRequest, Sealed, decode_migrate_reply, encode_control
@@ -24,7 +27,7 @@ from streamproc.simulation import make_truth
 from streamproc_sglang.upstream import Shape
 from streamproc_sglang.worker import SGLangWorker
 
-from helpers import wait_until
+from helpers import connection, wait_until
 from migration_helpers import SimulatedPool, assert_uninterrupted
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -312,3 +315,33 @@ async def test_a_malformed_chunk_of_a_sealed_attempt_reaching_the_next_instance_
             results = seen + await stream.collect()
     assert [(r.seq, r.error) for r in results if r.error] == [], [r.body for r in results if r.error]
     assert_uninterrupted(fmt, truth, results)
+
+
+DEEP = b"[" * 100_000 + b"]" * 100_000  # msgspec raises RecursionError for it (in Any and skipped fields)
+
+
+async def test_a_migrate_request_nested_too_deeply_is_answered_bad_request(start_processor, nats_url):
+    """The processor's control handler caught msgspec's DecodeError and ValidationError only: a body
+    whose unknown field was 100,000 arrays deep raised RecursionError in its callback, and the
+    sender got no answer (a flat malformed body gets bad_request). Found by a reviewer."""
+    async with start_processor("in-process", mode="core") as rp:
+        async with connection(nats_url) as nc:
+            subject = rp.subjects.migrate("deep-migrate")
+            inbox = f"{FRONTEND_INBOX_PREFIX}.{secrets.token_hex(8)}"
+            sub = await nc.subscribe(inbox)
+            await nc.publish(subject, b'{"zz":' + DEEP + b"}", reply=inbox)
+            answer = await sub.next_msg(timeout=5)
+    assert b"bad_request" in answer.data, answer.data[:200]
+
+
+async def test_a_migrate_reply_nested_too_deeply_is_a_contract_error(client):
+    """``Migrator``: anything that is no migrate reply raises ContractError; a reply with a state
+    100,000 arrays deep raised RecursionError."""
+    async def answer(msg) -> None:
+        await msg.respond(b'{"status":"sealed","request_id":"deep-reply","attempt":1,"emitted_tokens":0,'
+                          b'"emitted_token_ids":[],"result_seq":0,"format":"f","state":{"a":' + DEEP + b"}}")
+
+    await client.subscribe("streamproc.control.deep-reply.migrate", cb=answer)
+    await client.flush()
+    with pytest.raises(ContractError):
+        await Migrator(client, format="sglang", timeout=2, attempt_timeout=0.5).refuse("deep-reply", "x")

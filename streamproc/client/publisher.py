@@ -107,7 +107,7 @@ class ChunkPublisher:
                 last = "no JetStream stream stores this subject (no responders)"
             except (nats.errors.TimeoutError, TimeoutError):
                 last = f"no PubAck within {self.timeout}s"
-            except (ValueError, TypeError, KeyError, AttributeError) as exc:  # nats-py parsing a reply
+            except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # nats-py parsing a reply
                 raise PublishRefused(subject, f"the reply is not a PubAck ({type(exc).__name__}): something other "
                                               "than a JetStream stream answers this subject", retryable=False) from None
             else:

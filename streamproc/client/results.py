@@ -16,11 +16,15 @@ creates it): an ordered consumer replays the request's subject from its first re
 follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
 are dropped by the same seq check.
 
-What one request's results may hold in the reader is bounded: ``max_buffered_bytes`` of bodies
-received and not yet taken (behind a gap, or ahead of a slow reader) end the stream with
-:class:`~streamproc.core.errors.ResultsOverrun`, as the edge ends a stream whose client falls
-``--stream-buffer-bytes`` behind; and ``timeout`` is a deadline for the final result that holds
-while results are waiting too (a producer that never ends, faster than its reader, is ended).
+What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of bodies
+received and not yet taken, as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
+behind a missing seq past it end the stream with :class:`~streamproc.core.errors.ResultsOverrun`
+(one forged request cannot grow a reader); so do in-order bodies a slow loop has not taken on a
+live stream (the processor does not wait for it). A replay instead stops its consumer there and
+reads on from the next stored result once the loop has taken half of them: JetStream pushes a
+stored history at its own pace, not the loop's. ``timeout`` is a deadline for the final result
+that holds while results are waiting too (a producer that never ends, faster than its reader, is
+ended).
 
 A live subscription (``replay=False``) misses what is published while the NATS connection is
 down: after a reconnect the stream waits for results that will never come, until ``timeout``
@@ -38,6 +42,7 @@ import anyio
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from ..core.defaults import CLIENT_BUFFER_BYTES
 from ..core.errors import MalformedResult, ResultsOverrun
@@ -84,21 +89,24 @@ class ResultStream:
         self._error: MalformedResult | ResultsOverrun | None = None
         self._arrived = anyio.Event()
         self._sub: Subscription | None = None
+        self._stream: str | None = None  # replay: the results stream, found once
+        self._next_stored = 0  # replay: the stream sequence to read on from after a pause
+        self._paused = False  # replay: over the bound, consumer stopped until the loop catches up
         self._deadline = math.inf
         self._reconnects = 0  # the connection's reconnect count when the subscription was made
         self._ended = False  # final result, error or timeout: nothing more to wait for
 
     async def subscribe(self) -> None:
         """Register interest on the server (returns once the server has it); nothing once the stream ended."""
-        if self._sub is not None or self._ended:
+        if self._sub is not None or self._ended or self._paused:
             return
         subject = self.subjects.result(self.request_id)
         if self.replay:
             js = self.nc.jetstream()
-            stream = await find_stream(js, subject)
-            if stream is None:
+            self._stream = await find_stream(js, subject)
+            if self._stream is None:
                 raise LookupError(f"no JetStream stream stores {subject!r}: nothing to replay")
-            self._sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, cb=self._on_msg)
+            self._sub = await js.subscribe(subject, stream=self._stream, ordered_consumer=True, cb=self._on_msg)
         else:
             self._sub = await self.nc.subscribe(subject, cb=self._on_msg)
             await flush_queued(self.nc)
@@ -107,6 +115,17 @@ class ResultStream:
         if self.timeout is not None:
             self._deadline = anyio.current_time() + self.timeout
         self._reconnects = self._reconnect_count()
+
+    async def _read_on(self) -> None:
+        """A paused replay reads on from the first stored result it did not keep (a new ordered
+        consumer; its repeats, if any, are dropped by the seq check)."""
+        old, self._sub = self._sub, None
+        if old is not None and not self.nc.is_closed:
+            await old.unsubscribe()
+        self._paused = False
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_stored)
+        self._sub = await self.nc.jetstream().subscribe(self.subjects.result(self.request_id), stream=self._stream,
+                                                        ordered_consumer=True, config=config, cb=self._on_msg)
 
     def _reconnect_count(self) -> int:
         stats = getattr(self.nc, "stats", None)
@@ -127,8 +146,13 @@ class ResultStream:
     aclose = close  # so ``contextlib.aclosing(stream)`` releases the subscription of a bare ``async for``
 
     async def _on_msg(self, msg: Msg) -> None:
-        if self._error is not None:  # the stream failed: what came before the error is all it yields
+        if self._error is not None or self._paused:  # failed: what came before is all it yields; paused: read again
             return
+        if self.replay:
+            try:
+                self._next_stored = msg.metadata.sequence.stream + 1
+            except Exception:  # noqa: BLE001  (no JetStream delivery: a stock client's foreign message)
+                pass
         order = self._order
         try:
             result = _parse(self.subjects, msg)
@@ -151,6 +175,10 @@ class ResultStream:
             elif order.duplicates == duplicates:  # kept behind a missing seq
                 self._waiting_bytes += len(result.body)
             if self._ready_bytes + self._waiting_bytes > self.max_buffered_bytes:
+                if self.replay and self._waiting_bytes <= self.max_buffered_bytes // 2:
+                    self._paused = True  # in order, ahead of the loop: __anext__ reads on later
+                    self._arrived.set()
+                    return
                 self._error = ResultsOverrun(
                     f"results of {self.request_id!r}: more than {self.max_buffered_bytes} bytes received and not "
                     f"yet read ({self._ready_bytes} ready, {self._waiting_bytes} behind seq {order.next_seq})")
@@ -175,7 +203,11 @@ class ResultStream:
             if self._ready:  # results that arrived before an error are still handed out, in order
                 result = self._ready.popleft()
                 self._ready_bytes -= len(result.body)
+                if self._paused and self._ready_bytes <= self.max_buffered_bytes // 2:
+                    await self._read_on()
                 return result
+            if self._paused:  # (a bound below one result's size)
+                await self._read_on()
             if self._error is not None:
                 await self._end()
                 raise self._error

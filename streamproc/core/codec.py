@@ -13,6 +13,7 @@ everything else (``sglang-zstd`` does exactly that).
 from __future__ import annotations
 
 import enum
+import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
 
@@ -69,6 +70,27 @@ class ErrorKind(enum.StrEnum):
         """The HTTP status an edge answers with, and the ``code`` a codec writes into its error body:
         one table, so a client sees the same number in the status line and in the envelope."""
         return ERROR_STATUS[self]
+
+
+_KINDS = frozenset(kind.value for kind in ErrorKind)
+OTHER_KIND = "other"
+
+
+_KIND_SHAPE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def known_kind(text: str) -> str:
+    """A result's ``Streamproc-Error`` as a metric label: a kind of this version, else ``other``.
+    The header is its publisher's text (forged, or from a newer processor): each distinct one was a
+    label of its own, kept for the process's life."""
+    return text if text in _KINDS else OTHER_KIND
+
+
+def shown_kind(text: str) -> str:
+    """A result's ``Streamproc-Error`` as a reader passes it on (an HTTP header, an SSE meta frame):
+    a word shaped like a kind (a newer processor's too) as it is, anything else ``other``. Echoed
+    whole, text that is not latin-1 made the edge's unary answer a bare 500 and 60 KB a 60 KB header."""
+    return text if _KIND_SHAPE.fullmatch(text) else OTHER_KIND
 
 
 # An upstream (worker or processor) failure is a 5xx: the client's request itself was fine.

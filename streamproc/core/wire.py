@@ -361,13 +361,26 @@ def encode_control(message: MigrateRequest | MigrateReply) -> bytes:
     return _control_encoder.encode(message)
 
 
+def _too_deep() -> msgspec.DecodeError:
+    """msgspec raises ``RecursionError`` for JSON nested too deeply (inside ``Any`` fields and skipped
+    unknown ones): a malformed body like any other to the callers, which catch ``DecodeError``."""
+    return msgspec.DecodeError("JSON is nested too deeply")
+
+
 def decode_migrate_request(body: bytes) -> MigrateRequest:
     """Raises ``msgspec.DecodeError`` (a ``ValueError``) for a malformed body."""
-    return _migrate_request.decode(body) if body.strip() else MigrateRequest()
+    try:
+        return _migrate_request.decode(body) if body.strip() else MigrateRequest()
+    except RecursionError:
+        raise _too_deep() from None
 
 
 def decode_migrate_reply(body: bytes) -> MigrateReply:
-    return _migrate_reply.decode(body)
+    """Raises ``msgspec.DecodeError`` / ``ValidationError`` for a body that is no migrate reply."""
+    try:
+        return _migrate_reply.decode(body)
+    except RecursionError:
+        raise _too_deep() from None
 
 
 _seal_record = msgspec.json.Decoder(SealRecord)
@@ -379,4 +392,7 @@ def encode_seal_record(record: SealRecord) -> bytes:
 
 def decode_seal_record(body: bytes) -> SealRecord:
     """Raises ``msgspec.DecodeError`` / ``ValidationError`` for a value that is not a seal record."""
-    return _seal_record.decode(body)
+    try:
+        return _seal_record.decode(body)
+    except RecursionError:
+        raise _too_deep() from None

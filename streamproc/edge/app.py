@@ -49,7 +49,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
-from ..core.codec import Codec, ErrorKind
+from ..core.codec import Codec, ErrorKind, shown_kind
 from ..core.errors import InvalidCapability, StreamprocError
 from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
@@ -794,7 +794,7 @@ class Edge:
                     item.body,
                     status_code=ERROR_STATUS.get(item.error, 500),
                     media_type="application/json",
-                    headers={**PRIVATE, "Streamproc-Error": item.error},
+                    headers={**PRIVATE, "Streamproc-Error": shown_kind(item.error)},
                 )
             size += len(item.body)
             if size > self.settings.max_unary_bytes:  # never hold a whole huge stream for one client
@@ -886,7 +886,7 @@ def meta_frame(result: ResultInfo) -> bytes:
     meta = {
         "seq": result.seq,
         "verdict": result.verdict.value if result.verdict else None,
-        "error": result.error,
+        "error": shown_kind(result.error) if result.error is not None else None,
     }
     return sse.event(msgspec.json.encode(meta), event="meta")
 

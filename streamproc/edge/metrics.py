@@ -13,14 +13,11 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core.codec import ErrorKind
+from ..core.codec import known_kind
 from ..core.events import ResultInfo
 from ..metrics import struct_families
 
 _NAMESPACE = "streamproc_edge"
-# The kinds a label may name. A result's Streamproc-Error is its publisher's text: any other value
-# is counted as "other", so results forged or from a newer processor cannot grow /metrics unbounded.
-_KINDS = frozenset(kind.value for kind in ErrorKind)
 
 
 class EdgeMetrics(msgspec.Struct):
@@ -83,7 +80,7 @@ class EdgeMetrics(msgspec.Struct):
         verdict = "error" if result.error is not None else (result.verdict or "unknown")
         self.by_verdict[verdict] = self.by_verdict.get(verdict, 0) + 1
         if result.error is not None:
-            kind = result.error if result.error in _KINDS else "other"
+            kind = known_kind(result.error)  # the publisher's text: bounded labels
             self.by_error_kind[kind] = self.by_error_kind.get(kind, 0) + 1
 
 

@@ -33,6 +33,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
 from ..nats.streams import ensure_results_stream, find_results_stream
+from ..core.codec import shown_kind
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.errors import StartupError
 from ..core.events import Verdict
@@ -459,7 +460,7 @@ class RecentRequests:
         if result.final:
             entry.final = True
         if result.error:
-            entry.error = result.error
+            entry.error = shown_kind(result.error)  # the publisher's text: bounded
         entry.last_seen = now
 
     def newest_first(self) -> list[RecentEntry]:
