@@ -28,6 +28,14 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   ``process_batch_result_disagg_prefill`` only finalizes the capture). No leg has the prompt rows: the
   field is removed from every decode chunk (:meth:`SGLangJoinSession._omit_indexer_topk`).
 
+- ``reasoning_tokens`` (a request with ``require_reasoning``): the aggregated engine counts output
+  token 0 (``process_batch_result_prefill`` calls ``_maybe_update_reasoning_tokens``); the P/D
+  prefill does not (``process_batch_result_disagg_prefill``, so its body says 0), and decode takes
+  token 0 from the metadata buffer without counting it (``DecodeTransferQueue._commit_transfer_to_req``,
+  sgl-project/sglang ``0035ca42``), then counts from token 1. No leg has the aggregated count: a
+  decode value above 0 is removed from every chunk (:meth:`SGLangJoinSession._omit_reasoning_tokens`);
+  0 (no reasoning asked) is kept.
+
 Omission policy: a field that cannot be rebuilt completely is removed and
 ``<field>_unavailable_reason`` says why; decode's stale rows are never published.
 """
@@ -81,6 +89,7 @@ ROUTED_EXPERTS_PREDECESSORS = (
     "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", "total_retractions", "num_retractions",
     INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS_LENGTH, "input_top_logprobs",
     OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", OUTPUT_TOKEN_IDS_LOGPROBS, "reasoning_tokens",
+    "reasoning_tokens_unavailable_reason",
     COMPLETION_TOKENS, "cached_tokens", "weight_versions", "cached_tokens_details", "image_tokens",
     "audio_tokens", "video_tokens", "hidden_states",
 )
@@ -90,6 +99,8 @@ HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_UNAVAILABLE = "hidden_states_unavailable_reason"
 INDEXER_TOPK = "indexer_topk"
 INDEXER_TOPK_UNAVAILABLE = "indexer_topk_unavailable_reason"
+REASONING_TOKENS = "reasoning_tokens"
+REASONING_TOKENS_UNAVAILABLE = "reasoning_tokens_unavailable_reason"
 # A row of this many ids that are all equal (all-zero rows included) is no real capture: with
 # top-k >= 2 the ids of one layer are distinct, and a top-1 model routing 16 (layer) slots to one
 # expert is vanishingly unlikely. SGLang's raw payload carries no shape, so this is the strongest
@@ -383,7 +394,8 @@ class SGLangJoinSession(JoinSession):
         indexed = type(doc.get(native.INDEX)) is int and not self._item  # type: ignore[union-attr]
         # A streamed batch item's chunk that waits is joined in the item's own session, which decides.
         chunk_omitted = False if indexed and wants else (
-            self._omit_partial_hidden_states(meta) | self._omit_indexer_topk(meta))
+            self._omit_partial_hidden_states(meta) | self._omit_indexer_topk(meta)
+            | self._omit_reasoning_tokens(meta))
         if not wants:
             return (native.encode(doc), Verdict.OMITTED) if chunk_omitted else (body, Verdict.PASSTHROUGH)
         if not self._known:
@@ -626,6 +638,24 @@ class SGLangJoinSession(JoinSession):
             return False
         meta.pop(INDEXER_TOPK)
         meta[INDEXER_TOPK_UNAVAILABLE] = Omit.PREFILL_MISSING
+        return True
+
+    @staticmethod
+    def _omit_reasoning_tokens(meta: dict[str, Any]) -> bool:
+        """``reasoning_tokens`` above 0 (the request asked for reasoning): decode never counted output
+        token 0 and prefill counted nothing (module doc), so the value is the aggregated one minus one,
+        or, when token 0 ended the reasoning, every later token: removed (a function of the chunk
+        alone). 0 is right whenever reasoning was not asked, the common case: kept. A one-token
+        reasoning answer reads 0 on both legs where the aggregated engine says 1: no body tells it
+        from a request without reasoning (docs/codecs.md)."""
+        value = meta.get(REASONING_TOKENS)
+        if type(value) is not int or value <= 0:
+            return False
+        # the reason takes the count's place: routed_experts is put after it (ROUTED_EXPERTS_PREDECESSORS)
+        items = [(REASONING_TOKENS_UNAVAILABLE, Omit.PREFILL_MISSING.value) if key == REASONING_TOKENS else (key, v)
+                 for key, v in meta.items()]
+        meta.clear()
+        meta.update(items)
         return True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:

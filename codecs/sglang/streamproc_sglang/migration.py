@@ -17,7 +17,8 @@ field                              stitched value
 ``prompt_tokens``                  the original prompt's (attempt's value − k)
 ``completion_tokens``,             + k (cumulative counts continue)
 ``output_token_logprobs_length``
-``reasoning_tokens``               + the last value the client saw
+``reasoning_tokens``               + the last value the client saw; omitted (``stitch_incomplete``)
+                                   when the client was told it was unavailable (a P/D attempt)
 ``cached_tokens``                  the final attempt's, at most the original prompt length
 ``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
 ``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
@@ -106,7 +107,7 @@ class _Base(msgspec.Struct):
     """What the stitch adds back, frozen when an attempt is sealed."""
 
     emitted: int = 0
-    reasoning: int = 0
+    reasoning: int | None = 0  # None: an earlier attempt's count was omitted (no leg had it)
     rid: Any = None
     input_logprobs: dict[str, Any] = {}
     rows: Any = None  # encoded routed_experts an earlier attempt published
@@ -122,7 +123,7 @@ class SGLangMigrationSession(MigrationSession):
         self._ids = array("q")  # 8 bytes a token: the compact progress state
         self._rid: Any = None
         self._prompt_tokens: int | None = None
-        self._reasoning = 0
+        self._reasoning: int | None = 0  # None: the client was told it is unavailable
         self._input_logprobs: dict[str, Any] = {}
         self._rows: Any = None
         self._cumulative = False
@@ -177,6 +178,8 @@ class SGLangMigrationSession(MigrationSession):
         reasoning = meta.get(REASONING_TOKENS)
         if _is_count(reasoning):
             self._reasoning = reasoning
+        elif REASONING_TOKENS + UNAVAILABLE_SUFFIX in meta:  # a P/D attempt's count no leg had (join.py)
+            self._reasoning = None
         for field in INPUT_LOGPROB_FIELDS:
             value = meta.get(field)
             if isinstance(value, list) and value:
@@ -226,8 +229,16 @@ class SGLangMigrationSession(MigrationSession):
         for field in (COMPLETION_TOKENS, OUTPUT_TOKEN_LOGPROBS_LENGTH):
             if _is_count(meta.get(field)):
                 meta[field] += k
+        verdict = Verdict.STITCHED
         if _is_count(meta.get(REASONING_TOKENS)):
-            meta[REASONING_TOKENS] += base.reasoning
+            if base.reasoning is not None:
+                meta[REASONING_TOKENS] += base.reasoning
+            else:  # what the earlier attempts counted is known to no one: the sum cannot be made
+                items = [(REASONING_TOKENS + UNAVAILABLE_SUFFIX, Omit.STITCH_INCOMPLETE.value)
+                         if key == REASONING_TOKENS else (key, v) for key, v in meta.items()]
+                meta.clear()
+                meta.update(items)
+                verdict = Verdict.OMITTED
         cached = meta.get(CACHED_TOKENS)
         if _is_count(cached) and original_prompt is not None and cached > original_prompt:
             meta[CACHED_TOKENS] = original_prompt  # emitted tokens replayed as prompt are not prompt cache hits
@@ -241,7 +252,6 @@ class SGLangMigrationSession(MigrationSession):
                 meta[field] = original if original is not None else value[:max(0, len(value) - k)]
         if isinstance(meta.get(native.INPUT_TOP_SHAPE), list):
             _restate_flat_top(meta, base.input_logprobs, k)
-        verdict = Verdict.STITCHED
         if k and isinstance(meta.get(WEIGHT_VERSIONS), list):
             del meta[WEIGHT_VERSIONS]
             meta[WEIGHT_VERSIONS + UNAVAILABLE_SUFFIX] = Omit.STITCH_INCOMPLETE
