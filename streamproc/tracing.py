@@ -28,6 +28,7 @@ import time
 from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from .core import defaults
+from .core.codec import shown_kind
 from .core.correlator import Work
 from .core.errors import ConfigError
 from .core.events import Result, ResultInfo, Verdict
@@ -439,7 +440,7 @@ class StreamTrace:
         if result.verdict is not None:
             attributes[VERDICT] = result.verdict.value
         if result.error is not None:
-            attributes[ERROR_KIND] = result.error
+            attributes[ERROR_KIND] = shown_kind(result.error)  # the results publisher's text
         self._frame = t._tracer.start_span(
             "streamproc.edge.frame",
             parent,

@@ -315,3 +315,47 @@ async def test_a_slow_loop_replaying_a_large_finished_request_gets_all_of_it(cli
     grown = rss_bytes() - before
     assert got == list(range(n))
     assert grown < 24 << 20, f"the reader grew by {grown >> 20} MiB for a 25 MiB history"
+
+
+async def test_a_replay_whose_read_on_fails_once_loses_and_repeats_nothing(client, nats_url, monkeypatch):
+    """The paused replay reads on with a new consumer; when making it fails (NATS away for a moment,
+    a cancellation), the result about to be handed out must not be lost (a first version popped it
+    before reading on: a reviewer's finding) and the stream must not restart from its first result
+    with a new deadline: the next step reads on again from the same place."""
+    js = client.jetstream()
+    await ensure_results_stream(js, SUBJECTS)
+    rid, n, body = "replay-read-on-fails", 120, b"f" * 65536
+    async with connection(nats_url) as producer:
+        for seq in range(n):
+            await forge(producer, rid, seq, body, final=seq == n - 1)
+        await producer.flush()
+    await anyio.sleep(0.5)
+    real_jetstream = client.jetstream
+    failures = []
+
+    def jetstream_failing_once(*args, **kwargs):
+        context = real_jetstream(*args, **kwargs)
+        real_subscribe = context.subscribe
+
+        async def subscribe(*a, **kw):
+            if kw.get("config") is not None and not failures:  # the first read-on only
+                failures.append(kw["config"].opt_start_seq)
+                raise nats.errors.TimeoutError
+            return await real_subscribe(*a, **kw)
+
+        context.subscribe = subscribe
+        return context
+
+    monkeypatch.setattr(client, "jetstream", jetstream_failing_once)
+    got, raised = [], []
+    async with follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=1 << 20) as results:
+        while True:
+            try:
+                async for result in results:
+                    got.append(result.seq)
+                    await anyio.sleep(0.001)
+                break
+            except nats.errors.TimeoutError:
+                raised.append(len(got))
+    assert failures and raised == [raised[0]], (failures, raised)
+    assert got == list(range(n))

@@ -127,3 +127,14 @@ def test_a_resumed_attempt_after_an_attempt_with_a_count_adds_it():
     session.seal()
     stitched, _ = session.stitch(body([13], "c", {"type": "length", "length": 1}, 1), True)
     assert json.loads(stitched)["meta_info"]["reasoning_tokens"] == 3
+
+
+def test_a_folded_pd_stream_has_the_count_or_its_reason_never_both():
+    """The unary body a stream folds to: the first chunk's 0 and the later chunks' omission reason
+    are one field's states, and the later one wins (a reviewer saw both keys in a folded body)."""
+    codec = SGLangCodec(OPTIONS)
+    finish = {"type": "length", "length": 3}
+    chunks = [body([11], "a", None, 0), body([11, 12], "ab", None, 1), body([11, 12, 13], "abc", finish, 2)]
+    joined = [j for j, _ in join(codec, chunks, [body([11], "a", {"type": "length", "length": 0}, 0)])]
+    meta = json.loads(codec.fold(joined))["meta_info"]
+    assert "reasoning_tokens" not in meta and meta["reasoning_tokens_unavailable_reason"] == "prefill_missing"

@@ -34,11 +34,13 @@ was (nats-py's ordered consumer), so in durable mode ``replay=True`` survives a 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from typing import Iterable, NoReturn
 
 import anyio
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -92,6 +94,7 @@ class ResultStream:
         self._stream: str | None = None  # replay: the results stream, found once
         self._next_stored = 0  # replay: the stream sequence to read on from after a pause
         self._paused = False  # replay: over the bound, consumer stopped until the loop catches up
+        self._closes = 0  # close() calls: a read-on that a close overtook releases its consumer
         self._deadline = math.inf
         self._reconnects = 0  # the connection's reconnect count when the subscription was made
         self._ended = False  # final result, error or timeout: nothing more to wait for
@@ -118,20 +121,34 @@ class ResultStream:
 
     async def _read_on(self) -> None:
         """A paused replay reads on from the first stored result it did not keep (a new ordered
-        consumer; its repeats, if any, are dropped by the seq check)."""
+        consumer; its repeats, if any, are dropped by the seq check). If that fails (NATS away, a
+        cancellation), the stream stays paused and the next step tries again; closed meanwhile,
+        the new consumer is released at once."""
         old, self._sub = self._sub, None
         if old is not None and not self.nc.is_closed:
-            await old.unsubscribe()
-        self._paused = False
+            with contextlib.suppress(nats.errors.Error):
+                await old.unsubscribe()
+        closes = self._closes
+        self._paused = False  # (no subscription now: nothing is delivered until the new one)
         config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_stored)
-        self._sub = await self.nc.jetstream().subscribe(self.subjects.result(self.request_id), stream=self._stream,
-                                                        ordered_consumer=True, config=config, cb=self._on_msg)
+        try:
+            sub = await self.nc.jetstream().subscribe(self.subjects.result(self.request_id), stream=self._stream,
+                                                      ordered_consumer=True, config=config, cb=self._on_msg)
+        except BaseException:
+            self._paused = True
+            raise
+        if self._closes != closes or self._ended:
+            await sub.unsubscribe()
+            self._paused = True  # a later iteration (after a re-subscribe) reads on from the same place
+            return
+        self._sub = sub
 
     def _reconnect_count(self) -> int:
         stats = getattr(self.nc, "stats", None)
         return stats.get("reconnects", 0) if isinstance(stats, dict) else 0
 
     async def close(self) -> None:
+        self._closes += 1
         sub, self._sub = self._sub, None
         if sub is not None and not self.nc.is_closed:
             await sub.unsubscribe()
@@ -174,7 +191,7 @@ class ResultStream:
                 self._waiting_bytes -= size - len(result.body)
             elif order.duplicates == duplicates:  # kept behind a missing seq
                 self._waiting_bytes += len(result.body)
-            if self._ready_bytes + self._waiting_bytes > self.max_buffered_bytes:
+            if self._ready_bytes + self._waiting_bytes > self.max_buffered_bytes and not order.done:
                 if self.replay and self._waiting_bytes <= self.max_buffered_bytes // 2:
                     self._paused = True  # in order, ahead of the loop: __anext__ reads on later
                     self._arrived.set()
@@ -200,14 +217,12 @@ class ResultStream:
         while True:
             if not self._order.done and anyio.current_time() >= self._deadline:  # waiting ones or not
                 await self._time_out()
+            if self._paused and self._ready_bytes + self._waiting_bytes <= self.max_buffered_bytes // 2:
+                await self._read_on()  # before a result is handed out: if it fails, nothing is lost
             if self._ready:  # results that arrived before an error are still handed out, in order
                 result = self._ready.popleft()
                 self._ready_bytes -= len(result.body)
-                if self._paused and self._ready_bytes <= self.max_buffered_bytes // 2:
-                    await self._read_on()
                 return result
-            if self._paused:  # (a bound below one result's size)
-                await self._read_on()
             if self._error is not None:
                 await self._end()
                 raise self._error

@@ -459,7 +459,7 @@ class RecentRequests:
                 entry.verdicts[value] = entry.verdicts.get(value, 0) + 1
         if result.final:
             entry.final = True
-        if result.error:
+        if result.error is not None:
             entry.error = shown_kind(result.error)  # the publisher's text: bounded
         entry.last_seen = now
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from streamproc.codec import UNAVAILABLE_SUFFIX
+
 from .native import (ABORT_RESTATED_FIELDS, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, AbortRestatement,
                      abort_restatement, restated, restates)
 
@@ -117,6 +119,12 @@ def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[
                 acc.extend(value)
         else:
             meta[key] = value
+            # A field and its omission reason are one state: the later chunk's wins (a P/D stream's
+            # first chunk may carry a count its later ones omit, join.py _omit_reasoning_tokens).
+            if key.endswith(UNAVAILABLE_SUFFIX):
+                meta.pop(key[:-len(UNAVAILABLE_SUFFIX)], None)
+            else:
+                meta.pop(key + UNAVAILABLE_SUFFIX, None)
 
 
 def _place_new_keys(meta: dict[str, Any], chunk: dict[str, Any]) -> None:
