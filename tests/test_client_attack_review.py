@@ -291,6 +291,16 @@ def test_a_result_streams_byte_count_is_what_it_holds(pushes):
         assert stream._waiting_bytes == sum(len(r.body) for r in stream._order.pending.values())
 
 
+async def store_history(client, nats_url: str, rid: str, n: int, body: bytes) -> None:
+    """A finished request's ``n`` results, stored in the results stream (a late attach replays them)."""
+    await ensure_results_stream(client.jetstream(), SUBJECTS)
+    async with connection(nats_url) as producer:
+        for seq in range(n):
+            await forge(producer, rid, seq, body, final=seq == n - 1)
+        await producer.flush()
+    await anyio.sleep(0.5)
+
+
 async def test_a_slow_loop_replaying_a_large_finished_request_gets_all_of_it(client, nats_url):
     """A late attach (replay=True) of a legitimate finished request whose stored results total
     25 MiB, read by a loop doing a little awaited work per result (a socket write). The ordered
@@ -298,14 +308,8 @@ async def test_a_slow_loop_replaying_a_large_finished_request_gets_all_of_it(cli
     such a stream with ResultsOverrun at 16 MiB (found by a reviewer; the edge had met the same,
     docs/edge.md). Now the replay stops its consumer at the bound and reads on from the next stored
     result, and the reader holds about the bound, not the history."""
-    js = client.jetstream()
-    await ensure_results_stream(js, SUBJECTS)
-    rid, n, body = "big-replay-slow", 400, b"e" * 65536
-    async with connection(nats_url) as producer:
-        for seq in range(n):
-            await forge(producer, rid, seq, body, final=seq == n - 1)
-        await producer.flush()
-    await anyio.sleep(0.5)
+    rid, n = "big-replay-slow", 400
+    await store_history(client, nats_url, rid, n, b"e" * 65536)
     before = rss_bytes()
     got = []
     async with follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=4 << 20) as results:
@@ -322,14 +326,8 @@ async def test_a_replay_whose_read_on_fails_once_loses_and_repeats_nothing(clien
     a cancellation), the result about to be handed out must not be lost (a first version popped it
     before reading on: a reviewer's finding) and the stream must not restart from its first result
     with a new deadline: the next step reads on again from the same place."""
-    js = client.jetstream()
-    await ensure_results_stream(js, SUBJECTS)
-    rid, n, body = "replay-read-on-fails", 120, b"f" * 65536
-    async with connection(nats_url) as producer:
-        for seq in range(n):
-            await forge(producer, rid, seq, body, final=seq == n - 1)
-        await producer.flush()
-    await anyio.sleep(0.5)
+    rid, n = "replay-read-on-fails", 120
+    await store_history(client, nats_url, rid, n, b"f" * 65536)
     real_jetstream = client.jetstream
     failures = []
 
