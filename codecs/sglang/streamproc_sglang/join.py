@@ -45,7 +45,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
-from streamproc.codec import ContractError, CorruptPayload, JoinSession, SequenceCodec
+from streamproc.codec import UNAVAILABLE_SUFFIX, ContractError, CorruptPayload, JoinSession, SequenceCodec
 from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
@@ -99,8 +99,8 @@ HIDDEN_STATES = "hidden_states"
 HIDDEN_STATES_UNAVAILABLE = "hidden_states_unavailable_reason"
 INDEXER_TOPK = "indexer_topk"
 INDEXER_TOPK_UNAVAILABLE = "indexer_topk_unavailable_reason"
-REASONING_TOKENS = "reasoning_tokens"
-REASONING_TOKENS_UNAVAILABLE = "reasoning_tokens_unavailable_reason"
+REASONING_TOKENS = native.REASONING_TOKENS
+REASONING_TOKENS_UNAVAILABLE = REASONING_TOKENS + UNAVAILABLE_SUFFIX
 # A row of this many ids that are all equal (all-zero rows included) is no real capture: with
 # top-k >= 2 the ids of one layer are distinct, and a top-1 model routing 16 (layer) slots to one
 # expert is vanishingly unlikely. SGLang's raw payload carries no shape, so this is the strongest

@@ -68,6 +68,7 @@ from .native import (
     OUTPUT_TOKEN_LOGPROBS_LENGTH,
     TEXT,
     PROMPT_TOKENS,
+    REASONING_TOKENS,
     ROUTED_EXPERTS,
     ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_UNAVAILABLE,
@@ -82,7 +83,6 @@ SAMPLES = "n"  # parallel samples per request (SamplingParams.n)
 MAX_NEW_TOKENS = "max_new_tokens"
 MIN_NEW_TOKENS = "min_new_tokens"
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request gives none
-REASONING_TOKENS = "reasoning_tokens"
 # 0.5.23: [{"version", "start", "end"}] over the output tokens, on a finished body only
 # (utils/weight_versions.py add_weight_versions_to_meta_info). A resumed attempt's spans cover its own
 # tokens; which weights produced the k tokens before the seal was never published (the lost attempt

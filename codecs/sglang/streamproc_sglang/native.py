@@ -25,6 +25,7 @@ ERROR = "error"
 FINISH_REASON = "finish_reason"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
+REASONING_TOKENS = "reasoning_tokens"  # requests with require_reasoning (SGLang 0.5.23 writes it)
 ROUTED_EXPERTS = "routed_experts"
 # SGLANG_ROUTED_EXPERTS_DTYPE on the worker, advertised per body (int32 when absent).
 ROUTED_EXPERTS_DTYPE = "routed_experts_dtype"
