@@ -308,3 +308,12 @@ def test_result_from_message_edges(headers: dict[str, str], expected: str) -> No
     """The bounds the inline reads must keep (the property above finds them too, but not every run)."""
     assert result_outcome(result_from_message, Subjects("sp"), "sp.results.r1", headers, b"")[0] == expected
     assert result_outcome(reference_result, Subjects("sp"), "sp.results.r1", headers, b"")[0] == expected
+
+
+def test_a_result_whose_header_block_was_unreadable_says_so() -> None:
+    """RobustClient marks a header block nats-py cannot read; a result carrying only that mark was
+    refused as "missing Streamproc-Seq" (the edge's log, the client helpers' MalformedResult), where
+    a chunk says what happened. Now results say it too (the mark is read only off the fast path)."""
+    headers = {wire.UNREADABLE_HEADERS: "UnicodeDecodeError: bad status"}
+    with pytest.raises(ContractError, match="unreadable header block"):
+        wire.result_from_message(wire.Subjects(), "streamproc.results.r1", headers, b"{}")

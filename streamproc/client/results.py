@@ -52,14 +52,10 @@ from ..core.reorder import SeqOrder
 from ..nats.robust import flush_queued
 from .connection import check_client
 from ..nats.streams import find_stream
-from ..core.wire import UNREADABLE_HEADERS, ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 
 
 def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
-    headers = msg.headers
-    if headers and UNREADABLE_HEADERS in headers:  # RobustClient's mark: say that, not "missing Streamproc-Seq"
-        raise MalformedResult(f"malformed result on {msg.subject!r}: unreadable headers "
-                              f"({headers[UNREADABLE_HEADERS]})")
     try:
         return result_from_message(subjects, msg.subject, msg.headers, msg.data)
     except (ContractError, ValueError) as exc:

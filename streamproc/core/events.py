@@ -14,6 +14,10 @@ from typing import Annotated, Any
 
 import msgspec
 
+# The largest Streamproc-Seq (and Streamproc-Attempt) the processor reads: at most 18 ASCII digits,
+# so every index fits an int64 on any reader (wire.py reads the headers; Sealed bounds its fields).
+MAX_SEQ = 10**18 - 1
+
 
 class Role(enum.StrEnum):
     """Which worker leg a chunk comes from (the last token of its subject)."""
@@ -133,11 +137,11 @@ class Sealed(msgspec.Struct, frozen=True, tag="sealed", tag_field="status"):
     request_id: str
     # Bounded as decoded: a reply that is none (a buggy or newer processor, anyone answering on the
     # control subject) is a ContractError, never a Streamproc-Attempt header no chunk may carry
-    # (wire.MAX_SEQ: 18 digits) or a negative count.
-    attempt: Annotated[int, msgspec.Meta(ge=0, le=10**18 - 1)]  # every chunk of the resumed request's Streamproc-Attempt
+    # (MAX_SEQ: 18 digits) or a negative count.
+    attempt: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]  # every chunk of the resumed request's Streamproc-Attempt
     emitted_tokens: Annotated[int, msgspec.Meta(ge=0)]  # output tokens the client has been sent, over all attempts
     emitted_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]]
-    result_seq: Annotated[int, msgspec.Meta(ge=0, le=10**18 - 1)]  # the result seq the resumed attempt's chunk seq 0 becomes
+    result_seq: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]  # the result seq the resumed attempt's chunk seq 0 becomes
     format: str
     state: dict[str, Any] = {}  # format-specific facts the format's resume hook may check
 

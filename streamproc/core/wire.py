@@ -14,6 +14,7 @@ import msgspec
 from . import defaults
 from .errors import ContractError, shown
 from .events import (  # noqa: F401  (re-exported: the wire contract's records, under their old path)
+    MAX_SEQ,
     Chunk,
     MigrateError,
     MigrateErrorCode,
@@ -42,9 +43,6 @@ TRACEPARENT = "traceparent"
 # Not on the wire: the NATS shell puts this in place of a header block it could not decode.
 UNREADABLE_HEADERS = "Streamproc-Unreadable-Headers"
 
-# The largest Streamproc-Seq (and Streamproc-Attempt) the processor reads: at most 18 ASCII digits,
-# so every index fits an int64 on any reader.
-MAX_SEQ = 10**18 - 1
 
 _ROLES = {r.value: r for r in Role}
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
@@ -206,7 +204,7 @@ class ChunkParser:
                     and seq is not None and seq.isascii() and seq.isdigit() and len(seq) <= 18
                     and (final is None or final == "true" or final == "false")
                     and (attempt is None or attempt == "0")):
-                traceparent = headers.get(TRACEPARENT)
+                traceparent = headers.get(TRACEPARENT)  # _traceparent, inlined (calls per chunk)
                 if traceparent is not None and len(traceparent) > MAX_TRACEPARENT_LEN:
                     traceparent = None
                 return Chunk(request_id, found, int(seq), body, final == "true", 0,
@@ -330,6 +328,8 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
     if text is not None and text.isascii() and text.isdigit() and len(text) <= 18:  # _parse_index's test
         seq = int(text)
     else:
+        if UNREADABLE_HEADERS in h:  # RobustClient's mark (no Streamproc-Seq): say so, as chunk_from_message does
+            raise ContractError(f"unreadable header block ({h[UNREADABLE_HEADERS]})", request_id)
         seq = _parse_index(text, SEQ, request_id, required=True)
     text = h.get(FINAL)
     if text is None or text == "false":
