@@ -21,6 +21,7 @@ from streamproc.wire import Verdict
 
 from .native import (
     PROMPT_SIDE_FIELDS,
+    PROMPT_TOKENS_DETAILS,
     ROUTED_EXPERTS,
     StreamExperts,
     choices_of,
@@ -115,6 +116,12 @@ def _finishes(choice: dict) -> bool:
     return choice.get("finish_reason") is not None
 
 
+def _usage_details(obj: dict) -> bool:
+    """Whether a body's usage reports ``prompt_tokens_details`` (a value, not ``null``)."""
+    usage = obj.get("usage")
+    return isinstance(usage, dict) and usage.get(PROMPT_TOKENS_DETAILS) is not None
+
+
 def _choice_index(choice: dict, position: int) -> int:
     index = choice.get("index", position)
     return index if is_int(index) else position
@@ -139,12 +146,12 @@ class VLLMJoinSession(JoinSession):
     def needs_prefill(self, body: bytes, final: bool) -> bool:
         # The first chunk may carry prompt_logprobs (unary bodies), and a choice's finishing chunk
         # routed_experts. A middle chunk only waits if it unexpectedly carries expert rows, which
-        # could be stale.
+        # could be stale, or usage with prompt_tokens_details (upstream puts those on the final one).
         if final or self._joined == 0:
             return True
         obj = self._parse(body)
-        return obj is not None and any(_finishes(c) or c.get(ROUTED_EXPERTS) is not None
-                                       for c in choices_of(obj))
+        return obj is not None and (_usage_details(obj) or any(
+            _finishes(c) or c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj)))
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._prefill_known = True
@@ -220,6 +227,8 @@ class VLLMJoinSession(JoinSession):
                 edit.changed = True
         if first:
             self._join_prompt_logprobs(obj, choices, edit)
+        if _usage_details(obj):
+            self._join_prompt_tokens_details(obj["usage"], edit)
         for position, choice in enumerate(choices):
             if final or _finishes(choice) or choice.get(ROUTED_EXPERTS) is not None:
                 self._join_experts(obj, choice, _choice_index(choice, position), edit)
@@ -258,6 +267,23 @@ class VLLMJoinSession(JoinSession):
             return  # decode scored the prompt itself, or prefill says none were asked for
         # Without a prefill leg nothing tells whether the prompt was to be scored.
         edit.omit(obj, field, self._leg_reason)
+
+    def _join_prompt_tokens_details(self, usage: dict, edit: _Edit) -> None:
+        """``usage.prompt_tokens_details`` is the engine's ``num_cached_tokens``
+        (``serve_tokens_full_generator`` / ``serve_tokens_stream_generator``), which ``Scheduler.schedule``
+        sets to local plus external computed tokens. A decode leg's external tokens are the prompt KV
+        NIXL loaded (``get_num_new_matched_tokens``: every prompt token not cached locally), so it reports
+        about the whole prompt as cached; a prefill leg loads nothing and reports its own prefix-cache
+        hit, what an aggregated engine reports. So prefill's value (or its ``null``) replaces decode's;
+        without it the field is omitted."""
+        if self._leg_reason is not None:
+            edit.omit(usage, PROMPT_TOKENS_DETAILS, self._leg_reason)
+            return
+        prefill_usage = self._prefill.get("usage") if self._prefill is not None else None
+        if not isinstance(prefill_usage, dict) or PROMPT_TOKENS_DETAILS not in prefill_usage:
+            edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)
+            return
+        edit.provide(usage, PROMPT_TOKENS_DETAILS, prefill_usage[PROMPT_TOKENS_DETAILS])
 
     def _completion_tokens(self, obj: dict, index: int) -> int:
         own = usage_count(obj, "completion_tokens")

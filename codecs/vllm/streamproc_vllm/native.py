@@ -21,6 +21,9 @@ PROMPT_TOKEN_ID_LOGPROBS = "prompt_token_id_logprobs"
 # Top-level fields only the leg that scores the prompt has: the join takes them from prefill alike.
 PROMPT_SIDE_FIELDS = (PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS)
 PROMPT_TOKENS = "prompt_tokens"  # usage counts
+# ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``{"cached_tokens": n}``, the
+# engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.
+PROMPT_TOKENS_DETAILS = "prompt_tokens_details"
 COMPLETION_TOKENS = "completion_tokens"
 UNAVAILABLE_SUFFIX = "_unavailable_reason"
 TOKEN_LABEL_PREFIX = "token_id:"

@@ -1,0 +1,221 @@
+"""Format fidelity of the vLLM codec, bodies written by hand from upstream vLLM's source.
+
+Nothing here uses the simulator (``worker.py``), ``streamproc_vllm.upstream`` or any other streamproc
+builder: each body is spelled out from the upstream function named next to it, and each P/D result is
+compared with what the aggregated engine returns for the same request (JSON equality and key order).
+
+Upstream source read (vllm-project/vllm, the commit the index reported for the version read):
+
+* ``vllm/entrypoints/scale_out/token_in_token_out/serving.py`` @ ``00a80787a504467c1bcd76d5405a50b2aaa00d5a``:
+  ``ServingTokens.serve_tokens_full_generator``::
+
+      usage = UsageInfo(prompt_tokens=..., completion_tokens=..., total_tokens=...)
+      if self.enable_prompt_tokens_details and final_res.num_cached_tokens is not None:
+          usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=final_res.num_cached_tokens)
+
+  and ``serve_tokens_stream_generator`` (``num_cached_tokens = res.num_cached_tokens`` on the first
+  output; the same ``prompt_tokens_details`` on the ``choices: []`` usage chunk, dumped with
+  ``exclude_none=True``; continuous-usage chunks carry no details). The older
+  ``vllm/entrypoints/serve/disagg/serving.py`` @ ``0001948bc76939369ca855c90b36d81256477e85`` sets it
+  only ``if self.enable_prompt_tokens_details and final_res.num_cached_tokens`` (so ``null`` when no
+  prompt token was cached).
+* ``vllm/v1/core/sched/scheduler.py`` @ ``00024d314514900f361ad072af6931e403b7f589``
+  ``Scheduler.schedule``: ``num_computed_tokens = num_new_local_computed_tokens +
+  num_external_computed_tokens`` and then ``if request.num_cached_tokens < 0:
+  request.num_cached_tokens = num_computed_tokens``: the KV a connector loaded counts as cached.
+  After an async load the request comes back with ``request.num_computed_tokens`` set by
+  ``_update_waiting_for_remote_kv`` (every loaded block, minus one token when the whole prompt was
+  loaded, so that the last prompt token is recomputed to sample the first output token).
+* ``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`` @
+  ``002a1057e9ae674d7bdc9c4be95bc29d65d2e808`` ``NixlConnectorScheduler.get_num_new_matched_tokens``:
+  a decode request with ``do_remote_prefill`` loads ``len(prompt_token_ids) - num_computed_tokens``
+  tokens ("Remote prefill: get all prompt blocks from remote"); a prefill request
+  (``do_remote_decode``) loads nothing, so its count is its own prefix-cache hit, exactly what an
+  aggregated engine reports for the same prompt.
+
+So a P/D decode leg reports ``cached_tokens`` = the whole prompt but one, which no aggregated engine
+reports for a prompt it had not cached: the count that equals the aggregated one is prefill's.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from helpers import assert_same_body as assert_same
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+from streamproc_vllm import VLLMCodec
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+
+RID = "generate-tokens-r7"
+PROMPT = list(range(100, 140))  # 40 tokens: two full 16-token blocks and a partial one
+OUT = [21, 22, 23]
+LPS = [-0.5, -0.25, -1.0]
+LAYERS, TOPK = 2, 2
+# What the decode engine counts as cached: the loaded prompt minus the recomputed last token.
+DECODE_CACHED = len(PROMPT) - 1
+
+
+def npy_b64(arr: np.ndarray) -> str:
+    """``serve_tokens_full_generator``: ``np.save(buf, output.routed_experts)`` then
+    ``base64.b64encode(buf.getvalue()).decode("ascii")``."""
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def rows(start: int, end: int) -> np.ndarray:
+    """Expert ids of positions [start, end), distinct within a (position, layer)."""
+    ids = [[[(p * 5 + layer * 3 + k * 7 + 1) % 64 + k * 64 for k in range(TOPK)] for layer in range(LAYERS)]
+           for p in range(start, end)]
+    return np.asarray(ids, dtype=np.uint8).reshape(-1, LAYERS, TOPK)
+
+
+def logprobs(ids: list[int], lps: list[float]) -> dict:
+    """``ServingTokens._create_tokens_logprobs`` (00a80787): ``ChatCompletionLogProbsContent(token=
+    f"token_id:{id}", logprob=max(lp, -9999.0), bytes=None, top_logprobs=[...])``."""
+    return {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None,
+                         "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None}]}
+                        for t, lp in zip(ids, lps)]}
+
+
+def usage(completion: int, cached: int | None, *, details: bool = True) -> dict:
+    """``UsageInfo`` field order (prompt_tokens, total_tokens, completion_tokens, prompt_tokens_details);
+    ``details=False``: a server without ``--enable-prompt-tokens-details`` whose dump leaves it out."""
+    u: dict = {"prompt_tokens": len(PROMPT), "total_tokens": len(PROMPT) + completion,
+               "completion_tokens": completion}
+    if details:
+        u["prompt_tokens_details"] = None if cached is None else {"cached_tokens": cached}
+    return u
+
+
+def unary(*, out: list[int], cached: int | None, experts: str | None, finish: str = "stop",
+          kv: dict | None = None, details: bool = True) -> dict:
+    """``serve_tokens_full_generator`` -> ``GenerateResponse`` (``JSONResponse(model_dump())``)."""
+    choice = {"index": 0, "logprobs": logprobs(out, LPS[:len(out)]), "finish_reason": finish,
+              "stop_reason": None, "token_ids": out, "routed_experts": experts}
+    return {"request_id": RID, "model": "m", "created": 1700000000, "choices": [choice],
+            "usage": usage(len(out), cached, details=details), "prompt_logprobs": None,
+            "kv_transfer_params": kv}
+
+
+# NixlConnectorScheduler.request_finished (002a1057) for a length-capped prefill request.
+PREFILL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5, 6],
+              "remote_engine_id": "p0", "remote_request_id": RID, "remote_host": "10.0.0.1",
+              "remote_port": 5600, "tp_size": 1}
+
+
+def stream(out_chunks: list[list[int]], experts_last: str | None, cached: int) -> list[dict]:
+    """``serve_tokens_stream_generator`` (00a80787): a ``GenerateStreamResponse`` per delta
+    (``model_dump_json()``, nulls kept; ``routed_experts`` only on the finished output), then with
+    include_usage the ``choices: []`` chunk with ``prompt_tokens_details`` (``exclude_none=True``)."""
+    bodies = []
+    pos = 0
+    for k, ids in enumerate(out_chunks):
+        last = k == len(out_chunks) - 1
+        choice = {"index": 0, "logprobs": logprobs(ids, LPS[pos:pos + len(ids)]),
+                  "finish_reason": "stop" if last else None, "stop_reason": None, "token_ids": ids,
+                  "routed_experts": experts_last if last else None}
+        bodies.append({"request_id": RID, "choices": [choice], "usage": None})
+        pos += len(ids)
+    bodies.append({"request_id": RID, "choices": [], "usage": usage(pos, cached)})
+    return bodies
+
+
+def details_of(body: bytes) -> tuple[object, object]:
+    u = json.loads(body)["usage"]
+    return u.get("prompt_tokens_details", "absent"), u.get("prompt_tokens_details_unavailable_reason")
+
+
+# ------------------------------------------------- usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("prefill_cached", [0, 32])
+def test_decode_cached_tokens_counting_the_transferred_prompt_are_replaced_by_prefills_count(prefill_cached):
+    """The aggregated engine reports its own prefix-cache hit (0 cold, 32 with two cached blocks); the
+    prefill leg, which ran the prompt, reports the same; the decode leg reports the KV NIXL loaded
+    (``DECODE_CACHED``). The joined body must carry the aggregated count, not decode's."""
+    total = len(PROMPT) + len(OUT) - 1
+    agg = unary(out=OUT, cached=prefill_cached, experts=npy_b64(rows(0, total)))
+    prefill = unary(out=OUT[:1], cached=prefill_cached, experts=npy_b64(rows(0, len(PROMPT))),
+                    finish="length", kv=PREFILL_KV)
+    stale = np.zeros_like(rows(0, len(PROMPT) - 1))  # slots NIXL wrote: no capture ran for them
+    decode = unary(out=OUT, cached=DECODE_CACHED,
+                   experts=npy_b64(np.concatenate([stale, rows(len(PROMPT) - 1, total)])))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_decode_cached_tokens_are_replaced_even_when_nothing_else_needs_joining():
+    """Expert capture off: the only difference from the aggregated body is decode's cached count, so
+    passing decode's bytes through is wrong."""
+    agg = unary(out=OUT, cached=0, experts=None)
+    prefill = unary(out=OUT[:1], cached=0, experts=None, finish="length", kv=PREFILL_KV)
+    decode = unary(out=OUT, cached=DECODE_CACHED, experts=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_stream_usage_chunk_carries_prefills_cached_tokens():
+    """The stream's usage-only chunk (``exclude_none``) carries decode's count; the joined stream must
+    equal the aggregated stream chunk for chunk, and the middle chunk still passes through."""
+    total = len(PROMPT) + len(OUT) - 1
+    agg = stream([[21], [22, 23]], npy_b64(rows(0, total)), cached=0)
+    prefill = unary(out=OUT[:1], cached=0, experts=npy_b64(rows(0, len(PROMPT))), finish="length",
+                    kv=PREFILL_KV)
+    decode = stream([[21], [22, 23]], npy_b64(rows(0, total)), cached=DECODE_CACHED)
+    results = join(VLLMCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill)])
+    assert len(results) == len(agg)
+    for (body, _), want in zip(results, agg):
+        assert_same(body, dumps(want))
+    assert results[0][1] is Verdict.PASSTHROUGH
+
+
+def test_older_serving_null_details_on_a_cold_prefill_give_the_aggregated_null():
+    """``serve/disagg/serving.py`` (0001948b) sets the details only when ``num_cached_tokens`` is
+    truthy: a cold aggregated engine and a cold prefill both dump ``"prompt_tokens_details": null``
+    while decode has ``{"cached_tokens": P - 1}``."""
+    agg = unary(out=OUT, cached=None, experts=None)
+    prefill = unary(out=OUT[:1], cached=None, experts=None, finish="length", kv=PREFILL_KV)
+    decode = unary(out=OUT, cached=DECODE_CACHED, experts=None)
+    [(body, _)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+
+
+def test_cached_tokens_without_a_prefill_leg_are_omitted_with_the_reason():
+    """Prefill timed out: nothing says what the aggregated engine would have counted."""
+    decode = unary(out=OUT, cached=DECODE_CACHED, experts=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], None)
+    assert details_of(body) == (None, "prefill_timeout")
+    assert verdict is Verdict.OMITTED
+
+
+def test_cached_tokens_of_a_prefill_without_the_field_are_omitted_as_prefill_missing():
+    """A prefill server without ``--enable-prompt-tokens-details`` (no key in its usage) behind a decode
+    server with it: decode's count is not the aggregated one, and prefill's is unknown."""
+    prefill = unary(out=OUT[:1], cached=0, experts=None, finish="length", kv=PREFILL_KV, details=False)
+    decode = unary(out=OUT, cached=DECODE_CACHED, experts=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert details_of(body) == (None, "prefill_missing")
+    assert verdict is Verdict.OMITTED
+
+
+def test_a_body_without_prompt_tokens_details_is_left_without_them():
+    """Neither server reports details: the aggregated body has none, so none is added."""
+    agg = unary(out=OUT, cached=None, experts=None, details=False)
+    prefill = unary(out=OUT[:1], cached=None, experts=None, finish="length", kv=PREFILL_KV, details=False)
+    decode = unary(out=OUT, cached=None, experts=None, details=False)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+    assert body == dumps(decode)
