@@ -219,3 +219,44 @@ def test_a_body_without_prompt_tokens_details_is_left_without_them():
     assert_same(body, dumps(agg))
     assert verdict is Verdict.PASSTHROUGH
     assert body == dumps(decode)
+
+
+# ------------------------------------- a resumed attempt's cached_tokens (migration stitch)
+
+
+def test_resumed_attempt_cached_tokens_never_exceed_the_original_prompt():
+    """A resumed attempt's prompt is the original prompt plus the k emitted tokens
+    (``resume_request``), and the engine counts cached tokens over that whole prompt
+    (``Scheduler.schedule`` / ``serve_tokens_full_generator``, as above): blocks holding emitted tokens
+    (the earlier attempt's, left in the prefix cache) count too. The stitch restates ``prompt_tokens``
+    as the original prompt's, so a cached count above it describes no prompt the client sent."""
+    codec = VLLMCodec(OPTIONS)
+    session = codec.open_migration()
+    first = {"request_id": RID, "choices": [{"index": 0, "logprobs": None, "finish_reason": None,
+                                             "stop_reason": None, "token_ids": OUT[:2],
+                                             "routed_experts": None}], "usage": None}
+    session.absorb([dumps(first)])
+    session.seal()
+    k = 2
+    resumed_prompt = len(PROMPT) + k
+    retry = unary(out=OUT[2:], cached=None, experts=None)
+    retry["usage"] = {"prompt_tokens": resumed_prompt, "total_tokens": resumed_prompt + 1, "completion_tokens": 1,
+                      "prompt_tokens_details": {"cached_tokens": resumed_prompt - 1}}
+    stitched = session.stitch(dumps(retry), True)
+    assert stitched is not None
+    u = json.loads(stitched[0])["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (len(PROMPT), 3, len(PROMPT) + 3)
+    assert u["prompt_tokens_details"] == {"cached_tokens": len(PROMPT)}
+
+
+def test_resumed_attempt_cached_tokens_within_the_original_prompt_stay():
+    codec = VLLMCodec(OPTIONS)
+    session = codec.open_migration()
+    first = {"request_id": RID, "choices": [{"index": 0, "token_ids": OUT[:2]}], "usage": None}
+    session.absorb([dumps(first)])
+    session.seal()
+    retry = unary(out=OUT[2:], cached=16, experts=None)
+    retry["usage"]["prompt_tokens"] = len(PROMPT) + 2
+    stitched = session.stitch(dumps(retry), True)
+    assert stitched is not None
+    assert json.loads(stitched[0])["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}

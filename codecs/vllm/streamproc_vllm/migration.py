@@ -12,6 +12,8 @@ field                            stitched value
 ``request_id``                   the id the client saw first
 ``usage.prompt_tokens``          the original prompt's (attempt's value − k)
 ``usage.completion_tokens``      + k; ``total_tokens`` is then unchanged
+``usage.prompt_tokens_details``  the attempt's ``cached_tokens``, at most the original prompt's
+                                 length (the attempt counts cache hits over prompt + emitted tokens)
 ``prompt_logprobs``              sent once, on the stream's first result: removed from a resumed
                                  attempt once the client has results; otherwise the attempt's
                                  list without its last k entries
@@ -39,7 +41,7 @@ from streamproc.codec import OmissionReason as Omit
 from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
 from streamproc.wire import Verdict
 
-from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
+from .native import PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -130,6 +132,7 @@ class VLLMMigrationSession(MigrationSession):
             if is_int(usage.get("completion_tokens")):
                 usage["completion_tokens"] += k
                 changed = True
+            changed = _cap_cached_tokens(usage) or changed
         if base.published:
             for key in (PROMPT_LOGPROBS, unavailable_key(PROMPT_LOGPROBS)):
                 if key in obj:
@@ -162,6 +165,20 @@ class VLLMMigrationSession(MigrationSession):
             return None
         choice[ROUTED_EXPERTS] = self._experts.encode(np.concatenate([earlier, current[earlier.shape[0]:]]))
         return Verdict.STITCHED
+
+
+def _cap_cached_tokens(usage: dict) -> bool:
+    """A resumed attempt's ``cached_tokens`` counts hits over its whole prompt, the emitted tokens
+    included; restated against the original prompt, hits beyond it are not prompt cache hits."""
+    details = usage.get(PROMPT_TOKENS_DETAILS)
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(details, dict) or not is_int(prompt):
+        return False
+    cached = details.get("cached_tokens")
+    if not is_int(cached) or cached <= max(prompt, 0):
+        return False
+    usage[PROMPT_TOKENS_DETAILS] = {**details, "cached_tokens": max(prompt, 0)}
+    return True
 
 
 def _omit(choice: dict, reason: str) -> Verdict:
