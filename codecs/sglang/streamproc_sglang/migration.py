@@ -11,7 +11,8 @@ field                              stitched value
 =================================  ===========================================================
 ``text``, ``output_ids``           incremental streams: unchanged (deltas; nothing is replayed);
                                    cumulative streams: what the client saw, then the attempt's
-                                   (not the ids of an abort body: ``native.from_abort_req``)
+                                   (an abort body's ids only when it has them all,
+                                   ``native.abort_restates_ids``: SGLang 0.5.23's cumulative one)
 ``output_*logprobs``               cumulative streams: the client's lists, then the attempt's
 ``meta_info.id``                   the id the client saw first
 ``prompt_tokens``                  the original prompt's (attempt's value − k)
@@ -269,8 +270,8 @@ class SGLangMigrationSession(MigrationSession):
         ids = doc.get(OUTPUT_IDS)
         if not isinstance(ids, list) or not base.emitted or not base.cumulative:
             return
-        if not native.from_abort_req(meta):  # its one id repeats the last: the ids are not restated
-            doc[OUTPUT_IDS] = base.ids + ids
+        if not native.from_abort_req(meta) or native.abort_restates_ids(doc):
+            doc[OUTPUT_IDS] = base.ids + ids  # (an older abort body's one id repeats the last: not restated)
         if isinstance(doc.get(TEXT), str):
             doc[TEXT] = base.text + doc[TEXT]
         for field in OUTPUT_DELTA_FIELDS:

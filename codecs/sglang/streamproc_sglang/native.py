@@ -130,6 +130,17 @@ def from_abort_req(meta: dict[str, Any]) -> bool:
     return PROMPT_TOKENS not in meta and failed_finish(meta)
 
 
+def abort_restates_ids(doc: dict[str, Any]) -> bool:
+    """Whether a ``_handle_abort_req`` body carries every output id of its engine, as its text and
+    lists are whole: SGLang 0.5.23 cuts them to the last (``[output_ids[-1]]``) only with
+    ``--incremental-streaming-output``, older trees in both modes. Read from the counts: as many ids
+    as ``completion_tokens`` (with one token, ``[last]`` is every id in either form)."""
+    meta = meta_of(doc)
+    ids = doc.get(OUTPUT_IDS)
+    count = meta.get(COMPLETION_TOKENS) if meta is not None else None
+    return isinstance(ids, list) and type(count) is int and len(ids) == count
+
+
 # What ``TokenizerManager._handle_abort_req`` restates in full in a stream's abort body (it calls
 # ``add_logprob_to_meta_info`` and never slices): the text and these lists.
 ABORT_RESTATED_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS})
