@@ -14,7 +14,6 @@ import signal
 import sys
 import time
 import typing
-from pathlib import Path
 from typing import Sequence
 
 import anyio
@@ -272,10 +271,7 @@ def cmd_token(args: argparse.Namespace) -> int:
             check_request_id(value)
         except ValueError as exc:
             raise ConfigError(f"{flag} {value!r}: {exc}") from None
-    try:
-        key = Path(settings.key_file).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --key-file {settings.key_file!r}: {exc.strerror or exc}") from None
+    key = config.read_setting_file(settings.key_file, f"--key-file {settings.key_file!r}")
     if settings.algorithm.startswith("HS"):
         key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
     try:  # signed with --print-config too: a key that cannot sign is found as start-up would find it

@@ -249,6 +249,40 @@ def redacted(settings: msgspec.Struct) -> dict[str, Any]:
     return out
 
 
+def _is_text(value: Any) -> bool:
+    """Whether a flag's or variable's value (or each of a repeatable flag's) is UTF-8 text. Python
+    keeps bytes that are not as lone surrogates ('\\udcff'); msgspec and every encoder after it
+    refuse those with a traceback, so they are refused here, as bad configuration."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_text(v) for v in value)
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+# A secret, key, certificate or .creds file is a few KB; a path that names something far larger (a log,
+# a device such as /dev/zero) is a mistake, found without reading it whole into memory.
+MAX_SETTING_FILE_BYTES = 1 << 20
+
+
+def read_setting_file(path: str, named: str) -> bytes:
+    """The bytes of a file a setting names (``named`` says which, for the error), at most
+    :data:`MAX_SETTING_FILE_BYTES`; :class:`ConfigError` (exit 2) when unreadable or larger."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SETTING_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {named}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SETTING_FILE_BYTES:
+        raise ConfigError(f"{named} is larger than {MAX_SETTING_FILE_BYTES >> 20} MiB: not a secret, key or "
+                          "certificate file")
+    return data
+
+
 def _redact_value(name: str, value: str) -> str:
     """A setting's value as shown in an error: a URL setting read as a URL, anything else as text."""
     return redact_url(value) if name.endswith("url") else redact_text(value)
@@ -317,7 +351,7 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     chunks_max_bytes: Annotated[int, documented("durable: bytes of unprocessed chunks kept (-1 unlimited); when "
                                           "full, new chunks are refused; at least one maximal chunk as stored "
                                           "(the server's max_payload plus a few hundred bytes, checked at start-up)",
-                                          ge=-1)] = -1
+                                          ge=-1, le=2**63 - 1)] = -1  # nats-server's int64
     prefill_timeout: Annotated[float, documented("seconds a decode chunk waits for the prefill leg before the "
                                            "omission policy applies", gt=0, le=86_400)] = defaults.PREFILL_TIMEOUT
     request_timeout: Annotated[float, documented("seconds without progress before a request is ended with a "
@@ -540,6 +574,8 @@ class SettingsSchema(typing.Generic[S]):
                 sources[f.name] = f"flag {f.flag}={shown!r}"
                 origin[f.name] = f"flag {f.flag}"
             value = merged.get(f.name)
+            if f.name in sources and not _is_text(value):  # argv and environ bytes that are not UTF-8
+                raise self.error(f"invalid {sources[f.name]}: not valid UTF-8")
             if f.kind is bool and isinstance(value, str):
                 if value.lower() not in _TRUE | _FALSE:
                     raise self.error(f"invalid {sources[f.name]}: expected true or false")

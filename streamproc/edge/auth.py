@@ -17,13 +17,13 @@ from __future__ import annotations
 import collections
 import math
 import time
-from pathlib import Path
 
 import jwt
 import msgspec
 
 from ..core.defaults import EDGE_AUDIENCE as AUDIENCE
 from ..core.defaults import OPERATOR_SCOPE as OPERATOR
+from ..config import read_setting_file
 from ..core.errors import ConfigError, InvalidCapability
 MAX_TOKEN_CHARS = 8192  # a JWT naming a few hundred ids; anything longer is not parsed at all
 # Verified tokens remembered (Verifier): at most this many, each at most this long (~2 MiB at worst).
@@ -60,10 +60,7 @@ def load_key(path: str, algorithm: str) -> bytes:
     Each is what PyJWT would otherwise find on every request: an HS* "secret" that is an asymmetric
     key (PEM, DER, SSH) made every valid capability a 500 with a traceback (``InvalidKeyError`` from
     ``prepare_key``), and a short key an ``InsecureKeyLengthWarning`` on stderr."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --auth-key-file {path!r}: {exc.strerror or exc}") from None
+    data = read_setting_file(path, f"--auth-key-file {path!r}")
     verifier = jwt.get_algorithm_by_name(algorithm)
     if algorithm.startswith("HS"):
         raw, data = data, data.strip()  # a secret file's trailing newline is not part of the secret

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 import ssl
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import anyio
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from ..config import ENV_PREFIX, REDACTED, CommonSettings, redact_text, redact_url
+from ..config import ENV_PREFIX, REDACTED, CommonSettings, read_setting_file, redact_text, redact_url
 from ..core.errors import ConfigError, StartupError
 from ..logs import error_text
 from .fast_client import new_client
@@ -37,21 +36,19 @@ def _named(setting: str, path: str) -> str:
 
 
 def _read_secret(path: str, setting: str) -> str:
+    data = read_setting_file(path, _named(setting, path))
     try:
-        value = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {_named(setting, path)}: {exc.strerror or exc}") from None
+        value = data.decode().strip()
+    except UnicodeDecodeError:  # the message names no byte of the secret, only that it is not text
+        raise ConfigError(f"{_named(setting, path)} is not valid UTF-8") from None
     if not value:
         raise ConfigError(f"{_named(setting, path)} is empty")
     return value
 
 
 def _check_readable(path: str, setting: str) -> None:
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {_named(setting, path)}: {exc.strerror or exc}") from None
+    """Readable and of a credential file's size (nats-py reads it whole at every connect)."""
+    read_setting_file(path, _named(setting, path))
 
 
 def servers(settings: CommonSettings) -> list[str]:
