@@ -700,7 +700,8 @@ class SimulateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     stream: Annotated[bool | None, documented(
         "--stream: streaming responses only; --unary: unary only; neither: alternate")] = None
     seed: Annotated[int, documented("seed of the planned traffic")] = 0
-    shuffle: Annotated[bool, documented("shuffle every chunk, not just interleave legs")] = False
+    shuffle: Annotated[bool, documented("shuffle every chunk, not just interleave legs (64 requests at a time, as "
+                                                 "the legs are interleaved)")] = False
     duplicates: Annotated[float, documented("fraction of chunks published twice", ge=0, le=1)] = 0.0
     verify: Annotated[bool, documented("wait for the results of a running processor and verify them")] = False
     timeout: Annotated[float, documented("seconds to wait for results with --verify", gt=0, le=86_400)] = 60.0
