@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -195,14 +196,18 @@ def test_vllm_prompt_token_id_logprobs_without_a_prefill_leg_are_omitted_with_th
     assert verdict is Verdict.OMITTED
 
 
-def test_vllm_prompt_token_id_logprobs_that_differ_between_the_legs_are_omitted():
+def test_vllm_prompt_token_id_logprobs_that_differ_between_the_legs_are_prefills():
+    """Until 2026-12-05 omitted as ``inconsistent_legs``. vLLM 0.34.0's decode recomputes the prompt for
+    ``prompt_logprob_token_ids`` (``Request.get_prefix_cache_hit_limit`` bounds the request, so
+    ``skip_reading_external_kv``): another engine's floats. Prefill scored the prompt as the aggregated
+    engine does, so its scores are published."""
     other = numpy2base64(np.zeros((4, 2), dtype=np.float32))
     decode = vllm_unary(out=V_OUT, scores=other)
     prefill = vllm_unary(out=V_OUT[:1], scores=SCORES, finish="length", kv=PREFILL_KV)
     [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
-    assert b'"prompt_token_id_logprobs":null' in body
-    assert b'"prompt_token_id_logprobs_unavailable_reason":"inconsistent_legs"' in body
-    assert verdict is Verdict.OMITTED
+    assert json.loads(body)["prompt_token_id_logprobs"] == SCORES
+    assert b"prompt_token_id_logprobs_unavailable_reason" not in body
+    assert verdict is Verdict.JOINED
 
 
 # ------------------------------------------------------------------ SGLang: return_indexer_topk

@@ -290,15 +290,20 @@ def test_stream_chunks_never_gain_prompt_logprobs() -> None:
         assert PL_REASON not in loads(body)
 
 
-def test_inconsistent_prompt_logprobs_are_omitted() -> None:
+def test_decode_prompt_logprobs_that_differ_from_prefills_are_replaced_by_prefills() -> None:
+    # Until 2026-12-05 omitted as inconsistent_legs. Upstream decode legs send either rows never written
+    # (NIXL-loaded prompt, LogprobsTensors.empty_cpu) or another engine's floats (vLLM 0.34.0 recompute);
+    # prefill scored the prompt as the aggregated engine does (tests/test_vllm_upstream_fidelity.py).
     truth = make_truth(20, prompt_len=4, output_len=2)
-    own = loads(WORKER.prefill(truth, stream=False)[0])["prompt_logprobs"]
+    prefill = WORKER.prefill(truth, stream=False)
+    want = loads(prefill[0])["prompt_logprobs"]
+    own = loads(prefill[0])["prompt_logprobs"]
     own[1] = {"1": {"logprob": -0.5, "rank": 1, "decoded_token": "token_id:1"}}
     decode = with_top(WORKER.decode(truth, stream=False)[0], prompt_logprobs=own)
-    [(body, verdict)] = join_leg([decode], WORKER.prefill(truth, stream=False))
-    assert verdict is Verdict.OMITTED
+    [(body, verdict)] = join_leg([decode], prefill)
+    assert verdict is Verdict.JOINED
     obj = loads(body)
-    assert obj["prompt_logprobs"] is None and obj[PL_REASON] == "inconsistent_legs"
+    assert obj["prompt_logprobs"] == want and PL_REASON not in obj
 
 
 def test_equal_prompt_logprobs_on_both_legs_are_kept() -> None:

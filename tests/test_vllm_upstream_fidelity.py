@@ -260,3 +260,115 @@ def test_resumed_attempt_cached_tokens_within_the_original_prompt_stay():
     stitched = session.stitch(dumps(retry), True)
     assert stitched is not None
     assert json.loads(stitched[0])["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+# ------------------------------------------------------------------------ prompt_logprobs in P/D
+#
+# Upstream source read for this section (vllm-project/vllm, commit the index reported):
+#
+# * ``vllm/sampling_params.py`` (``SamplingParams.__post_init__``, the version quoted by every stored
+#   copy): ``if self.skip_reading_prefix_cache is None: self.skip_reading_prefix_cache =
+#   self.prompt_logprobs is not None``; ``vllm/v1/request.py`` @ ``dba83d52c06471eabafba4310718ac7a100cbfa4``
+#   ``Request.get_skip_reading_prefix_cache`` copies it; ``KVCacheManager.get_computed_blocks`` returns no
+#   local hit for it. That bounds the *local* prefix cache only.
+# * ``vllm/v1/core/sched/scheduler.py`` @ ``b4622cf924bc72504aed99e486062d6633fde39e``
+#   ``Scheduler.schedule`` still calls ``self.connector.get_num_new_matched_tokens(request,
+#   num_new_local_computed_tokens)`` for that request, and NIXL
+#   (``nixl_connector.py`` @ ``002a1057e9ae674d7bdc9c4be95bc29d65d2e808``,
+#   ``NixlConnectorScheduler.get_num_new_matched_tokens``) returns ``len(prompt_token_ids) -
+#   num_computed_tokens`` for ``do_remote_prefill``: the decode leg loads the whole prompt's KV.
+#   ``Scheduler._update_waiting_for_remote_kv`` then sets ``num_computed_tokens`` to the loaded
+#   tokens minus one (``if num_computed_tokens == request.num_tokens: num_computed_tokens -= 1``).
+# * ``vllm/v1/worker/gpu_model_runner.py`` @ ``4e1790651fc758c06c7a903dd4cd82364ac91b27``
+#   ``GPUModelRunner._get_prompt_logprobs_dict``: ``logprobs_tensors = LogprobsTensors.empty_cpu(
+#   num_prompt_tokens - 1, num_prompt_logprobs + 1)``; ``start_idx = request.num_computed_tokens``
+#   (``P - 1``), ``num_remaining_tokens = num_prompt_tokens - start_tok`` (0), so the request is
+#   "the last chunk": ``prompt_logprobs_dict[req_id] = logprobs_tensors`` and then ``if num_logits <=
+#   0: continue``: nothing is ever copied into the ``P - 1`` rows. ``LogprobsTensors.empty_cpu``
+#   (``vllm/v1/outputs.py`` @ ``1b55f1e9b664c3844552b42749193e7ab3df352c``) is ``torch.empty``:
+#   uninitialised memory. ``LogprobsProcessor._update_prompt_logprobs`` (``vllm/v1/engine/logprobs.py``
+#   @ ``dfafe710448e80b695513dfbee690b8e0334f230``) appends one entry per row after the leading
+#   ``None``. So the decode leg sends a list of the right length whose entries are garbage.
+# * vLLM 0.34.0 (PyPI wheel, ``vllm/_version.py`` ``__commit_id__ = 'g62d4bc3c7'``):
+#   ``Request.skip_reading_external_kv`` is true for a request with ``prompt_logprobs`` (its
+#   ``get_prefix_cache_hit_limit`` is ``prompt_logprob_start or 0``) and ``Scheduler.schedule`` sets
+#   ``ext_tokens, load_kv_async = 0, False`` for it: the decode leg recomputes the prompt and sends
+#   a real list, from another engine and another batch, so its floats need not equal prefill's bit
+#   for bit.
+#
+# Either way the prefill leg (``do_remote_decode``: NIXL loads nothing; no local hit) scored the whole
+# prompt exactly as the aggregated engine does, so its list is the one to publish, whatever decode sent.
+
+PL_PROMPT = PROMPT[:6]
+PL_SCORES = [-2.5, -0.75, -1.125, -3.0, -0.5]  # prompt positions 1.. (position 0 is never scored)
+
+
+def prompt_logprobs_list(scores: list[float], ids: list[int] = PL_PROMPT) -> list:
+    """``LogprobsProcessor`` with ``prompt_logprobs=0`` in tokens mode (no tokenizer): ``[None]`` then,
+    per position, ``{target_id: Logprob(logprob, rank, decoded_token=None)}``
+    (``append_logprobs_for_next_position``), rendered as JSON by ``serve_tokens_full_generator``."""
+    return [None] + [{str(t): {"logprob": lp, "rank": 1, "decoded_token": None}}
+                     for t, lp in zip(ids[1:], scores)]
+
+
+def pl_unary(*, out: list[int], plp: list | None, finish: str = "stop", kv: dict | None = None,
+             prompt_tokens: int = len(PL_PROMPT)) -> dict:
+    body = unary(out=out, cached=None, experts=None, finish=finish, kv=kv, details=False)
+    body["usage"] = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + len(out),
+                     "completion_tokens": len(out)}
+    body["prompt_logprobs"] = plp
+    return body
+
+
+# What ``torch.empty`` may hold: fresh zeroed pages, or leftovers of an earlier tensor.
+UNINITIALISED = {
+    "zeroed": [None] + [{"0": {"logprob": 0.0, "rank": 0, "decoded_token": None}}] * (len(PL_PROMPT) - 1),
+    "leftovers": [None] + [{str(1953066613 + i): {"logprob": 4.1e-31 * (i + 1), "rank": -7,
+                                                  "decoded_token": None}} for i in range(len(PL_PROMPT) - 1)],
+}
+
+
+@pytest.mark.parametrize("garbage", sorted(UNINITIALISED))
+def test_decode_prompt_logprobs_from_uninitialised_rows_are_replaced_by_prefills(garbage):
+    """A decode leg that loaded the prompt's KV (NIXL) sends ``P - 1`` never-written rows; the joined
+    body must carry prefill's list, which is the aggregated engine's, not omit the field."""
+    agg = pl_unary(out=OUT, plp=prompt_logprobs_list(PL_SCORES))
+    prefill = pl_unary(out=OUT[:1], plp=prompt_logprobs_list(PL_SCORES), finish="length", kv=PREFILL_KV)
+    decode = pl_unary(out=OUT, plp=UNINITIALISED[garbage])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_decode_prompt_logprobs_recomputed_by_another_engine_are_replaced_by_prefills():
+    """vLLM 0.34.0: decode recomputes the prompt (``skip_reading_external_kv``); its floats differ from
+    prefill's in the last bits (another engine, another batch). That is no inconsistency: the field
+    must be published (prefill's list, as prefill ran the prompt as the aggregated engine does)."""
+    agg = pl_unary(out=OUT, plp=prompt_logprobs_list(PL_SCORES))
+    prefill = pl_unary(out=OUT[:1], plp=prompt_logprobs_list(PL_SCORES), finish="length", kv=PREFILL_KV)
+    noisy = [lp + 2.0 ** -20 for lp in PL_SCORES]
+    decode = pl_unary(out=OUT, plp=prompt_logprobs_list(noisy))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_a_prefill_list_that_does_not_cover_the_prompt_is_omitted_as_length_mismatch():
+    """Prefill's list is trusted over decode's, so it must have one entry per prompt token
+    (``usage.prompt_tokens``): a shorter one (a prefiller that scored a shortened prompt) is no
+    aggregated answer and is omitted, never published or patched from decode."""
+    prefill = pl_unary(out=OUT[:1], plp=prompt_logprobs_list(PL_SCORES[:-1]), finish="length", kv=PREFILL_KV)
+    decode = pl_unary(out=OUT, plp=prompt_logprobs_list(PL_SCORES))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    got = json.loads(body)
+    assert (got["prompt_logprobs"], got["prompt_logprobs_unavailable_reason"]) == (None, "length_mismatch")
+    assert verdict is Verdict.OMITTED
+
+
+def test_a_one_token_prompt_keeps_prefills_single_null():
+    """``P = 1``: nothing is scored on either leg (``empty_cpu(0, ...)``), both send ``[None]``."""
+    agg = pl_unary(out=OUT, plp=[None], prompt_tokens=1)
+    prefill = pl_unary(out=OUT[:1], plp=[None], finish="length", kv=PREFILL_KV, prompt_tokens=1)
+    decode = pl_unary(out=OUT, plp=[None], prompt_tokens=1)
+    [(body, _)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))

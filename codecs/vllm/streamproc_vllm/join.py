@@ -1,6 +1,7 @@
 """The vLLM P/D join: prompt logprobs and prompt expert rows from prefill, token labels filled.
 
-A P/D decode worker only receives KV, so it cannot score the prompt (no ``prompt_logprobs``) and
+A P/D decode worker that receives the prompt's KV cannot score the prompt (its ``prompt_logprobs``
+rows are never written; one that recomputes them gives another engine's floats) and
 either returns garbage for the prompt's expert rows ("full" coverage) or leaves them out ("suffix"
 coverage, vLLM's capturer with ``start_tokens = num_prompt_tokens``). Which one happened is read
 from the row counts, never assumed. With vLLM 0.34.0's ``routed_experts_prompt_start = S`` every
@@ -38,7 +39,6 @@ from .fold import fold_objects
 if TYPE_CHECKING:
     from .codec import VLLMCodec
 
-INCONSISTENT_LEGS = "inconsistent_legs"
 EXPERT_RANK = 3  # (rows, num_layers, top_k)
 
 
@@ -253,13 +253,20 @@ class VLLMJoinSession(JoinSession):
             self._join_prompt_field(obj, field, edit)
 
     def _join_prompt_field(self, obj: dict, field: str, edit: _Edit) -> None:
+        """Prefill's value wins over decode's whatever decode sent: prefill ran the whole prompt as the
+        aggregated engine does, while a decode leg that loaded the prompt's KV (NIXL
+        ``get_num_new_matched_tokens``) returns ``P - 1`` rows ``_get_prompt_logprobs_dict`` never wrote
+        (``LogprobsTensors.empty_cpu``, uninitialised), and one that recomputed it (vLLM 0.34.0
+        ``Request.skip_reading_external_kv``) floats of another engine and batch. Comparing the legs
+        therefore omitted nearly every P/D answer; a list must instead cover the prompt."""
         if field not in obj:
             return
         from_prefill = self._prefill.get(field) if self._prefill is not None else None
         from_decode = obj.get(field)
         if from_prefill is not None:
-            if from_decode is not None and from_decode != from_prefill:
-                edit.omit(obj, field, INCONSISTENT_LEGS)
+            prompt_tokens = self._prompt_tokens(obj)
+            if isinstance(from_prefill, list) and prompt_tokens is not None and len(from_prefill) != prompt_tokens:
+                edit.omit(obj, field, Omit.LENGTH_MISMATCH)  # one entry per prompt token, [0] null
             else:
                 edit.provide(obj, field, from_prefill)
             return
