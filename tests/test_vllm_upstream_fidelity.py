@@ -372,3 +372,64 @@ def test_a_one_token_prompt_keeps_prefills_single_null():
     decode = pl_unary(out=OUT, plp=[None], prompt_tokens=1)
     [(body, _)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
     assert_same(body, dumps(agg))
+
+
+def test_a_decode_leg_that_scored_only_the_recomputed_token_gets_prefills_list():
+    """vLLM 0.33.0's V2 model runner (``vllm/v1/worker/gpu/sample/prompt_logprob.py``
+    ``compute_prompt_logprobs``): a decode leg scheduled only the last prompt token (the rest loaded;
+    0.33.0 has no ``skip_reading_external_kv``) drops its one row (``end_idx -= 1``, then ``logprobs =
+    None if start_idx >= end_idx``), so ``LogprobsProcessor`` keeps ``create_prompt_logprobs``'s
+    ``[None]``: a one-entry list for a six-token prompt. Prefill's list is the aggregated one."""
+    agg = pl_unary(out=OUT, plp=prompt_logprobs_list(PL_SCORES))
+    prefill = pl_unary(out=OUT[:1], plp=prompt_logprobs_list(PL_SCORES), finish="length", kv=PREFILL_KV)
+    decode = pl_unary(out=OUT, plp=[None])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+# ------------------------------------------------- routed_experts rows with cached prompt tokens
+#
+# vLLM 0.34.0 and 0.33.0 (PyPI wheels; ``distributed/aux_output_connector`` is the same in both)
+# collect the rows per engine step (``Scheduler.update_from_output``: ``take_output`` per output;
+# ``RequestState.routed_experts_chunks`` concatenated ``if finished``), but do not leave cached prompt
+# positions out: ``AuxOutputSchedulerConnector.build_connector_meta`` sets the emit start to
+# ``min(routed_experts_prompt_start, num_prompt_tokens)`` on the first schedule, and
+# ``AuxOutputWorkerConnector._commit_output``, when that start lies before the step's first computed
+# token (a prefix-cache or connector hit), materialises the rows from its block store
+# (``materialize_routed_experts``). ``Scheduler.schedule`` bounds the local hit by
+# ``max_cache_hit`` (blocks whose rows the store holds) and keeps an external hit only if
+# ``cap_external_hit`` (block-aligned, within ``max_cache_hit``), else 0: a P/D decode recomputes the
+# prompt. The older capture (``Scheduler._get_routed_experts`` @ ``b4622cf9``) reads every row of
+# ``[0, num_tokens - 1)`` by KV slot: a connector-loaded prompt's slots hold stale rows. Neither
+# shortens a leg by its cache hit.
+
+HIT = 16  # one cached 16-token block of the 40-token prompt
+
+
+def test_rows_of_a_prefill_with_a_prefix_cache_hit_cover_the_whole_prompt_and_join():
+    """Prefill (and the aggregated engine) hit ``HIT`` cached prompt tokens: their rows are still
+    ``[0, P)`` / ``[0, P + O - 1)``, the cached ones materialised; decode recomputed the prompt."""
+    total = len(PROMPT) + len(OUT) - 1
+    agg = unary(out=OUT, cached=HIT, experts=npy_b64(rows(0, total)))
+    prefill = unary(out=OUT[:1], cached=HIT, experts=npy_b64(rows(0, len(PROMPT))), finish="length",
+                    kv=PREFILL_KV)
+    decode = unary(out=OUT, cached=0, experts=npy_b64(rows(0, total)))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_legs_that_left_their_cached_prompt_rows_out_are_omitted_not_spliced():
+    """The shape an outside note describes (rows only for tokens computed in a step, cached ones left
+    out), which no vLLM read here sends: prefill ``[HIT, P)``, decode ``[P - 1, P + O - 1)`` (only
+    the last prompt token recomputed). The legs imply different starts, so the rows are omitted as
+    ``length_mismatch``: no partial array is published."""
+    total = len(PROMPT) + len(OUT) - 1
+    prefill = unary(out=OUT[:1], cached=HIT, experts=npy_b64(rows(HIT, len(PROMPT))), finish="length",
+                    kv=PREFILL_KV)
+    decode = unary(out=OUT, cached=DECODE_CACHED, experts=npy_b64(rows(len(PROMPT) - 1, total)))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    [choice] = json.loads(body)["choices"]
+    assert (choice["routed_experts"], choice["routed_experts_unavailable_reason"]) == (None, "length_mismatch")
+    assert verdict is Verdict.OMITTED
