@@ -26,13 +26,18 @@ restates the text and the output logprob lists.
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
+import numpy as np
 import pytest
+from helpers import assert_same_body
+from helpers import drive_join as join
 from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
 from streamproc_sglang import SGLangCodec
 
 OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
@@ -136,3 +141,124 @@ def test_0523_incremental_abort_body_after_a_migration_restates_the_whole_text()
     second = [chunk(0, 1, cumulative=False, offset=K, rid="req-2", prompt=PROMPT_TOKENS + K)]
     published = migrated(first, [*second, abort(1, incremental=True, offset=K, rid="req-2")])
     assert_abort_body(published[-1], abort(K + 1, incremental=True))
+
+
+# ============================================================================ routed_experts after a retraction
+#
+# SGLang 0.5.23 (wheel above; the newest trees in the public index read the same):
+#
+# ``state_capturer/base.py`` (sgl-project/sglang @ 0564b521 too): each forward writes its rows at the
+# KV slots it filled, ``TopkCaptureOutput.finalize``: ``host_cache.buffer[out_cache_loc] = topk``;
+# at finish ``BaseTopkCapturer.get_topk`` reads them at the request's CURRENT slots,
+# ``req_to_token[req_pool_idx][start_len : seqlen - 1]`` (called by
+# ``managers/scheduler_components/batch_result_processor.py`` ``_maybe_collect_routed_experts``).
+#
+# Aggregated engine: ``ScheduleBatch.retract_decode`` -> ``release_req`` (``managers/schedule_batch.py``)
+# backs up no KV outside ``disaggregation_mode == "decode"``, frees the row and calls
+# ``Req.reset_for_retract`` (``retraction_count += 1``, ``routed_experts = None``);
+# ``Scheduler._add_request_to_queue`` puts it back in ``waiting_queue`` and it is prefilled again
+# over ``origin_input_ids + output_ids``: every row is written again by a forward (or read at radix
+# slots a forward wrote). Its rows are right, and its body says ``num_retractions: 1``.
+#
+# P/D decode: ``release_req`` -> ``mem_cache/common.py`` ``backup_kv_cache`` copies the KV of
+# ``[0, seqlen - 1)`` to host (``cpu_tensor``: ``Req.offload_kv_cache``; ``host_pool``:
+# ``UnifiedRadixCache.backup_kv_cache``); ``disaggregation/decode.py``
+# ``DecodePreallocQueue.resume_retracted_reqs`` gives it new slots (``_pre_alloc``) and
+# ``restore_kv_cache`` copies the KV back into them (sgl-project/sglang @ 0035ca42:
+# ``self._pre_alloc(req)`` then ``req.load_kv_cache(...)``). A DeepSeek-V4 pool
+# (``dsv4_needs_rebootstrap``) re-bootstraps instead: ``DecodePreallocQueue.add`` pops the last id
+# and the prefill recomputes ``[0, seqlen - 1)``, which the KV transfer writes into decode's new slots.
+# Either way no forward of this request wrote the capture rows at those slots: decode's generated
+# rows for the tokens before the retraction are whatever request last ran a forward there (or zeros).
+# ``reset_for_retract`` counts it, and ``_handle_batch_output`` writes the count on every body
+# (``"num_retractions": recv_obj.retraction_counts[i]``; ``total_retractions`` in older trees).
+
+LAYERS, TOPK = 2, 2
+ALL_OUT = 5  # the request's tokens; decode was retracted after ``k`` of them
+STOP = {"type": "stop", "matched": OUT[-1]}
+
+
+def expert_rows(start: int, end: int, seed: int = 0) -> bytes:
+    """int32 ids of positions [start, end): distinct per layer, as a router picks them."""
+    ids = [[(p * 7 + j * 3 + 1 + seed) % 61 + (j % TOPK) * 61 for j in range(LAYERS * TOPK)]
+           for p in range(start, end)]
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def experts_body(out: list[int], *, finish: Any, experts: bytes, retractions: int,
+                 key: str = "num_retractions") -> dict[str, Any]:
+    """``_handle_batch_output`` (0.5.23 key order) of a finished unary body with routed experts."""
+    meta = {"id": RID, "finish_reason": finish, "prompt_tokens": PROMPT_TOKENS, "weight_version": "default",
+            key: retractions, "reasoning_tokens": 0, "completion_tokens": len(out), "cached_tokens": 0,
+            "weight_versions": [{"version": "default", "start": 0, "end": len(out)}],
+            "cached_tokens_details": None, "routed_experts": base64.b64encode(experts).decode(),
+            "e2e_latency": 0.5}
+    return {"text": "".join(TEXT[:len(out)]), "output_ids": out, "meta_info": meta}
+
+
+def retraction_case(k: int, key: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(aggregated, prefill, decode) bodies of a request retracted once after ``k`` tokens."""
+    seqlen = PROMPT_TOKENS + ALL_OUT
+    restored = PROMPT_TOKENS + k - 1  # the KV the backup (or the re-bootstrap) put back: [0, seqlen_k - 1)
+    aggregated = experts_body(OUT, finish=STOP, experts=expert_rows(0, seqlen - 1), retractions=1, key=key)
+    # disaggregation/prefill.py: FINISH_LENGTH(0), the first token, the prompt rows (0.5.23 collects them)
+    prefill = experts_body(OUT[:1], finish={"type": "length", "length": 0},
+                           experts=expert_rows(0, PROMPT_TOKENS), retractions=0, key=key)
+    stale = expert_rows(0, restored, seed=17)  # another request's rows at the slots decode was given
+    decode = experts_body(OUT, finish=STOP, retractions=1, key=key,
+                          experts=stale + expert_rows(restored, seqlen - 1))
+    return aggregated, prefill, decode
+
+
+@pytest.mark.parametrize("key", ["num_retractions", "total_retractions"])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_retracted_pd_decode_never_publishes_rows_its_restored_kv_slots_hold(k, key):
+    """A P/D decode retracted after ``k`` tokens (KV copied back, or re-bootstrapped) reads the rows of
+    its first ``k - 1`` generated tokens at slots no forward of it wrote (above); the aggregated
+    engine recomputed them. Those rows look real (distinct ids), so only the body's retraction count
+    tells: the joined answer must equal the aggregated rows or omit them with a reason."""
+    aggregated, prefill, decode = retraction_case(k, key)
+    [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    meta = json.loads(out)["meta_info"]
+    want = aggregated["meta_info"]["routed_experts"]
+    assert meta.get("routed_experts", want) == want, "decode's stale rows were published"
+    assert meta["routed_experts_unavailable_reason"] == "decode_corrupt"
+    assert verdict is Verdict.OMITTED
+    rest = {key: v for key, v in meta.items() if key != "routed_experts_unavailable_reason"}
+    assert rest == {key: v for key, v in aggregated["meta_info"].items() if key != "routed_experts"}
+
+
+def test_unretracted_pd_decode_rows_are_joined_to_the_aggregated_rows():
+    """The same request without a retraction: decode's generated rows are its own forwards', and the
+    join (prefill's prompt rows, then decode's generated rows) equals the aggregated body."""
+    seqlen = PROMPT_TOKENS + ALL_OUT
+    aggregated = experts_body(OUT, finish=STOP, experts=expert_rows(0, seqlen - 1), retractions=0)
+    prefill = experts_body(OUT[:1], finish={"type": "length", "length": 0},
+                           experts=expert_rows(0, PROMPT_TOKENS), retractions=0)
+    decode = experts_body(OUT, finish=STOP, retractions=0,
+                          experts=expert_rows(0, PROMPT_TOKENS, seed=17) + expert_rows(PROMPT_TOKENS, seqlen - 1))
+    [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert verdict is Verdict.JOINED
+    assert_same_body(out, dumps(aggregated))
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_retraction_between_stream_chunks_omits_the_final_rows(cumulative):
+    """Streamed: the count rises on the first chunk after the retraction; the rows come with the final
+    chunk (``_maybe_collect_routed_experts`` runs at finish), which alone is judged."""
+    _, prefill, decode = retraction_case(3, "num_retractions")
+
+    def unfinished(lo: int, end: int, retractions: int) -> dict[str, Any]:
+        lo = 0 if cumulative else lo
+        meta = {"id": RID, "finish_reason": None, "prompt_tokens": PROMPT_TOKENS, "weight_version": "default",
+                "num_retractions": retractions, "reasoning_tokens": 0, "completion_tokens": end,
+                "cached_tokens": 0, "cached_tokens_details": None}
+        return {"text": "".join(TEXT[lo:end]), "output_ids": OUT[lo:end], "meta_info": meta}
+
+    final = decode if cumulative else {**decode, "text": "".join(TEXT[3:]), "output_ids": OUT[3:]}
+    chunks = [unfinished(0, 1, 0), unfinished(1, 3, 1), final]
+    got = join(SGLangCodec(OPTIONS), [dumps(c) for c in chunks], [dumps(prefill)])
+    assert [verdict for _, verdict in got[:-1]] == [Verdict.PASSTHROUGH, Verdict.PASSTHROUGH]
+    meta = json.loads(got[-1][0])["meta_info"]
+    assert "routed_experts" not in meta and meta["routed_experts_unavailable_reason"] == "decode_corrupt"
+    assert got[-1][1] is Verdict.OMITTED

@@ -21,7 +21,9 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   generated suffix only): the joined bytes are prefill's rows then decode's generated rows, the
   layout read from the stated start or, failing that, from the byte counts (:func:`_layout`).
   Rows no real capture produces (:func:`_stale`) are refused; a wrong but in-range expert id in a
-  correctly sized raw payload cannot be detected here.
+  correctly sized raw payload cannot be detected here. A decode that was retracted
+  (:func:`native.retracted`) got its KV back by copy or transfer, not by a forward, so the rows of
+  its tokens before the retraction are another request's: its generated rows are never published.
 
 - ``indexer_topk`` (``return_indexer_topk``): rows ``[0, seqlen - 1)`` read like decode's expert rows,
   so its prompt rows are stale KV-slot leftovers too, and no prefill collects its own (its
@@ -86,7 +88,7 @@ INPUT_LOGPROB_ANCHORS = {
 # ``weight_versions`` (finished bodies) and, for a request that has them, ``image_tokens`` /
 # ``audio_tokens`` / ``video_tokens`` (after ``cached_tokens_details``) before ``hidden_states``.
 ROUTED_EXPERTS_PREDECESSORS = (
-    "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", "total_retractions", "num_retractions",
+    "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", *native.RETRACTION_COUNTS,
     INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS_LENGTH, "input_top_logprobs",
     OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", OUTPUT_TOKEN_IDS_LOGPROBS, "reasoning_tokens",
     "reasoning_tokens_unavailable_reason",
@@ -682,6 +684,8 @@ class SGLangJoinSession(JoinSession):
                 return self._omit(meta, Omit.DECODE_MISSING)
             # One-token decode may omit the field (SGLang #39146): the answer is prefill's rows.
             return self._provide(meta, source_value)
+        if completion > 1 and native.retracted(meta):
+            return self._omit(meta, Omit.DECODE_CORRUPT)  # its early generated rows are stale (native.retracted)
         self.decodes += 1
         try:
             decode_rows = self._experts.decode_within(value, self._within(_decode_bound(prefill, completion)))

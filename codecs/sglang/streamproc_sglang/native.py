@@ -124,6 +124,22 @@ def failed_finish(meta: dict[str, Any]) -> bool:
     return isinstance(kind, str) and (kind in FAILED_FINISH_TYPES or kind.startswith("abort"))
 
 
+# ``Req.retraction_count`` on every body (``_handle_batch_output``): ``num_retractions`` since SGLang
+# 0.5.23, ``total_retractions`` before.
+RETRACTION_COUNTS = ("num_retractions", "total_retractions")
+
+
+def retracted(meta: dict[str, Any]) -> bool:
+    """Whether the worker retracted the request at least once (``Req.reset_for_retract`` counts it).
+
+    A P/D decode resumes with its KV copied back into new slots (``backup_kv_cache`` /
+    ``restore_kv_cache``) or recomputed by the prefill and transferred (``dsv4_needs_rebootstrap``),
+    never by a forward of its own, while ``BaseTopkCapturer.get_topk`` reads routed experts at the
+    request's current slots: the rows of the tokens before the retraction are whatever request last
+    ran a forward there. The aggregated engine prefills a retracted request again (rows right)."""
+    return any(type(count := meta.get(key)) is int and count > 0 for key in RETRACTION_COUNTS)
+
+
 def from_abort_req(meta: dict[str, Any]) -> bool:
     """Whether a body's ``meta_info`` is ``TokenizerManager._handle_abort_req``'s: an abort finish and
     no ``prompt_tokens`` (every ``_handle_batch_output`` body has them)."""
