@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from .core.codec import Codec, CodecOptions
 from .core.errors import CodecUnavailable, UnknownFormat
@@ -66,6 +66,32 @@ def describe() -> list[tuple[str, str, str]]:
             description = f"(failed to load: {exc})"
         rows.append((name, dist, description))
     return rows
+
+
+class OptionKeys(NamedTuple):
+    """What the installed codecs say about the ``--format-option`` keys given (:func:`unread_option_keys`)."""
+
+    unread: list[str]  # keys given that no installed codec declares it reads
+    read: list[str]  # every key some installed codec declares
+    undeclared: list[str]  # installed codecs that declare nothing (``Codec.option_keys`` None)
+
+
+def unread_option_keys(options: CodecOptions) -> OptionKeys:
+    """Check the given keys against every installed codec's ``option_keys`` (a codec other than
+    ``--format`` reads them too, when a chunk names it). A codec that fails to load reads nothing."""
+    read: set[str] = set()
+    undeclared = []
+    for name in codec_names():
+        try:
+            keys = codec_class(name).option_keys
+        except Exception:  # noqa: BLE001 - a broken plugin: its requests fail with why (Catalog)
+            continue
+        if keys is None:
+            undeclared.append(name)
+        else:
+            read |= keys
+    unread = [key for key, _ in options.format_options if key not in read]
+    return OptionKeys(unread, sorted(read), undeclared)
 
 
 class Catalog:

@@ -20,6 +20,7 @@ import anyio
 import msgspec
 
 from . import __version__, catalog, compiled, config, logs
+from .core.codec import CodecOptions
 from .core.errors import ConfigError, StreamprocError
 from .core.wire import check_request_id
 
@@ -42,7 +43,8 @@ def _settings(args: argparse.Namespace) -> tuple[config.Settings, dict[str, str]
 
     settings, origin = config.PROCESSOR.explain_arguments(args, os.environ)
     warn_unknown_environment(args.command)
-    check_format(settings.format, origin["format"])
+    check_format(settings.format, origin["format"], settings.codec_options())
+    check_option_keys(settings.codec_options(), origin["format_option"])
     connect_options(settings)  # unreadable credential or certificate files: exit 2 before connecting
     return settings, origin
 
@@ -63,15 +65,30 @@ def printed_config(args: argparse.Namespace, text: str) -> bool:
     return False
 
 
-def check_format(name: str, origin: str) -> None:
-    """An unknown --format is bad configuration (exit 2) for every command, found before connecting."""
-    from .core.codec import CodecOptions
+def check_format(name: str, origin: str, options: CodecOptions | None = None) -> None:
+    """An unknown --format, or one whose codec refuses ``options`` (a ``--format-option`` value), is bad
+    configuration (exit 2) for every command, found before connecting."""
     from .core.errors import UnknownFormat
 
     try:
-        catalog.Catalog(CodecOptions())(name)
-    except UnknownFormat as exc:
+        catalog.Catalog(options or CodecOptions())(name)
+    except UnknownFormat as exc:  # CodecUnavailable too: its import or constructor failed, saying why
         raise ConfigError(f"invalid {origin}={name!r}: {exc}") from None
+
+
+def check_option_keys(options: CodecOptions, origin: str) -> None:
+    """A ``--format-option`` key no installed codec reads is a typo that would leave a default in
+    place (``streming=cumulative``: SGLang streams read as incremental): exit 2. While an installed
+    codec declares no keys (``Codec.option_keys`` None) it may be that one's: a warning only."""
+    keys = catalog.unread_option_keys(options)
+    if not keys.unread:
+        return
+    text = (f"{origin}: {', '.join(map(repr, keys.unread))} is read by no installed codec "
+            f"(keys read: {', '.join(keys.read) or 'none'})")
+    if not keys.undeclared:
+        raise ConfigError(f"invalid {text}")
+    print(f"streamproc: warning: {text}; codecs {', '.join(keys.undeclared)} do not declare theirs",
+          file=sys.stderr)
 
 
 # ------------------------------------------------------------------------- commands

@@ -6,6 +6,8 @@ their entry points as an installed codec is."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -14,7 +16,10 @@ import pytest
 
 from streamproc import catalog as discovery
 from streamproc.catalog import CODEC_RETRY_SECONDS, Catalog
+from streamproc.core.codec import CodecOptions
 from streamproc.core.errors import CodecUnavailable
+from conftest import CLI
+from helpers import clean_env
 
 # {fails}: Python run at import ("import"), or in the constructor ("build"), after it logs the attempt.
 CODEC = '''
@@ -151,3 +156,24 @@ def test_a_codec_that_failed_on_a_configuration_error_stays_unavailable_without_
         clock.now += 10 * CODEC_RETRY_SECONDS
         assert reason in rejected(catalog, broken.name, times=10)
     assert broken.log() == attempts
+
+
+def test_option_keys_no_installed_codec_reads_are_found_and_an_undeclared_codec_is_named(site):
+    given = CodecOptions(format_options=(("streaming", "cumulative"), ("streming", "x"), ("zstd_level", "6")))
+    keys = discovery.unread_option_keys(given)
+    assert keys.unread == ["streming"] and keys.undeclared == []
+    assert {"streaming", "zstd_level", "stream_routed_experts"} <= set(keys.read)
+    legacy = site("legacy-options")  # a codec written before Codec.option_keys: it may read anything
+    keys = discovery.unread_option_keys(given)
+    assert keys.unread == ["streming"] and keys.undeclared == [legacy.name]
+
+
+def test_with_an_undeclared_codec_installed_an_unread_option_key_is_a_warning_not_an_error(site, tmp_path):
+    """The command line refuses a key no codec reads only when every installed codec says what it reads."""
+    site("legacy-options")
+    env = clean_env({"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    proc = subprocess.run([*CLI, "run", "--print-config", "--format-option", "streming=cumulative"],
+                          capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: flag --format-option: 'streming' is read by no installed codec" in proc.stderr
+    assert "legacy-options do not declare theirs" in proc.stderr

@@ -127,3 +127,33 @@ def test_simulated_requests_keep_their_legs_close_however_many_there_are():
             last[m.request_id] = i
         span = max(last[r] - first[r] for r in first)
         assert span < 64 * 40, span  # a window of requests, whatever the total
+
+
+# ------------------------------------------------------------------ --format-option mistakes
+
+
+@pytest.mark.parametrize("option, says", [
+    # A typo: the sglang codec went on assuming incremental streams (SGLang's default is cumulative).
+    ("streming=cumulative", "'streming' is read by no installed codec"),
+    ("STREAMING=cumulative", "'STREAMING' is read by no installed codec"),
+    # A key given twice: the last one won, silently.
+    ("streaming=cumulative,streaming=incremental", "'streaming' is given twice"),
+    # A value the --format codec refuses: exit 1 ("runtime") before, though it is configuration.
+    ("streaming=sideways", "streaming='sideways': expected incremental or cumulative"),
+])
+def test_a_format_option_mistake_is_bad_configuration_in_one_line(option, says):
+    for where in ("flag", "env"):
+        if where == "flag":
+            proc = run("run", "--print-config", "--format", "sglang", "--format-option", option)
+        else:
+            proc = run("run", "--print-config", "--format", "sglang", env={"STREAMPROC_FORMAT_OPTION": option})
+        line = one_clean_error(proc, 2, "run")
+        assert says in line, line
+
+
+def test_a_format_option_another_installed_codec_reads_is_accepted():
+    """Chunks name their own format: ``zstd_level`` is sglang-zstd's, read when a chunk names it."""
+    proc = run("run", "--print-config", "--format", "sglang",
+               "--format-option", "streaming=cumulative,zstd_level=6,stream_routed_experts=no")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr, proc.stderr

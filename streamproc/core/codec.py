@@ -43,14 +43,18 @@ class CodecOptions(msgspec.Struct, frozen=True):
 
 
 def parse_format_options(text: str) -> tuple[tuple[str, str], ...]:
-    """``"k=v,k2=v2"`` as pairs; raises ``ValueError`` for an item without ``=`` or key."""
-    pairs = []
+    """``"k=v,k2=v2"`` as pairs; raises ``ValueError`` for an item without ``=`` or key, and for a key
+    given twice (which one was meant is not known)."""
+    pairs: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise ValueError(f"format option {item!r} is not KEY=VALUE")
-        pairs.append((key.strip(), value.strip()))
-    return tuple(pairs)
+        if key in pairs:
+            raise ValueError(f"format option {key!r} is given twice ({pairs[key]!r} and {value.strip()!r})")
+        pairs[key] = value.strip()
+    return tuple(pairs.items())
 
 
 class ErrorKind(enum.StrEnum):
@@ -416,6 +420,11 @@ class Codec(ABC):
     # (``sglang-zstd``). The instances in ``self.sequences`` are shared by every session of this
     # codec instance (one processor thread), so stateful encoders are created per instance.
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {}
+    # The ``--format-option`` keys this codec reads (``options.option``): a key no installed codec
+    # reads is a typo that would silently leave a default in place (``streming=cumulative``), so the
+    # command line refuses it (exit 2). ``None``: not declared (a codec written before this field);
+    # while one installed codec declares nothing, an unread key is only warned about.
+    option_keys: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()

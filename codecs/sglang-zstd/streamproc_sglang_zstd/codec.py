@@ -12,7 +12,7 @@ from streamproc.codec import SequenceCodec
 from streamproc_sglang import SGLangCodec
 from streamproc_sglang.native import ROUTED_EXPERTS
 
-from .sequence import Base64ZstdRows
+from .sequence import LEVEL_OPTION, SPLICE_OPTION, THREADS_OPTION, Base64ZstdRows
 
 
 class SGLangZstdCodec(SGLangCodec):
@@ -22,3 +22,4 @@ class SGLangZstdCodec(SGLangCodec):
         **SGLangCodec.sequence_codecs,
         ROUTED_EXPERTS: Base64ZstdRows,
     }
+    option_keys: ClassVar[frozenset[str] | None] = SGLangCodec.option_keys | {LEVEL_OPTION, THREADS_OPTION, SPLICE_OPTION}

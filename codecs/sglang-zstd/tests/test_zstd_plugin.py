@@ -27,7 +27,9 @@ def test_only_the_routed_experts_encoding_is_overridden():
     overridden = {field for field, cls in ours.items() if base[field] is not cls}
     assert overridden == {"routed_experts"}
     own = {k for k in vars(SGLangZstdCodec) if not k.startswith("_")}
-    assert own == {"name", "description", "sequence_codecs"}
+    assert own == {"name", "description", "sequence_codecs", "option_keys"}
+    # the option keys it reads: the sglang codec's, plus its encoding's (sequence.py)
+    assert SGLangZstdCodec.option_keys == SGLangCodec.option_keys | {"zstd_level", "zstd_threads", "zstd_splice"}
     codec = Catalog(CodecOptions(max_decompressed_bytes=1234))("sglang-zstd")
     assert isinstance(codec.sequences["routed_experts"], Base64ZstdRows)
     assert codec.sequences["routed_experts"].options.max_decompressed_bytes == 1234

@@ -36,6 +36,7 @@ class SGLangCodec(Codec):
     description = "SGLang native /generate; meta_info.routed_experts = Base64(raw int32 rows)"
 
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {native.ROUTED_EXPERTS: Base64Int32Rows}
+    option_keys: ClassVar[frozenset[str] | None] = frozenset({STREAMING_OPTION})
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         super().__init__(options)

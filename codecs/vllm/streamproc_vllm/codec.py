@@ -37,6 +37,7 @@ class VLLMCodec(Codec):
     name = "vllm"
     description = "vLLM native generate: routed_experts as Base64 .npy, prompt logprobs from prefill"
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {ROUTED_EXPERTS: Base64Npy}
+    option_keys: ClassVar[frozenset[str] | None] = frozenset({STREAM_ROUTED_EXPERTS_OPTION})
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         super().__init__(options)
