@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import anyio
 import msgspec
 import nats
 import pytest
-from helpers import free_port
+from conftest import SCRIPT
+from helpers import clean_env, free_port
 
 from streamproc import config
 from streamproc.client.migration import Resumed
@@ -316,3 +319,13 @@ def test_token_refuses_a_request_id_no_request_can_have(tmp_path):
         assert line.startswith(f"streamproc token: error: {flag} {value!r}: invalid request id"), line
     ok = run_cli_process("token", "--key-file", str(key), "--rid", "good-id")
     assert ok.returncode == 0 and ok.stdout.count(".") == 2, ok.stderr
+
+
+def test_python_dash_m_streamproc_is_the_streamproc_command():
+    """``python -m streamproc`` (no ``__main__`` before: "No module named streamproc.__main__")."""
+    by_module = subprocess.run([sys.executable, "-m", "streamproc", "--version"], capture_output=True, text=True,
+                               timeout=60, env=clean_env(), stdin=subprocess.DEVNULL)
+    by_script = subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True, timeout=60,
+                               env=clean_env(), stdin=subprocess.DEVNULL)
+    assert by_module.returncode == 0 and by_script.returncode == 0, by_module.stderr
+    assert by_module.stdout == by_script.stdout and by_module.stdout.strip()
