@@ -43,8 +43,8 @@ def _settings(args: argparse.Namespace) -> tuple[config.Settings, dict[str, str]
 
     settings, origin = config.PROCESSOR.explain_arguments(args, os.environ)
     warn_unknown_environment(args.command)
-    check_format(settings.format, origin["format"], settings.codec_options())
-    check_option_keys(settings.codec_options(), origin["format_option"])
+    check_format(settings.format, origin["format"])
+    check_format_options(settings.format, settings.codec_options(), origin["format_option"])
     connect_options(settings)  # unreadable credential or certificate files: exit 2 before connecting
     return settings, origin
 
@@ -65,21 +65,29 @@ def printed_config(args: argparse.Namespace, text: str) -> bool:
     return False
 
 
-def check_format(name: str, origin: str, options: CodecOptions | None = None) -> None:
-    """An unknown --format, or one whose codec refuses ``options`` (a ``--format-option`` value), is bad
-    configuration (exit 2) for every command, found before connecting."""
+def check_format(name: str, origin: str) -> None:
+    """An unknown --format is bad configuration (exit 2) for every command, found before connecting."""
     from .core.errors import UnknownFormat
 
     try:
-        catalog.Catalog(options or CodecOptions())(name)
+        catalog.Catalog(CodecOptions())(name)
     except UnknownFormat as exc:  # CodecUnavailable too: its import or constructor failed, saying why
         raise ConfigError(f"invalid {origin}={name!r}: {exc}") from None
 
 
-def check_option_keys(options: CodecOptions, origin: str) -> None:
-    """A ``--format-option`` key no installed codec reads is a typo that would leave a default in
-    place (``streming=cumulative``: SGLang streams read as incremental): exit 2. While an installed
-    codec declares no keys (``Codec.option_keys`` None) it may be that one's: a warning only."""
+def check_format_options(name: str, options: CodecOptions, origin: str) -> None:
+    """``--format-option`` mistakes are bad configuration (exit 2): a value the ``--format`` codec
+    refuses, and a key no installed codec reads, a typo that would leave a default in place
+    (``streming=cumulative``: SGLang streams read as incremental). While an installed codec declares
+    no keys (``Codec.option_keys`` None) the key may be that one's: a warning only."""
+    from .core.errors import CodecUnavailable
+
+    if not options.format_options:
+        return
+    try:
+        catalog.Catalog(options)(name)
+    except CodecUnavailable as exc:
+        raise ConfigError(f"invalid {origin}: {exc}") from None
     keys = catalog.unread_option_keys(options)
     if not keys.unread:
         return
