@@ -20,6 +20,12 @@ def python_snippets() -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
 
 
+def readme_run_format() -> str:
+    """The ``--format`` of the README's ``streamproc run`` line: the processor its reader starts."""
+    found = re.findall(r"^streamproc run\b.*?--format\s+(\S+)", README.read_text(), re.M)
+    return found[0] if found else "sglang"
+
+
 def test_readme_has_python_snippets():
     assert len(python_snippets()) >= 2
 
@@ -30,7 +36,8 @@ async def test_readme_python_snippets_run_against_a_real_processor(nats_url, sta
     nc = await streamproc.connect(nats_url)  # as the README says (its URL is this test's server)
     namespace: dict = {"nc": nc}
     out = io.StringIO()
-    async with start_processor("in-process", mode="core", format="sglang"):
+    # The processor the README's "Using it for real" starts, so the snippets work against it as written.
+    async with start_processor("in-process", mode="core", format=readme_run_format()):
         for snippet in python_snippets():
             code = compile(snippet, "README.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
             with contextlib.redirect_stdout(out):
