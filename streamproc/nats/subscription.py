@@ -1,5 +1,5 @@
-"""What nats-py does not expose about a subscription's queue, read in one place (inline dispatch:
-``FastClient.deliver_inline``)."""
+"""What nats-py does not expose about a subscription's queue: whether its callback has caught up
+(control requests; inline dispatch, ``FastClient.deliver_inline``, counts as handled)."""
 
 from __future__ import annotations
 
