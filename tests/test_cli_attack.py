@@ -157,3 +157,17 @@ def test_a_format_option_another_installed_codec_reads_is_accepted():
                "--format-option", "streaming=cumulative,zstd_level=6,stream_routed_experts=no")
     assert proc.returncode == 0, proc.stderr
     assert "warning" not in proc.stderr, proc.stderr
+
+
+def test_an_edge_on_a_busy_port_says_why_in_one_error_line(nats_url):
+    """Uvicorn logs the bind error and calls sys.exit(1): the edge exited 1 with no
+    ``streamproc edge: error:`` line (found by a newcomer's walk through the README)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run("edge", "--insecure-demo", "--nats-url", nats_url, "--host", "127.0.0.1", "--port", str(port))
+    line = one_clean_error(proc, 1, "edge")
+    assert f"cannot serve on 127.0.0.1:{port}" in line and "address already in use" in line, line

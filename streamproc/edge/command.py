@@ -195,7 +195,11 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     if failure is not None:  # NATS unreachable or refusing us, a mismatched results stream: one line
         print(f"streamproc edge: error: {failure}", file=sys.stderr)
         return EXIT_FAILURE
-    return EXIT_FAILURE if failed_exit else code
+    if failed_exit:  # Uvicorn logged why (a busy --port, an address not ours); say it in the one error line
+        why = quiet.last_error or "the HTTP server did not start"
+        print(f"streamproc edge: error: cannot serve on {settings.host}:{settings.port}: {why}", file=sys.stderr)
+        return EXIT_FAILURE
+    return code
 
 
 def _use_uvloop(environ: Mapping[str, str]) -> bool:
@@ -237,8 +241,11 @@ class _StartupFailureFilter(logging.Filter):
     def __init__(self, app) -> None:
         super().__init__()
         self._app = app
+        self.last_error: str | None = None  # Uvicorn's last error line (its sys.exit(1) says nothing)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.last_error = record.getMessage()[:500]
         if record.msg == STALLED_STREAM_MESSAGE:  # a stream dropped after --write-timeout: counted and logged
             return False  # as event=stream_stalled; an error line per slow client would be log spam
         if getattr(self._app.state, "startup_error", None) is None or record.levelno < logging.ERROR:
