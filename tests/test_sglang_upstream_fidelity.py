@@ -1,4 +1,4 @@
-"""Format-fidelity review of the ``sglang`` codec against SGLang 0.5.23's abort bodies and migration.
+"""Format-fidelity review of the ``sglang`` codec against SGLang 0.5.23: abort bodies, migration, P/D experts.
 
 Source: the PyPI wheel ``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl`` (``pip download
 sglang==0.5.23 --no-deps --only-binary :all:``; the wheel records no commit id). Paths are relative
@@ -262,3 +262,101 @@ def test_retraction_between_stream_chunks_omits_the_final_rows(cumulative):
     meta = json.loads(got[-1][0])["meta_info"]
     assert "routed_experts" not in meta and meta["routed_experts_unavailable_reason"] == "decode_corrupt"
     assert got[-1][1] is Verdict.OMITTED
+
+
+# ============================================================================ the P/D prefill's routed_experts
+#
+# SGLang 0.5.23 (wheel above) COLLECTS on the prefill (sgl-project/sglang PR #22916, with the overlap
+# fix #23885; the index's ``disaggregation/prefill.py`` @ 000c2b94 has the finalize but not the collect).
+#
+# ``disaggregation/prefill.py`` ``process_batch_result_disagg_prefill``: ``copy_done.synchronize()``,
+# ``result.routed_experts_output.finalize()`` (the prompt forward's rows reach the host cache at its
+# ``out_cache_loc``), then ``req.output_ids.append(next_token_id)`` and the request joins
+# ``disagg_prefill_inflight_queue``. ``process_disagg_prefill_inflight_queue``, on ``KVPoll.Success``::
+#
+#     if req.return_routed_experts:
+#         self.batch_result_processor._maybe_collect_routed_experts(req)
+#     if not isinstance(req.finished_reason, FINISH_ABORT):
+#         req.finished_reason = FINISH_LENGTH(length=0)
+#     release_kv_cache(...)            # after the collect: the slots are still the request's
+#     ... self.output_streamer.stream_output(done_reqs, ...)
+#
+# ``managers/scheduler_components/batch_result_processor.py`` ``_maybe_collect_routed_experts``:
+# ``seqlen = len(origin_input_ids) + len(output_ids_through_stop)`` (prefill: prompt + 1) and
+# ``get_topk(..., start_len=req.routed_experts_start_len)`` reads ``req_to_token[start_len : seqlen - 1]``
+# (``state_capturer/base.py``; ``start_len = min(start_len, seqlen - 1)``): rows ``[start, prompt)``,
+# ``prompt - start`` of them, the last prompt position included. ``detokenizer_manager.py``
+# ``_b64_encode_per_request``: ``b64encode(tensor.numpy().tobytes())`` of the int32 host cache; the
+# tokenizer writes it as ``meta_info["routed_experts"]`` and echoes neither the start nor a dtype.
+# The prefill body: ``finish_reason`` ``{"type": "length", "length": 0}``, ``output_ids`` [first token],
+# ``completion_tokens`` 1 (``_GenerationStreamAccumulator.accept``). It is sent once, at Success.
+#
+# Aggregated (``process_batch_result_prefill`` / ``_handle_finish_state_updated_req``): the same collect
+# at finish, ``seqlen = prompt + n``: rows ``[start, prompt + n - 1)``, prompt rows from the prompt
+# forward, generated rows from decode forwards. P/D decode: the same collect, its prompt rows read at
+# slots the KV transfer filled (stale); a one-token decode finishes in ``process_batch_result_prebuilt``,
+# which does not collect (no key).
+
+WIDE_LAYERS, WIDE_TOPK = 48, 8  # a real row width (384 ids), so the stale-row check sees whole rows
+
+
+def wide_rows(start: int, end: int, seed: int = 0) -> bytes:
+    """int32 ids of positions [start, end): each layer's top-k distinct, as a router picks them."""
+    ids = [[(p * 31 + layer * 7 + seed + j * 5) % 64 for layer in range(WIDE_LAYERS) for j in range(WIDE_TOPK)]
+           for p in range(start, end)]
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def pd_body(prompt: int, out: list[int], finish: Any, experts: bytes | None) -> dict[str, Any]:
+    """``_handle_batch_output`` (0.5.23 key order) of a finished unary body; ``experts`` None: no key."""
+    meta: dict[str, Any] = {
+        "id": RID, "finish_reason": finish, "prompt_tokens": prompt, "weight_version": "default",
+        "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": len(out), "cached_tokens": 0,
+        "weight_versions": [{"version": "default", "start": 0, "end": len(out)}], "cached_tokens_details": None}
+    if experts is not None:
+        meta["routed_experts"] = base64.b64encode(experts).decode()
+    meta["e2e_latency"] = 0.5
+    return {"text": "".join(TEXT[:len(out)]), "output_ids": out, "meta_info": meta}
+
+
+def pd_case(prompt: int, start: int, n: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(aggregated, prefill, decode) bodies of an ``n``-token answer with ``routed_experts_start_len``
+    ``start`` (a request field the bodies do not echo)."""
+    out = OUT[:n]
+    finish = {"type": "length", "length": n}
+    aggregated = pd_body(prompt, out, finish, wide_rows(start, prompt + n - 1))
+    prefill = pd_body(prompt, out[:1], {"type": "length", "length": 0}, wide_rows(start, prompt))
+    decode = pd_body(prompt, out, finish, None if n == 1 else
+                     wide_rows(start, prompt, seed=17) + wide_rows(prompt, prompt + n - 1))
+    return aggregated, prefill, decode
+
+
+@pytest.mark.parametrize(("prompt", "start", "n"), [
+    (4, 0, 1), (4, 0, 2), (4, 0, 5), (1, 0, 3),  # SGLang's default start
+    (4, 1, 5), (4, 3, 2), (7, 2, 4), (4, 2, 1),  # a start the bodies do not state: read from byte counts
+])
+def test_0523_pd_answer_with_the_prefill_s_own_rows_equals_the_aggregated_body(prompt, start, n):
+    """0.5.23's prefill sends rows ``[start, prompt)``; the join (prefill's rows, then decode's rows past
+    its stale prompt copy; prefill's alone for a one-token decode, which sends none) is the aggregated
+    body, key order included."""
+    aggregated, prefill, decode = pd_case(prompt, start, n)
+    [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert verdict is Verdict.JOINED
+    assert_same_body(out, dumps(aggregated))
+
+
+@pytest.mark.parametrize(("prompt", "start", "n", "reason"), [
+    (4, 4, 3, "prefill_corrupt"),  # start = prompt: prefill's rows are "" (get_topk reads [P:P])
+    (4, 4, 1, "prefill_corrupt"),
+    (4, 2, 3, "length_mismatch"),  # unstated start 2 also reads as suffix coverage: two answers fit
+])
+def test_0523_pd_rows_the_bodies_cannot_place_are_omitted_never_decode_s(prompt, start, n, reason):
+    """Where the bodies do not tell the layout (0.5.23 echoes no start), the field is omitted with a
+    reason: never decode's stale prompt rows, never a guess."""
+    aggregated, prefill, decode = pd_case(prompt, start, n)
+    [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    meta = json.loads(out)["meta_info"]
+    assert "routed_experts" not in meta and meta["routed_experts_unavailable_reason"] == reason
+    assert verdict is Verdict.OMITTED
+    rest = {k: v for k, v in meta.items() if k != "routed_experts_unavailable_reason"}
+    assert rest == {k: v for k, v in aggregated["meta_info"].items() if k != "routed_experts"}
