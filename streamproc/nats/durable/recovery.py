@@ -74,6 +74,9 @@ class Recovery:
         self._hand_over = hand_over
         self._note_sealed = note_sealed
         self.ledger: MigrationLedger | None = None
+        # Stored result bodies are read back one request at a time: a request's whole output is held
+        # while it is read, and migrates of different requests run concurrently (nats/control.py).
+        self._history_reads = anyio.Lock()
         self.chunks_stream = ""
         self.results_stream = ""
 
@@ -129,7 +132,8 @@ class Recovery:
                 return
             self.correlator.resume(rid, next_seq, final, now, format)
         else:
-            history = await self.ledger.history(rid, next_seq)
+            async with self._history_reads:
+                history = await self.ledger.history(rid, next_seq)
             if current is not None and not current():
                 return
             self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
@@ -194,10 +198,13 @@ class Recovery:
         if missing:
             await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
             try:
-                history = await self.ledger.history(rid, missing)
+                async with self._history_reads:
+                    history = await self.ledger.history(rid, missing)
             except UNREACHABLE as exc:
                 return self._unavailable(rid, f"its stored results cannot be read: {error_text(exc)}")
-            if not correlator.restore(rid, history):
+            restored = correlator.restore(rid, history)
+            del history  # not held across the seal's waits, while other requests' are read
+            if not restored:
                 return self._unavailable(rid, "its stored results changed while they were read")
         reply = await seal()
         if not isinstance(reply, Sealed):
