@@ -4,6 +4,7 @@ the attack measured, or a defect it found."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import anyio
@@ -119,3 +120,55 @@ async def test_one_requests_migrates_sent_at_once_are_answered_one_at_a_time_in_
             await wait_until(lambda: len(replies) == 10, 20, "ten replies")
     assert [(i, r.attempt, r.result_seq) for i, r in sorted(replies.items())] == [(i, i + 1, 1) for i in range(10)], \
         replies
+
+
+# ------------------------------------- a resumed attempt that was not built on the sealed tokens
+
+def _agg_body(fmt: str, ids: list[int], prompt: int, final: bool) -> bytes:
+    if fmt == "sglang":
+        finish = {"type": "length", "length": len(ids)} if final else None
+        return json.dumps({"text": "x", "output_ids": ids, "meta_info": {
+            "id": "r", "prompt_tokens": prompt, "completion_tokens": len(ids), "finish_reason": finish}}).encode()
+    return json.dumps({"request_id": "r", "choices": [{"index": 0, "token_ids": ids, "finish_reason": "length"
+                                                       if final else None}],
+                       "usage": {"prompt_tokens": prompt, "completion_tokens": len(ids)}}).encode()
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+async def test_a_resumed_attempt_whose_prompt_does_not_hold_the_sealed_tokens_ends_with_an_error(
+        fmt, client, start_processor):
+    """Attempt 0 streamed 3 tokens of a 6-token prompt and was sealed; the resumed attempt (a buggy
+    frontend or worker) says its prompt was 2 tokens, not 6 + 3 = 9: it was not built on what the
+    client was sent. Until 2026-12-05 its result was published as ``stitched`` with
+    ``prompt_tokens: -1`` (SGLang and vLLM alike), no error; now the request ends ``invalid_chunk``
+    (``streamproc.codec.restated_prompt``)."""
+    async with start_processor("in-process", format=fmt, mode="core") as rp:
+        publisher = ChunkPublisher(client, rp.subjects)
+        async with follow(client, rp.subjects, "bad-resume", timeout=10) as stream:
+            for seq in range(3):
+                await publisher.publish("bad-resume", "agg", seq, _agg_body(fmt, [10 + seq], 6, False))
+            await wait_until(lambda: rp.processor.correlator.next_seq_of("bad-resume") == 3, 10, "three results")
+            reply = await ask_migrate(client, rp.subjects, "bad-resume", id="m1")
+            assert isinstance(reply, Sealed) and reply.emitted_tokens == 3, reply
+            await publisher.publish("bad-resume", "agg", 0, _agg_body(fmt, [99], 2, True), final=True, attempt=1)
+            results = await stream.collect()
+    assert [r.seq for r in results] == [0, 1, 2, 3]
+    assert results[-1].error == "invalid_chunk", results[-1].body
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_a_resumed_prompt_count_must_be_the_original_plus_the_emitted_tokens(fmt):
+    """The codecs' stitch, alone: sealed after 3 tokens of a 6-token prompt, an attempt saying 9 is
+    restated to 6; 10 (one token too many: not the original prompt) and 2 are refused whole."""
+    from streamproc.catalog import Catalog
+    from streamproc.codec import ContractError
+
+    session = Catalog()(fmt).open_migration()
+    session.absorb([_agg_body(fmt, [10 + seq], 6, False) for seq in range(3)])
+    assert session.seal().token_ids == [10, 11, 12]
+    body, _ = session.stitch(_agg_body(fmt, [99], 9, True), True)
+    doc = json.loads(body)
+    assert (doc["meta_info"] if fmt == "sglang" else doc["usage"])["prompt_tokens"] == 6
+    for wrong in (10, 2):
+        with pytest.raises(ContractError, match=f"prompt has {wrong} tokens, not the 6 \\+ 3"):
+            session.stitch(_agg_body(fmt, [99], wrong, True), True)

@@ -38,9 +38,10 @@ THINK_END = 151668  # the model's think_end_id (any id; Qwen3's "</think>")
 PROMPT_TOKENS = 6  # reasoning started in the prompt (chat template opened "<think>")
 
 
-def body(out: list[int], text: str, finish: Any, reasoning: int) -> bytes:
-    """``_handle_batch_output`` for a unary request without logprobs or experts (BatchStrOutput)."""
-    meta = {"id": "r1", "finish_reason": finish, "prompt_tokens": PROMPT_TOKENS, "weight_version": "default",
+def body(out: list[int], text: str, finish: Any, reasoning: int, prompt: int = PROMPT_TOKENS) -> bytes:
+    """``_handle_batch_output`` for a unary request without logprobs or experts (BatchStrOutput);
+    ``prompt``: a resumed attempt's is the original prompt plus the tokens emitted before it."""
+    meta = {"id": "r1", "finish_reason": finish, "prompt_tokens": prompt, "weight_version": "default",
             "num_retractions": 0, "reasoning_tokens": reasoning, "completion_tokens": len(out),
             "cached_tokens": 0, "e2e_latency": 0.5}
     return dumps({"text": text, "output_ids": out, "meta_info": meta})
@@ -113,7 +114,8 @@ def test_a_resumed_attempt_after_a_pd_attempt_whose_count_was_omitted_omits_it_t
     session = codec.open_migration()
     session.absorb(published)
     session.seal()
-    stitched, verdict = session.stitch(body([13], "c", {"type": "length", "length": 1}, 1), True)
+    stitched, verdict = session.stitch(body([13], "c", {"type": "length", "length": 1}, 1,
+                                                 prompt=PROMPT_TOKENS + 2), True)
     meta = json.loads(stitched)["meta_info"]
     assert "reasoning_tokens" not in meta and verdict.value == "omitted"
     assert meta["reasoning_tokens_unavailable_reason"] == "stitch_incomplete"
@@ -125,7 +127,8 @@ def test_a_resumed_attempt_after_an_attempt_with_a_count_adds_it():
     session = codec.open_migration()
     session.absorb([body([11, 12], "ab", None, 2)])
     session.seal()
-    stitched, _ = session.stitch(body([13], "c", {"type": "length", "length": 1}, 1), True)
+    stitched, _ = session.stitch(body([13], "c", {"type": "length", "length": 1}, 1, prompt=PROMPT_TOKENS + 2),
+                                 True)
     assert json.loads(stitched)["meta_info"]["reasoning_tokens"] == 3
 
 

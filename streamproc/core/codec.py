@@ -339,6 +339,20 @@ def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -
                                f"for a {seen}-token prompt: not the request being resumed")
 
 
+def restated_prompt(attempt_prompt: int, emitted: int, original: int | None) -> int:
+    """A resumed attempt's prompt count in the client's terms: its prompt holds the original prompt
+    and the ``emitted`` tokens, so ``attempt_prompt - emitted`` (``original``: the count the client
+    was sent, when known). A body whose count does not hold them was not built on what the client
+    was sent (a buggy frontend or worker): :class:`ContractError`, the request ends ``invalid_chunk``
+    (it was published as ``stitched`` with ``prompt_tokens: -1``)."""
+    restated = attempt_prompt - emitted
+    if restated < 0 or (original is not None and restated != original):
+        expected = f"{original} + {emitted}" if original is not None else f"at least {emitted}"
+        raise ContractError(f"a resumed attempt's prompt has {attempt_prompt} tokens, not the {expected} it "
+                            "must hold (the original prompt and the tokens the client was sent)")
+    return restated
+
+
 def check_sampling_params(params: object, *, guided: Sequence[str], samples: str) -> dict[str, Any]:
     """A request's sampling parameters if one request with them can be resumed elsewhere: a single
     object (not a batch), one sample (the format's ``samples`` field absent or 1), no guided decoding

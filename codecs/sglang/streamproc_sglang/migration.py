@@ -53,7 +53,7 @@ import numpy as np
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
 from streamproc.codec import UNAVAILABLE_SUFFIX
 from streamproc.codec import OmissionReason as Omit
-from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
+from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
 from streamproc.wire import Verdict
 
 from . import native
@@ -108,6 +108,7 @@ class _Base(msgspec.Struct):
     """What the stitch adds back, frozen when an attempt is sealed."""
 
     emitted: int = 0
+    prompt: int | None = None  # the original prompt's count, as the client was sent it (None: unknown)
     reasoning: int | None = 0  # None: an earlier attempt's count was omitted (no leg had it)
     rid: Any = None
     input_logprobs: dict[str, Any] = {}
@@ -198,8 +199,8 @@ class SGLangMigrationSession(MigrationSession):
     def seal(self) -> Emitted:
         cumulative = self._cumulative if self._decided else self._assume_cumulative
         restated = (self._ids.tolist(), self._text, dict(self._output_logprobs)) if cumulative else ([], "", {})
-        self._base = _Base(len(self._ids), self._reasoning, self._rid, dict(self._input_logprobs), self._rows,
-                           cumulative, *restated)
+        self._base = _Base(len(self._ids), self._prompt_tokens, self._reasoning, self._rid, dict(self._input_logprobs),
+                           self._rows, cumulative, *restated)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 
@@ -224,7 +225,7 @@ class SGLangMigrationSession(MigrationSession):
         if base.rid is not None and meta.get("id") is not None:
             meta["id"] = base.rid
         prompt = meta.get(PROMPT_TOKENS)
-        original_prompt = prompt - k if _is_count(prompt) else None
+        original_prompt = restated_prompt(prompt, k, base.prompt) if _is_count(prompt) else None
         if original_prompt is not None:
             meta[PROMPT_TOKENS] = original_prompt
         for field in (COMPLETION_TOKENS, OUTPUT_TOKEN_LOGPROBS_LENGTH):

@@ -38,7 +38,7 @@ import numpy as np
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession
 from streamproc.codec import OmissionReason as Omit
-from streamproc.codec import check_resumed_prompt, check_sampling_params, resumed_budget
+from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
 from streamproc.wire import Verdict
 
 from .native import PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
@@ -62,6 +62,7 @@ class _Base(msgspec.Struct):
 
     emitted: int = 0
     published: int = 0
+    prompt: int | None = None  # the original prompt's count, as the client was sent it (None: unknown)
     request_id: Any = None
     rows: Any = None  # encoded routed_experts an earlier attempt published
 
@@ -104,7 +105,7 @@ class VLLMMigrationSession(MigrationSession):
             self._published += 1
 
     def seal(self) -> Emitted:
-        self._base = _Base(len(self._ids), self._published, self._request_id, self._rows)
+        self._base = _Base(len(self._ids), self._published, self._prompt_tokens, self._request_id, self._rows)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 
@@ -127,7 +128,7 @@ class VLLMMigrationSession(MigrationSession):
         usage = obj.get("usage")
         if isinstance(usage, dict) and k:
             if is_int(usage.get("prompt_tokens")):
-                usage["prompt_tokens"] -= k
+                usage["prompt_tokens"] = restated_prompt(usage["prompt_tokens"], k, base.prompt)
                 changed = True
             if is_int(usage.get("completion_tokens")):
                 usage["completion_tokens"] += k
