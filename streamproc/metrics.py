@@ -82,6 +82,12 @@ class ProcessorCollector(Collector):
         for kind, n in sorted(correlator.error_kinds.items()):
             errors.add_metric([kind], n)
         yield errors
+        omissions = CounterMetricFamily(
+            "streamproc_omissions", "requests with a field omitted, by omission reason (unread: a result "
+            "body too large to read for it; other: a reason this version does not know)", labels=["reason"])
+        for reason, n in sorted(correlator.omission_reasons.items()):
+            omissions.add_metric([reason], n)
+        yield omissions
         yield from struct_families("streamproc", stats, skip=_VERDICT_FIELDS)
         yield from struct_families("streamproc", p.io)
         durable = p.input.stats if p.input is not None else None

@@ -7,7 +7,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy_codec import bodies, feed, make, resolve
+from toy_codec import CODECS, bodies, feed, make, resolve
 
 from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle
 from streamproc.testing.harness import leg, shuffle_with_duplicates
@@ -87,6 +87,40 @@ def test_prefill_timeout_applies_the_omission_policy_and_unblocks_the_stream():
     # The prefill leg arriving now is late: dropped, settled, never joined.
     feed(run, leg("o", Role.PREFILL, [b"P"]), now=106.0)
     assert len(run.results) == 2 and c.stats.late == 1
+
+
+def test_omissions_are_counted_by_reason_once_per_request_reading_at_most_two_results():
+    """A stream whose every chunk is omitted (prefill timeout) counts its reason once, and the
+    codec reads its first omitted result and its final one only: a read per chunk would parse every
+    body of such a stream a second time."""
+    c, run = make(prefill_timeout=1.0)
+    codec = CODECS["toy"]
+    before = codec.reads
+    feed(run, leg("t1", Role.DECODE, [b"need:0", b"need:1", b"need:2", b"need:3"]), now=0.0)
+    run.absorb(c.tick(1.0))
+    assert len(run.results) == 4 and all(r.verdict is Verdict.OMITTED for r in run.results)
+    assert c.omission_reasons == {"prefill_timeout": 1}
+    assert codec.reads - before == 2
+    feed(run, leg("t2", Role.DECODE, [b"need:0"]), now=2.0)
+    run.absorb(c.tick(3.0))
+    assert c.omission_reasons == {"prefill_timeout": 2}
+
+
+def test_an_unknown_omission_reason_counts_as_other_and_a_huge_body_is_not_read(monkeypatch):
+    """The metric's labels stay bounded (a codec's own reasons are ``other``), and a body past
+    ``OMISSIONS_READ_BYTES`` (joined rows beside the omitted field) is not parsed on the loop."""
+    from streamproc.core.correlator import OMISSIONS_READ_BYTES
+
+    c, run = make(prefill_timeout=1.0)
+    codec = CODECS["toy"]
+    monkeypatch.setattr(codec, "omissions", lambda body: {"toy": "my_own_reason"})
+    feed(run, leg("own", Role.DECODE, [b"need:0"]), now=0.0)
+    run.absorb(c.tick(1.0))
+    assert c.omission_reasons == {"other": 1}
+    monkeypatch.setattr(codec, "omissions", lambda body: pytest.fail("a body past the limit was read"))
+    feed(run, leg("big", Role.DECODE, [b"need:0" + b"x" * OMISSIONS_READ_BYTES]), now=2.0)
+    run.absorb(c.tick(3.0))
+    assert c.omission_reasons == {"other": 1, "unread": 1}
 
 
 def test_prefill_arriving_after_timeout_but_before_final_is_ignored():

@@ -163,7 +163,7 @@ def test_a_settings_table_lists_every_setting_of_its_command(doc: str, command: 
 def exported_metrics() -> set[str]:
     """Names as /metrics shows them: counters with ``_total``, gauges and histograms as named."""
     processor = SimpleNamespace(
-        correlator=SimpleNamespace(stats=Stats(), error_kinds={}, inflight=0, buffered_bytes=lambda: 0,
+        correlator=SimpleNamespace(stats=Stats(), error_kinds={}, omission_reasons={}, inflight=0, buffered_bytes=lambda: 0,
                                    retained_bytes=lambda: 0, join_wait=LatencyHistogram(),
                                    join_seconds=LatencyHistogram()),
         io=IOStats(),

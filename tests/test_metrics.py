@@ -116,6 +116,34 @@ async def test_core_processor_metrics_count_verdicts_error_kinds_latency_and_buf
         assert after["streamproc_nats_connected"] == 1 and after["streamproc_ready"] == 1
 
 
+async def test_omissions_are_counted_by_reason_so_a_format_mismatch_shows(client, streamproc_run):
+    """A processor started with ``--format sglang-zstd`` reading plain SGLang workers (no
+    ``Streamproc-Format`` header) omits every P/D request's routed experts as ``prefill_corrupt``
+    (it reads raw rows as zstd). Only ``omitted=N`` in the stop summary showed it (a newcomer's walk
+    through the README); ``streamproc_omissions_total{reason}`` names the reason, once per request
+    (streams too, whose results are omitted chunk by chunk)."""
+    port = free_port()
+    worker = worker_for("sglang")
+    publisher = ChunkPublisher(client, SUBJECTS)
+    with streamproc_run("--mode", "core", "--format", "sglang-zstd", "--http-port", str(port),
+                        "--http-host", "127.0.0.1"):
+        assert "streamproc_omissions_total" not in str(scrape(port))
+        ids = [rid("mismatch") for _ in range(3)]
+        async with ResultCollector(client, SUBJECTS) as collector:
+            for n, request_id in enumerate(ids):  # one at a time: a running join holds the byte budget
+                truth = make_truth(40 + n, output_len=6, request_id=request_id)
+                await publisher.publish_leg(request_id, "prefill", worker.prefill(truth, stream=False))
+                await publisher.publish_leg(request_id, "decode", worker.decode(truth, stream=n == 2))
+                await collector.wait_for([request_id], timeout=10)
+            results = await collector.wait_for(ids, timeout=10)
+        assert all(r[-1].verdict == "omitted" and r[-1].error is None for r in results.values()), results
+        assert len(results[ids[2]]) > 1  # the stream: several results, omitted chunk by chunk or at its end
+        after = await wait_for(lambda: (m := scrape(port)).get('streamproc_omissions_total{reason="prefill_corrupt"}')
+                               == 3 and m)
+        assert {k: v for k, v in after.items() if k.startswith("streamproc_omissions_total")} == {
+            'streamproc_omissions_total{reason="prefill_corrupt"}': 3}
+
+
 async def test_durable_processor_is_ready_once_it_owns_partitions(client, streamproc_run):
     port = free_port()
     with streamproc_run("--mode", "durable", "--partitions", "2", "--http-port", str(port),

@@ -86,6 +86,14 @@ class ToyCodec(Codec):
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return f"ERR[{kind.value}]{message}".encode()
 
+    reads = 0  # omissions() calls so far
+
+    def omissions(self, body: bytes) -> dict[str, str]:
+        """``<body>|omitted:<reason>``: one marker, for the field ``toy``."""
+        self.reads += 1
+        _, sep, reason = body.rpartition(b"|omitted:")
+        return {"toy": reason.decode()} if sep else {}
+
 
 class MigratingToyCodec(ToyCodec):
     """The toy join plus migration; ``sessions`` keeps every migration session it opened."""

@@ -458,6 +458,15 @@ class Codec(ABC):
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         """The format's native error envelope."""
 
+    def omissions(self, body: bytes) -> dict[str, str]:
+        """The omission markers of a result body the join marked ``omitted`` (field -> reason), which
+        the processor counts by reason. The default reads a JSON body (every built-in format); a body
+        it cannot read has none."""
+        try:
+            return omission_markers(msgspec.json.decode(body))
+        except (msgspec.DecodeError, RecursionError):
+            return {}
+
     # The format's name for the generated text in a body, None when its bodies carry none: the live
     # page shows it (the edge passes it on in ``GET /v1/info``) without naming a format's field.
     text_field: ClassVar[str | None] = None

@@ -47,6 +47,8 @@ from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported 
 # Enum member lookups cost ~70 ns each on CPython 3.11; the hot path uses module constants.
 _AGG, _PREFILL, _DECODE = Role.AGG, Role.PREFILL, Role.DECODE
 _PASSTHROUGH, _JOINED, _OMITTED = Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.OMITTED
+_OMISSION_REASONS = frozenset(r.value for r in OmissionReason)
+OMISSIONS_READ_BYTES = 1 << 20  # omitted result bodies read for the count by reason, at most this long
 _STITCHED = Verdict.STITCHED
 
 
@@ -190,7 +192,7 @@ class _Request:
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
         "buffered", "absorbed", "decoded", "work", "outcome", "cpu", "missing",
-        "last_seal", "join_timed", "progress",
+        "last_seal", "join_timed", "progress", "omitted",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -223,6 +225,7 @@ class _Request:
         self.absorbed = 0
         self.decoded = 0
         self.progress = 0  # the migration session's progress state (progress_bytes), also charged
+        self.omitted: set[str] | None = None  # omission reasons counted for it (Correlator._count_omissions)
         self.work: Work | None = None  # a join running off the loop for the chunk at next_seq
         self.outcome: tuple[bytes, Verdict] | Exception | None = None  # its result, not yet applied
         self.cpu = 0.0  # CPU seconds its offloaded joins took (max_decode_cpu)
@@ -273,6 +276,10 @@ class Correlator:
         # For metrics, read at scrape time: error results by kind, and how long decode results
         # waited for their prefill leg (0 when it was already there; observed when the wait ends).
         self.error_kinds: dict[str, int] = {}
+        # Requests with a field omitted, by reason (an OmissionReason value, else "other"): read from a
+        # request's first omitted result and its final one, so a stream omitted chunk by chunk costs
+        # two reads, not one per chunk.
+        self.omission_reasons: dict[str, int] = {}
         self.join_wait = LatencyHistogram()
         # The codec join's own CPU seconds, wherever it ran: inline (timed with ``join_clock``, the
         # shell's per-thread CPU clock; None: inline joins are not timed) or off the loop (Work.cpu).
@@ -1071,6 +1078,8 @@ class Correlator:
                 stats.stitched += 1
             else:
                 stats.omitted += 1
+                if req.omitted is None or final:
+                    self._count_omissions(req, body)
             req.next_seq += 1
             if final:
                 self._forget(req, now)
@@ -1326,6 +1335,21 @@ class Correlator:
             self.retained_total -= req.retain - req.budget
             req.retained = []
             req.budget = req.retain
+
+    def _count_omissions(self, req: _Request, body: bytes) -> None:
+        """Count the reasons ``body``'s omission markers give, each once per request. A body past
+        :data:`OMISSIONS_READ_BYTES` (a joined payload beside the omitted field) is not parsed on the
+        loop for a counter: it counts as ``unread``."""
+        seen = req.omitted if req.omitted is not None else set()
+        req.omitted = seen
+        if len(body) > OMISSIONS_READ_BYTES:
+            reasons = {"unread"}
+        else:
+            reasons = {r if r in _OMISSION_REASONS else "other" for r in req.codec.omissions(body).values()}
+        counts = self.omission_reasons
+        for reason in reasons - seen:
+            counts[reason] = counts.get(reason, 0) + 1
+        seen |= reasons
 
     def _codec_failed(self, req: _Request, exc: Exception, now: float) -> list[Decision]:
         if isinstance(exc, RecursionError):
