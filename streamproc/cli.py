@@ -163,13 +163,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                                 more=config.explained(opts, opts_origin))):
         return EXIT_OK
     _setup_logging(settings.log_level, settings.log_format)
-    plans = traffic.plan(settings.format, requests=opts.requests, mode=opts.mode, stream=opts.stream,
-                         seed=opts.seed, worker=worker)
-    messages = traffic.schedule(plans, seed=opts.seed, shuffle=opts.shuffle, duplicates=opts.duplicates)
+    # planned and scheduled a window at a time, as published: memory does not grow with --requests
+    windows = traffic.windows(traffic.planned(settings.format, requests=opts.requests, mode=opts.mode,
+                                              stream=opts.stream, seed=opts.seed, worker=worker),
+                              seed=opts.seed, shuffle=opts.shuffle, duplicates=opts.duplicates)
 
     async def main() -> int:
-        from .sim.demo import DemoReport, summarize
-        from .client.results import ResultCollector
+        from .sim.demo import DemoReport
+        from .sim.verification import Verifier
         from .nats import connection
 
         nc = await connection.connect(settings, name="streamproc-simulate", reconnect=False)
@@ -179,22 +180,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             from .nats.streams import find_stream
             durable = await find_stream(nc.jetstream(timeout=2), settings.subjects.chunk("probe", "agg")) is not None
             if not opts.verify:
-                await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
-                print(f"published {len(messages)} chunks for {len(plans)} requests "
+                messages = 0
+                for _, window in windows:
+                    messages += await traffic.publish(nc, settings.subjects, window, format=settings.format,
+                                                      durable=durable)
+                print(f"published {messages} chunks for {opts.requests} requests "
                       f"({opts.mode}, format {settings.format}) on {settings.subjects.prefix}.chunks.>")
                 return EXIT_OK
             started = time.perf_counter()
-            async with ResultCollector(nc, settings.subjects) as collector:
-                await traffic.publish(nc, settings.subjects, messages, format=settings.format, durable=durable)
-                timed_out = None
-                try:
-                    await collector.wait_for([p.request_id for p in plans], timeout=opts.timeout)
-                except TimeoutError as exc:
-                    timed_out = str(exc)
-            rows, problems = summarize(plans, collector.results, worker)
-            report = DemoReport(settings.format, config.redact_url(settings.nats_url), len(messages),
-                                time.perf_counter() - started, rows, problems, None, timed_out,
-                                title="streamproc simulate")
+            async with Verifier(nc, settings.subjects, worker) as verifier:
+                published = await verifier.publish(windows, format=settings.format, durable=durable,
+                                                   timeout=opts.timeout)
+                timed_out = published.timed_out
+                if timed_out is None:
+                    try:
+                        await verifier.drain(opts.timeout)
+                    except TimeoutError as exc:
+                        timed_out = str(exc)
+                verifier.close()
+            report = DemoReport(settings.format, config.redact_url(settings.nats_url), published.messages,
+                                time.perf_counter() - started, verifier.summary(), verifier.problems, None,
+                                timed_out, title="streamproc simulate")
             print_report(report)
             return EXIT_OK if report.ok else EXIT_FAILURE
         finally:

@@ -694,7 +694,8 @@ from_arguments = PROCESSOR.from_arguments
 class SimulateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """``streamproc simulate``'s own options (its NATS settings are the processor's)."""
 
-    requests: Annotated[int, documented("number of requests", ge=1, le=10_000_000)] = 10
+    requests: Annotated[int, documented("number of requests (planned, published and verified a window at a time: "
+                                        "memory does not grow with it)", ge=1, le=10_000_000)] = 10
     mode: Annotated[Literal["agg", "pd", "mixed"], documented(
         "aggregated, prefill/decode or both alternating")] = "mixed"
     stream: Annotated[bool | None, documented(
@@ -704,7 +705,9 @@ class SimulateOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
                                                  "the legs are interleaved)")] = False
     duplicates: Annotated[float, documented("fraction of chunks published twice", ge=0, le=1)] = 0.0
     verify: Annotated[bool, documented("wait for the results of a running processor and verify them")] = False
-    timeout: Annotated[float, documented("seconds to wait for results with --verify", gt=0, le=86_400)] = 60.0
+    timeout: Annotated[float, documented("seconds to wait with --verify for the results: of the last requests, and "
+                                         "of earlier ones while 512 are open and publishing waits", gt=0,
+                                         le=86_400)] = 60.0
 
 
 class DemoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -714,7 +717,8 @@ class DemoSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     format: Annotated[str, documented("codec/worker format; empty: sglang-zstd if installed, else "
                                       "sglang")] = ""
     seed: Annotated[int, documented("seed of the planned traffic and its faults")] = 1
-    timeout: Annotated[float, documented("seconds to wait for all results", gt=0, le=86_400)] = 60.0
+    timeout: Annotated[float, documented("seconds to wait for results: of the last requests, and of earlier ones "
+                                         "while 512 are open and publishing waits", gt=0, le=86_400)] = 60.0
     serve: Annotated[int | None, documented(
         "after the summary keep NATS, the processor and the edge up on PORT (--serve alone: 8080, 0: any "
         "free port) and print the live page's URL; Ctrl-C stops")] = None

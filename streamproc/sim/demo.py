@@ -10,7 +10,7 @@ import contextlib
 
 import sys
 import time
-from typing import TextIO
+from typing import Callable, Iterator, TextIO
 
 import anyio
 import msgspec
@@ -25,6 +25,7 @@ from ..nats.processor import Processor
 from ..client.results import ResultCollector
 from .simulation import SimulatedWorker
 from ..core.wire import ResultInfo
+from .verification import Verifier
 
 PREFERRED_FORMATS = ("sglang-zstd", "sglang")
 
@@ -65,24 +66,6 @@ class DemoReport(msgspec.Struct):
     def ok(self) -> bool:
         total = self.total
         return self.timed_out is None and total.requests > 0 and total.failed == 0 and total.verified == total.requests
-
-
-def row_name(p: traffic.PlannedRequest) -> str:
-    return f"{'aggregated' if p.kind == 'agg' else 'P/D'} {'stream' if p.stream else 'unary'}"
-
-
-def summarize(plans: list[traffic.PlannedRequest], results: dict[str, list[ResultInfo]], worker: SimulatedWorker
-              ) -> tuple[dict[str, traffic.Tally], dict[str, list[str]]]:
-    """Verify every planned request; tallies per (kind, stream/unary) row and the problems found."""
-    rows: dict[str, traffic.Tally] = {}
-    problems: dict[str, list[str]] = {}
-    for p in plans:
-        got = results.get(p.request_id, [])
-        found = traffic.verify(p, got, worker)
-        rows.setdefault(row_name(p), traffic.Tally()).add(p.kind, got, found)
-        if found:
-            problems[p.request_id] = found
-    return dict(sorted(rows.items())), problems
 
 
 # Short enough that the demo's missing prefill legs end in omissions within seconds.
@@ -129,41 +112,62 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
                 nc = await nats.connect(server.url)
                 try:
                     migrations = plan_migrations(seed=seed, id_prefix="demo") if requests >= MIGRATIONS_FROM else []
-                    plans = traffic.plan(format, requests=requests - len(migrations), mode="mixed", seed=seed,
-                                         id_prefix="demo", worker=worker, faults=True)
-                    messages = traffic.schedule(plans, seed=seed)
-                    timed_out = None
-                    async with ResultCollector(nc, settings.subjects) as collector, anyio.create_task_group() as tg:
+                    examples: dict[str | None, str] = {}  # the first request of each fault (None: healthy)
+
+                    def noted(plans: Iterator[traffic.PlannedRequest]) -> Iterator[traffic.PlannedRequest]:
+                        for p in plans:
+                            examples.setdefault(p.fault, p.request_id)
+                            yield p
+
+                    # planned a window at a time as it is published: memory does not grow with --requests
+                    windows = traffic.windows(noted(traffic.planned(
+                        format, requests=requests - len(migrations), mode="mixed", seed=seed, id_prefix="demo",
+                        worker=worker, faults=True)), seed=seed)
+                    collectors: list[ResultCollector] = []
+                    results: dict[str, list[ResultInfo]] = {}
+
+                    def finished() -> int:
+                        return verifier.finished + sum(c.finished(m.request_id) for c in collectors for m in migrations)
+
+                    async with Verifier(nc, settings.subjects, worker) as verifier, anyio.create_task_group() as tg:
                         if progress is not None:
-                            ids = [*(p.request_id for p in plans), *(m.request_id for m in migrations)]
-                            tg.start_soon(_report_progress, progress, collector, ids, processor)
+                            tg.start_soon(_report_progress, progress, finished, requests, processor)
                         # Against JetStream (mode auto chose durable), each chunk waits for its PubAck, as
                         # simulate does: a chunk the stream refuses raises instead of vanishing.
-                        await traffic.publish(nc, settings.subjects, messages, format=format,
-                                              durable=processor.mode == "durable")
-                        try:
-                            with anyio.fail_after(timeout):
-                                # While the traffic flows: a worker dies mid-decode, its request migrates.
-                                for m in migrations:
-                                    await run_migration(nc, settings.subjects, m, format=format, worker=worker,
-                                                        collector=collector, timeout=timeout)
-                            await collector.wait_for([*(p.request_id for p in plans),
-                                                      *(m.request_id for m in migrations)], timeout=timeout)
-                        except TimeoutError as exc:
-                            timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
+                        published = await verifier.publish(windows, format=format, timeout=timeout,
+                                                           durable=processor.mode == "durable")
+                        timed_out = published.timed_out
+                        # Opened only now, so it holds no more than the requests still open (it keeps
+                        # every result it sees); the migrations' own results are what it is for.
+                        async with ResultCollector(nc, settings.subjects) as collector:
+                            collectors.append(collector)
+                            try:
+                                if timed_out is None:
+                                    with anyio.fail_after(timeout):
+                                        # While the traffic flows: a worker dies mid-decode, its request migrates.
+                                        for m in migrations:
+                                            await run_migration(nc, settings.subjects, m, format=format,
+                                                                worker=worker, collector=collector, timeout=timeout)
+                                    await collector.wait_for([m.request_id for m in migrations], timeout=timeout)
+                                    await verifier.drain(timeout)
+                            except TimeoutError as exc:
+                                timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
+                            results = {m.request_id: list(collector.results.get(m.request_id, []))
+                                       for m in migrations}
+                            collectors.clear()
+                        verifier.close()
                         tg.cancel_scope.cancel()
-                        results = dict(collector.results)
                 finally:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(2):  # closed even when cancelled
                         await nc.close()
-                rows, problems = summarize(plans, results, worker)
+                rows, problems = verifier.summary(), verifier.problems
                 summarize_migrations(migrations, results, worker, rows, problems)
                 stats = processor.snapshot()
-                report = DemoReport(format, server.url, len(messages), time.perf_counter() - started, rows, problems,
-                                    stats, timed_out)
+                report = DemoReport(format, server.url, published.messages, time.perf_counter() - started, rows,
+                                    problems, stats, timed_out)
                 if serve_port is not None:
                     print_report(report, out)
-                    faulted = next((p.request_id for p in plans if p.fault == "corrupt_prefill"), plans[0].request_id)
+                    faulted = examples.get("corrupt_prefill") or next(iter(examples.values()))
                     await serve_edge(server.url, format, serve_port, faulted, out,
                                      processor_metrics_url=f"http://127.0.0.1:{processor.http_port}/metrics")
     return report
@@ -219,13 +223,11 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
             server.should_exit = True
 
 
-async def _report_progress(out: TextIO, collector: ResultCollector, request_ids: list[str],
-                           processor: Processor) -> None:
+async def _report_progress(out: TextIO, finished: Callable[[], int], requests: int, processor: Processor) -> None:
     while True:
         await anyio.sleep(1.0)
-        done = sum(1 for rid in request_ids if collector.finished(rid))
         stats = processor.stats
-        print(f"progress: {done}/{len(request_ids)} requests finished, {stats.results} results "
+        print(f"progress: {finished()}/{requests} requests finished, {stats.results} results "
               f"(joined {stats.joined}, omitted {stats.omitted}, errors {stats.errors}), "
               f"{processor.correlator.inflight} in flight", file=out, flush=True)
 

@@ -4,13 +4,18 @@ Used by ``streamproc simulate``, the demo and the integration tests. Each planne
 its :class:`~streamproc.simulation.Truth` and the exact bodies that were published, so results
 can be verified without trusting the processor: aggregated results must be the published bytes,
 P/D results must carry the truth's expert rows (and never stale ones).
+
+A planned request with its bodies is about 10 KB, so the commands plan lazily
+(:func:`planned`, :func:`windows`): a run of millions of requests holds one window of them,
+not all (:mod:`streamproc.sim.verification` keeps the ones still waiting for results).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import secrets
-from typing import Literal
+from typing import Iterable, Iterator, Literal
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -64,12 +69,28 @@ def plan(
     worker: SimulatedWorker | None = None,
     faults: bool = False,
 ) -> list[PlannedRequest]:
-    """``requests`` requests; ``mode`` mixed alternates agg and P/D, ``stream`` None alternates too.
-    ``faults`` plans two corrupt and two missing prefill legs in every 20 P/D requests and a contract
-    violation in every 20 aggregated ones (see :attr:`PlannedRequest.fault`)."""
+    """Every request of :func:`planned` at once (tests; the commands plan lazily)."""
+    return list(planned(format, requests=requests, mode=mode, stream=stream, seed=seed, id_prefix=id_prefix,
+                        worker=worker, faults=faults))
+
+
+def planned(
+    format: str,
+    *,
+    requests: int,
+    mode: TrafficMode = "mixed",
+    stream: bool | None = None,
+    seed: int = 0,
+    id_prefix: str | None = None,
+    worker: SimulatedWorker | None = None,
+    faults: bool = False,
+) -> Iterator[PlannedRequest]:
+    """``requests`` requests, each made when asked for; ``mode`` mixed alternates agg and P/D, ``stream``
+    None alternates too. Request ``i`` depends only on ``seed`` and ``i``. ``faults`` plans two corrupt
+    and two missing prefill legs in every 20 P/D requests and a contract violation in every 20
+    aggregated ones (see :attr:`PlannedRequest.fault`)."""
     worker = worker or worker_for(format)
     id_prefix = id_prefix or f"sim-{secrets.token_hex(3)}"
-    plans = []
     for i in range(requests):
         kind = mode if mode != "mixed" else ("agg" if i % 2 == 0 else "pd")
         is_stream = stream if stream is not None else (i // 2) % 2 == 0
@@ -89,8 +110,7 @@ def plan(
                 truth, stream=is_stream, damage=Damage.GARBAGE if fault == "corrupt_prefill" else None)
             planned = PlannedRequest(rid, "pd", is_stream, truth, prefill=prefill,
                                      decode=worker.decode(truth, stream=is_stream), fault=fault)
-        plans.append(planned)
-    return plans
+        yield planned
 
 
 def _legs(p: PlannedRequest) -> list[list[Message]]:
@@ -112,19 +132,26 @@ def _legs(p: PlannedRequest) -> list[list[Message]]:
 WINDOW = 64
 
 
-def schedule(plans: list[PlannedRequest], *, seed: int = 0, shuffle: bool = False,
+def schedule(plans: Iterable[PlannedRequest], *, seed: int = 0, shuffle: bool = False,
              duplicates: float = 0.0) -> list[Message]:
-    """Interleave every leg of every request, :data:`WINDOW` requests at a time.
+    """Every message of :func:`windows` in one list (tests; the commands publish window by window)."""
+    return [m for _, messages in windows(plans, seed=seed, shuffle=shuffle, duplicates=duplicates)
+            for m in messages]
+
+
+def windows(plans: Iterable[PlannedRequest], *, seed: int = 0, shuffle: bool = False,
+            duplicates: float = 0.0) -> Iterator[tuple[list[PlannedRequest], list[Message]]]:
+    """Interleave every leg of every request, :data:`WINDOW` requests at a time: each window's
+    requests and their messages, taken from ``plans`` only when the window is asked for.
 
     Without ``shuffle`` each leg stays in seq order (legs and requests still interleave, so a
     decode chunk may come before its prefill leg); with it each window's sequence is shuffled.
     ``duplicates`` is the fraction of messages published a second time (within their window).
     """
     rng = random.Random(seed)
-    out: list[Message] = []
-    for start in range(0, len(plans), WINDOW):
-        out += _interleave(plans[start:start + WINDOW], rng, shuffle, duplicates)
-    return out
+    plans = iter(plans)
+    while window := list(itertools.islice(plans, WINDOW)):
+        yield window, _interleave(window, rng, shuffle, duplicates)
 
 
 def _interleave(plans: list[PlannedRequest], rng: random.Random, shuffle: bool,
@@ -152,15 +179,17 @@ def _interleave(plans: list[PlannedRequest], rng: random.Random, shuffle: bool,
     return out
 
 
-async def publish(nc: NatsClient, subjects: Subjects, messages: list[Message], *,
+async def publish(nc: NatsClient, subjects: Subjects, messages: Iterable[Message], *,
                   format: str | None = None, durable: bool = False) -> int:
     """Publish the scheduled messages (``format`` goes in every chunk's Streamproc-Format header);
     ``durable`` waits for each chunk's PubAck and raises ``PublishRefused`` when the stream refuses."""
     publisher = ChunkPublisher(nc, subjects, durable=durable)
+    count = 0
     for m in messages:
         await publisher.publish(m.request_id, m.role, m.seq, m.body, final=m.final, format=format)
+        count += 1
     await nc.flush()
-    return len(messages)
+    return count
 
 
 def verify(p: PlannedRequest, results: list[ResultInfo], worker: SimulatedWorker) -> list[str]:
@@ -209,6 +238,11 @@ def verify(p: PlannedRequest, results: list[ResultInfo], worker: SimulatedWorker
     if views and p.truth.return_experts and views[-1][0] is None:
         problems.append(f"final result has no expert rows (reason {views[-1][1]!r}, verdict {results[-1].verdict})")
     return problems
+
+
+def row_name(p: PlannedRequest) -> str:
+    """The summary row a request is counted in, e.g. ``P/D stream``."""
+    return f"{'aggregated' if p.kind == 'agg' else 'P/D'} {'stream' if p.stream else 'unary'}"
 
 
 class Tally(msgspec.Struct):
