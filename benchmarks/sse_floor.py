@@ -321,6 +321,7 @@ async def one_round(kind: str, server: EmbeddedNats, trees: dict[str, Path], rat
             out["c_calls"] = sum(row[1] for row in calls["c"]) / per
             out["top"] = [(n / per, f"{name} ({Path(file).name}:{line})") for file, line, name, n in calls["python"][:30]]
             out["top_c"] = [(n / per, name) for name, n in calls["c"][:30]]
+            out["calls"], out["events"] = calls, per  # all of them (edge_calls.py compares runs by function)
         return out
     finally:
         for w in writers:
