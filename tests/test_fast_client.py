@@ -336,6 +336,29 @@ def test_the_fast_path_is_off_when_nats_py_connection_states_mean_something_else
     assert not usable and "connection states" in reason
 
 
+@pytest.mark.parametrize("change", ["metadata", "track_sequences"])
+def test_the_fast_path_is_off_when_nats_py_tracks_an_ordered_consumer_otherwise(monkeypatch, change):
+    """``FastClient._ordered_now`` does ``Msg.Metadata._get_metadata_fields`` and
+    ``_JSI.track_sequences`` inline; a nats-py where they do something else gets the stock path."""
+    from nats.aio.msg import Msg
+    from nats.js.client import JetStreamContext
+
+    assert fast_path_support()[0]
+    if change == "metadata":  # e.g. a reply of 10 tokens taken too
+        fields = Msg.Metadata._get_metadata_fields
+        monkeypatch.setattr(Msg.Metadata, "_get_metadata_fields", classmethod(
+            lambda cls, reply: reply.split(".") if reply and reply.count(".") == 9 else fields(reply)))
+    else:  # e.g. a third attribute kept per message
+        track = JetStreamContext._JSI.track_sequences
+
+        def tracking(self, reply):
+            track(self, reply)
+            self._last_seen = reply
+        monkeypatch.setattr(JetStreamContext._JSI, "track_sequences", tracking)
+    usable, reason = fast_path_support()
+    assert not usable and "ordered consumer bookkeeping" in reason
+
+
 def test_a_connection_state_nats_py_adds_turns_the_fast_path_off(monkeypatch):
     """A later nats-py with a state of its own (here 7, connected for ``is_connected``) would be
     read as disconnected by the one ``_status`` read: every small state number is checked."""

@@ -14,7 +14,7 @@ import asyncio
 import random
 
 import pytest
-from helpers import raw_hpub, raw_protocol
+from helpers import raw_hpub, raw_protocol, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
@@ -529,6 +529,7 @@ async def test_an_ordered_consumer_reads_in_the_read_loop_as_stock_nats_py_and_s
         assert 0 < len(stock_calls) < 10  # the empty payloads (and nothing else) went to nats-py
         jsis = [sub._sub._jsi for sub in subs]
         assert [(j._sseq, j._dseq, j._fciseq) for j in jsis] == [(30, 31, 30)] * 2
+        assert jsis[0]._cmeta.split(".")[5:7] == jsis[1]._cmeta.split(".")[5:7] == ["30", "30"]
         sids = [sub._sub._id for sub in subs]
         for jsi in jsis:  # as if a delivery were lost: nats-py recreates the consumer after _sseq
             jsi._dseq += 3
@@ -540,3 +541,43 @@ async def test_an_ordered_consumer_reads_in_the_read_loop_as_stock_nats_py_and_s
     finally:
         await fast.close()
         await stock.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_an_ordered_consumer_past_its_pending_limit_drops_as_stock_nats_py_does(nats_url):
+    """An ordered consumer nobody reads, with room for 3 messages: each later one is a
+    ``SlowConsumerError`` and dropped, yet counted as delivered (nats-py's sequence tracking runs
+    before its queue refuses), the same on the fast path (which hands a message that would not fit
+    to nats-py) as on stock nats-py; what was queued is read in order afterwards."""
+    from nats.js.api import StreamConfig
+
+    errors: dict[str, list[str]] = {"fast": [], "stock": []}
+
+    def on_error(name: str):
+        async def cb(exc: Exception) -> None:
+            errors[name].append(type(exc).__name__)
+        return cb
+
+    fast, stock = FastClient(), RobustClient()
+    await fast.connect(servers=[nats_url], error_cb=on_error("fast"))
+    await stock.connect(servers=[nats_url], error_cb=on_error("stock"))
+    try:
+        await stock.jetstream().add_stream(StreamConfig(name="FULL", subjects=["full.>"]))
+        subs = [await nc.jetstream().subscribe("full.>", ordered_consumer=True, pending_msgs_limit=3)
+                for nc in (fast, stock)]
+        for i in range(10):
+            await stock.jetstream().publish(f"full.{i % 2}", b"m%d" % i, headers={"Streamproc-Seq": str(i)})
+        await wait_until(lambda: len(errors["fast"]) == len(errors["stock"]) == 7, 10, "7 drops each")
+        assert errors["fast"] == errors["stock"] == ["SlowConsumerError"] * 7
+        jsis = [sub._sub._jsi for sub in subs]
+        assert [(j._sseq, j._dseq, j._fciseq) for j in jsis] == [(10, 11, 10)] * 2
+        assert jsis[0]._cmeta.split(".")[5:7] == jsis[1]._cmeta.split(".")[5:7] == ["10", "10"]
+        got = [[(m.data, m.headers) for m in [await asyncio.wait_for(sub.next_msg(), 10) for _ in range(3)]]
+               for sub in subs]
+        assert got[0] == got[1] == [(b"m%d" % i, {"Streamproc-Seq": str(i)}) for i in range(3)]
+    finally:
+        await fast.close()
+        await stock.close()
+

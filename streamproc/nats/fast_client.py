@@ -137,6 +137,44 @@ def _states_agree() -> bool:
     return None not in _CONNECTED_STATES and None not in _CLOSED_OR_RECONNECTING
 
 
+def _ack_tokens(text: str) -> list[str] | None:
+    """The rule ``FastClient._ordered_now`` inlines: ``text``'s tokens when nats-py 2.16's
+    ``Msg.Metadata._get_metadata_fields`` returns them, None where it raises."""
+    tokens = text.split(".")
+    count = len(tokens)
+    if (count == 9 or count >= 11) and tokens[0] == "$JS" and tokens[1] == "ACK":
+        return tokens
+    return None
+
+
+# Replies of 0-14 tokens, with and without the ack prefix: _ack_tokens must take exactly nats-py's.
+_ACK_SAMPLES = ["", "$JS", "$JS.ACK", "$JS.NAK.S.C.1.2.3.4.5", "JS.ACK.S.C.1.2.3.4.5", "$js.ack.S.C.1.2.3.4.5",
+                *(".".join(["$JS", "ACK", *map(str, range(n))]) for n in range(13))]
+
+
+def _ordered_bookkeeping_agrees() -> bool:
+    """What ``FastClient._ordered_now`` does in place of two nats-py calls still matches them:
+    :func:`_ack_tokens` against ``Msg.Metadata._get_metadata_fields``, and ``_JSI.track_sequences``
+    sets nothing but ``_fciseq + 1`` and ``_cmeta``."""
+    from types import SimpleNamespace
+
+    from nats.js.client import JetStreamContext
+
+    try:
+        for text in _ACK_SAMPLES:
+            try:
+                theirs: list[str] | None = Msg.Metadata._get_metadata_fields(text)
+            except errors.Error:
+                theirs = None
+            if theirs != _ack_tokens(text):
+                return False
+        jsi = SimpleNamespace(_fciseq=4, _cmeta=None)
+        JetStreamContext._JSI.track_sequences(jsi, "$JS.ACK.S.C.1.2.3.4.5")  # type: ignore[arg-type]
+        return vars(jsi) == {"_fciseq": 5, "_cmeta": "$JS.ACK.S.C.1.2.3.4.5"}
+    except Exception:  # noqa: BLE001  (a name gone or a new attribute read: not the code mirrored here)
+        return False
+
+
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the installed nats-py is in range and its internals are the ones mirrored."""
     if version is None and os.environ.get(STOCK_CLIENT_ENV):
@@ -155,6 +193,7 @@ def fast_path_support(version: str | None = None) -> tuple[bool, str]:
         "HPUB_OP": getattr(_command, "HPUB_OP", None) == "HPUB",
         "Msg fields": dataclasses.is_dataclass(Msg) and [f.name for f in dataclasses.fields(Msg)] == _MSG_FIELDS,
         "connection states": _states_agree(),
+        "ordered consumer bookkeeping": _ordered_bookkeeping_agrees(),
     }
     wrong = [name for name, ok in checks.items() if not ok]
     if wrong:
@@ -410,14 +449,22 @@ class FastClient(RobustClient):
         if not jsi._ordered or not data or not reply:
             return LATER
         text = reply.decode("utf-8", "surrogateescape")
+        # Msg.Metadata._get_metadata_fields, inline (one Python call per result less; _ack_tokens is
+        # the same rule, checked against nats-py's by fast_path_support)
+        tokens = text.split(".")
+        count = len(tokens)
+        if not ((count == 9 or count >= 11) and tokens[0] == "$JS" and tokens[1] == "ACK"):
+            return LATER
         try:
-            tokens = Msg.Metadata._get_metadata_fields(text)
             sseq = int(tokens[5])
             dseq = int(tokens[6])
-        except (errors.Error, ValueError, IndexError):
+        except ValueError:
             return LATER
         queue = sub._pending_queue
-        if (dseq != jsi._dseq or queue.full()
+        # A queue with no unfinished task is empty (each put counts one, task_done takes it off), so
+        # not full: full() is asked only when something is queued (never for the edge's ring, which
+        # is read inline: one Python call per result less).
+        if (dseq != jsi._dseq or queue._unfinished_tasks and queue.full()
                 or sub._pending_bytes_limit > 0 and sub._pending_size + len(data) >= sub._pending_bytes_limit):
             return LATER
         jsi._active = True
@@ -428,8 +475,9 @@ class FastClient(RobustClient):
             entry = followed.get(jsi)
             if entry is not None and entry[0] != sid:  # nats-py remade the consumer under a new sid
                 self._follow_reset(sid, entry)
-        self._accept(sub, sid, subject, reply, data, headers, hdr)  # None: the limits were checked above
-        jsi.track_sequences(text)
+        self._accept(sub, sid, subject, reply, data, headers, hdr, text)  # None: the limits were checked above
+        jsi._fciseq += 1  # _JSI.track_sequences(text), inline (checked by fast_path_support)
+        jsi._cmeta = text
         return None
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes,
@@ -467,9 +515,10 @@ class FastClient(RobustClient):
             self._write_now()
 
     def _accept(self, sub: Any, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None,
-                hdr: dict[str, str] | None) -> Any:
+                hdr: dict[str, str] | None, reply_text: str | None = None) -> Any:
         """The rest of ``Client._process_msg`` for a plain subscription, in its order, without
-        awaiting: the ``SlowConsumerError`` to hand to the error callback, or None."""
+        awaiting: the ``SlowConsumerError`` to hand to the error callback, or None. ``reply_text``:
+        ``reply`` decoded already (``_ordered_now``), not decoded a second time for the handler."""
         payload_size = len(data)
         stats = self.stats
         stats["in_msgs"] += 1
@@ -489,7 +538,9 @@ class FastClient(RobustClient):
                      + (len(headers) if headers else 0) + 2 * len(subject) + 256 <= self._max_pending_size)
                 and self._flusher_task is not None and not self._flusher_task.done()):
             try:
-                if handler(text, reply.decode("utf-8", "surrogateescape") if reply else "", hdr, data):
+                if reply_text is None:
+                    reply_text = reply.decode("utf-8", "surrogateescape") if reply else ""
+                if handler(text, reply_text, hdr, data):
                     return None
             except Exception as exc:  # noqa: BLE001  (never into nats-py's read loop)
                 # Handlers catch their own errors; one that escapes drops the message, which JetStream
@@ -497,7 +548,9 @@ class FastClient(RobustClient):
                 log_event(log, logging.ERROR, "inline_handler_failed", subject=text, error=error_text(exc))
                 return None
         if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
-            msg = Msg(self, text, reply.decode("utf-8", "surrogateescape"), data, hdr, None, False, sid)
+            if reply_text is None:
+                reply_text = reply.decode("utf-8", "surrogateescape")
+            msg = Msg(self, text, reply_text, data, hdr, None, False, sid)
         else:
             msg = self._build_message(sid, subject, reply, data, hdr)
             if not msg:
