@@ -32,6 +32,9 @@ from types import CodeType, FrameType
 from typing import Any
 
 OUTPUT_ENV = "CALL_HOOK_OUTPUT"  # not STREAMPROC_*: streamproc warns about unknown ones
+# Set (non-empty): C calls are also counted by the Python function that made them ("c_callers" in
+# the output: [file, line, name, C name, calls]), to tell which code makes the 17 dict.get per event.
+CALLERS_ENV = "CALL_HOOK_CALLERS"
 
 
 class CallCounter:
@@ -40,16 +43,21 @@ class CallCounter:
     def __init__(self) -> None:
         self.python: Counter[CodeType] = Counter()
         self.c: Counter[object] = Counter()
+        self.callers: Counter[tuple[CodeType, object]] | None = Counter() if os.environ.get(CALLERS_ENV) else None
 
     def profile(self, frame: FrameType, event: str, arg: object) -> None:
         if event == "call":
             self.python[frame.f_code] += 1
         elif event == "c_call":
             self.c[arg] += 1
+            if self.callers is not None:  # a c_call's frame is its caller's
+                self.callers[frame.f_code, arg] += 1
 
     def start(self, *_: object) -> None:
         self.python.clear()
         self.c.clear()
+        if self.callers is not None:
+            self.callers.clear()
         threading.setprofile(self.profile)
         sys.setprofile(self.profile)
 
@@ -60,9 +68,16 @@ class CallCounter:
         c_calls: Counter[str] = Counter()
         for fn, n in self.c.items():
             c_calls[getattr(fn, "__qualname__", None) or repr(fn)] += n
+        out: dict[str, Any] = {"python": python, "c": [[k, n] for k, n in c_calls.most_common()]}
+        if self.callers is not None:  # by name: each future's bound done() is an object of its own
+            by_name: Counter[tuple[str, int, str, str]] = Counter()
+            for (code, fn), n in self.callers.items():
+                name = getattr(fn, "__qualname__", None) or repr(fn)
+                by_name[code.co_filename, code.co_firstlineno, code.co_qualname, name] += n
+            out["c_callers"] = [[*key, n] for key, n in by_name.most_common()]
         path = os.environ[OUTPUT_ENV]
         with open(path + ".tmp", "w") as f:
-            json.dump({"python": python, "c": [[k, n] for k, n in c_calls.most_common()]}, f)
+            json.dump(out, f)
         os.replace(path + ".tmp", path)
 
 

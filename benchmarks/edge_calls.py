@@ -18,7 +18,7 @@ Counting slows the edge several times over (more events per read than unprofiled
 of the same tool and settings only, and never read time from such a run.
 
 Usage: python benchmarks/edge_calls.py [--rate 2000] [--seconds 3] [--rounds 1] [--batch 10]
-                                       [--top 25] [--tree NAME=PATH ...] [--modes core,durable]
+                                       [--top 25] [--tree NAME=PATH ...] [--modes core,durable] [--c-callers]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 import sse_floor  # noqa: E402
 from call_counts import short  # noqa: E402
+from call_hook import CALLERS_ENV  # noqa: E402
 from streamproc.sim.embedded import EmbeddedNats  # noqa: E402
 
 MODES = ("core", "durable")
@@ -108,6 +109,12 @@ async def run(args: argparse.Namespace) -> None:
         c = statistics.median(x["c_calls"] for x in xs)
         print(f"{t + '/' + m:<24}{p:9.1f}{c:9.1f}{p + c:9.1f}")
     tables = {key: merged(xs) for key, xs in runs.items()}
+    if args.c_callers:
+        for (t, m), xs in runs.items():
+            x = xs[-1]
+            print(f"\n{t}/{m}: C calls by the Python function that made them, per event (last round)")
+            for file, line, name, cname, n in x["calls"]["c_callers"][:args.top]:
+                print(f"  {n / x['events']:7.2f}  {cname}  in {name} ({short(file)}:{line})")
     for (t, m), (python, c) in tables.items():
         print(f"\n{t}/{m}: Python functions called most, per event")
         for k, n in sorted(python.items(), key=lambda kv: -kv[1])[:args.top]:
@@ -137,12 +144,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10, metavar="N", help="results published per flush")
     parser.add_argument("--top", type=int, default=25, help="functions listed per table")
     parser.add_argument("--least", type=float, default=0.02, help="smallest per-event difference listed")
+    parser.add_argument("--c-callers", action="store_true",
+                        help="also list C calls by the Python function that made them (call_hook.py's CALL_HOOK_CALLERS)")
     parser.add_argument("--modes", default="core,durable", help="core, durable or both (default)")
     parser.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                         help="also count `streamproc edge` from this source tree (e.g. base=../base)")
     args = parser.parse_args()
     if args.rate <= 0 or args.seconds <= 0 or args.rounds < 1 or args.batch < 1:
         parser.error("--rate and --seconds must be positive, --rounds and --batch at least 1")
+    if args.c_callers:
+        os.environ[CALLERS_ENV] = "1"  # inherited by the edges started under call_hook.py
     with tempfile.TemporaryDirectory() as tmp:
         sse_floor.COUNT_DIR = Path(tmp)
         asyncio.run(run(args))

@@ -39,8 +39,8 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
-def run_hook(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "CALL_HOOK_OUTPUT": str(tmp_path / "counts.json")}
+def run_hook(tmp_path: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "CALL_HOOK_OUTPUT": str(tmp_path / "counts.json"), **extra_env}
     return subprocess.run([sys.executable, str(HOOK), *args], env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -56,6 +56,20 @@ def test_only_the_calls_between_the_two_signals_are_counted(tmp_path):
     assert python.get("in_thread") == 7  # a thread started while counting is counted
     assert c.get("len") == 1000 and c.get("kill") == 1  # the SIGUSR2 kill itself, not the SIGUSR1 one
     assert not (tmp_path / "counts.json.tmp").exists()
+    assert "c_callers" not in counts  # only when asked for
+
+
+def test_c_calls_are_also_counted_by_their_caller_when_asked(tmp_path):
+    """``CALL_HOOK_CALLERS``: each C call also under the Python function that made it, by name
+    (the bound methods of different objects are one row)."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM.replace('len("ab")', 'len("ab"); set().add(1)'))
+    done = run_hook(tmp_path, str(script), CALL_HOOK_CALLERS="1")
+    assert done.returncode == 0, done.stderr
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    rows = {(name, c_name): n for _, _, name, c_name, n in counts["c_callers"]}
+    assert rows[("<module>", "len")] == 1000 and rows[("<module>", "set.add")] == 1000
+    assert dict(counts["c"])["len"] == 1000
 
 
 def test_streamproc_runs_its_own_command_line_under_the_hook(tmp_path):
