@@ -27,12 +27,17 @@ and at half of that peak, printing p50/p99/p99.9 per hop and the added latency o
 a change to the edge is measured against its base in the same run (rows "vs base").
 ``--raw-server`` adds ``sse_floor.py``'s raw asyncio SSE server to the same rounds (rows "vs raw"): the
 least SSE server, so the edge's SSE p99 / result p99 can be read beside what the harness allows.
+``--count-calls`` runs the edge under ``call_hook.py`` and counts its Python and C calls over each
+mode's 2,000 chunks/s run (opens, closes and events: this harness's lifecycle of one stream per
+``--chunks`` events), printed per SSE event with the functions that differ between the modes (the
+profiler slows the edge several times over: that run's CPU and latency figures mean nothing).
 ``--spread-run S`` adds, per mode, one more 2,000 chunks/s run whose waves open their streams evenly
 over S seconds, as independent clients arrive: a burst of 50 opens at once costs the client alone
 more than 5 ms, so the bursts measure the harness as much as the edge's open time.
 
 Usage: python benchmarks/latency.py [--seconds 8] [--streams 50] [--chunks 40] [--modes core,durable]
                                     [--baseline-tree DIR] [--raw-server] [--spread-run 0.5] [--json out.json]
+                                    [--count-calls]
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -54,9 +60,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from call_hook import collect  # benchmarks/, the script's directory
+
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 RATE = 2000.0
+COUNT_DIR: Path | None = None  # --count-calls: where the edge under call_hook.py writes its counts
 OPEN_SPREAD = 0.0  # --open-spread: seconds over which a paced run's wave opens its streams
 BASELINE_TREE: Path | None = None  # --baseline-tree: an edge from this source tree, beside ours
 TRACE_DIR: Path | None = None  # --trace-dir: each run's per-chunk stamps (publish, floor, result, SSE) as JSON
@@ -415,6 +424,7 @@ class Mode:
         from streamproc.sim.embedded import free_port
         self.mode, self.nats_url, self.prefix = mode, nats_url, f"lat{mode}"
         self.port = free_port()
+        self.counts = (COUNT_DIR or Path()) / f"{mode}-edge.json"  # --count-calls
         self.edge_url = f"http://127.0.0.1:{self.port}"
         common = ["--nats-url", nats_url, "--prefix", self.prefix, "--log-level", "WARNING"]
         run = [str(BIN / "streamproc"), "run", *common, "--format", "sglang", "--mode", mode]
@@ -425,6 +435,9 @@ class Mode:
         relay = [sys.executable, str(HERE / "sse_relay.py"), "--nats-url", nats_url, "--prefix", self.prefix,
                  "--port", str(self.relay_port)]
         argvs, names, envs = [run, edge, relay], ["run", "edge", "relay"], [None, None, None]
+        if COUNT_DIR is not None:  # the same command line, in-process under the call counter
+            argvs[1] = [sys.executable, str(HERE / "call_hook.py"), "streamproc", *edge[1:]]
+            envs[1] = {**os.environ, "CALL_HOOK_OUTPUT": str(self.counts)}
         self.base_url = self.raw_url = None
         if BASELINE_TREE is not None:  # the same edge command, imported from the baseline's tree
             base_port = free_port()
@@ -484,11 +497,12 @@ def build_wave(tag: str, streams: int, chunks: int):
 
 
 async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int, rate: float | None,
-                  tmp: Path, target: str = "edge", spread: float | None = None) -> dict:
+                  tmp: Path, target: str = "edge", spread: float | None = None, count: bool = False) -> dict:
     """Publish ``waves`` waves at ``rate`` chunks/s (None: as fast as possible, all waves opened
     first) with the SSE client reading from ``target`` ("edge" or "relay", the bare Starlette
     relay); returns per-hop latencies and the SSE delivery rate. ``spread``: this run's opens of a
-    wave are spaced over that many seconds (default ``--open-spread``; a peak run opens at once)."""
+    wave are spaced over that many seconds (default ``--open-spread``; a peak run opens at once).
+    ``count`` (``--count-calls``): the edge's calls from the first publish until the clients are done."""
     import nats
     open_spread = spread if spread is not None else (OPEN_SPREAD if rate is not None else 0.0)
     outs = [tmp / f"{mode.mode}-{label}-{target}-{k}.json" for k in range(SSE_CLIENTS)]
@@ -544,6 +558,8 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
         subject = f"{mode.prefix}.chunks.%s.agg"
         cpu0 = [cpu_seconds(p.pid) for p in mode.procs]
         switches0 = voluntary_switches(mode.procs[mode.names.index(target)].pid)
+        if count:
+            mode.procs[1].send_signal(signal.SIGUSR1)
         started = time.perf_counter()
         n = 0
         for w in range(waves):
@@ -569,6 +585,7 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
             await asyncio.wait_for(client.wait(), 180)
         cpu = [cpu_seconds(p.pid) - c for p, c in zip(mode.procs, cpu0)]
         switches = voluntary_switches(mode.procs[mode.names.index(target)].pid) - switches0
+        calls = await collect(mode.procs[1], mode.counts, "edge") if count else None
         data: dict = {"arrivals": [], "opened": [], "errors": []}
         for out in outs:
             for key, value in json.loads(out.read_text()).items():
@@ -603,7 +620,25 @@ async def one_run(mode: Mode, label: str, waves: int, streams: int, chunks: int,
             # CPU per chunk over the run (stream opens and their teardown included)
             "processor_cpu_us": cpu[0] / n * 1e6, "edge_cpu_us": cpu[1] / n * 1e6,
             "relay_cpu_us": cpu[2] / n * 1e6, "server_cpu_us": cpu[mode.names.index(target)] / n * 1e6,
-            "server_switches_per_event": switches / max(1, len(sse))}
+            "server_switches_per_event": switches / max(1, len(sse)),
+            **({"calls": calls, "events": max(1, len(sse))} if calls is not None else {})}
+
+
+def show_calls(counted: dict[str, dict]) -> None:
+    """--count-calls: the edge's calls per SSE event in each mode's 2,000 chunks/s run, its most called
+    functions, and (both modes) the functions whose calls per event differ (durable - core)."""
+    from edge_calls import diff, per_event
+    tables = {m: per_event(r["calls"], r["events"]) for m, r in counted.items()}
+    for m, (python, c) in tables.items():
+        r = counted[m]
+        print(f"\n{m}: the edge's calls per SSE event at {RATE:,.0f} chunks/s ({r['events']} events, their streams' "
+              f"opens and closes included): {sum(python.values()):.1f} Python + {sum(c.values()):.1f} C")
+        for name, n in sorted(python.items(), key=lambda kv: -kv[1])[:25]:
+            print(f"  {n:7.2f}  {name}")
+    if "core" in tables and "durable" in tables:
+        print("\nthe edge, durable - core, calls per SSE event:")
+        for i, kind in ((0, "Python"), (1, "C")):
+            diff(kind, tables["core"][i], tables["durable"][i], 0.05, 40)
 
 
 def show(mode: str, run: dict) -> None:
@@ -704,7 +739,8 @@ async def run(args) -> dict:
                 runs.append(peak)
                 for rate in (RATE, peak["sse_rate"] / 2):
                     waves = max(1, round(rate * args.seconds / per_wave))
-                    r = await one_run(mode, f"r{int(rate)}", waves, args.streams, args.chunks, rate, tmp_path)
+                    r = await one_run(mode, f"r{int(rate)}", waves, args.streams, args.chunks, rate, tmp_path,
+                                      count=COUNT_DIR is not None and rate == RATE)
                     show(mode_name, r)
                     runs.append(r)
                 if args.spread_run > 0:  # the same 2,000 chunks/s with each wave's opens spread out
@@ -727,6 +763,11 @@ async def run(args) -> dict:
             finally:
                 mode.close()
             report["modes"][mode_name] = runs
+    if COUNT_DIR is not None:
+        show_calls({m: next(r for r in runs if "calls" in r) for m, runs in report["modes"].items()})
+        for runs in report["modes"].values():
+            for r in runs:
+                r.pop("calls", None)  # not in --json: large, and an edge's counts are read here
     core = [r for r in report["modes"].get("core", []) if r["rate"] == RATE and not r.get("spread_run")]
     if core:
         h = core[0]["hops"]
@@ -767,6 +808,9 @@ def main() -> None:
                              "no HTTP framework, no nats-py, one wildcard subscription) to the interleaved rounds, "
                              "so its SSE p99 / result p99 shows what the harness allows on this machine")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--count-calls", action="store_true",
+                        help="count the edge's Python and C calls per SSE event in each mode's 2,000 chunks/s run "
+                             "(call_hook.py; that run's CPU and latency figures then mean nothing)")
     parser.add_argument("--trace-dir", type=Path,
                         help="write each run's per-chunk stamps (publish, floor, result, SSE arrival) there")
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
@@ -780,7 +824,7 @@ def main() -> None:
     if args.sse_client:
         asyncio.run(sse_client(args.sse_client, args.out, args.open_spread))
         return
-    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS, TRACE_DIR, RAW_SERVER
+    global OPEN_SPREAD, BASELINE_TREE, SSE_CLIENTS, TRACE_DIR, RAW_SERVER, COUNT_DIR
     RAW_SERVER = args.raw_server
     if args.trace_dir is not None:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -788,7 +832,9 @@ def main() -> None:
     OPEN_SPREAD = args.open_spread
     SSE_CLIENTS = max(1, args.sse_clients)
     BASELINE_TREE = args.baseline_tree.resolve() if args.baseline_tree else None
-    report = asyncio.run(run(args))
+    with tempfile.TemporaryDirectory(prefix="streamproc-calls-") as counts:
+        COUNT_DIR = Path(counts) if args.count_calls else None
+        report = asyncio.run(run(args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
