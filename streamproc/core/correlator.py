@@ -1029,8 +1029,11 @@ class Correlator:
                         # What the join will decode is charged before it leaves (_reserve), so the
                         # chunks that arrive while it runs cannot fill the room it decodes into.
                         reserved = self._reserve(req, session.join_bytes(chunk.body, final), now)
-                        session.decode_budget = (self.config.max_total_bytes - self.charged_bytes + reserved
-                                                 + req.decoded)
+                        # It decodes within what is left, and within its share (join_share): the
+                        # request's bytes besides the rows it keeps count against it.
+                        session.decode_budget = min(
+                            self.config.max_total_bytes - self.charged_bytes + reserved + req.decoded,
+                            join_share(self.config.max_total_bytes) - _held(req) + req.decoded)
                         # A resumed attempt's stitch may inflate rows too: it runs after the join, in
                         # the same job, and is always charged (its decodes are not the session's).
                         if req.attempt:
@@ -1254,12 +1257,15 @@ class Correlator:
         runs meet a budget that already counts it. Short of room, the requests holding more than
         ``req`` would with the join are ended first (``_make_room``, the rule a chunk meets); what is
         then still missing is not reserved, and the join's ``decode_budget`` (what was left) makes
-        the codec omit (``too_large``) what does not fit, as before. Returns the bytes reserved, at
-        most what the budget had left: ``charged_bytes`` stays within ``max_total_bytes``."""
+        the codec omit (``too_large``) what does not fit, as before. The request holds at most
+        :func:`join_share` of the budget with its reservation: the request whose join runs is no
+        eviction victim, so without a share a frame declaring more than the budget left no room for
+        any other request's buffered chunk while it ran. Returns the bytes reserved, at most what
+        the budget had left: ``charged_bytes`` stays within ``max_total_bytes``."""
         limit = self.config.max_total_bytes
-        if need is None:
-            need = limit
-        elif need <= 0:
+        share = max(0, join_share(limit) - _held(req))
+        need = share if need is None else min(need, share)
+        if need <= 0:
             return 0
         if self.charged_bytes + need > limit:
             self._make_room(req, need, now)  # True (req holds the most): it keeps only what is left
@@ -1401,6 +1407,15 @@ class Correlator:
         finished.move_to_end(rid)
         if len(finished) > self._max_finished or self.finished_bytes > self._max_finished_bytes:
             self._trim_finished()
+
+
+def join_share(max_total_bytes: int) -> int:
+    """The most of the byte budget one request whose join runs off the event loop may hold, the
+    join's reservation included; what its join decodes past it is omitted (``too_large``). The
+    last quarter stays for the chunks other requests buffer while it runs (a prefill leg waiting
+    for its decode leg, an out-of-order chunk): the running join's request cannot be ended to make
+    room for them, since it frees nothing before its join ends."""
+    return max_total_bytes - max_total_bytes // 4
 
 
 def _held(req: _Request) -> int:

@@ -1,0 +1,182 @@
+"""A hostile worker's joins must not hold the whole byte budget while they run.
+
+A join that runs off the event loop reserves what its encodings declare (``JoinSession.join_bytes``),
+capped at what is left of ``--max-total-bytes``, and the request whose join runs is no eviction
+victim. A worker that sends sglang-zstd P/D requests whose frames declare (or really inflate to) more
+than the budget therefore held all of it for as long as its joins ran, and every other request's
+chunk that had to be buffered meanwhile (a prefill leg waiting for its decode leg, an out-of-order
+chunk) met a full budget and was ended ``overloaded``: a steady stream of such bombs ended 145 of 146
+honest P/D requests and 89 of 146 out-of-order ones beside it (2026-12-05, 8 s, one bomb every 20 ms).
+Now one request whose join runs holds at most three quarters of the budget, its reservation
+included, and its join decodes within that share (the codec omits ``too_large`` past it).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+
+import anyio
+import msgspec
+import nats
+import pytest
+from helpers import expert_pd_legs, inflating_pd_legs, peak_rss
+
+from streamproc.catalog import Catalog
+from streamproc.core.wire import ERROR, FINAL, Subjects, chunk_headers
+from streamproc.correlator import Correlator, CorrelatorConfig, Work
+from streamproc.wire import Chunk, Result, Role
+
+MiB = 1 << 20
+FMT = "sglang-zstd"
+SUBJECTS = Subjects()
+ATTACKER_OUTCOMES = {"omitted:too_large", "omitted:prefill_corrupt", "error:overloaded"}
+
+
+def lying_frame(declared: int) -> bytes:
+    """A zstd frame whose header declares ``declared`` bytes of content and that holds four."""
+    payload = b"abcd"
+    return (b"\x28\xb5\x2f\xfd" + bytes([0x80, 0x00]) + struct.pack("<I", declared)
+            + struct.pack("<I", 1 | (len(payload) << 3))[:3] + payload)
+
+
+def lying_pd_legs() -> tuple[bytes, bytes]:
+    """A sglang-zstd P/D request whose legs' ``routed_experts`` frames declare 512 MiB (a 32,768-token
+    prompt allows that many) and hold a few bytes: its join fails fast, having reserved all it could."""
+    value = base64.b64encode(lying_frame(512 * MiB)).decode()
+    legs = []
+    for body in inflating_pd_legs(prompt=16, layers=1):
+        doc = msgspec.json.decode(body)
+        doc["meta_info"].update(routed_experts=value, prompt_tokens=32768)
+        legs.append(msgspec.json.encode(doc))
+    return legs[0], legs[1]
+
+
+def test_while_a_bombs_join_runs_other_requests_can_still_buffer_their_chunks():
+    """Pure: a real sglang-zstd bomb (64 MiB of prefill rows, as much declared on decode) handed out at
+    the default budget; 20 honest P/D prefill legs (790 KB each, 15 MiB: within the quarter the bomb
+    leaves) and 20 out-of-order chunks arrive while it runs."""
+    c = Correlator(Catalog(), FMT, CorrelatorConfig())
+    c.offload_joins = True  # as core and durable mode run joins
+    limit = c.config.max_total_bytes
+    bomb_prefill, bomb_decode = inflating_pd_legs()
+    assert c.receive(Chunk("bomb", Role.PREFILL, 0, bomb_prefill, True), 0.0) == []
+    works = [d for d in c.receive(Chunk("bomb", Role.DECODE, 0, bomb_decode, True), 0.0) if isinstance(d, Work)]
+    assert len(works) == 1
+    prefill, _ = expert_pd_legs()
+    ended = []
+    for k in range(20):
+        for decision in (*c.receive(Chunk(f"pd{k}", Role.PREFILL, 0, prefill, True), 0.0),
+                         *c.receive(Chunk(f"ooo{k}", Role.AGG, 1, b"x" * 2000, True), 0.0)):
+            if isinstance(decision, Result) and decision.error:
+                ended.append(decision.request_id)
+        assert c.charged_bytes <= limit
+    assert not ended, f"{len(ended)} bystanders ended while the bomb's join ran: {ended[:4]}"
+    assert works[0].reserved <= limit - limit // 4
+    works[0].run()
+    (result,) = [d for d in c.finish(works[0], 0.0) if isinstance(d, Result)]
+    assert result.request_id == "bomb" and not result.error
+    assert b'"routed_experts_unavailable_reason":"too_large"' in result.body
+    assert c.charged_bytes <= limit
+
+
+class Outcomes:
+    """The final outcome of every request on ``P.results.>`` and its latency from ``started``."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, float] = {}
+        self.done: dict[str, tuple[str, float]] = {}
+
+    async def on_message(self, msg) -> None:
+        rid = SUBJECTS.request_id_of_result(msg.subject)
+        headers = msg.headers or {}
+        if rid in self.done:
+            return
+        if ERROR in headers:
+            outcome = "error:" + headers[ERROR]
+        elif headers.get(FINAL) == "true":
+            outcome = headers.get("Streamproc-Join") or "ok"
+            if outcome == "omitted":
+                reason = msgspec.json.decode(msg.data)["meta_info"].get("routed_experts_unavailable_reason")
+                outcome += f":{reason}"
+        else:
+            return
+        self.done[rid] = (outcome, time.perf_counter() - self.started[rid])
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(180)
+async def test_a_steady_stream_of_zstd_bombs_ends_no_honest_bystander(nats_url, streamproc_run):
+    """Real nats-server and `streamproc run --format sglang-zstd` at the default budgets: for ~4 s a
+    hostile worker publishes a P/D request every 25 ms whose frames inflate to 64 MiB (a real bomb,
+    decoded) or declare 512 MiB and hold a few bytes (a lie, refused fast), alternately. Beside it,
+    every 50 ms: an honest P/D request whose prefill leg waits 10 ms for its decode leg, an
+    out-of-order aggregated request and an in-order one. Every bystander is answered in full and
+    none is ended; every attacker request gets a clear omission or an ``overloaded`` error. Not bounded
+    here: the honest joins' latency (p50 0.8-1.5 s in 3 runs, against ~20 ms idle): joins run one at a
+    time in arrival order, so each waits behind the bombs queued before it."""
+    bomb = inflating_pd_legs()
+    lie = lying_pd_legs()
+    honest_prefill, honest_decode = expert_pd_legs(prompt=300, output=64)
+    outcomes = Outcomes()
+    kinds: dict[str, str] = {}
+    with streamproc_run("--mode", "core", "--format", FMT) as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.subscribe(SUBJECTS.all_results, cb=outcomes.on_message, pending_msgs_limit=1_000_000)
+            await nc.flush()
+
+            async def publish(rid: str, role: str, seq: int, body: bytes, final: bool) -> None:
+                outcomes.started.setdefault(rid, time.perf_counter())
+                await nc.publish(SUBJECTS.chunk(rid, role), body,
+                                 headers=chunk_headers(rid, role, seq, final=final, format=FMT))
+
+            async def attacker(rounds: int) -> None:
+                for k in range(rounds):
+                    rid, (prefill, decode) = (f"bomb{k}", bomb) if k % 2 == 0 else (f"lie{k}", lie)
+                    kinds[rid] = "attacker"
+                    await publish(rid, "prefill", 0, prefill, True)
+                    await publish(rid, "decode", 0, decode, True)
+                    await anyio.sleep(0.025)
+
+            async def bystanders(rounds: int) -> None:
+                for i in range(rounds):
+                    kinds[f"pd{i}"], kinds[f"ooo{i}"], kinds[f"agg{i}"] = "pd", "ooo", "agg"
+                    await publish(f"pd{i}", "prefill", 0, honest_prefill, True)
+                    await anyio.sleep(0.01)
+                    await publish(f"pd{i}", "decode", 0, honest_decode, True)
+                    await publish(f"ooo{i}", "agg", 1, b'{"text":"b","meta_info":{}}' + b" " * 2000, True)
+                    await publish(f"ooo{i}", "agg", 0, b'{"text":"a","meta_info":{}}', False)
+                    for seq in range(3):
+                        await publish(f"agg{i}", "agg", seq, b'{"text":"c","meta_info":{}}', seq == 2)
+                    await anyio.sleep(0.04)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(attacker, 160)
+                tg.start_soon(bystanders, 80)
+            await nc.flush()
+            with anyio.move_on_after(120):
+                while len(outcomes.done) < len(kinds):
+                    await anyio.sleep(0.1)
+        finally:
+            await nc.close()
+        hwm = peak_rss(proc.pid)
+        log_tail = log_path.read_text(errors="replace")[-2000:]
+    by_kind: dict[str, dict[str, int]] = {}
+    latency: dict[str, list[float]] = {}
+    for rid, kind in kinds.items():
+        outcome, seconds = outcomes.done.get(rid, ("unanswered", 0.0))
+        by_kind.setdefault(kind, {}).setdefault(outcome, 0)
+        by_kind[kind][outcome] += 1
+        latency.setdefault(kind, []).append(seconds)
+    for kind, times in sorted(latency.items()):
+        times.sort()
+        print(f"{kind}: {by_kind[kind]} latency p50 {times[len(times) // 2] * 1e3:.0f} ms, "
+              f"max {times[-1] * 1e3:.0f} ms")
+    print(f"VmHWM {hwm / MiB:.0f} MiB")
+    assert by_kind["pd"] == {"joined": 80}, (by_kind, log_tail)
+    assert by_kind["ooo"] == {"passthrough": 80} and by_kind["agg"] == {"passthrough": 80}, by_kind
+    assert set(by_kind["attacker"]) <= ATTACKER_OUTCOMES, by_kind["attacker"]
+    assert hwm < 200 * MiB, hwm / MiB
