@@ -180,3 +180,85 @@ async def test_a_steady_stream_of_zstd_bombs_ends_no_honest_bystander(nats_url, 
     assert by_kind["ooo"] == {"passthrough": 80} and by_kind["agg"] == {"passthrough": 80}, by_kind
     assert set(by_kind["attacker"]) <= ATTACKER_OUTCOMES, by_kind["attacker"]
     assert hwm < 200 * MiB, hwm / MiB
+
+
+def logprob_prefill_leg(prompt: int = 4096) -> bytes:
+    """An sglang prefill leg with ``prompt`` prompt logprobs (``[logprob, id, null]`` each, 0.5.23's
+    ``input_token_logprobs`` with ``return_text_in_logprobs`` off) and no rows: ~100 KB of JSON that
+    parses into ~6x its length of Python objects."""
+    meta = {"id": "p", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": prompt,
+            "completion_tokens": 1, "input_token_logprobs": [[-1.2345678, 10_000 + i, None] for i in range(prompt)]}
+    return msgspec.json.encode({"text": "a", "output_ids": [1], "meta_info": meta})
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(180)
+async def test_absorbed_prefill_legs_are_charged_as_parsed_so_a_flood_stays_within_the_budget(
+        nats_url, streamproc_run):
+    """A prefill leg was charged at its body length once absorbed, while its parsed prompt logprobs
+    hold ~6x that: 1,000 legs of 4,096 prompt logprobs with no decode leg (88 MiB charged, under the
+    96 MiB default) took `streamproc run` to 805 MiB VmHWM (an attack session). The codecs now report
+    the parse expansion (``retained_bytes``), so the budget ends the biggest holders (``overloaded``)
+    instead. Bound: VmHWM under 300 MiB; a later honest request is still answered."""
+    leg = logprob_prefill_leg()
+    errors: list[str] = []
+    honest: list[bytes] = []
+
+    async def on_result(msg) -> None:
+        if msg.subject.endswith(".honest"):
+            honest.append(msg.data)
+        elif msg.headers and msg.headers.get(ERROR):
+            errors.append(msg.headers[ERROR])
+
+    with streamproc_run("--mode", "core", "--format", "sglang") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
+            await nc.flush()
+            for i in range(1_000):
+                await nc.publish(SUBJECTS.chunk(f"leg{i}", "prefill"), leg,
+                                 headers=chunk_headers(f"leg{i}", "prefill", 0, final=True, format="sglang"))
+                if i % 50 == 0:
+                    await nc.flush()
+            await nc.flush()
+            await nc.publish(SUBJECTS.chunk("honest", "agg"), b'{"text":"h","meta_info":{}}',
+                             headers=chunk_headers("honest", "agg", 0, final=True, format="sglang"))
+            with anyio.fail_after(60):
+                while not honest:
+                    await anyio.sleep(0.05)
+        finally:
+            await nc.close()
+        hwm = peak_rss(proc.pid)
+    print(f"VmHWM {hwm / MiB:.0f} MiB, {len(errors)} legs ended ({set(errors)})")
+    assert honest == [b'{"text":"h","meta_info":{}}']
+    assert errors and set(errors) == {"overloaded"}, errors[:3]
+    assert hwm < 300 * MiB, hwm / MiB
+
+
+def vllm_logprob_prefill_leg(prompt: int = 4096) -> bytes:
+    """A vllm prefill leg with ``prompt_logprobs`` (a dict per prompt token, ``[0]`` null) and no rows."""
+    scores = [None] + [{str(1000 + i): {"logprob": -1.2345678, "rank": 1, "decoded_token": f"token_id:{1000 + i}"}}
+                       for i in range(prompt - 1)]
+    return msgspec.json.encode({"request_id": "r", "choices": [{"index": 0, "token_ids": [5], "logprobs": None,
+                                                                 "finish_reason": "length", "routed_experts": None}],
+                                "usage": {"prompt_tokens": prompt, "completion_tokens": 1}, "prompt_logprobs": scores})
+
+
+@pytest.mark.parametrize("fmt, leg", [("sglang", logprob_prefill_leg), ("vllm", vllm_logprob_prefill_leg)])
+def test_a_sessions_charge_for_its_absorbed_prefill_leg_covers_what_the_parsed_leg_holds(fmt, leg):
+    """Body length (charged while buffered) plus ``retained_bytes`` against the parsed leg's own
+    allocation (tracemalloc): within 20 % (the honest shapes parse to 6.1x / 7.1x their JSON here);
+    before, the charge was the body length alone (1/6 of it)."""
+    import tracemalloc
+
+    body = leg()
+    tracemalloc.start()
+    parsed = msgspec.json.decode(body)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del parsed
+    session = Catalog()(fmt).open_session()
+    session.absorb_prefill([body])
+    charged = len(body) + session.retained_bytes()
+    assert charged >= 0.8 * held, (charged, held)

@@ -47,7 +47,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
-from streamproc.codec import UNAVAILABLE_SUFFIX, ContractError, CorruptPayload, JoinSession, SequenceCodec
+from streamproc.codec import (JSON_PARSE_FACTOR, UNAVAILABLE_SUFFIX, ContractError, CorruptPayload, JoinSession,
+                              SequenceCodec)
 from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
@@ -122,6 +123,15 @@ class _PrefillRows(NamedTuple):
     itemsize: int
     prompt_tokens: int
     start: int | None  # routed_experts_start_len when the prefill body states it
+
+
+def _parse_expansion(body_bytes: int, meta: dict[str, Any]) -> int:
+    """Bytes a parsed prefill leg holds beyond ``body_bytes`` (charged already, as buffered bodies):
+    its strings (the Base64 rows, flat logprobs) about their length, everything else (prompt
+    logprob lists of numbers) :data:`JSON_PARSE_FACTOR` times it. Charged at body length alone,
+    1,000 legs with 4,096 prompt logprobs each (88 MiB charged) held 805 MiB (an attack session)."""
+    strings = sum(len(value) for value in meta.values() if isinstance(value, str))
+    return (JSON_PARSE_FACTOR - 1) * max(0, body_bytes - strings)
 
 
 def _decode_bound(prefill: _PrefillRows, completion: int) -> int:
@@ -275,6 +285,9 @@ class SGLangJoinSession(JoinSession):
         self._changed = False
         self._omitted = False
         self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
+        # What the parsed prefill leg holds beyond its body length, which the correlator charges
+        # already (retained_bytes): lists of numbers take ~6x their JSON as Python objects.
+        self._parsed_extra = 0
 
     # ------------------------------------------------------------ JoinSession
 
@@ -322,10 +335,12 @@ class SGLangJoinSession(JoinSession):
             self._unavailable = Omit.PREFILL_CORRUPT
         else:
             self._prefill = meta
+            self._parsed_extra = _parse_expansion(sum(map(len, bodies)), meta)
 
     def retained_bytes(self) -> int:
         rows = self._rows
         own = len(rows.rows) if isinstance(rows, _PrefillRows) else 0
+        own += self._parsed_extra if self._prefill is not None else 0
         return own + sum(session.retained_bytes() for session in self._item_sessions.values())
 
     def join_bytes(self, body: bytes, final: bool) -> int | None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from streamproc.codec import CorruptPayload, JoinSession
+from streamproc.codec import JSON_PARSE_FACTOR, CorruptPayload, JoinSession
 from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
@@ -136,6 +136,7 @@ class VLLMJoinSession(JoinSession):
         self._leg_reason: str | None = None  # the whole prefill leg is unusable, and why
         self._prefill: dict | None = None  # the prefill leg folded into one object
         self._prefill_rows: dict[int, np.ndarray | str] = {}  # choice index -> rows or omission reason
+        self._parsed_extra = 0  # what the parsed prefill leg holds beyond its body length (retained_bytes)
         self._joined = 0
         self._tokens_seen: dict[int, int] = {}
         self._parsed: tuple[bytes, dict | None] | None = None
@@ -160,11 +161,19 @@ class VLLMJoinSession(JoinSession):
             self._leg_reason = Omit.PREFILL_CORRUPT
             return
         self._prefill = fold_objects(objects)  # type: ignore[arg-type]
+        strings = 0
         for position, choice in enumerate(choices_of(self._prefill)):
             self._prefill_rows[_choice_index(choice, position)] = self._prefill_choice_rows(choice)
+            value = choice.get(ROUTED_EXPERTS)
+            strings += len(value) if isinstance(value, str) else 0
+        # What the parsed leg holds beyond its body length (charged already, as buffered bodies): the
+        # Base64 rows about their length, the rest (prompt_logprobs: a dict per prompt token) at least
+        # JSON_PARSE_FACTOR times it.
+        self._parsed_extra = (JSON_PARSE_FACTOR - 1) * max(0, sum(map(len, bodies)) - strings)
 
     def retained_bytes(self) -> int:
-        return sum(rows.nbytes for rows in self._prefill_rows.values() if isinstance(rows, np.ndarray))
+        extra = self._parsed_extra if self._prefill is not None else 0
+        return extra + sum(rows.nbytes for rows in self._prefill_rows.values() if isinstance(rows, np.ndarray))
 
     def prefill_unavailable(self, reason: str) -> None:
         self._prefill_known = True
