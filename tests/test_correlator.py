@@ -123,6 +123,25 @@ def test_an_unknown_omission_reason_counts_as_other_and_a_huge_body_is_not_read(
     assert c.omission_reasons == {"other": 1, "unread": 1}
 
 
+def test_a_codec_whose_omissions_raises_costs_the_count_not_the_request_or_the_timer(monkeypatch):
+    """``Codec.omissions`` is a plugin's override point: when it raises, the result is still
+    published, the stream goes on, and the reason counts as ``other`` (it raised out of
+    ``Correlator.tick`` with the chunk taken, its result lost and the request stuck: the processor's
+    timer task has no handler, so one plugin bug stopped the processor; a reviewer's probe)."""
+    c, run = make(prefill_timeout=1.0)
+    codec = CODECS["toy"]
+
+    def broken(body: bytes) -> dict[str, str]:
+        raise ValueError("plugin bug in omissions()")
+
+    monkeypatch.setattr(codec, "omissions", broken)
+    feed(run, leg("t1", Role.DECODE, [b"need:0", b"need:1"]), now=0.0)
+    run.absorb(c.tick(1.0))
+    assert bodies(run.results) == [b"need:0|omitted:prefill_timeout", b"need:1|omitted:prefill_timeout"]
+    assert c.inflight == 0 and c.buffered_bytes() == 0
+    assert c.omission_reasons == {"other": 1}
+
+
 def test_prefill_arriving_after_timeout_but_before_final_is_ignored():
     c, run = make(prefill_timeout=1.0)
     feed(run, leg("w", Role.DECODE, [b"need:0", b"need:1", b"need:2"])[:1], now=0.0)

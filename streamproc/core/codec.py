@@ -344,7 +344,7 @@ def restated_prompt(attempt_prompt: int, emitted: int, original: int | None) -> 
     and the ``emitted`` tokens, so ``attempt_prompt - emitted`` (``original``: the count the client
     was sent, when known). A body whose count does not hold them was not built on what the client
     was sent (a buggy frontend or worker): :class:`ContractError`, the request ends ``invalid_chunk``
-    (it was published as ``stitched`` with ``prompt_tokens: -1``)."""
+    (it was published as ``stitched`` with a negative prompt count)."""
     restated = attempt_prompt - emitted
     if restated < 0 or (original is not None and restated != original):
         expected = f"{original} + {emitted}" if original is not None else f"at least {emitted}"

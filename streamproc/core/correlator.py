@@ -1343,7 +1343,8 @@ class Correlator:
             req.budget = req.retain
 
     def _count_omissions(self, req: _Request, body: bytes) -> None:
-        """Count the reasons ``body``'s omission markers give, each once per request. A body past
+        """Count the reasons ``body``'s omission markers give, each once per request (a codec whose
+        ``omissions`` raises counts ``other``: the result is made by then). A body past
         :data:`OMISSIONS_READ_BYTES` (a joined payload beside the omitted field) is not parsed on the
         loop for a counter: it counts as ``unread``."""
         seen = req.omitted if req.omitted is not None else set()
@@ -1351,7 +1352,11 @@ class Correlator:
         if len(body) > OMISSIONS_READ_BYTES:
             reasons = {"unread"}
         else:
-            reasons = {r if r in _OMISSION_REASONS else "other" for r in req.codec.omissions(body).values()}
+            try:
+                markers = req.codec.omissions(body)
+                reasons = {r if r in _OMISSION_REASONS else "other" for r in markers.values()}
+            except Exception:  # noqa: BLE001 - a plugin's bug costs the count, never the result already made
+                reasons = {"other"}
         counts = self.omission_reasons
         for reason in reasons - seen:
             counts[reason] = counts.get(reason, 0) + 1
