@@ -77,8 +77,8 @@ def check_format(name: str, origin: str) -> None:
 
 def check_format_options(name: str, options: CodecOptions, origin: str) -> None:
     """``--format-option`` mistakes are bad configuration (exit 2): a value the ``--format`` codec
-    refuses, and a key no installed codec reads, a typo that would leave a default in place
-    (``streming=cumulative``: SGLang streams read as incremental). While an installed codec declares
+    refuses, and a key no installed codec reads, a typo that would silently leave the codec's default
+    in place (docs/configuration.md has the one a user made). While an installed codec declares
     no keys (``Codec.option_keys`` None) the key may be that one's: a warning only."""
     from .core.errors import CodecUnavailable
 

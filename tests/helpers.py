@@ -15,7 +15,7 @@ import subprocess
 import textwrap
 import time
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, NamedTuple
+from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple
 
 import anyio
 import nats
@@ -285,6 +285,52 @@ def drive_join(codec, decode: list[bytes], prefill: list[bytes] | None) -> list:
         session.needs_prefill(body, i == last)
         out.append(session.join(body, i == last))
     return out
+
+
+def chunks_published_by(nats_url: str, command, *, expect: str) -> tuple[Any, list[str]]:
+    """Run ``command()`` (a CLI subprocess; off the loop) while a subscriber counts the chunk subjects
+    it publishes; once it ends, wait until as many arrived as its output announces (the first group of
+    the regular expression ``expect``). Returns the finished process and the subjects received."""
+    import re
+
+    received: list[str] = []
+
+    async def main():
+        nc = await nats.connect(nats_url)
+
+        async def count(msg) -> None:
+            received.append(msg.subject)
+
+        try:
+            await nc.subscribe("streamproc.chunks.>", cb=count)
+            await nc.flush()
+            proc = await anyio.to_thread.run_sync(command)
+            found = re.search(expect, proc.stdout)
+            assert found, proc.stdout + proc.stderr
+            with anyio.fail_after(10):
+                while len(received) < int(found.group(1)):
+                    await anyio.sleep(0.01)
+            await nc.flush()
+            return proc
+        finally:
+            await nc.close()
+
+    proc = anyio.run(main)
+    return proc, received
+
+
+def drive_stitch(codec, first: list, second: list) -> list[bytes]:
+    """What a client is sent of a migrated request: the first attempt's bodies (``upstream_json``
+    docs) as they were, then the resumed attempt's through the codec's migration session (sealed
+    after the first), as the correlator stitches them; a body the stitch leaves alone as sent."""
+    session = codec.open_migration()
+    published = [upstream_json(doc) for doc in first]
+    session.absorb(published)
+    session.seal()
+    for i, doc in enumerate(second):
+        stitched = session.stitch(upstream_json(doc), i == len(second) - 1)
+        published.append(stitched[0] if stitched is not None else upstream_json(doc))
+    return published
 
 
 def upstream_json(doc: object) -> bytes:

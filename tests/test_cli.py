@@ -10,12 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import anyio
 import msgspec
-import nats
 import pytest
 from conftest import SCRIPT
-from helpers import clean_env, free_port
+from helpers import chunks_published_by, clean_env, free_port
 
 from streamproc import config
 from streamproc.client.migration import Resumed
@@ -132,28 +130,13 @@ def test_simulate_verify_against_streamproc_run_with_200_shuffled_requests(nats_
 
 
 def test_simulate_publishes_the_announced_number_of_chunks(nats_url, run_cli):
-    received: list[str] = []
-
-    async def main() -> None:
-        nc = await nats.connect(nats_url)
-
-        async def count(msg) -> None:
-            received.append(msg.subject)
-
-        await nc.subscribe("streamproc.chunks.>", cb=count)
-        await nc.flush()
-        proc = await anyio.to_thread.run_sync(
-            lambda: run_cli("simulate", "--nats-url", nats_url, "--requests", "12", "--mode", "pd", "--unary"))
-        assert proc.returncode == 0, proc.stderr
-        announced = int(re.search(r"published (\d+) chunks for 12 requests", proc.stdout).group(1))
-        with anyio.fail_after(10):
-            while len(received) < announced:
-                await anyio.sleep(0.01)
-        await nc.close()
-        assert len(received) == announced == 24  # unary P/D: one prefill and one decode chunk each
-        assert {s.rsplit(".", 1)[1] for s in received} == {"prefill", "decode"}
-
-    anyio.run(main)
+    proc, received = chunks_published_by(
+        nats_url, lambda: run_cli("simulate", "--nats-url", nats_url, "--requests", "12", "--mode", "pd", "--unary"),
+        expect=r"published (\d+) chunks for 12 requests")
+    assert proc.returncode == 0, proc.stderr
+    assert "published 24 chunks for 12 requests" in proc.stdout  # unary P/D: one prefill, one decode chunk each
+    assert len(received) == 24
+    assert {s.rsplit(".", 1)[1] for s in received} == {"prefill", "decode"}
 
 
 def test_simulate_without_a_server_fails_cleanly(run_cli):

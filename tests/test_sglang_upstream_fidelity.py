@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 from helpers import assert_same_body
 from helpers import drive_join as join
+from helpers import drive_stitch
 from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
@@ -79,14 +80,7 @@ def abort(seen: int, *, incremental: bool, offset: int = 0, rid: str = RID) -> d
 
 def migrated(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[bytes]:
     """What the client is sent: the first attempt's bodies, then the resumed attempt's, stitched."""
-    session = SGLangCodec(OPTIONS).open_migration()
-    published = [dumps(c) for c in first]
-    session.absorb(published)
-    session.seal()
-    for i, doc in enumerate(second):
-        stitched = session.stitch(dumps(doc), i == len(second) - 1)
-        published.append(stitched[0] if stitched is not None else dumps(doc))
-    return published
+    return drive_stitch(SGLangCodec(OPTIONS), first, second)
 
 
 ABORT_FIELDS = ("text", "output_ids")

@@ -20,7 +20,7 @@ import anyio
 import nats
 import pytest
 from conftest import CLI
-from helpers import clean_env
+from helpers import chunks_published_by, clean_env
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -105,24 +105,10 @@ def test_simulate_verify_keeps_only_the_requests_in_flight(nats_url, streamproc_
 def test_simulate_verify_without_a_processor_stops_publishing_when_nothing_ends(nats_url, run_cli):
     """Publishing waits while 512 requests are open; with nothing answering it gives up after --timeout
     instead of publishing the rest (before: every request was published, then all were waited for)."""
-    received: list[str] = []
-
-    async def main() -> None:
-        nc = await nats.connect(nats_url)
-
-        async def count(msg) -> None:
-            received.append(msg.subject)
-
-        await nc.subscribe("streamproc.chunks.>", cb=count)
-        await nc.flush()
-        proc = await anyio.to_thread.run_sync(lambda: run_cli(
-            "simulate", "--nats-url", nats_url, "--requests", "5000", "--verify", "--timeout", "1", timeout=60))
-        await nc.flush()
-        await nc.close()
-        assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert "stopped publishing after 512 requests" in proc.stdout, proc.stdout
-        assert "verified FAIL: 512 of 512 requests wrong or missing" in proc.stdout, proc.stdout
-        chunks = int(re.search(r"(\d+) chunks published", proc.stdout).group(1))
-        assert len(received) == chunks, (len(received), chunks)
-
-    anyio.run(main)
+    proc, received = chunks_published_by(nats_url, lambda: run_cli(
+        "simulate", "--nats-url", nats_url, "--requests", "5000", "--verify", "--timeout", "1", timeout=60),
+        expect=r"(\d+) chunks published")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "stopped publishing after 512 requests" in proc.stdout, proc.stdout
+    assert "verified FAIL: 512 of 512 requests wrong or missing" in proc.stdout, proc.stdout
+    assert len(received) == int(re.search(r"(\d+) chunks published", proc.stdout).group(1))

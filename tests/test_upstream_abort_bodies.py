@@ -40,6 +40,7 @@ from typing import Any
 
 import pytest
 from helpers import drive_join as join
+from helpers import drive_stitch
 from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
@@ -221,14 +222,7 @@ def attempt_abort(seen: int) -> dict[str, Any]:
 
 def migrated(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[bytes]:
     """What the client was sent: the first attempt's bodies, then the resumed attempt's stitched."""
-    session = SGLangCodec(OPTIONS).open_migration()
-    published = [dumps(c) for c in first]
-    session.absorb(published)
-    session.seal()
-    for i, doc in enumerate(second):
-        stitched = session.stitch(dumps(doc), i == len(second) - 1)
-        published.append(stitched[0] if stitched is not None else dumps(doc))
-    return published
+    return drive_stitch(SGLangCodec(OPTIONS), first, second)
 
 
 def assert_lists_and_ids(got: dict[str, Any], seen: int) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from typing import Iterable, NoReturn
+from typing import Iterable, NoReturn, Self
 
 import anyio
 import nats.errors
@@ -277,12 +277,37 @@ async def collect(nc: NatsClient, subjects: Subjects, request_id: str, *, timeou
 MAX_MALFORMED_KEPT = 1000
 
 
-class ResultCollector:
-    """Results of many requests through one wildcard subscription (demo, simulator, tests).
+class AllResults:
+    """Every result on a prefix through one wildcard subscription, as an async context: the SUB is
+    at the server once entered, and nats-py's queue is unbounded (a tool that must see each result).
+    Subclasses set ``nc``, ``subjects`` and ``_sub = None`` and handle each message in ``_on_msg``."""
+
+    nc: NatsClient
+    subjects: Subjects
+    _sub: Subscription | None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        self._sub = await self.nc.subscribe(self.subjects.all_results, cb=self._on_msg,
+                                            pending_msgs_limit=-1, pending_bytes_limit=-1)
+        await flush_queued(self.nc)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.nc.is_closed:
+            await sub.unsubscribe()
+
+
+class ResultCollector(AllResults):
+    """Results of many requests through one wildcard subscription (demo, tests).
 
     It keeps every result it sees, of every request on the prefix, for as long as it is open: a
-    tool for bounded runs (``streamproc simulate --verify``, tests), not for a long-lived reader,
-    which follows its own requests (:func:`follow`)."""
+    tool for bounded runs (the demo's migrations, tests), not for a long-lived reader, which follows
+    its own requests (:func:`follow`); ``streamproc simulate --verify`` forgets each request once
+    checked (``streamproc.sim.verification.Verifier``)."""
 
     def __init__(self, nc: NatsClient, subjects: Subjects) -> None:
         check_client(nc)
@@ -296,17 +321,6 @@ class ResultCollector:
         # shared by tasks has several at once; one shared set made each call answer for another's)
         self._waiters: list[tuple[set[str], anyio.Event]] = []
         self._sub: Subscription | None = None
-
-    async def __aenter__(self) -> ResultCollector:
-        self._sub = await self.nc.subscribe(self.subjects.all_results, cb=self._on_msg,
-                                            pending_msgs_limit=-1, pending_bytes_limit=-1)
-        await flush_queued(self.nc)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.nc.is_closed:
-            await sub.unsubscribe()
 
     async def _on_msg(self, msg: Msg) -> None:
         try:

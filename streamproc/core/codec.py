@@ -435,7 +435,7 @@ class Codec(ABC):
     # codec instance (one processor thread), so stateful encoders are created per instance.
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {}
     # The ``--format-option`` keys this codec reads (``options.option``): a key no installed codec
-    # reads is a typo that would silently leave a default in place (``streming=cumulative``), so the
+    # reads is a typo that would silently leave the codec's default in place, so the
     # command line refuses it (exit 2). ``None``: not declared (a codec written before this field);
     # while one installed codec declares nothing, an unread key is only warned about.
     option_keys: ClassVar[frozenset[str] | None] = None

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 
 from ..core.reorder import SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, result_from_message
-from ..nats.robust import flush_queued
+from ..client.results import AllResults
 from . import traffic
 from .simulation import SimulatedWorker
 
@@ -49,7 +49,7 @@ class _Open:
         self.results: list[ResultInfo] = []
 
 
-class Verifier:
+class Verifier(AllResults):
     """Results of planned requests through one wildcard subscription, each request checked as it ends."""
 
     def __init__(self, nc: NatsClient, subjects: Subjects, worker: SimulatedWorker, *,
@@ -65,17 +65,6 @@ class Verifier:
         self._open: dict[str, _Open] = {}
         self._ended = anyio.Event()  # set (and replaced) whenever a request ends
         self._sub: Subscription | None = None
-
-    async def __aenter__(self) -> Verifier:
-        self._sub = await self.nc.subscribe(self.subjects.all_results, cb=self._on_msg,
-                                            pending_msgs_limit=-1, pending_bytes_limit=-1)
-        await flush_queued(self.nc)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.nc.is_closed:
-            await sub.unsubscribe()
 
     @property
     def outstanding(self) -> int:
