@@ -425,7 +425,9 @@ async def test_the_decode_time_budget_counts_the_codecs_compression_threads(nats
     on 2 compression threads: ~8 ms of CPU per join in the join thread, ~75 ms in the process (zstd's
     workers recompress the rows). ``time.thread_time`` charged the first: 12 joins came to ~0.1 s and
     the request was answered in full past a 0.3 s budget. Charged with the workers, it ends overloaded
-    after a few joins; the requests beside it are answered."""
+    after a few joins; the requests beside it are answered. The budget is 0.15 s: on a fast machine
+    (2026-12-05 15:30, relay factor 0.88) a join took ~25 ms in the process, and 0.3 s let 11 of the
+    12 through, while the join thread's own share of 12 stays under 0.1 s."""
     prefill, decode = expert_pd_legs(prompt=700)
     port = free_port()
 
@@ -435,7 +437,7 @@ async def test_the_decode_time_budget_counts_the_codecs_compression_threads(nats
         await publish_repeated_joins(nc.publish, "burn", prefill, decode, 12)
 
     with streamproc_run("--mode", "core", "--format", "sglang-zstd", "--format-option", "zstd_level=6,zstd_threads=2",
-                        "--max-decode-cpu", "0.3", "--http-port", str(port)) as (proc, log_path):
+                        "--max-decode-cpu", "0.15", "--http-port", str(port)) as (proc, log_path):
         results = await run_mixed(nats_url, proc.pid, attack, requests=100, timeout=60, log_path=log_path,
                                   attacked=lambda res: res.final("burn") is not None)
         got = results.by_request["burn"]

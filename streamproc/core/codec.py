@@ -255,12 +255,36 @@ class SequenceCodec(ABC, Generic[R]):
         return rows
 
 
-# Bytes of Python objects per byte of JSON body (msgspec.json.decode, tracemalloc), the default
-# JoinSession.join_bytes: the simulated workers' bodies take 1.5-2.8 (sglang, vllm decode chunks) and
-# up to 5.4 (a vllm prefill body of prompt logprobs); pathological shapes take more (a list of empty
-# objects ``[{},{},...]`` 24, of one-character strings 14.5), which a codec that expects them bounds
-# in its own join_bytes (docs/operations.md, "bounds and back-pressure").
-JSON_PARSE_FACTOR = 6
+# What ``msgspec.json.decode`` can allocate per structural character of a JSON text, as Python
+# objects (CPython 3.11, 64-bit, tracemalloc). Every object a text makes follows one of these
+# characters or is the top-level one: ``{`` a dict with the table of its first entries (184), ``:``
+# a dict entry's share of table growth and a value (a non-ASCII one-character string is 76-80), ``[``
+# a list with its first slots (88), ``,`` a slot and an element or key. The worst shape measured,
+# chains of one-entry dicts under distinct one-character keys (``{"中":{"丁":...}}``), takes 260
+# bytes per ``{`` + ``:`` pair; the weights give 256 plus 4x the 7 text bytes, ~9% above.
+# tests/test_parsed_bound.py checks the bound against tracemalloc on generated and worst shapes.
+_PARSED_WEIGHTS: tuple[tuple[bytes, int], ...] = ((b"{", 168), (b":", 88), (b"[", 104), (b",", 72))
+_PARSED_TOP = 264  # the top-level value, which follows no structural character
+
+
+def parsed_json_bound(body: bytes, narrow: int = 0) -> int:
+    """At most how many bytes the Python objects of ``msgspec.json.decode(body)`` hold: what a
+    codec that keeps a parsed body (an absorbed prefill leg) must charge to ``--max-total-bytes``.
+    Counted, not parsed (a few ``bytes.count`` passes): each structural character at the most an
+    object following it can take, plus the text itself once, or four times when it is not ASCII or
+    holds a ``\\u`` escape (a string holding one astral character is UCS-4: 4 bytes per character,
+    its ASCII ones included).
+    ``narrow``: bytes of the text the caller knows to be ASCII strings (Base64 rows it parsed),
+    which take one byte per character however wide the rest is. Honest logprob bodies parse to 6-7x
+    their length and are charged 13-16x; the fixed 6x of before let shapes that parse to 24-31x
+    (``[{"1":{}},...]``) hold ~5x the budget."""
+    size = len(body)
+    total = _PARSED_TOP + size
+    if not body.isascii() or b"\\u" in body:  # a \\uXXXX escape can make a string wide too
+        total += 3 * max(0, size - narrow)
+    for char, weight in _PARSED_WEIGHTS:
+        total += weight * body.count(char)
+    return total
 
 
 class JoinSession(ABC):
@@ -303,9 +327,9 @@ class JoinSession(ABC):
         (``max_total_bytes``) until :meth:`Correlator.finish`, so requests arriving meanwhile cannot
         fill the room the running join is decoding into. None: no bound is known, and all the
         budget has left is reserved. This default is the parsed form of a JSON body,
-        :data:`JSON_PARSE_FACTOR` times its length; a codec whose payloads inflate (Base64, zstd,
-        ``.npy``) adds them (:meth:`SequenceCodec.decoded_bound`)."""
-        return JSON_PARSE_FACTOR * len(body)
+        :func:`parsed_json_bound`; a codec whose payloads inflate (Base64, zstd, ``.npy``) adds
+        them (:meth:`SequenceCodec.decoded_bound`)."""
+        return parsed_json_bound(body)
 
     # Sequence payloads (e.g. expert rows) the session has decoded or tried to decode so far,
     # counted by the codec before each decode (a payload that fails half-way cost CPU too). A join's

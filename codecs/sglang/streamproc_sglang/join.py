@@ -47,8 +47,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
-from streamproc.codec import (JSON_PARSE_FACTOR, UNAVAILABLE_SUFFIX, ContractError, CorruptPayload, JoinSession,
-                              SequenceCodec)
+from streamproc.codec import (UNAVAILABLE_SUFFIX, ContractError, CorruptPayload, JoinSession,
+                              SequenceCodec, parsed_json_bound)
 from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
@@ -125,13 +125,19 @@ class _PrefillRows(NamedTuple):
     start: int | None  # routed_experts_start_len when the prefill body states it
 
 
-def _parse_expansion(body_bytes: int, meta: dict[str, Any]) -> int:
-    """Bytes a parsed prefill leg holds beyond ``body_bytes`` (charged already, as buffered bodies):
-    its strings (the Base64 rows, flat logprobs) about their length, everything else (prompt
-    logprob lists of numbers) :data:`JSON_PARSE_FACTOR` times it. Charged at body length alone,
-    1,000 legs with 4,096 prompt logprobs each (88 MiB charged) held 805 MiB (an attack session)."""
-    strings = sum(len(value) for value in meta.values() if isinstance(value, str))
-    return (JSON_PARSE_FACTOR - 1) * max(0, body_bytes - strings)
+def _parse_expansion(bodies: Sequence[bytes], docs: Sequence[Any]) -> int:
+    """Bytes a parsed prefill leg holds beyond its bodies' length (charged already, as buffered
+    bodies): :func:`~streamproc.codec.parsed_json_bound` of each body, its ASCII ``meta_info``
+    strings (the Base64 rows) one byte a character. Charged at body length alone, 1,000 legs with
+    4,096 prompt logprobs each (88 MiB charged) held 805 MiB; at a fixed 6x their length, legs of
+    ``[{"<key>":{}},...]`` (28x) held ~5x the budget (attack sessions)."""
+    total = 0
+    for body, doc in zip(bodies, docs):
+        meta = native.meta_of(doc) if isinstance(doc, dict) else None
+        narrow = sum(len(value) for value in meta.values()
+                     if type(value) is str and value.isascii()) if meta is not None else 0
+        total += parsed_json_bound(body, narrow) - len(body)
+    return total
 
 
 def _decode_bound(prefill: _PrefillRows, completion: int) -> int:
@@ -286,7 +292,7 @@ class SGLangJoinSession(JoinSession):
         self._omitted = False
         self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
         # What the parsed prefill leg holds beyond its body length, which the correlator charges
-        # already (retained_bytes): lists of numbers take ~6x their JSON as Python objects.
+        # already (retained_bytes): lists of numbers take 6x their JSON as Python objects, and more.
         self._parsed_extra = 0
 
     # ------------------------------------------------------------ JoinSession
@@ -335,7 +341,7 @@ class SGLangJoinSession(JoinSession):
             self._unavailable = Omit.PREFILL_CORRUPT
         else:
             self._prefill = meta
-            self._parsed_extra = _parse_expansion(sum(map(len, bodies)), meta)
+            self._parsed_extra = _parse_expansion(bodies, docs)
 
     def retained_bytes(self) -> int:
         rows = self._rows

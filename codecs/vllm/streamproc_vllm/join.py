@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from streamproc.codec import JSON_PARSE_FACTOR, CorruptPayload, JoinSession
+from streamproc.codec import CorruptPayload, JoinSession, parsed_json_bound
 from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
@@ -127,6 +127,12 @@ def _choice_index(choice: dict, position: int) -> int:
     return index if is_int(index) else position
 
 
+def _ascii_rows(obj: dict) -> int:
+    """Characters of the ASCII ``routed_experts`` strings (Base64 rows) in one parsed body."""
+    return sum(len(value) for choice in choices_of(obj)
+               if type(value := choice.get(ROUTED_EXPERTS)) is str and value.isascii())
+
+
 class VLLMJoinSession(JoinSession):
     def __init__(self, codec: VLLMCodec) -> None:
         self._experts = codec.sequences[ROUTED_EXPERTS]
@@ -161,15 +167,12 @@ class VLLMJoinSession(JoinSession):
             self._leg_reason = Omit.PREFILL_CORRUPT
             return
         self._prefill = fold_objects(objects)  # type: ignore[arg-type]
-        strings = 0
         for position, choice in enumerate(choices_of(self._prefill)):
             self._prefill_rows[_choice_index(choice, position)] = self._prefill_choice_rows(choice)
-            value = choice.get(ROUTED_EXPERTS)
-            strings += len(value) if isinstance(value, str) else 0
-        # What the parsed leg holds beyond its body length (charged already, as buffered bodies): the
-        # Base64 rows about their length, the rest (prompt_logprobs: a dict per prompt token) at least
-        # JSON_PARSE_FACTOR times it.
-        self._parsed_extra = (JSON_PARSE_FACTOR - 1) * max(0, sum(map(len, bodies)) - strings)
+        # What the parsed leg holds beyond its body length (charged already, as buffered bodies):
+        # parsed_json_bound of each body, its Base64 rows one byte a character.
+        self._parsed_extra = sum(parsed_json_bound(body, _ascii_rows(obj)) - len(body)
+                                 for body, obj in zip(bodies, objects))
 
     def retained_bytes(self) -> int:
         extra = self._parsed_extra if self._prefill is not None else 0
