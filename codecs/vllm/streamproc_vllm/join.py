@@ -21,6 +21,7 @@ from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
 from .native import (
+    DECODE_SELF_SCORED_FIELDS,
     PROMPT_SIDE_FIELDS,
     PROMPT_TOKENS_DETAILS,
     ROUTED_EXPERTS,
@@ -270,7 +271,9 @@ class VLLMJoinSession(JoinSession):
         ``get_num_new_matched_tokens``) returns ``P - 1`` rows ``_get_prompt_logprobs_dict`` never wrote
         (``LogprobsTensors.empty_cpu``, uninitialised), and one that recomputed it (vLLM 0.34.0
         ``Request.skip_reading_external_kv``) floats of another engine and batch. Comparing the legs
-        therefore omitted nearly every P/D answer; a list must instead cover the prompt."""
+        therefore omitted nearly every P/D answer; a list must instead cover the prompt. Decode's own
+        value stands in only where it cannot be unwritten rows (:data:`DECODE_SELF_SCORED_FIELDS`, a
+        one-token prompt's ``[None]``); otherwise, with prefill silent, the field is omitted."""
         if field not in obj:
             return
         from_prefill = self._prefill.get(field) if self._prefill is not None else None
@@ -282,10 +285,18 @@ class VLLMJoinSession(JoinSession):
             else:
                 edit.provide(obj, field, from_prefill)
             return
-        if from_decode is not None or self._leg_reason is None:
-            return  # decode scored the prompt itself, or prefill says none were asked for
-        # Without a prefill leg nothing tells whether the prompt was to be scored.
-        edit.omit(obj, field, self._leg_reason)
+        if from_decode is None and self._leg_reason is None:
+            return  # neither leg scored the prompt: none were asked for (prefill runs the client's parameters)
+        if from_decode is not None and field in DECODE_SELF_SCORED_FIELDS:
+            return  # decode computed these itself (it never sends unwritten rows): the aggregated value
+        if from_decode == [None] and self._prompt_tokens(obj) == 1:
+            return  # a one-token prompt scores nothing on any engine: [None] is the aggregated list
+        # Decode's list may be rows it never wrote (it loaded the prompt's KV: ``[None]``, or
+        # ``LogprobsTensors.empty_cpu`` garbage of the right length) or its own recomputation (vLLM
+        # 0.33.0's default ``skip_reading_prefix_cache``, 0.34.0's ``skip_reading_external_kv``), and no
+        # body tells which; a prefill leg without the field (a router that stripped the parameter) does
+        # not vouch for it. Without a prefill leg nothing tells whether the prompt was to be scored.
+        edit.omit(obj, field, self._leg_reason if self._leg_reason is not None else Omit.PREFILL_MISSING)
 
     def _join_prompt_tokens_details(self, usage: dict, edit: _Edit) -> None:
         """``usage.prompt_tokens_details`` is the engine's ``num_cached_tokens``

@@ -20,6 +20,14 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 PROMPT_TOKEN_ID_LOGPROBS = "prompt_token_id_logprobs"
 # Top-level fields only the leg that scores the prompt has: the join takes them from prefill alike.
 PROMPT_SIDE_FIELDS = (PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS)
+# Of those, the ones a decode leg sends only when it computed them itself, so that its own value is the
+# aggregated one when prefill has none: vLLM 0.33.0/0.34.0's V2 runner (the only one that computes the
+# scores, ``InputProcessor``: "prompt_logprob_token_ids requires the V2 model runner") drops a request
+# whose prefill starts past its first scored row (``PromptLogprobsWorker.compute_prompt_token_id_logprobs``:
+# ``if chunk_start > start: self.token_id_scores.pop(req_id, None)``) rather than emit unwritten rows.
+# Not ``prompt_logprobs``: a decode that loaded the prompt's KV sends ``[None]`` (V2 runner) or
+# ``LogprobsTensors.empty_cpu`` rows never written (V1 ``GPUModelRunner._get_prompt_logprobs_dict``).
+DECODE_SELF_SCORED_FIELDS = (PROMPT_TOKEN_ID_LOGPROBS,)
 PROMPT_TOKENS = "prompt_tokens"  # usage counts
 # ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``{"cached_tokens": n}``, the
 # engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.

@@ -1,0 +1,194 @@
+"""P/D fidelity of the vLLM codec against vLLM 0.33.0 and 0.34.0 (PyPI wheels), bodies written by hand.
+
+Nothing here uses the simulator (``worker.py``) or ``streamproc_vllm.upstream``: each body is spelled out
+from the upstream function named next to it, read in the unpacked wheels (``vllm-0.33.0`` and
+``vllm-0.34.0``, ``cp38-abi3-manylinux_2_28_x86_64``), and each P/D result is compared with what the
+aggregated engine returns for the same request.
+
+The unary body is the same in both versions: ``ServingTokens.serve_tokens_full_generator``
+(``vllm/entrypoints/scale_out/token_in_token_out/serving.py``) builds ``GenerateTokensResponse(choices=...,
+**self._build_response_fields(...))`` and the router returns ``JSONResponse(content=response.model_dump())``;
+``GenerateResponseBase`` declares ``request_id, model, created, usage, prompt_logprobs,
+prompt_token_id_logprobs, prompt_token_ids, mm_placeholders, metrics, kv_transfer_params,
+ec_transfer_params``, then ``output_mode`` and ``choices`` (``GenerateChoiceBase``: ``index, finish_reason,
+stop_reason, token_ids, routed_experts, sampling_mask, weight_versions``, plus ``logprobs``).
+``UsageInfo.prompt_tokens_details`` has ``exclude_if=lambda value: value is None``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from helpers import assert_same_body as assert_same
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+from streamproc_vllm import VLLMCodec
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+
+RID = "generate-tokens-pd-9"
+PROMPT = [101, 102, 103, 104, 105, 106]
+OUT = [7, 8, 9]
+
+# ``NixlConnectorScheduler.request_finished`` for a prefill request (``do_remote_decode``), as the router
+# forwards it to decode; only its presence matters here.
+PREFILL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3],
+              "remote_engine_id": "p0", "remote_request_id": RID, "remote_host": "10.0.0.2",
+              "remote_port": 5601, "tp_size": 1}
+
+
+def numpy2base64(arr: np.ndarray) -> str:
+    """``vllm/utils/serial_utils.py`` ``numpy2base64``: ``np.save(buf, arr, allow_pickle=False)``, Base64."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def prompt_logprobs(scores: list[float], ids: list[int] = PROMPT) -> list:
+    """``LogprobsProcessor.from_new_request``: ``create_prompt_logprobs`` (``vllm/logprobs.py``: "logprob of
+    first prompt token is None", ``logprobs.append(None)``), then ``_update_prompt_logprobs`` appends per
+    scored position ``{token_id: Logprob(logprob, rank, decoded_token)}`` (``prompt_logprobs=0``, tokens
+    mode: ``decoded_token=None``); ``clamp_prompt_logprobs`` leaves finite values alone."""
+    return [None] + [{str(t): {"logprob": lp, "rank": 1, "decoded_token": None}}
+                     for t, lp in zip(ids[1:], scores)]
+
+
+SCORES = [-2.5, -0.75, -1.125, -3.0, -0.5]
+
+
+def unary(*, out: list[int], plp: list | None, scores: str | None = None, finish: str = "stop",
+          kv: dict | None = None, prompt: list[int] = PROMPT) -> dict:
+    """``_build_response_fields`` + ``GenerateTokensResponse.model_dump()`` (0.33.0 and 0.34.0 alike), no
+    logprobs, no expert capture, no ``--enable-prompt-tokens-details``."""
+    choice = {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": out,
+              "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}
+    return {"request_id": RID, "model": "m", "created": 1700000000,
+            "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(out),
+                      "completion_tokens": len(out), "completion_tokens_details": None},
+            "prompt_logprobs": plp, "prompt_token_id_logprobs": scores, "prompt_token_ids": None,
+            "mm_placeholders": None, "metrics": None, "kv_transfer_params": kv, "ec_transfer_params": None,
+            "output_mode": "tokens", "choices": [choice]}
+
+
+# ------------------------------------------------- prompt_logprobs when the prefill leg has none
+#
+# What a decode leg sends for ``prompt_logprobs`` depends on whether it loaded the prompt's KV, and
+# nothing in its body says which:
+#
+# * It recomputes the prompt, so its list is real: vLLM 0.33.0 ``SamplingParams.__post_init__`` ("If
+#   prefix caching is enabled, the output of prompt logprobs may less than n_prompt_tokens"):
+#   ``self.skip_reading_prefix_cache = self.prompt_logprobs is not None or ...`` when unset, and
+#   ``Scheduler.schedule``: ``if request.skip_reading_prefix_cache: ext_tokens, load_kv_async = 0,
+#   False``; vLLM 0.34.0 ``Request.skip_reading_external_kv`` (``prefix_cache_hit_limit is not None``,
+#   set by ``get_prefix_cache_hit_limit`` for any ``prompt_logprobs``) and the same line in ``schedule``.
+# * It loaded the KV (0.33.0 with the client's ``skip_reading_prefix_cache=False``, or a version
+#   before either guard) and computed only the last prompt token: the V2 runner
+#   (``vllm/v1/worker/gpu/sample/prompt_logprob.py`` ``PromptLogprobsWorker.compute_prompt_logprobs``:
+#   ``if not req_is_prompt_chunked: end_idx -= 1`` then ``logprobs = None if start_idx >= end_idx``)
+#   leaves ``create_prompt_logprobs``'s ``[None]``; the V1 runner (0.33.0
+#   ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner._get_prompt_logprobs_dict``:
+#   ``logprobs_tensors = LogprobsTensors.empty_cpu(num_prompt_tokens - 1, num_prompt_logprobs + 1)``,
+#   ``start_idx = request.num_computed_tokens``, nothing left to copy) sends ``P - 1`` rows of
+#   ``torch.empty``: the right length, garbage entries.
+#
+# The aggregated engine, asked for prompt logprobs, returns the real list. A prefill leg that ran the
+# client's parameters would have it; one without it (a router that stripped the parameter) vouches for
+# nothing, so decode's list cannot be told from garbage and the field must be omitted.
+
+DECODE_LISTS = {
+    "v1_runner_unwritten_rows": [None] + [{"0": {"logprob": 0.0, "rank": 0, "decoded_token": None}}] * 5,
+    "v2_runner_loaded_kv": [None],
+    "recomputed_by_decode": prompt_logprobs([s + 2.0 ** -20 for s in SCORES]),
+}
+
+
+@pytest.mark.parametrize("decode_list", sorted(DECODE_LISTS))
+def test_a_decode_prompt_logprobs_list_without_prefills_is_omitted_as_prefill_missing(decode_list):
+    """Until 2026-12-05 decode's list was kept (rule 3), so garbage rows reached the client."""
+    prefill = unary(out=OUT[:1], plp=None, finish="length", kv=PREFILL_KV)
+    decode = unary(out=OUT, plp=DECODE_LISTS[decode_list])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    got = json.loads(body)
+    assert (got["prompt_logprobs"], got["prompt_logprobs_unavailable_reason"]) == (None, "prefill_missing")
+    assert verdict is Verdict.OMITTED
+    assert DECODE_LISTS[decode_list] != got["prompt_logprobs"]
+
+
+@pytest.mark.parametrize("decode_list", sorted(DECODE_LISTS))
+def test_a_decode_prompt_logprobs_list_without_a_prefill_leg_is_omitted_with_its_reason(decode_list):
+    """Prefill timed out: decode's list is no more trustworthy than with a silent prefill."""
+    decode = unary(out=OUT, plp=DECODE_LISTS[decode_list])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], None)
+    got = json.loads(body)
+    assert (got["prompt_logprobs"], got["prompt_logprobs_unavailable_reason"]) == (None, "prefill_timeout")
+    assert verdict is Verdict.OMITTED
+
+
+def test_a_one_token_prompts_single_null_from_decode_is_the_aggregated_list():
+    """``P = 1``: no engine scores anything (``[None]`` from ``create_prompt_logprobs``, nothing appended;
+    the V1 runner's ``empty_cpu(0, ...)`` has no rows), so decode's ``[None]`` equals the aggregated one."""
+    agg = unary(out=OUT, plp=[None], prompt=PROMPT[:1])
+    prefill = unary(out=OUT[:1], plp=None, finish="length", kv=PREFILL_KV, prompt=PROMPT[:1])
+    decode = unary(out=OUT, plp=[None], prompt=PROMPT[:1])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_prompt_logprobs_requested_on_neither_leg_stay_null():
+    """The request asked for none: both legs ``null``, the aggregated ``null``, nothing changes."""
+    prefill = unary(out=OUT[:1], plp=None, finish="length", kv=PREFILL_KV)
+    decode = unary(out=OUT, plp=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert body == dumps(decode)
+    assert verdict is Verdict.PASSTHROUGH
+
+
+# ------------------------------------------ prompt_token_id_logprobs when the prefill leg has none
+#
+# Only the V2 runner computes these (0.33.0 and 0.34.0 ``InputProcessor``: "prompt_logprob_token_ids
+# requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)"), and
+# ``PromptLogprobsWorker.compute_prompt_token_id_logprobs`` never emits a row it did not write:
+#
+#     if req.scores is None:
+#         if chunk_start > req.start:          # 0.34.0: `start`
+#             # This prefill starts past the first scored row, so those
+#             # rows will never be written; drop the request instead of
+#             # emitting a buffer with unwritten rows.
+#             self.token_id_scores.pop(req_id, None)
+#             continue
+#
+# So a decode that loaded the prompt's KV sends ``null`` (prefill's scores replace it:
+# ``tests/test_upstream_drift.py``), and a decode that sends scores computed every row itself, from
+# the whole prompt (0.33.0: ``skip_reading_prefix_cache`` defaults to true for them; 0.34.0:
+# ``skip_reading_external_kv``): an engine's answer, which the join keeps.
+
+ID_SCORES = numpy2base64(np.asarray([[-0.5, -1.5], [-2.5, -3.5], [-0.25, -4.0], [-1.0, -2.0],
+                                     [-0.125, -9999.0]], dtype=np.float32))
+
+
+def test_decode_prompt_token_id_logprobs_without_prefills_are_the_aggregated_scores():
+    agg = unary(out=OUT, plp=None, scores=ID_SCORES)
+    prefill = unary(out=OUT[:1], plp=None, finish="length", kv=PREFILL_KV)
+    decode = unary(out=OUT, plp=None, scores=ID_SCORES)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_decode_prompt_token_id_logprobs_are_kept_when_prefill_timed_out_but_logprobs_omitted():
+    """The two prompt-side fields differ: decode's scores are its own computation, its list may not be."""
+    decode = unary(out=OUT, plp=DECODE_LISTS["v1_runner_unwritten_rows"], scores=ID_SCORES)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], None)
+    got = json.loads(body)
+    assert got["prompt_token_id_logprobs"] == ID_SCORES
+    assert "prompt_token_id_logprobs_unavailable_reason" not in got
+    assert (got["prompt_logprobs"], got["prompt_logprobs_unavailable_reason"]) == (None, "prefill_timeout")
+    assert verdict is Verdict.OMITTED
