@@ -192,3 +192,90 @@ def test_decode_prompt_token_id_logprobs_are_kept_when_prefill_timed_out_but_log
     assert "prompt_token_id_logprobs_unavailable_reason" not in got
     assert (got["prompt_logprobs"], got["prompt_logprobs_unavailable_reason"]) == (None, "prefill_timeout")
     assert verdict is Verdict.OMITTED
+
+
+# ------------------------------------- vLLM 0.34.0 derender streams that hide their token ids
+#
+# ``output_mode="derender"`` (new in 0.34.0) with a reasoning parser and ``include_reasoning=false``:
+# ``ChatStreamProcessor.__init__`` sets ``self.hide_metadata = parser is not None and not
+# request.include_reasoning`` for the whole request, and ``serve_tokens_stream_generator`` then sends
+# every chunk with ``token_ids_out = None`` (and ``logprobs = None``) while the finishing choice still
+# carries ``routed_experts=routed_experts_b64``. Chunks are ``GenerateDerenderStreamResponse(
+# request_id=..., choices=[GenerateDerenderStreamChoice(delta=..., **choice_fields)])`` dumped with
+# ``model_dump_json(exclude={"prompt_token_ids", "mm_placeholders", "metrics"})``; the usage chunk
+# (``include_usage``) comes after the finishing one. So the finishing chunk gives no count of decode's
+# generated tokens, and nothing checks that decode's rows start where prefill's do: the rows are
+# omitted (``length_mismatch``), never spliced unchecked. A documented limit (docs/formats-vllm.md).
+
+LAYERS, TOPK = 2, 2
+
+
+def expert_rows(start: int, end: int) -> np.ndarray:
+    ids = [[[(p * 3 + layer * 5 + k * 11 + 1) % 60 + k * 64 for k in range(TOPK)] for layer in range(LAYERS)]
+           for p in range(start, end)]
+    return np.asarray(ids, dtype=np.uint8).reshape(-1, LAYERS, TOPK)
+
+
+def derender_stream(deltas: list[dict], experts: str, *, continuous: bool = False) -> list[dict]:
+    """``serve_tokens_stream_generator`` in derender mode, hidden metadata; ``continuous``:
+    ``include_continuous_usage`` puts ``UsageInfo(prompt_tokens, completion_tokens=num_generated_tokens[i],
+    total_tokens)`` on every chunk (no ``prompt_tokens_details``: ``exclude_if`` drops its ``None``).
+    One token per step, so chunk ``i`` has counted ``i + 1`` tokens."""
+    chunks = []
+    for i, delta in enumerate(deltas):
+        last = i == len(deltas) - 1
+        usage = ({"prompt_tokens": len(PROMPT), "total_tokens": len(PROMPT) + i + 1, "completion_tokens": i + 1,
+                  "completion_tokens_details": None} if continuous else None)
+        choice = {"index": 0, "finish_reason": "stop" if last else None, "stop_reason": None, "token_ids": None,
+                  "routed_experts": experts if last else None, "sampling_mask": None, "weight_versions": None,
+                  "delta": delta, "logprobs": None}
+        chunks.append({"request_id": RID, "usage": usage, "output_mode": "derender", "choices": [choice]})
+    return chunks
+
+
+DELTAS = [{"role": "assistant", "content": ""}, {"content": "Hi"}, {"content": "!"}]  # one per token of OUT
+
+
+def derender_prefill() -> dict:
+    """The prefill leg: ``GenerateDerenderResponse`` (unary, ``max_tokens=1``), metadata hidden alike."""
+    return {"request_id": RID, "model": "m", "created": 1700000000,
+               "usage": {"prompt_tokens": len(PROMPT), "total_tokens": len(PROMPT) + 1, "completion_tokens": 1,
+                         "completion_tokens_details": None},
+               "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None,
+               "mm_placeholders": None, "metrics": None, "kv_transfer_params": PREFILL_KV,
+               "ec_transfer_params": None, "output_mode": "derender",
+               "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": None,
+                            "routed_experts": numpy2base64(expert_rows(0, len(PROMPT))), "sampling_mask": None,
+                            "weight_versions": None, "message": {"role": "assistant", "content": "Hi"},
+                            "logprobs": None}]}
+
+
+def test_a_derender_stream_hiding_its_token_ids_omits_the_rows_it_cannot_check():
+    whole = numpy2base64(expert_rows(0, len(PROMPT) + len(OUT) - 1))
+    agg, decode = derender_stream(DELTAS, whole), derender_stream(DELTAS, whole)
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in decode], [dumps(derender_prefill())])
+    for (body, _), want in zip(results[:-1], agg[:-1]):
+        assert_same(body, dumps(want))  # the chunks before the finishing one are the aggregated ones
+    body, verdict = results[-1]
+    choice = json.loads(body)["choices"][0]
+    assert (choice["routed_experts"], choice["routed_experts_unavailable_reason"]) == (None, "length_mismatch")
+    assert verdict is Verdict.OMITTED
+
+
+def test_a_derender_stream_with_continuous_usage_joins_to_the_aggregated_stream():
+    """``continuous_usage_stats`` counts decode's tokens on the finishing chunk: the rows are checked and
+    joined (prefill's prompt rows, decode's generated ones), equal to the aggregated stream."""
+    whole = expert_rows(0, len(PROMPT) + len(OUT) - 1)
+    agg = derender_stream(DELTAS, numpy2base64(whole), continuous=True)
+    stale = whole.copy()
+    stale[:len(PROMPT)] = expert_rows(7, 7 + len(PROMPT))  # decode's prompt rows: another request's
+    decode = derender_stream(DELTAS, numpy2base64(stale), continuous=True)
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in decode], [dumps(derender_prefill())])
+    for (body, _), want in zip(results, agg):
+        got, want = json.loads(body), dict(want)
+        rows_got = got["choices"][0].pop("routed_experts")
+        rows_want = want["choices"][0]["routed_experts"]
+        assert got == {**want, "choices": [{k: v for k, v in want["choices"][0].items() if k != "routed_experts"}]}
+        if rows_want is not None:
+            assert np.array_equal(np.load(io.BytesIO(base64.b64decode(rows_got))), whole)
+    assert results[-1][1] is Verdict.JOINED
