@@ -279,3 +279,41 @@ def test_a_derender_stream_with_continuous_usage_joins_to_the_aggregated_stream(
         if rows_want is not None:
             assert np.array_equal(np.load(io.BytesIO(base64.b64decode(rows_got))), whole)
     assert results[-1][1] is Verdict.JOINED
+
+
+# ------------------------------ vLLM 0.33.0: a prefiller that backed off the prompt's last tokens
+#
+# ``NixlConnectorScheduler.on_new_request`` calls ``_truncate_request_for_prefill`` for a
+# ``do_remote_decode`` request; 0.33.0 guards it only with ``and not
+# request.get_skip_reading_prefix_cache()``, so a scoring request whose client set
+# ``skip_reading_prefix_cache=False`` loses its last ``_prefill_backoff()`` prompt tokens (``1 if
+# self._has_mamba or self._bounded_replay``, or ``num_prefill_lookahead_tokens - 1``) on the prefiller
+# (0.34.0 adds ``and not request.skip_reading_external_kv``: never for such a request). Its
+# ``PromptLogprobsWorker`` then scores ``prompt_len = P - b`` positions:
+#
+# * ``prompt_logprobs``: ``create_prompt_logprobs``'s ``[None]`` plus ``P - b - 1`` entries;
+# * ``prompt_token_id_logprobs``: ``req.scores = torch.empty_like(req.token_ids, ...)`` has the
+#   ``P - 1 - start`` rows ``InputProcessor`` checked against the whole prompt, but
+#   ``hi = min(chunk_end, prompt_len - 1)`` writes only the first ``P - b - 1``: the last ``b`` rows
+#   are uninitialised, and the array is emitted (``if chunk_end >= prompt_len: ... out[req_id] =
+#   req.scores``). ``usage.prompt_tokens`` stays ``P`` (the frontend's ``prompt_token_ids``).
+#
+# The decode leg loaded the KV (``skip_reading_prefix_cache=False``): ``[None]`` and no scores.
+
+BACKOFF = 1
+
+
+def test_scores_of_a_prefiller_that_scored_a_shortened_prompt_are_omitted_with_its_short_list():
+    """Until 2026-12-05 the short list was omitted (``length_mismatch``) but the scores, whose last
+    ``b`` rows no engine wrote, were published as the aggregated ones."""
+    written = np.asarray([[-0.5, -1.5], [-2.5, -3.5], [-0.25, -4.0], [-1.0, -2.0]], dtype=np.float32)
+    garbage = np.asarray([[3.4e38, -0.0]], dtype=np.float32)  # torch.empty_like: whatever was there
+    scores = numpy2base64(np.concatenate([written, garbage]))  # P - 1 = 5 rows, the last unwritten
+    prefill = unary(out=OUT[:1], plp=prompt_logprobs(SCORES[:len(PROMPT) - 1 - BACKOFF]), scores=scores,
+                    finish="length", kv=PREFILL_KV)
+    decode = unary(out=OUT, plp=[None], scores=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    got = json.loads(body)
+    for field in ("prompt_logprobs", "prompt_token_id_logprobs"):
+        assert (got[field], got[field + "_unavailable_reason"]) == (None, "length_mismatch")
+    assert verdict is Verdict.OMITTED

@@ -22,6 +22,7 @@ from streamproc.wire import Verdict
 
 from .native import (
     DECODE_SELF_SCORED_FIELDS,
+    PROMPT_LOGPROBS,
     PROMPT_SIDE_FIELDS,
     PROMPT_TOKENS_DETAILS,
     ROUTED_EXPERTS,
@@ -279,8 +280,7 @@ class VLLMJoinSession(JoinSession):
         from_prefill = self._prefill.get(field) if self._prefill is not None else None
         from_decode = obj.get(field)
         if from_prefill is not None:
-            prompt_tokens = self._prompt_tokens(obj)
-            if isinstance(from_prefill, list) and prompt_tokens is not None and len(from_prefill) != prompt_tokens:
+            if self._prefill_scored_another_prompt(obj):
                 edit.omit(obj, field, Omit.LENGTH_MISMATCH)  # one entry per prompt token, [0] null
             else:
                 edit.provide(obj, field, from_prefill)
@@ -297,6 +297,20 @@ class VLLMJoinSession(JoinSession):
         # body tells which; a prefill leg without the field (a router that stripped the parameter) does
         # not vouch for it. Without a prefill leg nothing tells whether the prompt was to be scored.
         edit.omit(obj, field, self._leg_reason if self._leg_reason is not None else Omit.PREFILL_MISSING)
+
+    def _prefill_scored_another_prompt(self, obj: dict) -> bool:
+        """Whether prefill's ``prompt_logprobs`` list has fewer or more entries than the prompt has
+        tokens: it ran another prompt, so none of its prompt-side values is the aggregated one.
+
+        A NIXL prefiller that backs off ``b`` prompt tokens (``_truncate_request_for_prefill``: Mamba,
+        bounded replay, MTP lookahead; vLLM 0.33.0 does so for a scoring request whose client set
+        ``skip_reading_prefix_cache=False``) scores ``P - b`` positions, while its
+        ``prompt_token_id_logprobs`` buffer keeps the ``P - 1 - start`` rows ``InputProcessor`` checked
+        and ``compute_prompt_token_id_logprobs`` writes only up to ``prompt_len - 1``: ``torch.empty_like``
+        rows are published at its tail, of the right shape. The list is the only witness."""
+        listed = self._prefill.get(PROMPT_LOGPROBS) if self._prefill is not None else None
+        prompt_tokens = self._prompt_tokens(obj)
+        return isinstance(listed, list) and prompt_tokens is not None and len(listed) != prompt_tokens
 
     def _join_prompt_tokens_details(self, usage: dict, edit: _Edit) -> None:
         """``usage.prompt_tokens_details`` is the engine's ``num_cached_tokens``
