@@ -317,3 +317,74 @@ def test_scores_of_a_prefiller_that_scored_a_shortened_prompt_are_omitted_with_i
     for field in ("prompt_logprobs", "prompt_token_id_logprobs"):
         assert (got[field], got[field + "_unavailable_reason"]) == (None, "length_mismatch")
     assert verdict is Verdict.OMITTED
+
+
+# ------------------------------------------------------------------- n > 1: choices by index
+#
+# ``SamplingParams.n = 2``: ``serve_tokens_full_generator`` makes one choice per ``final_res.outputs``
+# entry (``index=output.index``, ``routed_experts=numpy2base64(output.routed_experts)``) and counts
+# ``usage.completion_tokens`` over all of them (``num_generated_tokens += len(output.token_ids)``);
+# ``serve_tokens_stream_generator`` sends one chunk per output per step (``choices=[choice]``), the
+# finishing one with its rows, and with ``include_usage`` the total in the ``choices: []`` chunk. Each
+# choice is a child request with its own rows ``[0, P + O_i - 1)``; a prefill (``max_tokens=1``) sends
+# the prompt's ``[0, P)`` for each.
+
+N_OUTS = [[7, 8, 9], [4, 5]]
+
+
+def choice_rows(index: int, out: list[int], *, stale_prompt: bool = False) -> np.ndarray:
+    rows = expert_rows(0, len(PROMPT) + len(out) - 1)
+    rows[len(PROMPT):] = expert_rows(20 + 9 * index, 20 + 9 * index + len(out) - 1)
+    if stale_prompt:
+        rows[:len(PROMPT)] = expert_rows(7, 7 + len(PROMPT))  # a P/D decode's prompt rows: another request's
+    return rows
+
+
+def n_unary(outs: list[list[int]], rows: list[np.ndarray], *, finish: str, kv: dict | None) -> dict:
+    body = unary(out=[], plp=None, finish=finish, kv=kv)
+    template = body["choices"][0]
+    body["choices"] = [{**template, "index": i, "token_ids": out, "routed_experts": numpy2base64(r)}
+                       for i, (out, r) in enumerate(zip(outs, rows))]
+    done = sum(map(len, outs))
+    body["usage"].update(total_tokens=len(PROMPT) + done, completion_tokens=done)
+    return body
+
+
+def n_stream(rows: list[np.ndarray]) -> list[dict]:
+    chunks = []
+    for step in range(max(map(len, N_OUTS))):
+        for i, out in enumerate(N_OUTS):
+            if step < len(out):
+                last = step == len(out) - 1
+                choice = {"index": i, "finish_reason": "stop" if last else None, "stop_reason": None,
+                          "token_ids": [out[step]], "routed_experts": numpy2base64(rows[i]) if last else None,
+                          "sampling_mask": None, "weight_versions": None, "logprobs": None}
+                chunks.append({"request_id": RID, "usage": None, "output_mode": "tokens", "choices": [choice]})
+    done = sum(map(len, N_OUTS))
+    chunks.append({"request_id": RID, "usage": {"prompt_tokens": len(PROMPT), "total_tokens": len(PROMPT) + done,
+                                                "completion_tokens": done},
+                   "output_mode": "tokens", "choices": []})
+    return chunks
+
+
+def n_prefill() -> dict:
+    return n_unary([out[:1] for out in N_OUTS], [expert_rows(0, len(PROMPT))] * len(N_OUTS), finish="length",
+                   kv=PREFILL_KV)
+
+
+def test_several_choices_join_each_by_its_index_to_the_aggregated_body():
+    agg = n_unary(N_OUTS, [choice_rows(i, o) for i, o in enumerate(N_OUTS)], finish="stop", kv=None)
+    decode = n_unary(N_OUTS, [choice_rows(i, o, stale_prompt=True) for i, o in enumerate(N_OUTS)],
+                     finish="stop", kv=None)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(n_prefill())])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_several_interleaved_stream_choices_join_to_the_aggregated_stream():
+    agg = n_stream([choice_rows(i, o) for i, o in enumerate(N_OUTS)])
+    decode = n_stream([choice_rows(i, o, stale_prompt=True) for i, o in enumerate(N_OUTS)])
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in decode], [dumps(n_prefill())])
+    assert len(results) == len(agg)
+    for (body, _), want in zip(results, agg):
+        assert_same(body, dumps(want))
