@@ -223,6 +223,8 @@ OWN_VOCABULARY = {
     "yes": "option values (vllm's stream_routed_experts; the edge's and the settings' yes/no)",
     "no": "option values (vllm's stream_routed_experts; the edge's and the settings' yes/no)",
     "unknown": "option values (vllm's stream_routed_experts), the edge's unknown MSG.GET access",
+    "version": "argparse's action for streamproc --version",
+    "start": "the experts view's row spans (RowSpan.start, read by the page's experts.js)",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
 KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",

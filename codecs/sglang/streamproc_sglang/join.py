@@ -38,6 +38,13 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   decode value above 0 is removed from every chunk (:meth:`SGLangJoinSession._omit_reasoning_tokens`);
   0 (no reasoning asked) is kept.
 
+- ``weight_versions`` (SGLang 0.5.23, finished bodies): which weights produced which output tokens.
+  Token 0 is sampled by the prefill worker, whose body says under which version (``[{version, 0, 1}]``);
+  decode appends it from the metadata buffer, which carries no version
+  (``DecodeTransferQueue._commit_transfer_to_req``), so its spans give token 0 decode's weights. When
+  the versions differ (an update reached the servers at different moments), token 0 gets prefill's
+  (:meth:`SGLangJoinSession._join_weight_versions`); without prefill's the spans are removed.
+
 Omission policy: a field that cannot be rebuilt completely is removed and
 ``<field>_unavailable_reason`` says why; decode's stale rows are never published.
 """
@@ -70,6 +77,8 @@ from .native import (
     ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_START_LEN,
     ROUTED_EXPERTS_UNAVAILABLE,
+    WEIGHT_VERSION,
+    WEIGHT_VERSIONS,
 )
 
 if TYPE_CHECKING:
@@ -89,11 +98,13 @@ INPUT_LOGPROB_ANCHORS = {
 # ``weight_versions`` (finished bodies) and, for a request that has them, ``image_tokens`` /
 # ``audio_tokens`` / ``video_tokens`` (after ``cached_tokens_details``) before ``hidden_states``.
 ROUTED_EXPERTS_PREDECESSORS = (
-    "id", native.FINISH_REASON, PROMPT_TOKENS, "weight_version", *native.RETRACTION_COUNTS,
+    "id", native.FINISH_REASON, PROMPT_TOKENS, WEIGHT_VERSION, WEIGHT_VERSION + UNAVAILABLE_SUFFIX,
+    *native.RETRACTION_COUNTS,
     INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS_LENGTH, "input_top_logprobs",
     OUTPUT_TOP_LOGPROBS, "input_token_ids_logprobs", OUTPUT_TOKEN_IDS_LOGPROBS, "reasoning_tokens",
     "reasoning_tokens_unavailable_reason",
-    COMPLETION_TOKENS, "cached_tokens", "weight_versions", "cached_tokens_details", "image_tokens",
+    COMPLETION_TOKENS, "cached_tokens", WEIGHT_VERSIONS, WEIGHT_VERSIONS + UNAVAILABLE_SUFFIX,
+    "cached_tokens_details", "image_tokens",
     "audio_tokens", "video_tokens", "hidden_states",
 )
 INPUT_TOP_FLAT_FIELDS = native.INPUT_TOP_FLAT_FIELDS  # the flat prompt top logprobs (native.py)
@@ -261,6 +272,31 @@ def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> 
     return out
 
 
+def _replace_key(meta: dict[str, Any], key: str, new_key: str, value: Any) -> None:
+    """``meta`` with ``key`` replaced by ``new_key: value`` at the same place (an omission reason takes
+    its field's place, so fields inserted later find their anchors)."""
+    items = [(new_key, value) if name == key else (name, item) for name, item in meta.items()]
+    meta.clear()
+    meta.update(items)
+
+
+def _version_spans(value: object) -> list[tuple[str, int, int]] | None:
+    """``weight_versions`` as ``(version, start, end)`` spans covering ``[0, end)`` in order, or None
+    for anything ``add_weight_versions_to_meta_info`` does not write."""
+    if not isinstance(value, list) or not value:
+        return None
+    spans: list[tuple[str, int, int]] = []
+    for span in value:
+        if not isinstance(span, dict):
+            return None
+        version, start, end = span.get("version"), span.get("start"), span.get("end")
+        if not (isinstance(version, str) and _is_count(start) and _is_count(end) and start < end
+                and start == (spans[-1][2] if spans else 0)):
+            return None
+        spans.append((version, start, end))
+    return spans
+
+
 # The most items of a batch body joined one by one (a join session each): n > 1 and batches are
 # far smaller, and a 1 MiB list of 60,000 tiny items cost ~0.3-0.4 s of CPU to join item by item.
 MAX_BATCH_ITEMS = 1024
@@ -298,9 +334,10 @@ class SGLangJoinSession(JoinSession):
     # ------------------------------------------------------------ JoinSession
 
     def needs_prefill(self, body: bytes, final: bool) -> bool:
-        """Logprob chunks (decode lacks prompt and first-token logprobs), chunks carrying rows, and the
-        final chunk: only the prefill leg tells whether experts were requested, so a decode that
-        dropped the field (or a one-token decode that legitimately omits it) is judged against it."""
+        """Logprob chunks (decode lacks prompt and first-token logprobs), chunks carrying rows or weight
+        versions (token 0's is prefill's), and the final chunk: only the prefill leg tells whether
+        experts were requested, so a decode that dropped the field (or a one-token decode that
+        legitimately omits it) is judged against it."""
         doc = self._decoded(body)
         if not isinstance(doc, dict):  # a batch body is a whole answer: its items are joined with prefill's
             return native.items_of(doc) is not None
@@ -431,6 +468,8 @@ class SGLangJoinSession(JoinSession):
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
             self._fill_first_token(meta)
             self._fill_token_ids_logprobs(meta)
+        if WEIGHT_VERSIONS in meta:
+            self._join_weight_versions(meta)
         if final or ROUTED_EXPERTS in meta:
             self._join_experts(meta)
         if self._omitted:
@@ -507,7 +546,7 @@ class SGLangJoinSession(JoinSession):
 
     @staticmethod
     def _wants(meta: dict[str, Any], final: bool) -> bool:
-        return final or OUTPUT_TOKEN_LOGPROBS in meta or ROUTED_EXPERTS in meta
+        return final or OUTPUT_TOKEN_LOGPROBS in meta or ROUTED_EXPERTS in meta or WEIGHT_VERSIONS in meta
 
     def _decoded(self, body: bytes) -> Any:
         """The body's JSON value (an object, a batch's list, or None), decoded once for
@@ -675,11 +714,48 @@ class SGLangJoinSession(JoinSession):
         if type(value) is not int or value <= 0:
             return False
         # the reason takes the count's place: routed_experts is put after it (ROUTED_EXPERTS_PREDECESSORS)
-        items = [(REASONING_TOKENS_UNAVAILABLE, Omit.PREFILL_MISSING.value) if key == REASONING_TOKENS else (key, v)
-                 for key, v in meta.items()]
-        meta.clear()
-        meta.update(items)
+        _replace_key(meta, REASONING_TOKENS, REASONING_TOKENS_UNAVAILABLE, Omit.PREFILL_MISSING.value)
         return True
+
+    def _join_weight_versions(self, meta: dict[str, Any]) -> None:
+        """Token 0's version from the prefill leg, the rest from decode's spans, merged as
+        ``compute_weight_version_spans`` merges them; ``weight_version`` follows the last span, as
+        ``add_weight_versions_to_meta_info`` sets it. Legs on the same weights: nothing changes. No
+        version for token 0 (no usable prefill leg, or no spans on it) or decode spans that are no
+        span list: the field is removed, and so is ``weight_version`` of a one-token answer (its last
+        token is token 0)."""
+        ours = _version_spans(meta[WEIGHT_VERSIONS])
+        theirs = None
+        if ours is None:
+            reason = Omit.DECODE_CORRUPT
+        elif self._prefill is None:
+            reason = self._unavailable or Omit.PREFILL_MISSING
+        else:
+            source = self._prefill.get(WEIGHT_VERSIONS)
+            spans = _version_spans(source)
+            theirs = spans[0][0] if spans is not None else None
+            reason = Omit.PREFILL_MISSING if source is None else Omit.PREFILL_CORRUPT
+        if ours is None or theirs is None:
+            _replace_key(meta, WEIGHT_VERSIONS, WEIGHT_VERSIONS + UNAVAILABLE_SUFFIX, str(reason))
+            if meta.get(COMPLETION_TOKENS) == 1 and WEIGHT_VERSION in meta:
+                _replace_key(meta, WEIGHT_VERSION, WEIGHT_VERSION + UNAVAILABLE_SUFFIX, str(reason))
+            self._omitted = True
+            return
+        if ours[0][0] == theirs:
+            return
+        joined = [{"version": theirs, "start": 0, "end": 1}]
+        for version, start, end in ours:
+            start = max(start, 1)
+            if end <= start:
+                continue
+            if joined[-1]["version"] == version:
+                joined[-1]["end"] = end
+            else:
+                joined.append({"version": version, "start": start, "end": end})
+        meta[WEIGHT_VERSIONS] = joined
+        if WEIGHT_VERSION in meta:
+            meta[WEIGHT_VERSION] = joined[-1]["version"]
+        self._changed = True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
         if self._unavailable is not None:

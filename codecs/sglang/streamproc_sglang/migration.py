@@ -88,7 +88,7 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request
 # (utils/weight_versions.py add_weight_versions_to_meta_info). A resumed attempt's spans cover its own
 # tokens; which weights produced the k tokens before the seal was never published (the lost attempt
 # did not finish), so the stitched request has no exact value.
-WEIGHT_VERSIONS = "weight_versions"
+WEIGHT_VERSIONS = native.WEIGHT_VERSIONS
 CACHED_TOKENS = "cached_tokens"
 HIDDEN_STATES = "hidden_states"
 # Grammar-constrained decoding: the grammar state is not transferable (replaying the emitted tokens

@@ -26,6 +26,11 @@ FINISH_REASON = "finish_reason"
 PROMPT_TOKENS = "prompt_tokens"
 COMPLETION_TOKENS = "completion_tokens"
 REASONING_TOKENS = "reasoning_tokens"  # requests with require_reasoning (SGLang 0.5.23 writes it)
+# SGLang 0.5.23, a finished body only: ``[{"version", "start", "end"}]`` over the output tokens, and
+# ``weight_version`` set to the last span's version (``utils/weight_versions.py``
+# ``add_weight_versions_to_meta_info``; an unfinished body's ``weight_version`` is the server's current).
+WEIGHT_VERSIONS = "weight_versions"
+WEIGHT_VERSION = "weight_version"
 ROUTED_EXPERTS = "routed_experts"
 # SGLANG_ROUTED_EXPERTS_DTYPE on the worker, advertised per body (int32 when absent).
 ROUTED_EXPERTS_DTYPE = "routed_experts_dtype"
