@@ -306,6 +306,44 @@ def test_0523_flat_raw_input_top_logprobs_without_prefills_are_omitted():
     assert meta["input_token_logprobs"] == INPUT_LP  # the nested token logprobs are still prefill's
 
 
+# Rows the flat format cannot represent (io_struct.flat_top_logprobs_layout: "Raises ValueError when the
+# rows are not representable by (shape, null_prefix): interior nulls or ragged k, e.g. multi-item
+# scoring"). The aggregated engine and the P/D prefill keep the nested rows:
+#
+#     scheduler_components/logprob_result_processor.py _flatten_input_top_logprobs:
+#         except ValueError as e:
+#             # Unrepresentable rows (e.g. multi-item scoring): keep the nested
+#             # format, mirroring the tokenizer manager fallback.
+#     tokenizer_manager.py add_logprob_to_meta_info:
+#         except ValueError as e:
+#             # A raise here would disrupt unrelated requests ...; degrade to nested instead.
+#             state.input_top_logprobs_flat_fields = None
+#         ...
+#         if state.input_top_logprobs_flat_fields is not None: meta_info.update(...)
+#         else: use_flat = False
+#         if not use_flat: ... meta_info["input_top_logprobs"] = state.input_top_logprobs
+#
+# P/D decode has zero prompt rows, which flat_top_logprobs_layout accepts (k = top_logprobs_num): its
+# body carries the zero-row flat fields where the aggregated one has the nested list.
+RAGGED_TOP = [None, [[-1.5, 102, None], [-1.75, 9, None]], [[-0.25, 103, None]],
+              [[-2.0, 104, None], [-2.5, 5, None]]]
+
+
+def test_0523_nested_fallback_of_unrepresentable_prompt_top_logprobs_is_taken_from_prefill():
+    def nested(sl: slice, length: int) -> dict[str, Any]:
+        return {"input_token_logprobs": INPUT_LP, "output_token_logprobs": OUTPUT_LP[sl],
+                "output_token_logprobs_length": length, "input_top_logprobs": RAGGED_TOP,
+                "output_top_logprobs": OUTPUT_TOP[sl]}
+
+    agg = body(out=OUT, finish=STOP, completion=3, logprobs=nested(slice(0, 3), 3))
+    prefill = body(out=OUT[:1], finish=PREFILL_FINISH, completion=1, logprobs=nested(slice(0, 1), 1))
+    decode = body(out=OUT, finish=STOP, completion=3,
+                  logprobs=flat_logprobs(input_side=False, output_slice=slice(0, 3), length=3))
+    [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(out, dumps(agg))  # prefill's nested rows, no flat fields, no omission reason
+    assert verdict is Verdict.JOINED
+
+
 # ============================================================================ routed_experts key order
 
 # A one-token P/D decode finishes in SchedulerBatchResultProcessor.process_batch_result_prebuilt,

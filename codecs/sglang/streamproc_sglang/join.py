@@ -657,8 +657,12 @@ class SGLangJoinSession(JoinSession):
 
     def _fill_input_top_flat(self, meta: dict[str, Any], source: dict[str, Any]) -> None:
         """``return_flat_raw_top_logprobs``: decode's flat prompt top logprobs describe zero rows; the
-        prefill leg's replace them in place (same keys, same order as the aggregated body). Without
-        them on prefill, decode's are removed and ``input_top_logprobs_unavailable_reason`` is set."""
+        prefill leg's replace them in place (same keys, same order as the aggregated body). A prefill
+        leg with the nested ``input_top_logprobs`` instead fell back as the aggregated engine does for
+        rows the flat form cannot hold (``flat_top_logprobs_layout`` raises on ragged rows or interior
+        nulls; decode's zero rows never do): decode's flat fields go, prefill's list (put in by
+        :meth:`_fill_input_logprobs`) is the answer. With neither on prefill, decode's are removed and
+        ``input_top_logprobs_unavailable_reason`` is set."""
         shape = meta.get("input_top_logprobs_shape")
         if not (isinstance(shape, list) and shape and shape[0] == 0):
             return  # no flat fields, or decode scored prompt rows itself
@@ -667,6 +671,9 @@ class SGLangJoinSession(JoinSession):
         if not isinstance(theirs, list):
             for key in present:
                 meta.pop(key)
+            if isinstance(source.get("input_top_logprobs"), list) and isinstance(meta.get("input_top_logprobs"), list):
+                self._changed = True
+                return
             meta[INPUT_TOP_LOGPROBS_UNAVAILABLE] = Omit.PREFILL_MISSING
             self._omitted = True
             return
