@@ -34,6 +34,9 @@ Baselines in the same run, in interleaved rounds (``--rounds``; each contender g
                head as soon as it has read the request head: what the client and the machine cost
                with no edge at all. Under ``--load`` the load still goes to the edge (idle between
                its own rounds), so the machine is as busy as in the edge's rounds.
+  spinUS       ``--floor-spin US`` (repeatable): the floor burning US us of thread CPU per open
+               before it answers. The open p50 of a server that costs the floor plus US per open:
+               how much CPU per open target 2's open p50 <= 5 ms leaves in this harness.
   base         ``--baseline-tree DIR``: the same stamped edge imported from that source tree
                (``PYTHONPATH``; e.g. the main checkout), on the same nats-server.
   ppN          ``--per-pass N`` (repeatable): this tree's edge starting N opens per loop pass
@@ -60,7 +63,7 @@ longer than 1 ms (from one ``select`` returning to the next call: the callbacks 
 ``--probe-handles`` also names the callbacks that ran in them (a timer per callback: costs CPU).
 
 Usage: python benchmarks/edge_open.py [--mode core] [--opens 200] [--burst 1] [--load 0] [--rounds 1]
-                                      [--floor] [--baseline-tree DIR] [--per-pass N] [--probe-handles]
+                                      [--floor] [--floor-spin US] [--baseline-tree DIR] [--per-pass N] [--probe-handles]
                                       [--lifecycle [--close disconnect|final] [--settle 0.05]]
 """
 
@@ -253,9 +256,12 @@ def probe_loop_passes(longer_than: float = 0.001) -> list[list]:
 
 # ----------------------------------------------------------------------------- the floor server
 
-def floor_serve(port: int) -> int:
+def floor_serve(port: int, spin_us: float = 0.0) -> int:
     """The least an SSE open can cost here: raw asyncio, the response head written as soon as the
-    request head is read, the connection held until the client closes it."""
+    request head is read, the connection held until the client closes it. ``spin_us`` (--floor-spin):
+    first burn that much thread CPU per open, so the open p50 of a server costing the floor plus
+    ``spin_us`` per open is measured in the same rounds (what target 2's 5 ms allows per open)."""
+    spin_ns = int(spin_us * 1000)
     head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"x-accel-buffering: no\r\ntransfer-encoding: chunked\r\n\r\n")
 
@@ -269,6 +275,10 @@ def floor_serve(port: int) -> int:
             self.buf += data
             if b"\r\n\r\n" in self.buf:
                 self.buf = None
+                if spin_ns:
+                    end = time.thread_time_ns() + spin_ns
+                    while time.thread_time_ns() < end:
+                        pass
                 self.transport.write(head)
 
     async def main() -> None:
@@ -606,11 +616,11 @@ def print_lifecycle(contenders: list[Contender], args) -> dict:
         for b in names[names.index(a) + 1:]:
             ca, cb = contenders[names.index(a)], contenders[names.index(b)]
             line = []
-            for k in ("open_cpu_us", "close_cpu_us"):
+            for k in ("open_cpu_us", "close_cpu_us", "open_p50"):
                 ratios = [x[k] / y[k] for x, y in zip(ca.rounds, cb.rounds) if y[k] > 0]
                 if ratios:
                     report[f"{a}/{b}"] = {**report.get(f"{a}/{b}", {}), k: statistics.median(ratios)}
-                    line.append(f"{k.split('_')[0]} x{statistics.median(ratios):.2f} "
+                    line.append(f"{'open p50' if k == 'open_p50' else k.split('_')[0]} x{statistics.median(ratios):.2f} "
                                 f"({min(ratios):.2f}-{max(ratios):.2f})")
             print(f"{a}/{b}: paired median " + ", ".join(line))
     print("idle CPU us/s: " + ", ".join(f"{c.name} {report[c.name]['idle_cpu_us_per_s']:.0f}" for c in contenders)
@@ -698,6 +708,10 @@ async def main_async(args) -> dict:
                 from latency import python_path
                 contenders.append(stamped_edge("base", {**os.environ,
                                                         "PYTHONPATH": python_path(args.baseline_tree.resolve())}))
+            for spin in args.floor_spin:  # the floor plus this much CPU per open, before the floor itself
+                port = free_port()
+                contenders.append(Contender(f"spin{spin:g}", [sys.executable, script, "--floor-serve", str(port),
+                                                              str(spin)], port, None, None))
             if args.floor:
                 port = free_port()
                 contenders.append(Contender("floor", [sys.executable, script, "--floor-serve", str(port)], port,
@@ -889,7 +903,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--serve":
         sys.exit(serve(Path(sys.argv[2]), sys.argv[4:]))
     if len(sys.argv) > 2 and sys.argv[1] == "--floor-serve":
-        sys.exit(floor_serve(int(sys.argv[2])))
+        sys.exit(floor_serve(int(sys.argv[2]), float(sys.argv[3]) if len(sys.argv) > 3 else 0.0))
     if len(sys.argv) > 2 and sys.argv[1] == "--load-run":
         sys.exit(asyncio.run(load_run(*sys.argv[2:7])))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -912,6 +926,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of --opens opens per contender")
     parser.add_argument("--floor", action="store_true",
                         help="also burst the same opens at a raw-asyncio server that answers the head at once")
+    parser.add_argument("--floor-spin", type=float, action="append", default=[], metavar="US",
+                        help="also run the floor burning US us of CPU per open before its answer (contender "
+                             "spinUS; repeatable): open p50 against server CPU per open, same rounds")
     parser.add_argument("--baseline-tree", type=Path,
                         help="also run the stamped edge from this source tree (e.g. the main checkout)")
     parser.add_argument("--json", type=Path)
@@ -930,8 +947,8 @@ def main() -> None:
                         help="run each edge under call_hook.py and print its Python and C calls per open "
                              "(the profiler slows it several times over: its times and CPU then mean nothing)")
     args = parser.parse_args()
-    if args.lifecycle and args.close == "final" and args.floor:
-        parser.error("--close final: the floor server reads no results; drop --floor")
+    if args.lifecycle and args.close == "final" and (args.floor or args.floor_spin):
+        parser.error("--close final: the floor server reads no results; drop --floor and --floor-spin")
     sys.path.insert(0, str(HERE))
     report = asyncio.run(main_async(args))
     if args.json:
