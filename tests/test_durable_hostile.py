@@ -517,11 +517,12 @@ async def test_a_request_whose_joins_pass_the_decode_time_budget_ends_overloaded
 
 async def test_the_decode_time_budget_counts_the_codecs_compression_threads_in_durable_mode(nats_url):
     """As in core mode: 12 joins of ~8 ms in the join thread and ~75 ms in the process (zstd level 6
-    recompressing the rows on 2 threads) pass --max-decode-cpu 0.3 after a few joins; with the join
-    thread's CPU alone all 12 were joined. The requests beside it are answered."""
+    recompressing the rows on 2 threads) pass --max-decode-cpu 0.15 after a few joins; with the join
+    thread's CPU alone all 12 were joined. The requests beside it are answered. (0.3 s let 11 of 12
+    through on a fast machine, where a join took ~25 ms in the process: the core-mode test's note.)"""
     prefill, decode = expert_pd_legs(prompt=700)
     port = free_port()
-    flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.3,
+    flags = durable_flags(partitions=1, format="sglang-zstd", max_decode_cpu=0.15,
                           format_option="zstd_level=6,zstd_threads=2")
     with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _log):
         nc = await connect(nats_url)
