@@ -15,6 +15,7 @@ a notice that says why, repeated in pytest's terminal summary (tests/conftest.py
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -25,12 +26,13 @@ import httpx
 import nats
 import pytest
 from edge_harness import publish_result, publish_results, running_edge, sse_view
-from helpers import free_port, rid
+from helpers import free_port, rid, status_kib
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 
+from streamproc import ChunkPublisher
 from streamproc.catalog import Catalog, worker_for
 from streamproc.codec import ErrorKind
 from streamproc.sim import traffic
@@ -120,6 +122,18 @@ def js_errors(driver) -> list[str]:
     """Script errors logged since the last call (refused HTTP requests are logged too; left out)."""
     return [entry["message"] for entry in driver.get_log("browser")
             if entry["level"] == "SEVERE" and "Failed to load resource" not in entry["message"]]
+
+
+def renderer_rss_kib() -> int:
+    """Resident memory of every Chromium renderer process (the page's tab), KiB."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"--type=renderer" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                total += status_kib(int(pid), "VmRSS")
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+    return total
 
 
 def screenshot(driver, name: str) -> Path:
@@ -629,3 +643,61 @@ async def test_the_page_runs_no_injected_inline_script_and_may_not_be_framed(bro
     assert ran is False
     refused = js_errors(browser)
     assert any("Content Security Policy" in line for line in refused), refused
+
+
+async def test_a_worker_flooding_its_request_with_large_bodies_costs_the_tab_a_bounded_amount(
+        browser, nats_server, start_processor):
+    """A worker's aggregated chunks pass through byte for byte, up to NATS' 1 MiB each, as many as it
+    likes. The page laid out every body whole in its row and all the generated text: 12 bodies of
+    900 KB took the tab from ~370 MB to ~1.2 GB, and it fell so far behind that the edge ended the
+    stream (`overloaded`). Now a row shows a body's start until clicked, the text its last 256 Ki
+    characters and `received` the newest 16 Mi characters of bodies; the count and the last body stay
+    exact, and the tab follows the next request as before."""
+    flood, honest = rid("page-flood"), rid("page-after-flood")
+    total, size = 60, 900_000
+    bodies = [json.dumps({"text": chr(65 + seq % 26) * size} if seq % 2 else
+                         {"text": "x", "meta_info": {"blob": chr(97 + seq % 26) * size}}).encode()
+              for seq in range(total)]
+    with running_edge(nats_server.url) as edge:
+        async with start_processor("in-process"):
+            browser.get(f"{edge.url}/?id={flood}")
+            await wait_for(browser, lambda s: s["state"] in ("open", "waiting"))
+            before = renderer_rss_kib()
+            peak = before
+            async with await nats.connect(nats_server.url) as nc:
+                publisher = ChunkPublisher(nc, SUBJECTS)
+                for seq, body in enumerate(bodies):
+                    await publisher.publish(flood, "agg", seq, body, final=seq == total - 1)
+                    await nc.flush()
+                    await anyio.sleep(0.1)  # ~9 MB/s: a tab that keeps up with it is within the edge's buffer
+                    peak = max(peak, renderer_rss_kib())
+                await nc.flush()
+                with anyio.fail_after(60):
+                    while (state := browser.execute_script(
+                            "const p = window.streamprocPage; return {state: p.state, results: p.results,"
+                            " dropped: p.dropped, last: p.received.slice(-2), kept: p.received.length}"))["state"] \
+                            not in ("done", "failed"):
+                        peak = max(peak, renderer_rss_kib())
+                        await anyio.sleep(0.2)
+                peak = max(peak, renderer_rss_kib())
+                assert state["state"] == "done", browser.find_element(By.ID, "notice").text
+                assert state["results"] == total and state["last"] == [bodies[-1].decode(), "[DONE]"]
+                assert state["dropped"] > 0 and (state["kept"] - 1) * size <= 16 * 1024 * 1024
+                assert browser.find_element(By.ID, "count").text == f"{total} results"
+                assert (peak - before) < 400 * 1024, (before, peak)  # was +830 MiB after 12 bodies
+                text = browser.find_element(By.ID, "tokens").get_attribute("textContent")
+                assert len(text) == 256 * 1024 and text == json.loads(bodies[-1])["text"][-len(text):]
+                assert "characters are not shown" in browser.find_element(By.ID, "tokens-cut").text
+                cells = browser.find_elements(By.CSS_SELECTOR, "#chunks tr td.body")
+                assert len(cells) == total and all(len(c.get_attribute("textContent")) < 9000 for c in cells)
+                cells[-1].click()  # the newest body, whole
+                assert cells[-1].get_attribute("textContent") == bodies[-1].decode()
+                cells[0].click()  # let go: said so
+                assert "the page no longer holds the rest" in cells[0].get_attribute("textContent")
+                assert js_errors(browser) == []
+
+                browser.get(f"{edge.url}/?id={honest}")  # the same tab follows the next request
+                await wait_for(browser, lambda s: s["state"] in ("open", "waiting"))
+                await ChunkPublisher(nc, SUBJECTS).publish_leg(honest, "agg", [b'{"text":"fine"}'])
+                state = await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+                assert state["received"] == ['{"text":"fine"}', "[DONE]"] and state["state"] == "done"

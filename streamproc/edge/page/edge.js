@@ -1,10 +1,12 @@
 // Live page of the streamproc edge. Follows one request with the browser's own EventSource.
-// Everything the page received is kept in window.streamprocPage (tests read it): `received` holds
-// the data of every ordinary event exactly as the browser's SSE parser delivered it, "[DONE]" included.
+// What the page received is kept in window.streamprocPage (tests read it): `received` holds the data
+// of the ordinary events exactly as the browser's SSE parser delivered them, "[DONE]" included, the
+// newest RECEIVED_CHARS of them (`dropped` counts the older ones let go, `results` every result).
 "use strict";
 
 const page = (window.streamprocPage = {
   requestId: null, state: "idle", received: [], meta: [], verdict: null, source: null, textNode: null,
+  dropped: 0, keptChars: 0, results: 0, textChars: 0,
 });
 const RANK = { passthrough: 0, joined: 1, stitched: 2, omitted: 3 };
 const $ = (id) => document.getElementById(id);
@@ -13,6 +15,44 @@ const WAITING_AFTER = 1.0;
 // Table rows kept: past this the oldest leaves the DOM (the count stays exact, `received` keeps every
 // body). A row per result without a bound made a tab following a long request ever slower.
 const MAX_ROWS = 1000;
+// Bounds on what one request's results cost the tab, whatever its worker sends (docs/security.md):
+// a row shows a body's first ROW_PREVIEW characters until clicked (a row holding a whole 900 KB body
+// took ~12 MB of renderer memory to lay out, generated text ~80 MB per million characters, and the
+// tab fell so far behind that the edge ended its stream); `received` keeps the newest RECEIVED_CHARS
+// of bodies (each charged ENTRY_CHARS more), the text its last TEXT_CHARS characters.
+const ROW_PREVIEW = 8192;
+const RECEIVED_CHARS = 16 * 1024 * 1024;
+const ENTRY_CHARS = 64;
+const TEXT_CHARS = 256 * 1024;
+const MAX_META = 10000;
+
+// Keep `data` in `received`, letting the oldest go past RECEIVED_CHARS (down to three quarters of it,
+// so a flood of small bodies does not move the whole array per result).
+function keep(data) {
+  page.received.push(data);
+  page.keptChars += data.length + ENTRY_CHARS;
+  if (page.keptChars <= RECEIVED_CHARS) return;
+  let n = 0, freed = 0;
+  while (n < page.received.length - 1 && page.keptChars - freed > RECEIVED_CHARS * 3 / 4) {
+    freed += page.received[n].length + ENTRY_CHARS;
+    n += 1;
+  }
+  page.received.splice(0, n);
+  page.keptChars -= freed;
+  page.dropped += n;
+}
+
+// Append generated text, keeping its last TEXT_CHARS characters (behind a note of how many went).
+function appendText(text) {
+  const node = page.textNode;
+  node.appendData(text);
+  page.textChars += text.length;
+  const excess = node.length - TEXT_CHARS;
+  if (excess > TEXT_CHARS / 4) {
+    node.deleteData(0, excess);
+    $("tokens-cut").textContent = "… (the first " + (page.textChars - node.length) + " characters are not shown)";
+  }
+}
 
 // Every URL the page fetches or streams from is built here (one place for a prefix or a credential):
 // access.js's edgeUrl() appends the operator's access_token when the page was opened with one.
@@ -77,9 +117,13 @@ function setVerdict(verdict) {
 let textField = null;
 edgeAccess.info.then((info) => {
   textField = info.text_field || null;
-  if (page.textNode) page.textNode.data = page.received.map((data) => {  // the node follow() appends to
-    try { return textOf(JSON.parse(data)); } catch (_) { return ""; }
-  }).join("");
+  if (page.textNode) {  // the node follow() appends to
+    page.textNode.data = "";
+    page.textChars = 0;
+    appendText(page.received.map((data) => {
+      try { return textOf(JSON.parse(data)); } catch (_) { return ""; }
+    }).join(""));
+  }
 });
 
 // The generated text of a body: the string values of the format's text field (top level or inside
@@ -101,37 +145,53 @@ function reasonsOf(value, out = [], depth = 0) {
   return out;
 }
 
-function addRow(seq, meta, data) {
+// The row shows at most ROW_PREVIEW characters; a click shows the whole body while `received` still
+// holds it (`at`: its place among everything received), and says so when it has been let go.
+function bodyCell(data, at) {
+  const cell = document.createElement("td");
+  cell.className = "body";
+  const more = data.length - ROW_PREVIEW;
+  const preview = more > 0 ? data.slice(0, ROW_PREVIEW) + " … (" + more + " more characters: click for all of them)" : data;
+  cell.textContent = preview;
+  cell.addEventListener("click", () => {
+    const expanded = cell.classList.toggle("expanded");
+    if (more <= 0) return;
+    const whole = page.received[at - page.dropped];
+    cell.textContent = !expanded ? preview : at >= page.dropped && whole !== undefined ? whole :
+      preview + " (the page no longer holds the rest: it keeps the newest " + RECEIVED_CHARS + " characters of bodies)";
+  });
+  return cell;
+}
+
+function addRow(seq, meta, data, at) {
   const row = document.createElement("tr");
   const verdict = meta ? meta.error ? "error" : meta.verdict || "–" : "–";
-  for (const [text, cls] of [[seq, ""], [verdict, "badge " + verdict], [new Blob([data]).size, ""], [data, "body"]]) {
+  for (const [text, cls] of [[seq, ""], [verdict, "badge " + verdict], [new Blob([data]).size, ""]]) {
     const cell = document.createElement("td");
-    if (cls === "body") {  // one line until clicked, then all of it (nothing is ever cut from the text)
-      cell.className = "body";
-      cell.textContent = data;
-      cell.addEventListener("click", () => cell.classList.toggle("expanded"));
-    }
-    else if (cls) { const badge = document.createElement("span"); badge.className = cls; badge.textContent = text; cell.append(badge); }
+    if (cls) { const badge = document.createElement("span"); badge.className = cls; badge.textContent = text; cell.append(badge); }
     else cell.textContent = text;
     row.append(cell);
   }
+  row.append(bodyCell(data, at));
   const table = $("chunks");
   table.append(row);
   if (table.children.length > MAX_ROWS) table.firstElementChild.remove();
 }
 
 function showCount() {
-  const n = page.received.length - (page.received[page.received.length - 1] === "[DONE]" ? 1 : 0);
+  const n = page.results;
   $("count").textContent = n + (n === 1 ? " result" : " results") +
     (n > MAX_ROWS ? " (the last " + MAX_ROWS + " shown)" : "");
 }
 
 function follow(requestId) {
   if (page.source) page.source.close();
-  Object.assign(page, { requestId, received: [], meta: [], verdict: null, refusal: null, error: null });
+  Object.assign(page, { requestId, received: [], meta: [], verdict: null, refusal: null, error: null,
+    dropped: 0, keptChars: 0, results: 0, textChars: 0 });
   $("current").textContent = requestId;
   page.textNode = document.createTextNode("");  // appended to, never rewritten: `textContent +=` per result
   $("tokens").replaceChildren(page.textNode);    // copied the whole text each time (quadratic in the stream)
+  $("tokens-cut").textContent = "";
   $("chunks").textContent = "";
   $("reasons").textContent = "";
   $("count").textContent = "0 results";
@@ -158,9 +218,10 @@ function follow(requestId) {
   source.addEventListener("meta", (event) => {
     lastMeta = JSON.parse(event.data);
     page.meta.push(lastMeta);
+    if (page.meta.length > 2 * MAX_META) page.meta.splice(0, MAX_META);
   });
   source.onmessage = (event) => {
-    page.received.push(event.data);
+    keep(event.data);
     clearTimeout(waiting);
     if (event.data === "[DONE]") {
       source.close();
@@ -169,6 +230,7 @@ function follow(requestId) {
       return;
     }
     if (page.state === "waiting") setState("open", "");
+    page.results += 1;
     const fresh = event.lastEventId !== lastId;  // every result sets a new id (seq order); the edge's frames none
     if (fresh) lastId = event.lastEventId;
     const meta = fresh && lastMeta && String(lastMeta.seq) === event.lastEventId ? lastMeta : null;
@@ -187,11 +249,11 @@ function follow(requestId) {
       setVerdict(meta.verdict);
     }
     if (doc) {
-      page.textNode.appendData(textOf(doc));
+      appendText(textOf(doc));
       const reasons = reasonsOf(doc);
       if (reasons.length) $("reasons").textContent = "omitted " + reasons.join(", ");
     }
-    addRow(fresh ? event.lastEventId : "", meta, event.data);
+    addRow(fresh ? event.lastEventId : "", meta, event.data, page.dropped + page.received.length - 1);
     showCount();
   };
   source.onerror = () => {
