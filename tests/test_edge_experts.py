@@ -226,6 +226,18 @@ def test_a_processor_metrics_url_that_is_not_http_is_refused_at_start(run_cli):
     assert "--processor-metrics-url" in done.stderr and "'ftp://x/metrics' is not an http:// or https:// URL" in done.stderr
 
 
+@pytest.mark.parametrize("url", ["http://scraper:S3cretPW@127.0.0.1:9/metrics", "https://S3cretPW@proc:9090/metrics"])
+@pytest.mark.parametrize("print_config", [False, True])
+def test_a_processor_metrics_url_with_credentials_is_refused_without_showing_them(run_cli, url, print_config):
+    """GET /v1/stats names every --processor-metrics-url and --print-config printed it: a password
+    in one was shown whole, while the scrape (urllib) never sent it (it read ``user:pw@host`` as the
+    host name, so such a URL never worked)."""
+    done = run_cli("edge", "--processor-metrics-url", url, "--insecure-demo", *(["--print-config"] * print_config))
+    assert done.returncode == 2
+    assert "holds credentials (user:password@)" in done.stderr and "<redacted>@" in done.stderr
+    assert "S3cretPW" not in done.stdout + done.stderr
+
+
 
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(hypothesis.strategies.lists(

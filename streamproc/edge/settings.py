@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import re
 from typing import Annotated
+from urllib.parse import urlsplit
 
 
-from ..config import ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented
+from ..config import ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented, redact_text
 from ..core import defaults
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
@@ -143,6 +144,12 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         for url in self.processor_metrics_urls():
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"processor_metrics_url: {url!r} is not an http:// or https:// URL")
+            # GET /v1/stats names every URL (and --print-config prints it), while the scrape (urllib)
+            # never sends userinfo: it took ``user:pw@host`` for the host name and failed to resolve it.
+            if "@" in urlsplit(url).netloc:
+                raise ValueError(f"processor_metrics_url: {redact_text(url)!r} holds credentials (user:password@), "
+                                 "which the edge's scrape does not send and GET /v1/stats would show; give the "
+                                 "edge a URL of the processor's status port without them")
 
         if not _INBOX_PREFIX.fullmatch(self.inbox_prefix):
             raise ValueError(f"inbox_prefix: {self.inbox_prefix!r} is not {defaults.EDGE_INBOX_PREFIX} or a "
