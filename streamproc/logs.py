@@ -152,8 +152,19 @@ class StructuredFormatter(logging.Formatter):
         if record.exc_info:
             fields["traceback"] = self.formatException(record.exc_info)
         if self.format_name == "json":
-            return msgspec.json.encode({**head, **fields}, enc_hook=str).decode()
+            return _inert(msgspec.json.encode({**head, **fields}, enc_hook=str).decode())
         return kv(**head, **fields)
+
+
+def _inert(line: str) -> str:
+    """A JSON line with every unprintable character escaped, as :func:`kv` does for logfmt. msgspec
+    escapes only what JSON requires (below U+0020, quote, backslash): U+2028, U+2029 and NEL, which
+    split a line for ``str.splitlines`` and many log viewers, and the C1 CSI and DEL, which drive a
+    terminal, stayed raw. Outside strings a JSON line is ASCII, so only string contents change, and
+    each escape reads back as the same character."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in line)
 
 
 def configure(level: str = "INFO", fmt: LogFormat = "logfmt", stream: TextIO | None = None) -> None:

@@ -125,3 +125,56 @@ def test_unprintable_characters_from_attacker_chosen_values_are_escaped_in_logfm
     line = kv(subject="a\x0bb\x1b[31m", rid="del\x7f", sep="\u2028", plain="ok", accent="é")
     assert line == 'subject="a\\u000bb\\u001b[31m" rid="del\\u007f" sep="\\u2028" plain=ok accent=é'
     assert line.isprintable()
+
+
+# Characters that JSON leaves as they are but that split a line (str.splitlines, many log viewers:
+# U+2028, U+2029, NEL) or drive a terminal (C1 CSI U+009B, DEL).
+_LINE_BREAKERS = "\u2028\u2029\x85\x9b\x7f"
+
+
+@pytest.mark.anyio
+async def test_json_log_lines_keep_line_separators_and_c1_controls_from_a_subject_inert(nats_url, tmp_path):
+    """A chunk subject is the publisher's choice, and `event=unreadable_message` logs it. logfmt
+    escaped every unprintable character; JSON left U+2028, U+2029, NEL, the C1 CSI and DEL raw
+    (msgspec escapes only what JSON requires), so one line read back as several (str.splitlines)
+    and a terminal could act on the CSI. The honest request beside them is answered."""
+    from helpers import connection, free_port, scrape, wait_until
+
+    from streamproc import ChunkPublisher, follow
+    from streamproc.wire import Subjects
+
+    log_path, port = tmp_path / "run.log", free_port()
+    subjects = Subjects("streamproc")
+    hostile = [f"streamproc.chunks.a{c}level=error.agg" for c in _LINE_BREAKERS]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "streamproc.cli", "run", "--nats-url", nats_url, "--mode", "core",
+                                 "--log-format", "json", "--http-port", str(port)],
+                                stdout=log_file, stderr=log_file, stdin=subprocess.DEVNULL)
+    try:
+        await wait_until(lambda: '"started"' in log_path.read_text(), 20, "the processor started")
+        async with connection(nats_url) as nc:
+            for subject in hostile:
+                await nc.publish(subject, b"{}", headers={"Streamproc-Seq": "0"})
+            async with follow(nc, subjects, "honest-1", timeout=10) as results:
+                await ChunkPublisher(nc, subjects).publish_leg("honest-1", "agg", [b'{"text":"ok"}'])
+                assert [r.body for r in await results.collect()] == [b'{"text":"ok"}']
+        await wait_until(lambda: scrape(port).get("streamproc_unreadable_total") == len(hostile), 10,
+                         "every hostile subject counted unreadable")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, log_path.read_text()
+    text = log_path.read_text()
+    assert text.splitlines() == text.split("\n")[:-1]  # no line holds a character splitlines splits on
+    assert all(line.isprintable() for line in text.splitlines())
+    records = parse_lines(text, "json")
+    logged = [r["subject"] for r in records if r["event"] == "unreadable_message"]
+    assert logged == hostile  # escaped, not lost: JSON reads them back exactly
+
+
+def test_json_format_escapes_what_logfmt_escapes_and_reads_back_exactly():
+    record = logging.LogRecord("streamproc.x", logging.INFO, __file__, 1, "ignored", None, None)
+    value = "a\x0bb\x1b[31m" + _LINE_BREAKERS + "é😀\U000e0001"
+    record.streamproc_fields = {"event": "odd", "value": value}
+    line = StructuredFormatter("json").format(record)
+    assert line.isprintable() and "é😀" in line  # readable text stays as it is
+    assert json.loads(line)["value"] == value
