@@ -397,7 +397,10 @@ async def test_request_ids_that_are_not_one_subject_token_are_400_however_encode
                 "r%C3%A9q", "a" * 257):
         response = await get(auth_edge, f"/v1/results/{raw}", headers=operator)
         assert_refusal(response, 400, "invalid_request")
-    assert (await get(auth_edge, "/v1/results/a%2Fb", headers=operator)).status_code == 404  # two segments
+    # %2F is part of the id (the wire rule allows "/"), decoded and checked like the rest of it;
+    # a literal slash makes two path segments
+    assert_refusal(await get(auth_edge, "/v1/results/a%2F.b", headers=operator), 400, "invalid_request")
+    assert (await get(auth_edge, "/v1/results/a/b", headers=operator)).status_code == 404
 
 
 async def test_time_and_audience_claims_at_their_edges(auth_edge):

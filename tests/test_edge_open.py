@@ -125,6 +125,32 @@ async def test_results_paths_the_direct_route_does_not_take_answer_as_starlette_
         assert response.json()["error"]["type"] == "invalid_request"
 
 
+async def test_a_request_id_holding_a_slash_is_read_when_the_slash_is_sent_encoded(edge, nc):
+    """The wire rule allows ``/`` in a request id and the processor answers such a request, but
+    Uvicorn decodes ``%2F`` in ``scope["path"]``, so ``/v1/results/tenant%2F42`` (what the page's
+    ``encodeURIComponent`` sends) looked like two segments and got a bare 404, from the direct
+    route and Starlette alike: nobody could read it. The id is now read from the raw path; a literal
+    slash still is another path (404), and a neighbour without a slash is served as before."""
+    from urllib.parse import quote
+
+    from streamproc.wire import valid_request_id
+
+    slashed, plain = f"tenant/{rid('slash')}", rid("no-slash")
+    assert valid_request_id(slashed)
+    for request_id in (slashed, plain):
+        await publish_result(nc, Subjects("streamproc"), request_id, 0, b'{"text":"x"}', final=True)
+    await nc.flush()
+    async with httpx.AsyncClient(base_url=edge.url, timeout=10) as http:
+        for request_id in (slashed, plain):
+            unary = await http.get(f"/v1/results/{quote(request_id, safe='')}", params={"stream": "false"})
+            assert (unary.status_code, unary.content) == (200, b'{"text":"x"}'), (request_id, unary.text)
+            stream = await http.get(f"/v1/results/{quote(request_id, safe='')}")
+            assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n"), stream.text
+            assert 'data: {"text":"x"}' in stream.text
+        assert (await http.get(f"/v1/results/{slashed}")).status_code == 404  # a literal slash: two segments
+        assert (await http.get("/v1/results/a%2F.b")).status_code == 400  # still checked as an id
+
+
 SECRET = b"open-test-secret-0123456789abcdef-0123456789"
 
 

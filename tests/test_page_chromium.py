@@ -269,6 +269,26 @@ async def test_a_recent_request_can_be_picked_from_the_list_or_typed_in(browser,
     screenshot(browser, "edge-page-recent.png")
 
 
+async def test_a_request_id_with_a_slash_is_followed_from_the_recent_list(browser, edge, server):
+    """The wire rule allows ``/`` in a request id; the page sends it as ``%2F``, which the edge
+    answered with 404 (the page said "refused (HTTP 404)") until it read the id from the raw path."""
+    slashed = f"tenant/{rid('page-slash')}"
+    async with await nats.connect(server.url) as nc:
+        await publish_results(nc, SUBJECTS, slashed, [b'{"text":" sl"}', b'{"text":"ash"}'])
+    browser.get(f"{edge.url}/")
+    button = None
+    with anyio.fail_after(10):
+        while button is None:
+            found = browser.find_elements(By.CSS_SELECTOR, f'#recent button[data-request-id="{slashed}"]')
+            button = found[0] if found else None
+            await anyio.sleep(0.1)
+    button.click()
+    state = await wait_for(browser, lambda s: s["requestId"] == slashed and s["state"] in ("done", "refused", "failed"))
+    assert state["received"] == ['{"text":" sl"}', '{"text":"ash"}', "[DONE]"], browser.find_element(By.ID, "notice").text
+    assert state["state"] == "done"
+    assert browser.find_element(By.ID, "tokens").get_attribute("textContent") == " slash"
+
+
 async def test_the_insecure_demo_page_says_so_on_screen(browser, edge):
     browser.get(f"{edge.url}/")
     with anyio.fail_after(10):

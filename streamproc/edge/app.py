@@ -36,6 +36,7 @@ import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from urllib.parse import unquote
 
 import anyio
 import msgspec
@@ -1025,8 +1026,11 @@ class EdgeApp(Starlette):
     through two ``send`` wrappers (docs/benchmarks.md, "SSE open"). This route is what the edge
     exists for, so it is dispatched here; the same ``Edge.results`` answers it, behind the same
     CORS middleware when ``--cors-origin`` is set. Any other path, method or shape (a slash in the
-    id, HEAD) goes through Starlette as before. An exception still reaches Uvicorn, which answers
-    500 and logs it, as ServerErrorMiddleware re-raising did."""
+    path after the prefix, HEAD) goes through Starlette as before. A request id may hold ``/`` (the
+    wire rule allows it): sent as ``%2F`` (``encodeURIComponent``, ``quote(id, safe="")``) it is one
+    path segment, read from ``raw_path`` (Uvicorn decodes ``scope["path"]``, where it looked like two
+    segments and got 404). An exception still reaches Uvicorn, which answers 500 and logs it, as
+    ServerErrorMiddleware re-raising did."""
 
     results_route: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
 
@@ -1035,12 +1039,22 @@ class EdgeApp(Starlette):
             path = route_path(scope)
             if path.startswith(RESULTS_PREFIX):
                 request_id = path[len(RESULTS_PREFIX):]
-                if request_id and "/" not in request_id:  # Starlette's ``{request_id}``: ``[^/]+``
+                if request_id and ("/" not in request_id or _one_raw_segment(scope, request_id)):
                     scope["app"] = self
                     scope["path_params"] = {"request_id": request_id}
                     await self.results_route(scope, receive, send)
                     return
         await super().__call__(scope, receive, send)
+
+
+def _one_raw_segment(scope: Scope, request_id: str) -> bool:
+    """Whether the id's slashes were sent encoded (``%2F``): the raw path ends in one segment after
+    the prefix that decodes to ``request_id``."""
+    raw = scope.get("raw_path")
+    if not isinstance(raw, bytes):
+        return False
+    segment = raw.rpartition(b"/")[2].decode("latin-1")
+    return unquote(segment) == request_id
 
 
 def route_path(scope: Scope) -> str:
