@@ -13,7 +13,7 @@ from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOption
 from streamproc.wire import Verdict
 
 from . import experts, migration, native
-from .fold import fold
+from .fold import fold, fold_items
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
 
@@ -58,7 +58,8 @@ class SGLangCodec(Codec):
             if doc is None:
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
-        return native.encode(fold(docs))
+        items = fold_items(docs)  # a streamed batch or n > 1 request answers a list unary
+        return native.encode(items if items is not None else fold(docs))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})

@@ -3,17 +3,49 @@
 Either streaming mode is read from the chunks themselves (:func:`~.native.restates`): a cumulative
 chunk replaces the accumulated text, ids and output logprob lists; an incremental one extends them.
 A stream the scheduler aborted ends in a body that restates text and lists but not the ids
-(:func:`~.native.abort_restatement`): its repeated last id is not appended.
+(:func:`~.native.abort_restatement`): its repeated last id is not appended. A streamed batch or
+``n > 1`` request (chunks tagged ``"index"``) folds to the list its unary request answers
+(:func:`fold_items`), each item folded alone.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from streamproc.codec import UNAVAILABLE_SUFFIX
 
-from .native import (ABORT_RESTATED_FIELDS, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, AbortRestatement,
+from .native import (ABORT_RESTATED_FIELDS, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, AbortRestatement,
                      abort_restatement, restated, restates)
+
+
+def fold_items(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """A streamed batch or ``n > 1`` request folded into the list the same request answers unary, or
+    None for a stream whose chunks name no item.
+
+    ``TokenizerManager._stream_batch_responses`` tags each item's chunk ``result["index"] =
+    rid_to_index[...]`` (its place in ``rids``, the order ``_handle_batch_request`` sent them) and
+    yields the items' chunks interleaved; unary, the request answers ``yield outputs``, the items'
+    bodies (no ``"index"``) in that order. Item ``k`` is :func:`fold` of the chunks tagged ``k``. A
+    chunk that names no item, or items that are not ``0 .. n-1`` (one was lost: every item sends at
+    least its finishing chunk), answer no list: ValueError.
+    """
+    indices = [doc.get(INDEX) for doc in docs]
+    if not any(type(index) is int for index in indices):
+        return None
+    items: dict[int, list[dict[str, Any]]] = {}
+    for doc, index in zip(docs, indices):
+        if type(index) is not int:
+            raise ValueError("a streamed batch has a chunk that names no item (no integer index)")
+        items.setdefault(index, []).append(doc)
+    if any(index not in items for index in range(len(items))):
+        raise ValueError(f"a streamed batch's {len(items)} items are not numbered 0..{len(items) - 1}: "
+                         "one is missing")
+    out = []
+    for index in range(len(items)):
+        item = fold(items[index])
+        item.pop(INDEX, None)
+        out.append(item)
+    return out
 
 
 def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
