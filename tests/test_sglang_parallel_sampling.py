@@ -140,7 +140,7 @@ def test_folding_a_streamed_batch_with_a_missing_or_unnamed_item_is_refused():
     assert json.loads(SGLangCodec(OPTIONS).fold([plain]))["output_ids"] == OUT[1]
 
 
-# ============================================================================ P/D
+# ============================================================================ P/D: an item that ends first
 
 def rows(start: int, end: int, item: int) -> bytes:
     """int32 expert ids of positions [start, end) of item ``item``, distinct per layer."""
@@ -151,6 +151,55 @@ def rows(start: int, end: int, item: int) -> bytes:
 
 def b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()  # _handle_batch_output: pybase64.b64encode(val.numpy().tobytes())
+
+
+def item_chunk(item: int, out: list[int], m: dict[str, Any]) -> dict[str, Any]:
+    return {"text": "", "output_ids": out, "meta_info": m, "index": item}
+
+
+ONE = {"type": "length", "length": 1}
+
+
+def one_token_item_legs(version: str) -> tuple[list[bytes], list[bytes], dict[str, Any]]:
+    """Item 0 asks ``max_new_tokens=1`` and finishes while item 1 still streams (batch items may carry
+    their own sampling params). Aggregated: ``process_batch_result_prefill`` collects item 0's rows
+    when it finishes, ``[0, prompt + 1 - 1)``, its prompt rows. P/D decode: token 0 arrives through the
+    metadata buffer and ``process_batch_result_prebuilt`` finishes the request::
+
+        req.update_finish_state()
+        if req.finished(): ... release_kv_cache(req, self.tree_cache, checkpoint=True)
+        self.output_streamer.stream_output(batch.reqs, batch.return_logprob)
+
+    with no ``_maybe_collect_routed_experts``: decode's item 0 has no rows. The prefill leg has them."""
+    prefill = [dumps(item_chunk(item, [OUT[item][0]], meta(item, finish=PREFILL_FINISH, completion=1,
+                                                            version=version, experts=b64(rows(0, PROMPT, item)))))
+               for item in (0, 1)]
+    stale = rows(0, PROMPT, 7)  # decode's copy of the prompt rows: KV-slot leftovers
+    decode = [
+        dumps(item_chunk(0, OUT[0][:1], meta(0, finish=ONE, completion=1, version=version))),
+        dumps(item_chunk(1, OUT[1][:1], meta(1, finish=None, completion=1, version=version))),
+        dumps(item_chunk(1, OUT[1], meta(1, finish=STOP, completion=3, version=version,
+                                         experts=b64(stale + rows(PROMPT, PROMPT + 2, 1))))),
+    ]
+    agg_item0 = item_chunk(0, OUT[0][:1], meta(0, finish=ONE, completion=1, version=version,
+                                               experts=b64(rows(0, PROMPT, 0))))
+    return prefill, decode, agg_item0
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5"])
+def test_an_n_gt_1_item_that_finishes_before_the_last_gets_its_prefill_rows(version):
+    """Found by this review. An item's finishing chunk is not the leg's last when another item still
+    streams, so it waited for prefill only if it carried logprobs, rows or ``weight_versions``. 0.5.23
+    writes spans on every finished body, so it waits; a tree without them sent item 0 on as decode
+    wrote it: no rows and no reason, where the aggregated item has its prompt rows. An item's own
+    finish now ends it for the join, as it already did for freeing its rows (``_join_indexed``)."""
+    prefill, decode, agg_item0 = one_token_item_legs(version)
+    results = join(SGLangCodec(OPTIONS), decode, prefill)
+    out, verdict = results[0]
+    assert_same_body(out, dumps(agg_item0))
+    assert verdict is Verdict.JOINED
+    last = json.loads(results[2][0])["meta_info"]
+    assert last["routed_experts"] == b64(rows(0, PROMPT + 2, 1))  # item 1: its own prompt rows, not item 0's
 
 
 @pytest.mark.parametrize("cumulative", [True, False])

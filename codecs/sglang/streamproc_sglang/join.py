@@ -337,12 +337,13 @@ class SGLangJoinSession(JoinSession):
         """Logprob chunks (decode lacks prompt and first-token logprobs), chunks carrying rows or weight
         versions (token 0's is prefill's), and the final chunk: only the prefill leg tells whether
         experts were requested, so a decode that dropped the field (or a one-token decode that
-        legitimately omits it) is judged against it."""
+        legitimately omits it) is judged against it. A streamed batch item's finishing chunk is its
+        item's final one (:meth:`_item_final`)."""
         doc = self._decoded(body)
         if not isinstance(doc, dict):  # a batch body is a whole answer: its items are joined with prefill's
             return native.items_of(doc) is not None
         meta = native.meta_of(doc)
-        return meta is not None and self._wants(meta, final)
+        return meta is not None and self._wants(meta, self._item_final(doc, meta, final))
 
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._known = True
@@ -400,7 +401,10 @@ class SGLangJoinSession(JoinSession):
             return len(body) + self._items_rows_bound + sum(
                 self._value_bound(native.meta_of(item), limit) for item in items)
         meta = native.meta_of(doc)
-        if meta is None or not self._wants(meta, final):
+        if meta is None:
+            return 0
+        final = self._item_final(doc, meta, final)
+        if not self._wants(meta, final):
             return 0
         need = len(body)
         index = doc.get(native.INDEX)
@@ -450,7 +454,7 @@ class SGLangJoinSession(JoinSession):
         meta = native.meta_of(doc)
         if meta is None:
             return body, Verdict.PASSTHROUGH
-        wants = self._wants(meta, final)
+        wants = self._wants(meta, self._item_final(doc, meta, final))  # type: ignore[arg-type]
         indexed = type(doc.get(native.INDEX)) is int and not self._item  # type: ignore[union-attr]
         # A streamed batch item's chunk that waits is joined in the item's own session, which decides.
         chunk_omitted = False if indexed and wants else (
@@ -547,6 +551,14 @@ class SGLangJoinSession(JoinSession):
     @staticmethod
     def _wants(meta: dict[str, Any], final: bool) -> bool:
         return final or OUTPUT_TOKEN_LOGPROBS in meta or ROUTED_EXPERTS in meta or WEIGHT_VERSIONS in meta
+
+    def _item_final(self, doc: dict[str, Any], meta: dict[str, Any], final: bool) -> bool:
+        """``final``, or a streamed batch item's finishing chunk (``_stream_batch_responses``): another
+        item may still stream, so the leg goes on, but this item ends here (:meth:`_join_indexed`
+        frees its rows there) and is judged as a final chunk: a one-token decode item has no rows
+        (``process_batch_result_prebuilt`` collects none) and takes prefill's."""
+        return final or (not self._item and type(doc.get(native.INDEX)) is int
+                         and meta.get(native.FINISH_REASON) is not None)
 
     def _decoded(self, body: bytes) -> Any:
         """The body's JSON value (an object, a batch's list, or None), decoded once for
