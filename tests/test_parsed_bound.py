@@ -111,3 +111,21 @@ def test_known_ascii_strings_are_charged_once_in_a_body_that_is_not_ascii():
     body = json.dumps({"text": "中", "meta_info": {"routed_experts": rows}}, ensure_ascii=False).encode()
     assert allocated(body) <= parsed_json_bound(body, narrow=len(rows)) < 1.01 * len(body)
     assert parsed_json_bound(body) > 3.9 * len(body)  # not told: a wide string could be that long
+
+
+@pytest.mark.parametrize("text", ["😀" + "a" * 100_000, "中" + "a" * 100_000, "😀" * 30_000],
+                         ids=["astral then ASCII", "BMP then ASCII", "astral"])
+def test_the_bound_covers_the_parsed_value_once_it_was_encoded(text):
+    """Encoding a parsed value (a join republishes prefill's strings) gives each wide string a UTF-8
+    copy that lives as long as the string (``PyUnicode_AsUTF8AndSize``, msgspec's encoder): an astral
+    character before 100,000 ASCII ones held 4x the text parsed and 5x once encoded."""
+    body = msgspec.json.encode([text])
+    msgspec.json.decode(body)
+    tracemalloc.start()
+    try:
+        value = msgspec.json.decode(body)
+        msgspec.json.encode(value)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held <= parsed_json_bound(body), (held, parsed_json_bound(body))

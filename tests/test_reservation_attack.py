@@ -26,7 +26,7 @@ from helpers import expert_pd_legs, inflating_pd_legs, peak_rss
 from streamproc.catalog import Catalog
 from streamproc.core.wire import ERROR, FINAL, Subjects, chunk_headers
 from streamproc.correlator import Correlator, CorrelatorConfig, Work
-from streamproc.wire import Chunk, Result, Role
+from streamproc.wire import Chunk, Result, Role, Verdict
 
 MiB = 1 << 20
 FMT = "sglang-zstd"
@@ -273,3 +273,32 @@ def test_a_sessions_charge_for_its_absorbed_prefill_leg_covers_what_the_parsed_l
     session.absorb_prefill([body])
     charged = len(body) + session.retained_bytes()
     assert held <= charged <= 3 * held, (charged, held)
+
+
+def test_a_sessions_charge_covers_its_prefill_leg_after_a_join_republished_it():
+    """The join copies prefill's prompt logprobs into decode's chunk and encodes it, which gives each
+    wide token text a UTF-8 copy kept as long as the leg: a text of one astral character and 1 MB of
+    ASCII held 4 MB parsed (charged 4 MB) and 5 MB after the first join."""
+    import tracemalloc
+
+    text = "\U0001F600" + "a" * 1_000_000
+    prefill = msgspec.json.encode({"text": "a", "output_ids": [7], "meta_info": {
+        "id": "p", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": 2, "completion_tokens": 1,
+        "input_token_logprobs": [[None, 1, None], [-1.0, 2, text]], "output_token_logprobs": [[-0.5, 7, None]]}})
+    decode = msgspec.json.encode({"text": "ab", "output_ids": [7, 8], "meta_info": {
+        "id": "p", "finish_reason": None, "prompt_tokens": 2, "completion_tokens": 2,
+        "output_token_logprobs": [[None, 7, None], [-0.7, 8, None]]}})
+    session = Catalog()("sglang").open_session()
+    tracemalloc.start()
+    try:
+        session.absorb_prefill([prefill])
+        assert session.needs_prefill(decode, False)
+        out, verdict = session.join(decode, False)
+        assert verdict is Verdict.JOINED and text.encode() in out
+        del out
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    charged = len(prefill) + session.retained_bytes()
+    assert held <= charged, (held, charged)
+

@@ -261,7 +261,7 @@ class SequenceCodec(ABC, Generic[R]):
 # a dict entry's share of table growth and a value (a non-ASCII one-character string is 76-80), ``[``
 # a list with its first slots (88), ``,`` a slot and an element or key. The worst shape measured,
 # chains of one-entry dicts under distinct one-character keys (``{"中":{"丁":...}}``), takes 260
-# bytes per ``{`` + ``:`` pair; the weights give 256 plus 4x the 7 text bytes, ~9% above.
+# bytes per ``{`` + ``:`` pair; the weights give 256 plus 5x the 7 text bytes, ~12% above.
 # tests/test_parsed_bound.py checks the bound against tracemalloc on generated and worst shapes.
 _PARSED_WEIGHTS: tuple[tuple[bytes, int], ...] = ((b"{", 168), (b":", 88), (b"[", 104), (b",", 72))
 _PARSED_TOP = 264  # the top-level value, which follows no structural character
@@ -271,9 +271,10 @@ def parsed_json_bound(body: bytes, narrow: int = 0) -> int:
     """At most how many bytes the Python objects of ``msgspec.json.decode(body)`` hold: what a
     codec that keeps a parsed body (an absorbed prefill leg) must charge to ``--max-total-bytes``.
     Counted, not parsed (a few ``bytes.count`` passes): each structural character at the most an
-    object following it can take, plus the text itself once, or four times when it is not ASCII or
+    object following it can take, plus the text itself once, or five times when it is not ASCII or
     holds a ``\\u`` escape (a string holding one astral character is UCS-4: 4 bytes per character,
-    its ASCII ones included).
+    its ASCII ones included; and once the value is encoded, as a join republishes it, each wide
+    string keeps its UTF-8 copy too, ``PyUnicode_AsUTF8AndSize``: one more byte per byte of text).
     ``narrow``: bytes of the text the caller knows to be ASCII strings (Base64 rows it parsed),
     which take one byte per character however wide the rest is. Honest logprob bodies parse to 6-7x
     their length and are charged 13-16x; the fixed 6x of before let shapes that parse to 24-31x
@@ -281,7 +282,7 @@ def parsed_json_bound(body: bytes, narrow: int = 0) -> int:
     size = len(body)
     total = _PARSED_TOP + size
     if not body.isascii() or b"\\u" in body:  # a \\uXXXX escape can make a string wide too
-        total += 3 * max(0, size - narrow)
+        total += 4 * max(0, size - narrow)
     for char, weight in _PARSED_WEIGHTS:
         total += weight * body.count(char)
     return total
