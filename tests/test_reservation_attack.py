@@ -302,3 +302,26 @@ def test_a_sessions_charge_covers_its_prefill_leg_after_a_join_republished_it():
     charged = len(prefill) + session.retained_bytes()
     assert held <= charged, (held, charged)
 
+
+def test_a_batch_prefill_legs_charge_covers_the_items_it_keeps():
+    """A batch prefill leg is kept as its items re-encoded (``_prefill_items``), which was charged at
+    the leg's length: ``1e15`` re-encodes as ``1000000000000000.0``, and msgspec's output keeps the
+    slack of its buffer, so a leg of such numbers held 4.5x what it was charged."""
+    import tracemalloc
+
+    def item(i: int) -> dict:
+        return {"text": "a", "output_ids": [1], "meta_info": {
+            "id": f"p{i}", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": 4,
+            "completion_tokens": 1, "scores": [1e15] * 50_000}}
+
+    body = msgspec.json.encode([item(0), item(1)]).replace(b"1000000000000000.0", b"1e15")
+    Catalog()("sglang").open_session().absorb_prefill([body])  # msgspec's key cache is not the session's
+    session = Catalog()("sglang").open_session()
+    tracemalloc.start()
+    try:
+        session.absorb_prefill([body])
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    charged = len(body) + session.retained_bytes()
+    assert held <= charged + 4096, (held, charged)  # 4 KiB: CPython's free list of 100 floats, headers

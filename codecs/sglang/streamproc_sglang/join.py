@@ -317,6 +317,9 @@ class SGLangJoinSession(JoinSession):
         # What decoding the prefill rows of a batch's items (all of them) or of a streamed batch's item
         # (by index) may allocate, judged at absorb from the values' lengths and headers (join_bytes).
         self._items_rows_bound = 0
+        # What a batch prefill leg's re-encoded items hold beyond the leg's length (charged already):
+        # msgspec writes ``1e15`` as ``1000000000000000.0``, so they can hold ~3.8x it.
+        self._items_extra = 0
         self._rows_bound_by_index: dict[int, int] = {}
         self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
@@ -355,7 +358,9 @@ class SGLangJoinSession(JoinSession):
         if any(doc is None for doc in docs):
             items = native.items_of(values[0]) if len(values) == 1 else None
             if items is not None and len(items) <= MAX_BATCH_ITEMS:  # a batch: each decode item is joined with its own (_join_items)
-                self._prefill_items = [native.encode(item) for item in items]
+                # copied to their length: msgspec's output keeps the slack of its growing buffer
+                self._prefill_items = [bytes(memoryview(native.encode(item))) for item in items]
+                self._items_extra = max(0, sum(map(len, self._prefill_items)) - sum(map(len, bodies)))
                 self._items_rows_bound = sum(self._rows_bound(native.meta_of(item)) for item in items)
             self._unavailable = Omit.PREFILL_CORRUPT  # for a decode body that is not a batch
             return
@@ -385,6 +390,7 @@ class SGLangJoinSession(JoinSession):
         rows = self._rows
         own = len(rows.rows) if isinstance(rows, _PrefillRows) else 0
         own += self._parsed_extra if self._prefill is not None else 0
+        own += self._items_extra if self._prefill_items is not None else 0
         return own + sum(session.retained_bytes() for session in self._item_sessions.values())
 
     def join_bytes(self, body: bytes, final: bool) -> int | None:
