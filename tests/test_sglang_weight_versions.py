@@ -224,3 +224,18 @@ def test_pd_decode_weight_versions_that_are_no_span_list_are_decode_corrupt(span
     assert "weight_versions" not in meta and meta["weight_versions_unavailable_reason"] == "decode_corrupt"
     assert verdict is Verdict.OMITTED
 
+
+
+def test_pd_decode_aborted_before_token_0_passes_its_zero_token_span_through():
+    """A decode request aborted in its queues before the KV transfer committed token 0 (client gone)
+    finishes with no output token: ``_make_abort_req`` computes its spans with ``len(req.output_ids)``
+    0, and ``compute_weight_version_spans`` / ``add_weight_versions_to_meta_info`` write
+    ``[{version: <current>, start: 0, end: 0}]`` (``visible`` keeps ``span.start == 0``), as the
+    aggregated engine does for the same abort. No token is attributed to any weights, so there is
+    nothing to join: the body is upstream's, not ``decode_corrupt``."""
+    abort = {"type": "abort", "message": "Abort in waiting queue"}
+    decode = body([], finish=abort, config_version="v2", events=[])
+    assert json.loads(decode)["meta_info"]["weight_versions"] == [{"version": "v2", "start": 0, "end": 0}]
+    [(got, verdict)] = join(SGLangCodec(OPTIONS), [decode], [prefill_leg("v1")])
+    assert "weight_versions_unavailable_reason" not in json.loads(got)["meta_info"]
+    assert got == decode and verdict is Verdict.PASSTHROUGH

@@ -280,6 +280,18 @@ def _replace_key(meta: dict[str, Any], key: str, new_key: str, value: Any) -> No
     meta.update(items)
 
 
+def _no_token_span(value: object) -> bool:
+    """``[{version, start: 0, end: 0}]``: the spans of a body with no output token (a request aborted
+    before its first: ``_make_abort_req`` / ``accept`` with ``len(output_ids)`` 0, and
+    ``add_weight_versions_to_meta_info`` keeps a span starting at 0), the server's current version on
+    either engine."""
+    if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)):
+        return False
+    span = value[0]
+    return (isinstance(span.get("version"), str) and _is_count(span.get("start")) and _is_count(span.get("end"))
+            and span["start"] == span["end"] == 0)
+
+
 def _version_spans(value: object) -> list[tuple[str, int, int]] | None:
     """``weight_versions`` as ``(version, start, end)`` spans covering ``[0, end)`` in order, or None
     for anything ``add_weight_versions_to_meta_info`` does not write."""
@@ -749,6 +761,8 @@ class SGLangJoinSession(JoinSession):
         version for token 0 (no usable prefill leg, or no spans on it) or decode spans that are no
         span list: the field is removed, and so is ``weight_version`` of a one-token answer (its last
         token is token 0)."""
+        if _no_token_span(meta[WEIGHT_VERSIONS]):
+            return  # no output token (a decode aborted before token 0): no weights to attribute
         ours = _version_spans(meta[WEIGHT_VERSIONS])
         theirs = None
         if ours is None:
