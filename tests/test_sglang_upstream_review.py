@@ -344,6 +344,36 @@ def test_0523_nested_fallback_of_unrepresentable_prompt_top_logprobs_is_taken_fr
     assert verdict is Verdict.JOINED
 
 
+def test_0523_nested_prompt_top_logprobs_fallback_takes_the_flat_fields_place_when_output_is_flat_too():
+    """``return_flat_raw_output_top_logprobs`` (finished bodies): ``add_logprob_to_meta_info`` writes
+    the output rows flat (``meta_info.update(_build_flat_top_logprobs_fields("output", ...))``), so no
+    nested ``output_top_logprobs`` follows the prompt's nested fallback. The aggregated body has
+    ``input_top_logprobs`` where decode has its zero-row flat fields; the join put it last."""
+    def output_flat(sl: slice) -> dict[str, Any]:
+        rows = OUTPUT_TOP[sl]
+        return {"output_top_logprobs_val_flat": [e[0] for row in rows for e in row],
+                "output_top_logprobs_idx_flat": [e[1] for row in rows for e in row],
+                "output_top_logprobs_shape": [len(rows), 2], "output_top_logprobs_null_prefix": 0}
+
+    def logprobs(sl: slice, length: int, nested: bool) -> dict[str, Any]:
+        fields = flat_logprobs(input_side=False, output_slice=sl, length=length)
+        del fields["output_top_logprobs"]
+        if nested:
+            for key in ("input_top_logprobs_val_flat", "input_top_logprobs_idx_flat", "input_top_logprobs_shape",
+                        "input_top_logprobs_null_prefix"):
+                del fields[key]
+            fields["input_token_logprobs"] = INPUT_LP
+            fields["input_top_logprobs"] = RAGGED_TOP
+        return {**fields, **output_flat(sl)}
+
+    agg = body(out=OUT, finish=STOP, completion=3, logprobs=logprobs(slice(0, 3), 3, nested=True))
+    prefill = body(out=OUT[:1], finish=PREFILL_FINISH, completion=1, logprobs=logprobs(slice(0, 1), 1, nested=True))
+    decode = body(out=OUT, finish=STOP, completion=3, logprobs=logprobs(slice(0, 3), 3, nested=False))
+    [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    assert_same(out, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
 # ============================================================================ routed_experts key order
 
 # A one-token P/D decode finishes in SchedulerBatchResultProcessor.process_batch_result_prebuilt,

@@ -699,11 +699,17 @@ class SGLangJoinSession(JoinSession):
         theirs = source.get("input_top_logprobs_shape")
         present = [key for key in INPUT_TOP_FLAT_FIELDS if key in meta]
         if not isinstance(theirs, list):
-            for key in present:
-                meta.pop(key)
             if isinstance(source.get("input_top_logprobs"), list) and isinstance(meta.get("input_top_logprobs"), list):
+                # where the aggregated fallback writes it: the flat fields' place (add_logprob_to_meta_info),
+                # which is before ``output_top_logprobs`` unless that is flat too (finished bodies)
+                value = meta.pop("input_top_logprobs")
+                _replace_key(meta, next(key for key in meta if key in present), "input_top_logprobs", value)
+                for key in present:
+                    meta.pop(key, None)
                 self._changed = True
                 return
+            for key in present:
+                meta.pop(key)
             meta[INPUT_TOP_LOGPROBS_UNAVAILABLE] = Omit.PREFILL_MISSING
             self._omitted = True
             return
