@@ -140,3 +140,35 @@ def test_while_a_work_is_out_the_budget_counts_its_reservation_and_the_join_deco
     while out:
         run_one()
     assert c.charged_bytes == MiB * sum(seqs[r] for r in seqs if c.next_seq_of(r) is not None)
+
+
+@pytest.mark.parametrize("wait", ["for the prefill leg", "for the join thread"])
+def test_a_decode_chunk_that_waits_is_not_kept_parsed_beyond_its_charge(wait):
+    """``needs_prefill`` parses an sglang decode chunk; one that then waits (its prefill leg is not
+    there, or another join holds the thread) kept that parsed form, charged at its body length:
+    ``{"<wide key>":{}}`` entries parse to ~30x it. 200 such waiting chunks held ~25x what the
+    budget counted (tracemalloc); a flood of 1,000 took ``streamproc run`` to 1.4 GiB VmHWM."""
+    import tracemalloc
+
+    import msgspec
+
+    meta = {"id": "d", "finish_reason": None, "prompt_tokens": 4, "completion_tokens": 2,
+            "output_token_logprobs": [[None, 7, None]], "hidden": [{chr(0x4E00 + i): {}} for i in range(2000)]}
+    decode = msgspec.json.encode({"text": "ab", "output_ids": [7, 8], "meta_info": meta})
+    prefill = msgspec.json.encode({"text": "a", "output_ids": [7], "meta_info": {
+        "id": "p", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": 4, "completion_tokens": 1}})
+    c = _offloading("sglang", max_total_bytes=96 * MiB, max_buffered_bytes=96 * MiB)
+    assert c.receive(Chunk("first", Role.PREFILL, 0, prefill, True), 0.0) == []
+    assert [d for d in c.receive(Chunk("first", Role.DECODE, 0, decode, False), 0.0) if isinstance(d, Work)]
+    tracemalloc.start()
+    try:
+        before = c.charged_bytes
+        for i in range(200):
+            if wait == "for the join thread":
+                assert c.receive(Chunk(f"r{i}", Role.PREFILL, 0, prefill, True), 0.0) == []
+            assert c.receive(Chunk(f"r{i}", Role.DECODE, 0, decode, False), 0.0) == []
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    charged = c.charged_bytes - before
+    assert held <= 2 * charged, (held / MiB, charged / MiB)

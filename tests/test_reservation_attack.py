@@ -325,3 +325,50 @@ def test_a_batch_prefill_legs_charge_covers_the_items_it_keeps():
         tracemalloc.stop()
     charged = len(body) + session.retained_bytes()
     assert held <= charged + 4096, (held, charged)  # 4 KiB: CPython's free list of 100 floats, headers
+
+
+def pathological_decode_chunk(prompt: int = 4096) -> bytes:
+    """An sglang decode chunk that waits for its prefill leg (it has ``output_token_logprobs``) and
+    carries ``{"<wide key>":{}}`` entries: ~45 KB of JSON that parses into ~30x its length."""
+    meta = {"id": "d", "finish_reason": None, "prompt_tokens": prompt, "completion_tokens": 2,
+            "output_token_logprobs": [[None, 7, None]], "hidden": [{chr(0x4E00 + i): {}} for i in range(prompt)]}
+    return msgspec.json.encode({"text": "ab", "output_ids": [7, 8], "meta_info": meta})
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(180)
+async def test_a_flood_of_decode_chunks_waiting_for_their_prefill_leg_stays_within_the_budget(nats_url, streamproc_run):
+    """A decode chunk that needs the prefill leg is parsed on arrival (``needs_prefill``) and kept
+    parsed (the session's ``_last``) while it waits for the leg, charged at its body length: 1,000
+    such chunks of ~45 KB that parse to ~30x (43 MiB charged, under the 96 MiB default) with no
+    prefill leg. Bound: VmHWM under 300 MiB; a later honest request is answered."""
+    chunk = pathological_decode_chunk()
+    honest: list[bytes] = []
+
+    async def on_result(msg) -> None:
+        if msg.subject.endswith(".honest"):
+            honest.append(msg.data)
+
+    with streamproc_run("--mode", "core", "--format", "sglang") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
+            await nc.flush()
+            for i in range(1_000):
+                await nc.publish(SUBJECTS.chunk(f"leg{i}", "decode"), chunk,
+                                 headers=chunk_headers(f"leg{i}", "decode", 0, final=False, format="sglang"))
+                if i % 50 == 0:
+                    await nc.flush()
+            await nc.flush()
+            await nc.publish(SUBJECTS.chunk("honest", "agg"), b'{"text":"h","meta_info":{}}',
+                             headers=chunk_headers("honest", "agg", 0, final=True, format="sglang"))
+            with anyio.fail_after(60):
+                while not honest:
+                    await anyio.sleep(0.05)
+        finally:
+            await nc.close()
+        hwm = peak_rss(proc.pid)
+    print(f"VmHWM {hwm / MiB:.0f} MiB")
+    assert honest == [b'{"text":"h","meta_info":{}}']
+    assert hwm < 300 * MiB, hwm / MiB

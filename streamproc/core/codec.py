@@ -314,6 +314,12 @@ class JoinSession(ABC):
         :class:`ContractError` for a body the codec refuses as a whole (the request then ends with an
         ``invalid_chunk`` error naming the reason); any other exception ends it as ``internal``."""
 
+    def set_aside(self) -> None:
+        """The chunk :meth:`needs_prefill` was just asked about waits (for the prefill leg, or its
+        turn at the join thread): drop anything parsed from it, which nothing charges. A flood of
+        waiting SGLang decode chunks kept parsed (~30x their length for some shapes) took
+        ``streamproc run`` to 1.4 GiB VmHWM at the 96 MiB budget. It is asked again when it resumes."""
+
     # Set by the correlator before each call: bytes the session may still decode within the
     # processor's global budget (``max_total_bytes``); None means no budget. A codec whose payloads
     # inflate bounds its decoding by it, so a bomb inside ``max_decompressed_bytes`` ends as a

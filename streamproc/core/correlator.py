@@ -1010,6 +1010,7 @@ class Correlator:
                     session = self._session(req)
                     needs = session.needs_prefill(chunk.body, final)
                     if needs and req.prefill_state is _PREFILL_OPEN:
+                        session.set_aside()
                         if req.waiting_since is None:
                             req.waiting_since = now
                             self._waiting[req.request_id] = req
@@ -1024,6 +1025,7 @@ class Correlator:
                         req.join_timed = True
                     if self.offload_joins and (needs or req.attempt):
                         if self._working is not None:  # queued for its turn, reserved when it comes
+                            session.set_aside()
                             self._queued[req.request_id] = req
                             return out
                         # What the join will decode is charged before it leaves (_reserve), so the

@@ -360,6 +360,9 @@ class SGLangJoinSession(JoinSession):
         meta = native.meta_of(doc)
         return meta is not None and self._wants(meta, self._item_final(doc, meta, final))
 
+    def set_aside(self) -> None:
+        self._last = None  # the waiting chunk's parsed form: parsed again when it resumes
+
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._known = True
         values = [native.decode(body) for body in bodies]

@@ -162,6 +162,9 @@ class VLLMJoinSession(JoinSession):
         return obj is not None and (_usage_details(obj) or any(
             _finishes(c) or c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj)))
 
+    def set_aside(self) -> None:
+        self._parsed = None  # the waiting chunk's parsed form: parsed again when it resumes
+
     def absorb_prefill(self, bodies: Sequence[bytes]) -> None:
         self._prefill_known = True
         objects = [parse_object(b) for b in bodies]
