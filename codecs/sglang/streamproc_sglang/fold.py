@@ -164,14 +164,25 @@ def _place_new_keys(meta: dict[str, Any], chunk: dict[str, Any]) -> None:
     the end: SGLang 0.5.23 writes ``weight_versions`` on the finished body only, between
     ``cached_tokens`` and ``cached_tokens_details`` (``TokenizerManager._handle_batch_output``), and
     the unary body has it there. Values are kept (placeholders until the merge assigns them)."""
-    order = list(meta)
+    # Each new key goes right after the chunk's key before it (None: first), so they form chains
+    # from a key already there; laid out in one pass (an index() and insert() per key took 7 s of
+    # CPU on the event loop for a 430 KB chunk of 40,000 new keys).
+    follower: dict[str | None, str] = {}
     previous = None
     for key in chunk:
         if key not in meta:
-            at = order.index(previous) + 1 if previous is not None else 0
-            order.insert(at, key)
+            follower[previous] = key
             meta[key] = None
         previous = key
+    added = set(follower.values())
+    order: list[str] = []
+    for start in (None, *(key for key in meta if key not in added)):
+        if start is not None:
+            order.append(start)
+        key = follower.get(start)
+        while key is not None:
+            order.append(key)
+            key = follower.get(key)
     items = {key: meta[key] for key in order}
     meta.clear()
     meta.update(items)
