@@ -498,6 +498,21 @@ def test_fold_rejects_non_json_chunks() -> None:
         CODEC.fold([b"not json"])
 
 
+def test_a_prefill_leg_of_many_logprob_chunks_is_absorbed_in_linear_time() -> None:
+    """``fold_objects`` built each choice's ``logprobs.content`` as ``(content or []) + entries`` per
+    chunk, copying the list so far each time: a prefill leg of 4,096 chunks (the per-request chunk
+    limit) of 256 entries each (3.4 MB) took 17 s of CPU in ``absorb_prefill``, on the event loop."""
+    import time
+
+    chunk = msgspec.json.encode({"choices": [{"index": 0, "logprobs": {"content": [{}] * 256}, "token_ids": [1]}]})
+    session = CODEC.open_session()
+    started = time.process_time()
+    session.absorb_prefill([chunk] * 4096)
+    assert time.process_time() - started < 2.0
+    folded = loads(CODEC.fold([chunk] * 3))
+    assert folded["choices"][0]["logprobs"]["content"] == [{}] * 768 and folded["choices"][0]["token_ids"] == [1] * 3
+
+
 # ---------------------------------------------------------------------- error bodies
 
 

@@ -35,8 +35,10 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
         logprobs = part.get("logprobs")
         if isinstance(logprobs, dict):
             entries = logprobs.get("content")
-            if isinstance(entries, list):
-                content = (content or []) + entries
+            if isinstance(entries, list):  # extended in place: a new list per part was quadratic
+                if content is None:
+                    content = []
+                content.extend(entries)
             logprobs_extra.update((k, v) for k, v in logprobs.items() if k != "content")
         if part.get("finish_reason") is not None:
             finish_reason = part["finish_reason"]
