@@ -20,6 +20,8 @@ from urllib.parse import unquote_plus
 
 import msgspec
 
+from .core.errors import shown
+
 LogFormat = Literal["logfmt", "json"]
 _FIELDS = "streamproc_fields"  # the LogRecord attribute that carries log_event's fields
 
@@ -103,6 +105,10 @@ class LogLimiter:
                 log_event(self.logger, level, "log_suppressed", suppressed_event=event, count=suppressed,
                           interval=self.interval)
 ACCESS_TOKEN = "access_token"  # the edge's query parameter for a capability (RFC 6750 section 2.3)
+# Characters of a path the access log writes whole: more than any path the edge serves (``/v1/results/``,
+# an id of 256 characters that Uvicorn's ``quote`` may triple, its query). A longer one is a client's
+# choice up to --max-head-bytes (64 KiB): it is cut as every hostile value is (errors.shown).
+ACCESS_LOG_PATH_CHARS = 1024
 
 
 def redact_access_token(path: str) -> str:
@@ -132,6 +138,8 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
         client, method, path, version, status = record.args
         if isinstance(path, str) and "?" in path:  # an edge capability (RFC 6750 2.3): never logged
             path = redact_access_token(path)
+        if isinstance(path, str) and len(path) > ACCESS_LOG_PATH_CHARS:  # after the redaction: no token part kept
+            path = shown(path)
         return {"event": "http_request", "client": client, "method": method, "path": path,
                 "http_version": version, "status": status}
     return {"event": "log", "msg": record.getMessage()}

@@ -341,3 +341,34 @@ async def test_an_error_kind_a_results_publisher_chose_is_never_echoed_whole(edg
     assert b'"error":"other"' in streamed.content and error.encode() not in streamed.content
     entry = next(e for e in recent if e["request_id"] == rid)
     assert entry["error"] == "other", entry
+
+
+async def test_a_long_path_request_id_or_last_event_id_is_echoed_cut_in_the_400_and_the_access_log(edge):
+    """A client chooses the length of a request's path and headers up to ``--max-head-bytes`` (64 KiB).
+    The 400 for an invalid request id repeated the whole id (and a bad ``Last-Event-ID`` the whole
+    header), and Uvicorn's access log the whole path: a 3,000-character path made a 4,158-character
+    log line (found by a reviewer). Each is now cut as the processor cuts a worker's value
+    (``errors.shown``: its first 64 characters and its length); the access log keeps a path as long
+    as any the edge serves whole, with its ``access_token`` redacted before it is cut."""
+    long_id, long_path = "i" * 3000, "/v1/nothing/" + "p" * 3000
+    async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+        too_long = await client.get(f"/v1/results/{long_id}")
+        dotted = await client.get(f"/v1/results/x.{long_id}")
+        resumed = await client.get(f"/v1/results/{rid('long-leid')}", headers={"Last-Event-ID": "e" * 3000})
+        missing = await client.get(long_path, params={"access_token": "tok.sec.ret"})
+        ordinary = await client.get("/healthz", params={"verdicts": "1", "access_token": "tok.sec.ret"})
+    for refused, value in ((too_long, long_id), (dotted, f"x.{long_id}"), (resumed, "e" * 3000)):
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert f"... ({len(value)} characters)" in message and value[:65] not in message, message[:300]
+        assert len(refused.content) < 1000, len(refused.content)
+    assert missing.status_code == 404 and ordinary.status_code == 200
+    with anyio.fail_after(5):
+        while "(3036 characters)" not in edge.log() or "/healthz?verdicts=1" not in edge.log():
+            await anyio.sleep(0.05)
+    lines = [line for line in edge.log().splitlines() if "event=http_request" in line]
+    assert max(map(len, lines)) < 1200, max(map(len, lines))
+    [cut] = [line for line in lines if "(3036 characters)" in line]  # the path, its token <redacted>
+    assert '"\'/v1/nothing/ppp' in cut and "p" * 65 not in cut and "tok.sec.ret" not in cut, cut
+    [whole] = [line for line in lines if "/healthz?" in line]
+    assert 'path="/healthz?verdicts=1&access_token=<redacted>"' in whole, whole  # short paths: as they were

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from ..core.errors import shown
+
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 MEDIA_TYPE = "text/event-stream"
@@ -54,5 +56,5 @@ def parse_last_event_id(value: str | None) -> int | None:
         return None
     value = value.strip()
     if not value.isdigit() or len(value) > 18:
-        raise ValueError(f"Last-Event-ID must be a result seq (a non-negative integer), got {value!r}")
+        raise ValueError(f"Last-Event-ID must be a result seq (a non-negative integer), got {shown(value)}")
     return int(value)
