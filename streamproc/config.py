@@ -112,6 +112,19 @@ def redact_text(text: str) -> str:
     return _BARE_USERINFO.sub(lambda m: f"{m['user']}:{REDACTED}@", text)
 
 
+def redact_query(url: str) -> str:
+    """An HTTP URL with the value of every query parameter (a field without ``=`` whole) and its
+    fragment as ``<redacted>``, the names kept: a scrape endpoint may take its credential in the
+    query (``?token=``), which the edge must send but never show (``/v1/stats``, ``--print-config``)."""
+    head, hashed, _ = url.partition("#")
+    base, asked, query = head.partition("?")
+    if asked:
+        fields = [f"{name}={REDACTED}" if eq else REDACTED if name else name
+                  for name, eq, _ in (field.partition("=") for field in query.split("&"))]
+        base = f"{base}?{'&'.join(fields)}"
+    return f"{base}#{REDACTED}" if hashed else base
+
+
 def url_secrets(url: str) -> list[str]:
     """The passwords and tokens embedded in a (comma-separated) NATS URL, scheme'd or not, for
     scrubbing text."""
@@ -284,8 +297,11 @@ def read_setting_file(path: str, named: str) -> bytes:
 
 
 def _redact_value(name: str, value: str) -> str:
-    """A setting's value as shown in an error: a URL setting read as a URL, anything else as text."""
-    return redact_url(value) if name.endswith("url") else redact_text(value)
+    """A setting's value as shown in an error: a URL setting read as a URL (credentials, and the query
+    values of each comma-separated part), anything else as text."""
+    if name.endswith("url"):
+        return ",".join(redact_query(part) for part in redact_url(value).split(","))
+    return redact_text(value)
 
 
 def _secret_fields(struct: type) -> tuple[str, ...]:

@@ -8,8 +8,13 @@ keeps serving everyone else within a stated memory bound.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import struct
+import threading
+import urllib.parse
+from typing import Iterator
 
 import httpx
 import hypothesis
@@ -224,6 +229,67 @@ def test_a_processor_metrics_url_that_is_not_http_is_refused_at_start(run_cli):
     done = run_cli("edge", "--processor-metrics-url", "ftp://x/metrics", "--insecure-demo")
     assert done.returncode == 2
     assert "--processor-metrics-url" in done.stderr and "'ftp://x/metrics' is not an http:// or https:// URL" in done.stderr
+
+
+@contextlib.contextmanager
+def metrics_behind_a_token(token: str) -> Iterator[str]:
+    """A ``/metrics`` endpoint (one join-wait observation) that answers only ``?token=<token>``, as a
+    scrape endpoint behind a query-string credential does; yields its address."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            allowed = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("token") == [token]
+            body = (b"# TYPE streamproc_join_wait_seconds histogram\n"
+                    b'streamproc_join_wait_seconds_bucket{le="+Inf"} 1.0\n'
+                    b"streamproc_join_wait_seconds_sum 0.5\nstreamproc_join_wait_seconds_count 1.0\n")
+            self.send_response(200 if allowed else 401)
+            self.send_header("Content-Length", str(len(body) if allowed else 0))
+            self.end_headers()
+            if allowed:
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_processor_metrics_urls_query_is_sent_but_its_values_are_never_shown(server, run_cli):
+    """A scrape endpoint may take its credential in the query (``?token=``): /v1/stats (and so the
+    live page's chart note) and --print-config showed the URL whole, while a ``user:password@`` is
+    refused at start (found by a reviewer). The scrape sends the URL as given; what the edge shows
+    keeps each query parameter's name and says ``<redacted>`` for its value (and for a fragment), as
+    the access log shows ``access_token=<redacted>`` and --print-config ``user:<redacted>@``."""
+    secret = "S3cretQ"
+    with metrics_behind_a_token(secret) as address:
+        url = f"http://{address}/metrics?token={secret}&job=edge{secret}#{secret}"
+        shown = f"http://{address}/metrics?token=<redacted>&job=<redacted>#<redacted>"
+        spaced = f"http://{address}/metrics?token={secret} x"  # http.client's InvalidURL repeats path and query
+        with running_edge(server.url, "--processor-metrics-url", f"{url},http://127.0.0.1:9/metrics,{spaced}") as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+                answer = await client.get("/v1/stats")
+            log = edge.log()
+    assert answer.status_code == 200, answer.text  # InvalidURL was not caught: every /v1/stats a 500
+    stats = answer.json()
+    assert [(p["url"], p["ok"]) for p in stats["processors"]] == [
+        (shown, True), ("http://127.0.0.1:9/metrics", False), (f"http://{address}/metrics?token=<redacted>", False)]
+    assert "can't contain control characters" in stats["processors"][2]["error"], stats
+    assert stats["join_wait"]["count"] == 1  # the query reached the endpoint: it answered
+    assert secret not in answer.text and secret not in log
+    printed = run_cli("edge", "--processor-metrics-url", url, "--insecure-demo", "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    assert json.loads(printed.stdout)["processor_metrics_url"]["value"] == shown
+    assert secret not in printed.stdout + printed.stderr
+    refused = run_cli("edge", "--processor-metrics-url", f"ftp://{address}/metrics?token={secret}", "--insecure-demo")
+    assert refused.returncode == 2 and "is not an http:// or https:// URL" in refused.stderr, refused.stderr
+    assert secret not in refused.stdout + refused.stderr
 
 
 @pytest.mark.parametrize("url", ["http://scraper:S3cretPW@127.0.0.1:9/metrics", "https://S3cretPW@proc:9090/metrics"])

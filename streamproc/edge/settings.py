@@ -14,8 +14,10 @@ import re
 from typing import Annotated
 from urllib.parse import urlsplit
 
+from typing import Any
 
-from ..config import ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented, redact_text
+from ..config import (ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented, redact_query,
+                      redact_text)
 from ..core import defaults
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
@@ -143,11 +145,15 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError("tls_cert_file and tls_key_file go together")
         for url in self.processor_metrics_urls():
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"processor_metrics_url: {url!r} is not an http:// or https:// URL")
+                raise ValueError(f"processor_metrics_url: {redact_query(redact_text(url))!r} is not an http:// or "
+                                 "https:// URL")
             # GET /v1/stats names every URL (and --print-config prints it), while the scrape (urllib)
             # never sends userinfo: it took ``user:pw@host`` for the host name and failed to resolve it.
+            # A query is sent (a scrape endpoint may take its credential there): shown with its values
+            # redacted (redact_query).
             if "@" in urlsplit(url).netloc:
-                raise ValueError(f"processor_metrics_url: {redact_text(url)!r} holds credentials (user:password@), "
+                raise ValueError(f"processor_metrics_url: {redact_query(redact_text(url))!r} holds credentials "
+                                 "(user:password@), "
                                  "which the edge's scrape does not send and GET /v1/stats would show; give the "
                                  "edge a URL of the processor's status port without them")
 
@@ -165,6 +171,13 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
 
     def processor_metrics_urls(self) -> list[str]:
         return [url.strip() for url in self.processor_metrics_url.split(",") if url.strip()]
+
+    def redacted(self) -> dict[str, Any]:
+        """As the processor's (``--print-config``), and --processor-metrics-url's query values redacted,
+        as GET /v1/stats names them (``stats.StatsSource``)."""
+        out = super().redacted()
+        out["processor_metrics_url"] = ",".join(map(redact_query, self.processor_metrics_urls()))
+        return out
 
 
 EdgeConfigError = ConfigError  # the edge's settings fail exactly like the processor's

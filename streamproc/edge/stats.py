@@ -15,6 +15,7 @@ The page turns cumulative buckets into per-interval means and quantiles itself.
 
 from __future__ import annotations
 
+import http.client
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +24,7 @@ import anyio
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..config import redact_query
 from .metrics import EdgeMetrics
 
 HISTOGRAMS = {"join_wait": "streamproc_join_wait_seconds", "join": "streamproc_join_seconds",
@@ -42,7 +44,7 @@ class Histogram(msgspec.Struct):
 
 
 class Scrape(msgspec.Struct):
-    url: str
+    url: str  # as given, its query values and fragment <redacted> (a scrape credential may be there)
     ok: bool
     error: str | None = None
 
@@ -88,6 +90,13 @@ def _add(text: str, hists: dict[str, Histogram], totals: list[float]) -> None:
         hist.buckets = sorted(bounds.items())
 
 
+def _scrubbed(error: str, url: str, shown: str) -> str:
+    """A scrape's error text without the URL's query values: http.client's ``InvalidURL`` (a URL with a
+    space or control character) repeats the path and query."""
+    query = url.partition("#")[0].partition("?")[2]
+    return error.replace(query, shown.partition("#")[0].partition("?")[2]) if query else error
+
+
 class StatsSource:
     """Builds :class:`Stats`; the processors' histograms are scraped at most once per second."""
 
@@ -95,6 +104,7 @@ class StatsSource:
         self.metrics = metrics
         self.sees_all_results = sees_all_results
         self.urls = processor_urls
+        self.shown = [redact_query(url) for url in processor_urls]  # what /v1/stats names: never a query value
         self._cached: tuple[float, list[Scrape], dict[str, Histogram], float | None] | None = None
         self._lock = anyio.Lock()
 
@@ -116,13 +126,13 @@ class StatsSource:
             scrapes: list[Scrape] = []
             hists: dict[str, Histogram] = {}
             totals: list[float] = []
-            for url in self.urls:
+            for url, shown in zip(self.urls, self.shown):
                 try:
                     text = await anyio.to_thread.run_sync(_scrape, url)
                     _add(text, hists, totals)
-                    scrapes.append(Scrape(url, True))
-                except (OSError, ValueError, urllib.error.URLError) as exc:
-                    scrapes.append(Scrape(url, False, str(exc) or type(exc).__name__))
+                    scrapes.append(Scrape(shown, True))
+                except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException) as exc:
+                    scrapes.append(Scrape(shown, False, _scrubbed(str(exc) or type(exc).__name__, url, shown)))
             results = sum(totals) if totals else None
             self._cached = (now, scrapes, hists, results)
             return scrapes, hists, results
