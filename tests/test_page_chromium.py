@@ -240,6 +240,49 @@ async def test_the_page_shows_join_verdicts_and_omission_reasons(browser, edge, 
     screenshot(browser, "edge-page-omitted.png")
 
 
+async def test_omission_reasons_a_body_chose_are_shown_as_plain_text_never_looked_up_through_a_prototype(
+        browser, edge, server):
+    """An aggregated body passes through byte for byte, so its ``<field>_unavailable_reason`` values are
+    the worker's. The experts panel explained a reason through an object literal: ``constructor``
+    showed ``(function Object() { [native code] })``; the summary line showed a non-string reason as
+    ``[object Object]`` (found by a reviewer). Known reasons keep their meaning; others are named as
+    unknown, non-strings as JSON, long ones cut to 64 characters and their length."""
+    request_id = rid("page-reasons")
+    long_reason = "r" * 500
+    body = json.dumps({"text": "x", "meta_info": {
+        "routed_experts_unavailable_reason": "constructor",
+        "input_token_logprobs_unavailable_reason": {"toString": 1},
+        "hidden_states_unavailable_reason": "prefill_timeout",
+        "output_token_logprobs_unavailable_reason": long_reason,
+        "__proto___unavailable_reason": "hasOwnProperty",
+    }}, separators=(",", ":")).encode()
+    browser.get(f"{edge.url}/?id={request_id}")
+    await wait_for(browser, lambda s: s["state"] == "open")
+    async with await nats.connect(server.url) as nc:
+        await publish_result(nc, SUBJECTS, request_id, 0, body, final=True, verdict=Verdict.PASSTHROUGH)
+        await nc.flush()
+    await wait_for(browser, lambda s: s["received"][-1:] == ["[DONE]"])
+    await wait_js(browser, experts_state, lambda s: s["state"] == "omitted")
+    cut = "r" * 64 + "... (500 characters)"
+    assert browser.find_element(By.ID, "reasons").text == (
+        'omitted routed_experts: constructor, input_token_logprobs: {"toString":1}, hidden_states: prefill_timeout, '
+        f"output_token_logprobs: {cut}, __proto__: hasOwnProperty")
+    unknown = "(a reason this page does not know)"
+    assert [item.text for item in browser.find_elements(By.CSS_SELECTOR, "#experts-omitted li")] == [
+        f"omitted routed_experts: constructor {unknown}",
+        f'omitted input_token_logprobs: {{"toString":1}} {unknown}',
+        "omitted hidden_states: prefill_timeout (the prefill leg did not complete within --prefill-timeout)",
+        f"omitted output_token_logprobs: {cut} {unknown}",
+        f"omitted __proto__: hasOwnProperty {unknown}",
+    ]
+    assert browser.find_element(By.ID, "experts-summary").text.startswith(
+        "no routed_experts in this request's results: omitted, see why below")
+    text = browser.find_element(By.TAG_NAME, "body").text
+    assert "native code" not in text and "[object Object]" not in text, [
+        line for line in text.splitlines() if "native code" in line or "[object Object]" in line]
+    assert js_errors(browser) == []
+
+
 async def test_a_recent_request_can_be_picked_from_the_list_or_typed_in(browser, edge, server):
     picked, typed = rid("page-recent"), rid("page-typed")
     async with await nats.connect(server.url) as nc:

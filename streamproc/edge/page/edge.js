@@ -135,11 +135,20 @@ function textOf(value, depth = 0) {
   return items.map((item) => textOf(item, depth + 1)).join("");
 }
 
+// A value a body chose, as text: a string as it is, anything else as its JSON ("[object Object]" told
+// nothing), cut as the processor cuts a worker's value (errors.shown): its first 64 characters and length.
+const SHOWN_CHARS = 64;
+function shownValue(value) {
+  let text = typeof value === "string" ? value : JSON.stringify(value);
+  if (typeof text !== "string") text = String(value);  // undefined, a function
+  return text.length <= SHOWN_CHARS ? text : text.slice(0, SHOWN_CHARS) + "... (" + text.length + " characters)";
+}
+
 // Omission markers (`<field>_unavailable_reason`) anywhere in a body, as "field: reason".
 function reasonsOf(value, out = [], depth = 0) {
   if (depth > 4 || value === null || typeof value !== "object") return out;
   for (const [key, inner] of Object.entries(value)) {
-    if (key.endsWith("_unavailable_reason")) out.push(key.replace(/_unavailable_reason$/, "") + ": " + inner);
+    if (key.endsWith("_unavailable_reason")) out.push(key.replace(/_unavailable_reason$/, "") + ": " + shownValue(inner));
     else reasonsOf(inner, out, depth + 1);
   }
   return out;

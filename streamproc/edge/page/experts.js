@@ -69,12 +69,19 @@
     canvas.width = canvas.height = 10;
   }
 
+  // What a reason means: own properties of REASONS only (a body's reason "constructor" found
+  // Object's constructor through the prototype and showed its source), else plain text.
+  function meaning(reason) {
+    return typeof reason === "string" && Object.hasOwn(REASONS, reason) ? REASONS[reason]
+      : "a reason this page does not know";
+  }
+
   function listOmitted(omitted) {
     const list = $("experts-omitted");
     list.textContent = "";
     for (const [field, reason] of Object.entries(omitted)) {
       const item = document.createElement("li");
-      item.textContent = "omitted " + field + ": " + reason + (REASONS[reason] ? " (" + REASONS[reason] + ")" : "");
+      item.textContent = "omitted " + field + ": " + shownValue(reason) + " (" + meaning(reason) + ")";
       list.append(item);
     }
   }
@@ -85,7 +92,7 @@
     FIELD = (await edgeAccess.info).experts_field || null;
     const label = FIELD || "routed experts";
     const docs = page.received.map((data) => { try { return JSON.parse(data); } catch (_) { return null; } });
-    const omitted = {};
+    const omitted = Object.create(null);  // field names are the body's: "__proto__" is one like any other
     docs.forEach((doc) => collectReasons(doc, omitted));
     const index = docs.map((doc) => holder(doc)).map((h) => h && h[FIELD] != null).lastIndexOf(true);
     if (index < 0 && !Object.keys(omitted).length) return;
@@ -94,7 +101,7 @@
     if (index < 0) {
       experts.state = "omitted";
       $("experts-summary").textContent = "no " + label + " in this request's results: " +
-        (FIELD && omitted[FIELD] ? "omitted, see why below; no heat map" : "not requested, or dropped by both legs");
+        (FIELD && FIELD in omitted ? "omitted, see why below; no heat map" : "not requested, or dropped by both legs");
       return;
     }
     experts.state = "loading";
@@ -110,7 +117,7 @@
   function collectReasons(value, out, depth = 0) {
     if (depth > 4 || value === null || typeof value !== "object") return;
     for (const [key, inner] of Object.entries(value)) {
-      if (key.endsWith("_unavailable_reason") && typeof inner === "string") {
+      if (key.endsWith("_unavailable_reason")) {  // any value: listed, shown as text (shownValue)
         out[key.replace(/_unavailable_reason$/, "")] = inner;
       } else collectReasons(inner, out, depth + 1);
     }
