@@ -283,6 +283,32 @@ async def test_omission_reasons_a_body_chose_are_shown_as_plain_text_never_looke
     assert js_errors(browser) == []
 
 
+async def test_a_result_whose_body_is_done_does_not_end_the_pages_stream(browser, edge, server):
+    """A passthrough body is its worker's bytes, and ``[DONE]`` is a body like any other: the edge
+    frames it with its ``id:`` (seq), its own end marker has none. The page took any ``[DONE]`` for
+    the end and closed the stream after it, losing the results after it (found by a reviewer)."""
+    request_id = rid("page-forged-done")
+    bodies = [b'{"text":"a"}', b"[DONE]", b'{"text":"b"}']
+    browser.get(f"{edge.url}/?id={request_id}")
+    await wait_for(browser, lambda s: s["state"] == "open")
+    async with await nats.connect(server.url) as nc:
+        for seq, body in enumerate(bodies):
+            await publish_result(nc, SUBJECTS, request_id, seq, body, final=seq == len(bodies) - 1)
+            await nc.flush()
+            await anyio.sleep(0.1)  # live, one at a time: the page has handled each before the next
+    await wait_for(browser, lambda s: s["state"] == "done")
+    await anyio.sleep(0.3)
+    state = page_state(browser)
+    assert state["received"] == ['{"text":"a"}', "[DONE]", '{"text":"b"}', "[DONE]"], state["received"]
+    assert state["state"] == "done"
+    assert [m["seq"] for m in state["meta"]] == [0, 1, 2]
+    assert browser.find_element(By.ID, "count").text == "3 results"
+    assert [row.find_element(By.CSS_SELECTOR, "td").text for row in
+            browser.find_elements(By.CSS_SELECTOR, "#chunks tr")] == ["0", "1", "2"]
+    assert browser.find_element(By.ID, "tokens").get_attribute("textContent") == "ab"
+    assert js_errors(browser) == []
+
+
 async def test_a_recent_request_can_be_picked_from_the_list_or_typed_in(browser, edge, server):
     picked, typed = rid("page-recent"), rid("page-typed")
     async with await nats.connect(server.url) as nc:

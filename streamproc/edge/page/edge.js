@@ -232,7 +232,10 @@ function follow(requestId) {
   source.onmessage = (event) => {
     keep(event.data);
     clearTimeout(waiting);
-    if (event.data === "[DONE]") {
+    const fresh = event.lastEventId !== lastId;  // every result sets a new id (seq order); the edge's frames none
+    // The end is the edge's own "[DONE]", which has no id: a result's body is its worker's bytes and may
+    // be "[DONE]" too (a passthrough body is not checked), which ended the stream here early.
+    if (event.data === "[DONE]" && !fresh) {
       source.close();
       setState(page.state === "failed" ? "failed" : "done");
       if (window.streamprocExperts) window.streamprocExperts.show(page);
@@ -240,7 +243,6 @@ function follow(requestId) {
     }
     if (page.state === "waiting") setState("open", "");
     page.results += 1;
-    const fresh = event.lastEventId !== lastId;  // every result sets a new id (seq order); the edge's frames none
     if (fresh) lastId = event.lastEventId;
     const meta = fresh && lastMeta && String(lastMeta.seq) === event.lastEventId ? lastMeta : null;
     let doc = null;
