@@ -182,6 +182,32 @@ async def test_a_steady_stream_of_zstd_bombs_ends_no_honest_bystander(nats_url, 
     assert hwm < 200 * MiB, hwm / MiB
 
 
+HONEST = b'{"text":"h","meta_info":{}}'
+
+
+async def flood_then_ask(nc, legs: list[tuple[str, str, bytes]], answered: dict[str, bytes]) -> None:
+    """Publish ``(request id, leg, body)`` chunks, each alone (seq 0, final for a prefill leg), then
+    one honest aggregated request, and wait for its answer. Paced: every 100 chunks an aggregated
+    ``pace<i>`` request is asked and answered first, so at most ~100 chunks wait for the processor.
+    Unpaced, a loaded machine let nats-server drop the core-mode processor as a slow consumer
+    (its documented limit, operations.md "Limits and abuse") and the honest chunk was lost in the
+    reconnect: the test then timed out without saying anything about the budget."""
+    for i, (request_id, leg, body) in enumerate(legs, 1):
+        await nc.publish(SUBJECTS.chunk(request_id, leg), body,
+                         headers=chunk_headers(request_id, leg, 0, final=leg == "prefill", format="sglang"))
+        if i % 100 == 0 or i == len(legs):
+            await ask(nc, f"pace{i}", answered)
+    await ask(nc, "honest", answered)
+
+
+async def ask(nc, request_id: str, answered: dict[str, bytes]) -> None:
+    await nc.publish(SUBJECTS.chunk(request_id, "agg"), HONEST,
+                     headers=chunk_headers(request_id, "agg", 0, final=True, format="sglang"))
+    with anyio.fail_after(60):
+        while request_id not in answered:
+            await anyio.sleep(0.02)
+
+
 def logprob_prefill_leg(prompt: int = 4096) -> bytes:
     """An sglang prefill leg with ``prompt`` prompt logprobs (``[logprob, id, null]`` each, 0.5.23's
     ``input_token_logprobs`` with ``return_text_in_logprobs`` off) and no rows: ~100 KB of JSON that
@@ -214,11 +240,12 @@ async def test_absorbed_prefill_legs_are_charged_as_parsed_so_a_flood_stays_with
     holders (``overloaded``) instead. Bound: VmHWM under 300 MiB; a later honest request is answered."""
     leg = logprob_prefill_leg() if shape == "honest" else pathological_prefill_leg()
     errors: list[str] = []
-    honest: list[bytes] = []
+    answered: dict[str, bytes] = {}
 
     async def on_result(msg) -> None:
-        if msg.subject.endswith(".honest"):
-            honest.append(msg.data)
+        request_id = msg.subject.rpartition(".")[2]
+        if request_id.startswith(("pace", "honest")):
+            answered[request_id] = msg.data
         elif msg.headers and msg.headers.get(ERROR):
             errors.append(msg.headers[ERROR])
 
@@ -227,22 +254,12 @@ async def test_absorbed_prefill_legs_are_charged_as_parsed_so_a_flood_stays_with
         try:
             await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
             await nc.flush()
-            for i in range(1_000):
-                await nc.publish(SUBJECTS.chunk(f"leg{i}", "prefill"), leg,
-                                 headers=chunk_headers(f"leg{i}", "prefill", 0, final=True, format="sglang"))
-                if i % 50 == 0:
-                    await nc.flush()
-            await nc.flush()
-            await nc.publish(SUBJECTS.chunk("honest", "agg"), b'{"text":"h","meta_info":{}}',
-                             headers=chunk_headers("honest", "agg", 0, final=True, format="sglang"))
-            with anyio.fail_after(60):
-                while not honest:
-                    await anyio.sleep(0.05)
+            await flood_then_ask(nc, [(f"leg{i}", "prefill", leg) for i in range(1_000)], answered)
         finally:
             await nc.close()
         hwm = peak_rss(proc.pid)
     print(f"VmHWM {hwm / MiB:.0f} MiB, {len(errors)} legs ended ({set(errors)})")
-    assert honest == [b'{"text":"h","meta_info":{}}']
+    assert answered["honest"] == HONEST
     assert errors and set(errors) == {"overloaded"}, errors[:3]
     assert hwm < 300 * MiB, hwm / MiB
 
@@ -344,31 +361,22 @@ async def test_a_flood_of_decode_chunks_waiting_for_their_prefill_leg_stays_with
     such chunks of ~45 KB that parse to ~30x (43 MiB charged, under the 96 MiB default) with no
     prefill leg. Bound: VmHWM under 300 MiB; a later honest request is answered."""
     chunk = pathological_decode_chunk()
-    honest: list[bytes] = []
+    answered: dict[str, bytes] = {}
 
     async def on_result(msg) -> None:
-        if msg.subject.endswith(".honest"):
-            honest.append(msg.data)
+        request_id = msg.subject.rpartition(".")[2]
+        if request_id.startswith(("pace", "honest")):
+            answered[request_id] = msg.data
 
     with streamproc_run("--mode", "core", "--format", "sglang") as (proc, log_path):
         nc = await nats.connect(nats_url)
         try:
             await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
             await nc.flush()
-            for i in range(1_000):
-                await nc.publish(SUBJECTS.chunk(f"leg{i}", "decode"), chunk,
-                                 headers=chunk_headers(f"leg{i}", "decode", 0, final=False, format="sglang"))
-                if i % 50 == 0:
-                    await nc.flush()
-            await nc.flush()
-            await nc.publish(SUBJECTS.chunk("honest", "agg"), b'{"text":"h","meta_info":{}}',
-                             headers=chunk_headers("honest", "agg", 0, final=True, format="sglang"))
-            with anyio.fail_after(60):
-                while not honest:
-                    await anyio.sleep(0.05)
+            await flood_then_ask(nc, [(f"leg{i}", "decode", chunk) for i in range(1_000)], answered)
         finally:
             await nc.close()
         hwm = peak_rss(proc.pid)
     print(f"VmHWM {hwm / MiB:.0f} MiB")
-    assert honest == [b'{"text":"h","meta_info":{}}']
+    assert answered["honest"] == HONEST
     assert hwm < 300 * MiB, hwm / MiB
