@@ -25,7 +25,7 @@ from helpers import connection, rid, status_kib
 from nats.js.api import StorageType, StreamConfig
 
 from streamproc.core.wire import ResultInfo
-from streamproc.edge.source import Ended, Gap, StreamGone
+from streamproc.edge.feed import Ended, Gap, StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Result, Subjects, result_headers

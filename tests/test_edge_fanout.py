@@ -18,7 +18,7 @@ from helpers import rid
 from nats.js.api import StreamConfig
 
 from streamproc.core.wire import ResultInfo
-from streamproc.edge.source import Ended, Lost, Overrun
+from streamproc.edge.feed import Ended, Lost, Overrun
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -249,7 +249,7 @@ async def test_a_dispatch_that_raises_is_logged_and_the_connection_and_other_str
         nats_url, client, caplog, monkeypatch, subjects):
     """``Fanout.dispatch`` never raises into a read loop: FastClient's (core, inline) or nats-py's
     (JetStream, ``DispatchQueue``), where an exception would drop the edge's connection."""
-    from streamproc.edge.source import RecentRequests
+    from streamproc.edge.recent import RecentRequests
 
     bad, good = rid("raises"), rid("fine")
     note = RecentRequests.note

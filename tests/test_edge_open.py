@@ -32,7 +32,7 @@ from streamproc.core.wire import ResultInfo
 from streamproc.edge import settings as edge_settings
 from streamproc.edge.app import Edge, EventStreamResponse
 from streamproc.edge.pacer import OPENS_PER_PASS, OpenPacer
-from streamproc.edge.source import Lost
+from streamproc.edge.feed import Lost
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

@@ -18,7 +18,7 @@ from helpers import rid
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge import source as source_module
-from streamproc.edge.source import Lost
+from streamproc.edge.feed import Lost
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]

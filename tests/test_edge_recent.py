@@ -1,7 +1,7 @@
 """The edge's recent-requests ring (GET /v1/recent): counts that stay right under churn and repeats."""
 
 from streamproc.core.events import ResultInfo, Verdict
-from streamproc.edge.source import RecentRequests
+from streamproc.edge.recent import RecentRequests
 
 
 def result(rid: str, seq: int, final: bool = False) -> ResultInfo:

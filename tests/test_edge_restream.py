@@ -25,7 +25,7 @@ from nats.js.api import StorageType
 
 from streamproc.core.defaults import EDGE_INBOX_PREFIX
 from streamproc.core.wire import ResultInfo
-from streamproc.edge.source import StreamGone
+from streamproc.edge.feed import StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects

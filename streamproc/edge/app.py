@@ -62,8 +62,9 @@ from .metrics import EdgeCollector, EdgeMetrics
 from . import pacer
 from .direct import Departure, DirectFrames, UvicornBody, WriteBatch, watch_disconnect
 from .experts import MAX_BODIES_BYTES, MAX_BODY_BYTES, MAX_CLIENT_BODIES_BYTES, BodyBudget, build_view
+from .feed import Ended, Gap, Lost, Overrun, ResultFeed, StreamGone
 from .settings import EdgeSettings
-from .source import Ended, Gap, Lost, Overrun, ResultFeed, ResultSource, StreamGone
+from .source import ResultSource
 from . import stopping as stop
 from .stats import StatsSource
 

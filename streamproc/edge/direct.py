@@ -37,8 +37,8 @@ from ..core.wire import ResultInfo
 from .stopping import RECANCEL_INTERVAL, RECANCEL_ROUNDS
 
 if TYPE_CHECKING:
+    from .feed import ResultFeed
     from .metrics import EdgeMetrics
-    from .source import ResultFeed
 
 _CYCLE_FIELDS = ("transport", "flow", "response_started", "response_complete", "disconnected", "chunked_encoding")
 

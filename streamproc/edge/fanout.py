@@ -44,7 +44,8 @@ from nats.aio.msg import Msg
 from ..core.wire import ContractError, ResultInfo, result_from_message
 
 if TYPE_CHECKING:
-    from .source import ResultFeed, ResultSource
+    from .feed import ResultFeed
+    from .source import ResultSource
 
 log = logging.getLogger("streamproc.edge")
 
