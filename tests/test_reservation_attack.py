@@ -200,6 +200,31 @@ async def flood_then_ask(nc, legs: list[tuple[str, str, bytes]], answered: dict[
     await ask(nc, "honest", answered)
 
 
+async def flooded(streamproc_run, nats_url: str, legs: list[tuple[str, str, bytes]]
+                  ) -> tuple[dict[str, bytes], list[str], int]:
+    """Run ``streamproc run --mode core --format sglang``, :func:`flood_then_ask` it with ``legs``:
+    the answers to the paced and honest requests, the error kinds of the flood's results, VmHWM."""
+    errors: list[str] = []
+    answered: dict[str, bytes] = {}
+
+    async def on_result(msg) -> None:
+        request_id = msg.subject.rpartition(".")[2]
+        if request_id.startswith(("pace", "honest")):
+            answered[request_id] = msg.data
+        elif msg.headers and msg.headers.get(ERROR):
+            errors.append(msg.headers[ERROR])
+
+    with streamproc_run("--mode", "core", "--format", "sglang") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
+            await nc.flush()
+            await flood_then_ask(nc, legs, answered)
+        finally:
+            await nc.close()
+        return answered, errors, peak_rss(proc.pid)
+
+
 async def ask(nc, request_id: str, answered: dict[str, bytes]) -> None:
     await nc.publish(SUBJECTS.chunk(request_id, "agg"), HONEST,
                      headers=chunk_headers(request_id, "agg", 0, final=True, format="sglang"))
@@ -239,25 +264,7 @@ async def test_absorbed_prefill_legs_are_charged_as_parsed_so_a_flood_stays_with
     The codecs now charge ``parsed_json_bound`` (``retained_bytes``), so the budget ends the biggest
     holders (``overloaded``) instead. Bound: VmHWM under 300 MiB; a later honest request is answered."""
     leg = logprob_prefill_leg() if shape == "honest" else pathological_prefill_leg()
-    errors: list[str] = []
-    answered: dict[str, bytes] = {}
-
-    async def on_result(msg) -> None:
-        request_id = msg.subject.rpartition(".")[2]
-        if request_id.startswith(("pace", "honest")):
-            answered[request_id] = msg.data
-        elif msg.headers and msg.headers.get(ERROR):
-            errors.append(msg.headers[ERROR])
-
-    with streamproc_run("--mode", "core", "--format", "sglang") as (proc, log_path):
-        nc = await nats.connect(nats_url)
-        try:
-            await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
-            await nc.flush()
-            await flood_then_ask(nc, [(f"leg{i}", "prefill", leg) for i in range(1_000)], answered)
-        finally:
-            await nc.close()
-        hwm = peak_rss(proc.pid)
+    answered, errors, hwm = await flooded(streamproc_run, nats_url, [(f"leg{i}", "prefill", leg) for i in range(1_000)])
     print(f"VmHWM {hwm / MiB:.0f} MiB, {len(errors)} legs ended ({set(errors)})")
     assert answered["honest"] == HONEST
     assert errors and set(errors) == {"overloaded"}, errors[:3]
@@ -361,22 +368,7 @@ async def test_a_flood_of_decode_chunks_waiting_for_their_prefill_leg_stays_with
     such chunks of ~45 KB that parse to ~30x (43 MiB charged, under the 96 MiB default) with no
     prefill leg. Bound: VmHWM under 300 MiB; a later honest request is answered."""
     chunk = pathological_decode_chunk()
-    answered: dict[str, bytes] = {}
-
-    async def on_result(msg) -> None:
-        request_id = msg.subject.rpartition(".")[2]
-        if request_id.startswith(("pace", "honest")):
-            answered[request_id] = msg.data
-
-    with streamproc_run("--mode", "core", "--format", "sglang") as (proc, log_path):
-        nc = await nats.connect(nats_url)
-        try:
-            await nc.subscribe(SUBJECTS.all_results, cb=on_result, pending_msgs_limit=1_000_000)
-            await nc.flush()
-            await flood_then_ask(nc, [(f"leg{i}", "decode", chunk) for i in range(1_000)], answered)
-        finally:
-            await nc.close()
-        hwm = peak_rss(proc.pid)
+    answered, _, hwm = await flooded(streamproc_run, nats_url, [(f"leg{i}", "decode", chunk) for i in range(1_000)])
     print(f"VmHWM {hwm / MiB:.0f} MiB")
     assert answered["honest"] == HONEST
     assert hwm < 300 * MiB, hwm / MiB
