@@ -304,6 +304,20 @@ def test_a_processor_metrics_url_with_credentials_is_refused_without_showing_the
     assert "S3cretPW" not in done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("url", ["http://scraper:S3cret/PW@127.0.0.1:9/metrics", "http://scraper:9/S3cretPW@proc/metrics",
+                                 "http://scraper:S3cret?PW@127.0.0.1:9/metrics",
+                                 "http://scraper:S3cret#PW@127.0.0.1:9/metrics"])
+@pytest.mark.parametrize("print_config", [False, True])
+def test_a_processor_metrics_url_whose_password_holds_a_delimiter_is_refused_without_showing_it(
+        run_cli, url, print_config):
+    """A password holding "/", "?" or "#" ends urlsplit's netloc early, so no "@" was in it: the URL
+    was accepted and --print-config (and GET /v1/stats) showed the password, whole with a "/"."""
+    done = run_cli("edge", "--processor-metrics-url", url, "--insecure-demo", *(["--print-config"] * print_config))
+    assert done.returncode == 2, done.stdout
+    assert "processor-metrics-url" in done.stderr or "processor_metrics_url" in done.stderr
+    assert "S3cret" not in done.stdout + done.stderr, done.stdout + done.stderr
+
+
 
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(hypothesis.strategies.lists(

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 from typing import Any
 
-from ..config import (ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented, redact_query,
-                      redact_text)
+from ..config import (REDACTED, ENV_PREFIX, AuthAlgorithm, CommonSettings, ConfigError, SettingsSchema, documented,
+                      redact_query, redact_text)
 from ..core import defaults
 
 SHARED = frozenset(CommonSettings.__struct_fields__)
@@ -151,11 +151,22 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
             # never sends userinfo: it took ``user:pw@host`` for the host name and failed to resolve it.
             # A query is sent (a scrape endpoint may take its credential there): shown with its values
             # redacted (redact_query).
-            if "@" in urlsplit(url).netloc:
-                raise ValueError(f"processor_metrics_url: {redact_query(redact_text(url))!r} holds credentials "
+            # A password holding "/", "?" or "#" (not percent-encoded) ends urlsplit's netloc there: its
+            # "@" lands in the path (shown whole), or the host part's "port" is the password's start.
+            parts = urlsplit(url)
+            before = url.partition("?")[0].partition("#")[0]
+            if "@" in before:
+                shown = redact_query(f"{parts.scheme}://{REDACTED}@{before.rpartition('@')[2]}{url[len(before):]}")
+                raise ValueError(f"processor_metrics_url: {shown!r} holds credentials "
                                  "(user:password@), "
                                  "which the edge's scrape does not send and GET /v1/stats would show; give the "
                                  "edge a URL of the processor's status port without them")
+            try:
+                parts.port
+            except ValueError:
+                raise ValueError(f"processor_metrics_url: '{parts.scheme}://{REDACTED}' has a port that is not a "
+                                 "number (a password holding '?' or '#' ends the host there); give the edge a URL "
+                                 "of the processor's status port, host[:port], without credentials") from None
 
         if not _INBOX_PREFIX.fullmatch(self.inbox_prefix):
             raise ValueError(f"inbox_prefix: {self.inbox_prefix!r} is not {defaults.EDGE_INBOX_PREFIX} or a "
