@@ -363,3 +363,19 @@ async def test_a_body_nested_too_deeply_to_parse_is_a_400_not_a_500(server, fmt)
         assert answer.json()["error"]["type"] == "invalid_request"
     assert served.status_code == 200
     assert "Traceback" not in log and "RecursionError" not in log
+
+
+@pytest.mark.parametrize("query", ["token=S3cretQ\tx", "token=S3cret\\Q x", "token=S3cretQ\x7f"])
+async def test_a_scrape_error_never_shows_a_query_value_that_its_text_escapes(query):
+    """http.client's ``InvalidURL`` repeats the path and query through ``repr()``: a tab, DEL or a
+    backslash in a query value is escaped there (``\\t``, ``\\\\``), so the query as given was not
+    found in the error text and /v1/stats (and the page's chart note) showed the value."""
+    from streamproc.edge.metrics import EdgeMetrics
+    from streamproc.edge.stats import StatsSource
+
+    url = f"http://127.0.0.1:9/metrics?{query}"
+    stats = await StatsSource(EdgeMetrics(), [url], sees_all_results=False).snapshot()
+    [scrape] = stats.processors
+    assert (scrape.url, scrape.ok) == ("http://127.0.0.1:9/metrics?token=<redacted>", False)
+    assert "can't contain control characters" in scrape.error, scrape.error
+    assert "S3cret" not in scrape.error, scrape.error

@@ -92,9 +92,13 @@ def _add(text: str, hists: dict[str, Histogram], totals: list[float]) -> None:
 
 def _scrubbed(error: str, url: str, shown: str) -> str:
     """A scrape's error text without the URL's query values: http.client's ``InvalidURL`` (a URL with a
-    space or control character) repeats the path and query."""
+    space or control character) repeats the path and query, as given or escaped by ``repr()``."""
     query = url.partition("#")[0].partition("?")[2]
-    return error.replace(query, shown.partition("#")[0].partition("?")[2]) if query else error
+    if not query:
+        return error
+    redacted = shown.partition("#")[0].partition("?")[2]
+    # InvalidURL repeats them through repr(), which escapes a tab, DEL or backslash in a value
+    return error.replace(query, redacted).replace(repr(query)[1:-1], redacted)
 
 
 class StatsSource:
