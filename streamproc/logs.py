@@ -50,7 +50,14 @@ def log_event(logger: logging.Logger, level: int, event: str, *, exc_info: bool 
 
 
 def error_text(exc: BaseException) -> str:
-    """``Type: message``, the form every ``error=`` field uses."""
+    """``Type: message``, the form every ``error=`` field uses. An exception group (an anyio task
+    group wraps even one failure) is named by what it holds: the one exception inside, or how many
+    and the first. Before, a durable recovery lookup that timed out was logged as
+    ``ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)``, hiding the timeout."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, BaseExceptionGroup):
+        return f"{len(exc.exceptions)} errors, the first {error_text(exc.exceptions[0])}"
     return f"{type(exc).__name__}: {exc}"
 
 

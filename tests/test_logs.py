@@ -178,3 +178,18 @@ def test_json_format_escapes_what_logfmt_escapes_and_reads_back_exactly():
     line = StructuredFormatter("json").format(record)
     assert line.isprintable() and "é😀" in line  # readable text stays as it is
     assert json.loads(line)["value"] == value
+
+
+def test_an_exception_group_is_logged_as_the_error_it_holds():
+    """anyio's task groups wrap even a single failure: a durable recovery lookup that timed out was
+    logged ``error="ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception)"`` (found by an
+    attack on durable mode), so the operator never saw the timeout."""
+    from streamproc.logs import error_text
+
+    timeout = TimeoutError("nats: timeout")
+    assert error_text(ExceptionGroup("unhandled errors in a TaskGroup", [timeout])) == "TimeoutError: nats: timeout"
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [ValueError("bad")])])
+    assert error_text(nested) == "ValueError: bad"
+    several = ExceptionGroup("unhandled errors in a TaskGroup", [timeout, ValueError("bad")])
+    assert error_text(several) == "2 errors, the first TimeoutError: nats: timeout"
+    assert error_text(KeyError("k")) == "KeyError: 'k'"
