@@ -288,7 +288,12 @@ class Processor:
         with contextlib.suppress(Exception):
             with anyio.move_on_after(self.settings.drain_timeout):
                 await nc.flush()
-        await nc.close()
+        try:
+            await nc.close()
+        except Exception as exc:  # noqa: BLE001 - the server went away under the stop: nothing left to flush
+            # nats-py's close drains a transport whose peer is gone (ConnectionResetError): a stop the
+            # operator asked for still exits 0, without a traceback (docs/configuration.md, exit codes).
+            log_event(log, logging.WARNING, "close_failed", error=error_text(exc))
 
     # ------------------------------------------------------------ NATS callbacks
 
