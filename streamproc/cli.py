@@ -32,7 +32,7 @@ def _setup_logging(level: str, fmt: str = "logfmt") -> None:
 
 
 def warn_unknown_environment(command: str) -> None:
-    for line in config.unknown_environment_warnings(os.environ):
+    for line in config.unknown_environment_warnings(os.environ, command):
         print(f"streamproc {command}: warning: {line}", file=sys.stderr)
 
 

@@ -632,12 +632,18 @@ class SettingsSchema(typing.Generic[S]):
         words = re.compile(r"'[^']*'|\b(" + "|".join(re.escape(n) for n in by_name if "_" in n) + r")\b")
         return words.sub(lambda m: named(m.group(1)) if m.group(1) else m.group(0), message)
 
-    def unknown_environment(self, environ: Mapping[str, str], known: Iterable[str] = ()) -> list[str]:
-        """``STREAMPROC_*`` variables no setting reads, each with a suggestion when one is close."""
-        names = {f.env for f in self.fields()} | set(known)
+    def unknown_environment(self, environ: Mapping[str, str], known: Iterable[str] = (),
+                            own: Iterable[str] | None = None) -> list[str]:
+        """``STREAMPROC_*`` variables no setting reads, each with a suggestion when one is close:
+        first a setting of the same name under a longer prefix, of ``own`` (the command's; this
+        schema's by default): ``STREAMPROC_PORT`` for the edge is ``STREAMPROC_EDGE_PORT``, where
+        difflib offered ``STREAMPROC_FORMAT`` (found by a newcomer walk)."""
+        mine = {f.env for f in self.fields()} if own is None else set(own)
+        names = {f.env for f in self.fields()} | set(known) | mine
         out = []
         for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in names):
-            close = difflib.get_close_matches(var, names, n=1)
+            nested = sorted(n for n in mine if n.endswith("_" + var[len(ENV_PREFIX):]))
+            close = nested or difflib.get_close_matches(var, names, n=1)
             out.append(var + (f" (did you mean {close[0]}?)" if close else ""))
         return out
 
@@ -805,7 +811,13 @@ def known_environment() -> set[str]:
     return {f.env for f in PROCESSOR.fields()} | edge_env_names()
 
 
-def unknown_environment_warnings(environ: Mapping[str, str]) -> list[str]:
-    """One line per misspelt or unused ``STREAMPROC_*`` variable (they would be ignored silently)."""
+def unknown_environment_warnings(environ: Mapping[str, str], command: str = "run") -> list[str]:
+    """One line per misspelt or unused ``STREAMPROC_*`` variable (they would be ignored silently),
+    suggesting ``command``'s own settings first."""
+    own = None
+    if command == "edge":
+        from .edge.settings import env_names as edge_env_names  # the edge's settings build on this module
+
+        own = edge_env_names()
     return [f"unknown environment variable {v}, ignored"
-            for v in PROCESSOR.unknown_environment(environ, known_environment())]
+            for v in PROCESSOR.unknown_environment(environ, known_environment(), own)]

@@ -205,6 +205,15 @@ def test_misspelt_streamproc_variables_are_reported_with_a_suggestion(command, k
                         "(did you mean STREAMPROC_PREFILL_TIMEOUT?), ignored"]
 
 
+def test_a_setting_named_without_the_edges_prefix_is_suggested_with_it():
+    """``STREAMPROC_PORT`` for the edge: its variable is ``STREAMPROC_EDGE_PORT`` (README), and the
+    warning offered ``STREAMPROC_FORMAT`` (found by a newcomer walk)."""
+    proc = run_cli_process("edge", "--print-config", "--insecure-demo", env={"STREAMPROC_PORT": "18081"})
+    assert proc.returncode == 0, proc.stderr
+    assert ("warning: unknown environment variable STREAMPROC_PORT (did you mean STREAMPROC_EDGE_PORT?), ignored"
+            in proc.stderr), proc.stderr
+
+
 def test_edge_start_up_failure_exits_1_in_one_line_without_a_traceback():
     proc = run_cli_process("edge", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1",
                            "--port", str(free_port()), "--insecure-demo")

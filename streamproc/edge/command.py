@@ -114,7 +114,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     environ = os.environ if environ is None else environ
     try:
         settings, origin = SCHEMA.explain_arguments(args, environ)
-        for line in unknown_environment_warnings(environ):
+        for line in unknown_environment_warnings(environ, "edge"):
             print(f"streamproc edge: warning: {line}", file=sys.stderr)
         try:
             app = create_app(settings)
