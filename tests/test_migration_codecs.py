@@ -82,6 +82,22 @@ def test_sglang_budget_defaults_to_128_and_an_exhausted_budget_is_refused():
         codec.resume_request(dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": 3}}), Emitted([4, 5, 6]))
 
 
+@pytest.mark.parametrize("name", SGLANG_FORMATS)
+def test_sglang_an_explicitly_unbounded_budget_stays_unbounded_when_resumed(name):
+    """SGLang 0.5.23 reads an absent ``max_new_tokens`` and a null one differently: the field defaults
+    to 128 (``SamplingParams.max_new_tokens: Optional[int] = 128``; ``__post_init__`` resets None to the
+    default for the other parameters, not this one) while ``Scheduler.init_req_max_new_tokens`` takes a
+    null as ``1 << 30``, clipped only by the context (``max_req_len - input_len - 1``). A resumed
+    request with ``128 - k`` stopped an unbounded answer at 128 tokens."""
+    codec = Catalog()(name)
+    doc = loads(codec.resume_request(dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": None,
+                                                                                      "min_new_tokens": 5}}),
+                                     Emitted([7, 8, 9])))
+    assert doc["sampling_params"] == {"max_new_tokens": None, "min_new_tokens": 2}
+    absent = loads(codec.resume_request(dumps({"input_ids": [1, 2], "sampling_params": {}}), Emitted([7, 8, 9])))
+    assert absent["sampling_params"] == {"max_new_tokens": 125}  # the 128 default, less what was emitted
+
+
 def test_sglang_resume_refuses_a_request_whose_prompt_is_not_the_one_the_client_was_served():
     codec = Catalog()("sglang")
     with pytest.raises(MigrationRefused, match="not the request being resumed"):

@@ -403,12 +403,14 @@ def check_sampling_params(params: object, *, guided: Sequence[str], samples: str
 
 def resumed_budget(params: dict[str, Any], emitted: int, *, max_key: str, min_key: str,
                    default: int | None) -> dict[str, Any]:
-    """Sampling parameters of the resumed request: the token budget ``max_key`` (``default`` when
-    absent; None means unbounded) and the minimum ``min_key`` shrink by the ``emitted`` tokens.
+    """Sampling parameters of the resumed request: the token budget ``max_key`` and the minimum
+    ``min_key`` shrink by the ``emitted`` tokens. An absent ``max_key`` is the format's ``default``
+    (None: unbounded); an explicit null is unbounded and stays null, as the engines read it (SGLang's
+    ``SamplingParams.max_new_tokens`` defaults to 128 but a null reaches ``init_req_max_new_tokens``
+    as ``1 << 30``), so turning it into ``default - k`` cut an unbounded request short.
     Raises :class:`MigrationRefused` when no budget is left. The input is not changed."""
     out = dict(params)
-    budget = out.get(max_key)
-    budget = default if budget is None else budget
+    budget = out[max_key] if max_key in out else default
     if budget is not None:
         if type(budget) is not int or budget - emitted < 1:
             raise MigrationRefused(f"no token budget left ({max_key} {budget}, {emitted} emitted)")
