@@ -368,3 +368,39 @@ def test_sglang_0523_flat_prompt_top_logprobs_of_a_stitched_request_are_the_orig
     meta = loads(session.stitch(dumps({"text": " b", "output_ids": [12], "meta_info": {"id": "rid", **packed}}), True)[0])["meta_info"]
     assert meta["input_top_logprobs_shape"] == [1, 2]
     assert np.frombuffer(base64.b64decode(meta["input_top_logprobs_val_flat_b64"]), "<f4").tolist() == [-0.5, -1.5]
+
+
+# ------------------------------------------------ vLLM 0.34.0 bodies of a resumed attempt
+
+def vllm_034_migrated(shape, truth, before: int) -> tuple[list[bytes], list[bytes], Verdict | None]:
+    """The uninterrupted 0.34.0 stream of ``truth`` and the one a client reads when the worker is
+    lost after ``before`` chunks and a fresh worker serves ``truth.resumed(k)`` (both rendered by
+    ``streamproc_vllm.upstream``, ``serve_tokens_stream_generator``), with the strongest verdict."""
+    from streamproc_vllm import upstream
+
+    codec = Catalog()("vllm")
+    uninterrupted = upstream.agg(truth, shape, stream_=True)
+    k = truth.chunk_spans()[before - 1][1]
+    session, emitted = sealed_session(codec, uninterrupted[:before])
+    assert emitted.token_ids == truth.output_ids[:k]
+    resumed = upstream.agg(truth.resumed(k), shape, stream_=True)
+    stitched, verdict = [], None
+    for index, body in enumerate(resumed):
+        out = session.stitch(body, index == len(resumed) - 1)
+        if out is not None:
+            body, verdict = out[0], Verdict.OMITTED if Verdict.OMITTED in (verdict, out[1]) else out[1]
+        stitched.append(body)
+    return uninterrupted, uninterrupted[:before] + stitched, verdict
+
+
+def test_vllm_0340_prompt_token_ids_reach_the_client_once_not_again_extended_by_the_emitted_tokens():
+    """0.34.0 ``serve_tokens_stream_generator`` with ``return_token_ids``: ``chunk.prompt_token_ids =
+    prompt_token_ids`` on the first token-bearing chunk, then ``prompt_token_ids = None`` (excluded from
+    the dump). A resumed attempt's first chunk carries its own prompt, the original one plus the k
+    emitted tokens: passed on, the client read a second, longer prompt mid-stream."""
+    from streamproc_vllm.upstream import Shape
+
+    truth = make_truth(11, prompt_len=5, output_len=9, chunk_sizes=[2, 3, 4])
+    uninterrupted, migrated, _ = vllm_034_migrated(Shape(version="0.34.0", return_token_ids=True), truth, 1)
+    assert [loads(body) for body in migrated] == [loads(body) for body in uninterrupted]
+    assert sum("prompt_token_ids" in loads(body) for body in migrated) == 1

@@ -17,6 +17,9 @@ field                            stitched value
 ``prompt_logprobs``              sent once, on the stream's first result: removed from a resumed
                                  attempt once the client has results; otherwise the attempt's
                                  list without its last k entries
+``prompt_token_ids``,            0.34.0 ``return_token_ids``: on the stream's first chunk only;
+``mm_placeholders``              removed from a resumed attempt once the client has results (its
+                                 copy holds the emitted tokens too)
 ``choices[0].routed_experts``    the attempt's array covers every position; rows an earlier
                                  attempt already published replace its leading rows
 ``finish_reason``                the final attempt's
@@ -41,7 +44,8 @@ from streamproc.codec import OmissionReason as Omit
 from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
 from streamproc.wire import Verdict
 
-from .native import PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int, parse_object, unavailable_key
+from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
+from .native import parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -135,7 +139,7 @@ class VLLMMigrationSession(MigrationSession):
                 changed = True
             changed = _cap_cached_tokens(usage) or changed
         if base.published:
-            for key in (PROMPT_LOGPROBS, unavailable_key(PROMPT_LOGPROBS)):
+            for key in (PROMPT_LOGPROBS, unavailable_key(PROMPT_LOGPROBS), *FIRST_CHUNK_FIELDS):
                 if key in obj:
                     del obj[key]
                     changed = True

@@ -29,6 +29,13 @@ PROMPT_SIDE_FIELDS = (PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS)
 # ``LogprobsTensors.empty_cpu`` rows never written (V1 ``GPUModelRunner._get_prompt_logprobs_dict``).
 DECODE_SELF_SCORED_FIELDS = (PROMPT_TOKEN_ID_LOGPROBS,)
 PROMPT_TOKENS = "prompt_tokens"  # usage counts
+# 0.34.0 ``return_token_ids``: the prompt's ids (and a multimodal prompt's placeholder ranges) on the
+# first stream chunk only (``serve_tokens_stream_generator``: ``chunk.prompt_token_ids =
+# prompt_token_ids`` and ``chunk.mm_placeholders = ...``, then ``prompt_token_ids = None``; both
+# excluded from the dump when ``None``).
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+MM_PLACEHOLDERS = "mm_placeholders"
+FIRST_CHUNK_FIELDS = (PROMPT_TOKEN_IDS, MM_PLACEHOLDERS)
 # ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``{"cached_tokens": n}``, the
 # engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.
 PROMPT_TOKENS_DETAILS = "prompt_tokens_details"

@@ -37,6 +37,15 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     # ``sampling_mask``, ``weight_versions``, ``created``, ``ec_transfer_params``...; the decode leg
     # scores the prompt itself when prompt logprobs are requested, and its "full" rows are real.
     version: Literal["serve-disagg", "0.34.0"] = "serve-disagg"
+    # 0.34.0 only. ``GenerateRequest.return_token_ids``: the prompt's ids on the first stream chunk
+    # (``serve_tokens_stream_generator``: ``chunk.prompt_token_ids = prompt_token_ids`` once, then
+    # ``None``, excluded) and on the unary body (``prompt_token_ids=final_res.prompt_token_ids``).
+    return_token_ids: bool = False
+    # 0.34.0 only. The label the engine reports for the weights (``OutputProcessor`` ->
+    # ``RequestState.track_weight_version``): the finishing choice then carries
+    # ``weight_versions=[{"version", "start": 0, "end": output tokens}]`` (``_weight_version_spans``,
+    # ``if finished else None``); one version for the whole request here.
+    weight_version: str | None = None
 
 
 V034 = "0.34.0"
@@ -161,12 +170,16 @@ def _usage_034(prompt: int, completion: int, *, exclude_none: bool = False) -> d
     return usage
 
 
-def _choice_034(truth: Truth, start: int, end: int, finish: str | None, experts: str | None) -> dict[str, Any]:
+def _choice_034(truth: Truth, start: int, end: int, finish: str | None, experts: str | None,
+                weight_version: str | None = None) -> dict[str, Any]:
     """``GenerateChoiceBase`` / ``GenerateStreamChoiceBase`` fields then ``logprobs``
     (``GenerateTokensChoice`` / ``GenerateTokensStreamChoice``); ``stop_reason`` is ``None`` on EOS and
-    length, ``sampling_mask`` and ``weight_versions`` unset."""
+    length, ``sampling_mask`` unset, ``weight_versions`` on the finishing choice when the engine
+    labels its weights (spans over this request's output tokens, from 0)."""
+    spans = ([{"version": weight_version, "start": 0, "end": truth.output_len}]
+             if weight_version is not None and finish is not None else None)
     return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": truth.output_ids[start:end],
-            ROUTED_EXPERTS: experts, "sampling_mask": None, "weight_versions": None,
+            ROUTED_EXPERTS: experts, "sampling_mask": None, "weight_versions": spans,
             "logprobs": _tokens_logprobs(truth, start, end)}
 
 
@@ -186,10 +199,11 @@ def unary_034(truth: Truth, shape: Shape, *, rows: np.ndarray | None, output: tu
     fields: dict[str, Any] = dict(
         request_id=truth.request_id, model=MODEL, created=CREATED, usage=_usage_034(truth.prompt_len, end - start),
         prompt_logprobs=_prompt_logprobs_034(truth) if shape.prompt_logprobs else None,
-        prompt_token_id_logprobs=None, prompt_token_ids=None, mm_placeholders=None, metrics=None,
+        prompt_token_id_logprobs=None,
+        prompt_token_ids=truth.prompt_ids if shape.return_token_ids else None, mm_placeholders=None, metrics=None,
         kv_transfer_params=kv, ec_transfer_params=None, output_mode="tokens",
         choices=[_choice_034(truth, start, end, finish or truth.finish,
-                             encode_rows(rows) if rows is not None else None)])
+                             encode_rows(rows) if rows is not None else None, shape.weight_version)])
     return dump(fields)
 
 
@@ -204,9 +218,12 @@ def stream_034(truth: Truth, shape: Shape, *, rows: np.ndarray | None) -> list[b
     for index, (start, end) in enumerate(spans):
         last = index == len(spans) - 1
         experts = encode_rows(rows) if last and rows is not None else None
-        choice = _choice_034(truth, start, end, truth.finish if last else None, experts)
-        bodies.append(dump({"request_id": truth.request_id, "usage": None, "output_mode": "tokens",
-                            "choices": [choice]}))
+        choice = _choice_034(truth, start, end, truth.finish if last else None, experts, shape.weight_version)
+        chunk: dict[str, Any] = {"request_id": truth.request_id, "usage": None}
+        if index == 0 and shape.return_token_ids:
+            chunk["prompt_token_ids"] = truth.prompt_ids  # mm_placeholders: None for a text prompt, excluded
+        chunk.update(output_mode="tokens", choices=[choice])
+        bodies.append(dump(chunk))
     if shape.include_usage:
         bodies.append(dump({"request_id": truth.request_id,
                             "usage": _usage_034(truth.prompt_len, truth.output_len, exclude_none=True),
