@@ -404,3 +404,27 @@ def test_vllm_0340_prompt_token_ids_reach_the_client_once_not_again_extended_by_
     uninterrupted, migrated, _ = vllm_034_migrated(Shape(version="0.34.0", return_token_ids=True), truth, 1)
     assert [loads(body) for body in migrated] == [loads(body) for body in uninterrupted]
     assert sum("prompt_token_ids" in loads(body) for body in migrated) == 1
+
+
+def test_vllm_0340_weight_versions_of_a_stitched_request_are_omitted_not_the_resumed_attempts_alone():
+    """0.34.0 ``RequestState._new_completion_output``: ``weight_versions=self._weight_version_spans() if
+    finished else None``, spans ``WeightVersionSpan(version, start, end)`` over the request's own output
+    tokens, from 0 (``track_weight_version`` starts them at ``detokenizer.num_output_tokens()``). The
+    lost attempt never finished, so the weights of the k tokens before the seal were never published
+    and the whole request has no exact value; passed on, the client read the resumed attempt's spans
+    (``end`` = its own token count) as the whole answer's. Same rule as SGLang 0.5.23's."""
+    from streamproc_vllm.upstream import Shape
+
+    truth = make_truth(12, prompt_len=4, output_len=7, chunk_sizes=[3, 4])
+    uninterrupted, migrated, verdict = vllm_034_migrated(Shape(version="0.34.0", weight_version="v7"), truth, 1)
+    assert verdict is Verdict.OMITTED
+    finishing = loads(migrated[-2])["choices"][0]  # the last body is the usage-only chunk
+    assert finishing["weight_versions"] is None
+    assert finishing["weight_versions_unavailable_reason"] == "stitch_incomplete"
+    expected = loads(uninterrupted[-2])["choices"][0]
+    assert {key: finishing[key] for key in expected if key != "weight_versions"} == \
+        {key: value for key, value in expected.items() if key != "weight_versions"}
+    assert [loads(body) for body in migrated[:-2]] == [loads(body) for body in uninterrupted[:-2]]
+    # Migrated before any token: the resumed attempt's spans are the whole request's.
+    session, _ = sealed_session(Catalog()("vllm"), [])
+    assert session.stitch(uninterrupted[-2], True) is None

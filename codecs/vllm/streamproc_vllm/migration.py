@@ -23,6 +23,10 @@ field                            stitched value
 ``choices[0].routed_experts``    the attempt's array covers every position; rows an earlier
                                  attempt already published replace its leading rows
 ``finish_reason``                the final attempt's
+``choices[0].weight_versions``   0.34.0, finishing choice only: ``None`` with
+                                 ``weight_versions_unavailable_reason: stitch_incomplete`` when tokens
+                                 were emitted before the seal (the lost attempt never published
+                                 its spans; the resumed attempt's start at its own token 0)
 ===============================  ================================================================
 
 P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
@@ -45,7 +49,7 @@ from streamproc.codec import check_resumed_prompt, check_sampling_params, restat
 from streamproc.wire import Verdict
 
 from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
-from .native import parse_object, unavailable_key
+from .native import WEIGHT_VERSIONS, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -147,12 +151,19 @@ class VLLMMigrationSession(MigrationSession):
             obj[PROMPT_LOGPROBS] = obj[PROMPT_LOGPROBS][:max(0, len(obj[PROMPT_LOGPROBS]) - k)]
             changed = True
         choices = obj.get("choices")
+        if k and isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict) and isinstance(choice.get(WEIGHT_VERSIONS), list):
+                    choice[WEIGHT_VERSIONS] = None
+                    choice[unavailable_key(WEIGHT_VERSIONS)] = Omit.STITCH_INCOMPLETE.value
+                    verdict = Verdict.OMITTED
+                    changed = True
         if base.rows is not None and isinstance(choices, list):
             for choice in choices:
                 if isinstance(choice, dict) and choice.get(ROUTED_EXPERTS) is not None:
                     outcome = self._stitch_rows(choice, base.rows)
                     if outcome is not None:
-                        verdict = outcome
+                        verdict = Verdict.OMITTED if Verdict.OMITTED in (verdict, outcome) else outcome
                         changed = True
         return (dump(obj), verdict) if changed else None
 

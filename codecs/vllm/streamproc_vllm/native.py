@@ -36,6 +36,9 @@ PROMPT_TOKENS = "prompt_tokens"  # usage counts
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 MM_PLACEHOLDERS = "mm_placeholders"
 FIRST_CHUNK_FIELDS = (PROMPT_TOKEN_IDS, MM_PLACEHOLDERS)
+# 0.34.0 choices: ``[{"version", "start", "end"}]`` over the request's output tokens, on the finishing
+# output only (``RequestState._new_completion_output``: ``self._weight_version_spans() if finished``).
+WEIGHT_VERSIONS = "weight_versions"
 # ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``{"cached_tokens": n}``, the
 # engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.
 PROMPT_TOKENS_DETAILS = "prompt_tokens_details"
