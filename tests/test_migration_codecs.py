@@ -152,7 +152,8 @@ def test_sglang_stitch_restates_counts_ids_finish_and_input_logprobs_in_the_orig
     assert verdict is Verdict.STITCHED
     assert meta["id"] == "client-rid"
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["output_token_logprobs_length"]) == (3, 3, 3)
-    assert meta["reasoning_tokens"] == 3 and meta["cached_tokens"] == 3  # cache hits cap at the real prompt
+    assert meta["reasoning_tokens"] == 3
+    assert meta["cached_tokens"] == 1  # the count the client was sent: SGLang repeats it on every chunk
     assert meta["finish_reason"] == {"type": "length", "length": 3}
     assert meta["input_token_logprobs"] == first["meta_info"]["input_token_logprobs"]
     assert meta["output_token_logprobs"] == [[-0.3, 13, None]]  # deltas are never touched
@@ -428,3 +429,58 @@ def test_vllm_0340_weight_versions_of_a_stitched_request_are_omitted_not_the_res
     # Migrated before any token: the resumed attempt's spans are the whole request's.
     session, _ = sealed_session(Catalog()("vllm"), [])
     assert session.stitch(uninterrupted[-2], True) is None
+
+
+# ---------------------------------------------- SGLang 0.5.23 bodies of a resumed attempt
+
+def sglang_0523_migrated(shape, resumed_shape, truth, before: int) -> tuple[list[dict], list[dict]]:
+    """The uninterrupted 0.5.23 stream of ``truth`` (``shape``) and the one a client reads when the
+    worker is lost after ``before`` bodies and another worker (``resumed_shape``: its own cache) serves
+    ``truth.resumed(k)``; both rendered by ``streamproc_sglang.upstream`` (``_handle_batch_output``)."""
+    from streamproc_sglang import upstream
+
+    codec = Catalog()("sglang")
+    uninterrupted = upstream.agg(truth, shape, stream=True)
+    k = truth.chunk_spans()[before - 1][1]
+    session, emitted = sealed_session(codec, uninterrupted[:before])
+    assert emitted.token_ids == truth.output_ids[:k]
+    resumed = upstream.agg(truth.resumed(k), resumed_shape, stream=True)
+    stitched = [(session.stitch(body, index == len(resumed) - 1) or (body,))[0] for index, body in enumerate(resumed)]
+    return [loads(b) for b in uninterrupted], [loads(b) for b in uninterrupted[:before] + stitched]
+
+
+@pytest.mark.parametrize("streaming", ["incremental", "cumulative"])
+@pytest.mark.parametrize("resumed_hits", [0, 5, 9])
+def test_sglang_0523_a_migrated_streams_cached_tokens_stay_those_the_client_was_sent(streaming, resumed_hits):
+    """SGLang 0.5.23 counts a request's prompt cache hits once, at prefill (``ScheduleBatch.
+    prepare_for_extend``: "Only calculate cached_tokens once"; the tier split ``split_cached_prefix_by_tier``
+    on the first chunk only) and ``TokenizerManager._handle_batch_output`` repeats ``cached_tokens`` and
+    ``cached_tokens_details`` on every chunk: an uninterrupted stream never changes them. The resumed
+    attempt's worker counts its own hits over the original prompt plus the emitted tokens (a cold
+    worker: 0; one that holds them: up to prompt + k). The stitch published that count, capped at the
+    prompt, so the client saw the count change mid-stream, and the details (uncapped) disagree with it."""
+    from msgspec.structs import replace
+
+    from streamproc_sglang.upstream import Shape
+
+    truth = make_truth(13, prompt_len=6, output_len=8, chunk_sizes=[3, 2, 3], return_logprob=True)
+    shape = Shape(version="0.5.23", streaming=streaming, cached_tokens=4)
+    # After 2 bodies: the second shows a cumulative stream's mode (one alone needs --format-option streaming).
+    uninterrupted, migrated = sglang_0523_migrated(shape, replace(shape, cached_tokens=resumed_hits), truth, 2)
+    for body in (uninterrupted[-1], migrated[-1]):  # spans the lost attempt never published: omitted
+        meta = body["meta_info"]
+        meta.pop("weight_versions", None), meta.pop("weight_versions_unavailable_reason", None)
+    assert migrated == uninterrupted
+    assert {(m["meta_info"]["cached_tokens"], str(m["meta_info"]["cached_tokens_details"])) for m in migrated} == \
+        {(4, str({"device": 4, "host": 0}))}
+
+
+def test_sglang_a_resumed_attempts_cached_tokens_cap_at_the_prompt_when_the_client_was_sent_none():
+    """No published body said ``cached_tokens`` (an older worker, or a P/D join that omitted it): the
+    resumed attempt's count is all there is, restated to the original prompt (hits on the replayed
+    emitted tokens are not prompt cache hits)."""
+    session, _ = sealed_session(Catalog()("sglang"), [dumps({"text": " a b", "output_ids": [11, 12], "meta_info": {
+        "id": "r", "prompt_tokens": 3, "completion_tokens": 2}})])
+    retry = {"text": " c", "output_ids": [13], "meta_info": {"id": "r", "prompt_tokens": 5, "completion_tokens": 1,
+                                                           "cached_tokens": 5}}
+    assert loads(session.stitch(dumps(retry), True)[0])["meta_info"]["cached_tokens"] == 3

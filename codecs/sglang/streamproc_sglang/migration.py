@@ -20,7 +20,11 @@ field                              stitched value
 ``output_token_logprobs_length``
 ``reasoning_tokens``               + the last value the client saw; omitted (``stitch_incomplete``)
                                    when the client was told it was unavailable (a P/D attempt)
-``cached_tokens``                  the final attempt's, at most the original prompt length
+``cached_tokens``,                 the values the client was sent: SGLang 0.5.23 counts the prompt's
+``cached_tokens_details``          cache hits once, at prefill, and repeats them on every chunk, so
+                                   the uninterrupted stream never changes them; when no published
+                                   body had them, the final attempt's count, at most the original
+                                   prompt length
 ``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
 ``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
                                    list without its last k entries (the replayed output tokens); the
@@ -89,7 +93,13 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request
 # tokens; which weights produced the k tokens before the seal was never published (the lost attempt
 # did not finish), so the stitched request has no exact value.
 WEIGHT_VERSIONS = native.WEIGHT_VERSIONS
+# Every streamed chunk's meta_info (``TokenizerManager._handle_batch_output``: ``"cached_tokens":
+# recv_obj.cached_tokens[i]``, then ``cached_tokens_details``), from ``req.cached_tokens``, which
+# ``ScheduleBatch.prepare_for_extend`` counts once ("Only calculate cached_tokens once") with its tier
+# split (``split_cached_prefix_by_tier``, first chunk only): constant over a request's stream. A
+# resumed attempt counts hits over the original prompt plus the emitted tokens on another worker.
 CACHED_TOKENS = "cached_tokens"
+CACHED_TOKENS_DETAILS = "cached_tokens_details"
 HIDDEN_STATES = "hidden_states"
 # Grammar-constrained decoding: the grammar state is not transferable (replaying the emitted tokens
 # as prompt restarts the FSM at the schema root), so such requests are never migrated.
@@ -117,6 +127,7 @@ class _Base(msgspec.Struct):
     ids: list[int] = []  # cumulative streams: what the client saw, restated before the attempt's
     text: str = ""
     output_logprobs: dict[str, Any] = {}
+    cache: dict[str, Any] = {}  # cached_tokens (and its details) as the client was sent them
 
 
 class SGLangMigrationSession(MigrationSession):
@@ -134,6 +145,7 @@ class SGLangMigrationSession(MigrationSession):
         self._assume_cumulative = codec.streaming == CUMULATIVE
         self._text = ""
         self._output_logprobs: dict[str, Any] = {}
+        self._cache: dict[str, Any] = {}
         self._base = _Base()
         self._restated = False
         # Sizes of the bodies whose parsed parts are kept (text and output lists of the last one,
@@ -177,6 +189,8 @@ class SGLangMigrationSession(MigrationSession):
         prompt_tokens = meta.get(PROMPT_TOKENS)
         if _is_count(prompt_tokens):
             self._prompt_tokens = prompt_tokens  # published bodies are already in the original terms
+        if _is_count(meta.get(CACHED_TOKENS)):
+            self._cache = {key: meta[key] for key in (CACHED_TOKENS, CACHED_TOKENS_DETAILS) if key in meta}
         reasoning = meta.get(REASONING_TOKENS)
         if _is_count(reasoning):
             self._reasoning = reasoning
@@ -200,7 +214,7 @@ class SGLangMigrationSession(MigrationSession):
         cumulative = self._cumulative if self._decided else self._assume_cumulative
         restated = (self._ids.tolist(), self._text, dict(self._output_logprobs)) if cumulative else ([], "", {})
         self._base = _Base(len(self._ids), self._prompt_tokens, self._reasoning, self._rid, dict(self._input_logprobs),
-                           self._rows, cumulative, *restated)
+                           self._rows, cumulative, *restated, dict(self._cache))
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 
@@ -242,7 +256,11 @@ class SGLangMigrationSession(MigrationSession):
                 meta.update(items)
                 verdict = Verdict.OMITTED
         cached = meta.get(CACHED_TOKENS)
-        if _is_count(cached) and original_prompt is not None and cached > original_prompt:
+        if _is_count(cached) and k and CACHED_TOKENS in base.cache:
+            for key, value in base.cache.items():
+                if key in meta:
+                    meta[key] = value
+        elif _is_count(cached) and original_prompt is not None and cached > original_prompt:
             meta[CACHED_TOKENS] = original_prompt  # emitted tokens replayed as prompt are not prompt cache hits
         finish = meta.get(FINISH_REASON)
         if isinstance(finish, dict) and finish.get("type") == "length" and _is_count(finish.get("length")):

@@ -58,6 +58,11 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     top_logprobs: Literal["none", "nested", "flat", "flat_b64"] = "none"
     token_ids_logprob: bool = False  # 0.5.23 only. GenerateReqInput.token_ids_logprob = TOKEN_IDS
     hidden_states: bool = False  # 0.5.23 only. GenerateReqInput.return_hidden_states = True
+    # The worker's prefix-cache hits for the prompt (``req.cached_tokens``, counted once at prefill by
+    # ``ScheduleBatch.prepare_for_extend``), on every body; 0.5.23 adds ``cached_tokens_details``
+    # (``OutputStreamer.get_cached_tokens_details``: ``{"device": n, "host": 0}`` without HiCache
+    # storage, ``None`` without a hit).
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.version != V0523 and (self.top_logprobs != "none" or self.token_ids_logprob or self.hidden_states):
@@ -215,11 +220,12 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
         if new:
             meta["reasoning_tokens"] = 0
         meta[native.COMPLETION_TOKENS] = completion
-        meta["cached_tokens"] = 0
+        meta["cached_tokens"] = shape.cached_tokens
         if new:
             if last:  # OutputStreamer.accept computes weight-version spans for a finished request only
                 meta["weight_versions"] = [dict(version="default", start=0, end=completion)]  # a WeightVersionSpan
-            meta["cached_tokens_details"] = None
+            meta["cached_tokens_details"] = ({"device": shape.cached_tokens, "host": 0}
+                                             if shape.cached_tokens else None)
             if shape.hidden_states:
                 # Aggregated: _append_prefill_hidden_states appends the prompt's block, then one vector
                 # per decode step (OutputStreamer.accept sends req.hidden_states, unsliced). P/D prefill
