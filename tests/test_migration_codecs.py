@@ -484,3 +484,24 @@ def test_sglang_a_resumed_attempts_cached_tokens_cap_at_the_prompt_when_the_clie
     retry = {"text": " c", "output_ids": [13], "meta_info": {"id": "r", "prompt_tokens": 5, "completion_tokens": 1,
                                                            "cached_tokens": 5}}
     assert loads(session.stitch(dumps(retry), True)[0])["meta_info"]["cached_tokens"] == 3
+
+
+@pytest.mark.parametrize("name, prompt_key, extra", [
+    ("sglang", "input_ids", {"sampling_seed": 7, "custom_params": {"thinking_budget": 32}}),
+    ("vllm", "token_ids", {"seed": 7, "thinking_token_budget": 32, "repetition_penalty": 1.1}),
+])
+def test_resumed_requests_carry_penalties_seeds_and_thinking_budgets_unchanged(name, prompt_key, extra):
+    """The documented limits' safe side (docs/protocol.md, cost and limits): frequency/presence
+    penalties (output tokens only, in both engines) and seeds cannot be carried over, so they are sent
+    as they were, never dropped or rescaled; thinking budgets are exact as sent, because both engines
+    count the reasoning already in the prompt (vLLM ``_thinking_budget_kernel``: "If the request
+    resumes from a prompt that already contains generated reasoning content, count it against the
+    remaining budget"; SGLang ``ThinkingBudgetLogitProcessor``: ``[*req.origin_input_ids, *req.output_ids]``).
+    A vLLM request without ``max_tokens`` stays without one: the server's context bound
+    (``get_max_tokens``: ``max_model_len - input_length``) already accounts for the longer prompt."""
+    codec = Catalog()(name)
+    params = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "temperature": 0.0, **extra}
+    doc = loads(codec.resume_request(dumps({prompt_key: [1, 2], "sampling_params": params}), Emitted([7, 8])))
+    budget = {"max_new_tokens": 126} if name == "sglang" else {}  # SGLang's 128 default, less k
+    assert doc["sampling_params"] == {**params, **budget}
+    assert doc[prompt_key] == [1, 2, 7, 8]
