@@ -638,8 +638,9 @@ class SettingsSchema(typing.Generic[S]):
         first a setting of the same name under a longer prefix, of ``own`` (the command's; this
         schema's by default): ``STREAMPROC_PORT`` for the edge is ``STREAMPROC_EDGE_PORT``, where
         difflib offered ``STREAMPROC_FORMAT`` (found by a newcomer walk)."""
-        mine = {f.env for f in self.fields()} if own is None else set(own)
-        names = {f.env for f in self.fields()} | set(known) | mine
+        schema = {f.env for f in self.fields()}
+        mine = schema if own is None else set(own)
+        names = schema | set(known) | mine
         out = []
         for var in sorted(v for v in environ if v.startswith(ENV_PREFIX) and v not in names):
             nested = sorted(n for n in mine if n.endswith("_" + var[len(ENV_PREFIX):]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 import secrets
-from typing import Iterable, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import msgspec
 from nats.aio.client import Client as NatsClient
@@ -58,20 +58,9 @@ class Message(msgspec.Struct, frozen=True):
     final: bool
 
 
-def plan(
-    format: str,
-    *,
-    requests: int,
-    mode: TrafficMode = "mixed",
-    stream: bool | None = None,
-    seed: int = 0,
-    id_prefix: str | None = None,
-    worker: SimulatedWorker | None = None,
-    faults: bool = False,
-) -> list[PlannedRequest]:
-    """Every request of :func:`planned` at once (tests; the commands plan lazily)."""
-    return list(planned(format, requests=requests, mode=mode, stream=stream, seed=seed, id_prefix=id_prefix,
-                        worker=worker, faults=faults))
+def plan(format: str, **options: Any) -> list[PlannedRequest]:
+    """Every request of :func:`planned` (same keywords) at once: tests; the commands plan lazily."""
+    return list(planned(format, **options))
 
 
 def planned(
