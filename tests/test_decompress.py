@@ -176,3 +176,59 @@ def test_zstd_frame_bound_covers_incompressible_input(size, seed):
     data = os.urandom(size) if seed % 2 else bytes(size)
     assert len(one_shot(data)) <= zstd_frame_bound(size)
     assert len(streamed(data)) <= zstd_frame_bound(size)
+
+
+# zstd's streaming decoder runs on into whatever follows a frame (concatenated and skippable frames
+# are part of the format, RFC 8878 §3), and python-zstandard's one-shot ``decompress`` returns b""
+# for a header that declares 0 bytes without reading the blocks (``Decompressor_decompress``:
+# ``decompressedSize == 0`` -> empty bytes). Neither may let a value that is not exactly one valid
+# frame through: an empty frame is the engine's encoding of zero rows (``BaseTopkCapturer.get_topk``
+# with ``start_len`` at the prompt's end returns ``req_to_token[...][start_len : seqlen - 1]``, empty).
+_EMPTY_FRAME = zstandard.ZstdCompressor(write_checksum=True).compress(b"")  # declares 0 bytes
+_SKIPPABLE = (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + b"skip"
+
+
+@pytest.mark.parametrize("tail", [_EMPTY_FRAME, _SKIPPABLE, streamed(b"")], ids=["empty", "skippable", "streamed-empty"])
+@pytest.mark.parametrize("declare", [True, False])
+def test_zstd_a_frame_followed_by_a_frame_of_no_content_is_corrupt(tail, declare):
+    frame = (one_shot if declare else streamed)(b"rows" * 100)
+    assert reason_of(lambda: decompress_zstd(frame + tail, 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+@pytest.mark.parametrize("tail", [b"garbage", _EMPTY_FRAME, one_shot(b"rows" * 100), _SKIPPABLE],
+                         ids=["garbage", "empty", "frame", "skippable"])
+def test_zstd_a_frame_declaring_no_content_is_judged_like_any_other(tail):
+    assert decompress_zstd(_EMPTY_FRAME, 10_000, zstd_decompressor(10_000)) == b""
+    assert reason_of(lambda: decompress_zstd(_EMPTY_FRAME + tail, 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+@pytest.mark.parametrize("frame", [_SKIPPABLE, _SKIPPABLE + _EMPTY_FRAME, _SKIPPABLE + one_shot(b"rows")],
+                         ids=["alone", "then-empty", "then-frame"])
+def test_zstd_a_skippable_frame_is_no_payload(frame):
+    """``frame_content_size`` reads a skippable frame as declaring 0 bytes; it is no zstd data frame."""
+    assert reason_of(lambda: decompress_zstd(frame, 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+def test_zstd_a_header_declaring_no_content_over_blocks_that_hold_some_is_corrupt():
+    single_segment_of_0 = b"\x28\xb5\x2f\xfd\x20\x00"
+    raw_last_block = (1 | 5 << 3).to_bytes(3, "little") + b"hello"
+    assert reason_of(lambda: decompress_zstd(single_segment_of_0 + raw_last_block, 10_000,
+                                             zstd_decompressor(10_000))) == CORRUPT
+    bad_checksum = bytearray(_EMPTY_FRAME)
+    bad_checksum[-1] ^= 0xFF
+    assert reason_of(lambda: decompress_zstd(bytes(bad_checksum), 10_000, zstd_decompressor(10_000))) == CORRUPT
+
+
+def test_zstd_a_header_declaring_no_content_over_a_bomb_is_stopped_with_bounded_memory():
+    """Window 128 MiB (not single segment) and 2 GiB of RLE blocks behind a content size of 0."""
+    header = b"\x28\xb5\x2f\xfd" + bytes([0x80]) + bytes([(27 - 10) << 3]) + (0).to_bytes(4, "little")
+    rle = (1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\x00"
+    frame = header + rle * (16 << 10) + (1 | 1 << 1 | 1 << 3).to_bytes(3, "little") + b"\x00"
+    assert zstandard.frame_content_size(frame) == 0
+    tracemalloc.start()
+    try:
+        assert reason_of(lambda: decompress_zstd(frame, 512 * MIB, zstd_decompressor(512 * MIB))) == CORRUPT
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MIB

@@ -333,6 +333,37 @@ def test_sglang_zstd_payload_join():
     assert got == json.loads(dumps(want))
 
 
+def _start_at_prompt_end_one_token(prefill_value: str) -> tuple[dict, bytes, Verdict]:
+    """max_new_tokens=1 with ``routed_experts_start_len`` = the prompt's length, stated by both legs.
+    ``BaseTopkCapturer.get_topk``: ``start_len = min(start_len, seqlen - 1)`` and the rows are
+    ``req_to_token[req_pool_idx][start_len : seqlen - 1]``: none on either leg (prefill's seqlen
+    counts token 0, ``_maybe_collect_routed_experts``), so the engine's value is zstd of no bytes."""
+    fin = {"type": "length", "length": 1}
+    lp = {"input": INPUT_LP, "output": OUTPUT_LP[:1], "length": 1}
+    empty = b64(zstandard.ZstdCompressor(level=3, write_checksum=True).compress(b""))
+    agg, prefill, decode = (sgl_body(out=OUT[:1], text="Hé", finish=fin, completion=1, lp=lp, experts=value)
+                            for value in (empty, prefill_value, empty))
+    for body in (agg, prefill, decode):
+        body["meta_info"]["routed_experts_start_len"] = len(PROMPT)
+    [(body, verdict)] = join(SGLangZstdCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
+    return agg, body, verdict
+
+
+def test_sglang_zstd_empty_rows_join_to_agg_and_an_empty_frame_with_a_tail_is_never_published():
+    """The empty frame (a header that declares 0 bytes) is the answer as the engine sent it; the same
+    frame with anything after it is no valid frame, and a one-token answer would publish prefill's
+    value as it came: it is omitted, never handed to clients."""
+    frame = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(b"")
+    agg, body, verdict = _start_at_prompt_end_one_token(b64(frame))
+    assert_same(body, dumps(agg))
+    for tail in (b"garbage", frame, zstandard.ZstdCompressor().compress(rows(0, 4))):
+        _, body, verdict = _start_at_prompt_end_one_token(b64(frame + tail))
+        meta = json.loads(body)["meta_info"]
+        assert "routed_experts" not in meta, tail
+        assert meta["routed_experts_unavailable_reason"] == "prefill_corrupt"
+        assert verdict == Verdict.OMITTED
+
+
 def test_sglang_batch_request_decode_list_body_never_publishes_stale_rows():
     """``_handle_batch_request``, non-stream: ``outputs = await asyncio.gather(...); yield outputs``,
     so a batch (or n>1) ``/generate`` answers with a JSON *list* of per-request bodies (mini_lb

@@ -78,6 +78,7 @@ def base64_decoded_size(text: str | bytes) -> int:
 # The longest zstd frame header (RFC 8878 §3.1.1.1: magic 4, descriptor 1, window 1, dictionary id
 # up to 4, content size up to 8 bytes) and the Base64 characters that carry it.
 _ZSTD_HEADER_MAX = 18
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # RFC 8878 §3.1.1: 0xFD2FB528, little-endian
 _ZSTD_HEADER_CHARS = base64_decoded_bound(_ZSTD_HEADER_MAX)
 
 
@@ -117,11 +118,18 @@ def zstd_decompressor(limit: int) -> zstandard.ZstdDecompressor:
 def decompress_zstd(frame: bytes | memoryview, limit: int, dctx: zstandard.ZstdDecompressor) -> bytes:
     """Exactly one zstd frame, decompressed to at most ``limit`` bytes.
 
-    A frame that declares its content size is judged by the header alone. A frame that does not
-    (streaming compressors) is first measured by streaming through it in 1 MiB steps, discarding the
-    output and stopping at ``limit + 1`` bytes, then decompressed into a buffer of exactly that size.
-    Trailing data after the frame, a truncated frame and a checksum mismatch are all :data:`CORRUPT`.
+    A frame that declares a nonzero content size is judged by the header alone. A frame that
+    declares none (streaming compressors), or 0, is first measured by streaming through it in 1 MiB
+    steps, discarding the output and stopping at ``limit + 1`` bytes (past 0 for one that declares
+    0), then decompressed by a streaming pass that stops at the frame's end, so whatever follows it
+    is seen. A header that declares 0 is never taken at its word: python-zstandard's one-shot
+    ``decompress`` returns ``b""`` for it without reading the blocks, and zstd's streaming decoder
+    runs on into concatenated frames, counting empty and skippable ones as nothing. Trailing data
+    after the frame (any frame included), a truncated frame and a checksum mismatch are all
+    :data:`CORRUPT`.
     """
+    if bytes(frame[:4]) != _ZSTD_MAGIC:  # a skippable frame reads as declaring 0 and decodes to nothing
+        raise CorruptPayload(CORRUPT, "not a zstd frame: no zstd magic number")
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as exc:
@@ -129,12 +137,21 @@ def decompress_zstd(frame: bytes | memoryview, limit: int, dctx: zstandard.ZstdD
     if declared > limit:
         raise CorruptPayload(TOO_LARGE, f"zstd frame declares {declared} bytes, limit {limit}")
     try:
-        if declared >= 0:
+        if declared > 0:
             return dctx.decompress(frame, allow_extra_data=False)
-        size = _measure(frame, limit, dctx)
-        # One spare byte: with an exactly full buffer zstd stops before it would notice trailing
-        # frames (and max_output_size=0 would mean "unbounded").
-        out = dctx.decompress(frame, max_output_size=size + 1, allow_extra_data=False)
+        try:
+            size = _measure(frame, limit if declared < 0 else 0, dctx)
+        except CorruptPayload as exc:
+            if declared < 0:
+                raise
+            raise CorruptPayload(CORRUPT, "zstd frame declares 0 bytes and holds more") from exc
+        # The frame's output is now known to be ``size`` bytes, so this pass holds at most that.
+        one = dctx.decompressobj(read_across_frames=False)
+        out = one.decompress(frame)
+        if not one.eof:
+            raise CorruptPayload(CORRUPT, "zstd frame is truncated")
+        if one.unused_data:
+            raise CorruptPayload(CORRUPT, f"{len(one.unused_data)} bytes follow the zstd frame")
         if len(out) != size:
             raise CorruptPayload(CORRUPT, f"zstd frame decoded to {len(out)} bytes, measured {size}")
         return out
