@@ -505,3 +505,42 @@ def test_resumed_requests_carry_penalties_seeds_and_thinking_budgets_unchanged(n
     budget = {"max_new_tokens": 126} if name == "sglang" else {}  # SGLang's 128 default, less k
     assert doc["sampling_params"] == {**params, **budget}
     assert doc[prompt_key] == [1, 2, 7, 8]
+
+
+# After 1 body a cumulative stream's mode is not shown yet (--format-option streaming decides): after 2.
+@pytest.mark.parametrize("streaming, before", [("incremental", 1), ("incremental", 2), ("cumulative", 2)])
+def test_sglang_0523_speculative_decoding_stats_of_a_migrated_request_are_omitted_not_the_resumed_attempts(
+        streaming, before):
+    """SGLang 0.5.23 writes ``spec_accept_rate``, ``spec_accept_length``, ``spec_num_correct_drafts``,
+    ``spec_num_proposed_drafts``, ``spec_verify_ct`` and ``spec_correct_drafts_histogram`` on a finished
+    body only (``TokenizerManager._calculate_spec_decoding_metrics``), from counters the scheduler adds
+    per verify step of that ``Req`` (``batch_result_processor``: ``req.spec_verify_ct += 1``). A resumed
+    attempt's counters cover its own steps; the lost attempt's were never published (it did not
+    finish), so no exact total exists: passed on, the client read the resumed attempt's alone (and an
+    ``spec_accept_length`` over its own ``completion_tokens``) as the whole request's."""
+    from msgspec.structs import replace
+
+    from streamproc_sglang.upstream import Shape
+
+    truth = make_truth(14, prompt_len=5, output_len=12, chunk_sizes=[3, 4, 5])
+    shape = Shape(version="0.5.23", streaming=streaming, spec_draft_tokens=4)
+    uninterrupted, migrated = sglang_0523_migrated(shape, replace(shape), truth, before)
+    spec = [key for key in uninterrupted[-1]["meta_info"] if key.startswith("spec_")]
+    assert len(spec) == 6  # the shape renders every counter 0.5.23 writes
+    final = migrated[-1]["meta_info"]
+    assert {key: final.get(key + "_unavailable_reason") for key in spec} == dict.fromkeys(spec, "stitch_incomplete")
+    assert not any(key in final for key in spec)
+    for body in (uninterrupted[-1], migrated[-1]):  # spans the lost attempt never published: omitted alike
+        meta = body["meta_info"]
+        for key in ("weight_versions", *spec):
+            meta.pop(key, None), meta.pop(key + "_unavailable_reason", None)
+    assert migrated == uninterrupted
+    # Migrated before any token: the resumed attempt ran every verify step of the request.
+    session, _ = sealed_session(Catalog()("sglang"), [])
+    assert session.stitch(upstream_final(truth, shape), True) is None
+
+
+def upstream_final(truth, shape) -> bytes:
+    from streamproc_sglang import upstream
+
+    return upstream.agg(truth, shape, stream=True)[-1]

@@ -29,8 +29,9 @@ field                              stitched value
 ``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
                                    list without its last k entries (the replayed output tokens); the
                                    flat form (``return_flat_raw_top_logprobs``) the same way
-``weight_versions``                omitted (``stitch_incomplete``) when tokens were emitted before the
-                                   seal: the earlier attempt never published its spans
+``weight_versions``, ``spec_*``    omitted (``stitch_incomplete``) when tokens were emitted before the
+                                   seal (``ATTEMPT_FIELDS``): finished-body values over the finishing
+                                   attempt's own work, and the lost attempt never published its share
 ``routed_experts``                 the attempt's array covers every position (its prompt is the
                                    original prompt plus the emitted tokens); rows an earlier
                                    attempt already published replace its leading rows
@@ -93,6 +94,18 @@ DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request
 # tokens; which weights produced the k tokens before the seal was never published (the lost attempt
 # did not finish), so the stitched request has no exact value.
 WEIGHT_VERSIONS = native.WEIGHT_VERSIONS
+# 0.5.23's speculative-decoding counters (``TokenizerManager._calculate_spec_decoding_metrics``, on a
+# finished body only): ``spec_accept_rate``, ``spec_accept_length`` (``completion_tokens[i] /
+# spec_verify_ct[i]``, the attempt's own count), ``spec_num_correct_drafts``, ``spec_num_proposed_drafts``,
+# ``spec_verify_ct``, ``spec_cap_length``, ``spec_block_accept_length`` and the histograms, read from
+# counters ``batch_result_processor`` adds per verify step of the ``Req`` (``req.spec_verify_ct += 1``);
+# earlier trees' aliases (``spec_accepted_drafts``, ``spec_proposed_drafts``, ``spec_accept_histogram``)
+# alike. A resumed attempt's cover its own steps; the lost attempt's were never published.
+SPEC_PREFIX = "spec_"
+# A finished body's values that describe the attempt that finished, not the request: with tokens
+# emitted before the seal no exact whole-request value exists, so each is omitted (stitch_incomplete).
+ATTEMPT_FIELDS = (WEIGHT_VERSIONS,)
+ATTEMPT_PREFIXES = (SPEC_PREFIX,)
 # Every streamed chunk's meta_info (``TokenizerManager._handle_batch_output``: ``"cached_tokens":
 # recv_obj.cached_tokens[i]``, then ``cached_tokens_details``), from ``req.cached_tokens``, which
 # ``ScheduleBatch.prepare_for_extend`` counts once ("Only calculate cached_tokens once") with its tier
@@ -246,15 +259,15 @@ class SGLangMigrationSession(MigrationSession):
             if _is_count(meta.get(field)):
                 meta[field] += k
         verdict = Verdict.STITCHED
+        incomplete = [key for key, value in meta.items() if k and value is not None and _attempt_scoped(key)]
         if _is_count(meta.get(REASONING_TOKENS)):
             if base.reasoning is not None:
                 meta[REASONING_TOKENS] += base.reasoning
             else:  # what the earlier attempts counted is known to no one: the sum cannot be made
-                items = [(REASONING_TOKENS + UNAVAILABLE_SUFFIX, Omit.STITCH_INCOMPLETE.value)
-                         if key == REASONING_TOKENS else (key, v) for key, v in meta.items()]
-                meta.clear()
-                meta.update(items)
-                verdict = Verdict.OMITTED
+                incomplete.append(REASONING_TOKENS)
+        if incomplete:
+            _mark(meta, incomplete, Omit.STITCH_INCOMPLETE)
+            verdict = Verdict.OMITTED
         cached = meta.get(CACHED_TOKENS)
         if _is_count(cached) and k and CACHED_TOKENS in base.cache:
             for key, value in base.cache.items():
@@ -272,10 +285,6 @@ class SGLangMigrationSession(MigrationSession):
                 meta[field] = original if original is not None else value[:max(0, len(value) - k)]
         if isinstance(meta.get(native.INPUT_TOP_SHAPE), list):
             _restate_flat_top(meta, base.input_logprobs, k)
-        if k and isinstance(meta.get(WEIGHT_VERSIONS), list):
-            del meta[WEIGHT_VERSIONS]
-            meta[WEIGHT_VERSIONS + UNAVAILABLE_SUFFIX] = Omit.STITCH_INCOMPLETE
-            verdict = Verdict.OMITTED
         if base.rows is not None and meta.get(ROUTED_EXPERTS) is not None:
             if self._stitch_rows(meta, base.rows) is Verdict.OMITTED:
                 verdict = Verdict.OMITTED
@@ -339,6 +348,17 @@ def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> Non
             raw = base64.b64decode(packed)[:rows * width * 4]  # both 4 bytes a value
             meta[f"input_top_logprobs_{side}_flat_b64"] = base64.b64encode(raw).decode()
     meta[native.INPUT_TOP_SHAPE] = [rows, width]
+
+
+def _attempt_scoped(key: str) -> bool:
+    return (key in ATTEMPT_FIELDS or key.startswith(ATTEMPT_PREFIXES)) and not key.endswith(UNAVAILABLE_SUFFIX)
+
+
+def _mark(meta: dict[str, Any], fields: Sequence[str], reason: str) -> None:
+    """Each of ``fields`` replaced by its ``<field>_unavailable_reason`` where it stood (key order kept)."""
+    items = [(key + UNAVAILABLE_SUFFIX, reason) if key in fields else (key, value) for key, value in meta.items()]
+    meta.clear()
+    meta.update(items)
 
 
 def _omit(meta: dict[str, Any], reason: str) -> Verdict:

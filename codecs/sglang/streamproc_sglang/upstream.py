@@ -63,10 +63,16 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     # (``OutputStreamer.get_cached_tokens_details``: ``{"device": n, "host": 0}`` without HiCache
     # storage, ``None`` without a hit).
     cached_tokens: int = 0
+    # 0.5.23 only. ``ServerArgs.speculative_num_draft_tokens`` of a speculative-decoding server (0: none):
+    # its finished bodies (aggregated and P/D decode) carry the request's ``spec_*`` counters
+    # (``TokenizerManager._calculate_spec_decoding_metrics``, see ``_spec_metrics``).
+    spec_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.version != V0523 and (self.top_logprobs != "none" or self.token_ids_logprob or self.hidden_states):
-            raise ValueError("top_logprobs, token_ids_logprob and hidden_states are modelled for version 0.5.23 only")
+        if self.version != V0523 and (self.top_logprobs != "none" or self.token_ids_logprob or self.hidden_states
+                                      or self.spec_draft_tokens):
+            raise ValueError("top_logprobs, token_ids_logprob, hidden_states and spec_draft_tokens are modelled "
+                             "for version 0.5.23 only")
 
 
 V0523 = "0.5.23"
@@ -160,6 +166,30 @@ def _hidden(p: int) -> list[float]:
     return [p + 0.5, -p - 0.25]
 
 
+def _spec_metrics(completion: int, draft_tokens: int) -> dict[str, Any]:
+    """0.5.23 ``TokenizerManager._calculate_spec_decoding_metrics`` on a finished body, from the request's
+    own counters: ``batch_result_processor`` adds one ``req.spec_verify_ct`` and the step's correct drafts
+    (``req.spec_num_correct_drafts``, ``update_spec_correct_drafts_histogram``) per verify step of this
+    ``Req``. The first token comes from prefill; here every verify step accepts all ``draft_tokens - 1``
+    drafts plus the bonus token but the last, which accepts what is left. Nothing without a verify step
+    (``spec_verify_ct[i] > 0``)."""
+    full, rest = divmod(completion - 1, draft_tokens)
+    verify = full + (1 if rest else 0)
+    if verify <= 0:
+        return {}
+    correct = full * (draft_tokens - 1) + (rest - 1 if rest else 0)
+    proposed = verify * (draft_tokens - 1)  # spec_verify_ct * (speculative_num_draft_tokens - 1)
+    histogram = [0] * draft_tokens
+    histogram[draft_tokens - 1] += full
+    if rest:
+        histogram[rest - 1] += 1
+    while histogram and not histogram[-1]:  # grown only as far as a step needed
+        histogram.pop()
+    return {"spec_accept_rate": correct / proposed, "spec_accept_length": completion / verify,
+            "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": proposed, "spec_verify_ct": verify,
+            "spec_correct_drafts_histogram": histogram}
+
+
 def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, int]], input_logprobs: list,
             first_logprob_known: bool, experts: object, finish: dict[str, Any], completion_offset: int = 0,
             prompt_tokens: int | None = None, leg: Literal["agg", "prefill", "decode"] = "agg") -> list[bytes]:
@@ -243,6 +273,8 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
                 meta[native.ROUTED_EXPERTS_START_LEN] = shape.start_len
         if last:
             meta["e2e_latency"] = round(0.001 * (truth.prompt_len + truth.output_len), 6)
+            if shape.spec_draft_tokens and leg != "prefill":  # prefill runs no verify step
+                meta.update(_spec_metrics(completion, shape.spec_draft_tokens))
         ids = truth.output_ids[lo:end]
         text = "".join(truth.token_text(t) for t in ids)
         doc = {native.TEXT: text, native.OUTPUT_IDS: ids, native.META: meta}
