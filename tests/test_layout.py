@@ -225,6 +225,7 @@ OWN_VOCABULARY = {
     "unknown": "option values (vllm's stream_routed_experts), the edge's unknown MSG.GET access",
     "version": "argparse's action for streamproc --version",
     "start": "the experts view's row spans (RowSpan.start, read by the page's experts.js)",
+    "metrics": "an attribute name (edge/direct.py's __slots__: the edge's metrics)",
     "host": "the --http-host / --host settings (a network host, not SGLang's host-memory cache count)",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.

@@ -544,3 +544,35 @@ def upstream_final(truth, shape) -> bytes:
     from streamproc_sglang import upstream
 
     return upstream.agg(truth, shape, stream=True)[-1]
+
+
+@pytest.mark.parametrize("before", [1, 2])
+def test_vllm_0340_speculative_decoding_metrics_of_a_migrated_request_are_omitted_not_the_resumed_attempts(before):
+    """vLLM 0.34.0 (``per_request_spec_decode_metrics``) answers a finished request with ``metrics:
+    PerRequestMetrics(speculative_decoding=build_spec_decoding_metrics(final_res))``: the stream's usage
+    chunk, the unary body. Its counters are the engine ``Request``'s own (``RequestSpecDecodeMetrics.
+    observe`` once per verify step, ``Scheduler.update_from_output``), so a resumed attempt's cover its
+    own steps; the lost attempt's were never published. Passed on, the client read them as the whole
+    request's."""
+    from streamproc_vllm import upstream
+    from streamproc_vllm.upstream import Shape
+
+    truth = make_truth(15, prompt_len=4, output_len=11, chunk_sizes=[2, 4, 5])
+    shape = Shape(version="0.34.0", num_spec_tokens=3)
+    uninterrupted, migrated, verdict = vllm_034_migrated(shape, truth, before)
+    assert "speculative_decoding" in loads(uninterrupted[-1])["metrics"]  # the usage-only chunk
+    assert verdict is Verdict.OMITTED
+    final = loads(migrated[-1])
+    assert final["metrics"] is None and final["metrics_unavailable_reason"] == "stitch_incomplete"
+    expected = loads(uninterrupted[-1])
+    assert {key: value for key, value in final.items() if not key.startswith("metrics")} == \
+        {key: value for key, value in expected.items() if key != "metrics"}
+    assert [loads(body) for body in migrated[:-1]] == [loads(body) for body in uninterrupted[:-1]]
+    # A unary answer of the resumed attempt alike.
+    session, _ = sealed_session(Catalog()("vllm"), uninterrupted[:before])
+    k = truth.chunk_spans()[before - 1][1]
+    body, _ = session.stitch(upstream.agg(truth.resumed(k), shape, stream_=False)[0], True)
+    assert loads(body)["metrics"] is None and loads(body)["metrics_unavailable_reason"] == "stitch_incomplete"
+    # Migrated before any token: the resumed attempt ran every verify step of the request.
+    session, _ = sealed_session(Catalog()("vllm"), [])
+    assert session.stitch(uninterrupted[-1], True) is None

@@ -23,10 +23,11 @@ field                            stitched value
 ``choices[0].routed_experts``    the attempt's array covers every position; rows an earlier
                                  attempt already published replace its leading rows
 ``finish_reason``                the final attempt's
-``choices[0].weight_versions``   0.34.0, finishing choice only: ``None`` with
-                                 ``weight_versions_unavailable_reason: stitch_incomplete`` when tokens
-                                 were emitted before the seal (the lost attempt never published
-                                 its spans; the resumed attempt's start at its own token 0)
+``choices[0].weight_versions``,  0.34.0, finished outputs only: ``None`` with
+``metrics``                      ``<field>_unavailable_reason: stitch_incomplete`` when tokens were
+                                 emitted before the seal (``ATTEMPT_FIELDS``: values over the
+                                 finishing attempt's own work; the lost attempt never published its
+                                 share: weight spans from its token 0, speculative-decoding counters)
 ===============================  ================================================================
 
 P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
@@ -49,7 +50,7 @@ from streamproc.codec import check_resumed_prompt, check_sampling_params, restat
 from streamproc.wire import Verdict
 
 from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
-from .native import WEIGHT_VERSIONS, parse_object, unavailable_key
+from .native import METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -63,6 +64,11 @@ MIN_TOKENS = "min_tokens"
 GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "guided_decoding")
 STATE_PROMPT_TOKENS = "prompt_tokens"
+# A finished response's values over the finishing attempt's own work, not the request's (top level,
+# and per choice): with tokens emitted before the seal no exact whole-request value exists, so each is
+# ``None`` with ``<field>_unavailable_reason: stitch_incomplete``.
+ATTEMPT_FIELDS = (METRICS,)
+ATTEMPT_CHOICE_FIELDS = (WEIGHT_VERSIONS,)
 
 
 class _Base(msgspec.Struct):
@@ -151,13 +157,16 @@ class VLLMMigrationSession(MigrationSession):
             obj[PROMPT_LOGPROBS] = obj[PROMPT_LOGPROBS][:max(0, len(obj[PROMPT_LOGPROBS]) - k)]
             changed = True
         choices = obj.get("choices")
-        if k and isinstance(choices, list):
-            for choice in choices:
-                if isinstance(choice, dict) and isinstance(choice.get(WEIGHT_VERSIONS), list):
-                    choice[WEIGHT_VERSIONS] = None
-                    choice[unavailable_key(WEIGHT_VERSIONS)] = Omit.STITCH_INCOMPLETE.value
-                    verdict = Verdict.OMITTED
-                    changed = True
+        if k:
+            targets = [(obj, ATTEMPT_FIELDS)]
+            targets += [(c, ATTEMPT_CHOICE_FIELDS) for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+            for target, fields in targets:
+                for field in fields:
+                    if target.get(field) is not None:
+                        target[field] = None
+                        target[unavailable_key(field)] = Omit.STITCH_INCOMPLETE.value
+                        verdict = Verdict.OMITTED
+                        changed = True
         if base.rows is not None and isinstance(choices, list):
             for choice in choices:
                 if isinstance(choice, dict) and choice.get(ROUTED_EXPERTS) is not None:

@@ -39,6 +39,11 @@ FIRST_CHUNK_FIELDS = (PROMPT_TOKEN_IDS, MM_PLACEHOLDERS)
 # 0.34.0 choices: ``[{"version", "start", "end"}]`` over the request's output tokens, on the finishing
 # output only (``RequestState._new_completion_output``: ``self._weight_version_spans() if finished``).
 WEIGHT_VERSIONS = "weight_versions"
+# 0.34.0 ``PerRequestMetrics`` (``generate/base/protocol.py``) on a finished response (the unary body;
+# a stream's usage-only chunk): ``speculative_decoding=build_spec_decoding_metrics(final_res)``, the
+# engine ``Request``'s own ``RequestSpecDecodeMetrics`` (``observe`` per verify step), and the timing
+# fields the other endpoints fill; all of them the finishing attempt's.
+METRICS = "metrics"
 # ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``{"cached_tokens": n}``, the
 # engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.
 PROMPT_TOKENS_DETAILS = "prompt_tokens_details"

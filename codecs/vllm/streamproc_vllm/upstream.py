@@ -46,6 +46,10 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     # ``weight_versions=[{"version", "start": 0, "end": output tokens}]`` (``_weight_version_spans``,
     # ``if finished else None``); one version for the whole request here.
     weight_version: str | None = None
+    # 0.34.0 only. ``num_speculative_tokens`` of a server run with ``per_request_spec_decode_metrics=
+    # "summary"`` (0: no speculative decoding): finished outputs carry the request's counters as the
+    # response's ``metrics.speculative_decoding`` (``build_spec_decoding_metrics``, see ``_metrics_034``).
+    num_spec_tokens: int = 0
 
 
 V034 = "0.34.0"
@@ -183,6 +187,35 @@ def _choice_034(truth: Truth, start: int, end: int, finish: str | None, experts:
             "logprobs": _tokens_logprobs(truth, start, end)}
 
 
+def _metrics_034(shape: Shape, completion: int, *, exclude_none: bool) -> dict[str, Any] | None:
+    """0.34.0 ``PerRequestMetrics(speculative_decoding=build_spec_decoding_metrics(final_res))``: the
+    ``RequestSpecDecodeMetrics`` the scheduler keeps per engine ``Request`` (``observe`` once per verify
+    step, ``update_from_output``) as ``to_dict`` reports it. The first token comes from prefill; here each
+    verify step accepts all ``num_spec_tokens`` drafts plus the bonus token but the last, which accepts
+    what is left. ``model_dump()`` (unary) keeps the ``None`` timings; ``exclude_none`` (the stream's
+    usage chunk) drops them."""
+    if not shape.num_spec_tokens:
+        return None
+    k = shape.num_spec_tokens
+    full, rest = divmod(max(completion - 1, 0), k + 1)
+    histogram = [0] * (k + 1)
+    histogram[k] += full
+    if rest:
+        histogram[rest - 1] += 1
+    steps = sum(histogram)
+    accepted = sum(j * count for j, count in enumerate(histogram))
+    spec: dict[str, Any] = {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / (steps * k) if steps else 0.0,
+        "acceptance_histogram": histogram, "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": steps * k, "num_spec_tokens": k}
+    if exclude_none:
+        return dict(speculative_decoding=spec)
+    return dict(time_to_first_token_ms=None, generation_time_ms=None, queue_time_ms=None, mean_itl_ms=None,
+                tokens_per_second=None, speculative_decoding={**spec, "per_step_accepted": None,
+                                                              "per_step_drafted": None})
+
+
 def _kv_params(truth: Truth) -> dict[str, Any]:
     """What a P/D prefill's connector returns as ``final_res.kv_transfer_params`` (NIXL-style)."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
@@ -195,12 +228,13 @@ def unary_034(truth: Truth, shape: Shape, *, rows: np.ndarray | None, output: tu
     """0.34.0 ``serve_tokens_full_generator`` + ``_build_response_fields`` -> ``GenerateTokensResponse``,
     ``JSONResponse(content=model_dump())``: the base fields, then ``output_mode`` and ``choices``."""
     start, end = output or (0, truth.output_len)
-    # Keyword form: generic names such as ``metrics`` are rendered here, never keyed by the codec.
+    # Keyword form, as upstream's ``dict(...)`` in ``_build_response_fields``.
     fields: dict[str, Any] = dict(
         request_id=truth.request_id, model=MODEL, created=CREATED, usage=_usage_034(truth.prompt_len, end - start),
         prompt_logprobs=_prompt_logprobs_034(truth) if shape.prompt_logprobs else None,
         prompt_token_id_logprobs=None,
-        prompt_token_ids=truth.prompt_ids if shape.return_token_ids else None, mm_placeholders=None, metrics=None,
+        prompt_token_ids=truth.prompt_ids if shape.return_token_ids else None, mm_placeholders=None,
+        metrics=_metrics_034(shape, end - start, exclude_none=False),
         kv_transfer_params=kv, ec_transfer_params=None, output_mode="tokens",
         choices=[_choice_034(truth, start, end, finish or truth.finish,
                              encode_rows(rows) if rows is not None else None, shape.weight_version)])
@@ -225,9 +259,13 @@ def stream_034(truth: Truth, shape: Shape, *, rows: np.ndarray | None) -> list[b
         chunk.update(output_mode="tokens", choices=[choice])
         bodies.append(dump(chunk))
     if shape.include_usage:
-        bodies.append(dump({"request_id": truth.request_id,
-                            "usage": _usage_034(truth.prompt_len, truth.output_len, exclude_none=True),
-                            "output_mode": "tokens", "choices": []}))
+        final: dict[str, Any] = {"request_id": truth.request_id,
+                                 "usage": _usage_034(truth.prompt_len, truth.output_len, exclude_none=True)}
+        metrics = _metrics_034(shape, truth.output_len, exclude_none=True)
+        if metrics is not None:  # PerRequestMetrics on the usage chunk only (``if include_usage``)
+            final["metrics"] = metrics
+        final.update(output_mode="tokens", choices=[])
+        bodies.append(dump(final))
     return bodies
 
 
