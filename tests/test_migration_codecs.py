@@ -576,3 +576,53 @@ def test_vllm_0340_speculative_decoding_metrics_of_a_migrated_request_are_omitte
     # Migrated before any token: the resumed attempt ran every verify step of the request.
     session, _ = sealed_session(Catalog()("vllm"), [])
     assert session.stitch(uninterrupted[-1], True) is None
+
+
+def sglang_unsaid_cache_then(resumed_meta: dict, verdict: Verdict = Verdict.STITCHED) -> dict:
+    """A stream whose published bodies never said ``cached_tokens`` (prompt 3, 2 tokens emitted), then
+    the resumed attempt's finished body with ``resumed_meta``: the stitched ``meta_info`` (``verdict``)."""
+    session, _ = sealed_session(Catalog()("sglang"), [dumps({"text": " a b", "output_ids": [11, 12], "meta_info": {
+        "id": "r", "prompt_tokens": 3, "completion_tokens": 2}})])
+    retry = {"text": " c", "output_ids": [13], "meta_info": {"id": "r", "prompt_tokens": 5, "completion_tokens": 1,
+                                                           **resumed_meta}}
+    body, stitched = session.stitch(dumps(retry), True)
+    assert stitched is verdict
+    return loads(body)["meta_info"]
+
+
+@pytest.mark.parametrize("hits", [4, 5])
+def test_sglang_a_capped_cached_tokens_count_caps_its_single_tier_details_alike(hits):
+    """SGLang 0.5.23 ``OutputStreamer.get_cached_tokens_details``: ``{"device": n, "host": m}`` (+
+    ``storage``, ``storage_backend`` with HiCache storage) from ``split_cached_prefix_by_tier`` over the
+    request's cached prefix, or ``{"device": req.cached_tokens, "host": 0}``; written beside
+    ``cached_tokens`` on every body (``_handle_batch_output``). When no published body said the count,
+    the stitch caps the resumed attempt's ``cached_tokens`` (hits over prompt + emitted tokens) at the
+    original prompt but passed the details on uncapped: ``{"device": 5}`` beside ``cached_tokens: 3``,
+    more hits than the prompt has tokens. With every hit in one tier, that tier holds the whole capped
+    prefix: it is capped alike."""
+    from streamproc_sglang import upstream
+    from streamproc_sglang.upstream import Shape
+
+    truth = make_truth(16, prompt_len=3, output_len=3, chunk_sizes=[2, 1])
+    resumed = loads(upstream.agg(truth.resumed(2), Shape(version="0.5.23", cached_tokens=hits), stream=True)[-1])
+    assert resumed["meta_info"]["cached_tokens_details"] == {"device": hits, "host": 0}
+    meta = sglang_unsaid_cache_then({key: resumed["meta_info"][key] for key in ("cached_tokens", "cached_tokens_details")})
+    assert (meta["cached_tokens"], meta["cached_tokens_details"]) == (3, {"device": 3, "host": 0})
+    # HiCache storage on: the one tier that holds the hits, whichever it is.
+    meta = sglang_unsaid_cache_then({"cached_tokens": hits, "cached_tokens_details": {
+        "device": 0, "host": 0, "storage": hits, "storage_backend": "HiCacheFile"}})
+    assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 3, "storage_backend": "HiCacheFile"}
+    # Within the prompt: nothing to cap.
+    meta = sglang_unsaid_cache_then({"cached_tokens": 2, "cached_tokens_details": {"device": 1, "host": 1}})
+    assert (meta["cached_tokens"], meta["cached_tokens_details"]) == (2, {"device": 1, "host": 1})
+
+
+def test_sglang_capped_cached_tokens_details_split_over_tiers_are_omitted_not_guessed():
+    """Hits split over tiers (``split_cached_prefix_by_tier``: device, then host-loaded and storage-loaded
+    spans whose order the body does not tell) past the original prompt: which tier the cut-off hits
+    were in is unknown, so the details are omitted, never left above the capped count."""
+    meta = sglang_unsaid_cache_then({"cached_tokens": 5, "cached_tokens_details": {"device": 2, "host": 3}},
+                                    Verdict.OMITTED)
+    assert meta["cached_tokens"] == 3
+    assert "cached_tokens_details" not in meta
+    assert meta["cached_tokens_details_unavailable_reason"] == "length_mismatch"

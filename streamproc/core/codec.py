@@ -123,7 +123,7 @@ class OmissionReason(enum.StrEnum):
     DECODE_MISSING = "decode_missing"
     DECODE_ERROR = "decode_error"  # the decode leg ended with an error or abort and did not carry the field
     DECODE_CORRUPT = "decode_corrupt"
-    LENGTH_MISMATCH = "length_mismatch"  # the legs' sizes disagree with the token counts
+    LENGTH_MISMATCH = "length_mismatch"  # the legs' sizes (a stitched value's counts) disagree with the token counts
     SHAPE_MISMATCH = "shape_mismatch"  # the legs' row shapes (layers x top-k, dtype) disagree
     TOO_LARGE = "too_large"  # decoding would exceed the byte budget
     STITCH_CORRUPT = "stitch_corrupt"  # a resumed attempt's value cannot be stitched to the earlier ones

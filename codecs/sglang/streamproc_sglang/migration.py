@@ -24,7 +24,9 @@ field                              stitched value
 ``cached_tokens_details``          cache hits once, at prefill, and repeats them on every chunk, so
                                    the uninterrupted stream never changes them; when no published
                                    body had them, the final attempt's count, at most the original
-                                   prompt length
+                                   prompt length, and its details capped alike when one tier holds
+                                   every hit (hits split over tiers past the cap: omitted,
+                                   ``length_mismatch``)
 ``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
 ``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
                                    list without its last k entries (the replayed output tokens); the
@@ -113,6 +115,11 @@ ATTEMPT_PREFIXES = (SPEC_PREFIX,)
 # resumed attempt counts hits over the original prompt plus the emitted tokens on another worker.
 CACHED_TOKENS = "cached_tokens"
 CACHED_TOKENS_DETAILS = "cached_tokens_details"
+# ``OutputStreamer.get_cached_tokens_details``: ``{"device", "host"}`` (+ ``storage`` and
+# ``storage_backend`` with HiCache storage) from ``split_cached_prefix_by_tier`` over the request's cached
+# prefix (tiers summing to it; device first, the host- and storage-loaded spans in an order the body
+# does not tell), or ``{"device": req.cached_tokens, "host": 0}``; ``None`` without a hit.
+CACHE_TIERS = ("device", "host", "storage")
 HIDDEN_STATES = "hidden_states"
 # Grammar-constrained decoding: the grammar state is not transferable (replaying the emitted tokens
 # as prompt restarts the FSM at the schema root), so such requests are never migrated.
@@ -275,6 +282,14 @@ class SGLangMigrationSession(MigrationSession):
                     meta[key] = value
         elif _is_count(cached) and original_prompt is not None and cached > original_prompt:
             meta[CACHED_TOKENS] = original_prompt  # emitted tokens replayed as prompt are not prompt cache hits
+            details = meta.get(CACHED_TOKENS_DETAILS)
+            if isinstance(details, dict):
+                capped = _capped_details(details, original_prompt)
+                if capped is None:
+                    _mark(meta, [CACHED_TOKENS_DETAILS], Omit.LENGTH_MISMATCH)
+                    verdict = Verdict.OMITTED
+                else:
+                    meta[CACHED_TOKENS_DETAILS] = capped
         finish = meta.get(FINISH_REASON)
         if isinstance(finish, dict) and finish.get("type") == "length" and _is_count(finish.get("length")):
             meta[FINISH_REASON] = {**finish, "length": finish["length"] + k}
@@ -348,6 +363,19 @@ def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> Non
             raw = base64.b64decode(packed)[:rows * width * 4]  # both 4 bytes a value
             meta[f"input_top_logprobs_{side}_flat_b64"] = base64.b64encode(raw).decode()
     meta[native.INPUT_TOP_SHAPE] = [rows, width]
+
+
+def _capped_details(details: dict[str, Any], cap: int) -> dict[str, Any] | None:
+    """``cached_tokens_details`` restated for a count capped at ``cap`` (the original prompt): unchanged
+    when its tiers fit; with every hit in one tier, that tier capped (the hits are the prompt's leading
+    positions); ``None`` when several tiers hold hits, since which of them lie past ``cap`` is unknown."""
+    tiers = [key for key in CACHE_TIERS if _is_count(details.get(key))]
+    if sum(details[key] for key in tiers) <= cap:
+        return details
+    hit = [key for key in tiers if details[key]]
+    if len(hit) != 1:
+        return None
+    return {**details, hit[0]: cap}
 
 
 def _attempt_scoped(key: str) -> bool:
