@@ -21,6 +21,7 @@ from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
 from .native import (
+    CACHED_TOKENS,
     DECODE_SELF_SCORED_FIELDS,
     PROMPT_LOGPROBS,
     PROMPT_SIDE_FIELDS,
@@ -321,8 +322,13 @@ class VLLMJoinSession(JoinSession):
         sets to local plus external computed tokens. A decode leg's external tokens are the prompt KV
         NIXL loaded (``get_num_new_matched_tokens``: every prompt token not cached locally), so it reports
         about the whole prompt as cached; a prefill leg loads nothing and reports its own prefix-cache
-        hit, what an aggregated engine reports. So prefill's value (or its ``null``) replaces decode's;
-        without it the field is omitted."""
+        hit, what an aggregated engine reports. So prefill's count (or its ``null``) replaces decode's;
+        without it the field is omitted.
+
+        Only the count: the rest of the object keeps decode's shape, which is the aggregated body's for
+        its kind. vLLM 0.34.0's ``PromptTokenUsageInfo`` has ``cached_tokens``, ``created_cache_tokens`` and
+        ``multimodal_tokens``; a unary body (every prefill leg) dumps all three (``model_dump()``), a stream's
+        usage chunk only the non-null ones (``model_dump_json(exclude_none=True)``)."""
         if self._leg_reason is not None:
             edit.omit(usage, PROMPT_TOKENS_DETAILS, self._leg_reason)
             return
@@ -330,7 +336,15 @@ class VLLMJoinSession(JoinSession):
         if not isinstance(prefill_usage, dict) or PROMPT_TOKENS_DETAILS not in prefill_usage:
             edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)
             return
-        edit.provide(usage, PROMPT_TOKENS_DETAILS, prefill_usage[PROMPT_TOKENS_DETAILS])
+        from_prefill = prefill_usage[PROMPT_TOKENS_DETAILS]
+        own = usage[PROMPT_TOKENS_DETAILS]
+        if from_prefill is None or not isinstance(own, dict):
+            edit.provide(usage, PROMPT_TOKENS_DETAILS, from_prefill)  # older serve/disagg: null for none cached
+            return
+        if not isinstance(from_prefill, dict) or CACHED_TOKENS not in from_prefill:
+            edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)  # no count to take
+            return
+        edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: from_prefill[CACHED_TOKENS]})
 
     def _completion_tokens(self, obj: dict, index: int) -> int:
         own = usage_count(obj, "completion_tokens")

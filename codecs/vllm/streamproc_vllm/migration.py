@@ -50,7 +50,7 @@ from streamproc.codec import check_resumed_prompt, check_sampling_params, restat
 from streamproc.wire import Verdict
 
 from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
-from .native import METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
+from .native import CACHED_TOKENS, METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -199,10 +199,10 @@ def _cap_cached_tokens(usage: dict) -> bool:
     prompt = usage.get("prompt_tokens")
     if not isinstance(details, dict) or not is_int(prompt):
         return False
-    cached = details.get("cached_tokens")
+    cached = details.get(CACHED_TOKENS)
     if not is_int(cached) or cached <= max(prompt, 0):
         return False
-    usage[PROMPT_TOKENS_DETAILS] = {**details, "cached_tokens": max(prompt, 0)}
+    usage[PROMPT_TOKENS_DETAILS] = {**details, CACHED_TOKENS: max(prompt, 0)}
     return True
 
 
