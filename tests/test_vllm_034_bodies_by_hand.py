@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -79,8 +80,8 @@ def usage(completion: int, cached: int | None, *, exclude_none: bool = False) ->
 def choice(out: list[int], finish: str | None, experts: str | None) -> dict:
     """``GenerateTokensChoice`` / ``GenerateTokensStreamChoice``: the ``GenerateChoiceBase`` fields, then
     ``logprobs`` (``None``: not requested)."""
-    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": out, "routed_experts": experts,
-            "sampling_mask": None, "weight_versions": None, "logprobs": None}
+    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": out,
+            "routed_experts": experts, "sampling_mask": None, "weight_versions": None, "logprobs": None}
 
 
 def unary(*, out: list[int], cached: int | None, experts: str | None, finish: str = "stop",
@@ -104,8 +105,8 @@ def stream(chunks: list[list[int]], experts_last: str | None, cached: int | None
         bodies.append({"request_id": RID, "usage": None, "output_mode": "tokens",
                        "choices": [choice(ids, "stop" if last else None, experts_last if last else None)]})
     completion = sum(len(ids) for ids in chunks)
-    bodies.append({"request_id": RID, "usage": usage(completion, cached, exclude_none=True), "output_mode": "tokens",
-                   "choices": []})
+    bodies.append({"request_id": RID, "usage": usage(completion, cached, exclude_none=True),
+                   "output_mode": "tokens", "choices": []})
     return bodies
 
 
@@ -115,8 +116,8 @@ def prefill_kv(cached: int) -> dict:
     ``kv_transfer_params["remote_prefill_cached_tokens"] = prefill_stats.num_cached_tokens`` ("P-side cache
     hits, so D can report them in prompt_tokens_details instead of its own (~100%) hit rate")."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[4, 5, 6]],
-            "remote_engine_id": "p0", "remote_request_id": RID, "remote_host": "10.0.0.1", "remote_port": 5600,
-            "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": len(PROMPT),
+            "remote_engine_id": "p0", "remote_request_id": RID, "remote_host": "10.0.0.1",
+            "remote_port": 5600, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": len(PROMPT),
             "remote_blocks_expiry_time": None, "remote_registration_generation": 0, "transfer_mode": "pull",
             "remote_prefill_cached_tokens": cached}
 
@@ -160,3 +161,48 @@ def test_unary_decode_details_keep_every_key_of_the_aggregated_body():
     [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill(16, 16))])
     assert_same(body, dumps(agg))
     assert verdict is Verdict.JOINED
+
+
+@pytest.mark.parametrize("stream_request", [False, True])
+def test_a_prefill_without_details_still_gives_its_count_through_its_kv_transfer_params(stream_request):
+    """A prefill server without ``--enable-prompt-tokens-details`` leaves the details out of its usage, but
+    its engine still hands the count to decode: ``Scheduler.update_from_output`` puts
+    ``remote_prefill_cached_tokens = prefill_stats.num_cached_tokens`` into the ``kv_transfer_params`` the
+    prefill body carries (an engine fact, not the serving flag), and the decode engine reports it as its
+    own ``num_cached_tokens`` (``RequestState``: ``if kv_transfer_params.get("do_remote_prefill"): ...
+    remote_prefill_cached_tokens``). That is prefill's prefix-cache hit, the aggregated engine's count:
+    nothing is missing."""
+    pre = prefill(None, 16)
+    if stream_request:
+        agg = stream([[51], [52, 53]], npy_b64(rows(0, TOTAL)), cached=16)
+        decode = stream([[51], [52, 53]], npy_b64(rows(0, TOTAL)), cached=16)
+    else:
+        agg = [unary(out=OUT, cached=16, experts=npy_b64(rows(0, TOTAL)))]
+        decode = [unary(out=OUT, cached=16, experts=npy_b64(rows(0, TOTAL)))]
+    results = join(VLLMCodec(OPTIONS), [dumps(d) for d in decode], [dumps(pre)])
+    for (body, _), want in zip(results, agg, strict=True):
+        assert_same(body, dumps(want))
+    assert results[-1][1] is Verdict.PASSTHROUGH
+
+
+def test_a_decode_that_counted_the_loaded_kv_gets_the_count_prefills_kv_transfer_params_carry():
+    """The same prefill in front of a decode engine that counts the KV it loaded (one before
+    ``remote_prefill_cached_tokens``, or behind a router that rebuilt ``kv_transfer_params``): prefill's
+    count replaces decode's."""
+    agg = unary(out=OUT, cached=16, experts=npy_b64(rows(0, TOTAL)))
+    decode = unary(out=OUT, cached=len(PROMPT) - 1, experts=npy_b64(rows(0, TOTAL)))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill(None, 16))])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+def test_a_prefill_without_details_or_a_count_in_its_kv_transfer_params_is_still_prefill_missing():
+    """No count anywhere in the prefill leg (an engine before ``remote_prefill_cached_tokens``): omitted."""
+    pre = prefill(None, 16)
+    del pre["kv_transfer_params"]["remote_prefill_cached_tokens"]
+    decode = unary(out=OUT, cached=len(PROMPT) - 1, experts=npy_b64(rows(0, TOTAL)))
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    usage_out = json.loads(body)["usage"]
+    assert usage_out["prompt_tokens_details"] is None
+    assert usage_out["prompt_tokens_details_unavailable_reason"] == "prefill_missing"
+    assert verdict is Verdict.OMITTED

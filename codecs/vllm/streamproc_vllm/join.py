@@ -23,9 +23,11 @@ from streamproc.wire import Verdict
 from .native import (
     CACHED_TOKENS,
     DECODE_SELF_SCORED_FIELDS,
+    KV_TRANSFER_PARAMS,
     PROMPT_LOGPROBS,
     PROMPT_SIDE_FIELDS,
     PROMPT_TOKENS_DETAILS,
+    REMOTE_PREFILL_CACHED_TOKENS,
     ROUTED_EXPERTS,
     StreamExperts,
     choices_of,
@@ -334,7 +336,14 @@ class VLLMJoinSession(JoinSession):
             return
         prefill_usage = self._prefill.get("usage") if self._prefill is not None else None
         if not isinstance(prefill_usage, dict) or PROMPT_TOKENS_DETAILS not in prefill_usage:
-            edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)
+            # Its server does not report details (no --enable-prompt-tokens-details), but its engine may
+            # have handed the count to decode.
+            handed_over = self._prefill_count_handed_to_decode()
+            own = usage[PROMPT_TOKENS_DETAILS]
+            if handed_over is None or not isinstance(own, dict):
+                edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)
+            else:
+                edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: handed_over})
             return
         from_prefill = prefill_usage[PROMPT_TOKENS_DETAILS]
         own = usage[PROMPT_TOKENS_DETAILS]
@@ -345,6 +354,17 @@ class VLLMJoinSession(JoinSession):
             edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)  # no count to take
             return
         edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: from_prefill[CACHED_TOKENS]})
+
+    def _prefill_count_handed_to_decode(self) -> int | None:
+        """Prefill's cached-token count as its engine hands it to decode, whatever its server reports:
+        vLLM 0.34.0 ``Scheduler.update_from_output`` adds
+        ``kv_transfer_params["remote_prefill_cached_tokens"] = prefill_stats.num_cached_tokens`` to a finished
+        prefill's parameters, and the decode engine reports that as its own count (``RequestState``:
+        ``req_state.num_cached_tokens = req_state.remote_prefill_cached_tokens``). None when the prefill leg
+        carries no such count."""
+        params = self._prefill.get(KV_TRANSFER_PARAMS) if self._prefill is not None else None
+        count = params.get(REMOTE_PREFILL_CACHED_TOKENS) if isinstance(params, dict) else None
+        return count if is_int(count) and count >= 0 else None
 
     def _completion_tokens(self, obj: dict, index: int) -> int:
         own = usage_count(obj, "completion_tokens")

@@ -48,6 +48,10 @@ METRICS = "metrics"
 # engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.
 PROMPT_TOKENS_DETAILS = "prompt_tokens_details"
 CACHED_TOKENS = "cached_tokens"  # the count in it (``PromptTokenUsageInfo.cached_tokens``)
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+# vLLM 0.34.0: a finished P/D prefill's cached-token count in its ``kv_transfer_params``
+# (``Scheduler.update_from_output``), which the decode engine reports as its own.
+REMOTE_PREFILL_CACHED_TOKENS = "remote_prefill_cached_tokens"
 COMPLETION_TOKENS = "completion_tokens"
 UNAVAILABLE_SUFFIX = "_unavailable_reason"
 TOKEN_LABEL_PREFIX = "token_id:"
@@ -56,7 +60,7 @@ CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob
 # Keys only a unary ``GenerateResponse`` has (``JSONResponse`` keeps them when null); a
 # ``GenerateStreamResponse`` chunk has neither (serve/disagg/protocol.py @ 06408932, 343bacaf,
 # furionw/vllm 9cdf7782; scale_out/token_in_token_out/protocol.py @ 006ebac2).
-UNARY_ONLY_KEYS = (PROMPT_LOGPROBS, "kv_transfer_params")
+UNARY_ONLY_KEYS = (PROMPT_LOGPROBS, KV_TRANSFER_PARAMS)
 
 STREAM_ROUTED_EXPERTS_OPTION = "stream_routed_experts"  # --format-option stream_routed_experts=unknown|yes|no
 
