@@ -206,3 +206,42 @@ def test_a_prefill_without_details_or_a_count_in_its_kv_transfer_params_is_still
     assert usage_out["prompt_tokens_details"] is None
     assert usage_out["prompt_tokens_details_unavailable_reason"] == "prefill_missing"
     assert verdict is Verdict.OMITTED
+
+
+# ------------------------------------------- a known limit: OpenAI /v1/completions bodies are not the format
+
+
+def completion(*, out: list[int], prompt_logprobs: list, experts: str | None, finish: str = "stop",
+               kv: dict | None = None) -> dict:
+    """``OpenAIServingCompletion.request_output_to_completion_response`` (``openai/completion/serving.py``)
+    -> ``CompletionResponse``, ``JSONResponse(content=model_dump())``, with ``return_token_ids``: each
+    ``CompletionResponseChoice`` carries ``prompt_logprobs=final_res.prompt_logprobs`` itself (there is no
+    top-level one), ``Logprob(logprob, rank, decoded_token)`` per position."""
+    c = {"index": 0, "text": "abc", "logprobs": None, "finish_reason": finish, "stop_reason": None,
+         "token_ids": out, "prompt_logprobs": prompt_logprobs, "prompt_token_ids": PROMPT,
+         "routed_experts": experts, "weight_versions": None}
+    return {"id": "cmpl-r9", "object": "text_completion", "created": 1700000000, "model": "m", "choices": [c],
+            "service_tier": None, "system_fingerprint": None, "usage": usage(len(out), None),
+            "kv_transfer_params": kv, "ec_transfer_params": None, "metrics": None}
+
+
+def scored(lp: float) -> list:
+    return [None, *({str(t): {"logprob": lp, "rank": 1, "decoded_token": "x"}} for t in PROMPT[1:])]
+
+
+@pytest.mark.xfail(strict=True, reason="known limit: the vllm format is /inference/v1/generate; an OpenAI "
+                   "/v1/completions choice's own prompt_logprobs are not joined (docs/formats-vllm.md)")
+def test_openai_completions_choice_prompt_logprobs_are_not_taken_from_decode():
+    """A P/D decode leg that loaded the prompt's KV returns ``prompt_logprobs`` rows it never wrote
+    (``GPUModelRunner._get_prompt_logprobs_dict``: ``LogprobsTensors.empty_cpu``), and /v1/completions puts
+    them on every choice (``CompletionResponseChoice.prompt_logprobs``), also into an ``echo`` answer's
+    ``logprobs`` (``out_logprobs = [*prompt_logprobs, *output.logprobs]``). The join knows only the
+    top-level field of the generate endpoint, so decode's rows pass: this must not stand as joined."""
+    agg = completion(out=OUT, prompt_logprobs=scored(-1.5), experts=npy_b64(rows(0, TOTAL)))
+    pre = completion(out=OUT[:1], prompt_logprobs=scored(-1.5), experts=npy_b64(rows(0, len(PROMPT))),
+                     finish="length", kv=prefill_kv(0))
+    decode = completion(out=OUT, prompt_logprobs=scored(0.0), experts=npy_b64(rows(0, TOTAL)))
+    [(body, _)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    got = json.loads(body)["choices"][0]
+    assert got["prompt_logprobs"] == agg["choices"][0]["prompt_logprobs"] or (
+        got["prompt_logprobs"] is None and got.get("prompt_logprobs_unavailable_reason"))
