@@ -151,6 +151,45 @@ async def test_a_request_id_holding_a_slash_is_read_when_the_slash_is_sent_encod
         assert (await http.get("/v1/results/a%2F.b")).status_code == 400  # still checked as an id
 
 
+async def test_head_answers_what_get_answers_without_a_body_for_every_get_route(edge, nc):
+    """RFC 9110 section 9.3.2: HEAD gets GET's status and header fields, no content. A request id
+    holding ``/`` (sent as ``%2F``) got 404 on HEAD while GET served it (HEAD went through
+    Starlette's router, which matched the decoded path), and a HEAD of a stream went on until the
+    stream ended, holding a stream slot and its connection (no request can follow it on a kept-alive
+    connection) for a head that was complete at once: it is answered with the SSE head, at once. A
+    unary HEAD waits for the answer, as GET does, so its status and ``Content-Length`` are GET's."""
+    from urllib.parse import quote
+
+    slashed, plain, silent = f"tenant/{rid('head-slash')}", rid("head-plain"), f"tenant/{rid('head-silent')}"
+    for request_id in (slashed, plain):
+        await publish_result(nc, Subjects("streamproc"), request_id, 0, b'{"text":"x"}', final=True)
+    await nc.flush()
+    async with httpx.AsyncClient(base_url=edge.url, timeout=10) as http:
+        for request_id in (slashed, plain, silent):
+            path = f"/v1/results/{quote(request_id, safe='')}"
+            started = time.monotonic()
+            head = await http.head(path)
+            assert (head.status_code, head.content) == (200, b""), (request_id, head.status_code)
+            assert head.headers["content-type"].startswith("text/event-stream"), head.headers
+            assert head.headers["cache-control"] == "no-store"
+            assert time.monotonic() - started < 2, "a HEAD of a stream waited for the stream"
+            # the same connection serves the next request at once: nothing of the HEAD is still running
+            assert (await http.get("/healthz")).status_code == 200
+        for request_id in (slashed, plain):
+            path = f"/v1/results/{quote(request_id, safe='')}?stream=false"
+            get, head = await http.get(path), await http.head(path)
+            assert (head.status_code, head.content) == (get.status_code, b"") == (200, b"")
+            for name in ("content-type", "content-length", "cache-control", "streamproc-results", "streamproc-join"):
+                assert head.headers.get(name) == get.headers.get(name), (request_id, name)
+        for path, status in (("/v1/results/a%2F.b", 400), (f"/v1/results/{slashed}", 404), ("/v1/recent", 200),
+                             ("/v1/info", 200), ("/healthz", 200), ("/metrics", 200), ("/", 200), ("/edge.js", 200)):
+            get, head = await http.get(path), await http.head(path)
+            assert (get.status_code, head.status_code, head.content) == (status, status, b""), path
+            assert head.headers.get("content-type") == get.headers.get("content-type"), path
+    metrics = edge.metrics()
+    assert metrics["streamproc_edge_streams_active"] == 0
+
+
 SECRET = b"open-test-secret-0123456789abcdef-0123456789"
 
 

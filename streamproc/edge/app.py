@@ -276,6 +276,22 @@ class EventStreamResponse(StreamingResponse):
             asyncio.get_running_loop().call_later(stop.FINAL_WRITE_TIMEOUT, body.transport.abort)
 
 
+class EventStreamHead(Response):
+    """``HEAD /v1/results/{id}`` of a stream: the head GET's stream starts with (``SSE_HEAD``) and
+    no body. Everything after an SSE head is content (RFC 9110 section 9.3.2: HEAD gets GET's header
+    fields, not its content), so no stream is opened for it: run as GET's stream, a HEAD held a stream
+    slot, a NATS subscription and its connection until the stream ended, long after the head was sent."""
+
+    def __init__(self) -> None:
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = SSE_HEAD.copy()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class WriteWatch:
     """Cancels ``task`` (its blocked write) once one write has been blocked for ``timeout`` seconds.
 
@@ -425,6 +441,8 @@ class Edge:
                 "too_many_streams",
                 429,
             )
+        if not unary and request.scope["method"] == "HEAD":
+            return EventStreamHead()  # GET's head, answered without opening the stream it would start
         self.metrics.streams_active += 1
         self.metrics.streams_opened += 1
         self.client_streams[client] = self.client_streams.get(client, 0) + 1
@@ -1017,17 +1035,22 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
 
 
 RESULTS_PREFIX = "/v1/results/"
+# HEAD takes GET's route (RFC 9110 section 9.3.2): through Starlette's router, which matches the
+# decoded path, an id holding "/" (sent as %2F) was 404 on HEAD while GET served it.
+_READS = ("GET", "HEAD")
 
 
 class EdgeApp(Starlette):
-    """Starlette, with ``GET /v1/results/{request_id}`` answered before its middleware and router.
+    """Starlette, with ``GET /v1/results/{request_id}`` (and HEAD) answered before its middleware and router.
 
     Every SSE open went through ServerErrorMiddleware, ExceptionMiddleware, the router's match of
     each route's regex and ``request_response``'s exception wrapper, and every event's ASGI send
     through two ``send`` wrappers (docs/benchmarks.md, "SSE open"). This route is what the edge
     exists for, so it is dispatched here; the same ``Edge.results`` answers it, behind the same
-    CORS middleware when ``--cors-origin`` is set. Any other path, method or shape (a slash in the
-    path after the prefix, HEAD) goes through Starlette as before. A request id may hold ``/`` (the
+    CORS middleware when ``--cors-origin`` is set. HEAD takes the same route (RFC 9110 section
+    9.3.2; Uvicorn sends no body for it), so it answers what GET answers, an id holding ``/`` included.
+    Any other path, method or shape (a slash in the path after the prefix) goes through Starlette as
+    before. A request id may hold ``/`` (the
     wire rule allows it): sent as ``%2F`` (``encodeURIComponent``, ``quote(id, safe="")``) it is one
     path segment, read from ``raw_path`` (Uvicorn decodes ``scope["path"]``, where it looked like two
     segments and got 404). An exception still reaches Uvicorn, which answers 500 and logs it, as
@@ -1036,7 +1059,7 @@ class EdgeApp(Starlette):
     results_route: Callable[[Scope, Receive, Send], Awaitable[None]] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.results_route is not None and scope["type"] == "http" and scope["method"] == "GET":
+        if self.results_route is not None and scope["type"] == "http" and scope["method"] in _READS:
             path = route_path(scope)
             if path.startswith(RESULTS_PREFIX):
                 request_id = path[len(RESULTS_PREFIX):]
