@@ -64,6 +64,35 @@ async def test_a_streamed_request_is_folded_by_the_codec_into_the_unary_response
     assert response.headers["streamproc-results"] == str(len(bodies))
 
 
+async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
+    """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
+    ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk
+    ``result["index"] = rid_to_index[...]``; unary, ``_handle_batch_request`` answers ``yield outputs``,
+    a list of the items' bodies. The edge served a stream of one result verbatim, so such a stream of
+    one chunk was answered as the bare tagged chunk, not the list. A body that already is a unary
+    answer (a single request's, a unary batch's list, one whose text is the word ``index``) is still
+    served byte for byte."""
+    meta = {"id": "rid-0", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4,
+            "completion_tokens": 1, "cached_tokens": 0}
+    item = {"text": "Hi", "output_ids": [211], "meta_info": meta}
+    tagged = json.dumps({**item, "index": 0}, separators=(",", ":")).encode()
+    request_id = rid("batch-of-one")
+    await publish_results(nc, DURABLE, request_id, [tagged])
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+    assert response.status_code == 200, response.text
+    assert response.json() == [item]
+    assert response.headers["streamproc-results"] == "1"
+    verbatim = [b'{"text": "index", "output_ids": [7], "meta_info": {"id": "rid-1"}}',  # spaces: not re-encoded
+                b'[{"text": "index", "meta_info": {"id": "rid-2"}}]',  # a unary batch's answer
+                b'not json',  # opaque bytes: passed on as they came
+                b'{"text": "\\"index\\"", "meta_info": {}}']
+    for body in verbatim:
+        request_id = rid("one-verbatim")
+        await publish_results(nc, DURABLE, request_id, [body])
+        response = await get(edge, f"/v1/results/{request_id}", JSON)
+        assert (response.status_code, response.content) == (200, body)
+
+
 async def test_unary_mode_waits_for_results_published_after_the_request(server):
     with running_edge(server.url, "--prefix", CORE.prefix) as core_edge:
         request_id = rid("wait")

@@ -140,6 +140,23 @@ def test_folding_a_streamed_batch_with_a_missing_or_unnamed_item_is_refused():
     assert json.loads(SGLangCodec(OPTIONS).fold([plain]))["output_ids"] == OUT[1]
 
 
+@pytest.mark.parametrize("codec", [SGLangCodec, SGLangZstdCodec])
+def test_a_streamed_batch_of_one_in_one_chunk_folds_to_a_list_of_one_and_other_single_bodies_stay(codec):
+    """``text: ["..."]`` is a batch of one (``_determine_batch_size``: ``is_single = False``); its one
+    streamed chunk is tagged ``"index": 0`` and its unary answer is ``[item]`` (``yield outputs``).
+    ``folds_alone`` tells the edge that one result needs ``fold``; ``fold`` of one body that is no
+    batch item gives back the very bytes (the edge served them verbatim before, and still does)."""
+    one = dumps(stream_chunk(0, 0, 3, cumulative=True))
+    unary = [{"text": "".join(TEXT[0]), "output_ids": OUT[0],
+              "meta_info": meta(0, finish=STOP, completion=3, lp=LP[0], length=3)}]
+    assert codec(OPTIONS).folds_alone(one)
+    assert_same_body(codec(OPTIONS).fold([one]), dumps(unary))
+    plain = b'{"text": "index", "meta_info": {"id": "rid-1"}}'  # "index" as a value: folded, then verbatim
+    for body in (plain, b'{"text":"Hi","meta_info":{}}', dumps(unary), b'[{"text": "index"}]'):
+        assert codec(OPTIONS).fold([body]) == body
+    assert not codec(OPTIONS).folds_alone(b'{"text":"Hi","meta_info":{}}')
+
+
 # ============================================================================ P/D: an item that ends first
 
 def rows(start: int, end: int, item: int) -> bytes:

@@ -487,6 +487,15 @@ class Codec(ABC):
     def fold(self, bodies: Sequence[bytes]) -> bytes:
         """Fold a stream of (joined) chunks into the equivalent unary response."""
 
+    def folds_alone(self, body: bytes) -> bool:
+        """Whether a request whose only result is ``body`` answers a unary client with
+        ``fold([body])`` rather than ``body`` verbatim: a stream's only chunk that is not in the
+        unary shape (a streamed batch's item). Called on the event loop for every unary answer of one
+        result, so it may only look at the bytes (no parse); ``fold`` then decides, and gives back
+        ``body`` itself when it is the unary answer after all. The default: never (one result is the
+        unary answer)."""
+        return False
+
     @abstractmethod
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         """The format's native error envelope."""

@@ -833,7 +833,7 @@ class Edge:
         headers = {**PRIVATE, "Streamproc-Results": str(len(results))}
         if verdict is not None:
             headers["Streamproc-Join"] = verdict.value
-        if len(results) == 1:
+        if len(results) == 1 and not self.codec.folds_alone(results[0].body):
             return Response(results[0].body, media_type="application/json", headers=headers)
         try:
             body = await anyio.to_thread.run_sync(self.codec.fold, [r.body for r in results])

@@ -17,7 +17,8 @@ from .fold import fold, fold_items
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
 
-STREAMING_OPTION = "streaming"  # --format-option streaming=cumulative|incremental
+STREAMING_OPTION = "streaming"
+INDEX_KEY = b'"%s"' % native.INDEX.encode()  # a streamed batch item's tag, as JSON writes the key  # --format-option streaming=cumulative|incremental
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -54,12 +55,26 @@ class SGLangCodec(Codec):
     def fold(self, bodies: Sequence[bytes]) -> bytes:
         docs = []
         for index, body in enumerate(bodies):
-            doc = native.parse(body)
-            if doc is None:
+            doc = native.decode(body)
+            if not isinstance(doc, dict):
+                if len(bodies) == 1 and doc is not None:
+                    return body  # a unary batch's list (folds_alone saw "index" in a value): as sent
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
         items = fold_items(docs)  # a streamed batch or n > 1 request answers a list unary
+        if items is None and len(bodies) == 1:
+            return bodies[0]  # a unary body, or a single request's only chunk: the unary answer as sent
         return native.encode(items if items is not None else fold(docs))
+
+    def folds_alone(self, body: bytes) -> bool:
+        """A streamed batch of one (``text: ["..."]``: ``GenerateReqInput._determine_batch_size`` makes
+        it ``is_single = False``) whose stream is one chunk: ``_stream_batch_responses`` tagged it
+        ``"index": 0``, and unary the same request answers ``yield outputs``, a list of one
+        (``TokenizerManager._handle_batch_request``), which :meth:`fold` builds. A key is written
+        ``"index"``; inside a JSON string the quotes are escaped, so a body without these bytes has
+        no such key; a value ``"index"`` (a token's text in a logprob) makes ``fold`` look, and give the
+        body back as sent."""
+        return INDEX_KEY in body
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
