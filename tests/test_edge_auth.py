@@ -738,3 +738,23 @@ async def test_a_trailing_slash_on_a_v1_path_does_not_redirect_the_token_to_the_
             assert tok not in answer.headers.get("location", ""), (path, answer.status_code, answer.headers)
             if answer.is_redirect:  # RFC 6750 section 2.3: an answer to ?access_token= is not to be cached
                 assert answer.headers.get("cache-control") == "no-store", (path, answer.headers)
+
+
+async def test_head_is_refused_exactly_as_get_an_id_holding_a_slash_included(auth_edge, nc):
+    """HEAD takes GET's route and checks: no capability 401 with the challenge, another tenant's id
+    403 (``%2F`` spelling included), operator data 403 for a tenant, no body in any of them."""
+    from urllib.parse import quote
+
+    tenant = rid("head-tenant") + "/"
+    own, foreign = tenant + "1", rid("head-other") + "/1"
+    await publish_results(nc, DURABLE, foreign, [b'{"text":"theirs"}'])
+    await publish_results(nc, DURABLE, own, [b'{"text":"mine"}'])
+    mine = bearer(token(rid_prefix=tenant))
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        for path, headers, status in ((f"/v1/results/{quote(foreign, safe='')}", {}, 401),
+                                      (f"/v1/results/{quote(foreign, safe='')}", mine, 403),
+                                      (f"/v1/results/{quote(own, safe='')}?stream=false", mine, 200),
+                                      ("/v1/recent", mine, 403), ("/v1/stats", mine, 403)):
+            get_, head = await client.get(path, headers=headers), await client.head(path, headers=headers)
+            assert (get_.status_code, head.status_code, head.content) == (status, status, b""), path
+            assert head.headers.get("www-authenticate") == get_.headers.get("www-authenticate"), path
