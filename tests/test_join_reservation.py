@@ -172,3 +172,43 @@ def test_a_decode_chunk_that_waits_is_not_kept_parsed_beyond_its_charge(wait):
         tracemalloc.stop()
     charged = c.charged_bytes - before
     assert held <= 2 * charged, (held / MiB, charged / MiB)
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd"])
+@pytest.mark.parametrize("items, prompt", [(8, 10_000), (64, 1_000), (8, 40_000)])
+def test_a_batch_join_allocates_no_more_than_its_request_and_its_reservation_are_charged(fmt, items, prompt):
+    """A batch body's join parses each prefill item again, copies its lists into decode's item and
+    re-encodes every item, all held until the joined body is built. Charged at the decode body's
+    length, 8 items of 40,000 prompt logprobs allocated 57 MiB beyond everything charged while the
+    request held 65 MiB of the 96 MiB budget (tracemalloc). Now what is live while it runs stays
+    within the charge (the reservation included); copies that would not fit are omitted (``too_large``)."""
+    import gc
+    import tracemalloc
+
+    from streamproc.catalog import worker_for
+    from streamproc.simulation import make_truth
+
+    truth = make_truth(3, request_id="pd", prompt_len=prompt, output_len=8)
+    worker = worker_for(fmt)
+    prefill = b"[" + b",".join([worker.prefill(truth, stream=False)[-1]] * items) + b"]"
+    decode = b"[" + b",".join([worker.decode(truth, stream=False)[-1]] * items) + b"]"
+    c = _offloading(fmt, max_total_bytes=96 * MiB, max_buffered_bytes=96 * MiB)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        assert c.receive(Chunk("pd", Role.PREFILL, 0, prefill, True), 0.0) == []
+        works = [d for d in c.receive(Chunk("pd", Role.DECODE, 0, decode, True), 0.0) if isinstance(d, Work)]
+        assert len(works) == 1
+        charged = c.charged_bytes
+        tracemalloc.reset_peak()
+        works[0].run()
+        # Live while it ran: everything allocated since the legs arrived (the decode body's parse
+        # included), and the two bodies, made before tracing started.
+        live = tracemalloc.get_traced_memory()[1] - base + len(prefill) + len(decode)
+    finally:
+        tracemalloc.stop()
+    results = [d for d in c.finish(works[0], 0.0) if isinstance(d, Result)]
+    assert [(r.request_id, r.error) for r in results] == [("pd", None)]
+    assert results[0].verdict in (Verdict.JOINED, Verdict.OMITTED)
+    assert live <= charged, (live / MiB, charged / MiB)

@@ -312,6 +312,9 @@ def _version_spans(value: object) -> list[tuple[str, int, int]] | None:
 # The most items of a batch body joined one by one (a join session each): n > 1 and batches are
 # far smaller, and a 1 MiB list of 60,000 tiny items cost ~0.3-0.4 s of CPU to join item by item.
 MAX_BATCH_ITEMS = 1024
+# The most bytes msgspec's encoding of one JSON number adds to its text (``1e15`` ->
+# ``1000000000000000.0``; the longest float it writes, ``-2.2250738585072014e-308``, is 24 bytes).
+_NUMBER_GROWTH = 24
 # A batch body's verdict is its strongest item's (the edge ranks verdicts the same way).
 _VERDICT_ORDER = (Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.STITCHED, Verdict.OMITTED)
 
@@ -333,6 +336,8 @@ class SGLangJoinSession(JoinSession):
         # msgspec writes ``1e15`` as ``1000000000000000.0``, so they can hold ~3.8x it.
         self._items_extra = 0
         self._rows_bound_by_index: dict[int, int] = {}
+        # The most one batch prefill item's parsed form holds: each item's join parses it again (_join_items).
+        self._items_parse = 0
         self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
@@ -377,6 +382,7 @@ class SGLangJoinSession(JoinSession):
                 self._prefill_items = [bytes(memoryview(native.encode(item))) for item in items]
                 self._items_extra = max(0, sum(map(len, self._prefill_items)) - sum(map(len, bodies)))
                 self._items_rows_bound = sum(self._rows_bound(native.meta_of(item)) for item in items)
+                self._items_parse = max(map(parsed_json_bound, self._prefill_items), default=0)
             self._unavailable = Omit.PREFILL_CORRUPT  # for a decode body that is not a batch
             return
         indices = [doc.get(native.INDEX) for doc in docs]  # type: ignore[union-attr]
@@ -419,7 +425,7 @@ class SGLangJoinSession(JoinSession):
             if items is None or len(items) > MAX_BATCH_ITEMS:
                 return 0  # passed through, or refused whole (ContractError) before any decoding
             limit = self._experts.options.max_decompressed_bytes
-            return len(body) + self._items_rows_bound + sum(
+            return self._items_copies(body, items) + self._items_rows_bound + sum(
                 self._value_bound(native.meta_of(item), limit) for item in items)
         meta = native.meta_of(doc)
         if meta is None:
@@ -438,6 +444,25 @@ class SGLangJoinSession(JoinSession):
         elif self._rows is None:
             need += self._rows_bound(self._prefill)
         return need + self._value_bound(meta, self._experts.options.max_decompressed_bytes)
+
+    def _paired(self, items: list[Any]) -> bool:
+        """Whether a batch body's items are joined with a batch prefill leg's, item by item."""
+        return self._prefill_items is not None and len(self._prefill_items) == len(items)
+
+    def _items_copies(self, body: bytes, items: list[Any]) -> int:
+        """What :meth:`_join_items` allocates besides rows: one prefill item and one decode item
+        parsed again at a time (their sessions), every item's output (prefill's lists copied into
+        decode's item, re-encoded: ``1e15`` as ``1000000000000000.0``, in msgspec's
+        buffer that keeps up to half its length spare) and the joined body, all held at the end.
+        Charged at the decode body's length alone, a batch of 8 items with 40,000 prompt logprobs
+        each allocated 57 MiB beyond everything charged (tracemalloc) while its request held 65 MiB
+        of a 96 MiB budget."""
+        # A number re-encoded grows by at most 24 bytes, and every number but the first follows one
+        # of ``,:[``; prefill's items are msgspec's encodings already (absorb_prefill).
+        grown = len(body) + _NUMBER_GROWTH * (1 + body.count(b",") + body.count(b":") + body.count(b"["))
+        copied = grown + (sum(map(len, self._prefill_items)) if self._paired(items) else 0)  # type: ignore[arg-type]
+        parsed = parsed_json_bound(body) + (self._items_parse if self._paired(items) else 0)
+        return parsed + copied + copied + copied // 2
 
     def _rows_bound(self, meta: dict[str, Any] | None) -> int:
         """What decoding the prefill rows in ``meta`` may allocate (:meth:`_decode_prefill_rows`)."""
@@ -543,8 +568,13 @@ class SGLangJoinSession(JoinSession):
         if len(items) > MAX_BATCH_ITEMS:
             raise ContractError(f"a batch body of {len(items)} items: at most {MAX_BATCH_ITEMS} are joined")
         prefill = self._prefill_items
-        paired = prefill is not None and len(prefill) == len(items)
+        paired = self._paired(items)
         reason = Omit.LENGTH_MISMATCH if prefill is not None or self._prefill is not None else None
+        budget = self.decode_budget
+        if paired and budget is not None and self._items_copies(body, items) > budget:
+            # The copies of prefill's items do not fit what the byte budget has left (join_bytes
+            # declared them; the reservation fell short): the items are joined without them.
+            paired, reason = False, Omit.TOO_LARGE
         joined: list[bytes] = []
         verdict = Verdict.PASSTHROUGH
         for i, item in enumerate(items):
