@@ -65,6 +65,7 @@ from .native import (
     COMPLETION_TOKENS,
     DEFAULT_EXPERT_DTYPE,
     EXPERT_DTYPE_SIZES,
+    INPUT_LOGPROB_FIELDS,
     INPUT_LOGPROBS_UNAVAILABLE,
     INPUT_TOKEN_LOGPROBS,
     OUTPUT_TOKEN_IDS_LOGPROBS,
@@ -635,7 +636,18 @@ class SGLangJoinSession(JoinSession):
             elif not isinstance(logprobs, list):
                 reason = Omit.PREFILL_CORRUPT
         if reason is not None or source is None:
-            meta[INPUT_LOGPROBS_UNAVAILABLE] = reason or Omit.PREFILL_MISSING
+            # Decode's own prompt-side fields go with the answer: a P/D decode never scores the prompt
+            # (``_GenerationStreamAccumulator.accept``: "Decode server does not send input logprobs"), so
+            # ``add_logprob_to_meta_info`` writes ``input_token_logprobs: []`` (and ``input_top_logprobs``,
+            # ``input_token_ids_logprobs`` ``[]``, the flat fields of zero rows) whatever the window:
+            # published with the marker, they would claim an empty window that only prefill can vouch for.
+            reason = reason or Omit.PREFILL_MISSING
+            if INPUT_TOKEN_LOGPROBS in meta:  # the reason takes its field's place
+                _replace_key(meta, INPUT_TOKEN_LOGPROBS, INPUT_LOGPROBS_UNAVAILABLE, reason)
+            else:
+                meta[INPUT_LOGPROBS_UNAVAILABLE] = reason
+            for field in (*INPUT_LOGPROB_FIELDS, *INPUT_TOP_FLAT_FIELDS):
+                meta.pop(field, None)
             self._omitted = True
             return meta
         for field, anchor in INPUT_LOGPROB_ANCHORS.items():

@@ -1,0 +1,96 @@
+"""Independent fidelity review: SGLang request options that change P/D body shapes (SGLang 0.5.23 wheel).
+
+Bodies are written by hand from the 0.5.23 source (no simulator, no ``upstream.py`` renderer):
+
+* ``managers/tokenizer_manager.py`` ``add_logprob_to_meta_info`` writes ``input_token_logprobs``,
+  ``output_token_logprobs``, ``output_token_logprobs_length``, then (``top_logprobs_num > 0``)
+  ``input_top_logprobs`` / ``output_top_logprobs`` (or the flat ``input_top_logprobs_*`` fields of
+  ``_build_flat_top_logprobs_fields`` with ``return_flat_raw_top_logprobs``), then (``token_ids_logprob``)
+  ``input_token_ids_logprobs`` / ``output_token_ids_logprobs``, on every body of a ``return_logprob``
+  request, whatever the window: the prompt-side lists are whatever the scheduler sent, ``[]`` when none.
+* ``managers/scheduler_components/output_streamer.py`` ``_GenerationStreamAccumulator.accept``: a P/D
+  decode worker never sends input logprobs ("Decode server does not send input logprobs"), so its
+  prompt-side lists are ``[]`` whatever ``logprob_start_len`` is; the prefill worker sends the
+  window ``LogprobResultProcessor._process_input_token_logprobs`` computed (``[None] + ...``, the
+  token ids ``origin_input_ids[logprob_start_len:]``), as the aggregated engine does.
+* ``disaggregation/decode.py`` ``DecodeTransferQueue._commit_transfer_to_req``: token 0's logprob and
+  top logprobs come from the metadata buffer; its ``token_ids_logprob`` row is reserved empty
+  (``detokenize_top_logprobs_tokens`` sends ``null``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+from streamproc_sglang import SGLangCodec
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+
+CODEC = SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20))
+PROMPT = [101, 102, 103, 104]
+OUT = [11, 12, 13]
+TOP_K = 2
+TOKEN_IDS = [5, 7]
+INPUT_SIDE = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+
+
+def entry(position: int, token: int) -> list[Any]:
+    """``detokenize_logprob_tokens`` without ``return_text_in_logprobs``: ``(logprob, id, None)``."""
+    return [-0.25 * (position + 1), token, None]
+
+
+def decode_body(*, flat: bool = False) -> bytes:
+    """The finished unary body of a P/D decode worker for a request with ``return_logprob``,
+    ``logprob_start_len=1``, ``top_logprobs_num=2`` and ``token_ids_logprob=[5, 7]``
+    (``_handle_batch_output`` + ``add_logprob_to_meta_info``; BatchStrOutput). Its prompt-side lists
+    are ``[]``: the decode scheduler sends none. ``flat``: ``return_flat_raw_top_logprobs``, whose
+    zero prompt rows ``_build_flat_top_logprobs_fields("input", [], [], 2)`` writes as shape ``[0, 2]``."""
+    out = [entry(i, t) for i, t in enumerate(OUT)]
+    meta: dict[str, Any] = {
+        "id": "r1", "finish_reason": {"type": "length", "length": len(OUT)}, "prompt_tokens": len(PROMPT),
+        "weight_version": "default", "num_retractions": 0,
+        "input_token_logprobs": [], "output_token_logprobs": out, "output_token_logprobs_length": len(out),
+    }
+    if flat:
+        meta.update({"input_top_logprobs_val_flat": [], "input_top_logprobs_idx_flat": [],
+                     "input_top_logprobs_shape": [0, TOP_K], "input_top_logprobs_null_prefix": 0})
+    else:
+        meta["input_top_logprobs"] = []
+    meta["output_top_logprobs"] = [[entry(i, t), entry(i + 5, 99)] for i, t in enumerate(OUT)]
+    meta["input_token_ids_logprobs"] = []
+    # token 0's row reserved empty by _commit_transfer_to_req: null
+    meta["output_token_ids_logprobs"] = [None] + [[entry(i, 5), entry(i, 7)] for i in range(1, len(OUT))]
+    meta.update({"reasoning_tokens": 0, "completion_tokens": len(OUT), "cached_tokens": 0,
+                 "weight_versions": [{"version": "default", "start": 0, "end": len(OUT)}], "e2e_latency": 0.2})
+    return dumps({"text": "abc", "output_ids": OUT, "meta_info": meta})
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("prefill", ["timeout", "no_logprobs"])
+def test_decode_empty_prompt_logprobs_are_never_published_beside_the_unavailable_reason(prefill, flat):
+    """With ``logprob_start_len=1`` the aggregated answer has three prompt positions; P/D decode's
+    ``[]`` says none. Without a usable prefill answer the field is omitted, and decode's empty lists
+    (and flat fields of zero rows) must go with it: kept beside the reason they read as an empty
+    window, which is what a ``logprob_start_len=-1`` request would get. Before the fix they were kept."""
+    if prefill == "timeout":
+        legs = None
+    else:  # a prefill answer without the prompt-side lists (process_disagg_prefill_inflight_queue's body)
+        legs = [dumps({"text": "a", "output_ids": OUT[:1], "meta_info": {
+            "id": "r1", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(PROMPT),
+            "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 1,
+            "cached_tokens": 0, "weight_versions": [{"version": "default", "start": 0, "end": 1}]}})]
+    (body, verdict), = join(CODEC, [decode_body(flat=flat)], legs)
+    meta = json.loads(body)["meta_info"]
+    assert verdict is Verdict.OMITTED
+    assert meta["input_logprobs_unavailable_reason"] == ("prefill_timeout" if legs is None else "prefill_missing")
+    leftovers = [key for key in meta if key.startswith("input_") and not key.endswith("_unavailable_reason")]
+    assert leftovers == []
+    # the reason takes the list's place (before output_token_logprobs, as the field was)
+    keys = list(meta)
+    assert keys.index("input_logprobs_unavailable_reason") == keys.index("output_token_logprobs") - 1
+    assert meta["output_token_logprobs"] == [entry(i, t) for i, t in enumerate(OUT)]  # decode's own, kept
