@@ -94,3 +94,58 @@ def test_decode_empty_prompt_logprobs_are_never_published_beside_the_unavailable
     keys = list(meta)
     assert keys.index("input_logprobs_unavailable_reason") == keys.index("output_token_logprobs") - 1
     assert meta["output_token_logprobs"] == [entry(i, t) for i, t in enumerate(OUT)]  # decode's own, kept
+
+
+def rejected_at_intake(*, finish_message: str) -> bytes:
+    """A streamed request ``Scheduler.handle_generate_request`` rejects (``logprob_start_len`` past the
+    prompt): ``Req.set_finish_with_abort`` swaps the prompt for one token and clears
+    ``return_logprob``; ``retire_unadmitted_request`` (P/D queues) or the waiting queue streams it
+    unrun, so ``_handle_batch_output`` writes the tokenizer state's empty lists
+    (``add_logprob_to_meta_info``) and no output token. ``_wait_one_response`` yields a stream's
+    abort body as is. Every engine, prefill and decode included, sends this same body."""
+    meta = {"id": "r1", "finish_reason": {"type": "abort", "message": finish_message, "status_code": 400,
+                                          "err_type": "BadRequestError"},
+            "prompt_tokens": 1, "weight_version": "default", "num_retractions": 0,
+            "input_token_logprobs": [], "output_token_logprobs": [], "output_token_logprobs_length": 0,
+            "input_top_logprobs": [], "output_top_logprobs": [],
+            "reasoning_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+            "weight_versions": [{"version": "default", "start": 0, "end": 0}], "e2e_latency": 0.01}
+    return dumps({"text": "", "output_ids": [], "meta_info": meta})
+
+
+def test_a_request_rejected_before_any_token_keeps_its_empty_prompt_logprobs_without_a_reason():
+    """``logprob_start_len=9`` on a 4-token prompt: both legs, and the aggregated engine, answer the
+    same abort body with ``input_token_logprobs: []``, the complete answer for a request that never
+    reached token 0 (no engine scores the prompt before sampling token 0). The join must not call
+    those lists unavailable (before the fix: ``input_logprobs_unavailable_reason: prefill_error``, and
+    with the first fix of this file the lists removed). The routed-experts marker of a failed prefill
+    stays (nothing in either leg says whether rows were asked: docs/codecs.md)."""
+    message = "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=4."
+    body = rejected_at_intake(finish_message=message)
+    (joined, _), = join(CODEC, [body], [body])
+    meta = json.loads(joined)["meta_info"]
+    want = json.loads(body)["meta_info"]
+    assert "input_logprobs_unavailable_reason" not in meta
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs"):
+        assert meta[key] == want[key] == []
+    assert list(meta)[:list(meta).index("e2e_latency")] == list(want)[:list(want).index("e2e_latency")]
+
+
+def test_a_decode_aborted_before_token_0_keeps_its_empty_prompt_logprobs_not_prefills():
+    """``_handle_abort_req`` for a decode request aborted in its queue (no token): the aggregated
+    engine's abort before token 0 has ``input_token_logprobs: []`` (no prompt logprobs before token 0),
+    so prefill's window, though computed, is not what the aggregated answer shows."""
+    decode = dumps({"text": "", "output_ids": [], "meta_info": {
+        "id": "r1", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+        "weight_version": "default", "e2e_latency": 0.3, "input_token_logprobs": [],
+        "output_token_logprobs": [], "output_token_logprobs_length": 0, "completion_tokens": 0}})
+    prefill = dumps({"text": "a", "output_ids": OUT[:1], "meta_info": {
+        "id": "r1", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(PROMPT),
+        "weight_version": "default", "num_retractions": 0,
+        "input_token_logprobs": [[None, PROMPT[1], None], entry(2, PROMPT[2]), entry(3, PROMPT[3])],
+        "output_token_logprobs": [entry(0, OUT[0])], "output_token_logprobs_length": 1,
+        "reasoning_tokens": 0, "completion_tokens": 1, "cached_tokens": 0}})
+    (joined, _), = join(CODEC, [decode], [prefill])
+    meta = json.loads(joined)["meta_info"]
+    assert meta["input_token_logprobs"] == []
+    assert "input_logprobs_unavailable_reason" not in meta

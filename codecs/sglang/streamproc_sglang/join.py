@@ -627,6 +627,12 @@ class SGLangJoinSession(JoinSession):
         the default ``logprob_start_len = -1`` every leg, aggregated included, sends ``[]``."""
         if meta.get(INPUT_TOKEN_LOGPROBS):
             return meta  # this decode worker computed them itself
+        if native.failed_finish(meta) and meta.get(COMPLETION_TOKENS) == 0 and not meta.get(OUTPUT_TOKEN_LOGPROBS):
+            # A request that failed before output token 0 has no prompt logprobs on any engine: the
+            # scheduler sets them in the step that samples token 0 (``add_input_logprob_return_values``
+            # with ``last_prefill_chunk``), and one rejected at intake (``set_finish_with_abort``, e.g.
+            # ``logprob_start_len`` past the prompt) never runs. Decode's ``[]`` is the aggregated answer.
+            return meta
         source = self._prefill
         reason = self._unavailable
         if source is not None:
