@@ -149,3 +149,55 @@ def test_a_decode_aborted_before_token_0_keeps_its_empty_prompt_logprobs_not_pre
     meta = json.loads(joined)["meta_info"]
     assert meta["input_token_logprobs"] == []
     assert "input_logprobs_unavailable_reason" not in meta
+
+
+def test_a_resumed_pd_attempt_without_prefill_gets_the_prompt_logprobs_the_client_was_sent():
+    """Migration (``migration.py``): the resumed request's prompt is the original plus the k emitted
+    tokens (``logprob_start_len`` is absolute, so its window covers them too); the stitch restates
+    the original prompt's lists as the client saw them. When the resumed attempt is P/D and its
+    prefill leg timed out, its joined body has ``input_logprobs_unavailable_reason`` and no lists;
+    the original's are still known exactly (the uninterrupted engine restates them on every body), so
+    the stitched body carries them, in ``add_logprob_to_meta_info``'s places, and no reason. Before:
+    the reason (and, before this file's first fix, decode's empty lists replaced by the client's
+    beside it)."""
+    inp = [[None, PROMPT[1], None], entry(2, PROMPT[2]), entry(3, PROMPT[3])]
+    itop = [None, [entry(2, PROMPT[2]), entry(7, 99)], [entry(3, PROMPT[3]), entry(7, 99)]]
+    iids = [None, [entry(2, 5), entry(2, 7)], [entry(3, 5), entry(3, 7)]]
+
+    def meta_of(*, prompt: int, out: list[int], first: int, count: int, pd: bool, finish: Any) -> dict[str, Any]:
+        """An incremental chunk of an attempt: the request's output positions ``[first, first +
+        len(out))``, the attempt's running ``count`` of tokens (its lists' length and completion)."""
+        m: dict[str, Any] = {"id": "r1", "finish_reason": finish, "prompt_tokens": prompt,
+                             "weight_version": "default", "num_retractions": 0}
+        m["input_token_logprobs"] = [] if pd else inp
+        m["output_token_logprobs"] = [entry(first + i, t) for i, t in enumerate(out)]
+        m["output_token_logprobs_length"] = count
+        m["input_top_logprobs"] = [] if pd else itop
+        m["output_top_logprobs"] = [[entry(first + i, t)] for i, t in enumerate(out)]
+        m["input_token_ids_logprobs"] = [] if pd else iids
+        # a P/D decode's row for its token 0 is reserved empty (_commit_transfer_to_req): null
+        m["output_token_ids_logprobs"] = [None if pd and count == len(out) and i == 0 else [entry(first + i, 5)]
+                                          for i in range(len(out))]
+        m.update({"reasoning_tokens": 0, "completion_tokens": count, "cached_tokens": 0})
+        return m
+
+    # the lost attempt (aggregated) published token 0 with the prompt's window
+    seen = dumps({"text": "a", "output_ids": OUT[:1],
+                  "meta_info": meta_of(prompt=len(PROMPT), out=OUT[:1], first=0, count=1, pd=False,
+                                       finish=None)})
+    session = CODEC.open_migration()
+    session.absorb([seen])
+    assert list(session.seal().token_ids) == OUT[:1]
+    # the resumed attempt, P/D: its token 0 is the request's token 1
+    decode_meta = meta_of(prompt=len(PROMPT) + 1, out=OUT[1:2], first=1, count=1, pd=True, finish=None)
+    decode = dumps({"text": "b", "output_ids": OUT[1:2], "meta_info": decode_meta})
+    (joined, _), = join(CODEC, [decode], None)  # its prefill leg timed out
+    assert "input_logprobs_unavailable_reason" in json.loads(joined)["meta_info"]
+    stitched, _ = session.stitch(joined, False)
+    got = json.loads(stitched)["meta_info"]
+    want = meta_of(prompt=len(PROMPT), out=OUT[1:2], first=1, count=2, pd=False, finish=None)
+    want.pop("output_token_ids_logprobs")  # token 1's row was decode's reserved null: the join's reasons stay
+    want.update(output_token_ids_logprobs_unavailable_reason="prefill_timeout",
+                routed_experts_unavailable_reason="prefill_timeout")
+    assert "input_logprobs_unavailable_reason" not in got
+    assert list(got.items()) == list(want.items())

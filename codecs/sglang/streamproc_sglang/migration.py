@@ -28,7 +28,8 @@ field                              stitched value
                                    every hit (hits split over tiers past the cap: omitted,
                                    ``length_mismatch``)
 ``finish_reason``                  the final attempt's; ``{"type": "length", "length": n}`` gets + k
-``input_*logprobs``                the original prompt's as the client saw them; else the attempt's
+``input_*logprobs``                the original prompt's as the client saw them (also in place of a P/D
+                                   attempt's ``input_logprobs_unavailable_reason``); else the attempt's
                                    list without its last k entries (the replayed output tokens); the
                                    flat form (``return_flat_raw_top_logprobs``) the same way
 ``weight_versions``, ``spec_*``    omitted (``stitch_incomplete``) when tokens were emitted before the
@@ -71,9 +72,12 @@ from .native import (
     EXPERT_DTYPE_SIZES,
     FINISH_REASON,
     INPUT_LOGPROB_FIELDS,
+    INPUT_LOGPROBS_UNAVAILABLE,
+    INPUT_TOKEN_LOGPROBS,
     OUTPUT_DELTA_FIELDS,
     OUTPUT_IDS,
     OUTPUT_TOKEN_LOGPROBS_LENGTH,
+    OUTPUT_TOP_LOGPROBS,
     TEXT,
     PROMPT_TOKENS,
     REASONING_TOKENS,
@@ -293,6 +297,9 @@ class SGLangMigrationSession(MigrationSession):
         finish = meta.get(FINISH_REASON)
         if isinstance(finish, dict) and finish.get("type") == "length" and _is_count(finish.get("length")):
             meta[FINISH_REASON] = {**finish, "length": finish["length"] + k}
+        if INPUT_LOGPROBS_UNAVAILABLE in meta and INPUT_TOKEN_LOGPROBS not in meta \
+                and base.input_logprobs.get(INPUT_TOKEN_LOGPROBS) is not None:
+            meta = doc[native.META] = _restore_input_logprobs(meta, base.input_logprobs)
         for field in INPUT_LOGPROB_FIELDS:
             value = meta.get(field)
             if isinstance(value, list):
@@ -339,6 +346,31 @@ class SGLangMigrationSession(MigrationSession):
         if not np.array_equal(current_ids[:len(earlier)], earlier_ids):
             meta[ROUTED_EXPERTS] = self._experts.encode(np.concatenate((earlier_ids, current_ids[len(earlier):])))
         return Verdict.STITCHED
+
+
+def _restore_input_logprobs(meta: dict[str, Any], seen: dict[str, Any]) -> dict[str, Any]:
+    """A P/D attempt whose prefill leg failed carries ``input_logprobs_unavailable_reason`` in place of
+    its prompt-side lists (join.py ``_fill_input_logprobs``). The client was sent the original
+    prompt's, which the stitch restates whenever an attempt has its own: they are the answer here too,
+    put where ``add_logprob_to_meta_info`` writes them (the prompt's list in the reason's place, the
+    top logprobs after ``output_token_logprobs_length``, the token-ids list after the top logprobs)."""
+    top = {key: seen[key] for key in ("input_top_logprobs", *native.INPUT_TOP_FLAT_FIELDS) if key in seen}
+    ids = {key: seen[key] for key in ("input_token_ids_logprobs",) if key in seen}
+    top_anchor = OUTPUT_TOKEN_LOGPROBS_LENGTH if OUTPUT_TOKEN_LOGPROBS_LENGTH in meta else INPUT_LOGPROBS_UNAVAILABLE
+    # the output top logprobs, nested or flat (``return_flat_raw_output_top_logprobs``: shape, null prefix last)
+    ids_anchor = next((key for key in (OUTPUT_TOP_LOGPROBS, "output_top_logprobs_null_prefix") if key in meta),
+                      top_anchor)
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if key == INPUT_LOGPROBS_UNAVAILABLE:
+            out[INPUT_TOKEN_LOGPROBS] = seen[INPUT_TOKEN_LOGPROBS]
+        else:
+            out[key] = value
+        if key == top_anchor:
+            out.update(top)
+        if key == ids_anchor:
+            out.update(ids)
+    return out
 
 
 def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> None:
