@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -155,6 +157,27 @@ def test_a_streamed_batch_of_one_in_one_chunk_folds_to_a_list_of_one_and_other_s
     for body in (plain, b'{"text":"Hi","meta_info":{}}', dumps(unary), b'[{"text": "index"}]'):
         assert codec(OPTIONS).fold([body]) == body
     assert not codec(OPTIONS).folds_alone(b'{"text":"Hi","meta_info":{}}')
+
+
+@pytest.mark.parametrize("codec", [SGLangCodec, SGLangZstdCodec])
+def test_folds_alone_costs_the_same_for_a_large_unary_body_as_for_a_small_one(codec):
+    """``folds_alone`` runs on the edge's event loop for every unary answer of one result (every
+    non-streamed request's). ``result["index"] = ...`` is set on the item's finished dict
+    (``_stream_batch_responses``), after ``text``, ``output_ids``, ``meta_info`` and
+    ``prompt_token_ids``, so the key is the body's last; searching all of a 64 MiB body with
+    ``routed_experts`` (no ``"index"``) held the loop ~60 ms. A tagged chunk still folds, trailing
+    whitespace included."""
+    big = (b'{"text":"x","output_ids":[1],"meta_info":{"id":"rid-0","routed_experts":"'
+           + base64.b64encode(os.urandom(48 << 20)) + b'"}}')
+    c = codec(OPTIONS)
+    spent = []
+    for _ in range(3):
+        started = time.perf_counter()
+        assert not c.folds_alone(big)
+        spent.append(time.perf_counter() - started)
+    assert min(spent) < 0.002, f"{min(spent) * 1e3:.1f} ms for a {len(big) >> 20} MiB body"
+    tagged = big[:-1] + b',"index":0}'
+    assert c.folds_alone(tagged) and c.folds_alone(tagged + b"\n") and c.folds_alone(b'{"index": 12345} \r\n')
 
 
 # ============================================================================ P/D: an item that ends first
