@@ -267,7 +267,13 @@ _PARSED_WEIGHTS: tuple[tuple[bytes, int], ...] = ((b"{", 168), (b":", 88), (b"["
 _PARSED_TOP = 264  # the top-level value, which follows no structural character
 
 
-def parsed_json_bound(body: bytes, narrow: int = 0) -> int:
+def json_structure(body: bytes) -> tuple[int, ...]:
+    """How many of each of ``{ : [ ,`` (in that order) a JSON text holds: what
+    :func:`parsed_json_bound` weighs, counted once for a caller that needs the counts too."""
+    return tuple(body.count(char) for char, _ in _PARSED_WEIGHTS)
+
+
+def parsed_json_bound(body: bytes, narrow: int = 0, structure: tuple[int, ...] | None = None) -> int:
     """At most how many bytes the Python objects of ``msgspec.json.decode(body)`` hold: what a
     codec that keeps a parsed body (an absorbed prefill leg) must charge to ``--max-total-bytes``.
     Counted, not parsed (a few ``bytes.count`` passes): each structural character at the most an
@@ -278,13 +284,16 @@ def parsed_json_bound(body: bytes, narrow: int = 0) -> int:
     ``narrow``: bytes of the text the caller knows to be ASCII strings (Base64 rows it parsed),
     which take one byte per character however wide the rest is. Honest logprob bodies parse to 6-7x
     their length and are charged 13-16x; the fixed 6x of before let shapes that parse to 24-31x
-    (``[{"1":{}},...]``) hold ~5x the budget."""
+    (``[{"1":{}},...]``) hold ~5x the budget. ``structure``: :func:`json_structure` of ``body``,
+    when the caller has counted it already."""
     size = len(body)
     total = _PARSED_TOP + size
     if not body.isascii() or b"\\u" in body:  # a \\uXXXX escape can make a string wide too
         total += 4 * max(0, size - narrow)
-    for char, weight in _PARSED_WEIGHTS:
-        total += weight * body.count(char)
+    if structure is None:
+        structure = json_structure(body)
+    for (_, weight), count in zip(_PARSED_WEIGHTS, structure):
+        total += weight * count
     return total
 
 

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 from streamproc.codec import (UNAVAILABLE_SUFFIX, ContractError, CorruptPayload, JoinSession,
-                              SequenceCodec, parsed_json_bound)
+                              SequenceCodec, json_structure, parsed_json_bound)
 from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
@@ -339,6 +339,11 @@ class SGLangJoinSession(JoinSession):
         self._rows_bound_by_index: dict[int, int] = {}
         # The most one batch prefill item's parsed form holds: each item's join parses it again (_join_items).
         self._items_parse = 0
+        # The last batch body _items_copies counted (one body is asked about twice: join_bytes, then
+        # _join_items in the join thread; each count is a few passes over a body of many MiB).
+        self._copies_of: bytes | None = None
+        self._copies_paired = False
+        self._copies = 0
         self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
@@ -458,12 +463,19 @@ class SGLangJoinSession(JoinSession):
         Charged at the decode body's length alone, a batch of 8 items with 40,000 prompt logprobs
         each allocated 57 MiB beyond everything charged (tracemalloc) while its request held 65 MiB
         of a 96 MiB budget."""
+        paired = self._paired(items)
+        if self._copies_of is body and self._copies_paired is paired:
+            return self._copies  # join_bytes counted this body on the event loop; _join_items asks again
         # A number re-encoded grows by at most 24 bytes, and every number but the first follows one
         # of ``,:[``; prefill's items are msgspec's encodings already (absorb_prefill).
-        grown = len(body) + _NUMBER_GROWTH * (1 + body.count(b",") + body.count(b":") + body.count(b"["))
-        copied = grown + (sum(map(len, self._prefill_items)) if self._paired(items) else 0)  # type: ignore[arg-type]
-        parsed = parsed_json_bound(body) + (self._items_parse if self._paired(items) else 0)
-        return parsed + copied + copied + copied // 2
+        structure = json_structure(body)
+        separators = sum(structure) - structure[0]  # the ``:``, ``[`` and ``,``, not the ``{``
+        grown = len(body) + _NUMBER_GROWTH * (1 + separators)
+        copied = grown + (sum(map(len, self._prefill_items)) if paired else 0)  # type: ignore[arg-type]
+        parsed = parsed_json_bound(body, structure=structure) + (self._items_parse if paired else 0)
+        self._copies_of, self._copies_paired = body, paired
+        self._copies = parsed + copied + copied + copied // 2
+        return self._copies
 
     def _rows_bound(self, meta: dict[str, Any] | None) -> int:
         """What decoding the prefill rows in ``meta`` may allocate (:meth:`_decode_prefill_rows`)."""
