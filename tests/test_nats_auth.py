@@ -8,6 +8,8 @@ and exit code 1; an unreadable credential file is a configuration error (exit 2)
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -161,3 +163,88 @@ def test_a_secret_on_the_command_line_is_refused_naming_the_variable(command, fl
     assert proc.returncode == 2, proc.stderr
     assert "STREAMPROC_" + flag[2:].replace("-", "_").upper() in proc.stderr, proc.stderr
     assert "hunter2" not in proc.stderr
+
+
+# ----------------------------------------------------------------- .creds files nats-py cannot use
+# Found by an attack on the command line (2026-12-05). nats-py 2.16 reads a .creds file at every
+# connect, after the server's INFO (which carries a nonce only under nkey or JWT authentication):
+# ``Client._read_creds_user_nkey`` returns None without a seed line (TypeError in nkeys, exit 1
+# with "object of type 'NoneType' has no len()"), and ``Client._read_creds_user_jwt`` loops on
+# ``readline()`` at end of file for ever without a JWT line, on the event loop: the command spun a
+# core, ignored --connect-timeout and SIGTERM, and said nothing.
+
+def _creds_parts(path: Path) -> tuple[str, str]:
+    text = path.read_text()
+    jwt = text.split("-----BEGIN NATS USER JWT-----\n")[1].split("\n")[0]
+    seed = text.split("-----BEGIN USER NKEY SEED-----\n")[1].split("\n")[0]
+    return jwt, seed
+
+
+BROKEN_CREDS: dict[str, Callable[[str, str], str]] = {
+    # an nkey seed file given as the creds file (the seed and nothing else): the endless read
+    "seed-alone": lambda jwt, seed: seed + "\n",
+    "no-jwt-block": lambda jwt, seed: f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n",
+    "no-seed-block": lambda jwt, seed: f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n",
+    "jwt-marker-last": lambda jwt, seed: (f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+                                          "-----BEGIN NATS USER JWT-----"),
+    "seed-not-a-seed": lambda jwt, seed: (f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n"
+                                          f"-----BEGIN USER NKEY SEED-----\nSU{seed[2:20]}\n"),
+    "empty": lambda jwt, seed: "",
+}
+
+
+@pytest.fixture(scope="module")
+def operator_server() -> Iterator[tuple[Operator, EmbeddedNats]]:
+    operator = Operator()
+    with EmbeddedNats(jetstream=False, config=operator.server_config()) as server:
+        yield operator, server
+
+
+@pytest.mark.parametrize("broken", list(BROKEN_CREDS))
+def test_a_creds_file_nats_py_cannot_use_is_a_configuration_error_not_a_hang(operator_server, tmp_path, broken):
+    operator, server = operator_server
+    jwt, seed = _creds_parts(operator.creds(tmp_path / "good.creds"))
+    path = tmp_path / "broken.creds"
+    path.write_text(BROKEN_CREDS[broken](jwt, seed))
+    for command in ("run", "simulate", "edge"):
+        started = time.monotonic()
+        try:
+            proc = run_cli_process(command, "--nats-url", server.url, "--nats-creds-file", str(path),
+                                   "--connect-timeout", "3", *demo_flag(command), timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"streamproc {command} with a {broken} creds file still ran 20 s into a 3 s connect "
+                        "timeout (killed)")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in out, (command, proc.returncode, out[-2000:])
+        errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
+        assert len(errors) == 1 and "--nats-creds-file" in errors[0] and str(path) in errors[0], out[-2000:]
+        assert seed[2:] not in out and jwt not in out, out
+        assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("broken", ["seed-alone", "no-jwt-block"])
+def test_a_creds_file_broken_while_running_is_reported_at_each_reconnect_and_its_repair_is_taken(
+        operator_server, tmp_path, broken):
+    """nats-py reads the file again at every reconnect (so a rotated file is used): broken meanwhile,
+    the reconnect hung the running processor for good (the endless read) or, with no seed, raised a
+    TypeError out of nats-py's reconnect task, which then never tried again."""
+    operator, server = operator_server
+    path = operator.creds(tmp_path / "rotated.creds")
+    good = path.read_text()
+    jwt, seed = _creds_parts(path)
+    with processor_subprocess(server.url, "--mode", "core", "--nats-creds-file", str(path)) as (proc, log_path):
+        path.write_text(BROKEN_CREDS[broken](jwt, seed))  # a rotation gone wrong
+        server.restart()  # the processor must reconnect, reading the file again
+        deadline = time.monotonic() + 15
+        while "holds no user JWT" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = log_path.read_text()
+        assert "holds no user JWT" in log and str(path) in log, log[-3000:]
+        assert seed[2:] not in log and jwt not in log
+        path.write_text(good)  # repaired: the next reconnect attempt succeeds
+        deadline = time.monotonic() + 15
+        while "event=reconnected" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "event=reconnected" in log_path.read_text(), log_path.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0, log_path.read_text()[-3000:]

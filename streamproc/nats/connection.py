@@ -13,6 +13,7 @@ contains a secret: URLs are redacted and every known secret is scrubbed from err
 
 from __future__ import annotations
 
+import base64
 import math
 import ssl
 from typing import Any, Awaitable, Callable
@@ -46,9 +47,68 @@ def _read_secret(path: str, setting: str) -> str:
     return value
 
 
-def _check_readable(path: str, setting: str) -> None:
-    """Readable and of a credential file's size (nats-py reads it whole at every connect)."""
-    read_setting_file(path, _named(setting, path))
+_CREDS_JWT = b"BEGIN NATS USER JWT"
+_CREDS_SEED = b"BEGIN USER NKEY SEED"
+
+
+def read_creds(path: str, named: str) -> tuple[bytes, bytes]:
+    """The user JWT and nkey seed of a ``.creds`` file, each the line after its ``BEGIN`` marker
+    line, as nats-py 2.16 reads them (``Client._read_creds_user_jwt``, ``_read_creds_user_nkey``);
+    :class:`ConfigError` naming the file, and no byte of it, when either is missing or the seed is
+    no user seed. nats-py's own readers fail on such a file at the connect, after the server's
+    nonce: without a seed, a ``TypeError`` (which ends its reconnect task for good), without a JWT
+    line, ``readline()`` at the end of the file for ever, on the event loop (tests/test_nats_auth.py)."""
+    lines = read_setting_file(path, named).splitlines()
+    found = {}
+    for marker in (_CREDS_JWT, _CREDS_SEED):
+        at = next((i for i, line in enumerate(lines) if marker in line), None)
+        value = lines[at + 1].strip() if at is not None and at + 1 < len(lines) else b""
+        if not value or value.startswith(b"-"):  # an END line right after BEGIN: nothing in between
+            what = "user JWT" if marker is _CREDS_JWT else "user nkey seed"
+            raise ConfigError(f"{named} holds no {what} (a line after '-----{marker.decode()}-----'): not a "
+                              ".creds file (nsc generate creds writes one)")
+        found[marker] = value
+    seed = found[_CREDS_SEED]
+    import nkeys  # as nats-py does: only a command that uses nkeys loads them
+
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+        ok = seed.startswith(b"SU")
+    except Exception:  # noqa: BLE001 - nkeys raises ValueError, TypeError or its own errors; its text is not shown
+        ok = False
+    if not ok:
+        raise ConfigError(f"{named} holds no valid user nkey seed (SU..., 58 characters) after "
+                          f"'-----{_CREDS_SEED.decode()}-----'")
+    return found[_CREDS_JWT], seed
+
+
+def creds_callbacks(path: str, named: str) -> tuple[Callable[[], bytes], Callable[[str], bytes]]:
+    """nats-py's ``user_jwt_cb`` and ``signature_cb`` for a ``.creds`` file, in place of its own
+    ``user_credentials`` reader: the file is read (checked once now: a broken one is a ConfigError
+    at start-up) and read again at every connect, as nats-py does, so a rotated file is taken; broken
+    meanwhile, the reconnect fails with a ``nats.errors.Error`` saying why, which nats-py reports
+    to the error callback and retries (a repaired file is taken at the next attempt)."""
+    read_creds(path, named)
+
+    def read() -> tuple[bytes, bytes]:
+        try:
+            return read_creds(path, named)
+        except ConfigError as exc:
+            raise nats.errors.Error(str(exc)) from None
+
+    def user_jwt() -> bytes:
+        return read()[0]
+
+    def sign(nonce: str) -> bytes:
+        import nkeys
+
+        keys = nkeys.from_seed(bytearray(read()[1]))
+        try:
+            return base64.b64encode(keys.sign(nonce.encode()))  # nats-py's sig_cb (_setup_nkeys_jwt_connect)
+        finally:
+            keys.wipe()
+
+    return user_jwt, sign
 
 
 def servers(settings: CommonSettings) -> list[str]:
@@ -96,8 +156,10 @@ def connect_options(settings: CommonSettings) -> dict[str, Any]:
                               "seed (a line starting with SU)")
         options["nkeys_seed_str"] = seed
     if settings.nats_creds_file:
-        _check_readable(settings.nats_creds_file, "nats_creds_file")
-        options["user_credentials"] = settings.nats_creds_file
+        jwt_cb, signature_cb = creds_callbacks(settings.nats_creds_file,
+                                               _named("nats_creds_file", settings.nats_creds_file))
+        options["user_jwt_cb"] = jwt_cb
+        options["signature_cb"] = signature_cb
     context = tls_context(settings)
     if context is not None:
         options["tls"] = context
