@@ -357,3 +357,56 @@ async def test_a_replay_whose_read_on_fails_once_loses_and_repeats_nothing(clien
                 raised.append(len(got))
     assert failures and raised == [raised[0]], (failures, raised)
     assert got == list(range(n))
+
+
+# ----------------------------------------------------------------- connect(user_credentials=...)
+
+CONNECT_WITH_CREDS = """
+import sys, anyio, streamproc
+from nats.aio.client import RawCredentials
+async def main():
+    creds = RawCredentials(open(sys.argv[2]).read()) if sys.argv[3] == "raw" else sys.argv[2]
+    try:
+        nc = await streamproc.connect(sys.argv[1], user_credentials=creds, connect_timeout=2,
+                                      allow_reconnect=False)
+    except Exception as exc:
+        print(f"raised {type(exc).__name__}: {exc}")
+        return
+    await nc.close()
+    print("connected")
+anyio.run(main)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("given", ["path", "raw"])
+def test_connect_with_a_creds_file_without_a_user_jwt_raises_instead_of_reading_for_ever(tmp_path, given):
+    """README: a neighbour connects with ``streamproc.connect(...)``, nats-py's options included. With
+    ``user_credentials`` naming a ``.creds`` file that holds the seed block and no JWT block (an
+    nkey seed file taken for a creds file), nats-py 2.16's ``_read_creds_user_jwt`` loops on
+    ``readline()`` at its end for ever, on the event loop, once the server sends its nonce: the
+    connect never returned, whatever its ``connect_timeout`` (the same as ``--nats-creds-file``,
+    tests/test_nats_auth.py). Run in a subprocess: that loop cannot be cancelled."""
+    import subprocess
+    import sys
+
+    from nats_auth import Operator
+    from streamproc.sim.embedded import EmbeddedNats
+
+    operator = Operator()
+    good = operator.creds(tmp_path / "good.creds")
+    seed = good.read_text().split("-----BEGIN USER NKEY SEED-----\n")[1].split("\n")[0]
+    broken = tmp_path / "seed.creds"
+    broken.write_text(f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n")
+    with EmbeddedNats(jetstream=False, config=operator.server_config()) as server:
+        outcomes = {}
+        for name, path in (("good", good), ("broken", broken)):
+            try:
+                proc = subprocess.run([sys.executable, "-c", CONNECT_WITH_CREDS, server.url, str(path), given],
+                                      capture_output=True, text=True, timeout=20)
+                outcomes[name] = proc.stdout.strip() or proc.stderr[-500:]
+            except subprocess.TimeoutExpired:
+                outcomes[name] = "still connecting after 20 s (killed)"
+    assert outcomes["good"] == "connected", outcomes
+    assert outcomes["broken"].startswith("raised ConfigError: ") and "holds no user JWT" in outcomes["broken"], outcomes
+    assert seed[2:] not in outcomes["broken"]

@@ -11,12 +11,15 @@ and say once per process when they are given such a stock one.
 from __future__ import annotations
 
 import logging
+import os
+from collections import UserString
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
 
 from ..core.defaults import NATS_URL
 from ..logs import log_event
+from ..nats.connection import creds_callbacks
 from ..nats.fast_client import new_client
 from ..nats.robust import RobustClient
 
@@ -29,7 +32,16 @@ _warned = False
 async def connect(servers: str | list[str] = NATS_URL, **options: Any) -> NatsClient:
     """``nats.connect(servers, **options)``, returning streamproc's client (:class:`RobustClient`,
     its fast path when the installed nats-py is supported): the same API, minus the messages that
-    end stock nats-py's read loop."""
+    end stock nats-py's read loop. A ``user_credentials`` file (or ``RawCredentials``) without a user
+    JWT or nkey seed raises :class:`~streamproc.core.errors.ConfigError` here, instead of nats-py's
+    endless read at the connect."""
+    credentials = options.get("user_credentials")
+    if isinstance(credentials, (str, os.PathLike, UserString)):
+        # read as the processor reads --nats-creds-file: nats-py's own reader never returns from a
+        # file without a user JWT line (nats/connection.py, read_creds)
+        del options["user_credentials"]
+        named = "user_credentials" + ("" if isinstance(credentials, UserString) else f" {os.fspath(credentials)!r}")
+        options["user_jwt_cb"], options["signature_cb"] = creds_callbacks(credentials, named)
     nc = new_client()
     await nc.connect(servers=[servers] if isinstance(servers, str) else servers, **options)
     return nc

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import ssl
+from collections import UserString
 from typing import Any, Awaitable, Callable
 
 import anyio
@@ -58,7 +60,12 @@ def read_creds(path: str, named: str) -> tuple[bytes, bytes]:
     no user seed. nats-py's own readers fail on such a file at the connect, after the server's
     nonce: without a seed, a ``TypeError`` (which ends its reconnect task for good), without a JWT
     line, ``readline()`` at the end of the file for ever, on the event loop (tests/test_nats_auth.py)."""
-    lines = read_setting_file(path, named).splitlines()
+    return parse_creds(read_setting_file(path, named), named)
+
+
+def parse_creds(data: bytes, named: str) -> tuple[bytes, bytes]:
+    """:func:`read_creds` of a ``.creds`` file's content."""
+    lines = data.splitlines()
     found = {}
     for marker in (_CREDS_JWT, _CREDS_SEED):
         at = next((i for i, line in enumerate(lines) if marker in line), None)
@@ -82,18 +89,31 @@ def read_creds(path: str, named: str) -> tuple[bytes, bytes]:
     return found[_CREDS_JWT], seed
 
 
-def creds_callbacks(path: str, named: str) -> tuple[Callable[[], bytes], Callable[[str], bytes]]:
+def creds_callbacks(path: str | os.PathLike[str] | UserString,
+                    named: str) -> tuple[Callable[[], bytes], Callable[[str], bytes]]:
     """nats-py's ``user_jwt_cb`` and ``signature_cb`` for a ``.creds`` file, in place of its own
     ``user_credentials`` reader: the file is read (checked once now: a broken one is a ConfigError
     at start-up) and read again at every connect, as nats-py does, so a rotated file is taken; broken
     meanwhile, the reconnect fails with a ``nats.errors.Error`` saying why, which nats-py reports
-    to the error callback and retries (a repaired file is taken at the next attempt)."""
-    read_creds(path, named)
+    to the error callback and retries (a repaired file is taken at the next attempt). ``path`` may
+    also be the content itself, as nats-py's ``RawCredentials`` (a ``UserString``)."""
+    if isinstance(path, UserString):
+        content = path.data.encode()
+
+        def load() -> tuple[bytes, bytes]:
+            return parse_creds(content, named)
+    else:
+        file = os.fspath(path)
+
+        def load() -> tuple[bytes, bytes]:
+            return read_creds(file, named)
+
+    load()
 
     def read() -> tuple[bytes, bytes]:
         try:
-            return read_creds(path, named)
-        except ConfigError as exc:
+            return load()
+        except ConfigError as exc:  # caught by nats-py's connect and reconnect loops (Error), reported, retried
             raise nats.errors.Error(str(exc)) from None
 
     def user_jwt() -> bytes:
