@@ -248,3 +248,21 @@ def test_a_creds_file_broken_while_running_is_reported_at_each_reconnect_and_its
         assert "event=reconnected" in log_path.read_text(), log_path.read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0, log_path.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("broken", ["cut", "not-base32", "two-seeds"])
+def test_an_nkey_seed_file_nkeys_cannot_read_is_a_configuration_error(tmp_path, broken):
+    """A seed cut short, with a character outside base32, or two on one line passed the ``SU`` prefix
+    check and failed in nats-py's connect: exit 1 with
+    ``cannot connect to NATS at ...: ErrInvalidSeed: nkeys: invalid seed``, as if the server had
+    refused it (found by an attack on the command line)."""
+    seed, public = new_keypair(nkeys.PREFIX_BYTE_USER)
+    text = {"cut": seed[:30], "not-base32": seed[:20] + "!" + seed[21:], "two-seeds": seed + seed}[broken]
+    path = _write(tmp_path / "user.nk", text)
+    with EmbeddedNats(jetstream=False, config=f"authorization {{ users = [ {{ nkey: {public} }} ] }}\n") as server:
+        proc = run_cli_process("run", "--nats-url", server.url, "--nats-nkey-seed-file", path, "--connect-timeout", "3",
+                               timeout=30)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "--nats-nkey-seed-file" in errors[0] and "nkey seed" in errors[0], proc.stderr
+    assert seed[2:12] not in proc.stderr + proc.stdout

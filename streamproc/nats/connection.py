@@ -49,6 +49,19 @@ def _read_secret(path: str, setting: str) -> str:
     return value
 
 
+def _user_seed(seed: bytes) -> bool:
+    """Whether nkeys takes ``seed`` for a user's (nats-py signs the server's nonce with it at connect)."""
+    import nkeys  # as nats-py does: only a command that uses nkeys loads them
+
+    if not seed.startswith(b"SU"):
+        return False
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+    except Exception:  # noqa: BLE001 - nkeys raises ValueError, TypeError or its own errors; its text is not shown
+        return False
+    return True
+
+
 _CREDS_JWT = b"BEGIN NATS USER JWT"
 _CREDS_SEED = b"BEGIN USER NKEY SEED"
 
@@ -76,14 +89,7 @@ def parse_creds(data: bytes, named: str) -> tuple[bytes, bytes]:
                               ".creds file (nsc generate creds writes one)")
         found[marker] = value
     seed = found[_CREDS_SEED]
-    import nkeys  # as nats-py does: only a command that uses nkeys loads them
-
-    try:
-        nkeys.from_seed(bytearray(seed)).wipe()
-        ok = seed.startswith(b"SU")
-    except Exception:  # noqa: BLE001 - nkeys raises ValueError, TypeError or its own errors; its text is not shown
-        ok = False
-    if not ok:
+    if not _user_seed(seed):
         raise ConfigError(f"{named} holds no valid user nkey seed (SU..., 58 characters) after "
                           f"'-----{_CREDS_SEED.decode()}-----'")
     return found[_CREDS_JWT], seed
@@ -171,9 +177,9 @@ def connect_options(settings: CommonSettings) -> dict[str, Any]:
         options["token"] = settings.nats_token or _read_secret(settings.nats_token_file, "nats_token_file")
     if settings.nats_nkey_seed_file:
         seed = _read_secret(settings.nats_nkey_seed_file, "nats_nkey_seed_file")
-        if not seed.startswith("SU"):
-            raise ConfigError(f"{_named('nats_nkey_seed_file', settings.nats_nkey_seed_file)} holds no user nkey "
-                              "seed (a line starting with SU)")
+        if not _user_seed(seed.encode()):  # else nats-py's connect fails (exit 1), blaming the connection
+            raise ConfigError(f"{_named('nats_nkey_seed_file', settings.nats_nkey_seed_file)} holds no valid user "
+                              "nkey seed (one line, SU..., 58 characters)")
         options["nkeys_seed_str"] = seed
     if settings.nats_creds_file:
         jwt_cb, signature_cb = creds_callbacks(settings.nats_creds_file,
