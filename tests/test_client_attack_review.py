@@ -410,3 +410,49 @@ def test_connect_with_a_creds_file_without_a_user_jwt_raises_instead_of_reading_
     assert outcomes["good"] == "connected", outcomes
     assert outcomes["broken"].startswith("raised ConfigError: ") and "holds no user JWT" in outcomes["broken"], outcomes
     assert seed[2:] not in outcomes["broken"]
+
+
+# ----------------------------------------------------------------- ChunkPublisher: bodies that are not bytes
+
+@pytest.mark.parametrize("durable", [False, True])
+async def test_a_body_of_wide_items_is_published_as_its_bytes_and_the_connection_survives(nats_url, durable):
+    """``publish`` measured a body with ``len()``, and so did nats-py's PUB line: for a memoryview of
+    4-byte items (an array or numpy buffer handed over without a copy) that is the item count, so the
+    server read a 12-byte body as 3 bytes and the rest as protocol, and closed the connection; and a
+    body of 4 x max_payload bytes passed the size check (its items fit), with the same end. Everything
+    else on that connection (every other request's chunks, every subscription) went with it."""
+    import array
+
+    from streamproc.core.errors import PublishRefused
+
+    problems: list[str] = []
+
+    async def disconnected_cb() -> None:
+        problems.append("disconnected")
+
+    nc = await streamproc.connect(nats_url, disconnected_cb=disconnected_cb)
+    try:
+        if durable:
+            await nc.jetstream().add_stream(name="CHUNKS_WIDE", subjects=["streamproc.chunks.>"])
+        got: list[bytes] = []
+
+        async def received(msg: Msg) -> None:
+            got.append(msg.data)
+
+        await nc.subscribe(SUBJECTS.chunk("wide", "agg"), cb=received)
+        await nc.flush()
+        publisher = ChunkPublisher(nc, durable=durable, timeout=1, retries=0)
+        wide = array.array("i", [1, 2, 3])
+        await publisher.publish("wide", "agg", 0, memoryview(wide))
+        with pytest.raises(PublishRefused, match="max_payload") as info:
+            await publisher.publish("wide", "agg", 1, memoryview(array.array("i", bytes(nc.max_payload))))
+        assert not info.value.retryable
+        with pytest.raises(TypeError, match="bytes"):
+            await publisher.publish("wide", "agg", 1, "text, not bytes")  # type: ignore[arg-type]
+        await publisher.publish("wide", "agg", 1, bytearray(b"after"), final=True)
+        await nc.flush(2)
+        await anyio.sleep(0.3)
+        assert problems == [] and nc.is_connected
+        assert got == [wide.tobytes(), b"after"]
+    finally:
+        await nc.close()

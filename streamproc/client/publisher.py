@@ -66,8 +66,15 @@ class ChunkPublisher:
 
         Durable: returns once the chunk stream stored it; raises ``PublishRefused`` otherwise. In
         both modes a chunk whose body and headers together exceed the server's ``max_payload``
-        raises ``PublishRefused`` (``retryable=False``) before anything is sent."""
+        raises ``PublishRefused`` (``retryable=False``) before anything is sent. ``body`` is
+        ``bytes`` (or a bytes-like object, published as the bytes it holds)."""
         check_request_id(request_id)
+        if not isinstance(body, (bytes, bytearray)):
+            if isinstance(body, str):
+                raise TypeError("a chunk body is bytes (the engine's JSON as it wrote it, encoded), not str")
+            # len() of a memoryview counts items, and the size in the PUB line is len(): 4-byte items
+            # made the server read the rest of the body as protocol and close the connection
+            body = memoryview(body).tobytes()
         for name, value in (("seq", seq), ("attempt", attempt)):
             # bool is an int; 1.5 or 10**18 would put a header on the wire the processor refuses
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEQ:
