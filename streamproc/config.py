@@ -765,7 +765,8 @@ class TokenSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     rid: Annotated[tuple[str, ...], documented("a request id the token grants (repeatable)")] = ()
     rid_prefix: Annotated[str, documented("grant every request id starting with this prefix")] = ""
     operator: Annotated[bool, documented("grant every request, /v1/recent and the live page")] = False
-    ttl: Annotated[float, documented("seconds until the token expires", gt=0, le=366 * 86_400)] = 600.0
+    ttl: Annotated[float, documented("seconds until the token expires", gt=0,
+                                    le=defaults.MAX_CAPABILITY_TTL)] = defaults.CAPABILITY_TTL
     subject: Annotated[str, documented("the client the edge counts streams for (sub); empty: a fresh id per "
                                        "token")] = ""
 

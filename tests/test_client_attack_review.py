@@ -456,3 +456,17 @@ async def test_a_body_of_wide_items_is_published_as_its_bytes_and_the_connection
         assert got == [wide.tobytes(), b"after"]
     finally:
         await nc.close()
+
+
+# ----------------------------------------------------------------- mint_capability
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 1e300, 366 * 86_400 + 1, 0, -5])
+def test_mint_capability_refuses_a_ttl_that_is_not_a_positive_bounded_number(ttl):
+    """``streamproc token --ttl`` takes 0 < ttl <= 366 days; ``mint_capability``, the serving layer's
+    call, checked ``ttl <= 0`` alone: NaN raised ``cannot convert float NaN to integer`` from
+    ``round()``, inf an ``OverflowError``, and 1e300 minted a capability that never expires."""
+    from streamproc import mint_capability
+
+    with pytest.raises(ValueError, match=r"ttl must be more than 0 and at most 3\.16224e\+07 seconds"):
+        mint_capability(b"k" * 32, rids=["req-1"], ttl=ttl)
+    assert mint_capability(b"k" * 32, rids=["req-1"], ttl=366 * 86_400)  # the longest still minted

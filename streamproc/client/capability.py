@@ -17,7 +17,7 @@ from typing import Iterable
 
 import jwt
 
-from ..core.defaults import CAPABILITY_TTL, EDGE_AUDIENCE, OPERATOR_SCOPE
+from ..core.defaults import CAPABILITY_TTL, EDGE_AUDIENCE, MAX_CAPABILITY_TTL, OPERATOR_SCOPE
 from ..core.wire import REQUEST_ID_RULE, check_request_id, valid_request_id
 
 
@@ -47,8 +47,8 @@ def mint_capability(
         raise ValueError(f"invalid rid_prefix {rid_prefix!r}: a request id is {REQUEST_ID_RULE}")
     if not (rids or rid_prefix or operator):
         raise ValueError("a capability must name request ids, a rid_prefix, or be an operator's")
-    if ttl <= 0:
-        raise ValueError("ttl must be positive")
+    if not 0 < ttl <= MAX_CAPABILITY_TTL:  # NaN too (it raised from round(), inf from int(); 1e300 never expired)
+        raise ValueError(f"ttl must be more than 0 and at most {MAX_CAPABILITY_TTL:g} seconds (366 days), got {ttl!r}")
     issued = int(time.time() if now is None else now)
     claims: dict[str, object] = {
         "aud": EDGE_AUDIENCE,

@@ -110,3 +110,4 @@ MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before t
 EDGE_AUDIENCE = "streamproc-edge"  # the JWT ``aud`` the edge requires
 OPERATOR_SCOPE = "operator"  # ``scope`` of a capability for every request, /v1/recent and the page
 CAPABILITY_TTL = 600.0  # seconds a minted capability lives by default
+MAX_CAPABILITY_TTL = 366 * 86_400.0  # the longest a capability may live (mint_capability, streamproc token --ttl)
