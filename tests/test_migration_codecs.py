@@ -626,3 +626,32 @@ def test_sglang_capped_cached_tokens_details_split_over_tiers_are_omitted_not_gu
     assert meta["cached_tokens"] == 3
     assert "cached_tokens_details" not in meta
     assert meta["cached_tokens_details_unavailable_reason"] == "length_mismatch"
+
+
+# ------------------------------------------------------------- timings of a resumed attempt
+
+def test_vllm_0340_created_of_a_resumed_unary_answer_is_omitted_not_the_resumed_workers_clock():
+    """vLLM 0.34.0 ``serve_tokens_full_generator``: ``created_time = int(time.time())`` as the answering
+    worker starts, returned as ``GenerateResponseBase.created`` (``_build_response_fields``). A unary
+    request is migrated with nothing emitted (a P/D prefill leg reached the processor, its decode was
+    lost): the resumed worker's ``created`` is later than the request's. Passed on, the client read it
+    as the request's creation time. ``metrics`` holds no timing on this endpoint
+    (``PerRequestMetrics(speculative_decoding=...)`` only): with nothing emitted it stays."""
+    from streamproc_vllm import upstream
+    from streamproc_vllm.upstream import Shape
+
+    truth = make_truth(18, prompt_len=4, output_len=5)
+    shape = Shape(version="0.34.0", num_spec_tokens=2)
+    unary = upstream.agg(truth, shape, stream_=False)[0]
+    assert loads(unary)["created"] is not None
+    session, _ = sealed_session(Catalog()("vllm"), [])
+    body, verdict = session.stitch(unary, True)
+    doc, expected = loads(body), loads(unary)
+    assert verdict is Verdict.OMITTED
+    assert doc["created"] is None and doc["created_unavailable_reason"] == "stitch_incomplete"
+    assert doc["metrics"] == expected["metrics"]
+    del doc["created_unavailable_reason"]
+    assert doc == {**expected, "created": None}
+    # A stream has no timing to omit: its chunks pass as before.
+    for chunk in upstream.agg(truth, shape, stream_=True):
+        assert "created" not in loads(chunk)

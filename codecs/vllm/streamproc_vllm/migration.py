@@ -28,6 +28,8 @@ field                            stitched value
                                  emitted before the seal (``ATTEMPT_FIELDS``: values over the
                                  finishing attempt's own work; the lost attempt never published its
                                  share: weight spans from its token 0, speculative-decoding counters)
+``created``                      ``None`` with ``created_unavailable_reason: stitch_incomplete`` on
+                                 every resumed body (``TIMING_FIELDS``): the answering worker's clock
 ===============================  ================================================================
 
 P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
@@ -50,7 +52,7 @@ from streamproc.codec import check_resumed_prompt, check_sampling_params, restat
 from streamproc.wire import Verdict
 
 from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
-from .native import CACHED_TOKENS, METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
+from .native import CACHED_TOKENS, CREATED, METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -69,6 +71,12 @@ STATE_PROMPT_TOKENS = "prompt_tokens"
 # ``None`` with ``<field>_unavailable_reason: stitch_incomplete``.
 ATTEMPT_FIELDS = (METRICS,)
 ATTEMPT_CHOICE_FIELDS = (WEIGHT_VERSIONS,)
+# Timings, read from the answering worker's clock (0.34.0 /inference/v1/generate: ``created``; the
+# ``PerRequestMetrics`` timings stay ``None`` there, ``build_per_request_timing_metrics`` being called by
+# the chat-completions server only). The request's clock started on the lost worker, so a resumed
+# attempt's value is not the request's even with nothing emitted before the seal: ``None`` with
+# ``<field>_unavailable_reason: stitch_incomplete`` on every stitched body.
+TIMING_FIELDS = (CREATED,)
 
 
 class _Base(msgspec.Struct):
@@ -157,16 +165,17 @@ class VLLMMigrationSession(MigrationSession):
             obj[PROMPT_LOGPROBS] = obj[PROMPT_LOGPROBS][:max(0, len(obj[PROMPT_LOGPROBS]) - k)]
             changed = True
         choices = obj.get("choices")
+        targets = [(obj, TIMING_FIELDS)]
         if k:
-            targets = [(obj, ATTEMPT_FIELDS)]
+            targets += [(obj, ATTEMPT_FIELDS)]
             targets += [(c, ATTEMPT_CHOICE_FIELDS) for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
-            for target, fields in targets:
-                for field in fields:
-                    if target.get(field) is not None:
-                        target[field] = None
-                        target[unavailable_key(field)] = Omit.STITCH_INCOMPLETE.value
-                        verdict = Verdict.OMITTED
-                        changed = True
+        for target, fields in targets:
+            for field in fields:
+                if target.get(field) is not None:
+                    target[field] = None
+                    target[unavailable_key(field)] = Omit.STITCH_INCOMPLETE.value
+                    verdict = Verdict.OMITTED
+                    changed = True
         if base.rows is not None and isinstance(choices, list):
             for choice in choices:
                 if isinstance(choice, dict) and choice.get(ROUTED_EXPERTS) is not None:

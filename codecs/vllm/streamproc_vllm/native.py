@@ -44,6 +44,9 @@ WEIGHT_VERSIONS = "weight_versions"
 # engine ``Request``'s own ``RequestSpecDecodeMetrics`` (``observe`` per verify step), and the timing
 # fields the other endpoints fill; all of them the finishing attempt's.
 METRICS = "metrics"
+# 0.34.0 ``GenerateResponseBase.created`` (the unary body only): ``created_time = int(time.time())`` as
+# ``serve_tokens_full_generator`` starts, on the worker that answers.
+CREATED = "created"
 # ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``): ``{"cached_tokens": n}``, the
 # engine's ``num_cached_tokens``, which on a P/D decode leg counts the prompt KV its connector loaded.
 PROMPT_TOKENS_DETAILS = "prompt_tokens_details"
