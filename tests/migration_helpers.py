@@ -5,6 +5,7 @@ and the check that a client's stream equals the uninterrupted run."""
 from __future__ import annotations
 
 from streamproc.catalog import codec_names, worker_for
+from streamproc.codec import UNAVAILABLE_SUFFIX, OmissionReason
 from streamproc.client.migration import Resumed
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultInfo
@@ -53,6 +54,29 @@ class SimulatedPool:
         assert resumed.emitted_tokens == emitted_in(self.truth, resumed.body)
         for role, bodies in self.legs(resumed.emitted_tokens):
             await self.publish(role, bodies, resumed.attempt)
+
+
+# SGLang 0.5.23's timing keys (``TokenizerManager._handle_batch_output``), written here from upstream,
+# not read from the codec: every body with --enable-metrics (``SchedulerReqTimeStats.
+# convert_to_output_meta_info``), the finished one (``e2e_latency`` always; with --enable-metrics
+# ``APIServerReqTimeStats.convert_to_output_meta_info``), the first sent (``generate_request``).
+SGLANG_0523_TIMINGS = (
+    "storage_prefetch_wait", "storage_staging_wait", "forward_entry_time", "prefill_finished_time", "queue_time",
+    "e2e_latency", "request_received_ts", "first_token_latency", "api_server_dispatch_finish_ts",
+    "response_sent_to_client_ts", "request_finished_ts", "decode_throughput",
+)
+
+
+def without_timings(doc: object) -> object:
+    """A parsed SGLang body without its timings (``SGLANG_0523_TIMINGS``): their values, or the
+    ``stitch_incomplete`` markers a resumed attempt's bodies carry instead (pinned in
+    ``test_migration_codecs.py``), so the rest of a stitched stream compares with the uninterrupted run."""
+    meta = doc.get("meta_info") if isinstance(doc, dict) else None
+    if isinstance(meta, dict):
+        for key in SGLANG_0523_TIMINGS:
+            meta.pop(key, None)
+            assert meta.pop(key + UNAVAILABLE_SUFFIX, OmissionReason.STITCH_INCOMPLETE) == OmissionReason.STITCH_INCOMPLETE
+    return doc
 
 
 def assert_uninterrupted(fmt: str, truth: Truth, results: list[ResultInfo]) -> None:

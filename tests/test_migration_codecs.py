@@ -19,6 +19,8 @@ from streamproc.codec import Emitted, MigrationRefused
 from streamproc.simulation import make_truth
 from streamproc.wire import Verdict
 
+from migration_helpers import SGLANG_0523_TIMINGS, without_timings
+
 SGLANG_FORMATS = [name for name in ("sglang", "sglang-zstd") if name in codec_names()]
 
 
@@ -470,7 +472,7 @@ def test_sglang_0523_a_migrated_streams_cached_tokens_stay_those_the_client_was_
     for body in (uninterrupted[-1], migrated[-1]):  # spans the lost attempt never published: omitted
         meta = body["meta_info"]
         meta.pop("weight_versions", None), meta.pop("weight_versions_unavailable_reason", None)
-    assert migrated == uninterrupted
+    assert [without_timings(doc) for doc in migrated] == [without_timings(doc) for doc in uninterrupted]
     assert {(m["meta_info"]["cached_tokens"], str(m["meta_info"]["cached_tokens_details"])) for m in migrated} == \
         {(4, str({"device": 4, "host": 0}))}
 
@@ -534,10 +536,13 @@ def test_sglang_0523_speculative_decoding_stats_of_a_migrated_request_are_omitte
         meta = body["meta_info"]
         for key in ("weight_versions", *spec):
             meta.pop(key, None), meta.pop(key + "_unavailable_reason", None)
-    assert migrated == uninterrupted
-    # Migrated before any token: the resumed attempt ran every verify step of the request.
+    assert [without_timings(doc) for doc in migrated] == [without_timings(doc) for doc in uninterrupted]
+    # Migrated before any token: the resumed attempt ran every verify step of the request, so its
+    # counters pass unchanged (its timings are still its own: omitted whatever k).
     session, _ = sealed_session(Catalog()("sglang"), [])
-    assert session.stitch(upstream_final(truth, shape), True) is None
+    body, _ = session.stitch(upstream_final(truth, shape), True)
+    assert all(key in loads(body)["meta_info"] for key in spec)
+    assert without_timings(loads(body)) == without_timings(loads(upstream_final(truth, shape)))
 
 
 def upstream_final(truth, shape) -> bytes:
@@ -629,6 +634,65 @@ def test_sglang_capped_cached_tokens_details_split_over_tiers_are_omitted_not_gu
 
 
 # ------------------------------------------------------------- timings of a resumed attempt
+
+@pytest.mark.parametrize("streaming, before", [("incremental", 1), ("incremental", 2), ("cumulative", 2)])
+def test_sglang_0523_timings_of_a_migrated_request_are_omitted_not_the_resumed_attempts(streaming, before):
+    """SGLang 0.5.23 times a request from its own worker's receipt (``APIServerReqTimeStats.created_time``):
+    ``e2e_latency`` (``get_e2e_latency``) on every finished body, and with --enable-metrics the
+    scheduler's ``queue_time`` / ``forward_entry_time`` / ``prefill_finished_time`` / storage waits on
+    every body and ``request_received_ts``, ``first_token_latency``, ``decode_throughput`` ... on the
+    finished one; ``response_sent_to_client_ts`` on the first body sent. The resumed attempt's worker
+    received it later and ran its own queue and prefill: passed on, the client read the resumed
+    attempt's clock as the request's (a shorter e2e_latency, a later receipt, a second "first response
+    sent" mid-stream). Each is omitted on every stitched body; everything else is the run's."""
+    from msgspec.structs import replace
+
+    from streamproc_sglang import upstream
+    from streamproc_sglang.upstream import Shape
+
+    truth = make_truth(16, prompt_len=5, output_len=12, chunk_sizes=[3, 4, 5])
+    shape = Shape(version="0.5.23", streaming=streaming, metrics=True)
+    uninterrupted = upstream.agg(truth, shape, stream=True)
+    assert set(SGLANG_0523_TIMINGS) <= set(loads(uninterrupted[-1])["meta_info"])  # the shape renders each
+    k = truth.chunk_spans()[before - 1][1]
+    session, _ = sealed_session(Catalog()("sglang"), uninterrupted[:before])
+    resumed = upstream.agg(truth.resumed(k), replace(shape), stream=True)
+    migrated = []
+    for index, body in enumerate(resumed):
+        out = session.stitch(body, index == len(resumed) - 1)
+        assert out is not None and out[1] is Verdict.OMITTED
+        meta, own = loads(out[0])["meta_info"], loads(body)["meta_info"]
+        timed = [key for key in SGLANG_0523_TIMINGS if key in own]
+        assert timed and not any(key in meta for key in SGLANG_0523_TIMINGS)
+        assert {key: meta.get(key + "_unavailable_reason") for key in timed} == dict.fromkeys(timed, "stitch_incomplete")
+        migrated.append(loads(out[0]))
+    assert len(timed) == len(SGLANG_0523_TIMINGS)  # the finished body: every one
+    expected = [loads(body) for body in uninterrupted]
+    for body in (expected[-1], migrated[-1]):  # spans the lost attempt never published: omitted alike
+        body["meta_info"].pop("weight_versions", None), body["meta_info"].pop("weight_versions_unavailable_reason", None)
+    assert [without_timings(doc) for doc in [loads(b) for b in uninterrupted[:before]] + migrated] == \
+        [without_timings(doc) for doc in expected]
+
+
+def test_sglang_0523_timings_are_omitted_when_migrated_before_any_token_too():
+    """With nothing emitted before the seal the resumed attempt produced every token, so its counts
+    and spans are the request's (kept), but not its clock: the request was received, queued and
+    maybe prefilled by the lost worker first."""
+    from streamproc_sglang.upstream import Shape
+
+    truth = make_truth(17, prompt_len=4, output_len=6, chunk_sizes=[6])
+    shape = Shape(version="0.5.23", metrics=True, spec_draft_tokens=2)
+    final = upstream_final(truth, shape)
+    session, _ = sealed_session(Catalog()("sglang"), [])
+    body, verdict = session.stitch(final, True)
+    meta = loads(body)["meta_info"]
+    assert verdict is Verdict.OMITTED
+    assert {key: meta.get(key + "_unavailable_reason") for key in SGLANG_0523_TIMINGS} == \
+        dict.fromkeys(SGLANG_0523_TIMINGS, "stitch_incomplete")
+    assert not any(key in meta for key in SGLANG_0523_TIMINGS)
+    assert meta["weight_versions"] == loads(final)["meta_info"]["weight_versions"]
+    assert without_timings(loads(body)) == without_timings(loads(final))
+
 
 def test_vllm_0340_created_of_a_resumed_unary_answer_is_omitted_not_the_resumed_workers_clock():
     """vLLM 0.34.0 ``serve_tokens_full_generator``: ``created_time = int(time.time())`` as the answering

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from helpers import drive_join as join
+from migration_helpers import SGLANG_0523_TIMINGS, without_timings
 
 from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
 from streamproc.config import ConfigError, load
@@ -165,9 +166,29 @@ def test_sglang_resumed_cumulative_or_incremental_stream_reads_as_one_request(st
     bodies = [body if out is None else out[0] for body, out in zip(resumed, stitched)]
     for got, want in zip(bodies, expected[2:]):
         got_doc, want_doc = msgspec.json.decode(got), msgspec.json.decode(want)
-        # The resumed attempt's e2e_latency and weight bookkeeping are its own; the content is the run's.
-        got_doc["meta_info"].pop("e2e_latency", None), want_doc["meta_info"].pop("e2e_latency", None)
-        assert got_doc == want_doc
+        # The resumed attempt's timings are its own (omitted); the content is the run's.
+        assert without_timings(got_doc) == without_timings(want_doc)
+
+
+def test_sglang_0523_pd_join_passes_decodes_own_timings_through():
+    """A P/D request ran on no aggregated engine, so its timings have no aggregated value to equal:
+    decode's are measured on the worker that answers, from its own receipt of the request (sent to
+    both legs at once) to the end, the wait for prefill and the KV transfer included. They are passed
+    through unchanged and unmarked (docs/codecs.md, "Timings"); decode never sets
+    ``prefill_finished_time`` (its prebuilt batch sets ``decode_prebuilt_finish_time``), so its
+    bodies lack what an aggregated engine's carry."""
+    truth = make_truth(20, prompt_len=5, output_len=6, chunk_sizes=[2, 4])
+    shape = sgl.Shape(version="0.5.23", metrics=True)
+    decode = sgl.decode(truth, shape, stream=True)
+    joined = join(SGLANG, decode, sgl.prefill(truth, shape))
+    assert Verdict.OMITTED not in {verdict for _, verdict in joined}
+    for (body, _), own in zip(joined, decode):
+        got, theirs = meta(body), meta(own)
+        timed = [key for key in SGLANG_0523_TIMINGS if key in theirs]
+        assert timed and {key: got.get(key) for key in timed} == {key: theirs[key] for key in timed}
+        assert not any(key + "_unavailable_reason" in got for key in SGLANG_0523_TIMINGS)
+    assert "prefill_finished_time" not in meta(joined[-1][0])
+    assert "prefill_finished_time" in meta(sgl.agg(truth, shape, stream=True)[-1])
 
 
 def test_sglang_empty_prefill_logprob_window_is_a_complete_answer():
@@ -395,17 +416,12 @@ def _resume_after(codec, truth, shape, published: int) -> list[dict]:
     out = []
     for i, body in enumerate(resumed):
         stitched = session.stitch(body, i == len(resumed) - 1)
-        doc = msgspec.json.decode(body if stitched is None else stitched[0])
-        doc["meta_info"].pop("e2e_latency", None)
-        out.append(doc)
+        out.append(without_timings(msgspec.json.decode(body if stitched is None else stitched[0])))
     return out
 
 
 def _docs(bodies: list[bytes]) -> list[dict]:
-    docs = [msgspec.json.decode(b) for b in bodies]
-    for doc in docs:
-        doc["meta_info"].pop("e2e_latency", None)
-    return docs
+    return [without_timings(msgspec.json.decode(b)) for b in bodies]
 
 
 def test_sglang_migration_after_the_first_chunk_follows_the_streaming_option():

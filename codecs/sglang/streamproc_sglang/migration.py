@@ -35,6 +35,8 @@ field                              stitched value
 ``weight_versions``, ``spec_*``    omitted (``stitch_incomplete``) when tokens were emitted before the
                                    seal (``ATTEMPT_FIELDS``): finished-body values over the finishing
                                    attempt's own work, and the lost attempt never published its share
+``e2e_latency``, the metrics       omitted (``stitch_incomplete``) on every resumed body, also with
+timings (``TIMING_FIELDS``)        nothing emitted: measured from the attempt's own receipt
 ``routed_experts``                 the attempt's array covers every position (its prompt is the
                                    original prompt plus the emitted tokens); rows an earlier
                                    attempt already published replace its leading rows
@@ -112,6 +114,25 @@ SPEC_PREFIX = "spec_"
 # emitted before the seal no exact whole-request value exists, so each is omitted (stitch_incomplete).
 ATTEMPT_FIELDS = (WEIGHT_VERSIONS,)
 ATTEMPT_PREFIXES = (SPEC_PREFIX,)
+# Timings, measured by the attempt's own worker from its own receipt of the request (0.5.23, all in
+# ``TokenizerManager._handle_batch_output`` unless said):
+# - finished bodies: ``e2e_latency`` (always: ``state.time_stats.get_e2e_latency()``) and, with
+#   ``--enable-metrics``, ``APIServerReqTimeStats.convert_to_output_meta_info``: ``request_received_ts``,
+#   ``first_token_latency``, ``api_server_dispatch_finish_ts``, ``response_sent_to_client_ts``,
+#   ``request_finished_ts``, ``decode_throughput``;
+# - the first body sent (``generate_request``, always): ``response_sent_to_client_ts``;
+# - every body, with ``--enable-metrics`` (``SchedulerReqTimeStats.convert_to_output_meta_info``):
+#   ``queue_time``, ``forward_entry_time``, ``prefill_finished_time``, ``storage_prefetch_wait``,
+#   ``storage_staging_wait``.
+# The request's clock started on the lost worker, whose share was never published, and the resumed
+# attempt's queueing, prefill and decode rate are of another run: no body of a resumed attempt has
+# the request's value, even with nothing emitted before the seal, so each is omitted
+# (stitch_incomplete) on every stitched body, never restated from what the client saw.
+TIMING_FIELDS = (
+    "e2e_latency", "request_received_ts", "first_token_latency", "api_server_dispatch_finish_ts",
+    "response_sent_to_client_ts", "request_finished_ts", "decode_throughput",
+    "queue_time", "forward_entry_time", "prefill_finished_time", "storage_prefetch_wait", "storage_staging_wait",
+)
 # Every streamed chunk's meta_info (``TokenizerManager._handle_batch_output``: ``"cached_tokens":
 # recv_obj.cached_tokens[i]``, then ``cached_tokens_details``), from ``req.cached_tokens``, which
 # ``ScheduleBatch.prepare_for_extend`` counts once ("Only calculate cached_tokens once") with its tier
@@ -270,7 +291,7 @@ class SGLangMigrationSession(MigrationSession):
             if _is_count(meta.get(field)):
                 meta[field] += k
         verdict = Verdict.STITCHED
-        incomplete = [key for key, value in meta.items() if k and value is not None and _attempt_scoped(key)]
+        incomplete = [key for key, value in meta.items() if value is not None and _attempt_scoped(key, k)]
         if _is_count(meta.get(REASONING_TOKENS)):
             if base.reasoning is not None:
                 meta[REASONING_TOKENS] += base.reasoning
@@ -410,8 +431,12 @@ def _capped_details(details: dict[str, Any], cap: int) -> dict[str, Any] | None:
     return {**details, hit[0]: cap}
 
 
-def _attempt_scoped(key: str) -> bool:
-    return (key in ATTEMPT_FIELDS or key.startswith(ATTEMPT_PREFIXES)) and not key.endswith(UNAVAILABLE_SUFFIX)
+def _attempt_scoped(key: str, emitted: int) -> bool:
+    """A resumed attempt's value that is not the request's: a timing always, a value over the output
+    tokens once tokens were emitted before the seal."""
+    if key.endswith(UNAVAILABLE_SUFFIX):
+        return False
+    return key in TIMING_FIELDS or (emitted > 0 and (key in ATTEMPT_FIELDS or key.startswith(ATTEMPT_PREFIXES)))
 
 
 def _mark(meta: dict[str, Any], fields: Sequence[str], reason: str) -> None:

@@ -67,12 +67,17 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     # its finished bodies (aggregated and P/D decode) carry the request's ``spec_*`` counters
     # (``TokenizerManager._calculate_spec_decoding_metrics``, see ``_spec_metrics``).
     spec_draft_tokens: int = 0
+    # 0.5.23 only. ``ServerArgs.enable_metrics`` (``--enable-metrics``): the scheduler's time stats on
+    # every body and the tokenizer's request timings on the finished one (see ``_scheduler_timings``,
+    # ``_request_timings``). ``e2e_latency`` and the first body's ``response_sent_to_client_ts`` come
+    # without it.
+    metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.version != V0523 and (self.top_logprobs != "none" or self.token_ids_logprob or self.hidden_states
-                                      or self.spec_draft_tokens):
-            raise ValueError("top_logprobs, token_ids_logprob, hidden_states and spec_draft_tokens are modelled "
-                             "for version 0.5.23 only")
+                                      or self.spec_draft_tokens or self.metrics):
+            raise ValueError("top_logprobs, token_ids_logprob, hidden_states, spec_draft_tokens and metrics are "
+                             "modelled for version 0.5.23 only")
 
 
 V0523 = "0.5.23"
@@ -190,6 +195,50 @@ def _spec_metrics(completion: int, draft_tokens: int) -> dict[str, Any]:
             "spec_correct_drafts_histogram": histogram}
 
 
+# The rendered worker's clock (``convert_time_to_realtime``: perf_counter + a per-process offset), at the
+# request's receipt; every timing below is a deterministic function of the truth after it.
+RECEIVED_TS = 1_765_000_000.0
+STEP = 0.001  # seconds a forward pass takes, prefill or decode step alike
+
+
+def _scheduler_timings(truth: Truth, leg: str) -> dict[str, Any]:
+    """0.5.23 ``SchedulerReqTimeStats.convert_to_output_meta_info`` (``--enable-metrics``; on every body,
+    ``_handle_batch_output`` updates ``meta_info`` with it right after ``num_retractions``):
+    ``storage_prefetch_wait`` / ``storage_staging_wait`` (``0.0`` from ``set_wait_queue_entry_time``,
+    not on a P/D decode), ``forward_entry_time``, ``prefill_finished_time`` (a P/D decode never sets it:
+    its prebuilt batch sets ``decode_prebuilt_finish_time``), ``queue_time`` (``queue_duration_s``)."""
+    timings: dict[str, Any] = {}
+    if leg != "decode":
+        timings.update(storage_prefetch_wait=0.0, storage_staging_wait=0.0)
+    # A decode enters its first forward once prefill and the KV transfer are done.
+    timings["forward_entry_time"] = RECEIVED_TS + 2 * STEP + (STEP * truth.prompt_len if leg == "decode" else 0.0)
+    if leg != "decode":
+        timings["prefill_finished_time"] = RECEIVED_TS + 2 * STEP + STEP * truth.prompt_len
+    timings["queue_time"] = STEP
+    return timings
+
+
+def _request_timings(truth: Truth, completion: int, *, sent: bool) -> dict[str, Any]:
+    """0.5.23 ``APIServerReqTimeStats.convert_to_output_meta_info`` (``--enable-metrics``, finished body,
+    after ``e2e_latency`` and the ``spec_*`` counters): ``request_received_ts``, ``first_token_latency``,
+    ``api_server_dispatch_finish_ts``, ``response_sent_to_client_ts`` (only once a body was sent:
+    ``generate_request`` sets it on the first), ``request_finished_ts``, ``decode_throughput``
+    (``1 / get_time_per_output_token``, more than one token)."""
+    first_token = STEP * (2 + truth.prompt_len)
+    timings: dict[str, Any] = {"request_received_ts": RECEIVED_TS, "first_token_latency": first_token,
+                               "api_server_dispatch_finish_ts": RECEIVED_TS + STEP / 2}
+    if sent:
+        timings["response_sent_to_client_ts"] = RECEIVED_TS + first_token
+    timings["request_finished_ts"] = RECEIVED_TS + _e2e_latency(truth)
+    if completion > 1:
+        timings["decode_throughput"] = (completion - 1) / (_e2e_latency(truth) - first_token)
+    return timings
+
+
+def _e2e_latency(truth: Truth) -> float:
+    return round(STEP * (truth.prompt_len + truth.output_len), 6)
+
+
 def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, int]], input_logprobs: list,
             first_logprob_known: bool, experts: object, finish: dict[str, Any], completion_offset: int = 0,
             prompt_tokens: int | None = None, leg: Literal["agg", "prefill", "decode"] = "agg") -> list[bytes]:
@@ -223,6 +272,8 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
             # 0.5.23: recv_obj.retraction_counts[i] under its new name
             "num_retractions" if new else "total_retractions": 0,
         }
+        if shape.metrics:
+            meta.update(_scheduler_timings(truth, leg))
         if truth.return_logprob:
             meta[native.INPUT_TOKEN_LOGPROBS] = input_logprobs
             meta[native.OUTPUT_TOKEN_LOGPROBS] = [
@@ -272,9 +323,15 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
             if shape.echo_start_len:
                 meta[native.ROUTED_EXPERTS_START_LEN] = shape.start_len
         if last:
-            meta["e2e_latency"] = round(0.001 * (truth.prompt_len + truth.output_len), 6)
+            meta["e2e_latency"] = _e2e_latency(truth)
             if shape.spec_draft_tokens and leg != "prefill":  # prefill runs no verify step
                 meta.update(_spec_metrics(completion, shape.spec_draft_tokens))
+            if shape.metrics:
+                meta.update(_request_timings(truth, completion, sent=index > 0))
+        if new and index == 0:
+            # 0.5.23 ``generate_request``: the first body sent (streamed, or the finished one) gets
+            # ``response_sent_to_client_ts`` last, without --enable-metrics too.
+            meta["response_sent_to_client_ts"] = RECEIVED_TS + STEP * (2 + truth.prompt_len)
         ids = truth.output_ids[lo:end]
         text = "".join(truth.token_text(t) for t in ids)
         doc = {native.TEXT: text, native.OUTPUT_IDS: ids, native.META: meta}
