@@ -440,6 +440,78 @@ async def test_a_signed_exp_past_a_floats_range_is_a_token_that_never_expires_no
         assert_refusal(await get(auth_edge, path, headers=bearer(forever)), 403, "forbidden")
 
 
+def signed_json(**claims: str) -> str:
+    """A capability whose claims are these JSON texts (``Infinity``, ``NaN``, ``1e400``: JSON Python's
+    json reads, as PyJWT's ``json.loads`` does), by default for ``x`` and a minute, signed with the
+    edge's secret."""
+    texts = {"aud": '"streamproc-edge"', "rids": '["x"]', "exp": str(int(time.time()) + 60), **claims}
+    payload = "{" + ", ".join(f'"{name}": {text}' for name, text in texts.items()) + "}"
+    return jwt.api_jws.encode(payload.encode(), SECRET, algorithm="HS256")
+
+
+# JSON values of a time claim that are no number of seconds, each refused naming the claim.
+UNREADABLE_TIMES = ["Infinity", "-Infinity", "NaN", "1e400", "-1e400", '"soon"', "[1]", "{}", "null", '"1e400"',
+                    '"' + "9" * 5000 + '"']  # past int()'s 4,300 digits
+
+
+def accepted_times(now: int) -> list[dict[str, str]]:
+    """Time claims a token may carry: huge, negative, fractional numbers are times like any other."""
+    return [{"nbf": "-1", "iat": "-1"}, {"nbf": f"-{10 ** 400}"}, {"exp": f"{10 ** 400}", "iat": f"{now}"},
+            {"exp": f"{now + 60}.75", "nbf": f"{now}.5"}]
+
+
+async def test_time_claims_that_are_no_finite_number_are_401_with_the_claim_named_never_a_500(auth_edge):
+    """A signed ``"exp": Infinity`` (or ``1e400``, which json reads as inf) made PyJWT 2.8 to 2.10's
+    ``int(payload["exp"])`` raise OverflowError, which they do not catch: a 500 and a traceback (seen
+    with 2.8.0 under this edge; ``nbf``/``iat`` alike, and TypeError for a list or ``null``). The
+    installed PyJWT says only ``invalid token: DecodeError``. Each is a 401 naming the claim."""
+    now = int(time.time())
+    path = f"/v1/results/{rid('times')}"
+    for name in ("exp", "nbf", "iat"):
+        for value in UNREADABLE_TIMES:
+            message = assert_refusal(await get(auth_edge, path, headers=bearer(signed_json(**{name: value}))),
+                                     401, "unauthorized")
+            expected = ("the token has no 'exp' claim" if (name, value) == ("exp", "null") else
+                        f"the token's '{name}' claim is not a finite number of seconds (NumericDate)")
+            assert message == expected, (name, value)
+    for name, value in [("nbf", f"{10 ** 400}"), ("iat", f"{now + 120}"), ("nbf", "1e300")]:
+        message = assert_refusal(await get(auth_edge, path, headers=bearer(signed_json(**{name: value}))),
+                                 401, "unauthorized")
+        assert message == f"the token is not valid yet ('{name}' is in the future)"
+    for value in (f"{now - 60}", f"-{10 ** 400}", "-1e300"):
+        message = assert_refusal(await get(auth_edge, path, headers=bearer(signed_json(exp=value))), 401, "unauthorized")
+        assert message == "the token has expired"
+    for claims in accepted_times(now):
+        assert_refusal(await get(auth_edge, path, headers=bearer(signed_json(**claims))), 403, "forbidden")
+    assert "Traceback" not in auth_edge.log()
+
+
+def test_time_claims_are_checked_by_the_edge_also_under_pyjwt_2_8s_own_checks(monkeypatch):
+    """PyJWT 2.8.0, the floor pyproject allows (2.10.1 alike), reads each time claim as
+    ``int(payload[name])`` catching ValueError only: OverflowError (Infinity, 1e400) and TypeError
+    (a list, ``null`` for ``nbf``) left ``jwt.decode``, a 500 at the edge. Here its three validators do
+    what 2.8.0's did; the edge reads the claims itself and never reaches them."""
+    from jwt.api_jwt import PyJWT
+
+    def as_pyjwt_2_8(name):
+        def validate(self, payload, now, leeway):
+            try:
+                int(payload[name])
+            except ValueError:
+                raise jwt.DecodeError(f"{name} must be an integer") from None
+        return validate
+
+    for name in ("exp", "nbf", "iat"):
+        monkeypatch.setattr(PyJWT, f"_validate_{name}", as_pyjwt_2_8(name))
+    verifier = Verifier(SECRET, "HS256", leeway=30.0)
+    for name in ("exp", "nbf", "iat"):
+        for value in UNREADABLE_TIMES:
+            with pytest.raises(InvalidCapability, match=f"'{name}'"):
+                verifier.verify(signed_json(**{name: value}))
+    for claims in accepted_times(int(time.time())):
+        assert verifier.verify(signed_json(**claims)).rids == ("x",)
+
+
 async def test_huge_tokens_are_refused_unparsed_and_huge_heads_before_the_app(auth_edge):
     path = f"/v1/results/{rid('huge')}"
     huge = "a" * 8193

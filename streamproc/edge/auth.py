@@ -2,8 +2,8 @@
 
 The frontend that accepted a request mints its client a short-lived JWT
 (:func:`streamproc.client.capability.mint_capability`); the edge only verifies it with PyJWT
-(``jwt.decode``: signature, ``exp`` required, ``aud`` = :data:`AUDIENCE`, a small leeway) and
-reads three claims: ``rids`` (request ids), ``rid_prefix`` (a tenant's ids), ``scope: "operator"``
+(``jwt.decode``: signature, ``exp`` required, ``aud`` = :data:`AUDIENCE`), checks its time claims
+itself (:data:`TIME_CLAIMS`, a small leeway) and reads three claims: ``rids`` (request ids), ``rid_prefix`` (a tenant's ids), ``scope: "operator"``
 (every request, ``/v1/recent`` and the page's data). With an asymmetric algorithm the edge holds
 only the public key, so a compromised edge can read results but never mint a capability.
 
@@ -30,6 +30,11 @@ MAX_TOKEN_CHARS = 8192  # a JWT naming a few hundred ids; anything longer is not
 CACHED_TOKENS = 1024
 MAX_CACHED_TOKEN_CHARS = 2048
 RSA_MIN_BITS = 2048  # RFC 7518 section 3.3: "A key of size 2048 bits or larger MUST be used"
+# RFC 7519 NumericDate claims, read here, not by PyJWT: the versions pyproject allows (2.8 to 2.10's
+# ``_validate_exp`` / ``_validate_nbf`` / ``_validate_iat``) take ``int()`` of each and catch only
+# ValueError, so a signed ``Infinity`` or ``1e400`` (Python's json reads both as inf), a list or a
+# null let OverflowError or TypeError out of ``jwt.decode``: a 500 and a traceback per request.
+TIME_CLAIMS = ("exp", "nbf", "iat")
 
 
 class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -171,11 +176,9 @@ class Verifier:
             raise InvalidCapability(f"the token is longer than {MAX_TOKEN_CHARS} characters")
         try:
             claims = jwt.decode(
-                token, self.key, algorithms=[self.algorithm], audience=AUDIENCE, leeway=self.leeway,
-                options={"require": ["exp", "aud"]},
+                token, self.key, algorithms=[self.algorithm], audience=AUDIENCE,
+                options={"require": ["exp", "aud"], "verify_exp": False, "verify_nbf": False, "verify_iat": False},
             )
-        except jwt.ExpiredSignatureError:
-            raise InvalidCapability("the token has expired") from None
         except jwt.InvalidAudienceError:
             raise InvalidCapability(f"the token is not for {AUDIENCE!r} (aud)") from None
         except jwt.MissingRequiredClaimError as exc:
@@ -184,14 +187,36 @@ class Verifier:
             raise InvalidCapability(f"invalid token: {type(exc).__name__}") from None
         except RecursionError:  # a header nested ~1,000 deep, parsed before the signature check: PyJWT 2.8 let it out (2.15 catches it)
             raise InvalidCapability("invalid token: DecodeError") from None
+        exp = self._check_times(claims)
         try:
             capability = msgspec.convert(claims, Capability)
         except msgspec.ValidationError as exc:
             raise InvalidCapability(f"invalid capability claims: {exc}") from None
-        try:  # PyJWT took int(exp); an int past a float's range (a signed 10**400) was a 500
-            return capability, float(claims["exp"])
+        try:  # an int past a float's range (a signed 10**400) was a 500: a token that never expires
+            return capability, float(exp)
         except OverflowError:
             return capability, math.inf
+
+    def _check_times(self, claims: dict) -> int:
+        """``exp``, and ``nbf`` / ``iat`` when present, checked as PyJWT 2.15 checks them (``int()`` of
+        each, so ``"exp": "1796157694"`` is that time; expired once ``exp <= now - leeway``, not yet
+        valid while ``nbf`` or ``iat > now + leeway``), with every unreadable value a refusal. Returns
+        ``exp``."""
+        times = {}
+        for name in TIME_CLAIMS:
+            if name in claims:
+                try:
+                    times[name] = int(claims[name])
+                except (ValueError, TypeError, OverflowError):  # NaN, ±Infinity, "soon", [1], null, 10**5000 digits
+                    raise InvalidCapability(f"the token's {name!r} claim is not a finite number of seconds "
+                                            "(NumericDate)") from None
+        now = self._clock()
+        if times["exp"] <= now - self.leeway:
+            raise InvalidCapability("the token has expired")
+        for name in ("nbf", "iat"):
+            if name in times and times[name] > now + self.leeway:
+                raise InvalidCapability(f"the token is not valid yet ({name!r} is in the future)")
+        return times["exp"]
 
 
 def presented_token(authorization: list[str], access_token: list[str]) -> str | None:
