@@ -449,10 +449,14 @@ def test_streaming_option_and_format_option_syntax_are_validated():
 def test_vllm_migration_reads_emitted_tokens_from_upstream_stream_chunks():
     truth = make_truth(19, prompt_len=3, output_len=6, chunk_sizes=[2, 2, 2])
     bodies = vll.agg(truth, vll.Shape(include_usage=True), stream_=True)
-    for published, sent in [(1, 2), (3, 6), (4, 6)]:  # the usage-only chunk adds no token
+    for published, sent in [(1, 2), (2, 4)]:
         session = VLLM.open_migration()
         session.absorb(bodies[:published])
         assert session.seal().token_ids == truth.output_ids[:sent]
+    # The finishing chunk was sent (only the usage-only chunk, or nothing, follows): nothing to resume.
+    for published in (3, 4):
+        with pytest.raises(MigrationRefused, match="already finished"):
+            VLLM.open_migration().absorb(bodies[:published])
 
 
 _RSS_PROBE = r"""

@@ -23,6 +23,7 @@ from streamproc.wire import Verdict
 from .native import (
     CACHED_TOKENS,
     DECODE_SELF_SCORED_FIELDS,
+    FINISH_REASON,
     KV_TRANSFER_PARAMS,
     PROMPT_LOGPROBS,
     PROMPT_SIDE_FIELDS,
@@ -118,7 +119,7 @@ def duplicate_ids(rows: np.ndarray) -> bool:
 
 def _finishes(choice: dict) -> bool:
     """A choice's last chunk: vLLM puts ``routed_experts`` on it (a usage-only chunk may follow)."""
-    return choice.get("finish_reason") is not None
+    return choice.get(FINISH_REASON) is not None
 
 
 def _usage_details(obj: dict) -> bool:

@@ -34,8 +34,8 @@ field                            stitched value
 
 P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
 refuses: a body that is not a JSON object, a choice other than index 0 (``n > 1``), and
-non-integer ``token_ids``. Guided decoding (``structured_outputs``) and ``n > 1`` are refused from
-the request by :func:`check_request`.
+non-integer ``token_ids``, and a published ``finish_reason`` (only the usage chunk was lost). Guided
+decoding (``structured_outputs``) and ``n > 1`` are refused from the request by :func:`check_request`.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ import numpy as np
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession
 from streamproc.codec import OmissionReason as Omit
 from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
+from streamproc.core.errors import shown
 from streamproc.wire import Verdict
 
 from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
-from .native import CACHED_TOKENS, CREATED, METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
+from .native import CACHED_TOKENS, CREATED, FINISH_REASON, METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -116,6 +117,14 @@ class VLLMMigrationSession(MigrationSession):
                     raise MigrationRefused("a published choice has no integer token_ids, so the emitted "
                                            "tokens are unknown")
                 self._ids.extend(ids)
+                if choice.get(FINISH_REASON) is not None:
+                    # 0.34.0 ``serve_tokens_stream_generator``: the finishing output is a token chunk and
+                    # the usage chunk (``choices=[]``, after the engine's loop) follows it. A worker lost
+                    # between the two left nothing to generate: resumed, the request (``max_tokens`` - k
+                    # left) went on past the finish the client had read.
+                    raise MigrationRefused(f"the stream already finished (finish_reason {shown(str(choice[FINISH_REASON]))} "
+                                           "was sent): only what follows it, the usage chunk, was lost; a resumed "
+                                           "request would generate past the end")
                 if choice.get(ROUTED_EXPERTS) is not None:
                     self._rows = choice[ROUTED_EXPERTS]
                     self._rows_bytes = len(body)

@@ -1,0 +1,82 @@
+"""vLLM 0.34.0 migration against the uninterrupted engine, bodies and requests written by hand.
+
+Nothing here uses the simulator or ``streamproc_vllm.upstream``: every body is spelled out from the
+vLLM 0.34.0 wheel (``pip download --no-deps vllm==0.34.0``), ``vllm/entrypoints/scale_out/
+token_in_token_out/serving.py`` ``ServingTokens.serve_tokens_stream_generator`` (tokens mode): a token
+chunk ``{request_id, usage, output_mode, choices}`` per engine delta (``model_dump_json(exclude=...)``,
+nulls kept) and, with ``stream_options.include_usage``, a last ``choices: []`` chunk with the usage
+(``model_dump_json(exclude_none=True)``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import upstream_json as dumps
+
+from streamproc.catalog import Catalog
+from streamproc.client.migration import MigrationError, MigrationRefused, Migrator
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import follow
+from streamproc.wire import MigrateErrorCode
+
+RID = "generate-tokens-m1"
+PROMPT = [300, 301, 302, 303]
+
+
+def token_chunk(ids: list[int], finish: str | None = None, stop_reason: int | str | None = None) -> bytes:
+    """``GenerateTokensStreamResponse(request_id, choices=[GenerateTokensStreamChoice(...)])`` without
+    continuous usage: ``usage`` null, ``prompt_token_ids``/``mm_placeholders``/``metrics`` excluded."""
+    return dumps({"request_id": RID, "usage": None, "output_mode": "tokens", "choices": [{
+        "index": 0, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": ids,
+        "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}]})
+
+
+def request(**params: object) -> bytes:
+    """A ``GenerateRequest`` body as the serving layer sends it."""
+    return dumps({"request_id": "m1", "token_ids": PROMPT, "stream": True,
+                  "stream_options": {"include_usage": True}, "sampling_params": {"max_tokens": 10, **params}})
+
+
+# ------------------------------------------- a death after the last token, before the usage chunk
+
+@pytest.mark.parametrize("finish, stop_reason", [("stop", None), ("stop", 7), ("length", None)])
+def test_a_stream_whose_finishing_chunk_was_published_is_not_resumed_past_its_end(finish, stop_reason):
+    """0.34.0 ``serve_tokens_stream_generator``: the finishing output's chunk (``finish_reason`` set) is a
+    token chunk, and with ``include_usage`` the usage chunk (``choices=[]``) follows it, after the engine's
+    loop ends. A worker lost between the two leaves a stream whose every token and finish the client has
+    but which is not final. Resumed, the request (prompt + 3 tokens, ``max_tokens`` 7) generated tokens
+    after a ``finish_reason: "stop"`` the client had already read: the refusal ends the stream with a
+    ``migration_refused`` error instead."""
+    codec = Catalog()("vllm")
+    session = codec.open_migration()
+    with pytest.raises(MigrationRefused, match="already finished"):
+        session.absorb([token_chunk([11, 12]), token_chunk([13], finish, stop_reason)])
+        session.seal()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(30)
+async def test_a_worker_lost_before_the_usage_chunk_ends_the_stream_with_a_refusal_not_more_tokens(
+        client, start_processor):
+    """The same over a real nats-server and processor: the client reads the two token chunks, then a
+    final ``migration_refused`` error result naming why; the Migrator raises (``refused``), sending nothing."""
+    sent = []
+
+    async def send(resumed):
+        sent.append(resumed)
+
+    async with start_processor("in-process", format="vllm", mode="core") as rp:
+        pub = ChunkPublisher(client, rp.subjects)
+        async with follow(client, rp.subjects, "m1", timeout=15) as stream:
+            await pub.publish("m1", "agg", 0, token_chunk([11, 12]))
+            await pub.publish("m1", "agg", 1, token_chunk([13], "stop"))
+            with pytest.raises(MigrationError, match="already finished") as refused:
+                await Migrator(client, rp.subjects, format="vllm").migrate("m1", request(), send=send)
+            results = await stream.collect()
+    assert sent == [] and refused.value.code is MigrateErrorCode.REFUSED
+    assert [r.seq for r in results] == [0, 1, 2]
+    assert results[1].body == token_chunk([13], "stop")
+    assert results[-1].final and results[-1].error == "migration_refused"
+    assert b"already finished" in results[-1].body
+
