@@ -80,3 +80,54 @@ async def test_a_worker_lost_before_the_usage_chunk_ends_the_stream_with_a_refus
     assert results[-1].final and results[-1].error == "migration_refused"
     assert b"already finished" in results[-1].body
 
+
+# ------------------------------------------------------- detokenizer state that does not move
+
+def text_request(output_mode: str = "text", **params: object) -> bytes:
+    return dumps({"request_id": "m1", "token_ids": PROMPT, "stream": True, "output_mode": output_mode,
+                  "sampling_params": {"max_tokens": 10, **params}})
+
+
+def held_back_text(texts: list[str], stop: list[str], include: bool) -> list[str]:
+    """0.34.0 ``BaseIncrementalDetokenizer``: ``stop_buffer_length = max(len(s) for s in self.stop) - 1``
+    when ``self.stop and not self.include_stop_str_in_output`` (else 0), and ``get_next_output_text``
+    (delta) returns ``self.output_text[last_offset:len(self.output_text) - buffer_length]``, the whole
+    rest once finished. One stream chunk per token (``GenerateTextStreamChoice.text``)."""
+    buffer = max(len(s) for s in stop) - 1 if stop and not include else 0
+    out, sent, text = [], 0, ""
+    for i, piece in enumerate(texts):
+        text += piece
+        end = len(text) if i == len(texts) - 1 else max(len(text) - buffer, sent)
+        out.append(text[sent:end])
+        sent = end
+    return out
+
+
+def test_a_text_stream_that_holds_back_text_for_stop_strings_refuses_migration():
+    """The lost worker's detokenizer held back the last ``len(stop) - 1`` characters of what it had
+    decoded, text of tokens the client already has as ``token_ids``; the resumed worker decodes only its
+    own output, so those characters never reach the client. Resumed, the client read ``"cd"`` where the
+    engine answers ``"abcd"``: the request is refused before anything is sealed."""
+    uninterrupted = held_back_text(["a", "b", "c", "d"], ["xyz"], include=False)
+    resumed = held_back_text(["c", "d"], ["xyz"], include=False)
+    assert "".join(uninterrupted) == "abcd" and "".join(uninterrupted[:2] + resumed) == "cd"
+    codec = Catalog()("vllm")
+    with pytest.raises(MigrationRefused, match="held back"):
+        codec.check_migratable(text_request(stop=["xyz"]))
+    with pytest.raises(MigrationRefused, match="held back"):
+        codec.check_migratable(text_request(stop="xyz", include_stop_str_in_output=False))
+    # Nothing is held back: one-character stop strings, stop strings kept in the output, tokens mode.
+    for params, mode in [({"stop": ["x", "y"]}, "text"), ({"stop": ["xyz"], "include_stop_str_in_output": True}, "text"),
+                         ({"stop": ["xyz"]}, "tokens"), ({}, "text"), ({"stop": []}, "text")]:
+        codec.check_migratable(text_request(mode, **params))
+        joined = held_back_text(["a", "b", "c", "d"], params.get("stop") or [], params.get("include_stop_str_in_output", False))
+        assert "".join(joined) == "abcd"
+
+
+def test_a_derender_stream_refuses_migration():
+    """0.34.0 ``serve_tokens_stream_generator``, ``output_mode="derender"``: ``role_sent = [False] * n`` per
+    request and ``if not role_sent[i]: delta.role = "assistant"``, one ``ChatStreamProcessor`` per choice
+    fed the request's own output: a resumed attempt's first chunk says ``role: "assistant"`` again mid
+    stream, and its parser starts with none of the lost attempt's reasoning or tool-call progress."""
+    with pytest.raises(MigrationRefused, match="derender"):
+        Catalog()("vllm").check_migratable(text_request("derender"))

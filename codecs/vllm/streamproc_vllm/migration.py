@@ -35,7 +35,8 @@ field                            stitched value
 P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
 refuses: a body that is not a JSON object, a choice other than index 0 (``n > 1``), and
 non-integer ``token_ids``, and a published ``finish_reason`` (only the usage chunk was lost). Guided
-decoding (``structured_outputs``) and ``n > 1`` are refused from the request by :func:`check_request`.
+decoding (``structured_outputs``), ``n > 1``, ``output_mode`` ``derender`` and ``text`` with stop
+strings it holds text back for are refused from the request by :func:`check_request`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ MIN_TOKENS = "min_tokens"
 GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "guided_decoding")
 STATE_PROMPT_TOKENS = "prompt_tokens"
+OUTPUT_MODE = "output_mode"  # GenerateRequest: "tokens" (default), "text", "derender"
+TEXT, DERENDER = "text", "derender"
+STOP = "stop"  # SamplingParams.stop: str | list[str] | None
+INCLUDE_STOP = "include_stop_str_in_output"
 # A finished response's values over the finishing attempt's own work, not the request's (top level,
 # and per choice): with tokens emitted before the seal no exact whole-request value exists, so each is
 # ``None`` with ``<field>_unavailable_reason: stitch_incomplete``.
@@ -240,8 +245,34 @@ def check_request(body: bytes) -> dict:
     ids = obj.get(TOKEN_IDS)
     if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
         raise MigrationRefused("the request has no token_ids to extend")
-    check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
+    params = check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
+    _check_detokenizer_state(obj.get(OUTPUT_MODE), params)
     return obj
+
+
+def _check_detokenizer_state(mode: object, params: dict) -> None:
+    """Refuse the output modes whose stream depends on worker state a resumed request does not have.
+
+    ``tokens`` (the default) carries token ids only, and they continue exactly. ``derender``: 0.34.0
+    ``serve_tokens_stream_generator`` sends ``delta.role = "assistant"`` on each request's first chunk
+    (``role_sent``) and parses with a fresh ``ChatStreamProcessor``, blind to the lost attempt's
+    reasoning and tool-call progress. ``text`` with stop strings: ``BaseIncrementalDetokenizer``
+    holds back ``stop_buffer_length = max(len(s) for s in self.stop) - 1`` characters (unless
+    ``include_stop_str_in_output``) until the request finishes (``get_next_output_text``); what the
+    lost worker held back is text of tokens the client already has, and the resumed worker decodes
+    only its own output, so those characters would be missing from the stitched text.
+    """
+    if mode == DERENDER:
+        raise MigrationRefused("output_mode derender: the chat parser's state (the role sent once, reasoning and "
+                               "tool-call progress) cannot be carried over; derender tokens-mode output instead")
+    if mode != TEXT or params.get(INCLUDE_STOP) is True:
+        return
+    stop = params.get(STOP)
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    if any(isinstance(s, str) and len(s) > 1 for s in stops):
+        raise MigrationRefused("output_mode text with stop strings: the text the lost worker held back for "
+                               "stop-string matching is lost with it (set include_stop_str_in_output, or use "
+                               "output_mode tokens)")
 
 
 def resume_request(body: bytes, emitted: Emitted) -> bytes:
