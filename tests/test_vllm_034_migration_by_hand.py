@@ -10,6 +10,8 @@ nulls kept) and, with ``stream_options.include_usage``, a last ``choices: []`` c
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import upstream_json as dumps
 
@@ -17,6 +19,7 @@ from streamproc.catalog import Catalog
 from streamproc.client.migration import MigrationError, MigrationRefused, Migrator
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
+from streamproc.codec import Emitted
 from streamproc.wire import MigrateErrorCode
 
 RID = "generate-tokens-m1"
@@ -131,3 +134,19 @@ def test_a_derender_stream_refuses_migration():
     stream, and its parser starts with none of the lost attempt's reasoning or tool-call progress."""
     with pytest.raises(MigrationRefused, match="derender"):
         Catalog()("vllm").check_migratable(text_request("derender"))
+
+
+def test_output_side_stop_rules_are_sent_unchanged_and_min_tokens_keeps_their_positions():
+    """A documented engine limit (docs/protocol.md "Cost and limits"): vLLM 0.34.0 matches stop strings
+    (``check_stop_strings(output_text=self.output_text, ...)``), multi-token ``bad_words``
+    (``_bad_words_kernel``: the prefix from ``all_token_ids + prompt_len``) and ``repetition_detection``
+    (``check_sequence_repetition(request.output_token_ids, ...)``) against the request's own output, so
+    no request field can show the resumed worker a match begun before the seal: they go on unchanged.
+    ``min_tokens`` counts output tokens (``check_stop``: ``num_output_tokens < min_tokens``; the
+    detokenizer's ``stop_check_offset``): minus k, the checks start at the same absolute position."""
+    rules = {"stop": ["xyz"], "bad_words": ["foo bar"], "include_stop_str_in_output": True,
+             "repetition_detection": {"max_pattern_size": 4, "min_pattern_size": 1, "min_count": 3}}
+    body = Catalog()("vllm").resume_request(request(min_tokens=5, **rules), Emitted([11, 12, 13]))
+    params = json.loads(body)["sampling_params"]
+    assert params == {"max_tokens": 7, "min_tokens": 2, **rules}
+    assert json.loads(body)["token_ids"] == PROMPT + [11, 12, 13]
