@@ -351,6 +351,10 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                      "with an internal error result, the chunk is terminated (+TERM) and "
                                      "counted; the consumer's max_deliver, so nothing is redelivered for ever",
                                      ge=2, le=1_000_000)] = defaults.MAX_DELIVER
+    max_lookups: Annotated[int, documented("durable: recovery lookups in flight across every owned partition "
+                                     "(each reads a request's last stored result, up to max_payload); the "
+                                     "others wait, the partitions taking turns, their chunks held with "
+                                     "in-progress acks", ge=1, le=10_000)] = defaults.MAX_LOOKUPS
     max_result_attempts: Annotated[int, documented("durable: refusals or unanswered publishes of one result before it "
                                              "is given up (logged, counted; its inputs are NAKed for redelivery)",
                                              ge=1, le=1_000_000)] = defaults.MAX_RESULT_ATTEMPTS
@@ -479,7 +483,7 @@ _GROUP_OF = {
                      "max_migrations", "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "flush_interval", "ack_linger",
-                     "max_deliver", "max_result_attempts", "result_batch", "lease_ttl",
+                     "max_deliver", "max_lookups", "max_result_attempts", "result_batch", "lease_ttl",
                      "chunks_max_age",
                      "chunks_max_bytes", "stream_storage", "stream_replicas", "results_max_age",
                      "duplicate_window", "ensure_results_stream"], "durable"),

@@ -159,7 +159,8 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
     import time
 
     caplog.set_level(logging.INFO, logger="streamproc")
-    settings = durable_settings(nats_url, partitions=1, ack_wait=2.0, lease_ttl=1.5)
+    # Every lookup in flight at once (40 slots, not the default's 8): the stall comes with all of them.
+    settings = durable_settings(nats_url, partitions=1, ack_wait=2.0, lease_ttl=1.5, max_lookups=40)
     js = client.jetstream()
     adopt = Recovery.adopt
     calls = 0
@@ -278,7 +279,7 @@ async def test_a_stop_in_the_middle_of_a_partitions_graceful_hand_over_still_nak
     forget_pulls = f"$JS.API.CONSUMER.INFO.{CHUNKS_STREAM}.{partition_consumer_name(1)}".encode()
     proxy = HoldingProxy(int(nats_url.rsplit(":", 1)[1]), lambda subject: subject == forget_pulls)
     async with proxy.running():
-        settings = durable_settings(proxy.url, **flags)
+        settings = durable_settings(proxy.url, max_lookups=20, **flags)  # every request's lookup in flight
         async with Processor(settings) as a:
             await wait_until(lambda: a.snapshot()["partitions"] == 2, 10, "A owns both partitions")
             moved, _ = await _moved_requests(client, settings, "mid-hand-over", 20)
@@ -344,8 +345,9 @@ async def _results(js, n: int) -> bool:
 async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once_in_order(
         client, nats_url, monkeypatch):
     """40 moved requests; each one's first lookup fails (the results stream unreadable) with its
-    later chunks parked behind it: all NAKed for a retry in 1 s, then looked up again and stored
-    once each, in order, the stored duplicate among them acknowledged."""
+    later chunks parked behind it: the request is queued again with them held (they used to be NAKed
+    for a retry in 1 s, 7 deliveries spent per request), then looked up again and stored once each,
+    in order, the stored duplicate among them acknowledged."""
     settings = durable_settings(nats_url, partitions=1, ack_wait=4.0)
     js = client.jetstream()
     async with Processor(settings):
@@ -362,12 +364,15 @@ async def test_chunks_parked_behind_failed_lookups_come_back_and_are_stored_once
         return await adopt(self, r, *args, **kwargs)
 
     monkeypatch.setattr(Recovery, "adopt", fails_first)
+    naked = record_naks(monkeypatch)
     async with Processor(settings) as p:
         await wait_until(_empty(js), 20, "every chunk acknowledged")
         snap = p.snapshot()
     stored = await stored_results(js, settings.subjects)
     _assert_each_once_in_order(stored, moved, bodies)
     assert snap["resumed"] == len(moved) and snap["lookups_parked"] >= len(moved), snap
+    # One failure each, attempts left: looked up again with the chunks held, none NAKed or redelivered.
+    assert snap.get("lookup_retries") == len(moved) and not naked and snap["redelivered"] == 0, (len(naked), snap)
 
 
 # Seconds each flooding request's lookup takes (the results stream slow to answer) and flooding

@@ -7,18 +7,22 @@ Each test failed on the code it was written against; the docstrings give the fig
 
 from __future__ import annotations
 
+import collections
+import re
 import time
 
 import anyio
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced
-from helpers import peak_rss, status_kib, wait_until
+from helpers import free_port, peak_rss, rid, scrape, status_kib, wait_until
 from shipped_config import CONF, shipped_server, url
 
-from streamproc.core.wire import chunk_headers
+from streamproc.core.wire import ResultInfo, Subjects, chunk_headers, result_from_message
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
+
+SUBJECTS = Subjects()
 
 
 @pytest.mark.xfail(strict=True, reason="nats-server keeps every Nats-Msg-Id for the duplicate window, whatever its "
@@ -232,5 +236,130 @@ async def test_header_bytes_of_held_chunks_are_not_kept_in_core_mode_either(nats
                 await nc.flush()
             await anyio.sleep(3)
             assert peak_rss(proc.pid) < 200 * MiB
+        finally:
+            await nc.close()
+
+
+# test_a_flood_of_lookups_of_large_stored_results_costs_honest_chunks_no_deliveries: stored requests
+# whose final result is ~1 MB (a lookup reads all of it), then one tiny late chunk per id once the ids
+# are forgotten (--finished-grace): each needs a recovery lookup. LATE_FLOOD ids over 8 partitions.
+LATE_FLOOD = 300
+LATE_GRACE = 1.0
+# Deliveries before poison, low so that a chunk that pays a delivery per failed lookup gets there.
+LATE_MAX_DELIVER = 4
+# Redeliveries allowed in the whole run: none is needed (nothing crashes, nothing is handed over).
+LATE_REDELIVERIES = 4
+# docs/operations.md: "a processor under these attacks stays below 200 MiB peak RSS".
+LATE_PEAK = 200 * MiB
+
+
+async def test_a_flood_of_lookups_of_large_stored_results_costs_honest_chunks_no_deliveries(nats_url):
+    """A recovery lookup reads the whole last stored result (``STREAM.MSG.GET``: the body Base64 in
+    JSON; nats-server has no headers-only read). A worker stores LATE_FLOOD requests whose final result
+    is ~1 MB, waits until their ids are forgotten (``--finished-grace``), then sends one tiny late
+    chunk per id (seq 1: a lookup each); in the middle, honest requests whose first chunk to arrive is
+    seq 1 (a lookup each: it may continue a request served elsewhere) and plain one-chunk requests,
+    one of each per partition.
+
+    Seen on the code before (32 lookups per partition, 256 at once here; 2026-12-05, 2-core machine):
+    the processor's connection broke mid-flood (``event=nats_error``, ConnectionResetError or
+    BrokenPipeError, then a reconnect), lookups failed (``recovery_lookup_failed``, 20 logged, rate
+    limited) and each was NAKed, a delivery spent towards ``--max-deliver``: 42, 54 and 49
+    redeliveries in 3 of 3 quiet runs, late chunks settled in 10.2-10.5 s. With two CPU hogs, 1 of 2
+    runs failed (11 redeliveries, leases expired). Now at most ``--max-lookups`` (8) run across the
+    partitions, the others wait in turn, and a failed lookup is made again with its chunk held before
+    it costs a delivery: no redelivery, nothing poisoned, settled in 2.3-3.9 s quiet (8.3-10.0 s with
+    two CPU hogs), the honest requests answered in order, VmHWM 70-87 MiB."""
+    from streamproc.core.partitions import partition_of
+
+    partitions = 8  # the default
+    port = free_port()
+    flags = durable_flags(partitions=partitions, ack_wait=10.0, lease_ttl=6.0, finished_grace=LATE_GRACE,
+                          max_deliver=LATE_MAX_DELIVER)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            body = b'{"text":"' + b"a" * (nc.max_payload - 4096) + b'"}'
+            flood = [rid(f"late{i}") for i in range(LATE_FLOOD)]
+            t0 = time.monotonic()
+            await publish_paced(nc, [(f"streamproc.chunks.{r}.agg", body, chunk_headers(r, "agg", 0, final=True))
+                                     for r in flood], window=16, timeout=120)
+
+            async def stored_count() -> int:
+                return (await js.stream_info("STREAMPROC_RESULTS")).state.messages
+
+            async def flood_stored() -> bool:
+                return await stored_count() >= LATE_FLOOD
+
+            await wait_until(flood_stored, 60, "every flooding request's ~1 MB result stored", every=0.5)
+            stored_in = time.monotonic() - t0
+            baseline = status_kib(proc.pid, "VmRSS") * 1024
+            honest, plain = [], []
+            for n in range(partitions):  # one of each per partition
+                honest.append(next(r for r in (rid(f"honest{n}-{i}") for i in range(10_000))
+                                   if partition_of(r, partitions) == n))
+                plain.append(next(r for r in (rid(f"plain{n}-{i}") for i in range(10_000))
+                                  if partition_of(r, partitions) == n))
+            answered: dict[str, list[tuple[float, ResultInfo]]] = {r: [] for r in honest + plain}
+
+            async def on_result(msg) -> None:
+                result = result_from_message(SUBJECTS, msg.subject, msg.headers, msg.data)
+                answered[result.request_id].append((time.monotonic(), result))
+
+            subs = [await nc.subscribe(SUBJECTS.result(r), cb=on_result) for r in honest + plain]
+            await nc.flush()
+            half = LATE_FLOOD // 2
+            late = [(f"streamproc.chunks.{r}.agg", b'{"text":"late"}', chunk_headers(r, "agg", 1, final=True))
+                    for r in flood]
+
+            async def drained() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await anyio.sleep(LATE_GRACE + 1.5)  # the ids forgotten (finished-grace)
+            sent = time.monotonic()
+            await publish_paced(nc, late[:half], window=64)
+            middle = time.monotonic()
+            for r in honest:  # seq 1 first: a lookup; seq 0 then parks behind it
+                await js.publish(SUBJECTS.chunk(r, "agg"), b'{"text":"h1"}', headers=chunk_headers(r, "agg", 1, final=True))
+                await js.publish(SUBJECTS.chunk(r, "agg"), b'{"text":"h0"}', headers=chunk_headers(r, "agg", 0))
+            for r in plain:
+                await js.publish(SUBJECTS.chunk(r, "agg"), b'{"text":"p"}', headers=chunk_headers(r, "agg", 0, final=True))
+            await publish_paced(nc, late[half:], window=64)
+
+            async def settled() -> bool:
+                return await drained() and all(
+                    any(x.final for _, x in answered[r]) for r in honest + plain)
+
+            await wait_until(settled, 60, "every chunk settled, every honest request answered", every=0.2)
+            settled_in = time.monotonic() - sent
+            for sub in subs:
+                await sub.unsubscribe()
+            peak = status_kib(proc.pid, "VmHWM") * 1024
+            metrics = scrape(port)
+            events = collections.Counter(re.findall(r"event=(\w+)", log_path.read_text()))
+            waited = {kind: max(answered[r][-1][0] - middle for r in ids)
+                      for kind, ids in (("honest", honest), ("plain", plain))}
+            summary = (f"{LATE_FLOOD} results of ~1 MB stored in {stored_in:.1f} s; late chunks settled in "
+                       f"{settled_in:.1f} s; answered within {waited['honest']:.2f} s (lookup) and "
+                       f"{waited['plain']:.2f} s (plain) of the flood's middle; lookups "
+                       f"{metrics['streamproc_durable_recoveries_total']:.0f}, retried "
+                       f"{metrics.get('streamproc_durable_lookup_retries_total', -1):.0f}, redelivered "
+                       f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+                       f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmRSS before the flood "
+                       f"{baseline / MiB:.0f} MiB, VmHWM {peak / MiB:.0f} MiB; log events {dict(events)}; "
+                       f"{[line for line in log_path.read_text().splitlines() if 'nats_error' in line][:1]}")
+            print(summary)
+            for r in honest:
+                assert [(x.seq, x.final, x.error, x.body) for _, x in answered[r]] == [
+                    (0, False, None, b'{"text":"h0"}'), (1, True, None, b'{"text":"h1"}')], (r, answered[r], summary)
+            for r in plain:
+                assert [(x.seq, x.error, x.body) for _, x in answered[r]] == [(0, None, b'{"text":"p"}')], (r, summary)
+            assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+            assert metrics["streamproc_durable_redelivered_total"] <= LATE_REDELIVERIES, summary
+            # Each honest result stored once, none for the late chunks (their requests were finished).
+            assert await stored_count() == LATE_FLOOD + 2 * len(honest) + len(plain), summary
+            assert peak < LATE_PEAK, summary
+            assert proc.poll() is None
         finally:
             await nc.close()

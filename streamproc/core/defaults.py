@@ -98,6 +98,16 @@ ACK_LINGER = 0.005
 # Deliveries of one chunk before it is poison: its request ends with an error result and the chunk
 # is terminated. Legitimate redeliveries (hand-overs, crashes, results given up) stay far below it.
 MAX_DELIVER = 20
+# Recovery lookups in flight across every partition an instance owns (docs/operations.md, "Recovery
+# lookups"). A lookup reads the request's whole last stored result (STREAM.MSG.GET: up to max_payload,
+# Base64 in JSON; nats-server has no headers-only read). 32 per partition, 128 at once over 4
+# partitions, let a worker's late chunks of forgotten ~1 MB results make each read wait behind the
+# others past LOOKUP_TIMEOUT, and the ~180 MB of replies at once cost the processor its connection
+# (a slow consumer) and its leases; 8 at once answered each within the timeout.
+MAX_LOOKUPS = 8
+# Lookups made for one delivery before a failure NAKs it (a delivery spent, towards max_deliver): a
+# failed one waits for a slot again with its chunk held (in-progress acks), as a NAK would not.
+LOOKUP_ATTEMPTS = 3
 
 # Readers (client helpers and the edge)
 # Bytes of one request's results a client reader (streamproc.client.results) may hold received and

@@ -24,7 +24,8 @@ from ...config import Settings
 from ...core.codec import ErrorKind
 from ...core.errors import shown
 from ...core.events import Chunk, Decision
-from ...core.lookups import Lookups
+from ...core.defaults import LOOKUP_ATTEMPTS
+from ...core.lookups import Lookups, LookupSlots
 from ...core.outbox import Outbox, delivery_count, needs_lookup
 from ...core.wire import ContractError
 from ...logs import error_text, log_event
@@ -39,13 +40,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("streamproc.durable")
 
-# Recovery lookups a partition runs at once, of different requests (a request's own later chunks park
-# behind its lookup and are decided in order after it, core/lookups.py). One at a time, 3,000 chunks
-# that each needed one (`Streamproc-Attempt: 1` on fresh ids, a microsecond each to publish) held the
-# partition's next request back 2.4-3.1 s on the 2-vCPU machine (tests/test_durable_attack_review.py),
-# linear in the flood. 32 keep the partition's read loop busy while the server answers.
-LOOKUPS_IN_FLIGHT = 32
-# Requests of a partition whose chunk needs a lookup while LOOKUPS_IN_FLIGHT are in flight: they wait in
+# Recovery lookups run at once, of different requests (a request's own later chunks park behind its
+# lookup and are decided in order after it, core/lookups.py): up to --max-lookups across the owned
+# partitions (core/defaults.py MAX_LOOKUPS), the partitions taking turns for a free slot. One at a
+# time, 3,000 chunks that each needed one (`Streamproc-Attempt: 1` on fresh ids, a microsecond each to
+# publish) held the partition's next request back 2.4-3.1 s on the 2-vCPU machine
+# (tests/test_durable_attack_review.py), linear in the flood; several at once keep the read loop busy
+# while the server answers, and more than a few only make each (a whole stored result) slower.
+#
+# Requests of a partition whose chunk needs a lookup while every slot is taken: they wait in
 # core/lookups.py for a slot, with their later chunks parked behind them, and the partition goes on
 # deciding the chunks of the requests it holds. Before, the partition's callback waited for a slot, and
 # every chunk delivered behind it with it: a request already served here waited 4.0 s behind 160 new
@@ -117,10 +120,24 @@ class Deliveries:
         max_payload = getattr(nc, "max_payload", 0) or (1 << 20)
         self._parked_cap = max(PARKED_BYTES // settings.partitions, 2 * max_payload)
         self._queued_cap = max(1, min(LOOKUPS_QUEUED, settings.max_ack_pending // 4))
+        # The lookup slots every partition shares, and per partition (its number) what takes a free one.
+        self.slots: LookupSlots[Delivery] = LookupSlots(settings.max_lookups)
+        self._resume: dict[int, Callable[[Lookups[Delivery], list[Delivery], bool], None]] = {}
 
-    def lookups(self) -> Lookups[Delivery]:
-        """The recovery lookups of a partition just taken (none yet)."""
-        return Lookups(LOOKUPS_IN_FLIGHT, self._parked_cap, self._queued_cap)
+    def lookups(self, n: int = 0) -> Lookups[Delivery]:
+        """The recovery lookups of partition ``n``, just taken (none yet)."""
+        return Lookups(self.slots, self._parked_cap, self._queued_cap, attempts=LOOKUP_ATTEMPTS, key=n)
+
+    def start_queued(self) -> None:
+        """Lookups ended: the queued requests take the free slots, the partitions in turn, each one's
+        oldest first (core/lookups.py)."""
+        while (turn := self.slots.next()) is not None:
+            lookups, tokens, retry = turn
+            resume = self._resume.get(lookups.key)
+            if resume is not None:
+                resume(lookups, tokens, retry)
+            elif retry:  # no handlers (cannot happen: a partition's lookups exist with its handlers)
+                lookups.release(tokens[0].rid, tokens[0])
 
     def handlers(self, part: Partition) -> tuple[Callable[[Msg], Awaitable[None]], Callable[..., bool]]:
         """A partition's two message handlers, sharing every step of a chunk's decision:
@@ -251,23 +268,42 @@ class Deliveries:
                 return contract_error(parsed, d.msg, acknowledged=True)
             return decide(parsed, d.msg, d.deliveries, now)
 
-        def start_queued() -> None:
-            """Lookups ended: the queued requests, oldest first, take the free slots. Each one's
+        def resume(taker: Lookups[Delivery], waiting: list[Delivery], retry: bool) -> None:
+            """A free slot went to this partition's oldest queued request (:meth:`Deliveries.start_queued`).
+            A retry's lookup starts again for its first delivery, the rest still parked; otherwise its
             deliveries are settled again in order: the first starts its lookup (or is decided, should
             its request have become known meanwhile), the rest park behind it."""
-            while (waiting := lookups.next()) is not None:
-                now = clock()
+            now = clock()
+            if taker is not lookups:  # a partition taken again since (its old lookups were abandoned)
+                if retry:
+                    taker.release(waiting[0].rid, waiting[0])
+                return
+            if retry:
+                d = waiting[0]
+                tasks = self._tasks()
+                if tasks is None:  # stopping: the stop's hand-over NAKs it with what parked behind it
+                    lookups.release(d.rid, d)
+                else:
+                    tasks.start_soon(lookup, d, None if isinstance(d.parsed, ContractError) else d.parsed.format,
+                                     now)
+            else:
                 for b in waiting:
                     settle(b, now, admit=False)
+            part.wake()
+
+        self._resume[part.n] = resume
+        start_queued = self.start_queued
 
         async def lookup(d: Delivery, format: str | None, now: float) -> None:
             """:func:`looked_up` as a task of the input's task group, which an exception escaping it
             would end, and with it every partition: a bug there costs this request a retry instead
             (its deliveries NAKed, unless a decision already took them) and is logged."""
+            flight = lookups.flight(d.rid)
             try:
                 await looked_up(d, format, now)
             except Exception as exc:  # noqa: BLE001  (store errors are _recover's: this is a bug)
-                later = lookups.finish(d.rid, d)
+                # (unless it raised after its lookup ended: then its request is settled, or queued again)
+                later = lookups.finish(d.rid, d) if lookups.flight(d.rid) is flight else None
                 if later is not None:
                     outbox.nak([d.msg, *(b.msg for b in later)], delay=1.0)
                 with contextlib.suppress(Exception):  # the free slot goes to the queue (a bug: logged below)
@@ -277,16 +313,29 @@ class Deliveries:
                           error=error_text(exc))
                 with contextlib.suppress(Exception):
                     await pump()
+            finally:  # cancelled (a stop): its slot is free, its deliveries stay parked for the hand-over
+                lookups.cancel(d.rid, flight)
 
         async def looked_up(d: Delivery, format: str | None, now: float) -> None:
-            """A recovery lookup: then ``d`` is decided and the deliveries parked behind it in order
-            (or, if it failed and ``d`` may come back, all NAKed for a retry in 1 s)."""
+            """A recovery lookup: then ``d`` is decided and the deliveries parked behind it in order. If
+            it failed, ``d`` and those behind it stay held (in-progress acks) and the request waits for a
+            slot again, up to LOOKUP_ATTEMPTS lookups (core/lookups.py); after the last failure, if
+            ``d`` may come back, all are NAKed for a retry in 1 s (a delivery spent)."""
             rid = d.rid
             retry = d.deliveries < max_deliver
-            ok = await self.recovery.recover(rid, format, now, retry=retry, current=lambda: rid in lookups)
+            # A retry's request may have been adopted meanwhile (a migrate reads the stores too).
+            then = "queued again" if lookups.retries_left(rid) else "1s" if retry else "-"
+            ok = knows(rid) or await self.recovery.recover(rid, format, now, retry_in=then,
+                                                           current=lambda: rid in lookups)
+            if not ok and lookups.retry(rid, d):
+                stats.lookup_retries += 1
+                start_queued()  # its slot to the next in line (itself, if nobody else waits)
+                await pump()
+                return
             later = lookups.finish(rid, d)
             part.wake()
             if later is None:  # handed over meanwhile: NAKed then, and nothing of the lookup was kept
+                start_queued()  # its slot to another partition's queue
                 return
             if not ok and retry:
                 # NAKed for the retry, with what parked behind it; not one on its last delivery, which

@@ -99,8 +99,10 @@ class DurableStats(OutboxStats):
     recoveries: Annotated[int, Meta(description="last-result lookups for requests this instance did not know")] = 0
     lookups_parked: Annotated[int, Meta(description="chunks that waited behind a lookup of their own request "
                                                     "in flight or queued (decided in order after it)")] = 0
-    lookups_queued: Annotated[int, Meta(description="chunks that waited for a lookup slot (every one of the "
-                                                    "partition's lookups in flight)")] = 0
+    lookups_queued: Annotated[int, Meta(description="chunks that waited for a lookup slot (--max-lookups in "
+                                                    "flight across the partitions)")] = 0
+    lookup_retries: Annotated[int, Meta(description="failed lookups tried again with their chunks held, instead "
+                                                    "of a NAK")] = 0
     resumed: Annotated[int, Meta(description="lookups that found stored results (the request moved here)")] = 0
     migrated_adopted: Annotated[int, Meta(description="of those, requests with a seal record: session "
                                                       "rebuilt from stored bodies")] = 0

@@ -263,7 +263,7 @@ class Partitions:
         now = self._clock()
         credit = self.pulls.credit(now)
         part = Partition(n, partition_consumer_name(n), self.scheme.filter(n), len(self.scheme.head(n)),
-                         self.chunks_stream, credit, sealed, now, deliveries.lookups())
+                         self.chunks_stream, credit, sealed, now, deliveries.lookups(n))
         info = await self._ensure_consumer(part)
         if info.num_ack_pending or info.num_redelivered:
             # Chunks delivered before and not acknowledged (a previous owner's, NAKed or held) come back

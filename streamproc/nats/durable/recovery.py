@@ -80,11 +80,12 @@ class Recovery:
         self.chunks_stream = ""
         self.results_stream = ""
 
-    async def recover(self, rid: str, format: str | None, now: float, *, retry: bool,
+    async def recover(self, rid: str, format: str | None, now: float, *, retry_in: str,
                        current: Callable[[], bool]) -> bool:
-        """Resume after the last stored result of ``rid``; False if it cannot be read (the caller NAKs
-        the chunk for a retry in 1 s, or, ``retry`` False, goes on without it). Nothing is adopted
-        unless ``current()`` still holds once the stores are read (the partition was not handed over)."""
+        """Resume after the last stored result of ``rid``; False if it cannot be read (the caller
+        looks it up again, NAKs the chunk for a retry in 1 s, or goes on without it: ``retry_in``
+        says which, for the log). Nothing is adopted unless ``current()`` still holds once the
+        stores are read (the partition was not handed over)."""
         self.stats.recoveries += 1
         urgent = getattr(self.nc, "urgent_writes", None)  # FastClient: no write coalescing meanwhile
         try:
@@ -92,7 +93,7 @@ class Recovery:
                 await self.adopt(rid, format, now, current=current)
         except Exception as exc:
             self.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
-                                      error=error_text(exc), retry_in="1s" if retry else "-")
+                                      error=error_text(exc), retry_in=retry_in)
             return False
         return True
 
