@@ -118,14 +118,15 @@ def test_a_request_rejected_before_any_token_keeps_its_empty_prompt_logprobs_wit
     same abort body with ``input_token_logprobs: []``, the complete answer for a request that never
     reached token 0 (no engine scores the prompt before sampling token 0). The join must not call
     those lists unavailable (before the fix: ``input_logprobs_unavailable_reason: prefill_error``, and
-    with the first fix of this file the lists removed). The routed-experts marker of a failed prefill
-    stays (nothing in either leg says whether rows were asked: docs/codecs.md)."""
+    with the first fix of this file the lists removed). No routed-experts marker either (it used to
+    read ``prefill_error``): no engine has rows before token 0, asked or not (tests/test_upstream_abort_bodies.py)."""
     message = "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=4."
     body = rejected_at_intake(finish_message=message)
     (joined, _), = join(CODEC, [body], [body])
     meta = json.loads(joined)["meta_info"]
     want = json.loads(body)["meta_info"]
     assert "input_logprobs_unavailable_reason" not in meta
+    assert "routed_experts_unavailable_reason" not in meta
     for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs"):
         assert meta[key] == want[key] == []
     assert list(meta)[:list(meta).index("e2e_latency")] == list(want)[:list(want).index("e2e_latency")]

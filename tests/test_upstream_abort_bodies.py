@@ -169,17 +169,35 @@ def prefill_leg() -> dict[str, Any]:
     return {"text": TEXT[0], "output_ids": OUT[:1], "meta_info": meta}
 
 
-@pytest.mark.parametrize("seen", [0, 1, 3])
+@pytest.mark.parametrize("seen", [1, 3])
 def test_a_decode_leg_the_scheduler_aborted_gets_no_experts_and_the_reason(seen):
     """``_handle_abort_req`` never writes ``routed_experts``, so the aggregated abort body has none:
-    the join must not put prefill's rows on it (one token), nor call it ``decode_missing`` or
-    ``decode_corrupt`` (no token) when decode ended in an abort."""
+    the join must not put prefill's rows on it (one token), nor call it ``decode_missing`` when
+    decode ended in an abort. (Before token 0: the next test.)"""
     body = abort_body(seen, stream=True)
     [(joined, verdict)] = join(SGLangCodec(OPTIONS), [dumps(body)], [dumps(prefill_leg())])
     meta = json.loads(joined)["meta_info"]
     assert "routed_experts" not in meta
     assert meta["routed_experts_unavailable_reason"] == "decode_error"
     assert verdict is Verdict.OMITTED
+
+
+@pytest.mark.parametrize("prefill_aborted", [False, True])
+def test_a_decode_aborted_before_token_0_is_the_aggregated_abort_body_without_a_reason(prefill_aborted):
+    """No engine has rows for a request that ended before output token 0: the scheduler collects them
+    only when a request finishes after sampling a token (``BatchResultProcessor.
+    _maybe_collect_routed_experts``, called in ``process_batch_result_prefill``/``_decode`` once
+    ``req.finished()`` after ``output_ids.append``, and by the P/D prefill on a finished transfer),
+    and ``_handle_abort_req`` writes none. So the aggregated abort before any token carries neither
+    rows nor a marker, whatever the request asked, and so must the join (also when prefill aborted
+    too, which used to read ``prefill_error``; a decode alone used to read ``decode_error``)."""
+    body = dumps(abort_body(0, stream=True))
+    prefill = body if prefill_aborted else dumps(prefill_leg())
+    [(joined, verdict)] = join(SGLangCodec(OPTIONS), [body], [prefill])
+    meta = json.loads(joined)["meta_info"]
+    assert "routed_experts" not in meta and "routed_experts_unavailable_reason" not in meta
+    assert json.loads(joined) == json.loads(body)
+    assert verdict is not Verdict.OMITTED
 
 
 def test_a_pd_stream_whose_decode_aborts_folds_to_the_unary_abort():

@@ -866,6 +866,12 @@ class SGLangJoinSession(JoinSession):
         self._changed = True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
+        if ROUTED_EXPERTS not in meta and native.failed_finish(meta) and meta.get(COMPLETION_TOKENS) == 0:
+            # Failed before output token 0: no engine has rows for it (``BatchResultProcessor.
+            # _maybe_collect_routed_experts`` runs only once a request finishes after sampling a token,
+            # ``_handle_abort_req`` writes none), so the aggregated answer has neither rows nor a
+            # marker, whatever the request asked or the prefill leg became.
+            return None
         if self._unavailable is not None:
             return self._omit(meta, self._unavailable)
         assert self._prefill is not None
