@@ -106,6 +106,32 @@ def test_sglang_resume_refuses_a_request_whose_prompt_is_not_the_one_the_client_
         codec.resume_request(dumps({"input_ids": [1, 2, 3]}), Emitted([9], {"prompt_tokens": 4}))
 
 
+SESSION_TURN = {"input_ids": [5, 6], "session_params": {"id": "s-1", "rid": "turn-1"}}
+
+
+def test_sglang_a_session_request_is_refused_naming_session_params():
+    """An SGLang session's prompt is the history its worker holds (``SessionController``
+    ``Session.create_req``: the parent request's tokens, then ``input_ids``), so the body's
+    ``prompt_tokens`` counts more than ``input_ids``, and another worker has no such session
+    (``Scheduler.handle_generate_request``: "session id ... does not exist", an abort). The refusal
+    names ``session_params``, up front and at the resume (it read "not the request being resumed")."""
+    codec = Catalog()("sglang")
+    with pytest.raises(MigrationRefused, match="session_params"):
+        codec.check_migratable(dumps(SESSION_TURN))
+    with pytest.raises(MigrationRefused, match="session_params"):
+        codec.resume_request(dumps(SESSION_TURN), Emitted([9], {"prompt_tokens": 7}))
+
+
+@pytest.mark.parametrize("request_doc", [
+    {"input_ids": [5, 6], "session_params": None},
+    {"input_ids": [5, 6], "session_params": {"id": None}},  # no session: ``session_params.id`` is None
+    {"input_ids": [5, 6], "session_id": "s-1"},  # an identity only: "does not alter or reconstruct the prompt"
+])
+def test_sglang_a_request_that_names_no_session_history_still_resumes(request_doc):
+    doc = loads(Catalog()("sglang").resume_request(dumps(request_doc), Emitted([9], {"prompt_tokens": 2})))
+    assert doc["input_ids"] == [5, 6, 9]
+
+
 @pytest.mark.parametrize("request_doc, reason", [
     ({"input_ids": [1], "sampling_params": {"n": 2}}, "n = 2"),
     ({"input_ids": [1], "sampling_params": {"json_schema": "{}"}}, "guided decoding (json_schema)"),

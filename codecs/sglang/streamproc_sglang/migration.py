@@ -93,6 +93,7 @@ if TYPE_CHECKING:
 
 INPUT_IDS = "input_ids"
 SAMPLING_PARAMS = "sampling_params"
+SESSION_PARAMS = "session_params"
 SAMPLES = "n"  # parallel samples per request (SamplingParams.n)
 MAX_NEW_TOKENS = "max_new_tokens"
 MIN_NEW_TOKENS = "min_new_tokens"
@@ -474,6 +475,14 @@ def check_request(body: bytes) -> dict[str, Any]:
     check_sampling_params(doc.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
     if doc.get("return_hidden_states"):
         raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
+    session = doc.get(SESSION_PARAMS)
+    # ``TokenizerManager``: ``SessionParams(**obj.session_params) if obj.session_params else None``, and
+    # the scheduler looks a session up only by its ``id``. A session's prompt is the history its worker
+    # holds (``Session.create_req``: the parent request's tokens, then ``input_ids``); no other worker
+    # has it (``handle_generate_request``: "session id ... does not exist").
+    if session and not (isinstance(session, dict) and session.get("id") is None):
+        raise MigrationRefused("a session request (session_params) cannot be resumed: its prompt is the "
+                               "session's history, held only by the worker that opened the session")
     return doc
 
 
