@@ -745,3 +745,74 @@ def test_vllm_0340_created_of_a_resumed_unary_answer_is_omitted_not_the_resumed_
     # A stream has no timing to omit: its chunks pass as before.
     for chunk in upstream.agg(truth, shape, stream_=True):
         assert "created" not in loads(chunk)
+# ------------------------------------------------------------- the verdict of a stitched body
+#
+# ``Streamproc-Join: omitted`` means the body carries a ``<field>_unavailable_reason`` marker
+# (docs/protocol.md); ``stitched`` a resumed attempt's body restated without one. The stitch reads
+# the joined body, the join's markers included, and may drop one (the client's prompt logprobs put
+# back), so its verdict is the body's.
+
+def _sglang_meta(prompt: int, out: list[int], first: int, count: int, pd: bool, finish=None) -> dict:
+    """An incremental SGLang chunk of an attempt (output positions ``[first, first + len(out))``,
+    the attempt's running ``count``), with ``return_logprob``; a P/D decode's prompt lists are ``[]``."""
+    inp = [[None, 12, None], [-0.5, 13, None], [-0.25, 14, None]]
+    return {"id": "r1", "finish_reason": finish, "prompt_tokens": prompt, "weight_version": "default",
+            "input_token_logprobs": [] if pd else inp,
+            "output_token_logprobs": [[-0.125 * (first + i + 1), t, None] for i, t in enumerate(out)],
+            "output_token_logprobs_length": count, "completion_tokens": count, "cached_tokens": 0}
+
+
+def _markers(body: bytes) -> list[str]:
+    meta = loads(body).get("meta_info", {})
+    return [key for key in meta if key.endswith("_unavailable_reason")]
+
+
+def test_sglang_a_resumed_pd_body_is_omitted_exactly_when_it_still_carries_a_marker():
+    """Through the correlator: a P/D resumed attempt whose prefill leg aborted. Its chunks' only
+    marker, ``input_logprobs_unavailable_reason``, is replaced by the client's prompt logprobs in the
+    stitch, so they are ``stitched`` (they were published ``omitted`` with no marker); the final one
+    keeps ``routed_experts_unavailable_reason`` and is ``omitted``."""
+    from streamproc.correlator import Correlator, CorrelatorConfig
+    from streamproc.testing.harness import Run, leg
+    from streamproc.wire import Role
+    from toy_codec import feed
+
+    codec = Catalog()("sglang")
+    run = Run(Correlator(lambda name: codec, "sglang", CorrelatorConfig()))
+    seen = dumps({"text": "a", "output_ids": [201], "meta_info": _sglang_meta(4, [201], 0, 1, False)})
+    feed(run, leg("r1", Role.AGG, [seen, b"{}"])[:1])
+    reply, decisions = run.correlator.migrate("r1", 0.0)
+    run.absorb(decisions)
+    assert reply.emitted_token_ids == [201]
+    prefill = dumps({"text": "", "output_ids": [], "meta_info": {
+        "id": "r1", "finish_reason": {"type": "abort", "message": "x"}, "prompt_tokens": 5, "completion_tokens": 0}})
+    decode = [dumps({"text": t, "output_ids": [i], "meta_info": _sglang_meta(5, [i], n, n, True, finish)})
+              for n, (t, i, finish) in enumerate([("b", 202, None), ("c", 203, None),
+                                                  ("d", 204, {"type": "length", "length": 3})], start=1)]
+    feed(run, leg("r1", Role.PREFILL, [prefill], attempt=1))
+    feed(run, leg("r1", Role.DECODE, decode, attempt=1))
+    got = [(r.seq, _markers(r.body), r.verdict) for r in run.of("r1")]
+    assert got == [(0, [], Verdict.PASSTHROUGH), (1, [], Verdict.STITCHED), (2, [], Verdict.STITCHED),
+                   (3, ["routed_experts_unavailable_reason"], Verdict.OMITTED)]
+
+
+def test_sglang_stitch_of_a_joined_body_that_carries_a_marker_says_omitted():
+    session, _ = sealed_session(Catalog()("sglang"), [
+        dumps({"text": "a", "output_ids": [201], "meta_info": _sglang_meta(4, [201], 0, 1, False)})])
+    meta = {**_sglang_meta(5, [202], 1, 1, False, {"type": "length", "length": 1}),
+            "routed_experts_unavailable_reason": "prefill_timeout"}
+    body, verdict = session.stitch(dumps({"text": "b", "output_ids": [202], "meta_info": meta}), True)
+    assert _markers(body) == ["routed_experts_unavailable_reason"]
+    assert verdict is Verdict.OMITTED
+
+
+def test_vllm_stitch_of_a_joined_body_that_carries_a_marker_says_omitted():
+    session, _ = sealed_session(Catalog()("vllm"), [dumps({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": [11]}]})])
+    retry = {"request_id": "w", "choices": [{"index": 0, "token_ids": [12], "finish_reason": "stop",
+                                              "routed_experts": None,
+                                              "routed_experts_unavailable_reason": "prefill_timeout"}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    body, verdict = session.stitch(dumps(retry), True)
+    assert loads(body)["choices"][0]["routed_experts_unavailable_reason"] == "prefill_timeout"
+    assert verdict is Verdict.OMITTED

@@ -66,7 +66,10 @@ class ToyMigration(MigrationSession):
         return Emitted(list(self.ids), {"bodies": sum(map(len, self.absorbed))})
 
     def stitch(self, body: bytes, final: bool):
-        return (body + b"|+" + str(self.k).encode(), Verdict.STITCHED) if self.k else None
+        if not self.k:
+            return None
+        # the rewritten body's verdict: omitted while it carries the join's marker (MigrationSession.stitch)
+        return body + b"|+" + str(self.k).encode(), Verdict.OMITTED if b"|omitted:" in body else Verdict.STITCHED
 
     def progress_bytes(self) -> int:
         return 8 * len(self.ids)  # as an array("q") of the ids would take

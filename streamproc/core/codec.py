@@ -451,8 +451,9 @@ class MigrationSession(ABC):
     @abstractmethod
     def stitch(self, body: bytes, final: bool) -> tuple[bytes, Verdict] | None:
         """A resumed attempt's (already joined) body, rewritten so the stream reads as one request,
-        with ``Verdict.STITCHED`` (or ``OMITTED`` if a field had to be removed); None when nothing
-        needs to change."""
+        with the rewritten body's verdict: ``Verdict.OMITTED`` when it carries an omission marker
+        (its own or one the join put there and it kept), else ``STITCHED``; the correlator publishes
+        that verdict as is. None when nothing needs to change (the join's verdict stays)."""
 
     @abstractmethod
     def progress_bytes(self) -> int:

@@ -46,7 +46,7 @@ from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported 
 
 # Enum member lookups cost ~70 ns each on CPython 3.11; the hot path uses module constants.
 _AGG, _PREFILL, _DECODE = Role.AGG, Role.PREFILL, Role.DECODE
-_PASSTHROUGH, _JOINED, _OMITTED = Verdict.PASSTHROUGH, Verdict.JOINED, Verdict.OMITTED
+_PASSTHROUGH, _JOINED = Verdict.PASSTHROUGH, Verdict.JOINED
 _OMISSION_REASONS = frozenset(r.value for r in OmissionReason)
 OMISSIONS_READ_BYTES = 256 << 10  # omitted result bodies read for the count by reason, at most this long (~0.12 ms to parse here)
 _STITCHED = Verdict.STITCHED
@@ -88,12 +88,14 @@ class Work:
 
 
 def _stitch(migration: MigrationSession, body: bytes, verdict: Verdict, final: bool) -> tuple[bytes, Verdict]:
-    """A resumed attempt's body (``verdict``: what its join did) continued from the earlier attempts;
-    an omission the join made stays the verdict."""
+    """A resumed attempt's body (``verdict``: what its join did) continued from the earlier attempts.
+    The stitch reads the joined body, the join's omission markers included, and may drop one (a
+    value the client was sent is known again), so a body it rewrites has its verdict: ``omitted``
+    exactly when a marker is left (``MigrationSession.stitch``)."""
     stitched = migration.stitch(body, final)
     if stitched is None:
         return body, verdict
-    return stitched[0], _OMITTED if verdict is _OMITTED else stitched[1]
+    return stitched
 
 
 def _stitched(migration: MigrationSession, join: Callable[[bytes, bool], tuple[bytes, Verdict]] | None,

@@ -333,7 +333,11 @@ class SGLangMigrationSession(MigrationSession):
             if self._stitch_rows(meta, base.rows) is Verdict.OMITTED:
                 verdict = Verdict.OMITTED
         if meta == before and not self._restated:
-            return None
+            return None  # the joined body as it is, with the join's verdict
+        # The verdict is the body's: any marker left, the join's included (the stitch may have put the
+        # client's prompt logprobs in the place of one), makes it ``omitted`` (docs/protocol.md).
+        if any(key.endswith(UNAVAILABLE_SUFFIX) for key in meta):
+            verdict = Verdict.OMITTED
         return native.encode(doc), verdict
 
     def _restate(self, doc: dict[str, Any], meta: dict[str, Any], base: _Base) -> None:

@@ -54,7 +54,8 @@ from streamproc.core.errors import shown
 from streamproc.wire import Verdict
 
 from .native import FIRST_CHUNK_FIELDS, PROMPT_LOGPROBS, PROMPT_TOKENS_DETAILS, ROUTED_EXPERTS, dump, is_int
-from .native import CACHED_TOKENS, CREATED, FINISH_REASON, METRICS, WEIGHT_VERSIONS, parse_object, unavailable_key
+from .native import (CACHED_TOKENS, CREATED, FINISH_REASON, METRICS, UNAVAILABLE_SUFFIX, WEIGHT_VERSIONS, parse_object,
+                     unavailable_key)
 
 if TYPE_CHECKING:
     from .codec import VLLMCodec
@@ -197,7 +198,14 @@ class VLLMMigrationSession(MigrationSession):
                     if outcome is not None:
                         verdict = Verdict.OMITTED if Verdict.OMITTED in (verdict, outcome) else outcome
                         changed = True
-        return (dump(obj), verdict) if changed else None
+        if not changed:
+            return None  # the joined body as it is, with the join's verdict
+        # The verdict is the body's: a marker left, the join's included (the stitch drops a prompt
+        # logprobs one the client was answered before), makes it ``omitted`` (docs/protocol.md).
+        targets = [obj, *(c for c in choices if isinstance(c, dict))] if isinstance(choices, list) else [obj]
+        if any(key.endswith(UNAVAILABLE_SUFFIX) for target in targets for key in target):
+            verdict = Verdict.OMITTED
+        return dump(obj), verdict
 
     def _stitch_rows(self, choice: dict, earlier_value: Any) -> Verdict | None:
         """Rows an earlier attempt published come from the passes that sampled those tokens: they win."""
