@@ -318,7 +318,8 @@ def test_vllm_rows_an_earlier_attempt_published_win_over_the_recomputation():
 @pytest.mark.parametrize("name", [*SGLANG_FORMATS, "vllm"])
 def test_progress_bytes_grow_with_the_emitted_tokens_and_single_body_values_stay_bounded(name):
     """The migration state the correlator charges (MigrationSession.progress_bytes): 8 bytes a token
-    id, plus at most a few bodies' worth of values kept from single bodies."""
+    id, plus at most a few bodies' worth of values kept from single bodies (and, for an incremental
+    SGLang stream, its text: 100 bytes a body here; the next test)."""
     session = Catalog()(name).open_migration()
     assert session.progress_bytes() == 0
     sizes = []
@@ -332,8 +333,25 @@ def test_progress_bytes_grow_with_the_emitted_tokens_and_single_body_values_stay
                           "meta_info": {"id": "r", "prompt_tokens": 3, "input_token_logprobs": [[-0.1, 1, None]]}})
         session.absorb([body])
         sizes.append(session.progress_bytes())
-    assert 8 * 50_000 <= sizes[-1] <= 8 * 50_000 + 3 * len(body)
+    told = 0 if name == "vllm" else 100 * 50
+    assert 8 * 50_000 + told <= sizes[-1] <= 8 * 50_000 + told + 3 * len(body)
     assert sizes == sorted(sizes)
+
+
+def test_an_incremental_sglang_stream_charges_the_text_and_lists_it_keeps_for_an_abort_body():
+    """An incremental stream's session keeps everything the client was told of the text and the
+    lists ``_handle_abort_req`` restates (the stitch puts them in front of a resumed attempt's abort
+    body): charged at their UTF-8/JSON size, on top of 8 bytes an id, and once more for the sealed copy."""
+    session = Catalog()("sglang").open_migration()
+    entry = [-0.125, 7, "wörd"]
+    told = 0
+    for n in range(1, 2_001):
+        session.absorb([dumps({"text": "wörd", "output_ids": [7], "meta_info": {
+            "id": "r", "prompt_tokens": 3, "completion_tokens": n, "output_token_logprobs": [entry]}})])
+        told += len("wörd".encode()) + len(dumps([entry])) - 2 + (1 if n > 1 else 0)
+    assert session.progress_bytes() >= 8 * 2_000 + told
+    session.seal()
+    assert session.progress_bytes() >= 8 * 2_000 + 2 * told
 
 
 def test_a_sealed_cumulative_sglang_stream_counts_the_restated_ids_it_keeps():
@@ -772,10 +790,11 @@ def test_sglang_a_resumed_pd_body_is_omitted_exactly_when_it_still_carries_a_mar
     marker, ``input_logprobs_unavailable_reason``, is replaced by the client's prompt logprobs in the
     stitch, so they are ``stitched`` (they were published ``omitted`` with no marker); the final one
     keeps ``routed_experts_unavailable_reason`` and is ``omitted``."""
+    from toy_codec import feed
+
     from streamproc.correlator import Correlator, CorrelatorConfig
     from streamproc.testing.harness import Run, leg
     from streamproc.wire import Role
-    from toy_codec import feed
 
     codec = Catalog()("sglang")
     run = Run(Correlator(lambda name: codec, "sglang", CorrelatorConfig()))

@@ -121,20 +121,52 @@ def test_0523_cumulative_abort_body_folds_to_the_unary_abort(sent):
     assert folded["output_ids"] == OUT and folded["text"] == "".join(TEXT)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "incremental stream: the migration session keeps the ids seen, not the text or output logprob lists, "
-    "and the stitch may not depend on the resumed attempt's earlier bodies (law 7), so a resumed "
-    "attempt's abort body, which restates that attempt's text and lists only, cannot be given the "
-    "whole request's; fold repairs the folded answer (tests/test_upstream_abort_bodies.py), the body "
-    "itself stays the attempt's"))
 def test_0523_incremental_abort_body_after_a_migration_restates_the_whole_text():
     """Incremental mode: the engine's abort body restates the whole text and lists (``state.get_text()``,
     ``add_logprob_to_meta_info`` never sliced) with ``output_ids = [last]``. After a migration the
-    resumed attempt's ``state`` holds its own tokens only."""
+    resumed attempt's ``state`` holds its own tokens only; the stitch puts the text and lists the
+    client was sent in front (the migration session keeps them: a function of the published bodies,
+    law 7). Was a strict xfail."""
     first = [chunk(k, k + 1, cumulative=False) for k in range(K)]
     second = [chunk(0, 1, cumulative=False, offset=K, rid="req-2", prompt=PROMPT_TOKENS + K)]
     published = migrated(first, [*second, abort(1, incremental=True, offset=K, rid="req-2")])
     assert_abort_body(published[-1], abort(K + 1, incremental=True))
+    folded = json.loads(SGLangCodec(OPTIONS).fold(published))
+    want = abort(K + 1, incremental=False)  # the unary abort answer
+    assert folded["output_ids"] == want["output_ids"] and folded["text"] == want["text"]
+    assert folded["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
+
+
+def test_0523_incremental_abort_body_after_a_second_migration_restates_the_whole_text():
+    """Two seals: the second attempt's stitched chunk is part of what the client was told."""
+    first = [chunk(0, 1, cumulative=False)]
+    session = SGLangCodec(OPTIONS).open_migration()
+    session.absorb([dumps(c) for c in first])
+    session.seal()
+    stitched = session.stitch(dumps(chunk(0, 1, cumulative=False, offset=1, rid="req-2", prompt=PROMPT_TOKENS + 1)),
+                              False)
+    session.absorb([stitched[0]])
+    session.seal()
+    body, _ = session.stitch(dumps(abort(1, incremental=True, offset=2, rid="req-3")), True)
+    assert_abort_body(body, abort(3, incremental=True))
+
+
+def test_0523_incremental_abort_body_coalesced_after_a_migration_stays_the_attempts_known_limit():
+    """Known limit: chunks coalesced in front of the resumed attempt's abort body (``_coalesce_streaming_chunks``:
+    their ids, then the last again) put their text and lists before the attempt's whole ones, where
+    the client's cannot be placed exactly; the body keeps the attempt's text and lists (the fold
+    still gets the request's lists: tests/test_upstream_abort_bodies.py)."""
+    first = [chunk(k, k + 1, cumulative=False) for k in range(K)]
+    sent = chunk(0, 1, cumulative=False, offset=K, rid="req-2", prompt=PROMPT_TOKENS + K)
+    queued, tail = chunk(1, 2, cumulative=False, offset=K, rid="req-2", prompt=PROMPT_TOKENS + K), abort(
+        2, incremental=True, offset=K, rid="req-2")
+    body = dict(tail, output_ids=queued["output_ids"] + tail["output_ids"], text=queued["text"] + tail["text"])
+    body["meta_info"] = dict(tail["meta_info"], output_token_logprobs=queued["meta_info"]["output_token_logprobs"]
+                             + tail["meta_info"]["output_token_logprobs"])
+    published = migrated(first, [sent, body])
+    got = json.loads(published[-1])
+    assert got["text"] == body["text"]  # the attempt's, not the request's
+    assert got["meta_info"]["output_token_logprobs"] == body["meta_info"]["output_token_logprobs"]
 
 
 # ============================================================================ routed_experts after a retraction

@@ -9,11 +9,16 @@ original request's terms so the client reads one uninterrupted stream:
 =================================  ===========================================================
 field                              stitched value
 =================================  ===========================================================
-``text``, ``output_ids``           incremental streams: unchanged (deltas; nothing is replayed);
+``text``, ``output_ids``           incremental streams: unchanged (deltas; nothing is replayed),
+                                   but an abort body (``native.from_abort_req``) with one id gets
+                                   the client's text in front of the attempt's whole one;
                                    cumulative streams: what the client saw, then the attempt's
                                    (an abort body's ids only when it has them all,
                                    ``native.abort_restates_ids``: SGLang 0.5.23's cumulative one)
-``output_*logprobs``               cumulative streams: the client's lists, then the attempt's
+``output_*logprobs``               cumulative streams: the client's lists, then the attempt's;
+                                   incremental: the client's in front of that abort body's
+                                   (``ABORT_RESTATED_FIELDS``, each when the client had one entry
+                                   per emitted token)
 ``meta_info.id``                   the id the client saw first
 ``prompt_tokens``                  the original prompt's (attempt's value − k)
 ``completion_tokens``,             + k (cumulative counts continue)
@@ -68,6 +73,7 @@ from streamproc.wire import Verdict
 
 from . import native
 from .native import (
+    ABORT_RESTATED_FIELDS,
     CUMULATIVE,
     COMPLETION_TOKENS,
     DEFAULT_EXPERT_DTYPE,
@@ -174,6 +180,11 @@ class _Base(msgspec.Struct):
     text: str = ""
     output_logprobs: dict[str, Any] = {}
     cache: dict[str, Any] = {}  # cached_tokens (and its details) as the client was sent them
+    # incremental streams: the text (UTF-8) and ABORT_RESTATED_FIELDS' items (JSON, comma-separated)
+    # the client was sent, with each list's entry count
+    told_text: bytes = b""
+    told_lists: dict[str, bytes] = {}
+    told_counts: dict[str, int] = {}
 
 
 class SGLangMigrationSession(MigrationSession):
@@ -192,6 +203,11 @@ class SGLangMigrationSession(MigrationSession):
         self._text = ""
         self._output_logprobs: dict[str, Any] = {}
         self._cache: dict[str, Any] = {}
+        # Incremental streams: everything the client was sent of the text and the lists an abort body
+        # restates (``_handle_abort_req``), kept compact (UTF-8, JSON items) for that body's stitch.
+        self._told_text = bytearray()
+        self._told_lists: dict[str, bytearray] = {}
+        self._told_counts: dict[str, int] = {}
         self._base = _Base()
         self._restated = False
         # Sizes of the bodies whose parsed parts are kept (text and output lists of the last one,
@@ -226,6 +242,25 @@ class SGLangMigrationSession(MigrationSession):
             self._last_bytes = len(body)
             if meta is not None:
                 self._output_logprobs = {f: meta[f] for f in OUTPUT_DELTA_FIELDS if isinstance(meta.get(f), list)}
+            self._tell(text, meta)
+
+    def _tell(self, text: Any, meta: dict[str, Any] | None) -> None:
+        """An incremental body's text and restated lists, appended to what the client was told (a
+        cumulative stream keeps its last body's, above: nothing here)."""
+        if self._decided and self._cumulative:
+            if self._told_text or self._told_lists:
+                self._told_text, self._told_lists, self._told_counts = bytearray(), {}, {}
+            return
+        if isinstance(text, str):
+            self._told_text += text.encode()
+        for field in ABORT_RESTATED_FIELDS if meta is not None else ():
+            value = meta.get(field)  # type: ignore[union-attr]
+            if isinstance(value, list) and value:
+                told = self._told_lists.setdefault(field, bytearray())
+                if told:
+                    told += b","
+                told += native.encode(value)[1:-1]
+                self._told_counts[field] = self._told_counts.get(field, 0) + len(value)
 
     def _absorb_meta(self, meta: dict[str, Any], size: int) -> None:
         if meta.get(HIDDEN_STATES) is not None:
@@ -259,8 +294,10 @@ class SGLangMigrationSession(MigrationSession):
     def seal(self) -> Emitted:
         cumulative = self._cumulative if self._decided else self._assume_cumulative
         restated = (self._ids.tolist(), self._text, dict(self._output_logprobs)) if cumulative else ([], "", {})
+        told = (bytes(self._told_text), {f: bytes(v) for f, v in self._told_lists.items()},
+                dict(self._told_counts)) if not cumulative else (b"", {}, {})
         self._base = _Base(len(self._ids), self._prompt_tokens, self._reasoning, self._rid, dict(self._input_logprobs),
-                           self._rows, cumulative, *restated, dict(self._cache))
+                           self._rows, cumulative, *restated, dict(self._cache), *told)
         state = {STATE_PROMPT_TOKENS: self._prompt_tokens} if self._prompt_tokens is not None else {}
         return Emitted(self._ids.tolist(), state)
 
@@ -268,8 +305,11 @@ class SGLangMigrationSession(MigrationSession):
         """8 bytes a token id in ``_ids``; ~40 a token in a sealed cumulative stream's restated list
         (a pointer and an int object); the bodies whose parts are kept, at their encoded size. The
         sealed base shares the other parts (text, logprob lists, rows) with the live state."""
+        base = self._base
+        told = len(self._told_text) + sum(map(len, self._told_lists.values()))
+        told += len(base.told_text) + sum(map(len, base.told_lists.values()))  # copies, not shared
         return (self._ids.itemsize * len(self._ids) + 40 * len(self._base.ids)
-                + self._last_bytes + self._input_bytes + self._rows_bytes)
+                + self._last_bytes + self._input_bytes + self._rows_bytes + told)
 
     # ---------------------------------------------------------------- stitching
 
@@ -344,7 +384,11 @@ class SGLangMigrationSession(MigrationSession):
         """In a cumulative stream, put what the client already saw in front of the attempt's output."""
         self._restated = False
         ids = doc.get(OUTPUT_IDS)
-        if not isinstance(ids, list) or not base.emitted or not base.cumulative:
+        if not isinstance(ids, list) or not base.emitted:
+            return
+        if not base.cumulative:
+            if len(ids) == 1 and native.from_abort_req(meta):
+                self._restate_abort(doc, meta, base)
             return
         if not native.from_abort_req(meta) or native.abort_restates_ids(doc):
             doc[OUTPUT_IDS] = base.ids + ids  # (an older abort body's one id repeats the last: not restated)
@@ -353,6 +397,21 @@ class SGLangMigrationSession(MigrationSession):
         for field in OUTPUT_DELTA_FIELDS:
             if isinstance(meta.get(field), list):
                 meta[field] = list(base.output_logprobs.get(field, [])) + meta[field]
+        self._restated = True
+
+    def _restate_abort(self, doc: dict[str, Any], meta: dict[str, Any], base: _Base) -> None:
+        """An incremental stream's ``_handle_abort_req`` body restates its engine's whole text and
+        lists, which for the resumed attempt are its own tokens only: the client's go in front, as
+        the uninterrupted engine's body has them. Exact only with one id (``[last]``): chunks coalesced
+        in front of the body (``_coalesce_streaming_chunks``, more ids) put their text and lists before
+        the restatement, where the client's cannot be placed (a known limit, left as sent). A list the
+        client did not get one entry per emitted token of is left as the attempt's."""
+        if isinstance(doc.get(TEXT), str):
+            doc[TEXT] = base.told_text.decode() + doc[TEXT]
+        for field in ABORT_RESTATED_FIELDS:
+            value = meta.get(field)
+            if isinstance(value, list) and base.told_counts.get(field) == base.emitted:
+                meta[field] = native.decode(b"[" + base.told_lists[field] + b"]") + value
         self._restated = True
 
     def _stitch_rows(self, meta: dict[str, Any], earlier_value: Any) -> Verdict:

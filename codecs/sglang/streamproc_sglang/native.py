@@ -211,9 +211,9 @@ def restated(value: Any, size: int, tail: Callable[[int], Any], doubled: bool,
     The body holds ``whole`` (the text or list of every token its worker produced), or, when queued
     chunks were coalesced in front of it, ``queued + whole`` with ``whole = accumulated + queued``
     (``added`` entries queued: a list has one per token; a text's length is read from the halves).
-    After a migration the resumed attempt's ``whole`` covers its own tokens only (``migration.py``
-    stitches no text or list of an incremental stream): it is then a tail of ``accumulated +
-    queued``, which is the answer. Anything else is taken as it is.
+    After a migration the resumed attempt's ``whole`` covers its own tokens only when
+    ``migration.py`` could not put the client's in front (chunks coalesced with it): it is then a
+    tail of ``accumulated + queued``, which is the answer. Anything else is taken as it is.
     """
     length = len(value)
     if doubled:
