@@ -215,6 +215,7 @@ OWN_VOCABULARY = {
     "token": "capabilities (streamproc token), NATS auth tokens",
     "id": "HTML element ids, SSE id:",
     "length": "Truth.finish, the ground truth's finish reason (length or stop)",
+    "stop": "Truth.finish, the ground truth's finish reason (length or stop); the experts view's span ends (span.stop)",
     "n": "slot and node names",
     "abort": "AbortController.abort() in the page",
     "dtype": "the experts view's own field (ExpertsView.dtype), numpy's word",
