@@ -12,7 +12,7 @@ import time
 import anyio
 import nats
 import pytest
-from helpers import connection
+from helpers import connection, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
@@ -21,6 +21,7 @@ import streamproc
 from streamproc.client import connection as client_module
 from streamproc import ChunkPublisher, MigrationError, Migrator, StreamprocError, Subjects, follow
 from streamproc.client.results import ResultCollector, ResultStream
+from streamproc.core.defaults import CLIENT_BUFFER_BYTES
 from streamproc.core.events import Result, Verdict
 from streamproc.core.wire import result_headers
 from streamproc.nats.streams import ensure_results_stream
@@ -321,42 +322,234 @@ async def test_a_slow_loop_replaying_a_large_finished_request_gets_all_of_it(cli
     assert grown < 24 << 20, f"the reader grew by {grown >> 20} MiB for a 25 MiB history"
 
 
-async def test_a_replay_whose_read_on_fails_once_loses_and_repeats_nothing(client, nats_url, monkeypatch):
-    """The paused replay reads on with a new consumer; when making it fails (NATS away for a moment,
-    a cancellation), the result about to be handed out must not be lost (a first version popped it
-    before reading on: a reviewer's finding) and the stream must not restart from its first result
-    with a new deadline: the next step reads on again from the same place."""
-    rid, n = "replay-read-on-fails", 120
+SLOW_REPLAY_READER = """
+import json, sys, anyio, streamproc
+from streamproc import Subjects, follow
+async def main():
+    url, rid, size, bound, pause = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    nc = await streamproc.connect(url)
+    before_msgs, before_bytes = nc.stats["in_msgs"], nc.stats["in_bytes"]
+    seqs, wrong = [], 0
+    options = {"max_buffered_bytes": bound} if bound else {}
+    async with follow(nc, Subjects(), rid, timeout=120, replay=True, **options) as results:
+        async for r in results:
+            seqs.append(r.seq)
+            wrong += r.body != bytes([r.seq % 251]) * size
+            await anyio.sleep(pause)
+    delivered = {"msgs": nc.stats["in_msgs"] - before_msgs, "bytes": nc.stats["in_bytes"] - before_bytes}
+    await nc.close()
+    hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"seqs": seqs, "wrong": wrong, "delivered": delivered, "vmhwm_kib": hwm}))
+anyio.run(main)
+"""
+
+
+def run_slow_reader(nats_url: str, rid: str, size: int, bound: int, pause: float) -> dict:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SLOW_REPLAY_READER, nats_url, rid, str(size), str(bound), str(pause)],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n, size, bound", [(400, 64 << 10, 4 << 20), (1000, 256 << 10, 0)],
+                         ids=["400x64KiB-4MiB-bound", "1000x256KiB-default-bound"])
+async def test_a_slow_replay_reader_is_delivered_each_stored_result_about_once(client, nats_url, n, size, bound):
+    """A late attach (replay=True) read by a slow loop: the reader's byte bound must pace what the
+    server sends, not what the reader keeps. The replay was an ordered (push) consumer that the
+    bound only paused: JetStream kept pushing, the reader threw the messages away and read them
+    again from a new consumer later (an attacker measured 1,718 deliveries for 400 results of 64 KiB
+    at a 4 MiB bound, and 497 MiB sent for a 250 MiB history at the default bound). Counted on the
+    reader's own connection (every message and byte the server sent it), in a subprocess, whose
+    peak RSS (VmHWM) must stay near the bound, not the history."""
+    rid = f"slow-replay-{n}"
+    await ensure_results_stream(client.jetstream(), SUBJECTS)
+    async with connection(nats_url) as producer:
+        for seq in range(n):
+            await forge(producer, rid, seq, bytes([seq % 251]) * size, final=seq == n - 1)
+        await forge(producer, f"{rid}-base", 0, bytes([0]), final=True)  # the same reader on one tiny result
+        await producer.flush()
+    baseline = await anyio.to_thread.run_sync(run_slow_reader, nats_url, f"{rid}-base", 1, 0, 0.0)
+    got = await anyio.to_thread.run_sync(run_slow_reader, nats_url, rid, size, bound, 0.002)
+    history = n * size
+    delivered = got["delivered"]
+    print(f"{rid}: delivered {delivered['msgs']} messages, {delivered['bytes'] >> 20} MiB for {n} results "
+          f"({history >> 20} MiB); VmHWM {got['vmhwm_kib'] >> 10} MiB (baseline {baseline['vmhwm_kib'] >> 10} MiB)")
+    assert got["seqs"] == list(range(n)) and got["wrong"] == 0
+    assert delivered["bytes"] <= history * 1.1, delivered
+    assert delivered["msgs"] <= n * 1.1, delivered
+    limit = (bound or CLIENT_BUFFER_BYTES) * 3
+    assert (got["vmhwm_kib"] - baseline["vmhwm_kib"]) << 10 < limit, (got["vmhwm_kib"], baseline["vmhwm_kib"])
+
+
+@pytest.mark.parametrize("failing", ["pull", "new-consumer"])
+async def test_a_replay_whose_next_step_fails_once_loses_and_repeats_nothing(client, nats_url, monkeypatch, failing):
+    """A replay step that fails (NATS away for a moment, a cancellation) must not lose the result
+    about to be handed out (a first version popped it before reading on: a reviewer's finding) nor
+    restart the stream from its first result: the next step goes on from the same place. The steps
+    that can fail: a pull (``$JS.API.CONSUMER.MSG.NEXT``), and making the consumer again, here after
+    it was deleted under the reader (what the server does to one idle ``REPLAY_CONSUMER_IDLE``)."""
+    rid, n = f"replay-step-fails-{failing}", 120
     await store_history(client, nats_url, rid, n, b"f" * 65536)
-    real_jetstream = client.jetstream
-    failures = []
+    failures: list[str] = []
+    if failing == "pull":
+        real_publish = client.publish
+        pulls = []
 
-    def jetstream_failing_once(*args, **kwargs):
-        context = real_jetstream(*args, **kwargs)
-        real_subscribe = context.subscribe
+        async def publish(subject, *args, **kwargs):
+            if ".CONSUMER.MSG.NEXT." in subject:
+                pulls.append(subject)
+                if len(pulls) == 3 and not failures:
+                    failures.append(subject)
+                    raise nats.errors.TimeoutError
+            return await real_publish(subject, *args, **kwargs)
 
-        async def subscribe(*a, **kw):
-            if kw.get("config") is not None and not failures:  # the first read-on only
-                failures.append(kw["config"].opt_start_seq)
-                raise nats.errors.TimeoutError
-            return await real_subscribe(*a, **kw)
+        monkeypatch.setattr(client, "publish", publish)
+    else:
+        real_jetstream = client.jetstream
 
-        context.subscribe = subscribe
-        return context
+        def jetstream_failing_once(*args, **kwargs):
+            context = real_jetstream(*args, **kwargs)
+            real_add = context.add_consumer
 
-    monkeypatch.setattr(client, "jetstream", jetstream_failing_once)
+            async def add_consumer(stream, config=None, **kw):
+                if config is not None and config.opt_start_seq and not failures:  # a consumer made again
+                    failures.append(config.opt_start_seq)
+                    raise nats.errors.TimeoutError
+                return await real_add(stream, config=config, **kw)
+
+            context.add_consumer = add_consumer
+            return context
+
+        monkeypatch.setattr(client, "jetstream", jetstream_failing_once)
     got, raised = [], []
-    async with follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=1 << 20) as results:
-        while True:
-            try:
-                async for result in results:
-                    got.append(result.seq)
-                    await anyio.sleep(0.001)
-                break
-            except nats.errors.TimeoutError:
-                raised.append(len(got))
+    async with connection(nats_url) as admin:
+        js = admin.jetstream()
+        async with follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=1 << 20) as results:
+            while True:
+                try:
+                    async for result in results:
+                        got.append(result.seq)
+                        if failing == "new-consumer" and result.seq == 30:
+                            for info in await replay_consumers(js, rid):
+                                await js.delete_consumer(info.stream_name, info.name)
+                        await anyio.sleep(0.001)
+                    break
+                except nats.errors.TimeoutError:
+                    raised.append(len(got))
     assert failures and raised == [raised[0]], (failures, raised)
     assert got == list(range(n))
+
+
+async def replay_consumers(js, rid: str) -> list:
+    """The consumers on the results stream that read ``rid``'s results (consumer info, server side)."""
+    stream = await js.find_stream_name_by_subject(SUBJECTS.result(rid))
+    return [info for info in await js.consumers_info(stream)
+            if info.config.filter_subject == SUBJECTS.result(rid)]
+
+
+@pytest.mark.parametrize("leaves", ["break", "cancelled", "ended"])
+async def test_a_replay_reader_that_leaves_leaves_no_consumer_behind(client, nats_url, leaves):
+    """A replay reads through a pull consumer, which (unlike an ordered push consumer) the server
+    does not drop when its subscription goes: the stream deletes it however the reader leaves
+    (``async with`` after a ``break``, a cancellation, the final result). Asked of the server."""
+    rid, n = f"replay-leaves-{leaves}", 60
+    await store_history(client, nats_url, rid, n, b"g" * 65536)
+    js = client.jetstream()
+    seen, during = [], []
+    with anyio.move_on_after(5 if leaves == "cancelled" else 60):
+        async with follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=1 << 20) as results:
+            async for result in results:
+                seen.append(result.seq)
+                if result.seq == 10:
+                    during = await replay_consumers(js, rid)
+                    if leaves == "break":
+                        break
+                    if leaves == "cancelled":
+                        await anyio.sleep(30)
+    assert len(during) == 1, during  # one consumer while it reads
+    assert seen == list(range(11 if leaves != "ended" else n))
+    assert await replay_consumers(js, rid) == []
+
+
+async def test_a_replay_of_a_stored_history_without_its_first_result_ends_at_the_bound(client, nats_url):
+    """Results stored behind a seq that never comes (forged, or seq 0 aged out) cannot be handed
+    out: the replay's pulls ask only for the room left, and once what waits behind the gap leaves
+    none for the next result the stream ends with ResultsOverrun, promptly, not at its timeout."""
+    rid, n = "replay-gap", 40
+    await ensure_results_stream(client.jetstream(), SUBJECTS)
+    async with connection(nats_url) as producer:
+        for seq in range(1, n + 1):
+            await forge(producer, rid, seq, b"z" * 65536)
+        await producer.flush()
+    started = time.monotonic()
+    with pytest.raises(streamproc.ResultsOverrun):
+        async with follow(client, SUBJECTS, rid, timeout=30, replay=True, max_buffered_bytes=1 << 20) as results:
+            async for _ in results:
+                raise AssertionError("nothing is in order")
+    assert time.monotonic() - started < 10
+    assert await replay_consumers(client.jetstream(), rid) == []
+
+
+async def test_a_killed_replay_readers_consumer_is_removed_by_the_server(client, nats_url):
+    """A reader that vanishes without closing (its process killed mid-replay) cannot delete its
+    consumer: the consumer's ``inactive_threshold`` (``REPLAY_CONSUMER_IDLE``, shortened here in the
+    reader's process) has the server remove it."""
+    import subprocess
+    import sys
+
+    rid, n = "replay-killed", 200
+    await store_history(client, nats_url, rid, n, b"k" * 65536)
+    script = SLOW_REPLAY_READER.replace("async def main():", "import streamproc.client.results\n"
+                                        "streamproc.client.results.REPLAY_CONSUMER_IDLE = 2\nasync def main():", 1)
+    proc = await anyio.open_process([sys.executable, "-c", script, nats_url, rid, "65536", str(1 << 20), "0.05"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        js = client.jetstream()
+        await wait_until(lambda: _has_consumer(js, rid), 20, "the reader's consumer")
+    finally:
+        proc.kill()
+        await proc.wait()
+    await wait_until(lambda: _no_consumer(js, rid), 15, "the killed reader's consumer removed")
+
+
+async def _has_consumer(js, rid: str) -> bool:
+    return len(await replay_consumers(js, rid)) == 1
+
+
+async def _no_consumer(js, rid: str) -> bool:
+    return await replay_consumers(js, rid) == []
+
+
+async def test_a_replay_reads_the_stored_history_then_follows_live_results(client, nats_url):
+    """The replay's consumer is the live tail too: results published while a slow reader is still
+    in the stored history, and after it caught up, come once each, in order, up to the final one."""
+    rid, stored, live = "replay-then-live", 100, 100
+    await ensure_results_stream(client.jetstream(), SUBJECTS)
+    body = b"h" * 32768
+    async with connection(nats_url) as producer:
+        for seq in range(stored):
+            await forge(producer, rid, seq, body)
+        await producer.flush()
+        got = []
+
+        async def publish_live() -> None:
+            for seq in range(stored, stored + live):
+                await forge(producer, rid, seq, body, final=seq == stored + live - 1)
+                await producer.flush()
+                await anyio.sleep(0.01)
+
+        async with anyio.create_task_group() as tg, \
+                follow(client, SUBJECTS, rid, timeout=60, replay=True, max_buffered_bytes=1 << 20) as results:
+            tg.start_soon(publish_live)
+            async for result in results:
+                got.append(result.seq)
+                await anyio.sleep(0.002)
+    assert got == list(range(stored + live))
+    assert await replay_consumers(client.jetstream(), rid) == []
 
 
 # ----------------------------------------------------------------- connect(user_credentials=...)

@@ -12,29 +12,37 @@ Subscribe before the request's chunks are published, or early results are missed
             ...
 
 With ``replay=True`` the results come from the JetStream stream that stores them (durable mode
-creates it): an ordered consumer replays the request's subject from its first result, then
+creates it): a pull consumer of the request's subject reads it from its first result on, then
 follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
-are dropped by the same seq check.
+are dropped by the same seq check. It needs ``$JS.API.CONSUMER.CREATE``, ``.MSG.NEXT`` and
+``.DELETE`` on the results stream, as the edge has (``deploy/nats-server.conf``).
 
 What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of bodies
 received and not yet taken, as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
 behind a missing seq past it end the stream with :class:`~streamproc.core.errors.ResultsOverrun`
 (one forged request cannot grow a reader); so do in-order bodies a slow loop has not taken on a
-live stream (the processor does not wait for it). A replay instead stops its consumer there and
-reads on from the next stored result once the loop has taken half of them: JetStream pushes a
-stored history at its own pace, not the loop's. ``timeout`` is a deadline for the final result
-that holds while results are waiting too (a producer that never ends, faster than its reader, is
-ended).
+live stream (the processor does not wait for it). A replay instead asks the server for no more
+than the bound holds: each pull's ``max_bytes`` is the room left, and the next pull goes out once
+the loop has taken half of it, so a slow reader is sent each stored result once, at its own pace
+(a push consumer that the bound only paused kept sending, and what it sent was thrown away and
+read again: 1.5 GB on the wire for a 250 MiB history read by a loop 2 ms a result). ``timeout``
+is a deadline for the final result that holds while results are waiting too (a producer that
+never ends, faster than its reader, is ended).
 
 A live subscription (``replay=False``) misses what is published while the NATS connection is
 down: after a reconnect the stream waits for results that will never come, until ``timeout``
-(whose ``TimeoutError`` then says the connection reconnected). A replaying one resumes where it
-was (nats-py's ordered consumer), so in durable mode ``replay=True`` survives a reconnect.
+(whose ``TimeoutError`` then says the connection reconnected). A replaying one reads on from the
+first stored result it has not received (a new consumer after a reconnect, a gap in its delivery
+sequence, or a pull gone unanswered), so in durable mode ``replay=True`` survives a reconnect.
+The consumer is deleted when the stream is closed; a reader that vanishes without closing (its
+process killed) leaves it to the server, which removes it after ``REPLAY_CONSUMER_IDLE`` seconds
+without a pull.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections import deque
 from typing import Iterable, NoReturn, Self
@@ -44,7 +52,8 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import DEFAULT_PREFIX as JS_API_PREFIX
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from ..core.defaults import CLIENT_BUFFER_BYTES
 from ..core.errors import MalformedResult, ResultsOverrun
@@ -60,6 +69,19 @@ def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
         return result_from_message(subjects, msg.subject, msg.headers, msg.data)
     except (ContractError, ValueError) as exc:
         raise MalformedResult(f"malformed result on {msg.subject!r}: {exc}") from None
+
+
+# A replay's pulls (``$JS.API.CONSUMER.MSG.NEXT``): messages a pull asks for at most (its bytes are
+# what bounds it; this only caps the Msg objects of tiny results), how long one waits on the server
+# for results not stored yet, and how long past that an unanswered pull is taken for lost (a
+# reconnect, a server restart): the consumer is then made again from the next stored result.
+REPLAY_PULL_BATCH = 1024
+REPLAY_PULL_EXPIRES = 5.0
+REPLAY_PULL_LOST_AFTER = 5.0
+# Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
+# without closing it (a reader slower than this per result has its consumer made again, once).
+REPLAY_CONSUMER_IDLE = 60.0
+_DELETE_WAIT = 2.0  # seconds close() waits for the consumer's deletion (shielded from a cancellation)
 
 
 class ResultStream:
@@ -86,58 +108,172 @@ class ResultStream:
         self._waiting_bytes = 0  # bodies SeqOrder holds behind a missing seq
         self._error: MalformedResult | ResultsOverrun | None = None
         self._arrived = anyio.Event()
-        self._sub: Subscription | None = None
-        self._stream: str | None = None  # replay: the results stream, found once
-        self._next_stored = 0  # replay: the stream sequence to read on from after a pause
-        self._paused = False  # replay: over the bound, consumer stopped until the loop catches up
-        self._closes = 0  # close() calls: a read-on that a close overtook releases its consumer
+        self._sub: Subscription | None = None  # live: the result subject; replay: the consumer's inbox
         self._deadline = math.inf
         self._reconnects = 0  # the connection's reconnect count when the subscription was made
         self._ended = False  # final result, error or timeout: nothing more to wait for
+        # replay: the results stream (found once), the pull consumer and where it delivers
+        self._stream: str | None = None
+        self._consumer: str | None = None
+        self._inbox = ""
+        self._next_stored = 0  # the stream sequence after the last result received (0: none yet)
+        self._next_delivery = 1  # the consumer's delivery sequence expected next: a gap makes a new one
+        self._consumer_reconnects = 0  # reconnect count when the consumer was made: a reconnect makes a new one
+        self._renew = False  # make the consumer again from _next_stored before the next pull
+        self._pulling = False  # a pull is out (until its batch is in, or a status ends it)
+        self._pull_left = 0  # messages the pull out may still bring
+        self._pull_got = 0  # messages it brought
+        self._pull_until = math.inf  # past this, the pull out went unanswered: taken for lost
+        self._one_big = False  # the next result is larger than the room a pull offered: fetch it alone
+        self._closes = 0  # close() calls: a consumer made while one happened is deleted at once
 
     async def subscribe(self) -> None:
         """Register interest on the server (returns once the server has it); nothing once the stream ended."""
-        if self._sub is not None or self._ended or self._paused:
+        if self._sub is not None or self._ended:
             return
+        # one result always fits, whatever the server's max_payload (known once connected)
+        self.max_buffered_bytes = max(self.max_buffered_bytes, getattr(self.nc, "max_payload", 0) or 0)
         subject = self.subjects.result(self.request_id)
         if self.replay:
-            js = self.nc.jetstream()
-            self._stream = await find_stream(js, subject)
             if self._stream is None:
-                raise LookupError(f"no JetStream stream stores {subject!r}: nothing to replay")
-            self._sub = await js.subscribe(subject, stream=self._stream, ordered_consumer=True, cb=self._on_msg)
+                self._stream = await find_stream(self.nc.jetstream(), subject)
+                if self._stream is None:
+                    raise LookupError(f"no JetStream stream stores {subject!r}: nothing to replay")
+            await self._open_consumer()
         else:
             self._sub = await self.nc.subscribe(subject, cb=self._on_msg)
             await flush_queued(self.nc)
-        # one result always fits, whatever the server's max_payload (known once connected)
-        self.max_buffered_bytes = max(self.max_buffered_bytes, getattr(self.nc, "max_payload", 0) or 0)
         if self.timeout is not None:
             self._deadline = anyio.current_time() + self.timeout
         self._reconnects = self._reconnect_count()
 
-    async def _read_on(self) -> None:
-        """A paused replay reads on from the first stored result it did not keep (a new ordered
-        consumer; its repeats, if any, are dropped by the seq check). If that fails (NATS away, a
-        cancellation), the stream stays paused and the next step tries again; closed meanwhile,
-        the new consumer is released at once."""
-        old, self._sub = self._sub, None
-        if old is not None and not self.nc.is_closed:
-            with contextlib.suppress(nats.errors.Error):
-                await old.unsubscribe()
+    async def _open_consumer(self) -> None:
+        """A pull consumer of the request's subject from the first result not received yet, and its
+        inbox subscription; the one before, if any, deleted. Nothing is sent until a pull asks
+        (:meth:`_pull`). Closed meanwhile (another task), the new consumer is deleted at once."""
+        await self._drop_consumer()
         closes = self._closes
-        self._paused = False  # (no subscription now: nothing is delivered until the new one)
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._next_stored)
+        nc = self.nc
+        js = nc.jetstream()
+        inbox = nc.new_inbox()
+        name = f"streamproc_replay_{inbox.rsplit('.', 1)[-1]}"  # unique, so a failed create is deleted by name
+        # What arrives is at most what the pulls asked for (the bound), plus one result fetched alone.
+        room = 2 * self.max_buffered_bytes + (getattr(nc, "max_payload", 0) or 1 << 20)
+        sub = await nc.subscribe(inbox, cb=self._on_delivery, pending_bytes_limit=max(room, 64 << 20))
+        start = {"deliver_policy": DeliverPolicy.ALL} if self._next_stored <= 1 else {
+            "deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": self._next_stored}
+        config = ConsumerConfig(name=name, filter_subject=self.subjects.result(self.request_id),
+                                ack_policy=AckPolicy.NONE, max_deliver=1, mem_storage=True, num_replicas=1,
+                                inactive_threshold=REPLAY_CONSUMER_IDLE, **start)
+        reconnects = self._reconnect_count()
         try:
-            sub = await self.nc.jetstream().subscribe(self.subjects.result(self.request_id), stream=self._stream,
-                                                      ordered_consumer=True, config=config, cb=self._on_msg)
+            await js.add_consumer(self._stream, config=config)
         except BaseException:
-            self._paused = True
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            await self._delete_consumer(name)  # it may exist: the answer, not the request, was lost
             raise
+        self._sub, self._consumer, self._inbox = sub, name, inbox
+        self._next_delivery = 1
+        self._consumer_reconnects = reconnects
+        self._renew = self._pulling = self._one_big = False
+        self._pull_until = math.inf
         if self._closes != closes or self._ended:
-            await sub.unsubscribe()
-            self._paused = True  # a later iteration (after a re-subscribe) reads on from the same place
+            await self._drop_consumer()
+
+    async def _drop_consumer(self) -> None:
+        sub, self._sub = self._sub, None
+        name, self._consumer = self._consumer, None
+        self._pulling = False
+        if sub is not None and not self.nc.is_closed:
+            with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if name is not None:
+            await self._delete_consumer(name)
+
+    async def _delete_consumer(self, name: str) -> None:
+        """Best effort, bounded, and done even by a cancelled task (its ``async with`` exits):
+        otherwise the server keeps the consumer ``REPLAY_CONSUMER_IDLE`` seconds."""
+        if self.nc.is_closed or self._stream is None:
             return
-        self._sub = sub
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_DELETE_WAIT), contextlib.suppress(Exception):
+            await self.nc.jetstream().delete_consumer(self._stream, name)
+
+    async def _pull(self) -> None:
+        """Ask for the next results when the bound has room for half of it (or the one that did
+        not fit, alone, once everything before it was taken); make the consumer again first when a
+        reconnect, a delivery gap, a deleted consumer or a lost pull calls for it. A failure
+        (raised) loses nothing: the next step tries again from the same place."""
+        if self._consumer is None or self._order.done or self._error is not None:
+            return
+        if (self._reconnect_count() != self._consumer_reconnects
+                or (self._pulling and anyio.current_time() > self._pull_until)):
+            self._renew = True
+        if self._renew:
+            await self._open_consumer()
+            if self._consumer is None:
+                return
+        if self._pulling:
+            return
+        room = self.max_buffered_bytes - self._ready_bytes - self._waiting_bytes
+        if self._ready and (self._one_big or room < self.max_buffered_bytes // 2):
+            return  # the loop takes what it holds first
+        if self._waiting_bytes and (self._one_big or room <= 0):
+            # held behind a missing seq, which does not fit what is left: the bound is passed
+            self._overrun()
+            self._arrived.set()
+            return
+        if self._one_big:  # nothing held: the bound (at least max_payload) holds it alone
+            request = {"batch": 1}
+        else:
+            request = {"batch": REPLAY_PULL_BATCH, "max_bytes": room}
+        request["expires"] = int(REPLAY_PULL_EXPIRES * 1e9)
+        self._pulling, self._pull_left, self._pull_got = True, request["batch"], 0
+        self._pull_until = anyio.current_time() + REPLAY_PULL_EXPIRES + REPLAY_PULL_LOST_AFTER
+        try:
+            await self.nc.publish(f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}",
+                                  json.dumps(request).encode(), reply=self._inbox)
+        except BaseException:
+            self._pulling = False
+            raise
+
+    async def _on_delivery(self, msg: Msg) -> None:
+        """A message on the replay's inbox: a stored result of the current consumer, or a status
+        that ends the pull out (``404``/``408``/``409``), says the consumer is gone (``503``, ``409
+        Consumer Deleted``) or that the next result did not fit the pull's ``max_bytes``."""
+        reply = msg.reply or ""
+        if reply.startswith("$JS.ACK."):
+            try:
+                meta = msg.metadata
+            except Exception:  # noqa: BLE001 - no delivery after all: not ours
+                return
+            if meta.consumer != self._consumer or self._renew:  # an earlier consumer's, or a renewal is due
+                return
+            if meta.sequence.consumer != self._next_delivery:  # one was lost (a reconnect): read on from it
+                self._renew = True
+                self._arrived.set()
+                return
+            self._next_delivery += 1
+            self._next_stored = meta.sequence.stream + 1
+            self._pull_got += 1
+            self._pull_left -= 1
+            if self._pull_left <= 0:
+                self._pulling = False
+            self._one_big = False
+            await self._on_msg(msg)  # (never suspends)
+            return
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status is None or reply or msg.subject != self._inbox or status == "100":
+            return  # a stray (nobody else may publish here), or a heartbeat
+        description = headers.get("Description", "")
+        if status == "503" or "Deleted" in description:  # no consumer (idle too long, deleted): a new one
+            self._renew = True
+        elif status == "409" and "MaxBytes" in description and self._pull_got == 0:
+            self._one_big = True
+        self._pulling = False
+        self._arrived.set()
+        return
 
     def _reconnect_count(self) -> int:
         stats = getattr(self.nc, "stats", None)
@@ -145,6 +281,9 @@ class ResultStream:
 
     async def close(self) -> None:
         self._closes += 1
+        if self.replay:
+            await self._drop_consumer()
+            return
         sub, self._sub = self._sub, None
         if sub is not None and not self.nc.is_closed:
             await sub.unsubscribe()
@@ -159,13 +298,8 @@ class ResultStream:
     aclose = close  # so ``contextlib.aclosing(stream)`` releases the subscription of a bare ``async for``
 
     async def _on_msg(self, msg: Msg) -> None:
-        if self._error is not None or self._paused:  # failed: what came before is all it yields; paused: read again
+        if self._error is not None:  # failed: what came before is all it yields
             return
-        if self.replay:
-            try:
-                self._next_stored = msg.metadata.sequence.stream + 1
-            except Exception:  # noqa: BLE001  (no JetStream delivery: a stock client's foreign message)
-                pass
         order = self._order
         try:
             result = _parse(self.subjects, msg)
@@ -188,16 +322,15 @@ class ResultStream:
             elif order.duplicates == duplicates:  # kept behind a missing seq
                 self._waiting_bytes += len(result.body)
             if self._ready_bytes + self._waiting_bytes > self.max_buffered_bytes and not order.done:
-                if self.replay and self._waiting_bytes <= self.max_buffered_bytes // 2:
-                    self._paused = True  # in order, ahead of the loop: __anext__ reads on later
-                    self._arrived.set()
-                    return
-                self._error = ResultsOverrun(
-                    f"results of {self.request_id!r}: more than {self.max_buffered_bytes} bytes received and not "
-                    f"yet read ({self._ready_bytes} ready, {self._waiting_bytes} behind seq {order.next_seq})")
-                self._ready.clear()  # the bound: nothing more is handed out of a stream that passed it
-                self._ready_bytes = self._waiting_bytes = 0
+                self._overrun()
         self._arrived.set()
+
+    def _overrun(self) -> None:
+        self._error = ResultsOverrun(
+            f"results of {self.request_id!r}: more than {self.max_buffered_bytes} bytes received and not "
+            f"yet read ({self._ready_bytes} ready, {self._waiting_bytes} behind seq {self._order.next_seq})")
+        self._ready.clear()  # the bound: nothing more is handed out of a stream that passed it
+        self._ready_bytes = self._waiting_bytes = 0
 
     def __aiter__(self) -> ResultStream:
         return self
@@ -213,8 +346,8 @@ class ResultStream:
         while True:
             if not self._order.done and anyio.current_time() >= self._deadline:  # waiting ones or not
                 await self._time_out()
-            if self._paused and self._ready_bytes + self._waiting_bytes <= self.max_buffered_bytes // 2:
-                await self._read_on()  # before a result is handed out: if it fails, nothing is lost
+            if self.replay:
+                await self._pull()  # before a result is handed out: if it fails, nothing is lost
             if self._ready:  # results that arrived before an error are still handed out, in order
                 result = self._ready.popleft()
                 self._ready_bytes -= len(result.body)
@@ -226,9 +359,12 @@ class ResultStream:
                 await self._end()
                 raise StopAsyncIteration
             self._arrived = anyio.Event()
-            with anyio.move_on_after(self._deadline - anyio.current_time()):
+            wake = self._deadline
+            if self.replay:  # a lost pull, a reconnect: looked at once a pull's time is up
+                wake = min(wake, self._pull_until if self._pulling else anyio.current_time() + REPLAY_PULL_EXPIRES)
+            with anyio.move_on_after(wake - anyio.current_time()):
                 await self._arrived.wait()
-            if not self._arrived.is_set():
+            if not self._arrived.is_set() and anyio.current_time() >= self._deadline:
                 await self._time_out()
 
     async def _time_out(self) -> NoReturn:
