@@ -835,3 +835,19 @@ def test_vllm_stitch_of_a_joined_body_that_carries_a_marker_says_omitted():
     body, verdict = session.stitch(dumps(retry), True)
     assert loads(body)["choices"][0]["routed_experts_unavailable_reason"] == "prefill_timeout"
     assert verdict is Verdict.OMITTED
+
+
+def test_vllm_stitch_of_a_body_whose_usage_carries_the_joins_marker_says_omitted():
+    """The vLLM join puts ``prompt_tokens_details_unavailable_reason`` in ``usage`` (join.py
+    ``_join_prompt_tokens_details``: a P/D attempt whose prefill leg was unavailable), not in the body or a
+    choice. The stitch restates ``usage`` (k > 0) and so rewrites the body: the marker is still there,
+    so the verdict is ``omitted`` (the correlator publishes the stitch's verdict as is)."""
+    session, _ = sealed_session(Catalog()("vllm"), [dumps({"request_id": "r", "choices": [
+        {"index": 0, "token_ids": [11]}]})])
+    retry = {"request_id": "w", "choices": [{"index": 0, "token_ids": [12], "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5,
+                       "prompt_tokens_details": None,
+                       "prompt_tokens_details_unavailable_reason": "prefill_timeout"}}
+    body, verdict = session.stitch(dumps(retry), True)
+    assert loads(body)["usage"]["prompt_tokens_details_unavailable_reason"] == "prefill_timeout"
+    assert verdict is Verdict.OMITTED

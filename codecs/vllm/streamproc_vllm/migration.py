@@ -201,8 +201,11 @@ class VLLMMigrationSession(MigrationSession):
         if not changed:
             return None  # the joined body as it is, with the join's verdict
         # The verdict is the body's: a marker left, the join's included (the stitch drops a prompt
-        # logprobs one the client was answered before), makes it ``omitted`` (docs/protocol.md).
+        # logprobs one the client was answered before), makes it ``omitted`` (docs/protocol.md). The
+        # join puts them in the body, its choices and ``usage`` (``prompt_tokens_details``).
         targets = [obj, *(c for c in choices if isinstance(c, dict))] if isinstance(choices, list) else [obj]
+        if isinstance(usage, dict):
+            targets.append(usage)
         if any(key.endswith(UNAVAILABLE_SUFFIX) for target in targets for key in target):
             verdict = Verdict.OMITTED
         return dump(obj), verdict
