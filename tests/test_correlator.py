@@ -355,6 +355,29 @@ def test_resume_of_a_finished_request_makes_its_chunks_late():
     assert run.results == [] and c.stats.late == 3
 
 
+def test_a_request_adopted_as_finished_is_remembered_like_any_finished_one_for_the_grace_within_the_caps():
+    """A recovery lookup that finds a request's final result stored adopts it as finished
+    (``resume(..., final=True)``): a hostile worker can make one per distinct old id with one late
+    chunk each, so those ids must cost what any finished id does, no more: forgotten after
+    ``finished_grace`` and held within ``max_finished`` and ``max_finished_bytes``."""
+    from streamproc.core.defaults import FINISHED_ENTRY_BYTES
+    c, run = make(finished_grace=5.0, max_finished=3)
+    for i in range(10):
+        c.resume(f"old{i}", 2, True, float(i) / 10)
+    assert [c.is_finished(f"old{i}") for i in range(10)] == [False] * 7 + [True] * 3
+    assert c.finished_bytes == 3 * (FINISHED_ENTRY_BYTES + len("old0"))
+    run.absorb(c.tick(0.9 + 4.9))  # old9 adopted at 0.9: within its grace
+    assert c.is_finished("old9") and not c.is_finished("old7")
+    run.absorb(c.tick(0.9 + 5.0))
+    assert not any(c.knows(f"old{i}") for i in range(10)) and c.finished_bytes == 0
+    entry = FINISHED_ENTRY_BYTES + 256
+    c, run = make(finished_grace=60.0, max_finished_bytes=4 * entry)
+    ids = [f"{i:04d}".ljust(256, "z") for i in range(10)]
+    for rid in ids:
+        c.resume(rid, 1, True, 0.0)
+    assert [c.is_finished(r) for r in ids] == [False] * 6 + [True] * 4 and c.finished_bytes == 4 * entry
+
+
 def test_resume_never_rewinds_a_request_this_instance_is_serving():
     c, run = make()
     feed(run, leg("live", Role.AGG, [b"0", b"1"])[:1])

@@ -13,7 +13,7 @@ import anyio
 import msgspec
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, stored_results
+from durable_helpers import ack_pending, chunk_stream_messages, connect, durable_flags, publish_paced, stored_results
 from helpers import (NON_UTF8_HEADERS, broken_codec_site, expert_pd_legs, free_port, inflating_pd_legs, peak_rss, publish_repeated_joins, raw_hpub,
                      raw_protocol, rid, scrape, wait_until)
 
@@ -1126,3 +1126,76 @@ async def test_messages_on_a_pull_inbox_that_are_no_delivery_or_status_are_ignor
             assert proc.poll() is None
     finally:
         await nc.close()
+
+
+async def test_requests_adopted_as_finished_by_a_lookup_are_forgotten_after_the_grace_and_held_within_max_finished(
+        nats_url):
+    """A late chunk of a request this instance does not know costs a recovery lookup, and one that
+    finds the final result stored adopts the id as finished (``Correlator.resume``). A hostile worker
+    can do that for every old id it knows, one ~10-byte chunk each, so the adopted ids must be
+    remembered like any finished id: for ``--finished-grace`` and within ``--max-finished`` (and
+    ``--max-finished-bytes``), then forgotten (the next late chunk pays a lookup again).
+
+    The worker here gives each round's chunks a fresh ``Nats-Msg-Id``, as a hostile one would: with
+    the same id (``chunk_headers``' default, ``<id>.<role>.<attempt>.<seq>``) nats-server drops the
+    repeats within ``--duplicate-window`` (2 min) and the processor never sees them, which looks as
+    if the adopted ids were remembered past the grace (seen: 200 ids sent 4 times 2.5 s apart with
+    ``--finished-grace 1``, 200 lookups and 200 late chunks in all; with fresh ids 800 and 800).
+    Measured with ``--partitions 2`` (2-core machine): 100,000 distinct adopted ids of 200 characters
+    in ~55 s, VmRSS 49 -> 86 MiB at the defaults (the 32 MiB charge stops it at ~92,000 ids), 49 ->
+    52 MiB with ``--max-finished 1000``. One partition: its lookups are made in arrival order, so
+    the ids adopted last are the ones sent last."""
+    n, cap = 300, 100
+    ids = [rid(f"adopt{i}") for i in range(n)]
+    nc = await connect(nats_url)
+    try:
+        js = nc.jetstream()
+
+        async def drained() -> bool:
+            return await chunk_stream_messages(js) == 0
+
+        async def stored() -> int:
+            return (await js.stream_info("STREAMPROC_RESULTS")).state.messages
+
+        async def late_round(name: str, which: list[str], port: int) -> float:
+            """One late chunk (seq 1) per id, each with a fresh Nats-Msg-Id; the lookups made by now."""
+            messages = []
+            for r in which:
+                headers = chunk_headers(r, "agg", 1, final=True)
+                headers["Nats-Msg-Id"] += f".{name}"
+                messages.append((SUBJECTS.chunk(r, "agg"), b'{"text":"late"}', headers))
+            await publish_paced(nc, messages, window=64)
+            await wait_until(drained, 30, f"round {name}'s late chunks settled", every=0.1)
+            return scrape(port)["streamproc_durable_recoveries_total"]
+
+        grace = 1.0
+        port = free_port()
+        flags = durable_flags(partitions=1, finished_grace=grace)
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _):
+            before = await stored()
+            await publish_paced(nc, [(SUBJECTS.chunk(r, "agg"), b"{}", chunk_headers(r, "agg", 0, final=True))
+                                     for r in ids], window=64)
+            await wait_until(lambda: _at_least(stored, before + n), 30, "every request's result stored")
+            await anyio.sleep(grace + 1.5)  # its own finished ids forgotten
+            assert await late_round("a", ids, port) == n  # each adopted as finished by a lookup
+            await anyio.sleep(grace + 1.5)
+            assert await late_round("b", ids, port) == 2 * n, "adopted ids remembered past --finished-grace"
+            assert scrape(port)["streamproc_late_total"] == 2 * n
+            assert proc.poll() is None
+        port = free_port()
+        flags = durable_flags(partitions=1, finished_grace=60.0, max_finished=cap)
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _):
+            assert await late_round("c", ids, port) == n  # a fresh instance knows none of them
+            # The ids adopted last are remembered (within the grace and the cap): no lookup.
+            assert await late_round("d", ids[-cap // 5:], port) == n
+            looked_up = await late_round("e", ids, port) - n  # at once, well within the grace
+            assert n - cap <= looked_up <= n, f"{looked_up} lookups: adopted ids held past --max-finished {cap}"
+            assert scrape(port)["streamproc_late_total"] == 2 * n + cap // 5
+            assert proc.poll() is None
+        assert await stored() == before + n  # a late chunk gets no new result
+    finally:
+        await nc.close()
+
+
+async def _at_least(count, target: int) -> bool:
+    return await count() >= target
