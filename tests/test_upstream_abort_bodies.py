@@ -169,17 +169,44 @@ def prefill_leg() -> dict[str, Any]:
     return {"text": TEXT[0], "output_ids": OUT[:1], "meta_info": meta}
 
 
+@pytest.mark.parametrize("prefill_aborted", [False, True])
 @pytest.mark.parametrize("seen", [1, 3])
-def test_a_decode_leg_the_scheduler_aborted_gets_no_experts_and_the_reason(seen):
-    """``_handle_abort_req`` never writes ``routed_experts``, so the aggregated abort body has none:
-    the join must not put prefill's rows on it (one token), nor call it ``decode_missing`` when
-    decode ended in an abort. (Before token 0: the next test.)"""
+def test_a_decode_leg_the_scheduler_aborted_after_tokens_gets_no_experts_and_no_reason(seen, prefill_aborted):
+    """``_handle_abort_req`` never writes ``routed_experts``, so the aggregated abort body has neither
+    rows nor a marker, and so must the join: not prefill's rows (one token), nor ``decode_missing``,
+    nor the ``decode_error`` (``prefill_error`` when prefill aborted too) it used to add. A running
+    request aborted through ``to_finish`` (``Scheduler.abort_request``, "Abort method 3") does get
+    rows, in both modes: its last step runs ``_handle_finish_state_updated_req``, which calls
+    ``_maybe_collect_routed_experts`` once ``req.finished()``, and the body comes from
+    ``_handle_batch_output`` with the field, joined as any. A failed decode body without the field
+    comes from a path that writes none (``_handle_abort_req``; ``_handle_sampling_mask_abort``
+    collects none either). (Before token 0: the next test.)"""
     body = abort_body(seen, stream=True)
+    prefill = dumps(body) if prefill_aborted else dumps(prefill_leg())
+    [(joined, verdict)] = join(SGLangCodec(OPTIONS), [dumps(body)], [prefill])
+    meta = json.loads(joined)["meta_info"]
+    assert "routed_experts" not in meta and "routed_experts_unavailable_reason" not in meta
+    if not prefill_aborted:  # the prompt logprobs are prefill's; nothing else is omitted
+        assert verdict is not Verdict.OMITTED
+        assert {k: v for k, v in meta.items() if k != "input_token_logprobs"} == {
+            k: v for k, v in body["meta_info"].items() if k != "input_token_logprobs"}
+
+
+def test_a_decode_leg_aborted_through_to_finish_carries_rows_and_is_joined_as_any():
+    """``Scheduler.abort_request`` on a running request sets ``req.to_finish = FINISH_ABORT()``: one
+    more decode step, then ``update_finish_state`` finishes it and ``_handle_finish_state_updated_req``
+    calls ``_maybe_collect_routed_experts`` (``batch_result_processor.py``), so the body
+    (``_handle_batch_output``: it has ``prompt_tokens``) carries rows in both modes: prefill's prompt
+    rows and decode's generated ones, as for any finish."""
+    generated = bytes(range(100, 100 + 2 * 16))  # 2 rows of 4 int32 ids: output tokens 0 and 1
+    body = batch_chunk(0, 3, cumulative=True)
+    body["meta_info"]["finish_reason"] = RETRACT_ABORT
+    body["meta_info"]["routed_experts"] = base64.b64encode(bytes(4 * 16) + generated).decode()  # prompt rows stale
     [(joined, verdict)] = join(SGLangCodec(OPTIONS), [dumps(body)], [dumps(prefill_leg())])
     meta = json.loads(joined)["meta_info"]
-    assert "routed_experts" not in meta
-    assert meta["routed_experts_unavailable_reason"] == "decode_error"
-    assert verdict is Verdict.OMITTED
+    prompt_rows = base64.b64decode(prefill_leg()["meta_info"]["routed_experts"])
+    assert base64.b64decode(meta["routed_experts"]) == prompt_rows + generated
+    assert "routed_experts_unavailable_reason" not in meta and verdict is Verdict.JOINED
 
 
 @pytest.mark.parametrize("prefill_aborted", [False, True])

@@ -121,7 +121,7 @@ class OmissionReason(enum.StrEnum):
     PREFILL_CORRUPT = "prefill_corrupt"  # the prefill leg's value does not decode or is implausible
     PREFILL_ERROR = "prefill_error"  # the prefill worker answered with an error
     DECODE_MISSING = "decode_missing"
-    DECODE_ERROR = "decode_error"  # the decode leg ended with an error or abort and did not carry the field
+    DECODE_ERROR = "decode_error"  # the decode leg ended with an error or abort without the field the aggregated answer has
     DECODE_CORRUPT = "decode_corrupt"
     LENGTH_MISMATCH = "length_mismatch"  # the legs' sizes (a stitched value's counts) disagree with the token counts
     SHAPE_MISMATCH = "shape_mismatch"  # the legs' row shapes (layers x top-k, dtype) disagree

@@ -866,11 +866,15 @@ class SGLangJoinSession(JoinSession):
         self._changed = True
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
-        if ROUTED_EXPERTS not in meta and native.failed_finish(meta) and meta.get(COMPLETION_TOKENS) == 0:
-            # Failed before output token 0: no engine has rows for it (``BatchResultProcessor.
-            # _maybe_collect_routed_experts`` runs only once a request finishes after sampling a token,
-            # ``_handle_abort_req`` writes none), so the aggregated answer has neither rows nor a
-            # marker, whatever the request asked or the prefill leg became.
+        if ROUTED_EXPERTS not in meta and native.failed_finish(meta):
+            # A failed finish without the field comes from a path that writes no rows in either mode,
+            # so the aggregated answer has neither rows nor a marker, whatever the request asked or
+            # the prefill leg became (SGLang 0.5.23): ``TokenizerManager._handle_abort_req`` writes
+            # none, before or after token 0; ``BatchResultProcessor._maybe_collect_routed_experts``
+            # runs only once a request finishes after sampling a token, and
+            # ``_handle_sampling_mask_abort`` skips it. An abort that finishes through ``to_finish``
+            # (``Scheduler.abort_request`` on a running request) is collected like any finish: its
+            # body has the field and is joined below.
             return None
         if self._unavailable is not None:
             return self._omit(meta, self._unavailable)
@@ -879,10 +883,6 @@ class SGLangJoinSession(JoinSession):
         source_value = self._prefill.get(ROUTED_EXPERTS)
         if not present and source_value is None:
             return  # experts were not requested (indistinguishable from both legs dropping them)
-        if not present and native.failed_finish(meta):
-            # An aborted decode (``TokenizerManager._handle_abort_req`` writes no rows) has no rows to
-            # join, and the aggregated abort body has none: prefill's alone would claim a complete capture.
-            return self._omit(meta, Omit.DECODE_ERROR)
         prefill = self._prefill_rows()
         if isinstance(prefill, str):
             return self._omit(meta, prefill)
