@@ -1171,13 +1171,16 @@ async def test_requests_adopted_as_finished_by_a_lookup_are_forgotten_after_the_
         grace = 1.0
         port = free_port()
         flags = durable_flags(partitions=1, finished_grace=grace)
-        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, _):
+        with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
             before = await stored()
             await publish_paced(nc, [(SUBJECTS.chunk(r, "agg"), b"{}", chunk_headers(r, "agg", 0, final=True))
                                      for r in ids], window=64)
             await wait_until(lambda: _at_least(stored, before + n), 30, "every request's result stored")
             await anyio.sleep(grace + 1.5)  # its own finished ids forgotten
             assert await late_round("a", ids, port) == n  # each adopted as finished by a lookup
+            # Each adoption is logged rate limited (LogLimiter: 20 lines per event and 10 s), not once per chunk.
+            resumed = log_path.read_text(errors="replace").count("event=request_resumed ")
+            assert 1 <= resumed <= 60, f"{resumed} request_resumed lines for {n} late chunks"
             await anyio.sleep(grace + 1.5)
             assert await late_round("b", ids, port) == 2 * n, "adopted ids remembered past --finished-grace"
             assert scrape(port)["streamproc_late_total"] == 2 * n

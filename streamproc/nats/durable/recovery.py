@@ -141,7 +141,8 @@ class Recovery:
             self.stats.migrated_adopted += 1
             self._note_sealed(rid)
         self.stats.resumed += 1
-        log_event(log, logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
+        # Rate limited: one late chunk per old id (a hostile worker's flood) costs a lookup and this line.
+        self.limited.log(logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
                   attempt=record.attempt if record is not None else 0)
 
     async def migrate(self, rid: str, request: MigrateRequest,
