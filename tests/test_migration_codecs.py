@@ -19,7 +19,7 @@ from streamproc.codec import Emitted, MigrationRefused
 from streamproc.simulation import make_truth
 from streamproc.wire import Verdict
 
-from migration_helpers import SGLANG_0523_TIMINGS, without_timings
+from migration_helpers import SGLANG_0523_TIMINGS, without_attempt_values, without_timings
 
 SGLANG_FORMATS = [name for name in ("sglang", "sglang-zstd") if name in codec_names()]
 
@@ -516,7 +516,7 @@ def test_sglang_0523_a_migrated_streams_cached_tokens_stay_those_the_client_was_
     for body in (uninterrupted[-1], migrated[-1]):  # spans the lost attempt never published: omitted
         meta = body["meta_info"]
         meta.pop("weight_versions", None), meta.pop("weight_versions_unavailable_reason", None)
-    assert [without_timings(doc) for doc in migrated] == [without_timings(doc) for doc in uninterrupted]
+    assert [without_attempt_values(doc) for doc in migrated] == [without_attempt_values(doc) for doc in uninterrupted]
     assert {(m["meta_info"]["cached_tokens"], str(m["meta_info"]["cached_tokens_details"])) for m in migrated} == \
         {(4, str({"device": 4, "host": 0}))}
 
@@ -580,7 +580,7 @@ def test_sglang_0523_speculative_decoding_stats_of_a_migrated_request_are_omitte
         meta = body["meta_info"]
         for key in ("weight_versions", *spec):
             meta.pop(key, None), meta.pop(key + "_unavailable_reason", None)
-    assert [without_timings(doc) for doc in migrated] == [without_timings(doc) for doc in uninterrupted]
+    assert [without_attempt_values(doc) for doc in migrated] == [without_attempt_values(doc) for doc in uninterrupted]
     # Migrated before any token: the resumed attempt ran every verify step of the request, so its
     # counters pass unchanged (its timings are still its own: omitted whatever k).
     session, _ = sealed_session(Catalog()("sglang"), [])
@@ -714,8 +714,8 @@ def test_sglang_0523_timings_of_a_migrated_request_are_omitted_not_the_resumed_a
     expected = [loads(body) for body in uninterrupted]
     for body in (expected[-1], migrated[-1]):  # spans the lost attempt never published: omitted alike
         body["meta_info"].pop("weight_versions", None), body["meta_info"].pop("weight_versions_unavailable_reason", None)
-    assert [without_timings(doc) for doc in [loads(b) for b in uninterrupted[:before]] + migrated] == \
-        [without_timings(doc) for doc in expected]
+    assert [without_attempt_values(doc) for doc in [loads(b) for b in uninterrupted[:before]] + migrated] == \
+        [without_attempt_values(doc) for doc in expected]
 
 
 def test_sglang_0523_timings_are_omitted_when_migrated_before_any_token_too():

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from helpers import drive_join as join
-from migration_helpers import SGLANG_0523_TIMINGS, without_timings
+from migration_helpers import SGLANG_0523_TIMINGS, without_attempt_values, without_timings
 
 from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
 from streamproc.config import ConfigError, load
@@ -166,8 +166,8 @@ def test_sglang_resumed_cumulative_or_incremental_stream_reads_as_one_request(st
     bodies = [body if out is None else out[0] for body, out in zip(resumed, stitched)]
     for got, want in zip(bodies, expected[2:]):
         got_doc, want_doc = msgspec.json.decode(got), msgspec.json.decode(want)
-        # The resumed attempt's timings are its own (omitted); the content is the run's.
-        assert without_timings(got_doc) == without_timings(want_doc)
+        # The resumed attempt's timings and retraction count are its own (omitted); the content is the run's.
+        assert without_attempt_values(got_doc) == without_attempt_values(want_doc)
 
 
 def test_sglang_0523_pd_join_passes_decodes_own_timings_through():
@@ -416,12 +416,12 @@ def _resume_after(codec, truth, shape, published: int) -> list[dict]:
     out = []
     for i, body in enumerate(resumed):
         stitched = session.stitch(body, i == len(resumed) - 1)
-        out.append(without_timings(msgspec.json.decode(body if stitched is None else stitched[0])))
+        out.append(without_attempt_values(msgspec.json.decode(body if stitched is None else stitched[0])))
     return out
 
 
 def _docs(bodies: list[bytes]) -> list[dict]:
-    return [without_timings(msgspec.json.decode(b)) for b in bodies]
+    return [without_attempt_values(msgspec.json.decode(b)) for b in bodies]
 
 
 def test_sglang_migration_after_the_first_chunk_follows_the_streaming_option():

@@ -37,9 +37,10 @@ field                              stitched value
                                    attempt's ``input_logprobs_unavailable_reason``); else the attempt's
                                    list without its last k entries (the replayed output tokens); the
                                    flat form (``return_flat_raw_top_logprobs``) the same way
-``weight_versions``, ``spec_*``    omitted (``stitch_incomplete``) when tokens were emitted before the
-                                   seal (``ATTEMPT_FIELDS``): finished-body values over the finishing
-                                   attempt's own work, and the lost attempt never published its share
+``weight_versions``, ``spec_*``,   omitted (``stitch_incomplete``) when tokens were emitted before the
+``num_retractions``                seal (``ATTEMPT_FIELDS``): values over the attempt's own work (its
+                                   own ``Req``'s retractions), and the lost attempt never published
+                                   (all of) its share
 ``e2e_latency``, the metrics       omitted (``stitch_incomplete``) on every resumed body, also with
 timings (``TIMING_FIELDS``)        nothing emitted: measured from the attempt's own receipt
 ``routed_experts``                 the attempt's array covers every position (its prompt is the
@@ -117,9 +118,12 @@ WEIGHT_VERSIONS = native.WEIGHT_VERSIONS
 # earlier trees' aliases (``spec_accepted_drafts``, ``spec_proposed_drafts``, ``spec_accept_histogram``)
 # alike. A resumed attempt's cover its own steps; the lost attempt's were never published.
 SPEC_PREFIX = "spec_"
-# A finished body's values that describe the attempt that finished, not the request: with tokens
-# emitted before the seal no exact whole-request value exists, so each is omitted (stitch_incomplete).
-ATTEMPT_FIELDS = (WEIGHT_VERSIONS,)
+# ``num_retractions`` (``total_retractions`` before 0.5.23), on every body: ``Req.retraction_count``, which
+# ``reset_for_retract`` adds to, is one ``Req``'s on one worker; a resumed attempt's starts at 0, and
+# the lost worker's retractions after its last body were never published.
+# Values that describe the attempt, not the request: with tokens emitted before the seal no exact
+# whole-request value exists, so each is omitted (stitch_incomplete).
+ATTEMPT_FIELDS = (WEIGHT_VERSIONS, *native.RETRACTION_COUNTS)
 ATTEMPT_PREFIXES = (SPEC_PREFIX,)
 # Timings, measured by the attempt's own worker from its own receipt of the request (0.5.23, all in
 # ``TokenizerManager._handle_batch_output`` unless said):
