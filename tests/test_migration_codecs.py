@@ -122,6 +122,34 @@ def test_sglang_a_session_request_is_refused_naming_session_params():
         codec.resume_request(dumps(SESSION_TURN), Emitted([9], {"prompt_tokens": 7}))
 
 
+@pytest.mark.parametrize("name", SGLANG_FORMATS)
+@pytest.mark.parametrize("params", [{"beam_width": 4}, {"beam_width": 4, "n": 2}], ids=["one_returned", "n_returned"])
+def test_sglang_a_beam_search_request_is_refused_naming_beam_width(name, params):
+    """SGLang 0.5.23 has beam search (``SamplingParams.beam_width`` > 1; ``n`` is then the number of
+    returned sequences, ``n <= beam_width``). Its output reaches the client only once, in the final
+    body: ``_GenerationStreamAccumulator._beam_admits`` streams only the group's leader once the group
+    finished, and ``_wait_one_response`` skips unfinished beam outputs. That body
+    (``build_beam_search_out``) carries ``meta_info.beam_results``, each beam with its own ``meta_info``,
+    the best one a copy of the attempt's (timings included), which the stitch does not restate: it
+    marked the top-level timings ``stitch_incomplete`` beside beam_results' copy of them. A resumed
+    prompt + emitted tokens would also not be the same search. Refused up front, naming the
+    parameter; with ``n`` 2 it used to read "parallel samples", which beam's ``n`` is not."""
+    codec = Catalog()(name)
+    request = dumps({"input_ids": [5, 6], "stream": True, "sampling_params": {**params, "max_new_tokens": 8}})
+    with pytest.raises(MigrationRefused, match=r"beam search \(sampling_params\.beam_width = 4\)"):
+        codec.check_migratable(request)
+    with pytest.raises(MigrationRefused, match="beam_width"):
+        codec.resume_request(request, Emitted([], {"prompt_tokens": 2}))
+
+
+@pytest.mark.parametrize("width", [None, 1])
+def test_sglang_a_beam_width_of_1_is_no_beam_search_and_resumes(width):
+    """``BeamCoordinator.request_beam_width``: ``beam_width or 1``; only a width above 1 is a beam request."""
+    request = dumps({"input_ids": [5, 6], "sampling_params": {"beam_width": width, "max_new_tokens": 8}})
+    doc = loads(Catalog()("sglang").resume_request(request, Emitted([9], {"prompt_tokens": 2})))
+    assert doc["input_ids"] == [5, 6, 9] and doc["sampling_params"]["max_new_tokens"] == 7
+
+
 @pytest.mark.parametrize("request_doc", [
     {"input_ids": [5, 6], "session_params": None},
     {"input_ids": [5, 6], "session_params": {"id": None}},  # no session: ``session_params.id`` is None

@@ -53,8 +53,9 @@ a second token-carrying chunk shows the mode, the codec option ``streaming`` (de
 decides. P/D attempts are joined within their attempt first (their prefill leg covers the extended prompt),
 then stitched. What the processor can check from bodies alone: every published body is a JSON
 object with integer ``output_ids`` (else the emitted tokens are unknown), is not a batch (a JSON
-array: ``n > 1``), and carries no ``hidden_states``. Guided decoding and ``n > 1`` are visible in
-the request only: :func:`check_request` refuses them for the serving layer's helper.
+array: ``n > 1``), and carries no ``hidden_states``. Guided decoding, ``n > 1``, beam search
+(``beam_width`` > 1) and session requests are visible in the request only: :func:`check_request`
+refuses them for the serving layer's helper.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ INPUT_IDS = "input_ids"
 SAMPLING_PARAMS = "sampling_params"
 SESSION_PARAMS = "session_params"
 SAMPLES = "n"  # parallel samples per request (SamplingParams.n)
+# 0.5.23 beam search: ``SamplingParams.beam_width`` > 1 (``BeamCoordinator.request_beam_width``:
+# ``beam_width or 1``), ``n`` then the number of returned sequences. Nothing of it is streamed before
+# the final body (``_GenerationStreamAccumulator._beam_admits``: the group's leader, once finished;
+# ``_wait_one_response`` skips unfinished beam outputs), and that body's ``meta_info.beam_results``
+# repeat the attempt's meta_info per beam, which the stitch does not restate; prompt + emitted tokens
+# would not be the same search either. Refused (check_request).
+BEAM_WIDTH = "beam_width"
 MAX_NEW_TOKENS = "max_new_tokens"
 MIN_NEW_TOKENS = "min_new_tokens"
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default when the request gives none
@@ -539,7 +547,13 @@ def check_request(body: bytes) -> dict[str, Any]:
         raise MigrationRefused("the request has no input_ids")
     if not all(_is_count(t) for t in ids):
         raise MigrationRefused("a batched request (several prompts) cannot be resumed")
-    check_sampling_params(doc.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
+    params = doc.get(SAMPLING_PARAMS)
+    width = params.get(BEAM_WIDTH) if isinstance(params, dict) else None
+    if width is not None and width != 1:  # before ``n``, which for beam search is no parallel sampling
+        raise MigrationRefused(f"beam search (sampling_params.beam_width = {width}) cannot be resumed: its output "
+                               "arrives only in the final body, whose beam_results a stitch cannot restate; "
+                               "the client has seen nothing of it, so send the request again")
+    check_sampling_params(params, guided=GUIDED_FIELDS, samples=SAMPLES)
     if doc.get("return_hidden_states"):
         raise MigrationRefused("hidden states (return_hidden_states) cannot be carried to another worker")
     session = doc.get(SESSION_PARAMS)
