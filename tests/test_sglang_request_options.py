@@ -98,11 +98,21 @@ def test_decode_empty_prompt_logprobs_are_never_published_beside_the_unavailable
 
 def rejected_at_intake(*, finish_message: str) -> bytes:
     """A streamed request ``Scheduler.handle_generate_request`` rejects (``logprob_start_len`` past the
-    prompt): ``Req.set_finish_with_abort`` swaps the prompt for one token and clears
-    ``return_logprob``; ``retire_unadmitted_request`` (P/D queues) or the waiting queue streams it
-    unrun, so ``_handle_batch_output`` writes the tokenizer state's empty lists
-    (``add_logprob_to_meta_info``) and no output token. ``_wait_one_response`` yields a stream's
-    abort body as is. Every engine, prefill and decode included, sends this same body."""
+    prompt) as a P/D worker answers it: ``Req.set_finish_with_abort`` swaps the prompt for a one-token
+    stub, clears ``return_logprob`` and leaves the verdict in ``to_finish``; ``_add_request_to_queue``
+    hands it to ``PrefillBootstrapQueue.add`` / ``DecodePreallocQueue.add``, whose
+    ``is_unadmitted_reject`` sends it to ``retire_unadmitted_request``: streamed unrun, so
+    ``_handle_batch_output`` writes the tokenizer state's empty lists (``add_logprob_to_meta_info``),
+    no output token and no ``routed_experts``. ``_wait_one_response`` yields a stream's abort body as
+    is. The prefill and the decode worker send this same body.
+
+    The aggregated engine does not: its waiting queue runs the stub (``Scheduler.abort_request``,
+    "Abort method 2 ... will still run one prefill forward pass"), so ``process_batch_result_prefill``
+    appends the sampled token before ``update_finish_state`` turns ``to_finish`` into the abort, and
+    collects routed experts (``_maybe_collect_routed_experts``) if they were asked: its body has
+    ``output_ids`` ``[t]`` (a token sampled after the stub), ``completion_tokens`` 1, and one stub row
+    (none past a ``routed_experts_start_len`` of 0). Its logprob lists are ``[]`` as here
+    (``return_logprob`` was cleared). No P/D leg has that token or row (docs/codecs.md, known limit)."""
     meta = {"id": "r1", "finish_reason": {"type": "abort", "message": finish_message, "status_code": 400,
                                           "err_type": "BadRequestError"},
             "prompt_tokens": 1, "weight_version": "default", "num_retractions": 0,
@@ -114,12 +124,13 @@ def rejected_at_intake(*, finish_message: str) -> bytes:
 
 
 def test_a_request_rejected_before_any_token_keeps_its_empty_prompt_logprobs_without_a_reason():
-    """``logprob_start_len=9`` on a 4-token prompt: both legs, and the aggregated engine, answer the
-    same abort body with ``input_token_logprobs: []``, the complete answer for a request that never
-    reached token 0 (no engine scores the prompt before sampling token 0). The join must not call
-    those lists unavailable (before the fix: ``input_logprobs_unavailable_reason: prefill_error``, and
-    with the first fix of this file the lists removed). No routed-experts marker either (it used to
-    read ``prefill_error``): no engine has rows before token 0, asked or not (tests/test_upstream_abort_bodies.py)."""
+    """``logprob_start_len=9`` on a 4-token prompt: both legs answer the same abort body with
+    ``input_token_logprobs: []``, and so does the aggregated engine (``set_finish_with_abort`` cleared
+    ``return_logprob`` before its stub forward): the join must not call those lists unavailable
+    (before the fix: ``input_logprobs_unavailable_reason: prefill_error``, and with the first fix of
+    this file the lists removed). No routed-experts marker either (it used to read ``prefill_error``):
+    the aggregated body has a stub row only if experts were asked, and nothing in either leg says
+    whether they were, so the join leaves the body as the legs sent it (docs/codecs.md, known limit)."""
     message = "req.logprob_start_len=9 is higher than the number of input tokens len(req.origin_input_ids)=4."
     body = rejected_at_intake(finish_message=message)
     (joined, _), = join(CODEC, [body], [body])

@@ -643,7 +643,9 @@ class SGLangJoinSession(JoinSession):
             # A request that failed before output token 0 has no prompt logprobs on any engine: the
             # scheduler sets them in the step that samples token 0 (``add_input_logprob_return_values``
             # with ``last_prefill_chunk``), and one rejected at intake (``set_finish_with_abort``, e.g.
-            # ``logprob_start_len`` past the prompt) never runs. Decode's ``[]`` is the aggregated answer.
+            # ``logprob_start_len`` past the prompt) has ``return_logprob`` cleared: P/D retires it unrun
+            # (``retire_unadmitted_request``), the aggregated engine runs its one-token stub without
+            # logprobs. Decode's ``[]`` is the aggregated answer.
             return meta
         source = self._prefill
         reason = self._unavailable
@@ -867,14 +869,16 @@ class SGLangJoinSession(JoinSession):
 
     def _join_experts(self, meta: dict[str, Any]) -> None:
         if ROUTED_EXPERTS not in meta and native.failed_finish(meta):
-            # A failed finish without the field comes from a path that writes no rows in either mode,
-            # so the aggregated answer has neither rows nor a marker, whatever the request asked or
-            # the prefill leg became (SGLang 0.5.23): ``TokenizerManager._handle_abort_req`` writes
-            # none, before or after token 0; ``BatchResultProcessor._maybe_collect_routed_experts``
-            # runs only once a request finishes after sampling a token, and
-            # ``_handle_sampling_mask_abort`` skips it. An abort that finishes through ``to_finish``
-            # (``Scheduler.abort_request`` on a running request) is collected like any finish: its
-            # body has the field and is joined below.
+            # A failed finish without the field: the aggregated answer has neither rows nor a marker,
+            # whatever the prefill leg became (SGLang 0.5.23), for ``TokenizerManager._handle_abort_req``
+            # (writes none, before or after token 0) and ``_handle_sampling_mask_abort`` (skips
+            # ``BatchResultProcessor._maybe_collect_routed_experts``, which runs only once a request
+            # finishes after sampling a token). An abort that finishes through ``to_finish``
+            # (``Scheduler.abort_request`` on a running request) is collected like any finish: its body
+            # has the field and is joined below. Known limit: a request rejected at intake
+            # (``set_finish_with_abort``) is retired unrun by both P/D legs, while the aggregated engine
+            # runs its one-token stub and, if experts were asked, sends that stub's row; no leg says
+            # whether they were (docs/codecs.md), so no marker, as for a request that never asked.
             return None
         if self._unavailable is not None:
             return self._omit(meta, self._unavailable)
