@@ -35,8 +35,9 @@ field                            stitched value
 P/D attempts are joined within their attempt first, then stitched. From bodies alone the processor
 refuses: a body that is not a JSON object, a choice other than index 0 (``n > 1``), and
 non-integer ``token_ids``, and a published ``finish_reason`` (only the usage chunk was lost). Guided
-decoding (``structured_outputs``), ``n > 1``, ``output_mode`` ``derender`` and ``text`` with stop
-strings it holds text back for are refused from the request by :func:`check_request`.
+decoding (``structured_outputs``) and ``n > 1`` are refused from the request by :func:`check_request`;
+``output_mode`` ``derender`` and ``text`` with stop strings it holds text back for by
+:func:`resume_request`, once the seal says tokens were emitted (with none, nothing is lost).
 """
 
 from __future__ import annotations
@@ -256,13 +257,13 @@ def check_request(body: bytes) -> dict:
     ids = obj.get(TOKEN_IDS)
     if not isinstance(ids, list) or not ids or not all(is_int(t) for t in ids):
         raise MigrationRefused("the request has no token_ids to extend")
-    params = check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
-    _check_detokenizer_state(obj.get(OUTPUT_MODE), params)
+    check_sampling_params(obj.get(SAMPLING_PARAMS), guided=GUIDED_FIELDS, samples=SAMPLES)
     return obj
 
 
-def _check_detokenizer_state(mode: object, params: dict) -> None:
-    """Refuse the output modes whose stream depends on worker state a resumed request does not have.
+def _check_detokenizer_state(mode: object, params: dict, emitted: int) -> None:
+    """Refuse the output modes whose stream depends on worker state a resumed request does not have,
+    when ``emitted`` tokens reached the client before the seal.
 
     ``tokens`` (the default) carries token ids only, and they continue exactly. ``derender``: 0.34.0
     ``serve_tokens_stream_generator`` sends ``delta.role = "assistant"`` on each request's first chunk
@@ -272,18 +273,30 @@ def _check_detokenizer_state(mode: object, params: dict) -> None:
     ``include_stop_str_in_output``) until the request finishes (``get_next_output_text``); what the
     lost worker held back is text of tokens the client already has, and the resumed worker decodes
     only its own output, so those characters would be missing from the stitched text.
+
+    With nothing emitted there is neither: the generator publishes a chunk only for an output with
+    token ids, a finish, text or a parser that has seen tokens (``if not (delta_token_ids or
+    finish_reason is not None or (text_mode and output.text) or (processors is not None and
+    processors[i].num_output_tokens)): continue``), and text comes from tokens, so a body published
+    before any token was emitted is a finished one, which the session refuses (only the usage chunk
+    was lost). The resumed attempt's first chunk then says the role, its parser and detokenizer see
+    the whole output, as the uninterrupted run's did; a unary request (``serve_tokens_full_generator``
+    parses the final output in one go) always migrates with none.
     """
+    if emitted == 0:
+        return
     if mode == DERENDER:
-        raise MigrationRefused("output_mode derender: the chat parser's state (the role sent once, reasoning and "
-                               "tool-call progress) cannot be carried over; derender tokens-mode output instead")
+        raise MigrationRefused(f"output_mode derender with {emitted} tokens emitted: the chat parser's state (the "
+                               "role sent once, reasoning and tool-call progress) cannot be carried over; "
+                               "derender tokens-mode output instead")
     if mode != TEXT or params.get(INCLUDE_STOP) is True:
         return
     stop = params.get(STOP)
     stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
     if any(isinstance(s, str) and len(s) > 1 for s in stops):
-        raise MigrationRefused("output_mode text with stop strings: the text the lost worker held back for "
-                               "stop-string matching is lost with it (set include_stop_str_in_output, or use "
-                               "output_mode tokens)")
+        raise MigrationRefused(f"output_mode text with stop strings and {emitted} tokens emitted: the text the lost "
+                               "worker held back for stop-string matching is lost with it (set "
+                               "include_stop_str_in_output, or use output_mode tokens)")
 
 
 def resume_request(body: bytes, emitted: Emitted) -> bytes:
@@ -293,6 +306,7 @@ def resume_request(body: bytes, emitted: Emitted) -> bytes:
     to the lost P/D pair and is dropped (the serving layer sets the new pair's).
     """
     obj = check_request(body)
+    _check_detokenizer_state(obj.get(OUTPUT_MODE), obj.get(SAMPLING_PARAMS) or {}, len(emitted.token_ids))
     ids = obj[TOKEN_IDS]
     check_resumed_prompt(len(ids), emitted, STATE_PROMPT_TOKENS)
     # max_tokens None: bounded by the model's context only, which the longer prompt accounts for
