@@ -451,3 +451,49 @@ async def test_a_chunk_parked_behind_two_lookups_of_its_request_is_counted_once(
         snap = p.snapshot()
     assert snap["recoveries"] >= 2 and snap["poisoned"] >= 1, snap  # chunk 2's lookup, then chunk 1's
     assert snap["lookups_parked"] == 2, snap
+
+
+async def test_a_lookup_that_fails_after_its_partition_was_handed_over_logs_handed_over_not_queued_again(
+        client, nats_url, monkeypatch, caplog):
+    """``event=recovery_lookup_failed`` says what follows the failure: ``retry_in=queued again`` (looked
+    up again with its chunks held), ``1s`` (NAKed for a retry) or ``handed over``. Instance A owns both
+    partitions, lookups in flight, when B (a subprocess) joins and A releases one; then every lookup's
+    first read fails. The released partition's requests were NAKed by the hand-over, and B serves
+    them: their lines said ``queued again`` (the label was chosen before the lookup ran), now
+    ``handed over``; the kept partition's say ``queued again`` and are looked up again. Each request's
+    results are stored once, in order."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="streamproc")
+    flags = dict(partitions=2, ack_wait=4.0, lease_ttl=1.5)
+    settings = durable_settings(nats_url, **flags)
+    js = client.jetstream()
+    adopt = Recovery.adopt
+    failed: set[str] = set()
+
+    async def fail_once_after_a_release(self, r, *args, **kwargs):
+        if r not in failed:
+            failed.add(r)
+            with anyio.fail_after(20):
+                while self.stats.leases_released < 1:
+                    await anyio.sleep(0.01)
+            raise TimeoutError("results stream unreadable")
+        return await adopt(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(Recovery, "adopt", fail_once_after_a_release)
+    async with Processor(settings) as a:
+        await wait_until(lambda: a.snapshot()["partitions"] == 2, 10, "A owns both partitions")
+        moved, bodies = await _moved_requests(client, settings, "handed", 8)
+        await wait_until(lambda: a.snapshot()["recoveries"] >= 8, 10, "every request's lookup in flight")
+        with processor_subprocess(nats_url, *durable_flags(**flags)):
+            await wait_until(lambda: a.snapshot()["leases_released"] >= 1, 15, "A released a partition to B")
+            await wait_for_finals(js, settings.subjects, moved, 30)
+            await wait_until(_empty(js), 15, "every chunk acknowledged")
+            stored = await stored_results(js, settings.subjects)
+            kept = {rid for rid in moved if a.input.owns(rid)}
+    _assert_each_once_in_order(stored, moved, bodies)
+    said = {r.streamproc_fields["request_id"]: r.streamproc_fields["retry_in"] for r in caplog.records
+            if getattr(r, "streamproc_fields", {}).get("event") == "recovery_lookup_failed"}
+    assert set(said) == set(moved), said
+    assert said == {rid: "queued again" if rid in kept else "handed over" for rid in moved}
+    assert 0 < len(kept) < len(moved), kept  # both outcomes shown

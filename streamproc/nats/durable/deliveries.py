@@ -323,8 +323,15 @@ class Deliveries:
             ``d`` may come back, all are NAKed for a retry in 1 s (a delivery spent)."""
             rid = d.rid
             retry = d.deliveries < max_deliver
+
+            def then() -> str:
+                """What follows a failure, for its log line: read once the lookup has ended, since
+                the partition may have been handed over meanwhile (its chunks NAKed by the hand-over)."""
+                if lookups.closed:
+                    return "handed over"
+                return "queued again" if lookups.retries_left(rid) else "1s" if retry else "-"
+
             # A retry's request may have been adopted meanwhile (a migrate reads the stores too).
-            then = "queued again" if lookups.retries_left(rid) else "1s" if retry else "-"
             ok = knows(rid) or await self.recovery.recover(rid, format, now, retry_in=then,
                                                            current=lambda: rid in lookups)
             if not ok and lookups.retry(rid, d):

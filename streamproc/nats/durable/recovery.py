@@ -80,12 +80,13 @@ class Recovery:
         self.chunks_stream = ""
         self.results_stream = ""
 
-    async def recover(self, rid: str, format: str | None, now: float, *, retry_in: str,
+    async def recover(self, rid: str, format: str | None, now: float, *, retry_in: Callable[[], str],
                        current: Callable[[], bool]) -> bool:
         """Resume after the last stored result of ``rid``; False if it cannot be read (the caller
-        looks it up again, NAKs the chunk for a retry in 1 s, or goes on without it: ``retry_in``
-        says which, for the log). Nothing is adopted unless ``current()`` still holds once the
-        stores are read (the partition was not handed over)."""
+        looks it up again, NAKs the chunk for a retry in 1 s, goes on without it, or the partition
+        was handed over meanwhile and the hand-over NAKed it: ``retry_in()``, called when the
+        failure is logged, after the reads, says which). Nothing is adopted unless ``current()``
+        still holds once the stores are read (the partition was not handed over)."""
         self.stats.recoveries += 1
         urgent = getattr(self.nc, "urgent_writes", None)  # FastClient: no write coalescing meanwhile
         try:
@@ -93,7 +94,7 @@ class Recovery:
                 await self.adopt(rid, format, now, current=current)
         except Exception as exc:
             self.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
-                                      error=error_text(exc), retry_in=retry_in)
+                                      error=error_text(exc), retry_in=retry_in())
             return False
         return True
 
