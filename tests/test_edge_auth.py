@@ -658,6 +658,64 @@ def test_a_der_public_key_ending_in_a_whitespace_byte_is_refused_as_an_hmac_secr
     assert "Traceback" not in proc.stderr
 
 
+def jwk_documents() -> dict[str, bytes]:
+    """Public keys as JWK and JWK Set (RFC 7517, PyJWT's ``to_jwk``), and a symmetric JWK: key
+    documents, none of whose bytes is a shared secret."""
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+    from jwt.algorithms import ECAlgorithm, HMACAlgorithm, RSAAlgorithm
+
+    ec_jwk = ECAlgorithm.to_jwk(ec.generate_private_key(ec.SECP256R1()).public_key())
+    rsa_jwk = RSAAlgorithm.to_jwk(rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key())
+    return {"ec.jwk": ec_jwk.encode(), "rsa.jwk": rsa_jwk.encode(),
+            "keys.jwks": json.dumps({"keys": [json.loads(ec_jwk), json.loads(rsa_jwk)]}).encode(),
+            "oct.jwk": HMACAlgorithm.to_jwk(SECRET).encode(), "bom.jwk": b"\xef\xbb\xbf" + ec_jwk.encode() + b"\n"}
+
+
+def hmac_prepare_key_as_pyjwt_2_8(monkeypatch) -> None:
+    """``HMACAlgorithm.prepare_key`` as PyJWT 2.8.0's (``algorithms.py``), which pyproject allows: it
+    refuses PEM and OpenSSH keys only (``is_pem_format(key_bytes) or is_ssh_key(key_bytes)``); 2.13
+    added JWKs and 2.14 JWK Sets."""
+    from jwt.algorithms import HMACAlgorithm
+    from jwt.utils import force_bytes, is_pem_format, is_ssh_key
+
+    def prepare_key(self, key):
+        key_bytes = force_bytes(key)
+        if is_pem_format(key_bytes) or is_ssh_key(key_bytes):
+            raise jwt.InvalidKeyError("The specified key is an asymmetric key or x509 certificate and"
+                                      " should not be used as an HMAC secret.")
+        return key_bytes
+
+    monkeypatch.setattr(HMACAlgorithm, "prepare_key", prepare_key)
+
+
+@pytest.mark.parametrize("pyjwt", ["installed", "2.8"])
+def test_a_jwk_or_jwk_set_is_refused_as_an_hmac_secret_whatever_pyjwt_pyproject_allows(tmp_path, monkeypatch,
+                                                                                        pyjwt):
+    """A public key as JWK or JWK Set given as an HS256 secret: anyone who has the public key could
+    sign capabilities. PyJWT refuses a JWK as a raw HMAC secret from 2.13 and a JWK Set from 2.14; 2.8
+    to 2.12 (pyproject allows 2.8) took the file's bytes as the secret and the edge started (seen
+    with PyJWT 2.8.0 and 2.12.1 installed aside). The edge now refuses every key document itself;
+    secrets that are JSON but no key document (a quoted string, an object without ``kty``) stay
+    secrets, as PyJWT 2.15 has them."""
+    from streamproc.core.errors import ConfigError
+    from streamproc.edge.auth import load_key
+
+    if pyjwt == "2.8":
+        hmac_prepare_key_as_pyjwt_2_8(monkeypatch)
+    for name, data in jwk_documents().items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConfigError, match="holds a JWK or JWK Set"):
+            load_key(str(tmp_path / name), "HS256")
+    for name, data in [("quoted", json.dumps(SECRET.decode()).encode()),
+                       ("object", json.dumps({"secret": SECRET.decode()}).encode()), ("raw", SECRET)]:
+        (tmp_path / name).write_bytes(data)
+        assert load_key(str(tmp_path / name), "HS256") == data
+    # A real edge refuses to start with one (exit 2), naming the file's kind.
+    proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--connect-timeout", "1",
+                           "--auth-algorithm", "HS256", "--auth-key-file", str(tmp_path / "keys.jwks"))
+    assert proc.returncode == 2 and "JWK" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_client(server, tmp_path):
     """An ECDSA signature (r, s) also verifies as (r, n - s): whoever holds one ES256 token holds two
     token strings. A token without sub is its own client by what was signed, not by its bytes, so the

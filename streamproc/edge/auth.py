@@ -15,6 +15,7 @@ the access log's path shows ``access_token=<redacted>`` (:mod:`streamproc.logs`)
 from __future__ import annotations
 
 import collections
+import json
 import math
 import time
 
@@ -72,6 +73,9 @@ def load_key(path: str, algorithm: str) -> bytes:
         short = short_secret(algorithm, data)
         if short:
             raise ConfigError(f"--auth-key-file {path!r}: {short}")
+        if key_document(data):  # PyJWT refuses a JWK from 2.13, a JWK Set from 2.14; pyproject allows 2.8
+            raise ConfigError(f"--auth-key-file {path!r} holds a JWK or JWK Set (a key document), not an "
+                              f"{algorithm} secret: give the edge the shared secret's bytes")
         try:
             verifier.prepare_key(data)
             # The file as given too: a DER key whose last byte happens to be whitespace (0x09-0x0d,
@@ -115,6 +119,29 @@ def key_weakness(verifier: jwt.algorithms.Algorithm, prepared: object) -> str | 
         return f"an RSA key needs at least {RSA_MIN_BITS} bits for {type(verifier).__name__}, it has {bits}"
     check_length = getattr(verifier, "check_key_length", None)  # PyJWT >= 2.11: whatever else it checks
     return check_length(prepared) if check_length is not None else None
+
+
+def key_document(data: bytes) -> bool:
+    """Whether ``data`` is JSON holding a ``kty`` member anywhere: a JWK or a JWK Set (RFC 7517), as
+    PyJWT 2.14's ``HMACAlgorithm.prepare_key`` tells them from a secret. Its bytes are no secret (a
+    public JWK as an HS* secret lets anyone who has it sign capabilities), yet PyJWT 2.8 to 2.12 take
+    them as one. A document nested too deeply to parse counts when it starts as one (2.14 alike)."""
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        return data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith((b"{", b"["))
+    except ValueError:  # not JSON (UnicodeDecodeError included): a secret's random bytes
+        return False
+    pending = [doc]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if "kty" in item:
+                return True
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 def asymmetric(data: bytes) -> bool:
