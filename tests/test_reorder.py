@@ -1,0 +1,127 @@
+"""One request's results read back in order (:class:`streamproc.core.reorder.SeqOrder`), pure.
+
+Every reader (the client helpers, the edge's feeds, the simulator's verifier) hands results out
+through it; until these tests only NATS tests reached it, and none of its bounds or edge cases was
+pinned (mutants of each rule survived the pure suite).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from durable_helpers import outbox_settings
+from hypothesis import given
+from hypothesis import strategies as st
+
+from streamproc.core.events import ResultInfo
+from streamproc.core.reorder import SeqOrder
+
+
+def result(seq: int, final: bool = False, error: str | None = None) -> ResultInfo:
+    return ResultInfo("r", seq, final, None, error, b"%d" % seq)
+
+
+@st.composite
+def readings(draw):
+    """A request of ``n`` results (the last final), read back as a shuffled list with repeats,
+    after an optional resume point that may lie past its final result."""
+    n = draw(st.integers(1, 12))
+    deliveries = draw(st.lists(st.integers(0, n - 1), min_size=0, max_size=40))
+    deliveries += draw(st.permutations(range(n)))  # every seq arrives at least once, somewhere
+    deliveries = draw(st.permutations(deliveries))
+    after = draw(st.none() | st.integers(0, n + 1))
+    return n, deliveries, after
+
+
+@outbox_settings
+@given(readings())
+def test_results_are_handed_out_in_seq_order_each_once_after_the_resume_point(case):
+    n, deliveries, after = case
+    start = 0 if after is None else after + 1
+    order = SeqOrder(after)
+    out = [r.seq for s in deliveries for r in order.push(result(s, final=s == n - 1))]
+    assert out == list(range(start, n))
+    assert order.done
+    # The final result at or before the resume point: the client has it all, nothing is handed out.
+    assert order.ended_before_resume == (start > n - 1)
+    assert order.pending == {}
+
+
+@outbox_settings
+@given(readings())
+def test_every_delivery_not_handed_out_or_waiting_counts_as_dropped(case):
+    """A model with no reorder buffer: a delivery is dropped when the request is already done, when
+    its seq is at or before the resume point (except the final one there, which ends the request),
+    or when its seq came before."""
+    n, deliveries, after = case
+    start = 0 if after is None else after + 1
+    order = SeqOrder(after)
+    seen: set[int] = set()
+    done = False
+    dropped = 0
+    for s in deliveries:
+        final = s == n - 1
+        order.push(result(s, final=final))
+        if done:
+            dropped += 1
+        elif s < start:
+            if final:
+                done = True
+            else:
+                dropped += 1
+        elif s in seen:
+            dropped += 1
+        else:
+            seen.add(s)
+            done = seen >= set(range(start, n))
+        assert order.done == done
+        assert order.dropped == order.duplicates == dropped
+
+
+def test_an_error_result_ends_the_reading_even_when_it_is_not_marked_final():
+    order = SeqOrder()
+    assert [r.seq for r in order.push(result(2))] == []
+    assert [r.seq for r in order.push(result(0))] == [0]
+    assert [r.seq for r in order.push(result(1, error="timeout"))] == [1]  # 2 waited: never handed out
+    assert order.done and order.pending == {}
+    assert order.push(result(3, final=True)) == []
+
+
+def test_at_most_max_pending_results_wait_for_a_missing_seq_and_a_repeat_of_one_costs_nothing():
+    order = SeqOrder(max_pending=3)
+    for s in (1, 2, 3):
+        assert order.push(result(s)) == []
+    assert order.push(result(2)) == []  # a repeat of a waiting result: dropped, not an overflow
+    assert order.dropped == 1
+    with pytest.raises(OverflowError):
+        order.push(result(4))
+    assert sorted(order.pending) == [1, 2, 3]  # the refused one was not kept
+
+
+def test_a_resume_point_hands_out_only_the_results_after_it():
+    order = SeqOrder(after=2)
+    assert order.push(result(2)) == []
+    assert [r.seq for r in order.push(result(3))] == [3]
+
+
+@outbox_settings
+@given(readings(), st.integers(-2, 2), st.booleans(), st.booleans())
+def test_next_in_line_says_yes_only_where_push_would_hand_out_that_one_result_and_end_nothing(
+        case, near, final, error):
+    """The edge's fast path (``edge/direct.py``) calls ``next_in_line`` instead of ``push``: a True
+    must mean exactly what ``push`` would have done (nothing else became ready, the reading goes on),
+    and a False must change nothing, so the caller can push the result after all."""
+    n, deliveries, after = case
+    order = SeqOrder(after)
+    for s in deliveries[: len(deliveries) // 2]:  # part of the reading: some results wait, maybe
+        order.push(result(s, final=s == n - 1))
+    r = result(max(0, order.next_seq + near), final=final, error="internal" if error else None)
+    pushed = copy.deepcopy(order)
+    before = (order.next_seq, dict(order.pending), order.done, order.duplicates)
+    if order.next_in_line(r):
+        assert pushed.push(r) == [r]
+        assert (order.next_seq, order.pending, order.done) == (pushed.next_seq, pushed.pending, pushed.done)
+        assert not order.done
+    else:
+        assert (order.next_seq, dict(order.pending), order.done, order.duplicates) == before
