@@ -247,6 +247,62 @@ def test_reject_from_the_shell_ends_an_active_request_at_the_next_seq():
     assert "bad" in run.results[-1].settles
 
 
+def test_a_malformed_chunk_of_the_current_attempt_ends_the_request_not_dropped_as_sealed():
+    """Only an attempt below the current one was given up; one naming the current attempt (here 0,
+    the only one) is this request's own broken chunk and ends it."""
+    c, run = make()
+    feed(run, leg("r", Role.AGG, [b"0", b"1"])[:1])
+    run.absorb(c.reject("r", "missing required header Streamproc-Seq", 0.0, token="bad", attempt=0))
+    assert [(r.seq, r.final, r.error) for r in run.results] == [(0, False, None), (1, True, "invalid_chunk")]
+    assert c.stats.sealed == 0 and c.inflight == 0
+
+
+def test_the_fused_passthrough_path_declines_a_request_holding_tokens_so_its_final_result_settles_them():
+    """``receive_agg`` settles nothing (core mode keeps no tokens); a request that holds a token (a
+    repeat of a chunk that was buffered) is left to ``receive``, whose final result settles it."""
+    c, run = make()
+    chunks = leg("h", Role.AGG, [b"0", b"1", b"2"])
+    feed(run, [chunks[1], chunks[1], chunks[0]])  # the repeat of buffered seq 1 is held
+    assert list(c.unsettled()) == [chunks[1].token]
+    assert c.receive_agg("h", 2, True, b"2", None, 0.0) is False
+    feed(run, chunks[2:])
+    assert run.results[-1].settles == (chunks[2].token, chunks[1].token)
+    assert list(c.unsettled()) == [] and c.inflight == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_in_order_stream_moves_behind_the_stalled_requests_so_their_timeouts_still_fire(fused):
+    """Requests time out in order of last progress: the in-order fast paths (``receive`` and the fused
+    ``receive_agg``) move the request to the back of that line, else it would stay at its head with a
+    recent ``last`` and hold up every timeout behind it."""
+    c, run = make(request_timeout=10.0)
+    a = leg("a", Role.AGG, [b"0", b"1", b"2"])
+    if fused:
+        assert c.receive_agg("a", 0, False, b"0", None, 0.0)
+    else:
+        feed(run, a[:1], now=0.0)
+    feed(run, leg("b", Role.AGG, [b"0", b"1"])[1:], now=1.0)  # stalled: seq 0 never comes
+    if fused:
+        assert c.receive_agg("a", 1, False, b"1", None, 8.0)
+    else:
+        feed(run, a[1:2], now=8.0)
+    assert c.next_deadline() == 11.0
+    run.absorb(c.tick(11.5))
+    assert [(r.request_id, r.error) for r in run.results if r.error] == [("b", "timeout")]
+    assert c.knows("a") and not c.is_finished("a")
+
+
+def test_a_request_ended_while_waiting_for_prefill_leaves_the_prefill_wait_line():
+    c, run = make(prefill_timeout=5.0)
+    feed(run, leg("w", Role.DECODE, [b"need:0", b"1"])[:1], now=0.0)  # waits for its prefill leg
+    run.absorb(c.reject("w", "missing required header Streamproc-Seq", 1.0))
+    assert run.results[-1].error == "invalid_chunk"
+    assert c.next_deadline() == 1.0 + c.config.finished_grace  # only the finished id's expiry is left
+    notices = len(run.notices)
+    run.absorb(c.tick(6.0))
+    assert c.stats.prefill_timeouts == 0 and len(run.notices) == notices and len(run.results) == 1
+
+
 def test_reject_for_an_unknown_request_publishes_a_single_error_result():
     c, run = make()
     run.absorb(c.reject("new", "unknown role 'x'", 0.0))
@@ -403,6 +459,17 @@ def test_shed_ends_the_longest_idle_requests_holding_tokens_of_the_selected_grou
     assert c.held_tokens(lambda rid: 0) == {0: 3}  # a (prefill + buffered decode), x
 
 
+def test_shed_passes_over_requests_that_hold_no_token_however_idle():
+    """Shedding frees held deliveries: a request that holds none frees nothing, so it is not ended,
+    even when it is the least recently progressing one."""
+    c = Correlator(resolve, "toy", CorrelatorConfig())
+    c.receive(Chunk("s", Role.AGG, 0, b"s"), 0.0)  # streams in order: holds nothing, idle longest
+    c.receive(Chunk("h", Role.PREFILL, 0, b"p", final=True, token="h-p"), 1.0)  # held, waiting for decode
+    out = c.shed(lambda rid: True, 1, 2.0, "partition full")
+    assert [(d.request_id, d.error) for d in out if d.__class__.__name__ == "Result"] == [("h", "overloaded")]
+    assert c.stats.shed == 1 and c.knows("s") and not c.is_finished("s")
+
+
 def test_at_max_inflight_the_request_idle_longest_is_ended_to_admit_a_new_one():
     c, run = make(max_inflight=3, shed_min_idle=1.0)
     for t, rid in enumerate(["held0", "held1", "live"]):  # seq 1 buffered, seq 0 never sent
@@ -415,6 +482,14 @@ def test_at_max_inflight_the_request_idle_longest_is_ended_to_admit_a_new_one():
     assert c.stats.evicted == 1 and c.stats.overloaded == 0 and c.inflight == 3
     feed(run, leg("new2", Role.AGG, [b"0", b"1"])[:1], now=5.6)  # held1 (4.6 s idle) goes next
     assert [r.request_id for r in run.results[2:]] == ["held1", "new2"]
+
+
+def test_at_max_inflight_a_request_idle_exactly_shed_min_idle_is_ended_to_admit_a_new_one():
+    c, run = make(max_inflight=1, shed_min_idle=1.0)
+    feed(run, leg("held", Role.AGG, [b"0", b"1"])[1:], now=0.0)  # seq 1 buffered, seq 0 never sent
+    feed(run, leg("new", Role.AGG, [b"0", b"1"])[:1], now=1.0)
+    assert [(r.request_id, r.error) for r in run.results] == [("held", "overloaded"), ("new", None)]
+    assert c.stats.evicted == 1
 
 
 def test_at_max_inflight_requests_that_progressed_within_the_minimum_idle_are_kept_and_the_newcomer_refused():
@@ -445,6 +520,36 @@ def test_the_finished_ids_are_bounded_in_bytes_oldest_forgotten_first():
     assert c.stats.late == 1 and len(run.results) == 13 * 2 + 12
     run.absorb(c.tick(1e9))  # every grace expired: all forgotten, none charged
     assert c.finished_bytes == 0 and not c.is_finished(ids[-1])
+
+
+def test_a_finished_id_is_charged_once_however_often_it_is_remembered():
+    """``unpublishable`` for a request already finished keeps it finished: the id is not charged twice."""
+    from streamproc.core.defaults import FINISHED_ENTRY_BYTES
+    c, run = make()
+    feed(run, leg("s", Role.AGG, [b"0", b"1"]))
+    run.absorb(c.unpublishable("s", 1, "larger than max_payload", 0.0))
+    assert run.results[-1].error == "internal"
+    assert c.finished_bytes == FINISHED_ENTRY_BYTES + len("s")
+    run.absorb(c.tick(1e9))
+    assert c.finished_bytes == 0 and not c.is_finished("s")
+
+
+def test_next_deadline_includes_when_a_finished_id_expires():
+    c, run = make(finished_grace=30.0)
+    feed(run, leg("u", Role.AGG, [b"x"]), now=10.0)  # unary: no active state, only the finished id
+    assert c.next_deadline() == 40.0
+    run.absorb(c.tick(40.0))
+    assert not c.is_finished("u") and c.next_deadline() is None
+
+
+def test_a_request_may_buffer_exactly_max_buffered_bytes_and_not_one_byte_more():
+    c, run = make(max_buffered_bytes=4)
+    chunks = leg("b", Role.AGG, [b"0", b"12", b"34", b"5", b"6"])
+    feed(run, chunks[1:3])  # 4 bytes wait for seq 0
+    assert run.results == [] and c.inflight == 1
+    feed(run, chunks[3:4])
+    assert [(r.seq, r.error) for r in run.results] == [(0, "invalid_chunk")]
+    assert b"more than 4 bytes of buffered chunks" in run.results[0].body
 
 
 def test_the_finished_ids_charge_follows_every_way_in_and_out():

@@ -8,7 +8,7 @@ from toy_codec import MigratingToyCodec, ToyCodec, feed
 from streamproc.codec import Codec
 from streamproc.correlator import Correlator, CorrelatorConfig
 from streamproc.testing.harness import Run, leg
-from streamproc.wire import Chunk, MigrateError, MigrateErrorCode, Role, Sealed, Verdict
+from streamproc.wire import Chunk, MigrateError, MigrateErrorCode, Role, Sealed, Verdict, encode_control
 
 
 class NoMigration(ToyCodec):
@@ -238,6 +238,73 @@ def test_a_retried_seal_with_the_same_id_gets_the_same_reply_and_seals_nothing_m
     assert other.code is MigrateErrorCode.ATTEMPT_MISMATCH
 
 
+
+def test_a_seal_id_reused_after_the_resumed_attempt_published_more_is_a_new_migrate_not_a_retry():
+    """A retry finds the request where its seal left it; once the resumed attempt has published a
+    result, the same id (with no expected_attempt to tell them apart) is another migrate: it seals
+    again, rather than answering with the stale seal (whose tokens the client is already past)."""
+    c, run, _ = make()
+    feed(run, leg("again", Role.AGG, [b"1", b"2", b"3"])[:1])
+    first = migrate(run, "again", id="m-1")
+    feed(run, leg("again", Role.AGG, [b"2", b"3"], attempt=1)[:1])  # result seq 1 published
+    second = migrate(run, "again", id="m-1")
+    assert (first.attempt, first.result_seq) == (1, 1)
+    assert (second.attempt, second.result_seq, second.emitted_token_ids) == (2, 2, [1, 2])
+    assert c.stats.migrations == 2
+
+
+def test_a_seal_whose_reply_is_exactly_max_seal_bytes_fits_and_one_byte_less_is_refused():
+    """max_seal_bytes is the most the encoded reply may take: exactly that much is one message."""
+    sizes = []
+    for limit in (None, "exact", "less"):
+        c, run, _ = make()
+        feed(run, leg("big", Role.AGG, [b"1 2 3", b"4 5", b"6"])[:2])
+        bound = None if limit is None else sizes[0] if limit == "exact" else sizes[0] - 1
+        reply = migrate(run, "big", max_seal_bytes=bound)
+        if limit is None:
+            sizes.append(len(encode_control(reply)))
+        elif limit == "exact":
+            assert isinstance(reply, Sealed) and reply.attempt == 1
+        else:
+            assert reply.code is MigrateErrorCode.REFUSED and "does not fit one NATS message" in reply.message
+            assert run.of("big")[-1].error == "migration_refused"
+
+
+def test_a_refused_migrate_naming_an_attempt_this_processor_never_saw_ends_nothing():
+    """With no state for the request, a refusal ends it (its one result) only when it names no
+    attempt or attempt 0: one expecting a later attempt is about a request served elsewhere, and
+    gets ``unknown_request`` with nothing published or remembered here."""
+    c, run, _ = make()
+    reply = migrate(run, "ghost", refuse="guided decoding", expected_attempt=2)
+    assert reply.code is MigrateErrorCode.UNKNOWN_REQUEST
+    assert run.results == [] and not c.knows("ghost") and c.stats.migrations_refused == 0
+    reply = migrate(run, "lost", refuse="guided decoding", expected_attempt=0)
+    assert reply.code is MigrateErrorCode.REFUSED and run.of("lost")[0].error == "migration_refused"
+
+
+def test_resuming_a_request_with_nothing_stored_adopts_nothing():
+    """``next_seq`` 0 and no seal: nothing was published, so there is nothing to adopt; its chunk
+    starts it as a new request. Adopted, it would hold state with a request timeout running for a
+    request no chunk of which has arrived."""
+    c, run, _ = make(request_timeout=5.0)
+    c.resume("fresh", 0, False, 0.0)
+    assert not c.knows("fresh") and c.attempt_of("fresh") is None and c.next_deadline() is None
+    run.absorb(c.tick(100.0))
+    assert run.results == []
+
+
+def test_a_sealed_request_no_longer_waits_for_prefill_so_others_prefill_timeouts_still_fire():
+    """A seal drops the chunks waiting for the prefill leg: the request leaves the prefill wait
+    line too, else it would stay at its head with no wait to time out and hold up every request
+    behind it."""
+    c, run, _ = make(prefill_timeout=5.0)
+    feed(run, leg("sealed", Role.DECODE, [b"need:0", b"1"])[:1], now=0.0)
+    feed(run, leg("other", Role.DECODE, [b"need:0", b"1"]), now=1.0)
+    assert migrate(run, "sealed", 2.0).attempt == 1
+    assert c.next_deadline() == 6.0
+    run.absorb(c.tick(6.0))
+    assert [b for _, b, _, _ in view(run, "other")] == [b"need:0|omitted:prefill_timeout", b"1"]
+
 # ---------------------------------------------------------------------- P/D and mixes
 
 def test_decode_chunks_waiting_for_prefill_are_dropped_and_the_next_attempt_has_its_own_prefill():
@@ -294,6 +361,17 @@ def test_past_the_retention_bound_bodies_are_folded_as_they_are_published():
     feed(run, leg("r", Role.AGG, [b"1 2", b"3 4", b"5", b"6"])[:3])
     assert codec.sessions[0].absorbed == [[b"1 2", b"3 4"]]  # 7 bytes > 3: folded, then released
     assert migrate(run, "r").emitted_token_ids == [1, 2, 3, 4, 5]
+
+
+def test_a_folded_progress_state_may_reach_max_buffered_bytes_exactly_and_one_token_more_ends_it():
+    """The toy's progress state is 8 bytes per emitted token: 2 tokens fill a 16-byte bound exactly."""
+    c, run, _ = make(max_retained_bytes=0, max_buffered_bytes=16)
+    chunks = leg("p", Role.AGG, [b"1 2", b"3", b"4"])
+    feed(run, chunks[:1])
+    assert [(r.seq, r.error) for r in run.of("p")] == [(0, None)] and c.inflight == 1
+    feed(run, chunks[1:2])
+    assert [(r.seq, r.error) for r in run.of("p")] == [(0, None), (1, None), (2, "overloaded")]
+    assert c.stats.over_budget == 1
 
 
 def test_a_refusal_found_while_folding_is_the_answer_to_a_later_migrate():
