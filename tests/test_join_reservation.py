@@ -212,3 +212,36 @@ def test_a_batch_join_allocates_no_more_than_its_request_and_its_reservation_are
     assert [(r.request_id, r.error) for r in results] == [("pd", None)]
     assert results[0].verdict in (Verdict.JOINED, Verdict.OMITTED)
     assert live <= charged, (live / MiB, charged / MiB)
+
+
+def test_a_running_joins_request_holds_at_most_three_quarters_of_the_budget_its_rows_included():
+    """join_share: the request whose join runs cannot be ended to make room, so what it holds (its
+    bodies, the rows it decoded already, its reservation) stops at 3/4 of ``max_total_bytes``, and
+    the last quarter stays for the chunks other requests buffer meanwhile."""
+    c = Correlator(lambda name: _DeclaringCodec(), "declaring", CorrelatorConfig(max_total_bytes=4000,
+                                                                                  max_buffered_bytes=4000))
+    c.offload_joins = True
+    assert c.receive(Chunk("pd", Role.PREFILL, 0, b"inflate:1000", True), 0.0) == []  # 1000 rows decoded
+    works = [d for d in c.receive(Chunk("pd", Role.DECODE, 0, b"rows:100000", True), 0.0) if isinstance(d, Work)]
+    assert len(works) == 1
+    assert c.charged_bytes == 3000  # 12 + 11 bytes of bodies, 1000 of rows, the rest reserved
+    assert _ended(c.receive(Chunk("other", Role.AGG, 1, bytes(1000), False), 0.0)) == set()  # the last quarter
+    assert c.charged_bytes == 4000
+    works[0].run()
+    assert [(d.request_id, d.error) for d in c.finish(works[0], 0.0) if isinstance(d, Result)] == [("pd", None)]
+
+
+def test_a_request_ended_while_its_join_runs_stays_charged_until_the_join_is_finished():
+    """Its bodies and rows live on in the joining thread: ending the request (here its timeout) frees
+    their charge only when ``finish`` takes the Work back."""
+    c = Correlator(lambda name: _DeclaringCodec(), "declaring", CorrelatorConfig(max_total_bytes=4000,
+                                                                                  request_timeout=5.0))
+    c.offload_joins = True
+    c.receive(Chunk("pd", Role.PREFILL, 0, b"inflate:1000", True), 0.0)
+    [work] = [d for d in c.receive(Chunk("pd", Role.DECODE, 0, b"rows:100000", True), 0.0) if isinstance(d, Work)]
+    assert c.charged_bytes == 3000
+    assert _ended(c.tick(6.0)) == {"pd"}
+    assert c.charged_bytes == 3000 and c.inflight == 0
+    work.run()
+    assert c.finish(work, 6.0) == []
+    assert c.charged_bytes == 0
