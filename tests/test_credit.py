@@ -303,3 +303,57 @@ def test_a_sized_pull_holds_a_batch_of_the_largest_delivery_seen(sizes, max_byte
     batch = c.pulled(0.2)
     assert batch * (max(sizes) + SIZE_ALLOWANCE) <= max_bytes or batch == c.careful_batch
     assert c.careful_batch <= batch <= 256
+
+
+def test_a_delivery_sizes_fast_pulls_for_its_window_and_the_next_one_exactly_and_no_longer():
+    """The size window rolls at ``window_end`` itself: the largest delivery of a window sizes pulls
+    through the next window (the larger of the two windows' largest wins) and is gone after it."""
+    half = 512 << 10  # 16 MiB // (512 KiB + SIZE_ALLOWANCE) = 31 per pull; the uncut batch is 15
+    c = sized()
+    c.delivered(1.0, half)
+    assert c.pulled(5.0) == 31
+    c.delivered(6.0, 1000)
+    assert c.pulled(10.0) == 31  # rolled at 10.0: the window before had it, the new one nothing yet
+    c.delivered(12.0, 1000)  # smaller than the window before's largest, which still sizes the pull
+    assert c.pulled(15.0) == 31
+    assert c.pulled(20.0) == 256  # rolled again at 20.0: 1000 bytes the largest seen since 10.0
+    assert c.pulled(30.0) == c.careful_batch == 15  # nothing seen in either window: unsized, so uncut
+
+
+def test_a_shorter_redelivery_wait_does_not_cut_a_longer_one_short():
+    c = credit(10, careful_batch=2, hold=2.0)
+    c.expect_redeliveries(30.0)  # a taken partition: redeliveries due until ack_wait
+    c.redelivered(1.0)  # one arrived: careful for the hold, 3.0, but not less than before
+    assert c.careful(29.0) and c.pulled(29.0) == 2
+    assert not c.careful(30.0)
+
+
+def test_a_failed_pull_returns_the_credit_it_was_counted_with_not_a_full_batch():
+    c = credit(10, careful_batch=2)
+    assert c.pulled(0.0) == 10
+    c.expect_redeliveries(5.0)
+    c.pull_failed(0.1, c.pulled(0.1))  # the careful pull of 2 did not leave
+    assert c.requested == 10
+
+
+def test_an_idle_heartbeat_asks_for_no_pull_while_an_error_status_pause_lasts():
+    c = credit(10)
+    c.pulled(0.0)
+    assert c.status("409", None, "Consumer Deleted", 1.0) is False  # credit written off, pause 0.5 s
+    assert c.status("100", None, "Idle Heartbeat", 1.2) is False
+    assert c.status("100", None, "Idle Heartbeat", 1.5) is True
+
+
+def test_a_503_status_counts_a_miss_whatever_its_description():
+    c = credit(10)
+    c.pulled(0.0)
+    c.status("503", None, "", 1.0)  # nats-server's no-responders status line carries no description
+    c.status("503", None, "", 2.0)
+    assert c.misses == 2 and c.watch(2.6, reconnected=False).repair
+
+
+def test_credit_is_written_off_only_after_more_than_lost_after_without_a_sign():
+    c = credit(10)
+    c.pulled(0.0)
+    assert c.watch(3.0, reconnected=False).lost is False  # exactly lost_after: not yet
+    assert c.watch(3.01, reconnected=False).lost is True
