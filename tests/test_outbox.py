@@ -1014,3 +1014,33 @@ def test_the_resume_point_follows_the_last_stored_result():
     assert resume_point({SEQ: "4"}) == (5, False)
     assert resume_point({SEQ: "4", FINAL: "true"}) == (5, True)
     assert resume_point({SEQ: "x"}) is None and resume_point(None) is None and resume_point({}) is None
+
+
+def test_the_first_send_leaves_whatever_the_budget_and_a_budget_used_up_exactly_stops_the_next():
+    box = Outbox()
+    for rid in "abc":
+        box.take([result(rid, 0)], rid)
+    assert [o.result.request_id for o in box.sending(0.0, budget=0)] == ["a"]
+    size = wire_size(result("b", 0))
+    assert [o.result.request_id for o in box.sending(0.0, budget=size)] == ["b"]  # nothing left for c
+    assert [o.result.request_id for o in box.ready] == ["c"]
+
+
+def test_a_nak_with_a_delay_asks_for_the_redelivery_that_much_later():
+    box = Outbox()
+    late, now = Token("a", "0", 1), Token("a", "1", 1)
+    box.nak([late], delay=2.5)
+    box.nak([now])
+    assert box.control() == [(late, Nak(2.5)), (now, NAK)] and box.stats.naks == 2
+
+
+def test_walking_a_batch_skips_its_members_once_the_batch_was_sent_again_as_a_new_one():
+    box = batched_box()
+    box.take([result("a", s) for s in range(3)], "a")
+    sends = box.sending(0.0)
+    assert len({o.flight for o in sends}) == 1 and sends[0].flight is not None
+    walk = in_turn(sends)
+    first, batch = next(walk)
+    assert first is sends[0] and batch == (sends[0].flight, 3, 1)
+    box.tick(0.0, reconnected=True)  # an await let a reconnect end the batch: it leaves again as a new one
+    assert list(walk) == []
