@@ -1044,3 +1044,24 @@ def test_walking_a_batch_skips_its_members_once_the_batch_was_sent_again_as_a_ne
     assert first is sends[0] and batch == (sends[0].flight, 3, 1)
     box.tick(0.0, reconnected=True)  # an await let a reconnect end the batch: it leaves again as a new one
     assert list(walk) == []
+
+
+def test_the_puback_latency_is_the_wait_from_the_last_send_to_the_puback_and_a_refused_copy_is_not_timed():
+    box = Outbox(OutboxConfig(retry_after_refusal=0.5))
+    box.take([result("a", 0), result("b", 0)], None)
+    a, b = box.sending(1.0)
+    assert box.on_puback(a.ticket, STORED_ACK, 1.25) == STORED
+    assert (box.puback_latency.count, box.puback_latency.total) == (1, 0.25)
+    assert box.on_puback(b.ticket, REFUSED_ACK, 1.5) == REFUSED
+    assert box.on_puback(b.ticket, STORED_ACK, 1.75) == STORED  # a late PubAck of the copy sent before
+    assert box.puback_latency.count == 1
+
+
+def test_a_batch_reply_naming_a_single_sends_ticket_is_unmatched_and_changes_nothing():
+    box = batched_box()
+    box.take([result("a", 0)], "a")
+    [o] = box.sending(0.0)
+    assert o.flight is None
+    assert box.on_batch_reply(o.ticket, True, b'{"stream":"R","seq":1,"batch":"x","count":1}', 0.1) == UNMATCHED
+    assert box.control() == [] and box.pending == 1
+    assert box.on_puback(o.ticket, STORED_ACK, 0.2) == STORED and box.pending == 0
