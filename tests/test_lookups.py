@@ -433,3 +433,11 @@ def test_a_finished_lookup_hands_back_only_what_parked_behind_its_own_delivery()
     lookups.park("r", "third", 10)
     assert lookups.finish("r", "first") == ["second", "third"]  # "first" is the caller's own
     assert "r" not in lookups and lookups.parked_bytes == 0 and lookups.room()
+
+
+def test_a_partition_needs_one_lookup_slot_at_least_and_no_negative_queue():
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        Lookups(limit=0, max_bytes=100)
+    with pytest.raises(ValueError, match="max_queued must not be negative"):
+        Lookups(limit=1, max_bytes=100, max_queued=-1)
+    assert Lookups(limit=1, max_bytes=100, max_queued=0).queue_room() is False
