@@ -105,6 +105,15 @@ def test_a_resume_point_hands_out_only_the_results_after_it():
     assert [r.seq for r in order.push(result(3))] == [3]
 
 
+def test_the_next_result_is_not_next_in_line_when_it_ends_the_reading():
+    """A final or error result at the next seq ends the reading: ``push`` must take it (done)."""
+    order = SeqOrder()
+    assert order.next_in_line(result(0)) and order.next_seq == 1
+    assert not order.next_in_line(result(1, error="timeout"))
+    assert not order.next_in_line(result(1, final=True))
+    assert order.next_seq == 1 and not order.done
+
+
 @outbox_settings
 @given(readings(), st.integers(-2, 2), st.booleans(), st.booleans())
 def test_next_in_line_says_yes_only_where_push_would_hand_out_that_one_result_and_end_nothing(
