@@ -99,6 +99,20 @@ def test_at_most_max_pending_results_wait_for_a_missing_seq_and_a_repeat_of_one_
     assert sorted(order.pending) == [1, 2, 3]  # the refused one was not kept
 
 
+def test_the_result_that_closes_the_gap_gets_in_when_max_pending_results_wait_for_it():
+    """max_pending bounds the results that wait; the missing one waits for nothing: it is handed out
+    with all of them (it used to raise OverflowError, failing a reading whose gap had just closed)."""
+    order = SeqOrder(max_pending=3)
+    for s in (1, 2, 3):
+        order.push(result(s))
+    assert [r.seq for r in order.push(result(0))] == [0, 1, 2, 3]
+    assert order.pending == {}
+    resumed = SeqOrder(after=4, max_pending=2)
+    for s in (6, 7):
+        resumed.push(result(s))
+    assert [r.seq for r in resumed.push(result(5))] == [5, 6, 7]
+
+
 def test_a_resume_point_hands_out_only_the_results_after_it():
     order = SeqOrder(after=2)
     assert order.push(result(2)) == []

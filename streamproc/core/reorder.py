@@ -29,7 +29,8 @@ class SeqOrder:
         self.max_pending = max_pending
 
     def push(self, result: ResultInfo) -> list[ResultInfo]:
-        """Results that can be handed out now, in order. Raises OverflowError past ``max_pending``."""
+        """Results that can be handed out now, in order. Raises OverflowError when ``max_pending``
+        results wait for a missing seq and another that would wait arrives."""
         if self.done:
             self.duplicates += 1
             return []
@@ -43,7 +44,9 @@ class SeqOrder:
         if result.seq in self.pending:
             self.duplicates += 1
             return []
-        if len(self.pending) >= self.max_pending:
+        # The bound is on results that wait: the one they wait for (next_seq) never does, and it
+        # must get in when max_pending of them wait, else the gap that just closed fails the stream.
+        if len(self.pending) >= self.max_pending and result.seq != self.next_seq:
             raise OverflowError(f"{self.max_pending} results wait for seq {self.next_seq}")
         self.pending[result.seq] = result
         ready = []
