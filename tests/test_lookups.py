@@ -435,9 +435,11 @@ def test_a_finished_lookup_hands_back_only_what_parked_behind_its_own_delivery()
     assert "r" not in lookups and lookups.parked_bytes == 0 and lookups.room()
 
 
-def test_a_partition_needs_one_lookup_slot_at_least_and_no_negative_queue():
+def test_lookups_need_one_slot_at_least_no_negative_queue_and_one_attempt():
     with pytest.raises(ValueError, match="limit must be at least 1"):
-        Lookups(limit=0, max_bytes=100)
+        LookupSlots(0)
     with pytest.raises(ValueError, match="max_queued must not be negative"):
-        Lookups(limit=1, max_bytes=100, max_queued=-1)
-    assert Lookups(limit=1, max_bytes=100, max_queued=0).queue_room() is False
+        Lookups(LookupSlots(1), max_bytes=100, max_queued=-1)
+    with pytest.raises(ValueError, match="attempts must be at least 1"):
+        Lookups(LookupSlots(1), max_bytes=100, attempts=0)
+    assert Lookups(LookupSlots(1), max_bytes=100, max_queued=0).queue_room() is False
