@@ -5,6 +5,7 @@ Real nats-server processes only; each test failed on the code it was written aga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -663,3 +664,72 @@ def test_mint_capability_refuses_a_ttl_that_is_not_a_positive_bounded_number(ttl
     with pytest.raises(ValueError, match=r"ttl must be more than 0 and at most 3\.16224e\+07 seconds"):
         mint_capability(b"k" * 32, rids=["req-1"], ttl=ttl)
     assert mint_capability(b"k" * 32, rids=["req-1"], ttl=366 * 86_400)  # the longest still minted
+
+
+async def _server_size(js, client, stream: str, subject: str, name: str, over: int) -> int:
+    """What nats-server counts against a pull's ``max_bytes`` for the first message on ``subject``,
+    delivered by a consumer named ``name``: a pull that asks for two with ``over`` bytes gets the
+    first, and the ``409`` for the second says how many bytes the first left (``Nats-Pending-Bytes``)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    await js.add_consumer(stream, ConsumerConfig(name=name, filter_subject=subject, ack_policy=AckPolicy.NONE))
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    try:
+        await client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}",
+                             json.dumps({"batch": 2, "max_bytes": over, "expires": 2_000_000_000}).encode(),
+                             reply=inbox)
+        first = await sub.next_msg(timeout=5)
+        status = await sub.next_msg(timeout=5)
+        assert first.reply and (status.headers or {}).get("Status") == "409", status.headers
+        return over - int(status.headers["Nats-Pending-Bytes"])
+    finally:
+        await sub.unsubscribe()
+        await js.delete_consumer(stream, name)
+
+
+async def test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_at_once(client, nats_url):
+    """nats-server ends a pull whose ``max_bytes`` the delivered messages use up exactly without a
+    word (no 409, no 408 at its expiry: asked of the server below). A replay that waited for that
+    pull's end status stalled until it took the pull for lost (``REPLAY_PULL_EXPIRES`` +
+    ``REPLAY_PULL_LOST_AFTER``, 10 s) on a history whose first results fill the room exactly."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    bound = 1 << 20  # = the test server's max_payload: the first pull asks for exactly this
+    js = client.jetstream()
+    await ensure_results_stream(js, SUBJECTS)
+    stream = await js.find_stream_name_by_subject(SUBJECTS.result("exact-p"))
+    name = "streamproc_replay_" + "p" * 22  # as long as a replay consumer's name: its acks' reply subjects too
+    async with connection(nats_url) as producer:  # a probe request as long, stored the same way, first
+        await forge(producer, "exact-p", 0, b"a" * 500_000)
+        await forge(producer, "exact-p", 1, b"b" * 900_000)
+        await producer.flush()
+    overhead = await _server_size(js, client, stream, SUBJECTS.result("exact-p"), name, 1 << 20) - 500_000
+    rid = "exact-r"
+    async with connection(nats_url) as producer:
+        await forge(producer, rid, 0, b"a" * 500_000)
+        await forge(producer, rid, 1, b"b" * (bound - 500_000 - 2 * overhead))
+        await forge(producer, rid, 2, b"c", final=True)
+        await producer.flush()
+    # the situation is real: a pull of `bound` bytes gets results 0 and 1 and then nothing at all
+    other = "streamproc_replay_" + "q" * 22
+    await js.add_consumer(stream, ConsumerConfig(name=other, filter_subject=SUBJECTS.result(rid),
+                                                 ack_policy=AckPolicy.NONE))
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    await client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{other}",
+                         json.dumps({"batch": 10, "max_bytes": bound, "expires": 1_000_000_000}).encode(), reply=inbox)
+    await anyio.sleep(2)
+    probe = []
+    with contextlib.suppress(nats.errors.TimeoutError):
+        while True:
+            probe.append(await sub.next_msg(timeout=0.1))
+    await sub.unsubscribe()
+    await js.delete_consumer(stream, other)
+    assert [(m.headers or {}).get("Streamproc-Seq") for m in probe] == ["0", "1"], [m.headers for m in probe]
+    started = time.monotonic()
+    async with follow(client, SUBJECTS, rid, timeout=30, replay=True, max_buffered_bytes=bound) as results:
+        got = [r.seq async for r in results]
+    took = time.monotonic() - started
+    assert got == [0, 1, 2]
+    assert took < 3, f"the replay stalled {took:.1f} s after a pull that used up its max_bytes exactly"

@@ -73,11 +73,14 @@ def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
 
 # A replay's pulls (``$JS.API.CONSUMER.MSG.NEXT``): messages a pull asks for at most (its bytes are
 # what bounds it; this only caps the Msg objects of tiny results), how long one waits on the server
-# for results not stored yet, and how long past that an unanswered pull is taken for lost (a
-# reconnect, a server restart): the consumer is then made again from the next stored result.
+# for results not stored yet, the idle heartbeat it asks for while it waits, and how long without a
+# word (result, heartbeat or status) it is taken for over: lost (a reconnect, a server restart), or
+# ended by nats-server without a status because its results used up its ``max_bytes`` exactly. The
+# consumer is then made again from the next stored result.
 REPLAY_PULL_BATCH = 1024
 REPLAY_PULL_EXPIRES = 5.0
-REPLAY_PULL_LOST_AFTER = 5.0
+REPLAY_PULL_HEARTBEAT = 0.5
+REPLAY_PULL_LOST_AFTER = 4 * REPLAY_PULL_HEARTBEAT
 # Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
 # without closing it (a reader slower than this per result has its consumer made again, once).
 REPLAY_CONSUMER_IDLE = 60.0
@@ -123,7 +126,7 @@ class ResultStream:
         self._pulling = False  # a pull is out (until its batch is in, or a status ends it)
         self._pull_left = 0  # messages the pull out may still bring
         self._pull_got = 0  # messages it brought
-        self._pull_until = math.inf  # past this, the pull out went unanswered: taken for lost
+        self._pull_until = math.inf  # no word from the pull out till then: it is over (lost, used up)
         self._one_big = False  # the next result is larger than the room a pull offered: fetch it alone
         self._closes = 0  # close() calls: a consumer made while one happened is deleted at once
 
@@ -228,8 +231,9 @@ class ResultStream:
         else:
             request = {"batch": REPLAY_PULL_BATCH, "max_bytes": room}
         request["expires"] = int(REPLAY_PULL_EXPIRES * 1e9)
+        request["idle_heartbeat"] = int(REPLAY_PULL_HEARTBEAT * 1e9)
         self._pulling, self._pull_left, self._pull_got = True, request["batch"], 0
-        self._pull_until = anyio.current_time() + REPLAY_PULL_EXPIRES + REPLAY_PULL_LOST_AFTER
+        self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
         try:
             await self.nc.publish(f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}",
                                   json.dumps(request).encode(), reply=self._inbox)
@@ -257,6 +261,7 @@ class ResultStream:
             self._next_stored = meta.sequence.stream + 1
             self._pull_got += 1
             self._pull_left -= 1
+            self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
             if self._pull_left <= 0:
                 self._pulling = False
             self._one_big = False
@@ -264,8 +269,12 @@ class ResultStream:
             return
         headers = msg.headers or {}
         status = headers.get("Status")
-        if status is None or reply or msg.subject != self._inbox or status == "100":
-            return  # a stray (nobody else may publish here), or a heartbeat
+        if status is None or reply or msg.subject != self._inbox:
+            return  # a stray (nobody else may publish here)
+        if status == "100":  # the pull out still waits on the server
+            if self._pulling:
+                self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
+            return
         description = headers.get("Description", "")
         if status == "503" or "Deleted" in description:  # no consumer (idle too long, deleted): a new one
             self._renew = True
