@@ -37,6 +37,7 @@ from .core.errors import (
     MigrationError,
     MigrationRefused,
     PublishRefused,
+    ReplayRefused,
     ResultsOverrun,
     StartupError,
     StreamMismatch,
@@ -94,7 +95,7 @@ __all__ = [
     # errors
     "StreamprocError", "ContractError", "CorruptPayload", "UnknownFormat", "MigrationRefused",
     "MigrationError", "MalformedResult", "ConfigError", "StartupError", "StreamMismatch", "PublishRefused",
-    "ChunkIdTaken", "ResultsOverrun",
+    "ChunkIdTaken", "ReplayRefused", "ResultsOverrun",
     # the shell and the client helpers (lazy)
     *_LAZY,
 ]

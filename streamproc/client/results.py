@@ -14,8 +14,12 @@ Subscribe before the request's chunks are published, or early results are missed
 With ``replay=True`` the results come from the JetStream stream that stores them (durable mode
 creates it): a pull consumer of the request's subject reads it from its first result on, then
 follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
-are dropped by the same seq check. It needs ``$JS.API.CONSUMER.CREATE``, ``.MSG.NEXT`` and
-``.DELETE`` on the results stream, as the edge has (``deploy/nats-server.conf``).
+are dropped by the same seq check. It needs publish permission on ``$JS.API.STREAM.NAMES`` (the
+stream lookup) and on ``$JS.API.CONSUMER.CREATE``, ``.MSG.NEXT`` and ``.DELETE`` of the results
+stream. nats-server drops a refused publish and says so only on the connection (``-ERR
+'Permissions Violation ...'``, nats-py's ``last_error`` and error callback), never to the request:
+the stream raises :class:`~streamproc.core.errors.ReplayRefused`, naming the subject and the
+permission, one or two round trips after such a request, instead of waiting out a timeout.
 
 What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of bodies
 received and not yet taken, as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
@@ -41,11 +45,13 @@ without a pull.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
+import re
 from collections import deque
-from typing import Iterable, NoReturn, Self
+from typing import Awaitable, Iterable, NoReturn, Self, TypeVar
 
 import anyio
 import nats.errors
@@ -56,12 +62,31 @@ from nats.js.api import DEFAULT_PREFIX as JS_API_PREFIX
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from ..core.defaults import CLIENT_BUFFER_BYTES
-from ..core.errors import MalformedResult, ResultsOverrun
+from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
 from ..core.reorder import SeqOrder
 from ..nats.robust import flush_queued
 from .connection import check_client
 from ..nats.streams import find_stream
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+
+
+T = TypeVar("T")
+# nats-py 2.16 ``Client._process_err`` keeps the server's ``-ERR`` text, lower-cased by its parser,
+# as ``last_error`` (and hands it to the error callback) without closing the connection.
+_REFUSED = re.compile(r'permissions violation for publish to "([^"]*)"')
+
+
+def _refused(nc: NatsClient, mark: object, subject: str) -> str | None:
+    """The server's refusal of a publish to ``subject`` (or below it), if one arrived since ``mark``
+    (``nc.last_error`` before the publish): the ``-ERR`` comes before the PONG of a later flush."""
+    error = nc.last_error
+    if error is None or error is mark:
+        return None
+    match = _REFUSED.search(str(error))
+    wanted = subject.lower()
+    if match is None or not (match[1] == wanted or match[1].startswith(wanted + ".")):
+        return None
+    return str(error)
 
 
 def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
@@ -129,6 +154,7 @@ class ResultStream:
         self._pull_until = math.inf  # no word from the pull out till then: it is over (lost, used up)
         self._one_big = False  # the next result is larger than the room a pull offered: fetch it alone
         self._closes = 0  # close() calls: a consumer made while one happened is deleted at once
+        self._next_allowed = False  # a pull was answered: MSG.NEXT is not refused (no round trip to check)
 
     async def subscribe(self) -> None:
         """Register interest on the server (returns once the server has it); nothing once the stream ended."""
@@ -139,7 +165,8 @@ class ResultStream:
         subject = self.subjects.result(self.request_id)
         if self.replay:
             if self._stream is None:
-                self._stream = await find_stream(self.nc.jetstream(), subject)
+                names = f"{JS_API_PREFIX}.STREAM.NAMES"
+                self._stream = await self._guarded(names, names, find_stream(self.nc.jetstream(), subject))
                 if self._stream is None:
                     raise LookupError(f"no JetStream stream stores {subject!r}: nothing to replay")
             await self._open_consumer()
@@ -170,7 +197,8 @@ class ResultStream:
                                 inactive_threshold=REPLAY_CONSUMER_IDLE, **start)
         reconnects = self._reconnect_count()
         try:
-            await js.add_consumer(self._stream, config=config)
+            create = f"{JS_API_PREFIX}.CONSUMER.CREATE.{self._stream}"
+            await self._guarded(f"{create}.{name}", f"{create}.>", js.add_consumer(self._stream, config=config))
         except BaseException:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -183,6 +211,34 @@ class ResultStream:
         self._pull_until = math.inf
         if self._closes != closes or self._ended:
             await self._drop_consumer()
+
+    async def _guarded(self, subject: str, permission: str, request: Awaitable[T]) -> T:
+        """``await request``, a JetStream API request on ``subject`` (or below it), unless the server
+        refuses its publish: then :class:`ReplayRefused` (the stream ended) after one or two round
+        trips, not the request's timeout. The first flush's PING may leave before the request's PUB
+        (the request runs as a task); the second follows it."""
+        nc = self.nc
+        mark = nc.last_error
+        task = asyncio.ensure_future(request)
+        try:
+            await asyncio.sleep(0)  # the request queues its PUB before its first real suspension
+            for _ in range(2):
+                if task.done():
+                    break
+                with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                    await nc.flush(timeout=REPLAY_PULL_LOST_AFTER)
+                refusal = _refused(nc, mark, permission.removesuffix(".>"))
+                if refusal is not None:
+                    task.cancel()
+                    await self._refuse(subject, permission, refusal)
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _refuse(self, subject: str, permission: str, refusal: str) -> NoReturn:
+        await self._end()
+        raise ReplayRefused(subject, permission, refusal)
 
     async def _drop_consumer(self) -> None:
         sub, self._sub = self._sub, None
@@ -234,18 +290,27 @@ class ResultStream:
         request["idle_heartbeat"] = int(REPLAY_PULL_HEARTBEAT * 1e9)
         self._pulling, self._pull_left, self._pull_got = True, request["batch"], 0
         self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
+        subject = f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}"
+        mark = self.nc.last_error
         try:
-            await self.nc.publish(f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}",
-                                  json.dumps(request).encode(), reply=self._inbox)
+            await self.nc.publish(subject, json.dumps(request).encode(), reply=self._inbox)
         except BaseException:
             self._pulling = False
             raise
+        if not self._next_allowed:  # until a pull is answered: refused? (-ERR before the PONG)
+            with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
+                await self.nc.flush(timeout=REPLAY_PULL_LOST_AFTER)
+            refusal = _refused(self.nc, mark, subject)
+            if refusal is not None:
+                await self._refuse(subject, f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.*", refusal)
 
     async def _on_delivery(self, msg: Msg) -> None:
         """A message on the replay's inbox: a stored result of the current consumer, or a status
         that ends the pull out (``404``/``408``/``409``), says the consumer is gone (``503``, ``409
         Consumer Deleted``) or that the next result did not fit the pull's ``max_bytes``."""
         reply = msg.reply or ""
+        if msg.subject == self._inbox:
+            self._next_allowed = True  # a pull got here: MSG.NEXT is allowed
         if reply.startswith("$JS.ACK."):
             try:
                 meta = msg.metadata

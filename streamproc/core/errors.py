@@ -115,6 +115,20 @@ class StoredResultsRefused(StreamprocError, RuntimeError):
         return self.reason
 
 
+class ReplayRefused(StreamprocError, PermissionError):
+    """A replay (``follow(replay=True)``) the NATS server refused: this connection's user may not
+    publish ``subject``, a JetStream API request the replay needs (``permission`` names the grant).
+    nats-server drops a refused publish and says so only on the connection (``-ERR 'Permissions
+    Violation for Publish to "<subject>"'``), never to the request, which would wait out its
+    timeout: the reader raises this one round trip after the request instead."""
+
+    def __init__(self, subject: str, permission: str, detail: str) -> None:
+        super().__init__(f"the NATS server refused this connection's publish to {subject!r} ({detail}): a replay "
+                         f"needs publish permission on {permission!r} (docs/security.md)")
+        self.subject = subject
+        self.permission = permission
+
+
 class MalformedResult(StreamprocError, ValueError):
     """A message on a results subject that does not follow the contract."""
 
