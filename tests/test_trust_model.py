@@ -414,3 +414,34 @@ async def test_an_edge_reads_by_subject_again_once_the_permission_is_granted_wit
                     await feed.close()
         finally:
             await processor.close()
+
+
+@pytest.mark.anyio
+async def test_a_reader_as_the_edge_user_replays_a_stored_request_and_the_frontend_is_refused_at_once(server):
+    """``follow(replay=True)`` pulls from a consumer (``$JS.API.CONSUMER.MSG.NEXT``): the edge user
+    (the role that reads stored results) may, through the EDGE account's import of the pulls; the
+    frontend (no JetStream API right: in STREAMPROC a JetStream request of its own would be answered
+    wherever it named, results included) gets ReplayRefused naming the stream lookup, not a timeout."""
+    import streamproc
+    from edge_harness import publish_results
+    from streamproc import ReplayRefused, follow
+
+    subjects, rid = Subjects("streamproc"), "trust-replay"
+    async with connection(url(server, "processor")) as processor:
+        await ensure_results_stream(processor.jetstream(), subjects)
+        await publish_results(processor, subjects, rid, [b"r%d" % i for i in range(50)])
+    edge = await streamproc.connect(url(server, "edge"), inbox_prefix="_INBOX.streamproc.edge", allow_reconnect=False)
+    try:
+        got = await follow(edge, subjects, rid, timeout=8, replay=True, max_buffered_bytes=64).collect()
+    finally:
+        await edge.close()
+    assert [r.body for r in got] == [b"r%d" % i for i in range(50)]
+    frontend = await streamproc.connect(url(server, "frontend"), inbox_prefix="_INBOX.frontend", allow_reconnect=False)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ReplayRefused) as refused:
+            await follow(frontend, subjects, rid, timeout=8, replay=True).collect()
+    finally:
+        await frontend.close()
+    assert refused.value.subject == "$JS.API.STREAM.NAMES", refused.value
+    assert time.monotonic() - started < 2.0

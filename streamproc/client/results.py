@@ -16,7 +16,8 @@ creates it): a pull consumer of the request's subject reads it from its first re
 follows live ones, so an edge may attach at any time; repeats (a replay after a processor crash)
 are dropped by the same seq check. It needs publish permission on ``$JS.API.STREAM.NAMES`` (the
 stream lookup) and on ``$JS.API.CONSUMER.CREATE``, ``.MSG.NEXT`` and ``.DELETE`` of the results
-stream. nats-server drops a refused publish and says so only on the connection (``-ERR
+stream: the ``edge`` user of ``deploy/nats-server.conf`` has them, the ``frontend`` user not
+(docs/security.md, "Replaying with follow"). nats-server drops a refused publish and says so only on the connection (``-ERR
 'Permissions Violation ...'``, nats-py's ``last_error`` and error callback), never to the request:
 the stream raises :class:`~streamproc.core.errors.ReplayRefused`, naming the subject and the
 permission, one or two round trips after such a request, instead of waiting out a timeout.
