@@ -733,3 +733,41 @@ async def test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_at_once(clien
     took = time.monotonic() - started
     assert got == [0, 1, 2]
     assert took < 3, f"the replay stalled {took:.1f} s after a pull that used up its max_bytes exactly"
+
+
+async def test_a_replay_whose_consumer_fails_to_open_keeps_the_callers_deadline(client, monkeypatch):
+    """``timeout`` is the caller's deadline for the final result: a reader that retries after the
+    consumer's create failed (six times, 0.5 s each) still times out ``timeout`` after its first
+    attempt, not ``timeout`` after the attempt that worked (each retry's subscribe() set it anew)."""
+    rid = "replay-open-fails"
+    await ensure_results_stream(client.jetstream(), SUBJECTS)  # nothing stored for rid: no final comes
+    real_jetstream, failures = client.jetstream, []
+
+    def jetstream_failing(**kw):
+        context = real_jetstream(**kw)
+        real_add = context.add_consumer
+
+        async def add_consumer(stream, config=None, **kw):
+            if len(failures) < 6:
+                failures.append(time.monotonic())
+                await anyio.sleep(0.5)
+                raise nats.errors.TimeoutError
+            return await real_add(stream, config=config, **kw)
+
+        context.add_consumer = add_consumer
+        return context
+
+    monkeypatch.setattr(client, "jetstream", jetstream_failing)
+    results = follow(client, SUBJECTS, rid, timeout=2, replay=True)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 2s") as timed_out:
+        while True:
+            try:
+                async for _ in results:
+                    raise AssertionError("nothing is stored")
+            except nats.errors.TimeoutError:
+                continue  # the create failed: try again
+    took = time.monotonic() - started
+    assert type(timed_out.value) is TimeoutError
+    assert len(failures) == 6
+    assert took < 3.8, f"timed out {took:.1f} s after the first attempt (timeout 2 s, 3 s of failed creates)"

@@ -161,6 +161,10 @@ class ResultStream:
         """Register interest on the server (returns once the server has it); nothing once the stream ended."""
         if self._sub is not None or self._ended:
             return
+        if self.timeout is not None and self._deadline == math.inf:
+            # from the first attempt: a retry after a failed open (the consumer's create, a lookup)
+            # does not give the caller more time
+            self._deadline = anyio.current_time() + self.timeout
         # one result always fits, whatever the server's max_payload (known once connected)
         self.max_buffered_bytes = max(self.max_buffered_bytes, getattr(self.nc, "max_payload", 0) or 0)
         subject = self.subjects.result(self.request_id)
@@ -174,8 +178,6 @@ class ResultStream:
         else:
             self._sub = await self.nc.subscribe(subject, cb=self._on_msg)
             await flush_queued(self.nc)
-        if self.timeout is not None:
-            self._deadline = anyio.current_time() + self.timeout
         self._reconnects = self._reconnect_count()
 
     async def _open_consumer(self) -> None:
