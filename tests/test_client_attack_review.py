@@ -771,3 +771,41 @@ async def test_a_replay_whose_consumer_fails_to_open_keeps_the_callers_deadline(
     assert type(timed_out.value) is TimeoutError
     assert len(failures) == 6
     assert took < 3.8, f"timed out {took:.1f} s after the first attempt (timeout 2 s, 3 s of failed creates)"
+
+
+async def test_a_replay_reader_cancelled_inside_a_pulls_publish_sends_no_second_pull(client, nats_url, monkeypatch):
+    """A reader cancelled inside ``nc.publish`` of a pull (the PUB queued, the pull out) took the
+    pull for not sent: iterating the same stream again sent a second one, both waited on the server,
+    and a burst of live results filled both, twice the byte bound: ResultsOverrun. The suspension
+    inside publish is injected (the real publish first, then a wait), on a real connection."""
+    rid, n, size = "replay-cancelled-pull", 24, 65536
+    await ensure_results_stream(client.jetstream(), SUBJECTS)  # a live tail: the pull waits on the server
+    real_publish, inside = client.publish, anyio.Event()
+
+    async def publish(subject, payload=b"", reply="", headers=None):
+        await real_publish(subject, payload, reply=reply, headers=headers)
+        if ".CONSUMER.MSG.NEXT." in subject and not inside.is_set():
+            await client.flush()  # the pull is on the server
+            inside.set()
+            await anyio.sleep(30)  # cancelled here
+
+    monkeypatch.setattr(client, "publish", publish)
+    got = []
+    async with follow(client, SUBJECTS, rid, timeout=30, replay=True, max_buffered_bytes=1 << 20) as results:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(results.__anext__)
+            await inside.wait()
+            tg.cancel_scope.cancel()
+        async with anyio.create_task_group() as tg:
+            async def first() -> None:
+                got.append((await results.__anext__()).seq)
+
+            tg.start_soon(first)
+            await anyio.sleep(0.5)  # its pull waits on the server
+            async with connection(nats_url) as producer:
+                for seq in range(n):  # 1.5 MiB: more than one pull's room (1 MiB)
+                    await forge(producer, rid, seq, b"p" * size, final=seq == n - 1)
+                await producer.flush()
+        await anyio.sleep(1.0)  # everything the pulls asked for has arrived
+        got.extend([r.seq async for r in results])
+    assert got == list(range(n))

@@ -298,7 +298,10 @@ class ResultStream:
         try:
             await self.nc.publish(subject, json.dumps(request).encode(), reply=self._inbox)
         except BaseException:
+            # Raised or cancelled inside publish, the pull may be queued all the same: a second one
+            # on this consumer could bring twice the room. The next step makes the consumer again.
             self._pulling = False
+            self._renew = True
             raise
         if not self._next_allowed:  # until a pull is answered: refused? (-ERR before the PONG)
             with contextlib.suppress(nats.errors.Error, asyncio.TimeoutError):
