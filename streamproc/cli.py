@@ -292,6 +292,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     from jwt.exceptions import PyJWTError
 
     from .client.capability import mint_capability
+    from .edge.auth import hmac_secret_problem
 
     settings, origin = _options(config.TOKEN, args)
     if not (settings.rid or settings.rid_prefix or settings.operator):
@@ -303,10 +304,12 @@ def cmd_token(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"{flag} {value!r}: {exc}") from None
     key = config.read_setting_file(settings.key_file, f"--key-file {settings.key_file!r}")
-    if settings.algorithm.startswith("HS"):
-        key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
     try:  # signed with --print-config too: a key that cannot sign is found as start-up would find it
-        weak = short_signing_key(settings.algorithm, key)
+        if settings.algorithm.startswith("HS"):  # as the edge checks it, not as PyJWT (2.8 signs with a JWK)
+            weak = hmac_secret_problem(settings.algorithm, key)
+            key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
+        else:
+            weak = short_signing_key(settings.algorithm, key)
         if weak:  # the edge refuses to start with the matching key (streamproc.edge.auth.load_key)
             raise ValueError(weak)
         token = mint_capability(key, rids=list(settings.rid), rid_prefix=settings.rid_prefix,

@@ -7,7 +7,9 @@ A real edge subprocess on a real nats-server; tokens are minted by the serving-l
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 
 import anyio
@@ -16,12 +18,12 @@ import jwt
 import pytest
 from conftest import run_cli_process
 from edge_harness import EdgeProcess, expected_sse, publish_results, running_edge
-from helpers import rid
+from helpers import clean_env, rid
 from nats_auth import Certificates, openssl
 
 from streamproc.client.capability import mint_capability
 from streamproc.core.errors import InvalidCapability
-from streamproc.edge.auth import Verifier
+from streamproc.edge.auth import AUDIENCE, Verifier
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
@@ -671,21 +673,35 @@ def jwk_documents() -> dict[str, bytes]:
             "oct.jwk": HMACAlgorithm.to_jwk(SECRET).encode(), "bom.jwk": b"\xef\xbb\xbf" + ec_jwk.encode() + b"\n"}
 
 
+# ``HMACAlgorithm.prepare_key`` as PyJWT 2.8.0's (``algorithms.py``), which pyproject allows: it refuses
+# PEM and OpenSSH keys only (``is_pem_format(key_bytes) or is_ssh_key(key_bytes)``); 2.13 added JWKs,
+# 2.14 JWK Sets, 2.15 DER. Source text, so that a CLI subprocess runs with it too (a sitecustomize).
+PYJWT_2_8_HMAC_PREPARE_KEY = """
+from jwt.algorithms import HMACAlgorithm
+from jwt.exceptions import InvalidKeyError
+from jwt.utils import force_bytes, is_pem_format, is_ssh_key
+
+
+def prepare_key(self, key):
+    key_bytes = force_bytes(key)
+    if is_pem_format(key_bytes) or is_ssh_key(key_bytes):
+        raise InvalidKeyError("The specified key is an asymmetric key or x509 certificate and"
+                              " should not be used as an HMAC secret.")
+    return key_bytes
+"""
+
+
 def hmac_prepare_key_as_pyjwt_2_8(monkeypatch) -> None:
-    """``HMACAlgorithm.prepare_key`` as PyJWT 2.8.0's (``algorithms.py``), which pyproject allows: it
-    refuses PEM and OpenSSH keys only (``is_pem_format(key_bytes) or is_ssh_key(key_bytes)``); 2.13
-    added JWKs and 2.14 JWK Sets."""
-    from jwt.algorithms import HMACAlgorithm
-    from jwt.utils import force_bytes, is_pem_format, is_ssh_key
+    namespace: dict = {}
+    exec(PYJWT_2_8_HMAC_PREPARE_KEY, namespace)
+    monkeypatch.setattr(namespace["HMACAlgorithm"], "prepare_key", namespace["prepare_key"])
 
-    def prepare_key(self, key):
-        key_bytes = force_bytes(key)
-        if is_pem_format(key_bytes) or is_ssh_key(key_bytes):
-            raise jwt.InvalidKeyError("The specified key is an asymmetric key or x509 certificate and"
-                                      " should not be used as an HMAC secret.")
-        return key_bytes
 
-    monkeypatch.setattr(HMACAlgorithm, "prepare_key", prepare_key)
+def pyjwt_2_8_env(directory) -> dict[str, str]:
+    """The environment of a CLI subprocess whose PyJWT signs and verifies HMAC as 2.8.0 does."""
+    patch = PYJWT_2_8_HMAC_PREPARE_KEY + "\nHMACAlgorithm.prepare_key = prepare_key\n"
+    (directory / "sitecustomize.py").write_text(patch)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)}
 
 
 @pytest.mark.parametrize("pyjwt", ["installed", "2.8"])
@@ -714,6 +730,36 @@ def test_a_jwk_or_jwk_set_is_refused_as_an_hmac_secret_whatever_pyjwt_pyproject_
     proc = run_cli_process("edge", "--nats-url", "nats://127.0.0.1:1", "--connect-timeout", "1",
                            "--auth-algorithm", "HS256", "--auth-key-file", str(tmp_path / "keys.jwks"))
     assert proc.returncode == 2 and "JWK" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("pyjwt", ["installed", "2.8"])
+def test_streamproc_token_refuses_to_sign_with_a_key_document_or_public_key_as_an_hmac_secret(tmp_path, pyjwt):
+    """``streamproc token`` refuses the HS* "secrets" the edge refuses to start with (above), whatever
+    PyJWT pyproject allows: with 2.8 it signed with a public JWK, a JWK Set or a DER public key's bytes
+    and printed the token (exit 0), for a key file no edge starts with."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    env = None
+    if pyjwt == "2.8":
+        (tmp_path / "site").mkdir()
+        env = pyjwt_2_8_env(tmp_path / "site")
+        signs = subprocess.run([sys.executable, "-c", "import jwt; jwt.encode({}, '{\"kty\": \"EC\"}', 'HS256')"],
+                               env=clean_env(env), capture_output=True, text=True, timeout=30, check=False)
+        assert signs.returncode == 0, signs.stderr  # the subprocess's PyJWT is 2.8's: a JWK is a secret
+    keys = dict(jwk_documents())
+    keys["ec.der"] = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    for name, data in keys.items():
+        (tmp_path / name).write_bytes(data)
+        proc = run_cli_process("token", "--key-file", str(tmp_path / name), "--algorithm", "HS256", "--rid", "x",
+                               env=env)
+        kind = "asymmetric key" if name.endswith(".der") else "JWK or JWK Set"
+        assert proc.returncode == 2 and kind in proc.stderr and proc.stdout == "", (name, proc.stderr)
+    (tmp_path / "raw").write_bytes(SECRET + b"\n")
+    ok = run_cli_process("token", "--key-file", str(tmp_path / "raw"), "--algorithm", "HS256", "--rid", "x", env=env)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    assert jwt.decode(ok.stdout.strip(), SECRET, algorithms=["HS256"], audience=AUDIENCE)["rids"] == ["x"]
 
 
 async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_client(server, tmp_path):

@@ -69,24 +69,10 @@ def load_key(path: str, algorithm: str) -> bytes:
     data = read_setting_file(path, f"--auth-key-file {path!r}")
     verifier = jwt.get_algorithm_by_name(algorithm)
     if algorithm.startswith("HS"):
-        raw, data = data, data.strip()  # a secret file's trailing newline is not part of the secret
-        short = short_secret(algorithm, data)
-        if short:
-            raise ConfigError(f"--auth-key-file {path!r}: {short}")
-        if key_document(data):  # PyJWT refuses a JWK from 2.13, a JWK Set from 2.14; pyproject allows 2.8
-            raise ConfigError(f"--auth-key-file {path!r} holds a JWK or JWK Set (a key document), not an "
-                              f"{algorithm} secret: give the edge the shared secret's bytes")
-        try:
-            verifier.prepare_key(data)
-            # The file as given too: a DER key whose last byte happens to be whitespace (0x09-0x0d,
-            # 0x20: ~2% of P-256 public keys) no longer parses once stripped, and was taken as a secret.
-            if asymmetric(raw) or asymmetric(data):  # PyJWT 2.15 refuses DER too; older ones (>= 2.8) may not
-                raise jwt.InvalidKeyError(algorithm)
-        except jwt.InvalidKeyError:
-            raise ConfigError(f"--auth-key-file {path!r} holds an asymmetric key or certificate, not an "
-                              f"{algorithm} secret: give the edge the shared secret, or set --auth-algorithm "
-                              "to the key's algorithm") from None
-        return data
+        wrong = hmac_secret_problem(algorithm, data)
+        if wrong is not None:
+            raise ConfigError(f"--auth-key-file {path!r}: {wrong}")
+        return data.strip()  # a secret file's trailing newline is not part of the secret
     if b"PRIVATE KEY" in data:
         raise ConfigError(f"--auth-key-file {path!r} holds a private key: give the edge the public key only "
                           "(a compromised edge must not be able to mint capabilities)")
@@ -98,6 +84,32 @@ def load_key(path: str, algorithm: str) -> bytes:
     if weak:
         raise ConfigError(f"--auth-key-file {path!r}: {weak}")
     return data
+
+
+def hmac_secret_problem(algorithm: str, raw: bytes) -> str | None:
+    """Why a secret file's bytes ``raw`` (used stripped) are no secret for the HMAC ``algorithm``, or
+    None: too short, a key document (JWK, JWK Set) or a public key or certificate (PEM, DER, SSH). The
+    edge refuses to start with such a file (:func:`load_key`) and ``streamproc token`` to sign with it,
+    whatever the PyJWT: pyproject allows 2.8, whose ``HMACAlgorithm.prepare_key`` takes JWKs (refused
+    from 2.13), JWK Sets (2.14) and DER keys (2.15) as secrets."""
+    data = raw.strip()
+    short = short_secret(algorithm, data)
+    if short:
+        return short
+    if key_document(data):
+        return (f"holds a JWK or JWK Set (a key document), not an {algorithm} secret: give it the shared "
+                "secret's bytes")
+    try:
+        jwt.get_algorithm_by_name(algorithm).prepare_key(data)
+        # The file as given too: a DER key whose last byte happens to be whitespace (0x09-0x0d,
+        # 0x20: ~2% of P-256 public keys) no longer parses once stripped, and was taken as a secret.
+        public = asymmetric(raw) or asymmetric(data)
+    except jwt.InvalidKeyError:
+        public = True
+    if public:
+        return (f"holds an asymmetric key or certificate, not an {algorithm} secret: give it the shared "
+                "secret, or set the algorithm to the key's")
+    return None
 
 
 def short_secret(algorithm: str, secret: bytes) -> str | None:
