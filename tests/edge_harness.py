@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 from helpers import clean_env, free_port, wait_ready
+import httpx
 import uvicorn
 from nats.aio.client import Client as NatsClient
 
@@ -149,6 +150,32 @@ def subscribed_subjects(monitor_url: str) -> list[str]:
     with urllib.request.urlopen(f"{monitor_url}/subsz?subs=1&limit=100000", timeout=5) as response:
         listing = json.loads(response.read())
     return [s["subject"] for s in listing.get("subscriptions_list", [])]
+
+
+def sent_to_connection(monitor_url: str, name: str) -> tuple[int, int]:
+    """Messages and bytes the NATS server has sent the one connection named ``name`` (its /connz
+    ``out_msgs``, ``out_bytes``): what the edge was delivered, counted where it is sent."""
+    with urllib.request.urlopen(f"{monitor_url}/connz?limit=100000", timeout=5) as response:
+        listing = json.loads(response.read())
+    [conn] = [c for c in listing.get("connections", []) if c.get("name") == name]
+    return conn["out_msgs"], conn["out_bytes"]
+
+
+async def read_slowly(response: httpx.Response) -> bytes:
+    """An SSE body read 64 KiB at a time with a 10 ms pause after each read: ~6 MiB/s at most."""
+    received = bytearray()
+    async for chunk in response.aiter_raw(64 * 1024):
+        received += chunk
+        await asyncio.sleep(0.01)
+    return bytes(received)
+
+
+async def consumers_back_to(js, stream: str, count: int) -> None:
+    """Wait (10 s at most) until ``stream`` has ``count`` consumers again: the temporary consumers
+    the edge left went (their inactive threshold is 1 s, CONSUMER_LINGER)."""
+    async with asyncio.timeout(10):
+        while (await js.stream_info(stream)).state.consumer_count != count:
+            await asyncio.sleep(0.1)
 
 
 async def publish_result(

@@ -147,10 +147,13 @@ async def test_a_result_larger_than_the_buffer_reaches_a_feed_waiting_for_it_at_
         await feed.close()
 
 
+# An edge user of the permission set before STREAM.MSG.GET (which had no CONSUMER.MSG.NEXT either:
+# its replays read with push consumers, stopped at the bound, as these tests were written for).
 DENY_MSG_GET = """
 authorization {
   users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>"]}}}
+    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>",
+                                                                "$JS.API.CONSUMER.MSG.NEXT.>"]}}}
     {user: pub, password: pub}
   ]
 }
@@ -728,7 +731,7 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_counts_one_wait_however_
 ALLOW_MSG_GET = """
 authorization {
   users = [
-    {user: edge, password: edge}
+    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.CONSUMER.MSG.NEXT.>"]}}}
     {user: pub, password: pub}
   ]
 }
@@ -967,3 +970,61 @@ async def test_a_catch_up_whose_next_was_cancelled_while_it_waited_for_a_replay_
         assert seqs + rest == list(range(64)) and isinstance(item, Ended), (seqs, rest, item)
         await waiter.close()
         assert source._replay_consumers_held() <= source._replays_lingering, source._slots_reserved
+
+
+DENY_PULLS = """
+authorization {
+  users = [
+    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.CONSUMER.MSG.NEXT.>"]}}}
+    {user: pub, password: pub}
+  ]
+}
+"""
+ALLOW_ALL = """
+authorization {
+  users = [
+    {user: edge, password: edge}
+    {user: pub, password: pub}
+  ]
+}
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_late_attaches_read_with_push_consumers_while_pulls_are_refused_and_pull_once_granted():
+    """An edge user may not publish CONSUMER.MSG.NEXT (the permission set before 2026-12-05): the
+    first pull of a late attach is refused (the connection's -ERR), and that replay, and the next
+    ones, read with a push consumer, paused at the bound, every result in order. Once the
+    permission is granted (a reload), the next re-probe pulls, and a slow late attach then is sent
+    no more than its bound holds: no pause."""
+    count = 40
+    body = b'{"text":"' + b"x" * (16 * 1024 - 12) + b'"}'  # 640 KiB stored, ten bounds
+    with EmbeddedNats(config=DENY_PULLS) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            await ensure_results_stream(nc.jetstream(), SUBJECTS, storage=StorageType.FILE)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND) as source:
+                request_id = rid("pulls-refused")
+                await publish_results(nc, SUBJECTS, request_id, [body] * count, flush_every=8)
+                await until(lambda: source.metrics.results_seen >= count)
+
+                async def late_attach() -> int:
+                    feed = await source.open(request_id)
+                    pauses = source.metrics.replay_pauses
+                    seqs = []
+                    while isinstance(item := await feed.next(5.0), ResultInfo):
+                        seqs.append(item.seq)
+                        await asyncio.sleep(0.005)  # slower than NATS
+                    assert seqs == list(range(count)) and isinstance(item, Ended), (seqs, item)
+                    await feed.close()
+                    return source.metrics.replay_pauses - pauses
+
+                assert await late_attach() >= 1  # read with push consumers, paused at the bound
+                assert source.pulls.state == "refused"
+                assert await late_attach() >= 1  # no pull tried again before the re-probe
+                (server.log_path.parent / "server.conf").write_text(ALLOW_ALL)
+                os.kill(server.pid, signal.SIGHUP)
+                await until(lambda: "Reloaded server configuration" in server.log_path.read_text(), 10.0)
+                source.pulls.reprobe = 0.0
+                assert await late_attach() == 0  # pulled: never more than the bound
+                assert source.pulls.state == "allowed"
+                assert source.metrics.streams_overrun == 0

@@ -3,18 +3,20 @@ publisher can make the edge do per request must not flood its log, and the other
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import anyio
 import httpx
 import pytest
-from edge_harness import expected_sse, publish_result, publish_results, running_edge
+from edge_harness import (consumers_back_to, expected_sse, publish_result, publish_results, read_slowly,
+                          running_edge, sent_to_connection)
 from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
 from streamproc.core.defaults import DUPLICATE_WINDOW, RESULTS_MAX_AGE
 from streamproc.nats import fast_client
-from streamproc.nats.streams import RESULTS_STREAM
+from streamproc.nats.streams import RESULTS_STREAM, find_stream
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -145,22 +147,14 @@ async def test_ids_with_vt_or_ff_get_400_and_such_result_subjects_never_cost_the
         assert peak_rss(edge.proc.pid) < 150 * MiB
 
 
-async def read_slowly(response: httpx.Response) -> bytes:
-    """An SSE body read 64 KiB at a time with a 10 ms pause after each read: ~6 MiB/s at most."""
-    received = bytearray()
-    async for chunk in response.aiter_raw(64 * 1024):
-        received += chunk
-        await anyio.sleep(0.01)
-    return bytes(received)
-
-
 @pytest.mark.timeout(180)
 async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_within_its_buffer(nats_server):
     """A fresh-clone CI run (2026-12-04) saw an HTTP client reading a 48 MiB stored history at full
     speed lose its stream to an `overloaded` error with a 4 MiB --stream-buffer-bytes: the late
     attach's consumer pushed faster than the client read. A client slower than NATS (here, one that
-    sleeps after each read) now gets every result in order, the edge pausing the replay at its
-    buffer instead; its memory stays within a few buffers."""
+    sleeps after each read) now gets every result in order, the edge pulling no more than its
+    buffer holds (it paused a push consumer at the buffer before 2026-12-05); its memory stays
+    within a few buffers."""
     subjects = Subjects("slowhistory")
     request_id = rid("slow-history")
     body = b'{"text":"' + b"x" * (128 * 1024 - 12) + b'"}'
@@ -180,8 +174,56 @@ async def test_a_client_reading_a_long_stored_history_slowly_gets_all_of_it_with
         metrics = edge.metrics()
     assert received == expected_sse([body] * results), received[-300:]
     assert metrics["streamproc_edge_streams_overrun_total"] == 0
-    assert metrics["streamproc_edge_replay_pauses_total"] >= 1  # it did come faster than it was read
+    assert metrics["streamproc_edge_replay_pauses_total"] == 0  # never sent more than the buffer holds
     assert growth < 8 * buffer + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
+
+
+@pytest.mark.timeout(180)
+async def test_slow_late_readers_of_a_long_stored_history_are_sent_it_about_once(nats_server):
+    """What nats-server sends the edge for late attaches that read slower than NATS delivers. The
+    replay read a history with a push consumer stopped at nats-py's drop (a pause): what the server
+    had sent past it was thrown away and read again. Measured on 2026-12-05 with 400 x 64 KiB
+    stored and two clients reading 64 KiB per 10 ms: 1.19-1.30 x the history at a 4 MiB
+    --stream-buffer-bytes, 1.64-1.68 x at the 1 MiB minimum (1.94 x with 1,000 x 256 KiB). Its
+    pulls now ask for the room left in the bound: each result is sent about once (1.00-1.01 x),
+    nothing pauses, no consumer is left behind, and the edge holds the same few bounds."""
+    subjects = Subjects("slowcost")
+    request_id = rid("slow-cost")
+    body = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'
+    results, readers = 400, 2  # 25 MiB stored
+    history = results * len(body)
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--stream-buffer-bytes", str(MiB)) as edge:
+        async with connection(nats_server.url) as nc:
+            await publish_results(nc, subjects, request_id, [body] * results, flush_every=8)
+            js = nc.jetstream()
+            stream = await find_stream(js, subjects.result(request_id))
+            assert stream is not None
+            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= results, 15, "stored")
+            consumers = (await js.stream_info(stream)).state.consumer_count  # the ring's
+            _, sent_before = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+            baseline = peak_rss(edge.proc.pid)
+
+            async def late_reader() -> bytes:
+                async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
+                        client.stream("GET", f"/v1/results/{request_id}") as response:
+                    assert response.status_code == 200
+                    return await read_slowly(response)
+
+            received = await asyncio.gather(*(late_reader() for _ in range(readers)))
+            _, sent_after = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+            growth = peak_rss(edge.proc.pid) - baseline
+            metrics = edge.metrics()
+            await consumers_back_to(js, stream, consumers)  # no temporary consumer left behind
+    sent = sent_after - sent_before
+    print(f"server sent the edge {sent / MiB:.0f} MiB for {readers} x {history / MiB:.0f} MiB "
+          f"({sent / (readers * history):.2f} x), {metrics['streamproc_edge_replay_pauses_total']:.0f} pauses, "
+          f"VmHWM +{growth / MiB:.0f} MiB")
+    assert all(r == expected_sse([body] * results) for r in received)
+    assert metrics["streamproc_edge_streams_overrun_total"] == 0
+    assert metrics["streamproc_edge_replay_pauses_total"] == 0  # never sent more than its bound holds
+    assert sent <= 1.1 * readers * history, f"{sent / (readers * history):.2f} x the history sent per reader"
+    assert growth < 8 * MiB + 24 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
 
 
 @pytest.mark.timeout(180)

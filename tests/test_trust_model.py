@@ -22,7 +22,8 @@ import nats.errors
 import pytest
 
 from conftest import processor_subprocess, run_cli_process
-from edge_harness import expected_sse, publish_result, running_edge, started_source
+from edge_harness import (expected_sse, publish_result, publish_results, read_slowly, running_edge,
+                          sent_to_connection, started_source)
 from helpers import connection, rid, wait_until
 from shipped_config import CONF, runnable, shipped_server, url
 from streamproc.nats.streams import ensure_results_stream
@@ -306,6 +307,61 @@ async def sse_bytes(edge, request_id: str, publish) -> bytes:
             assert response.status_code == 200, await response.aread()
             await publish()
             return await response.aread()
+
+
+def config_before_pulls() -> str:
+    """The shipped file as it was before the edge pulled a late attach's history: no
+    CONSUMER.MSG.NEXT export, import or permission for the edge."""
+    config = CONF.read_text()
+    lines = [line for line in config.splitlines(keepends=True)
+             if "MSG.NEXT.STREAMPROC_RESULTS.>\", accounts" not in line
+             and "subject: \"$JS.API.CONSUMER.MSG.NEXT" not in line]
+    before = "".join(lines).replace(', "$JS.API.CONSUMER.MSG.NEXT.STREAMPROC_RESULTS.>"', "")
+    assert before.count("MSG.NEXT") == 1 and before != config  # only a comment names it now
+    return before
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("config", ["shipped", "before-pulls"])
+async def test_a_slow_late_attach_through_the_shipped_config_is_sent_its_history_about_once(config):
+    """The edge's account pulls a late attach's history (CONSUMER.MSG.NEXT, exported with
+    response_type stream: one pull, several deliveries) sized by --stream-buffer-bytes, so a client
+    slower than NATS is sent each result about once (1.64-1.94 x with the push consumers the pause
+    stopped, at this 1 MiB bound). An edge user set up before it is refused the pull: the edge says
+    so once and reads with push consumers, as before, and its client still gets every result."""
+    subjects = Subjects("streamproc")
+    request_id = rid(f"late-{config}")
+    body = b'{"text":"' + b"x" * (64 * 1024 - 12) + b'"}'
+    results = 400  # 25 MiB stored
+    with shipped_server(CONF.read_text() if config == "shipped" else config_before_pulls()) as srv:
+        processor = await nats.connect(url(srv, "processor"), allow_reconnect=False)
+        try:
+            await ensure_results_stream(processor.jetstream(), subjects)
+            with running_edge(url(srv, "edge"), "--stream-buffer-bytes", str(1 << 20)) as edge:
+                await publish_results(processor, subjects, request_id, [body] * results, flush_every=8)
+                await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= results, 15,
+                                 "stored and seen")
+                _, before = sent_to_connection(srv.monitor_url, "streamproc-edge")
+                async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
+                        client.stream("GET", f"/v1/results/{request_id}") as response:
+                    assert response.status_code == 200
+                    received = await read_slowly(response)
+                _, after = sent_to_connection(srv.monitor_url, "streamproc-edge")
+                metrics, log = edge.metrics(), edge.log()
+        finally:
+            await processor.close()
+    assert received == expected_sse([body] * results), received[-300:]
+    assert metrics["streamproc_edge_streams_overrun_total"] == 0
+    sent = (after - before) / (results * len(body))
+    print(f"{config}: the server sent the edge {sent:.2f} x the history")
+    if config == "shipped":
+        assert sent < 1.1, sent
+        assert metrics["streamproc_edge_replay_pauses_total"] == 0
+        assert "replay_pulls_refused" not in log and "nats_error" not in log, log
+    else:
+        assert log.count("event=replay_pulls_refused") == 1, log
+        assert "nats_error" not in log and "cannot read the results stream" not in log, log
 
 
 @pytest.mark.anyio

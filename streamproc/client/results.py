@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import re
 from collections import deque
@@ -60,15 +59,22 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DEFAULT_PREFIX as JS_API_PREFIX
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from ..core.defaults import CLIENT_BUFFER_BYTES
 from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
 from ..core.reorder import SeqOrder
-from ..nats.robust import flush_queued
-from .connection import check_client
-from ..nats.streams import find_stream
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..nats.replay_pull import (
+    REPLAY_CONSUMER_IDLE,
+    encode,
+    pull_request,
+    pull_status,
+    pull_subject,
+    replay_consumer_config,
+)
+from ..nats.robust import flush_queued
+from ..nats.streams import find_stream
+from .connection import check_client
 
 
 T = TypeVar("T")
@@ -97,19 +103,15 @@ def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
         raise MalformedResult(f"malformed result on {msg.subject!r}: {exc}") from None
 
 
-# A replay's pulls (``$JS.API.CONSUMER.MSG.NEXT``): messages a pull asks for at most (its bytes are
-# what bounds it; this only caps the Msg objects of tiny results), how long one waits on the server
-# for results not stored yet, the idle heartbeat it asks for while it waits, and how long without a
-# word (result, heartbeat or status) it is taken for over: lost (a reconnect, a server restart), or
-# ended by nats-server without a status because its results used up its ``max_bytes`` exactly. The
-# consumer is then made again from the next stored result.
-REPLAY_PULL_BATCH = 1024
+# A replay's pulls (``$JS.API.CONSUMER.MSG.NEXT``, sized as streamproc/nats/replay_pull.py says): how
+# long one waits on the server for results not stored yet, the idle heartbeat it asks for while it
+# waits, and how long without a word (result, heartbeat or status) it is taken for over: lost (a
+# reconnect, a server restart), or ended by nats-server without a status because its results used up
+# its ``max_bytes`` exactly. The consumer is then made again from the next stored result.
+# REPLAY_CONSUMER_IDLE (replay_pull.py) is read from here at each creation (tests shorten it).
 REPLAY_PULL_EXPIRES = 5.0
 REPLAY_PULL_HEARTBEAT = 0.5
 REPLAY_PULL_LOST_AFTER = 4 * REPLAY_PULL_HEARTBEAT
-# Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
-# without closing it (a reader slower than this per result has its consumer made again, once).
-REPLAY_CONSUMER_IDLE = 60.0
 _DELETE_WAIT = 2.0  # seconds close() waits for the consumer's deletion (shielded from a cancellation)
 
 
@@ -193,11 +195,8 @@ class ResultStream:
         # What arrives is at most what the pulls asked for (the bound), plus one result fetched alone.
         room = 2 * self.max_buffered_bytes + (getattr(nc, "max_payload", 0) or 1 << 20)
         sub = await nc.subscribe(inbox, cb=self._on_delivery, pending_bytes_limit=max(room, 64 << 20))
-        start = {"deliver_policy": DeliverPolicy.ALL} if self._next_stored <= 1 else {
-            "deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": self._next_stored}
-        config = ConsumerConfig(name=name, filter_subject=self.subjects.result(self.request_id),
-                                ack_policy=AckPolicy.NONE, max_deliver=1, mem_storage=True, num_replicas=1,
-                                inactive_threshold=REPLAY_CONSUMER_IDLE, **start)
+        config = replay_consumer_config(name, self.subjects.result(self.request_id), self._next_stored,
+                                        REPLAY_CONSUMER_IDLE)
         reconnects = self._reconnect_count()
         try:
             create = f"{JS_API_PREFIX}.CONSUMER.CREATE.{self._stream}"
@@ -285,18 +284,15 @@ class ResultStream:
             self._overrun()
             self._arrived.set()
             return
-        if self._one_big:  # nothing held: the bound (at least max_payload) holds it alone
-            request = {"batch": 1}
-        else:
-            request = {"batch": REPLAY_PULL_BATCH, "max_bytes": room}
-        request["expires"] = int(REPLAY_PULL_EXPIRES * 1e9)
-        request["idle_heartbeat"] = int(REPLAY_PULL_HEARTBEAT * 1e9)
-        self._pulling, self._pull_left, self._pull_got = True, request["batch"], 0
+        # nothing held, one that did not fit comes alone: the bound (at least max_payload) holds it
+        request = pull_request(None if self._one_big else room, expires=REPLAY_PULL_EXPIRES,
+                               heartbeat=REPLAY_PULL_HEARTBEAT)
+        self._pulling, self._pull_left, self._pull_got = True, int(request["batch"]), 0
         self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
-        subject = f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.{self._consumer}"
+        subject = pull_subject(JS_API_PREFIX, self._stream, self._consumer)
         mark = self.nc.last_error
         try:
-            await self.nc.publish(subject, json.dumps(request).encode(), reply=self._inbox)
+            await self.nc.publish(subject, encode(request), reply=self._inbox)
         except BaseException:
             # Raised or cancelled inside publish, the pull may be queued all the same: a second one
             # on this consumer could bring twice the room. The next step makes the consumer again.
@@ -338,18 +334,16 @@ class ResultStream:
             self._one_big = False
             await self._on_msg(msg)  # (never suspends)
             return
-        headers = msg.headers or {}
-        status = headers.get("Status")
+        status = pull_status(msg.headers)
         if status is None or reply or msg.subject != self._inbox:
             return  # a stray (nobody else may publish here)
-        if status == "100":  # the pull out still waits on the server
+        if status == "heartbeat":  # the pull out still waits on the server
             if self._pulling:
                 self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
             return
-        description = headers.get("Description", "")
-        if status == "503" or "Deleted" in description:  # no consumer (idle too long, deleted): a new one
+        if status == "gone":  # no consumer (idle too long, deleted): a new one
             self._renew = True
-        elif status == "409" and "MaxBytes" in description and self._pull_got == 0:
+        elif status == "too_big" and self._pull_got == 0:
             self._one_big = True
         self._pulling = False
         self._arrived.set()

@@ -37,11 +37,14 @@ class MsgGetAccess:
     """What the edge knows of its permission to publish ``<api_prefix>.STREAM.MSG.GET.<stream>``."""
 
     def __init__(self, api_prefix: str, stream: str, on_change: Callable[[State, str], None] | None = None,
-                 reprobe: float = REPROBE, clock: Callable[[], float] = time.monotonic) -> None:
+                 reprobe: float = REPROBE, clock: Callable[[], float] = time.monotonic,
+                 api: str = "STREAM.MSG.GET", per_consumer: bool = False) -> None:
         self.stream = stream
-        self.subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"  # the permission replay.py needs
+        # the permission replay.py needs: MSG.GET, or (``per_consumer``) CONSUMER.MSG.NEXT.<stream>.<name>
+        self.subject = f"{api_prefix}.{api}.{stream}"
         # nats-py's parser lower-cases the -ERR text; the subject is compared in that form.
-        self._needle = f"permissions violation for publish to \"{self.subject}\"".lower()
+        end = "." if per_consumer else '"'
+        self._needle = f'permissions violation for publish to "{self.subject}{end}'.lower()
         self.on_change = on_change  # (new state, reason) when a refusal starts or ends: log it once
         self.reprobe = reprobe
         self.clock = clock

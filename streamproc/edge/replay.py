@@ -20,17 +20,30 @@ already, so a later one is past it), and unsubscribing it. (The consumer is made
 result is known to be left: made first and asked for its pending count, it pushed the history
 while that answer was on its way, and a reader of a long history overran its bound before reading.)
 
-The consumer pushes as fast as nats-server sends, whatever the reader's pace, and its flow control
-does not hold it to the stream's bound (nats-server ``consumer.processFlowControl`` doubles the window
-at every answer, up to ``JsFlowControlMaxPending`` = 32 MiB). So a reader slower than the stream, a
-real client on a slow link as much as one that pauses, filled the subscription's pending bound
-(``--stream-buffer-bytes``) and lost its stream (a fresh-clone CI run saw a full-speed reader of a
-48 MiB history overrun a 4 MiB bound). Instead, when nats-py drops a message of the temporary
-consumer (``SlowConsumerError``, :meth:`Replay.overflowed`), the replay *pauses*: it unsubscribes at
+The temporary consumer is a pull consumer (:mod:`streamproc.nats.replay_pull`, shared with the
+client's ``follow(replay=True)``): one pull out at a time, sent from the reader's loop once the
+last one ended and the subscription's pending bound (``--stream-buffer-bytes``) has room for half
+of it, asking for ``max_bytes`` = that room (``no_wait``: what it reads is stored already); a result
+larger than the room comes alone once nothing is queued. So a reader slower than the stream, a
+real client on a slow link as much as one that pauses, is sent each stored result once, at its
+pace. The consumer is deleted when the replay drops it (its ``inactive_threshold`` is for an edge
+that died); a pull that goes unanswered (a reconnect) or a consumer gone (``503``) makes a new one
+from the next stored result, as after a pause.
+
+Before 2026-12-05 it was an ordered push consumer, which pushes as fast as nats-server sends (its
+flow control does not hold it to the bound: nats-server ``consumer.processFlowControl`` doubles the
+window at every answer, up to ``JsFlowControlMaxPending`` = 32 MiB). It still is where the edge may
+not publish ``$JS.API.CONSUMER.MSG.NEXT`` (the shipped configuration before 2026-12-05: refused,
+read from the error callback like MSG.GET's refusal, or no responders to the first pull; ``pulls``
+is then ``refused``, tried again every 60 s). When nats-py drops a message of it
+(``SlowConsumerError``, :meth:`Replay.overflowed`), the replay *pauses*: it unsubscribes at
 once (no more of the history is taken in), keeps what was queued before the dropped message, hands
 that out, and then goes on from the next stored result with a new consumer, as after the probe.
 Memory stays within the bound; the reader gets every result in order; each pause costs one
-``STREAM.MSG.GET`` and one consumer per bound's worth of results the reader took.
+``STREAM.MSG.GET`` and one consumer per bound's worth of results the reader took, and what the
+server sent past the drop is thrown away and read again (1.2-1.4 x the history at a 4 or 8 MiB
+bound, 1.6-1.9 x at 1 MiB, measured at nats-server's /connz). A pull consumer pauses the same way
+for a result larger than the bound (nats-py drops it even into an empty queue).
 
 A live stream whose client fell its bound behind the dispatch reads on the same way: a replay
 from the first result it did not take (``start``) up to what the ring had delivered when it
@@ -61,9 +74,17 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from ..nats.fast_client import parse_header_block
+from ..nats.replay_pull import (
+    REPLAY_PULL_BATCH,
+    encode,
+    pull_request,
+    pull_status,
+    pull_subject,
+    replay_consumer_config,
+)
 from . import pending
 from .msg_get import MsgGetAccess, Refused
 from .probes import Probes
@@ -117,11 +138,12 @@ class Replay:
 
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
                  timeout: float, consumer_options: dict | None = None,
-                 watch: Callable[[object, bool], None] | None = None,
+                 watch: Callable[..., None] | None = None,
                  access: MsgGetAccess | None = None, may_subscribe: Callable[[bool], bool] | None = None,
                  start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
-                 release: Callable[[], None] | None = None) -> None:
+                 release: Callable[[], None] | None = None, pulls: MsgGetAccess | None = None) -> None:
         self.nc = nc
+        self.api_prefix = api_prefix
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
         self.stream = stream
         self.subject = subject
@@ -170,6 +192,21 @@ class Replay:
         self._answer_waiter: asyncio.Future[None] | None = None
         self.settled: Callable[[Replay], None] | None = None
         self.wake: Callable[[], None] | None = None  # the reader's inbox: something to read here
+        # Pull consumers (the module docstring): whether the edge may publish CONSUMER.MSG.NEXT on
+        # the stream (None: never try; refused: push consumers, as before). With a pull consumer
+        # (``consumer`` its name, delivering to ``inbox``) one pull is out at a time (``pulling``),
+        # for ``pull_left`` more results; ``one_big``: the next did not fit, it comes alone.
+        self.pulls = pulls
+        self.consumer: str | None = None
+        self.inbox = ""
+        self.pulling = False
+        self.pull_left = 0
+        self.pull_got = 0
+        self.one_big = False
+        self.delivered = 0  # results the current pull consumer delivered
+        self.renewals = 0  # pull consumers made again in a row without a result taken (bounded)
+        self.pulled = 0  # pulls sent (tests)
+        self.made_at = 0.0  # when the pull consumer was made (the pulls' clock): a refusal since is its
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
         """Send the open's probe now (MSG.GET known to answer): its answer is read in the NATS read
@@ -276,10 +313,13 @@ class Replay:
             if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
                 raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}",
                               denied=False)
-            sub = await self.nc.jetstream().subscribe(
-                self.subject, stream=self.stream, ordered_consumer=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
-                **self.consumer_options)
+            if self.pulls is not None and self.pulls.usable():
+                sub = await self._pull_consumer(seq)
+            else:
+                sub = await self.nc.jetstream().subscribe(
+                    self.subject, stream=self.stream, ordered_consumer=True,
+                    config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq),
+                    **self.consumer_options)
         except BaseException:
             if reserved and self.release is not None:
                 self.release()
@@ -298,13 +338,33 @@ class Replay:
     async def _read(self) -> tuple[str, dict[str, str] | None, bytes] | None:
         sub = self.sub
         while True:
+            if self.consumer is not None:
+                if self.pull_refused():
+                    return await self._renew()  # its first pull was refused (-ERR): a push consumer
+                await self._pull(sub)
             msg = pending.take(sub)  # Subscription.next_msg without its tasks per message (pending.py)
+            if msg is not None and self.consumer is not None and not (msg.reply or "").startswith("$JS.ACK."):
+                status = self._pull_ended(msg)
+                if status == "gone":  # no consumer (deleted, idle too long) or nobody answers pulls
+                    return await self._renew(refused=self.delivered == 0)
+                continue
             if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
                 # Paused, and what was queued before the drop is read: on from the next stored result.
                 await self._stop_consumer()
                 return await self.next()
             if msg is not None:
                 break
+            if self.consumer is not None and self.pulling:
+                loop = asyncio.get_running_loop()
+                since = loop.time()
+                woken = await pending.wait(sub, self.timeout)
+                if self.sub is not sub:  # closed meanwhile
+                    return None
+                if woken or self.cut is not None or self.pull_refused():
+                    continue
+                if loop.time() - since >= self.timeout:
+                    return await self._renew()  # its pull went unanswered (a reconnect): from here again
+                raise nats.errors.TimeoutError  # woken for nothing (the stream is gone): the feed says why
             woken = await pending.wait(sub, self.timeout)
             if self.sub is not sub:  # closed meanwhile (the feed ended): nothing more from here
                 return None
@@ -314,6 +374,16 @@ class Replay:
         if reply is not None:
             await self.nc.publish(reply)
         meta = msg.metadata
+        if self.consumer is not None:
+            self.delivered += 1
+            if self.delivered == 1 and self.pulls is not None and self.pulls.state != "allowed":
+                self.pulls.allowed()  # a pull was answered (a re-probe after a refusal ends it)
+            self.renewals = 0
+            self.pull_got += 1
+            self.pull_left -= 1
+            self.one_big = False
+            if self.pull_left <= 0:
+                self.pulling = False
         self._found(meta.sequence.stream)
         if meta.sequence.stream > self.upto:  # later ones come from the dispatch
             await self._finish()
@@ -324,6 +394,115 @@ class Replay:
         if meta.sequence.stream >= self.upto or meta.num_pending == 0:
             await self._finish()  # this one is the last stored up to upto
         return msg.subject, msg.headers, msg.data
+
+    async def _pull_consumer(self, seq: int):
+        """A pull consumer of the subject from stream sequence ``seq`` and the subscription of its
+        inbox (no callback: read as the reader asks, with the feed's pending bounds, which its
+        pulls never pass). Nothing is sent before :meth:`_pull` asks."""
+        nc = self.nc
+        inbox = nc.new_inbox()
+        name = f"streamproc_replay_{inbox.rsplit('.', 1)[-1]}"  # unique, so a failed create is deleted by name
+        limits = {k: v for k, v in self.consumer_options.items() if k.startswith("pending_")}
+        sub = await nc.subscribe(inbox, **limits)
+        try:
+            await nc.jetstream(prefix=self.api_prefix).add_consumer(
+                self.stream, config=replay_consumer_config(name, self.subject, seq))
+        except BaseException:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+            await self._delete(name)  # it may exist: the answer, not the request, was lost
+            raise
+        self.consumer, self.inbox = name, inbox
+        self.pulling = self.one_big = False
+        self.delivered = 0
+        self.made_at = self.pulls.clock() if self.pulls is not None else 0.0
+        return sub
+
+    def pull_refused(self) -> bool:
+        """The pull consumer's pulls were refused since it was made (its first one, by the
+        connection's -ERR: ``ResultSource._on_error``): read on with a push consumer."""
+        pulls = self.pulls
+        return (self.consumer is not None and self.delivered == 0 and pulls is not None
+                and pulls.state == "refused" and pulls.refused_at >= self.made_at)
+
+    async def _pull(self, sub) -> None:
+        """Ask for the next results once the previous pull ended: as many bytes as the bound has
+        room for (at least half of it), or the one that did not fit alone once nothing is queued.
+        ``no_wait``: every result up to ``upto`` is stored already; nothing waits on the server."""
+        if self.pulling or self.done or self.cut is not None:
+            return
+        core = sub
+        queued, queued_msgs = core._pending_size, core._pending_queue.qsize()
+        bound = self.consumer_options.get("pending_bytes_limit") or 0
+        msgs_bound = self.consumer_options.get("pending_msgs_limit") or 0
+        if self.one_big:
+            if queued_msgs:
+                return
+            request = pull_request(None, no_wait=True)
+        else:
+            # nats-py drops a message that brings the queue to its bound (Client._process_msg: >=),
+            # and the status that ends a pull takes a place in the queue too
+            room = bound - queued - 1 if bound > 0 else 1 << 30
+            if bound > 0 and room < bound // 2:
+                return
+            batch = (REPLAY_PULL_BATCH if msgs_bound <= 0
+                     else min(REPLAY_PULL_BATCH, msgs_bound - queued_msgs - 1))
+            if batch <= 0:
+                return
+            request = pull_request(room, batch, no_wait=True)
+        self.pulling, self.pull_left, self.pull_got = True, int(request["batch"]), 0
+        self.pulled += 1
+        try:
+            await self.nc.publish(pull_subject(self.api_prefix, self.stream, self.consumer or ""), encode(request),
+                                  reply=self.inbox)
+        except BaseException:
+            self.pulling = False
+            raise
+
+    def _pull_ended(self, msg: Msg) -> str | None:
+        """A status on the pull consumer's inbox: the pull out is over (what :func:`pull_status`
+        says; a stray or a heartbeat changes nothing)."""
+        status = pull_status(msg.headers)
+        if status is None or status == "heartbeat" or msg.subject != self.inbox:
+            return None
+        self.pulling = False
+        if status == "too_big" and self.pull_got == 0:
+            self.one_big = True
+        elif status == "ended" and self.pull_got == 0:
+            # nothing stored at or after next_seq any more (deleted, expired): the rest comes by
+            # subject (which says so, or finds a later one), as after a pause
+            self.cut = self.next_seq
+        return status
+
+    async def _renew(self, refused: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
+        """The pull consumer is gone (or its pulls went unanswered): on from the next stored
+        result, by subject and then a new consumer, as after a pause. ``refused``: its first pull
+        got no responders (the edge's account does not import CONSUMER.MSG.NEXT): push consumers
+        from now on (until the access's re-probe)."""
+        if refused and self.pulls is not None and self.pulls.state != "refused":
+            self.pulls.refused(f"no responders on {self.pulls.subject}.<consumer>")
+        self.renewals += 1
+        if self.renewals > 3:
+            raise nats.errors.TimeoutError
+        await self._drop_consumer()
+        self.cut = None
+        self.done = False
+        return await self.next()
+
+    async def _delete(self, name: str) -> bool:
+        """Delete a pull consumer now (best effort, bounded): True when the server says it is gone
+        (its slot is free at once; else counted REPLAY_SLOT_LINGER more, and past
+        REPLAY_CONSUMER_IDLE without a pull the server deletes it)."""
+        if self.nc.is_closed:
+            return False
+        try:
+            await asyncio.wait_for(self.nc.jetstream(prefix=self.api_prefix).delete_consumer(self.stream, name),
+                                   self.timeout)
+        except NotFoundError:
+            return True
+        except Exception:  # noqa: BLE001 - a lost answer, a closed connection: it may still exist
+            return False
+        return True
 
     async def _get(self, seq: int) -> StoredMessage | None:
         """The first stored message of the subject at or after ``seq``, if at most ``upto``; else
@@ -433,10 +612,16 @@ class Replay:
 
     async def _drop_consumer(self) -> None:
         sub, self.sub = self.sub, None
+        name, self.consumer = self.consumer, None
+        self.pulling = False
         if sub is not None:
-            if self.watch is not None:
-                self.watch(sub, False)
+            if self.watch is not None and name is None:
+                self.watch(sub, False)  # a push consumer: the server drops it after its inactive threshold
             pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
             pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now
+        if name is not None:
+            deleted = await self._delete(name)
+            if sub is not None and self.watch is not None:
+                self.watch(sub, False, deleted)  # deleted: its slot is free now, it does not linger

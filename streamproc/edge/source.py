@@ -134,6 +134,7 @@ class ResultSource:
         # the names feeds read with consumers of their own are kept (_check_own_consumers).
         self._created: dict[str, datetime.datetime] = {}
         self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
+        self.pulls: MsgGetAccess | None = None  # may the replay pull (CONSUMER.MSG.NEXT; replay.py)
         self._recent_sub = None
         # The ring consumer last found deleted (its name, stream) and when: not asked about again
         # while its new one is being made (RING_RESET_GRACE), then again (a failed remake keeps the name).
@@ -285,6 +286,8 @@ class ResultSource:
         name, prefix = info.config.name, self.nc.jetstream()._prefix
         if self.msg_get is None or self.msg_get.stream != name:  # kept for the same name: what it learnt holds
             self.msg_get = MsgGetAccess(prefix, name, self._msg_get_changed)
+        if self.pulls is None or self.pulls.stream != name:
+            self.pulls = MsgGetAccess(prefix, name, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
         self._ring_stream = (name, info.created)
         self.results_stream_missing = None
         self.recent_mode = "jetstream"
@@ -676,10 +679,13 @@ class ResultSource:
         delivered: those the dispatch did not give ``feed`` (replay.py; ``by_consumer`` there)."""
         assert self.fanout is not None and self.nc is not None and feed.inbox is not None
 
-        def watch(sub, live: bool) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
+        def watch(sub, live: bool, deleted: bool = False) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
             if live:
                 self._replays[id(core_subscription(sub))] = feed
             elif self._replays.pop(id(core_subscription(sub)), None) is not None:
+                if deleted:  # a pull consumer the server said it deleted: its slot is free now
+                    self._replay_slot_freed()
+                    return
                 self._replays_lingering += 1  # until the server has dropped it too
                 asyncio.get_running_loop().call_later(REPLAY_SLOT_LINGER, self._replay_consumer_gone)
 
@@ -688,7 +694,7 @@ class ResultSource:
         return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                       REPLAY_TIMEOUT, limits, watch, self.msg_get,
                       functools.partial(self._may_replay_with_consumer, feed), start,
-                      by_consumer, expect, self._replay_consumer_made)
+                      by_consumer, expect, self._replay_consumer_made, self.pulls)
 
     def catch_up(self, feed: ResultFeed) -> None:
         """A dispatched JetStream feed that fell behind (:meth:`_on_inbox_full`) has handed out what
@@ -743,6 +749,18 @@ class ResultSource:
         self.metrics.streams_fallback += 1
         limits = {"pending_msgs_limit": inbox.msgs_limit, "pending_bytes_limit": inbox.bytes_limit}
         self._consume(feed, self.fanout.stream, limits)
+
+    def _pulls_changed(self, state: State, reason: str) -> None:
+        """Said once per change: replays read with push consumers (as before 2026-12-05) meanwhile."""
+        assert self.pulls is not None
+        if state == "refused":
+            log_event(log, logging.WARNING, "replay_pulls_refused", permission=f"{self.pulls.subject}.>",
+                      error=reason, fallback="push consumers, stopped at the stream's bound",
+                      retry_after=self.pulls.reprobe,
+                      hint="export and import it with response_type stream and grant the edge user publish "
+                           "on it (docs/security.md, 'Upgrading: the edge pulls stored results')")
+        else:
+            log_event(log, logging.INFO, "replay_pulls_allowed", permission=f"{self.pulls.subject}.>")
 
     def _msg_get_changed(self, state: State, reason: str) -> None:
         """Said once per change, not per open: the deployment lacks (or got) the permission."""
@@ -984,6 +1002,13 @@ class ResultSource:
             return
         if self.msg_get is not None and self.msg_get.note_error(str(exc)):
             self.msg_get.refused(str(exc))  # said once (_msg_get_changed), not per open
+            return
+        if self.pulls is not None and self.pulls.note_error(str(exc)):
+            self.pulls.refused(str(exc))  # said once (_pulls_changed), not per replay
+            for feed in list(self._replays.values()):  # a replay waiting for its first pull: on with push
+                replay = feed.replay
+                if replay is not None and replay.sub is not None and replay.pull_refused():
+                    pending.wake(replay.sub)
             return
         if "permissions violation" in str(exc).lower():
             # Rate limited: a refused permission is reported once per request that hits it, and any

@@ -1,0 +1,74 @@
+"""A request's stored results read with a pull consumer whose pulls are sized by a byte bound.
+
+What the client's ``follow(replay=True)`` (:mod:`streamproc.client.results`) and the edge's replay
+(:mod:`streamproc.edge.replay`) share. A push consumer sends as fast as nats-server will, whatever
+its reader's pace; a reader that stops it at its bound has been sent more already, which is thrown
+away and read again (1.5 GB on the wire for a 250 MiB history, client; up to 1.9 x at the edge).
+A pull (``$JS.API.CONSUMER.MSG.NEXT``) asks for ``max_bytes`` = the room the bound has left, so
+each stored result is sent about once, at the reader's pace. nats-server ends a pull with a status
+message on its reply subject (``404``/``408`` nothing more, ``409`` with ``MaxBytes`` when the next
+result is larger than the room the pull offered) unless its batch was filled.
+"""
+
+from __future__ import annotations
+
+import json
+
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+# Messages a pull asks for at most: its bytes are what bound it; this only caps the Msg objects of
+# tiny results.
+REPLAY_PULL_BATCH = 1024
+# Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
+# without deleting it (a reader slower than this per pull has its consumer made again, once).
+REPLAY_CONSUMER_IDLE = 60.0
+
+
+def replay_consumer_config(name: str, subject: str, start: int, idle: float = REPLAY_CONSUMER_IDLE) -> ConsumerConfig:
+    """A pull consumer of ``subject`` from stream sequence ``start`` (1 or less: the first stored):
+    no acks (read once, in order), in memory, removed by the server ``idle`` seconds after its last pull."""
+    where = {"deliver_policy": DeliverPolicy.ALL} if start <= 1 else {
+        "deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start}
+    return ConsumerConfig(name=name, filter_subject=subject, ack_policy=AckPolicy.NONE, max_deliver=1,
+                          mem_storage=True, num_replicas=1, inactive_threshold=idle, **where)
+
+
+def pull_subject(api_prefix: str, stream: str, consumer: str) -> str:
+    return f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+
+
+def pull_request(room: int | None, batch: int = REPLAY_PULL_BATCH, expires: float | None = None,
+                 no_wait: bool = False, heartbeat: float | None = None) -> dict[str, int | bool]:
+    """A pull's request: at most ``batch`` results of at most ``room`` bytes together; ``room``
+    None asks for the next result alone, whatever its size (one the last pull's room did not fit).
+    ``heartbeat``: the server sends a ``100`` status that often while the pull waits on it."""
+    request: dict[str, int | bool] = {"batch": 1} if room is None else {"batch": batch, "max_bytes": room}
+    if expires is not None:
+        request["expires"] = int(expires * 1e9)
+    if heartbeat is not None:
+        request["idle_heartbeat"] = int(heartbeat * 1e9)
+    if no_wait:
+        request["no_wait"] = True
+    return request
+
+
+def encode(request: dict[str, int | bool]) -> bytes:
+    return json.dumps(request).encode()
+
+
+def pull_status(headers: dict[str, str] | None) -> str | None:
+    """What a status message on a pull's reply subject says: ``"gone"`` (no consumer: deleted,
+    idle too long, or no responders), ``"too_big"`` (the next result is larger than the room the
+    pull offered), ``"ended"`` (the pull is over: nothing more now, expired), ``"heartbeat"``; None
+    for no status (a delivery, or a stray)."""
+    status = (headers or {}).get("Status")
+    if status is None:
+        return None
+    if status == "100":
+        return "heartbeat"
+    description = (headers or {}).get("Description", "")
+    if status == "503" or "Deleted" in description:
+        return "gone"
+    if status == "409" and "MaxBytes" in description:
+        return "too_big"
+    return "ended"
