@@ -352,3 +352,25 @@ def assert_same_body(got: bytes, want: bytes) -> None:
     g, w = json.loads(got), json.loads(want)
     assert g == w
     assert _key_order(g) == _key_order(w)
+
+
+async def pull_counted_size(js, client, stream: str, subject: str, name: str, over: int) -> int:
+    """What nats-server counts against a pull's ``max_bytes`` for the first message on ``subject``,
+    delivered by a consumer named ``name``: a pull that asks for two with ``over`` bytes gets the
+    first, and the ``409`` for the second says how many bytes the first left (``Nats-Pending-Bytes``)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    await js.add_consumer(stream, ConsumerConfig(name=name, filter_subject=subject, ack_policy=AckPolicy.NONE))
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    try:
+        await client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}",
+                             json.dumps({"batch": 2, "max_bytes": over, "expires": 2_000_000_000}).encode(),
+                             reply=inbox)
+        first = await sub.next_msg(timeout=5)
+        status = await sub.next_msg(timeout=5)
+        assert first.reply and (status.headers or {}).get("Status") == "409", status.headers
+        return over - int(status.headers["Nats-Pending-Bytes"])
+    finally:
+        await sub.unsubscribe()
+        await js.delete_consumer(stream, name)

@@ -13,7 +13,7 @@ import time
 import anyio
 import nats
 import pytest
-from helpers import connection, wait_until
+from helpers import connection, pull_counted_size, wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.msg import Msg
@@ -666,28 +666,6 @@ def test_mint_capability_refuses_a_ttl_that_is_not_a_positive_bounded_number(ttl
     assert mint_capability(b"k" * 32, rids=["req-1"], ttl=366 * 86_400)  # the longest still minted
 
 
-async def _server_size(js, client, stream: str, subject: str, name: str, over: int) -> int:
-    """What nats-server counts against a pull's ``max_bytes`` for the first message on ``subject``,
-    delivered by a consumer named ``name``: a pull that asks for two with ``over`` bytes gets the
-    first, and the ``409`` for the second says how many bytes the first left (``Nats-Pending-Bytes``)."""
-    from nats.js.api import AckPolicy, ConsumerConfig
-
-    await js.add_consumer(stream, ConsumerConfig(name=name, filter_subject=subject, ack_policy=AckPolicy.NONE))
-    inbox = client.new_inbox()
-    sub = await client.subscribe(inbox)
-    try:
-        await client.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}",
-                             json.dumps({"batch": 2, "max_bytes": over, "expires": 2_000_000_000}).encode(),
-                             reply=inbox)
-        first = await sub.next_msg(timeout=5)
-        status = await sub.next_msg(timeout=5)
-        assert first.reply and (status.headers or {}).get("Status") == "409", status.headers
-        return over - int(status.headers["Nats-Pending-Bytes"])
-    finally:
-        await sub.unsubscribe()
-        await js.delete_consumer(stream, name)
-
-
 async def test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_at_once(client, nats_url):
     """nats-server ends a pull whose ``max_bytes`` the delivered messages use up exactly without a
     word (no 409, no 408 at its expiry: asked of the server below). A replay that waited for that
@@ -704,7 +682,7 @@ async def test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_at_once(clien
         await forge(producer, "exact-p", 0, b"a" * 500_000)
         await forge(producer, "exact-p", 1, b"b" * 900_000)
         await producer.flush()
-    overhead = await _server_size(js, client, stream, SUBJECTS.result("exact-p"), name, 1 << 20) - 500_000
+    overhead = await pull_counted_size(js, client, stream, SUBJECTS.result("exact-p"), name, 1 << 20) - 500_000
     rid = "exact-r"
     async with connection(nats_url) as producer:
         await forge(producer, rid, 0, b"a" * 500_000)

@@ -11,10 +11,11 @@ waiting feed with Lost. And what changes: no SUB, PING or consumer per open. The
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 from edge_harness import consumers_back_to, publish_result, publish_results, started_source, subscribed_subjects
-from helpers import rid
+from helpers import pull_counted_size, rid
 from nats.js.api import StreamConfig
 
 from streamproc.core.wire import ResultInfo
@@ -469,3 +470,43 @@ async def test_a_dispatched_feed_closes_at_once_and_one_with_a_replay_left_retur
         assert rest is not None
         await rest
         assert feed.closed and feed.replay is None
+
+
+async def test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_within_the_pull_silence(nats_url, client):
+    """nats-server ends a pull whose ``max_bytes`` the delivered results use up exactly without a
+    word (``consumer.nextWaiting`` sets its batch to 1 when its bytes reach 0: no 404, no 409; the
+    same as the client's test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_at_once). A late
+    attach whose first pull was filled so waited the replay timeout (5 s) for an end that never
+    comes; now a pull silent for ``REPLAY_PULL_LOST_AFTER`` while nothing is queued is over, and the
+    replay goes on from the next stored result."""
+    bound = 1024 * 1024
+    async with started_source(nats_url, STORED, ensure_results_stream=True, stream_buffer_bytes=bound) as source:
+        js = client.jetstream()
+        stream = source.fanout.stream
+        suffix = f"{random.randrange(1 << 32):08x}"  # the probe's and the request's subjects as long
+        probe, request_id = f"xp-{suffix}", f"xr-{suffix}"
+        for seq, size in enumerate([10, 500_000, 900_000]):  # stored as the request's, first
+            await publish_result(client, STORED, probe, seq, b"p" * size, final=seq == 2)
+        await client.flush()
+        name = "streamproc_replay_" + "p" * 22  # as long as the edge's replay consumer name (acks' subjects)
+        counted = await pull_counted_size(js, client, stream, STORED.result(probe), name, 10_000)
+        overhead = counted - 10
+        # the probe (MSG.GET) reads result 0; the consumer's first pull, max_bytes = bound - 1 (an
+        # empty queue), is used up exactly by results 1 and 2
+        sizes = [10, 500_000, bound - 1 - 500_000 - 2 * overhead, 10]
+        for seq, size in enumerate(sizes):
+            await publish_result(client, STORED, request_id, seq, b"r" * size, final=seq == 3)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen >= 7)
+        started = asyncio.get_running_loop().time()
+        feed = await source.open(request_id)
+        seqs, item = [], await feed.next(10.0)
+        while isinstance(item, ResultInfo):
+            seqs.append(item.seq)
+            item = await feed.next(10.0)
+        took = asyncio.get_running_loop().time() - started
+        assert isinstance(item, Ended), item
+        assert seqs == [0, 1, 2, 3]
+        assert feed.replay is None or feed.replay.pauses == 0
+        assert took < 3.5, f"the replay stalled {took:.1f} s after a pull that used up its max_bytes exactly"
+        await feed.close()

@@ -66,6 +66,8 @@ from ..core.reorder import SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 from ..nats.replay_pull import (
     REPLAY_CONSUMER_IDLE,
+    REPLAY_PULL_HEARTBEAT,
+    REPLAY_PULL_LOST_AFTER,
     encode,
     pull_request,
     pull_status,
@@ -103,15 +105,11 @@ def _parse(subjects: Subjects, msg: Msg) -> ResultInfo:
         raise MalformedResult(f"malformed result on {msg.subject!r}: {exc}") from None
 
 
-# A replay's pulls (``$JS.API.CONSUMER.MSG.NEXT``, sized as streamproc/nats/replay_pull.py says): how
-# long one waits on the server for results not stored yet, the idle heartbeat it asks for while it
-# waits, and how long without a word (result, heartbeat or status) it is taken for over: lost (a
-# reconnect, a server restart), or ended by nats-server without a status because its results used up
-# its ``max_bytes`` exactly. The consumer is then made again from the next stored result.
-# REPLAY_CONSUMER_IDLE (replay_pull.py) is read from here at each creation (tests shorten it).
+# A replay's pulls (``$JS.API.CONSUMER.MSG.NEXT``, sized as streamproc/nats/replay_pull.py says, with
+# its heartbeat and its silence after which a pull is over): how long one waits on the server for
+# results not stored yet. REPLAY_CONSUMER_IDLE (replay_pull.py) is read from here at each creation
+# (tests shorten it).
 REPLAY_PULL_EXPIRES = 5.0
-REPLAY_PULL_HEARTBEAT = 0.5
-REPLAY_PULL_LOST_AFTER = 4 * REPLAY_PULL_HEARTBEAT
 _DELETE_WAIT = 2.0  # seconds close() waits for the consumer's deletion (shielded from a cancellation)
 
 

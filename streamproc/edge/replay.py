@@ -27,8 +27,9 @@ of it, asking for ``max_bytes`` = that room (``no_wait``: what it reads is store
 larger than the room comes alone once nothing is queued. So a reader slower than the stream, a
 real client on a slow link as much as one that pauses, is sent each stored result once, at its
 pace. The consumer is deleted when the replay drops it (its ``inactive_threshold`` is for an edge
-that died); a pull that goes unanswered (a reconnect) or a consumer gone (``503``) makes a new one
-from the next stored result, as after a pause.
+that died); a pull silent for ``REPLAY_PULL_LOST_AFTER`` once what it brought is read (used up
+exactly, which nats-server ends without a status, or lost in a reconnect) or a consumer gone
+(``503``) makes a new one from the next stored result, as after a pause.
 
 Before 2026-12-05 it was an ordered push consumer, which pushes as fast as nats-server sends (its
 flow control does not hold it to the bound: nats-server ``consumer.processFlowControl`` doubles the
@@ -79,6 +80,7 @@ from nats.js.errors import APIError, NotFoundError
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_PULL_BATCH,
+    REPLAY_PULL_LOST_AFTER,
     encode,
     pull_request,
     pull_status,
@@ -357,13 +359,17 @@ class Replay:
             if self.consumer is not None and self.pulling:
                 loop = asyncio.get_running_loop()
                 since = loop.time()
-                woken = await pending.wait(sub, self.timeout)
+                # A no_wait pull never waits on the server: it delivers or ends at once. Nothing
+                # queued and no word for REPLAY_PULL_LOST_AFTER, it is over without a status (its
+                # results used up its max_bytes exactly: replay_pull.py) or lost (a reconnect).
+                silence = min(self.timeout, REPLAY_PULL_LOST_AFTER)
+                woken = await pending.wait(sub, silence)
                 if self.sub is not sub:  # closed meanwhile
                     return None
                 if woken or self.cut is not None or self.pull_refused():
                     continue
-                if loop.time() - since >= self.timeout:
-                    return await self._renew()  # its pull went unanswered (a reconnect): from here again
+                if loop.time() - since >= silence:
+                    return await self._renew()  # from the next stored result, with a new consumer
                 raise nats.errors.TimeoutError  # woken for nothing (the stream is gone): the feed says why
             woken = await pending.wait(sub, self.timeout)
             if self.sub is not sub:  # closed meanwhile (the feed ended): nothing more from here

@@ -7,7 +7,15 @@ away and read again (1.5 GB on the wire for a 250 MiB history, client; up to 1.9
 A pull (``$JS.API.CONSUMER.MSG.NEXT``) asks for ``max_bytes`` = the room the bound has left, so
 each stored result is sent about once, at the reader's pace. nats-server ends a pull with a status
 message on its reply subject (``404``/``408`` nothing more, ``409`` with ``MaxBytes`` when the next
-result is larger than the room the pull offered) unless its batch was filled.
+result is larger than the room the pull offered) unless its batch was filled, or its results used
+up its ``max_bytes`` exactly: nats-server 2.x ``consumer.nextWaiting`` ("If we are right now at
+zero, set batch to 1 to deliver this one but stop after") then ends it without any status. So a
+pull silent for ``REPLAY_PULL_LOST_AFTER`` is over, and the consumer is made again from the next
+stored result (its old inbox dropped first: nothing comes twice, no second pull overfills the
+bound). A pull that waits on the server (``expires``, the client's live tail) asks for an idle
+heartbeat, which keeps it from looking silent; the edge's pulls are ``no_wait`` (the history is
+stored): they never wait on the server, and nats-server refuses a heartbeat without an ``expires``
+of at least twice it (``nextReqFromMsg``: "heartbeat value too large").
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 # Messages a pull asks for at most: its bytes are what bound it; this only caps the Msg objects of
 # tiny results.
 REPLAY_PULL_BATCH = 1024
+# A waiting pull's idle heartbeat, and how long a pull without a word (result, heartbeat or status)
+# is taken for over: lost (a reconnect, a server restart) or used up exactly (no status).
+REPLAY_PULL_HEARTBEAT = 0.5
+REPLAY_PULL_LOST_AFTER = 4 * REPLAY_PULL_HEARTBEAT
 # Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
 # without deleting it (a reader slower than this per pull has its consumer made again, once).
 REPLAY_CONSUMER_IDLE = 60.0
