@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from helpers import drive_join as join
-from migration_helpers import SGLANG_0523_TIMINGS, without_attempt_values, without_timings
+from migration_helpers import SGLANG_0523_TIMINGS, without_attempt_values
 
 from streamproc.codec import DEFAULT_MAX_DECOMPRESSED_BYTES, CodecOptions, parse_format_options
 from streamproc.config import ConfigError, load
