@@ -419,6 +419,8 @@ def test_a_failed_lookup_waits_behind_the_queue_and_keeps_what_parked_behind_it(
     assert list(lookups.tokens()) == ["a0", "a1"] and not slots.free()
     assert not lookups.retries_left("a") and not lookups.retry("a", "a0")  # the last attempt
     assert lookups.finish("a", "a0") == ["a1"] and slots.free() and not lookups.requests()
+
+
 def test_a_delivery_larger_than_max_bytes_parks_when_nothing_else_is_parked():
     lookups: Lookups[str] = Lookups(LookupSlots(2), max_bytes=100)
     assert lookups.fits(1000)  # nothing parked: one delivery always fits, however large
