@@ -11,6 +11,7 @@ waiting feed with Lost. And what changes: no SUB, PING or consumer per open. The
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -510,3 +511,54 @@ async def test_a_replay_pull_filled_to_its_exact_max_bytes_goes_on_within_the_pu
         assert feed.replay is None or feed.replay.pauses == 0
         assert took < 3.5, f"the replay stalled {took:.1f} s after a pull that used up its max_bytes exactly"
         await feed.close()
+
+
+async def test_late_attaches_cancelled_while_their_replay_drops_its_consumer_give_the_slot_back(nats_url, client):
+    """Uvicorn cancels an SSE handler's task when its client disconnects, also while the replay in
+    its ``next()`` deletes its pull consumer (a round trip, up to REPLAY_TIMEOUT). The slot was
+    given back only after that await: each such cancel held a ``--max-replay-consumers`` slot for
+    the edge's life, and once they were all held every late attach read its history by subject.
+    Here more clients than the cap leave at that moment; the next late attach still gets a
+    consumer, and no slot stays held."""
+    cap = 2
+    async with started_source(nats_url, STORED, ensure_results_stream=True, max_replay_consumers=cap) as source:
+        ids = [rid(f"leaves{i}") for i in range(12)] + [rid("after")]
+        for request_id in ids:
+            for seq in range(4):
+                await publish_result(client, STORED, request_id, seq, b'{"n":%d}' % seq, final=seq == 3)
+        await client.flush()
+        await until(lambda: source.metrics.results_seen >= 4 * len(ids))
+        left = 0
+        for request_id in ids[:-1]:
+            await replay_slots_back_to(source, 0)
+            feed = await source.open(request_id)
+            assert [r.seq for r in await read(feed, 3)] == [0, 1, 2]
+            replay = feed.replay
+            assert replay is not None and replay.consumer is not None, "its history is read by a pull consumer"
+            reading = asyncio.ensure_future(feed.next(5.0))  # the last stored one: the replay drops its consumer
+            while not reading.done() and replay.sub is not None:
+                await asyncio.sleep(0)
+            if not reading.done():  # the client leaves while the consumer is being deleted
+                reading.cancel()
+                left += 1
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+            await feed.close()  # as the handler's shielded close does
+        assert left > cap, f"only {left} clients left while their replay dropped its consumer"
+        await replay_slots_back_to(source, 0)
+        by_subject = source.metrics.replay_reads_by_subject
+        feed = await source.open(ids[-1])
+        assert [r.seq for r in await read(feed, 4)] == [0, 1, 2, 3]
+        assert source.metrics.replay_reads_by_subject == by_subject  # a consumer, not MSG.GET per result
+        await feed.close()
+        await replay_slots_back_to(source, 0)
+
+
+async def replay_slots_back_to(source, held: int) -> None:
+    """Wait (5 s at most: a dropped consumer whose delete failed counts REPLAY_SLOT_LINGER) until
+    ``source`` holds ``held`` --max-replay-consumers slots."""
+    try:
+        await until(lambda: source._replay_consumers_held() == held, 5.0)
+    except TimeoutError:
+        pytest.fail(f"{source._replay_consumers_held()} replay consumer slots held, not {held} "
+                    f"(in use {len(source._replays)}, lingering {source._replays_lingering})")

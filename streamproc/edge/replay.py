@@ -91,6 +91,9 @@ from . import pending
 from .msg_get import MsgGetAccess, Refused
 from .probes import Probes
 
+# Pull consumers being let go (Replay._let_go), also after their reader's task was cancelled: held here,
+# as the event loop keeps only weak references to tasks.
+_LETTING_GO: set[asyncio.Task] = set()
 NO_MESSAGE = 10037  # JSNoMessageFoundErr (nats-server server/errors.json): no message at or after seq
 
 
@@ -620,14 +623,35 @@ class Replay:
         sub, self.sub = self.sub, None
         name, self.consumer = self.consumer, None
         self.pulling = False
+        if name is not None:
+            if sub is not None:
+                pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
+            # A task of its own, awaited shielded: the reader's task is cancelled when its client
+            # leaves (Uvicorn), also during these round trips, and the slot was then never given
+            # back (watch not called): --max-replay-consumers one lower for the edge's life.
+            letting_go = asyncio.ensure_future(self._let_go(sub, name))
+            _LETTING_GO.add(letting_go)
+            letting_go.add_done_callback(_LETTING_GO.discard)
+            await asyncio.shield(letting_go)
+            return
         if sub is not None:
-            if self.watch is not None and name is None:
+            if self.watch is not None:
                 self.watch(sub, False)  # a push consumer: the server drops it after its inactive threshold
             pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
             pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now
-        if name is not None:
+
+    async def _let_go(self, sub, name: str) -> None:
+        """Unsubscribe a pull consumer's inbox and delete the consumer (bounded: the timeout), then
+        report it gone: its slot is free at once when deleted, else it lingers (REPLAY_SLOT_LINGER)."""
+        deleted = False
+        try:
+            if sub is not None:
+                with contextlib.suppress(nats.errors.Error, OSError):
+                    await sub.unsubscribe()
+                pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now
             deleted = await self._delete(name)
+        finally:
             if sub is not None and self.watch is not None:
                 self.watch(sub, False, deleted)  # deleted: its slot is free now, it does not linger
