@@ -787,3 +787,41 @@ async def test_a_replay_reader_cancelled_inside_a_pulls_publish_sends_no_second_
         await anyio.sleep(1.0)  # everything the pulls asked for has arrived
         got.extend([r.seq async for r in results])
     assert got == list(range(n))
+
+
+async def test_a_replay_whose_consumers_are_deleted_again_and_again_ends_instead_of_renewing_for_ever(
+        client, nats_url):
+    """Another user of the same rights (the edges that share the one ``edge`` user can) deletes the
+    replay's consumer as soon as it exists. The reader made a new one, pulled, found it gone, without
+    limit (``timeout=None``: for ever, a consumer create and delete per round). Now, as at the edge,
+    a consumer made again ``REPLAY_RENEWALS_MAX`` times in a row without an answer ends the stream."""
+    from streamproc.nats.replay_pull import REPLAY_RENEWALS_MAX
+
+    rid = "replay-deleted-again"
+    await ensure_results_stream(client.jetstream(), SUBJECTS)
+    async with connection(nats_url) as producer:
+        await forge(producer, rid, 0, b"first")  # stored, not final: the reader then waits for more
+        await producer.flush()
+    js = client.jetstream()
+    stream = await js.find_stream_name_by_subject(SUBJECTS.result(rid))
+    deleted: set[str] = set()
+
+    async def delete_every_consumer() -> None:
+        while True:
+            for info in await replay_consumers(js, rid):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await js.delete_consumer(stream, info.name)
+                    deleted.add(info.name)
+            await anyio.sleep(0.002)
+
+    with anyio.fail_after(20):
+        results = follow(client, SUBJECTS, rid, timeout=None, replay=True)
+        assert (await results.__anext__()).body == b"first"  # its consumer answered
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(delete_every_consumer)
+            with pytest.raises(TimeoutError) as ended:
+                await results.__anext__()
+            tg.cancel_scope.cancel()
+    assert "made again" in str(ended.value), ended.value
+    assert len(deleted) <= REPLAY_RENEWALS_MAX + 1, deleted
+    assert await replay_consumers(js, rid) == []

@@ -501,3 +501,50 @@ async def test_a_reader_as_the_edge_user_replays_a_stored_request_and_the_fronte
         await frontend.close()
     assert refused.value.subject == "$JS.API.STREAM.NAMES", refused.value
     assert time.monotonic() - started < 2.0
+
+
+def config_without_pull_import() -> str:
+    """The shipped file with the edge user still allowed to publish CONSUMER.MSG.NEXT but its
+    account without the import of it (a hand edit that dropped one line)."""
+    config = CONF.read_text()
+    lines = [line for line in config.splitlines(keepends=True) if "subject: \"$JS.API.CONSUMER.MSG.NEXT" not in line]
+    without = "".join(lines)
+    assert without != config and '"$JS.API.CONSUMER.MSG.NEXT.STREAMPROC_RESULTS.>"' in without  # the grant stays
+    return without
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_replay_whose_account_lacks_the_pull_import_is_refused_at_once_naming_the_import():
+    """With the publish permission but without the import, nats-server answers a pull "no
+    responders" (503). The reader took that for a consumer gone and made one again, pulled, got 503,
+    without end (``timeout=None``: for ever; the first 503 also counted as a pull answered, which
+    turned the refusal check off). Now a 503 before the consumer ever answered is the refusal it is."""
+    import streamproc
+    from edge_harness import publish_results
+    from streamproc import ReplayRefused, follow
+
+    subjects, rid = Subjects("streamproc"), "trust-no-import"
+    with shipped_server(config_without_pull_import()) as server:
+        async with connection(url(server, "processor")) as processor:
+            js = processor.jetstream()
+            await ensure_results_stream(js, subjects)
+            await publish_results(processor, subjects, rid, [b"r%d" % i for i in range(5)])
+            edge = await streamproc.connect(url(server, "edge"), inbox_prefix="_INBOX.streamproc.edge",
+                                            allow_reconnect=False)
+            try:
+                started = time.monotonic()
+                with anyio.fail_after(10), pytest.raises(ReplayRefused) as refused:
+                    await follow(edge, subjects, rid, timeout=None, replay=True).collect()
+                took = time.monotonic() - started
+                assert not edge.is_closed
+            finally:
+                await edge.close()
+            permission = "$JS.API.CONSUMER.MSG.NEXT.STREAMPROC_RESULTS.>"
+            assert refused.value.permission == permission, refused.value
+            assert refused.value.subject.startswith("$JS.API.CONSUMER.MSG.NEXT.STREAMPROC_RESULTS."), refused.value
+            assert "no responders" in str(refused.value) and "import" in str(refused.value), refused.value
+            assert took < 2.0, f"the refusal took {took:.1f} s"
+            with anyio.fail_after(10):  # its consumer was deleted
+                while await js.consumers_info("STREAMPROC_RESULTS"):
+                    await anyio.sleep(0.1)

@@ -20,7 +20,11 @@ stream: the ``edge`` user of ``deploy/nats-server.conf`` has them, the ``fronten
 (docs/security.md, "Replaying with follow"). nats-server drops a refused publish and says so only on the connection (``-ERR
 'Permissions Violation ...'``, nats-py's ``last_error`` and error callback), never to the request:
 the stream raises :class:`~streamproc.core.errors.ReplayRefused`, naming the subject and the
-permission, one or two round trips after such a request, instead of waiting out a timeout.
+permission, one or two round trips after such a request, instead of waiting out a timeout. A
+pull answered "no responders" (``503``) before any consumer answered one is refused too: the
+account may publish it but lacks the import of ``$JS.API.CONSUMER.MSG.NEXT.<stream>.>`` (the
+message says so). A consumer made again ``REPLAY_RENEWALS_MAX`` times in a row without an answer
+(gone, pulls lost) ends the stream with ``TimeoutError``, whatever ``timeout``, as at the edge.
 
 What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of bodies
 received and not yet taken, as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
@@ -68,6 +72,7 @@ from ..nats.replay_pull import (
     REPLAY_CONSUMER_IDLE,
     REPLAY_PULL_HEARTBEAT,
     REPLAY_PULL_LOST_AFTER,
+    REPLAY_RENEWALS_MAX,
     encode,
     pull_request,
     pull_status,
@@ -135,7 +140,7 @@ class ResultStream:
         self._ready: deque[ResultInfo] = deque()
         self._ready_bytes = 0  # bodies in _ready
         self._waiting_bytes = 0  # bodies SeqOrder holds behind a missing seq
-        self._error: MalformedResult | ResultsOverrun | None = None
+        self._error: MalformedResult | ResultsOverrun | ReplayRefused | TimeoutError | None = None
         self._arrived = anyio.Event()
         self._sub: Subscription | None = None  # live: the result subject; replay: the consumer's inbox
         self._deadline = math.inf
@@ -156,6 +161,8 @@ class ResultStream:
         self._one_big = False  # the next result is larger than the room a pull offered: fetch it alone
         self._closes = 0  # close() calls: a consumer made while one happened is deleted at once
         self._next_allowed = False  # a pull was answered: MSG.NEXT is not refused (no round trip to check)
+        self._renewals = 0  # consumers made again since the last answer of one (REPLAY_RENEWALS_MAX)
+        self._gone_why = ""  # why the last consumer was made again
 
     async def subscribe(self) -> None:
         """Register interest on the server (returns once the server has it); nothing once the stream ended."""
@@ -265,10 +272,18 @@ class ResultStream:
         (raised) loses nothing: the next step tries again from the same place."""
         if self._consumer is None or self._order.done or self._error is not None:
             return
-        if (self._reconnect_count() != self._consumer_reconnects
-                or (self._pulling and anyio.current_time() > self._pull_until)):
-            self._renew = True
+        if self._reconnect_count() != self._consumer_reconnects:
+            self._renew, self._gone_why = True, "a reconnect"
+        elif self._pulling and anyio.current_time() > self._pull_until:
+            self._renew, self._gone_why = True, f"a pull unanswered for {REPLAY_PULL_LOST_AFTER} s"
         if self._renew:
+            self._renewals += 1
+            if self._renewals > REPLAY_RENEWALS_MAX:  # as the edge's replay: an error, not a loop
+                await self._end()
+                raise TimeoutError(
+                    f"results of {self.request_id!r}: the replay's consumer was made again {REPLAY_RENEWALS_MAX} "
+                    f"times without an answer (last: {self._gone_why or 'gone'}); "
+                    f"{self._order.next_seq} results received")
             await self._open_consumer()
             if self._consumer is None:
                 return
@@ -304,13 +319,14 @@ class ResultStream:
             if refusal is not None:
                 await self._refuse(subject, f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.*", refusal)
 
+    def _pull_permission(self) -> str:
+        return f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.>"
+
     async def _on_delivery(self, msg: Msg) -> None:
         """A message on the replay's inbox: a stored result of the current consumer, or a status
         that ends the pull out (``404``/``408``/``409``), says the consumer is gone (``503``, ``409
         Consumer Deleted``) or that the next result did not fit the pull's ``max_bytes``."""
         reply = msg.reply or ""
-        if msg.subject == self._inbox:
-            self._next_allowed = True  # a pull got here: MSG.NEXT is allowed
         if reply.startswith("$JS.ACK."):
             try:
                 meta = msg.metadata
@@ -323,6 +339,7 @@ class ResultStream:
                 self._arrived.set()
                 return
             self._next_delivery += 1
+            self._next_allowed, self._renewals = True, 0  # a pull got here: MSG.NEXT is allowed
             self._next_stored = meta.sequence.stream + 1
             self._pull_got += 1
             self._pull_left -= 1
@@ -336,12 +353,26 @@ class ResultStream:
         if status is None or reply or msg.subject != self._inbox:
             return  # a stray (nobody else may publish here)
         if status == "heartbeat":  # the pull out still waits on the server
+            self._next_allowed, self._renewals = True, 0
             if self._pulling:
                 self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
             return
-        if status == "gone":  # no consumer (idle too long, deleted): a new one
-            self._renew = True
-        elif status == "too_big" and self._pull_got == 0:
+        if status != "gone":  # the consumer answered: MSG.NEXT is allowed and imported
+            self._next_allowed, self._renewals = True, 0
+        elif (msg.headers or {}).get("Status") == "503" and not self._next_allowed and (
+                self._reconnect_count() == self._consumer_reconnects):
+            # No responders to a pull before any consumer answered one: nothing in this account
+            # serves MSG.NEXT (the publish is allowed; an import is missing), as the edge reads it
+            # (edge/replay.py, _renew). Renewing would loop for ever: refused.
+            self._error = ReplayRefused(
+                pull_subject(JS_API_PREFIX, self._stream or "", self._consumer or ""), self._pull_permission(),
+                "no responders", imported=True)
+            self._pulling = False
+            self._arrived.set()
+            return
+        else:  # no consumer (idle too long, deleted): a new one
+            self._renew, self._gone_why = True, (msg.headers or {}).get("Description") or "consumer gone"
+        if status == "too_big" and self._pull_got == 0:
             self._one_big = True
         self._pulling = False
         self._arrived.set()

@@ -122,9 +122,13 @@ class ReplayRefused(StreamprocError, PermissionError):
     Violation for Publish to "<subject>"'``), never to the request, which would wait out its
     timeout: the reader raises this one round trip after the request instead."""
 
-    def __init__(self, subject: str, permission: str, detail: str) -> None:
-        super().__init__(f"the NATS server refused this connection's publish to {subject!r} ({detail}): a replay "
-                         f"needs publish permission on {permission!r} (docs/security.md)")
+    def __init__(self, subject: str, permission: str, detail: str, *, imported: bool = False) -> None:
+        # imported: the publish went out but nothing in this account answers it ("no responders"):
+        # the account lacks the service import of ``permission`` (or the stream's account its export)
+        what = ("an import (and the results stream's account an export, response_type: stream) of"
+                if imported else "publish permission on")
+        super().__init__(f"the NATS server refused this connection's {'request on' if imported else 'publish to'} "
+                         f"{subject!r} ({detail}): a replay needs {what} {permission!r} (docs/security.md)")
         self.subject = subject
         self.permission = permission
 

@@ -81,6 +81,7 @@ from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_PULL_BATCH,
     REPLAY_PULL_LOST_AFTER,
+    REPLAY_RENEWALS_MAX,
     encode,
     pull_request,
     pull_status,
@@ -491,7 +492,7 @@ class Replay:
         if refused and self.pulls is not None and self.pulls.state != "refused":
             self.pulls.refused(f"no responders on {self.pulls.subject}.<consumer>")
         self.renewals += 1
-        if self.renewals > 3:
+        if self.renewals > REPLAY_RENEWALS_MAX:
             raise nats.errors.TimeoutError
         await self._drop_consumer()
         self.cut = None

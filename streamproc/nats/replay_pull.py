@@ -34,6 +34,9 @@ REPLAY_PULL_LOST_AFTER = 4 * REPLAY_PULL_HEARTBEAT
 # Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
 # without deleting it (a reader slower than this per pull has its consumer made again, once).
 REPLAY_CONSUMER_IDLE = 60.0
+# Consumers made again in a row (gone, or pulls unanswered) with no answer from any of them: then
+# the replay ends with an error instead of renewing without end (edge and client alike).
+REPLAY_RENEWALS_MAX = 3
 
 
 def replay_consumer_config(name: str, subject: str, start: int, idle: float = REPLAY_CONSUMER_IDLE) -> ConsumerConfig:
