@@ -1028,3 +1028,47 @@ async def test_late_attaches_read_with_push_consumers_while_pulls_are_refused_an
                 assert await late_attach() == 0  # pulled: never more than the bound
                 assert source.pulls.state == "allowed"
                 assert source.metrics.streams_overrun == 0
+
+
+DENY_DELETES = """
+authorization {
+  users = [
+    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.CONSUMER.DELETE.>"]}}}
+    {user: pub, password: pub}
+  ]
+}
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_a_replay_consumer_the_edge_could_not_delete_counts_against_the_cap_until_the_server_drops_it():
+    """A pull consumer whose delete failed (refused here; a lost answer alike) stays on the server
+    until its inactive threshold. It had 60 s (REPLAY_CONSUMER_IDLE) and was counted against
+    --max-replay-consumers for 1.5 s (REPLAY_SLOT_LINGER): the server held more consumers than the
+    cap for up to a minute. The edge's consumers now have a short threshold, and one not deleted is
+    counted until the server has dropped it."""
+    from streamproc.edge.source import REPLAY_PULL_SLOT_LINGER
+
+    with EmbeddedNats(config=DENY_DELETES) as server:
+        async with connection(with_user(server.url, "pub")) as nc:
+            js = nc.jetstream()
+            await ensure_results_stream(js, SUBJECTS)
+            async with started_source(with_user(server.url, "edge"), SUBJECTS, max_replay_consumers=1) as source:
+                request_id = rid("undeleted")
+                await publish(nc, request_id, range(5), final_at=4)
+                await until(lambda: source.metrics.results_seen >= 5)
+                stream = source.fanout.stream
+                consumers = (await js.stream_info(stream)).state.consumer_count
+                feed = await source.open(request_id)
+                seqs, item = await drain(feed, 15.0)  # its delete is refused: waits out the replay timeout
+                assert seqs == list(range(5)) and isinstance(item, Ended), (seqs, item)
+                await feed.close()
+                assert (await js.stream_info(stream)).state.consumer_count == consumers + 1  # not deleted
+                started = time.monotonic()
+                while (await js.stream_info(stream)).state.consumer_count > consumers:  # the server still has it
+                    assert source._replay_consumers_held() >= 1, (
+                        f"the slot was free {time.monotonic() - started:.1f} s after the drop while the "
+                        "server still held the consumer")
+                    assert time.monotonic() - started < REPLAY_PULL_SLOT_LINGER + 2.0, "the server kept it"
+                    await asyncio.sleep(0.2)
+                await until(lambda: source._replay_consumers_held() == 0, REPLAY_PULL_SLOT_LINGER + 1.0)

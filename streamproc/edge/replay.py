@@ -80,6 +80,7 @@ from nats.js.errors import APIError, NotFoundError
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_PULL_BATCH,
+    REPLAY_EDGE_CONSUMER_IDLE,
     REPLAY_PULL_LOST_AFTER,
     REPLAY_RENEWALS_MAX,
     encode,
@@ -156,8 +157,9 @@ class Replay:
         self.upto = upto
         self.timeout = timeout
         self.consumer_options = consumer_options or {}  # pending limits, inactive threshold
-        # watch(sub, True) once the consumer exists, watch(sub, False) when it is gone: the source
-        # calls overflowed() when nats-py drops one of its messages (SlowConsumerError).
+        # watch(sub, True) once the consumer exists, watch(sub, False) when a push consumer is gone,
+        # watch(sub, False, deleted) when a pull consumer is (deleted or left to its inactive
+        # threshold): the source calls overflowed() when nats-py drops one of its messages (SlowConsumerError).
         self.watch = watch
         self.access = access  # told of each answer; guards a request while MSG.GET is not known to work
         # False while the edge holds --max-replay-consumers consumers: the next result comes by
@@ -416,7 +418,7 @@ class Replay:
         sub = await nc.subscribe(inbox, **limits)
         try:
             await nc.jetstream(prefix=self.api_prefix).add_consumer(
-                self.stream, config=replay_consumer_config(name, self.subject, seq))
+                self.stream, config=replay_consumer_config(name, self.subject, seq, REPLAY_EDGE_CONSUMER_IDLE))
         except BaseException:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
@@ -501,8 +503,8 @@ class Replay:
 
     async def _delete(self, name: str) -> bool:
         """Delete a pull consumer now (best effort, bounded): True when the server says it is gone
-        (its slot is free at once; else counted REPLAY_SLOT_LINGER more, and past
-        REPLAY_CONSUMER_IDLE without a pull the server deletes it)."""
+        (its slot is free at once; else past REPLAY_EDGE_CONSUMER_IDLE without a pull the server
+        deletes it, and it is counted that long: REPLAY_PULL_SLOT_LINGER)."""
         if self.nc.is_closed:
             return False
         try:
@@ -645,7 +647,7 @@ class Replay:
 
     async def _let_go(self, sub, name: str) -> None:
         """Unsubscribe a pull consumer's inbox and delete the consumer (bounded: the timeout), then
-        report it gone: its slot is free at once when deleted, else it lingers (REPLAY_SLOT_LINGER)."""
+        report it gone: its slot is free at once when deleted, else it lingers (REPLAY_PULL_SLOT_LINGER)."""
         deleted = False
         try:
             if sub is not None:

@@ -34,6 +34,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
+from ..nats.replay_pull import REPLAY_EDGE_CONSUMER_IDLE
 from ..nats.streams import ensure_results_stream, find_results_stream
 from ..core.reorder import MAX_PENDING_RESULTS, SeqOrder
 from ..core.errors import StartupError
@@ -65,6 +66,10 @@ REPLAY_TIMEOUT = 5.0  # seconds for one stored result to come back from the stre
 # Seconds a replay's consumer still counts against --max-replay-consumers once the replay dropped it:
 # nats-server deletes it CONSUMER_LINGER after its unsubscribe (which follows the drop at once).
 REPLAY_SLOT_LINGER = CONSUMER_LINGER + 0.5
+# The same for a pull consumer whose delete failed (lost answer, refused): nats-server keeps it until
+# REPLAY_EDGE_CONSUMER_IDLE without a pull. Counted 1.5 s before, while the server could hold more
+# than --max-replay-consumers such consumers for the 60 s threshold they then had.
+REPLAY_PULL_SLOT_LINGER = REPLAY_EDGE_CONSUMER_IDLE + 0.5
 # Seconds between the watch's checks of the results stream the ring reads (one STREAM.INFO each):
 # how long a stream reading a deleted results stream waits for its error event, and how long
 # results stored in a recreated one wait before the ring reads them (ResultSource._check_results_stream).
@@ -109,7 +114,7 @@ class ResultSource:
         # Consumers allowed by _may_replay_with_consumer still being created: counted against
         # --max-replay-consumers too (50 catch-ups at once each saw none yet and made 39 at once).
         self._replays_creating = 0
-        # Consumers replays dropped that nats-server still keeps (REPLAY_SLOT_LINGER): counted too.
+        # Consumers replays dropped that nats-server still keeps (REPLAY_SLOT_LINGER, REPLAY_PULL_SLOT_LINGER): counted too.
         self._replays_lingering = 0
         # Catch-ups waiting for a replay consumer (_may_replay_with_consumer), first come first: a
         # freed slot is kept for the first waiting in next() for it (slot_reserved) and wakes it
@@ -679,7 +684,7 @@ class ResultSource:
         delivered: those the dispatch did not give ``feed`` (replay.py; ``by_consumer`` there)."""
         assert self.fanout is not None and self.nc is not None and feed.inbox is not None
 
-        def watch(sub, live: bool, deleted: bool = False) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
+        def watch(sub, live: bool, deleted: bool | None = None) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
             if live:
                 self._replays[id(core_subscription(sub))] = feed
             elif self._replays.pop(id(core_subscription(sub)), None) is not None:
@@ -687,7 +692,8 @@ class ResultSource:
                     self._replay_slot_freed()
                     return
                 self._replays_lingering += 1  # until the server has dropped it too
-                asyncio.get_running_loop().call_later(REPLAY_SLOT_LINGER, self._replay_consumer_gone)
+                asyncio.get_running_loop().call_later(REPLAY_SLOT_LINGER if deleted is None else REPLAY_PULL_SLOT_LINGER,
+                                                      self._replay_consumer_gone)
 
         limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit,
                   "inactive_threshold": CONSUMER_LINGER}
@@ -875,7 +881,7 @@ class ResultSource:
         self._replay_slot_freed()
 
     def _replay_consumer_gone(self) -> None:
-        """A consumer a replay dropped is gone from the server too (REPLAY_SLOT_LINGER)."""
+        """A consumer a replay dropped is gone from the server too (REPLAY_SLOT_LINGER, REPLAY_PULL_SLOT_LINGER)."""
         self._replays_lingering -= 1
         self._replay_slot_freed()
 

@@ -34,6 +34,12 @@ REPLAY_PULL_LOST_AFTER = 4 * REPLAY_PULL_HEARTBEAT
 # Seconds without a pull after which the server deletes a replay's consumer whose reader vanished
 # without deleting it (a reader slower than this per pull has its consumer made again, once).
 REPLAY_CONSUMER_IDLE = 60.0
+# The same for the edge's replay consumers (edge/replay.py), whose reader is the edge: an edge that
+# died, or whose delete failed, must not hold more than --max-replay-consumers consumers on the
+# server for long, and each one it could not delete is counted against that cap until the server
+# has dropped it (edge/source.py, REPLAY_PULL_SLOT_LINGER). Longer than the edge's pulls are apart
+# but for a client that stops reading; such a replay makes its consumer again (one 503, a renewal).
+REPLAY_EDGE_CONSUMER_IDLE = 10.0
 # Consumers made again in a row (gone, or pulls unanswered) with no answer from any of them: then
 # the replay ends with an error instead of renewing without end (edge and client alike).
 REPLAY_RENEWALS_MAX = 3
