@@ -34,3 +34,15 @@ def test_errors_keep_the_builtin_bases_existing_except_clauses_rely_on():
     assert issubclass(errors.UnknownFormat, LookupError)
     assert issubclass(errors.StartupError, RuntimeError)
     assert issubclass(errors.ResultsStreamMismatch, errors.StreamMismatch)
+
+
+def test_no_streamproc_error_is_an_oserror_so_network_retries_do_not_retry_a_refusal():
+    """Code that retries a network failure catches ``OSError`` (``ConnectionError``, ``TimeoutError``
+    and ``PermissionError`` are all OSErrors). ``ReplayRefused`` was a ``PermissionError``: such a
+    loop retried a missing grant or import, which no retry fixes. The refusals are RuntimeErrors,
+    as ``PublishRefused`` and ``StoredResultsRefused`` were."""
+    oserrors = [name for name, obj in vars(errors).items()
+                if inspect.isclass(obj) and issubclass(obj, StreamprocError) and issubclass(obj, OSError)]
+    assert oserrors == []
+    for refusal in (errors.ReplayRefused, errors.PublishRefused, errors.StoredResultsRefused):
+        assert issubclass(refusal, RuntimeError), refusal

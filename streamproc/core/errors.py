@@ -115,12 +115,13 @@ class StoredResultsRefused(StreamprocError, RuntimeError):
         return self.reason
 
 
-class ReplayRefused(StreamprocError, PermissionError):
+class ReplayRefused(StreamprocError, RuntimeError):
     """A replay (``follow(replay=True)``) the NATS server refused: this connection's user may not
     publish ``subject``, a JetStream API request the replay needs (``permission`` names the grant).
     nats-server drops a refused publish and says so only on the connection (``-ERR 'Permissions
     Violation for Publish to "<subject>"'``), never to the request, which would wait out its
-    timeout: the reader raises this one round trip after the request instead."""
+    timeout: the reader raises this one round trip after the request instead. A RuntimeError, not a
+    PermissionError (an OSError, which network-retry code retries): no retry grants the right."""
 
     def __init__(self, subject: str, permission: str, detail: str, *, imported: bool = False) -> None:
         # imported: the publish went out but nothing in this account answers it ("no responders"):
