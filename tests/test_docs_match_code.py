@@ -338,3 +338,19 @@ def test_a_dynamic_event_row_lists_every_value(key: tuple[str, str]):
     assert pattern in rows, f"{LOG_EVENTS_DOC}: no row for `{pattern}`"
     row = rows[pattern][2]
     assert [v for v in values if f"`{v}`" not in row] == []
+
+
+def test_the_pull_permission_is_written_as_the_shipped_config_grants_it():
+    """``$JS.API.CONSUMER.MSG.NEXT.<stream>.>`` is what deploy/nats-server.conf grants and exports;
+    ``ReplayRefused`` named ``.*`` and a changelog entry said ``.*`` while the docs said ``.>``. A
+    reader who copied ``.*`` gets a narrower grant than the conf's (one token only): the same
+    right today, a different line to compare when a refusal is being diagnosed."""
+    conf = (ROOT / "deploy" / "nats-server.conf").read_text()
+    assert '"$JS.API.CONSUMER.MSG.NEXT.STREAMPROC_RESULTS.>"' in conf
+    wildcard = re.compile(r"CONSUMER\.MSG\.NEXT\.(?:STREAMPROC_RESULTS|<stream>|\{[^}]*\})\.\*")
+    written = [*ROOT.glob("docs/*.md"), ROOT / "CHANGELOG.md", ROOT / "README.md", *ROOT.glob("streamproc/**/*.py"),
+               *ROOT.glob("tests/*.py")]
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in written
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if wildcard.search(line) and path.name != "test_docs_match_code.py"]
+    assert found == []

@@ -317,7 +317,7 @@ class ResultStream:
                 await self.nc.flush(timeout=REPLAY_PULL_LOST_AFTER)
             refusal = _refused(self.nc, mark, subject)
             if refusal is not None:
-                await self._refuse(subject, f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.*", refusal)
+                await self._refuse(subject, self._pull_permission(), refusal)
 
     def _pull_permission(self) -> str:
         return f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.>"

@@ -14,6 +14,11 @@ round trip, not a timeout.
 Once refused, the edge reads each JetStream stream with an ordered consumer of its own, as every
 open did before replay.py (``ResultSource._attach``), and asks again after ``reprobe`` seconds (one
 open tries MSG.GET), so a permission granted later is used without a restart.
+
+The same class tracks the replay's pulls (``$JS.API.CONSUMER.MSG.NEXT.<stream>.>``,
+``ResultSource.pulls``): refused there, a replay reads with push consumers, and a pull is tried
+again after ``reprobe``; a first pull answered "no responders" (the account lacks the import) counts
+as refused too (replay.py, ``_renew``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ Refused = StoredResultsRefused  # defined with every other error in core/errors.
 
 
 class MsgGetAccess:
-    """What the edge knows of its permission to publish ``<api_prefix>.STREAM.MSG.GET.<stream>``."""
+    """What the edge knows of its permission to publish ``<api_prefix>.STREAM.MSG.GET.<stream>``, or
+    (``api="CONSUMER.MSG.NEXT"``, ``per_consumer``) of its pulls ``<api_prefix>.CONSUMER.MSG.NEXT.<stream>.>``
+    (``ResultSource.pulls``): refused, allowed or unknown, and when to try again. The name is MSG.GET's,
+    which came first; a refusal of either is read the same way (the connection's ``-ERR``)."""
 
     def __init__(self, api_prefix: str, stream: str, on_change: Callable[[State, str], None] | None = None,
                  reprobe: float = REPROBE, clock: Callable[[], float] = time.monotonic,
