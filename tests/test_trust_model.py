@@ -520,8 +520,9 @@ async def test_a_replay_whose_account_lacks_the_pull_import_is_refused_at_once_n
     responders" (503). The reader took that for a consumer gone and made one again, pulled, got 503,
     without end (``timeout=None``: for ever; the first 503 also counted as a pull answered, which
     turned the refusal check off). Now a 503 before the consumer ever answered is the refusal it is."""
-    import streamproc
     from edge_harness import publish_results
+
+    import streamproc
     from streamproc import ReplayRefused, follow
 
     subjects, rid = Subjects("streamproc"), "trust-no-import"

@@ -79,8 +79,8 @@ from nats.js.errors import APIError, NotFoundError
 
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
-    REPLAY_PULL_BATCH,
     REPLAY_EDGE_CONSUMER_IDLE,
+    REPLAY_PULL_BATCH,
     REPLAY_PULL_LOST_AFTER,
     REPLAY_RENEWALS_MAX,
     encode,
