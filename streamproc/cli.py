@@ -275,24 +275,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
-def short_signing_key(algorithm: str, key: bytes) -> str | None:
-    """PyJWT's complaint about a key too short for ``algorithm`` (an HMAC secret shorter than its
-    hash, RFC 7518 3.2; an RSA key under 2048 bits, 3.3), or None. PyJWT itself only warns."""
-    import jwt
-
-    from .edge.auth import key_weakness, short_secret
-
-    verifier = jwt.get_algorithm_by_name(algorithm)
-    return short_secret(algorithm, key) or key_weakness(verifier, verifier.prepare_key(key))
-
-
 def cmd_token(args: argparse.Namespace) -> int:
     """Print an edge capability (a JWT) on stdout; the key comes from a file, never the command line
     (and is never printed: --print-config shows the file's path)."""
     from jwt.exceptions import PyJWTError
 
     from .client.capability import mint_capability
-    from .edge.auth import hmac_secret_problem
 
     settings, origin = _options(config.TOKEN, args)
     if not (settings.rid or settings.rid_prefix or settings.operator):
@@ -305,13 +293,7 @@ def cmd_token(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} {value!r}: {exc}") from None
     key = config.read_setting_file(settings.key_file, f"--key-file {settings.key_file!r}")
     try:  # signed with --print-config too: a key that cannot sign is found as start-up would find it
-        if settings.algorithm.startswith("HS"):  # as the edge checks it, not as PyJWT (2.8 signs with a JWK)
-            weak = hmac_secret_problem(settings.algorithm, key)
-            key = key.strip()  # the edge strips the secret file the same way (streamproc.edge.auth.load_key)
-        else:
-            weak = short_signing_key(settings.algorithm, key)
-        if weak:  # the edge refuses to start with the matching key (streamproc.edge.auth.load_key)
-            raise ValueError(weak)
+        # mint_capability refuses the keys the edge refuses to start with (streamproc.signing_keys)
         token = mint_capability(key, rids=list(settings.rid), rid_prefix=settings.rid_prefix,
                                 operator=settings.operator, ttl=settings.ttl, algorithm=settings.algorithm,
                                 subject=settings.subject)

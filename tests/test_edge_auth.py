@@ -240,7 +240,6 @@ async def test_streamproc_token_mints_an_es256_capability_the_edge_verifies_with
             cwd=tmp_path)
     openssl("pkey", "-in", "frontend.pem", "-pubout", "-out", "edge.pub", cwd=tmp_path)
     request_id = rid("es256")
-    await publish_results(nc, DURABLE, request_id, [b'{"text":"es"}'])
     minted = run_cli_process("token", "--key-file", str(tmp_path / "frontend.pem"), "--algorithm", "ES256",
                              "--rid", request_id, "--ttl", "60")
     assert minted.returncode == 0, minted.stderr
@@ -248,6 +247,8 @@ async def test_streamproc_token_mints_an_es256_capability_the_edge_verifies_with
     assert jwt.get_unverified_header(tok)["alg"] == "ES256"
     with running_edge(server.url, "--auth-key-file", str(tmp_path / "edge.pub"), "--auth-algorithm", "ES256",
                       "--ensure-results-stream") as edge:
+        # Stored once the edge made the results stream: run alone, no earlier test has made it.
+        await publish_results(nc, DURABLE, request_id, [b'{"text":"es"}'])
         response = await get(edge, f"/v1/results/{request_id}?stream=false", headers=bearer(tok))
         assert response.status_code == 200 and response.content == b'{"text":"es"}'
         hs = token(rids=[request_id])  # an HMAC token cannot pass an edge that expects ES256
@@ -760,6 +761,39 @@ def test_streamproc_token_refuses_to_sign_with_a_key_document_or_public_key_as_a
     ok = run_cli_process("token", "--key-file", str(tmp_path / "raw"), "--algorithm", "HS256", "--rid", "x", env=env)
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     assert jwt.decode(ok.stdout.strip(), SECRET, algorithms=["HS256"], audience=AUDIENCE)["rids"] == ["x"]
+
+
+@pytest.mark.parametrize("pyjwt", ["installed", "2.8"])
+def test_mint_capability_refuses_the_keys_the_edge_refuses_whatever_pyjwt(monkeypatch, pyjwt):
+    """The library function signs with no key the edge would refuse to start with: with PyJWT 2.8
+    (pyproject allows it) ``mint_capability`` signed with a public JWK, a JWK Set or a DER public
+    key's bytes as an HS256 secret (anyone holding the public key could then sign), and with a secret
+    shorter than its hash or an RSA key under 2048 bits, none of which an edge verifies with."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    from streamproc import mint_capability
+
+    if pyjwt == "2.8":
+        hmac_prepare_key_as_pyjwt_2_8(monkeypatch)
+        assert jwt.encode({}, '{"kty": "EC"}', algorithm="HS256")  # this PyJWT takes a JWK as a secret
+    public_der = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    for name, data in [*jwk_documents().items(), ("ec.der", public_der), ("short", b"k" * 31)]:
+        for key in (data, data.decode()) if name.endswith(("jwk", "jwks")) else (data,):  # bytes and str
+            with pytest.raises(ValueError, match="unusable HS256 key"):
+                mint_capability(key, rids=["x"], algorithm="HS256")
+    small_rsa = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    pem = small_rsa.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption())
+    for key in (pem, small_rsa):  # the PEM bytes and cryptography's key object alike
+        with pytest.raises(ValueError, match="at least 2048 bits"):
+            mint_capability(key, rids=["x"], algorithm="RS256")
+    # A secret read from a file with its newline signs as the edge verifies (it strips the file).
+    token = mint_capability(SECRET + b"\n", rids=["x"], algorithm="HS256")
+    assert jwt.decode(token, SECRET, algorithms=["HS256"], audience=AUDIENCE)["rids"] == ["x"]
+    assert jwt.decode(mint_capability(SECRET.decode(), rids=["y"]), SECRET, algorithms=["HS256"],
+                      audience=AUDIENCE)["rids"] == ["y"]
 
 
 async def test_a_second_valid_signature_of_the_same_es256_token_is_the_same_client(server, tmp_path):

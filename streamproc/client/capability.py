@@ -19,6 +19,7 @@ import jwt
 
 from ..core.defaults import CAPABILITY_TTL, EDGE_AUDIENCE, MAX_CAPABILITY_TTL, OPERATOR_SCOPE
 from ..core.wire import REQUEST_ID_RULE, check_request_id, valid_request_id
+from ..signing_keys import key_weakness, signing_key_problem
 
 
 def mint_capability(
@@ -39,6 +40,11 @@ def mint_capability(
     ``operator`` grants every request, ``/v1/recent`` and the live page. ``subject`` (``sub``) is
     the client the edge counts streams per (``--max-streams-per-client``); by default each token
     is its own client. ``key`` is the HMAC secret or the PEM private key for ``algorithm``.
+
+    A key the edge would refuse to start with is a ``ValueError`` (:mod:`streamproc.signing_keys`):
+    a public key, JWK or certificate as an HMAC secret (PyJWT 2.8-2.12 sign with one), a secret
+    shorter than its hash, an RSA key under 2048 bits. An HMAC secret is used stripped of
+    surrounding whitespace, as the edge reads its ``--auth-key-file``.
     """
     if isinstance(rids, (str, bytes)):  # list("req-42") would grant "r", "e", "q", ... and not req-42
         raise TypeError(f"rids is an iterable of request ids, not one id: use rids=[{rids!r}]")
@@ -49,6 +55,7 @@ def mint_capability(
         raise ValueError("a capability must name request ids, a rid_prefix, or be an operator's")
     if not 0 < ttl <= MAX_CAPABILITY_TTL:  # NaN too (it raised from round(), inf from int(); 1e300 never expired)
         raise ValueError(f"ttl must be more than 0 and at most {MAX_CAPABILITY_TTL:g} seconds (366 days), got {ttl!r}")
+    key = usable_key(key, algorithm)
     issued = int(time.time() if now is None else now)
     claims: dict[str, object] = {
         "aud": EDGE_AUDIENCE,
@@ -63,3 +70,19 @@ def mint_capability(
     if operator:
         claims["scope"] = OPERATOR_SCOPE
     return jwt.encode(claims, key, algorithm=algorithm)
+
+
+def usable_key(key: object, algorithm: str) -> object:
+    """``key`` as :func:`mint_capability` signs with it, once it passed the edge's key checks."""
+    if isinstance(key, (str, bytes, bytearray, memoryview)):
+        data = key.encode() if isinstance(key, str) else bytes(key)
+        if algorithm.startswith("HS"):
+            data = data.strip()  # the edge strips its secret file (streamproc.edge.auth.load_key)
+        problem = signing_key_problem(algorithm, data)
+        key = data if algorithm.startswith("HS") else key
+    else:  # a key object of cryptography's: PyJWT takes it for the asymmetric algorithms
+        signer = jwt.get_algorithm_by_name(algorithm)
+        problem = key_weakness(signer, signer.prepare_key(key))
+    if problem:
+        raise ValueError(f"unusable {algorithm} key: {problem}")
+    return key
