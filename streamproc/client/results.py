@@ -53,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 from collections import deque
 from typing import Awaitable, Iterable, NoReturn, Self, TypeVar
 
@@ -68,6 +67,7 @@ from ..core.defaults import CLIENT_BUFFER_BYTES
 from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
 from ..core.reorder import SeqOrder
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..nats.refusals import refused_publish
 from ..nats.replay_pull import (
     REPLAY_CONSUMER_IDLE,
     REPLAY_PULL_HEARTBEAT,
@@ -83,22 +83,12 @@ from ..nats.robust import flush_queued
 from ..nats.streams import find_stream
 from .connection import check_client
 
-
 T = TypeVar("T")
-# nats-py 2.16 ``Client._process_err`` keeps the server's ``-ERR`` text, lower-cased by its parser,
-# as ``last_error`` (and hands it to the error callback) without closing the connection.
-_REFUSED = re.compile(r'permissions violation for publish to "([^"]*)"')
-
-
 def _refused(nc: NatsClient, mark: object, subject: str) -> str | None:
     """The server's refusal of a publish to ``subject`` (or below it), if one arrived since ``mark``
     (``nc.last_error`` before the publish): the ``-ERR`` comes before the PONG of a later flush."""
     error = nc.last_error
-    if error is None or error is mark:
-        return None
-    match = _REFUSED.search(str(error))
-    wanted = subject.lower()
-    if match is None or not (match[1] == wanted or match[1].startswith(wanted + ".")):
+    if error is None or error is mark or not refused_publish(str(error), subject):
         return None
     return str(error)
 

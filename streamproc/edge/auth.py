@@ -21,11 +21,12 @@ import time
 import jwt
 import msgspec
 
+from ..config import read_setting_file
 from ..core.defaults import EDGE_AUDIENCE as AUDIENCE
 from ..core.defaults import OPERATOR_SCOPE as OPERATOR
-from ..config import read_setting_file
 from ..core.errors import ConfigError, InvalidCapability
 from ..signing_keys import hmac_secret_problem, key_weakness
+
 MAX_TOKEN_CHARS = 8192  # a JWT naming a few hundred ids; anything longer is not parsed at all
 # Verified tokens remembered (Verifier): at most this many, each at most this long (~2 MiB at worst).
 CACHED_TOKENS = 1024

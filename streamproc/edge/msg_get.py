@@ -2,12 +2,9 @@
 
 The edge's replay (:mod:`.replay`) needs that publish permission. A deployment whose edge user
 was set up before it (the ``deploy/nats-server.conf`` of earlier releases) lacks it, and
-nats-server answers such a request with nothing: ``client.pubPermissionViolation`` (server/client.go)
-drops the message and only sends ``-ERR 'Permissions Violation for Publish to "<subject>"'``, which
-nats-py 2.16 ``Client._process_err`` hands to the error callback as ``nats.errors.Error("nats:
-permissions violation for publish to ...")`` (lower-cased by its parser) without closing the
-connection; the request itself would wait for its whole timeout. So the refusal is read from the
-error callback (:meth:`MsgGetAccess.note_error`), and a request made while the permission is not
+nats-server answers such a request with nothing but an ``-ERR`` on the connection, which nats-py
+hands to the error callback (:mod:`streamproc.nats.refusals`); the request itself would wait for
+its whole timeout. So the refusal is read from the error callback (:meth:`MsgGetAccess.note_error`), and a request made while the permission is not
 known to work is raced against it (:meth:`MsgGetAccess.guard`): the open that finds out pays one
 round trip, not a timeout.
 
@@ -28,6 +25,7 @@ import time
 from typing import Awaitable, Callable, Literal, TypeVar
 
 from ..core.errors import StoredResultsRefused
+from ..nats.refusals import refused_publish
 
 T = TypeVar("T")
 REPROBE = 60.0  # seconds between tries of a refused MSG.GET
@@ -50,9 +48,7 @@ class MsgGetAccess:
         self.stream = stream
         # the permission replay.py needs: MSG.GET, or (``per_consumer``) CONSUMER.MSG.NEXT.<stream>.<name>
         self.subject = f"{api_prefix}.{api}.{stream}"
-        # nats-py's parser lower-cases the -ERR text; the subject is compared in that form.
-        end = "." if per_consumer else '"'
-        self._needle = f'permissions violation for publish to "{self.subject}{end}'.lower()
+        self._below_only = per_consumer  # pulls publish to <subject>.<consumer name>
         self.on_change = on_change  # (new state, reason) when a refusal starts or ends: log it once
         self.reprobe = reprobe
         self.clock = clock
@@ -94,7 +90,7 @@ class MsgGetAccess:
     def note_error(self, text: str) -> bool:
         """The connection's error callback: True (and waiting guards fail) when ``text`` is the
         server refusing a MSG.GET publish."""
-        if self._needle not in text.lower():
+        if not refused_publish(text, self.subject, below_only=self._below_only):
             return False
         refusal, self._refusal = self._refusal, None
         if refusal is not None and not refusal.done():
