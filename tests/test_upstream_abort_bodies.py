@@ -39,8 +39,8 @@ import time
 from typing import Any
 
 import pytest
+from helpers import assert_same_body, drive_stitch
 from helpers import drive_join as join
-from helpers import drive_stitch
 from helpers import upstream_json as dumps
 
 from streamproc.codec import CodecOptions
@@ -343,3 +343,105 @@ def test_a_stream_of_abort_looking_bodies_folds_in_time_linear_in_its_size(doubl
 
     small, large = cost(5_000), cost(20_000)
     assert large < 8 * small, (small, large)
+
+
+# ------------------------------------- P/D decode, SGLang 0.5.23: an abort body coalesced with chunks
+#
+# SGLang 0.5.23 (PyPI wheel), read by hand:
+# * ``disaggregation/decode.py`` ``DecodeTransferQueue._commit_transfer_to_req``: with
+#   ``token_ids_logprob`` the decode request's ``output_token_ids_logprobs_val`` gets an empty row for
+#   output token 0 ("Prefill omits these scores; reserve a row for the streaming offset"), which
+#   ``TokenizerManager.detokenize_top_logprobs_tokens`` turns into ``None``.
+# * ``scheduler.py`` ``Scheduler.abort_request``: a decode request in the prealloc queue's
+#   ``retracted_queue`` is aborted with ``send_abort_output(_make_abort_req(decode_req), ...)``, after
+#   tokens were streamed; ``_make_abort_req`` carries ``weight_versions``.
+# * ``tokenizer_manager.py`` ``_handle_abort_req``: meta_info ``id``, ``finish_reason``,
+#   ``weight_version``, ``e2e_latency``, then ``add_weight_versions_to_meta_info`` (``weight_versions``)
+#   and ``add_logprob_to_meta_info`` (the WHOLE lists), ``completion_tokens``; incremental mode cuts
+#   ``output_ids`` to ``[last]``. ``_wait_one_response`` coalesces it with the chunks still queued
+#   (``_coalesce_streaming_chunks``: their slices, then the whole lists again), so output position 0
+#   sits at index ``len(list) - output_token_logprobs_length`` of the coalesced lists, and also at 0
+#   when nothing had been sent.
+# * ``_handle_batch_output`` 0.5.23 (incremental): id, finish_reason, prompt_tokens, weight_version,
+#   num_retractions, the logprob lists (output ones sliced by ``_slice_streaming_output_meta_info``),
+#   reasoning_tokens, completion_tokens, cached_tokens, cached_tokens_details; the first body sent
+#   gets ``response_sent_to_client_ts`` (``_stream_one_response``).
+
+IDS_LP = [[[-3.0, 9, "x"], [-8.0, 42, "q"]], [[-1.0, 9, "x"], [-9.0, 42, "q"]],
+          [[-2.0, 9, "x"], [-9.5, 42, "q"]], [[-2.5, 9, "x"], [-7.5, 42, "q"]]]
+SPANS = [{"version": "default", "start": 0, "end": 1}]
+
+
+def chunk_0523(lo: int, end: int, ids_lp: list[Any]) -> dict[str, Any]:
+    """An unfinished incremental chunk of ``[lo, end)`` (``_handle_batch_output``, 0.5.23)."""
+    meta = {"id": RID, "finish_reason": None, "prompt_tokens": PROMPT_TOKENS, "weight_version": "default",
+            "num_retractions": 0, "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[lo:end],
+            "output_token_logprobs_length": end, "input_token_ids_logprobs": [],
+            "output_token_ids_logprobs": ids_lp[lo:end], "reasoning_tokens": 0, "completion_tokens": end,
+            "cached_tokens": 0, "cached_tokens_details": None}
+    if lo == 0:
+        meta["response_sent_to_client_ts"] = 1700000000.5
+    return {"text": "".join(TEXT[lo:end]), "output_ids": OUT[lo:end], "meta_info": meta}
+
+
+def abort_0523(seen: int, ids_lp: list[Any]) -> dict[str, Any]:
+    """``_handle_abort_req`` (0.5.23, incremental stream) once the tokenizer holds ``seen`` tokens."""
+    meta = {"id": RID, "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+            "weight_versions": [{"version": "default", "start": 0, "end": seen}],
+            "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[:seen],
+            "output_token_logprobs_length": seen, "input_token_ids_logprobs": [],
+            "output_token_ids_logprobs": ids_lp[:seen], "completion_tokens": seen}
+    return {"text": "".join(TEXT[:seen]), "output_ids": OUT[seen - 1:seen], "meta_info": meta}
+
+
+def prefill_0523() -> dict[str, Any]:
+    """The P/D prefill's one body (``process_disagg_prefill_inflight_queue``: ``FINISH_LENGTH(0)``)."""
+    meta = {"id": RID, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": PROMPT_TOKENS,
+            "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
+            "output_token_logprobs": OUTPUT_LP[:1], "output_token_logprobs_length": 1,
+            "input_token_ids_logprobs": [], "output_token_ids_logprobs": IDS_LP[:1], "reasoning_tokens": 0,
+            "completion_tokens": 1, "cached_tokens": 0, "weight_versions": SPANS,
+            "cached_tokens_details": None, "e2e_latency": 0.125}
+    return {"text": TEXT[0], "output_ids": OUT[:1], "meta_info": meta}
+
+
+@pytest.mark.parametrize(("sent", "seen"), [(1, 2), (1, 3), (2, 4), (0, 2), (0, 1)])
+def test_a_pd_abort_body_coalesced_with_queued_chunks_gets_prefills_token_ids_row_at_position_0(sent, seen):
+    """The client got ``sent`` chunks of one token; the next ``seen - sent`` were queued when the abort
+    arrived, and ``_wait_one_response`` coalesced them with it. Decode's restated list has its reserved
+    ``null`` row where output position 0 is restated (and in the queued part too when nothing was
+    sent); the aggregated engine's has the row. The joined stream must equal the aggregated one."""
+    decode_ids = [None, *IDS_LP[1:]]
+
+    def stream(ids_lp: list[Any]) -> list[dict[str, Any]]:
+        chunks = [chunk_0523(k, k + 1, ids_lp) for k in range(sent)]
+        queued = [chunk_0523(k, k + 1, ids_lp) for k in range(sent, seen)]
+        return [*chunks, coalesced([*queued, abort_0523(seen, ids_lp)])]
+
+    agg, decode = stream(IDS_LP), stream(decode_ids)
+    results = join(SGLangCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill_0523())])
+    for (body, verdict), want in zip(results, agg):
+        assert_same_body(body, dumps(want))
+        assert verdict is not Verdict.OMITTED
+
+
+@pytest.mark.parametrize(("sent", "seen"), [(1, 2), (2, 4), (0, 2)])
+def test_a_pd_abort_body_coalesced_with_queued_chunks_gets_prefills_first_token_logprob(sent, seen):
+    """Before SGLang 0.5.23 P/D decode had no logprob for output token 0 (``[null, id, text]``) and the
+    join takes prefill's wherever the chunk holds position 0: in a coalesced abort body that is where
+    the whole list is restated (and first too when nothing had been sent), not only at index 0."""
+    def stream(first: list[Any]) -> list[dict[str, Any]]:
+        chunks = [batch_chunk(k, k + 1, cumulative=False) for k in range(sent)]
+        queued = [batch_chunk(k, k + 1, cumulative=False) for k in range(sent, seen)]
+        bodies = [*chunks, coalesced([*queued, abort_body(seen, stream=True)])]
+        for body in bodies:
+            meta = body["meta_info"]
+            meta["output_token_logprobs"] = [first if entry[1] == OUT[0] else entry
+                                             for entry in meta["output_token_logprobs"]]
+        return bodies
+
+    agg, decode = stream(OUTPUT_LP[0]), stream([None, OUT[0], TEXT[0]])
+    results = join(SGLangCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill_leg())])
+    for (body, _), want in zip(results, agg):
+        got = json.loads(body)["meta_info"]
+        assert got["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]

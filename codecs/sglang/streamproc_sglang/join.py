@@ -281,6 +281,24 @@ def _replace_key(meta: dict[str, Any], key: str, new_key: str, value: Any) -> No
     meta.update(items)
 
 
+def _first_positions(meta: dict[str, Any], entries: list[Any]) -> tuple[int, ...]:
+    """Where output position 0 sits in a chunk's output lists. A chunk whose slice starts there
+    (``output_token_logprobs_length`` = its length: any cumulative chunk, an incremental stream's
+    first, an unsliced abort body) holds it first. An abort body (``native.from_abort_req``)
+    coalesced with the incremental chunks still queued (``TokenizerManager._coalesce_streaming_chunks``
+    puts their slices ``[s, n)`` before the whole lists ``_handle_abort_req`` restates) holds it at
+    ``len - n``, and also first when nothing had been sent (``s`` = 0). Any other chunk: nowhere."""
+    length = meta.get(OUTPUT_TOKEN_LOGPROBS_LENGTH)
+    size = len(entries)
+    if not _is_count(length) or length <= 0 or size < length:
+        return ()
+    if size == length:
+        return (0,)
+    if native.from_abort_req(meta) and size <= 2 * length:
+        return (0, size - length) if size == 2 * length else (size - length,)
+    return ()
+
+
 def _no_token_span(value: object) -> bool:
     """``[{version, start: 0, end: 0}]``: the spans of a body with no output token (a request aborted
     before its first: ``_make_abort_req`` / ``accept`` with ``len(output_ids)`` 0, and
@@ -690,26 +708,25 @@ class SGLangJoinSession(JoinSession):
 
     def _fill_first_token(self, meta: dict[str, Any]) -> None:
         entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
-        length = meta.get(OUTPUT_TOKEN_LOGPROBS_LENGTH)
-        # Only the chunk whose slice starts at output position 0 holds the first token.
-        if not (isinstance(entries, list) and entries and _is_count(length) and length == len(entries)):
-            return
-        first = entries[0]
-        if not (isinstance(first, list) and len(first) >= 2 and first[0] is None) or self._prefill is None:
+        if not isinstance(entries, list) or self._prefill is None:
             return
         source = self._prefill.get(OUTPUT_TOKEN_LOGPROBS)
         if not (isinstance(source, list) and source):
             return
         theirs = source[0]
-        if not (isinstance(theirs, list) and len(theirs) >= 2 and theirs[0] is not None
-                and theirs[1] == first[1]):
-            return  # a different token was sampled: prefill's logprob is not this token's
-        entries[0] = theirs
-        self._changed = True
         top, source_top = meta.get(OUTPUT_TOP_LOGPROBS), self._prefill.get(OUTPUT_TOP_LOGPROBS)
-        if isinstance(top, list) and top and not top[0] and isinstance(source_top, list) and source_top \
-                and source_top[0]:
-            top[0] = source_top[0]
+        for at in _first_positions(meta, entries):  # only where the chunk holds output position 0
+            first = entries[at]
+            if not (isinstance(first, list) and len(first) >= 2 and first[0] is None):
+                continue
+            if not (isinstance(theirs, list) and len(theirs) >= 2 and theirs[0] is not None
+                    and theirs[1] == first[1]):
+                continue  # a different token was sampled: prefill's logprob is not this token's
+            entries[at] = theirs
+            self._changed = True
+            if isinstance(top, list) and len(top) > at and not top[at] and isinstance(source_top, list) \
+                    and source_top and source_top[0]:
+                top[at] = source_top[0]
 
     def _fill_token_ids_logprobs(self, meta: dict[str, Any]) -> None:
         """Decode's ``output_token_ids_logprobs`` has one entry per position of
@@ -723,19 +740,25 @@ class SGLangJoinSession(JoinSession):
         length = meta.get(OUTPUT_TOKEN_LOGPROBS_LENGTH)
         from_zero = _is_count(length) and length == len(entries)  # this chunk's slice starts at position 0
         short = from_zero and len(ids) == len(entries) - 1
-        reserved = from_zero and len(ids) == len(entries) and bool(ids) and ids[0] is None
+        # Where output position 0 sits (twice in an abort body coalesced with chunks: _first_positions)
+        # and decode reserved its row.
+        reserved = [at for at in _first_positions(meta, entries) if ids[at] is None] \
+            if len(ids) == len(entries) else []
         if len(ids) == len(entries) and not reserved:
             return
         source = self._prefill
         theirs = source.get(OUTPUT_TOKEN_IDS_LOGPROBS) if source is not None else None
         their_tokens = source.get(OUTPUT_TOKEN_LOGPROBS) if source is not None else None
-        if ((short or reserved) and isinstance(theirs, list) and theirs
-                and isinstance(their_tokens, list) and their_tokens and _token_id(their_tokens[0]) is not None
-                and _token_id(their_tokens[0]) == _token_id(entries[0])):
+        first_id = _token_id(their_tokens[0]) if isinstance(their_tokens, list) and their_tokens else None
+        if ((short or reserved) and isinstance(theirs, list) and theirs and first_id is not None
+                and all(_token_id(entries[at]) == first_id for at in reserved or [0])):
             if reserved:
                 if theirs[0] is None:
                     return  # prefill scored no token ids at position 0 either: null is the answer
-                meta[OUTPUT_TOKEN_IDS_LOGPROBS] = [theirs[0], *ids[1:]]
+                filled = list(ids)
+                for at in reserved:
+                    filled[at] = theirs[0]
+                meta[OUTPUT_TOKEN_IDS_LOGPROBS] = filled
             else:
                 meta[OUTPUT_TOKEN_IDS_LOGPROBS] = [theirs[0], *ids]
             self._changed = True
