@@ -22,6 +22,7 @@ from streamproc.wire import Verdict
 
 from .native import (
     CACHED_TOKENS,
+    COMPLETION_TOKENS,
     DECODE_SELF_SCORED_FIELDS,
     FINISH_REASON,
     KV_TRANSFER_PARAMS,
@@ -151,6 +152,7 @@ class VLLMJoinSession(JoinSession):
         self._parsed_extra = 0  # what the parsed prefill leg holds beyond its body length (retained_bytes)
         self._joined = 0
         self._tokens_seen: dict[int, int] = {}
+        self._tokens_hidden: set[int] = set()  # choice indices with a chunk whose token_ids were not a list
         self._parsed: tuple[bytes, dict | None] | None = None
         self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
 
@@ -244,6 +246,8 @@ class VLLMJoinSession(JoinSession):
             token_ids = choice.get("token_ids")
             if isinstance(token_ids, list):
                 self._tokens_seen[index] = self._tokens_seen.get(index, 0) + len(token_ids)
+            else:
+                self._tokens_hidden.add(index)
             if label_and_clamp(choice):
                 edit.changed = True
         if first:
@@ -373,12 +377,33 @@ class VLLMJoinSession(JoinSession):
             return own  # with n > 1 usage counts every choice together, so count this one's tokens
         return self._tokens_seen.get(index, 0)
 
+    def _no_output_token(self, obj: dict, index: int) -> bool:
+        """Whether the choice is known to have produced no token: its ``usage.completion_tokens`` (this
+        choice's count, or with ``n > 1`` every choice's together) is 0, or every chunk of it listed its
+        ``token_ids`` and none had one. Hidden ids (``derender`` with ``include_reasoning=false``) and no
+        usage: not known."""
+        own = usage_count(obj, COMPLETION_TOKENS)
+        if own == 0:
+            return True
+        if index in self._tokens_hidden or self._tokens_seen.get(index, 0):
+            return False
+        return own is None or len(self._tokens_seen) > 1  # with n > 1 usage counts every choice together
+
     def _join_experts(self, obj: dict, choice: dict, index: int, edit: _Edit) -> None:
         if self._stream_has_no_experts and ROUTED_EXPERTS not in choice and not is_unary(obj):
             # stream_routed_experts=no: this vLLM's stream choices have no such field, so its
             # aggregated stream has no key either. Prefill's rows (a unary leg) are not spliced in.
             return
         value = choice.get(ROUTED_EXPERTS)
+        if value is None and self._no_output_token(obj, index):
+            # A choice that ended before its first token (an abort: ``OutputProcessor.abort_requests``,
+            # ``make_request_output(new_token_ids=[], finish_reason=FinishReason.ABORT)``) has no rows on any
+            # engine: ``Scheduler.update_from_output`` hands rows over only with an output
+            # (``should_emit_output = bool(new_token_ids or pooler_output is not None or stopped)``) and
+            # ``RequestState._new_completion_output`` attaches them only ``if finished and
+            # self.routed_experts_chunks``. The aggregated answer is decode's null: prefill's prompt rows
+            # are not it, and nothing was lost.
+            return
         slot = self._prefill_slot(index)
         # Did prefill send expert data at all (even data that turned out bad)?
         prefill_sent = self._leg_reason is None and not (isinstance(slot, str) and slot == Omit.PREFILL_MISSING)

@@ -1,0 +1,211 @@
+"""vLLM 0.34.0 P/D joins of finishes, parallel sampling and usage, against the aggregated engine, bodies by hand.
+
+Nothing here uses the simulator, ``streamproc_vllm.upstream`` or any other streamproc builder: every body is
+spelled out from the vLLM 0.34.0 wheel (``pip download --no-deps vllm==0.34.0``), the function named next to
+it, and every P/D result is compared with what the aggregated engine returns for the same request.
+
+Shapes (``vllm/entrypoints/scale_out/token_in_token_out/serving.py``, ``ServingTokens``):
+
+* unary: ``serve_tokens_full_generator`` -> ``GenerateTokensResponse(choices=..., **_build_response_fields(...))``,
+  ``JSONResponse(content=model_dump())``; a choice's ``finish_reason`` is ``output.finish_reason if
+  output.finish_reason else "stop"``, its ``routed_experts`` ``numpy2base64(output.routed_experts)`` or ``None``;
+* stream: ``serve_tokens_stream_generator``, one ``GenerateTokensStreamResponse`` per output with a token or a
+  finish ("Terminal outputs are always emitted so the client sees the finish reason, e.g. an abort, which has
+  no new tokens"), dumped with ``model_dump_json(exclude=...)`` (nulls kept); with ``include_usage`` a
+  ``choices: []`` usage chunk (``exclude_none=True``); with ``continuous_usage_stats`` every token chunk has
+  ``UsageInfo(prompt_tokens, completion_tokens=num_generated_tokens[i], total_tokens)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from helpers import assert_same_body as assert_same
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+from streamproc_vllm import VLLMCodec
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+
+RID = "generate-tokens-fin-3"
+PROMPT = list(range(500, 512))  # 12 tokens
+LAYERS, TOPK = 2, 2
+
+# ``NixlConnectorScheduler.request_finished`` (``nixl/pull_scheduler.py``) for a length-capped prefill, plus
+# ``remote_prefill_cached_tokens`` (``Scheduler.update_from_output``).
+PREFILL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[2, 3]],
+              "remote_engine_id": "p0", "remote_request_id": RID, "remote_host": "10.0.0.3", "remote_port": 5600,
+              "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": len(PROMPT),
+              "remote_blocks_expiry_time": None, "remote_registration_generation": 0, "transfer_mode": "pull",
+              "remote_prefill_cached_tokens": 0}
+
+
+def numpy2base64(arr: np.ndarray) -> str:
+    """``vllm/utils/serial_utils.py`` ``numpy2base64``: ``np.save(buf, arr, allow_pickle=False)``, Base64."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def expert_rows(start: int, end: int) -> np.ndarray:
+    """Expert ids of positions [start, end), distinct within a (position, layer)."""
+    ids = [[[(p * 7 + layer * 3 + k * 13 + 1) % 64 + k * 64 for k in range(TOPK)] for layer in range(LAYERS)]
+           for p in range(start, end)]
+    return np.asarray(ids, dtype=np.uint8).reshape(-1, LAYERS, TOPK)
+
+
+def choice(out: list[int] | None, finish: str | None, experts: str | None, *, index: int = 0,
+           stop_reason: int | str | None = None) -> dict:
+    """``GenerateTokensChoice`` / ``GenerateTokensStreamChoice`` (``GenerateChoiceBase`` fields, then
+    ``logprobs``; ``None``: not requested)."""
+    return {"index": index, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": out,
+            "routed_experts": experts, "sampling_mask": None, "weight_versions": None, "logprobs": None}
+
+
+def usage(completion: int, *, exclude_none: bool = False) -> dict:
+    """``UsageInfo`` without ``--enable-prompt-tokens-details`` (``prompt_tokens_details`` is ``exclude_if``
+    None); ``completion_tokens_details`` left out under ``exclude_none``."""
+    u: dict = {"prompt_tokens": len(PROMPT), "total_tokens": len(PROMPT) + completion,
+               "completion_tokens": completion}
+    if not exclude_none:
+        u["completion_tokens_details"] = None
+    return u
+
+
+def unary(choices: list[dict], *, kv: dict | None = None) -> dict:
+    """``_build_response_fields`` + ``GenerateTokensResponse.model_dump()``; ``completion_tokens`` sums every
+    choice's ``token_ids`` (``num_generated_tokens += len(output.token_ids)``)."""
+    done = sum(len(c["token_ids"]) for c in choices)
+    return {"request_id": RID, "model": "m", "created": 1700000000, "usage": usage(done),
+            "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None,
+            "mm_placeholders": None, "metrics": None, "kv_transfer_params": kv, "ec_transfer_params": None,
+            "output_mode": "tokens", "choices": choices}
+
+
+def token_chunk(ch: dict, continuous: int | None = None) -> dict:
+    """A ``GenerateTokensStreamResponse`` token chunk; ``continuous``: that choice's count so far."""
+    return {"request_id": RID, "usage": None if continuous is None else usage(continuous), "output_mode": "tokens",
+            "choices": [ch]}
+
+
+def usage_chunk(completion: int) -> dict:
+    return {"request_id": RID, "usage": usage(completion, exclude_none=True), "output_mode": "tokens", "choices": []}
+
+
+def prefill(n: int = 1) -> dict:
+    """The NIXL prefill leg: the client's request with ``max_tokens=1``, unary; rows ``[0, P)`` per choice."""
+    return unary([choice([41 + i], "length", numpy2base64(expert_rows(0, len(PROMPT))), index=i)
+                  for i in range(n)], kv=PREFILL_KV)
+
+
+# ---------------------------------------------------------------- a decode aborted before its first token
+#
+# ``OutputProcessor.abort_requests`` ("Produce final abort output") calls ``make_request_output(new_token_ids=[],
+# finish_reason=FinishReason.ABORT, stop_reason=None, kv_transfer_params=None)``; ``_new_completion_output``
+# attaches rows only ``if finished and self.routed_experts_chunks``, and ``Scheduler.update_from_output`` hands
+# rows over only with an output (``should_emit_output = bool(new_token_ids or pooler_output is not None or
+# stopped)``). A request aborted before its first token (a P/D decode waiting for its KV:
+# ``WAITING_FOR_REMOTE_KVS``) has no rows on any engine: the aggregated answer is ``"routed_experts": null``
+# with ``finish_reason: "abort"`` and ``completion_tokens`` 0. Prefill's prompt rows are not that answer.
+
+
+def abort_stream(include_usage: bool) -> list[dict]:
+    chunks = [token_chunk(choice([], "abort", None))]
+    return chunks + ([usage_chunk(0)] if include_usage else [])
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("prefill_leg", ["rows", "timed_out"])
+def test_a_stream_aborted_before_its_first_token_keeps_the_aggregated_null_rows_without_a_reason(
+        include_usage, prefill_leg):
+    agg = abort_stream(include_usage)
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in agg],
+                   [dumps(prefill())] if prefill_leg == "rows" else None)
+    assert len(results) == len(agg)
+    for (body, verdict), want in zip(results, agg):
+        assert_same(body, dumps(want))
+        assert verdict is Verdict.PASSTHROUGH
+
+
+def test_a_unary_decode_aborted_before_its_first_token_is_the_aggregated_body():
+    """``AsyncLLM.generate`` yields the abort output (finished) to ``serve_tokens_full_generator``, which keeps
+    ``finish_reason="abort"`` and ``routed_experts=None``."""
+    agg = unary([choice([], "abort", None)])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(agg)], [dumps(prefill())])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_an_aborted_decode_that_emitted_tokens_but_lost_its_rows_is_still_decode_missing():
+    """After ``k`` tokens the abort output carries rows ``[0, P + k - 1)`` (the chunks received); a decode
+    leg without them lost them, which the aggregated stream would carry."""
+    chunks = [token_chunk(choice([7], None, None)), token_chunk(choice([8], None, None)),
+              token_chunk(choice([], "abort", None)), usage_chunk(2)]
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in chunks], [dumps(prefill())])
+    finishing = json.loads(results[2][0])["choices"][0]
+    assert (finishing["routed_experts"], finishing["routed_experts_unavailable_reason"]) == (None, "decode_missing")
+    assert results[2][1] is Verdict.OMITTED
+
+
+def test_an_aborted_decode_with_rows_after_two_tokens_joins_to_the_aggregated_stream():
+    whole = expert_rows(0, len(PROMPT) + 1)
+    stale = whole.copy()
+    stale[:len(PROMPT)] = expert_rows(30, 30 + len(PROMPT))  # decode's prompt rows: another request's
+    def stream(rows: np.ndarray) -> list[dict]:
+        return [token_chunk(choice([7], None, None)), token_chunk(choice([8], None, None)),
+                token_chunk(choice([], "abort", numpy2base64(rows))), usage_chunk(2)]
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in stream(stale)], [dumps(prefill())])
+    for (body, _), want in zip(results, stream(whole)):
+        assert_same(body, dumps(want))
+    assert results[2][1] is Verdict.JOINED
+
+
+# ------------------------------------------------------------- n > 1: a choice aborted before its token
+#
+# ``AsyncLLM.add_request`` fans ``n`` out into child requests (``ParentRequest.get_child_info``:
+# ``f"{index}_{request_id}"``, ``n = 1`` each), scheduled on their own; an abort of the parent aborts every
+# child (``OutputProcessor.abort_requests``: "Abort children prior to removing the parent"), each with its
+# own abort output. A child that had not produced a token yet has no rows; its sibling has ``[0, P + k - 1)``.
+# Unary (``FINAL_ONLY``), ``ParentRequest.get_outputs`` aggregates the ``n`` final outputs by index and
+# ``usage.completion_tokens`` sums them.
+
+
+def n_abort_unary(rows0: np.ndarray) -> dict:
+    return unary([choice([7, 8], "abort", numpy2base64(rows0), index=0), choice([], "abort", None, index=1)])
+
+
+def n_abort_stream(rows0: np.ndarray) -> list[dict]:
+    return [token_chunk(choice([7], None, None, index=0)), token_chunk(choice([8], None, None, index=0)),
+            token_chunk(choice([], "abort", numpy2base64(rows0), index=0)),
+            token_chunk(choice([], "abort", None, index=1)), usage_chunk(2)]
+
+
+def _rows_after_two_tokens() -> tuple[np.ndarray, np.ndarray]:
+    whole = expert_rows(0, len(PROMPT) + 1)
+    stale = whole.copy()
+    stale[:len(PROMPT)] = expert_rows(30, 30 + len(PROMPT))
+    return whole, stale
+
+
+def test_n2_unary_with_a_choice_aborted_before_its_token_joins_to_the_aggregated_body():
+    whole, stale = _rows_after_two_tokens()
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(n_abort_unary(stale))], [dumps(prefill(n=2))])
+    assert_same(body, dumps(n_abort_unary(whole)))
+    assert verdict is Verdict.JOINED
+
+
+def test_n2_stream_with_a_choice_aborted_before_its_token_joins_to_the_aggregated_stream():
+    whole, stale = _rows_after_two_tokens()
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in n_abort_stream(stale)], [dumps(prefill(n=2))])
+    agg = n_abort_stream(whole)
+    assert len(results) == len(agg)
+    for (body, _), want in zip(results, agg):
+        assert_same(body, dumps(want))
+    assert [v for _, v in results][2:4] == [Verdict.JOINED, Verdict.PASSTHROUGH]
