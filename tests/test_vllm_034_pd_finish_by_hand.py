@@ -209,3 +209,72 @@ def test_n2_stream_with_a_choice_aborted_before_its_token_joins_to_the_aggregate
     for (body, _), want in zip(results, agg):
         assert_same(body, dumps(want))
     assert [v for _, v in results][2:4] == [Verdict.JOINED, Verdict.PASSTHROUGH]
+
+
+# ------------------------------------- prompt-side fields of a request that ended before its first token
+#
+# ``Scheduler.update_from_output`` sends a request's prompt logprobs and its prefill stats only with its
+# first output ("Invariant: EngineCore returns no partial prefill outputs": ``assert not
+# prompt_logprobs_tensors``; ``prefill_stats = request.take_prefill_stats()`` under ``should_emit_output``).
+# Aborted before token 0, the aggregated engine's ``RequestOutput`` has what ``LogprobsProcessor.from_new_request``
+# started with, ``create_prompt_logprobs``'s ``[None]`` plus one ``None`` per position before
+# ``prompt_logprob_start``, and ``RequestState.num_cached_tokens`` is still its initial 0 (decode's
+# ``remote_prefill_cached_tokens`` is applied in the same ``is_prefilling`` branch, on an output). The decode
+# leg aborted before token 0 sends exactly that; prefill's scores and count are not the aggregated answer.
+
+
+def pl_entry(token: int, logprob: float) -> dict:
+    """``append_logprobs_for_next_position`` with ``prompt_logprobs=0``, tokens mode: ``{id: Logprob}``."""
+    return {str(token): {"logprob": logprob, "rank": 1, "decoded_token": None}}
+
+
+def scored(start: int) -> list:
+    """Prefill's list: ``[None]``, ``start`` unscored positions, then one entry per scored prompt token."""
+    return [None] * (1 + start) + [pl_entry(t, -0.5 - i / 8) for i, t in enumerate(PROMPT[1 + start:])]
+
+
+def with_details(body: dict, cached: int, *, exclude_none: bool = False) -> dict:
+    """``--enable-prompt-tokens-details``: ``PromptTokenUsageInfo(cached_tokens=num_cached_tokens)``, placed
+    before ``completion_tokens_details`` (``UsageInfo`` field order); a stream's usage chunk dumps it
+    ``exclude_none``."""
+    u = body["usage"]
+    details = {"cached_tokens": cached} if exclude_none else \
+        {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
+    rest = {k: v for k, v in u.items() if k != "completion_tokens_details"}
+    tail = {} if exclude_none else {"completion_tokens_details": None}
+    return {**body, "usage": {**rest, "prompt_tokens_details": details, **tail}}
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_a_unary_decode_aborted_before_its_first_token_keeps_its_own_unscored_prompt_logprobs(start):
+    pre = {**prefill(), "prompt_logprobs": scored(start)}
+    agg = {**unary([choice([], "abort", None)]), "prompt_logprobs": [None] * (1 + start)}
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(agg)], [dumps(pre)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_a_unary_decode_aborted_before_its_first_token_keeps_its_unscored_list_when_prefill_timed_out():
+    agg = {**unary([choice([], "abort", None)]), "prompt_logprobs": [None]}
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(agg)], None)
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_a_unary_decode_aborted_before_its_first_token_keeps_its_zero_cached_tokens():
+    pre = with_details(prefill(), 8)
+    agg = with_details(unary([choice([], "abort", None)]), 0)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(agg)], [dumps(pre)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.PASSTHROUGH
+
+
+def test_a_stream_aborted_before_its_first_token_keeps_the_zero_cached_tokens_of_its_usage_chunk():
+    """``serve_tokens_stream_generator`` reads ``num_cached_tokens`` from its first ``RequestOutput``, here the
+    abort output."""
+    pre = with_details(prefill(), 8)
+    agg = [token_chunk(choice([], "abort", None)), with_details(usage_chunk(0), 0, exclude_none=True)]
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in agg], [dumps(pre)])
+    for (body, verdict), want in zip(results, agg):
+        assert_same(body, dumps(want))
+        assert verdict is Verdict.PASSTHROUGH

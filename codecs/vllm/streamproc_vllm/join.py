@@ -250,9 +250,15 @@ class VLLMJoinSession(JoinSession):
                 self._tokens_hidden.add(index)
             if label_and_clamp(choice):
                 edit.changed = True
-        if first:
+        # A body whose usage counts no generated token answers a request that ended before token 0 (an
+        # abort): no engine has scored its prompt or counted its cache hits by then, since
+        # ``Scheduler.update_from_output`` sends prompt logprobs and prefill stats only with the first
+        # output ("EngineCore returns no partial prefill outputs"). Decode's values (``create_prompt_logprobs``'s
+        # ``[None]``, ``num_cached_tokens`` 0) are the aggregated ones; prefill's are not.
+        unstarted = usage_count(obj, COMPLETION_TOKENS) == 0
+        if first and not unstarted:
             self._join_prompt_logprobs(obj, choices, edit)
-        if _usage_details(obj):
+        if _usage_details(obj) and not unstarted:
             self._join_prompt_tokens_details(obj["usage"], edit)
         for position, choice in enumerate(choices):
             if final or _finishes(choice) or choice.get(ROUTED_EXPERTS) is not None:
