@@ -278,3 +278,121 @@ def test_a_stream_aborted_before_its_first_token_keeps_the_zero_cached_tokens_of
     for (body, verdict), want in zip(results, agg):
         assert_same(body, dumps(want))
         assert verdict is Verdict.PASSTHROUGH
+
+
+# ------------------------------------------------- n > 1 and continuous usage: choices paired by index
+#
+# With ``stream_options = {include_usage, continuous_usage_stats}`` (``should_include_usage``) every token chunk
+# carries ``UsageInfo(prompt_tokens, completion_tokens=num_generated_tokens[i], total_tokens)`` of its own
+# choice ``i`` (``prompt_tokens_details`` left out, ``exclude_if``); the ``choices: []`` chunk sums them and
+# carries the details. The prefill leg (``max_tokens=1``, ``n=2``) has one choice per child, each with the
+# prompt's rows ``[0, P)``; a P/D decode's prompt rows may be another request's. A decode that loaded the
+# prompt's KV without a forwarded count reports ``P - 1`` cached tokens; prefill's count is the aggregated one.
+
+N_OUTS = [[7, 8, 9], [4, 5]]
+
+
+def n_rows(i: int, out: list[int], *, stale: bool) -> np.ndarray:
+    r = expert_rows(0, len(PROMPT) + len(out) - 1)
+    r[len(PROMPT):] = expert_rows(40 + 9 * i, 40 + 9 * i + len(out) - 1)
+    if stale:
+        r[:len(PROMPT)] = expert_rows(30, 30 + len(PROMPT))
+    return r
+
+
+def n_continuous_stream(*, stale: bool, cached: int) -> list[dict]:
+    chunks = []
+    for step in range(max(map(len, N_OUTS))):
+        for i, out in enumerate(N_OUTS):
+            if step < len(out):
+                last = step == len(out) - 1
+                rows = numpy2base64(n_rows(i, out, stale=stale)) if last else None
+                chunks.append(token_chunk(choice([out[step]], "stop" if last else None, rows, index=i),
+                                          continuous=step + 1))
+    return chunks + [with_details(usage_chunk(sum(map(len, N_OUTS))), cached, exclude_none=True)]
+
+
+def test_an_n2_stream_with_continuous_usage_joins_each_choice_to_the_aggregated_stream():
+    agg = n_continuous_stream(stale=False, cached=4)
+    decode = n_continuous_stream(stale=True, cached=len(PROMPT) - 1)
+    pre = with_details(prefill(n=2), 4)
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in decode], [dumps(pre)])
+    assert len(results) == len(agg)
+    for (body, _), want in zip(results, agg):
+        assert_same(body, dumps(want))
+
+
+def test_an_n2_decode_behind_a_prefill_that_ran_one_choice_omits_the_other_choices_rows():
+    """A router that sent the prefill ``n=1``: its one choice's rows are child ``0_<id>``'s prompt pass. The
+    aggregated engine's choice 1 is child ``1_<id>``, its own request (``ParentRequest.get_child_info``) with
+    its own prompt pass or prefix-cache hit; no leg sent its rows, so they are omitted, never copied from
+    choice 0."""
+    decode = unary([choice(out, "stop", numpy2base64(n_rows(i, out, stale=True)), index=i)
+                    for i, out in enumerate(N_OUTS)])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(prefill(n=1))])
+    got = json.loads(body)["choices"]
+    assert np.array_equal(np.load(io.BytesIO(base64.b64decode(got[0]["routed_experts"]))),
+                          n_rows(0, N_OUTS[0], stale=False))
+    assert (got[1]["routed_experts"], got[1]["routed_experts_unavailable_reason"]) == (None, "prefill_missing")
+    assert verdict is Verdict.OMITTED
+
+
+# ------------------------------------------------------------- kv_transfer_params of other connectors
+#
+# ``Scheduler.update_from_output`` adds ``remote_prefill_cached_tokens`` only to parameters with
+# ``do_remote_prefill`` (NIXL's prefill-side ``request_finished``). ``MooncakeConnectorScheduler.request_finished``
+# returns ``(delay_free_blocks, None)`` on the prefiller (its body: ``"kv_transfer_params": null``);
+# ``LMCacheMPConnector.request_finished`` returns ``{}``, or ``{"num_lmcache_extra_cached_tokens": n}`` when
+# asked. None of them tells prefill's cache hits, so a prefill server without ``--enable-prompt-tokens-details``
+# leaves the decode's count (the KV it loaded) unconfirmed: omitted, never passed on.
+
+KV_WITHOUT_A_COUNT = {
+    "mooncake_null": None,
+    "lmcache_mp_empty": {},
+    "lmcache_mp_extra": {"num_lmcache_extra_cached_tokens": 32},
+    "nixl_without_count": {k: v for k, v in PREFILL_KV.items() if k != "remote_prefill_cached_tokens"},
+    "nixl_count_not_an_int": {**PREFILL_KV, "remote_prefill_cached_tokens": True},
+}
+
+
+@pytest.mark.parametrize("kv", sorted(KV_WITHOUT_A_COUNT))
+def test_a_decode_cached_count_no_prefill_field_confirms_is_omitted(kv):
+    pre = {**prefill(), "kv_transfer_params": KV_WITHOUT_A_COUNT[kv]}
+    decode = with_details(unary([choice([7, 8], "stop", numpy2base64(expert_rows(0, len(PROMPT) + 1)))]),
+                          len(PROMPT) - 1)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    usage_out = json.loads(body)["usage"]
+    assert (usage_out["prompt_tokens_details"], usage_out["prompt_tokens_details_unavailable_reason"]) == \
+        (None, "prefill_missing")
+    assert verdict is Verdict.OMITTED
+
+
+# ------------------------------------------- prompt_logprobs=k asked of the prefill leg only
+#
+# vLLM 0.34.0's decode with ``prompt_logprobs`` set never loads the prompt's KV (``Request.get_prefix_cache_hit_limit``
+# returns ``prompt_logprob_start or 0``, so ``skip_reading_external_kv``) and recomputes the whole prompt; a
+# router that wants the transfer sends the parameter to the prefill leg only. Decode then answers
+# ``"prompt_logprobs": null`` (``LogprobsProcessor.from_new_request``: ``None`` unless asked) and prefill has
+# the list the aggregated engine returns: per position the prompt token plus the top ``k``
+# (``append_logprobs_for_next_position``: ``k + 1`` entries when the token is not among them), detokenised
+# (``decoded_token``) by a server with a tokenizer.
+
+
+def top_k_list(k: int) -> list:
+    out: list = [None]
+    for i, t in enumerate(PROMPT[1:]):
+        entry = {str(t): {"logprob": -4.25 - i / 4, "rank": k + 3, "decoded_token": f"t{t}"}}
+        entry.update({str(900 + j): {"logprob": -0.5 - j / 2, "rank": j + 1, "decoded_token": f"c{j}"}
+                      for j in range(k)})
+        out.append(entry)
+    return out
+
+
+def test_prompt_logprobs_k_asked_of_the_prefill_only_give_the_aggregated_list():
+    rows = numpy2base64(expert_rows(0, len(PROMPT) + 1))
+    agg = {**unary([choice([7, 8], "stop", rows)]), "prompt_logprobs": top_k_list(2)}
+    decode = unary([choice([7, 8], "stop", rows)])
+    pre = {**prefill(), "prompt_logprobs": top_k_list(2)}
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
