@@ -64,6 +64,23 @@ async def test_a_streamed_request_is_folded_by_the_codec_into_the_unary_response
     assert response.headers["streamproc-results"] == str(len(bodies))
 
 
+async def test_a_streamed_request_whose_stream_ends_in_the_workers_error_frame_is_answered_that_frame(edge, nc):
+    """SGLang 0.5.23 ``serve_generate_request``: a ``ValueError`` mid-stream ends the stream with
+    ``data: {"error": {...}}``; unary, the same failure answers the error alone
+    (``_create_error_response``). The edge used to answer the chunks sent before it folded together,
+    with the ``error`` key beside them: a partial answer with status 200."""
+    request_id = rid("worker-error")
+    bodies = worker_for("sglang").agg(make_truth(4, request_id=request_id, output_len=9), stream=True)[:2]
+    frame = json.dumps({"error": {"message": "boom", "type": "invalid_request_error", "code": 400,
+                                  "retryable": False}}, separators=(",", ":")).encode()
+    await publish_results(nc, DURABLE, request_id, [*bodies, frame])
+
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+
+    assert response.content == frame
+    assert response.headers["streamproc-results"] == "3"
+
+
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
     """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
     ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk

@@ -65,6 +65,14 @@ class SGLangCodec(Codec):
                     return body  # a unary batch's list (folds_alone saw "index" in a value): as sent
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
+        errors = [index for index, doc in enumerate(docs) if native.http_error(doc)]
+        if errors:
+            # The same request unary answers the error alone (``_create_error_response``), never the
+            # output produced before it; ``stream_results`` sends only ``[DONE]`` after its frame.
+            if errors != [len(docs) - 1]:
+                raise ValueError(f"chunk {errors[0]} is the worker's error body and chunks follow it: "
+                                 "no stream SGLang writes; it cannot be folded")
+            return bodies[-1]
         items = fold_items(docs)  # a streamed batch or n > 1 request answers a list unary
         if items is None and len(bodies) == 1:
             return bodies[0]  # a unary body, or a single request's only chunk: the unary answer as sent

@@ -114,6 +114,15 @@ def encode(doc: object) -> bytes:
     return _encoder.encode(doc)
 
 
+def http_error(doc: dict[str, Any]) -> bool:
+    """Whether a body is one of SGLang's HTTP-layer error bodies rather than a generation body (SGLang
+    0.5.23, ``entrypoints/http_server.py``): the stream's last frame ``{"error": {"message", "type",
+    "code", "retryable"}}`` (``serve_generate_request``' ``stream_results``, for a ``ValueError``), the
+    unary ``{"error": {"message"}}`` (``_create_error_response``) or ``{"error": "<text>"}`` (the
+    contract check in ``generate_request``); none has ``meta_info``."""
+    return ERROR in doc and META not in doc
+
+
 def failed(doc: dict[str, Any]) -> bool:
     """Whether a (folded) leg ended in an error or abort rather than a normal finish."""
     if ERROR in doc:

@@ -1,0 +1,141 @@
+"""SGLang 0.5.23's error bodies on a native ``/generate`` stream or unary answer, written by hand.
+
+Nothing here uses the simulator or ``upstream.py``. Read from the SGLang 0.5.23 wheel (PyPI):
+
+* ``entrypoints/http_server.py`` ``serve_generate_request`` (stream)::
+
+      async def stream_results() -> AsyncIterator[bytes]:
+          try:
+              async for out in _global_state.tokenizer_manager.generate_request(obj, request):
+                  yield b"data: " + dumps_json(out) + b"\\n\\n"
+          except ValueError as e:
+              if request is not None and await request.is_disconnected():
+                  ...; return
+              out = {"error": {"message": str(e), "type": "invalid_request_error",
+                               "code": getattr(e, "status_code", 400), "retryable": False}}
+              yield b"data: " + dumps_json(out) + b"\\n\\n"
+          yield b"data: [DONE]\\n\\n"
+
+  so a stream ends in that frame after the chunks already sent (``_stream_batch_responses``: one
+  item's exception ends every item's stream). Unary: ``except ValueError as e: return
+  _create_error_response(e)``, i.e. ``ORJSONResponse({"error": {"message": str(e)}}, status_code=400)``:
+  the same failure answers the error alone, none of the output produced before it.
+* ``generate_request``: ``ORJSONResponse(status_code=400, content={"error": contract_error})``, a string.
+* ``@app.exception_handler(HTTPException)``: ``ErrorResponse(object="error", message=exc.detail,
+  type=str(exc.status_code), code=exc.status_code).model_dump()``, raised for a unary request by
+  ``TokenizerManager._handle_abort_finish_reason`` when an abort's ``status_code`` is not 400 (e.g.
+  ``disaggregation/prefill.py``: ``prepare_abort(req, error_message,
+  status_code=HTTPStatus.INTERNAL_SERVER_ERROR)`` when the KV transfer fails).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pytest
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+from streamproc_sglang import SGLangCodec
+from streamproc_sglang_zstd import SGLangZstdCodec
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+CODECS = [SGLangCodec, SGLangZstdCodec]
+RID = "req-e"
+PROMPT = 4
+OUT = [301, 302, 303]
+TEXT = ["A", "b", "c"]
+OUTPUT_LP = [[-0.25, 301, None], [-0.5, 302, None], [-0.75, 303, None]]
+
+# ``stream_results``' frame for ``raise ValueError("...")`` (no ``status_code`` attribute: 400).
+STREAM_ERROR = {"error": {"message": "boom", "type": "invalid_request_error", "code": 400, "retryable": False}}
+
+
+def chunk(lo: int, end: int, *, cumulative: bool, index: int | None = None) -> dict[str, Any]:
+    """``_handle_batch_output``: an unfinished stream chunk over ``[lo, end)`` (cumulative: from 0),
+    as ``_wait_one_response`` yields it; ``_stream_batch_responses`` adds ``index`` last."""
+    start = 0 if cumulative else lo
+    meta = {"id": f"{RID}-{index or 0}", "finish_reason": None, "prompt_tokens": PROMPT,
+            "weight_version": "default", "input_token_logprobs": [],
+            "output_token_logprobs": OUTPUT_LP[start:end], "output_token_logprobs_length": end,
+            "completion_tokens": end, "cached_tokens": 0}
+    body = {"text": "".join(TEXT[start:end]), "output_ids": OUT[start:end], "meta_info": meta}
+    if index is not None:
+        body["index"] = index
+    return body
+
+
+def fold(codec, bodies: list[bytes]) -> bytes:
+    return codec(OPTIONS).fold(bodies)
+
+
+# ------------------------------------------------------------------------------ aggregated fold
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("cumulative", [False, True])
+@pytest.mark.parametrize("sent", [1, 3])
+def test_a_stream_that_ends_in_the_error_frame_folds_to_that_frame_not_to_a_partial_answer(codec, cumulative, sent):
+    """The unary request that fails the same way answers the error alone (``_create_error_response``),
+    never the tokens produced before it; the fold used to return the partial output with an ``error``
+    key beside it, which the edge served as a 200 answer."""
+    frame = dumps(STREAM_ERROR)
+    bodies = [dumps(chunk(k, k + 1, cumulative=cumulative)) for k in range(sent)] + [frame]
+    assert fold(codec, bodies) == frame
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_streamed_batch_whose_stream_ends_in_the_error_frame_folds_to_that_frame(codec):
+    """``_stream_batch_responses``: one item's exception ends the whole stream after the other items'
+    chunks; unary, ``_collect_batch_responses``' ``asyncio.gather`` raises it and the batch answers the
+    error alone (no list). The fold used to refuse the untagged frame (the edge's 500)."""
+    frame = dumps(STREAM_ERROR)
+    bodies = [dumps(chunk(0, 1, cumulative=False, index=0)), dumps(chunk(0, 1, cumulative=False, index=1)), frame]
+    assert fold(codec, bodies) == frame
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_chunks_after_the_error_frame_are_refused_by_the_fold(codec):
+    """``stream_results`` sends nothing but ``[DONE]`` after its error frame: output after it is no
+    stream SGLang writes, and folding it would present that output as the answer."""
+    bodies = [dumps(chunk(0, 1, cumulative=False)), dumps(STREAM_ERROR), dumps(chunk(1, 2, cumulative=False))]
+    with pytest.raises(ValueError, match="error body"):
+        fold(codec, bodies)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_stream_that_is_only_the_error_frame_is_answered_as_sent(codec):
+    """A ``ValueError`` before the first chunk (``_validate_one_request``, a duplicate rid, ...)."""
+    frame = dumps(STREAM_ERROR)
+    assert fold(codec, [frame]) == frame
+
+
+# ------------------------------------------------------------------------------------------- P/D
+
+
+def prefill_leg() -> dict[str, Any]:
+    """The P/D prefill's body (0.5.23, ``return_routed_experts`` and ``return_logprob``): prompt rows,
+    the first token, ``{"type": "length", "length": 0}``."""
+    rows = bytes(range(1, 1 + PROMPT * 4 * 4))  # 4 prompt rows of 4 distinct int32 ids
+    meta = {"id": RID, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": PROMPT,
+            "weight_version": "default", "input_token_logprobs": [[None, 101, None]] * PROMPT,
+            "output_token_logprobs": OUTPUT_LP[:1], "output_token_logprobs_length": 1,
+            "completion_tokens": 1, "cached_tokens": 0, "routed_experts": base64.b64encode(rows).decode()}
+    return {"text": TEXT[0], "output_ids": OUT[:1], "meta_info": meta}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("cumulative", [False, True])
+@pytest.mark.parametrize("sent", [0, 2])
+def test_a_pd_decode_stream_ending_in_the_error_frame_publishes_it_as_sent_and_folds_to_it(codec, cumulative, sent):
+    """The decode worker's frame is its answer, as the aggregated worker's would be: published byte for
+    byte (passthrough) behind the joined chunks, and the folded stream is the frame."""
+    frame = dumps(STREAM_ERROR)
+    decode = [dumps(chunk(k, k + 1, cumulative=cumulative)) for k in range(sent)] + [frame]
+    joined = join(codec(OPTIONS), decode, [dumps(prefill_leg())])
+    assert joined[-1] == (frame, Verdict.PASSTHROUGH)
+    assert fold(codec, [body for body, _ in joined]) == frame
