@@ -228,6 +228,8 @@ OWN_VOCABULARY = {
     "start": "the experts view's row spans (RowSpan.start, read by the page's experts.js)",
     "metrics": "an attribute name (edge/direct.py's __slots__: the edge's metrics)",
     "host": "the --http-host / --host settings (a network host, not SGLang's host-memory cache count)",
+    "object": "JavaScript's typeof x === \"object\" in the page (edge.js, experts.js), not SGLang's "
+              "ErrorResponse.object",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
 KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",

@@ -139,3 +139,64 @@ def test_a_pd_decode_stream_ending_in_the_error_frame_publishes_it_as_sent_and_f
     joined = join(codec(OPTIONS), decode, [dumps(prefill_leg())])
     assert joined[-1] == (frame, Verdict.PASSTHROUGH)
     assert fold(codec, [body for body, _ in joined]) == frame
+
+
+def decode_answer() -> dict[str, Any]:
+    """The P/D decode's unary answer (``_handle_batch_output``, finished): its own copy of the prompt
+    rows (stale) then its generated rows, no prompt logprobs (``[]``)."""
+    rows = bytes(PROMPT * 16) + bytes(range(100, 100 + 2 * 16))
+    meta = {"id": RID, "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": PROMPT,
+            "weight_version": "default", "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP,
+            "output_token_logprobs_length": 3, "completion_tokens": 3, "cached_tokens": 0,
+            "routed_experts": base64.b64encode(rows).decode()}
+    return {"text": "".join(TEXT), "output_ids": OUT, "meta_info": meta}
+
+
+# Every body a failed SGLang 0.5.23 prefill leg answers with instead of a generation body.
+PREFILL_ERRORS = {
+    "stream_frame": STREAM_ERROR,  # stream_results, a ValueError
+    "value_error": {"error": {"message": "boom"}},  # _create_error_response
+    "contract": {"error": "sampling_params: expected an object"},  # generate_request's contract check
+    # validation_exception_handler (HTTPException): _handle_abort_finish_reason for an abort whose
+    # status_code is not 400, e.g. prefill.py's KV transfer failure (INTERNAL_SERVER_ERROR).
+    "http_exception": {"object": "error", "message": "KV transfer failed", "type": "500", "param": None,
+                       "code": 500},
+}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("shape", sorted(PREFILL_ERRORS))
+def test_a_prefill_leg_that_answered_an_error_body_is_prefill_error_never_corrupt(codec, shape):
+    """No prefill value exists: decode's stale prompt rows and empty prompt logprobs are removed, each
+    with ``prefill_error`` (the leg failed), not ``prefill_corrupt`` (an unreadable leg), which
+    SGLang's HTTPException body (``{"object": "error", ...}``, no ``error`` key) used to read as."""
+    [(joined, verdict)] = join(codec(OPTIONS), [dumps(decode_answer())], [dumps(PREFILL_ERRORS[shape])])
+    meta = json.loads(joined)["meta_info"]
+    assert verdict is Verdict.OMITTED
+    assert "routed_experts" not in meta and "input_token_logprobs" not in meta
+    assert meta["routed_experts_unavailable_reason"] == "prefill_error"
+    assert meta["input_logprobs_unavailable_reason"] == "prefill_error"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("shape", sorted(PREFILL_ERRORS))
+def test_a_pd_decode_that_answered_an_error_body_publishes_it_as_sent(codec, shape):
+    """The decode worker's unary error (e.g. its own KV transfer failure, ``prepare_abort(...,
+    status_code=HTTPStatus.INTERNAL_SERVER_ERROR)`` in ``disaggregation/decode.py``) is what the
+    aggregated worker would answer for the same failure: byte for byte, whatever prefill sent."""
+    body = dumps(PREFILL_ERRORS[shape])
+    for prefill in ([dumps(prefill_leg())], [body], None):
+        assert join(codec(OPTIONS), [body], prefill) == [(body, Verdict.PASSTHROUGH)]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_unary_batch_against_a_failed_prefill_batch_omits_each_items_rows_as_prefill_error(codec):
+    """A P/D batch (mini_lb sends it to both servers) whose prefill answered one error body for the
+    whole batch (``_collect_batch_responses``: ``asyncio.gather`` raises the first item's
+    exception): each decode item has no prefill value."""
+    batch = dumps([decode_answer(), decode_answer()])
+    [(joined, verdict)] = join(codec(OPTIONS), [batch], [dumps(PREFILL_ERRORS["http_exception"])])
+    assert verdict is Verdict.OMITTED
+    for item in json.loads(joined):
+        assert "routed_experts" not in item["meta_info"]
+        assert item["meta_info"]["routed_experts_unavailable_reason"] == "prefill_error"

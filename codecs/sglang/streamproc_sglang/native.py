@@ -119,13 +119,19 @@ def http_error(doc: dict[str, Any]) -> bool:
     0.5.23, ``entrypoints/http_server.py``): the stream's last frame ``{"error": {"message", "type",
     "code", "retryable"}}`` (``serve_generate_request``' ``stream_results``, for a ``ValueError``), the
     unary ``{"error": {"message"}}`` (``_create_error_response``) or ``{"error": "<text>"}`` (the
-    contract check in ``generate_request``); none has ``meta_info``."""
-    return ERROR in doc and META not in doc
+    contract check in ``generate_request``), and the unary ``ErrorResponse`` (``{"object": "error",
+    "message", "type", "param", "code"}``, ``validation_exception_handler`` for an ``HTTPException``:
+    ``TokenizerManager._handle_abort_finish_reason`` raises one for an abort whose ``status_code`` is
+    not 400, e.g. a P/D leg's failed KV transfer); none has ``meta_info``."""
+    return (ERROR in doc or doc.get(ERROR_OBJECT_KEY) == ERROR) and META not in doc
+
+
+ERROR_OBJECT_KEY = "object"  # ErrorResponse.object, "error"
 
 
 def failed(doc: dict[str, Any]) -> bool:
     """Whether a (folded) leg ended in an error or abort rather than a normal finish."""
-    if ERROR in doc:
+    if ERROR in doc or http_error(doc):
         return True
     meta = meta_of(doc)
     return meta is not None and failed_finish(meta)
