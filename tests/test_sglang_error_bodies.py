@@ -200,3 +200,17 @@ def test_a_unary_batch_against_a_failed_prefill_batch_omits_each_items_rows_as_p
     for item in json.loads(joined):
         assert "routed_experts" not in item["meta_info"]
         assert item["meta_info"]["routed_experts_unavailable_reason"] == "prefill_error"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_pd_streamed_batch_ending_in_the_error_frame_publishes_it_as_sent_and_folds_to_it(codec):
+    """The decode's streamed batch (items tagged ``index``) ends in ``stream_results``' frame: the
+    items' chunks are joined with prefill's chunks of the same index, the frame (no index, no
+    ``meta_info``) is published byte for byte, and the fold is the frame."""
+    frame = dumps(STREAM_ERROR)
+    prefill = [dumps({**prefill_leg(), "index": k}) for k in range(2)]
+    decode = [dumps(chunk(0, 1, cumulative=False, index=k)) for k in range(2)] + [frame]
+    joined = join(codec(OPTIONS), decode, prefill)
+    assert [verdict for _, verdict in joined] == [Verdict.JOINED, Verdict.JOINED, Verdict.PASSTHROUGH]
+    assert joined[-1][0] == frame
+    assert fold(codec, [body for body, _ in joined]) == frame
