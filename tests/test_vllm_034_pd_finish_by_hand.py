@@ -396,3 +396,64 @@ def test_prompt_logprobs_k_asked_of_the_prefill_only_give_the_aggregated_list():
     [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
     assert_same(body, dumps(agg))
     assert verdict is Verdict.JOINED
+
+
+# ------------------------------------- n > 1 unary: prompt-side fields when some children had no token
+#
+# A unary body's prompt-side fields are those of the child whose output completed the parent's:
+# ``ParentRequest.get_outputs`` returns ``self.output_aggregator`` only once ``child_requests`` is empty, and
+# ``RequestState._new_request_output`` fills ``prompt_logprobs``, ``prompt_token_id_logprobs`` and
+# ``num_cached_tokens`` from that child's own state. A child that ended before its first token has
+# ``create_prompt_logprobs``'s unscored list and ``num_cached_tokens`` 0 (both set only with an output).
+#
+# * Choices with tokens finished normally, the others were aborted before their token: ``abort_requests``
+#   builds the aborted children's outputs after every normal finish (it pops their ``request_states``; a later
+#   engine output of theirs is dropped), so an unstarted child completes the parent, on every engine.
+# * An abort that also ended a child with tokens: the order depends on the abort's path, which no body shows.
+#   ``/inference/v1/abort_requests`` aborts by external id, and ``abort_requests`` walks ``external_req_ids`` (the
+#   children in index order: the highest-index aborted child comes last); a ``pause(mode="abort")`` sends the abort
+#   outputs from ``EngineCore._send_abort_outputs`` as ``list(req_ids)`` of a set of ``f"{index}_{request_id}"``
+#   strings, in the process's string-hash order. The aggregated body has one of two values: omitted, ``decode_error``.
+
+
+def n_unary(finishes: list[str], outs: list[list[int]], rows: list[np.ndarray | None]) -> dict:
+    return unary([choice(out, fin, None if r is None else numpy2base64(r), index=i)
+                  for i, (fin, out, r) in enumerate(zip(finishes, outs, rows))])
+
+
+def test_n2_unary_whose_unstarted_child_was_aborted_after_its_sibling_finished_keeps_the_unscored_fields():
+    whole, stale = _rows_after_two_tokens()
+    pre = with_details({**prefill(n=2), "prompt_logprobs": scored(0)}, 8)
+    agg = with_details({**n_unary(["stop", "abort"], [[7, 8], []], [whole, None]), "prompt_logprobs": [None]}, 0)
+    decode = with_details({**n_unary(["stop", "abort"], [[7, 8], []], [stale, None]), "prompt_logprobs": [None]}, 0)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
+
+
+@pytest.mark.parametrize("decode_last", ["started", "unstarted"])
+def test_n2_unary_abort_of_a_started_and_an_unstarted_child_omits_the_order_dependent_prompt_fields(decode_last):
+    """Whichever child the decode engine's set order built last, the aggregated engine's order is its own."""
+    _, stale = _rows_after_two_tokens()
+    pre = with_details({**prefill(n=2), "prompt_logprobs": scored(0)}, 8)
+    own = ([None] + [pl_entry(t, 0.0) for t in PROMPT[1:]], len(PROMPT) - 1) if decode_last == "started" \
+        else ([None], 0)
+    decode = with_details({**n_abort_unary(stale), "prompt_logprobs": own[0]}, own[1])
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    got = json.loads(body)
+    assert (got["prompt_logprobs"], got["prompt_logprobs_unavailable_reason"]) == (None, "decode_error")
+    assert (got["usage"]["prompt_tokens_details"], got["usage"]["prompt_tokens_details_unavailable_reason"]) == \
+        (None, "decode_error")
+    assert verdict is Verdict.OMITTED
+
+
+def test_n2_unary_abort_of_a_started_and_an_unstarted_child_keeps_values_both_orders_give():
+    """No prompt logprobs asked for and a prefill without cache hits: either child built last gives
+    ``"prompt_logprobs": null`` and ``cached_tokens`` 0, so nothing is omitted."""
+    whole, stale = _rows_after_two_tokens()
+    pre = with_details(prefill(n=2), 0)
+    agg = with_details(n_abort_unary(whole), 0)
+    decode = with_details(n_abort_unary(stale), len(PROMPT) - 1)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED

@@ -12,6 +12,7 @@ is omitted with a ``<field>_unavailable_reason`` marker: a client never sees a s
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ from streamproc.codec import OmissionReason as Omit
 from streamproc.wire import Verdict
 
 from .native import (
+    ABORT,
     CACHED_TOKENS,
     COMPLETION_TOKENS,
     DECODE_SELF_SCORED_FIELDS,
@@ -127,6 +129,54 @@ def _usage_details(obj: dict) -> bool:
     """Whether a body's usage reports ``prompt_tokens_details`` (a value, not ``null``)."""
     usage = obj.get("usage")
     return isinstance(usage, dict) and usage.get(PROMPT_TOKENS_DETAILS) is not None
+
+
+class _LastChild(enum.Enum):
+    """Which child's state a body's prompt-side fields and cached count are (see :func:`_last_child`)."""
+
+    STARTED = enum.auto()  # one that produced a token: it scored the prompt, prefill's values are the aggregated ones
+    UNSTARTED = enum.auto()  # one that ended before its first token: decode's unscored values are
+    EITHER = enum.auto()  # an abort ended both kinds, in an order the body does not show
+
+
+def _last_child(obj: dict, choices: list[dict]) -> _LastChild:
+    """Which child completed the body's ``RequestOutput``: a unary body's ``prompt_logprobs``,
+    ``prompt_token_id_logprobs`` and ``num_cached_tokens`` are that child's own (vLLM 0.34.0
+    ``ParentRequest.get_outputs`` returns the aggregated outputs only once ``child_requests`` is empty, and
+    ``RequestState._new_request_output`` reads them from the child whose output it builds), and a child that
+    ended before its first token has scored nothing and counted no cache hit (``Scheduler.update_from_output``
+    sends both only with an output).
+
+    Choices with tokens that finished normally did so before any abort (``OutputProcessor.abort_requests``
+    pops the aborted children's ``request_states``; ``EngineCore`` sends a ``pause(mode="abort")``'s outputs
+    between steps), so when every choice without a token was aborted and none with tokens was, an unstarted
+    child came last, on any engine. An abort that ended both kinds builds them in an order the body does not
+    show: by index for the server's ``/inference/v1/abort_requests`` (``abort_requests`` walks
+    ``external_req_ids``, the children in the order they were added), in the order of a set of child-id
+    strings, which follows the process's string hashing, for a ``pause(mode="abort")``
+    (``EngineCore._send_abort_outputs``: ``list(req_ids)`` of a ``set``) or a parent aborted by its internal id
+    (``list(parent.child_requests)``). The aggregated engine may answer either child's values. Stream chunks
+    count cache hits from their first output and carry no prompt-side fields; choices whose ``token_ids``
+    are not listed tell nothing: both read as ``STARTED``."""
+    if usage_count(obj, COMPLETION_TOKENS) == 0:
+        return _LastChild.UNSTARTED
+    if len(choices) < 2 or not is_unary(obj) or not all(isinstance(c.get("token_ids"), list) for c in choices):
+        return _LastChild.STARTED
+    unstarted = [c for c in choices if not c["token_ids"]]
+    if not unstarted:
+        return _LastChild.STARTED
+    if any(c.get(FINISH_REASON) != ABORT for c in unstarted):
+        return _LastChild.EITHER  # e.g. an "error" finish, sent in its own step: no order is known
+    if any(c.get(FINISH_REASON) == ABORT for c in choices if c["token_ids"]):
+        return _LastChild.EITHER
+    return _LastChild.UNSTARTED
+
+
+def _unscored(value: object) -> bool:
+    """A ``prompt_logprobs`` list without a score: what a child that ended before its first token has
+    (``create_prompt_logprobs`` plus a ``None`` per position before ``prompt_logprob_start``), and all a
+    scored child has when nothing past that start is left to score."""
+    return isinstance(value, list) and all(entry is None for entry in value)
 
 
 def _choice_index(choice: dict, position: int) -> int:
@@ -255,11 +305,12 @@ class VLLMJoinSession(JoinSession):
         # ``Scheduler.update_from_output`` sends prompt logprobs and prefill stats only with the first
         # output ("EngineCore returns no partial prefill outputs"). Decode's values (``create_prompt_logprobs``'s
         # ``[None]``, ``num_cached_tokens`` 0) are the aggregated ones; prefill's are not.
-        unstarted = usage_count(obj, COMPLETION_TOKENS) == 0
-        if first and not unstarted:
-            self._join_prompt_logprobs(obj, choices, edit)
-        if _usage_details(obj) and not unstarted:
-            self._join_prompt_tokens_details(obj["usage"], edit)
+        # With n > 1 a unary body's are the values of the child that came last (:func:`_last_child`).
+        last = _last_child(obj, choices)
+        if first and last is not _LastChild.UNSTARTED:
+            self._join_prompt_logprobs(obj, edit, last)
+        if _usage_details(obj) and last is not _LastChild.UNSTARTED:
+            self._join_prompt_tokens_details(obj["usage"], edit, last)
         for position, choice in enumerate(choices):
             if final or _finishes(choice) or choice.get(ROUTED_EXPERTS) is not None:
                 self._join_experts(obj, choice, _choice_index(choice, position), edit)
@@ -274,16 +325,16 @@ class VLLMJoinSession(JoinSession):
         own = usage_count(obj, "prompt_tokens")
         return own if own is not None else usage_count(self._prefill, "prompt_tokens")
 
-    def _join_prompt_logprobs(self, obj: dict, choices: list[dict], edit: _Edit) -> None:
+    def _join_prompt_logprobs(self, obj: dict, edit: _Edit, last: _LastChild) -> None:
         """The prompt-side fields (``prompt_logprobs``; ``prompt_token_id_logprobs``, the scores of
         ``prompt_logprob_token_ids``) are their own sampling parameters, independent of ``logprobs``,
         and only unary bodies carry the keys (``GenerateResponse``; stream chunks have none). So a body
         without a key gets none, and a ``null`` stays ``null`` when prefill, which scored the prompt if
         asked to, has none either."""
         for field in PROMPT_SIDE_FIELDS:
-            self._join_prompt_field(obj, field, edit)
+            self._join_prompt_field(obj, field, edit, last)
 
-    def _join_prompt_field(self, obj: dict, field: str, edit: _Edit) -> None:
+    def _join_prompt_field(self, obj: dict, field: str, edit: _Edit, last: _LastChild) -> None:
         """Prefill's value wins over decode's whatever decode sent: prefill ran the whole prompt as the
         aggregated engine does, while a decode leg that loaded the prompt's KV (NIXL
         ``get_num_new_matched_tokens``) returns ``P - 1`` rows ``_get_prompt_logprobs_dict`` never wrote
@@ -291,7 +342,9 @@ class VLLMJoinSession(JoinSession):
         ``Request.skip_reading_external_kv``) floats of another engine and batch. Comparing the legs
         therefore omitted nearly every P/D answer; a list must instead cover the prompt. Decode's own
         value stands in only where it cannot be unwritten rows (:data:`DECODE_SELF_SCORED_FIELDS`, a
-        one-token prompt's ``[None]``); otherwise, with prefill silent, the field is omitted."""
+        one-token prompt's ``[None]``); otherwise, with prefill silent, the field is omitted. When the
+        aggregated engine may have built the body from a child that scored the prompt or from one that
+        did not (``_LastChild.EITHER``), a value that differs between the two is omitted (``decode_error``)."""
         if field not in obj:
             return
         from_prefill = self._prefill.get(field) if self._prefill is not None else None
@@ -299,12 +352,16 @@ class VLLMJoinSession(JoinSession):
         if from_prefill is not None:
             if self._prefill_scored_another_prompt(obj):
                 edit.omit(obj, field, Omit.LENGTH_MISMATCH)  # one entry per prompt token, [0] null
+            elif last is _LastChild.EITHER and not _unscored(from_prefill):
+                edit.omit(obj, field, Omit.DECODE_ERROR)  # scored or not, as the abort order fell
             else:
                 edit.provide(obj, field, from_prefill)
             return
         if from_decode is None and self._leg_reason is None:
             return  # neither leg scored the prompt: none were asked for (prefill runs the client's parameters)
         if from_decode is not None and field in DECODE_SELF_SCORED_FIELDS:
+            if last is _LastChild.EITHER:
+                edit.omit(obj, field, Omit.DECODE_ERROR)  # decode's last child's scores, or none
             return  # decode computed these itself (it never sends unwritten rows): the aggregated value
         if from_decode == [None] and self._prompt_tokens(obj) == 1:
             return  # a one-token prompt scores nothing on any engine: [None] is the aggregated list
@@ -329,7 +386,7 @@ class VLLMJoinSession(JoinSession):
         prompt_tokens = self._prompt_tokens(obj)
         return isinstance(listed, list) and prompt_tokens is not None and len(listed) != prompt_tokens
 
-    def _join_prompt_tokens_details(self, usage: dict, edit: _Edit) -> None:
+    def _join_prompt_tokens_details(self, usage: dict, edit: _Edit, last: _LastChild) -> None:
         """``usage.prompt_tokens_details`` is the engine's ``num_cached_tokens``
         (``serve_tokens_full_generator`` / ``serve_tokens_stream_generator``), which ``Scheduler.schedule``
         sets to local plus external computed tokens. A decode leg's external tokens are the prompt KV
@@ -341,7 +398,10 @@ class VLLMJoinSession(JoinSession):
         Only the count: the rest of the object keeps decode's shape, which is the aggregated body's for
         its kind. vLLM 0.34.0's ``PromptTokenUsageInfo`` has ``cached_tokens``, ``created_cache_tokens`` and
         ``multimodal_tokens``; a unary body (every prefill leg) dumps all three (``model_dump()``), a stream's
-        usage chunk only the non-null ones (``model_dump_json(exclude_none=True)``)."""
+        usage chunk only the non-null ones (``model_dump_json(exclude_none=True)``).
+
+        With ``_LastChild.EITHER`` the aggregated count is prefill's or the unstarted child's 0: a count
+        other than 0 is omitted (``decode_error``)."""
         if self._leg_reason is not None:
             edit.omit(usage, PROMPT_TOKENS_DETAILS, self._leg_reason)
             return
@@ -353,6 +413,8 @@ class VLLMJoinSession(JoinSession):
             own = usage[PROMPT_TOKENS_DETAILS]
             if handed_over is None or not isinstance(own, dict):
                 edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)
+            elif last is _LastChild.EITHER and handed_over != 0:
+                edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.DECODE_ERROR)
             else:
                 edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: handed_over})
             return
@@ -363,6 +425,9 @@ class VLLMJoinSession(JoinSession):
             return
         if not isinstance(from_prefill, dict) or CACHED_TOKENS not in from_prefill:
             edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)  # no count to take
+            return
+        if last is _LastChild.EITHER and from_prefill[CACHED_TOKENS] != 0:
+            edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.DECODE_ERROR)  # prefill's count, or 0
             return
         edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: from_prefill[CACHED_TOKENS]})
 

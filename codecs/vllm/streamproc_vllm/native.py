@@ -15,6 +15,7 @@ import msgspec
 
 ROUTED_EXPERTS = "routed_experts"
 FINISH_REASON = "finish_reason"  # set on a choice's finishing chunk only (a usage-only chunk may follow)
+ABORT = "abort"  # ``str(FinishReason.ABORT)``: a request aborted by the frontend or a pause(mode="abort")
 PROMPT_LOGPROBS = "prompt_logprobs"
 # ``SamplingParams.prompt_logprob_token_ids`` (vLLM PR #56984): the prompt's scores for fixed candidate
 # ids, Base64 ``.npy`` (``ServingTokens._build_full_response``: ``numpy2base64``); unary bodies only.
