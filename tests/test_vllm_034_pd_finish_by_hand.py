@@ -457,3 +457,69 @@ def test_n2_unary_abort_of_a_started_and_an_unstarted_child_keeps_values_both_or
     [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
     assert_same(body, dumps(agg))
     assert verdict is Verdict.JOINED
+
+
+# ------------------------------------------------ output logprobs: the decode samples token 0 itself
+#
+# A NIXL decode loads the prompt's KV and recomputes its last token "so the next one can be sampled"
+# (``Scheduler._update_waiting_for_remote_kv``: ``request.num_computed_tokens = request.num_tokens - 1`` on a full
+# prompt hit), so token 0, its logprob and its top-k candidates are the decode's own; the prefill's ``max_tokens=1``
+# token is never published. ``ServingTokens._create_tokens_logprobs``: ``GenerateLogProbsContent(token_id, logprob,
+# rank, top_logprobs)`` with the sampled token first, ``rank or None``, and ``logprob=-9999.0`` alone for a sampled
+# token missing from the engine's map.
+
+
+def tokens_logprobs(ids: list[int], shift: float) -> dict:
+    content = []
+    for i, t in enumerate(ids):
+        if t == 8:
+            content.append({"token_id": t, "logprob": -9999.0, "rank": None, "top_logprobs": []})
+            continue
+        top = [{"token_id": t, "logprob": -0.25 - i - shift, "rank": 2}]
+        top += [{"token_id": 900 + j, "logprob": -0.125 - j - shift, "rank": 1 + j * 2} for j in range(2)]
+        content.append({"token_id": t, "logprob": -0.25 - i - shift, "rank": 2, "top_logprobs": top})
+    return {"content": content}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_top_k_logprob_row_is_the_decodes_own_token_0_included(stream):
+    pre = prefill()
+    pre["choices"][0]["logprobs"] = tokens_logprobs([41], 3.0)  # prefill's own token 0: never the answer
+
+    def bodies(rows: np.ndarray) -> list[dict]:
+        lp = tokens_logprobs([7, 8, 9], 0.0)
+        if not stream:
+            return [unary([{**choice([7, 8, 9], "stop", numpy2base64(rows)), "logprobs": lp}])]
+        return [token_chunk({**choice([t], "stop" if t == 9 else None, numpy2base64(rows) if t == 9 else None),
+                             "logprobs": {"content": [entry]}}) for t, entry in zip([7, 8, 9], lp["content"])]
+
+    whole = expert_rows(0, len(PROMPT) + 2)
+    stale = whole.copy()
+    stale[:len(PROMPT)] = expert_rows(30, 30 + len(PROMPT))
+    results = join(VLLMCodec(OPTIONS), [dumps(b) for b in bodies(stale)], [dumps(pre)])
+    for (body, _), want in zip(results, bodies(whole), strict=True):
+        assert_same(body, dumps(want))
+
+
+# ------------------------------------------------------------------ ec_transfer_params: decode's own
+#
+# ``Scheduler._free_request`` asks the EC connector (``ec_connector.request_finished``) for the parameters of the
+# request's encoder cache; only a producer (``ec_role`` ``ec_producer``/``ec_both``) returns any
+# (``ECExampleConnector`` and the Mooncake and CPU connectors: ``return False, None`` otherwise), naming its own
+# cache (``collect_ec_item_metadata``; the CPU connector adds ``peer_host``/``peer_port`` of its region). An E/P/D
+# pipeline's P and D legs are consumers and answer ``null``, as an aggregated consumer; a decode that is a
+# producer names its own cache, as an aggregated producer would. The join passes decode's value on.
+
+
+@pytest.mark.parametrize("ec", [None, {"mm-0": {"modality": "image", "item_indices": [0],
+                                                "metadata": {"image_grid_thw": [1, 4, 4]},
+                                                "peer_host": "10.0.0.9", "peer_port": 7100}}])
+def test_ec_transfer_params_are_the_decodes_own(ec):
+    whole, stale = _rows_after_two_tokens()
+    pre = {**prefill(), "ec_transfer_params": None if ec is None else {
+        "mm-0": {**ec["mm-0"], "peer_host": "10.0.0.3"}}}
+    agg = {**unary([choice([7, 8], "stop", numpy2base64(whole))]), "ec_transfer_params": ec}
+    decode = {**unary([choice([7, 8], "stop", numpy2base64(stale))]), "ec_transfer_params": ec}
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
