@@ -14,7 +14,7 @@ import time
 import anyio
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced
+from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced, wait_for_finals
 from helpers import free_port, peak_rss, rid, scrape, status_kib, wait_until
 from shipped_config import CONF, shipped_server, url
 
@@ -361,5 +361,90 @@ async def test_a_flood_of_lookups_of_large_stored_results_costs_honest_chunks_no
             assert await stored_count() == LATE_FLOOD + 2 * len(honest) + len(plain), summary
             assert peak < LATE_PEAK, summary
             assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+# test_repeats_of_a_held_chunk_keep_no_body_outside_the_budgets: copies of one ~900 KB held chunk.
+HELD_REPEATS = 300
+
+
+@pytest.mark.parametrize("shape", ["held_prefill_leg", "buffered_behind_a_withheld_seq"])
+async def test_repeats_of_a_held_chunk_keep_no_body_outside_the_budgets(nats_url, shape):
+    """A worker publishes one chunk that the processor must hold (a P/D request's prefill leg while
+    its decode leg is missing, or an aggregated seq 1 buffered behind a withheld seq 0), then the
+    same chunk again and again without ``Nats-Msg-Id`` (the worker chooses it): each copy is another
+    stored message, a duplicate to the correlator, which holds its token with the original's
+    (architecture.md: a repeat of a held chunk may be a redelivery, settled with it). The token was
+    the delivery's ``Msg`` with its body, charged to no budget: 300 copies of ~900 KB in one
+    partition took ``streamproc run`` to a VmHWM of 304 MiB (both shapes, 2026-12-05; at the default
+    ``--max-ack-pending`` shedding starts at 1,536 held chunks a partition: ~1.4 GB each), against
+    the documented 200 MiB under attack. Now a parsed delivery keeps only its ack subject; the chunk
+    holds its body (charged once). The request still completes once the missing chunk comes, each
+    result stored once, every copy acknowledged; a bystander is answered meanwhile."""
+    from streamproc.catalog import worker_for
+    from streamproc.sim.simulation import make_truth
+
+    pad = b"x" * 900_000
+    if shape == "held_prefill_leg":
+        truth = make_truth(3, request_id="victim")
+        worker = worker_for("sglang")
+        [prefill] = worker.prefill(truth, stream=False)
+        role, seq, final, body = "prefill", 0, True, prefill.replace(b'"text":"', b'"text":"' + pad, 1)
+        decode = worker.decode(truth, stream=True)
+        rest = [(SUBJECTS.chunk("victim", "decode"), b,
+                 chunk_headers("victim", "decode", s, final=s == len(decode) - 1)) for s, b in enumerate(decode)]
+        expected = len(decode)
+    else:
+        role, seq, final, body = "agg", 1, True, b'{"text":"' + pad + b'"}'
+        rest = [(SUBJECTS.chunk("victim", "agg"), b'{"text":"0"}', chunk_headers("victim", "agg", 0))]
+        expected = 2
+    headers = chunk_headers("victim", role, seq, final=final)
+    del headers["Nats-Msg-Id"]  # a hostile worker's choice: every copy is stored
+    with processor_subprocess(nats_url, *durable_flags(partitions=1)) as (proc, _):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await publish_paced(nc, [(SUBJECTS.chunk("victim", role), body, headers)] * HELD_REPEATS, window=8,
+                                timeout=120)
+            await js.publish(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                             headers=chunk_headers("bystander", "agg", 0, final=True))
+            await wait_for_finals(js, SUBJECTS, ["bystander"], 60)
+            await anyio.sleep(1)  # every copy delivered and held
+            peak = peak_rss(proc.pid)
+            await publish_paced(nc, rest)
+            stored = await wait_for_finals(js, SUBJECTS, ["victim"], 60)
+            results = stored["victim"]
+            assert [(x.seq, x.error) for x in results] == [(s, None) for s in range(expected)], results
+            assert results[-1].final
+
+            async def drained() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(drained, 30, "every copy acknowledged", every=0.2)
+            assert peak < 200 * MiB, f"VmHWM {peak / MiB:.0f} MiB with {HELD_REPEATS} held copies"
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+async def test_repeats_of_a_held_chunk_keep_no_body_in_core_mode_either(nats_url):
+    """The attack above in core mode (a core publish, paced so that the processor keeps up): the
+    held prefill leg's repeats were held with their ``Msg`` and its body there too. 300 copies of
+    ~900 KB: VmHWM 304 MiB before (2026-12-05), now within the documented 200 MiB."""
+    headers = chunk_headers("victim", "prefill", 0, final=True)
+    del headers["Nats-Msg-Id"]
+    body = b'{"text":"' + b"x" * 900_000 + b'"}'
+    with processor_subprocess(nats_url, "--mode", "core") as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            for _ in range(HELD_REPEATS):
+                await nc.publish(SUBJECTS.chunk("victim", "prefill"), body, headers=headers)
+                await nc.flush()
+                await anyio.sleep(0.01)
+            await anyio.sleep(1)
+            peak = peak_rss(proc.pid)
+            assert "event=disconnected" not in log_path.read_text()  # every copy reached the processor
+            assert peak < 200 * MiB, f"VmHWM {peak / MiB:.0f} MiB with {HELD_REPEATS} held copies"
         finally:
             await nc.close()

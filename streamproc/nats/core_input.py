@@ -196,8 +196,10 @@ class CoreInput:
                         decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
                     else:
                         # parsed; its token (this Msg) may be held with it: a worker's 64 KiB of
-                        # headers, in no budget (tests/test_durable_worker_attack.py)
+                        # headers, in no budget, and its body, which the chunk holds (charged) unless
+                        # it is a repeat held as a token only (tests/test_durable_worker_attack.py)
                         msg.headers = None if chunk.format is None else {FORMAT: chunk.format}
+                        msg.data = b""
                         decisions = self._receive(chunk, now)
             except Exception as exc:
                 decisions = self._pipeline.failed(exc, msg, acknowledged=False)

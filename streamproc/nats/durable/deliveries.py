@@ -83,8 +83,10 @@ class Delivery:
     def size(self) -> int:
         """What parking it costs; counted only for a delivery that parks (most are decided at once)."""
         if self._size < 0:
-            headers = self.msg.headers
-            self._size = len(self.msg.data) + PARKED_OVERHEAD + (
+            parsed, headers = self.parsed, self.msg.headers
+            # a parsed chunk's body is its own (the Msg keeps only its ack subject), else the Msg's
+            body = parsed.body if isinstance(parsed, Chunk) else self.msg.data
+            self._size = len(body) + PARKED_OVERHEAD + (
                 sum(len(k) + len(v) for k, v in headers.items()) if headers else 0)
         return self._size
 
@@ -382,7 +384,10 @@ class Deliveries:
             try:
                 try:
                     parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
-                    msg.headers = None  # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget
+                    # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget,
+                    # and its body, which the chunk holds (charged) unless it is a repeat held as a token only
+                    msg.headers = None
+                    msg.data = b""
                 except ContractError as exc:
                     parsed = exc
                 rid = parsed.request_id
@@ -422,7 +427,8 @@ class Deliveries:
                 chunk = parse(head + subject[cut:], headers, data, msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
-            msg.headers = None  # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget
+            msg.headers = None  # parsed; its token (this Msg) may be held: headers and body, as in on_message
+            msg.data = b""
             rid = chunk.request_id
             # round_trip() is None for a first attempt's chunk of a known request, the common case:
             # not called then (this path's calls per chunk: docs/benchmarks.md, "Calls per chunk").
