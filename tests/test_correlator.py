@@ -459,6 +459,22 @@ def test_shed_ends_the_longest_idle_requests_holding_tokens_of_the_selected_grou
     assert c.held_tokens(lambda rid: 0) == {0: 3}  # a (prefill + buffered decode), x
 
 
+def test_held_repeats_of_one_stored_message_count_once_when_the_shell_names_it():
+    """A redelivery of a held chunk is held with the original (the same stored message: settled
+    together); the server counts it once against max_ack_pending, so must the shedding."""
+    c = Correlator(resolve, "toy", CorrelatorConfig())
+    for t, r in enumerate(["a", "b"]):
+        c.receive(Chunk(r, Role.PREFILL, 0, b"p", final=True, token=f"{r}:1"), float(t))
+        c.receive(Chunk(r, Role.PREFILL, 0, b"p", final=True, token=f"{r}:1"), float(t))  # redelivered
+    c.receive(Chunk("b", Role.PREFILL, 0, b"p", final=True, token="b:2"), 2.0)  # published again: stored twice
+    c.receive(Chunk("b", Role.DECODE, 2, b"d", token="b:3"), 2.0)  # buffered behind seq 0
+    stored = {"a:1": 1, "b:1": 2, "b:2": 3, "b:3": 4}.__getitem__  # token -> its stream sequence
+    assert c.held_tokens(lambda rid: 0) == {0: 6}
+    assert c.held_tokens(lambda rid: 0, stored) == {0: 4}
+    out = c.shed(lambda rid: True, 1, 3.0, "partition full", stored)  # a frees 1: enough
+    assert [(d.request_id, d.settles) for d in out if d.__class__.__name__ == "Result"] == [("a", ("a:1", "a:1"))]
+
+
 def test_shed_passes_over_requests_that_hold_no_token_however_idle():
     """Shedding frees held deliveries: a request that holds none frees nothing, so it is not ended,
     even when it is the least recently progressing one."""

@@ -261,3 +261,78 @@ async def test_a_three_node_cluster_with_r3_streams_loses_nothing_when_a_node_di
             snapshot = p.snapshot()
     assert snapshot["reconnects"] >= 1
     verify(plans, stored, worker)
+
+
+async def test_a_partition_consumer_deleted_mid_run_costs_no_held_request_anything(nats_url, tmp_path):
+    """Someone deletes a partition's consumer (``nats consumer rm``) while the processor holds 40 P/D
+    requests' prefill legs (``--max-ack-pending 64``: shedding starts past 48 held chunks). The
+    processor recreates the consumer (pull status ``409 Consumer Deleted``, then a repair), whose
+    deliveries start again from the stream's first message: every held prefill chunk comes again,
+    the same stored message under a new delivery, and is held with the original. The partition's
+    held chunks were counted per token, 80, so the 10 requests waiting longest were ended
+    ``overloaded`` although the server counts 40 unacknowledged messages (seen 2026-12-05: 10 of
+    40, pd0 to pd9). Now the held chunks are counted once per stored message (stream sequence). Then
+    the processor is killed and restarted (at the default ``--max-ack-pending``) before the decode
+    legs come: every request is answered in full, joined, each result stored once, and the chunk
+    stream is left empty."""
+    from streamproc.nats.streams import CHUNKS_STREAM, partition_consumer_name
+    from streamproc.sim.simulation import make_truth
+
+    subjects = Subjects()
+    worker = worker_for(FORMAT)
+    legs = {}
+    for k in range(40):
+        truth = make_truth(k, request_id=f"pd{k}")
+        legs[f"pd{k}"] = (worker.prefill(truth, stream=False), worker.decode(truth, stream=True))
+    instance = Instance(nats_url, durable_flags(partitions=1, max_ack_pending=64), tmp_path / "run.log")
+    instance.start()
+    nc = await connect(nats_url)
+    try:
+        await instance.started()
+        js = nc.jetstream()
+
+        async def publish(rid: str, role: str, bodies: list[bytes]) -> None:
+            for seq, body in enumerate(bodies):
+                await js.publish(subjects.chunk(rid, role), body,
+                                 headers=chunk_headers(rid, role, seq, final=seq == len(bodies) - 1))
+
+        for rid, (prefill, _) in legs.items():
+            await publish(rid, "prefill", prefill)
+        consumer = partition_consumer_name(0)
+
+        async def delivered_all() -> bool:
+            info = await js.consumer_info(CHUNKS_STREAM, consumer)
+            return info.num_ack_pending == len(legs) and info.num_pending == 0
+
+        await wait_until(delivered_all, 20, "every prefill leg delivered and held")
+        await js.delete_consumer(CHUNKS_STREAM, consumer)
+
+        async def redelivered_all() -> bool:
+            try:
+                return await delivered_all()
+            except nats.errors.Error:  # not recreated yet
+                return False
+
+        await wait_until(redelivered_all, 20, "the consumer recreated, every prefill leg delivered again", every=0.2)
+        await anyio.sleep(2)  # watchdog rounds: where the held chunks were counted and shed
+        assert "partition_shed" not in instance.log(), instance.log()[-3000:]
+        instance.kill()
+        # Restarted with room for the decode legs' joins too (40 held legs + decode chunks queued
+        # behind the joins would pass 48 on a loaded machine): the rest checks that nothing is lost.
+        instance.flags = durable_flags(partitions=1)
+        instance.start()
+        await instance.started()
+        for rid, (_, decode) in legs.items():
+            await publish(rid, "decode", decode)
+        stored = await wait_for_finals(js, subjects, list(legs), 60)
+        for rid, (_, decode) in legs.items():
+            assert [(x.seq, x.error, str(x.verdict)) for x in stored[rid]] == [
+                (seq, None, "joined") for seq in range(len(decode))], (rid, stored[rid], instance.log()[-3000:])
+
+        async def drained() -> bool:
+            return (await js.stream_info(CHUNKS_STREAM)).state.messages == 0
+
+        await wait_until(drained, 20, "every chunk acknowledged")
+    finally:
+        await nc.close()
+        instance.stop()

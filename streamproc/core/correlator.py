@@ -112,6 +112,7 @@ def _stitched(migration: MigrationSession, join: Callable[[bytes, bool], tuple[b
 _TURN_OVER = Work("", lambda: (b"", Verdict.JOINED))
 
 
+
 class CorrelatorConfig(msgspec.Struct, frozen=True):
     """The correlator's timeouts (seconds) and bounds; ``streamproc.config.Settings`` documents each."""
 
@@ -261,6 +262,15 @@ def _sealed_reply(req: _Request, emitted: Emitted, attempt: int) -> Sealed:
     """The ``Sealed`` reply granting ``attempt`` after ``emitted`` (measured before the seal, sent by it)."""
     return Sealed(req.request_id, attempt, len(emitted.token_ids), list(emitted.token_ids), req.next_seq,
                   req.format, dict(emitted.state))
+
+
+def _held_count(req: _Request, stored: Callable[[object], int] | None) -> int:
+    """The input tokens ``req`` holds; with ``stored``, the stored messages they deliver (only held
+    repeats can deliver one twice: a buffered chunk's seq is pending once)."""
+    n = len(req.held) + len(req.pending)
+    if stored is None or not req.held:
+        return n
+    return len({stored(t) for t in req.held} | {stored(c.token) for c in req.pending.values()})
 
 
 class Correlator:
@@ -711,29 +721,35 @@ class Correlator:
                 self.finished_bytes -= _ENTRY + len(rid)
         return [t for t in tokens if t is not None]
 
-    def held_tokens(self, group: Callable[[str], int]) -> dict[int, int]:
+    def held_tokens(self, group: Callable[[str], int],
+                    stored: Callable[[object], int] | None = None) -> dict[int, int]:
         """Input tokens held (prefill legs, buffered chunks, held duplicates) per ``group`` of request
         ids: a durable shell's partitions, whose unacknowledged deliveries the server bounds. Only
-        requests that hold something are grouped, so a shell can call this on a timer."""
+        requests that hold something are grouped, so a shell can call this on a timer. ``stored``
+        names the stored message a token delivers: a redelivery held with the original counts once,
+        as the server counts it (a consumer recreated under the processor delivers every held chunk
+        again: counted twice, requests were shed below the limit)."""
         out: dict[int, int] = {}
         for rid, req in self._active.items():
-            n = len(req.held) + len(req.pending)
+            n = _held_count(req, stored)
             if n:
                 g = group(rid)
                 out[g] = out.get(g, 0) + n
         return out
 
-    def shed(self, belongs: Callable[[str], bool], release: int, now: float, reason: str) -> list[Decision]:
+    def shed(self, belongs: Callable[[str], bool], release: int, now: float, reason: str,
+             stored: Callable[[object], int] | None = None) -> list[Decision]:
         """End the least recently progressing requests ``belongs`` selects that hold input tokens,
-        until at least ``release`` tokens are freed; each gets a final ``overloaded`` error result
-        (whose storage settles its tokens). Held legs must never stall the rest of their partition:
-        a request that keeps progressing moves to the back of the line, so the idle ones go first."""
+        until at least ``release`` tokens (counted as :meth:`held_tokens` counts them) are freed; each
+        gets a final ``overloaded`` error result (whose storage settles its tokens). Held legs must
+        never stall the rest of their partition: a request that keeps progressing moves to the back
+        of the line, so the idle ones go first."""
         victims: list[_Request] = []
         freed = 0
         for rid, req in self._active.items():  # least recent progress first
             if freed >= release:
                 break
-            n = len(req.held) + len(req.pending)
+            n = _held_count(req, stored)
             if n and belongs(rid):
                 victims.append(req)
                 freed += n

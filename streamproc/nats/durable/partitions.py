@@ -27,7 +27,7 @@ from ...config import Settings
 from ...core.correlator import Correlator
 from ...core.credit import PullCredit
 from ...core.events import Result
-from ...core.handback import HandBack, in_stream_order
+from ...core.handback import UNKNOWN, HandBack, in_stream_order, stream_sequence
 from ...core.lookups import Lookups
 from ...core.outbox import Outbox
 from ...core.partitions import PartitionScheme
@@ -115,6 +115,13 @@ class Partition:
 
 def reply_of(msg: Msg) -> str | None:
     return getattr(msg, "reply", None)
+
+
+def stored_message(msg: Msg) -> int:
+    """The stream sequence a delivery's ``Msg`` delivers (a redelivery, also by a recreated consumer,
+    names the same one); a token without one is its own (a negative, never a sequence)."""
+    seq = stream_sequence(reply_of(msg))
+    return -id(msg) if seq == UNKNOWN else seq
 
 
 class Partitions:
@@ -505,13 +512,13 @@ class Partitions:
         the partition holds 1/2; their chunks are acknowledged when the error results are stored."""
         cap = self._held_cap
         scheme = self.scheme
-        for n, held in self.correlator.held_tokens(scheme.of).items():
+        for n, held in self.correlator.held_tokens(scheme.of, stored_message).items():
             if held <= cap or n not in self.owned:
                 continue
             reason = (f"processor overloaded: partition {n} holds {held} unacknowledged chunks (more than 3/4 of "
                       f"max_ack_pending {self.settings.max_ack_pending}); the requests waiting longest were ended")
             decisions = self.correlator.shed(lambda rid, n=n: scheme.of(rid) == n, held - self._held_target, now,
-                                             reason)
+                                             reason, stored_message)
             log_event(log, logging.WARNING, "partition_shed", partition=n, held=held,
                       requests=sum(1 for d in decisions if isinstance(d, Result)))
             self.publisher.take(decisions, None)
