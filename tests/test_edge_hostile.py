@@ -27,7 +27,7 @@ FLOOD = 300
 BURST = 20  # LogLimiter's default: lines per event name per 10 s interval
 
 
-async def test_per_request_edge_warnings_are_rate_limited_and_other_streams_are_answered(server):
+async def test_per_request_edge_warnings_are_rate_limited_and_other_streams_are_answered(nats_server):
     """300 malformed results on one client's stream and 300 requests whose subscription NATS refuses
     (the results stream allows one consumer, which a legitimate stream holds) wrote 600 WARNING
     lines, one each. Now each event writes its burst and one count of the rest per interval; every
@@ -36,12 +36,16 @@ async def test_per_request_edge_warnings_are_rate_limited_and_other_streams_are_
     The legitimate stream stays open (its final result comes after the flood), so its consumer holds
     the one slot throughout: once its stream ended, nats-server removed that consumer (1 s without
     interest, CONSUMER_LINGER), and the next victim's open got the slot, waited 120 s for results
-    that never came, and held the test for as long (under load, when the flood outlasted the linger)."""
-    async with connection(server.url) as nc:
+    that never came, and held the test for as long (under load, when the flood outlasted the linger).
+
+    Its own server: the module's server holds the results stream the ``edge`` fixture made, with no
+    consumer limit, and adding this one-consumer stream there failed (name in use with a different
+    configuration) whenever a test using ``edge`` ran before this one (the module in reverse order)."""
+    async with connection(nats_server.url) as nc:
         await nc.jetstream().add_stream(StreamConfig(
             name=RESULTS_STREAM, subjects=[SUBJECTS.all_results], max_age=RESULTS_MAX_AGE,
             duplicate_window=DUPLICATE_WINDOW, allow_direct=True, max_consumers=1))
-        with running_edge(server.url, "--recent", "0") as edge:
+        with running_edge(nats_server.url, "--recent", "0") as edge:
             legit = rid("legit")
             bodies = [b'{"text":"%d"}' % k for k in range(3)]
             async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client, \
