@@ -13,8 +13,17 @@ from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from streamproc_sglang import SGLangCodec
 from streamproc_vllm import VLLMCodec
+from test_upstream_bodies_by_hand import (
+    INPUT_IDS_LP,
+    INPUT_LP,
+    OUTPUT_IDS_LP,
+    OUTPUT_LP,
+    PREFILL_FINISH,
+    STOP,
+    b64,
+    sgl_body,
+)
 from test_upstream_bodies_by_hand import OPTIONS as SGL_OPTIONS
-from test_upstream_bodies_by_hand import PREFILL_FINISH, STOP, b64, sgl_body
 from test_vllm_034_bodies_by_hand import OPTIONS as VLLM_OPTIONS
 from test_vllm_034_bodies_by_hand import OUT as VLLM_OUT
 from test_vllm_034_bodies_by_hand import PROMPT as VLLM_PROMPT
@@ -79,6 +88,67 @@ def test_sglang_rows_that_would_not_be_whole_ids_at_start_zero_are_not_joined():
     that cuts ids in half. Kills SJ13 (the width's itemsize check dropped)."""
     prefill_body, decode_body = _sgl_legs(4, 3, _sgl_rows(0, 1, 6), _sgl_rows(0, 1, 6) + _sgl_rows(1, 2, 3))
     assert _sgl_experts_reason(prefill_body, decode_body) == ("length_mismatch", Verdict.OMITTED)
+
+
+def test_sglang_prefill_prompt_logprobs_that_are_no_list_are_corrupt_not_copied():
+    """``add_logprob_to_meta_info`` writes ``input_token_logprobs`` as a list (``detokenize_logprob_tokens``
+    triples), ``[]`` for an empty window. A prefill leg with anything else there is corrupt: decode's
+    prompt-side fields go with ``input_logprobs_unavailable_reason: prefill_corrupt``, and the value is
+    never copied onto decode's chunk. Kills SJ23 (a non-list prefill value copied as the answer)."""
+    lp = {"input": "not a list", "output": OUTPUT_LP[:1], "length": 1}
+    pre = sgl_body(out=[201], text="a", finish=PREFILL_FINISH, completion=1, lp=lp)
+    dec = sgl_body(out=[201, 202, 203], text="abc", finish=STOP, completion=3,
+                   lp={"input": [], "output": OUTPUT_LP, "length": 3})
+    [(body, verdict)] = join(SGLangCodec(SGL_OPTIONS), [dumps(dec)], [dumps(pre)])
+    meta = json.loads(body)["meta_info"]
+    assert "input_token_logprobs" not in meta
+    assert meta["input_logprobs_unavailable_reason"] == "prefill_corrupt"
+    assert verdict is Verdict.OMITTED
+
+
+def test_sglang_a_later_chunk_one_token_ids_entry_short_is_never_given_position_0s_entry():
+    """Incremental P/D decode stream with ``token_ids_logprob`` whose output tokens 0 and 1 are the same
+    id. Decode's ``output_token_ids_logprobs`` starts at output position 1 (``MetadataBuffers.set_buf``
+    hands over no token-ids logprobs), and ``stream_output_generation`` slices it at the offset of the
+    complete ``output_token_logprobs``, so the second send (positions 1-2) holds position 2's entry
+    only. Position 1's entry is on no leg: the field is omitted (``length_mismatch``). Prefill's entry is
+    position 0's, never position 1's, even when the token ids match. Kills SJ32 (a short list restored
+    from prefill whatever position its chunk starts at)."""
+    repeated = [OUTPUT_LP[0], [-0.5, OUTPUT_LP[0][1], OUTPUT_LP[0][2]], OUTPUT_LP[2]]
+    pre_lp = {"input": INPUT_LP, "output": repeated[:1], "length": 1, "input_ids": INPUT_IDS_LP,
+              "output_ids": OUTPUT_IDS_LP[:1]}
+    pre = sgl_body(out=[201], text="a", finish=PREFILL_FINISH, completion=1, lp=pre_lp)
+    first = sgl_body(out=[201], text="a", finish=None, completion=1, finished=False,
+                     lp={"input": [], "output": repeated[:1], "length": 1, "input_ids": [], "output_ids": []})
+    second = sgl_body(out=[201, 203], text="bc", finish=STOP, completion=3,
+                      lp={"input": [], "output": repeated[1:], "length": 3, "input_ids": [],
+                          "output_ids": OUTPUT_IDS_LP[2:]})
+    results = join(SGLangCodec(SGL_OPTIONS), [dumps(first), dumps(second)], [dumps(pre)])
+    assert json.loads(results[0][0])["meta_info"]["output_token_ids_logprobs"] == OUTPUT_IDS_LP[:1]
+    meta = json.loads(results[1][0])["meta_info"]
+    assert "output_token_ids_logprobs" not in meta
+    assert meta["output_token_ids_logprobs_unavailable_reason"] == "length_mismatch"
+    assert results[1][1] is Verdict.OMITTED
+
+
+def test_sglang_token_0s_prefill_version_merges_with_decodes_next_span_of_the_same_version():
+    """An update that reached the prefill server before token 0 and the decode server only after it:
+    prefill's body says token 0 ran on ``v2``, decode's spans give it ``v1`` (``DecodeTransferQueue.
+    _commit_transfer_to_req`` appends token 0 without a version) and ``v2`` from token 1. The aggregated
+    engine ran the whole answer on ``v2``, and ``compute_weight_version_spans`` merges a change to the
+    version already current (``if spans and version == spans[-1].version: spans[-1].end = end``): one
+    span ``[0, 3)``. Kills SJ47 (the joined spans never merged)."""
+    pre = sgl_body(out=[7], text="a", finish=PREFILL_FINISH, completion=1, lp=None)
+    pre["meta_info"]["weight_versions"] = [{"version": "v2", "start": 0, "end": 1}]
+    dec = sgl_body(out=[7, 8, 9], text="abc", finish=STOP, completion=3, lp=None)
+    dec["meta_info"]["weight_version"] = "v2"
+    dec["meta_info"]["weight_versions"] = [{"version": "v1", "start": 0, "end": 1},
+                                           {"version": "v2", "start": 1, "end": 3}]
+    [(body, verdict)] = join(SGLangCodec(SGL_OPTIONS), [dumps(dec)], [dumps(pre)])
+    meta = json.loads(body)["meta_info"]
+    assert meta["weight_versions"] == [{"version": "v2", "start": 0, "end": 3}]
+    assert meta["weight_version"] == "v2"
+    assert verdict is Verdict.JOINED
 
 
 # ============================================================================================ vLLM
