@@ -151,6 +151,33 @@ def test_sglang_token_0s_prefill_version_merges_with_decodes_next_span_of_the_sa
     assert verdict is Verdict.JOINED
 
 
+def test_sglang_one_all_zero_row_among_prefills_rows_is_refused_once_the_width_is_known():
+    """SGLang 0.5.23's body states no start or width (``_handle_batch_output`` writes the Base64 bytes
+    alone), so prefill's rows alone show no row boundaries; once decode's payload gives the width, a
+    single zeroed row (a host-cache slot no forward wrote: ``BaseHostCache.__init__``,
+    ``self.buffer.zero_()``) among real ones is found, and nothing is joined. Kills SJ57 (prefill's rows
+    not judged at the width the layout found)."""
+    prefill_rows = _sgl_rows(0, 1, 16) + bytes(16 * 4) + _sgl_rows(2, 4, 16)
+    prefill_body, decode_body = _sgl_legs(4, 3, prefill_rows, bytes(4 * 16 * 4) + _sgl_rows(4, 6, 16))
+    assert _sgl_experts_reason(prefill_body, decode_body) == ("prefill_corrupt", Verdict.OMITTED)
+
+
+def test_sglang_decodes_rows_are_bounded_by_what_the_budget_leaves_after_prefills():
+    """The processor's byte budget (``JoinSession.decode_budget``) covers what the session keeps:
+    prefill's decoded rows stay held while decode's payload is decoded, so decode may take only what is
+    left after them. A budget one byte short of both ends in ``too_large``, not an allocation past it.
+    Kills SJ66 (prefill's rows not subtracted)."""
+    prefill_rows, decode_rows = _sgl_rows(0, 4, 16), bytes(4 * 16 * 4) + _sgl_rows(4, 6, 16)
+    prefill_body, decode_body = _sgl_legs(4, 3, prefill_rows, decode_rows)
+    session = SGLangCodec(SGL_OPTIONS).open_session()
+    session.absorb_prefill([prefill_body])
+    session.decode_budget = len(prefill_rows) + len(decode_rows) - 1
+    session.needs_prefill(decode_body, True)
+    body, verdict = session.join(decode_body, True)
+    assert json.loads(body)["meta_info"]["routed_experts_unavailable_reason"] == "too_large"
+    assert verdict is Verdict.OMITTED
+
+
 # ============================================================================================ vLLM
 
 

@@ -7,7 +7,9 @@ import base64
 import io
 
 import pytest
+import zstandard
 from numpy.lib import format as npy_format
+from streamproc_sglang_zstd import Base64ZstdRows
 from streamproc_vllm.sequence import Base64Npy
 
 from streamproc.codec import CodecOptions, CorruptPayload
@@ -25,3 +27,29 @@ def test_vllm_npy_with_two_negative_dimensions_is_corrupt_not_a_crash():
     with pytest.raises(CorruptPayload) as caught:
         Base64Npy(CodecOptions(max_decompressed_bytes=1 << 20)).decode(value)
     assert caught.value.reason == "corrupt"
+
+
+def _zstd_value(size: int) -> str:
+    """Base64 of one zstd frame of ``size`` zero bytes, its content size in the header (python-zstandard's
+    one-shot ``compress``, as an engine-side compressor writes it)."""
+    return base64.b64encode(zstandard.ZstdCompressor(level=3).compress(bytes(size))).decode()
+
+
+def test_sglang_zstd_decode_within_never_inflates_past_the_codecs_own_limit():
+    """``decode_within`` lowers the caller's limit to ``max_decompressed_bytes``: the join asks for up
+    to ``prompt_tokens x 16 KiB`` for prefill's rows, which can exceed the operator's ceiling. A frame
+    over the ceiling is ``too_large`` whatever the caller allowed. Kills ZQ01 (the caller's limit
+    taken as is)."""
+    rows = Base64ZstdRows(CodecOptions(max_decompressed_bytes=1000))
+    with pytest.raises(CorruptPayload) as caught:
+        rows.decode_within(_zstd_value(2000), 10_000)
+    assert caught.value.reason == "too_large"
+
+
+def test_sglang_zstd_a_frame_declaring_more_than_the_limit_reserves_nothing():
+    """``decoded_bound`` is what the correlator reserves of the byte budget before a join: a frame whose
+    header declares more than the limit is refused before any output is allocated, so it reserves 0, not
+    its declared size (a 16-byte header can declare terabytes). Kills ZQ02 (the declared size reserved)."""
+    rows = Base64ZstdRows(CodecOptions(max_decompressed_bytes=1 << 20))
+    assert rows.decoded_bound(_zstd_value(5000), 4096) == 0
+    assert rows.decoded_bound(_zstd_value(3000), 4096) == 3000

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zstandard
 from streamproc_sglang_zstd.sequence import zstd_compressor
-from streamproc_sglang_zstd.splice import splice_frame
+from streamproc_sglang_zstd.splice import MAX_SINGLE_SEGMENT, splice_frame
 from test_zstd_splice import check_decodes, routed_rows, spliced
 
 
@@ -24,3 +24,27 @@ def test_a_prefill_frame_ending_in_an_empty_last_block_is_spliced():
     joined = splice_frame(frame, prefix, suffix, zstd_compressor(3, 0, 1 << 20, bare=True))
     assert joined is not None and spliced(joined, frame)
     check_decodes(joined, data)
+
+
+def test_a_prefill_frame_with_rle_blocks_is_walked_and_spliced():
+    """A long run of one byte value (e.g. zero rows a capture left unwritten) is a ``RLE_Block`` in the
+    frame zstd writes (RFC 8878 §3.1.1.2.2: ``Block_Size`` is the regenerated size, the content one
+    byte), so walking the blocks advances 1 byte past an RLE header, not ``Block_Size``. A prefill
+    frame whose last blocks are RLE is still spliced. Kills ZP05 (RLE blocks walked as raw ones)."""
+    rows = routed_rows(600)
+    cut = 300 * 58 * 8 * 4
+    prefix, suffix = rows[:cut] + bytes(300_000), rows[cut:]
+    frame = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(prefix)
+    joined = splice_frame(frame, prefix, suffix, zstd_compressor(3, 0, 1 << 20, bare=True))
+    assert joined is not None and spliced(joined, frame)
+    check_decodes(joined, prefix + suffix)
+
+
+def test_a_join_above_the_single_segment_limit_is_not_spliced():
+    """A spliced frame is single-segment: its window is its whole content, and zstd decoders refuse
+    windows above ``ZSTD_WINDOWLOG_LIMIT_DEFAULT`` (2^27) unless told otherwise, so a join past 128 MiB
+    is left to the caller's recompression (None). Kills ZP12 (the size limit unchecked)."""
+    prefix = routed_rows(200)
+    suffix = bytes(MAX_SINGLE_SEGMENT - len(prefix) + 1)  # zeros: compressed in milliseconds
+    frame = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(prefix)
+    assert splice_frame(frame, prefix, suffix, zstd_compressor(3, 0, 1 << 20, bare=True)) is None
