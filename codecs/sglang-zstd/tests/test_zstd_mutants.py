@@ -1,12 +1,19 @@
-"""The zstd splice: behaviours a mutation run of ``splice.py`` found unpinned (each test names the
-mutant it kills). Frames come from python-zstandard, as an engine-side compressor writes them."""
+"""The sglang-zstd codec (``splice.py``, ``sequence.py``): behaviours a mutation run found unpinned (each
+test names the mutant it kills). Frames come from python-zstandard, as an engine-side compressor
+writes them."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import zstandard
-from streamproc_sglang_zstd.sequence import zstd_compressor
+from streamproc_sglang_zstd import SGLangZstdCodec
+from streamproc_sglang_zstd.sequence import usable_cores, zstd_compressor
 from streamproc_sglang_zstd.splice import MAX_SINGLE_SEGMENT, splice_frame
 from test_zstd_splice import check_decodes, routed_rows, spliced
+
+from streamproc.codec import CodecOptions
 
 
 def test_a_prefill_frame_ending_in_an_empty_last_block_is_spliced():
@@ -48,3 +55,23 @@ def test_a_join_above_the_single_segment_limit_is_not_spliced():
     suffix = bytes(MAX_SINGLE_SEGMENT - len(prefix) + 1)  # zeros: compressed in milliseconds
     frame = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(prefix)
     assert splice_frame(frame, prefix, suffix, zstd_compressor(3, 0, 1 << 20, bare=True)) is None
+
+
+@pytest.mark.parametrize("option", [("zstd_threads", "65"), ("zstd_level", "-8")])
+def test_options_just_past_their_documented_range_are_refused_when_the_codec_is_built(option):
+    """``zstd_threads`` is ``auto`` or 0..64 and ``zstd_level`` -7..22 but not 0 (docs/configuration.md):
+    one past either end is refused with the option's name, not taken. Kills ZQ07 (threads unbounded)
+    and ZQ12 (level -8 taken)."""
+    with pytest.raises(ValueError, match=option[0]):
+        SGLangZstdCodec(CodecOptions(format_options=(option,)))
+
+
+def test_a_fractional_cpu_quota_rounds_up_to_the_cores_it_spans(tmp_path):
+    """A cgroup v2 ``cpu.max`` of 1.5 CPUs lets the process run on two cores at once part of the time:
+    ``usable_cores`` rounds the quota up (then caps it by the affinity mask), so it gets one zstd worker
+    per core it may use. Kills ZQ08 (the quota rounded down)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if cores < 2:
+        pytest.skip("needs two usable cores to tell 1.5 rounded up from rounded down")
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert usable_cores(str(tmp_path)) == 2
