@@ -9,6 +9,7 @@ import io
 import pytest
 import zstandard
 from numpy.lib import format as npy_format
+from streamproc_sglang.sequence import Base64Int32Rows
 from streamproc_sglang_zstd import Base64ZstdRows
 from streamproc_vllm.sequence import Base64Npy
 
@@ -53,3 +54,15 @@ def test_sglang_zstd_a_frame_declaring_more_than_the_limit_reserves_nothing():
     rows = Base64ZstdRows(CodecOptions(max_decompressed_bytes=1 << 20))
     assert rows.decoded_bound(_zstd_value(5000), 4096) == 0
     assert rows.decoded_bound(_zstd_value(3000), 4096) == 3000
+
+
+def test_sglang_base64_rows_reserve_at_most_the_codecs_ceiling():
+    """SGLang's ``routed_experts`` is ``pybase64.b64encode(val.numpy().tobytes())``
+    (``TokenizerManager._handle_batch_output``). ``decoded_bound`` is what the correlator reserves of the
+    byte budget before the join: the strict decoder refuses a text whose decoded size passes
+    ``max_decompressed_bytes`` before allocating, so a payload over the ceiling reserves the ceiling,
+    not its own size. Kills SS01 (the decoded size reserved unbounded)."""
+    rows = Base64Int32Rows(CodecOptions(max_decompressed_bytes=1000))
+    big = base64.b64encode(bytes(4000)).decode()
+    assert rows.decoded_bound(big, 1 << 20) == 1000
+    assert 400 <= rows.decoded_bound(base64.b64encode(bytes(400)).decode(), 1 << 20) < 1000  # its own size
