@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import upstream_json as dumps
+from streamproc_sglang.migration import check_request as sglang_check_request
 from streamproc_vllm import VLLMCodec
 from streamproc_vllm.migration import resume_request
 from test_vllm_034_bodies_by_hand import OPTIONS as VLLM_OPTIONS
@@ -37,3 +38,13 @@ def test_vllm_a_request_with_an_empty_prompt_is_not_resumed_as_one_made_of_the_e
     request = dumps({"token_ids": [], "sampling_params": {"max_tokens": 8}})
     with pytest.raises(MigrationRefused, match="no token_ids"):
         resume_request(request, Emitted([51, 52], {}))
+
+
+def test_sglang_a_beam_search_of_width_2_is_refused():
+    """SGLang 0.5.23 runs beam search for any ``sampling_params.beam_width`` above 1
+    (``BeamCoordinator.request_beam_width``: ``beam_width or 1``) and streams nothing of it before the
+    final body, whose ``beam_results`` a stitch cannot restate: the narrowest search, width 2, is
+    refused like any other. Kills SM23 (only widths above 2 refused)."""
+    request = dumps({"input_ids": [101, 102, 103], "sampling_params": {"beam_width": 2, "max_new_tokens": 8}})
+    with pytest.raises(MigrationRefused, match="beam search"):
+        sglang_check_request(request)
