@@ -135,6 +135,64 @@ async def test_unary_mode_waits_for_results_published_after_the_request(server):
     assert responses[0].content == Catalog()("sglang").fold(bodies)
 
 
+@pytest.fixture(scope="module")
+def zstd_edge(server):
+    with running_edge(server.url, "--ensure-results-stream", "--format", "sglang-zstd") as running:
+        yield running
+
+
+# SGLang 0.5.23 bodies, written by hand: ``_handle_batch_output`` chunks, then the finished body of a
+# request the scheduler aborted with an HTTP status (``FINISH_ABORT.to_json()``), and what the same
+# request answers unary (``TokenizerManager._handle_abort_finish_reason`` raises ``HTTPException``,
+# rendered by ``@app.exception_handler(HTTPException)`` as ``ErrorResponse``; for 400 a ``ValueError``,
+# ``_create_error_response``: ``{"error": {"message"}}``). tests/test_sglang_error_bodies.py has the
+# upstream quotes.
+CHUNKS = [(b'{"text":"A","output_ids":[301],"meta_info":{"id":"r","finish_reason":null,"prompt_tokens":4,'
+           b'"completion_tokens":1}}'),
+          (b'{"text":"b","output_ids":[302],"meta_info":{"id":"r","finish_reason":null,"prompt_tokens":4,'
+           b'"completion_tokens":2}}')]
+RETRACTED = (b'{"text":"","output_ids":[],"meta_info":{"id":"r","finish_reason":{"type":"abort","message":'
+             b'"Retracted under decode memory pressure without a KV backup. Retry later.","status_code":503,'
+             b'"err_type":null},"prompt_tokens":4,"completion_tokens":2}}')
+RETRACTED_UNARY = (b'{"object":"error","message":"Retracted under decode memory pressure without a KV backup. '
+                   b'Retry later.","type":"503","param":null,"code":503}')
+# _handle_abort_req with the scheduler's own dict (type, status_code, message), before any token
+REJECTED = (b'{"text":"","output_ids":[],"meta_info":{"id":"r","finish_reason":{"type":"abort","status_code":400,'
+            b'"message":"Input is too long."},"weight_version":"default","e2e_latency":0.5,'
+            b'"completion_tokens":0}}')
+REJECTED_UNARY = b'{"error":{"message":"Input is too long."}}'
+# _handle_abort_req's own reason (no status_code): the unary request answers this body itself
+IN_QUEUE = (b'{"text":"","output_ids":[],"meta_info":{"id":"r","finish_reason":{"type":"abort","message":'
+            b'"Abort in waiting queue"},"weight_version":"default","e2e_latency":0.5,"completion_tokens":0}}')
+
+
+def tagged(body: bytes, index: int) -> bytes:
+    """``_stream_batch_responses``: ``result["index"] = ...``, the last key."""
+    return body[:-1] + b',"index":%d}' % index
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd"])
+@pytest.mark.parametrize(("stream", "want"), [
+    pytest.param([*CHUNKS, RETRACTED], RETRACTED_UNARY, id="retracted_after_tokens"),
+    pytest.param([REJECTED], REJECTED_UNARY, id="rejected_before_any_token"),
+    pytest.param([tagged(CHUNKS[0], 0), tagged(REJECTED, 1), tagged(CHUNKS[1], 0)], REJECTED_UNARY,
+                 id="batch_item_rejected"),
+    pytest.param([IN_QUEUE], IN_QUEUE, id="aborted_without_status_verbatim"),
+])
+async def test_a_stream_the_scheduler_aborted_with_an_http_status_is_answered_its_unary_error(
+        edge, zstd_edge, nc, fmt, stream, want):
+    """The edge answered the tokens sent before the abort folded together with the abort's finish
+    reason (or, for a stream of one chunk, that chunk as sent); the same request unary answers the
+    error alone. An abort without a status is still answered by its body."""
+    request_id = rid("status-abort")
+    await publish_results(nc, DURABLE, request_id, stream)
+
+    response = await get(edge if fmt == "sglang" else zstd_edge, f"/v1/results/{request_id}?stream=false")
+
+    assert response.content == want
+    assert response.headers["streamproc-results"] == str(len(stream))
+
+
 @pytest.mark.parametrize(
     ("error", "status"),
     [

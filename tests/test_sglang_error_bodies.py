@@ -214,3 +214,192 @@ def test_a_pd_streamed_batch_ending_in_the_error_frame_publishes_it_as_sent_and_
     assert [verdict for _, verdict in joined] == [Verdict.JOINED, Verdict.JOINED, Verdict.PASSTHROUGH]
     assert joined[-1][0] == frame
     assert fold(codec, [body for body, _ in joined]) == frame
+
+
+# ------------------------------------------------------------------ aborts that carry an HTTP status
+#
+# SGLang 0.5.23, ``tokenizer_manager.py`` ``TokenizerManager._handle_abort_finish_reason``, called by
+# ``_stream_one_response`` on a finished body whose ``finish_reason`` is a dict::
+#
+#     status_code = finish_reason.get("status_code")
+#     if (finish_reason.get("type") != "abort" or status_code is None
+#             or not HTTPStatus.BAD_REQUEST <= status_code < 600):
+#         return None                       # the body is yielded as any other
+#     ...
+#     if not is_stream:
+#         if status_code == HTTPStatus.BAD_REQUEST:
+#             raise ValueError(finish_reason["message"])
+#         raise fastapi.HTTPException(status_code=status_code, detail=finish_reason["message"])
+#     return out                            # a stream yields the abort body, then stops
+#
+# The ValueError is answered by ``serve_generate_request``' ``_create_error_response(e)``
+# (``ORJSONResponse({"error": {"message": str(e)}}, ...)``), the HTTPException by
+# ``@app.exception_handler(HTTPException)``: ``ORJSONResponse(content=ErrorResponse(object="error",
+# message=exc.detail, type=str(exc.status_code), code=exc.status_code).model_dump())``
+# (``ErrorResponse`` fields ``object, message, type, param = None, code``). fastapi's
+# ``ORJSONResponse.render`` is ``orjson.dumps(content, option=OPT_NON_STR_KEYS | OPT_SERIALIZE_NUMPY)``:
+# compact, raw UTF-8. A batch (``_collect_batch_responses``: ``asyncio.gather``) answers the first
+# item's exception. The expected bodies below are written out by hand.
+#
+# The aborts (``FINISH_ABORT.to_json()`` is ``{"type", "message", "status_code", "err_type"}``; the
+# scheduler's own dicts are ``{"type", "status_code", "message"}``):
+RETRACTED = {"type": "abort",  # schedule_batch.py retract_decode, no KV backup
+             "message": "Retracted under decode memory pressure without a KV backup. Retry later.",
+             "status_code": 503, "err_type": None}
+WAITING_TIMEOUT = {"type": "abort", "status_code": 503,  # scheduler.py _poll_timeout_aborts
+                   "message": "Request waiting timeout reached."}
+HANDSHAKE = {"type": "abort",  # disaggregation/decode.py, KVPoll.Failed (prepare_abort, 500)
+             "message": "Decode handshake failed for request rank=0 decode_req.req.rid='req-e' "
+                        "decode_req.req.bootstrap_room=7",
+             "status_code": 500, "err_type": None}
+REJECTED = {"type": "abort",  # disaggregation/decode.py, preallocation refused (prepare_abort, 400)
+            "message": "Request req-e requires too many SWA KV tokens for decode preallocation: 9 > 8",
+            "status_code": 400, "err_type": None}
+QUOTED = {"type": "abort", "message": 'bad "x" \\ é\n', "status_code": 503, "err_type": None}
+
+RETRACTED_UNARY = (b'{"object":"error","message":"Retracted under decode memory pressure without a KV '
+                   b'backup. Retry later.","type":"503","param":null,"code":503}')
+WAITING_TIMEOUT_UNARY = (b'{"object":"error","message":"Request waiting timeout reached.","type":"503",'
+                         b'"param":null,"code":503}')
+HANDSHAKE_UNARY = (b'{"object":"error","message":"Decode handshake failed for request rank=0 '
+                   b"decode_req.req.rid='req-e' decode_req.req.bootstrap_room=7\",\"type\":\"500\","
+                   b'"param":null,"code":500}')
+REJECTED_UNARY = (b'{"error":{"message":"Request req-e requires too many SWA KV tokens for decode '
+                  b'preallocation: 9 > 8"}}')
+QUOTED_UNARY = (b'{"object":"error","message":"bad \\"x\\" \\\\ \xc3\xa9\\n","type":"503","param":null,'
+                b'"code":503}')
+UNARY_ERRORS = {
+    "retracted": (RETRACTED, RETRACTED_UNARY),
+    "waiting_timeout": (WAITING_TIMEOUT, WAITING_TIMEOUT_UNARY),
+    "handshake": (HANDSHAKE, HANDSHAKE_UNARY),
+    "rejected": (REJECTED, REJECTED_UNARY),
+    "quoted": (QUOTED, QUOTED_UNARY),
+}
+
+# Aborts a unary request answers with the abort body (``_handle_abort_finish_reason`` returns None).
+BODY_ABORTS = {
+    "waiting_queue": {"type": "abort", "message": "Abort in waiting queue"},  # _handle_abort_req's own
+    "abort_request": {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None},
+    "status_399": {"type": "abort", "message": "x", "status_code": 399, "err_type": None},
+    "status_600": {"type": "abort", "message": "x", "status_code": 600, "err_type": None},
+}
+
+
+def abort_req_body(seen: int, finish: dict[str, Any], *, index: int | None = None) -> dict[str, Any]:
+    """``_handle_abort_req`` (stream, incremental) once the tokenizer holds ``seen`` tokens: the whole
+    text and lists, the last id again, no ``prompt_tokens``."""
+    meta = {"id": f"{RID}-{index or 0}", "finish_reason": finish, "weight_version": "default",
+            "e2e_latency": 0.5, "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[:seen],
+            "output_token_logprobs_length": seen, "completion_tokens": seen}
+    body = {"text": "".join(TEXT[:seen]), "output_ids": OUT[seen - 1:seen] if seen else [], "meta_info": meta}
+    if index is not None:
+        body["index"] = index
+    return body
+
+
+def finished_chunk(lo: int, end: int, finish: dict[str, Any], *, index: int | None = None) -> dict[str, Any]:
+    """``_handle_batch_output``'s last chunk of a request aborted through ``to_finish``/``prepare_abort``."""
+    body = chunk(lo, end, cumulative=False, index=index)
+    body["meta_info"]["finish_reason"] = finish
+    return body
+
+
+def aborted_stream(shape: str, sent: int, finish: dict[str, Any]) -> list[bytes]:
+    chunks = [chunk(k, k + 1, cumulative=False) for k in range(sent)]
+    last = abort_req_body(sent, finish) if shape == "abort_req" else finished_chunk(sent, sent, finish)
+    return [dumps(c) for c in [*chunks, last]]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("shape", ["abort_req", "batch_output"])
+@pytest.mark.parametrize("sent", [0, 2])
+@pytest.mark.parametrize("abort", sorted(UNARY_ERRORS))
+def test_a_stream_aborted_with_an_http_status_folds_to_the_error_the_unary_request_answers(codec, shape, sent,
+                                                                                           abort):
+    """Not the output produced before the abort with the abort's finish reason, which is what the fold
+    answered: the unary request never sees that output."""
+    finish, want = UNARY_ERRORS[abort]
+    assert fold(codec, aborted_stream(shape, sent, finish)) == want
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("abort", sorted(UNARY_ERRORS))
+def test_a_stream_that_is_only_an_abort_with_an_http_status_asks_to_be_folded(codec, abort):
+    """An abort before any token (a waiting timeout, a failed handshake, an intake rejection) is the
+    stream's only chunk: the edge serves such a result verbatim unless ``folds_alone`` says the fold
+    decides."""
+    [body] = aborted_stream("abort_req", 0, UNARY_ERRORS[abort][0])
+    assert codec(OPTIONS).folds_alone(body)
+    assert fold(codec, [body]) == UNARY_ERRORS[abort][1]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("shape", ["abort_req", "batch_output"])
+@pytest.mark.parametrize("abort", sorted(BODY_ABORTS))
+def test_a_stream_aborted_without_an_http_status_still_folds_to_the_partial_answer(codec, shape, abort):
+    """``_handle_abort_finish_reason`` returns None: the unary request answers the abort body, the
+    tokens so far with the abort's finish reason."""
+    finish = BODY_ABORTS[abort]
+    got = json.loads(fold(codec, aborted_stream(shape, 2, finish)))
+    assert got["output_ids"] == OUT[:2] and got["text"] == "".join(TEXT[:2])
+    assert got["meta_info"]["finish_reason"] == finish
+    [alone] = aborted_stream("abort_req", 0, finish)
+    assert fold(codec, [alone]) == alone  # a stream of one such chunk: the body as sent
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("aborted", [0, 1])
+def test_a_streamed_batch_with_an_item_aborted_with_an_http_status_folds_to_that_error(codec, aborted):
+    """Unary, ``asyncio.gather`` raises the item's exception and the batch answers it alone (no list),
+    whatever the other items produced."""
+    finish, want = UNARY_ERRORS["retracted"]
+    other = 1 - aborted
+    bodies = [chunk(0, 1, cumulative=False, index=0), chunk(0, 1, cumulative=False, index=1),
+              finished_chunk(1, 2, finish, index=aborted),
+              finished_chunk(1, 3, {"type": "length", "length": 3}, index=other)]
+    assert fold(codec, [dumps(b) for b in bodies]) == want
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_streamed_batch_with_two_items_aborted_with_a_status_folds_to_the_first_one_sent(codec):
+    """``asyncio.gather`` raises the exception raised first; ``_stream_batch_responses`` sends each
+    item's chunks as they come, so the first such abort in the stream."""
+    bodies = [abort_req_body(0, REJECTED, index=1), abort_req_body(0, RETRACTED, index=0)]
+    assert fold(codec, [dumps(b) for b in bodies]) == UNARY_ERRORS["rejected"][1]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_streamed_batch_with_an_item_aborted_without_a_status_folds_to_the_list(codec):
+    finish = BODY_ABORTS["waiting_queue"]
+    bodies = [chunk(0, 1, cumulative=False, index=0), abort_req_body(0, finish, index=1),
+              finished_chunk(1, 2, {"type": "length", "length": 2}, index=0)]
+    got = json.loads(fold(codec, [dumps(b) for b in bodies]))
+    assert [item["meta_info"]["finish_reason"] for item in got] == [{"type": "length", "length": 2}, finish]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("index", [None, 1])
+def test_a_chunk_after_its_items_abort_with_a_status_is_refused_by_the_fold(codec, index):
+    """``_stream_one_response`` stops after the abort body (``yield abort_out; break``)."""
+    bodies = [abort_req_body(0, RETRACTED, index=index), chunk(0, 1, cumulative=False, index=index)]
+    with pytest.raises(ValueError, match="follows its item's abort"):
+        fold(codec, [dumps(b) for b in bodies])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_an_abort_with_a_status_and_no_string_message_is_refused_by_the_fold(codec):
+    """SGLang always writes one (``FINISH_ABORT``: ``message or "Aborted"``); without it there is no
+    error body to answer."""
+    body = abort_req_body(0, {"type": "abort", "message": None, "status_code": 503})
+    with pytest.raises(ValueError, match="no string message"):
+        fold(codec, [dumps(body)])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_pd_stream_whose_decode_handshake_failed_folds_to_the_unary_error(codec):
+    """P/D decode's failed KV handshake (``prepare_abort(..., status_code=500)``, body from
+    ``_handle_batch_output``, before token 0): joined with prefill's leg, published and folded to the
+    error the decode server answers a unary request with."""
+    decode = [dumps(finished_chunk(0, 0, HANDSHAKE))]
+    joined = join(codec(OPTIONS), decode, [dumps(prefill_leg())])
+    assert fold(codec, [body for body, _ in joined]) == UNARY_ERRORS["handshake"][1]

@@ -49,6 +49,10 @@ TEXT = ["Hé", "llo", " w", "or", "ld"]
 OUTPUT_LP = [[-0.125, t, None] for t in OUT]
 # scheduler.py Scheduler.update_running_batch: _make_abort_req(req, finished_reason=abort_reason.to_json())
 RETRACT_ABORT = {"type": "abort", "message": "retract: out of memory", "status_code": 503, "err_type": None}
+# A unary request answers an abort body only for an abort without a status code in [400, 600)
+# (``TokenizerManager._handle_abort_finish_reason`` raises for the others): ``_handle_abort_req``'s
+# own reason for a queued or retracted request ``abort_request`` removed.
+QUEUED_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
 K = 2  # tokens the first attempt published before its worker was lost
 
 
@@ -67,9 +71,10 @@ def chunk(lo: int, end: int, *, cumulative: bool, offset: int = 0, rid: str = RI
             "meta_info": meta}
 
 
-def abort(seen: int, *, incremental: bool, offset: int = 0, rid: str = RID) -> dict[str, Any]:
+def abort(seen: int, *, incremental: bool, offset: int = 0, rid: str = RID,
+          finish: dict[str, Any] = RETRACT_ABORT) -> dict[str, Any]:
     """0.5.23 ``_handle_abort_req`` of a stream once the engine holds ``seen`` tokens of its own."""
-    meta = {"id": rid, "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+    meta = {"id": rid, "finish_reason": finish, "weight_version": "default", "e2e_latency": 0.5,
             "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[offset:offset + seen],
             "output_token_logprobs_length": seen, "completion_tokens": seen}
     ids = OUT[offset:offset + seen]
@@ -104,8 +109,9 @@ def test_0523_cumulative_abort_body_after_a_migration_restates_every_id_as_the_e
     first = [chunk(0, k + 1, cumulative=True) for k in range(K)]
     second = [chunk(0, k + 1, cumulative=True, offset=K, rid="req-2", prompt=PROMPT_TOKENS + K)
               for k in range(resumed)]
-    published = migrated(first, [*second, abort(resumed, incremental=False, offset=K, rid="req-2")])
-    assert_abort_body(published[-1], abort(K + resumed, incremental=False))
+    published = migrated(first, [*second, abort(resumed, incremental=False, offset=K, rid="req-2",
+                                                 finish=QUEUED_ABORT)])
+    assert_abort_body(published[-1], abort(K + resumed, incremental=False, finish=QUEUED_ABORT))
     folded = json.loads(SGLangCodec(OPTIONS).fold(published))
     want = abort(K + resumed, incremental=False)  # the unary abort answer: ids, text, lists whole
     assert folded["output_ids"] == want["output_ids"] and folded["text"] == want["text"]
@@ -117,7 +123,8 @@ def test_0523_cumulative_abort_body_folds_to_the_unary_abort(sent):
     """No migration: a cumulative abort that overtook ``5 - sent`` chunks restates every id in 0.5.23,
     so the fold has all of them (the older trees' known limit does not apply)."""
     chunks = [chunk(0, k + 1, cumulative=True) for k in range(sent)]
-    folded = json.loads(SGLangCodec(OPTIONS).fold([dumps(c) for c in [*chunks, abort(5, incremental=False)]]))
+    folded = json.loads(SGLangCodec(OPTIONS).fold([dumps(c) for c in [*chunks, abort(5, incremental=False,
+                                                                                      finish=QUEUED_ABORT)]]))
     assert folded["output_ids"] == OUT and folded["text"] == "".join(TEXT)
 
 
@@ -129,8 +136,8 @@ def test_0523_incremental_abort_body_after_a_migration_restates_the_whole_text()
     law 7). Was a strict xfail."""
     first = [chunk(k, k + 1, cumulative=False) for k in range(K)]
     second = [chunk(0, 1, cumulative=False, offset=K, rid="req-2", prompt=PROMPT_TOKENS + K)]
-    published = migrated(first, [*second, abort(1, incremental=True, offset=K, rid="req-2")])
-    assert_abort_body(published[-1], abort(K + 1, incremental=True))
+    published = migrated(first, [*second, abort(1, incremental=True, offset=K, rid="req-2", finish=QUEUED_ABORT)])
+    assert_abort_body(published[-1], abort(K + 1, incremental=True, finish=QUEUED_ABORT))
     folded = json.loads(SGLangCodec(OPTIONS).fold(published))
     want = abort(K + 1, incremental=False)  # the unary abort answer
     assert folded["output_ids"] == want["output_ids"] and folded["text"] == want["text"]

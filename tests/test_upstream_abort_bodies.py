@@ -54,6 +54,14 @@ OUT = [201, 202, 202, 203]  # a repeated token in the middle: only the counts te
 TEXT = ["Hé", "llo", "llo", " 世"]
 OUTPUT_LP = [[-0.125, 201, "Hé"], [-0.5, 202, "llo"], [-0.5, 202, "llo"], [-0.75, 203, " 世"]]
 RETRACT_ABORT = {"type": "abort", "message": "retract: out of memory", "status_code": 503, "err_type": None}
+# ``TokenizerManager._handle_abort_finish_reason`` (SGLang 0.5.23) makes a unary request whose abort has
+# a ``status_code`` in [400, 600) raise (``HTTPException`` -> ``ErrorResponse``), so only an abort
+# without one is answered unary with the abort body the fold must reproduce: ``_handle_abort_req``'s
+# own reason when the scheduler's ``AbortReq`` carries none (``abort_request`` of a queued or retracted
+# request), and ``FINISH_ABORT()`` (``abort_request`` of a running one, through ``to_finish``).
+QUEUED_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+RUNNING_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+RETRACT_UNARY = b'{"object":"error","message":"retract: out of memory","type":"503","param":null,"code":503}'
 
 
 def batch_chunk(lo: int, end: int, *, cumulative: bool) -> dict[str, Any]:
@@ -66,9 +74,9 @@ def batch_chunk(lo: int, end: int, *, cumulative: bool) -> dict[str, Any]:
     return {"text": "".join(TEXT[start:end]), "output_ids": OUT[start:end], "meta_info": meta}
 
 
-def abort_body(seen: int, *, stream: bool) -> dict[str, Any]:
+def abort_body(seen: int, *, stream: bool, finish: dict[str, Any] = RETRACT_ABORT) -> dict[str, Any]:
     """``_handle_abort_req`` once the tokenizer holds ``seen`` tokens of the request."""
-    meta = {"id": RID, "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+    meta = {"id": RID, "finish_reason": finish, "weight_version": "default", "e2e_latency": 0.5,
             "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[:seen],
             "output_token_logprobs_length": seen, "completion_tokens": seen}
     ids = OUT[:seen]
@@ -97,9 +105,9 @@ def fold(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def assert_unary(got: dict[str, Any], seen: int) -> None:
-    """What the non-stream request aborted at the same point answers (``_handle_abort_req``,
-    ``is_stream`` False): every token, the whole text and lists, the abort reason."""
-    want = abort_body(seen, stream=False)
+    """What the non-stream request aborted at the same point (without a status code) answers
+    (``_handle_abort_req``, ``is_stream`` False): every token, the whole text and lists, the abort reason."""
+    want = abort_body(seen, stream=False, finish=QUEUED_ABORT)
     assert got["output_ids"] == want["output_ids"]
     assert got["text"] == want["text"]
     for key in ("output_token_logprobs", "output_token_logprobs_length", "completion_tokens", "finish_reason"):
@@ -109,15 +117,19 @@ def assert_unary(got: dict[str, Any], seen: int) -> None:
 @pytest.mark.parametrize("cumulative", [False, True])
 @pytest.mark.parametrize("seen", [1, 2, 3, 4])
 def test_a_stream_the_scheduler_aborts_folds_to_what_the_unary_abort_answers(cumulative, seen):
-    """Every chunk was sent before the abort: the abort body's id is the last one again."""
+    """Every chunk was sent before the abort: the abort body's id is the last one again. An abort
+    with a status code (a retraction's 503) is answered unary with the error alone, not the body
+    (this test pinned the partial body for it until 2026-12-05)."""
     chunks = [batch_chunk(k, k + 1, cumulative=cumulative) for k in range(seen)]
-    assert_unary(fold([*chunks, abort_body(seen, stream=True)]), seen)
+    assert_unary(fold([*chunks, abort_body(seen, stream=True, finish=QUEUED_ABORT)]), seen)
+    raw = SGLangCodec(OPTIONS).fold([dumps(c) for c in [*chunks, abort_body(seen, stream=True)]])
+    assert raw == RETRACT_UNARY
 
 
 def test_an_abort_before_any_token_folds_to_no_tokens():
-    got = fold([abort_body(0, stream=True)])
+    got = fold([abort_body(0, stream=True, finish=QUEUED_ABORT)])
     assert got["output_ids"] == [] and got["text"] == ""
-    assert got["meta_info"]["finish_reason"] == RETRACT_ABORT
+    assert got["meta_info"]["finish_reason"] == QUEUED_ABORT
 
 
 @pytest.mark.parametrize("queued", [1, 2])
@@ -127,21 +139,21 @@ def test_an_incremental_abort_coalesced_with_queued_chunks_keeps_them_and_drops_
     sent = 4 - queued
     chunks = [batch_chunk(k, k + 1, cumulative=False) for k in range(sent)]
     pending = [batch_chunk(k, k + 1, cumulative=False) for k in range(sent, 4)]
-    assert_unary(fold([*chunks, coalesced([*pending, abort_body(4, stream=True)])]), 4)
+    assert_unary(fold([*chunks, coalesced([*pending, abort_body(4, stream=True, finish=QUEUED_ABORT)])]), 4)
 
 
 def test_a_cumulative_abort_that_overtook_one_chunk_adds_its_token():
     """Cumulative mode yields ``out_list[-1]``: a chunk queued behind the abort is never sent, and the
     abort's one id is then the token the client has not seen."""
     chunks = [batch_chunk(0, k + 1, cumulative=True) for k in range(3)]
-    assert_unary(fold([*chunks, abort_body(4, stream=True)]), 4)
+    assert_unary(fold([*chunks, abort_body(4, stream=True, finish=QUEUED_ABORT)]), 4)
 
 
 def test_a_cumulative_abort_that_overtook_several_chunks_keeps_only_the_ids_it_can_place():
     """Two tokens were never sent as ids: the folded ids stop at what was seen (a known limit), the
     text and lists are the abort body's whole ones."""
     chunks = [batch_chunk(0, k + 1, cumulative=True) for k in range(2)]
-    got = fold([*chunks, abort_body(4, stream=True)])
+    got = fold([*chunks, abort_body(4, stream=True, finish=QUEUED_ABORT)])
     assert got["output_ids"] == OUT[:2]
     assert got["text"] == "".join(TEXT)
     assert got["meta_info"]["output_token_logprobs"] == OUTPUT_LP
@@ -151,7 +163,7 @@ def test_an_abort_finish_in_a_batch_output_chunk_is_an_ordinary_delta():
     """A running request aborted through ``to_finish`` ends in ``_handle_batch_output`` (it has
     ``prompt_tokens``): its ids are new tokens, folded as any chunk."""
     chunks = [batch_chunk(k, k + 1, cumulative=False) for k in range(4)]
-    chunks[-1]["meta_info"]["finish_reason"] = RETRACT_ABORT
+    chunks[-1]["meta_info"]["finish_reason"] = RUNNING_ABORT
     got = fold(chunks)
     assert got["output_ids"] == OUT and got["text"] == "".join(TEXT)
 
@@ -229,7 +241,7 @@ def test_a_decode_aborted_before_token_0_is_the_aggregated_abort_body_without_a_
 
 def test_a_pd_stream_whose_decode_aborts_folds_to_the_unary_abort():
     decode = [batch_chunk(k, k + 1, cumulative=False) for k in range(3)]
-    decode = [*decode, abort_body(3, stream=True)]
+    decode = [*decode, abort_body(3, stream=True, finish=QUEUED_ABORT)]
     joined = join(SGLangCodec(OPTIONS), [dumps(d) for d in decode], [dumps(prefill_leg())])
     got = json.loads(SGLangCodec(OPTIONS).fold([body for body, _ in joined]))
     assert_unary(got, 3)
@@ -257,8 +269,9 @@ def attempt_chunk(lo: int, end: int, *, cumulative: bool) -> dict[str, Any]:
 
 
 def attempt_abort(seen: int) -> dict[str, Any]:
-    """``_handle_abort_req`` of the resumed attempt (stream) once it holds ``seen`` tokens of its own."""
-    meta = {"id": "req-2", "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+    """``_handle_abort_req`` of the resumed attempt (stream) once it holds ``seen`` tokens of its own,
+    aborted without a status code (the unary request answers this body)."""
+    meta = {"id": "req-2", "finish_reason": QUEUED_ABORT, "weight_version": "default", "e2e_latency": 0.5,
             "input_token_logprobs": [], "output_token_logprobs": OUTPUT_LP[K:K + seen],
             "output_token_logprobs_length": seen, "completion_tokens": seen}
     ids = OUT[K:K + seen]
@@ -271,7 +284,7 @@ def migrated(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[
 
 
 def assert_lists_and_ids(got: dict[str, Any], seen: int) -> None:
-    want = abort_body(seen, stream=False)
+    want = abort_body(seen, stream=False, finish=QUEUED_ABORT)
     assert got["output_ids"] == want["output_ids"]
     for key in ("output_token_logprobs", "output_token_logprobs_length", "completion_tokens"):
         assert got["meta_info"][key] == want["meta_info"][key], key

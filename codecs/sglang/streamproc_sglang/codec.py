@@ -13,7 +13,7 @@ from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOption
 from streamproc.wire import Verdict
 
 from . import experts, migration, native
-from .fold import fold, fold_items
+from .fold import abort_answer, fold, fold_items
 from .join import SGLangJoinSession
 from .sequence import Base64Int32Rows
 
@@ -23,6 +23,13 @@ INDEX_KEY = b'"%s"' % native.INDEX.encode()  # a streamed batch item's tag, as J
 # the item's finished dict (``text``, ``output_ids``, ``meta_info``, ``prompt_token_ids``), so it is the
 # last key (``"index":<int>}``, plus trailing whitespace); joins edit bodies in place (key order kept).
 INDEX_TAIL = 64
+# Where an abort's finish reason stands: ``_handle_abort_req`` and ``_handle_batch_output`` write
+# ``meta_info`` with ``id`` then ``finish_reason`` first, behind ``text`` and ``output_ids``; an abort
+# before any token (an intake rejection, a waiting timeout, a failed KV transfer) has it within the
+# first hundred bytes or so plus the rid's length. A stream's only chunk with a longer text in front
+# is answered as sent (a known limit, docs/codecs.md).
+ABORT_KEY = b'"%s"' % native.ABORT.encode()
+ABORT_HEAD = 4096
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -73,6 +80,9 @@ class SGLangCodec(Codec):
                 raise ValueError(f"chunk {errors[0]} is the worker's error body and chunks follow it: "
                                  "no stream SGLang writes; it cannot be folded")
             return bodies[-1]
+        error = abort_answer(docs)  # an abort with an HTTP status: unary, the error alone
+        if error is not None:
+            return native.encode(error)
         items = fold_items(docs)  # a streamed batch or n > 1 request answers a list unary
         if items is None and len(bodies) == 1:
             return bodies[0]  # a unary body, or a single request's only chunk: the unary answer as sent
@@ -86,8 +96,13 @@ class SGLangCodec(Codec):
         last key, so only its last ``INDEX_TAIL`` bytes are read: searching the whole body held the
         edge's event loop ~1 ms per MiB for every unary answer of one result. A key is written
         ``"index"`` (inside a JSON string the quotes are escaped); a value ``"index"`` there makes
-        ``fold`` look, and give the body back as sent."""
-        return body.find(INDEX_KEY, max(0, len(body) - INDEX_TAIL)) >= 0
+        ``fold`` look, and give the body back as sent.
+
+        Also a stream's only chunk that is an abort with an HTTP status (``_handle_abort_finish_reason``
+        yields it to a stream; unary, the request answers an error, which :meth:`fold` builds): any
+        ``"abort"`` in the first ``ABORT_HEAD`` bytes makes ``fold`` look."""
+        return (body.find(INDEX_KEY, max(0, len(body) - INDEX_TAIL)) >= 0
+                or body.find(ABORT_KEY, 0, ABORT_HEAD) >= 0)
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})

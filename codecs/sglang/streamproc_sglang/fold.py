@@ -5,7 +5,8 @@ chunk replaces the accumulated text, ids and output logprob lists; an incrementa
 A stream the scheduler aborted ends in a body that restates text and lists but not the ids
 (:func:`~.native.abort_restatement`): its repeated last id is not appended. A streamed batch or
 ``n > 1`` request (chunks tagged ``"index"``) folds to the list its unary request answers
-(:func:`fold_items`), each item folded alone.
+(:func:`fold_items`), each item folded alone. A stream with an abort that carries an HTTP status
+folds to the error its unary request answers instead (:func:`abort_answer`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,37 @@ from typing import Any, Iterable, Sequence
 
 from streamproc.codec import UNAVAILABLE_SUFFIX
 
-from .native import (ABORT_RESTATED_FIELDS, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT, AbortRestatement,
-                     abort_restatement, restated, restates)
+from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT,
+                     AbortRestatement, abort_error, abort_restatement, abort_status, meta_of, restated, restates)
+
+
+def abort_answer(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The error a unary request answers when its stream has an abort with an HTTP status
+    (:func:`~.native.abort_status`), or None.
+
+    Unary, ``_handle_abort_finish_reason`` raises where the stream yields that abort body and stops
+    (``yield abort_out; break``): a single request answers the error alone, never the output produced
+    before it (:func:`~.native.abort_error`). A batch or ``n > 1`` request waits in
+    ``_collect_batch_responses``: ``asyncio.gather`` without ``return_exceptions`` raises the first
+    item's exception in time and the batch answers that error, no list; the stream sends each item's
+    chunks as they come (``_stream_batch_responses``), so the first such abort in stream order. A
+    chunk of the same item after its abort is no stream SGLang writes: ValueError.
+    """
+    first = None
+    ended: set[int | None] = set()
+    for position, doc in enumerate(docs):
+        index = doc.get(INDEX)
+        item = index if type(index) is int else None
+        if item in ended:
+            raise ValueError(f"chunk {position} follows its item's abort with an HTTP status: no stream "
+                             "SGLang writes; it cannot be folded")
+        meta = meta_of(doc)
+        finish = meta.get(FINISH_REASON) if meta is not None else None
+        if abort_status(finish) is not None:
+            ended.add(item)
+            if first is None:
+                first = finish
+    return None if first is None else abort_error(first)
 
 
 def fold_items(docs: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -128,6 +128,54 @@ def http_error(doc: dict[str, Any]) -> bool:
 
 ERROR_OBJECT_KEY = "object"  # ErrorResponse.object, "error"
 
+# An abort's HTTP status (``FINISH_ABORT.to_json()``, the scheduler's ``finished_reason`` dicts).
+STATUS_CODE = "status_code"
+MESSAGE = "message"
+ABORT = "abort"
+
+
+def abort_status(finish: Any) -> int | None:
+    """The HTTP status of a finish reason that makes a unary request answer an error, else None.
+
+    SGLang 0.5.23, ``TokenizerManager._handle_abort_finish_reason``::
+
+        status_code = finish_reason.get("status_code")
+        if (finish_reason.get("type") != "abort" or status_code is None
+                or not HTTPStatus.BAD_REQUEST <= status_code < 600):
+            return None
+
+    A stream yields the abort body as any other (``return out``); a unary request raises instead. An
+    SGLang body's status is an integer (``HTTPStatus``); anything else is taken as no status."""
+    if not isinstance(finish, dict) or finish.get("type") != ABORT:
+        return None
+    status = finish.get(STATUS_CODE)
+    return status if type(status) is int and 400 <= status < 600 else None
+
+
+def abort_error(finish: dict[str, Any]) -> dict[str, Any]:
+    """The body a unary request answers for an abort with :func:`abort_status`. SGLang 0.5.23,
+    ``_handle_abort_finish_reason`` for a non-stream request::
+
+        if status_code == HTTPStatus.BAD_REQUEST:
+            raise ValueError(finish_reason["message"])
+        raise fastapi.HTTPException(status_code=status_code, detail=finish_reason["message"])
+
+    ``serve_generate_request`` answers the ``ValueError`` with ``_create_error_response(e)``
+    (``ORJSONResponse({"error": {"message": str(e)}}, status_code=400)``), and the
+    ``HTTPException`` reaches ``@app.exception_handler(HTTPException)``, which answers a ``/generate``
+    request ``ORJSONResponse(content=ErrorResponse(object="error", message=exc.detail,
+    type=str(exc.status_code), code=exc.status_code).model_dump(), ...)`` (fields ``object, message,
+    type, param, code``; ``param`` None). :func:`encode` writes them as orjson does. A message that is
+    no string is nothing SGLang writes (``FINISH_ABORT`` defaults it to "Aborted"): ValueError."""
+    message = finish.get(MESSAGE)
+    if type(message) is not str:
+        raise ValueError(f"an abort with status {finish.get(STATUS_CODE)} has no string message: no body "
+                         "SGLang writes; it cannot be folded")
+    status = finish[STATUS_CODE]
+    if status == 400:
+        return {ERROR: {MESSAGE: message}}
+    return {ERROR_OBJECT_KEY: ERROR, MESSAGE: message, "type": str(status), "param": None, "code": status}
+
 
 def failed(doc: dict[str, Any]) -> bool:
     """Whether a (folded) leg ended in an error or abort rather than a normal finish."""
