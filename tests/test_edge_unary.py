@@ -81,6 +81,25 @@ async def test_a_streamed_request_whose_stream_ends_in_the_workers_error_frame_i
     assert response.headers["streamproc-results"] == "3"
 
 
+async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_that_frame(server, nc):
+    """vLLM 0.34.0 ``serve_tokens_stream_generator``: a ``GenerationError`` (``_raise_if_error``, a
+    ``finish_reason`` of ``"error"``) or any exception of the engine mid-stream ends the stream with
+    ``data: {"error": {...}}`` (``create_streaming_error_response``: ``json.dumps``); unary, the same
+    failure answers ``ErrorResponse`` alone. The edge's fold served the chunks before it with the
+    ``error`` key beside them: a partial answer with status 200."""
+    request_id = rid("vllm-worker-error")
+    bodies = worker_for("vllm").agg(make_truth(4, request_id=request_id, output_len=9), stream=True)[:2]
+    frame = json.dumps({"error": {"message": "Internal server error", "type": "InternalServerError",
+                                  "param": None, "code": 500}}).encode()
+    with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
+        await publish_results(nc, DURABLE, request_id, [*bodies, frame])
+
+        response = await get(vllm_edge, f"/v1/results/{request_id}?stream=false")
+
+    assert response.content == frame
+    assert response.headers["streamproc-results"] == "3"
+
+
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
     """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
     ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk

@@ -14,7 +14,7 @@ from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOption
 from streamproc.wire import Verdict
 
 from . import experts, migration
-from .native import ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, parse
+from .native import ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, is_error_response, parse
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -60,6 +60,15 @@ class VLLMCodec(Codec):
             if not isinstance(obj, dict):
                 raise ValueError(f"chunk {seq} is not a JSON object")
             chunks.append(obj)
+        errors = [seq for seq, obj in enumerate(chunks) if is_error_response(obj)]
+        if errors:
+            # The same request unary answers the error alone (``api_router.generate``: the exception reaches
+            # the app's handlers, ``JSONResponse(err.model_dump())``), never the output produced before it;
+            # ``serve_tokens_stream_generator`` sends only ``[DONE]`` after its frame.
+            if errors != [len(chunks) - 1]:
+                raise ValueError(f"chunk {errors[0]} is the worker's error body and chunks follow it: "
+                                 "no stream vLLM writes; it cannot be folded")
+            return bodies[-1]
         return dump(fold_objects(chunks))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:

@@ -66,6 +66,8 @@ CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob
 # ``GenerateStreamResponse`` chunk has neither (serve/disagg/protocol.py @ 06408932, 343bacaf,
 # furionw/vllm 9cdf7782; scale_out/token_in_token_out/protocol.py @ 006ebac2).
 UNARY_ONLY_KEYS = (PROMPT_LOGPROBS, KV_TRANSFER_PARAMS)
+CHOICES = "choices"  # every generation body has it (a stream's usage-only chunk: ``[]``)
+ERROR = "error"  # ``ErrorResponse.error``
 
 STREAM_ROUTED_EXPERTS_OPTION = "stream_routed_experts"  # --format-option stream_routed_experts=unknown|yes|no
 
@@ -135,10 +137,21 @@ def dump(obj: Any) -> bytes:
 
 
 def choices_of(obj: dict) -> list[dict]:
-    choices = obj.get("choices")
+    choices = obj.get(CHOICES)
     if not isinstance(choices, list):
         return []
     return [c for c in choices if isinstance(c, dict)]
+
+
+def is_error_response(obj: dict) -> bool:
+    """Whether a body is vLLM's ``ErrorResponse`` rather than a generation body. vLLM 0.34.0 renders every
+    error of ``/inference/v1/generate`` as ``{"error": {"message", "type", "param", "code"}}``
+    (``create_error_response``, ``serve/exception_handling/error_response.py``): unary,
+    ``JSONResponse(err.model_dump(), status_code=err.error.code)``; streamed, a last frame behind the chunks
+    already sent (``serve_tokens_stream_generator``: ``create_streaming_error_response``, ``json.dumps`` of
+    the same dump, for a ``GenerationError`` that ``_raise_if_error`` raises for ``finish_reason == "error"``
+    or any exception of ``AsyncLLM.generate``). No generation body lacks ``choices``."""
+    return ERROR in obj and CHOICES not in obj
 
 
 def is_unary(obj: dict) -> bool:
