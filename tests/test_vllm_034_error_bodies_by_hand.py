@@ -201,6 +201,60 @@ def test_an_aggregated_error_body_passes_through_byte_for_byte(body):
     assert [(r.body, r.verdict) for r in run.of(RID)] == [(b, Verdict.PASSTHROUGH) for b in bodies]
 
 
+# ------------------------------------------------------------------------------ P/D: the prefill leg failed
+
+
+# Every leg a failed 0.34.0 prefill sends instead of a generation answer (P/D prefill requests are unary;
+# a streamed one ends in the frame, behind what it sent).
+PREFILL_ERRORS = {
+    "unary_generation": [unary_error(GENERATION)],
+    "unary_engine_dead": [unary_error(ENGINE_DEAD)],
+    "unary_too_many_prompt_logprobs": [unary_error(TOO_MANY_PROMPT_LOGPROBS)],  # its --max-logprobs only
+    "unary_queue_full": [unary_error(QUEUE_FULL)],
+    "stream_frame_alone": [frame(TOO_MANY_PROMPT_LOGPROBS)],
+    "stream_frame_after_chunks": [*partial_stream(2), frame(GENERATION)],
+}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("shape", sorted(PREFILL_ERRORS))
+def test_a_prefill_leg_that_answered_an_error_body_is_prefill_error_never_missing(shape, n):
+    """No prefill value exists: decode's stale prompt rows, unwritten prompt logprobs and KV-load cache count
+    are removed, each with ``prefill_error`` (the leg failed); they read ``prefill_missing`` (the leg did
+    not carry the field), as if a router had stripped the parameter."""
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [decode_answer(n)], PREFILL_ERRORS[shape])
+    joined = json.loads(body)
+    assert verdict is Verdict.OMITTED
+    assert joined["prompt_logprobs"] is None
+    assert joined["prompt_logprobs_unavailable_reason"] == "prefill_error"
+    assert joined["usage"]["prompt_tokens_details"] is None
+    assert joined["usage"]["prompt_tokens_details_unavailable_reason"] == "prefill_error"
+    assert [c["routed_experts"] for c in joined["choices"]] == [None] * n
+    assert [c["routed_experts_unavailable_reason"] for c in joined["choices"]] == ["prefill_error"] * n
+
+
+def test_a_streamed_decode_against_a_failed_prefill_omits_its_rows_and_count_as_prefill_error():
+    """The finishing chunk's rows and the usage chunk's count; the token chunks carry neither."""
+    decode = [chunk([choice(0, OUT[:1], None, None)]),
+              chunk([choice(0, OUT[1:], "stop", expert_rows(0, PROMPT + len(OUT) - 1))]),
+              usage_chunk(len(OUT), PROMPT - 1)]
+    joined = join(VLLMCodec(OPTIONS), decode, [unary_error(GENERATION)])
+    assert joined[0] == (decode[0], Verdict.PASSTHROUGH)
+    finishing, usage_only = (json.loads(body) for body, _ in joined[1:])
+    assert [verdict for _, verdict in joined[1:]] == [Verdict.OMITTED, Verdict.OMITTED]
+    assert finishing["choices"][0]["routed_experts_unavailable_reason"] == "prefill_error"
+    assert usage_only["usage"]["prompt_tokens_details_unavailable_reason"] == "prefill_error"
+
+
+def test_the_correlator_omits_a_decode_answer_against_a_failed_prefill_as_prefill_error():
+    """The same through the correlator (legs in either order), not only a join session."""
+    for chunks in (leg(RID, "prefill", [unary_error(ENGINE_DEAD)]) + leg(RID, "decode", [decode_answer()]),
+                   leg(RID, "decode", [decode_answer()]) + leg(RID, "prefill", [unary_error(ENGINE_DEAD)])):
+        [result] = run_pipeline(chunks, format="vllm", options=OPTIONS).of(RID)
+        assert result.verdict is Verdict.OMITTED
+        assert json.loads(result.body)["choices"][0]["routed_experts_unavailable_reason"] == "prefill_error"
+
+
 # ------------------------------------------------------------------------------ P/D: the decode leg failed
 
 

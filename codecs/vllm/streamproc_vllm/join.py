@@ -36,6 +36,7 @@ from .native import (
     StreamExperts,
     choices_of,
     dump,
+    is_error_response,
     is_int,
     is_unary,
     label_and_clamp,
@@ -226,6 +227,11 @@ class VLLMJoinSession(JoinSession):
         objects = [parse_object(b) for b in bodies]
         if not objects or any(o is None for o in objects):
             self._leg_reason = Omit.PREFILL_CORRUPT
+            return
+        if any(is_error_response(o) for o in objects):  # type: ignore[arg-type]
+            # The prefill worker failed (its unary ``ErrorResponse``, or a stream's last frame): no value
+            # of it exists, which is not a leg that left a field out (``prefill_missing``).
+            self._leg_reason = Omit.PREFILL_ERROR
             return
         self._prefill = fold_objects(objects)  # type: ignore[arg-type]
         for position, choice in enumerate(choices_of(self._prefill)):
