@@ -278,3 +278,22 @@ def test_a_decode_error_body_is_published_as_sent_and_the_joined_stream_folds_to
     joined = join(VLLMCodec(OPTIONS), decode, legs[prefill])
     assert joined[-1] == (decode[-1], Verdict.PASSTHROUGH)
     assert fold([body for body, _ in joined]) == decode[-1]
+
+
+@pytest.mark.parametrize("body", [unary_error(ENGINE_DEAD), frame(TOO_MANY_PROMPT_LOGPROBS)])
+def test_a_decode_leg_that_failed_at_once_is_published_without_waiting_for_prefill(body):
+    """Its join never reads the prefill leg, so it does not wait up to ``--prefill-timeout`` for one that
+    may never come (the SGLang join does not wait for its error bodies either); it waited."""
+    [result] = run_pipeline(leg(RID, "decode", [body]), format="vllm", options=OPTIONS).of(RID)
+    assert (result.body, result.verdict, result.final) == (body, Verdict.PASSTHROUGH, True)
+
+
+def test_an_error_frame_behind_a_waiting_decode_chunk_keeps_its_place():
+    """The first chunk waits for prefill (its ``prompt_logprobs``); the frame after it is not published
+    ahead of it, and both go once the leg comes."""
+    decode = [*partial_stream(), frame(ENGINE_DEAD)]
+    run = run_pipeline(leg(RID, "decode", decode), format="vllm", options=OPTIONS)
+    assert run.of(RID) == []
+    run.absorb(run.correlator.receive(leg(RID, "prefill", [prefill_answer()])[0], 1.0))
+    assert [r.body for r in run.of(RID)][-1] == decode[-1]
+    assert [r.seq for r in run.of(RID)] == [0, 1, 2]

@@ -36,6 +36,7 @@ from .native import (
     StreamExperts,
     choices_of,
     dump,
+    error_response_prefix,
     is_error_response,
     is_int,
     is_unary,
@@ -214,8 +215,13 @@ class VLLMJoinSession(JoinSession):
         # routed_experts. A middle chunk only waits if it unexpectedly carries expert rows, which
         # could be stale, or usage with prompt_tokens_details (upstream puts those on the final one).
         if final or self._joined == 0:
-            return True
-        obj = self._parse(body)
+            # Not the worker's ErrorResponse, which is published as sent (nothing of prefill's is read).
+            # The raw bytes first: a first or final body may be large, and this runs on the event loop.
+            if not error_response_prefix(body):
+                return True
+            obj = self._parse(body)
+            return obj is None or not is_error_response(obj)
+        obj = self._parse(body)  # an ErrorResponse has neither usage nor choices: it does not wait
         return obj is not None and (_usage_details(obj) or any(
             _finishes(c) or c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj)))
 

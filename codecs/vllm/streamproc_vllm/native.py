@@ -154,6 +154,13 @@ def is_error_response(obj: dict) -> bool:
     return ERROR in obj and CHOICES not in obj
 
 
+def error_response_prefix(body: bytes) -> bool:
+    """Whether a body's bytes open as an ``ErrorResponse`` does, without parsing it: its only key,
+    ``error``, comes first in both renderings (``json.dumps``: ``{"error": {``; ``JSONResponse``:
+    ``{"error":{``). A generation body opens with ``request_id``. Confirm with :func:`is_error_response`."""
+    return body[:32].lstrip().startswith(b'{"error"')
+
+
 def is_unary(obj: dict) -> bool:
     """Whether a body is a unary ``GenerateResponse`` rather than a stream chunk."""
     return any(key in obj for key in UNARY_ONLY_KEYS)
