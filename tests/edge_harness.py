@@ -258,7 +258,7 @@ async def served_edge(nats_url: str, subjects: Subjects, **extra: object):
     settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
                                        "host": "127.0.0.1", "port": 0, **extra})
     app = create_app(settings, tracing=None)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None,
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None, proxy_headers=False,
                             http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1,
                             ssl_certfile=settings.tls_cert_file or None,  # as edge/command.py passes them
                             ssl_keyfile=settings.tls_key_file or None)

@@ -418,3 +418,34 @@ async def test_a_long_path_request_id_or_last_event_id_is_echoed_cut_in_the_400_
     assert '"\'/v1/nothing/ppp' in cut and "p" * 65 not in cut and "tok.sec.ret" not in cut, cut
     [whole] = [line for line in lines if "/healthz?" in line]
     assert 'path="/healthz?verdicts=1&access_token=<redacted>"' in whole, whole  # short paths: as they were
+
+
+async def test_forwarded_headers_from_a_loopback_client_neither_change_its_address_nor_its_stream_share(
+        nats_server):
+    """Uvicorn's ``proxy_headers`` (on by default, trusting ``FORWARDED_ALLOW_IPS``, 127.0.0.1 unless
+    set) took the client's address from ``X-Forwarded-For`` when the peer was loopback: a client on the
+    edge's host opened 6 streams with ``--max-streams-per-client 2`` under --insecure-demo, one per
+    address it named, and wrote any address into the access log's ``client=`` in every mode. The edge
+    names no trusted proxy (docs/edge.md: clients behind one proxy share one share), so it reads none."""
+    # its own server: the module's has a results stream whose consumers an earlier test used up
+    with running_edge(nats_server.url, "--max-streams-per-client", "2", env={"FORWARDED_ALLOW_IPS": "*"}) as edge:
+        statuses = []
+        async with anyio.create_task_group() as tasks, httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            async def open_stream(i: int, opened: anyio.Event) -> None:
+                headers = {"X-Forwarded-For": f"10.9.8.{i}", "Forwarded": f"for=10.9.7.{i}"}
+                async with client.stream("GET", f"/v1/results/{rid('xff')}", headers=headers) as response:
+                    statuses.append(response.status_code)
+                    opened.set()
+                    if response.status_code == 200:
+                        await anyio.sleep_forever()
+            for i in range(6):
+                opened = anyio.Event()
+                tasks.start_soon(open_stream, i, opened)
+                with anyio.fail_after(10):
+                    await opened.wait()
+            tasks.cancel_scope.cancel()
+        assert sorted(statuses) == [200, 200, 429, 429, 429, 429], statuses
+        with anyio.fail_after(5):
+            while (lines := [line for line in edge.log().splitlines() if "/v1/results/" in line]) == []:
+                await anyio.sleep(0.05)
+    assert not any("client=10.9." in line for line in lines), lines[-3:]

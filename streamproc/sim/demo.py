@@ -195,7 +195,8 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
                                        "insecure_demo": True})  # a local demo: the page says so on screen
     server = Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                                    lifespan="on", log_config=None, access_log=False,
-                                   log_level="error", timeout_graceful_shutdown=1))
+                                   log_level="error", timeout_graceful_shutdown=1,
+                                   proxy_headers=False))  # as edge/command.py: the address is the peer's
     failed: list[BaseException] = []
     done = anyio.Event()
 
