@@ -13,6 +13,8 @@ and the connection's loss in one loop pass.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 
 import pytest
 from edge_harness import RawStream, served_edge, stop_served
@@ -84,5 +86,28 @@ async def test_an_sse_client_that_leaves_frees_its_slot_even_when_a_cancel_is_lo
 
         edge.frames = lossy_frames
         await assert_the_slot_is_freed_when_the_client_leaves(server, port, "text/event-stream")
+    finally:
+        await stop_served(server)
+
+
+async def test_a_stream_with_a_request_pipelined_behind_it_frees_its_slot_when_the_client_leaves(nats_url):
+    """Uvicorn tells only the connection's newest request of its loss (``connection_lost``: ``self.cycle``),
+    which is the pipelined one once a complete head waits behind the stream: the stream itself never
+    heard its client leave and wrote keep-alives into the lost connection, holding its slot, the
+    client's share and its subscription for up to ``--result-timeout`` (330 s) of silence, or for
+    good while results kept coming. The connection's loss now reaches the request in progress too."""
+    server, port = await served_edge(nats_url, SUBJECTS, keepalive=0.2)
+    try:
+        edge = server.config.app.state.edge
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v1/results/%s HTTP/1.1\r\nHost: edge\r\n\r\n" % rid("behind").encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")  # complete: queued behind the stream
+        await asyncio.sleep(0.3)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a reset: the client is gone
+        await wait_until(lambda: edge.metrics.streams_active == 0, 3, "the slot freed after the client left")
+        assert edge.metrics.client_disconnects == 1 and edge.client_streams == {}
     finally:
         await stop_served(server)

@@ -182,6 +182,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.lingered = 0  # bytes dropped while lingering
             self.linger_bytes = LINGER_BYTES  # the most it may drop (linger_close)
             self.tls: Any = None  # its BoundedTLS layer under --tls-cert-file
+            self.running: Any = None  # the request whose ASGI task runs (Uvicorn's cycle), pipelined ones aside
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             tls = self.tls
@@ -350,7 +351,21 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 # its body was read (not heading), that body's end (on_message_complete re-arms).
                 self.await_head()
 
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            # Uvicorn's (0.54), for a request whose head completed with none in progress, and for the next
+            # pipelined one at a response's end: the one connection_lost must tell (below)
+            self.running = cycle
+            super()._start_asgi_task(cycle, app)
+
         def connection_lost(self, exc: Exception | None) -> None:
+            running, self.running = self.running, None
+            if running is not None and running is not self.cycle and not running.response_complete:
+                # Uvicorn tells only ``self.cycle``, the newest request: with a complete head pipelined
+                # behind a stream that is the waiting one, and the stream never heard its client leave
+                # (it wrote keep-alives into the lost connection until --result-timeout). Told as Uvicorn
+                # tells its cycle; its message_event may be the stream's disconnect watch (direct.py).
+                running.disconnected = True
+                running.message_event.set()
             forget_read_callback(self.transport)  # (under TLS that transport is BoundedTLS's: cleared there)
             if self.refused:
                 if self.linger is not None:
