@@ -22,14 +22,15 @@ import socket
 import time
 
 import anyio
+import httpx
 import pytest
 from edge_harness import http_status, publish_result, running_edge
 from helpers import connection, rid, status_kib, tcp_sockets, wait_until
 from nats_auth import Certificates
 
 from streamproc.client.capability import mint_capability
-from streamproc.edge.connections import (DISCARD_BYTES, LINGER_TIME, REFUSED_LINGER, REFUSED_LINGERING,
-                                         UPLOAD_DISCARD_BYTES)
+from streamproc.edge.connections import (DISCARD_BYTES, LINGER_TIME, MAX_PIPELINED, REFUSED_LINGER,
+                                         REFUSED_LINGERING, UPLOAD_DISCARD_BYTES)
 from streamproc.edge.experts import MAX_BODY_BYTES
 from streamproc.wire import Subjects
 
@@ -932,3 +933,64 @@ async def test_a_slow_https_reader_gets_the_whole_stream_past_the_head_timeout(s
     for seq in range(SLOW_RESULTS):
         assert data.count(bytes([ord("a") + seq])) >= SLOW_BODY, f"result {seq} cut short: {len(data)} bytes in all"
     assert b"data: [DONE]\n\n\r\n0\r\n\r\n" in data, data[-200:]
+
+
+PIPELINED_BYTES = 2 << 20  # of pipelined `GET /healthz` heads, sent and never read
+PIPELINE_HWM_GROWTH = 32 * 1024  # KiB of VmHWM over the RSS before (old code: +590 MiB for 4 such connections)
+
+
+async def test_requests_pipelined_deep_behind_an_unread_answer_close_the_connection_and_hold_no_memory(server):
+    """Uvicorn parses every head a read holds and queues one request (scope, headers, ASGI cycle) per
+    head behind the response in progress, and reads on at each answer's end: a client that pipelined
+    2 MiB of ``GET /healthz`` heads and read nothing held ~60,000 queued requests on the edge, ~150 MiB
+    of RSS per connection, for as long as it kept the connection open (a head that arrived complete is
+    not timed). No capability is needed. Past ``connections.MAX_PIPELINED`` requests waiting behind
+    one in progress the connection is closed, unanswered (an answer would land inside that one's body);
+    a stream in progress ends with it."""
+    head = b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n"
+    with running_edge(server.url, "--head-timeout", "2") as edge:
+        pid = edge.proc.pid
+        baseline = status_kib(pid, "VmRSS")
+        socks = []
+        for _ in range(4):
+            sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
+            sock.setblocking(False)
+            data, sent, end = head * (PIPELINED_BYTES // len(head)), 0, time.monotonic() + 5
+            while sent < len(data) and time.monotonic() < end:
+                try:
+                    sent += sock.send(data[sent:sent + 65536])
+                except BlockingIOError:
+                    await anyio.sleep(0.02)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            socks.append(sock)
+        stream = socket.create_connection(("127.0.0.1", edge.port), timeout=10)  # behind a stream too
+        stream.sendall(b"GET /v1/results/%s HTTP/1.1\r\nHost: edge\r\n\r\n" % rid("deep").encode())
+        assert stream.recv(65536).startswith(b"HTTP/1.1 200 ")
+        stream.sendall(head * (MAX_PIPELINED + 1))
+        socks.append(stream)
+        await anyio.sleep(4)  # twice the head timeout: not what frees a connection whose heads all arrived
+        metrics = edge.metrics()  # its own connection is the one open
+        growth = status_kib(pid, "VmHWM") - baseline
+        async with httpx.AsyncClient(base_url=edge.url, timeout=5) as client:
+            other = await client.get("/healthz")
+        for sock in socks:
+            sock.close()
+    print(f"edge VmHWM {growth} kB over its VmRSS before")
+    assert other.status_code == 200
+    assert metrics["streamproc_edge_connections_open"] == 1, metrics["streamproc_edge_connections_open"]
+    assert growth < PIPELINE_HWM_GROWTH, growth
+    assert metrics["streamproc_edge_pipelines_too_deep_total"] == 5
+    assert metrics["streamproc_edge_streams_active"] == 0  # the stream in progress ended with its connection
+
+
+def test_requests_pipelined_up_to_the_bound_are_each_answered_in_order(edge):
+    """Up to ``MAX_PIPELINED`` requests waiting behind the one in progress are served as before."""
+    heads = [b"GET /healthz HTTP/1.1\r\nHost: edge\r\nX-N: %d\r\n\r\n" % n for n in range(MAX_PIPELINED)]
+    heads.append(b"GET /v1/info HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as sock:
+        sock.sendall(b"".join(heads))
+        data, closed = until_closed(sock, 5)
+    assert closed and data.count(b"HTTP/1.1 200 OK") == MAX_PIPELINED + 1, data[-300:]
+    assert data.rstrip().endswith(b"}") and b'"auth"' in data.rsplit(b"HTTP/1.1", 1)[1], data[-300:]

@@ -44,6 +44,14 @@ included) and its memory, and every request it did parse waited in the open pace
 With a response in progress the ``408``/``431`` is not written, only the connection closed:
 responses go out in order, and an answer written then would land inside that response's body.
 
+Pipelining: Uvicorn parses every head a read holds and queues a request (its scope, headers and
+ASGI cycle, ~2 KB with a short head) for each behind the response in progress, and reads on at
+every answer's end. A client that pipelined 2 MiB of ``GET /healthz`` heads and read none of the
+answers had ~60,000 requests queued, ~150 MiB of the edge's memory per connection, for as long as
+it kept the connection (a head that arrived complete is not timed). A connection whose requests
+waiting behind the one in progress would pass :data:`MAX_PIPELINED` is closed at once, unanswered
+(``abort``: a client that reads nothing would hold a ``close`` forever), and no more are queued.
+
 Lingering close (:meth:`linger_close`, as nginx's ``lingering_close`` and Apache's
 ``ap_lingering_close``): a connection the edge ends while its client may still be sending a body it
 answered (the discard bounds above, and the ``408`` of a ``POST /v1/experts`` body late for its
@@ -108,6 +116,10 @@ REFUSED_LINGERING = 64  # refused connections that may linger at once; past it t
 DISCARD_BYTES = 1 << 20
 UPLOAD_DISCARD_BYTES = 2 * MAX_BODY_BYTES
 UPLOAD_METHODS = frozenset({b"POST", b"PUT", b"PATCH"})
+# Requests a connection may have waiting behind the one in progress (pipelined); past it the
+# connection is closed (module docstring, "Pipelining"). Browsers, EventSource and httpx never
+# pipeline; each waiting request holds its head (up to --max-head-bytes) and an ASGI cycle.
+MAX_PIPELINED = 8
 # Lingering close (module docstring): after the half-close, what the client may still send is read and
 # dropped, unparsed, for at most LINGER_TIME s, and at most LINGER_BYTES bytes, or the request's
 # declared Content-Length where that is within its discard cap (DISCARD_BYTES, UPLOAD_DISCARD_BYTES):
@@ -325,6 +337,11 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.heading = False
             self.head_bytes = 0
             self.discard_limit = UPLOAD_DISCARD_BYTES if self.parser.get_method() in UPLOAD_METHODS else DISCARD_BYTES
+            if len(self.pipeline) >= MAX_PIPELINED:  # a response in progress and that many waiting behind it
+                if not self.transport.is_closing():
+                    metrics.pipelines_too_deep += 1
+                    self.transport.abort()
+                return  # not queued; the rest of this read is parsed into nothing (Uvicorn's per-head scope)
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
