@@ -451,3 +451,60 @@ async def test_experts_posts_that_declare_a_length_and_send_nothing_keep_no_othe
             for sock in socks:
                 sock.close()
     assert response.status_code == 200, response.text
+
+
+UNREAD_ANSWERS = 6  # unary answers asked for and never read, by one client (--max-streams-per-client 2)
+
+
+@pytest.mark.anyio
+async def test_unary_answers_a_client_takes_nothing_of_are_cut_after_write_timeout_and_a_slow_reader_is_served(
+        nats_server):
+    """A unary answer is written after its request gave back its stream slot, and only SSE writes had
+    ``--write-timeout``: a client that asked for a 7 MiB answer and read nothing held its connection,
+    ~4 MiB of kernel buffer and the rest of the body in the edge for good, as many times as it asked
+    (six with --max-streams-per-client 2: the share counts streams, not answers being written). Now a
+    response whose client takes nothing of it for --write-timeout closes its connection, whatever
+    the route; a client that takes some within each period is sent all of it."""
+    import socket
+
+    subjects = Subjects("memunread")
+    request_id = rid("unread-unary")
+    bodies = [msgspec.json.encode({"text": "x" * 900_000, "i": i}) for i in range(8)]
+    with running_edge(nats_server.url, "--prefix", "memunread", "--ensure-results-stream", "--write-timeout", "1",
+                      "--max-streams-per-client", "2") as edge:  # its own server: a results stream of its prefix
+        async with connection(nats_server.url) as nc:
+            await publish_results(nc, subjects, request_id, bodies)
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            whole = await client.get(f"/v1/results/{request_id}?stream=false")
+        assert whole.status_code == 200 and len(whole.content) > 7_000_000
+        pid = edge.proc.pid
+        baseline = status_kib(pid, "VmRSS")
+        socks = []
+        for _ in range(UNREAD_ANSWERS):
+            sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never read
+            sock.sendall(f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+            socks.append(sock)
+            await wait_for(lambda: edge.metrics()["streamproc_edge_unary_requests_total"] == len(socks) + 1
+                           and edge.metrics()["streamproc_edge_streams_active"] == 0, 10, "the answer collected")
+        slow = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+        slow.sendall(f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+        received, end = b"", time.monotonic() + 60
+        while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < len(whole.content):
+            assert time.monotonic() < end, len(received)
+            chunk = await anyio.to_thread.run_sync(slow.recv, 256 * 1024)
+            assert chunk, f"the slow reader's answer was cut after {len(received)} bytes"
+            received += chunk
+            await anyio.sleep(0.25)  # takes some within every --write-timeout, never all that waits
+        slow.close()
+        assert edge.metrics()["streamproc_edge_streams_rejected_client_total"] == 0  # every answer a 200
+        await wait_for(lambda: edge.metrics()["streamproc_edge_connections_open"] == 1, 10,
+                       "the unread answers' connections closed")  # the scrape's own
+        growth = status_kib(pid, "VmHWM") - baseline
+        metrics = edge.metrics()
+        for sock in socks:
+            sock.close()
+    assert received.partition(b"\r\n\r\n")[2] == whole.content
+    assert metrics["streamproc_edge_connections_stalled_total"] == UNREAD_ANSWERS
+    print(f"edge VmHWM {growth} kB over its VmRSS before the unread answers")
+    assert growth < 96 * 1024, growth

@@ -118,6 +118,9 @@ PAGE_HEADERS = {
 # reset the connection under a client still sending and lost it the answer. Not "Connection: close":
 # Uvicorn closes at once on that header.
 CLOSE_AFTER_RESPONSE = "streamproc.close_after_response"
+# Scope key of a request whose answer is an SSE stream: its writes have the stream's own bounds
+# (WriteWatch, --stream-buffer-bytes), so ``connections.py`` leaves a stream in progress to them.
+SSE_STREAM = "streamproc.sse_stream"
 
 
 def error_response(message: str, kind: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -218,6 +221,7 @@ class EventStreamResponse(StreamingResponse):
         ~7% of an open and close: docs/benchmarks.md, "SSE lifecycle".)"""
         task = asyncio.current_task()
         assert task is not None
+        scope[SSE_STREAM] = True
         gone = Departure(task)
 
         async def watch() -> None:

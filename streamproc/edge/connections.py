@@ -44,6 +44,15 @@ included) and its memory, and every request it did parse waited in the open pace
 With a response in progress the ``408``/``431`` is not written, only the connection closed:
 responses go out in order, and an answer written then would land inside that response's body.
 
+Writes: a response whose client takes nothing of it for ``--write-timeout`` (the transport's buffer
+past its high-water mark and, with the kernel's send queue, not shrinking) has its connection aborted
+(``connections_stalled``); an SSE stream in progress is left to its own bounds, then checked alike.
+Uvicorn waits for such a client for good, and only the SSE route bounded its writes (``app.WriteWatch``,
+which still ends a stream first): a unary answer is written after its request gave back its stream
+slot, so a client that asked for a 7 MiB answer and read nothing held its connection, ~4 MiB of kernel
+buffer and the rest of the body in the edge for good, as many times as it asked. A client that takes
+some within each period is sent everything, however long it takes.
+
 Pipelining: Uvicorn parses every head a read holds and queues a request (its scope, headers and
 ASGI cycle, ~2 KB with a short head) for each behind the response in progress, and reads on at
 every answer's end. A client that pipelined 2 MiB of ``GET /healthz`` heads and read none of the
@@ -93,18 +102,22 @@ until a garbage collection).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import resource
 import socket
 import ssl
+import struct
+import termios
 from typing import TYPE_CHECKING, Any, Callable
 
-from .app import CLOSE_AFTER_RESPONSE, error_response
+from .app import CLOSE_AFTER_RESPONSE, SSE_STREAM, error_response
 from .experts import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
     from .settings import EdgeSettings
 
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a TCP socket (Linux): unacknowledged bytes
 REFUSED_LINGER = 1.0  # seconds a refused connection may wait for its client's EOF before it is closed
 SWEEP_INTERVAL = 1.0  # seconds between checks for overdue request heads (a head may get up to this much more)
 REFUSED_LINGERING = 64  # refused connections that may linger at once; past it the next ones close at once
@@ -195,6 +208,8 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.linger_bytes = LINGER_BYTES  # the most it may drop (linger_close)
             self.tls: Any = None  # its BoundedTLS layer under --tls-cert-file
             self.running: Any = None  # the request whose ASGI task runs (Uvicorn's cycle), pipelined ones aside
+            self.stall: asyncio.TimerHandle | None = None  # while writing is paused: the next progress check
+            self.unsent = 0  # bytes waiting in the transport at the last progress check
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             tls = self.tls
@@ -368,6 +383,39 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 # its body was read (not heading), that body's end (on_message_complete re-arms).
                 self.await_head()
 
+        def pause_writing(self) -> None:
+            # The transport's buffer passed its high-water mark (the client takes less than is written):
+            # from now on the client must take some within every --write-timeout (module docstring, "Writes").
+            super().pause_writing()
+            if self.stall is None:
+                self.unsent = unsent_bytes(self.transport)
+                self.stall = self.loop.call_later(write_timeout, self.check_progress)
+
+        def resume_writing(self) -> None:
+            if self.stall is not None:
+                self.stall.cancel()
+                self.stall = None
+            super().resume_writing()
+
+        def check_progress(self) -> None:
+            """--write-timeout after writing paused, or after the last progress: the client took some of
+            what waits (checked again later), or nothing (the connection is aborted)."""
+            self.stall = None
+            transport = self.transport
+            unsent = unsent_bytes(transport)
+            if transport.get_write_buffer_size() == 0:  # drained (resume_writing comes with it)
+                return
+            running = self.running
+            if unsent < self.unsent or (running is not None and running.scope.get(SSE_STREAM)
+                                        and not running.response_complete and not transport.is_closing()):
+                # progress, or an SSE stream in progress: its own bounds end it (app.WriteWatch,
+                # --stream-buffer-bytes); a stream they ended and Uvicorn closes is checked as any other
+                self.unsent = unsent
+                self.stall = self.loop.call_later(write_timeout, self.check_progress)
+                return
+            metrics.connections_stalled += 1
+            transport.abort()  # a close would wait for the client to take what waits
+
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             # Uvicorn's (0.54), for a request whose head completed with none in progress, and for the next
             # pipelined one at a response's end: the one connection_lost must tell (below)
@@ -376,6 +424,9 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             running, self.running = self.running, None
+            if self.stall is not None:
+                self.stall.cancel()
+                self.stall = None
             if running is not None and running is not self.cycle and not running.response_complete:
                 # Uvicorn tells only ``self.cycle``, the newest request: with a complete head pipelined
                 # behind a stream that is the waiting one, and the stream never heard its client leave
@@ -510,6 +561,21 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             forget_read_callback(transport)
 
     return BoundedProtocol
+
+
+def unsent_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes written to ``transport`` its client has not acknowledged: the transport's buffer and the
+    kernel's send queue (Linux ``SIOCOUTQ``; elsewhere the buffer alone). The queue is what shows a
+    slow client's progress: with a few MiB queued the kernel reports the socket writable only once
+    much of it is gone, so the buffer alone stood still for seconds while the client read steadily."""
+    size = transport.get_write_buffer_size()  # type: ignore[attr-defined]
+    sock = transport.get_extra_info("socket")
+    if sock is not None and _OUTQ is not None:
+        try:
+            size += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            pass
+    return size
 
 
 def forget_read_callback(transport: asyncio.BaseTransport | None) -> None:

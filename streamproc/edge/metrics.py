@@ -33,6 +33,7 @@ class EdgeMetrics(msgspec.Struct):
     tls_handshakes_unfinished: int = 0
     heads_too_large: int = 0
     pipelines_too_deep: int = 0
+    connections_stalled: int = 0
     bodies_timed_out: int = 0
     bodies_too_large: int = 0
     experts_bodies_timed_out: int = 0
@@ -101,6 +102,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "heads_too_large": ("counter", "connections closed (431, unless a response was in progress) for a request head over --max-head-bytes"),
     "pipelines_too_deep": ("counter", "connections closed unanswered because more requests were pipelined "
                                       "behind the one in progress than the edge queues (connections.MAX_PIPELINED)"),
+    "connections_stalled": ("counter", "connections aborted because their client took nothing of a response "
+                                       "for --write-timeout (an SSE stream's is counted as streams_stalled first)"),
     "bodies_timed_out": ("counter", "connections closed because the body of a request answered before it was "
                                     "read (401, 404, /healthz ...) did not end within --head-timeout of the answer"),
     "bodies_too_large": ("counter", "connections closed because the body of a request answered before it was "
