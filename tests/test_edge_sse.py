@@ -418,6 +418,19 @@ async def test_bad_request_ids_and_last_event_ids_are_rejected_with_400(core_edg
         assert response.status_code == 400
 
 
+async def test_a_last_event_id_of_digits_that_are_not_ascii_is_a_400_naming_the_rule(core_edge):
+    """A header is read as latin-1, where ``"²".isdigit()`` and NBSP is whitespace to ``str.strip``:
+    ``Last-Event-ID: ²`` got a 400 whose message was Python's ``invalid literal for int() with base
+    10: '²'``, and NBSP + ``1`` resumed after seq 1. Only ASCII digits are a seq, around them only the
+    spaces and tabs HTTP allows."""
+    async with httpx.AsyncClient(base_url=core_edge.url, timeout=5) as client:
+        for value in (b"\xb2", b"1\xb3", b"\xb9\xb2", b"\xa01", b"1\xa0", b"\x851"):
+            response = await client.get("/v1/results/ok", headers=[(b"Last-Event-ID", value)])
+            assert response.status_code == 400, value
+            message = response.json()["error"]["message"]
+            assert message.startswith("Last-Event-ID must be a result seq"), (value, message)
+
+
 async def test_two_hundred_concurrent_sse_clients_each_get_their_own_results(core_edge, nc):
     n = 200
     ids = [rid(f"many{i}") for i in range(n)]

@@ -51,10 +51,14 @@ def _field(text: str) -> bytes:
 
 
 def parse_last_event_id(value: str | None) -> int | None:
-    """The seq a reconnecting client saw last, or None. Raises ValueError on anything but a seq."""
-    if value is None or value.strip() == "":
+    """The seq a reconnecting client saw last, or None. Raises ValueError on anything but a seq: ASCII
+    digits, with only HTTP's optional whitespace (SP, HTAB) around them. A header is read as latin-1,
+    where ``"²".isdigit()`` and ``str.strip`` takes NBSP and NEL for whitespace."""
+    if value is None:
         return None
-    value = value.strip()
-    if not value.isdigit() or len(value) > 18:
+    value = value.strip(" \t")
+    if value == "":
+        return None
+    if not (value.isascii() and value.isdigit()) or len(value) > 18:
         raise ValueError(f"Last-Event-ID must be a result seq (a non-negative integer), got {shown(value)}")
     return int(value)
