@@ -26,7 +26,22 @@ def signing_key_problem(algorithm: str, key: bytes) -> str | None:
     if algorithm.startswith("HS"):
         return hmac_secret_problem(algorithm, key)
     signer = jwt.get_algorithm_by_name(algorithm)
-    return key_weakness(signer, signer.prepare_key(key))
+    prepared = signer.prepare_key(key)
+    return public_only(prepared) or key_weakness(signer, prepared)
+
+
+def public_only(prepared: object) -> str | None:
+    """Why a key ``Algorithm.prepare_key`` made cannot sign, being the public half of a pair, or None.
+    PyJWT loads a PEM public key for RS*/PS*/ES*/EdDSA as readily as a private one, and ``jwt.encode``
+    then fails as ``AttributeError: ... has no attribute 'sign'``; the edge gets the public half
+    (docs/security.md), so it is the file a minter is most easily handed by mistake."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+
+    public = (rsa.RSAPublicKey, ec.EllipticCurvePublicKey, ed25519.Ed25519PublicKey, ed448.Ed448PublicKey)
+    if isinstance(prepared, public):
+        return ("a public key, which only verifies: sign with the private key (the edge's --auth-key-file "
+                "gets the public one)")
+    return None
 
 
 def hmac_secret_problem(algorithm: str, raw: bytes) -> str | None:

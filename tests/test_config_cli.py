@@ -132,6 +132,26 @@ def test_token_print_config_needs_a_readable_key_and_a_grant(key_file):
     assert f"cannot read --key-file {missing!r}" in line
 
 
+@pytest.mark.parametrize("algorithm", ["ES256", "RS256", "EdDSA"])
+def test_token_refuses_the_public_half_of_a_key_in_one_line(algorithm, tmp_path):
+    """The edge gets the public key, the minter the private one (docs/security.md names both files):
+    handed the public one, ``token`` says so (exit 2), never an AttributeError traceback from PyJWT."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    private = {"ES256": lambda: ec.generate_private_key(ec.SECP256R1()),
+               "RS256": lambda: rsa.generate_private_key(public_exponent=65537, key_size=2048),
+               "EdDSA": ed25519.Ed25519PrivateKey.generate}[algorithm]()
+    public = tmp_path / "edge.pub"
+    public.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
+    for extra in ([], ["--print-config"]):
+        proc = run_cli_process("token", "--key-file", str(public), "--algorithm", algorithm, "--operator", *extra)
+        line = one_clean_error(proc, 2, "token")
+        assert f"cannot sign with --key-file {str(public)!r} as {algorithm}: " in line and "public key" in line, line
+        assert proc.stdout == ""
+
+
 def test_run_print_config_checks_the_otel_variables_as_start_up_does():
     proc = run_cli_process("run", "--print-config", env={"OTEL_TRACES_EXPORTER": "no-such-exporter"})
     line = one_clean_error(proc, 2, "run")
