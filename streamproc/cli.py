@@ -386,7 +386,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
-        return args.func(args)
+        code = args.func(args)
+        if argv is None:  # a buffered write to a closed pipe fails here, not at interpreter exit
+            sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        if argv is not None:  # a caller's in-process use: its stdout is not ours to replace
+            raise
+        # The reader of stdout has gone (`streamproc codecs | head -1`): stop quietly, as the Python
+        # docs advise (library/signal.html, "Note on SIGPIPE"): stdout onto /dev/null so the flush at
+        # exit cannot fail again, and a non-zero exit since the output was not all delivered.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
     except ConfigError as exc:
         print(f"streamproc {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -304,6 +304,26 @@ def test_token_refuses_a_request_id_no_request_can_have(tmp_path):
     assert ok.returncode == 0 and ok.stdout.count(".") == 2, ok.stderr
 
 
+@pytest.mark.parametrize("command", ["codecs", "token", "run"])
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(command, tmp_path):
+    """``streamproc codecs | head -1``: the reader has gone, so the command stops with exit 1 and
+    nothing on stderr, as ``head`` users expect, not a BrokenPipeError traceback."""
+    import os
+
+    key = tmp_path / "edge.key"
+    key.write_bytes(b"k" * 40)
+    args = {"codecs": ["codecs"], "token": ["token", "--key-file", str(key), "--operator"],
+            "run": ["run", "--print-config"]}[command]
+    read, write = os.pipe()
+    os.close(read)  # no reader: the command's first write to stdout meets EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "streamproc", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=60, env=clean_env(), stdin=subprocess.DEVNULL)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, ""), proc.stderr
+
+
 def test_python_dash_m_streamproc_is_the_streamproc_command():
     """``python -m streamproc`` (no ``__main__`` before: "No module named streamproc.__main__")."""
     by_module = subprocess.run([sys.executable, "-m", "streamproc", "--version"], capture_output=True, text=True,
