@@ -160,6 +160,12 @@ def test_demo_exits_zero_with_a_verified_summary(run_cli):
         next(line for line in out.splitlines() if line.startswith("total"))
     columns = dict(zip(header.split(), map(int, total.split()[1:])))
     assert columns["omitted"] > 0 and columns["errors"] > 0, out
+    # ... and the summary says they were planned and ended as they must, so a newcomer does not read
+    # "errors 5" as a failure: 10 corrupt and 10 missing prefill legs in 100 P/D requests, a contract
+    # violation in every 20 aggregated ones (traffic.planned)
+    assert ("planned faults, 25 of 25 as expected: 10 corrupt prefill legs -> omitted with a reason; "
+            "10 missing prefill legs -> omitted with a reason (prefill timeout); "
+            "5 contract violations -> invalid_chunk error results") in out.splitlines(), out
     # a worker dies mid-decode in one aggregated and one P/D request: each migrates, and its client
     # sees one verified stream whose resumed part is stitched
     for row in ("aggregated stream, migrated", "P/D stream, migrated"):

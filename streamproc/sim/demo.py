@@ -53,6 +53,7 @@ class DemoReport(msgspec.Struct):
     processor: dict[str, int] | None  # counters of the in-process processor (None when it runs elsewhere)
     timed_out: str | None = None
     title: str = "streamproc demo"
+    faults: dict[str, list[int]] = {}  # planned fault -> [requests, ended as they must] (the demo's)
 
     @property
     def total(self) -> traffic.Tally:
@@ -164,7 +165,7 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
                 summarize_migrations(migrations, results, worker, rows, problems)
                 stats = processor.snapshot()
                 report = DemoReport(format, server.url, published.messages, time.perf_counter() - started, rows,
-                                    problems, stats, timed_out)
+                                    problems, stats, timed_out, faults=verifier.faults)
                 if serve_port is not None:
                     print_report(report, out)
                     faulted = examples.get("corrupt_prefill") or next(iter(examples.values()))
@@ -250,6 +251,13 @@ def print_report(report: DemoReport, out: TextIO = sys.stdout) -> None:
         print(f"processor: chunks={stats['chunks']} results={stats['results']} duplicates={stats['duplicates']} "
               f"errors={stats['errors']} prefill_timeouts={stats['prefill_timeouts']} inflight={stats['inflight']}",
               file=out)
+    if report.faults:  # the omissions and errors above are these, so none reads as a failure
+        planned = sum(n for n, _ in report.faults.values())
+        as_expected = sum(ok for _, ok in report.faults.values())
+        order = [*traffic.FAULT_OUTCOMES, *sorted(report.faults.keys() - traffic.FAULT_OUTCOMES.keys())]
+        kinds = "; ".join(f"{report.faults[fault][0]} {traffic.FAULT_OUTCOMES.get(fault, fault)}"
+                          for fault in order if fault in report.faults)
+        print(f"planned faults, {as_expected} of {planned} as expected: {kinds}", file=out)
     if report.timed_out:
         print(f"TIMEOUT: {report.timed_out}", file=out)
     for rid, found in list(report.problems.items())[:10]:

@@ -50,6 +50,14 @@ class PlannedRequest(msgspec.Struct):
         return self.agg if self.kind == "agg" else self.decode
 
 
+# What each planned fault (PlannedRequest.fault) must end in, as the demo's summary says it.
+FAULT_OUTCOMES = {
+    "corrupt_prefill": "corrupt prefill legs -> omitted with a reason",
+    "missing_prefill": "missing prefill legs -> omitted with a reason (prefill timeout)",
+    "contract": "contract violations -> invalid_chunk error results",
+}
+
+
 class Message(msgspec.Struct, frozen=True):
     request_id: str
     role: Role

@@ -60,6 +60,7 @@ class Verifier(AllResults):
         self.max_outstanding = max(max_outstanding, traffic.WINDOW)
         self.rows: dict[str, traffic.Tally] = {}
         self.problems: dict[str, list[str]] = {}  # the first MAX_PROBLEMS_KEPT failed requests
+        self.faults: dict[str, list[int]] = {}  # planned fault -> [requests, ended as they must]
         self.finished = 0  # requests checked (ended or, at close, not)
         self.malformed = 0  # result messages that broke the contract (ignored)
         self._open: dict[str, _Open] = {}
@@ -139,6 +140,10 @@ class Verifier(AllResults):
         p = held.plan
         found = traffic.verify(p, held.results, self.worker) + ([problem] if problem else [])
         self.rows.setdefault(traffic.row_name(p), traffic.Tally()).add(p.kind, held.results, found)
+        if p.fault is not None:
+            counts = self.faults.setdefault(p.fault, [0, 0])
+            counts[0] += 1
+            counts[1] += not found
         if found and len(self.problems) < MAX_PROBLEMS_KEPT:
             self.problems[rid] = found
         self.finished += 1
