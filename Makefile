@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install install-compiled demo test test-compose laws bench clean
+.PHONY: install install-compiled demo test test-compose bench clean
 
 $(STAMP): pyproject.toml codecs/sglang-zstd/pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -4,6 +4,7 @@ script, and where they cannot be installed the browser test skips loudly instead
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,15 @@ def test_make_test_and_ci_run_the_same_install_script() -> None:
     assert "scripts/install-system-deps" in test_recipe
     assert "scripts/install-system-deps" in (ROOT / ".ci" / "run").read_text()
     assert os.access(SCRIPT, os.X_OK)
+
+
+def test_every_phony_make_target_has_a_recipe() -> None:
+    """A name in ``.PHONY`` without a rule (``laws`` was one) makes ``make <name>`` succeed doing
+    nothing, so a newcomer reading the Makefile believes a target exists that runs nothing."""
+    makefile = (ROOT / "Makefile").read_text()
+    phony = re.search(r"^\.PHONY:(.*)$", makefile, re.M).group(1).split()
+    rules = set(re.findall(r"^([A-Za-z][\w-]*):", makefile, re.M))
+    assert [name for name in phony if name not in rules] == []
 
 
 def test_install_script_without_apt_explains_and_succeeds(tmp_path: Path) -> None:
