@@ -201,6 +201,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             report = DemoReport(settings.format, config.redact_url(settings.nats_url), published.messages,
                                 time.perf_counter() - started, verifier.summary(), verifier.problems, None,
                                 timed_out, title="streamproc simulate")
+            if timed_out is not None and report.total.results == 0:  # nothing at all: not a slow processor
+                prefix = settings.subjects.prefix
+                report.timed_out = (f"{timed_out}; no result arrived at all: is a processor (`streamproc run "
+                                    f"--prefix {prefix}`) reading {prefix}.chunks.> on this server, and may "
+                                    f"this NATS user subscribe to {prefix}.results.>?")
             print_report(report)
             return EXIT_OK if report.ok else EXIT_FAILURE
         finally:

@@ -139,6 +139,17 @@ def test_simulate_publishes_the_announced_number_of_chunks(nats_url, run_cli):
     assert {s.rsplit(".", 1)[1] for s in received} == {"prefill", "decode"}
 
 
+def test_simulate_verify_without_any_result_says_what_to_check(nats_url, run_cli):
+    """No processor on the server (or a NATS user that may not read the results, as compose's
+    ``worker``): not one result arrives, and the summary says what to look at, not only that the
+    requests timed out."""
+    proc = run_cli("simulate", "--nats-url", nats_url, "--prefix", "p9", "--requests", "3", "--verify",
+                   "--timeout", "1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("no result arrived at all: is a processor (`streamproc run --prefix p9`) reading p9.chunks.> "
+            "on this server, and may this NATS user subscribe to p9.results.>?") in proc.stdout, proc.stdout
+
+
 def test_simulate_without_a_server_fails_cleanly(run_cli):
     proc = run_cli("simulate", "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "2")
     assert_clean_failure(proc, 1)
