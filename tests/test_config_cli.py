@@ -241,6 +241,17 @@ def test_edge_start_up_failure_exits_1_in_one_line_without_a_traceback():
     assert "cannot connect to NATS" in line
 
 
+@pytest.mark.parametrize("command", ["run", "edge"])
+def test_a_first_connect_that_fails_logs_no_lost_connection(command):
+    """``event=disconnected`` means "the NATS connection was lost; the client reconnects"
+    (docs/operations.md): a start-up that never connected and gives up logged it anyway, right
+    before ``cannot connect to NATS``, and counted it in ``disconnects`` (found by a newcomer)."""
+    proc = run_cli_process(command, "--nats-url", f"nats://127.0.0.1:{free_port()}", "--connect-timeout", "1",
+                           *needed(command, Path()), *(["--port", str(free_port())] if command == "edge" else []))
+    assert "cannot connect to NATS" in one_clean_error(proc, 1, command)
+    assert "event=disconnected" not in proc.stderr, proc.stderr
+
+
 def test_edge_with_a_busy_port_exits_1():
     import socket
 

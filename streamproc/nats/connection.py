@@ -259,6 +259,16 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
     fatal: list[Exception] = []
     nc = new_client()  # survives what nats-py cannot parse (robust.py), header work fast (fast_client.py)
     connecting = True
+    connected = False  # once the first connect succeeded
+    disconnected_cb = callbacks.get("disconnected_cb")
+    if disconnected_cb is not None:
+        async def on_disconnected() -> None:
+            # nats-py calls it from close() of a client that never connected too (the first connect
+            # given up below): no connection was lost then, so no event=disconnected, no disconnect counted
+            if connected:
+                await disconnected_cb()
+
+        callbacks["disconnected_cb"] = on_disconnected
 
     tls = "tls" in options or any(u.startswith("tls://") for u in servers(settings))
 
@@ -299,6 +309,7 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
             raise
     connecting = False
     if nc.is_connected:
+        connected = True
         return nc
     with anyio.move_on_after(1):
         await _close_quietly(nc)
