@@ -307,6 +307,21 @@ def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
     assert code == 0, proc.stderr.read()
 
 
+def test_demo_serve_on_a_busy_port_fails_in_one_line(run_cli):
+    """The live page's port taken: exit 1 with ``cannot serve the live page`` (docs/configuration.md:
+    never a traceback), not an ExceptionGroup traceback from the edge's task group."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli("demo", "--requests", "4", "--serve", str(port), timeout=60)
+    assert_clean_failure(proc, 1)
+    errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert errors == [f"streamproc demo: error: cannot serve the live page on 127.0.0.1:{port}"], proc.stderr
+
+
 def test_token_refuses_a_request_id_no_request_can_have(tmp_path):
     from conftest import run_cli_process
 

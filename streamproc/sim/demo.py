@@ -210,19 +210,22 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
             finally:
                 done.set()
 
+    served = False
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         try:
             while not server.started and not done.is_set():
                 await anyio.sleep(0.05)
-            if failed or not server.started:
-                raise StartupError(f"cannot serve the live page on 127.0.0.1:{port}")
-            bound = server.servers[0].sockets[0].getsockname()[1]
-            print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
-                  f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
-            await done.wait()
+            if not failed and server.started:
+                served = True
+                bound = server.servers[0].sockets[0].getsockname()[1]
+                print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
+                      f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
+                await done.wait()
         finally:
             server.should_exit = True
+    if not served:  # raised outside the task group: one line from the CLI, not an ExceptionGroup traceback
+        raise StartupError(f"cannot serve the live page on 127.0.0.1:{port}")
 
 
 async def _report_progress(out: TextIO, finished: Callable[[], int], requests: int, processor: Processor) -> None:
