@@ -301,6 +301,11 @@ def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
             stats = json.loads(response.read())
         assert [p["ok"] for p in stats["processors"]] == [True], stats
         assert stats["join_wait"] and stats["join_wait"]["count"] > 0, stats
+        # the page's list of recent requests holds the demo's (it said "none seen yet": the edge
+        # started after the traffic and its ring reads new results only)
+        with urllib.request.urlopen(f"{base}/v1/recent", timeout=10) as response:
+            recent = {entry["request_id"] for entry in json.loads(response.read())}
+        assert example in recent and len(recent) >= 38, sorted(recent)  # 38 planned, 2 migrated
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(15)

@@ -10,7 +10,7 @@ import contextlib
 
 import sys
 import time
-from typing import Callable, Iterator, TextIO
+from typing import AsyncIterator, Callable, Iterator, TextIO
 
 import anyio
 import msgspec
@@ -110,75 +110,84 @@ async def run_demo(*, requests: int = 200, format: str | None = None, seed: int 
         settings = config.load({}, overrides)
         async with Processor(settings) as processor:
             with work:  # cancelled by the caller (a signal): the processor and NATS still stop as usual
-                nc = await nats.connect(server.url)
-                try:
-                    migrations = plan_migrations(seed=seed, id_prefix="demo") if requests >= MIGRATIONS_FROM else []
-                    examples: dict[str | None, str] = {}  # the first request of each fault (None: healthy)
+                async with contextlib.AsyncExitStack() as serving:  # the edge, when serving
+                    edge: tuple[int, anyio.Event] | None = None
+                    if serve_port is not None:  # up before the traffic: the page lists the demo's requests
+                        edge = await serving.enter_async_context(edge_server(
+                            server.url, format, serve_port,
+                            processor_metrics_url=f"http://127.0.0.1:{processor.http_port}/metrics"))
+                    nc = await nats.connect(server.url)
+                    try:
+                        migrations = plan_migrations(seed=seed, id_prefix="demo") if requests >= MIGRATIONS_FROM else []
+                        examples: dict[str | None, str] = {}  # the first request of each fault (None: healthy)
 
-                    def noted(plans: Iterator[traffic.PlannedRequest]) -> Iterator[traffic.PlannedRequest]:
-                        for p in plans:
-                            examples.setdefault(p.fault, p.request_id)
-                            yield p
+                        def noted(plans: Iterator[traffic.PlannedRequest]) -> Iterator[traffic.PlannedRequest]:
+                            for p in plans:
+                                examples.setdefault(p.fault, p.request_id)
+                                yield p
 
-                    # planned a window at a time as it is published: memory does not grow with --requests
-                    windows = traffic.windows(noted(traffic.planned(
-                        format, requests=requests - len(migrations), mode="mixed", seed=seed, id_prefix="demo",
-                        worker=worker, faults=True)), seed=seed)
-                    collectors: list[ResultCollector] = []
-                    results: dict[str, list[ResultInfo]] = {}
+                        # planned a window at a time as it is published: memory does not grow with --requests
+                        windows = traffic.windows(noted(traffic.planned(
+                            format, requests=requests - len(migrations), mode="mixed", seed=seed, id_prefix="demo",
+                            worker=worker, faults=True)), seed=seed)
+                        collectors: list[ResultCollector] = []
+                        results: dict[str, list[ResultInfo]] = {}
 
-                    def finished() -> int:
-                        return verifier.finished + sum(c.finished(m.request_id) for c in collectors for m in migrations)
+                        def finished() -> int:
+                            return verifier.finished + sum(c.finished(m.request_id) for c in collectors for m in migrations)
 
-                    async with Verifier(nc, settings.subjects, worker) as verifier, anyio.create_task_group() as tg:
-                        if progress is not None:
-                            tg.start_soon(_report_progress, progress, finished, requests, processor)
-                        # Against JetStream (mode auto chose durable), each chunk waits for its PubAck, as
-                        # simulate does: a chunk the stream refuses raises instead of vanishing.
-                        published = await verifier.publish(windows, format=format, timeout=timeout,
-                                                           durable=processor.mode == "durable")
-                        timed_out = published.timed_out
-                        # Opened only now, so it holds no more than the requests still open (it keeps
-                        # every result it sees); the migrations' own results are what it is for.
-                        async with ResultCollector(nc, settings.subjects) as collector:
-                            collectors.append(collector)
-                            try:
-                                if timed_out is None:
-                                    with anyio.fail_after(timeout):
-                                        # While the traffic flows: a worker dies mid-decode, its request migrates.
-                                        for m in migrations:
-                                            await run_migration(nc, settings.subjects, m, format=format,
-                                                                worker=worker, collector=collector, timeout=timeout)
-                                    await collector.wait_for([m.request_id for m in migrations], timeout=timeout)
-                                    await verifier.drain(timeout)
-                            except TimeoutError as exc:
-                                timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
-                            results = {m.request_id: list(collector.results.get(m.request_id, []))
-                                       for m in migrations}
-                            collectors.clear()
-                        verifier.close()
-                        tg.cancel_scope.cancel()
-                finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):  # closed even when cancelled
-                        await nc.close()
-                rows, problems = verifier.summary(), verifier.problems
-                summarize_migrations(migrations, results, worker, rows, problems)
-                stats = processor.snapshot()
-                report = DemoReport(format, server.url, published.messages, time.perf_counter() - started, rows,
-                                    problems, stats, timed_out, faults=verifier.faults)
-                if serve_port is not None:
-                    print_report(report, out)
-                    faulted = examples.get("corrupt_prefill") or next(iter(examples.values()))
-                    await serve_edge(server.url, format, serve_port, faulted, out,
-                                     processor_metrics_url=f"http://127.0.0.1:{processor.http_port}/metrics")
+                        async with Verifier(nc, settings.subjects, worker) as verifier, anyio.create_task_group() as tg:
+                            if progress is not None:
+                                tg.start_soon(_report_progress, progress, finished, requests, processor)
+                            # Against JetStream (mode auto chose durable), each chunk waits for its PubAck, as
+                            # simulate does: a chunk the stream refuses raises instead of vanishing.
+                            published = await verifier.publish(windows, format=format, timeout=timeout,
+                                                               durable=processor.mode == "durable")
+                            timed_out = published.timed_out
+                            # Opened only now, so it holds no more than the requests still open (it keeps
+                            # every result it sees); the migrations' own results are what it is for.
+                            async with ResultCollector(nc, settings.subjects) as collector:
+                                collectors.append(collector)
+                                try:
+                                    if timed_out is None:
+                                        with anyio.fail_after(timeout):
+                                            # While the traffic flows: a worker dies mid-decode, its request migrates.
+                                            for m in migrations:
+                                                await run_migration(nc, settings.subjects, m, format=format,
+                                                                    worker=worker, collector=collector, timeout=timeout)
+                                        await collector.wait_for([m.request_id for m in migrations], timeout=timeout)
+                                        await verifier.drain(timeout)
+                                except TimeoutError as exc:
+                                    timed_out = str(exc) or f"the migrations did not finish within {timeout}s"
+                                results = {m.request_id: list(collector.results.get(m.request_id, []))
+                                           for m in migrations}
+                                collectors.clear()
+                            verifier.close()
+                            tg.cancel_scope.cancel()
+                    finally:
+                        with anyio.CancelScope(shield=True), anyio.move_on_after(2):  # closed even when cancelled
+                            await nc.close()
+                    rows, problems = verifier.summary(), verifier.problems
+                    summarize_migrations(migrations, results, worker, rows, problems)
+                    stats = processor.snapshot()
+                    report = DemoReport(format, server.url, published.messages, time.perf_counter() - started, rows,
+                                        problems, stats, timed_out, faults=verifier.faults)
+                    if edge is not None:
+                        print_report(report, out)
+                        faulted = examples.get("corrupt_prefill") or next(iter(examples.values()))
+                        print_live_page(edge[0], faulted, out)
+                        await edge[1].wait()
     return report
 
 
-async def serve_edge(nats_url: str, format: str, port: int, example: str, out: TextIO, *,
-                     processor_metrics_url: str = "") -> None:
-    """The reference edge on the demo's NATS until cancelled (``streamproc demo`` cancels on SIGINT/
-    SIGTERM: cli.until_signal owns the signals); prints the live page's URL. Uvicorn's own signal
-    capture is off: two handlers of one signal would cancel Uvicorn in the middle of its shutdown."""
+@contextlib.asynccontextmanager
+async def edge_server(nats_url: str, format: str, port: int, *,
+                      processor_metrics_url: str = "") -> AsyncIterator[tuple[int, anyio.Event]]:
+    """The reference edge on the demo's NATS while the context is open: its bound port, and an event
+    set if it stops on its own. Opened before the traffic, so the live page's list of recent
+    requests holds the demo's (the edge's ring reads new results only). Uvicorn's own signal capture
+    is off: two handlers of one signal would cancel Uvicorn in the middle of its shutdown
+    (``streamproc demo`` cancels on SIGINT/SIGTERM: cli.until_signal owns the signals)."""
     import uvicorn
 
     from ..core.errors import StartupError
@@ -211,6 +220,7 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
                 done.set()
 
     served = False
+    error: Exception | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         try:
@@ -218,14 +228,21 @@ async def serve_edge(nats_url: str, format: str, port: int, example: str, out: T
                 await anyio.sleep(0.05)
             if not failed and server.started:
                 served = True
-                bound = server.servers[0].sockets[0].getsockname()[1]
-                print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
-                      f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
-                await done.wait()
+                try:
+                    yield server.servers[0].sockets[0].getsockname()[1], done
+                except Exception as exc:  # noqa: BLE001 - re-raised outside the task group (no ExceptionGroup)
+                    error = exc
         finally:
             server.should_exit = True
+    if error is not None:
+        raise error
     if not served:  # raised outside the task group: one line from the CLI, not an ExceptionGroup traceback
         raise StartupError(f"cannot serve the live page on 127.0.0.1:{port}")
+
+
+def print_live_page(bound: int, example: str, out: TextIO) -> None:
+    print(f"live page: http://127.0.0.1:{bound}/?id={example}  (results: "
+          f"http://127.0.0.1:{bound}/v1/results/<id>; Ctrl-C stops)", file=out, flush=True)
 
 
 async def _report_progress(out: TextIO, finished: Callable[[], int], requests: int, processor: Processor) -> None:
