@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 from streamproc_vllm import VLLMCodec
-from test_vllm_034_bodies_by_hand import OPTIONS as VLLM_OPTIONS
-from test_vllm_034_bodies_by_hand import RID as VLLM_RID
-from test_vllm_034_bodies_by_hand import choice as vllm_choice
-from test_vllm_034_bodies_by_hand import usage as vllm_usage
+from vllm_034_bodies import OPTIONS as VLLM_OPTIONS
+from vllm_034_bodies import RID as VLLM_RID
+from vllm_034_bodies import choice as vllm_choice
+from vllm_034_bodies import usage as vllm_usage
 
 
 def test_vllm_an_n_2_stream_whose_second_sample_speaks_first_folds_to_choices_in_index_order():

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
-from streamproc_sglang import SGLangCodec
-from streamproc_vllm import VLLMCodec
-from test_upstream_bodies_by_hand import (
+from sglang_0523_bodies import (
     INPUT_IDS_LP,
     INPUT_LP,
     OUTPUT_IDS_LP,
@@ -23,14 +21,16 @@ from test_upstream_bodies_by_hand import (
     b64,
     sgl_body,
 )
-from test_upstream_bodies_by_hand import OPTIONS as SGL_OPTIONS
-from test_vllm_034_bodies_by_hand import OPTIONS as VLLM_OPTIONS
-from test_vllm_034_bodies_by_hand import OUT as VLLM_OUT
-from test_vllm_034_bodies_by_hand import PROMPT as VLLM_PROMPT
-from test_vllm_034_bodies_by_hand import TOTAL as VLLM_TOTAL
-from test_vllm_034_bodies_by_hand import choice as vllm_choice
-from test_vllm_034_bodies_by_hand import npy_b64, prefill, unary
-from test_vllm_034_bodies_by_hand import rows as vllm_rows
+from sglang_0523_bodies import OPTIONS as SGL_OPTIONS
+from streamproc_sglang import SGLangCodec
+from streamproc_vllm import VLLMCodec
+from vllm_034_bodies import OPTIONS as VLLM_OPTIONS
+from vllm_034_bodies import OUT as VLLM_OUT
+from vllm_034_bodies import PROMPT as VLLM_PROMPT
+from vllm_034_bodies import TOTAL as VLLM_TOTAL
+from vllm_034_bodies import choice as vllm_choice
+from vllm_034_bodies import npy_b64, prefill, unary
+from vllm_034_bodies import rows as vllm_rows
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict

@@ -9,9 +9,9 @@ from helpers import upstream_json as dumps
 from streamproc_sglang.migration import check_request as sglang_check_request
 from streamproc_vllm import VLLMCodec
 from streamproc_vllm.migration import resume_request
-from test_vllm_034_bodies_by_hand import OPTIONS as VLLM_OPTIONS
-from test_vllm_034_bodies_by_hand import RID as VLLM_RID
-from test_vllm_034_bodies_by_hand import choice as vllm_choice
+from vllm_034_bodies import OPTIONS as VLLM_OPTIONS
+from vllm_034_bodies import RID as VLLM_RID
+from vllm_034_bodies import choice as vllm_choice
 
 from streamproc.codec import Emitted, MigrationRefused
 

@@ -43,84 +43,31 @@ import zstandard
 from helpers import assert_same_body as assert_same
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
-
-from streamproc.codec import CodecOptions
-from streamproc.wire import Verdict
+from sglang_0523_bodies import (
+    INPUT_IDS_LP,
+    INPUT_LP,
+    INPUT_TOP,
+    LAYERS,
+    OPTIONS,
+    OUT,
+    OUT_TEXT,
+    OUTPUT_IDS_LP,
+    OUTPUT_LP,
+    OUTPUT_TOP,
+    PREFILL_FINISH,
+    PROMPT,
+    STOP,
+    TOPK,
+    b64,
+    rows,
+    sgl_body,
+)
 from streamproc_sglang import SGLangCodec
 from streamproc_sglang_zstd import SGLangZstdCodec
 from streamproc_vllm import VLLMCodec
 
-OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
-
-
-
-
-# =========================================================================================== SGLang
-
-RID = "req-1"
-PROMPT = [101, 102, 103, 104]
-OUT = [201, 202, 203]
-OUT_TEXT = ["Hé", "llo", " 世"]
-LAYERS, TOPK = 2, 2
-
-
-def rows(start: int, end: int, dtype: str = "<i4") -> bytes:
-    """Expert ids of positions [start, end): distinct within a (position, layer)."""
-    ids = [[(p * 7 + j * 3 + 1) % 61 + (j % TOPK) * 61 for j in range(LAYERS * TOPK)] for p in range(start, end)]
-    return np.asarray(ids, dtype=dtype).tobytes()
-
-
-def b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode()
-
-
-# tokenizer_manager.detokenize_logprob_tokens(decode_to_text=True): (logprob, id, text) triples; the
-# scheduler pads the first scored prompt position with a None logprob.
-INPUT_LP = [[None, 101, "<s>"], [-1.5, 102, "é"], [-0.25, 103, ""], [-2.0, 104, "😀"]]
-OUTPUT_LP = [[-0.125, 201, "Hé"], [-0.5, 202, "llo"], [-0.75, 203, " 世"]]
-# detokenize_top_logprobs_tokens: None where the position has no values (the padded first one).
-INPUT_TOP = [None, [[-1.5, 102, "é"], [-1.75, 9, "x"]], [[-0.25, 103, ""], [-3.0, 7, None]],
-             [[-2.0, 104, "😀"], [-2.5, 5, "y"]]]
-OUTPUT_TOP = [[[-0.125, 201, "Hé"], [-4.0, 8, "z"]], [[-0.5, 202, "llo"], [-1.0, 9, "x"]],
-              [[-0.75, 203, " 世"], [-0.875, 5, "y"]]]
-# token_ids_logprob=[9, 42]: one [[lp, 9, t], [lp, 42, t]] per position.
-INPUT_IDS_LP = [None, [[-1.75, 9, "x"], [-6.0, 42, "q"]], [[-5.0, 9, "x"], [-6.5, 42, "q"]],
-                [[-4.0, 9, "x"], [-7.0, 42, "q"]]]
-OUTPUT_IDS_LP = [[[-3.0, 9, "x"], [-8.0, 42, "q"]], [[-1.0, 9, "x"], [-9.0, 42, "q"]],
-                 [[-2.0, 9, "x"], [-9.5, 42, "q"]]]
-
-
-def sgl_body(*, out: list[int], text: str, finish: Any, completion: int, lp: dict[str, Any] | None,
-             experts: Any = None, cached: int = 0, finished: bool = True) -> dict:
-    """``TokenizerManager._handle_batch_output`` for one request (BatchStrOutput branch)."""
-    meta: dict[str, Any] = {
-        "id": RID,
-        "finish_reason": finish,
-        "prompt_tokens": len(PROMPT),
-        "weight_version": "default",
-        "total_retractions": 0,
-    }
-    if lp is not None:  # convert_logprob_style -> add_logprob_to_meta_info
-        meta["input_token_logprobs"] = lp["input"]
-        meta["output_token_logprobs"] = lp["output"]
-        meta["output_token_logprobs_length"] = lp["length"]
-        if "input_top" in lp:  # top_logprobs_num > 0
-            meta["input_top_logprobs"] = lp["input_top"]
-            meta["output_top_logprobs"] = lp["output_top"]
-        if "input_ids" in lp:  # token_ids_logprob is not None
-            meta["input_token_ids_logprobs"] = lp["input_ids"]
-            meta["output_token_ids_logprobs"] = lp["output_ids"]
-    meta["completion_tokens"] = completion
-    meta["cached_tokens"] = cached
-    if experts is not None:
-        meta["routed_experts"] = experts
-    if finished:
-        meta["e2e_latency"] = 0.25
-    return {"text": text, "output_ids": out, "meta_info": meta}
-
-
-STOP = {"type": "stop", "matched": 203}  # FINISH_MATCHED_TOKEN.to_json()
-PREFILL_FINISH = {"type": "length", "length": 1}  # the prefill worker's request ends after token 0
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
 
 
 def sgl_case(*, top: bool, ids_lp: bool, encode=b64, stale_value: int = 0x5A5A):
