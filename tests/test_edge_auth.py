@@ -970,3 +970,145 @@ async def test_head_is_refused_exactly_as_get_an_id_holding_a_slash_included(aut
             get_, head = await client.get(path, headers=headers), await client.head(path, headers=headers)
             assert (get_.status_code, head.status_code, head.content) == (status, status, b""), path
             assert head.headers.get("www-authenticate") == get_.headers.get("www-authenticate"), path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The claim checks at their exact bounds, on the Verifier with a fixed clock (mutation testing, 2026-12-05:
+# the edge tests above stay ~20 s inside the 30 s leeway, so an off-by-one there went unseen).
+
+LEEWAY = 30.0
+NOW = 1_800_000_000  # a whole second: the bounds below are exact
+
+
+def fixed_verifier(clock: list[float] | None = None) -> Verifier:
+    at = clock if clock is not None else [float(NOW)]
+    return Verifier(SECRET, "HS256", leeway=LEEWAY, clock=lambda: at[0])
+
+
+def at_time(**claims) -> str:
+    return jwt.encode({"aud": AUDIENCE, "rids": ["x"], "exp": NOW + 600, **claims}, SECRET)
+
+
+def test_exp_nbf_and_iat_are_refused_exactly_one_second_past_the_leeway():
+    """Expired once ``exp <= now - leeway``; not yet valid once ``nbf`` or ``iat > now + leeway``
+    (PyJWT 2.15 ``_validate_exp`` / ``_validate_nbf`` / ``_validate_iat``)."""
+    leeway = int(LEEWAY)
+    for claims in ({"exp": NOW - leeway + 1}, {"nbf": NOW + leeway}, {"iat": NOW + leeway}):
+        assert fixed_verifier().verify(at_time(**claims)).allows("x"), claims
+    for claims, reason in (({"exp": NOW - leeway}, "expired"), ({"exp": NOW - leeway - 1}, "expired"),
+                           ({"nbf": NOW + leeway + 1}, "'nbf' is in the future"),
+                           ({"iat": NOW + leeway + 1}, "'iat' is in the future")):
+        with pytest.raises(InvalidCapability, match=reason):
+            fixed_verifier().verify(at_time(**claims))
+
+
+def test_a_token_without_exp_is_refused_naming_the_claim():
+    no_exp = jwt.encode({"aud": AUDIENCE, "rids": ["x"]}, SECRET)
+    with pytest.raises(InvalidCapability, match="no 'exp' claim"):
+        fixed_verifier().verify(no_exp)
+
+
+def test_a_remembered_token_is_refused_from_the_second_its_exp_plus_leeway_is_reached():
+    clock = [float(NOW)]
+    verifier = fixed_verifier(clock)
+    tok = at_time(exp=NOW + 100)
+    verifier.verify(tok)
+    clock[0] = NOW + 100 + LEEWAY - 0.5
+    assert verifier.verify(tok).allows("x") and verifier.hits == 1  # remembered, still valid
+    clock[0] = NOW + 100 + LEEWAY
+    with pytest.raises(InvalidCapability, match="expired"):
+        verifier.verify(tok)
+    assert verifier.hits == 1
+
+
+def test_a_token_that_never_expires_is_remembered_too():
+    """``exp`` = 10**400 is past a float's range: remembered for ever, not re-verified each time."""
+    verifier = fixed_verifier()
+    forever = at_time(exp=10**400)
+    verifier.verify(forever)
+    verifier.verify(forever)
+    assert verifier.hits == 1
+
+
+def test_the_verification_cache_keeps_the_most_recent_tokens_and_no_long_ones():
+    from streamproc.edge.auth import CACHED_TOKENS, MAX_CACHED_TOKEN_CHARS
+
+    verifier = fixed_verifier()
+    tokens = [at_time(sub=f"client-{i}") for i in range(CACHED_TOKENS + 1)]
+    for tok in tokens:
+        verifier.verify(tok)
+    verifier.verify(tokens[-1])  # the newest stays
+    assert verifier.hits == 1
+    verifier.verify(tokens[0])  # the oldest went when the cache was full
+    assert verifier.hits == 1
+    long = at_time(rids=["x"] + [f"r{i:05d}" for i in range(MAX_CACHED_TOKEN_CHARS // 8)])
+    assert len(long) > MAX_CACHED_TOKEN_CHARS
+    verifier.verify(long)
+    verifier.verify(long)
+    assert verifier.hits == 1  # verified each time: no more than MAX_CACHED_TOKEN_CHARS per entry
+
+
+def test_a_valid_token_one_character_over_the_limit_is_refused_unparsed():
+    from streamproc.edge.auth import MAX_TOKEN_CHARS
+
+    sized = {}  # base64url skips some lengths: a "kid" header of 0-2 characters fills them
+    for pad in range(MAX_TOKEN_CHARS * 3 // 4 - 150, MAX_TOKEN_CHARS * 3 // 4 - 100):
+        for kid in ("", "k", "kk"):
+            claims = {"aud": AUDIENCE, "rids": ["x"], "exp": NOW + 600, "pad": "p" * pad}
+            tok = jwt.encode(claims, SECRET, headers={"kid": kid} if kid else None)
+            sized.setdefault(len(tok), tok)
+    at_limit, over = sized.get(MAX_TOKEN_CHARS), sized.get(MAX_TOKEN_CHARS + 1)
+    assert at_limit is not None and over is not None, sorted(sized)[-5:]
+    assert fixed_verifier().verify(at_limit).allows("x")
+    with pytest.raises(InvalidCapability, match=f"longer than {MAX_TOKEN_CHARS}"):
+        fixed_verifier().verify(over)
+
+
+def test_the_bearer_token_is_taken_once_from_one_place_its_scheme_in_any_case():
+    from streamproc.edge.auth import presented_token
+
+    assert presented_token(["bearer  tok "], []) == "tok"  # RFC 9110 11.1: the scheme is case-insensitive
+    assert presented_token(["BEARER tok"], []) == "tok"
+    assert presented_token([], ["tok"]) == "tok"
+    assert presented_token([], [""]) is None and presented_token([], []) is None
+    for authorization, access_token, reason in (
+        (["Bearer a", "Bearer a"], [], "one Authorization header"),
+        (["Bearer a"], ["a"], "not both"),
+        ([], ["a", "a"], "one access_token parameter"),
+        (["Bearer   "], [], "must be 'Bearer <token>'"),
+        (["Basic a"], [], "must be 'Bearer <token>'"),
+    ):
+        with pytest.raises(InvalidCapability, match=reason):
+            presented_token(authorization, access_token)
+
+
+def test_an_hmac_secret_one_byte_short_of_its_hash_is_refused():
+    """RFC 7518 section 3.2: at least the hash's output, 32/48/64 bytes."""
+    from streamproc.edge.auth import short_secret
+
+    for algorithm, least in (("HS256", 32), ("HS384", 48), ("HS512", 64)):
+        assert short_secret(algorithm, b"k" * least) is None
+        assert f"at least {least} bytes" in short_secret(algorithm, b"k" * (least - 1))
+
+
+@pytest.mark.parametrize("bits", [1024, 2047])
+def test_an_rsa_key_under_2048_bits_is_refused_also_by_a_pyjwt_without_key_length_checks(tmp_path, monkeypatch,
+                                                                                         bits):
+    """PyJWT has ``check_key_length`` only from 2.11 (pyproject allows 2.8): the edge's own check is
+    then all that refuses a weak RSA key (RFC 7518 section 3.3); 2048 bits pass."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from streamproc.core.errors import ConfigError
+    from streamproc.edge.auth import load_key
+
+    for cls in jwt.algorithms.RSAAlgorithm.__mro__:
+        if "check_key_length" in vars(cls):
+            monkeypatch.delattr(cls, "check_key_length")
+    for size in (bits, 2048):
+        public = rsa.generate_private_key(public_exponent=65537, key_size=size).public_key()
+        (tmp_path / f"rsa{size}.pub").write_bytes(public.public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    with pytest.raises(ConfigError, match=f"at least 2048 bits for RSAAlgorithm, it has {bits}"):
+        load_key(str(tmp_path / f"rsa{bits}.pub"), "RS256")
+    assert load_key(str(tmp_path / "rsa2048.pub"), "RS256").startswith(b"-----BEGIN PUBLIC KEY")
