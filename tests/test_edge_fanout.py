@@ -149,6 +149,57 @@ async def test_a_feed_past_its_byte_bound_ends_with_an_overrun_and_the_others_go
         assert source.metrics.streams_dispatched == 0
 
 
+async def test_results_held_behind_a_missing_seq_up_to_exactly_the_bound_are_kept(nats_url, client):
+    """--stream-buffer-bytes is what may wait in the reorder buffer: exactly that much is no overrun."""
+    bound = 64 * 1024
+    async with started_source(nats_url, LIVE, stream_buffer_bytes=bound) as source:
+        request_id = rid("held")
+        feed = await source.open(request_id)
+        half = b"h" * (bound // 2)
+        for seq in (1, 2):  # each taken off the inbox, then held behind the missing seq 0
+            await publish_result(client, LIVE, request_id, seq, half, final=seq == 2)
+            await client.flush()
+            assert await feed.next(0.3) is None
+        await publish_result(client, LIVE, request_id, 0, b"{}")
+        await client.flush()
+        assert [r.seq for r in await read(feed, 3)] == [0, 1, 2]
+        assert source.metrics.streams_overrun == 0
+        await feed.close()
+        over = await source.open(rid("held-over"))  # one byte more: the stream ends, counted
+        await publish_result(client, LIVE, over.request_id, 1, half)
+        await client.flush()
+        assert await over.next(0.3) is None  # off the inbox, held
+        await publish_result(client, LIVE, over.request_id, 2, half + b"h", final=True)
+        await client.flush()
+        assert isinstance(await over.next(2.0), Overrun)
+        assert source.metrics.streams_overrun == 1
+        assert not over.order.pending  # the held results are given back at once, not at the close
+        await over.close()
+
+
+async def test_a_gap_that_closed_leaves_no_clock_running_for_the_next_one(nats_url, client):
+    """--gap-timeout counts from when a seq went missing: a later gap gets its whole timeout."""
+    async with started_source(nats_url, LIVE, gap_timeout=1.0) as source:
+        request_id = rid("gaps")
+        feed = await source.open(request_id)
+
+        async def publish(seq: int) -> None:
+            await publish_result(client, LIVE, request_id, seq, b'{"seq":%d}' % seq, final=seq == 4)
+            await client.flush()
+
+        for seq in (0, 2):
+            await publish(seq)
+        assert [r.seq for r in await read(feed, 1)] == [0]
+        assert await feed.next(0.7) is None  # seq 1 missing for 0.7 s: within the timeout
+        await publish(1)
+        assert [r.seq for r in await read(feed, 2)] == [1, 2]
+        await publish(4)
+        assert await feed.next(0.7) is None  # seq 3 missing: its own 1 s, not what is left of seq 1's
+        await publish(3)
+        assert [r.seq for r in await read(feed, 2)] == [3, 4]
+        await feed.close()
+
+
 async def test_a_jetstream_feed_past_its_byte_bound_reads_on_from_the_stream_and_misses_nothing(nats_url, client):
     """Issue 11.4: with a results stream, what a slow client's inbox could not take is stored. The
     feed goes behind (takes nothing more), hands out what it holds, reads the rest from the stream

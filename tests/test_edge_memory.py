@@ -508,3 +508,22 @@ async def test_unary_answers_a_client_takes_nothing_of_are_cut_after_write_timeo
     assert metrics["streamproc_edge_connections_stalled_total"] == UNREAD_ANSWERS
     print(f"edge VmHWM {growth} kB over its VmRSS before the unread answers")
     assert growth < 96 * 1024, growth
+
+
+@pytest.mark.anyio
+async def test_the_heap_is_trimmed_once_after_streams_were_released_and_not_while_idle():
+    """malloc_trim walks the whole heap: an idle edge must not pay it every interval."""
+    from streamproc.edge.heap import HeapTrimmer
+
+    trimmer = HeapTrimmer(interval=0.02)
+    if not trimmer.available:
+        pytest.skip("no malloc_trim in this C library")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(trimmer.run)
+        await anyio.sleep(0.2)
+        assert trimmer.trims == 0
+        trimmer.released()
+        trimmer.released()
+        await anyio.sleep(0.2)
+        assert trimmer.trims == 1
+        tg.cancel_scope.cancel()

@@ -389,6 +389,27 @@ async def test_an_open_alone_does_not_wait_and_a_cancelled_waiter_takes_no_turn(
     assert not pacer.waiting
 
 
+async def test_an_open_alone_after_a_paced_burst_does_not_wait():
+    """The budget of the pass the last waiters went in is renewed too: a later open alone proceeds."""
+    pacer = OpenPacer(2)
+
+    async def open_() -> None:
+        await pacer.turn()
+
+    await asyncio.gather(*(open_() for _ in range(4)))  # two go, two wait for the next pass
+    assert pacer.paced == 2
+    for _ in range(3):
+        await asyncio.sleep(0)
+    with pytest.raises(StopIteration):  # proceeds without suspending
+        pacer.turn().send(None)
+    assert pacer.paced == 2
+
+
+def test_a_pacer_letting_no_open_through_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        OpenPacer(0)
+
+
 def accepted(pid: int, port: int, peers: set[int]) -> int:
     """How many connections from the local ports ``peers`` to ``port`` process ``pid`` has accepted:
     a connection still in the listen queue has inode 0 in /proc/net/tcp; an accepted one has the

@@ -48,6 +48,34 @@ async def test_wait_times_out_then_take_hands_out_messages_in_order_with_nats_py
 
 
 @pytest.mark.anyio
+async def test_waits_that_time_out_leave_no_getter_in_the_queue(server):
+    """An idle stream waits again and again (keep-alives): a getter left behind by each timeout
+    would pile up in the subscription's queue for as long as no message comes."""
+    async with connection(server.url) as nc:
+        sub = await nc.subscribe(f"pend.{rid('idle')}")
+        await nc.flush()
+        for _ in range(3):
+            assert await pending.wait(sub, 0.02) is False
+        assert not sub._pending_queue._getters
+        await sub.unsubscribe()
+
+
+@pytest.mark.anyio
+async def test_drop_frees_the_messages_an_unsubscribed_subscription_still_queues(server):
+    async with connection(server.url) as nc:
+        subject = f"pend.{rid('drop')}"
+        sub = await nc.subscribe(subject)
+        await nc.flush()
+        for _ in range(3):
+            await nc.publish(subject, b"r" * 1000)
+        await nc.flush()
+        await sub.unsubscribe()
+        assert sub._pending_queue.qsize() == 3  # nats-py leaves them there (pending.drop's docstring)
+        pending.drop(sub)
+        assert sub._pending_queue.empty()
+
+
+@pytest.mark.anyio
 async def test_a_waiting_reader_learns_that_the_connection_closed(server):
     import anyio
 
