@@ -613,3 +613,21 @@ async def replay_slots_back_to(source, held: int) -> None:
     except TimeoutError:
         pytest.fail(f"{source._replay_consumers_held()} replay consumer slots held, not {held} "
                     f"(in use {len(source._replays)}, lingering {source._replays_lingering})")
+
+
+def test_an_inbox_refuses_a_result_at_nats_pys_limits_and_while_behind():
+    """nats-py 2.16 ``Client._process_msg`` drops a message once the pending bytes *reach* the byte
+    limit (``>=``, the message counted) or the queue holds the message limit: the inbox does the same."""
+    from streamproc.edge.fanout import Inbox
+
+    one = ResultInfo("r", 0, False, None, None, b"{}")
+    inbox = Inbox(None, bytes_limit=100, msgs_limit=1000)
+    assert inbox.put(one, 60)
+    assert not inbox.put(one, 40)  # 60 + 40 reaches 100
+    assert inbox.put(one, 39)
+    counted = Inbox(None, bytes_limit=0, msgs_limit=2)  # 0: no byte limit
+    assert counted.put(one, 10**9) and counted.put(one, 1)
+    assert not counted.put(one, 1)
+    behind = Inbox(None, bytes_limit=100, msgs_limit=10)
+    behind.behind = 7
+    assert not behind.put(one, 1)

@@ -36,3 +36,20 @@ def test_the_ring_holds_at_most_its_size_newest_first():
     for i in range(5):
         ring.note(result(f"r{i}", 0), float(i))
     assert [e.request_id for e in ring.newest_first()] == ["r4", "r3", "r2"]
+
+
+def test_a_request_still_producing_results_stays_in_the_ring_ahead_of_quieter_ones():
+    ring = RecentRequests(2)
+    ring.note(result("busy", 0), 0.0)
+    ring.note(result("quiet", 0), 0.1)
+    ring.note(result("busy", 1), 0.2)  # seen again: the newest
+    ring.note(result("new", 0), 0.3)  # evicts the least recently seen, "quiet"
+    assert [e.request_id for e in ring.newest_first()] == ["new", "busy"]
+
+
+def test_a_repeated_earlier_result_after_the_final_one_leaves_the_request_finished():
+    ring = RecentRequests(10)
+    ring.note(result("r", 0), 0.0)
+    ring.note(result("r", 1, final=True), 0.1)
+    ring.note(result("r", 0), 0.2)  # a processor republishing after a crash
+    assert entry(ring, "r").final and entry(ring, "r").results == 2
