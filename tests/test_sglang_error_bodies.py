@@ -403,3 +403,38 @@ def test_a_pd_stream_whose_decode_handshake_failed_folds_to_the_unary_error(code
     decode = [dumps(finished_chunk(0, 0, HANDSHAKE))]
     joined = join(codec(OPTIONS), decode, [dumps(prefill_leg())])
     assert fold(codec, [body for body, _ in joined]) == UNARY_ERRORS["handshake"][1]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("abort", sorted(BODY_ABORTS))
+def test_a_stream_that_is_only_an_abort_without_an_http_status_is_not_sent_to_the_fold(codec, abort):
+    """Its unary answer is the body as sent, so the edge needs no ``fold`` for it; ``fold`` parses the
+    whole body (a 64 MiB one with ``routed_experts``: ~75 ms holding the GIL, the edge's event loop
+    with it, for the bytes it had). Every abort names ``"type":"abort"`` near the front, the client's
+    and the tokenizer's own among them, so ``"abort"`` alone does not ask for the fold."""
+    [body] = aborted_stream("abort_req", 0, BODY_ABORTS[abort])
+    assert not codec(OPTIONS).folds_alone(body)
+    rows = base64.b64encode(bytes(3 << 20)).decode()  # the prompt's rows behind the finish reason
+    doc = abort_req_body(0, BODY_ABORTS[abort])
+    doc["meta_info"]["routed_experts"] = rows
+    assert not codec(OPTIONS).folds_alone(dumps(doc))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_an_honest_body_that_says_abort_is_not_sent_to_the_fold(codec):
+    """A finished body whose text is the word ``abort`` (or whose ``status_code`` is nothing's)."""
+    done = finished_chunk(0, 1, {"type": "stop", "matched": 2})
+    done["text"] = "abort"
+    assert not codec(OPTIONS).folds_alone(dumps(done))
+    assert not codec(OPTIONS).folds_alone(b'{"text":"abort","meta_info":{"status_code":"503"}}')
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("separator", [b":", b": ", b" : ", b":\n  "])
+def test_an_abort_with_an_http_status_asks_to_be_folded_however_its_json_is_spaced(codec, separator):
+    """orjson writes ``"status_code":503``; a body re-encoded on its way (``json.dumps``: ``": "``)
+    still names its status."""
+    [body] = aborted_stream("abort_req", 0, RETRACTED)
+    spaced = body.replace(b'"status_code":', b'"status_code"' + separator)
+    assert codec(OPTIONS).folds_alone(spaced)
+    assert json.loads(fold(codec, [spaced])) == json.loads(RETRACTED_UNARY)

@@ -30,6 +30,11 @@ INDEX_TAIL = 64
 # is answered as sent (a known limit, docs/codecs.md).
 ABORT_KEY = b'"%s"' % native.ABORT.encode()
 ABORT_HEAD = 4096
+# ``FINISH_ABORT.to_json()`` and the scheduler's own dicts write ``type`` first and ``status_code`` after
+# it; a status is an integer (``HTTPStatus``), ``null`` when the abort has none. The key as JSON writes
+# it (inside a JSON string the quotes are escaped), then the bytes a separator may have before a digit.
+STATUS_KEY = b'"%s"' % native.STATUS_CODE.encode()
+_SEPARATOR = b" \t\r\n:"
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -41,6 +46,24 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
     ErrorKind.MIGRATION_REFUSED: "service_unavailable",
     ErrorKind.UNAVAILABLE: "service_unavailable",
 }
+
+
+def _abort_status_in_head(body: bytes) -> bool:
+    """Whether the first ``ABORT_HEAD`` bytes hold ``"abort"`` and, after it, ``"status_code"`` with a
+    number in ``[400, 600)``: a byte search of a bounded part of the body (``Codec.folds_alone`` runs
+    on the event loop)."""
+    at = body.find(ABORT_KEY, 0, ABORT_HEAD)
+    if at < 0:
+        return False
+    head = body[at:ABORT_HEAD]
+    at = head.find(STATUS_KEY)
+    while at >= 0:
+        value = head[at + len(STATUS_KEY):at + len(STATUS_KEY) + 16].lstrip(_SEPARATOR)
+        digits = value[:4]
+        if digits[:3].isdigit() and not digits[3:].isdigit() and 400 <= int(digits[:3]) < 600:
+            return True  # native.abort_status's range; fold reads the body to decide
+        at = head.find(STATUS_KEY, at + 1)
+    return False
 
 
 class SGLangCodec(Codec):
@@ -99,10 +122,13 @@ class SGLangCodec(Codec):
         ``fold`` look, and give the body back as sent.
 
         Also a stream's only chunk that is an abort with an HTTP status (``_handle_abort_finish_reason``
-        yields it to a stream; unary, the request answers an error, which :meth:`fold` builds): any
-        ``"abort"`` in the first ``ABORT_HEAD`` bytes makes ``fold`` look."""
+        yields it to a stream; unary, the request answers an error, which :meth:`fold` builds): an
+        ``"abort"`` followed by a ``"status_code"`` in ``[400, 600)``, both in the first ``ABORT_HEAD``
+        bytes, makes ``fold`` look. ``"abort"`` alone is every abort's (``"type":"abort"``, the client's
+        and the tokenizer's own with no status among them), whose unary answer is the body as sent: sent
+        to ``fold``, a 64 MiB one was parsed whole for nothing, ~75 ms holding the GIL."""
         return (body.find(INDEX_KEY, max(0, len(body) - INDEX_TAIL)) >= 0
-                or body.find(ABORT_KEY, 0, ABORT_HEAD) >= 0)
+                or _abort_status_in_head(body))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})
