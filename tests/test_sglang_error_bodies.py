@@ -438,3 +438,20 @@ def test_an_abort_with_an_http_status_asks_to_be_folded_however_its_json_is_spac
     spaced = body.replace(b'"status_code":', b'"status_code"' + separator)
     assert codec(OPTIONS).folds_alone(spaced)
     assert json.loads(fold(codec, [spaced])) == json.loads(RETRACTED_UNARY)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_an_item_the_failed_prefill_stream_never_reached_is_prefill_error_not_length_mismatch(codec):
+    """A streamed batch's prefill leg: item 0's chunk, then ``stream_results``' frame (an item's
+    ``ValueError`` ends every item's stream, ``_stream_batch_responses``) before item 1 had one. Item 1
+    has no prefill value because the prefill worker failed, as with a unary error body (``prefill_error``,
+    docs/codecs.md), not because the legs' shapes differ (``length_mismatch``). Item 0 keeps its join."""
+    prefill = [dumps({**prefill_leg(), "index": 0}), dumps(STREAM_ERROR)]
+    decode = [dumps({**decode_answer(), "index": k}) for k in range(2)]
+    joined = join(codec(OPTIONS), decode, prefill)
+    assert joined[0] == join(codec(OPTIONS), decode[:1], prefill[:1])[0]  # as with its own leg alone
+    assert joined[1][1] is Verdict.OMITTED
+    meta = json.loads(joined[1][0])["meta_info"]
+    assert meta["routed_experts_unavailable_reason"] == "prefill_error"
+    assert meta["input_logprobs_unavailable_reason"] == "prefill_error"
+    assert "routed_experts" not in meta and "input_token_logprobs" not in meta

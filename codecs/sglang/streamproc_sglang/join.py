@@ -419,7 +419,12 @@ class SGLangJoinSession(JoinSession):
                 bounds[key] = bounds.get(key, 0) + self._rows_bound(native.meta_of(leg))  # type: ignore[arg-type]
             self._prefill_by_index = by_index
             if len(by_index) > 1:
-                self._unavailable = Omit.LENGTH_MISMATCH  # for a decode chunk that names no item
+                # For a decode chunk that names no item, and an item without chunks of its own: the
+                # worker's error frame (untagged, ``stream_results``) ended the leg when it holds one
+                # (``_stream_batch_responses``: one item's exception ends every item's stream).
+                failed = any(type(index) is not int and native.http_error(leg)  # type: ignore[arg-type]
+                             for index, leg in zip(indices, docs))
+                self._unavailable = Omit.PREFILL_ERROR if failed else Omit.LENGTH_MISMATCH
                 return
         doc = docs[0] if len(docs) == 1 else fold(docs)  # type: ignore[arg-type]
         meta = native.meta_of(doc)  # type: ignore[arg-type]
