@@ -781,6 +781,9 @@ def test_mint_capability_refuses_the_keys_the_edge_refuses_whatever_pyjwt(monkey
         assert jwt.encode({}, '{"kty": "EC"}', algorithm="HS256")  # this PyJWT takes a JWK as a secret
     public_der = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    while public_der[-1:].strip():  # one ending in a whitespace byte (~2% of them): no longer DER stripped
+        public_der = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     for name, data in [*jwk_documents().items(), ("ec.der", public_der), ("short", b"k" * 31)]:
         for key in (data, data.decode()) if name.endswith(("jwk", "jwks")) else (data,):  # bytes and str
             with pytest.raises(ValueError, match="unusable HS256 key"):
@@ -1084,7 +1087,7 @@ def test_the_bearer_token_is_taken_once_from_one_place_its_scheme_in_any_case():
 
 def test_an_hmac_secret_one_byte_short_of_its_hash_is_refused():
     """RFC 7518 section 3.2: at least the hash's output, 32/48/64 bytes."""
-    from streamproc.edge.auth import short_secret
+    from streamproc.signing_keys import short_secret
 
     for algorithm, least in (("HS256", 32), ("HS384", 48), ("HS512", 64)):
         assert short_secret(algorithm, b"k" * least) is None

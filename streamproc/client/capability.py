@@ -76,10 +76,10 @@ def usable_key(key: object, algorithm: str) -> object:
     """``key`` as :func:`mint_capability` signs with it, once it passed the edge's key checks."""
     if isinstance(key, (str, bytes, bytearray, memoryview)):
         data = key.encode() if isinstance(key, str) else bytes(key)
-        if algorithm.startswith("HS"):
-            data = data.strip()  # the edge strips its secret file (streamproc.edge.auth.load_key)
+        # Checked as given: a DER public key ending in a whitespace byte no longer parses once stripped.
         problem = signing_key_problem(algorithm, data)
-        key = data if algorithm.startswith("HS") else key
+        if algorithm.startswith("HS"):
+            key = data.strip()  # the edge strips its secret file (streamproc.edge.auth.load_key)
     else:  # a key object of cryptography's: PyJWT takes it for the asymmetric algorithms
         signer = jwt.get_algorithm_by_name(algorithm)
         prepared = signer.prepare_key(key)
