@@ -527,3 +527,52 @@ async def test_the_heap_is_trimmed_once_after_streams_were_released_and_not_whil
         await anyio.sleep(0.2)
         assert trimmer.trims == 1
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_a_slow_https_reader_of_a_large_unary_answer_gets_all_of_it(nats_server, tmp_path):
+    """Over HTTPS a unary answer leaves the edge's TLS layer at once (its response ends before the
+    client read it), so what is left waits in the socket's buffer and the kernel's send queue until
+    the edge closes the connection (--head-timeout after the answer), and the TLS shutdown was cut
+    after --write-timeout unless the socket's buffer shrank. With MiBs in the kernel's queue it does
+    only when much of it is gone: a client taking 128 KiB every 0.25 s lost the last 1.4-1.6 MB of a
+    7.2 MB answer. As over plain HTTP (the test above), what the kernel still holds (SIOCOUTQ) counts."""
+    import socket
+
+    from nats_auth import Certificates
+
+    certs = Certificates(tmp_path)
+    subjects = Subjects("memtls")
+    request_id = rid("tls-unary")
+    bodies = [msgspec.json.encode({"text": "x" * 900_000, "i": i}) for i in range(8)]
+    with running_edge(nats_server.url, "--prefix", "memtls", "--ensure-results-stream", "--write-timeout", "1",
+                      "--head-timeout", "2", "--tls-cert-file", str(certs.server),
+                      "--tls-key-file", str(certs.server_key), ca_file=str(certs.ca)) as edge:
+        async with connection(nats_server.url) as nc:
+            await publish_results(nc, subjects, request_id, bodies)
+        raw = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+        with edge.ssl.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+            sock.sendall(f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: edge\r\n\r\n".encode())
+            received, end = b"", time.monotonic() + 60
+            while True:
+                assert time.monotonic() < end, len(received)
+                chunk = await anyio.to_thread.run_sync(read_tls, sock, 128 * 1024)
+                if not chunk:
+                    break  # the edge closed the connection: all of the answer, or a cut
+                received += chunk
+                await anyio.sleep(0.25)  # ~0.5 MB/s: takes some within every --write-timeout, never all
+        metrics = edge.metrics()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"content-length: 7200017" in head, head
+    answer, rest = body[:7200017], body[7200017:]
+    assert len(answer) == 7200017, f"the answer was cut after {len(answer)} of 7200017 bytes"
+    assert rest == b"" or rest.startswith(b"HTTP/1.1 408 "), rest[:80]  # the idle connection's end
+    assert metrics["streamproc_edge_connections_stalled_total"] == 0
+
+
+def read_tls(sock, size: int) -> bytes:
+    """Up to ``size`` bytes, less only at the connection's end (a TLS ``recv`` answers one record)."""
+    data = b""
+    while len(data) < size and (chunk := sock.recv(size - len(data))):
+        data += chunk
+    return data

@@ -92,7 +92,10 @@ handshake first; ``connections_refused``), the handshake must end within ``--hea
 :data:`TLS_READ_BYTES`. A closing connection's TLS shutdown (asyncio sends what is left, then
 waits for the client's ``close_notify``) is force-closed, dropping what is still unsent, after
 ``--write-timeout`` in which the client took nothing, as a plain connection's blocked write; asyncio
-force-closed at 30 s whatever was left, so a slow client lost the end of a long stream. At the stop
+force-closed at 30 s whatever was left, so a slow client lost the end of a long stream. What the
+client has not taken counts the kernel's send queue too (``unsent_bytes``), as over plain HTTP: a
+unary answer leaves the TLS layer at once, and the socket's buffer alone stood still for seconds
+while a client read 0.5 MB/s, which lost the end of a 7.2 MB answer at the cut. At the stop
 the connections still in their handshake, which Uvicorn does not know of, are ended
 (``end_handshakes``). A connection refused, or never handshaken, is never told of its loss by
 Uvicorn, so its parser and TLS layer are let go of here (otherwise a reference cycle each, kept
@@ -388,8 +391,17 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             # from now on the client must take some within every --write-timeout (module docstring, "Writes").
             super().pause_writing()
             if self.stall is None:
-                self.unsent = unsent_bytes(self.transport)
+                self.unsent = self.waiting()
                 self.stall = self.loop.call_later(write_timeout, self.check_progress)
+
+        def waiting(self) -> int:
+            """Bytes of responses the client has not taken: the transport's buffer and, plain, the
+            kernel's send queue (``unsent_bytes``); over HTTPS also the TLS layer's socket buffer and
+            queue (``BoundedTLS.unsent_bytes``), else a slow client's progress went unseen."""
+            tls = self.tls
+            if tls is not None:
+                return self.transport.get_write_buffer_size() + tls.unsent_bytes()
+            return unsent_bytes(self.transport)
 
         def resume_writing(self) -> None:
             if self.stall is not None:
@@ -402,7 +414,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             what waits (checked again later), or nothing (the connection is aborted)."""
             self.stall = None
             transport = self.transport
-            unsent = unsent_bytes(transport)
+            unsent = self.waiting()
             if transport.get_write_buffer_size() == 0:  # drained (resume_writing comes with it)
                 return
             running = self.running
@@ -525,10 +537,14 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             super()._start_shutdown()
 
         def unsent_bytes(self) -> int:
+            """What waits below the HTTP protocol: the encrypted bytes not yet in the socket transport,
+            its buffer and the kernel's send queue (``unsent_bytes``). The queue counts: a unary answer
+            leaves this layer at once, and with MiBs queued the socket's buffer stood still for
+            seconds under a client taking 0.5 MB/s, which lost the answer's end at the shutdown's cut."""
             transport = self.socket_transport
             if transport is None or transport.is_closing():
                 return 0
-            return transport.get_write_buffer_size() + self._outgoing.pending
+            return unsent_bytes(transport) + self._outgoing.pending
 
         def connection_lost(self, exc: Exception | None) -> None:
             http, self.http = self.http, None
