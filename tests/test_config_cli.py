@@ -158,6 +158,15 @@ def test_run_print_config_checks_the_otel_variables_as_start_up_does():
     assert "OTEL_TRACES_EXPORTER='no-such-exporter'" in line
 
 
+@pytest.mark.parametrize("value", ["*", "proxy.internal", "10.0.0.0/33", "10.0.0.1,,10.0.0.300"])
+def test_edge_forwarded_allow_ips_names_addresses_or_networks_only(value):
+    """Uvicorn takes ``*`` for every peer (any client then names its own address) and keeps a value that
+    is no address or network as a literal nothing matches, silently: both are refused at start."""
+    proc = run_cli_process("edge", "--print-config", "--insecure-demo", "--forwarded-allow-ips", value)
+    line = one_clean_error(proc, 2, "edge")
+    assert "--forwarded-allow-ips" in line and "not an IP address or network" in line, line
+
+
 def one_clean_error(proc, code: int, command: str) -> str:
     assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout

@@ -422,7 +422,7 @@ async def test_a_long_path_request_id_or_last_event_id_is_echoed_cut_in_the_400_
 
 async def test_forwarded_headers_from_a_loopback_client_neither_change_its_address_nor_its_stream_share(
         nats_server):
-    """Uvicorn's ``proxy_headers`` (on by default, trusting ``FORWARDED_ALLOW_IPS``, 127.0.0.1 unless
+    """Uvicorn's ``proxy_headers`` (on by default, trusting ``FORWARDED_ALLOW_IPS``, 127.0.0.1,::1 unless
     set) took the client's address from ``X-Forwarded-For`` when the peer was loopback: a client on the
     edge's host opened 6 streams with ``--max-streams-per-client 2`` under --insecure-demo, one per
     address it named, and wrote any address into the access log's ``client=`` in every mode. The edge
@@ -449,3 +449,33 @@ async def test_forwarded_headers_from_a_loopback_client_neither_change_its_addre
             while (lines := [line for line in edge.log().splitlines() if "/v1/results/" in line]) == []:
                 await anyio.sleep(0.05)
     assert not any("client=10.9." in line for line in lines), lines[-3:]
+
+
+async def test_a_named_proxy_forwards_its_clients_addresses_and_no_other_peer_does(nats_server):
+    """Behind a reverse proxy every client's connection is the proxy's: with --insecure-demo they all
+    shared one --max-streams-per-client share and the access log named only the proxy, and since the
+    edge reads no ``X-Forwarded-For`` (the test above) an operator could not say otherwise.
+    ``--forwarded-allow-ips`` names the proxies whose ``X-Forwarded-For`` is the client's address."""
+    with running_edge(nats_server.url, "--max-streams-per-client", "2", "--forwarded-allow-ips", "127.0.0.1,::1",
+                      env={"FORWARDED_ALLOW_IPS": ""}) as edge:
+        statuses: dict[str, list[int]] = {}
+        async with anyio.create_task_group() as tasks, httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            async def open_stream(address: str, opened: anyio.Event) -> None:
+                headers = {"X-Forwarded-For": f"198.51.100.9, {address}"}  # the proxy's appended hop is the client
+                async with client.stream("GET", f"/v1/results/{rid('proxied')}", headers=headers) as response:
+                    statuses.setdefault(address, []).append(response.status_code)
+                    opened.set()
+                    if response.status_code == 200:
+                        await anyio.sleep_forever()
+            for address in ["10.9.8.1", "10.9.8.2", "10.9.8.3"] * 2 + ["10.9.8.1"]:
+                opened = anyio.Event()
+                tasks.start_soon(open_stream, address, opened)
+                with anyio.fail_after(10):
+                    await opened.wait()
+            tasks.cancel_scope.cancel()
+        with anyio.fail_after(5):
+            while len(lines := [line for line in edge.log().splitlines() if "/v1/results/" in line]) < 7:
+                await anyio.sleep(0.05)
+    assert statuses == {"10.9.8.1": [200, 200, 429], "10.9.8.2": [200, 200], "10.9.8.3": [200, 200]}, statuses
+    assert all("client=10.9.8." in line for line in lines), lines[-3:]
+    assert not any("198.51.100.9" in line for line in lines), lines[-3:]  # a hop the client wrote itself

@@ -143,10 +143,12 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         # llhttp in C (Uvicorn's "httptools"), with --max-connections, --head-timeout, --max-head-bytes
         http=protocol_class(settings, app.state.edge.metrics),
         access_log=True,  # through the one log format: event=http_request (streamproc.logs)
-        # The client's address is its connection's: Uvicorn's default (True, trusting FORWARDED_ALLOW_IPS,
-        # 127.0.0.1 unset) took it from X-Forwarded-For, so a client on the edge's host chose its address
-        # (--max-streams-per-client under --insecure-demo, the access log's client=).
-        proxy_headers=False,
+        # The client's address is its connection's, unless it is a proxy --forwarded-allow-ips names:
+        # Uvicorn's default (True, trusting FORWARDED_ALLOW_IPS, "127.0.0.1,::1" unset) took it from
+        # X-Forwarded-For, so a client on the edge's host chose its address (--max-streams-per-client
+        # under --insecure-demo, the access log's client=).
+        proxy_headers=bool(settings.forwarded_proxies()),
+        forwarded_allow_ips=settings.forwarded_proxies(),  # never FORWARDED_ALLOW_IPS (read only for None)
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s

@@ -10,6 +10,7 @@ The flag is always ``--kebab-name``.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -129,6 +130,10 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         "the edge's NATS inbox prefix (its consumers deliver there): _INBOX.streamproc.edge or a name below "
         "it; give each edge of a deployment its own, and its NATS user only that subscription, so no edge "
         "reads another's deliveries (docs/security.md)")] = defaults.EDGE_INBOX_PREFIX
+    forwarded_allow_ips: Annotated[str, documented(
+        "addresses or networks (comma-separated: 10.0.0.5,10.1.0.0/16) of the reverse proxies in front of "
+        "the edge, whose X-Forwarded-For names the client (the access log's client=, and the client of "
+        "--max-streams-per-client under --insecure-demo); empty: none, a client is its connection's address")] = ""
     cors_origin: Annotated[str, documented(
         "origins (comma-separated, exact scheme://host[:port]) whose pages may read results through a "
         "visitor's browser (CORS); empty: no Access-Control-* header, closed")] = ""
@@ -172,10 +177,19 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
             raise ValueError(f"inbox_prefix: {self.inbox_prefix!r} is not {defaults.EDGE_INBOX_PREFIX} or a "
                              f"name below it ({defaults.EDGE_INBOX_PREFIX}.<token>[.<token>...], tokens of "
                              "letters, digits, '-' and '_')")
+        for proxy in self.forwarded_proxies():
+            try:  # Uvicorn keeps anything else as a literal no peer matches, and takes '*' for every peer
+                ipaddress.ip_network(proxy) if "/" in proxy else ipaddress.ip_address(proxy)
+            except ValueError:
+                raise ValueError(f"forwarded_allow_ips: {proxy!r} is not an IP address or network (10.0.0.5, "
+                                 "10.1.0.0/16); '*' is refused: name the proxies in front of the edge") from None
         for origin in self.cors_origins():
             if not CORS_ORIGIN.fullmatch(origin):
                 raise ValueError(f"cors_origin: {origin!r} is not an origin (scheme://host[:port], no path; "
                                  "'*' is refused: name the pages that may read results)")
+
+    def forwarded_proxies(self) -> list[str]:
+        return [item.strip() for item in self.forwarded_allow_ips.split(",") if item.strip()]
 
     def cors_origins(self) -> list[str]:
         return [origin.strip() for origin in self.cors_origin.split(",") if origin.strip()]
