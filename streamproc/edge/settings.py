@@ -105,7 +105,8 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         le=100_000)] = 128
     write_timeout: Annotated[float, documented(
         "seconds one write to a client may block (a client that stopped reading) before its stream is "
-        "closed", gt=0, le=3600)] = 30.0
+        "closed; any other answer's connection is cut when the client takes nothing of it for as long",
+        gt=0, le=3600)] = 30.0
     stream_buffer_bytes: Annotated[int, documented(
         "bytes of results buffered for one stream while its client is behind; past it the stream is ended "
         "with an error event (at least the NATS max_payload)", ge=64 * 1024, le=2**34)] = 8 * 1024 * 1024
