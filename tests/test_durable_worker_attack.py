@@ -448,3 +448,51 @@ async def test_repeats_of_a_held_chunk_keep_no_body_in_core_mode_either(nats_url
             assert peak < 200 * MiB, f"VmHWM {peak / MiB:.0f} MiB with {HELD_REPEATS} held copies"
         finally:
             await nc.close()
+
+
+# test_repeats_of_a_held_chunk_cost_nothing_in_core_mode_however_many: tiny copies of one held chunk.
+CORE_REPEATS = 200_000
+
+
+@pytest.mark.parametrize("shape", ["held_prefill_leg", "buffered_behind_a_withheld_seq"])
+async def test_repeats_of_a_held_chunk_cost_nothing_in_core_mode_however_many(nats_url, shape):
+    """Core mode has nothing to acknowledge, so nothing bounds how many repeats of a held chunk a
+    worker sends (durable mode counts them against ``--max-ack-pending`` and sheds): a P/D request's
+    prefill leg waits up to ``--request-timeout`` (300 s) for the rest of it, an aggregated seq 1
+    behind a withheld seq 0 as long, and every copy was a duplicate whose token, the delivery's
+    ``Msg`` (~270 bytes with its subject, even without its body), was held with the original until
+    the request ended. 200,000 tiny copies grew ``streamproc run --mode core`` by 48-51 MiB (the
+    shapes, 2026-12-05), in ~2 s of one worker's publishing. Now core mode gives its chunks no token
+    (it never settles one): a copy is counted as a duplicate and dropped (0 MiB)."""
+    port = free_port()
+    role, seq = ("prefill", 0) if shape == "held_prefill_leg" else ("agg", 1)
+    headers = chunk_headers("victim", role, seq)  # not final: held until the rest of the request comes
+    del headers["Nats-Msg-Id"]
+    with processor_subprocess(nats_url, "--mode", "core", "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            subject = SUBJECTS.chunk("victim", role)
+
+            async def duplicates(n: int) -> bool:
+                return scrape(port).get("streamproc_duplicates_total", 0) >= n
+
+            await nc.publish(subject, b"{}", headers=headers)
+            await nc.publish(subject, b"{}", headers=headers)
+            await nc.flush()
+            await wait_until(lambda: duplicates(1), 10, "the held leg and its first copy received")
+            baseline = status_kib(proc.pid, "VmRSS") * 1024
+            sent, batch = 1, 2_000
+            while sent < CORE_REPEATS:
+                for _ in range(batch):
+                    await nc.publish(subject, b"{}", headers=headers)
+                await nc.flush()
+                sent += batch
+                # paced: at most a few batches ahead of the processor, so core NATS drops nothing
+                await wait_until(lambda: duplicates(sent - 4 * batch), 30, "the processor keeps up", every=0.05)
+            await wait_until(lambda: duplicates(sent), 30, "every copy received", every=0.1)
+            grown = status_kib(proc.pid, "VmRSS") * 1024 - baseline
+            assert "event=disconnected" not in log_path.read_text()  # every copy reached the processor
+            assert grown < 16 * MiB, f"VmRSS grew {grown / MiB:.0f} MiB with {sent} held copies"
+            assert proc.poll() is None
+        finally:
+            await nc.close()

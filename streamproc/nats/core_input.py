@@ -33,7 +33,8 @@ log = logging.getLogger("streamproc.processor")
 
 
 class CoreInput:
-    """At-most-once input: nothing to acknowledge, so settled tokens are simply dropped."""
+    """At-most-once input: nothing to acknowledge, so its chunks carry no token (and Settle decisions,
+    of a contract error's message, are simply dropped)."""
 
     stats = None
 
@@ -191,15 +192,16 @@ class CoreInput:
                     routed = fused(msg.subject, msg.headers, msg.data, now)
                 if routed is None:
                     try:
-                        chunk = self._parse(msg.subject, msg.headers, msg.data, msg)
+                        # No token: core mode settles nothing, and a token is what the correlator
+                        # holds with a held chunk's every repeat (a prefill leg's, up to
+                        # --request-timeout): uncounted here, each copy's Msg was held, ~270 bytes
+                        # (tests/test_durable_worker_attack.py, ..._in_core_mode_however_many).
+                        chunk = self._parse(msg.subject, msg.headers, msg.data)
                     except ContractError as exc:
                         decisions = self._pipeline.contract_error(exc, msg, acknowledged=False)
                     else:
-                        # parsed; its token (this Msg) may be held with it: a worker's 64 KiB of
-                        # headers, in no budget, and its body, which the chunk holds (charged) unless
-                        # it is a repeat held as a token only (tests/test_durable_worker_attack.py)
+                        # the format as parsed, for _publish_failed below
                         msg.headers = None if chunk.format is None else {FORMAT: chunk.format}
-                        msg.data = b""
                         decisions = self._receive(chunk, now)
             except Exception as exc:
                 decisions = self._pipeline.failed(exc, msg, acknowledged=False)
