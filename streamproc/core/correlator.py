@@ -112,7 +112,6 @@ def _stitched(migration: MigrationSession, join: Callable[[bytes, bool], tuple[b
 _TURN_OVER = Work("", lambda: (b"", Verdict.JOINED))
 
 
-
 class CorrelatorConfig(msgspec.Struct, frozen=True):
     """The correlator's timeouts (seconds) and bounds; ``streamproc.config.Settings`` documents each."""
 
@@ -195,7 +194,7 @@ class _Request:
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
         "buffered", "absorbed", "decoded", "work", "outcome", "cpu", "missing",
-        "last_seal", "join_timed", "progress", "omitted",
+        "last_seal", "join_timed", "progress", "omitted", "repeats",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -213,6 +212,7 @@ class _Request:
         self.waiting_since: float | None = None
         self.join_timed = False  # the next result's prefill wait is observed (join_wait)
         self.held: list = []  # tokens of chunks whose results are not stored yet (prefill leg)
+        self.repeats = 0  # of them, repeats of a held chunk (maybe the same stored message: _held_count)
         self.traceparent: str | None = None
         self.last = 0.0  # time of the last accepted chunk (request timeout)
         self.attempt = 0  # chunks of earlier attempts are sealed; later ones were never granted
@@ -266,9 +266,11 @@ def _sealed_reply(req: _Request, emitted: Emitted, attempt: int) -> Sealed:
 
 def _held_count(req: _Request, stored: Callable[[object], int] | None) -> int:
     """The input tokens ``req`` holds; with ``stored``, the stored messages they deliver (only held
-    repeats can deliver one twice: a buffered chunk's seq is pending once)."""
+    repeats can deliver one twice: a buffered chunk's seq is pending once, a prefill seq held once).
+    ``stored`` is asked only of a request holding a repeat: on a timer, once per held token it was
+    7x the cost of the count (10,000 held prefill legs: 15 ms a call, 2 ms without)."""
     n = len(req.held) + len(req.pending)
-    if stored is None or not req.held:
+    if stored is None or not req.repeats:
         return n
     return len({stored(t) for t in req.held} | {stored(c.token) for c in req.pending.values()})
 
@@ -872,6 +874,7 @@ class Correlator:
             if req.held and chunk.token is not None:
                 # Maybe a redelivery of a chunk still held (same stored message): settle them together.
                 req.held.append(chunk.token)
+                req.repeats += 1
                 return []
             return [Settle((chunk.token,))]
         if req.prefill_final is not None and chunk.seq > req.prefill_final:
@@ -962,6 +965,7 @@ class Correlator:
                 # Maybe a redelivery of the buffered chunk (same stored message): acking it now
                 # would release the original before its result is stored.
                 req.held.append(chunk.token)
+                req.repeats += 1
                 return []
             return [Settle((chunk.token,))]
         if req.final_seq is not None and (seq > req.final_seq or chunk.final):
@@ -1092,6 +1096,7 @@ class Correlator:
             if final:
                 settles = settles + tuple(req.held)
                 req.held.clear()
+                req.repeats = 0
             out.append(Result(req.request_id, req.next_seq, body, final, verdict, None, chunk.traceparent, settles))
             if verdict is _PASSTHROUGH:
                 stats.passthrough += 1
@@ -1198,6 +1203,7 @@ class Correlator:
         req.pending.clear()
         req.prefill.clear()
         req.held.clear()
+        req.repeats = 0
         self._waiting.pop(rid, None)
         req.prefill_final = None
         req.prefill_state = _PREFILL_OPEN
@@ -1420,6 +1426,7 @@ class Correlator:
         req.pending.clear()
         req.prefill.clear()
         req.held.clear()
+        req.repeats = 0
         req.retained = []
         req.migration = None
         self._remember_finished(rid, now)
