@@ -28,6 +28,7 @@ from helpers import assert_same_body as assert_same
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from streamproc_vllm import VLLMCodec
+from vllm_034_bodies import npy_b64 as numpy2base64  # vllm/utils/serial_utils.py numpy2base64
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -45,13 +46,6 @@ PREFILL_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_bloc
               "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": len(PROMPT),
               "remote_blocks_expiry_time": None, "remote_registration_generation": 0, "transfer_mode": "pull",
               "remote_prefill_cached_tokens": 0}
-
-
-def numpy2base64(arr: np.ndarray) -> str:
-    """``vllm/utils/serial_utils.py`` ``numpy2base64``: ``np.save(buf, arr, allow_pickle=False)``, Base64."""
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def expert_rows(start: int, end: int) -> np.ndarray:
