@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from toy_codec import CODECS, bodies, feed, make, resolve
+from toy_codec import CODECS, MigratingToyCodec, bodies, feed, make, resolve
 
 from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle
 from streamproc.testing.harness import leg, shuffle_with_duplicates
@@ -601,3 +603,95 @@ def test_the_finished_ids_charge_follows_every_way_in_and_out():
     c.abandon(lambda rid: False, unstored=["u"])
     from streamproc.core.defaults import FINISHED_ENTRY_BYTES
     assert c.finished_bytes == 2 * FINISHED_ENTRY_BYTES + len("s") + len("r")
+
+
+_STEP = st.one_of(
+    st.tuples(st.just("chunk"), st.sampled_from(["a", "b"]), st.sampled_from(["prefill", "decode", "agg"]),
+              st.integers(0, 3), st.booleans(), st.booleans()),
+    st.tuples(st.just("redeliver"), st.integers(0, 50)),  # the same stored message, a new token
+    st.tuples(st.just("republish"), st.integers(0, 50)),  # the same chunk, another stored message
+    st.tuples(st.just("migrate"), st.sampled_from(["a", "b"])),
+    st.tuples(st.just("shed"), st.integers(1, 4)),
+    st.tuples(st.just("abandon"), st.sampled_from(["a", "b"])),
+    st.tuples(st.just("tick"), st.integers(1, 400)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(steps=st.lists(_STEP, max_size=40))
+def test_held_tokens_per_stored_message_match_a_recount_of_the_unsettled_tokens(steps):
+    """``held_tokens(group, stored)`` asks for stored messages only of requests holding a repeat
+    (``_Request.repeats``, 2026-12-05): a repeat held without counting it would count a redelivery
+    twice (requests shed below the server's limit), a path that released held tokens without resetting
+    the count would ask again of every later leg (the watchdog's 15 ms). Recounted here from outside:
+    the tokens delivered and not yet settled (by a result, a Settle, a seal or an abandon), per
+    request, as distinct stored messages. (Fails with either ``repeats += 1`` or the seal's reset
+    removed; the other resets precede the request's end.)"""
+    codec = MigratingToyCodec()
+    c = Correlator(lambda name: codec, codec.name, CorrelatorConfig(request_timeout=300.0))
+    roles = {"prefill": Role.PREFILL, "decode": Role.DECODE, "agg": Role.AGG}
+    published: list[Chunk] = []  # each a stored message (its token names it: "<message>#<delivery>")
+    unsettled: dict[str, str] = {}  # token -> request id
+    deliveries = 0
+    now = 0.0
+    repeated: set[str] = set()  # requests sent a copy of a chunk since they last held nothing
+
+    asked: set[str] = set()
+
+    def stored(token: object) -> int:
+        asked.add(token)  # type: ignore[arg-type]
+        return int(str(token).split("#")[0])
+
+    def take(decisions) -> None:
+        for d in decisions:
+            tokens = getattr(d, "settles", None) or getattr(d, "tokens", ())
+            for t in tokens:
+                assert t in unsettled, f"{t} settled twice or never delivered"
+                del unsettled[t]
+
+    def deliver(chunk: Chunk, message: int) -> None:
+        nonlocal deliveries
+        deliveries += 1
+        token = f"{message}#{deliveries}"
+        unsettled[token] = chunk.request_id
+        take(c.receive(msgspec.structs.replace(chunk, token=token), now))
+
+    for step in steps:
+        now += 1.0
+        kind = step[0]
+        if kind == "chunk":
+            _, rid, role, seq, final, needy = step
+            body = b"need:x" if needy and role != "prefill" else b"p" if role == "prefill" else b"1"
+            attempt = c.attempt_of(rid) or 0  # the granted attempt's chunks (a seal drops earlier ones)
+            chunk = Chunk(rid, roles[role], seq, body, final=final, attempt=attempt)
+            if any((p.request_id, p.role, p.seq, p.attempt) == (rid, chunk.role, seq, attempt) for p in published):
+                repeated.add(rid)  # another copy of that chunk, as far as the correlator can tell
+            published.append(chunk)
+            deliver(chunk, len(published) - 1)
+        elif kind == "redeliver" and published:
+            repeated.add(published[step[1] % len(published)].request_id)
+            deliver(published[step[1] % len(published)], step[1] % len(published))
+        elif kind == "republish" and published:
+            published.append(published[step[1] % len(published)])
+            repeated.add(published[-1].request_id)
+            deliver(published[-1], len(published) - 1)
+        elif kind == "migrate":
+            take(c.migrate(step[1], now)[1])
+        elif kind == "shed":
+            take(c.shed(lambda rid: True, step[1], now, "partition full", stored))
+        elif kind == "abandon":
+            for t in c.abandon(lambda rid, gone=step[1]: rid == gone):
+                del unsettled[t]
+        elif kind == "tick":
+            now += step[1]
+            take(c.tick(now))
+        by_request: dict[str, set[int]] = {}
+        for t, rid in unsettled.items():
+            by_request.setdefault(rid, set()).add(int(t.split("#")[0]))
+        asked.clear()
+        assert c.held_tokens(lambda rid: 0, stored) == ({0: sum(map(len, by_request.values()))} if by_request else {})
+        # asked only of a request that may hold a repeat: one sent a copy since it last held nothing
+        # (a count not reset where its tokens were released would ask a later attempt's own legs)
+        repeated &= set(by_request)
+        assert {unsettled[t] for t in asked} <= repeated, (asked, repeated)
+        assert c.held_tokens(lambda rid: 0) == ({0: len(unsettled)} if unsettled else {})
