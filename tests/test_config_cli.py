@@ -167,6 +167,16 @@ def test_edge_forwarded_allow_ips_names_addresses_or_networks_only(value):
     assert "--forwarded-allow-ips" in line and "not an IP address or network" in line, line
 
 
+@pytest.mark.parametrize("value", ["0.0.0.0/0", "::/0", "10.0.0.5,0.0.0.0/0.0.0.0"])
+def test_edge_forwarded_allow_ips_refuses_a_network_of_every_address_as_it_refuses_a_star(value):
+    """``0.0.0.0/0`` (or ``::/0``) is a network Uvicorn trusts as given: every peer of its family, the
+    same as ``*``, so any client names its own address for --max-streams-per-client and the access
+    log. ``*`` is refused for that; so is its spelling as a network."""
+    proc = run_cli_process("edge", "--print-config", "--insecure-demo", "--forwarded-allow-ips", value)
+    line = one_clean_error(proc, 2, "edge")
+    assert "--forwarded-allow-ips" in line and "every address" in line, line
+
+
 def one_clean_error(proc, code: int, command: str) -> str:
     assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout

@@ -180,10 +180,14 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
                              "letters, digits, '-' and '_')")
         for proxy in self.forwarded_proxies():
             try:  # Uvicorn keeps anything else as a literal no peer matches, and takes '*' for every peer
-                ipaddress.ip_network(proxy) if "/" in proxy else ipaddress.ip_address(proxy)
+                named = ipaddress.ip_network(proxy) if "/" in proxy else ipaddress.ip_address(proxy)
             except ValueError:
                 raise ValueError(f"forwarded_allow_ips: {proxy!r} is not an IP address or network (10.0.0.5, "
                                  "10.1.0.0/16); '*' is refused: name the proxies in front of the edge") from None
+            if isinstance(named, (ipaddress.IPv4Network, ipaddress.IPv6Network)) and named.prefixlen == 0:
+                # uvicorn.middleware.proxy_headers._TrustedHosts trusts it as given: '*' for its family
+                raise ValueError(f"forwarded_allow_ips: {proxy!r} is every address, refused as '*' is (any "
+                                 "client would name its own address): name the proxies in front of the edge")
         for origin in self.cors_origins():
             if not CORS_ORIGIN.fullmatch(origin):
                 raise ValueError(f"cors_origin: {origin!r} is not an origin (scheme://host[:port], no path; "
