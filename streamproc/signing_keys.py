@@ -25,6 +25,13 @@ def signing_key_problem(algorithm: str, key: bytes) -> str | None:
     use at all (no private key for the algorithm) it raises, as ``jwt.encode`` would."""
     if algorithm.startswith("HS"):
         return hmac_secret_problem(algorithm, key)
+    return private_key_problem(algorithm, key)
+
+
+def private_key_problem(algorithm: str, key: object) -> str | None:
+    """Why ``key`` (PEM bytes, or a key object of cryptography's) cannot sign with the asymmetric
+    ``algorithm``, or None: the public half of a pair (:func:`public_only`), a weak key
+    (:func:`key_weakness`). What PyJWT's ``prepare_key`` refuses outright it raises."""
     signer = jwt.get_algorithm_by_name(algorithm)
     prepared = signer.prepare_key(key)
     return public_only(prepared) or key_weakness(signer, prepared)

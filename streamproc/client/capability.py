@@ -19,7 +19,7 @@ import jwt
 
 from ..core.defaults import CAPABILITY_TTL, EDGE_AUDIENCE, MAX_CAPABILITY_TTL, OPERATOR_SCOPE
 from ..core.wire import REQUEST_ID_RULE, check_request_id, valid_request_id
-from ..signing_keys import key_weakness, public_only, signing_key_problem
+from ..signing_keys import private_key_problem, signing_key_problem
 
 
 def mint_capability(
@@ -81,9 +81,7 @@ def usable_key(key: object, algorithm: str) -> object:
         if algorithm.startswith("HS"):
             key = data.strip()  # the edge strips its secret file (streamproc.edge.auth.load_key)
     else:  # a key object of cryptography's: PyJWT takes it for the asymmetric algorithms
-        signer = jwt.get_algorithm_by_name(algorithm)
-        prepared = signer.prepare_key(key)
-        problem = public_only(prepared) or key_weakness(signer, prepared)
+        problem = private_key_problem(algorithm, key)
     if problem:
         raise ValueError(f"unusable {algorithm} key: {problem}")
     return key
