@@ -4,8 +4,8 @@ The edge's replay (:mod:`.replay`) needs that publish permission. A deployment w
 was set up before it (the ``deploy/nats-server.conf`` of earlier releases) lacks it, and
 nats-server answers such a request with nothing but an ``-ERR`` on the connection, which nats-py
 hands to the error callback (:mod:`streamproc.nats.refusals`); the request itself would wait for
-its whole timeout. So the refusal is read from the error callback (:meth:`MsgGetAccess.note_error`), and a request made while the permission is not
-known to work is raced against it (:meth:`MsgGetAccess.guard`): the open that finds out pays one
+its whole timeout. So the refusal is read from the error callback (:meth:`MsgGetAccess.note_error`),
+and a request made while the permission is not known to work is raced against it (:meth:`MsgGetAccess.guard`): the open that finds out pays one
 round trip, not a timeout.
 
 Once refused, the edge reads each JetStream stream with an ordered consumer of its own, as every
