@@ -794,6 +794,11 @@ def test_mint_capability_refuses_the_keys_the_edge_refuses_whatever_pyjwt(monkey
     for key in (pem, small_rsa):  # the PEM bytes and cryptography's key object alike
         with pytest.raises(ValueError, match="at least 2048 bits"):
             mint_capability(key, rids=["x"], algorithm="RS256")
+    ec_public = ec.generate_private_key(ec.SECP256R1()).public_key()  # the half the edge gets
+    ec_pem = ec_public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    for key in (ec_pem, ec_public):
+        with pytest.raises(ValueError, match="a public key, which only verifies"):
+            mint_capability(key, rids=["x"], algorithm="ES256")
     # A secret read from a file with its newline signs as the edge verifies (it strips the file).
     token = mint_capability(SECRET + b"\n", rids=["x"], algorithm="HS256")
     assert jwt.decode(token, SECRET, algorithms=["HS256"], audience=AUDIENCE)["rids"] == ["x"]

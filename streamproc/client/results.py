@@ -78,6 +78,7 @@ from ..nats.replay_pull import (
     pull_status,
     pull_subject,
     replay_consumer_config,
+    replay_consumer_name,
 )
 from ..nats.robust import flush_queued
 from ..nats.streams import find_stream
@@ -186,7 +187,7 @@ class ResultStream:
         nc = self.nc
         js = nc.jetstream()
         inbox = nc.new_inbox()
-        name = f"streamproc_replay_{inbox.rsplit('.', 1)[-1]}"  # unique, so a failed create is deleted by name
+        name = replay_consumer_name(inbox)
         # What arrives is at most what the pulls asked for (the bound), plus one result fetched alone.
         room = 2 * self.max_buffered_bytes + (getattr(nc, "max_payload", 0) or 1 << 20)
         sub = await nc.subscribe(inbox, cb=self._on_delivery, pending_bytes_limit=max(room, 64 << 20))
@@ -310,7 +311,7 @@ class ResultStream:
                 await self._refuse(subject, self._pull_permission(), refusal)
 
     def _pull_permission(self) -> str:
-        return f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{self._stream}.>"
+        return pull_subject(JS_API_PREFIX, self._stream, ">")
 
     async def _on_delivery(self, msg: Msg) -> None:
         """A message on the replay's inbox: a stored result of the current consumer, or a status

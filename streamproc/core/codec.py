@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Generic, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar
 
 import msgspec
 
@@ -391,6 +391,21 @@ def restated_prompt(attempt_prompt: int, emitted: int, original: int | None) -> 
         raise ContractError(f"a resumed attempt's prompt has {attempt_prompt} tokens, not the {expected} it "
                             "must hold (the original prompt and the tokens the client was sent)")
     return restated
+
+
+def final_error_body(bodies: Sequence[bytes], docs: Sequence[object], is_error: Callable[[Any], bool],
+                     engine: str) -> bytes | None:
+    """For ``Codec.fold``: the stream's last body when it is the worker's error body, else None. The
+    same request unary answers the error alone, never the output produced before it, and a stream
+    sends nothing after its error frame but its end; an error body with chunks after it is nothing
+    ``engine`` writes (ValueError: it cannot be folded). ``docs`` are the parsed ``bodies``."""
+    errors = [index for index, doc in enumerate(docs) if is_error(doc)]
+    if not errors:
+        return None
+    if errors != [len(docs) - 1]:
+        raise ValueError(f"chunk {errors[0]} is the worker's error body and chunks follow it: "
+                         f"no stream {engine} writes; it cannot be folded")
+    return bodies[-1]
 
 
 def check_sampling_params(params: object, *, guided: Sequence[str], samples: str) -> dict[str, Any]:

@@ -147,8 +147,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         # Uvicorn's default (True, trusting FORWARDED_ALLOW_IPS, "127.0.0.1,::1" unset) took it from
         # X-Forwarded-For, so a client on the edge's host chose its address (--max-streams-per-client
         # under --insecure-demo, the access log's client=).
-        proxy_headers=bool(settings.forwarded_proxies()),
-        forwarded_allow_ips=settings.forwarded_proxies(),  # never FORWARDED_ALLOW_IPS (read only for None)
+        proxy_headers=bool(proxies := settings.forwarded_proxies()),
+        forwarded_allow_ips=proxies,  # never FORWARDED_ALLOW_IPS (read only for None)
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s

@@ -88,6 +88,7 @@ from ..nats.replay_pull import (
     pull_status,
     pull_subject,
     replay_consumer_config,
+    replay_consumer_name,
 )
 from . import pending
 from .msg_get import MsgGetAccess, Refused
@@ -413,7 +414,7 @@ class Replay:
         pulls never pass). Nothing is sent before :meth:`_pull` asks."""
         nc = self.nc
         inbox = nc.new_inbox()
-        name = f"streamproc_replay_{inbox.rsplit('.', 1)[-1]}"  # unique, so a failed create is deleted by name
+        name = replay_consumer_name(inbox)
         limits = {k: v for k, v in self.consumer_options.items() if k.startswith("pending_")}
         sub = await nc.subscribe(inbox, **limits)
         try:
@@ -443,8 +444,7 @@ class Replay:
         ``no_wait``: every result up to ``upto`` is stored already; nothing waits on the server."""
         if self.pulling or self.done or self.cut is not None:
             return
-        core = sub
-        queued, queued_msgs = core._pending_size, core._pending_queue.qsize()
+        queued, queued_msgs = sub._pending_size, sub._pending_queue.qsize()
         bound = self.consumer_options.get("pending_bytes_limit") or 0
         msgs_bound = self.consumer_options.get("pending_msgs_limit") or 0
         if self.one_big:

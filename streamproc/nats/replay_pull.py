@@ -54,6 +54,12 @@ def replay_consumer_config(name: str, subject: str, start: int, idle: float = RE
                           mem_storage=True, num_replicas=1, inactive_threshold=idle, **where)
 
 
+def replay_consumer_name(inbox: str) -> str:
+    """A replay's consumer name, unique by its delivery inbox's last token: a create whose answer was
+    lost is deleted by this name."""
+    return f"streamproc_replay_{inbox.rsplit('.', 1)[-1]}"
+
+
 def pull_subject(api_prefix: str, stream: str, consumer: str) -> str:
     return f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
 

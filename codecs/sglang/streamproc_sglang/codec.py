@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
-                              MigrationSession, RoutedExperts, SequenceCodec)
+                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body)
 from streamproc.wire import Verdict
 
 from . import experts, migration, native
@@ -60,8 +60,8 @@ def _abort_status_in_head(body: bytes) -> bool:
     while at >= 0:
         value = head[at + len(STATUS_KEY):at + len(STATUS_KEY) + 16].lstrip(_SEPARATOR)
         digits = value[:4]
-        if digits[:3].isdigit() and not digits[3:].isdigit() and 400 <= int(digits[:3]) < 600:
-            return True  # native.abort_status's range; fold reads the body to decide
+        if digits[:3].isdigit() and not digits[3:].isdigit() and native.is_error_status(int(digits[:3])):
+            return True  # fold reads the body to decide (native.abort_status)
         at = head.find(STATUS_KEY, at + 1)
     return False
 
@@ -95,14 +95,11 @@ class SGLangCodec(Codec):
                     return body  # a unary batch's list (folds_alone saw "index" in a value): as sent
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
-        errors = [index for index, doc in enumerate(docs) if native.http_error(doc)]
-        if errors:
-            # The same request unary answers the error alone (``_create_error_response``), never the
-            # output produced before it; ``stream_results`` sends only ``[DONE]`` after its frame.
-            if errors != [len(docs) - 1]:
-                raise ValueError(f"chunk {errors[0]} is the worker's error body and chunks follow it: "
-                                 "no stream SGLang writes; it cannot be folded")
-            return bodies[-1]
+        # The same request unary answers the error alone (``_create_error_response``); ``stream_results``
+        # sends only ``[DONE]`` after its frame.
+        error_body = final_error_body(bodies, docs, native.http_error, "SGLang")
+        if error_body is not None:
+            return error_body
         error = abort_answer(docs)  # an abort with an HTTP status: unary, the error alone
         if error is not None:
             return native.encode(error)

@@ -77,7 +77,8 @@ ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable_reason"
 OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE = "output_token_ids_logprobs_unavailable_reason"
 
 # finish_reason types that mean the leg did not complete (sidecar ``terminal_failure``).
-FAILED_FINISH_TYPES = frozenset({"abort", "error"})
+ABORT = "abort"  # a finish reason's type (also a status abort's: abort_status)
+FAILED_FINISH_TYPES = frozenset({ABORT, "error"})
 
 _decode = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
@@ -131,7 +132,6 @@ ERROR_OBJECT_KEY = "object"  # ErrorResponse.object, "error"
 # An abort's HTTP status (``FINISH_ABORT.to_json()``, the scheduler's ``finished_reason`` dicts).
 STATUS_CODE = "status_code"
 MESSAGE = "message"
-ABORT = "abort"
 
 
 def abort_status(finish: Any) -> int | None:
@@ -149,7 +149,13 @@ def abort_status(finish: Any) -> int | None:
     if not isinstance(finish, dict) or finish.get("type") != ABORT:
         return None
     status = finish.get(STATUS_CODE)
-    return status if type(status) is int and 400 <= status < 600 else None
+    return status if type(status) is int and is_error_status(status) else None
+
+
+def is_error_status(status: int) -> bool:
+    """``HTTPStatus.BAD_REQUEST <= status_code < 600``: the statuses ``_handle_abort_finish_reason``
+    answers a unary request with an error (:func:`abort_status`)."""
+    return 400 <= status < 600
 
 
 def abort_error(finish: dict[str, Any]) -> dict[str, Any]:
@@ -189,7 +195,7 @@ def failed_finish(meta: dict[str, Any]) -> bool:
     """Whether ``meta_info`` names an error or abort finish."""
     finish = meta.get(FINISH_REASON)
     kind = finish.get("type") if isinstance(finish, dict) else None
-    return isinstance(kind, str) and (kind in FAILED_FINISH_TYPES or kind.startswith("abort"))
+    return isinstance(kind, str) and (kind in FAILED_FINISH_TYPES or kind.startswith(ABORT))
 
 
 # ``Req.retraction_count`` on every body (``_handle_batch_output``): ``num_retractions`` since SGLang

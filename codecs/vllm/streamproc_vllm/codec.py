@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
-                              MigrationSession, RoutedExperts, SequenceCodec)
+                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body)
 from streamproc.wire import Verdict
 
 from . import experts, migration
@@ -60,15 +60,12 @@ class VLLMCodec(Codec):
             if not isinstance(obj, dict):
                 raise ValueError(f"chunk {seq} is not a JSON object")
             chunks.append(obj)
-        errors = [seq for seq, obj in enumerate(chunks) if is_error_response(obj)]
-        if errors:
-            # The same request unary answers the error alone (``api_router.generate``: the exception reaches
-            # the app's handlers, ``JSONResponse(err.model_dump())``), never the output produced before it;
-            # ``serve_tokens_stream_generator`` sends only ``[DONE]`` after its frame.
-            if errors != [len(chunks) - 1]:
-                raise ValueError(f"chunk {errors[0]} is the worker's error body and chunks follow it: "
-                                 "no stream vLLM writes; it cannot be folded")
-            return bodies[-1]
+        # The same request unary answers the error alone (``api_router.generate``: the exception reaches
+        # the app's handlers, ``JSONResponse(err.model_dump())``); ``serve_tokens_stream_generator`` sends
+        # only ``[DONE]`` after its frame.
+        error_body = final_error_body(bodies, chunks, is_error_response, "vLLM")
+        if error_body is not None:
+            return error_body
         return dump(fold_objects(chunks))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
