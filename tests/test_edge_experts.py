@@ -11,20 +11,24 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import socket
 import struct
 import threading
 import urllib.parse
 from typing import Iterator
 
+import anyio
 import httpx
 import hypothesis
 import nats
+import prometheus_client
 import pytest
 from edge_harness import expected_sse, publish_results, running_edge
 from helpers import peak_rss, rid
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.edge.experts import MAX_BODY_BYTES, MAX_VIEW_IDS, build_view
+from streamproc.edge.stats import MAX_SCRAPE_BYTES, SCRAPE_TIMEOUT
 from streamproc.simulation import make_truth
 from streamproc.testing.harness import leg, run_pipeline
 from streamproc.wire import Subjects, Verdict
@@ -222,6 +226,7 @@ async def test_stats_report_a_processor_that_does_not_answer(server):
     assert [(p["url"], p["ok"]) for p in stats["processors"]] == [("http://127.0.0.1:9/metrics", False)]
     assert stats["processors"][0]["error"]
     assert stats["join_wait"] is None
+    assert stats["processor_results"] is None  # unknown, not 0: no processor answered
     assert stats["results_seen"] is None and stats["results_sent"] == 0
 
 
@@ -259,6 +264,100 @@ def metrics_behind_a_token(token: str) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def metrics_endpoints(*bodies: bytes | None) -> Iterator[tuple[list[str], list[int]]]:
+    """One ``/metrics`` endpoint per body (None: one that accepts the connection and never answers);
+    yields their URLs and how many requests each answered so far."""
+    answered = [0] * len(bodies)
+
+    def handler(n: int, body: bytes) -> type[http.server.BaseHTTPRequestHandler]:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                answered[n] += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+        return Handler
+
+    servers, silent, urls = [], [], []
+    for n, body in enumerate(bodies):
+        if body is None:
+            sock = socket.create_server(("127.0.0.1", 0))  # listens, never accepts nor answers
+            silent.append(sock)
+            urls.append(f"http://127.0.0.1:{sock.getsockname()[1]}/metrics")
+            continue
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler(n, body))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        urls.append(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    try:
+        yield urls, answered
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+        for sock in silent:
+            sock.close()
+
+
+def processor_metrics(bounds: tuple[float, ...], waits: list[float], joined: float) -> bytes:
+    """A processor's ``/metrics`` as prometheus_client writes it (``generate_latest``, with its
+    ``_created`` series): the join waits ``waits`` in a histogram of upper ``bounds``, ``joined`` results."""
+    registry = prometheus_client.CollectorRegistry()
+    wait = prometheus_client.Histogram("streamproc_join_wait_seconds", "join wait", buckets=bounds, registry=registry)
+    for seconds in waits:
+        wait.observe(seconds)
+    prometheus_client.Counter("streamproc_results", "results", ["verdict"], registry=registry).labels("joined").inc(joined)
+    return prometheus_client.generate_latest(registry)
+
+
+async def test_stats_sum_every_processors_histogram_and_results_and_scrape_each_at_most_once_a_second(server):
+    """The page charts the processors together: bucket by bucket (one processor's bucket that the
+    other lacks in order among them), sums, counts and results summed; any number of /v1/stats within ``CACHE_SECONDS`` cost one scrape each."""
+    one = processor_metrics((0.1, 1.0), [0.05, 0.5, 1.0], 4)
+    two = processor_metrics((0.1, 0.5, 1.0), [0.05] * 10 + [0.25] * 10 + [0.75] * 10 + [2.0] * 10, 6)
+    with metrics_endpoints(one, two) as (urls, answered):
+        with running_edge(server.url, "--processor-metrics-url", ",".join(urls)) as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+                stats = [(await client.get("/v1/stats")).json() for _ in range(3)]
+                scraped = list(answered)
+                await anyio.sleep(1.2)  # past CACHE_SECONDS
+                await client.get("/v1/stats")
+    first = stats[0]
+    assert [p["ok"] for p in first["processors"]] == [True, True], first
+    assert first["join_wait"] == {"buckets": [[0.1, 11], [0.5, 20], [1.0, 33], [None, 43]], "sum": 1.55 + 30.5,
+                                  "count": 43}, first["join_wait"]
+    assert first["processor_results"] == 10
+    assert scraped == [1, 1], scraped  # three /v1/stats, one scrape each
+    assert answered == [2, 2], answered
+
+
+async def test_stats_bound_a_processors_metrics_to_max_scrape_bytes_and_its_answer_to_the_scrape_timeout(server):
+    """A scrape of exactly ``MAX_SCRAPE_BYTES`` is read; one byte more is a failed scrape that says
+    so (its text never parsed); a processor that never answers is a failed scrape after
+    ``SCRAPE_TIMEOUT``, and /v1/stats still answers."""
+    body = processor_metrics((1.0,), [0.5], 1)
+    exact = body + b"#" * (MAX_SCRAPE_BYTES - len(body) - 1) + b"\n"
+    over = body + b"#" * (MAX_SCRAPE_BYTES - len(body)) + b"\n"
+    with metrics_endpoints(exact, over, None) as (urls, _):
+        with running_edge(server.url, "--processor-metrics-url", ",".join(urls)) as edge:
+            async with httpx.AsyncClient(base_url=edge.url, timeout=SCRAPE_TIMEOUT + 8) as client:
+                started = anyio.current_time()
+                answer = await client.get("/v1/stats")
+                took = anyio.current_time() - started
+    assert answer.status_code == 200, answer.text
+    stats = answer.json()
+    assert [p["ok"] for p in stats["processors"]] == [True, False, False], stats["processors"]
+    assert stats["processors"][1]["error"] == f"more than {MAX_SCRAPE_BYTES} bytes", stats["processors"][1]
+    assert "timed out" in stats["processors"][2]["error"], stats["processors"][2]
+    assert stats["join_wait"]["count"] == 1 and stats["processor_results"] == 1  # the exact one alone
+    assert SCRAPE_TIMEOUT <= took < SCRAPE_TIMEOUT + 4, took
 
 
 async def test_a_processor_metrics_urls_query_is_sent_but_its_values_are_never_shown(server, run_cli):
