@@ -994,3 +994,23 @@ def test_requests_pipelined_up_to_the_bound_are_each_answered_in_order(edge):
         data, closed = until_closed(sock, 5)
     assert closed and data.count(b"HTTP/1.1 200 OK") == MAX_PIPELINED + 1, data[-300:]
     assert data.rstrip().endswith(b"}") and b'"auth"' in data.rsplit(b"HTTP/1.1", 1)[1], data[-300:]
+
+
+def test_max_connections_is_exact_the_last_one_under_it_served_the_one_at_it_refused(server):
+    """``--max-connections N``: with N-1 idle connections open, another is served; with N open, the
+    next gets the ``503``. (The flood test refuses hundreds past the limit: an edge that let one
+    more in passed it.)"""
+    limit = 4
+    with running_edge(server.url, "--max-connections", str(limit), "--head-timeout", "10") as edge:
+        idle = [socket.create_connection(("127.0.0.1", edge.port), timeout=10) for _ in range(limit - 1)]
+        try:
+            time.sleep(0.5)  # accepted and made (the edge accepts a few per loop pass)
+            with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as last:
+                last.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+                assert last.recv(65536).startswith(b"HTTP/1.1 200 ")  # the N-th, kept open (keep-alive)
+                with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as past:
+                    answer, closed = until_closed(past, 5)
+        finally:
+            for sock in idle:
+                sock.close()
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"--max-connections" in answer and closed, answer[:200]
