@@ -82,3 +82,30 @@ def sgl_body(*, out: list[int], text: str, finish: Any, completion: int, lp: dic
 
 STOP = {"type": "stop", "matched": 203}  # FINISH_MATCHED_TOKEN.to_json()
 PREFILL_FINISH = {"type": "length", "length": 1}  # the prefill worker's request ends after token 0
+
+
+# ------------------------------------------------------------------ HTTP-layer error bodies (http_server.py)
+# A message ``_validate_one_request`` raises (``TokenizerManager``, a ``ValueError`` while the request is
+# admitted, before any chunk); non-ASCII and a quote to pin the encoding.
+TOO_LONG = ("Requested token count exceeds the model's maximum context length of 8 tokens. You requested a "
+            "total of 12 tokens: 4 tokens from the input messages and 8 tokens for the completion. « é »")
+
+
+def stream_error_frame(message: str) -> dict:
+    """``serve_generate_request``' ``stream_results``, ``except ValueError as e`` (client still connected)::
+
+        out = {"error": {"message": str(e), "type": "invalid_request_error",
+                         "code": getattr(e, "status_code", 400), "retryable": False}}
+        yield b"data: " + dumps_json(out) + b"\\n\\n"
+
+    then only ``data: [DONE]``. No ``ValueError`` SGLang 0.5.23 raises on this path has a ``status_code``
+    attribute, so ``code`` is 400."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}}
+
+
+def unary_value_error(message: str) -> dict:
+    """The same request with ``stream: false``: ``serve_generate_request``' ``except ValueError as e: return
+    _create_error_response(e)``, i.e. ``ORJSONResponse({"error": {"message": str(e)}},
+    status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST))``: the message alone, status 400 on
+    the HTTP status line (orjson: compact, raw UTF-8)."""
+    return {"error": {"message": message}}

@@ -14,7 +14,8 @@ import httpx
 import nats
 import pytest
 from edge_harness import publish_result, publish_results, running_edge
-from helpers import rid
+from helpers import rid, upstream_json
+from sglang_0523_bodies import TOO_LONG, stream_error_frame, unary_value_error
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.codec import ErrorKind
@@ -64,21 +65,35 @@ async def test_a_streamed_request_is_folded_by_the_codec_into_the_unary_response
     assert response.headers["streamproc-results"] == str(len(bodies))
 
 
-async def test_a_streamed_request_whose_stream_ends_in_the_workers_error_frame_is_answered_that_frame(edge, nc):
+async def test_a_streamed_request_whose_stream_ends_in_the_workers_error_frame_is_answered_the_unary_error(edge, nc):
     """SGLang 0.5.23 ``serve_generate_request``: a ``ValueError`` mid-stream ends the stream with
-    ``data: {"error": {...}}``; unary, the same failure answers the error alone
-    (``_create_error_response``). The edge used to answer the chunks sent before it folded together,
-    with the ``error`` key beside them: a partial answer with status 200."""
+    ``data: {"error": {"message", "type", "code", "retryable"}}``; unary, the same failure answers
+    ``_create_error_response``, ``{"error": {"message": ...}}`` alone. The edge used to answer the chunks
+    sent before it folded together, with the ``error`` key beside them (a partial answer with status
+    200), then the frame as sent."""
     request_id = rid("worker-error")
     bodies = worker_for("sglang").agg(make_truth(4, request_id=request_id, output_len=9), stream=True)[:2]
-    frame = json.dumps({"error": {"message": "boom", "type": "invalid_request_error", "code": 400,
-                                  "retryable": False}}, separators=(",", ":")).encode()
-    await publish_results(nc, DURABLE, request_id, [*bodies, frame])
+    await publish_results(nc, DURABLE, request_id, [*bodies, upstream_json(stream_error_frame("boom"))])
 
     response = await get(edge, f"/v1/results/{request_id}", JSON)
 
-    assert response.content == frame
+    assert (response.status_code, response.content) == (200, upstream_json(unary_value_error("boom")))
     assert response.headers["streamproc-results"] == "3"
+
+
+async def test_a_stream_that_is_only_the_workers_error_frame_is_answered_the_unary_error(edge, nc):
+    """The common case: ``_validate_one_request`` raises before the first chunk, so the stream's only
+    chunk is the frame; the edge served a one-result stream verbatim, the frame, where the unary request
+    answers ``{"error": {"message": ...}}``. SGLang's unary error body itself is still served verbatim."""
+    request_id = rid("worker-error-only")
+    await publish_results(nc, DURABLE, request_id, [upstream_json(stream_error_frame(TOO_LONG))])
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+    assert (response.status_code, response.content) == (200, upstream_json(unary_value_error(TOO_LONG)))
+
+    request_id = rid("worker-unary-error")
+    await publish_results(nc, DURABLE, request_id, [upstream_json(unary_value_error(TOO_LONG))])
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+    assert (response.status_code, response.content) == (200, upstream_json(unary_value_error(TOO_LONG)))
 
 
 async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_that_frame(server, nc):

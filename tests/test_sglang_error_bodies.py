@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from sglang_0523_bodies import TOO_LONG, stream_error_frame, unary_value_error
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -51,8 +52,9 @@ OUT = [301, 302, 303]
 TEXT = ["A", "b", "c"]
 OUTPUT_LP = [[-0.25, 301, None], [-0.5, 302, None], [-0.75, 303, None]]
 
-# ``stream_results``' frame for ``raise ValueError("...")`` (no ``status_code`` attribute: 400).
-STREAM_ERROR = {"error": {"message": "boom", "type": "invalid_request_error", "code": 400, "retryable": False}}
+# ``stream_results``' frame for ``raise ValueError("boom")``, and what the same request answers unary.
+STREAM_ERROR = stream_error_frame("boom")
+UNARY_ERROR = unary_value_error("boom")
 
 
 def chunk(lo: int, end: int, *, cumulative: bool, index: int | None = None) -> dict[str, Any]:
@@ -79,23 +81,25 @@ def fold(codec, bodies: list[bytes]) -> bytes:
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("cumulative", [False, True])
 @pytest.mark.parametrize("sent", [1, 3])
-def test_a_stream_that_ends_in_the_error_frame_folds_to_that_frame_not_to_a_partial_answer(codec, cumulative, sent):
-    """The unary request that fails the same way answers the error alone (``_create_error_response``),
-    never the tokens produced before it; the fold used to return the partial output with an ``error``
-    key beside it, which the edge served as a 200 answer."""
-    frame = dumps(STREAM_ERROR)
-    bodies = [dumps(chunk(k, k + 1, cumulative=cumulative)) for k in range(sent)] + [frame]
-    assert fold(codec, bodies) == frame
+def test_a_stream_that_ends_in_the_error_frame_folds_to_the_unary_error_body_not_to_a_partial_answer(
+        codec, cumulative, sent):
+    """The unary request that fails the same way answers the error alone (``_create_error_response``:
+    ``{"error": {"message": str(e)}}``), never the tokens produced before it and not the stream's frame
+    (``type``, ``code``, ``retryable`` are ``stream_results``' own). The fold used to return the partial
+    output with an ``error`` key beside it, then (until 2026-12-06) the frame as sent."""
+    bodies = [dumps(chunk(k, k + 1, cumulative=cumulative)) for k in range(sent)] + [dumps(STREAM_ERROR)]
+    assert fold(codec, bodies) == dumps(UNARY_ERROR)
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_a_streamed_batch_whose_stream_ends_in_the_error_frame_folds_to_that_frame(codec):
+def test_a_streamed_batch_whose_stream_ends_in_the_error_frame_folds_to_the_unary_error_body(codec):
     """``_stream_batch_responses``: one item's exception ends the whole stream after the other items'
-    chunks; unary, ``_collect_batch_responses``' ``asyncio.gather`` raises it and the batch answers the
-    error alone (no list). The fold used to refuse the untagged frame (the edge's 500)."""
-    frame = dumps(STREAM_ERROR)
-    bodies = [dumps(chunk(0, 1, cumulative=False, index=0)), dumps(chunk(0, 1, cumulative=False, index=1)), frame]
-    assert fold(codec, bodies) == frame
+    chunks; unary, ``_collect_batch_responses``' ``asyncio.gather`` raises it and the batch answers
+    ``_create_error_response`` alone (no list). The fold used to refuse the untagged frame (the edge's
+    500), then answered the frame as sent."""
+    bodies = [dumps(chunk(0, 1, cumulative=False, index=0)), dumps(chunk(0, 1, cumulative=False, index=1)),
+              dumps(STREAM_ERROR)]
+    assert fold(codec, bodies) == dumps(UNARY_ERROR)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -108,10 +112,33 @@ def test_chunks_after_the_error_frame_are_refused_by_the_fold(codec):
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_a_stream_that_is_only_the_error_frame_is_answered_as_sent(codec):
-    """A ``ValueError`` before the first chunk (``_validate_one_request``, a duplicate rid, ...)."""
-    frame = dumps(STREAM_ERROR)
-    assert fold(codec, [frame]) == frame
+def test_a_stream_that_is_only_the_error_frame_folds_alone_to_the_unary_error_body(codec):
+    """A ``ValueError`` before the first chunk (``_validate_one_request``: a prompt plus ``max_new_tokens``
+    over the context length, ...), the common case: the edge serves a one-result stream verbatim unless
+    ``folds_alone`` says otherwise, so it used to answer the frame. Unary, the same request answers
+    ``{"error": {"message": ...}}`` byte for byte (orjson: compact, raw UTF-8)."""
+    frame = dumps(stream_error_frame(TOO_LONG))
+    assert codec(OPTIONS).folds_alone(frame)
+    assert codec(OPTIONS).folds_alone(frame + b"\n")
+    assert fold(codec, [frame]) == dumps(unary_value_error(TOO_LONG))
+    assert fold(codec, [frame]) == b'{"error":{"message":"' + TOO_LONG.encode() + b'"}}'  # raw UTF-8
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("body", [
+    unary_value_error("boom"),  # _create_error_response: already the unary answer
+    {"error": "sampling_params: expected an object"},  # generate_request's contract check (unary only)
+    {"object": "error", "message": "x", "type": "503", "param": None, "code": 503},  # HTTPException handler
+    {"error": {"message": "not \"retryable\"", "type": "invalid_request_error"}},  # no frame of stream_results
+])
+def test_an_error_body_that_is_not_the_stream_frame_is_answered_as_sent(codec, body):
+    """Only ``stream_results``' frame differs from its unary answer; SGLang's unary error bodies are
+    already the answer (the edge serves one verbatim: ``folds_alone`` is False), and a shape SGLang does
+    not write is not rewritten."""
+    sent = dumps(body)
+    assert not codec(OPTIONS).folds_alone(sent)
+    assert fold(codec, [sent]) == sent
+    assert fold(codec, [dumps(chunk(0, 1, cumulative=False)), sent]) == sent
 
 
 # ------------------------------------------------------------------------------------------- P/D
@@ -131,14 +158,15 @@ def prefill_leg() -> dict[str, Any]:
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("cumulative", [False, True])
 @pytest.mark.parametrize("sent", [0, 2])
-def test_a_pd_decode_stream_ending_in_the_error_frame_publishes_it_as_sent_and_folds_to_it(codec, cumulative, sent):
+def test_a_pd_decode_stream_ending_in_the_error_frame_publishes_it_as_sent_and_folds_to_the_unary_error(
+        codec, cumulative, sent):
     """The decode worker's frame is its answer, as the aggregated worker's would be: published byte for
-    byte (passthrough) behind the joined chunks, and the folded stream is the frame."""
+    byte (passthrough) behind the joined chunks; the folded stream is the unary error body."""
     frame = dumps(STREAM_ERROR)
     decode = [dumps(chunk(k, k + 1, cumulative=cumulative)) for k in range(sent)] + [frame]
     joined = join(codec(OPTIONS), decode, [dumps(prefill_leg())])
     assert joined[-1] == (frame, Verdict.PASSTHROUGH)
-    assert fold(codec, [body for body, _ in joined]) == frame
+    assert fold(codec, [body for body, _ in joined]) == dumps(UNARY_ERROR)
 
 
 def decode_answer() -> dict[str, Any]:
@@ -203,17 +231,17 @@ def test_a_unary_batch_against_a_failed_prefill_batch_omits_each_items_rows_as_p
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_a_pd_streamed_batch_ending_in_the_error_frame_publishes_it_as_sent_and_folds_to_it(codec):
+def test_a_pd_streamed_batch_ending_in_the_error_frame_publishes_it_as_sent_and_folds_to_the_unary_error(codec):
     """The decode's streamed batch (items tagged ``index``) ends in ``stream_results``' frame: the
     items' chunks are joined with prefill's chunks of the same index, the frame (no index, no
-    ``meta_info``) is published byte for byte, and the fold is the frame."""
+    ``meta_info``) is published byte for byte, and the fold is the unary error body."""
     frame = dumps(STREAM_ERROR)
     prefill = [dumps({**prefill_leg(), "index": k}) for k in range(2)]
     decode = [dumps(chunk(0, 1, cumulative=False, index=k)) for k in range(2)] + [frame]
     joined = join(codec(OPTIONS), decode, prefill)
     assert [verdict for _, verdict in joined] == [Verdict.JOINED, Verdict.JOINED, Verdict.PASSTHROUGH]
     assert joined[-1][0] == frame
-    assert fold(codec, [body for body, _ in joined]) == frame
+    assert fold(codec, [body for body, _ in joined]) == dumps(UNARY_ERROR)
 
 
 # ------------------------------------------------------------------ aborts that carry an HTTP status

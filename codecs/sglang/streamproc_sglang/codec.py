@@ -35,6 +35,11 @@ ABORT_HEAD = 4096
 # it (inside a JSON string the quotes are escaped), then the bytes a separator may have before a digit.
 STATUS_KEY = b'"%s"' % native.STATUS_CODE.encode()
 _SEPARATOR = b" \t\r\n:"
+# ``stream_results``' error frame (``native.unary_error_of_frame``) opens with its only key, ``error``, and
+# ends with ``"retryable":false}}`` (orjson, compact), whatever the message's length in between.
+ERROR_OPENING = b'{"%s"' % native.ERROR.encode()
+RETRYABLE_KEY = b'"%s"' % native.RETRYABLE.encode()
+FRAME_TAIL = 32
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -66,6 +71,14 @@ def _abort_status_in_head(body: bytes) -> bool:
     return False
 
 
+def _stream_error_frame(body: bytes) -> bool:
+    """Whether a body may be ``stream_results``' error frame: it opens with ``{"error"`` and has
+    ``"retryable"`` in its last ``FRAME_TAIL`` bytes (a key: inside a JSON string the quotes are
+    escaped). Two bounded byte searches; ``fold`` parses the body to decide."""
+    return (body[:16].lstrip().startswith(ERROR_OPENING)
+            and body.find(RETRYABLE_KEY, max(0, len(body) - FRAME_TAIL)) >= 0)
+
+
 class SGLangCodec(Codec):
     name = "sglang"
     description = "SGLang native /generate; meta_info.routed_experts = Base64(raw int32 rows)"
@@ -95,11 +108,12 @@ class SGLangCodec(Codec):
                     return body  # a unary batch's list (folds_alone saw "index" in a value): as sent
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
-        # The same request unary answers the error alone (``_create_error_response``); ``stream_results``
-        # sends only ``[DONE]`` after its frame.
+        # The same request unary answers the error alone (``_create_error_response``: the message only,
+        # not ``stream_results``' frame); ``stream_results`` sends only ``[DONE]`` after its frame.
         error_body = final_error_body(bodies, docs, native.http_error, "SGLang")
         if error_body is not None:
-            return error_body
+            unary = native.unary_error_of_frame(docs[-1])
+            return error_body if unary is None else native.encode(unary)
         error = abort_answer(docs)  # an abort with an HTTP status: unary, the error alone
         if error is not None:
             return native.encode(error)
@@ -123,9 +137,13 @@ class SGLangCodec(Codec):
         ``"abort"`` followed by a ``"status_code"`` in ``[400, 600)``, both in the first ``ABORT_HEAD``
         bytes, makes ``fold`` look. ``"abort"`` alone is every abort's (``"type":"abort"``, the client's
         and the tokenizer's own with no status among them), whose unary answer is the body as sent: sent
-        to ``fold``, a 64 MiB one was parsed whole for nothing, ~75 ms holding the GIL."""
+        to ``fold``, a 64 MiB one was parsed whole for nothing, ~75 ms holding the GIL.
+
+        Also a stream's only chunk that is ``stream_results``' error frame (a ``ValueError`` before the
+        first chunk, e.g. ``_validate_one_request``'s context-length check): unary, the same request
+        answers ``{"error": {"message": ...}}`` (``_create_error_response``), which :meth:`fold` builds."""
         return (body.find(INDEX_KEY, max(0, len(body) - INDEX_TAIL)) >= 0
-                or _abort_status_in_head(body))
+                or _abort_status_in_head(body) or _stream_error_frame(body))
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})

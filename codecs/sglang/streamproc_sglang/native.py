@@ -128,6 +128,28 @@ def http_error(doc: dict[str, Any]) -> bool:
 
 
 ERROR_OBJECT_KEY = "object"  # ErrorResponse.object, "error"
+# The keys of ``stream_results``' error frame (``serve_generate_request``, SGLang 0.5.23), which no unary
+# error body has: ``{"error": {"message", "type", "code", "retryable"}}``.
+STREAM_ERROR_KEYS = frozenset({"message", "type", "code", "retryable"})
+RETRYABLE = "retryable"
+
+
+def unary_error_of_frame(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """What the same request answers unary when its stream ended in ``stream_results``' error frame, or
+    None for any other body. SGLang 0.5.23, ``serve_generate_request``: streamed, ``except ValueError as
+    e`` yields ``{"error": {"message": str(e), "type": "invalid_request_error", "code":
+    getattr(e, "status_code", 400), "retryable": False}}``; unary, the same ``ValueError`` is answered
+    ``_create_error_response(e)``, ``ORJSONResponse({"error": {"message": str(e)}},
+    status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST))``: the message alone. The frame's
+    other fields are constants of the stream (no ``ValueError`` SGLang raises on this path has a
+    ``status_code``: ``code`` is 400) and its ``code`` is the unary answer's status line, which the edge
+    does not carry for a worker's error body either (docs/codecs.md)."""
+    error = doc.get(ERROR)
+    if (len(doc) != 1 or not isinstance(error, dict) or error.keys() != STREAM_ERROR_KEYS
+            or type(error[MESSAGE]) is not str):
+        return None
+    return {ERROR: {MESSAGE: error[MESSAGE]}}
+
 
 # An abort's HTTP status (``FINISH_ABORT.to_json()``, the scheduler's ``finished_reason`` dicts).
 STATUS_CODE = "status_code"
