@@ -307,9 +307,11 @@ def n_continuous_stream(*, stale: bool, cached: int) -> list[dict]:
 
 
 def test_an_n2_stream_with_continuous_usage_joins_each_choice_to_the_aggregated_stream():
-    agg = n_continuous_stream(stale=False, cached=4)
+    """A 12-token prompt fills no 16-token block (vLLM's default ``block_size``): no child of either engine
+    hits the prefix cache, so prefill's 0 is every child's count (a count other than 0 is one child's: below)."""
+    agg = n_continuous_stream(stale=False, cached=0)
     decode = n_continuous_stream(stale=True, cached=len(PROMPT) - 1)
-    pre = with_details(prefill(n=2), 4)
+    pre = with_details(prefill(n=2), 0)
     results = join(VLLMCodec(OPTIONS), [dumps(c) for c in decode], [dumps(pre)])
     assert len(results) == len(agg)
     for (body, _), want in zip(results, agg):
@@ -329,6 +331,83 @@ def test_an_n2_decode_behind_a_prefill_that_ran_one_choice_omits_the_other_choic
                           n_rows(0, N_OUTS[0], stale=False))
     assert (got[1]["routed_experts"], got[1]["routed_experts_unavailable_reason"]) == (None, "prefill_missing")
     assert verdict is Verdict.OMITTED
+
+
+# ---------------------------------------------- n > 1 without an abort: whose cached count is the answer
+#
+# The children of one parent hit each other's prompt blocks. ``AsyncLLM.add_request`` adds child ``0_<id>``
+# first; ``KVCacheManager.allocate_slots`` caches a request's full blocks as they are allocated
+# (``self.coordinator.cache_blocks(request, num_tokens_to_cache)``, ``BlockPool.cache_full_blocks`` ->
+# ``cached_block_hash_to_block.insert``), so a sibling scheduled after it, in the same step or a later one,
+# finds them in ``get_computed_blocks``: ``PrefillStats`` (``num_local_cached_tokens``) and hence
+# ``RequestState.num_cached_tokens`` are per child, child 0's the hits from before the request, every later
+# child's the prompt's full blocks. Which child's count a body reports:
+#
+# * unary: the child whose output completes the parent (``ParentRequest.get_outputs`` returns the aggregator
+#   once ``child_requests`` is empty; ``RequestState._new_request_output`` reads ``self.num_cached_tokens``):
+#   the prefill leg's ``max_tokens=1`` children finish together, the last scheduled last; the aggregated
+#   engine's last child is whichever generates longest, child 0 included;
+# * stream: ``serve_tokens_stream_generator`` reads ``num_cached_tokens`` from its first ``RequestOutput``
+#   (``if first_iteration``), the first child to output, child 0 when they start together.
+#
+# With a 4-token block (``--block-size 4``) and a 12-token prompt seen before in its first 4 tokens: child 0
+# counts 4, child 1 counts 8 (two full blocks; the last prompt token is always recomputed). Prefill's body
+# says 8, the aggregated unary body 4 or 8 as the children's lengths fall, the aggregated stream 4; no body
+# says which child a count is. Only 0 is every child's (a prompt whose blocks no child could hit).
+
+PD_N_DECODE_CACHED = len(PROMPT) - 1  # a NIXL decode counts the prompt KV it loaded
+
+
+def n_stop_unary(outs: list[list[int]], *, stale: bool) -> dict:
+    return unary([choice(out, "stop", numpy2base64(n_rows(i, out, stale=stale)), index=i)
+                  for i, out in enumerate(outs)])
+
+
+@pytest.mark.parametrize("outs", [N_OUTS, N_OUTS[::-1]], ids=["child0_last", "child1_last"])
+def test_n2_unary_omits_a_cached_count_that_is_only_the_prefill_legs_last_child(outs):
+    """Prefill's count is its last child's (8); the aggregated body's is that of the child that finished
+    last there: 4 when child 0 generated longest, 8 otherwise. The join published 8 for both."""
+    pre = with_details(prefill(n=2), 8)
+    decode = with_details(n_stop_unary(outs, stale=True), PD_N_DECODE_CACHED)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    got = json.loads(body)
+    assert (got["usage"]["prompt_tokens_details"], got["usage"]["prompt_tokens_details_unavailable_reason"]) == \
+        (None, "prefill_missing")
+    for i, out in enumerate(outs):  # the rows are still joined per child
+        assert np.array_equal(np.load(io.BytesIO(base64.b64decode(got["choices"][i]["routed_experts"]))),
+                              n_rows(i, out, stale=False))
+    assert verdict is Verdict.OMITTED
+
+
+def test_n2_unary_omits_a_count_prefill_handed_to_decode_for_its_last_child():
+    """A prefill server without ``--enable-prompt-tokens-details``: ``kv_transfer_params`` is also the last
+    child's (``_new_request_output(..., kv_transfer_params)`` of the output that completes the parent), so
+    ``remote_prefill_cached_tokens`` is that child's count."""
+    pre = {**prefill(n=2), "kv_transfer_params": {**PREFILL_KV, "remote_prefill_cached_tokens": 8}}
+    decode = with_details(n_stop_unary(N_OUTS, stale=True), PD_N_DECODE_CACHED)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
+    usage_out = json.loads(body)["usage"]
+    assert (usage_out["prompt_tokens_details"], usage_out["prompt_tokens_details_unavailable_reason"]) == \
+        (None, "prefill_missing")
+    assert verdict is Verdict.OMITTED
+
+
+def test_n2_stream_omits_a_cached_count_the_aggregated_stream_takes_from_its_first_child():
+    """The aggregated stream's usage chunk says child 0's 4, prefill's unary body its last child's 8."""
+    decode = n_continuous_stream(stale=True, cached=PD_N_DECODE_CACHED)
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in decode], [dumps(with_details(prefill(n=2), 8))])
+    usage_out = json.loads(results[-1][0])["usage"]
+    assert (usage_out["prompt_tokens_details"], usage_out["prompt_tokens_details_unavailable_reason"]) == \
+        (None, "prefill_missing")
+    assert results[-1][1] is Verdict.OMITTED
+
+
+def test_n2_unary_keeps_a_zero_count_every_child_has():
+    agg = with_details(n_stop_unary(N_OUTS, stale=False), 0)
+    decode = with_details(n_stop_unary(N_OUTS, stale=True), PD_N_DECODE_CACHED)
+    [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(with_details(prefill(n=2), 0))])
+    assert_same(body, dumps(agg))
+    assert verdict is Verdict.JOINED
 
 
 # ------------------------------------------------------------- kv_transfer_params of other connectors

@@ -322,7 +322,7 @@ class VLLMJoinSession(JoinSession):
         if first and last is not _LastChild.UNSTARTED:
             self._join_prompt_logprobs(obj, edit, last)
         if _usage_details(obj) and last is not _LastChild.UNSTARTED:
-            self._join_prompt_tokens_details(obj["usage"], edit, last)
+            self._join_prompt_tokens_details(obj["usage"], edit, last, self._parallel(choices))
         for position, choice in enumerate(choices):
             if final or _finishes(choice) or choice.get(ROUTED_EXPERTS) is not None:
                 self._join_experts(obj, choice, _choice_index(choice, position), edit)
@@ -398,7 +398,14 @@ class VLLMJoinSession(JoinSession):
         prompt_tokens = self._prompt_tokens(obj)
         return isinstance(listed, list) and prompt_tokens is not None and len(listed) != prompt_tokens
 
-    def _join_prompt_tokens_details(self, usage: dict, edit: _Edit, last: _LastChild) -> None:
+    def _parallel(self, choices: list[dict]) -> bool:
+        """Whether the request runs ``n > 1`` children: the body (or the stream so far) or the prefill leg
+        has more than one choice."""
+        indices = len(self._tokens_seen.keys() | self._tokens_hidden)
+        prefill = len(choices_of(self._prefill)) if self._prefill is not None else 0
+        return max(len(choices), indices, prefill) > 1
+
+    def _join_prompt_tokens_details(self, usage: dict, edit: _Edit, last: _LastChild, parallel: bool) -> None:
         """``usage.prompt_tokens_details`` is the engine's ``num_cached_tokens``
         (``serve_tokens_full_generator`` / ``serve_tokens_stream_generator``), which ``Scheduler.schedule``
         sets to local plus external computed tokens. A decode leg's external tokens are the prompt KV
@@ -413,7 +420,18 @@ class VLLMJoinSession(JoinSession):
         usage chunk only the non-null ones (``model_dump_json(exclude_none=True)``).
 
         With ``_LastChild.EITHER`` the aggregated count is prefill's or the unstarted child's 0: a count
-        other than 0 is omitted (``decode_error``)."""
+        other than 0 is omitted (``decode_error``).
+
+        With ``n > 1`` (``parallel``) the count is one child's, and siblings hit each other's prompt blocks
+        (vLLM 0.34.0 ``KVCacheManager.allocate_slots`` caches a child's full blocks as they are allocated; a
+        sibling scheduled after it finds them): child 0 counts the hits from before the request, a later
+        child the prompt's full blocks. Prefill's unary body has its last child's count
+        (``ParentRequest.get_outputs``, ``RequestState._new_request_output``; its ``max_tokens=1`` children
+        finish together, the last scheduled last), the aggregated unary body the count of its own last
+        child (child 0 when it generated longest), the aggregated stream its first output's
+        (``serve_tokens_stream_generator``: ``if first_iteration``), child 0's. No body says which child a
+        count is: a count other than 0 (every child's when none could hit) is omitted
+        (``prefill_missing``: the prefill leg does not carry the count of the child the answer reports)."""
         if self._leg_reason is not None:
             edit.omit(usage, PROMPT_TOKENS_DETAILS, self._leg_reason)
             return
@@ -427,6 +445,8 @@ class VLLMJoinSession(JoinSession):
                 edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)
             elif last is _LastChild.EITHER and handed_over != 0:
                 edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.DECODE_ERROR)
+            elif parallel and handed_over != 0:
+                edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)  # its last child's count
             else:
                 edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: handed_over})
             return
@@ -440,6 +460,9 @@ class VLLMJoinSession(JoinSession):
             return
         if last is _LastChild.EITHER and from_prefill[CACHED_TOKENS] != 0:
             edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.DECODE_ERROR)  # prefill's count, or 0
+            return
+        if parallel and from_prefill[CACHED_TOKENS] != 0:
+            edit.omit(usage, PROMPT_TOKENS_DETAILS, Omit.PREFILL_MISSING)  # its last child's count
             return
         edit.provide(usage, PROMPT_TOKENS_DETAILS, {**own, CACHED_TOKENS: from_prefill[CACHED_TOKENS]})
 
