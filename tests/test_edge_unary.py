@@ -96,23 +96,29 @@ async def test_a_stream_that_is_only_the_workers_error_frame_is_answered_the_una
     assert (response.status_code, response.content) == (200, upstream_json(unary_value_error(TOO_LONG)))
 
 
-async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_that_frame(server, nc):
+async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_the_unary_error(server, nc):
     """vLLM 0.34.0 ``serve_tokens_stream_generator``: a ``GenerationError`` (``_raise_if_error``, a
-    ``finish_reason`` of ``"error"``) or any exception of the engine mid-stream ends the stream with
-    ``data: {"error": {...}}`` (``create_streaming_error_response``: ``json.dumps``); unary, the same
-    failure answers ``ErrorResponse`` alone. The edge's fold served the chunks before it with the
-    ``error`` key beside them: a partial answer with status 200."""
+    ``finish_reason`` of ``"error"``) or any exception of the engine ends the stream with
+    ``data: {"error": {...}}`` (``create_streaming_error_response``: ``json.dumps``, spaces); unary, the
+    same failure answers ``ErrorResponse`` alone through ``JSONResponse`` (compact). The edge's fold served
+    the chunks before it with the ``error`` key beside them (a partial answer with status 200), then the
+    frame as ``json.dumps`` wrote it; a stream whose only chunk is the frame was served verbatim."""
+    error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                       "code": 500}}
+    frame = json.dumps(error).encode()
     request_id = rid("vllm-worker-error")
+    alone = rid("vllm-worker-error-alone")
     bodies = worker_for("vllm").agg(make_truth(4, request_id=request_id, output_len=9), stream=True)[:2]
-    frame = json.dumps({"error": {"message": "Internal server error", "type": "InternalServerError",
-                                  "param": None, "code": 500}}).encode()
     with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
         await publish_results(nc, DURABLE, request_id, [*bodies, frame])
+        await publish_results(nc, DURABLE, alone, [frame])
 
         response = await get(vllm_edge, f"/v1/results/{request_id}?stream=false")
+        only = await get(vllm_edge, f"/v1/results/{alone}?stream=false")
 
-    assert response.content == frame
+    assert (response.status_code, response.content) == (200, upstream_json(error))
     assert response.headers["streamproc-results"] == "3"
+    assert (only.status_code, only.content) == (200, upstream_json(error))
 
 
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):

@@ -170,21 +170,45 @@ def fold(bodies: list[bytes]) -> bytes:
 # ------------------------------------------------------------------------------ aggregated stream and fold
 
 
+# A message with non-ASCII text (``json.dumps`` escapes it in the frame, ``JSONResponse`` writes it raw).
+NON_ASCII = info("Requested prompt logprobs of 21, which is greater than max allowed: 20 « é » 😀",
+                 "BadRequestError", 400, "prompt_logprobs")
+FOLDED_ERRORS = {**STREAM_ERRORS, "non_ascii": NON_ASCII}
+
+
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("kind", sorted(STREAM_ERRORS))
-def test_a_stream_ending_in_the_error_frame_folds_to_that_frame_not_a_partial_answer(kind, n):
-    """Unary, the same failure answers ``ErrorResponse`` alone; the fold merged the frame into the output
-    sent before it (an ``error`` key beside a partial answer)."""
-    error = frame(STREAM_ERRORS[kind])
-    assert fold([*partial_stream(n), error]) == error
+@pytest.mark.parametrize("kind", sorted(FOLDED_ERRORS))
+def test_a_stream_ending_in_the_error_frame_folds_to_the_unary_error_body_not_a_partial_answer(kind, n):
+    """Unary, the same failure answers ``ErrorResponse`` alone, rendered by ``JSONResponse`` (compact, raw
+    UTF-8); the fold merged the frame into the output sent before it (an ``error`` key beside a partial
+    answer), then (until 2026-12-06) answered the frame as ``json.dumps`` wrote it, spaces and escapes."""
+    assert fold([*partial_stream(n), frame(FOLDED_ERRORS[kind])]) == unary_error(FOLDED_ERRORS[kind])
 
 
-@pytest.mark.parametrize("kind", sorted(STREAM_ERRORS))
-def test_a_stream_that_failed_before_its_first_chunk_folds_to_its_only_frame(kind):
+@pytest.mark.parametrize("kind", sorted(FOLDED_ERRORS))
+def test_a_stream_that_failed_before_its_first_chunk_folds_alone_to_the_unary_error_body(kind):
     """``AsyncLLM.generate`` raised at once (``add_request``: ``SamplingParams.verify``, a dead engine):
-    the stream is the frame and ``[DONE]``; the fold made a body with ``choices: []`` and ``null`` fields."""
-    error = frame(STREAM_ERRORS[kind])
-    assert fold([error]) == error
+    the stream is the frame and ``[DONE]``. The edge serves a one-result stream verbatim unless
+    ``folds_alone`` says otherwise; the unary request answers ``JSONResponse(err.model_dump())``. Before,
+    the fold made a body with ``choices: []`` and ``null`` fields, then the edge served the frame."""
+    error = frame(FOLDED_ERRORS[kind])
+    assert VLLMCodec(OPTIONS).folds_alone(error)
+    assert fold([error]) == unary_error(FOLDED_ERRORS[kind])
+
+
+@pytest.mark.parametrize("doc", [QUEUE_FULL, ENGINE_DEAD, NON_ASCII])
+def test_a_unary_error_body_is_answered_as_sent(doc):
+    """``JSONResponse``'s rendering (``serve_tokens``' ``ErrorResponse``, ``_preflight``'s for a stream
+    request too) already is the unary answer: ``folds_alone`` leaves it to the edge, and ``fold`` keeps it."""
+    body = unary_error(doc)
+    assert not VLLMCodec(OPTIONS).folds_alone(body)
+    assert fold([body]) == body
+    assert fold([*partial_stream(), body]) == body
+
+
+def test_a_generation_body_alone_is_not_sent_to_the_fold():
+    assert not VLLMCodec(OPTIONS).folds_alone(chunk([choice(0, OUT, "stop", None)]))
+    assert not VLLMCodec(OPTIONS).folds_alone(b' {"request_id": "x", "error": {"message": "m"}}')
 
 
 def test_chunks_after_the_error_frame_are_no_stream_vllm_writes_and_cannot_be_folded():
@@ -271,13 +295,14 @@ DECODE_ERRORS = {
 @pytest.mark.parametrize("shape", sorted(DECODE_ERRORS))
 def test_a_decode_error_body_is_published_as_sent_and_the_joined_stream_folds_to_it(shape, prefill):
     """The decode worker's error is what the aggregated worker answers for the same failure: byte for byte,
-    whatever prefill sent; a joined stream that ends in it folds to it, as the aggregated stream does."""
+    whatever prefill sent; a joined stream that ends in it folds to the unary rendering of the same
+    ``ErrorResponse``, as the aggregated stream does."""
     decode = DECODE_ERRORS[shape]
     legs = {"answered": [prefill_answer(2 if shape.endswith("n2") else 1)], "failed": [unary_error(GENERATION)],
             "timed_out": None}
     joined = join(VLLMCodec(OPTIONS), decode, legs[prefill])
     assert joined[-1] == (decode[-1], Verdict.PASSTHROUGH)
-    assert fold([body for body, _ in joined]) == decode[-1]
+    assert fold([body for body, _ in joined]) == unary_error(json.loads(decode[-1]))
 
 
 @pytest.mark.parametrize("body", [unary_error(ENGINE_DEAD), frame(TOO_MANY_PROMPT_LOGPROBS)])

@@ -14,7 +14,8 @@ from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOption
 from streamproc.wire import Verdict
 
 from . import experts, migration
-from .native import ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, is_error_response, parse
+from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, is_error_response, parse,
+                     stream_error_frame)
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -62,11 +63,19 @@ class VLLMCodec(Codec):
             chunks.append(obj)
         # The same request unary answers the error alone (``api_router.generate``: the exception reaches
         # the app's handlers, ``JSONResponse(err.model_dump())``); ``serve_tokens_stream_generator`` sends
-        # only ``[DONE]`` after its frame.
+        # only ``[DONE]`` after its frame, ``json.dumps`` of the same ``ErrorResponse`` (spaces, ASCII
+        # escapes). ``dump`` writes it as starlette's ``JSONResponse.render`` does (``json.dumps(...,
+        # ensure_ascii=False, separators=(",", ":"))``): the unary answer byte for byte.
         error_body = final_error_body(bodies, chunks, is_error_response, "vLLM")
         if error_body is not None:
-            return error_body
+            return dump(chunks[-1])
         return dump(fold_objects(chunks))
+
+    def folds_alone(self, body: bytes) -> bool:
+        """A stream's only chunk that is ``serve_tokens_stream_generator``'s error frame (``AsyncLLM.generate``
+        raised before any output): unary, the same request answers ``JSONResponse(err.model_dump())``, which
+        :meth:`fold` writes. A bounded look at the first bytes (:func:`~.native.stream_error_frame`)."""
+        return stream_error_frame(body)
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         code = ErrorKind(kind).http_status

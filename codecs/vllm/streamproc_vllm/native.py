@@ -161,6 +161,18 @@ def error_response_prefix(body: bytes) -> bool:
     return body[:32].lstrip().startswith(b'{"error"')
 
 
+# How ``create_streaming_error_response`` opens its frame (``json.dumps`` with the default separators);
+# ``JSONResponse``, the unary rendering of the same ``ErrorResponse``, writes ``{"error":{``.
+STREAM_ERROR_OPENING = b'{"error": {'
+
+
+def stream_error_frame(body: bytes) -> bool:
+    """Whether a body opens as ``serve_tokens_stream_generator``'s error frame, not the unary rendering of
+    the same ``ErrorResponse``: a bounded look at its first bytes (``Codec.folds_alone`` runs on the event
+    loop); ``fold`` parses it."""
+    return body[:32].lstrip().startswith(STREAM_ERROR_OPENING)
+
+
 def is_unary(obj: dict) -> bool:
     """Whether a body is a unary ``GenerateResponse`` rather than a stream chunk."""
     return any(key in obj for key in UNARY_ONLY_KEYS)
