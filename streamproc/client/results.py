@@ -66,10 +66,12 @@ from nats.js.api import DEFAULT_PREFIX as JS_API_PREFIX
 from ..core.defaults import CLIENT_BUFFER_BYTES
 from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
 from ..core.reorder import SeqOrder
+from ..core.replay_pull import PullState
 from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 from ..nats.refusals import refused_publish
 from ..nats.replay_pull import (
     REPLAY_CONSUMER_IDLE,
+    REPLAY_PULL_BATCH,
     REPLAY_PULL_HEARTBEAT,
     REPLAY_PULL_LOST_AFTER,
     REPLAY_RENEWALS_MAX,
@@ -142,17 +144,13 @@ class ResultStream:
         self._consumer: str | None = None
         self._inbox = ""
         self._next_stored = 0  # the stream sequence after the last result received (0: none yet)
-        self._next_delivery = 1  # the consumer's delivery sequence expected next: a gap makes a new one
         self._consumer_reconnects = 0  # reconnect count when the consumer was made: a reconnect makes a new one
         self._renew = False  # make the consumer again from _next_stored before the next pull
-        self._pulling = False  # a pull is out (until its batch is in, or a status ends it)
-        self._pull_left = 0  # messages the pull out may still bring
-        self._pull_got = 0  # messages it brought
-        self._pull_until = math.inf  # no word from the pull out till then: it is over (lost, used up)
-        self._one_big = False  # the next result is larger than the room a pull offered: fetch it alone
+        # the pull out, the one that did not fit, silence, renewals in a row; its delivery sequence
+        # (a gap makes a new consumer)
+        self._pull_state = PullState(REPLAY_PULL_BATCH, REPLAY_PULL_LOST_AFTER, REPLAY_RENEWALS_MAX)
         self._closes = 0  # close() calls: a consumer made while one happened is deleted at once
         self._next_allowed = False  # a pull was answered: MSG.NEXT is not refused (no round trip to check)
-        self._renewals = 0  # consumers made again since the last answer of one (REPLAY_RENEWALS_MAX)
         self._gone_why = ""  # why the last consumer was made again
 
     async def subscribe(self) -> None:
@@ -203,10 +201,9 @@ class ResultStream:
             await self._delete_consumer(name)  # it may exist: the answer, not the request, was lost
             raise
         self._sub, self._consumer, self._inbox = sub, name, inbox
-        self._next_delivery = 1
         self._consumer_reconnects = reconnects
-        self._renew = self._pulling = self._one_big = False
-        self._pull_until = math.inf
+        self._renew = False
+        self._pull_state.consumer_made()
         if self._closes != closes or self._ended:
             await self._drop_consumer()
 
@@ -241,7 +238,7 @@ class ResultStream:
     async def _drop_consumer(self) -> None:
         sub, self._sub = self._sub, None
         name, self._consumer = self._consumer, None
-        self._pulling = False
+        self._pull_state.over()
         if sub is not None and not self.nc.is_closed:
             with anyio.CancelScope(shield=True), contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -265,11 +262,10 @@ class ResultStream:
             return
         if self._reconnect_count() != self._consumer_reconnects:
             self._renew, self._gone_why = True, "a reconnect"
-        elif self._pulling and anyio.current_time() > self._pull_until:
+        elif self._pull_state.silent(anyio.current_time()):
             self._renew, self._gone_why = True, f"a pull unanswered for {REPLAY_PULL_LOST_AFTER} s"
         if self._renew:
-            self._renewals += 1
-            if self._renewals > REPLAY_RENEWALS_MAX:  # as the edge's replay: an error, not a loop
+            if not self._pull_state.renew():  # as the edge's replay: an error, not a loop
                 await self._end()
                 raise TimeoutError(
                     f"results of {self.request_id!r}: the replay's consumer was made again {REPLAY_RENEWALS_MAX} "
@@ -278,21 +274,18 @@ class ResultStream:
             await self._open_consumer()
             if self._consumer is None:
                 return
-        if self._pulling:
-            return
         room = self.max_buffered_bytes - self._ready_bytes - self._waiting_bytes
-        if self._ready and (self._one_big or room < self.max_buffered_bytes // 2):
-            return  # the loop takes what it holds first
-        if self._waiting_bytes and (self._one_big or room <= 0):
+        pull = self._pull_state.ask(room, self.max_buffered_bytes, held=bool(self._ready))
+        if pull is None:
+            return  # one is out, or the loop takes what it holds first
+        if self._waiting_bytes and (pull.room is None or room <= 0):
             # held behind a missing seq, which does not fit what is left: the bound is passed
             self._overrun()
             self._arrived.set()
             return
         # nothing held, one that did not fit comes alone: the bound (at least max_payload) holds it
-        request = pull_request(None if self._one_big else room, expires=REPLAY_PULL_EXPIRES,
-                               heartbeat=REPLAY_PULL_HEARTBEAT)
-        self._pulling, self._pull_left, self._pull_got = True, int(request["batch"]), 0
-        self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
+        request = pull_request(pull.room, pull.batch, expires=REPLAY_PULL_EXPIRES, heartbeat=REPLAY_PULL_HEARTBEAT)
+        self._pull_state.sent(pull, anyio.current_time())
         subject = pull_subject(JS_API_PREFIX, self._stream, self._consumer)
         mark = self.nc.last_error
         try:
@@ -300,7 +293,7 @@ class ResultStream:
         except BaseException:
             # Raised or cancelled inside publish, the pull may be queued all the same: a second one
             # on this consumer could bring twice the room. The next step makes the consumer again.
-            self._pulling = False
+            self._pull_state.over()
             self._renew = True
             raise
         if not self._next_allowed:  # until a pull is answered: refused? (-ERR before the PONG)
@@ -325,31 +318,24 @@ class ResultStream:
                 return
             if meta.consumer != self._consumer or self._renew:  # an earlier consumer's, or a renewal is due
                 return
-            if meta.sequence.consumer != self._next_delivery:  # one was lost (a reconnect): read on from it
+            if meta.sequence.consumer != self._pull_state.delivered + 1:  # one was lost (a reconnect): read on from it
                 self._renew = True
                 self._arrived.set()
                 return
-            self._next_delivery += 1
-            self._next_allowed, self._renewals = True, 0  # a pull got here: MSG.NEXT is allowed
+            self._pull_state.took(anyio.current_time())
+            self._next_allowed = True  # a pull got here: MSG.NEXT is allowed
             self._next_stored = meta.sequence.stream + 1
-            self._pull_got += 1
-            self._pull_left -= 1
-            self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
-            if self._pull_left <= 0:
-                self._pulling = False
-            self._one_big = False
             await self._on_msg(msg)  # (never suspends)
             return
         status = pull_status(msg.headers)
         if status is None or reply or msg.subject != self._inbox:
             return  # a stray (nobody else may publish here)
-        if status == "heartbeat":  # the pull out still waits on the server
-            self._next_allowed, self._renewals = True, 0
-            if self._pulling:
-                self._pull_until = anyio.current_time() + REPLAY_PULL_LOST_AFTER
-            return
+        self._pull_state.status(status, anyio.current_time())  # the pull out ends, but for a heartbeat
         if status != "gone":  # the consumer answered: MSG.NEXT is allowed and imported
-            self._next_allowed, self._renewals = True, 0
+            self._next_allowed = True
+            self._pull_state.answered()
+            if status == "heartbeat":  # the pull out still waits on the server
+                return
         elif (msg.headers or {}).get("Status") == "503" and not self._next_allowed and (
                 self._reconnect_count() == self._consumer_reconnects):
             # No responders to a pull before any consumer answered one: nothing in this account
@@ -358,16 +344,9 @@ class ResultStream:
             self._error = ReplayRefused(
                 pull_subject(JS_API_PREFIX, self._stream or "", self._consumer or ""), self._pull_permission(),
                 "no responders", imported=True)
-            self._pulling = False
-            self._arrived.set()
-            return
         else:  # no consumer (idle too long, deleted): a new one
             self._renew, self._gone_why = True, (msg.headers or {}).get("Description") or "consumer gone"
-        if status == "too_big" and self._pull_got == 0:
-            self._one_big = True
-        self._pulling = False
         self._arrived.set()
-        return
 
     def _reconnect_count(self) -> int:
         stats = getattr(self.nc, "stats", None)
@@ -455,7 +434,7 @@ class ResultStream:
             self._arrived = anyio.Event()
             wake = self._deadline
             if self.replay:  # a lost pull, a reconnect: looked at once a pull's time is up
-                wake = min(wake, self._pull_until if self._pulling else anyio.current_time() + REPLAY_PULL_EXPIRES)
+                wake = min(wake, self._pull_state.until if self._pull_state.out else anyio.current_time() + REPLAY_PULL_EXPIRES)
             with anyio.move_on_after(wake - anyio.current_time()):
                 await self._arrived.wait()
             if not self._arrived.is_set() and anyio.current_time() >= self._deadline:
