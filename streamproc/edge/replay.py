@@ -77,6 +77,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
+from ..core.replay_pull import PullState
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_EDGE_CONSUMER_IDLE,
@@ -203,18 +204,13 @@ class Replay:
         self.wake: Callable[[], None] | None = None  # the reader's inbox: something to read here
         # Pull consumers (the module docstring): whether the edge may publish CONSUMER.MSG.NEXT on
         # the stream (None: never try; refused: push consumers, as before). With a pull consumer
-        # (``consumer`` its name, delivering to ``inbox``) one pull is out at a time (``pulling``),
-        # for ``pull_left`` more results; ``one_big``: the next did not fit, it comes alone.
+        # (``consumer`` its name, delivering to ``inbox``) its pulls' books are ``pull_state``: one
+        # out at a time, the one that did not fit, results delivered, consumers made again in a row
+        # without a result taken (bounded).
         self.pulls = pulls
         self.consumer: str | None = None
         self.inbox = ""
-        self.pulling = False
-        self.pull_left = 0
-        self.pull_got = 0
-        self.one_big = False
-        self.delivered = 0  # results the current pull consumer delivered
-        self.renewals = 0  # pull consumers made again in a row without a result taken (bounded)
-        self.pulled = 0  # pulls sent (tests)
+        self.pull_state = PullState(REPLAY_PULL_BATCH, REPLAY_PULL_LOST_AFTER, REPLAY_RENEWALS_MAX)
         self.made_at = 0.0  # when the pull consumer was made (the pulls' clock): a refusal since is its
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
@@ -355,7 +351,7 @@ class Replay:
             if msg is not None and self.consumer is not None and not (msg.reply or "").startswith("$JS.ACK."):
                 status = self._pull_ended(msg)
                 if status == "gone":  # no consumer (deleted, idle too long) or nobody answers pulls
-                    return await self._renew(refused=self.delivered == 0)
+                    return await self._renew(refused=self.pull_state.delivered == 0)
                 continue
             if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
                 # Paused, and what was queued before the drop is read: on from the next stored result.
@@ -363,7 +359,7 @@ class Replay:
                 return await self.next()
             if msg is not None:
                 break
-            if self.consumer is not None and self.pulling:
+            if self.consumer is not None and self.pull_state.out:
                 loop = asyncio.get_running_loop()
                 since = loop.time()
                 # A no_wait pull never waits on the server: it delivers or ends at once. Nothing
@@ -388,15 +384,9 @@ class Replay:
             await self.nc.publish(reply)
         meta = msg.metadata
         if self.consumer is not None:
-            self.delivered += 1
-            if self.delivered == 1 and self.pulls is not None and self.pulls.state != "allowed":
+            self.pull_state.took(asyncio.get_running_loop().time())
+            if self.pull_state.delivered == 1 and self.pulls is not None and self.pulls.state != "allowed":
                 self.pulls.allowed()  # a pull was answered (a re-probe after a refusal ends it)
-            self.renewals = 0
-            self.pull_got += 1
-            self.pull_left -= 1
-            self.one_big = False
-            if self.pull_left <= 0:
-                self.pulling = False
         self._found(meta.sequence.stream)
         if meta.sequence.stream > self.upto:  # later ones come from the dispatch
             await self._finish()
@@ -426,8 +416,7 @@ class Replay:
             await self._delete(name)  # it may exist: the answer, not the request, was lost
             raise
         self.consumer, self.inbox = name, inbox
-        self.pulling = self.one_big = False
-        self.delivered = 0
+        self.pull_state.consumer_made()
         self.made_at = self.pulls.clock() if self.pulls is not None else 0.0
         return sub
 
@@ -435,41 +424,38 @@ class Replay:
         """The pull consumer's pulls were refused since it was made (its first one, by the
         connection's -ERR: ``ResultSource._on_error``): read on with a push consumer."""
         pulls = self.pulls
-        return (self.consumer is not None and self.delivered == 0 and pulls is not None
+        return (self.consumer is not None and self.pull_state.delivered == 0 and pulls is not None
                 and pulls.state == "refused" and pulls.refused_at >= self.made_at)
 
     async def _pull(self, sub) -> None:
         """Ask for the next results once the previous pull ended: as many bytes as the bound has
         room for (at least half of it), or the one that did not fit alone once nothing is queued.
         ``no_wait``: every result up to ``upto`` is stored already; nothing waits on the server."""
-        if self.pulling or self.done or self.cut is not None:
+        if self.done or self.cut is not None:
             return
         queued, queued_msgs = sub._pending_size, sub._pending_queue.qsize()
         bound = self.consumer_options.get("pending_bytes_limit") or 0
         msgs_bound = self.consumer_options.get("pending_msgs_limit") or 0
-        if self.one_big:
-            if queued_msgs:
-                return
-            request = pull_request(None, no_wait=True)
-        else:
-            # nats-py drops a message that brings the queue to its bound (Client._process_msg: >=),
-            # and the status that ends a pull takes a place in the queue too
-            room = bound - queued - 1 if bound > 0 else 1 << 30
-            if bound > 0 and room < bound // 2:
-                return
-            batch = (REPLAY_PULL_BATCH if msgs_bound <= 0
-                     else min(REPLAY_PULL_BATCH, msgs_bound - queued_msgs - 1))
-            if batch <= 0:
-                return
-            request = pull_request(room, batch, no_wait=True)
-        self.pulling, self.pull_left, self.pull_got = True, int(request["batch"]), 0
-        self.pulled += 1
+        # nats-py drops a message that brings the queue to its bound (Client._process_msg: >=),
+        # and the status that ends a pull takes a place in the queue too
+        room = bound - queued - 1 if bound > 0 else 1 << 30
+        pull = self.pull_state.ask(room, bound, held=queued_msgs > 0,
+                                   batch=msgs_bound - queued_msgs - 1 if msgs_bound > 0 else None)
+        if pull is None:
+            return
+        request = pull_request(pull.room, pull.batch, no_wait=True)
+        self.pull_state.sent(pull, asyncio.get_running_loop().time())
         try:
             await self.nc.publish(pull_subject(self.api_prefix, self.stream, self.consumer or ""), encode(request),
                                   reply=self.inbox)
         except BaseException:
-            self.pulling = False
+            self.pull_state.over()
             raise
+
+    @property
+    def pulled(self) -> int:
+        """Pulls sent, all consumers (tests)."""
+        return self.pull_state.sent_total
 
     def _pull_ended(self, msg: Msg) -> str | None:
         """A status on the pull consumer's inbox: the pull out is over (what :func:`pull_status`
@@ -477,10 +463,8 @@ class Replay:
         status = pull_status(msg.headers)
         if status is None or status == "heartbeat" or msg.subject != self.inbox:
             return None
-        self.pulling = False
-        if status == "too_big" and self.pull_got == 0:
-            self.one_big = True
-        elif status == "ended" and self.pull_got == 0:
+        self.pull_state.status(status, asyncio.get_running_loop().time())
+        if status == "ended" and self.pull_state.got == 0:
             # nothing stored at or after next_seq any more (deleted, expired): the rest comes by
             # subject (which says so, or finds a later one), as after a pause
             self.cut = self.next_seq
@@ -493,8 +477,7 @@ class Replay:
         from now on (until the access's re-probe)."""
         if refused and self.pulls is not None and self.pulls.state != "refused":
             self.pulls.refused(f"no responders on {self.pulls.subject}.<consumer>")
-        self.renewals += 1
-        if self.renewals > REPLAY_RENEWALS_MAX:
+        if not self.pull_state.renew():
             raise nats.errors.TimeoutError
         await self._drop_consumer()
         self.cut = None
@@ -625,7 +608,7 @@ class Replay:
     async def _drop_consumer(self) -> None:
         sub, self.sub = self.sub, None
         name, self.consumer = self.consumer, None
-        self.pulling = False
+        self.pull_state.over()
         if name is not None:
             if sub is not None:
                 pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
