@@ -284,7 +284,8 @@ class ResultStream:
             self._arrived.set()
             return
         # nothing held, one that did not fit comes alone: the bound (at least max_payload) holds it
-        request = pull_request(pull.room, pull.batch, expires=REPLAY_PULL_EXPIRES, heartbeat=REPLAY_PULL_HEARTBEAT)
+        request = pull_request(pull.room, pull.batch, expires=REPLAY_PULL_EXPIRES,
+                               heartbeat=REPLAY_PULL_HEARTBEAT)
         self._pull_state.sent(pull, anyio.current_time())
         subject = pull_subject(JS_API_PREFIX, self._stream, self._consumer)
         mark = self.nc.last_error
@@ -318,7 +319,7 @@ class ResultStream:
                 return
             if meta.consumer != self._consumer or self._renew:  # an earlier consumer's, or a renewal is due
                 return
-            if meta.sequence.consumer != self._pull_state.delivered + 1:  # one was lost (a reconnect): read on from it
+            if meta.sequence.consumer != self._pull_state.delivered + 1:  # one was lost (a reconnect): on from it
                 self._renew = True
                 self._arrived.set()
                 return
@@ -434,7 +435,8 @@ class ResultStream:
             self._arrived = anyio.Event()
             wake = self._deadline
             if self.replay:  # a lost pull, a reconnect: looked at once a pull's time is up
-                wake = min(wake, self._pull_state.until if self._pull_state.out else anyio.current_time() + REPLAY_PULL_EXPIRES)
+                pulls = self._pull_state
+                wake = min(wake, pulls.until if pulls.out else anyio.current_time() + REPLAY_PULL_EXPIRES)
             with anyio.move_on_after(wake - anyio.current_time()):
                 await self._arrived.wait()
             if not self._arrived.is_set() and anyio.current_time() >= self._deadline:
