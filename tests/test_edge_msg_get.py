@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from streamproc.edge.msg_get import MsgGetAccess, Refused
+from streamproc.edge.msg_get import ApiPermission, Refused
 
 pytestmark = pytest.mark.anyio
 
@@ -27,9 +27,9 @@ class Clock:
         return self.now
 
 
-def access_with_clock() -> tuple[MsgGetAccess, Clock, list[tuple[str, str]]]:
+def access_with_clock() -> tuple[ApiPermission, Clock, list[tuple[str, str]]]:
     clock, changes = Clock(), []
-    access = MsgGetAccess("$JS.API", "STREAMPROC_RESULTS", lambda state, reason: changes.append((state, reason)),
+    access = ApiPermission("$JS.API", "STREAMPROC_RESULTS", lambda state, reason: changes.append((state, reason)),
                           reprobe=60.0, clock=clock)
     return access, clock, changes
 

@@ -4,9 +4,10 @@ The edge's replay (:mod:`.replay`) needs that publish permission. A deployment w
 was set up before it (the ``deploy/nats-server.conf`` of earlier releases) lacks it, and
 nats-server answers such a request with nothing but an ``-ERR`` on the connection, which nats-py
 hands to the error callback (:mod:`streamproc.nats.refusals`); the request itself would wait for
-its whole timeout. So the refusal is read from the error callback (:meth:`MsgGetAccess.note_error`),
-and a request made while the permission is not known to work is raced against it (:meth:`MsgGetAccess.guard`): the open that finds out pays one
-round trip, not a timeout.
+its whole timeout. So the refusal is read from the error callback
+(:meth:`ApiPermission.note_error`), and a request made while the permission is not known to work is
+raced against it (:meth:`ApiPermission.guard`): the open that finds out pays one round trip, not a
+timeout.
 
 Once refused, the edge reads each JetStream stream with an ordered consumer of its own, as every
 open did before replay.py (``ResultSource._attach``), and asks again after ``reprobe`` seconds (one
@@ -36,11 +37,13 @@ State = Literal["unknown", "allowed", "refused"]
 Refused = StoredResultsRefused  # defined with every other error in core/errors.py
 
 
-class MsgGetAccess:
-    """What the edge knows of its permission to publish ``<api_prefix>.STREAM.MSG.GET.<stream>``, or
-    (``api="CONSUMER.MSG.NEXT"``, ``per_consumer``) of its pulls ``<api_prefix>.CONSUMER.MSG.NEXT.<stream>.>``
-    (``ResultSource.pulls``): refused, allowed or unknown, and when to try again. The name is MSG.GET's,
-    which came first; a refusal of either is read the same way (the connection's ``-ERR``)."""
+class ApiPermission:
+    """What the edge knows of its permission to publish one JetStream API request on the results
+    stream: ``<api_prefix>.STREAM.MSG.GET.<stream>`` (``ResultSource.msg_get``), or (``api=
+    "CONSUMER.MSG.NEXT"``, ``per_consumer``) its pulls ``<api_prefix>.CONSUMER.MSG.NEXT.<stream>.>``
+    (``ResultSource.pulls``): refused, allowed or unknown, and when to try again. A refusal of
+    either is read the same way (the connection's ``-ERR``). (Named ``MsgGetAccess`` before the
+    pulls used it too.)"""
 
     def __init__(self, api_prefix: str, stream: str, on_change: Callable[[State, str], None] | None = None,
                  reprobe: float = REPROBE, clock: Callable[[], float] = time.monotonic,

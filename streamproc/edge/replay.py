@@ -92,7 +92,7 @@ from ..nats.replay_pull import (
     replay_consumer_name,
 )
 from . import pending
-from .msg_get import MsgGetAccess, Refused
+from .msg_get import ApiPermission, Refused
 from .probes import Probes
 
 # Pull consumers being let go (Replay._let_go), also after their reader's task was cancelled: held here,
@@ -148,9 +148,9 @@ class Replay:
     def __init__(self, nc: NatsClient, api_prefix: str, stream: str, subject: str, upto: int,
                  timeout: float, consumer_options: dict | None = None,
                  watch: Callable[..., None] | None = None,
-                 access: MsgGetAccess | None = None, may_subscribe: Callable[[bool], bool] | None = None,
+                 access: ApiPermission | None = None, may_subscribe: Callable[[bool], bool] | None = None,
                  start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
-                 release: Callable[[], None] | None = None, pulls: MsgGetAccess | None = None) -> None:
+                 release: Callable[[], None] | None = None, pulls: ApiPermission | None = None) -> None:
         self.nc = nc
         self.api_prefix = api_prefix
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"

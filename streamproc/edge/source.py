@@ -43,7 +43,7 @@ from . import pending
 from .barrier import PongBarrier
 from .fanout import Fanout
 from .feed import FeedMode, ResultFeed
-from .msg_get import MsgGetAccess, Refused, State
+from .msg_get import ApiPermission, Refused, State
 from .probes import Probes
 from .recent import RecentRequests
 from .replay import Replay, stream_seq
@@ -138,8 +138,8 @@ class ResultSource:
         # stream -> its creation time, from the last STREAM.INFO answer about it (_created_of); only
         # the names feeds read with consumers of their own are kept (_check_own_consumers).
         self._created: dict[str, datetime.datetime] = {}
-        self.msg_get: MsgGetAccess | None = None  # may the replay read by subject (msg_get.py)
-        self.pulls: MsgGetAccess | None = None  # may the replay pull (CONSUMER.MSG.NEXT; replay.py)
+        self.msg_get: ApiPermission | None = None  # may the replay read by subject (msg_get.py)
+        self.pulls: ApiPermission | None = None  # may the replay pull (CONSUMER.MSG.NEXT; replay.py)
         self._recent_sub = None
         # The ring consumer last found deleted (its name, stream) and when: not asked about again
         # while its new one is being made (RING_RESET_GRACE), then again (a failed remake keeps the name).
@@ -290,9 +290,9 @@ class ResultSource:
         assert self.nc is not None
         name, prefix = info.config.name, self.nc.jetstream()._prefix
         if self.msg_get is None or self.msg_get.stream != name:  # kept for the same name: what it learnt holds
-            self.msg_get = MsgGetAccess(prefix, name, self._msg_get_changed)
+            self.msg_get = ApiPermission(prefix, name, self._msg_get_changed)
         if self.pulls is None or self.pulls.stream != name:
-            self.pulls = MsgGetAccess(prefix, name, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
+            self.pulls = ApiPermission(prefix, name, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
         self._ring_stream = (name, info.created)
         self.results_stream_missing = None
         self.recent_mode = "jetstream"
