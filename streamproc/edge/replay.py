@@ -439,6 +439,7 @@ class Replay:
         # nats-py drops a message that brings the queue to its bound (Client._process_msg: >=),
         # and the status that ends a pull takes a place in the queue too
         room = bound - queued - 1 if bound > 0 else 1 << 30
+        # held: a message queued (an empty queue holds no bytes, so its room is at least half the bound)
         pull = self.pull_state.ask(room, bound, held=queued_msgs > 0,
                                    batch=msgs_bound - queued_msgs - 1 if msgs_bound > 0 else None)
         if pull is None:
