@@ -15,6 +15,7 @@ import signal
 import socket
 import time
 
+import anyio
 import h11
 import httpx
 import msgspec
@@ -22,6 +23,7 @@ import nats.errors
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
 from helpers import connection, rid, status_kib
+from proxy_helpers import HoldingProxy
 from nats.js.api import StorageType, StreamConfig
 
 from streamproc.core.wire import ResultInfo
@@ -1072,3 +1074,39 @@ async def test_a_replay_consumer_the_edge_could_not_delete_counts_against_the_ca
                     assert time.monotonic() - started < REPLAY_PULL_SLOT_LINGER + 2.0, "the server kept it"
                     await asyncio.sleep(0.2)
                 await until(lambda: source._replay_consumers_held() == 0, REPLAY_PULL_SLOT_LINGER + 1.0)
+
+
+async def test_a_replay_consumer_deleted_before_its_first_pull_is_made_again_without_calling_pulls_refused(nats_url):
+    """A pull consumer deleted between its creation and its first pull (another user of the edge's
+    account, a stream recreated) answers that pull ``503`` no responders, as a missing
+    CONSUMER.MSG.NEXT import does. Once a pull was answered the permission is known: the replay
+    makes its consumer again and every result comes, and the edge does not log
+    ``replay_pulls_refused`` nor fall back to push consumers for every later replay."""
+    count = 40  # five bounds stored: read by a pull consumer
+    pulls = b"$JS.API.CONSUMER.MSG.NEXT."
+    proxy = HoldingProxy(int(nats_url.rsplit(":", 1)[1]), lambda subject: subject.startswith(pulls))
+    async with proxy.running(), connection(nats_url) as nc:
+        js = nc.jetstream()
+        stream = await ensure_results_stream(js, SUBJECTS, storage=StorageType.FILE)
+        async with started_source(proxy.url, SUBJECTS, stream_buffer_bytes=BOUND) as source:
+            request_id = rid("deleted-before-pull")
+            await publish(nc, request_id, range(count), final_at=count - 1)
+            await until(lambda: source.metrics.results_seen >= count)
+
+            async def late_attach() -> list[int]:
+                feed = await source.open(request_id)
+                seqs, item = await drain(feed, 10.0)
+                assert isinstance(item, Ended), (seqs, item)
+                await feed.close()
+                return seqs
+
+            assert await late_attach() == list(range(count))  # pulled: the permission is known
+            assert source.pulls.state == "allowed"
+            proxy.arm()
+            attach = asyncio.ensure_future(late_attach())
+            with anyio.fail_after(10):
+                await proxy.held.wait()  # its consumer made, its first pull held back
+            await js.delete_consumer(stream.config.name, proxy.held_subject.rsplit(b".", 1)[1].decode())
+            proxy.release()  # reaches the server with no consumer to answer it: 503
+            assert await asyncio.wait_for(attach, 15) == list(range(count))
+            assert source.pulls.state == "allowed", source.pulls.reason

@@ -351,7 +351,7 @@ class Replay:
             if msg is not None and self.consumer is not None and not (msg.reply or "").startswith("$JS.ACK."):
                 status = self._pull_ended(msg)
                 if status == "gone":  # no consumer (deleted, idle too long) or nobody answers pulls
-                    return await self._renew(refused=self.pull_state.delivered == 0)
+                    return await self._renew(refused=self._no_responders_to_pulls(msg))
                 continue
             if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
                 # Paused, and what was queued before the drop is read: on from the next stored result.
@@ -470,6 +470,16 @@ class Replay:
             # subject (which says so, or finds a later one), as after a pause
             self.cut = self.next_seq
         return status
+
+    def _no_responders_to_pulls(self, msg: Msg) -> bool:
+        """Whether a "gone" on the pull consumer's inbox says the edge's account cannot reach
+        CONSUMER.MSG.NEXT (no import): a ``503`` no responders to the consumer's first pull while no
+        pull was ever answered. nats-server answers pulls with 503 only from ``client.go``'s no
+        responders (``consumer.go`` sends 404/408/409 statuses), so a consumer deleted before its first
+        pull looks the same; once a pull was answered (``allowed``) that is what it is, and a
+        ``409 Consumer Deleted`` never says anything of the permission."""
+        return (self.pull_state.delivered == 0 and (msg.headers or {}).get("Status") == "503"
+                and (self.pulls is None or self.pulls.state != "allowed"))
 
     async def _renew(self, refused: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
         """The pull consumer is gone (or its pulls went unanswered): on from the next stored
