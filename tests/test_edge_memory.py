@@ -570,6 +570,64 @@ async def test_a_slow_https_reader_of_a_large_unary_answer_gets_all_of_it(nats_s
     assert metrics["streamproc_edge_connections_stalled_total"] == 0
 
 
+HALF_CLOSERS = 6  # HTTPS clients that half-close after their request and read nothing of the answer
+
+
+@pytest.mark.anyio
+async def test_https_clients_that_half_close_and_read_nothing_are_cut_after_write_timeout(nats_server, tmp_path):
+    """Over HTTPS a client's EOF (TCP FIN, or its close_notify) ends asyncio's TLS shutdown at once:
+    SSLProtocol cancels its timeout and closes the socket transport, which waits for its buffer to
+    drain with no bound. A client that sent its request, half-closed and read nothing held its
+    connection, its --max-connections slot and the answer's MiBs in the edge for good (seen: 4 of
+    them still open 30 s later, --write-timeout 1). Now what is left has the --write-timeout
+    watch: the half-closers are cut within seconds and another client is answered meanwhile."""
+    import socket
+
+    from nats_auth import Certificates
+
+    certs = Certificates(tmp_path)
+    subjects = Subjects("memfin")
+    request_id = rid("tls-fin")
+    bodies = [msgspec.json.encode({"text": "x" * 900_000, "i": i}) for i in range(8)]
+    request = f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: edge\r\n\r\n".encode()
+    with running_edge(nats_server.url, "--prefix", "memfin", "--ensure-results-stream", "--write-timeout", "1",
+                      "--head-timeout", "30", "--tls-cert-file", str(certs.server),
+                      "--tls-key-file", str(certs.server_key), ca_file=str(certs.ca)) as edge:
+        async with connection(nats_server.url) as nc:
+            await publish_results(nc, subjects, request_id, bodies)
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30, verify=edge.ssl) as client:
+            whole = await client.get(f"/v1/results/{request_id}?stream=false")
+        assert whole.status_code == 200 and len(whole.content) == 7200017
+        pid = edge.proc.pid
+        baseline = status_kib(pid, "VmRSS")
+
+        def half_closed() -> socket.socket:
+            """A client that asked, read the answer's head (so the answer is being written: a TLS layer
+            that got the EOF first drops it) and half-closed: a FIN under the TLS session."""
+            raw = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock = edge.ssl.wrap_socket(raw, server_hostname="127.0.0.1")
+            sock.sendall(request)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(1024)
+            assert head.startswith(b"HTTP/1.1 200 "), head
+            socket.socket.shutdown(sock, socket.SHUT_WR)
+            return sock
+
+        victims = [await anyio.to_thread.run_sync(half_closed) for _ in range(HALF_CLOSERS)]  # and never read
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30, verify=edge.ssl) as client:
+            assert (await client.get("/healthz")).status_code == 200  # the others are answered
+        # They take nothing: cut --write-timeout (1 s) after their shutdown completed; the old code held them
+        await wait_for(lambda: edge.metrics()["streamproc_edge_connections_open"] == 1, 5,
+                       "the half-closers' connections cut")  # the scrape's own
+        growth = status_kib(pid, "VmHWM") - baseline
+        for victim in victims:
+            victim.close()
+    print(f"edge VmHWM {growth} kB over its VmRSS before the half-closers")
+    assert growth < 128 * 1024, growth
+
+
 def read_tls(sock, size: int) -> bytes:
     """Up to ``size`` bytes, less only at the connection's end (a TLS ``recv`` answers one record)."""
     data = b""

@@ -95,7 +95,9 @@ waits for the client's ``close_notify``) is force-closed, dropping what is still
 force-closed at 30 s whatever was left, so a slow client lost the end of a long stream. What the
 client has not taken counts the kernel's send queue too (``unsent_bytes``), as over plain HTTP: a
 unary answer leaves the TLS layer at once, and the socket's buffer alone stood still for seconds
-while a client read 0.5 MB/s, which lost the end of a 7.2 MB answer at the cut. At the stop
+while a client read 0.5 MB/s, which lost the end of a 7.2 MB answer at the cut. A shutdown the
+client ends (its EOF or ``close_notify``) closes the socket transport with what is left in its buffer,
+which asyncio waits for with no bound: that wait has the same watch. At the stop
 the connections still in their handshake, which Uvicorn does not know of, are ended
 (``end_handshakes``). A connection refused, or never handshaken, is never told of its loss by
 Uvicorn, so its parser and TLS layer are let go of here (otherwise a reference cycle each, kept
@@ -536,13 +538,24 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.unsent = self.unsent_bytes()
             super()._start_shutdown()
 
+        def _on_shutdown_complete(self, shutdown_exc: BaseException | None) -> None:
+            # SSLProtocol's, at the client's EOF or close_notify (or its answer to ours): it cancels the
+            # shutdown's timeout and closes the socket transport, which then waits for its buffer to
+            # drain, with no bound. A client that half-closed after its request and read nothing held
+            # its connection, its --max-connections slot and the answer's unsent MiBs for good. What is
+            # left gets the same watch: --write-timeout without progress and it is force-closed.
+            super()._on_shutdown_complete(shutdown_exc)
+            if shutdown_exc is None and self.socket_transport is not None:
+                self.unsent = self.unsent_bytes()
+                self._shutdown_timeout_handle = self._loop.call_later(write_timeout, self._check_shutdown_timeout)
+
         def unsent_bytes(self) -> int:
             """What waits below the HTTP protocol: the encrypted bytes not yet in the socket transport,
             its buffer and the kernel's send queue (``unsent_bytes``). The queue counts: a unary answer
             leaves this layer at once, and with MiBs queued the socket's buffer stood still for
             seconds under a client taking 0.5 MB/s, which lost the answer's end at the shutdown's cut."""
             transport = self.socket_transport
-            if transport is None or transport.is_closing():
+            if transport is None:  # (closing, its buffer and socket still hold what the client has not taken)
                 return 0
             return unsent_bytes(transport) + self._outgoing.pending
 
