@@ -116,6 +116,10 @@ ACCESS_TOKEN = "access_token"  # the edge's query parameter for a capability (RF
 # an id of 256 characters that Uvicorn's ``quote`` may triple, its query). A longer one is a client's
 # choice up to --max-head-bytes (64 KiB): it is cut as every hostile value is (errors.shown).
 ACCESS_LOG_PATH_CHARS = 1024
+# Characters of a client address the access log writes whole: ``host:port``, IPv6 with a zone
+# included. Behind a proxy --forwarded-allow-ips names it is a hop of X-Forwarded-For, which Uvicorn
+# keeps as written (a client's choice up to --max-head-bytes): a longer one is cut as a path is.
+ACCESS_LOG_CLIENT_CHARS = 100
 
 
 def redact_access_token(path: str) -> str:
@@ -147,6 +151,8 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
             path = redact_access_token(path)
         if isinstance(path, str) and len(path) > ACCESS_LOG_PATH_CHARS:  # after the redaction: no token part kept
             path = shown(path)
+        if isinstance(client, str) and len(client) > ACCESS_LOG_CLIENT_CHARS:
+            client = shown(client)
         return {"event": "http_request", "client": client, "method": method, "path": path,
                 "http_version": version, "status": status}
     return {"event": "log", "msg": record.getMessage()}

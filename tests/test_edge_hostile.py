@@ -479,3 +479,38 @@ async def test_a_named_proxy_forwards_its_clients_addresses_and_no_other_peer_do
     assert statuses == {"10.9.8.1": [200, 200, 429], "10.9.8.2": [200, 200], "10.9.8.3": [200, 200]}, statuses
     assert all("client=10.9.8." in line for line in lines), lines[-3:]
     assert not any("198.51.100.9" in line for line in lines), lines[-3:]  # a hop the client wrote itself
+
+
+async def test_an_address_forged_behind_a_named_proxy_is_written_cut_into_the_access_log(nats_server):
+    """Behind a proxy ``--forwarded-allow-ips`` names, the client address is the first hop of
+    ``X-Forwarded-For`` from the right that is not a named proxy: a value the client wrote itself
+    when its own address is trusted too (a proxy network that holds clients), or a proxy passes the
+    header on. Uvicorn keeps any string there, and the access log wrote it whole: a 60,000-character
+    hop made a 60,142-character line per request (the path beside it is cut at 1,024 characters).
+    It is cut as every hostile value is (``errors.shown``); quotes and ``key=value`` text stay one
+    quoted field, and the next client is answered with its own address."""
+    forged = {"long": "A" * 60_000, "fields": '1.2.3.4" status=500 level=error x="y',
+              "hops": ", ".join(f"10.0.0.{i % 250}" for i in range(5000))}
+    with running_edge(nats_server.url, "--forwarded-allow-ips", "127.0.0.1,::1") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            for name, value in forged.items():
+                answer = await client.get("/healthz", params={"forged": name}, headers={"X-Forwarded-For": value})
+                assert answer.status_code == 200, (name, answer.status_code)
+            ordinary = await client.get("/healthz", params={"forged": "none"},
+                                        headers={"X-Forwarded-For": "198.51.100.7"})
+            assert ordinary.status_code == 200
+        with anyio.fail_after(5):
+            while "forged=none" not in edge.log():
+                await anyio.sleep(0.05)
+        lines = {line.partition("forged=")[2].partition(" ")[0].strip('"'): line
+                 for line in edge.log().splitlines() if "event=http_request" in line and "forged=" in line}
+        assert edge.proc.poll() is None
+        assert peak_rss(edge.proc.pid) < 150 * MiB
+    assert max(map(len, lines.values())) < 600, {name: len(line) for name, line in lines.items()}
+    assert "(60002 characters)" in lines["long"] and "A" * 65 not in lines["long"], lines["long"]
+    import shlex
+    fields = dict(field.partition("=")[::2] for field in shlex.split(lines["fields"]))  # logfmt's quoting
+    assert fields["client"] == forged["fields"] + ":0", fields  # one quoted field: its status= and level= inert
+    assert fields["status"] == "200" and fields["level"] == "info", fields
+    assert "client=10.0.0.249:0 " in lines["hops"], lines["hops"]  # the last hop before the named proxy
+    assert "client=198.51.100.7:0 " in lines["none"], lines["none"]
