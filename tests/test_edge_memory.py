@@ -634,3 +634,62 @@ def read_tls(sock, size: int) -> bytes:
     while len(data) < size and (chunk := sock.recv(size - len(data))):
         data += chunk
     return data
+
+
+@pytest.mark.anyio
+async def test_unary_answers_one_client_has_not_taken_are_bounded_in_bytes_and_others_are_answered(nats_server):
+    """A unary answer gives back its stream slot once built, and its bytes wait in the edge until the
+    client takes them (--write-timeout cuts a client that takes nothing): one client asking for a
+    7.2 MB answer over and over without reading, 4 connections at a time, got every answer (no
+    429 once the first ones were built) and took the edge's VmHWM up by ~250 MiB in 5 s (measured),
+    as many answers as --max-connections allows. Now the answers a client has not taken count
+    against it, at most UNARY_ANSWERS_PER_CLIENT x --max-unary-bytes: past it a clear 429, and
+    another client still gets the whole answer."""
+    import socket
+
+    from streamproc.edge.app import UNARY_ANSWERS_PER_CLIENT
+
+    subjects = Subjects("memhoard")
+    request_id = rid("hoard")
+    bodies = [msgspec.json.encode({"text": "x" * 900_000, "i": i}) for i in range(8)]
+    max_unary = 8 * MiB  # the budget: 4 x 8 MiB, four 7.2 MB answers
+    request = f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: edge\r\n\r\n".encode()
+    with running_edge(nats_server.url, "--prefix", "memhoard", "--ensure-results-stream",
+                      "--max-unary-bytes", str(max_unary)) as edge:  # --write-timeout 30: the hoard stays
+        async with connection(nats_server.url) as nc:
+            await publish_results(nc, subjects, request_id, bodies)
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            whole = await client.get(f"/v1/results/{request_id}?stream=false")
+        assert whole.status_code == 200 and len(whole.content) == 7200017
+        pid = edge.proc.pid
+        baseline = status_kib(pid, "VmRSS")
+        socks = []
+        for _ in range(12):  # 48 answers asked for, 4 at a time (more at once made nats-server cut the edge), none read
+            for _ in range(4):
+                sock = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.sendall(request)
+                socks.append(sock)
+            await anyio.sleep(0.4)
+        await wait_for(lambda: edge.metrics()["streamproc_edge_streams_active"] == 0, 20, "every answer decided")
+        assert "event=disconnected" not in edge.log(), edge.log()[-2000:]
+        heads = []
+        for sock in socks:
+            head = b""
+            while b"\r\n\r\n" not in head or (head.startswith(b"HTTP/1.1 429 ") and not head.endswith(b"}}")):
+                head += await anyio.to_thread.run_sync(sock.recv, 4096)  # a refusal's body with its head
+            heads.append(head)
+        refused = [head for head in heads if head.startswith(b"HTTP/1.1 429 ")]
+        answered = [head for head in heads if head.startswith(b"HTTP/1.1 200 ")]
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")  # another client (--insecure-demo: address)
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30, transport=transport) as client:
+            other = await client.get(f"/v1/results/{request_id}?stream=false")
+        growth = status_kib(pid, "VmHWM") - baseline
+        for sock in socks:
+            sock.close()
+    print(f"{len(answered)} answered, {len(refused)} refused; edge VmHWM {growth} kB over its VmRSS")
+    assert len(answered) + len(refused) == len(socks), [h[-300:] for h in heads if h not in refused + answered][:2]
+    assert len(answered) <= UNARY_ANSWERS_PER_CLIENT + 2, len(answered)  # (a few may have left the edge already)
+    assert refused and all(b'"type":"too_many_streams"' in head for head in refused), refused[:1]
+    assert other.status_code == 200 and other.content == whole.content
+    assert growth < 96 * 1024, growth

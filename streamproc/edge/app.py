@@ -82,6 +82,10 @@ PAGE_DIR = Path(__file__).parent / "page"
 # streams of a 48 MiB history took the edge's RSS up by 250-280 MiB past --stream-buffer-bytes.
 BATCH_BYTES = 64 * 1024
 PAGE_SCRIPTS = ("edge.js", "access.js", "experts.js", "charts.js")
+# Unary answers' bytes a client may have waiting in the edge, not yet taken, in --max-unary-bytes. An
+# answer gives back its stream slot once built, so without it one client asking again and again and
+# reading nothing held as many answers as --max-connections allows, each for --write-timeout.
+UNARY_ANSWERS_PER_CLIENT = 4
 
 # HTTP status of a unary answer whose final result is an error (the Streamproc-Error header); the
 # kinds the edge adds itself (a client's bad request) beside the processor's ErrorKind table.
@@ -280,6 +284,25 @@ class EventStreamResponse(StreamingResponse):
             asyncio.get_running_loop().call_later(stop.FINAL_WRITE_TIMEOUT, body.transport.abort)
 
 
+class UnaryAnswer:
+    """An ASGI answer sent as ``answer`` would be, then an empty last body part: Uvicorn writes that
+    only once the transport drained (or the connection is lost, e.g. cut by --write-timeout), and
+    ``taken`` runs then, so what a client has not read counts against it (Edge.charged)."""
+
+    def __init__(self, answer: Response, taken: Callable[[], None]) -> None:
+        self.answer = answer
+        self.taken = taken
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answer = self.answer
+        try:
+            await send({"type": "http.response.start", "status": answer.status_code, "headers": answer.raw_headers})
+            await send({"type": "http.response.body", "body": answer.body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.taken()
+
+
 class EventStreamHead(Response):
     """``HEAD /v1/results/{id}`` of a stream: the head GET's stream starts with (``SSE_HEAD``) and
     no body. Everything after an SSE head is content (RFC 9110 section 9.3.2: HEAD gets GET's header
@@ -357,6 +380,7 @@ class Edge:
                                   settings.auth_algorithm, settings.auth_leeway)
                          if settings.auth_key_file else None)  # else --insecure-demo (EdgeSettings checks)
         self.client_streams: dict[str, int] = {}
+        self.client_unsent: dict[str, int] = {}  # bytes of unary answers a client has not taken (UnaryAnswer)
         # the fan-out's direct frames of one NATS read (direct.py)
         self.write_batch = WriteBatch(lambda: self.source.after_read_hooked)
         self.source.after_read = self.write_batch.flush
@@ -407,7 +431,7 @@ class Edge:
 
     # ------------------------------------------------------------------ routes
 
-    async def results(self, request: Request) -> Response:
+    async def results(self, request: Request) -> Response | UnaryAnswer:
         pacer = self.pacer
         await pacer.turn()
         self.metrics.opens_paced = pacer.paced
@@ -445,6 +469,9 @@ class Edge:
                 "too_many_streams",
                 429,
             )
+        if unary and (self.client_unsent.get(client, 0) + self.settings.max_unary_bytes
+                      > UNARY_ANSWERS_PER_CLIENT * self.settings.max_unary_bytes):
+            return self.unsent_refusal(client)  # before the answer is collected, which costs as much again
         if not unary and request.scope["method"] == "HEAD":
             return EventStreamHead()  # GET's head, answered without opening the stream it would start
         self.metrics.streams_active += 1
@@ -464,7 +491,7 @@ class Edge:
             assert task is not None
             self.stopping.enter(task)
             try:
-                return await self.unary_until_disconnect(request, feed)
+                return self.charged(client, await self.unary_until_disconnect(request, feed))
             except asyncio.CancelledError:
                 if not self.stopping.claims(task):
                     raise
@@ -507,6 +534,30 @@ class Edge:
             return
         ended = self.stopping.stop()
         log_event(log, logging.INFO, "stopping", streams=ended)
+
+    def charged(self, client: str, answer: Response) -> Response | UnaryAnswer:
+        """``answer``, its bytes counted against ``client`` until they left the edge; or a 429 when
+        its answers not yet taken would pass UNARY_ANSWERS_PER_CLIENT x --max-unary-bytes."""
+        size = len(answer.body)
+        unsent = self.client_unsent.get(client, 0)
+        if unsent and unsent + size > UNARY_ANSWERS_PER_CLIENT * self.settings.max_unary_bytes:
+            return self.unsent_refusal(client)  # others were collected meanwhile
+        self.client_unsent[client] = unsent + size
+
+        def taken() -> None:
+            left = self.client_unsent.get(client, 0) - size
+            if left > 0:
+                self.client_unsent[client] = left
+            else:
+                self.client_unsent.pop(client, None)
+        return UnaryAnswer(answer, taken)
+
+    def unsent_refusal(self, client: str) -> Response:
+        self.metrics.streams_rejected_client += 1
+        return error_response(
+            f"this client's unary answers not yet read hold {self.client_unsent.get(client, 0)} bytes in the edge "
+            f"(at most {UNARY_ANSWERS_PER_CLIENT} x --max-unary-bytes); read them, or retry later",
+            "too_many_streams", 429)
 
     def client_left(self, client: str) -> None:
         left = self.client_streams.get(client, 0) - 1
