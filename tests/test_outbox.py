@@ -18,7 +18,7 @@ from durable_helpers import outbox_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamproc.core.events import Notice, Result, Role, Settle
+from streamproc.core.events import Notice, Result, Settle
 from streamproc.core.latency import LatencyHistogram
 from streamproc.core.outbox import (
     ACK,
@@ -37,12 +37,10 @@ from streamproc.core.outbox import (
     PENDING,
     OutboxConfig,
     classify,
-    delivery_count,
     in_turn,
-    needs_lookup,
-    resume_point,
     wire_size,
 )
+from streamproc.core.recovery import resume_point
 from streamproc.core.wire import FINAL, SEQ
 
 STORED_ACK = b'{"stream":"R","seq":7}'
@@ -984,36 +982,6 @@ def test_a_token_held_at_two_consecutive_progress_rounds_gets_in_progress():
 ])
 def test_a_puback_body_is_classified_as_stored_duplicate_or_refused(data, meaning):
     assert classify(data) == meaning
-
-
-@pytest.mark.parametrize("reply, count", [
-    ("$JS.ACK.STREAMPROC_CHUNKS.streamproc-p0.3.17.12.1700000000000000000.0", 3),  # v1: 9 tokens
-    ("$JS.ACK.hub.ACCHASH.STREAMPROC_CHUNKS.streamproc-p0.5.17.12.1700000000000000000.0.rnd", 5),  # v2
-    ("_INBOX.abc", 1),
-    ("", 1),
-])
-def test_delivery_count_reads_the_ack_subject(reply, count):
-    assert delivery_count(reply) == count
-
-
-V1 = "$JS.ACK.S.c.{}.1.1.1700000000000000000.0"
-
-
-@pytest.mark.parametrize("seq, role, deliveries, lookup", [
-    (0, Role.AGG, 1, False),  # the first delivery of a first output chunk starts a request
-    (0, Role.DECODE, 1, False),
-    (1, Role.AGG, 1, True),  # a later chunk may continue one served elsewhere
-    (0, Role.PREFILL, 1, True),  # a prefill leg may belong to a request whose decode leg is stored
-    (0, Role.AGG, 2, True),  # a redelivery: an earlier copy may have been turned into results
-])
-def test_a_chunk_of_an_unknown_request_needs_a_lookup_unless_it_surely_starts_it(seq, role, deliveries, lookup):
-    assert needs_lookup(seq, role, V1.format(deliveries)) is lookup
-
-
-def test_the_resume_point_follows_the_last_stored_result():
-    assert resume_point({SEQ: "4"}) == (5, False)
-    assert resume_point({SEQ: "4", FINAL: "true"}) == (5, True)
-    assert resume_point({SEQ: "x"}) is None and resume_point(None) is None and resume_point({}) is None
 
 
 def test_the_first_send_leaves_whatever_the_budget_and_a_budget_used_up_exactly_stops_the_next():

@@ -28,27 +28,26 @@ It never touches a socket, so every guarantee below is checked by property tests
 
 Tokens are opaque (the shell's ack handles; the ``shed`` hook lets the shell drop what a token
 holds beyond its ack handle once its chunk is decided); tickets are strings the shell turns into
-reply subjects. :func:`delivery_count`, :func:`needs_lookup` and :func:`resume_point` are the pure
-recovery decisions for a chunk of a request this instance does not know.
+reply subjects. The recovery decisions for a chunk of a request this instance does not know are
+:mod:`streamproc.core.recovery`'s.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Annotated, Any, Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Callable, Iterable, Iterator
 
 import msgspec
 from msgspec import Meta
 
 from . import defaults
-from .events import Decision, Notice, Result, Role, Settle
+from .events import Decision, Notice, Result, Settle
 from .latency import LatencyHistogram
-from .wire import FINAL, SEQ
 
 __all__ = [
     "ACK", "NAK", "PROGRESS", "TERM", "Nak", "Outbox", "OutboxConfig", "OutboxStats", "Outgoing", "GiveUp",
     "STORED", "DUPLICATE", "REFUSED", "BATCH_REFUSED", "GIVEN_UP", "UNMATCHED", "PENDING",
-    "classify", "delivery_count", "in_turn", "needs_lookup", "resume_point", "wire_size",
+    "classify", "in_turn", "wire_size",
 ]
 
 
@@ -723,38 +722,3 @@ def _sole_request(decisions: list[Any]) -> str | None:  # Decisions; Settles ski
     """The request every Result and Notice of ``decisions`` names, if there is exactly one."""
     named = {d.request_id for d in decisions if d.__class__ is not Settle}
     return named.pop() if len(named) == 1 else None
-
-
-# ------------------------------------------------------------------------- recovery decisions
-
-def delivery_count(reply: str) -> int:
-    """How often JetStream delivered a message, from its ack subject.
-
-    ``$JS.ACK.<stream>.<consumer>.<delivered>...`` (9 tokens, v1) or
-    ``$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>...`` (v2), as nats-py's
-    nats-py's ``Msg.Metadata._from_reply`` reads it (``nats/aio/msg.py``: ``tokens[4]`` for v1,
-    ``Msg.Ack.NumDelivered`` = 6 for v2).
-    """
-    tokens = reply.split(".")
-    try:
-        return int(tokens[4] if len(tokens) == 9 else tokens[6])
-    except (IndexError, ValueError):
-        return 1
-
-
-def needs_lookup(seq: int, role: Role, reply: str) -> bool:
-    """Whether a chunk of a request this instance does not know might continue one served elsewhere.
-
-    Only the first delivery of a request's first output chunk surely starts it; anything else
-    (a later seq, a prefill leg, a redelivery) needs the last stored result read first.
-    """
-    return bool(seq) or role is Role.PREFILL or delivery_count(reply) > 1
-
-
-def resume_point(headers: Mapping[str, str] | None) -> tuple[int, bool] | None:
-    """``(next seq, final)`` after a stored result's headers; None when they name no seq."""
-    h = headers or {}
-    seq = h.get(SEQ, "")
-    if not seq.isdigit():
-        return None
-    return int(seq) + 1, h.get(FINAL) == "true"

@@ -26,7 +26,8 @@ from ...core.errors import shown
 from ...core.events import Chunk, Decision
 from ...core.defaults import LOOKUP_ATTEMPTS
 from ...core.lookups import Lookups, LookupSlots
-from ...core.outbox import Outbox, delivery_count, needs_lookup
+from ...core.outbox import Outbox
+from ...core.recovery import StoreRead, delivery_count, store_read
 from ...core.wire import ContractError
 from ...logs import error_text, log_event
 from .pulls import Pulls
@@ -183,21 +184,6 @@ class Deliveries:
                 return 1
             return delivery_count(reply)
 
-        def round_trip(chunk: Chunk, reply: str) -> str | None:
-            """What must be read from the stores before ``chunk`` is decided: ``"lookup"``, a chunk
-            of a request this instance does not know that may continue one served elsewhere (a first
-            output chunk of a request with a seal record may belong to the sealed attempt, whose
-            worker was lost but still publishing); ``"retake"``, a known request granted by a seal
-            this instance did not make (another one held the partition for a moment); None."""
-            rid = chunk.request_id
-            if not knows(rid):
-                if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
-                    return "lookup"
-            elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
-                    and not correlator.is_finished(rid):
-                return "retake"
-            return None
-
         def decide(chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
             try:  # every message ends in a decision, whatever raises while it is handled
                 return poisoned(chunk, msg, deliveries, now) if deliveries >= max_deliver else receive(chunk, now)
@@ -249,15 +235,16 @@ class Deliveries:
                 if isinstance(parsed, ContractError):
                     # A request this instance does not hold may live on in the stores (served
                     # elsewhere, maybe migrated): taken for a new one, it would be ended at seq 0.
-                    trip: str | None = None if knows(rid) else "lookup"
+                    trip: StoreRead | None = None if knows(rid) else StoreRead.LOOKUP
                 else:
-                    trip = round_trip(parsed, msg.reply)
+                    trip = store_read(correlator, parsed, msg.reply, sealed)
                 if trip is None:
                     decisions = conclude(d, now)
                 else:
                     if admit and not (lookups.fits(d.size) and (lookups.room() or lookups.queue_room())):
                         return False
-                    begin(d, None if isinstance(parsed, ContractError) else parsed.format, trip == "retake", now)
+                    begin(d, None if isinstance(parsed, ContractError) else parsed.format,
+                          trip is StoreRead.RETAKE, now)
             except Exception as exc:  # noqa: BLE001
                 decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
             take(decisions, rid, now)
@@ -430,9 +417,10 @@ class Deliveries:
             msg.headers = None  # parsed; its token (this Msg) may be held: headers and body, as in on_message
             msg.data = b""
             rid = chunk.request_id
-            # round_trip() is None for a first attempt's chunk of a known request, the common case:
+            # store_read() is None for a first attempt's chunk of a known request, the common case:
             # not called then (this path's calls per chunk: docs/benchmarks.md, "Calls per chunk").
-            if rid in looking_up or ((chunk.attempt or not knows(rid)) and round_trip(chunk, reply) is not None):
+            if rid in looking_up or ((chunk.attempt or not knows(rid))
+                                     and store_read(correlator, chunk, reply, sealed) is not None):
                 return False  # its request's lookup is in flight (it parks), or it needs one
             now = clock()
             # deliveries_of(reply), its first-delivery test inline

@@ -41,7 +41,7 @@ from nats.js.kv import KeyValue
 
 from ...core.errors import MigrationBucketMismatch, MissingResults, UnreadableRecord
 from ...core.events import SealRecord
-from ...core.outbox import resume_point
+from ...core.recovery import resume_point
 from ...core.wire import decode_seal_record, encode_seal_record
 from ...logs import error_text, log_event
 

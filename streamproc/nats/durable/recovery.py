@@ -7,7 +7,7 @@ record (:meth:`Recovery.adopt`) and resumes it there. :meth:`Recovery.migrate` a
 durable mode: adopt, read back stored bodies, seal, wait until stored, record the seal with
 compare-and-set (:mod:`streamproc.nats.durable.migrations`), or answer ``unavailable`` and forget the
 request here, so the retry starts from the stores. The decisions are the correlator's
-(:mod:`streamproc.core.correlator`, ``resume_point`` in :mod:`streamproc.core.outbox`).
+(:mod:`streamproc.core.correlator`, ``resume_point`` in :mod:`streamproc.core.recovery`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
 from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
-from ...core.outbox import resume_point
+from ...core.recovery import resume_point
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text, log_event
 from .pulls import REDELIVERY_SLACK

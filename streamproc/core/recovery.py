@@ -1,0 +1,84 @@
+"""Recovery decisions: whether a chunk must wait for the stores before it is decided, and where a
+request adopted from them resumes.
+
+A durable instance sees chunks of requests another instance may have served (a failover, a
+hand-over, a migrate). These pure rules say when the shell must read the stores first
+(:func:`store_read`, a round trip per request at most) and what a stored result says
+(:func:`resume_point`); the reads themselves are the shell's (``streamproc/nats/durable/recovery.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Container, Mapping
+
+from .events import Chunk, Role
+from .wire import FINAL, SEQ
+
+if TYPE_CHECKING:
+    from .correlator import Correlator
+
+__all__ = ["StoreRead", "delivery_count", "needs_lookup", "resume_point", "store_read"]
+
+
+class StoreRead(enum.Enum):
+    """What must be read from the stores before a chunk is decided."""
+
+    # A request this instance does not know that may continue one served elsewhere: read its last
+    # stored result (and seal record) first.
+    LOOKUP = "lookup"
+    # An active request granted a later attempt by a seal this instance did not make: adopt it again.
+    RETAKE = "retake"
+
+
+def delivery_count(reply: str) -> int:
+    """How often JetStream delivered a message, from its ack subject.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>...`` (9 tokens, v1) or
+    ``$JS.ACK.<domain>.<account hash>.<stream>.<consumer>.<delivered>...`` (v2), as nats-py's
+    ``Msg.Metadata._from_reply`` reads it (``nats/aio/msg.py``: ``tokens[4]`` for v1,
+    ``Msg.Ack.NumDelivered`` = 6 for v2).
+    """
+    tokens = reply.split(".")
+    try:
+        return int(tokens[4] if len(tokens) == 9 else tokens[6])
+    except (IndexError, ValueError):
+        return 1
+
+
+def needs_lookup(seq: int, role: Role, reply: str) -> bool:
+    """Whether a chunk of a request this instance does not know might continue one served elsewhere.
+
+    Only the first delivery of a request's first output chunk surely starts it; anything else
+    (a later seq, a prefill leg, a redelivery) needs the last stored result read first.
+    """
+    return bool(seq) or role is Role.PREFILL or delivery_count(reply) > 1
+
+
+def store_read(correlator: Correlator, chunk: Chunk, reply: str, sealed: Container[str]) -> StoreRead | None:
+    """What must be read from the stores before ``chunk`` (delivered with ack subject ``reply``) is
+    decided, or None.
+
+    :attr:`StoreRead.LOOKUP` for a request ``correlator`` does not know whose chunk may continue one
+    served elsewhere: an attempt above 0, :func:`needs_lookup`, or a request ``sealed`` lists (the
+    partition's requests with a seal record: a first output chunk may belong to the sealed attempt,
+    whose worker was lost but still publishing). :attr:`StoreRead.RETAKE` for an active request
+    whose chunk names a later attempt than the one held here: a seal this instance did not make
+    (another one held the partition for a moment) granted it."""
+    rid = chunk.request_id
+    if not correlator.knows(rid):
+        if chunk.attempt or needs_lookup(chunk.seq, chunk.role, reply) or rid in sealed:
+            return StoreRead.LOOKUP
+    elif chunk.attempt and chunk.attempt > (correlator.attempt_of(rid) or 0) \
+            and not correlator.is_finished(rid):
+        return StoreRead.RETAKE
+    return None
+
+
+def resume_point(headers: Mapping[str, str] | None) -> tuple[int, bool] | None:
+    """``(next seq, final)`` after a stored result's headers; None when they name no seq."""
+    h = headers or {}
+    seq = h.get(SEQ, "")
+    if not seq.isdigit():
+        return None
+    return int(seq) + 1, h.get(FINAL) == "true"
