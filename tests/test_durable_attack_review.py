@@ -300,7 +300,7 @@ async def test_bodies_kept_for_a_possible_migration_are_bounded_across_requests(
 # every 10 ms: /proc/self/status, glibc's mallinfo2, parked and queued bytes, nats-py's pending bytes,
 # the outbox's tokens, 2026-12-04): decided chunks whose error result waits for its PubAck or whose ack
 # waits to be written, up to 6 MiB (their Msg kept the body; up to 18 MiB with fast lookups, when the
-# budgets are far from full; no longer since durable/input.py _shed_body drops it); a socket read's copies of a frame (the parser's buffer, its bytes, the
+# budgets are far from full; no longer since durable/input.py _drop_body drops it); a socket read's copies of a frame (the parser's buffer, its bytes, the
 # payload slice: up to 3 x max_payload); glibc's free arena, 2-5 MiB (the growth is live memory: in
 # use 40-44 MiB of arena 45-49 at the peak, nothing mmapped). 6 + 3 + 5 = 14, rounded up to 16 MiB.
 # Seen with lookups 0.5 s slower: +32.9..+38.9 MiB in 32 runs of this test (20 quiet, 12 with two CPU

@@ -568,24 +568,24 @@ def test_a_settle_dispatched_off_the_message_path_waits_behind_the_one_request_i
     assert acked(box.control()) == [held]
 
 
-def test_every_token_is_shed_once_as_it_enters_the_outbox_and_still_settled_after():
-    """``shed`` sees each input token once, when its chunk is decided (a result's settles, a Settle
+def test_the_decided_hook_sees_every_token_once_as_it_enters_the_outbox_and_it_is_still_settled_after():
+    """``decided`` sees each input token once, when its chunk is decided (a result's settles, a Settle
     queued behind a result or acked at once, a NAK): the shell drops the chunk's body there, since
     settling a token needs only the token. The tokens are still acked after their result is stored."""
-    shed: list = []
-    box = Outbox(shed=shed.append)
+    decided: list = []
+    box = Outbox(decided=decided.append)
     t0, dup, late, other, gone = (Token("a", "0", 1), Token("a", "0", 2), Token("a", "1", 1),
                                   Token("b", "0", 1), Token("c", "0", 1))
     box.take([result("a", 0, final=True, settles=(t0, None))], "a")
     box.take([Settle((dup, late))], "a")  # queued behind a's result
     box.take([Settle((other,))], "b")  # nothing queued for b: acked at once
     box.nak([gone])
-    assert shed == [t0, dup, late, other, gone]
+    assert decided == [t0, dup, late, other, gone]
     assert box.control() == [(other, ACK), (gone, NAK)]
     (o,) = box.sending(0.0)
     box.on_puback(o.ticket, STORED_ACK, 0.1)
     assert acked(box.control()) == [t0, dup, late]
-    assert shed == [t0, dup, late, other, gone]  # once each
+    assert decided == [t0, dup, late, other, gone]  # once each
 
 
 def test_take_returns_the_notices_for_the_log():

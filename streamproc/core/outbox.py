@@ -26,7 +26,7 @@ It never touches a socket, so every guarantee below is checked by property tests
   recovers from what is stored) and a :class:`GiveUp` tells the shell to forget the request, log
   and count it. Nothing retries for ever inside one instance.
 
-Tokens are opaque (the shell's ack handles; the ``shed`` hook lets the shell drop what a token
+Tokens are opaque (the shell's ack handles; the ``decided`` hook lets the shell drop what a token
 holds beyond its ack handle once its chunk is decided); tickets are strings the shell turns into
 reply subjects. The recovery decisions for a chunk of a request this instance does not know are
 :mod:`streamproc.core.recovery`'s.
@@ -187,13 +187,14 @@ class Outbox:
 
     def __init__(self, config: OutboxConfig = OutboxConfig(), stats: OutboxStats | None = None,
                  handed_latency: LatencyHistogram | None = None,
-                 shed: Callable[[object], None] | None = None) -> None:
-        """``shed``: called once with each input token as it enters the outbox (its chunk is decided:
-        only settling it is left, which needs nothing but the token itself), so the shell can drop
+                 decided: Callable[[object], None] | None = None) -> None:
+        """``decided``: called with each input token as it enters the outbox (queued behind a result,
+        acked or NAKed: its chunk is decided, only settling it is left, which needs nothing but the
+        token itself; a token the outbox handed back may come again with its NAK), so the shell can drop
         what the token holds beyond that (the durable shell: the chunk's body, which its ``Msg``
         kept alive until the ack was written, outside every budget, for as long as PubAcks lag)."""
         self.config = config
-        self._shed = shed
+        self._decided = decided
         self.stats = stats if stats is not None else OutboxStats()
         self._queues: dict[str, list[Outgoing]] = {}  # per request; [0] is in flight or about to be
         # Bytes of result bodies queued (not stored yet): the shell stops pulling chunks past a bound,
@@ -264,7 +265,7 @@ class Outbox:
         other decisions name, if they name exactly one, else nothing is queued ahead of them.
         """
         queues = self._queues
-        shed = self._shed
+        decided = self._decided
         notices: list[Notice] | None = None
         o = None
         d: Any  # narrowed by its class below, which mypy does not follow (`is Result`, not isinstance)
@@ -277,8 +278,8 @@ class Outbox:
                 for t in d.settles:
                     if t is not None:
                         settles.append(t)
-                        if shed is not None:
-                            shed(t)
+                        if decided is not None:
+                            decided(t)
                 o = Outgoing(d, str(self._next), settles, self._first_wait, received)
                 self.queued_bytes += len(d.body)
                 queue = queues.get(rid)
@@ -298,9 +299,9 @@ class Outbox:
                 queue = queues.get(request_id) if request_id is not None else None
                 if queue:
                     settles = [t for t in d.tokens if t is not None]
-                    if shed is not None:
+                    if decided is not None:
                         for t in settles:
-                            shed(t)
+                            decided(t)
                     queue[-1].settles.extend(settles)
                 else:
                     self.ack(d.tokens)
@@ -310,12 +311,12 @@ class Outbox:
 
     def ack(self, tokens: Iterable[object]) -> None:
         control = self._control
-        shed = self._shed
+        decided = self._decided
         n = 0
         for t in tokens:
             if t is not None:
-                if shed is not None:
-                    shed(t)
+                if decided is not None:
+                    decided(t)
                 control.append((t, ACK))
                 n += 1
         self.stats.acks += n
@@ -332,11 +333,11 @@ class Outbox:
     def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
         action = NAK if delay <= 0 else Nak(delay)
         terminate = self._terminate
-        shed = self._shed
+        decided = self._decided
         for t in tokens:
             if t is not None:
-                if shed is not None:
-                    shed(t)
+                if decided is not None:
+                    decided(t)
                 self._control.append((t, action))
                 self.stats.naks += 1
                 if terminate:

@@ -125,8 +125,8 @@ def new_instance_id() -> str:
     return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _shed_body(token: object) -> None:
-    """A chunk's token entered the outbox (``Outbox(shed=...)``): its chunk is decided, and what is
+def _drop_body(token: object) -> None:
+    """A chunk's token entered the outbox (``Outbox(decided=...)``): its chunk is decided, and what is
     left to do with its ``Msg`` (ack, NAK, +WPI, +TERM, the hand-over's stream order) reads only its
     ack subject (``reply``). The body goes: a decided chunk whose result waits for its PubAck, or
     whose ack waits to be written, kept it alive through its ``Msg`` outside every budget, for as
@@ -167,7 +167,7 @@ class DurableInput:
         self.outbox = Outbox(OutboxConfig(max_attempts=settings.max_result_attempts,
                                           progress_every=settings.ack_wait / 4), self.stats,
                              handed_latency=pipeline.result_latency,  # one chunk -> result metric, both modes
-                             shed=_shed_body)
+                             decided=_drop_body)
         self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish),
                                     limited=pipeline.limited)
