@@ -554,7 +554,7 @@ async def test_in_flight_chunks_stay_bounded_while_results_cannot_be_stored_and_
         pending = await ack_pending(js, settings.partitions)
         assert all(0 < x <= 20 for x in pending), pending
         assert p.stats.chunks <= 2 * 20  # the processor holds at most max_ack_pending per partition
-        assert p._input.publisher.pending <= 2 * 20
+        assert p._input.outbox_pump.pending <= 2 * 20
         assert await chunk_stream_messages(js) == n  # the rest waits in the stream
 
         await ensure_results_stream(js, settings.subjects, duplicate_window=settings.duplicate_window)

@@ -100,7 +100,7 @@ class Deliveries:
     hook, says why a request's last result was given up (for its poison error); ``offload`` starts
     the joins among decisions off the loop."""
 
-    def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, outbox: Outbox, publisher: OutboxPump,
+    def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, outbox: Outbox, outbox_pump: OutboxPump,
                  pulls: Pulls, recovery: Recovery, stats: DurableStats, clock: Callable[[], float], *,
                  unstored: dict[str, str], offload: Callable[..., list[Decision]],
                  tasks: Callable[[], anyio.abc.TaskGroup | None]) -> None:
@@ -109,7 +109,7 @@ class Deliveries:
         self.pipeline = pipeline
         self.correlator = pipeline.correlator
         self.outbox = outbox
-        self.publisher = publisher
+        self.outbox_pump = outbox_pump
         self.pulls = pulls
         self.recovery = recovery
         self.stats = stats
@@ -161,8 +161,8 @@ class Deliveries:
         receive = self.pipeline.receive
         failed = self.pipeline.failed
         knows = correlator.knows
-        publisher = self.publisher
-        pump = publisher.pump
+        outbox_pump = self.outbox_pump
+        pump = outbox_pump.pump
         backlogged = getattr(self.nc, "backlogged", None)
         outbox = self.outbox
         queue = outbox.take  # the outbox itself on the common path: one call less per message
@@ -436,7 +436,7 @@ class Deliveries:
                 if notices:
                     for n in notices:
                         notify(n)
-            publisher.release()  # looked up each time: stage_writes() replaces it after start-up
+            outbox_pump.release()  # looked up each time: stage_writes() replaces it after start-up
             return True
 
         return on_message, on_message_inline

@@ -168,13 +168,13 @@ class DurableInput:
                                           progress_every=settings.ack_wait / 4), self.stats,
                              handed_latency=pipeline.result_latency,  # one chunk -> result metric, both modes
                              decided=_drop_body)
-        self.publisher = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
+        self.outbox_pump = OutboxPump(nc, settings.subjects.result(""), self.outbox, clock=clock, notify=notify,
                                     give_up=self._given_up, publish=pipeline.publisher(nc.publish),
                                     limited=pipeline.limited)
         self.pulls = Pulls(nc, settings, self.scheme, self.outbox, self.stats, clock, pipeline.limited)
-        self.partitions = Partitions(nc, settings, self.scheme, self.correlator, self.outbox, self.publisher,
+        self.partitions = Partitions(nc, settings, self.scheme, self.correlator, self.outbox, self.outbox_pump,
                                      self.pulls, self.stats, clock, self.instance, tasks=lambda: self._tasks)
-        self.publisher.fence = self.partitions.fence  # before any result is sent (the partitions need the pump)
+        self.outbox_pump.fence = self.partitions.fence  # before any result is sent (the partitions need the pump)
         self._unstored: dict[str, str] = {}  # request id -> why its last result was given up
         # Joins that decode sequence data run in one worker thread, as in core mode (codec instances
         # share decompression contexts, which are not thread safe); the loop keeps serving the rest.
@@ -183,11 +183,11 @@ class DurableInput:
         self._join_clock = join_cpu_clock()  # the join thread and the codec's helper threads
         self._tasks: anyio.abc.TaskGroup | None = None
         partitions = self.partitions
-        self.recovery = Recovery(nc, settings, self.scheme, self.correlator, self.publisher, self.stats, clock,
+        self.recovery = Recovery(nc, settings, self.scheme, self.correlator, self.outbox_pump, self.stats, clock,
                                  pipeline.limited, partitions=partitions.owned, migrating=partitions.migrating,
                                  caught_up=partitions.caught_up, owns=partitions.owns, hand_over=partitions.hand_over,
                                  note_sealed=partitions.note_sealed)
-        self.deliveries = Deliveries(nc, settings, pipeline, self.outbox, self.publisher, self.pulls, self.recovery,
+        self.deliveries = Deliveries(nc, settings, pipeline, self.outbox, self.outbox_pump, self.pulls, self.recovery,
                                      self.stats, clock, unstored=self._unstored, offload=self._offload,
                                      tasks=lambda: self._tasks)
         partitions.deliveries = self.deliveries  # a partition it opens gets its handlers
@@ -219,7 +219,7 @@ class DurableInput:
         if self.pulls.batch < s.fetch_batch:
             log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self.pulls.batch,
                       detail="pending_msgs_limit is too small for the pull credit")
-        await self.publisher.start()
+        await self.outbox_pump.start()
         self.leases = LeaseTable(self.nc, f"{self.chunks_stream}_LEASES", s.partitions, self.instance,
                                  s.lease_ttl,
                                  replicas=s.stream_replicas, storage=self._storage, clock=self._clock)
@@ -238,7 +238,7 @@ class DurableInput:
             self.nc.flush_interval = s.flush_interval  # type: ignore[attr-defined]
             self.nc.defer_linger = s.ack_linger
             self.nc.pause_reads = s.flush_interval > 0  # type: ignore[attr-defined]  # read once per interval too (FastClient._write_now)
-            self.publisher.stage_writes()
+            self.outbox_pump.stage_writes()
         self._tasks = anyio.create_task_group()
         await self._tasks.__aenter__()
         try:
@@ -284,25 +284,25 @@ class DurableInput:
         with anyio.move_on_after(timeout):
             for part in parts:
                 await partitions.close(part)
-            if not await self.publisher.wait_idle(timeout):
-                log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.publisher.pending)
+            if not await self.outbox_pump.wait_idle(timeout):
+                log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.outbox_pump.pending)
         partitions.hand_over(lambda rid: True, parts)
-        await self.publisher.pump()
-        if self.publisher.staged:
-            self.publisher.flush_staged()  # the NAKs go with the flush below, not with a later timer write
+        await self.outbox_pump.pump()
+        if self.outbox_pump.staged:
+            self.outbox_pump.flush_staged()  # the NAKs go with the flush below, not with a later timer write
         with anyio.move_on_after(timeout):
             if self.leases is not None:
                 await self.leases.leave()
             await self.nc.flush()
-        await self.publisher.stop()
+        await self.outbox_pump.stop()
         self.stats.partitions = 0
 
     async def dispatch(self, decisions: list[Decision]) -> None:
         """Results decided by the timer (timeouts) take the same acknowledged path."""
-        if self.publisher.closed:
+        if self.outbox_pump.closed:
             return
-        self.publisher.take(self._offload(decisions), None)
-        await self.publisher.pump()
+        self.outbox_pump.take(self._offload(decisions), None)
+        await self.outbox_pump.pump()
 
     def _offload(self, decisions: list[Decision], received: float | None = None) -> list[Decision]:
         """Start the :class:`Work` among ``decisions`` off the loop; the rest go to the outbox.
@@ -328,7 +328,7 @@ class DurableInput:
         when the chunk whose result this work makes arrived (its latency counts the join, as in core
         mode)."""
         await anyio.to_thread.run_sync(run_join, work, self._join_clock, limiter=self._limiter)
-        if self.publisher.closed:
+        if self.outbox_pump.closed:
             return
         now = self._clock()
         try:
@@ -337,8 +337,8 @@ class DurableInput:
             log_event(log, logging.ERROR, "join_finish_failed", request_id=work.request_id, error=error_text(exc))
             decisions = self.correlator.reject(work.request_id, f"internal error: {error_text(exc)}", now,
                                                kind=ErrorKind.INTERNAL)
-        self.publisher.take(self._offload(decisions, received), None, received)
-        await self.publisher.pump()
+        self.outbox_pump.take(self._offload(decisions, received), None, received)
+        await self.outbox_pump.pump()
 
     async def caught_up(self) -> None:
         """Return once every chunk delivered to any owned partition at the call has been handled

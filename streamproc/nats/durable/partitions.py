@@ -132,7 +132,7 @@ class Partitions:
     input's task group (None while it is stopped)."""
 
     def __init__(self, nc: NatsClient, settings: Settings, scheme: PartitionScheme, correlator: Correlator,
-                 outbox: Outbox, publisher: OutboxPump, pulls: Pulls, stats: DurableStats,
+                 outbox: Outbox, outbox_pump: OutboxPump, pulls: Pulls, stats: DurableStats,
                  clock: Callable[[], float], instance: str, *,
                  tasks: Callable[[], anyio.abc.TaskGroup | None]) -> None:
         self.nc = nc
@@ -140,7 +140,7 @@ class Partitions:
         self.scheme = scheme
         self.correlator = correlator
         self.outbox = outbox
-        self.publisher = publisher
+        self.outbox_pump = outbox_pump
         self.pulls = pulls
         self.stats = stats
         self.instance = instance
@@ -282,7 +282,7 @@ class Partitions:
         part.sub = await self.nc.subscribe(part.inbox, cb=on_message,
                                            pending_msgs_limit=self.settings.pending_msgs_limit,
                                            pending_bytes_limit=self.settings.pending_bytes_limit)
-        if self.publisher.inline:  # the common chunk handled in the read loop (on_message_inline)
+        if self.outbox_pump.inline:  # the common chunk handled in the read loop (on_message_inline)
             self.nc.deliver_inline(part.sub, on_message_inline)
         part.active = True
         self.owned[n] = part
@@ -306,13 +306,13 @@ class Partitions:
             return scheme.of(rid) == n
 
         if graceful:  # let results already decided be stored, so the next owner's lookup sees them
-            await self.publisher.wait_idle(HANDOVER_TIMEOUT, belongs)
+            await self.outbox_pump.wait_idle(HANDOVER_TIMEOUT, belongs)
             # and seals already past their ownership check be recorded before the next owner reads them
             with anyio.move_on_after(HANDOVER_TIMEOUT):
                 while self.migrating.get(n):
                     await anyio.sleep(0.01)
         self.hand_over(belongs, parts)
-        await self.publisher.pump()
+        await self.outbox_pump.pump()
 
     async def close(self, part: Partition) -> None:
         """Stop reading partition ``part``: its subscription drained and its pulls gone from the server.
@@ -398,7 +398,7 @@ class Partitions:
             part = self._lapsed.pop()
             await self.close(part)
             self.outbox.nak(self._handed_back(part))
-        await self.publisher.pump()
+        await self.outbox_pump.pump()
 
     def _abandon(self, belongs: Callable[[str], bool]) -> list[Msg]:
         """Drop the queued results of the requests ``belongs`` picks and forget them; their chunks, to NAK."""
@@ -474,8 +474,8 @@ class Partitions:
             if watch.pull:
                 await self.pulls.pull(part)
         self._shed_held(now)
-        self.publisher.tick(now, reconnected, self._unsettled)
-        await self.publisher.pump()
+        self.outbox_pump.tick(now, reconnected, self._unsettled)
+        await self.outbox_pump.pump()
 
     async def caught_up(self) -> None:
         """Return once every chunk delivered to any owned partition at the call has been handled
@@ -521,4 +521,4 @@ class Partitions:
                                              reason, stored_message)
             log_event(log, logging.WARNING, "partition_shed", partition=n, held=held,
                       requests=sum(1 for d in decisions if isinstance(d, Result)))
-            self.publisher.take(decisions, None)
+            self.outbox_pump.take(decisions, None)

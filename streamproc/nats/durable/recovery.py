@@ -54,7 +54,7 @@ class Recovery:
     (:meth:`~streamproc.nats.durable.input.DurableInput.start`)."""
 
     def __init__(self, nc: NatsClient, settings: Settings, scheme: PartitionScheme, correlator: Correlator,
-                 publisher: OutboxPump, stats: DurableStats, clock: Callable[[], float], limited: LogLimiter, *,
+                 outbox_pump: OutboxPump, stats: DurableStats, clock: Callable[[], float], limited: LogLimiter, *,
                  partitions: dict[int, Partition], migrating: dict[int, int],
                  caught_up: Callable[[], Awaitable[None]], owns: Callable[[str], bool],
                  hand_over: Callable[[Callable[[str], bool]], None], note_sealed: Callable[[str], None]) -> None:
@@ -62,7 +62,7 @@ class Recovery:
         self.settings = settings
         self.scheme = scheme
         self.correlator = correlator
-        self.publisher = publisher
+        self.outbox_pump = outbox_pump
         self.stats = stats
         self.limited = limited
         self._clock = clock
@@ -199,7 +199,7 @@ class Recovery:
                 return self._unavailable(rid, waiting.why, retry_after=waiting.retry_after)
         missing = correlator.missing(rid) if request.refuse is None else 0  # a refusal needs no bodies
         if missing:
-            await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
+            await self.outbox_pump.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid)
             try:
                 async with self._history_reads:
                     history = await self.ledger.history(rid, missing)
@@ -212,7 +212,7 @@ class Recovery:
         reply = await seal()
         if not isinstance(reply, Sealed):
             return reply
-        if not await self.publisher.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid):
+        if not await self.outbox_pump.wait_idle(HANDOVER_TIMEOUT, lambda r: r == rid):
             return self._unavailable(rid, "its published results were not stored in time", forget=True)
         seals = [*(record.seals if record is not None else ()), reply.result_seq]
         if len(seals) != reply.attempt:
