@@ -38,7 +38,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from ...core.partitions import fnv1a32
@@ -215,19 +215,6 @@ class LeaseTable:
     async def _count_members(self) -> int:
         info = await self._fast.stream_info(f"KV_{self.bucket}", subjects_filter=f"$KV.{self.bucket}.m.>")
         return len(info.state.subjects or {})
-
-    async def holders(self) -> dict[int, str]:
-        """Who holds which partition right now (for operators and tests; reads may lag on followers)."""
-        assert self._kv is not None
-        out = {}
-        for n in range(self.partitions):
-            try:
-                entry = await self._kv.get(self.key(n))
-            except NotFoundError:
-                continue
-            if entry.value:
-                out[n] = entry.value.decode()
-        return out
 
 
 # Any failure of one KV operation (timeout, no responders, a stream electing a leader, a closed or
