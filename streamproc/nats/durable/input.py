@@ -20,10 +20,11 @@ The guarantees (``docs/operations.md`` has the full argument):
   first and for out-of-order first chunks; after a failover, for the requests that moved.
 
 The rules behind these guarantees are pure and tested without a server: result queues, PubAck
-handling, retries, settle order and the recovery decisions in :mod:`streamproc.core.outbox`, pull
-credit in :mod:`streamproc.core.credit`. Their I/O is the shell's ``durable_*`` modules, one
-concept each, which this one wires together (streams, stores, task group, start and stop, joins
-run off the loop):
+handling, retries and settle order in :mod:`streamproc.core.outbox`, the recovery decisions in
+:mod:`streamproc.core.recovery`, pull credit in :mod:`streamproc.core.credit`, lookups in
+:mod:`streamproc.core.lookups`, the hand-over's NAK order in :mod:`streamproc.core.handback`.
+Their I/O is the other modules of this package, one concept each, which this one wires together
+(streams, stores, task group, start and stop, joins run off the loop):
 
 - :mod:`streamproc.nats.durable.partitions`: the partitions this instance owns, taken and given
   up through leases (:mod:`streamproc.nats.durable.leases`), hand-over, the fence, the watchdog;
@@ -31,7 +32,9 @@ run off the loop):
 - :mod:`streamproc.nats.durable.deliveries`: a partition's message handlers, where every delivery
   is decided, recovery lookups run as tasks, poison chunks end their request;
 - :mod:`streamproc.nats.durable.recovery`: requests adopted from the stores, and migrates;
-- :mod:`streamproc.nats.durable.outbox_pump`: results and acks moved.
+- :mod:`streamproc.nats.durable.outbox_pump`: results and acks moved;
+- :mod:`streamproc.nats.durable.migrations`: seal records and stored bodies read back;
+- :mod:`streamproc.nats.durable.strays`: chunks stored under a subject no partition reads.
 """
 
 from __future__ import annotations
