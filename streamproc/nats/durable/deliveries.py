@@ -155,8 +155,13 @@ class Deliveries:
           partition's messages come here only while nothing of it waits in the callback queue."""
         clock = self._clock
         parse = self._parse
-        head = self._chunks_head
-        cut = part.cut
+        chunks_head = self._chunks_head
+        stored_head_length = part.stored_head_length
+
+        def chunk_subject(stored: str) -> str:
+            """The subject a worker published a chunk on, from the one the chunk stream stored it under."""
+            return chunks_head + stored[stored_head_length:]
+
         correlator = self.correlator
         receive = self.pipeline.receive
         failed = self.pipeline.failed
@@ -188,7 +193,7 @@ class Deliveries:
             try:  # every message ends in a decision, whatever raises while it is handled
                 return poisoned(chunk, msg, deliveries, now) if deliveries >= max_deliver else receive(chunk, now)
             except Exception as exc:  # noqa: BLE001
-                return failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+                return failed(exc, msg, acknowledged=True, subject=chunk_subject(msg.subject))
 
         def take(decisions: list[Decision] | None, rid: str | None, now: float) -> None:
             if decisions:
@@ -246,7 +251,7 @@ class Deliveries:
                     begin(d, None if isinstance(parsed, ContractError) else parsed.format,
                           trip is StoreRead.RETAKE, now)
             except Exception as exc:  # noqa: BLE001
-                decisions = failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:])
+                decisions = failed(exc, msg, acknowledged=True, subject=chunk_subject(msg.subject))
             take(decisions, rid, now)
             return True
 
@@ -345,7 +350,7 @@ class Deliveries:
                 try:
                     decisions = conclude(d, now)
                 except Exception as exc:  # noqa: BLE001
-                    decisions = failed(exc, d.msg, acknowledged=True, subject=head + d.msg.subject[cut:])
+                    decisions = failed(exc, d.msg, acknowledged=True, subject=chunk_subject(d.msg.subject))
                 take(decisions, rid, now)
                 for b in later:  # in delivery order; an earlier one may start another lookup of rid
                     settle(b, clock(), admit=False)
@@ -370,7 +375,7 @@ class Deliveries:
             size = len(msg.data) + len(msg.subject) + len(reply)
             try:
                 try:
-                    parsed: Chunk | ContractError = parse(head + msg.subject[cut:], msg.headers, msg.data, msg)
+                    parsed: Chunk | ContractError = parse(chunk_subject(msg.subject), msg.headers, msg.data, msg)
                     # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget,
                     # and its body, which the chunk holds (charged) unless it is a repeat held as a token only
                     msg.headers = None
@@ -379,7 +384,7 @@ class Deliveries:
                     parsed = exc
                 rid = parsed.request_id
             except Exception as exc:  # noqa: BLE001  (every message ends in a decision)
-                take(failed(exc, msg, acknowledged=True, subject=head + msg.subject[cut:]), None, now)
+                take(failed(exc, msg, acknowledged=True, subject=chunk_subject(msg.subject)), None, now)
             else:
                 if rid is None:  # a contract error without a request: nobody to look up
                     take(contract_error(parsed, msg, acknowledged=True), None, now)  # type: ignore[arg-type]
@@ -410,8 +415,8 @@ class Deliveries:
             if not reply or not reply.startswith("$JS.ACK.") or not part.active or backlogged():  # type: ignore[misc]
                 return False  # on_message decides it
             msg = Msg(nc, subject, reply, data, headers)  # the chunk's token: the outbox acks its reply
-            try:
-                chunk = parse(head + subject[cut:], headers, data, msg)
+            try:  # chunk_subject(subject), inline
+                chunk = parse(chunks_head + subject[stored_head_length:], headers, data, msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
             msg.headers = None  # parsed; its token (this Msg) may be held: headers and body, as in on_message

@@ -73,16 +73,19 @@ ALL_SEALED = AllSealed()
 class Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
-    __slots__ = ("n", "consumer", "filter", "cut", "inbox", "sub", "credit", "active", "pull_subject", "sealed",
-                 "opened", "lookups", "freed", "waiting", "handback", "handed_back")
+    __slots__ = ("n", "consumer", "filter", "stored_head_length", "inbox", "sub", "credit", "active", "pull_subject",
+                 "sealed", "opened", "lookups", "freed", "waiting", "handback", "handed_back")
 
-    def __init__(self, n: int, consumer: str, filter_subject: str, cut: int, stream: str, credit: PullCredit,
-                 sealed: dict[str, float] | AllSealed, opened: float, lookups: Lookups[Delivery]) -> None:
+    def __init__(self, n: int, consumer: str, filter_subject: str, stored_head_length: int, stream: str,
+                 credit: PullCredit, sealed: dict[str, float] | AllSealed, opened: float,
+                 lookups: Lookups[Delivery]) -> None:
         self.n = n
         self.opened = opened  # our clock when this instance took the partition
         self.consumer = consumer
         self.filter = filter_subject
-        self.cut = cut  # stored subject -> chunk subject: drop this many leading characters
+        # Characters of a stored subject before its ``<request_id>.<role>`` (PartitionScheme.head): the
+        # chunk subject a worker published is the chunks head and what follows them.
+        self.stored_head_length = stored_head_length
         self.inbox = ""
         self.sub: Subscription | None = None
         self.credit = credit
