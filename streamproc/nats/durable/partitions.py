@@ -31,6 +31,7 @@ from ...core.handback import UNKNOWN, HandBack, in_stream_order, stream_sequence
 from ...core.lookups import Lookups
 from ...core.outbox import Outbox
 from ...core.partitions import PartitionScheme
+from ...core.seal_list import ALL_SEALED, AllSealed, SealList, seal_lists
 from ...logs import error_text, log_event
 from .pulls import REDELIVERY_SLACK, Pulls
 from .recovery import HANDOVER_TIMEOUT
@@ -56,20 +57,6 @@ FENCE_EVERY = 0.02
 FORGET_PULLS_TIMEOUT = 1.0
 
 
-class AllSealed:
-    """The seal list of a partition taken while the migrations bucket's keys could not be read:
-    every request is on it, so each first chunk of a new request is looked up (exact, one round
-    trip per request instead of none)."""
-
-    __slots__ = ()
-
-    def __contains__(self, request_id: object) -> bool:
-        return True
-
-
-ALL_SEALED = AllSealed()
-
-
 class Partition:
     """One owned partition: its consumer, inbox subscription and pull credit."""
 
@@ -77,7 +64,7 @@ class Partition:
                  "sealed", "opened", "lookups", "freed", "waiting", "handback", "handed_back")
 
     def __init__(self, n: int, consumer: str, filter_subject: str, stored_head_length: int, stream: str,
-                 credit: PullCredit, sealed: dict[str, float] | AllSealed, opened: float,
+                 credit: PullCredit, sealed: SealList | AllSealed, opened: float,
                  lookups: Lookups[Delivery]) -> None:
         self.n = n
         self.opened = opened  # our clock when this instance took the partition
@@ -91,8 +78,8 @@ class Partition:
         self.credit = credit
         self.active = False
         self.pull_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-        # Request ids of this partition with a seal record -> when the record expires (our clock),
-        # in expiry order: read from the migrations bucket before the first pull, then our own seals.
+        # Its requests with a seal record (core/seal_list.py): read from the migrations bucket before
+        # the first pull, then our own seals.
         self.sealed = sealed
         # Recovery lookups in flight and the deliveries parked behind them; ``freed`` is set (and
         # replaced) whenever one ends or they are abandoned, for a callback waiting for room.
@@ -167,6 +154,7 @@ class Partitions:
         self._wake = anyio.Event()  # set on a reconnect: the watchdog's next round runs at once
         self._lease_lock = anyio.Lock()
         self.migrating: dict[int, int] = {}  # partition -> migrates being answered for it
+        self._seal_ttl = settings.results_max_age or float("inf")  # a seal record lives as long as the results
 
     async def start(self, tasks: anyio.abc.TaskGroup) -> None:
         """Take the partitions the leases grant now; then keep the leases and every partition's pulls
@@ -200,7 +188,7 @@ class Partitions:
                           members=self.leases.members)
                 await self.lose(n, graceful=True)
                 await self.leases.release(n)
-            sealed: dict[int, dict[str, float]] | None = None
+            sealed: dict[int, SealList] | None = None
             if change.acquired:  # once per step, before any acquired partition is pulled from
                 try:
                     sealed = await self._seal_snapshot()
@@ -208,8 +196,11 @@ class Partitions:
                     log_event(log, logging.WARNING, "seal_list_unreadable", error=error_text(exc),
                               detail="every first chunk of a new request on the partitions taken now is looked up")
             for n in change.acquired:
+                seals = ALL_SEALED if sealed is None else sealed.get(n)
+                if seals is None:  # no record on this partition
+                    seals = SealList(self._seal_ttl)
                 try:
-                    await self.open(n, sealed.get(n, {}) if sealed is not None else ALL_SEALED)
+                    await self.open(n, seals)
                 except Exception as exc:  # e.g. the consumer's stream is electing a leader: try again later
                     log_event(log, logging.WARNING, "partition_open_failed", partition=n, error=error_text(exc))
                     await self.lose(n)
@@ -229,39 +220,26 @@ class Partitions:
             except Exception as exc:  # never let lease trouble kill the processor; expiry is checked apart
                 log_event(log, logging.WARNING, "lease_step_failed", error=error_text(exc))
 
-    async def _seal_snapshot(self) -> dict[int, dict[str, float]]:
-        """The requests with a seal record, per partition, each with its record's expiry on our clock.
+    async def _seal_snapshot(self) -> dict[int, SealList]:
+        """The seal list of every partition with seal records, each record's expiry on our clock.
 
         Read whenever partitions are taken, before their first pull: the previous owner (maybe
         dead) may have sealed a request whose sealed attempt's first output chunk reaches this
         instance only now, and the hot path looks such a chunk up only if its request is listed.
         Later seals of an owned partition are this instance's own (:meth:`note_sealed`)."""
         assert self.ledger is not None
-        now, ttl = self._clock(), self.settings.results_max_age or float("inf")
-        out: dict[int, dict[str, float]] = {}
-        of = self.scheme.of
+        now = self._clock()
         # Bounded well inside a lease period: the lease lock is held meanwhile, renewals wait for it.
-        for rid, age in await self.ledger.sealed(timeout=min(SCAN_TIMEOUT, self.settings.lease_ttl / 3)):
-            out.setdefault(of(rid), {})[rid] = now + ttl - age
-        return out
+        records = await self.ledger.sealed(timeout=min(SCAN_TIMEOUT, self.settings.lease_ttl / 3))
+        return seal_lists(records, self.scheme.of, self._seal_ttl, now)
 
     def note_sealed(self, rid: str) -> None:
-        """``rid`` has a seal record now: its partition's later first chunks of it are looked up.
-        Entries stay in expiry order; the expired ones (their records are gone too) are dropped."""
+        """``rid`` has a seal record now: its partition's later first chunks of it are looked up."""
         part = self.owned.get(self.scheme.of(rid))
-        if part is None or not isinstance(part.sealed, dict):
-            return
-        sealed = part.sealed
-        now = self._clock()
-        sealed.pop(rid, None)
-        sealed[rid] = now + (self.settings.results_max_age or float("inf"))
-        while sealed:
-            old, expiry = next(iter(sealed.items()))
-            if expiry >= now:
-                break
-            del sealed[old]
+        if part is not None:
+            part.sealed.note(rid, self._clock())
 
-    async def open(self, n: int, sealed: dict[str, float] | AllSealed) -> None:
+    async def open(self, n: int, sealed: SealList | AllSealed) -> None:
         old = self._handing_back.get(n)
         if old is not None:
             # This instance's own lapsed subscription of the partition is still being handed over: its
