@@ -241,6 +241,22 @@ def test_contract_violations_end_the_request_with_an_error_result(chunks, reason
     assert [r.seq for r in run.results] == list(range(len(run.results)))
 
 
+@pytest.mark.parametrize("complete", [False, True])
+def test_a_prefill_seq_past_the_legs_final_ends_the_request_also_once_the_leg_is_complete(complete):
+    """A seq after the leg's final one breaks the contract (protocol.md: ``invalid_chunk``). Once the
+    prefill leg was complete it was taken for a duplicate instead (it was never seen: only a chunk
+    whose seq was seen is one) and its token held as a repeat of a held chunk until the request
+    ended: counted among the repeats that the durable watchdog reads stored messages for."""
+    c, run = make()
+    pre = leg("p", Role.PREFILL, [b"P0", b"P1"])
+    feed(run, pre if complete else pre[1:])  # complete: seq 0 and the final seq 1; else seq 0 missing
+    late = Chunk("p", Role.PREFILL, 2, b"P2", token="p2")
+    feed(run, [late])
+    [r] = run.results
+    assert (r.seq, r.final, r.error, r.body) == (0, True, "invalid_chunk", b"ERR[invalid_chunk]prefill seq 2 after final seq 1")
+    assert set(r.settles) == {*(ch.token for ch in (pre if complete else pre[1:])), "p2"}
+    assert c.inflight == 0 and list(c.unsettled()) == []
+
 def test_reject_from_the_shell_ends_an_active_request_at_the_next_seq():
     c, run = make()
     feed(run, leg("r", Role.AGG, [b"0", b"1"])[:1])

@@ -869,6 +869,11 @@ class Correlator:
             return self._fail(req, ErrorKind.INVALID_CHUNK, "prefill chunk for an aggregated request", now,
                               extra=(chunk.token,))
         req.kind = _DECODE
+        if req.prefill_final is not None and chunk.seq > req.prefill_final:  # also once the leg is done:
+            # never seen, so no duplicate (and no repeat of a held chunk)
+            return self._fail(req, ErrorKind.INVALID_CHUNK,
+                              f"prefill seq {chunk.seq} after final seq {req.prefill_final}", now,
+                              extra=(chunk.token,))
         if req.prefill_state is _PREFILL_DONE or chunk.seq in req.prefill:
             self.stats.duplicates += 1
             if req.held and chunk.token is not None:
@@ -877,10 +882,6 @@ class Correlator:
                 req.repeats += 1
                 return []
             return [Settle((chunk.token,))]
-        if req.prefill_final is not None and chunk.seq > req.prefill_final:
-            return self._fail(req, ErrorKind.INVALID_CHUNK,
-                              f"prefill seq {chunk.seq} after final seq {req.prefill_final}", now,
-                              extra=(chunk.token,))
         if chunk.final:
             if any(s > chunk.seq for s in req.prefill):
                 return self._fail(req, ErrorKind.INVALID_CHUNK,
