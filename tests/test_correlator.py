@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from toy_codec import CODECS, MigratingToyCodec, bodies, feed, make, resolve
 
-from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Settle
+from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Result, Settle
 from streamproc.testing.harness import leg, shuffle_with_duplicates
 from streamproc.wire import Chunk, Role, Verdict
 
@@ -275,17 +275,20 @@ def test_a_malformed_chunk_of_the_current_attempt_ends_the_request_not_dropped_a
     assert c.stats.sealed == 0 and c.inflight == 0
 
 
-def test_the_fused_passthrough_path_declines_a_request_holding_tokens_so_its_final_result_settles_them():
-    """``receive_agg`` settles nothing (core mode keeps no tokens); a request that holds a token (a
-    repeat of a chunk that was buffered) is left to ``receive``, whose final result settles it."""
+def test_the_fused_passthrough_path_declines_a_request_holding_a_repeat_and_takes_it_back_once_settled():
+    """``receive_agg`` settles nothing (core mode keeps no tokens): a request that holds a token (a
+    repeat of a buffered chunk) is left to ``receive``, whose result for the buffered chunk settles
+    the repeat with it (from then on it delivers nothing new); the fused path then takes the request."""
     c, run = make()
     chunks = leg("h", Role.AGG, [b"0", b"1", b"2"])
-    feed(run, [chunks[1], chunks[1], chunks[0]])  # the repeat of buffered seq 1 is held
-    assert list(c.unsettled()) == [chunks[1].token]
-    assert c.receive_agg("h", 2, True, b"2", None, 0.0) is False
-    feed(run, chunks[2:])
-    assert run.results[-1].settles == (chunks[2].token, chunks[1].token)
-    assert list(c.unsettled()) == [] and c.inflight == 0
+    feed(run, [chunks[1], chunks[1]])  # the repeat of buffered seq 1 is held
+    assert list(c.unsettled()) == [chunks[1].token, chunks[1].token]
+    assert c.receive_agg("h", 0, False, b"0", None, 0.0) is False
+    feed(run, chunks[:1])
+    assert [r.settles for r in run.results] == [(chunks[0].token,), (chunks[1].token, chunks[1].token)]
+    assert list(c.unsettled()) == []
+    assert c.receive_agg("h", 2, True, b"2", None, 0.0) is True
+    assert c.inflight == 0 and c.is_finished("h")
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -493,6 +496,48 @@ def test_held_repeats_of_one_stored_message_count_once_when_the_shell_names_it()
     assert [(d.request_id, d.settles) for d in out if d.__class__.__name__ == "Result"] == [("a", ("a:1", "a:1"))]
 
 
+@pytest.mark.parametrize("role", [Role.AGG, Role.DECODE])
+def test_a_held_repeat_is_settled_with_its_originals_result_and_counts_towards_shedding_no_more(role):
+    """A repeat of a buffered output chunk (a redelivery of its stored message, or the worker's copy
+    without ``Nats-Msg-Id``) is held so its ack cannot release the original before the original's
+    result is stored; from that result on it delivers nothing new, so that result settles it. Held
+    until the request ended (before 2026-12-06), it stayed in ``held_tokens`` after its stored message
+    was acknowledged: three honest requests streaming in order, each with one repeated chunk, were
+    counted as holding 4 stored messages among them (the decode one also its prefill leg), and the
+    watchdog's ``shed`` ended them ``overloaded``."""
+    c = Correlator(resolve, "toy", CorrelatorConfig())
+
+    def stored(token: object) -> int:
+        return int(str(token).split("#")[0])  # "<stored message>#<delivery>", as the stream sequence
+
+    out = []
+    for i, rid in enumerate(["a", "b", "c"]):
+        m = 10 * i  # stored messages m (seq 0), m + 1 (seq 1), m + 2 (seq 1 published again), m + 3 (seq 2)
+        if role is Role.DECODE and rid == "c":  # a P/D request: its prefill leg is held until its final result
+            out += c.receive(Chunk(rid, Role.PREFILL, 0, b"P", final=True, token=f"{m + 9}#1"), 0.0)
+        out += c.receive(Chunk(rid, role, 1, b"1", token=f"{m + 1}#1"), 0.0)  # buffered behind seq 0
+        out += c.receive(Chunk(rid, role, 1, b"1", token=f"{m + 1}#2"), 0.0)  # redelivered: held with it
+        out += c.receive(Chunk(rid, role, 1, b"1", token=f"{m + 2}#1"), 0.0)  # the worker's copy: held too
+        # held while seq 1 waits: its two stored messages (and c's prefill leg), the redelivery once
+        assert c.held_tokens("abc".index, stored)[i] == 2 + (role is Role.DECODE and rid == "c")
+        out += c.receive(Chunk(rid, role, 0, b"0", token=f"{m}#1"), 1.0)  # the gap closes
+    results = [d for d in out if d.__class__.__name__ == "Result"]
+    assert [(r.request_id, r.seq, r.settles) for r in results] == [
+        (rid, seq, settles) for m, rid in ((0, "a"), (10, "b"), (20, "c"))
+        for seq, settles in ((0, (f"{m}#1",)), (1, (f"{m + 1}#1", f"{m + 1}#2", f"{m + 2}#1")))]
+    held = {0: 1} if role is Role.DECODE else {}  # c's prefill leg, until c's final result
+    assert c.held_tokens(lambda rid: 0, stored) == held and c.held_tokens(lambda rid: 0) == held
+    assert list(c.unsettled()) == (["29#1"] if role is Role.DECODE else [])
+    shed = [d for d in c.shed(lambda rid: rid != "c", 1, 2.0, "partition full", stored)
+            if d.__class__.__name__ == "Result"]
+    assert shed == [] and c.stats.shed == 0  # nothing a, b hold is unacknowledged: nothing to free
+    for i, rid in enumerate(["a", "b", "c"]):
+        [r] = [d for d in c.receive(Chunk(rid, role, 2, b"2", final=True, token=f"{10 * i + 3}#1"), 3.0)
+               if d.__class__.__name__ == "Result"]
+        assert (r.seq, r.final, r.error) == (2, True, None)
+        assert r.settles == ((f"{10 * i + 3}#1", "29#1") if role is Role.DECODE and rid == "c" else (f"{10 * i + 3}#1",))
+    assert c.inflight == 0 and list(c.unsettled()) == []
+
 def test_the_stored_message_of_a_held_token_is_asked_only_of_requests_that_hold_a_repeat():
     """Counting held chunks per stored message runs on a timer (the durable watchdog, every 0.25 s)
     and ``stored`` reads a token's ack subject: asked of every held token, 10,000 held prefill legs
@@ -639,6 +684,9 @@ _STEP = st.one_of(
 @example(steps=[("chunk", "a", "prefill", 0, True, False), ("chunk", "a", "prefill", 1, False, False)])
 @example(steps=[("chunk", "a", "decode", 0, False, True), ("chunk", "a", "prefill", 0, False, False), ("tick", 40),
                 ("chunk", "a", "prefill", 1, False, False)])
+# a redelivery, and a republish, of a buffered chunk, then the chunk before it
+@example(steps=[("chunk", "a", "agg", 1, False, False), ("redeliver", 0), ("chunk", "a", "agg", 0, False, False)])
+@example(steps=[("chunk", "b", "decode", 1, False, False), ("republish", 0), ("chunk", "b", "decode", 0, False, False)])
 def test_held_tokens_per_stored_message_match_a_recount_of_the_unsettled_tokens(steps):
     """``held_tokens(group, stored)`` asks for stored messages only of requests holding a repeat
     (``_Request.repeats``, 2026-12-05): a repeat held without counting it would count a redelivery
@@ -647,12 +695,21 @@ def test_held_tokens_per_stored_message_match_a_recount_of_the_unsettled_tokens(
     the tokens delivered and not yet settled (by a result, a Settle, a seal or an abandon), per
     request, as distinct stored messages. (Fails with either ``repeats += 1`` or the seal's reset
     removed; the other resets precede the request's end.) A prefill chunk after the leg was given up
-    (``prefill_timeout``) may repeat one the correlator holds: it no longer knows which seqs it held."""
+    (``prefill_timeout``) may repeat one the correlator holds: it no longer knows which seqs it held.
+
+    And when held tokens are settled: the deliveries of one stored message are settled together (a
+    redelivery's ack is the original's: acked alone, it would release the original before its result
+    is stored), and a result that settles a chunk settles every delivery of that chunk so far (a
+    repeat delivers nothing new once its original's result is stored: held on, it counted towards
+    shedding until its request ended; failed before 2026-12-06)."""
     codec = MigratingToyCodec()
     c = Correlator(lambda name: codec, codec.name, CorrelatorConfig(request_timeout=300.0))
     roles = {"prefill": Role.PREFILL, "decode": Role.DECODE, "agg": Role.AGG}
     published: list[Chunk] = []  # each a stored message (its token names it: "<message>#<delivery>")
     unsettled: dict[str, str] = {}  # token -> request id
+    chunk_of: dict[str, tuple] = {}  # token -> (request id, role, seq, attempt) of the chunk it delivers
+    settled_chunks: set[tuple] = set()  # chunks a result settled a token of, in this step
+    settled_messages: set[str] = set()  # stored messages a token of was settled, in this step
     deliveries = 0
     now = 0.0
     repeated: set[str] = set()  # requests sent a copy of a chunk since they last held nothing
@@ -672,16 +729,22 @@ def test_held_tokens_per_stored_message_match_a_recount_of_the_unsettled_tokens(
             for t in tokens:
                 assert t in unsettled, f"{t} settled twice or never delivered"
                 del unsettled[t]
+                settled_messages.add(t.split("#")[0])
+                if isinstance(d, Result):
+                    settled_chunks.add(chunk_of[t])
 
     def deliver(chunk: Chunk, message: int) -> None:
         nonlocal deliveries
         deliveries += 1
         token = f"{message}#{deliveries}"
         unsettled[token] = chunk.request_id
+        chunk_of[token] = (chunk.request_id, chunk.role, chunk.seq, chunk.attempt)
         take(c.receive(msgspec.structs.replace(chunk, token=token), now))
 
     for step in steps:
         now += 1.0
+        settled_chunks.clear()
+        settled_messages.clear()
         kind = step[0]
         if kind == "chunk":
             _, rid, role, seq, final, needy = step
@@ -724,3 +787,8 @@ def test_held_tokens_per_stored_message_match_a_recount_of_the_unsettled_tokens(
         repeated &= set(by_request)
         assert {unsettled[t] for t in asked} <= repeated, (asked, repeated)
         assert c.held_tokens(lambda rid: 0) == ({0: len(unsettled)} if unsettled else {})
+        # every unsettled token was delivered by this step's end: none may be left of what was settled
+        left = [t for t in unsettled if t.split("#")[0] in settled_messages]
+        assert not left, f"{left} held after another delivery of their stored message was settled"
+        left = [t for t in unsettled if chunk_of[t] in settled_chunks]
+        assert not left, f"{left} held after a result settled their chunk"

@@ -14,7 +14,15 @@ import time
 import anyio
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import chunk_stream_messages, connect, durable_flags, publish_paced, wait_for_finals
+from durable_helpers import (
+    ack_pending,
+    chunk_stream_messages,
+    connect,
+    durable_flags,
+    publish_paced,
+    stored_results,
+    wait_for_finals,
+)
 from helpers import free_port, peak_rss, rid, scrape, status_kib, wait_until
 from shipped_config import CONF, shipped_server, url
 
@@ -493,6 +501,55 @@ async def test_repeats_of_a_held_chunk_cost_nothing_in_core_mode_however_many(na
             grown = status_kib(proc.pid, "VmRSS") * 1024 - baseline
             assert "event=disconnected" not in log_path.read_text()  # every copy reached the processor
             assert grown < 16 * MiB, f"VmRSS grew {grown / MiB:.0f} MiB with {sent} held copies"
+            assert proc.poll() is None
+        finally:
+            await nc.close()
+
+
+# test_a_worker_s_retried_chunk_costs_its_request_nothing_once_the_original_is_answered
+RETRIED = 14  # requests, each with one retried chunk: past 3/4 of --max-ack-pending 16 if all were held
+
+
+async def test_a_worker_s_retried_chunk_costs_its_request_nothing_once_the_original_is_answered(nats_url):
+    """Honest streaming requests whose worker published one chunk twice (a publish retried after a
+    lost PubAck, without ``Nats-Msg-Id``: two stored messages) ahead of the chunk before it. The copy
+    is a duplicate held with the buffered original (architecture.md, "Input settlement"); it was held
+    until its request ended, long after the original's result was stored and its message
+    acknowledged, and counted towards the partition's held chunks: 14 such requests at
+    ``--max-ack-pending 16`` held 14 unacknowledged copies, past the watchdog's 12, and the requests
+    waiting longest were ended ``overloaded`` mid-stream (2026-12-06: 6 of 14). Now the original's
+    result settles the copy: nothing stays held, no request is shed, each is answered in full."""
+    rids = [f"retried{k}" for k in range(RETRIED)]
+
+    def chunk(rid: str, seq: int, final: bool = False, msg_id: bool = True) -> tuple[str, bytes, dict[str, str]]:
+        headers = chunk_headers(rid, "agg", seq, final=final)
+        if not msg_id:
+            del headers["Nats-Msg-Id"]  # the retried publish: stored again
+        return SUBJECTS.chunk(rid, "agg"), b'{"text":"%d"}' % seq, headers
+
+    with processor_subprocess(nats_url, *durable_flags(partitions=1, max_ack_pending=16)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            for rid in rids:  # seq 1 and its copy come before seq 0: buffered, then in order
+                await publish_paced(nc, [chunk(rid, 1, msg_id=False), chunk(rid, 1, msg_id=False), chunk(rid, 0)])
+
+            async def answered_so_far() -> bool:
+                stored = await stored_results(js, SUBJECTS)
+                return all(len(stored.get(rid, [])) >= 2 for rid in rids)
+
+            await wait_until(answered_so_far, 30, "seqs 0 and 1 of every request stored", every=0.2)
+            await anyio.sleep(1.5)  # watchdog rounds (every 0.25 s): where held chunks are counted and shed
+            unacknowledged = await ack_pending(js, 1)
+            await publish_paced(nc, [chunk(rid, 2, final=True) for rid in rids])
+            stored = await wait_for_finals(js, SUBJECTS, rids, 60)
+            shed = [rid for rid in rids if any(x.error for x in stored[rid])]
+            assert not shed, f"{len(shed)} of {RETRIED} honest requests shed: {log_path.read_text()[-2000:]}"
+            for rid in rids:
+                assert [(x.seq, x.error) for x in stored[rid]] == [(0, None), (1, None), (2, None)], stored[rid]
+            assert "partition_shed" not in log_path.read_text()
+            assert unacknowledged == [0]  # each copy acknowledged with its original, mid-stream
+            assert await chunk_stream_messages(js) == 0
             assert proc.poll() is None
         finally:
             await nc.close()

@@ -30,14 +30,19 @@ def test_a_redelivered_held_prefill_chunk_is_settled_with_the_final_result_not_b
     assert set(run.results[-1].settles) == {pre[0].token, redelivery(pre[0]).token, dec[1].token}
 
 
-def test_a_redelivered_buffered_output_chunk_is_not_settled_before_its_result():
+def test_a_redelivered_buffered_output_chunk_is_settled_with_its_result_not_before_nor_after():
+    """Not after either: from its result on the repeat delivers nothing new, and held on to the
+    request's final result it counted towards the durable partition's held chunks (shedding)."""
     c, run = make()
     out = leg("o", Role.AGG, [b"0", b"1", b"2"])
     feed(run, [out[1], redelivery(out[1])])  # seq 1 waits for seq 0
     assert run.settled == [] and run.results == []
-    feed(run, [out[0], out[2]])
-    assert bodies(run.results) == [b"0", b"1", b"2"]
-    assert redelivery(out[1]).token in run.results[-1].settles
+    feed(run, [out[0]])
+    assert bodies(run.results) == [b"0", b"1"]
+    assert [r.settles for r in run.results] == [(out[0].token,), (out[1].token, redelivery(out[1]).token)]
+    assert list(c.unsettled()) == []
+    feed(run, [out[2]])
+    assert run.results[-1].settles == (out[2].token,)
 
 
 def test_a_repeat_of_an_already_published_chunk_is_settled_at_once():
