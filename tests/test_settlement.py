@@ -77,3 +77,22 @@ def test_abandon_forgets_finished_requests_whose_final_result_was_not_stored():
     c.abandon(lambda rid: True, unstored=["done-unstored"])
     # Redelivered chunks of it must be recovered from the stored results, not dropped as late.
     assert not c.knows("done-unstored") and c.knows("done-stored")
+
+
+def test_repeats_without_a_token_as_core_mode_delivers_them_are_never_held():
+    """Core mode acknowledges nothing and gives its chunks no token: a repeat of a held chunk (a
+    prefill leg waiting for its decode leg, an output chunk buffered behind a missing seq) is a
+    duplicate, counted and dropped, whatever its number; held, each would stay until the request
+    ended (durable mode holds a repeat with its original only because its ack could release it)."""
+    c, run = make()
+    pre = Chunk("p", Role.PREFILL, 0, b"P", final=True)
+    out = Chunk("o", Role.AGG, 1, b"1", final=True)
+    feed(run, [pre, out])
+    held = c.held_tokens(lambda rid: 0)
+    feed(run, [pre, out] * 500)
+    assert c.stats.duplicates == 1000 and run.results == []
+    assert c.held_tokens(lambda rid: 0) == held and list(c.unsettled()) == []
+    feed(run, [Chunk("p", Role.DECODE, 0, b"need:0", final=True), Chunk("o", Role.AGG, 0, b"0")])
+    assert [(r.request_id, r.seq, r.settles) for r in run.results] == [
+        ("p", 0, (None,)), ("o", 0, (None,)), ("o", 1, (None,))]
+    assert c.inflight == 0
