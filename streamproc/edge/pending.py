@@ -126,3 +126,28 @@ def drop(sub) -> None:
         queue.get_nowait()
         queue.task_done()  # Subscription._drain joins this queue
     core._pending_size = 0
+
+
+class _NotingQueue(asyncio.Queue):
+    """A subscription's pending queue that tells ``arrived`` of each message nats-py puts in it, in
+    the NATS read loop (every path of nats-py and FastClient queues with ``put_nowait``)."""
+
+    arrived = None
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        arrived = self.arrived
+        if arrived is not None:
+            arrived(item)
+
+
+def on_arrival(sub, arrived) -> None:
+    """Call ``arrived(msg)`` for each message queued for ``sub`` from now on, as it arrives (not as
+    it is read): the replay's read budget is given back when the server's bytes reached the edge,
+    however slowly its client reads them. ``sub`` must have nothing queued yet."""
+    core = sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
+    queue = core._pending_queue
+    assert queue.empty()
+    noting = _NotingQueue(maxsize=queue.maxsize)
+    noting.arrived = arrived
+    core._pending_queue = noting

@@ -77,7 +77,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
-from ..core.replay_pull import PullState
+from ..core.replay_pull import Pull, PullState
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_EDGE_CONSUMER_IDLE,
@@ -94,6 +94,7 @@ from ..nats.replay_pull import (
 from . import pending
 from .msg_get import ApiPermission, Refused
 from .probes import Probes
+from .read_budget import ReadGate
 
 # Pull consumers being let go (Replay._let_go), also after their reader's task was cancelled: held here,
 # as the event loop keeps only weak references to tasks.
@@ -150,7 +151,8 @@ class Replay:
                  watch: Callable[..., None] | None = None,
                  access: ApiPermission | None = None, may_subscribe: Callable[[bool], bool] | None = None,
                  start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
-                 release: Callable[[], None] | None = None, pulls: ApiPermission | None = None) -> None:
+                 release: Callable[[], None] | None = None, pulls: ApiPermission | None = None,
+                 gate: ReadGate | None = None, largest: Callable[[], int] | None = None) -> None:
         self.nc = nc
         self.api_prefix = api_prefix
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
@@ -212,6 +214,15 @@ class Replay:
         self.inbox = ""
         self.pull_state = PullState(REPLAY_PULL_BATCH, REPLAY_PULL_LOST_AFTER, REPLAY_RENEWALS_MAX)
         self.made_at = 0.0  # when the pull consumer was made (the pulls' clock): a refusal since is its
+        # The edge's budget of stored bytes asked of the server and not yet received (read_budget.py):
+        # a pull is charged its max_bytes before it is sent (``charged``: what is left of it), given
+        # back as its results arrive and the rest when it ends; a MSG.GET the largest answer it may
+        # bring (``largest``: the largest result the stream may hold) until the answer is in.
+        self.gate = gate
+        self.largest = largest
+        self.charged = 0
+        self._arrived = 0  # results the pull out brought so far, counted as they arrive
+        self._probe_charge = 0
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
         """Send the open's probe now (MSG.GET known to answer): its answer is read in the NATS read
@@ -220,12 +231,19 @@ class Replay:
         by the next :meth:`next`, as a failed request was."""
         if self.done:
             return
+        if self.gate is not None:
+            # No budget free now: not asked at the open; the reader's next() asks, waiting its turn
+            charge = self.gate.try_acquire(self._get_size(), self._get_size())
+            if not charge:
+                return
+            self._probe_charge = charge
         self._probes, self.settled, self.wake = probes, settled, wake
         self.asking = True
         try:
             self._token = await probes.ask(self.api_subject, self._request(self.next_seq), self.timeout, self.answered)
         except Exception as exc:  # noqa: BLE001 - raised to the reader, as nc.request's would have been
             self.asking, self._outcome = False, exc
+            self._probe_given_back()
 
     def answered(self, data: bytes | None, exc: BaseException | None) -> None:
         """The probe's answer (``data``) or failure (``exc``: ``TimeoutError``, ``LookupError`` for
@@ -233,6 +251,7 @@ class Replay:
         if not self.asking:
             return
         self.asking = False
+        self._probe_given_back()
         outcome: StoredMessage | BaseException | None
         if isinstance(exc, LookupError):
             outcome = self._no_responders()
@@ -407,6 +426,8 @@ class Replay:
         name = replay_consumer_name(inbox)
         limits = {k: v for k, v in self.consumer_options.items() if k.startswith("pending_")}
         sub = await nc.subscribe(inbox, **limits)
+        if self.gate is not None:
+            pending.on_arrival(sub, self._arrival)
         try:
             await nc.jetstream(prefix=self.api_prefix).add_consumer(
                 self.stream, config=replay_consumer_config(name, self.subject, seq, REPLAY_EDGE_CONSUMER_IDLE))
@@ -444,6 +465,19 @@ class Replay:
                                    batch=msgs_bound - queued_msgs - 1 if msgs_bound > 0 else None)
         if pull is None:
             return
+        gate = self.gate
+        if gate is not None:
+            # Its turn in the edge's read budget: a smaller pull when little is free, never less
+            # than the largest result (else it brings nothing); the one that did not fit, alone.
+            largest = self._largest()
+            want = largest if pull.room is None else pull.room
+            granted = await gate.acquire(want, min(want, largest))
+            if self.sub is not sub or self.done or self.cut is not None:  # closed or stopped meanwhile
+                gate.release(granted)
+                return
+            if pull.room is not None:
+                pull = Pull(min(pull.room, granted), pull.batch)
+            self.charged, self._arrived = granted, 0
         request = pull_request(pull.room, pull.batch, no_wait=True)
         self.pull_state.sent(pull, asyncio.get_running_loop().time())
         try:
@@ -451,7 +485,50 @@ class Replay:
                                   reply=self.inbox)
         except BaseException:
             self.pull_state.over()
+            self._give_back()
             raise
+
+    def _arrival(self, msg: Msg) -> None:
+        """A message reached the pull consumer's inbox (in the NATS read loop, before its reader
+        takes it): its bytes are the server's no more; a status that ends the pull, or the last
+        result its batch asked for, gives back the rest of the pull's charge."""
+        if not self.charged:
+            return
+        if (msg.reply or "").startswith("$JS.ACK."):
+            self._arrived += 1
+            headers = msg.headers
+            size = len(msg.data) + len(msg.subject) + len(msg.reply) + (
+                sum(len(k) + len(v) + 4 for k, v in headers.items()) if headers else 0)
+            if self._arrived >= self.pull_state.left + self.pull_state.got:
+                size = self.charged  # its batch is in: the pull is over
+        else:
+            status = pull_status(msg.headers)
+            if status is None or status == "heartbeat":
+                return
+            size = self.charged
+        size = min(size, self.charged)
+        self.charged -= size
+        assert self.gate is not None
+        self.gate.release(size)
+
+    def _give_back(self) -> None:
+        """The pull out is over (lost, failed, its consumer dropped): what it did not bring is free."""
+        charged, self.charged = self.charged, 0
+        if charged and self.gate is not None:
+            self.gate.release(charged)
+
+    def _largest(self) -> int:
+        """The largest result the stream may hold (its max_msg_size, or the server's max_payload)."""
+        return max(1, self.largest()) if self.largest is not None else 1 << 20
+
+    def _get_size(self) -> int:
+        """The most a STREAM.MSG.GET answer may bring: the largest result, in Base64, and its JSON."""
+        return (self._largest() + 2) // 3 * 4 + 4096
+
+    def _probe_given_back(self) -> None:
+        charge, self._probe_charge = self._probe_charge, 0
+        if charge and self.gate is not None:
+            self.gate.release(charge)
 
     @property
     def pulled(self) -> int:
@@ -514,15 +591,21 @@ class Replay:
         """The first stored message of the subject at or after ``seq``, if at most ``upto``; else
         None, and the replay is done."""
         access = self.access
-        asked = self.nc.request(self.api_subject, self._request(seq), timeout=self.timeout)
+        gate = self.gate
+        charge = await gate.acquire(self._get_size(), self._get_size()) if gate is not None else 0
         try:
-            # Unguarded once MSG.GET answered (no task per open); until then a refusal, which only
-            # the error callback reports, ends the wait at once (msg_get.py).
-            reply = await (asked if access is None or access.confirmed else access.guard(asked))
-        except nats.errors.NoRespondersError:
-            raise self._no_responders() from None
-        except nats.errors.TimeoutError:
-            raise self._no_answer() from None
+            asked = self.nc.request(self.api_subject, self._request(seq), timeout=self.timeout)
+            try:
+                # Unguarded once MSG.GET answered (no task per open); until then a refusal, which only
+                # the error callback reports, ends the wait at once (msg_get.py).
+                reply = await (asked if access is None or access.confirmed else access.guard(asked))
+            except nats.errors.NoRespondersError:
+                raise self._no_responders() from None
+            except nats.errors.TimeoutError:
+                raise self._no_answer() from None
+        finally:
+            if gate is not None:
+                gate.release(charge)
         return self._answer(reply.data)
 
     def _no_responders(self) -> Refused:
@@ -608,6 +691,7 @@ class Replay:
         self.closed = self.done = True
         if self.asking:  # its answer is not wanted any more
             self.asking = False
+            self._probe_given_back()
             if self._probes is not None:
                 self._probes.forget(self._token)
             waiter = self._answer_waiter
@@ -620,6 +704,7 @@ class Replay:
         sub, self.sub = self.sub, None
         name, self.consumer = self.consumer, None
         self.pull_state.over()
+        self._give_back()
         if name is not None:
             if sub is not None:
                 pending.wake(sub)  # a reader waiting in next() for this consumer returns at once

@@ -107,6 +107,11 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         "seconds one write to a client may block (a client that stopped reading) before its stream is "
         "closed; any other answer's connection is cut when the client takes nothing of it for as long",
         gt=0, le=3600)] = 30.0
+    replay_read_budget: Annotated[int, documented(
+        "bytes of stored results all replays (late attaches, resumes, catch-ups) together may have asked "
+        "nats-server for and not yet received; past it a replay waits its turn. Keep it well under "
+        "nats-server's max_pending (64 MiB), past which the server cuts the edge's connection as a slow "
+        "consumer", ge=64 * 1024, le=2**34)] = 16 * 1024 * 1024
     stream_buffer_bytes: Annotated[int, documented(
         "bytes of results buffered for one stream while its client is behind; past it the stream is ended "
         "with an error event (at least the NATS max_payload)", ge=64 * 1024, le=2**34)] = 8 * 1024 * 1024

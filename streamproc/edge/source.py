@@ -46,6 +46,7 @@ from .feed import FeedMode, ResultFeed
 from .msg_get import ApiPermission, Refused, State
 from .probes import Probes
 from .recent import RecentRequests
+from .read_budget import ReadGate
 from .replay import Replay, stream_seq
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
@@ -111,6 +112,10 @@ class ResultSource:
         self._feeds: dict[int, ResultFeed] = {}
         # a late attach's temporary consumer -> its feed, to pause that replay instead (replay.py)
         self._replays: dict[int, ResultFeed] = {}
+        # Stored-result bytes all replays together have asked of nats-server and not yet received
+        # (read_budget.py): well under the server's max_pending for the edge's one connection.
+        self.read_gate = ReadGate(settings.replay_read_budget)
+        self._stored_max = 0  # the results stream's max_msg_size (0: none; the server's max_payload bounds it)
         # Consumers allowed by _may_replay_with_consumer still being created: counted against
         # --max-replay-consumers too (50 catch-ups at once each saw none yet and made 39 at once).
         self._replays_creating = 0
@@ -294,6 +299,7 @@ class ResultSource:
         if self.pulls is None or self.pulls.stream != name:
             self.pulls = ApiPermission(prefix, name, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
         self._ring_stream = (name, info.created)
+        self._stored_max = max(info.config.max_msg_size or 0, 0)
         self.results_stream_missing = None
         self.recent_mode = "jetstream"
 
@@ -700,7 +706,13 @@ class ResultSource:
         return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
                       REPLAY_TIMEOUT, limits, watch, self.msg_get,
                       functools.partial(self._may_replay_with_consumer, feed), start,
-                      by_consumer, expect, self._replay_consumer_made, self.pulls)
+                      by_consumer, expect, self._replay_consumer_made, self.pulls, self.read_gate,
+                      self._largest_stored)
+
+    def _largest_stored(self) -> int:
+        """The largest result the results stream may hold: its max_msg_size, else the server's max_payload."""
+        payload = self.nc.max_payload if self.nc is not None else 0
+        return min(x for x in (self._stored_max, payload, 1 << 26) if x > 0)
 
     def catch_up(self, feed: ResultFeed) -> None:
         """A dispatched JetStream feed that fell behind (:meth:`_on_inbox_full`) has handed out what

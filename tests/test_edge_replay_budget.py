@@ -1,0 +1,131 @@
+"""One client's late attaches cannot get the edge's NATS connection cut (found by an attack, 2026-12-06).
+
+Every late attach replays its request's stored history (edge/replay.py): a pull of up to its room in
+``--stream-buffer-bytes`` (8 MiB), and up to ``--max-replay-consumers`` (128) of them out at once.
+nats-server queues all those bytes towards the edge's one connection; past its per-connection
+``max_pending`` (64 MiB) it logs ``Slow Consumer Detected`` and cuts the connection, and every
+client of the edge lost its streams (``503 the edge is not connected to NATS``). One client with 32
+streams (the default per-client limit) on histories of 8 x 900 KB did it. The edge now asks the
+server for no more than ``--replay-read-budget`` bytes at once for all stored reads together.
+Real nats-server, real ``streamproc edge`` process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from edge_harness import expected_sse, publish_result, publish_results, running_edge
+from helpers import connection, rid, status_kib, wait_until
+
+from streamproc.core.read_budget import ReadBudget
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.nats]
+
+MiB = 1024 * 1024
+BODY = b'{"text":"' + b"x" * (900 * 1024 - 12) + b'"}'  # 900 KB results, under nats-server's 1 MiB max_payload
+STORED = 8  # results per request: 7.2 MB stored each
+REQUESTS = 4
+ATTACHES = 32  # the default --max-streams-per-client, all from one client
+LIVE = 16  # results of the other client's request, published while the replays run
+
+
+async def stored_count(js, stream: str, count: int) -> bool:
+    return (await js.stream_info(stream)).state.messages >= count
+
+
+async def read_slowly(client: httpx.AsyncClient, request_id: str, address: str) -> bytes:
+    """A late attach that reads 64 KiB every 20 ms (~3 MiB/s)."""
+    received = bytearray()
+    async with client.stream("GET", f"/v1/results/{request_id}", headers={"X-Forwarded-For": address}) as response:
+        assert response.status_code == 200
+        async for chunk in response.aiter_raw(64 * 1024):
+            received += chunk
+            await asyncio.sleep(0.02)
+    return bytes(received)
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(240)
+async def test_one_clients_late_attaches_never_get_the_edges_nats_connection_cut_and_everyone_is_served(
+        nats_server):
+    subjects = Subjects("replaybudget")
+    stored = [rid(f"stored-{i}") for i in range(REQUESTS)]
+    live = rid("live")
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--forwarded-allow-ips", "127.0.0.1") as edge:
+        async with connection(nats_server.url) as nc:
+            for request_id in stored:
+                await publish_results(nc, subjects, request_id, [BODY] * STORED, flush_every=2)
+            js = nc.jetstream()
+            stream = await js.find_stream_name_by_subject(subjects.result(stored[0]))
+            await wait_until(lambda: stored_count(js, stream, REQUESTS * STORED), 20, "the histories stored")
+            baseline = status_kib(edge.proc.pid, "VmHWM") * 1024
+            async with httpx.AsyncClient(base_url=edge.url, timeout=120) as client:
+                attaches = [asyncio.create_task(read_slowly(client, stored[i % REQUESTS], "10.6.6.6"))
+                            for i in range(ATTACHES)]
+                await asyncio.sleep(1.0)  # the replays' reads are out
+
+                async def other_client() -> tuple[bytes, float]:
+                    async with client.stream("GET", f"/v1/results/{live}",
+                                             headers={"X-Forwarded-For": "10.7.7.7"}) as response:
+                        assert response.status_code == 200, await response.aread()
+                        body = b""
+                        started = time.monotonic()
+                        async for chunk in response.aiter_raw():
+                            body += chunk
+                        return body, time.monotonic() - started
+
+                other = asyncio.create_task(other_client())
+                await asyncio.sleep(0.5)
+                bodies = [b'{"text":"live %d"}' % seq for seq in range(LIVE)]
+                for seq, body in enumerate(bodies):  # the ring's ordered consumer must not be starved
+                    await publish_result(nc, subjects, live, seq, body, final=seq == LIVE - 1)
+                    await nc.flush()
+                    await asyncio.sleep(0.05)
+                other_body, other_took = await asyncio.wait_for(other, 60)
+                got = await asyncio.wait_for(asyncio.gather(*attaches, return_exceptions=True), 180)
+        peak = status_kib(edge.proc.pid, "VmHWM") * 1024
+        log = edge.log()
+    server_log = nats_server.log_path.read_text(errors="replace")
+    print(f"VmHWM {baseline / MiB:.0f} -> {peak / MiB:.0f} MiB; other client served in {other_took:.2f} s")
+    assert "Slow Consumer" not in server_log, [line for line in server_log.splitlines() if "Slow" in line][:3]
+    assert "event=disconnected" not in log
+    assert other_body == expected_sse(bodies)
+    # Its 16 results were published over 0.8 s: the ring's ordered consumer was not held up behind the replays.
+    assert other_took < 5, f"the live stream took {other_took:.1f} s"
+    want = expected_sse([BODY] * STORED)
+    for i, body in enumerate(got):
+        assert not isinstance(body, BaseException), repr(body)
+        assert body == want, f"attach {i}: {len(body)} of {len(want)} bytes"
+    # Each stream holds at most its --stream-buffer-bytes (8 MiB) of results (measured: 95-96 MiB in all).
+    assert peak - baseline < ATTACHES * 8 * MiB, f"VmHWM grew by {(peak - baseline) / MiB:.0f} MiB"
+
+
+def test_the_read_budget_serves_first_come_first_with_smaller_grants_and_never_deadlocks():
+    budget = ReadBudget(16 * MiB)
+    assert budget.take(8 * MiB, MiB) == 8 * MiB
+    assert budget.take(8 * MiB, MiB) == 8 * MiB
+    assert budget.take(8 * MiB, MiB) == 0  # used up: it waits
+    budget.wait("a", 8 * MiB, MiB)
+    assert budget.take(64 * 1024, 64 * 1024) == 0  # behind the one waiting, even if it would fit
+    budget.release(3 * MiB)
+    assert budget.granted() == [("a", 3 * MiB)]  # a smaller pull when little is free
+    budget.wait("b", 8 * MiB, MiB)
+    budget.release(MiB // 2)
+    assert budget.granted() == []  # less than its least
+    budget.release(13 * MiB + MiB // 2)
+    assert budget.granted() == [("b", 8 * MiB)]
+    budget.wait("huge", 40 * MiB, 40 * MiB)  # one result larger than the whole budget
+    budget.release(9 * MiB)
+    assert budget.out == MiB and budget.granted() == []  # not while anything else is out
+    budget.release(MiB)
+    assert budget.granted() == [("huge", 40 * MiB)]  # alone, with nothing else out
+    assert budget.take(MiB, MiB) == 0
+    budget.wait("c", MiB, MiB)
+    budget.leave("c")
+    budget.release(40 * MiB)
+    assert budget.granted() == [] and budget.take(MiB, MiB) == MiB
