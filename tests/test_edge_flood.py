@@ -1014,3 +1014,26 @@ def test_max_connections_is_exact_the_last_one_under_it_served_the_one_at_it_ref
             for sock in idle:
                 sock.close()
     assert answer.startswith(b"HTTP/1.1 503 ") and b"--max-connections" in answer and closed, answer[:200]
+
+
+def test_a_head_begun_late_is_due_at_its_deadline_not_a_head_timeout_after_its_first_byte(tight):
+    """A request head is due --head-timeout after the connection was made, or after the previous
+    answer on a keep-alive connection, however late its first byte comes: a client that sends one
+    just before that deadline gets its 408 at the deadline (plus a sweep), not a whole --head-timeout
+    later. Re-armed at every head's first byte, each request of a connection could hold it for twice
+    the bound."""
+    late = 0.9 * TIGHT_TIMEOUT
+    for keep_alive in (False, True):
+        with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+            if keep_alive:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")
+                assert read_response(sock)[0] == 200
+            time.sleep(late)
+            first_byte = time.monotonic()
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: ed")
+            data, closed = until_closed(sock, 3 * TIGHT_TIMEOUT)
+            after_first_byte = time.monotonic() - first_byte
+        assert closed and data.startswith(b"HTTP/1.1 408 ") and b"--head-timeout" in data, (keep_alive, data[:200])
+        # Its deadline was a tenth of --head-timeout after the first byte; the sweep runs every quarter.
+        assert after_first_byte < TIGHT_TIMEOUT, (keep_alive, after_first_byte)
+
