@@ -1037,3 +1037,45 @@ def test_a_head_begun_late_is_due_at_its_deadline_not_a_head_timeout_after_its_f
         # Its deadline was a tenth of --head-timeout after the first byte; the sweep runs every quarter.
         assert after_first_byte < TIGHT_TIMEOUT, (keep_alive, after_first_byte)
 
+
+# Uploads answered before their body was read whose declared length is over LINGER_BYTES and within
+# the discard cap: head (and whether a holder of the client's upload share is needed), answer, bytes.
+DECLARED_LINGERED = {
+    "429 of a 32 MiB body": (HOLDER_HEAD, 429, MAX_BODY_BYTES),
+    "413 of a body at the discard cap": (b"POST /v1/experts HTTP/1.1\r\nHost: edge\r\nContent-Length: %d\r\n\r\n"
+                                         % UPLOAD_DISCARD_BYTES, 413, UPLOAD_DISCARD_BYTES),
+}
+
+
+@pytest.mark.parametrize("name", DECLARED_LINGERED)
+def test_an_upload_answered_early_may_send_its_whole_declared_body_while_lingering(tight, name):
+    """The lingering close drops up to the request's declared Content-Length, where that is within its
+    discard cap (up to the cap itself), not only LINGER_BYTES (4 MiB): a client that answered 429 or
+    413 sends nothing until the edge's FIN (the discard deadline), then its whole declared body
+    within LINGER_TIME, is not cut off under it (its writes do not fail) and closes cleanly."""
+    head, expected, declared = DECLARED_LINGERED[name]
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as holder, \
+            socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        if expected == 429:
+            holder.sendall(HOLDER_HEAD)  # the client's whole upload share
+            time.sleep(0.1)  # the holder's head is read first
+        sock.sendall(head)
+        status, answer = first_status(sock)
+        assert status == expected, answer
+        rest, fin = until_closed(sock, 2 * TIGHT_TIMEOUT + 1.0)  # the FIN: the discard deadline, and a sweep
+        assert fin and b"HTTP/1.1 " not in rest, rest  # the rest of its answer, no other
+        sock.settimeout(LINGER_TIME)
+        started = time.monotonic()
+        piece = b"a" * (1 << 20)
+        sent = 0
+        try:
+            while sent < declared:
+                sock.sendall(piece[:declared - sent])
+                sent += min(len(piece), declared - sent)
+            sock.shutdown(socket.SHUT_WR)
+            error = None
+        except OSError as exc:  # reset or broken pipe: cut off under its body
+            error = exc
+        elapsed = time.monotonic() - started
+    assert error is None, f"cut off after {sent} of {declared} bytes, {elapsed:.2f}s after the FIN: {error!r}"
+    assert elapsed < LINGER_TIME, elapsed  # within the linger, or the test proves nothing
