@@ -1079,3 +1079,31 @@ def test_an_upload_answered_early_may_send_its_whole_declared_body_while_lingeri
         elapsed = time.monotonic() - started
     assert error is None, f"cut off after {sent} of {declared} bytes, {elapsed:.2f}s after the FIN: {error!r}"
     assert elapsed < LINGER_TIME, elapsed  # within the linger, or the test proves nothing
+
+
+def test_a_refused_connections_503_ends_in_a_clean_close_not_a_reset(server):
+    """A connection refused at --max-connections whose request arrived before the refusal is answered
+    ``503`` and half-closed (a FIN after the answer), and lingers for its client's EOF: closed at once
+    with the request unread, the kernel reset it, and a client whose stack drops what it received at
+    a reset (Windows, some proxies) lost the 503. On Linux the reset shows as ECONNRESET after the
+    answer; a clean close shows as EOF."""
+    with running_edge(server.url, "--max-connections", "1", "--head-timeout", "10") as edge:
+        with socket.create_connection(("127.0.0.1", edge.port), timeout=10):
+            time.sleep(0.5)  # accepted and made: the one slot is held
+            for attempt in range(5):
+                with socket.create_connection(("127.0.0.1", edge.port), timeout=10) as past:
+                    past.sendall(b"GET /healthz HTTP/1.1\r\nHost: edge\r\n\r\n")  # before the edge makes it
+                    time.sleep(0.3)  # a reset, if any, has come
+                    past.settimeout(5)
+                    data, ending = b"", None
+                    while ending is None:
+                        try:
+                            chunk = past.recv(65536)
+                        except ConnectionResetError:
+                            ending = "reset"
+                            break
+                        if not chunk:
+                            ending = "eof"
+                        data += chunk
+                assert data.startswith(b"HTTP/1.1 503 ") and b"--max-connections" in data, (attempt, data[:200])
+                assert ending == "eof", (attempt, ending)
