@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from streamproc.client.results import REPLAY_PULL_EXPIRES
@@ -70,6 +70,28 @@ def test_a_pull_never_asks_more_than_its_bounds_and_one_is_out_at_a_time(batch, 
             s.consumer_made()
             assert not s.out and not s.one_big and s.delivered == 0
         assert not s.out or 0 < s.left <= batch
+
+
+@LAWS
+@given(batch=st.integers(1, 1024), bound=st.integers(0, 4096), offset=st.integers(-2, 2) | st.integers(-4096, 4096),
+       held=st.booleans(), queue_room=st.none() | st.integers(-3, 2000), ended=st.booleans())
+@example(batch=64, bound=1000, offset=0, held=True, queue_room=None, ended=False)  # exactly half the bound
+def test_a_pull_goes_out_whenever_none_is_out_and_the_reader_has_the_room(batch, bound, offset, held, queue_room,
+                                                                          ended):
+    """The other side of the bound: with no pull out and nothing waiting to come alone, a pull goes
+    out for all the room the bound has left as soon as the reader holds nothing or has at least half
+    the bound free (half included), for as many results as the cap and the queue's room allow; it
+    waits only while the reader holds results and has less than half the bound, or its queue is full."""
+    s, room = state(batch), bound // 2 + offset
+    if ended:  # a pull that came and went: the same as none yet
+        s.sent(Pull(bound, batch), 0.0)
+        s.status("ended", 0.1)
+    pull = s.ask(room, bound, held, queue_room)
+    results = batch if queue_room is None else min(batch, queue_room)
+    if (held and room < bound // 2) or results <= 0:
+        assert pull is None
+    else:
+        assert pull == Pull(room, results)
 
 
 @LAWS
