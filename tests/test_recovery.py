@@ -1,5 +1,5 @@
 """The recovery decisions (streamproc/core/recovery.py): when a chunk waits for the stores, and
-where an adopted request resumes. Pure, against a real correlator over the toy format."""
+where and how an adopted request resumes. Pure, against a real correlator over the toy format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 from toy_codec import make
 
 from streamproc.core.events import Chunk, Role
-from streamproc.core.recovery import StoreRead, delivery_count, needs_lookup, resume_point, store_read
+from streamproc.core.recovery import (Adoption, StoreRead, adoption, delivery_count, needs_lookup, resume_point,
+                                      store_read)
 from streamproc.core.wire import FINAL, SEQ
 
 V1 = "$JS.ACK.S.c.{}.1.1.1700000000000000000.0"
@@ -44,6 +45,18 @@ def test_the_resume_point_follows_the_last_stored_result():
     assert resume_point({SEQ: "4"}) == (5, False)
     assert resume_point({SEQ: "4", FINAL: "true"}) == (5, True)
     assert resume_point({SEQ: "x"}) is None and resume_point(None) is None and resume_point({}) is None
+
+
+@pytest.mark.parametrize("point, sealed, how", [
+    (None, False, Adoption.AFRESH),  # nothing stored, never sealed: its chunks all wait unacknowledged
+    ((5, False), False, Adoption.RESUME),
+    ((5, True), False, Adoption.RESUME),  # finished: its later chunks are late
+    ((5, True), True, Adoption.RESUME),  # finished after a migrate: nothing is published again, no history
+    ((5, False), True, Adoption.RESUME_WITH_HISTORY),  # the migration session is rebuilt from the bodies
+    (None, True, Adoption.RESUME_WITH_HISTORY),  # sealed before its first result was stored: resumed at 0
+])
+def test_an_adopted_request_reads_its_stored_bodies_only_when_sealed_and_unfinished(point, sealed, how):
+    assert adoption(point, sealed) is how
 
 
 def test_the_first_delivery_of_a_new_requests_first_chunk_is_decided_without_reading_the_stores():

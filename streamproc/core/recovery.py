@@ -1,10 +1,11 @@
-"""Recovery decisions: whether a chunk must wait for the stores before it is decided, and where a
-request adopted from them resumes.
+"""Recovery decisions: whether a chunk must wait for the stores before it is decided, and where and
+how a request adopted from them resumes.
 
 A durable instance sees chunks of requests another instance may have served (a failover, a
 hand-over, a migrate). These pure rules say when the shell must read the stores first
-(:func:`store_read`, a round trip per request at most) and what a stored result says
-(:func:`resume_point`); the reads themselves are the shell's (``streamproc/nats/durable/recovery.py``).
+(:func:`store_read`, a round trip per request at most), what a stored result says
+(:func:`resume_point`) and, with the request's seal record, how it is adopted (:func:`adoption`);
+the reads themselves are the shell's (``streamproc/nats/durable/recovery.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .wire import FINAL, SEQ
 if TYPE_CHECKING:
     from .correlator import Correlator
 
-__all__ = ["StoreRead", "delivery_count", "needs_lookup", "resume_point", "store_read"]
+__all__ = ["Adoption", "StoreRead", "adoption", "delivery_count", "needs_lookup", "resume_point", "store_read"]
 
 
 class StoreRead(enum.Enum):
@@ -82,3 +83,27 @@ def resume_point(headers: Mapping[str, str] | None) -> tuple[int, bool] | None:
     if not seq.isdigit():
         return None
     return int(seq) + 1, h.get(FINAL) == "true"
+
+
+class Adoption(enum.Enum):
+    """How a request this instance does not hold is taken over from the stores."""
+
+    # Nothing stored and no seal record: every chunk of it is still unacknowledged, so it starts
+    # afresh here like any new request (nothing to adopt).
+    AFRESH = "afresh"
+    # Resume after the last stored result (final or not); no migration session to rebuild.
+    RESUME = "resume"
+    # A seal record and no final result: resume, unfinished, with the stored bodies read back, from
+    # which the correlator rebuilds the migration session at the recorded seal points.
+    RESUME_WITH_HISTORY = "resume_with_history"
+
+
+def adoption(point: tuple[int, bool] | None, sealed: bool) -> Adoption:
+    """How to adopt a request whose last stored result says ``point`` (:func:`resume_point`; None:
+    nothing stored) and which has a seal record (``sealed``).
+
+    A finished request needs no history even when it was migrated: nothing of it is published
+    again, so no session has to fold what was."""
+    if not sealed or (point is not None and point[1]):
+        return Adoption.AFRESH if point is None else Adoption.RESUME
+    return Adoption.RESUME_WITH_HISTORY

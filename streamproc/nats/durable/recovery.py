@@ -7,7 +7,7 @@ record (:meth:`Recovery.adopt`) and resumes it there. :meth:`Recovery.migrate` a
 durable mode: adopt, read back stored bodies, seal, wait until stored, record the seal with
 compare-and-set (:mod:`streamproc.nats.durable.migrations`), or answer ``unavailable`` and forget the
 request here, so the retry starts from the stores. The decisions are the correlator's
-(:mod:`streamproc.core.correlator`, ``resume_point`` in :mod:`streamproc.core.recovery`).
+(:mod:`streamproc.core.correlator`; ``resume_point`` and ``adoption`` in :mod:`streamproc.core.recovery`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
 from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
-from ...core.recovery import resume_point
+from ...core.recovery import Adoption, adoption, resume_point
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text, log_event
 from .pulls import REDELIVERY_SLACK
@@ -126,14 +126,16 @@ class Recovery:
             await last_result()
         stored = found.get("stored")
         point = resume_point(stored.headers) if stored is not None else None  # type: ignore[attr-defined]
+        how = adoption(point, record is not None)
+        if how is Adoption.AFRESH:
+            return
         next_seq, final = point if point is not None else (0, False)
-        if record is None or final:
-            if point is None:
-                return  # nothing stored: every chunk of it is still unacknowledged, start afresh
+        if how is Adoption.RESUME:
             if current is not None and not current():
                 return
             self.correlator.resume(rid, next_seq, final, now, format)
         else:
+            assert record is not None
             async with self._history_reads:
                 history = await self.ledger.history(rid, next_seq)
             if current is not None and not current():
