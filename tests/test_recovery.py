@@ -4,11 +4,13 @@ where and how an adopted request resumes. Pure, against a real correlator over t
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from toy_codec import make
 
 from streamproc.core.events import Chunk, Role
-from streamproc.core.recovery import (Adoption, StoreRead, adoption, delivery_count, needs_lookup, resume_point,
-                                      store_read)
+from streamproc.core.recovery import (Adoption, StoreRead, adoption, delivery_count, needs_lookup, previous_hold_left,
+                                      resume_point, store_read)
 from streamproc.core.wire import FINAL, SEQ
 
 V1 = "$JS.ACK.S.c.{}.1.1.1700000000000000000.0"
@@ -57,6 +59,22 @@ def test_the_resume_point_follows_the_last_stored_result():
 ])
 def test_an_adopted_request_reads_its_stored_bodies_only_when_sealed_and_unfinished(point, sealed, how):
     assert adoption(point, sealed) is how
+
+
+def test_a_previous_owners_chunks_come_back_within_ack_wait_and_slack_of_taking_the_partition():
+    assert previous_hold_left(4.0, 1.0, 10.0, 11.5) == pytest.approx(3.5)  # taken 1.5 s ago
+    assert previous_hold_left(4.0, 1.0, 10.0, 15.0) == 0.0  # exactly due
+    assert previous_hold_left(4.0, 1.0, 10.0, 16.0) < 0  # all back: nothing of theirs still held
+    assert previous_hold_left(4.0, 1.0, None, 99.0) == 5.0  # not held here: the whole hold may be ahead
+
+
+@given(ack_wait=st.floats(0.1, 600), slack=st.floats(0, 5), taken=st.floats(0, 1e6), later=st.floats(0, 1e3),
+       more=st.floats(0.001, 1e3))
+def test_the_previous_hold_only_runs_down_and_never_exceeds_a_whole_hold(ack_wait, slack, taken, later, more):
+    now = taken + later
+    left = previous_hold_left(ack_wait, slack, taken, now)
+    assert left <= ack_wait + slack == previous_hold_left(ack_wait, slack, None, now)
+    assert previous_hold_left(ack_wait, slack, taken, now + more) < left
 
 
 def test_the_first_delivery_of_a_new_requests_first_chunk_is_decided_without_reading_the_stores():

@@ -4,8 +4,8 @@ how a request adopted from them resumes.
 A durable instance sees chunks of requests another instance may have served (a failover, a
 hand-over, a migrate). These pure rules say when the shell must read the stores first
 (:func:`store_read`, a round trip per request at most), what a stored result says
-(:func:`resume_point`) and, with the request's seal record, how it is adopted (:func:`adoption`);
-the reads themselves are the shell's (``streamproc/nats/durable/recovery.py``).
+(:func:`resume_point`), with the request's seal record how it is adopted (:func:`adoption`), and
+how long chunks a previous owner took may still come back (:func:`previous_hold_left`); the reads themselves are the shell's (``streamproc/nats/durable/recovery.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from .wire import FINAL, SEQ
 if TYPE_CHECKING:
     from .correlator import Correlator
 
-__all__ = ["Adoption", "StoreRead", "adoption", "delivery_count", "needs_lookup", "resume_point", "store_read"]
+__all__ = ["Adoption", "StoreRead", "adoption", "delivery_count", "needs_lookup", "previous_hold_left", "resume_point",
+           "store_read"]
 
 
 class StoreRead(enum.Enum):
@@ -107,3 +108,16 @@ def adoption(point: tuple[int, bool] | None, sealed: bool) -> Adoption:
     if not sealed or (point is not None and point[1]):
         return Adoption.AFRESH if point is None else Adoption.RESUME
     return Adoption.RESUME_WITH_HISTORY
+
+
+def previous_hold_left(ack_wait: float, slack: float, taken: float | None, now: float) -> float:
+    """Seconds from ``now`` until chunks a previous owner of a partition took and never acknowledged
+    have surely been redelivered (0 or less: they have).
+
+    Such chunks were delivered before this instance took the partition (at ``taken``; None: it does
+    not hold it, so their hold may have begun just now), so the server gives them back within
+    ``ack_wait`` of that, plus ``slack`` for the redelivery to arrive."""
+    held_for = ack_wait + slack
+    if taken is not None:
+        held_for += taken - now
+    return held_for

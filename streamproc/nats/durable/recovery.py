@@ -23,7 +23,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
 from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
-from ...core.recovery import Adoption, adoption, resume_point
+from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text, log_event
 from .pulls import REDELIVERY_SLACK
@@ -256,9 +256,8 @@ class Recovery:
         except NotFoundError:
             return None
         part = self._partitions.get(n)
-        held_for = self.settings.ack_wait + REDELIVERY_SLACK
-        if part is not None:
-            held_for += part.opened - self._clock()
+        held_for = previous_hold_left(self.settings.ack_wait, REDELIVERY_SLACK,
+                                      part.opened if part is not None else None, self._clock())
         if held_for > 0:
             return Waiting("chunks of it wait in the chunk stream, not yet handled here (taken by a previous "
                            "owner that did not acknowledge them: they come back after ack_wait, within "
