@@ -5,7 +5,8 @@ The credit rules (when to pull, how many messages and bytes, when a pull is lost
 :mod:`streamproc.core.credit`; this is their I/O, for every partition of a
 :class:`~streamproc.nats.durable.input.DurableInput`: the pull request body, published on the
 partition's ``$JS.API.CONSUMER.MSG.NEXT`` subject (with the next write, or from the read loop without
-awaiting), nothing pulled while the partition's results wait past their share of the outbox.
+awaiting), nothing pulled while the partition's results wait past their share of the outbox
+(:class:`~streamproc.core.partition_bounds.QueuedResultShare`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ...config import Settings
 from ...core.credit import PullCredit, pull_max_bytes, uncut_batch
 from ...core.errors import shown
 from ...core.outbox import Outbox
+from ...core.partition_bounds import QueuedResultShare, queued_result_share
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text, log_event
 
@@ -45,14 +47,6 @@ RETRY_AFTER_ERROR = 0.5  # seconds before a failed pull (or one the server refus
 CAREFUL_HOLD = 2.0
 # Beyond ack_wait after this instance took a partition, for chunks a previous owner held to come back.
 REDELIVERY_SLACK = 1.0
-# Result bytes queued in the outbox (decided, not stored yet), shared by the --partitions, past which
-# a partition pulls nothing more until its own drain: a request's results leave one send at a time,
-# the ones behind it wait in memory, outside --max-total-bytes. Without it one request streaming
-# ~1 MB chunks faster than its results were stored grew the processor to max_ack_pending x
-# max_payload per partition (661 MiB peak RSS from 800 chunks, tests/test_durable_attack_review.py).
-# Per partition, so the other partitions' requests are not held back. What the pulls already out
-# bring comes on top.
-MAX_QUEUED_RESULT_BYTES = 64 << 20
 
 
 class Pulls:
@@ -95,7 +89,9 @@ class Pulls:
         self._careful_batch = min(self.batch, uncut_batch(max_bytes, max_payload))
         self._pull_body = self._pull_request(self.batch)
         self._pull_bodies: dict[int, bytes] = {}  # the other batches' requests, made once each
-        self._queue_cap = max(MAX_QUEUED_RESULT_BYTES // settings.partitions, 4 * max_payload)
+        # Nothing pulled for a partition while its queued results pass their share (core/partition_bounds.py).
+        share = queued_result_share(settings.partitions, max_payload)
+        self._queue_full = QueuedResultShare(outbox, scheme.of, share).full
 
     def credit(self, now: float) -> PullCredit:
         """The pull credit of a partition taken at ``now``."""
@@ -116,17 +112,8 @@ class Pulls:
             body = self._pull_bodies[batch] = self._pull_request(batch)
         return body
 
-    def _queue_full(self, part: Partition) -> bool:
-        """Too many of the partition's result bytes wait for PubAcks: pull nothing more for it (the
-        watchdog pulls once they drain). The cheap total first: the partition's share is at most that."""
-        cap = self._queue_cap
-        if self.outbox.queued_bytes <= cap:
-            return False
-        of, n = self.scheme.of, part.n
-        return self.outbox.queued_bytes_of(lambda rid: of(rid) == n) > cap
-
     async def pull(self, part: Partition) -> None:
-        if self._queue_full(part):
+        if self._queue_full(part.n):
             return
         credit = part.credit
         batch = credit.pulled(self._clock())
@@ -139,7 +126,7 @@ class Pulls:
 
     def pull_nowait(self, part: Partition) -> None:
         """:meth:`pull` without awaiting (the inline handler; only with ``FastClient.enqueue``)."""
-        if self._queue_full(part):
+        if self._queue_full(part.n):
             return
         credit = part.credit
         batch = credit.pulled(self._clock())
