@@ -1,5 +1,5 @@
 """A durable partition's bounds (streamproc/core/partition_bounds.py): when its queued result
-bytes stop its pulls. Pure, against a real outbox."""
+bytes stop its pulls (pure, against a real outbox), and when its held chunks make it shed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from streamproc.core.events import Result
 from streamproc.core.outbox import Outbox
-from streamproc.core.partition_bounds import MAX_QUEUED_RESULT_BYTES, QueuedResultShare, queued_result_share
+from streamproc.core.partition_bounds import (MAX_QUEUED_RESULT_BYTES, HeldLimit, QueuedResultShare, held_limit,
+                                              queued_result_share)
 
 MiB = 1 << 20
 
@@ -63,3 +64,26 @@ def test_a_partition_is_full_exactly_when_its_queued_bytes_pass_the_cap(results,
     for n in range(4):
         queued = sum(size for m, _, size in results if m == n)
         assert share.full(n) is (queued > cap)
+
+
+def test_a_partition_sheds_past_three_quarters_of_max_ack_pending_down_to_half():
+    assert held_limit(2048) == HeldLimit(cap=1536, target=1024)
+    limit = held_limit(16)
+    assert (limit.cap, limit.target) == (12, 8)
+    assert limit.excess(0) == limit.excess(12) == 0  # at 3/4 exactly: nothing shed
+    assert limit.excess(13) == 5  # down to 8
+    assert limit.excess(16) == 8
+    assert held_limit(2) == HeldLimit(cap=1, target=1)  # the least max_ack_pending: one held chunk is fine
+    assert held_limit(2).excess(2) == 1
+
+
+@given(st.integers(2, 1_000_000), st.integers(0, 2_000_000))
+def test_shedding_starts_only_above_the_cap_and_always_ends_at_the_target_below_max_ack_pending(max_ack_pending,
+                                                                                              held):
+    limit = held_limit(max_ack_pending)
+    assert 0 < limit.target <= limit.cap < max_ack_pending
+    excess = limit.excess(held)
+    if held <= limit.cap:
+        assert excess == 0
+    else:
+        assert excess > 0 and held - excess == limit.target

@@ -30,6 +30,7 @@ from ...core.events import Result
 from ...core.handback import UNKNOWN, HandBack, in_stream_order, stream_sequence
 from ...core.lookups import Lookups
 from ...core.outbox import Outbox
+from ...core.partition_bounds import held_limit
 from ...core.partitions import PartitionScheme
 from ...core.seal_list import ALL_SEALED, AllSealed, SealList, seal_lists
 from ...logs import error_text, log_event
@@ -148,8 +149,7 @@ class Partitions:
         self._fenced_at = 0.0
         # Held chunks count towards a partition's max_ack_pending: past 3/4 of it the partition sheds
         # its longest-idle holders (overloaded) down to 1/2, so new chunks are always delivered.
-        self._held_cap = max(1, settings.max_ack_pending * 3 // 4)
-        self._held_target = settings.max_ack_pending // 2
+        self._held_limit = held_limit(settings.max_ack_pending)
         self._reconnects = 0
         self._wake = anyio.Event()  # set on a reconnect: the watchdog's next round runs at once
         self._lease_lock = anyio.Lock()
@@ -490,15 +490,17 @@ class Partitions:
         """Held prefill legs (and reorder backlogs) never stall a partition: the server delivers
         nothing more to a partition once ``max_ack_pending`` chunks are unacknowledged, so past 3/4
         of it the requests holding chunks longest without progress are ended (``overloaded``) until
-        the partition holds 1/2; their chunks are acknowledged when the error results are stored."""
-        cap = self._held_cap
+        the partition holds 1/2 (:func:`~streamproc.core.partition_bounds.held_limit`); their chunks
+        are acknowledged when the error results are stored."""
+        limit = self._held_limit
         scheme = self.scheme
         for n, held in self.correlator.held_tokens(scheme.of, stored_message).items():
-            if held <= cap or n not in self.owned:
+            excess = limit.excess(held)
+            if not excess or n not in self.owned:
                 continue
             reason = (f"processor overloaded: partition {n} holds {held} unacknowledged chunks (more than 3/4 of "
                       f"max_ack_pending {self.settings.max_ack_pending}); the requests waiting longest were ended")
-            decisions = self.correlator.shed(lambda rid, n=n: scheme.of(rid) == n, held - self._held_target, now,
+            decisions = self.correlator.shed(lambda rid, n=n: scheme.of(rid) == n, excess, now,
                                              reason, stored_message)
             log_event(log, logging.WARNING, "partition_shed", partition=n, held=held,
                       requests=sum(1 for d in decisions if isinstance(d, Result)))
