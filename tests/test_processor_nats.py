@@ -10,6 +10,7 @@ subscription) and in durable mode (JetStream consumers); durable-only behaviour 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import random
@@ -25,6 +26,10 @@ from streamproc.catalog import Catalog, codec_names, worker_for
 from streamproc.core.codec import CodecOptions
 from streamproc.core.errors import UnknownFormat
 from streamproc.config import load
+from streamproc.nats import processor as processor_module
+from streamproc.nats.core_input import CoreInput
+from streamproc.nats.durable.input import DurableInput
+from streamproc.nats.input import Input
 from streamproc.nats.processor import Processor, StartupError
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import ResultCollector, follow
@@ -435,3 +440,17 @@ async def test_publisher_rejects_request_ids_that_are_not_a_single_subject_token
         await publisher.publish("ok", "agg", -1, b"{}")
     with anyio.fail_after(5):
         await publisher.publish("ok", "agg", 0, b"{}", final=True)
+
+
+def test_both_inputs_implement_every_member_of_the_input_protocol_so_the_processor_never_probes():
+    """The processor calls an input's members as the ``Input`` protocol declares them; a member only
+    one input has (the durable ``migrate``, its ``partitions`` count) was once read with ``getattr``,
+    a seam the protocol did not show."""
+    members = {name for name, value in vars(Input).items()
+               if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))}
+    assert {"start", "stop", "dispatch", "caught_up", "owns", "migrate", "reading", "dropped",
+            "reconnected"} <= members
+    for cls in (CoreInput, DurableInput):
+        assert [m for m in sorted(members) if not hasattr(cls, m)] == [], cls
+    source = inspect.getsource(processor_module)
+    assert "getattr(self._input" not in source and "getattr(stats" not in source

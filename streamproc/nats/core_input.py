@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from typing import Awaitable, Callable
+
 import anyio
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -22,6 +24,7 @@ from nats.aio.subscription import Subscription
 
 from ..config import Settings
 from ..core.correlator import Decision, Notice, Work
+from ..core.events import MigrateReply, MigrateRequest
 from ..core.passthrough import PassthroughPath
 from ..core.wire import FORMAT, SEQ, ContractError, Result, result_headers
 from ..logs import error_text, log_event
@@ -37,6 +40,7 @@ class CoreInput:
     of a contract error's message, are simply dropped)."""
 
     stats = None
+    reading = True  # subscribed from start() on: chunks reach it whenever the connection is up
 
     def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, gate: DispatchGate) -> None:
         self._nc = nc
@@ -102,6 +106,13 @@ class CoreInput:
 
     def owns(self, request_id: str) -> bool:
         return True  # one core instance sees every chunk
+
+    async def migrate(self, request_id: str, request: MigrateRequest,
+                      seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
+        """Core mode: the seal is the correlator's alone (nothing outlives this instance), made once
+        every chunk received before the migrate has been handled."""
+        await self.caught_up()
+        return await seal()
 
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         pass  # nothing was promised for a dropped core message

@@ -23,6 +23,7 @@ from nats.aio.subscription import Subscription
 
 from ..core.codec import ErrorKind
 from ..core.correlator import Correlator, Decision, Notice, Settle, Work
+from ..core.events import MigrateReply, MigrateRequest
 from ..core.latency import LatencyHistogram
 from ..core.wire import ATTEMPT, UNREADABLE_HEADERS, ChunkParser, ContractError, Subjects
 from ..logs import LogLimiter, error_text, log_event
@@ -181,8 +182,17 @@ class Input(Protocol):
     async def caught_up(self) -> None:
         """Return once every chunk received before the call has been handled."""
 
+    @property
+    def reading(self) -> bool:
+        """Whether chunks reach this input once started (``/readyz``; durable: it owns a partition)."""
+
     def owns(self, request_id: str) -> bool:
         """Whether this instance answers for the request (durable: holds its partition's lease)."""
+
+    async def migrate(self, request_id: str, request: MigrateRequest,
+                      seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
+        """Answer a migrate: ``seal`` the request once every chunk received before is handled (durable:
+        the seal is recorded in JetStream before the reply, so it outlives this instance)."""
 
     def dropped(self, sub: Subscription | None, reply: str | None) -> None:
         """nats-py dropped a delivered message of ``sub`` as a slow consumer."""

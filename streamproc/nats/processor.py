@@ -116,8 +116,7 @@ class Processor:
         """``/readyz``: connected and reading chunks (core: subscribed; durable: owning partitions)."""
         if not (self._serving and self.connected and self._input is not None):
             return False
-        stats = self._input.stats
-        return stats is None or getattr(stats, "partitions", 1) > 0
+        return self._input.reading
 
     def snapshot(self) -> dict[str, Any]:
         """All counters plus gauges, for logs and tests."""
@@ -368,12 +367,10 @@ class Processor:
                 request_id, now, expected_attempt=request.expected_attempt, refuse=request.refuse,
                 id=request.id, max_seal_bytes=limit))
 
-        durable = getattr(self._input, "migrate", None)
-        if durable is not None:  # the seal must outlive this instance: recorded in JetStream first
-            return await durable(request_id, request, seal)
-        if self._input is not None:
-            await self._input.caught_up()
-        return await seal()
+        if self._input is None:
+            return await seal()
+        # Durable: the seal must outlive this instance, so it is recorded in JetStream first.
+        return await self._input.migrate(request_id, request, seal)
 
     async def exclusive(self, decide: Callable[[float], tuple[T, list[Decision]]]) -> T:
         """Run one correlator call off the message path and dispatch its decisions through the

@@ -199,6 +199,11 @@ class DurableInput:
         self.stats.strays += 1
         self.pipeline.io.unreadable += 1
 
+    @property
+    def reading(self) -> bool:
+        """Whether this instance owns a partition (until then no chunk reaches it)."""
+        return self.stats.partitions > 0
+
     def owns(self, request_id: str) -> bool:
         """Whether this instance holds the lease of the request's partition (it alone answers for it)."""
         return self.partitions.owns(request_id)
