@@ -129,3 +129,37 @@ def test_the_read_budget_serves_first_come_first_with_smaller_grants_and_never_d
     budget.leave("c")
     budget.release(40 * MiB)
     assert budget.granted() == [] and budget.take(MiB, MiB) == MiB
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_stored_read_whose_reader_left_stays_charged_until_its_answer_is_in(nats_url, client, anyio_backend):
+    """A STREAM.MSG.GET is charged until it is answered (or times out), also when its reader's task
+    is cancelled meanwhile (its client left): nats-server sends the answer all the same, towards the
+    edge's connection. Given back at the cancel, clients opening late attaches and leaving at once
+    had the server queue past the budget (review 2026-12-06: 19.9 MiB queued towards the edge while
+    the budget counted 14.7 MiB out, under a 16 MiB budget)."""
+    from edge_harness import started_source
+    subjects = Subjects("budgetcancel")
+    async with started_source(nats_url, subjects, ensure_results_stream=True) as source:
+        request_id = rid("left")
+        await publish_results(client, subjects, request_id, [b'{"text":"a"}', b'{"text":"b"}'])
+        js = client.jetstream()
+        stream = await js.find_stream_name_by_subject(subjects.result(request_id))
+        await wait_until(lambda: stored_count(js, stream, 2), 10, "stored")
+        gate = source.read_gate
+        for _ in range(5):
+            feed = await source.open(request_id)
+            assert feed.replay is not None and not feed.replay.asking  # MSG.GET not confirmed: read by its task
+            reader = asyncio.create_task(feed.next(2.0))
+            for _ in range(1000):
+                await asyncio.sleep(0)
+                if gate.out:
+                    break
+            assert gate.out, "the MSG.GET was never charged"
+            reader.cancel()  # the client left while the answer was on its way
+            await asyncio.gather(reader, return_exceptions=True)
+            assert gate.out > 0, "given back before the answer came"
+            await wait_until(lambda: gate.out == 0, 10, "given back once the answer is in")
+            await feed.close()
+        assert gate.out == 0 and gate.budget.queued == 0

@@ -68,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 from typing import Callable
 
 import msgspec
@@ -136,6 +137,15 @@ def stream_seq(reply: str | None) -> int | None:
         return int(Msg.Metadata._get_metadata_fields(reply or "")[5])
     except (ValueError, IndexError, TypeError, nats.errors.NotJSMessageError):
         return None
+
+
+def _answered(gate: ReadGate, charge: int, asked: asyncio.Future) -> None:
+    """A MSG.GET's task ended (answered, refused, timed out): its charge is free; its exception, if
+    its reader left, is read here (nobody else will)."""
+    _LETTING_GO.discard(asked)
+    gate.release(charge)
+    if not asked.cancelled():
+        asked.exception()
 
 
 class Replay:
@@ -590,23 +600,31 @@ class Replay:
     async def _get(self, seq: int) -> StoredMessage | None:
         """The first stored message of the subject at or after ``seq``, if at most ``upto``; else
         None, and the replay is done."""
-        access = self.access
         gate = self.gate
-        charge = await gate.acquire(self._get_size(), self._get_size()) if gate is not None else 0
+        if gate is None:
+            return self._answer(await self._ask_get(seq))
+        charge = await gate.acquire(self._get_size(), self._get_size())
+        # A task of its own, given back once it is answered, refused or timed out: also when this
+        # reader is cancelled meanwhile (its client left), as nats-server sends the answer all the
+        # same. Given back at the cancel, late attaches left at once had the server queue past the
+        # budget (tests/test_edge_replay_budget.py).
+        asked = asyncio.ensure_future(self._ask_get(seq))
+        _LETTING_GO.add(asked)
+        asked.add_done_callback(functools.partial(_answered, gate, charge))
+        return self._answer(await asyncio.shield(asked))
+
+    async def _ask_get(self, seq: int) -> bytes:
+        access = self.access
+        asked = self.nc.request(self.api_subject, self._request(seq), timeout=self.timeout)
         try:
-            asked = self.nc.request(self.api_subject, self._request(seq), timeout=self.timeout)
-            try:
-                # Unguarded once MSG.GET answered (no task per open); until then a refusal, which only
-                # the error callback reports, ends the wait at once (msg_get.py).
-                reply = await (asked if access is None or access.confirmed else access.guard(asked))
-            except nats.errors.NoRespondersError:
-                raise self._no_responders() from None
-            except nats.errors.TimeoutError:
-                raise self._no_answer() from None
-        finally:
-            if gate is not None:
-                gate.release(charge)
-        return self._answer(reply.data)
+            # Unguarded once MSG.GET answered (no task per open); until then a refusal, which only
+            # the error callback reports, ends the wait at once (msg_get.py).
+            reply = await (asked if access is None or access.confirmed else access.guard(asked))
+        except nats.errors.NoRespondersError:
+            raise self._no_responders() from None
+        except nats.errors.TimeoutError:
+            raise self._no_answer() from None
+        return reply.data
 
     def _no_responders(self) -> Refused:
         return Refused(f"no responders on {self.api_subject}", denied=True)
