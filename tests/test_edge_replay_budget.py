@@ -163,3 +163,41 @@ async def test_a_stored_read_whose_reader_left_stays_charged_until_its_answer_is
             await wait_until(lambda: gate.out == 0, 10, "given back once the answer is in")
             await feed.close()
         assert gate.out == 0 and gate.budget.queued == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_pull_out_when_its_replay_is_closed_stays_charged_until_its_consumer_is_deleted(
+        nats_url, client, anyio_backend):
+    """What a pull out has not brought yet was queued towards the edge by nats-server when the pull
+    came, and comes all the same when the replay is closed (its client left): it stays charged until
+    the consumer's delete is answered, behind it (review 2026-12-06: given back at the close, the
+    edge then received 6.4 MB of that pull's results with none of them counted)."""
+    from edge_harness import started_source
+    subjects = Subjects("budgetclose")
+    big = b'{"text":"' + b"x" * (900 * 1024) + b'"}'
+    async with started_source(nats_url, subjects, ensure_results_stream=True) as source:
+        request_id = rid("closed")
+        await publish_results(client, subjects, request_id, [big] * 8, flush_every=2)
+        js = client.jetstream()
+        stream = await js.find_stream_name_by_subject(subjects.result(request_id))
+        await wait_until(lambda: stored_count(js, stream, 8), 10, "stored")
+        gate = source.read_gate
+        feed = await source.open(request_id)
+        replay = feed.replay
+        assert replay is not None and await feed.next(5.0) is not None  # the first, by MSG.GET
+        reader = asyncio.create_task(feed.next(5.0))  # the rest: a consumer and its pull
+        for _ in range(100000):
+            await asyncio.sleep(0)
+            if replay.charged and replay.pull_state.out:
+                break
+        charged = replay.charged
+        assert charged, "no pull charged"
+        closing = asyncio.ensure_future(feed.close())
+        await asyncio.sleep(0)
+        assert gate.out > 0, "the pull's charge was given back at the close, before its consumer was deleted"
+        await asyncio.wait_for(closing, 10)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        await wait_until(lambda: gate.out == 0, 10, "given back once the consumer is deleted")
+        assert gate.budget.queued == 0

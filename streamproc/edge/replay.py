@@ -722,14 +722,21 @@ class Replay:
         sub, self.sub = self.sub, None
         name, self.consumer = self.consumer, None
         self.pull_state.over()
-        self._give_back()
-        if name is not None:
+        if name is None:
+            self._give_back()
+        else:
+            # What the pull out did not bring yet is given back once the consumer is deleted
+            # (_let_go), not now: nats-server queued it towards the edge when the pull came, and
+            # sends it all the same; its answer to the delete comes behind it. Given back at a
+            # close, late attaches closed while their pulls were out had the server queue past
+            # the budget (tests/test_edge_replay_budget.py).
+            charged, self.charged = self.charged, 0
             if sub is not None:
                 pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
             # A task of its own, awaited shielded: the reader's task is cancelled when its client
             # leaves (Uvicorn), also during these round trips, and the slot was then never given
             # back (watch not called): --max-replay-consumers one lower for the edge's life.
-            letting_go = asyncio.ensure_future(self._let_go(sub, name))
+            letting_go = asyncio.ensure_future(self._let_go(sub, name, charged))
             _LETTING_GO.add(letting_go)
             letting_go.add_done_callback(_LETTING_GO.discard)
             await asyncio.shield(letting_go)
@@ -742,9 +749,10 @@ class Replay:
                 await sub.unsubscribe()
             pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now
 
-    async def _let_go(self, sub, name: str) -> None:
+    async def _let_go(self, sub, name: str, charged: int = 0) -> None:
         """Unsubscribe a pull consumer's inbox and delete the consumer (bounded: the timeout), then
-        report it gone: its slot is free at once when deleted, else it lingers (REPLAY_PULL_SLOT_LINGER)."""
+        report it gone: its slot is free at once when deleted, else it lingers (REPLAY_PULL_SLOT_LINGER).
+        ``charged``: what its pull out had not brought yet, given back then (read_budget.py)."""
         deleted = False
         try:
             if sub is not None:
@@ -753,5 +761,7 @@ class Replay:
                 pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now
             deleted = await self._delete(name)
         finally:
+            if charged and self.gate is not None:
+                self.gate.release(charged)
             if sub is not None and self.watch is not None:
                 self.watch(sub, False, deleted)  # deleted: its slot is free now, it does not linger
