@@ -490,6 +490,7 @@ _GROUP_OF = {
     **dict.fromkeys(["host", "port", "max_streams", "keepalive", "result_timeout", "gap_timeout", "recent",
                      "auth_key_file", "auth_algorithm", "auth_leeway", "insecure_demo", "max_streams_per_client",
                      "idle_stream_timeout", "write_timeout", "stream_buffer_bytes", "max_unary_bytes", "max_replay_consumers",
+                     "replay_read_budget",
                      "tls_cert_file", "tls_key_file", "processor_metrics_url", "cors_origin", "forwarded_allow_ips",
                      "max_connections",
                      "head_timeout", "max_head_bytes"], "edge"),
