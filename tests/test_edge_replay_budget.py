@@ -152,11 +152,9 @@ async def test_a_stored_read_whose_reader_left_stays_charged_until_its_answer_is
             feed = await source.open(request_id)
             assert feed.replay is not None and not feed.replay.asking  # MSG.GET not confirmed: read by its task
             reader = asyncio.create_task(feed.next(2.0))
-            for _ in range(1000):
-                await asyncio.sleep(0)
-                if gate.out:
-                    break
-            assert gate.out, "the MSG.GET was never charged"
+            # polled at every turn of the loop (the answer may come at the next): bounded by time, not
+            # turns, which a loaded machine runs through before the server has answered anything
+            await wait_until(lambda: gate.out > 0, 10, "the MSG.GET charged", every=0)
             reader.cancel()  # the client left while the answer was on its way
             await asyncio.gather(reader, return_exceptions=True)
             assert gate.out > 0, "given back before the answer came"
@@ -187,12 +185,10 @@ async def test_a_pull_out_when_its_replay_is_closed_stays_charged_until_its_cons
         replay = feed.replay
         assert replay is not None and await feed.next(5.0) is not None  # the first, by MSG.GET
         reader = asyncio.create_task(feed.next(5.0))  # the rest: a consumer and its pull
-        for _ in range(100000):
-            await asyncio.sleep(0)
-            if replay.charged and replay.pull_state.out:
-                break
-        charged = replay.charged
-        assert charged, "no pull charged"
+        # at every turn of the loop, for up to 10 s: CI once ran 100,000 turns before the consumer was
+        # made and its pull sent ("no pull charged")
+        await wait_until(lambda: bool(replay.charged and replay.pull_state.out), 10, "a pull charged and out",
+                         every=0)
         closing = asyncio.ensure_future(feed.close())
         await asyncio.sleep(0)
         assert gate.out > 0, "the pull's charge was given back at the close, before its consumer was deleted"
