@@ -375,7 +375,9 @@ class Deliveries:
             size = len(msg.data) + len(msg.subject) + len(reply)
             try:
                 try:
-                    parsed: Chunk | ContractError = parse(chunk_subject(msg.subject), msg.headers, msg.data, msg)
+                    # chunk_subject(msg.subject), inline: one Python call less on every chunk of this path
+                    parsed: Chunk | ContractError = parse(chunks_head + msg.subject[stored_head_length:],
+                                                          msg.headers, msg.data, msg)
                     # parsed; its token (this Msg) may be held: a worker's 64 KiB of headers, in no budget,
                     # and its body, which the chunk holds (charged) unless it is a repeat held as a token only
                     msg.headers = None
