@@ -31,8 +31,7 @@ from nats.aio.client import Client as NatsClient
 
 from streamproc.edge import settings as edge_settings
 from streamproc.edge.app import create_app
-from streamproc.edge.command import server_class
-from streamproc.edge.connections import protocol_class
+from streamproc.edge.server import server_class, server_config
 from streamproc.edge.metrics import EdgeMetrics
 from streamproc.edge.source import ResultSource
 from streamproc.metrics import parse as parse_metrics
@@ -258,10 +257,7 @@ async def served_edge(nats_url: str, subjects: Subjects, **extra: object):
     settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": subjects.prefix, "insecure_demo": True,
                                        "host": "127.0.0.1", "port": 0, **extra})
     app = create_app(settings, tracing=None)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="on", log_config=None, proxy_headers=False,
-                            http=protocol_class(settings, app.state.edge.metrics), timeout_graceful_shutdown=1,
-                            ssl_certfile=settings.tls_cert_file or None,  # as edge/command.py passes them
-                            ssl_keyfile=settings.tls_key_file or None)
+    config = server_config(app, settings)  # as every edge: its protocol, bounds, TLS, client address
     server = server_class()(config)  # the edge's own (its accept pacing and TLS layer)
     config.load()
     server.lifespan = config.lifespan_class(config)

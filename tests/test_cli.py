@@ -312,6 +312,49 @@ def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
     assert code == 0, proc.stderr.read()
 
 
+def test_demo_serve_runs_the_edge_with_its_connection_bounds():
+    """``demo --serve``'s edge is the edge's own server (edge/server.py), not a stock Uvicorn: a
+    request head past ``--max-head-bytes`` (64 KiB) gets 431 and the connection is closed, as on
+    ``streamproc edge``. (A stock Uvicorn on httptools read a 200 KiB head whole and answered it.)"""
+    import socket
+
+    from conftest import CLI
+
+    proc = subprocess.Popen([*CLI, "demo", "--requests", "4", "--serve", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while not lines or not lines[-1].startswith("live page: "):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        port = int(lines[-1].split()[2].split("/?id=")[0].rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            head = b"GET /healthz HTTP/1.1\r\nHost: demo\r\nX-Pad: " + b"a" * (200 * 1024) + b"\r\n\r\n"
+            try:
+                sock.sendall(head)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed once the bound was passed: the answer is already on the wire
+            answer = b""
+            try:
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            except ConnectionResetError:
+                pass
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        # and the edge still answers everyone else
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: demo\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(15)
+    assert code == 0, proc.stderr.read()
+
+
 def test_demo_serve_on_a_busy_port_fails_in_one_line(run_cli):
     """The live page's port taken: exit 1 with ``cannot serve the live page`` (docs/configuration.md:
     never a traceback), not an ExceptionGroup traceback from the edge's task group."""

@@ -487,7 +487,7 @@ async def test_queued_connections_are_accepted_a_few_per_loop_pass_from_a_full_l
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from streamproc.edge.command import server_class
+    from streamproc.edge.server import server_class
     from streamproc.edge.connections import ACCEPTS_PER_PASS, LISTEN_BACKLOG
 
     made = [0]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
 import sys
-from typing import Callable, Mapping
+from typing import Mapping
 
 from ..config import print_config, unknown_environment_warnings
 from .settings import SCHEMA, EdgeConfigError, add_arguments
@@ -43,63 +42,8 @@ def add_print_config(parser: argparse.ArgumentParser) -> None:
                              "(default, env, flag) as JSON, and exit")
 
 
-def server_class(on_stop: Callable[[], None] | None = None):
-    import uvicorn
-
-    from .connections import ACCEPTS_PER_PASS, relisten, stop_accepting
-
-    class Server(uvicorn.Server):
-        """Uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown (exit 143 or 130); for the edge,
-        as for ``streamproc run``, a signal is the normal way to stop: exit 0. ``on_stop`` runs when
-        the stop begins, before Uvicorn waits for the open responses (``Edge.stop_streams``: they
-        end themselves instead of being cancelled after ``timeout_graceful_shutdown``)."""
-
-        tls = None  # the SSLContext of --tls-cert-file (startup)
-        http = None  # the edge's protocol class under its TLS layer (startup)
-
-        async def startup(self, sockets=None) -> None:
-            self.config.backlog = ACCEPTS_PER_PASS  # accept()s per loop pass; the listen queue: relisten
-            context = self.config.ssl
-            if context is not None:  # Uvicorn built it (ssl_certfile); the TLS layer is the edge's own, bounded
-                self.config.ssl = None  # (connections.py, "TLS"): the server listens on plain TCP
-                self.tls = context
-                self.http = self.config.http_protocol_class
-                self.config.http_protocol_class = self.http.over_tls(context)
-            await super().startup(sockets)
-            relisten(self.servers)  # (connections.py)
-
-        def _log_started_message(self, listeners) -> None:
-            # Uvicorn's "running on http(s)://" line reads config.ssl, which startup took over
-            context, self.config.ssl = self.config.ssl, self.tls
-            try:
-                super()._log_started_message(listeners)
-            finally:
-                self.config.ssl = context
-
-        async def shutdown(self, sockets=None) -> None:
-            if on_stop is not None:
-                on_stop()
-            await stop_accepting(self.servers)
-            if self.http is not None:
-                self.http.end_handshakes()  # connections in their TLS handshake, which Uvicorn does not know of
-            await super().shutdown(sockets)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    return Server
-
-
 def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     """Run the edge until SIGINT/SIGTERM. Exit codes: 0 stopped, 1 failed to start, 2 bad configuration."""
-    import uvicorn
-
     import anyio
 
     from ..cli import collect_rarely
@@ -108,7 +52,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from ..logs import log_event
     from ..nats.connection import connect_options
     from .app import create_app
-    from .connections import protocol_class, raise_descriptor_limit
+    from .connections import raise_descriptor_limit
+    from .server import server_class, server_config
     from .heap import tune_allocator
 
     environ = os.environ if environ is None else environ
@@ -135,26 +80,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     descriptors = raise_descriptor_limit(settings.max_connections)
     if descriptors is not None:
         log_event(logging.getLogger("streamproc.edge"), logging.WARNING, "descriptor_limit", problem=descriptors)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        lifespan="on",
-        # llhttp in C (Uvicorn's "httptools"), with --max-connections, --head-timeout, --max-head-bytes
-        http=protocol_class(settings, app.state.edge.metrics),
-        access_log=True,  # through the one log format: event=http_request (streamproc.logs)
-        # The client's address is its connection's, unless it is a proxy --forwarded-allow-ips names:
-        # Uvicorn's default (True, trusting FORWARDED_ALLOW_IPS, "127.0.0.1,::1" unset) took it from
-        # X-Forwarded-For, so a client on the edge's host chose its address (--max-streams-per-client
-        # under --insecure-demo, the access log's client=).
-        proxy_headers=bool(proxies := settings.forwarded_proxies()),
-        forwarded_allow_ips=proxies,  # never FORWARDED_ALLOW_IPS (read only for None)
-        log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
-        log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
-        ssl_certfile=settings.tls_cert_file or None,  # HTTPS: uvicorn.Config.load builds the SSLContext
-        ssl_keyfile=settings.tls_key_file or None,
-    )
+    config = server_config(app, settings)
     server = server_class(app.state.edge.stop_streams)(config)
     quiet = _StartupFailureFilter(app)
     logging.getLogger("uvicorn.error").addFilter(quiet)

@@ -188,25 +188,19 @@ async def edge_server(nats_url: str, format: str, port: int, *,
     requests holds the demo's (the edge's ring reads new results only). Uvicorn's own signal capture
     is off: two handlers of one signal would cancel Uvicorn in the middle of its shutdown
     (``streamproc demo`` cancels on SIGINT/SIGTERM: cli.until_signal owns the signals)."""
-    import uvicorn
-
     from ..core.errors import StartupError
     from ..edge.app import create_app
+    from ..edge.server import server_class, server_config
     from ..edge.settings import load as load_edge_settings
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # the caller owns SIGTERM/SIGINT and cancels us
-            yield
 
     settings = load_edge_settings({}, {"nats_url": nats_url, "format": format, "host": "127.0.0.1",
                                        "port": port, "log_level": "ERROR",
                                        "processor_metrics_url": processor_metrics_url,
                                        "insecure_demo": True})  # a local demo: the page says so on screen
-    server = Server(uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                                   lifespan="on", log_config=None, access_log=False,
-                                   log_level="error", timeout_graceful_shutdown=1,
-                                   proxy_headers=False))  # as edge/command.py: the address is the peer's
+    app = create_app(settings)
+    # the edge's own server, bounds and all (edge/server.py); the caller owns the signals
+    server = server_class(app.state.edge.stop_streams, signals=False)(
+        server_config(app, settings, access_log=False))
     failed: list[BaseException] = []
     done = anyio.Event()
 
