@@ -93,7 +93,7 @@ class ProcessorCollector(Collector):
         durable = p.input.stats if p.input is not None else None
         if durable is not None:
             yield from struct_families("streamproc_durable", durable)
-        outbox = getattr(p.input, "outbox", None)  # durable mode: results leave through the outbox
+        outbox = p.input.outbox if p.input is not None else None  # durable mode: results leave through it
         if outbox is not None:
             yield histogram("streamproc_durable_puback_latency_seconds",
                             "a result's last publish -> its PubAck (stored in the results stream)",

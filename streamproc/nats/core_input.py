@@ -40,6 +40,7 @@ class CoreInput:
     of a contract error's message, are simply dropped)."""
 
     stats = None
+    outbox = None  # results are published as decided, through no outbox
     reading = True  # subscribed from start() on: chunks reach it whenever the connection is up
 
     def __init__(self, nc: NatsClient, settings: Settings, pipeline: Pipeline, gate: DispatchGate) -> None:

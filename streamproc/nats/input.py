@@ -29,6 +29,7 @@ from ..core.wire import ATTEMPT, UNREADABLE_HEADERS, ChunkParser, ContractError,
 from ..logs import LogLimiter, error_text, log_event
 
 if TYPE_CHECKING:
+    from ..core.outbox import Outbox
     from ..tracing import Tracing
 
 log = logging.getLogger("streamproc.processor")
@@ -169,6 +170,7 @@ class Input(Protocol):
     """Where chunks come from, and how the decisions they lead to reach NATS."""
 
     stats: msgspec.Struct | None  # the input's own counters, merged into the processor's snapshot
+    outbox: Outbox | None  # durable mode: results leave through it (its latency histograms: /metrics)
 
     async def start(self) -> None:
         """Subscribe (and, durable, create or check streams); return once chunks can arrive."""
