@@ -70,30 +70,31 @@ async def test_a_streamed_request_whose_stream_ends_in_the_workers_error_frame_i
     ``data: {"error": {"message", "type", "code", "retryable"}}``; unary, the same failure answers
     ``_create_error_response``, ``{"error": {"message": ...}}`` alone. The edge used to answer the chunks
     sent before it folded together, with the ``error`` key beside them (a partial answer with status
-    200), then the frame as sent."""
+    200), then the frame as sent, with 200 where SGLang's status line says 400."""
     request_id = rid("worker-error")
     bodies = worker_for("sglang").agg(make_truth(4, request_id=request_id, output_len=9), stream=True)[:2]
     await publish_results(nc, DURABLE, request_id, [*bodies, upstream_json(stream_error_frame("boom"))])
 
     response = await get(edge, f"/v1/results/{request_id}", JSON)
 
-    assert (response.status_code, response.content) == (200, upstream_json(unary_value_error("boom")))
+    assert (response.status_code, response.content) == (400, upstream_json(unary_value_error("boom")))
     assert response.headers["streamproc-results"] == "3"
 
 
 async def test_a_stream_that_is_only_the_workers_error_frame_is_answered_the_unary_error(edge, nc):
     """The common case: ``_validate_one_request`` raises before the first chunk, so the stream's only
     chunk is the frame; the edge served a one-result stream verbatim, the frame, where the unary request
-    answers ``{"error": {"message": ...}}``. SGLang's unary error body itself is still served verbatim."""
+    answers ``{"error": {"message": ...}}``. SGLang's unary error body itself is still served verbatim.
+    Both with SGLang's status, 400 (``_create_error_response``)."""
     request_id = rid("worker-error-only")
     await publish_results(nc, DURABLE, request_id, [upstream_json(stream_error_frame(TOO_LONG))])
     response = await get(edge, f"/v1/results/{request_id}", JSON)
-    assert (response.status_code, response.content) == (200, upstream_json(unary_value_error(TOO_LONG)))
+    assert (response.status_code, response.content) == (400, upstream_json(unary_value_error(TOO_LONG)))
 
     request_id = rid("worker-unary-error")
     await publish_results(nc, DURABLE, request_id, [upstream_json(unary_value_error(TOO_LONG))])
     response = await get(edge, f"/v1/results/{request_id}", JSON)
-    assert (response.status_code, response.content) == (200, upstream_json(unary_value_error(TOO_LONG)))
+    assert (response.status_code, response.content) == (400, upstream_json(unary_value_error(TOO_LONG)))
 
 
 async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_the_unary_error(server, nc):
@@ -102,7 +103,8 @@ async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_the_u
     ``data: {"error": {...}}`` (``create_streaming_error_response``: ``json.dumps``, spaces); unary, the
     same failure answers ``ErrorResponse`` alone through ``JSONResponse`` (compact). The edge's fold served
     the chunks before it with the ``error`` key beside them (a partial answer with status 200), then the
-    frame as ``json.dumps`` wrote it; a stream whose only chunk is the frame was served verbatim."""
+    frame as ``json.dumps`` wrote it; a stream whose only chunk is the frame was served verbatim. Both
+    answered with 200, where vLLM's status line is ``error.code``."""
     error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
                        "code": 500}}
     frame = json.dumps(error).encode()
@@ -116,9 +118,9 @@ async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_the_u
         response = await get(vllm_edge, f"/v1/results/{request_id}?stream=false")
         only = await get(vllm_edge, f"/v1/results/{alone}?stream=false")
 
-    assert (response.status_code, response.content) == (200, upstream_json(error))
+    assert (response.status_code, response.content) == (500, upstream_json(error))
     assert response.headers["streamproc-results"] == "3"
-    assert (only.status_code, only.content) == (200, upstream_json(error))
+    assert (only.status_code, only.content) == (500, upstream_json(error))
 
 
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
@@ -212,24 +214,25 @@ def tagged(body: bytes, index: int) -> bytes:
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd"])
-@pytest.mark.parametrize(("stream", "want"), [
-    pytest.param([*CHUNKS, RETRACTED], RETRACTED_UNARY, id="retracted_after_tokens"),
-    pytest.param([REJECTED], REJECTED_UNARY, id="rejected_before_any_token"),
-    pytest.param([tagged(CHUNKS[0], 0), tagged(REJECTED, 1), tagged(CHUNKS[1], 0)], REJECTED_UNARY,
+@pytest.mark.parametrize(("stream", "want", "status"), [
+    pytest.param([*CHUNKS, RETRACTED], RETRACTED_UNARY, 503, id="retracted_after_tokens"),
+    pytest.param([REJECTED], REJECTED_UNARY, 400, id="rejected_before_any_token"),
+    pytest.param([tagged(CHUNKS[0], 0), tagged(REJECTED, 1), tagged(CHUNKS[1], 0)], REJECTED_UNARY, 400,
                  id="batch_item_rejected"),
-    pytest.param([IN_QUEUE], IN_QUEUE, id="aborted_without_status_verbatim"),
+    pytest.param([IN_QUEUE], IN_QUEUE, 200, id="aborted_without_status_verbatim"),
 ])
 async def test_a_stream_the_scheduler_aborted_with_an_http_status_is_answered_its_unary_error(
-        edge, zstd_edge, nc, fmt, stream, want):
+        edge, zstd_edge, nc, fmt, stream, want, status):
     """The edge answered the tokens sent before the abort folded together with the abort's finish
     reason (or, for a stream of one chunk, that chunk as sent); the same request unary answers the
-    error alone. An abort without a status is still answered by its body."""
+    error alone, with the abort's status (it answered 200). An abort without a status is still
+    answered by its body, with 200."""
     request_id = rid("status-abort")
     await publish_results(nc, DURABLE, request_id, stream)
 
     response = await get(edge if fmt == "sglang" else zstd_edge, f"/v1/results/{request_id}?stream=false")
 
-    assert response.content == want
+    assert (response.status_code, response.content) == (status, want)
     assert response.headers["streamproc-results"] == str(len(stream))
 
 
@@ -293,3 +296,56 @@ async def test_accept_header_chooses_between_event_stream_and_json(edge, nc):
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.content == b'id: 0\ndata: {"text":"only"}\n\ndata: [DONE]\n\n'
     assert as_json.content == b'{"text":"only"}'
+
+
+# Unary error answers and the status the engine's status line gives them (SGLang 0.5.23 ``/generate``,
+# vLLM 0.34.0 ``/inference/v1/generate``; tests/test_answer_status.py has the upstream quotes).
+SGLANG_STATUS_BODIES = [
+    (upstream_json(unary_value_error(TOO_LONG)), 400),  # _create_error_response
+    (b'{"error":"missing field `text` or `input_ids`"}', 400),  # generate_request's contract check
+    (RETRACTED_UNARY, 503),  # validation_exception_handler(HTTPException): ErrorResponse, status = code
+    (b'{"object":"error","message":"KV transfer failed","type":"500","param":null,"code":500}', 500),
+    # A worker claiming a status no error is answered with: the body as a result like any other.
+    (b'{"object":"error","message":"m","type":"200","param":null,"code":200}', 200),
+    (b'{"object":"error","message":"m","type":"99","param":null,"code":99}', 200),
+    (b'{"object":"error","message":"m","type":"999","param":null,"code":999}', 200),
+    (b'{"object":"error","message":"m","type":"abc","param":null,"code":"abc"}', 200),
+    (b'{"object":"error","message":"m","type":"x","param":null,"code":%d}' % 10**30, 200),
+    (b'{"text":"Hi","output_ids":[211],"meta_info":{"id":"r"}}', 200),
+]
+VLLM_STATUS_BODIES = [
+    (b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}', 500),
+    (b'{"error":{"message":"retry","type":"ServiceUnavailableError","param":null,"code":503}}', 503),
+    (b'{"error":{"message":"too many","type":"BadRequestError","param":"prompt_logprobs","code":400}}', 400),
+    (b'{"error":{"message":"m","type":"X","param":null,"code":200}}', 200),
+    (b'{"error":{"message":"m","type":"X","param":null,"code":99}}', 200),
+    (b'{"error":{"message":"m","type":"X","param":null,"code":999}}', 200),
+    (b'{"error":{"message":"m","type":"X","param":null,"code":"abc"}}', 200),
+    (b'{"error":{"message":"m","type":"X","param":null,"code":%d}}' % 10**30, 200),
+]
+
+
+async def unary_statuses(edge, nc, bodies: list[tuple[bytes, int]], label: str) -> None:
+    """Each body a request's only result: the unary answer is the body with the engine's status, headers
+    kept; the same result read as a stream is 200 (sent before any result, as the engines' streams)."""
+    ids = [rid(label) for _ in bodies]
+    for request_id, (body, _) in zip(ids, bodies):
+        await publish_results(nc, DURABLE, request_id, [body])
+    for request_id, (body, status) in zip(ids, bodies):
+        response = await get(edge, f"/v1/results/{request_id}?stream=false")
+        assert (response.status_code, response.content) == (status, body), body
+        assert response.headers["content-type"] == "application/json"
+        assert response.headers["streamproc-results"] == "1"
+        assert "streamproc-error" not in response.headers
+        events = await get(edge, f"/v1/results/{request_id}", {"Accept": "text/event-stream"})
+        assert (events.status_code, events.content) == (200, b"id: 0\ndata: %s\n\ndata: [DONE]\n\n" % body)
+
+
+async def test_a_workers_error_body_is_answered_with_the_status_the_engine_answers_it_with(edge, nc, server):
+    """The edge's unary answer is what the aggregated engine answers: a worker's error body with the
+    engine's status line, which the codec reads from the body (``Codec.answer_status``). It answered
+    every one with 200. A body claiming a status outside ``[400, 600)`` is answered with 200, and the
+    requests beside it are answered as ever; SSE streams keep 200."""
+    await unary_statuses(edge, nc, SGLANG_STATUS_BODIES, "sglang-status")
+    with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
+        await unary_statuses(vllm_edge, nc, VLLM_STATUS_BODIES, "vllm-status")

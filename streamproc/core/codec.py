@@ -109,6 +109,39 @@ ERROR_STATUS: dict[str, int] = {
 }
 
 
+def is_error_status(status: object) -> bool:
+    """Whether ``status`` is an HTTP error status a unary answer may carry: an ``int`` (not a bool) in
+    ``[400, 600)``, the range the engines answer an error with (SGLang 0.5.23's
+    ``_handle_abort_finish_reason``: ``HTTPStatus.BAD_REQUEST <= status_code < 600``)."""
+    return type(status) is int and 400 <= status < 600
+
+
+def answer_status_of(codec: Codec, body: bytes) -> int:
+    """``codec.answer_status(body)`` when it is an error status (:func:`is_error_status`), else 200: a
+    codec (a third-party one too) can only pick among the statuses a worker's error answer may
+    have, never an invalid status line (``99``, ``999``) nor a redirect or an empty ``204``. A codec
+    that raises is the caller's to catch."""
+    status = codec.answer_status(body)
+    return status if is_error_status(status) else 200
+
+
+def trailing_int(body: bytes, key: bytes, closing: int, tail: int = 64) -> int | None:
+    """The integer of member ``key`` (a JSON key as written, quotes included) when it is the last
+    member of ``closing`` nested objects that end the body, read from its last ``tail`` bytes only:
+    ``..., "<key>": 503}}`` for ``closing`` 2 (whitespace allowed between tokens); else None. A
+    codec's bounded look for an envelope's status code written last (:meth:`Codec.answer_status`);
+    digits only (no sign, no fraction), at most 20 of them."""
+    pattern = _TRAILING_INT.get((key, closing))
+    if pattern is None:
+        pattern = _TRAILING_INT[(key, closing)] = re.compile(
+            rb"[{,]\s*" + re.escape(key) + rb"\s*:\s*([0-9]{1,20})" + rb"\s*\}" * closing + rb"\s*\Z")
+    found = pattern.search(body, max(0, len(body) - tail))
+    return int(found.group(1)) if found is not None else None
+
+
+_TRAILING_INT: dict[tuple[bytes, int], re.Pattern[bytes]] = {}
+
+
 class OmissionReason(enum.StrEnum):
     """Why a joined field was left out: the value of ``<field>_unavailable_reason`` (every codec).
 
@@ -521,6 +554,20 @@ class Codec(ABC):
         ``body`` itself when it is the unary answer after all. The default: never (one result is the
         unary answer)."""
         return False
+
+    def answer_status(self, body: bytes) -> int:
+        """The HTTP status the aggregated engine answers with when ``body`` is its unary answer (a
+        request's only result served as is, or :meth:`fold` of its results): the status of an error
+        body the format's own bytes tell (an engine's error envelope that holds its status, or a
+        shape the engine only writes with one status); 200 for every other body. The edge answers a
+        unary client with it (an SSE stream has sent 200 before any result, as the engines' streams
+        do); streamproc's own error results (``Streamproc-Error``) keep :data:`ERROR_STATUS`.
+        Called on the event loop for every unary answer, so it may only look at a bounded part of
+        the bytes (a prefix, a suffix: no parse, no scan of the whole body) and must say its bound.
+        Anything but an integer in ``[400, 600)`` is answered as 200 (:func:`answer_status_of`), so
+        a worker's body claiming another status cannot make an invalid status line. The default:
+        200 (the format's bodies tell no status)."""
+        return 200
 
     @abstractmethod
     def error_body(self, message: str, kind: ErrorKind) -> bytes:

@@ -50,7 +50,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
-from ..core.codec import Codec, ErrorKind, shown_kind
+from ..core.codec import Codec, ErrorKind, answer_status_of, shown_kind
 from ..core.errors import InvalidCapability, StreamprocError
 from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
@@ -835,7 +835,8 @@ class Edge:
         return answer if answer is not None else Response(status_code=499)  # nobody is listening
 
     async def unary(self, feed: ResultFeed) -> Response:
-        """Wait for the final result; answer with the single result, or the codec's fold of the stream."""
+        """Wait for the final result; answer with the single result, or the codec's fold of the stream, with
+        the status the engine answers that body with (:meth:`answer_status`)."""
         results: list[ResultInfo] = []
         size = 0
         idle_since = time.monotonic()
@@ -889,15 +890,28 @@ class Edge:
         if verdict is not None:
             headers["Streamproc-Join"] = verdict.value
         if len(results) == 1 and not self.codec.folds_alone(results[0].body):
-            return Response(results[0].body, media_type="application/json", headers=headers)
+            body = results[0].body
+        else:
+            try:
+                body = await anyio.to_thread.run_sync(self.codec.fold, [r.body for r in results])
+            except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
+                self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
+                body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
+                return Response(body, status_code=500, media_type="application/json",
+                                    headers=PRIVATE)
+        return Response(body, status_code=self.answer_status(feed, body), media_type="application/json",
+                        headers=headers)
+
+    def answer_status(self, feed: ResultFeed, body: bytes) -> int:
+        """The status the aggregated engine answers ``body`` with as its unary answer: an error body's
+        own status (``Codec.answer_status``, a bounded look at the bytes), else 200. A codec that
+        raises answers 200, the body as a result like any other."""
         try:
-            body = await anyio.to_thread.run_sync(self.codec.fold, [r.body for r in results])
-        except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
-            self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
-            body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
-            return Response(body, status_code=500, media_type="application/json",
-                                headers=PRIVATE)
-        return Response(body, media_type="application/json", headers=headers)
+            return answer_status_of(self.codec, body)
+        except Exception:  # noqa: BLE001 - a codec bug must not take the answer down
+            self.source.limited.log(logging.ERROR, "answer_status_failed", request_id=feed.request_id,
+                                    exc_info=True)
+            return 200
 
     def timeout_body(self, feed: ResultFeed, limit: float) -> bytes:
         return self.codec.error_body(f"no result for request {feed.request_id} within {limit}s", ErrorKind.TIMEOUT)

@@ -6,10 +6,11 @@ and inherit the join, folding and error envelope unchanged (``sglang-zstd`` is t
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
-                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body)
+                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body, trailing_int)
 from streamproc.wire import Verdict
 
 from . import experts, migration, native
@@ -40,6 +41,54 @@ _SEPARATOR = b" \t\r\n:"
 ERROR_OPENING = b'{"%s"' % native.ERROR.encode()
 RETRYABLE_KEY = b'"%s"' % native.RETRYABLE.encode()
 FRAME_TAIL = 32
+
+# The unary error answers of SGLang 0.5.23's ``/generate`` (``entrypoints/http_server.py``) and their HTTP
+# status, as ``Codec.answer_status`` reads them from the first ``ANSWER_HEAD`` and the last ``ANSWER_TAIL``
+# bytes (no parse, whatever the body's size):
+#
+# - ``{"error": ...}``, status 400. ``generate_request``'s contract check::
+#
+#       contract_error = generate_contract_error(await request.json())
+#       if contract_error is not None:
+#           return ORJSONResponse(status_code=400, content={"error": contract_error})
+#
+#   and ``serve_generate_request``' unary branch, ``except ValueError as e: return
+#   _create_error_response(e)``::
+#
+#       def _create_error_response(e):
+#           return ORJSONResponse(
+#               {"error": {"message": str(e)}},
+#               status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST),
+#           )
+#
+#   No ``ValueError`` SGLang 0.5.23 raises there has a ``status_code`` (the wheel's subclasses,
+#   ``MsgpackDecodeError``, ``JsonContractError``, ``_BadOpenAIRequest``, define none), so 400; an abort
+#   whose ``status_code`` is 400 raises one too (``_handle_abort_finish_reason``, below). ``stream_results``'
+#   frame ``{"error": {"message", "type", "code": getattr(e, "status_code", 400), "retryable"}}`` (folded to
+#   the unary ``{"error": {"message"}}``, ``native.unary_error_of_frame``) carries the same 400. No
+#   generation body opens with ``error`` (``text`` comes first).
+# - ``ErrorResponse``, ``{"object":"error","message":...,"type":...,"param":...,"code":N}``, status ``N``.
+#   ``TokenizerManager._handle_abort_finish_reason``, for a non-stream request whose abort has a
+#   ``status_code`` in ``[400, 600)``::
+#
+#       if status_code == HTTPStatus.BAD_REQUEST:
+#           raise ValueError(finish_reason["message"])
+#       raise fastapi.HTTPException(status_code=status_code, detail=finish_reason["message"])
+#
+#   answered by ``@app.exception_handler(HTTPException)`` on ``/generate``::
+#
+#       error = ErrorResponse(object="error", message=exc.detail, type=str(exc.status_code),
+#                             code=exc.status_code)
+#       return ORJSONResponse(content=error.model_dump(), status_code=exc.status_code)
+#
+#   (the ``RequestValidationError`` handler writes ``code=400`` with status 400). ``model_dump`` keeps the
+#   fields' order (``object, message, type, param, code``), so ``code`` is the last member: orjson ends the
+#   body ``"code":503}``. A ``code`` outside ``[400, 600)`` is nothing SGLang writes: 200.
+ANSWER_HEAD = 32
+ANSWER_TAIL = 64
+ERROR_ANSWER = re.compile(rb'\s*\{\s*"%s"\s*:' % native.ERROR.encode())
+ERROR_RESPONSE = re.compile(rb'\s*\{\s*"%s"\s*:\s*"%s"' % (native.ERROR_OBJECT_KEY.encode(), native.ERROR.encode()))
+CODE_KEY = b'"code"'  # ErrorResponse.code
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -144,6 +193,21 @@ class SGLangCodec(Codec):
         answers ``{"error": {"message": ...}}`` (``_create_error_response``), which :meth:`fold` builds."""
         return (body.find(INDEX_KEY, max(0, len(body) - INDEX_TAIL)) >= 0
                 or _abort_status_in_head(body) or _stream_error_frame(body))
+
+    def answer_status(self, body: bytes) -> int:
+        """400 for a body that opens ``{"error":``, the ``ErrorResponse``'s ``code`` for one that opens
+        ``{"object":"error"`` (200 when it is outside ``[400, 600)`` or not its last member), else 200:
+        the statuses SGLang 0.5.23's ``/generate`` answers these bodies with (``ERROR_ANSWER`` above).
+        Reads the first ``ANSWER_HEAD`` (32) and the last ``ANSWER_TAIL`` (64) bytes only. An abort with a
+        status whose body ``folds_alone`` did not send to ``fold`` (more than ``ABORT_HEAD`` bytes in front
+        of its status) is answered as sent, with 200."""
+        head = body[:ANSWER_HEAD]
+        if ERROR_ANSWER.match(head):
+            return 400
+        if ERROR_RESPONSE.match(head):
+            status = trailing_int(body, CODE_KEY, 1, ANSWER_TAIL)
+            return status if status is not None and native.is_error_status(status) else 200
+        return 200
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})

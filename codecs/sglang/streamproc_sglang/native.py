@@ -142,8 +142,8 @@ def unary_error_of_frame(doc: dict[str, Any]) -> dict[str, Any] | None:
     ``_create_error_response(e)``, ``ORJSONResponse({"error": {"message": str(e)}},
     status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST))``: the message alone. The frame's
     other fields are constants of the stream (no ``ValueError`` SGLang raises on this path has a
-    ``status_code``: ``code`` is 400) and its ``code`` is the unary answer's status line, which the edge
-    does not carry for a worker's error body either (docs/codecs.md)."""
+    ``status_code``: ``code`` is 400) and its ``code`` is the unary answer's status line, the 400 the
+    codec's ``answer_status`` gives the unary body (docs/codecs.md)."""
     error = doc.get(ERROR)
     if (len(doc) != 1 or not isinstance(error, dict) or error.keys() != STREAM_ERROR_KEYS
             or type(error[MESSAGE]) is not str):

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
-                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body)
+                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body, is_error_status,
+                              trailing_int)
 from streamproc.wire import Verdict
 
 from . import experts, migration
-from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, is_error_response, parse,
-                     stream_error_frame)
+from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, error_response_prefix,
+                     is_error_response, parse, stream_error_frame)
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -32,6 +33,23 @@ ERROR_TYPES: Mapping[int, str] = {
     503: "ServiceUnavailableError",
     504: "GatewayTimeout",
 }
+
+# The status of vLLM 0.34.0's unary error answer on ``/inference/v1/generate``
+# (``scale_out/token_in_token_out/api_router.py``, ``generate``)::
+#
+#     generator = await handler.serve_tokens(request, raw_request)
+#     if isinstance(generator, ErrorResponse):
+#         return JSONResponse(content=generator.model_dump(), status_code=generator.error.code)
+#
+# and every exception the app's handlers answer (``serve/exception_handling/handlers``: ``exception_handler``,
+# ``engine_error_handler``, ``generation_error_handler``: ``err = create_error_response(exc); return
+# JSONResponse(err.model_dump(), status_code=err.error.code)``; ``http_exception_handler``: ``ErrorInfo(...,
+# code=exc.status_code)`` with ``status_code=exc.status_code``; ``validation_exception_handler``: ``code=400``,
+# status 400): the status is always ``ErrorResponse.error.code``. ``ErrorInfo``'s fields are ``message, type,
+# param, code``, and ``model_dump`` keeps that order: ``JSONResponse`` (compact) ends the body ``"code":503}}``,
+# which ``fold`` writes too. A ``code`` outside ``[400, 600)`` is nothing vLLM writes: 200.
+CODE_KEY = b'"code"'  # ErrorInfo.code
+ANSWER_TAIL = 64
 
 
 class VLLMCodec(Codec):
@@ -76,6 +94,15 @@ class VLLMCodec(Codec):
         raised before any output): unary, the same request answers ``JSONResponse(err.model_dump())``, which
         :meth:`fold` writes. A bounded look at the first bytes (:func:`~.native.stream_error_frame`)."""
         return stream_error_frame(body)
+
+    def answer_status(self, body: bytes) -> int:
+        """``ErrorResponse.error.code`` for a body that opens ``{"error"`` (:func:`~.native.error_response_prefix`)
+        and ends with it, the last member of ``error`` (``CODE_KEY`` above), when it is in ``[400, 600)``; else
+        200. Reads the first 32 and the last ``ANSWER_TAIL`` (64) bytes only."""
+        if not error_response_prefix(body):
+            return 200
+        status = trailing_int(body, CODE_KEY, 2, ANSWER_TAIL)
+        return status if status is not None and is_error_status(status) else 200
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         code = ErrorKind(kind).http_status

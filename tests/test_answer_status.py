@@ -1,0 +1,194 @@
+"""``Codec.answer_status``: the HTTP status the aggregated engine answers a unary error body with, read from
+the body's own bytes, written by hand from the engines' code (no simulator, no ``upstream.py`` builders).
+
+SGLang 0.5.23 ``/generate`` (``entrypoints/http_server.py``): ``_create_error_response`` answers a ``ValueError``
+``ORJSONResponse({"error": {"message": str(e)}}, status_code=getattr(e, "status_code", HTTPStatus.BAD_REQUEST))``
+(400: no ``ValueError`` on the path has a ``status_code``); ``generate_request``'s contract check answers
+``ORJSONResponse(status_code=400, content={"error": contract_error})``; an abort whose ``status_code`` is in
+``[400, 600)`` and not 400 raises ``fastapi.HTTPException(status_code, detail=message)``
+(``TokenizerManager._handle_abort_finish_reason``), answered ``ORJSONResponse(content=ErrorResponse(
+object="error", message=exc.detail, type=str(exc.status_code), code=exc.status_code).model_dump(),
+status_code=exc.status_code)``.
+
+vLLM 0.34.0 ``/inference/v1/generate`` (``scale_out/token_in_token_out/api_router.py``): ``JSONResponse(
+content=generator.model_dump(), status_code=generator.error.code)``, and the app's handlers
+``JSONResponse(err.model_dump(), status_code=err.error.code)``: ``{"error": {"message", "type", "param",
+"code"}}``, compact, with the status in ``code``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import upstream_json
+from sglang_0523_bodies import TOO_LONG, stream_error_frame, unary_value_error
+from streamproc_sglang import SGLangCodec
+from streamproc_sglang_zstd import SGLangZstdCodec
+from streamproc_vllm import VLLMCodec
+
+from streamproc.codec import Codec, ErrorKind, answer_status_of, trailing_int
+
+SGLANG = [SGLangCodec(), SGLangZstdCodec()]
+
+
+def sglang_error_response(message: str, status: object) -> bytes:
+    """``validation_exception_handler`` (HTTPException) on ``/generate``: ``ErrorResponse`` fields in order."""
+    return upstream_json({"object": "error", "message": message, "type": str(status), "param": None,
+                          "code": status})
+
+
+def vllm_error_response(message: str, error_type: str, status: object, param: str | None = None) -> bytes:
+    """``JSONResponse(err.model_dump(), status_code=err.error.code)``: ``ErrorResponse{error: ErrorInfo}``."""
+    return upstream_json({"error": {"message": message, "type": error_type, "param": param, "code": status}})
+
+
+RETRACTED = "Retracted under decode memory pressure without a KV backup. Retry later."
+# A generation body (``_handle_batch_output``), unary: answered with 200.
+SGLANG_OK = upstream_json({"text": "Hi", "output_ids": [211], "meta_info": {
+    "id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 4, "completion_tokens": 1}})
+# An abort with a status whose body ``folds_alone`` sends to ``fold``: the body itself is no unary answer,
+# and on its own answers 200 (it is served only when ``fold`` is not asked, as sent).
+SGLANG_ABORT = upstream_json({"text": "", "output_ids": [], "meta_info": {
+    "id": "r", "finish_reason": {"type": "abort", "message": RETRACTED, "status_code": 503, "err_type": None},
+    "prompt_tokens": 4, "completion_tokens": 0}})
+
+
+@pytest.mark.parametrize("codec", SGLANG, ids=lambda c: c.name)
+@pytest.mark.parametrize(("body", "status"), [
+    pytest.param(upstream_json(unary_value_error(TOO_LONG)), 400, id="value_error"),
+    pytest.param(upstream_json({"error": "missing field `text` or `input_ids`"}), 400, id="contract_check"),
+    pytest.param(upstream_json(stream_error_frame(TOO_LONG)), 400, id="stream_frame_as_sent"),
+    pytest.param(sglang_error_response(RETRACTED, 503), 503, id="abort_503"),
+    pytest.param(sglang_error_response("KV transfer failed", 500), 500, id="abort_500"),
+    pytest.param(sglang_error_response("x" * 100_000, 599), 599, id="long_message_599"),
+    pytest.param(upstream_json({"object": "error", "message": "bad", "type": "Bad Request", "param": None,
+                                "code": 400}), 400, id="request_validation"),
+    pytest.param(SGLANG_OK, 200, id="generation"),
+    pytest.param(SGLANG_ABORT, 200, id="abort_body_itself"),
+    pytest.param(upstream_json([json.loads(SGLANG_OK)]), 200, id="unary_batch_list"),
+])
+def test_sglang_answers_its_unary_error_bodies_with_the_status_sglang_answers_them_with(codec, body, status):
+    assert codec.answer_status(body) == status
+
+
+@pytest.mark.parametrize("codec", SGLANG, ids=lambda c: c.name)
+def test_sglang_answer_status_of_a_folded_stream_is_the_unary_errors(codec):
+    """``fold`` writes what the same request answers unary; its status follows: the frame's message alone
+    (400), an abort's ``ErrorResponse`` (its status)."""
+    folded = codec.fold([upstream_json(stream_error_frame("boom"))])
+    assert (folded, codec.answer_status(folded)) == (upstream_json(unary_value_error("boom")), 400)
+    folded = codec.fold([SGLANG_ABORT])
+    assert (folded, codec.answer_status(folded)) == (sglang_error_response(RETRACTED, 503), 503)
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    pytest.param(vllm_error_response("Internal server error", "InternalServerError", 500), 500, id="generation_error"),
+    pytest.param(vllm_error_response("Please retry", "ServiceUnavailableError", 503), 503, id="retryable"),
+    pytest.param(vllm_error_response("prompt_logprobs > max", "BadRequestError", 400, "prompt_logprobs"), 400,
+                 id="validation_with_param"),
+    pytest.param(vllm_error_response("Not Found", "Not Found", 404), 404, id="http_exception"),
+    pytest.param(vllm_error_response("é" * 50_000, "InternalServerError", 500), 500, id="long_message"),
+    pytest.param(json.dumps({"error": {"message": "m", "type": "InternalServerError", "param": None,
+                                       "code": 500}}).encode(), 500, id="stream_frame_spacing"),
+    pytest.param(upstream_json({"request_id": "r", "choices": [{"index": 0, "token_ids": [1],
+                                                                 "finish_reason": "length"}]}), 200, id="generation"),
+])
+def test_vllm_answers_its_error_response_with_its_code(body, status):
+    assert VLLMCodec().answer_status(body) == status
+
+
+def test_vllm_answer_status_of_a_folded_error_frame_is_its_code():
+    frame = json.dumps({"error": {"message": "Service Unavailable", "type": "ServiceUnavailableError",
+                                  "param": None, "code": 503}}).encode()
+    codec = VLLMCodec()
+    folded = codec.fold([frame])
+    assert codec.answer_status(folded) == 503
+
+
+HOSTILE = [200, 99, 999, 600, 399, 0, -500, 10**30, 10**6, "abc", "503", 503.0, True, None, [503], {"x": 503}]
+
+
+@pytest.mark.parametrize("claim", HOSTILE, ids=repr)
+def test_a_claimed_status_outside_400_to_599_answers_200(claim):
+    """A worker's body claiming a status no engine answers an error with cannot make an invalid status line:
+    vLLM's and SGLang's ``ErrorResponse`` with such a ``code`` answer 200 (the body as a result like any
+    other); SGLang's ``{"error": ...}`` is 400 whatever it claims (the shape is only written with 400)."""
+    assert VLLMCodec().answer_status(vllm_error_response("m", "X", claim)) == 200
+    for codec in SGLANG:
+        assert codec.answer_status(sglang_error_response("m", claim)) == 200
+        assert codec.answer_status(upstream_json({"error": {"message": "m", "code": claim}})) == 400
+
+
+@pytest.mark.parametrize("body", [
+    b'{"error":{"message":"m","type":"X","param":null,"code":503}}  \n',  # trailing whitespace
+    b'{"error" : { "message" : "m" , "code" : 503 } }',
+])
+def test_whitespace_between_tokens_is_read(body):
+    assert VLLMCodec().answer_status(body) == 503
+
+
+def test_the_code_must_be_the_envelopes_last_member_in_the_bodys_tail():
+    """``code`` anywhere else (inside the message, not last, not closing the envelope) is not read: the look
+    is the last 64 bytes."""
+    codec = VLLMCodec()
+    assert codec.answer_status(b'{"error":{"message":"\\"code\\":503}}","type":"X"}}') == 200
+    assert codec.answer_status(b'{"error":{"code":503,"message":"m"}}') == 200
+    assert codec.answer_status(b'{"error":{"message":"m","code":503}}' + b" " * 64) == 200
+    assert codec.answer_status(b'{"error":{"message":"m","code":503}') == 200  # one brace: not the envelope
+    assert codec.answer_status(b'{"request_id":"r","error":{"code":503}}') == 200  # opens as no ErrorResponse
+    for sglang in SGLANG:
+        assert sglang.answer_status(b'{"object":"error","code":503,"message":"m"}') == 200
+        assert sglang.answer_status(b'{"object":"other","message":"m","code":503}') == 200
+        assert sglang.answer_status(b'{"text":"{\\"error\\":1}","meta_info":{}}') == 200
+
+
+def test_trailing_int_reads_only_the_tail():
+    assert trailing_int(b'{"a":1,"k":42}', b'"k"', 1) == 42
+    assert trailing_int(b'{"a":{"k":42}}', b'"k"', 2) == 42
+    assert trailing_int(b'{"a":{"k":42}}', b'"k"', 1) is None
+    assert trailing_int(b'{"k":' + b"1" * 21 + b"}", b'"k"', 1) is None  # more than 20 digits
+    body = b'{"k":42' + b" " * 100 + b"}"
+    assert trailing_int(body, b'"k"', 1) is None
+    assert trailing_int(body, b'"k"', 1, tail=200) == 42
+
+
+def test_a_large_body_is_not_scanned():
+    """The look is a prefix and a suffix: an 8 MiB generation body costs what a small one does (the
+    edge calls it on its event loop for every unary answer). Checked by the outcome of a body whose
+    middle, never read, holds an envelope."""
+    middle = b'{"error":{"message":"m","type":"X","param":null,"code":503}}'
+    body = b'{"request_id":"r","x":"' + middle.replace(b'"', b"'") * (1 << 20) + b'"}'
+    assert VLLMCodec().answer_status(body) == 200
+    for codec in SGLANG:
+        assert codec.answer_status(b'{"text":"' + b"a" * (8 << 20) + b'"}') == 200
+
+
+class _Liar(Codec):
+    """A codec (a third party's) whose ``answer_status`` returns whatever the body says."""
+
+    name = "liar"
+
+    def open_session(self):
+        raise NotImplementedError
+
+    def fold(self, bodies):
+        raise NotImplementedError
+
+    def error_body(self, message: str, kind: ErrorKind) -> bytes:
+        return b"{}"
+
+    def answer_status(self, body: bytes):
+        return json.loads(body)
+
+
+@pytest.mark.parametrize(("claim", "status"), [(503, 503), (400, 400), (599, 599), *((c, 200) for c in HOSTILE)])
+def test_answer_status_of_takes_only_an_error_status(claim, status):
+    assert answer_status_of(_Liar(), json.dumps(claim).encode()) == status
+
+
+def test_the_default_codec_answers_200():
+    class Plain(_Liar):
+        answer_status = Codec.answer_status
+
+    assert answer_status_of(Plain(), vllm_error_response("m", "X", 503)) == 200
