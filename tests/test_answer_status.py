@@ -19,6 +19,7 @@ content=generator.model_dump(), status_code=generator.error.code)``, and the app
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 import pytest
 from helpers import upstream_json
@@ -192,3 +193,19 @@ def test_the_default_codec_answers_200():
         answer_status = Codec.answer_status
 
     assert answer_status_of(Plain(), vllm_error_response("m", "X", 503)) == 200
+
+
+class _Enum(_Liar):
+    """A codec that answers with ``http.HTTPStatus`` members, as the engines' own code writes its statuses
+    (SGLang's ``HTTPStatus.BAD_REQUEST``, vLLM's ``HTTPStatus.SERVICE_UNAVAILABLE``)."""
+
+    def answer_status(self, body: bytes):
+        return HTTPStatus(json.loads(body))
+
+
+@pytest.mark.parametrize(("claim", "status"), [(503, 503), (400, 400), (500, 500), (200, 200), (302, 200), (204, 200)])
+def test_an_http_status_member_is_taken_as_its_number(claim, status):
+    """``HTTPStatus`` is an ``int``: ``HTTPStatus.SERVICE_UNAVAILABLE`` is 503, not a non-integer answered 200
+    (until 2026-12-06 ``answer_status_of`` took only an exact ``int``); the answer is a plain ``int``."""
+    answered = answer_status_of(_Enum(), json.dumps(claim).encode())
+    assert (answered, type(answered)) == (status, int)

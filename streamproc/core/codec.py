@@ -110,19 +110,20 @@ ERROR_STATUS: dict[str, int] = {
 
 
 def is_error_status(status: object) -> bool:
-    """Whether ``status`` is an HTTP error status a unary answer may carry: an ``int`` (not a bool) in
-    ``[400, 600)``, the range the engines answer an error with (SGLang 0.5.23's
-    ``_handle_abort_finish_reason``: ``HTTPStatus.BAD_REQUEST <= status_code < 600``)."""
-    return type(status) is int and 400 <= status < 600
+    """Whether ``status`` is an HTTP error status a unary answer may carry: an ``int`` (``HTTPStatus``
+    members included; not a bool) in ``[400, 600)``, the range the engines answer an error with (SGLang
+    0.5.23's ``_handle_abort_finish_reason``: ``HTTPStatus.BAD_REQUEST <= status_code < 600``)."""
+    return isinstance(status, int) and not isinstance(status, bool) and 400 <= int(status) < 600
 
 
 def answer_status_of(codec: Codec, body: bytes) -> int:
     """``codec.answer_status(body)`` when it is an error status (:func:`is_error_status`), else 200: a
     codec (a third-party one too) can only pick among the statuses a worker's error answer may
     have, never an invalid status line (``99``, ``999``) nor a redirect or an empty ``204``. A codec
-    that raises is the caller's to catch."""
+    that raises is the caller's to catch. A plain ``int`` (an ``HTTPStatus`` member is taken as its
+    number)."""
     status = codec.answer_status(body)
-    return status if is_error_status(status) else 200
+    return int(status) if is_error_status(status) else 200
 
 
 def trailing_int(body: bytes, key: bytes, closing: int, tail: int = 64) -> int | None:
@@ -564,7 +565,8 @@ class Codec(ABC):
         do); streamproc's own error results (``Streamproc-Error``) keep :data:`ERROR_STATUS`.
         Called on the event loop for every unary answer, so it may only look at a bounded part of
         the bytes (a prefix, a suffix: no parse, no scan of the whole body) and must say its bound.
-        Anything but an integer in ``[400, 600)`` is answered as 200 (:func:`answer_status_of`), so
+        Anything but an integer in ``[400, 600)`` (an ``HTTPStatus`` member is one) is answered as 200
+        (:func:`answer_status_of`), so
         a worker's body claiming another status cannot make an invalid status line. The default:
         200 (the format's bodies tell no status)."""
         return 200
