@@ -209,3 +209,36 @@ def test_an_http_status_member_is_taken_as_its_number(claim, status):
     (until 2026-12-06 ``answer_status_of`` took only an exact ``int``); the answer is a plain ``int``."""
     answered = answer_status_of(_Enum(), json.dumps(claim).encode())
     assert (answered, type(answered)) == (status, int)
+
+
+# The engines' API-key middleware, written as they write it: SGLang's ORJSONResponse and vLLM's
+# JSONResponse of {"error": "Unauthorized"} (401) and, SGLang only, {"error": "Forbidden"} (403).
+@pytest.mark.parametrize("codec", SGLANG, ids=lambda c: c.name)
+@pytest.mark.parametrize("refusal", ["Unauthorized", "Forbidden"])
+def test_sglang_api_key_refusal_of_the_worker_is_answered_as_a_bad_gateway_not_as_the_clients_401(codec, refusal):
+    """The engine refused the worker's key: the worker's fault (502), never 401/403, which at the edge
+    say the client's own token was refused (and were answered 400 as any ``{"error":`` body before)."""
+    body = upstream_json({"error": refusal})
+    assert answer_status_of(codec, body) == 502
+    assert answer_status_of(codec, upstream_json({"error": refusal + "!"})) == 400  # another {"error": body
+
+
+def test_vllm_api_key_refusal_of_the_worker_is_answered_as_a_bad_gateway_not_as_the_clients_401():
+    """vLLM answers ``/inference`` without the key ``{"error":"Unauthorized"}`` with 401 (was answered 200)."""
+    codec = VLLMCodec()
+    assert answer_status_of(codec, upstream_json({"error": "Unauthorized"})) == 502
+    assert answer_status_of(codec, upstream_json({"error": "Forbidden"})) == 200  # vLLM writes no such body
+
+
+class Unhashable(bytes):
+    """A body whose hashing fails the test: hashing reads every byte (~20 ms for 64 MiB)."""
+
+    def __hash__(self) -> int:
+        raise AssertionError("the body was hashed whole")
+
+
+@pytest.mark.parametrize("codec", [*SGLANG, VLLMCodec()], ids=lambda c: c.name)
+def test_the_refusal_check_does_not_hash_a_large_body(codec):
+    """The refusal check tests the length first (a set lookup hashes the whole body)."""
+    body = Unhashable(b'{"text":"' + b"x" * (1 << 20) + b'"}')
+    assert answer_status_of(codec, body) == 200

@@ -7,6 +7,7 @@ and inherit the join, folding and error envelope unchanged (``sglang-zstd`` is t
 from __future__ import annotations
 
 import re
+from http import HTTPStatus
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
@@ -89,6 +90,14 @@ ANSWER_TAIL = 64
 ERROR_ANSWER = re.compile(rb'\s*\{\s*"%s"\s*:' % native.ERROR.encode())
 ERROR_RESPONSE = re.compile(rb'\s*\{\s*"%s"\s*:\s*"%s"' % (native.ERROR_OBJECT_KEY.encode(), native.ERROR.encode()))
 CODE_KEY = b'"code"'  # ErrorResponse.code
+# The engine's API-key middleware (``--api-key``), SGLang 0.5.23 ``srt/utils/auth.py``
+# ``_ApiKeyASGIMiddleware.__call__``: ``ORJSONResponse(content={"error": "Unauthorized" if
+# decision.error_status_code == 401 else "Forbidden"}, status_code=decision.error_status_code)``. It
+# refused the *worker's* request to its engine: a deployment fault, not the edge client's, so the edge
+# answers 502 (Bad Gateway, as for a worker's invalid chunk) and never 401/403, which at the edge say
+# the client's own token was refused (docs/edge.md).
+AUTH_REFUSALS = frozenset({b'{"error":"Unauthorized"}', b'{"error":"Forbidden"}'})
+AUTH_REFUSAL_BYTES = max(map(len, AUTH_REFUSALS))
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -195,12 +204,15 @@ class SGLangCodec(Codec):
                 or _abort_status_in_head(body) or _stream_error_frame(body))
 
     def answer_status(self, body: bytes) -> int:
-        """400 for a body that opens ``{"error":``, the ``ErrorResponse``'s ``code`` for one that opens
+        """502 for the engine's API-key refusals (``AUTH_REFUSALS``), 400 for a body that opens
+        ``{"error":``, the ``ErrorResponse``'s ``code`` for one that opens
         ``{"object":"error"`` (200 when it is outside ``[400, 600)`` or not its last member), else 200:
         the statuses SGLang 0.5.23's ``/generate`` answers these bodies with (``ERROR_ANSWER`` above).
         Reads the first ``ANSWER_HEAD`` (32) and the last ``ANSWER_TAIL`` (64) bytes only. An abort with a
         status whose body ``folds_alone`` did not send to ``fold`` (more than ``ABORT_HEAD`` bytes in front
         of its status) is answered as sent, with 200."""
+        if len(body) <= AUTH_REFUSAL_BYTES and body in AUTH_REFUSALS:  # (the length first: a lookup hashes
+            return HTTPStatus.BAD_GATEWAY  # the whole body)
         head = body[:ANSWER_HEAD]
         if ERROR_ANSWER.match(head):
             return 400

@@ -7,6 +7,7 @@ replaces that one entry and inherits the join, fold and error envelope.
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
@@ -50,6 +51,15 @@ ERROR_TYPES: Mapping[int, str] = {
 # which ``fold`` writes too. A ``code`` outside ``[400, 600)`` is nothing vLLM writes: 200.
 CODE_KEY = b'"code"'  # ErrorInfo.code
 ANSWER_TAIL = 64
+
+
+# The engine's API-key middleware (``--api-key``), vLLM 0.34.0
+# ``entrypoints/serve/middleware/authenticate.py`` ``AuthenticationMiddleware.__call__``: a request under
+# ``/inference`` (the format's ``/inference/v1/generate``) without the key is answered
+# ``JSONResponse(content={"error": "Unauthorized"}, status_code=401)``. It refused the *worker's* request
+# to its engine: a deployment fault, not the edge client's, so the edge answers 502 (Bad Gateway, as for
+# a worker's invalid chunk) and never 401, which at the edge says the client's own token was refused.
+AUTH_REFUSAL = b'{"error":"Unauthorized"}'
 
 
 class VLLMCodec(Codec):
@@ -97,8 +107,11 @@ class VLLMCodec(Codec):
 
     def answer_status(self, body: bytes) -> int:
         """``ErrorResponse.error.code`` for a body that opens ``{"error"`` (:func:`~.native.error_response_prefix`)
-        and ends with it, the last member of ``error`` (``CODE_KEY`` above), when it is in ``[400, 600)``; else
-        200. Reads the first 32 and the last ``ANSWER_TAIL`` (64) bytes only."""
+        and ends with it, the last member of ``error`` (``CODE_KEY`` above), when it is in ``[400, 600)``; 502
+        for the engine's API-key refusal (``AUTH_REFUSAL``); else 200. Reads the first 32 and the last
+        ``ANSWER_TAIL`` (64) bytes only."""
+        if body == AUTH_REFUSAL:  # (bytes equality tests the lengths first)
+            return HTTPStatus.BAD_GATEWAY
         if not error_response_prefix(body):
             return 200
         status = trailing_int(body, CODE_KEY, 2, ANSWER_TAIL)
