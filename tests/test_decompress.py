@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import tracemalloc
 
 import pytest
@@ -24,6 +23,13 @@ from streamproc.decompress import (
 )
 
 MIB = 1 << 20
+
+
+class UntouchedDecompressor:
+    """Stands in for a ``ZstdDecompressor`` that must not be used: any attribute read fails the test."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the decompressor was used ({name}): not judged by the header alone")
 
 
 def reason_of(call) -> str:
@@ -110,14 +116,13 @@ def test_zstd_bomb_declaring_its_size_is_rejected_from_the_header_alone():
     assert zstandard.frame_content_size(frame) == 64 * MIB
     tracemalloc.start()
     try:
-        started = time.perf_counter()
-        assert reason_of(lambda: decompress_zstd(frame, MIB, zstd_decompressor(MIB))) == TOO_LARGE
-        elapsed = time.perf_counter() - started
+        # a decompressor that fails the test if it is touched: the refusal comes from the header alone
+        # (a wall-clock bound said this before, and a loaded machine can stretch any bound of that kind)
+        assert reason_of(lambda: decompress_zstd(frame, MIB, UntouchedDecompressor())) == TOO_LARGE
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 256 * 1024
-    assert elapsed < 0.05
 
 
 def test_zstd_bomb_without_a_declared_size_is_stopped_past_the_limit_with_bounded_memory():
