@@ -531,8 +531,9 @@ async def test_fifty_paused_http_clients_of_live_results_get_them_all_and_the_ed
     socket's kernel send buffer, 3.9 MB here, takes), then read them; a client beside them gets a
     result every 50 ms. Each paused client gets every byte it should; the fast one keeps its pace
     while they catch up;
-    the edge's VmHWM grows by less than three --stream-buffer-bytes per stream (measured +15 MiB
-    against that 38 MiB); its temporary consumers are gone afterwards."""
+    the edge's VmHWM grows by less than three --stream-buffer-bytes per stream (measured +24 MiB
+    against that 38 MiB, 23.6-24.1 MiB in nine runs beside two CPU burners: the growth is the buffers',
+    not the machine's pace); its temporary consumers are gone afterwards."""
     subjects = Subjects("behindhttp")
     clients, buffer, per_request = 50, 256 * 1024, 80  # 80 x 64 KiB = 5 MiB each
     body64 = b'{"text":"' + b"h" * (64 * 1024 - 12) + b'"}'
@@ -592,8 +593,15 @@ async def test_fifty_paused_http_clients_of_live_results_get_them_all_and_the_ed
         assert growth < 3 * buffer * clients // 1024, growth
         # While the results are published the ring reads them all, in stream order, the fast one's
         # among them (a pace set by the server and two shared cores); while 50 streams catch up from
-        # the stream beside it, the fast one keeps its pace.
-        assert len(lags) == 60 and len(catching) >= 20 and max(catching) < 0.5, lags
+        # the stream beside it, the fast one keeps its pace: nine in ten of its results within 0.5 s,
+        # half within 0.1 s, none after 2 s. Not the slowest one within 0.5 s: on a loaded machine
+        # (two CPU burners) one or two of ~52 took 0.53-0.76 s while the median stayed at 1 ms, and 3
+        # of 6 runs failed on that outlier alone. A fast stream queued behind the catch-ups would
+        # wait most of their several seconds, at the median as at the top.
+        catching.sort()
+        assert len(lags) == 60 and len(catching) >= 20, lags
+        assert catching[len(catching) // 2] < 0.1 and catching[len(catching) * 9 // 10] < 0.5, catching
+        assert catching[-1] < 2.0, catching
 
 
 async def test_a_result_without_an_ack_subject_that_a_jetstream_feed_cannot_take_puts_it_behind_from_the_start(
