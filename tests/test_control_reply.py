@@ -16,7 +16,7 @@ import anyio
 import nats
 import pytest
 from conftest import processor_subprocess
-from helpers import free_port, scrape
+from helpers import free_port, scrape, wait_until
 from shipped_config import CONF, requests_unanswered_under_fake_lease_members, shipped_server, url
 
 from streamproc.core.partitions import partition_of
@@ -61,14 +61,17 @@ async def test_a_frontend_cannot_get_the_processor_to_publish_on_a_victims_resul
         with processor_subprocess(url(server, "processor"), "--mode", mode, "--partitions", "2",
                                   "--prefill-timeout", "2", "--http-port", str(http_port),
                                   "--http-host", "127.0.0.1") as (proc, log_path):
-            await anyio.sleep(1.0)  # durable: partitions taken
+            # subscribed (core) or owning partitions (durable): by condition, not a 1 s sleep
+            await wait_until(lambda: scrape(http_port)["streamproc_ready"] == 1, 30, "the processor ready")
             # Through the processor: a migrate whose reply subject is the victim's result subject.
             for i in range(5):
                 await frontend.publish(SUBJECTS.migrate(f"anything-{i}"), b"", reply=SUBJECTS.result(victim))
             await frontend.flush()
-            await anyio.sleep(4.0)
+            refused = "streamproc_control_replies_refused_total"
+            await wait_until(lambda: scrape(http_port)[refused] >= 5, 30, "the five migrates refused", every=0.1)
+            await anyio.sleep(1.0)  # a window for anything else the processor would do with them (a forged reply)
             log = log_path.read_text()
-            assert scrape(http_port)["streamproc_control_replies_refused_total"] == 5
+            assert scrape(http_port)[refused] == 5
         assert any("permissions violation" in e.lower() for e in errors), errors
         assert "event=control_reply_refused" in log and "event=attempt_sealed" not in log, log[-2000:]
         assert forged == [], (f"the processor published {len(forged)} message(s) on {SUBJECTS.result(victim)} "
