@@ -5,9 +5,11 @@ without NATS: the open and close paths are the response's own."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import uvicorn
+from helpers import wait_until
 
 from streamproc.edge.app import EventStreamResponse
 
@@ -72,9 +74,9 @@ class Served:
         return reader, writer
 
     async def closed_count(self, n: int) -> list[bool]:
-        for _ in range(200):
-            if len(self.closed) >= n:
-                break
+        """``closed`` once it holds ``n`` (or after 10 s): bounded by time, not by 200 turns."""
+        deadline = time.monotonic() + 10
+        while len(self.closed) < n and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         return self.closed
 
@@ -98,7 +100,9 @@ async def test_an_open_stream_holds_one_task_and_its_clients_disconnect_ends_it(
             writer.close()
         assert held == 5  # Uvicorn's run_asgi per stream, nothing more
         assert await served.closed_count(5) == [False] * 5  # each ended as a disconnect, at once
-        await asyncio.sleep(0.05)
+        # their tasks end in a later loop pass: polled, not one 50 ms sleep (which a descheduled
+        # process can spend in a single pass)
+        await wait_until(lambda: len(asyncio.all_tasks()) <= before, 10, "the streams' tasks ended")
         assert len(asyncio.all_tasks()) == before
 
 
