@@ -2,12 +2,13 @@
 against a real nats-server: what each request the client and the edge build makes the server do,
 and what ``pull_status`` reads from each way the server ends a pull (nats-server 2.x
 ``consumer.go``: ``404 No Messages``, ``408 Request Timeout``, ``409 Message Size Exceeds MaxBytes``,
-``409 Exceeded MaxWaiting``, ``409 Consumer Deleted``, ``100`` idle heartbeats; ``503`` no
-responders from the core server)."""
+``409 Exceeded MaxWaiting``, ``409 Exceeded MaxRequestMaxBytes``, ``409 Batch Completed``,
+``409 Consumer Deleted``, ``100`` idle heartbeats; ``503`` no responders from the core server)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import anyio
@@ -30,8 +31,9 @@ RESULT = 20_000  # bytes of each stored message
 class Consumer:
     """A replay consumer made as the client and the edge make theirs, and its delivery inbox."""
 
-    def __init__(self, client, subject: str, **changes) -> None:
+    def __init__(self, client, subject: str, raw: dict | None = None, **changes) -> None:
         self.client, self.subject, self.changes = client, subject, changes
+        self.raw = raw or {}  # fields nats-py's ConsumerConfig lacks (max_bytes: MaxRequestMaxBytes)
         self.inbox = client.new_inbox()
         self.name = replay_consumer_name(self.inbox)
         self.words: list[tuple[float, object]] = []  # (arrival, pull_status of the message or its data)
@@ -39,7 +41,13 @@ class Consumer:
 
     async def __aenter__(self) -> Consumer:
         config = dataclasses.replace(replay_consumer_config(self.name, self.subject, 1), **self.changes)
-        await self.client.jetstream().add_consumer(STREAM, config=config)
+        if self.raw:
+            request = {"stream_name": STREAM, "config": {**config.as_dict(), **self.raw}}
+            answer = await self.client.request(f"$JS.API.CONSUMER.CREATE.{STREAM}.{self.name}",
+                                               json.dumps(request).encode(), timeout=5)
+            assert "error" not in json.loads(answer.data), answer.data
+        else:
+            await self.client.jetstream().add_consumer(STREAM, config=config)
 
         async def got(msg) -> None:
             kind = pull_status(msg.headers)
@@ -130,6 +138,22 @@ async def test_pull_status_reads_each_way_nats_server_ends_a_pull(client):
         assert await consumer.words_within(1.0) == ["gone"]
         await consumer.pull(pull_request(1 << 20, no_wait=True))
         assert await consumer.words_within(1.0) == ["gone"]  # 503: no consumer answers its pulls
+
+
+async def test_a_pull_past_the_consumers_max_request_max_bytes_is_refused_not_taken_for_a_result_too_big(client):
+    """A consumer with ``max_bytes`` (MaxRequestMaxBytes) refuses a pull asking more with ``409
+    Exceeded MaxRequestMaxBytes of N``, read as ``refused`` (before 2026-12-06: ``too_big``, as if
+    the next result were larger than the room); the pull for one result alone (no max_bytes) is not
+    refused, and a pull whose batch fills before its max_bytes ends with ``409 Batch Completed``
+    after its last result, read as ``completed``."""
+    subject = await stored(client, 3)
+    async with Consumer(client, subject, raw={"max_bytes": 4 * RESULT}) as consumer:
+        await consumer.pull(pull_request(8 * RESULT, no_wait=True))
+        assert await consumer.words_within(1.0) == ["refused"]
+        await consumer.pull(pull_request(None, no_wait=True))
+        assert await consumer.words_within(1.0) == [b"A" * RESULT]
+        await consumer.pull(pull_request(4 * RESULT, batch=1, no_wait=True))
+        assert await consumer.words_within(1.0) == [b"B" * RESULT, "completed"]
 
 
 async def test_a_replay_consumer_is_held_by_the_server_for_its_idle_time_not_the_servers_default(client):

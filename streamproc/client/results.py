@@ -332,7 +332,11 @@ class ResultStream:
         if status is None or reply or msg.subject != self._inbox:
             return  # a stray (nobody else may publish here)
         self._pull_state.status(status, anyio.current_time())  # the pull out ends, but for a heartbeat
-        if status != "gone":  # the consumer answered: MSG.NEXT is allowed and imported
+        if status == "completed":  # after a filled batch's last result, which ended its pull already
+            return
+        if status == "refused" and self._pull_state.stuck:  # refused even for one result alone
+            self._renew, self._gone_why = True, (msg.headers or {}).get("Description") or "pull refused"
+        elif status != "gone":  # the consumer answered: MSG.NEXT is allowed and imported
             self._next_allowed = True
             self._pull_state.answered()
             if status == "heartbeat":  # the pull out still waits on the server

@@ -36,6 +36,10 @@ class PullState:
       reconnect, or used up exactly, which nats-server ends without a status (:meth:`silent`). The
       client reads this clock; the edge, whose ``no_wait`` pulls never wait on the server, times the
       silence from when its queue runs dry instead (its reader may be slow to take what came).
+    - A pull refused as asked (``refused``: past the consumer's or the account's request limits)
+      brought nothing: the consumer's next pulls ask for one result alone (no ``max_bytes``, a batch of
+      one, which no such limit refuses), once the reader holds nothing (``alone``); one refused even
+      so (``stuck``) is no answer: the shell makes the consumer again, bounded as below.
     - Consumers made again in a row without an answer are bounded (:meth:`renew`): past
       ``renewals_max`` the replay ends with an error instead of renewing without end.
     """
@@ -48,6 +52,8 @@ class PullState:
         self.left = 0
         self.got = 0
         self.one_big = False
+        self.alone = False  # a pull was refused as asked: this consumer's pulls ask for one result alone
+        self.stuck = False  # one was refused even so
         self.until = math.inf
         self.delivered = 0  # results the current consumer delivered (its delivery sequence so far)
         self.renewals = 0  # consumers made again since the last answer
@@ -55,7 +61,7 @@ class PullState:
 
     def consumer_made(self) -> None:
         """A new consumer: nothing asked of it yet, its delivery sequence from 1."""
-        self.out = self.one_big = False
+        self.out = self.one_big = self.alone = self.stuck = False
         self.until = math.inf
         self.delivered = 0
 
@@ -66,7 +72,7 @@ class PullState:
         queue has room for, if that is bounded too. None while a pull is out."""
         if self.out:
             return None
-        if self.one_big:
+        if self.one_big or self.alone:
             return None if held else Pull(None, 1)
         if held and room < bound // 2:
             return None
@@ -103,11 +109,19 @@ class PullState:
     def status(self, kind: str, now: float) -> None:
         """A status on the consumer's inbox, as ``pull_status`` reads it: a ``heartbeat`` says the
         pull out still waits on the server; any other ends it, and ``too_big`` before the pull
-        brought anything means the next result comes alone."""
+        brought anything means the next result comes alone. ``completed`` changes nothing: it
+        follows the last result of a pull whose batch filled, which ended that pull already (a next
+        pull may be out). ``refused``: the consumer's pulls ask for one result alone from now on;
+        refused even so, ``stuck``."""
         if kind == "heartbeat":
             if self.out:
                 self.until = now + self.lost_after
             return
+        if kind == "completed":
+            return
+        if kind == "refused":
+            self.stuck = self.alone
+            self.alone = True
         if kind == "too_big" and self.got == 0:
             self.one_big = True
         self.out = False

@@ -381,6 +381,8 @@ class Replay:
                 status = self._pull_ended(msg)
                 if status == "gone":  # no consumer (deleted, idle too long) or nobody answers pulls
                     return await self._renew(refused=self._no_responders_to_pulls(msg))
+                if status == "refused" and self.pull_state.stuck:  # refused even for one result alone
+                    return await self._renew()
                 continue
             if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
                 # Paused, and what was queued before the drop is read: on from the next stored result.
@@ -513,8 +515,8 @@ class Replay:
                 size = self.charged  # its batch is in: the pull is over
         else:
             status = pull_status(msg.headers)
-            if status is None or status == "heartbeat":
-                return
+            if status is None or status in ("heartbeat", "completed"):
+                return  # completed: given back with the batch's last result (a next pull may be out)
             size = self.charged
         size = min(size, self.charged)
         self.charged -= size
@@ -549,7 +551,7 @@ class Replay:
         """A status on the pull consumer's inbox: the pull out is over (what :func:`pull_status`
         says; a stray or a heartbeat changes nothing)."""
         status = pull_status(msg.headers)
-        if status is None or status == "heartbeat" or msg.subject != self.inbox:
+        if status is None or status in ("heartbeat", "completed") or msg.subject != self.inbox:
             return None
         self.pull_state.status(status, asyncio.get_running_loop().time())
         if status == "ended" and self.pull_state.got == 0:

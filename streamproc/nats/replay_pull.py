@@ -83,19 +83,50 @@ def encode(request: dict[str, int | bool]) -> bytes:
     return json.dumps(request).encode()
 
 
+# Every status nats-server sends on a pull's reply subject (2.x ``server/consumer.go``, ``jetstream.go``;
+# ``client.go`` for the 503), by what it says of the pull; anything else is read as "ended".
+#   "heartbeat": ``100 Idle Heartbeat`` (a waiting pull's; ``100 FlowControl Request`` is a push consumer's)
+#   "gone":      ``503`` (no responders: no consumer, or MSG.NEXT not imported), ``409 Consumer Deleted``,
+#                ``409 Consumer is push based`` (the name is a push consumer's now: not ours)
+#   "too_big":   ``409 Message Size Exceeds MaxBytes`` (``getNextMsg``: the next result is larger than
+#                what is left of the pull's max_bytes)
+#   "completed": ``409 Batch Completed`` (``deliverMsg``'s caller: sent *after* the last result of a pull
+#                whose batch filled before its max_bytes; the pull ended with that result already, and a
+#                next pull may be out when it arrives, which it must not end)
+#   "refused":   ``409 Exceeded MaxRequestBatch of N``, ``409 Exceeded MaxRequestExpires of D``,
+#                ``409 Exceeded MaxRequestMaxBytes of N`` (the consumer's, or the account's
+#                max_request_batch, limits), ``400 Bad Request - ...``, ``412 Required Api Level``,
+#                ``423 Nats-Pin-Id mismatch``, ``423 Nats-Wrong-Pin-Id``: the pull as asked is refused
+#                (``processNextMsgRequest``), brought nothing, and the same pull would be refused again
+#   "ended":     ``404 No Messages``, ``408 Request Timeout``, ``408 Interest Expired``,
+#                ``408 Requests Pending``, ``409 Exceeded MaxWaiting``, ``409 Leadership Change``,
+#                ``409 Server Shutdown``: the pull is over (nothing more now); another may be sent
+_GONE = ("Consumer Deleted", "Consumer is push based")
+_REFUSED = ("Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires", "Exceeded MaxRequestMaxBytes")
+
+
 def pull_status(headers: dict[str, str] | None) -> str | None:
-    """What a status message on a pull's reply subject says: ``"gone"`` (no consumer: deleted,
-    idle too long, or no responders), ``"too_big"`` (the next result is larger than the room the
-    pull offered), ``"ended"`` (the pull is over: nothing more now, expired), ``"heartbeat"``; None
-    for no status (a delivery, or a stray)."""
+    """What a status message on a pull's reply subject says (the table above): ``"heartbeat"``,
+    ``"gone"``, ``"too_big"``, ``"completed"``, ``"refused"`` or ``"ended"``; None for no status (a
+    delivery, or a stray). nats-py puts the status line's code in ``Status``, its text in
+    ``Description``."""
     status = (headers or {}).get("Status")
     if status is None:
         return None
     if status == "100":
         return "heartbeat"
-    description = (headers or {}).get("Description", "")
-    if status == "503" or "Deleted" in description:
+    if status == "503":
         return "gone"
-    if status == "409" and "MaxBytes" in description:
-        return "too_big"
+    description = (headers or {}).get("Description", "").strip()
+    if status == "409":
+        if description in _GONE:
+            return "gone"
+        if description == "Message Size Exceeds MaxBytes":
+            return "too_big"
+        if description == "Batch Completed":
+            return "completed"
+        if description.startswith(_REFUSED):
+            return "refused"
+    if status in ("400", "412", "423"):
+        return "refused"
     return "ended"
