@@ -34,6 +34,7 @@ from streamproc.core.codec import ErrorKind, OmissionReason
 from streamproc.core.correlator import Stats
 from streamproc.core.latency import LatencyHistogram
 from streamproc.edge.app import ERROR_STATUS
+from streamproc.core.read_budget import ReadBudget
 from streamproc.edge.metrics import EdgeCollector, EdgeMetrics
 from streamproc.metrics import ProcessorCollector
 from streamproc.nats.durable.input import DurableStats
@@ -172,7 +173,7 @@ def exported_metrics() -> set[str]:
         pipeline=SimpleNamespace(result_latency=LatencyHistogram()),
         control_replies_refused=0, status_server=SimpleNamespace(evicted=0, accept_errors=0),
         connected=True, ready=True)
-    families = [*ProcessorCollector(processor).collect(), *EdgeCollector(EdgeMetrics()).collect()]
+    families = [*ProcessorCollector(processor).collect(), *EdgeCollector(EdgeMetrics(), ReadBudget(1)).collect()]
     return {f.name + "_total" if f.type == "counter" else f.name for f in families}
 
 

@@ -210,6 +210,48 @@ async def test_a_pull_out_when_its_replay_is_closed_stays_charged_until_its_cons
         assert gate.budget.queued == 0
 
 
+@pytest.mark.anyio
+@pytest.mark.timeout(120)
+async def test_the_read_budget_its_bytes_out_and_its_waits_are_on_the_edges_metrics_endpoint(nats_server):
+    """``GET /metrics`` (a real HTTP request to a real edge) shows the budget, what is out now, the
+    bytes it let replays ask for and the reads that waited: 6 late attaches to 8 x 900 KB histories
+    under a 2 MiB budget wait for it, and once they are done nothing is out."""
+    subjects = Subjects("budgetmetrics")
+    stored = [rid(f"m-{i}") for i in range(2)]
+    budget = 2 * MiB
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--replay-read-budget", str(budget)) as edge:
+        before = edge.metrics()
+        assert before["streamproc_edge_replay_read_budget_bytes"] == budget
+        assert before["streamproc_edge_replay_read_out_bytes"] == 0
+        assert before["streamproc_edge_replay_read_waits_total"] == 0
+        async with connection(nats_server.url) as nc:
+            for request_id in stored:
+                await publish_results(nc, subjects, request_id, [BODY] * STORED, flush_every=2)
+            js = nc.jetstream()
+            stream = await js.find_stream_name_by_subject(subjects.result(stored[0]))
+            await wait_until(lambda: stored_count(js, stream, 2 * STORED), 20, "the histories stored")
+        async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+            async def attach(request_id: str) -> bytes:
+                response = await client.get(f"/v1/results/{request_id}")
+                assert response.status_code == 200
+                return response.content
+
+            got = await asyncio.wait_for(asyncio.gather(*(attach(stored[i % 2]) for i in range(6))), 60)
+        assert all(body == expected_sse([BODY] * STORED) for body in got)
+        # the last pulls' consumers are deleted after their streams ended: their charge is given back then
+        deadline = time.monotonic() + 10
+        while (after := edge.metrics())["streamproc_edge_replay_read_out_bytes"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+    print({k: v for k, v in after.items() if "replay_read" in k})
+    assert after["streamproc_edge_replay_read_budget_bytes"] == budget
+    assert after["streamproc_edge_replay_read_waits_total"] > 0
+    # each history (7.2 MB) was asked for at least once per attach (the first result by MSG.GET, charged its answer's bound)
+    assert after["streamproc_edge_replay_read_bytes_total"] >= 6 * (STORED - 1) * len(BODY)
+    assert after["streamproc_edge_replay_read_out_bytes"] == 0
+    assert after["streamproc_edge_replay_read_queued"] == 0
+
+
 def replay_state(replay, source, gate) -> str:
     """What a replay did, for an assertion's message."""
     pulls = source.pulls

@@ -32,6 +32,7 @@ class ReadBudget:
         self._waiting: dict[Hashable, tuple[int, int]] = {}  # in arrival order: want, least
         self.waits = 0  # reads that had to wait (metrics, tests)
         self.peak = 0  # the most ever out (tests)
+        self.granted_total = 0  # bytes ever granted (metrics: what the budget let replays ask for)
 
     def take(self, want: int, least: int) -> int:
         """Bytes granted now (charged), or 0: then queue the read (:meth:`wait`) or do without."""
@@ -78,5 +79,6 @@ class ReadBudget:
         else:
             return 0
         self.out += grant
+        self.granted_total += grant
         self.peak = max(self.peak, self.out)
         return grant

@@ -371,8 +371,8 @@ class Edge:
         self.settings = settings
         self.tracing = tracing  # None: off (streamproc.tracing)
         self.metrics = EdgeMetrics()
-        self.registry = registry_for(EdgeCollector(self.metrics))
         self.source = ResultSource(settings, self.metrics)
+        self.registry = registry_for(EdgeCollector(self.metrics, self.source.read_gate.budget))
         self.codec: Codec = Catalog()(settings.format)  # an unknown format fails here, at start-up
         self.stopping = stop.Stopping()  # the streams a stop ends cleanly (stopping.py)
         self.stop_frame = sse.event(self.codec.error_body(stop.MESSAGE, ErrorKind.OVERLOADED)) + sse.DONE

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..core.codec import known_kind
+from ..core.read_budget import ReadBudget
 from ..core.events import ResultInfo
 from ..metrics import struct_families
 
@@ -161,10 +162,11 @@ _HELP: dict[str, tuple[str, str]] = {
 
 
 class EdgeCollector(Collector):
-    """Reads one edge's :class:`EdgeMetrics` at scrape time."""
+    """Reads one edge's :class:`EdgeMetrics` (and its replays' read budget) at scrape time."""
 
-    def __init__(self, metrics: EdgeMetrics) -> None:
+    def __init__(self, metrics: EdgeMetrics, read_budget: ReadBudget | None = None) -> None:
         self._m = metrics
+        self._budget = read_budget
 
     def collect(self) -> Iterator[Metric]:
         m = self._m
@@ -173,6 +175,20 @@ class EdgeCollector(Collector):
                                          "connections_open"))
         for gauge in ("streams_dispatched", "stored_reads_refused", "connections_open"):  # gauges (streamproc.metrics.GAUGES is shared)
             yield GaugeMetricFamily(f"streamproc_edge_{gauge}", _HELP[gauge][1], value=getattr(m, gauge))
+        budget = self._budget
+        if budget is not None:  # the replays' read budget (core/read_budget.py; docs/edge.md)
+            yield GaugeMetricFamily("streamproc_edge_replay_read_budget_bytes", "--replay-read-budget: bytes of "
+                                    "stored results all replays together may have asked nats-server for and not "
+                                    "yet received", value=budget.limit)
+            yield GaugeMetricFamily("streamproc_edge_replay_read_out_bytes", "bytes of stored results asked of "
+                                    "nats-server (pulls' max_bytes, STREAM.MSG.GET answers) and not yet received, "
+                                    "now", value=budget.out)
+            yield GaugeMetricFamily("streamproc_edge_replay_read_queued", "stored reads waiting their turn in "
+                                    "the read budget now", value=budget.queued)
+            yield CounterMetricFamily("streamproc_edge_replay_read_bytes", "bytes of stored results the read "
+                                      "budget let replays ask nats-server for", value=budget.granted_total)
+            yield CounterMetricFamily("streamproc_edge_replay_read_waits", "stored reads (pulls, STREAM.MSG.GET) "
+                                      "that waited for the read budget", value=budget.waits)
         verdicts = CounterMetricFamily("streamproc_edge_results_by_verdict", "result bodies sent to clients, "
                                        "by verdict", labels=["verdict"])
         for verdict, n in sorted(m.by_verdict.items()):
