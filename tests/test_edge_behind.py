@@ -1004,9 +1004,11 @@ authorization {
 async def test_late_attaches_read_with_push_consumers_while_pulls_are_refused_and_pull_once_granted():
     """An edge user may not publish CONSUMER.MSG.NEXT (the permission set before 2026-12-05): the
     first pull of a late attach is refused (the connection's -ERR), and that replay, and the next
-    ones, read with a push consumer, paused at the bound, every result in order. Once the
-    permission is granted (a reload), the next re-probe pulls, and a slow late attach then is sent
-    no more than its bound holds: no pause."""
+    ones, read each result by subject (STREAM.MSG.GET, charged to the read budget: a push consumer's
+    flow control is not held to it, and many had the edge's connection cut; before 2026-12-06 they
+    read with push consumers, paused at the bound), every result in order. Once the permission is
+    granted (a reload), the next re-probe pulls, and a slow late attach then is sent no more than
+    its bound holds: no pause."""
     count = 40
     body = b'{"text":"' + b"x" * (16 * 1024 - 12) + b'"}'  # 640 KiB stored, ten bounds
     with EmbeddedNats(config=DENY_PULLS) as server:
@@ -1017,7 +1019,7 @@ async def test_late_attaches_read_with_push_consumers_while_pulls_are_refused_an
                 await publish_results(nc, SUBJECTS, request_id, [body] * count, flush_every=8)
                 await until(lambda: source.metrics.results_seen >= count)
 
-                async def late_attach() -> int:
+                async def late_attach() -> tuple[int, int]:
                     feed = await source.open(request_id)
                     pauses = source.metrics.replay_pauses
                     seqs = []
@@ -1025,17 +1027,21 @@ async def test_late_attaches_read_with_push_consumers_while_pulls_are_refused_an
                         seqs.append(item.seq)
                         await asyncio.sleep(0.005)  # slower than NATS
                     assert seqs == list(range(count)) and isinstance(item, Ended), (seqs, item)
+                    pulled = feed.replay.pulled if feed.replay is not None else 0
                     await feed.close()
-                    return source.metrics.replay_pauses - pauses
+                    return source.metrics.replay_pauses - pauses, pulled  # paused, pulls sent
 
-                assert await late_attach() >= 1  # read with push consumers, paused at the bound
+                assert await late_attach() == (0, 1)  # its one pull refused, then by subject: no pause
                 assert source.pulls.state == "refused"
-                assert await late_attach() >= 1  # no pull tried again before the re-probe
+                asked = source.read_gate.budget.granted_total
+                assert await late_attach() == (0, 0)  # no pull tried again before the re-probe, no push consumer
+                assert source.read_gate.budget.granted_total - asked >= (count - 1) * len(body)  # each by MSG.GET
                 (server.log_path.parent / "server.conf").write_text(ALLOW_ALL)
                 os.kill(server.pid, signal.SIGHUP)
                 await until(lambda: "Reloaded server configuration" in server.log_path.read_text(), 10.0)
                 source.pulls.reprobe = 0.0
-                assert await late_attach() == 0  # pulled: never more than the bound
+                paused, pulled = await late_attach()
+                assert paused == 0 and pulled > 0  # pulled: never more than the bound
                 assert source.pulls.state == "allowed"
                 assert source.metrics.streams_overrun == 0
 

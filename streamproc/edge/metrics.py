@@ -136,7 +136,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "keepalives_sent": ("counter", "keep-alive comments sent"),
     "jetstream_replays": ("counter", "streams read from the JetStream results stream (replay, then live)"),
     "replay_pauses": ("counter", "times a late attach's history came faster than its client read it: consumer stopped, read on later"),
-    "replay_reads_by_subject": ("counter", "stored results a late attach read by subject because the edge held --max-replay-consumers (or kept a freed one for a waiting catch-up)"),
+    "replay_reads_by_subject": ("counter", "stored results a late attach read by subject because the edge held --max-replay-consumers (or kept a freed one for a waiting catch-up), or because its pulls (CONSUMER.MSG.NEXT) are refused"),
     "replay_consumer_waits": ("counter", "waits of catch-ups that may not read by subject (STREAM.MSG.GET refused) for a consumer past --max-replay-consumers: one per consumer a catch-up had to wait for, not per look while it waits"),
     "core_subscriptions": ("counter", "streams read live only (core NATS: their own subscription, or the "
                                       "recent ring's wildcard one)"),

@@ -162,7 +162,8 @@ class Replay:
                  access: ApiPermission | None = None, may_subscribe: Callable[[bool], bool] | None = None,
                  start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
                  release: Callable[[], None] | None = None, pulls: ApiPermission | None = None,
-                 gate: ReadGate | None = None, largest: Callable[[], int] | None = None) -> None:
+                 gate: ReadGate | None = None, largest: Callable[[], int] | None = None,
+                 read_by_subject: Callable[[], None] | None = None) -> None:
         self.nc = nc
         self.api_prefix = api_prefix
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
@@ -230,6 +231,7 @@ class Replay:
         # bring (``largest``: the largest result the stream may hold) until the answer is in.
         self.gate = gate
         self.largest = largest
+        self.read_by_subject = read_by_subject  # told of each result read by subject for want of pulls (metrics)
         self.charged = 0
         self._arrived = 0  # results the pull out brought so far, counted as they arrive
         self._probe_charge = 0
@@ -325,6 +327,11 @@ class Replay:
     async def _found_first(self, message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes] | None:
         """A stored result found by subject: handed out, or the first of a temporary consumer."""
         if (self.read == 0 or self.paused or self.by_subject
+                # Pulls refused: a push consumer's flow control lets nats-server send 2 MiB and more
+                # (its window doubles at each answer, up to 32 MiB) past the read budget, and many of
+                # them had the edge's connection cut as a slow consumer (tests/test_edge_replay_budget.py).
+                # Each result by subject instead, every request charged to the budget.
+                or (self.gate is not None and self._pulls_refused() and self._counted_by_subject())
                 or (self.may_subscribe is not None and not self.may_subscribe(False))):
             # Handed out as it came: the probe's; after a pause, so that every pause moves the
             # reader on by a result at least, even one larger than the bound by itself (nats-py
@@ -338,6 +345,17 @@ class Replay:
             self.done = message.seq >= self.upto
             return _parts(message)
         return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
+
+    def _counted_by_subject(self) -> bool:
+        if self.read_by_subject is not None:
+            self.read_by_subject()
+        return True
+
+    def _pulls_refused(self) -> bool:
+        """Pulls are refused and no re-probe of them is due (which ``usable`` would claim)."""
+        pulls = self.pulls
+        return (pulls is not None and pulls.state == "refused"
+                and pulls.clock() - pulls.refused_at < pulls.reprobe)
 
     async def _subscribe(self, seq: int, reserved: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
         """Read on with a new temporary consumer from stream sequence ``seq`` (``reserved``: in a

@@ -707,7 +707,10 @@ class ResultSource:
                       REPLAY_TIMEOUT, limits, watch, self.msg_get,
                       functools.partial(self._may_replay_with_consumer, feed), start,
                       by_consumer, expect, self._replay_consumer_made, self.pulls, self.read_gate,
-                      self._largest_stored)
+                      self._largest_stored, self._replay_read_by_subject)
+
+    def _replay_read_by_subject(self) -> None:
+        self.metrics.replay_reads_by_subject += 1
 
     def _largest_stored(self) -> int:
         """The largest result the results stream may hold: its max_msg_size, else the server's max_payload."""
