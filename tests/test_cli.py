@@ -270,21 +270,28 @@ def test_configuration_doc_lists_every_setting_with_its_flag_and_variable():
     assert missing == []
 
 
+def demo_serving(requests: int) -> tuple[subprocess.Popen, list[str]]:
+    """``streamproc demo --requests N --serve 0`` started, and its output up to its ``live page:`` line
+    (within 60 s); the caller stops it (SIGTERM)."""
+    from conftest import CLI
+
+    proc = subprocess.Popen([*CLI, "demo", "--requests", str(requests), "--serve", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    while not lines or not lines[-1].startswith("live page: "):
+        if time.monotonic() >= deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError("".join(lines) + proc.stderr.read())
+        lines.append(proc.stdout.readline())
+    return proc, lines
+
+
 def test_demo_serve_keeps_the_edge_up_with_the_live_page_and_stops_on_sigterm():
-    import subprocess
     import urllib.request
 
-    from conftest import CLI
-    from helpers import clean_env
-
-    proc = subprocess.Popen([*CLI, "demo", "--requests", "40", "--serve", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+    proc, lines = demo_serving(40)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while not lines or not lines[-1].startswith("live page: "):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
         assert "verified OK: all 40 requests" in "".join(lines)
         page = lines[-1].split()[2]
         base, example = page.split("/?id=")
@@ -318,16 +325,8 @@ def test_demo_serve_runs_the_edge_with_its_connection_bounds():
     ``streamproc edge``. (A stock Uvicorn on httptools read a 200 KiB head whole and answered it.)"""
     import socket
 
-    from conftest import CLI
-
-    proc = subprocess.Popen([*CLI, "demo", "--requests", "4", "--serve", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+    proc, lines = demo_serving(4)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while not lines or not lines[-1].startswith("live page: "):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
         port = int(lines[-1].split()[2].split("/?id=")[0].rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             head = b"GET /healthz HTTP/1.1\r\nHost: demo\r\nX-Pad: " + b"a" * (200 * 1024) + b"\r\n\r\n"
