@@ -334,8 +334,10 @@ class ResultStream:
         self._pull_state.status(status, anyio.current_time())  # the pull out ends, but for a heartbeat
         if status == "completed":  # after a filled batch's last result, which ended its pull already
             return
-        if status == "refused" and self._pull_state.stuck:  # refused even for one result alone
-            self._renew, self._gone_why = True, (msg.headers or {}).get("Description") or "pull refused"
+        if status == "refused":  # the consumer exists and MSG.NEXT is allowed, but the pull brought nothing:
+            self._next_allowed = True  # no answer (PullState.renew), or a consumer refusing every pull
+            if self._pull_state.stuck:  # is made again without end; refused even for one result alone
+                self._renew, self._gone_why = True, (msg.headers or {}).get("Description") or "pull refused"
         elif status != "gone":  # the consumer answered: MSG.NEXT is allowed and imported
             self._next_allowed = True
             self._pull_state.answered()
