@@ -1001,7 +1001,7 @@ authorization {
 
 
 @pytest.mark.timeout(60)
-async def test_late_attaches_read_with_push_consumers_while_pulls_are_refused_and_pull_once_granted():
+async def test_late_attaches_read_by_subject_while_pulls_are_refused_and_pull_once_granted():
     """An edge user may not publish CONSUMER.MSG.NEXT (the permission set before 2026-12-05): the
     first pull of a late attach is refused (the connection's -ERR), and that replay, and the next
     ones, read each result by subject (STREAM.MSG.GET, charged to the read budget: a push consumer's

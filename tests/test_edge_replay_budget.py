@@ -310,7 +310,7 @@ async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_co
         log = edge.log()
     server_log = server.log_path.read_text(errors="replace")
     if mode == "pulls refused":
-        assert "event=replay_pulls_refused" in log  # read with push consumers indeed
+        assert "event=replay_pulls_refused" in log  # pulls refused indeed: read by subject
     print(f"{mode}: other client served in {other_took:.2f} s")
     assert_everyone_served(server_log, log, got, other_body, other_took, bodies)
 
