@@ -154,15 +154,14 @@ def test_trailing_int_reads_only_the_tail():
     assert trailing_int(body, b'"k"', 1, tail=200) == 42
 
 
-def test_a_large_body_is_not_scanned():
-    """The look is a prefix and a suffix: an 8 MiB generation body costs what a small one does (the
-    edge calls it on its event loop for every unary answer). Checked by the outcome of a body whose
-    middle, never read, holds an envelope."""
-    middle = b'{"error":{"message":"m","type":"X","param":null,"code":503}}'
-    body = b'{"request_id":"r","x":"' + middle.replace(b'"', b"'") * (1 << 20) + b'"}'
-    assert VLLMCodec().answer_status(body) == 200
-    for codec in SGLANG:
-        assert codec.answer_status(b'{"text":"' + b"a" * (8 << 20) + b'"}') == 200
+@pytest.mark.parametrize("codec", [*SGLANG, VLLMCodec()], ids=lambda c: c.name)
+def test_only_the_first_32_bytes_are_looked_at_for_an_error_opening(codec):
+    """The look is a prefix and a suffix (the edge calls it on its event loop for every unary answer):
+    an error envelope whose opening starts past the first 32 bytes is not seen (200), the same
+    envelope with a little leading whitespace is."""
+    envelope = vllm_error_response("m", "X", 503) if codec.name == "vllm" else sglang_error_response("m", 503)
+    assert answer_status_of(codec, b" " * 4 + envelope) == 503
+    assert answer_status_of(codec, b" " * 40 + envelope) == 200
 
 
 class _Liar(Codec):
@@ -242,3 +241,12 @@ def test_the_refusal_check_does_not_hash_a_large_body(codec):
     """The refusal check tests the length first (a set lookup hashes the whole body)."""
     body = Unhashable(b'{"text":"' + b"x" * (1 << 20) + b'"}')
     assert answer_status_of(codec, body) == 200
+
+
+@pytest.mark.parametrize("claim", [401, 403, 407, HTTPStatus.UNAUTHORIZED])
+def test_a_claimed_client_credential_status_is_answered_as_a_worker_fault(claim):
+    """401/403/407 from the edge say the client's own credentials were refused: a body claiming one
+    is the worker's credentials towards its engine, answered 502."""
+    assert answer_status_of(_Liar(), json.dumps(claim).encode()) == 502
+    assert answer_status_of(SGLangCodec(), sglang_error_response("no", claim)) == 502
+    assert answer_status_of(VLLMCodec(), vllm_error_response("no", "Unauthorized", claim)) == 502

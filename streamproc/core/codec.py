@@ -116,14 +116,26 @@ def is_error_status(status: object) -> bool:
     return isinstance(status, int) and not isinstance(status, bool) and 400 <= int(status) < 600
 
 
+# Statuses that, from the edge, say the *client's* credentials were refused (401 with the edge's
+# ``WWW-Authenticate``, 403 for a token that does not cover the request, 407 for a proxy's): a worker's
+# body claiming one speaks of the worker's own credentials towards its engine, a deployment fault the
+# client can do nothing about, so it is answered as one (Bad Gateway).
+CLIENT_CREDENTIAL_STATUSES = frozenset({401, 403, 407})
+WORKER_FAULT_STATUS = 502
+
+
 def answer_status_of(codec: Codec, body: bytes) -> int:
     """``codec.answer_status(body)`` when it is an error status (:func:`is_error_status`), else 200: a
     codec (a third-party one too) can only pick among the statuses a worker's error answer may
-    have, never an invalid status line (``99``, ``999``) nor a redirect or an empty ``204``. A codec
-    that raises is the caller's to catch. A plain ``int`` (an ``HTTPStatus`` member is taken as its
-    number)."""
+    have, never an invalid status line (``99``, ``999``) nor a redirect or an empty ``204``; and
+    never one that says the client's credentials were refused (:data:`CLIENT_CREDENTIAL_STATUSES`:
+    502 instead). A codec that raises is the caller's to catch. A plain ``int`` (an ``HTTPStatus``
+    member is taken as its number)."""
     status = codec.answer_status(body)
-    return int(status) if is_error_status(status) else 200
+    if not is_error_status(status):
+        return 200
+    status = int(status)
+    return WORKER_FAULT_STATUS if status in CLIENT_CREDENTIAL_STATUSES else status
 
 
 def trailing_int(body: bytes, key: bytes, closing: int, tail: int = 64) -> int | None:

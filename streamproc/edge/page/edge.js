@@ -97,9 +97,10 @@ async function diagnose(requestId) {
     const response = await fetch(apiUrl("/v1/results/" + encodeURIComponent(requestId) + "?stream=false"),
       { signal: abort.signal, headers: { Accept: "application/json" } });
     if (page.requestId !== requestId || response.status < 400) return;
-    // an answer of the request's results (a worker's error body carries the engine's 4xx/5xx, a
-    // stored error result its kind's): the stream was refused, but this is no refusal to show
-    if (response.headers.has("Streamproc-Results")) return;
+    // an answer of the request's results (a worker's error body carries the engine's 4xx/5xx:
+    // Streamproc-Results; a stored error result its kind's: Streamproc-Error): the stream was
+    // refused, but this is no refusal to show
+    if (response.headers.has("Streamproc-Results") || response.headers.has("Streamproc-Error")) return;
     let message = "HTTP " + response.status;
     try { message = (await response.json()).error.message || message; } catch (_) { /* not JSON */ }
     page.refusal = { status: response.status, message };
