@@ -398,9 +398,14 @@ class Replay:
             if msg is not None and self.consumer is not None and not (msg.reply or "").startswith("$JS.ACK."):
                 status = self._pull_ended(msg)
                 if status == "gone":  # no consumer (deleted, idle too long) or nobody answers pulls
-                    return await self._renew(refused=self._no_responders_to_pulls(msg))
-                if status == "refused" and self.pull_state.stuck:  # refused even for one result alone
-                    return await self._renew()
+                    return await self._renew(refused=(f"no responders on {self.pulls.subject}.<consumer>"
+                                                      if self._no_responders_to_pulls(msg) and self.pulls
+                                                      else None))
+                if status == "refused" and self.pull_state.stuck:  # refused even for one result alone:
+                    # a limit of the server or account on pull requests, which every consumer meets:
+                    # read by subject meanwhile, as where pulls are not permitted (until the re-probe)
+                    description = (msg.headers or {}).get("Description", "")[:200]
+                    return await self._renew(refused=f"pulls refused even for one result: {description}")
                 continue
             if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
                 # Paused, and what was queued before the drop is read: on from the next stored result.
@@ -588,13 +593,14 @@ class Replay:
         return (self.pull_state.delivered == 0 and (msg.headers or {}).get("Status") == "503"
                 and (self.pulls is None or self.pulls.state != "allowed"))
 
-    async def _renew(self, refused: bool = False) -> tuple[str, dict[str, str] | None, bytes] | None:
+    async def _renew(self, refused: str | None = None) -> tuple[str, dict[str, str] | None, bytes] | None:
         """The pull consumer is gone (or its pulls went unanswered): on from the next stored
-        result, by subject and then a new consumer, as after a pause. ``refused``: its first pull
-        got no responders (the edge's account does not import CONSUMER.MSG.NEXT): push consumers
-        from now on (until the access's re-probe)."""
-        if refused and self.pulls is not None and self.pulls.state != "refused":
-            self.pulls.refused(f"no responders on {self.pulls.subject}.<consumer>")
+        result, by subject and then a new consumer, as after a pause. ``refused`` (why): its first
+        pull got no responders (the edge's account does not import CONSUMER.MSG.NEXT), or its pulls
+        were refused even for one result alone (a pull request limit): pulls count as refused from
+        now on (until the access's re-probe), and replays read by subject."""
+        if refused is not None and self.pulls is not None and self.pulls.state != "refused":
+            self.pulls.refused(refused)
         if not self.pull_state.renew():
             raise nats.errors.TimeoutError
         await self._drop_consumer()

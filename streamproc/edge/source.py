@@ -775,11 +775,16 @@ class ResultSource:
         """Said once per change: replays read with push consumers (as before 2026-12-05) meanwhile."""
         assert self.pulls is not None
         if state == "refused":
+            limited = reason.startswith("pulls refused even")  # a request limit, not the permission
             log_event(log, logging.WARNING, "replay_pulls_refused", permission=f"{self.pulls.subject}.>",
-                      error=reason, fallback="push consumers, stopped at the stream's bound",
+                      error=reason, fallback="each result by subject (STREAM.MSG.GET, in the read budget; "
+                                             "push consumers where that is refused too)",
                       retry_after=self.pulls.reprobe,
-                      hint="export and import it with response_type stream and grant the edge user publish "
-                           "on it (docs/security.md, 'Upgrading: the edge pulls stored results')")
+                      hint="the server or account limits pull requests (max_request_batch, "
+                           "max_request_max_bytes, max_request_expires): raise them above the edge's pulls"
+                      if limited else
+                      "export and import it with response_type stream and grant the edge user publish "
+                      "on it (docs/security.md, 'Upgrading: the edge pulls stored results')")
         else:
             log_event(log, logging.INFO, "replay_pulls_allowed", permission=f"{self.pulls.subject}.>")
 
