@@ -111,8 +111,8 @@ ERROR_STATUS: dict[str, int] = {
 
 def is_error_status(status: object) -> bool:
     """Whether ``status`` is an HTTP error status a unary answer may carry: an ``int`` (``HTTPStatus``
-    members included; not a bool) in ``[400, 600)``, the range the engines answer an error with (SGLang
-    0.5.23's ``_handle_abort_finish_reason``: ``HTTPStatus.BAD_REQUEST <= status_code < 600``)."""
+    members included; not a bool) in ``[400, 600)``, the range the engines answer an error with (the
+    codecs cite where)."""
     return isinstance(status, int) and not isinstance(status, bool) and 400 <= int(status) < 600
 
 
@@ -578,9 +578,8 @@ class Codec(ABC):
         Called on the event loop for every unary answer, so it may only look at a bounded part of
         the bytes (a prefix, a suffix: no parse, no scan of the whole body) and must say its bound.
         Anything but an integer in ``[400, 600)`` (an ``HTTPStatus`` member is one) is answered as 200
-        (:func:`answer_status_of`), so
-        a worker's body claiming another status cannot make an invalid status line. The default:
-        200 (the format's bodies tell no status)."""
+        (:func:`answer_status_of`), so a worker's body claiming another status cannot make an invalid
+        status line. The default: 200 (the format's bodies tell no status)."""
         return 200
 
     @abstractmethod

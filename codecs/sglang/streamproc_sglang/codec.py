@@ -11,7 +11,8 @@ from http import HTTPStatus
 from typing import ClassVar, Mapping, Sequence
 
 from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
-                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body, trailing_int)
+                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body, is_error_status,
+                              trailing_int)
 from streamproc.wire import Verdict
 
 from . import experts, migration, native
@@ -123,7 +124,7 @@ def _abort_status_in_head(body: bytes) -> bool:
     while at >= 0:
         value = head[at + len(STATUS_KEY):at + len(STATUS_KEY) + 16].lstrip(_SEPARATOR)
         digits = value[:4]
-        if digits[:3].isdigit() and not digits[3:].isdigit() and native.is_error_status(int(digits[:3])):
+        if digits[:3].isdigit() and not digits[3:].isdigit() and is_error_status(int(digits[:3])):
             return True  # fold reads the body to decide (native.abort_status)
         at = head.find(STATUS_KEY, at + 1)
     return False
@@ -218,7 +219,7 @@ class SGLangCodec(Codec):
             return 400
         if ERROR_RESPONSE.match(head):
             status = trailing_int(body, CODE_KEY, 1, ANSWER_TAIL)
-            return status if status is not None and native.is_error_status(status) else 200
+            return status if status is not None and is_error_status(status) else 200
         return 200
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:

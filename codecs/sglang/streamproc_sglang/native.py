@@ -17,6 +17,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import msgspec
 
+# HTTPStatus.BAD_REQUEST <= status_code < 600: the statuses _handle_abort_finish_reason answers a
+# unary request with an error (abort_status); the core's one test of that range
+from streamproc.codec import is_error_status
+
 TEXT = "text"
 OUTPUT_IDS = "output_ids"
 META = "meta_info"
@@ -172,12 +176,6 @@ def abort_status(finish: Any) -> int | None:
         return None
     status = finish.get(STATUS_CODE)
     return status if type(status) is int and is_error_status(status) else None
-
-
-def is_error_status(status: int) -> bool:
-    """``HTTPStatus.BAD_REQUEST <= status_code < 600``: the statuses ``_handle_abort_finish_reason``
-    answers a unary request with an error (:func:`abort_status`)."""
-    return 400 <= status < 600
 
 
 def abort_error(finish: dict[str, Any]) -> dict[str, Any]:
