@@ -897,8 +897,7 @@ class Edge:
             except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
                 self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
                 body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
-                return Response(body, status_code=500, media_type="application/json",
-                                    headers=PRIVATE)
+                return Response(body, status_code=500, media_type="application/json", headers=PRIVATE)
         return Response(body, status_code=self.answer_status(feed, body), media_type="application/json",
                         headers=headers)
 

@@ -139,6 +139,11 @@ def stream_seq(reply: str | None) -> int | None:
         return None
 
 
+# How a pull refusal by a request limit (not by the permission) opens its reason (ApiPermission.refused):
+# the log's hint names the limits to raise instead of the permission to grant (source.py).
+PULLS_LIMITED = "pulls refused even for one result"
+
+
 def _answered(gate: ReadGate, charge: int, asked: asyncio.Future) -> None:
     """A MSG.GET's task ended (answered, refused, timed out): its charge is free; its exception, if
     its reader left, is read here (nobody else will)."""
@@ -326,13 +331,16 @@ class Replay:
 
     async def _found_first(self, message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes] | None:
         """A stored result found by subject: handed out, or the first of a temporary consumer."""
-        if (self.read == 0 or self.paused or self.by_subject
-                # Pulls refused: a push consumer's flow control lets nats-server send 2 MiB and more
-                # (its window doubles at each answer, up to 32 MiB) past the read budget, and many of
-                # them had the edge's connection cut as a slow consumer (tests/test_edge_replay_budget.py).
-                # Each result by subject instead, every request charged to the budget.
-                or (self.gate is not None and self._pulls_refused() and self._counted_by_subject())
-                or (self.may_subscribe is not None and not self.may_subscribe(False))):
+        by_subject = self.read == 0 or self.paused or self.by_subject
+        if not by_subject and self.gate is not None and self._pulls_refused():
+            # Pulls refused: a push consumer's flow control lets nats-server send 2 MiB and more
+            # (its window doubles at each answer, up to 32 MiB) past the read budget, and many of
+            # them had the edge's connection cut as a slow consumer (tests/test_edge_replay_budget.py).
+            # Each result by subject instead, every request charged to the budget.
+            by_subject = True
+            if self.read_by_subject is not None:
+                self.read_by_subject()
+        if by_subject or (self.may_subscribe is not None and not self.may_subscribe(False)):
             # Handed out as it came: the probe's; after a pause, so that every pause moves the
             # reader on by a result at least, even one larger than the bound by itself (nats-py
             # drops it from any consumer: a consumer per attempt, forever, otherwise). A consumer
@@ -345,11 +353,6 @@ class Replay:
             self.done = message.seq >= self.upto
             return _parts(message)
         return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
-
-    def _counted_by_subject(self) -> bool:
-        if self.read_by_subject is not None:
-            self.read_by_subject()
-        return True
 
     def _pulls_refused(self) -> bool:
         """Pulls are refused and no re-probe of them is due (which ``usable`` would claim)."""
@@ -405,7 +408,7 @@ class Replay:
                     # a limit of the server or account on pull requests, which every consumer meets:
                     # read by subject meanwhile, as where pulls are not permitted (until the re-probe)
                     description = (msg.headers or {}).get("Description", "")[:200]
-                    return await self._renew(refused=f"pulls refused even for one result: {description}")
+                    return await self._renew(refused=f"{PULLS_LIMITED}: {description}")
                 continue
             if self.cut is not None and (msg is None or msg.metadata.sequence.stream >= self.cut):
                 # Paused, and what was queued before the drop is read: on from the next stored result.

@@ -47,7 +47,7 @@ from .msg_get import ApiPermission, Refused, State
 from .probes import Probes
 from .recent import RecentRequests
 from .read_budget import ReadGate
-from .replay import Replay, stream_seq
+from .replay import PULLS_LIMITED, Replay, stream_seq
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -775,7 +775,7 @@ class ResultSource:
         """Said once per change: replays read with push consumers (as before 2026-12-05) meanwhile."""
         assert self.pulls is not None
         if state == "refused":
-            limited = reason.startswith("pulls refused even")  # a request limit, not the permission
+            limited = reason.startswith(PULLS_LIMITED)  # a request limit, not the permission
             log_event(log, logging.WARNING, "replay_pulls_refused", permission=f"{self.pulls.subject}.>",
                       error=reason, fallback="each result by subject (STREAM.MSG.GET, in the read budget; "
                                              "push consumers where that is refused too)",
