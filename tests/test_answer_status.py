@@ -28,7 +28,8 @@ from streamproc_sglang import SGLangCodec
 from streamproc_sglang_zstd import SGLangZstdCodec
 from streamproc_vllm import VLLMCodec
 
-from streamproc.codec import Codec, ErrorKind, answer_status_of, trailing_int
+from streamproc.codec import (ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of,
+                              trailing_int)
 
 SGLANG = [SGLangCodec(), SGLangZstdCodec()]
 
@@ -250,3 +251,67 @@ def test_a_claimed_client_credential_status_is_answered_as_a_worker_fault(claim)
     assert answer_status_of(_Liar(), json.dumps(claim).encode()) == 502
     assert answer_status_of(SGLangCodec(), sglang_error_response("no", claim)) == 502
     assert answer_status_of(VLLMCodec(), vllm_error_response("no", "Unauthorized", claim)) == 502
+
+
+# Starlette's ``ServerErrorMiddleware.error_response``: ``PlainTextResponse("Internal Server Error",
+# status_code=500)``, what SGLang 0.5.23's unary ``/generate`` answers an exception that is no
+# ``ValueError`` with (``serve_generate_request`` catches ``ValueError`` only; no ``Exception`` handler).
+STARLETTE_500 = b"Internal Server Error"
+PLAIN_TEXT = "text/plain; charset=utf-8"  # PlainTextResponse.media_type, with the charset init_headers adds
+
+
+@pytest.mark.parametrize("codec", SGLANG, ids=lambda c: c.name)
+def test_sglang_plain_text_internal_server_error_is_answered_500_as_plain_text(codec):
+    """The engine answers it 500 ``text/plain; charset=utf-8``; the edge answered it 200 as JSON."""
+    assert (answer_status_of(codec, STARLETTE_500), answer_media_type_of(codec, STARLETTE_500)) == (500, PLAIN_TEXT)
+
+
+@pytest.mark.parametrize("codec", SGLANG, ids=lambda c: c.name)
+@pytest.mark.parametrize("body", [STARLETTE_500 + b"\n", b" " + STARLETTE_500, b"Internal Server Error!",
+                                  upstream_json("Internal Server Error"), upstream_json({"text": "Internal Server Error"}),
+                                  SGLANG_OK, sglang_error_response(RETRACTED, 503)])
+def test_sglang_answers_only_the_exact_plain_text_body_as_plain_text(codec, body):
+    """Every other body is JSON (a generation body, an error envelope, a text that says it)."""
+    assert answer_media_type_of(codec, body) == ANSWER_MEDIA_TYPE == "application/json"
+    if body != sglang_error_response(RETRACTED, 503):
+        assert answer_status_of(codec, body) == 200
+
+
+def test_vllm_answers_every_body_as_json_its_unhandled_exception_too():
+    """vLLM 0.34.0 registers ``exception_handler`` for ``Exception`` (``init_exception_handler``), so an
+    unhandled exception is ``JSONResponse(create_error_response(exc).model_dump(), status_code=500)``:
+    no plain-text answer to mirror."""
+    codec = VLLMCodec()
+    unhandled = vllm_error_response("boom", "InternalServerError", 500)
+    assert (answer_status_of(codec, unhandled), answer_media_type_of(codec, unhandled)) == (500, ANSWER_MEDIA_TYPE)
+    assert answer_media_type_of(codec, STARLETTE_500) == ANSWER_MEDIA_TYPE
+
+
+class _MediaLiar(_Liar):
+    """A codec whose ``answer_media_type`` returns whatever the body says."""
+
+    def answer_media_type(self, body: bytes):
+        return json.loads(body)
+
+
+@pytest.mark.parametrize(("claim", "media_type"), [
+    ("text/plain; charset=utf-8", "text/plain; charset=utf-8"),
+    ("application/problem+json", "application/problem+json"),
+    ("text/plain;charset=utf-8", "text/plain;charset=utf-8"),
+    ("text/plain\r\nSet-Cookie: a=b", ANSWER_MEDIA_TYPE),
+    ("text/plain; charset=\"utf-8\"", ANSWER_MEDIA_TYPE),
+    ("t\u00e9xt/plain", ANSWER_MEDIA_TYPE),
+    ("text", ANSWER_MEDIA_TYPE),
+    ("", ANSWER_MEDIA_TYPE),
+    ("text/" + "x" * 100, ANSWER_MEDIA_TYPE),
+    (None, ANSWER_MEDIA_TYPE),
+    (503, ANSWER_MEDIA_TYPE),
+    (["text/plain"], ANSWER_MEDIA_TYPE),
+])
+def test_answer_media_type_of_takes_only_a_media_type(claim, media_type):
+    """A codec names a Content-Type, never a header that splits the response or fails to encode."""
+    assert answer_media_type_of(_MediaLiar(), json.dumps(claim).encode()) == media_type
+
+
+def test_the_default_codec_answers_json():
+    assert answer_media_type_of(_Liar(), STARLETTE_500) == ANSWER_MEDIA_TYPE

@@ -349,3 +349,21 @@ async def test_a_workers_error_body_is_answered_with_the_status_the_engine_answe
     await unary_statuses(edge, nc, SGLANG_STATUS_BODIES, "sglang-status")
     with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
         await unary_statuses(vllm_edge, nc, VLLM_STATUS_BODIES, "vllm-status")
+
+
+async def test_sglangs_plain_text_internal_server_error_is_answered_as_the_engine_answers_it(edge, nc):
+    """SGLang 0.5.23's unary ``/generate`` answers an exception that is no ``ValueError`` with Starlette's
+    ``PlainTextResponse("Internal Server Error", status_code=500)`` (``ServerErrorMiddleware``). Published as
+    a request's only result, the edge answered it 200 as ``application/json``; now 500 as the engine's
+    ``text/plain; charset=utf-8``. An SSE stream keeps 200 (sent before any result)."""
+    request_id = rid("plain-500")
+    body = b"Internal Server Error"
+    await publish_results(nc, DURABLE, request_id, [body])
+
+    response = await get(edge, f"/v1/results/{request_id}?stream=false")
+
+    assert (response.status_code, response.content) == (500, body)
+    assert response.headers["content-type"] == "text/plain; charset=utf-8"
+    assert response.headers["streamproc-results"] == "1"
+    events = await get(edge, f"/v1/results/{request_id}", {"Accept": "text/event-stream"})
+    assert (events.status_code, events.content) == (200, b"id: 0\ndata: %s\n\ndata: [DONE]\n\n" % body)

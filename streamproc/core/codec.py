@@ -138,6 +138,26 @@ def answer_status_of(codec: Codec, body: bytes) -> int:
     return WORKER_FAULT_STATUS if status in CLIENT_CREDENTIAL_STATUSES else status
 
 
+# The Content-Type of a unary answer whose codec names none (every JSON format's bodies).
+ANSWER_MEDIA_TYPE = "application/json"
+# What ``Codec.answer_media_type`` may name: ``type/subtype`` with ``; name=value`` parameters, ASCII
+# tokens, one header line (no CR/LF, no quotes). Anything else is a codec's bug or a worker's body
+# speaking through it, answered as :data:`ANSWER_MEDIA_TYPE`.
+_MEDIA_TYPE_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}"
+                               r"(?:; ?[A-Za-z0-9!#$&^_.+-]{1,32}=[A-Za-z0-9!#$&^_.+-]{1,64}){0,4}", re.ASCII)
+
+
+def answer_media_type_of(codec: Codec, body: bytes) -> str:
+    """``codec.answer_media_type(body)`` when it is a ``str`` shaped like a media type
+    (``type/subtype`` with at most four ``; name=value`` parameters, ASCII tokens), else
+    :data:`ANSWER_MEDIA_TYPE`: a codec can name the Content-Type its engine answers a body with, never
+    a malformed header (a CR/LF, a non-latin-1 character). A codec that raises is the caller's to catch."""
+    media_type = codec.answer_media_type(body)
+    if isinstance(media_type, str) and _MEDIA_TYPE_SHAPE.fullmatch(media_type):
+        return media_type
+    return ANSWER_MEDIA_TYPE
+
+
 def trailing_int(body: bytes, key: bytes, closing: int, tail: int = 64) -> int | None:
     """The integer of member ``key`` (a JSON key as written, quotes included) when it is the last
     member of ``closing`` nested objects that end the body, read from its last ``tail`` bytes only:
@@ -581,6 +601,16 @@ class Codec(ABC):
         (:func:`answer_status_of`), so a worker's body claiming another status cannot make an invalid
         status line. The default: 200 (the format's bodies tell no status)."""
         return 200
+
+    def answer_media_type(self, body: bytes) -> str:
+        """The Content-Type the aggregated engine answers ``body`` with as its unary answer (the same
+        bodies as :meth:`answer_status`): a format's engine answers some errors with a body that is not
+        JSON (a framework's plain-text 500), and a client reading the edge should see what the engine
+        sends. The same bound as :meth:`answer_status` (on the event loop: a bounded look). Anything
+        not shaped like a media type is answered as :data:`ANSWER_MEDIA_TYPE`
+        (:func:`answer_media_type_of`). The default: ``application/json`` (every built-in format's
+        bodies, errors included, are JSON)."""
+        return ANSWER_MEDIA_TYPE
 
     @abstractmethod
     def error_body(self, message: str, kind: ErrorKind) -> bytes:

@@ -50,7 +50,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
-from ..core.codec import Codec, ErrorKind, answer_status_of, shown_kind
+from ..core.codec import ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of, shown_kind
 from ..core.errors import InvalidCapability, StreamprocError
 from ..logs import error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
@@ -836,7 +836,8 @@ class Edge:
 
     async def unary(self, feed: ResultFeed) -> Response:
         """Wait for the final result; answer with the single result, or the codec's fold of the stream, with
-        the status the engine answers that body with (:meth:`answer_status`)."""
+        the status and Content-Type the engine answers that body with (:meth:`answer_status`,
+        :meth:`answer_media_type`)."""
         results: list[ResultInfo] = []
         size = 0
         idle_since = time.monotonic()
@@ -898,8 +899,8 @@ class Edge:
                 self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
                 body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
                 return Response(body, status_code=500, media_type="application/json", headers=PRIVATE)
-        return Response(body, status_code=self.answer_status(feed, body), media_type="application/json",
-                        headers=headers)
+        return Response(body, status_code=self.answer_status(feed, body),
+                        media_type=self.answer_media_type(feed, body), headers=headers)
 
     def answer_status(self, feed: ResultFeed, body: bytes) -> int:
         """The status the aggregated engine answers ``body`` with as its unary answer: an error body's
@@ -911,6 +912,16 @@ class Edge:
             self.source.limited.log(logging.ERROR, "answer_status_failed", request_id=feed.request_id,
                                     exc_info=True)
             return 200
+
+    def answer_media_type(self, feed: ResultFeed, body: bytes) -> str:
+        """The Content-Type the aggregated engine answers ``body`` with (``Codec.answer_media_type``: a
+        plain-text 500 is not JSON), else ``application/json``. A codec that raises answers JSON."""
+        try:
+            return answer_media_type_of(self.codec, body)
+        except Exception:  # noqa: BLE001 - a codec bug must not take the answer down
+            self.source.limited.log(logging.ERROR, "answer_media_type_failed", request_id=feed.request_id,
+                                    exc_info=True)
+            return ANSWER_MEDIA_TYPE
 
     def timeout_body(self, feed: ResultFeed, limit: float) -> bytes:
         return self.codec.error_body(f"no result for request {feed.request_id} within {limit}s", ErrorKind.TIMEOUT)

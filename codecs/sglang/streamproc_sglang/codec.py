@@ -10,9 +10,9 @@ import re
 from http import HTTPStatus
 from typing import ClassVar, Mapping, Sequence
 
-from streamproc.codec import (DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted, ErrorKind, JoinSession,
-                              MigrationSession, RoutedExperts, SequenceCodec, final_error_body, is_error_status,
-                              trailing_int)
+from streamproc.codec import (ANSWER_MEDIA_TYPE, DEFAULT_MAX_DECOMPRESSED_BYTES, Codec, CodecOptions, Emitted,
+                              ErrorKind, JoinSession, MigrationSession, RoutedExperts, SequenceCodec, final_error_body,
+                              is_error_status, trailing_int)
 from streamproc.wire import Verdict
 
 from . import experts, migration, native
@@ -99,6 +99,14 @@ CODE_KEY = b'"code"'  # ErrorResponse.code
 # the client's own token was refused (docs/edge.md).
 AUTH_REFUSALS = frozenset({b'{"error":"Unauthorized"}', b'{"error":"Forbidden"}'})
 AUTH_REFUSAL_BYTES = max(map(len, AUTH_REFUSALS))
+# Any other exception in ``serve_generate_request``'s unary branch (it catches ``ValueError`` only) leaves
+# the app: SGLang 0.5.23 registers no handler for ``Exception`` (``http_server.py`` has handlers for
+# ``HTTPException`` and ``RequestValidationError`` alone, and ``FastAPI(...)`` is not in debug mode), so
+# Starlette's ``ServerErrorMiddleware.error_response`` answers ``PlainTextResponse("Internal Server
+# Error", status_code=500)``: status 500, ``text/plain; charset=utf-8`` (``Response.init_headers`` adds
+# the charset to a ``text/`` type). A worker that publishes that answer publishes these bytes.
+SERVER_ERROR = b"Internal Server Error"
+SERVER_ERROR_MEDIA_TYPE = "text/plain; charset=utf-8"
 
 # SGLang/OpenAI-style error ``type`` strings for the processor's own error kinds.
 ERROR_TYPES: Mapping[ErrorKind, str] = {
@@ -205,7 +213,8 @@ class SGLangCodec(Codec):
                 or _abort_status_in_head(body) or _stream_error_frame(body))
 
     def answer_status(self, body: bytes) -> int:
-        """502 for the engine's API-key refusals (``AUTH_REFUSALS``), 400 for a body that opens
+        """502 for the engine's API-key refusals (``AUTH_REFUSALS``), 500 for Starlette's plain-text
+        ``Internal Server Error`` (``SERVER_ERROR``), 400 for a body that opens
         ``{"error":``, the ``ErrorResponse``'s ``code`` for one that opens
         ``{"object":"error"`` (200 when it is outside ``[400, 600)`` or not its last member), else 200:
         the statuses SGLang 0.5.23's ``/generate`` answers these bodies with (``ERROR_ANSWER`` above).
@@ -214,6 +223,8 @@ class SGLangCodec(Codec):
         of its status) is answered as sent, with 200."""
         if len(body) <= AUTH_REFUSAL_BYTES and body in AUTH_REFUSALS:  # (the length first: a lookup hashes
             return HTTPStatus.BAD_GATEWAY  # the whole body)
+        if body == SERVER_ERROR:  # (bytes equality tests the lengths first)
+            return HTTPStatus.INTERNAL_SERVER_ERROR
         head = body[:ANSWER_HEAD]
         if ERROR_ANSWER.match(head):
             return 400
@@ -221,6 +232,12 @@ class SGLangCodec(Codec):
             status = trailing_int(body, CODE_KEY, 1, ANSWER_TAIL)
             return status if status is not None and is_error_status(status) else 200
         return 200
+
+    def answer_media_type(self, body: bytes) -> str:
+        """``text/plain; charset=utf-8`` for Starlette's plain-text ``Internal Server Error``
+        (``SERVER_ERROR``), the one non-JSON body SGLang 0.5.23's ``/generate`` answers; else JSON. One
+        length-first comparison."""
+        return SERVER_ERROR_MEDIA_TYPE if body == SERVER_ERROR else ANSWER_MEDIA_TYPE
 
     def error_body(self, message: str, kind: ErrorKind) -> bytes:
         return native.encode({"error": {"message": message, "type": ERROR_TYPES.get(kind, "internal_error")}})

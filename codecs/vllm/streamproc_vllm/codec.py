@@ -49,6 +49,11 @@ ERROR_TYPES: Mapping[int, str] = {
 # status 400): the status is always ``ErrorResponse.error.code``. ``ErrorInfo``'s fields are ``message, type,
 # param, code``, and ``model_dump`` keeps that order: ``JSONResponse`` (compact) ends the body ``"code":503}}``,
 # which ``fold`` writes too. A ``code`` outside ``[400, 600)`` is nothing vLLM writes: 200.
+# No plain-text answer (SGLang's Starlette ``Internal Server Error``, ``streamproc_sglang.codec.SERVER_ERROR``)
+# has an equivalent here: ``init_exception_handler`` (``serve/exception_handling/register.py``) registers
+# ``app.exception_handler(Exception)(exception_handler)``, which Starlette installs as
+# ``ServerErrorMiddleware``'s handler, so an unhandled exception is answered ``create_error_response(exc)``
+# (``InternalServerError``, 500) as JSON too: the default ``answer_media_type`` (``application/json``) holds.
 CODE_KEY = b'"code"'  # ErrorInfo.code
 ANSWER_TAIL = 64
 
