@@ -207,6 +207,19 @@ REJECTED_UNARY = b'{"error":{"message":"Input is too long."}}'
 IN_QUEUE = (b'{"text":"","output_ids":[],"meta_info":{"id":"r","finish_reason":{"type":"abort","message":'
             b'"Abort in waiting queue"},"weight_version":"default","e2e_latency":0.5,"completion_tokens":0}}')
 
+# A failed P/D handshake (``prepare_abort(..., status_code=500)``) for a client's 5,000-character rid,
+# which ``meta_info.id`` and the message both carry: its status stands past the first 4 KiB.
+LONG_RID = b"r" * 5000
+LONG_HANDSHAKE_MESSAGE = (b"Decode handshake failed for request rank=0 decode_req.req.rid='%s' "
+                          b"decode_req.req.bootstrap_room=7" % LONG_RID)
+LONG_HANDSHAKE = (b'{"text":"","output_ids":[],"meta_info":{"id":"%s","finish_reason":{"type":"abort",'
+                  b'"message":"%s","status_code":500,"err_type":null},"prompt_tokens":4,'
+                  b'"weight_version":"default","num_retractions":0,"reasoning_tokens":0,'
+                  b'"completion_tokens":0,"cached_tokens":0}}'
+                  % (LONG_RID, LONG_HANDSHAKE_MESSAGE))
+LONG_HANDSHAKE_UNARY = (b'{"object":"error","message":"%s","type":"500","param":null,"code":500}'
+                        % LONG_HANDSHAKE_MESSAGE)
+
 
 def tagged(body: bytes, index: int) -> bytes:
     """``_stream_batch_responses``: ``result["index"] = ...``, the last key."""
@@ -220,6 +233,7 @@ def tagged(body: bytes, index: int) -> bytes:
     pytest.param([tagged(CHUNKS[0], 0), tagged(REJECTED, 1), tagged(CHUNKS[1], 0)], REJECTED_UNARY, 400,
                  id="batch_item_rejected"),
     pytest.param([IN_QUEUE], IN_QUEUE, 200, id="aborted_without_status_verbatim"),
+    pytest.param([LONG_HANDSHAKE], LONG_HANDSHAKE_UNARY, 500, id="status_past_the_first_4_kib"),
 ])
 async def test_a_stream_the_scheduler_aborted_with_an_http_status_is_answered_its_unary_error(
         edge, zstd_edge, nc, fmt, stream, want, status):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import pytest
@@ -39,7 +40,7 @@ from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from sglang_0523_bodies import TOO_LONG, stream_error_frame, unary_value_error
 
-from streamproc.codec import CodecOptions
+from streamproc.codec import CodecOptions, answer_status_of
 from streamproc.wire import Verdict
 from streamproc_sglang import SGLangCodec
 from streamproc_sglang_zstd import SGLangZstdCodec
@@ -466,6 +467,77 @@ def test_an_abort_with_an_http_status_asks_to_be_folded_however_its_json_is_spac
     spaced = body.replace(b'"status_code":', b'"status_code"' + separator)
     assert codec(OPTIONS).folds_alone(spaced)
     assert json.loads(fold(codec, [spaced])) == json.loads(RETRACTED_UNARY)
+
+
+# A client's rid is any string, and the failed handshake's message repeats it: with a 5,000-character rid
+# the finish reason's status stands past the first 4 KiB (``meta_info.id`` and the message in front).
+LONG_RID = "r" * 5000
+LONG_HANDSHAKE = {"type": "abort", "message": f"Decode handshake failed for request rank=0 "
+                  f"decode_req.req.rid='{LONG_RID}' decode_req.req.bootstrap_room=7",
+                  "status_code": 500, "err_type": None}
+
+
+def long_abort(front: str) -> dict[str, Any]:
+    """A stream's only chunk, an abort with a status, with more than 4 KiB in front of its status:
+    ``long_rid`` (the rid and the handshake message repeating it) or ``long_text`` (``_handle_abort_req``
+    writes the whole text, 6,000 characters of it, behind which ``meta_info`` comes)."""
+    if front == "long_rid":
+        body = abort_req_body(0, LONG_HANDSHAKE)
+        body["meta_info"]["id"] = LONG_RID
+        return body
+    body = abort_req_body(1, RETRACTED)
+    body["text"] = "x" * 6000
+    return body
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("front", ["long_rid", "long_text"])
+def test_an_abort_with_a_status_past_the_first_4_kib_is_found_from_the_end_and_folded(codec, front):
+    """Its finish reason is followed by a few hundred bytes of ``meta_info``: the last ``ABORT_TAIL``
+    bytes hold the status. It was served as sent with 200 (the status looked for in the first 4 KiB
+    only); the same request unary answers the error."""
+    doc = long_abort(front)
+    body = dumps(doc)
+    finish = doc["meta_info"]["finish_reason"]
+    assert body.index(b'"status_code"') > 4096
+    assert codec(OPTIONS).folds_alone(body)
+    folded = fold(codec, [body])
+    status = finish["status_code"]
+    assert json.loads(folded) == {"object": "error", "message": finish["message"], "type": str(status),
+                                  "param": None, "code": status}
+    assert answer_status_of(codec(OPTIONS), folded) == status
+
+
+def hostile(size: int, filler: bytes) -> bytes:
+    """A body of about ``size`` bytes: ``filler`` repeated, an abort with a status in the middle only."""
+    half = filler * (size // 2 // len(filler))
+    middle = b'","meta_info":{"finish_reason":{"type":"abort","status_code":503}},"x":"'
+    return b'{"text":"' + half + middle + half + b'"}'
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("filler", [b"A", b'"abort","status_code":999,'], ids=["plain", "lures"])
+def test_the_abort_look_reads_only_the_first_and_last_4_kib_whatever_the_bodys_size(codec, filler):
+    """A hostile (or huge) body: a status in the middle, past both windows, is not seen, and a 64 MiB
+    body costs what a small one does (the look runs on the edge's event loop for every unary answer of
+    one result), one full of lures (``"abort"`` and a ``"status_code"`` no error has) too. A status
+    just inside the head window, or just inside the tail window, is seen."""
+    from streamproc_sglang.codec import ABORT_HEAD, ABORT_TAIL
+
+    c = codec(OPTIONS)
+    big = hostile(64 << 20, filler)
+    spent = []
+    for _ in range(3):
+        started = time.perf_counter()
+        assert not c.folds_alone(big)
+        spent.append(time.perf_counter() - started)
+    assert min(spent) < 0.002, f"{min(spent) * 1e3:.1f} ms for a {len(big) >> 20} MiB body"
+    abort = b'"abort","status_code":503'
+    pad = b"A" * (1 << 20)
+    assert not c.folds_alone(b"A" * (ABORT_HEAD - len(abort) + 1) + abort + pad)  # one byte past the head
+    assert c.folds_alone(b"A" * (ABORT_HEAD - len(abort)) + abort + pad)
+    assert not c.folds_alone(pad + abort + b"A" * ABORT_TAIL)  # one byte past the tail (its opening quote)
+    assert c.folds_alone(pad + abort + b"A" * (ABORT_TAIL - len(abort)))
 
 
 @pytest.mark.parametrize("codec", CODECS)

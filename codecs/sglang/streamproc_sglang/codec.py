@@ -29,10 +29,18 @@ INDEX_TAIL = 64
 # Where an abort's finish reason stands: ``_handle_abort_req`` and ``_handle_batch_output`` write
 # ``meta_info`` with ``id`` then ``finish_reason`` first, behind ``text`` and ``output_ids``; an abort
 # before any token (an intake rejection, a waiting timeout, a failed KV transfer) has it within the
-# first hundred bytes or so plus the rid's length. A stream's only chunk with a longer text in front
-# is answered as sent (a known limit, docs/codecs.md).
+# first hundred bytes or so plus the rid's length. Behind it stand the rest of ``meta_info`` (counts,
+# ``weight_version``, latencies; with ``--enable-metrics`` a few timestamps): a few hundred bytes
+# unless the request asked for logprobs, hidden states, routed experts or ``return_prompt_token_ids``
+# (``prompt_token_ids`` follows ``meta_info``). So the status is looked for in the first ``ABORT_HEAD``
+# and the last ``ABORT_TAIL`` bytes, never in between (a hostile body of any size costs the same two
+# bounded searches): a long text, rid or message in front is found from the end
+# (``_abort_with_status``). An abort with more than ``ABORT_HEAD`` bytes in front of its status and
+# more than ``ABORT_TAIL`` behind it (a long text and logprobs, experts or prompt ids) is answered as
+# sent (a known limit, docs/codecs.md).
 ABORT_KEY = b'"%s"' % native.ABORT.encode()
 ABORT_HEAD = 4096
+ABORT_TAIL = 4096
 # ``FINISH_ABORT.to_json()`` and the scheduler's own dicts write ``type`` first and ``status_code`` after
 # it; a status is an integer (``HTTPStatus``), ``null`` when the abort has none. The key as JSON writes
 # it (inside a JSON string the quotes are escaped), then the bytes a separator may have before a digit.
@@ -120,21 +128,38 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
 }
 
 
-def _abort_status_in_head(body: bytes) -> bool:
-    """Whether the first ``ABORT_HEAD`` bytes hold ``"abort"`` and, after it, ``"status_code"`` with a
-    number in ``[400, 600)``: a byte search of a bounded part of the body (``Codec.folds_alone`` runs
-    on the event loop)."""
-    at = body.find(ABORT_KEY, 0, ABORT_HEAD)
+def _abort_with_status(body: bytes) -> bool:
+    """Whether ``"status_code"`` with a number in ``[400, 600)`` follows ``"abort"`` in the first
+    ``ABORT_HEAD`` or the last ``ABORT_TAIL`` bytes: in the head after an ``"abort"`` there, in the tail
+    after an ``"abort"`` in either window or, when the body is longer than both windows, anywhere in the
+    tail (the abort's ``"type"`` comes first in its finish reason, and a long rid or message in front of
+    the status leaves it in the unseen middle). Byte searches of two bounded windows, whatever the body's
+    size (``Codec.folds_alone`` runs on the event loop); ``fold`` parses to decide."""
+    head_end = min(len(body), ABORT_HEAD)
+    tail_start = max(0, len(body) - ABORT_TAIL)
+    at = body.find(ABORT_KEY, 0, head_end)
+    if at >= 0 and _error_status_within(body, at, head_end):
+        return True
     if at < 0:
-        return False
-    head = body[at:ABORT_HEAD]
-    at = head.find(STATUS_KEY)
+        at = body.find(ABORT_KEY, tail_start)
+        if at < 0:
+            if tail_start <= head_end:  # the windows saw the whole body: no abort in it
+                return False
+            at = tail_start
+    return _error_status_within(body, max(at, tail_start), len(body))
+
+
+def _error_status_within(body: bytes, start: int, end: int) -> bool:
+    """Whether ``body[start:end]`` holds ``"status_code"`` with a number in ``[400, 600)`` (read within
+    the window: a number cut by its end is not one)."""
+    at = body.find(STATUS_KEY, start, end)
     while at >= 0:
-        value = head[at + len(STATUS_KEY):at + len(STATUS_KEY) + 16].lstrip(_SEPARATOR)
+        value_at = at + len(STATUS_KEY)
+        value = body[value_at:min(value_at + 16, end)].lstrip(_SEPARATOR)
         digits = value[:4]
         if digits[:3].isdigit() and not digits[3:].isdigit() and is_error_status(int(digits[:3])):
             return True  # fold reads the body to decide (native.abort_status)
-        at = head.find(STATUS_KEY, at + 1)
+        at = body.find(STATUS_KEY, at + 1, end)
     return False
 
 
@@ -201,16 +226,17 @@ class SGLangCodec(Codec):
 
         Also a stream's only chunk that is an abort with an HTTP status (``_handle_abort_finish_reason``
         yields it to a stream; unary, the request answers an error, which :meth:`fold` builds): an
-        ``"abort"`` followed by a ``"status_code"`` in ``[400, 600)``, both in the first ``ABORT_HEAD``
-        bytes, makes ``fold`` look. ``"abort"`` alone is every abort's (``"type":"abort"``, the client's
-        and the tokenizer's own with no status among them), whose unary answer is the body as sent: sent
-        to ``fold``, a 64 MiB one was parsed whole for nothing, ~75 ms holding the GIL.
+        ``"abort"`` followed by a ``"status_code"`` in ``[400, 600)``, in the first ``ABORT_HEAD`` or the
+        last ``ABORT_TAIL`` bytes (``_abort_with_status``), makes ``fold`` look. ``"abort"`` alone is every
+        abort's (``"type":"abort"``, the client's and the tokenizer's own with no status among them), whose
+        unary answer is the body as sent: sent to ``fold``, a 64 MiB one was parsed whole for nothing,
+        ~75 ms holding the GIL.
 
         Also a stream's only chunk that is ``stream_results``' error frame (a ``ValueError`` before the
         first chunk, e.g. ``_validate_one_request``'s context-length check): unary, the same request
         answers ``{"error": {"message": ...}}`` (``_create_error_response``), which :meth:`fold` builds."""
         return (body.find(INDEX_KEY, max(0, len(body) - INDEX_TAIL)) >= 0
-                or _abort_status_in_head(body) or _stream_error_frame(body))
+                or _abort_with_status(body) or _stream_error_frame(body))
 
     def answer_status(self, body: bytes) -> int:
         """502 for the engine's API-key refusals (``AUTH_REFUSALS``), 500 for Starlette's plain-text
@@ -220,7 +246,7 @@ class SGLangCodec(Codec):
         the statuses SGLang 0.5.23's ``/generate`` answers these bodies with (``ERROR_ANSWER`` above).
         Reads the first ``ANSWER_HEAD`` (32) and the last ``ANSWER_TAIL`` (64) bytes only. An abort with a
         status whose body ``folds_alone`` did not send to ``fold`` (more than ``ABORT_HEAD`` bytes in front
-        of its status) is answered as sent, with 200."""
+        of its status and more than ``ABORT_TAIL`` behind it) is answered as sent, with 200."""
         if len(body) <= AUTH_REFUSAL_BYTES and body in AUTH_REFUSALS:  # (the length first: a lookup hashes
             return HTTPStatus.BAD_GATEWAY  # the whole body)
         if body == SERVER_ERROR:  # (bytes equality tests the lengths first)
