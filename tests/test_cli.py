@@ -270,13 +270,22 @@ def test_configuration_doc_lists_every_setting_with_its_flag_and_variable():
     assert missing == []
 
 
-def demo_serving(requests: int) -> tuple[subprocess.Popen, list[str]]:
+def demo_serving(requests: int, *, soft_nofile: int | None = None) -> tuple[subprocess.Popen, list[str]]:
     """``streamproc demo --requests N --serve 0`` started, and its output up to its ``live page:`` line
-    (within 60 s); the caller stops it (SIGTERM)."""
+    (within 60 s); the caller stops it (SIGTERM). ``soft_nofile``: the soft open-file limit it starts with
+    (the hard one kept)."""
+    import resource
+
     from conftest import CLI
 
+    def lower_limit() -> None:
+        if soft_nofile is not None:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft_nofile, hard))
+
     proc = subprocess.Popen([*CLI, "demo", "--requests", str(requests), "--serve", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env())
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=clean_env(),
+                            preexec_fn=lower_limit)
     lines: list[str] = []
     deadline = time.monotonic() + 60
     while not lines or not lines[-1].startswith("live page: "):
@@ -351,6 +360,38 @@ def test_demo_serve_runs_the_edge_with_its_connection_bounds():
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(15)
+    assert code == 0, proc.stderr.read()
+
+
+def open_file_limits(pid: int) -> tuple[int | None, int | None]:
+    """The soft and hard ``Max open files`` of a process (``/proc/<pid>/limits``; None: unlimited)."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return (None if soft == "unlimited" else int(soft)), (None if hard == "unlimited" else int(hard))
+    raise AssertionError(f"no open-file limit in /proc/{pid}/limits")
+
+
+def test_demo_serve_raises_its_open_file_limit_as_the_edge_does():
+    """``streamproc edge`` raises the soft RLIMIT_NOFILE to ``--max-connections`` + the reserve (up to the
+    hard limit); ``demo --serve`` runs the same edge and kept a soft limit of 1024, under which its edge
+    fails to accept before it refuses past 2048 connections."""
+    import resource
+
+    from streamproc.edge.connections import DESCRIPTOR_RESERVE
+    from streamproc.edge.settings import load
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    needed = load({}, {"insecure_demo": True}).max_connections + DESCRIPTOR_RESERVE  # the demo edge's
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"a hard open-file limit of {hard} leaves nothing to raise")
+    proc, _ = demo_serving(4, soft_nofile=1024)
+    try:
+        soft, child_hard = open_file_limits(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(15)
+    assert soft == (needed if child_hard is None else min(needed, child_hard)), (soft, child_hard, needed)
     assert code == 0, proc.stderr.read()
 
 

@@ -190,6 +190,7 @@ async def edge_server(nats_url: str, format: str, port: int, *,
     (``streamproc demo`` cancels on SIGINT/SIGTERM: cli.until_signal owns the signals)."""
     from ..core.errors import StartupError
     from ..edge.app import create_app
+    from ..edge.connections import raise_descriptor_limit
     from ..edge.server import server_class, server_config
     from ..edge.settings import load as load_edge_settings
 
@@ -198,6 +199,11 @@ async def edge_server(nats_url: str, format: str, port: int, *,
                                        "processor_metrics_url": processor_metrics_url,
                                        "insecure_demo": True})  # a local demo: the page says so on screen
     app = create_app(settings)
+    # the open-file limit `streamproc edge` raises (one helper): under a soft limit of 1024 the edge would
+    # fail to accept before it refused past --max-connections
+    problem = raise_descriptor_limit(settings.max_connections)
+    if problem is not None:
+        print(f"streamproc demo: warning: the live page's edge: {problem}", file=sys.stderr)
     # the edge's own server, bounds and all (edge/server.py); the caller owns the signals
     server = server_class(app.state.edge.stop_streams, signals=False)(
         server_config(app, settings, access_log=False))
