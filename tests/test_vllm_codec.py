@@ -464,6 +464,48 @@ def test_npy_reader_rejects_anything_but_small_integer_arrays(case: str) -> None
     assert not _Tripwire.fired
 
 
+def npy_with_header(header: str, data: bytes = b"") -> bytes:
+    """A version 1.0 ``.npy`` file with ``header`` as written, padded as numpy pads it."""
+    text = header.encode()
+    text += b" " * (63 - (10 + len(text)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+# Headers numpy's reader accepts but whose array numpy cannot build: a zero-size shape with a
+# dimension past intp, or whose byte count overflows, and a bool dimension.
+UNBUILDABLE_NPY = {
+    "dimension_past_intp": ("(9223372036854775808, 0)", b""),
+    "overflowing_zero_size": ("(0, 4611686018427387904)", b""),
+    "zero_size_unreshapeable": ("(4611686018427387904, 4611686018427387904, 0)", b""),
+    "bool_dimension": ("(True, 4)", b"\x00" * 16),
+}
+
+
+@pytest.mark.parametrize("case", list(UNBUILDABLE_NPY))
+def test_an_npy_shape_numpy_cannot_build_is_corrupt_not_a_codec_failure(case: str) -> None:
+    """read_npy promises CorruptPayload and nothing else; numpy's ValueError or TypeError from
+    ``reshape`` escaped it, and the join, which catches CorruptPayload, failed: a P/D request whose
+    prefill leg carried such a value ended with an ``internal`` error result (``codec 'vllm' failed:
+    ValueError: Maximum allowed dimension exceeded``) instead of its joined results with the rows
+    omitted as ``prefill_corrupt``."""
+    shape, data = UNBUILDABLE_NPY[case]
+    value = base64.b64encode(npy_with_header(
+        "{'descr': '<i4', 'fortran_order': False, 'shape': %s, }" % shape, data)).decode()
+    with pytest.raises(CorruptPayload) as caught:
+        Base64Npy(CodecOptions()).decode(value)
+    assert caught.value.reason == "corrupt"
+    truth = make_truth(14, prompt_len=6, output_len=4)
+    prefill = [with_choice(body, routed_experts=value) for body in WORKER.prefill(truth, stream=False)]
+    correlator = Correlator(Catalog(), "vllm")
+    results = []
+    for chunk in chunks(truth, Role.PREFILL, prefill) + chunks(truth, Role.DECODE, WORKER.decode(truth, stream=False)):
+        results += results_of(correlator.receive(chunk, 0.0))
+    [result] = results
+    assert result.error is None, result.body
+    assert result.verdict is Verdict.OMITTED
+    assert WORKER.expert_view(result.body) == (None, "prefill_corrupt")
+
+
 def test_fortran_order_npy_reads_as_the_same_rows() -> None:
     array = np.asfortranarray(np.arange(24, dtype=np.uint16).reshape(3, 4, 2))
     decoded = Base64Npy(CodecOptions()).decode(b64npy(array))

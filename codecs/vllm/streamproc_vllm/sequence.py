@@ -64,8 +64,11 @@ def read_npy(data: bytes, max_bytes: int) -> np.ndarray:
     offset = stream.tell()
     if len(data) - offset != size:
         raise CorruptPayload(CORRUPT, f".npy holds {len(data) - offset} data bytes, header says {size}")
-    flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset)
-    return flat.reshape(shape, order="F" if fortran_order else "C")
+    try:  # a zero-size shape with a dimension past intp, or a bool one, is read but cannot be built
+        flat = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset)
+        return flat.reshape(shape, order="F" if fortran_order else "C")
+    except (ValueError, TypeError) as exc:
+        raise CorruptPayload(CORRUPT, f".npy shape cannot be built: {exc}") from None
 
 
 class Base64Npy(SequenceCodec[np.ndarray]):
