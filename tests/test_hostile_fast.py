@@ -281,3 +281,40 @@ async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode
         assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
         assert proc.poll() is None
         assert peak_rss(proc.pid) < 200 * MiB
+
+
+async def test_a_worker_forged_unreadable_headers_mark_is_not_echoed_whole_into_the_error_result_or_the_log(
+        nats_url, streamproc_run):
+    """``Streamproc-Unreadable-Headers`` is the mark the processor's client puts in place of a header
+    block it could not decode (its text cut to 200 characters), but a worker can send a header of
+    that name itself, with a value as long as ``max_payload``. The contract error repeated it whole:
+    the error result (~1 MiB) could not be published, so the victim got an ``internal`` error in
+    place of its ``invalid_chunk`` one, and the log took a 1 MiB line per chunk (the values of
+    ``Streamproc-Seq``/``-Final``/``-Attempt``/``-Format`` were already cut, the test above). Now the
+    value is shown cut, as theirs are (with or without other headers beside it)."""
+    name = b"Streamproc-Unreadable-Headers"
+    heads = {"forged-mark": b"", "forged-mark-beside": b"Streamproc-Seq: 0\r\nStreamproc-Final: yes\r\n"}
+
+    async def publish(nc) -> None:
+        frames = []
+        for rid, head in heads.items():
+            block = b"NATS/1.0\r\n" + head + name + b": {x}\r\n\r\n"
+            block = block.replace(b"{x}", b"x" * (nc.max_payload - 2 - len(block) + 3))
+            assert len(block) + 2 == nc.max_payload
+            frames.append(raw_hpub(SUBJECTS.chunk(rid, "agg").encode(), block, b"{}"))
+        await raw_protocol(nats_url, frames)
+        for seq in range(3):
+            await nc.publish(SUBJECTS.chunk("ok", "agg"), b"%d" % seq, headers=chunk_headers("ok", "agg", seq, final=seq == 2))
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        got = await answered(nats_url, [*heads, "ok"], publish)
+        text = log_path.read_text(errors="replace")
+        assert [b for b, _ in got.get("ok", [])] == [b"0", b"1", b"2"], text[-3000:]
+        for rid in heads:
+            [(body, headers)] = got.get(rid, [(b"", {})])[-1:]
+            assert headers.get(ERROR) == "invalid_chunk", (rid, headers, body[:300])
+            assert len(body) < 1024 and b"unreadable header block" in body and b"characters" in body, (rid, body[:300])
+        assert max(len(line) for line in text.splitlines()) < 2048
+        assert "event=disconnected" not in text
+        assert proc.poll() is None
+        assert peak_rss(proc.pid) < 150 * MiB

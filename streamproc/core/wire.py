@@ -40,8 +40,10 @@ JOIN = "Streamproc-Join"
 ERROR = "Streamproc-Error"
 MSG_ID = "Nats-Msg-Id"
 TRACEPARENT = "traceparent"
-# Not on the wire: the NATS shell puts this in place of a header block it could not decode.
+# Not on the wire: the NATS shell puts this in place of a header block it could not decode, with
+# why, cut to MAX_UNREADABLE_REASON characters. A worker can send a header of that name itself.
 UNREADABLE_HEADERS = "Streamproc-Unreadable-Headers"
+MAX_UNREADABLE_REASON = 200
 
 
 _ROLES = {r.value: r for r in Role}
@@ -158,6 +160,17 @@ def _traceparent(value: str | None) -> str | None:
     return value if value is None or len(value) <= MAX_TRACEPARENT_LEN else None
 
 
+def _unreadable(headers: Mapping[str, str], request_id: str) -> ContractError:
+    """The contract error of a header block marked unreadable. The shell's own reason is at most
+    :data:`MAX_UNREADABLE_REASON` characters; a longer one was sent by a worker (up to ``max_payload``:
+    repeated whole, its error result could not be published and its log line was as long), so it
+    is shown cut."""
+    reason = headers[UNREADABLE_HEADERS]
+    if len(reason) > MAX_UNREADABLE_REASON:
+        reason = shown(reason)
+    return ContractError(f"unreadable header block ({reason})", request_id)
+
+
 def chunk_from_message(
     subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes, token: Any = None
 ) -> Chunk:
@@ -165,7 +178,7 @@ def chunk_from_message(
     request_id, role = subjects.parse_chunk_subject(subject)
     h = headers or {}
     if UNREADABLE_HEADERS in h:
-        raise ContractError(f"unreadable header block ({h[UNREADABLE_HEADERS]})", request_id)
+        raise _unreadable(h, request_id)
     return Chunk(
         request_id=request_id,
         role=role,
@@ -331,7 +344,7 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
         seq = int(text)
     else:
         if UNREADABLE_HEADERS in h:  # RobustClient's mark (no Streamproc-Seq): say so, as chunk_from_message does
-            raise ContractError(f"unreadable header block ({h[UNREADABLE_HEADERS]})", request_id)
+            raise _unreadable(h, request_id)
         seq = _parse_index(text, SEQ, request_id, required=True)
     text = h.get(FINAL)
     if text is None or text == "false":

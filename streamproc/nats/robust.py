@@ -74,7 +74,7 @@ from nats.aio.client import Client
 from nats.js import api
 from nats.protocol import parser as _parser
 
-from ..core.wire import UNREADABLE_HEADERS
+from ..core.wire import MAX_UNREADABLE_REASON, UNREADABLE_HEADERS
 from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.nats")
@@ -158,7 +158,7 @@ class RobustClient(Client):
         try:
             return await super()._process_headers(headers)
         except Exception as exc:  # noqa: BLE001  (any failure here would end the read loop)
-            return {UNREADABLE_HEADERS: f"{type(exc).__name__}: {exc}"[:200]}
+            return {UNREADABLE_HEADERS: f"{type(exc).__name__}: {exc}"[:MAX_UNREADABLE_REASON]}
 
 
     async def _send_publish(self, subject: str, reply: str, payload: bytes, payload_size: int,
