@@ -117,6 +117,13 @@ def peak_rss(pid: int) -> int:
     return kib * 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a live process has used so far (``/proc/<pid>/stat``), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def scrape(port: int) -> dict[str, float]:
     """Every sample of a status server's ``/metrics`` (``streamproc run --http-port``), by name and labels."""
     import urllib.request
