@@ -129,10 +129,14 @@ async def test_streams_get_the_configured_limits_and_a_differing_stream_is_refus
     ({"max_msgs_per_subject": 1}, "max_msgs_per_subject is 1: past 1 messages on one subject the stream drops the "
                                   "older ones (a leg's chunks all share its subject"),
     ({"no_ack": True}, "no_ack is true: the stream sends no PubAck"),
+    ({"allow_rollup_hdrs": True}, "allow_rollup_hdrs is true: one chunk with a 'Nats-Rollup: all' header would "
+                                  "purge every unprocessed chunk"),
 ])
 async def test_a_chunk_stream_that_would_lose_or_never_confirm_chunks_is_refused_unchanged(client, change, problem):
     """A pre-created chunk stream that drops a leg's unprocessed chunks (discard old, a per-subject
-    limit) or never sends PubAcks (no_ack) is refused by name, not used."""
+    limit), never sends PubAcks (no_ack) or lets any worker purge it (allow_rollup_hdrs: checked
+    against nats-server, 9 chunks of three requests stored, one worker's chunk with ``Nats-Rollup:
+    all`` PubAcked, 1 message left) is refused by name, not used."""
     subjects = Subjects(f"chunkodd{sorted(change)[0].replace('_', '')}")
     spec = ChunkStreamSpec(f"CHUNKS_ODD_{sorted(change)[0].upper()}", PartitionScheme(subjects, 2), 60, 30,
                            StorageType.MEMORY)

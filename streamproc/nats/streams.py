@@ -279,6 +279,9 @@ class ChunkStreamSpec(msgspec.Struct, frozen=True):
         if actual.no_ack:
             found.append("no_ack is true: the stream sends no PubAck, so a durable ChunkPublisher never learns a "
                          "chunk was stored")
+        if actual.allow_rollup_hdrs:  # a plain publish does it: workers need no JetStream API permission
+            found.append("allow_rollup_hdrs is true: one chunk with a 'Nats-Rollup: all' header would purge every "
+                         "unprocessed chunk of every request from the stream")
         found.extend(_per_subject_problems(actual, "a leg's chunks all share its subject and wait there until "
                                                    "processed"))
         return found
