@@ -49,14 +49,8 @@ async def read_slowly(client: httpx.AsyncClient, request_id: str, address: str) 
     return bytes(received)
 
 
-@pytest.fixture
-def nats_without_pulls():
-    """A nats-server whose users may not publish ``$JS.API.CONSUMER.MSG.NEXT`` (the shipped
-    configuration before 2026-12-05): the edge's replays read with push consumers."""
-    with EmbeddedNats(config=NO_PULLS) as server:
-        yield server
-
-
+# The edge user may not publish ``$JS.API.CONSUMER.MSG.NEXT`` (the shipped configuration before
+# 2026-12-05): until 2026-12-06 the edge's replays read with push consumers there.
 NO_PULLS = """
 authorization {
   users = [
@@ -64,6 +58,10 @@ authorization {
   ]
 }
 """
+# Nor ``$JS.API.STREAM.MSG.GET`` (an edge user set up before the replay read by subject): nothing
+# reads a stored history in the read budget, and each stream reads with a push consumer of its own.
+NO_STORED_READS = NO_PULLS.replace('"$JS.API.CONSUMER.MSG.NEXT.>"',
+                                   '"$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.STREAM.MSG.GET.>"')
 
 
 async def many_late_attaches_and_a_live_client(nats_url: str, edge_url: str, subjects: Subjects) -> tuple[
@@ -287,30 +285,34 @@ async def test_the_read_budget_its_bytes_out_and_its_waits_are_on_the_edges_metr
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", [
     "pulls refused",
-    pytest.param("recent 0", marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap: --recent 0 (and an edge refused both STREAM.MSG.GET and CONSUMER.MSG.NEXT) reads each "
-        "stream with its own ordered push consumer, which the read budget does not bound; the server cut "
-        "the edge as a slow consumer here (2026-12-06, docs/edge.md)"))),
+    "recent 0",
+    pytest.param("recent 0, stored reads refused", marks=pytest.mark.xfail(strict=True, reason=(
+        "known gap: --recent 0 where STREAM.MSG.GET and CONSUMER.MSG.NEXT are both refused reads each "
+        "stream with its own ordered push consumer, which the read budget does not bound; the server cuts "
+        "the edge as a slow consumer here (docs/edge.md)"))),
 ])
-async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_connection_cut(
-        nats_without_pulls, mode):
+async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_connection_cut(mode):
     """Where the edge may not pull (no ``CONSUMER.MSG.NEXT``: ``replay_pulls_refused``) its replays
-    read with push consumers until 2026-12-06, and with ``--recent 0`` every JetStream stream has its
-    own: each such consumer's flow control lets nats-server send 2 MiB and more (its window doubles at
-    each answer up to 32 MiB, ``consumer.go`` ``processFlowControl``) whatever the read budget, and 32
-    slow late attaches had the edge's connection cut (``Slow Consumer Detected``, every stream 503).
-    With pulls refused the replays now read each result by subject (``STREAM.MSG.GET``, charged)."""
-    server = nats_without_pulls
-    url = server.url.replace("nats://", "nats://edge:edge@")
+    read with push consumers until 2026-12-06, and with ``--recent 0`` every JetStream stream had its
+    own from the stream's start: each such consumer's flow control lets nats-server send 2 MiB and
+    more (its window doubles at each answer up to 32 MiB, ``consumer.go`` ``processFlowControl``)
+    whatever the read budget, and 32 slow late attaches had the edge's connection cut (``Slow
+    Consumer Detected``, every stream 503). With pulls refused the replays now read each result by
+    subject (``STREAM.MSG.GET``, charged), and with ``--recent 0`` a stream's history is read so
+    before its consumer is made past it. Where MSG.GET is refused too, nothing does that yet."""
     subjects = Subjects("pushbudget")
-    extra = ("--recent", "0") if mode == "recent 0" else ()
-    with running_edge(url, "--prefix", subjects.prefix, "--ensure-results-stream",
-                      "--forwarded-allow-ips", "127.0.0.1", *extra) as edge:
-        got, other_body, other_took, bodies = await many_late_attaches_and_a_live_client(url, edge.url, subjects)
-        log = edge.log()
-    server_log = server.log_path.read_text(errors="replace")
+    extra = ("--recent", "0") if mode.startswith("recent 0") else ()
+    with EmbeddedNats(config=NO_STORED_READS if mode.endswith("stored reads refused") else NO_PULLS) as server:
+        url = server.url.replace("nats://", "nats://edge:edge@")
+        with running_edge(url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                          "--forwarded-allow-ips", "127.0.0.1", *extra) as edge:
+            got, other_body, other_took, bodies = await many_late_attaches_and_a_live_client(url, edge.url, subjects)
+            log = edge.log()
+        server_log = server.log_path.read_text(errors="replace")
     if mode == "pulls refused":
         assert "event=replay_pulls_refused" in log  # pulls refused indeed: read by subject
+    if mode.endswith("stored reads refused"):
+        assert "event=stored_results_unreadable" in log  # MSG.GET refused indeed: push consumers
     print(f"{mode}: other client served in {other_took:.2f} s")
     assert_everyone_served(server_log, log, got, other_body, other_took, bodies)
 

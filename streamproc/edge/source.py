@@ -11,8 +11,9 @@ stream captures ``P.results.>``, one ordered consumer, each feed first reading f
 was stored before it registered (:mod:`.replay`), so a client that attaches late loses nothing.
 An edge user that may not read stored results by subject (:mod:`.msg_get`) gets each JetStream
 feed its own ordered consumer instead, as with ``--recent 0``.
-With ``--recent 0`` each feed has its own: an ordered consumer replaying the subject from the
-stream's start, or a core subscription (live only). Either way :class:`SeqOrder` hands them out
+With ``--recent 0`` each feed has its own: an ordered consumer of the subject from past the
+stream's last sequence at the open, what is stored before it read first as a replay's (in the read
+budget: :meth:`ResultSource._read_stored`), or a core subscription (live only). Either way :class:`SeqOrder` hands them out
 in seq order, each once, and never mixes requests: a feed reads exactly one request's subject.
 """
 from __future__ import annotations
@@ -26,11 +27,12 @@ import logging
 import time
 from typing import Callable
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamInfo
 from nats.js.client import JetStreamContext
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
@@ -88,6 +90,34 @@ def jetstream_hint(exc: BaseException) -> str:
                 "edge's account); enable it, or start the edge without --ensure-results-stream (it then "
                 "serves live results only)")
     return "the server's answer above says why"
+
+
+class _SplitState(msgspec.Struct):
+    last_seq: int = 0
+    subjects: dict[str, int] = {}
+
+
+class _SplitError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _SplitInfo(msgspec.Struct):
+    """What :meth:`ResultSource._split_at_last` reads of a STREAM.INFO answer: decoded alone, not as
+    nats-py's whole ``StreamInfo`` (an open's cost)."""
+    created: str = ""
+    state: _SplitState = msgspec.field(default_factory=_SplitState)
+    error: _SplitError | None = None
+
+
+_decode_split = msgspec.json.Decoder(_SplitInfo).decode
+
+
+def _unsubscribed(task: asyncio.Task) -> None:
+    """A consumer's unsubscribe ended (fall_back): its failure (a closed connection) is no news."""
+    if not task.cancelled():
+        task.exception()
 
 
 def core_subscription(sub):
@@ -627,7 +657,10 @@ class ResultSource:
                            "results stream through one (docs/edge.md)")
         if stream is not None:
             feed = ResultFeed(self, request_id, None, "jetstream", order)
-            self._consume(feed, stream, limits)
+            if self.fanout is None:  # --recent 0: its history in the read budget, then its own consumer
+                self._read_stored(feed, stream, limits)
+            else:
+                self._consume(feed, stream, limits)
             return feed
         sub = await self.nc.subscribe(subject, **limits)
         try:
@@ -689,6 +722,71 @@ class ResultSource:
         """The results of ``subject`` stored from sequence ``start`` up to what the ring has
         delivered: those the dispatch did not give ``feed`` (replay.py; ``by_consumer`` there)."""
         assert self.fanout is not None and self.nc is not None and feed.inbox is not None
+        limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit}
+        return self._stored_reader(feed, stream, subject, start, self.fanout.delivered(), limits, by_consumer,
+                                   expect)
+
+    def _read_stored(self, feed: ResultFeed, stream: str, limits: dict[str, int], start: int = 1) -> None:
+        """A feed that reads with an ordered consumer of its own (``--recent 0``), at its open or
+        on from ``start`` after it fell behind (:meth:`read_on`): its consumer is made from past the
+        stream's last sequence now, and what is stored of its subject before that is read first as
+        a replay's (replay.py: pulls or by subject, in the read budget). Made from ``start``, as
+        before 2026-12-06, that push consumer sent the whole history at its flow control's pace
+        (2 MiB, doubling to 32 MiB) past the budget, and many slow late attaches had the edge's
+        connection cut (tests/test_edge_replay_budget.py). Where MSG.GET is refused (msg_get.py)
+        nothing reads a history in the budget: the consumer from ``start``, as before."""
+        assert self.nc is not None
+        feed.stream, feed.limits = stream, limits
+        prefix = self.jetstream()._prefix
+        if self.msg_get is None or self.msg_get.stream != stream:  # kept for the same name: what it learnt holds
+            self.msg_get = ApiPermission(prefix, stream, self._msg_get_changed)
+        if self.pulls is None or self.pulls.stream != stream:
+            self.pulls = ApiPermission(prefix, stream, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
+        if not self.msg_get.usable():
+            self.metrics.streams_fallback += 1
+            self._consume(feed, stream, limits, start)
+            return
+        feed.attaching = asyncio.get_running_loop().create_task(self._split_at_last(feed, stream, limits, start))
+        self._attaching.add(feed.attaching)
+        feed.attaching.add_done_callback(self._attaching.discard)
+
+    async def _split_at_last(self, feed: ResultFeed, stream: str, limits: dict[str, int], start: int) -> None:
+        """:meth:`_read_stored`'s split: the stream's last sequence now and how many results of the
+        subject it holds (one STREAM.INFO with ``subjects_filter``, a small answer, uncharged); the
+        replay reads the subject up to that sequence, the consumer from the next one. Every result
+        of the subject is in one or the other, once. nats-server takes the last sequence before the
+        subject's count (``jsStreamInfoRequest``: ``stateWithDetail``, then ``SubjectsTotals``), so a
+        count of 0 says nothing is stored up to it: no replay, no MSG.GET waiting its turn in the
+        budget (the usual open, before its request starts, is live at once)."""
+        assert self.nc is not None
+        subject = self.subjects.result(feed.request_id)
+        try:
+            reply = await self.nc.request(f"{self.jetstream()._prefix}.STREAM.INFO.{stream}",
+                                          msgspec.json.encode({"subjects_filter": subject}), timeout=REPLAY_TIMEOUT)
+            info = _decode_split(reply.data)
+            if info.error is not None:
+                raise APIError(code=info.error.code, err_code=info.error.err_code,
+                               description=info.error.description)
+        except Exception as exc:  # noqa: BLE001 - unanswered, refused, the stream gone: as before 2026-12-06
+            # its consumer from ``start`` (which fails with its own reason if the stream is gone)
+            self.limited.log(logging.WARNING, "stored_history_unsplit", request_id=feed.request_id,
+                             error=error_text(exc), fallback="its consumer from the stream's start, unbudgeted")
+            if not feed.closed:
+                await self._attach(feed, self.jetstream(), subject, stream, limits, start)
+            return
+        if info.created:  # the consumer reads this one (_created_of): parsed as nats-py's StreamInfo does
+            self._created[stream] = StreamInfo._parse_utc_iso(info.created)
+        last = info.state.last_seq
+        if feed.closed:
+            return
+        if last >= start and info.state.subjects.get(subject, 0) > 0:
+            feed.replay = self._stored_reader(feed, stream, subject, start, last, limits, False,
+                                              start if start > 1 else None)
+        await self._attach(feed, self.jetstream(), subject, stream, limits, max(start, last + 1))
+
+    def _stored_reader(self, feed: ResultFeed, stream: str, subject: str, start: int, upto: int,
+                       limits: dict[str, int], by_consumer: bool | None, expect: int | None) -> Replay:
+        assert self.nc is not None
 
         def watch(sub, live: bool, deleted: bool | None = None) -> None:  # its temporary consumer's SlowConsumerError pauses it (_on_error)
             if live:
@@ -701,10 +799,8 @@ class ResultSource:
                 asyncio.get_running_loop().call_later(REPLAY_SLOT_LINGER if deleted is None else REPLAY_PULL_SLOT_LINGER,
                                                       self._replay_consumer_gone)
 
-        limits = {"pending_msgs_limit": feed.inbox.msgs_limit, "pending_bytes_limit": feed.inbox.bytes_limit,
-                  "inactive_threshold": CONSUMER_LINGER}
-        return Replay(self.nc, self.jetstream()._prefix, stream, subject, self.fanout.delivered(),
-                      REPLAY_TIMEOUT, limits, watch, self.msg_get,
+        return Replay(self.nc, self.jetstream()._prefix, stream, subject, upto,
+                      REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch, self.msg_get,
                       functools.partial(self._may_replay_with_consumer, feed), start,
                       by_consumer, expect, self._replay_consumer_made, self.pulls, self.read_gate,
                       self._largest_stored, self._replay_read_by_subject)
@@ -757,11 +853,29 @@ class ResultSource:
         and reads its subject with an ordered consumer of its own from the stream's start (what it
         had queued comes again; repeats are dropped by seq). A refusal (or a silence while MSG.GET
         never answered) sends later opens that way too until the re-probe (msg_get.py); a timeout
-        after MSG.GET did answer falls back for this feed only (a busy server, not a permission)."""
-        assert self.fanout is not None and feed.inbox is not None and self.fanout.stream is not None
+        after MSG.GET did answer falls back for this feed only (a busy server, not a permission).
+        A ``--recent 0`` feed's replay (:meth:`_read_stored`) had no fan-out: its consumer from where
+        that replay was."""
         access = self.msg_get
         if access is not None and (refused.denied or not access.confirmed):
             access.refused(refused.reason)
+        if feed.inbox is None:
+            # Its consumer reads from past the replay's end: made again from where the replay was
+            replay, feed.replay = feed.replay, None
+            old, feed._sub = feed._sub, None
+            assert replay is not None and feed.stream is not None
+            self.metrics.streams_fallback += 1
+            if old is not None:
+                self._feeds.pop(id(core_subscription(old)), None)
+                pending.drop(old)
+                self.metrics.jetstream_replays -= 1  # counted again by _attach, once its consumer exists
+                task = asyncio.get_running_loop().create_task(old.unsubscribe())
+                self._closing_replays.add(task)
+                task.add_done_callback(self._closing_replays.discard)
+                task.add_done_callback(_unsubscribed)
+            self._consume(feed, feed.stream, feed.limits, replay.next_seq)
+            return
+        assert self.fanout is not None and self.fanout.stream is not None
         feed.replay = None  # it failed on a MSG.GET, so before making a consumer: nothing to close
         inbox, feed.inbox = feed.inbox, None
         self.fanout.remove(self.subjects.result(feed.request_id), feed)
@@ -850,6 +964,11 @@ class ResultSource:
             feed.attach_failed = f"cannot subscribe to results: {error_text(exc)}"
             self.limited.log(logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
             return
+        if start > 1:
+            # nats-py's ordered consumer resumes after the last sequence it delivered, 0 until a first
+            # result: a reset (a missed heartbeat) would push the subject's whole history (as the ring's)
+            jsi = core_subscription(sub)._jsi
+            jsi._sseq = max(jsi._sseq, start - 1)
         self.metrics.jetstream_replays += 1
         if feed.closed:
             with contextlib.suppress(nats.errors.Error, OSError):
@@ -997,7 +1116,10 @@ class ResultSource:
         pending.drop(old)
         start, feed.cut = feed.cut, None
         self.metrics.jetstream_replays -= 1  # counted again by _attach, once its consumer exists
-        self._consume(feed, feed.stream, feed.limits, start)
+        if self.fanout is None:  # --recent 0: what it did not take in the read budget first (_read_stored)
+            self._read_stored(feed, feed.stream, feed.limits, start)
+        else:
+            self._consume(feed, feed.stream, feed.limits, start)
 
     async def _on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
