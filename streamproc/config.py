@@ -403,6 +403,11 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                               "and the request ended with a migration_refused error (each seals "
                                               "the attempt and sends back every token the client was sent)",
                                               ge=1, le=1_000_000)] = defaults.MAX_MIGRATIONS
+    max_migrate_rate: Annotated[float, documented(
+        "migrates this processor answers per second, all requests together, and "
+        f"{defaults.MIGRATE_BURST_SECONDS:g} s of them at once; past it a migrate is answered unavailable "
+        "with a retry_after, nothing moved (the Migrator asks again); 0: no limit",
+        ge=0, le=1_000_000)] = defaults.MIGRATE_RATE
     max_finished: Annotated[int, documented("finished request ids remembered at most (bounds the grace table)",
                                       ge=1, le=100_000_000)] = defaults.MAX_FINISHED
     max_finished_bytes: Annotated[int, documented("bytes the finished request ids may take (164 + the id's length "
@@ -480,7 +485,7 @@ _GROUP_OF = {
     **dict.fromkeys(["format", "format_option", "mode", "prefill_timeout", "request_timeout", "finished_grace"],
                     "correlation"),
     **dict.fromkeys(["max_inflight", "max_buffered_chunks", "max_buffered_bytes", "max_total_bytes", "max_decode_cpu",
-                     "max_migrations", "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
+                     "max_migrations", "max_migrate_rate", "max_finished", "max_finished_bytes", "shed_min_idle", "max_decompressed_bytes",
                      "max_retained_bytes", "pending_msgs_limit", "pending_bytes_limit", "drain_timeout"], "limits"),
     **dict.fromkeys(["partitions", "ack_wait", "max_ack_pending", "fetch_batch", "flush_interval", "ack_linger",
                      "max_deliver", "max_lookups", "max_result_attempts", "result_batch", "lease_ttl",

@@ -122,6 +122,9 @@ class ProcessorCollector(Collector):
         yield CounterMetricFamily("streamproc_control_replies_refused",
                                   "migrates refused unanswered: their reply subject is outside --control-reply-prefix",
                                   value=p.control_replies_refused)
+        yield CounterMetricFamily("streamproc_control_migrates_throttled",
+                                  "migrates answered unavailable, untouched, past --max-migrate-rate",
+                                  value=p.control_migrates_throttled)
         server = p.status_server
         if server is not None:
             yield CounterMetricFamily("streamproc_http_connections_evicted",

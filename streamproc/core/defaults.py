@@ -65,6 +65,15 @@ MAX_DECODE_CPU = 30.0
 # of a 96,000-token request cost the processor 11-12 ms of CPU and a 672 KB reply each, unbounded
 # (docs/security.md). A worker lost 32 times during one request is past any real failover.
 MAX_MIGRATIONS = 32
+# Migrates answered per second, process-wide, and how many at once (MIGRATE_BURST_SECONDS of the
+# rate): past them a migrate is answered ``unavailable`` with a retry_after, untouched
+# (core/migrate_rate.py). A failover migrates every request its lost worker served at once (a few
+# hundred each), so the burst holds a few such workers; an honest processor sees no more. Without a
+# bound, one connection's flood of migrates of made-up ids (about 120,000 a second) kept an honest
+# request's one result waiting 6.1 s and the control subscription's queue took the processor to a
+# VmHWM of 245 MiB (core mode; docs/operations.md, limits and abuse). 0: no limit.
+MIGRATE_RATE = 500.0
+MIGRATE_BURST_SECONDS = 4.0
 
 # Codecs
 # A ceiling, not the working bound: codecs decode at most what a body's token counts allow

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import deque
 from typing import NamedTuple, Protocol
 
@@ -39,6 +41,7 @@ from ..core.wire import (
     encode_control,
 )
 from ..core import defaults
+from ..core.migrate_rate import MigrateRate
 from ..core.errors import shown
 from ..logs import LogLimiter, error_text, log_event
 
@@ -87,14 +90,18 @@ class MigrateTarget(Protocol):
 
 class ControlPlane:
     def __init__(self, nc: NatsClient, subjects: Subjects, target: MigrateTarget,
-                 limited: LogLimiter | None = None, reply_prefix: str = defaults.CONTROL_REPLY_PREFIX) -> None:
+                 limited: LogLimiter | None = None, reply_prefix: str = defaults.CONTROL_REPLY_PREFIX,
+                 rate: MigrateRate | None = None) -> None:
         """``limited``: the pipeline's limiter (its timer flushes the suppressed counts).
-        ``reply_prefix``: what a migrate's reply subject must start with (``--control-reply-prefix``)."""
+        ``reply_prefix``: what a migrate's reply subject must start with (``--control-reply-prefix``).
+        ``rate``: migrates answered per second, process-wide (``--max-migrate-rate``)."""
         self._nc = nc
         self._subjects = subjects
         self._target = target
         self._reply_prefix = reply_prefix
         self.replies_refused = 0  # migrates refused for their reply subject (/metrics)
+        self.rate = rate if rate is not None else MigrateRate(
+            defaults.MIGRATE_RATE, defaults.MIGRATE_RATE * defaults.MIGRATE_BURST_SECONDS)
         self._sub: Subscription | None = None
         # Anyone allowed to publish on the control subjects can send bad ones (and migrates, each
         # logged) at will: every per-request line here is rate limited per event name.
@@ -142,6 +149,18 @@ class ControlPlane:
             # request's partition answers for it; the others stay silent so the owner's answer is
             # the one the requester gets (with no owner, e.g. mid-failover, the request times out
             # and the Migrator tries again: the next owner reads the state from JetStream).
+            return
+        wait = self.rate.take(time.monotonic())
+        if wait is not None:  # before the request is read or waited on: a refusal costs one reply
+            self._limited.log(logging.WARNING, "migrate_throttled", request_id=request_id,
+                              rate=self.rate.rate)
+            await self._reply(request_id, msg.reply, MigrateError(
+                request_id, MigrateErrorCode.UNAVAILABLE,
+                f"migrate rate limit: this processor answers {self.rate.rate:g} migrates a second "
+                f"(--max-migrate-rate); nothing moved, ask again", retry_after=math.ceil(wait * 1000) / 1000))
+            # nats-py calls back from a loop that does not yield while its queue holds messages: a
+            # flood answered this fast would otherwise starve the chunk subscriptions and the flusher.
+            await asyncio.sleep(0)
             return
         ask = _read(request_id, msg)  # before it waits: a body (up to max_payload) is not held meanwhile
         later = self._waiting.get(request_id)

@@ -29,6 +29,7 @@ from ..config import Settings, redact_url
 from ..core import defaults
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, StreamMismatch, StreamprocError, UnknownFormat
+from ..core.migrate_rate import MigrateRate
 from ..core.wire import MigrateReply, MigrateRequest
 from ..logs import error_text, log_event
 from . import connection
@@ -102,6 +103,11 @@ class Processor:
         return self._control.replies_refused if self._control is not None else 0
 
     @property
+    def control_migrates_throttled(self) -> int:
+        """Migrates answered unavailable past --max-migrate-rate (core/migrate_rate.py)."""
+        return self._control.rate.refused if self._control is not None else 0
+
+    @property
     def input(self) -> Input | None:
         """The running chunk input (core subscription or durable pull consumers)."""
         return self._input
@@ -153,8 +159,9 @@ class Processor:
                 raise StartupError(str(exc)) from None
             except nats.errors.Error as exc:  # JetStream unavailable or too slow while creating streams
                 raise StartupError(f"cannot set up the {self.mode} input: {error_text(exc)}") from None
+            rate = MigrateRate(settings.max_migrate_rate, settings.max_migrate_rate * defaults.MIGRATE_BURST_SECONDS)
             self._control = ControlPlane(self.nc, self.subjects, self, self.pipeline.limited,
-                                         settings.control_reply_prefix)  # P.control.*.migrate
+                                         settings.control_reply_prefix, rate)  # P.control.*.migrate
             await self._control.start()
             self._tasks.start_soon(self._timer)
             if settings.stats_interval > 0:

@@ -1,0 +1,113 @@
+"""Found by an attack (2026-12-06): anyone allowed to publish on the control subjects can send
+migrates at will, and only their log lines were rate limited. Measured against `streamproc run`
+and a real nats-server:
+
+- many migrates of one live request: 32 are sealed (``--max-migrations``), the 33rd is refused and
+  ends the request (``migration_refused``), every later one is answered ``finished``; durable mode
+  writes the seal record 32 times. Bounded already, pinned in the correlator tests.
+- migrates of made-up ids, huge ids, non-UTF-8 subject tokens: answered ``unknown_request`` or
+  dropped as a bad subject; in durable mode each answered one costs up to four JetStream reads
+  (2,000 took 2.6 s), with no bound on how many a second.
+
+Now a process-wide token bucket (``--max-migrate-rate``, core/migrate_rate.py) answers a migrate
+past it at once with ``unavailable``, a ``retry_after`` and the reason, untouched, and counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import nats
+import pytest
+
+from helpers import free_port, scrape
+from migration_helpers import ask_migrate
+from streamproc.core import defaults
+from streamproc.core.wire import FINAL, MigrateError, MigrateErrorCode, Sealed, chunk_headers, decode_migrate_reply
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+SUBJECTS = Subjects("streamproc")
+BODY = b'{"text":"a","output_ids":[1,2,3],"meta_info":{"id":"x"}}'
+
+
+async def _honest_unary(nc, rid: str) -> bool:
+    """One request of one final chunk: whether its result came within 5 s."""
+    sub = await nc.subscribe(SUBJECTS.result(rid))
+    await nc.flush()
+    await nc.publish(SUBJECTS.chunk(rid, "agg"), BODY, headers=chunk_headers(rid, "agg", 0, final=True))
+    try:
+        msg = await sub.next_msg(timeout=5)
+        return msg.headers is not None and msg.headers.get(FINAL) == "true"
+    except nats.errors.TimeoutError:
+        return False
+    finally:
+        await sub.unsubscribe()
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_migrates_past_the_rate_are_refused_with_a_clear_answer_while_honest_requests_are_answered(
+        nats_url, streamproc_run, mode):
+    flood = int(defaults.MIGRATE_RATE * defaults.MIGRATE_BURST_SECONDS) * 3  # 6,000: past the burst at once
+    port = free_port()
+    live = f"live-{mode}"
+    with streamproc_run("--mode", mode, "--partitions", "1", "--http-port", str(port),
+                        "--http-host", "127.0.0.1") as (proc, log_path):
+        attacker = await nats.connect(nats_url)
+        honest = await nats.connect(nats_url)
+        try:
+            results = await honest.subscribe(SUBJECTS.result(live))
+            await honest.flush()
+            await honest.publish(SUBJECTS.chunk(live, "agg"), BODY, headers=chunk_headers(live, "agg", 0))
+            await results.next_msg(timeout=10)
+            answers: list = []
+            answered: list[bool] = []
+
+            async def attack() -> None:
+                ids = [f"made-up-{i}" if i % 2 else "x" * 200 + str(i) for i in range(flood)]
+                waits = [attacker.request(SUBJECTS.migrate(r), b"{}", timeout=60) for r in ids]
+                replies = await asyncio.gather(*waits, return_exceptions=True)
+                answers.extend(replies)
+
+            async def bystanders() -> None:
+                for i in range(20):
+                    answered.append(await _honest_unary(honest, f"bystander-{mode}-{i}"))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(attack)
+                tg.start_soon(bystanders)
+            lost = [a for a in answers if isinstance(a, Exception)]
+            assert not lost, f"{len(lost)} of {flood} migrates unanswered, first: {lost[0]!r}"
+            decoded = [decode_migrate_reply(a.data) for a in answers]
+            throttled = [d for d in decoded if isinstance(d, MigrateError) and "migrate rate limit" in d.message]
+            codes = {d.code for d in decoded}
+            assert throttled, f"none of {flood} migrates of made-up ids was refused for the rate: {codes}"
+            assert all(d.code is MigrateErrorCode.UNAVAILABLE and d.retry_after and d.retry_after > 0
+                       for d in throttled), throttled[:1]
+            assert codes <= {MigrateErrorCode.UNKNOWN_REQUEST, MigrateErrorCode.UNAVAILABLE}, codes
+            assert scrape(port)["streamproc_control_migrates_throttled_total"] == len(throttled)
+            assert all(answered), f"{answered.count(False)} of 20 honest requests unanswered during the flood"
+            # The bucket refills: the honest migrate of the live request is sealed, and its request goes on.
+            await anyio.sleep(1.0)
+            reply = await ask_migrate(honest, SUBJECTS, live, id="honest")
+            assert isinstance(reply, Sealed) and reply.attempt == 1, reply
+            print(f"{mode}: {len(throttled)} of {flood} refused for the rate")
+        finally:
+            await attacker.close()
+            await honest.close()
+        log = log_path.read_text()
+    assert "event=migrate_throttled" in log
+
+
+def test_the_migrate_rate_answers_a_burst_then_its_rate_and_says_when_to_ask_again():
+    from streamproc.core.migrate_rate import MigrateRate
+
+    rate = MigrateRate(10.0, 20.0)
+    assert [rate.take(100.0) for _ in range(20)] == [None] * 20
+    assert rate.take(100.0) == pytest.approx(0.1) and rate.refused == 1
+    assert rate.take(100.15) is None  # one refilled
+    assert rate.take(99.0) is not None  # a clock stepping back refills nothing
+    assert [rate.take(1000.0) for _ in range(21)].count(None) == 20  # refilled to the burst, never past it
+    unlimited = MigrateRate(0.0, 0.0)
+    assert all(unlimited.take(0.0) is None for _ in range(10_000)) and unlimited.refused == 0
