@@ -111,3 +111,46 @@ def test_the_migrate_rate_answers_a_burst_then_its_rate_and_says_when_to_ask_aga
     assert [rate.take(1000.0) for _ in range(21)].count(None) == 20  # refilled to the burst, never past it
     unlimited = MigrateRate(0.0, 0.0)
     assert all(unlimited.take(0.0) is None for _ in range(10_000)) and unlimited.refused == 0
+
+
+async def test_a_flood_of_migrates_faster_than_the_processor_reads_stays_within_its_memory_bound(
+        nats_url, streamproc_run):
+    """Found by the same attack: one connection publishing migrates of made-up ids as fast as it can
+    (~120,000 a second) outruns any answer, refused or not; they queued in the control
+    subscription's nats-py queue (524,288 messages, 128 MiB of bodies by default) and took the
+    processor's VmHWM to 245 MiB. The queue now holds CONTROL_PENDING_MSGS; past it they are dropped
+    (slow_consumer) and bystanders are still answered."""
+    from helpers import peak_rss
+
+    with streamproc_run("--mode", "core") as (proc, log_path):
+        attacker = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
+        honest = await nats.connect(nats_url)
+        answered: list[bool] = []
+        sent = 0
+        try:
+            async def attack() -> None:
+                nonlocal sent
+                with anyio.move_on_after(10):
+                    while True:
+                        for _ in range(500):
+                            await attacker.publish(SUBJECTS.migrate(f"flood-{sent}"), b"{}",
+                                                   reply=f"_INBOX.flood.{sent}")
+                            sent += 1
+                        await attacker.flush()
+
+            async def bystanders() -> None:
+                await anyio.sleep(2)  # the queue is full by now
+                for i in range(5):
+                    answered.append(await _honest_unary(honest, f"flooded-{i}"))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(attack)
+                tg.start_soon(bystanders)
+            peak = peak_rss(proc.pid)
+        finally:
+            await attacker.close()
+            await honest.close()
+    print(f"{sent} migrates in 10 s, VmHWM {peak // 1024} KiB")
+    assert sent > 200_000, f"the flood was too slow to outrun the processor: {sent} migrates in 10 s"
+    assert peak < 150 * 1024 * 1024, f"VmHWM {peak // 1024} KiB under a flood of {sent} migrates"
+    assert all(answered), f"{answered.count(False)} of 5 bystander requests unanswered during the flood"

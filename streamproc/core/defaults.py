@@ -74,6 +74,14 @@ MAX_MIGRATIONS = 32
 # VmHWM of 245 MiB (core mode; docs/operations.md, limits and abuse). 0: no limit.
 MIGRATE_RATE = 500.0
 MIGRATE_BURST_SECONDS = 4.0
+# Migrates waiting in the control subscription's client-side queue, at most (its count and their
+# bytes): past them nats-py drops a migrate unanswered (slow_consumer; the Migrator asks again). At
+# nats-py's defaults (524,288 messages, 128 MiB) a flood faster than the processor reads (one
+# connection sent ~120,000 a second) queued until the processor's VmHWM was 245 MiB. Four bursts of
+# the migrate rate fit, with small bodies; a migrate's body is a few hundred bytes unless its free-text
+# reason is long.
+CONTROL_PENDING_MSGS = 8192
+CONTROL_PENDING_BYTES = 16 * 1024 * 1024
 
 # Codecs
 # A ceiling, not the working bound: codecs decode at most what a body's token counts allow

@@ -111,7 +111,9 @@ class ControlPlane:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate)
+        self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate,
+                                             pending_msgs_limit=defaults.CONTROL_PENDING_MSGS,
+                                             pending_bytes_limit=defaults.CONTROL_PENDING_BYTES)
         await self._nc.flush()  # a migrate sent right after start() returns is heard
 
     async def stop(self, timeout: float) -> None:
