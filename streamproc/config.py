@@ -404,7 +404,7 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
                                               "the attempt and sends back every token the client was sent)",
                                               ge=1, le=1_000_000)] = defaults.MAX_MIGRATIONS
     max_migrate_rate: Annotated[float, documented(
-        "migrates this processor answers per second, all requests together, and "
+        "migrates of requests not active here (made-up, finished or not yet adopted ids) this processor answers per second, and "
         f"{defaults.MIGRATE_BURST_SECONDS:g} s of them at once; past it a migrate is answered unavailable "
         "with a retry_after, nothing moved (the Migrator asks again); 0: no limit",
         ge=0, le=1_000_000)] = defaults.MIGRATE_RATE

@@ -23,6 +23,9 @@ class UnknownEverywhere:
     def owns(self, request_id: str) -> bool:
         return True
 
+    def holds(self, request_id: str) -> bool:
+        return False
+
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateError:
         return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST, "no chunk of this request has arrived")
 

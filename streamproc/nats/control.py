@@ -84,6 +84,9 @@ class MigrateTarget(Protocol):
     def owns(self, request_id: str) -> bool:
         """Whether this instance answers for the request."""
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is active here (its migrates are bounded by ``--max-migrations``)."""
+
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateReply:
         """Seal the request's current attempt, in order with the chunks received before the call."""
 
@@ -152,7 +155,10 @@ class ControlPlane:
             # the one the requester gets (with no owner, e.g. mid-failover, the request times out
             # and the Migrator tries again: the next owner reads the state from JetStream).
             return
-        wait = self.rate.take(time.monotonic())
+        # Only migrates of requests without state here are charged: those of a held request are
+        # bounded by --max-migrations, and a flood of made-up ids must not refuse them (a genuine
+        # migrate of a request whose worker was lost).
+        wait = None if self._target.holds(request_id) else self.rate.take(time.monotonic())
         if wait is not None:  # before the request is read or waited on: a refusal costs one reply
             self._limited.log(logging.WARNING, "migrate_throttled", request_id=request_id,
                               rate=self.rate.rate)

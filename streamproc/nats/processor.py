@@ -363,6 +363,11 @@ class Processor:
         """Whether this instance answers control requests for the request."""
         return self._input is None or self._input.owns(request_id)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is active here (its migrates are not rate limited). A finished one
+        is not: in durable mode its migrate still reads the seal record."""
+        return self.correlator.attempt_of(request_id) is not None
+
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateReply:
         """Seal the request's current attempt (see ``Correlator.migrate``), after every chunk the
         server delivered before the control request has been handled."""
