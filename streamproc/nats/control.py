@@ -97,7 +97,7 @@ class ControlPlane:
                  rate: MigrateRate | None = None) -> None:
         """``limited``: the pipeline's limiter (its timer flushes the suppressed counts).
         ``reply_prefix``: what a migrate's reply subject must start with (``--control-reply-prefix``).
-        ``rate``: migrates answered per second, process-wide (``--max-migrate-rate``)."""
+        ``rate``: migrates of requests not active here answered per second (``--max-migrate-rate``)."""
         self._nc = nc
         self._subjects = subjects
         self._target = target
@@ -164,7 +164,8 @@ class ControlPlane:
                               rate=self.rate.rate)
             await self._reply(request_id, msg.reply, MigrateError(
                 request_id, MigrateErrorCode.UNAVAILABLE,
-                f"migrate rate limit: this processor answers {self.rate.rate:g} migrates a second "
+                f"migrate rate limit: this processor answers {self.rate.rate:g} migrates a second of requests "
+                f"not active here "
                 f"(--max-migrate-rate); nothing moved, ask again", retry_after=math.ceil(wait * 1000) / 1000))
             # nats-py calls back from a loop that does not yield while its queue holds messages: a
             # flood answered this fast would otherwise starve the chunk subscriptions and the flusher.
