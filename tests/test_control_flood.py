@@ -24,6 +24,7 @@ import pytest
 from helpers import free_port, scrape
 from migration_helpers import ask_migrate
 from streamproc.core import defaults
+from streamproc.nats.durable.migrations import record_key
 from streamproc.core.wire import FINAL, MigrateError, MigrateErrorCode, Sealed, chunk_headers, decode_migrate_reply
 from streamproc.wire import Subjects
 
@@ -155,3 +156,28 @@ async def test_a_flood_of_migrates_faster_than_the_processor_reads_stays_within_
     assert sent > 200_000, f"the flood was too slow to outrun the processor: {sent} migrates in 10 s"
     assert peak < 150 * 1024 * 1024, f"VmHWM {peak // 1024} KiB under a flood of {sent} migrates"
     assert all(answered), f"{answered.count(False)} of 5 bystander requests unanswered within 20 s during the flood"
+
+
+async def test_migrates_answered_unavailable_log_a_burst_of_lines_then_a_suppressed_count(nats_url, streamproc_run):
+    """A durable processor answers a migrate whose seal record it cannot read ``unavailable``. Its
+    ``migrate_unavailable`` line went out once per migrate, outside the log limiter, so anyone allowed
+    on the control subjects (and able to write such a record once) could flood the log at the migrate
+    rate; now at most the limiter's burst of lines per event name (20 in 10 s)."""
+    rids = [f"gone-{i}" for i in range(60)]
+    with streamproc_run("--mode", "durable", "--partitions", "1") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            names = [info.config.name for info in await js.streams_info()]
+            buckets = [name.removeprefix("KV_") for name in names if name.endswith("_MIGRATIONS")]
+            assert len(buckets) == 1, names
+            kv = await js.key_value(buckets[0])
+            for rid in rids:
+                await kv.put(record_key(rid), b"not a seal record")
+            answers = [await ask_migrate(nc, SUBJECTS, rid) for rid in rids]
+            assert all(isinstance(a, MigrateError) and a.code is MigrateErrorCode.UNAVAILABLE for a in answers), \
+                answers[:3]
+        finally:
+            await nc.close()
+        lines = [line for line in log_path.read_text().splitlines() if "event=migrate_unavailable" in line]
+    assert 1 <= len(lines) <= 20, f"{len(lines)} migrate_unavailable lines for {len(rids)} migrates"

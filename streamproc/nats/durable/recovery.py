@@ -25,7 +25,7 @@ from ...core.correlator import Correlator, is_retry
 from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
 from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point
 from ...core.partitions import PartitionScheme
-from ...logs import LogLimiter, error_text, log_event
+from ...logs import LogLimiter, error_text
 from .pulls import REDELIVERY_SLACK
 from .migrations import UNREACHABLE, MigrationLedger
 from .outbox_pump import OutboxPump
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from .input import DurableStats
     from .partitions import Partition
 
-log = logging.getLogger("streamproc.durable")
 
 LOOKUP_TIMEOUT = 2.0
 HANDOVER_TIMEOUT = 2.0  # a released partition's results may take this long to be stored before hand-over
@@ -277,7 +276,8 @@ class Recovery:
         self.stats.seals_unavailable += 1
         if forget:  # sealed here but not recorded: the stores still say the previous attempt
             self.forget(rid)
-        log_event(log, logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
+        # Rate limited: anyone allowed on the control subjects can ask for migrates at will
+        self.limited.log(logging.WARNING, "migrate_unavailable", request_id=rid, detail=why)
         return MigrateError(rid, MigrateErrorCode.UNAVAILABLE, f"{why}; nothing moved, retry", None,
                             None if retry_after is None else round(retry_after, 3))
 
