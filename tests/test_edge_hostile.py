@@ -15,6 +15,7 @@ from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
 from streamproc.core.defaults import DUPLICATE_WINDOW, RESULTS_MAX_AGE
+from streamproc.core.wire import MAX_HEADER_LINES
 from streamproc.nats import fast_client
 from streamproc.nats.streams import RESULTS_STREAM, find_stream
 from streamproc.wire import Subjects
@@ -368,6 +369,36 @@ async def test_error_kinds_a_results_publisher_chose_share_one_metric_label(nats
     assert labels == {'streamproc_edge_error_results_total{kind="other"}': 60,
                       'streamproc_edge_error_results_total{kind="timeout"}': 1}, labels
 
+
+
+async def test_a_result_with_more_header_lines_than_a_message_may_carry_is_malformed_live_or_stored(nats_url):
+    """Whoever may publish results chooses their header blocks; each line costs the edge's reader a
+    Python step (~110 ms for the ~95,000 that fit in ``max_payload``). A block of more than
+    ``MAX_HEADER_LINES`` lines is not parsed: the result reads as unreadable, is counted as malformed
+    and never reaches a client, whether the edge reads it stored (an open after it was published) or
+    live; the real result of that seq, after it, is served."""
+    forged = {"Streamproc-Seq": "1", "Streamproc-Final": "true",
+              **{f"X-{i}": "v" for i in range(MAX_HEADER_LINES)}}
+    bodies = [b'{"text":"0"}', b'{"text":"1"}']
+
+    async def publish(nc, request_id: str) -> None:
+        await publish_result(nc, SUBJECTS, request_id, 0, bodies[0], acked=True)
+        await nc.jetstream().publish(SUBJECTS.result(request_id), b'{"text":"forged"}', headers=forged)
+        await publish_result(nc, SUBJECTS, request_id, 1, bodies[1], final=True, acked=True)
+
+    stored, live = rid("stored"), rid("live")
+    with running_edge(nats_url, "--ensure-results-stream", "--recent", "0") as edge:
+        async with connection(nats_url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            await publish(nc, stored)
+            assert (await client.get(f"/v1/results/{stored}")).content == expected_sse(bodies)
+            async with client.stream("GET", f"/v1/results/{live}") as response:
+                await wait_until(lambda: edge.metrics()["streamproc_edge_jetstream_replays_total"] == 2, 10,
+                                 "the live stream attached")
+                await publish(nc, live)
+                body = b"".join([chunk async for chunk in response.aiter_bytes()])
+            assert body == expected_sse(bodies), body
+            assert edge.metrics()["streamproc_edge_malformed_results_total"] == 2
+            assert edge.log().count("more than the %d a header block may hold" % MAX_HEADER_LINES) == 2, edge.log()[-2000:]
 
 
 @pytest.mark.parametrize("error", ["kaputt \u20ac", "x" * 60_000], ids=["non-latin-1", "60KB"])

@@ -9,6 +9,7 @@ supported nats-py range the stock path is used, and the processor still passes c
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import subprocess
 import sys
@@ -23,11 +24,13 @@ from nats.aio.subscription import Subscription
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
-from streamproc.core.wire import (Role, Subjects, chunk_headers, result_block, result_header_block, result_headers, Result,
-                                  Verdict)
+from streamproc.core.errors import ContractError
+from streamproc.core.wire import (MAX_HEADER_LINES, UNREADABLE_HEADERS, Role, Subjects, chunk_headers, result_block,
+                                  result_from_message, result_header_block, result_headers, Result, Verdict)
+from streamproc.edge.replay import StoredMessage, _parts
 from streamproc.nats import fast_client
 from streamproc.nats.fast_client import (FastClient, adaptive_gap, _stock_header_block, encode_header_block, fast_path_support,
-                                         new_client)
+                                         new_client, parse_header_block)
 from streamproc.nats.robust import RobustClient, flush_queued, header_block_size
 
 # ------------------------------------------------------------------------------ parse side
@@ -49,6 +52,10 @@ _BLOCKS = st.one_of(
     # name or value bytes (NUL, 0x80-0xff, lone CR or LF, colons), many lines.
     st.tuples(st.sampled_from([b"NATS/1.0\r\n", b"NATS/1.0 503\r\n", b"NATS/1.0"]), st.binary(max_size=300)).map(b"".join),
     st.lists(st.binary(max_size=24), max_size=40).map(lambda lines: b"NATS/1.0\r\n" + b"\r\n".join(lines) + b"\r\n\r\n"),
+    # Around MAX_HEADER_LINES lines, with or without a status line: each side of the bound.
+    st.tuples(st.sampled_from([b"NATS/1.0\r\n", b"NATS/1.0 100 Idle Heartbeat\r\n"]),
+              st.lists(_LINE, min_size=MAX_HEADER_LINES - 6, max_size=MAX_HEADER_LINES + 2).map(b"\r\n".join),
+              st.sampled_from([b"\r\n\r\n", b"\r\n"])).map(b"".join),
 )
 
 
@@ -80,6 +87,10 @@ def _deliver(client: Client, headers: bytes | None) -> object:
 @given(_BLOCKS)
 def test_received_headers_are_the_stock_paths_on_random_header_blocks(block):
     fast = _deliver(FastClient(), block)
+    lines = block.count(b"\n")
+    if lines > MAX_HEADER_LINES:  # deliberately not nats-py's: not parsed (pinned below)
+        assert fast == {UNREADABLE_HEADERS: f"{lines} lines, more than the {MAX_HEADER_LINES} a header block may hold"}
+        return
     robust = _deliver(RobustClient(), block)  # nats-py's own parse, with the robust wrapper
     assert fast == robust
     stock = _deliver(Client(), block)
@@ -89,6 +100,34 @@ def test_received_headers_are_the_stock_paths_on_random_header_blocks(block):
 
 def test_a_status_line_message_goes_to_nats_pys_own_parser():
     assert _deliver(FastClient(), b"NATS/1.0 503\r\n\r\n") == {"Status": "503"}
+
+
+@pytest.mark.parametrize("head", [b"NATS/1.0\r\n", b"NATS/1.0 100 Idle Heartbeat\r\n"])
+def test_a_header_block_of_more_than_max_header_lines_is_not_parsed_where_stock_nats_py_parses_it(head):
+    """Each header line costs a Python step (~110 ms for ~95,000 filling max_payload): a block of more
+    than MAX_HEADER_LINES lines (LF bytes) is counted in C and read as unreadable, naming the count and
+    the bound, where stock nats-py (and RobustClient, the stock path) parses every line. One within it
+    is read as they read it; so is every block the edge's stored-result reader decodes."""
+    def block(lines: int) -> bytes:  # ``lines`` LF bytes in all
+        headers = b"".join(b"X-%d: v\r\n" % i for i in range(lines - 3))
+        return head + b"Streamproc-Seq: 0\r\n" + headers + b"\r\n"
+
+    subjects = Subjects()
+    within, over = block(MAX_HEADER_LINES), block(MAX_HEADER_LINES + 1)
+    assert (within.count(b"\n"), over.count(b"\n")) == (MAX_HEADER_LINES, MAX_HEADER_LINES + 1)
+    read = _deliver(FastClient(), within)
+    assert read == _deliver(Client(), within) == _deliver(RobustClient(), within)
+    assert read["Streamproc-Seq"] == "0" and sum(k.startswith("X-") for k in read) == MAX_HEADER_LINES - 3
+    mark = {UNREADABLE_HEADERS: f"{MAX_HEADER_LINES + 1} lines, more than the {MAX_HEADER_LINES} a header block may hold"}
+    assert _deliver(FastClient(), over) == mark
+    assert _deliver(Client(), over)["Streamproc-Seq"] == "0" == _deliver(RobustClient(), over)["Streamproc-Seq"]
+    if head == b"NATS/1.0\r\n":  # the edge's stored results (replay.py) and inline handlers take this parser
+        assert parse_header_block(within) == read and parse_header_block(over) == mark
+        stored = StoredMessage(subject=subjects.result("r"), seq=1, hdrs=base64.b64encode(over).decode())
+        assert _parts(stored)[1] == mark
+    with pytest.raises(ContractError, match=f"unreadable header block \\({MAX_HEADER_LINES + 1} lines, more than "
+                                            f"the {MAX_HEADER_LINES} a header block may hold\\)"):
+        result_from_message(subjects, subjects.result("r"), mark, b"{}")
 
 
 # ---------------------------------------------------------------------------- publish side

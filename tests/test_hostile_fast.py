@@ -15,7 +15,7 @@ import pytest
 from conftest import processor_subprocess
 from helpers import cpu_seconds, peak_rss, raw_hpub, raw_protocol, wait_until
 
-from streamproc.core.wire import ERROR, FINAL, SEQ, Subjects, chunk_headers
+from streamproc.core.wire import ERROR, FINAL, MAX_HEADER_LINES, SEQ, Subjects, chunk_headers
 from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -128,7 +128,8 @@ def hpub_with_reply(subject: bytes, reply: bytes, block: bytes, body: bytes) -> 
 
 
 FINAL_0 = b"Streamproc-Seq: 0\r\nStreamproc-Final: true\r\n"
-JUNK = b"".join(b"X-Junk-%d: %s\r\n" % (i, b"v" * 12) for i in range(2600))  # ~60 KiB of headers
+JUNK_LINES = [b"X-Junk-%d: %s\r\n" % (i, b"v" * 12) for i in range(2600)]
+JUNK = b"".join(JUNK_LINES)  # ~60 KiB of headers
 
 # Header blocks a raw-socket worker can send, the request id each goes to, and what it gets:
 # (result body, its Streamproc-Seq, Streamproc-Error or None, its traceparent or None).
@@ -138,9 +139,16 @@ ODD_BLOCKS = {
     "st999": (b"NATS/1.0 999 Whatever It Says\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
     "stabc": (b"NATS/1.0 abc\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
     "st100": (b"NATS/1.0 100 Idle Heartbeat\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
-    # A 60 KiB block of 2,600 headers; names that differ from Streamproc-Seq only in case are other headers.
-    "big-hdr": (b"NATS/1.0\r\nstreamproc-seq: 7\r\n" + JUNK + b"STREAMPROC-SEQ: 9\r\n" + FINAL_0 + b"\r\n",
-                (b"{}", "0", None, None)),
+    # Names that differ from Streamproc-Seq only in case are other headers, in a block of exactly
+    # MAX_HEADER_LINES lines (LF bytes): read as nats-py reads it.
+    "at-bound": (b"NATS/1.0\r\nstreamproc-seq: 7\r\n" + b"".join(JUNK_LINES[:MAX_HEADER_LINES - 6]) + b"STREAMPROC-SEQ: 9\r\n"
+                 + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
+    # One line more, or a 60 KiB block of 2,600 headers, with or without a status line: not parsed,
+    # an unreadable header block (not what stock nats-py does: it parses every line).
+    "over-bound": (b"NATS/1.0\r\nstreamproc-seq: 7\r\n" + b"".join(JUNK_LINES[:MAX_HEADER_LINES - 5]) + b"STREAMPROC-SEQ: 9\r\n"
+                   + FINAL_0 + b"\r\n", (None, "0", "invalid_chunk", None)),
+    "big-hdr": (b"NATS/1.0\r\n" + JUNK + FINAL_0 + b"\r\n", (None, "0", "invalid_chunk", None)),
+    "st100-big": (b"NATS/1.0 100 Idle Heartbeat\r\n" + JUNK + FINAL_0 + b"\r\n", (None, "0", "invalid_chunk", None)),
     # Duplicate exact names: the last one counts (nats-py's dict), on both paths.
     "dup": (b"NATS/1.0\r\nStreamproc-Seq: 5\r\n" + FINAL_0 + b"\r\n", (b"{}", "0", None, None)),
     # NUL, 0x80-0xff and a lone LF in a traceparent: not plain, so the general path encodes it (LF -> space).
@@ -156,12 +164,15 @@ ODD_BLOCKS = {
 
 
 async def test_odd_header_blocks_and_worker_chosen_reply_subjects_through_the_fast_read_path(nats_url, streamproc_run):
-    """Chunks a raw-socket worker can send (status lines with odd codes, a 60 KiB block of 2,600
-    headers, names that differ in case, duplicates, NUL and 0x80-0xff bytes, lone CR or LF in values,
-    an empty body) are each read as nats-py reads them and answered once as their headers say, on
+    """Chunks a raw-socket worker can send (status lines with odd codes, a block of as many lines
+    as a message may carry, names that differ in case, duplicates, NUL and 0x80-0xff bytes, lone CR
+    or LF in values, an empty body) are each read as nats-py reads them (blocks of more lines: as
+    an unreadable header block, unparsed) and answered once as their headers say, on
     their own result subject: a reply subject the worker sets (another request's result subject, an
     inbox) is never published to. Legitimate traffic beside them is answered in full, the connection
     never drops."""
+    assert [ODD_BLOCKS[rid][0].count(b"\n") for rid in ("at-bound", "over-bound")] == \
+        [MAX_HEADER_LINES, MAX_HEADER_LINES + 1]
     legit = [f"ok-{i}" for i in range(100)]
     frames = [hpub_with_reply(SUBJECTS.chunk(rid, "agg").encode(), b"hijack.%s" % rid.encode(), block, b"{}")
               for rid, (block, _) in ODD_BLOCKS.items()]
@@ -320,11 +331,6 @@ async def test_a_worker_forged_unreadable_headers_mark_is_not_echoed_whole_into_
         assert peak_rss(proc.pid) < 150 * MiB
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "header lines are parsed one Python step each (nats-py's rule, FastClient's parse_header_block): a block "
-    "of ~95,000 tiny lines costs ~110 ms of the event loop where the same bytes as a body cost ~0.1 ms; no "
-    "bound on the lines read yet (a bound small enough to matter, tens of lines, changes what a block of "
-    "2,600 headers means, pinned above: a design decision)"))
 async def test_a_workers_header_lines_cost_the_processor_no_more_than_the_same_bytes_as_a_body(
         nats_url, streamproc_run):
     """A worker chooses how its ``max_payload`` is split between header block and body. The body of an
@@ -334,7 +340,8 @@ async def test_a_workers_header_lines_cost_the_processor_no_more_than_the_same_b
     from 0.8 ms to 165 ms, 20 a second to 383 ms (max 944 ms); the same bytes sent as bodies left it
     at 0.8 ms. Here 40 chunks of ~1 MiB of header lines must cost the processor under a second of
     CPU (they cost 2.1 s; 40 chunks of the same size with the bytes in the body pass), and every
-    request, the honest one and theirs, is answered."""
+    request, the honest one and theirs, is answered. A block of more than ``MAX_HEADER_LINES`` lines
+    is counted, not parsed: its chunk gets ``invalid_chunk`` naming the count and the bound."""
     block = (b"NATS/1.0\r\nStreamproc-Seq: 0\r\nStreamproc-Final: true\r\n"
              + b"".join(b"k%d:v\r\n" % i for i in range(95000)) + b"\r\n")
     hostile = [f"lines-{i}" for i in range(40)]
@@ -352,5 +359,10 @@ async def test_a_workers_header_lines_cost_the_processor_no_more_than_the_same_b
         text = log_path.read_text(errors="replace")
         assert [b for b, _ in got.get("ok", [])] == [b"0", b"1", b"2"], text[-3000:]
         assert all(len(got.get(rid, [])) == 1 for rid in hostile), [rid for rid in hostile if rid not in got]
+        for rid in hostile:  # not parsed: the unreadable mark, naming the count and the bound
+            [(data, headers)] = got[rid]
+            assert headers.get(ERROR) == "invalid_chunk", (rid, headers, data[:300])
+            assert b"unreadable header block (%d lines, more than the %d" % (block.count(b"\n"), MAX_HEADER_LINES) \
+                in data, data[:300]
         assert "event=disconnected" not in text
         assert spent < 1.0, f"{spent:.2f} s of CPU for {len(hostile)} chunks of header lines"

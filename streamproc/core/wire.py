@@ -44,6 +44,21 @@ TRACEPARENT = "traceparent"
 # why, cut to MAX_UNREADABLE_REASON characters. A worker can send a header of that name itself.
 UNREADABLE_HEADERS = "Streamproc-Unreadable-Headers"
 MAX_UNREADABLE_REASON = 200
+# Lines (LF bytes) a message's header block may hold, its NATS/1.0 line and closing empty line
+# included; a longer block is not parsed and is marked unreadable (FastClient, before any per-line
+# work). Each line costs the reader a Python step: ~95,000 tiny lines filling max_payload cost
+# ~110 ms of the event loop, where the same bytes as a body cost nothing. Honest blocks hold ~10
+# lines: a chunk's 6 streamproc headers (Nats-Msg-Id, traceparent among them) and a tracestate, a
+# result's 6; nats-server adds at most 6 of its own (a direct get's or a republished message's
+# Nats-Stream, -Subject, -Sequence, -Time-Stamp, -Num-Pending, -Last-Sequence) to what was stored, and
+# its stream.go names 22 Nats-* headers in all. 128 leaves room for whatever a worker's stack adds.
+MAX_HEADER_LINES = 128
+
+
+def too_many_header_lines(lines: int) -> dict[str, str]:
+    """The headers a block of ``lines`` lines (over :data:`MAX_HEADER_LINES`) is read as: the
+    unreadable mark, naming the count and the bound (the victim's ``invalid_chunk`` text)."""
+    return {UNREADABLE_HEADERS: f"{lines} lines, more than the {MAX_HEADER_LINES} a header block may hold"}
 
 
 _ROLES = {r.value: r for r in Role}
