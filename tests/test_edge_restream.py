@@ -752,3 +752,26 @@ async def test_a_replay_stopped_while_its_consumer_is_made_leaves_no_consumer_be
         await asyncio.sleep(0.2)
         assert not source._replays and source._replays_creating == 0
         await feed.close()
+
+
+async def test_a_watch_check_whose_answer_swallowed_the_stop_cancelling_it_ends_quietly(nats_url):
+    """``stop()`` cancels the results-stream watch while it may await a STREAM.INFO answer. nats-py
+    awaits that with ``asyncio.wait_for``, which on Python 3.11 returns the answer when it came in
+    the same loop pass as the cancel, swallowing it: the watch ran on into its next check with the
+    connection gone (``assert self.nc is not None``), an exception in a task that failed the test
+    closing the source (1 run of 3 of the replay-consumer tests beside two CPU burners). Here the
+    check swallows the cancel itself; the watch must end, without an exception, and not run on."""
+    async with started_source(nats_url, SUBJECTS, ensure_results_stream=True) as source:
+        watch = source._watch_task
+        assert watch is not None
+        checking = asyncio.Event()
+
+        async def check_answered_with_the_cancel() -> None:
+            checking.set()
+            with contextlib.suppress(asyncio.CancelledError):  # as wait_for does on Python 3.11
+                await asyncio.sleep(30)
+
+        source._check_results_stream = check_answered_with_the_cancel
+        await asyncio.wait_for(checking.wait(), 10)
+    await asyncio.wait_for(asyncio.wait({watch}), 5)
+    assert watch.exception() is None, repr(watch.exception())

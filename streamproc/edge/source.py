@@ -342,9 +342,15 @@ class ResultSource:
         "stream not found" every 10 s while the stream is missing (``recreate_consumer`` hands
         the error to the error callback), and, once a stream of that name exists again, succeeds
         at that old sequence, which the new stream (counting again from 1) reaches only after as
-        many results as the old one held: the open streams stayed silent until their timeout."""
+        many results as the old one held: the open streams stayed silent until their timeout.
+
+        Ends when :meth:`stop` took the connection, also when its cancel did not reach here: nats-py
+        awaits each answer with ``asyncio.wait_for``, which on Python 3.11 returns an answer that came
+        in the loop pass of the cancel and swallows the cancel."""
         while True:
             await asyncio.sleep(STREAM_CHECK)
+            if self.nc is None:
+                return
             if not self.connected:
                 continue
             try:
@@ -354,6 +360,10 @@ class ResultSource:
                 await self._check_own_consumers()
             except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:  # asked again next time
                 log_event(log, logging.DEBUG, "results_stream_check_failed", error=error_text(exc))
+            except Exception:
+                if self.nc is None:  # stopped within a check (its cancel swallowed): it found no connection
+                    return
+                raise
 
     async def _stream_info(self, name: str | None) -> StreamInfo | None:
         assert self.nc is not None
