@@ -22,7 +22,7 @@ import msgspec
 import nats.errors
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
-from helpers import connection, rid, status_kib
+from helpers import connection, rid, sampling, status_kib
 from proxy_helpers import HoldingProxy
 from nats.js.api import StorageType, StreamConfig
 
@@ -439,10 +439,8 @@ async def test_fifty_behind_feeds_get_every_result_beside_a_fast_one_within_thre
                 await asyncio.sleep(0.005)
 
         async def count_consumers() -> None:
-            while True:
-                count = (await js.stream_info(RESULTS_STREAM)).state.consumer_count
-                peaks["consumers"] = max(peaks["consumers"], count)
-                await asyncio.sleep(0.1)
+            count = (await js.stream_info(RESULTS_STREAM)).state.consumer_count
+            peaks["consumers"] = max(peaks["consumers"], count)
 
         async def slow(feed) -> None:
             await reading.wait()
@@ -463,8 +461,10 @@ async def test_fifty_behind_feeds_get_every_result_beside_a_fast_one_within_thre
                 lags.append(time.monotonic() - sent_at[seq])
                 await asyncio.sleep(0.05)
 
-        samplers = [asyncio.ensure_future(sample()), asyncio.ensure_future(count_consumers())]
+        samplers = [asyncio.ensure_future(sample())]
         started = time.monotonic()
+        counting = sampling(count_consumers, 0.1)
+        await counting.__aenter__()
         try:
             readers = [asyncio.ensure_future(slow(f)) for f in slow_feeds]
             for request_id in slow_ids:
@@ -482,6 +482,7 @@ async def test_fifty_behind_feeds_get_every_result_beside_a_fast_one_within_thre
         finally:
             for task in samplers:
                 task.cancel()
+            await counting.__aexit__(None, None, None)
         took = time.monotonic() - started
         async with asyncio.timeout(10):  # the temporary consumers linger 1 s (CONSUMER_LINGER)
             while (await js.stream_info(RESULTS_STREAM)).state.consumer_count != base:
@@ -657,9 +658,7 @@ async def test_catch_ups_without_msg_get_past_max_replay_consumers_wait_for_a_co
                 peak, lags = [0], []
 
                 async def count_consumers() -> None:
-                    while True:
-                        peak[0] = max(peak[0], (await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
-                        await asyncio.sleep(0.02)
+                    peak[0] = max(peak[0], (await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
 
                 async def slow(feed) -> tuple[list[int], object]:
                     seqs = []
@@ -679,11 +678,8 @@ async def test_catch_ups_without_msg_get_past_max_replay_consumers_wait_for_a_co
                         lags.append(time.monotonic() - sent)
                         await asyncio.sleep(0.05)
 
-                sampler = asyncio.ensure_future(count_consumers())
-                try:
+                async with sampling(count_consumers, 0.02):
                     *ends, _ = await asyncio.gather(*(slow(f) for f in slow_feeds), fast_reader())
-                finally:
-                    sampler.cancel()
                 for seqs, item in ends:
                     assert seqs == list(range(count)) and isinstance(item, Ended), (seqs, item)
                 print(f"\n{feeds_count} catch-ups without MSG.GET, cap {cap}: server consumers at most "
@@ -792,10 +788,8 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_
                 stop = asyncio.Event()
 
                 async def count_consumers() -> None:
-                    while True:
-                        peak[0] = max(peak[0], (await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
-                        held_peak[0] = max(held_peak[0], source._replay_consumers_held())
-                        await asyncio.sleep(0.02)
+                    peak[0] = max(peak[0], (await js.stream_info(RESULTS_STREAM)).state.consumer_count - base)
+                    held_peak[0] = max(held_peak[0], source._replay_consumers_held())
 
                 async def late_attaches(ids: list[str]) -> None:
                     for request_id in itertools.cycle(ids):
@@ -834,7 +828,8 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_
                         last = time.monotonic()
                     return got, item, gaps
 
-                sampler = asyncio.ensure_future(count_consumers())
+                counting = sampling(count_consumers, 0.02)
+                await counting.__aenter__()
                 loads = [asyncio.ensure_future(late_attaches(late_ids[i::workers])) for i in range(workers)]
                 try:
                     await until(lambda: len(late) >= workers, 10.0)  # the load is on: late attaches read by subject
@@ -849,9 +844,9 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_
                     await asyncio.gather(*loads)
                 finally:
                     stop.set()
-                    sampler.cancel()
                     for task in loads:
                         task.cancel()
+                    await counting.__aexit__(None, None, None)
                 print(f"\ncatch-up waiting beside {workers} late attaches: done after {took:.2f} s, its longest wait "
                       f"for a result {max(gaps):.2f} s, pauses {source.metrics.replay_pauses}; late attaches "
                       f"{len(late)}, with a consumer {sum(u for _, _, u in late)} (done before the catch-up's "
