@@ -573,6 +573,13 @@ def _write_of(writes: list[tuple[float, bytes]], payload: bytes) -> int | None:
     return None
 
 
+async def _pinged(writes: list[tuple[float, bytes]]) -> None:
+    """Until the PONG to nats-server's first PING (2-2.4 s after connect; the next comes 2 minutes
+    later) was written: a write whenever the machine's pace put it, which would take a deferred
+    publish along or start an interval of its own."""
+    await _until(lambda: any(b"PONG\r\n" in data for _, data in writes))
+
+
 async def _written_at_once(writes: list[tuple[float, bytes]], payload: bytes) -> int:
     """The write that carried ``payload``, made within a few loop passes: at once, however loaded
     the machine (a write that waited for an interval or a linger would need its timer's time)."""
@@ -591,9 +598,7 @@ async def test_a_deferred_publish_leaves_with_the_next_write_or_after_its_linger
     nc = fast_client
     loop = asyncio.get_running_loop()
     writes = _writes(nc)
-    # nats-server PINGs a client 2-2.4 s after it connects, then every 2 minutes: the PONG is a
-    # write that would take a deferred publish along, here whenever the machine's pace put it.
-    await _until(lambda: any(b"PONG\r\n" in data for _, data in writes))
+    await _pinged(writes)
     nc.defer_linger = 0.5
     sent = loop.time()
     await nc.publish_deferred("deferred", b"c")  # nothing else: leaves at its linger
@@ -627,7 +632,8 @@ async def test_publishes_within_the_flush_interval_of_a_write_leave_together_aft
     nc = fast_client
     writes = _writes(nc)
     nc.flush_interval = 1.0  # y and z below leave together unless the loop is held up 0.9 s between them
-    await asyncio.sleep(1.1)  # the connect's own writes are older than the interval
+    await _pinged(writes)
+    await asyncio.sleep(1.1)  # the connect's own writes and the PONG are older than the interval
     await nc.publish("interval", b"x")  # quiet before: written at once
     x = await _written_at_once(writes, b"x")
     await nc.publish("interval", b"y")  # within the interval of x's write: waits for the rest of it
@@ -663,6 +669,7 @@ async def test_what_before_write_enqueues_leaves_in_that_write_and_what_it_keeps
         return bool(staged)
 
     nc.before_write = before_write
+    await _pinged(writes)
     await asyncio.sleep(0.4)
     nc.stage_write()  # quiet before: a write at once, which takes "a"
     await _written_at_once(writes, b"a")
