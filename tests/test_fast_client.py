@@ -703,10 +703,13 @@ async def test_publishes_coming_faster_than_the_interval_gathers_them_leave_afte
     writes = _writes(nc)
     nc.flush_interval = 0.4
     nc.coalesce_commands = 2  # 2 publishes every 10 ms: the gap falls to its floor, 50 ms, even if a loaded
+    decided = []  # the least gap between writes the client holds to, once the rate is known
     for n in range(0, 200, 2):  # machine stretches each 10 ms sleep to 40 ms
         await nc.publish("gap", b"%d" % n)
         await nc.publish("gap", b"%d" % (n + 1))
         await asyncio.sleep(0.01)
+        if n >= 100:
+            decided.append(nc.write_gap())
     while len(got) < 200:
         await asyncio.sleep(0.01)
     assert [d for d, _ in got] == [b"%d" % n for n in range(200)]
@@ -714,10 +717,12 @@ async def test_publishes_coming_faster_than_the_interval_gathers_them_leave_afte
     assert first is not None
     late = [t for t, _ in writes[first:]]
     gaps = sorted(b - a for a, b in zip(late, late[1:]))
-    # Not the 0.4 s interval: writes every ~50 ms. Nine in ten: a write the loaded machine held
-    # up (one gap of 0.38 s in a run beside two CPU burners) is not the interval's doing; had the
-    # writes waited for the interval, every gap would be 0.4 s or more.
-    assert len(gaps) >= 10 and gaps[len(gaps) * 9 // 10] < 0.2, gaps
+    # Not the 0.4 s interval: writes every ~50 ms. The gap the client decided on, each time; the
+    # gaps between its writes at the median: a write the loaded machine held up is not the
+    # interval's doing (beside two CPU burners one gap of 0.38 s in a run, two of 0.23 s of 13 in
+    # another); had the writes waited for the interval, every gap would be 0.4 s or more.
+    assert max(decided) < 0.2, decided
+    assert len(gaps) >= 4 and gaps[len(gaps) // 2] < 0.2, gaps
     assert nc.write_gap() == pytest.approx(0.05)
 
 
