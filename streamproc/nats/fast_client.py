@@ -13,9 +13,10 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   an unknown one runs nats-py's exact checks (strip, ASCII decode, whitespace). Inline status lines
   (``NATS/1.0 503``) and blocks of 10 bytes or less go to the stock ``_process_headers``. The
   ``Msg`` is built positionally, as ``RobustClient._build_message`` builds it (field order checked).
-  One rule is this client's own: a block of more than :data:`~streamproc.core.wire.MAX_HEADER_LINES`
+  One bound beyond nats-py: a block of more than :data:`~streamproc.core.wire.MAX_HEADER_LINES`
   lines, status line or not, is counted and read as unreadable, not parsed line by line (nats-py
-  parses every line; the stock-path :class:`RobustClient` too).
+  parses every line; :class:`RobustClient`, the stock path, keeps the same bound for the blocks it
+  parses itself).
 - **Publish**: ``publish`` does nats-py's checks in nats-py's order, then builds the header block as
   one ``str`` (validated key prefixes cached, values translated only when they hold CR or LF) and
   encodes it once. On any exception the stock encoder runs instead, so every error is nats-py's own.
@@ -512,15 +513,6 @@ class FastClient(RobustClient):
             self.end_handover()
         if slow is not None:
             await self._error_cb(slow)
-
-    async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
-        # The blocks parse_header_block does not take (an inline status line) get its bound too:
-        # nats-py's parser takes the same Python step a line after the status line.
-        if headers:
-            lines = headers.count(b"\n")
-            if lines > MAX_HEADER_LINES:
-                return too_many_header_lines(lines)
-        return await super()._process_headers(headers)
 
     def end_handover(self) -> None:
         """:attr:`read_done`, if set: after an eager read (eager_reads.py), and after each message
