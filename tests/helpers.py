@@ -111,6 +111,18 @@ def tcp_sockets() -> list[TcpSocket]:
     return rows
 
 
+
+def least_seconds(call: Callable[[], object], tries: int = 3) -> float:
+    """The fastest of ``tries`` wall-clock timings of ``call()``: a bounded look checked for its
+    bound (the least of a few, so one preemption on a loaded machine does not fail it)."""
+    spent = []
+    for _ in range(tries):
+        started = time.perf_counter()
+        call()
+        spent.append(time.perf_counter() - started)
+    return min(spent)
+
+
 def peak_rss(pid: int) -> int:
     """Peak resident set size of a live process, in bytes (``VmHWM``)."""
     kib = status_kib(pid, "VmHWM")
