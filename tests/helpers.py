@@ -68,6 +68,17 @@ def wait_ready(ready: Callable[[], bool], proc: subprocess.Popen, what: str, tim
         time.sleep(every)
 
 
+async def answered_with_the_cancel(started: asyncio.Event | None = None, value: Any = None) -> Any:
+    """A nats-py round trip whose answer comes in the loop pass of the task's cancel: Python 3.11's
+    ``asyncio.wait_for`` (nats-py's requests) then returns the answer and swallows the cancel, and the
+    task runs on. Stands in for such a call (``started`` set once it waits); returns ``value``."""
+    if started is not None:
+        started.set()
+    with contextlib.suppress(asyncio.CancelledError):  # as wait_for does on Python 3.11
+        await asyncio.sleep(30)
+    return value
+
+
 async def wait_until(check: Callable[[], Awaitable[bool] | bool], timeout: float, what: str,
                      every: float = 0.05) -> None:
     """Poll ``check`` (sync or async) until it is true; AssertionError naming ``what`` after ``timeout``."""

@@ -19,7 +19,7 @@ import httpx
 import nats.errors
 import pytest
 from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
-from helpers import connection, peak_rss, rid, wait_until
+from helpers import answered_with_the_cancel, connection, peak_rss, rid, wait_until
 from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
 
@@ -766,12 +766,7 @@ async def test_a_watch_check_whose_answer_swallowed_the_stop_cancelling_it_ends_
         assert watch is not None
         checking = asyncio.Event()
 
-        async def check_answered_with_the_cancel() -> None:
-            checking.set()
-            with contextlib.suppress(asyncio.CancelledError):  # as wait_for does on Python 3.11
-                await asyncio.sleep(30)
-
-        source._check_results_stream = check_answered_with_the_cancel
+        source._check_results_stream = lambda: answered_with_the_cancel(checking)
         await asyncio.wait_for(checking.wait(), 10)
     await asyncio.wait_for(asyncio.wait({watch}), 5)
     assert watch.exception() is None, repr(watch.exception())
