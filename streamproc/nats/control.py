@@ -112,6 +112,7 @@ class ControlPlane:
         self._slots = asyncio.Semaphore(CONCURRENCY)
         self._waiting: dict[str, deque[_Ask]] = {}  # request id -> its later migrates, while one of it runs
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False  # set before stop's cancels, which a migrate's JetStream answer can swallow
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate,
@@ -127,6 +128,7 @@ class ControlPlane:
             await sub.drain()  # answer the migrates already received
             while self._tasks:
                 await asyncio.wait(set(self._tasks))
+        self._stopped = True
         for task in self._tasks:
             task.cancel()
 
@@ -190,7 +192,10 @@ class ControlPlane:
 
     async def _serve(self, request_id: str, ask: _Ask) -> None:
         """Answer ``ask`` and then the request's migrates received meanwhile, in order; the request's
-        slot is given back once none is left."""
+        slot is given back once none is left. Once :meth:`stop` gave up waiting, the rest go
+        unanswered (the Migrator asks again), also when its cancel did not reach here: nats-py awaits
+        each JetStream answer (a durable seal record) with ``asyncio.wait_for``, which on Python 3.11
+        returns an answer that came in the loop pass of the cancel and swallows the cancel."""
         later = self._waiting[request_id]
         try:
             while True:
@@ -198,7 +203,7 @@ class ControlPlane:
                     await self._answer(request_id, ask)
                 except Exception as exc:  # this migrate goes unanswered (the Migrator retries); not the others
                     self._limited.log(logging.ERROR, "migrate_failed", request_id=request_id, error=error_text(exc))
-                if not later:
+                if not later or self._stopped:
                     return
                 ask = later.popleft()
         finally:
