@@ -442,6 +442,8 @@ class Settings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_only=
             raise ValueError(f"format_option: {exc}") from None
         if self.duplicate_window > self.chunks_max_age:
             raise ValueError("duplicate_window must not exceed chunks_max_age or results_max_age")
+        if 0 < self.max_migrate_rate < 0.1:  # a refusal's retry_after would be hours (core/migrate_rate.py)
+            raise ValueError("max_migrate_rate must be 0 (no limit) or at least 0.1 a second")
         if self.chunks_max_bytes == 0:  # nats-server stores max_bytes 0 as -1 (stream.go checkStreamCfg)
             raise ValueError("chunks_max_bytes must be -1 (unlimited) or a byte count: nats-server takes 0 for "
                              "unlimited (it stores -1) and the next start-up would find a mismatch")

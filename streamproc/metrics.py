@@ -125,6 +125,9 @@ class ProcessorCollector(Collector):
         yield CounterMetricFamily("streamproc_control_migrates_throttled",
                                   "migrates answered unavailable, untouched, past --max-migrate-rate",
                                   value=p.control_migrates_throttled)
+        yield CounterMetricFamily("streamproc_control_migrates_dropped",
+                                  "migrates nats-py dropped unread: the control subscription's queue was full",
+                                  value=p.control_migrates_dropped)
         server = p.status_server
         if server is not None:
             yield CounterMetricFamily("streamproc_http_connections_evicted",

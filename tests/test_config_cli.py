@@ -113,6 +113,7 @@ def test_demo_token_and_simulate_print_their_own_options(key_file):
     ("simulate", ["--requests", "0", *DEAD_NATS], "--requests='0'"),
     ("simulate", ["--nats-token-file", "/nonexistent/token", *DEAD_NATS],
      "cannot read --nats-token-file (STREAMPROC_NATS_TOKEN_FILE) '/nonexistent/token'"),
+    ("run", ["--max-migrate-rate", "0.001", *DEAD_NATS], "--max-migrate-rate (flag --max-migrate-rate='0.001') must be 0"),
     ("run", ["--nats-creds-file", "/nonexistent/x.creds", *DEAD_NATS],
      "cannot read --nats-creds-file (STREAMPROC_NATS_CREDS_FILE) '/nonexistent/x.creds'"),
 ])

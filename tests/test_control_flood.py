@@ -23,6 +23,8 @@ import pytest
 
 from helpers import free_port, scrape
 from migration_helpers import ask_migrate
+from streamproc.client.migration import Migrator
+from streamproc.core.errors import MigrationError
 from streamproc.core import defaults
 from streamproc.nats.durable.migrations import record_key
 from streamproc.core.wire import FINAL, MigrateError, MigrateErrorCode, Sealed, chunk_headers, decode_migrate_reply
@@ -101,6 +103,35 @@ async def test_migrates_past_the_rate_are_refused_with_a_clear_answer_while_hone
     assert "event=migrate_throttled" in log
 
 
+
+async def test_migrators_refused_for_the_rate_ask_again_at_their_turn_not_in_a_storm(nats_url, streamproc_run):
+    """300 Migrators at once against a processor answering 50 migrates a second of requests not
+    active here (200 at once): each refused one is told when its turn comes (a slot reserved per
+    refusal) and asks again then. Told only when the next token was due (2 ms at 500 a second) and
+    asking again at its 10 ms floor, every refused Migrator retried ~100 times a second: a simulation
+    of 3,000 at once made ~100,000 migrates, the flood the bucket is for."""
+    port = free_port()
+    count = 300
+    with streamproc_run("--mode", "core", "--max-migrate-rate", "50", "--http-port", str(port),
+                        "--http-host", "127.0.0.1") as (proc, log_path):
+        nc = await nats.connect(nats_url)
+        try:
+            migrator = Migrator(nc, SUBJECTS, format="sglang", timeout=20, attempt_timeout=5)
+
+            async def seal(rid: str) -> object:
+                try:
+                    return await migrator.seal(rid)
+                except MigrationError as exc:
+                    return exc.reply
+
+            replies = await asyncio.gather(*(seal(f"herd-{i}") for i in range(count)))
+            codes = {getattr(r, "code", r) for r in replies}
+            assert codes == {MigrateErrorCode.UNKNOWN_REQUEST}, codes  # every one answered in the end
+            throttled = scrape(port)["streamproc_control_migrates_throttled_total"]
+            assert 0 < throttled < count, f"{throttled:.0f} refusals for {count} Migrators"
+        finally:
+            await nc.close()
+
 def test_the_migrate_rate_answers_a_burst_then_its_rate_and_says_when_to_ask_again():
     from streamproc.core.migrate_rate import MigrateRate
 
@@ -110,6 +141,10 @@ def test_the_migrate_rate_answers_a_burst_then_its_rate_and_says_when_to_ask_aga
     assert rate.take(100.15) is None  # one refilled
     assert rate.take(99.0) is not None  # a clock stepping back refills nothing
     assert [rate.take(1000.0) for _ in range(21)].count(None) == 20  # refilled to the burst, never past it
+    spread = MigrateRate(10.0, 20.0)  # refusals at once: each told a later turn, 0.1 s apart, at most 2 s ahead
+    assert [spread.take(5.0) for _ in range(20)] == [None] * 20
+    waits = [spread.take(5.0) for _ in range(25)]
+    assert waits[:20] == pytest.approx([0.1 * (i + 1) for i in range(20)]) and waits[20:] == pytest.approx([2.0] * 5)
     unlimited = MigrateRate(0.0, 0.0)
     assert all(unlimited.take(0.0) is None for _ in range(10_000)) and unlimited.refused == 0
 
@@ -120,10 +155,12 @@ async def test_a_flood_of_migrates_faster_than_the_processor_reads_stays_within_
     (~120,000 a second) outruns any answer, refused or not; they queued in the control
     subscription's nats-py queue (524,288 messages, 128 MiB of bodies by default) and took the
     processor's VmHWM to 245 MiB. The queue now holds CONTROL_PENDING_MSGS; past it they are dropped
-    (slow_consumer) and bystanders are still answered."""
+    (counted as dropped migrates, not as the input's slow-consumer drops) and bystanders are still
+    answered."""
     from helpers import peak_rss
 
-    with streamproc_run("--mode", "core") as (proc, log_path):
+    port = free_port()
+    with streamproc_run("--mode", "core", "--http-port", str(port), "--http-host", "127.0.0.1") as (proc, log_path):
         attacker = await nats.connect(nats_url, pending_size=64 * 1024 * 1024)
         honest = await nats.connect(nats_url)
         answered: list[bool] = []
@@ -149,6 +186,7 @@ async def test_a_flood_of_migrates_faster_than_the_processor_reads_stays_within_
                 tg.start_soon(attack)
                 tg.start_soon(bystanders)
             peak = peak_rss(proc.pid)
+            metrics = scrape(port)
         finally:
             await attacker.close()
             await honest.close()
@@ -156,6 +194,9 @@ async def test_a_flood_of_migrates_faster_than_the_processor_reads_stays_within_
     assert sent > 200_000, f"the flood was too slow to outrun the processor: {sent} migrates in 10 s"
     assert peak < 150 * 1024 * 1024, f"VmHWM {peak // 1024} KiB under a flood of {sent} migrates"
     assert all(answered), f"{answered.count(False)} of 5 bystander requests unanswered within 20 s during the flood"
+    # The dropped migrates are counted as such, not as lost chunks (an alert on input loss stays quiet)
+    assert metrics["streamproc_control_migrates_dropped_total"] > 0, metrics
+    assert metrics["streamproc_slow_consumer_total"] == 0, metrics
 
 
 async def test_migrates_answered_unavailable_log_a_burst_of_lines_then_a_suppressed_count(nats_url, streamproc_run):

@@ -171,7 +171,7 @@ def exported_metrics() -> set[str]:
         input=SimpleNamespace(stats=DurableStats(), outbox=SimpleNamespace(
             puback_latency=LatencyHistogram(), result_latency=LatencyHistogram())),
         pipeline=SimpleNamespace(result_latency=LatencyHistogram()),
-        control_replies_refused=0, control_migrates_throttled=0, status_server=SimpleNamespace(evicted=0, accept_errors=0),
+        control_replies_refused=0, control_migrates_throttled=0, control_migrates_dropped=0, status_server=SimpleNamespace(evicted=0, accept_errors=0),
         connected=True, ready=True)
     families = [*ProcessorCollector(processor).collect(), *EdgeCollector(EdgeMetrics(), ReadBudget(1)).collect()]
     return {f.name + "_total" if f.type == "counter" else f.name for f in families}

@@ -207,8 +207,10 @@ class Migrator:
                 reply = self._decode(request_id, msg.data)
                 if not (isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE):
                     return reply
-                if reply.retry_after is not None and reply.retry_after < delay:
-                    pause = max(reply.retry_after, MIN_PAUSE)  # ask again when the processor expects to answer
+                if reply.retry_after is not None:  # ask again when the processor expects to answer: sooner
+                    # than the back-off, or later (a rate refusal's reserved turn; asked sooner, it is
+                    # refused again and reserves a later one)
+                    pause = max(reply.retry_after, MIN_PAUSE)
                 left = deadline - time.monotonic()
                 if left <= pause:
                     return self._too_short(reply, left)

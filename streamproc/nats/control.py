@@ -103,8 +103,8 @@ class ControlPlane:
         self._target = target
         self._reply_prefix = reply_prefix
         self.replies_refused = 0  # migrates refused for their reply subject (/metrics)
-        self.rate = rate if rate is not None else MigrateRate(
-            defaults.MIGRATE_RATE, defaults.MIGRATE_RATE * defaults.MIGRATE_BURST_SECONDS)
+        self.dropped = 0  # migrates nats-py dropped unread, past the control queue's bound (/metrics)
+        self.rate = rate if rate is not None else MigrateRate(defaults.MIGRATE_RATE)
         self._sub: Subscription | None = None
         # Anyone allowed to publish on the control subjects can send bad ones (and migrates, each
         # logged) at will: every per-request line here is rate limited per event name.
@@ -113,6 +113,11 @@ class ControlPlane:
         self._waiting: dict[str, deque[_Ask]] = {}  # request id -> its later migrates, while one of it runs
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False  # set before stop's cancels, which a migrate's JetStream answer can swallow
+
+    def reads(self, sub: object) -> bool:
+        """Whether ``sub`` (a slow consumer's subscription) is this plane's: its drops are migrates
+        (the Migrator asks again), not chunks."""
+        return sub is not None and sub is self._sub
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate,

@@ -108,6 +108,11 @@ class Processor:
         return self._control.rate.refused if self._control is not None else 0
 
     @property
+    def control_migrates_dropped(self) -> int:
+        """Migrates nats-py dropped unread past the control queue's bound (control.py)."""
+        return self._control.dropped if self._control is not None else 0
+
+    @property
     def input(self) -> Input | None:
         """The running chunk input (core subscription or durable pull consumers)."""
         return self._input
@@ -159,7 +164,7 @@ class Processor:
                 raise StartupError(str(exc)) from None
             except nats.errors.Error as exc:  # JetStream unavailable or too slow while creating streams
                 raise StartupError(f"cannot set up the {self.mode} input: {error_text(exc)}") from None
-            rate = MigrateRate(settings.max_migrate_rate, settings.max_migrate_rate * defaults.MIGRATE_BURST_SECONDS)
+            rate = MigrateRate(settings.max_migrate_rate)
             self._control = ControlPlane(self.nc, self.subjects, self, self.pipeline.limited,
                                          settings.control_reply_prefix, rate)  # P.control.*.migrate
             await self._control.start()
@@ -306,6 +311,12 @@ class Processor:
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = exc
         if isinstance(exc, nats.errors.SlowConsumerError):
+            control = self._control
+            if control is not None and control.reads(exc.sub):  # a migrate flood, not lost input
+                control.dropped += 1
+                if control.dropped & (control.dropped - 1) == 0:
+                    log_event(log, logging.WARNING, "control_migrates_dropped", dropped_total=control.dropped)
+                return
             self.io.slow_consumer += 1  # counted always; logged sparsely (it comes in bursts)
             if self._input is not None:
                 self._input.dropped(exc.sub, exc.reply)
