@@ -47,6 +47,23 @@ async def test_a_unary_request_gets_its_single_result_verbatim(edge, nc):
     assert response.headers["streamproc-join"] == "passthrough"
 
 
+async def test_a_unary_answer_forbids_content_sniffing(edge, nc):
+    """A unary answer is a worker's bytes under the edge's origin: a browser must take them as the
+    Content-Type says (JSON, plain text), never sniff HTML in them and run it. Answers and error results
+    alike carry ``X-Content-Type-Options: nosniff``; they carried none."""
+    request_id = rid("nosniff")
+    await publish_results(nc, DURABLE, request_id, [b"<html><script>alert(1)</script></html>"])
+    error_id = rid("nosniff-error")
+    await publish_result(nc, DURABLE, error_id, 0, b'{"error": {"message": "<script>x</script>"}}', final=True,
+                         verdict=None, error="internal")
+    await nc.flush()
+
+    answers = [await get(edge, f"/v1/results/{request_id}", JSON), await get(edge, f"/v1/results/{error_id}", JSON)]
+
+    assert [(r.headers["content-type"], r.headers.get("x-content-type-options")) for r in answers] == [
+        ("application/json", "nosniff")] * 2
+
+
 async def test_a_streamed_request_is_folded_by_the_codec_into_the_unary_response(edge, nc):
     request_id = rid("folded")
     worker = worker_for("sglang")
@@ -379,5 +396,6 @@ async def test_sglangs_plain_text_internal_server_error_is_answered_as_the_engin
     assert (response.status_code, response.content) == (500, body)
     assert response.headers["content-type"] == "text/plain; charset=utf-8"
     assert response.headers["streamproc-results"] == "1"
+    assert response.headers["x-content-type-options"] == "nosniff"
     events = await get(edge, f"/v1/results/{request_id}", {"Accept": "text/event-stream"})
     assert (events.status_code, events.content) == (200, b"id: 0\ndata: %s\n\ndata: [DONE]\n\n" % body)

@@ -140,20 +140,23 @@ def answer_status_of(codec: Codec, body: bytes) -> int:
 
 # The Content-Type of a unary answer whose codec names none (every JSON format's bodies).
 ANSWER_MEDIA_TYPE = "application/json"
-# What ``Codec.answer_media_type`` may name: ``type/subtype`` with ``; name=value`` parameters, ASCII
-# tokens, one header line (no CR/LF, no quotes). Anything else is a codec's bug or a worker's body
-# speaking through it, answered as :data:`ANSWER_MEDIA_TYPE`.
-_MEDIA_TYPE_SHAPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,63}"
-                               r"(?:; ?[A-Za-z0-9!#$&^_.+-]{1,32}=[A-Za-z0-9!#$&^_.+-]{1,64}){0,4}", re.ASCII)
+# What ``Codec.answer_media_type`` may name: JSON (``application/json``, ``application/<x>+json``) or
+# ``text/plain``, each with at most a ``charset`` parameter (ASCII tokens, one header line: no CR/LF, no
+# quotes). An allowlist, not a shape: a third-party codec may let a worker's body choose its type, and
+# ``text/html`` or ``image/svg+xml`` answered from the edge's origin would run the worker's markup in the
+# reader's browser (stored XSS). Anything else is answered as :data:`ANSWER_MEDIA_TYPE`.
+_ANSWER_MEDIA_TYPES = re.compile(r"(?:application/(?:[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,58}\+)?json|text/plain)"
+                                 r"(?:; ?charset=[A-Za-z0-9!#$&^_.+-]{1,64})?", re.ASCII | re.IGNORECASE)
 
 
 def answer_media_type_of(codec: Codec, body: bytes) -> str:
-    """``codec.answer_media_type(body)`` when it is a ``str`` shaped like a media type
-    (``type/subtype`` with at most four ``; name=value`` parameters, ASCII tokens), else
-    :data:`ANSWER_MEDIA_TYPE`: a codec can name the Content-Type its engine answers a body with, never
-    a malformed header (a CR/LF, a non-latin-1 character). A codec that raises is the caller's to catch."""
+    """``codec.answer_media_type(body)`` when it is a ``str`` naming JSON or plain text (with at most a
+    ``charset`` parameter), else :data:`ANSWER_MEDIA_TYPE`: a codec can name the Content-Type its engine
+    answers a body with, never a malformed header (a CR/LF, a non-latin-1 character) nor a type a browser
+    renders as active content (``text/html``, ``image/svg+xml``). A codec that raises is the caller's to
+    catch."""
     media_type = codec.answer_media_type(body)
-    if isinstance(media_type, str) and _MEDIA_TYPE_SHAPE.fullmatch(media_type):
+    if isinstance(media_type, str) and _ANSWER_MEDIA_TYPES.fullmatch(media_type):
         return media_type
     return ANSWER_MEDIA_TYPE
 
@@ -607,8 +610,8 @@ class Codec(ABC):
         bodies as :meth:`answer_status`): a format's engine answers some errors with a body that is not
         JSON (a framework's plain-text 500), and a client reading the edge should see what the engine
         sends. The same bound as :meth:`answer_status` (on the event loop: a bounded look). Anything
-        not shaped like a media type is answered as :data:`ANSWER_MEDIA_TYPE`
-        (:func:`answer_media_type_of`). The default: ``application/json`` (every built-in format's
+        but JSON or ``text/plain`` (optionally with a ``charset``) is answered as
+        :data:`ANSWER_MEDIA_TYPE` (:func:`answer_media_type_of`). The default: ``application/json`` (every built-in format's
         bodies, errors included, are JSON)."""
         return ANSWER_MEDIA_TYPE
 

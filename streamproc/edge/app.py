@@ -103,9 +103,10 @@ _VERDICT_RANK = {Verdict.PASSTHROUGH: 0, Verdict.JOINED: 1, Verdict.STITCHED: 2,
 # On every /v1 answer that is results, operator data or an answer to a capability: no cache (a proxy,
 # the browser's disk) may keep it. RFC 6750 section 2.3 asks for it where the token came as
 # ?access_token= (EventSource cannot send headers, so the page does), and a result read with a
-# header is no less private. Set per response, not by a middleware: a wrapped ASGI ``send`` would
-# turn the fan-out's direct writes off (direct.UvicornBody.of).
-PRIVATE = {"Cache-Control": "no-store"}
+# header is no less private. And no browser may sniff a worker's body into a type it renders (HTML in
+# a body answered as JSON or plain text). Set per response, not by a middleware: a wrapped ASGI
+# ``send`` would turn the fan-out's direct writes off (direct.UvicornBody.of).
+PRIVATE = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 # The live page and its scripts: they load nothing but the edge's own scripts and API, and are
 # framed by no one (clickjacking); an injected inline script or foreign source would not run, and
 # no URL leaves in a Referer. The <style> block and style="" attributes are the page's own.
@@ -898,7 +899,7 @@ class Edge:
             except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
                 self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
                 body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
-                return Response(body, status_code=500, media_type="application/json", headers=PRIVATE)
+                return Response(body, status_code=500, media_type=ANSWER_MEDIA_TYPE, headers=PRIVATE)
         return Response(body, status_code=self.answer_status(feed, body),
                         media_type=self.answer_media_type(feed, body), headers=headers)
 
