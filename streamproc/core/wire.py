@@ -55,10 +55,15 @@ MAX_UNREADABLE_REASON = 200
 MAX_HEADER_LINES = 128
 
 
-def too_many_header_lines(lines: int) -> dict[str, str]:
-    """The headers a block of ``lines`` lines (over :data:`MAX_HEADER_LINES`) is read as: the
-    unreadable mark, naming the count and the bound (the victim's ``invalid_chunk`` text)."""
-    return {UNREADABLE_HEADERS: f"{lines} lines, more than the {MAX_HEADER_LINES} a header block may hold"}
+def over_header_lines(block: bytes) -> dict[str, str] | None:
+    """The headers a raw header block of more than :data:`MAX_HEADER_LINES` lines (LF bytes, counted in
+    C) is read as, unparsed: the unreadable mark, naming the count and the bound (the victim's
+    ``invalid_chunk`` text); None for a block within the bound, to be parsed. One check for every
+    reader of raw blocks (FastClient, RobustClient)."""
+    lines = block.count(b"\n")
+    if lines > MAX_HEADER_LINES:
+        return {UNREADABLE_HEADERS: f"{lines} lines, more than the {MAX_HEADER_LINES} a header block may hold"}
+    return None
 
 
 _ROLES = {r.value: r for r in Role}

@@ -66,7 +66,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
-from ..core.wire import MAX_HEADER_LINES, too_many_header_lines
+from ..core.wire import over_header_lines
 from ..logs import error_text, log_event
 from .buffered_reads import READ_SIZE
 from .eager_reads import _CLOSED_OR_RECONNECTING, EagerReads
@@ -225,12 +225,12 @@ def _name(name: bytes) -> Any:
 def parse_header_block(headers: bytes) -> dict[str, str] | None:
     """``Client._process_headers`` for a block without an inline status (len > 10, byte 8 not a
     space: callers check); same dict, same ``None`` for an empty one. A block of more than
-    :data:`MAX_HEADER_LINES` lines is not parsed (one Python step a line: ~110 ms for a block of
-    ~95,000 filling ``max_payload``): it reads as :func:`too_many_header_lines`' unreadable mark,
-    counted in C, where nats-py parses every line."""
-    lines = headers.count(b"\n")
-    if lines > MAX_HEADER_LINES:
-        return too_many_header_lines(lines)
+    :data:`~streamproc.core.wire.MAX_HEADER_LINES` lines is not parsed (one Python step a line:
+    ~110 ms for a block of ~95,000 filling ``max_payload``): it reads as :func:`over_header_lines`'
+    unreadable mark, counted in C, where nats-py parses every line."""
+    over = over_header_lines(headers)
+    if over is not None:
+        return over
     out: dict[str, str] = {}
     names = _NAMES
     for line in headers[10:].split(_CRLF):

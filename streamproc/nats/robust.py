@@ -74,7 +74,7 @@ from nats.aio.client import Client
 from nats.js import api
 from nats.protocol import parser as _parser
 
-from ..core.wire import MAX_HEADER_LINES, MAX_UNREADABLE_REASON, UNREADABLE_HEADERS, too_many_header_lines
+from ..core.wire import MAX_UNREADABLE_REASON, UNREADABLE_HEADERS, over_header_lines
 from ..logs import LogLimiter, error_text, log_event
 
 log = logging.getLogger("streamproc.nats")
@@ -157,10 +157,9 @@ class RobustClient(Client):
     async def _process_headers(self, headers: bytes) -> dict[str, str] | None:
         # nats-py takes one Python step a line (~1 us): a block of ~95,000 lines filling max_payload
         # held the read loop ~110 ms per message. Counted in C, over the bound it is not parsed.
-        if headers:
-            lines = headers.count(b"\n")
-            if lines > MAX_HEADER_LINES:
-                return too_many_header_lines(lines)
+        over = over_header_lines(headers) if headers else None
+        if over is not None:
+            return over
         try:
             return await super()._process_headers(headers)
         except Exception as exc:  # noqa: BLE001  (any failure here would end the read loop)
