@@ -247,7 +247,8 @@ async def test_an_sse_open_reads_its_headers_in_one_pass_and_sends_the_head_star
         assert isinstance(response, EventStreamResponse)
         assert built == {}, built
         starlette_head = StreamingResponse(response.body_iterator, media_type="text/event-stream",
-                                           headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+                                           headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
+                                                    "X-Accel-Buffering": "no"})
         assert response.raw_headers == starlette_head.raw_headers
         assert response.status_code == 200 and response.media_type == "text/event-stream"
         response.headers["x-one"] = "1"  # a response's head is its own: the next open's is unchanged
