@@ -119,15 +119,14 @@ class ProcessorCollector(Collector):
         yield GaugeMetricFamily("streamproc_retained_bytes",
                                 "published bodies kept by reference for a possible migration",
                                 value=correlator.retained_bytes())
-        yield CounterMetricFamily("streamproc_control_replies_refused",
-                                  "migrates refused unanswered: their reply subject is outside --control-reply-prefix",
-                                  value=p.control_replies_refused)
-        yield CounterMetricFamily("streamproc_control_migrates_throttled",
-                                  "migrates answered unavailable, untouched, past --max-migrate-rate",
-                                  value=p.control_migrates_throttled)
-        yield CounterMetricFamily("streamproc_control_migrates_dropped",
-                                  "migrates nats-py dropped unread: the control subscription's queue was full",
-                                  value=p.control_migrates_dropped)
+        for name, text, value in (
+                ("replies_refused", "migrates refused unanswered: their reply subject is outside --control-reply-prefix",
+                 p.control_replies_refused),
+                ("migrates_throttled", "migrates answered unavailable, untouched, past --max-migrate-rate",
+                 p.control_migrates_throttled),
+                ("migrates_dropped", "migrates nats-py dropped unread: the control subscription's queue was full",
+                 p.control_migrates_dropped)):
+            yield CounterMetricFamily(f"streamproc_control_{name}", text, value=value)
         server = p.status_server
         if server is not None:
             yield CounterMetricFamily("streamproc_http_connections_evicted",

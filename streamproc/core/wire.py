@@ -45,8 +45,8 @@ TRACEPARENT = "traceparent"
 UNREADABLE_HEADERS = "Streamproc-Unreadable-Headers"
 MAX_UNREADABLE_REASON = 200
 # Lines (LF bytes) a message's header block may hold, its NATS/1.0 line and closing empty line
-# included; a longer block is not parsed and is marked unreadable (FastClient, before any per-line
-# work). Each line costs the reader a Python step: ~95,000 tiny lines filling max_payload cost
+# included; a longer block is not parsed and is marked unreadable (FastClient and RobustClient, before
+# any per-line work). Each line costs the reader a Python step: ~95,000 tiny lines filling max_payload cost
 # ~110 ms of the event loop, where the same bytes as a body cost nothing. Honest blocks hold ~10
 # lines: a chunk's 6 streamproc headers (Nats-Msg-Id, traceparent among them) and a tracestate, a
 # result's 6; nats-server adds at most 6 of its own (a direct get's or a republished message's

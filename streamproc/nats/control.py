@@ -114,10 +114,15 @@ class ControlPlane:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False  # set before stop's cancels, which a migrate's JetStream answer can swallow
 
-    def reads(self, sub: object) -> bool:
-        """Whether ``sub`` (a slow consumer's subscription) is this plane's: its drops are migrates
-        (the Migrator asks again), not chunks."""
-        return sub is not None and sub is self._sub
+    def dropped_from(self, sub: object) -> bool:
+        """Whether ``sub`` (a slow consumer's subscription) is this plane's, its drop then counted here
+        (logged at the 1st, 2nd, 4th... drop): dropped migrates (the Migrator asks again), not chunks."""
+        if sub is None or sub is not self._sub:
+            return False
+        self.dropped += 1
+        if self.dropped & (self.dropped - 1) == 0:
+            log_event(log, logging.WARNING, "control_migrates_dropped", dropped_total=self.dropped)
+        return True
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate,

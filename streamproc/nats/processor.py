@@ -311,11 +311,7 @@ class Processor:
     async def _on_error(self, exc: Exception) -> None:
         self._last_error = exc
         if isinstance(exc, nats.errors.SlowConsumerError):
-            control = self._control
-            if control is not None and control.reads(exc.sub):  # a migrate flood, not lost input
-                control.dropped += 1
-                if control.dropped & (control.dropped - 1) == 0:
-                    log_event(log, logging.WARNING, "control_migrates_dropped", dropped_total=control.dropped)
+            if self._control is not None and self._control.dropped_from(exc.sub):  # a migrate flood, not lost input
                 return
             self.io.slow_consumer += 1  # counted always; logged sparsely (it comes in bursts)
             if self._input is not None:
