@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -79,42 +79,41 @@ from streamproc_sglang_zstd import SGLangZstdCodec
 
 OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
 RID = "4f1c0c2a9d7e4b51a3f0c2d8e6b7a901"
-PROMPT = [11, 12, 13, 14]
-# Item 1 (``n`` = 2: ``_handle_batch_request`` sends the prompt twice, each with ``regenerate_rid()``).
-OUTS = ([201, 202, 203, 204, 205], [301, 302, 303, 304, 305])
-# Tokens 202 and 203 are the two bytes of "é": the detokenizer holds the first back (an incomplete
-# UTF-8 sequence decodes to U+FFFD, which ``DetokenizerManager`` does not emit), so the text after three
-# tokens ends in "é" whole on both legs.
-TEXTS = ({1: "H", 3: "Hé", 5: "Hé w!"}, {1: "O", 3: "Ok,", 5: "Ok, ☃"})
-BOUNDARIES = (1, 3, 5)
 TOKEN_IDS = [7, 9]
 E2E = 0.75
-IN_LP = [None, -2.5, -1.25, -0.5]
 
 
-def rows(item: int) -> np.ndarray:
+class Item(NamedTuple):
+    """One sample: its prompt, output ids, cumulative text after each chunk boundary, and finish."""
+    prompt: list[int]
+    out: list[int]
+    texts: dict[int, str]
+    finish: dict[str, Any]
+
+
+# Tokens 202 and 203 are the two bytes of "é": the detokenizer holds the first back (an incomplete UTF-8
+# sequence decodes to U+FFFD, which ``DetokenizerManager`` does not emit), so the text after three tokens
+# ends in "é" whole on both legs.
+A = Item([11, 12, 13, 14], [201, 202, 203, 204, 205], {1: "H", 3: "Hé", 5: "Hé w!"}, {"type": "length", "length": 5})
+# ``n`` = 2: ``_handle_batch_request`` sends the same prompt again, with ``regenerate_rid()``.
+B = Item(A.prompt, [301, 302, 303, 304, 305], {1: "O", 3: "Ok,", 5: "Ok, ☃"}, A.finish)
+# A batch of two prompts (``text: [..., ...]``): the second is longer and ends on EOS after 3 tokens
+# (``FINISH_MATCHED_TOKEN.to_json()``).
+C = Item([21, 22, 23, 24, 25, 26], [401, 402, 2], {1: "Y", 3: "Yes"}, {"type": "stop", "matched": 2})
+
+
+def rows(item: Item) -> np.ndarray:
     """One row per token position ``[0, prompt + completion - 1)``: 2 layers x top-2, int32."""
-    return np.array([[3 + p + item, 17 + p, 40 + p + item, 5 + p] for p in range(len(PROMPT) + 4)], dtype="<i4")
-
-
-def _in_token_logprobs() -> list:
-    return [[lp, t, None] for lp, t in zip(IN_LP, PROMPT)]
+    return np.array([[3 + p + item.out[0] % 7, 17 + p, 40 + p, 5 + p]
+                     for p in range(len(item.prompt) + len(item.out) - 1)], dtype="<i4")
 
 
 def _top(pos: int, base: int) -> list:
     return [[-0.03125 * (pos + 1), base + pos, None], [-3.0 - pos, base + 50 + pos, None]]
 
 
-def _in_top() -> list:
-    return [None] + [_top(p, 1000) for p in range(1, len(PROMPT))]
-
-
 def _ids_row(pos: int, off: float) -> list:
     return [[-4.0 - pos - off, TOKEN_IDS[0], None], [-6.0 - pos - off, TOKEN_IDS[1], None]]
-
-
-def _in_ids() -> list:
-    return [None] + [_ids_row(p, 0.5) for p in range(1, len(PROMPT))]
 
 
 def _rows_b64(rows: np.ndarray, zstd: bool) -> str:
@@ -124,24 +123,25 @@ def _rows_b64(rows: np.ndarray, zstd: bool) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _meta(item: int, lo: int, n: int, *, finished: bool, side: str, experts: str | None) -> dict[str, Any]:
+def _meta(item: Item, lo: int, n: int, *, finished: bool, side: str, experts: str | None) -> dict[str, Any]:
     """``_handle_batch_output``'s ``meta_info`` after ``n`` output tokens of leg ``side``; the output lists
     start at ``lo`` (``_slice_streaming_output_meta_info`` in incremental mode, 0 when cumulative)."""
-    out = OUTS[item]
+    out, prompt, salt = item.out, item.prompt, item.out[0] % 7
     meta: dict[str, Any] = {
-        "id": f"{RID}-{item}-{side == 'prefill'}",
-        "finish_reason": {"type": "length", "length": 5} if finished else None,
-        "prompt_tokens": len(PROMPT), "weight_version": "default", "num_retractions": 0,
+        "id": f"{RID}-{out[0]}-{side == 'prefill'}",
+        "finish_reason": item.finish if finished else None,
+        "prompt_tokens": len(prompt), "weight_version": "default", "num_retractions": 0,
     }
     pd_decode = side == "decode"
     meta.update({
-        "input_token_logprobs": [] if pd_decode else _in_token_logprobs(),
-        "output_token_logprobs": [[-0.0625 * (p + 1 + item), out[p], None] for p in range(lo, n)],
+        "input_token_logprobs": [] if pd_decode else
+        [[None if p == 0 else -0.5 * p - salt, t, None] for p, t in enumerate(prompt)],
+        "output_token_logprobs": [[-0.0625 * (p + 1 + salt), out[p], None] for p in range(lo, n)],
         "output_token_logprobs_length": n,
-        "input_top_logprobs": [] if pd_decode else _in_top(),
-        "output_top_logprobs": [_top(p, 2000 + 100 * item) for p in range(lo, n)],
-        "input_token_ids_logprobs": [] if pd_decode else _in_ids(),
-        "output_token_ids_logprobs": [None if pd_decode and p == 0 else _ids_row(p, 0.25 * (1 + item))
+        "input_top_logprobs": [] if pd_decode else [None] + [_top(p, 1000 + salt) for p in range(1, len(prompt))],
+        "output_top_logprobs": [_top(p, 2000 + 100 * salt) for p in range(lo, n)],
+        "input_token_ids_logprobs": [] if pd_decode else [None] + [_ids_row(p, 0.5) for p in range(1, len(prompt))],
+        "output_token_ids_logprobs": [None if pd_decode and p == 0 else _ids_row(p, 0.25 * (1 + salt))
                                       for p in range(lo, n)],
     })
     meta.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
@@ -157,59 +157,66 @@ def _meta(item: int, lo: int, n: int, *, finished: bool, side: str, experts: str
     return meta
 
 
-def _body(item: int, prev: int, n: int, *, side: str, incremental: bool, batch: bool,
+def _body(item: Item, index: int | None, prev: int, n: int, *, side: str, incremental: bool,
           experts: str | None = None, finished: bool | None = None) -> dict[str, Any]:
     lo = prev if incremental else 0
-    text = TEXTS[item][n]
+    text = item.texts[n]
     if incremental and prev:
-        text = text[len(TEXTS[item][prev]):]
-    finished = n == len(OUTS[item]) if finished is None else finished
-    body = {"text": text, "output_ids": OUTS[item][lo:n],
+        text = text[len(item.texts[prev]):]
+    finished = n == len(item.out) if finished is None else finished
+    body = {"text": text, "output_ids": item.out[lo:n],
             "meta_info": _meta(item, lo, n, finished=finished, side=side, experts=experts)}
-    if batch:
-        body["index"] = item  # _stream_batch_responses: result["index"] = rid_to_index[...]
+    if index is not None:
+        body["index"] = index  # _stream_batch_responses: result["index"] = rid_to_index[...]
     return body
 
 
-# A reader that fell behind gets ``_coalesce_streaming_chunks`` of the queued incremental chunks: token 0's
-# chunk and the next one as one body over ``[0, 3)`` (the output lists concatenated, the rest the last's).
-COALESCED = [(0, 0, 3), (0, 3, 5)]
+# (item, its index or None for a single request, previous boundary, boundary), in the order
+# ``_stream_batch_responses`` yields them (whichever generator has output first).
+ORDERS = {
+    "one": [(A, None, 0, 1), (A, None, 1, 3), (A, None, 3, 5)],
+    "n2": [(A, 0, 0, 1), (B, 1, 0, 1), (A, 0, 1, 3), (B, 1, 1, 3), (B, 1, 3, 5), (A, 0, 3, 5)],
+    # Item 1 (longer prompt) finishes first, after 3 tokens; item 0 goes on.
+    "batch": [(A, 0, 0, 1), (C, 1, 0, 1), (C, 1, 1, 3), (A, 0, 1, 3), (A, 0, 3, 5)],
+    # A reader that fell behind gets ``_coalesce_streaming_chunks`` of the queued incremental chunks: token
+    # 0's chunk and the next one as one body over ``[0, 3)`` (output lists concatenated, the rest the last's).
+    "coalesced": [(A, None, 0, 3), (A, None, 3, 5)],
+}
 
 
-def _order(batch: bool, coalesced: bool = False) -> list[tuple[int, int, int]]:
-    """(item, previous boundary, boundary) in the order ``_stream_batch_responses`` yields them."""
-    if coalesced:
-        return COALESCED
-    steps = [(0, 0, 1), (1, 0, 1), (0, 1, 3), (1, 1, 3), (1, 3, 5), (0, 3, 5)]
-    return steps if batch else [s for s in steps if s[0] == 0]
+def _items(order: str) -> list[tuple[Item, int | None]]:
+    seen: dict[int, tuple[Item, int | None]] = {}
+    for item, index, _, _ in ORDERS[order]:
+        seen.setdefault(-1 if index is None else index, (item, index))
+    return [seen[k] for k in sorted(seen)]
 
 
-def aggregated(zstd: bool, *, incremental: bool = False, batch: bool = False,
-               coalesced: bool = False) -> list[bytes]:
-    return [dumps(_body(i, prev, n, side="agg", incremental=incremental, batch=batch,
-                        experts=_rows_b64(rows(i), zstd) if n == 5 else None)) for i, prev, n in _order(batch, coalesced)]
+def aggregated(zstd: bool, *, incremental: bool = False, order: str = "one") -> list[bytes]:
+    return [dumps(_body(item, index, prev, n, side="agg", incremental=incremental,
+                        experts=_rows_b64(rows(item), zstd) if n == len(item.out) else None))
+            for item, index, prev, n in ORDERS[order]]
 
 
-def prefill(zstd: bool, *, incremental: bool = False, batch: bool = False) -> list[bytes]:
+def prefill(zstd: bool, *, incremental: bool = False, order: str = "one") -> list[bytes]:
     """The prefill leg: per item one finished body for token 0, ``FINISH_LENGTH(0)``, the prompt's rows."""
     out = []
-    for item in range(2 if batch else 1):
-        body = _body(item, 0, 1, side="prefill", incremental=incremental, batch=batch, finished=True,
-                     experts=_rows_b64(rows(item)[:len(PROMPT)], zstd))
+    for item, index in _items(order):
+        body = _body(item, index, 0, 1, side="prefill", incremental=incremental, finished=True,
+                     experts=_rows_b64(rows(item)[:len(item.prompt)], zstd))
         body["meta_info"]["finish_reason"] = {"type": "length", "length": 0}
         out.append(dumps(body))
     return out
 
 
-def decode(zstd: bool, *, incremental: bool = False, batch: bool = False,
-           coalesced: bool = False) -> list[bytes]:
-    def stale(item: int) -> np.ndarray:
+def decode(zstd: bool, *, incremental: bool = False, order: str = "one") -> list[bytes]:
+    def stale(item: Item) -> np.ndarray:
         r = rows(item)
-        r[:len(PROMPT)] = [[60 + p, 61 + p, 62 + p, 63 + p] for p in range(len(PROMPT))]  # KV-slot leftovers
+        r[:len(item.prompt)] = [[60 + p, 61 + p, 62 + p, 63 + p] for p in range(len(item.prompt))]  # KV leftovers
         return r
 
-    return [dumps(_body(i, prev, n, side="decode", incremental=incremental, batch=batch,
-                        experts=_rows_b64(stale(i), zstd) if n == 5 else None)) for i, prev, n in _order(batch, coalesced)]
+    return [dumps(_body(item, index, prev, n, side="decode", incremental=incremental,
+                        experts=_rows_b64(stale(item), zstd) if n == len(item.out) else None))
+            for item, index, prev, n in ORDERS[order]]
 
 
 def _same_but_ids(got: bytes, want: bytes) -> None:
@@ -227,16 +234,18 @@ def _rows_of(body: bytes, zstd: bool) -> bytes:
 def test_every_joined_cumulative_chunk_equals_the_aggregated_chunk_byte_for_byte():
     agg = aggregated(zstd=False)
     out = join(SGLangCodec(OPTIONS), decode(zstd=False), prefill(zstd=False))
-    assert [v for _, v in out] == [Verdict.JOINED] * len(BOUNDARIES)
+    assert [v for _, v in out] == [Verdict.JOINED] * len(agg)
     for (got, _), want in zip(out, agg):
         _same_but_ids(got, want)
 
 
+@pytest.mark.parametrize("order", ["n2", "batch"])
 @pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
-def test_every_joined_chunk_of_an_n2_stream_equals_the_aggregated_item_chunk(incremental):
-    """``n`` = 2, items interleaved and tagged ``index``: each item's chunks join with that item's
-    prefill body, the output lists sliced per chunk in incremental mode and restated in cumulative."""
-    kw = {"incremental": incremental, "batch": True}
+def test_every_joined_chunk_of_a_streamed_batch_equals_the_aggregated_item_chunk(incremental, order):
+    """``n`` = 2, or two prompts of different lengths whose second finishes first: items interleaved and
+    tagged ``index``; each item's chunks join with that item's prefill body (its own prompt lists and rows),
+    the output lists sliced per chunk in incremental mode and restated in cumulative."""
+    kw = {"incremental": incremental, "order": order}
     agg = aggregated(False, **kw)
     assert all(d != a for d, a in zip(decode(False, **kw), agg))  # every chunk needs the join
     out = join(SGLangCodec(OPTIONS), decode(False, **kw), prefill(False, **kw))
@@ -248,9 +257,9 @@ def test_every_joined_chunk_of_an_n2_stream_equals_the_aggregated_item_chunk(inc
 def test_a_coalesced_incremental_chunk_holding_token_0_joins_to_the_same_coalesced_aggregated_chunk():
     """Decode's reserved ``None`` row and ``[]`` prompt lists sit in a chunk over ``[0, 3)``: position 0 is still
     the slice's first (``output_token_logprobs_length`` equals the list's length), and it is filled there."""
-    kw = {"incremental": True, "coalesced": True}
+    kw = {"incremental": True, "order": "coalesced"}
     agg = aggregated(False, **kw)
-    out = join(SGLangCodec(OPTIONS), decode(False, **kw), prefill(False, incremental=True))
+    out = join(SGLangCodec(OPTIONS), decode(False, **kw), prefill(False, **kw))
     assert [v for _, v in out] == [Verdict.JOINED] * len(agg)
     for (got, _), want in zip(out, agg):
         _same_but_ids(got, want)
@@ -259,11 +268,11 @@ def test_a_coalesced_incremental_chunk_holding_token_0_joins_to_the_same_coalesc
 def test_the_zstd_join_restores_the_aggregated_rows_and_every_other_field():
     agg = aggregated(zstd=True)
     out = join(SGLangZstdCodec(OPTIONS), decode(zstd=True), prefill(zstd=True))
-    assert [v for _, v in out] == [Verdict.JOINED] * len(BOUNDARIES)
+    assert [v for _, v in out] == [Verdict.JOINED] * len(agg)
     for (got, _), want in zip(out[:-1], agg[:-1]):
         _same_but_ids(got, want)
     got, want = out[-1][0], agg[-1]
-    assert _rows_of(got, zstd=True) == rows(0).tobytes()
+    assert _rows_of(got, zstd=True) == rows(A).tobytes()
     g, w = json.loads(got), json.loads(want)
     g["meta_info"]["routed_experts"] = w["meta_info"]["routed_experts"] = "rows"
     g["meta_info"]["id"] = w["meta_info"]["id"]
