@@ -237,6 +237,24 @@ LONG_HANDSHAKE = (b'{"text":"","output_ids":[],"meta_info":{"id":"%s","finish_re
 LONG_HANDSHAKE_UNARY = (b'{"object":"error","message":"%s","type":"500","param":null,"code":500}'
                         % LONG_HANDSHAKE_MESSAGE)
 
+# A running request with logprobs aborted by the running timeout after 2,000 tokens
+# (``Scheduler.abort_request``: ``FINISH_ABORT("Request running timeout reached.",
+# HTTPStatus.SERVICE_UNAVAILABLE)``, then ``_handle_batch_output``), its stream's only chunk (the
+# consumer behind: the last cumulative body): ~20 KiB of text and ids in front of its finish reason,
+# ~36 KiB of logprobs behind it.
+LONG_IDS = list(range(1000, 3000))
+RUNNING_TIMEOUT = upstream_json({
+    "text": "word " * len(LONG_IDS), "output_ids": LONG_IDS,
+    "meta_info": {"id": "r", "finish_reason": {"type": "abort", "message": "Request running timeout reached.",
+                                               "status_code": 503, "err_type": None},
+                  "prompt_tokens": 4, "weight_version": "default", "num_retractions": 0,
+                  "input_token_logprobs": [[None, 1, None], [-0.5, 2, None], [-0.5, 3, None], [-0.5, 4, None]],
+                  "output_token_logprobs": [[-0.25, t, None] for t in LONG_IDS],
+                  "output_token_logprobs_length": len(LONG_IDS), "reasoning_tokens": 0,
+                  "completion_tokens": len(LONG_IDS), "cached_tokens": 0}})
+RUNNING_TIMEOUT_UNARY = (b'{"object":"error","message":"Request running timeout reached.","type":"503",'
+                         b'"param":null,"code":503}')
+
 
 def tagged(body: bytes, index: int) -> bytes:
     """``_stream_batch_responses``: ``result["index"] = ...``, the last key."""
@@ -251,6 +269,7 @@ def tagged(body: bytes, index: int) -> bytes:
                  id="batch_item_rejected"),
     pytest.param([IN_QUEUE], IN_QUEUE, 200, id="aborted_without_status_verbatim"),
     pytest.param([LONG_HANDSHAKE], LONG_HANDSHAKE_UNARY, 500, id="status_past_the_first_4_kib"),
+    pytest.param([RUNNING_TIMEOUT], RUNNING_TIMEOUT_UNARY, 503, id="status_with_kibibytes_on_both_sides"),
 ])
 async def test_a_stream_the_scheduler_aborted_with_an_http_status_is_answered_its_unary_error(
         edge, zstd_edge, nc, fmt, stream, want, status):

@@ -165,10 +165,11 @@ def test_folds_alone_costs_the_same_for_a_large_unary_body_as_for_a_small_one(co
     non-streamed request's). ``result["index"] = ...`` is set on the item's finished dict
     (``_stream_batch_responses``), after ``text``, ``output_ids``, ``meta_info`` and
     ``prompt_token_ids``, so the key is the body's last; searching all of a 64 MiB body with
-    ``routed_experts`` (no ``"index"``) held the loop ~60 ms. A tagged chunk still folds, trailing
-    whitespace included."""
-    big = (b'{"text":"x","output_ids":[1],"meta_info":{"id":"rid-0","routed_experts":"'
-           + base64.b64encode(os.urandom(48 << 20)) + b'"}}')
+    ``routed_experts`` (no ``"index"``) held the loop ~60 ms. The abort look stops at the finish
+    reason, which ``_handle_batch_output`` writes right after the id, in front of the rows. A tagged
+    chunk still folds, trailing whitespace included."""
+    big = (b'{"text":"x","output_ids":[1],"meta_info":{"id":"rid-0","finish_reason":{"type":"length",'
+           b'"length":1},"routed_experts":"' + base64.b64encode(os.urandom(48 << 20)) + b'"}}')
     c = codec(OPTIONS)
     assert not c.folds_alone(big)
     spent = least_seconds(lambda: c.folds_alone(big))

@@ -585,8 +585,9 @@ class Codec(ABC):
         """Whether a request whose only result is ``body`` answers a unary client with
         ``fold([body])`` rather than ``body`` verbatim: a stream's only chunk that is not in the
         unary shape (a streamed batch's item). Called on the event loop for every unary answer of one
-        result, so it may only look at a bounded part of the bytes (no parse, no scan of the whole
-        body: a large body would hold the loop); ``fold`` then decides, and gives back
+        result, so it may only look at the bytes, not parse them (a large body would hold the loop):
+        a bounded part of them, or byte searches that read each byte at most once (linear, at C
+        speed, whatever the bytes); ``fold`` then decides, and gives back
         ``body`` itself when it is the unary answer after all. The default: never (one result is the
         unary answer)."""
         return False

@@ -27,25 +27,36 @@ INDEX_KEY = b'"%s"' % native.INDEX.encode()  # a streamed batch item's tag, as J
 # last key (``"index":<int>}``, plus trailing whitespace); joins edit bodies in place (key order kept).
 INDEX_TAIL = 64
 # Where an abort's finish reason stands: ``_handle_abort_req`` and ``_handle_batch_output`` write
-# ``meta_info`` with ``id`` then ``finish_reason`` first, behind ``text`` and ``output_ids``; an abort
-# before any token (an intake rejection, a waiting timeout, a failed KV transfer) has it within the
-# first hundred bytes or so plus the rid's length. Behind it stand the rest of ``meta_info`` (counts,
-# ``weight_version``, latencies; with ``--enable-metrics`` a few timestamps): a few hundred bytes
-# unless the request asked for logprobs, hidden states, routed experts or ``return_prompt_token_ids``
-# (``prompt_token_ids`` follows ``meta_info``). So the status is looked for in the first ``ABORT_HEAD``
-# and the last ``ABORT_TAIL`` bytes, never in between (a hostile body of any size costs the same two
-# bounded searches): a long text, rid or message in front is found from the end
-# (``_abort_with_status``). An abort with more than ``ABORT_HEAD`` bytes in front of its status and
-# more than ``ABORT_TAIL`` behind it (a long text and logprobs, experts or prompt ids) is answered as
-# sent (a known limit, docs/codecs.md).
-ABORT_KEY = b'"%s"' % native.ABORT.encode()
-ABORT_HEAD = 4096
-ABORT_TAIL = 4096
-# ``FINISH_ABORT.to_json()`` and the scheduler's own dicts write ``type`` first and ``status_code`` after
-# it; a status is an integer (``HTTPStatus``), ``null`` when the abort has none. The key as JSON writes
-# it (inside a JSON string the quotes are escaped), then the bytes a separator may have before a digit.
-STATUS_KEY = b'"%s"' % native.STATUS_CODE.encode()
-_SEPARATOR = b" \t\r\n:"
+# ``meta_info`` with ``id`` then ``finish_reason`` first, behind ``text`` and ``output_ids`` and in front
+# of the rest of ``meta_info`` (counts, latencies, and with the request's options logprobs, hidden
+# states, routed experts) and ``prompt_token_ids``: anywhere in a long body, with megabytes on both
+# sides of it when a long generation with logprobs is aborted with a status (``Scheduler.abort_request``
+# on a running request with a message: ``FINISH_ABORT(message, HTTPStatus.SERVICE_UNAVAILABLE)``).
+# Inside a JSON string a quote is escaped, so ``"finish_reason"`` followed by ``:`` is a key, and a body
+# SGLang writes has one such key, ``meta_info``'s; a string ending in ``\"finish_reason`` (a text, a
+# rid, a logprob's token) matches without being one. So the key is searched for from both ends at once,
+# in chunks that double from ``FINISH_STEP``: the search stops at the key, having read about twice the
+# bytes on its nearer side (a text-only answer's few hundred bytes of ``meta_info``, or the text and
+# ids in front of a long ``routed_experts``), and a body without it is read once. After
+# ``FINISH_CANDIDATES`` matches that are no key (nothing SGLang writes) ``fold`` decides.
+FINISH_KEY = b'"%s"' % native.FINISH_REASON.encode()
+FINISH_CANDIDATES = 16
+FINISH_STEP = 4096
+_WS = rb"[ \t\r\n]*"  # JSON's whitespace
+IS_KEY = re.compile(_WS + b":")
+# The finish reason of an abort with a status, matched at its key (``re.match``, no search):
+# ``FINISH_ABORT.to_json()`` (``type, message, status_code, err_type``) and the scheduler's own dicts
+# (``type, status_code, message``) write ``type`` first and flat members after it (strings, ``null``,
+# integers); a status is an integer (``HTTPStatus``) or ``null``: here a number in ``[400, 600)``, not
+# the start of a longer one. Possessive (``++``, ``*+``): no backtracking, so the match costs the
+# finish reason's length (a long message repeating a long rid) whatever the bytes.
+_STRING = rb'"(?:[^"\\]++|\\.)*+"'
+_STATUS = b'"%s"' % native.STATUS_CODE.encode()
+_MEMBER = b"".join((_WS, b",", _WS, rb"(?!", _STATUS, rb")", _STRING, _WS, b":", _WS,
+                    rb"(?:", _STRING, rb"|[-+.0-9A-Za-z]++)"))
+ABORT_STATUS = re.compile(b"".join((
+    _WS, b":", _WS, rb"\{", _WS, rb'"type"', _WS, b":", _WS, b'"%s"' % native.ABORT.encode(),
+    rb"(?:", _MEMBER, rb")*+", _WS, b",", _WS, _STATUS, _WS, b":", _WS, rb"[45][0-9][0-9](?![0-9.eE])")))
 # ``stream_results``' error frame (``native.unary_error_of_frame``) opens with its only key, ``error``, and
 # ends with ``"retryable":false}}`` (orjson, compact), whatever the message's length in between.
 ERROR_OPENING = b'{"%s"' % native.ERROR.encode()
@@ -129,37 +140,35 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
 
 
 def _abort_with_status(body: bytes) -> bool:
-    """Whether ``"status_code"`` with a number in ``[400, 600)`` follows ``"abort"`` in the first
-    ``ABORT_HEAD`` or the last ``ABORT_TAIL`` bytes: in the head after an ``"abort"`` there, in the tail
-    after an ``"abort"`` in either window or, when the body is longer than both windows, anywhere in the
-    tail (the abort's ``"type"`` comes first in its finish reason, and a long rid or message in front of
-    the status leaves it in the unseen middle). Byte searches of two bounded windows, whatever the body's
-    size (``Codec.folds_alone`` runs on the event loop); ``fold`` parses to decide."""
-    head_end = min(len(body), ABORT_HEAD)
-    tail_start = max(0, len(body) - ABORT_TAIL)
-    at = body.find(ABORT_KEY, 0, head_end)
-    if at >= 0 and _error_status_within(body, at, head_end):
-        return True
-    if at < 0:
-        at = body.find(ABORT_KEY, tail_start)
+    """Whether the body's finish reason may be an abort with a ``status_code`` in ``[400, 600)``: the
+    ``"finish_reason"`` key (``FINISH_KEY``; the first one found from either end) holds one
+    (``ABORT_STATUS``). Byte searches from both ends that stop at the key (a body without one is read
+    once), at most ``FINISH_CANDIDATES + 1`` anchored matches, each as long as what it matches: linear
+    in the body whatever its bytes, and for a body SGLang writes proportional to the nearer side of
+    its finish reason (``Codec.folds_alone`` runs on the edge's event loop). ``fold`` parses to decide."""
+    front, back, step = 0, len(body), FINISH_STEP
+    overlap = len(FINISH_KEY) - 1  # a key across a chunk's edge
+    misses = 0
+    while front < back:
+        at = body.find(FINISH_KEY, front, min(front + step, back) + overlap)
         if at < 0:
-            if tail_start <= head_end:  # the windows saw the whole body: no abort in it
-                return False
-            at = tail_start
-    return _error_status_within(body, max(at, tail_start), len(body))
-
-
-def _error_status_within(body: bytes, start: int, end: int) -> bool:
-    """Whether ``body[start:end]`` holds ``"status_code"`` with a number in ``[400, 600)`` (read within
-    the window: a number cut by its end is not one)."""
-    at = body.find(STATUS_KEY, start, end)
-    while at >= 0:
-        value_at = at + len(STATUS_KEY)
-        value = body[value_at:min(value_at + 16, end)].lstrip(_SEPARATOR)
-        digits = value[:4]
-        if digits[:3].isdigit() and not digits[3:].isdigit() and is_error_status(int(digits[:3])):
-            return True  # fold reads the body to decide (native.abort_status)
-        at = body.find(STATUS_KEY, at + 1, end)
+            front = min(front + step, back)
+            at = body.rfind(FINISH_KEY, max(back - step, front), back + overlap)
+            if at < 0:
+                back = max(back - step, front)
+                step *= 2
+                continue
+            back = at
+        else:
+            front = at + 1
+        end = at + len(FINISH_KEY)
+        if ABORT_STATUS.match(body, end):
+            return True
+        if IS_KEY.match(body, end):
+            return False  # the finish reason, and not an abort with a status
+        misses += 1
+        if misses > FINISH_CANDIDATES:
+            return True  # nothing SGLang writes: fold decides
     return False
 
 
@@ -225,12 +234,11 @@ class SGLangCodec(Codec):
         ``fold`` look, and give the body back as sent.
 
         Also a stream's only chunk that is an abort with an HTTP status (``_handle_abort_finish_reason``
-        yields it to a stream; unary, the request answers an error, which :meth:`fold` builds): an
-        ``"abort"`` followed by a ``"status_code"`` in ``[400, 600)``, in the first ``ABORT_HEAD`` or the
-        last ``ABORT_TAIL`` bytes (``_abort_with_status``), makes ``fold`` look. ``"abort"`` alone is every
-        abort's (``"type":"abort"``, the client's and the tokenizer's own with no status among them), whose
-        unary answer is the body as sent: sent to ``fold``, a 64 MiB one was parsed whole for nothing,
-        ~75 ms holding the GIL.
+        yields it to a stream; unary, the request answers an error, which :meth:`fold` builds): a
+        ``"finish_reason"`` key whose abort has a ``"status_code"`` in ``[400, 600)``, wherever it stands
+        (``_abort_with_status``), makes ``fold`` look. An abort without one (the client's, the
+        tokenizer's own) is not sent: its unary answer is the body as sent, and sent to ``fold`` a 64 MiB
+        one was parsed whole for nothing, ~75 ms holding the GIL.
 
         Also a stream's only chunk that is ``stream_results``' error frame (a ``ValueError`` before the
         first chunk, e.g. ``_validate_one_request``'s context-length check): unary, the same request
@@ -244,9 +252,8 @@ class SGLangCodec(Codec):
         ``{"error":``, the ``ErrorResponse``'s ``code`` for one that opens
         ``{"object":"error"`` (200 when it is outside ``[400, 600)`` or not its last member), else 200:
         the statuses SGLang 0.5.23's ``/generate`` answers these bodies with (``ERROR_ANSWER`` above).
-        Reads the first ``ANSWER_HEAD`` (32) and the last ``ANSWER_TAIL`` (64) bytes only. An abort with a
-        status whose body ``folds_alone`` did not send to ``fold`` (more than ``ABORT_HEAD`` bytes in front
-        of its status and more than ``ABORT_TAIL`` behind it) is answered as sent, with 200."""
+        Reads the first ``ANSWER_HEAD`` (32) and the last ``ANSWER_TAIL`` (64) bytes only: an abort with a
+        status reaches it folded (:meth:`folds_alone`), as the ``ErrorResponse`` or ``{"error":`` body."""
         if len(body) <= AUTH_REFUSAL_BYTES and body in AUTH_REFUSALS:  # (the length first: a lookup hashes
             return HTTPStatus.BAD_GATEWAY  # the whole body)
         if body == SERVER_ERROR:  # (bytes equality tests the lengths first)
