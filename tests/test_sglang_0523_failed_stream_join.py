@@ -420,3 +420,20 @@ def test_an_incremental_stream_ended_by_handle_abort_req_joins_to_the_aggregated
     for (got, _), want in zip(out, agg):
         assert got == want
     assert codec.fold([b for b, _ in out]) == codec.fold(agg)
+
+
+def test_a_decode_aborted_mid_stream_without_a_prefill_leg_omits_with_reasons_and_still_folds_to_the_503():
+    """The prefill leg timed out: the abort body keeps no decode prompt-side ``[]`` nor stale rows (each
+    omitted with its reason), and the unary answer is still the engine's 503 ``ErrorResponse``."""
+    finish = finish_abort(TIMEOUT, 503)
+    codec = SGLangCodec(OPTIONS)
+    out = join(codec, stream_aborted_at(4, finish, side="decode"), None)
+    last = json.loads(out[-1][0])["meta_info"]
+    assert out[-1][1] is Verdict.OMITTED
+    assert "input_token_logprobs" not in last and "routed_experts" not in last
+    assert last["input_logprobs_unavailable_reason"] == "prefill_timeout"
+    assert last["routed_experts_unavailable_reason"] == "prefill_timeout"
+    assert last["finish_reason"] == finish
+    folded = codec.fold([b for b, _ in out])
+    assert folded == dumps({"object": "error", "message": TIMEOUT, "type": "503", "param": None, "code": 503})
+    assert codec.answer_status(folded) == 503
