@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import connection, wait_until
 
 from streamproc import config
 from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM
-from tests.helpers import connection, wait_until
 
 pytestmark = [pytest.mark.nats, pytest.mark.anyio]
 

@@ -352,3 +352,35 @@ def test_imports_of_test_modules_are_told_from_helper_imports():
 def test_no_test_module_imports_another(module: str):
     imported = imported_test_modules((TESTS_DIR / f"{module}.py").read_text())
     assert imported == [], f"tests/{module}.py imports {imported}: move the helpers into a shared module"
+
+
+# tests/ is no package: pytest puts each test module's own folder on sys.path, so helpers are
+# imported by their bare names. `from tests.helpers import ...` resolves only when the repository
+# root is on sys.path too (`python -m pytest`, `PYTHONPATH=.`); the `pytest` console script, which
+# a newcomer runs, then fails to collect the module (ModuleNotFoundError: No module named 'tests').
+TEST_SOURCES = sorted(p for d in (TESTS_DIR, TESTS_DIR.parent / "codecs" / "sglang-zstd" / "tests")
+                      for p in d.glob("*.py"))
+
+
+def imports_through_the_tests_package(source: str) -> list[str]:
+    """Modules ``source`` imports as ``tests.<name>`` (or ``tests`` itself), deferred imports included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "tests"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] == "tests":
+            found.append(node.module)
+    return found
+
+
+def test_imports_through_the_tests_package_are_told_from_helper_imports():
+    source = ("from tests.helpers import wait_until\nimport tests.edge_harness\nfrom helpers import rid\n"
+              "import testsuite\ndef f():\n    from tests import conftest\n")
+    assert imports_through_the_tests_package(source) == ["tests.helpers", "tests.edge_harness", "tests"]
+
+
+@pytest.mark.parametrize("path", TEST_SOURCES, ids=lambda p: str(p.relative_to(TESTS_DIR.parent)))
+def test_a_test_source_imports_helpers_by_their_bare_names(path: Path):
+    imported = imports_through_the_tests_package(path.read_text())
+    assert imported == [], (f"{path.name} imports {imported}: tests/ is no package, so `pytest` cannot "
+                            f"collect it; import the helper by its bare name (`from helpers import ...`)")
