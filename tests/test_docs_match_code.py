@@ -6,6 +6,9 @@ Pinned drift classes, each found once in the docs (docs-drift review, 2026-12-03
 - the settings tables (README's, configuration.md's, edge.md's) name each setting's flag, variable
   and default as ``--help`` states them, and list every setting of their command (edge.md lacked
   the edge's ``--duplicate-window``, ``--stream-storage`` and ``--stream-replicas``);
+- operations.md's tuning and limits tables give each ``run`` setting's default in prose (``10 s``,
+  ``32 MiB of chunk bodies``) as ``--help`` states it (newcomer pass, 2026-12-06: they matched, but no
+  check read them);
 - every metric name in the docs is exported as written (counters with ``_total``: edge.md named nine
   without it), and every exported metric is named somewhere (operations.md covered most with patterns);
 - edge.md's unary status table has every error kind with the status the edge answers
@@ -151,6 +154,58 @@ def test_a_settings_table_states_flags_variables_and_defaults_as_the_help_does(d
             if not _same_default(default, helped):
                 problems.append(f"{doc}:{number}: {flag}'s default is {helped}, not {default}")
     assert problems == []
+
+
+_UNITS = {"ms": 1e-3, "s": 1, "min": 60, "h": 3600, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "Mi": 2 ** 20}
+_LEADING_AMOUNT = re.compile(r"([0-9][0-9,]*(?:\.[0-9]+)?)(?:\s*(ms|s|min|h|KiB|MiB|GiB|Mi)\b)?")
+
+
+def _leading_amount(cell: str) -> float | None:
+    """``10 s`` -> 10, ``2 ms`` -> 0.002, ``32 MiB of chunk bodies ...`` -> 33554432; None: no number first."""
+    found = _LEADING_AMOUNT.match(cell.strip("` "))
+    if found is None:
+        return None
+    return float(found.group(1).replace(",", "")) * _UNITS.get(found.group(2) or "", 1)
+
+
+def _section_rows(doc: str, heading: str) -> list[tuple[int, list[str]]]:
+    """The ``| `--flag` | ...`` rows under ``heading``, up to the next heading of the same or a higher level."""
+    lines = (ROOT / doc).read_text().splitlines()
+    start, level = lines.index(heading), heading.split()[0]
+    rows = []
+    for number, line in enumerate(lines[start + 1:], start + 2):
+        if line.startswith("#") and len(line.split()[0]) <= len(level):
+            break
+        if line.startswith("| `--"):
+            rows.append((number, [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]))
+    return rows
+
+
+def test_a_leading_amount_reads_the_units_the_prose_tables_use():
+    assert [_leading_amount(c) for c in ("10 s", "2 ms", "`64`", "32 MiB of chunk bodies", "256 KiB of",
+                                         "4 Mi messages", "10000 requests", "200,000 finished", "-")] == [
+        10, 0.002, 64, 2 ** 25, 2 ** 18, 2 ** 22, 10000, 200000, None]
+
+
+# Tables of operations.md that give a ``run`` setting's default in their second cell, in prose
+# (``10 s``, ``32 MiB of chunk bodies per request``): none of the settings tables above, so the
+# settings-table check did not read them.
+PROSE_DEFAULT_TABLES = [("docs/operations.md", "## Tuning"), ("docs/operations.md", "## Limits and abuse")]
+
+
+@pytest.mark.parametrize("doc,heading", PROSE_DEFAULT_TABLES)
+def test_a_prose_table_states_each_default_as_the_help_does(doc: str, heading: str):
+    settings, problems, checked = _settings("run"), [], 0
+    for number, cells in _section_rows(doc, heading):
+        flags = re.findall(r"`(--[a-z0-9-]+)`", cells[0])
+        if len(flags) != 1 or flags[0] not in settings:  # a row of several flags states no one default
+            problems += [f"{doc}:{number}: {f} is no setting of `streamproc run`" for f in flags if f not in settings]
+            continue
+        documented, helped = _leading_amount(cells[1]), float(settings[flags[0]][1])
+        checked += 1
+        if documented is None or abs(documented - helped) > 1e-9 * max(1.0, helped):
+            problems.append(f"{doc}:{number}: {flags[0]}'s default is {settings[flags[0]][1]}, not {cells[1][:40]!r}")
+    assert checked >= 8 and problems == []
 
 
 @pytest.mark.parametrize("doc,command", [("docs/configuration.md", "run"), ("docs/edge.md", "edge")])
