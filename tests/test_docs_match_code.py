@@ -2,7 +2,8 @@
 
 Pinned drift classes, each found once in the docs (docs-drift review, 2026-12-03):
 
-- a ``streamproc <command> ... --flag`` in a code block or a code span is an option of that command;
+- a ``streamproc <command> ... --flag`` in a code block or a code span is an option of that command,
+  and a ``--flag`` named on its own in prose is an option of some command (or another tool's);
 - the settings tables (README's, configuration.md's, edge.md's) name each setting's flag, variable
   and default as ``--help`` states them, and list every setting of their command (edge.md lacked
   the edge's ``--duplicate-window``, ``--stream-storage`` and ``--stream-replicas``);
@@ -107,6 +108,39 @@ def test_the_docs_show_command_lines():
 @pytest.mark.parametrize("where,command,flag", documented_command_flags())
 def test_a_documented_command_line_flag_exists(where: str, command: str, flag: str):
     assert flag in _options(command), f"{where}: `streamproc {command} {flag}`: no such option"
+
+
+# Flags of other tools the docs name in code spans: upstream engines' server flags, docker, nsc,
+# nats-server, the Dockerfile's RUN, the benchmark scripts (benchmarks/*.py), the key example.
+OTHER_TOOLS_FLAGS = {
+    "--api-key", "--enable-metrics", "--enable-prompt-tokens-details", "--incremental-streaming-output",
+    "--max-logprobs", "--preferred-sampling-params",  # SGLang / vLLM servers
+    "--build", "--secret", "--mount", "--allow-pub", "--signal",  # docker compose / build, nsc, nats-server
+    "--paced", "--rounds", "--chunks",  # benchmarks/durable.py, benchmarks/scale.py
+    "--x",  # configuration.md: the source a --print-config shows, `flag --x`
+}
+
+
+def flags_in_doc_code() -> dict[str, str]:
+    """Every ``--flag`` written in a code span or block of the docs -> where first."""
+    found: dict[str, str] = {}
+    for path in DOCS:
+        for number, code in _code(path):
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code):
+                found.setdefault(flag, f"{_rel(path)}:{number}")
+    return found
+
+
+def test_a_flag_the_docs_name_anywhere_is_an_option_of_a_command():
+    """The check above reads flags after ``streamproc <command>``; prose names many more on their own
+    (`--shed-min-idle`, `--max-finished-bytes`): a renamed or removed option left there is caught
+    here, whichever command had it."""
+    options = {s for command in _subparsers() for s in _options(command)}
+    options |= {s for a in build_parser()._actions for s in a.option_strings}
+    named = flags_in_doc_code()
+    assert len(named) > 100  # the extraction reads the docs' code spans
+    unknown = {flag: where for flag, where in named.items() if flag not in options | OTHER_TOOLS_FLAGS}
+    assert unknown == {}, "no streamproc command has these options (another tool's: OTHER_TOOLS_FLAGS)"
 
 
 def _table_rows(path: Path) -> list[tuple[int, list[str]]]:
