@@ -4,6 +4,7 @@ Pinned drift classes, each found once in the docs (docs-drift review, 2026-12-03
 
 - a ``streamproc <command> ... --flag`` in a code block or a code span is an option of that command,
   and a ``--flag`` named on its own in prose is an option of some command (or another tool's);
+- a ``STREAMPROC_*`` variable the docs name is one a setting reads, or a name the code spells out;
 - the settings tables (README's, configuration.md's, edge.md's) name each setting's flag, variable
   and default as ``--help`` states them, and list every setting of their command (edge.md lacked
   the edge's ``--duplicate-window``, ``--stream-storage`` and ``--stream-replicas``);
@@ -141,6 +142,37 @@ def test_a_flag_the_docs_name_anywhere_is_an_option_of_a_command():
     assert len(named) > 100  # the extraction reads the docs' code spans
     unknown = {flag: where for flag, where in named.items() if flag not in options | OTHER_TOOLS_FLAGS}
     assert unknown == {}, "no streamproc command has these options (another tool's: OTHER_TOOLS_FLAGS)"
+
+
+# Variables the docs write that nothing here reads: nats-server configuration examples in security.md.
+EXAMPLE_VARIABLES = {"STREAMPROC_EDGE_EU1_PASSWORD", "STREAMPROC_TOKEN"}
+
+
+def variables_in_doc_code() -> dict[str, str]:
+    """Every ``STREAMPROC_*`` name written in a code span or block of the docs -> where first."""
+    found: dict[str, str] = {}
+    for path in DOCS:
+        for number, code in _code(path):
+            for name in re.findall(r"\bSTREAMPROC_[A-Z0-9_]*[A-Z0-9]\b", code):
+                found.setdefault(name, f"{_rel(path)}:{number}")
+    return found
+
+
+def test_a_variable_the_docs_name_is_read_by_a_command_or_the_code():
+    """A ``STREAMPROC_*`` name in the docs is a setting's variable (as ``--help`` names it), or a name
+    the code, the shipped nats-server configuration or the compose file spells out (stream and bucket
+    names, the servers' password variables, test switches); a misspelled or retired variable is
+    neither, and a user who sets it gets a warning and the default."""
+    helped = {name for command, parser in _subparsers().items() for a in parser._actions
+              for name in re.findall(r"STREAMPROC_[A-Z0-9_]*[A-Z0-9]", a.help or "")}
+    sources = [*(p for d in ("streamproc", "codecs", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")),
+               ROOT / "deploy" / "nats-server.conf", ROOT / "docker-compose.yml"]
+    spelled = set(re.findall(r"\bSTREAMPROC_[A-Z0-9_]*[A-Z0-9]\b", "\n".join(
+        p.read_text() for p in sources if p.name != "test_docs_match_code.py")))
+    named = variables_in_doc_code()
+    assert len(named) > 80  # the extraction reads the docs' code spans
+    unknown = {name: where for name, where in named.items() if name not in helped | spelled | EXAMPLE_VARIABLES}
+    assert unknown == {}
 
 
 def _table_rows(path: Path) -> list[tuple[int, list[str]]]:
