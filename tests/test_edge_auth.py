@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -1120,3 +1121,47 @@ def test_an_rsa_key_under_2048_bits_is_refused_also_by_a_pyjwt_without_key_lengt
     with pytest.raises(ConfigError, match=f"at least 2048 bits for RSAAlgorithm, it has {bits}"):
         load_key(str(tmp_path / f"rsa{bits}.pub"), "RS256")
     assert load_key(str(tmp_path / "rsa2048.pub"), "RS256").startswith(b"-----BEGIN PUBLIC KEY")
+
+
+def upgrade_request(path: str) -> bytes:
+    """A browser's WebSocket handshake (RFC 6455 section 4.1) for ``path``, the connection to close after
+    the answer (a half-close would be the client leaving: no answer)."""
+    return (f"GET {path} HTTP/1.1\r\nHost: edge\r\nUpgrade: websocket\r\nConnection: Upgrade, close\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+            "Accept: application/json\r\n\r\n").encode()
+
+
+def exchange(url: str, request: bytes) -> bytes:
+    """``request`` on a new connection; everything the edge answers until it closes (or 10 s pass)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+async def test_a_websocket_handshake_is_answered_as_http_and_its_token_never_reaches_the_log(auth_edge, nc):
+    """The edge serves no WebSocket, but with a WebSocket library installed beside it (wsproto comes with
+    selenium) Uvicorn upgraded such a handshake, the app refused it (a bare ``403``), and Uvicorn's own
+    ``"WebSocket <path>" 403`` line wrote the path whole: ``?access_token=<jwt>`` included, past the
+    access log's redaction. Now the handshake is an ordinary GET: its client gets the results (or the
+    edge's 401), the access log redacts the token, and other clients are served meanwhile."""
+    request_id = rid("auth-ws")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"w"}'])
+    tok = token(rids=[request_id])
+    answer = await anyio.to_thread.run_sync(
+        exchange, auth_edge.url, upgrade_request(f"/v1/results/{request_id}?stream=false&access_token={tok}"))
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b'\r\n\r\n{"text":"w"}'), answer
+    refused = await anyio.to_thread.run_sync(
+        exchange, auth_edge.url, upgrade_request(f"/v1/results/{request_id}?access_token=not.a.jwt"))
+    assert refused.startswith(b"HTTP/1.1 401 Unauthorized\r\n") and b'"type":"unauthorized"' in refused, refused
+    other = await get(auth_edge, f"/v1/results/{request_id}", params={"stream": "false"}, headers=bearer(tok))
+    assert other.status_code == 200 and other.content == b'{"text":"w"}'
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert tok not in log and tok.split(".")[2] not in log and "not.a.jwt" not in log
+    assert f'path="/v1/results/{request_id}?stream=false&access_token=<redacted>" http_version=1.1 status=200' in log
+    assert f'path="/v1/results/{request_id}?access_token=<redacted>" http_version=1.1 status=401' in log
+    assert "WebSocket" not in log and "upgrade" not in log.lower()

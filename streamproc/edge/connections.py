@@ -347,6 +347,12 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
                 return False  # the transport closes itself
             return super().eof_received()
 
+        def _unsupported_upgrade_warning(self) -> None:
+            """Uvicorn's warning for each request with an ``Upgrade`` it does not take (every one: the
+            edge takes none, server.py), which also told the operator to install a WebSocket library:
+            a line a client chose per request. Such a request is answered as the plain request it also
+            is (RFC 9110 section 7.8 lets a server ignore Upgrade), and logged as one."""
+
         def on_message_begin(self) -> None:
             if self not in due:  # a head begun while a response is in progress has its own deadline
                 self.await_head()

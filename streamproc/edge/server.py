@@ -85,6 +85,11 @@ def server_config(app: Any, settings: Any, *, access_log: bool = True, log_level
         lifespan="on",
         # llhttp in C (Uvicorn's "httptools"), with --max-connections, --head-timeout, --max-head-bytes
         http=protocol_class(settings, app.state.edge.metrics),
+        # No WebSocket: the edge serves none, but Uvicorn's "auto" upgraded a handshake to whichever
+        # library was installed beside it (wsproto comes with selenium), outside these bounds, and its
+        # '"WebSocket <path>" 403' line logged the path whole, ?access_token=<jwt> included. A
+        # handshake is now the plain GET it also is, answered and logged (redacted) like any other.
+        ws="none",
         access_log=access_log,  # through the one log format: event=http_request (streamproc.logs)
         # The client's address is its connection's, unless it is a proxy --forwarded-allow-ips names:
         # Uvicorn's default (True, trusting FORWARDED_ALLOW_IPS, "127.0.0.1,::1" unset) took it from
