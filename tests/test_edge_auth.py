@@ -1165,3 +1165,34 @@ async def test_a_websocket_handshake_is_answered_as_http_and_its_token_never_rea
     assert f'path="/v1/results/{request_id}?stream=false&access_token=<redacted>" http_version=1.1 status=200' in log
     assert f'path="/v1/results/{request_id}?access_token=<redacted>" http_version=1.1 status=401' in log
     assert "WebSocket" not in log and "upgrade" not in log.lower()
+
+
+async def test_the_routers_404_and_405_to_a_token_in_the_query_say_no_store_too(auth_edge, nc):
+    """RFC 9110 section 15.1 lets a cache keep a 404 or 405 without being told (heuristically
+    cacheable), with its URL: ``?access_token=<jwt>`` included. The edge's own answers said
+    ``no-store``; those of Starlette's router (a literal ``/`` in an id, a trailing slash, an unknown
+    /v1 path, a method a route does not take) said nothing, although docs/edge.md promised it of every
+    /v1 answer. The client still gets the clear 404 or 405; a correct read is served as before."""
+    request_id = rid("auth-router")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"r"}'])
+    tok = token(rids=[request_id, "tenant/7"])
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15, params={"access_token": tok}) as client:
+        answers = {
+            "literal slash": await client.get("/v1/results/tenant/7"),
+            "trailing slash": await client.get(f"/v1/results/{request_id}/"),
+            "unknown": await client.get("/v1/result"),
+            "head of unknown": await client.head("/v1/result"),
+            "post results": await client.post(f"/v1/results/{request_id}"),
+            "get experts": await client.get("/v1/experts"),
+            "delete recent": await client.delete("/v1/recent"),
+        }
+        served = await client.get(f"/v1/results/{request_id}", params={"stream": "false", "access_token": tok})
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "literal slash": 404, "trailing slash": 404, "unknown": 404, "head of unknown": 404, "post results": 405,
+        "get experts": 405, "delete recent": 405}
+    assert answers["unknown"].text == "Not Found" and answers["head of unknown"].content == b""
+    assert set(answers["post results"].headers["Allow"].split(", ")) == {"GET", "HEAD"}
+    assert answers["get experts"].headers["Allow"] == "POST"
+    assert {name: (a.headers.get("Cache-Control"), a.headers.get("X-Content-Type-Options"))
+            for name, a in answers.items()} == {name: ("no-store", "nosniff") for name in answers}
+    assert served.status_code == 200 and served.content == b'{"text":"r"}'

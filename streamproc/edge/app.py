@@ -41,6 +41,7 @@ from urllib.parse import unquote
 import anyio
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -132,6 +133,16 @@ def error_response(message: str, kind: str, status: int, headers: dict[str, str]
     """The edge's own refusals (bad id, too many streams, NATS down), before any result is read."""
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                         headers={**PRIVATE, **headers} if headers else PRIVATE)
+
+
+def router_refusal(request: Request, exc: Exception) -> Response:
+    """Starlette's own answer to its router's ``HTTPException`` (404: no route, 405: a method the route
+    does not take, its ``Allow`` kept), saying :data:`PRIVATE` too. A 404 or 405 is cacheable without
+    being told (RFC 9110 section 15.1), with its URL: the path of a request that missed every route may
+    carry ``?access_token=<jwt>`` (an id sent with a literal ``/``, a trailing slash), and said nothing."""
+    assert isinstance(exc, HTTPException)
+    headers = {**exc.headers, **PRIVATE} if exc.headers else PRIVATE
+    return Response(exc.detail, status_code=exc.status_code, media_type="text/plain", headers=headers)
 
 
 def unauthorized(message: str) -> JSONResponse:
@@ -1106,6 +1117,7 @@ def create_app(settings: EdgeSettings, *, tracing: Tracing | None = FROM_ENVIRON
             Route("/metrics", edge.metrics_text),
         ],
         lifespan=lifespan,
+        exception_handlers={HTTPException: router_refusal},
     )
     # No slash redirect: its Location is built from the Host header and repeats the query, so
     # /v1/recent/?access_token=<jwt> sent the token towards whatever host the request named.
