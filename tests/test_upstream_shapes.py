@@ -26,6 +26,7 @@ from streamproc.simulation import Truth, make_truth
 from streamproc.testing.strategies import truths
 from streamproc.wire import Verdict
 from streamproc_sglang import SGLangCodec
+from streamproc_sglang import native
 from streamproc_sglang import upstream as sgl
 from streamproc_sglang.native import EXPERT_DTYPE_SIZES
 from streamproc_sglang_zstd import SGLangZstdCodec, zstd_bomb
@@ -138,6 +139,11 @@ def test_sglang_fold_and_migration_read_both_streaming_modes(case, cut):
     truth, shape = case
     stream = sgl.agg(truth, shape, stream=True)
     unary = sgl.agg(truth, shape, stream=False)[0]
+    if len(stream) > 1:
+        # The unary answer's send time is in no chunk of a longer stream: folded without it (fold.py).
+        doc = msgspec.json.decode(unary)
+        doc["meta_info"].pop("response_sent_to_client_ts", None)  # SGLang 0.5.23 writes it
+        unary = native.encode(doc)
     assert SGLANG.fold(stream) == unary
     # What a migration reports as sent is exactly the tokens the client has seen, in either mode.
     cut = min(cut, len(stream))

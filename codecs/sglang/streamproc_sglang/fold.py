@@ -15,8 +15,8 @@ from typing import Any, Iterable, Sequence
 
 from streamproc.codec import UNAVAILABLE_SUFFIX
 
-from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS, TEXT,
-                     AbortRestatement, abort_error, abort_restatement, abort_status, meta_of, restated, restates)
+from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS,
+                     RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status, meta_of, restated, restates)
 
 
 def abort_answer(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -84,13 +84,19 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     Incremental chunks: ``text`` and ``output_ids`` concatenate, ``meta_info`` merges with
     ``dict.update`` semantics except the per-chunk ``output_*logprobs`` slices, which concatenate.
     A cumulative chunk replaces all of those. Inputs are not mutated.
+
+    A stream of two or more bodies folds without ``response_sent_to_client_ts``: its value is the first
+    chunk's send time, while the same request unary is stamped when its whole answer is sent, a time no
+    chunk carries (``native.RESPONSE_SENT_TS``); restated, it would date the answer at its first token.
     """
     out: dict[str, Any] = {}
+    count = 0
     text = _Text()
     ids: list[Any] = []
     meta: dict[str, Any] = {}
     deltas: dict[str, list[Any]] = {}
     for doc in docs:
+        count += 1
         abort = abort_restatement(doc, ids)
         if abort is None and restates(doc, ids):
             text.clear()
@@ -118,6 +124,8 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         out[TEXT] = "".join(text.pieces)
     if OUTPUT_IDS in out and out[OUTPUT_IDS] is None:
         out[OUTPUT_IDS] = ids
+    if count > 1:
+        meta.pop(RESPONSE_SENT_TS, None)
     if META in out and out[META] is None:
         out[META] = meta
     return out

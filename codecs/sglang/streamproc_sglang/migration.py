@@ -149,7 +149,7 @@ ATTEMPT_PREFIXES = (SPEC_PREFIX,)
 # (stitch_incomplete) on every stitched body, never restated from what the client saw.
 TIMING_FIELDS = (
     "e2e_latency", "request_received_ts", "first_token_latency", "api_server_dispatch_finish_ts",
-    "response_sent_to_client_ts", "request_finished_ts", "decode_throughput",
+    native.RESPONSE_SENT_TS, "request_finished_ts", "decode_throughput",
     "queue_time", "forward_entry_time", "prefill_finished_time", "storage_prefetch_wait", "storage_staging_wait",
 )
 # Every streamed chunk's meta_info (``TokenizerManager._handle_batch_output``: ``"cached_tokens":

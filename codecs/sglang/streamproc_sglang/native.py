@@ -36,6 +36,10 @@ REASONING_TOKENS = "reasoning_tokens"  # requests with require_reasoning (SGLang
 WEIGHT_VERSIONS = "weight_versions"
 WEIGHT_VERSION = "weight_version"
 ROUTED_EXPERTS = "routed_experts"
+# SGLang 0.5.23 ``TokenizerManager._stream_one_response``: the time the FIRST body yielded was sent, appended
+# last to that body (and, with ``--enable-metrics``, repeated in a stream's finished body). A unary answer's
+# is the time that answer was sent, which no body of a longer stream carries (fold.py).
+RESPONSE_SENT_TS = "response_sent_to_client_ts"
 # SGLANG_ROUTED_EXPERTS_DTYPE on the worker, advertised per body (int32 when absent).
 ROUTED_EXPERTS_DTYPE = "routed_experts_dtype"
 # GenerateReqInput.routed_experts_start_len: rows cover [start, seqlen - 1). Read from meta_info when

@@ -329,9 +329,11 @@ def _render(truth: Truth, shape: Shape, *, stream: bool, spans: list[tuple[int, 
             if shape.metrics:
                 meta.update(_request_timings(truth, completion, sent=index > 0))
         if new and index == 0:
-            # 0.5.23 ``generate_request``: the first body sent (streamed, or the finished one) gets
-            # ``response_sent_to_client_ts`` last, without --enable-metrics too.
-            meta["response_sent_to_client_ts"] = RECEIVED_TS + STEP * (2 + truth.prompt_len)
+            # 0.5.23 ``_stream_one_response``: the first body sent (streamed, or the finished one) gets
+            # ``response_sent_to_client_ts`` last, without --enable-metrics too: sent at the first token, or,
+            # when it is the finished body (a unary answer, a one-chunk stream), once the request finished.
+            meta[native.RESPONSE_SENT_TS] = RECEIVED_TS + (_e2e_latency(truth) if last
+                                                           else STEP * (2 + truth.prompt_len))
         ids = truth.output_ids[lo:end]
         text = "".join(truth.token_text(t) for t in ids)
         doc = {native.TEXT: text, native.OUTPUT_IDS: ids, native.META: meta}
