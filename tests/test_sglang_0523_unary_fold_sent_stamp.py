@@ -110,3 +110,12 @@ def test_a_stream_of_one_finished_body_keeps_its_stamp_the_unary_one():
     codec = SGLangCodec(OPTIONS)
     assert codec.fold([only]) == only
     assert json.loads(codec.fold([only]))["meta_info"] == unary(True)["meta_info"]
+
+
+def test_a_streamed_batch_of_one_body_items_folds_to_the_unary_list_with_each_items_stamp():
+    """``_stream_batch_responses`` tags each item's chunk ``result["index"]``; an item whose first yielded body
+    is its finished one carries the stamp the same item has unary (``_handle_batch_request``: each item's
+    ``_wait_one_response``), so the folded list keeps it, item by item."""
+    items = [body(5, FIN, metrics=False, sent=None, stamp=UNARY_SENT + k) for k in range(2)]
+    chunks = [dumps({**item, "index": k}) for k, item in enumerate(items)]
+    assert json.loads(SGLangCodec(OPTIONS).fold(chunks)) == items
