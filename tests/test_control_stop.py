@@ -62,3 +62,56 @@ async def test_a_migrate_waiting_behind_one_whose_answer_swallowed_the_stop_canc
     await asyncio.wait_for(asyncio.wait(serving), 5)
     await asyncio.sleep(0.1)
     assert target.asked == ["first"]
+
+
+class HeldFirstMigrate:
+    """A target whose first migrate waits until released; it records every migrate asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.waiting = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def owns(self, request_id: str) -> bool:
+        return True
+
+    def holds(self, request_id: str) -> bool:
+        return True
+
+    async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateError:
+        self.asked.append(request.id or "")
+        if len(self.asked) == 1:
+            self.waiting.set()
+            await self.release.wait()
+        return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST, "no chunk of this request has arrived")
+
+
+async def test_a_migrate_waiting_behind_a_running_one_is_not_decided_after_a_stop_on_a_closed_connection(
+        nats_url: str):
+    """``stop`` returned at once when the connection was closed already (NATS lost, or closed
+    before the stop) without marking the plane stopped or cancelling its tasks: the running migrate
+    finished afterwards and the serving task went on to decide the request's next waiting one."""
+    subjects = Subjects()
+    target = HeldFirstMigrate()
+    nc = await nats.connect(nats_url)
+    asker = await nats.connect(nats_url)
+    try:
+        plane = ControlPlane(nc, subjects, target)
+        await plane.start()
+        for n in ("first", "second"):
+            await asker.publish(subjects.migrate("r"), encode_control(MigrateRequest(id=n)),
+                                reply=f"{asker.new_inbox()}.{n}")
+        await asker.flush()
+        await asyncio.wait_for(target.waiting.wait(), 10)
+        await wait_until(lambda: len(plane._waiting.get("r", ())) == 1, 10, "the second migrate waiting its turn")
+        serving = set(plane._tasks)
+        await nc.close()
+        await plane.stop(0.2)
+        target.release.set()
+        await asyncio.wait_for(asyncio.wait(serving), 5)
+        await asyncio.sleep(0.1)
+        assert target.asked == ["first"]
+    finally:
+        await asker.close()
+        if not nc.is_closed:
+            await nc.close()

@@ -132,12 +132,13 @@ class ControlPlane:
 
     async def stop(self, timeout: float) -> None:
         sub, self._sub = self._sub, None
-        if sub is None or self._nc.is_closed:
-            return
-        with anyio.move_on_after(timeout):
-            await sub.drain()  # answer the migrates already received
-            while self._tasks:
-                await asyncio.wait(set(self._tasks))
+        if sub is not None and not self._nc.is_closed:
+            with anyio.move_on_after(timeout):
+                await sub.drain()  # answer the migrates already received
+                while self._tasks:
+                    await asyncio.wait(set(self._tasks))
+        # Also on a closed connection (NATS lost, or closed before the stop): nothing can be answered
+        # any more, and a running migrate must not go on to decide the ones waiting behind it.
         self._stopped = True
         for task in self._tasks:
             task.cancel()
