@@ -58,3 +58,33 @@ async def test_a_lease_a_step_finds_taken_over_stays_until_expired_reports_it_at
         assert 0 in table.owned and table.taken_over  # not dropped inside the step...
         assert table.expired(clock.now) == [0] and table.owned == {}  # ...but reported by the next expired()
         assert not table.taken_over
+
+
+async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_has_no_two_owners(nats_url):
+    """A co-tenant (or an operator) shortened the lease bucket's max age after start-up, where
+    ``open`` checks it: the server expired the owner's entry well before the owner's own validity
+    (``0.9 × lease_ttl`` after its renewal), a peer took the partition, and both served it until
+    the owner's next renewal failed, again at every renewal. The step reads the bucket's max age
+    anyway (the member count): the lease is now valid for the shorter of the two."""
+    import asyncio
+    import time
+
+    ttl = 3.0
+    async with connection(nats_url) as nc:
+        owner = LeaseTable(nc, "SHORTENED_LEASES", 1, "owner", ttl)
+        await owner.open()
+        assert (await owner.step()).acquired == (0,)
+        peer = LeaseTable(nc, "SHORTENED_LEASES", 1, "peer", ttl)
+        await peer.open()
+        assert (await peer.step()).acquired == ()
+        js = nc.jetstream()
+        info = await js.stream_info("KV_SHORTENED_LEASES")
+        info.config.max_age = info.config.duplicate_window = 0.6
+        await js.update_stream(info.config)
+        await owner.step()  # renews: the entry now expires 0.6 s after this write
+        deadline = time.monotonic() + 5
+        while not (await peer.step()).acquired:
+            assert time.monotonic() < deadline, "the peer never took the expired lease"
+            await asyncio.sleep(0.2)
+        assert owner.expired(time.monotonic()) == [0], "two owners: the peer took the lease the owner still serves"
+        assert owner.bucket_ttl_changes == 1

@@ -88,12 +88,29 @@ class LeaseTable:
         # expired() only now and then (the fence of every send) checks at once while this is set.
         self.taken_over = False
         self.members = 1
+        # The bucket's max age as last read (each step reads it with the member count): edited under
+        # a running instance (start-up checks it in open()), a shorter one lets the server expire a
+        # lease before ttl and a peer take it while this instance still serves it.
+        self.bucket_ttl = ttl
+        self.bucket_ttl_changes = 0  # times a step found the bucket's max age changed (/metrics)
         # Instances start their search at different partitions, so simultaneous starters spread out.
         self._offset = fnv1a32(self._value) % partitions
 
     @property
     def share(self) -> int:
         return math.ceil(self.partitions / max(1, self.members))
+
+    @property
+    def valid_for(self) -> float:
+        """Seconds a lease is served after its write was sent: before the server can expire it, by
+        the shorter of ``ttl`` and the bucket's max age (0: the server never expires it)."""
+        ttl = min(self.ttl, self.bucket_ttl) if self.bucket_ttl > 0 else self.ttl
+        return ttl * (1 - MARGIN)
+
+    @property
+    def period(self) -> float:
+        """Seconds between two steps: a third of the lease's life."""
+        return self.valid_for / (3 * (1 - MARGIN))
 
     @staticmethod
     def key(partition: int) -> str:
@@ -160,7 +177,7 @@ class LeaseTable:
             except _UNREACHABLE as exc:
                 log_event(log, logging.DEBUG, "lease_renewal_failed", partition=n, error=error_text(exc))
                 continue  # still ours until valid_until; expired() gives it up in time
-            lease.valid_until = sent + self.ttl * (1 - MARGIN)
+            lease.valid_until = sent + self.valid_for
         try:
             self.members = max(1, await self._count_members())
         except _UNREACHABLE as exc:
@@ -184,7 +201,7 @@ class LeaseTable:
             except _UNREACHABLE as exc:
                 log_event(log, logging.DEBUG, "lease_create_failed", partition=n, error=error_text(exc))
                 break
-            self.owned[n] = Lease(n, revision, sent + self.ttl * (1 - MARGIN))
+            self.owned[n] = Lease(n, revision, sent + self.valid_for)
             acquired.append(n)
         return LeaseChange(tuple(acquired), surplus)
 
@@ -214,7 +231,26 @@ class LeaseTable:
 
     async def _count_members(self) -> int:
         info = await self._fast.stream_info(f"KV_{self.bucket}", subjects_filter=f"$KV.{self.bucket}.m.>")
+        self._check_bucket_ttl(info.config.max_age or 0.0)
         return len(info.state.subjects or {})
+
+    def _check_bucket_ttl(self, max_age: float) -> None:
+        """The bucket's max age was changed since the last step: serve each lease only as long as the
+        server keeps it (shortened: before a peer can take it; renewed at the next step), and say so."""
+        if _close(max_age, self.bucket_ttl):
+            return
+        before = self.valid_for
+        self.bucket_ttl = max_age
+        self.bucket_ttl_changes += 1
+        shift = self.valid_for - before
+        if shift < 0:
+            for lease in self.owned.values():
+                lease.valid_until += shift  # as if renewed under the bucket's max age
+        log_event(log, logging.ERROR, "lease_bucket_changed", bucket=f"KV_{self.bucket}", max_age=max_age,
+                  lease_ttl=self.ttl, detail=(
+                      "max age edited under the running processor: leases are held for the shorter of the two"
+                      if max_age > 0 else "max age removed: the leases of an instance that dies never expire")
+                  + "; restore the bucket's max age to --lease-ttl")
 
 
 # Any failure of one KV operation (timeout, no responders, a stream electing a leader, a closed or

@@ -182,6 +182,7 @@ class Partitions:
             change: LeaseChange = await self.leases.step()
             self.fence(0)
             self.stats.members = self.leases.members
+            self.stats.lease_bucket_changes = self.leases.bucket_ttl_changes
             for n in change.surplus:
                 self.stats.leases_released += 1
                 log_event(log, logging.INFO, "lease_released", partition=n, instance=self.instance,
@@ -212,9 +213,9 @@ class Partitions:
             self.stats.partitions = len(self.owned)
 
     async def lease_loop(self) -> None:
-        interval = self.settings.lease_ttl / 3
         while True:
-            await anyio.sleep(interval)
+            # A third of the lease's life: of --lease-ttl, or of the bucket's max age if it was shortened.
+            await anyio.sleep(self.leases.period if self.leases is not None else self.settings.lease_ttl / 3)
             try:
                 await self.rebalance()
             except Exception as exc:  # never let lease trouble kill the processor; expiry is checked apart
