@@ -266,7 +266,8 @@ async def test_a_migrations_bucket_that_would_lose_seal_records_is_refused_at_st
 
 async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_after_bounded_retries(nats_url):
     """The results stream's max_msg_size lowered after start-up: one result can never be stored. It
-    is given up after --max-result-attempts, its chunk redelivered and given up again, and on the
+    is given up at its first refusal (the same every time: err_code 10054), its chunk redelivered and
+    given up again, and on the
     chunk's --max-deliver-th delivery the request ends with an error result (small enough to store)
     naming why; the chunk is terminated. Nothing retries for ever, and the partition goes on."""
     from streamproc.nats.streams import RESULTS_STREAM
@@ -295,7 +296,8 @@ async def test_a_result_the_stream_never_stores_ends_its_request_with_an_error_a
             [error] = (await stored_results(js, SUBJECTS))[big]
             assert error.seq == 0 and error.final and error.error == "internal", error
             assert (b"delivered 3 times without being settled (max_deliver 3): dropped as poison; "
-                    b"result seq 0 was not stored after 2 attempts (refused)") in error.body, error.body
+                    b"result seq 0 was not stored after 1 attempts (it is larger than the results stream's max_msg_size)"
+                    ) in error.body, error.body
             await wait_until(lambda: scrape(port).get("streamproc_durable_terminated_total") == 1, 10,
                              "the chunk terminated")
             metrics = scrape(port)

@@ -165,6 +165,9 @@ class Outgoing:
 # nats-server's refusal of a message whose header block passes 65,535 bytes (JSStreamHeaderExceedsMaximumErr):
 # the same message is refused every time.
 _HEADERS_TOO_LARGE = b'"err_code":10097'
+# Its refusal of a message over the stream's max_msg_size (JSStreamMessageExceedsMaximumErr): start-up
+# refuses a max_msg_size below max_payload, but a stream edited under the running processor has one.
+_MESSAGE_TOO_LARGE = b'"err_code":10054'
 
 
 def classify(data: bytes) -> str:
@@ -552,6 +555,9 @@ class Outbox:
             # chunk unacknowledged for 100 x 0.5 s per delivery, 20 deliveries, and max_ack_pending
             # such chunks stalled their partition (tests/test_durable_worker_attack.py).
             self._give_up(o, "its header block is larger than JetStream allows (64 KiB)")
+            return GIVEN_UP
+        if data is not None and _MESSAGE_TOO_LARGE in data:  # the same: retried, it held its chunk as long
+            self._give_up(o, "it is larger than the results stream's max_msg_size")
             return GIVEN_UP
         if o.failures >= self.config.max_attempts:
             self._give_up(o, "refused")
