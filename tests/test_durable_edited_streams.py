@@ -9,10 +9,17 @@ import time
 import anyio
 import pytest
 
-from durable_helpers import connect, durable_flags
+from durable_helpers import FORMAT, connect, durable_flags, durable_settings
 from helpers import wait_until
+from streamproc.catalog import worker_for
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.client.results import follow
+from streamproc.core.partitions import partition_of
 from streamproc.core.wire import chunk_headers
-from streamproc.nats.streams import RESULTS_STREAM
+from streamproc.nats.processor import Processor
+from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
+from streamproc.sim import traffic
+from streamproc.wire import Verdict
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -69,3 +76,33 @@ async def test_a_result_over_a_max_msg_size_shrunk_under_the_processor_ends_its_
             assert "max_msg_size" in log_path.read_text()  # result_given_up says why
         finally:
             await nc.close()
+
+
+async def test_a_held_prefill_leg_survives_its_consumers_ack_wait_shortened_under_the_processor(client, nats_url):
+    """A co-tenant (or an operator) shortened a partition consumer's ``ack_wait`` after the processor
+    opened it (it sets its own at open, and again only when it repairs a lost consumer): the held
+    prefill leg, kept alive by an in-progress ack every ``--ack-wait / 4``, was redelivered between
+    them, and at ``--max-deliver`` deliveries ended its healthy request as poison."""
+    settings = durable_settings(nats_url, ack_wait=2.0, max_deliver=6)
+    js = client.jetstream()
+    worker = worker_for(FORMAT)
+    truth = traffic.make_truth(5, request_id="pd-held", prompt_len=9, output_len=4)
+    consumer = partition_consumer_name(partition_of("pd-held", settings.partitions))
+    async with Processor(settings):
+        publisher = ChunkPublisher(client, settings.subjects)
+        await publisher.publish_leg("pd-held", "prefill", worker.prefill(truth, stream=False))
+        await wait_until(lambda: _pending(js, consumer), 5, "the prefill leg delivered")
+        info = await js.consumer_info(CHUNKS_STREAM, consumer)
+        info.config.ack_wait = 0.3
+        await js.add_consumer(CHUNKS_STREAM, info.config)  # an update: same durable name
+        await anyio.sleep(4)  # 13 of its ack waits, two of the processor's
+        async with follow(client, settings.subjects, "pd-held", timeout=10) as results:
+            await publisher.publish_leg("pd-held", "decode", worker.decode(truth, stream=False))
+            (final,) = await results.collect()
+        assert final.verdict is Verdict.JOINED, final
+        info = await js.consumer_info(CHUNKS_STREAM, consumer)
+        assert abs(info.config.ack_wait - settings.ack_wait) < 0.01, "the consumer's ack_wait never restored"
+
+
+async def _pending(js, consumer: str) -> bool:
+    return (await js.consumer_info(CHUNKS_STREAM, consumer)).num_ack_pending == 1

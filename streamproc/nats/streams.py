@@ -363,10 +363,21 @@ async def ensure_consumer(js: JetStreamContext, stream: str, config: ConsumerCon
     if current.filter_subject != config.filter_subject:
         raise ChunkStreamMismatch(stream, [f"consumer {config.durable_name!r} filters "
                                            f"{current.filter_subject!r}, not {config.filter_subject!r}"])
-    retuned = current.max_ack_pending != config.max_ack_pending or current.max_deliver != config.max_deliver
-    if retuned or not _close(current.ack_wait, config.ack_wait or 0.0):
+    if consumer_retuned(current, config):
         return await js.add_consumer(stream, config)  # same durable name: an update of its tuning
     return info
+
+
+def consumer_retuned(current: ConsumerConfig, config: ConsumerConfig) -> list[str]:
+    """How a consumer's tuning differs from ours (ack wait, max ack pending, max deliver), as text."""
+    found = []
+    if not _close(current.ack_wait or 0.0, config.ack_wait or 0.0):
+        found.append(f"ack_wait is {current.ack_wait}s, not {config.ack_wait}s")
+    if current.max_ack_pending != config.max_ack_pending:
+        found.append(f"max_ack_pending is {current.max_ack_pending}, not {config.max_ack_pending}")
+    if current.max_deliver != config.max_deliver:
+        found.append(f"max_deliver is {current.max_deliver}, not {config.max_deliver}")
+    return found
 
 
 async def jetstream_available(nc: NatsClient, timeout: float = 5.0) -> bool:

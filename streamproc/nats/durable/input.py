@@ -121,6 +121,9 @@ class DurableStats(OutboxStats):
                                                      " a stop)")] = 0
     leases_lost: Annotated[int, Meta(description="partition leases this instance lost (it could not renew "
                                                  "them in time)")] = 0
+    consumers_retuned: Annotated[int, Meta(description="partition consumers whose ack_wait, max_ack_pending or "
+                                                       "max_deliver were found edited under the running "
+                                                       "processor, and set back")] = 0
     lease_bucket_changes: Annotated[int, Meta(description="times the lease bucket's max age was found edited "
                                                           "under the running processor (leases then held for "
                                                           "the shorter of it and --lease-ttl)")] = 0

@@ -21,7 +21,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerInfo
+from nats.js.api import ConsumerConfig, ConsumerInfo
 
 from ...config import Settings
 from ...core.correlator import Correlator
@@ -40,7 +40,7 @@ from .leases import LeaseChange, LeaseTable
 from .migrations import SCAN_TIMEOUT, MigrationLedger
 from .outbox_pump import OutboxPump
 from ..subscription import handled_all
-from ..streams import ensure_consumer, partition_consumer_config, partition_consumer_name
+from ..streams import consumer_retuned, ensure_consumer, partition_consumer_config, partition_consumer_name
 
 if TYPE_CHECKING:
     from .deliveries import Deliveries, Delivery
@@ -220,6 +220,7 @@ class Partitions:
                 await self.rebalance()
             except Exception as exc:  # never let lease trouble kill the processor; expiry is checked apart
                 log_event(log, logging.WARNING, "lease_step_failed", error=error_text(exc))
+            await self.retune_consumers()
 
     async def _seal_snapshot(self) -> dict[int, SealList]:
         """The seal list of every partition with seal records, each record's expiry on our clock.
@@ -270,11 +271,33 @@ class Partitions:
         self.owned[n] = part
         await self.pulls.pull(part)
 
-    async def _ensure_consumer(self, part: Partition) -> ConsumerInfo:
+    def _consumer_config(self, part: Partition) -> ConsumerConfig:
         s = self.settings
-        config = partition_consumer_config(part.consumer, part.filter, ack_wait=s.ack_wait,
-                                           max_ack_pending=s.max_ack_pending, max_deliver=s.max_deliver)
-        return await ensure_consumer(self.nc.jetstream(timeout=10), self.chunks_stream, config)
+        return partition_consumer_config(part.consumer, part.filter, ack_wait=s.ack_wait,
+                                         max_ack_pending=s.max_ack_pending, max_deliver=s.max_deliver)
+
+    async def _ensure_consumer(self, part: Partition) -> ConsumerInfo:
+        return await ensure_consumer(self.nc.jetstream(timeout=10), self.chunks_stream, self._consumer_config(part))
+
+    async def retune_consumers(self) -> None:
+        """Bring the owned partitions' consumers back to our tuning if someone edited them since
+        they were opened: an ``ack_wait`` shorter than ours redelivers held chunks between their
+        in-progress acks, and at ``--max-deliver`` deliveries a healthy request ended as poison."""
+        js = self.nc.jetstream(timeout=max(0.5, self.settings.lease_ttl / 4))
+        for part in list(self.owned.values()):
+            if not part.active:
+                continue
+            try:
+                info = await js.consumer_info(self.chunks_stream, part.consumer)
+                found = consumer_retuned(info.config, self._consumer_config(part))
+                if not found:
+                    continue
+                self.stats.consumers_retuned += 1
+                log_event(log, logging.ERROR, "consumer_retuned", partition=part.n, consumer=part.consumer,
+                          found="; ".join(found), detail="edited under the running processor: set back")
+                await self._ensure_consumer(part)
+            except Exception as exc:  # noqa: BLE001  (deleted: the watchdog's repair; else the next step)
+                log_event(log, logging.DEBUG, "consumer_check_failed", partition=part.n, error=error_text(exc))
 
     async def lose(self, n: int, graceful: bool = False) -> None:
         """Stop serving partition ``n``: later arrivals are NAKed, held chunks NAKed, state dropped."""
