@@ -10,13 +10,15 @@ import anyio
 import pytest
 
 from durable_helpers import FORMAT, connect, durable_flags, durable_settings
-from helpers import wait_until
+from helpers import free_port, scrape, wait_until
 from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
 from streamproc.core.partitions import partition_of
 from streamproc.core.wire import chunk_headers
 from streamproc.nats.processor import Processor
+from nats.js.api import DiscardPolicy
+
 from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
 from streamproc.sim import traffic
 from streamproc.wire import Verdict
@@ -106,3 +108,42 @@ async def test_a_held_prefill_leg_survives_its_consumers_ack_wait_shortened_unde
 
 async def _pending(js, consumer: str) -> bool:
     return (await js.consumer_info(CHUNKS_STREAM, consumer)).num_ack_pending == 1
+
+
+async def test_a_chunk_stream_edited_to_drop_unprocessed_chunks_under_the_processor_is_reported_at_once(
+        nats_url, streamproc_run):
+    """Start-up refuses a chunk stream with discard ``old`` (at a limit it drops unprocessed chunks,
+    the workers' PubAcks notwithstanding); edited so under the running processor it went unseen:
+    chunks lost without a word in the log or a metric. Now the streams and the migrations bucket
+    are checked again every ``--lease-ttl``: an error naming what changed, and a counter."""
+    port = free_port()
+    with streamproc_run(*durable_flags(partitions=1), "--http-port", str(port), "--http-host", "127.0.0.1") as (
+            _, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(CHUNKS_STREAM)
+            info.config.discard = DiscardPolicy.OLD
+            info.config.max_msgs = 1000
+            await js.update_stream(info.config)
+            await wait_until(lambda: "event=stream_config_changed" in log_path.read_text(), 10,
+                             "the edited chunk stream reported")
+            line = next(x for x in log_path.read_text().splitlines() if "event=stream_config_changed" in x)
+            assert CHUNKS_STREAM in line and "discard is 'old'" in line, line
+            assert scrape(port)["streamproc_durable_stream_config_changes_total"] == 1
+            ack = await nc.request("streamproc.chunks.after.agg", _body("after"),
+                                   headers=chunk_headers("after", "agg", 0, final=True), timeout=5)
+            assert b'"error"' not in ack.data, ack.data
+
+            async def answered() -> bool:
+                try:
+                    await js.get_last_msg(RESULTS_STREAM, "streamproc.results.after")
+                    return True
+                except Exception:  # noqa: BLE001  (not found)
+                    return False
+
+            await wait_until(answered, 10, "a request answered after the edit")  # the processor serves on
+            await anyio.sleep(3)  # two more checks: reported once, not at every check
+            assert log_path.read_text().count("event=stream_config_changed") == 1
+        finally:
+            await nc.close()

@@ -15,6 +15,8 @@ that exists, because a silently shortened ``max_age`` would lose other people's 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -148,6 +150,20 @@ async def ensure_results_stream(
     if problems:
         raise ResultsStreamCannotStore(name, problems)
     return info
+
+
+def results_stream_check(subjects: Subjects, *, name: str, max_age: float, duplicate_window: float,
+                         storage: StorageType, replicas: int = 1,
+                         max_payload: int = 0) -> Callable[[StreamConfig], list[str]]:
+    """What :func:`ensure_results_stream` refuses in an existing stream, as a check of a config
+    (read again while running: ``durable/config_watch.py``)."""
+    spec = ResultsStreamSpec(name, subjects.all_results, max_age, duplicate_window, storage, replicas)
+    largest = stored_record_size(subjects.result("x" * MAX_REQUEST_ID_LEN), max_payload)
+
+    def problems(actual: StreamConfig) -> list[str]:
+        return [*spec.differences(actual), *storage_problems(actual, max_payload, largest)]
+
+    return problems
 
 
 def stored_record_size(subject: str, max_payload: int) -> int:

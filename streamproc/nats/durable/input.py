@@ -65,7 +65,8 @@ from .partitions import Partitions
 from .pulls import Pulls
 from .recovery import Recovery
 from .leases import LeaseTable
-from .migrations import MigrationLedger
+from .config_watch import ConfigWatch
+from .migrations import MigrationLedger, bucket_problems
 from .outbox_pump import OutboxPump
 from .strays import StraySweeper, stray_consumer_config
 from ..streams import (
@@ -75,6 +76,7 @@ from ..streams import (
     ensure_chunk_stream,
     ensure_results_stream,
     find_stream,
+    results_stream_check,
     server_has_fast_batches,
 )
 
@@ -124,6 +126,9 @@ class DurableStats(OutboxStats):
     consumers_retuned: Annotated[int, Meta(description="partition consumers whose ack_wait, max_ack_pending or "
                                                        "max_deliver were found edited under the running "
                                                        "processor, and set back")] = 0
+    stream_config_changes: Annotated[int, Meta(description="problems found in the chunk or results stream or the "
+                                                           "migrations bucket edited under the running "
+                                                           "processor (each new set once)")] = 0
     lease_bucket_changes: Annotated[int, Meta(description="times the lease bucket's max age was found edited "
                                                           "under the running processor (leases then held for "
                                                           "the shorter of it and --lease-ttl)")] = 0
@@ -227,9 +232,12 @@ class DurableInput:
                                            batched=s.result_batch > 1 and server_has_fast_batches(self.nc))
         self._batch_results(info.config)
         self.chunks_stream = await find_stream(js, self.scheme.source) or CHUNKS_STREAM
-        await ensure_chunk_stream(js, ChunkStreamSpec(
-            self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window, self._storage,
-            s.stream_replicas, s.chunks_max_bytes), max_payload=self.nc.max_payload)
+        chunks_spec = ChunkStreamSpec(self.chunks_stream, self.scheme, s.chunks_max_age, s.duplicate_window,
+                                      self._storage, s.stream_replicas, s.chunks_max_bytes)
+        await ensure_chunk_stream(js, chunks_spec, max_payload=self.nc.max_payload)
+        results_check = results_stream_check(subjects, name=self.results_stream, max_age=s.results_max_age,
+                                             duplicate_window=s.duplicate_window, storage=self._storage,
+                                             replicas=s.stream_replicas, max_payload=self.nc.max_payload)
         if self.pulls.batch < s.fetch_batch:
             log_event(log, logging.WARNING, "fetch_batch_reduced", fetch_batch=s.fetch_batch, used=self.pulls.batch,
                       detail="pending_msgs_limit is too small for the pull credit")
@@ -257,6 +265,9 @@ class DurableInput:
         await self._tasks.__aenter__()
         try:
             await partitions.start(self._tasks)
+            self._tasks.start_soon(ConfigWatch(self.nc, {
+                self.chunks_stream: chunks_spec.differences, self.results_stream: results_check,
+                f"KV_{self.ledger.bucket}": bucket_problems}, self.stats, s.lease_ttl).run)
             self._tasks.start_soon(StraySweeper(
                 self.nc, self.chunks_stream,
                 stray_consumer_config(s.subjects.all_chunks, ack_wait=s.ack_wait, max_deliver=s.max_deliver),
