@@ -147,3 +147,29 @@ async def test_a_chunk_stream_edited_to_drop_unprocessed_chunks_under_the_proces
             assert log_path.read_text().count("event=stream_config_changed") == 1
         finally:
             await nc.close()
+
+
+async def test_a_processor_serves_on_after_its_lease_bucket_is_deleted_under_it(nats_url, streamproc_run):
+    """The lease bucket deleted while a processor runs: its lease lapsed and it could never take the
+    partition again (every KV write failed as unreachable), so nothing more was answered."""
+    with streamproc_run(*durable_flags(partitions=1)) as (_, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await js.delete_key_value(f"{CHUNKS_STREAM}_LEASES")
+            await anyio.sleep(2)  # past the lease's validity (lease_ttl 1.5 s)
+            ack = await nc.request("streamproc.chunks.later.agg", _body("later"),
+                                   headers=chunk_headers("later", "agg", 0, final=True), timeout=5)
+            assert b'"error"' not in ack.data, ack.data
+
+            async def answered() -> bool:
+                try:
+                    await js.get_last_msg(RESULTS_STREAM, "streamproc.results.later")
+                    return True
+                except Exception:  # noqa: BLE001  (not found)
+                    return False
+
+            await wait_until(answered, 15, "a request answered after the lease bucket's deletion")
+            assert "event=lease_bucket_gone" in log_path.read_text()
+        finally:
+            await nc.close()

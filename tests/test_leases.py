@@ -88,3 +88,35 @@ async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_
             await asyncio.sleep(0.2)
         assert owner.expired(time.monotonic()) == [0], "two owners: the peer took the lease the owner still serves"
         assert owner.bucket_ttl_changes == 1
+
+
+async def test_a_lease_bucket_deleted_under_running_instances_is_made_again_and_never_gives_two_owners(nats_url):
+    """A co-tenant (or an operator) deleted the lease bucket: every renewal and every create failed
+    as "unreachable" (logged at debug), the owner's lease lapsed and nobody could take the partition
+    again, so nothing was served until a restart. Now a step that finds the bucket gone says so, makes
+    it again and takes nothing for a ttl, by when every lease of the old bucket has lapsed."""
+    import asyncio
+    import time
+
+    ttl = 2.0
+    async with connection(nats_url) as nc:
+        owner = LeaseTable(nc, "GONE_LEASES", 1, "owner", ttl)
+        await owner.open()
+        assert (await owner.step()).acquired == (0,)
+        peer = LeaseTable(nc, "GONE_LEASES", 1, "peer", ttl)
+        await peer.open()
+        await nc.jetstream().delete_key_value("GONE_LEASES")
+
+        def serving(table: LeaseTable) -> bool:
+            table.expired(time.monotonic())
+            return 0 in table.owned
+
+        taken_again = False
+        deadline = time.monotonic() + 4 * ttl
+        while time.monotonic() < deadline and not taken_again:
+            for table in (peer, owner):
+                taken_again |= (await table.step()).acquired == (0,)
+                assert not (serving(owner) and serving(peer)), "two owners of partition 0"
+            await asyncio.sleep(ttl / 6)
+        assert taken_again, f"partition 0 not taken again within {4 * ttl:g} s of the bucket's deletion"
+        assert owner.bucket_recreations + peer.bucket_recreations >= 1

@@ -129,6 +129,9 @@ class DurableStats(OutboxStats):
     stream_config_changes: Annotated[int, Meta(description="problems found in the chunk or results stream or the "
                                                            "migrations bucket edited under the running "
                                                            "processor (each new set once)")] = 0
+    lease_bucket_recreations: Annotated[int, Meta(description="times the lease bucket was found deleted (and "
+                                                              "made again) under the running processor: no "
+                                                              "partition taken for a lease ttl after")] = 0
     lease_bucket_changes: Annotated[int, Meta(description="times the lease bucket's max age was found edited "
                                                           "under the running processor (leases then held for "
                                                           "the shorter of it and --lease-ttl)")] = 0

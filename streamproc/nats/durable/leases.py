@@ -38,7 +38,7 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 from ...core.partitions import fnv1a32
@@ -93,6 +93,12 @@ class LeaseTable:
         # lease before ttl and a peer take it while this instance still serves it.
         self.bucket_ttl = ttl
         self.bucket_ttl_changes = 0  # times a step found the bucket's max age changed (/metrics)
+        # The bucket deleted (and maybe made again by a peer or an operator) under the running instances:
+        # its leases are gone while their owners may serve them until their validity runs out, so no
+        # partition is taken until a ttl after a step first saw the new bucket (or made it).
+        self.bucket_recreations = 0  # times a step found the bucket gone or made again (/metrics)
+        self._created: object = None  # the bucket stream's creation time, as last read
+        self._quiet_until = -math.inf
         # Instances start their search at different partitions, so simultaneous starters spread out.
         self._offset = fnv1a32(self._value) % partitions
 
@@ -125,9 +131,7 @@ class LeaseTable:
         try:
             await self.js.key_value(self.bucket)
         except BucketNotFoundError:
-            await self.js.create_key_value(KeyValueConfig(
-                bucket=self.bucket, description="streamproc partition leases", history=1, ttl=self.ttl,
-                replicas=self.replicas, storage=self.storage))
+            await self.js.create_key_value(self._config())
             self._kv = await self._fast.key_value(self.bucket)
             return
         self._kv = await self._fast.key_value(self.bucket)
@@ -139,6 +143,10 @@ class LeaseTable:
             differences.append(f"replicas is {info.config.num_replicas or 1}, not {self.replicas}")
         if differences:
             raise LeaseBucketMismatch(f"KV_{self.bucket}", differences)
+
+    def _config(self) -> KeyValueConfig:
+        return KeyValueConfig(bucket=self.bucket, description="streamproc partition leases", history=1,
+                              ttl=self.ttl, replicas=self.replicas, storage=self.storage)
 
     def expired(self, now: float) -> list[int]:
         """Partitions whose lease may have run out on the server, or that :meth:`step` found taken
@@ -180,6 +188,8 @@ class LeaseTable:
             lease.valid_until = sent + self.valid_for
         try:
             self.members = max(1, await self._count_members())
+        except NotFoundError:  # the bucket's stream is gone
+            await self._make_again()
         except _UNREACHABLE as exc:
             log_event(log, logging.DEBUG, "member_count_failed", error=error_text(exc))
         share = self.share
@@ -187,6 +197,8 @@ class LeaseTable:
         held = sorted(n for n, lease in self.owned.items() if lease.valid_until > now)  # not the lapsed ones
         surplus = tuple(held[share:])
         acquired: list[int] = []
+        if now < self._quiet_until:  # a new bucket: the old one's leases may still be served
+            return LeaseChange((), surplus)
         for i in range(self.partitions):
             if len(held) + len(acquired) >= share:
                 break
@@ -232,7 +244,30 @@ class LeaseTable:
     async def _count_members(self) -> int:
         info = await self._fast.stream_info(f"KV_{self.bucket}", subjects_filter=f"$KV.{self.bucket}.m.>")
         self._check_bucket_ttl(info.config.max_age or 0.0)
+        if self._created is None:
+            self._created = info.created
+        elif info.created != self._created:  # deleted and made again (by a peer or an operator) since
+            self._created = info.created
+            self._go_quiet("made again under the running processor")
         return len(info.state.subjects or {})
+
+    async def _make_again(self) -> None:
+        """The bucket is gone (deleted under the running processor): make it again, and take no
+        partition for a ttl, by when every lease of the old bucket has lapsed (its owners, unable to
+        renew, stop serving at their validity)."""
+        self._created = None  # this instance's own creation is not a peer's
+        try:
+            await self.js.create_key_value(self._config())  # a peer's making it the same way first is no error
+        except _UNREACHABLE as exc:
+            log_event(log, logging.DEBUG, "lease_bucket_create_failed", error=error_text(exc))
+        self._go_quiet("deleted under the running processor: made again")
+
+    def _go_quiet(self, what: str) -> None:
+        self.bucket_recreations += 1
+        self._quiet_until = self._clock() + self.ttl
+        log_event(log, logging.ERROR, "lease_bucket_gone", bucket=f"KV_{self.bucket}", instance=self.instance,
+                  detail=f"{what}; every lease it held is lost, so no partition is taken for lease_ttl "
+                         f"({self.ttl:g} s), by when the old leases have lapsed")
 
     def _check_bucket_ttl(self, max_age: float) -> None:
         """The bucket's max age was changed since the last step: serve each lease only as long as the

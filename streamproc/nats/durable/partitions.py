@@ -183,6 +183,7 @@ class Partitions:
             self.fence(0)
             self.stats.members = self.leases.members
             self.stats.lease_bucket_changes = self.leases.bucket_ttl_changes
+            self.stats.lease_bucket_recreations = self.leases.bucket_recreations
             for n in change.surplus:
                 self.stats.leases_released += 1
                 log_event(log, logging.INFO, "lease_released", partition=n, instance=self.instance,
