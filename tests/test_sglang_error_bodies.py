@@ -597,6 +597,73 @@ def test_an_abort_with_a_status_halfway_through_a_long_body_is_found(codec, fill
     assert not codec(OPTIONS).folds_alone(hostile(8 << 20, LURES[filler], middle.replace(b"503", b"200")))
 
 
+def grammar_timeout_abort(schema_bytes: int) -> dict[str, Any]:
+    """SGLang 0.5.23's grammar timeout (``GrammarManager``: ``error_msg = f"Grammar preprocessing timed out:
+    {req.grammar_key=}"``, ``req.set_finish_with_abort(error_msg)``: ``FINISH_ABORT(error_msg, 400,
+    "BadRequestError")``, whose ``to_json`` writes ``type, message, status_code, err_type``), built by hand:
+    the message quotes the grammar key, the client's JSON schema, so a long schema puts megabytes of
+    escaped quotes between the finish reason's ``"abort"`` and its status."""
+    schema = json.dumps({"type": "object", "properties": {
+        f"p{k}": {"type": "string"} for k in range(schema_bytes // 30)}})
+    message = f"Grammar preprocessing timed out: req.grammar_key={('json', schema)!r}"
+    finish = {"type": "abort", "message": message, "status_code": 400, "err_type": "BadRequestError"}
+    return {"text": "", "output_ids": [7], "meta_info": {
+        "id": RID, "finish_reason": finish, "prompt_tokens": 1, "weight_version": "default",
+        "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": 1, "cached_tokens": 0}}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_an_abort_whose_message_quotes_a_megabytes_schema_is_looked_at_briefly_and_answered_400(codec):
+    """The regex that reads a finish reason costs 10-17 ms a MiB of escapes: matched to the end of a
+    4 MiB message it held the event loop ~67 ms. It reads ``FINISH_SPAN`` bytes from the key; an abort
+    still undecided there goes to ``fold``, which answers the error with the engine's 400."""
+    body = dumps(grammar_timeout_abort(4 << 20))
+    assert len(body) > 4 << 20 and body.count(b'\\"') > 100_000
+    c = codec(OPTIONS)
+    assert c.folds_alone(body)
+    spent = least_seconds(lambda: c.folds_alone(body))
+    assert spent < 2e-3, f"{spent * 1e3:.1f} ms for a {len(body) >> 20} MiB body"
+    assert answer_status_of(c, fold(codec, [body])) == 400
+
+
+REGEX_LURES = {  # what follows a finish reason's key in a hostile body: each costs the regex most
+    "escapes": b':{"type":"abort","message":"' + b'\\"' * (32 << 20) + b'"}',
+    "members": b':{"type":"abort"' + b',"a":1' * (11 << 20) + b"}",
+    "spaces": b" " * (64 << 20) + b':{"type":"abort","status_code":500}',
+}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("lure", sorted(REGEX_LURES))
+def test_a_finish_reason_that_runs_for_64_mib_costs_the_look_a_bounded_read(codec, lure):
+    """Matched to its end, each of these cost 0.2-1.1 s of the edge's event loop; the look reads at most
+    ``FINISH_SPAN`` bytes of a finish reason (``fold`` decides one it could not) and searches the rest
+    for another key at ``bytes.find``'s speed (under 2 ms a MiB asserted)."""
+    body = b'{"text":"","meta_info":{"id":"r","finish_reason"' + REGEX_LURES[lure] + b"}}"
+    c = codec(OPTIONS)
+    spent = least_seconds(lambda: c.folds_alone(body))
+    assert spent < 2e-3 * (len(body) >> 20), f"{spent * 1e3:.1f} ms for a {len(body) >> 20} MiB body"
+
+
+@pytest.mark.parametrize("from_end", [False, True], ids=["from the front", "from the back"])
+def test_a_finish_reason_whose_key_straddles_a_search_chunks_edge_is_found(from_end):
+    """The key is searched for in chunks from both ends; one that crosses a chunk's edge (the chunks
+    overlap by the key's length less one) is found wherever it stands (the review's mutations
+    ``overlap = 0`` and ``rfind(..., back)`` passed every other test)."""
+    from streamproc_sglang.codec import FINISH_KEY, FINISH_STEP, _abort_with_status
+
+    inserted = FINISH_KEY + b':{"type":"abort","message":"m","status_code":503}'
+    size = 40 * FINISH_STEP
+    near_edges = sorted({k * FINISH_STEP + d for k in range(1, 32) for d in range(-len(FINISH_KEY), len(FINISH_KEY))})
+    missed = []
+    for offset in near_edges:
+        at = size - offset if from_end else offset
+        body = b"x" * at + inserted + b"x" * (size - at - len(inserted))
+        if not _abort_with_status(body):
+            missed.append(offset)
+    assert missed == []
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_a_body_of_finish_reason_strings_that_are_no_key_is_left_to_the_fold(codec):
     """``"finish_reason"`` that is no key (a string ending in it) more than ``FINISH_CANDIDATES`` times is

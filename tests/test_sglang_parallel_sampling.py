@@ -160,7 +160,7 @@ def test_a_streamed_batch_of_one_in_one_chunk_folds_to_a_list_of_one_and_other_s
 
 
 @pytest.mark.parametrize("codec", [SGLangCodec, SGLangZstdCodec])
-def test_folds_alone_costs_the_same_for_a_large_unary_body_as_for_a_small_one(codec):
+def test_folds_alone_costs_the_same_for_a_large_sglang_shaped_unary_body_as_for_a_small_one(codec):
     """``folds_alone`` runs on the edge's event loop for every unary answer of one result (every
     non-streamed request's). ``result["index"] = ...`` is set on the item's finished dict
     (``_stream_batch_responses``), after ``text``, ``output_ids``, ``meta_info`` and

@@ -48,15 +48,27 @@ IS_KEY = re.compile(_WS + b":")
 # ``FINISH_ABORT.to_json()`` (``type, message, status_code, err_type``) and the scheduler's own dicts
 # (``type, status_code, message``) write ``type`` first and flat members after it (strings, ``null``,
 # integers); a status is an integer (``HTTPStatus``) or ``null``: here a number in ``[400, 600)``, not
-# the start of a longer one. Possessive (``++``, ``*+``): no backtracking, so the match costs the
-# finish reason's length (a long message repeating a long rid) whatever the bytes.
+# the start of a longer one. Possessive (``++``, ``*+``): no backtracking. The match reads at most
+# ``FINISH_SPAN`` bytes from the key (the regex costs 10-17 ms per MiB on escapes or many members, ~40x
+# ``bytes.find``): a finish reason is a few hundred bytes, but a message may quote the request (a
+# grammar timeout names its ``grammar_key``, the client's JSON schema, in ``grammar_manager.py``), and
+# an abort whose members run past the span without a status among them goes to ``fold``, which decides.
+FINISH_SPAN = 4096
 _STRING = rb'"(?:[^"\\]++|\\.)*+"'
 _STATUS = b'"%s"' % native.STATUS_CODE.encode()
-_MEMBER = b"".join((_WS, b",", _WS, rb"(?!", _STATUS, rb")", _STRING, _WS, b":", _WS,
-                    rb"(?:", _STRING, rb"|[-+.0-9A-Za-z]++)"))
-ABORT_STATUS = re.compile(b"".join((
-    _WS, b":", _WS, rb"\{", _WS, rb'"type"', _WS, b":", _WS, b'"%s"' % native.ABORT.encode(),
-    rb"(?:", _MEMBER, rb")*+", _WS, b",", _WS, _STATUS, _WS, b":", _WS, rb"[45][0-9][0-9](?![0-9.eE])")))
+_ERROR_STATUS = b"".join((_STATUS, _WS, b":", _WS, rb"[45][0-9][0-9](?![0-9.eE])"))
+_MEMBER = b"".join((_WS, b",", _WS, rb"(?!", _ERROR_STATUS, rb")", _STRING, _WS, b":", _WS,
+                    rb"(?:", _STRING, rb"|[-+.0-9A-Za-z]++)"))  # any flat member but an error status
+ABORT_OPENING = re.compile(b"".join((
+    _WS, b":", _WS, rb"\{", _WS, rb'"type"', _WS, b":", _WS, b'"%s"' % native.ABORT.encode(), rb"(?:", _MEMBER,
+    rb")*+")))
+STATUS_NEXT = re.compile(b"".join((_WS, b",", _WS, _ERROR_STATUS)))
+# What is left of a flat member cut by the span (the key or its string value unterminated): the
+# finish reason is undecided there, and ``fold`` decides.
+_OPEN_STRING = rb'"(?:[^"\\]++|\\.)*+\\?'
+MEMBER_CUT = re.compile(b"".join((
+    _WS, rb"(?:,", _WS, rb"(?:", _OPEN_STRING, rb"|", _STRING, _WS, rb"(?::", _WS, rb"(?:", _OPEN_STRING,
+    rb"|[-+.0-9A-Za-z]*+))?)?)?")))
 # ``stream_results``' error frame (``native.unary_error_of_frame``) opens with its only key, ``error``, and
 # ends with ``"retryable":false}}`` (orjson, compact), whatever the message's length in between.
 ERROR_OPENING = b'{"%s"' % native.ERROR.encode()
@@ -142,8 +154,8 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
 def _abort_with_status(body: bytes) -> bool:
     """Whether the body's finish reason may be an abort with a ``status_code`` in ``[400, 600)``: the
     ``"finish_reason"`` key (``FINISH_KEY``; the first one found from either end) holds one
-    (``ABORT_STATUS``). Byte searches from both ends that stop at the key (a body without one is read
-    once), at most ``FINISH_CANDIDATES + 1`` anchored matches, each as long as what it matches: linear
+    (``ABORT_OPENING`` then ``STATUS_NEXT``, within ``FINISH_SPAN`` bytes of the key). Byte searches from both ends that stop at the key (a body without one is read
+    once), at most ``FINISH_CANDIDATES + 1`` anchored matches of at most ``FINISH_SPAN`` bytes: linear
     in the body whatever its bytes, and for a body SGLang writes proportional to the nearer side of
     its finish reason (``Codec.folds_alone`` runs on the edge's event loop). ``fold`` parses to decide."""
     front, back, step = 0, len(body), FINISH_STEP
@@ -162,10 +174,15 @@ def _abort_with_status(body: bytes) -> bool:
         else:
             front = at + 1
         end = at + len(FINISH_KEY)
-        if ABORT_STATUS.match(body, end):
-            return True
-        if IS_KEY.match(body, end):
-            return False  # the finish reason, and not an abort with a status
+        span = end + FINISH_SPAN
+        opening = ABORT_OPENING.match(body, end, span)
+        if opening is not None:
+            if STATUS_NEXT.match(body, opening.end(), span):
+                return True
+            # A member cut by the span (a long message): undecided, fold decides. Else: no error status.
+            return span < len(body) and MEMBER_CUT.fullmatch(body, opening.end(), span) is not None
+        if IS_KEY.match(body, end, span):
+            return False  # the finish reason, and not an abort
         misses += 1
         if misses > FINISH_CANDIDATES:
             return True  # nothing SGLang writes: fold decides

@@ -139,7 +139,7 @@ ATTEMPT_PREFIXES = (SPEC_PREFIX,)
 #   ``--enable-metrics``, ``APIServerReqTimeStats.convert_to_output_meta_info``: ``request_received_ts``,
 #   ``first_token_latency``, ``api_server_dispatch_finish_ts``, ``response_sent_to_client_ts``,
 #   ``request_finished_ts``, ``decode_throughput``;
-# - the first body sent (``generate_request``, always): ``response_sent_to_client_ts``;
+# - the first body sent (``_stream_one_response``, always): ``response_sent_to_client_ts``;
 # - every body, with ``--enable-metrics`` (``SchedulerReqTimeStats.convert_to_output_meta_info``):
 #   ``queue_time``, ``forward_entry_time``, ``prefill_finished_time``, ``storage_prefetch_wait``,
 #   ``storage_staging_wait``.

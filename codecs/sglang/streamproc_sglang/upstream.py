@@ -228,7 +228,7 @@ def _request_timings(truth: Truth, completion: int, *, sent: bool) -> dict[str, 
     timings: dict[str, Any] = {"request_received_ts": RECEIVED_TS, "first_token_latency": first_token,
                                "api_server_dispatch_finish_ts": RECEIVED_TS + STEP / 2}
     if sent:
-        timings["response_sent_to_client_ts"] = RECEIVED_TS + first_token
+        timings[native.RESPONSE_SENT_TS] = RECEIVED_TS + first_token
     timings["request_finished_ts"] = RECEIVED_TS + _e2e_latency(truth)
     if completion > 1:
         timings["decode_throughput"] = (completion - 1) / (_e2e_latency(truth) - first_token)
