@@ -27,6 +27,7 @@ from helpers import connection, rid, sampling, status_kib
 from proxy_helpers import HoldingProxy
 from nats.js.api import StorageType, StreamConfig
 
+from streamproc.core.read_budget import push_window
 from streamproc.core.wire import ResultInfo
 from streamproc.edge.feed import Ended, Gap, StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
@@ -193,7 +194,12 @@ async def test_a_behind_feed_whose_msg_get_is_refused_reads_on_with_consumers_an
                     assert source.msg_get.state == "refused"
                     assert source.metrics.streams_overrun == 0
                     await feed.close()
-                assert source.metrics.replay_pauses >= 2  # each catch-up paused: read at the client's pace
+                # Each catch-up read at its client's pace with a push consumer held to the read budget by
+                # its max_ack_pending (replay.py, _push_consumer): charged, and never a bound ahead of its
+                # client (until 2026-12-06 an ordered push consumer paused at each bound instead).
+                assert source.read_gate.budget.granted_total >= 2 * push_window(
+                    source._largest_stored(), BOUND, source.read_gate.budget.limit, 0)[1]
+                assert source.metrics.replay_pauses == 0 and source.read_gate.out == 0
 
 
 @pytest.mark.parametrize("when", ["behind", "catching up"])
@@ -819,8 +825,9 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_
                         await feed.close()
 
                 async def slow_waiter() -> tuple[list[int], object, list[float]]:
-                    """Its client is slower than a consumer pushes: it pauses at each bound's worth
-                    and needs a new consumer each time, competing with the late attaches for it. It
+                    """Its client is slower than a consumer pushes (until 2026-12-06 it paused at each
+                    bound's worth and needed a new consumer each time, competing with the late
+                    attaches for it; its push consumer is held to max_ack_pending since). It
                     is sent a keep-alive every 0.25 s while it waits, which its client takes 50 ms
                     to read (an SSE stream's loop, app.py)."""
                     got, gaps, last = [], [], time.monotonic()
@@ -869,7 +876,9 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_gets_the_next_one_freed_
                 # Each wait: the consumer before it lingers on the server (REPLAY_SLOT_LINGER, 1.5 s).
                 assert max(gaps) < 6.0, gaps
                 assert seqs + rest == list(range(64)) and isinstance(end, Ended), (seqs, rest, end)
-                assert source.metrics.replay_pauses >= 3  # it waited for a consumer again and again
+                # Since 2026-12-06 its push consumer is held to max_ack_pending and acknowledged as it
+                # reads: it reads on with the one consumer it got, no pause, no new consumer to wait for.
+                assert source.metrics.replay_pauses == 0
                 assert peak[0] <= cap and held_peak[0] <= cap, (peak, held_peak)
                 assert source.metrics.replay_reads_by_subject > 0
                 await waiter.close()

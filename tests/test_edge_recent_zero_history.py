@@ -2,8 +2,9 @@
 made past it (``ResultSource._read_stored``, ``_split_at_last``).
 
 Where the edge user may not read stored results by subject (``$JS.API.STREAM.MSG.GET`` denied), the
-history's read is refused at its first result and the stream falls back to its consumer from where
-that read was (``fall_back``, its ``feed.inbox is None`` branch); a stream with no stored result of
+history's read is refused at its first result and reads on with consumers alone, in the read budget
+(replay.py ``by_consumer``; until 2026-12-06 the stream fell back to its consumer from where that read
+was, outside the budget: ``fall_back``); a stream with no stored result of
 its own has its consumer made past the stream's last sequence at once, which nats-py must not take
 back to the start on a reset of its ordered consumer (``_attach``: ``_sseq``).
 """
@@ -51,7 +52,7 @@ async def read_all(client: httpx.AsyncClient, request_id: str, opened: asyncio.E
 async def test_where_stored_reads_are_refused_every_result_arrives_once_in_order(stored):
     """``stored`` results of the request are in the stream before its open, 5 more are published
     after: the client gets seqs 0 to ``stored`` + 4 once each, in order, then ``[DONE]``. With a
-    history, its read by subject is refused and the stream reads it with its consumer instead
+    history, its read by subject is refused and the stream reads it with consumers alone instead
     (``stored_results_unreadable``); without one no read is asked and the consumer starts past the
     stream's last sequence (the other request's results are not its)."""
     subjects = Subjects("recent0refused")
@@ -75,7 +76,7 @@ async def test_where_stored_reads_are_refused_every_result_arrives_once_in_order
                 got = await asyncio.wait_for(reader, 60)
             log = edge.log()
     assert got == expected_sse([body(seq) for seq in range(total)])
-    if stored:  # its history's read was refused indeed: read by its consumer (fall_back)
+    if stored:  # its history's read by subject was refused indeed: read with consumers alone
         assert "event=stored_results_unreadable" in log, log[-2000:]
 
 

@@ -20,7 +20,7 @@ import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge
 from helpers import connection, rid, status_kib, wait_until
 
-from streamproc.core.read_budget import ReadBudget
+from streamproc.core.read_budget import PUSH_MESSAGE_OVERHEAD, ReadBudget, push_window
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
@@ -62,6 +62,9 @@ authorization {
 # reads a stored history in the read budget, and each stream reads with a push consumer of its own.
 NO_STORED_READS = NO_PULLS.replace('"$JS.API.CONSUMER.MSG.NEXT.>"',
                                    '"$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.STREAM.MSG.GET.>"')
+# Nor acknowledge a push consumer's deliveries: a push replay makes a consumer per max_ack_pending results.
+NO_STORED_READS_NOR_ACKS = NO_STORED_READS.replace('"$JS.API.STREAM.MSG.GET.>"',
+                                                   '"$JS.API.STREAM.MSG.GET.>", "$JS.ACK.>"')
 
 
 async def many_late_attaches_and_a_live_client(nats_url: str, edge_url: str, subjects: Subjects) -> tuple[
@@ -158,6 +161,23 @@ def test_the_read_budget_serves_first_come_first_with_smaller_grants_and_never_d
     budget.leave("c")
     budget.release(40 * MiB)
     assert budget.granted() == [] and budget.take(MiB, MiB) == MiB
+
+
+def test_a_push_replays_max_ack_pending_times_its_largest_delivery_is_its_charge_within_bound_and_budget():
+    each = MiB + PUSH_MESSAGE_OVERHEAD
+    # 1 MiB results, an 8 MiB bound, a 16 MiB budget: a quarter of the budget, 3 of them
+    assert push_window(MiB, 8 * MiB, 16 * MiB, 1000) == (3, 3 * each)
+    # a smaller bound than a quarter of the budget bounds it: nats-py never drops one
+    assert push_window(MiB, 2 * MiB + 2 * PUSH_MESSAGE_OVERHEAD, 64 * MiB, 1000) == (2, 2 * each)
+    # small results: many at once, but never past the bound's message count
+    assert push_window(1024, 8 * MiB, 16 * MiB, 255) == (255, 255 * (1024 + PUSH_MESSAGE_OVERHEAD))
+    # a result larger than the bound or the budget: one at a time, charged its size
+    assert push_window(40 * MiB, 8 * MiB, 16 * MiB, 1000) == (1, 40 * MiB + PUSH_MESSAGE_OVERHEAD)
+    # no pending bound: the budget's quarter alone
+    assert push_window(MiB, 0, 16 * MiB, 0) == (3, 3 * each)
+    for largest, bound, budget in ((MiB, 8 * MiB, 16 * MiB), (64 * 1024, MiB, 4 * MiB), (5, 100_000, 1_000_000)):
+        window, charge = push_window(largest, bound, budget, 10_000)
+        assert charge == window * (largest + PUSH_MESSAGE_OVERHEAD) <= min(bound, budget // 4)
 
 
 @pytest.mark.anyio
@@ -286,10 +306,8 @@ async def test_the_read_budget_its_bytes_out_and_its_waits_are_on_the_edges_metr
 @pytest.mark.parametrize("mode", [
     "pulls refused",
     "recent 0",
-    pytest.param("recent 0, stored reads refused", marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap: --recent 0 where STREAM.MSG.GET and CONSUMER.MSG.NEXT are both refused reads each "
-        "stream with its own ordered push consumer, which the read budget does not bound; the server cuts "
-        "the edge as a slow consumer here (docs/edge.md)"))),
+    "recent 0, stored reads refused",
+    "recent 0, stored reads and acks refused",
 ])
 async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_connection_cut(mode):
     """Where the edge may not pull (no ``CONSUMER.MSG.NEXT``: ``replay_pulls_refused``) its replays
@@ -299,10 +317,15 @@ async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_co
     whatever the read budget, and 32 slow late attaches had the edge's connection cut (``Slow
     Consumer Detected``, every stream 503). With pulls refused the replays now read each result by
     subject (``STREAM.MSG.GET``, charged), and with ``--recent 0`` a stream's history is read so
-    before its consumer is made past it. Where MSG.GET is refused too, nothing does that yet."""
+    before its consumer is made past it. Where MSG.GET is refused too (an expected failure until
+    2026-12-06), the history is read with push consumers of explicit acks held to the budget by their
+    ``max_ack_pending`` (replay.py ``_push_consumer``); where acks are refused as well, a new one per
+    ``max_ack_pending`` results."""
     subjects = Subjects("pushbudget")
     extra = ("--recent", "0") if mode.startswith("recent 0") else ()
-    with EmbeddedNats(config=NO_STORED_READS if mode.endswith("stored reads refused") else NO_PULLS) as server:
+    config = {"recent 0, stored reads refused": NO_STORED_READS,
+              "recent 0, stored reads and acks refused": NO_STORED_READS_NOR_ACKS}.get(mode, NO_PULLS)
+    with EmbeddedNats(config=config) as server:
         url = server.url.replace("nats://", "nats://edge:edge@")
         with running_edge(url, "--prefix", subjects.prefix, "--ensure-results-stream",
                           "--forwarded-allow-ips", "127.0.0.1", *extra) as edge:
@@ -311,8 +334,10 @@ async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_co
         server_log = server.log_path.read_text(errors="replace")
     if mode == "pulls refused":
         assert "event=replay_pulls_refused" in log  # pulls refused indeed: read by subject
-    if mode.endswith("stored reads refused"):
-        assert "event=stored_results_unreadable" in log  # MSG.GET refused indeed: push consumers
+    if "stored reads" in mode:
+        assert "event=stored_results_unreadable" in log  # MSG.GET refused indeed: budgeted push consumers
+    if "acks" in mode:
+        assert "event=replay_acks_refused" in log  # acks refused indeed: a push consumer per window
     print(f"{mode}: other client served in {other_took:.2f} s")
     assert_everyone_served(server_log, log, got, other_body, other_took, bodies)
 

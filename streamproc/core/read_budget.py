@@ -14,13 +14,35 @@ and the rest when it ends. Pure: the shell (``edge/read_budget.py``) does the wa
   it needs to bring anything: for a pull, the largest result the stream may hold).
 - Never a deadlock: with nothing out, the first in line gets its ``least`` even past the limit (a
   single result larger than the whole budget is still read, alone).
+
+A push consumer (where the edge may neither pull nor read by subject) cannot be asked for bytes:
+its flow control lets nats-server send 2 MiB and more whatever the edge reads. What bounds it is
+``max_ack_pending``: nats-server sends no message past that many unacknowledged (``consumer.go``
+``getNextMsg``: ``errMaxAckPending``). :func:`push_window` picks that count and its charge.
 """
 
 from __future__ import annotations
 
 from typing import Hashable
 
-__all__ = ["ReadBudget"]
+__all__ = ["PUSH_MESSAGE_OVERHEAD", "ReadBudget", "push_window"]
+
+# What a delivery costs past its payload and headers (bounded by the stream's max_msg_size or the
+# server's max_payload): its subject, its ``$JS.ACK`` reply subject and the ``HMSG`` line.
+PUSH_MESSAGE_OVERHEAD = 1024
+
+
+def push_window(largest: int, bound: int, budget: int, most: int) -> tuple[int, int]:
+    """A push consumer's ``max_ack_pending`` for a stored history and what it is charged while it
+    exists: at most that many deliveries of at most ``largest`` bytes each (plus their overhead) are
+    out towards the edge or queued there. As many as fit the reader's pending bound ``bound`` (so
+    nats-py never drops one) and a quarter of the ``budget`` (so several histories are read at
+    once), at most ``most`` (the bound's message count), never fewer than one: a result larger than
+    either is still read, one at a time, charged its size."""
+    each = max(1, largest) + PUSH_MESSAGE_OVERHEAD
+    room = budget // 4 if bound <= 0 else min(bound, budget // 4)
+    window = max(1, min(room // each, most if most > 0 else 1 << 20))
+    return window, window * each
 
 
 class ReadBudget:

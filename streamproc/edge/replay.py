@@ -33,10 +33,13 @@ exactly, which nats-server ends without a status, or lost in a reconnect) or a c
 
 Before 2026-12-05 it was an ordered push consumer, which pushes as fast as nats-server sends (its
 flow control does not hold it to the bound: nats-server ``consumer.processFlowControl`` doubles the
-window at every answer, up to ``JsFlowControlMaxPending`` = 32 MiB). It still is where the edge may
-not publish ``$JS.API.CONSUMER.MSG.NEXT`` (the shipped configuration before 2026-12-05: refused,
-read from the error callback like MSG.GET's refusal, or no responders to the first pull; ``pulls``
-is then ``refused``, tried again every 60 s). When nats-py drops a message of it
+window at every answer, up to ``JsFlowControlMaxPending`` = 32 MiB). Where the edge may not
+publish ``$JS.API.CONSUMER.MSG.NEXT`` (the shipped configuration before 2026-12-05: refused, read
+from the error callback like MSG.GET's refusal, or no responders to the first pull; ``pulls`` is
+then ``refused``, tried again every 60 s) the replay reads by subject, and where
+``STREAM.MSG.GET`` is refused too, with a push consumer still: one of explicit acks held to the read
+budget by its ``max_ack_pending`` (:meth:`Replay._push_consumer`, since 2026-12-06; before, an
+ordered one, outside the budget). When nats-py drops a message of a push consumer
 (``SlowConsumerError``, :meth:`Replay.overflowed`), the replay *pauses*: it unsubscribes at
 once (no more of the history is taken in), keeps what was queued before the dropped message, hands
 that out, and then goes on from the next stored result with a new consumer, as after the probe.
@@ -75,9 +78,10 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
+from ..core.read_budget import push_window
 from ..core.replay_pull import Pull, PullState
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
@@ -101,6 +105,9 @@ from .read_budget import ReadGate
 # as the event loop keeps only weak references to tasks.
 _LETTING_GO: set[asyncio.Task] = set()
 NO_MESSAGE = 10037  # JSNoMessageFoundErr (nats-server server/errors.json): no message at or after seq
+# A push consumer's ack wait: its results are acknowledged as they are handed out, so only a reader
+# away this long sees one again (a redelivery, skipped by its stream sequence).
+PUSH_ACK_WAIT = 120.0
 
 
 class StoredMessage(msgspec.Struct):
@@ -168,7 +175,7 @@ class Replay:
                  start: int = 1, by_consumer: bool | None = False, expect: int | None = None,
                  release: Callable[[], None] | None = None, pulls: ApiPermission | None = None,
                  gate: ReadGate | None = None, largest: Callable[[], int] | None = None,
-                 read_by_subject: Callable[[], None] | None = None) -> None:
+                 read_by_subject: Callable[[], None] | None = None, acks: ApiPermission | None = None) -> None:
         self.nc = nc
         self.api_prefix = api_prefix
         self.api_subject = f"{api_prefix}.STREAM.MSG.GET.{stream}"
@@ -239,6 +246,14 @@ class Replay:
         self.read_by_subject = read_by_subject  # told of each result read by subject for want of pulls (metrics)
         self.charged = 0
         self._arrived = 0  # results the pull out brought so far, counted as they arrive
+        # A push consumer (pulls refused) with a read budget: made with max_ack_pending ``window``
+        # and charged ``push_charge`` (core/read_budget.py, push_window) until it is unsubscribed
+        # and a flush is answered behind that; its results are acknowledged as they are handed out
+        # (``acks``: may the edge publish ``$JS.ACK.<stream>.>``; refused, it makes a new consumer
+        # each window of results instead, as the server sends no more to one that does not ack).
+        self.window = 0
+        self.push_charge = 0
+        self.acks = acks
         self._probe_charge = 0
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
@@ -319,9 +334,11 @@ class Replay:
                 message = await self._get(self.next_seq)
                 if self.closed:  # closed from another task while the answer was on its way
                     return None
-            except Refused:
+            except Refused as exc:
                 if self.by_consumer is not None:
                     raise
+                if exc.denied and self.access is not None:  # no responders (a -ERR is the source's: _on_error)
+                    self.access.refused(exc.reason)
                 self.by_consumer = True
                 return await self.next()
             if message is None:
@@ -370,6 +387,8 @@ class Replay:
                               denied=False)
             if self.pulls is not None and self.pulls.usable():
                 sub = await self._pull_consumer(seq)
+            elif self.gate is not None:
+                sub = await self._push_consumer(seq)
             else:
                 sub = await self.nc.jetstream().subscribe(
                     self.subject, stream=self.stream, ordered_consumer=True,
@@ -415,7 +434,21 @@ class Replay:
                 await self._stop_consumer()
                 return await self.next()
             if msg is not None:
+                if self.window and msg.metadata.sequence.stream < self.next_seq:
+                    await self._ack(msg)  # redelivered (its reader was away PUSH_ACK_WAIT): handed out already
+                    continue
                 break
+            if self.window and self.taken >= self.window:
+                # This push consumer handed out as many as the server sends it unacknowledged: with its
+                # acks refused (or lost) no more comes. A new consumer from the next stored result.
+                if not (self.acks is not None and self.acks.state == "refused"):
+                    woken = await pending.wait(sub, min(self.timeout, REPLAY_PULL_LOST_AFTER))
+                    if self.sub is not sub:
+                        return None
+                    if woken or self.cut is not None:
+                        continue
+                await self._drop_consumer()
+                return await self.next()
             if self.consumer is not None and self.pull_state.out:
                 loop = asyncio.get_running_loop()
                 since = loop.time()
@@ -451,9 +484,45 @@ class Replay:
         self.read += 1
         self.taken += 1
         self.next_seq = meta.sequence.stream + 1
+        if self.window and self.taken > self.window and self.acks is not None and self.acks.state != "allowed":
+            self.acks.allowed()  # sent past its max_ack_pending: an ack went through (a refusal ends)
         if meta.sequence.stream >= self.upto or meta.num_pending == 0:
             await self._finish()  # this one is the last stored up to upto
+        elif self.window:
+            await self._ack(msg)  # handed out: the server may send the next one
         return msg.subject, msg.headers, msg.data
+
+    async def _push_consumer(self, seq: int):
+        """A push consumer of the subject from stream sequence ``seq`` that nats-server sends at most
+        ``window`` results unacknowledged (``max_ack_pending``: ``consumer.go`` ``getNextMsg`` stalls
+        at ``errMaxAckPending``; no flow control), charged to the read budget for as long as it
+        exists (:func:`~streamproc.core.read_budget.push_window`). An ordered push consumer's flow
+        control let the server send 2 MiB and more each (its window doubles at each answer, up to
+        32 MiB), whatever the budget: 32 slow late attaches had the edge's connection cut where
+        neither pulls nor MSG.GET were permitted (tests/test_edge_replay_budget.py)."""
+        assert self.gate is not None
+        options = self.consumer_options
+        window, charge = push_window(self._largest(), options.get("pending_bytes_limit") or 0,
+                                     self.gate.budget.limit, (options.get("pending_msgs_limit") or 0) - 1)
+        self.push_charge = await self.gate.acquire(charge, charge)
+        try:
+            sub = await self.nc.jetstream().subscribe(
+                self.subject, stream=self.stream, manual_ack=True,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq,
+                                      ack_policy=AckPolicy.EXPLICIT, max_ack_pending=window,
+                                      ack_wait=PUSH_ACK_WAIT, num_replicas=1, mem_storage=True),
+                **options)
+        except BaseException:
+            charge, self.push_charge = self.push_charge, 0
+            self.gate.release(charge)
+            raise
+        self.window = window
+        return sub
+
+    async def _ack(self, msg: Msg) -> None:
+        """Acknowledge a push consumer's result (not while acks are refused: a consumer per window then)."""
+        if msg.reply and (self.acks is None or self.acks.usable()):
+            await self.nc.publish(msg.reply, b"+ACK")
 
     async def _pull_consumer(self, seq: int):
         """A pull consumer of the subject from stream sequence ``seq`` and the subscription of its
@@ -770,13 +839,48 @@ class Replay:
             letting_go.add_done_callback(_LETTING_GO.discard)
             await asyncio.shield(letting_go)
             return
+        charge, self.push_charge, self.window = self.push_charge, 0, 0
         if sub is not None:
+            if charge:
+                pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
+                # Deleted, and given back once the delete (or a flush) is answered behind the
+                # unsubscribe: what the server sent before it is in by then. A task of its own,
+                # awaited shielded (as _let_go).
+                letting_go = asyncio.ensure_future(self._let_go_push(sub, charge))
+                _LETTING_GO.add(letting_go)
+                letting_go.add_done_callback(_LETTING_GO.discard)
+                await asyncio.shield(letting_go)
+                return
             if self.watch is not None:
                 self.watch(sub, False)  # a push consumer: the server drops it after its inactive threshold
             pending.wake(sub)  # a reader waiting in next() for this consumer returns at once
             with contextlib.suppress(nats.errors.Error, OSError):
                 await sub.unsubscribe()
             pending.drop(sub)  # what nobody will read (past a pause's cut, a closed feed's) goes now
+        elif charge and self.gate is not None:
+            self.gate.release(charge)
+
+    async def _let_go_push(self, sub, charge: int) -> None:
+        """Unsubscribe a budgeted push consumer and delete it (its slot is free at once: a consumer
+        per window of results where acks are refused must not wait for each to linger), then give
+        back its charge once the server has answered the delete, or a flush where that failed,
+        both sent behind the unsubscribe (or the connection is gone)."""
+        deleted = False
+        try:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+            pending.drop(sub)
+            name = getattr(sub, "_consumer", None)  # nats-py 2.x PushSubscription's consumer name
+            if name:
+                deleted = await self._delete(name)
+            if not deleted and not self.nc.is_closed:
+                with contextlib.suppress(nats.errors.Error, OSError, asyncio.TimeoutError):
+                    await self.nc.flush(timeout=self.timeout)
+        finally:
+            assert self.gate is not None
+            self.gate.release(charge)
+            if self.watch is not None:  # deleted: its slot is free now; else it lingers as a push consumer's
+                self.watch(sub, False, True if deleted else None)
 
     async def _let_go(self, sub, name: str, charged: int = 0) -> None:
         """Unsubscribe a pull consumer's inbox and delete the consumer (bounded: the timeout), then

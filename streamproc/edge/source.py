@@ -175,6 +175,7 @@ class ResultSource:
         self._created: dict[str, datetime.datetime] = {}
         self.msg_get: ApiPermission | None = None  # may the replay read by subject (msg_get.py)
         self.pulls: ApiPermission | None = None  # may the replay pull (CONSUMER.MSG.NEXT; replay.py)
+        self.acks: ApiPermission | None = None  # may a push replay acknowledge its results ($JS.ACK; replay.py)
         self._recent_sub = None
         # The ring consumer last found deleted (its name, stream) and when: not asked about again
         # while its new one is being made (RING_RESET_GRACE), then again (a failed remake keeps the name).
@@ -317,6 +318,16 @@ class ResultSource:
         jsi._sseq = max(jsi._sseq, start - 1)
         return sub
 
+    def _permissions(self, prefix: str, stream: str) -> None:
+        """What the edge knows of its JetStream permissions on ``stream`` (msg_get.py), kept while
+        it is the same name (what it learnt holds): MSG.GET, pulls, and acks of a push replay."""
+        if self.msg_get is None or self.msg_get.stream != stream:
+            self.msg_get = ApiPermission(prefix, stream, self._msg_get_changed)
+        if self.pulls is None or self.pulls.stream != stream:
+            self.pulls = ApiPermission(prefix, stream, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
+        if self.acks is None or self.acks.stream != stream:  # $JS.ACK.<stream>.<consumer>...: not under the API prefix
+            self.acks = ApiPermission("$JS", stream, self._acks_changed, api="ACK", per_consumer=True)
+
     def _reading(self, info: StreamInfo | None) -> None:
         """What the ring reads now: ``info``'s stream (its identity for the watch), or live results."""
         if info is None:
@@ -324,10 +335,7 @@ class ResultSource:
             return
         assert self.nc is not None
         name, prefix = info.config.name, self.nc.jetstream()._prefix
-        if self.msg_get is None or self.msg_get.stream != name:  # kept for the same name: what it learnt holds
-            self.msg_get = ApiPermission(prefix, name, self._msg_get_changed)
-        if self.pulls is None or self.pulls.stream != name:
-            self.pulls = ApiPermission(prefix, name, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
+        self._permissions(prefix, name)
         self._ring_stream = (name, info.created)
         self._stored_max = max(info.config.max_msg_size or 0, 0)
         self.results_stream_missing = None
@@ -744,18 +752,12 @@ class ResultSource:
         before 2026-12-06, that push consumer sent the whole history at its flow control's pace
         (2 MiB, doubling to 32 MiB) past the budget, and many slow late attaches had the edge's
         connection cut (tests/test_edge_replay_budget.py). Where MSG.GET is refused (msg_get.py)
-        nothing reads a history in the budget: the consumer from ``start``, as before."""
+        the replay reads with consumers alone (``by_consumer``): pulls, or push consumers held to
+        the budget by ``max_ack_pending`` (replay.py, ``_push_consumer``); until 2026-12-06 the
+        consumer from ``start``, outside the budget."""
         assert self.nc is not None
         feed.stream, feed.limits = stream, limits
-        prefix = self.jetstream()._prefix
-        if self.msg_get is None or self.msg_get.stream != stream:  # kept for the same name: what it learnt holds
-            self.msg_get = ApiPermission(prefix, stream, self._msg_get_changed)
-        if self.pulls is None or self.pulls.stream != stream:
-            self.pulls = ApiPermission(prefix, stream, self._pulls_changed, api="CONSUMER.MSG.NEXT", per_consumer=True)
-        if not self.msg_get.usable():
-            self.metrics.streams_fallback += 1
-            self._consume(feed, stream, limits, start)
-            return
+        self._permissions(self.jetstream()._prefix, stream)
         feed.attaching = asyncio.get_running_loop().create_task(self._split_at_last(feed, stream, limits, start))
         self._attaching.add(feed.attaching)
         feed.attaching.add_done_callback(self._attaching.discard)
@@ -790,7 +792,12 @@ class ResultSource:
         if feed.closed:
             return
         if last >= start and info.state.subjects.get(subject, 0) > 0:
-            feed.replay = self._stored_reader(feed, stream, subject, start, last, limits, False,
+            # MSG.GET refused: consumers alone; not known to answer: a refusal (or silence) turns
+            # it to consumers alone too (replay.py), not to the consumer from ``start``
+            refused = self.msg_get is not None and not self.msg_get.usable()
+            if refused:
+                self.metrics.streams_fallback += 1
+            feed.replay = self._stored_reader(feed, stream, subject, start, last, limits, True if refused else None,
                                               start if start > 1 else None)
         await self._attach(feed, self.jetstream(), subject, stream, limits, max(start, last + 1))
 
@@ -813,7 +820,7 @@ class ResultSource:
                       REPLAY_TIMEOUT, {**limits, "inactive_threshold": CONSUMER_LINGER}, watch, self.msg_get,
                       functools.partial(self._may_replay_with_consumer, feed), start,
                       by_consumer, expect, self._replay_consumer_made, self.pulls, self.read_gate,
-                      self._largest_stored, self._replay_read_by_subject)
+                      self._largest_stored, self._replay_read_by_subject, self.acks)
 
     def _replay_read_by_subject(self) -> None:
         self.metrics.replay_reads_by_subject += 1
@@ -911,6 +918,18 @@ class ResultSource:
                       "on it (docs/security.md, 'Upgrading: the edge pulls stored results')")
         else:
             log_event(log, logging.INFO, "replay_pulls_allowed", permission=f"{self.pulls.subject}.>")
+
+    def _acks_changed(self, state: State, reason: str) -> None:
+        """Said once per change: push replays make a consumer per window of results meanwhile."""
+        assert self.acks is not None
+        if state == "refused":
+            log_event(log, logging.WARNING, "replay_acks_refused", permission=f"{self.acks.subject}.>",
+                      error=reason, fallback="a new push consumer per max_ack_pending results",
+                      retry_after=self.acks.reprobe,
+                      hint="grant the edge user publish on it, or the replay permissions it lacks "
+                           "(docs/edge.md, 'The read budget of stored results')")
+        else:
+            log_event(log, logging.INFO, "replay_acks_allowed", permission=f"{self.acks.subject}.>")
 
     def _msg_get_changed(self, state: State, reason: str) -> None:
         """Said once per change, not per open: the deployment lacks (or got) the permission."""
@@ -1166,6 +1185,15 @@ class ResultSource:
             for feed in list(self._replays.values()):  # a replay waiting for its first pull: on with push
                 replay = feed.replay
                 if replay is not None and replay.sub is not None and replay.pull_refused():
+                    pending.wake(replay.sub)
+            return
+        if self.acks is not None and self.acks.note_error(str(exc)):
+            self.acks.refused(str(exc))  # said once (_acks_changed), not per result
+            # a push replay waiting past its window: on with a new consumer (only those: a wake is
+            # a timeout to a reader waiting for its consumer's next result, as feed.end relies on)
+            for feed in list(self._replays.values()):
+                replay = feed.replay
+                if replay is not None and replay.sub is not None and replay.window and replay.taken >= replay.window:
                     pending.wake(replay.sub)
             return
         if "permissions violation" in str(exc).lower():
