@@ -55,8 +55,6 @@ and has no ``metrics`` (``n > 1``).
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from typing import Any
 
@@ -65,6 +63,7 @@ import pytest
 from helpers import assert_same_body
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from vllm_034_bodies import npy_b64, pd_rows
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -80,21 +79,7 @@ CACHED = 2  # prefill's own prefix-cache hits (prefill_stats.num_cached_tokens)
 
 
 def rows(child: int, stale: bool) -> np.ndarray:
-    """``(prompt + completion - 1, layers, top_k)`` uint8 of child ``child``; decode's prompt rows are its
-    KV slots' leftovers (``stale``)."""
-    n = len(PROMPT) + len(OUT[child]) - 1
-    r = np.array([[[(p * 3 + child) % 64, 64 + (p + child) % 64] for _ in range(2)] for p in range(n)],
-                 dtype=np.uint8)
-    if stale:
-        r[:len(PROMPT)] = (r[:len(PROMPT)] + 11) % 60
-    return r
-
-
-def npy_b64(array: np.ndarray) -> str:
-    """``utils/serial_utils.py`` ``numpy2base64``: ``np.save(buffer, array, allow_pickle=False)``, Base64."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getbuffer()).decode("ascii")
+    return pd_rows(len(PROMPT), len(OUT[child]), child=child, stale=stale)
 
 
 def content(child: int, pos: int) -> dict:

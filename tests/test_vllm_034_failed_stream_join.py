@@ -45,14 +45,13 @@ None``; ``ErrorResponse(error=ErrorInfo(message=sanitize_message(message), type,
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import numpy as np
 import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from vllm_034_bodies import npy_b64, pd_rows
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -66,20 +65,7 @@ TEXT = ["H", "e", "l", "l"]
 
 
 def rows(stale: bool) -> np.ndarray:
-    """``(prompt + completion - 1, layers, top_k)`` uint8 over the whole request; decode's prompt rows are
-    another engine's (``stale``)."""
-    r = np.array([[[(p * 3) % 64, 64 + p % 64] for _ in range(2)] for p in range(len(PROMPT) + len(OUT) - 1)],
-                 dtype=np.uint8)
-    if stale:
-        r[:len(PROMPT)] = (r[:len(PROMPT)] + 11) % 60
-    return r
-
-
-def npy_b64(array: np.ndarray) -> str:
-    """``vllm/utils/serial_utils.py`` ``numpy2base64``: ``np.save(buffer, array, allow_pickle=False)``, Base64."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getbuffer()).decode("ascii")
+    return pd_rows(len(PROMPT), len(OUT), stale=stale)
 
 
 def content(pos: int) -> dict:

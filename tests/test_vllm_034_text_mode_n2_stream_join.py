@@ -50,14 +50,13 @@ are another engine's (stale here, which the splice must replace).
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import numpy as np
 import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from vllm_034_bodies import npy_b64
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -77,12 +76,6 @@ def rows(choice: int) -> np.ndarray:
     n = len(PROMPT) + len(OUTS[choice]) - 1
     return np.array([[[(p + choice) % 60, 60 + (p + layer) % 60] for layer in range(LAYERS)] for p in range(n)],
                     dtype=np.uint8)
-
-
-def npy_b64(array: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
 def _content(choice: int, pos: int) -> dict:

@@ -1,6 +1,6 @@
 """vLLM 0.34.0 ``/inference/v1/generate`` bodies written by hand from the wheel, shared by the tests that
-join them (``test_vllm_034_bodies_by_hand.py``, the codec mutation tests): each builder names the
-upstream function its shape comes from. Nothing here uses the simulator or ``streamproc_vllm.upstream``."""
+join them (``test_vllm_034_bodies_by_hand.py``, the codec mutation tests, the P/D failure joins): each builder
+names the upstream function its shape comes from. Nothing here uses the simulator or ``streamproc_vllm.upstream``."""
 
 from __future__ import annotations
 
@@ -25,6 +25,16 @@ def npy_b64(arr: np.ndarray) -> str:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def pd_rows(prompt: int, completion: int, *, child: int = 0, stale: bool = False) -> np.ndarray:
+    """``(prompt + completion - 1, layers, top_k)`` uint8 expert ids of child ``child`` (distinct per layer);
+    decode's prompt rows are its KV slots' leftovers (``stale``)."""
+    r = np.array([[[(p * 3 + child) % 64, 64 + (p + child) % 64] for _ in range(2)]
+                  for p in range(prompt + completion - 1)], dtype=np.uint8)
+    if stale:
+        r[:prompt] = (r[:prompt] + 11) % 60
+    return r
 
 
 def rows(start: int, end: int) -> np.ndarray:
