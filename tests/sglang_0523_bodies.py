@@ -1,6 +1,6 @@
 """SGLang native ``/generate`` bodies written by hand from upstream code (``TokenizerManager._handle_batch_output``
-and the functions named beside each builder), shared by ``test_upstream_bodies_by_hand.py`` and the codec
-mutation tests. Nothing here uses the simulator or the codecs' ``upstream.py`` builders."""
+and the functions named beside each builder), shared by ``test_upstream_bodies_by_hand.py``, the codec
+mutation tests and the 0.5.23 join tests. Nothing here uses the simulator or the codecs' ``upstream.py`` builders."""
 
 from __future__ import annotations
 
@@ -33,6 +33,49 @@ def rows(start: int, end: int, dtype: str = "<i4") -> bytes:
 
 def b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
+
+
+def pd_rows(prompt: int, completion: int, *, stale: bool = False) -> np.ndarray:
+    """Routed experts over positions ``[0, prompt + completion - 1)`` (2 layers x top-2, int32); decode's
+    prompt rows are whatever its KV slots held (``stale``)."""
+    r = np.array([[3 + p, 17 + p, 40 + p, 5 + p] for p in range(prompt + completion - 1)], dtype="<i4")
+    if stale:
+        r[:prompt] = [[60 + p, 61 + p, 62 + p, 63 + p] for p in range(prompt)]
+    return r
+
+
+def rows_b64(r: np.ndarray) -> str:
+    """``routed_experts`` as SGLang sends it: the int32 rows' bytes, Base64."""
+    return b64(np.ascontiguousarray(r, dtype="<i4").tobytes())
+
+
+def add_counts(meta: dict[str, Any], n: int, *, finished: bool, cached: int = 0,
+               cached_details: dict[str, int] | None = None) -> None:
+    """``_handle_batch_output`` (0.5.23) after ``convert_logprob_style``: the token counts, on a finish
+    ``add_weight_versions_to_meta_info`` (``weight_versions``, then ``weight_version``, already a key,
+    updated), then ``cached_tokens_details``."""
+    meta.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": cached})
+    if finished:
+        meta["weight_versions"] = [{"version": "default", "start": 0, "end": n}]
+        meta["weight_version"] = "default"
+    meta["cached_tokens_details"] = cached_details
+
+
+def coalesced(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """``TokenizerManager._coalesce_streaming_chunks`` (0.5.23, ``--incremental-streaming-output``): the
+    chunks queued behind the reader merged, ``output_ids``/``text`` and the incremental meta lists
+    concatenated, every other key the last chunk's."""
+    merged = dict(bodies[-1])
+    merged["output_ids"] = [i for b in bodies for i in b["output_ids"]]
+    merged["text"] = "".join(b["text"] for b in bodies)
+    metas = [b["meta_info"] for b in bodies]
+    meta = dict(metas[-1])
+    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
+                "output_token_sampling_mask", "output_token_sampling_logprobs"):
+        if any(key in m for m in metas):
+            meta[key] = [item for m in metas for item in m.get(key, [])]
+    merged["meta_info"] = meta
+    return merged
 
 
 # tokenizer_manager.detokenize_logprob_tokens(decode_to_text=True): (logprob, id, text) triples; the

@@ -67,7 +67,6 @@ Logprob entries with ``return_text_in_logprobs``: ``TokenizerManager.detokenize_
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -76,6 +75,7 @@ import pytest
 from helpers import assert_same_body
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from sglang_0523_bodies import add_counts, pd_rows, rows_b64
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -114,16 +114,11 @@ def ids_row(pos: int, off: float) -> list:
 
 
 def rows(stale: bool) -> np.ndarray:
-    """Routed experts over positions ``[0, prompt + completion - 1)`` (2 layers x top-2, int32); decode's
-    prompt rows are whatever its KV slots held (``stale``)."""
-    r = np.array([[3 + p, 17 + p, 40 + p, 5 + p] for p in range(len(PROMPT) + len(OUT) - 1)], dtype="<i4")
-    if stale:
-        r[:len(PROMPT)] = [[60 + p, 61 + p, 62 + p, 63 + p] for p in range(len(PROMPT))]
-    return r
+    return pd_rows(len(PROMPT), len(OUT), stale=stale)
 
 
 def b64(r: np.ndarray, n: int) -> str:
-    return base64.b64encode(np.ascontiguousarray(r[:len(PROMPT) + n - 1], dtype="<i4").tobytes()).decode()
+    return rows_b64(r[:len(PROMPT) + n - 1])
 
 
 def meta(n: int, finish: dict | None, *, side: str, experts: str | None) -> dict[str, Any]:
@@ -144,11 +139,7 @@ def meta(n: int, finish: dict | None, *, side: str, experts: str | None) -> dict
         # streaming offset." -> detokenize_top_logprobs_tokens sends the empty row as None.
         "output_token_ids_logprobs": [None if decode and p == 0 else ids_row(p, 0.25) for p in range(n)],
     })
-    m.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
-    if finish is not None:
-        m["weight_versions"] = [{"version": "default", "start": 0, "end": n}]
-        m["weight_version"] = "default"
-    m["cached_tokens_details"] = None
+    add_counts(m, n, finished=finish is not None)
     if experts is not None:
         m["routed_experts"] = experts
     if finish is not None:

@@ -71,6 +71,7 @@ import zstandard
 from helpers import assert_same_body
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from sglang_0523_bodies import add_counts
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -144,12 +145,7 @@ def _meta(item: Item, lo: int, n: int, *, finished: bool, side: str, experts: st
         "output_token_ids_logprobs": [None if pd_decode and p == 0 else _ids_row(p, 0.25 * (1 + salt))
                                       for p in range(lo, n)],
     })
-    meta.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
-    if finished:
-        # add_weight_versions_to_meta_info: weight_versions, then weight_version (already a key) updated.
-        meta["weight_versions"] = [{"version": "default", "start": 0, "end": n}]
-        meta["weight_version"] = "default"
-    meta["cached_tokens_details"] = None
+    add_counts(meta, n, finished=finished)
     if experts is not None:
         meta["routed_experts"] = experts
     if finished:

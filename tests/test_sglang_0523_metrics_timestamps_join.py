@@ -64,7 +64,6 @@ dropped it (SGLang #39146), which must land before ``dp_rank``/``e2e_latency``/t
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -73,6 +72,7 @@ import pytest
 from helpers import assert_same_body
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from sglang_0523_bodies import add_counts, coalesced, pd_rows, rows_b64
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -108,14 +108,11 @@ def ids_row(pos: int, off: float) -> list:
 
 
 def rows(stale: bool) -> np.ndarray:
-    r = np.array([[3 + p, 17 + p, 40 + p, 5 + p] for p in range(len(PROMPT) + len(OUT) - 1)], dtype="<i4")
-    if stale:  # decode's copy of the prompt rows: its KV slots' leftovers
-        r[:len(PROMPT)] = [[60 + p, 61 + p, 62 + p, 63 + p] for p in range(len(PROMPT))]
-    return r
+    return pd_rows(len(PROMPT), len(OUT), stale=stale)
 
 
 def b64(r: np.ndarray, n: int) -> str:
-    return base64.b64encode(np.ascontiguousarray(r[:len(PROMPT) + n - 1]).tobytes()).decode()
+    return rows_b64(r[:len(PROMPT) + n - 1])
 
 
 def meta(n: int, finish: dict | None, *, side: str, clock: str, experts: str | None, sent: bool,
@@ -144,11 +141,7 @@ def meta(n: int, finish: dict | None, *, side: str, clock: str, experts: str | N
     # DecodeTransferQueue._commit_transfer_to_req: "Prefill omits these scores; reserve a row for the
     # streaming offset." -> detokenize_top_logprobs_tokens sends the empty row as None.
     m["output_token_ids_logprobs"] = [None if decode and p == 0 else ids_row(p, 0.25) for p in range(n)][lo:]
-    m.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 2})
-    if finish is not None:
-        m["weight_versions"] = [{"version": "default", "start": 0, "end": n}]
-        m["weight_version"] = "default"
-    m["cached_tokens_details"] = {"device": 2, "host": 0}
+    add_counts(m, n, finished=finish is not None, cached=2, cached_details={"device": 2, "host": 0})
     if experts is not None:
         m["routed_experts"] = experts
     m["dp_rank"] = 1
@@ -254,21 +247,6 @@ def test_a_one_token_decode_without_rows_gets_prefills_rows_before_dp_rank_and_t
     keys = list(json.loads(got)["meta_info"])
     assert keys.index("routed_experts") < keys.index("dp_rank") < keys.index("e2e_latency")
     assert keys[-1] == "response_sent_to_client_ts"
-
-
-def coalesced(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """``TokenizerManager._coalesce_streaming_chunks`` (0.5.23), as written there."""
-    merged = dict(bodies[-1])
-    merged["output_ids"] = [i for b in bodies for i in b["output_ids"]]
-    merged["text"] = "".join(b["text"] for b in bodies)
-    metas = [b["meta_info"] for b in bodies]
-    meta = dict(metas[-1])
-    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
-                "output_token_sampling_mask", "output_token_sampling_logprobs"):
-        if any(key in m for m in metas):
-            meta[key] = [item for m in metas for item in m.get(key, [])]
-    merged["meta_info"] = meta
-    return merged
 
 
 # ``Scheduler.abort_request`` on a running request: ``req.to_finish = FINISH_ABORT(abort_message, 503)``; the

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 from helpers import upstream_json as dumps
+from sglang_0523_bodies import add_counts
 
 from streamproc.codec import CodecOptions
 from streamproc_sglang import SGLangCodec
@@ -56,11 +57,7 @@ def meta(n: int, finish: dict | None, *, metrics: bool, sent: float | None) -> d
     if metrics:  # SchedulerReqTimeStats.convert_to_output_meta_info
         m.update({"forward_entry_time": RECEIVED + 0.01, "prefill_finished_time": RECEIVED + 0.2,
                   "queue_time": 0.005})
-    m.update({"reasoning_tokens": 0, "completion_tokens": n, "cached_tokens": 0})
-    if finish is not None:
-        m["weight_versions"] = [{"version": "default", "start": 0, "end": n}]
-        m["weight_version"] = "default"
-    m["cached_tokens_details"] = None
+    add_counts(m, n, finished=finish is not None)
     if finish is not None:
         m["e2e_latency"] = E2E
         if metrics:  # APIServerReqTimeStats.convert_to_output_meta_info

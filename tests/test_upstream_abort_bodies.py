@@ -42,6 +42,7 @@ import pytest
 from helpers import assert_same_body, drive_stitch
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
+from sglang_0523_bodies import coalesced
 
 from streamproc.codec import CodecOptions
 from streamproc.wire import Verdict
@@ -83,21 +84,6 @@ def abort_body(seen: int, *, stream: bool, finish: dict[str, Any] = RETRACT_ABOR
     if stream:
         ids = [ids[-1]] if ids else []
     return {"text": "".join(TEXT[:seen]), "output_ids": ids, "meta_info": meta}
-
-
-def coalesced(queued: list[dict[str, Any]]) -> dict[str, Any]:
-    """``_coalesce_streaming_chunks`` of the chunks queued when the abort arrived (incremental mode)."""
-    out = dict(queued[-1])
-    out["output_ids"] = [i for chunk in queued for i in chunk["output_ids"]]
-    out["text"] = "".join(chunk["text"] for chunk in queued)
-    metas = [chunk["meta_info"] for chunk in queued]
-    meta = dict(metas[-1])
-    for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs",
-                "output_token_sampling_mask", "output_token_sampling_logprobs"):
-        if any(key in m for m in metas):
-            meta[key] = [item for m in metas for item in m.get(key, [])]
-    out["meta_info"] = meta
-    return out
 
 
 def fold(chunks: list[dict[str, Any]]) -> dict[str, Any]:
