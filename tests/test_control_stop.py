@@ -20,8 +20,9 @@ from streamproc.nats.control import ControlPlane
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
 
-class SlowFirstMigrate:
-    """A target whose first migrate answers with the stop's cancel; it records every migrate asked."""
+class RecordingTarget:
+    """A target that owns and holds every request and records every migrate asked; ``waiting`` is set
+    while the first one is held."""
 
     def __init__(self) -> None:
         self.asked: list[str] = []
@@ -33,9 +34,17 @@ class SlowFirstMigrate:
     def holds(self, request_id: str) -> bool:
         return True
 
+    @staticmethod
+    def unknown(request_id: str) -> MigrateError:
+        return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST, "no chunk of this request has arrived")
+
+
+class SlowFirstMigrate(RecordingTarget):
+    """A target whose first migrate answers with the stop's cancel."""
+
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateError:
         self.asked.append(request.id or "")
-        answer = MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST, "no chunk of this request has arrived")
+        answer = self.unknown(request_id)
         if len(self.asked) == 1:
             return await answered_with_the_cancel(self.waiting, answer)
         return answer
@@ -64,26 +73,19 @@ async def test_a_migrate_waiting_behind_one_whose_answer_swallowed_the_stop_canc
     assert target.asked == ["first"]
 
 
-class HeldFirstMigrate:
-    """A target whose first migrate waits until released; it records every migrate asked."""
+class HeldFirstMigrate(RecordingTarget):
+    """A target whose first migrate waits until released."""
 
     def __init__(self) -> None:
-        self.asked: list[str] = []
-        self.waiting = asyncio.Event()
+        super().__init__()
         self.release = asyncio.Event()
-
-    def owns(self, request_id: str) -> bool:
-        return True
-
-    def holds(self, request_id: str) -> bool:
-        return True
 
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateError:
         self.asked.append(request.id or "")
         if len(self.asked) == 1:
             self.waiting.set()
             await self.release.wait()
-        return MigrateError(request_id, MigrateErrorCode.UNKNOWN_REQUEST, "no chunk of this request has arrived")
+        return self.unknown(request_id)
 
 
 async def test_a_migrate_waiting_behind_a_running_one_is_not_decided_after_a_stop_on_a_closed_connection(
