@@ -7,6 +7,7 @@ and renews no lapsed lease, and what it finds taken over is reported by the next
 
 from __future__ import annotations
 
+import nats
 import pytest
 
 from streamproc.nats.durable.leases import MARGIN, LeaseTable
@@ -60,6 +61,16 @@ async def test_a_lease_a_step_finds_taken_over_stays_until_expired_reports_it_at
         assert not table.taken_over
 
 
+async def owner_and_peer(nc: nats.aio.client.Client, bucket: str, ttl: float) -> tuple[LeaseTable, LeaseTable]:
+    """An owner that took the bucket's one partition, and an opened peer."""
+    owner = LeaseTable(nc, bucket, 1, "owner", ttl)
+    await owner.open()
+    assert (await owner.step()).acquired == (0,)
+    peer = LeaseTable(nc, bucket, 1, "peer", ttl)
+    await peer.open()
+    return owner, peer
+
+
 async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_has_no_two_owners(nats_url):
     """A co-tenant (or an operator) shortened the lease bucket's max age after start-up, where
     ``open`` checks it: the server expired the owner's entry well before the owner's own validity
@@ -71,11 +82,7 @@ async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_
 
     ttl = 3.0
     async with connection(nats_url) as nc:
-        owner = LeaseTable(nc, "SHORTENED_LEASES", 1, "owner", ttl)
-        await owner.open()
-        assert (await owner.step()).acquired == (0,)
-        peer = LeaseTable(nc, "SHORTENED_LEASES", 1, "peer", ttl)
-        await peer.open()
+        owner, peer = await owner_and_peer(nc, "SHORTENED_LEASES", ttl)
         assert (await peer.step()).acquired == ()
         js = nc.jetstream()
         info = await js.stream_info("KV_SHORTENED_LEASES")
@@ -100,11 +107,7 @@ async def test_a_lease_bucket_deleted_under_running_instances_is_made_again_and_
 
     ttl = 2.0
     async with connection(nats_url) as nc:
-        owner = LeaseTable(nc, "GONE_LEASES", 1, "owner", ttl)
-        await owner.open()
-        assert (await owner.step()).acquired == (0,)
-        peer = LeaseTable(nc, "GONE_LEASES", 1, "peer", ttl)
-        await peer.open()
+        owner, peer = await owner_and_peer(nc, "GONE_LEASES", ttl)
         await nc.jetstream().delete_key_value("GONE_LEASES")
 
         def serving(table: LeaseTable) -> bool:
