@@ -122,14 +122,19 @@ OTHER_TOOLS_FLAGS = {
 }
 
 
-def flags_in_doc_code() -> dict[str, str]:
-    """Every ``--flag`` written in a code span or block of the docs -> where first."""
+def in_doc_code(pattern: str) -> dict[str, str]:
+    """Every match of ``pattern`` written in a code span or block of the docs -> where first."""
     found: dict[str, str] = {}
     for path in DOCS:
         for number, code in _code(path):
-            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", code):
-                found.setdefault(flag, f"{_rel(path)}:{number}")
+            for name in re.findall(pattern, code):
+                found.setdefault(name, f"{_rel(path)}:{number}")
     return found
+
+
+def flags_in_doc_code() -> dict[str, str]:
+    """Every ``--flag`` written in a code span or block of the docs -> where first."""
+    return in_doc_code(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
 def test_a_flag_the_docs_name_anywhere_is_an_option_of_a_command():
@@ -150,12 +155,7 @@ EXAMPLE_VARIABLES = {"STREAMPROC_EDGE_EU1_PASSWORD", "STREAMPROC_TOKEN"}
 
 def variables_in_doc_code() -> dict[str, str]:
     """Every ``STREAMPROC_*`` name written in a code span or block of the docs -> where first."""
-    found: dict[str, str] = {}
-    for path in DOCS:
-        for number, code in _code(path):
-            for name in re.findall(r"\bSTREAMPROC_[A-Z0-9_]*[A-Z0-9]\b", code):
-                found.setdefault(name, f"{_rel(path)}:{number}")
-    return found
+    return in_doc_code(r"\bSTREAMPROC_[A-Z0-9_]*[A-Z0-9]\b")
 
 
 def test_a_variable_the_docs_name_is_read_by_a_command_or_the_code():
