@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import nats
 import pytest
 
 from durable_helpers import FORMAT, connect, durable_flags, durable_settings
@@ -17,6 +18,7 @@ from streamproc.client.results import follow
 from streamproc.core.partitions import partition_of
 from streamproc.core.wire import chunk_headers
 from streamproc.nats.processor import Processor
+from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
 from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
@@ -30,6 +32,22 @@ MAX_MSG_SIZE = 2048
 
 def _body(text: str) -> bytes:
     return b'{"text":"%s","output_ids":[1,2,3],"meta_info":{"id":"x"}}' % text.encode()
+
+
+async def _publish_final(nc: nats.aio.client.Client, rid: str, text: str) -> None:
+    """An aggregated request's one (final) chunk, acknowledged by the chunk stream."""
+    ack = await nc.request(f"streamproc.chunks.{rid}.agg", _body(text),
+                           headers=chunk_headers(rid, "agg", 0, final=True), timeout=5)
+    assert b'"error"' not in ack.data, ack.data
+
+
+async def _stored(js: JetStreamContext, rid: str) -> bool:
+    """Whether the results stream holds a result of ``rid``."""
+    try:
+        await js.get_last_msg(RESULTS_STREAM, f"streamproc.results.{rid}")
+        return True
+    except Exception:  # noqa: BLE001  (not found)
+        return False
 
 
 async def test_a_result_over_a_max_msg_size_shrunk_under_the_processor_ends_its_request_soon_and_stalls_nothing(
@@ -52,26 +70,14 @@ async def test_a_result_over_a_max_msg_size_shrunk_under_the_processor_ends_its_
             await js.update_stream(info.config)
             big = [f"big{k}" for k in range(4)]  # max_ack_pending of them: the partition's every slot
             for rid in big:
-                ack = await nc.request(f"streamproc.chunks.{rid}.agg", _body("y" * 3 * MAX_MSG_SIZE),
-                                       headers=chunk_headers(rid, "agg", 0, final=True), timeout=5)
-                assert b'"error"' not in ack.data, ack.data
+                await _publish_final(nc, rid, "y" * 3 * MAX_MSG_SIZE)
             await anyio.sleep(0.5)
-            ack = await nc.request("streamproc.chunks.bystander.agg", _body("small"),
-                                   headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
-            assert b'"error"' not in ack.data, ack.data
-
-            async def stored(rid: str) -> bool:
-                try:
-                    await js.get_last_msg(RESULTS_STREAM, f"streamproc.results.{rid}")
-                    return True
-                except Exception:  # noqa: BLE001  (not found)
-                    return False
-
+            await _publish_final(nc, "bystander", "small")
             t0 = time.monotonic()
-            await wait_until(lambda: stored("bystander"), 20,
+            await wait_until(lambda: _stored(js, "bystander"), 20,
                              "the bystander's result stored, behind chunks whose results the stream refuses")
             for rid in big:
-                await wait_until(lambda: stored(rid), 20, f"{rid}'s error result stored")
+                await wait_until(lambda: _stored(js, rid), 20, f"{rid}'s error result stored")
                 msg = await js.get_last_msg(RESULTS_STREAM, f"streamproc.results.{rid}")
                 assert msg.headers and "Streamproc-Error" in msg.headers, msg.headers
             assert time.monotonic() - t0 < 20
@@ -131,18 +137,8 @@ async def test_a_chunk_stream_edited_to_drop_unprocessed_chunks_under_the_proces
             line = next(x for x in log_path.read_text().splitlines() if "event=stream_config_changed" in x)
             assert CHUNKS_STREAM in line and "discard is 'old'" in line, line
             assert scrape(port)["streamproc_durable_stream_config_changes_total"] == 1
-            ack = await nc.request("streamproc.chunks.after.agg", _body("after"),
-                                   headers=chunk_headers("after", "agg", 0, final=True), timeout=5)
-            assert b'"error"' not in ack.data, ack.data
-
-            async def answered() -> bool:
-                try:
-                    await js.get_last_msg(RESULTS_STREAM, "streamproc.results.after")
-                    return True
-                except Exception:  # noqa: BLE001  (not found)
-                    return False
-
-            await wait_until(answered, 10, "a request answered after the edit")  # the processor serves on
+            await _publish_final(nc, "after", "after")
+            await wait_until(lambda: _stored(js, "after"), 10, "a request answered after the edit")  # the processor serves on
             await anyio.sleep(3)  # two more checks: reported once, not at every check
             assert log_path.read_text().count("event=stream_config_changed") == 1
         finally:
@@ -158,18 +154,8 @@ async def test_a_processor_serves_on_after_its_lease_bucket_is_deleted_under_it(
             js = nc.jetstream()
             await js.delete_key_value(f"{CHUNKS_STREAM}_LEASES")
             await anyio.sleep(2)  # past the lease's validity (lease_ttl 1.5 s)
-            ack = await nc.request("streamproc.chunks.later.agg", _body("later"),
-                                   headers=chunk_headers("later", "agg", 0, final=True), timeout=5)
-            assert b'"error"' not in ack.data, ack.data
-
-            async def answered() -> bool:
-                try:
-                    await js.get_last_msg(RESULTS_STREAM, "streamproc.results.later")
-                    return True
-                except Exception:  # noqa: BLE001  (not found)
-                    return False
-
-            await wait_until(answered, 15, "a request answered after the lease bucket's deletion")
+            await _publish_final(nc, "later", "later")
+            await wait_until(lambda: _stored(js, "later"), 15, "a request answered after the lease bucket's deletion")
             assert "event=lease_bucket_gone" in log_path.read_text()
         finally:
             await nc.close()
