@@ -97,6 +97,31 @@ async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_
         assert owner.bucket_ttl_changes == 1
 
 
+async def test_a_peer_that_sees_the_shortened_max_age_first_takes_no_lease_its_owner_still_serves(nats_url):
+    """The same edit, seen first by a peer (the owner's next step not come yet): the server may expire
+    the owner's entry, written under the old max age, long before the owner's own validity, and the
+    peer took it in the step that read the new age while the owner served it for 1.7 s more (a
+    review's case). A step that finds the max age shortened takes nothing for as long as a lease
+    written under the old one may be served; the peer takes the partition once the owner's lapsed."""
+    import asyncio
+    import time
+
+    ttl = 3.0
+    async with connection(nats_url) as nc:
+        owner, peer = await owner_and_peer(nc, "SHORTENED_FIRST_SEEN", ttl)
+        assert (await peer.step()).acquired == ()
+        js = nc.jetstream()
+        info = await js.stream_info("KV_SHORTENED_FIRST_SEEN")
+        info.config.max_age = info.config.duplicate_window = 0.6
+        await js.update_stream(info.config)
+        deadline = time.monotonic() + 8
+        while not (await peer.step()).acquired:  # the owner never steps again: its lease lapses
+            assert time.monotonic() < deadline, "the peer never took the lapsed lease"
+            await asyncio.sleep(0.05)
+        assert owner.expired(time.monotonic()) == [0], "two owners: the peer took the lease the owner still serves"
+        assert peer.bucket_ttl_changes == 1
+
+
 async def test_a_lease_bucket_deleted_under_running_instances_is_made_again_and_never_gives_two_owners(nats_url):
     """A co-tenant (or an operator) deleted the lease bucket: every renewal and every create failed
     as "unreachable" (logged at debug), the owner's lease lapsed and nobody could take the partition

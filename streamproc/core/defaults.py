@@ -138,3 +138,7 @@ EDGE_AUDIENCE = "streamproc-edge"  # the JWT ``aud`` the edge requires
 OPERATOR_SCOPE = "operator"  # ``scope`` of a capability for every request, /v1/recent and the page
 CAPABILITY_TTL = 600.0  # seconds a minted capability lives by default
 MAX_CAPABILITY_TTL = 366 * 86_400.0  # the longest a capability may live (mint_capability, streamproc token --ttl)
+
+# Partition consumers a lease step reads back (consumer_info) to set back an edited tuning: bounded
+# JetStream API load per step, each owned consumer in turn (nats/durable/partitions.py).
+RETUNE_PER_STEP = 8

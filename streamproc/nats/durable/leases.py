@@ -258,8 +258,10 @@ class LeaseTable:
         self._created = None  # this instance's own creation is not a peer's
         try:
             await self.js.create_key_value(self._config())  # a peer's making it the same way first is no error
-        except _UNREACHABLE as exc:
+        except _UNREACHABLE as exc:  # not now (or not ours to make): the next step tries again, and
+            # until then no partition can be taken (the bucket is gone) and no lease renewed
             log_event(log, logging.DEBUG, "lease_bucket_create_failed", error=error_text(exc))
+            return
         self._go_quiet("deleted under the running processor: made again")
 
     def _go_quiet(self, what: str) -> None:
@@ -281,6 +283,9 @@ class LeaseTable:
         if shift < 0:
             for lease in self.owned.values():
                 lease.valid_until += shift  # as if renewed under the bucket's max age
+            # A peer's lease, written under the old age, is served until its owner's next step sees the
+            # new one: the server may expire it before that, so take nothing while one may be served.
+            self._quiet_until = max(self._quiet_until, self._clock() + before)
         log_event(log, logging.ERROR, "lease_bucket_changed", bucket=f"KV_{self.bucket}", max_age=max_age,
                   lease_ttl=self.ttl, detail=(
                       "max age edited under the running processor: leases are held for the shorter of the two"

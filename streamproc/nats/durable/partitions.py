@@ -26,6 +26,7 @@ from nats.js.api import ConsumerConfig, ConsumerInfo
 from ...config import Settings
 from ...core.correlator import Correlator
 from ...core.credit import PullCredit
+from ...core.defaults import RETUNE_PER_STEP
 from ...core.events import Result
 from ...core.handback import UNKNOWN, HandBack, in_stream_order, stream_sequence
 from ...core.lookups import Lookups
@@ -142,6 +143,7 @@ class Partitions:
         self.chunks_stream = ""
         self.deliveries: Deliveries | None = None
         self.owned: dict[int, Partition] = {}
+        self._retune_next = 0  # where retune_consumers goes on from
         self._lapsed: list[Partition] = []  # given up by fence, subscriptions not closed yet
         # Partition number -> the handed-over partition whose NAKs wait for its pulls to be gone (fence's):
         # a new open of the number waits for them first (core/handback.py).
@@ -219,9 +221,12 @@ class Partitions:
             await anyio.sleep(self.leases.period if self.leases is not None else self.settings.lease_ttl / 3)
             try:
                 await self.rebalance()
+                # Bounded: a consumer_info unanswered (the chunk stream electing a leader) must not
+                # hold the next renewal past the leases' validity.
+                with anyio.move_on_after(self.leases.period / 2 if self.leases is not None else 1.0):
+                    await self.retune_consumers()
             except Exception as exc:  # never let lease trouble kill the processor; expiry is checked apart
                 log_event(log, logging.WARNING, "lease_step_failed", error=error_text(exc))
-            await self.retune_consumers()
 
     async def _seal_snapshot(self) -> dict[int, SealList]:
         """The seal list of every partition with seal records, each record's expiry on our clock.
@@ -285,9 +290,15 @@ class Partitions:
         they were opened: an ``ack_wait`` shorter than ours redelivers held chunks between their
         in-progress acks, and at ``--max-deliver`` deliveries a healthy request ended as poison."""
         js = self.nc.jetstream(timeout=max(0.5, self.settings.lease_ttl / 4))
-        for part in list(self.owned.values()):
-            if not part.active:
-                continue
+        parts = [part for part in self.owned.values() if part.active]
+        if not parts:
+            return
+        # At most RETUNE_PER_STEP a step, in turn from where the last step stopped: the JetStream API
+        # load is bounded whatever the partitions an instance owns (1,024 of them: 512 requests a second
+        # at a check of each per step), and each is checked within ceil(owned / RETUNE_PER_STEP) steps.
+        start = self._retune_next % len(parts)
+        for part in (parts[start:] + parts[:start])[:RETUNE_PER_STEP]:
+            self._retune_next += 1
             try:
                 info = await js.consumer_info(self.chunks_stream, part.consumer)
                 found = consumer_retuned(info.config, self._consumer_config(part))
