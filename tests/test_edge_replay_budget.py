@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge
-from helpers import connection, rid, status_kib, wait_until
+from helpers import connection, rid, sampling, status_kib, wait_until
 
 from streamproc.core.read_budget import PUSH_MESSAGE_OVERHEAD, ReadBudget, push_window
 from streamproc.sim.embedded import EmbeddedNats
@@ -349,3 +349,62 @@ def replay_state(replay, source, gate) -> str:
             f"consumer {replay.consumer!r}, edge pulls {pulls and pulls.state!r}, gate out {gate.out}, queued "
             f"{gate.budget.queued}, read {replay.read}, paused {replay.paused}, by subject {replay.by_subject}, "
             f"by consumer {replay.by_consumer}, reads by subject {source.metrics.replay_reads_by_subject}")
+
+
+RESULT_200K = b'{"text":"' + b"y" * (200 * 1024 - 12) + b'"}'
+HELD_HISTORY = 60  # 12 MB stored: past the stream's 4 MiB bound and the loopback's socket buffers
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(180)
+async def test_a_push_replay_of_a_paused_client_never_has_more_than_its_window_unacknowledged_on_the_server():
+    """Where neither pulls nor ``STREAM.MSG.GET`` are permitted (acks are), a late attach's history
+    is read with a push consumer whose ``max_ack_pending`` is the window :func:`push_window` gives
+    (replay.py ``_push_consumer``): its client stops reading after its first bytes, and nats-server,
+    asked for the consumer's ``num_ack_pending`` all along, never has more than that window of its
+    results out towards the edge, whose memory stays within a few of them; once the client reads
+    on it gets every result once, in order. (The other tests' histories fit the connection's buffers:
+    with ``max_ack_pending`` 100,000 they passed all the same, review 2026-12-06; this one then saw
+    37 and 55 results unacknowledged in two runs and the edge's VmHWM 4.4 MiB up while paused, against
+    3 and 0.6-0.8 MiB.)"""
+    subjects = Subjects("pushwindow")
+    bound = 4 * MiB
+    # The stream's largest result is the server's max_payload (1 MiB): 3 deliveries in a 4 MiB bound.
+    window, _ = push_window(MiB, bound, 16 * MiB, 4 * 4096 - 1)
+    assert window == 3
+    request_id = rid("held")
+    peaks: list[int] = []
+    with EmbeddedNats(config=NO_STORED_READS) as server:
+        url = server.url.replace("nats://", "nats://edge:edge@")
+        with running_edge(url, "--prefix", subjects.prefix, "--ensure-results-stream", "--recent", "0",
+                          "--stream-buffer-bytes", str(bound), "--replay-read-budget", str(16 * MiB)) as edge:
+            async with connection(url) as nc:
+                await publish_results(nc, subjects, request_id, [RESULT_200K] * HELD_HISTORY, flush_every=4)
+                js = nc.jetstream()
+                stream = await js.find_stream_name_by_subject(subjects.result(request_id))
+                await wait_until(lambda: stored_count(js, stream, HELD_HISTORY), 20, "the history stored")
+                baseline = status_kib(edge.proc.pid, "VmHWM") * 1024
+
+                async def sample() -> None:
+                    infos = await js.consumers_info(stream)
+                    peaks.append(max((info.num_ack_pending or 0 for info in infos), default=0))
+
+                async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client, \
+                        client.stream("GET", f"/v1/results/{request_id}") as response:
+                    assert response.status_code == 200
+                    chunks = response.aiter_raw(64 * 1024)
+                    received = bytearray(await chunks.__anext__())
+                    async with sampling(sample, 0.01):
+                        await asyncio.sleep(4)  # the client reads nothing: the edge's writes fill the socket
+                        held = status_kib(edge.proc.pid, "VmHWM") * 1024
+                        async for chunk in chunks:  # then reads on, slowly
+                            received += chunk
+                            await asyncio.sleep(0.002)
+            log = edge.log()
+    print(f"num_ack_pending peak {max(peaks)} over {len(peaks)} samples (window {window}); "
+          f"VmHWM +{(held - baseline) / MiB:.1f} MiB while paused")
+    assert "event=stored_results_unreadable" in log  # MSG.GET refused indeed: read with push consumers
+    assert bytes(received) == expected_sse([RESULT_200K] * HELD_HISTORY)
+    assert len(peaks) > 20 and max(peaks) > 0, peaks  # sampled while the consumer had results out
+    assert max(peaks) <= window, f"nats-server had {max(peaks)} results unacknowledged, window {window}"
+    assert held - baseline < 2 * MiB, f"VmHWM grew by {(held - baseline) / MiB:.1f} MiB"
