@@ -17,10 +17,13 @@ import time
 
 import httpx
 import pytest
-from edge_harness import expected_sse, publish_result, publish_results, running_edge
+from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
 from helpers import connection, rid, sampling, status_kib, wait_until
 
 from streamproc.core.read_budget import PUSH_MESSAGE_OVERHEAD, ReadBudget, push_window
+from streamproc.core.wire import ResultInfo
+from streamproc.edge import replay as replay_module
+from streamproc.edge.feed import Ended
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
@@ -188,7 +191,6 @@ async def test_a_stored_read_whose_reader_left_stays_charged_until_its_answer_is
     edge's connection. Given back at the cancel, clients opening late attaches and leaving at once
     had the server queue past the budget (review 2026-12-06: 19.9 MiB queued towards the edge while
     the budget counted 14.7 MiB out, under a 16 MiB budget)."""
-    from edge_harness import started_source
     subjects = Subjects("budgetcancel")
     async with started_source(nats_url, subjects, ensure_results_stream=True) as source:
         request_id = rid("left")
@@ -220,7 +222,6 @@ async def test_a_pull_out_when_its_replay_is_closed_stays_charged_until_its_cons
     came, and comes all the same when the replay is closed (its client left): it stays charged until
     the consumer's delete is answered, behind it (review 2026-12-06: given back at the close, the
     edge then received 6.4 MB of that pull's results with none of them counted)."""
-    from edge_harness import started_source
     subjects = Subjects("budgetclose")
     big = b'{"text":"' + b"x" * (900 * 1024) + b'"}'
     async with started_source(nats_url, subjects, ensure_results_stream=True) as source:
@@ -408,3 +409,45 @@ async def test_a_push_replay_of_a_paused_client_never_has_more_than_its_window_u
     assert len(peaks) > 20 and max(peaks) > 0, peaks  # sampled while the consumer had results out
     assert max(peaks) <= window, f"nats-server had {max(peaks)} results unacknowledged, window {window}"
     assert held - baseline < 2 * MiB, f"VmHWM grew by {(held - baseline) / MiB:.1f} MiB"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_push_replays_results_redelivered_to_a_reader_away_past_their_ack_wait_are_handed_out_once(
+        monkeypatch, anyio_backend):
+    """A push replay (pulls and ``STREAM.MSG.GET`` refused) acknowledges each result as it hands it
+    out: a reader away longer than its consumer's ack wait (``PUSH_ACK_WAIT``, 120 s; 1 s here) has
+    the window's results it holds unacknowledged sent again by nats-server, once per ack wait, into
+    the same queue. They are skipped by their stream sequence (and acknowledged): the reader gets
+    each result once, in order, and the replay's count and next sequence never go back."""
+    monkeypatch.setattr(replay_module, "PUSH_ACK_WAIT", 1.0)
+    subjects = Subjects("pushredeliver")
+    request_id = rid("away")
+    count = 10
+    bodies = [b'{"text":"%d"}' % seq for seq in range(count)]
+    with EmbeddedNats(config=NO_STORED_READS) as server:
+        url = server.url.replace("nats://", "nats://edge:edge@")
+        async with connection(url) as nc, \
+                started_source(url, subjects, recent=0, ensure_results_stream=True) as source:
+            await publish_results(nc, subjects, request_id, bodies)
+            js = nc.jetstream()
+            stream = await js.find_stream_name_by_subject(subjects.result(request_id))
+            await wait_until(lambda: stored_count(js, stream, count), 10, "the history stored")
+            feed = await source.open(request_id)
+            first = await feed.next(10.0)
+            assert isinstance(first, ResultInfo) and first.seq == 0, first
+            replay = feed.replay
+            assert replay is not None and replay.window == 3, replay and replay.window  # a push consumer
+            await asyncio.sleep(2.5)  # away past two ack waits: the window's results sent again, twice
+            infos = [info for info in await js.consumers_info(stream) if info.config.ack_policy == "explicit"]
+            redelivered = sum(info.num_redelivered or 0 for info in infos)
+            seqs = [first.seq]
+            while isinstance(item := await feed.next(10.0), ResultInfo):
+                seqs.append(item.seq)
+            read = replay.read
+            await feed.close()
+    assert isinstance(item, Ended), item
+    assert redelivered > 0, infos  # nats-server did send results again
+    assert seqs == list(range(count)), seqs
+    assert feed.order.duplicates == 0  # skipped by the replay, not left to the feed's order
+    assert read == count  # each handed out once
