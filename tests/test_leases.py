@@ -71,6 +71,14 @@ async def owner_and_peer(nc: nats.aio.client.Client, bucket: str, ttl: float) ->
     return owner, peer
 
 
+async def shorten_max_age(nc: nats.aio.client.Client, stream: str, seconds: float) -> None:
+    """A co-tenant's edit of a running bucket: its max age (and duplicate window) set to ``seconds``."""
+    js = nc.jetstream()
+    info = await js.stream_info(stream)
+    info.config.max_age = info.config.duplicate_window = seconds
+    await js.update_stream(info.config)
+
+
 async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_has_no_two_owners(nats_url):
     """A co-tenant (or an operator) shortened the lease bucket's max age after start-up, where
     ``open`` checks it: the server expired the owner's entry well before the owner's own validity
@@ -84,10 +92,7 @@ async def test_a_lease_bucket_whose_max_age_was_shortened_under_a_running_owner_
     async with connection(nats_url) as nc:
         owner, peer = await owner_and_peer(nc, "SHORTENED_LEASES", ttl)
         assert (await peer.step()).acquired == ()
-        js = nc.jetstream()
-        info = await js.stream_info("KV_SHORTENED_LEASES")
-        info.config.max_age = info.config.duplicate_window = 0.6
-        await js.update_stream(info.config)
+        await shorten_max_age(nc, "KV_SHORTENED_LEASES", 0.6)
         await owner.step()  # renews: the entry now expires 0.6 s after this write
         deadline = time.monotonic() + 5
         while not (await peer.step()).acquired:
@@ -110,10 +115,7 @@ async def test_a_peer_that_sees_the_shortened_max_age_first_takes_no_lease_its_o
     async with connection(nats_url) as nc:
         owner, peer = await owner_and_peer(nc, "SHORTENED_FIRST_SEEN", ttl)
         assert (await peer.step()).acquired == ()
-        js = nc.jetstream()
-        info = await js.stream_info("KV_SHORTENED_FIRST_SEEN")
-        info.config.max_age = info.config.duplicate_window = 0.6
-        await js.update_stream(info.config)
+        await shorten_max_age(nc, "KV_SHORTENED_FIRST_SEEN", 0.6)
         deadline = time.monotonic() + 8
         while not (await peer.step()).acquired:  # the owner never steps again: its lease lapses
             assert time.monotonic() < deadline, "the peer never took the lapsed lease"
