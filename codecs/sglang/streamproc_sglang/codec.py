@@ -154,10 +154,11 @@ ERROR_TYPES: Mapping[ErrorKind, str] = {
 def _abort_with_status(body: bytes) -> bool:
     """Whether the body's finish reason may be an abort with a ``status_code`` in ``[400, 600)``: the
     ``"finish_reason"`` key (``FINISH_KEY``; the first one found from either end) holds one
-    (``ABORT_OPENING`` then ``STATUS_NEXT``, within ``FINISH_SPAN`` bytes of the key). Byte searches from both ends that stop at the key (a body without one is read
-    once), at most ``FINISH_CANDIDATES + 1`` anchored matches of at most ``FINISH_SPAN`` bytes: linear
-    in the body whatever its bytes, and for a body SGLang writes proportional to the nearer side of
-    its finish reason (``Codec.folds_alone`` runs on the edge's event loop). ``fold`` parses to decide."""
+    (``ABORT_OPENING`` then ``STATUS_NEXT``, within ``FINISH_SPAN`` bytes of the key). Byte searches
+    from both ends that stop at the key (a body without one is read once), at most
+    ``FINISH_CANDIDATES + 1`` anchored matches of at most ``FINISH_SPAN`` bytes: linear in the body
+    whatever its bytes, and for a body SGLang writes proportional to the nearer side of its finish
+    reason (``Codec.folds_alone`` runs on the edge's event loop). ``fold`` parses to decide."""
     front, back, step = 0, len(body), FINISH_STEP
     overlap = len(FINISH_KEY) - 1  # a key across a chunk's edge
     misses = 0

@@ -16,7 +16,8 @@ from typing import Any, Iterable, Sequence
 from streamproc.codec import UNAVAILABLE_SUFFIX
 
 from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS,
-                     RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status, meta_of, restated, restates)
+                     RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status,
+                     meta_of, restated, restates)
 
 
 def abort_answer(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
