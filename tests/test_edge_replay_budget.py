@@ -230,6 +230,10 @@ async def test_a_pull_out_when_its_replay_is_closed_stays_charged_until_its_cons
         js = client.jetstream()
         stream = await js.find_stream_name_by_subject(subjects.result(request_id))
         await wait_until(lambda: stored_count(js, stream, 8), 10, "stored")
+        # ... and dispatched by the recent ring's consumer: a feed opened before that gets the rest
+        # live from the dispatch, and its replay has nothing to pull (CI, 1 run in 20-30 under load:
+        # "read 0", no pull ever sent)
+        await wait_until(lambda: source.fanout.delivered() >= 8, 10, "dispatched by the ring")
         gate = source.read_gate
         feed = await source.open(request_id)
         replay = feed.replay
