@@ -198,6 +198,8 @@ async def test_a_stored_read_whose_reader_left_stays_charged_until_its_answer_is
         js = client.jetstream()
         stream = await js.find_stream_name_by_subject(subjects.result(request_id))
         await wait_until(lambda: stored_count(js, stream, 2), 10, "stored")
+        # and dispatched by the ring: else the replay ends before them (fanout.delivered) and asks nothing
+        await wait_until(lambda: source.fanout.delivered() >= 2, 10, "dispatched by the ring")
         gate = source.read_gate
         for _ in range(5):
             feed = await source.open(request_id)
