@@ -737,6 +737,28 @@ def test_a_result_whose_header_block_jetstream_never_stores_is_given_up_at_its_f
     assert box.idle and box.sending(1.0) == []
 
 
+def test_a_result_past_its_subjects_limit_is_given_up_at_its_first_refusal_and_a_full_stream_is_retried():
+    """A discard-new-per-subject ``max_msgs_per_subject`` refuses every later result of the request
+    (they share its subject): retried, the result held its chunks for 100 x 0.5 s per delivery and
+    stalled its partition (tests/test_durable_full_results_stream.py). A stream-wide ``max_msgs`` /
+    ``max_bytes`` (the same err_code 10077) refuses every request alike until results age out: retried."""
+    box = Outbox(OutboxConfig(max_attempts=100))
+    t0, t1 = Token("a", "0", 1), Token("b", "0", 1)
+    box.take([result("a", 0, settles=(t0,))], "a")
+    box.take([result("b", 0, settles=(t1,))], "b")
+    a, b = box.sending(0.0)
+    per_subject = (b'{"error":{"code":503,"err_code":10077,"description":"maximum messages per subject exceeded"},'
+                   b'"stream":"R","seq":0}')
+    stream_full = b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"},"stream":"R","seq":0}'
+    assert box.on_puback(a.ticket, per_subject, 0.1) == GIVEN_UP
+    (g,) = box.given_up()
+    assert (g.request_id, g.attempts) == ("a", 1) and "max_msgs_per_subject" in g.reason
+    assert box.control() == [(t0, NAK)]
+    assert box.on_puback(b.ticket, stream_full, 0.1) == REFUSED
+    assert box.given_up() == [] and box.control() == []
+    assert box.tick(1.0) == [] and [o.result.request_id for o in box.sending(1.0)] == ["b"]  # after 0.5 s
+
+
 def test_a_result_whose_puback_never_comes_is_given_up_after_max_attempts_timeouts():
     box = Outbox(OutboxConfig(first_wait=1.0, max_wait=1.0, max_attempts=3))
     box.take([result("a", 0, settles=(Token("a", "0", 1),))], "a")

@@ -168,6 +168,12 @@ _HEADERS_TOO_LARGE = b'"err_code":10097'
 # Its refusal of a message over the stream's max_msg_size (JSStreamMessageExceedsMaximumErr): start-up
 # refuses a max_msg_size below max_payload, but a stream edited under the running processor has one.
 _MESSAGE_TOO_LARGE = b'"err_code":10054'
+# Its refusal of a request's result past the stream's max_msgs_per_subject with discard new per subject
+# (JSStreamStoreFailedF, 10077, worded as store.go's ErrMaxMsgsPerSubject): a request's results share one
+# subject, so every later result of the request is refused too, until its results age out. The stream-wide
+# ErrMaxMsgs / ErrMaxBytes (same code) are not this: results of every request are refused alike, and age
+# out (max_age), so retrying them is how anything gets stored again.
+_SUBJECT_FULL = b"maximum messages per subject exceeded"
 
 
 def classify(data: bytes) -> str:
@@ -558,6 +564,9 @@ class Outbox:
             return GIVEN_UP
         if data is not None and _MESSAGE_TOO_LARGE in data:  # the same: retried, it held its chunk as long
             self._give_up(o, "it is larger than the results stream's max_msg_size")
+            return GIVEN_UP
+        if data is not None and _SUBJECT_FULL in data:  # the same: its request's later results are refused too
+            self._give_up(o, "its request's results fill the results stream's max_msgs_per_subject (discard new)")
             return GIVEN_UP
         if o.failures >= self.config.max_attempts:
             self._give_up(o, "refused")

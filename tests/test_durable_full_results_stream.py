@@ -1,0 +1,124 @@
+"""Durable mode against a results stream edited under the running processor to refuse results when
+full (discard ``new`` with ``max_msgs_per_subject`` / ``max_msgs``; real nats-server, real
+`streamproc run`). Start-up refuses such a stream and the config watch reports the edit
+(``event=stream_config_changed``); these pin what becomes of the results it then refuses."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy
+
+from durable_helpers import FORMAT, connect, durable_flags
+from helpers import free_port, scrape, wait_until
+from streamproc.catalog import worker_for
+from streamproc.client.publisher import ChunkPublisher
+from streamproc.nats.streams import RESULTS_STREAM
+from streamproc.sim import traffic
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+
+async def _results_of(js: JetStreamContext, rid: str) -> int:
+    """How many results of ``rid`` the results stream holds."""
+    info = await js.stream_info(RESULTS_STREAM, subjects_filter=f"streamproc.results.{rid}")
+    return sum((info.state.subjects or {}).values())
+
+
+async def _answered(js: JetStreamContext, rid: str) -> bool:
+    return await _results_of(js, rid) > 0
+
+
+async def _refuse_when_full(js: JetStreamContext, **limits: object) -> None:
+    """Edit the results stream to discard ``new`` with ``limits``, as a co-tenant or an operator would."""
+    info = await js.stream_info(RESULTS_STREAM)
+    info.config.discard = DiscardPolicy.NEW
+    for name, value in limits.items():
+        setattr(info.config, name, value)
+    await js.update_stream(info.config)
+
+
+def _streamed(rid: str, chunks: int) -> list[bytes]:
+    """An aggregated streamed answer of ``chunks`` chunks, one token each (one result each)."""
+    truth = traffic.make_truth(1, request_id=rid, prompt_len=4, output_len=chunks, chunk_sizes=[1] * chunks)
+    return worker_for(FORMAT).agg(truth, stream=True)
+
+
+def _answer(rid: str) -> list[bytes]:
+    return worker_for(FORMAT).agg(traffic.make_truth(2, request_id=rid, prompt_len=4, output_len=1), stream=False)
+
+
+async def test_a_request_past_the_results_streams_per_subject_limit_is_given_up_at_once_and_its_partition_serves_on(
+        nats_url, streamproc_run):
+    """The results stream edited to ``max_msgs_per_subject`` 2 with discard new per subject: a
+    request's third result is refused ("maximum messages per subject exceeded", err_code 10077), and
+    so is every later one of that request (they share its subject). The outbox re-sent it every
+    0.5 s for ``--max-result-attempts`` (100) per delivery, the request's later chunks held
+    unacknowledged behind it: at ``--max-ack-pending`` 4 the partition stalled, a bystander
+    unanswered after 60 s. Now given up at its first refusal, as a result over ``max_msg_size`` is:
+    its chunks NAKed, redelivered and refused again up to ``--max-deliver`` (its error result is
+    refused too); the bystander is answered within seconds, and so is a request after those
+    deliveries; the refusal is logged with its reason and counted, and nothing is re-sent after."""
+    port = free_port()
+    flags = durable_flags(partitions=1, max_deliver=3, max_ack_pending=4)
+    with streamproc_run(*flags, "--http-port", str(port), "--http-host", "127.0.0.1") as (_, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await _refuse_when_full(js, max_msgs_per_subject=2, discard_new_per_subject=True)
+            publisher = ChunkPublisher(nc, durable=True)
+            await publisher.publish_leg("long", "agg", _streamed("long", 12))  # 10 chunks past the limit
+            await anyio.sleep(0.5)
+            await publisher.publish_leg("bystander", "agg", _answer("bystander"))
+            t0 = time.monotonic()
+            await wait_until(lambda: _answered(js, "bystander"), 15,
+                             "the bystander answered, behind a request whose results the stream refuses")
+            assert time.monotonic() - t0 < 15
+            await anyio.sleep(3)  # the refused request's chunks through their --max-deliver deliveries
+            await publisher.publish_leg("after", "agg", _answer("after"))
+            await wait_until(lambda: _answered(js, "after"), 5, "a request answered after the refused one's deliveries")
+            assert await _results_of(js, "long") == 2  # what the limit let in; nothing more can be
+            text = log_path.read_text()
+            assert "event=result_given_up" in text and "max_msgs_per_subject" in text, text[-3000:]
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_results_given_up_total"] >= 1
+            sent = metrics["streamproc_durable_publish_errors_total"]
+            await anyio.sleep(2)  # settled: nothing is re-sent any more
+            assert scrape(port)["streamproc_durable_publish_errors_total"] == sent
+        finally:
+            await nc.close()
+
+
+
+async def test_results_refused_by_a_full_results_stream_are_retried_at_a_bounded_rate_and_stored_once_it_has_room(
+        nats_url, streamproc_run):
+    """The results stream edited to discard new with ``max_msgs`` reached: every request's results are
+    refused alike ("maximum messages exceeded", err_code 10077, the code of the per-subject limit
+    above), and room comes back as results age out (``--results-max-age``) or the limit is raised, so
+    a refused result is kept and sent again every 0.5 s (its chunk held, with in-progress acks) for
+    ``--max-result-attempts`` per delivery: logged with the server's words, not given up, not spinning,
+    and stored as soon as the stream has room."""
+    port = free_port()
+    with streamproc_run(*durable_flags(partitions=1), "--http-port", str(port), "--http-host", "127.0.0.1") as (
+            _, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            publisher = ChunkPublisher(nc, durable=True)
+            await publisher.publish_leg("first", "agg", _answer("first"))
+            await wait_until(lambda: _answered(js, "first"), 10, "a request answered before the edit")
+            await _refuse_when_full(js, max_msgs=1)
+            await publisher.publish_leg("waiting", "agg", _answer("waiting"))
+            await anyio.sleep(3)
+            metrics = scrape(port)
+            assert not await _answered(js, "waiting")
+            assert metrics["streamproc_durable_results_given_up_total"] == 0
+            assert 2 <= metrics["streamproc_durable_publish_errors_total"] <= 9  # one send per 0.5 s, not a spin
+            assert "maximum messages exceeded" in log_path.read_text()  # result_not_stored quotes the server
+            await _refuse_when_full(js, max_msgs=-1)  # room again
+            await wait_until(lambda: _answered(js, "waiting"), 5, "the held result stored once the stream has room")
+        finally:
+            await nc.close()
