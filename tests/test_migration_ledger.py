@@ -3,6 +3,8 @@ id) and stored result bodies read back in seq order."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
@@ -86,3 +88,18 @@ async def test_a_new_owner_lists_every_sealed_request_once_with_its_age(client):
     assert all(0 <= age < 30 for _, age in listed), listed
     assert [request_id_of(record_key(rid)) for rid in ids] == ids
     assert request_id_of("p.3") is None and request_id_of("r.!!") is None
+
+
+async def test_seal_record_ages_are_read_on_the_servers_clock_whatever_the_hosts_says(client, monkeypatch):
+    """A record's age was the host's wall clock minus the server's write stamp: with the host a day
+    ahead of the server (past the records' ttl, 60 s here), every record read 86,400 s old, so the
+    new owner's seal list dropped it at its next seal while it was still in the bucket, and the
+    sealed attempt's late first output chunk would start the request afresh. Both ends are the
+    server's now (the bucket's stream info ``ts``)."""
+    ledger = await ledger_for(client)
+    await ledger.write("skewed", record("skewed", [1], "first"), None)
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + 86_400)  # the host's clock a day ahead
+    ((rid, age),) = await ledger.sealed()
+    monkeypatch.undo()
+    assert rid == "skewed" and 0 <= age < 30, age

@@ -28,7 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-import time
+from datetime import datetime
 
 import anyio
 import msgspec
@@ -87,11 +87,18 @@ def bucket_problems(actual: StreamConfig) -> list[str]:
     return found
 
 
+class _ServerTime(msgspec.Struct):
+    """The part of a JetStream info reply read here: when the server wrote it (nats-server 2.10+)."""
+
+    ts: datetime | None = None
+
+
 class MigrationLedger:
     """Seal records in the migrations bucket, and stored result bodies read back from the results stream."""
 
     def __init__(self, nc: NatsClient, bucket: str, results_stream: str, results_head: str, *,
                  ttl: float, replicas: int = 1, storage: StorageType = StorageType.FILE) -> None:
+        self._nc = nc
         self.js = nc.jetstream(timeout=10)
         self.bucket = bucket
         self.results_stream = results_stream
@@ -154,20 +161,31 @@ class MigrationLedger:
         assert self._kv is not None
         out: list[tuple[str, float]] = []
         with anyio.fail_after(timeout):
+            # Ages on the server's clock, which stamped the records: the host's clock ahead of it by
+            # more than the records' ttl made every age past it, and each record listed was dropped
+            # at this instance's next seal while it was still in the bucket.
+            now = await self._server_now()
             watcher = await self._kv.watchall(ignore_deletes=True, meta_only=True)
             try:
-                now = time.time()
                 async for entry in watcher:
                     if entry is None:  # nats-py's end-of-initial-values marker
                         break
                     rid = request_id_of(entry.key)
                     if rid is not None:
-                        created = entry.created.timestamp() if entry.created is not None else now
+                        created = entry.created.timestamp() if entry.created is not None and now else now
                         out.append((rid, max(0.0, now - created)))
             finally:
                 with anyio.CancelScope(shield=True):
                     await watcher.stop()
         return out
+
+    async def _server_now(self) -> float:
+        """The server's time (its stream info's ``ts``), seconds since the epoch; 0.0 when it tells
+        none: then every age reads 0, each record listed for a whole ttl more (a lookup too many
+        at worst, never a seal missed)."""
+        reply = await self._nc.request(f"{self.js._prefix}.STREAM.INFO.KV_{self.bucket}", b"", timeout=10)
+        ts = msgspec.json.decode(reply.data, type=_ServerTime).ts
+        return ts.timestamp() if ts is not None and ts.year > 1 else 0.0  # Go's zero time: not told
 
     async def history(self, request_id: str, count: int) -> list[bytes]:
         """The stored bodies of results ``[0, count)`` of ``request_id``, in seq order.
