@@ -315,6 +315,8 @@ async def test_the_read_budget_its_bytes_out_and_its_waits_are_on_the_edges_metr
     "recent 0",
     "recent 0, stored reads refused",
     "recent 0, stored reads and acks refused",
+    "stored reads refused",
+    "stored reads and acks refused",
 ])
 async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_connection_cut(mode):
     """Where the edge may not pull (no ``CONSUMER.MSG.NEXT``: ``replay_pulls_refused``) its replays
@@ -327,11 +329,13 @@ async def test_late_attaches_where_pulls_are_refused_never_get_the_edges_nats_co
     before its consumer is made past it. Where MSG.GET is refused too (an expected failure until
     2026-12-06), the history is read with push consumers of explicit acks held to the budget by their
     ``max_ack_pending`` (replay.py ``_push_consumer``); where acks are refused as well, a new one per
-    ``max_ack_pending`` results."""
+    ``max_ack_pending`` results. So with the ring (the default ``--recent``), where MSG.GET refused
+    gave each open an ordered consumer of its own from the stream's start until 2026-12-06 (the
+    ``stored reads refused`` modes: the edge cut, every attach 503, 3 runs of 3)."""
     subjects = Subjects("pushbudget")
     extra = ("--recent", "0") if mode.startswith("recent 0") else ()
-    config = {"recent 0, stored reads refused": NO_STORED_READS,
-              "recent 0, stored reads and acks refused": NO_STORED_READS_NOR_ACKS}.get(mode, NO_PULLS)
+    config = (NO_STORED_READS_NOR_ACKS if "acks" in mode else NO_STORED_READS if "stored reads" in mode
+              else NO_PULLS)
     with EmbeddedNats(config=config) as server:
         url = server.url.replace("nats://", "nats://edge:edge@")
         with running_edge(url, "--prefix", subjects.prefix, "--ensure-results-stream",
@@ -457,3 +461,66 @@ async def test_a_push_replays_results_redelivered_to_a_reader_away_past_their_ac
     assert seqs == list(range(count)), seqs
     assert feed.order.duplicates == 0  # skipped by the replay, not left to the feed's order
     assert read == count  # each handed out once
+
+
+async def read_all(feed, *, publish_more) -> list[int]:
+    """The feed's seqs until it ends, ``publish_more`` run after the first one came (the boundary
+    between its replay and the dispatch is crossed while it reads)."""
+    seqs: list[int] = []
+    while isinstance(item := await feed.next(5.0), ResultInfo):
+        seqs.append(item.seq)
+        if len(seqs) == 1:
+            await publish_more()
+    assert isinstance(item, Ended), (seqs, item)
+    return seqs
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_ring_open_where_msg_get_is_refused_reads_its_history_in_the_budget_then_the_dispatch_each_once(
+        anyio_backend):
+    """With the ring and ``STREAM.MSG.GET`` refused, an open is a dispatched feed whose history up
+    to what the ring delivered is read with consumers in the read budget (until 2026-12-06 an
+    ordered consumer of its own from the stream's start, outside it): the first open, which finds
+    the refusal, and one after it. Each gets every result once and in order across the replay's
+    end and the dispatch; an open with nothing stored makes no consumer."""
+    subjects = Subjects("ringrefused")
+    with EmbeddedNats(config=NO_STORED_READS) as server:
+        url = server.url.replace("nats://", "nats://edge:edge@")
+        async with connection(url) as nc, started_source(url, subjects, ensure_results_stream=True) as source:
+            stored, total = 12, 24
+            ids = [rid("first"), rid("later")]
+            for request_id in ids:
+                for seq in range(stored):
+                    await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq)
+            await nc.flush()
+            stream = source.fanout.stream
+            last = (await nc.jetstream().stream_info(stream)).state.last_seq
+            await wait_until(lambda: source.fanout.delivered() >= last, 10, "the ring read the histories")
+            for n, request_id in enumerate(ids):
+                feed = await source.open(request_id)
+                assert feed.inbox is not None and feed.replay is not None  # dispatched, not a consumer of its own
+                granted = source.read_gate.budget.granted_total
+
+                async def publish_more(request_id: str = request_id) -> None:
+                    for seq in range(stored, total):
+                        await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq,
+                                             final=seq == total - 1)
+                    await nc.flush()
+
+                assert await read_all(feed, publish_more=publish_more) == list(range(total))
+                assert source.msg_get.state == "refused" and source.metrics.streams_fallback == n + 1
+                assert source.read_gate.budget.granted_total > granted  # its push consumer was charged
+                await feed.close()
+            assert source.metrics.duplicates_dropped == 0
+            made = source.metrics.jetstream_replays
+            empty = await source.open(rid("nothing-stored"))
+            started = time.monotonic()
+            # one STREAM.INFO says nothing is stored: no consumer waiting out its timeout for nothing
+            assert await empty.next(0.5) is None and empty.replay is None
+            assert time.monotonic() - started < 1.0
+            assert not source._replays and source._replays_creating == 0
+            assert source.metrics.jetstream_replays == made + 1
+            await empty.close()
+            await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")

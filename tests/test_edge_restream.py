@@ -24,6 +24,7 @@ from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
 
 from streamproc.core.defaults import EDGE_INBOX_PREFIX
+from streamproc.core.errors import StoredResultsRefused
 from streamproc.core.wire import ResultInfo
 from streamproc.edge.feed import StreamGone
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
@@ -397,22 +398,27 @@ async def _recreated_under_open_streams(own_server, first: int, attempt: int) ->
 
 @contextlib.asynccontextmanager
 async def a_feed_with_msg_get_refused(own_server, name: str):
-    """An in-process source on a fresh results stream whose ``STREAM.MSG.GET`` is refused, and a feed
-    it opened: that feed reads the ring's stream with an ordered consumer of its own (msg_get.py)."""
+    """An in-process source on a fresh results stream, and a dispatched feed it opened whose
+    ``STREAM.MSG.GET`` went unanswered (``fall_back``; MSG.GET never answered, so refused from then
+    on): that feed reads the ring's stream with an ordered consumer of its own (msg_get.py). (Since
+    2026-12-06 an open made while MSG.GET is refused reads its history with consumers in the read
+    budget and stays dispatched: tests/test_edge_replay_budget.py.)"""
     async with connection(own_server.url) as nc:
         await recreate(nc.jetstream())
         async with started_source(own_server.url, SUBJECTS) as source:
             assert source.msg_get is not None
-            source.msg_get.refused("a test refuses it")
             feed = await source.open(rid(name))
+            assert feed.inbox is not None
+            source.fall_back(feed, StoredResultsRefused("a test refuses it", denied=False))
+            assert source.msg_get.state == "refused"
             assert feed.inbox is None and feed.stream == RESULTS_STREAM  # an ordered consumer of its own
             yield nc, source, feed
 
 
-async def test_streams_given_their_own_consumer_because_msg_get_is_refused_go_on_from_a_recreated_stream(
+async def test_streams_given_their_own_consumer_because_msg_get_went_unanswered_go_on_from_a_recreated_stream(
         own_server):
-    """With the ring on, a stream gets an ordered consumer of its own on the ring's stream while the
-    edge may not read stored results by subject (msg_get.py); a recreated stream used to end those
+    """With the ring on, a stream gets an ordered consumer of its own on the ring's stream when its
+    replay's MSG.GET goes unanswered (source.py, fall_back); a recreated stream used to end those
     with the ``unavailable`` error while the ring's streams went on. They go on the same way now."""
     await in_attempts(lambda n: _recreated_under_a_feed_with_msg_get_refused(own_server, n), "msg get refused")
 
@@ -577,7 +583,7 @@ async def test_a_stream_of_its_own_recreated_before_the_watch_first_asked_about_
 
 
 async def test_a_deleted_ring_stream_read_by_a_consumer_of_its_own_is_counted_and_reported_once(own_server):
-    """MSG.GET refused: a stream reads the ring's results stream with an ordered consumer of its own.
+    """MSG.GET unanswered: a stream reads the ring's results stream with an ordered consumer of its own.
     Deleted, the ring's check ends it and reports the stream missing; the check of the streams read
     by consumers of their own must not count the same deletion again (it did, once per second
     while the ended stream's client had not gone yet) nor report it a second time in /healthz."""

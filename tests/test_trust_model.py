@@ -369,8 +369,9 @@ async def test_a_slow_late_attach_through_the_shipped_config_is_sent_its_history
 async def test_an_edge_without_the_msg_get_permission_serves_whole_streams_with_a_consumer_each(
         server_before_msg_get):
     """An edge user of the earlier permission set may not publish $JS.API.STREAM.MSG.GET: the edge
-    says so once, reads each JetStream stream with an ordered consumer of its own (history before
-    the open, then live), and a core-mode edge never asks for it."""
+    says so once, reads each JetStream stream's history before the open with consumers in the read
+    budget, then live from the ring (since 2026-12-06; before, an ordered consumer of its own from
+    the stream's start), and a core-mode edge never asks for it."""
     srv, subjects = server_before_msg_get, Subjects("streamproc")
     processor = await nats.connect(url(srv, "processor"))
     try:
@@ -449,8 +450,8 @@ async def test_an_edge_reads_by_subject_again_once_the_permission_is_granted_wit
                 assert access is not None
                 access.reprobe = 0.5
                 refused = await source.open(ids[0])
-                assert (await refused.next(5.0)).body == b'{"n":0}'  # from its own consumer
-                assert refused.inbox is None and access.state == "refused"
+                assert (await refused.next(5.0)).body == b'{"n":0}'  # read with a consumer, in the budget
+                assert refused.inbox is not None and access.state == "refused"  # dispatched: no own consumer
                 assert source.metrics.stored_reads_refused == 1 and source.metrics.streams_fallback == 1
                 await refused.close()
                 conf = srv.log_path.parent / "server.conf"  # EmbeddedNats runs this file: the shipped one now

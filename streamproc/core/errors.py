@@ -103,8 +103,9 @@ class ChunkIdTaken(PublishRefused):
 
 class StoredResultsRefused(StreamprocError, RuntimeError):
     """The edge may not read stored results by subject (``STREAM.MSG.GET``): the server refused the
-    publish (``denied``), nobody answers the subject, or no reply came within the timeout. The open
-    falls back to an ordered consumer of its own (edge/msg_get.py)."""
+    publish (``denied``), nobody answers the subject, or no reply came within the timeout. The
+    replay reads with consumers alone then, or its feed with an ordered consumer of its own
+    (edge/msg_get.py, edge/replay.py)."""
 
     def __init__(self, reason: str, *, denied: bool) -> None:
         super().__init__(reason)

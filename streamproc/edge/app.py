@@ -702,7 +702,7 @@ class Edge:
             access = self.source.msg_get
             if access is not None and access.state == "refused":  # still serving, at a cost (msg_get.py)
                 return JSONResponse({"status": "ok", "nats": "connected",
-                                     "stored_results": f"read with an ordered consumer per stream: publish to "
+                                     "stored_results": f"read with consumers, in the read budget: publish to "
                                                        f"{access.subject} refused (docs/security.md)"})
             return JSONResponse({"status": "ok", "nats": "connected"})
         return JSONResponse({"status": "unavailable", "nats": "disconnected"}, status_code=503)

@@ -142,10 +142,11 @@ _HELP: dict[str, tuple[str, str]] = {
                                       "recent ring's wildcard one)"),
     "streams_dispatched": ("gauge", "streams fed now from the recent ring's wildcard subscription (no "
                                     "subscription of their own)"),
-    "streams_fallback": ("counter", "JetStream streams given an ordered consumer of their own because the "
-                                    "edge may not read stored results by subject (STREAM.MSG.GET refused)"),
-    "stored_reads_refused": ("gauge", "1 while STREAM.MSG.GET on the results stream is refused (the edge "
-                                      "falls back to an ordered consumer per stream; docs/security.md)"),
+    "streams_fallback": ("counter", "JetStream streams that read their stored history without "
+                                    "STREAM.MSG.GET (refused, or unanswered): with consumers in the read "
+                                    "budget, or an ordered consumer of their own"),
+    "stored_reads_refused": ("gauge", "1 while STREAM.MSG.GET on the results stream is refused (stored "
+                                      "histories are read with consumers instead; docs/security.md)"),
     "results_stream_deleted": ("counter", "times the watch found a results stream the edge read deleted"),
     "ring_consumers_lost": ("counter", "times the watch found the recent ring's consumer deleted on the server "
                                        "and made it again from the last result the ring read"),

@@ -9,9 +9,10 @@ its whole timeout. So the refusal is read from the error callback
 raced against it (:meth:`ApiPermission.guard`): the open that finds out pays one round trip, not a
 timeout.
 
-Once refused, the edge reads each JetStream stream with an ordered consumer of its own, as every
-open did before replay.py (``ResultSource._attach``), and asks again after ``reprobe`` seconds (one
-open tries MSG.GET), so a permission granted later is used without a restart.
+Once refused, the edge reads each stream's stored history with consumers alone, in the read
+budget (replay.py, ``by_consumer``; until 2026-12-06 an open had an ordered consumer of its own from
+the stream's start, outside it), and asks again after ``reprobe`` seconds (one open tries MSG.GET),
+so a permission granted later is used without a restart.
 
 The same class tracks the replay's pulls (``$JS.API.CONSUMER.MSG.NEXT.<stream>.>``,
 ``ResultSource.pulls``): refused there, a replay reads with push consumers, and a pull is tried

@@ -53,8 +53,9 @@ A live stream whose client fell its bound behind the dispatch reads on the same 
 from the first result it did not take (``start``) up to what the ring had delivered when it
 rejoined (:meth:`ResultSource.catch_up`). Where ``STREAM.MSG.GET`` is refused, such a catch-up
 reads with consumers alone (``by_consumer``): each made at the next sequence to read, unprobed,
-and paused as above (an open instead falls back to an ordered consumer from the stream's start,
-which would push its history at once to a client known to be slower). A result larger than the
+and paused as above. So does an open's replay (since 2026-12-06; before, an open fell back to an
+ordered consumer from the stream's start, outside the read budget), after one STREAM.INFO saying
+whether its subject has anything stored (:func:`subject_split`; nothing: no consumer). A result larger than the
 bound, which only MSG.GET can read, then raises :class:`~.msg_get.Refused`. A catch-up's start
 is a result of the subject (``expect``): found gone, ``lost`` tells the feed, which then reports a
 gap after ``--gap-timeout`` even when no later result of the request comes (its final one gone too).
@@ -129,6 +130,36 @@ class MsgGetResponse(msgspec.Struct):
 
 
 _decode = msgspec.json.Decoder(MsgGetResponse).decode
+
+
+class SplitState(msgspec.Struct):
+    last_seq: int = 0
+    subjects: dict[str, int] = {}
+
+
+class SplitInfo(msgspec.Struct):
+    """What :func:`subject_split` reads of a STREAM.INFO answer: decoded alone, not as nats-py's
+    whole ``StreamInfo`` (an open's cost)."""
+    created: str = ""
+    state: SplitState = msgspec.field(default_factory=SplitState)
+    error: ApiError | None = None
+
+
+_decode_split = msgspec.json.Decoder(SplitInfo).decode
+
+
+async def subject_split(nc: NatsClient, api_prefix: str, stream: str, subject: str,
+                        timeout: float) -> SplitInfo:
+    """``stream``'s last sequence now and how many results of ``subject`` it holds: one STREAM.INFO
+    with ``subjects_filter`` (a small answer, uncharged). nats-server takes the last sequence before
+    the count (``jsStreamInfoRequest``: ``stateWithDetail``, then ``SubjectsTotals``). Raises
+    nats-py's errors, ``APIError`` for the server's."""
+    reply = await nc.request(f"{api_prefix}.STREAM.INFO.{stream}",
+                             msgspec.json.encode({"subjects_filter": subject}), timeout=timeout)
+    info = _decode_split(reply.data)
+    if info.error is not None:
+        raise APIError(code=info.error.code, err_code=info.error.err_code, description=info.error.description)
+    return info
 
 
 def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
@@ -255,6 +286,12 @@ class Replay:
         self.push_charge = 0
         self.acks = acks
         self._probe_charge = 0
+        # An open's replay (``expect`` None) with consumers alone asks first whether anything of its
+        # subject is stored (:func:`subject_split`): a push consumer of nothing would wait its whole
+        # timeout, and the usual open (before its request starts) takes no consumer slot.
+        self._sized = False
+        # told when a refusal turns it (``by_consumer`` None) to consumers alone (an open's: metrics)
+        self.turned: Callable[[], None] | None = None
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
         """Send the open's probe now (MSG.GET known to answer): its answer is read in the NATS read
@@ -323,6 +360,12 @@ class Replay:
             return None
         if self.sub is None:
             if self.by_consumer:
+                if not self._sized and self.read == 0 and self.expect is None:
+                    self._sized = True
+                    nothing = await self._nothing_stored()
+                    if nothing or self.closed:
+                        self.done = nothing
+                        return None
                 if self.may_subscribe is not None and not self.may_subscribe(True):
                     self.waiting = True  # nothing to read by subject with: wait for a free consumer
                     return None
@@ -340,6 +383,8 @@ class Replay:
                 if exc.denied and self.access is not None:  # no responders (a -ERR is the source's: _on_error)
                     self.access.refused(exc.reason)
                 self.by_consumer = True
+                if self.turned is not None:
+                    self.turned()
                 return await self.next()
             if message is None:
                 return None
@@ -370,6 +415,14 @@ class Replay:
             self.done = message.seq >= self.upto
             return _parts(message)
         return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
+
+    async def _nothing_stored(self) -> bool:
+        """Nothing of the subject is stored (so nothing up to ``upto``)? Unanswered: made anyway."""
+        try:
+            info = await subject_split(self.nc, self.api_prefix, self.stream, self.subject, self.timeout)
+        except Exception:  # noqa: BLE001 - refused, unanswered: its consumer says what is stored
+            return False
+        return info.state.subjects.get(self.subject, 0) == 0
 
     def _pulls_refused(self) -> bool:
         """Pulls are refused and no re-probe of them is due (which ``usable`` would claim)."""

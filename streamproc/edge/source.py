@@ -9,8 +9,8 @@ With ``--recent`` > 0 the recent ring's subscription to every result hands each 
 feeds open on its subject (:mod:`.fanout`): a core subscription (live only), or, when a JetStream
 stream captures ``P.results.>``, one ordered consumer, each feed first reading from the stream what
 was stored before it registered (:mod:`.replay`), so a client that attaches late loses nothing.
-An edge user that may not read stored results by subject (:mod:`.msg_get`) gets each JetStream
-feed its own ordered consumer instead, as with ``--recent 0``.
+An edge user that may not read stored results by subject (:mod:`.msg_get`) has that history read
+with consumers alone, in the read budget (:meth:`ResultSource._open_dispatched`).
 With ``--recent 0`` each feed has its own: an ordered consumer of the subject from past the
 stream's last sequence at the open, what is stored before it read first as a replay's (in the read
 budget: :meth:`ResultSource._read_stored`), or a core subscription (live only). Either way :class:`SeqOrder` hands them out
@@ -27,12 +27,11 @@ import logging
 import time
 from typing import Callable
 
-import msgspec
 import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamInfo
 from nats.js.client import JetStreamContext
-from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ..logs import LogLimiter, error_text, log_event
 from ..nats import connection
@@ -49,7 +48,7 @@ from .msg_get import ApiPermission, Refused, State
 from .probes import Probes
 from .recent import RecentRequests
 from .read_budget import ReadGate
-from .replay import PULLS_LIMITED, Replay, stream_seq
+from .replay import PULLS_LIMITED, Replay, stream_seq, subject_split
 from .lookup import StreamLookup
 from .metrics import EdgeMetrics
 from .settings import EdgeSettings
@@ -90,28 +89,6 @@ def jetstream_hint(exc: BaseException) -> str:
                 "edge's account); enable it, or start the edge without --ensure-results-stream (it then "
                 "serves live results only)")
     return "the server's answer above says why"
-
-
-class _SplitState(msgspec.Struct):
-    last_seq: int = 0
-    subjects: dict[str, int] = {}
-
-
-class _SplitError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
-class _SplitInfo(msgspec.Struct):
-    """What :meth:`ResultSource._split_at_last` reads of a STREAM.INFO answer: decoded alone, not as
-    nats-py's whole ``StreamInfo`` (an open's cost)."""
-    created: str = ""
-    state: _SplitState = msgspec.field(default_factory=_SplitState)
-    error: _SplitError | None = None
-
-
-_decode_split = msgspec.json.Decoder(_SplitInfo).decode
 
 
 def _unsubscribed(task: asyncio.Task) -> None:
@@ -700,19 +677,27 @@ class ResultSource:
         waits, as a SUB's PING did, until the server has the wildcard subscription again."""
         assert self.fanout is not None and self.nc is not None
         stream = self.fanout.stream
-        if stream is not None and self.msg_get is not None and not self.msg_get.usable():
-            # The edge may not read stored results by subject (msg_get.py): its own ordered consumer.
-            feed = ResultFeed(self, request_id, None, "jetstream", order)
-            self.metrics.streams_fallback += 1
-            self._consume(feed, stream, limits)
-            return feed
         feed = ResultFeed(self, request_id, None, "core" if stream is None else "jetstream", order,
                           inbox=self.fanout.inbox(limits["pending_bytes_limit"], limits["pending_msgs_limit"]))
         self.fanout.add(subject, feed)
         if stream is not None:
             # Every result after the consumer's last delivered sequence reaches the inbox; the earlier
             # ones are read from the stream (replay.py). The ordered consumer resumes after a reconnect.
-            feed.replay = replay = self._replay(feed, stream, subject, 1)
+            # Where the edge may not read stored results by subject (msg_get.py), the history is read
+            # with consumers alone, in the read budget (replay.py, ``by_consumer``), as a catch-up's:
+            # True while refused (the re-probe's open, once per interval, asks MSG.GET first); None
+            # while MSG.GET never answered, so that a refusal turns it to consumers too. Until
+            # 2026-12-06 such an open had an ordered consumer from the stream's start, outside the
+            # budget, and many slow late attaches had the edge's connection cut
+            # (tests/test_edge_replay_budget.py).
+            access = self.msg_get
+            refused = access is not None and access.state == "refused" and not access.usable()
+            by_consumer = True if refused else None if access is not None and not access.confirmed else False
+            feed.replay = replay = self._replay(feed, stream, subject, 1, by_consumer)
+            if refused:
+                self.metrics.streams_fallback += 1
+            else:
+                replay.turned = self._history_without_msg_get
             self.metrics.jetstream_replays += 1
             probes = self.probes
             if probes is not None and probes.nc is self.nc and (self.msg_get is None or self.msg_get.confirmed):
@@ -773,12 +758,7 @@ class ResultSource:
         assert self.nc is not None
         subject = self.subjects.result(feed.request_id)
         try:
-            reply = await self.nc.request(f"{self.jetstream()._prefix}.STREAM.INFO.{stream}",
-                                          msgspec.json.encode({"subjects_filter": subject}), timeout=REPLAY_TIMEOUT)
-            info = _decode_split(reply.data)
-            if info.error is not None:
-                raise APIError(code=info.error.code, err_code=info.error.err_code,
-                               description=info.error.description)
+            info = await subject_split(self.nc, self.jetstream()._prefix, stream, subject, REPLAY_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - unanswered, refused, the stream gone: as before 2026-12-06
             # its consumer from ``start`` (which fails with its own reason if the stream is gone)
             self.limited.log(logging.WARNING, "stored_history_unsplit", request_id=feed.request_id,
@@ -822,6 +802,10 @@ class ResultSource:
                       by_consumer, expect, self._replay_consumer_made, self.pulls, self.read_gate,
                       self._largest_stored, self._replay_read_by_subject, self.acks)
 
+    def _history_without_msg_get(self) -> None:
+        """An open's replay turned to consumers alone at a MSG.GET refusal (replay.py)."""
+        self.metrics.streams_fallback += 1
+
     def _replay_read_by_subject(self) -> None:
         self.metrics.replay_reads_by_subject += 1
 
@@ -837,9 +821,9 @@ class ResultSource:
         every later one reaches its inbox). Its next ``next`` reads them before the inbox's.
 
         Where MSG.GET is refused (msg_get.py) the replay reads with consumers alone (replay.py,
-        ``by_consumer``): the fallback of an open, an ordered consumer from the stream's start with
-        the same bound, would push at least a bound's worth at once to a client known to be slower,
-        and end its stream with an overrun."""
+        ``by_consumer``), as an open's does: an ordered consumer from the stream's start with the
+        same bound would push at least a bound's worth at once to a client known to be slower, and
+        end its stream with an overrun."""
         inbox = feed.inbox
         assert inbox is not None and inbox.behind is not None and self.fanout is not None
         start, inbox.behind = inbox.behind, None
@@ -866,11 +850,12 @@ class ResultSource:
         feed.attaching.add_done_callback(self._attaching.discard)
 
     def fall_back(self, feed: ResultFeed, refused: Refused) -> None:
-        """A dispatched feed's replay got no answer from ``STREAM.MSG.GET``: it leaves the fan-out
-        and reads its subject with an ordered consumer of its own from the stream's start (what it
-        had queued comes again; repeats are dropped by seq). A refusal (or a silence while MSG.GET
-        never answered) sends later opens that way too until the re-probe (msg_get.py); a timeout
-        after MSG.GET did answer falls back for this feed only (a busy server, not a permission).
+        """A dispatched feed's replay got no answer from ``STREAM.MSG.GET`` where it could not read
+        with consumers alone (a timeout after MSG.GET did answer: a busy server, not a permission;
+        a result larger than the bound): it leaves the fan-out and reads its subject with an
+        ordered consumer of its own from the stream's start (what it had queued comes again;
+        repeats are dropped by seq). A refusal turns later opens to consumers alone until the
+        re-probe (msg_get.py, :meth:`_open_dispatched`).
         A ``--recent 0`` feed's replay (:meth:`_read_stored`) had no fan-out: its consumer from where
         that replay was."""
         access = self.msg_get
@@ -938,7 +923,8 @@ class ResultSource:
         if state == "refused":
             self.metrics.stored_reads_refused = 1
             log_event(log, logging.WARNING, "stored_results_unreadable", permission=subject, error=reason,
-                      fallback="an ordered consumer per JetStream stream", retry_after=self.msg_get.reprobe,
+                      fallback="stored results read with consumers, in the read budget",
+                      retry_after=self.msg_get.reprobe,
                       hint="grant the edge user publish on that subject (docs/security.md, "
                            "'Upgrading: the edge reads stored results by subject')")
         else:
