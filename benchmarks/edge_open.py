@@ -19,7 +19,8 @@ client and edge stamps on one clock (``time.perf_counter``: CLOCK_MONOTONIC, sha
 ``--mode core`` (no results stream) or ``jetstream`` (the edge creates one with
 ``--ensure-results-stream``); ``--deny-msg-get`` runs nats-server with a user (every connection's,
 ``no_auth_user``) that may not publish ``$JS.API.STREAM.MSG.GET.>``, as the edge user of a
-deployment set up before edge/replay.py: JetStream opens fall back to a consumer each (msg_get.py).
+deployment set up before edge/replay.py: JetStream opens read their history with consumers, in the
+read budget (since 2026-12-06; before, a consumer each from the stream's start: msg_get.py).
 An open reads the stream by subject only when something is stored (else there is nothing to
 replay); ``--stored N`` stores N results of another request first, so each open asks (as every
 durable open of benchmarks/latency.py does, its stream holding the earlier waves: ``--mode jetstream
