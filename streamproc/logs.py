@@ -122,20 +122,30 @@ ACCESS_LOG_PATH_CHARS = 1024
 ACCESS_LOG_CLIENT_CHARS = 100
 
 
+def names_access_token(name: str) -> bool:
+    """Whether a query parameter's name, as spelled, is ``access_token`` as Starlette reads it
+    (``parse_qsl``: names percent-decoded, ``+`` a space), case ignored: ``?access%5Ftoken=<jwt>`` is a
+    capability too, and the edge reads only ``access_token``, but a client that sent ``Access_Token=``
+    sent a capability all the same."""
+    return name == ACCESS_TOKEN or (len(name) >= len(ACCESS_TOKEN) and unquote_plus(name).lower() == ACCESS_TOKEN)
+
+
+def carries_access_token(query: str) -> bool:
+    """Whether a URL's query (without ``?``) holds a parameter :func:`names_access_token`."""
+    return bool(query) and any(names_access_token(field.partition("=")[0]) for field in query.split("&"))
+
+
 def redact_access_token(path: str) -> str:
     """``path`` with the value of every query parameter that the edge reads as ``access_token`` replaced
-    by ``<redacted>``. A name is matched as Starlette reads it (``parse_qsl``: split on ``&``, names
-    percent-decoded, ``+`` a space), not as spelled: ``?access%5Ftoken=<jwt>`` is a capability too, and
-    was logged whole while only the literal spelling was redacted. Case is ignored: the edge reads only
-    ``access_token``, but a client that sent ``Access_Token=`` sent a capability all the same."""
+    by ``<redacted>`` (:func:`names_access_token`; only the literal spelling was redacted before
+    2026-12-01)."""
     base, sep, query = path.partition("?")
     if not sep:
         return path
     fields = query.split("&")
     for i, field in enumerate(fields):
         name = field.partition("=")[0]
-        if name == ACCESS_TOKEN or (len(name) >= len(ACCESS_TOKEN)
-                                    and unquote_plus(name).lower() == ACCESS_TOKEN):
+        if names_access_token(name):
             fields[i] = f"{name}=<redacted>"
     return f"{base}?{'&'.join(fields)}"
 

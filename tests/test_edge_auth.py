@@ -1196,3 +1196,43 @@ async def test_the_routers_404_and_405_to_a_token_in_the_query_say_no_store_too(
     assert {name: (a.headers.get("Cache-Control"), a.headers.get("X-Content-Type-Options"))
             for name, a in answers.items()} == {name: ("no-store", "nosniff") for name in answers}
     assert served.status_code == 200 and served.content == b'{"text":"r"}'
+
+
+async def test_the_page_and_open_routes_opened_with_a_token_in_the_query_say_no_store_and_log_it_redacted(
+        auth_edge, nc):
+    """docs/edge.md tells operators to put the page's token in the fragment (``/#access_token=``), which
+    never reaches a server; a pasted ``/?access_token=<jwt>`` does. The page was answered without
+    ``Cache-Control: no-store`` (RFC 6750 section 2.3), so the browser's disk or a proxy could keep that
+    URL, token and all; so were ``/healthz``, ``/metrics``, the page's scripts and their 404. Each answers
+    as before, says ``no-store`` (the page keeps ``Referrer-Policy: no-referrer``), and the access log
+    redacts the token; without a token the page stays cacheable, and a bystander's stream is served."""
+    request_id = rid("auth-page-query")
+    await publish_results(nc, DURABLE, request_id, [b'{"text":"p"}'])
+    operator = token(operator=True)
+    paths = {"page": "/", "page with id": f"/?id={request_id}", "script": "/edge.js", "no such script": "/nope.js",
+             "healthz": "/healthz", "metrics": "/metrics", "head of page": "/"}
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        answers = {}
+        for name, path in paths.items():
+            method = "HEAD" if name.startswith("head") else "GET"
+            separator = "&" if "?" in path else "?"
+            answers[name] = await client.request(method, f"{path}{separator}access_token={operator}")
+        spelled = await client.get(f"/?Access%5FToken={operator}")
+        plain = await client.get("/")
+        bystander = await client.get(f"/v1/results/{request_id}", params={"stream": "false"},
+                                     headers=bearer(token(rids=[request_id])))
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "page": 200, "page with id": 200, "script": 200, "no such script": 404, "healthz": 200, "metrics": 200,
+        "head of page": 200}
+    assert {name: a.headers.get("cache-control") for name, a in answers.items()} == {
+        name: "no-store" for name in answers}
+    assert spelled.status_code == 200 and spelled.headers.get("cache-control") == "no-store"
+    assert answers["page"].headers["referrer-policy"] == "no-referrer" and "<html" in answers["page"].text.lower()
+    assert plain.status_code == 200 and "cache-control" not in plain.headers
+    assert bystander.status_code == 200 and bystander.content == b'{"text":"p"}'
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert operator not in log and operator.split(".")[2] not in log
+    assert 'method=GET path="/?access_token=<redacted>" http_version=1.1 status=200' in log
+    assert f'path="/?id={request_id}&access_token=<redacted>"' in log
+    assert 'path="/?Access%5FToken=<redacted>"' in log

@@ -53,7 +53,7 @@ from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of, shown_kind
 from ..core.errors import InvalidCapability, StreamprocError
-from ..logs import error_text, log_event
+from ..logs import carries_access_token, error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
 from ..metrics import CONTENT_TYPE, exposition, registry_for
@@ -1162,7 +1162,27 @@ class EdgeApp(Starlette):
                     scope["path_params"] = {"request_id": request_id}
                     await self.results_route(scope, receive, send)
                     return
+        if scope["type"] == "http" and carries_access_token(scope.get("query_string", b"").decode("latin-1")):
+            send = no_store(send)
         await super().__call__(scope, receive, send)
+
+
+def no_store(send: Send) -> Send:
+    """``send`` with every answer saying ``Cache-Control: no-store`` (any other ``Cache-Control`` out).
+    For the routes Starlette answers to a URL carrying ``?access_token=``: the page, its scripts,
+    ``/healthz`` and ``/metrics`` are open and cacheable, but a pasted ``/?access_token=<jwt>`` (the docs
+    say ``#access_token=``) was cached with its URL, token included (RFC 6750 section 2.3). The results
+    route is not wrapped (its answers say :data:`PRIVATE` themselves; a wrapped ``send`` would turn the
+    fan-out's direct writes off)."""
+
+    async def sending(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(name, value) for name, value in message.get("headers", ())
+                       if name.lower() != b"cache-control"]
+            message = {**message, "headers": [*headers, (b"cache-control", b"no-store")]}
+        await send(message)
+
+    return sending
 
 
 def _one_raw_segment(scope: Scope, request_id: str) -> bool:
