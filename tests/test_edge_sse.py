@@ -579,3 +579,59 @@ async def test_a_hundred_streams_make_next_to_no_garbage_collections(core_edge, 
             tasks.start_soon(one, request_id)
     # 100 opens and 2,000 events: 15 gen-0 collections with the default threshold (700), none with 50,000
     assert gen0() - before <= 1
+
+
+def http10_exchange(port: int, path: str, wait_for: bytes, then) -> bytes:
+    """``GET path HTTP/1.0`` on a raw socket: read until ``wait_for`` has arrived, call ``then()``, then
+    read until the edge closes; everything received."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(f"GET {path} HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n".encode())
+        received = b""
+        while wait_for not in received:
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        then()
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+async def test_an_http_1_0_client_gets_the_stream_close_delimited_not_chunked(durable_edge, nc):
+    """RFC 9112 section 6.1: a server MUST NOT send ``Transfer-Encoding`` to a request that does not
+    indicate HTTP/1.1. Uvicorn's httptools protocol framed an SSE stream to an HTTP/1.0 client in chunks
+    (``63\\r\\ndata: ...``), which such a client reads as part of the events. It now gets the stream
+    unframed, ended by the close (RFC 9112 section 6.3), results stored before the open and published
+    after it alike; a unary answer keeps its Content-Length, and an HTTP/1.1 client beside it is served."""
+    request_id = rid("http10")
+    bodies = [b'{"text":"%d"}' % i for i in range(5)]
+    for seq in range(2):
+        await publish_result(nc, DURABLE, request_id, seq, bodies[seq])
+    await nc.flush()
+
+    def rest() -> None:
+        async def publish() -> None:
+            for seq in range(2, 5):
+                await publish_result(nc, DURABLE, request_id, seq, bodies[seq], final=seq == 4)
+            await nc.flush()
+
+        anyio.from_thread.run(publish)
+
+    raw = await anyio.to_thread.run_sync(http10_exchange, durable_edge.port, f"/v1/results/{request_id}",
+                                         b"id: 1\n", rest)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    fields = head.lower().split(b"\r\n")
+    assert fields[0].startswith(b"http/1.1 200"), head
+    assert b"content-type: text/event-stream; charset=utf-8" in fields and b"connection: close" in fields, head
+    assert not any(field.startswith(b"transfer-encoding") for field in fields), head
+    assert body == expected_sse(bodies), body
+    unary = await anyio.to_thread.run_sync(http10_exchange, durable_edge.port,
+                                           f"/v1/results/{request_id}?stream=false", b"\r\n\r\n", lambda: None)
+    unary_head, _, unary_body = unary.partition(b"\r\n\r\n")
+    assert b"content-length: %d" % len(unary_body) in unary_head.lower().split(b"\r\n"), unary
+    async with httpx.AsyncClient(base_url=durable_edge.url, timeout=15) as client:
+        bystander = await client.get(f"/v1/results/{request_id}")
+    assert bystander.status_code == 200 and bystander.content == expected_sse(bodies)
+    assert "Traceback" not in durable_edge.log()

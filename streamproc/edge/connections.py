@@ -113,7 +113,7 @@ import socket
 import ssl
 import struct
 import termios
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .app import CLOSE_AFTER_RESPONSE, SSE_STREAM, error_response
 from .experts import MAX_BODY_BYTES
@@ -153,7 +153,42 @@ LINGER_BYTES = 4 << 20
 # is at most --max-head-bytes and a TLS record 16 KiB of plaintext; larger reads only save loop passes
 # on bulk uploads, which the edge does not take.
 TLS_READ_BYTES = 32 * 1024
+# What Uvicorn's cycle is told remains of an unframed HTTP/1.0 body (close_delimited): it counts the
+# bytes down and refuses to write past 0, and a stream has no length.
+UNFRAMED_LENGTH = 1 << 62
 DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, refused connections lingering
+
+
+def close_delimited(app: Any, cycle: Any) -> Callable[..., Awaitable[None]]:
+    """``app`` for an HTTP/1.0 request (``cycle``: Uvicorn 0.54's httptools ``RequestResponseCycle``),
+    its body of no stated length (an SSE stream) sent unframed and ended by the close (RFC 9112
+    section 6.3) instead of chunked. Uvicorn chunked it whatever the request's version, and RFC 9112
+    section 6.1 forbids ``Transfer-Encoding`` to a request that does not indicate HTTP/1.1: an HTTP/1.0
+    client read the chunk sizes as part of the events. Uvicorn keeps no HTTP/1.0 connection alive, so
+    the close comes with the body's end. The wrapped ``send`` also keeps such a stream off the
+    fan-out's direct writes (``direct.UvicornBody.of``), which frame chunks. Wrapping the app, not
+    replacing ``cycle.send``, stores no closure on the cycle (a reference cycle: tests/test_edge_cycles.py)."""
+
+    async def unframed(scope: Any, receive: Any, send: Callable[[Any], Awaitable[None]]) -> None:
+        length_unstated = [False]
+
+        async def sending(message: Any) -> None:
+            if message["type"] == "http.response.start" and not cycle.response_started:
+                names = {name.lower() for name, _ in message.get("headers", ())}
+                if (b"content-length" not in names and b"transfer-encoding" not in names
+                        and scope["method"] != "HEAD" and message["status"] not in (204, 304)):
+                    length_unstated[0] = True
+                    cycle.keep_alive = False
+                    cycle.chunked_encoding = False  # Uvicorn adds no Transfer-Encoding, writes the body as is
+                    cycle.expected_content_length = UNFRAMED_LENGTH
+            elif (length_unstated[0] and message["type"] == "http.response.body"
+                  and not message.get("more_body", False)):
+                cycle.expected_content_length = len(message.get("body", b""))  # Uvicorn checks it ends at 0
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    return unframed
 
 
 def answer(status: int, reason: str, message: str, kind: str) -> bytes:
@@ -440,6 +475,8 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             # Uvicorn's (0.54), for a request whose head completed with none in progress, and for the next
             # pipelined one at a response's end: the one connection_lost must tell (below)
             self.running = cycle
+            if cycle.scope["http_version"] == "1.0":
+                app = close_delimited(app, cycle)
             super()._start_asgi_task(cycle, app)
 
         def connection_lost(self, exc: Exception | None) -> None:
