@@ -635,3 +635,22 @@ async def test_an_http_1_0_client_gets_the_stream_close_delimited_not_chunked(du
         bystander = await client.get(f"/v1/results/{request_id}")
     assert bystander.status_code == 200 and bystander.content == expected_sse(bodies)
     assert "Traceback" not in durable_edge.log()
+
+
+async def test_two_last_event_id_headers_are_a_400_not_a_resume_from_the_first(durable_edge, nc):
+    """Last-Event-ID is one value (no list, RFC 9110 section 5.3: no sender repeats it); a recipient
+    that joins repeated lines reads ``1, 3``, which is no seq. The edge took the first line and
+    resumed after it, where a proxy in front that reads the last would have logged or routed another
+    resume point. Both lines are now read as one value, a 400 naming it; one line resumes as before."""
+    request_id = rid("two-lei")
+    bodies = [b'{"text":"%d"}' % i for i in range(5)]
+    await publish_results(nc, DURABLE, request_id, bodies)
+    async with httpx.AsyncClient(base_url=durable_edge.url, timeout=15) as client:
+        twice = await client.get(f"/v1/results/{request_id}", headers=[("Last-Event-ID", "1"), ("Last-Event-ID", "3")])
+        same = await client.get(f"/v1/results/{request_id}", headers=[("Last-Event-ID", "2"), ("Last-Event-ID", "2")])
+        once = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "3"})
+    assert (twice.status_code, same.status_code) == (400, 400), (twice.content, same.content)
+    assert twice.json()["error"]["type"] == "invalid_request"
+    assert twice.json()["error"]["message"] == ("Last-Event-ID must be a result seq (a non-negative integer), "
+                                               "got '1, 3'")
+    assert once.status_code == 200 and once.content == expected_sse(bodies[4:], start=4)

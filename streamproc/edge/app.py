@@ -1013,7 +1013,9 @@ def query_values(request: Request, name: str) -> list[str]:
 
 def open_headers(scope: Scope) -> tuple[list[str], str | None, str]:
     """The headers an SSE open reads, in one pass over ``scope["headers"]``: every Authorization
-    value, the first Last-Event-ID (None without one) and the first Accept ("" without one), decoded
+    value, the Last-Event-ID (None without one; repeated lines joined with ", " as RFC 9110 section
+    5.3 lets a recipient join them, which is no seq: a 400, where the first line was taken before
+    2026-12-06 and a proxy reading the last saw another resume point) and the first Accept ("" without one), decoded
     as Starlette's ``Headers.getlist`` and ``get`` decode them (latin-1, names compared as they are
     in the scope, which ASGI servers give lower-cased). Starlette's ``Headers`` and three lookups
     were ~9 Python calls per open (docs/benchmarks.md, "SSE lifecycle")."""
@@ -1026,6 +1028,8 @@ def open_headers(scope: Scope) -> tuple[list[str], str | None, str]:
         elif name == b"last-event-id":
             if last_event_id is None:
                 last_event_id = value.decode("latin-1")
+            else:
+                last_event_id += ", " + value.decode("latin-1")
         elif name == b"accept":
             if accept is None:
                 accept = value.decode("latin-1")
