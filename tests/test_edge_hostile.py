@@ -545,3 +545,59 @@ async def test_an_address_forged_behind_a_named_proxy_is_written_cut_into_the_ac
     assert fields["status"] == "200" and fields["level"] == "info", fields
     assert "client=10.0.0.249:0 " in lines["hops"], lines["hops"]  # the last hop before the named proxy
     assert "client=198.51.100.7:0 " in lines["none"], lines["none"]
+
+
+# Request heads llhttp refuses: each answered 400 by Uvicorn before the app sees it.
+MALFORMED_HEADS = {
+    "obs-fold": b"GET /v1/results/x HTTP/1.1\r\nHost: e\r\nAuthorization: Bearer\r\n a.b.c\r\n\r\n",
+    "NUL in a value": b"GET /v1/results/x HTTP/1.1\r\nHost: e\r\nLast-Event-ID: 1\x002\r\n\r\n",
+    "non-ASCII name": b"GET /v1/results/x HTTP/1.1\r\nHost: e\r\nX-\xe9: 1\r\n\r\n",
+    "raw non-ASCII path": "GET /v1/results/a\u2603 HTTP/1.1\r\nHost: e\r\n\r\n".encode(),
+    "negative Content-Length": b"POST /v1/experts HTTP/1.1\r\nHost: e\r\nContent-Length: -1\r\n\r\n",
+    "Content-Length and chunked": b"POST /v1/experts HTTP/1.1\r\nHost: e\r\nContent-Length: 2\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "control byte in the method": b"G\x01T /healthz HTTP/1.1\r\nHost: e\r\n\r\n",
+}
+
+
+def exchange_closed(port: int, request: bytes) -> bytes:
+    """``request`` on a new connection; everything answered until the edge closes it."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+async def test_malformed_request_heads_get_a_400_each_and_a_limited_log_while_a_stream_flows(edge, nc):
+    """Obs-fold, a NUL in a value, a non-ASCII header name or path, a bad Content-Length: llhttp refuses
+    each head and Uvicorn answers ``400 Invalid HTTP request received.``, no traceback. But Uvicorn also
+    logged a WARNING line for each (``msg="Invalid HTTP request received."``): any client that can reach
+    the port, no token needed, wrote ~1,200 lines a second, past the LogLimiter that bounds every other
+    line one request can cause (docs/edge.md, Limits). Now ``invalid_http_request`` (with the peer)
+    is limited: 20 lines per 10 s, the rest counted. A stream open meanwhile gets all its results."""
+    request_id = rid("malformed-heads")
+    bodies = [b'{"text":"%d"}' % i for i in range(3)]
+    async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+        async with client.stream("GET", f"/v1/results/{request_id}") as stream:
+            assert stream.status_code == 200
+            await publish_result(nc, SUBJECTS, request_id, 0, bodies[0])
+            for name, head in MALFORMED_HEADS.items():
+                answer = await anyio.to_thread.run_sync(exchange_closed, edge.port, head)
+                assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (name, answer)
+                assert answer.endswith(b"\r\n\r\nInvalid HTTP request received."), (name, answer)
+            heads = list(MALFORMED_HEADS.values())
+            for i in range(FLOOD - len(heads)):
+                await anyio.to_thread.run_sync(exchange_closed, edge.port, heads[i % len(heads)])
+            for seq in (1, 2):
+                await publish_result(nc, SUBJECTS, request_id, seq, bodies[seq], final=seq == 2)
+            assert await stream.aread() == expected_sse(bodies)
+    log = edge.log()
+    assert "Traceback" not in log
+    lines = [line for line in log.splitlines() if "event=invalid_http_request" in line]
+    assert len(lines) == BURST, (len(lines), lines[:3])
+    assert "level=warning" in lines[0] and "client=127.0.0.1:" in lines[0], lines[0]
+    assert log.count('msg="Invalid HTTP request received."') == 0

@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import logging
 import resource
 import socket
 import ssl
@@ -116,6 +117,7 @@ import termios
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .app import CLOSE_AFTER_RESPONSE, SSE_STREAM, error_response
+from ..logs import LogLimiter
 from .experts import MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -153,10 +155,29 @@ LINGER_BYTES = 4 << 20
 # is at most --max-head-bytes and a TLS record 16 KiB of plaintext; larger reads only save loop passes
 # on bulk uploads, which the edge does not take.
 TLS_READ_BYTES = 32 * 1024
+INVALID_REQUEST = "Invalid HTTP request received."  # Uvicorn 0.54's warning and 400 body for a head llhttp refuses
 # What Uvicorn's cycle is told remains of an unframed HTTP/1.0 body (close_delimited): it counts the
 # bytes down and refuses to write past 0, and a stream has no length.
 UNFRAMED_LENGTH = 1 << 62
 DESCRIPTOR_RESERVE = 256  # descriptors beyond --max-connections: NATS, logs, refused connections lingering
+
+
+class ParserLog:
+    """Uvicorn's protocol logger (``uvicorn.error``) without its ``Invalid HTTP request received.``
+    warning, which the protocol's ``send_400_response`` writes instead as ``invalid_http_request``
+    through the LogLimiter, with the peer (Uvicorn wrote one WARNING line per head llhttp refuses:
+    any client reaching the port, no token needed, wrote ~1,200 a second). Every other call is the
+    logger's own. One for all connections: it holds none of them."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+
+    def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        if msg != INVALID_REQUEST or args:
+            self._logger.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 def close_delimited(app: Any, cycle: Any) -> Callable[..., Awaitable[None]]:
@@ -198,11 +219,16 @@ def answer(status: int, reason: str, message: str, kind: str) -> bytes:
             "connection: close\r\n\r\n").encode() + body
 
 
-def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
-    """Uvicorn's httptools protocol with the bounds of ``settings``, counted in ``metrics``."""
+def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLimiter | None = None) -> type:
+    """Uvicorn's httptools protocol with the bounds of ``settings``, counted in ``metrics``; lines one
+    client can cause per connection go through ``limited`` (the edge's, else one of its own)."""
     from asyncio.sslproto import SSLProtocol
 
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    if limited is None:
+        limited = LogLimiter(logging.getLogger("streamproc.edge"))
+    parser_log = ParserLog(logging.getLogger("uvicorn.error"))  # the logger Uvicorn's protocol takes
 
     limit = settings.max_connections
     head_timeout = settings.head_timeout
@@ -236,6 +262,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.logger = parser_log
             self.linger: asyncio.TimerHandle | None = None
             # Bytes of the head in progress, or of a body being discarded after its answer, counted
             # from the read it was in at its start (at the answer's end for a body: see ``room``).
@@ -376,6 +403,14 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics) -> type:
             self.lingered += size
             if self.lingered > self.linger_bytes:
                 self.transport.abort()
+
+        def send_400_response(self, msg: str) -> None:
+            # Uvicorn's answer to a head llhttp refuses, after its warning (ParserLog leaves it out)
+            if msg == INVALID_REQUEST:
+                client = self.client
+                limited.log(logging.WARNING, "invalid_http_request",
+                            client=f"{client[0]}:{client[1]}" if client else None)
+            super().send_400_response(msg)
 
         def eof_received(self) -> bool | None:
             if self.refused or self.lingering:

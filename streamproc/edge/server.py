@@ -84,7 +84,7 @@ def server_config(app: Any, settings: Any, *, access_log: bool = True, log_level
         port=settings.port,
         lifespan="on",
         # llhttp in C (Uvicorn's "httptools"), with --max-connections, --head-timeout, --max-head-bytes
-        http=protocol_class(settings, app.state.edge.metrics),
+        http=protocol_class(settings, app.state.edge.metrics, app.state.edge.source.limited),
         # No WebSocket: the edge serves none, but Uvicorn's "auto" upgraded a handshake to whichever
         # library was installed beside it (wsproto comes with selenium), outside these bounds, and its
         # '"WebSocket <path>" 403' line logged the path whole, ?access_token=<jwt> included. A
