@@ -44,7 +44,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -638,18 +638,25 @@ class Edge:
             # bodies nothing reads). 10 s: a 32 MiB body needs 3.4 MB/s, a 3 MB one 0.3 MB/s.
             chunks, size = [], 0
             with anyio.move_on_after(self.settings.head_timeout) as deadline:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > MAX_BODY_BYTES:
-                        return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
-                    if size > claimed:  # no Content-Length (chunked): claimed as it comes
-                        if not budget.claim(client, size - claimed):
-                            return self.bodies_refused("client")
-                        claimed = size
-                    if not budget.hold(len(chunk)):
-                        return self.bodies_refused("edge")
-                    held += len(chunk)
-                    chunks.append(chunk)
+                try:
+                    async for chunk in request.stream():
+                        size += len(chunk)
+                        if size > MAX_BODY_BYTES:
+                            return error_response(f"body over {MAX_BODY_BYTES} bytes", "invalid_request", 413)
+                        if size > claimed:  # no Content-Length (chunked): claimed as it comes
+                            if not budget.claim(client, size - claimed):
+                                return self.bodies_refused("client")
+                            claimed = size
+                        if not budget.hold(len(chunk)):
+                            return self.bodies_refused("edge")
+                        held += len(chunk)
+                        chunks.append(chunk)
+                except ClientDisconnect:
+                    # The poster left before its body ended: nothing to decode, no one to answer (Uvicorn
+                    # sends nothing once its client is gone). Let out, it was a traceback per such post.
+                    chunks.clear()
+                    return error_response(f"the client left before its body ended ({size} bytes came)",
+                                          "invalid_request", 400)
             if deadline.cancelled_caught:
                 self.metrics.experts_bodies_timed_out += 1
                 chunks.clear()
