@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import logging
 import math
 import sys
@@ -135,13 +136,23 @@ def carries_access_token(query: str) -> bool:
     return bool(query) and any(names_access_token(field.partition("=")[0]) for field in query.split("&"))
 
 
+# ``access_token=<value>`` inside a path as Uvicorn's access log shows it (``quote``d: ``?`` is ``%3F``,
+# ``=`` ``%3D``, ``;`` ``%3B``): the value runs to the next delimiter, raw or percent-encoded.
+_TOKEN_IN_PATH = re.compile(r"(access(?:_|%5F)token(?:=|%3D))((?:[^&;/?%]|%(?!26|2F|3B|3F)[0-9A-F]{2})*)",
+                            re.IGNORECASE)
+
+
 def redact_access_token(path: str) -> str:
     """``path`` with the value of every query parameter that the edge reads as ``access_token`` replaced
     by ``<redacted>`` (:func:`names_access_token`; only the literal spelling was redacted before
-    2026-12-01)."""
+    2026-12-01), and of every ``access_token=`` inside the path itself: a client that percent-encoded
+    its whole ``<id>?access_token=<jwt>``, or wrote ``;access_token=``, is refused (the token is part of
+    the id, or of no route), but its token was logged whole until 2026-12-06."""
     base, sep, query = path.partition("?")
+    if "token" in base.lower():
+        base = _TOKEN_IN_PATH.sub(r"\1<redacted>", base)
     if not sep:
-        return path
+        return base
     fields = query.split("&")
     for i, field in enumerate(fields):
         name = field.partition("=")[0]
@@ -157,7 +168,7 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
         return dict(fields)
     if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
         client, method, path, version, status = record.args
-        if isinstance(path, str) and "?" in path:  # an edge capability (RFC 6750 2.3): never logged
+        if isinstance(path, str) and ("?" in path or "token" in path.lower()):  # a capability (RFC 6750 2.3)
             path = redact_access_token(path)
         if isinstance(path, str) and len(path) > ACCESS_LOG_PATH_CHARS:  # after the redaction: no token part kept
             path = shown(path)

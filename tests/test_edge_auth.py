@@ -1236,3 +1236,25 @@ async def test_the_page_and_open_routes_opened_with_a_token_in_the_query_say_no_
     assert 'method=GET path="/?access_token=<redacted>" http_version=1.1 status=200' in log
     assert f'path="/?id={request_id}&access_token=<redacted>"' in log
     assert 'path="/?Access%5FToken=<redacted>"' in log
+
+
+async def test_a_token_sent_inside_the_path_by_mistake_is_refused_and_never_reaches_the_access_log(auth_edge):
+    """A client that percent-encodes the whole ``<id>?access_token=<jwt>`` (``encodeURIComponent`` over
+    the query too), or writes ``;access_token=``, sends its token in the path: the edge rightly refuses
+    it (400 for the id, 404 elsewhere), but the access log's redaction read only the query, and Uvicorn
+    logs the path quoted (``%3Faccess_token%3D<jwt>``): a live capability was written whole. Now its
+    value is ``<redacted>`` there too, in each spelling the log shows."""
+    tok = token(rids=["r1"])
+    paths = {f"/v1/results/r1%3Faccess_token%3D{tok}": 400, f"/v1/results/r1%3FAccess%5FToken={tok}&x=1": 400,
+             f"/%3Faccess_token={tok}": 404, f"/v1/recent;access_token={tok}/x": 404}
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        answers = {path: await client.get(path) for path in paths}
+        served = await client.head("/v1/results/r1", params={"access_token": tok})
+    assert {path: a.status_code for path, a in answers.items()} == paths
+    assert all(a.headers["cache-control"] == "no-store" for a in answers.values())
+    assert served.status_code == 200  # the token itself works, sent as a query parameter
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert tok not in log and tok.split(".")[2] not in log and tok.split(".")[1] not in log
+    assert "path=/v1/results/r1%3Faccess_token%3D<redacted> " in log
+    assert "path=/v1/recent%3Baccess_token%3D<redacted>/x " in log
