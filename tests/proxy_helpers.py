@@ -1,8 +1,8 @@
 """A TCP proxy in front of a real nats-server that can hold one client publish back: a slow request.
 
 :class:`HoldingProxy` relays a client's connection to the server byte for byte, except that, once
-armed, the next ``PUB``/``HPUB`` whose subject its predicate picks is kept back until the test
-releases it (or ``hold_at_most`` passes); every later frame overtakes it. To the client this is a
+armed, the next ``PUB``/``HPUB`` whose subject its predicate picks (``every``: each one) is kept back
+until the test releases it (or ``hold_at_most`` passes); every later frame overtakes it. To the client this is a
 request the server is slow to answer (a JetStream store taking its time): its reply comes when the
 held frame reaches the server. The server's side is relayed untouched.
 """
@@ -17,10 +17,14 @@ from anyio.abc import SocketStream
 
 
 class HoldingProxy:
-    def __init__(self, upstream_port: int, hold: Callable[[bytes], bool], *, hold_at_most: float = 5.0) -> None:
+    def __init__(self, upstream_port: int, hold: Callable[[bytes], bool], *, hold_at_most: float = 5.0,
+                 every: bool = False) -> None:
         self.upstream_port = upstream_port
         self._hold = hold
         self.hold_at_most = hold_at_most
+        # Armed for good: every publish the predicate picks is held (a request nobody answers within
+        # ``hold_at_most``), not the next one only.
+        self.every = every
         self.port = 0
         self._armed = False
         self.held = anyio.Event()  # set when a frame is being held
@@ -82,7 +86,7 @@ class HoldingProxy:
                                 break
                             buffer = buffer[len(frame):]
                             if self._armed and subject is not None and self._hold(subject):
-                                self._armed = False
+                                self._armed = self.every
                                 self.held_subject = subject
                                 self.held.set()
                                 tg.start_soon(later, frame)

@@ -380,8 +380,13 @@ class Replay:
             except Refused as exc:
                 if self.by_consumer is not None:
                     raise
-                if exc.denied and self.access is not None:  # no responders (a -ERR is the source's: _on_error)
-                    self.access.refused(exc.reason)
+                # Refused until the re-probe: no responders (a -ERR is the source's: _on_error), and
+                # a silence while MSG.GET never answered, as fall_back counts it (a silence after it
+                # answered is a busy server). Not counted, a silence had every later open ask MSG.GET
+                # and wait out its timeout before its first result (tests/test_edge_msg_get_unanswered.py).
+                access = self.access
+                if access is not None and (exc.denied or not access.confirmed):
+                    access.refused(exc.reason)
                 self.by_consumer = True
                 if self.turned is not None:
                     self.turned()
