@@ -485,12 +485,22 @@ async def test_a_lookup_that_fails_after_its_partition_was_handed_over_logs_hand
         await wait_until(lambda: a.snapshot()["partitions"] == 2, 10, "A owns both partitions")
         moved, bodies = await _moved_requests(client, settings, "handed", 8)
         await wait_until(lambda: a.snapshot()["recoveries"] >= 8, 10, "every request's lookup in flight")
-        with processor_subprocess(nats_url, *durable_flags(**flags)):
+        # B is started and stopped in a thread: its start is waited for with time.sleep, which held
+        # A's loop (A serves on this one) for as long as B took to start, past A's leases (renewed
+        # every 0.5 s, served 1.35 s). A then lost both partitions (lease_expired) instead of
+        # releasing one to B, and "A released a partition" never came (7 of 8 runs beside two CPU
+        # burners).
+        b = processor_subprocess(nats_url, *durable_flags(**flags))
+        await anyio.to_thread.run_sync(b.__enter__)
+        try:
             await wait_until(lambda: a.snapshot()["leases_released"] >= 1, 15, "A released a partition to B")
             await wait_for_finals(js, settings.subjects, moved, 30)
             await wait_until(_empty(js), 15, "every chunk acknowledged")
             stored = await stored_results(js, settings.subjects)
             kept = {rid for rid in moved if a.input.owns(rid)}
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(b.__exit__, None, None, None)
     _assert_each_once_in_order(stored, moved, bodies)
     said = {r.streamproc_fields["request_id"]: r.streamproc_fields["retry_in"] for r in caplog.records
             if getattr(r, "streamproc_fields", {}).get("event") == "recovery_lookup_failed"}
