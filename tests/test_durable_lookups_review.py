@@ -179,8 +179,13 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
     naked = record_naks(monkeypatch)
     async with Processor(settings) as a:
         await wait_until(lambda: a.input.owns("x"), 10, "A owns the partition")
-        with processor_subprocess(nats_url, *durable_flags(partitions=1, ack_wait=2.0, lease_ttl=1.5)) as (
-                proc, log_path):
+        # B is started and stopped in a thread: its start is waited for with time.sleep, which held
+        # A's loop for as long as B took to start, past A's lease (served 1.35 s). A then lost its
+        # partition before the requests came, and none of their chunks was parked behind A's lookups
+        # (lookups_parked 0: 1 of 10 runs beside two CPU burners).
+        b = processor_subprocess(nats_url, *durable_flags(partitions=1, ack_wait=2.0, lease_ttl=1.5))
+        _, log_path = await anyio.to_thread.run_sync(b.__enter__)
+        try:
             moved, bodies = await _moved_requests(client, settings, "stalled", 40)
             await wait_until(lambda: not a.input.owns("x"), 15, "A fenced off its partition")
             stored = await wait_for_finals(js, settings.subjects, moved, 30)
@@ -188,6 +193,9 @@ async def test_an_owner_that_stalls_past_its_lease_with_lookups_in_flight_adopts
             snap = a.snapshot()
             stored = await stored_results(js, settings.subjects)
             b_log = log_path.read_text(errors="replace")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(b.__exit__, None, None, None)
         await anyio.sleep(0.5)  # A's lookups still in flight end (after the hand-over)
         later = a.snapshot()
     _assert_each_once_in_order(stored, moved, bodies)
