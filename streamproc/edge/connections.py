@@ -186,8 +186,10 @@ def close_delimited(app: Any, cycle: Any) -> Callable[..., Awaitable[None]]:
     section 6.3) instead of chunked. Uvicorn chunked it whatever the request's version, and RFC 9112
     section 6.1 forbids ``Transfer-Encoding`` to a request that does not indicate HTTP/1.1: an HTTP/1.0
     client read the chunk sizes as part of the events. Uvicorn keeps no HTTP/1.0 connection alive, so
-    the close comes with the body's end. The wrapped ``send`` also keeps such a stream off the
-    fan-out's direct writes (``direct.UvicornBody.of``), which frame chunks. Wrapping the app, not
+    the close comes with the body's end. The wrapped ``send`` names the cycle as its ``__self__``
+    (``direct.UvicornBody.of``: the stop's cut of a client that stopped reading); such a stream stays
+    off the fan-out's direct writes all the same, which frame chunks (``DirectFrames.offer`` takes
+    only a body whose ``chunked_encoding`` is True). Wrapping the app, not
     replacing ``cycle.send``, stores no closure on the cycle (a reference cycle: tests/test_edge_cycles.py)."""
 
     async def unframed(scope: Any, receive: Any, send: Callable[[Any], Awaitable[None]]) -> None:
@@ -207,6 +209,10 @@ def close_delimited(app: Any, cycle: Any) -> Callable[..., Awaitable[None]]:
                 cycle.expected_content_length = len(message.get("body", b""))  # Uvicorn checks it ends at 0
             await send(message)
 
+        # end_for_stop (and direct.UvicornBody.of) find the cycle behind ``send`` by its ``__self__``:
+        # without it an HTTP/1.0 client that stopped reading was never cut at the stop and held it past
+        # Uvicorn's graceful timeout. Direct writes stay off: DirectFrames.offer takes only a chunked body.
+        sending.__self__ = cycle  # type: ignore[attr-defined]
         await app(scope, receive, sending)
 
     return unframed

@@ -1,0 +1,65 @@
+"""HTTP/1.0 streams (close-delimited since 9c87462) at the edge's bounds: the stop, the access-token
+no-store wrapper beside the access log's redaction."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import time
+
+import anyio
+import pytest
+
+from edge_harness import EdgeProcess, publish_result
+from helpers import connection
+from streamproc.sim.embedded import EmbeddedNats
+from streamproc.wire import Subjects
+
+pytestmark = pytest.mark.nats
+
+STOP_WITHIN = 2.0  # as tests/test_edge_shutdown.py
+
+
+def loud_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines()
+            if re.search(r"level=(warning|error|critical)", line) and "event=insecure_demo " not in line]
+
+
+def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly_as_an_http_1_1_one():
+    """The stop's last frame waits FINAL_WRITE_TIMEOUT for a client that stopped reading, then cuts
+    it (end_for_stop aborts the transport it finds behind ``send``). Behind close_delimited's wrapped
+    ``send`` it found none: an HTTP/1.0 client that stopped reading held the stop past Uvicorn's
+    graceful timeout, which logged "timeout graceful shutdown exceeded"."""
+    subjects = Subjects()
+    with EmbeddedNats(jetstream=False) as server:
+        edge = EdgeProcess(server.url, "--log-format", "logfmt").start()
+        sock = socket.socket()
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", edge.port))
+            sock.sendall(b"GET /v1/results/stuck10 HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(1)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert b"transfer-encoding" not in head.lower(), head
+
+            async def flood_it() -> None:  # far more than the socket buffers and the transport's hold
+                async with connection(server.url) as nc:
+                    for seq in range(64):
+                        await publish_result(nc, subjects, "stuck10", seq, b'{"pad": "%s"}' % (b"x" * 65536))
+                    await nc.flush()
+
+            anyio.run(flood_it)
+            time.sleep(0.5)
+            started = time.monotonic()
+            edge.proc.send_signal(signal.SIGTERM)
+            assert edge.proc.wait(STOP_WITHIN + 5) == 0
+            elapsed = time.monotonic() - started
+            log = edge.log()
+        finally:
+            sock.close()
+            edge.close()
+    assert elapsed < STOP_WITHIN, f"the edge took {elapsed:.2f}s to stop"
+    assert loud_lines(log) == [], "\n".join(loud_lines(log))
