@@ -132,8 +132,12 @@ def names_access_token(name: str) -> bool:
 
 
 def carries_access_token(query: str) -> bool:
-    """Whether a URL's query (without ``?``) holds a parameter :func:`names_access_token`."""
-    return bool(query) and any(names_access_token(field.partition("=")[0]) for field in query.split("&"))
+    """Whether a URL's query (without ``?``) holds a parameter :func:`names_access_token`, or an
+    ``access_token=`` the edge does not read but the access log redacts (:func:`redact_access_token`:
+    behind ``;``, or with its ``=`` or the ``&`` before it percent-encoded; until 2026-12-06 such a
+    page was cacheable, its URL and token with it)."""
+    return bool(query) and (any(names_access_token(field.partition("=")[0]) for field in query.split("&"))
+                            or ("token" in query.lower() and _TOKEN_IN_PATH.search(query) is not None))
 
 
 # ``access_token=<value>`` inside a path as Uvicorn's access log shows it (``quote``d: ``?`` is ``%3F``,
@@ -147,12 +151,16 @@ def redact_access_token(path: str) -> str:
     by ``<redacted>`` (:func:`names_access_token`; only the literal spelling was redacted before
     2026-12-01), and of every ``access_token=`` inside the path itself: a client that percent-encoded
     its whole ``<id>?access_token=<jwt>``, or wrote ``;access_token=``, is refused (the token is part of
-    the id, or of no route), but its token was logged whole until 2026-12-06."""
+    the id, or of no route), but its token was logged whole until 2026-12-06; so was one in the query
+    behind ``;`` or with an encoded ``=`` or ``&``."""
     base, sep, query = path.partition("?")
     if "token" in base.lower():
         base = _TOKEN_IN_PATH.sub(r"\1<redacted>", base)
     if not sep:
         return base
+    if "token" in query.lower():  # the query's spellings no field name matches (a=1;access_token=<jwt>,
+        # access_token%3D<jwt>, a=1%26access_token=<jwt>): logged whole until 2026-12-06
+        query = _TOKEN_IN_PATH.sub(r"\1<redacted>", query)
     fields = query.split("&")
     for i, field in enumerate(fields):
         name = field.partition("=")[0]

@@ -1258,3 +1258,29 @@ async def test_a_token_sent_inside_the_path_by_mistake_is_refused_and_never_reac
     assert tok not in log and tok.split(".")[2] not in log and tok.split(".")[1] not in log
     assert "path=/v1/results/r1%3Faccess_token%3D<redacted> " in log
     assert "path=/v1/recent%3Baccess_token%3D<redacted>/x " in log
+
+
+async def test_a_token_in_the_query_behind_a_semicolon_or_an_encoded_separator_is_redacted_and_its_answer_not_stored(
+        auth_edge):
+    """A live capability sent in a query spelling the edge does not read as ``access_token`` (behind
+    ``;``, the old HTML form separator; with its ``=`` or the ``&`` before it percent-encoded) is refused,
+    but the access log wrote it whole (only ``&``-separated names were redacted in the query, the
+    pattern for these spellings ran over the path alone), and the page opened so was cacheable, URL and
+    token. Each is redacted now and its answer says ``no-store``; a plain page stays cacheable."""
+    operator = token(operator=True)
+    paths = {"semicolon": f"/?x=1;access_token={operator}", "encoded equals": f"/?access_token%3D{operator}",
+             "encoded ampersand": f"/?x=1%26access_token={operator}",
+             "stream, semicolon": f"/v1/results/{rid('semi')}?stream=false;access_token={operator}"}
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        answers = {name: await client.get(path) for name, path in paths.items()}
+        plain = await client.get("/?x=1;y=2")
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "semicolon": 200, "encoded equals": 200, "encoded ampersand": 200, "stream, semicolon": 401}
+    assert {name: a.headers.get("cache-control") for name, a in answers.items()} == {
+        name: "no-store" for name in answers}
+    assert plain.status_code == 200 and "cache-control" not in plain.headers
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert operator.split(".")[2] not in log
+    assert 'path="/?x=1;access_token=<redacted>"' in log and "path=/?access_token%3D<redacted> " in log
+    assert 'path="/?x=1%26access_token=<redacted>"' in log
