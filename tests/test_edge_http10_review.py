@@ -63,3 +63,46 @@ def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly
             edge.close()
     assert elapsed < STOP_WITHIN, f"the edge took {elapsed:.2f}s to stop"
     assert loud_lines(log) == [], "\n".join(loud_lines(log))
+
+
+def test_an_http_1_0_stream_whose_client_stopped_reading_is_cut_after_write_timeout_and_its_connection_closed():
+    """--write-timeout holds for a close-delimited stream as for a chunked one: its write blocks
+    (flow control), it is cut --write-timeout after it began, counted as stalled, its slot freed, and
+    its connection does not stay open behind it (the protocol's progress check aborts it)."""
+    subjects = Subjects()
+    with EmbeddedNats(jetstream=False) as server:
+        edge = EdgeProcess(server.url, "--log-format", "logfmt", "--write-timeout", "1",
+                           "--stream-buffer-bytes", str(256 << 20)).start()
+        sock = socket.socket()
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", edge.port))
+            sock.sendall(b"GET /v1/results/stall10 HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(1)
+            assert b"transfer-encoding" not in head.lower(), head
+
+            async def flood_it() -> None:
+                async with connection(server.url) as nc:
+                    for seq in range(64):
+                        await publish_result(nc, subjects, "stall10", seq, b'{"pad": "%s"}' % (b"x" * 65536))
+                    await nc.flush()
+
+            anyio.run(flood_it)
+            deadline = time.monotonic() + 15
+            while True:  # (the metrics request is itself a connection open)
+                m = edge.metrics()
+                if m["streamproc_edge_streams_active"] == 0 and m["streamproc_edge_connections_stalled_total"] == 1:
+                    break
+                assert time.monotonic() < deadline, {k: v for k, v in m.items() if "stall" in k or "active" in k}
+                time.sleep(0.1)
+            m = edge.metrics()
+            assert m["streamproc_edge_streams_stalled_total"] == 1 and m["streamproc_edge_connections_open"] == 1, m
+            log = edge.log()
+            assert edge.proc.poll() is None
+        finally:
+            sock.close()
+            edge.close()
+    assert "event=stream_stalled" in log
+    assert loud_lines(log) == [], "\n".join(loud_lines(log))
