@@ -30,7 +30,8 @@ def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly
     """The stop's last frame waits FINAL_WRITE_TIMEOUT for a client that stopped reading, then cuts
     it (end_for_stop aborts the transport it finds behind ``send``). Behind close_delimited's wrapped
     ``send`` it found none: an HTTP/1.0 client that stopped reading held the stop past Uvicorn's
-    graceful timeout, which logged "timeout graceful shutdown exceeded"."""
+    graceful timeout, which logged "timeout graceful shutdown exceeded". A reading HTTP/1.0 client
+    beside it gets the stop's error event and ``[DONE]``, unframed."""
     subjects = Subjects()
     with EmbeddedNats(jetstream=False) as server:
         edge = EdgeProcess(server.url, "--log-format", "logfmt").start()
@@ -51,6 +52,8 @@ def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly
                         await publish_result(nc, subjects, "stuck10", seq, b'{"pad": "%s"}' % (b"x" * 65536))
                     await nc.flush()
 
+            reading = socket.create_connection(("127.0.0.1", edge.port), timeout=10)
+            reading.sendall(b"GET /v1/results/reads10 HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
             anyio.run(flood_it)
             time.sleep(0.5)
             started = time.monotonic()
@@ -58,10 +61,18 @@ def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly
             assert edge.proc.wait(STOP_WITHIN + 5) == 0
             elapsed = time.monotonic() - started
             log = edge.log()
+            ended = b""
+            while chunk := reading.recv(65536):
+                ended += chunk
+            reading.close()
         finally:
             sock.close()
             edge.close()
     assert elapsed < STOP_WITHIN, f"the edge took {elapsed:.2f}s to stop"
+    # a reading HTTP/1.0 client beside it gets the stop's error event and [DONE], unframed, then the close
+    head, _, body = ended.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower() and b"stopping" in body, ended
+    assert body.endswith(b"data: [DONE]\n\n"), body
     assert loud_lines(log) == [], "\n".join(loud_lines(log))
 
 
