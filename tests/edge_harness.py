@@ -284,13 +284,17 @@ class RawStream:
 
     @classmethod
     async def open(cls, port: int, request_id: str, accept: str = "text/event-stream",
-                   tls: ssl.SSLContext | None = None) -> RawStream:
-        """The request sent; an SSE stream's head read (a unary answer's comes with its body)."""
-        request = f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: edge\r\nAccept: {accept}\r\n\r\n".encode()
+                   tls: ssl.SSLContext | None = None, http10: bool = False) -> RawStream:
+        """The request sent; an SSE stream's head read (a unary answer's comes with its body). With
+        ``http10`` an HTTP/1.0 request, whose stream comes close-delimited (no chunks) and, over TLS,
+        is read with ragged EOFs raised: its end must be TLS close_notify, else a truncation could
+        not be told from the end (RFC 9112 section 6.3)."""
+        version_line = "HTTP/1.0\r\n" if http10 else "HTTP/1.1\r\nHost: edge\r\n"
+        request = f"GET /v1/results/{request_id} {version_line}Accept: {accept}\r\n\r\n".encode()
         if tls is not None:
             def connect() -> socket.socket:
                 sock = tls.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
-                                       server_hostname="127.0.0.1")
+                                       server_hostname="127.0.0.1", suppress_ragged_eofs=not http10)
                 sock.sendall(request)
                 return sock
             stream = cls(await asyncio.to_thread(connect), tls=True)
@@ -304,17 +308,25 @@ class RawStream:
         if accept == "text/event-stream":
             await stream.read_until(b"\r\n\r\n")
             assert stream.data.startswith(b"HTTP/1.1 200 "), stream.data
+            assert not http10 or b"transfer-encoding" not in stream.data.lower(), stream.data
         return stream
 
+    async def recv(self) -> bytes:
+        if self.tls:
+            return await asyncio.to_thread(self.sock.recv, 65536)
+        return await asyncio.get_running_loop().sock_recv(self.sock, 65536)
+
     async def read_until(self, marker: bytes) -> bytes:
-        loop = asyncio.get_running_loop()
         async with asyncio.timeout(10):
             while marker not in self.data:
-                if self.tls:
-                    chunk = await asyncio.to_thread(self.sock.recv, 65536)
-                else:
-                    chunk = await loop.sock_recv(self.sock, 65536)
+                chunk = await self.recv()
                 assert chunk, self.data
+                self.data += chunk
+        return self.data
+
+    async def read_to_close(self) -> bytes:
+        async with asyncio.timeout(10):
+            while chunk := await self.recv():
                 self.data += chunk
         return self.data
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
-import socket
 import ssl
 
 import pytest
-from edge_harness import publish_result, served_edge, stop_served
+from edge_harness import RawStream, publish_result, served_edge, stop_served
 from helpers import rid, wait_until
 from nats_auth import Certificates
 
@@ -22,56 +21,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
 SUBJECTS = Subjects("cycles10")
 STREAMS = 12
-
-
-class Raw:
-    """One HTTP/1.0 stream on a plain socket (asyncio's streams keep their own transports in cycles,
-    which would be counted with the edge's); over TLS a blocking ``ssl.SSLSocket`` in a worker thread,
-    ragged EOFs raised: a close-delimited body must end with TLS close_notify, else its truncation
-    could not be told from its end (RFC 9112 section 6.3)."""
-
-    def __init__(self, sock: socket.socket, tls: bool) -> None:
-        self.sock, self.tls, self.data = sock, tls, b""
-
-    @classmethod
-    async def open(cls, port: int, request_id: str, tls: ssl.SSLContext | None) -> Raw:
-        request = f"GET /v1/results/{request_id} HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n".encode()
-        if tls is not None:
-            def connect() -> socket.socket:
-                sock = tls.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
-                                       server_hostname="127.0.0.1", suppress_ragged_eofs=False)
-                sock.sendall(request)
-                return sock
-            raw = cls(await asyncio.to_thread(connect), True)
-        else:
-            loop = asyncio.get_running_loop()
-            sock = socket.socket()
-            sock.setblocking(False)
-            await loop.sock_connect(sock, ("127.0.0.1", port))
-            await loop.sock_sendall(sock, request)
-            raw = cls(sock, False)
-        head = await raw.read_until(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower(), head
-        return raw
-
-    async def recv(self) -> bytes:
-        if self.tls:
-            return await asyncio.to_thread(self.sock.recv, 65536)
-        return await asyncio.get_running_loop().sock_recv(self.sock, 65536)
-
-    async def read_until(self, marker: bytes) -> bytes:
-        async with asyncio.timeout(10):
-            while marker not in self.data:
-                chunk = await self.recv()
-                assert chunk, self.data
-                self.data += chunk
-        return self.data
-
-    async def read_to_close(self) -> bytes:
-        async with asyncio.timeout(10):
-            while chunk := await self.recv():
-                self.data += chunk
-        return self.data
 
 
 @pytest.mark.parametrize("https", [False, True], ids=["http", "https"])
@@ -86,7 +35,7 @@ async def test_http_1_0_streams_that_ended_leave_nothing_for_the_garbage_collect
     server, port = await served_edge(nats_url, SUBJECTS, **extra)
     try:
         warm = rid("warm10")
-        stream = await Raw.open(port, warm, tls)
+        stream = await RawStream.open(port, warm, tls=tls, http10=True)
         await publish_result(client, SUBJECTS, warm, 0, b'{"t":"w"}', final=True)
         await stream.read_to_close()
         stream.sock.close()
@@ -96,7 +45,7 @@ async def test_http_1_0_streams_that_ended_leave_nothing_for_the_garbage_collect
         try:
             finished = [rid("done10") for _ in range(STREAMS)]
             left = [rid("left10") for _ in range(STREAMS)]
-            opened = {r: await Raw.open(port, r, tls) for r in finished + left}
+            opened = {r: await RawStream.open(port, r, tls=tls, http10=True) for r in finished + left}
             for r in finished:  # ended by their final result: the body ends with the close
                 await publish_result(client, SUBJECTS, r, 0, b'{"t":"a"}')
                 await publish_result(client, SUBJECTS, r, 1, b'{"t":"b"}', final=True)

@@ -26,6 +26,20 @@ def loud_lines(log: str) -> list[str]:
             if re.search(r"level=(warning|error|critical)", line) and "event=insecure_demo " not in line]
 
 
+def stuck_http10_stream(port: int, request_id: str) -> tuple[socket.socket, bytes]:
+    """An HTTP/1.0 SSE stream on a socket with a 4 KiB receive buffer that will stop reading once
+    its head is in: the socket and that head (close-delimited: no Transfer-Encoding)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /v1/results/%s HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n" % request_id.encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert b"transfer-encoding" not in head.lower(), head
+    return sock, head
+
+
 def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly_as_an_http_1_1_one():
     """The stop's last frame waits FINAL_WRITE_TIMEOUT for a client that stopped reading, then cuts
     it (end_for_stop aborts the transport it finds behind ``send``). Behind close_delimited's wrapped
@@ -35,16 +49,9 @@ def test_sigterm_cuts_an_http_1_0_stream_whose_client_stopped_reading_as_quickly
     subjects = Subjects()
     with EmbeddedNats(jetstream=False) as server:
         edge = EdgeProcess(server.url, "--log-format", "logfmt").start()
-        sock = socket.socket()
+        sock, head = stuck_http10_stream(edge.port, "stuck10")
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", edge.port))
-            sock.sendall(b"GET /v1/results/stuck10 HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += sock.recv(1)
             assert head.startswith(b"HTTP/1.1 200"), head
-            assert b"transfer-encoding" not in head.lower(), head
 
             async def flood_it() -> None:  # far more than the socket buffers and the transport's hold
                 async with connection(server.url) as nc:
@@ -84,15 +91,8 @@ def test_an_http_1_0_stream_whose_client_stopped_reading_is_cut_after_write_time
     with EmbeddedNats(jetstream=False) as server:
         edge = EdgeProcess(server.url, "--log-format", "logfmt", "--write-timeout", "1",
                            "--stream-buffer-bytes", str(256 << 20)).start()
-        sock = socket.socket()
+        sock, _ = stuck_http10_stream(edge.port, "stall10")
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", edge.port))
-            sock.sendall(b"GET /v1/results/stall10 HTTP/1.0\r\nAccept: text/event-stream\r\n\r\n")
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += sock.recv(1)
-            assert b"transfer-encoding" not in head.lower(), head
 
             async def flood_it() -> None:
                 async with connection(server.url) as nc:
