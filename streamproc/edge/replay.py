@@ -292,6 +292,14 @@ class Replay:
         self._sized = False
         # told when a refusal turns it (``by_consumer`` None) to consumers alone (an open's: metrics)
         self.turned: Callable[[], None] | None = None
+        # The current consumer found nothing of the subject stored at or after where it started (a
+        # push consumer's num_pending 0 at its creation) or where it was (a pull's "404 No Messages"
+        # before it brought anything): once what is queued is handed out, the replay is done. Read
+        # with consumers alone, a "no messages" was taken for a result larger than the bound
+        # (``by_subject``: Refused, the feed's ordered consumer from the stream's start) and a push
+        # consumer of nothing was waited on its whole timeout (Lost), where the STREAM.INFO failed
+        # or the results went between it and the consumer (tests/test_edge_replay_nothing_found.py).
+        self.exhausted = False
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
         """Send the open's probe now (MSG.GET known to answer): its answer is read in the NATS read
@@ -422,7 +430,8 @@ class Replay:
         return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
 
     async def _nothing_stored(self) -> bool:
-        """Nothing of the subject is stored (so nothing up to ``upto``)? Unanswered: made anyway."""
+        """Nothing of the subject is stored (so nothing up to ``upto``)? Unanswered: made anyway, and
+        the consumer says so (``exhausted``), as when the results went meanwhile."""
         try:
             info = await subject_split(self.nc, self.api_prefix, self.stream, self.subject, self.timeout)
         except Exception:  # noqa: BLE001 - refused, unanswered: its consumer says what is stored
@@ -443,6 +452,7 @@ class Replay:
             if self.by_consumer and self.by_subject:  # a result past the bound, which only MSG.GET reads
                 raise Refused(f"a result larger than the bound, and no answer on {self.api_subject}",
                               denied=False)
+            self.exhausted = False
             if self.pulls is not None and self.pulls.usable():
                 sub = await self._pull_consumer(seq)
             elif self.gate is not None:
@@ -496,6 +506,10 @@ class Replay:
                     await self._ack(msg)  # redelivered (its reader was away PUSH_ACK_WAIT): handed out already
                     continue
                 break
+            if self.exhausted:  # nothing (more) stored up to upto: what is queued is handed out
+                self._found(None)
+                await self._finish()
+                return None
             if self.window and self.taken >= self.window:
                 # This push consumer handed out as many as the server sends it unacknowledged: with its
                 # acks refused (or lost) no more comes. A new consumer from the next stored result.
@@ -563,18 +577,29 @@ class Replay:
         window, charge = push_window(self._largest(), options.get("pending_bytes_limit") or 0,
                                      self.gate.budget.limit, (options.get("pending_msgs_limit") or 0) - 1)
         self.push_charge = await self.gate.acquire(charge, charge)
+        # Made as nats-py's js.subscribe makes it (the consumer, then the subscription of its deliver
+        # subject, which the server waits for), but keeping the creation's answer: its num_pending
+        # says whether anything of the subject is stored from ``seq`` (``exhausted``).
+        limits = {k: v for k, v in options.items() if k.startswith("pending_")}
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq,
+                                ack_policy=AckPolicy.EXPLICIT, max_ack_pending=window,
+                                ack_wait=PUSH_ACK_WAIT, num_replicas=1, mem_storage=True,
+                                filter_subject=self.subject, deliver_subject=self.nc.new_inbox(),
+                                inactive_threshold=options.get("inactive_threshold"))
+        js = self.nc.jetstream()
+        name = None
         try:
-            sub = await self.nc.jetstream().subscribe(
-                self.subject, stream=self.stream, manual_ack=True,
-                config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq,
-                                      ack_policy=AckPolicy.EXPLICIT, max_ack_pending=window,
-                                      ack_wait=PUSH_ACK_WAIT, num_replicas=1, mem_storage=True),
-                **options)
+            info = await js.add_consumer(self.stream, config=config)
+            name = info.name
+            sub = await js.subscribe_bind(self.stream, config, name, manual_ack=True, **limits)
         except BaseException:
+            if name is not None:
+                await self._delete(name)
             charge, self.push_charge = self.push_charge, 0
             self.gate.release(charge)
             raise
         self.window = window
+        self.exhausted = info.num_pending == 0  # no interest before subscribe_bind: nothing sent yet
         return sub
 
     async def _ack(self, msg: Msg) -> None:
@@ -617,7 +642,7 @@ class Replay:
         """Ask for the next results once the previous pull ended: as many bytes as the bound has
         room for (at least half of it), or the one that did not fit alone once nothing is queued.
         ``no_wait``: every result up to ``upto`` is stored already; nothing waits on the server."""
-        if self.done or self.cut is not None:
+        if self.done or self.cut is not None or self.exhausted:
             return
         queued, queued_msgs = sub._pending_size, sub._pending_queue.qsize()
         bound = self.consumer_options.get("pending_bytes_limit") or 0
@@ -708,6 +733,11 @@ class Replay:
             return None
         self.pull_state.status(status, asyncio.get_running_loop().time())
         if status == "ended" and self.pull_state.got == 0:
+            if self.by_consumer and (msg.headers or {}).get("Status") == "404":
+                # nothing stored at or after where the consumer is (no_wait): no later pull, and
+                # done once what is queued is handed out (not "a result larger than the bound")
+                self.exhausted = True
+                return status
             # nothing stored at or after next_seq any more (deleted, expired): the rest comes by
             # subject (which says so, or finds a later one), as after a pause
             self.cut = self.next_seq
