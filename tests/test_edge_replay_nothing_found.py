@@ -20,7 +20,7 @@ from helpers import connection, rid, wait_until
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge import replay as replay_module
-from streamproc.edge.feed import Ended
+from streamproc.edge.feed import Ended, Gap
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
@@ -96,5 +96,56 @@ async def test_a_ring_open_whose_consumer_finds_nothing_stored_gets_every_result
             # dispatched to the end: no ordered consumer of its own from the stream's start
             assert feed.inbox is not None and feed._sub is None
             assert source.metrics.duplicates_dropped == 0
+            await feed.close()
+            await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("mode", ["pulls", "pulls refused"])
+async def test_results_purged_between_the_opens_stream_info_and_its_consumer_end_in_a_gap_not_a_fallback(
+        anyio_backend, mode, monkeypatch):
+    """The open's STREAM.INFO finds the request's results stored, and they are purged before its
+    consumer is made (the same as expiring then): the consumer finds nothing, the replay is done at
+    once, the feed stays dispatched (no ordered consumer from the stream's start), and the client,
+    given the later results by dispatch, is told of the purged ones as a gap after --gap-timeout,
+    not a fallback nor an error after 5 s."""
+    subjects = Subjects("purgedrace")
+    with EmbeddedNats(config=CONFIGS[mode]) as server:
+        url = server.url.replace("nats://", "nats://edge:edge@")
+        async with connection(url) as nc, started_source(url, subjects, ensure_results_stream=True,
+                                                         gap_timeout=1.0) as source:
+            request_id = rid("purged")
+            for seq in range(4):
+                await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq)
+            await nc.flush()
+            stream = source.fanout.stream
+            js = nc.jetstream()
+            last = (await js.stream_info(stream)).state.last_seq
+            await wait_until(lambda: source.fanout.delivered() >= last, 10, "the ring read the history")
+            source.msg_get.refused("denied by the test's configuration")
+            checked = replay_module.Replay._nothing_stored
+            found: list[bool] = []
+
+            async def purged_after_the_check(replay):
+                nothing = await checked(replay)
+                found.append(nothing)
+                await js.purge_stream(stream, subject=replay.subject)
+                return nothing
+
+            monkeypatch.setattr(replay_module.Replay, "_nothing_stored", purged_after_the_check)
+            feed = await source.open(request_id)
+            started = time.monotonic()
+            waited = await feed.next(0.5)
+            assert found == [False]  # stored at the check
+            assert waited is None and time.monotonic() - started < 2.0, (waited, time.monotonic() - started)
+            assert feed.replay is None and feed.inbox is not None and feed._sub is None
+            for seq in range(4, 8):
+                await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq, final=seq == 7)
+            await nc.flush()
+            item = await feed.next(5.0)
+            assert item == Gap(0, 4), item
+            assert feed.inbox is not None and feed._sub is None
             await feed.close()
             await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
