@@ -593,10 +593,14 @@ class Replay:
             name = info.name
             sub = await js.subscribe_bind(self.stream, config, name, manual_ack=True, **limits)
         except BaseException:
-            if name is not None:
-                await self._delete(name)
+            # Given back even when the delete is cancelled too (an anyio cancel scope cancels every
+            # await after the first): with ``sub`` None, Feed.close_now drops this replay unclosed.
             charge, self.push_charge = self.push_charge, 0
-            self.gate.release(charge)
+            try:
+                if name is not None:
+                    await self._delete(name)
+            finally:
+                self.gate.release(charge)
             raise
         self.window = window
         self.exhausted = info.num_pending == 0  # no interest before subscribe_bind: nothing sent yet
