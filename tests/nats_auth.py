@@ -102,3 +102,21 @@ class Certificates:
     def tls_block(self, *, verify: bool) -> str:
         return (f'tls {{\n  cert_file: "{self.server}"\n  key_file: "{self.server_key}"\n'
                 f'  ca_file: "{self.ca}"\n  verify: {"true" if verify else "false"}\n  timeout: 2\n}}\n')
+
+
+# What an edge user may be denied publishing (nats-server subjects): stored reads by subject, pulls, acks.
+MSG_GET = "$JS.API.STREAM.MSG.GET.>"
+PULLS = "$JS.API.CONSUMER.MSG.NEXT.>"
+ACKS = "$JS.ACK.>"
+
+
+def edge_user_denied(*subjects: str, publisher: bool = False) -> str:
+    """A nats-server configuration with user ``edge`` (password ``edge``) that may not publish
+    ``subjects`` (none: may publish anything), and with ``publisher`` a user ``pub`` who may."""
+    permissions = ""
+    if subjects:
+        permissions = ", permissions: {publish: {deny: [%s]}}" % ", ".join(f'"{s}"' for s in subjects)
+    users = "    {user: edge, password: edge%s}\n" % permissions
+    if publisher:
+        users += "    {user: pub, password: pub}\n"
+    return "authorization {\n  users = [\n%s  ]\n}\n" % users

@@ -24,6 +24,7 @@ import nats.errors
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
 from helpers import connection, rid, sampling, status_kib
+from nats_auth import MSG_GET, PULLS, edge_user_denied
 from proxy_helpers import HoldingProxy
 from nats.js.api import StorageType, StreamConfig
 
@@ -153,15 +154,7 @@ async def test_a_result_larger_than_the_buffer_reaches_a_feed_waiting_for_it_at_
 
 # An edge user of the permission set before STREAM.MSG.GET (which had no CONSUMER.MSG.NEXT either:
 # its replays read with push consumers, stopped at the bound, as these tests were written for).
-DENY_MSG_GET = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>",
-                                                                "$JS.API.CONSUMER.MSG.NEXT.>"]}}}
-    {user: pub, password: pub}
-  ]
-}
-"""
+DENY_MSG_GET = edge_user_denied(MSG_GET, PULLS, publisher=True)
 
 
 def with_user(url: str, user: str) -> str:
@@ -752,14 +745,7 @@ async def test_a_catch_up_waiting_for_a_replay_consumer_counts_one_wait_however_
         await waiter.close()
 
 
-ALLOW_MSG_GET = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.CONSUMER.MSG.NEXT.>"]}}}
-    {user: pub, password: pub}
-  ]
-}
-"""
+ALLOW_MSG_GET = edge_user_denied(PULLS, publisher=True)
 
 
 async def grant_msg_get(server: EmbeddedNats) -> None:
@@ -998,22 +984,8 @@ async def test_a_catch_up_whose_next_was_cancelled_while_it_waited_for_a_replay_
         assert source._replay_consumers_held() <= source._replays_lingering, source._slots_reserved
 
 
-DENY_PULLS = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.CONSUMER.MSG.NEXT.>"]}}}
-    {user: pub, password: pub}
-  ]
-}
-"""
-ALLOW_ALL = """
-authorization {
-  users = [
-    {user: edge, password: edge}
-    {user: pub, password: pub}
-  ]
-}
-"""
+DENY_PULLS = edge_user_denied(PULLS, publisher=True)
+ALLOW_ALL = edge_user_denied(publisher=True)
 
 
 @pytest.mark.timeout(60)

@@ -17,6 +17,7 @@ import nats.errors
 import pytest
 from edge_harness import publish_result, started_source
 from helpers import connection, rid, wait_until
+from nats_auth import MSG_GET, PULLS, edge_user_denied
 from nats.js.client import JetStreamContext
 
 from streamproc.edge import replay as replay_module
@@ -25,13 +26,7 @@ from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.nats]
 
-NO_MSG_GET_NOR_PULLS = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>", "$JS.API.CONSUMER.MSG.NEXT.>"]}}}
-  ]
-}
-"""
+NO_MSG_GET_NOR_PULLS = edge_user_denied(MSG_GET, PULLS)
 
 
 async def unanswered(*args, **kwargs):

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from edge_harness import expected_sse, publish_result, running_edge, started_source
 from helpers import connection, rid
+from nats_auth import MSG_GET, edge_user_denied
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge.source import core_subscription
@@ -26,13 +27,7 @@ from streamproc.wire import Subjects
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
 # The edge user may do everything but read a stored result by subject.
-NO_STORED_READS = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>"]}}}
-  ]
-}
-"""
+NO_STORED_READS = edge_user_denied(MSG_GET)
 OTHERS = 4  # another request's results stored first: the stream's last sequence is past 1
 AFTER = 5  # results published once the stream is open
 

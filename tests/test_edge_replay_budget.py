@@ -19,6 +19,7 @@ import httpx
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
 from helpers import connection, rid, sampling, status_kib, wait_until
+from nats_auth import ACKS, MSG_GET, PULLS, edge_user_denied
 
 from streamproc.core.read_budget import PUSH_MESSAGE_OVERHEAD, ReadBudget, push_window
 from streamproc.core.wire import ResultInfo
@@ -54,20 +55,12 @@ async def read_slowly(client: httpx.AsyncClient, request_id: str, address: str) 
 
 # The edge user may not publish ``$JS.API.CONSUMER.MSG.NEXT`` (the shipped configuration before
 # 2026-12-05): until 2026-12-06 the edge's replays read with push consumers there.
-NO_PULLS = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.CONSUMER.MSG.NEXT.>"]}}}
-  ]
-}
-"""
+NO_PULLS = edge_user_denied(PULLS)
 # Nor ``$JS.API.STREAM.MSG.GET`` (an edge user set up before the replay read by subject): nothing
 # reads a stored history in the read budget, and each stream reads with a push consumer of its own.
-NO_STORED_READS = NO_PULLS.replace('"$JS.API.CONSUMER.MSG.NEXT.>"',
-                                   '"$JS.API.CONSUMER.MSG.NEXT.>", "$JS.API.STREAM.MSG.GET.>"')
+NO_STORED_READS = edge_user_denied(PULLS, MSG_GET)
 # Nor acknowledge a push consumer's deliveries: a push replay makes a consumer per max_ack_pending results.
-NO_STORED_READS_NOR_ACKS = NO_STORED_READS.replace('"$JS.API.STREAM.MSG.GET.>"',
-                                                   '"$JS.API.STREAM.MSG.GET.>", "$JS.ACK.>"')
+NO_STORED_READS_NOR_ACKS = edge_user_denied(PULLS, MSG_GET, ACKS)
 
 
 async def many_late_attaches_and_a_live_client(nats_url: str, edge_url: str, subjects: Subjects) -> tuple[

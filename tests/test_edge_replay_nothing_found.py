@@ -17,6 +17,7 @@ import nats.errors
 import pytest
 from edge_harness import publish_result, started_source
 from helpers import connection, rid, wait_until
+from nats_auth import ACKS, MSG_GET, PULLS, edge_user_denied
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge import replay as replay_module
@@ -27,19 +28,11 @@ from streamproc.wire import Subjects
 pytestmark = [pytest.mark.nats]
 
 # The edge user may not publish $JS.API.STREAM.MSG.GET: stored histories are read with consumers alone.
-NO_MSG_GET = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>"]}}}
-  ]
-}
-"""
+NO_MSG_GET = edge_user_denied(MSG_GET)
 # Nor CONSUMER.MSG.NEXT: push consumers held to the read budget by their max_ack_pending.
-NO_MSG_GET_NOR_PULLS = NO_MSG_GET.replace('"$JS.API.STREAM.MSG.GET.>"',
-                                          '"$JS.API.STREAM.MSG.GET.>", "$JS.API.CONSUMER.MSG.NEXT.>"')
+NO_MSG_GET_NOR_PULLS = edge_user_denied(MSG_GET, PULLS)
 # Nor acknowledge a push consumer's deliveries.
-NO_MSG_GET_PULLS_NOR_ACKS = NO_MSG_GET_NOR_PULLS.replace('"$JS.API.CONSUMER.MSG.NEXT.>"',
-                                                         '"$JS.API.CONSUMER.MSG.NEXT.>", "$JS.ACK.>"')
+NO_MSG_GET_PULLS_NOR_ACKS = edge_user_denied(MSG_GET, PULLS, ACKS)
 CONFIGS = {"pulls": NO_MSG_GET, "pulls refused": NO_MSG_GET_NOR_PULLS,
            "pulls and acks refused": NO_MSG_GET_PULLS_NOR_ACKS}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from edge_harness import publish_result, started_source
 from helpers import connection, rid, wait_until
+from nats_auth import MSG_GET, edge_user_denied
 
 from streamproc.core.wire import ResultInfo
 from streamproc.edge.feed import Ended
@@ -14,13 +15,7 @@ from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
 
-NO_STORED_READS = """
-authorization {
-  users = [
-    {user: edge, password: edge, permissions: {publish: {deny: ["$JS.API.STREAM.MSG.GET.>"]}}}
-  ]
-}
-"""
+NO_STORED_READS = edge_user_denied(MSG_GET)
 
 
 async def test_a_ring_late_attach_waiting_for_a_replay_consumer_gets_the_one_freed_and_its_whole_history():
