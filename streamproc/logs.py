@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import logging
 import math
+import re
 import sys
 import time
 from typing import Any, Callable, Literal, TextIO

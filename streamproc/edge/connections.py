@@ -193,26 +193,24 @@ def close_delimited(app: Any, cycle: Any) -> Callable[..., Awaitable[None]]:
     replacing ``cycle.send``, stores no closure on the cycle (a reference cycle: tests/test_edge_cycles.py)."""
 
     async def unframed(scope: Any, receive: Any, send: Callable[[Any], Awaitable[None]]) -> None:
-        length_unstated = [False]
+        length_unstated = False
 
         async def sending(message: Any) -> None:
+            nonlocal length_unstated
             if message["type"] == "http.response.start" and not cycle.response_started:
                 names = {name.lower() for name, _ in message.get("headers", ())}
                 if (b"content-length" not in names and b"transfer-encoding" not in names
                         and scope["method"] != "HEAD" and message["status"] not in (204, 304)):
-                    length_unstated[0] = True
+                    length_unstated = True
                     cycle.keep_alive = False
                     cycle.chunked_encoding = False  # Uvicorn adds no Transfer-Encoding, writes the body as is
                     cycle.expected_content_length = UNFRAMED_LENGTH
-            elif (length_unstated[0] and message["type"] == "http.response.body"
+            elif (length_unstated and message["type"] == "http.response.body"
                   and not message.get("more_body", False)):
                 cycle.expected_content_length = len(message.get("body", b""))  # Uvicorn checks it ends at 0
             await send(message)
 
-        # end_for_stop (and direct.UvicornBody.of) find the cycle behind ``send`` by its ``__self__``:
-        # without it an HTTP/1.0 client that stopped reading was never cut at the stop and held it past
-        # Uvicorn's graceful timeout. Direct writes stay off: DirectFrames.offer takes only a chunked body.
-        sending.__self__ = cycle  # type: ignore[attr-defined]
+        sending.__self__ = cycle  # type: ignore[attr-defined]  # found by end_for_stop (the docstring)
         await app(scope, receive, sending)
 
     return unframed

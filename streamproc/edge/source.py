@@ -692,7 +692,11 @@ class ResultSource:
             # (tests/test_edge_replay_budget.py).
             access = self.msg_get
             refused = access is not None and access.state == "refused" and not access.usable()
-            by_consumer = True if refused else None if access is not None and not access.confirmed else False
+            by_consumer: bool | None = False  # MSG.GET known to answer (or never asked of this stream)
+            if refused:
+                by_consumer = True
+            elif access is not None and not access.confirmed:
+                by_consumer = None
             feed.replay = replay = self._replay(feed, stream, subject, 1, by_consumer)
             if refused:
                 self.metrics.streams_fallback += 1
