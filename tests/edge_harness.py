@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
-from helpers import clean_env, free_port, wait_ready
+from helpers import clean_env, free_port, wait_ready, wait_until
 import httpx
 import uvicorn
 from nats.aio.client import Client as NatsClient
@@ -134,6 +134,17 @@ async def started_source(nats_url: str, subjects: Subjects, *, after_read=None,
         await source.stop()
 
 
+def exchange_until_closed(port: int, request: bytes) -> bytes:
+    """``request`` on a new connection to the local ``port``: everything answered until the edge
+    closes it (10 s between reads at most)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
 def http_status(url: str, context: ssl.SSLContext | None = None) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=2, context=context) as response:
@@ -198,6 +209,14 @@ async def publish_result(
         await nc.jetstream().publish(subjects.result(request_id), body, headers=result_headers(result))
         return
     await nc.publish(subjects.result(request_id), body, headers=result_headers(result))
+
+
+async def ring_read_all(source: ResultSource, nc: NatsClient, timeout: float = 10.0) -> None:
+    """Until the edge's recent ring has dispatched every result its stream holds now: a feed opened
+    before that gets the rest live by dispatch, and its replay reads less than is stored (a test
+    that waited for "stored" alone failed in CI so, 1 run in 20-30 under load)."""
+    last = (await nc.jetstream().stream_info(source.fanout.stream)).state.last_seq
+    await wait_until(lambda: source.fanout.delivered() >= last, timeout, "the ring dispatched what is stored")
 
 
 async def publish_results(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import httpx
 import jwt
 import pytest
 from conftest import run_cli_process
-from edge_harness import EdgeProcess, expected_sse, publish_results, running_edge
+from edge_harness import EdgeProcess, exchange_until_closed, expected_sse, publish_results, running_edge
 from helpers import clean_env, rid
 from nats_auth import Certificates, openssl
 
@@ -1131,17 +1130,6 @@ def upgrade_request(path: str) -> bytes:
             "Accept: application/json\r\n\r\n").encode()
 
 
-def exchange(url: str, request: bytes) -> bytes:
-    """``request`` on a new connection; everything the edge answers until it closes (or 10 s pass)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return answer
-
-
 async def test_a_websocket_handshake_is_answered_as_http_and_its_token_never_reaches_the_log(auth_edge, nc):
     """The edge serves no WebSocket, but with a WebSocket library installed beside it (wsproto comes with
     selenium) Uvicorn upgraded such a handshake, the app refused it (a bare ``403``), and Uvicorn's own
@@ -1152,10 +1140,10 @@ async def test_a_websocket_handshake_is_answered_as_http_and_its_token_never_rea
     await publish_results(nc, DURABLE, request_id, [b'{"text":"w"}'])
     tok = token(rids=[request_id])
     answer = await anyio.to_thread.run_sync(
-        exchange, auth_edge.url, upgrade_request(f"/v1/results/{request_id}?stream=false&access_token={tok}"))
+        exchange_until_closed, auth_edge.port, upgrade_request(f"/v1/results/{request_id}?stream=false&access_token={tok}"))
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and answer.endswith(b'\r\n\r\n{"text":"w"}'), answer
     refused = await anyio.to_thread.run_sync(
-        exchange, auth_edge.url, upgrade_request(f"/v1/results/{request_id}?access_token=not.a.jwt"))
+        exchange_until_closed, auth_edge.port, upgrade_request(f"/v1/results/{request_id}?access_token=not.a.jwt"))
     assert refused.startswith(b"HTTP/1.1 401 Unauthorized\r\n") and b'"type":"unauthorized"' in refused, refused
     other = await get(auth_edge, f"/v1/results/{request_id}", params={"stream": "false"}, headers=bearer(tok))
     assert other.status_code == 200 and other.content == b'{"text":"w"}'

@@ -22,7 +22,8 @@ import httpx
 import msgspec
 import nats.errors
 import pytest
-from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
+from edge_harness import (expected_sse, publish_result, publish_results, ring_read_all, running_edge,
+                          started_source)
 from helpers import connection, rid, sampling, status_kib
 from nats_auth import MSG_GET, PULLS, edge_user_denied
 from proxy_helpers import HoldingProxy
@@ -121,12 +122,6 @@ async def a_catch_up_waiting_for_the_one_replay_consumer(*, final_at: int | None
             async with started_source(with_user(server.url, "edge"), SUBJECTS, stream_buffer_bytes=BOUND,
                                       max_replay_consumers=1) as source:
                 yield (source, nc, *await waiting_for_a_replay_consumer(source, nc, final_at=final_at))
-
-
-async def ring_read_all(source, nc) -> None:
-    """Until the ring has read every result stored so far."""
-    last = (await nc.jetstream().stream_info(source.fanout.stream)).state.last_seq
-    await until(lambda: source.fanout.delivered() >= last)
 
 
 async def test_a_result_larger_than_the_buffer_reaches_a_feed_waiting_for_it_at_once(nats_url, client):

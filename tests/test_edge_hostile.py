@@ -9,8 +9,8 @@ import functools
 import anyio
 import httpx
 import pytest
-from edge_harness import (consumers_back_to, expected_sse, publish_result, publish_results, read_slowly,
-                          running_edge, sent_to_connection)
+from edge_harness import (consumers_back_to, exchange_until_closed, expected_sse, publish_result, publish_results,
+                          read_slowly, running_edge, sent_to_connection)
 from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
@@ -560,18 +560,6 @@ MALFORMED_HEADS = {
 }
 
 
-def exchange_closed(port: int, request: bytes) -> bytes:
-    """``request`` on a new connection; everything answered until the edge closes it."""
-    import socket
-
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(request)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    return answer
-
-
 async def test_malformed_request_heads_get_a_400_each_and_a_limited_log_while_a_stream_flows(edge, nc):
     """Obs-fold, a NUL in a value, a non-ASCII header name or path, a bad Content-Length: llhttp refuses
     each head and Uvicorn answers ``400 Invalid HTTP request received.``, no traceback. But Uvicorn also
@@ -586,12 +574,12 @@ async def test_malformed_request_heads_get_a_400_each_and_a_limited_log_while_a_
             assert stream.status_code == 200
             await publish_result(nc, SUBJECTS, request_id, 0, bodies[0])
             for name, head in MALFORMED_HEADS.items():
-                answer = await anyio.to_thread.run_sync(exchange_closed, edge.port, head)
+                answer = await anyio.to_thread.run_sync(exchange_until_closed, edge.port, head)
                 assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), (name, answer)
                 assert answer.endswith(b"\r\n\r\nInvalid HTTP request received."), (name, answer)
             heads = list(MALFORMED_HEADS.values())
             for i in range(FLOOD - len(heads)):
-                await anyio.to_thread.run_sync(exchange_closed, edge.port, heads[i % len(heads)])
+                await anyio.to_thread.run_sync(exchange_until_closed, edge.port, heads[i % len(heads)])
             for seq in (1, 2):
                 await publish_result(nc, SUBJECTS, request_id, seq, bodies[seq], final=seq == 2)
             assert await stream.aread() == expected_sse(bodies)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import anyio
 import nats.errors
 import pytest
-from edge_harness import publish_result, started_source
+from edge_harness import publish_result, ring_read_all, started_source
 from helpers import connection, rid, wait_until
 from nats_auth import MSG_GET, PULLS, edge_user_denied
 from nats.js.client import JetStreamContext
@@ -45,8 +45,7 @@ async def test_a_push_consumer_cancelled_while_subscribing_gives_back_its_charge
             for seq in range(4):
                 await publish_result(nc, subjects, other, seq, b'{"n":%d}' % seq)
             await nc.flush()
-            last = (await nc.jetstream().stream_info(source.fanout.stream)).state.last_seq
-            await wait_until(lambda: source.fanout.delivered() >= last, 10, "the ring read the others")
+            await ring_read_all(source, nc)
             source.msg_get.refused("denied by the test's configuration")
             source.pulls.refused("denied by the test's configuration")
             monkeypatch.setattr(replay_module, "subject_split", unanswered)

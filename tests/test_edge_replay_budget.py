@@ -17,7 +17,8 @@ import time
 
 import httpx
 import pytest
-from edge_harness import expected_sse, publish_result, publish_results, running_edge, started_source
+from edge_harness import (expected_sse, publish_result, publish_results, ring_read_all, running_edge,
+                          started_source)
 from helpers import connection, rid, sampling, status_kib, wait_until
 from nats_auth import ACKS, MSG_GET, PULLS, edge_user_denied
 
@@ -488,9 +489,7 @@ async def test_a_ring_open_where_msg_get_is_refused_reads_its_history_in_the_bud
                 for seq in range(stored):
                     await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq)
             await nc.flush()
-            stream = source.fanout.stream
-            last = (await nc.jetstream().stream_info(stream)).state.last_seq
-            await wait_until(lambda: source.fanout.delivered() >= last, 10, "the ring read the histories")
+            await ring_read_all(source, nc)
             for n, request_id in enumerate(ids):
                 feed = await source.open(request_id)
                 assert feed.inbox is not None and feed.replay is not None  # dispatched, not a consumer of its own

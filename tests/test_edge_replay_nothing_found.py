@@ -15,7 +15,7 @@ import time
 
 import nats.errors
 import pytest
-from edge_harness import publish_result, started_source
+from edge_harness import publish_result, ring_read_all, started_source
 from helpers import connection, rid, wait_until
 from nats_auth import ACKS, MSG_GET, PULLS, edge_user_denied
 
@@ -59,9 +59,7 @@ async def test_a_ring_open_whose_consumer_finds_nothing_stored_gets_every_result
             for seq in range(4):  # the ring has delivered something: upto > 0
                 await publish_result(nc, subjects, other, seq, b'{"n":%d}' % seq)
             await nc.flush()
-            stream = source.fanout.stream
-            last = (await nc.jetstream().stream_info(stream)).state.last_seq
-            await wait_until(lambda: source.fanout.delivered() >= last, 10, "the ring read the others")
+            await ring_read_all(source, nc)
             source.msg_get.refused("denied by the test's configuration")  # as found by an earlier open
             monkeypatch.setattr(replay_module, "subject_split", unanswered)
             request_id = rid("empty")
@@ -115,8 +113,7 @@ async def test_results_purged_between_the_opens_stream_info_and_its_consumer_end
             await nc.flush()
             stream = source.fanout.stream
             js = nc.jetstream()
-            last = (await js.stream_info(stream)).state.last_seq
-            await wait_until(lambda: source.fanout.delivered() >= last, 10, "the ring read the history")
+            await ring_read_all(source, nc)
             source.msg_get.refused("denied by the test's configuration")
             checked = replay_module.Replay._nothing_stored
             found: list[bool] = []

@@ -18,7 +18,7 @@ import anyio
 import httpx
 import nats.errors
 import pytest
-from edge_harness import publish_result, running_edge, started_source, subscribed_subjects
+from edge_harness import publish_result, ring_read_all, running_edge, started_source, subscribed_subjects
 from helpers import answered_with_the_cancel, connection, peak_rss, rid, wait_until
 from httpx_sse import aconnect_sse
 from nats.js.api import StorageType
@@ -744,8 +744,7 @@ async def test_a_replay_stopped_while_its_consumer_is_made_leaves_no_consumer_be
         for seq in range(3):
             await publish_result(client, subjects, request_id, seq, b'{"seq":%d}' % seq)
         await client.flush()
-        last = (await client.jetstream().stream_info(source.fanout.stream)).state.last_seq
-        await wait_until(lambda: source.fanout.delivered() >= last, 5.0, "the ring read them")
+        await ring_read_all(source, client)
         feed = await source.open(request_id)
         first = await feed.next(5.0)  # the probe's, by subject
         assert isinstance(first, ResultInfo) and first.seq == 0, first
