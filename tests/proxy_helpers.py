@@ -4,7 +4,8 @@
 armed, the next ``PUB``/``HPUB`` whose subject its predicate picks (``every``: each one) is kept back
 until the test releases it (or ``hold_at_most`` passes); every later frame overtakes it. To the client this is a
 request the server is slow to answer (a JetStream store taking its time): its reply comes when the
-held frame reaches the server. The server's side is relayed untouched.
+held frame reaches the server. The server's side is relayed untouched. ``rewrite`` (:class:`PullAnswered`) changes a client frame
+before it is relayed.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from anyio.abc import SocketStream
 
 class HoldingProxy:
     def __init__(self, upstream_port: int, hold: Callable[[bytes], bool], *, hold_at_most: float = 5.0,
-                 every: bool = False) -> None:
+                 every: bool = False, rewrite: Callable[[bytes], bytes] | None = None) -> None:
         self.upstream_port = upstream_port
+        self._rewrite = rewrite  # each complete client frame passes through it first
         self._hold = hold
         self.hold_at_most = hold_at_most
         # Armed for good: every publish the predicate picks is held (a request nobody answers within
@@ -85,6 +87,8 @@ class HoldingProxy:
                             if frame is None:
                                 break
                             buffer = buffer[len(frame):]
+                            if self._rewrite is not None:
+                                frame = self._rewrite(frame)
                             if self._armed and subject is not None and self._hold(subject):
                                 self._armed = self.every
                                 self.held_subject = subject
@@ -113,3 +117,28 @@ def _next_frame(buffer: bytes) -> tuple[bytes | None, bytes | None]:
     if len(buffer) < total:
         return None, None
     return buffer[:total], words[1]
+
+
+class PullAnswered:
+    """A :class:`HoldingProxy` ``rewrite``: the next ``times`` pulls (``PUB $JS.API.CONSUMER.MSG.NEXT.
+    <stream>.<consumer> <reply>``; None: every one) are not relayed; each becomes a publish of a
+    status message (``status``, e.g. ``b"409 Exceeded MaxWaiting"``) to the pull's reply subject, which
+    the real server delivers to the client's inbox as it delivers its own statuses. What nats-server
+    sends when its consumer's waiting queue is full, its leader changes or it shuts down, which a
+    test cannot make it do at a chosen pull."""
+
+    def __init__(self, status: bytes, times: int | None = None) -> None:
+        self.header = b"NATS/1.0 " + status + b"\r\n\r\n"
+        self.left = times
+        self.answered = 0  # pulls answered so far with the status
+
+    def __call__(self, frame: bytes) -> bytes:
+        words = frame[:frame.find(b"\r\n")].split()
+        if (self.left == 0 or len(words) != 4 or words[0].upper() != b"PUB"
+                or not words[1].startswith(b"$JS.API.CONSUMER.MSG.NEXT.")):
+            return frame
+        if self.left is not None:
+            self.left -= 1
+        self.answered += 1
+        size = len(self.header)
+        return b"HPUB %s %d %d\r\n%s\r\n" % (words[2], size, size, self.header)

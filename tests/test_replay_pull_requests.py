@@ -111,9 +111,9 @@ async def test_a_pull_for_the_one_that_did_not_fit_brings_it_alone_whatever_the_
 async def test_pull_status_reads_each_way_nats_server_ends_a_pull(client):
     """A ``no_wait`` pull with nothing stored ends at once, ``ended`` (``404 No Messages``: it does
     not wait on the server, nor is it taken for a consumer gone); a pull that waits with an idle
-    heartbeat hears ``heartbeat`` within a few of them, long before its expiry, then ends ``ended``
-    (``408 Request Timeout``); a pull past the consumer's waiting pulls is ``ended`` (``409 Exceeded
-    MaxWaiting``), not ``too_big``; a waiting pull whose consumer is deleted, and a pull of a consumer
+    heartbeat hears ``heartbeat`` within a few of them, long before its expiry, then ends ``busy``
+    (``408 Request Timeout``: says nothing of what is stored); a pull past the consumer's waiting pulls
+    is ``busy`` (``409 Exceeded MaxWaiting``), not ``too_big`` nor ``ended``; a waiting pull whose consumer is deleted, and a pull of a consumer
     that does not exist, are ``gone``."""
     subject = await stored(client, 0)
     async with Consumer(client, subject, max_waiting=1) as consumer:
@@ -128,9 +128,9 @@ async def test_pull_status_reads_each_way_nats_server_ends_a_pull(client):
         other = Consumer(client, subject)  # a second waiting pull, on another inbox: past max_waiting
         async with other:
             await other.pull(pull_request(1 << 20, expires=3.0), name=consumer.name)
-            assert await other.words_within(1.0) == ["ended"]
+            assert await other.words_within(1.0) == ["busy"]
         words = await consumer.words_within(3.5 - (time.monotonic() - sent))
-        assert set(words[:-1]) == {"heartbeat"} and words[-1] == "ended", words
+        assert set(words[:-1]) == {"heartbeat"} and words[-1] == "busy", words
 
         await consumer.pull(pull_request(1 << 20, expires=5.0))
         await anyio.sleep(0.3)

@@ -12,7 +12,7 @@ from streamproc.nats.replay_pull import REPLAY_PULL_HEARTBEAT, REPLAY_PULL_LOST_
 from streamproc.testing.laws import LAW_EXAMPLES
 
 LAWS = settings(max_examples=LAW_EXAMPLES, deadline=None)
-STATUSES = ("heartbeat", "ended", "too_big", "gone")
+STATUSES = ("heartbeat", "ended", "busy", "too_big", "gone")
 
 EVENTS = st.one_of(
     st.tuples(st.just("ask"), st.tuples(st.integers(-10, 5000), st.integers(0, 4096), st.booleans(),
@@ -184,3 +184,16 @@ def test_a_waiting_pulls_heartbeats_keep_it_from_looking_silent_and_silence_come
     the expiry is at least twice it; several heartbeats fit the silence, and a silent pull is made
     again before its expiry would have ended it."""
     assert 2 * REPLAY_PULL_HEARTBEAT <= REPLAY_PULL_LOST_AFTER < REPLAY_PULL_EXPIRES
+
+
+def test_busy_pulls_are_sent_again_after_a_doubling_backoff_a_bounded_number_of_times_in_a_row():
+    """A pull ended ``busy`` having brought nothing (``409 Exceeded MaxWaiting``, a leader change) is
+    sent again after 1, 2, 4... backoffs, at most ``busy_max`` times in a row (then None: give up,
+    across the consumers made again meanwhile); a result taken starts the count again."""
+    s = PullState(64, lost_after=2.0, renewals_max=3, busy_max=3, busy_backoff=0.05)
+    assert [s.busy_retry() for _ in range(3)] == [0.05, 0.1, 0.2]
+    s.consumer_made()
+    assert s.busy_retry() is None
+    s.sent(Pull(10, 2), 0.0)
+    s.took(0.0)
+    assert s.busy_retry() == 0.05

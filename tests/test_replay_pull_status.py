@@ -32,12 +32,12 @@ STATUSES = [
     ("423", "Nats-Pin-Id mismatch", {}, "refused"),
     ("423", "Nats-Wrong-Pin-Id", PENDING, "refused"),
     ("404", "No Messages", {}, "ended"),
-    ("408", "Request Timeout", PENDING, "ended"),
-    ("408", "Interest Expired", PENDING, "ended"),
-    ("408", "Requests Pending", {}, "ended"),
-    ("409", "Exceeded MaxWaiting", {}, "ended"),
-    ("409", "Leadership Change", {}, "ended"),
-    ("409", "Server Shutdown", PENDING, "ended"),
+    ("408", "Request Timeout", PENDING, "busy"),
+    ("408", "Interest Expired", PENDING, "busy"),
+    ("408", "Requests Pending", {}, "busy"),
+    ("409", "Exceeded MaxWaiting", {}, "busy"),
+    ("409", "Leadership Change", {}, "busy"),
+    ("409", "Server Shutdown", PENDING, "busy"),
 ]
 
 

@@ -116,6 +116,13 @@ class StoredResultsRefused(StreamprocError, RuntimeError):
         return self.reason
 
 
+class StoredHistoryUnreadable(StreamprocError, RuntimeError):
+    """The edge's replay read with consumers alone (``STREAM.MSG.GET`` refused) and its consumer's
+    pulls kept ending with nothing brought for a reason that says nothing of what is stored (a
+    ``408``/``409`` status: edge/replay.py, ``_busy``): the stream ends with an error event (``Lost``)
+    instead of reading its history outside the read budget."""
+
+
 class ReplayRefused(StreamprocError, RuntimeError):
     """A replay (``follow(replay=True)``) the NATS server refused: this connection's user may not
     publish ``subject``, a JetStream API request the replay needs (``permission`` names the grant).

@@ -40,11 +40,14 @@ class PullState:
       brought nothing: the consumer's next pulls ask for one result alone (no ``max_bytes``, a batch of
       one, which no such limit refuses), once the reader holds nothing (``alone``); one refused even
       so (``stuck``) is no answer: the shell makes the consumer again, bounded as below.
+    - A pull ended ``busy`` with nothing brought (the server's waiting queue full, a leader change):
+      sent again after a doubling backoff, a bounded number of times in a row (:meth:`busy_retry`).
     - Consumers made again in a row without an answer are bounded (:meth:`renew`): past
       ``renewals_max`` the replay ends with an error instead of renewing without end.
     """
 
-    def __init__(self, batch: int, lost_after: float, renewals_max: int) -> None:
+    def __init__(self, batch: int, lost_after: float, renewals_max: int, busy_max: int = 0,
+                 busy_backoff: float = 0.0) -> None:
         self.batch = batch  # results a pull asks for at most: its bytes bound it, this caps tiny ones
         self.lost_after = lost_after
         self.renewals_max = renewals_max
@@ -58,6 +61,11 @@ class PullState:
         self.delivered = 0  # results the current consumer delivered (its delivery sequence so far)
         self.renewals = 0  # consumers made again since the last answer
         self.sent_total = 0  # pulls sent, all consumers (tests)
+        # Pulls in a row ended "busy" with nothing brought (a full waiting queue, a leader change):
+        # each sent again after a backoff doubling from busy_backoff, at most busy_max times (busy_retry)
+        self.busy_max = busy_max
+        self.busy_backoff = busy_backoff
+        self.busy = 0
 
     def consumer_made(self) -> None:
         """A new consumer: nothing asked of it yet, its delivery sequence from 1."""
@@ -104,6 +112,7 @@ class PullState:
         if self.left <= 0:
             self.out = False
         self.one_big = False
+        self.busy = 0
         self.answered()
 
     def status(self, kind: str, now: float) -> None:
@@ -125,6 +134,15 @@ class PullState:
         if kind == "too_big" and self.got == 0:
             self.one_big = True
         self.out = False
+
+    def busy_retry(self) -> float | None:
+        """A pull ended ``busy`` having brought nothing: seconds to wait before sending it again, or
+        None once that happened ``busy_max`` times in a row (give up: a retry without end would be
+        a pull loop against a server that keeps refusing, and no other reader stays in the budget)."""
+        self.busy += 1
+        if self.busy > self.busy_max:
+            return None
+        return self.busy_backoff * 2 ** (self.busy - 1)
 
     def silent(self, now: float) -> bool:
         """The pull out had no word for ``lost_after``: it is over (lost, or used up exactly)."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Coroutine, Literal
 import msgspec
 import nats.errors
 
+from ..core.errors import StoredHistoryUnreadable
 from ..core.reorder import SeqOrder
 from ..core.wire import ContractError, ResultInfo, result_from_message
 from ..logs import error_text, log_event
@@ -171,7 +172,7 @@ class ResultFeed:
                     if attached is not True:
                         return attached
                     continue
-                except (nats.errors.Error, msgspec.DecodeError, ValueError) as exc:
+                except (nats.errors.Error, msgspec.DecodeError, ValueError, StoredHistoryUnreadable) as exc:
                     if self.gone is not None:  # its temporary consumer was woken: the stream is gone
                         return StreamGone(self.gone)
                     if self.overrun:  # its consumer was stopped because the client fell behind

@@ -29,7 +29,9 @@ real client on a slow link as much as one that pauses, is sent each stored resul
 pace. The consumer is deleted when the replay drops it (its ``inactive_threshold`` is for an edge
 that died); a pull silent for ``REPLAY_PULL_LOST_AFTER`` once what it brought is read (used up
 exactly, which nats-server ends without a status, or lost in a reconnect) or a consumer gone
-(``503``) makes a new one from the next stored result, as after a pause.
+(``503``, ``409 Consumer Deleted``) makes a new one from the next stored result, as after a pause. A
+pull ended by a ``408``/``409`` that says nothing of what is stored (a full waiting queue, a leader
+change: :meth:`Replay._busy`) goes again after a backoff, a bounded number of times in a row.
 
 Before 2026-12-05 it was an ordered push consumer, which pushes as fast as nats-server sends (its
 flow control does not hold it to the bound: nats-server ``consumer.processFlowControl`` doubles the
@@ -82,10 +84,13 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
+from ..core.errors import StoredHistoryUnreadable
 from ..core.read_budget import push_window
 from ..core.replay_pull import Pull, PullState
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
+    REPLAY_BUSY_BACKOFF,
+    REPLAY_BUSY_RETRIES,
     REPLAY_EDGE_CONSUMER_IDLE,
     REPLAY_PULL_BATCH,
     REPLAY_PULL_LOST_AFTER,
@@ -266,7 +271,8 @@ class Replay:
         self.pulls = pulls
         self.consumer: str | None = None
         self.inbox = ""
-        self.pull_state = PullState(REPLAY_PULL_BATCH, REPLAY_PULL_LOST_AFTER, REPLAY_RENEWALS_MAX)
+        self.pull_state = PullState(REPLAY_PULL_BATCH, REPLAY_PULL_LOST_AFTER, REPLAY_RENEWALS_MAX,
+                                    REPLAY_BUSY_RETRIES, REPLAY_BUSY_BACKOFF)
         self.made_at = 0.0  # when the pull consumer was made (the pulls' clock): a refusal since is its
         # The edge's budget of stored bytes asked of the server and not yet received (read_budget.py):
         # a pull is charged its max_bytes before it is sent (``charged``: what is left of it), given
@@ -491,6 +497,8 @@ class Replay:
                     return await self._renew(refused=(f"no responders on {self.pulls.subject}.<consumer>"
                                                       if self._no_responders_to_pulls(msg) and self.pulls
                                                       else None))
+                if status == "busy" and self.pull_state.got == 0 and not await self._busy(sub, msg):
+                    return None  # closed during its backoff
                 if status == "refused" and self.pull_state.stuck:  # refused even for one result alone:
                     # a limit of the server or account on pull requests, which every consumer meets:
                     # read by subject meanwhile, as where pulls are not permitted (until the re-probe)
@@ -736,8 +744,8 @@ class Replay:
         if status is None or status in ("heartbeat", "completed") or msg.subject != self.inbox:
             return None
         self.pull_state.status(status, asyncio.get_running_loop().time())
-        if status == "ended" and self.pull_state.got == 0:
-            if self.by_consumer and (msg.headers or {}).get("Status") == "404":
+        if status == "ended" and self.pull_state.got == 0:  # 404 No Messages
+            if self.by_consumer:
                 # nothing stored at or after where the consumer is (no_wait): no later pull, and
                 # done once what is queued is handed out (not "a result larger than the bound")
                 self.exhausted = True
@@ -746,6 +754,35 @@ class Replay:
             # subject (which says so, or finds a later one), as after a pause
             self.cut = self.next_seq
         return status
+
+    async def _busy(self, sub, msg: Msg) -> bool:
+        """A pull ended ``busy`` (pull_status) having brought nothing: nats-server's ``408 Request
+        Timeout`` / ``Interest Expired`` / ``Requests Pending`` (``processWaiting``, ``nextWaiting``,
+        ``processNextMsgRequest``), ``409 Exceeded MaxWaiting`` (``processNextMsgRequest``, when
+        ``o.waiting.add(wr)`` fails: the waiting queue is full), ``409 Leadership Change`` (``checkPendingRequests``)
+        or ``409 Server Shutdown`` (``signalPullConsumers``). None says anything of what is stored at or
+        after next_seq, and the consumer is still there: the same pull goes again after a doubling
+        backoff (its charge was given back at the status: _arrival), at most REPLAY_BUSY_RETRIES times
+        in a row. Past that, read with consumers alone (or MSG.GET not known to answer), the replay ends with
+        :class:`StoredHistoryUnreadable` (the feed's ``Lost``); until 2026-12-06 it was cut here, which
+        took the consumer for one that met a result larger than the bound: ``Refused``, and the feed
+        fell back to an ordered consumer from the stream's start, outside the read budget. With
+        MSG.GET the rest comes by subject (charged), as after a pause. True: read on (False: closed
+        meanwhile)."""
+        delay = self.pull_state.busy_retry()
+        if delay is None:
+            status = " ".join(filter(None, ((msg.headers or {}).get("Status"),
+                                            (msg.headers or {}).get("Description", "")[:200])))
+            # None (MSG.GET not known to answer) too: refused there, this consumer's nothing brought
+            # would be taken for a result larger than the bound (_stop_consumer: by_subject), a fallback
+            if self.by_consumer is not False:
+                raise StoredHistoryUnreadable(
+                    f"{self.pull_state.busy} pulls in a row of {self.subject} ended with nothing brought, "
+                    f"the last with {status!r}")
+            self.cut = self.next_seq
+            return True
+        await asyncio.sleep(delay)
+        return self.sub is sub and not self.closed
 
     def _no_responders_to_pulls(self, msg: Msg) -> bool:
         """Whether a "gone" on the pull consumer's inbox says the edge's account cannot reach

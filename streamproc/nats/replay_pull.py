@@ -43,6 +43,12 @@ REPLAY_EDGE_CONSUMER_IDLE = 10.0
 # Consumers made again in a row (gone, or pulls unanswered) with no answer from any of them: then
 # the replay ends with an error instead of renewing without end (edge and client alike).
 REPLAY_RENEWALS_MAX = 3
+# Pulls in a row that a "busy" status (408, 409 Exceeded MaxWaiting, Leadership Change, Server
+# Shutdown: pull_status) ended with nothing brought, sent again after a backoff from
+# REPLAY_BUSY_BACKOFF seconds, doubled each time (0.05 + ... + 0.8 = 1.55 s in all): past it the edge's
+# replay ends with an error instead of leaving its read budget (edge/replay.py, _busy).
+REPLAY_BUSY_RETRIES = 5
+REPLAY_BUSY_BACKOFF = 0.05
 
 
 def replay_consumer_config(name: str, subject: str, start: int, idle: float = REPLAY_CONSUMER_IDLE) -> ConsumerConfig:
@@ -98,16 +104,22 @@ def encode(request: dict[str, int | bool]) -> bytes:
 #                max_request_batch, limits), ``400 Bad Request - ...``, ``412 Required Api Level``,
 #                ``423 Nats-Pin-Id mismatch``, ``423 Nats-Wrong-Pin-Id``: the pull as asked is refused
 #                (``processNextMsgRequest``), brought nothing, and the same pull would be refused again
-#   "ended":     ``404 No Messages``, ``408 Request Timeout``, ``408 Interest Expired``,
-#                ``408 Requests Pending``, ``409 Exceeded MaxWaiting``, ``409 Leadership Change``,
-#                ``409 Server Shutdown``: the pull is over (nothing more now); another may be sent
+#   "ended":     ``404 No Messages`` (``processNextMsgRequest``, or ``processWaiting`` at the end of the
+#                stream: a no_wait pull found nothing stored at or after where the consumer is)
+#   "busy":      ``408 Request Timeout`` (``processWaiting``/``nextWaiting``: its ``expires`` passed),
+#                ``408 Interest Expired``, ``408 Requests Pending`` (a no_wait pull while other pulls
+#                claim what is pending), ``409 Exceeded MaxWaiting`` (``processNextMsgRequest``: the
+#                consumer's waiting queue is full), ``409 Leadership Change`` (``checkPendingRequests``),
+#                ``409 Server Shutdown`` (``jetstream.go`` ``signalPullConsumers``), and any status not
+#                named here: the pull is over and says nothing of what is stored (results may be stored
+#                at and after where the consumer is); the same pull may be sent again, a little later
 _GONE = ("Consumer Deleted", "Consumer is push based")
 _REFUSED = ("Exceeded MaxRequestBatch", "Exceeded MaxRequestExpires", "Exceeded MaxRequestMaxBytes")
 
 
 def pull_status(headers: dict[str, str] | None) -> str | None:
     """What a status message on a pull's reply subject says (the table above): ``"heartbeat"``,
-    ``"gone"``, ``"too_big"``, ``"completed"``, ``"refused"`` or ``"ended"``; None for no status (a
+    ``"gone"``, ``"too_big"``, ``"completed"``, ``"refused"``, ``"ended"`` or ``"busy"``; None for no status (a
     delivery, or a stray). nats-py puts the status line's code in ``Status``, its text in
     ``Description``."""
     status = (headers or {}).get("Status")
@@ -129,4 +141,4 @@ def pull_status(headers: dict[str, str] | None) -> str | None:
             return "refused"
     if status in ("400", "412", "423"):
         return "refused"
-    return "ended"
+    return "ended" if status == "404" else "busy"
