@@ -137,13 +137,32 @@ def carries_access_token(query: str) -> bool:
     behind ``;``, or with its ``=`` or the ``&`` before it percent-encoded; until 2026-12-06 such a
     page was cacheable, its URL and token with it)."""
     return bool(query) and (any(names_access_token(field.partition("=")[0]) for field in query.split("&"))
-                            or ("token" in query.lower() and _TOKEN_IN_PATH.search(query) is not None))
+                            or (_may_spell_token(query) and _TOKEN_IN_PATH.search(query) is not None))
+
+
+
+
+def _spelled(text: str) -> str:
+    """A pattern for ``text`` with any of its characters percent-encoded, once or (as Uvicorn's ``quote``
+    shows a ``%`` of the path) as ``%25XX``: Starlette decodes query names, so ``%61ccess_token`` is
+    ``access_token`` (until 2026-12-06 only ``_`` and ``=`` were matched encoded)."""
+    def one(c: str) -> str:
+        codes = sorted({f"{ord(c.lower()):02X}", f"{ord(c.upper()):02X}"})
+        return f"(?:{re.escape(c)}|%(?:25)?(?:{'|'.join(codes)}))"
+    return "".join(one(c) for c in text)
 
 
 # ``access_token=<value>`` inside a path as Uvicorn's access log shows it (``quote``d: ``?`` is ``%3F``,
-# ``=`` ``%3D``, ``;`` ``%3B``): the value runs to the next delimiter, raw or percent-encoded.
-_TOKEN_IN_PATH = re.compile(r"(access(?:_|%5F)token(?:=|%3D))((?:[^&;/?%]|%(?!26|2F|3B|3F)[0-9A-F]{2})*)",
-                            re.IGNORECASE)
+# ``=`` ``%3D``, ``;`` ``%3B``), or in a query where the edge does not read it as a name (behind ``;``,
+# an encoded ``&`` or ``=``), any of its characters percent-encoded: the value runs to the next
+# delimiter, raw or percent-encoded.
+_TOKEN_IN_PATH = re.compile(f"({_spelled(ACCESS_TOKEN)}{_spelled('=')})"
+                            r"((?:[^&;/?%]|%(?!26|2F|3B|3F)[0-9A-F]{2})*)", re.IGNORECASE)
+
+
+def _may_spell_token(text: str) -> bool:
+    """Cheap test before :data:`_TOKEN_IN_PATH`: ``token`` appears, or some character is encoded."""
+    return "%" in text or "token" in text.lower()
 
 
 def redact_access_token(path: str) -> str:
@@ -154,11 +173,11 @@ def redact_access_token(path: str) -> str:
     the id, or of no route), but its token was logged whole until 2026-12-06; so was one in the query
     behind ``;`` or with an encoded ``=`` or ``&``."""
     base, sep, query = path.partition("?")
-    if "token" in base.lower():
+    if _may_spell_token(base):
         base = _TOKEN_IN_PATH.sub(r"\1<redacted>", base)
     if not sep:
         return base
-    if "token" in query.lower():  # the query's spellings no field name matches (a=1;access_token=<jwt>,
+    if _may_spell_token(query):  # the query's spellings no field name matches (a=1;access_token=<jwt>,
         # access_token%3D<jwt>, a=1%26access_token=<jwt>): logged whole until 2026-12-06
         query = _TOKEN_IN_PATH.sub(r"\1<redacted>", query)
     fields = query.split("&")
@@ -176,7 +195,7 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
         return dict(fields)
     if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
         client, method, path, version, status = record.args
-        if isinstance(path, str) and ("?" in path or "token" in path.lower()):  # a capability (RFC 6750 2.3)
+        if isinstance(path, str) and ("?" in path or _may_spell_token(path)):  # a capability (RFC 6750 2.3)
             path = redact_access_token(path)
         if isinstance(path, str) and len(path) > ACCESS_LOG_PATH_CHARS:  # after the redaction: no token part kept
             path = shown(path)

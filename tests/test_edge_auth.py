@@ -1272,3 +1272,35 @@ async def test_a_token_in_the_query_behind_a_semicolon_or_an_encoded_separator_i
     assert operator.split(".")[2] not in log
     assert 'path="/?x=1;access_token=<redacted>"' in log and "path=/?access_token%3D<redacted> " in log
     assert 'path="/?x=1%26access_token=<redacted>"' in log
+
+
+async def test_a_token_name_with_percent_escaped_letters_behind_a_semicolon_or_encoded_separator_is_redacted(
+        auth_edge):
+    """The spellings the edge does not read as a parameter (behind ``;``, with an encoded ``&`` or ``=``)
+    were redacted only when ``access_token`` itself was literal (``_`` or ``=`` encoded at most): a name
+    with an escaped letter, ``x=1;%61ccess_token=<jwt>``, was logged whole and its answer cacheable.
+    Starlette decodes names, so ``%61ccess_token`` is ``access_token`` as a name (redacted before, the
+    ``&`` field rule); here it is redacted wherever it stands, and the answer says ``no-store``."""
+    operator = token(operator=True)
+    paths = {"semicolon": f"/?x=1;%61ccess_token={operator}",
+             "encoded equals": f"/?%61ccess%5Ftoken%3D{operator}",
+             "encoded ampersand": f"/?x=1%26access_%74oken={operator}",
+             "upper case, semicolon": f"/?x=1;ACCESS%5F%54OKEN={operator}&y=2",
+             "stream, semicolon": f"/v1/results/{rid('semi-escaped')}?stream=false;%61ccess_token={operator}"}
+    async with httpx.AsyncClient(base_url=auth_edge.url, timeout=15) as client:
+        answers = {name: await client.get(path) for name, path in paths.items()}
+        named = await client.get(f"/?%61ccess_token={operator}")  # a parameter the edge reads: as before
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "semicolon": 200, "encoded equals": 200, "encoded ampersand": 200, "upper case, semicolon": 200,
+        "stream, semicolon": 401}
+    assert {name: a.headers.get("cache-control") for name, a in answers.items()} == {
+        name: "no-store" for name in answers}
+    assert named.status_code == 200 and named.headers.get("cache-control") == "no-store"
+    await anyio.sleep(0.3)
+    log = auth_edge.log()
+    assert operator.split(".")[2] not in log and operator.split(".")[1] not in log
+    assert 'path="/?x=1;%61ccess_token=<redacted>"' in log
+    assert "path=/?%61ccess%5Ftoken%3D<redacted> " in log
+    assert 'path="/?x=1%26access_%74oken=<redacted>"' in log
+    assert 'path="/?x=1;ACCESS%5F%54OKEN=<redacted>&y=2"' in log
+    assert 'path="/?%61ccess_token=<redacted>"' in log
