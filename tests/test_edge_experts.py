@@ -24,7 +24,7 @@ import nats
 import prometheus_client
 import pytest
 from edge_harness import expected_sse, publish_results, running_edge
-from helpers import peak_rss, rid
+from helpers import peak_rss, rid, wait_until
 
 from streamproc.catalog import Catalog, worker_for
 from streamproc.edge.experts import MAX_BODY_BYTES, MAX_VIEW_IDS, build_view
@@ -509,3 +509,19 @@ async def test_a_poster_that_leaves_before_its_body_ends_costs_no_traceback_and_
     await anyio.sleep(0.5)
     log = zstd_edge.log()
     assert "Traceback" not in log and "ClientDisconnect" not in log and "level=error" not in log
+
+
+async def test_posts_whose_client_left_mid_body_are_counted_in_the_metrics(zstd_edge):
+    """A ``POST /v1/experts`` whose client left before its body ended was over quietly and counted
+    nowhere (no answer, so no access-log status either): an operator could not see a client that
+    opens such posts at will. Each is ``streamproc_edge_experts_bodies_abandoned_total`` now; a whole
+    post is not."""
+    before = zstd_edge.metrics()["streamproc_edge_experts_bodies_abandoned_total"]
+    for i in range(3):
+        await anyio.to_thread.run_sync(post_and_leave, zstd_edge.port, 4096, b'{"meta_info":', i == 0)
+    await wait_until(lambda: zstd_edge.metrics()["streamproc_edge_experts_bodies_abandoned_total"] - before >= 3,
+                     10, "three abandoned posts counted")
+    async with httpx.AsyncClient(base_url=zstd_edge.url, timeout=15) as client:
+        whole = await client.post("/v1/experts", content=b'{"meta_info":{}}')
+    assert whole.status_code == 200, whole.text
+    assert zstd_edge.metrics()["streamproc_edge_experts_bodies_abandoned_total"] - before == 3

@@ -589,3 +589,19 @@ async def test_malformed_request_heads_get_a_400_each_and_a_limited_log_while_a_
     assert len(lines) == BURST, (len(lines), lines[:3])
     assert "level=warning" in lines[0] and "client=127.0.0.1:" in lines[0], lines[0]
     assert log.count('msg="Invalid HTTP request received."') == 0
+
+
+async def test_refused_request_heads_are_counted_in_the_metrics_past_the_log_limit(edge):
+    """``invalid_http_request`` lines are limited (BURST per 10 s), and no metric counted refused heads:
+    past the burst a client's flood of them was invisible but for one ``log_suppressed`` count. Each is
+    ``streamproc_edge_invalid_http_requests_total`` now, a well-formed request not."""
+    before = edge.metrics()["streamproc_edge_invalid_http_requests_total"]
+    heads = list(MALFORMED_HEADS.values())
+    sent = BURST + 2 * len(heads)
+    for i in range(sent):
+        answer = await anyio.to_thread.run_sync(exchange_until_closed, edge.port, heads[i % len(heads)])
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer
+    fine = await anyio.to_thread.run_sync(exchange_until_closed, edge.port,
+                                          b"GET /healthz HTTP/1.1\r\nHost: e\r\nConnection: close\r\n\r\n")
+    assert fine.startswith(b"HTTP/1.1 200 "), fine
+    assert edge.metrics()["streamproc_edge_invalid_http_requests_total"] - before == sent

@@ -655,6 +655,7 @@ class Edge:
                     # The poster left before its body ended: nothing to decode, no one to answer (Uvicorn
                     # sends nothing once its client is gone). Let out, it was a traceback per such post.
                     chunks.clear()
+                    self.metrics.experts_bodies_abandoned += 1
                     return error_response(f"the client left before its body ended ({size} bytes came)",
                                           "invalid_request", 400)
             if deadline.cancelled_caught:

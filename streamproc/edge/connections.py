@@ -411,6 +411,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
         def send_400_response(self, msg: str) -> None:
             # Uvicorn's answer to a head llhttp refuses, after its warning (ParserLog leaves it out)
             if msg == INVALID_REQUEST:
+                metrics.invalid_http_requests += 1  # the log line is limited; the count is whole
                 client = self.client
                 limited.log(logging.WARNING, "invalid_http_request",
                             client=f"{client[0]}:{client[1]}" if client else None)

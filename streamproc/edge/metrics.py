@@ -33,12 +33,14 @@ class EdgeMetrics(msgspec.Struct):
     head_timeouts: int = 0
     tls_handshakes_unfinished: int = 0
     heads_too_large: int = 0
+    invalid_http_requests: int = 0
     pipelines_too_deep: int = 0
     connections_stalled: int = 0
     bodies_timed_out: int = 0
     bodies_too_large: int = 0
     experts_bodies_timed_out: int = 0
     experts_bodies_refused: int = 0
+    experts_bodies_abandoned: int = 0
     streams_overrun: int = 0
     streams_behind: int = 0
     streams_stalled: int = 0
@@ -101,6 +103,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "tls_handshakes_unfinished": ("counter", "HTTPS connections that ended before their TLS handshake did (failed, "
                                              "left, or not done within --head-timeout)"),
     "heads_too_large": ("counter", "connections closed (431, unless a response was in progress) for a request head over --max-head-bytes"),
+    "invalid_http_requests": ("counter", "request heads the HTTP parser refused (answered 400 and closed; "
+                                         "logged as invalid_http_request, rate-limited)"),
     "pipelines_too_deep": ("counter", "connections closed unanswered because more requests were pipelined "
                                       "behind the one in progress than the edge queues (connections.MAX_PIPELINED)"),
     "connections_stalled": ("counter", "connections aborted because their client took nothing of a response "
@@ -113,6 +117,8 @@ _HELP: dict[str, tuple[str, str]] = {
                                             "was not complete within --head-timeout"),
     "experts_bodies_refused": ("counter", "POST /v1/experts requests refused (429 for the client's share, 503 "
                                           "edge-wide) because the bodies posted meanwhile held their bound"),
+    "experts_bodies_abandoned": ("counter", "POST /v1/experts requests whose client left before their body ended "
+                                            "(nothing decoded, nothing answered)"),
     "streams_overrun": ("counter", "streams ended because their client fell --stream-buffer-bytes behind"),
     "streams_behind": ("counter", "times a live JetStream stream's client fell --stream-buffer-bytes behind: "
                                   "it read on from the results stream instead of ending"),
