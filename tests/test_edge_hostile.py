@@ -10,7 +10,7 @@ import anyio
 import httpx
 import pytest
 from edge_harness import (consumers_back_to, exchange_until_closed, expected_sse, publish_result, publish_results,
-                          read_slowly, running_edge, sent_to_connection)
+                          RawStream, read_slowly, running_edge, sent_to_connection)
 from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
@@ -605,3 +605,47 @@ async def test_refused_request_heads_are_counted_in_the_metrics_past_the_log_lim
                                           b"GET /healthz HTTP/1.1\r\nHost: e\r\nConnection: close\r\n\r\n")
     assert fine.startswith(b"HTTP/1.1 200 "), fine
     assert edge.metrics()["streamproc_edge_invalid_http_requests_total"] - before == sent
+
+
+async def test_garbage_sent_on_a_streaming_connection_ends_it_without_a_400_inside_the_sse_body(edge, nc):
+    """Bytes llhttp refuses, sent on the connection of a running SSE stream, made Uvicorn write its
+    ``400 Invalid HTTP request received.`` response at once: into the stream's chunked body, where the
+    client read HTTP bytes as events. Now no second response is written inside a body in progress: the
+    stream ends (its body cut after whole chunks), the connection closes, the refusal is counted and
+    logged, and a stream on another connection gets all its results."""
+    victim, bystander = rid("garbage-victim"), rid("garbage-bystander")
+    bodies = [b'{"text":"%d"}' % i for i in range(3)]
+    before = edge.metrics()
+    other = await RawStream.open(edge.port, bystander)
+    stream = await RawStream.open(edge.port, victim)
+    try:
+        await publish_result(nc, SUBJECTS, victim, 0, bodies[0])
+        await publish_result(nc, SUBJECTS, bystander, 0, bodies[0])
+        await stream.read_until(b"data: " + bodies[0])
+        head, _, _ = stream.data.partition(b"\r\n\r\n")
+        await asyncio.get_running_loop().sock_sendall(stream.sock, b"\x01\x02 not http\r\n\r\n")
+        data = await stream.read_to_close()
+        for seq in (1, 2):
+            await publish_result(nc, SUBJECTS, bystander, seq, bodies[seq], final=seq == 2)
+        await other.read_until(b"data: [DONE]\n\n")
+    finally:
+        stream.close()
+        other.close()
+    body = data.partition(b"\r\n\r\n")[2]
+    assert b"HTTP/1.1" not in body and b"Invalid HTTP request" not in body, data
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    events = b""  # the body's chunks, each whole
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        assert rest[n:n + 2] == b"\r\n", body
+        events, body = events + rest[:n], rest[n + 2:]
+    assert events.startswith(expected_sse(bodies[:1])[:-len(b"data: [DONE]\n\n")]), events
+    assert b"[DONE]" not in events, events
+    assert other.data.partition(b"\r\n\r\n")[2].count(b"data: ") == 4, other.data
+    await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] == before["streamproc_edge_streams_active"],
+                     10, "the victim's stream ended")
+    after = edge.metrics()
+    assert after["streamproc_edge_invalid_http_requests_total"] - before["streamproc_edge_invalid_http_requests_total"] == 1
+    log = edge.log()
+    assert "event=invalid_http_request" in log and "Traceback" not in log

@@ -415,6 +415,18 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                 client = self.client
                 limited.log(logging.WARNING, "invalid_http_request",
                             client=f"{client[0]}:{client[1]}" if client else None)
+            running = self.running
+            if running is not None and not running.response_complete and (
+                    running.response_started or running is not self.cycle):
+                # A response in progress (an SSE stream), or one due before any answer to these bytes:
+                # Uvicorn's 400 went into its body (the client read HTTP inside its event stream). End
+                # the connection instead: that request is told its client is gone, as connection_lost
+                # would (the stream stops writing), and what it wrote is flushed before the close.
+                running.disconnected = True
+                running.message_event.set()
+                if not self.transport.is_closing():
+                    self.transport.close()
+                return
             super().send_400_response(msg)
 
         def eof_received(self) -> bool | None:
