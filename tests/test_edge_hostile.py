@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 
 import anyio
 import httpx
@@ -649,3 +650,24 @@ async def test_garbage_sent_on_a_streaming_connection_ends_it_without_a_400_insi
     assert after["streamproc_edge_invalid_http_requests_total"] - before["streamproc_edge_invalid_http_requests_total"] == 1
     log = edge.log()
     assert "event=invalid_http_request" in log and "Traceback" not in log
+
+
+async def test_garbage_behind_a_pipelined_request_closes_the_connection_without_answering_out_of_order(edge, nc):
+    """A unary read waiting for its result, a ``GET /healthz`` pipelined behind it, then bytes llhttp
+    refuses: Uvicorn wrote its ``400`` at once, which the client reads as the answer to its first
+    request. Responses go out in order, so the connection is closed unanswered instead."""
+    request_id = rid("garbage-pipelined")
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", edge.port))
+    stream = RawStream(sock)
+    try:
+        await loop.sock_sendall(sock, f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: e\r\n\r\n"
+                                      "GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n".encode())
+        await anyio.sleep(0.3)  # both heads parsed, the first request waiting for its result
+        await loop.sock_sendall(sock, b"\x01\x02 not http\r\n\r\n")
+        data = await stream.read_to_close()
+    finally:
+        stream.close()
+    assert data == b"", data
