@@ -130,3 +130,45 @@ async def test_pulls_that_keep_ending_busy_end_the_stream_with_an_error_not_a_co
                 assert feed._sub is None
                 await feed.close()
                 await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
+
+
+async def test_pulls_that_keep_ending_busy_after_msg_get_answered_at_the_open_read_the_rest_by_subject():
+    """An open made while MSG.GET is not yet known to answer (an edge just started: ``by_consumer``
+    None) asks MSG.GET first, which answers: its pull consumer's pulls then all end ``409 Exceeded
+    MaxWaiting``. Past REPLAY_BUSY_RETRIES the rest of the history comes by subject, in the budget,
+    as where MSG.GET was known to answer at the open (docs/edge.md), not an error event: MSG.GET
+    answered this very replay."""
+    subjects = Subjects("pullbusyget")
+    answered = PullAnswered(b"409 Exceeded MaxWaiting")
+    with EmbeddedNats(config=edge_user_denied()) as server:
+        proxy = HoldingProxy(int(server.url.rsplit(":", 1)[1]), lambda subject: False, rewrite=answered)
+        async with proxy.running(), connection(server.url.replace("nats://", "nats://edge:edge@")) as nc:
+            edge_url = proxy.url.replace("nats://", "nats://edge:edge@")
+            async with started_source(edge_url, subjects, ensure_results_stream=True) as source:
+                request_id = rid("busyget")
+                stored = 4
+                for seq in range(stored):
+                    await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq, acked=True)
+                await ring_read_all(source, nc)
+                assert source.msg_get is not None and not source.msg_get.confirmed  # nothing asked it yet
+                outside = OutsideConsumers(nc.jetstream(), source.fanout.stream)
+                await outside.baseline()
+                async with sampling(outside.sample, 0.02):
+                    feed = await source.open(request_id)
+                    assert feed.replay is not None and feed.replay.by_consumer is None
+                    seqs = []
+                    while len(seqs) < stored and isinstance(item := await feed.next(10.0), ResultInfo):
+                        seqs.append(item.seq)
+                    assert seqs == list(range(stored)), (seqs, item)
+                    assert source.msg_get.confirmed
+                    await publish_result(nc, subjects, request_id, stored, b'{"n":%d}' % stored, final=True)
+                    while isinstance(item := await feed.next(10.0), ResultInfo):
+                        seqs.append(item.seq)
+                    assert isinstance(item, Ended), (seqs, item)
+                await outside.sample()
+                assert seqs == list(range(stored + 1))
+                assert answered.answered == REPLAY_BUSY_RETRIES + 1  # one consumer's pull and its retries
+                assert outside.seen == set()
+                assert feed._sub is None
+                await feed.close()
+                await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")

@@ -773,9 +773,12 @@ class Replay:
         if delay is None:
             status = " ".join(filter(None, ((msg.headers or {}).get("Status"),
                                             (msg.headers or {}).get("Description", "")[:200])))
-            # None (MSG.GET not known to answer) too: refused there, this consumer's nothing brought
-            # would be taken for a result larger than the bound (_stop_consumer: by_subject), a fallback
-            if self.by_consumer is not False:
+            # MSG.GET not known to answer (refused at the open, or unknown and unconfirmed since):
+            # refused there, this consumer's nothing brought would be taken for a result larger than
+            # the bound (_stop_consumer: by_subject), a fallback. Unknown at the open (None) but
+            # answered since (this replay asks it before its first consumer) counts as known: until
+            # 2026-12-06 such a replay ended Lost here instead of reading the rest by subject.
+            if not self._msg_get_answers():
                 raise StoredHistoryUnreadable(
                     f"{self.pull_state.busy} pulls in a row of {self.subject} ended with nothing brought, "
                     f"the last with {status!r}")
@@ -783,6 +786,13 @@ class Replay:
             return True
         await asyncio.sleep(delay)
         return self.sub is sub and not self.closed
+
+    def _msg_get_answers(self) -> bool:
+        """MSG.GET is known to answer: so at the open (``by_consumer`` False), or unknown then
+        (None) and answered since, with no refusal after (the access is ``confirmed``)."""
+        if self.by_consumer is None:
+            return self.access is not None and self.access.confirmed
+        return not self.by_consumer
 
     def _no_responders_to_pulls(self, msg: Msg) -> bool:
         """Whether a "gone" on the pull consumer's inbox says the edge's account cannot reach
