@@ -90,7 +90,7 @@ def encode(request: dict[str, int | bool]) -> bytes:
 
 
 # Every status nats-server sends on a pull's reply subject (2.x ``server/consumer.go``, ``jetstream.go``;
-# ``client.go`` for the 503), by what it says of the pull; anything else is read as "ended".
+# ``client.go`` for the 503), by what it says of the pull; anything else is read as "busy" (below).
 #   "heartbeat": ``100 Idle Heartbeat`` (a waiting pull's; ``100 FlowControl Request`` is a push consumer's)
 #   "gone":      ``503`` (no responders: no consumer, or MSG.NEXT not imported), ``409 Consumer Deleted``,
 #                ``409 Consumer is push based`` (the name is a push consumer's now: not ours)
