@@ -122,6 +122,7 @@ async def test_pulls_that_keep_ending_busy_end_the_stream_with_an_error_not_a_co
                     took = time.monotonic() - started
                     assert isinstance(item, Lost), item
                     assert "409 Exceeded MaxWaiting" in item.reason, item.reason
+                    assert f"{REPLAY_BUSY_RETRIES + 1} pulls in a row" in item.reason, item.reason
                 await outside.sample()
                 backoff = REPLAY_BUSY_BACKOFF * (2 ** REPLAY_BUSY_RETRIES - 1)
                 assert backoff <= took < backoff + 3.0, took

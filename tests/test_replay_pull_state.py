@@ -197,3 +197,14 @@ def test_busy_pulls_are_sent_again_after_a_doubling_backoff_a_bounded_number_of_
     s.sent(Pull(10, 2), 0.0)
     s.took(0.0)
     assert s.busy_retry() == 0.05
+
+
+def test_a_busy_give_up_ends_the_run_so_a_later_consumer_of_the_same_replay_is_retried_again():
+    """Past ``busy_max`` the shell gives the run up (edge, MSG.GET known to answer: the rest by
+    subject, then a new consumer once a result was read). That consumer's first busy pull is sent
+    again after the first backoff, not given up at once because the old run's count stayed past
+    ``busy_max`` (no result of a consumer came in between to reset it)."""
+    s = PullState(64, lost_after=2.0, renewals_max=3, busy_max=2, busy_backoff=0.05)
+    assert [s.busy_retry() for _ in range(3)] == [0.05, 0.1, None]
+    s.consumer_made()
+    assert s.busy_retry() == 0.05

@@ -138,9 +138,12 @@ class PullState:
     def busy_retry(self) -> float | None:
         """A pull ended ``busy`` having brought nothing: seconds to wait before sending it again, or
         None once that happened ``busy_max`` times in a row (give up: a retry without end would be
-        a pull loop against a server that keeps refusing, and no other reader stays in the budget)."""
+        a pull loop against a server that keeps refusing, and no other reader stays in the budget).
+        A give-up ends the run: the shell reads on otherwise (by subject) or not at all, and a later
+        consumer's busy pull is retried again (left past the bound, it was given up at once)."""
         self.busy += 1
         if self.busy > self.busy_max:
+            self.busy = 0
             return None
         return self.busy_backoff * 2 ** (self.busy - 1)
 

@@ -780,7 +780,7 @@ class Replay:
             # 2026-12-06 such a replay ended Lost here instead of reading the rest by subject.
             if not self._msg_get_answers():
                 raise StoredHistoryUnreadable(
-                    f"{self.pull_state.busy} pulls in a row of {self.subject} ended with nothing brought, "
+                    f"{self.pull_state.busy_max + 1} pulls in a row of {self.subject} ended with nothing brought, "
                     f"the last with {status!r}")
             self.cut = self.next_seq
             return True
