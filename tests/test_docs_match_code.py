@@ -36,7 +36,7 @@ import pytest
 
 from streamproc.cli import build_parser
 from streamproc.core.codec import ErrorKind, OmissionReason
-from streamproc.core.correlator import Stats
+from streamproc.core.correlator import UNSTORABLE_CHUNK, Stats
 from streamproc.core.latency import LatencyHistogram
 from streamproc.edge.app import ERROR_STATUS
 from streamproc.core.read_budget import ReadBudget
@@ -353,7 +353,7 @@ DYNAMIC_EVENTS = {
 }
 # Names passed on, not made: the limiter's own ``event``; a Notice's, collected where it is built.
 FORWARDED = {("streamproc/logs.py", "event"), ("streamproc/nats/input.py", "notice.event")}
-NAMED_CONSTANTS = {f"OmissionReason.{m.name}": m.value for m in OmissionReason}
+NAMED_CONSTANTS = {f"OmissionReason.{m.name}": m.value for m in OmissionReason} | {"UNSTORABLE_CHUNK": UNSTORABLE_CHUNK}
 
 
 def _level(node: ast.expr) -> str | None:

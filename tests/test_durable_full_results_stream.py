@@ -12,11 +12,11 @@ import pytest
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy
 
-from durable_helpers import FORMAT, connect, durable_flags
+from durable_helpers import FORMAT, chunk_stream_messages, connect, durable_flags
 from helpers import free_port, scrape, wait_until
 from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
-from streamproc.nats.streams import RESULTS_STREAM
+from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
 from streamproc.sim import traffic
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -58,10 +58,10 @@ async def test_a_request_past_the_results_streams_per_subject_limit_is_given_up_
     so is every later one of that request (they share its subject). The outbox re-sent it every
     0.5 s for ``--max-result-attempts`` (100) per delivery, the request's later chunks held
     unacknowledged behind it: at ``--max-ack-pending`` 4 the partition stalled, a bystander
-    unanswered after 60 s. Now given up at its first refusal, as a result over ``max_msg_size`` is:
-    its chunks NAKed, redelivered and refused again up to ``--max-deliver`` (its error result is
-    refused too); the bystander is answered within seconds, and so is a request after those
-    deliveries; the refusal is logged with its reason and counted, and nothing is re-sent after."""
+    unanswered after 60 s. Now given up at its first refusal, as a result over ``max_msg_size`` is,
+    and the request ended (its chunks terminated: the next test); the bystander is answered within
+    seconds, and so is a request after; the refusal is logged with its reason and counted, and
+    nothing is re-sent after."""
     port = free_port()
     flags = durable_flags(partitions=1, max_deliver=3, max_ack_pending=4)
     with streamproc_run(*flags, "--http-port", str(port), "--http-host", "127.0.0.1") as (_, log_path):
@@ -91,6 +91,58 @@ async def test_a_request_past_the_results_streams_per_subject_limit_is_given_up_
         finally:
             await nc.close()
 
+
+async def test_a_request_past_its_subjects_limit_ends_at_once_its_later_chunks_dropped_not_redelivered_or_held(
+        nats_url, streamproc_run):
+    """One request floods 40 chunks (one result each) past ``max_msgs_per_subject`` 2 (discard new per
+    subject), four bystanders of two results each follow in the same partition. Its give-up used to NAK
+    its chunks and forget it: each came back up to ``--max-deliver``, was recovered, refused again and
+    poisoned (its error result refused too), and its later chunks were held behind the gap (measured:
+    64 redeliveries, 96 NAKs, 6 shed requests, the bystanders answered after ~3 s, and 6 of its chunks
+    unacknowledged and 38 left in the chunk stream a minute later). Now the request ends at the
+    refusal: its chunks are terminated or, arriving later, acknowledged and dropped as ``unstorable``;
+    nothing is redelivered or held, the bystanders are answered within 3 s."""
+    port = free_port()
+    flags = durable_flags(partitions=1, max_deliver=3, max_ack_pending=8)
+    with streamproc_run(*flags, "--http-port", str(port), "--http-host", "127.0.0.1") as (_, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await _refuse_when_full(js, max_msgs_per_subject=2, discard_new_per_subject=True)
+            publisher = ChunkPublisher(nc, durable=True)
+            await publisher.publish_leg("flood", "agg", _streamed("flood", 40))
+            bystanders = [f"bystander{n}" for n in range(4)]
+            for rid in bystanders:
+                await publisher.publish_leg(rid, "agg", _streamed(rid, 2))
+            t0 = time.monotonic()
+
+            async def all_answered() -> bool:
+                return all([await _results_of(js, rid) == 2 for rid in bystanders])
+
+            await wait_until(all_answered, 3, "the bystanders answered, behind a request past its subject's limit")
+            assert time.monotonic() - t0 < 3
+
+            async def settled() -> bool:
+                info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+                return info.num_ack_pending == 0 and await chunk_stream_messages(js) == 0
+
+            await wait_until(settled, 5, "every chunk acknowledged or terminated, none held")
+            await anyio.sleep(2 * 2.0)  # two ack waits: anything NAKed or left unacknowledged would be redelivered
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert (info.num_redelivered, info.num_ack_pending, info.delivered.consumer_seq) == (0, 0, 48), info
+            assert await _results_of(js, "flood") == 2
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert metrics["streamproc_durable_naks_total"] == 0
+            assert metrics["streamproc_durable_poisoned_total"] == 0
+            assert metrics["streamproc_shed_total"] == 0
+            dropped = metrics["streamproc_unstorable_total"]
+            assert dropped > 0 and dropped + metrics["streamproc_durable_terminated_total"] == 38  # 40 - 2 stored
+            text = log_path.read_text()
+            assert "event=unstorable_chunk request_id=flood" in text, text[-3000:]
+            assert "event=chunk_poisoned" not in text
+        finally:
+            await nc.close()
 
 
 async def test_results_refused_by_a_full_results_stream_are_retried_at_a_bounded_rate_and_stored_once_it_has_room(

@@ -752,8 +752,8 @@ def test_a_result_past_its_subjects_limit_is_given_up_at_its_first_refusal_and_a
     stream_full = b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"},"stream":"R","seq":0}'
     assert box.on_puback(a.ticket, per_subject, 0.1) == GIVEN_UP
     (g,) = box.given_up()
-    assert (g.request_id, g.attempts) == ("a", 1) and "max_msgs_per_subject" in g.reason
-    assert box.control() == [(t0, NAK)]
+    assert (g.request_id, g.attempts, g.ends) == ("a", 1, True) and "max_msgs_per_subject" in g.reason
+    assert box.control() == [(t0, TERM)]  # never storable: terminated, not redelivered (test_unstorable_request.py)
     assert box.on_puback(b.ticket, stream_full, 0.1) == REFUSED
     assert box.given_up() == [] and box.control() == []
     assert box.tick(1.0) == [] and [o.result.request_id for o in box.sending(1.0)] == ["b"]  # after 0.5 s

@@ -50,6 +50,9 @@ _PASSTHROUGH, _JOINED = Verdict.PASSTHROUGH, Verdict.JOINED
 _OMISSION_REASONS = frozenset(r.value for r in OmissionReason)
 OMISSIONS_READ_BYTES = 256 << 10  # omitted result bodies read for the count by reason, at most this long (~0.12 ms to parse here)
 _STITCHED = Verdict.STITCHED
+# The Notice (log event) of a chunk dropped because its request's results can never be stored
+# (Correlator.unstorable); counted in Stats.unstorable.
+UNSTORABLE_CHUNK = "unstorable_chunk"
 
 
 class Work:
@@ -153,6 +156,9 @@ class Stats(msgspec.Struct, gc=False):
     duplicates: Annotated[int, Meta(description="chunks whose seq was already received (a redelivery or a "
                                                 "worker's repeat), dropped")] = 0
     late: Annotated[int, Meta(description="chunks of a request that had already finished, dropped")] = 0
+    unstorable: Annotated[int, Meta(description="chunks of a request ended because the results stream refuses "
+                                                "its results for good (its subject full), dropped and "
+                                                "acknowledged on arrival")] = 0
     rejected: Annotated[int, Meta(description="chunks that broke the contract (invalid_chunk): their request"
                                               " ended with an error result")] = 0
     timeouts: Annotated[int, Meta(description="requests ended because no chunk came for --request-timeout")] = 0
@@ -312,6 +318,9 @@ class Correlator:
         self._active: OrderedDict[str, _Request] = OrderedDict()
         self._waiting: OrderedDict[str, _Request] = OrderedDict()
         self._finished: OrderedDict[str, float] = OrderedDict()
+        # Of those, the ones ended by unstorable(): their late chunks are counted apart. An id leaves
+        # it when it leaves _finished, so it is bounded as _finished is.
+        self._unstorable: set[str] = set()
         self._grace = self.config.finished_grace
         self._max_finished = self.config.max_finished
         self._max_finished_bytes = self.config.max_finished_bytes
@@ -731,7 +740,21 @@ class Correlator:
         for rid in unstored:
             if self._finished.pop(rid, None) is not None:
                 self.finished_bytes -= _ENTRY + len(rid)
+                self._unstorable.discard(rid)
         return [t for t in tokens if t is not None]
+
+    def unstorable(self, request_id: str, now: float) -> list[object]:
+        """End ``request_id`` for good, without a result: the results stream refuses its results and
+        will refuse every later one (its subject is full), so not even an error result can be stored.
+        Its state is freed and its held input tokens returned (the shell terminates them: redelivered,
+        they could only be refused again); it is remembered as finished, and its chunks that still
+        come are dropped and acknowledged on arrival as ``unstorable`` (not held behind the gap the
+        refused result left until ``request_timeout``)."""
+        tokens = self.abandon(lambda r: r == request_id)
+        self._remember_finished(request_id, now)
+        if request_id in self._finished:  # (a tiny max_finished may trim it at once)
+            self._unstorable.add(request_id)
+        return tokens
 
     def held_tokens(self, group: Callable[[str], int],
                     stored: Callable[[object], int] | None = None) -> dict[int, int]:
@@ -800,6 +823,7 @@ class Correlator:
                 break
             del self._finished[rid]
             self.finished_bytes -= _ENTRY + len(rid)
+            self._unstorable.discard(rid)
         return self._take_aside(out) if self._aside else out
 
     def next_deadline(self) -> float | None:
@@ -853,6 +877,11 @@ class Correlator:
         return self._resolve(name)
 
     def _late(self, chunk: Chunk) -> list[Decision]:
+        if self._unstorable and chunk.request_id in self._unstorable:
+            self.stats.unstorable += 1
+            return [Settle((chunk.token,)), Notice(chunk.request_id, UNSTORABLE_CHUNK,
+                                                    f"{chunk.role.value} seq {chunk.seq} of a request whose results "
+                                                    "the results stream refuses for good (its subject is full)")]
         self.stats.late += 1
         return [Settle((chunk.token,)), Notice(chunk.request_id, "late_chunk",
                                                 f"{chunk.role.value} seq {chunk.seq} after the request finished")]
@@ -1375,6 +1404,7 @@ class Correlator:
         while finished and (len(finished) > self._max_finished or self.finished_bytes > self._max_finished_bytes):
             rid, _ = finished.popitem(last=False)
             self.finished_bytes -= _ENTRY + len(rid)
+            self._unstorable.discard(rid)
 
     def _release(self, req: _Request, *, keep_progress: bool = False) -> None:
         held = req.buffered + req.absorbed + req.decoded

@@ -24,7 +24,11 @@ It never touches a socket, so every guarantee below is checked by property tests
 - **Bounded.** After ``max_attempts`` refusals or overdue PubAcks a result is given up: its request's
   queued results are dropped, their tokens NAKed (JetStream redelivers them, and the next owner
   recovers from what is stored) and a :class:`GiveUp` tells the shell to forget the request, log
-  and count it. Nothing retries for ever inside one instance.
+  and count it. Nothing retries for ever inside one instance. A result refused because its
+  request's subject is full (``max_msgs_per_subject``, discard new per subject) can never be
+  followed by another of that request: its give-up ``ends`` the request, and its tokens are
+  terminated instead (NAKed, they came back ``max_deliver`` times, each refused again, and the
+  request's later chunks were held behind the gap until its timeout).
 
 Tokens are opaque (the shell's ack handles; the ``decided`` hook lets the shell drop what a token
 holds beyond its ack handle once its chunk is decided); tickets are strings the shell turns into
@@ -86,7 +90,8 @@ class OutboxStats(msgspec.Struct):
     pubacks_overdue: Annotated[int, Meta(description="sends of a result whose PubAck did not come in time "
                                                      "(then sent again)")] = 0
     terminated: Annotated[int, Meta(description="inputs settled with +TERM (poison messages past "
-                                                "max_deliver), not counted in acks")] = 0
+                                                "max_deliver, the chunks of a request whose results the "
+                                                "stream refuses for good), not counted in acks")] = 0
     result_batches: Annotated[int, Meta(description="fast batches sent (each with 2 to batch_limit results "
                                                     "of one request)")] = 0
     batch_pauses: Annotated[int, Meta(description="batches refused whole (batches off on the stream, no "
@@ -121,7 +126,10 @@ class GiveUp(msgspec.Struct, frozen=True):
     request_id: str
     seq: int
     attempts: int
-    reason: str  # "refused" or "timeout"
+    reason: str  # "refused", "timeout", or why it can never be stored
+    # No later result of the request can be stored either (its subject is full): its tokens were
+    # terminated, not NAKed, and the shell ends the request for good (Correlator.unstorable).
+    ends: bool = False
 
 
 class Outgoing:
@@ -338,6 +346,21 @@ class Outbox:
         redelivered (an ack would do the same on a work queue, but the server's advisory and the
         consumer's counters then say what happened)."""
         self._terminate[id(token)] = token
+
+    def term(self, tokens: Iterable[object]) -> None:
+        """Terminate ``tokens`` now (``+TERM``): their request ended and can store nothing more, so a
+        redelivery could only be refused again (:attr:`GiveUp.ends`)."""
+        terminate = self._terminate
+        decided = self._decided
+        control = self._control
+        for t in tokens:
+            if t is not None:
+                if decided is not None:
+                    decided(t)
+                control.append((t, TERM))
+                self.stats.terminated += 1
+                if terminate:
+                    terminate.pop(id(t), None)
 
     def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
         action = NAK if delay <= 0 else Nak(delay)
@@ -566,7 +589,8 @@ class Outbox:
             self._give_up(o, "it is larger than the results stream's max_msg_size")
             return GIVEN_UP
         if data is not None and _SUBJECT_FULL in data:  # the same: its request's later results are refused too
-            self._give_up(o, "its request's results fill the results stream's max_msgs_per_subject (discard new)")
+            self._give_up(o, "its request's results fill the results stream's max_msgs_per_subject (discard new)",
+                          ends=True)
             return GIVEN_UP
         if o.failures >= self.config.max_attempts:
             self._give_up(o, "refused")
@@ -667,12 +691,15 @@ class Outbox:
                 self.stats.acks -= 1
                 self.stats.terminated += 1
 
-    def _give_up(self, o: Outgoing, reason: str) -> None:
+    def _give_up(self, o: Outgoing, reason: str, ends: bool = False) -> None:
         rid = o.result.request_id
         tokens, _ = self.abandon(lambda r: r == rid)
-        self.nak(tokens)
+        if ends:
+            self.term(tokens)
+        else:
+            self.nak(tokens)
         self.stats.results_given_up += 1
-        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason))
+        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason, ends))
 
     def _progress(self, held: Iterable[object]) -> None:
         """+WPI for every token that was already held at the previous round.

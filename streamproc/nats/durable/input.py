@@ -389,8 +389,13 @@ class DurableInput:
 
     def _given_up(self, g: GiveUp) -> None:
         """The outbox gave a result up and NAKed its request's queued tokens: forget the request here
-        too (NAKing what the correlator held), so its redelivered chunks are recovered from what is stored."""
+        too (NAKing what the correlator held), so its redelivered chunks are recovered from what is stored.
+        One that ``ends`` its request (nothing more of it can be stored) ends it here too: what the
+        correlator held is terminated, and its later chunks are dropped on arrival."""
         rid = g.request_id
+        if g.ends:
+            self.outbox.term(self.correlator.unstorable(rid, self._clock()))
+            return
         self.outbox.nak(self.correlator.abandon(lambda r: r == rid, (rid,)))
         # Why its chunks come back, for the error result should they come back max_deliver times.
         unstored = self._unstored

@@ -21,6 +21,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ...core.correlator import UNSTORABLE_CHUNK
 from ...core.events import Decision, Notice
 from ...core.outbox import (ACK, BATCH_REFUSED, GIVEN_UP, PROGRESS, REFUSED, TERM, GiveUp, Nak, Outbox, Outgoing,
                            in_turn)
@@ -345,5 +346,8 @@ class OutboxPump:
 
     def _given_up(self, g: GiveUp) -> None:
         self._limited.log(logging.ERROR, "result_given_up", request_id=g.request_id, seq=g.seq, attempts=g.attempts,
-                          reason=g.reason, detail="inputs NAKed; recovered from what is stored when redelivered")
+                          reason=g.reason,
+                          detail=("request ended: its chunks terminated, later ones dropped on arrival "
+                                  f"({UNSTORABLE_CHUNK})") if g.ends
+                          else "inputs NAKed; recovered from what is stored when redelivered")
         self._give_up(g)
