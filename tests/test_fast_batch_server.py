@@ -106,6 +106,28 @@ async def test_a_batch_whose_first_message_is_refused_inside_it_answers_a_plain_
     assert await b.stored_ids() == []
 
 
+async def test_a_full_subject_refuses_inside_the_batch_with_its_reason_before_the_pubAck(client):
+    """``max_msgs_per_subject`` with discard new per subject: the message past the limit gets
+    ``type: err`` naming the full subject, then the PubAck's ``count`` (which does not say why); a batch
+    whose first message is refused so gets that reason as a plain error. The outbox reads the reason
+    from those replies to end the request (``GiveUp.ends``) where the batch stopped."""
+    b = await Batcher.open(client, max_msgs_per_subject=2, discard=DiscardPolicy.NEW, discard_new_per_subject=True)
+    await b.send("b1", 1, START, "a.0")
+    await b.send("b1", 2, APPEND, "a.1")
+    await b.send("b1", 3, APPEND, "a.2")
+    await b.send("b1", 4, COMMIT, "a.3")
+    replies = await b.settle()
+    assert {"type": "err", "seq": 3, "error": {"code": 503, "err_code": 10077,
+                                                "description": "maximum messages per subject exceeded"}} in replies
+    assert pubacks(replies) == [{"stream": "R", "seq": 2, "batch": "b1", "count": 2}]
+    await b.send("b2", 1, START, "a.4")
+    await b.send("b2", 2, COMMIT, "a.5")
+    replies = await b.settle()
+    assert "type" not in replies[1] and replies[1]["error"]["description"] == "maximum messages per subject exceeded"
+    assert pubacks(replies) == []
+    assert await b.stored_ids() == ["a.0", "a.1"]
+
+
 async def test_a_message_refused_before_the_batch_sees_it_shows_up_as_a_gap_at_the_next_one(client):
     """``max_msg_size`` is checked before the batch: the refusal is a plain error and the batch
     does not count the message, so the next one is a gap and ends the batch."""

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from streamproc.core.correlator import UNSTORABLE_CHUNK, Correlator, CorrelatorConfig
 from streamproc.core.events import Chunk, Notice, Result, Role, Settle
-from streamproc.core.outbox import ACK, GIVEN_UP, NAK, TERM, Outbox, OutboxConfig
+from streamproc.core.outbox import ACK, GIVEN_UP, NAK, PENDING, STORED, TERM, Outbox, OutboxConfig
 from streamproc.testing.harness import leg, shuffle_with_duplicates
 from toy_codec import resolve
 
@@ -170,3 +170,57 @@ def test_a_request_past_its_subjects_limit_ends_with_every_delivery_settled_once
     assert box.stats.naks == 0
     late_flood = [n for n in shell.notices if n.request_id == "flood" and n.event == UNSTORABLE_CHUNK]
     assert c.stats.unstorable == len(late_flood)
+
+
+def batched_request(box: Outbox, n: int) -> tuple[list[Delivery], str]:
+    """Request ``a``'s first result sent alone and stored, its next ``n`` queued meanwhile and then sent
+    as one fast batch; returns every result's token and the batch's ticket."""
+    tokens = [Delivery(f"a{s}") for s in range(n + 1)]
+    box.take([Result("a", 0, b"a0", False, settles=(tokens[0],))], "a")
+    (first,) = box.sending(0.0)
+    box.take([Result("a", s, b"a%d" % s, False, settles=(tokens[s],)) for s in range(1, n + 1)], "a")
+    assert box.on_puback(first.ticket, STORED_ACK, 0.0) == STORED
+    batch = box.sending(0.0)
+    assert len(batch) == n and batch[0].batch is not None
+    return tokens, batch[0].batch[0]
+
+
+def test_a_subject_full_refusal_inside_a_fast_batch_ends_the_request_at_the_batchs_pubAck():
+    """nats-server answers a message refused inside a fast batch with ``"type":"err"`` (the reason)
+    and then the batch's PubAck, whose ``count`` says only where it stopped
+    (tests/test_fast_batch_server.py). A subject-full reason there ends the request at that PubAck, as
+    it does for a result sent alone: not charged as a plain refusal and sent again alone after
+    ``retry_after_refusal`` with its chunks held, to be refused again."""
+    box = Outbox(OutboxConfig(batch_limit=8, max_attempts=100))
+    box.batch_prefix = "me-"
+    tokens, bid = batched_request(box, 4)
+    box.control()
+    assert box.on_batch_reply(bid, False, b'{"type":"ack","seq":0,"msgs":1}', 0.1) == PENDING
+    err = (b'{"type":"err","seq":2,"error":{"code":503,"err_code":10077,'
+           b'"description":"maximum messages per subject exceeded"}}')
+    assert box.on_batch_reply(bid, False, err, 0.1) == PENDING
+    assert box.on_batch_reply(bid, True, b'{"stream":"R","seq":9,"batch":"%s","count":1}' % bid.encode(),
+                              0.1) == GIVEN_UP
+    (g,) = box.given_up()
+    assert (g.request_id, g.seq, g.ends) == ("a", 2, True)
+    assert box.control() == [(tokens[1], ACK), (tokens[2], TERM), (tokens[3], TERM), (tokens[4], TERM)]
+    assert box.idle and box.stats.naks == 0
+
+
+def test_a_fast_batch_whose_start_is_refused_for_a_full_subject_ends_the_request_without_pausing_batches():
+    """Refused as a batch's first message, the refusal is a plain error and the commit gets 10208
+    (no PubAck): a subject-full reason there ends the request, rather than reading as a batch refused
+    whole (which turns batches off for every request for ``batch_pause`` and sends the result again
+    alone, to be refused again)."""
+    box = Outbox(OutboxConfig(batch_limit=8, max_attempts=100))
+    box.batch_prefix = "me-"
+    tokens, bid = batched_request(box, 3)
+    box.control()
+    assert box.on_batch_reply(bid, False, SUBJECT_FULL, 0.1) == PENDING
+    unknown = b'{"error":{"code":400,"err_code":10208,"description":"batch publish ID unknown"},"stream":"R","seq":0}'
+    assert box.on_batch_reply(bid, False, unknown, 0.1) == PENDING
+    assert box.on_batch_reply(bid, True, unknown, 0.1) == GIVEN_UP
+    (g,) = box.given_up()
+    assert (g.request_id, g.seq, g.ends) == ("a", 1, True)
+    assert box.control() == [(tokens[1], TERM), (tokens[2], TERM), (tokens[3], TERM)]
+    assert box.idle and box.stats.batch_pauses == 0 and box.stats.naks == 0

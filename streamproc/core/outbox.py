@@ -136,7 +136,7 @@ class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
     __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed",
-                 "flight", "members", "batch_seq", "size", "alone")
+                 "flight", "members", "batch_seq", "size", "alone", "full")
 
     def __init__(self, result: Result, ticket: str, settles: list, wait: float,
                  received: float | None = None) -> None:
@@ -159,6 +159,9 @@ class Outgoing:
         self.batch_seq = 0
         self.size = 0
         self.alone = False  # its batch ended short at it: sent alone next time
+        # A batch's first member: a reply during its flight said the request's subject is full. The
+        # batch's PubAck (or the commit's 10208 after a refused start) does not repeat why.
+        self.full: bytes | None = None
 
     @property
     def batch(self) -> tuple[str, int, int] | None:
@@ -398,7 +401,7 @@ class Outbox:
         is a prefix of what was sent (``tests/test_fast_batch_server.py``), so its first ``count``
         results are stored and the first one after them was not. Flow acks, a refusal inside the
         batch (``"type":"err"``) and a gap (``"type":"gap"``) come before that PubAck and change
-        nothing. A plain error (the message was refused before the batch saw it, or there is no
+        nothing, but a refusal's reason is kept when it is a full subject (it ends the request). A plain error (the message was refused before the batch saw it, or there is no
         stream) on the commit means no PubAck will come: the batch ends with nothing known stored
         (``BATCH_REFUSED``, :meth:`_refused_whole`). Whatever was not stored is sent again, its first
         result alone.
@@ -409,12 +412,21 @@ class Outbox:
         if b'"count":' in data and b'"batch":' in data:
             count = _count(data)
         elif b'"type":' in data or not commit and data:
+            # A refusal inside the batch (``"type":"err"``, or a plain error for its first message)
+            # because the request's subject is full: every later result of the request is refused
+            # too, so where the batch stopped is refused for that reason (GiveUp.ends), not retried.
+            if _SUBJECT_FULL in data:
+                head.full = data
             return PENDING
         else:  # the commit refused before the batch saw it, or a no-responders status (empty body)
             del self._inflight[ticket]
+            full = head.full
             self._land(head)
+            if full is not None:  # its start was refused for the subject: not the batch's doing
+                return self._refuse(head, now, full)
             return self._refused_whole(head, now)
         del self._inflight[ticket]
+        full = head.full
         members = self._land(head)
         queue = None
         for m in members[:count]:
@@ -423,7 +435,7 @@ class Outbox:
             if queue:
                 self.ready.append(queue[0])
             return STORED
-        return self._refuse(members[count], now)
+        return self._refuse(members[count], now, full)
 
     def send_failed(self, o: Outgoing) -> None:
         """The publish of ``o`` did not leave (disconnected, closed): send it again at the next tick."""
@@ -676,6 +688,7 @@ class Outbox:
         """End ``head``'s batch (its results are single results again); returns its members."""
         members = head.members or [head]
         head.members = None
+        head.full = None
         for m in members:
             m.flight = None
         return members
