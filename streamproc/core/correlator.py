@@ -858,6 +858,10 @@ class Correlator:
     def is_finished(self, request_id: str) -> bool:
         return request_id in self._finished
 
+    def is_unstorable(self, request_id: str) -> bool:
+        """Whether ``request_id`` was ended by :meth:`unstorable` and is still remembered."""
+        return request_id in self._unstorable
+
     def unsettled(self) -> Iterator[object]:
         """Tokens of every input chunk still held (for extending ack deadlines)."""
         for req in self._active.values():

@@ -451,7 +451,11 @@ class Deliveries:
     def poisoned(self, chunk: Chunk, msg: Msg, deliveries: int, now: float) -> list[Decision]:
         """A chunk on its ``max_deliver``-th delivery: whatever kept it from being settled before
         (a crash while handling it, results that cannot be stored), its request ends with an error
-        result now and the chunk is terminated once that result is stored."""
+        result now and the chunk is terminated once that result is stored. Unless its request already
+        ended because its results can never be stored (its subject is full): then it is dropped on
+        arrival as ``unstorable`` as that request's every later chunk is, not reported as poison."""
+        if self.correlator.is_unstorable(chunk.request_id):
+            return self.correlator.receive(chunk, now)
         self.stats.poisoned += 1
         self.pipeline.limited.log(logging.ERROR, "chunk_poisoned", request_id=chunk.request_id,
                                   role=chunk.role.value, seq=chunk.seq, deliveries=deliveries)
