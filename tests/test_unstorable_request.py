@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from streamproc.core.correlator import UNSTORABLE_CHUNK, Correlator, CorrelatorConfig
 from streamproc.core.events import Chunk, Notice, Result, Role, Settle
-from streamproc.core.outbox import ACK, GIVEN_UP, NAK, PENDING, STORED, TERM, Outbox, OutboxConfig
+from streamproc.core.outbox import ACK, GIVEN_UP, NAK, PENDING, STORED, TERM, Outbox, OutboxConfig, in_turn
 from streamproc.testing.harness import leg, shuffle_with_duplicates
 from toy_codec import resolve
 
@@ -27,6 +27,8 @@ STORED_ACK = b'{"stream":"R","seq":7}'
 DUPLICATE_ACK = b'{"stream":"R","seq":7,"duplicate": true}'
 SUBJECT_FULL = (b'{"error":{"code":503,"err_code":10077,"description":"maximum messages per subject exceeded"},'
                 b'"stream":"R","seq":0}')
+UNKNOWN_BATCH = b'{"error":{"code":400,"err_code":10208,"description":"batch publish ID unknown"},"stream":"R","seq":0}'
+BATCH_ACK = b'{"stream":"R","seq":9,"batch":"%s","count":%d}'
 STREAM_FULL = b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"},"stream":"R","seq":0}'
 
 
@@ -46,9 +48,10 @@ class Shell:
     """The durable shell's glue around one correlator and one outbox, with a results stream whose
     ``max_msgs_per_subject`` is ``limit`` (discard new per subject)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, batch_limit: int = 1) -> None:
         self.correlator = Correlator(resolve, "toy", CorrelatorConfig(finished_grace=60.0))
-        self.outbox = Outbox(OutboxConfig(max_attempts=100))
+        self.outbox = Outbox(OutboxConfig(max_attempts=100, batch_limit=batch_limit))
+        self.outbox.batch_prefix = "me-"
         self.limit = limit
         self.stored: dict[str, list[int]] = {}
         self.settled: dict[Delivery, list[str]] = {}
@@ -69,11 +72,38 @@ class Shell:
             sends = outbox.sending(now)
             if not sends:
                 return
-            for o in sends:
+            replies: list[tuple[str, bool, bytes]] = []  # (ticket, batched commit, reply), in wire order
+            batches: dict[str, dict] = {}
+            for o, batch in in_turn(sends):
                 r = o.result
                 if r.request_id in self.ended:
                     self.sent_after_end.append(r)
                 stored = self.stored.setdefault(r.request_id, [])
+                if batch is not None:  # nats-server's fast batch, gap mode fail (tests/test_fast_batch_server.py)
+                    flight, size, index = batch
+                    b = batches.setdefault(flight, {"open": True, "count": 0})
+                    commit = index == size
+                    if not b["open"]:
+                        replies.append((flight, commit, UNKNOWN_BATCH))
+                        continue
+                    if r.seq >= len(stored) and len(stored) >= self.limit:
+                        b["open"] = False
+                        if index == 1:  # refused as its first message: a plain error, no PubAck
+                            replies.append((flight, commit, SUBJECT_FULL))
+                        else:
+                            replies.append((flight, False, b'{"type":"err","seq":%d,"error":{"code":503,'
+                                            b'"err_code":10077,"description":"maximum messages per subject '
+                                            b'exceeded"}}' % index))
+                            replies.append((flight, True, BATCH_ACK % (flight.encode(), b["count"])))
+                        continue
+                    if r.seq >= len(stored):
+                        assert r.seq == len(stored), f"{r.msg_id} stored after a gap"
+                        stored.append(r.seq)
+                    b["count"] += 1
+                    if commit:
+                        b["open"] = False
+                        replies.append((flight, True, BATCH_ACK % (flight.encode(), b["count"])))
+                    continue
                 if r.seq < len(stored):
                     reply = DUPLICATE_ACK
                 elif len(stored) >= self.limit:
@@ -82,7 +112,13 @@ class Shell:
                     assert r.seq == len(stored), f"{r.msg_id} stored after a gap"
                     stored.append(r.seq)
                     reply = STORED_ACK
-                if outbox.on_puback(o.ticket, reply, now) == GIVEN_UP:
+                replies.append((o.ticket, False, reply))
+            for ticket, commit, reply in replies:
+                if ticket in batches:
+                    outcome = outbox.on_batch_reply(ticket, commit, reply, now)
+                else:
+                    outcome = outbox.on_puback(ticket, reply, now)
+                if outcome == GIVEN_UP:
                     for g in outbox.given_up():
                         self.given_up(g, now)
 
@@ -139,16 +175,18 @@ def test_later_chunks_of_an_unstorable_request_are_acknowledged_and_dropped_on_a
 
 
 @outbox_settings
-@given(limit=st.integers(1, 3), extra=st.integers(1, 12), bystanders=st.integers(0, 3), seed=st.integers(0, 2**32))
+@given(limit=st.integers(1, 3), extra=st.integers(1, 12), bystanders=st.integers(0, 3), seed=st.integers(0, 2**32),
+       batch_limit=st.sampled_from([1, 4]))
 def test_a_request_past_its_subjects_limit_ends_with_every_delivery_settled_once_and_nothing_held(
-        limit, extra, bystanders, seed):
+        limit, extra, bystanders, seed, batch_limit):
     """Any arrival order, with redelivered copies, of one request of ``limit + extra`` chunks and of
     bystanders within the limit, interleaved: the flooding request's stored results are ``0..limit-1``;
     every delivery of it is settled exactly once, acknowledged or terminated, never NAKed (no
     redelivery); nothing of it is sent after its give-up; nothing is held and no state is left; the
-    bystanders are stored whole."""
+    bystanders are stored whole. With fast batches (``batch_limit`` 4, refusals answered as nats-server
+    answers them inside a batch) too: ended at the first refusal, no batch pause."""
     rng = random.Random(seed)
-    shell = Shell(limit)
+    shell = Shell(limit, batch_limit)
     flood = leg("flood", Role.AGG, [b"f%d" % i for i in range(limit + extra)])
     others = [leg(f"by{n}", Role.AGG, [b"b%d" % i for i in range(limit)]) for n in range(bystanders)]
     arrivals = deliveries(shuffle_with_duplicates(flood + [c for o in others for c in o], rng))
@@ -167,7 +205,10 @@ def test_a_request_past_its_subjects_limit_ends_with_every_delivery_settled_once
     c, box = shell.correlator, shell.outbox
     assert box.idle and list(box.tokens()) == [] and list(c.unsettled()) == []
     assert c.inflight == 0 and c.charged_bytes == 0 and c.is_finished("flood")
-    assert box.stats.naks == 0
+    assert box.stats.naks == 0 and box.stats.batch_pauses == 0
+    # Ended at the refusal that first said the subject is full, fast batch or not: never sent again
+    # alone to be refused a second time.
+    assert box.stats.publish_errors == 1
     late_flood = [n for n in shell.notices if n.request_id == "flood" and n.event == UNSTORABLE_CHUNK]
     assert c.stats.unstorable == len(late_flood)
 
