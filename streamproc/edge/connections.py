@@ -417,9 +417,11 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                             client=f"{client[0]}:{client[1]}" if client else None)
             running = self.running
             if running is not None and not running.response_complete and (
-                    running.response_started or running is not self.cycle):
-                # A response in progress (an SSE stream), or one due before any answer to these bytes:
-                # Uvicorn's 400 went into its body (the client read HTTP inside its event stream). End
+                    running.response_started or running is not self.cycle or self.heading):
+                # A response in progress (an SSE stream), or one due before any answer to these bytes (a
+                # request pipelined behind it, or these bytes a head behind its whole request; only bytes
+                # of its own body are its answer's): Uvicorn's 400 went into that body, or was read as
+                # that request's answer (the client read HTTP inside its event stream). End
                 # the connection instead: that request is told its client is gone, as connection_lost
                 # would (the stream stops writing), and what it wrote is flushed before the close.
                 running.disconnected = True
