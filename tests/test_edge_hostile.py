@@ -693,3 +693,48 @@ async def test_garbage_right_behind_an_unanswered_request_closes_the_connection_
         stream.close()
     assert data == b"", data
     assert edge.metrics()["streamproc_edge_invalid_http_requests_total"] - before == 1
+# appended to tests/test_edge_hostile.py when it proves out
+
+
+def send_queue(port: int, peer_port: int) -> int | None:
+    """Bytes the kernel holds unsent on the edge's side of the connection from ``peer_port`` (/proc/net/tcp)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            local, remote, _, queues = line.split()[1:5]
+            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == peer_port:
+                return int(queues.split(":")[0], 16)
+    return None
+
+
+async def test_a_streaming_connection_closed_for_garbage_whose_client_reads_nothing_is_aborted_after_the_write_timeout(
+        server, nc):
+    """Garbage behind a running SSE stream closes its connection (its stream told the client left). A
+    client that also reads nothing had the answer's last bytes in the edge's transport, under the
+    high-water mark (no pause, so no --write-timeout check armed): the closing connection waited for it
+    for good, holding its --max-connections slot. It is aborted when its client takes nothing of them
+    for --write-timeout."""
+    request_id = rid("garbage-unread")
+    with running_edge(server.url, "--write-timeout", "1") as edge:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", edge.port))
+        await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: e\r\n\r\n".encode())
+        peer = sock.getsockname()[1]
+        try:
+            last, flat, seq = -1, 0, 0
+            while flat < 2:  # the kernel's queue full: what is published after stays in the edge
+                await publish_result(nc, SUBJECTS, request_id, seq, b'{"text":"%s"}' % (b"x" * 16000))
+                seq += 1
+                await anyio.sleep(0.1)
+                queued = send_queue(edge.port, peer)
+                flat = flat + 1 if queued and queued == last else 0  # (0 or None: nothing written yet)
+                last = queued
+                assert seq < 2000, last
+            before = edge.metrics()["streamproc_edge_connections_open"]
+            await loop.sock_sendall(sock, b"\x01\x02 not http\r\n\r\n")
+            await wait_until(lambda: edge.metrics()["streamproc_edge_connections_open"] == before - 1, 10,
+                             "the unread connection aborted")
+        finally:
+            sock.close()

@@ -428,8 +428,17 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                 running.message_event.set()
                 if not self.transport.is_closing():
                     self.transport.close()
+                    self.watch_closing()
                 return
             super().send_400_response(msg)
+
+        def watch_closing(self) -> None:
+            """A closed transport waits for its buffer to drain: one below the high-water mark has no
+            progress check armed (``pause_writing`` arms it), so a client reading nothing held the
+            connection for good. Its client must take some within every --write-timeout, as while open."""
+            if self.stall is None and self.transport.get_write_buffer_size():
+                self.unsent = self.waiting()
+                self.stall = self.loop.call_later(write_timeout, self.check_progress)
 
         def eof_received(self) -> bool | None:
             if self.refused or self.lingering:
