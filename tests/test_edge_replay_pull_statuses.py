@@ -14,6 +14,7 @@ pulls into those statuses, which the real server delivers to the edge's inbox.
 from __future__ import annotations
 
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 from edge_harness import publish_result, ring_read_all, started_source
@@ -54,83 +55,81 @@ class OutsideConsumers:
                       if name not in self.before and not name.startswith("streamproc_replay_")}
 
 
+@asynccontextmanager
+async def busy_edge(name: str, answered: PullAnswered, stored: int, config: str = NO_MSG_GET):
+    """A results stream holding ``stored`` results of one request, read all by the ring of an edge
+    source whose NATS traffic passes a proxy that answers its pulls as ``answered`` says; yields
+    ``(nc, subjects, source, request_id, outside)``, ``outside``'s baseline taken."""
+    subjects = Subjects(name)
+    with EmbeddedNats(config=config) as server:
+        proxy = HoldingProxy(int(server.url.rsplit(":", 1)[1]), lambda subject: False, rewrite=answered)
+        async with proxy.running(), connection(server.url.replace("nats://", "nats://edge:edge@")) as nc:
+            edge_url = proxy.url.replace("nats://", "nats://edge:edge@")
+            async with started_source(edge_url, subjects, ensure_results_stream=True) as source:
+                request_id = rid(name)
+                for seq in range(stored):
+                    await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq, acked=True)
+                await ring_read_all(source, nc)
+                outside = OutsideConsumers(nc.jetstream(), source.fanout.stream)
+                await outside.baseline()
+                yield nc, subjects, source, request_id, outside
+
+
 @pytest.mark.parametrize("status", BUSY, ids=[s.decode() for s in BUSY])
 async def test_pulls_ended_busy_are_sent_again_in_the_budget_and_every_stored_result_arrives_once(status):
     """The replay's first pulls end with the status and nothing brought: the pull goes again after a
     backoff, and the stored results come by that consumer, then the later ones by dispatch, each
     once and in order; no consumer outside the budget is made, and the budget ends at zero."""
-    subjects = Subjects("pullbusy")
     answered = PullAnswered(status, times=REPLAY_BUSY_RETRIES - 1)
-    with EmbeddedNats(config=NO_MSG_GET) as server:
-        proxy = HoldingProxy(int(server.url.rsplit(":", 1)[1]), lambda subject: False, rewrite=answered)
-        async with proxy.running(), connection(server.url.replace("nats://", "nats://edge:edge@")) as nc:
-            edge_url = proxy.url.replace("nats://", "nats://edge:edge@")
-            async with started_source(edge_url, subjects, ensure_results_stream=True) as source:
-                request_id = rid("busy")
-                stored = 6
-                for seq in range(stored):
-                    await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq, acked=True)
-                await ring_read_all(source, nc)
-                source.msg_get.refused("denied by the test's configuration")  # as found by an earlier open
-                outside = OutsideConsumers(nc.jetstream(), source.fanout.stream)
-                await outside.baseline()
-                async with sampling(outside.sample, 0.02):
-                    feed = await source.open(request_id)
-                    assert feed.replay is not None and feed.replay.by_consumer
-                    seqs = []
-                    while len(seqs) < stored and isinstance(item := await feed.next(10.0), ResultInfo):
-                        seqs.append(item.seq)
-                    assert seqs == list(range(stored)), (seqs, item)
-                    for seq in range(stored, stored + 2):
-                        await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq,
-                                             final=seq == stored + 1)
-                    while isinstance(item := await feed.next(10.0), ResultInfo):
-                        seqs.append(item.seq)
-                    assert isinstance(item, Ended), (seqs, item)
-                await outside.sample()  # once more while the feed is open (a consumer of its own lives as long)
-                assert seqs == list(range(stored + 2))
-                assert outside.seen == set()  # no ordered consumer from the stream's start
-                assert feed.inbox is not None and feed._sub is None  # dispatched to the end, never fallen back
-                assert answered.answered == REPLAY_BUSY_RETRIES - 1  # every busy pull was sent again
-                assert source.metrics.duplicates_dropped == 0
-                await feed.close()
-                await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
+    stored = 6
+    async with busy_edge("pullbusy", answered, stored) as (nc, subjects, source, request_id, outside):
+        source.msg_get.refused("denied by the test's configuration")  # as found by an earlier open
+        async with sampling(outside.sample, 0.02):
+            feed = await source.open(request_id)
+            assert feed.replay is not None and feed.replay.by_consumer
+            seqs = []
+            while len(seqs) < stored and isinstance(item := await feed.next(10.0), ResultInfo):
+                seqs.append(item.seq)
+            assert seqs == list(range(stored)), (seqs, item)
+            for seq in range(stored, stored + 2):
+                await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq,
+                                     final=seq == stored + 1)
+            while isinstance(item := await feed.next(10.0), ResultInfo):
+                seqs.append(item.seq)
+            assert isinstance(item, Ended), (seqs, item)
+        await outside.sample()  # once more while the feed is open (a consumer of its own lives as long)
+        assert seqs == list(range(stored + 2))
+        assert outside.seen == set()  # no ordered consumer from the stream's start
+        assert feed.inbox is not None and feed._sub is None  # dispatched to the end, never fallen back
+        assert answered.answered == REPLAY_BUSY_RETRIES - 1  # every busy pull was sent again
+        assert source.metrics.duplicates_dropped == 0
+        await feed.close()
+        await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
 
 
 async def test_pulls_that_keep_ending_busy_end_the_stream_with_an_error_not_a_consumer_outside_the_budget():
     """Every pull of the replay ends ``409 Exceeded MaxWaiting``: after REPLAY_BUSY_RETRIES pulls sent
     again (about 1.5 s of backoff) the stream ends with an error event (``Lost``), as for a history
     it cannot read; no ordered consumer from the stream's start is made, and the budget ends at zero."""
-    subjects = Subjects("pullbusyever")
     answered = PullAnswered(b"409 Exceeded MaxWaiting")
-    with EmbeddedNats(config=NO_MSG_GET) as server:
-        proxy = HoldingProxy(int(server.url.rsplit(":", 1)[1]), lambda subject: False, rewrite=answered)
-        async with proxy.running(), connection(server.url.replace("nats://", "nats://edge:edge@")) as nc:
-            edge_url = proxy.url.replace("nats://", "nats://edge:edge@")
-            async with started_source(edge_url, subjects, ensure_results_stream=True) as source:
-                request_id = rid("busyever")
-                for seq in range(4):
-                    await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq, acked=True)
-                await ring_read_all(source, nc)
-                source.msg_get.refused("denied by the test's configuration")
-                outside = OutsideConsumers(nc.jetstream(), source.fanout.stream)
-                await outside.baseline()
-                async with sampling(outside.sample, 0.02):
-                    feed = await source.open(request_id)
-                    started = time.monotonic()
-                    item = await feed.next(10.0)
-                    took = time.monotonic() - started
-                    assert isinstance(item, Lost), item
-                    assert "409 Exceeded MaxWaiting" in item.reason, item.reason
-                    assert f"{REPLAY_BUSY_RETRIES + 1} pulls in a row" in item.reason, item.reason
-                await outside.sample()
-                backoff = REPLAY_BUSY_BACKOFF * (2 ** REPLAY_BUSY_RETRIES - 1)
-                assert backoff <= took < backoff + 3.0, took
-                assert answered.answered == REPLAY_BUSY_RETRIES + 1  # the first pull and its retries
-                assert outside.seen == set()
-                assert feed._sub is None
-                await feed.close()
-                await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
+    async with busy_edge("pullbusyever", answered, 4) as (nc, subjects, source, request_id, outside):
+        source.msg_get.refused("denied by the test's configuration")
+        async with sampling(outside.sample, 0.02):
+            feed = await source.open(request_id)
+            started = time.monotonic()
+            item = await feed.next(10.0)
+            took = time.monotonic() - started
+            assert isinstance(item, Lost), item
+            assert "409 Exceeded MaxWaiting" in item.reason, item.reason
+            assert f"{REPLAY_BUSY_RETRIES + 1} pulls in a row" in item.reason, item.reason
+        await outside.sample()
+        backoff = REPLAY_BUSY_BACKOFF * (2 ** REPLAY_BUSY_RETRIES - 1)
+        assert backoff <= took < backoff + 3.0, took
+        assert answered.answered == REPLAY_BUSY_RETRIES + 1  # the first pull and its retries
+        assert outside.seen == set()
+        assert feed._sub is None
+        await feed.close()
+        await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
 
 
 async def test_pulls_that_keep_ending_busy_after_msg_get_answered_at_the_open_read_the_rest_by_subject():
@@ -139,37 +138,27 @@ async def test_pulls_that_keep_ending_busy_after_msg_get_answered_at_the_open_re
     MaxWaiting``. Past REPLAY_BUSY_RETRIES the rest of the history comes by subject, in the budget,
     as where MSG.GET was known to answer at the open (docs/edge.md), not an error event: MSG.GET
     answered this very replay."""
-    subjects = Subjects("pullbusyget")
     answered = PullAnswered(b"409 Exceeded MaxWaiting")
-    with EmbeddedNats(config=edge_user_denied()) as server:
-        proxy = HoldingProxy(int(server.url.rsplit(":", 1)[1]), lambda subject: False, rewrite=answered)
-        async with proxy.running(), connection(server.url.replace("nats://", "nats://edge:edge@")) as nc:
-            edge_url = proxy.url.replace("nats://", "nats://edge:edge@")
-            async with started_source(edge_url, subjects, ensure_results_stream=True) as source:
-                request_id = rid("busyget")
-                stored = 4
-                for seq in range(stored):
-                    await publish_result(nc, subjects, request_id, seq, b'{"n":%d}' % seq, acked=True)
-                await ring_read_all(source, nc)
-                assert source.msg_get is not None and not source.msg_get.confirmed  # nothing asked it yet
-                outside = OutsideConsumers(nc.jetstream(), source.fanout.stream)
-                await outside.baseline()
-                async with sampling(outside.sample, 0.02):
-                    feed = await source.open(request_id)
-                    assert feed.replay is not None and feed.replay.by_consumer is None
-                    seqs = []
-                    while len(seqs) < stored and isinstance(item := await feed.next(10.0), ResultInfo):
-                        seqs.append(item.seq)
-                    assert seqs == list(range(stored)), (seqs, item)
-                    assert source.msg_get.confirmed
-                    await publish_result(nc, subjects, request_id, stored, b'{"n":%d}' % stored, final=True)
-                    while isinstance(item := await feed.next(10.0), ResultInfo):
-                        seqs.append(item.seq)
-                    assert isinstance(item, Ended), (seqs, item)
-                await outside.sample()
-                assert seqs == list(range(stored + 1))
-                assert answered.answered == REPLAY_BUSY_RETRIES + 1  # one consumer's pull and its retries
-                assert outside.seen == set()
-                assert feed._sub is None
-                await feed.close()
-                await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
+    stored = 4
+    async with busy_edge("pullbusyget", answered, stored, config=edge_user_denied()) as (
+            nc, subjects, source, request_id, outside):
+        assert source.msg_get is not None and not source.msg_get.confirmed  # nothing asked it yet
+        async with sampling(outside.sample, 0.02):
+            feed = await source.open(request_id)
+            assert feed.replay is not None and feed.replay.by_consumer is None
+            seqs = []
+            while len(seqs) < stored and isinstance(item := await feed.next(10.0), ResultInfo):
+                seqs.append(item.seq)
+            assert seqs == list(range(stored)), (seqs, item)
+            assert source.msg_get.confirmed
+            await publish_result(nc, subjects, request_id, stored, b'{"n":%d}' % stored, final=True)
+            while isinstance(item := await feed.next(10.0), ResultInfo):
+                seqs.append(item.seq)
+            assert isinstance(item, Ended), (seqs, item)
+        await outside.sample()
+        assert seqs == list(range(stored + 1))
+        assert answered.answered == REPLAY_BUSY_RETRIES + 1  # one consumer's pull and its retries
+        assert outside.seen == set()
+        assert feed._sub is None
+        await feed.close()
+        await wait_until(lambda: source.read_gate.out == 0, 5, "every charge given back")
