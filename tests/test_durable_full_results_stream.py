@@ -145,6 +145,74 @@ async def test_a_request_past_its_subjects_limit_ends_at_once_its_later_chunks_d
             await nc.close()
 
 
+@pytest.mark.parametrize("limit", [2, 1], ids=["refused-inside-a-batch", "refused-as-a-batchs-start"])
+async def test_a_request_whose_subject_fills_inside_a_fast_batch_ends_at_the_batchs_reply_not_retried_or_paused(
+        nats_url, streamproc_run, limit):
+    """The test above with the flood's results leaving as fast batches (the results stream streamproc
+    creates allows them; ``result_batches`` > 0): its first result goes alone, the ones queued behind
+    it in a batch, and the subject fills inside that batch. nats-server names why only in the refused
+    message's own reply (``"type":"err"``, or a plain error when it is the batch's first message and
+    the commit is then answered 10208), not in the batch's PubAck. Read as a plain refusal, the result
+    was sent again alone after 0.5 s with its chunks held (``publish_retries``, ``result_not_stored``);
+    refused as the batch's start (``limit`` 1) it read as a batch refused whole and paused batches for
+    every request (``batch_pauses``). Now the batch's reply ends the request: nothing retried or
+    paused, the bystanders answered within 3 s, no chunk redelivered or held."""
+    port = free_port()
+    flags = durable_flags(partitions=1, max_deliver=3, max_ack_pending=8)
+    with streamproc_run(*flags, "--http-port", str(port), "--http-host", "127.0.0.1") as (_, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            assert (await js.stream_info(RESULTS_STREAM)).config.allow_batched is True
+            await _refuse_when_full(js, max_msgs_per_subject=limit, discard_new_per_subject=True)
+            publisher = ChunkPublisher(nc, durable=True)
+            await publisher.publish_leg("flood", "agg", _streamed("flood", 40))
+            bystanders = [f"bystander{n}" for n in range(4)]
+            for rid in bystanders:  # at most two results each: never a batch
+                await publisher.publish_leg(rid, "agg", _streamed(rid, limit))
+            t0 = time.monotonic()
+
+            async def all_answered() -> bool:
+                return all([await _results_of(js, rid) == limit for rid in bystanders])
+
+            await wait_until(all_answered, 3, "the bystanders answered, behind a request whose subject filled in a batch")
+            assert time.monotonic() - t0 < 3
+
+            async def settled() -> bool:
+                info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+                return info.num_ack_pending == 0 and await chunk_stream_messages(js) == 0
+
+            await wait_until(settled, 5, "every chunk acknowledged or terminated, none held")
+            await anyio.sleep(2 * 2.0)  # two ack waits: anything NAKed or left unacknowledged would be redelivered
+            info = await js.consumer_info(CHUNKS_STREAM, partition_consumer_name(0))
+            assert (info.num_redelivered, info.num_ack_pending, info.delivered.consumer_seq) == (
+                0, 0, 40 + 4 * limit), info
+            assert await _results_of(js, "flood") == limit
+            metrics = scrape(port)
+            assert metrics["streamproc_durable_result_batches_total"] > 0  # the flood's results left in batches
+            assert metrics["streamproc_durable_batch_pauses_total"] == 0  # not read as batches refused whole
+            assert metrics["streamproc_durable_publish_retries_total"] == 0  # the refused result not sent again
+            assert metrics["streamproc_durable_results_given_up_total"] == 1
+            assert metrics["streamproc_durable_redelivered_total"] == 0
+            assert metrics["streamproc_durable_naks_total"] == 0
+            assert metrics["streamproc_durable_poisoned_total"] == 0
+            assert metrics["streamproc_shed_total"] == 0
+            dropped = metrics["streamproc_unstorable_total"]
+            assert dropped + metrics["streamproc_durable_terminated_total"] == 40 - limit
+            text = log_path.read_text()
+            assert "event=unstorable_chunk request_id=flood" in text, text[-3000:]
+            assert "event=result_batch_refused" not in text and "event=result_not_stored" not in text, text[-3000:]
+            assert "event=chunk_poisoned" not in text
+            sent = metrics["streamproc_durable_publish_errors_total"]
+            await anyio.sleep(2)  # settled: nothing is re-sent any more
+            after = scrape(port)
+            assert (after["streamproc_durable_publish_errors_total"], after["streamproc_durable_result_batches_total"],
+                    after["streamproc_durable_publish_retries_total"]) == (
+                sent, metrics["streamproc_durable_result_batches_total"], 0)
+        finally:
+            await nc.close()
+
+
 async def test_results_refused_by_a_full_results_stream_are_retried_at_a_bounded_rate_and_stored_once_it_has_room(
         nats_url, streamproc_run):
     """The results stream edited to discard new with ``max_msgs`` reached: every request's results are
