@@ -351,3 +351,55 @@ class RawStream:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def send_queue(port: int, peer_port: int) -> int | None:
+    """Bytes the kernel holds unsent on the edge's side of the connection from ``peer_port``
+    (/proc/net/tcp)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            local, remote, _, queues = line.split()[1:5]
+            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == peer_port:
+                return int(queues.split(":")[0], 16)
+    return None
+
+
+async def unread_stream(port: int, request_id: str) -> socket.socket:
+    """A non-blocking socket that asked the local edge at ``port`` for ``request_id``'s SSE stream and
+    will read none of it (a 4 KiB receive buffer: the edge's side fills soon)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: e\r\n\r\n".encode())
+    return sock
+
+
+async def fill_send_queue(nc: NatsClient, subjects: Subjects, request_id: str, port: int,
+                          sock: socket.socket) -> int:
+    """Publish 16 kB results of ``request_id`` (its stream read by nobody on ``sock``) until the kernel's
+    send queue on the edge's side stops growing: what is published after stays in the edge's transport,
+    under its high-water mark (no pause_writing, so no progress check armed). The next seq."""
+    last, flat, seq = -1, 0, 0
+    peer = sock.getsockname()[1]
+    while flat < 2:
+        await publish_result(nc, subjects, request_id, seq, b'{"text":"%s"}' % (b"x" * 16000))
+        seq += 1
+        await asyncio.sleep(0.1)
+        queued = send_queue(port, peer)
+        flat = flat + 1 if queued and queued == last else 0  # (0 or None: nothing written yet)
+        last = queued
+        assert seq < 2000, last
+    return seq
+
+
+def slot_answers(port: int) -> bool:
+    """A new connection to the local edge gets its ``/healthz`` answered (not the 503 of
+    --max-connections)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: e\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer.startswith(b"HTTP/1.1 200")

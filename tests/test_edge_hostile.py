@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
+import time
 
 import anyio
 import httpx
 import pytest
 from edge_harness import (consumers_back_to, exchange_until_closed, expected_sse, publish_result, publish_results,
-                          RawStream, read_slowly, running_edge, sent_to_connection)
+                          fill_send_queue, RawStream, read_slowly, running_edge, sent_to_connection,
+                          slot_answers, unread_stream)
 from helpers import connection, peak_rss, rid, wait_until
 from nats.js.api import StreamConfig
 
@@ -693,17 +695,6 @@ async def test_garbage_right_behind_an_unanswered_request_closes_the_connection_
         stream.close()
     assert data == b"", data
     assert edge.metrics()["streamproc_edge_invalid_http_requests_total"] - before == 1
-# appended to tests/test_edge_hostile.py when it proves out
-
-
-def send_queue(port: int, peer_port: int) -> int | None:
-    """Bytes the kernel holds unsent on the edge's side of the connection from ``peer_port`` (/proc/net/tcp)."""
-    with open("/proc/net/tcp") as table:
-        for line in table.readlines()[1:]:
-            local, remote, _, queues = line.split()[1:5]
-            if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) == peer_port:
-                return int(queues.split(":")[0], 16)
-    return None
 
 
 async def test_a_streaming_connection_closed_for_garbage_whose_client_reads_nothing_is_aborted_after_the_write_timeout(
@@ -716,25 +707,54 @@ async def test_a_streaming_connection_closed_for_garbage_whose_client_reads_noth
     request_id = rid("garbage-unread")
     with running_edge(server.url, "--write-timeout", "1") as edge:
         loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await loop.sock_connect(sock, ("127.0.0.1", edge.port))
-        await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: e\r\n\r\n".encode())
-        peer = sock.getsockname()[1]
+        sock = await unread_stream(edge.port, request_id)
         try:
-            last, flat, seq = -1, 0, 0
-            while flat < 2:  # the kernel's queue full: what is published after stays in the edge
-                await publish_result(nc, SUBJECTS, request_id, seq, b'{"text":"%s"}' % (b"x" * 16000))
-                seq += 1
-                await anyio.sleep(0.1)
-                queued = send_queue(edge.port, peer)
-                flat = flat + 1 if queued and queued == last else 0  # (0 or None: nothing written yet)
-                last = queued
-                assert seq < 2000, last
+            await fill_send_queue(nc, SUBJECTS, request_id, edge.port, sock)
             before = edge.metrics()["streamproc_edge_connections_open"]
             await loop.sock_sendall(sock, b"\x01\x02 not http\r\n\r\n")
             await wait_until(lambda: edge.metrics()["streamproc_edge_connections_open"] == before - 1, 10,
                              "the unread connection aborted")
         finally:
             sock.close()
+
+
+async def test_a_keep_alive_timeout_close_after_an_answer_the_client_never_read_is_aborted_after_the_write_timeout(
+        server, nc):
+    """Uvicorn closes a keep-alive connection idle after its response (5 s): asyncio's close waits
+    for the transport's buffer to drain. A client that read nothing of a finished stream, its last
+    bytes in the edge under the high-water mark (no --write-timeout check armed), held the connection
+    and its only --max-connections slot for good. It is aborted --write-timeout after the close."""
+    request_id = rid("keepalive-unread")
+    with running_edge(server.url, "--write-timeout", "1", "--max-connections", "1",
+                      "--head-timeout", "60") as edge:  # Uvicorn's keep-alive timeout (5 s) closes first
+        await wait_until(lambda: slot_answers(edge.port), 5, "the readiness check's connection gone")
+        sock = await unread_stream(edge.port, request_id)
+        try:
+            seq = await fill_send_queue(nc, SUBJECTS, request_id, edge.port, sock)
+            await publish_result(nc, SUBJECTS, request_id, seq, b'{"text":"end"}', final=True)  # stream ends
+            ended = time.monotonic()
+            await wait_until(lambda: slot_answers(edge.port), 5 + 1 + 4, "the slot free again")
+            assert time.monotonic() - ended > 4, "closed before the keep-alive timeout"  # it was that close
+        finally:
+            sock.close()
+        assert edge.metrics()["streamproc_edge_connections_stalled_total"] == 1
+
+
+async def test_a_connection_closed_for_a_head_too_large_behind_a_stream_its_client_never_read_is_aborted(server, nc):
+    """A head over --max-head-bytes pipelined behind a running stream closes the connection
+    unanswered (close_with: a 431 would land inside the stream's body). A client that read nothing
+    of the stream, its last bytes in the edge under the high-water mark, held the closing connection
+    and its only --max-connections slot for good. It is aborted --write-timeout after the close."""
+    request_id = rid("431-unread")
+    with running_edge(server.url, "--write-timeout", "1", "--max-connections", "1",
+                      "--max-head-bytes", "4096") as edge:
+        loop = asyncio.get_running_loop()
+        await wait_until(lambda: slot_answers(edge.port), 5, "the readiness check's connection gone")
+        sock = await unread_stream(edge.port, request_id)
+        try:
+            await fill_send_queue(nc, SUBJECTS, request_id, edge.port, sock)
+            await loop.sock_sendall(sock, b"GET /healthz HTTP/1.1\r\nX-Long: " + b"a" * 8192)
+            await wait_until(lambda: slot_answers(edge.port), 1 + 4, "the slot free again")
+        finally:
+            sock.close()
+        assert edge.metrics()["streamproc_edge_connections_stalled_total"] == 1

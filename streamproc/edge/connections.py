@@ -51,7 +51,12 @@ Uvicorn waits for such a client for good, and only the SSE route bounded its wri
 which still ends a stream first): a unary answer is written after its request gave back its stream
 slot, so a client that asked for a 7 MiB answer and read nothing held its connection, ~4 MiB of kernel
 buffer and the rest of the body in the edge for good, as many times as it asked. A client that takes
-some within each period is sent everything, however long it takes.
+some within each period is sent everything, however long it takes. A closing connection alike: asyncio's
+``close`` waits for the transport's buffer to drain, and the check is armed only past the high-water
+mark (``pause_writing``), so a client that read nothing held a connection closed with less than that
+left (Uvicorn's keep-alive timeout, ``Connection: close``, the stop; the edge's ``408``/``431``) for
+good. Every close of a plain connection goes through the transport's ``close``, replaced per connection
+(an instance attribute, ``close_watched``: nothing added per write) by one that arms the check.
 
 Pipelining: Uvicorn parses every head a read holds and queues a request (its scope, headers and
 ASGI cycle, ~2 KB with a short head) for each behind the response in progress, and reads on at
@@ -291,6 +296,14 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                 return
             super().connection_made(transport)
             metrics.connections_open = len(self.connections)
+            if tls is None:  # (under TLS the shutdown has its own bound: BoundedTLS)
+                try:
+                    # Every close of this connection, the edge's and Uvicorn's (keep-alive timeout,
+                    # Connection: close, the stop, an app error, close_delimited's end), goes through
+                    # the transport's close(): an instance attribute, so writes cost nothing more.
+                    transport.close = self.close_watched  # type: ignore[method-assign]
+                except AttributeError:  # a transport without a __dict__ (uvloop): the edge's own closes only
+                    pass
             self.await_head()
 
         def refuse(self, transport: asyncio.Transport) -> None:
@@ -350,6 +363,7 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                 if self.cycle is None or self.cycle.response_complete:
                     self.transport.write(response)
                 self.transport.close()
+                self.watch_closing()  # (done by close_watched already where the transport takes it)
 
         def room(self) -> tuple[int, bool]:
             """Bytes the parser may get before the next check, and whether they count (``head_bytes``):
@@ -431,6 +445,12 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                     self.watch_closing()
                 return
             super().send_400_response(msg)
+
+        def close_watched(self) -> None:
+            """The transport's ``close`` (set in ``connection_made``): asyncio's, then ``watch_closing``."""
+            transport = self.transport
+            type(transport).close(transport)
+            self.watch_closing()
 
         def watch_closing(self) -> None:
             """A closed transport waits for its buffer to drain: one below the high-water mark has no
@@ -514,6 +534,8 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
                 self.stall.cancel()
                 self.stall = None
             super().resume_writing()
+            if self.transport.is_closing():  # what is left, under the low-water mark, is still bounded
+                self.watch_closing()
 
         def check_progress(self) -> None:
             """--write-timeout after writing paused, or after the last progress: the client took some of
@@ -564,7 +586,9 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
             if self.linger is not None:  # lingering_close's bound
                 self.linger.cancel()
             due.pop(self, None)
-            super().connection_lost(exc)
+            super().connection_lost(exc)  # (it closes the transport: close_watched arms nothing once lost)
+            # close_watched held the protocol from its transport: a reference cycle
+            getattr(self.transport, "__dict__", {}).pop("close", None)
             metrics.connections_open = len(self.connections)
 
         @classmethod
