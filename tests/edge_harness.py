@@ -364,15 +364,16 @@ def send_queue(port: int, peer_port: int) -> int | None:
     return None
 
 
-async def unread_stream(port: int, request_id: str) -> socket.socket:
-    """A non-blocking socket that asked the local edge at ``port`` for ``request_id``'s SSE stream and
-    will read none of it (a 4 KiB receive buffer: the edge's side fills soon)."""
+async def unread_stream(port: int, request_id: str, headers: str = "") -> socket.socket:
+    """A non-blocking socket that asked the local edge at ``port`` for ``request_id``'s SSE stream
+    (``headers``: more header lines, each ending in CRLF) and will read none of it (a 4 KiB receive
+    buffer: the edge's side fills soon)."""
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
-    await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: e\r\n\r\n".encode())
+    await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: e\r\n{headers}\r\n".encode())
     return sock
 
 

@@ -758,3 +758,20 @@ async def test_a_connection_closed_for_a_head_too_large_behind_a_stream_its_clie
         finally:
             sock.close()
         assert edge.metrics()["streamproc_edge_connections_stalled_total"] == 1
+
+
+async def test_a_connection_close_stream_its_client_never_read_is_aborted_after_the_write_timeout(server, nc):
+    """A stream asked for with ``Connection: close`` is closed by Uvicorn at its end; a client that read
+    none of it, its last bytes in the edge under the high-water mark, held the closing connection and
+    its only --max-connections slot for good. It is aborted --write-timeout after the close."""
+    request_id = rid("close-unread")
+    with running_edge(server.url, "--write-timeout", "1", "--max-connections", "1") as edge:
+        await wait_until(lambda: slot_answers(edge.port), 5, "the readiness check's connection gone")
+        sock = await unread_stream(edge.port, request_id, "Connection: close\r\n")
+        try:
+            seq = await fill_send_queue(nc, SUBJECTS, request_id, edge.port, sock)
+            await publish_result(nc, SUBJECTS, request_id, seq, b'{"text":"end"}', final=True)  # stream ends
+            await wait_until(lambda: slot_answers(edge.port), 1 + 4, "the slot free again")
+        finally:
+            sock.close()
+        assert edge.metrics()["streamproc_edge_connections_stalled_total"] == 1
