@@ -23,7 +23,7 @@ import anyio
 import httpx
 import pytest
 
-from edge_harness import EdgeProcess, publish_result, slow_reader
+from edge_harness import EdgeProcess, fill_send_queue, publish_result, slow_reader, unread_stream
 from helpers import connection
 from streamproc.edge.stopping import RECANCEL_INTERVAL, RECANCEL_ROUNDS, Stopping
 from streamproc.sim.embedded import EmbeddedNats
@@ -236,3 +236,37 @@ async def test_a_task_that_enters_during_a_stop_is_cancelled_at_once():
     stopping.enter(task)
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_sigterm_with_a_closing_connection_whose_client_never_read_stops_at_once_and_quietly():
+    """A finished stream whose client read none of it, its last bytes in the edge's transport under
+    the high-water mark, on a keep-alive connection: the stop closes it, asyncio's close waits for
+    the client to take them, and --write-timeout's check (30 s) comes long after Uvicorn's graceful
+    timeout (1 s). The stop waited that whole second and logged "timeout graceful shutdown exceeded".
+    The rest is cut after the last frame's short wait, as an open stream's at the stop."""
+    subjects = Subjects()
+    with EmbeddedNats() as server:  # stored results fill what the stream's subscription missed
+        edge = EdgeProcess(server.url, "--log-format", "logfmt", "--ensure-results-stream").start()
+        sock: socket.socket | None = None
+        try:
+            async def finished_unread_stream() -> socket.socket:
+                async with connection(server.url) as nc:
+                    unread = await unread_stream(edge.port, "stop-closing-unread")
+                    seq = await fill_send_queue(nc, subjects, "stop-closing-unread", edge.port, unread)
+                    await publish_result(nc, subjects, "stop-closing-unread", seq, b'{"text":"end"}', final=True)
+                    await nc.flush()
+                    await asyncio.sleep(0.3)  # the stream ended; Uvicorn's keep-alive timeout (5 s) is far
+                    return unread
+
+            sock = anyio.run(finished_unread_stream)
+            started = time.monotonic()
+            edge.proc.send_signal(signal.SIGTERM)
+            assert edge.proc.wait(STOP_WITHIN + 3) == 0
+            elapsed = time.monotonic() - started
+            log = edge.log()
+        finally:
+            if sock is not None:
+                sock.close()
+            edge.close()
+    assert elapsed < 0.9, f"the edge took {elapsed:.2f}s to stop"  # under the graceful timeout it waited
+    assert loud_lines(log) == [], "\n".join(loud_lines(log))

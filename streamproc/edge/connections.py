@@ -124,6 +124,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from .app import CLOSE_AFTER_RESPONSE, SSE_STREAM, error_response
 from ..logs import LogLimiter
 from .experts import MAX_BODY_BYTES
+from .stopping import FINAL_WRITE_TIMEOUT
 
 if TYPE_CHECKING:
     from .metrics import EdgeMetrics
@@ -286,6 +287,8 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
             self.running: Any = None  # the request whose ASGI task runs (Uvicorn's cycle), pipelined ones aside
             self.stall: asyncio.TimerHandle | None = None  # while writing is paused: the next progress check
             self.unsent = 0  # bytes waiting in the transport at the last progress check
+            self.stopping = False  # the stop asked it to close (shutdown)
+            self.cut: asyncio.TimerHandle | None = None  # closing in the stop: its abort (watch_closing)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             tls = self.tls
@@ -459,6 +462,18 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
             if self.stall is None and self.transport.get_write_buffer_size():
                 self.unsent = self.waiting()
                 self.stall = self.loop.call_later(write_timeout, self.check_progress)
+            if self.stopping and self.cut is None and self.transport.get_write_buffer_size():
+                # In the stop --write-timeout (30 s) comes after Uvicorn's graceful timeout (1 s), which
+                # waits for every connection and logs an error: cut as a stream's last frame is.
+                self.cut = self.loop.call_later(FINAL_WRITE_TIMEOUT, self.transport.abort)
+
+        def shutdown(self) -> None:
+            """Uvicorn's, at the stop: close now, or at the end of the response in progress; either
+            close is watched as the stop's (``watch_closing``)."""
+            self.stopping = True
+            super().shutdown()
+            if self.transport.is_closing():  # (close_watched did, unless the transport took no close_watched)
+                self.watch_closing()
 
         def eof_received(self) -> bool | None:
             if self.refused or self.lingering:
@@ -569,6 +584,9 @@ def protocol_class(settings: EdgeSettings, metrics: EdgeMetrics, limited: LogLim
             if self.stall is not None:
                 self.stall.cancel()
                 self.stall = None
+            if self.cut is not None:
+                self.cut.cancel()
+                self.cut = None
             if running is not None and running is not self.cycle and not running.response_complete:
                 # Uvicorn tells only ``self.cycle``, the newest request: with a complete head pipelined
                 # behind a stream that is the waiting one, and the stream never heard its client leave
