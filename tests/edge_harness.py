@@ -367,13 +367,22 @@ def send_queue(port: int, peer_port: int) -> int | None:
 async def unread_stream(port: int, request_id: str, headers: str = "") -> socket.socket:
     """A non-blocking socket that asked the local edge at ``port`` for ``request_id``'s SSE stream
     (``headers``: more header lines, each ending in CRLF) and will read none of it (a 4 KiB receive
-    buffer: the edge's side fills soon)."""
+    buffer: the edge's side fills soon). Returns once the response head came: the edge sends it after
+    the stream's feed is open, so results published from then on reach it (before, in core mode, a
+    result could go before the subscription and the stream wait for it for good)."""
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
     await loop.sock_sendall(sock, f"GET /v1/results/{request_id} HTTP/1.1\r\nHost: e\r\n{headers}\r\n".encode())
+    head = b""
+    async with asyncio.timeout(10):
+        while b"\r\n\r\n" not in head:
+            chunk = await loop.sock_recv(sock, 4096)
+            assert chunk, f"the edge closed before its response head: {head!r}"
+            head += chunk
+    assert head.startswith(b"HTTP/1.1 200"), head
     return sock
 
 
