@@ -353,30 +353,27 @@ class Outbox:
     def term(self, tokens: Iterable[object]) -> None:
         """Terminate ``tokens`` now (``+TERM``): their request ended and can store nothing more, so a
         redelivery could only be refused again (:attr:`GiveUp.ends`)."""
+        self.stats.terminated += self._settle_now(tokens, TERM)
+
+    def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
+        self.stats.naks += self._settle_now(tokens, NAK if delay <= 0 else Nak(delay))
+
+    def _settle_now(self, tokens: Iterable[object], action: Action) -> int:
+        """Settle each token (None skipped) with ``action`` now, whatever :meth:`terminate` marked it
+        for; returns how many."""
         terminate = self._terminate
         decided = self._decided
         control = self._control
+        n = 0
         for t in tokens:
             if t is not None:
                 if decided is not None:
                     decided(t)
-                control.append((t, TERM))
-                self.stats.terminated += 1
+                control.append((t, action))
+                n += 1
                 if terminate:
                     terminate.pop(id(t), None)
-
-    def nak(self, tokens: Iterable[object], delay: float = 0.0) -> None:
-        action = NAK if delay <= 0 else Nak(delay)
-        terminate = self._terminate
-        decided = self._decided
-        for t in tokens:
-            if t is not None:
-                if decided is not None:
-                    decided(t)
-                self._control.append((t, action))
-                self.stats.naks += 1
-                if terminate:
-                    terminate.pop(id(t), None)
+        return n
 
     def on_puback(self, ticket: str, data: bytes, now: float) -> str:
         """A reply to the result published alone under ``ticket``; returns what it meant."""
