@@ -140,8 +140,6 @@ def carries_access_token(query: str) -> bool:
                             or (_may_spell_token(query) and _TOKEN_IN_PATH.search(query) is not None))
 
 
-
-
 def _spelled(text: str) -> str:
     """A pattern for ``text`` with any of its characters percent-encoded, once or (as Uvicorn's ``quote``
     shows a ``%`` of the path) as ``%25XX``: Starlette decodes query names, so ``%61ccess_token`` is
