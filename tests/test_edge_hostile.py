@@ -654,31 +654,14 @@ async def test_garbage_sent_on_a_streaming_connection_ends_it_without_a_400_insi
     assert "event=invalid_http_request" in log and "Traceback" not in log
 
 
-async def test_garbage_behind_a_pipelined_request_closes_the_connection_without_answering_out_of_order(edge, nc):
-    """A unary read waiting for its result, a ``GET /healthz`` pipelined behind it, then bytes llhttp
-    refuses: Uvicorn wrote its ``400`` at once, which the client reads as the answer to its first
-    request. Responses go out in order, so the connection is closed unanswered instead."""
-    request_id = rid("garbage-pipelined")
-    loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setblocking(False)
-    await loop.sock_connect(sock, ("127.0.0.1", edge.port))
-    stream = RawStream(sock)
-    try:
-        await loop.sock_sendall(sock, f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: e\r\n\r\n"
-                                      "GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n".encode())
-        await anyio.sleep(0.3)  # both heads parsed, the first request waiting for its result
-        await loop.sock_sendall(sock, b"\x01\x02 not http\r\n\r\n")
-        data = await stream.read_to_close()
-    finally:
-        stream.close()
-    assert data == b"", data
-
-
-async def test_garbage_right_behind_an_unanswered_request_closes_the_connection_without_a_400_as_its_answer(edge, nc):
-    """A unary read waiting for its result, then bytes llhttp refuses as the next head (nothing pipelined
-    between): Uvicorn wrote its ``400`` at once, which the client read as the answer to its waiting read
-    (as the 408/431 are not written there). The connection is closed unanswered; the refusal counted."""
+@pytest.mark.parametrize("between", [b"GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n", b""],
+                         ids=["a-request-pipelined-between", "nothing-between"])
+async def test_garbage_behind_an_unanswered_request_closes_the_connection_without_a_400_read_as_its_answer(
+        edge, nc, between):
+    """A unary read waiting for its result, ``between`` pipelined behind it, then bytes llhttp refuses:
+    Uvicorn wrote its ``400`` at once, which the client reads as the answer to its first request (the
+    edge's 408/431 are not written there). Responses go out in order, so the connection is closed
+    unanswered instead; the refusal is counted."""
     request_id = rid("garbage-behind-unanswered")
     before = edge.metrics()["streamproc_edge_invalid_http_requests_total"]
     loop = asyncio.get_running_loop()
@@ -687,8 +670,9 @@ async def test_garbage_right_behind_an_unanswered_request_closes_the_connection_
     await loop.sock_connect(sock, ("127.0.0.1", edge.port))
     stream = RawStream(sock)
     try:
-        await loop.sock_sendall(sock, f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: e\r\n\r\n".encode())
-        await anyio.sleep(0.3)  # the head parsed, the request waiting for its result
+        head = f"GET /v1/results/{request_id}?stream=false HTTP/1.1\r\nHost: e\r\n\r\n".encode()
+        await loop.sock_sendall(sock, head + between)
+        await anyio.sleep(0.3)  # the heads parsed, the first request waiting for its result
         await loop.sock_sendall(sock, b"\x01\x02 not http\r\n\r\n")
         data = await stream.read_to_close()
     finally:
