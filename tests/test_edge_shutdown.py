@@ -72,6 +72,14 @@ def events(body: bytes) -> list[tuple[str | None, str]]:
     return found
 
 
+def stopped_in(edge: EdgeProcess) -> float:
+    """SIGTERM to ``edge``; the seconds until it exited, with status 0 (within STOP_WITHIN + 3 s)."""
+    started = time.monotonic()
+    edge.proc.send_signal(signal.SIGTERM)
+    assert edge.proc.wait(STOP_WITHIN + 3) == 0
+    return time.monotonic() - started
+
+
 def loud_lines(log: str) -> list[str]:
     """Warnings and errors, but the start-up one an --insecure-demo edge (EdgeProcess's default) always logs."""
     return [line for line in log.splitlines()
@@ -117,10 +125,7 @@ def test_sigterm_ends_every_open_stream_with_a_resumable_error_event_and_stops_q
                 time.sleep(0.02)
             time.sleep(0.2)  # the unary request is waiting for its final result
 
-            started = time.monotonic()
-            edge.proc.send_signal(signal.SIGTERM)
-            assert edge.proc.wait(STOP_WITHIN + 3) == 0
-            elapsed = time.monotonic() - started
+            elapsed = stopped_in(edge)
             for reader in [*streams, unary]:
                 reader.join(5)
             log = edge.log()
@@ -157,10 +162,7 @@ def test_sigterm_during_a_burst_of_connections_stops_at_once_and_quietly():
                 sock.setblocking(False)
                 sock.connect_ex(("127.0.0.1", edge.port))
                 socks.append(sock)
-            started = time.monotonic()
-            edge.proc.send_signal(signal.SIGTERM)
-            assert edge.proc.wait(STOP_WITHIN + 3) == 0
-            elapsed = time.monotonic() - started
+            elapsed = stopped_in(edge)
             log = edge.log()
         finally:
             for sock in socks:
@@ -259,10 +261,7 @@ def test_sigterm_with_a_closing_connection_whose_client_never_read_stops_at_once
                     return unread
 
             sock = anyio.run(finished_unread_stream)
-            started = time.monotonic()
-            edge.proc.send_signal(signal.SIGTERM)
-            assert edge.proc.wait(STOP_WITHIN + 3) == 0
-            elapsed = time.monotonic() - started
+            elapsed = stopped_in(edge)
             log = edge.log()
         finally:
             if sock is not None:
