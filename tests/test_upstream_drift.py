@@ -23,6 +23,9 @@ the commit is the one the index reported for the version read, "index id" where 
   ``process_batch_result_disagg_prefill`` / ``process_disagg_prefill_inflight_queue`` (commit
   ``000c2b942308ea5502978be73542016c230dba02``; index id 58615488336 for a newer version) and
   ``tokenizer_manager.py`` ``_handle_batch_output`` (index id 55043436083).
+* vLLM ``sampling_mask``: ``vllm/v1/engine/output_processor.py`` ``RequestState._new_completion_output``
+  (vLLM 0.34.0 wheel) and ``ServingTokens.serve_tokens_stream_generator`` / ``_build_full_response``
+  (0.34.0 and index id 70125355188): a stream chunk's masks are its delta's.
 """
 
 from __future__ import annotations
@@ -281,3 +284,44 @@ def test_sglang_pd_one_token_decode_has_no_indexer_topk_and_nothing_is_invented(
     [(body, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
     assert_same(body, dumps(decode))
     assert verdict is Verdict.PASSTHROUGH
+
+
+# ------------------------------------------------------------------ vLLM: sampling_mask in a folded stream
+#
+# vLLM 0.34.0 wheel (``__commit_id__ = 'g62d4bc3c7'``) and the newest indexed ``token_in_token_out/serving.py``
+# (index id 70125355188) build ``sampling_mask`` the same way:
+#
+# * ``vllm/v1/engine/output_processor.py`` ``RequestState._new_completion_output``::
+#
+#       if (delta or finished) and self.sampling_mask_chunks:
+#           sampling_mask = SamplingMask([position for chunk in self.sampling_mask_chunks
+#                                         for position in chunk.to_nested_list()])
+#           if delta:
+#               self.sampling_mask_chunks.clear()
+#
+#   so a ``RequestOutputKind.DELTA`` (stream) output carries the masks of its own new tokens only, and a
+#   ``FINAL_ONLY`` (unary) output the masks of every token.
+# * ``ServingTokens.serve_tokens_stream_generator`` / ``_build_full_response``: ``sampling_mask =
+#   output.sampling_mask.token_ids`` on the choice (``GenerateStreamChoiceBase`` / ``GenerateChoiceBase``).
+
+V_MASKS = [[21, 5], [22], [23, 8, 9]]  # the token ids the sampler could pick at each output position
+
+
+def vllm_mask_choice(out: list[int], masks: list[list[int]], finish: str | None) -> dict:
+    """``GenerateTokensChoice`` / ``GenerateTokensStreamChoice`` of 0.34.0 (``index, finish_reason,
+    stop_reason, token_ids, routed_experts, sampling_mask, weight_versions``, then ``logprobs``)."""
+    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": out, "routed_experts": None,
+            "sampling_mask": masks, "weight_versions": None, "logprobs": None}
+
+
+def test_vllm_folded_stream_keeps_the_whole_sampling_mask():
+    """Each stream chunk's ``sampling_mask`` covers its own delta: folded (``Codec.fold``, the edge's
+    unary answer of a stream) the lists must concatenate to the unary choice's, not keep the last
+    chunk's."""
+    chunks = [{"request_id": V_RID, "usage": None, "output_mode": "tokens",
+               "choices": [vllm_mask_choice([V_OUT[k]], V_MASKS[k:k + 1], "stop" if k == 2 else None)]}
+              for k in range(3)]
+    unary_choice = vllm_mask_choice(V_OUT, V_MASKS, "stop")
+    folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(c) for c in chunks]))
+    assert folded["choices"][0]["sampling_mask"] == unary_choice["sampling_mask"]
+    assert folded["choices"][0]["token_ids"] == unary_choice["token_ids"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, choices_of, is_int, unavailable_key
+from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, choices_of, is_int, unavailable_key
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
-_CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS)
+_CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
 
 
 def _drop_reason_if_present(target: dict, field: str) -> None:
@@ -27,11 +27,20 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
     logprobs_extra: dict = {}
     finish_reason = None
     experts = None
+    mask: list | None = None  # one list per token, each chunk's covering its own delta: concatenated
+    has_mask = False
     extras: dict = {}
     for part in parts:
         ids = part.get("token_ids")
         if isinstance(ids, list):
             token_ids.extend(ids)
+        if SAMPLING_MASK in part:
+            has_mask = True
+            rows = part[SAMPLING_MASK]
+            if isinstance(rows, list):  # extended in place, as the logprob entries are
+                if mask is None:
+                    mask = []
+                mask.extend(rows)
         logprobs = part.get("logprobs")
         if isinstance(logprobs, dict):
             entries = logprobs.get("content")
@@ -54,6 +63,7 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
         "finish_reason": finish_reason,
         "token_ids": token_ids,
         ROUTED_EXPERTS: experts,
+        **({SAMPLING_MASK: mask} if has_mask else {}),
         **extras,
     }
     _drop_reason_if_present(choice, ROUTED_EXPERTS)

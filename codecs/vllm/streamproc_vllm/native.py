@@ -41,6 +41,9 @@ FIRST_CHUNK_FIELDS = (PROMPT_TOKEN_IDS, MM_PLACEHOLDERS)
 # 0.34.0 choices: ``[{"version", "start", "end"}]`` over the request's output tokens, on the finishing
 # output only (``RequestState._new_completion_output``: ``self._weight_version_spans() if finished``).
 WEIGHT_VERSIONS = "weight_versions"
+# 0.34.0 choices: the token ids the sampler could pick, one list per output token. A stream chunk's covers its
+# own new tokens only (``RequestState._new_completion_output`` clears ``sampling_mask_chunks`` per delta).
+SAMPLING_MASK = "sampling_mask"
 # 0.34.0 ``PerRequestMetrics`` (``generate/base/protocol.py``) on a finished response (the unary body;
 # a stream's usage-only chunk): ``speculative_decoding=build_spec_decoding_metrics(final_res)``, the
 # engine ``Request``'s own ``RequestSpecDecodeMetrics`` (``observe`` per verify step), and the timing
