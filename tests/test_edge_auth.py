@@ -17,7 +17,8 @@ import httpx
 import jwt
 import pytest
 from conftest import run_cli_process
-from edge_harness import EdgeProcess, exchange_until_closed, expected_sse, publish_results, running_edge
+from edge_harness import (EdgeProcess, exchange_until_closed, expected_sse, publish_result, publish_results,
+                          running_edge)
 from helpers import clean_env, rid
 from nats_auth import Certificates, openssl
 
@@ -1304,3 +1305,30 @@ async def test_a_token_name_with_percent_escaped_letters_behind_a_semicolon_or_e
     assert 'path="/?x=1%26access_%74oken=<redacted>"' in log
     assert 'path="/?x=1;ACCESS%5F%54OKEN=<redacted>&y=2"' in log
     assert 'path="/?%61ccess_token=<redacted>"' in log
+
+
+async def test_a_stream_opened_before_exp_runs_to_its_end_and_a_reopen_after_exp_is_401(server, key_file, nc):
+    """The capability is checked when a stream opens, not while it runs: a stream opened with a token
+    that expires meanwhile gets every result and ``[DONE]`` (an ``EventSource`` whose request outlives
+    its token is not cut), and the same token cannot open, resume or reconnect after ``exp``
+    (docs/security.md, "A leaked capability"). Coverage, found by an attack: docs/security.md said
+    a leaked capability reads its ids "until exp", which an open stream outlives."""
+    request_id = rid("outlives-exp")
+    path = f"/v1/results/{request_id}"
+    exp = int(time.time()) + 3
+    expiring = token(rids=[request_id], now=exp - 60, ttl=60)
+    assert jwt.decode(expiring, options={"verify_signature": False})["exp"] == exp
+    with running_edge(server.url, "--ensure-results-stream", "--auth-key-file", str(key_file),
+                      "--auth-leeway", "0", "--keepalive", "0.5") as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client, \
+                client.stream("GET", path, headers=bearer(expiring)) as response:
+            assert response.status_code == 200
+            await publish_result(nc, DURABLE, request_id, 0, b'{"n":0}')
+            await anyio.sleep(exp + 1 - time.time())  # the token has expired (leeway 0)
+            reopened = await get(edge, path, headers=bearer(expiring))
+            assert "expired" in assert_refusal(reopened, 401, "unauthorized")
+            resumed = await get(edge, path, headers={**bearer(expiring), "Last-Event-ID": "0"})
+            assert "expired" in assert_refusal(resumed, 401, "unauthorized")
+            await publish_result(nc, DURABLE, request_id, 1, b'{"n":1}', final=True)
+            body = b"".join([chunk async for chunk in response.aiter_bytes()])
+    assert body.replace(b": keep-alive\n\n", b"") == expected_sse([b'{"n":0}', b'{"n":1}']), body
