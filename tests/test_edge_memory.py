@@ -14,13 +14,14 @@ full GC (pending.drop frees them at unsubscribe).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import anyio
 import httpx
 import msgspec
 import pytest
-from edge_harness import expected_sse, publish_result, publish_results, running_edge, slow_reader
+from edge_harness import expected_sse, publish_result, publish_results, running_edge, slow_reader, unread_stream
 from helpers import connection, rid, status_kib
 
 from streamproc.wire import Subjects
@@ -693,3 +694,47 @@ async def test_unary_answers_one_client_has_not_taken_are_bounded_in_bytes_and_o
     assert refused and all(b'"type":"too_many_streams"' in head for head in refused), refused[:1]
     assert other.status_code == 200 and other.content == whole.content
     assert growth < 96 * 1024, growth
+
+
+@pytest.mark.anyio
+async def test_a_flood_of_opens_of_ids_nobody_answers_is_held_to_max_streams_in_bounded_memory_and_times_out(
+        server):
+    """An attacker opens --max-streams streams of distinct ids no worker will ever answer (the longest
+    ids the wire allows, late attaches in durable mode) and reads nothing. Measured 2026-12-06: 1,000
+    such streams raised the edge's VmHWM by 17-21 MiB (~20 KiB a stream). The one past the limit gets
+    503, each stream ends with its timeout error and ``[DONE]`` at --idle-stream-timeout, and the
+    slots are free again. Coverage, found by an attack (passes on the code it was written against)."""
+    streams = 1000
+    with running_edge(server.url, "--prefix", "memflood", "--ensure-results-stream", "--max-streams", str(streams),
+                      "--max-streams-per-client", str(streams), "--idle-stream-timeout", "6",
+                      "--keepalive", "60") as edge:
+        baseline = status_kib(edge.proc.pid, "VmHWM")
+        ids = [f"{n:04d}-" + "x" * 251 for n in range(streams)]  # 256 characters: MAX_REQUEST_ID_LEN
+        sockets = [await unread_stream(edge.port, request_id) for request_id in ids]
+        try:
+            grown = (status_kib(edge.proc.pid, "VmHWM") - baseline) * 1024
+            async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+                refused = await client.get(f"/v1/results/{rid('one-too-many')}")
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "overloaded", refused.text
+            assert grown < 64 * MiB, f"VmHWM grew {grown / MiB:.0f} MiB for {streams} waiting streams"
+            ends = [await read_to_close(sock, 20) for sock in sockets]
+        finally:
+            for sock in sockets:
+                sock.close()
+        assert all(end.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") for end in ends), ends[0][-300:]  # the last chunk
+        assert all(b"within 6.0s" in end for end in ends), ends[0][-300:]
+        await wait_for(lambda: edge.metrics()["streamproc_edge_streams_active"] == 0, 10, "every slot freed")
+        async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:
+            async with client.stream("GET", f"/v1/results/{rid('after-flood')}") as again:
+                assert again.status_code == 200
+    print(f"VmHWM +{grown / MiB:.1f} MiB for {streams} streams")
+
+
+async def read_to_close(sock, timeout: float) -> bytes:
+    """Everything the edge sends on ``sock`` until it closes the connection."""
+    loop = asyncio.get_running_loop()
+    data = b""
+    with anyio.fail_after(timeout):
+        while chunk := await loop.sock_recv(sock, 65536):
+            data += chunk
+    return data
