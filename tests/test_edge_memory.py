@@ -698,14 +698,15 @@ async def test_unary_answers_one_client_has_not_taken_are_bounded_in_bytes_and_o
 
 @pytest.mark.anyio
 async def test_a_flood_of_opens_of_ids_nobody_answers_is_held_to_max_streams_in_bounded_memory_and_times_out(
-        server):
+        nats_server):
     """An attacker opens --max-streams streams of distinct ids no worker will ever answer (the longest
     ids the wire allows, late attaches in durable mode) and reads nothing. Measured 2026-12-06: 1,000
     such streams raised the edge's VmHWM by 17-21 MiB (~20 KiB a stream). The one past the limit gets
     503, each stream ends with its timeout error and ``[DONE]`` at --idle-stream-timeout, and the
-    slots are free again. Coverage, found by an attack (passes on the code it was written against)."""
+    slots are free again. Coverage, found by an attack (passes on the code it was written against). Its own
+    server: the module's shared one holds a results stream of another prefix under the same name."""
     streams = 1000
-    with running_edge(server.url, "--prefix", "memflood", "--ensure-results-stream", "--max-streams", str(streams),
+    with running_edge(nats_server.url, "--prefix", "memflood", "--ensure-results-stream", "--max-streams", str(streams),
                       "--max-streams-per-client", str(streams), "--idle-stream-timeout", "6",
                       "--keepalive", "60") as edge:
         baseline = status_kib(edge.proc.pid, "VmHWM")
