@@ -12,7 +12,7 @@ import pytest
 
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.client.results import follow
-from streamproc.wire import MigrateRequest, Sealed, decode_migrate_reply, encode_control
+from streamproc.wire import MigrateRequest, Sealed, Verdict, decode_migrate_reply, encode_control
 
 from helpers import connection, wait_until
 from migration_helpers import ask_migrate
@@ -172,3 +172,50 @@ def test_a_resumed_prompt_count_must_be_the_original_plus_the_emitted_tokens(fmt
     for wrong in (10, 2):
         with pytest.raises(ContractError, match=f"prompt has {wrong} tokens, not the 6 \\+ 3"):
             session.stitch(_agg_body(fmt, [99], wrong, True), True)
+
+
+# ------------------------- a resumed attempt's Base64 top logprobs that are not what their shape says
+
+def _flat_b64_body(ids: list[int], prompt: int, packed: str, shape: list[int], final: bool) -> bytes:
+    """An SGLang body with ``return_flat_raw_top_logprobs_b64``'s prompt fields (float32 values)."""
+    return json.dumps({"text": "x", "output_ids": ids, "meta_info": {
+        "id": "r", "prompt_tokens": prompt, "completion_tokens": len(ids),
+        "input_top_logprobs_val_flat_b64": packed, "input_top_logprobs_val_flat_b64_dtype": "float32",
+        "input_top_logprobs_shape": shape, "input_top_logprobs_null_prefix": 1,
+        "finish_reason": {"type": "length", "length": len(ids)} if final else None}}).encode()
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+@pytest.mark.parametrize("packed, reason", [("abc", "stitch_corrupt"), ("é", "stitch_corrupt"),
+                                            ("AAAA", "length_mismatch")])
+async def test_a_resumed_attempts_malformed_base64_top_logprobs_are_omitted_not_an_internal_error(
+        mode, packed, reason, client, start_processor):
+    """A resumed attempt's body is stitched: its prompt-side flat top logprobs lose the rows of the
+    replayed output tokens. Their Base64 form was decoded with ``base64.b64decode`` unchecked, so a
+    worker serving the resumed attempt (or any worker publishing chunks of it) whose value does not
+    decode ("abc", non-ASCII) made the codec raise: the request ended with an ``internal`` error (the
+    kind that means a processor bug) and the client lost the attempt's answer; a value shorter than
+    its ``input_top_logprobs_shape`` says ("AAAA": 3 bytes for 2 x 2 float32) was cut and published
+    as if whole. Now such a field is omitted with a reason, as the join omits a corrupt leg's field,
+    and the result is published ``omitted``."""
+    rid = f"b64-{mode}-{reason}-{len(packed)}"
+    async with start_processor("subprocess", format="sglang", mode=mode) as rp:
+        publisher = ChunkPublisher(client, rp.subjects, durable=mode == "durable")
+        async with follow(client, rp.subjects, rid, timeout=15) as stream:
+            await publisher.publish(rid, "agg", 0, _agg_body("sglang", [10], 6, False))
+            reply = None
+            with anyio.fail_after(10):
+                while not isinstance(reply, Sealed):  # the migrate may come before result 0 is published
+                    reply = await ask_migrate(client, rp.subjects, rid, id="m1")
+                    await anyio.sleep(0.05)
+            assert reply.emitted_tokens == 1, reply
+            await publisher.publish(rid, "agg", 0, _flat_b64_body([11], 7, packed, [2, 2], True),
+                                    final=True, attempt=1)
+            results = await stream.collect()
+        log = rp.log()
+    assert [(r.seq, r.final, r.error) for r in results] == [(0, False, None), (1, True, None)], results[-1].body
+    meta = json.loads(results[1].body)["meta_info"]
+    assert results[1].verdict == Verdict.OMITTED, results[1]
+    assert meta["input_top_logprobs_val_flat_b64_unavailable_reason"] == reason, meta
+    assert "input_top_logprobs_val_flat_b64" not in meta and meta["input_top_logprobs_shape"] == [1, 2], meta
+    assert "event=message_failed" not in log and "error:internal" not in log, log[-2000:]

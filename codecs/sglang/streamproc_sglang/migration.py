@@ -60,7 +60,6 @@ refuses them for the serving layer's helper.
 
 from __future__ import annotations
 
-import base64
 from array import array
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -71,6 +70,7 @@ from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, Migratio
 from streamproc.codec import UNAVAILABLE_SUFFIX
 from streamproc.codec import OmissionReason as Omit
 from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
+from streamproc.decompress import decode_base64, encode_base64
 from streamproc.wire import Verdict
 
 from . import native
@@ -487,10 +487,21 @@ def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> Non
         flat = meta.get(f"input_top_logprobs_{side}_flat")
         if isinstance(flat, list):
             meta[f"input_top_logprobs_{side}_flat"] = flat[:rows * width]
-        packed = meta.get(f"input_top_logprobs_{side}_flat_b64")
-        if isinstance(packed, str) and meta.get(f"input_top_logprobs_{side}_flat_b64_dtype") in ("float32", "int32"):
-            raw = base64.b64decode(packed)[:rows * width * 4]  # both 4 bytes a value
-            meta[f"input_top_logprobs_{side}_flat_b64"] = base64.b64encode(raw).decode()
+        field = f"input_top_logprobs_{side}_flat_b64"
+        packed = meta.get(field)
+        if isinstance(packed, str) and meta.get(f"{field}_dtype") in ("float32", "int32"):
+            # The worker's text: strict, and exactly the [rows, width] its shape states (4 bytes a value,
+            # upstream's literal shape of the flat array), else omitted: cut, it would pass as whole.
+            size = shape[0] * width * 4
+            try:
+                raw = decode_base64(packed, size)
+            except CorruptPayload as exc:
+                _mark(meta, [field], Omit.LENGTH_MISMATCH if exc.reason == Omit.TOO_LARGE else Omit.STITCH_CORRUPT)
+                continue
+            if len(raw) != size:
+                _mark(meta, [field], Omit.LENGTH_MISMATCH)
+                continue
+            meta[field] = encode_base64(raw[:rows * width * 4])
     meta[native.INPUT_TOP_SHAPE] = [rows, width]
 
 
