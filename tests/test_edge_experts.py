@@ -525,3 +525,26 @@ async def test_posts_whose_client_left_mid_body_are_counted_in_the_metrics(zstd_
         whole = await client.post("/v1/experts", content=b'{"meta_info":{}}')
     assert whole.status_code == 200, whole.text
     assert zstd_edge.metrics()["streamproc_edge_experts_bodies_abandoned_total"] - before == 3
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-zstd"])
+async def test_a_body_whose_experts_dtype_is_no_string_gets_a_problem_not_a_500(server, fmt):
+    """The dtype name was looked up in a dict as the body gave it: a worker's result (or any poster)
+    with ``"routed_experts_dtype": {}`` or ``[]`` raised ``TypeError: unhashable type``, a 500 and an
+    ERROR traceback in the edge's log per post. It names no dtype SGLang ships: a view whose
+    ``problem`` says so, as for ``"bogus"``."""
+    rows = Catalog()(fmt).sequences["routed_experts"].encode(bytes(4 * 6))  # Base64, or Base64(zstd)
+    with running_edge(server.url, "--format", fmt) as edge:
+        answers = []
+        for dtype in ({}, [], "bogus"):
+            body = json.dumps({"text": "x", "output_ids": [1], "meta_info": {
+                "prompt_tokens": 2, "completion_tokens": 2, "routed_experts": rows,
+                "routed_experts_dtype": dtype}}).encode()
+            async with httpx.AsyncClient(base_url=edge.url, timeout=10) as client:  # a 500 resets its connection
+                answers.append(await client.post("/v1/experts", content=body))
+        log = edge.log()
+    for answer in answers:
+        assert answer.status_code == 200, (answer.status_code, answer.text)
+        view = answer.json()
+        assert view["present"] and view["ids"] == [] and view["problem"].startswith("unknown routed_experts_dtype")
+    assert "Traceback" not in log and "TypeError" not in log

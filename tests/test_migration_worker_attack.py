@@ -4,6 +4,7 @@ the attack measured, or a defect it found."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 
@@ -218,4 +219,40 @@ async def test_a_resumed_attempts_malformed_base64_top_logprobs_are_omitted_not_
     assert results[1].verdict == Verdict.OMITTED, results[1]
     assert meta["input_top_logprobs_val_flat_b64_unavailable_reason"] == reason, meta
     assert "input_top_logprobs_val_flat_b64" not in meta and meta["input_top_logprobs_shape"] == [1, 2], meta
+    assert "event=message_failed" not in log and "error:internal" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["core", "durable"])
+@pytest.mark.parametrize("dtype", [{}, ["int32"]])
+async def test_a_resumed_attempts_experts_dtype_that_is_no_string_is_omitted_not_an_internal_error(
+        mode, dtype, client, start_processor):
+    """The stitch keeps the rows the earlier attempt published and needs their dtype's size: it looked
+    the resumed body's ``routed_experts_dtype`` up in a dict as given, so a JSON object or list
+    raised ``TypeError: unhashable type`` and the request ended ``internal``. It names no dtype SGLang
+    ships: the rows are omitted (``length_mismatch``, as for an unknown name) and the body published."""
+    rid = f"dtype-{mode}-{type(dtype).__name__}"
+    rows = base64.b64encode(bytes(4 * 6)).decode()
+
+    def body(ids: list[int], prompt: int, final: bool, **meta: object) -> bytes:
+        return json.dumps({"text": "x", "output_ids": ids, "meta_info": {
+            "id": "r", "prompt_tokens": prompt, "completion_tokens": len(ids), "routed_experts": rows, **meta,
+            "finish_reason": {"type": "length", "length": len(ids)} if final else None}}).encode()
+
+    async with start_processor("subprocess", format="sglang", mode=mode) as rp:
+        publisher = ChunkPublisher(client, rp.subjects, durable=mode == "durable")
+        async with follow(client, rp.subjects, rid, timeout=15) as stream:
+            await publisher.publish(rid, "agg", 0, body([10], 6, False))
+            reply = None
+            with anyio.fail_after(10):
+                while not isinstance(reply, Sealed):  # the migrate may come before result 0 is published
+                    reply = await ask_migrate(client, rp.subjects, rid, id="m1")
+                    await anyio.sleep(0.05)
+            await publisher.publish(rid, "agg", 0, body([11], 7, True, routed_experts_dtype=dtype),
+                                    final=True, attempt=1)
+            results = await stream.collect()
+        log = rp.log()
+    assert [(r.seq, r.final, r.error) for r in results] == [(0, False, None), (1, True, None)], results[-1].body
+    meta = json.loads(results[1].body)["meta_info"]
+    assert results[1].verdict == Verdict.OMITTED, results[1]
+    assert meta["routed_experts_unavailable_reason"] == "length_mismatch" and "routed_experts" not in meta, meta
     assert "event=message_failed" not in log and "error:internal" not in log, log[-2000:]

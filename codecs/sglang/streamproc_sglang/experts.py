@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamproc.codec import CorruptPayload, RoutedExperts, omission_markers, row_spans
+from streamproc.core.errors import shown
 from streamproc.wire import Verdict
 
 from . import native
@@ -49,9 +50,9 @@ def routed_experts(codec: SGLangCodec, body: bytes, verdict: Verdict | None, lim
     except CorruptPayload as exc:
         view.problem = f"cannot decode: {exc}"
         return view
-    dtype = meta.get(native.ROUTED_EXPERTS_DTYPE, native.DEFAULT_EXPERT_DTYPE)
-    if dtype not in NUMPY_DTYPES:
-        view.problem = f"unknown {native.ROUTED_EXPERTS_DTYPE} {dtype!r}"
+    dtype = native.expert_dtype(meta)
+    if dtype is None:
+        view.problem = f"unknown {native.ROUTED_EXPERTS_DTYPE} {shown(str(meta[native.ROUTED_EXPERTS_DTYPE]))}"
         return view
     view.dtype = dtype
     wire = np.dtype(NUMPY_DTYPES[dtype])

@@ -63,7 +63,6 @@ from . import native
 from .fold import fold
 from .native import (
     COMPLETION_TOKENS,
-    DEFAULT_EXPERT_DTYPE,
     EXPERT_DTYPE_SIZES,
     INPUT_LOGPROB_FIELDS,
     INPUT_LOGPROBS_UNAVAILABLE,
@@ -75,7 +74,6 @@ from .native import (
     OUTPUT_TOP_LOGPROBS,
     PROMPT_TOKENS,
     ROUTED_EXPERTS,
-    ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_START_LEN,
     ROUTED_EXPERTS_UNAVAILABLE,
     WEIGHT_VERSION,
@@ -161,12 +159,6 @@ def _decode_bound(prefill: _PrefillRows, completion: int) -> int:
     else:
         row_bytes = min(b_p, MAX_ROW_BYTES) if b_p else MAX_ROW_BYTES
     return (prompt + completion - 1) * row_bytes
-
-
-def _dtype_of(meta: dict[str, Any]) -> str | None:
-    """The body's wire dtype name (None when it names no dtype SGLang ships)."""
-    dtype = meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE)
-    return dtype if isinstance(dtype, str) and dtype in EXPERT_DTYPE_SIZES else None
 
 
 def _start_of(meta: dict[str, Any]) -> int | None | bool:
@@ -934,7 +926,7 @@ class SGLangJoinSession(JoinSession):
             decode_rows = self._experts.decode_within(value, self._within(_decode_bound(prefill, completion)))
         except CorruptPayload as exc:
             return self._omit(meta, Omit.of_leg(exc, "decode"))
-        dtype = _dtype_of(meta)
+        dtype = native.expert_dtype(meta)
         if dtype is None or len(decode_rows) % EXPERT_DTYPE_SIZES[dtype]:
             return self._omit(meta, Omit.DECODE_CORRUPT)
         if dtype != prefill.dtype:
@@ -992,7 +984,7 @@ class SGLangJoinSession(JoinSession):
         value = self._prefill.get(ROUTED_EXPERTS)
         if value is None:
             return Omit.PREFILL_MISSING
-        dtype = _dtype_of(self._prefill)
+        dtype = native.expert_dtype(self._prefill)
         start = _start_of(self._prefill)
         prompt_tokens = self._prefill.get(PROMPT_TOKENS)
         if dtype is None or start is False or not _is_count(prompt_tokens) or prompt_tokens <= 0:

@@ -78,7 +78,6 @@ from .native import (
     ABORT_RESTATED_FIELDS,
     CUMULATIVE,
     COMPLETION_TOKENS,
-    DEFAULT_EXPERT_DTYPE,
     EXPERT_DTYPE_SIZES,
     FINISH_REASON,
     INPUT_LOGPROB_FIELDS,
@@ -92,7 +91,6 @@ from .native import (
     PROMPT_TOKENS,
     REASONING_TOKENS,
     ROUTED_EXPERTS,
-    ROUTED_EXPERTS_DTYPE,
     ROUTED_EXPERTS_UNAVAILABLE,
 )
 
@@ -434,7 +432,8 @@ class SGLangMigrationSession(MigrationSession):
             current = self._experts.decode(meta[ROUTED_EXPERTS])
         except CorruptPayload:
             return _omit(meta, Omit.STITCH_CORRUPT)
-        size = EXPERT_DTYPE_SIZES.get(meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE), 0)
+        dtype = native.expert_dtype(meta)
+        size = EXPERT_DTYPE_SIZES[dtype] if dtype is not None else 0
         if not size or len(earlier) % size or len(current) % size or len(current) < len(earlier):
             return _omit(meta, Omit.LENGTH_MISMATCH)
         # numpy compares and copies without the GIL; ``current[:n] != earlier`` (a bytes slice, then

@@ -345,3 +345,10 @@ def restates(doc: dict[str, Any], seen: Sequence[Any]) -> bool:
     if not (isinstance(ids, list) and type(count) is int and len(ids) == count >= len(seen)):
         return False
     return ids[:len(seen)] == (seen if isinstance(seen, list) else list(seen))
+
+
+def expert_dtype(meta: dict[str, Any]) -> str | None:
+    """The body's routed-experts wire dtype name; None when it names none SGLang ships. The value is
+    the worker's: checked to be a string before the lookup (a JSON object or list is unhashable)."""
+    dtype = meta.get(ROUTED_EXPERTS_DTYPE, DEFAULT_EXPERT_DTYPE)
+    return dtype if isinstance(dtype, str) and dtype in EXPERT_DTYPE_SIZES else None
