@@ -312,6 +312,18 @@ def test_vllm_several_choices_in_a_published_body_refuse_migration():
         Catalog()("vllm").open_migration().absorb([body])
 
 
+@pytest.mark.parametrize("codec, body", [
+    ("sglang", {"text": "a", "output_ids": [1, 2**63], "meta_info": {}}),
+    ("sglang", {"text": "a", "output_ids": [-(2**63) - 1], "meta_info": {}}),
+    ("vllm", {"request_id": "r", "choices": [{"index": 0, "token_ids": [1, 2**64]}]}),
+])
+def test_a_published_token_id_past_64_bits_refuses_migration_with_a_reason_not_an_overflow(codec, body):
+    """A worker's token id the progress state cannot hold (8 bytes a token) is the worker's fault: the
+    refusal says so, where an ``OverflowError`` read as the codec's own failure."""
+    with pytest.raises(MigrationRefused, match="token id outside the 64-bit range"):
+        Catalog()(codec).open_migration().absorb([dumps(body)])
+
+
 def test_vllm_stitch_restates_usage_and_sends_prompt_logprobs_only_once():
     codec = Catalog()("vllm")
     first = {"request_id": "client", "choices": [{"index": 0, "token_ids": [11, 12]}],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import re
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Mapping, MutableSequence, Sequence, TypeVar
 
 import msgspec
 
@@ -437,6 +437,17 @@ class Emitted(msgspec.Struct, frozen=True):
 
     token_ids: list[int]
     state: dict[str, Any] = {}  # format-specific facts (e.g. the original prompt length), JSON-able
+
+
+def keep_emitted(progress: MutableSequence[int], token_ids: Sequence[int]) -> None:
+    """Append a published body's token ids to a migration session's progress (an ``array("q")``: 8
+    bytes a token). An id past 64 bits is the worker's fault, refused as such: it raised
+    ``OverflowError``, which the correlator reports as the codec's own failure."""
+    try:
+        progress.extend(token_ids)
+    except OverflowError:
+        raise MigrationRefused("a published body has a token id outside the 64-bit range, so the emitted "
+                               "tokens cannot be kept") from None
 
 
 def check_resumed_prompt(prompt_tokens: int, emitted: Emitted, state_key: str) -> None:

@@ -69,7 +69,7 @@ import numpy as np
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession, SequenceCodec
 from streamproc.codec import UNAVAILABLE_SUFFIX
 from streamproc.codec import OmissionReason as Omit
-from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
+from streamproc.codec import check_resumed_prompt, check_sampling_params, keep_emitted, restated_prompt, resumed_budget
 from streamproc.decompress import decode_base64, encode_base64
 from streamproc.wire import Verdict
 
@@ -245,7 +245,7 @@ class SGLangMigrationSession(MigrationSession):
                 self._cumulative = native.restates(doc, self._ids)
             if self._cumulative and native.restates(doc, self._ids):
                 del self._ids[:]
-            self._ids.extend(ids)
+            keep_emitted(self._ids, ids)
             # The last body's text and output lists: everything so far when the stream is cumulative.
             text = doc.get(TEXT)
             self._text = text if isinstance(text, str) else ""

@@ -50,7 +50,7 @@ import numpy as np
 
 from streamproc.codec import CorruptPayload, Emitted, MigrationRefused, MigrationSession
 from streamproc.codec import OmissionReason as Omit
-from streamproc.codec import check_resumed_prompt, check_sampling_params, restated_prompt, resumed_budget
+from streamproc.codec import check_resumed_prompt, check_sampling_params, keep_emitted, restated_prompt, resumed_budget
 from streamproc.core.errors import shown
 from streamproc.wire import Verdict
 
@@ -123,7 +123,7 @@ class VLLMMigrationSession(MigrationSession):
                 if not isinstance(ids, list) or not all(is_int(t) for t in ids):
                     raise MigrationRefused("a published choice has no integer token_ids, so the emitted "
                                            "tokens are unknown")
-                self._ids.extend(ids)
+                keep_emitted(self._ids, ids)
                 if choice.get(FINISH_REASON) is not None:
                     # 0.34.0 ``serve_tokens_stream_generator``: the finishing output is a token chunk and
                     # the usage chunk (``choices=[]``, after the engine's loop) follows it. A worker lost
