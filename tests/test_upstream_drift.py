@@ -325,3 +325,42 @@ def test_vllm_folded_stream_keeps_the_whole_sampling_mask():
     folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(c) for c in chunks]))
     assert folded["choices"][0]["sampling_mask"] == unary_choice["sampling_mask"]
     assert folded["choices"][0]["token_ids"] == unary_choice["token_ids"]
+
+
+# ------------------------------------------------------------------ vLLM: text in a folded output_mode="text" stream
+#
+# vLLM 0.34.0 wheel: ``RequestState._new_completion_output`` takes ``text =
+# self.detokenizer.get_next_output_text(finished, delta)``, and ``BaseIncrementalDetokenizer.get_next_output_text``
+# returns ``self.output_text[last_offset:length]`` (the text since the previous call) when ``delta``, the
+# whole ``output_text`` otherwise. ``serve_tokens_stream_generator`` puts it on
+# ``GenerateTextStreamChoice(text=output.text, ...)``; ``serve_tokens_full_generator`` on
+# ``GenerateTextChoice(text=output.text, ...)``. Both are ``GenerateChoiceBase`` /
+# ``GenerateStreamChoiceBase`` fields, then ``text``, then ``logprobs``.
+
+V_TEXT = ["Hel", "lo", "!"]  # the detokenizer's delta per output token
+
+
+def vllm_text_choice(out: list[int], text: str, finish: str | None) -> dict:
+    """``GenerateTextChoice`` / ``GenerateTextStreamChoice`` of 0.34.0, no logprobs or mask."""
+    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": out, "routed_experts": None,
+            "sampling_mask": None, "weight_versions": None, "text": text, "logprobs": None}
+
+
+def test_vllm_folded_text_stream_keeps_the_whole_text():
+    """Each ``output_mode="text"`` stream chunk's ``text`` is its delta's: folded (``Codec.fold``, the edge's
+    unary answer of a stream) the pieces must concatenate to the unary choice's text, not keep the last
+    chunk's."""
+    chunks = [{"request_id": V_RID, "usage": None, "output_mode": "text",
+               "choices": [vllm_text_choice([V_OUT[k]], V_TEXT[k], "stop" if k == 2 else None)]}
+              for k in range(3)]
+    unary_choice = vllm_text_choice(V_OUT, "".join(V_TEXT), "stop")
+    folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(c) for c in chunks]))
+    assert folded["choices"][0] == unary_choice  # every value; the fold's key order is its own (docs, "Fold")
+
+
+def test_vllm_fold_of_a_unary_text_body_keeps_its_text():
+    """A unary body folds to itself: its whole text stays as it is."""
+    body = {"request_id": V_RID, "usage": None, "output_mode": "text",
+            "choices": [vllm_text_choice(V_OUT, "".join(V_TEXT), "stop")]}
+    folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(body)]))
+    assert folded["choices"][0]["text"] == "Hello!"

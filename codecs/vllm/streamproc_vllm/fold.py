@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .native import PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, choices_of, is_int, unavailable_key
+from .native import (CHOICE_TEXT, PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, choices_of, is_int,
+                     unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
@@ -54,6 +55,9 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
         if part.get(ROUTED_EXPERTS) is not None:
             experts = part[ROUTED_EXPERTS]
         extras.update((k, v) for k, v in part.items() if k not in _CHOICE_KEYS)
+    pieces = [part[CHOICE_TEXT] for part in parts if CHOICE_TEXT in part]
+    if pieces and all(isinstance(piece, str) for piece in pieces):  # each chunk's is its delta's: joined
+        extras[CHOICE_TEXT] = "".join(pieces)  # (anything else is not vLLM's: kept as sent, last one wins)
     logprobs_out = None
     if content is not None or logprobs_extra:
         logprobs_out = {"content": content, **logprobs_extra}

@@ -44,6 +44,9 @@ WEIGHT_VERSIONS = "weight_versions"
 # 0.34.0 choices: the token ids the sampler could pick, one list per output token. A stream chunk's covers its
 # own new tokens only (``RequestState._new_completion_output`` clears ``sampling_mask_chunks`` per delta).
 SAMPLING_MASK = "sampling_mask"
+# 0.34.0 ``output_mode="text"`` choices: a stream chunk's is the text since the previous chunk
+# (``BaseIncrementalDetokenizer.get_next_output_text`` with ``delta``), the unary body's the whole output.
+CHOICE_TEXT = "text"
 # 0.34.0 ``PerRequestMetrics`` (``generate/base/protocol.py``) on a finished response (the unary body;
 # a stream's usage-only chunk): ``speculative_decoding=build_spec_decoding_metrics(final_res)``, the
 # engine ``Request``'s own ``RequestSpecDecodeMetrics`` (``observe`` per verify step), and the timing
