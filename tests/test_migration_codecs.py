@@ -457,6 +457,37 @@ def test_sglang_0523_flat_prompt_top_logprobs_of_a_stitched_request_are_the_orig
     assert np.frombuffer(base64.b64decode(meta["input_top_logprobs_val_flat_b64"]), "<f4").tolist() == [-0.5, -1.5]
 
 
+@pytest.mark.parametrize("fields, reason", [
+    # the list form with fewer values than its shape states (2 x 2 = 4): cut to 2, it passed as whole
+    ({"input_top_logprobs_val_flat": [-0.5, -1.5, -0.1]}, "length_mismatch"),
+    # not a list: left as sent under the cut shape
+    ({"input_top_logprobs_val_flat": "-0.5,-1.5,-0.1,-2.1"}, "stitch_corrupt"),
+    # a packed array whose dtype marker names no 4-byte width (upstream: "the dtype marker fields let the
+    # widths change later"; 2 x 2 float64 here): left uncut under the cut shape
+    ({"input_top_logprobs_val_flat_b64": "A" * 43 + "=", "input_top_logprobs_val_flat_b64_dtype": "float64"},
+     "stitch_corrupt"),
+    # packed values that are not Base64 text
+    ({"input_top_logprobs_val_flat_b64": 12345, "input_top_logprobs_val_flat_b64_dtype": "float32"},
+     "stitch_corrupt"),
+])
+def test_sglang_flat_prompt_top_logprobs_that_cannot_be_cut_to_their_shape_are_omitted(fields, reason):
+    """SGLang 0.5.23 ``_build_flat_top_logprobs_fields``: each flat array holds exactly
+    ``input_top_logprobs_shape`` = [rows, k] values (``val_arr.reshape(-1)``, rectangular rows,
+    ``flat_top_logprobs_layout``). The stitch cuts the rows of the replayed tokens and states the new
+    shape; an array it cannot cut to that shape must not be published under it as whole: it is omitted
+    with a reason, as the Base64 form that holds fewer values than its shape states is."""
+    codec = Catalog()("sglang")
+    session, _ = sealed_session(codec, [dumps({"text": " a", "output_ids": [11], "meta_info": {"id": "rid"}})])
+    retry = {"text": " b", "output_ids": [12], "meta_info": {"id": "rid", **fields,
+                                                              "input_top_logprobs_shape": [2, 2]}}
+    body, verdict = session.stitch(dumps(retry), True)
+    meta = loads(body)["meta_info"]
+    field = next(iter(fields))
+    assert field not in meta and meta[f"{field}_unavailable_reason"] == reason, meta
+    assert meta["input_top_logprobs_shape"] == [1, 2]
+    assert verdict is Verdict.OMITTED
+
+
 # ------------------------------------------------ vLLM 0.34.0 bodies of a resumed attempt
 
 def vllm_034_migrated(shape, truth, before: int) -> tuple[list[bytes], list[bytes], Verdict | None]:

@@ -482,25 +482,36 @@ def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> Non
     if not k or len(shape) != 2 or not all(_is_count(n) and n >= 0 for n in shape):
         return
     rows, width = max(0, shape[0] - k), shape[1]
+    # Upstream's arrays hold exactly the [rows, width] the shape states (``val_arr.reshape(-1)``): one the
+    # stitch cannot cut to the new shape is omitted, never left or cut under it as if whole.
     for side in ("val", "idx"):
-        flat = meta.get(f"input_top_logprobs_{side}_flat")
-        if isinstance(flat, list):
-            meta[f"input_top_logprobs_{side}_flat"] = flat[:rows * width]
-        field = f"input_top_logprobs_{side}_flat_b64"
-        packed = meta.get(field)
-        if isinstance(packed, str) and meta.get(f"{field}_dtype") in ("float32", "int32"):
-            # The worker's text: strict, and exactly the [rows, width] its shape states (4 bytes a value,
-            # upstream's literal shape of the flat array), else omitted: cut, it would pass as whole.
-            size = shape[0] * width * 4
-            try:
-                raw = decode_base64(packed, size)
-            except CorruptPayload as exc:
-                _mark(meta, [field], Omit.LENGTH_MISMATCH if exc.reason == Omit.TOO_LARGE else Omit.STITCH_CORRUPT)
-                continue
-            if len(raw) != size:
+        field = f"input_top_logprobs_{side}_flat"
+        if field in meta:
+            flat = meta[field]
+            if not isinstance(flat, list):
+                _mark(meta, [field], Omit.STITCH_CORRUPT)
+            elif len(flat) != shape[0] * width:
                 _mark(meta, [field], Omit.LENGTH_MISMATCH)
-                continue
-            meta[field] = encode_base64(raw[:rows * width * 4])
+            else:
+                meta[field] = flat[:rows * width]
+        field = f"input_top_logprobs_{side}_flat_b64"
+        if field not in meta:
+            continue
+        packed = meta[field]
+        if not isinstance(packed, str) or meta.get(f"{field}_dtype") not in ("float32", "int32"):
+            _mark(meta, [field], Omit.STITCH_CORRUPT)  # no width the stitch knows to cut by
+            continue
+        # The worker's text: strict, and exactly the values its shape states (4 bytes a value).
+        size = shape[0] * width * 4
+        try:
+            raw = decode_base64(packed, size)
+        except CorruptPayload as exc:
+            _mark(meta, [field], Omit.LENGTH_MISMATCH if exc.reason == Omit.TOO_LARGE else Omit.STITCH_CORRUPT)
+            continue
+        if len(raw) != size:
+            _mark(meta, [field], Omit.LENGTH_MISMATCH)
+            continue
+        meta[field] = encode_base64(raw[:rows * width * 4])
     meta[native.INPUT_TOP_SHAPE] = [rows, width]
 
 
