@@ -364,3 +364,16 @@ def test_vllm_fold_of_a_unary_text_body_keeps_its_text():
             "choices": [vllm_text_choice(V_OUT, "".join(V_TEXT), "stop")]}
     folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(body)]))
     assert folded["choices"][0]["text"] == "Hello!"
+
+
+def test_vllm_folded_stream_choice_has_the_unary_choices_key_order():
+    """``GenerateTokensStreamChoice`` and ``GenerateTokensChoice`` declare the same fields in the same
+    order (``GenerateStreamChoiceBase`` / ``GenerateChoiceBase``: index, finish_reason, stop_reason,
+    token_ids, routed_experts, sampling_mask, weight_versions; then ``logprobs``), and pydantic dumps
+    them in that order. The folded choice (the edge's unary answer of a stream) must keep it, as a client
+    comparing bodies sees it: the fold wrote ``logprobs`` second and ``stop_reason`` after the mask."""
+    chunks = [{"request_id": V_RID, "usage": None, "output_mode": "tokens",
+               "choices": [vllm_mask_choice([V_OUT[k]], V_MASKS[k:k + 1], "stop" if k == 2 else None)]}
+              for k in range(3)]
+    folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(c) for c in chunks]))
+    assert list(folded["choices"][0]) == list(vllm_mask_choice(V_OUT, V_MASKS, "stop"))

@@ -71,7 +71,9 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
         **extras,
     }
     _drop_reason_if_present(choice, ROUTED_EXPERTS)
-    return choice
+    # In the chunks' key order: vLLM's stream and unary choices declare the same fields in the same order.
+    order = dict.fromkeys(key for part in parts for key in part if key in choice)
+    return {**{key: choice[key] for key in order}, **choice}
 
 
 def fold_objects(chunks: Sequence[dict]) -> dict:
