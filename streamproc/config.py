@@ -296,6 +296,18 @@ def read_setting_file(path: str, named: str) -> bytes:
     return data
 
 
+ENCRYPTED_KEY = ("the key is encrypted (passphrase-protected), and streamproc never asks for a passphrase: give it "
+                 "the key unencrypted (openssl pkey -in key.pem -out plain-key.pem), in a file only its user may "
+                 "read")
+
+
+def no_key_passphrase() -> str:
+    """``load_cert_chain``'s password callback: without one OpenSSL asks for an encrypted key's
+    passphrase on the controlling terminal (start-up hangs under ``docker run -t``) or on stdin
+    (an ``Invalid argument`` naming no cause). ``load_cert_chain`` passes its ``ValueError`` on."""
+    raise ValueError(ENCRYPTED_KEY)
+
+
 def _redact_value(name: str, value: str) -> str:
     """A setting's value as shown in an error: a URL setting read as a URL (credentials, and the query
     values of each comma-separated part), anything else as text."""

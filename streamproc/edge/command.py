@@ -152,12 +152,13 @@ def check_tls(settings) -> None:
         return
     import ssl
 
+    from ..config import no_key_passphrase
     from .settings import EdgeConfigError
 
-    try:
+    try:  # an encrypted key is refused here, so Uvicorn's own load (server.py) never prompts for it
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            settings.tls_cert_file, settings.tls_key_file)
-    except (OSError, ssl.SSLError) as exc:
+            settings.tls_cert_file, settings.tls_key_file, no_key_passphrase)
+    except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: no_key_passphrase
         raise EdgeConfigError(f"cannot use --tls-cert-file {settings.tls_cert_file!r} with --tls-key-file "
                               f"{settings.tls_key_file!r}: {exc}") from None
 

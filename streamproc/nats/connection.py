@@ -24,7 +24,8 @@ import anyio
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from ..config import ENV_PREFIX, REDACTED, CommonSettings, read_setting_file, redact_text, redact_url
+from ..config import (ENV_PREFIX, REDACTED, CommonSettings, no_key_passphrase, read_setting_file, redact_text,
+                      redact_url)
 from ..core.errors import ConfigError, StartupError
 from ..logs import error_text
 from .fast_client import new_client
@@ -154,8 +155,8 @@ def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
         raise ConfigError(f"cannot load {_named('nats_tls_ca_file', settings.nats_tls_ca_file)}: {exc}") from None
     if settings.nats_tls_cert_file:
         try:
-            context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file)
-        except (OSError, ssl.SSLError) as exc:
+            context.load_cert_chain(settings.nats_tls_cert_file, settings.nats_tls_key_file, no_key_passphrase)
+        except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: no_key_passphrase
             cert = _named("nats_tls_cert_file", settings.nats_tls_cert_file)
             key = _named("nats_tls_key_file", settings.nats_tls_key_file)
             raise ConfigError(f"cannot load the client certificate {cert} with key {key}: {exc}") from None
