@@ -140,6 +140,7 @@ def url_secrets(url: str) -> list[str]:
 
 
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+_URL_DELIMITERS = "/?#"  # end a URL's host part (RFC 3986 section 3.2), so no userinfo may hold them
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)(:\d{1,5})?$")
 
 
@@ -155,6 +156,15 @@ def check_nats_url(value: str) -> None:
         if scheme.lower() not in NATS_SCHEMES:
             raise ValueError(f"nats_url: unsupported scheme {scheme + '://'!r} in {server!r} "
                              f"(use {', '.join(s + '://' for s in NATS_SCHEMES)})")
+        userinfo = rest.rpartition("@")[0]
+        if any(c in userinfo for c in _URL_DELIMITERS):
+            # nats-py's urlparse ends the host at the first of them and sends the userinfo undecoded:
+            # the secret's start would be looked up in DNS as a host name, at every retry
+            setting = ("STREAMPROC_NATS_PASSWORD or --nats-password-file, with STREAMPROC_NATS_USER"
+                       if ":" in userinfo else "STREAMPROC_NATS_TOKEN or --nats-token-file")
+            raise ValueError(f"nats_url: the credentials in {redact_url(server)!r} hold '/', '?' or '#', which a "
+                             "NATS URL cannot carry (the client would take the part before for the host name); "
+                             f"give the URL without them and the secret in {setting}")
         hostport = rest.rsplit("@", 1)[-1].split("/", 1)[0]
         if not _HOST_PORT.match(hostport) or (":" in hostport and not hostport.endswith("]")
                                               and not 0 < int(hostport.rsplit(":", 1)[1]) < 65536):

@@ -1,0 +1,81 @@
+"""Credentials a NATS URL cannot carry are refused at start-up, not sent to DNS as a host name.
+
+Found by an attack (2026-12-06): nats-py reads a server with ``urllib.parse.urlparse``, whose host
+part ends at the first ``/``, ``?`` or ``#``, and sends the userinfo as it is (no percent-decoding).
+So ``nats://<token>@host`` with a token holding ``/`` (base64 tokens do) made nats-py connect to the
+token's start as a host name: a DNS lookup of the secret, again at every retry, for
+``--connect-timeout`` (for ever with 0), ending in ``gaierror`` and exit 1; a password holding one
+was ``invalid connect url option``. Such a URL is now refused (exit 2) naming the setting that can
+carry the secret; the secret itself works from there, and ``@`` in a password still works in the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import run_cli_process
+from edge_harness import demo_flag
+from streamproc.sim.embedded import EmbeddedNats
+
+pytestmark = pytest.mark.nats
+
+TOKEN = "tokPart1/tokPart2+secret=="  # as base64 (openssl rand -base64) writes them
+PASSWORD = "pwPart1#pwPart2"
+AT_PASSWORD = "atPart1@atPart2"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    token_config = f'authorization {{ token: "{TOKEN}" }}\n'
+    user_config = (f'authorization {{ users = [ {{ user: app, password: "{PASSWORD}" }},'
+                   f' {{ user: at, password: "{AT_PASSWORD}" }} ] }}\n')
+    with EmbeddedNats(jetstream=False, config=token_config) as token_server, \
+            EmbeddedNats(jetstream=False, config=user_config) as user_server:
+        yield token_server, user_server
+
+
+def host(server: EmbeddedNats) -> str:
+    return server.url.removeprefix("nats://")
+
+
+def unusable_urls(token_server: EmbeddedNats, user_server: EmbeddedNats) -> list[str]:
+    return [f"nats://{TOKEN}@{host(token_server)}",
+            f"{TOKEN}@{host(token_server)}",  # no scheme: nats-py prefixes nats://
+            f"nats://app:{PASSWORD}@{host(user_server)}",
+            f"nats://app:pwPart1?pwPart2@{host(user_server)}",
+            f"nats://127.0.0.1:1,{TOKEN}@{host(token_server)}"]
+
+
+@pytest.mark.parametrize("command", ["run", "edge", "simulate"])
+def test_credentials_holding_a_url_delimiter_are_refused_at_once_without_showing_them(servers, command):
+    for url in unusable_urls(*servers):
+        started = time.monotonic()
+        proc = run_cli_process(command, *demo_flag(command), "--nats-url", url, "--connect-timeout", "5",
+                               "--requests", "1") if command == "simulate" else \
+            run_cli_process(command, *demo_flag(command), "--nats-url", url, "--connect-timeout", "5")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, f"{url}: exit {proc.returncode}\n{out}"
+        assert time.monotonic() - started < 5, out  # refused, not retried until the connect timeout
+        password_setting = "STREAMPROC_NATS_TOKEN" if "tokPart" in url else "STREAMPROC_NATS_PASSWORD"
+        assert password_setting in proc.stderr, proc.stderr
+        for part in ("tokPart1", "tokPart2", "pwPart1", "pwPart2"):
+            assert part not in out, f"{part!r} printed:\n{out}"
+
+
+def test_the_same_secrets_connect_from_their_own_settings_and_an_at_sign_still_works_in_the_url(servers):
+    token_server, user_server = servers
+    proc = run_cli_process("simulate", "--nats-url", token_server.url, "--requests", "1",
+                           env={"STREAMPROC_NATS_TOKEN": TOKEN})
+    assert proc.returncode == 0 and "published" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli_process("simulate", "--nats-url", user_server.url, "--requests", "1",
+                           env={"STREAMPROC_NATS_USER": "app", "STREAMPROC_NATS_PASSWORD": PASSWORD})
+    assert proc.returncode == 0 and "published" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_cli_process("simulate", "--nats-url", f"nats://at:{AT_PASSWORD}@{host(user_server)}", "--requests", "1")
+    assert proc.returncode == 0 and "published" in proc.stdout, proc.stdout + proc.stderr
+    assert "atPart" not in proc.stdout + proc.stderr
+    proc = run_cli_process("run", "--print-config", "--nats-url", f"nats://at:{AT_PASSWORD}@{host(user_server)}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["nats_url"]["value"] == f"nats://at:<redacted>@{host(user_server)}"
