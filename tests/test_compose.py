@@ -112,7 +112,7 @@ def test_services_are_wired_as_the_readme_says():
 
     edge = services["edge"]
     assert edge["command"] == ["streamproc", "edge"]
-    assert "8080:8080" in edge["ports"] and edge["environment"]["STREAMPROC_EDGE_PORT"] == "8080"
+    assert edge["ports"] == ["127.0.0.1:8080:8080"] and edge["environment"]["STREAMPROC_EDGE_PORT"] == "8080"
     assert edge["environment"]["STREAMPROC_EDGE_HOST"] == "0.0.0.0"
     assert edge["environment"]["STREAMPROC_EDGE_INSECURE_DEMO"] == "true"
     assert "http://127.0.0.1:8080/healthz" in edge["healthcheck"]["test"][-1]
@@ -130,7 +130,7 @@ def test_nats_is_authenticated_and_only_the_edge_is_published():
     compose = load_compose()
     services = compose["services"]
     published = {name: service.get("ports") for name, service in services.items() if service.get("ports")}
-    assert list(published) == ["edge"] and published["edge"] == ["8080:8080"]
+    assert list(published) == ["edge"] and published["edge"] == ["127.0.0.1:8080:8080"]
     assert "expose" not in services["nats"]
     config = (ROOT / "deploy" / "nats-server.conf").read_text()
     assert "\nhttp: 127.0.0.1:8222\n" in config  # monitoring on the container's loopback
@@ -156,6 +156,22 @@ def test_nats_is_authenticated_and_only_the_edge_is_published():
     assert services["edge"]["depends_on"] == {"processor": {"condition": "service_healthy"}}
 
 
+def test_the_insecure_demo_edge_is_published_on_the_hosts_loopback_only_by_default():
+    """Found by an attack (2026-12-06): the stack's edge runs with --insecure-demo (every result and
+    /v1/recent to anyone), and `ports: ["8080:8080"]` published it on every address of the host, past
+    a host firewall's INPUT rules (Docker's own chain forwards published ports): anyone on the network
+    read every request. Compose's short syntax is [HOST_IP:]HOST_PORT:CONTAINER_PORT; no HOST_IP is
+    every address."""
+    edge = load_compose()["services"]["edge"]
+    assert edge["environment"]["STREAMPROC_EDGE_INSECURE_DEMO"] == "true"
+    for port in edge["ports"]:
+        host_ip, _, published = str(port).rpartition(":")[0].rpartition(":")
+        assert host_ip == "127.0.0.1", f"{port!r} publishes the insecure edge on {host_ip or 'every address'}"
+        assert published == "8080"
+    # publishing it further is the operator's explicit choice
+    assert load_compose({"EDGE_HOST_PORT": "0.0.0.0:8080"})["services"]["edge"]["ports"] == ["0.0.0.0:8080:8080"]
+
+
 def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
     """A plain `docker compose up` needs no variable; the real test moves images, ports and the tag."""
     assert compose_variables() == {
@@ -163,7 +179,7 @@ def test_every_compose_variable_has_todays_default_and_the_ports_can_move():
         "PYTHON_IMAGE": "python:3.11-slim",
         "LOCAL_IMAGE": "streamproc:local",
         "NATS_CONFIG": "./deploy/nats-server.conf",
-        "EDGE_HOST_PORT": "8080",
+        "EDGE_HOST_PORT": "127.0.0.1:8080",
         "BUILD_CA_BUNDLE": "/dev/null",
         "NATS_SECRETS_DIR": "./deploy/dev-secrets",
     }
