@@ -177,6 +177,25 @@ def test_a_resumed_prompt_count_must_be_the_original_plus_the_emitted_tokens(fmt
 
 # ------------------------- a resumed attempt's Base64 top logprobs that are not what their shape says
 
+async def _sealed_then_resumed(client, start_processor, mode: str, rid: str, first: bytes,
+                               resumed: bytes) -> tuple[list, str]:
+    """An SGLang request in a ``streamproc run`` subprocess: ``first`` (one token) published, the
+    request sealed by a migrate, then ``resumed`` as attempt 1's final body. Its results and the log."""
+    async with start_processor("subprocess", format="sglang", mode=mode) as rp:
+        publisher = ChunkPublisher(client, rp.subjects, durable=mode == "durable")
+        async with follow(client, rp.subjects, rid, timeout=15) as stream:
+            await publisher.publish(rid, "agg", 0, first)
+            reply = None
+            with anyio.fail_after(10):
+                while not isinstance(reply, Sealed):  # the migrate may come before result 0 is published
+                    reply = await ask_migrate(client, rp.subjects, rid, id="m1")
+                    await anyio.sleep(0.05)
+            assert reply.emitted_tokens == 1, reply
+            await publisher.publish(rid, "agg", 0, resumed, final=True, attempt=1)
+            results = await stream.collect()
+        return results, rp.log()
+
+
 def _flat_b64_body(ids: list[int], prompt: int, packed: str, shape: list[int], final: bool) -> bytes:
     """An SGLang body with ``return_flat_raw_top_logprobs_b64``'s prompt fields (float32 values)."""
     return json.dumps({"text": "x", "output_ids": ids, "meta_info": {
@@ -200,20 +219,8 @@ async def test_a_resumed_attempts_malformed_base64_top_logprobs_are_omitted_not_
     as if whole. Now such a field is omitted with a reason, as the join omits a corrupt leg's field,
     and the result is published ``omitted``."""
     rid = f"b64-{mode}-{reason}-{len(packed)}"
-    async with start_processor("subprocess", format="sglang", mode=mode) as rp:
-        publisher = ChunkPublisher(client, rp.subjects, durable=mode == "durable")
-        async with follow(client, rp.subjects, rid, timeout=15) as stream:
-            await publisher.publish(rid, "agg", 0, _agg_body("sglang", [10], 6, False))
-            reply = None
-            with anyio.fail_after(10):
-                while not isinstance(reply, Sealed):  # the migrate may come before result 0 is published
-                    reply = await ask_migrate(client, rp.subjects, rid, id="m1")
-                    await anyio.sleep(0.05)
-            assert reply.emitted_tokens == 1, reply
-            await publisher.publish(rid, "agg", 0, _flat_b64_body([11], 7, packed, [2, 2], True),
-                                    final=True, attempt=1)
-            results = await stream.collect()
-        log = rp.log()
+    first, resumed = _agg_body("sglang", [10], 6, False), _flat_b64_body([11], 7, packed, [2, 2], True)
+    results, log = await _sealed_then_resumed(client, start_processor, mode, rid, first, resumed)
     assert [(r.seq, r.final, r.error) for r in results] == [(0, False, None), (1, True, None)], results[-1].body
     meta = json.loads(results[1].body)["meta_info"]
     assert results[1].verdict == Verdict.OMITTED, results[1]
@@ -238,19 +245,8 @@ async def test_a_resumed_attempts_experts_dtype_that_is_no_string_is_omitted_not
             "id": "r", "prompt_tokens": prompt, "completion_tokens": len(ids), "routed_experts": rows, **meta,
             "finish_reason": {"type": "length", "length": len(ids)} if final else None}}).encode()
 
-    async with start_processor("subprocess", format="sglang", mode=mode) as rp:
-        publisher = ChunkPublisher(client, rp.subjects, durable=mode == "durable")
-        async with follow(client, rp.subjects, rid, timeout=15) as stream:
-            await publisher.publish(rid, "agg", 0, body([10], 6, False))
-            reply = None
-            with anyio.fail_after(10):
-                while not isinstance(reply, Sealed):  # the migrate may come before result 0 is published
-                    reply = await ask_migrate(client, rp.subjects, rid, id="m1")
-                    await anyio.sleep(0.05)
-            await publisher.publish(rid, "agg", 0, body([11], 7, True, routed_experts_dtype=dtype),
-                                    final=True, attempt=1)
-            results = await stream.collect()
-        log = rp.log()
+    results, log = await _sealed_then_resumed(client, start_processor, mode, rid, body([10], 6, False),
+                                              body([11], 7, True, routed_experts_dtype=dtype))
     assert [(r.seq, r.final, r.error) for r in results] == [(0, False, None), (1, True, None)], results[-1].body
     meta = json.loads(results[1].body)["meta_info"]
     assert results[1].verdict == Verdict.OMITTED, results[1]
