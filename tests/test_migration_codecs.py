@@ -922,3 +922,27 @@ def test_vllm_stitch_of_a_body_whose_usage_carries_the_joins_marker_says_omitted
     body, verdict = session.stitch(dumps(retry), True)
     assert loads(body)["usage"]["prompt_tokens_details_unavailable_reason"] == "prefill_timeout"
     assert verdict is Verdict.OMITTED
+
+
+def test_sglang_flat_prompt_top_logprobs_cut_past_their_rows_cut_the_null_prefix_too():
+    """SGLang 0.5.23 ``_build_flat_top_logprobs_fields``: "the covered range spans null_prefix + rows
+    positions", the leading null positions counted by ``input_top_logprobs_null_prefix``
+    (``flat_top_logprobs_layout``). A resumed attempt whose prompt has k = 2 replayed tokens but one
+    covered row (``logprob_start_len`` past the null positions' end leaves 2 positions: 1 null, 1 row)
+    restates the original prompt's positions, 2 - 2 = 0: shape [0, k] and null_prefix 0, not 1."""
+    codec = Catalog()("sglang")
+    session, _ = sealed_session(codec, [dumps({"text": " a b", "output_ids": [11, 12], "meta_info": {"id": "rid"}})])
+    retry = {"text": " c", "output_ids": [13], "meta_info": {
+        "id": "rid", "input_top_logprobs_val_flat": [-0.1, -2.1], "input_top_logprobs_idx_flat": [12, 3],
+        "input_top_logprobs_shape": [1, 2], "input_top_logprobs_null_prefix": 1}}
+    meta = loads(session.stitch(dumps(retry), True)[0])["meta_info"]
+    assert meta["input_top_logprobs_shape"] == [0, 2]
+    assert meta["input_top_logprobs_val_flat"] == [] and meta["input_top_logprobs_idx_flat"] == []
+    assert meta["input_top_logprobs_null_prefix"] == 0
+    # With rows enough the null positions stay: 1 null + 3 rows, k = 2 -> 1 null + 1 row.
+    session, _ = sealed_session(codec, [dumps({"text": " a b", "output_ids": [11, 12], "meta_info": {"id": "rid"}})])
+    retry["meta_info"].update({"input_top_logprobs_val_flat": [-0.5, -1.5, -0.1, -2.1, -0.2, -2.2],
+                               "input_top_logprobs_idx_flat": [2, 7, 11, 3, 12, 4], "input_top_logprobs_shape": [3, 2]})
+    meta = loads(session.stitch(dumps(retry), True)[0])["meta_info"]
+    assert meta["input_top_logprobs_shape"] == [1, 2] and meta["input_top_logprobs_val_flat"] == [-0.5, -1.5]
+    assert meta["input_top_logprobs_null_prefix"] == 1

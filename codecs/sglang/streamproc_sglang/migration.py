@@ -482,6 +482,11 @@ def _restate_flat_top(meta: dict[str, Any], seen: dict[str, Any], k: int) -> Non
     if not k or len(shape) != 2 or not all(_is_count(n) and n >= 0 for n in shape):
         return
     rows, width = max(0, shape[0] - k), shape[1]
+    # ``null_prefix`` leading null positions precede the rows (``flat_top_logprobs_layout``): the covered
+    # range is ``null_prefix + rows`` positions, so k past the rows cuts the null positions too.
+    prefix = meta.get(native.INPUT_TOP_NULL_PREFIX)
+    if _is_count(prefix):
+        meta[native.INPUT_TOP_NULL_PREFIX] = max(0, min(prefix, prefix + shape[0] - k))
     # Upstream's arrays hold exactly the [rows, width] the shape states (``val_arr.reshape(-1)``): one the
     # stitch cannot cut to the new shape is omitted, never left or cut under it as if whole.
     for side in ("val", "idx"):

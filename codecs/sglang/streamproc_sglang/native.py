@@ -64,11 +64,12 @@ INPUT_LOGPROB_FIELDS = (INPUT_TOKEN_LOGPROBS, "input_top_logprobs", "input_token
 # and ``_build_flat_top_logprobs_fields_from_arrays``): the prompt's top logprobs as flat arrays plus
 # shape metadata ([rows, k]), in place of ``input_top_logprobs``; ``_b64`` forms hold float32/int32.
 INPUT_TOP_SHAPE = "input_top_logprobs_shape"
+INPUT_TOP_NULL_PREFIX = "input_top_logprobs_null_prefix"  # leading null positions before the flat rows
 INPUT_TOP_FLAT_FIELDS = (
     "input_top_logprobs_val_flat", "input_top_logprobs_idx_flat",
     "input_top_logprobs_val_flat_b64", "input_top_logprobs_idx_flat_b64",
     "input_top_logprobs_val_flat_b64_dtype", "input_top_logprobs_idx_flat_b64_dtype",
-    INPUT_TOP_SHAPE, "input_top_logprobs_null_prefix",
+    INPUT_TOP_SHAPE, INPUT_TOP_NULL_PREFIX,
 )
 # ``return_sampling_mask``: per output token, the ids the sampler could pick and the sampled token's
 # log-probability over them (``output_token_sampling_mask_length`` is their running count).
