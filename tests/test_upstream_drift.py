@@ -377,3 +377,83 @@ def test_vllm_folded_stream_choice_has_the_unary_choices_key_order():
               for k in range(3)]
     folded = json.loads(VLLMCodec(OPTIONS).fold([dumps(c) for c in chunks]))
     assert list(folded["choices"][0]) == list(vllm_mask_choice(V_OUT, V_MASKS, "stop"))
+
+
+# ------------------------------------------------------------------ vLLM: message in a folded output_mode="derender" stream
+#
+# vLLM 0.34.0 wheel, ``token_in_token_out/serving.py``: ``serve_tokens_stream_generator`` puts
+# ``ChatStreamProcessor.step``'s delta on ``GenerateDerenderStreamChoice(delta=..., **choice_fields)``
+# (``delta.role = "assistant"`` on a choice's first chunk; ``_serialize_delta``: ``model_dump(exclude_none=True)``);
+# without a parser ``step`` returns ``DeltaMessage(content=delta_text)``. ``serve_tokens_full_generator`` puts
+# ``OnlineDerenderer.derender_text_choices``'s ``ChatMessage(role="assistant", content=output.text)`` (no parser)
+# on ``GenerateDerenderChoice(message=..., **fields)``, dumped by ``JSONResponse(content=model_dump())``:
+# ``ChatMessage`` is role, content, refusal, audio, function_call, tool_calls (popped when empty), reasoning
+# (``annotations`` has ``exclude_if=None``). ``GenerateDerenderStreamChoice`` / ``GenerateDerenderChoice``
+# are the ``GenerateStreamChoiceBase`` / ``GenerateChoiceBase`` fields, then ``delta`` / ``message``, then
+# ``logprobs``. With ``include_reasoning=false`` (``hide_metadata``) both set ``token_ids``, ``logprobs`` and
+# ``sampling_mask`` to None.
+
+
+def vllm_derender_choice(out: list[int] | None, finish: str | None, place: str, value: dict) -> dict:
+    """``GenerateDerenderChoice`` / ``GenerateDerenderStreamChoice`` of 0.34.0, no logprobs or mask."""
+    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": out, "routed_experts": None,
+            "sampling_mask": None, "weight_versions": None, place: value, "logprobs": None}
+
+
+def chat_message(content: str | None, reasoning: str | None = None, tool_calls: list | None = None) -> dict:
+    """``ChatMessage.model_dump()`` of an assistant message ``derender_text_choices`` builds."""
+    return {"role": "assistant", "content": content, "refusal": None, "audio": None, "function_call": None,
+            **({"tool_calls": tool_calls} if tool_calls else {}), "reasoning": reasoning}
+
+
+def derender_stream(deltas: list[dict], out: list[int] | None, finish: str) -> list[bytes]:
+    return [dumps({"request_id": V_RID, "usage": None, "output_mode": "derender", "choices": [vllm_derender_choice(
+        None if out is None else [out[k]], finish if k == len(deltas) - 1 else None, "delta", delta)]})
+            for k, delta in enumerate(deltas)]
+
+
+def test_vllm_folded_derender_stream_has_the_unary_message():
+    """No parser: the deltas' content concatenates into the unary ``message`` (``ChatMessage(role="assistant",
+    content=output.text)``), byte for byte and where the unary choice has it; the fold kept the last
+    chunk's ``delta`` and built no ``message``."""
+    deltas = [{"role": "assistant", "content": "Hel"}, {"content": "lo"}, {"content": "!"}]
+    folded = json.loads(VLLMCodec(OPTIONS).fold(derender_stream(deltas, V_OUT, "stop")))
+    unary = vllm_derender_choice(V_OUT, "stop", "message", chat_message("Hello!"))
+    assert dumps(folded["choices"][0]) == dumps(unary)
+
+
+def test_vllm_folded_derender_stream_with_hidden_reasoning_has_no_token_ids():
+    """``include_reasoning=false`` with a reasoning parser: every chunk's ``token_ids`` is None
+    (``hide_metadata``), as is the unary choice's; the fold made it ``[]``."""
+    deltas = [{"role": "assistant", "content": "Hi"}, {"content": "!"}]
+    folded = json.loads(VLLMCodec(OPTIONS).fold(derender_stream(deltas, None, "stop")))
+    unary = vllm_derender_choice(None, "stop", "message", chat_message("Hi!"))
+    assert dumps(folded["choices"][0]) == dumps(unary)
+
+
+def test_vllm_folded_derender_tool_call_stream_merges_its_calls_and_omits_the_unknown_content():
+    """A tool parser's ``DeltaToolCall`` pieces (dumped without nulls: id, type, index, function) merge by
+    ``index`` into ``ToolCall`` dumps (id, type, function{name, arguments}; ``FunctionCall.id`` is
+    excluded). No content piece was streamed: the unary content is None under ``tool_choice="auto"`` and
+    ``""`` under a forced one (``assemble_chat_message_fields``: ``content = content or ""`` when
+    ``_forces_tool_calls``), and the stream does not say which, so it is omitted with a reason."""
+    deltas = [{"role": "assistant", "reasoning": "need "}, {"reasoning": "weather"},
+              {"tool_calls": [{"id": "chatcmpl-tool-1", "type": "function", "index": 0,
+                               "function": {"name": "get_weather", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": "}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": "\"Oslo\"}"}}]}]
+    out = [31, 32, 33, 34, 35]
+    folded = json.loads(VLLMCodec(OPTIONS).fold(derender_stream(deltas, out, "tool_calls")))
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
+    message = chat_message(None, "need weather", [call])
+    del message["content"]
+    message["content_unavailable_reason"] = "fold_ambiguous"
+    assert dumps(folded["choices"][0]) == dumps(vllm_derender_choice(out, "tool_calls", "message", message))
+
+
+def test_vllm_fold_of_a_unary_derender_body_keeps_its_message():
+    """A unary body folds to itself: its message stays as it is."""
+    choice = vllm_derender_choice(V_OUT, "stop", "message", chat_message("Hello!"))
+    body = {"request_id": V_RID, "usage": None, "output_mode": "derender", "choices": [choice]}
+    assert dumps(json.loads(VLLMCodec(OPTIONS).fold([dumps(body)]))["choices"][0]) == dumps(choice)

@@ -197,6 +197,7 @@ class OmissionReason(enum.StrEnum):
     TOO_LARGE = "too_large"  # decoding would exceed the byte budget
     STITCH_CORRUPT = "stitch_corrupt"  # a resumed attempt's value cannot be stitched to the earlier ones
     STITCH_INCOMPLETE = "stitch_incomplete"  # the value covers the whole output, and the earlier attempts never published theirs
+    FOLD_AMBIGUOUS = "fold_ambiguous"  # a folded stream fits two unary values, and nothing in it says which
 
     @classmethod
     def of_leg(cls, exc: CorruptPayload, leg: str) -> OmissionReason:

@@ -9,11 +9,55 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .native import (CHOICE_TEXT, PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, choices_of, is_int,
-                     unavailable_key)
+from streamproc.codec import OmissionReason
+
+from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK,
+                     choices_of, is_int, unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
+
+
+def _joined(deltas: list[dict], key: str) -> str | None:
+    pieces = [d[key] for d in deltas if isinstance(d.get(key), str)]
+    return "".join(pieces) if pieces else None
+
+
+def _fold_tool_calls(deltas: list[dict]) -> list[dict]:
+    """``DeltaToolCall`` pieces merged by their ``index`` into ``ToolCall`` dumps (id, type, function)."""
+    calls: dict[object, dict] = {}
+    for delta in deltas:
+        pieces = delta.get("tool_calls")
+        for piece in pieces if isinstance(pieces, list) else ():
+            if not isinstance(piece, dict):
+                continue
+            call = calls.setdefault(piece.get("index"), {"id": None, "type": "function",
+                                                          "function": {"name": "", "arguments": ""}})
+            if piece.get("id") is not None:
+                call["id"] = piece["id"]
+            function = piece.get("function")
+            if isinstance(function, dict):
+                for key in ("name", "arguments"):
+                    if isinstance(function.get(key), str):
+                        call["function"][key] += function[key]
+    return list(calls.values())
+
+
+def _fold_message(deltas: list[dict]) -> dict:
+    """The unary ``ChatMessage`` dump from a derender stream's deltas (vLLM 0.34.0): role, content,
+    refusal, audio, function_call, tool_calls (left out when empty), reasoning; ``annotations`` is
+    excluded when None. A stream without a content piece fits a unary content of None (a parser that
+    found none) and of ``""`` (no text without a parser; ``assemble_chat_message_fields`` under a
+    forced ``tool_choice``): the content is omitted, never guessed."""
+    role = next((d["role"] for d in deltas if isinstance(d.get("role"), str)), "assistant")
+    content = _joined(deltas, "content")
+    tool_calls = _fold_tool_calls(deltas)
+    message: dict = {"role": role, "content": content, "refusal": None, "audio": None, "function_call": None,
+                     **({"tool_calls": tool_calls} if tool_calls else {}), "reasoning": _joined(deltas, "reasoning")}
+    if content is None:
+        del message["content"]
+        message[unavailable_key("content")] = OmissionReason.FOLD_AMBIGUOUS.value
+    return message
 
 
 def _drop_reason_if_present(target: dict, field: str) -> None:
@@ -23,7 +67,8 @@ def _drop_reason_if_present(target: dict, field: str) -> None:
 
 
 def _fold_choice(parts: list[dict], index: int) -> dict:
-    token_ids: list = []
+    token_ids: list | None = None  # None when no chunk had a list (derender's hidden ids): the unary's too
+    deltas: list[dict] = []
     content: list | None = None
     logprobs_extra: dict = {}
     finish_reason = None
@@ -34,7 +79,11 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
     for part in parts:
         ids = part.get("token_ids")
         if isinstance(ids, list):
+            if token_ids is None:
+                token_ids = []
             token_ids.extend(ids)
+        if isinstance(part.get(CHOICE_DELTA), dict):
+            deltas.append(part[CHOICE_DELTA])
         if SAMPLING_MASK in part:
             has_mask = True
             rows = part[SAMPLING_MASK]
@@ -58,6 +107,9 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
     pieces = [part[CHOICE_TEXT] for part in parts if CHOICE_TEXT in part]
     if pieces and all(isinstance(piece, str) for piece in pieces):  # each chunk's is its delta's: joined
         extras[CHOICE_TEXT] = "".join(pieces)  # (anything else is not vLLM's: kept as sent, last one wins)
+    if deltas:  # a derender stream: its deltas concatenate into the unary body's message
+        extras.pop(CHOICE_DELTA, None)
+        extras[CHOICE_MESSAGE] = _fold_message(deltas)
     logprobs_out = None
     if content is not None or logprobs_extra:
         logprobs_out = {"content": content, **logprobs_extra}
@@ -72,7 +124,9 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
     }
     _drop_reason_if_present(choice, ROUTED_EXPERTS)
     # In the chunks' key order: vLLM's stream and unary choices declare the same fields in the same order.
-    order = dict.fromkeys(key for part in parts for key in part if key in choice)
+    # A derender chunk's delta stands where the unary choice's message does.
+    renamed = (CHOICE_MESSAGE if key == CHOICE_DELTA and deltas else key for part in parts for key in part)
+    order = dict.fromkeys(key for key in renamed if key in choice)
     return {**{key: choice[key] for key in order}, **choice}
 
 

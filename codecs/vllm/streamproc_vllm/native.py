@@ -47,6 +47,10 @@ SAMPLING_MASK = "sampling_mask"
 # 0.34.0 ``output_mode="text"`` choices: a stream chunk's is the text since the previous chunk
 # (``BaseIncrementalDetokenizer.get_next_output_text`` with ``delta``), the unary body's the whole output.
 CHOICE_TEXT = "text"
+# 0.34.0 ``output_mode="derender"`` choices: a stream chunk's ``delta`` (``DeltaMessage``, dumped without
+# its nulls) is what ``ChatStreamProcessor.step`` parsed since the previous chunk; the unary body has one
+# ``message`` (``ChatMessage``) in that place instead.
+CHOICE_DELTA, CHOICE_MESSAGE = "delta", "message"
 # 0.34.0 ``PerRequestMetrics`` (``generate/base/protocol.py``) on a finished response (the unary body;
 # a stream's usage-only chunk): ``speculative_decoding=build_spec_decoding_metrics(final_res)``, the
 # engine ``Request``'s own ``RequestSpecDecodeMetrics`` (``observe`` per verify step), and the timing
