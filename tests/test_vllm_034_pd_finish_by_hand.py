@@ -596,3 +596,24 @@ def test_ec_transfer_params_are_the_decodes_own(ec):
     [(body, verdict)] = join(VLLMCodec(OPTIONS), [dumps(decode)], [dumps(pre)])
     assert_same(body, dumps(agg))
     assert verdict is Verdict.JOINED
+
+
+# ---------------------------------------------------------------- sampling_mask of the first output token
+#
+# vLLM 0.34.0: a NIXL decode that loaded the whole prompt's KV recomputes its last token "so the next one can
+# be sampled" (``Scheduler._update_waiting_for_remote_kv``: ``request.num_computed_tokens = request.num_tokens
+# - 1``), so decode's sampler samples token 0 itself and builds its mask (``Sampler`` with
+# ``return_sampling_mask``; ``Scheduler.update_from_output`` puts ``new_sampling_mask`` on that output;
+# ``RequestState._new_completion_output`` on the chunk). Prefill's mask is that of its own ``out0``.
+
+
+def test_a_decode_streams_first_token_sampling_mask_is_decodes_own_not_prefills():
+    """The aggregated stream's first chunk has token 0's mask, and so does decode's (its own sample): the
+    join passes decode's masks through, never prefill's mask of the unpublished ``out0``."""
+    pre = prefill()
+    pre["choices"][0]["sampling_mask"] = [[41, 7]]  # prefill sampled out0 = 41
+    masks = [[[42, 9]], [[43]], [[44, 5, 6]]]  # decode sampled 42 (not 41) at position 0
+    chunks = [token_chunk({**choice([42 + k], "length" if k == 2 else None, None), "sampling_mask": masks[k]})
+              for k in range(3)]
+    results = join(VLLMCodec(OPTIONS), [dumps(c) for c in chunks], [dumps(pre)])
+    assert [json.loads(body)["choices"][0]["sampling_mask"] for body, _ in results] == masks
