@@ -11,6 +11,8 @@ import tracemalloc
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from numpy.lib import format as npy_format
 
 from streamproc.catalog import Catalog, codec_names, worker_for
@@ -513,6 +515,29 @@ def test_fortran_order_npy_reads_as_the_same_rows() -> None:
 
 
 # ------------------------------------------------------------------------------ fold
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=8)
+_DELTA = st.fixed_dictionaries({}, optional={
+    "role": _JSON, "content": _JSON, "reasoning": _JSON,
+    "tool_calls": st.lists(st.fixed_dictionaries({}, optional={
+        "index": _JSON, "id": _JSON, "type": _JSON,
+        "function": st.fixed_dictionaries({}, optional={"name": _JSON, "arguments": _JSON}) | _JSON}) | _JSON,
+        max_size=3) | _JSON})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_DELTA | _JSON, min_size=1, max_size=4))
+def test_a_derender_stream_of_any_deltas_folds_without_raising(deltas: list) -> None:
+    """A worker's derender chunks are its own: whatever their deltas hold (a tool call's ``index`` as a
+    list or an object, a ``function`` that is a string), the fold answers a body, never an exception
+    (the edge's unary answer of a stream would be a 500)."""
+    chunks = [msgspec.json.encode({"request_id": "r", "output_mode": "derender", "choices": [
+        {"index": 0, "finish_reason": None, "token_ids": [k], "delta": delta}]}) for k, delta in enumerate(deltas)]
+    folded = json.loads(CODEC.fold(chunks))
+    assert folded["choices"][0]["token_ids"] == list(range(len(deltas)))
 
 
 @pytest.mark.parametrize("seed", range(12))

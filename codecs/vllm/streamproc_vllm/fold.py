@@ -25,14 +25,15 @@ def _joined(deltas: list[dict], key: str) -> str | None:
 
 def _fold_tool_calls(deltas: list[dict]) -> list[dict]:
     """``DeltaToolCall`` pieces merged by their ``index`` into ``ToolCall`` dumps (id, type, function)."""
-    calls: dict[object, dict] = {}
+    calls: dict[int | None, dict] = {}
     for delta in deltas:
         pieces = delta.get("tool_calls")
         for piece in pieces if isinstance(pieces, list) else ():
             if not isinstance(piece, dict):
                 continue
-            call = calls.setdefault(piece.get("index"), {"id": None, "type": "function",
-                                                          "function": {"name": "", "arguments": ""}})
+            index = piece.get("index")  # an int in vLLM's DeltaToolCall; the worker's value, maybe unhashable
+            call = calls.setdefault(index if is_int(index) else None, {"id": None, "type": "function",
+                                                                        "function": {"name": "", "arguments": ""}})
             if piece.get("id") is not None:
                 call["id"] = piece["id"]
             function = piece.get("function")
