@@ -162,9 +162,13 @@ def check_nats_url(value: str) -> None:
             # the secret's start would be looked up in DNS as a host name, at every retry
             setting = ("STREAMPROC_NATS_PASSWORD or --nats-password-file, with STREAMPROC_NATS_USER"
                        if ":" in userinfo else "STREAMPROC_NATS_TOKEN or --nats-token-file")
+            # a websocket URL's path and query are sent (nats-py's ws_connect(uri.geturl())), and may
+            # hold '@' legally; read as userinfo (to the last '@') they are refused, so say how to write it
+            websocket = (" (an '@' in a ws:// or wss:// path or query is written %40)"
+                         if scheme.lower() in ("ws", "wss") else "")
             raise ValueError(f"nats_url: the credentials in {redact_url(server)!r} hold '/', '?' or '#', which a "
                              "NATS URL cannot carry (the client would take the part before for the host name); "
-                             f"give the URL without them and the secret in {setting}")
+                             f"give the URL without them and the secret in {setting}{websocket}")
         hostport = rest.rsplit("@", 1)[-1].split("/", 1)[0]
         if not _HOST_PORT.match(hostport) or (":" in hostport and not hostport.endswith("]")
                                               and not 0 < int(hostport.rsplit(":", 1)[1]) < 65536):

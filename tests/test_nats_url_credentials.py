@@ -79,3 +79,17 @@ def test_the_same_secrets_connect_from_their_own_settings_and_an_at_sign_still_w
     proc = run_cli_process("run", "--print-config", "--nats-url", f"nats://at:{AT_PASSWORD}@{host(user_server)}")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["nats_url"]["value"] == f"nats://at:<redacted>@{host(user_server)}"
+
+
+@pytest.mark.parametrize("url", ["ws://127.0.0.1:8080/nats@edge", "wss://127.0.0.1/nats?user=ops@example.com"])
+def test_an_at_sign_in_a_websocket_path_or_query_is_refused_saying_how_to_write_it(url):
+    """A websocket URL's path and query are sent (nats-py ``ws_connect(uri.geturl())``) and may
+    hold ``@``, which the URL check (the userinfo runs to the last ``@``) reads as credentials
+    holding ``/`` or ``?``: the refusal says to write it ``%40``, and that form is taken as it is."""
+    proc = run_cli_process("run", "--print-config", "--nats-url", url)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "%40" in proc.stderr, proc.stderr
+    written = url.replace("@", "%40")
+    proc = run_cli_process("run", "--print-config", "--nats-url", written)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["nats_url"]["value"] == written
