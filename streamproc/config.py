@@ -153,9 +153,10 @@ def check_nats_url(value: str) -> None:
         scheme, sep, rest = server.partition("://")
         if not sep:
             scheme, rest = "nats", server
-        if scheme.lower() not in NATS_SCHEMES:
+        if scheme not in NATS_SCHEMES:  # in lower case: nats-py's tests are ("nats://" in url ...), so an
+            # upper-case scheme became nats://NATS://host, a host name it retried for ever
             raise ValueError(f"nats_url: unsupported scheme {scheme + '://'!r} in {server!r} "
-                             f"(use {', '.join(s + '://' for s in NATS_SCHEMES)})")
+                             f"(use {', '.join(s + '://' for s in NATS_SCHEMES)}, in lower case)")
         userinfo = rest.rpartition("@")[0]
         if any(c in userinfo for c in _URL_DELIMITERS):
             # nats-py's urlparse ends the host at the first of them and sends the userinfo undecoded:
@@ -165,7 +166,7 @@ def check_nats_url(value: str) -> None:
             # a websocket URL's path and query are sent (nats-py's ws_connect(uri.geturl())), and may
             # hold '@' legally; read as userinfo (to the last '@') they are refused, so say how to write it
             websocket = (" (an '@' in a ws:// or wss:// path or query is written %40)"
-                         if scheme.lower() in ("ws", "wss") else "")
+                         if scheme in ("ws", "wss") else "")
             raise ValueError(f"nats_url: the credentials in {redact_url(server)!r} hold '/', '?' or '#', which a "
                              "NATS URL cannot carry (the client would take the part before for the host name); "
                              f"give the URL without them and the secret in {setting}{websocket}")
