@@ -553,3 +553,63 @@ async def test_a_worker_s_retried_chunk_costs_its_request_nothing_once_the_origi
             assert proc.poll() is None
         finally:
             await nc.close()
+
+
+# test_chunks_whose_results_pass_max_payload_end_their_requests_at_once_and_never_stall_the_partition
+OVERSIZED = 100  # chunks of exactly max_payload: past --max-ack-pending 32 three times over
+OVERSIZED_MAX_ACK_PENDING = 32
+OVERSIZED_BYSTANDER_BOUND = 2.0  # seconds from its publish to its stored result
+
+
+async def test_chunks_whose_results_pass_max_payload_end_their_requests_at_once_and_never_stall_the_partition(
+        nats_url):
+    """A worker may store a chunk of exactly ``max_payload`` under a short header block; its
+    passthrough result has the same body under a longer block, which the client refuses
+    (``MaxPayloadError``) every time. Core mode puts an ``internal`` error result in its place at
+    once; durable mode gave the result up, NAKed its chunk and let it come back ``--max-deliver``
+    (20) times, ~1 MiB each delivery, before the poison path ended the request. Meanwhile those
+    chunks filled ``--max-ack-pending``: 40 of them at 32 held a bystander of the partition 1.07 s,
+    300 at 256 held it 16.5 s (VmHWM 130 MiB), linear in the flood (2026-12-06). Now the error
+    result takes the oversized one's place at its first delivery (``Correlator.unpublishable``) and
+    the chunks are acknowledged once it is stored: nothing is redelivered or poisoned, and the
+    bystander published behind the flood is answered within ``OVERSIZED_BYSTANDER_BOUND``."""
+    port = free_port()
+    flags = durable_flags(partitions=1, max_ack_pending=OVERSIZED_MAX_ACK_PENDING)
+    with processor_subprocess(nats_url, *flags, "--http-port", str(port)) as (proc, log_path):
+        nc = await connect(nats_url)
+        try:
+            js = nc.jetstream()
+            headers = {"Streamproc-Seq": "0", "Streamproc-Final": "true"}
+            block = len(b"NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
+            body = b"x" * (nc.max_payload - block)
+            flood = [f"oversized{k}" for k in range(OVERSIZED)]
+            for r in flood:
+                ack = await nc.request(SUBJECTS.chunk(r, "agg"), body, headers=headers, timeout=5)
+                assert b'"error"' not in ack.data, ack.data  # stored: the server takes it
+            t0 = time.monotonic()
+            await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                             headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+            await wait_for_finals(js, SUBJECTS, ["bystander"], 60)
+            bystander = time.monotonic() - t0
+            stored = await wait_for_finals(js, SUBJECTS, flood, 60)
+            metrics = scrape(port)
+            summary = (f"bystander answered after {bystander:.2f} s; redelivered "
+                       f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+                       f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
+                       f"{status_kib(proc.pid, 'VmHWM') / 1024:.0f} MiB")
+            for r in flood:
+                assert [(x.seq, x.final, x.error) for x in stored[r]] == [(0, True, "internal")], (stored[r], summary)
+                assert b"max_payload" in stored[r][0].body and len(stored[r][0].body) < 2048, stored[r][0].body[:300]
+            assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+            assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+            assert bystander < OVERSIZED_BYSTANDER_BOUND, summary
+
+            async def drained() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(drained, 10, "every chunk acknowledged")
+            assert peak_rss(proc.pid) < 200 * MiB, summary
+            assert "event=disconnected" not in log_path.read_text()
+            assert proc.poll() is None
+        finally:
+            await nc.close()

@@ -277,9 +277,10 @@ async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode
     """Durable mode, the same attack as the core test above: the stored chunk of exactly
     ``max_payload`` has a result the client refuses (``MaxPayloadError``) instead of a publish that
     made nats-server close the connection at every send and redelivery. The result is given up at
-    once (not after ``--max-result-attempts``, 100 by default, sends that cannot succeed), its chunk
-    redelivered, and on its ``--max-deliver``-th delivery the request ends with an error result;
-    legitimate requests are answered on the same connection."""
+    once (not after ``--max-result-attempts``, 100 by default, sends that cannot succeed) and, as in
+    core mode, an ``internal`` error result takes its place at its first delivery (it was NAKed and
+    ended the request as poison on its ``--max-deliver``-th, each delivery making the same result;
+    tests/test_durable_worker_attack.py); legitimate requests are answered on the same connection."""
     block = b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n"
 
     async def publish(nc) -> None:
@@ -293,8 +294,10 @@ async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode
         text = log_path.read_text(errors="replace")
         assert all(got.get(f"ok-{i}") for i in range(20)), text[-3000:]
         [(body, headers)] = got.get("big", [(b"", {})])
-        assert headers.get(ERROR) == "internal" and b"delivered 2 times" in body, (headers, body[:300], text[-3000:])
-        assert b"after 1 attempts (larger than the server's max_payload)" in body, body[:300]
+        assert headers.get(ERROR) == "internal", (headers, body[:300], text[-3000:])
+        assert b"result 0 could not be delivered: with its headers it is larger than the NATS server's max_payload" \
+            in body and b"delivered 2 times" not in body, body[:300]
+        assert "chunk_poisoned" not in text, text[-3000:]
         assert "MaxPayloadError" in text
         assert "event=disconnected" not in text and "event=nats_error" not in text, text[-3000:]
         assert proc.poll() is None

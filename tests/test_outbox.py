@@ -163,6 +163,7 @@ class World:
         self.next_seq: dict[str, int] = {}
         self.emitted: dict[str, list[str]] = {}  # msg-ids queued by this instance since the request was (re)started
         self.held: dict[str, Token] = {}  # prefill tokens the correlator holds
+        self.replaced: set[str] = set()  # requests ended by an error result in place of an unsendable one
         self.issued: set[Token] = set()  # tokens of the live instance
         self.required: dict[Token, set[str]] = {}
         self.acked: set[Token] = set()
@@ -170,6 +171,8 @@ class World:
         self.inputs_acked: set[tuple[str, str]] = set()
         self.copies = 0
         self.given_up = 0
+        self.on_wire: set[str] = set()  # msg-ids handed to NATS at least once
+        self.oversized: set[str] = set()  # msg-ids whose result can never be sent (the same every time)
         for rid in self.sizes:
             self.restart(rid)
 
@@ -194,11 +197,13 @@ class World:
         """The request is (re)delivered to this instance: recover from the last stored result."""
         point = resume_point(self.stream.last_headers(rid))
         nxt, final = point if point is not None else (0, False)
-        self.next_seq[rid] = nxt
+        n = self.sizes[rid]
+        self.next_seq[rid] = n if final else nxt  # an error in place of an unsendable result is final early
         self.emitted[rid] = []
         self.held.pop(rid, None)
-        n = self.sizes[rid]
-        late = [str(s) for s in range(nxt) if (rid, str(s)) not in self.inputs_acked]
+        self.replaced.discard(rid)  # its error result not stored yet: made again, as the redelivery would
+        # a final result stored (an error in place of an unsendable one ends the request early): every chunk is late
+        late = [str(s) for s in range(n if final else nxt) if (rid, str(s)) not in self.inputs_acked]
         if self.pd[rid]:
             if final:
                 if (rid, "prefill") not in self.inputs_acked:
@@ -206,7 +211,9 @@ class World:
             else:
                 self.held[rid] = self.token(rid, "prefill", {self.mid(rid, s) for s in range(n)})
         for name in late:  # chunks whose results are stored: late now, settled at once
-            required = {self.mid(rid, s) for s in range(n)} if name == "prefill" else {self.mid(rid, int(name))}
+            required = ({self.mid(rid, s) for s in range(n)} if name == "prefill" else {self.mid(rid, int(name))})
+            if final and nxt < n:  # ended early by an error result: what is stored is all there is
+                required = {self.mid(rid, s) for s in range(nxt)}
             self.take([Settle((self.token(rid, name, required),))], rid)
 
     def take(self, decisions: list, rid: str | None) -> None:
@@ -236,14 +243,21 @@ class World:
         self.restart(rid)
 
     def gave_up(self, records: list[GiveUp], counted: bool = True) -> None:
-        """``counted``: given up after ``max_attempts`` (not at once, as an unsendable result is)."""
+        """``counted``: given up after ``max_attempts`` (not at once, as an unsendable result is).
+        One to ``replace`` is, as the durable shell does: an error result at its seq ends the request
+        and settles the given-up tokens and what the correlator held once stored."""
         for g in records:
             self.given_up += counted
             assert not counted or g.attempts >= self.config.max_attempts
-            self.forget(g.request_id)
+            if not g.replace:
+                assert not g.tokens
+                self.forget(g.request_id)
+                continue
+            self.oversized.add(self.mid(g.request_id, g.seq))
+            self.replace(g.request_id, g.seq, g.tokens)
 
     def done(self, rid: str) -> bool:
-        return self.next_seq[rid] >= self.sizes[rid]
+        return self.next_seq[rid] >= self.sizes[rid] or rid in self.replaced
 
     # ------------------------------------------------------------------ steps
 
@@ -256,8 +270,23 @@ class World:
         if final and rid in self.held:
             settles += (self.held.pop(rid),)
         self.next_seq[rid] = s + 1
+        if self.mid(rid, s) in self.oversized:  # made again from its redelivered chunk: replaced again
+            self.replace(rid, s, settles)
+            return
         self.emitted[rid].append(self.mid(rid, s))
         self.take([result(rid, s, final, settles), Notice(rid, "emitted")], rid)
+
+    def replace(self, rid: str, seq: int, tokens: tuple) -> None:
+        """The durable shell's answer to an unsendable result (``GiveUp.replace``): an error result at
+        its seq ends the request and settles ``tokens`` and what the correlator held once stored."""
+        held = self.held.pop(rid, None)
+        settles = (*tokens, *((held,) if held is not None else ()))
+        for t in settles:
+            self.required[t] = {self.mid(rid, s) for s in range(seq + 1)}
+        self.replaced.add(rid)
+        # the results queued after it are dropped: a repeat now waits for the error alone
+        self.emitted[rid] = [m for m in self.emitted[rid] if int(m.rsplit(".", 1)[1]) < seq] + [self.mid(rid, seq)]
+        self.take([Result(rid, seq, f"{rid}:error".encode(), True, error="internal", settles=settles)], rid)
 
     def duplicate(self, rid: str, off_path: bool = False) -> None:
         """A repeat of a chunk already turned into a result: settled, but behind what is queued.
@@ -279,12 +308,15 @@ class World:
         for i, (o, batch) in enumerate(in_turn(self.outbox.sending(self.now, budget))):
             if interrupt is not None and interrupt[1] == i:
                 if interrupt[0] == "unsendable":
-                    self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"), counted=False)
-                    continue
-                self.tick(0.0, reconnected=True)
+                    if o.result.msg_id not in self.on_wire:  # the same bytes: a result that left once always can
+                        self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"), counted=False)
+                        continue
+                else:
+                    self.tick(0.0, reconnected=True)
             if i < len(fail) and fail[i]:
                 self.outbox.send_failed(o)
             else:
+                self.on_wire.add(o.result.msg_id)
                 self.wire.append((self.instance, batch or o.ticket, o.result))
 
     def arrive(self, i: int, fate: str) -> None:
@@ -422,7 +454,13 @@ def random_faults(data, sizes: list[int], max_attempts: int, batch_limit: int, f
 
     w.settle_everything()
     for rid, n in w.sizes.items():
-        assert {m for m in w.stream.stored if m.startswith(rid + ".")} == {f"{rid}.{s}" for s in range(n)}
+        last = w.stream.last[rid]
+        if last.error is not None:  # ended in place of an unsendable result: a prefix, then the error
+            assert last.final and last.body == f"{rid}:error".encode()
+            n = last.seq
+        else:
+            assert last.seq == n - 1
+        assert {m for m in w.stream.stored if m.startswith(rid + ".")} == {f"{rid}.{s}" for s in range(n + (last.error is not None))}
         for s in range(n):
             assert w.stream.stored[f"{rid}.{s}"] == f"{rid}:{s}".encode()
         inputs = {str(s) for s in range(n)} | ({"prefill"} if w.pd[rid] else set())
@@ -692,17 +730,50 @@ def test_a_publish_that_did_not_leave_is_sent_again_at_the_next_tick():
     assert box.sending(0.01) == [o] and box.stats.publish_errors == 1
 
 
-def test_a_result_that_can_never_be_sent_is_given_up_at_once_its_tokens_nakd_and_its_request_dropped():
+def test_a_result_that_can_never_be_sent_is_given_up_at_once_its_tokens_kept_for_the_error_in_its_place():
+    """Its request's first result not stored: the shell puts an error result at its seq, which
+    settles the tokens once stored (Correlator.unpublishable); nothing is NAKed, since a
+    redelivered chunk only makes the same result again (tests/test_durable_worker_attack.py)."""
     box = Outbox(OutboxConfig(max_attempts=100))
     t0, t1 = Token("a", "0", 1), Token("a", "1", 1)
     box.take([result("a", 0, settles=(t0,)), result("a", 1, settles=(t1,))], "a")
     box.take([result("b", 0)], "b")
     (o, other) = box.sending(0.0)
-    assert box.unsendable(o, "too large") == [GiveUp("a", 0, 1, "too large")]
-    assert box.control() == [(t0, NAK), (t1, NAK)]
+    assert box.unsendable(o, "too large") == [GiveUp("a", 0, 1, "too large", replace=True, tokens=(t0, t1))]
+    assert box.control() == []
     assert box.stats.results_given_up == 1 and box.stats.publish_errors == 1
     assert box.tick(100.0) == []  # nothing of "a" is sent again, however late; b is only overdue
     assert [x.result.request_id for x in box.sending(100.0)] == ["b"]  # b's overdue copy only
+    box.take([Result("a", 0, b"error", True, error="internal", settles=(t0, t1))], "a")
+    (e,) = [x for x in box.sending(100.0) if x.result.request_id == "a"]
+    assert box.on_puback(o.ticket, b'{"stream":"R","seq":1}', 100.1) == UNMATCHED  # it never left
+    assert box.on_puback(e.ticket, b'{"stream":"R","seq":1}', 100.1) == STORED
+    assert box.control() == [(t0, ACK), (t1, ACK)]
+
+
+@pytest.mark.parametrize("error", [None, "internal"])
+def test_an_unsendable_error_result_or_later_batch_member_is_given_up_its_tokens_nakd(error):
+    """Replaced in turn, an error result too large for the server made a loop; a later member of a
+    fast batch may follow a result that is not stored: an error in its place could leave a gap."""
+    box = Outbox(OutboxConfig(max_attempts=100, batch_limit=8 if error is None else 1))
+    t0, t1 = Token("a", "0", 1), Token("a", "1", 1)
+    if error is None:  # a stored result first, so the two behind it leave as one batch
+        box.take([result("a", 0, settles=(t0,))], "a")
+        (first,) = box.sending(0.0)
+        box.take([result("a", 1, settles=(t1,)), result("a", 2)], "a")
+        assert box.on_puback(first.ticket, b'{"stream":"R","seq":1}', 0.1) == STORED
+        assert box.control() == [(t0, ACK)]
+        members = box.sending(0.2)
+        assert [m.result.seq for m in members] == [1, 2]
+        o = members[1]
+        t0 = t1
+    else:
+        box.take([Result("a", 0, b"error", True, error=error, settles=(t0,))], "a")
+        (o,) = box.sending(0.0)
+    assert box.unsendable(o, "too large") == [GiveUp("a", o.result.seq, 1, "too large")]
+    assert box.control() == [(t0, NAK)]
+    assert box.stats.results_given_up == 1 and box.stats.publish_errors == 1
+    assert box.tick(100.0) == [] and box.sending(100.0) == []  # nothing of "a" is sent again
     assert box.on_puback(o.ticket, b'{"stream":"R","seq":1}', 100.1) == UNMATCHED
 
 

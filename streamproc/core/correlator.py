@@ -481,23 +481,24 @@ class Correlator:
         return self._fail(req, kind, reason, now, extra=tokens)
 
     def unpublishable(self, request_id: str, seq: int, reason: str, now: float,
-                      format: str | None = None) -> list[Decision]:
+                      format: str | None = None, settles: tuple = ()) -> list[Decision]:
         """Result ``seq`` of ``request_id`` can never be published (with its header block it is larger
         than the NATS server accepts): the request ends with an ``internal`` error result at that seq
         instead, so its client gets an error in its place rather than waiting for its timeout. An
         active request is released; one already finished (that result was its final one) stays
         finished. The error is in the request's codec's native shape: an active request's own, else
         that of ``format`` (the chunk's ``Streamproc-Format``; a finished request keeps no codec),
-        else the default one."""
+        else the default one. ``settles``: input tokens the error result acknowledges once stored
+        besides what the request holds (durable mode: those of the results it replaces)."""
         req = self._active.get(request_id)
         if req is not None:
-            return self._fail(req, ErrorKind.INTERNAL, reason, now, seq=seq)
+            return self._fail(req, ErrorKind.INTERNAL, reason, now, extra=settles, seq=seq)
         try:
             codec = self._codec_for(format)
         except UnknownFormat:
             codec = self._default_codec
         req = _Request(request_id, codec, format or self.default_format, self._max_retained)
-        return self._fail(req, ErrorKind.INTERNAL, reason, now, seq=seq)  # and remembered as finished
+        return self._fail(req, ErrorKind.INTERNAL, reason, now, extra=settles, seq=seq)  # and remembered as finished
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
                 refuse: str | None = None, id: str | None = None,

@@ -31,6 +31,13 @@ def shown(value: str) -> str:
     return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
 
 
+def over_max_payload(seq: int, max_payload: int) -> str:
+    """Why result ``seq`` was replaced by an error result (``Correlator.unpublishable``): the client
+    refuses it every time, so the request ends there, in core and durable mode alike."""
+    return (f"result {seq} could not be delivered: with its headers it is larger than the NATS server's "
+            f"max_payload ({max_payload} bytes)")
+
+
 # ------------------------------------------------------------------ input and formats
 
 class ContractError(StreamprocError, ValueError):

@@ -130,6 +130,13 @@ class GiveUp(msgspec.Struct, frozen=True):
     # No later result of the request can be stored either (its subject is full): its tokens were
     # terminated, not NAKed, and the shell ends the request for good (Correlator.unstorable).
     ends: bool = False
+    # The result can never leave as it is (over the server's max_payload), and a redelivery makes it
+    # again: its request's tokens were neither NAKed nor terminated but are ``tokens``, which the error
+    # result the shell puts in its place settles (Correlator.unpublishable). NAKed, each such chunk came
+    # back max_deliver times, ~1 MiB a delivery, filling max_ack_pending meanwhile: 300 of them held
+    # their partition's other requests 16 s (tests/test_durable_worker_attack.py).
+    replace: bool = False
+    tokens: tuple = ()
 
 
 class Outgoing:
@@ -443,12 +450,17 @@ class Outbox:
 
     def unsendable(self, o: Outgoing, reason: str) -> list[GiveUp]:
         """The publish of ``o`` can never leave (its message is larger than the connection allows):
-        give it up now, as :meth:`tick` would after ``max_attempts`` sends that could not succeed
-        (with the defaults, 100 sends on each of ``max_deliver`` deliveries). Returns it."""
+        give it up now, to be replaced by an error result at its seq (:attr:`GiveUp.replace`) when it
+        is its request's first result not stored (every earlier one is, so the error leaves no gap).
+        Otherwise it is NAKed, as :meth:`tick` gives up a refused result, and recovered when
+        redelivered: a later member of a fast batch (the ones before it may not be stored), or an
+        error result already (replaced in turn, a server whose ``max_payload`` is below an error
+        result's size made a loop). Returns it."""
         self.stats.publish_errors += 1
         o.failures += 1
         self._inflight.pop(o.ticket, None)
-        self._give_up(o, reason)
+        queue = self._queues.get(o.result.request_id)
+        self._give_up(o, reason, replace=o.result.error is None and queue is not None and queue[0] is o)
         return self.given_up()
 
     def tick(self, now: float, reconnected: bool = False,
@@ -701,15 +713,19 @@ class Outbox:
                 self.stats.acks -= 1
                 self.stats.terminated += 1
 
-    def _give_up(self, o: Outgoing, reason: str, ends: bool = False) -> None:
+    def _give_up(self, o: Outgoing, reason: str, ends: bool = False, replace: bool = False) -> None:
         rid = o.result.request_id
         tokens, _ = self.abandon(lambda r: r == rid)
-        if ends:
-            self.term(tokens)
+        if replace:
+            kept = tuple(tokens)
         else:
-            self.nak(tokens)
+            kept = ()
+            if ends:
+                self.term(tokens)
+            else:
+                self.nak(tokens)
         self.stats.results_given_up += 1
-        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason, ends))
+        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason, ends, replace, kept))
 
     def _progress(self, held: Iterable[object]) -> None:
         """+WPI for every token that was already held at the previous round.

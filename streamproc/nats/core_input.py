@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 
 from ..config import Settings
 from ..core.correlator import Decision, Notice, Work
+from ..core.errors import over_max_payload
 from ..core.events import MigrateReply, MigrateRequest
 from ..core.passthrough import PassthroughPath
 from ..core.wire import FORMAT, SEQ, ContractError, Result, result_headers
@@ -270,8 +271,7 @@ class CoreInput:
         wire, and a reader ordering by seq (the edge) ends the stream at the error."""
         pipeline = self._pipeline
         limit = getattr(self._nc, "max_payload", 0)
-        reason = (f"result {seq} could not be delivered: with its headers it is larger than the NATS server's "
-                  f"max_payload ({limit} bytes)")
+        reason = over_max_payload(seq, limit)
         for d in pipeline.correlator.unpublishable(request_id, seq, reason, pipeline.clock(), format):
             if d.__class__ is Result:
                 self._start_publish(d)

@@ -55,6 +55,7 @@ from nats.js.api import StorageType, StreamConfig
 from ...config import Settings
 from ...core.codec import ErrorKind
 from ...core.correlator import Work
+from ...core.errors import over_max_payload
 from ...core.events import Decision, MigrateReply, MigrateRequest
 from ...core.outbox import GiveUp, Outbox, OutboxConfig, OutboxStats
 from ...core.partitions import PartitionScheme
@@ -391,10 +392,18 @@ class DurableInput:
         """The outbox gave a result up and NAKed its request's queued tokens: forget the request here
         too (NAKing what the correlator held), so its redelivered chunks are recovered from what is stored.
         One that ``ends`` its request (nothing more of it can be stored) ends it here too: what the
-        correlator held is terminated, and its later chunks are dropped on arrival."""
+        correlator held is terminated, and its later chunks are dropped on arrival. One that can never
+        leave as it is (``replace``: over the server's ``max_payload``) ends its request now with an
+        ``internal`` error result in its place, which acknowledges the given-up tokens once stored, as
+        core mode does: redelivered, the chunk only made the same result again."""
         rid = g.request_id
         if g.ends:
             self.outbox.term(self.correlator.unstorable(rid, self._clock()))
+            return
+        if g.replace:
+            reason = over_max_payload(g.seq, getattr(self.nc, "max_payload", 0))
+            self.outbox_pump.take(self.correlator.unpublishable(rid, g.seq, reason, self._clock(), settles=g.tokens),
+                                  None)
             return
         self.outbox.nak(self.correlator.abandon(lambda r: r == rid, (rid,)))
         # Why its chunks come back, for the error result should they come back max_deliver times.

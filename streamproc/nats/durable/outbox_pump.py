@@ -349,5 +349,6 @@ class OutboxPump:
                           reason=g.reason,
                           detail=("request ended: its chunks terminated, later ones dropped on arrival "
                                   f"({UNSTORABLE_CHUNK})") if g.ends
+                          else "replaced by an internal error result that ends the request" if g.replace
                           else "inputs NAKed; recovered from what is stored when redelivered")
         self._give_up(g)
