@@ -140,6 +140,51 @@ async def test_a_vllm_stream_ending_in_the_workers_error_frame_is_answered_the_u
     assert (only.status_code, only.content) == (500, upstream_json(error))
 
 
+async def test_a_vllm_derender_stream_of_one_chunk_is_answered_the_unary_message(server, nc):
+    """vLLM 0.34.0 ``serve_tokens_stream_generator`` with ``output_mode="derender"``: a stream whose whole
+    output comes in one engine step (``max_tokens=1``, an EOS at once, an abort before any token; no
+    ``stream_options.include_usage``, the default) is one chunk, its choice a ``GenerateDerenderStreamChoice``
+    with ``delta`` (``DeltaMessage``, ``model_dump(exclude_none=True)``; ``delta.role = "assistant"`` on
+    the first chunk), dumped with ``exclude`` of the ``None`` ``prompt_token_ids`` / ``mm_placeholders`` /
+    ``metrics`` (with ``return_token_ids`` the prompt's ids stand before ``output_mode``). Unary, the same
+    request answers a ``GenerateDerenderChoice`` with ``message`` (``ChatMessage``, as ``fold`` builds it):
+    the edge served the only chunk verbatim, ``delta`` and no ``message``. A unary derender body is
+    still served byte for byte."""
+    def chunk(request_id: str, **top: object) -> bytes:
+        choice = {"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [9906],
+                  "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+                  "delta": {"role": "assistant", "content": "Hi"}, "logprobs": None}
+        return upstream_json({"request_id": request_id, "usage": None, **top, "output_mode": "derender",
+                              "choices": [choice]})
+
+    message = {"role": "assistant", "content": "Hi", "refusal": None, "audio": None, "function_call": None,
+               "reasoning": None}
+    unary_id = rid("vllm-derender-unary")
+    unary = upstream_json({
+        "request_id": unary_id, "model": "m", "created": 1765000000,
+        "usage": {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1, "prompt_tokens_details": None},
+        "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None, "mm_placeholders": None,
+        "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": "derender",
+        "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": [9906],
+                     "routed_experts": None, "sampling_mask": None, "weight_versions": None, "message": message,
+                     "logprobs": None}]})
+    plain, with_ids = rid("vllm-derender-one"), rid("vllm-derender-one-ids")
+    with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
+        await publish_results(nc, DURABLE, plain, [chunk(plain)])
+        await publish_results(nc, DURABLE, with_ids, [chunk(with_ids, prompt_token_ids=list(range(5000)))])
+        await publish_results(nc, DURABLE, unary_id, [unary])
+        answers = [await get(vllm_edge, f"/v1/results/{request_id}?stream=false") for request_id in (plain, with_ids)]
+        verbatim = await get(vllm_edge, f"/v1/results/{unary_id}?stream=false")
+
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert "delta" not in choice
+        assert json.dumps(choice["message"]) == json.dumps(message)
+    assert answers[1].json()["prompt_token_ids"] == list(range(5000))
+    assert (verbatim.status_code, verbatim.content) == (200, unary)
+
+
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
     """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
     ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk

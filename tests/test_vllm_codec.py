@@ -540,6 +540,40 @@ def test_a_derender_stream_of_any_deltas_folds_without_raising(deltas: list) -> 
     assert folded["choices"][0]["token_ids"] == list(range(len(deltas)))
 
 
+def _derender_body(top: dict, place: str, value: dict, mode: str = "derender") -> bytes:
+    """A 0.34.0 derender body as pydantic writes it (compact): ``GenerateDerenderStreamChoice`` /
+    ``GenerateDerenderChoice``, the ``GenerateStreamChoiceBase`` / ``GenerateChoiceBase`` fields first."""
+    choice = {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [7, 8],
+              "routed_experts": None, "sampling_mask": None, "weight_versions": None, place: value, "logprobs": None}
+    return json.dumps({**top, "output_mode": mode, "choices": [choice]}, separators=(",", ":")).encode()
+
+
+def test_only_a_derender_stream_chunk_folds_alone() -> None:
+    """A derender stream's only chunk carries ``delta`` where the unary answer has ``message``
+    (``serve_tokens_stream_generator`` / ``serve_tokens_full_generator``), so the edge must fold it;
+    ``folds_alone`` said False and the edge served the chunk. The look tells the chunk
+    (``{"request_id":...,"usage":``, then ``prompt_token_ids`` with ``return_token_ids``, then
+    ``output_mode``) from the unary body (``request_id``, then ``model``); a tokens or text chunk, whose
+    unary equivalent it already is, and the unary derender body are still served as they came."""
+    delta = {"role": "assistant", "content": "Hi"}
+    stream_top = {"request_id": "r-\\\"x", "usage": None}
+    chunks = [_derender_body(stream_top, "delta", delta),
+              _derender_body({**stream_top, "prompt_token_ids": list(range(3000))}, "delta", delta),
+              _derender_body({"request_id": "r", "usage": {"prompt_tokens": 3, "total_tokens": 5,
+                                                           "completion_tokens": 2}}, "delta", delta)]
+    message = {"role": "assistant", "content": "Hi", "refusal": None, "audio": None, "function_call": None,
+               "reasoning": None}
+    unary_top = {"request_id": 'a","usage":', "model": None, "created": 1, "usage": None}
+    served = [_derender_body(unary_top, "message", message),
+              _derender_body(stream_top, "text", "Hi", mode="text"),
+              _derender_body({"request_id": "r", "usage": None, "prompt_token_ids": [1]}, "delta", delta,
+                             mode="tokens")]
+    assert [CODEC.folds_alone(body) for body in chunks] == [True] * len(chunks)
+    assert [CODEC.folds_alone(body) for body in served] == [False] * len(served)
+    for body in chunks:
+        assert json.loads(CODEC.fold([body]))["choices"][0]["message"] == message
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_agg_stream_folds_to_the_agg_unary_body(seed: int) -> None:
     truth = make_truth(seed, return_logprob=seed % 3 != 0, return_experts=seed % 4 != 1)

@@ -17,7 +17,7 @@ from streamproc.wire import Verdict
 
 from . import experts, migration
 from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, error_response_prefix,
-                     is_error_response, parse, stream_error_frame)
+                     derender_stream_chunk, is_error_response, parse, stream_error_frame)
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -107,8 +107,11 @@ class VLLMCodec(Codec):
     def folds_alone(self, body: bytes) -> bool:
         """A stream's only chunk that is ``serve_tokens_stream_generator``'s error frame (``AsyncLLM.generate``
         raised before any output): unary, the same request answers ``JSONResponse(err.model_dump())``, which
-        :meth:`fold` writes. A bounded look at the first bytes (:func:`~.native.stream_error_frame`)."""
-        return stream_error_frame(body)
+        :meth:`fold` writes. A bounded look at the first bytes (:func:`~.native.stream_error_frame`).
+
+        Also a derender stream's only chunk (one engine step: ``max_tokens=1``, an EOS at once): its
+        ``delta`` is no unary answer, which has ``message`` (:func:`~.native.derender_stream_chunk`)."""
+        return stream_error_frame(body) or derender_stream_chunk(body)
 
     def answer_status(self, body: bytes) -> int:
         """``ErrorResponse.error.code`` for a body that opens ``{"error"`` (:func:`~.native.error_response_prefix`)
