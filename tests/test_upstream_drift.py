@@ -446,9 +446,7 @@ def test_vllm_folded_derender_tool_call_stream_merges_its_calls_and_omits_the_un
     folded = json.loads(VLLMCodec(OPTIONS).fold(derender_stream(deltas, out, "tool_calls")))
     call = {"id": "chatcmpl-tool-1", "type": "function",
             "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
-    message = chat_message(None, "need weather", [call])
-    del message["content"]
-    message["content_unavailable_reason"] = "fold_ambiguous"
+    message = {**chat_message(None, "need weather", [call]), "content_unavailable_reason": "fold_ambiguous"}
     assert dumps(folded["choices"][0]) == dumps(vllm_derender_choice(out, "tool_calls", "message", message))
 
 

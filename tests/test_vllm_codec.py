@@ -574,6 +574,20 @@ def test_only_a_derender_stream_chunk_folds_alone() -> None:
         assert json.loads(CODEC.fold([body]))["choices"][0]["message"] == message
 
 
+def test_a_folded_message_whose_content_is_unknown_keeps_content_null_beside_its_reason() -> None:
+    """A reasoning-only derender stream (vLLM 0.34.0 ``Parser.parse_delta``: ``reasoning`` pieces, no
+    ``content`` piece; ``serve_tokens_stream_generator`` puts ``role`` on the first) fits a unary content
+    of ``None`` and of ``""``, so the fold omits it. The codec omits a field as its join and stitch do
+    (``routed_experts``, ``metrics``, ``created``: ``null`` in place, the reason beside it), which keeps
+    ``ChatMessage``'s keys, ``content`` always among them (``model_dump()``); the fold deleted the key."""
+    deltas = [{"role": "assistant", "reasoning": "Let me "}, {"reasoning": "think."}]
+    chunks = [_derender_body({"request_id": "r", "usage": None}, "delta", delta) for delta in deltas]
+    message = json.loads(CODEC.fold(chunks))["choices"][0]["message"]
+    assert list(message.items()) == [("role", "assistant"), ("content", None), ("refusal", None), ("audio", None),
+                                     ("function_call", None), ("reasoning", "Let me think."),
+                                     ("content_unavailable_reason", "fold_ambiguous")]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_agg_stream_folds_to_the_agg_unary_body(seed: int) -> None:
     truth = make_truth(seed, return_logprob=seed % 3 != 0, return_experts=seed % 4 != 1)

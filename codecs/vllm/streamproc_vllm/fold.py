@@ -49,14 +49,14 @@ def _fold_message(deltas: list[dict]) -> dict:
     refusal, audio, function_call, tool_calls (left out when empty), reasoning; ``annotations`` is
     excluded when None. A stream without a content piece fits a unary content of None (a parser that
     found none) and of ``""`` (no text without a parser; ``assemble_chat_message_fields`` under a
-    forced ``tool_choice``): the content is omitted, never guessed."""
+    forced ``tool_choice``): the content is omitted, never guessed, as the codec omits a field elsewhere
+    (``null`` in its place, the reason beside it), so the message keeps ``ChatMessage``'s keys."""
     role = next((d["role"] for d in deltas if isinstance(d.get("role"), str)), "assistant")
     content = _joined(deltas, "content")
     tool_calls = _fold_tool_calls(deltas)
     message: dict = {"role": role, "content": content, "refusal": None, "audio": None, "function_call": None,
                      **({"tool_calls": tool_calls} if tool_calls else {}), "reasoning": _joined(deltas, "reasoning")}
     if content is None:
-        del message["content"]
         message[unavailable_key("content")] = OmissionReason.FOLD_AMBIGUOUS.value
     return message
 
