@@ -479,3 +479,14 @@ def test_the_pull_permission_is_written_as_the_shipped_config_grants_it():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if wildcard.search(line) and path.name != "test_docs_match_code.py"]
     assert found == []
+
+
+def test_the_experts_panel_explains_every_omission_reason():
+    """The live page's experts panel lists every ``<field>_unavailable_reason`` a result carries, with its
+    meaning from its own table (``REASONS`` in experts.js): the reasons it lacked (``decode_error``, a
+    migrated request's ``stitch_corrupt`` and ``stitch_incomplete`` on ``metrics``, ``created``,
+    ``weight_versions`` or the rows; ``fold_ambiguous``) were shown as "a reason this page does not know"."""
+    script = (ROOT / "streamproc/edge/page/experts.js").read_text()
+    table = re.search(r"const REASONS = \{(.*?)\n  \};", script, re.S)
+    assert table is not None
+    assert set(re.findall(r"^\s*(\w+):", table.group(1), re.M)) == {reason.value for reason in OmissionReason}

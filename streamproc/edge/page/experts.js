@@ -10,7 +10,8 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   let FIELD = null;  // the format's field name, from GET /v1/info (null: this format has none)
-  // What each omission reason means (docs/codecs.md, "Anything else removes the field").
+  // What each omission reason means (docs/codecs.md, "Anything else removes the field"; every
+  // OmissionReason, streamproc/core/codec.py, tests/test_docs_match_code.py).
   const REASONS = {
     prefill_timeout: "the prefill leg did not complete within --prefill-timeout",
     prefill_error: "the prefill leg ended with an abort/error",
@@ -21,6 +22,10 @@
     length_mismatch: "decode's row count fits no reading of the token counts",
     shape_mismatch: "the legs advertise different dtypes",
     too_large: "the value decodes past what the body allows",
+    decode_error: "the decode leg ended with an abort/error and did not carry the value",
+    stitch_corrupt: "a resumed attempt's value cannot be stitched to the earlier attempts'",
+    stitch_incomplete: "the value covers the whole output, and the lost attempt never published its part",
+    fold_ambiguous: "the folded stream fits two unary values, and nothing in it says which",
   };
   const PREFILL = "#3d5afe", DECODE = "#ff9100", AGG = "#90a4ae", JOINED = "#7e57c2", RESUMED = "#00897b";
   const SPLICE = "#d50000";
