@@ -230,6 +230,9 @@ OWN_VOCABULARY = {
     "host": "the --http-host / --host settings (a network host, not SGLang's host-memory cache count)",
     "object": "JavaScript's typeof x === \"object\" in the page (edge.js, experts.js), not SGLang's "
               "ErrorResponse.object",
+    "refusal": "a refused migrate (the correlator's _Request.refusal) and the edge's HTTP refusal in the page "
+               "(page.refusal), not vLLM's ChatMessage.refusal",
+    "name": "a route parameter (the edge's /{name}.js), not a tool call's function name",
 }
 # Names the brief names explicitly: the gatherer must find them, or the check below means nothing.
 KNOWN_FORMAT_FIELDS = {"meta_info", "output_ids", "prompt_logprobs", "choices", "logprobs", "routed_experts",
