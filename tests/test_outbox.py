@@ -172,6 +172,7 @@ class World:
         self.copies = 0
         self.given_up = 0
         self.on_wire: set[str] = set()  # msg-ids handed to NATS at least once
+        self.left: set[object] = set()  # the queued results (Outgoing) handed to NATS at least once
         self.oversized: set[str] = set()  # msg-ids whose result can never be sent (the same every time)
         for rid in self.sizes:
             self.restart(rid)
@@ -308,8 +309,12 @@ class World:
         for i, (o, batch) in enumerate(in_turn(self.outbox.sending(self.now, budget))):
             if interrupt is not None and interrupt[1] == i:
                 if interrupt[0] == "unsendable":
-                    if o.result.msg_id not in self.on_wire:  # the same bytes: a result that left once always can
-                        self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"), counted=False)
+                    # The same bytes: a result that left once always can, unless the server's max_payload
+                    # was lowered (a reconnect) since this very send left: it may be stored, so it must
+                    # not be replaced (the error result has its Nats-Msg-Id).
+                    if o.result.msg_id not in self.on_wire or o in self.left:
+                        self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"),
+                                     counted=False)
                         continue
                 else:
                     self.tick(0.0, reconnected=True)
@@ -317,6 +322,7 @@ class World:
                 self.outbox.send_failed(o)
             else:
                 self.on_wire.add(o.result.msg_id)
+                self.left.add(o)
                 self.wire.append((self.instance, batch or o.ticket, o.result))
 
     def arrive(self, i: int, fate: str) -> None:
@@ -749,6 +755,28 @@ def test_a_result_that_can_never_be_sent_is_given_up_at_once_its_tokens_kept_for
     assert box.on_puback(o.ticket, b'{"stream":"R","seq":1}', 100.1) == UNMATCHED  # it never left
     assert box.on_puback(e.ticket, b'{"stream":"R","seq":1}', 100.1) == STORED
     assert box.control() == [(t0, ACK), (t1, ACK)]
+
+
+def test_a_result_that_may_have_left_before_is_nakd_when_it_becomes_unsendable_not_replaced():
+    """Sent once (its PubAck lost), then refused by the client after a reconnect to a server whose
+    ``max_payload`` is lower: it may be stored, so an error result at its seq (the same
+    ``Nats-Msg-Id``) could be deduplicated against it, its PubAck read as stored, and the request
+    ended here behind a stored result that is not final. NAKed, its chunks are recovered from what
+    is stored."""
+    box = Outbox(OutboxConfig(max_attempts=100))
+    t0 = Token("a", "0", 1)
+    box.take([result("a", 0, settles=(t0,))], "a")
+    (o,) = box.sending(0.0)  # handed to NATS: it left
+    assert box.tick(0.0, reconnected=True) == []
+    assert box.sending(0.0) == [o]  # sent again after the reconnect: the client refuses it now
+    assert box.unsendable(o, "too large") == [GiveUp("a", 0, 1, "too large")]
+    assert box.control() == [(t0, NAK)]
+    # one that never left, however often it was handed over, is replaced as before
+    box.take([result("b", 0, settles=(t0,))], "b")
+    (b,) = box.sending(1.0)
+    box.send_failed(b)  # disconnected: it did not leave
+    assert box.tick(1.0) == [] and box.sending(1.0) == [b]
+    assert box.unsendable(b, "too large") == [GiveUp("b", 0, 2, "too large", replace=True, tokens=(t0,))]
 
 
 @pytest.mark.parametrize("error", [None, "internal"])

@@ -143,7 +143,7 @@ class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
     __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed",
-                 "flight", "members", "batch_seq", "size", "alone", "full")
+                 "flight", "members", "batch_seq", "size", "alone", "full", "handed")
 
     def __init__(self, result: Result, ticket: str, settles: list, wait: float,
                  received: float | None = None) -> None:
@@ -169,6 +169,10 @@ class Outgoing:
         # A batch's first member: a reply during its flight said the request's subject is full. The
         # batch's PubAck (or the commit's 10208 after a refused start) does not repeat why.
         self.full: bytes | None = None
+        # Sends handed to NATS that did not fail to leave (sending() counts, send_failed() and
+        # unsendable() take back): one that may have left may be stored, so no error result under
+        # its Nats-Msg-Id may take its place (the server would deduplicate that against it).
+        self.handed = 0
 
     @property
     def batch(self) -> tuple[str, int, int] | None:
@@ -444,6 +448,7 @@ class Outbox:
     def send_failed(self, o: Outgoing) -> None:
         """The publish of ``o`` did not leave (disconnected, closed): send it again at the next tick."""
         self.stats.publish_errors += 1
+        o.handed -= 1
         head = self._inflight.get(o.flight) if o.flight is not None else o
         if head is not None:
             head.due = float("-inf")
@@ -451,16 +456,21 @@ class Outbox:
     def unsendable(self, o: Outgoing, reason: str) -> list[GiveUp]:
         """The publish of ``o`` can never leave (its message is larger than the connection allows):
         give it up now, to be replaced by an error result at its seq (:attr:`GiveUp.replace`) when it
-        is its request's first result not stored (every earlier one is, so the error leaves no gap).
-        Otherwise it is NAKed, as :meth:`tick` gives up a refused result, and recovered when
-        redelivered: a later member of a fast batch (the ones before it may not be stored), or an
-        error result already (replaced in turn, a server whose ``max_payload`` is below an error
-        result's size made a loop). Returns it."""
+        is its request's first result not stored (every earlier one is, so the error leaves no gap)
+        and no send of it ever left. Otherwise it is NAKed, as :meth:`tick` gives up a refused
+        result, and recovered when redelivered: a later member of a fast batch (the ones before it
+        may not be stored), an error result already (replaced in turn, a server whose
+        ``max_payload`` is below an error result's size made a loop), or one sent before, to a
+        server whose ``max_payload`` was higher (a reconnect): it may be stored, and the error
+        result, under the same ``Nats-Msg-Id``, was deduplicated against it, its PubAck read as
+        stored, ending the request behind a stored result that need not be final. Returns it."""
         self.stats.publish_errors += 1
         o.failures += 1
+        o.handed -= 1
         self._inflight.pop(o.ticket, None)
         queue = self._queues.get(o.result.request_id)
-        self._give_up(o, reason, replace=o.result.error is None and queue is not None and queue[0] is o)
+        self._give_up(o, reason, replace=o.result.error is None and not o.handed and queue is not None
+                      and queue[0] is o)
         return self.given_up()
 
     def tick(self, now: float, reconnected: bool = False,
@@ -565,6 +575,7 @@ class Outbox:
                 self.stats.result_batches += 1
             for m in members:
                 m.sent = now
+                m.handed += 1
                 if m.timed:
                     m.timed = False
                     observe(now - m.received)  # type: ignore[operator]  # timed only with a receipt time
