@@ -304,6 +304,27 @@ async def test_a_result_over_max_payload_is_refused_and_given_up_in_durable_mode
         assert peak_rss(proc.pid) < 200 * MiB
 
 
+async def test_a_finished_request_s_result_over_max_payload_is_replaced_in_its_chunk_s_format_in_durable_mode(
+        nats_url, streamproc_run):
+    """The oversized result was its request's final one, so the request is finished and keeps no
+    codec: the error result in its place takes the shape of the chunk's ``Streamproc-Format``, as in
+    core mode (``Correlator.unpublishable``), not the default codec's (a vLLM client got SGLang's
+    error object, without the ``code`` the edge answers with)."""
+    block = b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\nStreamproc-Format:vllm\r\n\r\n"
+
+    async def publish(nc) -> None:
+        await raw_protocol(nats_url, [raw_hpub(SUBJECTS.chunk("big", "agg").encode(), block,
+                                               b"x" * (nc.max_payload - len(block)))])
+
+    with streamproc_run("--mode", "durable", "--format", "sglang") as (proc, log_path):
+        got = await answered(nats_url, ["big"], publish)
+        text = log_path.read_text(errors="replace")
+        [(body, headers)] = got.get("big", [(b"", {})])
+        assert headers.get(ERROR) == "internal", (headers, body[:300], text[-3000:])
+        assert b"max_payload" in body and b'"type":"InternalServerError"' in body and b'"code":500' in body, body[:300]
+        assert proc.poll() is None
+
+
 async def test_a_worker_forged_unreadable_headers_mark_is_not_echoed_whole_into_the_error_result_or_the_log(
         nats_url, streamproc_run):
     """``Streamproc-Unreadable-Headers`` is the mark the processor's client puts in place of a header

@@ -757,6 +757,16 @@ def test_a_result_that_can_never_be_sent_is_given_up_at_once_its_tokens_kept_for
     assert box.control() == [(t0, ACK), (t1, ACK)]
 
 
+def test_an_unsendable_result_s_give_up_names_its_format_for_the_error_in_its_place():
+    """A finished request keeps no codec and its chunks' headers are gone: the error result's shape
+    comes from the given-up result (Result.format), as core mode takes the chunk's."""
+    box = Outbox(OutboxConfig(max_attempts=100))
+    box.take([Result("a", 0, b"x", True, settles=(Token("a", "0", 1),), format="vllm")], "a")
+    (o,) = box.sending(0.0)
+    [g] = box.unsendable(o, "too large")
+    assert g.replace and g.format == "vllm"
+
+
 def test_a_result_that_may_have_left_before_is_nakd_when_it_becomes_unsendable_not_replaced():
     """Sent once (its PubAck lost), then refused by the client after a reconnect to a server whose
     ``max_payload`` is lower: it may be stored, so an error result at its seq (the same

@@ -371,7 +371,7 @@ class Correlator:
                     self._trim_finished()
                 stats.passthrough += 1
                 return [Result(rid, 0, chunk.body, True, _PASSTHROUGH, None, chunk.traceparent,
-                               (chunk.token,))]
+                               (chunk.token,), chunk.format)]
             if len(active) >= self.config.max_inflight:
                 evicted = self._evict_idle(now)
                 if evicted is None:
@@ -1005,7 +1005,7 @@ class Correlator:
                         return [Result(req.request_id, seq, body, False, _PASSTHROUGH, None,
                                        chunk.traceparent, settles), *over]
             return [Result(req.request_id, seq, body, chunk.final, _PASSTHROUGH, None,
-                           chunk.traceparent, settles)]
+                           chunk.traceparent, settles, req.format)]
         seq += req.offset  # result seq: an attempt continues where the previous one was sealed
         if seq < req.next_seq or seq in req.pending:
             self.stats.duplicates += 1
@@ -1154,7 +1154,8 @@ class Correlator:
                 settles = settles + tuple(req.held)
                 req.held.clear()
                 req.repeats = 0
-            out.append(Result(req.request_id, req.next_seq, body, final, verdict, None, chunk.traceparent, settles))
+            out.append(Result(req.request_id, req.next_seq, body, final, verdict, None, chunk.traceparent, settles,
+                              req.format))
             if verdict is _PASSTHROUGH:
                 stats.passthrough += 1
             elif verdict is _JOINED:

@@ -64,6 +64,10 @@ class Result(msgspec.Struct, gc=False):
     error: str | None = None
     traceparent: str | None = None
     settles: tuple = ()
+    # The request's format (its codec's name): an error result put in place of a final result that
+    # can never be published takes its shape once the request is finished and keeps no codec
+    # (durable mode, Correlator.unpublishable; core mode reads the chunk's Streamproc-Format).
+    format: str | None = None
 
     @property
     def msg_id(self) -> str:

@@ -137,6 +137,7 @@ class GiveUp(msgspec.Struct, frozen=True):
     # their partition's other requests 16 s (tests/test_durable_worker_attack.py).
     replace: bool = False
     tokens: tuple = ()
+    format: str | None = None  # the result's format (Result.format): the error result's shape
 
 
 class Outgoing:
@@ -736,7 +737,8 @@ class Outbox:
             else:
                 self.nak(tokens)
         self.stats.results_given_up += 1
-        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason, ends, replace, kept))
+        self._given_up.append(GiveUp(rid, o.result.seq, o.failures, reason, ends, replace, kept,
+                                     o.result.format if replace else None))
 
     def _progress(self, held: Iterable[object]) -> None:
         """+WPI for every token that was already held at the previous round.

@@ -402,8 +402,9 @@ class DurableInput:
             return
         if g.replace:
             reason = over_max_payload(g.seq, getattr(self.nc, "max_payload", 0))
-            self.outbox_pump.take(self.correlator.unpublishable(rid, g.seq, reason, self._clock(), settles=g.tokens),
-                                  None)
+            # g.format: a finished request keeps no codec, and the chunk's headers are gone (_drop_body)
+            self.outbox_pump.take(self.correlator.unpublishable(rid, g.seq, reason, self._clock(), g.format,
+                                                                settles=g.tokens), None)
             return
         self.outbox.nak(self.correlator.abandon(lambda r: r == rid, (rid,)))
         # Why its chunks come back, for the error result should they come back max_deliver times.
