@@ -85,8 +85,10 @@ class OutboxStats(msgspec.Struct):
     publish_retries: Annotated[int, Meta(description="result publishes sent again (no PubAck in time, or a "
                                                      "retryable refusal)")] = 0
     publish_errors: Annotated[int, Meta(description="refusals and publishes that did not leave")] = 0
-    results_given_up: Annotated[int, Meta(description="results dropped after max_attempts (their inputs "
-                                                      "NAKed)")] = 0
+    results_given_up: Annotated[int, Meta(description="results given up: after max_attempts or over "
+                                                      "max_payload (inputs NAKed, or settled by an error "
+                                                      "result in its place), or refused by a full subject "
+                                                      "(inputs terminated)")] = 0
     pubacks_overdue: Annotated[int, Meta(description="sends of a result whose PubAck did not come in time "
                                                      "(then sent again)")] = 0
     terminated: Annotated[int, Meta(description="inputs settled with +TERM (poison messages past "
