@@ -282,15 +282,16 @@ async def test_a_durable_publish_answered_by_something_other_than_a_puback_raise
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 12), st.binary(max_size=40), st.booleans()), max_size=40))
 def test_a_result_streams_byte_count_is_what_it_holds(pushes):
-    """The bound counts exactly the bodies the stream holds: those ready for its loop and those
-    ``SeqOrder`` keeps behind a missing seq, through repeats, gaps and a final result."""
+    """The bound counts exactly what the stream holds (``ResultInfo.held_bytes``): the results ready
+    for its loop and those ``SeqOrder`` keeps behind a missing seq, through repeats, gaps and a final
+    result."""
     stream = ResultStream(None, SUBJECTS, "bytes", max_buffered_bytes=1 << 30)  # type: ignore[arg-type]
     for seq, body, final in pushes:
         result = Result("bytes", seq, body, final, Verdict.PASSTHROUGH)
         msg = Msg(None, subject=SUBJECTS.result("bytes"), data=body, headers=result_headers(result))  # type: ignore[arg-type]
         anyio.run(stream._on_msg, msg)
-        assert stream._ready_bytes == sum(len(r.body) for r in stream._ready)
-        assert stream._waiting_bytes == sum(len(r.body) for r in stream._order.pending.values())
+        assert stream._ready_bytes == sum(r.held_bytes for r in stream._ready)
+        assert stream._waiting_bytes == sum(r.held_bytes for r in stream._order.pending.values())
 
 
 async def store_history(client, nats_url: str, rid: str, n: int, body: bytes) -> None:

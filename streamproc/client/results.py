@@ -26,8 +26,9 @@ account may publish it but lacks the import of ``$JS.API.CONSUMER.MSG.NEXT.<stre
 message says so). A consumer made again ``REPLAY_RENEWALS_MAX`` times in a row without an answer
 (gone, pulls lost) ends the stream with ``TimeoutError``, whatever ``timeout``, as at the edge.
 
-What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of bodies
-received and not yet taken, as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
+What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of results
+received and not yet taken (each charged its body, the header values it keeps, ``error`` and
+``traceparent``, and a fixed cost: ``ResultInfo.held_bytes``, so results with empty bodies count), as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
 behind a missing seq past it end the stream with :class:`~streamproc.core.errors.ResultsOverrun`
 (one forged request cannot grow a reader); so do in-order bodies a slow loop has not taken on a
 live stream (the processor does not wait for it). A replay instead asks the server for no more
@@ -63,11 +64,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DEFAULT_PREFIX as JS_API_PREFIX
 
-from ..core.defaults import CLIENT_BUFFER_BYTES
+from ..core.defaults import CLIENT_BUFFER_BYTES, RESULT_HELD_OVERHEAD
 from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
 from ..core.reorder import SeqOrder
 from ..core.replay_pull import PullState
-from ..core.wire import ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..core.wire import MAX_REQUEST_ID_LEN, ContractError, ResultInfo, Subjects, check_request_id, result_from_message
 from ..nats.refusals import refused_publish
 from ..nats.replay_pull import (
     REPLAY_CONSUMER_IDLE,
@@ -131,8 +132,8 @@ class ResultStream:
         self.max_buffered_bytes = max_buffered_bytes
         self._order = SeqOrder()
         self._ready: deque[ResultInfo] = deque()
-        self._ready_bytes = 0  # bodies in _ready
-        self._waiting_bytes = 0  # bodies SeqOrder holds behind a missing seq
+        self._ready_bytes = 0  # held_bytes of _ready
+        self._waiting_bytes = 0  # held_bytes of what SeqOrder holds behind a missing seq
         self._error: MalformedResult | ResultsOverrun | ReplayRefused | TimeoutError | None = None
         self._arrived = anyio.Event()
         self._sub: Subscription | None = None  # live: the result subject; replay: the consumer's inbox
@@ -161,8 +162,10 @@ class ResultStream:
             # from the first attempt: a retry after a failed open (the consumer's create, a lookup)
             # does not give the caller more time
             self._deadline = anyio.current_time() + self.timeout
-        # one result always fits, whatever the server's max_payload (known once connected)
-        self.max_buffered_bytes = max(self.max_buffered_bytes, getattr(self.nc, "max_payload", 0) or 0)
+        # one result always fits, whatever the server's max_payload (known once connected): its body
+        # and header block are within max_payload, its id and fixed cost outside it
+        self.max_buffered_bytes = max(self.max_buffered_bytes, (getattr(self.nc, "max_payload", 0) or 0)
+                                      + MAX_REQUEST_ID_LEN + RESULT_HELD_OVERHEAD)
         subject = self.subjects.result(self.request_id)
         if self.replay:
             if self._stream is None:
@@ -393,14 +396,14 @@ class ResultStream:
             size = 0
             if ready:  # this result (the next seq) and what waited for it
                 self._ready.extend(ready)
-                size = sum(len(r.body) for r in ready)
+                size = sum(r.held_bytes for r in ready)
                 self._ready_bytes += size
             if order.done:  # SeqOrder let go of whatever waited
                 self._waiting_bytes = 0
             elif ready:
-                self._waiting_bytes -= size - len(result.body)
+                self._waiting_bytes -= size - result.held_bytes
             elif order.duplicates == duplicates:  # kept behind a missing seq
-                self._waiting_bytes += len(result.body)
+                self._waiting_bytes += result.held_bytes
             if self._ready_bytes + self._waiting_bytes > self.max_buffered_bytes and not order.done:
                 self._overrun()
         self._arrived.set()
@@ -430,7 +433,7 @@ class ResultStream:
                 await self._pull()  # before a result is handed out: if it fails, nothing is lost
             if self._ready:  # results that arrived before an error are still handed out, in order
                 result = self._ready.popleft()
-                self._ready_bytes -= len(result.body)
+                self._ready_bytes -= result.held_bytes
                 return result
             if self._error is not None:
                 await self._end()

@@ -131,6 +131,11 @@ LOOKUP_ATTEMPTS = 3
 # not yet read, behind a gap or ahead of its loop; past it the stream ends (ResultsOverrun). Never
 # less than the connection's max_payload: one result always fits.
 CLIENT_BUFFER_BYTES = 16 * 1024 * 1024
+# What a reader charges each result it holds beyond its body and kept header values
+# (ResultInfo.held_bytes): empty results cost memory too, so the byte bound is also a count bound.
+# Below what nats-server counts for the same stored result against a pull's max_bytes (its subject,
+# $JS.ACK reply and header block), so a replay pull's delivery never passes the reader's own bound.
+RESULT_HELD_OVERHEAD = 96
 MAX_PENDING_RESULTS = 4096  # out-of-order results buffered per request before the reader fails it
 
 # Edge capabilities (streamproc.edge.auth verifies, streamproc.client.capability mints)

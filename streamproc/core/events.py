@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from . import defaults
+
 # The largest Streamproc-Seq (and Streamproc-Attempt) the processor reads: at most 18 ASCII digits,
 # so every index fits an int64 on any reader (wire.py reads the headers; Sealed bounds its fields).
 MAX_SEQ = 10**18 - 1
@@ -101,6 +103,13 @@ class ResultInfo(msgspec.Struct, frozen=True):
     error: str | None
     body: bytes
     traceparent: str | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """What a reader holding it is charged against its byte bound: the body, the header values
+        it keeps (any publisher chooses their length) and a fixed cost, so empty results count."""
+        return (len(self.body) + len(self.error or "") + len(self.traceparent or "") + len(self.request_id)
+                + defaults.RESULT_HELD_OVERHEAD)
 
 
 # ------------------------------------------------------------------ migration control (request/reply)

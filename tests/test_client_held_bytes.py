@@ -1,0 +1,113 @@
+"""A forger on a results subject against a client reader's byte bound: what a held result costs is
+more than its body. Bodies were all the bound counted, so results with empty bodies and long header
+values (a traceparent, an error text: any publisher picks their length) grew a reader without end and
+never ended its stream. Real nats-server; the reader runs in a subprocess whose peak RSS (VmHWM,
+/proc) is read against a baseline run of the same script on a single result."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import anyio
+import pytest
+from helpers import connection
+
+from streamproc import Subjects
+from streamproc.core.wire import ERROR, SEQ, TRACEPARENT
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+BOUND = 4 << 20  # the reader's max_buffered_bytes (max_payload, 1 MiB, is its floor)
+
+READER = """
+import json, sys, anyio, streamproc
+from streamproc import Subjects, follow
+async def main():
+    url, rid, bound = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    nc = await streamproc.connect(url)
+    outcome = "no error within 5 s"
+    async with follow(nc, Subjects(), rid, timeout=60, max_buffered_bytes=bound) as results:
+        print("subscribed", flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)  # the forger has published everything
+        await anyio.sleep(0.5)  # and the callback has taken what arrived
+        with anyio.move_on_after(5):
+            try:
+                async for _ in results:
+                    pass
+                outcome = "ended normally"
+            except Exception as exc:
+                outcome = type(exc).__name__
+    received = nc.stats["in_msgs"]
+    await nc.close()
+    hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"outcome": outcome, "received": received, "vmhwm_kib": hwm}), flush=True)
+anyio.run(main)
+"""
+
+
+async def read_forged(nats_url: str, rid: str, headers: list[dict[str, str]]) -> dict:
+    """Run the reader on ``rid``, publish one empty-bodied result per header set, let it read."""
+    proc = subprocess.Popen([sys.executable, "-c", READER, nats_url, rid, str(BOUND)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert await anyio.to_thread.run_sync(proc.stdout.readline) == "subscribed\n"
+        async with connection(nats_url) as forger:
+            for h in headers:
+                await forger.publish(SUBJECTS.result(rid), b"", headers=h)
+            await forger.flush()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        assert await anyio.to_thread.run_sync(proc.wait) == 0
+        return json.loads(line)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+LONG = "t" * 50_000
+CASES = {
+    # in seq order, never final, to a loop that has not read yet: 2,000 x 50 kB of traceparent
+    "in-order-long-traceparent": [{SEQ: str(seq), TRACEPARENT: LONG} for seq in range(2000)],
+    # behind a seq 0 that never comes (under SeqOrder's 4,096): 2,000 x 50 kB of error text
+    "behind-a-gap-long-error": [{SEQ: str(seq), ERROR: LONG} for seq in range(1, 2001)],
+    # in order, nothing but a seq: 100,000 results of no bytes at all
+    "in-order-empty": [{SEQ: str(seq)} for seq in range(100_000)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_results_with_empty_bodies_are_charged_to_the_readers_byte_bound(nats_url, case):
+    baseline = await read_forged(nats_url, "one", [{SEQ: "0"}])
+    got = await read_forged(nats_url, case, CASES[case])
+    grown = (got["vmhwm_kib"] - baseline["vmhwm_kib"]) << 10
+    print(f"{case}: {got}; baseline VmHWM {baseline['vmhwm_kib']} KiB")
+    assert got["received"] == len(CASES[case]), got
+    assert got["outcome"] == "ResultsOverrun", f"{case}: {got['outcome']}, the reader grew by {grown >> 20} MiB"
+    assert grown < 6 * BOUND, f"{case}: the reader grew by {grown >> 20} MiB for a {BOUND >> 20} MiB bound"
+
+
+@pytest.mark.parametrize("rid", ["a", "x" * 256], ids=["shortest-id", "longest-id"])
+async def test_a_held_result_costs_no_more_than_nats_server_counts_it_against_a_pulls_max_bytes(client, nats_url,
+                                                                                              rid):
+    """A replay's pull asks for ``max_bytes`` = the room the reader's bound has left: if a result cost
+    the reader more than nats-server counts for it, a full pull would pass the bound and end a
+    legitimate replay with ``ResultsOverrun``. The smallest result (no body, only its seq; a
+    one-letter consumer name) against ``RESULT_HELD_OVERHEAD``."""
+    from helpers import pull_counted_size
+
+    from streamproc.core.wire import result_from_message
+    from streamproc.nats.streams import ensure_results_stream, find_stream
+
+    js = client.jetstream()
+    await ensure_results_stream(js, SUBJECTS)
+    for seq in range(2):
+        await js.publish(SUBJECTS.result(rid), b"", headers={SEQ: str(seq)})
+    stream = await find_stream(js, SUBJECTS.result(rid))
+    held = result_from_message(SUBJECTS, SUBJECTS.result(rid), {SEQ: "0"}, b"").held_bytes
+    counted = await pull_counted_size(js, client, stream, SUBJECTS.result(rid), "c", 2 * held - 1)
+    assert held <= counted, f"a result held costs {held} bytes, nats-server counts {counted}"
