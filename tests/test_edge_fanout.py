@@ -19,6 +19,7 @@ from edge_harness import consumers_back_to, publish_result, publish_results, sta
 from helpers import pull_counted_size, rid
 from nats.js.api import StreamConfig
 
+from streamproc.core.defaults import RESULT_HELD_OVERHEAD
 from streamproc.core.wire import ResultInfo
 from streamproc.edge.feed import Ended, Lost, Overrun
 from streamproc.wire import Subjects
@@ -150,12 +151,14 @@ async def test_a_feed_past_its_byte_bound_ends_with_an_overrun_and_the_others_go
 
 
 async def test_results_held_behind_a_missing_seq_up_to_exactly_the_bound_are_kept(nats_url, client):
-    """--stream-buffer-bytes is what may wait in the reorder buffer: exactly that much is no overrun."""
+    """--stream-buffer-bytes is what may wait in the reorder buffer: exactly that much is no overrun.
+    Each result is charged what it holds (``ResultInfo.held_bytes``): its body, its id and a fixed cost
+    here (no error, no traceparent)."""
     bound = 64 * 1024
     async with started_source(nats_url, LIVE, stream_buffer_bytes=bound) as source:
         request_id = rid("held")
         feed = await source.open(request_id)
-        half = b"h" * (bound // 2)
+        half = b"h" * (bound // 2 - len(request_id) - RESULT_HELD_OVERHEAD)
         for seq in (1, 2):  # each taken off the inbox, then held behind the missing seq 0
             await publish_result(client, LIVE, request_id, seq, half, final=seq == 2)
             await client.flush()
@@ -166,6 +169,7 @@ async def test_results_held_behind_a_missing_seq_up_to_exactly_the_bound_are_kep
         assert source.metrics.streams_overrun == 0
         await feed.close()
         over = await source.open(rid("held-over"))  # one byte more: the stream ends, counted
+        half = b"h" * (bound // 2 - len(over.request_id) - RESULT_HELD_OVERHEAD)
         await publish_result(client, LIVE, over.request_id, 1, half)
         await client.flush()
         assert await over.next(0.3) is None  # off the inbox, held

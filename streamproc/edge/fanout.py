@@ -22,7 +22,8 @@ for the reconnect (``PongBarrier.wait`` falls back to nats-py's ``flush``), as a
 
 Bounds are those of the per-stream subscription it replaces (nats-py 2.16 ``Client._process_msg``):
 an inbox holding ``pending_bytes_limit`` bytes or ``pending_msgs_limit`` results not yet taken by its
-stream drops the result. In core mode the stream then ends with an overrun (nats-py reported
+stream drops the result. Its bytes are what each result holds (``ResultInfo.held_bytes``: body, kept
+header values, id and a fixed cost), not nats-py's bodies alone, so empty results count too. In core mode the stream then ends with an overrun (nats-py reported
 SlowConsumerError): what was dropped is gone. When the ring reads a JetStream stream, what was
 dropped is stored: the inbox goes *behind* (it takes nothing more), its stream hands out what it
 holds, then reads on from the first result it did not take, from the stream, and rejoins the
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import nats.errors
 from nats.aio.msg import Msg
 
+from ..core.defaults import RESULT_HELD_OVERHEAD
 from ..core.wire import ContractError, ResultInfo, result_from_message
 
 if TYPE_CHECKING:
@@ -238,7 +240,16 @@ class Fanout:
                     direct = feed.direct
                     if direct is not None and direct.offer(result):  # written at once (direct.py)
                         continue
-                    if not feed.inbox.put(result, len(data)):  # type: ignore[union-attr]
+                    # What it holds, not its body alone (empty bodies with long header values grew
+                    # an inbox without bound): ResultInfo.held_bytes, inline (a property is a Python
+                    # call per event), C calls only for the header values present;
+                    # tests/test_edge_held_bytes.py pins that the two agree.
+                    size = len(data) + len(result.request_id) + RESULT_HELD_OVERHEAD
+                    if result.traceparent is not None:
+                        size += len(result.traceparent)
+                    if result.error is not None:
+                        size += len(result.error)
+                    if not feed.inbox.put(result, size):  # type: ignore[union-attr]
                         self.on_overflow(feed, reply)
         except Exception:  # noqa: BLE001 - never into the read loop
             source.limited.log(logging.ERROR, "dispatch_failed", subject=subject, exc_info=True)

@@ -108,7 +108,7 @@ class ResultFeed:
         # sequence of the first one dropped. What was queued before it is handed out, then a new
         # consumer reads on from there (ResultSource.read_on); None while it keeps up.
         self.cut: int | None = None
-        self._held_bytes = 0  # bodies waiting in the reorder buffer (order.pending)
+        self._held_bytes = 0  # held_bytes of the results waiting in the reorder buffer (order.pending)
         # A result stored for it was gone when it caught up (Replay.lost): its next seq may never
         # come, so the gap clock runs until a result in order does, also with nothing pending.
         self.lost_stored = False
@@ -300,12 +300,16 @@ class ResultFeed:
             self._overrun()
             return
         metrics.duplicates_dropped += self.order.duplicates - before
+        # Each result kept behind a missing seq is charged what it holds (ResultInfo.held_bytes), not
+        # its body alone. In order (ready[0] is this result, never charged) nothing is read: the
+        # property is a Python call, paid only by results that wait or are let go after a gap.
         if self.order.done:
             self._held_bytes = 0
-        else:
-            if len(self.order.pending) - waiting + len(ready):  # stored, not a duplicate
-                self._held_bytes += len(result.body)
-            self._held_bytes -= sum(len(r.body) for r in ready)
+        elif ready:
+            if len(ready) > 1:  # what waited behind this one leaves the buffer
+                self._held_bytes -= sum(r.held_bytes for r in ready[1:])
+        elif len(self.order.pending) > waiting:  # kept behind a missing seq, not a duplicate
+            self._held_bytes += result.held_bytes
         if ready:
             self.lost_stored = False
         self._ready.extend(ready)

@@ -1,0 +1,139 @@
+"""A forger on a results subject against the edge's per-stream bound (``--stream-buffer-bytes``): what
+a held result costs is more than its body. The edge charged bodies only, in a stream's inbox and in
+its reorder buffer, so results with empty bodies and long header values (an error text, a
+traceparent: any publisher picks their length) grew the edge without end and never ended the stream.
+Real nats-server, a real edge subprocess in core mode; its peak RSS (VmHWM, /proc) against its RSS
+before the flood."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import httpx
+import pytest
+from edge_harness import expected_sse, fill_send_queue, publish_results, running_edge, started_source, unread_stream
+from helpers import connection, rid, status_kib, wait_until
+
+from streamproc.core.wire import ERROR, SEQ, TRACEPARENT
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
+
+MiB = 1024 * 1024
+BOUND = 1 * MiB  # --stream-buffer-bytes under test
+LONG = "t" * 50_000
+FLOOD = 2000  # 100 MB of header values, no body: 100 x the bound
+GROWTH = 24 * MiB  # stated bound on the edge's VmHWM growth over the flood (before: ~96 MiB)
+
+
+async def flood(nc, subject: str, headers: list[dict[str, str]]) -> None:
+    for k, h in enumerate(headers):
+        await nc.publish(subject, b"", headers=h)
+        if k % 50 == 49:
+            await nc.flush()
+    await nc.flush()
+
+
+async def another_stream_is_answered(nc, subjects: Subjects, url: str) -> None:
+    other = rid("other")
+    bodies = [b'{"text":"%d"}' % k for k in range(3)]
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async with anyio.create_task_group() as tg:
+            async def publish() -> None:
+                await anyio.sleep(0.5)
+                await publish_results(nc, subjects, other, bodies)
+
+            tg.start_soon(publish)
+            response = await client.get(f"/v1/results/{other}")
+    assert response.content == expected_sse(bodies), response.text[-300:]
+
+
+async def test_empty_results_behind_a_missing_seq_end_the_stream_at_the_buffer_bound(server):
+    """2,000 results with no body and a 50 kB ``Streamproc-Error`` each, behind a seq 0 that never
+    comes: they wait in the stream's reorder buffer (under ``SeqOrder``'s 4,096). Before, 0 bytes were
+    counted and the stream waited for --gap-timeout holding them all; now it ends with the overrun
+    error at the bound."""
+    subjects = Subjects("heldgap")
+    with running_edge(server.url, "--prefix", "heldgap", "--stream-buffer-bytes", str(BOUND),
+                      "--gap-timeout", "60") as edge:
+        pid = edge.proc.pid
+        request_id = rid("gap")
+        async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+            baseline = status_kib(pid, "VmRSS")
+            async with client.stream("GET", f"/v1/results/{request_id}") as response:
+                assert response.status_code == 200
+                await flood(nc, subjects.result(request_id),
+                            [{SEQ: str(seq), ERROR: LONG} for seq in range(1, FLOOD + 1)])
+                started = time.monotonic()
+                with anyio.fail_after(30):  # well before the 60 s gap timeout
+                    text = (b"".join([chunk async for chunk in response.aiter_bytes()])).decode()
+                elapsed = time.monotonic() - started
+            peak = status_kib(pid, "VmHWM")
+            await another_stream_is_answered(nc, subjects, edge.url)
+        data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        print(f"\nbehind a gap: VmRSS before {baseline} KiB, VmHWM {peak} KiB, ended after {elapsed:.1f} s")
+        assert data and data[-1] == "[DONE]" and "--stream-buffer-bytes" in data[-2], text[-500:]
+        assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 1
+        assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
+
+
+async def test_empty_results_queued_for_a_stalled_reader_end_the_stream_at_the_buffer_bound(server):
+    """A client that reads nothing: its stream's write is paused (its socket and the edge's transport
+    full), so results in order wait in its inbox. 2,000 with no body and a 50 kB traceparent each:
+    before, 0 bytes were counted and the inbox held them all (its count bound is 16,384); now the
+    stream ends with the overrun at the bound."""
+    subjects = Subjects("heldinbox")
+    with running_edge(server.url, "--prefix", "heldinbox", "--stream-buffer-bytes", str(BOUND),
+                      "--write-timeout", "120") as edge:
+        pid = edge.proc.pid
+        request_id = rid("stalled")
+        async with connection(server.url) as nc:
+            sock = await unread_stream(edge.port, request_id)
+            try:
+                seq = await fill_send_queue(nc, subjects, request_id, edge.port, sock)
+                # past the transport's high-water mark: the stream's writes pause, its task waits
+                for _ in range(8):
+                    await nc.publish(subjects.result(request_id), b'{"text":"%s"}' % (b"x" * 16000),
+                                     headers={SEQ: str(seq)})
+                    seq += 1
+                await nc.flush()
+                await anyio.sleep(0.5)
+                baseline = status_kib(pid, "VmRSS")
+                assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 0
+                await flood(nc, subjects.result(request_id),
+                            [{SEQ: str(s), TRACEPARENT: LONG} for s in range(seq, seq + FLOOD)])
+                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_overrun_total"] == 1, 20,
+                                 "the stalled stream overran")
+                peak = status_kib(pid, "VmHWM")
+                await another_stream_is_answered(nc, subjects, edge.url)
+            finally:
+                sock.close()
+        print(f"\nstalled reader: VmRSS before {baseline} KiB, VmHWM {peak} KiB")
+        assert "event=stream_overrun" in edge.log()
+        assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
+
+
+async def test_the_inbox_charges_a_result_its_held_bytes(nats_url):
+    """The fan-out computes ``ResultInfo.held_bytes`` inline (no Python call per event): the two must
+    agree, so the edge's charge stays below what nats-server counts for the same message, as pinned
+    for ``held_bytes`` by tests/test_client_held_bytes.py (a replay's pull asks ``max_bytes`` by the
+    room the bound has left)."""
+    subjects = Subjects("heldcharge")
+    async with started_source(nats_url, subjects, stream_buffer_bytes=BOUND) as source, \
+            connection(nats_url) as nc:
+        request_id = rid("charge")
+        feed = await source.open(request_id)
+        try:
+            cases = [({SEQ: "1"}, b""), ({SEQ: "2", TRACEPARENT: "00-" + "a" * 52}, b"body"),
+                     ({SEQ: "3", ERROR: "e" * 300}, b""), ({SEQ: "4", ERROR: "x", TRACEPARENT: "t" * 99}, b"{}")]
+            for headers, body in cases:
+                await nc.publish(subjects.result(request_id), body, headers=headers)
+            await nc.flush()
+            inbox = feed.inbox
+            assert inbox is not None
+            await wait_until(lambda: len(inbox._items) == len(cases), 10, "dispatched")
+            assert [size for _, size in inbox._items] == [result.held_bytes for result, _ in inbox._items]
+            assert inbox._bytes == sum(result.held_bytes for result, _ in inbox._items)
+        finally:
+            await feed.close()
