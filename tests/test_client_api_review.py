@@ -286,3 +286,28 @@ def test_mint_capability_refuses_a_bare_string_and_invalid_ids():
     claims = jwt.decode(mint_capability(key, rids=("req-42",), rid_prefix="tenant-"), key, algorithms=["HS256"],
                         audience="streamproc-edge")
     assert claims["rids"] == ["req-42"] and claims["rid_prefix"] == "tenant-"
+
+
+async def test_a_forged_puback_names_its_stream_and_seq_in_the_error_shown_not_raw(nats_url):
+    """A peer subscribed to the chunk subjects may answer a durable publish first, with a PubAck whose
+    stream name and seq it chose (here a line break and a protocol line in the name). The publisher
+    takes it for a duplicate it did not send and raises ``ChunkIdTaken``: its text showed those values
+    raw, so a caller logging it wrote the peer's line breaks into its log. Now they are shown quoted."""
+    from streamproc.core.errors import ChunkIdTaken
+
+    nc = await nats.connect(nats_url)
+    try:
+        forged = json.dumps({"stream": "S\r\nPUB evil 1\r\nx", "seq": 1, "duplicate": True})
+
+        async def answer(msg) -> None:
+            await nc.publish(msg.reply, forged.encode())
+
+        await nc.subscribe("streamproc.chunks.>", cb=answer)  # no stream: the peer is the only answer
+        publisher = ChunkPublisher(nc, durable=True, timeout=0.5, retries=0)
+        with pytest.raises(ChunkIdTaken) as info:
+            await publisher.publish("forged", "agg", 0, b"x", final=True)
+        text = str(info.value)
+        assert "\r" not in text and "\n" not in text, text
+        assert "'S\\r\\nPUB evil 1\\r\\nx'" in text, text
+    finally:
+        await nc.close()

@@ -26,7 +26,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
-from ..core.errors import ChunkIdTaken, PublishRefused
+from ..core.errors import ChunkIdTaken, PublishRefused, shown
 from ..nats.robust import header_block_size
 from ..core.wire import MAX_SEQ, MSG_ID, SEQ, Role, Subjects, check_request_id, chunk_headers
 from .connection import check_client
@@ -143,15 +143,17 @@ class ChunkPublisher:
         if stored is not None:
             if stored.data == body and (stored.headers or {}).get(SEQ) == headers[SEQ]:
                 return
+            # The PubAck's stream name is the answerer's (a peer on the subject may answer first): shown
             raise ChunkIdTaken(subject, f"the stream already stored a different chunk under Nats-Msg-Id "
-                                        f"{headers[MSG_ID]!r} (stream {stream} seq {seq}): this one was dropped as a "
-                                        "duplicate; another publisher used this request id (docs/security.md)")
+                                        f"{headers[MSG_ID]!r} (stream {shown(stream)} seq {seq}): this one was "
+                                        "dropped as a duplicate; another publisher used this request id "
+                                        "(docs/security.md)")
         if sent:
             return
         raise ChunkIdTaken(subject, f"the stream already stored a chunk under Nats-Msg-Id {headers[MSG_ID]!r} "
-                                    f"(stream {stream} seq {seq}, no longer readable to compare) that this publisher "
-                                    "did not send: this one was dropped as a duplicate; another publisher (or an "
-                                    "earlier worker) used this request id (docs/security.md)")
+                                    f"(stream {shown(stream)} seq {seq}, no longer readable to compare) that this "
+                                    "publisher did not send: this one was dropped as a duplicate; another publisher "
+                                    "(or an earlier worker) used this request id (docs/security.md)")
 
     async def publish_leg(
         self,
