@@ -374,6 +374,16 @@ def test_a_folded_progress_state_may_reach_max_buffered_bytes_exactly_and_one_to
     assert c.stats.over_budget == 1
 
 
+def test_the_result_published_before_a_progress_overrun_names_its_format():
+    """Result 1 below is published as the request ends ``overloaded`` behind it: should the outbox give
+    it up as unpublishable (durable mode), the request has finished and keeps no codec, so the error in
+    its place takes its shape from the result's ``format``, as every other result of the request has."""
+    c, run, _ = make(max_retained_bytes=0, max_buffered_bytes=16)
+    feed(run, leg("p", Role.AGG, [b"1 2", b"3", b"4"])[:2])
+    assert [(r.seq, r.error, r.format) for r in run.of("p")] == [(0, None, "toy"), (1, None, "toy"),
+                                                                (2, "overloaded", None)]
+
+
 def test_a_refusal_found_while_folding_is_the_answer_to_a_later_migrate():
     c, run, _ = make(max_retained_bytes=0)
     feed(run, leg("r", Role.AGG, [b"!x", b"2", b"3"])[:2])

@@ -28,7 +28,8 @@ message says so). A consumer made again ``REPLAY_RENEWALS_MAX`` times in a row w
 
 What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of results
 received and not yet taken (each charged its body, the header values it keeps, ``error`` and
-``traceparent``, and a fixed cost: ``ResultInfo.held_bytes``, so results with empty bodies count), as the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
+``traceparent``, and a fixed cost: ``ResultInfo.held_bytes``, so results with empty bodies count), as
+the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
 behind a missing seq past it end the stream with :class:`~streamproc.core.errors.ResultsOverrun`
 (one forged request cannot grow a reader); so do in-order bodies a slow loop has not taken on a
 live stream (the processor does not wait for it). A replay instead asks the server for no more
@@ -68,7 +69,8 @@ from ..core.defaults import CLIENT_BUFFER_BYTES, RESULT_HELD_OVERHEAD
 from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
 from ..core.reorder import SeqOrder
 from ..core.replay_pull import PullState
-from ..core.wire import MAX_REQUEST_ID_LEN, ContractError, ResultInfo, Subjects, check_request_id, result_from_message
+from ..core.wire import (MAX_REQUEST_ID_LEN, ContractError, ResultInfo, Subjects, check_request_id,
+                         result_from_message)
 from ..nats.refusals import refused_publish
 from ..nats.replay_pull import (
     REPLAY_CONSUMER_IDLE,

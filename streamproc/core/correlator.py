@@ -1003,7 +1003,7 @@ class Correlator:
                     over = self._over_progress(req, now)
                     if over is not None:
                         return [Result(req.request_id, seq, body, False, _PASSTHROUGH, None,
-                                       chunk.traceparent, settles), *over]
+                                       chunk.traceparent, settles, req.format), *over]
             return [Result(req.request_id, seq, body, chunk.final, _PASSTHROUGH, None,
                            chunk.traceparent, settles, req.format)]
         seq += req.offset  # result seq: an attempt continues where the previous one was sealed

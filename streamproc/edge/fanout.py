@@ -24,8 +24,8 @@ Bounds are those of the per-stream subscription it replaces (nats-py 2.16 ``Clie
 an inbox holding ``pending_bytes_limit`` bytes or ``pending_msgs_limit`` results not yet taken by its
 stream drops the result. Its bytes are what each result holds (``ResultInfo.held_bytes``: body, kept
 header values, id and a fixed cost), not nats-py's bodies alone, so empty results count too. In core
-mode the stream then ends with an overrun (nats-py reported SlowConsumerError): what was dropped is gone. When the ring reads a JetStream stream, what was
-dropped is stored: the inbox goes *behind* (it takes nothing more), its stream hands out what it
+mode the stream then ends with an overrun (nats-py reported SlowConsumerError): what was dropped is
+gone. When the ring reads a JetStream stream, what was dropped is stored: the inbox goes *behind* (it takes nothing more), its stream hands out what it
 holds, then reads on from the first result it did not take, from the stream, and rejoins the
 dispatch (``ResultSource.catch_up``, as an open does: :mod:`.replay`). So a slow or paused client
 is held to the bound and gets every result (issue 11.4).
