@@ -613,6 +613,21 @@ def test_fold_rejects_non_json_chunks() -> None:
         CODEC.fold([b"not json"])
 
 
+def test_a_derender_stream_of_many_tool_call_pieces_folds_in_linear_time() -> None:
+    """The fold appended each ``DeltaToolCall`` piece's arguments to the call's string so far (``+=``
+    on a dict entry copies it each time): a stream of 4,096 chunks (the per-request chunk limit) of
+    1 kB argument pieces (4 MB) took seconds of CPU in the edge's unary answer, on the event loop."""
+    import time
+
+    chunk = msgspec.json.encode({"request_id": "r", "output_mode": "derender", "choices": [
+        {"index": 0, "finish_reason": None, "token_ids": [1],
+         "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "x" * 1000}}]}}]})
+    started = time.process_time()
+    folded = json.loads(CODEC.fold([chunk] * 4096))
+    assert time.process_time() - started < 2.0
+    assert len(folded["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == 4096 * 1000
+
+
 def test_a_prefill_leg_of_many_logprob_chunks_is_absorbed_in_linear_time() -> None:
     """``fold_objects`` built each choice's ``logprobs.content`` as ``(content or []) + entries`` per
     chunk, copying the list so far each time: a prefill leg of 4,096 chunks (the per-request chunk
