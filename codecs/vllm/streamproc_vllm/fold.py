@@ -25,6 +25,9 @@ def _joined(deltas: list[dict], key: str) -> str | None:
 
 def _fold_tool_calls(deltas: list[dict]) -> list[dict]:
     """``DeltaToolCall`` pieces merged by their ``index`` into ``ToolCall`` dumps (id, type, function).
+    A call streamed without an id (vLLM 0.34.0 ``CohereCommandParser._tool_call_deltas`` sets one only when
+    it has it) keeps ``id: null`` with ``id_unavailable_reason``: the unary id is ``make_tool_call_id()``'s,
+    made per answer (``_to_tool_calls``), so no stream says it and ``null`` alone is no vLLM value.
     Each call's name and argument pieces are joined once at the end: appended to a string per piece,
     they were copied each time (a stream of 4,096 pieces of 1 kB took seconds of CPU)."""
     calls: dict[int | None, tuple[dict, list[str], list[str]]] = {}
@@ -44,7 +47,8 @@ def _fold_tool_calls(deltas: list[dict]) -> list[dict]:
                     names.append(function["name"])
                 if isinstance(function.get("arguments"), str):
                     arguments.append(function["arguments"])
-    return [{**call, "function": {"name": "".join(names), "arguments": "".join(arguments)}}
+    return [{**call, "function": {"name": "".join(names), "arguments": "".join(arguments)},
+             **({} if call["id"] is not None else {unavailable_key("id"): OmissionReason.FOLD_AMBIGUOUS.value})}
             for call, names, arguments in calls.values()]
 
 
