@@ -68,3 +68,46 @@ def test_a_derender_tool_call_streamed_with_its_id_folds_to_that_id_and_no_reaso
     chunks = [derender_chunk(delta, 50 + k, "tool_calls" if k else None) for k, delta in enumerate(deltas)]
     call = json.loads(CODEC.fold(chunks))["choices"][0]["message"]["tool_calls"][0]
     assert call == {"id": "chatcmpl-tool-7", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+# ``GenerateResponseBase`` then ``GenerateTokensResponse`` / ``GenerateTextResponse`` (vLLM 0.34.0
+# ``token_in_token_out/protocol.py``): pydantic dumps the base class's fields first, every one of them
+# (``JSONResponse(content=generator.model_dump())``, no ``exclude_none``).
+UNARY_TOP_KEYS = ["request_id", "model", "created", "usage", "prompt_logprobs", "prompt_token_id_logprobs",
+                  "prompt_token_ids", "mm_placeholders", "metrics", "kv_transfer_params", "ec_transfer_params",
+                  "output_mode", "choices"]
+
+
+def tokens_chunk(token: int, finish: str | None, mode: str = "tokens", **top: object) -> bytes:
+    """``GenerateTokensStreamResponse`` / ``GenerateTextStreamResponse`` of ``serve_tokens_stream_generator``:
+    ``request_id``, ``usage``, the set ones of ``prompt_token_ids`` / ``mm_placeholders`` / ``metrics``,
+    ``output_mode``, ``choices`` (``GenerateStreamChoiceBase``'s fields, ``text`` in text mode, ``logprobs``)."""
+    choice = {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": [token], "routed_experts": None,
+              "sampling_mask": None, "weight_versions": None, **({"text": "x"} if mode == "text" else {}),
+              "logprobs": None}
+    return dumps({"request_id": RID, "usage": None, **top, "output_mode": mode, "choices": [choice]})
+
+
+def usage_chunk(prompt: int, completion: int, mode: str = "tokens") -> bytes:
+    """The final chunk with ``stream_options.include_usage``: ``model_dump_json(exclude_none=True)`` of
+    ``response_cls(request_id=..., choices=[], usage=final_usage_info, metrics=None)``."""
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+    return dumps({"request_id": RID, "usage": usage, "output_mode": mode, "choices": []})
+
+
+def test_a_folded_034_stream_has_the_unary_bodys_top_level_keys_in_their_order():
+    """The unary body of a 0.34.0 request always writes every ``GenerateResponseBase`` field, then
+    ``output_mode`` and ``choices``; the fold wrote ``request_id, model, choices, usage, prompt_logprobs,
+    kv_transfer_params`` and then what the chunks had (``output_mode``, the first chunk's
+    ``prompt_token_ids``), without ``created``, ``prompt_token_id_logprobs``, ``mm_placeholders``,
+    ``metrics`` or ``ec_transfer_params``: a client reading ``body["created"]`` of a folded answer failed.
+    Now the keys are the unary body's, in its order; what no chunk carried is ``null``."""
+    for mode in ("tokens", "text"):
+        chunks = [tokens_chunk(11, None, mode, prompt_token_ids=[1, 2, 3]), tokens_chunk(12, "length", mode),
+                  usage_chunk(3, 2, mode)]
+        folded = json.loads(CODEC.fold(chunks))
+        assert list(folded) == UNARY_TOP_KEYS, mode
+        assert (folded["model"], folded["created"], folded["prompt_token_ids"], folded["output_mode"]) == (
+            None, None, [1, 2, 3], mode)
+        assert folded["usage"] == {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}
+        assert folded["choices"][0]["token_ids"] == [11, 12]

@@ -11,8 +11,8 @@ from typing import Sequence
 
 from streamproc.codec import OmissionReason
 
-from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK,
-                     choices_of, is_int, unavailable_key)
+from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, OUTPUT_MODE, PROMPT_LOGPROBS, ROUTED_EXPERTS,
+                     SAMPLING_MASK, UNARY_KEYS_034, choices_of, is_int, unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
@@ -140,7 +140,9 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
 
 
 def fold_objects(chunks: Sequence[dict]) -> dict:
-    """One unary body from parsed stream chunks (a single unary body folds to itself)."""
+    """One unary body from parsed stream chunks (a single unary body folds to itself). A 0.34.0 body (it has
+    ``output_mode``) gets every key of the unary ``GenerateResponseBase`` dump in its order (``UNARY_KEYS_034``):
+    a stream never carries ``model``, ``created`` or the prompt-side fields, which are then ``null``."""
     if not chunks:
         raise ValueError("cannot fold an empty stream")
     by_index: dict[int, list[dict]] = {}
@@ -169,4 +171,6 @@ def fold_objects(chunks: Sequence[dict]) -> dict:
         **extras,
     }
     _drop_reason_if_present(folded, PROMPT_LOGPROBS)
+    if OUTPUT_MODE in folded:  # a 0.34.0 body: the unary one's keys in its order, null where no chunk said
+        return {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
     return folded

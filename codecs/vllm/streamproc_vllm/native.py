@@ -79,6 +79,14 @@ CLAMPED_LOGPROB = -9999.0  # vLLM's stand-in for a non-finite logprob
 UNARY_ONLY_KEYS = (PROMPT_LOGPROBS, KV_TRANSFER_PARAMS)
 CHOICES = "choices"  # every generation body has it (a stream's usage-only chunk: ``[]``)
 ERROR = "error"  # ``ErrorResponse.error``
+OUTPUT_MODE = "output_mode"  # 0.34.0 bodies only (``serve/disagg`` bodies have none)
+EC_TRANSFER_PARAMS = "ec_transfer_params"
+# 0.34.0 ``GenerateResponseBase``'s fields, then ``Generate{Tokens,Text,Derender}Response``'s ``output_mode`` and
+# ``choices``: a unary body writes every one, in this order (``api_router.generate``: ``JSONResponse(content=
+# generator.model_dump())``, no ``exclude_none``); a stream chunk only ``request_id``, ``usage``, the set ones of
+# ``prompt_token_ids`` / ``mm_placeholders`` / ``metrics``, ``output_mode`` and ``choices``.
+UNARY_KEYS_034 = ("request_id", "model", CREATED, "usage", PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS, PROMPT_TOKEN_IDS,
+                  MM_PLACEHOLDERS, METRICS, KV_TRANSFER_PARAMS, EC_TRANSFER_PARAMS, OUTPUT_MODE, CHOICES)
 
 STREAM_ROUTED_EXPERTS_OPTION = "stream_routed_experts"  # --format-option stream_routed_experts=unknown|yes|no
 
