@@ -185,6 +185,41 @@ async def test_a_vllm_derender_stream_of_one_chunk_is_answered_the_unary_message
     assert (verbatim.status_code, verbatim.content) == (200, unary)
 
 
+async def test_a_vllm_tokens_or_text_stream_of_one_chunk_is_answered_with_the_keys_a_longer_one_folds_to(server, nc):
+    """vLLM 0.34.0 ``serve_tokens_stream_generator``, ``output_mode`` ``tokens`` or ``text``, no
+    ``stream_options.include_usage`` (the default): a request whose whole output comes in one engine step
+    (``max_tokens=1``, an EOS at once) is one chunk, ``request_id, usage, output_mode, choices`` (the
+    ``None`` ``prompt_token_ids`` / ``mm_placeholders`` / ``metrics`` excluded). The unary body of the same
+    request writes every ``GenerateResponseBase`` key (``model``, ``created``, ``prompt_logprobs``,
+    ``kv_transfer_params``...) before ``output_mode`` and ``choices``. The edge served the chunk as sent, so a
+    unary client's body lacked those keys when the stream was one chunk and had them when it was two; now
+    both are folded to the unary keys."""
+    def chunk(request_id: str, mode: str, token: int, finish: str | None) -> bytes:
+        choice = {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": [token],
+                  "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+                  **({"text": "Hi"} if mode == "text" else {}), "logprobs": None}
+        return upstream_json({"request_id": request_id, "usage": None, "output_mode": mode, "choices": [choice]})
+
+    unary_keys = ["request_id", "model", "created", "usage", "prompt_logprobs", "prompt_token_id_logprobs",
+                  "prompt_token_ids", "mm_placeholders", "metrics", "kv_transfer_params", "ec_transfer_params",
+                  "output_mode", "choices"]
+    streams = {}
+    for mode in ("tokens", "text"):
+        one, two = rid(f"vllm-{mode}-one"), rid(f"vllm-{mode}-two")
+        streams[one] = [chunk(one, mode, 9906, "length")]
+        streams[two] = [chunk(two, mode, 9905, None), chunk(two, mode, 9906, "length")]
+    with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
+        for request_id, chunks in streams.items():
+            await publish_results(nc, DURABLE, request_id, chunks)
+        answers = {request_id: await get(vllm_edge, f"/v1/results/{request_id}?stream=false")
+                   for request_id in streams}
+
+    for request_id, answer in answers.items():
+        assert answer.status_code == 200, answer.text
+        assert list(answer.json()) == unary_keys, request_id
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+
+
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
     """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
     ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk

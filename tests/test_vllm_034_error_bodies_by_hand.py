@@ -206,8 +206,14 @@ def test_a_unary_error_body_is_answered_as_sent(doc):
     assert fold([*partial_stream(), body]) == body
 
 
-def test_a_generation_body_alone_is_not_sent_to_the_fold():
-    assert not VLLMCodec(OPTIONS).folds_alone(chunk([choice(0, OUT, "stop", None)]))
+def test_a_unary_generation_body_alone_is_not_sent_to_the_fold_and_a_stream_chunk_is():
+    """The unary ``GenerateTokensResponse`` (``request_id``, then ``model``) is the unary answer; a stream's
+    only chunk (``request_id``, then ``usage``) lacks its top-level keys and is folded (until 2026-12-06 a
+    tokens chunk was not)."""
+    unary = unary_error({"request_id": RID, "model": "m", "created": 1, "usage": None, "output_mode": "tokens",
+                         "choices": [choice(0, OUT, "stop", None)]})
+    assert not VLLMCodec(OPTIONS).folds_alone(unary)
+    assert VLLMCodec(OPTIONS).folds_alone(chunk([choice(0, OUT, "stop", None)]))
     assert not VLLMCodec(OPTIONS).folds_alone(b' {"request_id": "x", "error": {"message": "m"}}')
 
 

@@ -548,30 +548,33 @@ def _derender_body(top: dict, place: str, value: dict, mode: str = "derender") -
     return json.dumps({**top, "output_mode": mode, "choices": [choice]}, separators=(",", ":")).encode()
 
 
-def test_only_a_derender_stream_chunk_folds_alone() -> None:
-    """A derender stream's only chunk carries ``delta`` where the unary answer has ``message``
-    (``serve_tokens_stream_generator`` / ``serve_tokens_full_generator``), so the edge must fold it;
-    ``folds_alone`` said False and the edge served the chunk. The look tells the chunk
-    (``{"request_id":...,"usage":``, then ``prompt_token_ids`` with ``return_token_ids``, then
-    ``output_mode``) from the unary body (``request_id``, then ``model``); a tokens or text chunk, whose
-    unary equivalent it already is, and the unary derender body are still served as they came."""
+def test_a_stream_chunk_of_any_output_mode_folds_alone_and_a_unary_body_does_not() -> None:
+    """A stream's only chunk is no unary answer (``serve_tokens_stream_generator`` /
+    ``serve_tokens_full_generator``): a derender chunk carries ``delta`` where the unary answer has
+    ``message``, and every chunk lacks the unary body's ``model``, ``created`` and prompt-side keys, which
+    the fold of a longer stream writes. So the edge folds it; ``folds_alone`` said True for a derender
+    chunk only, and a tokens or text chunk was served as sent. The look tells the chunk
+    (``{"request_id":...,"usage":``) from the unary body (``request_id``, then ``model``), which is still
+    served as it came."""
     delta = {"role": "assistant", "content": "Hi"}
     stream_top = {"request_id": "r-\\\"x", "usage": None}
     chunks = [_derender_body(stream_top, "delta", delta),
               _derender_body({**stream_top, "prompt_token_ids": list(range(3000))}, "delta", delta),
               _derender_body({"request_id": "r", "usage": {"prompt_tokens": 3, "total_tokens": 5,
                                                            "completion_tokens": 2}}, "delta", delta)]
+    others = [_derender_body(stream_top, "text", "Hi", mode="text"),
+              _derender_body({"request_id": "r", "usage": None, "prompt_token_ids": [1]}, "delta", delta,
+                             mode="tokens")]
     message = {"role": "assistant", "content": "Hi", "refusal": None, "audio": None, "function_call": None,
                "reasoning": None}
     unary_top = {"request_id": 'a","usage":', "model": None, "created": 1, "usage": None}
-    served = [_derender_body(unary_top, "message", message),
-              _derender_body(stream_top, "text", "Hi", mode="text"),
-              _derender_body({"request_id": "r", "usage": None, "prompt_token_ids": [1]}, "delta", delta,
-                             mode="tokens")]
-    assert [CODEC.folds_alone(body) for body in chunks] == [True] * len(chunks)
+    served = [_derender_body(unary_top, "message", message)]
+    assert [CODEC.folds_alone(body) for body in chunks + others] == [True] * len(chunks + others)
     assert [CODEC.folds_alone(body) for body in served] == [False] * len(served)
     for body in chunks:
         assert json.loads(CODEC.fold([body]))["choices"][0]["message"] == message
+    for body in others:
+        assert list(json.loads(CODEC.fold([body])))[:3] == ["request_id", "model", "created"]
 
 
 def test_a_folded_message_whose_content_is_unknown_keeps_content_null_beside_its_reason() -> None:

@@ -17,7 +17,7 @@ from streamproc.wire import Verdict
 
 from . import experts, migration
 from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, error_response_prefix,
-                     derender_stream_chunk, is_error_response, parse, stream_error_frame)
+                     is_error_response, parse, stream_chunk, stream_error_frame)
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -109,9 +109,11 @@ class VLLMCodec(Codec):
         raised before any output): unary, the same request answers ``JSONResponse(err.model_dump())``, which
         :meth:`fold` writes. A bounded look at the first bytes (:func:`~.native.stream_error_frame`).
 
-        Also a derender stream's only chunk (one engine step: ``max_tokens=1``, an EOS at once): its
-        ``delta`` is no unary answer, which has ``message`` (:func:`~.native.derender_stream_chunk`)."""
-        return stream_error_frame(body) or derender_stream_chunk(body)
+        Also any stream's only chunk (one engine step: ``max_tokens=1``, an EOS at once;
+        :func:`~.native.stream_chunk`): it lacks the unary body's ``model``, ``created`` and prompt-side keys,
+        which the fold of a longer stream writes, and a derender chunk has ``delta`` where the unary answer
+        has ``message``."""
+        return stream_error_frame(body) or stream_chunk(body)
 
     def answer_status(self, body: bytes) -> int:
         """``ErrorResponse.error.code`` for a body that opens ``{"error"`` (:func:`~.native.error_response_prefix`)

@@ -195,19 +195,12 @@ def stream_error_frame(body: bytes) -> bool:
 # How ``serve_tokens_stream_generator`` opens a chunk (``model_dump_json``: ``request_id``, then ``usage``;
 # a unary ``GenerateResponseBase`` writes ``model`` next), the request id matched possessively (linear in it).
 STREAM_CHUNK_OPENING = re.compile(rb'\s*\{"request_id":"(?:[^"\\]++|\\.)*+","usage":')
-OUTPUT_MODE_KEY, DERENDER_VALUE = b'"output_mode":"', b'derender"'
 
 
-def derender_stream_chunk(body: bytes) -> bool:
-    """Whether a body opens as a derender stream chunk (its choice has ``delta`` where the unary body has
-    ``message``): the stream opening, then the first ``output_mode`` key says ``derender``. A chunk writes
-    that key behind ``usage`` and, with ``return_token_ids``, the prompt's ids, before its choices: the
-    search reads no output (``Codec.folds_alone`` runs on the event loop); ``fold`` parses the body."""
-    opening = STREAM_CHUNK_OPENING.match(body)
-    if opening is None:
-        return False
-    at = body.find(OUTPUT_MODE_KEY, opening.end())
-    return at >= 0 and body.startswith(DERENDER_VALUE, at + len(OUTPUT_MODE_KEY))
+def stream_chunk(body: bytes) -> bool:
+    """Whether a body opens as a stream chunk, not the unary body, whatever its ``output_mode``: a bounded
+    look (``Codec.folds_alone`` runs on the event loop); ``fold`` parses the body."""
+    return STREAM_CHUNK_OPENING.match(body) is not None
 
 
 def is_unary(obj: dict) -> bool:
