@@ -109,5 +109,37 @@ def test_a_folded_034_stream_has_the_unary_bodys_top_level_keys_in_their_order()
         assert list(folded) == UNARY_TOP_KEYS, mode
         assert (folded["model"], folded["created"], folded["prompt_token_ids"], folded["output_mode"]) == (
             None, None, [1, 2, 3], mode)
-        assert folded["usage"] == {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}
+        assert folded["usage"] == {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2,
+                                   "completion_tokens_details": None}
         assert folded["choices"][0]["token_ids"] == [11, 12]
+
+
+def test_a_folded_034_stream_has_the_unary_usage_and_metrics_with_their_null_fields():
+    """The usage chunk is ``model_dump_json(exclude_none=True)`` (``serve_tokens_stream_generator``, vLLM 0.34.0):
+    ``UsageInfo`` without ``completion_tokens_details``, ``PromptTokenUsageInfo`` (``--enable-prompt-tokens-details``)
+    with only ``cached_tokens``, ``PerRequestMetrics`` (``build_spec_decoding_metrics``, ``n == 1``) with only
+    ``speculative_decoding``, itself without the ``detailed``-level ``per_step_*`` arrays. The unary body
+    (``JSONResponse(content=model_dump())``) writes each of those ``None`` fields as ``null``, in declaration
+    order (``prompt_tokens_details`` stays out when ``None``: ``exclude_if``). The fold kept the chunk's dump, so
+    a client reading ``usage["completion_tokens_details"]`` of a folded answer failed; now it writes them."""
+    spec = {"mean_acceptance_length": 2.0, "draft_acceptance_rate": 0.5, "acceptance_histogram": [1, 1, 0],
+            "num_spec_steps": 2, "num_accepted_draft_tokens": 1, "num_draft_tokens": 4, "num_spec_tokens": 2}
+    final = dumps({"request_id": RID, "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2,
+                                                "prompt_tokens_details": {"cached_tokens": 2}},
+                   "metrics": {"speculative_decoding": spec}, "output_mode": "tokens", "choices": []})
+    folded = json.loads(CODEC.fold([tokens_chunk(11, None), tokens_chunk(12, "length"), final]))
+    unary_usage = {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2,
+                   "prompt_tokens_details": {"cached_tokens": 2, "created_cache_tokens": None,
+                                             "multimodal_tokens": None},
+                   "completion_tokens_details": None}
+    unary_metrics = {"time_to_first_token_ms": None, "generation_time_ms": None, "queue_time_ms": None,
+                     "mean_itl_ms": None, "tokens_per_second": None,
+                     "speculative_decoding": {**spec, "per_step_accepted": None, "per_step_drafted": None}}
+    assert dumps(folded["usage"]) == dumps(unary_usage)
+    assert dumps(folded["metrics"]) == dumps(unary_metrics)
+    # Without prompt token details (the default) the unary usage has no such key at all.
+    plain = dumps({"request_id": RID, "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2},
+                   "output_mode": "tokens", "choices": []})
+    folded = json.loads(CODEC.fold([tokens_chunk(11, None), tokens_chunk(12, "length"), plain]))
+    assert dumps(folded["usage"]) == dumps({"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2,
+                                            "completion_tokens_details": None})

@@ -11,8 +11,9 @@ from typing import Sequence
 
 from streamproc.codec import OmissionReason
 
-from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, OUTPUT_MODE, PROMPT_LOGPROBS, ROUTED_EXPERTS,
-                     SAMPLING_MASK, UNARY_KEYS_034, choices_of, is_int, unavailable_key)
+from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, METRICS, METRICS_034, OUTPUT_MODE, PROMPT_LOGPROBS,
+                     ROUTED_EXPERTS, SAMPLING_MASK, UNARY_KEYS_034, USAGE_034, ModelFields, choices_of, is_int,
+                     unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
@@ -139,10 +140,24 @@ def _fold_choice(parts: list[dict], index: int) -> dict:
     return {**{key: choice[key] for key in order}, **choice}
 
 
+def _dumped_whole(obj: object, model: ModelFields) -> object:
+    """A model a usage chunk dumped ``exclude_none`` as the unary body's ``model_dump()`` writes it: each
+    declared field in order, ``null`` where it was left out (not an ``exclude_if`` one); other keys after."""
+    if not isinstance(obj, dict):
+        return obj
+    fields, optional, nested = model
+    whole = {field: obj.get(field) for field in fields if field in obj or field not in optional}
+    for field, inner in nested.items():
+        if field in whole:
+            whole[field] = _dumped_whole(whole[field], inner)
+    return {**whole, **{key: value for key, value in obj.items() if key not in whole}}
+
+
 def fold_objects(chunks: Sequence[dict]) -> dict:
     """One unary body from parsed stream chunks (a single unary body folds to itself). A 0.34.0 body (it has
     ``output_mode``) gets every key of the unary ``GenerateResponseBase`` dump in its order (``UNARY_KEYS_034``):
-    a stream never carries ``model``, ``created`` or the prompt-side fields, which are then ``null``."""
+    a stream never carries ``model``, ``created`` or the prompt-side fields, which are then ``null``; its
+    ``usage`` and ``metrics``, dumped ``exclude_none`` in the usage chunk, get their ``null`` fields back."""
     if not chunks:
         raise ValueError("cannot fold an empty stream")
     by_index: dict[int, list[dict]] = {}
@@ -172,5 +187,7 @@ def fold_objects(chunks: Sequence[dict]) -> dict:
     }
     _drop_reason_if_present(folded, PROMPT_LOGPROBS)
     if OUTPUT_MODE in folded:  # a 0.34.0 body: the unary one's keys in its order, null where no chunk said
-        return {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
+        folded = {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
+        folded["usage"] = _dumped_whole(folded["usage"], USAGE_034)
+        folded[METRICS] = _dumped_whole(folded[METRICS], METRICS_034)
     return folded

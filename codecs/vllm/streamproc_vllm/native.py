@@ -85,6 +85,21 @@ EC_TRANSFER_PARAMS = "ec_transfer_params"
 # ``choices``: a unary body writes every one, in this order (``api_router.generate``: ``JSONResponse(content=
 # generator.model_dump())``, no ``exclude_none``); a stream chunk only ``request_id``, ``usage``, the set ones of
 # ``prompt_token_ids`` / ``mm_placeholders`` / ``metrics``, ``output_mode`` and ``choices``.
+# 0.34.0 models a stream's usage chunk dumps ``exclude_none=True`` and the unary body whole (``model_dump()``):
+# (declared fields in order, fields left out when ``None`` all the same (``exclude_if``), nested models).
+# ``UsageInfo`` / ``PromptTokenUsageInfo`` (``serve/engine/protocol.py``); ``PerRequestMetrics`` /
+# ``SpeculativeDecodingMetrics`` (``generate/base/protocol.py``).
+ModelFields = tuple[tuple[str, ...], tuple[str, ...], dict[str, "ModelFields"]]
+PROMPT_TOKENS_DETAILS_034: ModelFields = ((CACHED_TOKENS, "created_cache_tokens", "multimodal_tokens"), (), {})
+USAGE_034: ModelFields = (("prompt_tokens", "total_tokens", COMPLETION_TOKENS, PROMPT_TOKENS_DETAILS,
+                           "completion_tokens_details"), (PROMPT_TOKENS_DETAILS,),
+                          {PROMPT_TOKENS_DETAILS: PROMPT_TOKENS_DETAILS_034})
+SPEC_DECODING_034: ModelFields = (("mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram",
+                                   "num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens",
+                                   "num_spec_tokens", "per_step_accepted", "per_step_drafted"), (), {})
+METRICS_034: ModelFields = (("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
+                             "tokens_per_second", "speculative_decoding"), (),
+                            {"speculative_decoding": SPEC_DECODING_034})
 UNARY_KEYS_034 = ("request_id", "model", CREATED, "usage", PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS, PROMPT_TOKEN_IDS,
                   MM_PLACEHOLDERS, METRICS, KV_TRANSFER_PARAMS, EC_TRANSFER_PARAMS, OUTPUT_MODE, CHOICES)
 
