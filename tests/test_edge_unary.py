@@ -220,6 +220,20 @@ async def test_a_vllm_tokens_or_text_stream_of_one_chunk_is_answered_with_the_ke
         assert answer.json()["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_vllm_lone_result_that_opens_as_a_stream_chunk_but_is_no_json_is_served_as_sent(server, nc):
+    """``folds_alone`` sends every body that opens ``{"request_id":...,"usage":`` (a vLLM 0.34.0 stream
+    chunk, any ``output_mode``) to the fold; a worker's chunk that opens so and then is cut short raised
+    there, and the unary client got a 500 ``cannot fold 1 results`` for a body the edge serves as sent when
+    its opening differs. It is served as sent (200), as any lone body."""
+    request_id = rid("vllm-cut-chunk")
+    body = b'{"request_id":"' + request_id.encode() + b'","usage":null,"output_mode":"tokens","choices":[{"ind'
+    with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as vllm_edge:
+        await publish_results(nc, DURABLE, request_id, [body])
+        answer = await get(vllm_edge, f"/v1/results/{request_id}?stream=false")
+
+    assert (answer.status_code, answer.content) == (200, body)
+
+
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
     """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
     ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk

@@ -577,6 +577,25 @@ def test_a_stream_chunk_of_any_output_mode_folds_alone_and_a_unary_body_does_not
         assert list(json.loads(CODEC.fold([body])))[:3] == ["request_id", "model", "created"]
 
 
+def test_a_lone_body_that_opens_as_a_stream_chunk_but_is_no_json_object_is_answered_as_sent() -> None:
+    """``folds_alone`` is a bounded look at a body's opening (``{"request_id":...,"usage":``); since every
+    stream chunk's opening is sent to ``fold`` (any ``output_mode``), a worker's body that opens so and then
+    is no JSON object (cut short, a byte that is no UTF-8, nesting deeper than the parser's recursion)
+    raised in ``fold``, and the edge answered 500 ``cannot fold 1 results`` where it serves any other lone
+    body as sent. Now ``fold`` answers such a lone body as sent; in a longer stream it still cannot be
+    folded (ValueError, as before)."""
+    opening = b'{"request_id":"r","usage":'
+    bodies = [opening + b'null,"output_mode":"tokens","choices":[',
+              opening + b'null,"output_mode":"text","choices":[],"x":"\xff"}',
+              opening + b"[" * 100_000 + b"]" * 100_000 + b"}"]
+    assert [CODEC.folds_alone(body) for body in bodies] == [True] * len(bodies)
+    assert [CODEC.fold([body]) for body in bodies] == bodies
+    good = _derender_body({"request_id": "r", "usage": None}, "text", "Hi", mode="text")
+    for body in bodies:
+        with pytest.raises(ValueError):
+            CODEC.fold([good, body])
+
+
 def test_a_folded_message_whose_content_is_unknown_keeps_content_null_beside_its_reason() -> None:
     """A reasoning-only derender stream (vLLM 0.34.0 ``Parser.parse_delta``: ``reasoning`` pieces, no
     ``content`` piece; ``serve_tokens_stream_generator`` puts ``role`` on the first) fits a unary content
@@ -612,8 +631,10 @@ def test_joined_decode_stream_folds_to_the_joined_unary_and_the_agg_run(seed: in
 
 
 def test_fold_rejects_non_json_chunks() -> None:
+    """In a stream of several bodies (a lone one is answered as sent: the test above)."""
+    good = _derender_body({"request_id": "r", "usage": None}, "text", "Hi", mode="text")
     with pytest.raises(ValueError):
-        CODEC.fold([b"not json"])
+        CODEC.fold([good, b"not json"])
 
 
 def test_a_derender_stream_of_many_tool_call_pieces_folds_in_linear_time() -> None:

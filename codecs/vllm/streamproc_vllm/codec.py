@@ -17,7 +17,8 @@ from streamproc.wire import Verdict
 
 from . import experts, migration
 from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, error_response_prefix,
-                     is_error_response, parse, stream_chunk, stream_error_frame)
+                     is_error_response, parse, parse_object, stream_chunk,
+                     stream_error_frame)
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
@@ -88,10 +89,16 @@ class VLLMCodec(Codec):
         return VLLMJoinSession(self)
 
     def fold(self, bodies: Sequence[bytes]) -> bytes:
+        """The unary equivalent of a stream's bodies. A lone body that is no JSON object is answered as
+        sent: ``folds_alone`` sent it here on its opening alone, and the edge serves any other lone body
+        as sent (a 500 ``cannot fold`` would make a worker's broken chunk the edge's failure)."""
         chunks = []
         for seq, body in enumerate(bodies):
-            obj = parse(body)
-            if not isinstance(obj, dict):
+            obj = parse_object(body)
+            if obj is None:
+                if len(bodies) == 1:
+                    return bytes(body)
+                parse(body)  # the parser's own complaint, when the body is no JSON at all
                 raise ValueError(f"chunk {seq} is not a JSON object")
             chunks.append(obj)
         # The same request unary answers the error alone (``api_router.generate``: the exception reaches

@@ -151,9 +151,11 @@ def parse(body: bytes) -> Any:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass
+    except RecursionError as exc:  # nesting deeper than the stack: no body vLLM writes
+        raise ValueError(f"body is not JSON: {exc}") from None
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"body is not JSON: {exc}") from None
 
 
