@@ -101,12 +101,12 @@ def test_a_folded_034_stream_has_the_unary_bodys_top_level_keys_in_their_order()
     kv_transfer_params`` and then what the chunks had (``output_mode``, the first chunk's
     ``prompt_token_ids``), without ``created``, ``prompt_token_id_logprobs``, ``mm_placeholders``,
     ``metrics`` or ``ec_transfer_params``: a client reading ``body["created"]`` of a folded answer failed.
-    Now the keys are the unary body's, in its order; what no chunk carried is ``null``."""
+    Now the keys are the unary body's, in its order; what no chunk carried is ``null`` (with its reason)."""
     for mode in ("tokens", "text"):
         chunks = [tokens_chunk(11, None, mode, prompt_token_ids=[1, 2, 3]), tokens_chunk(12, "length", mode),
                   usage_chunk(3, 2, mode)]
         folded = json.loads(CODEC.fold(chunks))
-        assert list(folded) == UNARY_TOP_KEYS, mode
+        assert list(folded)[:len(UNARY_TOP_KEYS)] == UNARY_TOP_KEYS, mode  # then the reasons (test below)
         assert (folded["model"], folded["created"], folded["prompt_token_ids"], folded["output_mode"]) == (
             None, None, [1, 2, 3], mode)
         assert folded["usage"] == {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2,
@@ -143,3 +143,61 @@ def test_a_folded_034_stream_has_the_unary_usage_and_metrics_with_their_null_fie
     folded = json.loads(CODEC.fold([tokens_chunk(11, None), tokens_chunk(12, "length"), plain]))
     assert dumps(folded["usage"]) == dumps({"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2,
                                             "completion_tokens_details": None})
+
+
+# vLLM 0.34.0 ``GenerateResponseBase`` fields that ``serve_tokens_stream_generator`` never writes in a chunk
+# (``response_cls(request_id=..., choices=[choice])``, then only ``prompt_token_ids`` / ``mm_placeholders`` /
+# ``usage`` / ``metrics`` are set), while ``_build_response_fields`` fills each for the unary body: ``model``
+# (the served name) and ``created`` (``int(time.time())``) always, the prompt-side scores and the transfer
+# params from the ``RequestOutput``.
+NEVER_STREAMED = ["model", "created", "prompt_logprobs", "prompt_token_id_logprobs", "kv_transfer_params",
+                  "ec_transfer_params"]
+
+
+def stream_of(mode: str, include_usage: bool) -> list[bytes]:
+    """Two token chunks (``finish_reason`` on the second), then with ``include_usage`` the usage chunk."""
+    if mode == "derender":
+        chunks = [derender_chunk({"role": "assistant", "content": "H"}, 11, None),
+                  derender_chunk({"content": "i"}, 12, "length")]
+    else:
+        chunks = [tokens_chunk(11, None, mode), tokens_chunk(12, "length", mode)]
+    return chunks + ([usage_chunk(3, 2, mode)] if include_usage else [])
+
+
+def test_a_folded_034_stream_omits_with_a_reason_each_unary_field_no_chunk_carries():
+    """A stream never carries ``model``, ``created``, ``prompt_logprobs``, ``prompt_token_id_logprobs``,
+    ``kv_transfer_params``, ``ec_transfer_params``, and without ``stream_options.include_usage`` not ``usage``
+    nor ``metrics`` either (the usage chunk is their only carrier); the unary body of the same request has a
+    value there (``model`` a string and ``created`` an int always, ``usage`` a ``UsageInfo`` always), or
+    ``null`` only on paths no chunk tells. The fold wrote a bare ``null``, which a client took for the
+    unary value; now each is ``null`` with ``<field>_unavailable_reason: not_streamed`` (the omission policy).
+    A ``null`` the stream determines stays bare: ``prompt_token_ids`` / ``mm_placeholders`` without
+    ``return_token_ids`` (the first chunk has them when it is set), ``metrics`` when the usage chunk has none
+    (it is dumped from the same ``per_request_metrics`` the unary body writes)."""
+    for mode in ("tokens", "text", "derender"):
+        for include_usage in (True, False):
+            folded = json.loads(CODEC.fold(stream_of(mode, include_usage)))
+            unstreamed = NEVER_STREAMED + ([] if include_usage else ["usage", "metrics"])
+            reasons = {key: value for key, value in folded.items() if key.endswith("_unavailable_reason")}
+            assert reasons == {f"{field}_unavailable_reason": "not_streamed" for field in unstreamed}, (
+                mode, include_usage)
+            assert list(folded)[:len(UNARY_TOP_KEYS)] == UNARY_TOP_KEYS  # the reasons follow the unary keys
+            assert all(folded[field] is None for field in unstreamed)
+            bare_nulls = {key for key in UNARY_TOP_KEYS if folded[key] is None} - set(unstreamed)
+            assert bare_nulls == {"prompt_token_ids", "mm_placeholders"} | ({"metrics"} if include_usage else set())
+
+
+def test_a_folded_034_stream_keeps_a_value_a_chunk_carries_without_a_reason():
+    """What a chunk does carry is the value, with no reason beside it: ``prompt_token_ids`` from the first
+    chunk (``return_token_ids``), ``usage`` / ``metrics`` from the usage chunk."""
+    metrics = {"speculative_decoding": {"mean_acceptance_length": 2.0, "draft_acceptance_rate": 0.5,
+                                        "acceptance_histogram": [1, 1, 0], "num_spec_steps": 2,
+                                        "num_accepted_draft_tokens": 1, "num_draft_tokens": 4, "num_spec_tokens": 2}}
+    final = dumps({"request_id": RID, "usage": {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2},
+                   "metrics": metrics, "output_mode": "tokens", "choices": []})
+    folded = json.loads(CODEC.fold([tokens_chunk(11, None, prompt_token_ids=[1, 2, 3], mm_placeholders={}),
+                                    tokens_chunk(12, "length"), final]))
+    assert (folded["prompt_token_ids"], folded["mm_placeholders"]) == ([1, 2, 3], {})
+    assert folded["usage"]["completion_tokens"] == 2 and folded["metrics"]["speculative_decoding"]
+    assert sorted(key for key in folded if key.endswith("_unavailable_reason")) == sorted(
+        f"{field}_unavailable_reason" for field in NEVER_STREAMED)

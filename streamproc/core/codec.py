@@ -198,6 +198,7 @@ class OmissionReason(enum.StrEnum):
     STITCH_CORRUPT = "stitch_corrupt"  # a resumed attempt's value cannot be stitched to the earlier ones
     STITCH_INCOMPLETE = "stitch_incomplete"  # the value covers the whole output, and the earlier attempts never published theirs
     FOLD_AMBIGUOUS = "fold_ambiguous"  # a folded stream fits two unary values, and nothing in it says which
+    NOT_STREAMED = "not_streamed"  # the unary answer has the field, and no chunk of the folded stream carries it
 
     @classmethod
     def of_leg(cls, exc: CorruptPayload, leg: str) -> OmissionReason:

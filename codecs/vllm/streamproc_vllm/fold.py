@@ -11,9 +11,9 @@ from typing import Sequence
 
 from streamproc.codec import OmissionReason
 
-from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, METRICS, METRICS_034, OUTPUT_MODE, PROMPT_LOGPROBS,
-                     ROUTED_EXPERTS, SAMPLING_MASK, UNARY_KEYS_034, USAGE_034, ModelFields, choices_of, is_int,
-                     unavailable_key)
+from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, METRICS, METRICS_034, NEVER_STREAMED_034, OUTPUT_MODE,
+                     PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, UNARY_KEYS_034, USAGE_034, USAGE_CHUNK_FIELDS_034,
+                     ModelFields, choices_of, is_int, unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
@@ -153,11 +153,24 @@ def _dumped_whole(obj: object, model: ModelFields) -> object:
     return {**whole, **{key: value for key, value in obj.items() if key not in whole}}
 
 
+def _omit_unstreamed(folded: dict) -> None:
+    """A 0.34.0 field no chunk carried stays ``null`` with ``not_streamed`` beside it (the omission policy):
+    the unary body has a value there (``model``, ``created`` and ``usage`` always) that no stream says. Without
+    a usage chunk (no ``include_usage``) ``usage`` and ``metrics`` are such fields too; with one, a ``null``
+    ``metrics`` is the unary value (both dump the same ``per_request_metrics``), left bare, as are
+    ``prompt_token_ids`` / ``mm_placeholders``, on the first chunk exactly when the request asked for them."""
+    fields = NEVER_STREAMED_034 + (() if isinstance(folded["usage"], dict) else USAGE_CHUNK_FIELDS_034)
+    for field in fields:
+        if folded[field] is None and unavailable_key(field) not in folded:
+            folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
+
+
 def fold_objects(chunks: Sequence[dict]) -> dict:
     """One unary body from parsed stream chunks (a single unary body folds to itself). A 0.34.0 body (it has
     ``output_mode``) gets every key of the unary ``GenerateResponseBase`` dump in its order (``UNARY_KEYS_034``):
-    a stream never carries ``model``, ``created`` or the prompt-side fields, which are then ``null``; its
-    ``usage`` and ``metrics``, dumped ``exclude_none`` in the usage chunk, get their ``null`` fields back."""
+    a stream never carries ``model``, ``created`` or the prompt-side fields, which are then ``null`` with their
+    reason (:func:`_omit_unstreamed`); its ``usage`` and ``metrics``, dumped ``exclude_none`` in the usage chunk,
+    get their ``null`` fields back."""
     if not chunks:
         raise ValueError("cannot fold an empty stream")
     by_index: dict[int, list[dict]] = {}
@@ -190,4 +203,5 @@ def fold_objects(chunks: Sequence[dict]) -> dict:
         folded = {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
         folded["usage"] = _dumped_whole(folded["usage"], USAGE_034)
         folded[METRICS] = _dumped_whole(folded[METRICS], METRICS_034)
+        _omit_unstreamed(folded)
     return folded

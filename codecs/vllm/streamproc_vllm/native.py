@@ -100,6 +100,13 @@ SPEC_DECODING_034: ModelFields = (("mean_acceptance_length", "draft_acceptance_r
 METRICS_034: ModelFields = (("time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
                              "tokens_per_second", "speculative_decoding"), (),
                             {"speculative_decoding": SPEC_DECODING_034})
+# Of those, the ones no 0.34.0 stream chunk carries (``serve_tokens_stream_generator`` builds a chunk as
+# ``response_cls(request_id=..., choices=[choice])`` and sets only ``prompt_token_ids`` / ``mm_placeholders`` /
+# ``usage`` / ``metrics``), while ``_build_response_fields`` fills them for the unary body (``model`` and
+# ``created`` always): a fold cannot say their unary value. ``usage`` and ``metrics`` are carried by the usage
+# chunk only (``stream_options.include_usage``).
+NEVER_STREAMED_034 = ("model", CREATED, PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS, KV_TRANSFER_PARAMS, EC_TRANSFER_PARAMS)
+USAGE_CHUNK_FIELDS_034 = ("usage", METRICS)
 UNARY_KEYS_034 = ("request_id", "model", CREATED, "usage", PROMPT_LOGPROBS, PROMPT_TOKEN_ID_LOGPROBS, PROMPT_TOKEN_IDS,
                   MM_PLACEHOLDERS, METRICS, KV_TRANSFER_PARAMS, EC_TRANSFER_PARAMS, OUTPUT_MODE, CHOICES)
 

@@ -26,6 +26,7 @@
     stitch_corrupt: "a resumed attempt's value cannot be stitched to the earlier attempts'",
     stitch_incomplete: "the value covers the whole output, and the lost attempt never published its part",
     fold_ambiguous: "the folded stream fits two unary values, and nothing in it says which",
+    not_streamed: "the unary answer has this field, and no chunk of the folded stream carries it",
   };
   const PREFILL = "#3d5afe", DECODE = "#ff9100", AGG = "#90a4ae", JOINED = "#7e57c2", RESUMED = "#00897b";
   const SPLICE = "#d50000";
