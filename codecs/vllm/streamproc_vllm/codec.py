@@ -17,8 +17,7 @@ from streamproc.wire import Verdict
 
 from . import experts, migration
 from .native import (ROUTED_EXPERTS, STREAM_ROUTED_EXPERTS_OPTION, StreamExperts, dump, error_response_prefix,
-                     is_error_response, parse, parse_object, stream_chunk,
-                     stream_error_frame)
+                     is_error_response, parse, parse_object, stream_chunk, stream_error_frame)
 from .fold import fold_objects
 from .join import VLLMJoinSession
 from .sequence import Base64Npy
