@@ -23,9 +23,10 @@ from durable_helpers import (
     stored_results,
     wait_for_finals,
 )
-from helpers import free_port, peak_rss, rid, scrape, status_kib, wait_until
+from helpers import free_port, peak_rss, raw_hpub, raw_protocol, rid, scrape, status_kib, wait_until
 from shipped_config import CONF, shipped_server, url
 
+from streamproc.sim.embedded import EmbeddedNats
 from streamproc.core.wire import ResultInfo, Subjects, chunk_headers, result_from_message
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
@@ -613,3 +614,69 @@ async def test_chunks_whose_results_pass_max_payload_end_their_requests_at_once_
             assert proc.poll() is None
         finally:
             await nc.close()
+
+
+# test_a_result_over_max_payload_behind_others_in_a_fast_batch_ends_its_request_at_once
+LOW_MAX_PAYLOAD = 64 * 1024  # below the outbox's batch_bytes (256 KiB): an oversized result can ride in a batch
+BEHIND = 40  # requests whose third result is over max_payload: past --max-ack-pending 32
+BEHIND_BYSTANDER_BOUND = 2.0  # seconds from its publish to its stored result
+
+
+async def test_a_result_over_max_payload_behind_others_in_a_fast_batch_ends_its_request_at_once():
+    """On a server whose ``max_payload`` is below the outbox's batch bytes (64 KiB here; operators
+    lower it), a worker sends seqs 0-3 of a streamed request in one write, seq 2 of exactly
+    ``max_payload`` under a short header block: its result, with a longer block, cannot be sent, and
+    it rides behind seq 1 in one fast batch. The outbox gave such a later member's request up and
+    NAKed its chunks (only a request's first unstored result was replaced by an error): seqs 2 and 3
+    came back once each, and then seq 2 led and was replaced. 40 such requests at
+    ``--max-ack-pending`` 32 cost 80 redeliveries (the bystander 0.5 s, VmHWM 50 MiB, 2026-12-06):
+    bounded, but a redelivery of a chunk the worker may make ~max_payload each. Now the batch ends at
+    the member, which rides in no batch after that and is replaced in its turn: the request ends with
+    0, 1 and the error, nothing is redelivered or poisoned, and a bystander published behind the
+    flood is answered within ``BEHIND_BYSTANDER_BOUND``."""
+    port = free_port()
+    with EmbeddedNats(config=f"max_payload: {LOW_MAX_PAYLOAD}") as server:
+        flags = durable_flags(partitions=1, max_ack_pending=OVERSIZED_MAX_ACK_PENDING)
+        with processor_subprocess(server.url, *flags, "--http-port", str(port)) as (proc, log_path):
+            nc = await connect(server.url)
+            try:
+                js = nc.jetstream()
+                assert nc.max_payload == LOW_MAX_PAYLOAD
+                flood = [f"behind{k}" for k in range(BEHIND)]
+                frames = []
+                for r in flood:
+                    subject = SUBJECTS.chunk(r, "agg").encode()
+                    block = b"NATS/1.0\r\nStreamproc-Seq:2\r\n\r\n"
+                    frames += [raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:0\r\n\r\n", b"zero"),
+                               raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:1\r\n\r\n", b"one"),
+                               raw_hpub(subject, block, b"x" * (LOW_MAX_PAYLOAD - len(block))),
+                               raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:3\r\nStreamproc-Final:true\r\n\r\n",
+                                        b"three")]
+                await raw_protocol(server.url, frames)
+                t0 = time.monotonic()
+                await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                                 headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+                await wait_for_finals(js, SUBJECTS, ["bystander"], 90)
+                bystander = time.monotonic() - t0
+                stored = await wait_for_finals(js, SUBJECTS, flood, 90)
+                metrics = scrape(port)
+                summary = (f"bystander answered after {bystander:.2f} s; redelivered "
+                           f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+                           f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
+                           f"{status_kib(proc.pid, 'VmHWM') / 1024:.0f} MiB")
+                for r in flood:
+                    got = [(x.seq, x.final, x.error) for x in stored[r]]
+                    assert got == [(0, False, None), (1, False, None), (2, True, "internal")], (r, got, summary)
+                    assert b"max_payload" in stored[r][2].body, stored[r][2].body[:300]
+                assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+                assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+                assert bystander < BEHIND_BYSTANDER_BOUND, summary
+
+                async def drained() -> bool:
+                    return await chunk_stream_messages(js) == 0
+
+                await wait_until(drained, 10, "every chunk acknowledged")
+                assert peak_rss(proc.pid) < 200 * MiB, summary
+                assert proc.poll() is None
+            finally:
+                await nc.close()

@@ -174,6 +174,8 @@ class World:
         self.on_wire: set[str] = set()  # msg-ids handed to NATS at least once
         self.left: set[object] = set()  # the queued results (Outgoing) handed to NATS at least once
         self.oversized: set[str] = set()  # msg-ids whose result can never be sent (the same every time)
+        # msg-ids of results refused by the client before any copy left: refused again at every send
+        self.too_large: set[str] = set()
         for rid in self.sizes:
             self.restart(rid)
 
@@ -307,12 +309,17 @@ class World:
         i-th publish did not leave; ``interrupt``, before the k-th publish either it can never be
         sent (``unsendable``: its request is given up) or, during an await, a reconnect is seen."""
         for i, (o, batch) in enumerate(in_turn(self.outbox.sending(self.now, budget))):
+            if o.result.msg_id in self.too_large and o.result.error is None:  # the same bytes: refused again
+                self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"), counted=False)
+                continue
             if interrupt is not None and interrupt[1] == i:
                 if interrupt[0] == "unsendable":
                     # The same bytes: a result that left once always can, unless the server's max_payload
                     # was lowered (a reconnect) since this very send left: it may be stored, so it must
                     # not be replaced (the error result has its Nats-Msg-Id).
                     if o.result.msg_id not in self.on_wire or o in self.left:
+                        if o.result.msg_id not in self.on_wire and o.result.error is None:
+                            self.too_large.add(o.result.msg_id)
                         self.gave_up(self.outbox.unsendable(o, "larger than the server's max_payload"),
                                      counted=False)
                         continue
@@ -789,25 +796,45 @@ def test_a_result_that_may_have_left_before_is_nakd_when_it_becomes_unsendable_n
     assert box.unsendable(b, "too large") == [GiveUp("b", 0, 2, "too large", replace=True, tokens=(t0,))]
 
 
-@pytest.mark.parametrize("error", [None, "internal"])
-def test_an_unsendable_error_result_or_later_batch_member_is_given_up_its_tokens_nakd(error):
-    """Replaced in turn, an error result too large for the server made a loop; a later member of a
-    fast batch may follow a result that is not stored: an error in its place could leave a gap."""
-    box = Outbox(OutboxConfig(max_attempts=100, batch_limit=8 if error is None else 1))
-    t0, t1 = Token("a", "0", 1), Token("a", "1", 1)
-    if error is None:  # a stored result first, so the two behind it leave as one batch
-        box.take([result("a", 0, settles=(t0,))], "a")
-        (first,) = box.sending(0.0)
-        box.take([result("a", 1, settles=(t1,)), result("a", 2)], "a")
-        assert box.on_puback(first.ticket, b'{"stream":"R","seq":1}', 0.1) == STORED
-        assert box.control() == [(t0, ACK)]
-        members = box.sending(0.2)
-        assert [m.result.seq for m in members] == [1, 2]
-        o = members[1]
-        t0 = t1
-    else:
-        box.take([Result("a", 0, b"error", True, error=error, settles=(t0,))], "a")
-        (o,) = box.sending(0.0)
+def test_an_unsendable_later_batch_member_ends_its_batch_and_is_replaced_as_its_request_s_first_unstored():
+    """A later member of a fast batch may follow a result that is not stored, so no error may take
+    its place yet; given up, its request's chunks were NAKed, came back, made the same batch and
+    were NAKed again (tests/test_durable_worker_attack.py). Its batch ends at it, the batch's head
+    leaves again at once, the member rides in no batch behind another, and as its request's first
+    unstored result it is replaced, its tokens and those queued behind it kept for the error."""
+    box = Outbox(OutboxConfig(max_attempts=100, batch_limit=8))
+    t0, t1, t2, t3 = (Token("a", str(i), 1) for i in range(4))
+    box.take([result("a", 0, settles=(t0,))], "a")
+    (first,) = box.sending(0.0)
+    box.take([result("a", 1, settles=(t1,)), result("a", 2, settles=(t2,)), result("a", 3, settles=(t3,))], "a")
+    assert box.on_puback(first.ticket, b'{"stream":"R","seq":1}', 0.1) == STORED
+    assert box.control() == [(t0, ACK)]
+    members = box.sending(0.2)
+    assert [m.result.seq for m in members] == [1, 2, 3]
+    sent = []
+    for o, _ in in_turn(members):  # as the pump publishes them: seq 1 leaves, seq 2 cannot
+        if o.result.seq == 2:
+            assert box.unsendable(o, "too large") == []
+        else:
+            sent.append(o.result.seq)
+    assert sent == [1]  # the batch ended at seq 2: seq 3 is not sent after the gap
+    assert box.control() == [] and box.stats.results_given_up == 0
+    (again,) = box.sending(0.3)  # seq 1 again, alone: seq 2 rides behind nothing
+    assert again is members[0] and again.batch is None
+    assert box.on_puback(again.ticket, b'{"stream":"R","seq":2,"duplicate": true}', 0.4) == DUPLICATE
+    assert box.control() == [(t1, ACK)]
+    heads = box.sending(0.5)
+    assert [m.result.seq for m in heads] == [2, 3]  # now the first unstored: it leads
+    assert box.unsendable(heads[0], "too large") == [GiveUp("a", 2, 2, "too large", replace=True, tokens=(t2, t3))]
+    assert box.control() == []
+
+
+def test_an_unsendable_error_result_is_given_up_its_tokens_nakd():
+    """Replaced in turn, an error result too large for the server made a loop."""
+    box = Outbox(OutboxConfig(max_attempts=100))
+    t0 = Token("a", "0", 1)
+    box.take([Result("a", 0, b"error", True, error="internal", settles=(t0,))], "a")
+    (o,) = box.sending(0.0)
     assert box.unsendable(o, "too large") == [GiveUp("a", o.result.seq, 1, "too large")]
     assert box.control() == [(t0, NAK)]
     assert box.stats.results_given_up == 1 and box.stats.publish_errors == 1

@@ -146,7 +146,7 @@ class Outgoing:
     """One result on its way to the stream, with the input tokens its PubAck releases."""
 
     __slots__ = ("result", "ticket", "settles", "due", "wait", "failures", "refused", "sent", "received", "timed",
-                 "flight", "members", "batch_seq", "size", "alone", "full", "handed")
+                 "flight", "members", "batch_seq", "size", "alone", "full", "handed", "solo")
 
     def __init__(self, result: Result, ticket: str, settles: list, wait: float,
                  received: float | None = None) -> None:
@@ -169,6 +169,9 @@ class Outgoing:
         self.batch_seq = 0
         self.size = 0
         self.alone = False  # its batch ended short at it: sent alone next time
+        # Never taken into a batch behind another result: it could not be sent as a batch's later member
+        # (over max_payload), and only as its request's first unstored result can an error replace it.
+        self.solo = False
         # A batch's first member: a reply during its flight said the request's subject is full. The
         # batch's PubAck (or the commit's 10208 after a refused start) does not repeat why.
         self.full: bytes | None = None
@@ -460,9 +463,11 @@ class Outbox:
         """The publish of ``o`` can never leave (its message is larger than the connection allows):
         give it up now, to be replaced by an error result at its seq (:attr:`GiveUp.replace`) when it
         is its request's first result not stored (every earlier one is, so the error leaves no gap)
-        and no send of it ever left. Otherwise it is NAKed, as :meth:`tick` gives up a refused
-        result, and recovered when redelivered: a later member of a fast batch (the ones before it
-        may not be stored), an error result already (replaced in turn, a server whose
+        and no send of it ever left. A later member of a fast batch (the ones before it may not be
+        stored) ends its batch there instead: the batch's head leaves again, and this one rides in no
+        batch behind another (:attr:`Outgoing.solo`), so it is replaced in its turn. Otherwise it is
+        NAKed, as :meth:`tick` gives up a refused result, and recovered when redelivered: an error
+        result already (replaced in turn, a server whose
         ``max_payload`` is below an error result's size made a loop), or one sent before, to a
         server whose ``max_payload`` was higher (a reconnect): it may be stored, and the error
         result, under the same ``Nats-Msg-Id``, was deduplicated against it, its PubAck read as
@@ -470,8 +475,20 @@ class Outbox:
         self.stats.publish_errors += 1
         o.failures += 1
         o.handed -= 1
-        self._inflight.pop(o.ticket, None)
         queue = self._queues.get(o.result.request_id)
+        head = self._inflight.get(o.flight) if o.flight is not None else None
+        if head is not None and head is not o and o.result.error is None and not o.handed:
+            # A later member of a fast batch: the ones before it may not be stored, so it cannot be
+            # replaced yet, and given up its request's chunks came back only to make the same batch
+            # (40 such requests, 80 redeliveries). The batch ends here (its rest is not sent), its head
+            # leaves again at once (what left of it is deduplicated), and this one rides in no batch
+            # behind another: sent as its request's first unstored result, it is replaced.
+            del self._inflight[o.flight]  # type: ignore[arg-type]
+            self._land(head)
+            o.solo = True
+            self.ready.append(head)
+            return []
+        self._inflight.pop(o.ticket, None)
         self._give_up(o, reason, replace=o.result.error is None and not o.handed and queue is not None
                       and queue[0] is o)
         return self.given_up()
@@ -701,7 +718,7 @@ class Outbox:
         n = 1
         for o in queue[1:limit]:
             room -= len(o.result.body)
-            if room < 0:
+            if room < 0 or o.solo:
                 break
             n += 1
         return queue[:n] if n > 1 else None
