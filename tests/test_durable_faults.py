@@ -16,6 +16,7 @@ import time
 import anyio
 import nats.errors
 import pytest
+from nats.js.api import DiscardPolicy
 
 from streamproc.sim import traffic
 from streamproc.catalog import worker_for
@@ -29,9 +30,11 @@ from streamproc.wire import MSG_ID, Subjects, chunk_headers
 from durable_helpers import (
     FORMAT,
     Instance,
+    chunk_stream_messages,
     connect,
     durable_flags,
     durable_settings,
+    stored_results,
     wait_for_finals,
 )
 from helpers import wait_until
@@ -336,3 +339,70 @@ async def test_a_partition_consumer_deleted_mid_run_costs_no_held_request_anythi
     finally:
         await nc.close()
         instance.stop()
+
+
+# ------------------------------------------------------- killed before an error in place of a result is stored
+
+@pytest.mark.timeout(120)
+async def test_a_processor_killed_before_the_error_in_place_of_an_unpublishable_result_is_stored_loses_nothing(
+        tmp_path):
+    """A chunk whose result is over ``max_payload`` is replaced by an ``internal`` error result, which
+    keeps the chunk's token until it is stored. The processor is SIGKILLed while the results stream
+    refuses everything (edited to discard ``new`` at its current ``max_msgs``: the error result and
+    a bystander's result are both refused and retried), then the stream is repaired and a new
+    processor started: the chunks come back, the oversized result is made and replaced again, and
+    the client sees exactly one result for each request, the error once, the bystander's answer once,
+    and the chunk stream drains (nothing acknowledged before its result was stored)."""
+    with EmbeddedNats() as server:
+        instance = Instance(server.url, durable_flags(partitions=1), tmp_path / "run.log")
+        instance.start()
+        nc = await connect(server.url)
+        try:
+            await instance.started()
+            js = nc.jetstream()
+            await nc.request(Subjects().chunk("before", "agg"), b"{}",
+                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
+            await wait_for_finals(js, Subjects(), ["before"], 20)
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
+            await js.update_stream(info.config)  # every new result refused (10077), retried every 0.5 s
+
+            headers = {"Streamproc-Seq": "0", "Streamproc-Final": "true"}
+            block = len(b"NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
+            await nc.request(Subjects().chunk("oversized", "agg"), b"x" * (nc.max_payload - block),
+                             headers=headers, timeout=5)
+            await nc.request(Subjects().chunk("bystander", "agg"), b"{}",
+                             headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+
+            def replaced_and_refused() -> bool:
+                text = instance.log()
+                return ("replaced by an internal error result" in text and "request_id=oversized" in text
+                        and "event=result_not_stored" in text)
+
+            await wait_until(replaced_and_refused, 20, "the error result in place of the oversized one refused")
+            instance.kill()
+            assert (await js.stream_info(RESULTS_STREAM)).state.messages == 1  # nothing of either stored
+
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
+            await js.update_stream(info.config)
+            instance.start()
+            await instance.started()
+            stored = await wait_for_finals(js, Subjects(), ["oversized", "bystander"], 60)
+
+            async def drained() -> bool:
+                return await chunk_stream_messages(js) == 0
+
+            await wait_until(drained, 20, "every chunk acknowledged")
+            await anyio.sleep(3)  # an ack_wait more: a late redelivery would store a second result
+            stored = await stored_results(js, Subjects())
+            assert [(r.seq, r.final, r.error) for r in stored["oversized"]] == [(0, True, "internal")], stored
+            assert b"max_payload" in stored["oversized"][0].body
+            assert [(r.seq, r.final, r.error) for r in stored["bystander"]] == [(0, True, None)], stored
+            assert [(r.seq, r.final) for r in stored["before"]] == [(0, True)]
+            assert instance.kills == 1
+            again = instance.log().rsplit("----- start 1\n", 1)[1]
+            assert "replaced by an internal error result" in again, again[-3000:]  # made and replaced again
+        finally:
+            await nc.close()
+            instance.stop()
