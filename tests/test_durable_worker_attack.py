@@ -15,6 +15,7 @@ import anyio
 import pytest
 from conftest import processor_subprocess
 from durable_helpers import (
+    Instance,
     ack_pending,
     chunk_stream_messages,
     connect,
@@ -24,10 +25,14 @@ from durable_helpers import (
     wait_for_finals,
 )
 from helpers import free_port, peak_rss, raw_hpub, raw_protocol, rid, scrape, status_kib, wait_until
+from migration_helpers import ask_migrate
+from nats.js.api import DiscardPolicy
 from shipped_config import CONF, shipped_server, url
 
-from streamproc.sim.embedded import EmbeddedNats
+from streamproc.core.events import MigrateError, MigrateErrorCode
 from streamproc.core.wire import ResultInfo, Subjects, chunk_headers, result_from_message
+from streamproc.nats.streams import RESULTS_STREAM
+from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
 
@@ -680,3 +685,95 @@ async def test_a_result_over_max_payload_behind_others_in_a_fast_batch_ends_its_
                 assert proc.poll() is None
             finally:
                 await nc.close()
+
+
+async def test_a_migrate_sealing_a_result_that_is_then_replaced_by_an_error_answers_finished_not_sealed(tmp_path):
+    """A streamed request's seq 0 waits unstored (the results stream, edited to discard ``new`` at its
+    ``max_msgs``, refuses it) with seq 1, a chunk of exactly ``max_payload`` under a short header
+    block, queued behind it; a migrate seals both as published. The stream is repaired while the
+    seal waits for them to be stored: seq 0 is stored, seq 1 cannot be sent and an ``internal`` error
+    result takes its place, ending the request. The seal was recorded and answered anyway, granting
+    attempt 1 and saying result 1 was sent: the resumed worker's chunks were then dropped as late,
+    and the reply was false. Now the migrate answers ``finished`` and records nothing."""
+    with EmbeddedNats() as server:
+        instance = Instance(server.url, durable_flags(partitions=1), tmp_path / "run.log")
+        instance.start()
+        nc = await connect(server.url)
+        try:
+            await instance.started()
+            js = nc.jetstream()
+            await nc.request(SUBJECTS.chunk("before", "agg"), b"{}",
+                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
+            await wait_for_finals(js, SUBJECTS, ["before"], 20)
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
+            await js.update_stream(info.config)
+
+            zero = (b'{"text":" a","output_ids":[11],"meta_info":{"id":"victim","finish_reason":null,'
+                    b'"prompt_tokens":4,"completion_tokens":1}}')
+            await nc.request(SUBJECTS.chunk("victim", "agg"), zero, headers={"Streamproc-Seq": "0"}, timeout=5)
+            headers = {"Streamproc-Seq": "1"}
+            block = len(b"NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
+            head, tail = b'{"text":" b', (b'","output_ids":[12],"meta_info":{"id":"victim","finish_reason":null,'
+                                          b'"prompt_tokens":4,"completion_tokens":2}}')
+            one = head + b"b" * (nc.max_payload - block - len(head) - len(tail)) + tail
+            await nc.request(SUBJECTS.chunk("victim", "agg"), one, headers=headers, timeout=5)
+            await wait_until(lambda: "event=result_not_stored" in instance.log(), 20, "result 0 refused")
+
+            async def both_taken() -> bool:
+                return await ack_pending(js, 1) == [2]
+
+            await wait_until(both_taken, 20, "both chunks delivered and held")
+            await anyio.sleep(0.2)  # and handled: result 1 queued behind result 0
+
+            async def repair() -> None:
+                await anyio.sleep(0.4)  # the seal taken, waiting for results 0 and 1 to be stored
+                info = await js.stream_info(RESULTS_STREAM)
+                info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
+                await js.update_stream(info.config)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(repair)
+                reply = await ask_migrate(nc, SUBJECTS, "victim", expected_attempt=0)
+            try:
+                stored = await wait_for_finals(js, SUBJECTS, ["victim"], 20)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; migrate answered {reply}; {instance.log()[-5000:]}") from None
+            got = [(r.seq, r.final, r.error) for r in stored["victim"]]
+            assert got == [(0, False, None), (1, True, "internal")], got
+            assert "replaced by an internal error result" in instance.log()
+            assert isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.FINISHED, reply
+        finally:
+            await nc.close()
+            instance.stop()
+
+
+async def test_a_migrate_sealing_a_result_that_is_then_given_up_answers_unavailable_and_records_nothing(tmp_path):
+    """The same wait, with the results stream refusing seq 0 until ``--max-result-attempts`` (2) give
+    it up: its request is dropped here and its chunk NAKed (recovered from what is stored). The seal
+    was recorded and answered anyway, saying result 0 was sent though nothing is stored; now
+    ``unavailable``, and no seal record."""
+    with EmbeddedNats() as server:
+        instance = Instance(server.url, durable_flags(partitions=1, max_result_attempts=2), tmp_path / "run.log")
+        instance.start()
+        nc = await connect(server.url)
+        try:
+            await instance.started()
+            js = nc.jetstream()
+            await nc.request(SUBJECTS.chunk("before", "agg"), b"{}",
+                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
+            await wait_for_finals(js, SUBJECTS, ["before"], 20)
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
+            await js.update_stream(info.config)
+            zero = (b'{"text":" a","output_ids":[11],"meta_info":{"id":"victim","finish_reason":null,'
+                    b'"prompt_tokens":4,"completion_tokens":1}}')
+            await nc.request(SUBJECTS.chunk("victim", "agg"), zero, headers={"Streamproc-Seq": "0"}, timeout=5)
+            await wait_until(lambda: "event=result_not_stored" in instance.log(), 20, "result 0 refused")
+            reply = await ask_migrate(nc, SUBJECTS, "victim", expected_attempt=0)
+            assert "event=result_given_up request_id=victim" in instance.log(), instance.log()[-3000:]
+            assert isinstance(reply, MigrateError) and reply.code is MigrateErrorCode.UNAVAILABLE, reply
+            assert "event=attempt_sealed" not in instance.log()
+        finally:
+            await nc.close()
+            instance.stop()

@@ -409,3 +409,34 @@ def test_every_chunk_is_settled_across_attempts():
     feed(run, [a0[2]] + a1)
     assert set(run.settled) == {ch.token for ch in a0 + a1}
     assert c.inflight == 0
+
+
+# ------------------------------------------------------------ a seal overtaken while its results are stored
+
+def test_a_seal_holds_after_its_wait_only_while_the_request_is_held_at_the_granted_attempt():
+    """Durable mode answers a seal only once the results it counts as published are stored; the wait
+    ends when nothing of the request is queued, which is also how a result given up leaves. One that
+    can never be published is replaced by an error result that ends the request (finished: answered
+    ``finished``), one the stream kept refusing is dropped with its request (answered ``unavailable``);
+    the seal held, it would say a result was sent that is not stored, or whose place an error took."""
+    from streamproc.core.recovery import seal_overtaken
+
+    for outcome in ("held", "replaced", "dropped", "resumed"):
+        c, run, _ = make()
+        feed(run, leg("m", Role.AGG, [b"1 2", b"3", b"4"])[:2])
+        sealed = migrate(run, "m")
+        assert isinstance(sealed, Sealed) and sealed.attempt == 1
+        if outcome == "replaced":  # result 1, sealed as published, could not be sent
+            run.absorb(c.unpublishable("m", 1, "larger than max_payload", 0.1))
+        elif outcome == "dropped":  # given up, its chunks NAKed: the request is forgotten here
+            c.abandon(lambda r: r == "m", ("m",))
+        elif outcome == "resumed":  # the resumed attempt's chunk in already: the seal still holds
+            feed(run, leg("m", Role.AGG, [b"4", b"5"], attempt=1)[:1])
+        overtaken = seal_overtaken(c, sealed)
+        if outcome in ("held", "resumed"):
+            assert overtaken is None, outcome
+        elif outcome == "replaced":
+            assert overtaken is not None and overtaken[0] is MigrateErrorCode.FINISHED
+            assert run.of("m")[-1].error == "internal" and run.of("m")[-1].seq == 1
+        else:
+            assert overtaken is not None and overtaken[0] is MigrateErrorCode.UNAVAILABLE

@@ -5,7 +5,9 @@ A durable instance sees chunks of requests another instance may have served (a f
 hand-over, a migrate). These pure rules say when the shell must read the stores first
 (:func:`store_read`, a round trip per request at most), what a stored result says
 (:func:`resume_point`), with the request's seal record how it is adopted (:func:`adoption`), and
-how long chunks a previous owner took may still come back (:func:`previous_hold_left`); the reads themselves are the shell's (``streamproc/nats/durable/recovery.py``).
+how long chunks a previous owner took may still come back (:func:`previous_hold_left`), and whether a
+seal still holds once its published results are stored (:func:`seal_overtaken`); the reads themselves
+are the shell's (``streamproc/nats/durable/recovery.py``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Container, Mapping
 
-from .events import Chunk, Role
+from .events import Chunk, MigrateErrorCode, Role, Sealed
 from .wire import FINAL, SEQ
 
 if TYPE_CHECKING:
     from .correlator import Correlator
 
 __all__ = ["Adoption", "StoreRead", "adoption", "delivery_count", "needs_lookup", "previous_hold_left", "resume_point",
-           "store_read"]
+           "seal_overtaken", "store_read"]
 
 
 class StoreRead(enum.Enum):
@@ -121,3 +123,23 @@ def previous_hold_left(ack_wait: float, slack: float, taken: float | None, now: 
     if taken is not None:
         held_for += taken - now
     return held_for
+
+
+def seal_overtaken(correlator: Correlator, sealed: Sealed) -> tuple[MigrateErrorCode, str] | None:
+    """Why ``sealed`` may not be recorded or answered after the wait for the results it counts as
+    published to be stored, or None when the request is still held here at the granted attempt.
+
+    The wait ends when nothing of the request is queued, which is also how a result given up
+    leaves: one that can never be published was replaced by an error result that ended the request
+    (``finished``: the seal would grant an attempt whose chunks are dropped as late, and say a result
+    was sent whose place the error took), and one the stream kept refusing was dropped with its
+    request, its chunks redelivered (``unavailable``: the seal would say a result was sent that is
+    not stored, and the resumed attempt would continue after a gap)."""
+    rid = sealed.request_id
+    if correlator.attempt_of(rid) == sealed.attempt:
+        return None
+    if correlator.is_finished(rid):
+        return MigrateErrorCode.FINISHED, ("its final result was published while the seal waited for its results "
+                                           "to be stored (an error result in place of one that could not be "
+                                           "published); nothing to resume")
+    return MigrateErrorCode.UNAVAILABLE, "a result it published could not be stored while the seal waited for it"

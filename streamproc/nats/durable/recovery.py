@@ -23,7 +23,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
 from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
-from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point
+from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point, seal_overtaken
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text
 from .pulls import REDELIVERY_SLACK
@@ -221,6 +221,12 @@ class Recovery:
                                      forget=True)
         if not self.owns(rid):  # the next owner read the seal records when it took the partition
             return self._unavailable(rid, "its partition moved to another instance", forget=True)
+        overtaken = seal_overtaken(correlator, reply)
+        if overtaken is not None:  # a result was given up meanwhile: the seal would say it was sent
+            code, why = overtaken
+            if code is MigrateErrorCode.FINISHED:
+                return MigrateError(rid, code, why, None)
+            return self._unavailable(rid, why, forget=True)
         try:
             await self.ledger.write(rid, SealRecord(seals, reply, request.id), revision)
         except KeyWrongLastSequenceError:
