@@ -236,6 +236,19 @@ async def test_a_vllm_lone_result_that_opens_as_a_stream_chunk_but_is_no_json_is
     assert (answer.status_code, answer.content) == (200, body)
 
 
+async def test_a_sglang_lone_result_with_an_index_tag_but_no_json_is_served_as_sent(edge, nc):
+    """``folds_alone`` sends a lone body with ``"index"`` in its last bytes to the fold (a streamed batch
+    of one's chunk); a worker's body that ends so but is cut short, not UTF-8 or nested past the parser's
+    stack raised there, and the unary client got a 500 ``cannot fold 1 results`` for a body the edge
+    serves as sent when the tag is missing. It is served as sent (200), as any lone body."""
+    for body in (b'{"text":"Hi","output_ids":[211],"meta_info":{"id":"r"},"index":0',
+                 b"[" * 100_000 + b'"index":0'):
+        request_id = rid("sglang-cut-chunk")
+        await publish_results(nc, DURABLE, request_id, [body])
+        response = await get(edge, f"/v1/results/{request_id}", JSON)
+        assert (response.status_code, response.content) == (200, body)
+
+
 async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_of_one(edge, nc):
     """SGLang 0.5.23: ``text: ["..."]`` is a batch of one (``GenerateReqInput._determine_batch_size``:
     ``is_single = False``). Streamed, ``TokenizerManager._stream_batch_responses`` tags each chunk

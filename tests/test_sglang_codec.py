@@ -435,9 +435,24 @@ def test_folding_the_joined_stream_equals_the_joined_unary_response(truth):
     assert msgspec.json.decode(codec.fold(streamed)) == msgspec.json.decode(unary)
 
 
-def test_fold_refuses_a_non_json_chunk():
+def test_fold_refuses_a_non_json_chunk_in_a_stream_of_several():
+    chunk = msgspec.json.encode({"text": "a", "output_ids": [1], "meta_info": {"id": "r"}})
     with pytest.raises(ValueError):
-        codec.fold([b"not json"])
+        codec.fold([chunk, b"not json"])
+
+
+@pytest.mark.parametrize("body", [
+    b'{"text":"Hi","output_ids":[211],"meta_info":{"id":"r"},"index":0',  # cut short after the tag
+    b"\xff\xfe" + b'"index":0}',  # not UTF-8
+    b"[" * 100_000 + b'"index":0',  # nested past the parser's stack (msgspec raised RecursionError)
+    b"not json",
+], ids=["cut-short", "not-utf8", "nested-deep", "opaque"])
+def test_a_lone_body_that_is_no_json_object_folds_to_itself(body):
+    """``folds_alone`` looks at a bounded part of the bytes only (an ``"index"`` near the end), so it
+    sends bodies the fold cannot parse; the edge serves any other lone body as sent, so the fold gives
+    it back rather than raising (the edge's unary answer was a 500 ``cannot fold 1 results``)."""
+    for name in ("sglang", "sglang-zstd"):
+        assert codec_class(name)(OPTIONS).fold([body]) == body
 
 
 def test_a_prefill_leg_whose_later_chunk_adds_many_keys_is_absorbed_in_linear_time():

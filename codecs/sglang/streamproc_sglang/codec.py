@@ -219,12 +219,16 @@ class SGLangCodec(Codec):
         return SGLangJoinSession(self)
 
     def fold(self, bodies: Sequence[bytes]) -> bytes:
+        """The unary equivalent of a stream's bodies. A lone body that is no JSON object is the unary
+        answer as sent: ``folds_alone`` sent it here on a bounded look at its bytes (an ``"index"`` near
+        its end, an abort's or error frame's opening), and the edge serves any other lone body as sent;
+        a 500 ``cannot fold`` would make a worker's cut-short chunk the edge's failure."""
         docs = []
         for index, body in enumerate(bodies):
             doc = native.decode(body)
             if not isinstance(doc, dict):
-                if len(bodies) == 1 and doc is not None:
-                    return body  # a unary batch's list (folds_alone saw "index" in a value): as sent
+                if len(bodies) == 1:
+                    return bytes(body)  # a unary batch's list, or no JSON at all: as sent
                 raise ValueError(f"chunk {index} is not a JSON object; it cannot be folded")
             docs.append(doc)
         # The same request unary answers the error alone (``_create_error_response``: the message only,

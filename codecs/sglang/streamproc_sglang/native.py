@@ -94,10 +94,11 @@ _encoder = msgspec.json.Encoder()
 
 
 def decode(body: bytes) -> Any:
-    """The body's JSON value, or None when it is not JSON."""
+    """The body's JSON value, or None when it is not JSON (or nests deeper than the parser's stack: no
+    body SGLang writes; msgspec raised ``RecursionError`` there, which its callers did not expect)."""
     try:
         return _decode.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
