@@ -2,8 +2,9 @@
 a held result costs is more than its body. The edge charged bodies only, in a stream's inbox and in
 its reorder buffer, so results with empty bodies and long header values (an error text, a
 traceparent: any publisher picks their length) grew the edge without end and never ended the stream.
-Real nats-server, a real edge subprocess in core mode; its peak RSS (VmHWM, /proc) against its RSS
-before the flood."""
+Real nats-server, a real edge subprocess, in each way a stream is fed: the ring's dispatch or a
+subscription of its own (``--recent 0``, whose queue is nats-py's: its limits count bodies only),
+core or durable (a results stream); its peak RSS (VmHWM, /proc) against its RSS before the flood."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ BOUND = 1 * MiB  # --stream-buffer-bytes under test
 LONG = "t" * 50_000
 FLOOD = 2000  # 100 MB of header values, no body: 100 x the bound
 GROWTH = 24 * MiB  # stated bound on the edge's VmHWM growth over the flood (before: ~96 MiB)
+# How a stream is fed: the recent ring's dispatch (fanout.py) or a subscription / ordered consumer of
+# its own (--recent 0), without or with a results stream (core, durable).
+FEEDS = {
+    "ring": (),
+    "own-subscription": ("--recent", "0"),
+    "durable-ring": ("--ensure-results-stream",),
+    "durable-own-consumer": ("--ensure-results-stream", "--recent", "0"),
+}
 
 
 async def flood(nc, subject: str, headers: list[dict[str, str]]) -> None:
@@ -49,14 +58,17 @@ async def another_stream_is_answered(nc, subjects: Subjects, url: str) -> None:
     assert response.content == expected_sse(bodies), response.text[-300:]
 
 
-async def test_empty_results_behind_a_missing_seq_end_the_stream_at_the_buffer_bound(server):
+@pytest.mark.parametrize("feed", FEEDS)
+async def test_empty_results_behind_a_missing_seq_end_the_stream_at_the_buffer_bound(nats_server, feed):
     """2,000 results with no body and a 50 kB ``Streamproc-Error`` each, behind a seq 0 that never
     comes: they wait in the stream's reorder buffer (under ``SeqOrder``'s 4,096). Before, 0 bytes were
     counted and the stream waited for --gap-timeout holding them all; now it ends with the overrun
-    error at the bound."""
+    error at the bound, however it is fed (a results stream has the missing seq no more than the
+    edge: the overrun, not a catch-up)."""
+    server = nats_server
     subjects = Subjects("heldgap")
     with running_edge(server.url, "--prefix", "heldgap", "--stream-buffer-bytes", str(BOUND),
-                      "--gap-timeout", "60") as edge:
+                      "--gap-timeout", "60", *FEEDS[feed]) as edge:
         pid = edge.proc.pid
         request_id = rid("gap")
         async with connection(server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
@@ -72,20 +84,25 @@ async def test_empty_results_behind_a_missing_seq_end_the_stream_at_the_buffer_b
             peak = status_kib(pid, "VmHWM")
             await another_stream_is_answered(nc, subjects, edge.url)
         data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
-        print(f"\nbehind a gap: VmRSS before {baseline} KiB, VmHWM {peak} KiB, ended after {elapsed:.1f} s")
+        print(f"\nbehind a gap ({feed}): VmRSS before {baseline} KiB, VmHWM {peak} KiB, ended after {elapsed:.1f} s")
         assert data and data[-1] == "[DONE]" and "--stream-buffer-bytes" in data[-2], text[-500:]
         assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 1
         assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
 
 
-async def test_empty_results_queued_for_a_stalled_reader_end_the_stream_at_the_buffer_bound(server):
+@pytest.mark.parametrize("feed", FEEDS)
+async def test_empty_results_queued_for_a_stalled_reader_are_held_to_the_buffer_bound(nats_server, feed):
     """A client that reads nothing: its stream's write is paused (its socket and the edge's transport
-    full), so results in order wait in its inbox. 2,000 with no body and a 50 kB traceparent each:
-    before, 0 bytes were counted and the inbox held them all (its count bound is 16,384); now the
-    stream ends with the overrun at the bound."""
+    full), so results in order wait in its inbox, or in nats-py's queue of its own subscription
+    (``--recent 0``). 2,000 with no body and a 50 kB traceparent each: before, 0 bytes were counted
+    and the inbox held them all (its count bound is 16,384; nats-py's queue's too, whose byte limit
+    counts bodies only); now the stream is held to the bound: in core mode it ends with the overrun,
+    with a results stream it goes behind (it reads on from the stream once its client reads)."""
+    server = nats_server
+    durable = "--ensure-results-stream" in FEEDS[feed]
     subjects = Subjects("heldinbox")
     with running_edge(server.url, "--prefix", "heldinbox", "--stream-buffer-bytes", str(BOUND),
-                      "--write-timeout", "120") as edge:
+                      "--write-timeout", "120", *FEEDS[feed]) as edge:
         pid = edge.proc.pid
         request_id = rid("stalled")
         async with connection(server.url) as nc:
@@ -103,14 +120,23 @@ async def test_empty_results_queued_for_a_stalled_reader_end_the_stream_at_the_b
                 assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 0
                 await flood(nc, subjects.result(request_id),
                             [{SEQ: str(s), TRACEPARENT: LONG} for s in range(seq, seq + FLOOD)])
-                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_overrun_total"] == 1, 20,
-                                 "the stalled stream overran")
+                held = "streamproc_edge_streams_behind_total" if durable else "streamproc_edge_streams_overrun_total"
+                try:
+                    await wait_until(lambda: edge.metrics()[held] == 1, 20, "the stalled stream was held to its bound")
+                    bounded = True
+                except AssertionError:
+                    bounded = False
+                await anyio.sleep(1)  # what else would come in after the bound
                 peak = status_kib(pid, "VmHWM")
+                assert bounded, f"not held to its bound within 20 s; the edge grew by {(peak - baseline) >> 10} MiB"
                 await another_stream_is_answered(nc, subjects, edge.url)
             finally:
                 sock.close()
-        print(f"\nstalled reader: VmRSS before {baseline} KiB, VmHWM {peak} KiB")
-        assert "event=stream_overrun" in edge.log()
+        print(f"\nstalled reader ({feed}): VmRSS before {baseline} KiB, VmHWM {peak} KiB")
+        if not durable:
+            assert "event=stream_overrun" in edge.log()
+        else:
+            assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 0
         assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
 
 

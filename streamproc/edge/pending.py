@@ -12,10 +12,13 @@ flow-control reply stay nats-py's.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
+
+from ..core.defaults import RESULT_HELD_OVERHEAD
 
 
 def take(sub) -> Msg | None:
@@ -151,3 +154,45 @@ def on_arrival(sub, arrived) -> None:
     noting = _NotingQueue(maxsize=queue.maxsize)
     noting.arrived = arrived
     core._pending_queue = noting
+
+
+class HeldQueue(asyncio.Queue):
+    """A feed's own subscription's pending queue (``--recent 0``) that counts in the subscription's
+    ``_pending_size`` what each queued ``Msg`` holds beyond its body: its subject, reply, every
+    header name and value, and ``RESULT_HELD_OVERHEAD``. nats-py and FastClient count bodies only
+    (``_pending_size += len(data)``, checked against ``pending_bytes_limit`` before ``put_nowait``),
+    so results with empty bodies and long headers filled the queue up to its 16,384 messages
+    unseen by ``--stream-buffer-bytes``. Counted here, the next message's check sees them: the
+    bound holds within one message. ``_put``/``_get`` replace ``Queue``'s own, so a message costs no
+    Python call more (``sum`` and ``map`` over the headers are C calls)."""
+
+    def __init__(self, core, maxsize: int) -> None:
+        super().__init__(maxsize=maxsize)
+        self.core = core  # the nats-py Subscription whose _pending_size this counts in
+        self._extra: collections.deque[int] = collections.deque()  # each queued Msg's, in order
+
+    def _put(self, item: Msg) -> None:
+        self._queue.append(item)
+        headers = item.headers
+        extra = len(item.subject) + len(item.reply) + RESULT_HELD_OVERHEAD
+        if headers:
+            extra += sum(map(len, headers)) + sum(map(len, headers.values()))
+        self._extra.append(extra)
+        self.core._pending_size += extra
+
+    def _get(self) -> Msg:
+        self.core._pending_size -= self._extra.popleft()
+        return self._queue.popleft()
+
+
+def hold(sub) -> None:
+    """Have ``sub``'s pending bytes count what each queued message holds (:class:`HeldQueue`), with
+    what it queued already moved over in order."""
+    core = sub._sub if isinstance(sub, JetStreamContext.PushSubscription) else sub
+    queue = core._pending_queue
+    held = HeldQueue(core, queue.maxsize)
+    while not queue.empty():
+        held.put_nowait(queue.get_nowait())
+    core._pending_queue = held
+    if core is not sub:  # PushSubscription keeps its own reference (nats-py 2.16 js/client.py __init__)
+        sub._pending_queue = held

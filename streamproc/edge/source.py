@@ -658,6 +658,7 @@ class ResultSource:
                 self._consume(feed, stream, limits)
             return feed
         sub = await self.nc.subscribe(subject, **limits)
+        pending.hold(sub)  # its byte limit counts headers too, not bodies alone (pending.HeldQueue)
         try:
             assert self.barrier is not None
             await self.barrier.wait()  # one PING for the opens of this loop pass (barrier.py)
@@ -983,6 +984,7 @@ class ResultSource:
             feed.attach_failed = f"cannot subscribe to results: {error_text(exc)}"
             self.limited.log(logging.WARNING, "subscribe_failed", request_id=feed.request_id, error=error_text(exc))
             return
+        pending.hold(sub)  # its byte limit counts headers too, not bodies alone (pending.HeldQueue)
         if start > 1:
             # nats-py's ordered consumer resumes after the last sequence it delivered, 0 until a first
             # result: a reset (a missed heartbeat) would push the subject's whole history (as the ring's)
