@@ -163,3 +163,51 @@ async def test_the_inbox_charges_a_result_its_held_bytes(nats_url):
             assert inbox._bytes == sum(result.held_bytes for result, _ in inbox._items)
         finally:
             await feed.close()
+
+
+async def test_results_a_filled_gap_releases_to_a_stalled_reader_leave_the_flood_to_the_bound(nats_server):
+    """``ResultFeed._ready`` (results in order a filled gap released, not handed out yet) is charged
+    nothing: they were charged while they waited behind the gap (at most the bound), and the feed
+    takes nothing more in while any is left, so what comes next waits in the inbox, charged there.
+    Here 15 results of a 16 kB body and a 50 kB traceparent wait behind a missing seq (~0.99 MB,
+    under the 1 MiB bound), the seq comes while the client reads nothing (its writes pause with
+    them half out), then 2,000 empty results with a 50 kB traceparent: the stream ends with the
+    overrun and the edge holds no more than those bounds."""
+    subjects = Subjects("heldready")
+    body = b'{"text":"%s"}' % (b"x" * 16000)
+    with running_edge(nats_server.url, "--prefix", "heldready", "--stream-buffer-bytes", str(BOUND),
+                      "--write-timeout", "120", "--gap-timeout", "60") as edge:
+        pid = edge.proc.pid
+        request_id = rid("ready")
+        async with connection(nats_server.url) as nc:
+            sock = await unread_stream(edge.port, request_id)
+            try:
+                gap = await fill_send_queue(nc, subjects, request_id, edge.port, sock)
+                subject = subjects.result(request_id)
+                for seq in range(gap + 1, gap + 16):
+                    await nc.publish(subject, body, headers={SEQ: str(seq), TRACEPARENT: LONG})
+                await nc.flush()
+                await anyio.sleep(0.5)
+                assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 0  # held, under the bound
+                baseline = status_kib(pid, "VmRSS")
+                await nc.publish(subject, body, headers={SEQ: str(gap)})  # the gap fills: 16 in order
+                await nc.flush()
+                await anyio.sleep(0.5)
+                sent = edge.metrics()["streamproc_edge_results_sent_total"]
+                assert gap < sent < gap + 16, sent  # some released ones wait in _ready, behind the paused write
+                await flood(nc, subject, [{SEQ: str(s), TRACEPARENT: LONG} for s in range(gap + 16, gap + 16 + FLOOD)])
+                try:
+                    await wait_until(lambda: edge.metrics()["streamproc_edge_streams_overrun_total"] == 1, 20,
+                                     "the stalled stream overran")
+                    bounded = True
+                except AssertionError:
+                    bounded = False
+                await anyio.sleep(1)
+                peak = status_kib(pid, "VmHWM")
+                assert bounded, f"not held to its bound within 20 s; the edge grew by {(peak - baseline) >> 10} MiB"
+                await another_stream_is_answered(nc, subjects, edge.url)
+            finally:
+                sock.close()
+        print(f"\nreleased to a stalled reader: VmRSS before {baseline} KiB, VmHWM {peak} KiB")
+        assert "event=stream_overrun" in edge.log()
+        assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
