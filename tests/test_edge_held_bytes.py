@@ -13,7 +13,8 @@ import time
 import anyio
 import httpx
 import pytest
-from edge_harness import expected_sse, fill_send_queue, publish_results, running_edge, started_source, unread_stream
+from edge_harness import (expected_sse, fill_send_queue, publish_result, publish_results, running_edge, started_source,
+                          unread_stream)
 from helpers import connection, rid, status_kib, wait_until
 
 from streamproc.core.wire import ERROR, SEQ, TRACEPARENT
@@ -210,4 +211,34 @@ async def test_results_a_filled_gap_releases_to_a_stalled_reader_leave_the_flood
                 sock.close()
         print(f"\nreleased to a stalled reader: VmRSS before {baseline} KiB, VmHWM {peak} KiB")
         assert "event=stream_overrun" in edge.log()
+        assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
+
+
+async def test_empty_results_collected_for_a_unary_answer_are_held_to_max_unary_bytes(nats_server):
+    """A unary answer (``Accept: application/json``) holds every result until the final one and
+    counted their bodies only against ``--max-unary-bytes``: 2,000 with no body and a 50 kB
+    traceparent were all held, then answered. Each is charged what it holds
+    (``ResultInfo.held_bytes``): refused ``too_large`` at the bound, the edge's growth bounded."""
+    subjects = Subjects("heldunary")
+    with running_edge(nats_server.url, "--prefix", "heldunary", "--max-unary-bytes", str(BOUND)) as edge:
+        pid = edge.proc.pid
+        request_id = rid("unary")
+        async with connection(nats_server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+            baseline = status_kib(pid, "VmRSS")
+            async with anyio.create_task_group() as tg:
+                async def publish() -> None:
+                    await anyio.sleep(0.5)
+                    await flood(nc, subjects.result(request_id),
+                                [{SEQ: str(seq), TRACEPARENT: LONG} for seq in range(FLOOD)])
+                    await publish_result(nc, subjects, request_id, FLOOD, b'{"text":"end"}', final=True)
+                    await nc.flush()
+
+                tg.start_soon(publish)
+                with anyio.fail_after(60):
+                    response = await client.get(f"/v1/results/{request_id}", headers={"Accept": "application/json"})
+            await anyio.sleep(0.5)
+            peak = status_kib(pid, "VmHWM")
+            await another_stream_is_answered(nc, subjects, edge.url)
+        print(f"\nunary: VmRSS before {baseline} KiB, VmHWM {peak} KiB, answered {response.status_code}")
+        assert response.status_code == 413 and "--max-unary-bytes" in response.text, response.text[:300]
         assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"

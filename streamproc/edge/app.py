@@ -52,6 +52,7 @@ from starlette.types import Receive, Scope, Send
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of, shown_kind
+from ..core.defaults import RESULT_HELD_OVERHEAD
 from ..core.errors import InvalidCapability, StreamprocError
 from ..logs import carries_access_token, error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
@@ -893,7 +894,11 @@ class Edge:
                     media_type="application/json",
                     headers={**PRIVATE, "Streamproc-Error": shown_kind(item.error)},
                 )
-            size += len(item.body)
+            # What it holds, not its body alone (empty bodies with long traceparents were held
+            # unseen): ResultInfo.held_bytes, inline as in fanout.py (its error is None here).
+            size += len(item.body) + len(item.request_id) + RESULT_HELD_OVERHEAD
+            if item.traceparent is not None:
+                size += len(item.traceparent)
             if size > self.settings.max_unary_bytes:  # never hold a whole huge stream for one client
                 self.metrics.unary_too_large += 1
                 return error_response(
