@@ -7,10 +7,13 @@ import logging
 import os
 import signal
 import sys
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ..config import print_config, unknown_environment_warnings
 from .settings import SCHEMA, EdgeConfigError, add_arguments
+
+if TYPE_CHECKING:
+    import ssl
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -68,7 +71,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         except ValueError as exc:  # OTEL_* variables naming no installed exporter (streamproc.tracing)
             raise EdgeConfigError(str(exc)) from None
         connect_options(settings)  # unreadable credential or certificate files: exit 2 before serving
-        check_tls(settings)
+        tls = check_tls(settings)
     except EdgeConfigError as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -80,7 +83,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     descriptors = raise_descriptor_limit(settings.max_connections)
     if descriptors is not None:
         log_event(logging.getLogger("streamproc.edge"), logging.WARNING, "descriptor_limit", problem=descriptors)
-    config = server_config(app, settings)
+    config = server_config(app, settings, tls=tls)  # the key checked is the key served: read once
     server = server_class(app.state.edge.stop_streams)(config)
     quiet = _StartupFailureFilter(app)
     logging.getLogger("uvicorn.error").addFilter(quiet)
@@ -145,19 +148,19 @@ def _use_uvloop(environ: Mapping[str, str]) -> bool:
     return True
 
 
-def check_tls(settings) -> None:
-    """An unreadable or mismatched certificate/key pair fails as bad configuration (exit 2), in one
-    line, instead of as Uvicorn's traceback once NATS is connected."""
+def check_tls(settings) -> ssl.SSLContext | None:
+    """The HTTPS context the edge serves with, loaded now: an unreadable, encrypted or mismatched
+    certificate/key pair fails as bad configuration (exit 2), in one line, instead of as Uvicorn's
+    traceback once NATS is connected. None without --tls-cert-file."""
     if not settings.tls_cert_file:
-        return
+        return None
     import ssl
 
-    from ..config import no_key_passphrase
+    from .server import tls_context
     from .settings import EdgeConfigError
 
-    try:  # an encrypted key is refused here, so Uvicorn's own load (server.py) never prompts for it
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            settings.tls_cert_file, settings.tls_key_file, no_key_passphrase)
+    try:
+        return tls_context(settings)
     except (OSError, ssl.SSLError, ValueError) as exc:  # ValueError: no_key_passphrase
         raise EdgeConfigError(f"cannot use --tls-cert-file {settings.tls_cert_file!r} with --tls-key-file "
                               f"{settings.tls_key_file!r}: {exc}") from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import ssl
 from typing import Any, Callable
 
 
@@ -31,7 +32,7 @@ def server_class(on_stop: Callable[[], None] | None = None, *, signals: bool = T
         async def startup(self, sockets=None) -> None:
             self.config.backlog = ACCEPTS_PER_PASS  # accept()s per loop pass; the listen queue: relisten
             context = self.config.ssl
-            if context is not None:  # Uvicorn built it (ssl_certfile); the TLS layer is the edge's own, bounded
+            if context is not None:  # Uvicorn took it (tls_factory); the TLS layer is the edge's own, bounded
                 self.config.ssl = None  # (connections.py, "TLS"): the server listens on plain TCP
                 self.tls = context
                 self.http = self.config.http_protocol_class
@@ -70,13 +71,32 @@ def server_class(on_stop: Callable[[], None] | None = None, *, signals: bool = T
     return Server
 
 
-def server_config(app: Any, settings: Any, *, access_log: bool = True, log_level: str | None = None) -> Any:
+def tls_context(settings: Any) -> ssl.SSLContext:
+    """The HTTPS context of --tls-cert-file and --tls-key-file, as Uvicorn's ``create_ssl_context``
+    builds it (TLS server, no client certificate asked) but with a password callback that refuses:
+    an encrypted key raises ``ValueError`` (``no_key_passphrase``) instead of OpenSSL prompting on the
+    terminal. ``OSError``/``ssl.SSLError`` for a missing or mismatched pair."""
+    from ..config import no_key_passphrase
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file, no_key_passphrase)
+    return context
+
+
+def server_config(app: Any, settings: Any, *, access_log: bool = True, log_level: str | None = None,
+                  tls: ssl.SSLContext | None = None) -> Any:
     """The ``uvicorn.Config`` of an edge app built by ``create_app(settings)``. ``access_log``: one
     ``event=http_request`` line per request (streamproc.logs); ``log_level``: Uvicorn's own, else
-    ``--log-level``'s."""
+    ``--log-level``'s. ``tls``: the context start-up checked (``streamproc edge``), served as it is;
+    without it one is built by :func:`tls_context` when Uvicorn loads. Uvicorn's own load read the key
+    file again after the NATS connect, without a password callback: a key replaced meanwhile by an
+    encrypted one made OpenSSL prompt on the terminal, and the edge hung there."""
     import uvicorn
 
     from .connections import protocol_class
+
+    def tls_factory(config: Any, default: Any) -> ssl.SSLContext:
+        return tls if tls is not None else tls_context(settings)
 
     return uvicorn.Config(
         app,
@@ -100,6 +120,6 @@ def server_config(app: Any, settings: Any, *, access_log: bool = True, log_level
         log_config=None,  # Uvicorn's records propagate to the root handler configure_logging installed
         log_level=(log_level or settings.log_level).lower(),
         timeout_graceful_shutdown=1,  # open SSE streams must not hold a SIGTERM past 2 s
-        ssl_certfile=settings.tls_cert_file or None,  # HTTPS: uvicorn.Config.load builds the SSLContext
-        ssl_keyfile=settings.tls_key_file or None,
+        # HTTPS: uvicorn.Config.load takes the SSLContext from tls_factory, never builds its own
+        ssl_context_factory=tls_factory if settings.tls_cert_file else None,
     )
