@@ -53,7 +53,7 @@ def _shown(userinfo: str) -> str:
     return f"{user}:{REDACTED}" if colon else REDACTED
 
 
-def _userinfo(server: str) -> tuple[str, str, str]:
+def split_userinfo(server: str) -> tuple[str, str, str]:
     """One server of a NATS URL as (``scheme://`` or "", userinfo or "", host part), read as
     check_nats_url and nats-py do: with or without a scheme, the userinfo running to the last ``@``
     (urllib's ``netloc.rpartition('@')``, so a password may hold ``@`` or ``/``)."""
@@ -101,7 +101,7 @@ def redact_url(url: str) -> str:
     free text goes through :func:`redact_text`."""
     out = []
     for server in _servers_as_written(url):
-        prefix, userinfo, host = _userinfo(server)
+        prefix, userinfo, host = split_userinfo(server)
         out.append(f"{prefix}{_shown(userinfo)}@{host}" if "@" in server else server)
     return ",".join(out)
 
@@ -131,7 +131,7 @@ def url_secrets(url: str) -> list[str]:
     out = []
     for server in _servers_as_written(url):
         if "@" in server:
-            user, colon, password = _userinfo(server.strip())[1].partition(":")
+            user, colon, password = split_userinfo(server.strip())[1].partition(":")
             secret = password if colon else user
             out.append(secret)
             if "," in secret:

@@ -9,14 +9,20 @@ with them (the NATS JWT v2 layout: header ``{"typ":"JWT","alg":"ed25519-nkey"}``
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import nkeys
+
+from helpers import free_port
+from streamproc.sim.embedded import EmbeddedNats
 
 
 def new_keypair(prefix: int) -> tuple[str, str]:
@@ -120,3 +126,31 @@ def edge_user_denied(*subjects: str, publisher: bool = False) -> str:
     if publisher:
         users += "    {user: pub, password: pub}\n"
     return "authorization {\n  users = [\n%s  ]\n}\n" % users
+
+
+@contextlib.contextmanager
+def authenticated_cluster(config: str, size: int = 3, timeout: float = 15.0) -> Iterator[list[EmbeddedNats]]:
+    """``size`` nats-servers (no JetStream) routed into one cluster, each with the client
+    ``config`` (an ``authorization`` block...); yielded once every node has its routes, so a client's
+    first INFO lists the cluster's servers (``connect_urls``)."""
+    ports = [free_port() for _ in range(size)]
+    routes = [f"nats://127.0.0.1:{port}" for port in ports]
+    nodes = [EmbeddedNats(jetstream=False, server_name=f"n{i}", cluster_name="auth-test", cluster_port=port,
+                          routes=[r for r in routes if not r.endswith(f":{port}")], config=config)
+             for i, port in enumerate(ports)]
+    try:
+        for node in nodes:
+            node.start()
+        deadline = time.monotonic() + timeout
+        while not all(_routes(node) >= size - 1 for node in nodes):
+            assert time.monotonic() < deadline, "the cluster's routes did not form"
+            time.sleep(0.05)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _routes(node: EmbeddedNats) -> int:
+    with urllib.request.urlopen(f"{node.monitor_url}/routez", timeout=2) as answer:
+        return json.load(answer)["num_routes"]

@@ -12,13 +12,17 @@ carry the secret; the secret itself works from there, and ``@`` in a password st
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
 
-from conftest import run_cli_process
+from conftest import CLI, run_cli_process
 from edge_harness import demo_flag
-from streamproc.sim.embedded import EmbeddedNats
+from helpers import clean_env, wait_ready
+from nats_auth import authenticated_cluster
+from streamproc.nats.connection import url_credentials
+from streamproc.sim.embedded import EmbeddedNats, stop_process
 
 pytestmark = pytest.mark.nats
 
@@ -93,3 +97,44 @@ def test_an_at_sign_in_a_websocket_path_or_query_is_refused_saying_how_to_write_
     proc = run_cli_process("run", "--print-config", "--nats-url", written)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["nats_url"]["value"] == written
+
+
+CLUSTER_PASSWORD = "clusterPw-5e1c"
+READY = {"run": "event=started", "edge": "event=connected"}
+PORT = {"run": ["--http-port", "0"], "edge": ["--port", "0"]}
+
+
+@pytest.mark.parametrize("command", ["run", "edge"])
+def test_url_credentials_reach_the_servers_the_cluster_names_when_the_url_s_server_goes_away(command, tmp_path):
+    """nats-py adds the servers a cluster's INFO names (``connect_urls``) without credentials and
+    sends a URL's userinfo only to the server written with it: with ``nats://user:pw@n0``, losing n0
+    made every reconnect to n1 and n2 an ``Authorization Violation``, for as long as n0 was down (the
+    same password from STREAMPROC_NATS_PASSWORD failed over at once). Found by the deploy attack."""
+    config = f'authorization {{ users = [ {{ user: app, password: "{CLUSTER_PASSWORD}" }} ] }}\n'
+    with authenticated_cluster(config) as nodes:
+        log = tmp_path / "out.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([*CLI, command, *demo_flag(command), *PORT[command], "--nats-url",
+                                     f"nats://app:{CLUSTER_PASSWORD}@{host(nodes[0])}", "--connect-timeout", "10"],
+                                    stdout=out, stderr=subprocess.STDOUT, env=clean_env())
+        try:
+            wait_ready(lambda: READY[command] in log.read_text(), proc, command, 20, log.read_text)
+            nodes[0].kill()
+            wait_ready(lambda: "event=reconnected" in log.read_text(), proc, "a reconnect to n1 or n2", 15,
+                       log.read_text)
+        finally:
+            stop_process(proc, 10)
+        assert CLUSTER_PASSWORD not in log.read_text()
+
+
+@pytest.mark.parametrize("urls, options, want", [
+    (["nats://app:pw@h1:4222", "h2:4222"], {}, (["nats://h1:4222", "h2:4222"], {"user": "app", "password": "pw"})),
+    (["tok@h1", "tls://tok@h2"], {}, (["h1", "tls://h2"], {"token": "tok"})),
+    (["nats://app:p%40w@h1"], {}, (["nats://h1"], {"user": "app", "password": "p%40w"})),  # undecoded, as nats-py
+    (["nats://a:1@h1", "nats://b:2@h2"], {}, (["nats://a:1@h1", "nats://b:2@h2"], {})),  # which one? as written
+    (["ws://app:pw@h1"], {}, (["ws://app:pw@h1"], {})),  # aiohttp sends a websocket URL's userinfo itself
+    (["nats://app:pw@h1"], {"token": "t"}, (["nats://h1"], {})),  # nats-py sent the settings' only
+    (["nats://h1", "h2"], {}, (["nats://h1", "h2"], {})),
+])
+def test_url_credentials_become_options_nats_py_sends_to_every_server(urls, options, want):
+    assert url_credentials(urls, options) == want

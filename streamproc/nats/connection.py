@@ -25,7 +25,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from ..config import (ENV_PREFIX, REDACTED, CommonSettings, no_key_passphrase, read_setting_file, redact_text,
-                      redact_url)
+                      redact_url, split_userinfo)
 from ..core.errors import ConfigError, StartupError
 from ..logs import error_text
 from .fast_client import new_client
@@ -142,6 +142,33 @@ def servers(settings: CommonSettings) -> list[str]:
     return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
 
 
+_SETTING_CREDENTIALS = ("user", "token", "nkeys_seed_str", "user_jwt_cb")
+
+
+def url_credentials(urls: list[str], options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """The servers to give nats-py, and the URLs' credentials as its ``user``/``password`` or ``token``
+    options, which it sends to every server: to those a cluster's INFO names (``connect_urls``) too.
+    A URL's userinfo went only to the server written with it, so with ``nats://user:pw@n0`` losing n0
+    made every reconnect to n1 or n2 an ``Authorization Violation`` while n0 was down.
+
+    Taken out only when nats-py would have sent it the same way to every server: one userinfo in
+    every ``nats://``/``tls://`` server that has one (several differing ones, or a websocket URL,
+    whose userinfo aiohttp sends itself, are left as written). With credentials from the settings
+    nats-py never sent the URL's, so they are dropped. The values are as nats-py's ``urlparse``
+    reads them: undecoded, the user up to the first ``:``, no ``:`` a token."""
+    written = [split_userinfo(url) for url in urls]
+    found = {userinfo for url, (_, userinfo, _) in zip(urls, written) if "@" in url}
+    if not found or any(prefix.startswith(("ws://", "wss://")) for prefix, _, _ in written):
+        return urls, {}
+    if any(key in options for key in _SETTING_CREDENTIALS):
+        return [prefix + host for prefix, _, host in written], {}
+    if len(found) > 1 or "" in found:
+        return urls, {}
+    user, colon, password = found.pop().partition(":")
+    return [prefix + host for prefix, _, host in written], ({"user": user, "password": password} if colon
+                                                            else {"token": user})
+
+
 def tls_context(settings: CommonSettings) -> ssl.SSLContext | None:
     """A verifying client context with the configured CA and client certificate, or None (nats-py
     then uses the system's CAs when a ``tls://`` URL or the server asks for TLS)."""
@@ -255,6 +282,8 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
     """
     options = connect_options(settings)
     hidden = secrets_of(settings, options)
+    pool, from_url = url_credentials(servers(settings), options)
+    options.update(from_url)
     where = redact_url(settings.nats_url)
     errors: list[Exception] = []
     fatal: list[Exception] = []
@@ -271,7 +300,7 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
 
         callbacks["disconnected_cb"] = on_disconnected
 
-    tls = "tls" in options or any(u.startswith("tls://") for u in servers(settings))
+    tls = "tls" in options or any(u.startswith("tls://") for u in pool)
 
     async def on_error(exc: Exception) -> None:
         if connecting:
@@ -292,7 +321,7 @@ async def connect(settings: CommonSettings, *, name: str, reconnect: bool = True
     with anyio.move_on_after(limit) as scope:
         try:
             await nc.connect(
-                servers=servers(settings),
+                servers=pool,
                 name=name,
                 allow_reconnect=reconnect,
                 max_reconnect_attempts=-1 if reconnect else 0,
