@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 
 import anyio
@@ -403,6 +404,57 @@ async def test_a_processor_killed_before_the_error_in_place_of_an_unpublishable_
             assert instance.kills == 1
             again = instance.log().rsplit("----- start 1\n", 1)[1]
             assert "replaced by an internal error result" in again, again[-3000:]  # made and replaced again
+        finally:
+            await nc.close()
+            instance.stop()
+
+
+# ------------------------------------------------------- a stop still retries what is refused
+
+@pytest.mark.timeout(120)
+async def test_a_graceful_stop_retries_a_refused_result_and_stores_it_before_the_drain_timeout(tmp_path):
+    """A graceful stop cancels the watchdog, whose ticks are what send a refused result again (after
+    ``retry_after_refusal``), an overdue one, or a fast batch's head that a member over
+    ``max_payload`` ended; its wait for the results to be stored then retried nothing: a result
+    refused once just before the stop waited out all of ``--drain-timeout`` and was handed over
+    unstored, its chunk NAKed. Here the results stream refuses every new result
+    (edited to discard ``new`` at its ``max_msgs``), the processor gets SIGTERM, and the stream is
+    repaired half a second later: the stop stores the result, acknowledges its chunk and exits well
+    before the drain timeout."""
+    drain = 12.0
+    with EmbeddedNats() as server:
+        instance = Instance(server.url, durable_flags(partitions=1, drain_timeout=drain, lease_ttl=6), tmp_path / "run.log")
+        instance.start()
+        nc = await connect(server.url)
+        try:
+            await instance.started()
+            js = nc.jetstream()
+            await nc.request(Subjects().chunk("before", "agg"), b"{}",
+                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
+            await wait_for_finals(js, Subjects(), ["before"], 20)
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
+            await js.update_stream(info.config)  # every new result refused (10077), retried every 0.5 s
+            await nc.request(Subjects().chunk("held", "agg"), b"{}",
+                             headers=chunk_headers("held", "agg", 0, final=True), timeout=5)
+            await wait_until(lambda: "event=result_not_stored" in instance.log(), 20, "the result refused")
+
+            assert instance.proc is not None
+            started = time.monotonic()
+            instance.proc.send_signal(signal.SIGTERM)
+            await anyio.sleep(0.5)
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
+            await js.update_stream(info.config)
+            await wait_until(lambda: not instance.running, drain + 10, "the processor stopped")
+            took = time.monotonic() - started
+
+            log_text = instance.log()
+            assert "stop_with_unstored_results" not in log_text, log_text[-3000:]
+            assert took < drain / 2, took
+            stored = await stored_results(js, Subjects())
+            assert [(r.seq, r.final, r.error) for r in stored.get("held", [])] == [(0, True, None)], stored
+            assert await chunk_stream_messages(js) == 0  # its chunk acknowledged by the stop, not handed over
         finally:
             await nc.close()
             instance.stop()

@@ -62,7 +62,7 @@ from ...core.partitions import PartitionScheme
 from ...logs import error_text, log_event
 from ..input import Pipeline, join_cpu_clock, run_join
 from .deliveries import Deliveries
-from .partitions import Partitions
+from .partitions import WATCHDOG_EVERY, Partitions
 from .pulls import Pulls
 from .recovery import Recovery
 from .leases import LeaseTable
@@ -313,7 +313,7 @@ class DurableInput:
         with anyio.move_on_after(timeout):
             for part in parts:
                 await partitions.close(part)
-            if not await self.outbox_pump.wait_idle(timeout):
+            if not await self.outbox_pump.wait_idle(timeout, drive=WATCHDOG_EVERY):  # the watchdog is cancelled
                 log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.outbox_pump.pending)
         partitions.hand_over(lambda rid: True, parts)
         await self.outbox_pump.pump()

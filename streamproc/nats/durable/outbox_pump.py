@@ -150,11 +150,24 @@ class OutboxPump:
             for n in notices:
                 self._notify(n)
 
-    async def wait_idle(self, timeout: float, belongs: Callable[[str], bool] | None = None) -> bool:
-        """Wait until every queued result (of the requests ``belongs`` selects) is stored; False on timeout."""
+    async def wait_idle(self, timeout: float, belongs: Callable[[str], bool] | None = None, *,
+                        drive: float | None = None) -> bool:
+        """Wait until every queued result (of the requests ``belongs`` selects) is stored; False on timeout.
+
+        ``drive``: also feed the time in and send what is due every ``drive`` seconds, for a caller
+        whose watchdog no longer ticks (a stop): a refused result, an overdue one, or a fast batch's
+        head sent again after a member over ``max_payload`` is sent again only by a tick, and waited
+        for without one it held the stop for the whole timeout and was handed over unstored."""
         outbox = self.outbox
+        clock = self._clock
+        due = clock()
         with anyio.move_on_after(timeout):
             while not outbox.idle if belongs is None else outbox.busy(belongs):
+                if drive is not None and clock() >= due:
+                    due = clock() + drive
+                    self.tick(clock(), False, None)
+                    await self.pump()
+                    continue
                 await anyio.sleep(0.005)
             return True
         return False
