@@ -458,3 +458,39 @@ async def test_a_graceful_stop_retries_a_refused_result_and_stores_it_before_the
         finally:
             await nc.close()
             instance.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_graceful_stop_that_ends_with_results_unstored_says_so(tmp_path):
+    """``stop_with_unstored_results`` (docs/operations.md) is the one line that says a stop handed
+    results over unstored. Its wait ran inside a cancel scope of the same ``--drain-timeout`` that
+    began earlier, so the scope always ended the wait first and the line was never logged. Here the
+    results stream refuses every new result for good: the stop takes the drain timeout and says how
+    many results it left."""
+    drain = 2.0
+    with EmbeddedNats() as server:
+        instance = Instance(server.url, durable_flags(partitions=1, drain_timeout=drain, lease_ttl=6),
+                            tmp_path / "run.log")
+        instance.start()
+        nc = await connect(server.url)
+        try:
+            await instance.started()
+            js = nc.jetstream()
+            await nc.request(Subjects().chunk("before", "agg"), b"{}",
+                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
+            await wait_for_finals(js, Subjects(), ["before"], 20)  # max_msgs 0 would mean no limit
+            info = await js.stream_info(RESULTS_STREAM)
+            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
+            await js.update_stream(info.config)  # every new result refused (10077), retried every 0.5 s
+            await nc.request(Subjects().chunk("held", "agg"), b"{}",
+                             headers=chunk_headers("held", "agg", 0, final=True), timeout=5)
+            await wait_until(lambda: "event=result_not_stored" in instance.log(), 20, "the result refused")
+            assert instance.proc is not None
+            instance.proc.send_signal(signal.SIGTERM)
+            await wait_until(lambda: not instance.running, drain + 10, "the processor stopped")
+            log_text = instance.log()
+            assert "event=stop_with_unstored_results results=1" in log_text, log_text[-3000:]
+            assert await chunk_stream_messages(js) == 1  # handed over: NAKed, not acknowledged
+        finally:
+            await nc.close()
+            instance.stop()

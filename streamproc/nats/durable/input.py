@@ -313,8 +313,10 @@ class DurableInput:
         with anyio.move_on_after(timeout):
             for part in parts:
                 await partitions.close(part)
-            if not await self.outbox_pump.wait_idle(timeout, drive=WATCHDOG_EVERY):  # the watchdog is cancelled
-                log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.outbox_pump.pending)
+            await self.outbox_pump.wait_idle(timeout, drive=WATCHDOG_EVERY)  # the watchdog is cancelled
+        # Checked outside the scope: the wait's own timeout starts later, so the scope always ended it first.
+        if self.outbox_pump.pending:
+            log_event(log, logging.WARNING, "stop_with_unstored_results", results=self.outbox_pump.pending)
         partitions.hand_over(lambda rid: True, parts)
         await self.outbox_pump.pump()
         if self.outbox_pump.staged:
