@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from toy_codec import MigratingToyCodec, ToyCodec, feed
 
 from streamproc.codec import Codec
@@ -440,3 +442,61 @@ def test_a_seal_holds_after_its_wait_only_while_the_request_is_held_at_the_grant
             assert run.of("m")[-1].error == "internal" and run.of("m")[-1].seq == 1
         else:
             assert overtaken is not None and overtaken[0] is MigrateErrorCode.UNAVAILABLE
+
+
+_AFTER_SEAL = st.lists(st.one_of(
+    st.tuples(st.just("resume"), st.integers(0, 2)),  # a chunk of the resumed attempt (seq 2 is final)
+    st.tuples(st.just("replace"), st.integers(0, 1)),  # a published result could not be sent: an error in place
+    st.tuples(st.just("drop"), st.just(0)),  # a result given up: the request forgotten, its chunks NAKed
+    st.tuples(st.just("unstorable"), st.just(0)),  # its subject full: ended without a result
+    st.tuples(st.just("timeout"), st.just(0)),  # request_timeout passes
+    st.tuples(st.just("shed"), st.just(0)),  # its held tokens shed: an overloaded error result
+), max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_AFTER_SEAL)
+def test_a_seal_overtaken_agrees_with_what_the_correlator_answers_a_migrate_of_the_request_next(events):
+    """Whatever happens to the request while the seal waits for its results to be stored, the seal
+    holds exactly while the request is held at the granted attempt; overtaken, it answers as the
+    correlator would answer the migrate asked again: ``finished`` once the request ended here (an
+    error result in place of a published one, a timeout, a shed, a full subject, the resumed attempt's
+    final), else ``unavailable``, the request not held here any more (dropped: a retry adopts it from
+    the stores)."""
+    from streamproc.core.recovery import seal_overtaken
+
+    c, run, _ = make(request_timeout=10.0)
+    feed(run, leg("m", Role.AGG, [b"1 2", b"3", b"4"])[:2])
+    sealed = migrate(run, "m")
+    assert isinstance(sealed, Sealed) and sealed.attempt == 1
+    resumed = leg("m", Role.AGG, [b"4", b"5", b"6"], attempt=1)
+    now = 0.0
+    for kind, arg in events:
+        now += 1.0
+        if kind == "resume":
+            run.absorb(c.receive(resumed[arg], now))
+        elif kind == "replace":
+            run.absorb(c.unpublishable("m", arg, "larger than max_payload", now))
+        elif kind == "drop":
+            c.abandon(lambda r: r == "m", ("m",))
+        elif kind == "unstorable":
+            c.unstorable("m", now)
+        elif kind == "timeout":
+            now += 60.0
+            run.absorb(c.tick(now))
+        else:
+            run.absorb(c.shed(lambda r: r == "m", 1, now, "held too long"))
+    overtaken = seal_overtaken(c, sealed)
+    held = c.attempt_of("m") == sealed.attempt
+    assert (overtaken is None) == held, (events, overtaken)
+    if overtaken is None:
+        return
+    code, why = overtaken
+    again, _ = c.migrate("m", now + 1.0)  # what a retry of the migrate is told here
+    if c.is_finished("m"):
+        assert code is MigrateErrorCode.FINISHED and isinstance(again, MigrateError), (events, again)
+        assert again.code is MigrateErrorCode.FINISHED, (events, again)
+    else:
+        assert code is MigrateErrorCode.UNAVAILABLE, (events, overtaken)
+        assert not c.knows("m") or c.attempt_of("m") != sealed.attempt, events
+    assert why
