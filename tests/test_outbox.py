@@ -1191,3 +1191,34 @@ def test_a_batch_reply_naming_a_single_sends_ticket_is_unmatched_and_changes_not
     assert box.on_batch_reply(o.ticket, True, b'{"stream":"R","seq":1,"batch":"x","count":1}', 0.1) == UNMATCHED
     assert box.control() == [] and box.pending == 1
     assert box.on_puback(o.ticket, STORED_ACK, 0.2) == STORED and box.pending == 0
+
+
+def test_a_batch_member_skipped_after_a_reconnect_never_left_so_an_unsendable_copy_of_it_is_still_replaced():
+    """A batch published with awaits (a tracing wrapper around publish) can be sent again as a new
+    batch during one of them (a reconnect); the old walk then skips the members it had not reached
+    (:func:`in_turn`). Those never left, yet were counted as handed to NATS, so in the new batch a
+    member over ``max_payload`` looked as if an earlier copy might be stored: given up, its request's
+    chunks NAKed (each came back only to make the same batch), where one that never left ends its
+    batch and is replaced in its turn."""
+    box = Outbox(OutboxConfig(max_attempts=100, batch_limit=8))
+    t0, t1, t2, t3 = (Token("a", str(i), 1) for i in range(4))
+    box.take([result("a", 0, settles=(t0,))], "a")
+    (first,) = box.sending(0.0)
+    assert box.on_puback(first.ticket, b'{"stream":"R","seq":1}', 0.1) == STORED
+    box.take([result("a", 1, settles=(t1,)), result("a", 2, settles=(t2,)), result("a", 3, settles=(t3,))], "a")
+    walk = in_turn(box.sending(0.2))
+    o, batch = next(walk)  # seq 1 published; during its await a reconnect sends the batch again
+    assert o.result.seq == 1 and batch is not None
+    assert box.tick(0.3, reconnected=True) == []
+    again = box.sending(0.3)
+    assert [m.result.seq for m in again] == [1, 2, 3]
+    assert list(walk) == []  # the old walk's rest is skipped: seq 2 and 3 never left from it
+    published = []
+    for o, _ in in_turn(again):
+        if o.result.seq == 2:  # over max_payload: it never left, from either walk
+            assert box.unsendable(o, "too large") == []
+        else:
+            published.append(o.result.seq)
+    assert published == [1]
+    assert (box.stats.results_given_up, box.stats.naks) == (0, 0)
+    assert box.control() == [(t0, ACK)]

@@ -797,11 +797,16 @@ def in_turn(sends: list[Outgoing]) -> Iterator[tuple[Outgoing, tuple[str, int, i
     its :attr:`~Outgoing.batch` as the outbox made it, skipping a batch member that is no longer in
     that batch when its turn comes. Earlier publishes can end a batch (a member that can never be
     sent gives its request up; an await lets a reconnect send the batch again as a new one), and
-    its rest, published alone, would be stored at once, maybe after a gap."""
+    its rest, published alone, would be stored at once, maybe after a gap. A member skipped never
+    left, so its :attr:`~Outgoing.handed` count (which :meth:`Outbox.sending` raised) is taken back:
+    counted, a member over ``max_payload`` in the batch sent again looked as if a copy might be
+    stored, and was given up, its chunks NAKed, rather than replaced."""
     # o.batch, inline: a property call per result on the hot path (docs/benchmarks.md, "Calls per chunk")
     for o, batch in [(o, None if o.flight is None else (o.flight, o.size, o.batch_seq)) for o in sends]:
         if batch is None or o.flight == batch[0]:
             yield o, batch
+        else:
+            o.handed -= 1
 
 
 def _count(data: bytes) -> int:
