@@ -15,12 +15,13 @@ import nats.errors
 from helpers import clean_env
 from hypothesis import HealthCheck, settings
 from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy
 
 from streamproc import config
 from streamproc.sim.embedded import stop_process
 from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
 from streamproc.testing.laws import LAW_EXAMPLES
-from streamproc.wire import ResultInfo, Subjects, result_from_message
+from streamproc.wire import ResultInfo, Subjects, chunk_headers, result_from_message
 
 FORMAT = "sglang"
 
@@ -90,6 +91,24 @@ async def wait_for_finals(js: JetStreamContext, subjects: Subjects, request_ids:
             raise AssertionError(f"{len(missing)} of {len(request_ids)} requests have no final result after "
                                  f"{timeout}s (first: {missing[:5]})")
         await anyio.sleep(0.5)
+
+
+async def refuse_new_results(nc: nats.aio.client.Client, js: JetStreamContext, subjects: Subjects) -> None:
+    """Make the results stream refuse every new result (10077, retried by the processor): one request
+    ("before") is stored first, then the stream is edited to discard ``new`` at its ``max_msgs``."""
+    await nc.request(subjects.chunk("before", "agg"), b"{}", headers=chunk_headers("before", "agg", 0, final=True),
+                     timeout=5)
+    await wait_for_finals(js, subjects, ["before"], 20)
+    info = await js.stream_info(RESULTS_STREAM)
+    info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
+    await js.update_stream(info.config)
+
+
+async def accept_results_again(js: JetStreamContext) -> None:
+    """Undo :func:`refuse_new_results`: discard ``old``, no message limit."""
+    info = await js.stream_info(RESULTS_STREAM)
+    info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
+    await js.update_stream(info.config)
 
 
 async def chunk_stream_messages(js: JetStreamContext, stream: str = CHUNKS_STREAM) -> int:

@@ -17,7 +17,6 @@ import time
 import anyio
 import nats.errors
 import pytest
-from nats.js.api import DiscardPolicy
 
 from streamproc.sim import traffic
 from streamproc.catalog import worker_for
@@ -31,10 +30,12 @@ from streamproc.wire import MSG_ID, Subjects, chunk_headers
 from durable_helpers import (
     FORMAT,
     Instance,
+    accept_results_again,
     chunk_stream_messages,
     connect,
     durable_flags,
     durable_settings,
+    refuse_new_results,
     stored_results,
     wait_for_finals,
 )
@@ -361,12 +362,7 @@ async def test_a_processor_killed_before_the_error_in_place_of_an_unpublishable_
         try:
             await instance.started()
             js = nc.jetstream()
-            await nc.request(Subjects().chunk("before", "agg"), b"{}",
-                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
-            await wait_for_finals(js, Subjects(), ["before"], 20)
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
-            await js.update_stream(info.config)  # every new result refused (10077), retried every 0.5 s
+            await refuse_new_results(nc, js, Subjects())  # every new result refused (10077), retried every 0.5 s
 
             headers = {"Streamproc-Seq": "0", "Streamproc-Final": "true"}
             block = len(b"NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + 4 for k, v in headers.items())
@@ -384,9 +380,7 @@ async def test_a_processor_killed_before_the_error_in_place_of_an_unpublishable_
             instance.kill()
             assert (await js.stream_info(RESULTS_STREAM)).state.messages == 1  # nothing of either stored
 
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
-            await js.update_stream(info.config)
+            await accept_results_again(js)
             instance.start()
             await instance.started()
             stored = await wait_for_finals(js, Subjects(), ["oversized", "bystander"], 60)
@@ -429,12 +423,7 @@ async def test_a_graceful_stop_retries_a_refused_result_and_stores_it_before_the
         try:
             await instance.started()
             js = nc.jetstream()
-            await nc.request(Subjects().chunk("before", "agg"), b"{}",
-                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
-            await wait_for_finals(js, Subjects(), ["before"], 20)
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
-            await js.update_stream(info.config)  # every new result refused (10077), retried every 0.5 s
+            await refuse_new_results(nc, js, Subjects())  # every new result refused (10077), retried every 0.5 s
             await nc.request(Subjects().chunk("held", "agg"), b"{}",
                              headers=chunk_headers("held", "agg", 0, final=True), timeout=5)
             await wait_until(lambda: "event=result_not_stored" in instance.log(), 20, "the result refused")
@@ -443,9 +432,7 @@ async def test_a_graceful_stop_retries_a_refused_result_and_stores_it_before_the
             started = time.monotonic()
             instance.proc.send_signal(signal.SIGTERM)
             await anyio.sleep(0.5)
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
-            await js.update_stream(info.config)
+            await accept_results_again(js)
             await wait_until(lambda: not instance.running, drain + 10, "the processor stopped")
             took = time.monotonic() - started
 
@@ -476,12 +463,7 @@ async def test_a_graceful_stop_that_ends_with_results_unstored_says_so(tmp_path)
         try:
             await instance.started()
             js = nc.jetstream()
-            await nc.request(Subjects().chunk("before", "agg"), b"{}",
-                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
-            await wait_for_finals(js, Subjects(), ["before"], 20)  # max_msgs 0 would mean no limit
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
-            await js.update_stream(info.config)  # every new result refused (10077), retried every 0.5 s
+            await refuse_new_results(nc, js, Subjects())  # every new result refused, retried every 0.5 s
             await nc.request(Subjects().chunk("held", "agg"), b"{}",
                              headers=chunk_headers("held", "agg", 0, final=True), timeout=5)
             await wait_until(lambda: "event=result_not_stored" in instance.log(), 20, "the result refused")

@@ -16,22 +16,22 @@ import pytest
 from conftest import processor_subprocess
 from durable_helpers import (
     Instance,
+    accept_results_again,
     ack_pending,
     chunk_stream_messages,
     connect,
     durable_flags,
     publish_paced,
+    refuse_new_results,
     stored_results,
     wait_for_finals,
 )
 from helpers import free_port, peak_rss, raw_hpub, raw_protocol, rid, scrape, status_kib, wait_until
 from migration_helpers import ask_migrate
-from nats.js.api import DiscardPolicy
 from shipped_config import CONF, shipped_server, url
 
 from streamproc.core.events import MigrateError, MigrateErrorCode
 from streamproc.core.wire import ResultInfo, Subjects, chunk_headers, result_from_message
-from streamproc.nats.streams import RESULTS_STREAM
 from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
@@ -702,12 +702,7 @@ async def test_a_migrate_sealing_a_result_that_is_then_replaced_by_an_error_answ
         try:
             await instance.started()
             js = nc.jetstream()
-            await nc.request(SUBJECTS.chunk("before", "agg"), b"{}",
-                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
-            await wait_for_finals(js, SUBJECTS, ["before"], 20)
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
-            await js.update_stream(info.config)
+            await refuse_new_results(nc, js, SUBJECTS)
 
             zero = (b'{"text":" a","output_ids":[11],"meta_info":{"id":"victim","finish_reason":null,'
                     b'"prompt_tokens":4,"completion_tokens":1}}')
@@ -728,9 +723,7 @@ async def test_a_migrate_sealing_a_result_that_is_then_replaced_by_an_error_answ
 
             async def repair() -> None:
                 await anyio.sleep(0.4)  # the seal taken, waiting for results 0 and 1 to be stored
-                info = await js.stream_info(RESULTS_STREAM)
-                info.config.discard, info.config.max_msgs = DiscardPolicy.OLD, -1
-                await js.update_stream(info.config)
+                await accept_results_again(js)
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(repair)
@@ -760,12 +753,7 @@ async def test_a_migrate_sealing_a_result_that_is_then_given_up_answers_unavaila
         try:
             await instance.started()
             js = nc.jetstream()
-            await nc.request(SUBJECTS.chunk("before", "agg"), b"{}",
-                             headers=chunk_headers("before", "agg", 0, final=True), timeout=5)
-            await wait_for_finals(js, SUBJECTS, ["before"], 20)
-            info = await js.stream_info(RESULTS_STREAM)
-            info.config.discard, info.config.max_msgs = DiscardPolicy.NEW, info.state.messages
-            await js.update_stream(info.config)
+            await refuse_new_results(nc, js, SUBJECTS)
             zero = (b'{"text":" a","output_ids":[11],"meta_info":{"id":"victim","finish_reason":null,'
                     b'"prompt_tokens":4,"completion_tokens":1}}')
             await nc.request(SUBJECTS.chunk("victim", "agg"), zero, headers={"Streamproc-Seq": "0"}, timeout=5)
