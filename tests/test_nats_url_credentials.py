@@ -15,12 +15,13 @@ import json
 import subprocess
 import time
 
+import nkeys
 import pytest
 
 from conftest import CLI, run_cli_process
 from edge_harness import demo_flag
 from helpers import clean_env, wait_ready
-from nats_auth import authenticated_cluster
+from nats_auth import authenticated_cluster, new_keypair
 from streamproc.nats.connection import url_credentials
 from streamproc.sim.embedded import EmbeddedNats, stop_process
 
@@ -134,7 +135,35 @@ def test_url_credentials_reach_the_servers_the_cluster_names_when_the_url_s_serv
     (["nats://a:1@h1", "nats://b:2@h2"], {}, (["nats://a:1@h1", "nats://b:2@h2"], {})),  # which one? as written
     (["ws://app:pw@h1"], {}, (["ws://app:pw@h1"], {})),  # aiohttp sends a websocket URL's userinfo itself
     (["nats://app:pw@h1"], {"token": "t"}, (["nats://h1"], {})),  # nats-py sent the settings' only
+    # with a signature, nats-py sent the URL's where the server asks for none (no nonce): as written
+    (["nats://app:pw@h1"], {"nkeys_seed_str": "SU"}, (["nats://app:pw@h1"], {})),
+    (["nats://app:pw@h1"], {"user_jwt_cb": None}, (["nats://app:pw@h1"], {})),
     (["nats://h1", "h2"], {}, (["nats://h1", "h2"], {})),
 ])
 def test_url_credentials_become_options_nats_py_sends_to_every_server(urls, options, want):
     assert url_credentials(urls, options) == want
+
+
+@pytest.mark.parametrize("flag", ["--nats-nkey-seed-file", "--nats-creds-file"])
+def test_url_credentials_still_reach_a_server_that_asks_for_no_signature_beside_an_nkey_or_creds_file(flag, tmp_path):
+    """nats-py signs with an nkey seed or .creds file only where the server's INFO carries a nonce
+    (nkey or JWT users); elsewhere it sent the URL's user and password. 58f292d dropped a URL's
+    credentials whenever any credential setting was given, so a password server reached with
+    ``nats://app:pw@host`` and a seed or creds file set (a shared deployment default) refused the
+    connect: ``Authorization Violation``, exit 1, where it had connected."""
+    seed, _ = new_keypair(nkeys.PREFIX_BYTE_USER)
+    if flag == "--nats-nkey-seed-file":
+        (tmp_path / "user.nk").write_text(seed + "\n")
+        path = tmp_path / "user.nk"
+    else:
+        jwt = "eyJ0eXAiOiJKV1QiLCJhbGciOiJlZDI1NTE5LW5rZXkifQ.e30.c2ln"  # never sent: the server asks no nonce
+        path = tmp_path / "user.creds"
+        path.write_text(f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+                        f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n")
+    config = f'authorization {{ users = [ {{ user: app, password: "{CLUSTER_PASSWORD}" }} ] }}\n'
+    with EmbeddedNats(jetstream=False, config=config) as server:
+        proc = run_cli_process("simulate", "--nats-url", f"nats://app:{CLUSTER_PASSWORD}@{host(server)}",
+                               flag, str(path), "--requests", "1", "--connect-timeout", "5")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "published" in proc.stdout, out
+    assert CLUSTER_PASSWORD not in out and seed not in out

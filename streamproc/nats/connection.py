@@ -142,7 +142,10 @@ def servers(settings: CommonSettings) -> list[str]:
     return [s.strip() for s in settings.nats_url.split(",") if s.strip()]
 
 
-_SETTING_CREDENTIALS = ("user", "token", "nkeys_seed_str", "user_jwt_cb")
+# nats-py sends a URL's credentials never beside these (its CONNECT takes them first), so they are dropped...
+_SETTING_CREDENTIALS = ("user", "token")
+# ...but beside a signature only where the server's INFO carries no nonce (no nkey or JWT users): left as written
+_SIGNATURE_CREDENTIALS = ("nkeys_seed_str", "user_jwt_cb")
 
 
 def url_credentials(urls: list[str], options: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -153,12 +156,14 @@ def url_credentials(urls: list[str], options: dict[str, Any]) -> tuple[list[str]
 
     Taken out only when nats-py would have sent it the same way to every server: one userinfo in
     every ``nats://``/``tls://`` server that has one (several differing ones, or a websocket URL,
-    whose userinfo aiohttp sends itself, are left as written). With credentials from the settings
-    nats-py never sent the URL's, so they are dropped. The values are as nats-py's ``urlparse``
-    reads them: undecoded, the user up to the first ``:``, no ``:`` a token."""
+    whose userinfo aiohttp sends itself, are left as written). With a user or token setting nats-py
+    never sent the URL's, so they are dropped; with an nkey seed or .creds file it sent them to a
+    server asking for no signature (no nonce), so they are left as written. The values are as
+    nats-py's ``urlparse`` reads them: undecoded, the user up to the first ``:``, no ``:`` a token."""
     written = [split_userinfo(url) for url in urls]
     found = {userinfo for url, (_, userinfo, _) in zip(urls, written) if "@" in url}
-    if not found or any(prefix.startswith(("ws://", "wss://")) for prefix, _, _ in written):
+    if (not found or any(prefix.startswith(("ws://", "wss://")) for prefix, _, _ in written)
+            or any(key in options for key in _SIGNATURE_CREDENTIALS)):
         return urls, {}
     if any(key in options for key in _SETTING_CREDENTIALS):
         return [prefix + host for prefix, _, host in written], {}
