@@ -299,20 +299,23 @@ def _is_text(value: Any) -> bool:
 MAX_SETTING_FILE_BYTES = 1 << 20
 
 
-# What each setting file that is no regular file (a shell's <(...) pipe, a FIFO) held, by (device, inode):
-# start-up reads a secret file twice (the check, then the connect), a .creds file at every connect, and a
-# pipe can be read once: the second read of /dev/fd/63 found it drained ("is empty"), the second open of
-# a FIFO whose writer had gone blocked for ever, on the event loop, deaf to SIGTERM.
-_PIPED: dict[tuple[int, int], bytes] = {}
+# What each setting file that is no regular file (a shell's <(...) pipe, a FIFO) held, by (path, device,
+# inode): start-up reads a secret file twice (the check, then the connect), a .creds file at every connect,
+# and a pipe can be read once: the second read of /dev/fd/63 found it drained ("is empty"), the second open
+# of a FIFO whose writer had gone blocked for ever, on the event loop, deaf to SIGTERM. The path is in the
+# key because ext4 gives a FIFO made after another was removed the same inode: keyed by (device, inode)
+# alone, a new FIFO elsewhere was answered with the old one's secret.
+_PIPED: dict[tuple[str, int, int], bytes] = {}
 
 
-def read_setting_file(path: str, named: str) -> bytes:
+def read_setting_file(path: str, named: str, *, keep: bool = True) -> bytes:
     """The bytes of a file a setting names (``named`` says which, for the error), at most
     :data:`MAX_SETTING_FILE_BYTES`; :class:`ConfigError` (exit 2) when unreadable or larger. A
-    regular file is read at every call (a rotated one is taken); a pipe once per process (:data:`_PIPED`)."""
+    regular file is read at every call (a rotated one is taken); a pipe once per process (:data:`_PIPED`),
+    unless ``keep`` is false (a library connect, whose caller holds what was read: nothing is kept)."""
     try:
         info = os.stat(path)
-        piped = None if stat.S_ISREG(info.st_mode) else (info.st_dev, info.st_ino)
+        piped = None if stat.S_ISREG(info.st_mode) else (path, info.st_dev, info.st_ino)
         if piped in _PIPED:
             return _PIPED[piped]
         with open(path, "rb") as f:
@@ -322,7 +325,7 @@ def read_setting_file(path: str, named: str) -> bytes:
     if len(data) > MAX_SETTING_FILE_BYTES:
         raise ConfigError(f"{named} is larger than {MAX_SETTING_FILE_BYTES >> 20} MiB: not a secret, key or "
                           "certificate file")
-    if piped is not None:
+    if piped is not None and keep:
         _PIPED[piped] = data
     return data
 

@@ -12,10 +12,12 @@ import os
 import subprocess
 import threading
 
+import nkeys
 import pytest
 
 from conftest import CLI
 from helpers import clean_env, wait_ready
+from nats_auth import new_keypair
 from streamproc.sim.embedded import EmbeddedNats, stop_process
 
 pytestmark = pytest.mark.nats
@@ -79,3 +81,56 @@ def test_a_token_file_that_is_a_fifo_written_once_is_read_once(token_server, tmp
         if writer.is_alive():  # the process never opened the FIFO: release the writer's open
             with open(fifo, "rb") as f:
                 f.read()
+
+
+def _hand_over(fifo, content: bytes) -> threading.Thread:
+    """A sidecar writing ``content`` into the FIFO once (its open waits for the reader)."""
+    def write_once() -> None:
+        with open(fifo, "wb") as f:
+            f.write(content)
+
+    writer = threading.Thread(target=write_once, daemon=True)
+    writer.start()
+    return writer
+
+
+@pytest.mark.anyio
+async def test_a_library_connect_reads_a_new_fifo_even_where_an_earlier_one_s_inode_is_reused(tmp_path):
+    """``streamproc.connect(user_credentials=<FIFO>)`` in a long-lived application: each connect's
+    FIFO is what it reads. 681587d kept every pipe's bytes for the process by (device, inode) only,
+    and ext4 gives a FIFO made after another was removed the same inode: the second connect, handed a
+    stranger's credentials, signed in with the first one's (and every FIFO's secret stayed in memory)."""
+    from nats_auth import Operator
+    from streamproc import connect
+    from streamproc.config import _PIPED
+    from streamproc.nats.connection import read_creds
+
+    kept = dict(_PIPED)
+    operator = Operator()
+    good, stranger = tmp_path / "good.creds", tmp_path / "stranger.creds"
+    operator.creds(good)
+    stranger_account, _ = new_keypair(nkeys.PREFIX_BYTE_ACCOUNT)  # an account the operator never signed
+    operator.creds(stranger, account_seed=stranger_account)
+    with EmbeddedNats(jetstream=False, config=operator.server_config()) as server:
+        first = tmp_path / "first.fifo"
+        os.mkfifo(first)
+        inode = first.stat().st_ino
+        _hand_over(first, good.read_bytes())
+        nc = await connect(server.url, user_credentials=str(first), allow_reconnect=False, connect_timeout=3)
+        await nc.close()
+        first.unlink()
+        second = tmp_path / "second.fifo"
+        os.mkfifo(second)
+        if second.stat().st_ino != inode:
+            pytest.skip("this file system gave the new FIFO a new inode: nothing to confuse")
+        writer = _hand_over(second, stranger.read_bytes())
+        with pytest.raises(Exception) as refused:
+            nc = await connect(server.url, user_credentials=str(second), allow_reconnect=False, connect_timeout=3)
+            await nc.close()
+        writer.join(timeout=1)
+        if writer.is_alive():  # the connect never opened the FIFO: release the writer's open
+            with open(second, "rb") as f:
+                f.read()
+        assert "authorization" in str(refused.value).lower(), repr(refused.value)
+        assert read_creds(str(good), "good")[1] not in repr(refused.value).encode()
+    assert _PIPED == kept  # a library connect keeps no pipe's secret for the process

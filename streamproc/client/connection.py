@@ -41,7 +41,8 @@ async def connect(servers: str | list[str] = NATS_URL, **options: Any) -> NatsCl
         # file without a user JWT line (nats/connection.py, read_creds)
         del options["user_credentials"]
         named = "user_credentials" + ("" if isinstance(credentials, UserString) else f" {os.fspath(credentials)!r}")
-        options["user_jwt_cb"], options["signature_cb"] = creds_callbacks(credentials, named)
+        # keep=False: a pipe's content lives with this client's callbacks, not for the process (config._PIPED)
+        options["user_jwt_cb"], options["signature_cb"] = creds_callbacks(credentials, named, keep=False)
     nc = new_client()
     await nc.connect(servers=[servers] if isinstance(servers, str) else servers, **options)
     return nc

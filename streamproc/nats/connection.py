@@ -17,6 +17,7 @@ import base64
 import math
 import os
 import ssl
+import stat
 from collections import UserString
 from typing import Any, Awaitable, Callable
 
@@ -96,16 +97,19 @@ def parse_creds(data: bytes, named: str) -> tuple[bytes, bytes]:
     return found[_CREDS_JWT], seed
 
 
-def creds_callbacks(path: str | os.PathLike[str] | UserString,
-                    named: str) -> tuple[Callable[[], bytes], Callable[[str], bytes]]:
+def creds_callbacks(path: str | os.PathLike[str] | UserString, named: str, *,
+                    keep: bool = True) -> tuple[Callable[[], bytes], Callable[[str], bytes]]:
     """nats-py's ``user_jwt_cb`` and ``signature_cb`` for a ``.creds`` file, in place of its own
     ``user_credentials`` reader: the file is read (checked once now: a broken one is a ConfigError
     at start-up) and read again at every connect, as nats-py does, so a rotated file is taken; broken
     meanwhile, the reconnect fails with a ``nats.errors.Error`` saying why, which nats-py reports
     to the error callback and retries (a repaired file is taken at the next attempt). ``path`` may
-    also be the content itself, as nats-py's ``RawCredentials`` (a ``UserString``)."""
-    if isinstance(path, UserString):
-        content = path.data.encode()
+    also be the content itself, as nats-py's ``RawCredentials`` (a ``UserString``). A file that is no
+    regular file (a pipe) is read once, now, and what it held used at every connect; ``keep`` false:
+    not kept for the process beside (``read_setting_file``), only by these callbacks."""
+    if isinstance(path, UserString) or not _regular(os.fspath(path)):
+        content = path.data.encode() if isinstance(path, UserString) else read_setting_file(os.fspath(path), named,
+                                                                                           keep=keep)
 
         def load() -> tuple[bytes, bytes]:
             return parse_creds(content, named)
@@ -136,6 +140,14 @@ def creds_callbacks(path: str | os.PathLike[str] | UserString,
             keys.wipe()
 
     return user_jwt, sign
+
+
+def _regular(path: str) -> bool:
+    """Whether ``path`` is a regular file; True when it cannot be read (the read then says why)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True
 
 
 def servers(settings: CommonSettings) -> list[str]:
