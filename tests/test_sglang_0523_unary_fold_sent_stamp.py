@@ -21,8 +21,9 @@ A unary request yields its finished body only (``_handle_batch_output``: ``out_d
 stamp of *its* send; with ``--enable-metrics`` the finished body repeats that first-send time inside
 ``APIServerReqTimeStats.convert_to_output_meta_info`` (``if self.response_sent_to_client_time > 0.0``), and
 without it no later chunk has the key. No chunk of a stream of two or more bodies carries the time a unary
-answer would have been sent: the folded answer leaves the key out (docs/codecs.md, "Timings") rather than
-restate the first chunk's time as the answer's. A stream of one body (its first body is the finished one) has
+answer would have been sent: the folded answer replaces the key with
+``response_sent_to_client_ts_unavailable_reason: not_streamed`` (docs/codecs.md, "Timings") rather than restate
+the first chunk's time as the answer's or leave it out unmarked. A stream of one body (its first body is the finished one) has
 exactly the unary stamp, and keeps it.
 """
 
@@ -89,15 +90,44 @@ def unary(metrics: bool) -> dict:
 
 
 @pytest.mark.parametrize("metrics", [False, True], ids=["plain", "enable-metrics"])
-def test_a_folded_stream_leaves_out_the_send_stamp_a_unary_answer_would_carry(metrics):
-    """The folded answer is the unary one without ``response_sent_to_client_ts``: never the first chunk's
-    send time, which would claim the answer left at first-token time."""
+def test_a_folded_stream_marks_the_send_stamp_a_unary_answer_would_carry_not_streamed(metrics):
+    """The folded answer is the unary one with ``response_sent_to_client_ts`` replaced where the unary body
+    has it (last: ``_stream_one_response`` appends it after ``_handle_batch_output`` built the rest) by
+    ``response_sent_to_client_ts_unavailable_reason: not_streamed`` (the omission policy): never the first
+    chunk's send time, which would claim the answer left at first-token time, and never a bare absence a
+    client cannot tell from a server that writes no stamp."""
     folded = json.loads(SGLangCodec(OPTIONS).fold(stream(metrics)))
     want = unary(metrics)
     assert "response_sent_to_client_ts" not in folded["meta_info"]
     del want["meta_info"]["response_sent_to_client_ts"]
+    want["meta_info"]["response_sent_to_client_ts_unavailable_reason"] = "not_streamed"
     assert folded == want
     assert list(folded["meta_info"]) == list(want["meta_info"])
+
+
+def test_a_folded_streamed_batch_item_of_several_chunks_marks_its_send_stamp_not_streamed():
+    """Each item of a streamed batch is stamped on its own first body (``_handle_batch_request``: one
+    ``_wait_one_response`` per item); an item of several chunks folds with the reason, an item of one keeps
+    its stamp (its first body is its finished one, as unary)."""
+    long_item = [body(1, None, metrics=False, sent=None, stamp=FIRST_SENT), body(5, FIN, metrics=False, sent=None)]
+    short_item = body(5, FIN, metrics=False, sent=None, stamp=UNARY_SENT)
+    chunks = [dumps({**long_item[0], "index": 0}), dumps({**short_item, "index": 1}),
+              dumps({**long_item[1], "index": 0})]
+    folded = json.loads(SGLangCodec(OPTIONS).fold(chunks))
+    assert folded[0]["meta_info"]["response_sent_to_client_ts_unavailable_reason"] == "not_streamed"
+    assert "response_sent_to_client_ts" not in folded[0]["meta_info"]
+    assert folded[1] == short_item
+
+
+def test_a_reason_a_stitched_chunk_already_gives_the_send_stamp_is_kept():
+    """A migrated stream's stitched bodies carry ``response_sent_to_client_ts_unavailable_reason:
+    stitch_incomplete`` (migration.py ``TIMING_FIELDS``); the fold keeps that reason, not a second one."""
+    first = body(1, None, metrics=False, sent=None)
+    first["meta_info"]["response_sent_to_client_ts_unavailable_reason"] = "stitch_incomplete"
+    last = body(5, FIN, metrics=False, sent=None)
+    folded = json.loads(SGLangCodec(OPTIONS).fold([dumps(first), dumps(last)]))
+    assert folded["meta_info"]["response_sent_to_client_ts_unavailable_reason"] == "stitch_incomplete"
+    assert "response_sent_to_client_ts" not in folded["meta_info"]
 
 
 def test_a_stream_of_one_finished_body_keeps_its_stamp_the_unary_one():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from streamproc.codec import UNAVAILABLE_SUFFIX
+from streamproc.codec import UNAVAILABLE_SUFFIX, OmissionReason
 
 from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS,
                      RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status,
@@ -86,9 +86,13 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     ``dict.update`` semantics except the per-chunk ``output_*logprobs`` slices, which concatenate.
     A cumulative chunk replaces all of those. Inputs are not mutated.
 
-    A stream of two or more bodies folds without ``response_sent_to_client_ts``: its value is the first
-    chunk's send time, while the same request unary is stamped when its whole answer is sent, a time no
-    chunk carries (``native.RESPONSE_SENT_TS``); restated, it would date the answer at its first token.
+    A stream of two or more bodies folds ``response_sent_to_client_ts`` to
+    ``response_sent_to_client_ts_unavailable_reason: not_streamed`` where the unary body has the key (last):
+    its value is the first chunk's send time, while the same request unary is stamped when its whole answer
+    is sent, a time no chunk carries (``native.RESPONSE_SENT_TS``); restated, it would date the answer at its
+    first token, and left out unmarked, a client could not tell it from a server that writes no stamp (a
+    stream without the key, an older tree's, folds without either). A reason a chunk already gave (a stitched
+    body's ``stitch_incomplete``) is kept.
     """
     out: dict[str, Any] = {}
     count = 0
@@ -125,8 +129,9 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         out[TEXT] = "".join(text.pieces)
     if OUTPUT_IDS in out and out[OUTPUT_IDS] is None:
         out[OUTPUT_IDS] = ids
-    if count > 1:
-        meta.pop(RESPONSE_SENT_TS, None)
+    if count > 1 and RESPONSE_SENT_TS in meta:  # a server that stamps (0.5.23; older trees write no stamp)
+        del meta[RESPONSE_SENT_TS]
+        meta.setdefault(RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX, OmissionReason.NOT_STREAMED.value)
     if META in out and out[META] is None:
         out[META] = meta
     return out
