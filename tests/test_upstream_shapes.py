@@ -142,7 +142,13 @@ def test_sglang_fold_and_migration_read_both_streaming_modes(case, cut):
     if len(stream) > 1:
         # The unary answer's send time is in no chunk of a longer stream: folded to its reason, in the
         # unary key's place (last), where the server stamps (fold.py).
+        # A stream's first-token timings (--enable-metrics) count from the tokenizer's receipt, a unary
+        # request's from the scheduler's prefill: replaced in place by their reasons.
         doc = msgspec.json.decode(unary)
+        meta = doc["meta_info"]
+        doc["meta_info"] = {(key + "_unavailable_reason" if key in native.FIRST_TOKEN_TIMINGS else key):
+                            ("not_streamed" if key in native.FIRST_TOKEN_TIMINGS else value)
+                            for key, value in meta.items()}
         if doc["meta_info"].pop("response_sent_to_client_ts", None) is not None:  # SGLang 0.5.23 writes it
             doc["meta_info"]["response_sent_to_client_ts_unavailable_reason"] = "not_streamed"
         unary = native.encode(doc)

@@ -15,8 +15,8 @@ from typing import Any, Iterable, Sequence
 
 from streamproc.codec import UNAVAILABLE_SUFFIX, OmissionReason
 
-from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, INDEX, META, OUTPUT_DELTA_FIELDS, OUTPUT_IDS,
-                     RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status,
+from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, FIRST_TOKEN_TIMINGS, INDEX, META, OUTPUT_DELTA_FIELDS,
+                     OUTPUT_IDS, RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status,
                      meta_of, restated, restates)
 
 
@@ -93,6 +93,11 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     first token, and left out unmarked, a client could not tell it from a server that writes no stamp (a
     stream without the key, an older tree's, folds without either). A reason a chunk already gave (a stitched
     body's ``stitch_incomplete``) is kept.
+
+    Every folded stream (several bodies, or a streamed batch item of one) has ``first_token_latency`` and
+    ``decode_throughput`` (``--enable-metrics``) replaced in place by ``<field>_unavailable_reason:
+    not_streamed``: a stream counts them from the tokenizer's receipt of its first output, the same
+    request unary from the scheduler's ``prefill_finished_time`` (``native.FIRST_TOKEN_TIMINGS``).
     """
     out: dict[str, Any] = {}
     count = 0
@@ -132,9 +137,18 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     if count > 1 and RESPONSE_SENT_TS in meta:  # a server that stamps (0.5.23; older trees write no stamp)
         del meta[RESPONSE_SENT_TS]
         meta.setdefault(RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX, OmissionReason.NOT_STREAMED.value)
+    if any(field in meta for field in FIRST_TOKEN_TIMINGS):
+        meta = _not_streamed(meta, FIRST_TOKEN_TIMINGS)
     if META in out and out[META] is None:
         out[META] = meta
     return out
+
+
+def _not_streamed(meta: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """``meta`` with each of ``fields`` replaced where it stands by ``<field>_unavailable_reason:
+    not_streamed`` (the unary body's key order)."""
+    reason = OmissionReason.NOT_STREAMED.value
+    return dict((key + UNAVAILABLE_SUFFIX, reason) if key in fields else (key, value) for key, value in meta.items())
 
 
 class _Text:

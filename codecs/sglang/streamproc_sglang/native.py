@@ -40,6 +40,11 @@ ROUTED_EXPERTS = "routed_experts"
 # last to that body (and, with ``--enable-metrics``, repeated in a stream's finished body). A unary answer's
 # is the time that answer was sent, which no body of a longer stream carries (fold.py).
 RESPONSE_SENT_TS = "response_sent_to_client_ts"
+# SGLang 0.5.23 with ``--enable-metrics``, finished bodies (``APIServerReqTimeStats.convert_to_output_meta_info``):
+# counted from ``first_token_time``, which ``TokenizerManager._handle_batch_output`` takes at the tokenizer's
+# receipt of a stream's first output but from the scheduler's ``prefill_finished_time`` for a unary request
+# (``_get_scheduler_first_token_time``). No chunk carries the unary values (fold.py).
+FIRST_TOKEN_TIMINGS = ("first_token_latency", "decode_throughput")
 # SGLANG_ROUTED_EXPERTS_DTYPE on the worker, advertised per body (int32 when absent).
 ROUTED_EXPERTS_DTYPE = "routed_experts_dtype"
 # GenerateReqInput.routed_experts_start_len: rows cover [start, seqlen - 1). Read from meta_info when
