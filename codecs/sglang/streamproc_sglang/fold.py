@@ -17,7 +17,10 @@ from streamproc.codec import UNAVAILABLE_SUFFIX, OmissionReason
 
 from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, FIRST_TOKEN_TIMINGS, INDEX, META, OUTPUT_DELTA_FIELDS,
                      OUTPUT_IDS, RESPONSE_SENT_TS, TEXT, AbortRestatement, abort_error, abort_restatement, abort_status,
-                     meta_of, restated, restates)
+                     from_abort_req, meta_of, restated, restates)
+
+
+SENT_REASON = RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX
 
 
 def abort_answer(docs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -98,6 +101,10 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     ``decode_throughput`` (``--enable-metrics``) replaced in place by ``<field>_unavailable_reason:
     not_streamed``: a stream counts them from the tokenizer's receipt of its first output, the same
     request unary from the scheduler's ``prefill_finished_time`` (``native.FIRST_TOKEN_TIMINGS``).
+
+    A stream that ends in ``_handle_abort_req``'s body (:func:`~.native.from_abort_req`) folds to that body's
+    ``meta_info`` keys in its order: it is a fresh dict (no ``prompt_tokens``, ``cached_tokens``...), and
+    unary it is the whole answer, as nothing is queued for a non-stream request before its finish.
     """
     out: dict[str, Any] = {}
     count = 0
@@ -105,8 +112,11 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     ids: list[Any] = []
     meta: dict[str, Any] = {}
     deltas: dict[str, list[Any]] = {}
+    abort_keys: list[str] | None = None  # the last body's meta_info keys when it is _handle_abort_req's
     for doc in docs:
         count += 1
+        chunk_meta = meta_of(doc)
+        abort_keys = list(chunk_meta) if chunk_meta is not None and from_abort_req(chunk_meta) else None
         abort = abort_restatement(doc, ids)
         if abort is None and restates(doc, ids):
             text.clear()
@@ -134,9 +144,14 @@ def fold(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
         out[TEXT] = "".join(text.pieces)
     if OUTPUT_IDS in out and out[OUTPUT_IDS] is None:
         out[OUTPUT_IDS] = ids
-    if count > 1 and RESPONSE_SENT_TS in meta:  # a server that stamps (0.5.23; older trees write no stamp)
-        del meta[RESPONSE_SENT_TS]
-        meta.setdefault(RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX, OmissionReason.NOT_STREAMED.value)
+    # A server that stamps (0.5.23; older trees write no stamp), or a stitch that gave the stamp its reason.
+    sent_reason = meta.get(SENT_REASON, OmissionReason.NOT_STREAMED.value) if (
+        RESPONSE_SENT_TS in meta or SENT_REASON in meta) else None
+    if abort_keys is not None:
+        meta = {key: meta[key] for key in abort_keys if key in meta}
+    if count > 1 and sent_reason is not None:
+        meta.pop(RESPONSE_SENT_TS, None)
+        meta.setdefault(SENT_REASON, sent_reason)
     if any(field in meta for field in FIRST_TOKEN_TIMINGS):
         meta = _not_streamed(meta, FIRST_TOKEN_TIMINGS)
     if META in out and out[META] is None:

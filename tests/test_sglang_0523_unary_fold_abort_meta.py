@@ -1,0 +1,114 @@
+"""A folded SGLang 0.5.23 stream the scheduler aborted has the unary abort body's ``meta_info``: its keys, in its order.
+
+Written by hand from the SGLang 0.5.23 PyPI wheel (``managers/tokenizer_manager.py``), not from the simulator.
+``TokenizerManager._handle_abort_req`` builds the body a request aborted by the scheduler ends with (a queued or
+retracted request ``abort_request`` aborts, without a ``status_code``, so no error is raised unary)::
+
+    meta_info = {"id": recv_obj.rid, "finish_reason": finish_reason,
+                 "weight_version": self.config_value("weight_version"),
+                 "e2e_latency": state.time_stats.get_e2e_latency()}
+    if recv_obj.weight_versions is not None: add_weight_versions_to_meta_info(...)
+    if getattr(state.obj, "return_logprob", False): self.add_logprob_to_meta_info(...)
+    output_ids = state.output_ids
+    meta_info["completion_tokens"] = len(output_ids)
+    if is_stream and self.incremental_streaming_output:
+        output_ids = [output_ids[-1]] if len(output_ids) > 0 else []
+    out = {"text": state.get_text(), "output_ids": output_ids, "meta_info": meta_info}
+
+A fresh ``meta_info``: no ``prompt_tokens``, ``num_retractions``, ``reasoning_tokens``, ``cached_tokens`` or
+``cached_tokens_details``, which every ``_handle_batch_output`` chunk before it has. Unary, ``_handle_batch_output``
+queues nothing before the finish (``out_dict = None`` while ``not state.finished``), so this body is the whole
+answer (``_stream_one_response`` appends ``response_sent_to_client_ts`` to it, the first body yielded). The
+folded stream is that body: the earlier chunks' keys are no part of it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from helpers import upstream_json as dumps
+from sglang_0523_bodies import add_counts
+
+from streamproc.codec import CodecOptions
+from streamproc_sglang import SGLangCodec
+
+RID = "5a6b7c8d9e0f41a2b3c4d5e6f7a8b9c0"
+OUT = [401, 402, 403]
+TEXT = ["x", "yz", "!"]
+QUEUED_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+RECEIVED = 1765000200.0
+
+
+def batch_chunk(end: int, *, incremental: bool, stamp: float | None = None) -> dict[str, Any]:
+    """``_handle_batch_output`` (0.5.23, BatchStrOutput): an unfinished stream chunk of tokens ``[.., end)``."""
+    meta: dict[str, Any] = {"id": RID, "finish_reason": None, "prompt_tokens": 6, "weight_version": "default",
+                            "num_retractions": 1}
+    add_counts(meta, end, finished=False, cached=2)
+    if stamp is not None:  # _stream_one_response: the first body yielded
+        meta["response_sent_to_client_ts"] = stamp
+    lo = end - 1 if incremental else 0
+    return {"text": "".join(TEXT[lo:end]), "output_ids": OUT[lo:end], "meta_info": meta}
+
+
+def abort_body(seen: int, *, incremental_stream: bool, stamp: float | None = None) -> dict[str, Any]:
+    """``_handle_abort_req`` (0.5.23) once the tokenizer holds ``seen`` tokens."""
+    meta: dict[str, Any] = {"id": RID, "finish_reason": QUEUED_ABORT, "weight_version": "default",
+                            "e2e_latency": 0.75, "completion_tokens": seen}
+    if stamp is not None:
+        meta["response_sent_to_client_ts"] = stamp
+    ids = OUT[:seen]
+    if incremental_stream:
+        ids = [ids[-1]] if ids else []
+    return {"text": "".join(TEXT[:seen]), "output_ids": ids, "meta_info": meta}
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_a_folded_stream_the_scheduler_aborted_has_the_unary_abort_meta_info(incremental):
+    """The folded answer is the unary abort body: every token, and ``meta_info`` with the abort body's keys in
+    its order, not the earlier chunks' ``prompt_tokens``, ``num_retractions``, ``reasoning_tokens``,
+    ``cached_tokens``, ``cached_tokens_details``; the send stamp, which no chunk has, marked in its place."""
+    chunks = [batch_chunk(1, incremental=incremental, stamp=RECEIVED + 0.1),
+              batch_chunk(2, incremental=incremental),
+              abort_body(3, incremental_stream=incremental)]
+    options = CodecOptions(max_decompressed_bytes=1 << 20,
+                           format_options=(("streaming", "incremental" if incremental else "cumulative"),))
+    folded = json.loads(SGLangCodec(options).fold([dumps(chunk) for chunk in chunks]))
+    want = abort_body(3, incremental_stream=False)
+    want["meta_info"]["response_sent_to_client_ts_unavailable_reason"] = "not_streamed"
+    assert folded == want
+    assert list(folded["meta_info"]) == list(want["meta_info"])
+
+
+def test_a_folded_streamed_batch_item_the_scheduler_aborted_has_the_unary_abort_meta_info():
+    """Each item of a streamed batch folds alone (``_stream_batch_responses``' ``index``): an aborted item is
+    its unary abort body, the other item its finished body."""
+    aborted = [batch_chunk(1, incremental=True, stamp=RECEIVED + 0.1), abort_body(2, incremental_stream=True)]
+    done: dict[str, Any] = {"id": RID + "-1", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 6,
+                            "weight_version": "default", "num_retractions": 0}
+    add_counts(done, 1, finished=True)
+    done["e2e_latency"] = 0.5
+    done["response_sent_to_client_ts"] = RECEIVED + 0.5
+    finished = {"text": "x", "output_ids": OUT[:1], "meta_info": done}
+    chunks = [{**aborted[0], "index": 0}, {**finished, "index": 1}, {**aborted[1], "index": 0}]
+    folded = json.loads(SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20)).fold(
+        [dumps(chunk) for chunk in chunks]))
+    want = abort_body(2, incremental_stream=False)
+    want["meta_info"]["response_sent_to_client_ts_unavailable_reason"] = "not_streamed"
+    assert folded == [want, finished]
+    assert list(folded[0]["meta_info"]) == list(want["meta_info"])
+
+
+def test_a_stitched_streams_send_stamp_reason_survives_its_abort():
+    """A migrated stream's stitched bodies carry ``response_sent_to_client_ts_unavailable_reason:
+    stitch_incomplete`` (migration.py ``TIMING_FIELDS``); ending in the abort body, whose keys the folded
+    ``meta_info`` takes, the stitch's reason is kept (last, where the unary stamp stands), not dropped."""
+    first = batch_chunk(1, incremental=True)
+    first["meta_info"]["response_sent_to_client_ts_unavailable_reason"] = "stitch_incomplete"
+    chunks = [first, batch_chunk(2, incremental=True), abort_body(3, incremental_stream=True)]
+    folded = json.loads(SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20)).fold(
+        [dumps(chunk) for chunk in chunks]))
+    assert list(folded["meta_info"])[-1] == "response_sent_to_client_ts_unavailable_reason"
+    assert folded["meta_info"]["response_sent_to_client_ts_unavailable_reason"] == "stitch_incomplete"
+    assert "prompt_tokens" not in folded["meta_info"]
