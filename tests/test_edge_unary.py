@@ -278,6 +278,22 @@ async def test_a_streamed_batch_of_one_whose_stream_is_one_chunk_answers_a_list_
         assert (response.status_code, response.content) == (200, body)
 
 
+async def test_a_sglang_stream_that_is_only_a_coalesced_abort_body_is_answered_the_unary_abort(edge, nc):
+    """SGLang 0.5.23, ``--incremental-streaming-output``: a stream whose consumer was behind from the start
+    and that the scheduler aborted without a status yields one body, ``_coalesce_streaming_chunks`` over the
+    queued deltas and ``_handle_abort_req``'s (whole text, ``[output_ids[-1]]``): text doubled, last id
+    repeated. The edge served it as sent; unary the same request answers the abort body, every id once."""
+    abort_meta = {"id": "rid-a", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                  "weight_version": "default", "e2e_latency": 0.5, "completion_tokens": 2,
+                  "response_sent_to_client_ts": 1765000000.5}
+    lone = {"text": "a" + "b" + "ab", "output_ids": [7, 8, 8], "meta_info": abort_meta}
+    request_id = rid("coalesced-abort")
+    await publish_results(nc, DURABLE, request_id, [upstream_json(lone)])
+    response = await get(edge, f"/v1/results/{request_id}", JSON)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"text": "ab", "output_ids": [7, 8], "meta_info": abort_meta}
+
+
 async def test_unary_mode_waits_for_results_published_after_the_request(server):
     with running_edge(server.url, "--prefix", CORE.prefix) as core_edge:
         request_id = rid("wait")

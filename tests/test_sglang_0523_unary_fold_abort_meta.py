@@ -112,3 +112,50 @@ def test_a_stitched_streams_send_stamp_reason_survives_its_abort():
     assert list(folded["meta_info"])[-1] == "response_sent_to_client_ts_unavailable_reason"
     assert folded["meta_info"]["response_sent_to_client_ts_unavailable_reason"] == "stitch_incomplete"
     assert "prompt_tokens" not in folded["meta_info"]
+
+
+def coalesced_lone_abort(seen: int) -> dict[str, Any]:
+    """The only body an incremental stream yields when its consumer was behind from the start and the
+    scheduler aborted it (``_stream_one_response``: ``_coalesce_streaming_chunks(out_list, ...)`` over the
+    queued deltas and ``_handle_abort_req``'s body): every delta's ids then ``[output_ids[-1]]`` again, every
+    delta's text then the whole text again; ``meta_info`` is the last (the abort body's)."""
+    queued = [batch_chunk(k, incremental=True) for k in range(1, seen + 1)]
+    abort = abort_body(seen, incremental_stream=True, stamp=RECEIVED + 0.2)  # the first body yielded
+    out = dict(abort)
+    out["output_ids"] = [i for chunk in [*queued, abort] for i in chunk["output_ids"]]
+    out["text"] = "".join(chunk["text"] for chunk in [*queued, abort])
+    return out
+
+
+@pytest.mark.parametrize("seen", [2, 3])
+def test_a_lone_coalesced_abort_body_folds_to_the_unary_abort_answer(seen):
+    """Served as sent, it doubled the text (``"xyz!xyz!"``) and repeated the last id; unary the same request
+    answers the abort body with every id once. ``folds_alone`` sends it to ``fold`` (its finish reason, an
+    abort, is followed by ``weight_version``, as ``_handle_abort_req`` writes it; a ``_handle_batch_output``
+    body has ``prompt_tokens`` there), which folds it."""
+    body = dumps(coalesced_lone_abort(seen))
+    codec = SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20))
+    assert codec.folds_alone(body)
+    want = abort_body(seen, incremental_stream=False, stamp=RECEIVED + 0.2)
+    folded = json.loads(codec.fold([body]))
+    assert folded == want
+    assert list(folded["meta_info"]) == list(want["meta_info"])
+
+
+def test_a_lone_abort_body_of_a_batch_output_is_not_sent_to_fold():
+    """A running request aborted through ``to_finish`` ends in a ``_handle_batch_output`` body (``prompt_tokens``
+    right after its finish reason): it is the unary answer as sent, and is not parsed for nothing."""
+    chunk = batch_chunk(2, incremental=False, stamp=RECEIVED + 0.2)
+    chunk["meta_info"]["finish_reason"] = {"type": "abort", "message": "Aborted", "status_code": None,
+                                           "err_type": None}
+    body = dumps(chunk)
+    codec = SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20))
+    assert not codec.folds_alone(body)
+    assert codec.fold([body]) == body
+
+
+def test_a_lone_abort_body_with_every_id_once_is_not_sent_to_fold():
+    """A cumulative stream's lone ``_handle_abort_req`` body (0.5.23 cuts its ids only with
+    ``--incremental-streaming-output``) is the unary answer as sent: not parsed for nothing."""
+    body = dumps(abort_body(3, incremental_stream=False, stamp=RECEIVED + 0.2))
+    assert not SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20)).folds_alone(body)

@@ -63,6 +63,12 @@ ABORT_OPENING = re.compile(b"".join((
     _WS, b":", _WS, rb"\{", _WS, rb'"type"', _WS, b":", _WS, b'"%s"' % native.ABORT.encode(), rb"(?:", _MEMBER,
     rb")*+")))
 STATUS_NEXT = re.compile(b"".join((_WS, b",", _WS, _ERROR_STATUS)))
+# An abort without a status closed and followed by ``weight_version``: ``_handle_abort_req``'s body (SGLang
+# 0.5.23 ``meta_info = {"id", "finish_reason", "weight_version", "e2e_latency", ...}``; every
+# ``_handle_batch_output`` body has ``prompt_tokens`` there). Alone, an incremental stream's may be queued
+# deltas coalesced with it (``_coalesce_streaming_chunks``: text doubled, last id repeated): ``fold`` reads it.
+META_KEY = b'"%s"' % native.META.encode()
+ABORT_REQ_NEXT = re.compile(b"".join((_WS, rb"\}", _WS, b",", _WS, b'"%s"' % native.WEIGHT_VERSION.encode())))
 # What is left of a flat member cut by the span (the key or its string value unterminated): the
 # finish reason is undecided there, and ``fold`` decides.
 _OPEN_STRING = rb'"(?:[^"\\]++|\\.)*+\\?'
@@ -180,6 +186,8 @@ def _abort_with_status(body: bytes) -> bool:
         if opening is not None:
             if STATUS_NEXT.match(body, opening.end(), span):
                 return True
+            if ABORT_REQ_NEXT.match(body, opening.end(), span):
+                return _repeats_last_id(body, at)
             # A member cut by the span (a long message): undecided, fold decides. Else: no error status.
             return span < len(body) and MEMBER_CUT.fullmatch(body, opening.end(), span) is not None
         if IS_KEY.match(body, end, span):
@@ -188,6 +196,29 @@ def _abort_with_status(body: bytes) -> bool:
         if misses > FINISH_CANDIDATES:
             return True  # nothing SGLang writes: fold decides
     return False
+
+
+def _repeats_last_id(body: bytes, at: int) -> bool:
+    """Whether the ``output_ids`` in front of ``meta_info`` (whose ``finish_reason`` key is at ``at``) end
+    in the same id twice, as queued deltas coalesced with ``_handle_abort_req``'s ``[output_ids[-1]]`` do.
+    Reads the two last ids backwards from ``"meta_info"`` (``output_ids`` is the key before it; integers,
+    no nesting): a few bytes, whatever the body's size; a cumulative body with every id once is not
+    parsed for nothing unless its last token really repeats."""
+    meta = body.rfind(META_KEY, 0, at)
+    end = body.rfind(b"]", 0, meta) if meta >= 0 else -1
+    start = body.rfind(b"[", 0, end) if end >= 0 else -1
+    last = body.rfind(b",", start, end) if start >= 0 else -1
+    if last < 0:
+        return False  # no list, or fewer than two ids
+    before = max(body.rfind(b",", start, last), start)
+    return body[last + 1:end].strip() == body[before + 1:last].strip()
+
+
+def _from_abort_req(doc: dict) -> bool:
+    """Whether a lone body is ``_handle_abort_req``'s, which :func:`~.fold.fold` reads (its ids and text may
+    be coalesced deltas in front of the whole, ``ABORT_REQ_NEXT``)."""
+    meta = native.meta_of(doc)
+    return meta is not None and native.from_abort_req(meta)
 
 
 def _stream_error_frame(body: bytes) -> bool:
@@ -241,7 +272,7 @@ class SGLangCodec(Codec):
         if error is not None:
             return native.encode(error)
         items = fold_items(docs)  # a streamed batch or n > 1 request answers a list unary
-        if items is None and len(bodies) == 1:
+        if items is None and len(bodies) == 1 and not _from_abort_req(docs[0]):
             return bodies[0]  # a unary body, or a single request's only chunk: the unary answer as sent
         return native.encode(items if items is not None else fold(docs))
 
@@ -260,7 +291,10 @@ class SGLangCodec(Codec):
         ``"finish_reason"`` key whose abort has a ``"status_code"`` in ``[400, 600)``, wherever it stands
         (``_abort_with_status``), makes ``fold`` look. An abort without one (the client's, the
         tokenizer's own) is not sent: its unary answer is the body as sent, and sent to ``fold`` a 64 MiB
-        one was parsed whole for nothing, ~75 ms holding the GIL.
+        one was parsed whole for nothing, ~75 ms holding the GIL. Except ``_handle_abort_req``'s body
+        (``weight_version`` after its finish reason) whose ``output_ids`` end in the same id twice
+        (``_repeats_last_id``, a few bytes read): queued incremental deltas coalesced with it, its text
+        doubled, which ``fold`` cuts to the unary abort body.
 
         Also a stream's only chunk that is ``stream_results``' error frame (a ``ValueError`` before the
         first chunk, e.g. ``_validate_one_request``'s context-length check): unary, the same request
