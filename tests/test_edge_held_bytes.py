@@ -242,3 +242,47 @@ async def test_empty_results_collected_for_a_unary_answer_are_held_to_max_unary_
         print(f"\nunary: VmRSS before {baseline} KiB, VmHWM {peak} KiB, answered {response.status_code}")
         assert response.status_code == 413 and "--max-unary-bytes" in response.text, response.text[:300]
         assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
+
+
+OWN = {feed: FEEDS[feed] for feed in ("own-subscription", "durable-own-consumer")}
+TINY_HEADERS = {f"h{k:03d}": "" for k in range(120)}  # 120 header lines of 6 bytes, under MAX_HEADER_LINES
+
+
+@pytest.mark.parametrize("feed", OWN)
+async def test_results_with_many_tiny_headers_queued_for_a_stalled_reader_are_held_to_the_buffer_bound(
+        nats_server, feed):
+    """A result's headers are held as a dict and its strings, not as their characters: 120 empty
+    headers are ~0.8 kB on the wire, 3.3 kB of dict in the queued ``Msg`` (the names are shared, the
+    values the one empty string). Charged by characters (~0.6 kB a result with the subject and the
+    fixed cost), 16,000 for a stalled reader were all queued in ``--recent 0``'s own subscription
+    under its 8 MiB bound (VmHWM +46 MiB core, +133 MiB with a results stream); charged the objects'
+    sizes (``pending.HeldQueue``), the stream is held at the bound."""
+    server = nats_server
+    durable = "--ensure-results-stream" in OWN[feed]
+    subjects = Subjects("heldtiny")
+    with running_edge(server.url, "--prefix", "heldtiny", "--write-timeout", "120", *OWN[feed]) as edge:
+        pid = edge.proc.pid
+        request_id = rid("tiny")
+        async with connection(server.url) as nc:
+            sock = await unread_stream(edge.port, request_id)
+            try:
+                seq = await fill_send_queue(nc, subjects, request_id, edge.port, sock)
+                for _ in range(8):  # past the transport's high-water mark: the stream's task waits
+                    await nc.publish(subjects.result(request_id), b'{"text":"%s"}' % (b"x" * 16000),
+                                     headers={SEQ: str(seq)})
+                    seq += 1
+                await nc.flush()
+                await anyio.sleep(0.5)
+                baseline = status_kib(pid, "VmRSS")
+                await flood(nc, subjects.result(request_id),
+                            [{SEQ: str(s), **TINY_HEADERS} for s in range(seq, seq + 16_000)])
+                held = "streamproc_edge_streams_behind_total" if durable else "streamproc_edge_streams_overrun_total"
+                await wait_until(lambda: edge.metrics()[held] == 1, 30, "the stalled stream was held to its bound")
+                await anyio.sleep(1)
+                peak = status_kib(pid, "VmHWM")
+                await another_stream_is_answered(nc, subjects, edge.url)
+            finally:
+                sock.close()
+        print(f"\ntiny headers, stalled reader ({feed}): VmRSS before {baseline} KiB, VmHWM {peak} KiB")
+        assert (peak - baseline) << 10 < GROWTH, f"the edge grew by {(peak - baseline) >> 10} MiB"
+
