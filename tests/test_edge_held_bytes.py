@@ -314,3 +314,31 @@ async def test_a_long_stream_read_promptly_never_overruns_its_own_queue(nats_ser
         metrics = edge.metrics()
         assert metrics["streamproc_edge_streams_overrun_total"] == 0
         assert metrics["streamproc_edge_streams_behind_total"] == 0
+
+
+async def test_a_unary_answer_refused_by_what_each_result_holds_says_what_counts(nats_server):
+    """An honest answer whose bodies fit under ``--max-unary-bytes`` (16 results of 65,500 bytes and a
+    final one: 1,048,014 of a 1,048,576 bound) but whose results hold more (request id, traceparent, 96 bytes each) is refused:
+    the 413's text names what counts, so a client does not read 'exceed' against bodies that fit."""
+    subjects = Subjects("heldwhy")
+    request_id = rid("why")
+    body = b'{"text":"%s"}' % (b"x" * (65_500 - 11))
+    end = b'{"text":"end"}'
+    with running_edge(nats_server.url, "--prefix", "heldwhy", "--max-unary-bytes", str(BOUND)) as edge:
+        async with connection(nats_server.url) as nc, httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+            async with anyio.create_task_group() as tg:
+                async def publish() -> None:
+                    await anyio.sleep(0.5)
+                    for seq in range(16):
+                        await nc.publish(subjects.result(request_id), body,
+                                         headers={SEQ: str(seq), TRACEPARENT: "00-" + "a" * 52})
+                    await publish_result(nc, subjects, request_id, 16, end, final=True)
+                    await nc.flush()
+
+                tg.start_soon(publish)
+                with anyio.fail_after(60):
+                    response = await client.get(f"/v1/results/{request_id}", headers={"Accept": "application/json"})
+    assert 16 * len(body) + len(end) < BOUND
+    message = response.json()["error"]["message"]
+    assert response.status_code == 413 and "--max-unary-bytes" in message, response.text[:300]
+    assert "body, request id, traceparent and 96 bytes" in message, message

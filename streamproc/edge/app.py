@@ -903,7 +903,8 @@ class Edge:
                 self.metrics.unary_too_large += 1
                 return error_response(
                     f"the results of request {feed.request_id} exceed --max-unary-bytes "
-                    f"({self.settings.max_unary_bytes} bytes); read them as a stream (Accept: text/event-stream)",
+                    f"({self.settings.max_unary_bytes} bytes, counting each result's body, request id, "
+                    f"traceparent and {RESULT_HELD_OVERHEAD} bytes); read them as a stream (Accept: text/event-stream)",
                     "too_large", 413)
             results.append(item)
             limit = self.settings.result_timeout

@@ -116,8 +116,8 @@ class EdgeSettings(CommonSettings, frozen=True, forbid_unknown_fields=True, kw_o
         "bytes of results buffered for one stream while its client is behind; past it the stream is ended "
         "with an error event (at least the NATS max_payload)", ge=64 * 1024, le=2**34)] = 8 * 1024 * 1024
     max_unary_bytes: Annotated[int, documented(
-        "bytes of results (bodies, kept header values, ids) a unary (application/json) answer may "
-        "collect; past it the request is "
+        "bytes of results (each result's body, request id, traceparent and 96 bytes) a unary "
+        "(application/json) answer may collect; past it the request is "
         "refused with a too_large error (read such results as a stream)", ge=1024, le=2**36)] = 16 * 1024 * 1024
     tls_cert_file: Annotated[str, documented("PEM certificate (chain) the edge serves HTTPS with (with "
                                              "--tls-key-file)")] = ""
