@@ -256,7 +256,10 @@ class SGLangCodec(Codec):
         a 500 ``cannot fold`` would make a worker's cut-short chunk the edge's failure."""
         docs = []
         for index, body in enumerate(bodies):
-            doc = native.decode(body)
+            try:
+                doc = native.decode(body)
+            except RecursionError:  # nested deeper than the parser goes: no JSON object here
+                doc = None
             if not isinstance(doc, dict):
                 if len(bodies) == 1:
                     return bytes(body)  # a unary batch's list, or no JSON at all: as sent

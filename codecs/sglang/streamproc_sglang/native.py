@@ -99,11 +99,11 @@ _encoder = msgspec.json.Encoder()
 
 
 def decode(body: bytes) -> Any:
-    """The body's JSON value, or None when it is not JSON (or nests deeper than the parser's stack: no
-    body SGLang writes; msgspec raised ``RecursionError`` there, which its callers did not expect)."""
+    """The body's JSON value, or None when it is not JSON. A body nested deeper than the parser's stack
+    raises ``RecursionError``: the join ends such a request ``invalid_chunk`` (no body SGLang writes)."""
     try:
         return _decode.decode(body)
-    except (msgspec.DecodeError, RecursionError):
+    except msgspec.DecodeError:
         return None
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar
 import msgspec
 import numpy as np
 
-from streamproc.codec import CodecOptions, CorruptPayload, SequenceCodec
+from streamproc.codec import UNAVAILABLE_SUFFIX, CodecOptions, CorruptPayload, OmissionReason, SequenceCodec
 from streamproc.decompress import encode_base64
 from streamproc.simulation import Damage, SimulatedWorker, Truth, emitted_in
 
@@ -161,8 +161,10 @@ class SGLangWorker(SimulatedWorker):
         meta = doc.get(native.META) if isinstance(doc, dict) else None
         if isinstance(meta, dict):
             # A unary answer's send time is no function of the output: a folded stream cannot have it
-            # (fold.py), so the laws compare bodies without it.
+            # (fold.py puts its ``not_streamed`` reason there), so the laws compare bodies without either.
             meta.pop(native.RESPONSE_SENT_TS, None)
+            if meta.get(native.RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX) == OmissionReason.NOT_STREAMED:
+                del meta[native.RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX]
         if isinstance(meta, dict) and native.ROUTED_EXPERTS in meta:
             try:
                 meta[native.ROUTED_EXPERTS] = as_int32(self._view.decode(meta[native.ROUTED_EXPERTS]), meta)
