@@ -159,3 +159,21 @@ def test_a_lone_abort_body_with_every_id_once_is_not_sent_to_fold():
     ``--incremental-streaming-output``) is the unary answer as sent: not parsed for nothing."""
     body = dumps(abort_body(3, incremental_stream=False, stamp=RECEIVED + 0.2))
     assert not SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20)).folds_alone(body)
+
+
+@pytest.mark.parametrize("weight_version", [False, True], ids=["no-weight-version", "weight-version"])
+def test_a_lone_abort_body_with_its_last_id_only_is_given_back_as_sent(weight_version):
+    """A stream's only body that is ``_handle_abort_req``'s with ``[output_ids[-1]]`` of several tokens (trees
+    before 0.5.23 cut a stream's ids so in both modes, and took only ``out_list[-1]`` of what was queued) and a
+    message longer than the ``FINISH_SPAN`` that ``folds_alone`` reads, so ``fold`` decides: nothing is coalesced
+    in it and the missing ids cannot be placed, so it is given back as sent, as every other lone body whose
+    message is short. Folded, its one id was dropped (``output_ids: []``)."""
+    meta: dict[str, Any] = {"id": RID, "finish_reason": {"type": "abort", "message": "m" * 5000}}
+    if weight_version:
+        meta["weight_version"] = "default"
+        meta["e2e_latency"] = 0.75
+    meta["completion_tokens"] = 3
+    body = dumps({"text": "".join(TEXT), "output_ids": OUT[-1:], "meta_info": meta})
+    codec = SGLangCodec(CodecOptions(max_decompressed_bytes=1 << 20))
+    assert codec.folds_alone(body)  # the message runs past the span: fold decides
+    assert codec.fold([body]) == body

@@ -214,11 +214,13 @@ def _repeats_last_id(body: bytes, at: int) -> bool:
     return body[last + 1:end].strip() == body[before + 1:last].strip()
 
 
-def _from_abort_req(doc: dict) -> bool:
-    """Whether a lone body is ``_handle_abort_req``'s, which :func:`~.fold.fold` reads (its ids and text may
-    be coalesced deltas in front of the whole, ``ABORT_REQ_NEXT``)."""
-    meta = native.meta_of(doc)
-    return meta is not None and native.from_abort_req(meta)
+def _coalesced_abort(doc: dict) -> bool:
+    """Whether a lone body is queued deltas coalesced with ``_handle_abort_req``'s (``ABORT_REQ_NEXT``), which
+    :func:`~.fold.fold` cuts to the whole: one id more than its ``completion_tokens``, the last repeated
+    (``native.abort_restatement``). Any other lone abort body is the unary answer as sent: a unary one has
+    every id once, and one with ``[output_ids[-1]]`` of several tokens cannot have the others placed."""
+    restatement = native.abort_restatement(doc, ())
+    return restatement is not None and restatement.doubled
 
 
 def _stream_error_frame(body: bytes) -> bool:
@@ -275,7 +277,7 @@ class SGLangCodec(Codec):
         if error is not None:
             return native.encode(error)
         items = fold_items(docs)  # a streamed batch or n > 1 request answers a list unary
-        if items is None and len(bodies) == 1 and not _from_abort_req(docs[0]):
+        if items is None and len(bodies) == 1 and not _coalesced_abort(docs[0]):
             return bodies[0]  # a unary body, or a single request's only chunk: the unary answer as sent
         return native.encode(items if items is not None else fold(docs))
 
