@@ -69,6 +69,10 @@ STATUS_NEXT = re.compile(b"".join((_WS, b",", _WS, _ERROR_STATUS)))
 # deltas coalesced with it (``_coalesce_streaming_chunks``: text doubled, last id repeated): ``fold`` reads it.
 META_KEY = b'"%s"' % native.META.encode()
 ABORT_REQ_NEXT = re.compile(b"".join((_WS, rb"\}", _WS, b",", _WS, b'"%s"' % native.WEIGHT_VERSION.encode())))
+# The two last ids of a list that ends where the search ends (``\Z`` at the search's ``endpos``): integers
+# (token ids), each after ``[`` or ``,``. ``IDS_TAIL`` bytes hold them with room for whitespace.
+IDS_TAIL = 64
+LAST_TWO_IDS = re.compile(b"".join((rb"[\[,]", _WS, rb"(-?[0-9]++)", _WS, b",", _WS, rb"(-?[0-9]++)", _WS, rb"\Z")))
 # What is left of a flat member cut by the span (the key or its string value unterminated): the
 # finish reason is undecided there, and ``fold`` decides.
 _OPEN_STRING = rb'"(?:[^"\\]++|\\.)*+\\?'
@@ -201,17 +205,16 @@ def _abort_with_status(body: bytes) -> bool:
 def _repeats_last_id(body: bytes, at: int) -> bool:
     """Whether the ``output_ids`` in front of ``meta_info`` (whose ``finish_reason`` key is at ``at``) end
     in the same id twice, as queued deltas coalesced with ``_handle_abort_req``'s ``[output_ids[-1]]`` do.
-    Reads the two last ids backwards from ``"meta_info"`` (``output_ids`` is the key before it; integers,
-    no nesting): a few bytes, whatever the body's size; a cumulative body with every id once is not
-    parsed for nothing unless its last token really repeats."""
+    Reads backwards from the finish reason to ``"meta_info"`` and the list's ``]`` (adjacent in a body
+    SGLang writes), then the last ``IDS_TAIL`` bytes before it (``LAST_TWO_IDS``): not the whole list, so
+    the cost does not grow with the ids. A cumulative body with every id once is not parsed for nothing
+    unless its last token really repeats; bytes that are no such list (a string, a cut number) say no."""
     meta = body.rfind(META_KEY, 0, at)
     end = body.rfind(b"]", 0, meta) if meta >= 0 else -1
-    start = body.rfind(b"[", 0, end) if end >= 0 else -1
-    last = body.rfind(b",", start, end) if start >= 0 else -1
-    if last < 0:
-        return False  # no list, or fewer than two ids
-    before = max(body.rfind(b",", start, last), start)
-    return body[last + 1:end].strip() == body[before + 1:last].strip()
+    if end < 0:
+        return False
+    ids = LAST_TWO_IDS.search(body, max(0, end - IDS_TAIL), end)
+    return ids is not None and ids[1] == ids[2]
 
 
 def _coalesced_abort(doc: dict) -> bool:
@@ -298,7 +301,7 @@ class SGLangCodec(Codec):
         tokenizer's own) is not sent: its unary answer is the body as sent, and sent to ``fold`` a 64 MiB
         one was parsed whole for nothing, ~75 ms holding the GIL. Except ``_handle_abort_req``'s body
         (``weight_version`` after its finish reason) whose ``output_ids`` end in the same id twice
-        (``_repeats_last_id``, a few bytes read): queued incremental deltas coalesced with it, its text
+        (``_repeats_last_id``, a bounded read): queued incremental deltas coalesced with it, its text
         doubled, which ``fold`` cuts to the unary abort body.
 
         Also a stream's only chunk that is ``stream_results``' error frame (a ``ValueError`` before the
