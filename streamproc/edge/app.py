@@ -894,11 +894,9 @@ class Edge:
                     media_type="application/json",
                     headers={**PRIVATE, "Streamproc-Error": shown_kind(item.error)},
                 )
-            # What it holds, not its body alone (empty bodies with long traceparents were held
-            # unseen): ResultInfo.held_bytes, inline as in fanout.py (its error is None here).
-            size += len(item.body) + len(item.request_id) + RESULT_HELD_OVERHEAD
-            if item.traceparent is not None:
-                size += len(item.traceparent)
+            # What it holds, not its body alone (empty bodies with long traceparents were held unseen).
+            # One call per result of a unary answer: the rule's home, not fanout.py's per-event inline copy.
+            size += item.held_bytes
             if size > self.settings.max_unary_bytes:  # never hold a whole huge stream for one client
                 self.metrics.unary_too_large += 1
                 return error_response(

@@ -29,12 +29,13 @@ from typing import Any, Callable, ClassVar
 import msgspec
 import numpy as np
 
-from streamproc.codec import UNAVAILABLE_SUFFIX, CodecOptions, CorruptPayload, OmissionReason, SequenceCodec
+from streamproc.codec import CodecOptions, CorruptPayload, OmissionReason, SequenceCodec
 from streamproc.decompress import encode_base64
 from streamproc.simulation import Damage, SimulatedWorker, Truth, emitted_in
 
 from . import migration, native, upstream
 from .codec import SGLangCodec
+from .fold import SENT_REASON
 
 _ABSENT: Any = object()
 GARBAGE_VALUE = "!!not base64!!"
@@ -163,8 +164,8 @@ class SGLangWorker(SimulatedWorker):
             # A unary answer's send time is no function of the output: a folded stream cannot have it
             # (fold.py puts its ``not_streamed`` reason there), so the laws compare bodies without either.
             meta.pop(native.RESPONSE_SENT_TS, None)
-            if meta.get(native.RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX) == OmissionReason.NOT_STREAMED:
-                del meta[native.RESPONSE_SENT_TS + UNAVAILABLE_SUFFIX]
+            if meta.get(SENT_REASON) == OmissionReason.NOT_STREAMED:
+                del meta[SENT_REASON]
         if isinstance(meta, dict) and native.ROUTED_EXPERTS in meta:
             try:
                 meta[native.ROUTED_EXPERTS] = as_int32(self._view.decode(meta[native.ROUTED_EXPERTS]), meta)
