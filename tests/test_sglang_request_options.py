@@ -93,7 +93,12 @@ def test_decode_empty_prompt_logprobs_are_never_published_beside_the_unavailable
     # the reason takes the list's place (before output_token_logprobs, as the field was)
     keys = list(meta)
     assert keys.index("input_logprobs_unavailable_reason") == keys.index("output_token_logprobs") - 1
-    assert meta["output_token_logprobs"] == [entry(i, t) for i, t in enumerate(OUT)]  # decode's own, kept
+    own = [entry(i, t) for i, t in enumerate(OUT)]
+    if legs is None:  # nothing tells whether prefill wrote token 0's metadata slot: decode's, kept
+        assert meta["output_token_logprobs"] == own
+    else:  # a prefill without logprob lists never wrote it (MetadataBuffers.set_buf): position 0 unknown
+        assert meta["output_token_logprobs"] == [[None, OUT[0], None], *own[1:]]
+        assert meta["output_token_logprobs_unavailable_reason"] == "prefill_missing"
 
 
 def rejected_at_intake(*, finish_message: str) -> bytes:

@@ -71,6 +71,7 @@ from .native import (
     OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE,
     OUTPUT_TOKEN_LOGPROBS,
     OUTPUT_TOKEN_LOGPROBS_LENGTH,
+    OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE,
     OUTPUT_TOP_LOGPROBS,
     PROMPT_TOKENS,
     ROUTED_EXPERTS,
@@ -357,6 +358,7 @@ class SGLangJoinSession(JoinSession):
         self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
+        self._prefill_token: int | None = None  # the token prefill sampled (its output_ids[0])
         self._unavailable: str | None = None  # why there is no usable prefill leg
         self._rows: _PrefillRows | str | None = None  # prefill's decoded rows or why they are unusable
         self._last: tuple[bytes, Any] | None = None  # needs_prefill -> join decode cache (_decoded)
@@ -426,6 +428,8 @@ class SGLangJoinSession(JoinSession):
             self._unavailable = Omit.PREFILL_CORRUPT
         else:
             self._prefill = meta
+            ids = doc.get(native.OUTPUT_IDS)  # type: ignore[union-attr]
+            self._prefill_token = ids[0] if isinstance(ids, list) and ids and _is_count(ids[0]) else None
             self._parsed_extra = _parse_expansion(bodies, docs)
 
     def retained_bytes(self) -> int:
@@ -707,6 +711,9 @@ class SGLangJoinSession(JoinSession):
         entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
         if not isinstance(entries, list) or self._prefill is None:
             return
+        if OUTPUT_TOKEN_LOGPROBS not in self._prefill:
+            self._omit_first_token(meta, entries)
+            return
         source = self._prefill.get(OUTPUT_TOKEN_LOGPROBS)
         if not (isinstance(source, list) and source):
             return
@@ -724,6 +731,35 @@ class SGLangJoinSession(JoinSession):
             if isinstance(top, list) and len(top) > at and not top[at] and isinstance(source_top, list) \
                     and source_top and source_top[0]:
                 top[at] = source_top[0]
+
+    def _omit_first_token(self, meta: dict[str, Any], entries: list[Any]) -> None:
+        """Prefill ran without ``return_logprob`` (a router that asks only decode for logprobs), so its
+        metadata slot never got token 0's logprob (``MetadataBuffers.set_buf`` writes them only
+        ``if req.return_logprob``), yet decode copies them from that slot
+        (``DecodeTransferQueue._commit_transfer_to_req``): zeros, or the last request's values. Position
+        0 becomes ``[null, <prefill's token>, null]`` and its top logprobs ``null`` (a position without
+        values), the list's length kept for the other positions, which are decode's own; the marker
+        follows ``output_token_logprobs_length``."""
+        positions = _first_positions(meta, entries)
+        for at in positions:
+            entry = entries[at]
+            if isinstance(entry, list) and len(entry) >= 2:
+                entries[at] = [None, self._prefill_token, *([None] * (len(entry) - 2))]
+            top = meta.get(OUTPUT_TOP_LOGPROBS)
+            if isinstance(top, list) and len(top) > at:
+                top[at] = None
+        if not positions:
+            return
+        anchor = OUTPUT_TOKEN_LOGPROBS_LENGTH if OUTPUT_TOKEN_LOGPROBS_LENGTH in meta else OUTPUT_TOKEN_LOGPROBS
+        items = []
+        for key, value in meta.items():
+            if key != OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE:
+                items.append((key, value))
+            if key == anchor:
+                items.append((OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE, Omit.PREFILL_MISSING))
+        meta.clear()
+        meta.update(items)
+        self._omitted = True
 
     def _fill_token_ids_logprobs(self, meta: dict[str, Any]) -> None:
         """Decode's ``output_token_ids_logprobs`` has one entry per position of

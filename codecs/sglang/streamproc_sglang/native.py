@@ -89,6 +89,8 @@ OUTPUT_DELTA_FIELDS = frozenset({OUTPUT_TOKEN_LOGPROBS, OUTPUT_TOP_LOGPROBS, OUT
 INPUT_LOGPROBS_UNAVAILABLE = "input_logprobs_unavailable_reason"
 ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable_reason"
 OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE = "output_token_ids_logprobs_unavailable_reason"
+# Token 0's logprob entries only (the list stays, position 0 nulled): see join._omit_first_token.
+OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE = "output_token_logprobs_unavailable_reason"
 
 # finish_reason types that mean the leg did not complete (sidecar ``terminal_failure``).
 ABORT = "abort"  # a finish reason's type (also a status abort's: abort_status)

@@ -1,0 +1,158 @@
+"""A P/D pair whose router asks only the decode leg for logprobs: token 0's logprob is not decode's to give.
+
+Independent check, bodies written by hand from upstream code (not the simulator, ``streamproc_sglang.upstream``
+or another test's fixtures). SGLang 0.5.23 PyPI wheel, paths relative to ``sglang/srt/``:
+
+- ``disaggregation/utils.py`` ``MetadataBuffers.set_buf`` (prefill side) writes token 0's id always, but its
+  logprob, id-in-logprob and top logprobs only ``if req.return_logprob:``; the buffers are
+  ``torch.zeros`` at start-up and never cleared, so a slot keeps what the last request with logprobs
+  wrote there (or zeros).
+- ``disaggregation/decode.py`` ``DecodeTransferQueue._commit_transfer_to_req`` (decode side):
+  ``if decode_req.req.return_logprob and not replayed_boundary:`` appends
+  ``output_token_logprobs_val[0]``, ``output_token_logprobs_idx[0]`` and
+  ``output_top_logprobs_val/idx[: top_logprobs_num]`` from that slot, whatever prefill was asked.
+- ``managers/tokenizer_manager.py`` ``detokenize_logprob_tokens`` / ``detokenize_top_logprobs_tokens``:
+  ``(logprob, id, None)`` triples; a top-logprob position with values is a list (``if token_logprobs_val[i]``).
+
+How routers drive the legs (read from their source):
+
+- ai-dynamo/dynamo ``components/src/dynamo/sglang/request_handlers/llm/prefill_handler.py``
+  ``PrefillWorkerHandler.generate`` (commits ``02266e71`` and ``209c9e83``) calls
+  ``engine.async_generate(**input_param, sampling_params=..., stream=True, bootstrap_*=..., rid=...)``
+  with no ``return_logprob``, ``top_logprobs_num`` or ``return_routed_experts``, and consumes the results
+  without yielding them; ``components/src/dynamo/sglang/engine_generate.py`` (commit ``060aa6a4``)
+  ``build_generate_kwargs`` forwards ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
+  ``return_routed_experts``, ``routed_experts_start_len`` from the native request, and
+  ``clamp_prefill_sampling_params`` sets ``n = 1``, ``max_new_tokens = 1`` for the prefill leg.
+  A deployment where the decode leg gets ``return_logprob`` and the prefill leg does not is this case.
+- sgl-project/sglang ``sgl-router/py_src/sglang_router/mini_lb.py`` ``handle_generate_request`` posts
+  the same ``modified_request`` (the client's body plus ``bootstrap_host/port/room``) to both servers:
+  both legs are asked the same, the control case below.
+
+The request: ``{"input_ids": [11, 12, 13, 14], "return_logprob": true, "top_logprobs_num": 2,
+"sampling_params": {"max_new_tokens": 3}}``, unary, and the same streamed with
+``--incremental-streaming-output`` and ``stream_interval`` 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from helpers import assert_same_body
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+from sglang_0523_bodies import add_counts
+from streamproc_sglang import SGLangCodec
+from streamproc_sglang_zstd import SGLangZstdCodec
+
+from streamproc.codec import CodecOptions
+from streamproc.wire import Verdict
+
+OPTIONS = CodecOptions(max_decompressed_bytes=1 << 20)
+PROMPT = [11, 12, 13, 14]
+OUT = [201, 202, 203]
+TEXTS = ["H", "é", "!"]
+FINISH = {"type": "length", "length": 3}
+OUTPUT_LP = [[-0.125, 201, None], [-0.5, 202, None], [-0.75, 203, None]]
+OUTPUT_TOP = [[[-0.125, 201, None], [-2.5, 7, None]], [[-0.5, 202, None], [-1.0, 9, None]],
+              [[-0.75, 203, None], [-0.875, 5, None]]]
+# What a metadata slot holds where prefill never wrote logprobs: zeros (a fresh slot), or the values of
+# the last request with logprobs that used it.
+STALE = {
+    "zeros": ([0.0, 0, None], [[0.0, 0, None], [0.0, 0, None]]),
+    "left_over": ([-3.25, 555, None], [[-3.25, 555, None], [-4.5, 556, None]]),
+}
+
+
+def _meta(*, rid: str, lo: int, n: int, finished: bool, logprobs: bool, first: tuple | None = None,
+          finish: Any = FINISH) -> dict[str, Any]:
+    """``_handle_batch_output``'s ``meta_info`` after ``n`` tokens, output lists sliced from ``lo``
+    (``add_logprob_to_meta_info``; ``input_*`` is ``[]`` for ``logprob_start_len`` -1 on every engine)."""
+    meta: dict[str, Any] = {"id": rid, "finish_reason": finish if finished else None,
+                            "prompt_tokens": len(PROMPT), "weight_version": "default", "num_retractions": 0}
+    if logprobs:
+        lp, top = list(OUTPUT_LP), list(OUTPUT_TOP)
+        if first is not None:  # decode: token 0's entries from the metadata slot
+            lp[0], top[0] = first
+        meta.update({"input_token_logprobs": [], "output_token_logprobs": lp[lo:n],
+                     "output_token_logprobs_length": n, "input_top_logprobs": [],
+                     "output_top_logprobs": top[lo:n]})
+    add_counts(meta, n, finished=finished)
+    if finished:
+        meta["e2e_latency"] = 0.5
+    return meta
+
+
+def _body(lo: int, n: int, **kw: Any) -> dict[str, Any]:
+    return {"text": "".join(TEXTS[lo:n]), "output_ids": OUT[lo:n], "meta_info": _meta(lo=lo, n=n, **kw)}
+
+
+def legs(*, streamed: bool, prefill_logprobs: bool, stale: str) -> tuple[list[dict], list[bytes], list[bytes]]:
+    """(aggregated bodies, prefill leg, decode leg). Prefill: ``process_batch_result_disagg_prefill``
+    finishes token 0 with ``FINISH_LENGTH(0)``, one body."""
+    spans = [(0, 1), (1, 2), (2, 3)] if streamed else [(0, 3)]
+    last = len(spans) - 1
+    agg = [_body(lo, n, rid="agg", finished=i == last, logprobs=True) for i, (lo, n) in enumerate(spans)]
+    first = (OUTPUT_LP[0], OUTPUT_TOP[0]) if prefill_logprobs else STALE[stale]
+    dec = [_body(lo, n, rid="agg", finished=i == last, logprobs=True, first=first) for i, (lo, n) in enumerate(spans)]
+    pre = _body(0, 1, rid="prefill", finished=True, logprobs=prefill_logprobs,
+                finish={"type": "length", "length": 0})
+    if prefill_logprobs:  # the prompt is not scored for logprob_start_len -1: ``[]`` on prefill too
+        pre["meta_info"]["output_token_logprobs"] = [OUTPUT_LP[0]]
+        pre["meta_info"]["output_top_logprobs"] = [OUTPUT_TOP[0]]
+    return agg, [dumps(pre)], [dumps(b) for b in dec]
+
+
+CODECS = [pytest.param(SGLangCodec, id="sglang"), pytest.param(SGLangZstdCodec, id="sglang-zstd")]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["unary", "stream"])
+def test_legs_asked_alike_join_to_the_aggregated_answer(codec_cls, streamed):
+    """mini_lb sends both servers the same body: the join equals the aggregated engine's answer."""
+    agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="zeros")
+    for (got, _verdict), want in zip(join(codec_cls(OPTIONS), dec, pre), agg):
+        assert_same_body(got, dumps(want))
+
+
+def _omitted_first_token(want: dict[str, Any]) -> dict[str, Any]:
+    """The aggregated body with what no leg of this pair has, omitted as the join documents it:
+    the prompt-side lists (``input_logprobs_unavailable_reason``), and on the chunk holding output
+    position 0 token 0's logprob and top logprobs (``null``, as a position without values), with
+    ``output_token_logprobs_unavailable_reason`` after ``output_token_logprobs_length``."""
+    want = copy.deepcopy(want)
+    meta = want["meta_info"]
+    items = []
+    for key, value in meta.items():
+        if key == "input_token_logprobs":
+            items.append(("input_logprobs_unavailable_reason", "prefill_missing"))
+        elif key == "input_top_logprobs":
+            continue
+        else:
+            items.append((key, value))
+        if key == "output_token_logprobs_length" and value == len(meta["output_token_logprobs"]):
+            items.append(("output_token_logprobs_unavailable_reason", "prefill_missing"))
+    meta = dict(items)
+    if "output_token_logprobs_unavailable_reason" in meta:
+        meta["output_token_logprobs"][0] = [None, OUT[0], None]
+        meta["output_top_logprobs"][0] = None
+    want["meta_info"] = meta
+    return want
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("stale", sorted(STALE))
+@pytest.mark.parametrize("streamed", [False, True], ids=["unary", "stream"])
+def test_decode_first_token_logprob_from_an_unwritten_slot_is_not_published(codec_cls, streamed, stale):
+    """Prefill ran without ``return_logprob`` (its body has no logprob lists), decode with it: decode's
+    token 0 entries are whatever the metadata slot held, never the sampled token's logprob."""
+    agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale=stale)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    for (got, verdict), want in zip(out, agg):
+        assert verdict is Verdict.OMITTED
+        assert_same_body(got, dumps(_omitted_first_token(want)))
+    first = json.loads(out[0][0])["meta_info"]
+    assert first["output_token_logprobs"][0] != list(STALE[stale][0])
