@@ -156,3 +156,33 @@ def test_decode_first_token_logprob_from_an_unwritten_slot_is_not_published(code
         assert_same_body(got, dumps(_omitted_first_token(want)))
     first = json.loads(out[0][0])["meta_info"]
     assert first["output_token_logprobs"][0] != list(STALE[stale][0])
+
+
+# ai-dynamo/dynamo prefill_handler.py ``PrefillWorkerHandler.generate``: the frame it yields to Dynamo's
+# router before running the prefill (its SGLang results are consumed, never yielded).
+DYNAMO_BOOTSTRAP_FRAME = {"token_ids": [], "text": None, "finish_reason": None,
+                          "disaggregated_params": {"bootstrap_host": "10.0.0.7", "bootstrap_port": 8998,
+                                                   "bootstrap_room": 7}}
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["unary", "stream"])
+def test_dynamo_bootstrap_frame_ahead_of_the_prefill_body_leaves_the_join_unchanged(codec_cls, streamed):
+    """A publisher that puts the handler's frame in the prefill leg before SGLang's body: the leg
+    folds to the body, and the join equals the aggregated answer as without the frame."""
+    agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="zeros")
+    for (got, _verdict), want in zip(join(codec_cls(OPTIONS), dec, [dumps(DYNAMO_BOOTSTRAP_FRAME), *pre]), agg):
+        assert_same_body(got, dumps(want))
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+def test_dynamo_bootstrap_frame_alone_is_no_prefill_answer(codec_cls):
+    """The frame without SGLang's body (the handler's output as Dynamo forwards it) carries no prompt
+    logprobs: omitted as ``prefill_corrupt``, decode's token 0 entry kept (nothing says the slot was
+    not written)."""
+    agg, _pre, dec = legs(streamed=False, prefill_logprobs=True, stale="zeros")
+    (got, verdict), = join(codec_cls(OPTIONS), dec, [dumps(DYNAMO_BOOTSTRAP_FRAME)])
+    meta = json.loads(got)["meta_info"]
+    assert verdict is Verdict.OMITTED
+    assert meta["input_logprobs_unavailable_reason"] == "prefill_corrupt"
+    assert meta["output_token_logprobs"] == agg[0]["meta_info"]["output_token_logprobs"]
