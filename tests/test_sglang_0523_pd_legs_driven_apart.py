@@ -90,10 +90,15 @@ def _body(lo: int, n: int, **kw: Any) -> dict[str, Any]:
     return {"text": "".join(TEXTS[lo:n]), "output_ids": OUT[lo:n], "meta_info": _meta(lo=lo, n=n, **kw)}
 
 
-def legs(*, streamed: bool, prefill_logprobs: bool, stale: str) -> tuple[list[dict], list[bytes], list[bytes]]:
+# Chunk spans: unary; a stream with ``stream_interval`` 1; the same stream read by a client that fell
+# behind (``TokenizerManager._coalesce_streaming_chunks``: tokens 0 and 1 in one body).
+SPANS = {False: [(0, 3)], True: [(0, 1), (1, 2), (2, 3)], "coalesced": [(0, 2), (2, 3)]}
+
+
+def legs(*, streamed: bool | str, prefill_logprobs: bool, stale: str) -> tuple[list[dict], list[bytes], list[bytes]]:
     """(aggregated bodies, prefill leg, decode leg). Prefill: ``process_batch_result_disagg_prefill``
     finishes token 0 with ``FINISH_LENGTH(0)``, one body."""
-    spans = [(0, 1), (1, 2), (2, 3)] if streamed else [(0, 3)]
+    spans = SPANS[streamed]
     last = len(spans) - 1
     agg = [_body(lo, n, rid="agg", finished=i == last, logprobs=True) for i, (lo, n) in enumerate(spans)]
     first = (OUTPUT_LP[0], OUTPUT_TOP[0]) if prefill_logprobs else STALE[stale]
@@ -145,7 +150,7 @@ def _omitted_first_token(want: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("codec_cls", CODECS)
 @pytest.mark.parametrize("stale", sorted(STALE))
-@pytest.mark.parametrize("streamed", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
 def test_decode_first_token_logprob_from_an_unwritten_slot_is_not_published(codec_cls, streamed, stale):
     """Prefill ran without ``return_logprob`` (its body has no logprob lists), decode with it: decode's
     token 0 entries are whatever the metadata slot held, never the sampled token's logprob."""
