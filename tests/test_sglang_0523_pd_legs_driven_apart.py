@@ -191,3 +191,22 @@ def test_dynamo_bootstrap_frame_alone_is_no_prefill_answer(codec_cls):
     assert verdict is Verdict.OMITTED
     assert meta["input_logprobs_unavailable_reason"] == "prefill_corrupt"
     assert meta["output_token_logprobs"] == agg[0]["meta_info"]["output_token_logprobs"]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_fold_keeps_output_token_logprobs_beside_the_first_token_marker(codec_cls, streamed):
+    """The edge's unary answer of a joined stream (``Codec.fold``) is the joined unary body: the
+    position-0 marker leaves ``output_token_logprobs`` in place (it is not a removed field), so the
+    fold keeps the whole list, position 0 ``null``, and the marker."""
+    codec = codec_cls(OPTIONS)
+    agg, pre, dec = legs(streamed=False, prefill_logprobs=False, stale="left_over")
+    (unary, _verdict), = join(codec, dec, pre)
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale="left_over")
+    chunks = [body for body, _verdict in join(codec_cls(OPTIONS), dec, pre)]
+    folded = json.loads(codec.fold(chunks))["meta_info"]
+    want = json.loads(unary)["meta_info"]
+    assert folded["output_token_logprobs"] == want["output_token_logprobs"] == [[None, OUT[0], None],
+                                                                               *OUTPUT_LP[1:]]
+    assert folded["output_token_logprobs_unavailable_reason"] == "prefill_missing"
+    assert_same_body(codec.fold(chunks), dumps(_omitted_first_token(agg[0])))
