@@ -210,3 +210,21 @@ def test_fold_keeps_output_token_logprobs_beside_the_first_token_marker(codec_cl
                                                                                *OUTPUT_LP[1:]]
     assert folded["output_token_logprobs_unavailable_reason"] == "prefill_missing"
     assert_same_body(codec.fold(chunks), dumps(_omitted_first_token(agg[0])))
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("first", [999, -5, 10**30, "x", None], ids=["other", "negative", "huge", "string", "null"])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_first_token_entry_names_the_token_decode_sent_whatever_prefill_says(codec_cls, streamed, first):
+    """Decode's ``output_ids[0]`` comes from the slot's ids, which ``set_buf`` writes whatever prefill was
+    asked: it is the token the client got. Token 0's omitted entry names it, as the aggregated body's
+    entry names its ``output_ids[0]``, not a prefill body's disagreeing or malformed ``output_ids[0]``."""
+    agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale="left_over")
+    leg = json.loads(pre[0])
+    leg["output_ids"] = [first]
+    out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
+    for (got, verdict), want in zip(out, agg):
+        assert verdict is Verdict.OMITTED
+        assert_same_body(got, dumps(_omitted_first_token(want)))
+    doc = json.loads(out[0][0])
+    assert doc["meta_info"]["output_token_logprobs"][0] == [None, doc["output_ids"][0], None]

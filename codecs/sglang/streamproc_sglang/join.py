@@ -548,7 +548,7 @@ class SGLangJoinSession(JoinSession):
         self._changed, self._omitted = False, chunk_omitted
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
-            self._fill_first_token(meta)
+            self._fill_first_token(meta, doc.get(native.OUTPUT_IDS))  # type: ignore[union-attr]
             self._fill_token_ids_logprobs(meta)
         if WEIGHT_VERSIONS in meta:
             self._join_weight_versions(meta)
@@ -707,12 +707,12 @@ class SGLangJoinSession(JoinSession):
             self._changed = True
         return meta
 
-    def _fill_first_token(self, meta: dict[str, Any]) -> None:
+    def _fill_first_token(self, meta: dict[str, Any], ids: object) -> None:
         entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
         if not isinstance(entries, list) or self._prefill is None:
             return
         if OUTPUT_TOKEN_LOGPROBS not in self._prefill:
-            self._omit_first_token(meta, entries)
+            self._omit_first_token(meta, entries, ids)
             return
         source = self._prefill.get(OUTPUT_TOKEN_LOGPROBS)
         if not (isinstance(source, list) and source):
@@ -732,19 +732,25 @@ class SGLangJoinSession(JoinSession):
                     and source_top and source_top[0]:
                 top[at] = source_top[0]
 
-    def _omit_first_token(self, meta: dict[str, Any], entries: list[Any]) -> None:
+    def _omit_first_token(self, meta: dict[str, Any], entries: list[Any], ids: object) -> None:
         """Prefill ran without ``return_logprob`` (a router that asks only decode for logprobs), so its
         metadata slot never got token 0's logprob (``MetadataBuffers.set_buf`` writes them only
         ``if req.return_logprob``), yet decode copies them from that slot
         (``DecodeTransferQueue._commit_transfer_to_req``): zeros, or the last request's values. Position
         0 becomes ``[null, <prefill's token>, null]`` and its top logprobs ``null`` (a position without
         values), the list's length kept for the other positions, which are decode's own; the marker
-        follows ``output_token_logprobs_length``."""
+        follows ``output_token_logprobs_length``. The token is decode's ``output_ids[0]`` where the chunk
+        starts there (the slot's ids are written whatever prefill was asked: the token the client got),
+        else prefill's (an abort body restates no ids)."""
         positions = _first_positions(meta, entries)
+        token = self._prefill_token
+        if positions[:1] == (0,) and not native.from_abort_req(meta) and isinstance(ids, list) and ids \
+                and _is_count(ids[0]):
+            token = ids[0]
         for at in positions:
             entry = entries[at]
             if isinstance(entry, list) and len(entry) >= 2:
-                entries[at] = [None, self._prefill_token, *([None] * (len(entry) - 2))]
+                entries[at] = [None, token, *([None] * (len(entry) - 2))]
             top = meta.get(OUTPUT_TOP_LOGPROBS)
             if isinstance(top, list) and len(top) > at:
                 top[at] = None
