@@ -36,8 +36,10 @@ The request: ``{"input_ids": [11, 12, 13, 14], "return_logprob": true, "top_logp
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import struct
 from typing import Any
 
 import pytest
@@ -228,3 +230,49 @@ def test_first_token_entry_names_the_token_decode_sent_whatever_prefill_says(cod
         assert_same_body(got, dumps(_omitted_first_token(want)))
     doc = json.loads(out[0][0])
     assert doc["meta_info"]["output_token_logprobs"][0] == [None, doc["output_ids"][0], None]
+
+
+def _flat_output_top(meta: dict[str, Any], *, b64: bool) -> dict[str, Any]:
+    """``meta`` as ``return_flat_raw_output_top_logprobs`` (unary only) answers it: the nested
+    ``output_top_logprobs`` replaced where it stood by ``_build_flat_top_logprobs_fields("output", ...)``
+    (leading null rows counted in ``output_top_logprobs_null_prefix``, float32/int32 with ``b64``)."""
+    rows = meta["output_top_logprobs"]
+    prefix = 0
+    while prefix < len(rows) and not rows[prefix]:
+        prefix += 1
+    vals = [entry[0] for row in rows[prefix:] for entry in row]
+    idxs = [entry[1] for row in rows[prefix:] for entry in row]
+    if b64:
+        flat = {"output_top_logprobs_val_flat_b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode(),
+                "output_top_logprobs_idx_flat_b64": base64.b64encode(struct.pack(f"<{len(idxs)}i", *idxs)).decode(),
+                "output_top_logprobs_val_flat_b64_dtype": "float32",
+                "output_top_logprobs_idx_flat_b64_dtype": "int32"}
+    else:
+        flat = {"output_top_logprobs_val_flat": vals, "output_top_logprobs_idx_flat": idxs}
+    flat["output_top_logprobs_shape"] = [len(rows) - prefix, len(rows[-1])]
+    flat["output_top_logprobs_null_prefix"] = prefix
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if key == "output_top_logprobs":
+            out.update(flat)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("b64", [False, True], ids=["list", "b64"])
+@pytest.mark.parametrize("stale", sorted(STALE))
+def test_flat_output_top_logprobs_of_an_unwritten_slot_are_not_published(codec_cls, stale, b64):
+    """``return_flat_raw_output_top_logprobs``: decode's flat output rows start with the slot's top
+    logprobs for token 0, the same unwritten slot as the nested form's; the join nulls that row as the
+    flat form writes a null row (``output_top_logprobs_null_prefix`` 1, one row fewer)."""
+    agg, pre, dec = legs(streamed=False, prefill_logprobs=False, stale=stale)
+    decode = json.loads(dec[0])
+    decode["meta_info"] = _flat_output_top(decode["meta_info"], b64=b64)
+    (got, verdict), = join(codec_cls(OPTIONS), [dumps(decode)], pre)
+    want = _omitted_first_token(agg[0])
+    want["meta_info"] = _flat_output_top(want["meta_info"], b64=b64)
+    assert verdict is Verdict.OMITTED
+    assert json.loads(got)["meta_info"]["output_top_logprobs_null_prefix"] == 1
+    assert_same_body(got, dumps(want))

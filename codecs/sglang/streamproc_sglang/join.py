@@ -51,6 +51,7 @@ Omission policy: a field that cannot be rebuilt completely is removed and
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
@@ -290,6 +291,41 @@ def _first_positions(meta: dict[str, Any], entries: list[Any]) -> tuple[int, ...
     if native.from_abort_req(meta) and size <= 2 * length:
         return (0, size - length) if size == 2 * length else (size - length,)
     return ()
+
+
+def _null_first_flat_row(meta: dict[str, Any]) -> None:
+    """``return_flat_raw_output_top_logprobs``: output position 0's row (decode's copy of an unwritten
+    slot) becomes a leading null row, as ``_build_flat_top_logprobs_fields`` writes one: counted in
+    ``output_top_logprobs_null_prefix``, out of the arrays and ``output_top_logprobs_shape``. A layout
+    it does not describe is left as sent."""
+    shape, prefix = meta.get(native.OUTPUT_TOP_SHAPE), meta.get(native.OUTPUT_TOP_NULL_PREFIX)
+    if not (isinstance(shape, list) and len(shape) == 2 and all(map(_is_count, shape)) and shape[0] >= 1
+            and prefix == 0):
+        return
+    rows, k = shape
+    cut: dict[str, Any] = {}
+    for key in native.OUTPUT_TOP_FLAT_LISTS:
+        if key in meta:
+            value = meta[key]
+            if not (isinstance(value, list) and len(value) == rows * k):
+                return
+            cut[key] = value[k:]
+    for key in native.OUTPUT_TOP_FLAT_B64:
+        if key in meta:
+            value, dtype = meta[key], meta.get(key + "_dtype")
+            try:
+                raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+                size = np.dtype(dtype).itemsize if dtype in ("float32", "int32") else 0
+            except (ValueError, TypeError):
+                return
+            if raw is None or not size or len(raw) != rows * k * size:
+                return
+            cut[key] = base64.b64encode(raw[k * size:]).decode("ascii")
+    if not cut:
+        return
+    meta.update(cut)
+    meta[native.OUTPUT_TOP_SHAPE] = [rows - 1, k]
+    meta[native.OUTPUT_TOP_NULL_PREFIX] = 1
 
 
 def _no_token_span(value: object) -> bool:
@@ -756,6 +792,8 @@ class SGLangJoinSession(JoinSession):
                 top[at] = None
         if not positions:
             return
+        if positions == (0,):
+            _null_first_flat_row(meta)
         anchor = OUTPUT_TOKEN_LOGPROBS_LENGTH if OUTPUT_TOKEN_LOGPROBS_LENGTH in meta else OUTPUT_TOKEN_LOGPROBS
         items = []
         for key, value in meta.items():

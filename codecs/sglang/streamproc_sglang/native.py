@@ -76,6 +76,12 @@ INPUT_TOP_FLAT_FIELDS = (
     "input_top_logprobs_val_flat_b64_dtype", "input_top_logprobs_idx_flat_b64_dtype",
     INPUT_TOP_SHAPE, INPUT_TOP_NULL_PREFIX,
 )
+# ``return_flat_raw_output_top_logprobs`` (unary only): the output's top logprobs in the same form, in
+# place of ``output_top_logprobs`` on the finished body.
+OUTPUT_TOP_SHAPE = "output_top_logprobs_shape"
+OUTPUT_TOP_NULL_PREFIX = "output_top_logprobs_null_prefix"
+OUTPUT_TOP_FLAT_LISTS = ("output_top_logprobs_val_flat", "output_top_logprobs_idx_flat")
+OUTPUT_TOP_FLAT_B64 = ("output_top_logprobs_val_flat_b64", "output_top_logprobs_idx_flat_b64")  # + "_dtype"
 # ``return_sampling_mask``: per output token, the ids the sampler could pick and the sampled token's
 # log-probability over them (``output_token_sampling_mask_length`` is their running count).
 OUTPUT_SAMPLING_FIELDS = ("output_token_sampling_mask", "output_token_sampling_logprobs")
