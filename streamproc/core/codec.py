@@ -209,8 +209,10 @@ class OmissionReason(enum.StrEnum):
         return cls(f"{leg}_corrupt")
 
 
-# Every codec marks a removed field ``<field>_unavailable_reason`` (Dynamo's convention); readers
-# such as the edge's experts view collect them without knowing the format's field names.
+# Every codec marks a field it could not give ``<field>_unavailable_reason`` (Dynamo's convention): the
+# field removed, left ``null`` where the format keeps the key, or a list with the unavailable entries
+# ``null`` (SGLang's token 0 logprob of a prefill leg asked for none); readers such as the edge's
+# experts view collect them without knowing the format's field names.
 UNAVAILABLE_SUFFIX = "_unavailable_reason"
 _MARKER_DEPTH = 4  # how deep a body's omission markers are searched (every format nests them shallowly)
 
