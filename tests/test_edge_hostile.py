@@ -298,7 +298,7 @@ async def test_messages_forged_into_the_results_rings_inbox_are_dropped_and_the_
     and on nats-py's own; a stored result that merely looks like one (empty, its id saying
     FlowControl) is delivered."""
     prefix = Subjects("forged")
-    env = {fast_client.STOCK_CLIENT_ENV: "1"} if stock else None
+    env = {fast_client.STOCK_CLIENT_ONLY_ENV: "1"} if stock else None
     async with connection(nats_url) as nc:
         reflected: list[str] = []
 

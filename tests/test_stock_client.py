@@ -68,7 +68,7 @@ async def test_the_edge_on_the_stock_path_writes_each_result_as_it_arrives(nats_
     by a ``call_soon`` of their own (edge/direct.py WriteBatch): each result reaches the client
     before the next one is published, not with the request's last."""
     subjects, request_id = Subjects("stockedge"), rid("stock-edge")
-    with running_edge(nats_url, "--prefix", subjects.prefix, env={fast_client.STOCK_CLIENT_ENV: "1"}) as edge:
+    with running_edge(nats_url, "--prefix", subjects.prefix, env={fast_client.STOCK_CLIENT_ONLY_ENV: "1"}) as edge:
         async with httpx.AsyncClient(base_url=edge.url, timeout=15) as http:
             async with http.stream("GET", f"/v1/results/{request_id}") as response:
                 assert response.status_code == 200

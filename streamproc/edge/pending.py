@@ -7,19 +7,30 @@ every message; the profile of the edge at 2,000 events/s put that at ~15 µs per
 when the queue is empty; a queued message is taken at once. The subscription, its pending
 limits (the per-stream bound: past them nats-py reports a SlowConsumerError) and the JetStream
 flow-control reply stay nats-py's.
+
+These functions read and replace nats-py internals, so the edge starts only where
+:func:`pending_support` finds exactly those internals in a nats-py of ``SUPPORTED_NATS_PY``; nats-py's
+public API cannot keep the held-bytes bound (:class:`HeldQueue`), so elsewhere it refuses to start
+(docs/operations.md, "Supported dependency versions").
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import types
 from sys import getsizeof
+from typing import Any, Callable
 
+import nats.aio.client as _client
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
 from ..core.defaults import RESULT_HELD_OVERHEAD
+from ..nats.fast_client import STOCK_CLIENT_ENV, SUPPORTED_NATS_PY, _version
 
 
 def take(sub) -> Msg | None:
@@ -199,3 +210,91 @@ def hold(sub) -> None:
     core._pending_queue = held
     if core is not sub:  # PushSubscription keeps its own reference (nats-py 2.16 js/client.py __init__)
         sub._pending_queue = held
+
+
+def _names(func: Any) -> set[str]:
+    """The attribute and global names ``func``'s code (nested functions included) reads or sets."""
+    found: set[str] = set()
+    todo = [getattr(getattr(func, "fget", func), "__code__", None)]
+    while todo:
+        code = todo.pop()
+        if isinstance(code, types.CodeType):
+            found.update(code.co_names)
+            todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return found
+
+
+def _uses(func: Any, *names: str) -> bool:
+    return set(names) <= _names(func)
+
+
+def _made(make: Callable[[], Any]) -> Any:
+    try:
+        return make()
+    except Exception:  # noqa: BLE001  (another constructor, or what it reads is gone: checked by name below)
+        return None
+
+
+def _objects_agree() -> dict[str, bool]:
+    """A sync Subscription, its PushSubscription and _JSI as nats-py makes them hold what this module reads."""
+    sub = _made(lambda: Subscription(types.SimpleNamespace()))
+    psub = _made(lambda: JetStreamContext.PushSubscription(None, sub, "", "")) if sub is not None else None
+    jsi = _made(lambda: JetStreamContext._JSI(None, None, "", False, psub, sub, None))  # type: ignore[arg-type]
+    queue = _made(asyncio.Queue)
+    return {
+        "Subscription()": sub is not None,
+        "Subscription._pending_queue": isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue),
+        "Subscription._pending_size": getattr(sub, "_pending_size", None) == 0,
+        "Subscription._pending_next_msgs_calls": getattr(sub, "_pending_next_msgs_calls", None) == {},
+        "Subscription._conn": hasattr(sub, "_conn"),
+        "PushSubscription()": psub is not None,
+        "PushSubscription._sub": sub is not None and getattr(psub, "_sub", None) is sub,
+        "PushSubscription._pending_queue": sub is not None and getattr(psub, "_pending_queue", None) is getattr(
+            sub, "_pending_queue", 0),
+        "_JSI()": jsi is not None,
+        "_JSI._fcr": hasattr(jsi, "_fcr") and jsi._fcr is None,
+        "_JSI._fciseq": getattr(jsi, "_fciseq", None) == 0,
+        "_JSI._active": hasattr(jsi, "_active"),
+        "asyncio.Queue._getters": isinstance(getattr(queue, "_getters", None), collections.deque),
+        "asyncio.Queue._queue": isinstance(getattr(queue, "_queue", None), collections.deque),
+    }
+
+
+def pending_support(version: str | None = None) -> tuple[bool, str]:
+    """(usable, reason): the installed nats-py is in ``SUPPORTED_NATS_PY`` (fast_client.py, its one
+    home) and has every internal this module reads or replaces, as nats-py 2.16 has them."""
+    if version is None and os.environ.get(STOCK_CLIENT_ENV):
+        return False, f"{STOCK_CLIENT_ENV} is set"
+    version = _client.__version__ if version is None else version
+    low, high = SUPPORTED_NATS_PY
+    if not low <= _version(version) < high:
+        return False, f"nats-py {version} is outside the supported range {supported_range()}"
+    push, jsi, queue = JetStreamContext.PushSubscription, JetStreamContext._JSI, asyncio.Queue
+    checks = {
+        **_objects_agree(),
+        "Client.is_closed": isinstance(getattr(_client.Client, "is_closed", None), property),
+        "Client._process_msg queues with put_nowait, counting _pending_size": _uses(
+            getattr(_client.Client, "_process_msg", None), "_pending_size", "_pending_bytes_limit", "_pending_queue",
+            "put_nowait"),
+        "Client._close cancels _pending_next_msgs_calls": _uses(
+            getattr(_client.Client, "_close", None), "_pending_next_msgs_calls"),
+        "Subscription.next_msg accounting": _uses(
+            getattr(Subscription, "next_msg", None), "_pending_queue", "_pending_size", "task_done"),
+        "PushSubscription.next_msg flow control": _uses(
+            getattr(push, "next_msg", None), "_jsi", "_active", "get_js_delivered", "_fciseq", "_fcr"),
+        "_JSI.get_js_delivered": _uses(getattr(jsi, "get_js_delivered", None), "_fciseq", "_pending_queue", "qsize"),
+        "_JSI.schedule_flow_control_response": _uses(
+            getattr(jsi, "schedule_flow_control_response", None), "_fcr", "_fciseq"),
+        "asyncio.Queue.put_nowait": _uses(getattr(queue, "put_nowait", None), "_put", "_wakeup_next", "_getters"),
+        "asyncio.Queue.get_nowait": _uses(getattr(queue, "get_nowait", None), "_get"),
+        "asyncio.Queue._wakeup_next": callable(getattr(queue, "_wakeup_next", None)),
+    }
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:
+        return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
+    return True, f"nats-py {version}"
+
+
+def supported_range() -> str:
+    low, high = SUPPORTED_NATS_PY
+    return f"{'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}"

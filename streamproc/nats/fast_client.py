@@ -81,6 +81,10 @@ SUPPORTED_NATS_PY = ((2, 16), (2, 17))
 # Set (non-empty) to use the stock-path RobustClient on any nats-py: how CI, which runs the newest
 # nats-py, runs the processor and the edge as they run on a release outside SUPPORTED_NATS_PY.
 STOCK_CLIENT_ENV = "STOCK_NATS_PY"  # not STREAMPROC_*: no setting reads it (the CLI warns of those)
+# Set (non-empty) to use the stock-path RobustClient on a supported nats-py, as where fast_client's own
+# checks fail (fast_mail_parser installed): the edge still runs there (edge/pending.py's check passes),
+# while with STOCK_NATS_PY, as on an unsupported release, it refuses to start.
+STOCK_CLIENT_ONLY_ENV = "STOCK_NATS_CLIENT"
 # Set (non-empty) to read through nats-py's read loop only, without eager reads (eager_reads.py):
 # for benchmarks that measure them, and a way back should a future Python's asyncio differ.
 STOCK_READS_ENV = "STOCK_NATS_READS"
@@ -182,8 +186,10 @@ def _ordered_bookkeeping_agrees() -> bool:
 
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the installed nats-py is in range and its internals are the ones mirrored."""
-    if version is None and os.environ.get(STOCK_CLIENT_ENV):
-        return False, f"{STOCK_CLIENT_ENV} is set"
+    if version is None:
+        for name in (STOCK_CLIENT_ENV, STOCK_CLIENT_ONLY_ENV):
+            if os.environ.get(name):
+                return False, f"{name} is set"
     version = _client.__version__ if version is None else version
     low, high = SUPPORTED_NATS_PY
     if not low <= _version(version) < high:
