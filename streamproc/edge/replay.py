@@ -87,6 +87,7 @@ from nats.js.errors import APIError, NotFoundError
 from ..core.errors import StoredHistoryUnreadable
 from ..core.read_budget import push_window
 from ..core.replay_pull import Pull, PullState
+from ..core.wire import FINAL, SEQ
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_BUSY_BACKOFF,
@@ -171,6 +172,16 @@ def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
     block = base64.b64decode(message.hdrs) if message.hdrs else b""
     headers = parse_header_block(block) if len(block) > 10 and block[8] != 32 else None
     return message.subject, headers, base64.b64decode(message.data) if message.data else b""
+
+
+def _seek_mark(message: StoredMessage) -> tuple[int, bool] | None:
+    """A stored result's seq and whether it is final (a resume's search, :meth:`Replay._seek`);
+    None when its headers say no seq."""
+    headers = _parts(message)[1] or {}
+    text = headers.get(SEQ)
+    if text is None or not (text.isascii() and text.isdigit()) or len(text) > 18:
+        return None
+    return int(text), headers.get(FINAL) == "true"
 
 
 def stream_seq(reply: str | None) -> int | None:
@@ -306,13 +317,16 @@ class Replay:
         # consumer of nothing was waited on its whole timeout (Lost), where the STREAM.INFO failed
         # or the results went between it and the consumer (tests/test_edge_replay_nothing_found.py).
         self.exhausted = False
+        # A resume's Last-Event-ID (an open's replay, set by the source): the first read looks for
+        # the stored result with that seq (:meth:`_seek`) instead of reading every earlier one.
+        self.seek: int | None = None
 
     async def ask(self, probes: Probes, settled: Callable[[Replay], None], wake: Callable[[], None]) -> None:
         """Send the open's probe now (MSG.GET known to answer): its answer is read in the NATS read
         loop (:mod:`.probes`), and the reader is woken (``wake``) only when it found something or
         failed; nothing stored, ``settled(self)`` and nothing else. A failed publish is raised
         by the next :meth:`next`, as a failed request was."""
-        if self.done:
+        if self.done or self.seek is not None:  # a resume searches from the reader's next() first
             return
         if self.gate is not None:
             # No budget free now: not asked at the open; the reader's next() asks, waiting its turn
@@ -388,6 +402,13 @@ class Replay:
             # exists (it would push at once, while nobody reads): the consumer is made only when
             # there is something for it, starting at that one.
             try:
+                if self.seek is not None and self.read == 0:
+                    after, self.seek = self.seek, None
+                    found = await self._seek(after)
+                    if self.closed:
+                        return None
+                    if found is not None:
+                        self.next_seq = found
                 message = await self._get(self.next_seq)
                 if self.closed:  # closed from another task while the answer was on its way
                     return None
@@ -434,6 +455,54 @@ class Replay:
             self.done = message.seq >= self.upto
             return _parts(message)
         return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
+
+    async def _seek(self, after: int) -> int | None:
+        """Where a resume after result seq ``after`` reads from: the stream sequence of the stored
+        result ``after`` (read again: dropped as a repeat), of a final one at or before it (read
+        again: it ends the stream, as the client has it all) or of the last one stored when none is
+        past ``after`` (a Last-Event-ID ahead of what is stored), found by a binary search of MSG.GETs
+        (``next_by_subj``, each charged to the read budget); None, from the start as before, when
+        no such result is found (not stored any more, or a store out of seq order).
+
+        A resume read every stored result from the start and dropped those the client had: 20
+        resumes after the 999th of 1,000 16 KiB results had nats-server send the edge 315 MiB,
+        1,000 x what the clients were sent (tests/test_edge_resume_cost.py). Results of a request are
+        stored in seq order (its processor publishes them so; a republished one is a duplicate
+        within the stream's duplicate window), so no later seq is stored before the first copy of
+        ``after``: only a copy of ``after`` stored again past the duplicate window after later seqs
+        would be found instead of the first and skip them."""
+        done = self.done
+        lo, hi = self.next_seq, self.upto
+        at: int | None = None
+        last: int | None = None  # the stream sequence of the last result found at or before ``after``
+        later = False  # a result past ``after`` was found
+        try:
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                message = await self._get(mid)
+                if self.closed:
+                    return None
+                if message is None:  # nothing of the subject from mid to upto
+                    hi = mid - 1
+                    continue
+                mark = _seek_mark(message)
+                if mark is None:
+                    return None
+                seq, final = mark
+                if seq > after:
+                    later = True
+                    hi = mid - 1
+                    continue
+                last = message.seq
+                at = message.seq if seq == after or final else None
+                if final:
+                    break
+                lo = message.seq + 1
+        finally:
+            self.done = done
+        # Every result found was at or before ``after`` (a client ahead of what is stored): from the
+        # last one stored, as the request goes on from there.
+        return last if at is None and not later else at
 
     async def _nothing_stored(self) -> bool:
         """Nothing of the subject is stored (so nothing up to ``upto``)? Unanswered: made anyway, and

@@ -699,6 +699,8 @@ class ResultSource:
             elif access is not None and not access.confirmed:
                 by_consumer = None
             feed.replay = replay = self._replay(feed, stream, subject, 1, by_consumer)
+            if order.next_seq > 0:  # a resume: the stored result of its Last-Event-ID is looked for first
+                replay.seek = order.next_seq - 1
             if refused:
                 self.metrics.streams_fallback += 1
             else:
