@@ -19,13 +19,26 @@ pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 MiB = 1 << 20
 
 
+async def stored(nc, subject: str, count: int) -> None:
+    """Until the results stream holds ``count`` messages (the edge's ring, with ``--recent 0``, counts none)."""
+    js = nc.jetstream()
+    stream = await find_stream(js, subject)
+    assert stream is not None
+
+    async def holds() -> bool:
+        return (await js.stream_info(stream)).state.messages >= count
+
+    await wait_until(holds, 15, f"{count} results stored")
+
+
 async def resumed(client: httpx.AsyncClient, request_id: str, after: int | str) -> bytes:
     response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": str(after)})
     assert response.status_code == 200, response.text
     return response.content
 
 
-async def test_resumes_near_the_end_of_a_long_stored_history_do_not_read_it_each_time(nats_server):
+@pytest.mark.parametrize("recent", [[], ["--recent", "0"]], ids=["ring", "recent-0"])
+async def test_resumes_near_the_end_of_a_long_stored_history_do_not_read_it_each_time(nats_server, recent):
     """A resume read every stored result of its request from the first and dropped those at or
     before its Last-Event-ID: 20 resumes after the 999th of 1,000 16 KiB results had nats-server
     send the edge 315 MiB (20 x the 15.6 MiB history) for 20 events. A client may resume as often as
@@ -38,10 +51,10 @@ async def test_resumes_near_the_end_of_a_long_stored_history_do_not_read_it_each
     body = b'{"text":"' + b"x" * (16 * 1024 - 12) + b'"}'
     results, resumes = 1000, 20
     history = results * len(body)
-    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream") as edge:
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream", *recent) as edge:
         async with connection(nats_server.url) as nc:
             await publish_results(nc, subjects, long_id, [body] * results, flush_every=8)
-            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= results, 15, "stored")
+            await stored(nc, subjects.result(long_id), results)
             _, sent_before = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
             baseline = peak_rss(edge.proc.pid)
             others = [b'{"text":"%d"}' % k for k in range(5)]
@@ -62,7 +75,8 @@ async def test_resumes_near_the_end_of_a_long_stored_history_do_not_read_it_each
     assert growth < 32 * MiB, f"peak RSS grew by {growth / MiB:.0f} MiB"
 
 
-async def test_resumes_ahead_of_a_running_requests_stored_results_do_not_read_them_each_time(nats_server):
+@pytest.mark.parametrize("recent", [[], ["--recent", "0"]], ids=["ring", "recent-0"])
+async def test_resumes_ahead_of_a_running_requests_stored_results_do_not_read_them_each_time(nats_server, recent):
     """The same with Last-Event-IDs past everything stored of a request still running (1,000 results
     stored, no final): no stored result has that seq, and reading from the first (as a resume whose
     result is gone does) would cost the whole history each time. The search found every result at
@@ -74,14 +88,14 @@ async def test_resumes_ahead_of_a_running_requests_stored_results_do_not_read_th
     results, resumes = 1000, 20
     history = results * len(body)
     tail = [b'{"text":"tail %d"}' % k for k in range(8)]
-    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream") as edge:
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream", *recent) as edge:
         async with connection(nats_server.url) as nc:
             for seq in range(results):
                 await publish_result(nc, subjects, request_id, seq, body)
                 if seq % 8 == 7:
                     await nc.flush()
             await nc.flush()
-            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= results, 15, "stored")
+            await stored(nc, subjects.result(request_id), results)
             _, sent_before = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
             async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
                 readers = [asyncio.ensure_future(resumed(client, request_id, results + 5)) for _ in range(resumes)]

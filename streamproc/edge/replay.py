@@ -177,7 +177,8 @@ def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
 def _seek_mark(message: StoredMessage) -> tuple[int, bool] | None:
     """A stored result's seq and whether it is final (a resume's search, :meth:`Replay._seek`);
     None when its headers say no seq."""
-    headers = _parts(message)[1] or {}
+    block = base64.b64decode(message.hdrs) if message.hdrs else b""  # the headers alone, as _parts reads them
+    headers = (parse_header_block(block) if len(block) > 10 and block[8] != 32 else None) or {}
     text = headers.get(SEQ)
     if text is None or not (text.isascii() and text.isdigit()) or len(text) > 18:
         return None

@@ -784,8 +784,10 @@ class ResultSource:
             refused = self.msg_get is not None and not self.msg_get.usable()
             if refused:
                 self.metrics.streams_fallback += 1
-            feed.replay = self._stored_reader(feed, stream, subject, start, last, limits, True if refused else None,
-                                              start if start > 1 else None)
+            feed.replay = replay = self._stored_reader(feed, stream, subject, start, last, limits,
+                                                       True if refused else None, start if start > 1 else None)
+            if start == 1 and feed.order.next_seq > 0:  # a resume's open: its Last-Event-ID's result first
+                replay.seek = feed.order.next_seq - 1
         await self._attach(feed, self.jetstream(), subject, stream, limits, max(start, last + 1))
 
     def _stored_reader(self, feed: ResultFeed, stream: str, subject: str, start: int, upto: int,
