@@ -44,6 +44,7 @@ from nats.aio.msg import Msg
 
 from ..core.defaults import RESULT_HELD_OVERHEAD
 from ..core.wire import ContractError, ResultInfo, result_from_message
+from ..nats.fast_client import result_from_block
 
 if TYPE_CHECKING:
     from .feed import ResultFeed
@@ -175,7 +176,7 @@ class Fanout:
         # gap) still come through the queue above.
         deliver_inline = getattr(sub._conn, "deliver_inline", None)
         if deliver_inline is not None:
-            deliver_inline(sub, self.dispatch)
+            deliver_inline(sub, self.dispatch, raw_headers=True)
 
     def rebind(self, sub, stream: str | None) -> None:
         """Read from another subscription (the results stream was deleted or recreated: source.py).
@@ -212,18 +213,23 @@ class Fanout:
             if not feeds:
                 del self.feeds[subject]
 
-    def dispatch(self, subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
+    def dispatch(self, subject: str, reply: str, headers: dict[str, str] | bytes | None, data: bytes) -> bool:
         """One result off the wire: the recent ring, then each stream open on its subject. ``reply``
         is its ``$JS.ACK`` subject when the ring reads a JetStream stream (its stream sequence, for a
         stream that cannot take it: ``on_overflow``). Never raises: it runs in the read loop
         (``FastClient``'s inline handler, hence True: taken) or under nats-py's (``DispatchQueue``),
         and an exception there would drop the connection. The guard is here rather than in a wrapper:
-        one Python call less per SSE event (docs/benchmarks.md, "Calls per SSE event")."""
+        one Python call less per SSE event (docs/benchmarks.md, "Calls per SSE event"). ``headers``
+        is the raw header block where ``FastClient`` has one unparsed (``deliver_inline``'s
+        ``raw_headers``): read by ``result_from_block``, the same result or error without the dict."""
         source = self.source
         try:
             feeds = self.feeds.get(subject)
             try:
-                result = result_from_message(source.subjects, subject, headers, data)
+                if type(headers) is bytes:
+                    result = result_from_block(source.subjects, subject, headers, data)
+                else:
+                    result = result_from_message(source.subjects, subject, headers, data)  # type: ignore[arg-type]
             except (ContractError, ValueError) as exc:
                 if feeds:  # as each stream's own subscription counted it
                     source.metrics.malformed_results += len(feeds)

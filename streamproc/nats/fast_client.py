@@ -28,7 +28,8 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   that subscription is queued or in its callback (core mode's fused passthrough path, the durable
   input's chunks and PubAcks; ~1 µs a message of queue, ``Msg`` and coroutine saved).
   :meth:`FastClient.publish_block_nowait` and :meth:`FastClient.enqueue` are its publishes, made
-  safe by the checks before the call.
+  safe by the checks before the call. A handler registered with ``raw_headers`` gets the header
+  block unparsed (the edge's fan-out reads a result from it: :func:`result_from_block`).
 - **Read loop**: the client's protocol parser is :class:`~streamproc.nats.fast_parser.FastParser`
   (when nats-py's grammar is the one it mirrors, :func:`~streamproc.nats.fast_parser.parser_support`):
   MSG/HMSG frames are cut from each socket read with ``find``/``split``/slices and handed to
@@ -66,7 +67,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
-from ..core.wire import over_header_lines
+from ..core.wire import (ERROR, FINAL, JOIN, MAX_HEADER_LINES, SEQ, TRACEPARENT, ResultInfo, Subjects, Verdict,
+                         over_header_lines, result_from_message)
 from ..logs import error_text, log_event
 from .buffered_reads import READ_SIZE
 from .eager_reads import _CLOSED_OR_RECONNECTING, EagerReads
@@ -103,6 +105,8 @@ _MAX_CACHED_LEN = 64  # longer names are checked every time (a hostile sender ca
 
 # Received name bytes (before strip) -> decoded key, or _SKIP when nats-py drops the line.
 _SKIP = object()
+# _msg_now's headers for a raw-block inline handler's sid: not parsed yet (FastClient._accept)
+UNPARSED: Any = object()
 _NAMES: dict[bytes, Any] = {}
 # Published key (exact str) -> "Key: " prefix, or "" when nats-py skips the empty key.
 _KEYS: dict[str, str] = {}
@@ -254,6 +258,73 @@ def parse_header_block(headers: bytes) -> dict[str, str] | None:
             continue
         out[key] = value.strip().decode("utf-8", "replace")
     return out or None
+
+
+# A result's header name bytes (before strip) -> the slot result_from_block keeps its value in; -1 for
+# names a result does not read and lines nats-py drops. Bounded as _NAMES.
+_RESULT_FIELDS = {SEQ: 0, FINAL: 1, JOIN: 2, ERROR: 3, TRACEPARENT: 4}
+_RESULT_SLOTS: dict[bytes, int] = {}
+_VERDICT_BYTES: dict[bytes, Verdict] = {v.value.encode(): v for v in Verdict}
+
+
+def _result_slot(name: bytes) -> int:
+    key = _NAMES.get(name)
+    if key is None:
+        key = _name(name)
+    slot = -1 if key is _SKIP else _RESULT_FIELDS.get(key, -1)
+    if len(_RESULT_SLOTS) < _MAX_CACHED and len(name) <= _MAX_CACHED_LEN:
+        _RESULT_SLOTS[name] = slot
+    return slot
+
+
+def result_from_block(subjects: Subjects, subject: str, headers: bytes, body: bytes) -> ResultInfo:
+    """``result_from_message(subjects, subject, parse_header_block(headers), body)`` read straight
+    from the raw block (the same callers' checks: len > 10, byte 8 not a space), for the edge's
+    fan-out, once per SSE event: no dict, no second Python call, and a plain seq and a known verdict
+    are read as bytes, undecoded (docs/benchmarks.md, "Edge CPU per event, sixth pass"). Each line
+    is taken as ``parse_header_block`` takes it (the same name rule, the last of a repeated name
+    wins); anything but a plain seq, an absent/``true``/``false`` final and an absent, empty or
+    known verdict, and a block over ``MAX_HEADER_LINES``, goes the two-step way, for the same value
+    or the same error (tests/test_result_block.py compares the two on random blocks)."""
+    if headers.count(b"\n") > MAX_HEADER_LINES:
+        return result_from_message(subjects, subject, parse_header_block(headers), body)
+    values: list[bytes | None] = [None, None, None, None, None]
+    slots = _RESULT_SLOTS
+    for line in headers[10:].split(_CRLF):
+        if not line:
+            continue
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        slot = slots.get(name)
+        if slot is None:
+            slot = _result_slot(name)
+        if slot >= 0:
+            values[slot] = value
+    seq, final, join, error, traceparent = values
+    if seq is None or not (seq := seq.strip()).isdigit() or len(seq) > 18:  # bytes.isdigit: ASCII digits only
+        return result_from_message(subjects, subject, parse_header_block(headers), body)
+    if final is not None:
+        final = final.strip()
+        if final != b"true" and final != b"false":
+            return result_from_message(subjects, subject, parse_header_block(headers), body)
+    verdict = None
+    if join is not None and (join := join.strip()):
+        verdict = _VERDICT_BYTES.get(join)
+        if verdict is None:
+            return result_from_message(subjects, subject, parse_header_block(headers), body)
+    return ResultInfo(
+        request_id=subject[len(subjects.prefix) + _RESULTS_INFIX:],
+        seq=int(seq),
+        final=final == b"true",
+        verdict=verdict,
+        error=None if error is None else error.strip().decode("utf-8", "replace"),
+        body=body,
+        traceparent=None if traceparent is None else traceparent.strip().decode("utf-8", "replace"),
+    )
+
+
+_RESULTS_INFIX = len(".results.")
 
 
 def _stock_header_block(headers: dict[str, Any]) -> bytes:
@@ -447,7 +518,9 @@ class FastClient(RobustClient):
         if not headers:
             hdr = None
         elif len(headers) > 10 and headers[8] != 32:
-            hdr = parse_header_block(headers)
+            raw = self._raw_inline
+            # UNPARSED: _accept hands a raw-block handler the block itself, and parses it only for a Msg
+            hdr = UNPARSED if raw is not None and sid in raw else parse_header_block(headers)
         else:
             return LATER
         jsi = sub._jsi
@@ -557,13 +630,15 @@ class FastClient(RobustClient):
             try:
                 if reply_text is None:
                     reply_text = reply.decode("utf-8", "surrogateescape") if reply else ""
-                if handler(text, reply_text, hdr, data):
+                if handler(text, reply_text, headers if hdr is UNPARSED else hdr, data):
                     return None
             except Exception as exc:  # noqa: BLE001  (never into nats-py's read loop)
                 # Handlers catch their own errors; one that escapes drops the message, which JetStream
                 # redelivers after ack_wait (a chunk) or the outbox resends for (a PubAck).
                 log_event(log, logging.ERROR, "inline_handler_failed", subject=text, error=error_text(exc))
                 return None
+        if hdr is UNPARSED:
+            hdr = parse_header_block(headers)  # type: ignore[arg-type]
         if self.msg_class is Msg:  # RobustClient._build_message, positionally (Msg's field order is checked)
             if reply_text is None:
                 reply_text = reply.decode("utf-8", "surrogateescape")
@@ -584,6 +659,8 @@ class FastClient(RobustClient):
         return None
 
     _handlers_inline: dict[int, Any] | None = None  # not `_inline`: mypyc names its C field `__inline`, a gcc keyword
+    # The sids whose inline handler takes the raw header block (deliver_inline's raw_headers)
+    _raw_inline: set[int] | None = None
     # An ordered consumer's handler by its ``_JSI``, with the sid it is registered under (deliver_inline)
     _ordered_inline: dict[Any, list[Any]] | None = None
 
@@ -601,7 +678,7 @@ class FastClient(RobustClient):
         """Whether :attr:`read_done` is called (the fast parser reads; not on its stock fallback)."""
         return isinstance(self._ps, FastParser)
 
-    def deliver_inline(self, sub: Any, handler: Any) -> None:
+    def deliver_inline(self, sub: Any, handler: Any, raw_headers: bool = False) -> None:
         """Hand ``sub``'s messages to ``handler(subject, reply, headers, data) -> bool`` in the read
         loop, before a ``Msg`` is built and queued, whenever nothing of ``sub`` is queued or in its
         callback; False: the message takes the queue and the callback as usual. The one way this
@@ -619,10 +696,20 @@ class FastClient(RobustClient):
         loop goes on; JetStream redelivers a chunk after ``ack_wait``, the outbox resends a result
         whose PubAck was lost). Order is kept: a message goes inline only when every earlier one of
         ``sub`` has been handled; inline messages are never queued, so they count neither against
-        the subscription's pending limits nor as slow-consumer drops."""
+        the subscription's pending limits nor as slow-consumer drops.
+
+        ``raw_headers``: ``headers`` may also be the raw header block (bytes) where the read loop
+        has one not yet parsed (a block with no inline status line), so the handler can read what
+        it needs from it without the dict (the edge's fan-out: ``result_from_block``)."""
         if self._handlers_inline is None:
             self._handlers_inline = {}
         self._handlers_inline[sub._id] = handler
+        if raw_headers:
+            if self._raw_inline is None:
+                self._raw_inline = set()
+            self._raw_inline.add(sub._id)
+        elif self._raw_inline:
+            self._raw_inline.discard(sub._id)
         if sub._jsi is not None and sub._jsi._ordered:  # its sid changes each time nats-py remakes it
             if self._ordered_inline is None:
                 self._ordered_inline = {}
@@ -636,15 +723,23 @@ class FastClient(RobustClient):
         if handlers is not None:
             handlers.pop(entry[0], None)
             handlers[sid] = entry[1]
+        raw = self._raw_inline
+        if raw is not None and entry[0] in raw:
+            raw.discard(entry[0])
+            raw.add(sid)
         entry[0] = sid
 
     def stop_inline(self, sub: Any) -> None:
         if self._handlers_inline:
             self._handlers_inline.pop(sub._id, None)
+        if self._raw_inline:
+            self._raw_inline.discard(sub._id)
         if self._ordered_inline and sub._jsi is not None:
             entry = self._ordered_inline.pop(sub._jsi, None)
             if entry is not None and self._handlers_inline:
                 self._handlers_inline.pop(entry[0], None)
+            if entry is not None and self._raw_inline:
+                self._raw_inline.discard(entry[0])
 
     def publish_block_nowait(self, subject: str, payload: bytes, header_block: bytes) -> None:
         """:meth:`publish_header_block` without an await, for an inline handler: the connection is

@@ -1,0 +1,74 @@
+"""What the edge does per result against what it does per NATS read (docs/benchmarks.md, "Edge CPU per
+event, sixth pass"): the fan-out reads each result from its raw header block (no nats-py-shaped
+dict), and the direct writes of a read are stamped with one clock read, not one per SSE event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import types
+
+import pytest
+from edge_harness import RawStream, publish_result, served_edge, stop_served
+from helpers import rid, wait_until
+
+import streamproc.edge.direct as direct
+import streamproc.nats.fast_client as fast_client
+from streamproc.wire import Subjects
+
+SUBJECTS = Subjects("perread")
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(60)]
+STREAMS, RESULTS = 5, 8
+
+
+async def fan_out(server, nc, monkeypatch) -> tuple[int, int, int]:
+    """Results for streams whose tasks wait, flushed at once (a few per NATS read), each written by
+    the fan-out itself: the results written so, ``parse_header_block`` calls, direct.py's clock reads."""
+    edge_server, port = await served_edge(server.url, SUBJECTS)
+    try:
+        edge = edge_server.config.app.state.edge
+        ids = [rid(f"pr{i}") for i in range(STREAMS)]
+        streams = [await RawStream.open(port, request_id) for request_id in ids]
+        await wait_until(lambda: edge.metrics.streams_active == STREAMS, 5, "the streams open")
+        await asyncio.sleep(0.2)  # each stream's task parked in its inbox's wait: results go direct
+
+        parsed, clock = [0], [0]
+        parse = fast_client.parse_header_block
+
+        def counted_parse(block: bytes):
+            parsed[0] += 1
+            return parse(block)
+
+        def counted_monotonic() -> float:
+            clock[0] += 1
+            return time.monotonic()
+
+        monkeypatch.setattr(fast_client, "parse_header_block", counted_parse)
+        monkeypatch.setattr(direct, "time", types.SimpleNamespace(monotonic=counted_monotonic))
+        before = edge.metrics.results_written_directly
+        for seq in range(RESULTS):
+            for request_id in ids:
+                await publish_result(nc, SUBJECTS, request_id, seq, b'{"n":%d}' % seq)
+        await nc.flush()
+        for stream in streams:
+            await stream.read_until(b'id: %d\ndata: {"n":%d}\n\n' % (RESULTS - 1, RESULTS - 1))
+        written = edge.metrics.results_written_directly - before
+        monkeypatch.undo()
+
+        for request_id in ids:
+            await publish_result(nc, SUBJECTS, request_id, RESULTS, b"end", final=True)
+        await nc.flush()
+        for stream in streams:
+            data = await stream.read_to_close()
+            assert data.split(b"\r\n\r\n", 1)[1].count(b"id: ") == RESULTS + 1
+            stream.close()
+        return written, parsed[0], clock[0]
+    finally:
+        await stop_served(edge_server)
+
+
+async def test_the_fan_out_reads_results_from_their_raw_header_blocks_without_a_dict(server, nc, monkeypatch):
+    written, parsed, _ = await fan_out(server, nc, monkeypatch)
+    assert written == STREAMS * RESULTS
+    assert parsed == 0  # result_from_block read every header block
+
