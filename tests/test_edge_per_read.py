@@ -72,3 +72,9 @@ async def test_the_fan_out_reads_results_from_their_raw_header_blocks_without_a_
     assert written == STREAMS * RESULTS
     assert parsed == 0  # result_from_block read every header block
 
+
+async def test_direct_writes_read_the_clock_once_per_nats_read_not_per_event(server, nc, monkeypatch):
+    written, _, clock = await fan_out(server, nc, monkeypatch)
+    assert written == STREAMS * RESULTS
+    # A flush of 40 results reaches the edge in a few reads: one clock read for all streams of a read
+    assert 1 <= clock < written / 2, (clock, written)

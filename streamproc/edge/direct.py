@@ -199,9 +199,15 @@ class WriteBatch:
         self.hooked = hooked  # whether flush() runs at the end of every read (ResultSource.after_read_hooked)
 
     def flush(self) -> None:
+        """Write each stream's frames, stamping its ``sent_at`` with one clock read for the whole
+        read (before: one per SSE event, in ``offer``): the frames leave now, and a stream's task
+        reads ``sent_at`` only after this ran (it is woken through its inbox, after the read)."""
         streams, self.streams = self.streams, []
-        for direct in streams:
-            direct.flush()
+        if streams:
+            now = time.monotonic()
+            for direct in streams:
+                direct.sent_at = now
+                direct.flush()
 
 
 class DirectFrames:
@@ -217,7 +223,7 @@ class DirectFrames:
         self.batch = batch
         self.out: UvicornBody | None = None  # set once the headers are written, cleared before the end
         self.pending: list[bytes] = []  # frames taken since the last flush() (this NATS read's), written by it
-        self.sent_at = 0.0  # time.monotonic() of the last direct write (Edge.frames' idle and keep-alive clocks)
+        self.sent_at = 0.0  # time.monotonic() of the last direct write (Edge.frames' idle and keep-alive clocks): WriteBatch.flush
 
     def offer(self, result: ResultInfo) -> bool:
         """Take ``result``'s frame for this pass's write and count it as sent (True), or leave it to
@@ -247,8 +253,7 @@ class DirectFrames:
         metrics = self.metrics
         metrics.sent(result)
         metrics.results_written_directly += 1
-        self.sent_at = time.monotonic()
-        return True
+        return True  # sent_at: stamped by the batch's flush, one clock read per NATS read
 
     def flush(self) -> None:
         """Write the frames taken so far, unless the response ended or its client left meanwhile
