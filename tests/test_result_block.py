@@ -5,7 +5,7 @@ against the two-step read it replaces, ``result_from_message(parse_header_block(
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from streamproc.core.wire import (ERROR, FINAL, JOIN, MAX_HEADER_LINES, SEQ, TRACEPARENT, UNREADABLE_HEADERS,
@@ -122,4 +122,30 @@ def test_random_header_blocks_read_as_the_two_step_parse_reads_them(lines, tail,
 @given(st.integers(MAX_HEADER_LINES - 4, MAX_HEADER_LINES + 4), st.sampled_from(VALUES))
 def test_blocks_about_the_line_bound_read_as_the_two_step_parse_reads_them(count, value):
     block = b"NATS/1.0\r\n" + (SEQ.encode() + b": " + value + b"\r\n") * count + b"\r\n"
+    assert_same(block)
+
+
+# What the random blocks above never vary: the status line (both reads skip its 10 bytes unseen, and
+# the callers check only that a block is longer and that byte 8 is no space: lines may start inside
+# those 10 bytes and run on past them), line ends other than CRLF between lines, whitespace that
+# bytes.strip and str.strip disagree on (\x1c-\x1f, U+0085, U+00A0, U+3000) or both strip (\x0b,
+# \x0c), and each result name in another case.
+WHITESPACE = [b"", b" ", b"\t", b"\x0b", b"\x0c", b"\x1c", b"\x1f", b"\x85", b"\xc2\x85", b"\xc2\xa0", b"\xe3\x80\x80",
+              b"\x00"]
+CASED_NAMES = [n.encode() for n in (SEQ, FINAL, JOIN, ERROR, TRACEPARENT, UNREADABLE_HEADERS)]
+CASED_NAMES += [n.lower() for n in CASED_NAMES] + [n.upper() for n in CASED_NAMES]
+status_bytes = (st.just(b"NATS/1.0\r\n") | st.binary(max_size=12)
+                | st.sampled_from([b"NATS/1.0\n", *(b"NATS/1.0\r\n"[:k] for k in range(10))]))
+spaced_line = st.tuples(st.sampled_from(WHITESPACE), st.sampled_from(CASED_NAMES), st.sampled_from(WHITESPACE),
+                        st.sampled_from([b":", b"::", b""]), st.sampled_from(WHITESPACE), st.sampled_from(VALUES),
+                        st.sampled_from(WHITESPACE)).map(lambda t: b"".join(t))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(status_bytes, st.lists(st.tuples(st.sampled_from([b"\r\n", b"\n", b"\r", b"\r\r\n", b"\n\r"]), spaced_line),
+                              max_size=10),
+       st.sampled_from([b"", b"\r\n", b"\r\n\r\n"]))
+def test_blocks_of_any_status_bytes_line_ends_and_whitespace_read_as_the_two_step_parse_reads_them(status, lines, tail):
+    block = status + b"".join(end + line for end, line in lines) + tail
+    assume(len(block) > 10 and block[8] != 32)  # what reaches either read (FastClient._msg_now)
     assert_same(block)
