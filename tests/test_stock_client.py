@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import httpx
 import pytest
-from edge_harness import publish_result, running_edge
+from edge_harness import expected_sse, publish_result, running_edge
 from helpers import rid
 
 from streamproc.catalog import worker_for
@@ -84,3 +84,37 @@ async def test_the_edge_on_the_stock_path_writes_each_result_as_it_arrives(nats_
         assert "nats_fast_path_disabled" in edge.log()
     # The last result ends the response through the stream's task; the others went directly.
     assert metrics["streamproc_edge_results_written_directly_total"] >= 3
+
+
+async def test_direct_writes_on_the_stock_path_count_for_the_result_timeout_and_the_keep_alive(nats_url, client):
+    """Direct writes stamp their stream's ``sent_at`` in ``WriteBatch.flush``, which on the stock
+    client runs from its own ``call_soon``, not ``read_done``: results every 0.25 s for 2.5 s, all but
+    the last written directly, keep a stream with ``--result-timeout 1`` and ``--keepalive 0.4`` from
+    timing out and from keep-alives between them (as on the fast path: test_edge_sse.py)."""
+    subjects, request_id = Subjects("stockclock"), rid("stock-clock")
+    bodies = [b'{"n":%d}' % seq for seq in range(10)]
+    with running_edge(nats_url, "--prefix", subjects.prefix, "--result-timeout", "1", "--keepalive", "0.4",
+                      env={fast_client.STOCK_CLIENT_ONLY_ENV: "1"}) as edge:
+        async with httpx.AsyncClient(base_url=edge.url, timeout=15) as http:
+            async with http.stream("GET", f"/v1/results/{request_id}") as response:
+                assert response.status_code == 200
+                await anyio.sleep(0.3)  # the edge's subscription is live once the headers are written
+                read: list[bytes] = []
+
+                async def read_all() -> None:
+                    read.extend([chunk async for chunk in response.aiter_bytes()])
+
+                with anyio.fail_after(15):
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(read_all)
+                        for seq, body in enumerate(bodies):
+                            await publish_result(client, subjects, request_id, seq, body,
+                                                 final=seq == len(bodies) - 1)
+                            await client.flush()
+                            await anyio.sleep(0.25)
+                raw = b"".join(read)
+        metrics = edge.metrics()
+    assert metrics["streamproc_edge_result_timeouts_total"] == 0, raw
+    assert metrics["streamproc_edge_results_written_directly_total"] >= len(bodies) - 1
+    assert raw.replace(b": keep-alive\n\n", b"") == expected_sse(bodies), raw
+    assert raw.count(b": keep-alive\n\n") <= 1, raw  # at most the one before the first result
