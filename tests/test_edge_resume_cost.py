@@ -157,3 +157,33 @@ async def test_a_resume_whose_last_event_id_is_no_longer_stored_reads_from_the_s
             async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
                 assert await resumed(client, request_id, 5) == expected_sse(bodies[6:], start=6)
                 assert await resumed(client, request_id, 8) == expected_sse(bodies[9:], start=9)
+
+
+@pytest.mark.parametrize("recent", [[], ["--recent", "0"]], ids=["ring", "recent-0"])
+async def test_a_resume_of_a_request_with_nothing_stored_asks_the_stream_once_like_an_open(nats_server, recent):
+    """A resume (``Last-Event-ID: 3``) of a request with nothing stored, in a stream of 4,096 other
+    results: the search halved the whole stream (a MSG.GET per halving: 15 messages to the edge, each holding a
+    share of the read budget in turn) where an open has 3, so any client naming any
+    request id had the edge ask 5 x what an honest open asks (failed before: 15 vs 3). Its first MSG.GET (the subject's
+    first stored result) finds nothing, and that ends it."""
+    subjects = Subjects("resumenone")
+    noise_id = rid("noise")
+    noise = 4096
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream", *recent) as edge:
+        async with connection(nats_server.url) as nc:
+            await publish_results(nc, subjects, noise_id, [b'{"n":1}'] * noise, flush_every=64)
+            await stored(nc, subjects.result(noise_id), noise)
+            async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+
+                async def answers(headers: dict[str, str]) -> int:
+                    before, _ = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+                    async with client.stream("GET", f"/v1/results/{rid('absent')}", headers=headers) as response:
+                        assert response.status_code == 200
+                        await asyncio.sleep(1.0)  # its replay ran
+                        after, _ = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+                    return after - before
+
+                opened = await answers({})
+                resumed_ = await answers({"Last-Event-ID": "3"})
+    print(f"an open: {opened} messages to the edge, a resume: {resumed_}")
+    assert resumed_ <= opened + 1, f"a resume of nothing stored: {resumed_} messages, an open {opened}"

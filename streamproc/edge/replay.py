@@ -405,12 +405,9 @@ class Replay:
             try:
                 if self.seek is not None and self.read == 0:
                     after, self.seek = self.seek, None
-                    found = await self._seek(after)
-                    if self.closed:
-                        return None
-                    if found is not None:
-                        self.next_seq = found
-                message = await self._get(self.next_seq)
+                    message = await self._seek(after)
+                else:
+                    message = await self._get(self.next_seq)
                 if self.closed:  # closed from another task while the answer was on its way
                     return None
             except Refused as exc:
@@ -457,13 +454,13 @@ class Replay:
             return _parts(message)
         return await self._subscribe(message.seq, reserved=self.may_subscribe is not None)
 
-    async def _seek(self, after: int) -> int | None:
-        """Where a resume after result seq ``after`` reads from: the stream sequence of the stored
-        result ``after`` (read again: dropped as a repeat), of a final one at or before it (read
-        again: it ends the stream, as the client has it all) or of the last one stored when none is
-        past ``after`` (a Last-Event-ID ahead of what is stored), found by a binary search of MSG.GETs
-        (``next_by_subj``, each charged to the read budget); None, from the start as before, when
-        no such result is found (not stored any more, or a store out of seq order).
+    async def _seek(self, after: int) -> StoredMessage | None:
+        """The stored result a resume after result seq ``after`` reads from: the result ``after``
+        (read again: dropped as a repeat), a final one at or before it (read again: it ends the
+        stream, as the client has it all) or the last one stored when none is past ``after`` (a
+        Last-Event-ID ahead of what is stored), found by a binary search of MSG.GETs
+        (``next_by_subj``, each charged to the read budget); else the first stored, from the start
+        as before (not stored any more, or a store out of seq order); None when nothing is stored.
 
         A resume read every stored result from the start and dropped those the client had: 20
         resumes after the 999th of 1,000 16 KiB results had nats-server send the edge 315 MiB,
@@ -471,11 +468,23 @@ class Replay:
         stored in seq order (its processor publishes them so; a republished one is a duplicate
         within the stream's duplicate window), so no later seq is stored before the first copy of
         ``after``: only a copy of ``after`` stored again past the duplicate window after later seqs
-        would be found instead of the first and skip them."""
+        would be found instead of the first and skip them.
+
+        The first MSG.GET asks for the subject's first stored result, as an open's probe does:
+        nothing stored (a request not started, or any id a client names) ends it there. Halving the
+        whole stream first, such a resume asked ~log2 of the stream's length where an open asks once."""
+        first = await self._get(self.next_seq)
+        if first is None or self.closed:
+            return first
+        mark = _seek_mark(first)
+        if mark is None or mark[0] > after:
+            return first
+        if mark[1]:  # a final one at or before ``after``: it ends the stream
+            return first
+        at = first if mark[0] == after else None  # the result ``after``, found so far
         done = self.done
-        lo, hi = self.next_seq, self.upto
-        at: int | None = None
-        last: int | None = None  # the stream sequence of the last result found at or before ``after``
+        lo, hi = first.seq + 1, self.upto
+        last = first  # the last result found at or before ``after``
         later = False  # a result past ``after`` was found
         try:
             while lo <= hi:
@@ -488,14 +497,14 @@ class Replay:
                     continue
                 mark = _seek_mark(message)
                 if mark is None:
-                    return None
+                    return first
                 seq, final = mark
                 if seq > after:
                     later = True
                     hi = mid - 1
                     continue
-                last = message.seq
-                at = message.seq if seq == after or final else None
+                last = message
+                at = message if seq == after or final else None
                 if final:
                     break
                 lo = message.seq + 1
@@ -503,7 +512,9 @@ class Replay:
             self.done = done
         # Every result found was at or before ``after`` (a client ahead of what is stored): from the
         # last one stored, as the request goes on from there.
-        return last if at is None and not later else at
+        if at is None:
+            return first if later else last
+        return at
 
     async def _nothing_stored(self) -> bool:
         """Nothing of the subject is stored (so nothing up to ``upto``)? Unanswered: made anyway, and
