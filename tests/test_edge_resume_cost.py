@@ -37,6 +37,12 @@ async def resumed(client: httpx.AsyncClient, request_id: str, after: int | str) 
     return response.content
 
 
+async def _take(lines, count: int):
+    """The first ``count`` lines of an SSE body (the stream stays open: the request goes on)."""
+    for _ in range(count):
+        yield await anext(lines)
+
+
 @pytest.mark.parametrize("recent", [[], ["--recent", "0"]], ids=["ring", "recent-0"])
 async def test_resumes_near_the_end_of_a_long_stored_history_do_not_read_it_each_time(nats_server, recent):
     """A resume read every stored result of its request from the first and dropped those at or
@@ -187,3 +193,39 @@ async def test_a_resume_of_a_request_with_nothing_stored_asks_the_stream_once_li
                 resumed_ = await answers({"Last-Event-ID": "3"})
     print(f"an open: {opened} messages to the edge, a resume: {resumed_}")
     assert resumed_ <= opened + 1, f"a resume of nothing stored: {resumed_} messages, an open {opened}"
+
+
+async def test_a_resume_after_a_requests_first_result_stops_searching_where_it_found_it(nats_server):
+    """``Last-Event-ID: 0`` (an EventSource that reconnects after its first event) for a running
+    request whose results 0 and 1 are stored at the start of a stream of 4,096 others: the search
+    found result 0 with its first MSG.GET and went on halving the rest of the stream for a later
+    copy of it (one more MSG.GET per halving), which, results being stored in seq order, is never
+    there: 20 messages to the edge where an open of the request had 8. Found, it is where the
+    replay starts: the client gets result 1, once, for as many as the open."""
+    subjects = Subjects("resumefirst")
+    request_id, noise_id = rid("first"), rid("noise")
+    noise = 4096
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream") as edge:
+        async with connection(nats_server.url) as nc:
+            for seq in range(2):
+                await publish_result(nc, subjects, request_id, seq, b'{"text":"%d"}' % seq)
+            await publish_results(nc, subjects, noise_id, [b'{"n":1}'] * noise, flush_every=64)
+            await stored(nc, subjects.result(noise_id), noise + 2)
+            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= noise + 2, 15, "seen")
+            async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+
+                async def cost(headers: dict[str, str], first: int) -> int:
+                    before, _ = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+                    async with client.stream("GET", f"/v1/results/{request_id}", headers=headers) as response:
+                        assert response.status_code == 200
+                        lines = [line async for line in _take(response.aiter_lines(), 3 * (2 - first))]
+                        assert lines == sum((["id: %d" % k, 'data: {"text":"%d"}' % k, ""]
+                                             for k in range(first, 2)), [])
+                        await asyncio.sleep(1.0)  # its replay ended
+                        after, _ = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+                    return after - before
+
+                opened = await cost({}, 0)
+                resumed_ = await cost({"Last-Event-ID": "0"}, 1)
+    print(f"an open of it: {opened} messages to the edge, a resume after result 0: {resumed_}")
+    assert resumed_ <= opened, f"a resume after result 0: {resumed_} messages to the edge, an open {opened}"

@@ -468,7 +468,10 @@ class Replay:
         stored in seq order (its processor publishes them so; a republished one is a duplicate
         within the stream's duplicate window), so no later seq is stored before the first copy of
         ``after``: only a copy of ``after`` stored again past the duplicate window after later seqs
-        would be found instead of the first and skip them.
+        would be found instead of the first and skip them. So the search stops at the first copy it
+        finds: going on halving for a later one cost a MSG.GET per halving of the rest of the stream,
+        and only such a copy could be found (``Last-Event-ID: 0`` after a request's first result,
+        stored first in a stream of 4,096: 20 messages to the edge, now 8, as many as an open of it).
 
         The first MSG.GET asks for the subject's first stored result, as an open's probe does:
         nothing stored (a request not started, or any id a client names) ends it there. Halving the
@@ -477,11 +480,9 @@ class Replay:
         if first is None or self.closed:
             return first
         mark = _seek_mark(first)
-        if mark is None or mark[0] > after:
+        if mark is None or mark[0] >= after or mark[1]:  # from the start, or found: ``after``, or a final one before
             return first
-        if mark[1]:  # a final one at or before ``after``: it ends the stream
-            return first
-        at = first if mark[0] == after else None  # the result ``after``, found so far
+        at: StoredMessage | None = None
         done = self.done
         lo, hi = first.seq + 1, self.upto
         last = first  # the last result found at or before ``after``
@@ -504,8 +505,8 @@ class Replay:
                     hi = mid - 1
                     continue
                 last = message
-                at = message if seq == after or final else None
-                if final:
+                if seq == after or final:  # found: no later copy is looked for (results are in seq order)
+                    at = message
                     break
                 lo = message.seq + 1
         finally:
