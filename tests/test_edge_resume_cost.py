@@ -10,8 +10,10 @@ import httpx
 import pytest
 from edge_harness import expected_sse, publish_result, publish_results, running_edge, sent_to_connection
 from helpers import connection, peak_rss, rid, wait_until
+from nats_auth import MSG_GET, edge_user_denied
 
 from streamproc.nats.streams import find_stream
+from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
@@ -229,3 +231,27 @@ async def test_a_resume_after_a_requests_first_result_stops_searching_where_it_f
                 resumed_ = await cost({"Last-Event-ID": "0"}, 1)
     print(f"an open of it: {opened} messages to the edge, a resume after result 0: {resumed_}")
     assert resumed_ <= opened, f"a resume after result 0: {resumed_} messages to the edge, an open {opened}"
+
+
+@pytest.mark.parametrize("recent", [[], ["--recent", "0"]], ids=["ring", "recent-0"])
+async def test_resumes_where_msg_get_is_denied_read_from_the_start_and_get_exactly_the_rest(recent):
+    """The edge's user may not publish ``$JS.API.STREAM.MSG.GET``: the search's first MSG.GET is
+    refused, and a resume reads from the first stored result with consumers, as documented
+    (docs/edge.md): each Last-Event-ID, the first request of the edge among them, gets the
+    results after it and ``[DONE]``, nothing repeated or lost."""
+    subjects = Subjects("resumedenied")
+    request_id = rid("denied")
+    bodies = [b'{"text":"%d"}' % k for k in range(12)]
+    with EmbeddedNats(config=edge_user_denied(MSG_GET, publisher=True)) as server:
+        url = server.url.replace("nats://", "nats://%s:%s@")
+        with running_edge(url % ("edge", "edge"), "--prefix", subjects.prefix, "--ensure-results-stream",
+                          *recent) as edge:
+            async with connection(url % ("pub", "pub")) as nc:
+                await publish_results(nc, subjects, request_id, bodies)
+                await stored(nc, subjects.result(request_id), len(bodies))
+                async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+                    for after in (5, 0, 10, 11, 3):
+                        assert await resumed(client, request_id, after) == (
+                            expected_sse(bodies[after + 1:], start=after + 1) if after < 11
+                            else b"data: [DONE]\n\n"), after
+            assert edge.metrics()["streamproc_edge_streams_fallback_total"] >= 1  # MSG.GET was refused
