@@ -276,3 +276,82 @@ def test_flat_output_top_logprobs_of_an_unwritten_slot_are_not_published(codec_c
     assert verdict is Verdict.OMITTED
     assert json.loads(got)["meta_info"]["output_top_logprobs_null_prefix"] == 1
     assert_same_body(got, dumps(want))
+
+
+# ``token_ids_logprob=[9, 42]``: one ``[[lp, 9, None], [lp, 42, None]]`` row per output position.
+IDS_ROWS = [[[-3.0, 9, None], [-8.0, 42, None]], [[-1.0, 9, None], [-9.0, 42, None]],
+            [[-2.0, 9, None], [-9.5, 42, None]]]
+
+
+def _with_token_ids(body: dict[str, Any], lo: int, n: int, *, reserved: bool) -> dict[str, Any]:
+    """``body`` as ``token_ids_logprob`` answers it: ``input_token_ids_logprobs`` (``[]``) and the sliced
+    ``output_token_ids_logprobs`` after the top logprobs (``convert_logprob_style`` step 3). ``reserved``:
+    decode's row for token 0 is the empty one ``_commit_transfer_to_req`` reserves ("Prefill omits these
+    scores"), sent as ``null`` (``detokenize_top_logprobs_tokens``)."""
+    rows = [None if reserved and i == 0 else row for i, row in enumerate(IDS_ROWS)]
+    body = copy.deepcopy(body)
+    items = []
+    for key, value in body["meta_info"].items():
+        items.append((key, value))
+        if key == "output_top_logprobs":
+            items += [("input_token_ids_logprobs", []), ("output_token_ids_logprobs", rows[lo:n])]
+    body["meta_info"] = dict(items)
+    return body
+
+
+def _token_ids_legs(streamed: bool | str) -> tuple[list[dict], list[bytes], list[bytes]]:
+    """:func:`legs` with ``token_ids_logprob`` asked of decode only (prefill has no logprob lists)."""
+    agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale="left_over")
+    spans = SPANS[streamed]
+    agg = [_with_token_ids(body, lo, n, reserved=False) for body, (lo, n) in zip(agg, spans)]
+    dec = [dumps(_with_token_ids(json.loads(body), lo, n, reserved=True)) for body, (lo, n) in zip(dec, spans)]
+    return agg, pre, dec
+
+
+def _omitted_token_ids_row(want: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_omitted_first_token`, and on the chunk holding output position 0 that position's
+    ``output_token_ids_logprobs`` row ``null`` with ``output_token_ids_logprobs_unavailable_reason`` after
+    the list; decode's own prompt-side ``input_token_ids_logprobs`` removed as its other input lists."""
+    want = _omitted_first_token(want)
+    meta = want["meta_info"]
+    meta.pop("input_token_ids_logprobs")
+    if "output_token_logprobs_unavailable_reason" in meta:
+        items = []
+        for key, value in meta.items():
+            items.append((key, value))
+            if key == "output_token_ids_logprobs":
+                items.append(("output_token_ids_logprobs_unavailable_reason", "prefill_missing"))
+        meta = want["meta_info"] = dict(items)
+        meta["output_token_ids_logprobs"][0] = None
+    return want
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_token_ids_logprobs_keep_decodes_rows_with_only_token_0s_row_null(codec_cls, streamed):
+    """The aggregated engine scores ``token_ids_logprob`` at every output position, token 0's included
+    (``add_logprob_return_values``); decode's rows from position 1 are its own steps', its row 0 is the
+    reserved empty one, and a prefill leg asked for no logprobs has none to put there. The list stays
+    with row 0 ``null`` and its marker, as ``output_token_logprobs`` keeps its positions: before, the
+    whole list was removed for one row no leg had."""
+    agg, pre, dec = _token_ids_legs(streamed)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    for (got, verdict), want in zip(out, agg):
+        assert verdict is Verdict.OMITTED
+        assert_same_body(got, dumps(_omitted_token_ids_row(want)))
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [True, "coalesced"], ids=["stream", "coalesced"])
+def test_fold_keeps_token_ids_logprobs_beside_their_row_0_marker(codec_cls, streamed):
+    """The edge's unary answer of the joined stream is the joined unary body: the marker beside
+    ``output_token_ids_logprobs`` removes nothing, so the fold keeps every row, row 0 ``null``."""
+    codec = codec_cls(OPTIONS)
+    agg, pre, dec = _token_ids_legs(False)
+    (unary, _verdict), = join(codec, dec, pre)
+    _agg, pre, dec = _token_ids_legs(streamed)
+    chunks = [body for body, _verdict in join(codec_cls(OPTIONS), dec, pre)]
+    folded = json.loads(codec.fold(chunks))["meta_info"]
+    assert folded["output_token_ids_logprobs"] == [None, *IDS_ROWS[1:]]
+    assert folded["output_token_ids_logprobs_unavailable_reason"] == "prefill_missing"
+    assert_same_body(codec.fold(chunks), unary)

@@ -197,14 +197,16 @@ def test_0523_decode_reserved_null_token_ids_logprob_row_in_a_stream(cumulative)
         assert_same(out, want)
 
 
-def test_0523_decode_reserved_null_row_without_prefills_entry_is_omitted():
-    """No prefill value for position 0: the field cannot equal the aggregated one, so it goes."""
+def test_0523_decode_reserved_null_row_without_prefills_entry_stays_null_with_its_reason():
+    """No prefill value for position 0: that row stays decode's reserved ``null`` with the field's
+    reason; the other rows are decode's own steps' and are kept."""
     _, prefill, decode = ids_case()
     del prefill["meta_info"]["output_token_ids_logprobs"]
     [(out, verdict)] = join(SGLangCodec(OPTIONS), [dumps(decode)], [dumps(prefill)])
     meta = json.loads(out)["meta_info"]
     assert verdict is Verdict.OMITTED
-    assert "output_token_ids_logprobs" not in meta
+    assert meta["output_token_ids_logprobs"] == decode["meta_info"]["output_token_ids_logprobs"]
+    assert meta["output_token_ids_logprobs"][0] is None
     assert meta["output_token_ids_logprobs_unavailable_reason"] == "prefill_missing"
 
 

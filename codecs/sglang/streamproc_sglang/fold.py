@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 from streamproc.codec import UNAVAILABLE_SUFFIX, OmissionReason
 
 from .native import (ABORT_RESTATED_FIELDS, FINISH_REASON, FIRST_TOKEN_TIMINGS, INDEX, META, OUTPUT_DELTA_FIELDS,
-                     OUTPUT_IDS, OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE, RESPONSE_SENT_TS, TEXT, AbortRestatement,
+                     OUTPUT_IDS, RESPONSE_SENT_TS, TEXT, AbortRestatement,
                      abort_error, abort_restatement, abort_status, from_abort_req, meta_of, restated, restates)
 
 
@@ -226,8 +226,9 @@ def _merge_meta(meta: dict[str, Any], deltas: dict[str, list[Any]], chunk: dict[
             meta[key] = value
             # A field and its omission reason are one state: the later chunk's wins (a P/D stream's
             # first chunk may carry a count its later ones omit, join.py _omit_reasoning_tokens).
-            # Except token 0's marker (join.py _omit_first_token): its list stays, position 0 nulled.
-            if key == OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE:
+            # Except a marker beside its own field in the chunk (join.py _omit_first_token and
+            # _fill_token_ids_logprobs): the list stays with its unavailable entries null.
+            if key.endswith(UNAVAILABLE_SUFFIX) and key[:-len(UNAVAILABLE_SUFFIX)] in chunk:
                 continue
             if key.endswith(UNAVAILABLE_SUFFIX):
                 meta.pop(key[:-len(UNAVAILABLE_SUFFIX)], None)

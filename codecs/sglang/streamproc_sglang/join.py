@@ -15,7 +15,8 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
   scheduler's ``stream_output_generation`` slices that list at the offset of the complete
   ``output_token_logprobs`` list, so each send loses one more entry. A chunk one entry short that
   starts at position 0 lost position 0 only, which prefill computed: restored from prefill's
-  list. Any other shortfall cannot be rebuilt: the field is omitted.
+  list. A reserved row with no prefill row to fill it stays ``null`` (the field's reason beside it);
+  any other shortfall cannot be rebuilt: the field is omitted.
 - ``routed_experts``: rows cover ``[routed_experts_start_len, seqlen - 1)`` in the advertised wire
   dtype. Decode's copy of the prompt rows is stale KV-slot leftovers (or absent, when it returns the
   generated suffix only): the joined bytes are prefill's rows then decode's generated rows, the
@@ -810,7 +811,9 @@ class SGLangJoinSession(JoinSession):
         ``output_token_logprobs`` in the aggregated body; P/D decode's lacks position 0's values: one
         entry short (before SGLang 0.5.23), or a ``null`` in a row ``_commit_transfer_to_req`` reserves
         (0.5.23: "Prefill omits these scores; reserve a row for the streaming offset"). Position 0 is
-        restored from prefill when it is the only one missing, else the field goes."""
+        restored from prefill when it is the only one missing; a reserved row prefill cannot fill stays
+        ``null`` beside the field's reason (the other rows are decode's own); any other shortfall: the
+        field goes."""
         ids, entries = meta.get(OUTPUT_TOKEN_IDS_LOGPROBS), meta.get(OUTPUT_TOKEN_LOGPROBS)
         if not isinstance(ids, list) or not isinstance(entries, list):
             return
@@ -846,9 +849,14 @@ class SGLangJoinSession(JoinSession):
             reason = Omit.PREFILL_MISSING if not (isinstance(theirs, list) and theirs) else Omit.LENGTH_MISMATCH
         else:
             reason = Omit.LENGTH_MISMATCH  # entries no leg has: lost between decode's sends
+        self._omitted = True
+        if reserved:
+            # Only the reserved rows lack values (the others are decode's own steps): the list stays,
+            # those rows null, as output_token_logprobs keeps its other positions (_omit_first_token).
+            _insert_after_last(meta, OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE, reason, (OUTPUT_TOKEN_IDS_LOGPROBS,))
+            return
         meta.pop(OUTPUT_TOKEN_IDS_LOGPROBS)
         meta[OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE] = reason
-        self._omitted = True
 
     def _fill_input_top_flat(self, meta: dict[str, Any], source: dict[str, Any]) -> None:
         """``return_flat_raw_top_logprobs``: decode's flat prompt top logprobs describe zero rows; the
