@@ -46,7 +46,7 @@ import pytest
 from helpers import assert_same_body
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
-from sglang_0523_bodies import add_counts
+from sglang_0523_bodies import add_counts, coalesced
 from streamproc_sglang import SGLangCodec
 from streamproc_sglang_zstd import SGLangZstdCodec
 
@@ -355,3 +355,66 @@ def test_fold_keeps_token_ids_logprobs_beside_their_row_0_marker(codec_cls, stre
     assert folded["output_token_ids_logprobs"] == [None, *IDS_ROWS[1:]]
     assert folded["output_token_ids_logprobs_unavailable_reason"] == "prefill_missing"
     assert_same_body(codec.fold(chunks), unary)
+
+
+# ``Scheduler.abort_request`` on a retracted decode request (``_make_abort_req``), as
+# ``TokenizerManager._handle_abort_req`` (0.5.23) words it.
+RETRACT_ABORT = {"type": "abort", "message": "retract: out of memory", "status_code": 503, "err_type": None}
+
+
+def _abort_body(seen: int, first: tuple) -> dict[str, Any]:
+    """``_handle_abort_req`` (0.5.23, ``--incremental-streaming-output``) once the tokenizer holds ``seen``
+    tokens: no ``prompt_tokens``, the WHOLE logprob lists (``add_logprob_to_meta_info``), ``output_ids``
+    cut to ``[last]``; decode's token 0 entries are the metadata slot's (``first``)."""
+    lp, top = list(OUTPUT_LP[:seen]), list(OUTPUT_TOP[:seen])
+    lp[0], top[0] = first
+    meta = {"id": "agg", "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+            "weight_versions": [{"version": "default", "start": 0, "end": seen}], "input_token_logprobs": [],
+            "output_token_logprobs": lp, "output_token_logprobs_length": seen, "input_top_logprobs": [],
+            "output_top_logprobs": top, "completion_tokens": seen}
+    return {"text": "".join(TEXTS[:seen]), "output_ids": OUT[seen - 1:seen], "meta_info": meta}
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("first", [999, -5, 2**31, 10**30, "x", None],
+                         ids=["other", "negative", "past-int32", "huge", "string", "null"])
+@pytest.mark.parametrize(("sent", "seen"), [(1, 2), (1, 3), (0, 2)])
+def test_abort_body_first_token_entry_names_the_token_decode_sent_whatever_prefill_says(codec_cls, sent, seen,
+                                                                                        first):
+    """The client got ``sent`` one-token chunks, ``seen - sent`` more were queued when the abort came and
+    ``_coalesce_streaming_chunks`` put them in front of the abort body, whose whole lists restate position
+    0 with the slot's values. Its omitted entry there names token 0 as decode sent it (``output_ids[0]``
+    of the chunk that started at 0, or of the queued ones when nothing was sent), never a prefill body's
+    ``output_ids[0]``: another token, a negative id, one no int32 slot holds, a string or ``null``."""
+    stale = STALE["left_over"]
+    chunks = [_body(k, k + 1, rid="agg", finished=False, logprobs=True, first=stale) for k in range(sent)]
+    queued = [_body(k, k + 1, rid="agg", finished=False, logprobs=True, first=stale) for k in range(sent, seen)]
+    dec = [*chunks, coalesced([*queued, _abort_body(seen, stale)])]
+    _agg, pre, _dec = legs(streamed=True, prefill_logprobs=False, stale="left_over")
+    leg = json.loads(pre[0])
+    leg["output_ids"] = [first]
+    out = join(codec_cls(OPTIONS), [dumps(d) for d in dec], [dumps(leg)])
+    meta = json.loads(out[-1][0])["meta_info"]
+    entries = meta["output_token_logprobs"]
+    assert out[-1][1] is Verdict.OMITTED
+    assert meta["output_token_logprobs_unavailable_reason"] == "prefill_missing"
+    assert entries[len(entries) - seen] == [None, OUT[0], None]
+    if sent == 0:
+        assert entries[0] == [None, OUT[0], None]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize(("first", "named"), [(OUT[0], OUT[0]), (-5, None), (2**31, None), (10**30, None),
+                                              (True, None)],
+                         ids=["token", "negative", "past-int32", "huge", "bool"])
+def test_abort_body_with_no_decode_token_0_names_prefills_only_if_a_slot_could_hold_it(codec_cls, first, named):
+    """An abort body with ``[last]`` of two tokens and no earlier chunk of the attempt: decode's token 0 is
+    in no body, so prefill's ``output_ids[0]`` is named, only where an int32 slot (``MetadataBuffers.output_ids``)
+    could have carried it; else the entry names no token."""
+    _agg, pre, _dec = legs(streamed=True, prefill_logprobs=False, stale="left_over")
+    leg = json.loads(pre[0])
+    leg["output_ids"] = [first]
+    (got, verdict), = join(codec_cls(OPTIONS), [dumps(_abort_body(2, STALE["left_over"]))], [dumps(leg)])
+    meta = json.loads(got)["meta_info"]
+    assert verdict is Verdict.OMITTED
+    assert meta["output_token_logprobs"][0] == [None, named, None]

@@ -257,6 +257,11 @@ def _is_count(value: object) -> bool:
     return type(value) is int
 
 
+def _is_token(value: object) -> bool:
+    """An id the handoff's slot can hold: a prefill body's ``output_ids[0]`` outside it is not a token."""
+    return type(value) is int and 0 <= value < native.TOKEN_ID_LIMIT
+
+
 def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> dict[str, Any]:
     """``meta`` with ``items`` placed where the aggregated body has them: just before ``anchor``."""
     out: dict[str, Any] = {}
@@ -395,7 +400,8 @@ class SGLangJoinSession(JoinSession):
         self._item = False  # this session joins one item of a streamed batch (routes by index no more)
         self._known = False  # absorb_prefill or prefill_unavailable happened
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
-        self._prefill_token: int | None = None  # the token prefill sampled (its output_ids[0])
+        self._prefill_token: int | None = None  # the token prefill sampled (its output_ids[0]), in range
+        self._decode_token: int | None = None  # decode's output_ids[0], from the chunk that held it
         self._unavailable: str | None = None  # why there is no usable prefill leg
         self._rows: _PrefillRows | str | None = None  # prefill's decoded rows or why they are unusable
         self._last: tuple[bytes, Any] | None = None  # needs_prefill -> join decode cache (_decoded)
@@ -466,7 +472,7 @@ class SGLangJoinSession(JoinSession):
         else:
             self._prefill = meta
             ids = doc.get(native.OUTPUT_IDS)  # type: ignore[union-attr]
-            self._prefill_token = ids[0] if isinstance(ids, list) and ids and _is_count(ids[0]) else None
+            self._prefill_token = ids[0] if isinstance(ids, list) and ids and _is_token(ids[0]) else None
             self._parsed_extra = _parse_expansion(bodies, docs)
 
     def retained_bytes(self) -> int:
@@ -774,16 +780,23 @@ class SGLangJoinSession(JoinSession):
         metadata slot never got token 0's logprob (``MetadataBuffers.set_buf`` writes them only
         ``if req.return_logprob``), yet decode copies them from that slot
         (``DecodeTransferQueue._commit_transfer_to_req``): zeros, or the last request's values. Position
-        0 becomes ``[null, <prefill's token>, null]`` and its top logprobs ``null`` (a position without
+        0 becomes ``[null, <token 0>, null]`` and its top logprobs ``null`` (a position without
         values), the list's length kept for the other positions, which are decode's own; the marker
-        follows ``output_token_logprobs_length``. The token is decode's ``output_ids[0]`` where the chunk
-        starts there (the slot's ids are written whatever prefill was asked: the token the client got),
-        else prefill's (an abort body restates no ids)."""
+        follows ``output_token_logprobs_length``. The token is decode's ``output_ids[0]`` (the slot's ids
+        are written whatever prefill was asked: the token the client got): this chunk's where its ids
+        start there, else the one an earlier chunk of the attempt started with; only an abort body
+        without either (``_handle_abort_req`` cuts its ids to ``[last]``) takes prefill's, if in range."""
         positions = _first_positions(meta, entries)
-        token = self._prefill_token
-        if positions[:1] == (0,) and not native.from_abort_req(meta) and isinstance(ids, list) and ids \
-                and _is_count(ids[0]):
-            token = ids[0]
+        abort = native.from_abort_req(meta)
+        # Ids from position 0: a body's own slice from there, or queued chunks' coalesced in front of
+        # an abort body when nothing had been sent (position 0 in both parts), or an abort's whole ids.
+        whole = isinstance(ids, list) and meta.get(native.COMPLETION_TOKENS) == len(ids)
+        from_zero = positions[:1] == (0,) and (not abort or len(positions) == 2 or whole)
+        own = ids[0] if from_zero and isinstance(ids, list) and ids and _is_count(ids[0]) else None
+        if own is not None and self._decode_token is None:
+            self._decode_token = own
+        token = own if own is not None else self._decode_token if self._decode_token is not None \
+            else self._prefill_token
         for at in positions:
             entry = entries[at]
             if isinstance(entry, list) and len(entry) >= 2:

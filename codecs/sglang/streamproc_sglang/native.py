@@ -23,6 +23,8 @@ from streamproc.codec import is_error_status
 
 TEXT = "text"
 OUTPUT_IDS = "output_ids"
+# Token ids a P/D handoff can carry: ``MetadataBuffers.output_ids`` (disaggregation/utils.py) is int32.
+TOKEN_ID_LIMIT = 1 << 31
 META = "meta_info"
 ERROR = "error"
 
