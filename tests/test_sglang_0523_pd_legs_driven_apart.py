@@ -45,6 +45,7 @@ from typing import Any
 import pytest
 from helpers import assert_same_body
 from helpers import drive_join as join
+from helpers import drive_stitch
 from helpers import upstream_json as dumps
 from sglang_0523_bodies import add_counts, coalesced
 from streamproc_sglang import SGLangCodec
@@ -418,3 +419,48 @@ def test_abort_body_with_no_decode_token_0_names_prefills_only_if_a_slot_could_h
     meta = json.loads(got)["meta_info"]
     assert verdict is Verdict.OMITTED
     assert meta["output_token_logprobs"][0] == [None, named, None]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streaming", ["incremental", "cumulative"])
+def test_resumed_attempts_first_token_is_the_one_from_an_unwritten_slot(codec_cls, streaming):
+    """A migrated request resumed as a P/D attempt (``input_ids`` = prompt + the emitted token, attempt
+    joined in its own session, then stitched): the attempt's prefill leg samples the attempt's first token,
+    the request's output position 1, and its slot is the unwritten one. That position is nulled, naming
+    the attempt's own ``output_ids[0]``, and the marker sits on the chunk whose stitched
+    ``output_token_logprobs_length`` starts there; the client's position 0 keeps its logprob."""
+    codec = codec_cls(CodecOptions(max_decompressed_bytes=1 << 20, format_options=(("streaming", streaming),)))
+    cumulative = streaming == "cumulative"
+    stale = STALE["left_over"]
+
+    def attempt(lo: int, n: int, *, prompt: int, first: tuple | None, finished: bool, base: int) -> dict:
+        body = _body(base + lo, base + n, rid="agg", finished=finished, logprobs=True)
+        meta = body["meta_info"]
+        lp, top = list(OUTPUT_LP[base:base + n]), list(OUTPUT_TOP[base:base + n])
+        if first is not None:
+            lp[0], top[0] = first
+        start = 0 if cumulative else lo
+        body.update(text="".join(TEXTS[base + start:base + n]), output_ids=OUT[base + start:base + n])
+        meta.update(prompt_tokens=prompt, output_token_logprobs=lp[start:n], output_top_logprobs=top[start:n],
+                    output_token_logprobs_length=n, completion_tokens=n)
+        return body
+
+    lost = [attempt(0, 1, prompt=4, first=None, finished=False, base=0)]
+    resumed = [attempt(0, 1, prompt=5, first=stale, finished=False, base=1),
+               attempt(1, 2, prompt=5, first=stale, finished=True, base=1)]
+    pre = {"text": TEXTS[1], "output_ids": [OUT[1]],
+           "meta_info": {"id": "prefill", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": 5,
+                         "completion_tokens": 1}}
+    joined = [json.loads(body) for body, _verdict in join(codec, [dumps(d) for d in resumed], [dumps(pre)])]
+    out = [json.loads(body)["meta_info"] for body in drive_stitch(codec, lost, joined)]
+    assert out[0]["output_token_logprobs"] == OUTPUT_LP[:1]
+    assert out[1]["output_token_logprobs_length"] == 2
+    assert out[1]["output_token_logprobs"][-1] == [None, OUT[1], None]
+    assert out[1]["output_top_logprobs"][-1] is None
+    assert out[1]["output_token_logprobs_unavailable_reason"] == "prefill_missing"
+    if cumulative:
+        assert out[1]["output_token_logprobs"] == [OUTPUT_LP[0], [None, OUT[1], None]]
+        assert out[2]["output_token_logprobs"] == [OUTPUT_LP[0], [None, OUT[1], None], OUTPUT_LP[2]]
+    else:
+        assert out[2]["output_token_logprobs"] == OUTPUT_LP[2:]
+        assert "output_token_logprobs_unavailable_reason" not in out[2]
