@@ -529,7 +529,7 @@ class FastClient(RobustClient):
         return self._accept(sub, sid, subject, reply, data, headers, hdr)
 
     def _ordered_now(self, sub: Any, jsi: Any, sid: int, subject: bytes, reply: bytes, data: bytes,
-                     headers: bytes | None, hdr: dict[str, str] | None) -> Any:
+                     headers: bytes | None, hdr: Any) -> Any:
         """nats-py 2.16 ``Client._process_msg`` for an ordered consumer's data message in its
         expected delivery sequence, as a plain call; ``LATER`` (nothing done) for anything else:
         other JetStream subscriptions, an empty payload (a control message carries none), a reply
@@ -605,10 +605,12 @@ class FastClient(RobustClient):
             self._write_now()
 
     def _accept(self, sub: Any, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None,
-                hdr: dict[str, str] | None, reply_text: str | None = None) -> Any:
+                hdr: Any, reply_text: str | None = None) -> Any:
         """The rest of ``Client._process_msg`` for a plain subscription, in its order, without
         awaiting: the ``SlowConsumerError`` to hand to the error callback, or None. ``reply_text``:
-        ``reply`` decoded already (``_ordered_now``), not decoded a second time for the handler."""
+        ``reply`` decoded already (``_ordered_now``), not decoded a second time for the handler. ``hdr``:
+        the parsed headers, None or :data:`UNPARSED` (typed ``Any``: the compiled build checks a
+        ``dict | None`` annotation at the call and refused the sentinel)."""
         payload_size = len(data)
         stats = self.stats
         stats["in_msgs"] += 1
