@@ -4,9 +4,12 @@ benchmarks/call_counts.py's; these tests pin each cut where it was made."""
 
 from __future__ import annotations
 
+import pytest
+from nats.aio.client import Client
+
 from streamproc.core.wire import MAX_HEADER_LINES, UNREADABLE_HEADERS, Role, chunk_headers
 from streamproc.nats import fast_client
-from streamproc.nats.fast_client import encode_header_block, parse_header_block
+from streamproc.nats.fast_client import FastClient, encode_header_block, parse_header_block
 
 
 def test_a_header_block_within_the_line_bound_is_parsed_without_an_over_header_lines_call(monkeypatch):
@@ -29,3 +32,30 @@ def test_a_header_block_within_the_line_bound_is_parsed_without_an_over_header_l
     assert parse_header_block(long) == {
         UNREADABLE_HEADERS: f"{lines} lines, more than the {MAX_HEADER_LINES} a header block may hold"}
     assert calls == [long]
+
+
+class _CountedLen(bytes):
+    """A payload that counts the reads of its length (each a C call on the per-chunk path)."""
+
+    reads = 0
+
+    def __len__(self) -> int:
+        type(self).reads += 1
+        return super().__len__()
+
+
+@pytest.mark.parametrize("block", [None, b"NATS/1.0\r\nStreamproc-Seq: 1\r\n\r\n"])
+def test_an_enqueued_publish_reads_its_payloads_length_once_for_the_limit_and_once_for_the_command(block, monkeypatch):
+    """A durable result (a header block) and an ack (none) each pass enqueue's max_payload check
+    and _append, whose command line and out_bytes share one length read; the bytes are unchanged."""
+    monkeypatch.setattr(_CountedLen, "reads", 0)
+    nc = FastClient()
+    nc._status = Client.CONNECTED
+    nc._max_pending_size = 1 << 20
+    nc._flush_queue = None
+    nc.flush_interval = 0.0
+    nc.enqueue("a.b", _CountedLen(b"body"), "r.1", block, checked=True)
+    assert _CountedLen.reads == 2
+    head = b"PUB a.b r.1 4\r\n" if block is None else b"HPUB a.b r.1 %d %d\r\n" % (len(block), len(block) + 4)
+    assert nc._pending == [head + (block or b"") + b"body\r\n"]
+    assert nc.stats["out_bytes"] == 4 and nc._pending_data_size == len(nc._pending[0])

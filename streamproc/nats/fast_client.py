@@ -997,18 +997,20 @@ class FastClient(RobustClient):
         publish ("Maximum Payload Violation"), losing every command written with it and every
         message sent to it until the reconnect; nats-py checks the payload alone. A chunk of
         exactly ``max_payload`` with a short header block has a passthrough result with a longer
-        one (tests/test_hostile_fast.py)."""
+        one (tests/test_hostile_fast.py). The payload's length is read once (two C calls per chunk
+        fewer on the durable path: a result and an ack)."""
+        size = len(payload)
         if hdr is None:
-            cmd = f"PUB {subject} {reply} {len(payload)}\r\n".encode() + payload + _CRLF
+            cmd = f"PUB {subject} {reply} {size}\r\n".encode() + payload + _CRLF
         else:
             hdr_len = len(hdr)
-            total = len(payload) + hdr_len
+            total = size + hdr_len
             if total > self._max_payload:
                 raise errors.MaxPayloadError
             cmd = f"HPUB {subject} {reply} {hdr_len} {total}\r\n".encode() + hdr + payload + _CRLF
         stats = self.stats
         stats["out_msgs"] += 1
-        stats["out_bytes"] += len(payload)
+        stats["out_bytes"] += size
         self._pending.append(cmd)
         self._pending_data_size = self._pending_data_size + len(cmd)  # not +=: mypyc 2.4 fails on it
 
