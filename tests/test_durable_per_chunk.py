@@ -45,9 +45,9 @@ class _CountedLen(bytes):
 
 
 @pytest.mark.parametrize("block", [None, b"NATS/1.0\r\nStreamproc-Seq: 1\r\n\r\n"])
-def test_an_enqueued_publish_reads_its_payloads_length_once_for_the_limit_and_once_for_the_command(block, monkeypatch):
+def test_an_enqueued_publish_reads_its_payloads_length_once(block, monkeypatch):
     """A durable result (a header block) and an ack (none) each pass enqueue's max_payload check
-    and _append, whose command line and out_bytes share one length read; the bytes are unchanged."""
+    and _append's command line, max_payload sum and out_bytes on one length read; the bytes are unchanged."""
     monkeypatch.setattr(_CountedLen, "reads", 0)
     nc = FastClient()
     nc._status = Client.CONNECTED
@@ -55,7 +55,7 @@ def test_an_enqueued_publish_reads_its_payloads_length_once_for_the_limit_and_on
     nc._flush_queue = None
     nc.flush_interval = 0.0
     nc.enqueue("a.b", _CountedLen(b"body"), "r.1", block, checked=True)
-    assert _CountedLen.reads == 2
+    assert _CountedLen.reads == 1
     head = b"PUB a.b r.1 4\r\n" if block is None else b"HPUB a.b r.1 %d %d\r\n" % (len(block), len(block) + 4)
     assert nc._pending == [head + (block or b"") + b"body\r\n"]
     assert nc.stats["out_bytes"] == 4 and nc._pending_data_size == len(nc._pending[0])

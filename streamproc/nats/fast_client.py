@@ -966,11 +966,12 @@ class FastClient(RobustClient):
         subjects came from the server or were validated before (an ack subject, our own inbox),
         nats-py's subject checks are skipped. Unlike ``publish`` it never waits for the flusher when
         ``_pending`` is over ``_max_pending_size``: callers stop using it past :meth:`backlogged`."""
+        size = len(payload)  # read once, here and in _append (a C call per result and per ack)
         if not checked:
             self._preflight(subject, reply, payload)
-        elif self._status != _CONNECTED or len(payload) > self._max_payload:
+        elif self._status != _CONNECTED or size > self._max_payload:
             self._check_sendable(payload)  # which passes without a call when connected and within the limit
-        self._append(subject, reply, payload, header_block)
+        self._append(subject, reply, payload, header_block, size)
         if defer and self.defer_linger > 0:
             if self._deferred is None and self._write_timer is None:
                 self._deferred = asyncio.get_running_loop().call_later(self.defer_linger, self._kick)
@@ -987,7 +988,7 @@ class FastClient(RobustClient):
         (``await publish``), not :meth:`enqueue`."""
         return self._pending_data_size * 2 > self._max_pending_size > 0
 
-    def _append(self, subject: str, reply: str, payload: bytes, hdr: bytes | None) -> None:
+    def _append(self, subject: str, reply: str, payload: bytes, hdr: bytes | None, size: int = -1) -> None:
         """The ``PUB``/``HPUB`` command into ``_pending``, counted as nats-py's ``_send_command``
         counts it (``hdr``: a block as :func:`encode_header_block` makes it). Every publish path
         of this client goes through here; what differs is when the flusher is kicked.
@@ -997,9 +998,11 @@ class FastClient(RobustClient):
         publish ("Maximum Payload Violation"), losing every command written with it and every
         message sent to it until the reconnect; nats-py checks the payload alone. A chunk of
         exactly ``max_payload`` with a short header block has a passthrough result with a longer
-        one (tests/test_hostile_fast.py). The payload's length is read once (two C calls per chunk
-        fewer on the durable path: a result and an ack)."""
-        size = len(payload)
+        one (tests/test_hostile_fast.py). ``size``: ``len(payload)`` when the caller read it
+        (:meth:`enqueue`), read once either way (C calls per chunk on the durable path: a result
+        and an ack; docs/benchmarks.md, "Durable calls per chunk, third pass")."""
+        if size < 0:
+            size = len(payload)
         if hdr is None:
             cmd = f"PUB {subject} {reply} {size}\r\n".encode() + payload + _CRLF
         else:
