@@ -89,8 +89,10 @@ def test_a_release_outside_the_supported_range_fails_the_check(supported_env, ve
 
 
 def test_the_supported_range_has_one_home():
-    assert pending.SUPPORTED_NATS_PY is fast_client.SUPPORTED_NATS_PY
-    assert pending.supported_range() == "2.16 <= v < 2.17"
+    """The edge's check and the processor's fast path read one range, through one check."""
+    assert pending.outside_supported_range is fast_client.outside_supported_range
+    assert fast_client.supported_range() == "2.16 <= v < 2.17"
+    assert fast_client.fast_path_support("2.17.0") == (False, pending.pending_support("2.17.0")[1])
 
 
 def test_stock_nats_py_fails_the_check_and_the_client_only_variable_does_not(monkeypatch):

@@ -58,7 +58,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from .connections import raise_descriptor_limit
     from .server import server_class, server_config
     from .heap import tune_allocator
-    from .pending import pending_support, supported_range
+    from .pending import pending_support
+    from ..nats.fast_client import supported_range
     from nats.aio.client import __version__ as nats_py_version
 
     environ = os.environ if environ is None else environ

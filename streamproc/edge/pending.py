@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
 from ..core.defaults import RESULT_HELD_OVERHEAD
-from ..nats.fast_client import STOCK_CLIENT_ENV, SUPPORTED_NATS_PY, _version
+from ..nats.fast_client import STOCK_CLIENT_ENV, outside_supported_range
 
 
 def take(sub) -> Msg | None:
@@ -266,9 +266,9 @@ def pending_support(version: str | None = None) -> tuple[bool, str]:
     if version is None and os.environ.get(STOCK_CLIENT_ENV):
         return False, f"{STOCK_CLIENT_ENV} is set"
     version = _client.__version__ if version is None else version
-    low, high = SUPPORTED_NATS_PY
-    if not low <= _version(version) < high:
-        return False, f"nats-py {version} is outside the supported range {supported_range()}"
+    outside = outside_supported_range(version)
+    if outside:
+        return False, outside
     push, jsi, queue = JetStreamContext.PushSubscription, JetStreamContext._JSI, asyncio.Queue
     checks = {
         **_objects_agree(),
@@ -293,8 +293,3 @@ def pending_support(version: str | None = None) -> tuple[bool, str]:
     if wrong:
         return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
     return True, f"nats-py {version}"
-
-
-def supported_range() -> str:
-    low, high = SUPPORTED_NATS_PY
-    return f"{'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}"

@@ -188,6 +188,21 @@ def _ordered_bookkeeping_agrees() -> bool:
         return False
 
 
+def supported_range() -> str:
+    """:data:`SUPPORTED_NATS_PY` as people read it, e.g. ``2.16 <= v < 2.17``."""
+    low, high = SUPPORTED_NATS_PY
+    return f"{'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}"
+
+
+def outside_supported_range(version: str) -> str | None:
+    """Why nats-py ``version`` is not in :data:`SUPPORTED_NATS_PY`, or None when it is: the one range
+    check of the processor's fast path and the edge's pending-message path (edge/pending.py)."""
+    low, high = SUPPORTED_NATS_PY
+    if low <= _version(version) < high:
+        return None
+    return f"nats-py {version} is outside the supported range {supported_range()}"
+
+
 def fast_path_support(version: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the installed nats-py is in range and its internals are the ones mirrored."""
     if version is None:
@@ -195,10 +210,9 @@ def fast_path_support(version: str | None = None) -> tuple[bool, str]:
             if os.environ.get(name):
                 return False, f"{name} is set"
     version = _client.__version__ if version is None else version
-    low, high = SUPPORTED_NATS_PY
-    if not low <= _version(version) < high:
-        return False, (f"nats-py {version} is outside the supported range "
-                       f"{'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}")
+    outside = outside_supported_range(version)
+    if outside:
+        return False, outside
     checks = {
         "parse_email is None (no fast_mail_parser)": getattr(_client, "parse_email", 0) is None,
         "_HEADER_KEY_RE": getattr(getattr(_client, "_HEADER_KEY_RE", None), "pattern", None) == _KEY_PATTERN,
