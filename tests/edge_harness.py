@@ -36,7 +36,7 @@ from streamproc.edge.metrics import EdgeMetrics
 from streamproc.edge.source import ResultSource
 from streamproc.metrics import parse as parse_metrics
 from streamproc.sim.embedded import stop_process
-from streamproc.wire import Result, Subjects, Verdict, result_headers
+from streamproc.wire import SEQ, Result, Subjects, Verdict, result_headers
 
 EDGE = [sys.executable, "-m", "streamproc.edge"]
 
@@ -403,6 +403,19 @@ async def fill_send_queue(nc: NatsClient, subjects: Subjects, request_id: str, p
         assert seq < 2000, last
     return seq
 
+
+
+async def stall_stream(nc: NatsClient, subjects: Subjects, request_id: str, port: int, sock: socket.socket) -> int:
+    """:func:`fill_send_queue`, then 8 more 16 kB results (bare ``Streamproc-Seq``): past the edge's
+    transport's high-water mark, so the stream's writes pause and its task waits; what comes next is
+    held by the edge. The next seq."""
+    seq = await fill_send_queue(nc, subjects, request_id, port, sock)
+    for _ in range(8):
+        await nc.publish(subjects.result(request_id), b'{"text":"%s"}' % (b"x" * 16000), headers={SEQ: str(seq)})
+        seq += 1
+    await nc.flush()
+    await asyncio.sleep(0.5)
+    return seq
 
 def slot_answers(port: int) -> bool:
     """A new connection to the local edge gets its ``/healthz`` answered (not the 503 of

@@ -14,7 +14,7 @@ import anyio
 import httpx
 import pytest
 from edge_harness import (expected_sse, fill_send_queue, publish_result, publish_results, running_edge, started_source,
-                          unread_stream)
+                          stall_stream, unread_stream)
 from helpers import connection, rid, status_kib, wait_until
 
 from streamproc.core.wire import ERROR, SEQ, TRACEPARENT
@@ -109,14 +109,7 @@ async def test_empty_results_queued_for_a_stalled_reader_are_held_to_the_buffer_
         async with connection(server.url) as nc:
             sock = await unread_stream(edge.port, request_id)
             try:
-                seq = await fill_send_queue(nc, subjects, request_id, edge.port, sock)
-                # past the transport's high-water mark: the stream's writes pause, its task waits
-                for _ in range(8):
-                    await nc.publish(subjects.result(request_id), b'{"text":"%s"}' % (b"x" * 16000),
-                                     headers={SEQ: str(seq)})
-                    seq += 1
-                await nc.flush()
-                await anyio.sleep(0.5)
+                seq = await stall_stream(nc, subjects, request_id, edge.port, sock)  # its task waits
                 baseline = status_kib(pid, "VmRSS")
                 assert edge.metrics()["streamproc_edge_streams_overrun_total"] == 0
                 await flood(nc, subjects.result(request_id),
@@ -266,13 +259,7 @@ async def test_results_with_many_tiny_headers_queued_for_a_stalled_reader_are_he
         async with connection(server.url) as nc:
             sock = await unread_stream(edge.port, request_id)
             try:
-                seq = await fill_send_queue(nc, subjects, request_id, edge.port, sock)
-                for _ in range(8):  # past the transport's high-water mark: the stream's task waits
-                    await nc.publish(subjects.result(request_id), b'{"text":"%s"}' % (b"x" * 16000),
-                                     headers={SEQ: str(seq)})
-                    seq += 1
-                await nc.flush()
-                await anyio.sleep(0.5)
+                seq = await stall_stream(nc, subjects, request_id, edge.port, sock)  # its task waits
                 baseline = status_kib(pid, "VmRSS")
                 await flood(nc, subjects.result(request_id),
                             [{SEQ: str(s), **TINY_HEADERS} for s in range(seq, seq + 16_000)])
