@@ -58,9 +58,7 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from .connections import raise_descriptor_limit
     from .server import server_class, server_config
     from .heap import tune_allocator
-    from .pending import pending_support
-    from ..nats.fast_client import supported_range
-    from nats.aio.client import __version__ as nats_py_version
+    from .pending import NatsPyUnsupported, require_support
 
     environ = os.environ if environ is None else environ
     try:
@@ -82,13 +80,11 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         print(print_config(settings, origin))
         return EXIT_OK
     configure_logging(settings.log_level, settings.log_format)
-    usable, reason = pending_support()
-    if not usable:  # nats-py's public API cannot keep the held-bytes bound: refuse (pending.py)
-        print(f"streamproc edge: error: installed nats-py {nats_py_version} cannot run the edge ({reason}); "
-              f"it needs nats-py {supported_range()} with the internals it reads, and STOCK_NATS_PY unset "
-              f"(docs/operations.md, Supported dependency versions)", file=sys.stderr)
+    try:
+        require_support()  # also in ResultSource.start (every edge start); here before the server is set up
+    except NatsPyUnsupported as exc:
+        print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    log_event(logging.getLogger("streamproc.edge"), logging.INFO, "nats_pending_path", path="internals", reason=reason)
     tune_allocator()  # this process serves results only: freed bodies go back to the system (heap.py)
     descriptors = raise_descriptor_limit(settings.max_connections)
     if descriptors is not None:

@@ -30,7 +30,9 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
 from ..core.defaults import RESULT_HELD_OVERHEAD
-from ..nats.fast_client import STOCK_CLIENT_ENV, outside_supported_range
+from ..core.errors import StartupError
+from ..nats.fast_client import STOCK_CLIENT_ENV, outside_supported_range, supported_range
+from ..nats.internals import EDGE_INTERNALS, missing
 
 
 def take(sub) -> Msg | None:
@@ -269,7 +271,7 @@ def pending_support(version: str | None = None) -> tuple[bool, str]:
     outside = outside_supported_range(version)
     if outside:
         return False, outside
-    push, jsi, queue = JetStreamContext.PushSubscription, JetStreamContext._JSI, asyncio.Queue
+    push, jsi, queue = JetStreamContext.PushSubscription, getattr(JetStreamContext, "_JSI", None), asyncio.Queue
     checks = {
         **_objects_agree(),
         "Client.is_closed": isinstance(getattr(_client.Client, "is_closed", None), property),
@@ -289,7 +291,25 @@ def pending_support(version: str | None = None) -> tuple[bool, str]:
         "asyncio.Queue.get_nowait": _uses(getattr(queue, "get_nowait", None), "_get"),
         "asyncio.Queue._wakeup_next": callable(getattr(queue, "_wakeup_next", None)),
     }
-    wrong = [name for name, ok in checks.items() if not ok]
+    # Every internal the edge's modules touch (nats/internals.py, the one list), then the behaviour above.
+    wrong = list(dict.fromkeys([*missing(EDGE_INTERNALS), *(name for name, ok in checks.items() if not ok)]))
     if wrong:
         return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
     return True, f"nats-py {version}"
+
+
+class NatsPyUnsupported(StartupError):
+    """The installed nats-py cannot run the edge (:func:`pending_support`); its text is one line."""
+
+
+def require_support() -> str:
+    """:func:`pending_support`'s reason, or :class:`NatsPyUnsupported`. Every edge start runs it
+    (``ResultSource.start``, so an edge built in-process by ``create_app`` too; ``streamproc edge``
+    also before it sets up its server)."""
+    usable, reason = pending_support()
+    if not usable:  # nats-py's public API cannot keep the held-bytes bound: refuse
+        raise NatsPyUnsupported(
+            f"installed nats-py {_client.__version__} cannot run the edge ({reason}); it needs nats-py "
+            f"{supported_range()} with the internals it reads, and STOCK_NATS_PY unset "
+            "(docs/operations.md, Supported dependency versions)")
+    return reason

@@ -202,7 +202,10 @@ class ResultSource:
 
     async def start(self) -> None:
         """Connect (retrying until NATS answers, at most ``connect_timeout``; a refused credential
-        at once), check the results stream, start the recent ring."""
+        at once), check the results stream, start the recent ring. First the nats-py internals check
+        (:func:`pending.require_support`): every way of starting an edge passes here."""
+        reason = pending.require_support()
+        log_event(log, logging.INFO, "nats_pending_path", path="internals", reason=reason)
         self.nc = await connection.connect(
             self.settings,
             name="streamproc-edge",

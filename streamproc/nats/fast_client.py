@@ -224,7 +224,10 @@ def fast_path_support(version: str | None = None) -> tuple[bool, str]:
         "connection states": _states_agree(),
         "ordered consumer bookkeeping": _ordered_bookkeeping_agrees(),
     }
-    wrong = [name for name, ok in checks.items() if not ok]
+    # Every nats-py internal FastClient, its parser and eager reads touch (nats/internals.py, one list).
+    from .internals import FAST_CLIENT_INTERNALS, missing
+
+    wrong = [*missing(FAST_CLIENT_INTERNALS), *(name for name, ok in checks.items() if not ok)]
     if wrong:
         return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
     return True, f"nats-py {version}"

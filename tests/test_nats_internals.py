@@ -1,0 +1,175 @@
+"""Every nats-py internal the edge and the processor's FastClient touch is in one list
+(streamproc/nats/internals.py) and checked once: a release that renames one stops the edge in one line
+(``pending_support``) and sends the processor to stock nats-py (``fast_path_support``), instead of
+silently breaking the held-bytes bound or delivery. And every way of starting an edge runs the check."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+from helpers import clean_env, free_port
+from nats.aio.client import Client
+from nats.aio.client import __version__ as nats_py_version
+from nats.aio.subscription import Subscription
+from nats.js.client import JetStreamContext
+
+from streamproc.core.wire import Subjects
+from streamproc.edge import pending
+from streamproc.edge import settings as edge_settings
+from streamproc.edge.app import create_app
+from streamproc.nats import fast_client, internals
+
+CLASSES: dict[str, type] = {"Client": Client, "Subscription": Subscription,
+                            "PushSubscription": JetStreamContext.PushSubscription, "_JSI": JetStreamContext._JSI,
+                            "JetStreamContext": JetStreamContext, "asyncio.Queue": asyncio.Queue}
+EDGE_MODULES = ["streamproc.edge.pending", "streamproc.edge.fanout", "streamproc.edge.barrier",
+                "streamproc.edge.source", "streamproc.edge.replay"]
+FAST_MODULES = ["streamproc.nats.fast_client", "streamproc.nats.fast_parser", "streamproc.nats.eager_reads"]
+
+
+def _split(name: str) -> tuple[str, str]:
+    owner, _, attribute = name.rpartition(".")
+    return owner, attribute
+
+
+def _code_names(module: types.ModuleType) -> set[str]:
+    """Attribute and global names the module's own functions and methods (nested code included) use."""
+    todo: list[types.CodeType] = []
+    for obj in vars(module).values():
+        if getattr(obj, "__module__", None) != module.__name__:
+            continue
+        for member in (vars(obj).values() if inspect.isclass(obj) else [obj]):
+            func = getattr(member, "fget", getattr(member, "__func__", member))
+            if isinstance(getattr(func, "__code__", None), types.CodeType):
+                todo.append(func.__code__)
+    found: set[str] = set()
+    while todo:
+        code = todo.pop()
+        found.update(code.co_names)
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return found
+
+
+def _private_names() -> set[str]:
+    """The private names nats-py's objects (as it makes them) and asyncio.Queue have."""
+    names: set[str] = set()
+    for owner, obj in internals.owners().items():
+        names |= {n for n in dir(CLASSES[owner]) if n.startswith("_") and not n.startswith("__")}
+        names |= {n for n in vars(obj) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+# Streamproc's own attributes that happen to share a nats-py private name (checked by reading the code).
+OWN = {"_queue", "_JSI", "_js", "_get_metadata_fields"}  # own deque/_js cache; Msg.Metadata via ordered bookkeeping
+
+
+@pytest.mark.parametrize(("modules", "listed"), [(EDGE_MODULES, internals.EDGE_INTERNALS),
+                                                 (FAST_MODULES, internals.FAST_CLIENT_INTERNALS)],
+                         ids=["edge", "fast_client"])
+def test_every_nats_py_internal_the_code_touches_is_listed(modules, listed):
+    private = _private_names()
+    attributes = {_split(name)[1] for name in listed}
+    touched = set().union(*(_code_names(importlib.import_module(m)) for m in modules)) & private
+    assert touched - attributes - OWN == set()
+
+
+def test_the_installed_nats_py_has_every_listed_internal(monkeypatch):
+    monkeypatch.delenv(fast_client.STOCK_CLIENT_ENV, raising=False)
+    monkeypatch.delenv(fast_client.STOCK_CLIENT_ONLY_ENV, raising=False)
+    assert internals.missing(internals.EDGE_INTERNALS) == []
+    assert internals.missing(internals.FAST_CLIENT_INTERNALS) == []
+    assert pending.pending_support() == (True, f"nats-py {nats_py_version}")
+    assert fast_client.fast_path_support() == (True, f"nats-py {nats_py_version}")
+
+
+def _remove(monkeypatch, name: str) -> None:
+    """Make nats-py (on a copy: monkeypatch undoes it) as a release that renamed ``name``."""
+    owner, attribute = _split(name)
+    cls = CLASSES[owner]
+    obj = internals.owners()[owner]
+    if attribute in vars(obj):  # set by its constructor
+        init = cls.__init__
+
+        def changed(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            if attribute in vars(self):
+                delattr(self, attribute)
+
+        monkeypatch.setattr(cls, "__init__", changed)
+    else:
+        home = next(c for c in cls.__mro__ if attribute in vars(c))
+        monkeypatch.delattr(home, attribute)
+    assert name in internals.missing((name,))
+
+
+@pytest.mark.parametrize("name", internals.EDGE_INTERNALS)
+def test_the_edge_check_names_each_internal_once_it_changes(monkeypatch, name):
+    monkeypatch.delenv(fast_client.STOCK_CLIENT_ENV, raising=False)
+    _remove(monkeypatch, name)
+    usable, reason = pending.pending_support()
+    assert not usable and "internals differ" in reason
+    assert name in reason.split(": ", 1)[1].split(", "), reason
+
+
+@pytest.mark.parametrize("name", internals.FAST_CLIENT_INTERNALS)
+def test_the_fast_path_check_names_each_internal_once_it_changes(monkeypatch, name):
+    monkeypatch.delenv(fast_client.STOCK_CLIENT_ENV, raising=False)
+    monkeypatch.delenv(fast_client.STOCK_CLIENT_ONLY_ENV, raising=False)
+    _remove(monkeypatch, name)
+    usable, reason = fast_client.fast_path_support()
+    assert not usable and "internals differ" in reason
+    assert name in reason.split(": ", 1)[1].split(", "), reason
+
+
+# `streamproc edge` on a nats-py whose Subscription no longer has _pending_bytes_limit (the fan-out
+# sets it to 0): the same nats-py otherwise.
+RENAMED = """
+import sys
+from nats.aio.subscription import Subscription
+init = Subscription.__init__
+def changed(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self._pending_bytes_max = self.__dict__.pop("_pending_bytes_limit")
+Subscription.__init__ = changed
+from streamproc.edge.command import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+def test_the_edge_refuses_to_start_in_one_line_when_an_internal_is_renamed(nats_url):
+    done = subprocess.run([sys.executable, "-c", RENAMED, "--nats-url", nats_url, "--port", str(free_port()),
+                           "--insecure-demo"], env=clean_env({}), stdin=subprocess.DEVNULL,
+                          capture_output=True, timeout=30)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"streamproc edge: error: installed nats-py {nats_py_version} cannot run the edge "
+                          f"(nats-py {nats_py_version} internals differ: Subscription._pending_bytes_limit"), err
+    assert done.stdout == b""
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+def test_an_edge_built_in_process_runs_the_same_check(nats_url, monkeypatch):
+    """``create_app`` as ``streamproc demo`` and library users build it: its start refuses too."""
+    monkeypatch.delenv(fast_client.STOCK_CLIENT_ENV, raising=False)
+    _remove(monkeypatch, "Subscription._pending_bytes_limit")
+    settings = edge_settings.load({}, {"nats_url": nats_url, "prefix": Subjects("streamproc").prefix,
+                                       "insecure_demo": True, "host": "127.0.0.1", "port": 0})
+    app = create_app(settings, tracing=None)
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(pending.NatsPyUnsupported, match=r"internals differ: Subscription\._pending_bytes_limit"):
+        asyncio.run(start())
