@@ -460,7 +460,9 @@ class Replay:
         stream, as the client has it all) or the last one stored when none is past ``after`` (a
         Last-Event-ID ahead of what is stored), found by a binary search of MSG.GETs
         (``next_by_subj``, each charged to the read budget); else the first stored, from the start
-        as before (not stored any more, or a store out of seq order); None when nothing is stored.
+        as before (not stored any more, or a store out of seq order the search meets); None when
+        nothing is stored. A later seq stored before ``after``'s result and never probed is not read:
+        that resume ends with the gap error (tests/test_edge_resume_hostile_store.py).
 
         A resume read every stored result from the start and dropped those the client had: 20
         resumes after the 999th of 1,000 16 KiB results had nats-server send the edge 315 MiB,
