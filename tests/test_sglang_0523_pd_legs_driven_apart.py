@@ -464,3 +464,64 @@ def test_resumed_attempts_first_token_is_the_one_from_an_unwritten_slot(codec_cl
     else:
         assert out[2]["output_token_logprobs"] == OUTPUT_LP[2:]
         assert "output_token_logprobs_unavailable_reason" not in out[2]
+
+
+def _leg_that_says_nothing(kind: str, pre: list[bytes]) -> list[bytes] | None:
+    """A prefill leg that does not tell whether prefill was asked for logprobs: none (timed out), Dynamo's
+    in-process handler's frame alone (it consumes SGLang's results without yielding them), SGLang's body
+    with an unreadable ``output_token_logprobs``, or one that failed (an abort finish); or one whose logprob
+    lists name the slot's left-over token (it says prefill was asked, the slot says it was not written)."""
+    if kind == "timeout":
+        return None
+    if kind == "frame":
+        return [dumps(DYNAMO_BOOTSTRAP_FRAME)]
+    leg = json.loads(pre[0])
+    if kind == "failed":
+        leg["meta_info"]["finish_reason"] = RETRACT_ABORT
+    elif kind == "disagreeing":
+        leg["meta_info"]["output_token_logprobs"] = [list(STALE["left_over"][0])]
+        leg["meta_info"]["output_top_logprobs"] = [list(STALE["left_over"][1])]
+    else:
+        leg["meta_info"]["output_token_logprobs"] = "x"
+    return [dumps(leg)]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("stale", sorted(STALE))
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+@pytest.mark.parametrize(("leg", "reason"), [("timeout", "prefill_timeout"), ("frame", "prefill_corrupt"),
+                                             ("field", "prefill_corrupt"), ("failed", "prefill_error"),
+                                             ("disagreeing", "prefill_corrupt")])
+def test_first_token_entry_naming_another_token_than_decodes_is_not_published_whatever_the_prefill_leg(
+        codec_cls, streamed, stale, leg, reason):
+    """A prefill leg that says nothing about the slot (timed out, Dynamo's frame alone, its list unreadable,
+    failed), or whose lists name the left-over token, with a decode body whose token 0 entry names another
+    token than its own ``output_ids[0]``: ``set_buf`` writes the slot's ``output_ids`` always and its
+    logprobs only ``if req.return_logprob``, so that entry is the values a previous request left in the
+    slot (or zeros), never this token's. It becomes ``[null, <token 0>, null]`` with its top logprobs null,
+    marked with the leg's reason, as where the prefill leg has no logprob lists; before, another request's
+    logprob and token id were published as token 0's."""
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale=stale)
+    out = join(codec_cls(OPTIONS), dec, _leg_that_says_nothing(leg, pre))
+    first = json.loads(out[0][0])["meta_info"]
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_token_logprobs"][0] == [None, OUT[0], None]
+    assert first["output_top_logprobs"][0] is None
+    assert first["output_token_logprobs_unavailable_reason"] == reason
+    assert first["output_token_logprobs"][1:] == OUTPUT_LP[1:len(first["output_token_logprobs"])]
+    for got, _verdict in out[1:]:  # later chunks hold no token 0 (their slices start past it)
+        assert "output_token_logprobs_unavailable_reason" not in json.loads(got)["meta_info"]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+@pytest.mark.parametrize("leg", ["timeout", "frame", "field", "failed", "disagreeing"])
+def test_first_token_entry_naming_decodes_token_passes_whatever_the_prefill_leg(codec_cls, streamed, leg):
+    """The control: prefill was asked for logprobs and wrote the slot, so decode's token 0 entry names its
+    own ``output_ids[0]``; a prefill leg that says nothing leaves it as decode sent it."""
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="left_over")
+    out = join(codec_cls(OPTIONS), dec, _leg_that_says_nothing(leg, pre))
+    first = json.loads(out[0][0])["meta_info"]
+    assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
+    assert first["output_top_logprobs"][0] == OUTPUT_TOP[0]
+    assert "output_token_logprobs_unavailable_reason" not in first

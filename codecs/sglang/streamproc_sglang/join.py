@@ -752,13 +752,17 @@ class SGLangJoinSession(JoinSession):
 
     def _fill_first_token(self, meta: dict[str, Any], ids: object) -> None:
         entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
-        if not isinstance(entries, list) or self._prefill is None:
+        if not isinstance(entries, list):
             return
-        if OUTPUT_TOKEN_LOGPROBS not in self._prefill:
+        prefill = self._prefill
+        if prefill is not None and OUTPUT_TOKEN_LOGPROBS not in prefill:
             self._omit_first_token(meta, entries, ids)
             return
-        source = self._prefill.get(OUTPUT_TOKEN_LOGPROBS)
+        source = prefill.get(OUTPUT_TOKEN_LOGPROBS) if prefill is not None else None
         if not (isinstance(source, list) and source):
+            # No leg says whether prefill wrote the slot (timed out, failed, unreadable, Dynamo's frame alone)
+            self._omit_left_over(meta, entries, ids, Omit.PREFILL_CORRUPT if prefill is not None
+                                 else self._unavailable or Omit.PREFILL_MISSING)
             return
         theirs = source[0]
         top, source_top = meta.get(OUTPUT_TOP_LOGPROBS), self._prefill.get(OUTPUT_TOP_LOGPROBS)
@@ -774,18 +778,29 @@ class SGLangJoinSession(JoinSession):
             if isinstance(top, list) and len(top) > at and not top[at] and isinstance(source_top, list) \
                     and source_top and source_top[0]:
                 top[at] = source_top[0]
+        # Prefill's body has logprob lists, yet the slot says it was not written: the leg is not this slot's.
+        self._omit_left_over(meta, entries, ids, Omit.PREFILL_CORRUPT)
 
-    def _omit_first_token(self, meta: dict[str, Any], entries: list[Any], ids: object) -> None:
-        """Prefill ran without ``return_logprob`` (a router that asks only decode for logprobs), so its
-        metadata slot never got token 0's logprob (``MetadataBuffers.set_buf`` writes them only
-        ``if req.return_logprob``), yet decode copies them from that slot
-        (``DecodeTransferQueue._commit_transfer_to_req``): zeros, or the last request's values. Position
-        0 becomes ``[null, <token 0>, null]`` and its top logprobs ``null`` (a position without
-        values), the list's length kept for the other positions, which are decode's own; the marker
-        follows ``output_token_logprobs_length``. The token is decode's ``output_ids[0]`` (the slot's ids
-        are written whatever prefill was asked: the token the client got): this chunk's where its ids
-        start there, else the one an earlier chunk of the attempt started with; only an abort body
-        without either (``_handle_abort_req`` cuts its ids to ``[last]``) takes prefill's, if in range."""
+    def _omit_left_over(self, meta: dict[str, Any], entries: list[Any], ids: object, reason: str) -> None:
+        """Token 0's entry omitted (:meth:`_omit_first_token`, marked ``reason``) where it names another
+        token than decode's own token 0. SGLang 0.5.23 ``MetadataBuffers.set_buf``:
+        ``self.output_ids[req.metadata_buffer_index][0] = req.output_ids[0]``, then only ``if
+        req.return_logprob:`` the logprob val/idx and top logprobs; ``DecodeTransferQueue.
+        _commit_transfer_to_req`` appends ``output_id[0]`` to ``output_ids`` and
+        ``output_token_logprobs_idx[0]`` to the logprob ids. A written slot names the sampled token in
+        both; an entry naming another is what a previous request left in the slot (or zeros), never this
+        token's. One naming decode's own token passes (left-over values of the same id cannot be told)."""
+        positions, token = self._decode_first(meta, entries, ids)
+        if token is not None and any(isinstance(entries[at], list) and len(entries[at]) >= 2
+                                     and entries[at][1] != token for at in positions):
+            self._omit_first_token(meta, entries, ids, reason)
+
+    def _decode_first(self, meta: dict[str, Any], entries: list[Any],
+                      ids: object) -> tuple[tuple[int, ...], int | None]:
+        """Where output position 0 sits in the chunk (:func:`_first_positions`) and decode's token 0: the
+        chunk's ``output_ids[0]`` where its ids start there (also queued chunks coalesced in front of an
+        abort body when nothing had been sent, and an abort body restating every id), else the one an
+        earlier chunk of the attempt started with (kept here), else None."""
         positions = _first_positions(meta, entries)
         abort = native.from_abort_req(meta)
         # Ids from position 0: a body's own slice from there, or queued chunks' coalesced in front of
@@ -795,8 +810,25 @@ class SGLangJoinSession(JoinSession):
         own = ids[0] if from_zero and isinstance(ids, list) and ids and _is_count(ids[0]) else None
         if own is not None and self._decode_token is None:
             self._decode_token = own
-        token = own if own is not None else self._decode_token if self._decode_token is not None \
-            else self._prefill_token
+        return positions, own if own is not None else self._decode_token
+
+    def _omit_first_token(self, meta: dict[str, Any], entries: list[Any], ids: object,
+                          reason: str = Omit.PREFILL_MISSING) -> None:
+        """Prefill ran without ``return_logprob`` (a router that asks only decode for logprobs), so its
+        metadata slot never got token 0's logprob (``MetadataBuffers.set_buf`` writes them only
+        ``if req.return_logprob``), yet decode copies them from that slot
+        (``DecodeTransferQueue._commit_transfer_to_req``): zeros, or the last request's values. Position
+        0 becomes ``[null, <token 0>, null]`` and its top logprobs ``null`` (a position without
+        values), the list's length kept for the other positions, which are decode's own; the marker
+        follows ``output_token_logprobs_length``. The token is decode's ``output_ids[0]`` (the slot's ids
+        are written whatever prefill was asked: the token the client got): this chunk's where its ids
+        start there, else the one an earlier chunk of the attempt started with; only an abort body
+        without either (``_handle_abort_req`` cuts its ids to ``[last]``) takes prefill's, if in range.
+        ``reason``: the marker's value (a leg that says nothing about the slot gives its own:
+        :meth:`_fill_first_token`)."""
+        positions, token = self._decode_first(meta, entries, ids)
+        if token is None:
+            token = self._prefill_token
         for at in positions:
             entry = entries[at]
             if isinstance(entry, list) and len(entry) >= 2:
@@ -814,7 +846,7 @@ class SGLangJoinSession(JoinSession):
             if key != OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE:
                 items.append((key, value))
             if key == anchor:
-                items.append((OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE, Omit.PREFILL_MISSING))
+                items.append((OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE, reason))
         meta.clear()
         meta.update(items)
         self._omitted = True
