@@ -40,16 +40,20 @@ def _split(name: str) -> tuple[str, str]:
 
 
 def _code_names(module: types.ModuleType) -> set[str]:
-    """Attribute and global names the module's own functions and methods (nested code included) use."""
+    """Attribute and global names the module's own functions and methods (nested code included) use,
+    and the names its classes define: a method that replaces a nats-py one (``FastClient._flusher``)
+    is never called by name, and a release that renames the original leaves it silently unused."""
     todo: list[types.CodeType] = []
+    found: set[str] = set()
     for obj in vars(module).values():
         if getattr(obj, "__module__", None) != module.__name__:
             continue
+        if inspect.isclass(obj):
+            found.update(vars(obj))
         for member in (vars(obj).values() if inspect.isclass(obj) else [obj]):
             func = getattr(member, "fget", getattr(member, "__func__", member))
             if isinstance(getattr(func, "__code__", None), types.CodeType):
                 todo.append(func.__code__)
-    found: set[str] = set()
     while todo:
         code = todo.pop()
         found.update(code.co_names)

@@ -36,7 +36,7 @@ EDGE_INTERNALS: tuple[str, ...] = (
 # The processor's FastClient (a nats-py Client subclass) and its parser and eager reads.
 FAST_CLIENT_INTERNALS: tuple[str, ...] = (
     "Client._build_message", "Client._error_cb", "Client._flush_pending", "Client._flush_queue",
-    "Client._flusher_task", "Client._max_payload", "Client._max_pending_size", "Client._pending",
+    "Client._flusher", "Client._flusher_task", "Client._max_payload", "Client._max_pending_size", "Client._pending",
     "Client._pending_data_size", "Client._process_headers", "Client._process_msg", "Client._process_op_err",
     "Client._process_ping", "Client._process_pong", "Client._ps", "Client._read_loop",
     "Client._skip_subject_validation", "Client._status", "Client._subs", "Client._transport",
