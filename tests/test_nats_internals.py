@@ -32,6 +32,8 @@ CLASSES: dict[str, type] = {"Client": Client, "Subscription": Subscription,
 EDGE_MODULES = ["streamproc.edge.pending", "streamproc.edge.fanout", "streamproc.edge.barrier",
                 "streamproc.edge.source", "streamproc.edge.replay"]
 FAST_MODULES = ["streamproc.nats.fast_client", "streamproc.nats.fast_parser", "streamproc.nats.eager_reads"]
+STOCK_MODULES = ["streamproc.nats.robust", "streamproc.nats.subscription",
+                 "streamproc.nats.durable.migrations"]
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -57,6 +59,7 @@ def _code_names(module: types.ModuleType) -> set[str]:
     while todo:
         code = todo.pop()
         found.update(code.co_names)
+        found.update(c for c in code.co_consts if isinstance(c, str) and c.isidentifier())  # getattr(x, "_a")
         todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     return found
 
@@ -74,14 +77,16 @@ def _private_names() -> set[str]:
 OWN = {"_queue", "_JSI", "_js", "_get_metadata_fields"}  # own deque/_js cache; Msg.Metadata via ordered bookkeeping
 
 
-@pytest.mark.parametrize(("modules", "listed"), [(EDGE_MODULES, internals.EDGE_INTERNALS),
-                                                 (FAST_MODULES, internals.FAST_CLIENT_INTERNALS)],
-                         ids=["edge", "fast_client"])
-def test_every_nats_py_internal_the_code_touches_is_listed(modules, listed):
+@pytest.mark.parametrize(("modules", "listed", "own"), [
+    (EDGE_MODULES, internals.EDGE_INTERNALS, OWN),
+    (FAST_MODULES, internals.FAST_CLIENT_INTERNALS, OWN),
+    (STOCK_MODULES, internals.STOCK_CLIENT_INTERNALS, OWN | {"_nc"}),  # migrations' own self._nc
+], ids=["edge", "fast_client", "stock_client"])
+def test_every_nats_py_internal_the_code_touches_is_listed(modules, listed, own):
     private = _private_names()
     attributes = {_split(name)[1] for name in listed}
     touched = set().union(*(_code_names(importlib.import_module(m)) for m in modules)) & private
-    assert touched - attributes - OWN == set()
+    assert touched - attributes - own == set()
 
 
 def test_the_installed_nats_py_has_every_listed_internal(monkeypatch):
@@ -89,6 +94,7 @@ def test_the_installed_nats_py_has_every_listed_internal(monkeypatch):
     monkeypatch.delenv(fast_client.STOCK_CLIENT_ONLY_ENV, raising=False)
     assert internals.missing(internals.EDGE_INTERNALS) == []
     assert internals.missing(internals.FAST_CLIENT_INTERNALS) == []
+    assert internals.missing(internals.STOCK_CLIENT_INTERNALS) == []
     assert pending.pending_support() == (True, f"nats-py {nats_py_version}")
     assert fast_client.fast_path_support() == (True, f"nats-py {nats_py_version}")
 
@@ -130,6 +136,46 @@ def test_the_fast_path_check_names_each_internal_once_it_changes(monkeypatch, na
     usable, reason = fast_client.fast_path_support()
     assert not usable and "internals differ" in reason
     assert name in reason.split(": ", 1)[1].split(", "), reason
+
+
+@pytest.mark.parametrize("name", internals.STOCK_CLIENT_INTERNALS)
+def test_no_client_is_made_once_a_stock_path_internal_changes(monkeypatch, name):
+    """Below the stock-path RobustClient there is nothing to fall back to: refused, in one line."""
+    for env in (fast_client.STOCK_CLIENT_ENV, fast_client.STOCK_CLIENT_ONLY_ENV):
+        monkeypatch.setenv(env, "1")  # the stock path itself (the fast path checks these too)
+    monkeypatch.setattr(fast_client, "_support", None)
+    monkeypatch.setattr(internals, "_stock_missing", None)
+    _remove(monkeypatch, name)
+    with pytest.raises(internals.NatsPyInternalsMissing) as raised:
+        fast_client.new_client()
+    text = str(raised.value)
+    assert "\n" not in text and name in text.split("(", 1)[1].split(")", 1)[0].split(", "), text
+
+
+# `streamproc run` on the stock path with a nats-py that renamed _is_control_message (RobustClient calls
+# it for every empty JetStream message: the read loop would end at the first heartbeat).
+RUN_RENAMED = """
+import sys
+from nats.aio.client import Client
+Client._control_message = Client._is_control_message
+del Client._is_control_message
+from streamproc.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+def test_the_processor_refuses_to_start_in_one_line_when_a_stock_internal_is_renamed(nats_url):
+    done = subprocess.run([sys.executable, "-c", RUN_RENAMED, "run", "--nats-url", nats_url],
+                          env=clean_env({fast_client.STOCK_CLIENT_ENV: "1"}), stdin=subprocess.DEVNULL,
+                          capture_output=True, timeout=30)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"streamproc run: error: installed nats-py {nats_py_version} lacks internals "
+                               "streamproc's NATS client reads (Client._is_control_message)"), err
 
 
 # `streamproc edge` on a nats-py whose Subscription no longer has _pending_bytes_limit (the fan-out

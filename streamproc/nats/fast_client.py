@@ -74,6 +74,7 @@ from .buffered_reads import READ_SIZE
 from .eager_reads import _CLOSED_OR_RECONNECTING, EagerReads
 from .eager_reads import install as install_eager_reads
 from .fast_parser import LATER, FastParser, parser_support
+from .internals import require_stock_support
 from .robust import RobustClient
 
 log = logging.getLogger("streamproc.nats")
@@ -1068,8 +1069,10 @@ _parser_ok: tuple[bool, str] | None = None
 
 def new_client() -> RobustClient:
     """A :class:`FastClient` when the installed nats-py is supported, else the stock-path
-    :class:`RobustClient` (logged once per process)."""
+    :class:`RobustClient` (logged once per process); :class:`internals.NatsPyInternalsMissing` when
+    nats-py lacks an internal RobustClient reads."""
     global _support
+    require_stock_support()  # both clients are RobustClients: no fallback below them (internals.py)
     if _support is None:
         _support = fast_path_support()
         if not _support[0]:

@@ -15,9 +15,10 @@ async def handled_all(sub: Subscription | None, still_current: Callable[[], bool
     A control request (migrate) runs on its own subscription; this keeps it from overtaking chunks
     the server delivered before it. nats-py 2.x counts deliveries in ``delivered`` and keeps the
     callback queue in the private ``_pending_queue`` (an ``asyncio.Queue`` whose
-    ``_unfinished_tasks`` falls when a callback returns). Best effort: without those attributes it
-    returns at once. Messages dropped as a slow consumer count as handled. ``still_current`` ends
-    the wait early when the subscription is replaced or closed meanwhile.
+    ``_unfinished_tasks`` falls when a callback returns). Without those attributes it would return at
+    once (a migrate could overtake chunks): no client is made then
+    (``internals.STOCK_CLIENT_INTERNALS``). Messages dropped as a slow consumer count as handled.
+    ``still_current`` ends the wait early when the subscription is replaced or closed meanwhile.
     """
     queue = getattr(sub, "_pending_queue", None)
     if sub is None or not hasattr(queue, "_unfinished_tasks"):
