@@ -238,7 +238,15 @@ class Fanout:
                                            error=str(exc))
                 return True
             source.metrics.results_seen += 1
-            source.recent.note(result, time.time())
+            # One wall-clock read per NATS read for the ring's last_seen (as WriteBatch.flush stamps
+            # sent_at), cleared at the read's end (ResultSource.run_after_read); where no read end
+            # clears it (the stock client), one per result as before.
+            now = source.read_stamp
+            if now is None:
+                now = time.time()
+                if source.after_read_hooked:
+                    source.read_stamp = now
+            source.recent.note(result, now)
             if feeds:
                 # A copy when several: an overflow removes its feed from the list (on_overflow). Alone,
                 # its removal just ends the loop.

@@ -173,6 +173,11 @@ class ResultSource:
         # True once the client runs ``after_read`` at the end of every read (FastClient on its fast
         # parser); else the Edge's WriteBatch schedules its own flush for the next loop pass.
         self.after_read_hooked = False
+        # The recent ring's clock (time.time()) for the results of the NATS read under way, read by the
+        # fan-out's first result of the read and cleared at its end (run_after_read): one clock read per
+        # read, not per SSE event (docs/benchmarks.md, "seventh pass"). Kept only while after_read_hooked
+        # (else no read end clears it: each result reads the clock).
+        self.read_stamp: float | None = None
         self._js: JetStreamContext | None = None  # self.nc's, made once (jetstream())
         self.probes: Probes | None = None  # the opens' MSG.GET probes, answered in the read loop (probes.py)
 
@@ -190,7 +195,9 @@ class ResultSource:
 
     def run_after_read(self) -> None:
         """``after_read`` (the edge's WriteBatch.flush), its failures logged: at the end of each NATS
-        read (FastClient.read_done), and after results dispatched outside one (Fanout.rebind)."""
+        read (FastClient.read_done), and after results dispatched outside one (Fanout.rebind). The
+        read's ring stamp ends with it (read_stamp), also if ``after_read`` fails."""
+        self.read_stamp = None
         try:
             self.after_read()  # type: ignore[misc]
         except Exception:  # noqa: BLE001 - never into the read loop: nats-py's would stop reading for good
