@@ -399,7 +399,7 @@ def held(feed) -> int:
     replay = feed.replay
     sub = replay.sub if replay is not None else None
     return (feed.inbox._bytes + (sub._sub._pending_size if sub is not None else 0) + feed._held_bytes
-            + sum(len(r.body) for r in feed._ready))
+            + sum(len(r.body) for r in feed.ready))
 
 
 @pytest.mark.timeout(60)

@@ -160,7 +160,7 @@ async def test_the_inbox_charges_a_result_its_held_bytes(nats_url):
 
 
 async def test_results_a_filled_gap_releases_to_a_stalled_reader_leave_the_flood_to_the_bound(nats_server):
-    """``ResultFeed._ready`` (results in order a filled gap released, not handed out yet) is charged
+    """``ResultFeed.ready`` (results in order a filled gap released, not handed out yet) is charged
     nothing: they were charged while they waited behind the gap (at most the bound), and the feed
     takes nothing more in while any is left, so what comes next waits in the inbox, charged there.
     Here 15 results of a 16 kB body and a 50 kB traceparent wait behind a missing seq (~0.99 MB,

@@ -236,7 +236,7 @@ class DirectFrames:
         feed = self.feed
         inbox = feed.inbox
         if (out is None or inbox is None or not inbox.parked() or feed.overrun or feed.replay is not None
-                or feed.has_ready() or result.request_id != feed.request_id
+                or feed.ready or result.request_id != feed.request_id
                 or not (cycle := out.cycle).response_started or cycle.response_complete or cycle.disconnected
                 or cycle.chunked_encoding is not True or out.flow.write_paused or out.transport.is_closing()
                 or not feed.order.next_in_line(result)):  # last: True moves the stream's next seq on

@@ -94,7 +94,9 @@ class ResultFeed:
         self.attaching: asyncio.Task | None = None
         self.attach_failed: str | None = None
         self.closed = False
-        self._ready: collections.deque[ResultInfo] = collections.deque()
+        # Results in order not yet taken by the stream. Public: DirectFrames.offer tests it per SSE event
+        # (a result must not pass them), as an attribute, not a method call (docs/benchmarks.md, "seventh pass").
+        self.ready: collections.deque[ResultInfo] = collections.deque()
         self._gap_since: float | None = None
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result
         self.gone: str | None = None  # why its results stream is gone (ResultSource._check_results_stream)
@@ -137,8 +139,8 @@ class ResultFeed:
                 return self.hole
             if self.overrun:
                 return Overrun(self.source.settings.stream_buffer_bytes)
-            if self._ready:
-                return self._ready.popleft()
+            if self.ready:
+                return self.ready.popleft()
             if self.order.done:
                 return Ended()
             now = time.monotonic()
@@ -260,10 +262,6 @@ class ResultFeed:
         if self.inbox is not None:
             self.inbox.wake()
 
-    def has_ready(self) -> bool:
-        """Results in order not yet taken by the stream."""
-        return bool(self._ready)
-
     async def _attached(self, timeout: float) -> Lost | None | bool:
         """Wait for the consumer :meth:`ResultSource.open` is creating: True once it exists, None
         when ``timeout`` passed first, :class:`Lost` when it could not be created."""
@@ -312,7 +310,7 @@ class ResultFeed:
             self._held_bytes += result.held_bytes
         if ready:
             self.lost_stored = False
-        self._ready.extend(ready)
+        self.ready.extend(ready)
         if self._held_bytes > self.source.settings.stream_buffer_bytes:
             self._overrun()
 
