@@ -250,8 +250,14 @@ class DirectFrames:
                 asyncio.get_running_loop().call_soon(batch.flush)
             batch.streams.append(self)
         pending.append(self.encode(result))
+        # EdgeMetrics.sent(result), inline (a Python call per SSE event less): next_in_line passed no
+        # error result, so only its verdict branch applies; tests/test_edge_direct_offer.py holds the two
+        # to the same counts.
         metrics = self.metrics
-        metrics.sent(result)
+        metrics.results_sent += 1
+        verdict = result.verdict or "unknown"
+        by_verdict = metrics.by_verdict
+        by_verdict[verdict] = by_verdict.get(verdict, 0) + 1
         metrics.results_written_directly += 1
         return True  # sent_at: stamped by the batch's flush, one clock read per NATS read
 
