@@ -28,14 +28,16 @@ def writable_body() -> types.SimpleNamespace:
     cycle = types.SimpleNamespace(response_started=True, response_complete=False, disconnected=False,
                                   chunked_encoding=True)
     transport = types.SimpleNamespace(is_closing=lambda: False, write=lambda data: None)
-    return types.SimpleNamespace(cycle=cycle, flow=types.SimpleNamespace(write_paused=False), transport=transport)
+    flow = types.SimpleNamespace(write_paused=False)
+    return types.SimpleNamespace(cycle=cycle, flow=flow, transport=transport)
 
 
 def direct_with(ready: list[ResultInfo]) -> tuple[DirectFrames, types.SimpleNamespace, EdgeMetrics]:
     feed = types.SimpleNamespace(inbox=Parked(), overrun=False, replay=None, request_id="r1",
                                  order=SeqOrder(), ready=collections.deque(ready))
     metrics = EdgeMetrics()
-    direct = DirectFrames(feed, lambda result: b"frame %d" % result.seq, metrics, WriteBatch(lambda: True))  # type: ignore[arg-type]
+    encode = lambda result: b"frame %d" % result.seq  # noqa: E731
+    direct = DirectFrames(feed, encode, metrics, WriteBatch(lambda: True))  # type: ignore[arg-type]
     direct.out = writable_body()  # type: ignore[assignment]
     return direct, feed, metrics
 
@@ -63,7 +65,8 @@ def test_offer_counts_what_it_writes_as_edge_metrics_sent_does():
     it), so the task's path counts it, with its kind, through ``sent``."""
     direct, _, metrics = direct_with([])
     expected = EdgeMetrics()
-    verdicts = [Verdict.PASSTHROUGH, Verdict.JOINED, None, Verdict.PASSTHROUGH, Verdict.OMITTED, Verdict.STITCHED]
+    verdicts = [Verdict.PASSTHROUGH, Verdict.JOINED, None, Verdict.PASSTHROUGH, Verdict.OMITTED,
+                Verdict.STITCHED]
     for seq, verdict in enumerate(verdicts):
         assert direct.offer(result(seq, verdict)) is True
         expected.sent(result(seq, verdict))

@@ -95,7 +95,8 @@ async def test_direct_writes_read_the_clock_once_per_nats_read_not_per_event(ser
     assert 1 <= clock < written / 2, (clock, written)
 
 
-async def test_the_recent_ring_reads_the_clock_once_per_nats_read_and_anew_for_each_read(server, nc, monkeypatch):
+async def test_the_recent_ring_reads_the_clock_once_per_nats_read_and_anew_for_each_read(server, nc,
+                                                                                          monkeypatch):
     """The ring's last_seen is the wall clock of the read that brought the result (Fanout.dispatch's
     per-read stamp, cleared at the read's end by ResultSource.run_after_read): taken fewer times than
     results (once per result before), and never older than the flush that published it, so a stamp

@@ -94,8 +94,9 @@ class ResultFeed:
         self.attaching: asyncio.Task | None = None
         self.attach_failed: str | None = None
         self.closed = False
-        # Results in order not yet taken by the stream. Public: DirectFrames.offer tests it per SSE event
-        # (a result must not pass them), as an attribute, not a method call (docs/benchmarks.md, "seventh pass").
+        # Results in order not yet taken by the stream. Public: DirectFrames.offer tests it per SSE
+        # event (a result must not pass them), as an attribute, not a method call (docs/benchmarks.md,
+        # "seventh pass").
         self.ready: collections.deque[ResultInfo] = collections.deque()
         self._gap_since: float | None = None
         self.overrun = False  # set by the connection's error callback when nats-py dropped a result

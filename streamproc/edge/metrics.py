@@ -80,7 +80,7 @@ class EdgeMetrics(msgspec.Struct):
     by_error_kind: dict[str, int] = {}
 
     def sent(self, result: ResultInfo) -> None:
-        """One result body went to a client (DirectFrames.offer counts its own writes inline, the same way)."""
+        """One result body went to a client (DirectFrames.offer counts its own writes inline, alike)."""
         self.results_sent += 1
         verdict = "error" if result.error is not None else (result.verdict or "unknown")
         self.by_verdict[verdict] = self.by_verdict.get(verdict, 0) + 1
