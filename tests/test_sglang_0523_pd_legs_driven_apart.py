@@ -525,3 +525,38 @@ def test_first_token_entry_naming_decodes_token_passes_whatever_the_prefill_leg(
     assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
     assert first["output_top_logprobs"][0] == OUTPUT_TOP[0]
     assert "output_token_logprobs_unavailable_reason" not in first
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("own", [-5, 2**31, 10**30], ids=["negative", "past-int32", "huge"])
+@pytest.mark.parametrize("leg", ["timeout", "frame", "field", "failed", "disagreeing"])
+def test_decode_output_id_no_int32_slot_holds_does_not_rewrite_token_0s_entry(codec_cls, own, leg):
+    """A decode chunk whose ``output_ids[0]`` is no id the slot's int32 ``MetadataBuffers.output_ids``
+    holds did not get it from the slot (``_commit_transfer_to_req`` appends ``output_id[0].item()``):
+    it names no token 0 to judge the entry by. Token 0's entry is left as decode sent it, never
+    ``[null, <that id>, null]``: before, a written entry's logprob was dropped and the impossible id
+    published in its place, marked as a left-over."""
+    _agg, pre, dec = legs(streamed=False, prefill_logprobs=True, stale="left_over")
+    body = json.loads(dec[0])
+    body["output_ids"][0] = own
+    out = join(codec_cls(OPTIONS), [dumps(body)], _leg_that_says_nothing(leg, pre))
+    first = json.loads(out[0][0])["meta_info"]
+    assert first["output_token_logprobs"] == OUTPUT_LP
+    assert first["output_top_logprobs"] == OUTPUT_TOP
+    assert "output_token_logprobs_unavailable_reason" not in first
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("own", [-5, 2**31, 10**30], ids=["negative", "past-int32", "huge"])
+def test_decode_output_id_no_int32_slot_holds_is_not_named_for_an_unwritten_slot(codec_cls, own):
+    """A prefill leg without logprob lists (the slot's logprobs unwritten) and a decode chunk whose
+    ``output_ids[0]`` no int32 slot holds: token 0's entry is omitted naming prefill's ``output_ids[0]``
+    (the id ``set_buf`` wrote into the slot), as an abort body without decode's own does, not the
+    impossible id."""
+    _agg, pre, dec = legs(streamed=False, prefill_logprobs=False, stale="left_over")
+    body = json.loads(dec[0])
+    body["output_ids"][0] = own
+    out = join(codec_cls(OPTIONS), [dumps(body)], pre)
+    first = json.loads(out[0][0])["meta_info"]
+    assert first["output_token_logprobs"][0] == [None, OUT[0], None]
+    assert first["output_token_logprobs_unavailable_reason"] == "prefill_missing"

@@ -800,14 +800,16 @@ class SGLangJoinSession(JoinSession):
         """Where output position 0 sits in the chunk (:func:`_first_positions`) and decode's token 0: the
         chunk's ``output_ids[0]`` where its ids start there (also queued chunks coalesced in front of an
         abort body when nothing had been sent, and an abort body restating every id), else the one an
-        earlier chunk of the attempt started with (kept here), else None."""
+        earlier chunk of the attempt started with (kept here), else None. Only an id the slot's int32
+        ``MetadataBuffers.output_ids`` holds is one (``_commit_transfer_to_req`` appends
+        ``output_id[0].item()``): another did not come from the slot and names no token 0 to judge by."""
         positions = _first_positions(meta, entries)
         abort = native.from_abort_req(meta)
         # Ids from position 0: a body's own slice from there, or queued chunks' coalesced in front of
         # an abort body when nothing had been sent (position 0 in both parts), or an abort's whole ids.
         whole = isinstance(ids, list) and meta.get(native.COMPLETION_TOKENS) == len(ids)
         from_zero = positions[:1] == (0,) and (not abort or len(positions) == 2 or whole)
-        own = ids[0] if from_zero and isinstance(ids, list) and ids and _is_count(ids[0]) else None
+        own = ids[0] if from_zero and isinstance(ids, list) and ids and _is_token(ids[0]) else None
         if own is not None and self._decode_token is None:
             self._decode_token = own
         return positions, own if own is not None else self._decode_token
