@@ -608,7 +608,7 @@ async def test_client_side_slow_consumer_drops_are_redelivered_and_every_request
     # happen only to messages queued for the callback task: with inline dispatch the common chunk
     # never waits in the queue (only the declined ones do: recovery lookups, a backlogged write
     # buffer), so this pins the queued path, which is the one that can drop, on every message.
-    monkeypatch.setattr(FastClient, "deliver_inline", lambda self, sub, handler: None)
+    monkeypatch.setattr(FastClient, "deliver_inline", lambda self, sub, handler, raw_headers=False: None)
     settings = durable_settings(nats_url, partitions=1, fetch_batch=100, pending_bytes_limit=4096, ack_wait=1.0)
     js = client.jetstream()
     n = 400

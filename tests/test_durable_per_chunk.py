@@ -59,3 +59,52 @@ def test_an_enqueued_publish_reads_its_payloads_length_once(block, monkeypatch):
     head = b"PUB a.b r.1 4\r\n" if block is None else b"HPUB a.b r.1 %d %d\r\n" % (len(block), len(block) + 4)
     assert nc._pending == [head + (block or b"") + b"body\r\n"]
     assert nc.stats["out_bytes"] == 4 and nc._pending_data_size == len(nc._pending[0])
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_a_durable_chunk_is_read_from_its_raw_header_block_in_one_pass(client, nats_url, monkeypatch):
+    """The durable processor's inline chunk handler gets the raw header block and reads the chunk from it
+    (chunk_from_block), without parse_header_block's dict (docs/benchmarks.md, "Durable chunks read from
+    the raw header block"); the results are the chunks' bodies, in order."""
+    import anyio
+
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.nats.durable import deliveries
+    from streamproc.nats.processor import Processor
+
+    from durable_helpers import durable_settings, stored_results
+    from helpers import wait_until
+
+    parsed: list[bytes] = []
+    read: list[type] = []
+    two_step = fast_client.parse_header_block
+    one_pass = deliveries.chunk_from_block
+
+    def counted_parse(block: bytes):
+        parsed.append(block)
+        return two_step(block)
+
+    def counted_read(parse, subject, headers, body, token=None):
+        read.append(type(headers))
+        return one_pass(parse, subject, headers, body, token)
+
+    monkeypatch.setattr(fast_client, "parse_header_block", counted_parse)
+    monkeypatch.setattr(deliveries, "chunk_from_block", counted_read)
+    settings = durable_settings(nats_url)
+    count = 40
+    async with Processor(settings) as p:
+        publisher = ChunkPublisher(client, settings.subjects)
+        for seq in range(count):
+            await publisher.publish("raw-1", "agg", seq, b"body-%d" % seq, final=seq == count - 1)
+            await anyio.sleep(0.005)  # one chunk a read, as at a paced load
+        await wait_until(lambda: p.snapshot()["chunks"] == count, 15, "every chunk decided")
+        stored = await stored_results(client.jetstream(), settings.subjects)
+    assert [(s.seq, s.body) for s in stored["raw-1"]] == [(seq, b"body-%d" % seq) for seq in range(count)]
+    assert read and set(read) == {bytes}, read
+    chunk_blocks = [b for b in parsed if b"Streamproc-Seq" in b]
+    # A chunk the inline handler declines (a new request's lookup, a backlogged write buffer) is parsed for
+    # its Msg; the others never are. Before the raw read every chunk was parsed: count of count.
+    assert len(chunk_blocks) <= count - len(read) + 2, (len(chunk_blocks), len(read))
+    assert len(read) >= count // 2

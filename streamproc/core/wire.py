@@ -67,6 +67,7 @@ def over_header_lines(block: bytes) -> dict[str, str] | None:
 
 
 _ROLES = {r.value: r for r in Role}
+ROLES = _ROLES  # a role's subject token -> Role (ChunkParser and fast_client.chunk_from_block read it)
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 MAX_REQUEST_ID_LEN = 256
 # A longer traceparent is taken as absent. W3C's version 00 is 55 characters; the processor keeps a
@@ -219,16 +220,16 @@ class ChunkParser:
     unusual falls back to :func:`chunk_from_message`, which raises the precise ContractError.
     """
 
-    __slots__ = ("subjects", "_head", "_cut")
+    __slots__ = ("subjects", "head", "cut")  # head, cut: read by fast_client.chunk_from_block too
 
     def __init__(self, subjects: Subjects) -> None:
         self.subjects = subjects
-        self._head = f"{subjects.prefix}.chunks."
-        self._cut = len(self._head)
+        self.head = f"{subjects.prefix}.chunks."
+        self.cut = len(self.head)
 
     def __call__(self, subject: str, headers: Mapping[str, str] | None, body: bytes, token: Any = None) -> Chunk:
-        if headers is not None and subject.startswith(self._head):
-            request_id, _, role = subject[self._cut:].rpartition(".")
+        if headers is not None and subject.startswith(self.head):
+            request_id, _, role = subject[self.cut:].rpartition(".")
             found = _ROLES.get(role)
             seq = headers.get(SEQ)
             final = headers.get(FINAL)

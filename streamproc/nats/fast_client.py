@@ -29,7 +29,8 @@ per step (``publish`` -> ``_send_publish`` -> ``_send_command``; ``_process_msg`
   input's chunks and PubAcks; ~1 µs a message of queue, ``Msg`` and coroutine saved).
   :meth:`FastClient.publish_block_nowait` and :meth:`FastClient.enqueue` are its publishes, made
   safe by the checks before the call. A handler registered with ``raw_headers`` gets the header
-  block unparsed (the edge's fan-out reads a result from it: :func:`result_from_block`).
+  block unparsed (the edge's fan-out reads a result from it: :func:`result_from_block`; the durable
+  processor a chunk: :func:`chunk_from_block`).
 - **Read loop**: the client's protocol parser is :class:`~streamproc.nats.fast_parser.FastParser`
   (when nats-py's grammar is the one it mirrors, :func:`~streamproc.nats.fast_parser.parser_support`):
   MSG/HMSG frames are cut from each socket read with ``find``/``split``/slices and handed to
@@ -67,7 +68,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.protocol import command as _command
 
-from ..core.wire import (ERROR, FINAL, JOIN, MAX_HEADER_LINES, SEQ, TRACEPARENT, ResultInfo, Subjects, Verdict,
+from ..core.events import Chunk
+from ..core.wire import (ATTEMPT, ERROR, FINAL, FORMAT, JOIN, MAX_HEADER_LINES, MAX_REQUEST_ID_LEN,
+                         MAX_TRACEPARENT_LEN, ROLES, SEQ, TRACEPARENT, ChunkParser, ResultInfo, Subjects, Verdict,
                          over_header_lines, result_from_message)
 from ..logs import error_text, log_event
 from .buffered_reads import READ_SIZE
@@ -344,6 +347,73 @@ def result_from_block(subjects: Subjects, subject: str, headers: bytes, body: by
 
 
 _RESULTS_INFIX = len(".results.")
+
+
+# A chunk's header name bytes (before strip) -> the slot chunk_from_block keeps its value in; -1 for names
+# ChunkParser does not read and lines nats-py drops. Bounded as _NAMES.
+_CHUNK_FIELDS = {SEQ: 0, FINAL: 1, ATTEMPT: 2, FORMAT: 3, TRACEPARENT: 4}
+_CHUNK_SLOTS: dict[bytes, int] = {}
+
+
+def _chunk_slot(name: bytes) -> int:
+    key = _NAMES.get(name)
+    if key is None:
+        key = _name(name)
+    slot = -1 if key is _SKIP else _CHUNK_FIELDS.get(key, -1)
+    if len(_CHUNK_SLOTS) < _MAX_CACHED and len(name) <= _MAX_CACHED_LEN:
+        _CHUNK_SLOTS[name] = slot
+    return slot
+
+
+def chunk_from_block(parse: ChunkParser, subject: str, headers: Any, body: bytes, token: Any = None) -> Chunk:
+    """``parse(subject, parse_header_block(headers), body, token)`` read straight from the raw block
+    (the same callers' checks: len > 10, byte 8 not a space), for the durable processor's inline chunk
+    handler, once per chunk: no dict, no second Python call (docs/benchmarks.md, "Durable chunks read
+    from the raw header block"). Each line is taken as ``parse_header_block`` takes it (the same name
+    rule, the last of a repeated name wins). What ``ChunkParser``'s straight line accepts (a valid id
+    and role, a plain seq, an absent/``true``/``false`` final, an absent or ``0`` attempt) is built
+    here the same way; anything else, a block over ``MAX_HEADER_LINES``, and ``headers`` already
+    parsed (a dict or None) go the two-step way, for the same chunk or the same ContractError
+    (tests/test_chunk_block.py compares the two on random blocks)."""
+    if headers.__class__ is not bytes:  # parsed already (no block; an inline status line's)
+        return parse(subject, headers, body, token)
+    if headers.count(b"\n") > MAX_HEADER_LINES:
+        return parse(subject, parse_header_block(headers), body, token)
+    values: list[bytes | None] = [None, None, None, None, None]
+    slots = _CHUNK_SLOTS
+    for line in headers[10:].split(_CRLF):
+        if not line:
+            continue
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        slot = slots.get(name)
+        if slot is None:
+            slot = _chunk_slot(name)
+        if slot >= 0:
+            values[slot] = value
+    seq, final, attempt, fmt, traceparent = values
+    request_id, _, role = subject[parse.cut:].rpartition(".")
+    found = ROLES.get(role)
+    # ChunkParser.__call__'s straight-line test, on the raw values (bytes.isdigit: ASCII digits only;
+    # a non-ASCII value is no digit, no 'true' and no '0' either way)
+    if (seq is not None and (seq := seq.strip()).isdigit() and len(seq) <= 18
+            and (final is None or (final := final.strip()) == b"true" or final == b"false")
+            and (attempt is None or attempt.strip() == b"0")
+            and found is not None and subject.startswith(parse.head)
+            and len(request_id) <= MAX_REQUEST_ID_LEN and request_id.isascii()
+            and request_id.isprintable() and " " not in request_id and "." not in request_id
+            and "*" not in request_id and ">" not in request_id and request_id):
+        if fmt is not None:
+            fmt = fmt.strip()
+        if traceparent is not None:
+            text = traceparent.strip().decode("utf-8", "replace")
+            tp = None if len(text) > MAX_TRACEPARENT_LEN else text
+        else:
+            tp = None
+        return Chunk(request_id, found, int(seq), body, final == b"true", 0,
+                     fmt.decode("utf-8", "replace") if fmt else None, tp, token)
+    return parse(subject, parse_header_block(headers), body, token)
 
 
 def _stock_header_block(headers: dict[str, Any]) -> bytes:
@@ -721,7 +791,8 @@ class FastClient(RobustClient):
 
         ``raw_headers``: ``headers`` may also be the raw header block (bytes) where the read loop
         has one not yet parsed (a block with no inline status line), so the handler can read what
-        it needs from it without the dict (the edge's fan-out: ``result_from_block``)."""
+        it needs from it without the dict (the edge's fan-out: ``result_from_block``; the durable
+        chunks: ``chunk_from_block``)."""
         if self._handlers_inline is None:
             self._handlers_inline = {}
         self._handlers_inline[sub._id] = handler

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import anyio
 from nats.aio.client import Client as NatsClient
@@ -32,6 +32,7 @@ from ...core.wire import ContractError
 from ...logs import error_text, log_event
 from .pulls import Pulls
 from .recovery import Recovery
+from ..fast_client import chunk_from_block
 from ..input import Pipeline
 from .outbox_pump import OutboxPump
 
@@ -413,15 +414,19 @@ class Deliveries:
 
         nc = self.nc
 
-        def on_message_inline(subject: str, reply: str, headers: dict[str, str] | None, data: bytes) -> bool:
+        def on_message_inline(subject: str, reply: str, headers: Any, data: bytes) -> bool:
+            """``headers``: the raw header block (partitions.py registers this with ``raw_headers``), or
+            the parsed dict or None where the read loop has no block left to hand over."""
             if not reply or not reply.startswith("$JS.ACK.") or not part.active or backlogged():  # type: ignore[misc]
                 return False  # on_message decides it
-            msg = Msg(nc, subject, reply, data, headers)  # the chunk's token: the outbox acks its reply
-            try:  # chunk_subject(subject), inline
-                chunk = parse(chunks_head + subject[stored_head_length:], headers, data, msg)
+            # The chunk's token: the outbox acks its reply. Its headers are dropped once parsed (it may be
+            # held: a worker's 64 KiB of headers, as in on_message), so it never holds them.
+            msg = Msg(nc, subject, reply, data, None)
+            try:  # chunk_subject(subject), inline; parse(..., parse_header_block(headers), ...) in one read
+                chunk = chunk_from_block(parse, chunks_head + subject[stored_head_length:], headers, data,
+                                         msg)
             except Exception:  # noqa: BLE001  (ContractError or a bug: on_message decides it)
                 return False
-            msg.headers = None  # parsed; its token (this Msg) may be held: headers and body, as in on_message
             msg.data = b""
             rid = chunk.request_id
             # store_read() is None for a first attempt's chunk of a known request, the common case:

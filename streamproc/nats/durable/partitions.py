@@ -272,7 +272,8 @@ class Partitions:
                                            pending_msgs_limit=self.settings.pending_msgs_limit,
                                            pending_bytes_limit=self.settings.pending_bytes_limit)
         if self.outbox_pump.inline:  # the common chunk handled in the read loop (on_message_inline)
-            self.nc.deliver_inline(part.sub, on_message_inline)
+            # raw_headers: the chunk is read from its header block in one pass (chunk_from_block)
+            self.nc.deliver_inline(part.sub, on_message_inline, raw_headers=True)
         part.active = True
         self.owned[n] = part
         await self.pulls.pull(part)
