@@ -13,7 +13,7 @@ from streamproc.codec import OmissionReason
 
 from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, METRICS, METRICS_034, NEVER_STREAMED_034, OUTPUT_MODE,
                      PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, UNARY_KEYS_034, USAGE_034, USAGE_CHUNK_FIELDS_034,
-                     ModelFields, choices_of, is_int, unavailable_key)
+                     ModelFields, choices_of, is_int, is_unary, unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
@@ -165,6 +165,27 @@ def _omit_unstreamed(folded: dict) -> None:
             folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
 
 
+def _older_model_and_usage(folded: dict, chunks: Sequence[dict]) -> None:
+    """``model`` and ``usage`` of a fold of older ``serve/disagg`` bodies (no ``output_mode``). No stream
+    chunk carries ``model`` (``GenerateStreamResponse`` declares ``request_id, choices, usage``), nor
+    ``usage`` without ``include_usage``; the unary answer has no such key (furionw/vllm @ 9cdf7782
+    ``protocol.py``: ``GenerateResponse`` declares ``request_id, choices, prompt_logprobs,
+    kv_transfer_params``, and pydantic's default ``extra="ignore"`` drops the ``model=model_name``,
+    ``usage=usage`` that ``serve_tokens_full_generator`` passes) or, in a later ``protocol.py`` (``model:
+    str | None``, ``usage: UsageInfo | None``), a string and an object, never ``null``. A stream does not
+    say which, so each is ``null`` with ``not_streamed`` (the omission policy), never a bare ``null`` read
+    as the engine's. A unary body (the join folds a prefill leg too) has what its engine wrote: a key none
+    of its bodies has stays out."""
+    if not any(is_unary(chunk) for chunk in chunks):
+        for field in ("model", "usage"):
+            if folded[field] is None and unavailable_key(field) not in folded:
+                folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
+        return
+    for field in ("model", "usage"):
+        if folded[field] is None and not any(field in chunk for chunk in chunks):
+            del folded[field]
+
+
 def fold_objects(chunks: Sequence[dict]) -> dict:
     """One unary body from parsed stream chunks (a single unary body folds to itself). A 0.34.0 body (it has
     ``output_mode``) gets every key of the unary ``GenerateResponseBase`` dump in its order (``UNARY_KEYS_034``):
@@ -199,6 +220,8 @@ def fold_objects(chunks: Sequence[dict]) -> dict:
         **extras,
     }
     _drop_reason_if_present(folded, PROMPT_LOGPROBS)
+    if OUTPUT_MODE not in folded:
+        _older_model_and_usage(folded, chunks)
     if OUTPUT_MODE in folded:  # a 0.34.0 body: the unary one's keys in its order, null where no chunk said
         folded = {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
         folded["usage"] = _dumped_whole(folded["usage"], USAGE_034)
