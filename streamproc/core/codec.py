@@ -231,6 +231,29 @@ def omission_markers(value: Any, out: dict[str, str] | None = None, depth: int =
     return out
 
 
+# A key ``"<field>_unavailable_reason":`` in JSON bytes: a quote directly after the suffix, then a colon, is a
+# key's end (a quote inside a string value is escaped, and a value is never followed by a colon).
+_MARKER_KEY = re.compile(rb'"([^"\\]*)' + re.escape(UNAVAILABLE_SUFFIX.encode()) + rb'"\s*:')
+
+
+def marker_names(body: bytes) -> set[bytes]:
+    """The fields a JSON body's ``<field>_unavailable_reason`` keys name, at any depth: one byte search
+    (linear), no parse."""
+    return set(_MARKER_KEY.findall(body))
+
+
+def fold_added_markers(bodies: Sequence[bytes], folded: bytes) -> bool:
+    """Whether :meth:`Codec.fold` wrote an omission marker none of the results it folded carries (a field
+    the unary answer has and the stream does not say): the answer is then ``omitted`` whatever its
+    results' verdicts (docs/protocol.md), never ``passthrough``, which says the worker's bytes untouched."""
+    added = marker_names(folded)
+    if not added:
+        return False
+    for body in bodies:
+        added -= marker_names(body)
+    return bool(added)
+
+
 class RowSource(enum.StrEnum):
     """Which worker computed a span of routed-expert rows."""
 

@@ -51,7 +51,8 @@ from starlette.types import Receive, Scope, Send
 
 from ..catalog import Catalog
 from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
-from ..core.codec import ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of, shown_kind
+from ..core.codec import (ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of,
+                          fold_added_markers, shown_kind)
 from ..core.defaults import RESULT_HELD_OVERHEAD
 from ..core.errors import InvalidCapability, StreamprocError
 from ..logs import carries_access_token, error_text, log_event
@@ -912,19 +913,28 @@ class Edge:
             (r.verdict for r in results if r.verdict is not None), key=_VERDICT_RANK.__getitem__, default=None
         )
         headers = {**PRIVATE, "Streamproc-Results": str(len(results))}
-        if verdict is not None:
-            headers["Streamproc-Join"] = verdict.value
         if len(results) == 1 and not self.codec.folds_alone(results[0].body):
             body = results[0].body
         else:
             try:
-                body = await anyio.to_thread.run_sync(self.codec.fold, [r.body for r in results])
+                body, added = await anyio.to_thread.run_sync(self.fold, [r.body for r in results])
             except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
                 self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
                 body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
                 return Response(body, status_code=500, media_type=ANSWER_MEDIA_TYPE, headers=PRIVATE)
+            if added:  # a field the fold could not say, marked: not the results' bytes (docs/protocol.md)
+                verdict = Verdict.OMITTED
+        if verdict is not None:
+            headers["Streamproc-Join"] = verdict.value
         return Response(body, status_code=self.answer_status(feed, body),
                         media_type=self.answer_media_type(feed, body), headers=headers)
+
+    def fold(self, bodies: list[bytes]) -> tuple[bytes, bool]:
+        """The codec's fold of a unary answer's results, and whether it added an omission marker none of
+        them carries (:func:`~streamproc.core.codec.fold_added_markers`, a byte search in the same worker
+        thread): such an answer is ``omitted``, whatever its results' verdicts."""
+        folded = self.codec.fold(bodies)
+        return folded, fold_added_markers(bodies, folded)
 
     def answer_status(self, feed: ResultFeed, body: bytes) -> int:
         """The status the aggregated engine answers ``body`` with as its unary answer: an error body's
