@@ -148,3 +148,41 @@ def test_next_in_line_says_yes_only_where_push_would_hand_out_that_one_result_an
         assert not order.done
     else:
         assert (order.next_seq, dict(order.pending), order.done, order.duplicates) == before
+
+
+def test_a_final_below_a_seq_already_handed_out_ends_the_reading_as_contradicted_not_clean():
+    """Results 0-9 handed out (none final), then a final at seq 2 (a writer with publish rights on the
+    results subject, or a broken processor: no processor makes one). Until 2026-12-07 it ended the
+    reading as ``ended_before_resume``, a clean end with results missing."""
+    order = SeqOrder()
+    for seq in range(10):
+        assert order.push(result(seq)) == [result(seq)]
+    assert order.push(result(2, final=True)) == []
+    assert order.done and order.contradicted == 2 and not order.ended_before_resume
+    assert order.push(result(10, final=True)) == []  # the ending holds
+
+
+@pytest.mark.parametrize("after", [5, 9])
+def test_a_final_below_the_resume_point_after_a_later_seq_was_seen_is_contradicted(after):
+    """A resume reads its Last-Event-ID's result again: seen not final, it rules out an earlier final."""
+    order = SeqOrder(after)
+    assert order.push(result(after)) == []
+    assert order.push(result(2, final=True)) == []
+    assert order.done and order.contradicted == 2 and not order.ended_before_resume
+
+
+@pytest.mark.parametrize(("final", "after"), [(4, 4), (4, 6), (0, 0), (0, 3)])
+def test_the_final_at_or_before_the_resume_point_with_nothing_past_it_seen_still_ends_clean(final, after):
+    """The honest cases: a Last-Event-ID at or past the final seq, earlier results read again first."""
+    order = SeqOrder(after)
+    for seq in range(final):
+        assert order.push(result(seq)) == []
+    assert order.push(result(final, final=True)) == []
+    assert order.done and order.ended_before_resume and order.contradicted is None
+
+
+def test_a_repeat_of_the_final_handed_out_is_a_duplicate_not_a_contradiction():
+    order = SeqOrder()
+    for seq in range(4):
+        order.push(result(seq, final=seq == 3))
+    assert order.push(result(3, final=True)) == [] and order.contradicted is None and order.duplicates == 1

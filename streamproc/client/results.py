@@ -402,6 +402,10 @@ class ResultStream:
                 self._ready_bytes += size
             if order.done:  # SeqOrder let go of whatever waited
                 self._waiting_bytes = 0
+                if order.contradicted is not None:  # what came before is handed out, then this
+                    self._error = MalformedResult(
+                        f"results of {self.request_id!r}: a final result at seq {order.contradicted} arrived "
+                        f"after seq {order.next_seq - 1}: no processor publishes one")
             elif ready:
                 self._waiting_bytes -= size - result.held_bytes
             elif order.duplicates == duplicates:  # kept behind a missing seq
@@ -561,6 +565,9 @@ class ResultCollector(AllResults):
             self._refuse(f"results of {rid!r}: {exc}")
             return
         if order.done:
+            if order.contradicted is not None and order.contradicted == result.seq and result.final:
+                self._refuse(f"results of {rid!r}: a final result at seq {result.seq} arrived after seq "
+                             f"{order.next_seq - 1}: no processor publishes one")
             for missing, done in self._waiters:
                 if rid in missing:
                     missing.discard(rid)

@@ -18,15 +18,21 @@ MAX_PENDING_RESULTS = defaults.MAX_PENDING_RESULTS
 class SeqOrder:
     """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
 
-    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "duplicates", "max_pending")
+    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "contradicted", "duplicates",
+                 "max_pending", "_start", "_highest")
 
     def __init__(self, after: int | None = None, *, max_pending: int = MAX_PENDING_RESULTS) -> None:
         self.next_seq = 0 if after is None else after + 1
         self.pending: dict[int, ResultInfo] = {}
         self.done = False
         self.ended_before_resume = False
+        # The seq of a final result that the results already seen contradict (below): the reading
+        # ended without all of them, which a reader must report, never take for a clean end.
+        self.contradicted: int | None = None
         self.duplicates = 0
         self.max_pending = max_pending
+        self._start = self.next_seq
+        self._highest = -1  # the highest seq push saw (next_in_line's are all handed out)
 
     def push(self, result: ResultInfo) -> list[ResultInfo]:
         """Results that can be handed out now, in order. Raises OverflowError when ``max_pending``
@@ -34,13 +40,29 @@ class SeqOrder:
         if self.done:
             self.duplicates += 1
             return []
-        if result.seq < self.next_seq:
-            if result.final:  # replayed final at or before the resume point: the client has it all
+        seq = result.seq
+        if seq < self.next_seq:
+            if not result.final:
+                self.duplicates += 1
+                if seq > self._highest:
+                    self._highest = seq
+            elif self.next_seq == self._start and seq >= self._highest:
+                # The final at or before the resume point, nothing handed out or seen past it: the
+                # client has it all (a Last-Event-ID at or past the final seq). The final handed out
+                # ended the reading (done, above), so a copy of it never gets here.
                 self.done = self.ended_before_resume = True
                 self.pending.clear()
             else:
-                self.duplicates += 1
+                # A final below a seq handed out or seen as not final: no processor makes one (a
+                # request's seqs end at its final, a migrated one's continue past the sealed attempt's).
+                # A writer with publish rights on the results subject, or a broken processor, would
+                # otherwise end every reader with a clean end and results missing.
+                self.done = True
+                self.contradicted = seq
+                self.pending.clear()
             return []
+        if seq > self._highest:
+            self._highest = seq
         if result.seq in self.pending:
             self.duplicates += 1
             return []

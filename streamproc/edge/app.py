@@ -65,7 +65,7 @@ from .metrics import EdgeCollector, EdgeMetrics
 from . import pacer
 from .direct import Departure, DirectFrames, UvicornBody, WriteBatch, watch_disconnect
 from .experts import MAX_BODIES_BYTES, MAX_BODY_BYTES, MAX_CLIENT_BODIES_BYTES, BodyBudget, build_view
-from .feed import Ended, Gap, Lost, Overrun, ResultFeed, StreamGone
+from .feed import Ended, Gap, Lost, Overrun, ResultFeed, StaleFinal, StreamGone
 from .settings import EdgeSettings
 from .source import ResultSource
 from . import stopping as stop
@@ -787,6 +787,10 @@ class Edge:
                 metrics.gaps += 1
                 yield sse.event(self.gap_body(feed, item)) + sse.DONE
                 return
+            if isinstance(item, StaleFinal):
+                metrics.stale_finals += 1
+                yield sse.event(self.stale_final_body(feed, item)) + sse.DONE
+                return
             if isinstance(item, Lost):
                 yield sse.event(self.lost_body(feed, item)) + sse.DONE
                 return
@@ -878,6 +882,10 @@ class Edge:
                 self.metrics.gaps += 1
                 return Response(self.gap_body(feed, item), status_code=500, media_type="application/json",
                                 headers=PRIVATE)
+            if isinstance(item, StaleFinal):  # not reachable without a result handed out; answer anyway
+                self.metrics.stale_finals += 1
+                return Response(self.stale_final_body(feed, item), status_code=500,
+                                media_type="application/json", headers=PRIVATE)
             if isinstance(item, Lost):
                 return Response(self.lost_body(feed, item), status_code=503, media_type="application/json",
                                 headers=PRIVATE)
@@ -977,6 +985,13 @@ class Edge:
         return self.codec.error_body(
             f"result seq {gap.missing} of request {feed.request_id} never arrived while {gap.waiting} later "
             f"ones did{hint}",
+            ErrorKind.INTERNAL,
+        )
+
+    def stale_final_body(self, feed: ResultFeed, stale: StaleFinal) -> bytes:
+        return self.codec.error_body(
+            f"a final result at seq {stale.seq} of request {feed.request_id} arrived after results up to seq "
+            f"{stale.next_seq - 1}: no processor publishes one; the results stream may hold another writer's",
             ErrorKind.INTERNAL,
         )
 

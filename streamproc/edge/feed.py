@@ -54,6 +54,14 @@ class Gap(msgspec.Struct, frozen=True):
     waiting: int
 
 
+class StaleFinal(msgspec.Struct, frozen=True):
+    """A final result at ``seq`` came after a later seq was seen (``SeqOrder.contradicted``): taken
+    for the end, it would close the stream clean with results missing."""
+
+    seq: int
+    next_seq: int
+
+
 class Lost(msgspec.Struct, frozen=True):
     """The subscription died under the feed (connection closed, server dropped it)."""
 
@@ -75,7 +83,7 @@ class StreamGone(msgspec.Struct, frozen=True):
     reason: str
 
 
-FeedItem = ResultInfo | Ended | Gap | Lost | Overrun | StreamGone
+FeedItem = ResultInfo | Ended | Gap | StaleFinal | Lost | Overrun | StreamGone
 
 
 class ResultFeed:
@@ -143,7 +151,8 @@ class ResultFeed:
             if self.ready:
                 return self.ready.popleft()
             if self.order.done:
-                return Ended()
+                contradicted = self.order.contradicted
+                return Ended() if contradicted is None else StaleFinal(contradicted, self.order.next_seq)
             now = time.monotonic()
             if self.order.pending or self.lost_stored:
                 if self._gap_since is None:

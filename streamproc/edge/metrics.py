@@ -58,6 +58,7 @@ class EdgeMetrics(msgspec.Struct):
     duplicates_dropped: int = 0
     malformed_results: int = 0
     gaps: int = 0
+    stale_finals: int = 0
     result_timeouts: int = 0
     keepalives_sent: int = 0
     jetstream_replays: int = 0
@@ -138,6 +139,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "duplicates_dropped": ("counter", "repeated results dropped (same seq seen twice)"),
     "malformed_results": ("counter", "messages on a result subject that break the wire contract"),
     "gaps": ("counter", "streams ended because a seq stayed missing for --gap-timeout"),
+    "stale_finals": ("counter", "streams ended with an error by a final result below a seq already seen"),
     "result_timeouts": ("counter", "streams ended because no result came for --result-timeout"),
     "keepalives_sent": ("counter", "keep-alive comments sent"),
     "jetstream_replays": ("counter", "streams read from the JetStream results stream (replay, then live)"),

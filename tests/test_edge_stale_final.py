@@ -1,0 +1,128 @@
+"""A final result stored or published again with a seq below what the reader already has (results
+0-9 delivered, then a final at seq 2): a writer with publish rights on the request's results subject,
+or a broken processor, since no processor makes one (a request's seqs end at its final; a migrated
+request's continue at the sealed attempt's ``result_seq``, docs/protocol.md). Until 2026-12-07
+``SeqOrder`` took it for "a replayed final at or before the resume point" and every reader, the edge's
+opens and resumes and the client helpers, ended clean (``[DONE]``, ``StopAsyncIteration``) with
+results missing. Now the edge ends the stream with an ``internal`` error event and ``follow`` raises
+``MalformedResult``, after what came before. The honest cases (a copy of the final already sent,
+live or stored twice; a Last-Event-ID at or past the final seq) are served byte for byte as before.
+Real nats-server, real `streamproc edge` subprocess over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from edge_harness import expected_sse, running_edge
+from helpers import connection, rid, wait_until
+
+from streamproc import MalformedResult, follow
+from streamproc.core.events import Result
+from streamproc.core.wire import MSG_ID, result_headers
+from streamproc.wire import Subjects
+
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def body(seq: int) -> bytes:
+    return b'{"text":"%d"}' % seq
+
+
+async def store(nc, subjects: Subjects, request_id: str, seqs: list[tuple[int, bool]], *,
+                live: bool = False) -> None:
+    """Stored through JetStream, each acknowledged (``live``: published on core NATS, flushed). A
+    repeated seq goes without the processor's ``Nats-Msg-Id`` (``<request id>.<seq>``), which the
+    results stream would deduplicate within its ``--duplicate-window``: a hostile writer sets another
+    or none, and a processor's republish after the window is stored again."""
+    js, seen = nc.jetstream(), set()
+    for seq, final in seqs:
+        headers = result_headers(Result(request_id, seq, body(seq), final))
+        if seq in seen:
+            del headers[MSG_ID]
+        seen.add(seq)
+        if live:
+            await nc.publish(subjects.result(request_id), body(seq), headers=headers)
+        else:
+            await js.publish(subjects.result(request_id), body(seq), headers=headers)
+    await nc.flush()
+
+
+def assert_stale_final(content: bytes, first: int, request_id: str) -> None:
+    """Results ``first``..9 exactly as served before, then one error event naming the final, then [DONE]."""
+    served = expected_sse([body(k) for k in range(first, 10)], start=first).removesuffix(DONE)
+    assert content.startswith(served), content
+    rest = content[len(served):]
+    assert rest.count(b"data: ") == 2 and rest.endswith(DONE), rest
+    assert f"a final result at seq 2 of request {request_id}".encode() in rest, rest
+
+
+async def test_a_final_below_results_already_delivered_ends_every_reader_with_an_error_not_done(nats_server):
+    subjects = Subjects("stalefinal")
+    stored_id, live_id = rid("stored"), rid("live")
+    hostile = [(seq, False) for seq in range(10)] + [(2, True)]
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--result-timeout", "10") as edge:
+        async with connection(nats_server.url) as nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            await store(nc, subjects, stored_id, hostile)
+            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 10, 15,
+                             "stored")
+
+            async def resume(after: int) -> bytes:
+                response = await client.get(f"/v1/results/{stored_id}", headers={"Last-Event-ID": str(after)})
+                assert response.status_code == 200, response.text
+                return response.content
+
+            opened = (await client.get(f"/v1/results/{stored_id}")).content
+            resumed = await asyncio.gather(*(resume(after) for after in range(9)))
+            async with client.stream("GET", f"/v1/results/{live_id}") as live:
+                assert live.status_code == 200
+                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "opened")
+                await store(nc, subjects, live_id, hostile, live=True)
+                live_content = await live.aread()
+
+            assert_stale_final(opened, 0, stored_id)
+            for after, content in enumerate(resumed):
+                assert_stale_final(content, after + 1, stored_id)
+            assert_stale_final(live_content, 0, live_id)
+            assert edge.metrics()["streamproc_edge_stale_finals_total"] == 1 + 9 + 1
+            # The client helper (streamproc.client.results), reading the same results from the stream.
+            async with follow(nc, subjects, live_id, timeout=30, replay=True) as results:
+                got = []
+                with pytest.raises(MalformedResult, match="final result at seq 2"):
+                    async for result in results:
+                        got.append(result.seq)
+                assert got == list(range(10))
+
+
+async def test_honest_repeats_of_the_final_and_resumes_past_it_are_served_as_before(nats_server):
+    """A copy of the final already sent (stored twice, published twice live: a processor's republish
+    outside the duplicate window), a Last-Event-ID at, or past, the final seq: exactly as before."""
+    subjects = Subjects("honestfinal")
+    stored_id, live_id = rid("stored"), rid("live")
+    honest = [(seq, seq == 4) for seq in range(5)] + [(4, True)]
+    expected = expected_sse([body(k) for k in range(5)])
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--result-timeout", "10") as edge:
+        async with connection(nats_server.url) as nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            await store(nc, subjects, stored_id, honest)
+            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 5, 15,
+                             "stored")
+            assert (await client.get(f"/v1/results/{stored_id}")).content == expected
+            for after in range(8):
+                response = await client.get(f"/v1/results/{stored_id}", headers={"Last-Event-ID": str(after)})
+                rest = [body(k) for k in range(after + 1, 5)]
+                want = expected_sse(rest, start=after + 1) if after < 4 else DONE
+                assert response.content == want, (after, response.content)
+            async with client.stream("GET", f"/v1/results/{live_id}") as live:
+                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "opened")
+                await store(nc, subjects, live_id, honest, live=True)
+                assert await live.aread() == expected
+            async with follow(nc, subjects, live_id, timeout=30, replay=True) as results:
+                assert [r.seq async for r in results] == list(range(5))
+            assert edge.metrics()["streamproc_edge_stale_finals_total"] == 0
