@@ -289,41 +289,50 @@ _RESULT_SLOTS: dict[bytes, int] = {}
 _VERDICT_BYTES: dict[bytes, Verdict] = {v.value.encode(): v for v in Verdict}
 
 
-def _result_slot(name: bytes) -> int:
+def _slot(name: bytes, fields: dict[str, int], cache: dict[bytes, int]) -> int:
+    """The slot of header name bytes ``name`` in ``fields`` (-1: not read, or a line nats-py drops),
+    learnt into ``cache`` (bounded as _NAMES)."""
     key = _NAMES.get(name)
     if key is None:
         key = _name(name)
-    slot = -1 if key is _SKIP else _RESULT_FIELDS.get(key, -1)
-    if len(_RESULT_SLOTS) < _MAX_CACHED and len(name) <= _MAX_CACHED_LEN:
-        _RESULT_SLOTS[name] = slot
+    slot = -1 if key is _SKIP else fields.get(key, -1)
+    if len(cache) < _MAX_CACHED and len(name) <= _MAX_CACHED_LEN:
+        cache[name] = slot
     return slot
 
 
-def result_from_block(subjects: Subjects, subject: str, headers: bytes, body: bytes) -> ResultInfo:
-    """``result_from_message(subjects, subject, parse_header_block(headers), body)`` read straight
-    from the raw block (the same callers' checks: len > 10, byte 8 not a space), for the edge's
-    fan-out, once per SSE event: no dict, no second Python call, and a plain seq and a known verdict
-    are read as bytes, undecoded (docs/benchmarks.md, "Edge CPU per event, sixth pass"). Each line
-    is taken as ``parse_header_block`` takes it (the same name rule, the last of a repeated name
-    wins); anything but a plain seq, an absent/``true``/``false`` final and an absent, empty or
-    known verdict, and a block over ``MAX_HEADER_LINES``, goes the two-step way, for the same value
-    or the same error (tests/test_result_block.py compares the two on random blocks)."""
-    if headers.count(b"\n") > MAX_HEADER_LINES:
-        return result_from_message(subjects, subject, parse_header_block(headers), body)
+def _block_values(headers: bytes, fields: dict[str, int], cache: dict[bytes, int]) -> list[bytes | None]:
+    """The raw values of ``fields``' five names in a header block, each line taken as
+    ``parse_header_block`` takes it (the same name rule; the last of a repeated name wins): the one
+    line walk of :func:`result_from_block` and :func:`chunk_from_block`."""
     values: list[bytes | None] = [None, None, None, None, None]
-    slots = _RESULT_SLOTS
     for line in headers[10:].split(_CRLF):
         if not line:
             continue
         name, sep, value = line.partition(b":")
         if not sep:
             continue
-        slot = slots.get(name)
+        slot = cache.get(name)
         if slot is None:
-            slot = _result_slot(name)
+            slot = _slot(name, fields, cache)
         if slot >= 0:
             values[slot] = value
-    seq, final, join, error, traceparent = values
+    return values
+
+
+def result_from_block(subjects: Subjects, subject: str, headers: bytes, body: bytes) -> ResultInfo:
+    """``result_from_message(subjects, subject, parse_header_block(headers), body)`` read straight
+    from the raw block (the same callers' checks: len > 10, byte 8 not a space), for the edge's
+    fan-out, once per SSE event: no dict, one line walk (:func:`_block_values`), and a plain seq and
+    a known verdict are read as bytes, undecoded (docs/benchmarks.md, "Edge CPU per event, sixth
+    pass"). Each line
+    is taken as ``parse_header_block`` takes it (the same name rule, the last of a repeated name
+    wins); anything but a plain seq, an absent/``true``/``false`` final and an absent, empty or
+    known verdict, and a block over ``MAX_HEADER_LINES``, goes the two-step way, for the same value
+    or the same error (tests/test_result_block.py compares the two on random blocks)."""
+    if headers.count(b"\n") > MAX_HEADER_LINES:
+        return result_from_message(subjects, subject, parse_header_block(headers), body)
+    seq, final, join, error, traceparent = _block_values(headers, _RESULT_FIELDS, _RESULT_SLOTS)
     if seq is None or not (seq := seq.strip()).isdigit() or len(seq) > 18:  # bytes.isdigit: ASCII digits only
         return result_from_message(subjects, subject, parse_header_block(headers), body)
     if final is not None:
@@ -355,21 +364,11 @@ _CHUNK_FIELDS = {SEQ: 0, FINAL: 1, ATTEMPT: 2, FORMAT: 3, TRACEPARENT: 4}
 _CHUNK_SLOTS: dict[bytes, int] = {}
 
 
-def _chunk_slot(name: bytes) -> int:
-    key = _NAMES.get(name)
-    if key is None:
-        key = _name(name)
-    slot = -1 if key is _SKIP else _CHUNK_FIELDS.get(key, -1)
-    if len(_CHUNK_SLOTS) < _MAX_CACHED and len(name) <= _MAX_CACHED_LEN:
-        _CHUNK_SLOTS[name] = slot
-    return slot
-
-
 def chunk_from_block(parse: ChunkParser, subject: str, headers: Any, body: bytes, token: Any = None) -> Chunk:
     """``parse(subject, parse_header_block(headers), body, token)`` read straight from the raw block
     (the same callers' checks: len > 10, byte 8 not a space), for the durable processor's inline chunk
-    handler, once per chunk: no dict, no second Python call (docs/benchmarks.md, "Durable chunks read
-    from the raw header block"). Each line is taken as ``parse_header_block`` takes it (the same name
+    handler, once per chunk: no dict, one line walk (:func:`_block_values`) (docs/benchmarks.md,
+    "Durable chunks read from the raw header block"). Each line is taken as ``parse_header_block`` takes it (the same name
     rule, the last of a repeated name wins). What ``ChunkParser``'s straight line accepts (a valid id
     and role, a plain seq, an absent/``true``/``false`` final, an absent or ``0`` attempt) is built
     here the same way; anything else, a block over ``MAX_HEADER_LINES``, and ``headers`` already
@@ -379,20 +378,7 @@ def chunk_from_block(parse: ChunkParser, subject: str, headers: Any, body: bytes
         return parse(subject, headers, body, token)
     if headers.count(b"\n") > MAX_HEADER_LINES:
         return parse(subject, parse_header_block(headers), body, token)
-    values: list[bytes | None] = [None, None, None, None, None]
-    slots = _CHUNK_SLOTS
-    for line in headers[10:].split(_CRLF):
-        if not line:
-            continue
-        name, sep, value = line.partition(b":")
-        if not sep:
-            continue
-        slot = slots.get(name)
-        if slot is None:
-            slot = _chunk_slot(name)
-        if slot >= 0:
-            values[slot] = value
-    seq, final, attempt, fmt, traceparent = values
+    seq, final, attempt, fmt, traceparent = _block_values(headers, _CHUNK_FIELDS, _CHUNK_SLOTS)
     request_id, _, role = subject[parse.cut:].rpartition(".")
     found = ROLES.get(role)
     # ChunkParser.__call__'s straight-line test, on the raw values (bytes.isdigit: ASCII digits only;
