@@ -186,3 +186,39 @@ def test_a_repeat_of_the_final_handed_out_is_a_duplicate_not_a_contradiction():
     for seq in range(4):
         order.push(result(seq, final=seq == 3))
     assert order.push(result(3, final=True)) == [] and order.contradicted is None and order.duplicates == 1
+
+
+@st.composite
+def honest_readings(draw):
+    """An honest request's results 0..n (the last final, or a final error result), each delivered
+    one or more times (a JetStream replay overlapping the live subscription, a processor's republish
+    after a crash), in any order, after an optional resume point at, before or past the final; each
+    delivery offered first to ``next_in_line`` (the edge's direct path) or not."""
+    n = draw(st.integers(0, 10))
+    deliveries = draw(st.permutations(list(range(n + 1))))
+    deliveries = draw(st.permutations(deliveries + draw(st.lists(st.integers(0, n), max_size=30))))
+    after = draw(st.none() | st.integers(0, n + 2))
+    direct = draw(st.lists(st.booleans(), min_size=len(deliveries), max_size=len(deliveries)))
+    error = draw(st.sampled_from([None, "timeout", "internal"]))
+    return n, deliveries, after, direct, error
+
+
+@outbox_settings
+@given(honest_readings())
+def test_no_interleaving_of_an_honest_request_s_results_is_ever_contradicted(case):
+    """The risk of ``contradicted``: an honest stream ended with an error. Seqs end at the final
+    (a migrated request's continue at the seal's ``result_seq``: still one run 0..n), so however
+    copies of them interleave, and wherever the reader resumes, the reading ends clean."""
+    n, deliveries, after, direct, error = case
+    order = SeqOrder(after)
+    out = []
+    for seq, fast in zip(deliveries, direct):
+        r = result(seq, final=seq == n, error=error if seq == n else None)
+        if fast and order.next_in_line(r):
+            out.append(seq)
+        else:
+            out.extend(x.seq for x in order.push(r))
+        assert order.contradicted is None, (seq, out)
+    start = 0 if after is None else after + 1
+    assert out == list(range(start, n + 1)) and order.done
+    assert order.ended_before_resume == (start > n)
