@@ -126,3 +126,54 @@ async def test_honest_repeats_of_the_final_and_resumes_past_it_are_served_as_bef
             async with follow(nc, subjects, live_id, timeout=30, replay=True) as results:
                 assert [r.seq async for r in results] == list(range(5))
             assert edge.metrics()["streamproc_edge_stale_finals_total"] == 0
+
+
+async def test_a_processor_s_error_result_below_results_delivered_reaches_every_reader(nats_server):
+    """Core mode, a processor restarted mid-request: results 0-5 came from the old one; the new one
+    never saw their chunks and ends the request with its ``timeout`` error result at seq 0
+    (``Correlator._fail``: "a final error result at the next seq", its own next seq being 0). Since
+    6c39a77 every reader reported a stale final ("another writer's"), the processor's error lost."""
+    subjects = Subjects("errorbelow")
+    stored_id, live_id = rid("stored"), rid("live")
+    error_body = b'{"error":{"message":"no chunk for 300 s","type":"timeout"}}'
+
+    async def publish(nc, request_id: str, *, live: bool) -> None:
+        js = nc.jetstream()
+        for seq in range(6):
+            headers = result_headers(Result(request_id, seq, body(seq), False))
+            if live:
+                await nc.publish(subjects.result(request_id), body(seq), headers=headers)
+            else:
+                await js.publish(subjects.result(request_id), body(seq), headers=headers)
+        headers = result_headers(Result(request_id, 0, error_body, True, error="timeout"))
+        del headers[MSG_ID]  # past the duplicate window (request_timeout 300 s > the 2 min default)
+        if live:
+            await nc.publish(subjects.result(request_id), error_body, headers=headers)
+        else:
+            await js.publish(subjects.result(request_id), error_body, headers=headers)
+        await nc.flush()
+
+    def assert_error_end(content: bytes, first: int) -> None:
+        served = expected_sse([body(k) for k in range(first, 6)], start=first).removesuffix(DONE)
+        assert content.startswith(served), content
+        rest = content[len(served):]
+        assert error_body in rest and b"another writer" not in rest and rest.endswith(DONE), rest
+
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--result-timeout", "10") as edge:
+        async with connection(nats_server.url) as nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            await publish(nc, stored_id, live=False)
+            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 6, 15, "stored")
+            assert_error_end((await client.get(f"/v1/results/{stored_id}")).content, 0)
+            for after in range(5):
+                response = await client.get(f"/v1/results/{stored_id}", headers={"Last-Event-ID": str(after)})
+                assert_error_end(response.content, after + 1)
+            async with client.stream("GET", f"/v1/results/{live_id}") as live:
+                await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] >= 1, 15, "opened")
+                await publish(nc, live_id, live=True)
+                assert_error_end(await live.aread(), 0)
+            assert edge.metrics()["streamproc_edge_stale_finals_total"] == 0
+            async with follow(nc, subjects, live_id, timeout=30, replay=True) as results:
+                got = [(r.seq, r.error) async for r in results]
+            assert got == [(seq, None) for seq in range(6)] + [(0, "timeout")]

@@ -222,3 +222,18 @@ def test_no_interleaving_of_an_honest_request_s_results_is_ever_contradicted(cas
     start = 0 if after is None else after + 1
     assert out == list(range(start, n + 1)) and order.done
     assert order.ended_before_resume == (start > n)
+
+
+@pytest.mark.parametrize("after", [None, 3])
+def test_a_processor_s_error_result_below_what_the_reader_has_is_handed_out_as_the_end(after):
+    """Core mode, a processor restarted mid-request: results 0-5 came from the old one, the new one
+    never saw their chunks and ends the request with its ``timeout`` error result at seq 0 (as a
+    refused migrate of a request it never saw ends it with ``migration_refused`` at seq 0). Since
+    6c39a77 that was ``contradicted`` (an edge said another writer's final), the error lost."""
+    order = SeqOrder(after)
+    for seq in range(6):
+        order.push(result(seq))
+    error = result(0, final=True, error="timeout")
+    assert order.push(error) == [error]
+    assert order.done and order.contradicted is None and not order.ended_before_resume
+    assert order.push(result(6, final=True)) == [] and order.duplicates >= 1

@@ -52,9 +52,18 @@ class SeqOrder:
                 # ended the reading (done, above), so a copy of it never gets here.
                 self.done = self.ended_before_resume = True
                 self.pending.clear()
+            elif result.error is not None:
+                # A processor's error result below what the reader has: its own word that the request
+                # failed, from one that never saw the earlier results published (core mode, restarted
+                # mid-request: Correlator._fail puts request_timeout's error, or a refused migrate's,
+                # at its own next seq, 0). Handed out as the end, so the reader reports that error.
+                self.done = True
+                self.pending.clear()
+                return [result]
             else:
-                # A final below a seq handed out or seen as not final: no processor makes one (a
-                # request's seqs end at its final, a migrated one's continue past the sealed attempt's).
+                # A final (not an error) below a seq handed out or seen as not final: no processor makes
+                # one (a request's seqs end at its final, a migrated one's continue past the sealed
+                # attempt's).
                 # A writer with publish rights on the results subject, or a broken processor, would
                 # otherwise end every reader with a clean end and results missing.
                 self.done = True
