@@ -185,6 +185,12 @@ class StartupError(StreamprocError, RuntimeError):
     """A component cannot start (unknown format, broken codec, NATS unreachable). A user error."""
 
 
+class NatsPyUnsupported(StartupError):
+    """The installed nats-py lacks what streamproc reads of it (its supported range, or an internal
+    listed in nats/internals.py): the edge refuses to start, the stock-path client to connect. Its text
+    is one line."""
+
+
 class StaleBuild(StartupError):
     """A compiled module (scripts/build-compiled) whose source changed since it was built: the
     compiled one would run in the edited source's place, so streamproc refuses to import."""

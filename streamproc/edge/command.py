@@ -58,7 +58,8 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     from .connections import raise_descriptor_limit
     from .server import server_class, server_config
     from .heap import tune_allocator
-    from .pending import NatsPyUnsupported, require_support
+    from ..core.errors import NatsPyUnsupported
+    from .pending import require_support
 
     environ = os.environ if environ is None else environ
     try:

@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
 from ..core.defaults import RESULT_HELD_OVERHEAD
-from ..core.errors import StartupError
+from ..core.errors import NatsPyUnsupported
 from ..nats.fast_client import STOCK_CLIENT_ENV, outside_supported_range, supported_range
 from ..nats.internals import EDGE_INTERNALS, missing
 
@@ -296,10 +296,6 @@ def pending_support(version: str | None = None) -> tuple[bool, str]:
     if wrong:
         return False, f"nats-py {version} internals differ: {', '.join(wrong)}"
     return True, f"nats-py {version}"
-
-
-class NatsPyUnsupported(StartupError):
-    """The installed nats-py cannot run the edge (:func:`pending_support`); its text is one line."""
 
 
 def require_support() -> str:

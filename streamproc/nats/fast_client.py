@@ -1126,7 +1126,7 @@ _parser_ok: tuple[bool, str] | None = None
 
 def new_client() -> RobustClient:
     """A :class:`FastClient` when the installed nats-py is supported, else the stock-path
-    :class:`RobustClient` (logged once per process); :class:`internals.NatsPyInternalsMissing` when
+    :class:`RobustClient` (logged once per process); :class:`errors.NatsPyUnsupported` when
     nats-py lacks an internal RobustClient reads."""
     global _support
     require_stock_support()  # both clients are RobustClients: no fallback below them (internals.py)

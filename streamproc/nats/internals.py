@@ -21,7 +21,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js.client import JetStreamContext
 
-from ..core.errors import StartupError
+from ..core.errors import NatsPyUnsupported
 
 # "Owner.attribute": the edge's (instance attributes as nats-py 2.16's constructors set them, or
 # methods/class attributes).
@@ -103,15 +103,11 @@ def missing(names: tuple[str, ...]) -> list[str]:
     return gone
 
 
-class NatsPyInternalsMissing(StartupError):
-    """The installed nats-py lacks an internal the stock-path client reads; its text is one line."""
-
-
 _stock_missing: list[str] | None = None
 
 
 def require_stock_support() -> None:
-    """Raise :class:`NatsPyInternalsMissing` when nats-py lacks one of :data:`STOCK_CLIENT_INTERNALS`
+    """Raise :class:`NatsPyUnsupported` when nats-py lacks one of :data:`STOCK_CLIENT_INTERNALS`
     (checked once per process): below the stock path there is no client to fall back to, and running
     without one of its fixes would fail silently (see the list)."""
     global _stock_missing
@@ -120,7 +116,7 @@ def require_stock_support() -> None:
     if _stock_missing:
         from nats.aio.client import __version__ as version
 
-        raise NatsPyInternalsMissing(
+        raise NatsPyUnsupported(
             f"installed nats-py {version} lacks internals streamproc's NATS client reads "
             f"({', '.join(_stock_missing)}); use a nats-py release that has them "
             "(docs/operations.md, Supported dependency versions)")
