@@ -67,7 +67,7 @@ from nats.js.api import DEFAULT_PREFIX as JS_API_PREFIX
 
 from ..core.defaults import CLIENT_BUFFER_BYTES, RESULT_HELD_OVERHEAD
 from ..core.errors import MalformedResult, ReplayRefused, ResultsOverrun
-from ..core.reorder import SeqOrder
+from ..core.reorder import SeqOrder, stale_final_text
 from ..core.replay_pull import PullState
 from ..core.wire import (MAX_REQUEST_ID_LEN, ContractError, ResultInfo, Subjects, check_request_id,
                          result_from_message)
@@ -404,8 +404,7 @@ class ResultStream:
                 self._waiting_bytes = 0
                 if order.contradicted is not None:  # what came before is handed out, then this
                     self._error = MalformedResult(
-                        f"results of {self.request_id!r}: a final result at seq {order.contradicted} arrived "
-                        f"after seq {order.next_seq - 1}: no processor publishes one")
+                        stale_final_text(self.request_id, order.contradicted, order.next_seq - 1))
             elif ready:
                 self._waiting_bytes -= size - result.held_bytes
             elif order.duplicates == duplicates:  # kept behind a missing seq
@@ -566,8 +565,7 @@ class ResultCollector(AllResults):
             return
         if order.done:
             if order.contradicted is not None and order.contradicted == result.seq and result.final:
-                self._refuse(f"results of {rid!r}: a final result at seq {result.seq} arrived after seq "
-                             f"{order.next_seq - 1}: no processor publishes one")
+                self._refuse(stale_final_text(rid, result.seq, order.next_seq - 1))
             for missing, done in self._waiters:
                 if rid in missing:
                     missing.discard(rid)

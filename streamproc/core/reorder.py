@@ -15,6 +15,13 @@ from .events import ResultInfo
 MAX_PENDING_RESULTS = defaults.MAX_PENDING_RESULTS
 
 
+def stale_final_text(request_id: str, seq: int, last: int) -> str:
+    """What a reader says of a :attr:`SeqOrder.contradicted` final (the edge's error event, the client
+    helpers' MalformedResult): one text for both."""
+    return (f"a final result at seq {seq} of request {request_id} arrived after results up to seq {last}: "
+            "no processor publishes one")
+
+
 class SeqOrder:
     """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
 

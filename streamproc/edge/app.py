@@ -55,6 +55,7 @@ from ..core.codec import (ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type
                           fold_added_markers, shown_kind)
 from ..core.defaults import RESULT_HELD_OVERHEAD
 from ..core.errors import InvalidCapability, StreamprocError
+from ..core.reorder import stale_final_text
 from ..logs import carries_access_token, error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
 from . import sse
@@ -990,8 +991,8 @@ class Edge:
 
     def stale_final_body(self, feed: ResultFeed, stale: StaleFinal) -> bytes:
         return self.codec.error_body(
-            f"a final result at seq {stale.seq} of request {feed.request_id} arrived after results up to seq "
-            f"{stale.next_seq - 1}: no processor publishes one; the results stream may hold another writer's",
+            stale_final_text(feed.request_id, stale.seq, stale.next_seq - 1)
+            + "; the results stream may hold another writer's",
             ErrorKind.INTERNAL,
         )
 
