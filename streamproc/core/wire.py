@@ -66,8 +66,7 @@ def over_header_lines(block: bytes) -> dict[str, str] | None:
     return None
 
 
-_ROLES = {r.value: r for r in Role}
-ROLES = _ROLES  # a role's subject token -> Role (ChunkParser and fast_client.chunk_from_block read it)
+ROLES = {r.value: r for r in Role}  # a role's subject token -> Role (also fast_client.chunk_from_block's)
 _FORBIDDEN_TOKEN_CHARS = frozenset(" \t\r\n.*>")
 MAX_REQUEST_ID_LEN = 256
 # A longer traceparent is taken as absent. W3C's version 00 is 55 characters; the processor keeps a
@@ -149,7 +148,7 @@ class Subjects(msgspec.Struct, frozen=True):
         if not valid_request_id(request_id):
             # Nobody can be answered on a subject built from it: counted and logged, never answered.
             raise ContractError(f"subject {subject!r}: the request id is not {REQUEST_ID_RULE}")
-        found = _ROLES.get(role)
+        found = ROLES.get(role)
         if found is None:
             raise ContractError(f"unknown role {role!r} (expected agg, prefill or decode)", request_id)
         return request_id, found
@@ -230,7 +229,7 @@ class ChunkParser:
     def __call__(self, subject: str, headers: Mapping[str, str] | None, body: bytes, token: Any = None) -> Chunk:
         if headers is not None and subject.startswith(self.head):
             request_id, _, role = subject[self.cut:].rpartition(".")
-            found = _ROLES.get(role)
+            found = ROLES.get(role)
             seq = headers.get(SEQ)
             final = headers.get(FINAL)
             attempt = headers.get(ATTEMPT)
