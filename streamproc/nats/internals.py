@@ -96,7 +96,7 @@ def missing(names: tuple[str, ...]) -> list[str]:
     made = owners()
     gone = []
     for name in names:
-        owner, attribute = name.split(".", 1) if not name.startswith("asyncio.") else ("asyncio.Queue", name[14:])
+        owner, _, attribute = name.rpartition(".")  # "asyncio.Queue._get": owner "asyncio.Queue"
         obj = made[owner]
         if obj is None or not hasattr(obj, attribute):
             gone.append(name)
