@@ -220,9 +220,9 @@ def fold_objects(chunks: Sequence[dict]) -> dict:
         **extras,
     }
     _drop_reason_if_present(folded, PROMPT_LOGPROBS)
-    if OUTPUT_MODE not in folded:
+    if OUTPUT_MODE not in folded:  # an older serve/disagg body
         _older_model_and_usage(folded, chunks)
-    if OUTPUT_MODE in folded:  # a 0.34.0 body: the unary one's keys in its order, null where no chunk said
+    else:  # a 0.34.0 body: the unary one's keys in its order, null where no chunk said
         folded = {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
         folded["usage"] = _dumped_whole(folded["usage"], USAGE_034)
         folded[METRICS] = _dumped_whole(folded[METRICS], METRICS_034)
