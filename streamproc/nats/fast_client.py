@@ -325,9 +325,8 @@ def result_from_block(subjects: Subjects, subject: str, headers: bytes, body: by
     from the raw block (the same callers' checks: len > 10, byte 8 not a space), for the edge's
     fan-out, once per SSE event: no dict, one line walk (:func:`_block_values`), and a plain seq and
     a known verdict are read as bytes, undecoded (docs/benchmarks.md, "Edge CPU per event, sixth
-    pass"). Each line
-    is taken as ``parse_header_block`` takes it (the same name rule, the last of a repeated name
-    wins); anything but a plain seq, an absent/``true``/``false`` final and an absent, empty or
+    pass"). Each line is taken as ``parse_header_block`` takes it (the same name rule, the last of a
+    repeated name wins); anything but a plain seq, an absent/``true``/``false`` final and an absent, empty or
     known verdict, and a block over ``MAX_HEADER_LINES``, goes the two-step way, for the same value
     or the same error (tests/test_result_block.py compares the two on random blocks)."""
     if headers.count(b"\n") > MAX_HEADER_LINES:
@@ -368,8 +367,8 @@ def chunk_from_block(parse: ChunkParser, subject: str, headers: Any, body: bytes
     """``parse(subject, parse_header_block(headers), body, token)`` read straight from the raw block
     (the same callers' checks: len > 10, byte 8 not a space), for the durable processor's inline chunk
     handler, once per chunk: no dict, one line walk (:func:`_block_values`) (docs/benchmarks.md,
-    "Durable chunks read from the raw header block"). Each line is taken as ``parse_header_block`` takes it (the same name
-    rule, the last of a repeated name wins). What ``ChunkParser``'s straight line accepts (a valid id
+    "Durable chunks read from the raw header block"). Each line is taken as ``parse_header_block``
+    takes it (the same name rule, the last of a repeated name wins). What ``ChunkParser``'s straight line accepts (a valid id
     and role, a plain seq, an absent/``true``/``false`` final, an absent or ``0`` attempt) is built
     here the same way; anything else, a block over ``MAX_HEADER_LINES``, and ``headers`` already
     parsed (a dict or None) go the two-step way, for the same chunk or the same ContractError
