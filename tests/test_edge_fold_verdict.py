@@ -13,9 +13,12 @@ carried. Bodies from upstream shapes (vLLM 0.34.0 ``serve_tokens_stream_generato
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from edge_harness import publish_results, running_edge
 from helpers import rid, upstream_json
 
@@ -79,3 +82,32 @@ def test_only_marker_keys_count_not_values_that_read_like_one():
     assert marker_names(values) == set()
     assert marker_names(b'{"a":[{"model_unavailable_reason" : "not_streamed"}]}') == {b"model"}
     assert fold_added_markers([b'{"model_unavailable_reason":"x"}'], b'{"model_unavailable_reason":"x"}') is False
+
+
+# The rule marker_names implements, as the regex it replaced (which backtracks over a whole long string value).
+MARKER_KEY_REGEX = re.compile(rb'"([^"\\]*)_unavailable_reason"\s*:')
+MARKER_PIECES = [b'"', b"\\", b":", b" ", b"\n", b"a", b"model", b"_unavailable_reason", b'_unavailable_reason"',
+                 b'_unavailable_reason":', b'"x_unavailable_reason" :', b"{", b"}", b",", b"\xff"]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(MARKER_PIECES), max_size=40))
+def test_marker_names_finds_exactly_the_keys_the_marker_key_regex_finds(pieces):
+    """Any bytes, JSON or not (quotes, escapes, colons and whitespace around the suffix, names that hold it):
+    the find/rfind scan gives the regex's non-overlapping matches, no more and no fewer."""
+    body = b"".join(pieces)
+    assert marker_names(body) == set(MARKER_KEY_REGEX.findall(body)), body
+
+
+def test_marker_names_on_long_values_and_repeated_suffixes_matches_the_regex():
+    """The shapes that make the scan walk far: a 1 MB string value before a key, a value ending in the suffix,
+    thousands of suffixes in one value, whitespace before the colon."""
+    bodies = [
+        json.dumps({"text": "x" * 1_000_000, "model_unavailable_reason": "not_streamed"}).encode(),
+        json.dumps({"text": "x" * 1_000_000 + "_unavailable_reason", "i": 1}).encode(),
+        json.dumps({"text": "_unavailable_reason" * 5000, "created_unavailable_reason": "x"}).encode(),
+        b'{"a_unavailable_reason"' + b" " * 100_000 + b': 1, "b_unavailable_reason"' + b" " * 10 + b"}",
+    ]
+    for body in bodies:
+        assert marker_names(body) == set(MARKER_KEY_REGEX.findall(body))
+    assert marker_names(bodies[0]) == {b"model"} and marker_names(bodies[2]) == {b"created"}
