@@ -158,6 +158,7 @@ async def test_a_processor_s_error_result_below_results_delivered_reaches_every_
         assert content.startswith(served), content
         rest = content[len(served):]
         assert error_body in rest and b"another writer" not in rest and rest.endswith(DONE), rest
+        assert b"id: " not in rest, rest  # below the ids sent: Last-Event-ID stays at the last result's
 
     with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
                       "--result-timeout", "10") as edge:
@@ -166,7 +167,7 @@ async def test_a_processor_s_error_result_below_results_delivered_reaches_every_
             await publish(nc, stored_id, live=False)
             await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 6, 15, "stored")
             assert_error_end((await client.get(f"/v1/results/{stored_id}")).content, 0)
-            for after in range(5):
+            for after in range(6):  # 5: the client had every result; the error is what it has not had
                 response = await client.get(f"/v1/results/{stored_id}", headers={"Last-Event-ID": str(after)})
                 assert_error_end(response.content, after + 1)
             async with client.stream("GET", f"/v1/results/{live_id}") as live:

@@ -220,6 +220,12 @@ def test_no_interleaving_of_an_honest_request_s_results_is_ever_contradicted(cas
             out.extend(x.seq for x in order.push(r))
         assert order.contradicted is None, (seq, out)
     start = 0 if after is None else after + 1
+    if error is not None and start > n + 1:
+        # A resume point past the final error result: the client cannot have had that error as its
+        # last event, and a restarted processor's error below the results sent looks the same
+        # (test_a_resume_past_results_the_client_had_still_hands_out_the_error_below_them): the end said.
+        assert out == [n] and order.done and not order.ended_before_resume
+        return
     assert out == list(range(start, n + 1)) and order.done
     assert order.ended_before_resume == (start > n)
 
@@ -237,3 +243,18 @@ def test_a_processor_s_error_result_below_what_the_reader_has_is_handed_out_as_t
     assert order.push(error) == [error]
     assert order.done and order.contradicted is None and not order.ended_before_resume
     assert order.push(result(6, final=True)) == [] and order.duplicates >= 1
+
+
+@pytest.mark.parametrize("after", [5, 7])
+def test_a_resume_past_results_the_client_had_still_hands_out_the_error_below_them(after):
+    """The same restarted processor's error at seq 0, read by a client resuming after the results it
+    had (Last-Event-ID 5): the replay's first result is that error, below the resume point. It ended
+    the reading clean ("the client has it all"), so the client took a failed request for a finished
+    one; only an error at the resume point itself is one the client had."""
+    order = SeqOrder(after)
+    error = result(0, final=True, error="timeout")
+    assert order.push(error) == [error]
+    assert order.done and not order.ended_before_resume and order.contradicted is None
+    at_resume = SeqOrder(after)
+    assert at_resume.push(result(after, final=True, error="timeout")) == []
+    assert at_resume.done and at_resume.ended_before_resume

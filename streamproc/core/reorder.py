@@ -53,17 +53,21 @@ class SeqOrder:
                 self.duplicates += 1
                 if seq > self._highest:
                     self._highest = seq
-            elif self.next_seq == self._start and seq >= self._highest:
+            elif (self.next_seq == self._start and seq >= self._highest
+                  and (result.error is None or seq == self._start - 1)):
                 # The final at or before the resume point, nothing handed out or seen past it: the
                 # client has it all (a Last-Event-ID at or past the final seq). The final handed out
-                # ended the reading (done, above), so a copy of it never gets here.
+                # ended the reading (done, above), so a copy of it never gets here. An error result
+                # only at the resume point itself: one below it is the case below, which a client
+                # resuming after the results it had (Last-Event-ID 5, the error at 0) never saw.
                 self.done = self.ended_before_resume = True
                 self.pending.clear()
             elif result.error is not None:
                 # A processor's error result below what the reader has: its own word that the request
                 # failed, from one that never saw the earlier results published (core mode, restarted
                 # mid-request: Correlator._fail puts request_timeout's error, or a refused migrate's,
-                # at its own next seq, 0). Handed out as the end, so the reader reports that error.
+                # at its own next seq, 0). Handed out as the end, so the reader reports that error
+                # (the edge sends it without an SSE id: the client's Last-Event-ID stays where it was).
                 self.done = True
                 self.pending.clear()
                 return [result]

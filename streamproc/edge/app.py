@@ -759,6 +759,8 @@ class Edge:
                     size += len(frame)
                     metrics.sent(item)
                     if item.final or item.error is not None:
+                        if event_id(feed, item) is None:
+                            batch[-1] = sse.event(item.body)
                         batch.append(sse.DONE)
                         yield b"".join(batch)
                         return
@@ -804,7 +806,7 @@ class Edge:
             idle_since = time.monotonic()
             limit = settings.result_timeout
             frame = meta_frame(item) if verdicts else b""
-            frame += sse.event(item.body, id=item.seq)
+            frame += sse.event(item.body, id=event_id(feed, item))
             metrics.sent(item)
             if trace is not None:
                 trace.frame(item, len(frame))
@@ -1027,6 +1029,13 @@ def result_event(result: ResultInfo) -> bytes:
     if 10 in body or 13 in body:
         return sse.event(body, id=result.seq)
     return sse.RESULT_EVENT % (result.seq, body)
+
+
+def event_id(feed: ResultFeed, result: ResultInfo) -> int | None:
+    """A result frame's SSE id: its seq, except an error result handed out below a seq already sent
+    (``SeqOrder.push``: a restarted core-mode processor's error at its own seq 0): none, so the
+    client's Last-Event-ID never goes back and a resume from it does not read the results again."""
+    return result.seq if result.seq >= feed.order.next_seq - 1 else None
 
 
 def meta_and_event(result: ResultInfo) -> bytes:
