@@ -178,3 +178,27 @@ async def test_a_processor_s_error_result_below_results_delivered_reaches_every_
             async with follow(nc, subjects, live_id, timeout=30, replay=True) as results:
                 got = [(r.seq, r.error) async for r in results]
             assert got == [(seq, None) for seq in range(6)] + [(0, "timeout")]
+
+
+async def test_a_processor_s_error_below_results_stored_within_the_duplicate_window_is_stored_and_served(
+        nats_server):
+    """The same restarted processor's error at seq 0, within the results stream's duplicate window (a
+    refused migrate's ``migration_refused`` comes at once; a ``--request-timeout`` under the 2 min window):
+    published with the ``Nats-Msg-Id`` result 0 was stored under, the stream dropped it as a repeat, and
+    readers of the stream waited out their result timeout. Its own id (``<rid>.0.error``): stored, served."""
+    subjects = Subjects("errorwindow")
+    request_id = rid("window")
+    error_body = b'{"error":{"message":"migration refused","type":"migration_refused"}}'
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--result-timeout", "10") as edge:
+        async with connection(nats_server.url) as nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            js = nc.jetstream()
+            for seq in range(6):
+                await js.publish(subjects.result(request_id), body(seq),
+                                 headers=result_headers(Result(request_id, seq, body(seq), False)))
+            ack = await js.publish(subjects.result(request_id), error_body, headers=result_headers(
+                Result(request_id, 0, error_body, True, error="migration_refused")))
+            assert not ack.duplicate, ack
+            response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "5"})
+            assert response.content == b"data: " + error_body + b"\n\n" + DONE, response.content

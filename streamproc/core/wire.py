@@ -283,9 +283,16 @@ def result_headers(result: Result) -> dict[str, str]:
         headers[JOIN] = verdict._value_  # plain attribute: Enum.value is a slower descriptor
     if result.error is not None:
         headers[ERROR] = result.error
+        # Its own id: a core-mode processor restarted within the results stream's duplicate window ends
+        # a request it never saw with an error at its own seq 0 (Correlator._fail), where the old one's
+        # result 0 is stored; under that result's id the stream would drop the error as a repeat.
+        headers[MSG_ID] += ERROR_MSG_ID_SUFFIX
     if result.traceparent:
         headers[TRACEPARENT] = result.traceparent
     return headers
+
+
+ERROR_MSG_ID_SUFFIX = ".error"
 
 
 def plain_header_value(value: str) -> bool:
