@@ -108,3 +108,47 @@ async def test_a_durable_chunk_is_read_from_its_raw_header_block_in_one_pass(cli
     # its Msg; the others never are. Before the raw read every chunk was parsed: count of count.
     assert len(chunk_blocks) <= count - len(read) + 2, (len(chunk_blocks), len(read))
     assert len(read) >= count // 2
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_a_puback_read_inline_is_settled_in_the_inline_handler_itself(client, nats_url, monkeypatch):
+    """A PubAck (a fast batch's or a lone result's) handed over in the read loop is settled by the pump's
+    inline handler without a settling call of its own (docs/benchmarks.md, "Durable CPU, fourth pass"),
+    and a queued one by the callback through the same code; the results are the chunks' bodies, in order."""
+    import sys
+
+    import anyio
+
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.core.outbox import Outbox
+    from streamproc.nats.processor import Processor
+
+    from durable_helpers import durable_settings, stored_results
+    from helpers import wait_until
+
+    callers: list[str] = []
+    batch_reply, puback = Outbox.on_batch_reply, Outbox.on_puback
+
+    def on_batch_reply(self, *args):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return batch_reply(self, *args)
+
+    def on_puback(self, *args):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return puback(self, *args)
+
+    monkeypatch.setattr(Outbox, "on_batch_reply", on_batch_reply)
+    monkeypatch.setattr(Outbox, "on_puback", on_puback)
+    settings = durable_settings(nats_url)
+    count = 40
+    async with Processor(settings) as p:
+        publisher = ChunkPublisher(client, settings.subjects)
+        for seq in range(count):
+            await publisher.publish("ack-1", "agg", seq, b"body-%d" % seq, final=seq == count - 1)
+            await anyio.sleep(0.005)  # one chunk a read, as at a paced load
+        await wait_until(lambda: p.snapshot()["chunks"] == count, 15, "every chunk decided")
+        stored = await stored_results(client.jetstream(), settings.subjects)
+    assert [(s.seq, s.body) for s in stored["ack-1"]] == [(seq, b"body-%d" % seq) for seq in range(count)]
+    assert callers and set(callers) == {"_on_reply_inline"}, sorted(set(callers))
