@@ -770,8 +770,10 @@ class SGLangJoinSession(JoinSession):
             first = entries[at]
             if not (isinstance(first, list) and len(first) >= 2 and first[0] is None):
                 continue
+            # Ids compared as int32 ids only: ``201.0 == 201`` and ``True == 1`` in Python, never on the
+            # wire (the slot's ids are int32, ``_commit_transfer_to_req`` appends ``.item()``).
             if not (isinstance(theirs, list) and len(theirs) >= 2 and theirs[0] is not None
-                    and theirs[1] == first[1]):
+                    and _is_token(first[1]) and type(theirs[1]) is int and theirs[1] == first[1]):
                 continue  # a different token was sampled: prefill's logprob is not this token's
             entries[at] = theirs
             self._changed = True
@@ -789,10 +791,29 @@ class SGLangJoinSession(JoinSession):
         _commit_transfer_to_req`` appends ``output_id[0]`` to ``output_ids`` and
         ``output_token_logprobs_idx[0]`` to the logprob ids. A written slot names the sampled token in
         both; an entry naming another is what a previous request left in the slot (or zeros), never this
-        token's. One naming decode's own token passes (left-over values of the same id cannot be told)."""
+        token's. One naming decode's own token passes (left-over values of the same id cannot be told).
+
+        Not trusted either, as nothing confirms them: an entry or an ``output_ids`` holding an id that is
+        no JSON integer (``201.0``, ``true``: equal to the token in Python; ``_commit_transfer_to_req``
+        appends ``output_id[0].item()`` of the int32 slot, the detokenizer's lists are ints), omitted as
+        ``decode_corrupt``; and a chunk without ``output_ids`` with no earlier chunk naming token 0
+        (``TokenizerManager._handle_batch_output`` puts ``output_ids`` in every ``out_dict``): judged by
+        prefill's ``output_ids[0]`` (what ``set_buf`` wrote into the slot's ids), else omitted."""
         positions, token = self._decode_first(meta, entries, ids)
-        if token is not None and any(isinstance(entries[at], list) and len(entries[at]) >= 2
-                                     and entries[at][1] != token for at in positions):
+        named = [entries[at][1] for at in positions
+                 if isinstance(entries[at], list) and len(entries[at]) >= 2]
+        if not named:
+            return
+        if any(type(value) is not int for value in named) or (
+                isinstance(ids, list) and any(type(value) is not int for value in ids)):
+            self._omit_first_token(meta, entries, ids, Omit.DECODE_CORRUPT)
+            return
+        if token is None and not isinstance(ids, list):
+            token = self._prefill_token
+            if token is None:
+                self._omit_first_token(meta, entries, ids, reason)
+                return
+        if token is not None and any(value != token for value in named):
             self._omit_first_token(meta, entries, ids, reason)
 
     def _decode_first(self, meta: dict[str, Any], entries: list[Any],

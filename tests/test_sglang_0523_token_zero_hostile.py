@@ -1,0 +1,149 @@
+"""Token 0 of a P/D pair: what the join may publish from decode's copy of the metadata slot.
+
+Independent check, bodies written by hand from upstream SGLang (``sglang_0523_pd_legs``, the legs of
+``test_sglang_0523_pd_legs_driven_apart``, not the simulator), mutated as a hostile or broken leg would be.
+Upstream shapes relied on (sgl-project/sglang, ``python/sglang/srt/``, read 2026-12-07):
+
+- ``disaggregation/utils.py`` ``MetadataBuffers``: ``self.output_ids = torch.zeros((size, 16),
+  dtype=torch.int32)``; ``set_buf``: ``self.output_ids[...][0] = req.output_ids[0]`` always, and ``if
+  req.return_logprob:`` ``self.output_top_logprobs_val[idx][: len(req.output_top_logprobs_val[0])] = ...``
+  (prefill's own ``top_logprobs_num`` wide; the rest of the 128 columns keep what was there).
+- ``disaggregation/decode.py`` ``DecodeTransferQueue._commit_transfer_to_req``: ``staged_output_id =
+  output_id[0].item()`` (a Python int from the int32 slot) and, ``if decode_req.req.return_logprob:``,
+  ``top_logprobs_num = decode_req.req.logprob.top_logprobs_num`` then
+  ``output_top_logprobs_val[:top_logprobs_num].tolist()``: decode's own width, whatever prefill wrote.
+- ``managers/tokenizer_manager.py`` ``_handle_batch_output``, ``BatchStrOutput``: every ``out_dict`` it
+  builds, incremental (``"output_ids": output_token_ids``), cumulative or finished
+  (``state.output_ids``), carries ``output_ids``, a list of ints (``list(recv_obj.output_ids[i])``).
+
+So no SGLang body has a float or bool token id, a chunk holding output position 0 always names its token
+0, and decode's token-0 top row is only prefill's where decode asked no more than prefill.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+from sglang_0523_pd_legs import CODECS, OPTIONS, OUT, _leg_that_says_nothing, legs
+
+from streamproc.wire import Verdict
+
+MARK = "output_token_logprobs_unavailable_reason"
+LEGS = ["timeout", "frame", "field", "failed", "disagreeing"]
+
+
+def _first(out: list) -> dict[str, Any]:
+    return json.loads(out[0][0])["meta_info"]
+
+
+def _exact(a: object, b: object) -> bool:
+    """Equal with the same JSON types (``5.0 == 5`` and ``True == 1`` in Python, not on the wire)."""
+    return json.dumps(a) == json.dumps(b)
+
+
+# -------------------------------------------------------------- 1. token 0 is an int32 id, not 201.0 or true
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("leg", LEGS)
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_token_0_entry_whose_id_is_no_int_is_not_trusted(codec_cls, leg, kind):
+    """Decode's token 0 entry names its token as ``201.0`` (or ``true`` for token 1): equal in Python,
+    never written by ``detokenize_logprob_tokens`` from the int32 slot. The entry is not published as
+    sent: ``[null, <token 0>, null]``, top row null, ``decode_corrupt``."""
+    _agg, pre, dec = legs(streamed=False, prefill_logprobs=True, stale="left_over")
+    body = json.loads(dec[0])
+    meta = body["meta_info"]
+    if kind == "float":
+        token: int = OUT[0]
+        meta["output_token_logprobs"][0][1] = float(token)
+    else:
+        token = 1
+        body["output_ids"][0] = 1
+        meta["output_token_logprobs"][0][1] = True
+    first = _first(join(codec_cls(OPTIONS), [dumps(body)], _leg_that_says_nothing(leg, pre)))
+    assert _exact(first["output_token_logprobs"][0], [None, token, None])
+    assert first["output_top_logprobs"][0] is None
+    assert first[MARK] == "decode_corrupt"
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("leg", LEGS)
+@pytest.mark.parametrize("own", [float(OUT[0]), True, "201"], ids=["float", "bool", "str"])
+def test_decode_output_id_that_is_no_int_does_not_let_a_left_over_pass(codec_cls, leg, own):
+    """Decode's ``output_ids[0]`` is ``201.0`` / ``true`` / ``"201"`` and its token 0 entry is a left-over
+    (``[-3.25, 555, null]``): the leg is corrupt, nothing checks the entry, so it is not published."""
+    _agg, pre, dec = legs(streamed=False, prefill_logprobs=False, stale="left_over")
+    body = json.loads(dec[0])
+    body["output_ids"][0] = own
+    out = join(codec_cls(OPTIONS), [dumps(body)], _leg_that_says_nothing(leg, pre))
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_token_logprobs"][0][0] is None
+    assert first["output_top_logprobs"][0] is None
+    assert MARK in first
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_prefill_entry_is_not_spliced_on_an_id_that_is_no_int(codec_cls, kind):
+    """A decode entry ``[null, 201.0, null]`` (a build that does not copy the slot's logprob) beside an
+    honest prefill leg: prefill's entry was put there as if the ids matched. Not confirmed by an int id,
+    nothing is spliced; the entry is omitted as ``decode_corrupt``."""
+    _agg, pre, dec = legs(streamed=False, prefill_logprobs=True, stale="zeros")
+    body = json.loads(dec[0])
+    token = OUT[0]
+    if kind == "bool":
+        token = 1
+        body["output_ids"][0] = 1
+        leg = json.loads(pre[0])
+        leg["output_ids"][0] = 1
+        leg["meta_info"]["output_token_logprobs"][0][1] = 1
+        pre = [dumps(leg)]
+    body["meta_info"]["output_token_logprobs"][0] = [None, True if kind == "bool" else float(token), None]
+    body["meta_info"]["output_top_logprobs"][0] = None
+    first = _first(join(codec_cls(OPTIONS), [dumps(body)], pre))
+    assert _exact(first["output_token_logprobs"][0], [None, token, None])
+    assert first["output_top_logprobs"][0] is None
+    assert first[MARK] == "decode_corrupt"
+
+
+# ---------------------------------------------- 2. a chunk holding position 0 without output_ids
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("leg", LEGS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_chunk_holding_position_0_without_output_ids_does_not_pass_a_left_over(codec_cls, leg, streamed):
+    """``_handle_batch_output`` always sends ``output_ids``; a decode chunk that holds position 0 without
+    them (and no chunk before it) names no token 0. Its entry is a left-over (``set_buf`` wrote no
+    logprobs): it passed unchecked. Now the entry is judged by prefill's ``output_ids[0]`` (what
+    ``set_buf`` wrote into the slot's ids) where the prefill leg has one, and omitted where nothing can
+    check it."""
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale="left_over")
+    body = json.loads(dec[0])
+    del body["output_ids"]
+    out = join(codec_cls(OPTIONS), [dumps(body), *dec[1:]], _leg_that_says_nothing(leg, pre))
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_token_logprobs"][0][0] is None
+    assert first["output_top_logprobs"][0] is None
+    assert MARK in first
+    assert "555" not in json.dumps(first)
+
+
+# ------------------------------------------------------------------------- the honest pair
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_honest_pair_joins_byte_for_byte_as_the_aggregated_engine(codec_cls, streamed):
+    """Both legs asked alike (mini_lb): every joined body is the aggregated engine's bytes."""
+    agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="left_over")
+    out = join(codec_cls(OPTIONS), dec, pre)
+    assert [got for got, _verdict in out] == [dumps(copy.deepcopy(want)) for want in agg]
