@@ -508,7 +508,12 @@ async def test_unary_answers_a_client_takes_nothing_of_are_cut_after_write_timeo
     assert received.partition(b"\r\n\r\n")[2] == whole.content
     assert metrics["streamproc_edge_connections_stalled_total"] == UNREAD_ANSWERS
     print(f"edge VmHWM {growth} kB over its VmRSS before the unread answers")
-    assert growth < 96 * 1024, growth
+    # One copy of each answer waiting in the edge (the six unread ones and the slow reader's: what the
+    # kernel did not take, in the transport's buffer) and 8 MiB for collecting one: 46 MiB measured
+    # (load 0.2-2.4). While the last body part waited for the drain the answer kept its body too: 87.4
+    # MiB, two copies of each, inside the 96 MiB this assert allowed before.
+    bound = (UNREAD_ANSWERS + 1) * len(whole.content) // 1024 + 8 * 1024
+    assert growth < bound, (growth, bound)
 
 
 @pytest.mark.anyio
