@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import types
 
+import hypothesis.strategies as st
+from hypothesis import given, settings
 from streamproc.core.events import ResultInfo, Verdict
 from streamproc.core.reorder import SeqOrder
 from streamproc.edge.direct import DirectFrames, WriteBatch
@@ -76,3 +78,24 @@ def test_offer_counts_what_it_writes_as_edge_metrics_sent_does():
         expected.results_sent, expected.by_verdict, expected.by_error_kind)
     assert metrics.by_verdict == {"passthrough": 2, "joined": 1, "unknown": 1, "omitted": 1, "stitched": 1}
     assert metrics.results_written_directly == len(verdicts)
+
+
+@given(next_seq=st.integers(0, 4), done=st.booleans(), waiting=st.lists(st.integers(0, 6), max_size=2),
+       seq=st.integers(0, 6), final=st.booleans(), error=st.sampled_from([None, "", "timeout: late"]))
+@settings(max_examples=400, deadline=None)
+def test_offer_takes_a_result_exactly_when_next_in_line_would(next_seq: int, done: bool, waiting: list[int],
+                                                              seq: int, final: bool, error: str | None):
+    """``offer`` reads ``SeqOrder.next_in_line``'s test inline (docs/benchmarks.md, "eighth pass"): on any
+    order state and result, it takes the result exactly when ``next_in_line`` says True, and leaves the
+    order as ``next_in_line`` leaves it (next seq, pending results, done)."""
+    direct, feed, metrics = direct_with([])
+    twin = SeqOrder()
+    for order in (feed.order, twin):
+        order.next_seq, order.done = next_seq, done
+        order.pending.update({s: result(s) for s in waiting})
+    offered = ResultInfo("r1", seq, final, Verdict.PASSTHROUGH, error, b"{}")
+    expected = twin.next_in_line(offered)
+    assert direct.offer(offered) is expected
+    order = feed.order
+    assert (order.next_seq, order.pending, order.done) == (twin.next_seq, twin.pending, twin.done)
+    assert metrics.results_sent == int(expected)

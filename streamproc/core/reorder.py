@@ -104,7 +104,9 @@ class SeqOrder:
 
     def next_in_line(self, result: ResultInfo) -> bool:
         """:meth:`push`'s answer ``[result]`` without storing it: True (and handed out) when ``result``
-        is the next seq, nothing waits and it ends nothing; else False and nothing changes."""
+        is the next seq, nothing waits and it ends nothing; else False and nothing changes. The edge's
+        ``DirectFrames.offer`` reads this test inline (tests/test_edge_direct_offer.py holds the two
+        together)."""
         if (self.done or self.pending or result.seq != self.next_seq or result.final
                 or result.error is not None):
             return False
