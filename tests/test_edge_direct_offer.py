@@ -8,12 +8,14 @@ pass"); these pin the rules kept."""
 from __future__ import annotations
 
 import collections
+import sys
 import types
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
 from streamproc.core.events import ResultInfo, Verdict
 from streamproc.core.reorder import SeqOrder
+from streamproc.edge import sse
 from streamproc.edge.direct import DirectFrames, WriteBatch
 from streamproc.edge.metrics import EdgeMetrics
 
@@ -34,11 +36,13 @@ def writable_body() -> types.SimpleNamespace:
     return types.SimpleNamespace(cycle=cycle, flow=flow, transport=transport)
 
 
-def direct_with(ready: list[ResultInfo]) -> tuple[DirectFrames, types.SimpleNamespace, EdgeMetrics]:
+def direct_with(ready: list[ResultInfo],
+                encode=None) -> tuple[DirectFrames, types.SimpleNamespace, EdgeMetrics]:
     feed = types.SimpleNamespace(inbox=Parked(), overrun=False, replay=None, request_id="r1",
                                  order=SeqOrder(), ready=collections.deque(ready))
     metrics = EdgeMetrics()
-    encode = lambda result: b"frame %d" % result.seq  # noqa: E731
+    if encode is None:
+        encode = lambda result: b"frame %d" % result.seq  # noqa: E731
     direct = DirectFrames(feed, encode, metrics, WriteBatch(lambda: True))  # type: ignore[arg-type]
     direct.out = writable_body()  # type: ignore[assignment]
     return direct, feed, metrics
@@ -99,3 +103,33 @@ def test_offer_takes_a_result_exactly_when_next_in_line_would(next_seq: int, don
     order = feed.order
     assert (order.next_seq, order.pending, order.done) == (twin.next_seq, twin.pending, twin.done)
     assert metrics.results_sent == int(expected)
+
+
+BODIES = [b"", b"plain", b'{"text":" token"}', b"a\nb", b"a\rb", b"a\r\nb", b"\n", b"\r", b"end\n",
+          b"\rstart", b"\x0b\x0c\x85 not line breaks", "caf\u00e9\u2028".encode()]
+
+
+def test_offer_frames_a_result_as_result_event_does_without_calling_it():
+    """``offer`` formats a one-line body's frame itself where the stream's encoding is
+    ``sse.result_event`` (docs/benchmarks.md, "eighth pass"): the same bytes as ``sse.event`` for every
+    body (line breaks go through ``result_event``), and no call for a one-line body (one per event before)."""
+    direct, _, _ = direct_with([], encode=sse.result_event)
+    calls = [0]
+    code = sse.result_event.__code__
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        for seq in range(3):
+            assert direct.offer(ResultInfo("r1", seq, False, None, None, b'{"n":%d}' % seq)) is True
+    finally:
+        sys.setprofile(None)
+    assert calls[0] == 0
+    assert direct.pending == [b'id: %d\ndata: {"n":%d}\n\n' % (seq, seq) for seq in range(3)]
+    direct.pending.clear()
+    for seq, body in enumerate(BODIES, start=3):
+        assert direct.offer(ResultInfo("r1", seq, False, None, None, body)) is True
+        assert direct.pending[-1] == sse.event(body, id=seq), body

@@ -68,6 +68,7 @@ from .direct import Departure, DirectFrames, UvicornBody, WriteBatch, watch_disc
 from .experts import MAX_BODIES_BYTES, MAX_BODY_BYTES, MAX_CLIENT_BODIES_BYTES, BodyBudget, build_view
 from .feed import Ended, Gap, Lost, Overrun, ResultFeed, StaleFinal, StreamGone
 from .settings import EdgeSettings
+from .sse import result_event
 from .source import ResultSource
 from . import stopping as stop
 from .stats import StatsSource
@@ -1027,18 +1028,6 @@ class Edge:
         self.metrics.streams_active -= 1
         self.heap.released()
         return feed.close_now()
-
-
-def result_event(result: ResultInfo) -> bytes:
-    """``sse.event(result.body, id=result.seq)``, the frame ``Edge.frames`` writes. The fan-out's
-    direct writes frame one per SSE event, so a body of one line is formatted here, without
-    ``event``'s call (docs/benchmarks.md, "Calls per SSE event")."""
-    body = result.body
-    # int needles (10 LF, 13 CR): a one-byte bytes needle costs ~7x more here (docs/benchmarks.md,
-    # "Edge CPU per event, fifth pass")
-    if 10 in body or 13 in body:
-        return sse.event(body, id=result.seq)
-    return sse.RESULT_EVENT % (result.seq, body)
 
 
 def event_id(feed: ResultFeed, result: ResultInfo) -> int | None:
