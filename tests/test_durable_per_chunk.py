@@ -68,14 +68,7 @@ async def test_a_durable_chunk_is_read_from_its_raw_header_block_in_one_pass(cli
     """The durable processor's inline chunk handler gets the raw header block and reads the chunk from it
     (chunk_from_block), without parse_header_block's dict (docs/benchmarks.md, "Durable chunks read from
     the raw header block"); the results are the chunks' bodies, in order."""
-    import anyio
-
-    from streamproc.client.publisher import ChunkPublisher
     from streamproc.nats.durable import deliveries
-    from streamproc.nats.processor import Processor
-
-    from durable_helpers import durable_settings, stored_results
-    from helpers import wait_until
 
     parsed: list[bytes] = []
     read: list[type] = []
@@ -92,16 +85,8 @@ async def test_a_durable_chunk_is_read_from_its_raw_header_block_in_one_pass(cli
 
     monkeypatch.setattr(fast_client, "parse_header_block", counted_parse)
     monkeypatch.setattr(deliveries, "chunk_from_block", counted_read)
-    settings = durable_settings(nats_url)
     count = 40
-    async with Processor(settings) as p:
-        publisher = ChunkPublisher(client, settings.subjects)
-        for seq in range(count):
-            await publisher.publish("raw-1", "agg", seq, b"body-%d" % seq, final=seq == count - 1)
-            await anyio.sleep(0.005)  # one chunk a read, as at a paced load
-        await wait_until(lambda: p.snapshot()["chunks"] == count, 15, "every chunk decided")
-        stored = await stored_results(client.jetstream(), settings.subjects)
-    assert [(s.seq, s.body) for s in stored["raw-1"]] == [(seq, b"body-%d" % seq) for seq in range(count)]
+    await paced_chunks_stored_in_order(client, nats_url, "raw-1", count)
     assert read and set(read) == {bytes}, read
     chunk_blocks = [b for b in parsed if b"Streamproc-Seq" in b]
     # A chunk the inline handler declines (a new request's lookup, a backlogged write buffer) is parsed for
@@ -119,14 +104,7 @@ async def test_a_puback_read_inline_is_settled_in_the_inline_handler_itself(clie
     and a queued one by the callback through the same code; the results are the chunks' bodies, in order."""
     import sys
 
-    import anyio
-
-    from streamproc.client.publisher import ChunkPublisher
     from streamproc.core.outbox import Outbox
-    from streamproc.nats.processor import Processor
-
-    from durable_helpers import durable_settings, stored_results
-    from helpers import wait_until
 
     callers: list[str] = []
     batch_reply, puback = Outbox.on_batch_reply, Outbox.on_puback
@@ -141,14 +119,27 @@ async def test_a_puback_read_inline_is_settled_in_the_inline_handler_itself(clie
 
     monkeypatch.setattr(Outbox, "on_batch_reply", on_batch_reply)
     monkeypatch.setattr(Outbox, "on_puback", on_puback)
+    await paced_chunks_stored_in_order(client, nats_url, "ack-1", 40)
+    assert callers and set(callers) == {"_on_reply_inline"}, sorted(set(callers))
+
+
+async def paced_chunks_stored_in_order(client, nats_url: str, request_id: str, count: int) -> None:
+    """``count`` aggregated chunks of ``request_id`` through a durable Processor, one a read (paced, as at
+    2,000 chunks/s), then the results stream must hold their bodies in seq order."""
+    import anyio
+
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.nats.processor import Processor
+
+    from durable_helpers import durable_settings, stored_results
+    from helpers import wait_until
+
     settings = durable_settings(nats_url)
-    count = 40
     async with Processor(settings) as p:
         publisher = ChunkPublisher(client, settings.subjects)
         for seq in range(count):
-            await publisher.publish("ack-1", "agg", seq, b"body-%d" % seq, final=seq == count - 1)
+            await publisher.publish(request_id, "agg", seq, b"body-%d" % seq, final=seq == count - 1)
             await anyio.sleep(0.005)  # one chunk a read, as at a paced load
         await wait_until(lambda: p.snapshot()["chunks"] == count, 15, "every chunk decided")
         stored = await stored_results(client.jetstream(), settings.subjects)
-    assert [(s.seq, s.body) for s in stored["ack-1"]] == [(seq, b"body-%d" % seq) for seq in range(count)]
-    assert callers and set(callers) == {"_on_reply_inline"}, sorted(set(callers))
+    assert [(s.seq, s.body) for s in stored[request_id]] == [(seq, b"body-%d" % seq) for seq in range(count)]
