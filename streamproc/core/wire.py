@@ -273,6 +273,9 @@ def chunk_headers(
     return headers
 
 
+ERROR_MSG_ID_SUFFIX = ".error"  # an error result's Nats-Msg-Id: <request_id>.<seq>.error (result_headers)
+
+
 def result_headers(result: Result) -> dict[str, str]:
     seq = str(result.seq)
     headers = {SEQ: seq, MSG_ID: result.request_id + "." + seq}
@@ -290,9 +293,6 @@ def result_headers(result: Result) -> dict[str, str]:
     if result.traceparent:
         headers[TRACEPARENT] = result.traceparent
     return headers
-
-
-ERROR_MSG_ID_SUFFIX = ".error"
 
 
 def plain_header_value(value: str) -> bool:
