@@ -305,9 +305,8 @@ class OutboxPump:
         buffer is backlogged and then has the client write what it made ready, or ``queued`` for
         :meth:`_on_reply`, which pumps after it. One function for both: the settling as a call of its
         own cost one Python call per PubAck read inline (docs/benchmarks.md, "Durable CPU, fourth pass")."""
-        if not queued:
-            if self._backlogged():  # type: ignore[misc]
-                return False
+        if not queued and self._backlogged():  # type: ignore[misc]
+            return False
         ticket = subject[self._cut:]
         if "." in ticket:  # a reply to a fast batch's message: <batch id>.<flow>.<gap>.<batch seq>.<op>.$FI
             tokens = ticket.split(".")
