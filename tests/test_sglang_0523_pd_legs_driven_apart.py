@@ -451,20 +451,23 @@ def test_first_token_entry_naming_decodes_token_passes_whatever_the_prefill_leg(
 @pytest.mark.parametrize("codec_cls", CODECS)
 @pytest.mark.parametrize("own", [-5, 2**31, 10**30], ids=["negative", "past-int32", "huge"])
 @pytest.mark.parametrize("leg", ["timeout", "frame", "field", "failed", "disagreeing"])
-def test_decode_output_id_no_int32_slot_holds_does_not_rewrite_token_0s_entry(codec_cls, own, leg):
+def test_decode_output_id_no_int32_slot_holds_is_corrupt(codec_cls, own, leg):
     """A decode chunk whose ``output_ids[0]`` is no id the slot's int32 ``MetadataBuffers.output_ids``
-    holds did not get it from the slot (``_commit_transfer_to_req`` appends ``output_id[0].item()``):
-    it names no token 0 to judge the entry by. Token 0's entry is left as decode sent it, never
-    ``[null, <that id>, null]``: before, a written entry's logprob was dropped and the impossible id
-    published in its place, marked as a left-over."""
+    holds did not get it from the slot (``_commit_transfer_to_req``: ``staged_output_id =
+    output_id[0].item()``; ``set_buf`` writes ``req.output_ids[0]``, a sampled vocabulary index, never
+    negative): the leg is corrupt. Token 0's entry is not published as sent, nor does it name the
+    impossible id: ``[null, <prefill's output_ids[0]> or null, null]``, top row null, ``decode_corrupt``.
+    (Until this change the entry passed unchecked, as a41219c's version of this test asserted.)"""
     _agg, pre, dec = legs(streamed=False, prefill_logprobs=True, stale="left_over")
     body = json.loads(dec[0])
     body["output_ids"][0] = own
     out = join(codec_cls(OPTIONS), [dumps(body)], _leg_that_says_nothing(leg, pre))
     first = json.loads(out[0][0])["meta_info"]
-    assert first["output_token_logprobs"] == OUTPUT_LP
-    assert first["output_top_logprobs"] == OUTPUT_TOP
-    assert "output_token_logprobs_unavailable_reason" not in first
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_token_logprobs"][0] in ([None, OUT[0], None], [None, None, None])
+    assert first["output_token_logprobs"][1:] == OUTPUT_LP[1:]
+    assert first["output_top_logprobs"] == [None, *OUTPUT_TOP[1:]]
+    assert first["output_token_logprobs_unavailable_reason"] == "decode_corrupt"
 
 
 @pytest.mark.parametrize("codec_cls", CODECS)

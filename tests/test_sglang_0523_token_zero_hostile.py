@@ -147,3 +147,27 @@ def test_honest_pair_joins_byte_for_byte_as_the_aggregated_engine(codec_cls, str
     agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="left_over")
     out = join(codec_cls(OPTIONS), dec, pre)
     assert [got for got, _verdict in out] == [dumps(copy.deepcopy(want)) for want in agg]
+
+
+# ------------------------------------------- 3. token 0 is an id an int32 slot holds: [0, 2^31)
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("leg", [None, *LEGS])
+@pytest.mark.parametrize("bad", [-5, 2**31, 10**30], ids=["negative", "past-int32", "huge"])
+def test_token_0_named_as_an_id_no_int32_slot_holds_is_corrupt(codec_cls, leg, bad):
+    """Decode's ``output_ids[0]`` and its token 0 entry both name ``-5`` (or ``2^31``, ``10^30``): no
+    ``output_id[0].item()`` of the int32 slot (``MetadataBuffers.output_ids``) is that, no sampled
+    vocabulary index either. Published as sent before (nothing named a token 0 to judge the entry by);
+    now ``[null, <prefill's output_ids[0]> or null, null]``, top row null, ``decode_corrupt``."""
+    _agg, pre, dec = legs(streamed=False, prefill_logprobs=True, stale="left_over")
+    body = json.loads(dec[0])
+    body["output_ids"][0] = bad
+    body["meta_info"]["output_token_logprobs"][0][1] = bad
+    out = join(codec_cls(OPTIONS), [dumps(body)], pre if leg is None else _leg_that_says_nothing(leg, pre))
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_token_logprobs"][0] in ([None, OUT[0], None], [None, None, None])
+    assert first["output_top_logprobs"][0] is None
+    assert first[MARK] == "decode_corrupt"
+    assert str(bad) not in json.dumps(first)

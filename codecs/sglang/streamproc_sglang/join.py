@@ -795,8 +795,10 @@ class SGLangJoinSession(JoinSession):
 
         Not trusted either, as nothing confirms them: an entry or an ``output_ids`` holding an id that is
         no JSON integer (``201.0``, ``true``: equal to the token in Python; ``_commit_transfer_to_req``
-        appends ``output_id[0].item()`` of the int32 slot, the detokenizer's lists are ints), omitted as
-        ``decode_corrupt``; and a chunk without ``output_ids`` with no earlier chunk naming token 0
+        appends ``output_id[0].item()`` of the int32 slot, the detokenizer's lists are ints) or no id
+        the slot can hold (negative, ``2^31`` or more: ``MetadataBuffers.output_ids`` and
+        ``output_token_logprobs_idx`` are ``torch.int32``, written from a sampled vocabulary index),
+        omitted as ``decode_corrupt``; and a chunk without ``output_ids`` with no earlier chunk naming token 0
         (``TokenizerManager._handle_batch_output`` puts ``output_ids`` in every ``out_dict``): judged by
         prefill's ``output_ids[0]`` (what ``set_buf`` wrote into the slot's ids), else omitted."""
         positions, token = self._decode_first(meta, entries, ids)
@@ -804,8 +806,8 @@ class SGLangJoinSession(JoinSession):
                  if isinstance(entries[at], list) and len(entries[at]) >= 2]
         if not named:
             return
-        if any(type(value) is not int for value in named) or (
-                isinstance(ids, list) and any(type(value) is not int for value in ids)):
+        # An id no int32 slot holds (no int, negative, 2^31 or more) names no sampled token: the leg is corrupt.
+        if not all(map(_is_token, named)) or (isinstance(ids, list) and not all(map(_is_token, ids))):
             self._omit_first_token(meta, entries, ids, Omit.DECODE_CORRUPT)
             return
         if token is None and not isinstance(ids, list):
