@@ -171,3 +171,50 @@ def test_token_0_named_as_an_id_no_int32_slot_holds_is_corrupt(codec_cls, leg, b
     assert first["output_top_logprobs"][0] is None
     assert first[MARK] == "decode_corrupt"
     assert str(bad) not in json.dumps(first)
+
+
+# ------------------------------------ 4. decode's token 0 is prefill's output_ids[0] (staged_output_id)
+
+
+def _token_0_apart(kind: str, streamed: bool | str) -> tuple[list[bytes], list[bytes], int]:
+    """Legs whose token 0 disagree (``set_buf`` writes prefill's ``req.output_ids[0]`` into the slot,
+    ``_commit_transfer_to_req`` makes ``output_id[0].item()`` decode's first id: one pair never does).
+    ``decode``: decode's id and entry name 8 (decode read another request's slot, the mix-up
+    ``_commit_transfer_to_req``'s bootstrap_room check exists for), prefill's say 201. ``prefill``:
+    prefill's ``output_ids[0]`` is 8 (another request's leg, or corrupt), decode's entry as written.
+    ``splice``: the same, decode's entry ``[null, 201, null]`` without a top row (prefill's put in it
+    when the entries' ids match). Returns (prefill leg, decode leg, decode's token 0)."""
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="left_over")
+    body = json.loads(dec[0])
+    token = OUT[0]
+    if kind == "decode":
+        token = 8
+        body["output_ids"][0] = 8
+        body["meta_info"]["output_token_logprobs"][0] = [-0.125, 8, None]
+        body["meta_info"]["output_top_logprobs"][0] = [[-0.125, 8, None], [-2.5, 7, None]]
+    else:
+        leg = json.loads(pre[0])
+        leg["output_ids"][0] = 8
+        pre = [dumps(leg)]
+        if kind == "splice":
+            body["meta_info"]["output_token_logprobs"][0] = [None, OUT[0], None]
+            body["meta_info"]["output_top_logprobs"][0] = None
+    return pre, [dumps(body), *dec[1:]], token
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("kind", ["decode", "prefill", "splice"])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_legs_whose_token_0_disagree_publish_no_token_0_values(codec_cls, kind, streamed):
+    """Decode's first output id is not the prefill leg's ``output_ids[0]``: not one slot's pair. Neither
+    leg's token 0 logprob or top row is published (a splice put prefill's on decode's token; decode's own
+    entry came from a slot this prefill did not write): ``[null, <decode's token 0>, null]``, top row
+    null, ``prefill_corrupt``; the other positions are decode's own."""
+    pre, dec, token = _token_0_apart(kind, streamed)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert _exact(first["output_token_logprobs"][0], [None, token, None])
+    assert first["output_top_logprobs"][0] is None
+    assert first[MARK] == "prefill_corrupt"
+    assert "-0.125" not in json.dumps(first["output_token_logprobs"])

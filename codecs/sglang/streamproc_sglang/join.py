@@ -766,7 +766,10 @@ class SGLangJoinSession(JoinSession):
             return
         theirs = source[0]
         top, source_top = meta.get(OUTPUT_TOP_LOGPROBS), self._prefill.get(OUTPUT_TOP_LOGPROBS)
-        for at in _first_positions(meta, entries):  # only where the chunk holds output position 0
+        positions, token = self._decode_first(meta, entries, ids)
+        if not self._same_token_0(token):
+            positions = ()  # not this slot's prefill: nothing of its token 0 is spliced (_omit_left_over)
+        for at in positions:  # only where the chunk holds output position 0
             first = entries[at]
             if not (isinstance(first, list) and len(first) >= 2 and first[0] is None):
                 continue
@@ -810,6 +813,9 @@ class SGLangJoinSession(JoinSession):
         if not all(map(_is_token, named)) or (isinstance(ids, list) and not all(map(_is_token, ids))):
             self._omit_first_token(meta, entries, ids, Omit.DECODE_CORRUPT)
             return
+        if not self._same_token_0(token):
+            self._omit_first_token(meta, entries, ids, Omit.PREFILL_CORRUPT)
+            return
         if token is None and not isinstance(ids, list):
             token = self._prefill_token
             if token is None:
@@ -817,6 +823,14 @@ class SGLangJoinSession(JoinSession):
                 return
         if token is not None and any(value != token for value in named):
             self._omit_first_token(meta, entries, ids, reason)
+
+    def _same_token_0(self, token: int | None) -> bool:
+        """Decode's token 0 is the prefill leg's ``output_ids[0]`` where both are known. SGLang 0.5.23
+        ``MetadataBuffers.set_buf``: ``self.output_ids[req.metadata_buffer_index][0] = req.output_ids[0]``
+        (prefill's sampled token, written whatever it was asked); ``DecodeTransferQueue.
+        _commit_transfer_to_req``: ``staged_output_id = output_id[0].item()``, decode's first output id.
+        Legs that disagree are not one slot's pair (another request's prefill leg, or a corrupt one)."""
+        return token is None or self._prefill_token is None or token == self._prefill_token
 
     def _decode_first(self, meta: dict[str, Any], entries: list[Any],
                       ids: object) -> tuple[tuple[int, ...], int | None]:
