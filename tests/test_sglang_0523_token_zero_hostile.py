@@ -29,11 +29,15 @@ from typing import Any
 import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
-from sglang_0523_pd_legs import CODECS, OPTIONS, OUT, _leg_that_says_nothing, legs
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, STALE, _leg_that_says_nothing,
+                                 legs)
 
 from streamproc.wire import Verdict
 
 MARK = "output_token_logprobs_unavailable_reason"
+TOP_MARK = "output_top_logprobs_unavailable_reason"
 LEGS = ["timeout", "frame", "field", "failed", "disagreeing"]
 
 
@@ -218,3 +222,166 @@ def test_legs_whose_token_0_disagree_publish_no_token_0_values(codec_cls, kind, 
     assert first["output_top_logprobs"][0] is None
     assert first[MARK] == "prefill_corrupt"
     assert "-0.125" not in json.dumps(first["output_token_logprobs"])
+
+
+# ------------------------------------------------------------- 5. legs asked different top_logprobs_num
+
+
+def _widths(k_prefill: int, k_decode: int, *, streamed: bool | str = False, null_first: bool = False,
+            prefill_top: bool = True) -> tuple[list[bytes], list[bytes]]:
+    """Prefill asked ``top_logprobs_num`` ``k_prefill`` (no top rows at all without ``prefill_top``:
+    ``add_logprob_to_meta_info`` writes them only for a positive number), decode ``k_decode``: prefill's
+    body and slot hold ``k_prefill`` top entries for token 0, decode copies ``k_decode`` columns of the
+    slot (the ones past ``k_prefill`` a left-over), and its own steps' rows are ``k_decode`` wide.
+    ``null_first``: decode's token 0 entry ``[null, 201, null]`` without a top row (prefill's is spliced)."""
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="zeros")
+    leg = json.loads(pre[0])
+    if prefill_top:
+        leg["meta_info"]["output_top_logprobs"] = [OUTPUT_TOP[0][:k_prefill]]
+    else:
+        del leg["meta_info"]["output_top_logprobs"]
+    left_over = STALE["left_over"][1]
+    decode = []
+    for raw in dec:
+        body = json.loads(raw)
+        meta = body["meta_info"]
+        top = meta["output_top_logprobs"]
+        start = meta["output_token_logprobs_length"] - len(meta["output_token_logprobs"])
+        for at, row in enumerate(top):
+            top[at] = (list(row) + [list(e) for e in left_over][len(row):])[:k_decode]
+        if start == 0:
+            written = OUTPUT_TOP[0][:k_prefill] if prefill_top else []
+            top[0] = (written + left_over[len(written):])[:k_decode]
+            if null_first:
+                meta["output_token_logprobs"][0] = [None, OUT[0], None]
+                top[0] = None
+        decode.append(dumps(body))
+    return [dumps(leg)], decode
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_decode_asking_more_top_logprobs_than_prefill_gets_no_left_over_columns(codec_cls, streamed):
+    """Prefill asked 1, decode 2: decode's token 0 row is prefill's one entry and a slot column prefill
+    never wrote (here the last request's ``[-4.5, 556]``). Published as sent before; now the row is
+    null, ``output_top_logprobs_unavailable_reason: shape_mismatch``, the entry (prefill's) kept."""
+    pre, dec = _widths(1, 2, streamed=streamed)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_top_logprobs"][0] is None
+    assert first["output_top_logprobs"][1:] == OUTPUT_TOP[1:len(first["output_top_logprobs"])]
+    assert first[TOP_MARK] == "shape_mismatch"
+    assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
+    assert MARK not in first
+    assert "556" not in json.dumps([json.loads(got)["meta_info"] for got, _verdict in out])
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+def test_decode_asking_top_logprobs_prefill_was_not_asked_for_gets_no_left_over_row(codec_cls):
+    """Prefill asked no top logprobs (its body has no ``output_top_logprobs``), decode 2: every column
+    decode copied is a left-over. The row is null, ``prefill_missing``."""
+    pre, dec = _widths(0, 2, prefill_top=False)
+    first = _first(join(codec_cls(OPTIONS), dec, pre))
+    assert first["output_top_logprobs"][0] is None
+    assert first[TOP_MARK] == "prefill_missing"
+    assert "555" not in json.dumps(first) and "556" not in json.dumps(first)
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+def test_decode_top_row_that_is_not_prefills_is_not_published(codec_cls):
+    """Decode asked 2 like prefill, yet its token 0 row's second column is not prefill's (``[-4.5, 556]``
+    where prefill wrote ``[-2.5, 7]``): not this slot's values. Null, ``prefill_corrupt``."""
+    pre, dec = _widths(2, 2)
+    body = json.loads(dec[0])
+    body["meta_info"]["output_top_logprobs"][0][1] = list(STALE["left_over"][1][1])
+    first = _first(join(codec_cls(OPTIONS), [dumps(body)], pre))
+    assert first["output_top_logprobs"][0] is None
+    assert first[TOP_MARK] == "prefill_corrupt"
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+def test_prefill_top_row_of_another_width_is_not_spliced(codec_cls):
+    """Decode's token 0 entry with a null logprob and no top row, its other rows 2 wide; prefill's row is
+    1 wide (it asked 1): spliced, the client's token 0 row was narrower than the rest. Not spliced now."""
+    pre, dec = _widths(1, 2, null_first=True)
+    first = _first(join(codec_cls(OPTIONS), dec, pre))
+    assert first["output_top_logprobs"][0] is None
+    assert first[TOP_MARK] == "shape_mismatch"
+    assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+def test_prefill_top_row_spliced_at_decodes_width(codec_cls):
+    """The control: prefill asked 2, decode 1; spliced into a null row, prefill's row is cut to decode's
+    width (the first of prefill's top entries are decode's top 1)."""
+    pre, dec = _widths(2, 1, null_first=True)
+    first = _first(join(codec_cls(OPTIONS), dec, pre))
+    assert first["output_top_logprobs"][0] == OUTPUT_TOP[0][:1]
+    assert TOP_MARK not in first and MARK not in first
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize(("k_prefill", "k_decode"), [(2, 2), (2, 1)])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_decode_asking_no_more_top_logprobs_than_prefill_keeps_its_row(codec_cls, k_prefill, k_decode,
+                                                                      streamed):
+    """The control: decode's columns are all ones prefill wrote; every body passes as sent."""
+    pre, dec = _widths(k_prefill, k_decode, streamed=streamed)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    first = _first(out)
+    assert first["output_top_logprobs"][0] == OUTPUT_TOP[0][:k_decode]
+    assert TOP_MARK not in first and MARK not in first
+    assert [got for got, _verdict in out] == dec
+
+
+# ------------------------------------------------------------------------- hostile variants (hypothesis)
+
+# None drawn half the time: a single mutant in an otherwise honest pair is the case most worth hitting.
+ID_MUTANTS = st.sampled_from([None] * 5 + ["float", "bool", "str", "other", "negative"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streamed=st.sampled_from([False, True, "coalesced"]), prefill_logprobs=st.booleans(),
+       stale=st.sampled_from(sorted(STALE)), leg=st.sampled_from([None] * 5 + LEGS), entry_id=ID_MUTANTS,
+       own_id=ID_MUTANTS, drop_ids=st.booleans(), k=st.sampled_from([(2, 2), (1, 2), (2, 1)]),
+       sglang=st.booleans())
+def test_no_unconfirmed_token_0_value_is_published(streamed, prefill_logprobs, stale, leg, entry_id, own_id,
+                                                   drop_ids, k, sglang):
+    """Whatever the legs: the published token 0 entry is the sampled token's own ``[logprob, 201, null]``
+    (exact JSON types) or omitted (``[null, id, null]`` with a marker); the top row is the true one (as
+    wide as decode asked) or null; a slot left-over's values (555/556, -3.25/-4.5) are never published.
+    A prefill leg that says nothing about the slot is drawn with both legs asking 2 top logprobs: a
+    left-over column past prefill's width cannot be told from a written one without prefill's row."""
+    codec_cls = CODECS[0].values[0] if sglang else CODECS[1].values[0]
+    if leg is not None:
+        k = (2, 2)
+    pre, dec = _widths(*k, streamed=streamed)
+    if not prefill_logprobs:
+        _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale=stale)
+    body = json.loads(dec[0])
+    meta = body["meta_info"]
+    mutants: dict[str, Any] = {"float": float(OUT[0]), "bool": True, "str": str(OUT[0]), "negative": -201}
+    if entry_id is not None:  # "other": a token no leg sampled
+        meta["output_token_logprobs"][0][1] = mutants.get(entry_id, 7)
+    if own_id is not None:  # "other": decode says it sampled another token than the slot's (prefill's)
+        body["output_ids"][0] = mutants.get(own_id, 8)
+    if drop_ids:
+        del body["output_ids"]
+    honest = leg is None and entry_id is None and own_id is None and not drop_ids
+    prefill = pre if leg is None else _leg_that_says_nothing(leg, pre)
+    out = join(codec_cls(OPTIONS), [dumps(body), *dec[1:]], prefill)
+    first = _first(out)
+    entry, top = first["output_token_logprobs"][0], first["output_top_logprobs"][0]
+    if entry[0] is not None:
+        assert _exact(entry, OUTPUT_LP[0]), entry
+    else:
+        assert MARK in first
+        assert entry[1] is None or _exact(entry[1], OUT[0]) or _exact(entry[1], 8), entry
+    if top is not None:
+        assert _exact(top, OUTPUT_TOP[0][:k[1]]), top
+    text = json.dumps([json.loads(got)["meta_info"] for got, _verdict in out])
+    for value in ("555", "556", "-3.25", "-4.5", "-201"):
+        assert value not in text
+    if honest and prefill_logprobs and k[0] >= k[1]:
+        assert [got for got, _verdict in out] == [dumps(body), *dec[1:]]  # nothing to join: as sent

@@ -253,6 +253,14 @@ def _token_id(entry: object) -> object:
     return entry[1] if isinstance(entry, list) and len(entry) >= 2 else None
 
 
+def _same_top_entry(mine: object, theirs: object) -> bool:
+    """A top logprobs entry ``[logprob, token_id, ...]`` with prefill's logprob and id, JSON types alike
+    (``201.0 == 201`` in Python); the text is left out (``return_text_in_logprobs`` is each leg's own)."""
+    return (isinstance(mine, list) and isinstance(theirs, list) and len(mine) >= 2 and len(theirs) >= 2
+            and type(mine[0]) is type(theirs[0]) and mine[0] == theirs[0]
+            and _is_token(mine[1]) and type(theirs[1]) is int and mine[1] == theirs[1])
+
+
 def _is_count(value: object) -> bool:
     return type(value) is int
 
@@ -769,6 +777,7 @@ class SGLangJoinSession(JoinSession):
         positions, token = self._decode_first(meta, entries, ids)
         if not self._same_token_0(token):
             positions = ()  # not this slot's prefill: nothing of its token 0 is spliced (_omit_left_over)
+        spliced: list[int] = []
         for at in positions:  # only where the chunk holds output position 0
             first = entries[at]
             if not (isinstance(first, list) and len(first) >= 2 and first[0] is None):
@@ -783,8 +792,64 @@ class SGLangJoinSession(JoinSession):
             if isinstance(top, list) and len(top) > at and not top[at] and isinstance(source_top, list) \
                     and source_top and source_top[0]:
                 top[at] = source_top[0]
+                spliced.append(at)
         # Prefill's body has logprob lists, yet the slot says it was not written: the leg is not this slot's.
         self._omit_left_over(meta, entries, ids, Omit.PREFILL_CORRUPT)
+        self._check_first_top(meta, entries, positions, spliced, prefill)
+
+    def _check_first_top(self, meta: dict[str, Any], entries: list[Any], positions: tuple[int, ...],
+                         spliced: list[int], prefill: dict[str, Any] | None) -> None:
+        """Token 0's top row is published only as a prefix of the prefill leg's row. SGLang 0.5.23
+        ``MetadataBuffers.set_buf`` writes prefill's own ``top_logprobs_num`` columns of the 128-wide slot
+        (``self.output_top_logprobs_val[idx][: len(req.logprob.output_top_logprobs_val[0])] = ...``; the
+        other columns keep what an earlier request left) and ``DecodeTransferQueue._commit_transfer_to_req``
+        copies decode's own width (``output_top_logprobs_val[:top_logprobs_num].tolist()``). Where decode
+        asked more than prefill, its row ends in another request's columns: nulled, marker
+        ``output_top_logprobs_unavailable_reason`` (``shape_mismatch``; ``prefill_missing`` where prefill
+        has no row; ``prefill_corrupt`` where the columns are not prefill's). A row spliced from prefill
+        (:meth:`_fill_first_token`) takes the width of decode's other rows in the chunk: cut to it, or
+        nulled (``shape_mismatch``) where prefill's is narrower or the other (non-empty) rows disagree. A
+        prefill leg whose token 0 entry names another token says nothing about this slot's columns (as a
+        timed-out one): decode's row is left as sent there."""
+        top = meta.get(OUTPUT_TOP_LOGPROBS)
+        if not isinstance(top, list) or prefill is None:
+            return
+        source_top = prefill.get(OUTPUT_TOP_LOGPROBS)
+        if not isinstance(source_top, list) and native.OUTPUT_TOP_SHAPE in prefill:
+            return  # prefill's top rows are flat (return_flat_raw_output_top_logprobs): not compared here
+        row0 = source_top[0] if isinstance(source_top, list) and source_top else None
+        source = prefill.get(OUTPUT_TOKEN_LOGPROBS)
+        named = _token_id(source[0]) if isinstance(source, list) and source else None
+        reason: str | None = None
+        for at in positions:
+            row = top[at] if at < len(top) else None
+            if not (isinstance(row, list) and row and type(named) is int and named == _token_id(entries[at])):
+                continue
+            if not isinstance(row0, list):
+                reason = Omit.PREFILL_MISSING
+            elif at in spliced:
+                widths = {len(other) for i, other in enumerate(top)
+                          if i not in positions and isinstance(other, list) and other}
+                width = widths.pop() if len(widths) == 1 else len(row0) if not widths else -1
+                if 0 <= width <= len(row0):
+                    top[at] = row0[:width]
+                    continue
+                reason = Omit.SHAPE_MISMATCH
+            elif len(row) > len(row0):
+                reason = Omit.SHAPE_MISMATCH
+            elif all(map(_same_top_entry, row, row0)):
+                continue
+            else:
+                reason = Omit.PREFILL_CORRUPT
+            top[at] = None
+        if reason is None:
+            return
+        if native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE not in meta:
+            _insert_after_last(meta, native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE, reason, (OUTPUT_TOP_LOGPROBS,))
+        else:
+            meta[native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE] = reason
+        self._changed = True
+        self._omitted = True
 
     def _omit_left_over(self, meta: dict[str, Any], entries: list[Any], ids: object, reason: str) -> None:
         """Token 0's entry omitted (:meth:`_omit_first_token`, marked ``reason``) where it names another
@@ -809,7 +874,7 @@ class SGLangJoinSession(JoinSession):
                  if isinstance(entries[at], list) and len(entries[at]) >= 2]
         if not named:
             return
-        # An id no int32 slot holds (no int, negative, 2^31 or more) names no sampled token: the leg is corrupt.
+        # An id no int32 slot holds (no int, negative, 2^31 or more) is no sampled token: the leg is corrupt.
         if not all(map(_is_token, named)) or (isinstance(ids, list) and not all(map(_is_token, ids))):
             self._omit_first_token(meta, entries, ids, Omit.DECODE_CORRUPT)
             return

@@ -99,6 +99,8 @@ ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable_reason"
 OUTPUT_TOKEN_IDS_LOGPROBS_UNAVAILABLE = "output_token_ids_logprobs_unavailable_reason"
 # Token 0's logprob entries only (the list stays, position 0 nulled): see join._omit_first_token.
 OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE = "output_token_logprobs_unavailable_reason"
+# Token 0's top logprobs row only (the list stays, row 0 nulled): see join._check_first_top.
+OUTPUT_TOP_LOGPROBS_UNAVAILABLE = "output_top_logprobs_unavailable_reason"
 
 # finish_reason types that mean the leg did not complete (sidecar ``terminal_failure``).
 ABORT = "abort"  # a finish reason's type (also a status abort's: abort_status)
