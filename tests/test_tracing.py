@@ -520,3 +520,31 @@ async def test_processor_and_edge_export_over_otlp_as_the_standard_variables_say
     )
     worker_span_id = worker.split("-")[2]
     assert all(s.parent_span_id.hex() == worker_span_id for _, s in spans if s.name == "streamproc.correlate")
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_results_handed_out_together_keep_their_sse_ids_with_tracing_on(nats_url):
+    """With tracing on, each result is framed on its own (the traced path of ``Edge.frames``). Results
+    that came out of order (seqs 1 and 2 before 0) are handed out together when the missing one comes,
+    so several wait in the feed at once: each still goes out with its seq as its SSE id, as without
+    tracing. 5f0b9b9's ``event_id`` read the order's next seq when the frame was made, past the ones
+    still waiting, and sent those without an id (a resume would then start before them)."""
+    from streamproc.core.events import Result
+    from streamproc.core.wire import result_headers
+
+    provider, _ = in_memory()
+    subjects = Subjects()
+    request_id = "traced-ids-1"
+    bodies = [b'{"text":"%d"}' % seq for seq in range(5)]
+    async with edge_in_process(nats_url, tracing.Tracing(provider)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=20) as client, await nats.connect(nats_url) as nc:
+            async with client.stream("GET", f"/v1/results/{request_id}") as response:
+                await anyio.sleep(0.5)  # the stream's subscription is in place
+                for seq in (1, 2, 0, 3, 4):
+                    await nc.publish(subjects.result(request_id), bodies[seq],
+                                     headers=result_headers(Result(request_id, seq, bodies[seq], seq == 4)))
+                await nc.flush()
+                with anyio.fail_after(20):
+                    raw = await response.aread()
+    assert raw == expected_sse(bodies), raw

@@ -25,8 +25,8 @@ def stale_final_text(request_id: str, seq: int, last: int) -> str:
 class SeqOrder:
     """One request's results in seq order, each once, after an optional resume point (sans-I/O)."""
 
-    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "contradicted", "duplicates",
-                 "max_pending", "_start", "_highest")
+    __slots__ = ("next_seq", "pending", "done", "ended_before_resume", "contradicted", "error_below",
+                 "duplicates", "max_pending", "_start", "_highest")
 
     def __init__(self, after: int | None = None, *, max_pending: int = MAX_PENDING_RESULTS) -> None:
         self.next_seq = 0 if after is None else after + 1
@@ -36,6 +36,10 @@ class SeqOrder:
         # The seq of a final result that the results already seen contradict (below): the reading
         # ended without all of them, which a reader must report, never take for a clean end.
         self.contradicted: int | None = None
+        # The error result that ended the reading came below a seq already handed out or seen (push):
+        # the edge frames it without an SSE id, so a client's Last-Event-ID keeps naming its last result.
+        # Set here, when it is handed out: results handed out before it may still wait to be framed.
+        self.error_below = False
         self.duplicates = 0
         self.max_pending = max_pending
         self._start = self.next_seq
@@ -68,7 +72,7 @@ class SeqOrder:
                 # mid-request: Correlator._fail puts request_timeout's error, or a refused migrate's,
                 # at its own next seq, 0). Handed out as the end, so the reader reports that error
                 # (the edge sends it without an SSE id: the client's Last-Event-ID stays where it was).
-                self.done = True
+                self.done = self.error_below = True
                 self.pending.clear()
                 return [result]
             else:

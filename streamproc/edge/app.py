@@ -1031,10 +1031,12 @@ class Edge:
 
 
 def event_id(feed: ResultFeed, result: ResultInfo) -> int | None:
-    """A result frame's SSE id: its seq, except an error result handed out below a seq already sent
-    (``SeqOrder.push``: a restarted core-mode processor's error at its own seq 0): none, so the
-    client's Last-Event-ID never goes back and a resume from it does not read the results again."""
-    return result.seq if result.seq >= feed.order.next_seq - 1 else None
+    """A result frame's SSE id: its seq, except the error result ``SeqOrder.push`` handed out below a
+    seq already handed out or seen (``error_below``: a restarted core-mode processor's error at its own
+    seq 0): none, so the client's Last-Event-ID never goes back and a resume from it does not read the
+    results again. Told by the order's flag, set when it was handed out, not by its ``next_seq`` now:
+    results handed out together wait in the feed, and the traced path frames each on its own."""
+    return None if result.error is not None and feed.order.error_below else result.seq
 
 
 def meta_and_event(result: ResultInfo) -> bytes:
