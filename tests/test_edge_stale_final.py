@@ -202,3 +202,35 @@ async def test_a_processor_s_error_below_results_stored_within_the_duplicate_win
             assert not ack.duplicate, ack
             response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "5"})
             assert response.content == b"data: " + error_body + b"\n\n" + DONE, response.content
+
+
+@pytest.mark.parametrize("last", [0, 3])
+async def test_a_processor_s_error_at_the_seq_of_the_last_result_delivered_is_sent_without_an_id_and_resumed(
+        nats_server, last):
+    """The restarted processor's error at its own seq 0 when the old one had published result 0 alone
+    (``last`` 0: it crashed after the request's first chunk), or at the last result's seq. Stored under its
+    own id (``<rid>.<seq>.error``, 8ac2350) beside that result, it went out as ``id: <seq>`` a second time,
+    so a client's Last-Event-ID could not tell the result from the error: a resume from it (the client
+    left before the error's event came) ended clean, a failed request read as finished."""
+    subjects = Subjects(f"errorattop{last}")
+    request_id = rid("top")
+    error_body = b'{"error":{"message":"no chunk for 30 s","type":"timeout"}}'
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--result-timeout", "10") as edge:
+        async with connection(nats_server.url) as nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            js = nc.jetstream()
+            for seq in range(last + 1):
+                await js.publish(subjects.result(request_id), body(seq),
+                                 headers=result_headers(Result(request_id, seq, body(seq), False)))
+            ack = await js.publish(subjects.result(request_id), error_body, headers=result_headers(
+                Result(request_id, last, error_body, True, error="timeout")))
+            assert not ack.duplicate, ack
+            opened = (await client.get(f"/v1/results/{request_id}")).content
+            served = expected_sse([body(k) for k in range(last + 1)]).removesuffix(DONE)
+            assert opened == served + b"data: " + error_body + b"\n\n" + DONE, opened
+            for after in range(last + 1):
+                resumed = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": str(after)})
+                rest = expected_sse([body(k) for k in range(after + 1, last + 1)], start=after + 1)
+                error_end = b"data: " + error_body + b"\n\n" + DONE
+                assert resumed.content == rest.removesuffix(DONE) + error_end, (after, resumed.content)

@@ -258,3 +258,22 @@ def test_a_resume_past_results_the_client_had_still_hands_out_the_error_below_th
     at_resume = SeqOrder(after)
     assert at_resume.push(result(after, final=True, error="timeout")) == []
     assert at_resume.done and at_resume.ended_before_resume
+
+
+@pytest.mark.parametrize("last", [0, 3])
+def test_an_error_at_the_seq_of_the_last_result_the_reader_had_is_below_it_and_handed_out(last):
+    """The restarted processor's error at seq 0 when result 0 is all the old one published (or at the last
+    result's seq): the reader had a result at that seq, so the error is below it (``error_below``: no SSE
+    id), and a resume from that seq (Last-Event-ID 0, the client had result 0, not the error) hands it out;
+    5f0b9b9 ended that resume clean, as if the client had the error."""
+    for after in [None, *range(last + 1)]:
+        order = SeqOrder(after)
+        for seq in range(last + 1):
+            order.push(result(seq))
+        error = result(last, final=True, error="timeout")
+        assert order.push(error) == [error], after
+        assert order.done and order.error_below and not order.ended_before_resume, after
+    honest = SeqOrder(last)  # the error in seq order, the client's last event: it has it
+    for seq in range(last):
+        honest.push(result(seq))
+    assert honest.push(result(last, final=True, error="timeout")) == [] and honest.ended_before_resume

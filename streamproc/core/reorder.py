@@ -58,12 +58,14 @@ class SeqOrder:
                 if seq > self._highest:
                     self._highest = seq
             elif (self.next_seq == self._start and seq >= self._highest
-                  and (result.error is None or seq == self._start - 1)):
+                  and (result.error is None or seq == self._start - 1 and seq > self._highest)):
                 # The final at or before the resume point, nothing handed out or seen past it: the
                 # client has it all (a Last-Event-ID at or past the final seq). The final handed out
                 # ended the reading (done, above), so a copy of it never gets here. An error result
-                # only at the resume point itself: one below it is the case below, which a client
-                # resuming after the results it had (Last-Event-ID 5, the error at 0) never saw.
+                # only at the resume point itself and past every result seen: one below it, or one at
+                # the seq of a result seen (the error at 0 beside result 0: Last-Event-ID 0 names that
+                # result, the error went out without an id), is the case below, which a client resuming
+                # after the results it had never saw.
                 self.done = self.ended_before_resume = True
                 self.pending.clear()
             elif result.error is not None:
