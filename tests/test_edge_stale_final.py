@@ -234,3 +234,28 @@ async def test_a_processor_s_error_at_the_seq_of_the_last_result_delivered_is_se
                 rest = expected_sse([body(k) for k in range(after + 1, last + 1)], start=after + 1)
                 error_end = b"data: " + error_body + b"\n\n" + DONE
                 assert resumed.content == rest.removesuffix(DONE) + error_end, (after, resumed.content)
+
+
+async def test_a_resume_whose_search_meets_the_error_before_the_result_at_its_seq_hands_it_out(nats_server):
+    """Result 1 stored, other requests' results, then the restarted processor's error at seq 1: a resume with
+    Last-Event-ID 1 searches the stream for the result 1 (``Replay._seek``) and, halving, meets the error
+    first (a final at the resume point). Read from there, the result 1 it had was never seen, so the error
+    looked like the client's last event and the resume ended clean."""
+    subjects = Subjects("errorseek")
+    request_id, other = rid("seek"), rid("other")
+    error_body = b'{"error":{"message":"no chunk for 30 s","type":"timeout"}}'
+    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
+                      "--result-timeout", "10") as edge:
+        async with connection(nats_server.url) as nc, \
+                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            js = nc.jetstream()
+            for seq in range(2):
+                await js.publish(subjects.result(request_id), body(seq),
+                                 headers=result_headers(Result(request_id, seq, body(seq), False)))
+            for seq in range(7):  # stream seqs 3-9: another request's results
+                await js.publish(subjects.result(other), body(seq),
+                                 headers=result_headers(Result(other, seq, body(seq), False)))
+            await js.publish(subjects.result(request_id), error_body, headers=result_headers(
+                Result(request_id, 1, error_body, True, error="timeout")))
+            resumed = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "1"})
+            assert resumed.content == b"data: " + error_body + b"\n\n" + DONE, resumed.content

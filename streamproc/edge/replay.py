@@ -87,7 +87,7 @@ from nats.js.errors import APIError, NotFoundError
 from ..core.errors import StoredHistoryUnreadable
 from ..core.read_budget import push_window
 from ..core.replay_pull import Pull, PullState
-from ..core.wire import FINAL, SEQ
+from ..core.wire import ERROR, FINAL, SEQ
 from ..nats.fast_client import parse_header_block
 from ..nats.replay_pull import (
     REPLAY_BUSY_BACKOFF,
@@ -174,15 +174,15 @@ def _parts(message: StoredMessage) -> tuple[str, dict[str, str] | None, bytes]:
     return message.subject, headers, base64.b64decode(message.data) if message.data else b""
 
 
-def _seek_mark(message: StoredMessage) -> tuple[int, bool] | None:
-    """A stored result's seq and whether it is final (a resume's search, :meth:`Replay._seek`);
-    None when its headers say no seq."""
+def _seek_mark(message: StoredMessage) -> tuple[int, bool, bool] | None:
+    """A stored result's seq, whether it is final and whether it is an error result (a resume's search,
+    :meth:`Replay._seek`); None when its headers say no seq."""
     block = base64.b64decode(message.hdrs) if message.hdrs else b""  # the headers alone, as _parts reads them
     headers = (parse_header_block(block) if len(block) > 10 and block[8] != 32 else None) or {}
     text = headers.get(SEQ)
     if text is None or not (text.isascii() and text.isdigit()) or len(text) > 18:
         return None
-    return int(text), headers.get(FINAL) == "true"
+    return int(text), headers.get(FINAL) == "true", ERROR in headers
 
 
 def stream_seq(reply: str | None) -> int | None:
@@ -495,18 +495,26 @@ class Replay:
                 message = await self._get(mid)
                 if self.closed:
                     return None
-                if message is None:  # nothing of the subject from mid to upto
+                if message is None or message.seq > hi:  # nothing of the subject from mid to hi
                     hi = mid - 1
                     continue
                 mark = _seek_mark(message)
                 if mark is None:
                     return first
-                seq, final = mark
+                seq, final, error = mark
                 if seq > after:
                     later = True
                     hi = mid - 1
                     continue
                 last = message
+                if seq == after and error and at is None:
+                    # An error at the resume point may be one stored after the result ``after`` the
+                    # client had (a restarted processor's at its own seq 0: SeqOrder.push hands it out,
+                    # below that result, only once it saw the result). Stored before it, so looked for
+                    # below; the error is where the read starts when there is none.
+                    at = message
+                    hi = mid - 1
+                    continue
                 if seq == after or final:  # found: no later copy is looked for (results are in seq order)
                     at = message
                     break
