@@ -32,7 +32,7 @@ from .core.codec import shown_kind
 from .core.correlator import Work
 from .core.errors import ConfigError
 from .core.events import Result, ResultInfo, Verdict
-from .core.wire import ERROR, JOIN, MSG_ID, TRACEPARENT
+from .core.wire import ERROR, ERROR_MSG_ID_SUFFIX, JOIN, MSG_ID, TRACEPARENT
 from .logs import log_event
 
 log = logging.getLogger("streamproc.tracing")
@@ -360,7 +360,8 @@ class Tracing:
         ) -> None:
             if headers is None or skip and headers.get(TRACEPARENT, "").endswith("-00"):
                 return await inner(subject, payload, reply, headers)
-            msg_id = headers.get(MSG_ID, "")
+            # <request_id>.<seq>, an error result's <request_id>.<seq>.error (core.wire.result_headers)
+            msg_id = headers.get(MSG_ID, "").removesuffix(ERROR_MSG_ID_SUFFIX)
             rid, _, seq = msg_id.rpartition(".")
             attributes: dict[str, Any] = {
                 "messaging.system": "nats",

@@ -548,3 +548,26 @@ async def test_results_handed_out_together_keep_their_sse_ids_with_tracing_on(na
                 with anyio.fail_after(20):
                     raw = await response.aread()
     assert raw == expected_sse(bodies), raw
+
+
+@needs_otel
+@pytest.mark.nats
+async def test_an_error_result_s_publish_span_names_its_request_and_seq(nats_url):
+    """The ``streamproc.publish`` span reads the request id and seq from ``Nats-Msg-Id``. An error result's
+    is ``<request_id>.<seq>.error`` since 8ac2350: split at its last dot, the span named ``<rid>.0`` as the
+    request and had no seq."""
+    from streamproc.core.events import Result
+    from streamproc.core.wire import result_headers
+
+    provider, exporter = in_memory()
+    request_id = "traced-error-1"
+    error_body = b'{"error":{"message":"no chunk for 30 s","type":"timeout"}}'
+    async with await nats.connect(nats_url) as nc:
+        publish = tracing.Tracing(provider).publisher(nc.publish)
+        for result in (Result(request_id, 0, error_body, True, error="timeout"),
+                       Result(request_id, 3, b"{}", False)):
+            await publish(Subjects().result(request_id), result.body, headers=result_headers(result))
+        await nc.flush()
+    spans = [s for s in exporter.get_finished_spans() if s.name == "streamproc.publish"]
+    assert [(s.attributes["streamproc.request_id"], s.attributes.get("streamproc.seq")) for s in spans] == [
+        (request_id, 0), (request_id, 3)]
