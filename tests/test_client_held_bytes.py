@@ -26,13 +26,17 @@ READER = """
 import json, sys, anyio, streamproc
 from streamproc import Subjects, follow
 async def main():
-    url, rid, bound = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    url, rid, bound, published = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     nc = await streamproc.connect(url)
     outcome = "no error within 5 s"
     async with follow(nc, Subjects(), rid, timeout=60, max_buffered_bytes=bound) as results:
         print("subscribed", flush=True)
         await anyio.to_thread.run_sync(sys.stdin.readline)  # the forger has published everything
-        await anyio.sleep(0.5)  # and the callback has taken what arrived
+        # and the callback has taken all of it: a fixed 0.5 s was not enough for 100,000 results on a
+        # loaded machine (61,203 read when the overrun ended the loop and closed the connection)
+        with anyio.move_on_after(30):
+            while nc.stats["in_msgs"] < published:
+                await anyio.sleep(0.05)
         with anyio.move_on_after(5):
             try:
                 async for _ in results:
@@ -50,8 +54,8 @@ anyio.run(main)
 
 async def read_forged(nats_url: str, rid: str, headers: list[dict[str, str]]) -> dict:
     """Run the reader on ``rid``, publish one empty-bodied result per header set, let it read."""
-    proc = subprocess.Popen([sys.executable, "-c", READER, nats_url, rid, str(BOUND)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", READER, nats_url, rid, str(BOUND), str(len(headers))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert await anyio.to_thread.run_sync(proc.stdout.readline) == "subscribed\n"
         async with connection(nats_url) as forger:
