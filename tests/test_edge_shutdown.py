@@ -25,13 +25,14 @@ import pytest
 
 from edge_harness import EdgeProcess, fill_send_queue, publish_result, slow_reader, unread_stream
 from helpers import connection
-from streamproc.edge.stopping import RECANCEL_INTERVAL, RECANCEL_ROUNDS, Stopping
+from streamproc.edge.stopping import FINAL_WRITE_TIMEOUT, RECANCEL_INTERVAL, RECANCEL_ROUNDS, Stopping
 from streamproc.sim.embedded import EmbeddedNats
 from streamproc.wire import Subjects
 
 pytestmark = pytest.mark.nats
 
 STOP_WITHIN = 2.0  # as tests/test_signals.py: a stop the operator asked for takes at most 2 s
+GRACEFUL_TIMEOUT = 1.0  # streamproc/edge/server.py: timeout_graceful_shutdown=1
 
 
 class Reader(threading.Thread):
@@ -78,6 +79,16 @@ def stopped_in(edge: EdgeProcess) -> float:
     edge.proc.send_signal(signal.SIGTERM)
     assert edge.proc.wait(STOP_WITHIN + 3) == 0
     return time.monotonic() - started
+
+
+def plain_stop(url: str, *args: str) -> float:
+    """The seconds a SIGTERM takes to stop an edge with nothing open: what a stop costs on this machine
+    now (Uvicorn's close, the process's exit), before any wait of its own."""
+    edge = EdgeProcess(url, *args).start()
+    try:
+        return stopped_in(edge)
+    finally:
+        edge.close()
 
 
 def loud_lines(log: str) -> list[str]:
@@ -248,6 +259,7 @@ def test_sigterm_with_a_closing_connection_whose_client_never_read_stops_at_once
     The rest is cut after the last frame's short wait, as an open stream's at the stop."""
     subjects = Subjects()
     with EmbeddedNats() as server:  # stored results fill what the stream's subscription missed
+        baseline = plain_stop(server.url, "--log-format", "logfmt", "--ensure-results-stream")
         edge = EdgeProcess(server.url, "--log-format", "logfmt", "--ensure-results-stream").start()
         sock: socket.socket | None = None
         try:
@@ -267,5 +279,11 @@ def test_sigterm_with_a_closing_connection_whose_client_never_read_stops_at_once
             if sock is not None:
                 sock.close()
             edge.close()
-    assert elapsed < 0.9, f"the edge took {elapsed:.2f}s to stop"  # under the graceful timeout it waited
+    # The stop waits the last frame's FINAL_WRITE_TIMEOUT (0.5 s) on top of what any stop costs; the defect
+    # waited Uvicorn's whole graceful timeout (1 s). A fixed 0.9 s bound left that cost 0.4 s: measured 0.62 s
+    # alone but up to 0.94 s beside two CPU burners (1 of 3 runs failed). Past a plain stop measured in the
+    # same run, the bound is the midpoint of the two waits; with the cut removed (connections.py
+    # watch_closing) the stop took 1.24 s under that load and logged "timeout graceful shutdown exceeded".
+    midpoint = (FINAL_WRITE_TIMEOUT + GRACEFUL_TIMEOUT) / 2
+    assert elapsed - baseline < midpoint, f"stopped in {elapsed:.2f}s, {baseline:.2f}s with nothing open"
     assert loud_lines(log) == [], "\n".join(loud_lines(log))
