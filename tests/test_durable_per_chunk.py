@@ -143,3 +143,61 @@ async def paced_chunks_stored_in_order(client, nats_url: str, request_id: str, c
         await wait_until(lambda: p.snapshot()["chunks"] == count, 15, "every chunk decided")
         stored = await stored_results(client.jetstream(), settings.subjects)
     assert [(s.seq, s.body) for s in stored[request_id]] == [(seq, b"body-%d" % seq) for seq in range(count)]
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_the_inline_chunk_and_puback_handlers_make_no_backlogged_call(client, nats_url, monkeypatch):
+    """The durable inline handlers test the write buffer's backlog with ``FastClient.backlogged``'s rule
+    written out, not a call of it (one Python call per chunk and per PubAck read inline; docs/benchmarks.md,
+    "Durable CPU, fifth pass")."""
+    import sys
+
+    callers: list[str] = []
+    backlogged = FastClient.backlogged
+
+    def counted(self):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return backlogged(self)
+
+    monkeypatch.setattr(FastClient, "backlogged", counted)
+    await paced_chunks_stored_in_order(client, nats_url, "nobl-1", 40)
+    # pump_nowait (the awaited pump after a declined chunk: a new request's lookup) still asks
+    assert not {"on_message_inline", "_on_reply_inline"} & set(callers), callers
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_the_inline_handlers_decline_a_message_exactly_when_the_write_buffer_is_backlogged(
+        client, nats_url, monkeypatch):
+    """Every other chunk and PubAck handed to an inline handler meets a write buffer just over half full (padded
+    for that call, restored after it): each chunk and PubAck among them is declined (queued for its
+    callback, as with ``backlogged()`` True), and the others are taken inline; the results stay in order."""
+    accept = FastClient._accept
+    seen: list[tuple[str, bool, bool]] = []  # (kind, padded, declined)
+
+    def padded_accept(self, sub, sid, subject, reply, data, headers, hdr, reply_text=None):
+        if not self._handlers_inline or sid not in self._handlers_inline or self._max_pending_size <= 0:
+            return accept(self, sub, sid, subject, reply, data, headers, hdr, reply_text)
+        kind = "chunk" if reply.startswith(b"$JS.ACK.") else "puback" if b'"stream"' in data else "other"
+        padded = sum(k == kind for k, _, _ in seen) % 2 == 1  # every other one of its kind
+        pad = self._max_pending_size // 2 + 1 - self._pending_data_size if padded else 0
+        assert pad >= 0
+        self._pending_data_size += pad
+        assert self.backlogged() is padded
+        queued = sub._pending_queue._unfinished_tasks
+        try:
+            return accept(self, sub, sid, subject, reply, data, headers, hdr, reply_text)
+        finally:
+            self._pending_data_size -= pad
+            seen.append((kind, padded, sub._pending_queue._unfinished_tasks > queued))
+
+    monkeypatch.setattr(FastClient, "_accept", padded_accept)
+    await paced_chunks_stored_in_order(client, nats_url, "bl-1", 40)
+    for kind in ("chunk", "puback"):
+        padded = [declined for k, p, declined in seen if k == kind and p]
+        plain = [declined for k, p, declined in seen if k == kind and not p]
+        assert padded and all(padded), (kind, seen)
+        assert plain and not all(plain), (kind, seen)  # taken inline when not backlogged

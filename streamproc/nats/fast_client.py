@@ -1059,7 +1059,8 @@ class FastClient(RobustClient):
 
     def backlogged(self) -> bool:
         """More than half of ``_max_pending_size`` waits to be written: publish with backpressure
-        (``await publish``), not :meth:`enqueue`."""
+        (``await publish``), not :meth:`enqueue`. The durable inline handlers (deliveries.py,
+        outbox_pump.py) write this rule out: one Python call per chunk less."""
         return self._pending_data_size * 2 > self._max_pending_size > 0
 
     def _append(self, subject: str, reply: str, payload: bytes, hdr: bytes | None, size: int = -1) -> None:

@@ -169,7 +169,6 @@ class Deliveries:
         knows = correlator.knows
         outbox_pump = self.outbox_pump
         pump = outbox_pump.pump
-        backlogged = getattr(self.nc, "backlogged", None)
         outbox = self.outbox
         queue = outbox.take  # the outbox itself on the common path: one call less per message
         notify = self.pipeline.notify
@@ -417,7 +416,11 @@ class Deliveries:
         def on_message_inline(subject: str, reply: str, headers: Any, data: bytes) -> bool:
             """``headers``: the raw header block (partitions.py registers this with ``raw_headers``), or
             the parsed dict or None where the read loop has no block left to hand over."""
-            if not reply or not reply.startswith("$JS.ACK.") or not part.active or backlogged():  # type: ignore[misc]
+            # nc.backlogged(), its rule inline (one Python call per chunk less; a flag kept current instead
+            # would need nats-py's own writers of _pending_data_size hooked: docs/benchmarks.md, "Durable
+            # CPU, fifth pass")
+            if (not reply or not reply.startswith("$JS.ACK.") or not part.active
+                    or nc._pending_data_size * 2 > nc._max_pending_size > 0):
                 return False  # on_message decides it
             # The chunk's token: the outbox acks its reply. Its headers are dropped once parsed (it may be
             # held: a worker's 64 KiB of headers, as in on_message), so it never holds them.
