@@ -172,9 +172,9 @@ async def test_the_inline_chunk_and_puback_handlers_make_no_backlogged_call(clie
 @pytest.mark.timeout(60)
 async def test_the_inline_handlers_decline_a_message_exactly_when_the_write_buffer_is_backlogged(
         client, nats_url, monkeypatch):
-    """Every other chunk and PubAck handed to an inline handler meets a write buffer just over half full (padded
-    for that call, restored after it): each chunk and PubAck among them is declined (queued for its
-    callback, as with ``backlogged()`` True), and the others are taken inline; the results stay in order."""
+    """Every other chunk and PubAck handed to an inline handler meets a write buffer just over half full
+    (padded for that call, restored after it): each of them is declined (queued for its callback, as with
+    ``backlogged()`` True), and the others are taken inline; the results stay in order."""
     accept = FastClient._accept
     seen: list[tuple[str, bool, bool]] = []  # (kind, padded, declined)
 
@@ -201,3 +201,26 @@ async def test_the_inline_handlers_decline_a_message_exactly_when_the_write_buff
         plain = [declined for k, p, declined in seen if k == kind and not p]
         assert padded and all(padded), (kind, seen)
         assert plain and not all(plain), (kind, seen)  # taken inline when not backlogged
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_the_inline_handlers_call_stage_write_only_when_no_write_is_set(client, nats_url, monkeypatch):
+    """``FastClient.stage_write`` does nothing while ``_write_timer`` is set (a timer, or the read's end): the
+    inline chunk and PubAck handlers do not call it then (docs/benchmarks.md, "Durable CPU, fifth pass"), and
+    every result is still written and stored in order."""
+    import sys
+
+    calls: list[tuple[str, bool]] = []  # (caller, a write was set)
+    stage_write = FastClient.stage_write
+
+    def counted(self):
+        calls.append((sys._getframe(1).f_code.co_name, self._write_timer is not None))
+        return stage_write(self)
+
+    monkeypatch.setattr(FastClient, "stage_write", counted)
+    await paced_chunks_stored_in_order(client, nats_url, "stage-1", 40)
+    inline = [(caller, set_) for caller, set_ in calls if caller in ("on_message_inline", "_on_reply_inline")]
+    assert inline, calls  # the handlers do stage writes
+    assert not [c for c in inline if c[1]], inline

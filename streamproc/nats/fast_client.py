@@ -937,7 +937,8 @@ class FastClient(RobustClient):
     before_write: Callable[[], bool] | None = None
 
     def stage_write(self) -> None:
-        """Something waits for ``before_write``: make sure a timer write comes."""
+        """Something waits for ``before_write``: make sure a timer write comes. Nothing to do while
+        ``_write_timer`` is set, which the durable inline handlers test before calling (a call per chunk)."""
         if self._write_timer is None and self._status in _CONNECTED_STATES:
             self._write_soon()
 

@@ -322,7 +322,8 @@ class OutboxPump:
         elif outcome is GIVEN_UP:
             for g in self.outbox.given_up():
                 self._given_up(g)
-        if not queued:
+        # Staged, release is FastClient.stage_write, which does nothing while a write is set: not called then
+        if not queued and (not self.staged or nc._write_timer is None):  # type: ignore[attr-defined]
             self.release()
         return True
 
