@@ -4,7 +4,9 @@ with ``test_sglang_0523_token_zero_hostile``, which mutates them."""
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from typing import Any
 
 import pytest
@@ -105,3 +107,31 @@ def _leg_that_says_nothing(kind: str, pre: list[bytes]) -> list[bytes] | None:
     else:
         leg["meta_info"]["output_token_logprobs"] = "x"
     return [dumps(leg)]
+
+
+def _flat_output_top(meta: dict[str, Any], *, b64: bool) -> dict[str, Any]:
+    """``meta`` as ``return_flat_raw_output_top_logprobs`` (unary only) answers it: the nested
+    ``output_top_logprobs`` replaced where it stood by ``_build_flat_top_logprobs_fields("output", ...)``
+    (leading null rows counted in ``output_top_logprobs_null_prefix``, float32/int32 with ``b64``)."""
+    rows = meta["output_top_logprobs"]
+    prefix = 0
+    while prefix < len(rows) and not rows[prefix]:
+        prefix += 1
+    vals = [entry[0] for row in rows[prefix:] for entry in row]
+    idxs = [entry[1] for row in rows[prefix:] for entry in row]
+    if b64:
+        flat = {"output_top_logprobs_val_flat_b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode(),
+                "output_top_logprobs_idx_flat_b64": base64.b64encode(struct.pack(f"<{len(idxs)}i", *idxs)).decode(),
+                "output_top_logprobs_val_flat_b64_dtype": "float32",
+                "output_top_logprobs_idx_flat_b64_dtype": "int32"}
+    else:
+        flat = {"output_top_logprobs_val_flat": vals, "output_top_logprobs_idx_flat": idxs}
+    flat["output_top_logprobs_shape"] = [len(rows) - prefix, len(rows[-1])]
+    flat["output_top_logprobs_null_prefix"] = prefix
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if key == "output_top_logprobs":
+            out.update(flat)
+        else:
+            out[key] = value
+    return out

@@ -36,10 +36,8 @@ The request: ``{"input_ids": [11, 12, 13, 14], "return_logprob": true, "top_logp
 
 from __future__ import annotations
 
-import base64
 import copy
 import json
-import struct
 from typing import Any
 
 import pytest
@@ -60,6 +58,7 @@ from sglang_0523_pd_legs import (
     STALE,
     TEXTS,
     _body,
+    _flat_output_top,
     _leg_that_says_nothing,
     legs,
 )
@@ -175,34 +174,6 @@ def test_first_token_entry_names_the_token_decode_sent_whatever_prefill_says(cod
         assert_same_body(got, dumps(_omitted_first_token(want)))
     doc = json.loads(out[0][0])
     assert doc["meta_info"]["output_token_logprobs"][0] == [None, doc["output_ids"][0], None]
-
-
-def _flat_output_top(meta: dict[str, Any], *, b64: bool) -> dict[str, Any]:
-    """``meta`` as ``return_flat_raw_output_top_logprobs`` (unary only) answers it: the nested
-    ``output_top_logprobs`` replaced where it stood by ``_build_flat_top_logprobs_fields("output", ...)``
-    (leading null rows counted in ``output_top_logprobs_null_prefix``, float32/int32 with ``b64``)."""
-    rows = meta["output_top_logprobs"]
-    prefix = 0
-    while prefix < len(rows) and not rows[prefix]:
-        prefix += 1
-    vals = [entry[0] for row in rows[prefix:] for entry in row]
-    idxs = [entry[1] for row in rows[prefix:] for entry in row]
-    if b64:
-        flat = {"output_top_logprobs_val_flat_b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode(),
-                "output_top_logprobs_idx_flat_b64": base64.b64encode(struct.pack(f"<{len(idxs)}i", *idxs)).decode(),
-                "output_top_logprobs_val_flat_b64_dtype": "float32",
-                "output_top_logprobs_idx_flat_b64_dtype": "int32"}
-    else:
-        flat = {"output_top_logprobs_val_flat": vals, "output_top_logprobs_idx_flat": idxs}
-    flat["output_top_logprobs_shape"] = [len(rows) - prefix, len(rows[-1])]
-    flat["output_top_logprobs_null_prefix"] = prefix
-    out: dict[str, Any] = {}
-    for key, value in meta.items():
-        if key == "output_top_logprobs":
-            out.update(flat)
-        else:
-            out[key] = value
-    return out
 
 
 @pytest.mark.parametrize("codec_cls", CODECS)

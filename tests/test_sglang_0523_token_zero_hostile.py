@@ -22,8 +22,10 @@ So no SGLang body has a float or bool token id, a chunk holding output position 
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
+import struct
 from typing import Any
 
 import pytest
@@ -31,8 +33,8 @@ from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, STALE, _leg_that_says_nothing,
-                                 legs)
+from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, STALE, _flat_output_top,
+                                 _leg_that_says_nothing, legs)
 
 from streamproc.wire import Verdict
 
@@ -333,6 +335,118 @@ def test_decode_asking_no_more_top_logprobs_than_prefill_keeps_its_row(codec_cls
     assert first["output_top_logprobs"][0] == OUTPUT_TOP[0][:k_decode]
     assert TOP_MARK not in first and MARK not in first
     assert [got for got, _verdict in out] == dec
+
+
+def _flat_widths(k_prefill: int, k_decode: int, *, b64: bool,
+                 prefill_flat: bool) -> tuple[list[bytes], list[bytes]]:
+    """:func:`_widths` (unary) as ``return_flat_raw_output_top_logprobs`` answers it (``_flat_output_top``:
+    the nested rows replaced by ``[rows, k]`` arrays): decode's always, prefill's where ``prefill_flat``
+    (else its nested row, as a leg asked without the flag answers)."""
+    pre, dec = _widths(k_prefill, k_decode)
+    body = json.loads(dec[0])
+    body["meta_info"] = _flat_output_top(body["meta_info"], b64=b64)
+    if prefill_flat:
+        leg = json.loads(pre[0])
+        leg["meta_info"] = _flat_output_top(leg["meta_info"], b64=b64)
+        pre = [dumps(leg)]
+    return pre, [dumps(body)]
+
+
+def _flat_row_0(meta: dict[str, Any]) -> list[list[Any]]:
+    """Row 0 of a flat top logprobs layout as ``[logprob, id]`` pairs (float32/int32 for Base64)."""
+    k = meta["output_top_logprobs_shape"][1]
+    if "output_top_logprobs_val_flat" in meta:
+        vals, idxs = meta["output_top_logprobs_val_flat"], meta["output_top_logprobs_idx_flat"]
+    else:
+        raw_v = base64.b64decode(meta["output_top_logprobs_val_flat_b64"])
+        raw_i = base64.b64decode(meta["output_top_logprobs_idx_flat_b64"])
+        vals = list(struct.unpack(f"<{len(raw_v) // 4}f", raw_v))
+        idxs = list(struct.unpack(f"<{len(raw_i) // 4}i", raw_i))
+    return [[v, i] for v, i in zip(vals[:k], idxs[:k])]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("b64", [False, True], ids=["list", "b64"])
+@pytest.mark.parametrize("prefill_flat", [True, False], ids=["prefill_flat", "prefill_nested"])
+@pytest.mark.parametrize(("k_prefill", "k_decode", "reason"), [(1, 2, "shape_mismatch"),
+                                                             (2, 2, "prefill_corrupt")])
+def test_flat_top_row_0_is_published_only_as_a_prefix_of_prefills(codec_cls, b64, prefill_flat, k_prefill,
+                                                                  k_decode, reason):
+    """``return_flat_raw_output_top_logprobs`` (unary): decode's flat arrays start with the slot's token 0
+    row, ``k_decode`` wide whatever prefill wrote (``_commit_transfer_to_req``:
+    ``output_top_logprobs_val[:top_logprobs_num].tolist()``). Asking more than prefill, its second column
+    is the last request's ``[-4.5, 556]``; asking as many, a row whose column is not prefill's (the same
+    left-over put there) is not this slot's either. Both were published as sent; now row 0 leaves the
+    arrays as ``_null_first_flat_row`` writes a null row (``output_top_logprobs_null_prefix`` 1, shape
+    ``[2, k]``), ``output_top_logprobs_unavailable_reason`` after the flat fields, the entry kept."""
+    pre, dec = _flat_widths(k_prefill, k_decode, b64=b64, prefill_flat=prefill_flat)
+    if reason == "prefill_corrupt":
+        body = json.loads(dec[0])
+        meta = body["meta_info"]
+        if b64:
+            raw = bytearray(base64.b64decode(meta["output_top_logprobs_val_flat_b64"]))
+            raw[4:8] = struct.pack("<f", -4.5)
+            meta["output_top_logprobs_val_flat_b64"] = base64.b64encode(bytes(raw)).decode()
+            raw = bytearray(base64.b64decode(meta["output_top_logprobs_idx_flat_b64"]))
+            raw[4:8] = struct.pack("<i", 556)
+            meta["output_top_logprobs_idx_flat_b64"] = base64.b64encode(bytes(raw)).decode()
+        else:
+            meta["output_top_logprobs_val_flat"][1] = -4.5
+            meta["output_top_logprobs_idx_flat"][1] = 556
+        dec = [dumps(body)]
+    out = join(codec_cls(OPTIONS), dec, pre)
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_top_logprobs_null_prefix"] == 1
+    assert first["output_top_logprobs_shape"] == [2, k_decode]
+    assert _flat_row_0(first) == [[e[0], e[1]] for e in OUTPUT_TOP[1][:k_decode]]
+    assert first[TOP_MARK] == reason
+    keys = list(first)
+    assert keys.index(TOP_MARK) == keys.index("output_top_logprobs_null_prefix") + 1
+    assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
+    assert MARK not in first
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("b64", [False, True], ids=["list", "b64"])
+def test_nested_top_row_0_beside_a_flat_prefill_row_is_compared(codec_cls, b64):
+    """Decode's nested row 0 (asked 2) beside a prefill leg whose row 0 is flat (asked 1): the slot's
+    second column is a left-over whatever form prefill answered in. Passed unchecked before."""
+    pre, dec = _widths(1, 2)
+    leg = json.loads(pre[0])
+    leg["meta_info"] = _flat_output_top(leg["meta_info"], b64=b64)
+    out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_top_logprobs"][0] is None
+    assert first[TOP_MARK] == "shape_mismatch"
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("b64", [False, True], ids=["list", "b64"])
+def test_flat_top_row_0_beside_a_prefill_leg_without_top_rows_is_not_published(codec_cls, b64):
+    """Prefill asked no top logprobs (no rows in either form): decode's flat row 0 is all left-over
+    columns. It leaves the arrays, ``prefill_missing``; the other rows are decode's own."""
+    pre, dec = _widths(0, 2, prefill_top=False)
+    body = json.loads(dec[0])
+    body["meta_info"] = _flat_output_top(body["meta_info"], b64=b64)
+    first = _first(join(codec_cls(OPTIONS), [dumps(body)], pre))
+    assert first["output_top_logprobs_null_prefix"] == 1
+    assert _flat_row_0(first) == [[e[0], e[1]] for e in OUTPUT_TOP[1]]
+    assert first[TOP_MARK] == "prefill_missing"
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("b64", [False, True], ids=["list", "b64"])
+@pytest.mark.parametrize("prefill_flat", [True, False], ids=["prefill_flat", "prefill_nested"])
+@pytest.mark.parametrize(("k_prefill", "k_decode"), [(2, 2), (2, 1)])
+def test_flat_top_row_0_within_prefills_width_passes_as_sent(codec_cls, b64, prefill_flat, k_prefill,
+                                                             k_decode):
+    """The control: decode's flat row 0 is prefill's row or its prefix (the aggregated top-k): as sent."""
+    pre, dec = _flat_widths(k_prefill, k_decode, b64=b64, prefill_flat=prefill_flat)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    assert [got for got, _verdict in out] == dec
+    assert TOP_MARK not in _first(out)
 
 
 # ------------------------------------------------------------------------- hostile variants (hypothesis)

@@ -53,6 +53,7 @@ Omission policy: a field that cannot be rebuilt completely is removed and
 from __future__ import annotations
 
 import base64
+import math
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
@@ -255,9 +256,12 @@ def _token_id(entry: object) -> object:
 
 def _same_top_entry(mine: object, theirs: object) -> bool:
     """A top logprobs entry ``[logprob, token_id, ...]`` with prefill's logprob and id, JSON types alike
-    (``201.0 == 201`` in Python); the text is left out (``return_text_in_logprobs`` is each leg's own)."""
-    return (isinstance(mine, list) and isinstance(theirs, list) and len(mine) >= 2 and len(theirs) >= 2
-            and type(mine[0]) is type(theirs[0]) and mine[0] == theirs[0]
+    (``201.0 == 201`` in Python); the text is left out (``return_text_in_logprobs`` is each leg's own).
+    A flat Base64 row's ``-inf`` is the JSON form's ``null`` (orjson writes non-finite floats as null)."""
+    if not (isinstance(mine, list) and isinstance(theirs, list) and len(mine) >= 2 and len(theirs) >= 2):
+        return False
+    a, b = (None if type(v) is float and not math.isfinite(v) else v for v in (mine[0], theirs[0]))
+    return (type(a) is type(b) and a == b
             and _is_token(mine[1]) and type(theirs[1]) is int and mine[1] == theirs[1])
 
 
@@ -307,39 +311,73 @@ def _first_positions(meta: dict[str, Any], entries: list[Any]) -> tuple[int, ...
     return ()
 
 
-def _null_first_flat_row(meta: dict[str, Any]) -> None:
+def _null_first_flat_row(meta: dict[str, Any]) -> bool:
     """``return_flat_raw_output_top_logprobs``: output position 0's row (decode's copy of an unwritten
     slot) becomes a leading null row, as ``_build_flat_top_logprobs_fields`` writes one: counted in
     ``output_top_logprobs_null_prefix``, out of the arrays and ``output_top_logprobs_shape``. A layout
-    it does not describe is left as sent."""
+    it does not describe is left as sent (False)."""
+    arrays = _flat_arrays(meta)
+    if arrays is None:
+        return False
+    rows, k, raw = arrays
+    cut: dict[str, Any] = {}
+    for key, (value, size) in raw.items():
+        cut[key] = value[k:] if isinstance(value, list) else \
+            base64.b64encode(value[k * size:]).decode("ascii")
+    meta.update(cut)
+    meta[native.OUTPUT_TOP_SHAPE] = [rows - 1, k]
+    meta[native.OUTPUT_TOP_NULL_PREFIX] = 1
+    return True
+
+
+def _flat_arrays(meta: dict[str, Any]) -> tuple[int, int, dict[str, tuple[Any, int]]] | None:
+    """A ``return_flat_raw_output_top_logprobs`` layout whose first row is output position 0's: ``(rows,
+    k, {key: (list or decoded Base64 bytes, itemsize)})``, where ``output_top_logprobs_shape`` describes
+    every array present and no null row leads (``output_top_logprobs_null_prefix`` 0); else None."""
     shape, prefix = meta.get(native.OUTPUT_TOP_SHAPE), meta.get(native.OUTPUT_TOP_NULL_PREFIX)
     if not (isinstance(shape, list) and len(shape) == 2 and all(map(_is_count, shape)) and shape[0] >= 1
             and prefix == 0):
-        return
+        return None
     rows, k = shape
-    cut: dict[str, Any] = {}
+    raw: dict[str, tuple[Any, int]] = {}
     for key in native.OUTPUT_TOP_FLAT_LISTS:
         if key in meta:
             value = meta[key]
             if not (isinstance(value, list) and len(value) == rows * k):
-                return
-            cut[key] = value[k:]
+                return None
+            raw[key] = (value, 1)
     for key in native.OUTPUT_TOP_FLAT_B64:
         if key in meta:
             value, dtype = meta[key], meta.get(key + "_dtype")
             try:
-                raw = base64.b64decode(value, validate=True) if isinstance(value, str) else None
+                data = base64.b64decode(value, validate=True) if isinstance(value, str) else None
                 size = np.dtype(dtype).itemsize if dtype in ("float32", "int32") else 0
             except (ValueError, TypeError):
-                return
-            if raw is None or not size or len(raw) != rows * k * size:
-                return
-            cut[key] = base64.b64encode(raw[k * size:]).decode("ascii")
-    if not cut:
-        return
-    meta.update(cut)
-    meta[native.OUTPUT_TOP_SHAPE] = [rows - 1, k]
-    meta[native.OUTPUT_TOP_NULL_PREFIX] = 1
+                return None
+            if data is None or not size or len(data) != rows * k * size:
+                return None
+            raw[key] = (data, size)
+    return (rows, k, raw) if raw else None
+
+
+def _flat_row_0(meta: dict[str, Any]) -> list[list[Any]] | None:
+    """Output position 0's top row of a flat layout (:func:`_flat_arrays`) as ``[logprob, id]`` pairs
+    (Base64 arrays read as the float32/int32 they state), or None (no layout, or one without both)."""
+    arrays = _flat_arrays(meta)
+    if arrays is None:
+        return None
+    _rows, k, raw = arrays
+    found: list[list[Any] | None] = []
+    for listed, b64 in zip(native.OUTPUT_TOP_FLAT_LISTS, native.OUTPUT_TOP_FLAT_B64):
+        if listed in raw:
+            found.append(list(raw[listed][0][:k]))
+        elif b64 in raw:
+            data, size = raw[b64]
+            found.append(np.frombuffer(data[:k * size], dtype=meta[b64 + "_dtype"]).tolist())
+        else:
+            found.append(None)
+    vals, idxs = found
+    return None if vals is None or idxs is None else [[v, i] for v, i in zip(vals, idxs)]
 
 
 def _no_token_span(value: object) -> bool:
@@ -812,21 +850,25 @@ class SGLangJoinSession(JoinSession):
         prefill leg whose token 0 entry names another token says nothing about this slot's columns (as a
         timed-out one): decode's row is left as sent there."""
         top = meta.get(OUTPUT_TOP_LOGPROBS)
-        if not isinstance(top, list) or prefill is None:
+        if prefill is None:
             return
         source_top = prefill.get(OUTPUT_TOP_LOGPROBS)
-        if not isinstance(source_top, list) and native.OUTPUT_TOP_SHAPE in prefill:
-            return  # prefill's top rows are flat (return_flat_raw_output_top_logprobs): not compared here
         row0 = source_top[0] if isinstance(source_top, list) and source_top else None
+        flat_source = not isinstance(source_top, list) and native.OUTPUT_TOP_SHAPE in prefill
+        if flat_source:  # prefill's row 0 as [logprob, id] pairs: compared, never spliced (no text)
+            row0 = _flat_row_0(prefill)
         source = prefill.get(OUTPUT_TOKEN_LOGPROBS)
         named = _token_id(source[0]) if isinstance(source, list) and source else None
+        if not isinstance(top, list):
+            self._check_first_flat_top(meta, entries, positions, named, row0, flat_source)
+            return
         reason: str | None = None
         for at in positions:
             row = top[at] if at < len(top) else None
             if not (isinstance(row, list) and row and type(named) is int and named == _token_id(entries[at])):
                 continue
             if not isinstance(row0, list):
-                reason = Omit.PREFILL_MISSING
+                reason = Omit.PREFILL_CORRUPT if flat_source else Omit.PREFILL_MISSING
             elif at in spliced:
                 widths = {len(other) for i, other in enumerate(top)
                           if i not in positions and isinstance(other, list) and other}
@@ -842,10 +884,38 @@ class SGLangJoinSession(JoinSession):
             else:
                 reason = Omit.PREFILL_CORRUPT
             top[at] = None
-        if reason is None:
+        if reason is not None:
+            self._mark_first_top(meta, reason, (OUTPUT_TOP_LOGPROBS,))
+
+    def _check_first_flat_top(self, meta: dict[str, Any], entries: list[Any], positions: tuple[int, ...],
+                              named: object, row0: list[Any] | None, flat_source: bool) -> None:
+        """:meth:`_check_first_top` for decode's ``return_flat_raw_output_top_logprobs`` rows (unary: the
+        body's slice starts at output position 0, row 0 first in the ``[rows, k]`` arrays). Decode's row
+        0 is the slot's first ``k`` columns (``_commit_transfer_to_req``), so the same rule: published only
+        as a prefix of prefill's row (nested or flat), else row 0 leaves the arrays as a null row
+        (:func:`_null_first_flat_row`) and the marker follows the flat fields."""
+        if positions != (0,) or not (type(named) is int and named == _token_id(entries[0])):
             return
+        row = _flat_row_0(meta)
+        if row is None:
+            return  # no flat row 0 (none asked, a leading null row, or a layout the shape does not describe)
+        if not isinstance(row0, list):
+            reason = Omit.PREFILL_CORRUPT if flat_source else Omit.PREFILL_MISSING
+        elif len(row) > len(row0):
+            reason = Omit.SHAPE_MISMATCH
+        elif all(map(_same_top_entry, row, row0)):
+            return
+        else:
+            reason = Omit.PREFILL_CORRUPT
+        if _null_first_flat_row(meta):
+            self._mark_first_top(meta, reason, (*native.OUTPUT_TOP_FLAT_LISTS, *native.OUTPUT_TOP_FLAT_B64,
+                                                *(key + "_dtype" for key in native.OUTPUT_TOP_FLAT_B64),
+                                                native.OUTPUT_TOP_SHAPE, native.OUTPUT_TOP_NULL_PREFIX))
+
+    def _mark_first_top(self, meta: dict[str, Any], reason: str, after: Sequence[str]) -> None:
+        """``output_top_logprobs_unavailable_reason`` after the top rows' last field; verdict omitted."""
         if native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE not in meta:
-            _insert_after_last(meta, native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE, reason, (OUTPUT_TOP_LOGPROBS,))
+            _insert_after_last(meta, native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE, reason, after)
         else:
             meta[native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE] = reason
         self._changed = True
