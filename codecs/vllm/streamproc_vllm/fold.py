@@ -11,9 +11,10 @@ from typing import Sequence
 
 from streamproc.codec import OmissionReason
 
-from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, METRICS, METRICS_034, NEVER_STREAMED_034, OUTPUT_MODE,
-                     PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK, UNARY_KEYS_034, USAGE_034, USAGE_CHUNK_FIELDS_034,
-                     ModelFields, choices_of, is_int, is_unary, unavailable_key)
+from .native import (CHOICE_DELTA, CHOICE_MESSAGE, CHOICE_TEXT, KV_TRANSFER_PARAMS, METRICS, METRICS_034,
+                     NEVER_STREAMED_034, OUTPUT_MODE, PROMPT_LOGPROBS, ROUTED_EXPERTS, SAMPLING_MASK,
+                     UNARY_KEYS_034, USAGE_034, USAGE_CHUNK_FIELDS_034, ModelFields, choices_of, is_int,
+                     is_unary, unavailable_key)
 
 _TOP_KEYS = ("request_id", "model", "choices", "usage", PROMPT_LOGPROBS, "kv_transfer_params")
 _CHOICE_KEYS = ("index", "logprobs", "finish_reason", "token_ids", ROUTED_EXPERTS, SAMPLING_MASK)
@@ -165,19 +166,36 @@ def _omit_unstreamed(folded: dict) -> None:
             folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
 
 
-def _older_model_and_usage(folded: dict, chunks: Sequence[dict]) -> None:
-    """``model`` and ``usage`` of a fold of older ``serve/disagg`` bodies (no ``output_mode``). No stream
-    chunk carries ``model`` (``GenerateStreamResponse`` declares ``request_id, choices, usage``), nor
-    ``usage`` without ``include_usage``; the unary answer has no such key (furionw/vllm @ 9cdf7782
-    ``protocol.py``: ``GenerateResponse`` declares ``request_id, choices, prompt_logprobs,
-    kv_transfer_params``, and pydantic's default ``extra="ignore"`` drops the ``model=model_name``,
-    ``usage=usage`` that ``serve_tokens_full_generator`` passes) or, in a later ``protocol.py`` (``model:
-    str | None``, ``usage: UsageInfo | None``), a string and an object, never ``null``. A stream does not
-    say which, so each is ``null`` with ``not_streamed`` (the omission policy), never a bare ``null`` read
-    as the engine's. A unary body (the join folds a prefill leg too) has what its engine wrote: a key none
-    of its bodies has stays out."""
+# Keys of every older unary ``GenerateResponse`` whose value no ``GenerateStreamResponse`` chunk carries,
+# in the unary key order. ``serve_tokens_full_generator`` (furionw/vllm @ 9cdf7782, vllm-project/vllm @
+# 0001948b, fef8b03f, moreh-dev/vllm @ 2f585f1b alike)::
+#
+#     response = GenerateResponse(id=request_id, created=created_time, model=model_name, choices=choices,
+#         usage=usage, prompt_logprobs=clamp_prompt_logprobs(final_res.prompt_logprobs),
+#         kv_transfer_params=final_res.kv_transfer_params)
+#
+# ``GenerateResponse(BaseModel)`` declares ``request_id: str = Field(default_factory=lambda:
+# f"{random_uuid()}")``, ``choices``, ``prompt_logprobs``, ``kv_transfer_params`` (moreh-dev: ``usage`` too)
+# and pydantic drops the rest (``extra="ignore"``): the unary ``request_id`` is a fresh uuid, never the
+# chunks' ``generate-tokens-...`` id, and no older unary body has ``created`` or ``ec_transfer_params``.
+_OLDER_NEVER_STREAMED = ("request_id", "model", "usage", PROMPT_LOGPROBS, KV_TRANSFER_PARAMS)
+
+
+def _older_unary_fields(folded: dict, chunks: Sequence[dict]) -> None:
+    """The top level of a fold of older ``serve/disagg`` bodies (no ``output_mode``). Upstream's chunks are
+    ``GenerateStreamResponse(request_id, choices, usage)``; the unary answer's ``request_id`` is its own
+    ``random_uuid()``, its ``prompt_logprobs`` a list when asked and its ``kv_transfer_params`` the
+    connector's, ``model`` / ``usage`` no key or a string / object (``_OLDER_NEVER_STREAMED``). Such a stream
+    does not say them, so each is ``null`` with ``not_streamed`` (the omission policy), never the stream's
+    id or a bare ``null`` read as the engine's (a usage chunk's ``usage`` stays). Chunks that carry ``model``
+    are no upstream stream's (the simulator's state the unary body's id and prompt logprobs): only a
+    ``model`` / ``usage`` they leave ``null`` is omitted. A unary body (the join folds a prefill leg too)
+    has what its engine wrote: a key none of its bodies has stays out."""
     if not any(is_unary(chunk) for chunk in chunks):
-        for field in ("model", "usage"):
+        upstream = not any("model" in chunk for chunk in chunks)
+        if upstream:
+            folded["request_id"] = None  # the chunks' id is not the unary uuid, which no chunk shows
+        for field in _OLDER_NEVER_STREAMED if upstream else ("model", "usage"):
             if folded[field] is None and unavailable_key(field) not in folded:
                 folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
         return
@@ -221,7 +239,7 @@ def fold_objects(chunks: Sequence[dict]) -> dict:
     }
     _drop_reason_if_present(folded, PROMPT_LOGPROBS)
     if OUTPUT_MODE not in folded:  # an older serve/disagg body
-        _older_model_and_usage(folded, chunks)
+        _older_unary_fields(folded, chunks)
     else:  # a 0.34.0 body: the unary one's keys in its order, null where no chunk said
         folded = {**{key: folded.get(key) for key in UNARY_KEYS_034}, **folded}
         folded["usage"] = _dumped_whole(folded["usage"], USAGE_034)
