@@ -168,7 +168,7 @@ def _omit_unstreamed(folded: dict) -> None:
 
 # Keys of every older unary ``GenerateResponse`` whose value no ``GenerateStreamResponse`` chunk carries,
 # in the unary key order. ``serve_tokens_full_generator`` (furionw/vllm @ 9cdf7782, vllm-project/vllm @
-# 0001948b, fef8b03f, moreh-dev/vllm @ 2f585f1b alike)::
+# 0001948b, fef8b03f)::
 #
 #     response = GenerateResponse(id=request_id, created=created_time, model=model_name, choices=choices,
 #         usage=usage, prompt_logprobs=clamp_prompt_logprobs(final_res.prompt_logprobs),
@@ -178,6 +178,8 @@ def _omit_unstreamed(folded: dict) -> None:
 # f"{random_uuid()}")``, ``choices``, ``prompt_logprobs``, ``kv_transfer_params`` (moreh-dev: ``usage`` too)
 # and pydantic drops the rest (``extra="ignore"``): the unary ``request_id`` is a fresh uuid, never the
 # chunks' ``generate-tokens-...`` id, and no older unary body has ``created`` or ``ec_transfer_params``.
+# moreh-dev/vllm @ 2f585f1b passes ``request_id=request_id`` instead: there it is the chunks' id. A stream
+# fits both, so its ``request_id`` is omitted as ``fold_ambiguous``, the others as ``not_streamed``.
 _OLDER_NEVER_STREAMED = ("request_id", "model", "usage", PROMPT_LOGPROBS, KV_TRANSFER_PARAMS)
 
 
@@ -186,15 +188,17 @@ def _older_unary_fields(folded: dict, chunks: Sequence[dict]) -> None:
     ``GenerateStreamResponse(request_id, choices, usage)``; the unary answer's ``request_id`` is its own
     ``random_uuid()``, its ``prompt_logprobs`` a list when asked and its ``kv_transfer_params`` the
     connector's, ``model`` / ``usage`` no key or a string / object (``_OLDER_NEVER_STREAMED``). Such a stream
-    does not say them, so each is ``null`` with ``not_streamed`` (the omission policy), never the stream's
-    id or a bare ``null`` read as the engine's (a usage chunk's ``usage`` stays). Chunks that carry ``model``
+    does not say them, so each is ``null`` with ``not_streamed`` (the omission policy; ``request_id``
+    ``fold_ambiguous``: one fork's unary body has the chunks' id), never the stream's id or a bare ``null``
+    read as the engine's (a usage chunk's ``usage`` stays). Chunks that carry ``model``
     are no upstream stream's (the simulator's state the unary body's id and prompt logprobs): only a
     ``model`` / ``usage`` they leave ``null`` is omitted. A unary body (the join folds a prefill leg too)
     has what its engine wrote: a key none of its bodies has stays out."""
     if not any(is_unary(chunk) for chunk in chunks):
         upstream = not any("model" in chunk for chunk in chunks)
-        if upstream:
-            folded["request_id"] = None  # the chunks' id is not the unary uuid, which no chunk shows
+        if upstream:  # the unary id is a uuid no chunk shows, or (moreh-dev) the chunks' id: not said which
+            folded["request_id"] = None
+            folded.setdefault(unavailable_key("request_id"), OmissionReason.FOLD_AMBIGUOUS.value)
         for field in _OLDER_NEVER_STREAMED if upstream else ("model", "usage"):
             if folded[field] is None and unavailable_key(field) not in folded:
                 folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
