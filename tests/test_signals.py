@@ -194,6 +194,7 @@ def read_lines(stream) -> queue.Queue:
     return lines
 
 
+STOP_WAITS = 4  # the stop's waits bounded by --drain-timeout each (nats/processor.py stop, durable/input.py)
 DEMO_STOP_WITHIN = 15.0  # the demo's processor drains (drain_timeout) and its nats-server stops
 
 
@@ -240,11 +241,19 @@ def test_a_signal_stops_run_with_exit_0_after_its_nats_server_went_away(mode):
         started(proc)
         server.kill()
         time.sleep(1.0)  # nats-py notices the lost connection and starts reconnecting
-        elapsed = stop_time(proc, signal.SIGTERM, within=5.0)
+        # Each wait of the stop is bounded by --drain-timeout (1 s): the control subscription's drain, the
+        # durable input's two (results storing, leases leaving) and the connection's last flush, so up to
+        # 4 s by design; durable took 3.09/3.12 s beside two CPU burners (3.0 s from the signal to its
+        # log's "stopped"), where a fixed 5 s bound left 1 s of slack past the design. The bound is the
+        # design plus 2 s for the signal and the interpreter's exit; the defect it catches is a stop that
+        # waits for the server to return (the 60 s --connect-timeout, nats-py's 10 s flush timeout, or
+        # reconnecting forever).
+        within = STOP_WAITS * 1.0 + 2.0
+        elapsed = stop_time(proc, signal.SIGTERM, within=within)
         stderr = proc.stderr.read().decode(errors="replace")
         assert "Traceback" not in stderr, stderr[-2000:]
         assert proc.returncode == 0, (proc.returncode, stderr[-2000:])
-        assert elapsed < 5.0, f"run took {elapsed:.1f}s to stop with its server gone"
+        assert elapsed < within, f"run took {elapsed:.1f}s to stop with its server gone"
     finally:
         if proc.poll() is None:
             proc.kill()
