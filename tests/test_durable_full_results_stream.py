@@ -18,6 +18,7 @@ from streamproc.catalog import worker_for
 from streamproc.client.publisher import ChunkPublisher
 from streamproc.nats.streams import CHUNKS_STREAM, RESULTS_STREAM, partition_consumer_name
 from streamproc.sim import traffic
+from streamproc.wire import Subjects, chunk_headers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
 
@@ -123,7 +124,16 @@ async def test_a_request_past_its_subjects_limit_ends_at_once_not_redelivered_he
             assert (await js.stream_info(RESULTS_STREAM)).config.allow_batched is True
             await _refuse_when_full(js, max_msgs_per_subject=limit, discard_new_per_subject=True)
             publisher = ChunkPublisher(nc, durable=True)
-            await publisher.publish_leg("flood", "agg", _streamed("flood", 40))
+            # The flood as a burst (core publishes, in order, one flush): its chunks wait for the partition
+            # together, so its results queue behind the first one's PubAck and leave in a batch. Published
+            # one PubAck at a time, under load each result could go out alone before the next chunk came:
+            # no batch, the case not exercised (result_batches 0 in 2 of 3 runs beside two CPU burners).
+            subjects = Subjects()
+            flood = _streamed("flood", 40)
+            for seq, body in enumerate(flood):
+                await nc.publish(subjects.chunk("flood", "agg"), body,
+                                 headers=chunk_headers("flood", "agg", seq, final=seq == len(flood) - 1))
+            await nc.flush()
             bystanders = [f"bystander{n}" for n in range(4)]
             for rid in bystanders:  # at most two results each: never a batch
                 await publisher.publish_leg(rid, "agg", _streamed(rid, limit))
