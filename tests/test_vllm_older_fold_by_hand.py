@@ -28,30 +28,9 @@ from __future__ import annotations
 
 import json
 
-from streamproc.codec import CodecOptions
-from streamproc_vllm import VLLMCodec
 from streamproc_vllm.fold import fold_objects
+from vllm_older_bodies import CODEC, dump, stream
 
-CODEC = VLLMCodec(CodecOptions(max_decompressed_bytes=1 << 20))
-RID = "generate-tokens-r1"
-
-
-def dump(obj: dict) -> bytes:
-    """``model_dump_json``'s compact separators."""
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def stream(include_usage: bool) -> list[bytes]:
-    """``serve_tokens_stream_generator``: ``GenerateStreamResponse(request_id, choices=[GenerateResponseStreamChoice(
-    index, logprobs, finish_reason, token_ids)])`` per delta, ``usage`` ``None`` (dumped); then the usage chunk
-    (``UsageInfo`` order ``prompt_tokens, total_tokens, completion_tokens``, ``exclude_none``)."""
-    bodies = [dump({"request_id": RID, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish,
-                                                    "token_ids": [token]}], "usage": None})
-              for token, finish in ((21, None), (22, "stop"))]
-    if include_usage:
-        bodies.append(dump({"request_id": RID, "choices": [],
-                            "usage": {"prompt_tokens": 5, "total_tokens": 7, "completion_tokens": 2}}))
-    return bodies
 
 
 def test_an_older_stream_folds_to_no_invented_model_or_usage_null():

@@ -42,32 +42,10 @@ from __future__ import annotations
 
 import json
 
-from streamproc.codec import CodecOptions
-from streamproc_vllm import VLLMCodec
 from streamproc_vllm.fold import fold_objects
+from vllm_older_bodies import CODEC, RID, dump, stream
 
-CODEC = VLLMCodec(CodecOptions(max_decompressed_bytes=1 << 20))
-# serve_tokens: request_id = f"generate-tokens-{self._base_request_id(raw_request, request.request_id)}"
-RID = "generate-tokens-r1"
 NOT_STREAMED = "not_streamed"
-
-
-def dump(obj: dict) -> bytes:
-    """``model_dump_json``'s compact separators."""
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def stream(include_usage: bool) -> list[bytes]:
-    """``serve_tokens_stream_generator``: one ``GenerateStreamResponse`` per delta, then with
-    ``include_usage`` the ``choices: []`` chunk dumped ``exclude_none``. Nothing in it says whether prompt
-    logprobs were asked."""
-    bodies = [dump({"request_id": RID, "choices": [{"index": 0, "logprobs": None, "finish_reason": finish,
-                                                    "token_ids": [token]}], "usage": None})
-              for token, finish in ((21, None), (22, "stop"))]
-    if include_usage:
-        bodies.append(dump({"request_id": RID, "choices": [],
-                            "usage": {"prompt_tokens": 5, "total_tokens": 7, "completion_tokens": 2}}))
-    return bodies
 
 
 def folds() -> list[dict]:
