@@ -265,6 +265,15 @@ def _same_top_entry(mine: object, theirs: object) -> bool:
             and _is_token(mine[1]) and type(theirs[1]) is int and mine[1] == theirs[1])
 
 
+def _not_a_prefix(row: list[Any], row0: list[Any]) -> str | None:
+    """Why decode's token-0 top row is not the start of prefill's ``row0`` (``shape_mismatch`` when wider:
+    the slot's other columns are an earlier request's; ``prefill_corrupt`` when the entries differ), None
+    when it is (the nested and the flat form's check, :meth:`SGLangJoinSession._check_first_top`)."""
+    if len(row) > len(row0):
+        return Omit.SHAPE_MISMATCH
+    return None if all(map(_same_top_entry, row, row0)) else Omit.PREFILL_CORRUPT
+
+
 def _is_count(value: object) -> bool:
     return type(value) is int
 
@@ -877,12 +886,10 @@ class SGLangJoinSession(JoinSession):
                     top[at] = row0[:width]
                     continue
                 reason = Omit.SHAPE_MISMATCH
-            elif len(row) > len(row0):
-                reason = Omit.SHAPE_MISMATCH
-            elif all(map(_same_top_entry, row, row0)):
-                continue
+            elif (verdict := _not_a_prefix(row, row0)) is not None:
+                reason = verdict
             else:
-                reason = Omit.PREFILL_CORRUPT
+                continue
             top[at] = None
         if reason is not None:
             self._mark_first_top(meta, reason, (OUTPUT_TOP_LOGPROBS,))
@@ -901,12 +908,10 @@ class SGLangJoinSession(JoinSession):
             return  # no flat row 0 (none asked, a leading null row, or a layout the shape does not describe)
         if not isinstance(row0, list):
             reason = Omit.PREFILL_CORRUPT if flat_source else Omit.PREFILL_MISSING
-        elif len(row) > len(row0):
-            reason = Omit.SHAPE_MISMATCH
-        elif all(map(_same_top_entry, row, row0)):
-            return
+        elif (verdict := _not_a_prefix(row, row0)) is not None:
+            reason = verdict
         else:
-            reason = Omit.PREFILL_CORRUPT
+            return
         if _null_first_flat_row(meta):
             self._mark_first_top(meta, reason, (*native.OUTPUT_TOP_FLAT_LISTS, *native.OUTPUT_TOP_FLAT_B64,
                                                 *(key + "_dtype" for key in native.OUTPUT_TOP_FLAT_B64),
