@@ -51,6 +51,13 @@ async def store(nc, subjects: Subjects, request_id: str, seqs: list[tuple[int, b
     await nc.flush()
 
 
+async def store_error(nc, subjects: Subjects, request_id: str, seq: int, error_body: bytes, error: str):
+    """A processor's error result at ``seq`` stored through JetStream under its own ``Nats-Msg-Id``
+    (``<request id>.<seq>.error``); returns the PubAck."""
+    return await nc.jetstream().publish(subjects.result(request_id), error_body, headers=result_headers(
+        Result(request_id, seq, error_body, True, error=error)))
+
+
 def assert_stale_final(content: bytes, first: int, request_id: str) -> None:
     """Results ``first``..9 exactly as served before, then one error event naming the final, then [DONE]."""
     served = expected_sse([body(k) for k in range(first, 10)], start=first).removesuffix(DONE)
@@ -193,12 +200,8 @@ async def test_a_processor_s_error_below_results_stored_within_the_duplicate_win
                       "--result-timeout", "10") as edge:
         async with connection(nats_server.url) as nc, \
                 httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
-            js = nc.jetstream()
-            for seq in range(6):
-                await js.publish(subjects.result(request_id), body(seq),
-                                 headers=result_headers(Result(request_id, seq, body(seq), False)))
-            ack = await js.publish(subjects.result(request_id), error_body, headers=result_headers(
-                Result(request_id, 0, error_body, True, error="migration_refused")))
+            await store(nc, subjects, request_id, [(seq, False) for seq in range(6)])
+            ack = await store_error(nc, subjects, request_id, 0, error_body, "migration_refused")
             assert not ack.duplicate, ack
             response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "5"})
             assert response.content == b"data: " + error_body + b"\n\n" + DONE, response.content
@@ -219,12 +222,8 @@ async def test_a_processor_s_error_at_the_seq_of_the_last_result_delivered_is_se
                       "--result-timeout", "10") as edge:
         async with connection(nats_server.url) as nc, \
                 httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
-            js = nc.jetstream()
-            for seq in range(last + 1):
-                await js.publish(subjects.result(request_id), body(seq),
-                                 headers=result_headers(Result(request_id, seq, body(seq), False)))
-            ack = await js.publish(subjects.result(request_id), error_body, headers=result_headers(
-                Result(request_id, last, error_body, True, error="timeout")))
+            await store(nc, subjects, request_id, [(seq, False) for seq in range(last + 1)])
+            ack = await store_error(nc, subjects, request_id, last, error_body, "timeout")
             assert not ack.duplicate, ack
             opened = (await client.get(f"/v1/results/{request_id}")).content
             served = expected_sse([body(k) for k in range(last + 1)]).removesuffix(DONE)
@@ -248,14 +247,8 @@ async def test_a_resume_whose_search_meets_the_error_before_the_result_at_its_se
                       "--result-timeout", "10") as edge:
         async with connection(nats_server.url) as nc, \
                 httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
-            js = nc.jetstream()
-            for seq in range(2):
-                await js.publish(subjects.result(request_id), body(seq),
-                                 headers=result_headers(Result(request_id, seq, body(seq), False)))
-            for seq in range(7):  # stream seqs 3-9: another request's results
-                await js.publish(subjects.result(other), body(seq),
-                                 headers=result_headers(Result(other, seq, body(seq), False)))
-            await js.publish(subjects.result(request_id), error_body, headers=result_headers(
-                Result(request_id, 1, error_body, True, error="timeout")))
+            await store(nc, subjects, request_id, [(0, False), (1, False)])
+            await store(nc, subjects, other, [(seq, False) for seq in range(7)])  # stream seqs 3-9
+            await store_error(nc, subjects, request_id, 1, error_body, "timeout")
             resumed = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "1"})
             assert resumed.content == b"data: " + error_body + b"\n\n" + DONE, resumed.content
