@@ -786,7 +786,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each paced run")
     parser.add_argument("--streams", type=int, default=50)
     parser.add_argument("--chunks", type=int, default=40, help="chunks per request")
-    parser.add_argument("--peak-waves", type=int, default=4)
+    parser.add_argument("--peak-waves", type=int, default=4,
+                        help="waves of the peak run (at least 1: half of its rate paces the second run)")
     parser.add_argument("--modes", default="core,durable")
     parser.add_argument("--relay-rounds", type=int, default=3,
                         help="interleaved rounds against the bare Starlette SSE relay (0: none)")
@@ -816,6 +817,8 @@ def main() -> None:
     parser.add_argument("--sse-client", metavar="EDGE_URL", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peak_waves < 1:
+        parser.error("--peak-waves must be at least 1: the half-peak run is paced at half of the peak run's rate")
     # The harness's own processes collect rarely too (as streamproc run and edge): the SSE client's
     # collections (28 in 6 s, up to 18 ms on a loaded run) delayed its reads, the load generator's
     # its publishes after their stamps.
