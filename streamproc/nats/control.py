@@ -44,6 +44,7 @@ from ..core import defaults
 from ..core.migrate_rate import MigrateRate
 from ..core.errors import shown
 from ..logs import LogLimiter, error_text, log_event
+from .robust import flush_queued
 
 log = logging.getLogger("streamproc.control")
 # The processor's and the edge's own inboxes (pull requests, PubAcks): an answer there would be read
@@ -128,7 +129,9 @@ class ControlPlane:
         self._sub = await self._nc.subscribe(self._subjects.all_migrate, cb=self._on_migrate,
                                              pending_msgs_limit=defaults.CONTROL_PENDING_MSGS,
                                              pending_bytes_limit=defaults.CONTROL_PENDING_BYTES)
-        await self._nc.flush()  # a migrate sent right after start() returns is heard
+        # A migrate sent (from any connection) once start() returns is heard: the PONG must follow the
+        # SUB, which a stock nats-py client's flush() does not ensure (robust.flush_queued).
+        await flush_queued(self._nc)
 
     async def stop(self, timeout: float) -> None:
         sub, self._sub = self._sub, None
