@@ -249,11 +249,20 @@ import anyio
 from streamproc.nats.durable import recovery as durable_recovery
 
 _adopt = durable_recovery.Recovery.adopt
+_slowed = [0, 0]  # in the sleep now, the most at once (written to {peak!r})
 
 
 async def _slow(self, rid, *args, **kwargs):
-    if kwargs.get("current") is not None:
-        await anyio.sleep({seconds!r})
+    if kwargs.get("current") is not None and rid.startswith({only!r}):
+        _slowed[0] += 1
+        if _slowed[0] > _slowed[1]:
+            _slowed[1] = _slowed[0]
+            with open({peak!r}, "w") as out:
+                out.write(str(_slowed[1]))
+        try:
+            await anyio.sleep({seconds!r})
+        finally:
+            _slowed[0] -= 1
     return await _adopt(self, rid, *args, **kwargs)
 
 
@@ -261,9 +270,18 @@ durable_recovery.Recovery.adopt = _slow
 '''
 
 
-def slow_lookups_env(directory: Path, seconds: float) -> dict[str, str]:
+def lookups_peak(directory: Path) -> int:
+    """The most lookups a ``slow_lookups_env`` subprocess had in its sleep at once (a count, not a time)."""
+    path = directory / "lookups_peak"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def slow_lookups_env(directory: Path, seconds: float, only: str = "") -> dict[str, str]:
     """The environment of a ``streamproc run`` subprocess whose recovery lookups of chunks take
     ``seconds`` longer (a ``sitecustomize`` in ``directory``, first on its PYTHONPATH): what an
-    in-process test does with monkeypatch, for a test that reads the subprocess's memory."""
-    (directory / "sitecustomize.py").write_text(SLOW_LOOKUPS.format(seconds=seconds))
+    in-process test does with monkeypatch, for a test that reads the subprocess's memory. ``only``:
+    just those of request ids starting with it (the others are a same-run baseline). The most slowed
+    lookups in flight at once is written to ``directory / "lookups_peak"`` (``lookups_peak``)."""
+    (directory / "sitecustomize.py").write_text(
+        SLOW_LOOKUPS.format(seconds=seconds, only=only, peak=str(directory / "lookups_peak")))
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)}
