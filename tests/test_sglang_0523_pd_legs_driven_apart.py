@@ -76,23 +76,29 @@ def test_legs_asked_alike_join_to_the_aggregated_answer(codec_cls, streamed):
         assert_same_body(got, dumps(want))
 
 
-def _omitted_first_token(want: dict[str, Any]) -> dict[str, Any]:
+def _omitted_first_token(want: dict[str, Any], reason: str = "prefill_missing") -> dict[str, Any]:
     """The aggregated body with what no leg of this pair has, omitted as the join documents it:
     the prompt-side lists (``input_logprobs_unavailable_reason``), and on the chunk holding output
     position 0 token 0's logprob and top logprobs (``null``, as a position without values), with
-    ``output_token_logprobs_unavailable_reason`` after ``output_token_logprobs_length``."""
+    ``output_token_logprobs_unavailable_reason`` after ``output_token_logprobs_length``. ``reason``
+    ``prefill_corrupt``: a prefill leg that is not this decode's (its ``output_ids[0]`` another token),
+    from which nothing is taken, token 0's version (``weight_versions``) and expert rows neither."""
     want = copy.deepcopy(want)
     meta = want["meta_info"]
     items = []
     for key, value in meta.items():
         if key == "input_token_logprobs":
-            items.append(("input_logprobs_unavailable_reason", "prefill_missing"))
+            items.append(("input_logprobs_unavailable_reason", reason))
         elif key == "input_top_logprobs":
             continue
+        elif key == "weight_versions" and reason == "prefill_corrupt":
+            items.append(("weight_versions_unavailable_reason", reason))
         else:
             items.append((key, value))
         if key == "output_token_logprobs_length" and value == len(meta["output_token_logprobs"]):
-            items.append(("output_token_logprobs_unavailable_reason", "prefill_missing"))
+            items.append(("output_token_logprobs_unavailable_reason", reason))
+    if reason == "prefill_corrupt" and meta["finish_reason"] is not None:
+        items.append(("routed_experts_unavailable_reason", reason))  # only prefill's leg tells if asked
     meta = dict(items)
     if "output_token_logprobs_unavailable_reason" in meta:
         meta["output_token_logprobs"][0] = [None, OUT[0], None]
@@ -164,14 +170,16 @@ def test_fold_keeps_output_token_logprobs_beside_the_first_token_marker(codec_cl
 def test_first_token_entry_names_the_token_decode_sent_whatever_prefill_says(codec_cls, streamed, first):
     """Decode's ``output_ids[0]`` comes from the slot's ids, which ``set_buf`` writes whatever prefill was
     asked: it is the token the client got. Token 0's omitted entry names it, as the aggregated body's
-    entry names its ``output_ids[0]``, not a prefill body's disagreeing or malformed ``output_ids[0]``."""
+    entry names its ``output_ids[0]``, not a prefill body's disagreeing or malformed ``output_ids[0]``.
+    A leg naming another token (999) is not this slot's: every field it would give is ``prefill_corrupt``."""
     agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale="left_over")
     leg = json.loads(pre[0])
     leg["output_ids"] = [first]
     out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
+    reason = "prefill_corrupt" if first == 999 else "prefill_missing"
     for (got, verdict), want in zip(out, agg):
         assert verdict is Verdict.OMITTED
-        assert_same_body(got, dumps(_omitted_first_token(want)))
+        assert_same_body(got, dumps(_omitted_first_token(want, reason)))
     doc = json.loads(out[0][0])
     assert doc["meta_info"]["output_token_logprobs"][0] == [None, doc["output_ids"][0], None]
 
@@ -310,7 +318,9 @@ def test_abort_body_first_token_entry_names_the_token_decode_sent_whatever_prefi
     meta = json.loads(out[-1][0])["meta_info"]
     entries = meta["output_token_logprobs"]
     assert out[-1][1] is Verdict.OMITTED
-    assert meta["output_token_logprobs_unavailable_reason"] == "prefill_missing"
+    # 999: a valid token that is not decode's token 0, so not this slot's leg (_disown_another_slots_leg)
+    assert meta["output_token_logprobs_unavailable_reason"] == ("prefill_corrupt" if first == 999
+                                                               else "prefill_missing")
     assert entries[len(entries) - seen] == [None, OUT[0], None]
     if sent == 0:
         assert entries[0] == [None, OUT[0], None]

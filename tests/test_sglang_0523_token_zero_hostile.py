@@ -28,13 +28,16 @@ import json
 import struct
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, STALE, _flat_output_top,
+from sglang_0523_bodies import pd_rows
+from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, PROMPT, STALE, _flat_output_top,
                                  _leg_that_says_nothing, legs)
+from streamproc_sglang import native
 
 from streamproc.wire import Verdict
 
@@ -499,3 +502,212 @@ def test_no_unconfirmed_token_0_value_is_published(streamed, prefill_logprobs, s
         assert value not in text
     if honest and prefill_logprobs and k[0] >= k[1]:
         assert [got for got, _verdict in out] == [dumps(body), *dec[1:]]  # nothing to join: as sent
+
+
+# --------------------------- 6. nothing is taken from a prefill leg whose token 0 is not decode's token 0
+#
+# ``MetadataBuffers.set_buf`` writes ``self.output_ids[req.metadata_buffer_index][0] = req.output_ids[0]`` and
+# ``_commit_transfer_to_req`` makes ``staged_output_id = output_id[0].item()`` decode's first id: a leg naming
+# another token did not feed this decode, so its prompt side is another request's (or stale) too.
+# Prompt side with ``logprob_start_len`` 0 (``Scheduler.add_input_logprob_return_values``: position 0 has no
+# logprob, ``None``, and no top row, ``input_top_logprobs_val = [None]``); values chosen to be found in text.
+PROMPT_LP = [[None, 11, None], [-1.1875, 12, None], [-2.1875, 13, None], [-0.3125, 14, None]]
+PROMPT_TOP = [None, [[-1.1875, 12, None], [-4.4375, 3, None]], [[-2.1875, 13, None], [-4.6875, 4, None]],
+              [[-0.3125, 14, None], [-4.9375, 6, None]]]
+# ``token_ids_logprob`` [5, 7]: prefill scored them at token 0; decode reserved that row (0.5.23, ``null``).
+PREFILL_IDS_ROW = [[-1.0625, 5, None], [-2.0625, 7, None]]
+PREFILL_ONLY = ("1875", "4375", "4688", "6875", "9375", "3125", "1.0625", "2.0625")  # in no decode value
+
+
+def _flat_input_top(meta: dict[str, Any], *, b64: bool, k: int = 2) -> dict[str, Any]:
+    """``meta``'s ``input_top_logprobs`` as ``return_flat_raw_top_logprobs`` answers it (SGLang 0.5.23
+    ``_build_flat_top_logprobs_fields("input", ...)``): ``[rows, k]`` arrays after the leading null rows
+    (``input_top_logprobs_null_prefix``); decode's zero rows ``[0, k]``."""
+    rows = meta["input_top_logprobs"]
+    prefix = 0
+    while prefix < len(rows) and not rows[prefix]:
+        prefix += 1
+    vals = [e[0] for row in rows[prefix:] for e in row]
+    idxs = [e[1] for row in rows[prefix:] for e in row]
+    if b64:
+        packed_v, packed_i = struct.pack(f"<{len(vals)}f", *vals), struct.pack(f"<{len(idxs)}i", *idxs)
+        flat: dict[str, Any] = {
+            "input_top_logprobs_val_flat_b64": base64.b64encode(packed_v).decode(),
+            "input_top_logprobs_idx_flat_b64": base64.b64encode(packed_i).decode(),
+            "input_top_logprobs_val_flat_b64_dtype": "float32",
+            "input_top_logprobs_idx_flat_b64_dtype": "int32"}
+    else:
+        flat = {"input_top_logprobs_val_flat": vals, "input_top_logprobs_idx_flat": idxs}
+    flat["input_top_logprobs_shape"] = [len(rows) - prefix, k]
+    flat["input_top_logprobs_null_prefix"] = prefix
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if key == "input_top_logprobs":
+            out.update(flat)
+        else:
+            out[key] = value
+    return out
+
+
+def _prompt_legs(codec_cls, *, streamed: bool | str, apart: str | None, top: str = "nested",
+                 experts: bool = True) -> tuple[list[bytes], list[bytes]]:
+    """The pair of ``legs(prefill_logprobs=True)`` with a scored prompt (``logprob_start_len`` 0) on the
+    prefill leg, decode's ``[]`` (``_GenerationStreamAccumulator.accept``: "Decode server does not send input
+    logprobs"), ``token_ids_logprob`` rows (decode's row 0 reserved), and routed experts (prefill: the
+    prompt's rows; decode's final body: every row, its prompt rows stale). ``top``: the prompt top rows
+    nested, or flat (``list``/``b64``). ``apart``: ``decode`` (decode's token 0 and entry name 8),
+    ``prefill`` (prefill's ``output_ids[0]`` is 8) or None (the honest pair)."""
+    _agg, pre, dec = legs(streamed=streamed, prefill_logprobs=True, stale="zeros")
+    experts_codec = codec_cls(OPTIONS).sequences["routed_experts"]
+
+    def encode(r: np.ndarray) -> str:
+        return experts_codec.encode(np.frombuffer(r.tobytes(), np.uint8))
+
+    leg = json.loads(pre[0])
+    meta = leg["meta_info"]
+    meta["input_token_logprobs"], meta["input_top_logprobs"] = PROMPT_LP, PROMPT_TOP
+    meta["output_token_ids_logprobs"] = [PREFILL_IDS_ROW]
+    if experts:
+        meta["routed_experts"] = encode(pd_rows(len(PROMPT), 1))
+    if top != "nested":
+        leg["meta_info"] = _flat_input_top(meta, b64=top == "b64")
+    if apart == "prefill":
+        leg["output_ids"][0] = 8
+    decode = []
+    for raw in dec:
+        body = json.loads(raw)
+        meta = body["meta_info"]
+        lo = meta["output_token_logprobs_length"] - len(meta["output_token_logprobs"])
+        meta["output_token_ids_logprobs"] = [None if p == 0 else [[-0.5 - p, 5, None], [-1.5 - p, 7, None]]
+                                             for p in range(lo, meta["output_token_logprobs_length"])]
+        if experts and meta["finish_reason"] is not None:
+            meta["routed_experts"] = encode(pd_rows(len(PROMPT), len(OUT), stale=True))
+        if top != "nested":
+            body["meta_info"] = _flat_input_top(meta, b64=top == "b64")
+        if apart == "decode" and lo == 0:
+            body["output_ids"][0] = 8
+            body["meta_info"]["output_token_logprobs"][0] = [-0.125, 8, None]
+            body["meta_info"]["output_top_logprobs"][0] = [[-0.125, 8, None], [-2.5, 7, None]]
+        decode.append(dumps(body))
+    return [dumps(leg)], decode
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("top", ["nested", "list", "b64"])
+@pytest.mark.parametrize("apart", ["decode", "prefill"])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_prompt_side_of_a_leg_whose_token_0_disagrees_is_not_spliced(codec_cls, streamed, apart, top):
+    """Legs whose token 0 disagree are not one slot's pair (784ba25 stopped splicing their token 0), yet the
+    prefill leg's prompt logprobs, prompt top rows (nested or flat), ``token_ids_logprob`` row 0, token 0's
+    weight version and prompt expert rows were still put in the answer. Now none is: every field taken from
+    that leg is omitted with its marker, ``prefill_corrupt``; decode's own positions stay."""
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=apart, top=top)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    metas = [json.loads(got)["meta_info"] for got, _verdict in out]
+    text = json.dumps(metas)
+    for value in PREFILL_ONLY:
+        assert value not in text
+    if top == "b64":  # the flat Base64 arrays hold prefill's float32 values as bytes
+        assert json.loads(pre[0])["meta_info"]["input_top_logprobs_val_flat_b64"] not in text
+    for meta, (_got, verdict) in zip(metas, out):
+        assert verdict is Verdict.OMITTED
+        assert meta["input_logprobs_unavailable_reason"] == "prefill_corrupt"
+        for key in ("input_token_logprobs", "input_top_logprobs", *native.INPUT_TOP_FLAT_FIELDS):
+            assert key not in meta
+        entries = meta["output_token_logprobs"]
+        lo = meta["output_token_logprobs_length"] - len(entries)
+        assert [e for p, e in enumerate(entries, lo) if p > 0] == OUTPUT_LP[max(lo, 1):lo + len(entries)]
+    first, last = metas[0], metas[-1]
+    assert first[MARK] == "prefill_corrupt"
+    assert first["output_token_ids_logprobs"][0] is None
+    assert first["output_token_ids_logprobs_unavailable_reason"] == "prefill_corrupt"
+    assert "routed_experts" not in last and last["routed_experts_unavailable_reason"] == "prefill_corrupt"
+    assert "weight_versions" not in last and last["weight_versions_unavailable_reason"] == "prefill_corrupt"
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("top", ["nested", "list", "b64"])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_prompt_side_of_the_pairs_own_leg_is_spliced(codec_cls, streamed, top):
+    """The control: the honest pair (token 0 one id on both legs) gets prefill's prompt side, token 0's
+    ``token_ids_logprob`` row and the prompt's expert rows, as the aggregated engine answers."""
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=None, top=top)
+    codec = codec_cls(OPTIONS)
+    out = join(codec, dec, pre)
+    metas = [json.loads(got)["meta_info"] for got, _verdict in out]
+    prefill_meta = json.loads(pre[0])["meta_info"]
+    for meta in metas:
+        assert meta["input_token_logprobs"] == PROMPT_LP
+        if top == "nested":
+            assert meta["input_top_logprobs"] == PROMPT_TOP
+        else:
+            for key in native.INPUT_TOP_FLAT_FIELDS:
+                assert meta.get(key) == prefill_meta.get(key)
+        assert not any(key.endswith("_unavailable_reason") for key in meta)
+    assert metas[0]["output_token_ids_logprobs"][0] == PREFILL_IDS_ROW
+    rows = codec.sequences["routed_experts"].decode_within(metas[-1]["routed_experts"], 1 << 20)
+    assert bytes(rows) == pd_rows(len(PROMPT), len(OUT)).tobytes()
+    assert metas[-1]["weight_versions"] == [{"version": "default", "start": 0, "end": len(OUT)}]
+
+
+# A prefill leg naming decode's token 0 or one drawn apart from it, by either leg, in either form; the token
+# ids drawn in range (an id no int32 slot holds names no token 0: sections 1 and 3).
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streamed=st.sampled_from([False, True, "coalesced"]),
+       apart=st.sampled_from([None, "decode", "prefill"]), top=st.sampled_from(["nested", "list", "b64"]),
+       experts=st.booleans(), other=st.integers(0, 2**31 - 1), sglang=st.booleans())
+def test_no_prompt_value_of_another_slots_leg_is_published(streamed, apart, top, experts, other, sglang):
+    """Whatever token the legs disagree on: where decode's token 0 is not prefill's ``output_ids[0]`` no
+    value only prefill has reaches any chunk, and each field it would give is marked ``prefill_corrupt``;
+    where they agree, prefill's prompt logprobs are the answer."""
+    codec_cls = CODECS[0].values[0] if sglang else CODECS[1].values[0]
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=None, top=top, experts=experts)
+    if apart == "prefill":
+        leg = json.loads(pre[0])
+        leg["output_ids"][0] = other
+        pre = [dumps(leg)]
+    elif apart == "decode":
+        body = json.loads(dec[0])
+        body["output_ids"][0] = other
+        dec = [dumps(body), *dec[1:]]
+    out = join(codec_cls(OPTIONS), dec, pre)
+    metas = [json.loads(got)["meta_info"] for got, _verdict in out]
+    if apart is None or other == OUT[0]:
+        assert all(meta["input_token_logprobs"] == PROMPT_LP for meta in metas)
+        return
+    text = json.dumps(metas)
+    for value in PREFILL_ONLY:
+        assert value not in text
+    assert all(meta["input_logprobs_unavailable_reason"] == "prefill_corrupt" for meta in metas)
+    assert metas[-1]["weight_versions_unavailable_reason"] == "prefill_corrupt"
+    assert metas[-1]["routed_experts_unavailable_reason"] == "prefill_corrupt"
+
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("apart", ["decode", "prefill", None])
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_expert_rows_of_a_leg_whose_token_0_disagrees_without_logprobs(codec_cls, streamed, apart):
+    """Routed experts asked without logprobs: decode's token 0 is its ``output_ids[0]`` on the chunk whose ids
+    hold every token so far (``completion_tokens == len(output_ids)``; an incremental stream's first chunk,
+    which the join never sees, told at ``needs_prefill``). A leg naming another token gave its prompt rows and
+    token 0's version before; now both are ``prefill_corrupt``. The honest pair's rows are joined."""
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=apart)
+    lists = ("input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
+             "input_top_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+    def strip(raw: bytes) -> bytes:
+        body = json.loads(raw)
+        body["meta_info"] = {k: v for k, v in body["meta_info"].items() if k not in lists}
+        return dumps(body)
+
+    codec = codec_cls(OPTIONS)
+    out = join(codec, [strip(raw) for raw in dec], [strip(pre[0])])
+    last = json.loads(out[-1][0])["meta_info"]
+    if apart is None:
+        rows = codec.sequences["routed_experts"].decode_within(last["routed_experts"], 1 << 20)
+        assert bytes(rows) == pd_rows(len(PROMPT), len(OUT)).tobytes()
+        return
+    assert out[-1][1] is Verdict.OMITTED
+    assert "routed_experts" not in last and last["routed_experts_unavailable_reason"] == "prefill_corrupt"
+    assert "weight_versions" not in last and last["weight_versions_unavailable_reason"] == "prefill_corrupt"

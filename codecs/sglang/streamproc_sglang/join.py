@@ -479,7 +479,11 @@ class SGLangJoinSession(JoinSession):
         if not isinstance(doc, dict):  # a batch body is a whole answer: its items are joined with prefill's
             return native.items_of(doc) is not None
         meta = native.meta_of(doc)
-        return meta is not None and self._wants(meta, self._item_final(doc, meta, final))
+        if meta is None:
+            return False
+        if self._decode_token is None and (self._item or type(doc.get(native.INDEX)) is not int):
+            self._note_decode_token(meta, doc.get(native.OUTPUT_IDS))  # a chunk the join may never see
+        return self._wants(meta, self._item_final(doc, meta, final))
 
     def set_aside(self) -> None:
         self._last = None  # the waiting chunk's parsed form: parsed again when it resumes
@@ -644,6 +648,7 @@ class SGLangJoinSession(JoinSession):
         if type(index) is int and not self._item:
             return self._join_indexed(index, body, doc, final)  # type: ignore[arg-type]
         self._changed, self._omitted = False, chunk_omitted
+        self._disown_another_slots_leg(meta, doc.get(native.OUTPUT_IDS))  # type: ignore[union-attr]
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
             self._fill_first_token(meta, doc.get(native.OUTPUT_IDS))  # type: ignore[union-attr]
@@ -750,6 +755,36 @@ class SGLangJoinSession(JoinSession):
         doc = native.decode(body)
         self._last = (body, doc)
         return doc
+
+    def _note_decode_token(self, meta: dict[str, Any], ids: object) -> None:
+        """Decode's token 0 from a chunk whose ``output_ids`` start at output position 0 (they hold every
+        token so far: ``completion_tokens == len(output_ids)``, a cumulative chunk, an incremental stream's
+        first one, a unary body), where no logprob list places position 0 (:meth:`_decode_first`)."""
+        if isinstance(ids, list) and ids and meta.get(COMPLETION_TOKENS) == len(ids) and _is_token(ids[0]):
+            self._decode_token = ids[0]
+
+    def _disown_another_slots_leg(self, meta: dict[str, Any], ids: object) -> None:
+        """A prefill leg whose ``output_ids[0]`` is not decode's token 0 is not the leg that fed this
+        decode (:meth:`_same_token_0`: SGLang 0.5.23 ``MetadataBuffers.set_buf`` writes
+        ``self.output_ids[req.metadata_buffer_index][0] = req.output_ids[0]``, and
+        ``DecodeTransferQueue._commit_transfer_to_req`` makes ``staged_output_id = output_id[0].item()``
+        decode's first id): another request's leg, a stale or corrupt one. Nothing is taken from it, its
+        prompt-side fields no more than its token 0: from here on the session joins as without a usable
+        prefill leg, every field it would have given omitted as ``prefill_corrupt`` (its prompt logprobs,
+        token 0's version, its expert rows; token 0 itself as before, :meth:`_omit_left_over`)."""
+        if self._prefill is None or self._prefill_token is None:
+            return
+        entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
+        if isinstance(entries, list):
+            token = self._decode_first(meta, entries, ids)[1]
+        else:
+            if self._decode_token is None:
+                self._note_decode_token(meta, ids)
+            token = self._decode_token
+        if not self._same_token_0(token):
+            self._prefill = None
+            self._rows = None
+            self._unavailable = Omit.PREFILL_CORRUPT
 
     def _fill_input_logprobs(self, doc: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         """Prefill's prompt-side lists onto a decode chunk. An empty list is a complete answer: with
