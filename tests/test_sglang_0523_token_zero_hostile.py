@@ -711,3 +711,64 @@ def test_expert_rows_of_a_leg_whose_token_0_disagrees_without_logprobs(codec_cls
     assert out[-1][1] is Verdict.OMITTED
     assert "routed_experts" not in last and last["routed_experts_unavailable_reason"] == "prefill_corrupt"
     assert "weight_versions" not in last and last["weight_versions_unavailable_reason"] == "prefill_corrupt"
+
+# ------------------------- 7. decode's token 0 top row is as wide as its own others (top_logprobs_num)
+
+
+def _wide_row_0(k_prefill: int, *, streamed: bool | str) -> tuple[list[bytes], list[bytes]]:
+    """Decode asked 2 (its later rows 2 wide) and its token 0 row holds 3 entries: prefill's two and the
+    slot's third column (``[-4.5, 556]``, the last request's). ``_commit_transfer_to_req`` copies
+    ``output_top_logprobs_val[:top_logprobs_num]``, decode's own number, so no decode sends it."""
+    pre, dec = _widths(k_prefill, 2, streamed=streamed)
+    body = json.loads(dec[0])
+    body["meta_info"]["output_top_logprobs"][0] = [*OUTPUT_TOP[0], list(STALE["left_over"][1][1])]
+    return pre, [dumps(body), *dec[1:]]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("leg", ["timeout", "frame", "field", "failed", "honest"])
+@pytest.mark.parametrize("streamed", [False, "coalesced"], ids=["unary", "coalesced"])
+def test_decode_top_row_0_wider_than_its_other_rows_is_corrupt(codec_cls, leg, streamed):
+    """Beside a prefill leg that says nothing about token 0 (no top row to compare with) such a row passed
+    as sent, another request's column with it. Now null, ``output_top_logprobs_unavailable_reason:
+    decode_corrupt``; the entry and the other rows are kept. With an honest leg (prefill asked 2) the row
+    is not prefill's prefix either: already null (``shape_mismatch``), the reason that came first kept."""
+    pre, dec = _wide_row_0(2, streamed=streamed)
+    out = join(codec_cls(OPTIONS), dec, pre if leg == "honest" else _leg_that_says_nothing(leg, pre))
+    first = _first(out)
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_top_logprobs"][0] is None
+    assert first["output_top_logprobs"][1] == OUTPUT_TOP[1]
+    assert first[TOP_MARK] == ("shape_mismatch" if leg == "honest" else "decode_corrupt")
+    assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
+    assert "556" not in json.dumps(first)
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("leg", ["timeout", "frame", "field", "failed"])
+@pytest.mark.parametrize("streamed", [False, "coalesced"], ids=["unary", "coalesced"])
+def test_decode_top_row_0_as_wide_as_its_other_rows_passes(codec_cls, leg, streamed):
+    """The control: row 0 as wide as decode's others beside a leg that says nothing: as sent."""
+    pre, dec = _widths(2, 2, streamed=streamed)
+    first = _first(join(codec_cls(OPTIONS), dec, _leg_that_says_nothing(leg, pre)))
+    assert first["output_top_logprobs"][0] == OUTPUT_TOP[0]
+    assert TOP_MARK not in first
+
+
+# --------------------- 8. a row spliced from prefill takes decode's width where the chunk shows it
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_spliced_top_row_0_is_cut_to_decodes_width_where_the_chunk_shows_it(codec_cls, streamed):
+    """Pins the behaviour (no fix needed): decode's token 0 entry ``[null, 201, null]`` without a top row
+    (a build that does not copy the slot's logprob: 0.5.23 ``_commit_transfer_to_req`` always stages
+    ``output_token_logprobs_val[0].item()``, a float) takes prefill's row (prefill asked 2), cut to the
+    width of decode's other rows in the chunk (1). A stream's first chunk holds row 0 alone: no width of
+    decode's is in it, and prefill's whole row is published (docs/codecs.md, known limit)."""
+    pre, dec = _widths(2, 1, streamed=streamed, null_first=True)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    first = _first(out)
+    assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
+    assert first["output_top_logprobs"][0] == OUTPUT_TOP[0][:2 if streamed is True else 1]
+    assert TOP_MARK not in first and MARK not in first

@@ -652,6 +652,7 @@ class SGLangJoinSession(JoinSession):
         if OUTPUT_TOKEN_LOGPROBS in meta:
             meta = self._fill_input_logprobs(doc, meta)  # type: ignore[arg-type]
             self._fill_first_token(meta, doc.get(native.OUTPUT_IDS))  # type: ignore[union-attr]
+            self._check_first_top_width(meta)
             self._fill_token_ids_logprobs(meta)
         if WEIGHT_VERSIONS in meta:
             self._join_weight_versions(meta)
@@ -785,6 +786,31 @@ class SGLangJoinSession(JoinSession):
             self._prefill = None
             self._rows = None
             self._unavailable = Omit.PREFILL_CORRUPT
+
+    def _check_first_top_width(self, meta: dict[str, Any]) -> None:
+        """Decode's token 0 top row is never wider than its own other rows: SGLang 0.5.23
+        ``DecodeTransferQueue._commit_transfer_to_req`` copies ``output_top_logprobs_val[:top_logprobs_num]``
+        of the slot (``MetadataBuffers``: ``max_top_logprobs_num: int = 128`` columns), decode's own
+        ``top_logprobs_num`` (at most 128 of it), and each later step's row is that same number wide. A
+        row 0 wider than the chunk's other (non-empty, all one width) rows came from no decode: nulled,
+        ``output_top_logprobs_unavailable_reason: decode_corrupt`` (an earlier reason for the row kept).
+        The flat form's ``[rows, k]`` arrays cannot hold such a row."""
+        top, entries = meta.get(OUTPUT_TOP_LOGPROBS), meta.get(OUTPUT_TOKEN_LOGPROBS)
+        if not (isinstance(top, list) and isinstance(entries, list)):
+            return
+        positions = _first_positions(meta, entries)
+        widths = {len(row) for at, row in enumerate(top)
+                  if at not in positions and isinstance(row, list) and row}
+        if len(widths) != 1:
+            return  # no other row in the chunk (a stream's first chunk) tells decode's width
+        width = widths.pop()
+        wide = [at for at in positions
+                if at < len(top) and isinstance(top[at], list) and len(top[at]) > width]
+        for at in wide:
+            top[at] = None
+        if wide:
+            reason = meta.get(native.OUTPUT_TOP_LOGPROBS_UNAVAILABLE) or Omit.DECODE_CORRUPT
+            self._mark_first_top(meta, reason, (OUTPUT_TOP_LOGPROBS,))
 
     def _fill_input_logprobs(self, doc: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         """Prefill's prompt-side lists onto a decode chunk. An empty list is a complete answer: with
