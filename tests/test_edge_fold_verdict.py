@@ -44,20 +44,23 @@ def chunk_older(request_id: str, token: int, finish: str | None) -> bytes:
                       separators=(",", ":")).encode()
 
 
-def chunk_with_model(request_id: str, token: int, finish: str | None) -> bytes:
-    """An older-format chunk that carries every key the fold writes (nothing for it to omit)."""
+def chunk_with_every_key(request_id: str, token: int, finish: str | None) -> bytes:
+    """An older-format body that carries every key the fold writes (nothing for it to omit). No upstream
+    stream chunk has ``model``, ``prompt_logprobs`` or ``kv_transfer_params``: the fold takes such bodies as
+    unary (``is_unary``) and keeps what they say. Until 2026-12-07 chunks with ``model`` alone were the fold's
+    special case (the simulator's streams), which no longer exists."""
     usage = {"prompt_tokens": 5, "total_tokens": 6, "completion_tokens": 1} if finish else None
     return json.dumps({"request_id": request_id, "model": "m", "choices": [
-        {"index": 0, "logprobs": None, "finish_reason": finish, "token_ids": [token]}], "usage": usage},
-        separators=(",", ":")).encode()
+        {"index": 0, "logprobs": None, "finish_reason": finish, "token_ids": [token]}], "usage": usage,
+        "prompt_logprobs": None, "kv_transfer_params": None}, separators=(",", ":")).encode()
 
 
 async def test_a_folded_answer_with_markers_the_fold_added_says_omitted(server, nc):
     cases = {rid("v034"): (chunk_034, Verdict.PASSTHROUGH, "omitted"),
              rid("older"): (chunk_older, Verdict.PASSTHROUGH, "omitted"),
              rid("older-joined"): (chunk_older, Verdict.JOINED, "omitted"),
-             rid("nothing-added"): (chunk_with_model, Verdict.PASSTHROUGH, "passthrough"),
-             rid("nothing-added-joined"): (chunk_with_model, Verdict.JOINED, "joined")}
+             rid("nothing-added"): (chunk_with_every_key, Verdict.PASSTHROUGH, "passthrough"),
+             rid("nothing-added-joined"): (chunk_with_every_key, Verdict.JOINED, "joined")}
     with running_edge(server.url, "--format", "vllm", "--ensure-results-stream") as edge:
         for request_id, (chunk, verdict, _) in cases.items():
             bodies = [chunk(request_id, 9905, None), chunk(request_id, 9906, "length")]

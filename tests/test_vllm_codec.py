@@ -24,8 +24,12 @@ from streamproc.wire import Chunk, Result, Role, Verdict
 from streamproc_vllm import VLLMCodec, VLLMWorker
 from streamproc_vllm.native import StreamExperts
 from streamproc_vllm.sequence import Base64Npy, npy_bytes
+from vllm_older_bodies import stream as by_hand_stream
 
 WORKER = VLLMWorker()
+# Chunks in no upstream shape (``model`` on each, the prompt logprobs on the first, the usage on the last),
+# for the tests of how the join treats a stream chunk that carries ``prompt_logprobs``.
+NONUPSTREAM = VLLMWorker(nonupstream_chunks=True)
 CODEC = VLLMCodec()
 REASON = "routed_experts_unavailable_reason"
 PL_REASON = "prompt_logprobs_unavailable_reason"
@@ -84,6 +88,33 @@ def join_leg(
             known = True
         out.append(session.join(body, final))
     return out
+
+
+# What the fold of an upstream older stream leaves out of the unary body, each ``null`` with this reason
+# beside it. Proved on bodies written by hand from upstream (tests/vllm_older_bodies.py, furionw/vllm @ 9cdf7782
+# ``serve_tokens_stream_generator``: ``GenerateStreamResponse(request_id, choices)``, ``usage: null``) by
+# tests/test_vllm_older_fold_by_hand.py and test_vllm_older_fold_unary_fields_by_hand.py: the unary
+# ``request_id`` is a fresh ``random_uuid()`` (moreh-dev @ 2f585f1b: the chunks' id), ``model`` / ``usage``
+# no key or a string / object, ``prompt_logprobs`` / ``kv_transfer_params`` keys no chunk carries.
+STREAM_OMITS = {"request_id": "fold_ambiguous", "model": "not_streamed", "usage": "not_streamed",
+                PROMPT_LOGPROBS_KEY: "not_streamed", "kv_transfer_params": "not_streamed"}
+SUFFIX = "_unavailable_reason"
+
+
+def as_folded_stream(unary: bytes) -> dict:
+    """The unary body as the fold of its upstream stream has it: ``STREAM_OMITS`` null with their reasons."""
+    reasons = {f"{k}{SUFFIX}": v for k, v in STREAM_OMITS.items()}
+    return {**loads(unary), **dict.fromkeys(STREAM_OMITS), **reasons}
+
+
+def test_stream_omits_are_what_a_by_hand_upstream_stream_folds_to() -> None:
+    """``STREAM_OMITS``, which the fold laws below expect of the simulator's streams, is the fold of the
+    by-hand upstream stream (no usage chunk, as the simulator's default stream)."""
+    folded = loads(CODEC.fold(by_hand_stream(include_usage=False)))
+    assert {k.removesuffix(SUFFIX): v for k, v in folded.items() if k.endswith(SUFFIX)} == STREAM_OMITS
+    assert all(folded[k] is None for k in STREAM_OMITS)
+    unary = WORKER.agg(make_truth(1), stream=False)[0]
+    assert loads(WORKER.streamed_unary(unary)) == as_folded_stream(unary)  # what the laws (law 2) expect
 
 
 def joined_unary(truth: Truth, **kwargs: object) -> tuple[bytes, Verdict]:
@@ -192,8 +223,9 @@ DAMAGE_REASON = {
 @pytest.mark.parametrize("damage", list(Damage))
 def test_damaged_leg_omits_experts_with_a_reason(leg: str, damage: Damage, stream: bool) -> None:
     truth = make_truth(11, prompt_len=6, output_len=7)
-    prefill = WORKER.prefill(truth, stream=stream, damage=damage if leg == "prefill" else None)
-    decode = WORKER.decode(truth, stream=stream, damage=damage if leg == "decode" else None)
+    # NONUPSTREAM: its first stream chunk carries prompt_logprobs, which the join fills from prefill.
+    prefill = NONUPSTREAM.prefill(truth, stream=stream, damage=damage if leg == "prefill" else None)
+    decode = NONUPSTREAM.decode(truth, stream=stream, damage=damage if leg == "decode" else None)
     results = join_leg(decode, prefill)
     body, verdict = results[-1]
     expected = "too_large" if damage is Damage.BOMB else f"{leg}_{DAMAGE_REASON[damage]}"
@@ -208,7 +240,8 @@ def test_damaged_leg_omits_experts_with_a_reason(leg: str, damage: Damage, strea
 @pytest.mark.parametrize("stream", [False, True])
 def test_prefill_timeout_omits_prompt_logprobs_and_experts(stream: bool) -> None:
     truth = make_truth(12, prompt_len=5, output_len=6)
-    results = join_leg(WORKER.decode(truth, stream=stream), None, unavailable="prefill_timeout")
+    # NONUPSTREAM: a stream chunk with prompt_logprobs to omit (no upstream chunk has the key).
+    results = join_leg(NONUPSTREAM.decode(truth, stream=stream), None, unavailable="prefill_timeout")
     first, first_verdict = results[0]
     last, last_verdict = results[-1]
     assert first_verdict is Verdict.OMITTED and last_verdict is Verdict.OMITTED
@@ -276,7 +309,7 @@ def test_one_token_prompt_with_prefill_list_keeps_it() -> None:
 
 def test_first_stream_chunk_before_usage_treats_the_prompt_as_multi_token() -> None:
     truth = make_truth(18, prompt_len=1, output_len=4, chunk_sizes=[2, 2])
-    results = join_leg(WORKER.decode(truth, stream=True), None, unavailable="prefill_timeout")
+    results = join_leg(NONUPSTREAM.decode(truth, stream=True), None, unavailable="prefill_timeout")
     first = loads(results[0][0])
     assert first["prompt_logprobs"] is None and first[PL_REASON] == "prefill_timeout"
 
@@ -614,9 +647,9 @@ def test_a_folded_message_whose_content_is_unknown_keeps_content_null_beside_its
 def test_agg_stream_folds_to_the_agg_unary_body(seed: int) -> None:
     truth = make_truth(seed, return_logprob=seed % 3 != 0, return_experts=seed % 4 != 1)
     folded = CODEC.fold(WORKER.agg(truth, stream=True))
-    unary = WORKER.agg(truth, stream=False)[0]
-    assert WORKER.canonical(folded) == WORKER.canonical(unary)
-    assert loads(folded) == loads(unary)  # same keys and values, not only the same decoded rows
+    unary = as_folded_stream(WORKER.agg(truth, stream=False)[0])  # STREAM_OMITS: no chunk carries them
+    assert WORKER.canonical(folded) == WORKER.canonical(msgspec.json.encode(unary))
+    assert loads(folded) == unary  # same keys and values, not only the same decoded rows
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -626,7 +659,7 @@ def test_joined_decode_stream_folds_to_the_joined_unary_and_the_agg_run(seed: in
     stream = join_leg(WORKER.decode(truth, stream=True), WORKER.prefill(truth, stream=True))
     unary, _ = joined_unary(truth)
     folded = CODEC.fold([body for body, _ in stream])
-    assert WORKER.canonical(folded) == WORKER.canonical(unary)
+    assert WORKER.canonical(folded) == WORKER.canonical(msgspec.json.encode(as_folded_stream(unary)))
     assert WORKER.canonical(unary) == WORKER.canonical(WORKER.agg(truth, stream=False)[0])
 
 
@@ -788,7 +821,8 @@ def test_correlator_joins_shuffled_duplicated_pd_legs(seed: int) -> None:
     assert results[-1].final and all(r.error is None for r in results)
     assert results[0].verdict is Verdict.JOINED and results[-1].verdict is Verdict.JOINED
     folded = CODEC.fold([r.body for r in results])
-    assert worker.canonical(folded) == worker.canonical(worker.agg(truth, stream=False)[0])
+    expected = as_folded_stream(worker.agg(truth, stream=False)[0])  # STREAM_OMITS: no chunk carries them
+    assert worker.canonical(folded) == worker.canonical(msgspec.json.encode(expected))
 
 
 def test_correlator_prefill_timeout_omits_with_reason() -> None:

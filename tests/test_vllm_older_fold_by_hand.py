@@ -13,9 +13,13 @@ Sources read:
   ``JSONResponse(content=generator.model_dump())``: four keys. ``serve_tokens_stream_generator`` yields
   ``chunk.model_dump_json()`` (``usage: null`` kept) per delta and, with ``include_usage``, a ``choices: []``
   chunk dumped ``exclude_none=True``.
-* A later ``serve/disagg/protocol.py`` (stored vllm-project/vllm history) adds ``model: str | None``,
-  ``created: int | None`` and ``usage`` to ``GenerateResponse``, filled by the same call (``model_name`` a
-  string, ``usage`` a ``UsageInfo`` always); its stream chunks are the same ``GenerateStreamResponse``.
+* A later ``serve/disagg/protocol.py`` (read 2026-12-07: a stored version with the derender requests,
+  search-index file 56210460203, commit not named by the index; not vllm-project/vllm @ 06408932 / 343bacaf,
+  which declare no stream type at all, their ``serving.py`` @ fef8b03f being unary only) declares
+  ``GenerateResponse(request_id, model: str | None, created: int | None, choices, usage, prompt_logprobs,
+  kv_transfer_params, ec_transfer_params)``: ``model``, ``created`` and ``usage`` filled by the same call
+  (``model_name`` a string, ``usage`` a ``UsageInfo`` always), and ``ec_transfer_params`` too; its stream chunks are the same
+  ``GenerateStreamResponse(request_id, choices, usage)``. moreh-dev/vllm @ 46791a75 adds ``usage`` alone.
 
 So no older stream chunk carries ``model``, and a stream without a usage chunk carries no usage; the unary
 answer has either no such key or a string / object there, never ``null``. The fold wrote ``"model": null``

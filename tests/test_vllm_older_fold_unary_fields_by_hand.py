@@ -100,3 +100,16 @@ def test_an_older_unary_body_keeps_its_own_uuid_and_values():
              "kv_transfer_params": {"do_remote_decode": False, "remote_block_ids": [1]}}
     assert fold_objects([unary]) == unary
     assert json.loads(CODEC.fold([dump(unary)])) == unary
+
+
+def test_chunks_that_carry_model_fold_by_the_same_rule():
+    """No older ``GenerateStreamResponse`` declares ``model``; chunks that carry it (the simulator's default
+    streams did until 2026-12-07) kept the earlier rule: the stream's id as the unary one and bare ``null``
+    prompt logprobs and KV parameters. One rule now: ``model`` said, the rest omitted as for any stream."""
+    for include_usage in (False, True):
+        chunks = [dump({**json.loads(body), "model": "m"}) for body in stream(include_usage)]
+        folded = json.loads(CODEC.fold(chunks))
+        assert folded["model"] == "m" and "model_unavailable_reason" not in folded
+        assert (folded["request_id"], folded.get("request_id_unavailable_reason")) == (None, "fold_ambiguous")
+        for field in ("prompt_logprobs", "kv_transfer_params"):
+            assert (folded[field], folded.get(f"{field}_unavailable_reason")) == (None, NOT_STREAMED)

@@ -169,6 +169,12 @@ class SimulatedWorker(ABC):
     def decode(self, truth: Truth, *, stream: bool, damage: Damage | None = None) -> list[bytes]:
         """The decode leg, with stale prompt rows and without prompt logprobs."""
 
+    def streamed_unary(self, body: bytes) -> bytes:
+        """The unary ``body`` as the fold of its stream has it: where the format's stream chunks never carry a
+        field of the unary answer, the fold leaves it ``null`` with its reason (the format's fold docs), and
+        the fold laws compare against this. By default the stream carries every field: ``body`` itself."""
+        return body
+
     # A resumed request (after a migration at ``emitted`` tokens) is, to the engine that serves it, a
     # fresh request for the extended prompt: every leg is the plain leg of ``truth.resumed(emitted)``,
     # artefacts included (a P/D decode's stale rows now cover the extended prompt). A format whose

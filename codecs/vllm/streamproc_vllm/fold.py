@@ -190,16 +190,14 @@ def _older_unary_fields(folded: dict, chunks: Sequence[dict]) -> None:
     connector's, ``model`` / ``usage`` no key or a string / object (``_OLDER_NEVER_STREAMED``). Such a stream
     does not say them, so each is ``null`` with ``not_streamed`` (the omission policy; ``request_id``
     ``fold_ambiguous``: one fork's unary body has the chunks' id), never the stream's id or a bare ``null``
-    read as the engine's (a usage chunk's ``usage`` stays). Chunks that carry ``model``
-    are no upstream stream's (the simulator's state the unary body's id and prompt logprobs): only a
-    ``model`` / ``usage`` they leave ``null`` is omitted. A unary body (the join folds a prefill leg too)
-    has what its engine wrote: a key none of its bodies has stays out."""
+    read as the engine's (a usage chunk's ``usage`` stays). One rule for every older stream: no
+    ``GenerateStreamResponse`` carries ``model`` or ``prompt_logprobs``. A unary body (the join folds a
+    prefill leg too) has what its engine wrote: a key none of its bodies has stays out."""
     if not any(is_unary(chunk) for chunk in chunks):
-        upstream = not any("model" in chunk for chunk in chunks)
-        if upstream:  # the unary id is a uuid no chunk shows, or (moreh-dev) the chunks' id: not said which
-            folded["request_id"] = None
-            folded.setdefault(unavailable_key("request_id"), OmissionReason.FOLD_AMBIGUOUS.value)
-        for field in _OLDER_NEVER_STREAMED if upstream else ("model", "usage"):
+        # The unary id is a uuid no chunk shows, or (moreh-dev) the chunks' id: not said which.
+        folded["request_id"] = None
+        folded.setdefault(unavailable_key("request_id"), OmissionReason.FOLD_AMBIGUOUS.value)
+        for field in _OLDER_NEVER_STREAMED:
             if folded[field] is None and unavailable_key(field) not in folded:
                 folded[unavailable_key(field)] = OmissionReason.NOT_STREAMED.value
         return

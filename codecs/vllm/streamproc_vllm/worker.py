@@ -3,7 +3,9 @@
 It reproduces what the join has to repair in real disaggregated vLLM serving: the decode leg
 has no prompt logprobs, leaves the ``token`` label out of its logprob entries, and returns its
 expert rows either full-length with a stale prompt prefix or as the post-prompt suffix only
-(``Truth.decode_coverage``). The prefill leg is one unary body for the first sampled token.
+(``Truth.decode_coverage``). The prefill leg is one unary body for the first sampled token. Its stream
+chunks have upstream's shape (``request_id, choices, usage``, no ``model`` or ``prompt_logprobs``);
+``VLLMWorker(nonupstream_chunks=True)`` renders the earlier non-upstream chunks.
 
 ``VLLMWorker(shape=upstream.Shape(...))`` renders every leg with the upstream-shaped builder instead:
 ``prompt_logprobs`` requested independently of ``logprobs``, stream chunks without ``model`` or
@@ -20,10 +22,12 @@ import zlib
 import numpy as np
 from numpy.lib import format as npy_format
 
-from streamproc.codec import CodecOptions, CorruptPayload
+from streamproc.codec import CodecOptions, CorruptPayload, OmissionReason
 from streamproc.simulation import Damage, SimulatedWorker, Truth, emitted_in
 
 from .native import (
+    KV_TRANSFER_PARAMS,
+    OUTPUT_MODE,
     PROMPT_LOGPROBS,
     ROUTED_EXPERTS,
     choices_of,
@@ -126,8 +130,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class VLLMWorker(SimulatedWorker):
     format = "vllm"
 
-    def __init__(self, *, shape: upstream.Shape | None = None) -> None:
+    def __init__(self, *, shape: upstream.Shape | None = None, nonupstream_chunks: bool = False) -> None:
+        """``nonupstream_chunks``: default-shaped stream chunks that no upstream ``GenerateStreamResponse``
+        has: each carries ``model``, the first the prompt logprobs (a key only the unary body has), the
+        last the usage. The default stream was so until 2026-12-07; kept for tests of how the join and
+        fold treat such chunks."""
         self.shape = shape
+        self.nonupstream_chunks = nonupstream_chunks
 
     # ---------------------------------------------------------------- legs
 
@@ -210,14 +219,25 @@ class VLLMWorker(SimulatedWorker):
                 "finish_reason": truth.finish if last else None,
                 "token_ids": truth.output_ids[start:end],
             }
-            chunk: dict = {"request_id": truth.request_id, "model": MODEL, "choices": [choice]}
-            if last:
-                if experts is not _ABSENT:
-                    choice[ROUTED_EXPERTS] = experts
-                chunk["usage"] = usage(truth.prompt_len, truth.output_len)
-            if i == 0 and want_logprobs:
-                chunk[PROMPT_LOGPROBS] = prompt_logprobs
-            bodies.append(dump(chunk))
+            if last and experts is not _ABSENT:
+                choice[ROUTED_EXPERTS] = experts
+            if self.nonupstream_chunks:
+                chunk: dict = {"request_id": truth.request_id, "model": MODEL, "choices": [choice]}
+                if last:
+                    chunk["usage"] = usage(truth.prompt_len, truth.output_len)
+                if i == 0 and want_logprobs:
+                    chunk[PROMPT_LOGPROBS] = prompt_logprobs
+                bodies.append(dump(chunk))
+                continue
+            # ``serve_tokens_stream_generator`` (furionw/vllm @ 9cdf7782 ``serve/disagg/serving.py``):
+            #     chunk = GenerateStreamResponse(request_id=request_id, choices=[GenerateResponseStreamChoice(
+            #         index=i, logprobs=logprobs, finish_reason=finish_reason,
+            #         token_ids=as_list(delta_token_ids))])
+            #     yield f"data: {chunk.model_dump_json()}\n\n"
+            # No ``model``, no ``prompt_logprobs``; ``usage: null`` (no ``stream_options``: no usage chunk);
+            # ``routed_experts`` on the finishing choice, as a later ``GenerateResponseStreamChoice``
+            # declares.
+            bodies.append(dump({"request_id": truth.request_id, "choices": [choice], "usage": None}))
         return bodies
 
     def _damage_finishing(self, truth: Truth, bodies: list[bytes], damage: Damage | None, start: int,
@@ -309,6 +329,29 @@ class VLLMWorker(SimulatedWorker):
         except CorruptPayload:
             return None, reason
         return rows.astype("<i4").tobytes(), reason
+
+    # The unary fields no older stream chunk carries, and the reason the fold gives each (docs/formats-vllm.md
+    # "Top level"). ``serve_tokens_stream_generator`` yields ``GenerateStreamResponse(request_id=request_id,
+    # choices=[...])`` (furionw/vllm @ 9cdf7782); the unary ``GenerateResponse`` has a fresh ``random_uuid()``
+    # ``request_id`` (moreh-dev/vllm @ 2f585f1b: the chunks' id, so the stream fits both), ``model`` /
+    # ``usage`` no key or a string / object, the prompt logprobs and the connector's ``kv_transfer_params``.
+    STREAM_OMITS = (("request_id", OmissionReason.FOLD_AMBIGUOUS), ("model", OmissionReason.NOT_STREAMED),
+                    ("usage", OmissionReason.NOT_STREAMED), (PROMPT_LOGPROBS, OmissionReason.NOT_STREAMED),
+                    (KV_TRANSFER_PARAMS, OmissionReason.NOT_STREAMED))
+
+    def streamed_unary(self, body: bytes) -> bytes:
+        """An older unary body as its stream's fold has it (``STREAM_OMITS``): the default stream's chunks
+        have upstream's shape (``nonupstream_chunks`` streams are not meant to fold to it)."""
+        obj = parse(body)
+        if not isinstance(obj, dict):
+            return body
+        if OUTPUT_MODE in obj:
+            raise NotImplementedError("a 0.34.0 body's fold omissions (fold._omit_unstreamed) are not modelled")
+        for field, reason in self.STREAM_OMITS:
+            obj[field] = None
+        for field, reason in self.STREAM_OMITS:
+            obj[unavailable_key(field)] = reason.value
+        return dump(obj)
 
     def canonical(self, body: bytes) -> object:
         try:
