@@ -11,6 +11,7 @@ decode legs whose rows cover the full sequence (stale prompt rows) or the genera
 from __future__ import annotations
 
 import base64
+import uuid
 from typing import Any, Literal
 
 import msgspec
@@ -50,6 +51,12 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     # "summary"`` (0: no speculative decoding): finished outputs carry the request's counters as the
     # response's ``metrics.speculative_decoding`` (``build_spec_decoding_metrics``, see ``_metrics_034``).
     num_spec_tokens: int = 0
+    # serve-disagg only: whose ``serve_tokens_full_generator`` renders the unary body. "vllm-project" (also
+    # furionw/vllm): ``GenerateResponse`` declares ``request_id, choices, prompt_logprobs,
+    # kv_transfer_params`` and the call passes ``id=request_id`` (dropped): a fresh ``random_uuid()``.
+    # "moreh-dev" (moreh-dev/vllm): ``usage`` is declared too and the call passes ``request_id=request_id``:
+    # the chunks' id.
+    older_unary: Literal["vllm-project", "moreh-dev"] = "vllm-project"
 
 
 V034 = "0.34.0"
@@ -94,10 +101,26 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def fresh_request_id(truth: Truth) -> str:
+    """``GenerateResponse.request_id``'s ``default_factory=lambda: f"{random_uuid()}"`` (``random_uuid``:
+    ``str(uuid.uuid4().hex)``), never the chunks' ``truth.request_id``. One uuid per request here (upstream: a
+    new one per response), so the legs' and the aggregated run's bodies still compare equal."""
+    return uuid.uuid5(uuid.NAMESPACE_OID, f"vllm-unary/{truth.request_id}").hex
+
+
 def unary(truth: Truth, shape: Shape, *, rows: np.ndarray | None, output: tuple[int, int] | None = None,
           prompt_logprobs: bool | None = None, labels: bool = True, finish: str | None = None) -> bytes:
-    """``ServingTokens.serve_tokens_full_generator`` -> ``GenerateResponse``: ``prompt_logprobs`` is
-    always a key (``null`` unless requested), as are ``usage`` and ``kv_transfer_params``."""
+    """``ServingTokens.serve_tokens_full_generator`` -> ``GenerateResponse`` (vllm-project/vllm @ fef8b03f,
+    furionw/vllm @ 9cdf7782 ``serve/disagg/serving.py``)::
+
+        response = GenerateResponse(id=request_id, created=created_time, model=model_name, choices=choices,
+            usage=usage, prompt_logprobs=clamp_prompt_logprobs(final_res.prompt_logprobs),
+            kv_transfer_params=final_res.kv_transfer_params)
+
+    ``GenerateResponse(BaseModel)`` declares ``request_id`` (default factory), ``choices``,
+    ``prompt_logprobs``, ``kv_transfer_params`` and pydantic ignores the rest: a fresh ``request_id``, no ``model``, no ``usage``;
+    ``prompt_logprobs`` and ``kv_transfer_params`` always keys (``null`` unless requested / returned).
+    ``Shape(older_unary="moreh-dev")``: ``usage`` after ``choices`` and the chunks' id (``request_id=``)."""
     start, end = output or (0, truth.output_len)
     want_prompt = shape.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
     choice: dict[str, Any] = {
@@ -107,14 +130,14 @@ def unary(truth: Truth, shape: Shape, *, rows: np.ndarray | None, output: tuple[
         "token_ids": truth.output_ids[start:end],
         ROUTED_EXPERTS: encode_rows(rows) if rows is not None else None,
     }
-    return dump({
-        "request_id": truth.request_id,
-        "model": MODEL,
-        "choices": [choice],
-        "usage": _usage(truth.prompt_len, end - start),
-        PROMPT_LOGPROBS: _prompt_logprobs(truth) if want_prompt else None,
-        "kv_transfer_params": None,
-    })
+    moreh = shape.older_unary == "moreh-dev"
+    body: dict[str, Any] = {"request_id": truth.request_id if moreh else fresh_request_id(truth),
+                            "choices": [choice]}
+    if moreh:
+        body["usage"] = _usage(truth.prompt_len, end - start)
+    body[PROMPT_LOGPROBS] = _prompt_logprobs(truth) if want_prompt else None
+    body["kv_transfer_params"] = None
+    return dump(body)
 
 
 def stream(truth: Truth, shape: Shape, *, rows: np.ndarray | None, labels: bool = True) -> list[bytes]:
