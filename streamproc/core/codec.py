@@ -434,6 +434,13 @@ class JoinSession(ABC):
         :class:`ContractError` for a body the codec refuses as a whole (the request then ends with an
         ``invalid_chunk`` error naming the reason); any other exception ends it as ``internal``."""
 
+    def published(self, bodies: Sequence[bytes]) -> None:
+        """The current attempt's results another instance published before this one adopted the request
+        (durable take-over: ``Correlator.resume`` with the stored bodies), in seq order, before any
+        other call. A session whose decisions count across chunks (a format whose stream chunks carry
+        no usage: tokens seen so far) reads them here, so it decides as the session that joined them
+        did (law 7); their chunks are settled and never redelivered. Nothing by default."""
+
     def set_aside(self) -> None:
         """The chunk :meth:`needs_prefill` was just asked about waits (for the prefill leg, or its
         turn at the join thread): drop anything parsed from it, which nothing charges. A flood of

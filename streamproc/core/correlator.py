@@ -634,10 +634,24 @@ class Correlator:
                 return
             self._count_progress(req)
             self._retain(req, history[start:])
+            self._adopt_session(req, history[start:])
         elif history is not None:
             self._retain(req, history)
+            self._adopt_session(req, history)
         else:
             req.missing = next_seq
+
+    def _adopt_session(self, req: _Request, bodies: Sequence[bytes]) -> None:
+        """Hand the join session the current attempt's published bodies (:meth:`JoinSession.published`):
+        their chunks were settled by the dead instance and are never redelivered, so a session counting
+        across chunks would otherwise decide the rest of the attempt on part of it."""
+        if not bodies:
+            return
+        session = req.session = req.codec.open_session()
+        try:
+            session.published(bodies)
+        except Exception:  # a codec bug costs the counts, not the adoption: the session starts without them
+            req.session = None
 
     def missing(self, request_id: str) -> int:
         """How many leading result bodies of an active request must be read back before a migrate."""

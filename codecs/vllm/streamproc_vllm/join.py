@@ -225,6 +225,27 @@ class VLLMJoinSession(JoinSession):
         return obj is not None and (_usage_details(obj) or any(
             _finishes(c) or c.get(ROUTED_EXPERTS) is not None for c in choices_of(obj)))
 
+    def published(self, bodies: Sequence[bytes]) -> None:
+        # Stream chunks carry no usage unless the client asked for it (serve_tokens_stream_generator
+        # yields GenerateStreamResponse(request_id=..., choices=[...]): usage null), so the generated
+        # count the final chunk's rows are checked against is the token_ids seen in every chunk
+        # (_completion_tokens). The heir of a take-over counts the published ones as the live session
+        # counted their chunks; the join leaves token_ids as the chunk sent them.
+        for body in bodies:
+            self._joined += 1
+            obj = parse_object(body)
+            if obj is not None:
+                self._count_tokens(choices_of(obj))
+
+    def _count_tokens(self, choices: list[dict]) -> None:
+        for position, choice in enumerate(choices):
+            index = _choice_index(choice, position)
+            token_ids = choice.get("token_ids")
+            if isinstance(token_ids, list):
+                self._tokens_seen[index] = self._tokens_seen.get(index, 0) + len(token_ids)
+            else:
+                self._tokens_hidden.add(index)
+
     def set_aside(self) -> None:
         self._parsed = None  # the waiting chunk's parsed form: parsed again when it resumes
 
@@ -303,13 +324,8 @@ class VLLMJoinSession(JoinSession):
             return body, Verdict.PASSTHROUGH  # not a vLLM object: nothing in it can be joined
         edit = _Edit()
         choices = choices_of(obj)
-        for position, choice in enumerate(choices):
-            index = _choice_index(choice, position)
-            token_ids = choice.get("token_ids")
-            if isinstance(token_ids, list):
-                self._tokens_seen[index] = self._tokens_seen.get(index, 0) + len(token_ids)
-            else:
-                self._tokens_hidden.add(index)
+        self._count_tokens(choices)
+        for choice in choices:
             if label_and_clamp(choice):
                 edit.changed = True
         # A body whose usage counts no generated token answers a request that ended before token 0 (an
