@@ -306,8 +306,29 @@ def vllm_cases(draw: st.DrawFn) -> tuple[Truth, vll.Shape]:
         include_usage=draw(st.booleans()),
         decode_coverage=draw(st.sampled_from(["full", "suffix"])),
         version=draw(st.sampled_from(["serve-disagg", "0.34.0"])),
+        # serve-disagg's unary GenerateResponse: without usage (vllm-project/vllm, furionw/vllm, and stored
+        # protocol.py versions whose choices have routed_experts) or with it (moreh-dev/vllm).
+        older_unary=draw(st.sampled_from(["vllm-project", "moreh-dev"])),
     )
     return truth, shape
+
+
+def _prompt_count_unknown(shape: vll.Shape) -> bool:
+    """No body tells the join the prompt count: serve-disagg's unary GenerateResponse without usage
+    (the prefill leg, a unary decode) and stream chunks whose usage comes after the finishing chunk."""
+    return shape.version == "serve-disagg" and shape.older_unary == "vllm-project"
+
+
+def _suffix_omitted(body: bytes) -> bytes:
+    """The aggregated body with its finishing choice's rows omitted as ``length_mismatch``: suffix rows
+    behind prefill's are exact only when prefill's rows start at 0 (S = 0, not backed off), which only
+    the prompt count confirms."""
+    obj = msgspec.json.decode(body)
+    for choice in obj["choices"]:
+        if choice.get("routed_experts") is not None:
+            choice["routed_experts"] = None
+            choice["routed_experts_unavailable_reason"] = "length_mismatch"
+    return vll.dump(obj)
 
 
 @property_settings
@@ -316,6 +337,12 @@ def test_vllm_pd_join_equals_the_aggregated_bodies_byte_for_byte(case, stream):
     truth, shape = case
     expected = vll.agg(truth, shape, stream_=stream)
     joined = join(VLLM, vll.decode(truth, shape, stream_=stream), vll.prefill(truth, shape))
+    if _prompt_count_unknown(shape) and shape.decode_coverage == "suffix":
+        omitted = [_suffix_omitted(body) for body in expected]
+        assert [body for body, _ in joined] == omitted
+        changed = [a != b for a, b in zip(omitted, expected)]
+        assert [verdict is Verdict.OMITTED for _, verdict in joined] == changed
+        return
     assert [body for body, _ in joined] == expected
     assert all(verdict in (Verdict.JOINED, Verdict.PASSTHROUGH) for _, verdict in joined)
     if stream:
@@ -552,3 +579,28 @@ def test_vllm_routed_experts_hook_reads_upstream_shaped_joined_bodies():
     assert view.matrix.tolist() == truth_matrix(truth, 0).tolist()
     assert [(s.source, s.start, s.stop) for s in view.spans] == [
         ("prefill", 0, truth.prompt_len), ("decode", truth.prompt_len, truth.rows)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_prefill_without_usage_joins_same_start_rows_and_catches_a_backed_off_prefill(stream):
+    """serve-disagg's GenerateResponse without usage (Shape(older_unary="vllm-project"); stored protocol.py
+    versions declare routed_experts on its choices but no usage): no body gives the prompt count P. Full
+    coverage still joins, since both legs' rows start at the same S exactly when decode's rows before its
+    O - 1 generated ones are as many as prefill's (P - S either way). A prefiller that backed off a token
+    (``_truncate_request_for_prefill``: P - 1 rows) breaks that equality: omitted, never a short array."""
+    truth = make_truth(13, prompt_len=5, output_len=4, chunk_sizes=[2, 2])
+    shape = vll.Shape(older_unary="vllm-project", include_usage=False)
+    prefill = vll.prefill(truth, shape)
+    assert b'"usage"' not in prefill[0]
+    joined = join(VLLM, vll.decode(truth, shape, stream_=stream), prefill)
+    assert [body for body, _ in joined] == vll.agg(truth, shape, stream_=stream)
+    assert joined[-1][1] is Verdict.JOINED
+
+    backed_off = msgspec.json.decode(prefill[0])
+    rows = vll._rows(truth, 0, truth.prompt_len - 1)
+    backed_off["choices"][0]["routed_experts"] = vll.encode_rows(rows)
+    joined = join(VLLM, vll.decode(truth, shape, stream_=stream), [vll.dump(backed_off)])
+    choice = msgspec.json.decode(joined[-1][0])["choices"][0]
+    assert choice["routed_experts"] is None
+    assert choice["routed_experts_unavailable_reason"] == "length_mismatch"
+    assert joined[-1][1] is Verdict.OMITTED

@@ -540,17 +540,22 @@ class VLLMJoinSession(JoinSession):
             edit.omit(choice, ROUTED_EXPERTS, slot)
             return
         prefill_rows = slot
+        # The prompt count P may be unknown: the older serve/disagg GenerateResponse declares no usage
+        # (request_id, choices, prompt_logprobs, kv_transfer_params), in stored protocol.py versions whose
+        # GenerateResponseChoice already has routed_experts, and stream chunks have none without
+        # include_usage. The same-start join below needs no P; the suffix and decode-null cases do.
         prompt_tokens = self._prompt_tokens(obj)
-        if prompt_tokens is None:
-            edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
-            return
         generated = self._completion_tokens(obj, index) - 1  # the last token is never forwarded
-        start = leg_start(prompt_tokens, prefill_rows.shape[0])  # prefill forwarded its P prompt tokens
-        if start is None or generated < 0:
+        # prefill forwarded its P prompt tokens
+        start = leg_start(prompt_tokens, prefill_rows.shape[0]) if prompt_tokens is not None else None
+        if (prompt_tokens is not None and start is None) or generated < 0:
             edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)  # prefill's rows imply S < 0
             return
         if value is None:
-            if start != 0:  # nothing from decode confirms prefill's S > 0
+            if start is None and generated != 0:  # decode's generated rows are missing whatever P is
+                edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_MISSING)
+                return
+            if start != 0:  # nothing from decode confirms prefill's S > 0 (or, without P, S = 0)
                 edit.omit(choice, ROUTED_EXPERTS, Omit.LENGTH_MISMATCH)
                 return
             if generated != 0:
@@ -574,9 +579,11 @@ class VLLMJoinSession(JoinSession):
             if duplicate_ids(decode_rows[max(before, 0):]):
                 edit.omit(choice, ROUTED_EXPERTS, Omit.DECODE_CORRUPT)  # its own rows are not a real capture
                 return
-            if leg_start(prompt_tokens + generated, decode_rows.shape[0]) == start:
-                # Both legs' rows start at the same S: prefill's [S, P) replace decode's prompt rows
-                # (stale on some vLLM versions), then decode's generated rows [P, P + O - 1).
+            if before == prefill_rows.shape[0]:
+                # Both legs' rows start at the same S: decode's P + O - 1 - S rows less its O - 1
+                # generated ones are prefill's P - S (leg_start of both legs equal, with or without P).
+                # Prefill's [S, P) replace decode's prompt rows (stale on some vLLM versions), then
+                # decode's generated rows [P, P + O - 1).
                 joined = np.concatenate([prefill_rows, decode_rows[before:]])
             elif start == 0 and before == 0:
                 # Suffix coverage (a decode capturer that skips the prompt, start_tokens =
