@@ -438,6 +438,9 @@ class SGLangJoinSession(JoinSession):
         # A streamed batch: prefill's chunks by item index, and each item's own session (_join_indexed).
         self._prefill_by_index: dict[int, list[bytes]] | None = None
         self._item_sessions: dict[int, SGLangJoinSession] = {}
+        # A streamed batch item's decode token 0, seen at needs_prefill before the item has a session
+        # (its first chunk may want no prefill: never joined); at most MAX_BATCH_ITEMS (_note_item_token).
+        self._item_tokens: dict[int, int] = {}
         # What decoding the prefill rows of a batch's items (all of them) or of a streamed batch's item
         # (by index) may allocate, judged at absorb from the values' lengths and headers (join_bytes).
         self._items_rows_bound = 0
@@ -481,7 +484,10 @@ class SGLangJoinSession(JoinSession):
         meta = native.meta_of(doc)
         if meta is None:
             return False
-        if self._decode_token is None and (self._item or type(doc.get(native.INDEX)) is not int):
+        index = doc.get(native.INDEX)
+        if type(index) is int and not self._item:
+            self._note_item_token(index, meta, doc.get(native.OUTPUT_IDS))
+        elif self._decode_token is None:
             self._note_decode_token(meta, doc.get(native.OUTPUT_IDS))  # a chunk the join may never see
         return self._wants(meta, self._item_final(doc, meta, final))
 
@@ -623,7 +629,7 @@ class SGLangJoinSession(JoinSession):
                 # dropped here, in the thread that joins: freed when the request was forgotten on the
                 # event loop, 32 MiB held the GIL ~2 ms while every other request waited.
                 self._rows = self._prefill = self._prefill_items = self._prefill_by_index = None
-                self._item_sessions = {}
+                self._item_sessions, self._item_tokens = {}, {}
 
     def _join(self, body: bytes, final: bool) -> tuple[bytes, Verdict]:
         doc = self._decoded(body)
@@ -678,6 +684,7 @@ class SGLangJoinSession(JoinSession):
                                     f"{MAX_BATCH_ITEMS} are joined")
             session = self._item_sessions[index] = SGLangJoinSession(self._codec)
             session._item = True
+            session._decode_token = self._item_tokens.pop(index, None)
             legs = self._prefill_by_index.get(index) if self._prefill_by_index is not None else None
             if legs is not None:
                 session.absorb_prefill(legs)
@@ -763,6 +770,23 @@ class SGLangJoinSession(JoinSession):
         first one, a unary body), where no logprob list places position 0 (:meth:`_decode_first`)."""
         if isinstance(ids, list) and ids and meta.get(COMPLETION_TOKENS) == len(ids) and _is_token(ids[0]):
             self._decode_token = ids[0]
+
+    def _note_item_token(self, index: int, meta: dict[str, Any], ids: object) -> None:
+        """A streamed batch item's token 0 (:meth:`_note_decode_token`) from a chunk of item ``index``, for
+        the item's session (:meth:`_join_indexed`). Without logprob lists an item's first chunk wants no
+        prefill leg and is never joined, and its later incremental chunks (``output_ids`` =
+        ``state.output_ids[state.last_output_offset:]``, ``TokenizerManager._handle_batch_output``) do not
+        start at token 0: the item's session never learnt it, and a prefill item naming another token 0
+        gave its prompt rows and token 0's version. Items beyond MAX_BATCH_ITEMS are never joined."""
+        session = self._item_sessions.get(index)
+        if session is not None:
+            if session._decode_token is None:
+                session._note_decode_token(meta, ids)
+            return
+        if index in self._item_tokens or len(self._item_tokens) >= MAX_BATCH_ITEMS:
+            return
+        if isinstance(ids, list) and ids and meta.get(COMPLETION_TOKENS) == len(ids) and _is_token(ids[0]):
+            self._item_tokens[index] = ids[0]
 
     def _disown_another_slots_leg(self, meta: dict[str, Any], ids: object) -> None:
         """A prefill leg whose ``output_ids[0]`` is not decode's token 0 is not the leg that fed this

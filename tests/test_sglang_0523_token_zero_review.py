@@ -1,0 +1,102 @@
+"""Review of the token-0 join rules (fd6625d ``_disown_another_slots_leg``, ce1d2a4
+``_check_first_top_width``): cases those commits did not cover, bodies written by hand from upstream
+SGLang (read 2026-12-07).
+
+- ``managers/tokenizer_manager.py`` ``_handle_batch_output``: with ``stream_output`` (incremental) each
+  ``out_dict`` carries ``"output_ids": output_token_ids`` = ``state.output_ids[state.last_output_offset:]``,
+  cumulative ``meta_info["completion_tokens"]``; a request with ``n > 1`` or a list of prompts streams each
+  item's chunks tagged ``"index": i`` (``_wait_one_response`` / ``_handle_batch_request``).
+- ``disaggregation/utils.py`` ``MetadataBuffers.set_buf``: ``self.output_ids[...][0] = req.output_ids[0]``;
+  ``disaggregation/decode.py`` ``DecodeTransferQueue._commit_transfer_to_req``: ``staged_output_id =
+  output_id[0].item()`` is decode's first id. A prefill leg naming another token 0 is another slot's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import drive_join as join
+from helpers import upstream_json as dumps
+from sglang_0523_bodies import pd_rows
+from sglang_0523_pd_legs import CODECS, OPTIONS, OUT, PROMPT, SPANS, _body
+
+from streamproc.wire import Verdict
+
+# ------------------------------------------- 1. a streamed batch's item: its first chunk names token 0
+
+
+def _batch_legs(codec_cls, *, apart: set[int], streamed: bool | str,
+                items: int = 2) -> tuple[list[bytes], list[bytes]]:
+    """A streamed batch (``"index": i`` on every chunk) asking routed experts without logprobs: each
+    item's decode chunks (incremental ``output_ids``, item after item at each step, as the scheduler's
+    batch steps them), its rows and ``weight_versions`` on the finishing chunk; the prefill leg one body per
+    item (``FINISH_LENGTH(0)``, token 0, the prompt's rows). Items in ``apart``: prefill's ``output_ids[0]``
+    is 8, not decode's 201."""
+    experts = codec_cls(OPTIONS).sequences["routed_experts"]
+
+    def encode(r: np.ndarray) -> str:
+        return experts.encode(np.frombuffer(r.tobytes(), np.uint8))
+
+    prefill = []
+    for i in range(items):
+        leg = _body(0, 1, rid="prefill", finished=True, logprobs=False,
+                    finish={"type": "length", "length": 0})
+        leg["meta_info"]["routed_experts"] = encode(pd_rows(len(PROMPT), 1))
+        if i in apart:
+            leg["output_ids"][0] = 8
+        leg["index"] = i
+        prefill.append(dumps(leg))
+    spans = SPANS[streamed]
+    decode = []
+    for step, (lo, n) in enumerate(spans):
+        for i in range(items):
+            body = _body(lo, n, rid="agg", finished=step == len(spans) - 1, logprobs=False)
+            if body["meta_info"]["finish_reason"] is not None:
+                body["meta_info"]["routed_experts"] = encode(pd_rows(len(PROMPT), len(OUT), stale=True))
+            body["index"] = i
+            decode.append(dumps(body))
+    return prefill, decode
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [True, "coalesced"], ids=["stream", "coalesced"])
+def test_streamed_batch_item_whose_token_0_disagrees_gives_no_prompt_rows(codec_cls, streamed):
+    """An item's first chunk (its ``output_ids`` from token 0) wants no prefill (no logprob list, no rows,
+    not final), so it reached neither the join nor the item's session, and the finishing chunk's
+    incremental ids do not start at token 0: the item's decode token 0 was never known, and a prefill
+    item naming another token 0 gave its prompt rows and token 0's version. Item 1 (the honest pair) joins."""
+    codec = codec_cls(OPTIONS)
+    pre, dec = _batch_legs(codec_cls, apart={0}, streamed=streamed)
+    out = join(codec, dec, pre)
+    finals = {}
+    for (got, verdict), raw in zip(out, dec):
+        body = json.loads(got)
+        if body["meta_info"]["finish_reason"] is not None:
+            finals[body["index"]] = (body["meta_info"], verdict)
+    apart_meta, apart_verdict = finals[0]
+    assert apart_verdict is Verdict.OMITTED
+    assert "routed_experts" not in apart_meta
+    assert apart_meta["routed_experts_unavailable_reason"] == "prefill_corrupt"
+    assert "weight_versions" not in apart_meta
+    assert apart_meta["weight_versions_unavailable_reason"] == "prefill_corrupt"
+    honest, _verdict = finals[1]
+    rows = codec.sequences["routed_experts"].decode_within(honest["routed_experts"], 1 << 20)
+    assert bytes(rows) == pd_rows(len(PROMPT), len(OUT)).tobytes()
+    assert honest["weight_versions"] == [{"version": "default", "start": 0, "end": len(OUT)}]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [True, "coalesced"], ids=["stream", "coalesced"])
+def test_streamed_batch_items_of_the_honest_pair_join(codec_cls, streamed):
+    """The control: every item's prefill names its decode's token 0, so every item gets its rows."""
+    codec = codec_cls(OPTIONS)
+    pre, dec = _batch_legs(codec_cls, apart=set(), streamed=streamed)
+    for got, _verdict in join(codec, dec, pre):
+        meta: dict[str, Any] = json.loads(got)["meta_info"]
+        assert not any(key.endswith("_unavailable_reason") for key in meta)
+        if meta["finish_reason"] is not None:
+            rows = codec.sequences["routed_experts"].decode_within(meta["routed_experts"], 1 << 20)
+            assert bytes(rows) == pd_rows(len(PROMPT), len(OUT)).tobytes()
