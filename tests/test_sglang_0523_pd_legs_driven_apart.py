@@ -171,12 +171,14 @@ def test_first_token_entry_names_the_token_decode_sent_whatever_prefill_says(cod
     """Decode's ``output_ids[0]`` comes from the slot's ids, which ``set_buf`` writes whatever prefill was
     asked: it is the token the client got. Token 0's omitted entry names it, as the aggregated body's
     entry names its ``output_ids[0]``, not a prefill body's disagreeing or malformed ``output_ids[0]``.
-    A leg naming another token (999) is not this slot's: every field it would give is ``prefill_corrupt``."""
+    A leg naming another token (999), or a value no int32 slot holds as a token (-5, 10^30, "x", null:
+    ``set_buf`` writes a sampled index), is not this slot's: every field it would give is ``prefill_corrupt``
+    (until 2026-12-07 the malformed ones were ``prefill_missing``, token 0's version taken from them)."""
     agg, pre, dec = legs(streamed=streamed, prefill_logprobs=False, stale="left_over")
     leg = json.loads(pre[0])
     leg["output_ids"] = [first]
     out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
-    reason = "prefill_corrupt" if first == 999 else "prefill_missing"
+    reason = "prefill_corrupt"
     for (got, verdict), want in zip(out, agg):
         assert verdict is Verdict.OMITTED
         assert_same_body(got, dumps(_omitted_first_token(want, reason)))
@@ -318,9 +320,9 @@ def test_abort_body_first_token_entry_names_the_token_decode_sent_whatever_prefi
     meta = json.loads(out[-1][0])["meta_info"]
     entries = meta["output_token_logprobs"]
     assert out[-1][1] is Verdict.OMITTED
-    # 999: a valid token that is not decode's token 0, so not this slot's leg (_disown_another_slots_leg)
-    assert meta["output_token_logprobs_unavailable_reason"] == ("prefill_corrupt" if first == 999
-                                                               else "prefill_missing")
+    # 999: a valid token that is not decode's token 0, the others no token at all: not this slot's leg
+    # (_disown_another_slots_leg; until 2026-12-07 the malformed ones were prefill_missing)
+    assert meta["output_token_logprobs_unavailable_reason"] == "prefill_corrupt"
     assert entries[len(entries) - seen] == [None, OUT[0], None]
     if sent == 0:
         assert entries[0] == [None, OUT[0], None]

@@ -22,6 +22,7 @@ from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from sglang_0523_bodies import pd_rows
 from sglang_0523_pd_legs import CODECS, OPTIONS, OUT, PROMPT, SPANS, _body
+from sglang_0523_prompt_legs import PREFILL_ONLY, PROMPT_LP, _prompt_legs
 
 from streamproc.wire import Verdict
 
@@ -100,3 +101,52 @@ def test_streamed_batch_items_of_the_honest_pair_join(codec_cls, streamed):
         if meta["finish_reason"] is not None:
             rows = codec.sequences["routed_experts"].decode_within(meta["routed_experts"], 1 << 20)
             assert bytes(rows) == pd_rows(len(PROMPT), len(OUT)).tobytes()
+
+
+# ------------------------- 2. a prefill leg whose output_ids[0] names no token cannot be this slot's
+
+
+# What ``set_buf`` writes into the slot is prefill's ``req.output_ids[0]``, a sampled vocabulary index (int32
+# slot); the tokenizer's ``output_ids`` are ints (``list(recv_obj.output_ids[i])``). None of these is one.
+NO_TOKEN = [-1, 2**31, 201.0, True, "201", None, [201]]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("bad", NO_TOKEN + ["not a list"], ids=repr)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_prompt_side_of_a_leg_whose_token_0_is_no_token_is_not_spliced(codec_cls, streamed, bad):
+    """fd6625d compares decode's token 0 with prefill's ``output_ids[0]`` only where the latter is an id the
+    slot holds; a leg naming ``201.0``, ``-1``, ``2^31``, ``true``... (or an ``output_ids`` that is no list)
+    skipped the comparison, and its prompt logprobs, prompt top rows, ``token_ids_logprob`` row 0, token 0's
+    version and prompt expert rows were spliced. No SGLang prefill body names such a token 0: it is not the
+    leg that fed this decode's slot, and nothing is taken from it (``prefill_corrupt``)."""
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=None)
+    leg = json.loads(pre[0])
+    if bad == "not a list":
+        leg["output_ids"] = 201
+    else:
+        leg["output_ids"][0] = bad
+    out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
+    metas = [json.loads(got)["meta_info"] for got, _verdict in out]
+    text = json.dumps(metas)
+    for value in PREFILL_ONLY:
+        assert value not in text
+    for meta, (_got, verdict) in zip(metas, out):
+        assert verdict is Verdict.OMITTED
+        assert meta["input_logprobs_unavailable_reason"] == "prefill_corrupt"
+    last = metas[-1]
+    assert "routed_experts" not in last and last["routed_experts_unavailable_reason"] == "prefill_corrupt"
+    assert "weight_versions" not in last and last["weight_versions_unavailable_reason"] == "prefill_corrupt"
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+def test_prompt_side_of_a_leg_without_output_ids_is_spliced(codec_cls, streamed):
+    """The control: a leg without ``output_ids`` at all (no token 0 stated either way) joins as before."""
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=None)
+    leg = json.loads(pre[0])
+    del leg["output_ids"]
+    out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
+    for got, _verdict in out:
+        meta = json.loads(got)["meta_info"]
+        assert meta["input_token_logprobs"] == PROMPT_LP

@@ -460,6 +460,8 @@ class SGLangJoinSession(JoinSession):
         self._prefill: dict[str, Any] | None = None  # meta_info of a usable prefill leg
         self._prefill_token: int | None = None  # the token prefill sampled (its output_ids[0]), in range
         self._decode_token: int | None = None  # decode's output_ids[0], from the chunk that held it
+        self._prefill_no_token = False  # the prefill leg's output_ids[0] is stated and is no token
+        self._disowned = False  # the prefill leg is not this decode's slot's (_disown_another_slots_leg)
         self._unavailable: str | None = None  # why there is no usable prefill leg
         self._rows: _PrefillRows | str | None = None  # prefill's decoded rows or why they are unusable
         self._last: tuple[bytes, Any] | None = None  # needs_prefill -> join decode cache (_decoded)
@@ -538,6 +540,9 @@ class SGLangJoinSession(JoinSession):
             self._prefill = meta
             ids = doc.get(native.OUTPUT_IDS)  # type: ignore[union-attr]
             self._prefill_token = ids[0] if isinstance(ids, list) and ids and _is_token(ids[0]) else None
+            # a stated ``output_ids`` naming no token an int32 slot holds (_disown_another_slots_leg)
+            stated = native.OUTPUT_IDS in doc  # type: ignore[operator]
+            self._prefill_no_token = stated and self._prefill_token is None and ids != []
             self._parsed_extra = _parse_expansion(bodies, docs)
 
     def retained_bytes(self) -> int:
@@ -796,7 +801,17 @@ class SGLangJoinSession(JoinSession):
         decode's first id): another request's leg, a stale or corrupt one. Nothing is taken from it, its
         prompt-side fields no more than its token 0: from here on the session joins as without a usable
         prefill leg, every field it would have given omitted as ``prefill_corrupt`` (its prompt logprobs,
-        token 0's version, its expert rows; token 0 itself as before, :meth:`_omit_left_over`)."""
+        token 0's version, its expert rows; token 0 itself as before, :meth:`_omit_left_over`).
+
+        A leg whose stated ``output_ids[0]`` is no id an int32 slot holds (``-1``, ``2^31``, ``201.0``,
+        ``true``, a string, ``null``; or an ``output_ids`` that is no list) names no token ``set_buf`` could
+        have written (``req.output_ids[0]``, a sampled vocabulary index): never this slot's, whatever decode
+        says. Until 2026-12-07 the comparison was skipped for it and its prompt side spliced. A leg without
+        ``output_ids`` (or with ``[]``) states nothing and is judged by nothing here."""
+        if self._prefill is not None and self._prefill_no_token:
+            self._prefill, self._rows, self._unavailable = None, None, Omit.PREFILL_CORRUPT
+            self._disowned = True
+            return
         if self._prefill is None or self._prefill_token is None:
             return
         entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
@@ -810,6 +825,7 @@ class SGLangJoinSession(JoinSession):
             self._prefill = None
             self._rows = None
             self._unavailable = Omit.PREFILL_CORRUPT
+            self._disowned = True
 
     def _check_first_top_width(self, meta: dict[str, Any]) -> None:
         """Decode's token 0 top row is never wider than its own other rows: SGLang 0.5.23
@@ -895,6 +911,13 @@ class SGLangJoinSession(JoinSession):
         if not isinstance(entries, list):
             return
         prefill = self._prefill
+        if self._disowned:
+            # Not one slot's pair: decode's entry is not published either, even where no chunk named token 0
+            # (an abort body's ``[last]`` alone); a corrupt decode id is still said to be decode's.
+            self._omit_left_over(meta, entries, ids, Omit.PREFILL_CORRUPT)
+            if OUTPUT_TOKEN_LOGPROBS_UNAVAILABLE not in meta:
+                self._omit_first_token(meta, entries, ids, Omit.PREFILL_CORRUPT)
+            return
         if prefill is not None and OUTPUT_TOKEN_LOGPROBS not in prefill:
             self._omit_first_token(meta, entries, ids)
             return
