@@ -150,3 +150,32 @@ def test_prompt_side_of_a_leg_without_output_ids_is_spliced(codec_cls, streamed)
     for got, _verdict in out:
         meta = json.loads(got)["meta_info"]
         assert meta["input_token_logprobs"] == PROMPT_LP
+
+
+# ----------------------------------------- 3. honest one-token answers keep joining (max_new_tokens=1)
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("apart", [False, True], ids=["pair", "apart"])
+@pytest.mark.parametrize("finish", [{"type": "length", "length": 1}, {"type": "stop", "matched": 201}],
+                         ids=["max_new_tokens_1", "token_0_is_a_stop_token"])
+def test_one_token_answer_takes_prefills_rows_only_from_its_own_leg(codec_cls, apart, finish):
+    """``max_new_tokens=1`` (or token 0 a stop token): decode's one body holds token 0 alone and may omit
+    ``routed_experts`` (SGLang #39146: ``process_batch_result_prebuilt`` collects none), so the answer's rows
+    are prefill's prompt rows. The pair's own leg gives them; a leg naming another token 0 gives nothing."""
+    experts = codec_cls(OPTIONS).sequences["routed_experts"]
+    leg = _body(0, 1, rid="prefill", finished=True, logprobs=False, finish={"type": "length", "length": 0})
+    prompt_rows = np.frombuffer(pd_rows(len(PROMPT), 1).tobytes(), np.uint8)
+    leg["meta_info"]["routed_experts"] = experts.encode(prompt_rows)
+    if apart:
+        leg["output_ids"][0] = 8
+    body = _body(0, 1, rid="agg", finished=True, logprobs=False, finish=finish)
+    (got, verdict), = join(codec_cls(OPTIONS), [dumps(body)], [dumps(leg)])
+    meta = json.loads(got)["meta_info"]
+    if apart:
+        assert verdict is Verdict.OMITTED
+        assert "routed_experts" not in meta and meta["routed_experts_unavailable_reason"] == "prefill_corrupt"
+        return
+    assert not any(key.endswith("_unavailable_reason") for key in meta)
+    rows = experts.decode_within(meta["routed_experts"], 1 << 20)
+    assert bytes(rows) == pd_rows(len(PROMPT), 1).tobytes()
