@@ -48,12 +48,12 @@ def zstd_edge(server):
         yield edge
 
 
-def joined_final_body(truth, fmt: str = "sglang-zstd") -> bytes:
+def joined_final_body(truth, fmt: str = "sglang-zstd", stream: bool = True) -> bytes:
     """The final result body the real join of ``fmt`` makes of the truth's P/D legs."""
     worker = worker_for(fmt)
     rid_ = truth.request_id
-    run = run_pipeline([*leg(rid_, "prefill", worker.prefill(truth, stream=True)),
-                        *leg(rid_, "decode", worker.decode(truth, stream=True))], format=fmt)
+    run = run_pipeline([*leg(rid_, "prefill", worker.prefill(truth, stream=stream)),
+                        *leg(rid_, "decode", worker.decode(truth, stream=stream))], format=fmt)
     final = run.of(rid_)[-1]
     assert final.final and final.verdict is Verdict.JOINED
     return final.body
@@ -69,7 +69,16 @@ def test_every_format_describes_its_joined_rows_split_at_the_prompt_and_its_aggr
     prefill leg's up to the prompt and decode's after it, whatever the format's wire encoding."""
     truth = make_truth(83, prompt_len=30, output_len=20, num_layers=6, top_k=4)
     codec = Catalog()(fmt)
-    joined = build_view(codec, joined_final_body(truth, fmt), verdict=Verdict.JOINED)
+    # A vLLM stream's chunks carry no usage (serve_tokens_stream_generator, no stream_options), so its
+    # final body does not say where the prompt ends: its rows are described as joined, unsplit. The
+    # split is read from the unary body.
+    stream = fmt != "vllm"
+    if not stream:
+        streamed = build_view(codec, joined_final_body(truth, fmt), verdict=Verdict.JOINED)
+        assert (streamed.present, streamed.positions, streamed.splice) == (True, 49, None)
+        assert streamed.ids == truth_ids(truth)
+        assert [(s.source, s.start, s.stop) for s in streamed.spans] == [("joined", 0, 49)]
+    joined = build_view(codec, joined_final_body(truth, fmt, stream), verdict=Verdict.JOINED)
     assert (joined.present, joined.problem, joined.omitted) == (True, None, {})
     assert (joined.positions, joined.row_ids, joined.splice) == (49, 24, 30)
     assert joined.ids == truth_ids(truth)
@@ -77,7 +86,7 @@ def test_every_format_describes_its_joined_rows_split_at_the_prompt_and_its_aggr
     aggregated = build_view(codec, worker_for(fmt).agg(truth, stream=False)[-1], verdict=Verdict.PASSTHROUGH)
     assert aggregated.ids == truth_ids(truth)
     assert [(s.source, s.start, s.stop) for s in aggregated.spans] == [("worker", 0, 49)]
-    body = joined_final_body(truth, fmt)
+    body = joined_final_body(truth, fmt, stream)
     assert build_view(codec, body).spans == []  # no verdict: not attributed
     stitched = build_view(codec, body, verdict=Verdict.STITCHED)  # migrated: attempts not told apart
     assert [(s.source, s.start, s.stop) for s in stitched.spans] == [("resumed", 0, 49)]

@@ -269,6 +269,11 @@ def test_a_resumed_attempts_chunks_are_stitched_in_work_with_the_bytes_of_the_in
     from streamproc.wire import Role, Verdict
 
     worker = worker_for(fmt)
+    if fmt == "vllm":  # a stream with usage (stream_options.include_usage), which the stitch restates;
+        from streamproc_vllm import upstream  # the default stream has none: nothing to stitch
+        from streamproc_vllm.worker import VLLMWorker
+
+        worker = VLLMWorker(shape=upstream.Shape(include_usage=True))
     truth = make_truth(7, request_id="m", prompt_len=40, output_len=12, chunk_sizes=[3, 3, 3, 3])
     first = leg("m", Role.AGG, worker.agg(truth, stream=True))[:2]  # 6 tokens published, then it moves
     if pd:
@@ -289,7 +294,8 @@ def test_a_resumed_attempts_chunks_are_stitched_in_work_with_the_bytes_of_the_in
         migration.stitch = lambda body, final: stitched_in_work.append(run.in_work) or stitch(body, final)
         works_before = len(run.works)
         later = run.feed(resumed)
-        assert len(later) == 2 and any(r.verdict is Verdict.STITCHED for r in later)
+        published = len(worker.agg_resumed(truth, 6, stream=True))  # the resumed attempt's results
+        assert len(later) == published and any(r.verdict is Verdict.STITCHED for r in later)
         assert stitched_in_work == [offload] * len(later)  # once per result; in Work iff offloaded
         if offload:  # every resumed result came out of finish(), one Work each
             assert len(run.works) - works_before == len(later)
