@@ -179,3 +179,39 @@ def test_one_token_answer_takes_prefills_rows_only_from_its_own_leg(codec_cls, a
     assert not any(key.endswith("_unavailable_reason") for key in meta)
     rows = experts.decode_within(meta["routed_experts"], 1 << 20)
     assert bytes(rows) == pd_rows(len(PROMPT), 1).tobytes()
+
+
+# ------------------------------------------- a count that is not an int does not place token 0
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("count", [True, 1.0], ids=["true", "float"])
+def test_a_chunk_whose_completion_tokens_is_no_int_does_not_name_token_0(codec_cls, count):
+    """Decode's token 0 is read from ``output_ids`` only where they hold every token so far
+    (``completion_tokens == len(output_ids)``). ``True == 1`` and ``1.0 == 1`` in Python: where the
+    first chunk's count said nothing (a string), the next incremental chunk of one id (token 1) with such
+    a count was taken for token 0, and the honest prefill leg of this pair was disowned (its prompt rows
+    omitted ``prefill_corrupt``). No SGLang body sends either (``completion_tokens`` is
+    ``len(req.output_ids)``); token 0 stays unknown and the pair joins."""
+    experts = codec_cls(OPTIONS).sequences["routed_experts"]
+
+    def encode(r: np.ndarray) -> str:
+        return experts.encode(np.frombuffer(r.tobytes(), np.uint8))
+
+    prefill = _body(0, 1, rid="prefill", finished=True, logprobs=False, finish={"type": "length", "length": 0})
+    prefill["meta_info"]["routed_experts"] = encode(pd_rows(len(PROMPT), 1))
+    decode = []
+    for step, (lo, n) in enumerate(SPANS[True]):
+        body = _body(lo, n, rid="agg", finished=step == len(SPANS[True]) - 1, logprobs=False)
+        if step == 0:
+            body["meta_info"]["completion_tokens"] = "1"
+        if step == 1:
+            body["meta_info"]["completion_tokens"] = count
+        if body["meta_info"]["finish_reason"] is not None:
+            body["meta_info"]["routed_experts"] = encode(pd_rows(len(PROMPT), len(OUT), stale=True))
+        decode.append(dumps(body))
+    out = join(codec_cls(OPTIONS), decode, [dumps(prefill)])
+    final, verdict = out[-1]
+    meta = json.loads(final)["meta_info"]
+    assert verdict is Verdict.JOINED, meta
+    assert "routed_experts_unavailable_reason" not in meta, meta

@@ -283,6 +283,15 @@ def _is_token(value: object) -> bool:
     return type(value) is int and 0 <= value < native.TOKEN_ID_LIMIT
 
 
+def _first_of_every_token(meta: dict[str, Any], ids: object) -> bool:
+    """Whether ``ids`` hold every output token so far (``completion_tokens == len(output_ids)``: a
+    cumulative chunk, an incremental stream's first one, a unary body) and start with a token: then
+    ``ids[0]`` is token 0. An int count only: ``true`` is no count, though ``True == 1``."""
+    count = meta.get(COMPLETION_TOKENS)
+    return (type(count) is int and isinstance(ids, list) and len(ids) == count > 0
+            and _is_token(ids[0]))
+
+
 def _insert_before(meta: dict[str, Any], anchor: str, items: dict[str, Any]) -> dict[str, Any]:
     """``meta`` with ``items`` placed where the aggregated body has them: just before ``anchor``."""
     out: dict[str, Any] = {}
@@ -773,7 +782,7 @@ class SGLangJoinSession(JoinSession):
         """Decode's token 0 from a chunk whose ``output_ids`` start at output position 0 (they hold every
         token so far: ``completion_tokens == len(output_ids)``, a cumulative chunk, an incremental stream's
         first one, a unary body), where no logprob list places position 0 (:meth:`_decode_first`)."""
-        if isinstance(ids, list) and ids and meta.get(COMPLETION_TOKENS) == len(ids) and _is_token(ids[0]):
+        if _first_of_every_token(meta, ids):
             self._decode_token = ids[0]
 
     def _note_item_token(self, index: int, meta: dict[str, Any], ids: object) -> None:
@@ -790,7 +799,7 @@ class SGLangJoinSession(JoinSession):
             return
         if index in self._item_tokens or len(self._item_tokens) >= MAX_BATCH_ITEMS:
             return
-        if isinstance(ids, list) and ids and meta.get(COMPLETION_TOKENS) == len(ids) and _is_token(ids[0]):
+        if _first_of_every_token(meta, ids):
             self._item_tokens[index] = ids[0]
 
     def _disown_another_slots_leg(self, meta: dict[str, Any], ids: object) -> None:
