@@ -115,3 +115,57 @@ async def test_a_held_result_costs_no_more_than_nats_server_counts_it_against_a_
     held = result_from_message(SUBJECTS, SUBJECTS.result(rid), {SEQ: "0"}, b"").held_bytes
     counted = await pull_counted_size(js, client, stream, SUBJECTS.result(rid), "c", 2 * held - 1)
     assert held <= counted, f"a result held costs {held} bytes, nats-server counts {counted}"
+
+
+def text_bytes(text: str | None) -> int:
+    """Bytes CPython keeps the characters of ``text`` in (PEP 393: 1, 2 or 4 a character by its widest)."""
+    if not text:
+        return 0
+    widest = max(text)
+    return len(text) * (1 if widest < "\u0100" else 2 if widest < "\U00010000" else 4)
+
+
+NOT_ASCII = {  # header value bytes on the wire
+    "astral": "\U0001F600".encode() + b"a" * 3000,  # 4 bytes a character once a str
+    "bmp": "\u2713".encode() + b"a" * 3000,  # 2 bytes a character
+    "latin-1": "caf\u00e9".encode() * 700,
+    "invalid-utf8": b"\xff" + b"a" * 3000,  # U+FFFD once decoded with "replace": 2 bytes a character
+    "only-astral": "\U0001F600".encode() * 700,
+}
+
+
+@pytest.mark.parametrize("name", [ERROR, TRACEPARENT])
+@pytest.mark.parametrize("value", list(NOT_ASCII))
+async def test_a_header_value_past_ascii_costs_what_it_holds_within_what_nats_server_counts(
+        client, nats_url, name, value):
+    """Both invariants of the byte bound for a header value that is not ASCII: the charge covers the
+    bytes the kept value's characters take in memory (one character past Latin-1 made every character
+    2 or 4 bytes while ``len`` was charged: 4 x the bound held), and stays at most what nats-server
+    counts for the stored result against a pull's ``max_bytes`` (so charging 4 x ``len`` is no fix).
+    The result is read both ways a reader reads one: nats-py's header dict and the raw block."""
+    from helpers import pull_counted_size
+
+    from streamproc.core.defaults import RESULT_HELD_OVERHEAD
+    from streamproc.core.wire import result_from_message
+    from streamproc.nats.fast_client import parse_header_block, result_from_block
+    from streamproc.nats.streams import ensure_results_stream, find_stream
+
+    rid = f"text{len(value)}{name[-3:]}"
+    subject = SUBJECTS.result(rid)
+    js = client.jetstream()
+    await ensure_results_stream(js, SUBJECTS)
+    block = b"NATS/1.0\r\n%s: 0\r\n%s: %s\r\n\r\n" % (SEQ.encode(), name.encode(), NOT_ASCII[value])
+    for _ in range(2):  # nats-py encodes str header values as UTF-8: the raw block goes as HPUB by hand
+        command = b"HPUB %s %d %d\r\n%s\r\n" % (subject.encode(), len(block), len(block), block)
+        await client._send_command(command)
+    await client.flush()
+    stream = await find_stream(js, subject)
+    # one message fits, two do not (the stored message is its block, subject and a reply of ~60 bytes)
+    counted = await pull_counted_size(js, client, stream, subject, "c", len(block) + len(subject) + 200)
+    assert counted >= len(block) + len(subject)
+    for result in (result_from_message(SUBJECTS, subject, parse_header_block(block), b""),
+                   result_from_block(SUBJECTS, subject, block, b"")):
+        held = result.held_bytes
+        kept = text_bytes(result.error) + text_bytes(result.traceparent)
+        assert held - len(rid) - RESULT_HELD_OVERHEAD >= kept, f"charged {held}, its values hold {kept} bytes"
+        assert held <= counted, f"a result held costs {held} bytes, nats-server counts {counted}"

@@ -17,6 +17,7 @@ from edge_harness import (expected_sse, fill_send_queue, publish_result, publish
                           stall_stream, unread_stream)
 from helpers import connection, rid, status_kib, wait_until
 
+from streamproc.core.defaults import RESULT_HELD_OVERHEAD
 from streamproc.core.wire import ERROR, SEQ, TRACEPARENT
 from streamproc.wire import Subjects
 
@@ -35,6 +36,14 @@ FEEDS = {
     "durable-ring": ("--ensure-results-stream",),
     "durable-own-consumer": ("--ensure-results-stream", "--recent", "0"),
 }
+
+
+def text_bytes(text: str | None) -> int:
+    """Bytes CPython keeps the characters of ``text`` in (PEP 393: 1, 2 or 4 a character by its widest)."""
+    if not text:
+        return 0
+    widest = max(text)
+    return len(text) * (1 if widest < "\u0100" else 2 if widest < "\U00010000" else 4)
 
 
 async def flood(nc, subject: str, headers: list[dict[str, str]]) -> None:
@@ -146,7 +155,11 @@ async def test_the_inbox_charges_a_result_its_held_bytes(nats_url):
         feed = await source.open(request_id)
         try:
             cases = [({SEQ: "1"}, b""), ({SEQ: "2", TRACEPARENT: "00-" + "a" * 52}, b"body"),
-                     ({SEQ: "3", ERROR: "e" * 300}, b""), ({SEQ: "4", ERROR: "x", TRACEPARENT: "t" * 99}, b"{}")]
+                     ({SEQ: "3", ERROR: "e" * 300}, b""), ({SEQ: "4", ERROR: "x", TRACEPARENT: "t" * 99}, b"{}"),
+                     # not ASCII: a str keeps every character in 2 or 4 bytes (PEP 393)
+                     ({SEQ: "5", ERROR: "\U0001F600" + "a" * 300}, b""),
+                     ({SEQ: "6", TRACEPARENT: "\u2713" + "t" * 99}, b"{}"),
+                     ({SEQ: "7", ERROR: "caf\u00e9 \u2713", TRACEPARENT: "00-\U0001F600"}, b"")]
             for headers, body in cases:
                 await nc.publish(subjects.result(request_id), body, headers=headers)
             await nc.flush()
@@ -155,6 +168,9 @@ async def test_the_inbox_charges_a_result_its_held_bytes(nats_url):
             await wait_until(lambda: len(inbox._items) == len(cases), 10, "dispatched")
             assert [size for _, size in inbox._items] == [result.held_bytes for result, _ in inbox._items]
             assert inbox._bytes == sum(result.held_bytes for result, _ in inbox._items)
+            for result, size in inbox._items:  # the charge covers the characters' bytes the values hold
+                assert size - len(result.body) - len(result.request_id) - RESULT_HELD_OVERHEAD >= \
+                    text_bytes(result.error) + text_bytes(result.traceparent), result
         finally:
             await feed.close()
 

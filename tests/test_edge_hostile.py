@@ -404,7 +404,8 @@ async def test_a_result_with_more_header_lines_than_a_message_may_carry_is_malfo
             assert edge.log().count("more than the %d a header block may hold" % MAX_HEADER_LINES) == 2, edge.log()[-2000:]
 
 
-@pytest.mark.parametrize("error", ["kaputt \u20ac", "x" * 60_000], ids=["non-latin-1", "60KB"])
+@pytest.mark.parametrize("error", ["kaputt \u20ac", "x" * 60_000, "\U0001F600" + "a" * 50],
+                         ids=["non-latin-1", "60KB", "astral"])
 async def test_an_error_kind_a_results_publisher_chose_is_never_echoed_whole(edge, nc, error):
     """A result's ``Streamproc-Error`` is its publisher's text. The unary answer put it whole in an
     HTTP header: one that is not latin-1 made it a bare 500 (Starlette's encode), a 60 KB one a

@@ -28,7 +28,9 @@ message says so). A consumer made again ``REPLAY_RENEWALS_MAX`` times in a row w
 
 What one request's results may hold in the reader is bounded by ``max_buffered_bytes`` of results
 received and not yet taken (each charged its body, the header values it keeps, ``error`` and
-``traceparent``, and a fixed cost: ``ResultInfo.held_bytes``, so results with empty bodies count), as
+``traceparent``, and a fixed cost: ``ResultInfo.held_bytes``, so results with empty bodies count; the
+values are read as ASCII, an ``error`` with ``?`` for each character past it, a ``traceparent`` past
+it dropped, so their length is the memory they hold: ``wire.held_error_text``), as
 the edge bounds a stream by ``--stream-buffer-bytes``. Bodies kept
 behind a missing seq past it end the stream with :class:`~streamproc.core.errors.ResultsOverrun`
 (one forged request cannot grow a reader); so do in-order bodies a slow loop has not taken on a

@@ -107,7 +107,10 @@ class ResultInfo(msgspec.Struct, frozen=True):
     @property
     def held_bytes(self) -> int:
         """What a reader holding it is charged against its byte bound: the body, the header values
-        it keeps (any publisher chooses their length) and a fixed cost, so empty results count."""
+        it keeps (any publisher chooses their length) and a fixed cost, so empty results count. The
+        values are ASCII as read (``wire.held_error_text``; a traceparent that is not ASCII is dropped):
+        ``len`` is then the bytes they hold, never more than nats-server counts for them (a character
+        past Latin-1 made a ``str`` 2 or 4 bytes a character: 4 x the bound held)."""
         return (len(self.body) + len(self.error or "") + len(self.traceparent or "") + len(self.request_id)
                 + defaults.RESULT_HELD_OVERHEAD)
 

@@ -358,6 +358,18 @@ _RESULTS_INFIX = len(".results.")
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
+def held_error_text(text: str) -> str:
+    """A ``Streamproc-Error`` that is not ASCII as a reader keeps it: each non-ASCII character ``?``.
+    One character past Latin-1 makes CPython keep every character of a ``str`` in 2 or 4 bytes (PEP
+    393), so a forged ``"\\U0001F600" + "a" * 50_000`` (50,004 bytes on the wire) held ~200 kB while
+    ``ResultInfo.held_bytes`` charges its length: a stream held up to 4 x ``--stream-buffer-bytes``.
+    ASCII, a character a byte, never longer than the value's wire bytes (each non-ASCII character came
+    from at least one), so the charge stays what it holds and below what nats-server counts for it. The
+    processor writes an ``ErrorKind`` word (ASCII) there: no honest value changes, and a reader shows any
+    text not shaped like a kind as ``other`` (``shown_kind``) either way."""
+    return text.encode("ascii", "replace").decode("ascii")
+
+
 def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, str] | None, body: bytes) -> ResultInfo:
     """The edge parses one per SSE event (the fan-out's dispatch), so the common case is read here
     without a call: the request id (``Subjects.request_id_of_result``), a plain seq and a final flag
@@ -381,14 +393,23 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
     else:
         final = _parse_flag(text, FINAL, request_id)
     verdict = h.get(JOIN)
+    # Header values held as ASCII, a byte a character (held_error_text): a W3C traceparent is lowercase
+    # hex and dashes (https://www.w3.org/TR/trace-context/#traceparent-header), so one that is not
+    # ASCII is none and reads as absent. str.isascii is O(1) (CPython keeps the flag).
+    error = h.get(ERROR)
+    if error is not None and not error.isascii():
+        error = held_error_text(error)
+    traceparent = h.get(TRACEPARENT)
+    if traceparent is not None and not traceparent.isascii():
+        traceparent = None
     return ResultInfo(
         request_id=request_id,
         seq=seq,
         final=final,
         verdict=(_VERDICTS.get(verdict) or _parse_verdict(verdict, request_id)) if verdict else None,
-        error=h.get(ERROR),
+        error=error,
         body=body,
-        traceparent=h.get(TRACEPARENT),
+        traceparent=traceparent,
     )
 
 

@@ -256,8 +256,9 @@ class Fanout:
                         continue
                     # What it holds, not its body alone (empty bodies with long header values grew
                     # an inbox without bound): ResultInfo.held_bytes, inline (a property is a Python
-                    # call per event), C calls only for the header values present;
-                    # tests/test_edge_held_bytes.py pins that the two agree.
+                    # call per event), C calls only for the header values present (ASCII as read, so
+                    # len is their bytes: wire.held_error_text); tests/test_edge_held_bytes.py pins that
+                    # the two agree.
                     size = len(data) + len(result.request_id) + RESULT_HELD_OVERHEAD
                     if result.traceparent is not None:
                         size += len(result.traceparent)

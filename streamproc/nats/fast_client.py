@@ -71,7 +71,7 @@ from nats.protocol import command as _command
 from ..core.events import Chunk
 from ..core.wire import (ATTEMPT, ERROR, FINAL, FORMAT, JOIN, MAX_HEADER_LINES, MAX_REQUEST_ID_LEN,
                          MAX_TRACEPARENT_LEN, ROLES, SEQ, TRACEPARENT, ChunkParser, ResultInfo, Subjects, Verdict,
-                         over_header_lines, result_from_message)
+                         held_error_text, over_header_lines, result_from_message)
 from ..logs import error_text, log_event
 from .buffered_reads import READ_SIZE
 from .eager_reads import _CLOSED_OR_RECONNECTING, EagerReads
@@ -343,14 +343,25 @@ def result_from_block(subjects: Subjects, subject: str, headers: bytes, body: by
         verdict = _VERDICT_BYTES.get(join)
         if verdict is None:
             return result_from_message(subjects, subject, parse_header_block(headers), body)
+    # As result_from_message keeps them: header values as ASCII, a byte a character (held_error_text;
+    # a traceparent that is not ASCII is no W3C traceparent: absent). bytes.isascii is one C pass.
+    text: str | None = None
+    if error is not None:
+        text = error.strip().decode("utf-8", "replace")
+        if not text.isascii():
+            text = held_error_text(text)
+    if traceparent is not None:
+        traceparent = traceparent.strip()
+        if not traceparent.isascii():
+            traceparent = None
     return ResultInfo(
         request_id=subject[len(subjects.prefix) + _RESULTS_INFIX:],
         seq=int(seq),
         final=final == b"true",
         verdict=verdict,
-        error=None if error is None else error.strip().decode("utf-8", "replace"),
+        error=text,
         body=body,
-        traceparent=None if traceparent is None else traceparent.strip().decode("utf-8", "replace"),
+        traceparent=None if traceparent is None else traceparent.decode("ascii"),
     )
 
 
