@@ -256,9 +256,11 @@ def reference_result(subjects: Subjects, subject: str, headers: dict[str, str] |
         seq=wire._parse_index(h.get(SEQ), SEQ, request_id, required=True),
         final=wire._parse_flag(h.get(FINAL), FINAL, request_id),
         verdict=(wire._VERDICTS.get(verdict) or wire._parse_verdict(verdict, request_id)) if verdict else None,
-        error=h.get(ERROR),
+        # Header values as a reader holds them (ResultInfo.held_bytes charges their length): an error
+        # text's non-ASCII characters each "?", a traceparent that is not ASCII absent (no W3C one).
+        error=None if h.get(ERROR) is None else "".join(c if ord(c) < 128 else "?" for c in h[ERROR]),
         body=body,
-        traceparent=h.get(TRACEPARENT),
+        traceparent=h.get(TRACEPARENT) if h.get(TRACEPARENT, "").isascii() else None,
     )
 
 
