@@ -109,29 +109,37 @@ def _leg_that_says_nothing(kind: str, pre: list[bytes]) -> list[bytes] | None:
     return [dumps(leg)]
 
 
-def _flat_output_top(meta: dict[str, Any], *, b64: bool) -> dict[str, Any]:
-    """``meta`` as ``return_flat_raw_output_top_logprobs`` (unary only) answers it: the nested
-    ``output_top_logprobs`` replaced where it stood by ``_build_flat_top_logprobs_fields("output", ...)``
-    (leading null rows counted in ``output_top_logprobs_null_prefix``, float32/int32 with ``b64``)."""
-    rows = meta["output_top_logprobs"]
+def flat_top(meta: dict[str, Any], side: str, *, b64: bool, k: int | None = None) -> dict[str, Any]:
+    """``meta`` with its nested ``<side>_top_logprobs`` replaced, where it stood, by SGLang 0.5.23's
+    ``_build_flat_top_logprobs_fields(side, ...)`` (``return_flat_raw_<side>_top_logprobs``): ``[rows, k]``
+    arrays after the leading null rows (``<side>_top_logprobs_null_prefix``), float32/int32 with ``b64``;
+    ``k`` the row width (default: the last row's; all rows null: ``[0, k]``)."""
+    key = f"{side}_top_logprobs"
+    rows = meta[key]
     prefix = 0
     while prefix < len(rows) and not rows[prefix]:
         prefix += 1
     vals = [entry[0] for row in rows[prefix:] for entry in row]
     idxs = [entry[1] for row in rows[prefix:] for entry in row]
     if b64:
-        flat = {"output_top_logprobs_val_flat_b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode(),
-                "output_top_logprobs_idx_flat_b64": base64.b64encode(struct.pack(f"<{len(idxs)}i", *idxs)).decode(),
-                "output_top_logprobs_val_flat_b64_dtype": "float32",
-                "output_top_logprobs_idx_flat_b64_dtype": "int32"}
+        flat: dict[str, Any] = {
+            f"{key}_val_flat_b64": base64.b64encode(struct.pack(f"<{len(vals)}f", *vals)).decode(),
+            f"{key}_idx_flat_b64": base64.b64encode(struct.pack(f"<{len(idxs)}i", *idxs)).decode(),
+            f"{key}_val_flat_b64_dtype": "float32",
+            f"{key}_idx_flat_b64_dtype": "int32"}
     else:
-        flat = {"output_top_logprobs_val_flat": vals, "output_top_logprobs_idx_flat": idxs}
-    flat["output_top_logprobs_shape"] = [len(rows) - prefix, len(rows[-1])]
-    flat["output_top_logprobs_null_prefix"] = prefix
+        flat = {f"{key}_val_flat": vals, f"{key}_idx_flat": idxs}
+    flat[f"{key}_shape"] = [len(rows) - prefix, k if k is not None else len(rows[-1])]
+    flat[f"{key}_null_prefix"] = prefix
     out: dict[str, Any] = {}
-    for key, value in meta.items():
-        if key == "output_top_logprobs":
+    for name, value in meta.items():
+        if name == key:
             out.update(flat)
         else:
-            out[key] = value
+            out[name] = value
     return out
+
+
+def _flat_output_top(meta: dict[str, Any], *, b64: bool) -> dict[str, Any]:
+    """``meta`` as ``return_flat_raw_output_top_logprobs`` (unary only) answers it (:func:`flat_top`)."""
+    return flat_top(meta, "output", b64=b64)

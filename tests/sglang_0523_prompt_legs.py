@@ -4,15 +4,13 @@
 
 from __future__ import annotations
 
-import base64
 import json
-import struct
 from typing import Any
 
 import numpy as np
 from helpers import upstream_json as dumps
 from sglang_0523_bodies import pd_rows
-from sglang_0523_pd_legs import OPTIONS, OUT, PROMPT, legs
+from sglang_0523_pd_legs import OPTIONS, OUT, PROMPT, flat_top, legs
 
 # Prompt side with ``logprob_start_len`` 0 (``Scheduler.add_input_logprob_return_values``: position 0 has no
 # logprob, ``None``, and no top row, ``input_top_logprobs_val = [None]``); values chosen to be found in text.
@@ -25,33 +23,9 @@ PREFILL_ONLY = ("1875", "4375", "4688", "6875", "9375", "3125", "1.0625", "2.062
 
 
 def _flat_input_top(meta: dict[str, Any], *, b64: bool, k: int = 2) -> dict[str, Any]:
-    """``meta``'s ``input_top_logprobs`` as ``return_flat_raw_top_logprobs`` answers it (SGLang 0.5.23
-    ``_build_flat_top_logprobs_fields("input", ...)``): ``[rows, k]`` arrays after the leading null rows
-    (``input_top_logprobs_null_prefix``); decode's zero rows ``[0, k]``."""
-    rows = meta["input_top_logprobs"]
-    prefix = 0
-    while prefix < len(rows) and not rows[prefix]:
-        prefix += 1
-    vals = [e[0] for row in rows[prefix:] for e in row]
-    idxs = [e[1] for row in rows[prefix:] for e in row]
-    if b64:
-        packed_v, packed_i = struct.pack(f"<{len(vals)}f", *vals), struct.pack(f"<{len(idxs)}i", *idxs)
-        flat: dict[str, Any] = {
-            "input_top_logprobs_val_flat_b64": base64.b64encode(packed_v).decode(),
-            "input_top_logprobs_idx_flat_b64": base64.b64encode(packed_i).decode(),
-            "input_top_logprobs_val_flat_b64_dtype": "float32",
-            "input_top_logprobs_idx_flat_b64_dtype": "int32"}
-    else:
-        flat = {"input_top_logprobs_val_flat": vals, "input_top_logprobs_idx_flat": idxs}
-    flat["input_top_logprobs_shape"] = [len(rows) - prefix, k]
-    flat["input_top_logprobs_null_prefix"] = prefix
-    out: dict[str, Any] = {}
-    for key, value in meta.items():
-        if key == "input_top_logprobs":
-            out.update(flat)
-        else:
-            out[key] = value
-    return out
+    """``meta``'s ``input_top_logprobs`` as ``return_flat_raw_top_logprobs`` answers it (:func:`flat_top`);
+    decode's zero rows ``[0, k]``."""
+    return flat_top(meta, "input", b64=b64, k=k)
 
 
 def _prompt_legs(codec_cls, *, streamed: bool | str, apart: str | None, top: str = "nested",
