@@ -44,3 +44,31 @@ def test_a_heir_joins_the_final_chunks_rows_as_the_live_processor_did(coverage):
     for chunk in [*prefill, decode[1]]:
         heir.absorb(heir.correlator.receive(chunk, 0.0))
     assert [(r.seq, r.verdict, r.body) for r in heir.of("r1")] == [(1, results[1].verdict, results[1].body)]
+
+
+def test_a_session_whose_published_hook_fails_still_adopts_the_request(monkeypatch):
+    """A codec bug in ``JoinSession.published`` costs the heir the counts, not the request: it is
+    adopted with a fresh session, stored results are not published again, and the rest is answered."""
+    from streamproc_vllm.join import VLLMJoinSession
+
+    def broken(self, bodies):
+        raise RuntimeError("a codec bug")
+
+    truth = Truth("r2", [24936], [14729, 15475], [1, 1], 1, 2, 8, ROWS, [-5.2], [-6.3, -0.75],
+                  return_logprob=False, decode_coverage="full")
+    w = VLLMWorker()
+    prefill = leg("r2", Role.PREFILL, w.prefill(truth, stream=True))
+    decode = leg("r2", Role.DECODE, w.decode(truth, stream=True))
+    live = Run(_correlator())
+    for chunk in [*prefill, *decode]:
+        live.absorb(live.correlator.receive(chunk, 0.0))
+    stored = live.of("r2")[0].body
+
+    monkeypatch.setattr(VLLMJoinSession, "published", broken)
+    heir = Run(_correlator())
+    heir.correlator.resume("r2", 1, False, 0.0, history=[stored])
+    assert heir.correlator._active["r2"].session is None  # the failed session is not kept
+    for chunk in [*prefill, *decode]:  # chunk 0 again: a duplicate of a stored result, settled
+        heir.absorb(heir.correlator.receive(chunk, 0.0))
+    results = heir.of("r2")
+    assert [(r.seq, r.final, r.error) for r in results] == [(1, True, None)], results

@@ -647,7 +647,7 @@ class Correlator:
         across chunks would otherwise decide the rest of the attempt on part of it."""
         if not bodies:
             return
-        session = req.session = req.codec.open_session()
+        session = self._session(req)
         try:
             session.published(bodies)
         except Exception:  # a codec bug costs the counts, not the adoption: the session starts without them

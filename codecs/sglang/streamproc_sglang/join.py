@@ -817,24 +817,22 @@ class SGLangJoinSession(JoinSession):
         have written (``req.output_ids[0]``, a sampled vocabulary index): never this slot's, whatever decode
         says. Until 2026-12-07 the comparison was skipped for it and its prompt side spliced. A leg without
         ``output_ids`` (or with ``[]``) states nothing and is judged by nothing here."""
-        if self._prefill is not None and self._prefill_no_token:
-            self._prefill, self._rows, self._unavailable = None, None, Omit.PREFILL_CORRUPT
-            self._disowned = True
+        if self._prefill is None:
             return
-        if self._prefill is None or self._prefill_token is None:
-            return
-        entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
-        if isinstance(entries, list):
-            token = self._decode_first(meta, entries, ids)[1]
-        else:
-            if self._decode_token is None:
-                self._note_decode_token(meta, ids)
-            token = self._decode_token
-        if not self._same_token_0(token):
-            self._prefill = None
-            self._rows = None
-            self._unavailable = Omit.PREFILL_CORRUPT
-            self._disowned = True
+        if not self._prefill_no_token:
+            if self._prefill_token is None:
+                return
+            entries = meta.get(OUTPUT_TOKEN_LOGPROBS)
+            if isinstance(entries, list):
+                token = self._decode_first(meta, entries, ids)[1]
+            else:
+                if self._decode_token is None:
+                    self._note_decode_token(meta, ids)
+                token = self._decode_token
+            if self._same_token_0(token):
+                return
+        self._prefill, self._rows, self._unavailable = None, None, Omit.PREFILL_CORRUPT
+        self._disowned = True
 
     def _check_first_top_width(self, meta: dict[str, Any]) -> None:
         """Decode's token 0 top row is never wider than its own other rows: SGLang 0.5.23
