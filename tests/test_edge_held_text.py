@@ -10,8 +10,6 @@ size."""
 
 from __future__ import annotations
 
-import asyncio
-
 import anyio
 import httpx
 import pytest
@@ -110,13 +108,11 @@ async def test_many_stalled_readers_hold_no_more_than_their_bound(nats_server, h
         async with connection(nats_server.url) as nc:
             socks, seqs = [], []
             try:
-                ids = [rid("stalled") for _ in range(streams)]
-                for request_id in ids:
-                    socks.append(await unread_stream(edge.port, request_id))
-                # Stalled side by side: filling one stream's kernel queue takes ~20 s of paced publishes.
-                stalled = await asyncio.gather(*(stall_stream(nc, subjects, request_id, edge.port, sock)
-                                                 for request_id, sock in zip(ids, socks)))
-                seqs = list(zip(ids, stalled))
+                for _ in range(streams):
+                    request_id = rid("stalled")
+                    sock = await unread_stream(edge.port, request_id)
+                    socks.append(sock)
+                    seqs.append((request_id, await stall_stream(nc, subjects, request_id, edge.port, sock)))
                 await anyio.sleep(0.5)
                 baseline = status_kib(pid, "VmRSS")
                 for request_id, seq in seqs:
