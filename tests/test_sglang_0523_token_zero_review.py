@@ -21,7 +21,8 @@ import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from sglang_0523_bodies import pd_rows
-from sglang_0523_pd_legs import CODECS, OPTIONS, OUT, PROMPT, SPANS, _body
+from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, PROMPT, RETRACT_ABORT, SPANS, TEXTS,
+                              _body, legs)
 from sglang_0523_prompt_legs import PREFILL_ONLY, PROMPT_LP, _prompt_legs
 
 from streamproc.wire import Verdict
@@ -215,3 +216,27 @@ def test_a_chunk_whose_completion_tokens_is_no_int_does_not_name_token_0(codec_c
     meta = json.loads(final)["meta_info"]
     assert verdict is Verdict.JOINED, meta
     assert "routed_experts_unavailable_reason" not in meta, meta
+
+
+# ------------------------- 4. an abort body whose completion_tokens is no int restates no ids
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("count", [True, 1.0], ids=["true", "float"])
+def test_abort_body_whose_completion_tokens_is_no_int_does_not_name_its_last_id_token_0(codec_cls, count):
+    """``_decode_first`` reads an abort body's ``output_ids[0]`` as token 0 only where they are every id
+    (``completion_tokens == len(output_ids)``); 0.5.23's ``_handle_abort_req`` cuts them to ``[last]`` with
+    ``--incremental-streaming-output``. ``True == 1`` and ``1.0 == 1`` in Python: an abort body of two tokens
+    (``[202]``) with such a count named 202 token 0, and the pair's honest prefill leg (token 0 = 201) was
+    disowned, its prompt side omitted ``prefill_corrupt`` (ab24416 fixed the other copy of the rule)."""
+    _agg, pre, _dec = legs(streamed=True, prefill_logprobs=True, stale="zeros")
+    lp, top = list(OUTPUT_LP[:2]), list(OUTPUT_TOP[:2])
+    meta = {"id": "agg", "finish_reason": RETRACT_ABORT, "weight_version": "default", "e2e_latency": 0.5,
+            "input_token_logprobs": [], "output_token_logprobs": lp, "output_token_logprobs_length": 2,
+            "input_top_logprobs": [], "output_top_logprobs": top, "completion_tokens": count}
+    abort = {"text": "".join(TEXTS[:2]), "output_ids": OUT[1:2], "meta_info": meta}
+    (got, _verdict), = join(codec_cls(OPTIONS), [dumps(abort)], pre)
+    out = json.loads(got)["meta_info"]
+    assert not any(key.endswith("_unavailable_reason") for key in out), out
+    assert out["output_token_logprobs"] == OUTPUT_LP[:2]
+    assert out["output_top_logprobs"] == OUTPUT_TOP[:2]

@@ -1099,7 +1099,10 @@ class SGLangJoinSession(JoinSession):
         abort = native.from_abort_req(meta)
         # Ids from position 0: a body's own slice from there, or queued chunks' coalesced in front of
         # an abort body when nothing had been sent (position 0 in both parts), or an abort's whole ids.
-        whole = isinstance(ids, list) and meta.get(native.COMPLETION_TOKENS) == len(ids)
+        # An int count only (as :func:`_first_of_every_token`): ``true`` and ``1.0`` equal 1 in Python, and an
+        # abort body's ``[last]`` with either was read as every id, its last id as token 0.
+        count = meta.get(native.COMPLETION_TOKENS)
+        whole = isinstance(ids, list) and type(count) is int and count == len(ids)
         from_zero = positions[:1] == (0,) and (not abort or len(positions) == 2 or whole)
         own = ids[0] if from_zero and isinstance(ids, list) and ids and _is_token(ids[0]) else None
         if own is not None and self._decode_token is None:
