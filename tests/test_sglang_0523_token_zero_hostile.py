@@ -689,3 +689,23 @@ def test_spliced_top_row_0_is_cut_to_decodes_width_where_the_chunk_shows_it(code
     assert first["output_token_logprobs"][0] == OUTPUT_LP[0]
     assert first["output_top_logprobs"][0] == OUTPUT_TOP[0][:2 if streamed is True else 1]
     assert TOP_MARK not in first and MARK not in first
+
+
+# ------------------- 9. a stream's first chunk (row 0 alone) is judged by prefill's row, not by a width
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+def test_stream_first_chunk_row_0_wider_than_prefills_is_nulled(codec_cls):
+    """A stream's first chunk holds row 0 alone, so ``_check_first_top_width`` has no other row to read
+    decode's ``top_logprobs_num`` from, and no body states it (``TokenizerManager.add_logprob_to_meta_info``
+    writes the lists only; the request's number stays in ``state.obj``). Where the prefill leg has its row 0
+    (the legs asked alike), the prefix rule (``_check_first_top``) still judges that chunk: a third column
+    past prefill's two is not this slot's, ``shape_mismatch``, before any later chunk shows the width."""
+    pre, dec = _wide_row_0(2, streamed=True)
+    out = join(codec_cls(OPTIONS), dec, pre)
+    first = _first(out)
+    assert len(first["output_top_logprobs"]) == 1
+    assert out[0][1] is Verdict.OMITTED
+    assert first["output_top_logprobs"][0] is None
+    assert first[TOP_MARK] == "shape_mismatch"
+    assert "556" not in json.dumps(first)
