@@ -36,7 +36,8 @@ STALE = {
 def _meta(*, rid: str, lo: int, n: int, finished: bool, logprobs: bool, first: tuple | None = None,
           finish: Any = FINISH) -> dict[str, Any]:
     """``_handle_batch_output``'s ``meta_info`` after ``n`` tokens, output lists sliced from ``lo``
-    (``add_logprob_to_meta_info``; ``input_*`` is ``[]`` for ``logprob_start_len`` -1 on every engine)."""
+    (``add_logprob_to_meta_info``; ``input_*`` is ``[]`` for a default request without ``token_ids_logprob``
+    on every engine: ``handle_generate_request`` sets ``logprob_start_len = len(origin_input_ids)``)."""
     meta: dict[str, Any] = {"id": rid, "finish_reason": finish if finished else None,
                             "prompt_tokens": len(PROMPT), "weight_version": "default", "num_retractions": 0}
     if logprobs:
@@ -71,7 +72,7 @@ def legs(*, streamed: bool | str, prefill_logprobs: bool, stale: str) -> tuple[l
     dec = [_body(lo, n, rid="agg", finished=i == last, logprobs=True, first=first) for i, (lo, n) in enumerate(spans)]
     pre = _body(0, 1, rid="prefill", finished=True, logprobs=prefill_logprobs,
                 finish={"type": "length", "length": 0})
-    if prefill_logprobs:  # the prompt is not scored for logprob_start_len -1: ``[]`` on prefill too
+    if prefill_logprobs:  # a default request's prompt is not scored: ``[]`` on prefill too
         pre["meta_info"]["output_token_logprobs"] = [OUTPUT_LP[0]]
         pre["meta_info"]["output_top_logprobs"] = [OUTPUT_TOP[0]]
     return agg, [dumps(pre)], [dumps(b) for b in dec]

@@ -21,8 +21,8 @@ import pytest
 from helpers import drive_join as join
 from helpers import upstream_json as dumps
 from sglang_0523_bodies import pd_rows
-from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, PROMPT, RETRACT_ABORT, SPANS, TEXTS,
-                              _body, legs)
+from sglang_0523_pd_legs import (CODECS, OPTIONS, OUT, OUTPUT_LP, OUTPUT_TOP, PROMPT, RETRACT_ABORT, SPANS,
+                              TEXTS, _body, legs)
 from sglang_0523_prompt_legs import PREFILL_ONLY, PROMPT_LP, _prompt_legs
 
 from streamproc.wire import Verdict
@@ -240,3 +240,37 @@ def test_abort_body_whose_completion_tokens_is_no_int_does_not_name_its_last_id_
     assert not any(key.endswith("_unavailable_reason") for key in out), out
     assert out["output_token_logprobs"] == OUTPUT_LP[:2]
     assert out["output_top_logprobs"] == OUTPUT_TOP[:2]
+
+
+# ---------------- 5. the prompt side as the scheduler shapes it: one-position windows copied as sent
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("streamed", [False, True, "coalesced"], ids=["unary", "stream", "coalesced"])
+@pytest.mark.parametrize("text", [False, True], ids=["ids", "text"])
+def test_one_position_prompt_window_is_copied_as_prefill_sent_it(codec_cls, streamed, text):
+    """Upstream (sgl-project/sglang, read 2026-12-07): ``Scheduler.handle_generate_request`` leaves
+    ``logprob_start_len = -1`` (the last prompt position only) where ``return_logprob`` comes with
+    ``token_ids_logprob`` and no start (older trees: ``len(origin_input_ids) - 1`` for every default
+    request); ``_process_input_token_logprobs`` writes ``[None] + input_token_logprobs[:-1]`` with ids
+    ``origin_input_ids[logprob_start_len:]``, ``_process_input_top_logprobs`` and
+    ``_process_input_token_ids_logprobs`` start at ``[None]`` and pop the sampling position, and ``detokenize_top_logprobs_tokens``
+    turns a falsy row into ``None``: one entry ``[null, <last prompt id>, <text or null>]``, top row and
+    token-ids row ``null``. Decode sends ``[]`` ("Decode server does not send input logprobs"). The join
+    copies prefill's lists whatever their window: each equals prefill's on every chunk."""
+    pre, dec = _prompt_legs(codec_cls, streamed=streamed, apart=None, experts=False)
+    leg = json.loads(pre[0])
+    meta = leg["meta_info"]
+    one = [[None, PROMPT[-1], "!" if text else None]]
+    meta["input_token_logprobs"], meta["input_top_logprobs"] = one, [None]
+    meta["input_token_ids_logprobs"] = [None]
+    out = join(codec_cls(OPTIONS), dec, [dumps(leg)])
+    for got, _verdict in out:
+        joined = json.loads(got)["meta_info"]
+        assert joined["input_token_logprobs"] == one
+        assert joined["input_top_logprobs"] == [None]
+        assert joined["input_token_ids_logprobs"] == [None]
+        assert "input_logprobs_unavailable_reason" not in joined
+        keys = list(joined)
+        assert keys.index("input_token_logprobs") < keys.index("output_token_logprobs")
+        assert keys.index("input_token_ids_logprobs") < keys.index("output_token_ids_logprobs")

@@ -5,7 +5,8 @@ What a P/D decode chunk lacks and where it comes from (reference notes §4.3):
 - ``input_token_logprobs`` (and ``input_top_logprobs`` / ``input_token_ids_logprobs`` when the
   prefill leg has them): only prefill computes them; decode sends ``[]``. Copied onto every decode
   chunk that carries ``output_token_logprobs``, because the aggregated stream re-emits them on each
-  chunk. Prefill's ``[]`` (the default ``logprob_start_len = -1`` window) is a complete answer.
+  chunk. Prefill's lists are copied as sent: ``[]`` (a default request's empty window) is a complete
+  answer, and so is a one-position window (``[[null, <last prompt id>, ...]]``; docs/codecs.md).
 - The first output token's logprob: P/D decode reports ``[null, out0, null]`` (SGLang PR #40298; 0.5.23's
   decode reads the real value from the metadata buffer, and only a ``null`` is ever replaced).
   Taken from prefill's ``output_token_logprobs[0]`` when it names the same token id.
@@ -860,8 +861,11 @@ class SGLangJoinSession(JoinSession):
             self._mark_first_top(meta, reason, (OUTPUT_TOP_LOGPROBS,))
 
     def _fill_input_logprobs(self, doc: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-        """Prefill's prompt-side lists onto a decode chunk. An empty list is a complete answer: with
-        the default ``logprob_start_len = -1`` every leg, aggregated included, sends ``[]``."""
+        """Prefill's prompt-side lists onto a decode chunk, as sent: both engines shape them in the same
+        scheduler code (``_process_input_token_logprobs``: ``[None] + input_token_logprobs[:-1]``, so a
+        window's first entry has no logprob; ``_process_input_top_logprobs`` starts at ``[None]``). An
+        empty list is a complete answer: ``handle_generate_request`` sets ``logprob_start_len =
+        len(origin_input_ids)`` for a default request with ``return_logprob``, and every leg sends ``[]``."""
         if meta.get(INPUT_TOKEN_LOGPROBS):
             return meta  # this decode worker computed them itself
         if native.failed_finish(meta) and meta.get(COMPLETION_TOKENS) == 0 and not meta.get(OUTPUT_TOKEN_LOGPROBS):
