@@ -439,7 +439,14 @@ class JoinSession(ABC):
         (durable take-over: ``Correlator.resume`` with the stored bodies), in seq order, before any
         other call. A session whose decisions count across chunks (a format whose stream chunks carry
         no usage: tokens seen so far) reads them here, so it decides as the session that joined them
-        did (law 7); their chunks are settled and never redelivered. Nothing by default."""
+        did (law 7); their chunks are settled and never redelivered. After a take-over without a seal
+        record they are read back only for a codec that sets :attr:`Codec.needs_published`. Nothing
+        by default."""
+
+    def published_lost(self, count: int, reason: str) -> None:
+        """The ``count`` results published before a take-over cannot be read back (``reason``): a
+        session that counts across chunks must not decide on part of the request as if it were all of
+        it (omit what depends on the count, with a reason). Nothing by default."""
 
     def set_aside(self) -> None:
         """The chunk :meth:`needs_prefill` was just asked about waits (for the prefill leg, or its
@@ -626,6 +633,10 @@ class Codec(ABC):
     # command line refuses it (exit 2). ``None``: not declared (a codec written before this field);
     # while one installed codec declares nothing, an unread key is only warned about.
     option_keys: ClassVar[frozenset[str] | None] = None
+    # Whether its join sessions read the bodies published before a durable take-over
+    # (:meth:`JoinSession.published`): the heir then reads them back from the results stream before
+    # it adopts a request (docs/operations.md). False costs a take-over no read of them.
+    needs_published: ClassVar[bool] = False
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         self.options = options or CodecOptions()

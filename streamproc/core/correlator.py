@@ -576,9 +576,24 @@ class Correlator:
         decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
         return MigrateError(request_id, MigrateErrorCode.REFUSED, reason, attempt), decisions
 
+    def needs_published(self, request_id: str, next_seq: int, final: bool, format: str | None = None) -> bool:
+        """Whether :meth:`resume` of a request without a seal record wants its stored bodies
+        ``[0, next_seq)`` as ``history``: its codec's sessions count across the published chunks
+        (:attr:`Codec.needs_published`), and something is left to join. Pure; False for a request
+        already held here, so a codec that does not count costs a take-over no read."""
+        if request_id in self._active or request_id in self._finished or final or next_seq <= 0:
+            return False
+        codec = self._default_codec
+        if format is not None and format != self.default_format:
+            try:
+                codec = self._resolve(format)
+            except Exception:  # resume() goes on with the default codec, and receive() ends the request
+                pass
+        return codec.needs_published
+
     def resume(self, request_id: str, next_seq: int, final: bool, now: float,
                format: str | None = None, *, seals: Sequence[int] = (),
-               history: Sequence[bytes] | None = None) -> None:
+               history: Sequence[bytes] | None = None, lost: str | None = None) -> None:
         """Adopt a request whose results ``[0, next_seq)`` are already stored (durable-mode recovery).
 
         The shell calls this, before feeding a chunk, for a request this correlator does not know
@@ -593,7 +608,10 @@ class Correlator:
         migration session, sealing at each seal point, rebuilds exactly the session the dead
         instance had (``absorb`` and ``seal`` depend on the published bodies alone), so the current
         attempt is stitched as it would have been. Without ``history`` the bodies are read back
-        before a migrate (:meth:`missing`, :meth:`restore`).
+        before a migrate (:meth:`missing`, :meth:`restore`). Without seals, ``history`` is read back
+        when :meth:`needs_published` says so (the join session counts them); without them such a
+        session is told they are lost (``lost``: why), and omits what depends on them
+        (:meth:`JoinSession.published_lost`).
         """
         if request_id in self._active or request_id in self._finished:
             return
@@ -640,6 +658,12 @@ class Correlator:
             self._adopt_session(req, history)
         else:
             req.missing = next_seq
+            if codec.needs_published:  # not read back: the session must not count on part of the attempt
+                join = self._session(req)
+                try:
+                    join.published_lost(next_seq, lost or "the stored results were not read back")
+                except Exception:  # a codec bug: the session starts without knowing, as before
+                    req.session = None
 
     def _adopt_session(self, req: _Request, bodies: Sequence[bytes]) -> None:
         """Hand the join session the current attempt's published bodies (:meth:`JoinSession.published`):

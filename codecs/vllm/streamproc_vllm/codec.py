@@ -72,6 +72,9 @@ class VLLMCodec(Codec):
     description = "vLLM native generate: routed_experts as Base64 .npy, prompt logprobs from prefill"
     sequence_codecs: ClassVar[Mapping[str, type[SequenceCodec]]] = {ROUTED_EXPERTS: Base64Npy}
     option_keys: ClassVar[frozenset[str] | None] = frozenset({STREAM_ROUTED_EXPERTS_OPTION})
+    # The session counts token_ids across chunks (VLLMJoinSession.published): a take-over's heir
+    # reads back the bodies published before it, or decides the final chunk's rows on part of them.
+    needs_published: ClassVar[bool] = True
 
     def __init__(self, options: CodecOptions | None = None) -> None:
         super().__init__(options)

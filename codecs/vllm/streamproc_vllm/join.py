@@ -205,6 +205,7 @@ class VLLMJoinSession(JoinSession):
         self._joined = 0
         self._tokens_seen: dict[int, int] = {}
         self._tokens_hidden: set[int] = set()  # choice indices with a chunk whose token_ids were not a list
+        self._counts_lost = False  # bodies published before a take-over could not be read back
         self._parsed: tuple[bytes, dict | None] | None = None
         self.decodes = 0  # rows payloads decoded or tried (JoinSession.decodes: max_decode_cpu)
 
@@ -236,6 +237,12 @@ class VLLMJoinSession(JoinSession):
             obj = parse_object(body)
             if obj is not None:
                 self._count_tokens(choices_of(obj))
+
+    def published_lost(self, count: int, reason: str) -> None:
+        # Their token_ids are unknown: a count without them would check the final chunk's rows against
+        # part of the output (and a one-token guess could pass prefill's rows off as the whole answer).
+        self._joined += count
+        self._counts_lost = True
 
     def _count_tokens(self, choices: list[dict]) -> None:
         for position, choice in enumerate(choices):
@@ -497,6 +504,8 @@ class VLLMJoinSession(JoinSession):
         own = usage_count(obj, "completion_tokens")
         if own is not None and len(self._tokens_seen) <= 1:
             return own  # with n > 1 usage counts every choice together, so count this one's tokens
+        if self._counts_lost:
+            return -1  # not known: the rows are omitted (length_mismatch), never joined on a partial count
         return self._tokens_seen.get(index, 0)
 
     def _no_output_token(self, obj: dict, index: int) -> bool:
@@ -507,7 +516,7 @@ class VLLMJoinSession(JoinSession):
         own = usage_count(obj, COMPLETION_TOKENS)
         if own == 0:
             return True
-        if index in self._tokens_hidden or self._tokens_seen.get(index, 0):
+        if index in self._tokens_hidden or self._tokens_seen.get(index, 0) or self._counts_lost:
             return False
         return own is None or len(self._tokens_seen) > 1  # with n > 1 usage counts every choice together
 

@@ -22,6 +22,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
+from ...core.errors import MissingResults
 from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
 from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point, seal_overtaken
 from ...core.partitions import PartitionScheme
@@ -130,9 +131,21 @@ class Recovery:
             return
         next_seq, final = point if point is not None else (0, False)
         if how is Adoption.RESUME:
+            history: list[bytes] | None = None
+            lost: str | None = None
+            if self.correlator.needs_published(rid, next_seq, final, format):
+                # The codec's session counts across chunks, and those already published are settled
+                # and never redelivered (docs/operations.md, "Taking over a request"). Other codecs
+                # read nothing. Gone bodies cannot come back: the session omits, a retry would not help.
+                try:
+                    async with self._history_reads:
+                        history = await ledger.history(rid, next_seq)
+                except MissingResults as exc:
+                    lost = error_text(exc)
+                    self.limited.log(logging.WARNING, "published_results_lost", request_id=rid, detail=lost)
             if current is not None and not current():
                 return
-            self.correlator.resume(rid, next_seq, final, now, format)
+            self.correlator.resume(rid, next_seq, final, now, format, history=history, lost=lost)
         else:
             assert record is not None
             async with self._history_reads:
