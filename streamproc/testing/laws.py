@@ -336,8 +336,9 @@ class CodecLaws:
 
         Run a migrating request through one processor (``live``), recording the state before
         every step (a chunk delivered, or a migrate). Then before each step in turn another processor
-        (``heir``) takes it over as durable mode does: ``Correlator.resume`` with the stored result
-        bodies and the seal points (its migration session replayed through ``absorb``/``seal``),
+        (``heir``) takes it over as durable mode does: ``Correlator.resume`` with the seal points and
+        the stored result bodies (its migration session replayed through ``absorb``/``seal``; without a
+        seal, the bodies only where ``Correlator.needs_published`` asks, the rest restored before a migrate),
         and every chunk ``live`` had not settled redelivered (JetStream redelivers unacknowledged
         chunks). Fed the remaining steps, the heir must publish the same results, answer every
         migrate with the same seal and so rebuild the same resumed request, step by step."""
@@ -408,8 +409,12 @@ class CodecLaws:
         heir_codecs = self._catalog()
         heir = self._correlator(heir_codecs)
         taken = Run(heir)
-        heir.resume(rid, results, any(r.final for r in history), 0.0, seals=points,
-                    history=[r.body for r in history])
+        final, bodies = any(r.final for r in history), [r.body for r in history]
+        # As the durable shell adopts (nats/durable/recovery.py, Recovery.adopt): a sealed request with
+        # its stored bodies; an unsealed one with them only when its codec's session counts across them
+        # (Adoption.RESUME), the rest read back before a migrate (Correlator.missing, restore).
+        wanted = bool(points) or heir.needs_published(rid, results, final)
+        heir.resume(rid, results, final, 0.0, seals=points, history=bodies if wanted else None)
         done = set(run.settled[:settled])
         received = [c for c in steps[:switch] if c is not None and c.token not in done]
         for chunk in received:  # the redelivered chunks restore what the dead processor held
@@ -425,6 +430,9 @@ class CodecLaws:
             published = len(taken.of(rid))
             at = f"{where}, step {n}"
             if chunk is None:
+                missing = heir.missing(rid)
+                restored = not missing or heir.restore(rid, bodies[:missing])
+                assert restored, f"{at}: the stored bodies were not restored"
                 reply, decisions = heir.migrate(rid, 0.0)
                 assert reply == live_reply, f"{at}: the heir sealed {reply!r}, the live processor {live_reply!r}"
                 if isinstance(reply, Sealed):
