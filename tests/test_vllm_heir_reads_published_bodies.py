@@ -25,9 +25,16 @@ def _correlator(format: str = "vllm") -> Correlator:
     return Correlator(Catalog(CodecOptions()), format, CorrelatorConfig())
 
 
-def _legs(rid: str, coverage: str = "full", *, decode_rows: bool = True):
-    truth = Truth(rid, [24936], [14729, 15475], [1, 1], 1, 2, 8, ROWS, [-5.2], [-6.3, -0.75],
-                  return_logprob=False, decode_coverage=coverage)
+ROWS3 = ROWS + b"\x03\x00\x00\x00\x05\x00\x00\x00"  # 3 positions (prompt 1, output 3)
+
+
+def _legs(rid: str, coverage: str = "full", *, decode_rows: bool = True, three: bool = False):
+    if three:
+        truth = Truth(rid, [24936], [14729, 15475, 16000], [1, 1, 1], 1, 2, 8, ROWS3, [-5.2],
+                      [-6.3, -0.75, -1.5], return_logprob=False, decode_coverage=coverage)
+    else:
+        truth = Truth(rid, [24936], [14729, 15475], [1, 1], 1, 2, 8, ROWS, [-5.2], [-6.3, -0.75],
+                      return_logprob=False, decode_coverage=coverage)
     w = VLLMWorker()
     prefill = leg(rid, Role.PREFILL, w.prefill(truth, stream=True))
     bodies = w.decode(truth, stream=True)
@@ -36,7 +43,8 @@ def _legs(rid: str, coverage: str = "full", *, decode_rows: bool = True):
         del last["choices"][0]["routed_experts"]
         bodies = [*bodies[:-1], json.dumps(last, separators=(",", ":")).encode()]
     decode = leg(rid, Role.DECODE, bodies)
-    assert len(decode) == 2 and all(b'"usage":null' in c.body for c in decode)  # the shape under test
+    # the shape under test: stream chunks without usage
+    assert len(decode) == (3 if three else 2) and all(b'"usage":null' in c.body for c in decode)
     return prefill, decode
 
 
@@ -92,7 +100,8 @@ def test_a_heir_whose_published_bodies_are_gone_omits_the_rows_rather_than_splic
     heir = _take_over("r3", prefill, decode, None)
     assert [(r.seq, r.verdict.value) for r in heir] == [(1, "omitted")]
     choice = json.loads(heir[0].body)["choices"][0]
-    assert choice["routed_experts"] is None and choice["routed_experts_unavailable_reason"] == "length_mismatch"
+    assert choice["routed_experts"] is None
+    assert choice["routed_experts_unavailable_reason"] == "length_mismatch"
 
 
 @pytest.mark.anyio
@@ -135,7 +144,8 @@ async def test_a_durable_heir_reads_the_published_bodies_for_vllm_and_nothing_fo
                                      headers=result_headers(Result(rid, 0, body, False, Verdict.PASSTHROUGH)))
                 pub = ChunkPublisher(nc, subjects, durable=True)
                 for chunk in prefill:
-                    await pub.publish("v1", "prefill", chunk.seq, chunk.body, final=chunk.final, format="vllm")
+                    await pub.publish("v1", "prefill", chunk.seq, chunk.body, final=chunk.final,
+                                      format="vllm")
                 await pub.publish("v1", "decode", 1, decode[1].body, final=True, format="vllm")
                 await pub.publish("s1", "agg", 1, agg[1], final=True, format="sglang")
                 stored = await wait_for_finals(js, subjects, ["v1", "s1"], 30)
@@ -145,3 +155,51 @@ async def test_a_durable_heir_reads_the_published_bodies_for_vllm_and_nothing_fo
                                                                   (1, live[1].verdict, live[1].body)]
     assert [(r.seq, r.body) for r in stored["s1"]] == [(0, agg[0]), (1, agg[1])]
     assert reads == [("v1", 1)]
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(90)
+async def test_a_durable_heir_whose_published_bodies_are_gone_omits_rather_than_splice_prefills(caplog):
+    """Result 0 of three is gone from the results stream (expired, purged; results 1 stored): the heir
+    cannot count the tokens before it. Decode lost its rows, so the live processor omitted them
+    (``decode_missing``); an heir counting only the final chunk's token took prefill's prompt rows for
+    the whole answer (``joined``). Now it omits them (``length_mismatch``) and says so in the log."""
+    from durable_helpers import connect, durable_settings, wait_for_finals
+
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.nats.processor import Processor
+    from streamproc.sim.embedded import EmbeddedNats
+    from streamproc.wire import Result, Verdict, result_headers
+
+    prefill, decode = _legs("v2", three=True, decode_rows=False)
+    live = _live("v2", prefill, decode)
+    assert json.loads(live[2].body)["choices"][0]["routed_experts_unavailable_reason"] == "decode_missing"
+    with EmbeddedNats() as server:
+        settings = durable_settings(server.url, format="vllm")
+        async with Processor(settings) as p:
+            recovery = p.input.recovery  # type: ignore[union-attr,attr-defined]
+            nc = await connect(server.url)
+            try:
+                js = nc.jetstream()
+                subjects = settings.subjects
+                acks = [await js.publish(subjects.result("v2"), r.body,
+                                         headers=result_headers(Result("v2", r.seq, r.body, False,
+                                                                       r.verdict)))
+                        for r in live[:2]]
+                await nc.jsm().delete_msg(recovery.results_stream, acks[0].seq)
+                pub = ChunkPublisher(nc, subjects, durable=True)
+                for chunk in prefill:
+                    await pub.publish("v2", "prefill", chunk.seq, chunk.body, final=chunk.final,
+                                      format="vllm")
+                await pub.publish("v2", "decode", 2, decode[2].body, final=True, format="vllm")
+                stored = await wait_for_finals(js, subjects, ["v2"], 30)
+            finally:
+                await nc.close()
+    assert [r.seq for r in stored["v2"]] == [1, 2]
+    final = stored["v2"][-1]
+    assert final.verdict is Verdict.OMITTED, final
+    choice = json.loads(final.body)["choices"][0]
+    assert choice["routed_experts"] is None
+    assert choice["routed_experts_unavailable_reason"] == "length_mismatch"
+    assert any("published_results_lost" in r.getMessage() and "v2" in r.getMessage() for r in caplog.records)
