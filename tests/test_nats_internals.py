@@ -224,3 +224,52 @@ def test_an_edge_built_in_process_runs_the_same_check(nats_url, monkeypatch):
 
     with pytest.raises(errors.NatsPyUnsupported, match=r"internals differ: Subscription\._pending_bytes_limit"):
         asyncio.run(start())
+
+
+# robust.connect() (tests/helpers.py's connection, library users) on a nats-py that renamed
+# _is_control_message, then on one outside SUPPORTED_NATS_PY: the one stock check refuses the first in one
+# line, and the second gets the stock-path RobustClient, never the FastClient mirroring 2.16's internals.
+ROBUST_CONNECT = """
+import asyncio, sys
+from nats.aio import client as _client
+from streamproc.core.errors import NatsPyUnsupported
+from streamproc.nats import fast_client, robust
+if sys.argv[2] == "renamed":
+    _client.Client._control_message = _client.Client._is_control_message
+    del _client.Client._is_control_message
+else:
+    _client.__version__ = "2.99.0"
+async def main():
+    try:
+        nc = await robust.connect(servers=[sys.argv[1]])
+    except NatsPyUnsupported as exc:
+        print("refused:", exc)
+        return
+    made = fast_client.new_client()
+    print("connected:", type(nc).__name__, type(made).__name__, fast_client.fast_path_support()[1])
+    await nc.close()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+def test_robust_connect_runs_the_one_stock_check(nats_url):
+    done = subprocess.run([sys.executable, "-c", ROBUST_CONNECT, nats_url, "renamed"], env=clean_env({}),
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=30, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == (f"refused: installed nats-py {nats_py_version} lacks internals streamproc's NATS "
+                           "client reads (Client._is_control_message); use a nats-py release that has them "
+                           "(docs/operations.md, Supported dependency versions)\n"), done.stdout
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+def test_robust_connect_outside_the_supported_range_is_the_stock_path(nats_url):
+    env = {k: v for k, v in clean_env({}).items()
+           if k not in (fast_client.STOCK_CLIENT_ENV, fast_client.STOCK_CLIENT_ONLY_ENV)}
+    done = subprocess.run([sys.executable, "-c", ROBUST_CONNECT, nats_url, "outside"], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=30, text=True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == ("connected: RobustClient RobustClient nats-py 2.99.0 is outside the supported "
+                           f"range {fast_client.supported_range()}\n"), done.stdout

@@ -76,6 +76,7 @@ from nats.protocol import parser as _parser
 
 from ..core.wire import MAX_UNREADABLE_REASON, UNREADABLE_HEADERS, over_header_lines
 from ..logs import LogLimiter, error_text, log_event
+from .internals import require_stock_support
 
 log = logging.getLogger("streamproc.nats")
 
@@ -113,6 +114,9 @@ class RobustClient(Client):
     """nats-py's client, minus the ways one hostile message ends its read loop (see the module doc)."""
 
     def __init__(self) -> None:
+        # Every client streamproc makes is one of these (new_client, connect below, FastClient): the
+        # one stock-internals check runs here, so no path makes one on a nats-py lacking its fixes.
+        require_stock_support()
         install_parser_fix()
         super().__init__()
         self.foreign_messages = 0  # dropped from a JetStream consumer's inbox: not from JetStream (module doc)
@@ -223,7 +227,8 @@ async def flush_queued(nc: Client) -> None:
 
 
 async def connect(**options: Any) -> RobustClient:
-    """``nats.connect`` with a :class:`RobustClient`."""
+    """``nats.connect`` with a :class:`RobustClient` (the stock path on any nats-py release, never the
+    fast path; :class:`~streamproc.core.errors.NatsPyUnsupported` when nats-py lacks its internals)."""
     nc = RobustClient()
     await nc.connect(**options)
     return nc
