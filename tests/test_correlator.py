@@ -11,6 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from toy_codec import CODECS, MigratingToyCodec, bodies, feed, make, resolve
 
+from streamproc.core import errors
 from streamproc.correlator import Correlator, CorrelatorConfig, Notice, Result, Settle
 from streamproc.testing.harness import leg, shuffle_with_duplicates
 from streamproc.wire import Chunk, Role, Verdict
@@ -330,6 +331,20 @@ def test_reject_for_an_unknown_request_publishes_a_single_error_result():
     [err] = run.results
     assert (err.seq, err.final, err.error) == (0, True, "invalid_chunk")
     assert c.stats.rejected == 1
+
+
+def test_an_error_results_text_is_cut_so_it_fits_max_payload():
+    """A reason built from a worker's input (a codec's exception, a field it echoes) is cut to
+    errors.MAX_ERROR_TEXT characters and its length, in the result and its notice: a ~100 kB one was an
+    error result over max_payload, which durable mode NAKed until --max-deliver."""
+    c, run = make()
+    reason = "codec 'x': " + "\u00e9" * 100_000
+    run.absorb(c.reject("new", reason, 0.0))
+    [err] = run.results
+    assert (err.seq, err.final, err.error) == (0, True, "invalid_chunk")
+    cut = f"{reason[:errors.MAX_ERROR_TEXT]}... ({len(reason)} characters)"
+    assert err.body == f"ERR[invalid_chunk]{cut}".encode()  # the toy codec's envelope
+    assert run.notices[-1].detail == cut
 
 
 def test_a_result_that_cannot_be_published_is_replaced_by_an_error_at_its_seq_and_ends_the_request():

@@ -765,3 +765,52 @@ async def test_a_migrate_sealing_a_result_that_is_then_given_up_answers_unavaila
         finally:
             await nc.close()
             instance.stop()
+
+
+# test_an_error_text_built_from_a_long_role_fits_a_small_max_payload
+SMALL_MAX_PAYLOAD = 2048  # an operator's lowered limit; the error texts streamproc writes must fit it
+HOSTILE = 20  # requests whose subject ends in a role of ~3,000 characters
+LONG_ROLE = "r" * 3000  # under nats-server's max_control_line (4096): the server takes the subject
+
+
+async def test_an_error_text_built_from_a_long_role_fits_a_small_max_payload():
+    """A worker names a request's role with ~3,000 characters (the subject is the worker's). The chunk
+    breaks the contract (``unknown role``), and its request ends with an ``invalid_chunk`` error result
+    whose text echoed the role whole: ~3 KB, over a 2 KiB ``max_payload``. That error result could not
+    be sent, an error result is never replaced, so the chunk was NAKed and came back until
+    ``--max-deliver``. The text is cut now (``errors.MAX_ERROR_TEXT``): every such request ends at its
+    first delivery with one clear error, nothing is redelivered or poisoned, and a bystander is answered."""
+    port = free_port()
+    with EmbeddedNats(config=f"max_payload: {SMALL_MAX_PAYLOAD}") as server:
+        flags = durable_flags(partitions=1)
+        with processor_subprocess(server.url, *flags, "--http-port", str(port)) as (proc, log_path):
+            nc = await connect(server.url)
+            try:
+                js = nc.jetstream()
+                assert nc.max_payload == SMALL_MAX_PAYLOAD
+                hostile = [f"longrole{k}" for k in range(HOSTILE)]
+                frames = [raw_hpub(f"{SUBJECTS.chunk(r, 'agg')[:-len('agg')]}{LONG_ROLE}".encode(),
+                                   b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n", b"{}")
+                          for r in hostile]
+                await raw_protocol(server.url, frames)
+                await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                                 headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+                stored = await wait_for_finals(js, SUBJECTS, ["bystander", *hostile], 30)
+                metrics = scrape(port)
+                summary = (f"redelivered {metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+                           f"{metrics['streamproc_durable_poisoned_total']:.0f}")
+                assert [(x.seq, x.final, x.error) for x in stored["bystander"]] == [(0, True, None)], summary
+                for r in hostile:
+                    got = [(x.seq, x.final, x.error) for x in stored[r]]
+                    assert got == [(0, True, "invalid_chunk")], (r, got, summary)
+                    assert b"unknown role" in stored[r][0].body, stored[r][0].body[:300]
+                assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+                assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+
+                async def drained() -> bool:
+                    return await chunk_stream_messages(js) == 0
+
+                await wait_until(drained, 10, "every chunk acknowledged")
+                assert proc.poll() is None
+            finally:
+                await nc.close()

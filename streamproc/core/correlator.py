@@ -26,7 +26,7 @@ from msgspec import Meta
 
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
-from .errors import ContractError, MigrationRefused, UnknownFormat, shown
+from .errors import ContractError, MigrationRefused, UnknownFormat, cut_error_text, shown
 from .latency import LatencyHistogram
 from .wire import decode_migrate_reply, encode_control
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
@@ -1505,6 +1505,7 @@ class Correlator:
         tokens.extend(c.token for c in req.pending.values())
         tokens.extend(_repeated(req))
         tokens.extend(t for t in extra if t is not None)
+        message = cut_error_text(message)  # bounded: it must fit max_payload (errors.MAX_ERROR_TEXT)
         body = req.codec.error_body(message, kind)
         result = Result(req.request_id, req.next_seq if seq is None else seq, body, True, error=kind.value,
                         traceparent=req.traceparent, settles=tuple(t for t in tokens if t is not None))

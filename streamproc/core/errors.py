@@ -31,6 +31,21 @@ def shown(value: str) -> str:
     return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
 
 
+# Characters of an error result's text (cut_error_text): a text built from a worker's input (a role,
+# a codec's exception) could exceed a lowered max_payload, and an error result is never replaced, so
+# its chunk was NAKed and redelivered until --max-deliver. Even as JSON escapes (6 bytes a character)
+# the cut text stays ~3 KiB.
+MAX_ERROR_TEXT = 512
+
+
+def cut_error_text(message: str) -> str:
+    """``message`` cut to its first :data:`MAX_ERROR_TEXT` characters and its length, as an error
+    result's text and its log line carry it."""
+    if len(message) <= MAX_ERROR_TEXT:
+        return message
+    return f"{message[:MAX_ERROR_TEXT]}... ({len(message)} characters)"
+
+
 def over_max_payload(seq: int, max_payload: int) -> str:
     """Why result ``seq`` was replaced by an error result (``Correlator.unpublishable``): the client
     refuses it every time, so the request ends there, in core and durable mode alike."""

@@ -150,7 +150,7 @@ class Subjects(msgspec.Struct, frozen=True):
             raise ContractError(f"subject {subject!r}: the request id is not {REQUEST_ID_RULE}")
         found = ROLES.get(role)
         if found is None:
-            raise ContractError(f"unknown role {role!r} (expected agg, prefill or decode)", request_id)
+            raise ContractError(f"unknown role {shown(role)} (expected agg, prefill or decode)", request_id)
         return request_id, found
 
     def request_id_of_result(self, subject: str) -> str:
