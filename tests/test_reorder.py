@@ -171,6 +171,17 @@ def test_a_final_below_the_resume_point_after_a_later_seq_was_seen_is_contradict
     assert order.done and order.contradicted == 2 and not order.ended_before_resume
 
 
+@pytest.mark.parametrize("after", [0, 5])
+def test_a_final_at_the_resume_points_seq_after_its_non_final_copy_is_contradicted(after):
+    """The resume point's result read again (not final), then a final, not an error, at that same
+    seq (a forger's, stored before the request's next result): one seq has one result, so the client
+    that had it as not final does not have it all. Until 2026-12-07 it ended the reading clean."""
+    order = SeqOrder(after)
+    assert order.push(result(after)) == []
+    assert order.push(result(after, final=True)) == []
+    assert order.done and order.contradicted == after and not order.ended_before_resume
+
+
 @pytest.mark.parametrize(("final", "after"), [(4, 4), (4, 6), (0, 0), (0, 3)])
 def test_the_final_at_or_before_the_resume_point_with_nothing_past_it_seen_still_ends_clean(final, after):
     """The honest cases: a Last-Event-ID at or past the final seq, earlier results read again first."""

@@ -57,10 +57,12 @@ class SeqOrder:
                 self.duplicates += 1
                 if seq > self._highest:
                     self._highest = seq
-            elif (self.next_seq == self._start and seq >= self._highest
-                  and (result.error is None or seq == self._start - 1 and seq > self._highest)):
-                # The final at or before the resume point, nothing handed out or seen past it: the
-                # client has it all (a Last-Event-ID at or past the final seq). The final handed out
+            elif (self.next_seq == self._start and seq > self._highest
+                  and (result.error is None or seq == self._start - 1)):
+                # The final at or before the resume point, nothing handed out or seen at or past it: the
+                # client has it all (a Last-Event-ID at or past the final seq). A non-final copy of the
+                # same seq seen first (the resume point's result, read again) rules it out as well: one
+                # seq has one result, so a final there is the contradicted case below, not a clean end. The final handed out
                 # ended the reading (done, above), so a copy of it never gets here. An error result
                 # only at the resume point itself and past every result seen: one below it, or one at
                 # the seq of a result seen (the error at 0 beside result 0: Last-Event-ID 0 names that

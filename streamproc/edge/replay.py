@@ -507,11 +507,13 @@ class Replay:
                     hi = mid - 1
                     continue
                 last = message
-                if seq == after and error and at is None:
+                if seq == after and (error or final) and at is None:
                     # An error at the resume point may be one stored after the result ``after`` the
                     # client had (a restarted processor's at its own seq 0: SeqOrder.push hands it out,
                     # below that result, only once it saw the result). Stored before it, so looked for
-                    # below; the error is where the read starts when there is none.
+                    # below; the error is where the read starts when there is none. So is a final that
+                    # is no error: one stored after a non-final copy of that seq (a forger's) would end
+                    # the resume clean, where the copy read first makes SeqOrder report it (contradicted).
                     at = message
                     hi = mid - 1
                     continue
