@@ -267,6 +267,15 @@ class VLLMJoinSession(JoinSession):
             # of it exists, which is not a leg that left a field out (``prefill_missing``).
             self._leg_reason = Omit.PREFILL_ERROR
             return
+        if any(c.get(FINISH_REASON) == ABORT
+               for o in objects for c in choices_of(o)):  # type: ignore[arg-type]
+            # Aborted before its one token (max_tokens=1: a token ends it "length" in the same step): its
+            # count 0 and unscored list are no engine's answer, and no connector hands its KV over (vLLM
+            # ``MooncakeConnectorScheduler.request_finished``: ``if params is None or not
+            # params.get("do_remote_decode") or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            # return False, None``), so a decode that answered scored the prompt itself.
+            self._leg_reason = Omit.PREFILL_ERROR
+            return
         self._prefill = fold_objects(objects)  # type: ignore[arg-type]
         for position, choice in enumerate(choices_of(self._prefill)):
             self._prefill_rows[_choice_index(choice, position)] = self._prefill_choice_rows(choice)
