@@ -254,47 +254,40 @@ async def test_a_resume_whose_search_meets_the_error_before_the_result_at_its_se
             assert resumed.content == b"data: " + error_body + b"\n\n" + DONE, resumed.content
 
 
-async def test_a_final_stored_at_a_non_final_s_seq_ends_a_resume_there_with_an_error(nats_server):
-    """Results 0-5 stored not final, then a final (not an error) at seq 5 (a forger's, no processor
-    makes one), then 6-9. A client that had 0-5 resumes with ``Last-Event-ID: 5``: the edge reads
-    result 5 again (not final), then the final at 5. Until 2026-12-07 that ended the stream clean
-    (``[DONE]``, 6-9 never sent): the same seq's non-final copy now rules the final out, an error event."""
-    subjects = Subjects("finalatseq")
-    request_id = rid("atseq")
-    hostile = [(seq, False) for seq in range(6)] + [(5, True)] + [(seq, seq == 9) for seq in range(6, 10)]
+# A forger's final (not an error; no processor makes one) stored at the seq of a result the client had
+# not final. "at_its_seq": results 0-5, the final at 5, then 6-9; the resume reads result 5 again, then
+# the final at 5, and until 2026-12-07 ended clean ([DONE], 6-9 never sent): the same seq's non-final
+# copy now rules the final out. "probed_first": results 0-4, the final at 4, 5-9, so the final is stream
+# sequence 6 of 11, where the resume's binary search (Replay._seek) probes first: it took the final for
+# the client's last result and read on from there, a clean end; it now looks below for a copy of the seq
+# stored before it (as for an error there), reads that first, and the final is reported.
+FORGED_FINALS = {"at_its_seq": 5, "probed_first": 4}  # the seq of the forged final
+
+
+def forged_at(at: int) -> list[tuple[int, bool]]:
+    """Results 0-9 as (seq, final), with a forged final at ``at`` stored right after the non-final one."""
+    before = [(seq, False) for seq in range(at + 1)]
+    return before + [(at, True)] + [(seq, seq == 9) for seq in range(at + 1, 10)]
+
+
+@pytest.mark.parametrize("case", FORGED_FINALS)
+async def test_a_final_stored_at_a_non_final_s_seq_ends_a_resume_there_with_an_error(nats_server, case):
+    """A client that had results up to the forged final's seq resumes with ``Last-Event-ID`` of that
+    seq: one error event naming the final at that seq, never a clean end with the later results missing."""
+    at = FORGED_FINALS[case]
+    hostile = forged_at(at)
+    subjects = Subjects(f"forged{case.replace('_', '')}")
+    request_id = rid(case)
     with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
                       "--result-timeout", "10") as edge:
         async with connection(nats_server.url) as nc, \
                 httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
             await store(nc, subjects, request_id, hostile)
             await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 10, 15, "stored")
-            response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "5"})
+            response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": str(at)})
             assert response.status_code == 200, response.text
             content = response.content
-            assert content != DONE, "a clean end with results 6-9 missing"
+            assert content != DONE, f"a clean end with results {at + 1}-9 missing"
             assert content.count(b"data: ") == 2 and content.endswith(DONE), content
-            assert f"a final result at seq 5 of request {request_id}".encode() in content, content
-            assert edge.metrics()["streamproc_edge_stale_finals_total"] == 1
-
-
-async def test_a_resume_whose_search_lands_on_the_final_at_its_seq_reads_the_non_final_copy_first(nats_server):
-    """The same forged final at seq 4, stored where the resume's binary search probes first (stream
-    sequence 6 of 11: results 0-4, the final at 4, 5-9). The search took it for the client's last
-    result and the read started there: a clean end. It looks below for a copy of seq 4 stored before it,
-    as for an error there, reads that one first, and the final is reported."""
-    subjects = Subjects("finalprobed")
-    request_id = rid("probed")
-    hostile = [(seq, False) for seq in range(5)] + [(4, True)] + [(seq, seq == 9) for seq in range(5, 10)]
-    with running_edge(nats_server.url, "--prefix", subjects.prefix, "--ensure-results-stream",
-                      "--result-timeout", "10") as edge:
-        async with connection(nats_server.url) as nc, \
-                httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
-            await store(nc, subjects, request_id, hostile)
-            await wait_until(lambda: edge.metrics()["streamproc_edge_results_seen_total"] >= 10, 15, "stored")
-            response = await client.get(f"/v1/results/{request_id}", headers={"Last-Event-ID": "4"})
-            assert response.status_code == 200, response.text
-            content = response.content
-            assert content != DONE, "a clean end with results 5-9 missing"
-            assert content.count(b"data: ") == 2 and content.endswith(DONE), content
-            assert f"a final result at seq 4 of request {request_id}".encode() in content, content
+            assert f"a final result at seq {at} of request {request_id}".encode() in content, content
             assert edge.metrics()["streamproc_edge_stale_finals_total"] == 1
