@@ -203,3 +203,60 @@ async def test_a_durable_heir_whose_published_bodies_are_gone_omits_rather_than_
     assert choice["routed_experts"] is None
     assert choice["routed_experts_unavailable_reason"] == "length_mismatch"
     assert any("published_results_lost" in r.getMessage() and "v2" in r.getMessage() for r in caplog.records)
+
+
+def test_an_aggregated_request_wants_no_bodies_whatever_its_codec():
+    """Aggregated bodies never reach a codec (byte-identical results, docs/protocol.md), so no join
+    session counts them: the chunk that starts the take-over being ``agg`` costs it no read."""
+    from streamproc.wire import Role as R
+
+    vllm = _correlator("vllm")
+    assert not vllm.needs_published("r", 3, False, "vllm", role=R.AGG)
+    assert vllm.needs_published("r", 3, False, "vllm", role=R.DECODE)
+    assert vllm.needs_published("r", 3, False, "vllm", role=R.PREFILL)
+    assert vllm.needs_published("r", 3, False, "vllm")  # not known (a migrate's adoption): read
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(90)
+async def test_a_durable_heir_reads_no_bodies_for_an_aggregated_vllm_request():
+    """An aggregated vLLM request taken over without a seal record (real nats-server, durable processor
+    that never saw it): its results are passed through byte-identical, so the heir reads none of its
+    stored bodies back (until 2026-12-07 every one of them, held whole under the one-at-a-time history
+    lock and parsed by a join session the request never uses)."""
+    from durable_helpers import connect, durable_settings, wait_for_finals
+
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.nats.processor import Processor
+    from streamproc.sim.embedded import EmbeddedNats
+    from streamproc.wire import Result, Verdict, result_headers
+
+    _, decode = _legs("a1")
+    bodies = [c.body for c in decode]
+    with EmbeddedNats() as server:
+        settings = durable_settings(server.url, format="vllm")
+        async with Processor(settings) as p:
+            ledger = p.input.recovery.ledger  # type: ignore[union-attr,attr-defined]
+            assert ledger is not None
+            reads: list[tuple[str, int]] = []
+            history = ledger.history
+
+            async def counted(rid: str, count: int) -> list[bytes]:
+                reads.append((rid, count))
+                return await history(rid, count)
+
+            ledger.history = counted  # type: ignore[method-assign]
+            nc = await connect(server.url)
+            try:
+                js = nc.jetstream()
+                subjects = settings.subjects
+                await js.publish(subjects.result("a1"), bodies[0],
+                                 headers=result_headers(Result("a1", 0, bodies[0], False, Verdict.PASSTHROUGH)))
+                pub = ChunkPublisher(nc, subjects, durable=True)
+                await pub.publish("a1", "agg", 1, bodies[1], final=True, format="vllm")
+                stored = await wait_for_finals(js, subjects, ["a1"], 30)
+            finally:
+                await nc.close()
+    assert [(r.seq, r.body) for r in stored["a1"]] == [(0, bodies[0]), (1, bodies[1])]
+    assert reads == []

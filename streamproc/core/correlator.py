@@ -576,12 +576,16 @@ class Correlator:
         decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
         return MigrateError(request_id, MigrateErrorCode.REFUSED, reason, attempt), decisions
 
-    def needs_published(self, request_id: str, next_seq: int, final: bool, format: str | None = None) -> bool:
+    def needs_published(self, request_id: str, next_seq: int, final: bool, format: str | None = None, *,
+                        role: Role | None = None) -> bool:
         """Whether :meth:`resume` of a request without a seal record wants its stored bodies
         ``[0, next_seq)`` as ``history``: its codec's sessions count across the published chunks
         (:attr:`Codec.needs_published`), and something is left to join. Pure; False for a request
-        already held here, so a codec that does not count costs a take-over no read."""
-        if request_id in self._active or request_id in self._finished or final or next_seq <= 0:
+        already held here, so a codec that does not count costs a take-over no read. ``role``: that of
+        the chunk the take-over is for, when known; an aggregated one's bodies never reach a codec, so
+        no session counts them (a request is agg or P/D, never both: a mix ends it as invalid)."""
+        if (request_id in self._active or request_id in self._finished or final or next_seq <= 0
+                or role is _AGG):
             return False
         codec = self._default_codec
         if format is not None and format != self.default_format:

@@ -326,8 +326,9 @@ class Deliveries:
                 return "queued again" if lookups.retries_left(rid) else "1s" if retry else "-"
 
             # A retry's request may have been adopted meanwhile (a migrate reads the stores too).
-            ok = knows(rid) or await self.recovery.recover(rid, format, now, retry_in=then,
-                                                           current=lambda: rid in lookups)
+            ok = knows(rid) or await self.recovery.recover(
+                rid, format, now, retry_in=then, current=lambda: rid in lookups,
+                role=d.parsed.role if isinstance(d.parsed, Chunk) else None)
             if not ok and lookups.retry(rid, d):
                 stats.lookup_retries += 1
                 start_queued()  # its slot to the next in line (itself, if nobody else waits)

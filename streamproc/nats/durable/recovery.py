@@ -23,7 +23,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
 from ...core.errors import MissingResults
-from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Sealed, SealRecord
+from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Role, Sealed, SealRecord
 from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point, seal_overtaken
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text
@@ -81,17 +81,18 @@ class Recovery:
         self.results_stream = ""
 
     async def recover(self, rid: str, format: str | None, now: float, *, retry_in: Callable[[], str],
-                       current: Callable[[], bool]) -> bool:
+                       current: Callable[[], bool], role: Role | None = None) -> bool:
         """Resume after the last stored result of ``rid``; False if it cannot be read (the caller
         looks it up again, NAKs the chunk for a retry in 1 s, goes on without it, or the partition
         was handed over meanwhile and the hand-over NAKed it: ``retry_in()``, called when the
         failure is logged, after the reads, says which). Nothing is adopted unless ``current()``
-        still holds once the stores are read (the partition was not handed over)."""
+        still holds once the stores are read (the partition was not handed over). ``role``: the chunk's
+        (an aggregated request's stored bodies are never read back)."""
         self.stats.recoveries += 1
         urgent = getattr(self.nc, "urgent_writes", None)  # FastClient: no write coalescing meanwhile
         try:
             with urgent() if urgent is not None else contextlib.nullcontext():
-                await self.adopt(rid, format, now, current=current)
+                await self.adopt(rid, format, now, current=current, role=role)
         except Exception as exc:
             self.limited.log(logging.WARNING, "recovery_lookup_failed", request_id=rid,
                                       error=error_text(exc), retry_in=retry_in())
@@ -99,7 +100,8 @@ class Recovery:
         return True
 
     async def adopt(self, rid: str, format: str | None, now: float, *, record: SealRecord | None = None,
-                     read_record: bool = True, current: Callable[[], bool] | None = None) -> None:
+                     read_record: bool = True, current: Callable[[], bool] | None = None,
+                     role: Role | None = None) -> None:
         """Adopt ``rid`` from the stores: its last stored result (a leader read, never a possibly stale
         follower) and its seal record; a migrated request also gets its stored bodies, from which
         the correlator rebuilds the migration session. Raises when a store cannot be read. With
@@ -133,7 +135,7 @@ class Recovery:
         if how is Adoption.RESUME:
             history: list[bytes] | None = None
             lost: str | None = None
-            if self.correlator.needs_published(rid, next_seq, final, format):
+            if self.correlator.needs_published(rid, next_seq, final, format, role=role):
                 # The codec's session counts across chunks, and those already published are settled
                 # and never redelivered (docs/operations.md, "Taking over a request"). Other codecs
                 # read nothing. Gone bodies cannot come back: the session omits, a retry would not help.
