@@ -193,7 +193,8 @@ class MigrationLedger:
         One ordered push consumer filtered on the request's subject (nats-py
         ``JetStreamContext.subscribe(ordered_consumer=True)``; the server walks its per-subject
         index) streams them in stream order, instead of a round trip per result. Copies of a seq
-        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap."""
+        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap, and
+        ``nats.errors.TimeoutError`` when the server stops sending before its last one (retried)."""
         if count <= 0:
             return []
         bodies: dict[int, bytes] = {}
@@ -212,7 +213,12 @@ class MigrationLedger:
                 try:
                     msg = await sub.next_msg(timeout=HISTORY_TIMEOUT)
                 except nats.errors.TimeoutError:
-                    break
+                    # The server went quiet before saying nothing is left (num_pending 0): the store
+                    # did not answer, which says nothing of what is stored. Not MissingResults, which
+                    # a take-over without a seal record takes for bodies gone for good (recovery.py).
+                    raise nats.errors.TimeoutError(
+                        f"stored results of {request_id!r} stopped coming after {len(bodies)} of {count} "
+                        f"({HISTORY_TIMEOUT} s)") from None
                 point = resume_point(msg.headers)
                 if point is not None and point[0] - 1 < count:
                     bodies.setdefault(point[0] - 1, msg.data)
