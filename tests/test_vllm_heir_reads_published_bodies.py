@@ -6,7 +6,9 @@ nothing costs the take-over no read. Before (2026-12-07) only the seal-record pa
 
 from __future__ import annotations
 
+import contextlib
 import json
+from typing import NamedTuple
 
 import pytest
 
@@ -104,24 +106,27 @@ def test_a_heir_whose_published_bodies_are_gone_omits_the_rows_rather_than_splic
     assert choice["routed_experts_unavailable_reason"] == "length_mismatch"
 
 
-@pytest.mark.anyio
-@pytest.mark.nats
-@pytest.mark.timeout(90)
-async def test_a_durable_heir_reads_the_published_bodies_for_vllm_and_nothing_for_sglang():
-    """Against a real nats-server and a durable processor that never saw the requests: what a dead
-    instance stored (result 0, its chunk settled) is in the results stream, the rest of the chunks
-    come. The vLLM request is answered as the live processor answered it; the SGLang one costs no read
-    of its stored bodies (``MigrationLedger.history`` calls counted)."""
-    from durable_helpers import connect, durable_settings, wait_for_finals
+class Heir(NamedTuple):
+    """A durable processor that never saw the request, and a client of its nats-server."""
+
+    processor: object
+    nc: object
+    js: object
+    subjects: object
+    publisher: object
+    reads: list[tuple[str, int]]  # (request id, count) of every MigrationLedger.history call
+
+
+@contextlib.asynccontextmanager
+async def durable_heir():
+    """A real nats-server with a durable vLLM processor on it (the heir of a dead instance whose results
+    the test stores), its reads of stored bodies counted, and a connection publishing chunks durably."""
+    from durable_helpers import connect, durable_settings
 
     from streamproc.client.publisher import ChunkPublisher
     from streamproc.nats.processor import Processor
     from streamproc.sim.embedded import EmbeddedNats
-    from streamproc.wire import Result, Verdict, result_headers
 
-    prefill, decode = _legs("v1", "suffix")
-    live = _live("v1", prefill, decode)
-    agg = [b'{"text":"Hello","meta_info":{"id":"s1"}}', b'{"text":" world","meta_info":{"id":"s1"}}']
     with EmbeddedNats() as server:
         settings = durable_settings(server.url, format="vllm")
         async with Processor(settings) as p:
@@ -137,24 +142,41 @@ async def test_a_durable_heir_reads_the_published_bodies_for_vllm_and_nothing_fo
             ledger.history = counted  # type: ignore[method-assign]
             nc = await connect(server.url)
             try:
-                js = nc.jetstream()
-                subjects = settings.subjects
-                for rid, body in (("v1", live[0].body), ("s1", agg[0])):
-                    await js.publish(subjects.result(rid), body,
-                                     headers=result_headers(Result(rid, 0, body, False, Verdict.PASSTHROUGH)))
-                pub = ChunkPublisher(nc, subjects, durable=True)
-                for chunk in prefill:
-                    await pub.publish("v1", "prefill", chunk.seq, chunk.body, final=chunk.final,
-                                      format="vllm")
-                await pub.publish("v1", "decode", 1, decode[1].body, final=True, format="vllm")
-                await pub.publish("s1", "agg", 1, agg[1], final=True, format="sglang")
-                stored = await wait_for_finals(js, subjects, ["v1", "s1"], 30)
+                yield Heir(p, nc, nc.jetstream(), settings.subjects,
+                           ChunkPublisher(nc, settings.subjects, durable=True), reads)
             finally:
                 await nc.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(90)
+async def test_a_durable_heir_reads_the_published_bodies_for_vllm_and_nothing_for_sglang():
+    """Against a real nats-server and a durable processor that never saw the requests: what a dead
+    instance stored (result 0, its chunk settled) is in the results stream, the rest of the chunks
+    come. The vLLM request is answered as the live processor answered it; the SGLang one costs no read
+    of its stored bodies (``MigrationLedger.history`` calls counted)."""
+    from durable_helpers import wait_for_finals
+
+    from streamproc.wire import Result, Verdict, result_headers
+
+    prefill, decode = _legs("v1", "suffix")
+    live = _live("v1", prefill, decode)
+    agg = [b'{"text":"Hello","meta_info":{"id":"s1"}}', b'{"text":" world","meta_info":{"id":"s1"}}']
+    async with durable_heir() as heir:
+        js, subjects, pub = heir.js, heir.subjects, heir.publisher
+        for rid, body in (("v1", live[0].body), ("s1", agg[0])):
+            await js.publish(subjects.result(rid), body,
+                             headers=result_headers(Result(rid, 0, body, False, Verdict.PASSTHROUGH)))
+        for chunk in prefill:
+            await pub.publish("v1", "prefill", chunk.seq, chunk.body, final=chunk.final, format="vllm")
+        await pub.publish("v1", "decode", 1, decode[1].body, final=True, format="vllm")
+        await pub.publish("s1", "agg", 1, agg[1], final=True, format="sglang")
+        stored = await wait_for_finals(js, subjects, ["v1", "s1"], 30)
     assert [(r.seq, r.verdict, r.body) for r in stored["v1"]] == [(0, live[0].verdict, live[0].body),
                                                                   (1, live[1].verdict, live[1].body)]
     assert [(r.seq, r.body) for r in stored["s1"]] == [(0, agg[0]), (1, agg[1])]
-    assert reads == [("v1", 1)]
+    assert heir.reads == [("v1", 1)]
 
 
 @pytest.mark.anyio
@@ -165,37 +187,24 @@ async def test_a_durable_heir_whose_published_bodies_are_gone_omits_rather_than_
     cannot count the tokens before it. Decode lost its rows, so the live processor omitted them
     (``decode_missing``); an heir counting only the final chunk's token took prefill's prompt rows for
     the whole answer (``joined``). Now it omits them (``length_mismatch``) and says so in the log."""
-    from durable_helpers import connect, durable_settings, wait_for_finals
+    from durable_helpers import wait_for_finals
 
-    from streamproc.client.publisher import ChunkPublisher
-    from streamproc.nats.processor import Processor
-    from streamproc.sim.embedded import EmbeddedNats
     from streamproc.wire import Result, Verdict, result_headers
 
     prefill, decode = _legs("v2", three=True, decode_rows=False)
     live = _live("v2", prefill, decode)
     assert json.loads(live[2].body)["choices"][0]["routed_experts_unavailable_reason"] == "decode_missing"
-    with EmbeddedNats() as server:
-        settings = durable_settings(server.url, format="vllm")
-        async with Processor(settings) as p:
-            recovery = p.input.recovery  # type: ignore[union-attr,attr-defined]
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                subjects = settings.subjects
-                acks = [await js.publish(subjects.result("v2"), r.body,
-                                         headers=result_headers(Result("v2", r.seq, r.body, False,
-                                                                       r.verdict)))
-                        for r in live[:2]]
-                await nc.jsm().delete_msg(recovery.results_stream, acks[0].seq)
-                pub = ChunkPublisher(nc, subjects, durable=True)
-                for chunk in prefill:
-                    await pub.publish("v2", "prefill", chunk.seq, chunk.body, final=chunk.final,
-                                      format="vllm")
-                await pub.publish("v2", "decode", 2, decode[2].body, final=True, format="vllm")
-                stored = await wait_for_finals(js, subjects, ["v2"], 30)
-            finally:
-                await nc.close()
+    async with durable_heir() as heir:
+        js, subjects, pub = heir.js, heir.subjects, heir.publisher
+        acks = [await js.publish(subjects.result("v2"), r.body,
+                                 headers=result_headers(Result("v2", r.seq, r.body, False, r.verdict)))
+                for r in live[:2]]
+        results_stream = heir.processor.input.recovery.results_stream  # type: ignore[attr-defined]
+        await heir.nc.jsm().delete_msg(results_stream, acks[0].seq)
+        for chunk in prefill:
+            await pub.publish("v2", "prefill", chunk.seq, chunk.body, final=chunk.final, format="vllm")
+        await pub.publish("v2", "decode", 2, decode[2].body, final=True, format="vllm")
+        stored = await wait_for_finals(js, subjects, ["v2"], 30)
     assert [r.seq for r in stored["v2"]] == [1, 2]
     final = stored["v2"][-1]
     assert final.verdict is Verdict.OMITTED, final
@@ -225,38 +234,16 @@ async def test_a_durable_heir_reads_no_bodies_for_an_aggregated_vllm_request():
     that never saw it): its results are passed through byte-identical, so the heir reads none of its
     stored bodies back (until 2026-12-07 every one of them, held whole under the one-at-a-time history
     lock and parsed by a join session the request never uses)."""
-    from durable_helpers import connect, durable_settings, wait_for_finals
+    from durable_helpers import wait_for_finals
 
-    from streamproc.client.publisher import ChunkPublisher
-    from streamproc.nats.processor import Processor
-    from streamproc.sim.embedded import EmbeddedNats
     from streamproc.wire import Result, Verdict, result_headers
 
     _, decode = _legs("a1")
     bodies = [c.body for c in decode]
-    with EmbeddedNats() as server:
-        settings = durable_settings(server.url, format="vllm")
-        async with Processor(settings) as p:
-            ledger = p.input.recovery.ledger  # type: ignore[union-attr,attr-defined]
-            assert ledger is not None
-            reads: list[tuple[str, int]] = []
-            history = ledger.history
-
-            async def counted(rid: str, count: int) -> list[bytes]:
-                reads.append((rid, count))
-                return await history(rid, count)
-
-            ledger.history = counted  # type: ignore[method-assign]
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                subjects = settings.subjects
-                await js.publish(subjects.result("a1"), bodies[0],
-                                 headers=result_headers(Result("a1", 0, bodies[0], False, Verdict.PASSTHROUGH)))
-                pub = ChunkPublisher(nc, subjects, durable=True)
-                await pub.publish("a1", "agg", 1, bodies[1], final=True, format="vllm")
-                stored = await wait_for_finals(js, subjects, ["a1"], 30)
-            finally:
-                await nc.close()
+    async with durable_heir() as heir:
+        await heir.js.publish(heir.subjects.result("a1"), bodies[0],
+                              headers=result_headers(Result("a1", 0, bodies[0], False, Verdict.PASSTHROUGH)))
+        await heir.publisher.publish("a1", "agg", 1, bodies[1], final=True, format="vllm")
+        stored = await wait_for_finals(heir.js, heir.subjects, ["a1"], 30)
     assert [(r.seq, r.body) for r in stored["a1"]] == [(0, bodies[0]), (1, bodies[1])]
-    assert reads == []
+    assert heir.reads == []
