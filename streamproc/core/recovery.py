@@ -16,7 +16,7 @@ import enum
 from typing import TYPE_CHECKING, Container, Mapping
 
 from .events import Chunk, MigrateErrorCode, Role, Sealed
-from .wire import FINAL, SEQ
+from .wire import FINAL, SEQ, plain_index
 
 if TYPE_CHECKING:
     from .correlator import Correlator
@@ -82,10 +82,10 @@ def store_read(correlator: Correlator, chunk: Chunk, reply: str, sealed: Contain
 def resume_point(headers: Mapping[str, str] | None) -> tuple[int, bool] | None:
     """``(next seq, final)`` after a stored result's headers; None when they name no seq."""
     h = headers or {}
-    seq = h.get(SEQ, "")
-    if not seq.isdigit():
+    seq = plain_index(h.get(SEQ, ""))  # as every reader of it: a forger's '²' or 400 digits name none
+    if seq is None:
         return None
-    return int(seq) + 1, h.get(FINAL) == "true"
+    return seq + 1, h.get(FINAL) == "true"
 
 
 class Adoption(enum.Enum):

@@ -62,12 +62,12 @@ class SeqOrder:
                 # The final at or before the resume point, nothing handed out or seen at or past it: the
                 # client has it all (a Last-Event-ID at or past the final seq). A non-final copy of the
                 # same seq seen first (the resume point's result, read again) rules it out as well: one
-                # seq has one result, so a final there is the contradicted case below, not a clean end. The final handed out
-                # ended the reading (done, above), so a copy of it never gets here. An error result
-                # only at the resume point itself and past every result seen: one below it, or one at
-                # the seq of a result seen (the error at 0 beside result 0: Last-Event-ID 0 names that
-                # result, the error went out without an id), is the case below, which a client resuming
-                # after the results it had never saw.
+                # seq has one result, so a final there is the contradicted case below, not a clean end.
+                # The final handed out ended the reading (done, above), so a copy of it never gets here.
+                # An error result only at the resume point itself and past every result seen: one below
+                # it, or one at the seq of a result seen (the error at 0 beside result 0: Last-Event-ID 0
+                # names that result, the error went out without an id), is the case below, which a
+                # client resuming after the results it had never saw.
                 self.done = self.ended_before_resume = True
                 self.pending.clear()
             elif result.error is not None:

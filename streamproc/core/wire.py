@@ -165,14 +165,21 @@ def _parse_flag(value: str | None, name: str, request_id: str) -> bool:
     raise ContractError(f"header {name} must be 'true' or 'false', got {shown(value)}", request_id)
 
 
+def plain_index(value: str) -> int | None:
+    """A seq or attempt header's value as a number: ASCII digits, at most 18 (``MAX_SEQ``); None
+    otherwise (``'²'.isdigit()`` and ``'٠'.isdigit()`` are true, and ``int`` refuses the first)."""
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 18 else None
+
+
 def _parse_index(value: str | None, name: str, request_id: str, *, required: bool) -> int:
     if value is None:
         if required:
             raise ContractError(f"missing required header {name}", request_id)
         return 0
-    if not (value.isascii() and value.isdigit()) or len(value) > 18:  # '²'.isdigit(), '٠'.isdigit()
+    index = plain_index(value)
+    if index is None:
         raise ContractError(f"header {name} must be a non-negative integer, got {shown(value)}", request_id)
-    return int(value)
+    return index
 
 
 def _traceparent(value: str | None) -> str | None:
@@ -379,7 +386,7 @@ def result_from_message(subjects: Subjects, subject: str, headers: Mapping[str, 
     request_id = subject[len(subjects.prefix) + _RESULTS_INFIX:]
     h = headers or _NO_HEADERS
     text = h.get(SEQ)
-    if text is not None and text.isascii() and text.isdigit() and len(text) <= 18:  # _parse_index's test
+    if text is not None and text.isascii() and text.isdigit() and len(text) <= 18:  # plain_index, inline
         seq = int(text)
     else:
         if UNREADABLE_HEADERS in h:  # RobustClient's mark (no Streamproc-Seq): say so, as chunk_from_message does
