@@ -587,13 +587,17 @@ class Correlator:
         if (request_id in self._active or request_id in self._finished or final or next_seq <= 0
                 or role is _AGG):
             return False
-        codec = self._default_codec
+        return self._resumed_codec(format)[0].needs_published
+
+    def _resumed_codec(self, format: str | None) -> tuple[Codec, str]:
+        """The codec (and its name) a request resumed with ``format`` gets: the default one when the
+        format is unknown or broken, and :meth:`receive` ends the request over the chunk itself."""
         if format is not None and format != self.default_format:
             try:
-                codec = self._resolve(format)
-            except Exception:  # resume() goes on with the default codec, and receive() ends the request
+                return self._resolve(format), format
+            except Exception:
                 pass
-        return codec.needs_published
+        return self._default_codec, self.default_format
 
     def resume(self, request_id: str, next_seq: int, final: bool, now: float,
                format: str | None = None, *, seals: Sequence[int] = (),
@@ -624,12 +628,7 @@ class Correlator:
             return
         if next_seq <= 0 and not seals:
             return
-        codec, name = self._default_codec, self.default_format
-        if format is not None and format != name:
-            try:
-                codec, name = self._resolve(format), format
-            except Exception:  # unknown or broken: receive() ends the request over the chunk itself
-                pass
+        codec, name = self._resumed_codec(format)
         req = _Request(request_id, codec, name, self._max_retained)
         req.next_seq = next_seq
         req.last = now
