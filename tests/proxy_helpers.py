@@ -4,8 +4,10 @@
 armed, the next ``PUB``/``HPUB`` whose subject its predicate picks (``every``: each one) is kept back
 until the test releases it (or ``hold_at_most`` passes); every later frame overtakes it. To the client this is a
 request the server is slow to answer (a JetStream store taking its time): its reply comes when the
-held frame reaches the server. The server's side is relayed untouched. ``rewrite`` (:class:`PullAnswered`) changes a client frame
-before it is relayed.
+held frame reaches the server. ``rewrite`` (:class:`PullAnswered`) changes a client frame
+before it is relayed. The server's side is relayed untouched, unless ``stall_after`` picks the subject
+of a message it delivers (``MSG``/``HMSG``): that one is relayed, then nothing more of the server's side
+for ``stall_for`` seconds (a server that goes quiet mid-read), then the rest.
 """
 
 from __future__ import annotations
@@ -19,8 +21,12 @@ from anyio.abc import SocketStream
 
 class HoldingProxy:
     def __init__(self, upstream_port: int, hold: Callable[[bytes], bool], *, hold_at_most: float = 5.0,
-                 every: bool = False, rewrite: Callable[[bytes], bytes] | None = None) -> None:
+                 every: bool = False, rewrite: Callable[[bytes], bytes] | None = None,
+                 stall_after: Callable[[bytes], bool] | None = None, stall_for: float = 0.0) -> None:
         self.upstream_port = upstream_port
+        self._stall_after = stall_after  # the first server message it picks stalls the server's side
+        self.stall_for = stall_for
+        self.stalled = anyio.Event()  # set when the server's side stalls
         self._rewrite = rewrite  # each complete client frame passes through it first
         self._hold = hold
         self.hold_at_most = hold_at_most
@@ -62,9 +68,23 @@ class HoldingProxy:
             lock = anyio.Lock()  # one frame at a time towards the server (a held one goes out later)
 
             async def down() -> None:
+                buffer = b""
                 with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                     async for data in server:
-                        await client.send(data)
+                        if self._stall_after is None or self.stalled.is_set():
+                            await client.send(data)
+                            continue
+                        buffer += data
+                        while (frame := _next_frame(buffer))[0] is not None:
+                            whole, subject = frame
+                            buffer = buffer[len(whole):]
+                            await client.send(whole)
+                            if subject is not None and self._stall_after(subject):
+                                self.stalled.set()
+                                await anyio.sleep(self.stall_for)
+                                if buffer:
+                                    await client.send(buffer)
+                                break
                 tg.cancel_scope.cancel()
 
             async def send(frame: bytes) -> None:
@@ -104,14 +124,15 @@ class HoldingProxy:
 
 
 def _next_frame(buffer: bytes) -> tuple[bytes | None, bytes | None]:
-    """The first complete client protocol frame in ``buffer`` and, for PUB/HPUB, its subject."""
+    """The first complete protocol frame in ``buffer`` and, for one with a payload (a client's PUB/HPUB,
+    the server's MSG/HMSG: its last word is the payload's size), its subject."""
     end = buffer.find(b"\r\n")
     if end < 0:
         return None, None
     line = buffer[:end]
     words = line.split()
     op = words[0].upper() if words else b""
-    if op not in (b"PUB", b"HPUB"):
+    if op not in (b"PUB", b"HPUB", b"MSG", b"HMSG"):
         return buffer[:end + 2], None
     total = end + 2 + int(words[-1]) + 2
     if len(buffer) < total:

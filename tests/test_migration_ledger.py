@@ -3,7 +3,6 @@ id) and stored result bodies read back in seq order."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
@@ -115,72 +114,26 @@ async def test_a_history_read_that_stalls_is_no_gap(nats_url):
     ``MissingResults``."""
     import anyio
     import nats.errors
+    from helpers import connection
+    from proxy_helpers import HoldingProxy
 
     from streamproc.nats.durable.migrations import HISTORY_TIMEOUT
-    from helpers import connection
 
     port = int(nats_url.rsplit(":", 1)[1])
     subject = Subjects().result("slow").encode()
-    stalled = anyio.Event()
-
-    async def relay(client) -> None:
-        async with client, await anyio.connect_tcp("127.0.0.1", port) as server:
-            async def down() -> None:
-                buffer, held = b"", False
-                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    async for data in server:
-                        if held:
-                            await client.send(data)
-                            continue
-                        buffer += data
-                        at = buffer.find(b"HMSG " + subject + b" ")
-                        if at < 0:  # relayed up to the last whole line (a frame starts at a line)
-                            cut = buffer.rfind(b"\r\n") + 2
-                            await client.send(buffer[:cut]) if cut > 1 else None
-                            buffer = buffer[max(cut, 0):] if cut > 1 else buffer
-                            continue
-                        await client.send(buffer[:at]) if at else None
-                        buffer = buffer[at:]
-                        at = 0
-                        end = buffer.find(b"\r\n")
-                        if end < 0:
-                            continue
-                        total = end + 2 + int(buffer[at:end].split()[-1]) + 2
-                        if len(buffer) < total:
-                            continue
-                        await client.send(buffer[:total])  # the first stored result, then a stall
-                        held = True
-                        stalled.set()
-                        await anyio.sleep(HISTORY_TIMEOUT + 1.5)
-                        await client.send(buffer[total:])
-                tg.cancel_scope.cancel()
-
-            async def up() -> None:
-                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    async for data in client:
-                        await server.send(data)
-                tg.cancel_scope.cancel()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(down)
-                tg.start_soon(up)
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    proxy_port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, relay)
-        async with connection(nats_url) as direct, connection(f"nats://127.0.0.1:{proxy_port}") as slow:
-            js = direct.jetstream()
-            await ensure_results_stream(js, Subjects())
-            for seq in range(3):
-                body = b"x%d" % seq
-                await js.publish(Subjects().result("slow"), body,
-                                 headers=result_headers(Result("slow", seq, body, False, Verdict.PASSTHROUGH)))
-            ledger = MigrationLedger(slow, "TEST_MIGRATIONS", RESULTS_STREAM, Subjects().result(""), ttl=60)
-            with pytest.raises(Exception) as caught:
-                await ledger.history("slow", 3)
-            assert stalled.is_set()
-            assert not isinstance(caught.value, MissingResults), caught.value
-            assert isinstance(caught.value, (nats.errors.Error, TimeoutError))
-            await anyio.sleep(2)  # the held bytes reach the client before it closes
-        tg.cancel_scope.cancel()
+    proxy = HoldingProxy(port, lambda _: False, stall_after=lambda s: s == subject,
+                         stall_for=HISTORY_TIMEOUT + 1.5)
+    async with proxy.running(), connection(nats_url) as direct, connection(proxy.url) as slow:
+        js = direct.jetstream()
+        await ensure_results_stream(js, Subjects())
+        for seq in range(3):
+            body = b"x%d" % seq
+            await js.publish(Subjects().result("slow"), body,
+                             headers=result_headers(Result("slow", seq, body, False, Verdict.PASSTHROUGH)))
+        ledger = MigrationLedger(slow, "TEST_MIGRATIONS", RESULTS_STREAM, Subjects().result(""), ttl=60)
+        with pytest.raises(Exception) as caught:
+            await ledger.history("slow", 3)
+        assert proxy.stalled.is_set()  # the first stored result came, then nothing past the timeout
+        assert not isinstance(caught.value, MissingResults), caught.value
+        assert isinstance(caught.value, (nats.errors.Error, TimeoutError))
+        await anyio.sleep(2)  # the held bytes reach the client before it closes
