@@ -274,3 +274,71 @@ def test_one_position_prompt_window_is_copied_as_prefill_sent_it(codec_cls, stre
         keys = list(joined)
         assert keys.index("input_token_logprobs") < keys.index("output_token_logprobs")
         assert keys.index("input_token_ids_logprobs") < keys.index("output_token_ids_logprobs")
+
+
+# ------------------------- 5. a completion_tokens that is no int is no count at the other two sites
+
+
+def _failed_before_token_0(count: Any) -> dict[str, Any]:
+    """Decode's body for a request aborted before output token 0 (``_handle_abort_req``: no ids, ``[]``
+    lists), its ``completion_tokens`` ``count`` (upstream: ``len(state.output_ids)``, int; None: none)."""
+    meta: dict[str, Any] = {"id": "agg", "finish_reason": RETRACT_ABORT, "weight_version": "default",
+                            "input_token_logprobs": [], "output_token_logprobs": [],
+                            "output_token_logprobs_length": 0, "input_top_logprobs": [],
+                            "output_top_logprobs": []}
+    if count is not None:
+        meta["completion_tokens"] = count
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def _prompt_scored_prefill() -> list[bytes]:
+    """The honest prefill leg with a scored prompt (``logprob_start_len`` 0) and token 0's entries."""
+    _agg, pre, _dec = legs(streamed=False, prefill_logprobs=True, stale="zeros")
+    leg = json.loads(pre[0])
+    leg["meta_info"]["input_token_logprobs"] = PROMPT_LP
+    return [dumps(leg)]
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("count", [False, 0.0], ids=["false", "float"])
+def test_a_failed_body_whose_completion_tokens_is_no_int_is_not_read_as_failed_before_token_0(codec_cls,
+                                                                                             count):
+    """``_fill_input_logprobs`` keeps decode's ``[]`` for a request that failed before token 0
+    (``completion_tokens`` 0). Upstream always sends an int there (``_handle_batch_output``:
+    ``"completion_tokens": len(state.output_ids)``; ``_handle_abort_req`` the same), so ``false`` or ``0.0``
+    (``False == 0``, ``0.0 == 0`` in Python) is a corrupt count and, as in ``_decode_first`` (0d535c1) and
+    ``_first_of_every_token``, no count: the chunk is joined as one without a count (prefill's prompt side),
+    not passed as a failure's empty answer."""
+    pre = _prompt_scored_prefill()
+    (want, _), = join(codec_cls(OPTIONS), [dumps(_failed_before_token_0(None))], pre)
+    (got, _), = join(codec_cls(OPTIONS), [dumps(_failed_before_token_0(count))], pre)
+    (zero, _), = join(codec_cls(OPTIONS), [dumps(_failed_before_token_0(0))], pre)
+    wanted, out = json.loads(want)["meta_info"], json.loads(got)["meta_info"]
+    assert json.loads(zero)["meta_info"]["input_token_logprobs"] == []  # the int 0: the failure's own answer
+    assert out["input_token_logprobs"] == wanted["input_token_logprobs"] == PROMPT_LP, out
+
+
+@pytest.mark.parametrize("codec_cls", CODECS)
+@pytest.mark.parametrize("count", [True, 1.0], ids=["true", "float"])
+def test_weight_version_of_a_body_whose_completion_tokens_is_no_int_is_not_read_as_token_0s(codec_cls, count):
+    """``_join_weight_versions`` removes ``weight_version`` with ``weight_versions`` only for a one-token
+    answer (``completion_tokens == 1``: its last token is token 0, whose version only prefill knows). ``true``
+    and ``1.0`` equal 1 in Python, yet upstream's count is an int (``len(state.output_ids)``): a corrupt count
+    is no count (``_decode_first``, 0d535c1), so the body is judged as one without a count."""
+    _agg, _pre, dec = legs(streamed=False, prefill_logprobs=True, stale="zeros")
+
+    def final(value: Any) -> bytes:
+        body = json.loads(dec[0])
+        if value is None:
+            del body["meta_info"]["completion_tokens"]
+        else:
+            body["meta_info"]["completion_tokens"] = value
+        return dumps(body)
+
+    (want, _), = join(codec_cls(OPTIONS), [final(None)], None)
+    (got, _), = join(codec_cls(OPTIONS), [final(count)], None)
+    (one, _), = join(codec_cls(OPTIONS), [final(1)], None)
+    wanted, out = json.loads(want)["meta_info"], json.loads(got)["meta_info"]
+    assert "weight_version" not in json.loads(one)["meta_info"]  # the int 1: token 0's version, unknown
+    assert "weight_versions_unavailable_reason" in out, out
+    assert out.get("weight_version") == wanted.get("weight_version") == "default", out

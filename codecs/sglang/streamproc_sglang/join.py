@@ -868,7 +868,13 @@ class SGLangJoinSession(JoinSession):
         len(origin_input_ids)`` for a default request with ``return_logprob``, and every leg sends ``[]``."""
         if meta.get(INPUT_TOKEN_LOGPROBS):
             return meta  # this decode worker computed them itself
-        if native.failed_finish(meta) and meta.get(COMPLETION_TOKENS) == 0 and not meta.get(OUTPUT_TOKEN_LOGPROBS):
+        # An int count only (as :func:`_first_of_every_token`): upstream's is always an int (sglang
+        # ``OutputStreamer``, commit 00bc3073: ``self.completion_tokens.append(len(output_ids_))``, copied by
+        # ``TokenizerManager._handle_batch_output``; ``_handle_abort_req`` at 001067ff: ``meta_info[
+        # "completion_tokens"] = len(output_ids)``); ``false`` or ``0.0`` equal 0 in Python.
+        count = meta.get(COMPLETION_TOKENS)
+        before_token_0 = _is_count(count) and count == 0 and not meta.get(OUTPUT_TOKEN_LOGPROBS)
+        if native.failed_finish(meta) and before_token_0:
             # A request that failed before output token 0 has no prompt logprobs on any engine: the
             # scheduler sets them in the step that samples token 0 (``add_input_logprob_return_values``
             # with ``last_prefill_chunk``), and one rejected at intake (``set_finish_with_abort``, e.g.
@@ -1301,7 +1307,8 @@ class SGLangJoinSession(JoinSession):
             reason = Omit.PREFILL_MISSING if source is None else Omit.PREFILL_CORRUPT
         if ours is None or theirs is None:
             _replace_key(meta, WEIGHT_VERSIONS, WEIGHT_VERSIONS + UNAVAILABLE_SUFFIX, str(reason))
-            if meta.get(COMPLETION_TOKENS) == 1 and WEIGHT_VERSION in meta:
+            count = meta.get(COMPLETION_TOKENS)  # an int only: ``true``, ``1.0`` are no count (``True == 1``)
+            if _is_count(count) and count == 1 and WEIGHT_VERSION in meta:
                 _replace_key(meta, WEIGHT_VERSION, WEIGHT_VERSION + UNAVAILABLE_SUFFIX, str(reason))
             self._omitted = True
             return
