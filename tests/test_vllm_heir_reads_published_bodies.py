@@ -214,6 +214,41 @@ async def test_a_durable_heir_whose_published_bodies_are_gone_omits_rather_than_
     assert any("published_results_lost" in r.getMessage() and "v2" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(90)
+async def test_a_read_past_the_bound_counts_as_lost_never_as_part():
+    """Bodies past the take-over's bound (``MAX_HISTORY_BYTES``) are not usable, as gone ones are: the
+    heir's session is told they are lost (``JoinSession.published_lost``) and omits the count-dependent
+    rows (``length_mismatch``), where the bodies read back give the live processor's answer
+    (``decode_missing``). The ledger's bound is lowered to one body here so that two stored results
+    pass it."""
+    from durable_helpers import wait_for_finals
+
+    from streamproc.wire import Result, Verdict, result_headers
+
+    prefill, decode = _legs("v3", three=True, decode_rows=False)
+    live = _live("v3", prefill, decode)
+    assert json.loads(live[2].body)["choices"][0]["routed_experts_unavailable_reason"] == "decode_missing"
+    async with durable_heir() as heir:
+        ledger = heir.processor.input.recovery.ledger  # type: ignore[attr-defined]
+        ledger.max_history_bytes = len(live[0].body)
+        js, subjects, pub = heir.js, heir.subjects, heir.publisher
+        for r in live[:2]:
+            await js.publish(subjects.result("v3"), r.body,
+                             headers=result_headers(Result("v3", r.seq, r.body, False, r.verdict)))
+        for chunk in prefill:
+            await pub.publish("v3", "prefill", chunk.seq, chunk.body, final=chunk.final, format="vllm")
+        await pub.publish("v3", "decode", 2, decode[2].body, final=True, format="vllm")
+        stored = await wait_for_finals(js, subjects, ["v3"], 30)
+    assert heir.reads == [("v3", 2)]
+    final = stored["v3"][-1]
+    assert (final.seq, final.verdict) == (2, Verdict.OMITTED), final
+    choice = json.loads(final.body)["choices"][0]
+    assert choice["routed_experts"] is None
+    assert choice["routed_experts_unavailable_reason"] == "length_mismatch"
+
+
 def test_an_aggregated_request_wants_no_bodies_whatever_its_codec():
     """Aggregated bodies never reach a codec (byte-identical results, docs/protocol.md), so no join
     session counts them: the chunk that starts the take-over being ``agg`` costs it no read."""

@@ -115,6 +115,15 @@ ACK_LINGER = 0.005
 # Deliveries of one chunk before it is poison: its request ends with an error result and the chunk
 # is terminated. Legitimate redeliveries (hand-overs, crashes, results given up) stay far below it.
 MAX_DELIVER = 20
+# Stored result bodies a take-over reads back of one request, at most (MigrationLedger.history): its
+# bytes and its results. The live session never holds a request's output (it counts token_ids and
+# folds what it retains past MAX_RETAINED_BYTES); the heir holds what it reads at once, so it reads
+# no more than a request may buffer live (MAX_BUFFERED_BYTES), and no more results than a 128k-token
+# output streamed one token a chunk. Past either the bodies count as lost: the count-dependent rows
+# are omitted with a reason. Unbounded, 128 MiB stored under one id took the heir's VmHWM up by
+# the whole output while every other take-over of the partition that reads bodies waited.
+MAX_HISTORY_BYTES = MAX_BUFFERED_BYTES
+MAX_HISTORY_RESULTS = 131_072
 # Recovery lookups in flight across every partition an instance owns (docs/operations.md, "Recovery
 # lookups"). A lookup reads the request's whole last stored result (STREAM.MSG.GET: up to max_payload,
 # Base64 in JSON; nats-server has no headers-only read). 32 per partition, 128 at once over 4

@@ -273,3 +273,11 @@ class MissingResults(StreamprocError, LookupError):
 
     def __init__(self, request_id: str, count: int, missing: list[int]) -> None:
         super().__init__(f"results of {request_id!r} below seq {count} are not stored (first missing: {missing})")
+
+
+class HistoryOverBound(MissingResults):
+    """A take-over's read of one request's stored bodies stopped at its bound (``MAX_HISTORY_BYTES``,
+    ``MAX_HISTORY_RESULTS``): not usable, as if gone (the heir never holds a whole huge output)."""
+
+    def __init__(self, request_id: str, why: str) -> None:
+        StreamprocError.__init__(self, f"stored results of {request_id!r} not read back: {why}")

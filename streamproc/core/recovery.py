@@ -21,8 +21,8 @@ from .wire import FINAL, SEQ, plain_index
 if TYPE_CHECKING:
     from .correlator import Correlator
 
-__all__ = ["Adoption", "StoreRead", "adoption", "delivery_count", "needs_lookup", "previous_hold_left", "resume_point",
-           "seal_overtaken", "store_read"]
+__all__ = ["Adoption", "StoreRead", "adoption", "delivery_count", "history_over_bound", "needs_lookup",
+           "previous_hold_left", "resume_point", "seal_overtaken", "store_read"]
 
 
 class StoreRead(enum.Enum):
@@ -110,6 +110,18 @@ def adoption(point: tuple[int, bool] | None, sealed: bool) -> Adoption:
     if not sealed or (point is not None and point[1]):
         return Adoption.AFRESH if point is None else Adoption.RESUME
     return Adoption.RESUME_WITH_HISTORY
+
+
+def history_over_bound(results: int, received_bytes: int, max_results: int, max_bytes: int) -> str | None:
+    """Why a take-over's read of stored bodies stops (None: it goes on), so the heir never holds more of
+    one request than the bounds: ``results`` asked for (or received, duplicates included) past
+    ``max_results``, or ``received_bytes`` past ``max_bytes``. The live session never held a request's
+    whole output (it counts and folds what it retains), so past them the bodies count as lost."""
+    if results > max_results:
+        return f"{results} stored results, past the take-over's bound of {max_results}"
+    if received_bytes > max_bytes:
+        return f"more than {max_bytes} bytes of stored results, past the take-over's bound"
+    return None
 
 
 def previous_hold_left(ack_wait: float, slack: float, taken: float | None, now: float) -> float:

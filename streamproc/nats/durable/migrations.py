@@ -41,9 +41,10 @@ from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from ...core.errors import MigrationBucketMismatch, MissingResults, UnreadableRecord
+from ...core import defaults
+from ...core.errors import HistoryOverBound, MigrationBucketMismatch, MissingResults, UnreadableRecord
 from ...core.events import SealRecord
-from ...core.recovery import resume_point
+from ...core.recovery import history_over_bound, resume_point
 from ...core.wire import decode_seal_record, encode_seal_record
 from ...logs import error_text, log_event
 
@@ -105,6 +106,9 @@ class MigrationLedger:
         self.bucket = bucket
         self.results_stream = results_stream
         self._results_head = results_head  # "P.results."
+        # What one history read may receive of one request (history_over_bound): bytes, results.
+        self.max_history_bytes = defaults.MAX_HISTORY_BYTES
+        self.max_history_results = defaults.MAX_HISTORY_RESULTS
         self.ttl = ttl
         self.replicas = replicas
         self.storage = storage
@@ -195,14 +199,23 @@ class MigrationLedger:
         One ordered push consumer filtered on the request's subject (nats-py
         ``JetStreamContext.subscribe(ordered_consumer=True)``; the server walks its per-subject
         index) streams them in stream order, instead of a round trip per result. Copies of a seq
-        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap, and
+        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap,
+        ``HistoryOverBound`` (a ``MissingResults``) once more than ``max_history_results`` results or
+        ``max_history_bytes`` bytes were asked for or came (received or queued: the subscription's
+        pending limits are the bounds, plus one message, so nothing much past them is buffered), and
         ``nats.errors.TimeoutError`` when the server stops sending before its last one (retried)."""
         if count <= 0:
             return []
+        self._check_bound(request_id, count, 0)
         bodies: dict[int, bytes] = {}
+        received = received_bytes = 0
         try:
             sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
-                                          ordered_consumer=True, pending_msgs_limit=-1, pending_bytes_limit=-1)
+                                          ordered_consumer=True, pending_msgs_limit=self.max_history_results,
+                                          # One message always fits: nats-py 2.x Client._process_msg drops
+                                          # one once "sub._pending_size >= sub._pending_bytes_limit"
+                                          # (SlowConsumerError), and a dropped one here is a timeout.
+                                          pending_bytes_limit=self.max_history_bytes + self._nc.max_payload)
         except nats.js.errors.APIError as exc:
             # No consumer to be had, e.g. the stream's consumers at nats-server's limit (1000 per
             # stream, 2.15.1): the edge may create consumers on this stream, as many as it likes
@@ -221,6 +234,10 @@ class MigrationLedger:
                     raise nats.errors.TimeoutError(
                         f"stored results of {request_id!r} stopped coming after {len(bodies)} of {count} "
                         f"({HISTORY_TIMEOUT} s)") from None
+                received += 1
+                received_bytes += len(msg.data)
+                # What the server sent so far, the queued part included: stop before buffering the rest.
+                self._check_bound(request_id, received + sub.pending_msgs, received_bytes + sub.pending_bytes)
                 point = resume_point(msg.headers)
                 if point is not None and point[0] - 1 < count:
                     bodies.setdefault(point[0] - 1, msg.data)
@@ -238,11 +255,15 @@ class MigrationLedger:
         subject = self._results_head + request_id
         bodies: dict[int, bytes] = {}
         seq = 1
+        received = received_bytes = 0
         while len(bodies) < count:
             try:
                 msg = await self.js.get_msg(self.results_stream, seq=seq, subject=subject, next=True)
             except nats.js.errors.NotFoundError:
                 break
+            received += 1
+            received_bytes += len(msg.data or b"")
+            self._check_bound(request_id, received, received_bytes)
             point = resume_point(msg.headers)
             if point is not None and point[0] - 1 < count:
                 bodies.setdefault(point[0] - 1, msg.data or b"")
@@ -250,6 +271,11 @@ class MigrationLedger:
         if len(bodies) < count:
             raise MissingResults(request_id, count, _first_missing(bodies, count))
         return [bodies[i] for i in range(count)]
+
+    def _check_bound(self, request_id: str, results: int, received_bytes: int) -> None:
+        why = history_over_bound(results, received_bytes, self.max_history_results, self.max_history_bytes)
+        if why is not None:
+            raise HistoryOverBound(request_id, why)
 
 
 # Any failure of a store operation means "not now": the caller answers ``unavailable`` or retries.
