@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import random
 
 import msgspec
@@ -335,15 +337,20 @@ def test_reject_for_an_unknown_request_publishes_a_single_error_result():
 
 def test_an_error_results_text_is_cut_so_it_fits_max_payload():
     """A reason built from a worker's input (a codec's exception, a field it echoes) is cut to
-    errors.MAX_ERROR_TEXT characters and its length, in the result and its notice: a ~100 kB one was an
-    error result over max_payload, which durable mode NAKed until --max-deliver."""
+    errors.MAX_ERROR_TEXT bytes as JSON (a start, cut on a character boundary, and its length), in the
+    result and its notice: a ~100 kB one was an error result over max_payload, which durable mode
+    NAKed until --max-deliver."""
     c, run = make()
     reason = "codec 'x': " + "\u00e9" * 100_000
     run.absorb(c.reject("new", reason, 0.0))
     [err] = run.results
     assert (err.seq, err.final, err.error) == (0, True, "invalid_chunk")
-    cut = f"{reason[:errors.MAX_ERROR_TEXT]}... ({len(reason)} characters)"
-    assert err.body == f"ERR[invalid_chunk]{cut}".encode()  # the toy codec's envelope
+    suffix = f"... ({len(reason)} characters)"
+    cut = err.body.decode().removeprefix("ERR[invalid_chunk]")  # the toy codec's envelope
+    assert cut.endswith(suffix) and reason.startswith(cut[:-len(suffix)]), cut[:80]
+    start = len("codec 'x': ")
+    assert len(cut) - len(suffix) == (errors.MAX_ERROR_TEXT - len(suffix) - start) // 6 + start
+    assert len(json.dumps(cut)) - 2 <= errors.MAX_ERROR_TEXT  # \u00e9 each, as an ensure_ascii encoder writes it
     assert run.notices[-1].detail == cut
 
 

@@ -2,7 +2,11 @@
 
 import importlib
 import inspect
+import json
 import pkgutil
+
+import msgspec
+import pytest
 
 import streamproc
 from streamproc.core import errors
@@ -46,3 +50,38 @@ def test_no_streamproc_error_is_an_oserror_so_network_retries_do_not_retry_a_ref
     assert oserrors == []
     for refusal in (errors.ReplayRefused, errors.PublishRefused, errors.StoredResultsRefused):
         assert issubclass(refusal, RuntimeError), refusal
+
+
+HOSTILE_TEXTS = {
+    "control": "\x01" * 5000,  # \u0001: 6 bytes as JSON each
+    "astral": "\U0001F600" * 5000,  # 4 bytes of UTF-8, a 12-byte surrogate pair escape
+    "latin": "\u00e9" * 5000,
+    "quotes": '"\\' * 3000,
+    "surrogate": "ab\ud800c" * 300,  # no UTF-8 encoder takes a lone surrogate
+    "mixed": ("x\x1f\U000E0001\u2028\"") * 2000,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_TEXTS))
+def test_a_cut_error_text_fits_its_byte_bound_as_json_under_any_encoder(name):
+    """An error result's text is bounded in bytes as a codec writes it (msgspec's UTF-8 or an
+    ``ensure_ascii`` encoder's escapes), not in characters: 512 control characters were ~3 KiB and an
+    error result over a 2 KiB max_payload. The cut keeps a start of the text on a character boundary
+    (valid UTF-8, valid JSON) and says how long the text was."""
+    text = HOSTILE_TEXTS[name]
+    cut = errors.cut_error_text(text)
+    encoders = (msgspec.json.encode, lambda t: json.dumps(t).encode(),
+                lambda t: json.dumps(t, ensure_ascii=False).encode())
+    for encoded in (encode(cut) for encode in encoders):
+        assert len(encoded) - 2 <= errors.MAX_ERROR_TEXT, (name, len(encoded))
+        assert json.loads(encoded) == cut
+    suffix = f"... ({len(text)} characters)"
+    assert cut.endswith(suffix)
+    kept = cut[:-len(suffix)]
+    assert kept and kept == text[:len(kept)].replace("\ud800", "\ufffd")
+
+
+def test_an_error_text_within_the_bound_is_kept_whole():
+    kept = ("unknown role 'x' (expected agg, prefill or decode)", "é" * 80, "x" * errors.MAX_ERROR_TEXT)
+    for text in kept:
+        assert errors.cut_error_text(text) == text

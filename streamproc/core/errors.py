@@ -31,19 +31,52 @@ def shown(value: str) -> str:
     return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
 
 
-# Characters of an error result's text (cut_error_text): a text built from a worker's input (a role,
-# a codec's exception) could exceed a lowered max_payload, and an error result is never replaced, so
-# its chunk was NAKed and redelivered until --max-deliver. Even as JSON escapes (6 bytes a character)
-# the cut text stays ~3 KiB.
+# Bytes an error result's text may take as JSON (cut_error_text): a text built from a worker's input (a
+# role, a codec's exception echoing a field) could exceed a lowered max_payload, and an error result is
+# never replaced, so its chunk was NAKed and redelivered until --max-deliver. Counted in bytes, not
+# characters: 512 characters of control characters were ~3 KiB as JSON escapes (\u0001 is 6 bytes).
 MAX_ERROR_TEXT = 512
 
 
+def _escaped_size(char: str) -> int:
+    """The most bytes ``char`` takes in a JSON string, whichever encoder a codec uses: ``\\uXXXX``
+    for a control character or (``ensure_ascii``) any non-ASCII one, a surrogate pair (12) for an
+    astral one; UTF-8 is never longer (at most 3 and 4 bytes)."""
+    code = ord(char)
+    if code < 0x20 or 0x7F <= code < 0x10000:
+        return 6
+    if code >= 0x10000:
+        return 12
+    return 2 if char == '"' or char == "\\" else 1
+
+
+def error_text_size(message: str) -> int:
+    """The most bytes ``message`` takes as a JSON string's content (:func:`_escaped_size` each)."""
+    if message.isascii() and message.isprintable() and '"' not in message and "\\" not in message:
+        return len(message)
+    return sum(_escaped_size(c) for c in message)
+
+
 def cut_error_text(message: str) -> str:
-    """``message`` cut to its first :data:`MAX_ERROR_TEXT` characters and its length, as an error
-    result's text and its log line carry it."""
-    if len(message) <= MAX_ERROR_TEXT:
-        return message
-    return f"{message[:MAX_ERROR_TEXT]}... ({len(message)} characters)"
+    """``message`` as an error result's text and its log line carry it: at most :data:`MAX_ERROR_TEXT`
+    bytes as JSON under any encoder (:func:`error_text_size`), else cut on a character boundary and
+    followed by its length. A lone surrogate (no UTF-8 encoder takes it) becomes U+FFFD. Reads at most
+    :data:`MAX_ERROR_TEXT` + 1 characters (each is at least a byte), whatever the text's length."""
+    length = len(message)
+    head = message[:MAX_ERROR_TEXT + 1]
+    if not head.isascii():
+        head = "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in head)
+    if length <= MAX_ERROR_TEXT and error_text_size(head) <= MAX_ERROR_TEXT:
+        return head
+    suffix = f"... ({length} characters)"
+    budget = MAX_ERROR_TEXT - len(suffix)
+    end = 0
+    for char in head:
+        budget -= _escaped_size(char)
+        if budget < 0:
+            break
+        end += 1
+    return head[:end] + suffix
 
 
 def over_max_payload(seq: int, max_payload: int) -> str:
