@@ -319,3 +319,17 @@ def test_a_result_whose_header_block_was_unreadable_says_so() -> None:
     headers = {wire.UNREADABLE_HEADERS: "UnicodeDecodeError: bad status"}
     with pytest.raises(ContractError, match="unreadable header block"):
         wire.result_from_message(wire.Subjects(), "streamproc.results.r1", headers, b"{}")
+
+
+@pytest.mark.parametrize("traceparent", ["\U0001F600" * wire.MAX_TRACEPARENT_LEN, "00-\u00e9" + "a" * 50])
+def test_a_traceparent_that_is_not_ascii_is_not_kept(traceparent):
+    """Every result, error results too, carries its request's traceparent: one of 512 non-ASCII
+    characters took up to 2 KiB of each header block, past what ``max_error_result_size`` counts
+    (a W3C traceparent is ASCII). Both parses drop it, as one past ``MAX_TRACEPARENT_LEN``."""
+    subjects = Subjects("sp")
+    headers = {SEQ: "0", TRACEPARENT: traceparent}
+    assert wire.chunk_from_message(subjects, "sp.chunks.r1.agg", headers, b"").traceparent is None
+    assert ChunkParser(subjects)("sp.chunks.r1.agg", headers, b"").traceparent is None
+    ascii_one = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    kept = ChunkParser(subjects)("sp.chunks.r1.agg", {SEQ: "0", TRACEPARENT: ascii_one}, b"")
+    assert kept.traceparent == ascii_one

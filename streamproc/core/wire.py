@@ -7,12 +7,12 @@ Everything that a worker, an edge or another processor must agree on lives here 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgspec
 
 from . import defaults
-from .errors import ContractError, shown
+from .errors import MAX_ERROR_TEXT, ContractError, shown
 from .events import (  # noqa: F401  (re-exported: the wire contract's records, under their old path)
     MAX_SEQ,
     Chunk,
@@ -183,8 +183,10 @@ def _parse_index(value: str | None, name: str, request_id: str, *, required: boo
 
 
 def _traceparent(value: str | None) -> str | None:
-    """A chunk's traceparent as the processor keeps it: None past :data:`MAX_TRACEPARENT_LEN`."""
-    return value if value is None or len(value) <= MAX_TRACEPARENT_LEN else None
+    """A chunk's traceparent as the processor keeps it: None past :data:`MAX_TRACEPARENT_LEN` or not ASCII
+    (a W3C one is; a non-ASCII one took up to 4 bytes a character in every result's header block,
+    past the bound ``max_error_result_size`` counts)."""
+    return value if value is None or (len(value) <= MAX_TRACEPARENT_LEN and value.isascii()) else None
 
 
 def _unreadable(headers: Mapping[str, str], request_id: str) -> ContractError:
@@ -247,7 +249,8 @@ class ChunkParser:
                     and (final is None or final == "true" or final == "false")
                     and (attempt is None or attempt == "0")):
                 traceparent = headers.get(TRACEPARENT)  # _traceparent, inlined (calls per chunk)
-                if traceparent is not None and len(traceparent) > MAX_TRACEPARENT_LEN:
+                if traceparent is not None and (len(traceparent) > MAX_TRACEPARENT_LEN
+                                                or not traceparent.isascii()):
                     traceparent = None
                 return Chunk(request_id, found, int(seq), body, final == "true", 0,
                              headers.get(FORMAT) or None, traceparent, token)
@@ -300,6 +303,22 @@ def result_headers(result: Result) -> dict[str, str]:
     if result.traceparent:
         headers[TRACEPARENT] = result.traceparent
     return headers
+
+
+def max_error_result_size(error_bodies: list[Callable[[str, Any], bytes]], kinds: list[Any]) -> int:
+    """The most bytes an error result takes against ``max_payload`` (its header block and body, as
+    nats-server counts them): the longest request id, seq, kind and traceparent in
+    :func:`result_headers`, and the largest of the ``error_bodies`` (each a codec's ``error_body``)
+    for a text of :data:`errors.MAX_ERROR_TEXT` one-byte characters, which a cut text's JSON never
+    exceeds (``errors.cut_error_text``). A server whose ``max_payload`` is below it cannot take every
+    error result, and one it refuses is never replaced (the processor refuses to start)."""
+    text = "x" * MAX_ERROR_TEXT
+    body = max(len(error_body(text, kind)) for error_body in error_bodies for kind in kinds)
+    longest = max((str(getattr(kind, "value", kind)) for kind in kinds), key=len)  # ErrorKind's words
+    headers = result_headers(Result("x" * MAX_REQUEST_ID_LEN, MAX_SEQ, b"", True, error=longest,
+                                    traceparent="x" * MAX_TRACEPARENT_LEN))
+    block = len("NATS/1.0\r\n\r\n") + sum(len(k) + len(v) + len(": \r\n") for k, v in headers.items())
+    return block + body
 
 
 def plain_header_value(value: str) -> bool:

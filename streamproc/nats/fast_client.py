@@ -403,8 +403,8 @@ def chunk_from_block(parse: ChunkParser, subject: str, headers: Any, body: bytes
         if fmt is not None:
             fmt = fmt.strip()
         if traceparent is not None:
-            text = traceparent.strip().decode("utf-8", "replace")
-            tp = None if len(text) > MAX_TRACEPARENT_LEN else text
+            raw = traceparent.strip()  # wire._traceparent's rule: ASCII, at most MAX_TRACEPARENT_LEN
+            tp = raw.decode() if len(raw) <= MAX_TRACEPARENT_LEN and raw.isascii() else None
         else:
             tp = None
         return Chunk(request_id, found, int(seq), body, final == b"true", 0,

@@ -24,13 +24,14 @@ import anyio
 import nats
 from nats.aio.client import Client as NatsClient
 
-from ..catalog import Catalog
+from ..catalog import Catalog, codec_names
 from ..config import Settings, redact_url
 from ..core import defaults
 from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, StreamMismatch, StreamprocError, UnknownFormat
 from ..core.migrate_rate import MigrateRate
-from ..core.wire import MigrateReply, MigrateRequest
+from ..core.codec import ErrorKind
+from ..core.wire import MigrateReply, MigrateRequest, max_error_result_size
 from ..logs import error_text, log_event
 from . import connection
 from .control import ControlPlane
@@ -154,6 +155,7 @@ class Processor:
             if hasattr(self.nc, "on_foreign"):  # a RobustClient (connect() makes one; typed as nats-py's Client)
                 self.nc.on_foreign = self._count_foreign
             stack.push_async_callback(self._close_connection)
+            self._check_max_payload()
             self.mode = await self._choose_mode()
             self._tasks = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(self._tasks.cancel_scope.cancel)  # runs before the task group exits
@@ -260,6 +262,29 @@ class Processor:
                         await self.stop()
             if failed is not None:
                 raise failed
+
+    def error_result_size(self) -> int:
+        """The most bytes an error result may take (``wire.max_error_result_size``) in the shape of
+        the default codec or of any installed one a chunk's ``Streamproc-Format`` may name."""
+        codecs = [self.catalog(self.settings.format)]
+        for name in codec_names():
+            try:
+                codecs.append(self.catalog(name))
+            except Exception:  # noqa: BLE001 - one that cannot load: its requests get the default codec's shape
+                continue
+        return max_error_result_size([c.error_body for c in codecs], list(ErrorKind))
+
+    def _check_max_payload(self) -> None:
+        """Refuse a server whose ``max_payload`` cannot take every error result: one it refuses is
+        never replaced, so its request would wait out its client's timeout (durable mode: its chunk
+        NAKed until ``--max-deliver``)."""
+        max_payload = getattr(self.nc, "max_payload", 0)
+        needed = self.error_result_size()
+        if max_payload and max_payload < needed:
+            raise StartupError(
+                f"the NATS server's max_payload is {max_payload} bytes, below the {needed} bytes an error "
+                f"result may take (headers and body): the server would refuse some error results, and one is never "
+                f"replaced; raise max_payload to at least {needed}")
 
     async def _connect(self) -> NatsClient:
         return await connection.connect(
