@@ -221,6 +221,21 @@ def test_an_adopted_migrated_request_seals_again_with_the_same_emitted_tokens():
     assert c.stats.sealed == 1 and run.of("twice") == []  # the previous attempt's chunks are sealed
 
 
+def test_a_migrated_request_whose_bodies_cannot_be_read_back_ends_at_once_at_its_next_seq():
+    """Durable take-over of a migrated request whose stored bodies pass the read's bound (HistoryOverBound):
+    its session cannot be rebuilt, so it ends with one migration_refused error at next_seq, and the
+    chunk that looked it up (and any later one) is settled as late, never taken for a new request."""
+    c, run, _ = make()
+    run.absorb(c.end_adopted("big", 5, 1, 0.0, "its stored output is past the take-over's bound"))
+    [end] = run.of("big")
+    assert (end.seq, end.final, end.error) == (5, True, "migration_refused")
+    assert b"past the take-over's bound" in end.body
+    assert c.is_finished("big") and not c.knows("other") and c.stats.migrations_refused == 1
+    feed(run, leg("big", Role.AGG, [b"1"], attempt=1))
+    assert run.of("big") == [end] and c.stats.late == 1
+    assert c.end_adopted("big", 5, 1, 0.0, "again") == []  # known here: nothing twice
+
+
 def test_a_request_sealed_before_any_result_resumes_at_its_attempt_with_nothing_published():
     c, run, _ = make()
     c.resume("early", 0, False, 0.0, seals=[0], history=[])

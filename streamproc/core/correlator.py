@@ -668,6 +668,24 @@ class Correlator:
                 except Exception:  # a codec bug: the session starts without knowing, as before
                     req.session = None
 
+    def end_adopted(self, request_id: str, next_seq: int, attempt: int, now: float, reason: str,
+                    format: str | None = None) -> list[Decision]:
+        """Adopt a migrated request whose results ``[0, next_seq)`` are stored, at ``attempt``, and end
+        it at once with a final ``migration_refused`` error result at ``next_seq``: its migration
+        session cannot be rebuilt here (its stored bodies cannot be read back, e.g. past the take-over's
+        bound), and a stitch on part of them would be made from stale data. Nothing for a request known
+        here (active or finished). Remembered as finished: its later chunks are settled as late."""
+        if request_id in self._active or request_id in self._finished:
+            return []
+        codec, name = self._resumed_codec(format)
+        req = _Request(request_id, codec, name, self._max_retained)
+        req.next_seq = next_seq
+        req.attempt = attempt
+        req.last = now
+        self._active[request_id] = req
+        self.stats.migrations_refused += 1
+        return self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
+
     def _adopt_session(self, req: _Request, bodies: Sequence[bytes]) -> None:
         """Hand the join session the current attempt's published bodies (:meth:`JoinSession.published`):
         their chunks were settled by the dead instance and are never redelivered, so a session counting

@@ -314,3 +314,4 @@ class HistoryOverBound(MissingResults):
 
     def __init__(self, request_id: str, why: str) -> None:
         StreamprocError.__init__(self, f"stored results of {request_id!r} not read back: {why}")
+        self.why = why  # the bound and what passed it, without the request id (an error result's text)

@@ -22,8 +22,9 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from ...config import Settings
 from ...core.correlator import Correlator, is_retry
-from ...core.errors import MissingResults
-from ...core.events import MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Role, Sealed, SealRecord
+from ...core.errors import HistoryOverBound, MissingResults
+from ...core.events import (Decision, MigrateError, MigrateErrorCode, MigrateReply, MigrateRequest, Role, Sealed,
+                            SealRecord)
 from ...core.recovery import Adoption, adoption, previous_hold_left, resume_point, seal_overtaken
 from ...core.partitions import PartitionScheme
 from ...logs import LogLimiter, error_text
@@ -101,11 +102,14 @@ class Recovery:
 
     async def adopt(self, rid: str, format: str | None, now: float, *, record: SealRecord | None = None,
                      read_record: bool = True, current: Callable[[], bool] | None = None,
-                     role: Role | None = None) -> None:
+                     role: Role | None = None) -> str | None:
         """Adopt ``rid`` from the stores: its last stored result (a leader read, never a possibly stale
         follower) and its seal record; a migrated request also gets its stored bodies, from which
         the correlator rebuilds the migration session. Raises when a store cannot be read. With
-        ``current``, nothing is adopted unless it still holds after the reads."""
+        ``current``, nothing is adopted unless it still holds after the reads. A migrated request
+        whose stored bodies pass the read's bound (``HistoryOverBound``) is ended at once with a
+        ``migration_refused`` error result (a retry would read them again, and fail again, until
+        ``max_deliver``): the returned reason says so (None otherwise)."""
         assert self.ledger is not None
         ledger = self.ledger
         found: dict[str, object] = {}
@@ -130,7 +134,7 @@ class Recovery:
         point = resume_point(stored.headers) if stored is not None else None  # type: ignore[attr-defined]
         how = adoption(point, record is not None)
         if how is Adoption.AFRESH:
-            return
+            return None
         next_seq, final = point if point is not None else (0, False)
         if how is Adoption.RESUME:
             history: list[bytes] | None = None
@@ -146,14 +150,19 @@ class Recovery:
                     lost = error_text(exc)
                     self.limited.log(logging.WARNING, "published_results_lost", request_id=rid, detail=lost)
             if current is not None and not current():
-                return
+                return None
             self.correlator.resume(rid, next_seq, final, now, format, history=history, lost=lost)
         else:
             assert record is not None
-            async with self._history_reads:
-                history = await self.ledger.history(rid, next_seq)
+            try:
+                async with self._history_reads:
+                    history = await self.ledger.history(rid, next_seq)
+            except HistoryOverBound as exc:
+                if current is not None and not current():
+                    return None
+                return self._end_over_bound(rid, next_seq, len(record.seals), now, format, exc)
             if current is not None and not current():
-                return
+                return None
             self.correlator.resume(rid, next_seq, False, now, format, seals=record.seals, history=history)
             self.stats.migrated_adopted += 1
             self._note_sealed(rid)
@@ -161,6 +170,23 @@ class Recovery:
         # Rate limited: one late chunk per old id (a hostile worker's flood) costs a lookup and this line.
         self.limited.log(logging.INFO, "request_resumed", request_id=rid, next_seq=next_seq, final=final,
                   attempt=record.attempt if record is not None else 0)
+        return None
+
+    def _end_over_bound(self, rid: str, next_seq: int, attempt: int, now: float, format: str | None,
+                        exc: HistoryOverBound) -> str:
+        """End a migrated request whose stored bodies pass the take-over's bound: its error result is
+        queued before the chunk that looked it up is settled (as late), so that chunk is acknowledged
+        once the error is stored, never redelivered for another read of the same bodies."""
+        why = f"its stored output cannot be read back to rebuild its migration state: {exc.why}"
+        self.limited.log(logging.WARNING, "migrated_request_over_bound", request_id=rid, detail=why)
+        self._take(self.correlator.end_adopted(rid, next_seq, attempt, now, why, format), rid)
+        return why
+
+    def _take(self, decisions: list[Decision], rid: str) -> None:
+        """An error result decided here, to the outbox as a chunk's would go (none once it closed: a stop
+        hands the partition over, and the next owner decides again)."""
+        if not self.outbox_pump.closed:
+            self.outbox_pump.take(decisions, rid)
 
     async def migrate(self, rid: str, request: MigrateRequest,
                       seal: Callable[[], Awaitable[MigrateReply]]) -> MigrateReply:
@@ -203,9 +229,12 @@ class Recovery:
             self.forget(rid)
         if not correlator.knows(rid):
             try:
-                await self.adopt(rid, None, self._clock(), record=record, read_record=False)
+                ended = await self.adopt(rid, None, self._clock(), record=record, read_record=False)
             except Exception as exc:
                 return self._unavailable(rid, f"the request cannot be adopted: {error_text(exc)}")
+            if ended is not None:  # ended with a migration_refused error result: a retry cannot succeed
+                await self.outbox_pump.pump()
+                return MigrateError(rid, MigrateErrorCode.REFUSED, ended, len(record.seals) if record else None)
         if not correlator.knows(rid):
             try:
                 waiting = await self._chunks_waiting(rid)
@@ -219,6 +248,18 @@ class Recovery:
             try:
                 async with self._history_reads:
                     history = await self.ledger.history(rid, missing)
+            except HistoryOverBound as exc:
+                # Never answered unavailable: every retry would read the same bodies past the same bound.
+                # Refused as the correlator refuses a migrate (the request ends with its error result).
+                why = f"its stored output cannot be read back to seal it: {exc.why}"
+                self.limited.log(logging.WARNING, "migrate_over_bound", request_id=rid, detail=why)
+                if not correlator.knows(rid):  # forgotten meanwhile: a refusal would start it again at seq 0
+                    return self._unavailable(rid, "its stored results changed while they were read")
+                reply, decisions = correlator.migrate(rid, self._clock(), expected_attempt=request.expected_attempt,
+                                                      refuse=why)
+                self._take(decisions, rid)
+                await self.outbox_pump.pump()
+                return reply
             except UNREACHABLE as exc:
                 return self._unavailable(rid, f"its stored results cannot be read: {error_text(exc)}")
             restored = correlator.restore(rid, history)
