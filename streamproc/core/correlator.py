@@ -558,9 +558,13 @@ class Correlator:
                 encoded = encode_control(_sealed_reply(req, emitted, req.attempt + 1))
                 size = len(encoded)
                 if size > max_seal_bytes:
+                    # 0: the server's max_payload is at most the seal record's headroom (the processor
+                    # floors it there and warns at start-up), so no seal fits, however small.
+                    room = (f"{max_seal_bytes} bytes with max_payload" if max_seal_bytes > 0 else
+                            "none: the NATS server's max_payload leaves no room past the seal record's headroom")
                     raise MigrationRefused(
                         f"its sealed state ({len(emitted.token_ids)} emitted tokens: {size} bytes) does not fit one "
-                        f"NATS message ({max_seal_bytes} bytes with max_payload); the request cannot move")
+                        f"NATS message ({room}); the request cannot move")
         except MigrationRefused as exc:
             reason = exc.reason
         except Exception as exc:  # a codec bug costs this request, not the processor

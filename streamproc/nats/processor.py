@@ -56,6 +56,13 @@ TIMER_GRAIN = 0.05  # seconds: least time between two runs of the correlator's t
 SEAL_HEADROOM = 8 * 1024
 
 
+def seal_limit(max_payload: int) -> int:
+    """The most bytes a migrate's reply may take (``Correlator.migrate``'s ``max_seal_bytes``): 0, so
+    every migrate is refused with a reason, when ``max_payload`` is at most :data:`SEAL_HEADROOM`
+    (start-up allows down to the largest error result, ~1.5 KiB, and warns: ``migrate_unavailable``)."""
+    return max(0, max_payload - SEAL_HEADROOM)
+
+
 class Processor:
     """``async with Processor(settings) as p:`` runs until the block exits; ``run()`` until a signal."""
 
@@ -285,6 +292,10 @@ class Processor:
                 f"the NATS server's max_payload is {max_payload} bytes, below the {needed} bytes an error "
                 f"result may take (headers and body): the server would refuse some error results, and one is never "
                 f"replaced; raise max_payload to at least {needed}")
+        if max_payload and seal_limit(max_payload) == 0:  # it serves, but no request can move
+            log_event(log, logging.WARNING, "migrate_unavailable", max_payload=max_payload,
+                      seal_headroom=SEAL_HEADROOM, detail=f"every migrate is refused (the request ends "
+                      f"migration_refused): a seal record needs max_payload above {SEAL_HEADROOM} bytes")
 
     async def _connect(self) -> NatsClient:
         return await connection.connect(
@@ -404,7 +415,7 @@ class Processor:
         """Seal the request's current attempt (see ``Correlator.migrate``), after every chunk the
         server delivered before the control request has been handled."""
         # The reply, and in durable mode the seal record holding it, must each fit one NATS message.
-        limit = (getattr(self.nc, "max_payload", 0) or 1 << 20) - SEAL_HEADROOM
+        limit = seal_limit(getattr(self.nc, "max_payload", 0) or 1 << 20)
 
         async def seal() -> MigrateReply:
             return await self.exclusive(lambda now: self.correlator.migrate(
