@@ -358,3 +358,15 @@ def test_chunk_blocks_of_any_status_bytes_line_ends_whitespace_and_subject_read_
 def test_arbitrary_header_bytes_read_as_the_two_step_parse_reads_them(block, subject):
     assume(block[8] != 32)
     assert_same(block, subject)
+
+
+@pytest.mark.parametrize("value", ["00-\u00e9".encode() + b"a" * 50, "\U0001F600".encode() * 128, b"\xff\xfe" * 4,
+                                   b" " + b"a" * 512 + b" ", b"a" * 511 + "\u00e9".encode()])
+def test_a_traceparent_that_is_not_ascii_is_dropped_by_the_raw_read_as_by_chunk_parser(value):
+    """57787ed drops a non-ASCII traceparent (``wire._traceparent``); its test covered ``ChunkParser`` and
+    ``chunk_from_message`` only. The durable processor reads chunks from the raw block here: before,
+    it kept ``value`` decoded with U+FFFD (up to 4 bytes a character in every result's header block)."""
+    block = b"NATS/1.0\r\nStreamproc-Seq: 3\r\ntraceparent: " + value + b"\r\n\r\n"
+    raw = chunk_from_block(PARSE, SUBJECT, block, b"body", TOKEN)
+    assert raw.traceparent == PARSE(SUBJECT, parse_header_block(block), b"body", TOKEN).traceparent
+    assert raw.traceparent is None or (raw.traceparent.isascii() and len(raw.traceparent) <= 512)
