@@ -1,31 +1,40 @@
-"""Found by a review (2026-12-07) of 57787ed: ``streamproc run`` now starts against any ``max_payload``
-that takes its largest error result (~1.5 KiB), but a migrate's seal must fit ``max_payload`` less
-``processor.SEAL_HEADROOM`` (8 KiB). Below that every migrate was refused with a message naming a
-negative byte count ("does not fit one NATS message (-4096 bytes with max_payload)") and nothing at
-start-up said so. Now start-up warns (``event=migrate_unavailable``) and the refusal says why.
+"""Found by reviews (2026-12-07) of 57787ed and aad5ec6.
+
+``streamproc run`` starts against any ``max_payload`` that takes its largest error result (~1.5 KiB),
+but a migrate's reply had to fit ``max_payload`` less a fixed 8 KiB (``SEAL_HEADROOM``) meant for the
+rest of the durable seal record: below ~8 KiB every migrate was refused, however small its seal. And
+the record was never measured: it holds one result seq per seal besides the reply and the migrate id,
+8,565 bytes past the reply at 1,000 migrations, so past ~950 migrations of one request (``--max-migrations``
+allows 1,000,000) the reply fitted while the record did not. Now ``Correlator.migrate`` measures the
+record exactly as it is written (``wire.encode_seal_record``) against ``max_payload`` less the write's
+header block, and the reply alone against ``max_payload``.
 """
 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 from conftest import processor_subprocess
-from durable_helpers import connect
+from durable_helpers import connect, durable_flags
 
-from streamproc.core.wire import ERROR, FINAL, MigrateErrorCode, Subjects, chunk_headers, decode_migrate_reply
-from streamproc.nats.processor import SEAL_HEADROOM
+from streamproc.core.wire import (ERROR, FINAL, MigrateErrorCode, Sealed, Subjects, chunk_headers,
+                                  decode_migrate_reply)
+from streamproc.nats.processor import RECORD_HEADER_ROOM
 from streamproc.sim.embedded import EmbeddedNats
 
-pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
 
 SUBJECTS = Subjects()
-SMALL = 4096  # takes every error result (wire.max_error_result_size), below SEAL_HEADROOM
+SMALL = 4096  # takes every error result (wire.max_error_result_size), below the old 8 KiB headroom
+MIGRATE_ID = "m" * 250  # a long id (each migrate its own: the same one is a retry) is in the record
 
 
-async def test_below_the_seal_headroom_migrates_are_refused_with_a_reason_and_start_up_warns():
-    assert SMALL < SEAL_HEADROOM
+def body(rid: str) -> bytes:
+    return json.dumps({"text": "x", "output_ids": [1, 2, 3], "meta_info": {"id": rid}}).encode()
+
+
+async def test_below_8_kib_a_core_migrate_seals():
     rid = "small-payload-migrate"
     with EmbeddedNats(config=f"max_payload: {SMALL}", jetstream=False) as server:
         with processor_subprocess(server.url, "--mode", "core", "--format", "sglang") as (_proc, log_path):
@@ -33,19 +42,52 @@ async def test_below_the_seal_headroom_migrates_are_refused_with_a_reason_and_st
             try:
                 results = await nc.subscribe(SUBJECTS.result(rid))
                 await nc.flush()
-                body = json.dumps({"text": "x", "output_ids": [1, 2, 3], "meta_info": {"id": rid}}).encode()
-                await nc.publish(SUBJECTS.chunk(rid, "agg"), body, headers=chunk_headers(rid, "agg", 0))
+                await nc.publish(SUBJECTS.chunk(rid, "agg"), body(rid), headers=chunk_headers(rid, "agg", 0))
                 first = await results.next_msg(timeout=10)
                 assert (first.headers or {}).get(FINAL) != "true", first.headers
                 reply = await nc.request(SUBJECTS.migrate(rid), b'{"id":"m1"}', timeout=8)
                 answer = decode_migrate_reply(reply.data)
-                assert answer.code == MigrateErrorCode.REFUSED, answer
-                assert not re.search(r"-\d+ bytes", answer.message), answer.message
-                assert "leaves no room" in answer.message, answer.message
-                final = await results.next_msg(timeout=10)  # the request still ends: its client is told
-                assert final.headers[FINAL] == "true" and final.headers[ERROR] == "migration_refused"
+                assert isinstance(answer, Sealed) and answer.attempt == 1, answer
             finally:
                 await nc.close()
             log = log_path.read_text(errors="replace")
-    warned = [line for line in log.splitlines() if "event=migrate_unavailable" in line]
-    assert warned and f"max_payload={SMALL}" in warned[0] and str(SEAL_HEADROOM) in warned[0], log[-2000:]
+    assert "event=migrate_unavailable" not in log, log[-2000:]  # the smallest seal record fits 4 KiB
+
+
+@pytest.mark.parametrize("max_payload", [SMALL, 9000])
+async def test_a_seal_record_past_max_payload_is_refused_not_answered_unavailable_for_ever(max_payload: int):
+    """Migrated until its record outgrows one message: every migrate seals while its record fits, the
+    next one is refused (both byte figures named) and ends the request; none is answered ``unavailable``.
+    At 9000 bytes (above the old 8 KiB headroom, so the reply fitted) the old code sealed 4,159 times,
+    then the 4,160th seal's record could not be written (``unavailable``: "the seal cannot be recorded:
+    MaxPayloadError") and the request never ended; at 4096 the first migrate was refused."""
+    rid = "r" * 200
+    with EmbeddedNats(config=f"max_payload: {max_payload}") as server:
+        with processor_subprocess(server.url, *durable_flags(partitions=1, format="sglang"),
+                                  "--max-migrations", "1000000") as (_proc, log_path):
+            nc = await connect(server.url)
+            try:
+                js = nc.jetstream()
+                results = await nc.subscribe(SUBJECTS.result(rid))
+                await nc.flush()
+                await js.publish(SUBJECTS.chunk(rid, "agg"), body(rid), headers=chunk_headers(rid, "agg", 0))
+                first = await results.next_msg(timeout=10)
+                assert (first.headers or {}).get(FINAL) != "true", first.headers
+                answers: list[object] = []
+                for i in range(6000):
+                    ask = json.dumps({"id": f"{i:06d}{MIGRATE_ID}"}).encode()
+                    reply = await nc.request(SUBJECTS.migrate(rid), ask, timeout=10)
+                    answer = decode_migrate_reply(reply.data)
+                    answers.append(answer)
+                    if not isinstance(answer, Sealed):
+                        break
+                final = await results.next_msg(timeout=10)  # the request still ends: its client is told
+            finally:
+                await nc.close()
+    sealed = [a for a in answers if isinstance(a, Sealed)]
+    last = answers[-1]
+    assert not isinstance(last, Sealed), f"{len(sealed)} seals and no refusal"
+    assert last.code == MigrateErrorCode.REFUSED, (len(sealed), last)
+    assert "seal record" in last.message and f"{max_payload - RECORD_HEADER_ROOM} bytes" in last.message, last
+    assert len(sealed) > 50 and [a.attempt for a in sealed] == list(range(1, len(sealed) + 1))
+    assert final.headers[FINAL] == "true" and final.headers[ERROR] == "migration_refused", final.headers

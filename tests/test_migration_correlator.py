@@ -515,3 +515,29 @@ def test_a_seal_overtaken_agrees_with_what_the_correlator_answers_a_migrate_of_t
         assert code is MigrateErrorCode.UNAVAILABLE, (events, overtaken)
         assert not c.knows("m") or c.attempt_of("m") != sealed.attempt, events
     assert why
+
+
+
+def _migrated(times: int) -> tuple[Run, list]:
+    _, run, _ = make(max_migrations=100)
+    feed(run, leg("r", Role.AGG, [b"1 2", b"3", b"4"])[:2])
+    return run, [migrate(run, "r", id=f"m{i}") for i in range(times)]
+
+
+def test_a_seal_is_refused_exactly_when_its_seal_record_would_not_fit():
+    """Found by a review (2026-12-07): the durable seal record (reply, one result seq per seal, migrate
+    id) was never measured, only the reply against max_payload less a fixed 8 KiB. Now the limit is on
+    the record as ``wire.encode_seal_record`` writes it: one byte under its size refuses, at it seals."""
+    from streamproc.core.events import SealRecord
+    from streamproc.core.wire import encode_seal_record
+
+    _, replies = _migrated(6)  # what the 6th seal writes
+    record = len(encode_seal_record(SealRecord([r.result_seq for r in replies], replies[-1], "m5")))
+    for slack, sealed in ((0, True), (-1, False)):
+        run, _ = _migrated(5)
+        reply = migrate(run, "r", id="m5", max_seal_bytes=1 << 20, max_record_bytes=record + slack)
+        assert isinstance(reply, Sealed) is sealed, reply
+        if not sealed:
+            assert reply.code is MigrateErrorCode.REFUSED
+            assert f"6 seals, 3 emitted tokens: {record} bytes" in reply.message, reply.message
+            assert f"({record - 1} bytes: max_payload less" in reply.message, reply.message

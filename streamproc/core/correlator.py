@@ -28,7 +28,7 @@ from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import ContractError, MigrationRefused, UnknownFormat, cut_error_text, shown
 from .latency import LatencyHistogram
-from .wire import decode_migrate_reply, encode_control
+from .wire import decode_migrate_reply, encode_control, encode_seal_record
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
     Decision,
@@ -39,6 +39,7 @@ from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported 
     Result,
     Role,
     Sealed,
+    SealRecord,
     Settle,
     Verdict,
 )
@@ -200,7 +201,7 @@ class _Request:
         "prefill", "prefill_final", "prefill_state", "waiting_since", "held", "traceparent", "last",
         "attempt", "offset", "retained", "retain", "budget", "migration", "refusal",
         "buffered", "absorbed", "decoded", "work", "outcome", "cpu", "missing",
-        "last_seal", "join_timed", "progress", "omitted", "repeats", "repeated",
+        "last_seal", "join_timed", "progress", "omitted", "repeats", "repeated", "seals",
     )
 
     def __init__(self, request_id: str, codec: Codec, format: str, retain: int) -> None:
@@ -246,6 +247,9 @@ class _Request:
         # (MigrateRequest.id, encoded reply) of the last seal, for a retry whose reply was lost. Encoded
         # (about 6 bytes a token id, not a list of ints at 36) and charged as progress state.
         self.last_seal: tuple[str, bytes] | None = None
+        # The result seq where each later attempt starts (the seal record's ``seals``): measured with the
+        # record at a migrate. None until the first seal (no list per request that never moves).
+        self.seals: list[int] | None = None
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
@@ -502,7 +506,8 @@ class Correlator:
 
     def migrate(self, request_id: str, now: float, *, expected_attempt: int | None = None,
                 refuse: str | None = None, id: str | None = None,
-                max_seal_bytes: int | None = None) -> tuple[MigrateReply, list[Decision]]:
+                max_seal_bytes: int | None = None,
+                max_record_bytes: int | None = None) -> tuple[MigrateReply, list[Decision]]:
         """Seal the request's current attempt and grant the next one (seal-then-resume).
 
         The reply says exactly what the client has been sent: the results already published, never
@@ -511,9 +516,11 @@ class Correlator:
         A request whose state cannot move (``refuse``, or the codec's verdict on its bodies) is
         ended with a final ``migration_refused`` error result, so the client is not left waiting.
         A retry of the last seal (same ``id``, its reply lost) gets that seal's reply again.
-        ``max_seal_bytes``: the most the encoded reply (and the seal record holding it) may take, one
-        NATS message; a seal past it is refused before anything is sealed (else, sealed, its reply
-        could not be sent, nor its record stored, and no retry would ever get through).
+        ``max_seal_bytes``: the most the encoded reply may take (one NATS message); ``max_record_bytes``
+        (durable mode): the most the seal record holding it may take, measured exactly as the shell
+        writes it (:func:`~.wire.encode_seal_record`: this seal's reply, every seal's result seq, ``id``).
+        A seal past either is refused before anything is sealed (else, sealed, its reply could not be
+        sent, nor its record stored, and no retry would ever get through).
         """
         req = self._active.get(request_id)
         if req is not None and id is not None and req.last_seal is not None and req.last_seal[0] == id:
@@ -554,17 +561,21 @@ class Correlator:
                                        f"{self.config.max_migrations})")
             emitted = self._progress(req).seal()
             encoded = None  # the reply's bytes, measured before the seal: the seal sends the same reply
-            if max_seal_bytes is not None:
-                encoded = encode_control(_sealed_reply(req, emitted, req.attempt + 1))
+            if max_seal_bytes is not None or max_record_bytes is not None:
+                granted = _sealed_reply(req, emitted, req.attempt + 1)
+                encoded = encode_control(granted)
                 size = len(encoded)
-                if size > max_seal_bytes:
-                    # 0: the server's max_payload is at most the seal record's headroom (the processor
-                    # floors it there and warns at start-up), so no seal fits, however small.
-                    room = (f"{max_seal_bytes} bytes with max_payload" if max_seal_bytes > 0 else
-                            "none: the NATS server's max_payload leaves no room past the seal record's headroom")
+                if max_seal_bytes is not None and size > max_seal_bytes:
                     raise MigrationRefused(
                         f"its sealed state ({len(emitted.token_ids)} emitted tokens: {size} bytes) does not fit one "
-                        f"NATS message ({room}); the request cannot move")
+                        f"NATS message ({max(0, max_seal_bytes)} bytes with max_payload); the request cannot move")
+                if max_record_bytes is not None:
+                    record = len(encode_seal_record(SealRecord([*(req.seals or ()), req.next_seq], granted, id)))
+                    if record > max_record_bytes:
+                        raise MigrationRefused(
+                            f"its seal record ({req.attempt + 1} seals, {len(emitted.token_ids)} emitted tokens: "
+                            f"{record} bytes) does not fit one NATS message ({max(0, max_record_bytes)} bytes: "
+                            f"max_payload less the record write's headers); the request cannot move")
         except MigrationRefused as exc:
             reason = exc.reason
         except Exception as exc:  # a codec bug costs this request, not the processor
@@ -641,6 +652,7 @@ class Correlator:
             if history is None or len(history) != next_seq or any(not 0 <= s <= next_seq for s in seals):
                 raise ValueError("resuming a migrated request needs its stored bodies [0, next_seq) and seals within them")
             req.attempt = len(seals)
+            req.seals = list(seals)
             req.offset = seals[-1]
             try:
                 session = req.migration = codec.open_migration()
@@ -1335,6 +1347,9 @@ class Correlator:
         req.kind = None  # ... and may be aggregated where the last one was P/D, or the reverse
         req.final_seq = None
         req.attempt += 1
+        if req.seals is None:
+            req.seals = []
+        req.seals.append(req.next_seq)
         req.offset = req.next_seq
         req.last = now
         self._active.move_to_end(rid)

@@ -476,6 +476,8 @@ _seal_record = msgspec.json.Decoder(SealRecord)
 
 
 def encode_seal_record(record: SealRecord) -> bytes:
+    """The bytes the migrations bucket stores: what ``SealLedger.write`` sends and what
+    ``Correlator.migrate`` measures before a seal, so a record that cannot be written is never sealed."""
     return _control_encoder.encode(record)
 
 

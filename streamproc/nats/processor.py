@@ -31,7 +31,8 @@ from ..core.correlator import CodecResolver, Correlator, Decision, Stats
 from ..core.errors import StartupError, StreamMismatch, StreamprocError, UnknownFormat
 from ..core.migrate_rate import MigrateRate
 from ..core.codec import ErrorKind
-from ..core.wire import MigrateReply, MigrateRequest, max_error_result_size
+from ..core.wire import (MigrateReply, MigrateRequest, Sealed, SealRecord, encode_seal_record,
+                         max_error_result_size)
 from ..logs import error_text, log_event
 from . import connection
 from .control import ControlPlane
@@ -51,16 +52,21 @@ FROM_ENVIRONMENT: Any = object()  # Processor(tracing=...): configured by the OT
 TIMER_GRAIN = 0.05  # seconds: least time between two runs of the correlator's timer (at most 20 wakeups/s)
 
 
-# Room a migrate's reply leaves in max_payload for the rest of the seal record (durable mode: the seal
-# seqs, the migrate's id) and the message's headers.
-SEAL_HEADROOM = 8 * 1024
+# The header block of a seal record's write (nats-py 2.16 ``KeyValue._update``: ``hdrs[
+# api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE] = str(last)``, encoded as ``Client._send_publish`` does) with
+# the longest revision (a uint64): nats-server counts it against max_payload with the record.
+RECORD_HEADER_ROOM = len(b"NATS/1.0\r\nNats-Expected-Last-Subject-Sequence: " + b"9" * 20 + b"\r\n\r\n")
 
 
-def seal_limit(max_payload: int) -> int:
-    """The most bytes a migrate's reply may take (``Correlator.migrate``'s ``max_seal_bytes``): 0, so
-    every migrate is refused with a reason, when ``max_payload`` is at most :data:`SEAL_HEADROOM`
-    (start-up allows down to the largest error result, ~1.5 KiB, and warns: ``migrate_unavailable``)."""
-    return max(0, max_payload - SEAL_HEADROOM)
+def record_limit(max_payload: int) -> int:
+    """The most bytes a seal record may take (``Correlator.migrate``'s ``max_record_bytes``)."""
+    return max(0, max_payload - RECORD_HEADER_ROOM)
+
+
+def least_first_record(format: str) -> int:
+    """The bytes of the smallest seal record any first migrate writes (a 1-character request id, no
+    emitted token, no codec state, no migrate id): below it every migrate is refused."""
+    return len(encode_seal_record(SealRecord([0], Sealed("x", 1, 0, [], 0, format, {}), None)))
 
 
 class Processor:
@@ -292,10 +298,11 @@ class Processor:
                 f"the NATS server's max_payload is {max_payload} bytes, below the {needed} bytes an error "
                 f"result may take (headers and body): the server would refuse some error results, and one is never "
                 f"replaced; raise max_payload to at least {needed}")
-        if max_payload and seal_limit(max_payload) == 0:  # it serves, but no request can move
+        least = least_first_record(self.settings.format) + RECORD_HEADER_ROOM
+        if max_payload and max_payload < least:  # it serves, but no request can move
             log_event(log, logging.WARNING, "migrate_unavailable", max_payload=max_payload,
-                      seal_headroom=SEAL_HEADROOM, detail=f"every migrate is refused (the request ends "
-                      f"migration_refused): a seal record needs max_payload above {SEAL_HEADROOM} bytes")
+                      least_seal_record=least, detail=f"every migrate is refused (the request ends "
+                      f"migration_refused): the smallest seal record, with its headers, takes {least} bytes")
 
     async def _connect(self) -> NatsClient:
         return await connection.connect(
@@ -414,13 +421,15 @@ class Processor:
     async def migrate(self, request_id: str, request: MigrateRequest) -> MigrateReply:
         """Seal the request's current attempt (see ``Correlator.migrate``), after every chunk the
         server delivered before the control request has been handled."""
-        # The reply, and in durable mode the seal record holding it, must each fit one NATS message.
-        limit = seal_limit(getattr(self.nc, "max_payload", 0) or 1 << 20)
+        # The reply (sent without headers), and in durable mode the seal record holding it (with its
+        # write's headers), must each fit one NATS message.
+        max_payload = getattr(self.nc, "max_payload", 0) or 1 << 20
+        record = record_limit(max_payload) if self.mode == "durable" else None
 
         async def seal() -> MigrateReply:
             return await self.exclusive(lambda now: self.correlator.migrate(
                 request_id, now, expected_attempt=request.expected_attempt, refuse=request.refuse,
-                id=request.id, max_seal_bytes=limit))
+                id=request.id, max_seal_bytes=max_payload, max_record_bytes=record))
 
         if self._input is None:
             return await seal()
