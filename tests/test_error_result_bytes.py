@@ -109,3 +109,18 @@ async def test_at_the_max_payload_it_needs_every_hostile_error_result_is_deliver
                     assert all(len(stored[r]) == 1 and stored[r][0].error for r in rids), stored
             finally:
                 await nc.close()
+
+
+def test_a_codec_whose_error_body_raises_is_not_counted_and_does_not_stop_the_bound():
+    """A broken codec plugin (its ``error_body`` raises) made ``max_error_result_size`` raise, and with
+    it ``streamproc run``'s start-up check: one bad plugin stopped every format from being served
+    (tests/test_durable_hostile.py's broken-codec case). It builds no error result, so it is skipped."""
+
+    def broken(text: str, kind: object) -> bytes:
+        raise RuntimeError("broken codec: every call raises")
+
+    catalog = Catalog()
+    good = [catalog(n).error_body for n in codec_names()]
+    assert max_error_result_size([broken, *good], list(ErrorKind)) == needed()
+    empty = max_error_result_size([lambda text, kind: b""], list(ErrorKind))  # the header block alone
+    assert max_error_result_size([broken], list(ErrorKind)) == empty

@@ -311,9 +311,19 @@ def max_error_result_size(error_bodies: list[Callable[[str, Any], bytes]], kinds
     :func:`result_headers`, and the largest of the ``error_bodies`` (each a codec's ``error_body``)
     for a text of :data:`errors.MAX_ERROR_TEXT` one-byte characters, which a cut text's JSON never
     exceeds (``errors.cut_error_text``). A server whose ``max_payload`` is below it cannot take every
-    error result, and one it refuses is never replaced (the processor refuses to start)."""
+    error result, and one it refuses is never replaced (the processor refuses to start). An
+    ``error_body`` that raises (a broken codec plugin) is not counted: it builds no error result (its
+    requests are answered through ``Pipeline.failed``), and a broken plugin must not stop the
+    processor from serving every other format."""
     text = "x" * MAX_ERROR_TEXT
-    body = max(len(error_body(text, kind)) for error_body in error_bodies for kind in kinds)
+    sizes = [0]
+    for error_body in error_bodies:
+        for kind in kinds:
+            try:
+                sizes.append(len(error_body(text, kind)))
+            except Exception:  # noqa: BLE001 - a codec's bug, met again (and answered) per request
+                continue
+    body = max(sizes)
     longest = max((str(getattr(kind, "value", kind)) for kind in kinds), key=len)  # ErrorKind's words
     headers = result_headers(Result("x" * MAX_REQUEST_ID_LEN, MAX_SEQ, b"", True, error=longest,
                                     traceparent="x" * MAX_TRACEPARENT_LEN))
