@@ -144,6 +144,7 @@ async def test_an_error_result_that_is_itself_too_large_is_given_up_not_replaced
             text = log_path.read_text()
             assert text.count("event=publish_failed") == 2 and "failures_total=2" in text, text[-2000:]
             assert "big" not in got  # nothing of it fits: it is logged, not sent
+            assert "event=max_payload_below_error_results max_payload=256" in text, text[-2000:]
             assert proc.poll() is None
 
 

@@ -103,6 +103,7 @@ class Processor:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._last_error: BaseException | None = None
         self._closing = False
+        self._error_result_bytes = 0  # the largest error result (error_result_size), measured at start()
         self._serving = False  # between a finished start() and the beginning of stop()
         self.http_port: int | None = None  # bound port of the status server (--http-port), once listening
         self.status_server: Any = None  # the StatusServer, once listening (its connection counters)
@@ -292,7 +293,7 @@ class Processor:
         never replaced, so its request would wait out its client's timeout (durable mode: its chunk
         NAKed until ``--max-deliver``)."""
         max_payload = getattr(self.nc, "max_payload", 0)
-        needed = self.error_result_size()
+        needed = self._error_result_bytes = self.error_result_size()
         if max_payload and max_payload < needed:
             raise StartupError(
                 f"the NATS server's max_payload is {max_payload} bytes, below the {needed} bytes an error "
@@ -378,6 +379,12 @@ class Processor:
         self.io.reconnects += 1
         url = redact_url(self.nc.connected_url.geturl()) if self.nc and self.nc.connected_url else "?"
         log_event(log, logging.INFO, "reconnected", server=url)
+        max_payload = getattr(self.nc, "max_payload", 0)
+        if max_payload and max_payload < self._error_result_bytes:
+            # A server restarted with a lower max_payload: refused at start-up, but here the processor
+            # serves on; error results past it are logged (publish_failed) and given up, never sent.
+            log_event(log, logging.WARNING, "max_payload_below_error_results", max_payload=max_payload,
+                      needed=self._error_result_bytes, detail="some error results cannot be sent: raise max_payload")
         if self._input is not None:
             self._input.reconnected()
 
