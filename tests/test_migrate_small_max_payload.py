@@ -18,8 +18,9 @@ import pytest
 from conftest import processor_subprocess
 from durable_helpers import connect, durable_flags
 
-from streamproc.core.wire import (ERROR, FINAL, MigrateErrorCode, Sealed, Subjects, chunk_headers,
-                                  decode_migrate_reply)
+from streamproc.core.codec import ErrorKind
+from streamproc.core.wire import (ERROR, FINAL, MigrateErrorCode, Sealed, SealRecord, Subjects, chunk_headers,
+                                  decode_migrate_reply, encode_seal_record, max_error_result_size)
 from streamproc.nats.processor import RECORD_HEADER_ROOM
 from streamproc.sim.embedded import EmbeddedNats
 
@@ -51,7 +52,16 @@ async def test_below_8_kib_a_core_migrate_seals():
             finally:
                 await nc.close()
             log = log_path.read_text(errors="replace")
-    assert "event=migrate_unavailable" not in log, log[-2000:]  # the smallest seal record fits 4 KiB
+    assert "event=migrate_unavailable" not in log, log[-2000:]
+
+
+def test_every_server_start_up_accepts_takes_a_first_seal_record():
+    """Why start-up checks nothing for migrates: the smallest seal record a first migrate writes (a
+    1-character id, no token, no codec state, no migrate id), with its write's header block, is smaller
+    than an error result's header block alone, which every accepted ``max_payload`` takes."""
+    least = len(encode_seal_record(SealRecord([0], Sealed("x", 1, 0, [], 0, "sglang", {}), None)))
+    header_block_alone = max_error_result_size([lambda text, kind: b""], list(ErrorKind))
+    assert least + RECORD_HEADER_ROOM < header_block_alone, (least, RECORD_HEADER_ROOM, header_block_alone)
 
 
 @pytest.mark.parametrize("max_payload", [SMALL, 9000])
