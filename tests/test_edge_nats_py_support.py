@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import sys
 from typing import Any, Callable
 
 import pytest
-from edge_harness import EDGE, running_edge
+from edge_harness import EDGE, EdgeProcess, running_edge
 from helpers import clean_env, free_port
 from nats.aio.client import Client
 from nats.aio.client import __version__ as nats_py_version
@@ -127,3 +128,38 @@ def test_the_edge_logs_the_pending_path_it_starts_on(nats_url):
     with running_edge(nats_url) as edge:
         log = edge.log()
     assert "nats_pending_path" in log and "path=internals" in log and f"nats-py {nats_py_version}" in log, log
+
+
+# streamproc edge with pending_support counted, the count printed at exit.
+COUNTED = """
+import atexit, sys
+from streamproc.edge import pending
+calls = []
+check = pending.pending_support
+def counted(*args, **kwargs):
+    calls.append(1)
+    return check(*args, **kwargs)
+pending.pending_support = counted
+atexit.register(lambda: print(f"nats-py internals checks: {len(calls)}", flush=True))
+from streamproc.edge.command import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+def test_streamproc_edge_checks_the_nats_py_internals_once_per_start(nats_url):
+    """The CLI checks before it sets up its server and hands the reason to ResultSource.start, which
+    checked again on every start: two checks per start-up."""
+    port = free_port()
+    edge = EdgeProcess(nats_url, port=port, command=[sys.executable, "-c", COUNTED, "--nats-url", nats_url,
+                                                     "--port", str(port), "--insecure-demo"])
+    try:
+        edge.start()
+        code = edge.stop()
+        log = edge.log()
+    finally:
+        edge.close()
+    assert code == 0, log
+    assert "nats_pending_path" in log and f"nats-py {nats_py_version}" in log, log
+    assert "nats-py internals checks: 1\n" in log, log

@@ -81,8 +81,10 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
         print(print_config(settings, origin))
         return EXIT_OK
     configure_logging(settings.log_level, settings.log_format)
+    source = app.state.edge.source
     try:
-        require_support()  # also in ResultSource.start (every edge start); here before the server is set up
+        # Here before the server is set up; the reason goes to the source, whose start then checks no more.
+        source.support = require_support()
     except NatsPyUnsupported as exc:
         print(f"streamproc edge: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -94,7 +96,6 @@ def main_edge(args: argparse.Namespace, environ: Mapping[str, str] | None = None
     server = server_class(app.state.edge.stop_streams)(config)
     quiet = _StartupFailureFilter(app)
     logging.getLogger("uvicorn.error").addFilter(quiet)
-    source = app.state.edge.source
 
     async def serve() -> int:
         # Connect first, with our own signal handling: Uvicorn only watches SIGTERM/SIGINT once it

@@ -299,9 +299,9 @@ def pending_support(version: str | None = None) -> tuple[bool, str]:
 
 
 def require_support() -> str:
-    """:func:`pending_support`'s reason, or :class:`NatsPyUnsupported`. Every edge start runs it
-    (``ResultSource.start``, so an edge built in-process by ``create_app`` too; ``streamproc edge``
-    also before it sets up its server)."""
+    """:func:`pending_support`'s reason, or :class:`NatsPyUnsupported`. Run once per edge start-up:
+    by ``streamproc edge`` before it sets up its server (the reason handed to ``ResultSource.support``),
+    else by ``ResultSource.start`` (an edge built in-process by ``create_app``)."""
     usable, reason = pending_support()
     if not usable:  # nats-py's public API cannot keep the held-bytes bound: refuse
         raise NatsPyUnsupported(

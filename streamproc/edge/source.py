@@ -173,6 +173,9 @@ class ResultSource:
         # True once the client runs ``after_read`` at the end of every read (FastClient on its fast
         # parser); else the Edge's WriteBatch schedules its own flush for the next loop pass.
         self.after_read_hooked = False
+        # The reason of the nats-py internals check once it passed (pending.require_support): set by start,
+        # or before it by `streamproc edge`, which checks before it sets up its server.
+        self.support: str | None = None
         # The recent ring's clock (time.time()) for the results of the NATS read under way, read by the
         # fan-out's first result of the read and cleared at its end (run_after_read): one clock read per
         # read, not per SSE event (docs/benchmarks.md, "seventh pass"). Kept only while after_read_hooked
@@ -210,8 +213,11 @@ class ResultSource:
     async def start(self) -> None:
         """Connect (retrying until NATS answers, at most ``connect_timeout``; a refused credential
         at once), check the results stream, start the recent ring. First the nats-py internals check
-        (:func:`pending.require_support`): every way of starting an edge passes here."""
-        reason = pending.require_support()
+        (:func:`pending.require_support`): every way of starting an edge passes here, and checks here
+        unless ``support`` already holds the reason of a check passed in this process (``streamproc
+        edge`` checks before it sets up its server), so one start-up checks once."""
+        reason = self.support if self.support is not None else pending.require_support()
+        self.support = reason
         log_event(log, logging.INFO, "nats_pending_path", path="internals", reason=reason)
         self.nc = await connection.connect(
             self.settings,
