@@ -8,6 +8,7 @@ Each test failed on the code it was written against; the docstrings give the fig
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 import time
 
@@ -37,6 +38,21 @@ from streamproc.sim.embedded import EmbeddedNats
 pytestmark = [pytest.mark.anyio, pytest.mark.nats, pytest.mark.timeout(180)]
 
 SUBJECTS = Subjects()
+
+
+@contextlib.asynccontextmanager
+async def processor_on_max_payload(max_payload: int, port: int, *flags: str):
+    """A nats-server of its own whose ``max_payload`` is ``max_payload`` (an operator's lowered
+    limit), a processor on it run with ``flags`` (metrics on ``port``), and a client that sees that limit:
+    (server, the processor's process, the client), the client closed at the end."""
+    with EmbeddedNats(config=f"max_payload: {max_payload}") as server:
+        with processor_subprocess(server.url, *flags, "--http-port", str(port)) as (proc, _log_path):
+            nc = await connect(server.url)
+            try:
+                assert nc.max_payload == max_payload
+                yield server, proc, nc
+            finally:
+                await nc.close()
 
 
 @pytest.mark.xfail(strict=True, reason="nats-server keeps every Nats-Msg-Id for the duplicate window, whatever its "
@@ -640,51 +656,45 @@ async def test_a_result_over_max_payload_behind_others_in_a_fast_batch_ends_its_
     0, 1 and the error, nothing is redelivered or poisoned, and a bystander published behind the
     flood is answered within ``BEHIND_BYSTANDER_BOUND``."""
     port = free_port()
-    with EmbeddedNats(config=f"max_payload: {LOW_MAX_PAYLOAD}") as server:
-        flags = durable_flags(partitions=1, max_ack_pending=OVERSIZED_MAX_ACK_PENDING)
-        with processor_subprocess(server.url, *flags, "--http-port", str(port)) as (proc, log_path):
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                assert nc.max_payload == LOW_MAX_PAYLOAD
-                flood = [f"behind{k}" for k in range(BEHIND)]
-                frames = []
-                for r in flood:
-                    subject = SUBJECTS.chunk(r, "agg").encode()
-                    block = b"NATS/1.0\r\nStreamproc-Seq:2\r\n\r\n"
-                    frames += [raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:0\r\n\r\n", b"zero"),
-                               raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:1\r\n\r\n", b"one"),
-                               raw_hpub(subject, block, b"x" * (LOW_MAX_PAYLOAD - len(block))),
-                               raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:3\r\nStreamproc-Final:true\r\n\r\n",
-                                        b"three")]
-                await raw_protocol(server.url, frames)
-                t0 = time.monotonic()
-                await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
-                                 headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
-                await wait_for_finals(js, SUBJECTS, ["bystander"], 90)
-                bystander = time.monotonic() - t0
-                stored = await wait_for_finals(js, SUBJECTS, flood, 90)
-                metrics = scrape(port)
-                summary = (f"bystander answered after {bystander:.2f} s; redelivered "
-                           f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
-                           f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
-                           f"{status_kib(proc.pid, 'VmHWM') / 1024:.0f} MiB")
-                for r in flood:
-                    got = [(x.seq, x.final, x.error) for x in stored[r]]
-                    assert got == [(0, False, None), (1, False, None), (2, True, "internal")], (r, got, summary)
-                    assert b"max_payload" in stored[r][2].body, stored[r][2].body[:300]
-                assert metrics["streamproc_durable_poisoned_total"] == 0, summary
-                assert metrics["streamproc_durable_redelivered_total"] == 0, summary
-                assert bystander < BEHIND_BYSTANDER_BOUND, summary
+    flags = durable_flags(partitions=1, max_ack_pending=OVERSIZED_MAX_ACK_PENDING)
+    async with processor_on_max_payload(LOW_MAX_PAYLOAD, port, *flags) as (server, proc, nc):
+        js = nc.jetstream()
+        flood = [f"behind{k}" for k in range(BEHIND)]
+        frames = []
+        for r in flood:
+            subject = SUBJECTS.chunk(r, "agg").encode()
+            block = b"NATS/1.0\r\nStreamproc-Seq:2\r\n\r\n"
+            frames += [raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:0\r\n\r\n", b"zero"),
+                       raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:1\r\n\r\n", b"one"),
+                       raw_hpub(subject, block, b"x" * (LOW_MAX_PAYLOAD - len(block))),
+                       raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:3\r\nStreamproc-Final:true\r\n\r\n",
+                                b"three")]
+        await raw_protocol(server.url, frames)
+        t0 = time.monotonic()
+        await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                         headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+        await wait_for_finals(js, SUBJECTS, ["bystander"], 90)
+        bystander = time.monotonic() - t0
+        stored = await wait_for_finals(js, SUBJECTS, flood, 90)
+        metrics = scrape(port)
+        summary = (f"bystander answered after {bystander:.2f} s; redelivered "
+                   f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+                   f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
+                   f"{status_kib(proc.pid, 'VmHWM') / 1024:.0f} MiB")
+        for r in flood:
+            got = [(x.seq, x.final, x.error) for x in stored[r]]
+            assert got == [(0, False, None), (1, False, None), (2, True, "internal")], (r, got, summary)
+            assert b"max_payload" in stored[r][2].body, stored[r][2].body[:300]
+        assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+        assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+        assert bystander < BEHIND_BYSTANDER_BOUND, summary
 
-                async def drained() -> bool:
-                    return await chunk_stream_messages(js) == 0
+        async def drained() -> bool:
+            return await chunk_stream_messages(js) == 0
 
-                await wait_until(drained, 10, "every chunk acknowledged")
-                assert peak_rss(proc.pid) < 200 * MiB, summary
-                assert proc.poll() is None
-            finally:
-                await nc.close()
+        await wait_until(drained, 10, "every chunk acknowledged")
+        assert peak_rss(proc.pid) < 200 * MiB, summary
+        assert proc.poll() is None
 
 
 async def test_a_migrate_sealing_a_result_that_is_then_replaced_by_an_error_answers_finished_not_sealed(tmp_path):
@@ -781,36 +791,30 @@ async def test_an_error_text_built_from_a_long_role_fits_a_small_max_payload():
     ``--max-deliver``. The text is cut now (``errors.MAX_ERROR_TEXT``): every such request ends at its
     first delivery with one clear error, nothing is redelivered or poisoned, and a bystander is answered."""
     port = free_port()
-    with EmbeddedNats(config=f"max_payload: {SMALL_MAX_PAYLOAD}") as server:
-        flags = durable_flags(partitions=1)
-        with processor_subprocess(server.url, *flags, "--http-port", str(port)) as (proc, log_path):
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                assert nc.max_payload == SMALL_MAX_PAYLOAD
-                hostile = [f"longrole{k}" for k in range(HOSTILE)]
-                frames = [raw_hpub(f"{SUBJECTS.chunk(r, 'agg')[:-len('agg')]}{LONG_ROLE}".encode(),
-                                   b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n", b"{}")
-                          for r in hostile]
-                await raw_protocol(server.url, frames)
-                await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
-                                 headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
-                stored = await wait_for_finals(js, SUBJECTS, ["bystander", *hostile], 30)
-                metrics = scrape(port)
-                summary = (f"redelivered {metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
-                           f"{metrics['streamproc_durable_poisoned_total']:.0f}")
-                assert [(x.seq, x.final, x.error) for x in stored["bystander"]] == [(0, True, None)], summary
-                for r in hostile:
-                    got = [(x.seq, x.final, x.error) for x in stored[r]]
-                    assert got == [(0, True, "invalid_chunk")], (r, got, summary)
-                    assert b"unknown role" in stored[r][0].body, stored[r][0].body[:300]
-                assert metrics["streamproc_durable_poisoned_total"] == 0, summary
-                assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+    flags = durable_flags(partitions=1)
+    async with processor_on_max_payload(SMALL_MAX_PAYLOAD, port, *flags) as (server, proc, nc):
+        js = nc.jetstream()
+        hostile = [f"longrole{k}" for k in range(HOSTILE)]
+        frames = [raw_hpub(f"{SUBJECTS.chunk(r, 'agg')[:-len('agg')]}{LONG_ROLE}".encode(),
+                           b"NATS/1.0\r\nStreamproc-Seq:0\r\nStreamproc-Final:true\r\n\r\n", b"{}")
+                  for r in hostile]
+        await raw_protocol(server.url, frames)
+        await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                         headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+        stored = await wait_for_finals(js, SUBJECTS, ["bystander", *hostile], 30)
+        metrics = scrape(port)
+        summary = (f"redelivered {metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+                   f"{metrics['streamproc_durable_poisoned_total']:.0f}")
+        assert [(x.seq, x.final, x.error) for x in stored["bystander"]] == [(0, True, None)], summary
+        for r in hostile:
+            got = [(x.seq, x.final, x.error) for x in stored[r]]
+            assert got == [(0, True, "invalid_chunk")], (r, got, summary)
+            assert b"unknown role" in stored[r][0].body, stored[r][0].body[:300]
+        assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+        assert metrics["streamproc_durable_redelivered_total"] == 0, summary
 
-                async def drained() -> bool:
-                    return await chunk_stream_messages(js) == 0
+        async def drained() -> bool:
+            return await chunk_stream_messages(js) == 0
 
-                await wait_until(drained, 10, "every chunk acknowledged")
-                assert proc.poll() is None
-            finally:
-                await nc.close()
+        await wait_until(drained, 10, "every chunk acknowledged")
+        assert proc.poll() is None
