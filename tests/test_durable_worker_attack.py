@@ -55,6 +55,36 @@ async def processor_on_max_payload(max_payload: int, port: int, *flags: str):
                 await nc.close()
 
 
+async def bystander_behind(nc, js, flood: list[str], port: int, pid: int, timeout: float):
+    """A bystander published behind ``flood`` and answered: (seconds from its publish to its stored
+    result, the flood's stored results, the processor's metrics on ``port``, what the test shows
+    when it fails: that wait, the redeliveries and poisoned chunks, process ``pid``'s peak RSS)."""
+    t0 = time.monotonic()
+    await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
+                     headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
+    await wait_for_finals(js, SUBJECTS, ["bystander"], timeout)
+    bystander = time.monotonic() - t0
+    stored = await wait_for_finals(js, SUBJECTS, flood, timeout)
+    metrics = scrape(port)
+    summary = (f"bystander answered after {bystander:.2f} s; redelivered "
+               f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
+               f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
+               f"{status_kib(pid, 'VmHWM') / 1024:.0f} MiB")
+    return bystander, stored, metrics, summary
+
+
+def assert_nothing_redelivered(metrics: dict[str, float], summary: str) -> None:
+    assert metrics["streamproc_durable_poisoned_total"] == 0, summary
+    assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+
+
+async def every_chunk_acknowledged(js) -> None:
+    async def drained() -> bool:
+        return await chunk_stream_messages(js) == 0
+
+    await wait_until(drained, 10, "every chunk acknowledged")
+
+
 @pytest.mark.xfail(strict=True, reason="nats-server keeps every Nats-Msg-Id for the duplicate window, whatever its "
                    "length: no streamproc setting bounds it (docs/security.md, known limits); strict: "
                    "passes, and so fails here, once nats-server bounds it")
@@ -608,28 +638,13 @@ async def test_chunks_whose_results_pass_max_payload_end_their_requests_at_once_
             for r in flood:
                 ack = await nc.request(SUBJECTS.chunk(r, "agg"), body, headers=headers, timeout=5)
                 assert b'"error"' not in ack.data, ack.data  # stored: the server takes it
-            t0 = time.monotonic()
-            await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
-                             headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
-            await wait_for_finals(js, SUBJECTS, ["bystander"], 60)
-            bystander = time.monotonic() - t0
-            stored = await wait_for_finals(js, SUBJECTS, flood, 60)
-            metrics = scrape(port)
-            summary = (f"bystander answered after {bystander:.2f} s; redelivered "
-                       f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
-                       f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
-                       f"{status_kib(proc.pid, 'VmHWM') / 1024:.0f} MiB")
+            bystander, stored, metrics, summary = await bystander_behind(nc, js, flood, port, proc.pid, 60)
             for r in flood:
                 assert [(x.seq, x.final, x.error) for x in stored[r]] == [(0, True, "internal")], (stored[r], summary)
                 assert b"max_payload" in stored[r][0].body and len(stored[r][0].body) < 2048, stored[r][0].body[:300]
-            assert metrics["streamproc_durable_poisoned_total"] == 0, summary
-            assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+            assert_nothing_redelivered(metrics, summary)
             assert bystander < OVERSIZED_BYSTANDER_BOUND, summary
-
-            async def drained() -> bool:
-                return await chunk_stream_messages(js) == 0
-
-            await wait_until(drained, 10, "every chunk acknowledged")
+            await every_chunk_acknowledged(js)
             assert peak_rss(proc.pid) < 200 * MiB, summary
             assert "event=disconnected" not in log_path.read_text()
             assert proc.poll() is None
@@ -670,29 +685,14 @@ async def test_a_result_over_max_payload_behind_others_in_a_fast_batch_ends_its_
                        raw_hpub(subject, b"NATS/1.0\r\nStreamproc-Seq:3\r\nStreamproc-Final:true\r\n\r\n",
                                 b"three")]
         await raw_protocol(server.url, frames)
-        t0 = time.monotonic()
-        await nc.request(SUBJECTS.chunk("bystander", "agg"), b"{}",
-                         headers=chunk_headers("bystander", "agg", 0, final=True), timeout=5)
-        await wait_for_finals(js, SUBJECTS, ["bystander"], 90)
-        bystander = time.monotonic() - t0
-        stored = await wait_for_finals(js, SUBJECTS, flood, 90)
-        metrics = scrape(port)
-        summary = (f"bystander answered after {bystander:.2f} s; redelivered "
-                   f"{metrics['streamproc_durable_redelivered_total']:.0f}, poisoned "
-                   f"{metrics['streamproc_durable_poisoned_total']:.0f}; VmHWM "
-                   f"{status_kib(proc.pid, 'VmHWM') / 1024:.0f} MiB")
+        bystander, stored, metrics, summary = await bystander_behind(nc, js, flood, port, proc.pid, 90)
         for r in flood:
             got = [(x.seq, x.final, x.error) for x in stored[r]]
             assert got == [(0, False, None), (1, False, None), (2, True, "internal")], (r, got, summary)
             assert b"max_payload" in stored[r][2].body, stored[r][2].body[:300]
-        assert metrics["streamproc_durable_poisoned_total"] == 0, summary
-        assert metrics["streamproc_durable_redelivered_total"] == 0, summary
+        assert_nothing_redelivered(metrics, summary)
         assert bystander < BEHIND_BYSTANDER_BOUND, summary
-
-        async def drained() -> bool:
-            return await chunk_stream_messages(js) == 0
-
-        await wait_until(drained, 10, "every chunk acknowledged")
+        await every_chunk_acknowledged(js)
         assert peak_rss(proc.pid) < 200 * MiB, summary
         assert proc.poll() is None
 
@@ -810,11 +810,6 @@ async def test_an_error_text_built_from_a_long_role_fits_a_small_max_payload():
             got = [(x.seq, x.final, x.error) for x in stored[r]]
             assert got == [(0, True, "invalid_chunk")], (r, got, summary)
             assert b"unknown role" in stored[r][0].body, stored[r][0].body[:300]
-        assert metrics["streamproc_durable_poisoned_total"] == 0, summary
-        assert metrics["streamproc_durable_redelivered_total"] == 0, summary
-
-        async def drained() -> bool:
-            return await chunk_stream_messages(js) == 0
-
-        await wait_until(drained, 10, "every chunk acknowledged")
+        assert_nothing_redelivered(metrics, summary)
+        await every_chunk_acknowledged(js)
         assert proc.poll() is None
