@@ -430,3 +430,49 @@ async def sampling(sample: Callable[[], Awaitable[None]], every: float) -> Async
     finally:
         stop.set()
         await task
+
+
+# A codec distribution whose exceptions carry huge texts (a plugin echoing a whole body, or a hostile
+# one): its fold raises with 10 MB of text (100,000 control characters when the first body holds
+# ``ctl``), its migration session's absorb and seal with 10 MB. Everything else is SGLang's, so
+# chunks and error bodies are real ones. PYTHONPATH=loud_codec_site(tmp_path) in the child's env.
+LOUD_CODEC = '''
+from streamproc_sglang.codec import SGLangCodec
+
+HUGE = "x" * 10_000_000
+CONTROL = "\\x01" * 100_000
+
+
+class LoudSession:
+    def absorb(self, bodies):
+        raise RuntimeError(HUGE)
+
+    def seal(self):
+        raise RuntimeError(HUGE)
+
+    def stitch(self, body, final):
+        return None
+
+    def progress_bytes(self):
+        return 1
+
+
+class LoudCodec(SGLangCodec):
+    name = "loud"
+
+    def fold(self, bodies):
+        raise RuntimeError(CONTROL if b"ctl" in bodies[0] else HUGE)
+
+    def open_migration(self):
+        return LoudSession()
+'''
+
+
+def loud_codec_site(root: Path) -> str:
+    """A directory holding an installed-looking distribution that registers the codec ``loud``."""
+    (root / "loud_codec.py").write_text(textwrap.dedent(LOUD_CODEC))
+    info = root / "loud_codec-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: loud-codec\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[streamproc.codecs]\nloud = loud_codec:LoudCodec\n")
+    return str(root)

@@ -54,7 +54,7 @@ from ..core.codec import ERROR_STATUS as CORE_ERROR_STATUS
 from ..core.codec import (ANSWER_MEDIA_TYPE, Codec, ErrorKind, answer_media_type_of, answer_status_of,
                           fold_added_markers, shown_kind)
 from ..core.defaults import RESULT_HELD_OVERHEAD
-from ..core.errors import InvalidCapability, StreamprocError
+from ..core.errors import InvalidCapability, StreamprocError, cut_error_text
 from ..core.reorder import stale_final_text
 from ..logs import carries_access_token, error_text, log_event
 from ..core.wire import ResultInfo, Verdict, check_request_id
@@ -134,8 +134,11 @@ SSE_STREAM = "streamproc.sse_stream"
 
 
 def error_response(message: str, kind: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The edge's own refusals (bad id, too many streams, NATS down), before any result is read."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+    """The edge's own refusals (bad id, too many streams, NATS down), before any result is read.
+    ``message`` is cut (``cut_error_text``: at most ``MAX_ERROR_TEXT`` bytes as JSON): some carry an
+    exception's text, a hostile body's parse error or NATS's, whose length nothing else bounds."""
+    return JSONResponse({"error": {"message": cut_error_text(message), "type": kind, "code": status}},
+                        status_code=status,
                         headers={**PRIVATE, **headers} if headers else PRIVATE)
 
 
@@ -942,7 +945,10 @@ class Edge:
                 body, added = await anyio.to_thread.run_sync(self.fold, [r.body for r in results])
             except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
                 self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
-                body = self.codec.error_body(f"cannot fold {len(results)} results: {exc}", ErrorKind.INTERNAL)
+                # Cut: a codec plugin's exception chooses its text's length (a 10 MB message was a 10 MB
+                # 500 body, held and sent whole); the traceback above keeps it all.
+                body = self.codec.error_body(cut_error_text(f"cannot fold {len(results)} results: {exc}"),
+                                             ErrorKind.INTERNAL)
                 return Response(body, status_code=500, media_type=ANSWER_MEDIA_TYPE, headers=PRIVATE)
             if added:  # a field the fold could not say, marked: not the results' bytes (docs/protocol.md)
                 verdict = Verdict.OMITTED
@@ -1011,12 +1017,13 @@ class Edge:
 
     def lost_body(self, feed: ResultFeed, lost: Lost) -> bytes:
         return self.codec.error_body(
-            f"the edge lost its subscription to request {feed.request_id}: {lost.reason}", ErrorKind.INTERNAL
+            cut_error_text(f"the edge lost its subscription to request {feed.request_id}: {lost.reason}"),
+            ErrorKind.INTERNAL
         )
 
     def gone_body(self, feed: ResultFeed, gone: StreamGone) -> bytes:
-        return self.codec.error_body(f"no more results of request {feed.request_id}: {gone.reason}",
-                                     ErrorKind.UNAVAILABLE)
+        return self.codec.error_body(
+            cut_error_text(f"no more results of request {feed.request_id}: {gone.reason}"), ErrorKind.UNAVAILABLE)
 
     async def release(self, feed: ResultFeed) -> None:
         rest = self.release_now(feed)

@@ -1,0 +1,68 @@
+"""Error texts a codec plugin's exception chooses, bounded where they reach a reply (not only error results).
+
+Since 85fd236 an error result's text is cut to ``errors.MAX_ERROR_TEXT`` (512) bytes as JSON
+(``cut_error_text``). Two replies still carried an exception's text whole: the edge's 500 for a unary
+answer whose fold raised (``cannot fold N results: <exc>``: a 10 MB message was a 10 MB body) and a
+migrate's ``refused`` reply (``codec 'x' failed: RuntimeError: <exc>``: past ``max_payload`` it was
+never sent, so the migrator waited out its timeout while the request was ended anyway). A codec
+distribution whose exceptions carry 10 MB (or 100,000 control characters: 600,000 bytes as JSON escapes)
+is installed in the child's PYTHONPATH (helpers.loud_codec_site); real nats-server, edge and processor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from edge_harness import publish_results, running_edge
+from helpers import loud_codec_site
+
+from streamproc.core.errors import MAX_ERROR_TEXT
+from streamproc.core.wire import Subjects
+from streamproc.edge.app import error_response
+
+pytestmark = [pytest.mark.timeout(120)]
+
+SUBJECTS = Subjects()
+# The most an sglang error envelope takes around its message's JSON (msgspec; the longest type)
+ENVELOPE = len(b'{"error":{"message":"","type":"service_unavailable"}}')
+
+
+def body(rid: str, text: str = "x") -> bytes:
+    return json.dumps({"text": text, "output_ids": [1, 2, 3], "meta_info": {"id": rid}}).encode()
+
+
+def loud_env(tmp_path) -> dict[str, str]:
+    return {"PYTHONPATH": f"{loud_codec_site(tmp_path)}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_a_fold_raising_a_huge_text_answers_a_bounded_500(server, nc, tmp_path):
+    cases = {"loud-huge": (10_000_000, "x"), "loud-ctl": (100_000, "\x01")}
+    with running_edge(server.url, "--format", "loud", "--ensure-results-stream",
+                      env=loud_env(tmp_path)) as edge:
+        for rid in cases:
+            await publish_results(nc, SUBJECTS, rid, [body(rid, rid), body(rid, rid)])
+        async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
+            answers = {rid: await client.get(f"/v1/results/{rid}?stream=false") for rid in cases}
+        assert "event=fold_failed" in edge.log()
+    for rid, (length, char) in cases.items():
+        answer = answers[rid]
+        assert answer.status_code == 500, answer.text[:300]
+        assert len(answer.content) <= ENVELOPE + MAX_ERROR_TEXT, (rid, len(answer.content))
+        error = answer.json()["error"]  # still the codec's envelope, valid JSON
+        assert error["type"] == "internal_error"
+        text = error["message"]
+        assert text.startswith("cannot fold 2 results: " + char), text[:100]
+        assert text.endswith(f"... ({len('cannot fold 2 results: ') + length} characters)"), text[-100:]
+
+
+def test_the_edge_error_responses_are_cut():
+    """``error_response`` (``not a result body: <a codec's ValueError>``, ``cannot subscribe ...: <exc>``)."""
+    for text in ("z" * 10_000_000, "\x01" * 100_000):
+        response = error_response(f"not a result body: {text}", "invalid_request", 400)
+        assert len(response.body) <= len(error_response("", "invalid_request", 400).body) + MAX_ERROR_TEXT
+        assert json.loads(response.body)["error"]["message"].endswith(" characters)")
