@@ -16,16 +16,21 @@ import os
 
 import httpx
 import pytest
+from conftest import processor_subprocess
 from edge_harness import publish_results, running_edge
-from helpers import loud_codec_site
+from helpers import connection, loud_codec_site
 
+from streamproc.core.codec import ErrorKind
 from streamproc.core.errors import MAX_ERROR_TEXT
-from streamproc.core.wire import Subjects
+from streamproc.core.wire import (ERROR, FINAL, MigrateError, MigrateErrorCode, Subjects, chunk_headers,
+                                  decode_migrate_reply, encode_control)
 from streamproc.edge.app import error_response
+from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.timeout(120)]
 
 SUBJECTS = Subjects()
+SMALL = 4096  # a max_payload that takes every error result (wire.max_error_result_size)
 # The most an sglang error envelope takes around its message's JSON (msgspec; the longest type)
 ENVELOPE = len(b'{"error":{"message":"","type":"service_unavailable"}}')
 
@@ -58,6 +63,49 @@ async def test_a_fold_raising_a_huge_text_answers_a_bounded_500(server, nc, tmp_
         text = error["message"]
         assert text.startswith("cannot fold 2 results: " + char), text[:100]
         assert text.endswith(f"... ({len('cannot fold 2 results: ') + length} characters)"), text[-100:]
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+async def test_a_migrate_whose_codec_raises_a_huge_text_gets_a_bounded_refusal(tmp_path):
+    rid = "loud-migrate"
+    with EmbeddedNats(config=f"max_payload: {SMALL}", jetstream=False) as server:
+        with processor_subprocess(server.url, "--mode", "core", "--format", "loud",
+                                  env=loud_env(tmp_path)) as (_proc, log_path):
+            async with connection(server.url) as nc:
+                results = await nc.subscribe(SUBJECTS.result(rid))
+                await nc.flush()
+                await nc.publish(SUBJECTS.chunk(rid, "agg"), body(rid), headers=chunk_headers(rid, "agg", 0))
+                first = await results.next_msg(timeout=10)
+                assert (first.headers or {}).get(FINAL) != "true", first.headers
+                reply = await nc.request(SUBJECTS.migrate(rid), b"{}", timeout=8)
+                ended = await results.next_msg(timeout=10)
+            log = log_path.read_text(errors="replace")
+    assert len(reply.data) <= SMALL
+    answer = decode_migrate_reply(reply.data)
+    assert isinstance(answer, MigrateError) and answer.code is MigrateErrorCode.REFUSED, answer
+    assert answer.message.startswith("codec 'loud' failed: RuntimeError: xxx"), answer.message[:100]
+    assert answer.message.endswith(" characters)"), answer.message[-100:]
+    assert len(answer.message) <= MAX_ERROR_TEXT, len(answer.message)
+    headers = ended.headers or {}
+    assert headers.get(ERROR) == ErrorKind.MIGRATION_REFUSED.value and headers.get(FINAL) == "true", headers
+    assert json.loads(ended.data)["error"]["message"].startswith("migration refused: codec 'loud' failed")
+    assert len(ended.data) <= ENVELOPE + MAX_ERROR_TEXT
+    assert "event=control_reply_failed" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("code", list(MigrateErrorCode))
+def test_every_migrate_error_reply_is_cut_as_encoded(code):
+    """Whoever builds it (the control shell's ``malformed migrate request: <parse error>``, durable recovery's
+    ``... cannot be adopted: <exc>``): a MigrateError's text is cut where it is encoded."""
+    for text in ("y" * 10_000_000, "\x01" * 100_000):
+        encoded = encode_control(MigrateError("r", code, text, 3))
+        reply = decode_migrate_reply(encoded)
+        assert isinstance(reply, MigrateError) and reply.code is code and reply.attempt == 3
+        assert reply.message.startswith(text[:10]) and reply.message.endswith(f"... ({len(text)} characters)")
+        assert len(encoded) <= len(encode_control(MigrateError("r", code, "", 3))) + MAX_ERROR_TEXT
+    short = MigrateError("r", code, "nothing moved", 3)
+    assert decode_migrate_reply(encode_control(short)) == short
 
 
 def test_the_edge_error_responses_are_cut():

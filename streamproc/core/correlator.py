@@ -543,6 +543,7 @@ class Correlator:
             req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
             self._active[request_id] = req
             self.stats.migrations_refused += 1
+            refuse = cut_error_text(refuse)  # up to MAX_REFUSE_LENGTH characters, ~6 KiB as JSON escapes
             decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {refuse}", now)
             return MigrateError(request_id, MigrateErrorCode.REFUSED, refuse, 0), decisions
         if expected_attempt is not None and expected_attempt != req.attempt:
@@ -586,6 +587,10 @@ class Correlator:
                 req.last_seal = (id, encoded if encoded is not None else encode_control(reply))
                 self._count_progress(req)
             return reply, decisions
+        # Cut (errors.MAX_ERROR_TEXT bytes as JSON), the reply's as the error result's: a codec plugin's
+        # exception (or a refuse) chooses its length, and an unbounded reply went past max_payload, never
+        # reaching the migrator while the request was ended anyway.
+        reason = cut_error_text(reason)
         self.stats.migrations_refused += 1
         attempt = req.attempt
         decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
@@ -1284,7 +1289,8 @@ class Correlator:
             req.refusal = exc.reason
             raise
         except Exception as exc:
-            req.refusal = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
+            # Cut: kept with the request and sent in every later migrate's reply
+            req.refusal = cut_error_text(f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}")
             raise MigrationRefused(req.refusal) from None
         return req.migration
 

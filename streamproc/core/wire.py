@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import msgspec
 
 from . import defaults
-from .errors import MAX_ERROR_TEXT, ContractError, shown
+from .errors import MAX_ERROR_TEXT, ContractError, cut_error_text, shown
 from .events import (  # noqa: F401  (re-exported: the wire contract's records, under their old path)
     MAX_SEQ,
     Chunk,
@@ -457,6 +457,14 @@ _migrate_reply = msgspec.json.Decoder(MigrateReply)
 
 
 def encode_control(message: MigrateRequest | MigrateReply) -> bytes:
+    """A control message's bytes; a :class:`MigrateError`'s text cut to ``errors.MAX_ERROR_TEXT`` bytes as
+    JSON (``cut_error_text``), whoever built it: many carry an exception's text (a codec plugin's, a
+    malformed request's parse error, a store's), whose length nothing else bounds, and a reply past
+    ``max_payload`` never reaches its migrator."""
+    if isinstance(message, MigrateError):
+        text = cut_error_text(message.message)
+        if text != message.message:
+            message = msgspec.structs.replace(message, message=text)
     return _control_encoder.encode(message)
 
 
