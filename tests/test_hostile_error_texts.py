@@ -18,6 +18,7 @@ import httpx
 import pytest
 from conftest import processor_subprocess
 from edge_harness import publish_results, running_edge
+from durable_helpers import durable_flags
 from helpers import connection, loud_codec_site
 
 from streamproc.core.codec import ErrorKind
@@ -67,15 +68,18 @@ async def test_a_fold_raising_a_huge_text_answers_a_bounded_500(server, nc, tmp_
 
 @pytest.mark.anyio
 @pytest.mark.nats
-async def test_a_migrate_whose_codec_raises_a_huge_text_gets_a_bounded_refusal(tmp_path):
+@pytest.mark.parametrize("mode", ["core", "durable"])
+async def test_a_migrate_whose_codec_raises_a_huge_text_gets_a_bounded_refusal(tmp_path, mode):
     rid = "loud-migrate"
-    with EmbeddedNats(config=f"max_payload: {SMALL}", jetstream=False) as server:
-        with processor_subprocess(server.url, "--mode", "core", "--format", "loud",
-                                  env=loud_env(tmp_path)) as (_proc, log_path):
+    durable = mode == "durable"
+    flags = durable_flags(partitions=1, format="loud") if durable else ["--mode", "core", "--format", "loud"]
+    with EmbeddedNats(config=f"max_payload: {SMALL}", jetstream=durable) as server:
+        with processor_subprocess(server.url, *flags, env=loud_env(tmp_path)) as (_proc, log_path):
             async with connection(server.url) as nc:
                 results = await nc.subscribe(SUBJECTS.result(rid))
                 await nc.flush()
-                await nc.publish(SUBJECTS.chunk(rid, "agg"), body(rid), headers=chunk_headers(rid, "agg", 0))
+                publish = nc.jetstream().publish if durable else nc.publish
+                await publish(SUBJECTS.chunk(rid, "agg"), body(rid), headers=chunk_headers(rid, "agg", 0))
                 first = await results.next_msg(timeout=10)
                 assert (first.headers or {}).get(FINAL) != "true", first.headers
                 reply = await nc.request(SUBJECTS.migrate(rid), b"{}", timeout=8)
