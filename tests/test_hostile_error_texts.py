@@ -26,6 +26,8 @@ from streamproc.core.errors import MAX_ERROR_TEXT
 from streamproc.core.wire import (ERROR, FINAL, MigrateError, MigrateErrorCode, Subjects, chunk_headers,
                                   decode_migrate_reply, encode_control)
 from streamproc.edge.app import error_response
+from streamproc.edge.metrics import EdgeMetrics
+from streamproc.edge.stats import StatsSource
 from streamproc.sim.embedded import EmbeddedNats
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -118,3 +120,37 @@ def test_the_edge_error_responses_are_cut():
         response = error_response(f"not a result body: {text}", "invalid_request", 400)
         assert len(response.body) <= len(error_response("", "invalid_request", 400).body) + MAX_ERROR_TEXT
         assert json.loads(response.body)["error"]["message"].endswith(" characters)")
+
+
+@pytest.mark.anyio
+async def test_a_scrape_answering_a_huge_invalid_line_is_named_with_a_cut_error():
+    """``/v1/stats`` names each processor scrape's error: prometheus_client's parser raises ``ValueError``
+    repeating the offending line (up to ``MAX_SCRAPE_BYTES``, 4 MiB). A real local HTTP server answers one of
+    3 MiB (a misconfigured URL, or anything listening there)."""
+    import http.server
+    import threading
+
+    line = b"m{," + b"a" * (3 << 20) + b"} 1\n"  # "Invalid labels: <the labels>"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(line)))
+            self.end_headers()
+            self.wfile.write(line)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        source = StatsSource(EdgeMetrics(), [f"http://127.0.0.1:{httpd.server_port}/metrics"],
+                             sees_all_results=False)
+        [scrape] = (await source.snapshot()).processors
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert not scrape.ok and scrape.error is not None
+    assert len(scrape.error) <= MAX_ERROR_TEXT and scrape.error.endswith(" characters)"), len(scrape.error)

@@ -25,6 +25,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..config import redact_query
+from ..core.errors import cut_error_text
 from .metrics import EdgeMetrics
 
 HISTOGRAMS = {"join_wait": "streamproc_join_wait_seconds", "join": "streamproc_join_seconds",
@@ -136,7 +137,10 @@ class StatsSource:
                     _add(text, hists, totals)
                     scrapes.append(Scrape(shown, True))
                 except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException) as exc:
-                    scrapes.append(Scrape(shown, False, _scrubbed(str(exc) or type(exc).__name__, url, shown)))
+                    # Cut (errors.MAX_ERROR_TEXT bytes as JSON) once scrubbed: the text parser's ValueError
+                    # repeats the offending line, up to MAX_SCRAPE_BYTES, in every /v1/stats answer
+                    error = _scrubbed(str(exc) or type(exc).__name__, url, shown)
+                    scrapes.append(Scrape(shown, False, cut_error_text(error)))
             results = sum(totals) if totals else None
             self._cached = (now, scrapes, hists, results)
             return scrapes, hists, results
