@@ -8,10 +8,10 @@ import time
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
-from streamproc.core.errors import MissingResults
+from streamproc.core.errors import HistoryOverBound, MissingResults
 from streamproc.nats.durable.migrations import MigrationLedger, record_key, request_id_of
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
-from streamproc.wire import MSG_ID, Result, Sealed, SealRecord, Subjects, Verdict, result_headers
+from streamproc.wire import MSG_ID, SEQ, Result, Sealed, SealRecord, Subjects, Verdict, result_headers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.nats]
 
@@ -70,6 +70,33 @@ async def test_stored_bodies_come_back_in_seq_order_once_each_and_a_gap_is_an_er
     await store("gap", 2, b"c")
     with pytest.raises(MissingResults, match=r"first missing: \[1\]"):
         await ledger.history("gap", 3)
+
+
+@pytest.mark.parametrize("read", ["consumer", "msg_get"])
+async def test_the_read_bound_counts_kept_bodies_and_copies_only_against_the_copies_bound(client, read):
+    """Both reads (``history``, ``_history_by_get``), the bounds lowered to the distinct bodies' bytes:
+    each result stored twice (after the duplicate window: same seq) reads whole, the copies costing
+    nothing toward ``max_history_bytes`` (until 2026-12-07 they counted, and this was ``HistoryOverBound``);
+    copies of one seq past ``max_history_copies`` times the bytes end the read, whatever was kept."""
+    ledger = await ledger_for(client)
+    if read == "msg_get":
+        ledger.history = ledger._history_by_get  # type: ignore[method-assign]
+    js = client.jetstream()
+    subjects = Subjects()
+    bodies = [b"a" * 100, b"b" * 100, b"c" * 100]
+    ledger.max_history_bytes, ledger.max_history_copies = sum(map(len, bodies)), 2
+    twice, copies = f"twice-{read}", f"copies-{read}"
+    for seq, body in enumerate(bodies):
+        for _ in range(2):
+            headers = result_headers(Result(twice, seq, body, False, Verdict.PASSTHROUGH))
+            del headers[MSG_ID]  # no de-duplication: the second is stored too
+            await js.publish(subjects.result(twice), body, headers=headers)
+    assert await ledger.history(twice, 3) == bodies
+    for _ in range(7):  # 700 bytes of seq 0, past 2 x 300: seq 1 is never reached
+        await js.publish(subjects.result(copies), bodies[0], headers={SEQ: "0"})
+    await js.publish(subjects.result(copies), bodies[1], headers={SEQ: "1"})
+    with pytest.raises(HistoryOverBound, match="copies"):
+        await ledger.history(copies, 2)
 
 
 async def test_a_new_owner_lists_every_sealed_request_once_with_its_age(client):

@@ -124,6 +124,12 @@ MAX_DELIVER = 20
 # the whole output while every other take-over of the partition that reads bodies waited.
 MAX_HISTORY_BYTES = MAX_BUFFERED_BYTES
 MAX_HISTORY_RESULTS = 131_072
+# The bounds above count what the read keeps: the first stored copy of each seq. Copies of a result stored
+# again after the duplicate window (a chunk redelivered and its result re-published by a later owner) cost
+# nothing toward them, but every copy costs time: the read receives at most this many times either bound
+# in all (every copy, queued ones included; 128 MiB, 524,288 results), so a store of endless copies of
+# one seq ends too. A request whose results were each stored up to this many times reads whole.
+MAX_HISTORY_COPIES = 4
 # Recovery lookups in flight across every partition an instance owns (docs/operations.md, "Recovery
 # lookups"). A lookup reads the request's whole last stored result (STREAM.MSG.GET: up to max_payload,
 # Base64 in JSON; nats-server has no headers-only read). 32 per partition, 128 at once over 4

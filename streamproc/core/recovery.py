@@ -112,15 +112,23 @@ def adoption(point: tuple[int, bool] | None, sealed: bool) -> Adoption:
     return Adoption.RESUME_WITH_HISTORY
 
 
-def history_over_bound(results: int, received_bytes: int, max_results: int, max_bytes: int) -> str | None:
+def history_over_bound(results: int, kept_bytes: int, max_results: int, max_bytes: int, *,
+                       received: int = 0, received_bytes: int = 0, max_copies: int = 1) -> str | None:
     """Why a take-over's read of stored bodies stops (None: it goes on), so the heir never holds more of
-    one request than the bounds: ``results`` asked for (or received, duplicates included) past
-    ``max_results``, or ``received_bytes`` past ``max_bytes``. The live session never held a request's
-    whole output (it counts and folds what it retains), so past them the bodies count as lost."""
+    one request than the bounds: ``results`` asked for past ``max_results``, or ``kept_bytes`` (the bodies
+    it keeps: the first stored copy of each seq) past ``max_bytes``. The live session never held a
+    request's whole output (it counts and folds what it retains), so past them the bodies count as lost.
+
+    Copies of a seq stored again (after the duplicate window) are not kept and cost nothing toward those
+    bounds; ``received`` / ``received_bytes`` count every copy the read was sent, and past ``max_copies``
+    times either bound it stops too: a store of endless copies of one seq costs a bounded read."""
     if results > max_results:
         return f"{results} stored results, past the take-over's bound of {max_results}"
-    if received_bytes > max_bytes:
+    if kept_bytes > max_bytes:
         return f"more than {max_bytes} bytes of stored results, past the take-over's bound"
+    if received > max_copies * max_results or received_bytes > max_copies * max_bytes:
+        return (f"{received} stored results ({received_bytes} bytes) sent for fewer distinct ones, past the "
+                f"take-over's bound of {max_copies} copies of {max_results} results or {max_bytes} bytes")
     return None
 
 

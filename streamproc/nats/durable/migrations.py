@@ -106,9 +106,11 @@ class MigrationLedger:
         self.bucket = bucket
         self.results_stream = results_stream
         self._results_head = results_head  # "P.results."
-        # What one history read may receive of one request (history_over_bound): bytes, results.
+        # What one history read may keep of one request (history_over_bound): bytes, results; and how
+        # many times either it may receive in all (copies of a seq stored again included).
         self.max_history_bytes = defaults.MAX_HISTORY_BYTES
         self.max_history_results = defaults.MAX_HISTORY_RESULTS
+        self.max_history_copies = defaults.MAX_HISTORY_COPIES
         self.ttl = ttl
         self.replicas = replicas
         self.storage = storage
@@ -199,16 +201,19 @@ class MigrationLedger:
         One ordered push consumer filtered on the request's subject (nats-py
         ``JetStreamContext.subscribe(ordered_consumer=True)``; the server walks its per-subject
         index) streams them in stream order, instead of a round trip per result. Copies of a seq
-        stored again after the duplicate window are skipped. Raises ``MissingResults`` on a gap,
-        ``HistoryOverBound`` (a ``MissingResults``) once more than ``max_history_results`` results or
-        ``max_history_bytes`` bytes were asked for or came (received or queued: the subscription's
-        pending limits are the bounds, plus one message, so nothing much past them is buffered), and
-        ``nats.errors.TimeoutError`` when the server stops sending before its last one (retried)."""
+        stored again after the duplicate window are skipped: only the first copy of each is kept. Raises
+        ``MissingResults`` on a gap, ``HistoryOverBound`` (a ``MissingResults``) once more than
+        ``max_history_results`` results were asked for, more than ``max_history_bytes`` bytes were kept,
+        or more than ``max_history_copies`` times either came in all (received or queued, every copy),
+        and ``nats.errors.TimeoutError`` when the server stops sending before its last one (retried).
+        Held at once: the kept bodies (at most ``max_history_bytes`` plus one message) and the queue (the
+        subscription's pending limits: the same bytes plus one message; nats-server's flow control keeps
+        a push consumer's unanswered bytes under ``JsFlowControlMaxPending``, 32 MiB, in consumer.go)."""
         if count <= 0:
             return []
         self._check_bound(request_id, count, 0)
         bodies: dict[int, bytes] = {}
-        received = received_bytes = 0
+        received = received_bytes = kept_bytes = 0
         try:
             sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
                                           ordered_consumer=True, pending_msgs_limit=self.max_history_results,
@@ -236,11 +241,10 @@ class MigrationLedger:
                         f"({HISTORY_TIMEOUT} s)") from None
                 received += 1
                 received_bytes += len(msg.data)
-                # What the server sent so far, the queued part included: stop before buffering the rest.
-                self._check_bound(request_id, received + sub.pending_msgs, received_bytes + sub.pending_bytes)
-                point = resume_point(msg.headers)
-                if point is not None and point[0] - 1 < count:
-                    bodies.setdefault(point[0] - 1, msg.data)
+                kept_bytes += self._keep(bodies, msg.headers, msg.data, count)
+                # Kept bodies, and every copy the server sent so far (the queued part included).
+                self._check_bound(request_id, count, kept_bytes, received + sub.pending_msgs,
+                                  received_bytes + sub.pending_bytes)
                 if not msg.metadata.num_pending:
                     break
         finally:
@@ -255,7 +259,7 @@ class MigrationLedger:
         subject = self._results_head + request_id
         bodies: dict[int, bytes] = {}
         seq = 1
-        received = received_bytes = 0
+        received = received_bytes = kept_bytes = 0
         while len(bodies) < count:
             try:
                 msg = await self.js.get_msg(self.results_stream, seq=seq, subject=subject, next=True)
@@ -263,17 +267,27 @@ class MigrationLedger:
                 break
             received += 1
             received_bytes += len(msg.data or b"")
-            self._check_bound(request_id, received, received_bytes)
-            point = resume_point(msg.headers)
-            if point is not None and point[0] - 1 < count:
-                bodies.setdefault(point[0] - 1, msg.data or b"")
+            kept_bytes += self._keep(bodies, msg.headers, msg.data or b"", count)
+            self._check_bound(request_id, count, kept_bytes, received, received_bytes)
             seq = (msg.seq or seq) + 1
         if len(bodies) < count:
             raise MissingResults(request_id, count, _first_missing(bodies, count))
         return [bodies[i] for i in range(count)]
 
-    def _check_bound(self, request_id: str, results: int, received_bytes: int) -> None:
-        why = history_over_bound(results, received_bytes, self.max_history_results, self.max_history_bytes)
+    @staticmethod
+    def _keep(bodies: dict[int, bytes], headers: Mapping[str, str] | None, body: bytes, count: int) -> int:
+        """Keep ``body`` under its seq when it is the first copy of a seq below ``count``; the bytes kept."""
+        point = resume_point(headers)
+        if point is None or point[0] - 1 >= count or point[0] - 1 in bodies:
+            return 0
+        bodies[point[0] - 1] = body
+        return len(body)
+
+    def _check_bound(self, request_id: str, results: int, kept_bytes: int, received: int = 0,
+                     received_bytes: int = 0) -> None:
+        why = history_over_bound(results, kept_bytes, self.max_history_results, self.max_history_bytes,
+                                 received=received, received_bytes=received_bytes,
+                                 max_copies=self.max_history_copies)
         if why is not None:
             raise HistoryOverBound(request_id, why)
 
