@@ -8,7 +8,7 @@ import time
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
-from streamproc.core.errors import HistoryOverBound, MissingResults
+from streamproc.core.errors import HistoryOverBound, MissingResults, UnreadableRecord
 from streamproc.nats.durable.migrations import MigrationLedger, record_key, request_id_of
 from streamproc.nats.streams import RESULTS_STREAM, ensure_results_stream
 from streamproc.wire import MSG_ID, SEQ, Result, Sealed, SealRecord, Subjects, Verdict, result_headers
@@ -164,3 +164,20 @@ async def test_a_history_read_that_stalls_is_no_gap(nats_url):
         assert not isinstance(caught.value, MissingResults), caught.value
         assert isinstance(caught.value, (nats.errors.Error, TimeoutError))
         await anyio.sleep(2)  # the held bytes reach the client before it closes
+
+
+async def test_a_seal_record_with_more_seals_than_the_budget_holds_is_unreadable_not_held(client):
+    """A record's seals are counted in its bytes before they are decoded (wire.max_seals: what a list
+    of them costs, 36 bytes a seal, within max_buffered_bytes): one past it (a forger's, or written
+    where max_payload is large) reads as unreadable, like a malformed value, and is never held."""
+    subjects = Subjects()
+    await ensure_results_stream(client.jetstream(), subjects)
+    ledger = MigrationLedger(client, "TEST_SEAL_COUNT", RESULTS_STREAM, subjects.result(""), ttl=60,
+                             max_buffered_bytes=36 * 1000)
+    await ledger.open()
+    assert ledger.max_seals == 1000
+    await ledger.write("fits", record("fits", [1] * 1000, "a"), None)
+    assert (await ledger.read("fits"))[0].attempt == 1000
+    await ledger.write("over", record("over", [1] * 1001, "b"), None)
+    with pytest.raises(UnreadableRecord, match="1001 seals, more than the 1000"):
+        await ledger.read("over")

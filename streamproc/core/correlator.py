@@ -18,6 +18,7 @@ chunks continue the result seqs, and the codec's migration session stitches thei
 from __future__ import annotations
 
 import functools
+from array import array
 from collections import OrderedDict
 from typing import Annotated, Callable, Iterable, Iterator, Sequence
 
@@ -248,12 +249,14 @@ class _Request:
         # (about 6 bytes a token id, not a list of ints at 36) and charged as progress state.
         self.last_seal: tuple[str, bytes] | None = None
         # The result seq where each later attempt starts (the seal record's ``seals``): measured with the
-        # record at a migrate. None until the first seal (no list per request that never moves).
-        self.seals: list[int] | None = None
+        # record at a migrate. None until the first seal (no list per request that never moves). An
+        # array('q'), SEAL_BYTES a seal, charged as progress state (_count_progress).
+        self.seals: array | None = None
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
 _ENTRY = defaults.FINISHED_ENTRY_BYTES
+_SEAL = defaults.SEAL_BYTES
 
 
 def is_retry(sealed: Sealed, expected_attempt: int | None, attempt: int | None, next_seq: int | None) -> bool:
@@ -554,6 +557,7 @@ class Correlator:
             return MigrateError(request_id, MigrateErrorCode.UNAVAILABLE,
                                 f"the bodies of results 0..{req.missing - 1} were published by another instance "
                                 "and are not read back yet", req.attempt), []
+        over = False  # refused by a byte budget (counted in over_budget too)
         try:
             if refuse is not None:
                 raise MigrationRefused(refuse)
@@ -577,23 +581,33 @@ class Correlator:
                             f"its seal record ({req.attempt + 1} seals, {len(emitted.token_ids)} emitted tokens: "
                             f"{record} bytes) does not fit one NATS message ({max(0, max_record_bytes)} bytes: "
                             f"max_payload less the record write's headers); the request cannot move")
+            over = True  # last: nobody is ended to make room for a seal refused for another reason
+            self._room_for_seal(req, now)  # raises MigrationRefused
+            over = False
         except MigrationRefused as exc:
             reason = exc.reason
         except Exception as exc:  # a codec bug costs this request, not the processor
+            over = False
             reason = f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}"
         else:
             reply, decisions = self._seal(req, emitted, now)
             if id is not None:
                 req.last_seal = (id, encoded if encoded is not None else encode_control(reply))
                 self._count_progress(req)
+            if self._aside:  # requests ended to make room for the seal (_room_for_seal)
+                decisions = self._take_aside(decisions)
             return reply, decisions
         # Cut (errors.MAX_ERROR_TEXT bytes as JSON), the reply's as the error result's: a codec plugin's
         # exception (or a refuse) chooses its length, and an unbounded reply went past max_payload, never
         # reaching the migrator while the request was ended anyway.
         reason = cut_error_text(reason)
         self.stats.migrations_refused += 1
+        if over:
+            self.stats.over_budget += 1
         attempt = req.attempt
         decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
+        if self._aside:
+            decisions = self._take_aside(decisions)
         return MigrateError(request_id, MigrateErrorCode.REFUSED, reason, attempt), decisions
 
     def needs_published(self, request_id: str, next_seq: int, final: bool, format: str | None = None, *,
@@ -648,6 +662,13 @@ class Correlator:
             return
         if next_seq <= 0 and not seals:
             return
+        if len(seals) * _SEAL > self.config.max_buffered_bytes:
+            # Before anything is held: the seal list is charged as progress state (SEAL_BYTES a seal),
+            # and a record past the per-request bound is no honest instance's (its migrate refuses
+            # the seal first). The shell's read bounds the list before it is built (wire.max_seals).
+            raise ValueError(f"a seal record of {len(seals)} seals ({len(seals) * _SEAL} bytes held) passes "
+                             f"the per-request bound of {self.config.max_buffered_bytes} bytes "
+                             "(max_buffered_bytes)")
         codec, name = self._resumed_codec(format)
         req = _Request(request_id, codec, name, self._max_retained)
         req.next_seq = next_seq
@@ -657,7 +678,7 @@ class Correlator:
             if history is None or len(history) != next_seq or any(not 0 <= s <= next_seq for s in seals):
                 raise ValueError("resuming a migrated request needs its stored bodies [0, next_seq) and seals within them")
             req.attempt = len(seals)
-            req.seals = list(seals)
+            req.seals = array("q", seals)
             req.offset = seals[-1]
             try:
                 session = req.migration = codec.open_migration()
@@ -1296,10 +1317,13 @@ class Correlator:
 
     def _count_progress(self, req: _Request) -> None:
         """Charge the migration session's progress state (it grows with the output) to the budget,
-        with the last seal's reply kept for a retry (every emitted token id)."""
+        with the last seal's reply kept for a retry (every emitted token id) and the seal list
+        (SEAL_BYTES a migration)."""
         size = req.migration.progress_bytes() if req.migration is not None else 0
         if req.last_seal is not None:
             size += len(req.last_seal[1])
+        if req.seals is not None:
+            size += len(req.seals) * _SEAL
         self.charged_bytes += size - req.progress
         req.progress = size
 
@@ -1333,6 +1357,24 @@ class Correlator:
         req.retained = []
         req.budget = req.retain
 
+    def _room_for_seal(self, req: _Request, now: float) -> None:
+        """The seal about to be made adds one entry to ``req``'s seal list (SEAL_BYTES), charged as
+        its progress state: raises MigrationRefused when that passes the per-request bound, or the
+        global one with ``req`` the biggest holder (else the biggest are ended to make room, their
+        results in ``_aside``), before anything is sealed: the client is never granted an attempt
+        whose request then ends over budget."""
+        cfg = self.config
+        seals = len(req.seals) if req.seals is not None else 0
+        if req.progress + _SEAL > cfg.max_buffered_bytes:
+            raise MigrationRefused(
+                f"its migration state ({req.progress} bytes: emitted tokens, the last seal's reply and "
+                f"{seals} seals) would pass the per-request bound of {cfg.max_buffered_bytes} bytes "
+                "(max_buffered_bytes) with one more seal")
+        if self.charged_bytes + _SEAL > cfg.max_total_bytes and self._make_room(req, _SEAL, now):
+            raise MigrationRefused(
+                f"processor byte budget exhausted: {self.charged_bytes} of {cfg.max_total_bytes} bytes held "
+                f"by requests in flight, the most ({_held(req)} bytes, {seals} seals) by this request")
+
     def _seal(self, req: _Request, emitted: Emitted, now: float) -> tuple[MigrateReply, list[Decision]]:
         rid = req.request_id
         tokens = [*req.held, *(c.token for c in req.pending.values()), *_repeated(req)]
@@ -1354,8 +1396,9 @@ class Correlator:
         req.final_seq = None
         req.attempt += 1
         if req.seals is None:
-            req.seals = []
+            req.seals = array("q")
         req.seals.append(req.next_seq)
+        self._count_progress(req)  # the seal list's new entry (_room_for_seal made room for it)
         req.offset = req.next_seq
         req.last = now
         self._active.move_to_end(rid)

@@ -65,6 +65,16 @@ MAX_DECODE_CPU = 30.0
 # of a 96,000-token request cost the processor 11-12 ms of CPU and a 672 KB reply each, unbounded
 # (docs/security.md). A worker lost 32 times during one request is past any real failover.
 MAX_MIGRATIONS = 32
+# Bytes a request holds per migration for its seal list (the result seq where each later attempt
+# starts, an array('q') item), charged with its migration progress state to max_buffered_bytes and
+# max_total_bytes: at max_migrations 1,000,000, 10,000 requests in flight held ~80 GB of seal lists
+# outside every budget (as a list of ints it was 36 bytes a seal: sys.getsizeof, CPython 3.11).
+SEAL_BYTES = 8
+# What a seal record's seals cost while it is decoded (msgspec builds a list of ints: a pointer
+# and an int object each, measured 36 bytes with sys.getsizeof): a record read back from the
+# migrations bucket may hold no more seals than fit max_buffered_bytes at this figure, counted
+# before the list is built (wire.decode_seal_record), else it is unreadable.
+SEAL_DECODED_BYTES = 36
 # Migrates answered per second, process-wide, and how many at once (MIGRATE_BURST_SECONDS of the
 # rate): past them a migrate is answered ``unavailable`` with a retry_after, untouched
 # (core/migrate_rate.py). A failover migrates every request its lost worker served at once (a few

@@ -252,7 +252,7 @@ class DurableInput:
         await self.leases.open()
         self.ledger = MigrationLedger(self.nc, f"{self.chunks_stream}_MIGRATIONS", self.results_stream,
                                       s.subjects.result(""), ttl=s.results_max_age, replicas=s.stream_replicas,
-                                      storage=self._storage)
+                                      storage=self._storage, max_buffered_bytes=s.max_buffered_bytes)
         await self.ledger.open()
         recovery = self.recovery
         recovery.ledger, recovery.chunks_stream, recovery.results_stream = (

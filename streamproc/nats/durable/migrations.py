@@ -45,7 +45,7 @@ from ...core import defaults
 from ...core.errors import HistoryOverBound, MigrationBucketMismatch, MissingResults, UnreadableRecord
 from ...core.events import SealRecord
 from ...core.recovery import history_over_bound, resume_point
-from ...core.wire import decode_seal_record, encode_seal_record
+from ...core.wire import decode_seal_record, encode_seal_record, max_seals
 from ...logs import error_text, log_event
 
 log = logging.getLogger("streamproc.durable")
@@ -100,7 +100,8 @@ class MigrationLedger:
     """Seal records in the migrations bucket, and stored result bodies read back from the results stream."""
 
     def __init__(self, nc: NatsClient, bucket: str, results_stream: str, results_head: str, *,
-                 ttl: float, replicas: int = 1, storage: StorageType = StorageType.FILE) -> None:
+                 ttl: float, replicas: int = 1, storage: StorageType = StorageType.FILE,
+                 max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES) -> None:
         self._nc = nc
         self.js = nc.jetstream(timeout=10)
         self.bucket = bucket
@@ -111,6 +112,9 @@ class MigrationLedger:
         self.max_history_bytes = defaults.MAX_HISTORY_BYTES
         self.max_history_results = defaults.MAX_HISTORY_RESULTS
         self.max_history_copies = defaults.MAX_HISTORY_COPIES
+        # Seals a record read back may hold (wire.max_seals): counted before the list is built, so a
+        # record of millions of seals (a large max_payload, or a forger) is unreadable, not held.
+        self.max_seals = max_seals(max_buffered_bytes)
         self.ttl = ttl
         self.replicas = replicas
         self.storage = storage
@@ -143,7 +147,7 @@ class MigrationLedger:
         if not entry.value:
             return None, entry.revision  # a delete marker: create() on it fails, update() on its revision works
         try:
-            return decode_seal_record(entry.value), entry.revision
+            return decode_seal_record(entry.value, self.max_seals), entry.revision
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise UnreadableRecord(request_id, str(exc)) from None
 
