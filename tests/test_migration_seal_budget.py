@@ -159,3 +159,20 @@ def test_max_seals_is_what_decoding_them_costs_within_the_per_request_budget():
     assert max_seals(defaults.MAX_BUFFERED_BYTES) == 932_067
     # an honest record at the budget is held for less than it: SEAL_BYTES a seal once adopted
     assert max_seals(defaults.MAX_BUFFERED_BYTES) * SEAL <= defaults.MAX_BUFFERED_BYTES
+
+
+def test_a_durable_seal_past_what_a_take_over_reads_back_is_refused():
+    """Durable mode (a record limit given): the record must stay readable by the heir (wire.max_seals),
+    so the seal past it is refused here, never written for a take-over to find unreadable."""
+    budget = 36 * 4  # max_seals 4: a take-over reads back at most 4 seals
+    c, run = make(max_migrations=1_000_000, max_buffered_bytes=budget)
+    feed(run, leg("m", Role.AGG, [b"1", b"2"])[:1])
+    assert [migrate(run, "m", max_record_bytes=1 << 20).attempt for _ in range(4)] == [1, 2, 3, 4]
+    reply = migrate(run, "m", max_record_bytes=1 << 20)
+    assert reply.code is MigrateErrorCode.REFUSED
+    assert "5 seals, more than another instance reads back" in reply.message
+    assert c.stats.over_budget == 1
+    c2, run2 = make(max_migrations=1_000_000, max_buffered_bytes=budget)  # core mode: only the bytes count
+    feed(run2, leg("m", Role.AGG, [b"1", b"2"])[:1])
+    assert migrate(run2, "m", max_record_bytes=None).attempt == 1
+    assert [migrate(run2, "m").attempt for _ in range(4)] == [2, 3, 4, 5]

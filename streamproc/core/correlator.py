@@ -29,7 +29,7 @@ from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
 from .errors import ContractError, MigrationRefused, UnknownFormat, cut_error_text, shown
 from .latency import LatencyHistogram
-from .wire import decode_migrate_reply, encode_control, encode_seal_record
+from .wire import decode_migrate_reply, encode_control, encode_seal_record, max_seals
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
     Chunk,
     Decision,
@@ -582,7 +582,7 @@ class Correlator:
                             f"{record} bytes) does not fit one NATS message ({max(0, max_record_bytes)} bytes: "
                             f"max_payload less the record write's headers); the request cannot move")
             over = True  # last: nobody is ended to make room for a seal refused for another reason
-            self._room_for_seal(req, now)  # raises MigrationRefused
+            self._room_for_seal(req, now, max_record_bytes is not None)  # raises MigrationRefused
             over = False
         except MigrationRefused as exc:
             reason = exc.reason
@@ -1357,14 +1357,19 @@ class Correlator:
         req.retained = []
         req.budget = req.retain
 
-    def _room_for_seal(self, req: _Request, now: float) -> None:
+    def _room_for_seal(self, req: _Request, now: float, recorded: bool) -> None:
         """The seal about to be made adds one entry to ``req``'s seal list (SEAL_BYTES), charged as
         its progress state: raises MigrationRefused when that passes the per-request bound, or the
         global one with ``req`` the biggest holder (else the biggest are ended to make room, their
         results in ``_aside``), before anything is sealed: the client is never granted an attempt
-        whose request then ends over budget."""
+        whose request then ends over budget. ``recorded`` (durable mode): the seal record must also be
+        one another instance reads back (:func:`~.wire.max_seals`), else a take-over could not."""
         cfg = self.config
         seals = len(req.seals) if req.seals is not None else 0
+        if recorded and seals + 1 > max_seals(cfg.max_buffered_bytes):
+            raise MigrationRefused(
+                f"its seal record would hold {seals + 1} seals, more than another instance reads back "
+                f"({max_seals(cfg.max_buffered_bytes)} within max_buffered_bytes {cfg.max_buffered_bytes})")
         if req.progress + _SEAL > cfg.max_buffered_bytes:
             raise MigrationRefused(
                 f"its migration state ({req.progress} bytes: emitted tokens, the last seal's reply and "
