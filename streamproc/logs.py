@@ -16,12 +16,15 @@ import math
 import re
 import sys
 import time
+import traceback
+from types import TracebackType
 from typing import Any, Callable, Literal, TextIO
 from urllib.parse import unquote_plus
 
 import msgspec
 
-from .core.errors import shown
+from .core.errors import (MAX_LOG_CHAIN, MAX_LOG_FRAMES, MAX_LOG_MESSAGE, MAX_LOG_TRACEBACK, _escaped_size,
+                          cut_error_text, error_text_size, shown)
 
 LogFormat = Literal["logfmt", "json"]
 _FIELDS = "streamproc_fields"  # the LogRecord attribute that carries log_event's fields
@@ -201,7 +204,137 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
             client = shown(client)
         return {"event": "http_request", "client": client, "method": method, "path": path,
                 "http_version": version, "status": status}
-    return {"event": "log", "msg": record.getMessage()}
+    # Cut (errors.MAX_LOG_MESSAGE bytes as JSON): a library may log a peer's or client's value whole
+    return {"event": "log", "msg": cut_error_text(record.getMessage(), MAX_LOG_MESSAGE)}
+
+
+_CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
+_CONTEXT = "\nDuring handling of the above exception, another exception occurred:\n\n"
+MAX_LOG_NOTES = 3  # __notes__ of an exception kept (each cut as its message), and sub-exceptions of a group
+
+
+def exception_line(exc: BaseException) -> str:
+    """``module.Type: message`` as a traceback ends, the message cut (``cut_error_text``: it may echo a
+    worker's input), then its first notes, each cut, and a group's first sub-exceptions (their lines)."""
+    kind = type(exc)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):
+        name = f"{kind.__module__}.{name}"
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a hostile __str__ must not lose the line
+        text = "<exception str() failed>"
+    lines = [cut_error_text(f"{name}: {text}" if text else name)]
+    notes = getattr(exc, "__notes__", None)
+    if isinstance(notes, (list, tuple)):
+        lines += [cut_error_text(str(note)) for note in notes[:MAX_LOG_NOTES]]
+        if len(notes) > MAX_LOG_NOTES:
+            lines.append(f"[{len(notes) - MAX_LOG_NOTES} more notes not shown]")
+    if isinstance(exc, BaseExceptionGroup):
+        subs = exc.exceptions
+        shown_subs = enumerate(subs[:MAX_LOG_NOTES], 1)
+        lines += [f"  +-- {i}: {cut_error_text(_one_line(sub))}" for i, sub in shown_subs]
+        if len(subs) > MAX_LOG_NOTES:
+            lines.append(f"  +-- [{len(subs) - MAX_LOG_NOTES} more sub-exceptions not shown]")
+    return "\n".join(lines)
+
+
+def _one_line(exc: BaseException) -> str:
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:  # noqa: BLE001
+        return f"{type(exc).__name__}: <exception str() failed>"
+
+
+# traceback's own walk and extraction (private in 3.11 and 3.12); the public ones where they are gone
+_WALK = getattr(traceback, "_walk_tb_with_full_positions", None)
+_EXTRACT = getattr(traceback.StackSummary, "_extract_from_extended_frame_gen", None)
+if _WALK is None or _EXTRACT is None:  # pragma: no cover - a later CPython
+    _WALK, _EXTRACT = traceback.walk_tb, traceback.StackSummary.extract
+
+
+def _frames(tb: TracebackType | None) -> str:
+    """The last :data:`MAX_LOG_FRAMES` frames of a traceback as ``traceback`` prints them, and how many
+    earlier ones were left out (walking the traceback is cheap; formatting 100,000 frames is not)."""
+    if tb is None:
+        return ""
+    count = 0
+
+    def counted():
+        nonlocal count
+        for item in _WALK(tb):
+            count += 1
+            yield item
+    # As TracebackException.__init__ (CPython 3.11) extracts them: "_extract_from_extended_frame_gen(
+    # _walk_tb_with_full_positions(exc_traceback), limit=limit, ...)", the positions (lines, carets)
+    # taken from each frame's last instruction; and StackSummary._extract_from_extended_frame_gen: "if
+    # limit >= 0: frame_gen = itertools.islice(frame_gen, limit) else: frame_gen =
+    # collections.deque(frame_gen, maxlen=-limit)": a negative limit keeps the last frames.
+    stack = _EXTRACT(counted(), limit=-MAX_LOG_FRAMES)
+    left_out = count - len(stack)
+    head = "Traceback (most recent call last):\n"
+    if left_out:
+        head += f"  [{left_out} earlier frames not shown]\n"
+    return head + "".join(stack.format())
+
+
+def bounded_traceback(exc_info: tuple) -> str:
+    """A record's traceback as ``traceback.format_exception`` writes it, bounded whatever the exception:
+    the last :data:`MAX_LOG_CHAIN` exceptions of its ``__cause__`` / ``__context__`` chain, the last
+    :data:`MAX_LOG_FRAMES` frames of each, each message cut (:func:`exception_line`), and the whole at most
+    :data:`MAX_LOG_TRACEBACK` bytes as JSON (:func:`_cut_middle`). ``formatException`` wrote it whole: a
+    codec's 10 MB exception message was a 10 MB log line."""
+    value = exc_info[1]
+    if value is None:
+        return "NoneType: None"
+    chain: list[tuple[BaseException, str]] = []  # newest first, each with how it follows the next one
+    seen: set[int] = set()
+    exc: BaseException | None = value
+    earlier = 0
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__cause__ is not None:
+            older, how = exc.__cause__, _CAUSE
+        elif exc.__context__ is not None and not exc.__suppress_context__:
+            older, how = exc.__context__, _CONTEXT
+        else:
+            older, how = None, ""
+        if len(chain) < MAX_LOG_CHAIN:
+            chain.append((exc, how))
+        else:
+            earlier += 1
+        exc = older
+    parts = [f"[{earlier} earlier exceptions of the chain not shown]\n"] if earlier else []
+    for i in range(len(chain) - 1, -1, -1):
+        exc, how = chain[i]
+        if i < len(chain) - 1 or earlier:
+            parts.append(how)  # how it follows the older one printed above it
+        tb = exc_info[2] if exc is value else exc.__traceback__
+        parts.append(_frames(tb) + exception_line(exc) + "\n")
+    return _cut_middle("".join(parts).rstrip("\n"), MAX_LOG_TRACEBACK)
+
+
+def _cut_middle(text: str, limit: int) -> str:
+    """``text`` if it takes at most ``limit`` bytes as JSON, else its start and end in that many with
+    how many characters between were left out (the start names the first exception, the end the one
+    logged). Lone surrogates (a file name's) become U+FFFD, as ``cut_error_text`` does."""
+    if not text.isascii():
+        text = "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in text)
+    if error_text_size(text) <= limit:
+        return text
+    marker = "\n[... {} characters not shown ...]\n"
+    budget = (limit - len(marker) - 20) // 2
+    start = 0
+    left = budget
+    while left - _escaped_size(text[start]) >= 0:
+        left -= _escaped_size(text[start])
+        start += 1
+    end = len(text)
+    left = budget
+    while left - _escaped_size(text[end - 1]) >= 0:
+        left -= _escaped_size(text[end - 1])
+        end -= 1
+    return text[:start] + marker.format(end - start) + text[end:]
 
 
 class StructuredFormatter(logging.Formatter):
@@ -217,7 +350,7 @@ class StructuredFormatter(logging.Formatter):
                 "level": record.levelname.lower(), "logger": record.name}
         fields = record_fields(record)
         if record.exc_info:
-            fields["traceback"] = self.formatException(record.exc_info)
+            fields["traceback"] = bounded_traceback(record.exc_info)  # bounded: messages may echo input
         if self.format_name == "json":
             return _inert(msgspec.json.encode({**head, **fields}, enc_hook=str).decode())
         return kv(**head, **fields)

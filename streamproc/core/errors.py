@@ -38,6 +38,21 @@ def shown(value: str) -> str:
 MAX_ERROR_TEXT = 512
 
 
+# A log line's traceback (logs.StructuredFormatter): the last MAX_LOG_FRAMES frames of each exception
+# (frames are the code's; 16 show the path from a handler into a codec plugin), at most MAX_LOG_CHAIN
+# exceptions of a __cause__ / __context__ chain (the last ones: the one logged and what led to it), each
+# exception's message cut as an error result's is (cut_error_text, MAX_ERROR_TEXT bytes as JSON: it may
+# echo a worker's input), and the whole at most MAX_LOG_TRACEBACK bytes as JSON (its start and end kept).
+# 16 KiB holds 4 x (16 frames of ~200 bytes + 512) with room; before, a codec's 10 MB exception message
+# was a 10 MB log line, and 100,000 chained exceptions one of ~20 MB.
+MAX_LOG_FRAMES = 16
+MAX_LOG_CHAIN = 4
+MAX_LOG_TRACEBACK = 16384
+# Bytes as JSON of a library's log message (``event=log msg=...``: nats-py, Uvicorn), which may carry
+# a hostile value (a peer's error text): cut as an error text is.
+MAX_LOG_MESSAGE = 4096
+
+
 def _escaped_size(char: str) -> int:
     """The most bytes ``char`` takes in a JSON string, whichever encoder a codec uses: ``\\uXXXX``
     for a control character or (``ensure_ascii``) any non-ASCII one, a surrogate pair (12) for an
@@ -57,19 +72,19 @@ def error_text_size(message: str) -> int:
     return sum(_escaped_size(c) for c in message)
 
 
-def cut_error_text(message: str) -> str:
-    """``message`` as an error result's text and its log line carry it: at most :data:`MAX_ERROR_TEXT`
-    bytes as JSON under any encoder (:func:`error_text_size`), else cut on a character boundary and
-    followed by its length. A lone surrogate (no UTF-8 encoder takes it) becomes U+FFFD. Reads at most
-    :data:`MAX_ERROR_TEXT` + 1 characters (each is at least a byte), whatever the text's length."""
+def cut_error_text(message: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """``message`` as an error result's text and its log line carry it: at most ``limit`` (by default
+    :data:`MAX_ERROR_TEXT`) bytes as JSON under any encoder (:func:`error_text_size`), else cut on a
+    character boundary and followed by its length. A lone surrogate (no UTF-8 encoder takes it) becomes
+    U+FFFD. Reads at most ``limit`` + 1 characters (each is at least a byte), whatever the text's length."""
     length = len(message)
-    head = message[:MAX_ERROR_TEXT + 1]
+    head = message[:limit + 1]
     if not head.isascii():
         head = "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in head)
-    if length <= MAX_ERROR_TEXT and error_text_size(head) <= MAX_ERROR_TEXT:
+    if length <= limit and error_text_size(head) <= limit:
         return head
     suffix = f"... ({length} characters)"
-    budget = MAX_ERROR_TEXT - len(suffix)
+    budget = limit - len(suffix)
     end = 0
     for char in head:
         budget -= _escaped_size(char)

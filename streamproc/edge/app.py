@@ -946,7 +946,7 @@ class Edge:
             except Exception as exc:  # noqa: BLE001 - a codec bug must not take the edge down
                 self.source.limited.log(logging.ERROR, "fold_failed", request_id=feed.request_id, exc_info=True)
                 # Cut: a codec plugin's exception chooses its text's length (a 10 MB message was a 10 MB
-                # 500 body, held and sent whole); the traceback above keeps it all.
+                # 500 body, held and sent whole); the traceback above keeps its start (bounded_traceback).
                 body = self.codec.error_body(cut_error_text(f"cannot fold {len(results)} results: {exc}"),
                                              ErrorKind.INTERNAL)
                 return Response(body, status_code=500, media_type=ANSWER_MEDIA_TYPE, headers=PRIVATE)
