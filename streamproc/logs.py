@@ -337,6 +337,11 @@ def _cut_middle(text: str, limit: int) -> str:
     return text[:start] + marker.format(end - start) + text[end:]
 
 
+# A field value shorter than this takes at most MAX_LOG_MESSAGE bytes as JSON (6 at most a character):
+# only a longer one is measured (cut_error_text), so an ordinary line costs one len() per field.
+_FIELD_CHARS = MAX_LOG_MESSAGE // 6
+
+
 class StructuredFormatter(logging.Formatter):
     """``ts=... level=... logger=... event=... k=v`` (logfmt) or one JSON object per line."""
 
@@ -349,6 +354,9 @@ class StructuredFormatter(logging.Formatter):
         head = {"ts": ts.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
                 "level": record.levelname.lower(), "logger": record.name}
         fields = record_fields(record)
+        for key, value in fields.items():  # error=<exc> and the like: 49 fields carry an exception's text
+            if isinstance(value, str) and len(value) > _FIELD_CHARS:
+                fields[key] = cut_error_text(value, MAX_LOG_MESSAGE)
         if record.exc_info:
             fields["traceback"] = bounded_traceback(record.exc_info)  # bounded: messages may echo input
         if self.format_name == "json":

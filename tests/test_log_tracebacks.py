@@ -11,6 +11,7 @@ with the loud codec (helpers.loud_codec_site) and a real nats-server.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -194,3 +195,28 @@ def test_a_traceback_over_the_bound_keeps_its_start_and_end():
     assert cut.startswith("Traceback (most recent call last):\n\x01")
     assert cut.endswith("\x01\nRuntimeError: the last")
     assert "characters not shown ...]" in cut
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("char", ["E", "\x01"])
+def test_a_huge_field_is_cut(fmt, char):
+    """``error=error_text(exc)`` (49 log_event calls pass one) carried an exception's text whole."""
+    from streamproc.logs import error_text, log_event
+    stream = io.StringIO()
+    logger = logging.getLogger("streamproc.test.fields")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(StructuredFormatter(fmt))
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        log_event(logger, logging.WARNING, "malformed_result", request_id="r1",
+                  error=error_text(ValueError(char * HUGE)), short="kept whole " + "s" * 600)
+    finally:
+        logger.removeHandler(handler)
+    line = stream.getvalue().rstrip("\n")
+    assert "\n" not in line and len(line) <= HEAD + 2 * MAX_LOG_MESSAGE, len(line)
+    fields = json.loads(line) if fmt == "json" else None
+    error = fields["error"] if fields else json.loads(line[line.index(" error=") + 7:line.index(" short=")])
+    assert error.startswith("ValueError: " + char * 10)
+    assert error.endswith(f"... ({len('ValueError: ') + HUGE} characters)")
+    assert "kept whole " + "s" * 600 in line
