@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import types
 
@@ -97,6 +98,24 @@ def test_100000_frames_keep_the_last_ones(fmt):
     text = traceback_of(line, fmt)
     assert f"[{100_000 - MAX_LOG_FRAMES} earlier frames not shown]" in text, text[:300]
     assert text.count(", in raised") == MAX_LOG_FRAMES
+    assert text.endswith("\nValueError: deep")
+
+
+def test_without_the_private_walk_the_public_one_keeps_the_bound(monkeypatch):
+    """A later CPython without ``traceback._walk_tb_with_full_positions`` (private in 3.11 and 3.12):
+    the public ``walk_tb`` / ``StackSummary.extract`` keep the same last frames, without carets."""
+    import traceback
+
+    from streamproc import logs
+    monkeypatch.setattr(logs, "_WALK", traceback.walk_tb)
+    monkeypatch.setattr(logs, "_EXTRACT", traceback.StackSummary.extract)
+    exc, tb = deep_traceback(100_000)
+    text = traceback_of(StructuredFormatter("json").format(record_of(exc, tb)), "json")
+    assert len(text) <= MAX_LOG_TRACEBACK, len(text)
+    assert f"[{100_000 - MAX_LOG_FRAMES} earlier frames not shown]" in text, text[:300]
+    # walk_tb reads each entry's tb_lineno, the same in deep_traceback's: traceback folds the repeats
+    repeated = re.search(r"\[Previous line repeated (\d+) more times\]", text)
+    assert text.count(", in raised") + (int(repeated.group(1)) if repeated else 0) == MAX_LOG_FRAMES, text
     assert text.endswith("\nValueError: deep")
 
 
