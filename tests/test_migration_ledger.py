@@ -181,3 +181,25 @@ async def test_a_seal_record_with_more_seals_than_the_budget_holds_is_unreadable
     await ledger.write("over", record("over", [1] * 1001, "b"), None)
     with pytest.raises(UnreadableRecord, match="1001 seals, more than the 1000"):
         await ledger.read("over")
+
+
+async def test_copies_within_the_copies_bound_are_never_dropped_from_the_subscriptions_queue(client):
+    """The queue of the history read's subscription (nats-py ``pending_msgs_limit``, an
+    ``asyncio.Queue(maxsize=...)``) held ``max_history_results`` messages: once copies stopped counting
+    toward that bound (only toward ``max_history_copies`` times it), the server could send more than the
+    queue holds (its flow control counts bytes, never messages) and nats-py's ``Client._process_msg``
+    dropped the rest (``asyncio.QueueFull``: SlowConsumerError), after its ordered-consumer sequence
+    tracking had counted them, so no reset re-sent them: the last results never came and the read
+    timed out (retried for good). Copies within the bound must read whole."""
+    ledger = await ledger_for(client)
+    js = client.jetstream()
+    subjects = Subjects()
+    ledger.max_history_results, ledger.max_history_copies = 100, 4
+    rid, early, late, copies = "queued-copies", 8, 2, 35  # 8 x 35 + 2 = 282 messages, under 4 x 100
+    bodies = [b"%d" % seq * 10 for seq in range(early + late)]
+    for _ in range(copies):  # results 0..7 stored again and again (each owner re-publishing them)
+        for seq in range(early):
+            await js.publish(subjects.result(rid), bodies[seq], headers={SEQ: str(seq)})
+    for seq in range(early, early + late):
+        await js.publish(subjects.result(rid), bodies[seq], headers={SEQ: str(seq)})
+    assert await ledger.history(rid, early + late) == bodies

@@ -220,7 +220,16 @@ class MigrationLedger:
         received = received_bytes = kept_bytes = 0
         try:
             sub = await self.js.subscribe(self._results_head + request_id, stream=self.results_stream,
-                                          ordered_consumer=True, pending_msgs_limit=self.max_history_results,
+                                          ordered_consumer=True,
+                                          # Every copy may be queued (received + queued counts toward the
+                                          # copies bound, max_history_copies x max_history_results), plus
+                                          # one: an asyncio.Queue(maxsize=pending_msgs_limit) that is full
+                                          # drops the message in nats-py 2.x Client._process_msg ("except
+                                          # asyncio.QueueFull: ... SlowConsumerError") after the ordered
+                                          # consumer counted its sequence, so it never comes again: a
+                                          # timeout. nats-server's flow control counts bytes, not messages.
+                                          pending_msgs_limit=self.max_history_copies * self.max_history_results
+                                          + 1,
                                           # One message always fits: nats-py 2.x Client._process_msg drops
                                           # one once "sub._pending_size >= sub._pending_bytes_limit"
                                           # (SlowConsumerError), and a dropped one here is a timeout.
