@@ -176,3 +176,21 @@ def test_a_durable_seal_past_what_a_take_over_reads_back_is_refused():
     feed(run2, leg("m", Role.AGG, [b"1", b"2"])[:1])
     assert migrate(run2, "m", max_record_bytes=None).attempt == 1
     assert [migrate(run2, "m").attempt for _ in range(4)] == [2, 3, 4, 5]
+
+
+def test_a_record_naming_seals_twice_builds_no_earlier_list():
+    """msgspec reads a key given twice with its last value: the count looked only at the last ``seals``
+    while the whole record's decode built every earlier one, so 4,000,000 seals ahead of ``"seals":[7]``
+    (8 MB, what a forger with write access to the bucket can put there) peaked at ~35 MB and passed. Now the
+    earlier ones are skipped without being built, and the record reads as msgspec reads it."""
+    honest = record([7])
+    assert honest.startswith(b'{"seals":[7],')
+    body = b'{"seals":[' + b"0," * 3_999_999 + b'0],' + honest[1:]
+    tracemalloc.start()
+    try:
+        read = decode_seal_record(body, max_seals(defaults.MAX_BUFFERED_BYTES))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert read.seals == [7] and read == decode_seal_record(honest)
+    assert peak < 1.5 * len(body), (peak, len(body))

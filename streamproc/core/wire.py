@@ -493,14 +493,19 @@ def decode_migrate_reply(body: bytes) -> MigrateReply:
 _seal_record = msgspec.json.Decoder(SealRecord)
 
 
-class _SealsOnly(msgspec.Struct):
-    """A seal record's ``seals`` left undecoded (the other fields are skipped): counted before the
-    list is built."""
+class _SealsRaw(msgspec.Struct, frozen=True):
+    """A seal record with its ``seals`` left undecoded: counted before the list is built. The whole
+    record, not ``seals`` alone: a record naming ``seals`` twice (no honest encoder does) is read with
+    the last one, as msgspec does, and the earlier ones are skipped, never built; counting only the last
+    and then decoding the whole record built every earlier list unbounded."""
 
     seals: msgspec.Raw
+    sealed: Sealed
+    id: str | None = None
 
 
-_seals_only = msgspec.json.Decoder(_SealsOnly)
+_seals_raw = msgspec.json.Decoder(_SealsRaw)
+_seals_list = msgspec.json.Decoder(list[int])
 
 
 def max_seals(max_buffered_bytes: int) -> int:
@@ -524,12 +529,14 @@ def decode_seal_record(body: bytes, max_seals: int | None = None) -> SealRecord:
     took a 35 MB peak to be refused), the count here only its bytes (JSON integers hold no comma)."""
     try:
         if max_seals is not None:
-            raw = bytes(_seals_only.decode(body).seals)  # a copy of part of the body, at most its size
+            bounded = _seals_raw.decode(body)
+            raw = bytes(bounded.seals)  # a copy of part of the body, at most its size
             count = raw.count(b",")
             count = count + 1 if count or raw.strip(b"[] \t\r\n") else 0  # (no comma: one seal at most)
             if count > max_seals:
                 raise msgspec.ValidationError(f"{count} seals, more than the {max_seals} a request may hold "
                                               "(max_buffered_bytes) - at `$.seals`")
+            return SealRecord(_seals_list.decode(raw), bounded.sealed, bounded.id)
         return _seal_record.decode(body)
     except RecursionError:
         raise _too_deep() from None
