@@ -224,3 +224,30 @@ async def test_the_inline_handlers_call_stage_write_only_when_no_write_is_set(cl
     inline = [(caller, set_) for caller, set_ in calls if caller in ("on_message_inline", "_on_reply_inline")]
     assert inline, calls  # the handlers do stage writes
     assert not [c for c in inline if c[1]], inline
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_the_inline_chunk_handler_decides_a_chunk_without_a_decide_call(client, nats_url, monkeypatch):
+    """The inline chunk handler hands a chunk to the correlator itself, ``decide``'s try written out (one
+    Python call per chunk less; docs/benchmarks.md, "Durable CPU, seventh pass"); a chunk it declines (its
+    request's first, which needs a lookup) is still decided through ``decide``; the results are the chunks'
+    bodies, in order."""
+    import sys
+
+    from streamproc.core.correlator import Correlator
+
+    callers: list[str] = []
+    receive = Correlator.receive
+
+    def counted(self, chunk, now):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return receive(self, chunk, now)
+
+    monkeypatch.setattr(Correlator, "receive", counted)
+    count = 40
+    await paced_chunks_stored_in_order(client, nats_url, "decide-1", count)
+    assert len(callers) == count, callers
+    assert set(callers) <= {"on_message_inline", "decide"}, callers
+    assert callers.count("on_message_inline") >= count // 2, callers
