@@ -1152,6 +1152,43 @@ def test_the_first_send_leaves_whatever_the_budget_and_a_budget_used_up_exactly_
     assert [o.result.request_id for o in box.ready] == ["c"]
 
 
+@given(st.lists(st.tuples(st.sampled_from(["a", "bb", "c" * 40]), st.integers(0, 3000)), min_size=1, max_size=12),
+       st.integers(-1, 20000), st.integers(1, 4))
+def test_a_budget_is_spent_as_wire_size_counts_each_result_without_calling_it(sizes, budget, batch_limit):
+    """``_within`` counts each result as :func:`wire_size` does, its sum written out (one Python call per
+    result less; docs/benchmarks.md, "Durable CPU, seventh pass"): the sends that fit are those whose
+    wire_size sum, a batch counted whole, fits the budget (the first always leaves), in order."""
+    import streamproc.core.outbox as outbox_module
+
+    box = batched_box(limit=batch_limit) if batch_limit > 1 else Outbox()
+    seqs: dict[str, int] = {}
+    for rid, n in sizes:
+        seqs[rid] = seqs.get(rid, -1) + 1
+        box.take([Result(rid, seqs[rid], b"x" * n, False)], rid)
+    # what the budget should keep, from wire_size itself: the heads, each with its batch as sending() makes it
+    heads = list(box.ready)
+    limit = box._batch_limit(0.0)
+    want, left = [], budget
+    for n, o in enumerate(heads):
+        if left <= 0 and n:
+            break
+        want.append(o.result.request_id)
+        members = box._batch_of(box._queues[o.result.request_id], limit) if limit > 1 and not o.alone else None
+        left -= sum(wire_size(m.result) for m in members or (o,))
+    original = outbox_module.wire_size
+
+    def not_called(result):
+        raise AssertionError("wire_size called on the send path")
+
+    outbox_module.wire_size = not_called
+    try:
+        sent = box.sending(0.0, budget=budget)
+    finally:
+        outbox_module.wire_size = original
+    assert list(dict.fromkeys(o.result.request_id for o in sent)) == want
+    assert [o.result.request_id for o in box.ready] == [o.result.request_id for o in heads[len(want):]]
+
+
 def test_a_nak_with_a_delay_asks_for_the_redelivery_that_much_later():
     box = Outbox()
     late, now = Token("a", "0", 1), Token("a", "1", 1)
