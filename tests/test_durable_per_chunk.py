@@ -251,3 +251,27 @@ async def test_the_inline_chunk_handler_decides_a_chunk_without_a_decide_call(cl
     assert len(callers) == count, callers
     assert set(callers) <= {"on_message_inline", "decide"}, callers
     assert callers.count("on_message_inline") >= count // 2, callers
+
+
+@pytest.mark.anyio
+@pytest.mark.nats
+@pytest.mark.timeout(60)
+async def test_the_inline_chunk_handler_calls_offload_only_for_decisions_with_a_work(client, nats_url, monkeypatch):
+    """``DurableInput._offload`` returns decisions without a ``Work`` as they are: the inline chunk handler
+    calls it only when one is among them (one Python call per chunk less; docs/benchmarks.md, "Durable CPU,
+    seventh pass"); aggregated chunks make none, and their results are the chunks' bodies, in order."""
+    import sys
+
+    from streamproc.core.correlator import Work
+    from streamproc.nats.durable.input import DurableInput
+
+    calls: list[tuple[str, bool]] = []  # (caller, a Work among the decisions)
+    offload = DurableInput._offload
+
+    def counted(self, decisions, received=None):
+        calls.append((sys._getframe(1).f_code.co_name, any(d.__class__ is Work for d in decisions)))
+        return offload(self, decisions, received)
+
+    monkeypatch.setattr(DurableInput, "_offload", counted)
+    await paced_chunks_stored_in_order(client, nats_url, "offload-1", 40)
+    assert not [c for c in calls if c[0] == "on_message_inline" and not c[1]], calls

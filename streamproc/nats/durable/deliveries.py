@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from ...config import Settings
 from ...core.codec import ErrorKind
 from ...core.errors import shown
+from ...core.correlator import Work
 from ...core.events import Chunk, Decision
 from ...core.defaults import LOOKUP_ATTEMPTS
 from ...core.lookups import Lookups, LookupSlots
@@ -454,7 +455,13 @@ class Deliveries:
             except Exception as exc:  # noqa: BLE001
                 decisions = failed(exc, msg, acknowledged=True, subject=chunk_subject(msg.subject))
             if decisions:  # take(decisions, rid, now), inline
-                notices = queue(offload(decisions, now), rid, now)
+                # offload(decisions, now) only when a Work is among them: it returns the list itself
+                # otherwise (one Python call per chunk less; docs/benchmarks.md, "Durable CPU, seventh pass")
+                for d in decisions:
+                    if d.__class__ is Work:
+                        decisions = offload(decisions, now)
+                        break
+                notices = queue(decisions, rid, now)
                 if notices:
                     for n in notices:
                         notify(n)
