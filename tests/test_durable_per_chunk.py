@@ -275,3 +275,30 @@ async def test_the_inline_chunk_handler_calls_offload_only_for_decisions_with_a_
     monkeypatch.setattr(DurableInput, "_offload", counted)
     await paced_chunks_stored_in_order(client, nats_url, "offload-1", 40)
     assert not [c for c in calls if c[0] == "on_message_inline" and not c[1]], calls
+
+    # A joined request's decode leg, taken inline, makes a Work: that list is still offloaded (the join runs
+    # off the loop) and its result is the join's.
+    from streamproc.catalog import worker_for
+    from streamproc.client.publisher import ChunkPublisher
+    from streamproc.client.results import follow
+    from streamproc.nats.processor import Processor
+    from streamproc.sim import traffic
+    from streamproc.wire import Verdict
+
+    from durable_helpers import durable_settings
+    from helpers import wait_until
+
+    calls.clear()
+    settings = durable_settings(nats_url)
+    worker = worker_for(settings.format)
+    truth = traffic.make_truth(5, request_id="offload-join", prompt_len=9, output_len=4)
+    async with Processor(settings) as p:
+        publisher = ChunkPublisher(client, settings.subjects)
+        async with follow(client, settings.subjects, "offload-join", timeout=10) as results:
+            await publisher.publish_leg("offload-join", "prefill", worker.prefill(truth, stream=False))
+            # the request known (its first chunk took the lookup path): the decode leg comes inline
+            await wait_until(lambda: p.snapshot()["chunks"] >= 1, 10, "the prefill leg decided")
+            await publisher.publish_leg("offload-join", "decode", worker.decode(truth, stream=False))
+            (final,) = await results.collect()
+    assert final.verdict is Verdict.JOINED and worker.expert_view(final.body)[0] == truth.experts
+    assert ("on_message_inline", True) in calls, calls
