@@ -255,14 +255,20 @@ class BrokenCodec(Codec):
 '''
 
 
+def codec_site(root: Path, name: str, source: str, cls: str) -> str:
+    """A directory holding an installed-looking distribution (module ``<name>_codec``, ``source``) that
+    registers its class ``cls`` as the codec ``name`` (the ``streamproc.codecs`` entry point)."""
+    (root / f"{name}_codec.py").write_text(textwrap.dedent(source))
+    info = root / f"{name}_codec-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-codec\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[streamproc.codecs]\n{name} = {name}_codec:{cls}\n")
+    return str(root)
+
+
 def broken_codec_site(root: Path) -> str:
     """A directory holding an installed-looking distribution that registers the codec ``broken``."""
-    (root / "broken_codec.py").write_text(textwrap.dedent(BROKEN_CODEC))
-    info = root / "broken_codec-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-codec\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[streamproc.codecs]\nbroken = broken_codec:BrokenCodec\n")
-    return str(root)
+    return codec_site(root, "broken", BROKEN_CODEC, "BrokenCodec")
 
 
 async def raw_protocol(url: str, frames: list[bytes]) -> None:
@@ -470,9 +476,4 @@ class LoudCodec(SGLangCodec):
 
 def loud_codec_site(root: Path) -> str:
     """A directory holding an installed-looking distribution that registers the codec ``loud``."""
-    (root / "loud_codec.py").write_text(textwrap.dedent(LOUD_CODEC))
-    info = root / "loud_codec-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: loud-codec\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[streamproc.codecs]\nloud = loud_codec:LoudCodec\n")
-    return str(root)
+    return codec_site(root, "loud", LOUD_CODEC, "LoudCodec")
