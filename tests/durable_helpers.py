@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -285,3 +286,34 @@ def slow_lookups_env(directory: Path, seconds: float, only: str = "") -> dict[st
     (directory / "sitecustomize.py").write_text(
         SLOW_LOOKUPS.format(seconds=seconds, only=only, peak=str(directory / "lookups_peak")))
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+class Heir:
+    """What :func:`vllm_heir` gives its test: the processor, a client connection and its JetStream
+    context, and (once the block is left) the processor's log."""
+
+    def __init__(self, proc: subprocess.Popen, nc: nats.aio.client.Client) -> None:
+        self.proc = proc
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.log = ""
+
+
+@contextlib.asynccontextmanager
+async def vllm_heir(*flags: str):
+    """An embedded nats-server and a one-partition vLLM ``streamproc run --mode durable`` (``flags``
+    added) to take requests over, with a client connection for the test (the take-over read tests'
+    setup). On a clean exit the processor must still run; its log is then in ``heir.log``."""
+    from conftest import processor_subprocess
+    from streamproc.sim.embedded import EmbeddedNats
+
+    with EmbeddedNats() as server:
+        with processor_subprocess(server.url, *durable_flags(partitions=1, format="vllm"), *flags) as (proc, log):
+            nc = await connect(server.url)
+            heir = Heir(proc, nc)
+            try:
+                yield heir
+            finally:
+                await nc.close()
+            assert proc.poll() is None, "the processor exited during the test"
+            heir.log = log.read_text(errors="replace")

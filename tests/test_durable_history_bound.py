@@ -14,14 +14,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import processor_subprocess
-from durable_helpers import connect, durable_flags, wait_for_finals
+from durable_helpers import vllm_heir, wait_for_finals
 from helpers import rid, status_kib
 
 from streamproc.core import defaults
 from streamproc.core.recovery import history_over_bound
 from streamproc.core.wire import SEQ, Subjects, chunk_headers
-from streamproc.sim.embedded import EmbeddedNats
 
 SUBJECTS = Subjects()
 BODY = 960 * 1024  # under nats-server's default max_payload (1 MiB) with the headers
@@ -49,34 +47,27 @@ def vllm_body(request_id: str, token: int, finish: str | None, pad: int = 0) -> 
 @pytest.mark.timeout(240)
 async def test_a_huge_stored_output_costs_the_heir_a_bounded_read_and_the_bystander_no_wait():
     victim, bystander = rid("huge"), rid("bystander")
-    with EmbeddedNats() as server:
-        with processor_subprocess(server.url, *durable_flags(partitions=1, format="vllm"),
-                                  "--request-timeout", "20") as (proc, log_path):
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                for seq in range(STORED):  # what a processor would have stored: results 0..STORED-1
-                    await js.publish(SUBJECTS.result(victim), vllm_body(victim, seq, None, BODY),
-                                     headers={SEQ: str(seq)})
-                await js.publish(SUBJECTS.result(bystander), vllm_body(bystander, 1, None),
-                                 headers={SEQ: "0"})
-                baseline = status_kib(proc.pid, "VmRSS") * 1024
-                # Both taken over: their next decode chunk (the final) and their prefill leg.
-                for r, seq in ((victim, STORED), (bystander, 1)):
-                    await js.publish(SUBJECTS.chunk(r, "decode"), vllm_body(r, 8, "stop"),
-                                     headers=chunk_headers(r, "decode", seq, final=True, format="vllm"))
-                    await js.publish(SUBJECTS.chunk(r, "prefill"), vllm_body(r, 7, "length"),
-                                     headers=chunk_headers(r, "prefill", 0, final=True, format="vllm"))
-                    if r == victim:
-                        sent = time.monotonic()
-                stored = await wait_for_finals(js, SUBJECTS, [bystander], 60)
-                waited = time.monotonic() - sent
-                stored = await wait_for_finals(js, SUBJECTS, [bystander, victim], 60)
-                peak = status_kib(proc.pid, "VmHWM") * 1024
-            finally:
-                await nc.close()
-            assert proc.poll() is None
-            log = log_path.read_text(errors="replace")
+    async with vllm_heir("--request-timeout", "20") as heir:
+        js = heir.js
+        for seq in range(STORED):  # what a processor would have stored: results 0..STORED-1
+            await js.publish(SUBJECTS.result(victim), vllm_body(victim, seq, None, BODY),
+                             headers={SEQ: str(seq)})
+        await js.publish(SUBJECTS.result(bystander), vllm_body(bystander, 1, None),
+                         headers={SEQ: "0"})
+        baseline = status_kib(heir.proc.pid, "VmRSS") * 1024
+        # Both taken over: their next decode chunk (the final) and their prefill leg.
+        for r, seq in ((victim, STORED), (bystander, 1)):
+            await js.publish(SUBJECTS.chunk(r, "decode"), vllm_body(r, 8, "stop"),
+                             headers=chunk_headers(r, "decode", seq, final=True, format="vllm"))
+            await js.publish(SUBJECTS.chunk(r, "prefill"), vllm_body(r, 7, "length"),
+                             headers=chunk_headers(r, "prefill", 0, final=True, format="vllm"))
+            if r == victim:
+                sent = time.monotonic()
+        stored = await wait_for_finals(js, SUBJECTS, [bystander], 60)
+        waited = time.monotonic() - sent
+        stored = await wait_for_finals(js, SUBJECTS, [bystander, victim], 60)
+        peak = status_kib(heir.proc.pid, "VmHWM") * 1024
+    log = heir.log
     grew = peak - baseline
     print(f"\n{STORED} stored bodies of {BODY >> 10} KiB: VmRSS before {baseline >> 20} MiB, "
           f"VmHWM {peak >> 20} MiB, bystander answered {waited:.2f} s after the victim's chunks")

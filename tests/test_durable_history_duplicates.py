@@ -15,8 +15,7 @@ import struct
 import time
 
 import pytest
-from conftest import processor_subprocess
-from durable_helpers import connect, durable_flags, wait_for_finals
+from durable_helpers import vllm_heir, wait_for_finals
 from helpers import rid, status_kib
 
 from streamproc.catalog import Catalog
@@ -25,7 +24,6 @@ from streamproc.core import defaults
 from streamproc.core.correlator import Correlator, CorrelatorConfig
 from streamproc.core.recovery import history_over_bound
 from streamproc.core.wire import MSG_ID, SEQ, Subjects, chunk_headers
-from streamproc.sim.embedded import EmbeddedNats
 from streamproc.sim.simulation import Truth
 from streamproc.testing.harness import Run, leg
 from streamproc.wire import Chunk, Result, Role, Verdict, result_headers
@@ -107,27 +105,20 @@ async def test_results_stored_twice_are_read_whole_when_the_distinct_ones_fit():
     and the rows omitted with ``length_mismatch``)."""
     victim = rid("twice")
     prefill, decode, live = pd_request(victim)
-    with EmbeddedNats() as server:
-        with processor_subprocess(server.url, *durable_flags(partitions=1, format="vllm"),
-                                  "--request-timeout", "20") as (proc, log_path):
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                for result in live[:-1]:
-                    headers = result_headers(result)
-                    for msg_id in (headers[MSG_ID], headers[MSG_ID] + ".again"):
-                        await js.publish(SUBJECTS.result(victim), result.body,
-                                         headers={**headers, MSG_ID: msg_id})
-                # Taken over: its last decode chunk (the final) and its prefill leg.
-                for chunk in [decode[-1], *prefill]:
-                    role = chunk.role.value
-                    headers = chunk_headers(victim, role, chunk.seq, final=chunk.final, format="vllm")
-                    await js.publish(SUBJECTS.chunk(victim, role), chunk.body, headers=headers)
-                stored = await wait_for_finals(js, SUBJECTS, [victim], 60)
-            finally:
-                await nc.close()
-            assert proc.poll() is None
-            log = log_path.read_text(errors="replace")
+    async with vllm_heir("--request-timeout", "20") as heir:
+        js = heir.js
+        for result in live[:-1]:
+            headers = result_headers(result)
+            for msg_id in (headers[MSG_ID], headers[MSG_ID] + ".again"):
+                await js.publish(SUBJECTS.result(victim), result.body,
+                                 headers={**headers, MSG_ID: msg_id})
+        # Taken over: its last decode chunk (the final) and its prefill leg.
+        for chunk in [decode[-1], *prefill]:
+            role = chunk.role.value
+            headers = chunk_headers(victim, role, chunk.seq, final=chunk.final, format="vllm")
+            await js.publish(SUBJECTS.chunk(victim, role), chunk.body, headers=headers)
+        stored = await wait_for_finals(js, SUBJECTS, [victim], 60)
+    log = heir.log
     [final] = [r for r in stored[victim] if r.final]
     sent = sum(len(r.body) for r in stored[victim] if not r.final)
     choice = json.loads(final.body)["choices"][0]
@@ -151,30 +142,23 @@ async def test_endless_copies_of_one_seq_end_the_read_in_bounded_time_and_memory
     RSS growth under ``GROWTH_BOUND`` and its answer within ``ANSWER_BOUND``."""
     copies = COPIES
     victim, bystander = rid("copies"), rid("bystander")
-    with EmbeddedNats() as server:
-        with processor_subprocess(server.url, *durable_flags(partitions=1, format="vllm"),
-                                  "--request-timeout", "30") as (proc, log_path):
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                body = vllm_body(victim, 0, None, BODY)
-                for n in range(copies):
-                    await js.publish(SUBJECTS.result(victim), body,
-                                     headers={SEQ: "0", MSG_ID: f"{victim}.0.{n}"})
-                await js.publish(SUBJECTS.result(victim), vllm_body(victim, 1, None), headers={SEQ: "1"})
-                await js.publish(SUBJECTS.result(bystander), vllm_body(bystander, 1, None),
-                                 headers={SEQ: "0"})
-                baseline = status_kib(proc.pid, "VmRSS") * 1024
-                sent = time.monotonic()
-                await take_over(js, victim, 2)
-                await take_over(js, bystander, 1)
-                stored = await wait_for_finals(js, SUBJECTS, [victim, bystander], 120)
-                waited = time.monotonic() - sent
-                peak = status_kib(proc.pid, "VmHWM") * 1024
-            finally:
-                await nc.close()
-            assert proc.poll() is None
-            log = log_path.read_text(errors="replace")
+    async with vllm_heir("--request-timeout", "30") as heir:
+        js = heir.js
+        body = vllm_body(victim, 0, None, BODY)
+        for n in range(copies):
+            await js.publish(SUBJECTS.result(victim), body,
+                             headers={SEQ: "0", MSG_ID: f"{victim}.0.{n}"})
+        await js.publish(SUBJECTS.result(victim), vllm_body(victim, 1, None), headers={SEQ: "1"})
+        await js.publish(SUBJECTS.result(bystander), vllm_body(bystander, 1, None),
+                         headers={SEQ: "0"})
+        baseline = status_kib(heir.proc.pid, "VmRSS") * 1024
+        sent = time.monotonic()
+        await take_over(js, victim, 2)
+        await take_over(js, bystander, 1)
+        stored = await wait_for_finals(js, SUBJECTS, [victim, bystander], 120)
+        waited = time.monotonic() - sent
+        peak = status_kib(heir.proc.pid, "VmHWM") * 1024
+    log = heir.log
     grew = peak - baseline
     print(f"\n{copies} copies of one {BODY >> 10} KiB result ({copies * BODY >> 20} MiB): VmRSS before "
           f"{baseline >> 20} MiB, VmHWM {peak >> 20} MiB (+{grew >> 20} MiB, "

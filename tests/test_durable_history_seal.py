@@ -18,8 +18,7 @@ are the same to the reader)."""
 from __future__ import annotations
 
 import pytest
-from conftest import processor_subprocess
-from durable_helpers import connect, durable_flags, stored_results, wait_for_finals
+from durable_helpers import stored_results, vllm_heir, wait_for_finals
 from helpers import free_port, rid, scrape
 from migration_helpers import ask_migrate
 
@@ -28,7 +27,6 @@ from streamproc.core.events import MigrateError, MigrateErrorCode, Sealed, SealR
 from streamproc.core.wire import SEQ, Subjects, chunk_headers, encode_seal_record
 from streamproc.nats.durable.migrations import record_key
 from streamproc.nats.streams import CHUNKS_STREAM
-from streamproc.sim.embedded import EmbeddedNats
 
 SUBJECTS = Subjects()
 LAST = defaults.MAX_HISTORY_RESULTS  # the last stored result's seq: next_seq is one past the bound
@@ -46,35 +44,28 @@ def vllm_body(request_id: str, token: int, finish: str | None) -> bytes:
 async def test_stored_output_past_the_bound_ends_a_migrated_request_and_refuses_a_migrate():
     sealed, plain, bystander = rid("sealed"), rid("plain"), rid("bystander")
     port = free_port()
-    with EmbeddedNats() as server:
-        with processor_subprocess(server.url, *durable_flags(partitions=1, format="vllm"),
-                                  "--http-port", str(port)) as (proc, log_path):
-            nc = await connect(server.url)
-            try:
-                js = nc.jetstream()
-                for r in (sealed, plain):
-                    await js.publish(SUBJECTS.result(r), vllm_body(r, 1, None), headers={SEQ: str(LAST)})
-                await js.publish(SUBJECTS.result(bystander), vllm_body(bystander, 1, None), headers={SEQ: "0"})
-                # The sealed one migrated elsewhere at its next result: attempt 1 starts at LAST + 1.
-                seal = Sealed(sealed, 1, 1, [1], LAST + 1, "vllm", {})
-                kv = await js.key_value(f"{CHUNKS_STREAM}_MIGRATIONS")
-                await kv.create(record_key(sealed), encode_seal_record(SealRecord([LAST + 1], seal, "m-1")))
-                await js.publish(SUBJECTS.chunk(sealed, "decode"), vllm_body(sealed, 8, "stop"),
-                                 headers=chunk_headers(sealed, "decode", 0, final=True, attempt=1, format="vllm"))
-                await js.publish(SUBJECTS.chunk(plain, "decode"), vllm_body(plain, 8, None),
-                                 headers=chunk_headers(plain, "decode", LAST + 1, format="vllm"))
-                await js.publish(SUBJECTS.chunk(bystander, "decode"), vllm_body(bystander, 8, "stop"),
-                                 headers=chunk_headers(bystander, "decode", 1, final=True, format="vllm"))
-                await js.publish(SUBJECTS.chunk(bystander, "prefill"), vllm_body(bystander, 7, "length"),
-                                 headers=chunk_headers(bystander, "prefill", 0, final=True, format="vllm"))
-                stored = await wait_for_finals(js, SUBJECTS, [bystander, sealed], 60)
-                metrics = scrape(port)  # before the migrate: (a) alone
-                replies = [await ask_migrate(nc, SUBJECTS, plain, expected_attempt=0) for _ in range(2)]
-                stored = await stored_results(js, SUBJECTS)
-            finally:
-                await nc.close()
-            assert proc.poll() is None
-            log = log_path.read_text(errors="replace")
+    async with vllm_heir("--http-port", str(port)) as heir:
+        js = heir.js
+        for r in (sealed, plain):
+            await js.publish(SUBJECTS.result(r), vllm_body(r, 1, None), headers={SEQ: str(LAST)})
+        await js.publish(SUBJECTS.result(bystander), vllm_body(bystander, 1, None), headers={SEQ: "0"})
+        # The sealed one migrated elsewhere at its next result: attempt 1 starts at LAST + 1.
+        seal = Sealed(sealed, 1, 1, [1], LAST + 1, "vllm", {})
+        kv = await js.key_value(f"{CHUNKS_STREAM}_MIGRATIONS")
+        await kv.create(record_key(sealed), encode_seal_record(SealRecord([LAST + 1], seal, "m-1")))
+        await js.publish(SUBJECTS.chunk(sealed, "decode"), vllm_body(sealed, 8, "stop"),
+                         headers=chunk_headers(sealed, "decode", 0, final=True, attempt=1, format="vllm"))
+        await js.publish(SUBJECTS.chunk(plain, "decode"), vllm_body(plain, 8, None),
+                         headers=chunk_headers(plain, "decode", LAST + 1, format="vllm"))
+        await js.publish(SUBJECTS.chunk(bystander, "decode"), vllm_body(bystander, 8, "stop"),
+                         headers=chunk_headers(bystander, "decode", 1, final=True, format="vllm"))
+        await js.publish(SUBJECTS.chunk(bystander, "prefill"), vllm_body(bystander, 7, "length"),
+                         headers=chunk_headers(bystander, "prefill", 0, final=True, format="vllm"))
+        stored = await wait_for_finals(js, SUBJECTS, [bystander, sealed], 60)
+        metrics = scrape(port)  # before the migrate: (a) alone
+        replies = [await ask_migrate(heir.nc, SUBJECTS, plain, expected_attempt=0) for _ in range(2)]
+        stored = await stored_results(js, SUBJECTS)
+    log = heir.log
     print(f"\nreplies {replies}; redelivered {metrics['streamproc_durable_redelivered_total']:.0f}, "
           f"poisoned {metrics['streamproc_durable_poisoned_total']:.0f}")
     assert [r.seq for r in stored[bystander] if r.final] == [1]
