@@ -9,6 +9,7 @@ import pytest
 from toy_codec import InflatingCodec, InflatingSession, chunk, correlator, errors
 
 from streamproc.catalog import Catalog
+from streamproc.core.defaults import SEAL_BYTES
 from streamproc.codec import ErrorKind, JoinSession
 from streamproc.correlator import Correlator, CorrelatorConfig
 from streamproc.wire import Chunk, Result, Role
@@ -151,7 +152,8 @@ def test_a_progress_charge_survives_a_migration_and_is_released_when_the_request
     assert charged >= 2 * 3_000 * 8
     reply, _ = c.migrate("moved", 1.0)
     assert reply.emitted_tokens == 3_000
-    assert c.charged_bytes == charged  # the session (and its state) lives on into the next attempt
+    # the session (and its state) lives on into the next attempt, with one entry of the seal list
+    assert c.charged_bytes == charged + SEAL_BYTES
     c.abandon(lambda rid: rid == "abandoned")
     assert 3_000 * 8 <= c.charged_bytes < charged
     out = c.receive(Chunk("moved", Role.AGG, 0, _ids_body(3_000, 10), True, attempt=1), 2.0)
