@@ -23,8 +23,8 @@ from urllib.parse import unquote_plus
 
 import msgspec
 
-from .core.errors import (MAX_LOG_CHAIN, MAX_LOG_FRAMES, MAX_LOG_MESSAGE, MAX_LOG_TRACEBACK, _escaped_size,
-                          cut_error_text, error_text_size, shown)
+from .core.errors import (MAX_LOG_CHAIN, MAX_LOG_FRAMES, MAX_LOG_MESSAGE, MAX_LOG_TRACEBACK, cut_error_text,
+                          error_text_size, escaped_size, shown, without_lone_surrogates)
 
 LogFormat = Literal["logfmt", "json"]
 _FIELDS = "streamproc_fields"  # the LogRecord attribute that carries log_event's fields
@@ -204,8 +204,8 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
             client = shown(client)
         return {"event": "http_request", "client": client, "method": method, "path": path,
                 "http_version": version, "status": status}
-    # Cut (errors.MAX_LOG_MESSAGE bytes as JSON): a library may log a peer's or client's value whole
-    return {"event": "log", "msg": cut_error_text(record.getMessage(), MAX_LOG_MESSAGE)}
+    # A library may log a peer's or client's value whole: cut with every long field (StructuredFormatter)
+    return {"event": "log", "msg": record.getMessage()}
 
 
 _CAUSE = "\nThe above exception was the direct cause of the following exception:\n\n"
@@ -318,21 +318,20 @@ def _cut_middle(text: str, limit: int) -> str:
     """``text`` if it takes at most ``limit`` bytes as JSON, else its start and end in that many with
     how many characters between were left out (the start names the first exception, the end the one
     logged). Lone surrogates (a file name's) become U+FFFD, as ``cut_error_text`` does."""
-    if not text.isascii():
-        text = "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in text)
+    text = without_lone_surrogates(text)
     if error_text_size(text) <= limit:
         return text
     marker = "\n[... {} characters not shown ...]\n"
     budget = (limit - len(marker) - 20) // 2
     start = 0
     left = budget
-    while left - _escaped_size(text[start]) >= 0:
-        left -= _escaped_size(text[start])
+    while left - escaped_size(text[start]) >= 0:
+        left -= escaped_size(text[start])
         start += 1
     end = len(text)
     left = budget
-    while left - _escaped_size(text[end - 1]) >= 0:
-        left -= _escaped_size(text[end - 1])
+    while left - escaped_size(text[end - 1]) >= 0:
+        left -= escaped_size(text[end - 1])
         end -= 1
     return text[:start] + marker.format(end - start) + text[end:]
 

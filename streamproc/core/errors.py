@@ -53,7 +53,7 @@ MAX_LOG_TRACEBACK = 16384
 MAX_LOG_MESSAGE = 4096
 
 
-def _escaped_size(char: str) -> int:
+def escaped_size(char: str) -> int:
     """The most bytes ``char`` takes in a JSON string, whichever encoder a codec uses: ``\\uXXXX``
     for a control character or (``ensure_ascii``) any non-ASCII one, a surrogate pair (12) for an
     astral one; UTF-8 is never longer (at most 3 and 4 bytes)."""
@@ -66,10 +66,18 @@ def _escaped_size(char: str) -> int:
 
 
 def error_text_size(message: str) -> int:
-    """The most bytes ``message`` takes as a JSON string's content (:func:`_escaped_size` each)."""
+    """The most bytes ``message`` takes as a JSON string's content (:func:`escaped_size` each)."""
     if message.isascii() and message.isprintable() and '"' not in message and "\\" not in message:
         return len(message)
-    return sum(_escaped_size(c) for c in message)
+    return sum(escaped_size(c) for c in message)
+
+
+def without_lone_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate (a file name's, a hostile ``\\ud800`` escape's) as U+FFFD: no
+    UTF-8 encoder takes one."""
+    if text.isascii():
+        return text
+    return "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in text)
 
 
 def cut_error_text(message: str, limit: int = MAX_ERROR_TEXT) -> str:
@@ -78,16 +86,14 @@ def cut_error_text(message: str, limit: int = MAX_ERROR_TEXT) -> str:
     character boundary and followed by its length. A lone surrogate (no UTF-8 encoder takes it) becomes
     U+FFFD. Reads at most ``limit`` + 1 characters (each is at least a byte), whatever the text's length."""
     length = len(message)
-    head = message[:limit + 1]
-    if not head.isascii():
-        head = "".join("\ufffd" if 0xD800 <= ord(c) < 0xE000 else c for c in head)
+    head = without_lone_surrogates(message[:limit + 1])
     if length <= limit and error_text_size(head) <= limit:
         return head
     suffix = f"... ({length} characters)"
     budget = limit - len(suffix)
     end = 0
     for char in head:
-        budget -= _escaped_size(char)
+        budget -= escaped_size(char)
         if budget < 0:
             break
         end += 1
