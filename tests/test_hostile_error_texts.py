@@ -95,7 +95,11 @@ async def test_a_migrate_whose_codec_raises_a_huge_text_gets_a_bounded_refusal(t
     assert len(answer.message) <= MAX_ERROR_TEXT, len(answer.message)
     headers = ended.headers or {}
     assert headers.get(ERROR) == ErrorKind.MIGRATION_REFUSED.value and headers.get(FINAL) == "true", headers
-    assert json.loads(ended.data)["error"]["message"].startswith("migration refused: codec 'loud' failed")
+    text = json.loads(ended.data)["error"]["message"]
+    assert text.startswith("migration refused: codec 'loud' failed"), text[:100]
+    # cut once: the length it names is the whole refusal's (before, that of the refusal cut to 512 bytes)
+    whole = len("codec 'loud' failed: RuntimeError: ") + 10_000_000
+    assert text.endswith(f"... ({whole} characters)"), text[-100:]
     assert len(ended.data) <= ENVELOPE + MAX_ERROR_TEXT
     assert "event=control_reply_failed" not in log, log[-2000:]
 

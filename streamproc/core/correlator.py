@@ -27,7 +27,7 @@ from msgspec import Meta
 
 from . import defaults
 from .codec import Codec, Emitted, ErrorKind, JoinSession, MigrationSession, OmissionReason
-from .errors import ContractError, MigrationRefused, UnknownFormat, cut_error_text, shown
+from .errors import MAX_ERROR_TEXT, ContractError, MigrationRefused, UnknownFormat, cut_error_text, shown
 from .latency import LatencyHistogram
 from .wire import decode_migrate_reply, encode_control, encode_seal_record, max_seals
 from .events import (  # noqa: F401  (Settle, Notice, Decision also re-exported under their old path)
@@ -255,6 +255,7 @@ class _Request:
 
 
 _PREFILL_OPEN, _PREFILL_DONE = 0, 1
+_REFUSED = "migration refused: "  # a migration_refused error result's text, before the reason
 _ENTRY = defaults.FINISHED_ENTRY_BYTES
 _SEAL = defaults.SEAL_BYTES
 
@@ -546,8 +547,7 @@ class Correlator:
             req = _Request(request_id, self._default_codec, self.default_format, self._max_retained)
             self._active[request_id] = req
             self.stats.migrations_refused += 1
-            refuse = cut_error_text(refuse)  # up to MAX_REFUSE_LENGTH characters, ~6 KiB as JSON escapes
-            decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {refuse}", now)
+            decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"{_REFUSED}{refuse}", now)
             return MigrateError(request_id, MigrateErrorCode.REFUSED, refuse, 0), decisions
         if expected_attempt is not None and expected_attempt != req.attempt:
             return MigrateError(request_id, MigrateErrorCode.ATTEMPT_MISMATCH,
@@ -597,15 +597,13 @@ class Correlator:
             if self._aside:  # requests ended to make room for the seal (_room_for_seal)
                 decisions = self._take_aside(decisions)
             return reply, decisions
-        # Cut (errors.MAX_ERROR_TEXT bytes as JSON), the reply's as the error result's: a codec plugin's
-        # exception (or a refuse) chooses its length, and an unbounded reply went past max_payload, never
-        # reaching the migrator while the request was ended anyway.
-        reason = cut_error_text(reason)
+        # A codec plugin's exception (or a refuse) chooses the reason's length: the reply is cut where it is
+        # encoded (wire.encode_control), the error result's text by _fail, each once (errors.MAX_ERROR_TEXT).
         self.stats.migrations_refused += 1
         if over:
             self.stats.over_budget += 1
         attempt = req.attempt
-        decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
+        decisions = self._fail(req, ErrorKind.MIGRATION_REFUSED, f"{_REFUSED}{reason}", now)
         if self._aside:
             decisions = self._take_aside(decisions)
         return MigrateError(request_id, MigrateErrorCode.REFUSED, reason, attempt), decisions
@@ -726,7 +724,7 @@ class Correlator:
         req.last = now
         self._active[request_id] = req
         self.stats.migrations_refused += 1
-        return self._fail(req, ErrorKind.MIGRATION_REFUSED, f"migration refused: {reason}", now)
+        return self._fail(req, ErrorKind.MIGRATION_REFUSED, f"{_REFUSED}{reason}", now)
 
     def _adopt_session(self, req: _Request, bodies: Sequence[bytes]) -> None:
         """Hand the join session the current attempt's published bodies (:meth:`JoinSession.published`):
@@ -1310,8 +1308,10 @@ class Correlator:
             req.refusal = exc.reason
             raise
         except Exception as exc:
-            # Cut: kept with the request and sent in every later migrate's reply
-            req.refusal = cut_error_text(f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}")
+            # Cut: kept with the request and sent in every later migrate's reply; with room for the error
+            # result's prefix, so its text is cut once and still says how long the exception's was
+            req.refusal = cut_error_text(f"codec {req.codec.name!r} failed: {type(exc).__name__}: {exc}",
+                                         MAX_ERROR_TEXT - len(_REFUSED))
             raise MigrationRefused(req.refusal) from None
         return req.migration
 
