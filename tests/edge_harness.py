@@ -11,6 +11,7 @@ processor in front.
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import json
 import re
@@ -169,6 +170,23 @@ def sent_to_connection(monitor_url: str, name: str) -> tuple[int, int]:
         listing = json.loads(response.read())
     [conn] = [c for c in listing.get("connections", []) if c.get("name") == name]
     return conn["out_msgs"], conn["out_bytes"]
+
+
+async def settled_sent_to_connection(monitor_url: str, name: str, quiet: float = 0.3,
+                                     timeout: float = 15.0) -> tuple[int, int]:
+    """:func:`sent_to_connection` once it stops growing (two reads ``quiet`` seconds apart agree): a
+    baseline taken right after a bulk publish, while the edge's recent ring is still being sent what was
+    stored, counts that delivery as the measured step's (under a loaded machine, ~200 16 KiB results)."""
+    deadline = time.monotonic() + timeout
+    last = sent_to_connection(monitor_url, name)
+    while True:
+        await asyncio.sleep(quiet)
+        now = sent_to_connection(monitor_url, name)
+        if now == last:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server kept sending {name!r} for {timeout} s: {last} -> {now}")
+        last = now
 
 
 async def read_slowly(response: httpx.Response) -> bytes:

@@ -8,7 +8,8 @@ import asyncio
 
 import httpx
 import pytest
-from edge_harness import expected_sse, publish_result, publish_results, running_edge, sent_to_connection
+from edge_harness import (expected_sse, publish_result, publish_results, running_edge, sent_to_connection,
+                          settled_sent_to_connection)
 from helpers import connection, peak_rss, rid, wait_until
 from nats_auth import MSG_GET, edge_user_denied
 
@@ -63,7 +64,7 @@ async def test_resumes_near_the_end_of_a_long_stored_history_do_not_read_it_each
         async with connection(nats_server.url) as nc:
             await publish_results(nc, subjects, long_id, [body] * results, flush_every=8)
             await stored(nc, subjects.result(long_id), results)
-            _, sent_before = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+            _, sent_before = await settled_sent_to_connection(nats_server.monitor_url, "streamproc-edge")
             baseline = peak_rss(edge.proc.pid)
             others = [b'{"text":"%d"}' % k for k in range(5)]
             async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client, \
@@ -104,7 +105,7 @@ async def test_resumes_ahead_of_a_running_requests_stored_results_do_not_read_th
                     await nc.flush()
             await nc.flush()
             await stored(nc, subjects.result(request_id), results)
-            _, sent_before = sent_to_connection(nats_server.monitor_url, "streamproc-edge")
+            _, sent_before = await settled_sent_to_connection(nats_server.monitor_url, "streamproc-edge")
             async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:
                 readers = [asyncio.ensure_future(resumed(client, request_id, results + 5)) for _ in range(resumes)]
                 await wait_until(lambda: edge.metrics()["streamproc_edge_streams_active"] == resumes, 10, "all open")
